@@ -1,0 +1,184 @@
+use crate::{Result, Tensor};
+
+/// Whether a matrix operand is used as stored or transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Trans {
+    /// Use the operand as stored.
+    No,
+    /// Use the operand's transpose.
+    Yes,
+}
+
+/// Elementwise activation functions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// `max(x, 0)`.
+    Relu,
+    /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+    Gelu,
+    /// Hyperbolic tangent.
+    Tanh,
+    /// Logistic sigmoid.
+    Sigmoid,
+}
+
+/// What a softmax cross-entropy evaluation returns besides the gradient.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LossStats {
+    /// Sum over rows of `-log softmax(logits)[label]`, accumulated in `f64` in row order.
+    pub loss_sum: f64,
+    /// Rows whose arg-max equals the label (first maximum wins ties).
+    pub correct: usize,
+    /// Rows evaluated.
+    pub rows: usize,
+}
+
+/// The compute interface every layer is written against.
+///
+/// Operands are viewed as 2-D (`rows x cols`, see [`Tensor::rows`]). Outputs are resized by the
+/// callee when `resize` applies, so callers may pass reusable scratch tensors. Every
+/// implementation must be deterministic: the same inputs give the same bits on every call,
+/// whatever the thread count.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Short name (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+
+    /// Number of compute threads this backend uses.
+    fn threads(&self) -> usize;
+
+    /// `c = op(a) op(b)`, or `c += op(a) op(b)` when `accumulate`. `c` is resized to
+    /// `rows(op(a)) x cols(op(b))` unless accumulating.
+    ///
+    /// # Errors
+    /// Shape mismatch between the inner dimensions, or an accumulating `c` of the wrong shape.
+    fn matmul(
+        &self,
+        a: &Tensor,
+        ta: Trans,
+        b: &Tensor,
+        tb: Trans,
+        c: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()>;
+
+    /// `out = a^T` for a 2-D view of `a`.
+    ///
+    /// # Errors
+    /// None today; reserved for device failures.
+    fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()>;
+
+    /// Adds `bias` (length `cols`) to every row of `y`.
+    ///
+    /// # Errors
+    /// `bias` length differs from `y.cols()`.
+    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()>;
+
+    /// Column sums: `out[j] (+)= sum_i x[i, j]`, rows summed in order.
+    ///
+    /// # Errors
+    /// `out` length differs from `x.cols()` when accumulating.
+    fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()>;
+
+    /// `y = act(x)`, elementwise; `y` takes `x`'s shape.
+    ///
+    /// # Errors
+    /// None today; reserved for device failures.
+    fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()>;
+
+    /// `dx = act'(x) * dy`, elementwise.
+    ///
+    /// # Errors
+    /// `x` and `dy` differ in shape.
+    fn activation_backward(
+        &self,
+        act: Activation,
+        x: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()>;
+
+    /// Row-wise layer normalisation: `y = (x - mean) * rstd * gamma + beta`, also writing each
+    /// row's `mean` and `rstd = 1 / sqrt(var + eps)` for the backward pass.
+    ///
+    /// # Errors
+    /// `gamma`/`beta` length differs from `x.cols()`.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        eps: f32,
+        y: &mut Tensor,
+        mean: &mut Tensor,
+        rstd: &mut Tensor,
+    ) -> Result<()>;
+
+    /// Gradient of layer normalisation with respect to its input.
+    ///
+    /// # Errors
+    /// Operand shapes disagree.
+    fn layer_norm_backward_input(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()>;
+
+    /// Gradient of layer normalisation with respect to `gamma` and `beta`, accumulated into
+    /// `dgamma` and `dbeta` when `accumulate`.
+    ///
+    /// # Errors
+    /// Operand shapes disagree.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_backward_params(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dgamma: &mut Tensor,
+        dbeta: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()>;
+
+    /// Softmax cross-entropy of `logits` (rows x classes) against `labels`. When `dlogits` is
+    /// given it receives `(softmax - onehot) * grad_scale`.
+    ///
+    /// # Errors
+    /// A label outside `0..classes` or a label count different from the row count.
+    fn softmax_cross_entropy(
+        &self,
+        logits: &Tensor,
+        labels: &[u32],
+        grad_scale: f32,
+        dlogits: Option<&mut Tensor>,
+    ) -> Result<LossStats>;
+
+    /// `y += alpha * x`, elementwise.
+    ///
+    /// # Errors
+    /// Length mismatch.
+    fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()>;
+
+    /// `x *= alpha`, elementwise.
+    ///
+    /// # Errors
+    /// None today; reserved for device failures.
+    fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()>;
+
+    /// Sum of all elements, accumulated in `f64` in a fixed order.
+    ///
+    /// # Errors
+    /// None today; reserved for device failures.
+    fn sum(&self, x: &Tensor) -> Result<f64>;
+
+    /// Sum of squares of all elements, accumulated in `f64` in a fixed order.
+    ///
+    /// # Errors
+    /// None today; reserved for device failures.
+    fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+}

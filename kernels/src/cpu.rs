@@ -1,0 +1,629 @@
+//! The CPU backend: `gemm` for matrix products, plain loops (auto-vectorised) for the rest, a
+//! private rayon pool for threads, and a block layout that depends only on shapes.
+
+use rayon::prelude::*;
+
+use crate::backend::{Activation, Backend, LossStats, Trans};
+use crate::error::shape_err;
+use crate::{KernelError, Result, Tensor};
+
+/// Elementwise work below this many elements runs on the calling thread.
+const PAR_MIN: usize = 1 << 16;
+/// Elementwise chunk handed to one task.
+const PAR_CHUNK: usize = 1 << 14;
+/// Products below this many multiply-adds run as one `gemm` call on one thread.
+const GEMM_SPLIT_MIN: usize = 1 << 21;
+
+/// The always-available CPU backend.
+///
+/// Owns a private thread pool of `threads` workers, so two backends in one process (one per
+/// pipeline stage, say) do not compete for one global pool.
+pub struct CpuBackend {
+    threads: usize,
+    pool: rayon::ThreadPool,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend")
+            .field("threads", &self.threads)
+            .finish()
+    }
+}
+
+impl CpuBackend {
+    /// A backend computing on `threads` threads (0 means one per available core).
+    ///
+    /// # Errors
+    /// [`KernelError::ThreadPool`] when the threads cannot be started.
+    pub fn new(threads: usize) -> Result<Self> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("pipe-cpu-{i}"))
+            .build()
+            .map_err(|e| KernelError::ThreadPool {
+                threads,
+                reason: e.to_string(),
+            })?;
+        Ok(Self { threads, pool })
+    }
+
+    fn par_map_inplace(&self, data: &mut [f32], f: impl Fn(&mut [f32]) + Sync + Send) {
+        if self.threads > 1 && data.len() >= PAR_MIN {
+            self.pool
+                .install(|| data.par_chunks_mut(PAR_CHUNK).for_each(&f));
+        } else {
+            f(data);
+        }
+    }
+
+    fn par_zip(&self, out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync + Send) {
+        if self.threads > 1 && out.len() >= PAR_MIN {
+            self.pool.install(|| {
+                out.par_chunks_mut(PAR_CHUNK)
+                    .zip(a.par_chunks(PAR_CHUNK))
+                    .zip(b.par_chunks(PAR_CHUNK))
+                    .for_each(|((o, a), b)| f(o, a, b));
+            });
+        } else {
+            f(out, a, b);
+        }
+    }
+}
+
+/// A raw output pointer that may cross threads: each task writes a disjoint block.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: only used to hand disjoint output blocks of one live buffer to pool tasks that all end
+// before the buffer's borrow does.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// How a product is cut into independent output blocks. Chosen from the shape alone, so the
+/// arithmetic (and so the bits) never depends on the thread count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Blocks {
+    /// One call.
+    Whole,
+    /// Column blocks of this width (last one shorter).
+    Cols(usize),
+    /// Row blocks of this height (last one shorter).
+    Rows(usize),
+}
+
+fn block_plan(m: usize, n: usize, k: usize) -> Blocks {
+    if m.saturating_mul(n).saturating_mul(k) < GEMM_SPLIT_MIN {
+        return Blocks::Whole;
+    }
+    let pieces = |len: usize| (len / 512).clamp(2, 8);
+    if n >= 256 {
+        Blocks::Cols(n.div_ceil(pieces(n)).next_multiple_of(16))
+    } else if m >= 256 {
+        Blocks::Rows(m.div_ceil(pieces(m)).next_multiple_of(16))
+    } else {
+        Blocks::Whole
+    }
+}
+
+/// Strides of a row-major `rows x cols` operand used as stored or transposed: (row, col) strides
+/// of op(x).
+fn strides(x: &Tensor, t: Trans) -> (usize, usize, isize, isize) {
+    let (r, c) = (x.rows(), x.cols());
+    match t {
+        Trans::No => (r, c, c as isize, 1),
+        Trans::Yes => (c, r, 1, r as isize),
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn threads(&self) -> usize {
+        self.threads
+    }
+
+    fn matmul(
+        &self,
+        a: &Tensor,
+        ta: Trans,
+        b: &Tensor,
+        tb: Trans,
+        c: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (m, k, a_rs, a_cs) = strides(a, ta);
+        let (k2, n, b_rs, b_cs) = strides(b, tb);
+        if k != k2 {
+            return Err(shape_err(
+                "matmul",
+                format!(
+                    "op(a) is {m}x{k} ({:?}, {ta:?}) but op(b) is {k2}x{n} ({:?}, {tb:?})",
+                    a.shape(),
+                    b.shape()
+                ),
+            ));
+        }
+        if accumulate {
+            if c.rows() != m || c.cols() != n {
+                return Err(shape_err(
+                    "matmul",
+                    format!("accumulating into {:?}, product is {m}x{n}", c.shape()),
+                ));
+            }
+        } else {
+            c.resize(&[m, n]);
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            if !accumulate {
+                c.fill(0.0);
+            }
+            return Ok(());
+        }
+        let cp = SendPtr(c.data_mut().as_mut_ptr());
+        let ap = a.data().as_ptr() as usize;
+        let bp = b.data().as_ptr() as usize;
+        // One block: rows r0..r0+mr, cols c0..c0+nc of the output.
+        let run = |r0: usize, mr: usize, c0: usize, nc: usize, par: gemm::Parallelism| {
+            let cp = cp;
+            // SAFETY: the pointers come from live tensors whose shapes were checked above; the
+            // offsets stay inside them (r0 + mr <= m, c0 + nc <= n), and blocks handed to
+            // different tasks write disjoint output elements.
+            unsafe {
+                gemm::gemm(
+                    mr,
+                    nc,
+                    k,
+                    cp.0.add(r0 * n + c0),
+                    1,
+                    n as isize,
+                    accumulate,
+                    (ap as *const f32).offset(r0 as isize * a_rs),
+                    a_cs,
+                    a_rs,
+                    (bp as *const f32).offset(c0 as isize * b_cs),
+                    b_cs,
+                    b_rs,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    par,
+                );
+            }
+        };
+        match block_plan(m, n, k) {
+            Blocks::Whole => {
+                let par = if self.threads > 1 && m * n * k >= GEMM_SPLIT_MIN {
+                    gemm::Parallelism::Rayon(self.threads)
+                } else {
+                    gemm::Parallelism::None
+                };
+                self.pool.install(|| run(0, m, 0, n, par));
+            }
+            Blocks::Cols(w) => {
+                let nb = n.div_ceil(w);
+                self.pool.install(|| {
+                    (0..nb).into_par_iter().for_each(|i| {
+                        let c0 = i * w;
+                        run(0, m, c0, w.min(n - c0), gemm::Parallelism::None);
+                    });
+                });
+            }
+            Blocks::Rows(h) => {
+                let nb = m.div_ceil(h);
+                self.pool.install(|| {
+                    (0..nb).into_par_iter().for_each(|i| {
+                        let r0 = i * h;
+                        run(r0, h.min(m - r0), 0, n, gemm::Parallelism::None);
+                    });
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
+        const T: usize = 32;
+        let (r, c) = (a.rows(), a.cols());
+        out.resize(&[c, r]);
+        if r == 0 || c == 0 {
+            return Ok(());
+        }
+        let src = a.data();
+        // Each task owns T rows of the output (T columns of the input).
+        let body = |(bj, dst): (usize, &mut [f32])| {
+            let j0 = bj * T;
+            let jn = dst.len() / r;
+            for i0 in (0..r).step_by(T) {
+                let i1 = (i0 + T).min(r);
+                for jj in 0..jn {
+                    let drow = &mut dst[jj * r..jj * r + r];
+                    let j = j0 + jj;
+                    for i in i0..i1 {
+                        drow[i] = src[i * c + j];
+                    }
+                }
+            }
+        };
+        let data = out.data_mut();
+        if self.threads > 1 && r * c >= PAR_MIN {
+            self.pool
+                .install(|| data.par_chunks_mut(T * r).enumerate().for_each(body));
+        } else {
+            data.chunks_mut(T * r).enumerate().for_each(body);
+        }
+        Ok(())
+    }
+
+    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
+        let n = y.cols();
+        if bias.len() != n {
+            return Err(shape_err(
+                "add_bias",
+                format!("bias has {} elements, rows have {n}", bias.len()),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let b = bias.data();
+        let rows_per = (PAR_CHUNK / n).max(1) * n;
+        let f = |chunk: &mut [f32]| {
+            for row in chunk.chunks_exact_mut(n) {
+                for (v, bb) in row.iter_mut().zip(b) {
+                    *v += bb;
+                }
+            }
+        };
+        let data = y.data_mut();
+        if self.threads > 1 && data.len() >= PAR_MIN {
+            self.pool
+                .install(|| data.par_chunks_mut(rows_per).for_each(f));
+        } else {
+            f(data);
+        }
+        Ok(())
+    }
+
+    fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
+        let n = x.cols();
+        if accumulate {
+            if out.len() != n {
+                return Err(shape_err(
+                    "sum_rows",
+                    format!("accumulating into {} elements, rows have {n}", out.len()),
+                ));
+            }
+        } else {
+            out.resize(&[n]);
+            out.fill(0.0);
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let o = out.data_mut();
+        for row in x.data().chunks_exact(n) {
+            for (acc, v) in o.iter_mut().zip(row) {
+                *acc += v;
+            }
+        }
+        Ok(())
+    }
+
+    fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        y.resize(x.shape());
+        let src = x.data();
+        let f = move |o: &mut [f32], a: &[f32], _: &[f32]| match act {
+            Activation::Relu => o.iter_mut().zip(a).for_each(|(o, &v)| *o = v.max(0.0)),
+            Activation::Gelu => o.iter_mut().zip(a).for_each(|(o, &v)| *o = gelu(v)),
+            Activation::Tanh => o.iter_mut().zip(a).for_each(|(o, &v)| *o = v.tanh()),
+            Activation::Sigmoid => o.iter_mut().zip(a).for_each(|(o, &v)| *o = sigmoid(v)),
+        };
+        self.par_zip(y.data_mut(), src, src, f);
+        Ok(())
+    }
+
+    fn activation_backward(
+        &self,
+        act: Activation,
+        x: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        if x.len() != dy.len() {
+            return Err(shape_err(
+                "activation_backward",
+                format!("input {:?} but gradient {:?}", x.shape(), dy.shape()),
+            ));
+        }
+        dx.resize(x.shape());
+        let f = move |o: &mut [f32], a: &[f32], g: &[f32]| {
+            let it = o.iter_mut().zip(a).zip(g);
+            match act {
+                Activation::Relu => it.for_each(|((o, &v), &g)| *o = if v > 0.0 { g } else { 0.0 }),
+                Activation::Gelu => it.for_each(|((o, &v), &g)| *o = g * gelu_grad(v)),
+                Activation::Tanh => it.for_each(|((o, &v), &g)| {
+                    let t = v.tanh();
+                    *o = g * (1.0 - t * t);
+                }),
+                Activation::Sigmoid => it.for_each(|((o, &v), &g)| {
+                    let s = sigmoid(v);
+                    *o = g * s * (1.0 - s);
+                }),
+            }
+        };
+        self.par_zip(dx.data_mut(), x.data(), dy.data(), f);
+        Ok(())
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        eps: f32,
+        y: &mut Tensor,
+        mean: &mut Tensor,
+        rstd: &mut Tensor,
+    ) -> Result<()> {
+        let n = x.cols();
+        if gamma.len() != n || beta.len() != n {
+            return Err(shape_err(
+                "layer_norm",
+                format!(
+                    "rows have {n} features, gamma {} and beta {}",
+                    gamma.len(),
+                    beta.len()
+                ),
+            ));
+        }
+        let rows = x.rows();
+        y.resize(x.shape());
+        mean.resize(&[rows]);
+        rstd.resize(&[rows]);
+        if n == 0 {
+            return Ok(());
+        }
+        let (g, b) = (gamma.data(), beta.data());
+        let xs = x.data();
+        for (((yr, xr), m), r) in y
+            .data_mut()
+            .chunks_exact_mut(n)
+            .zip(xs.chunks_exact(n))
+            .zip(mean.data_mut())
+            .zip(rstd.data_mut())
+        {
+            let mu = xr.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+            let var = xr.iter().map(|&v| (v as f64 - mu).powi(2)).sum::<f64>() / n as f64;
+            let rs = 1.0 / (var + eps as f64).sqrt();
+            let (mu, rs) = (mu as f32, rs as f32);
+            for (j, o) in yr.iter_mut().enumerate() {
+                *o = (xr[j] - mu) * rs * g[j] + b[j];
+            }
+            *m = mu;
+            *r = rs;
+        }
+        Ok(())
+    }
+
+    fn layer_norm_backward_input(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        let n = x.cols();
+        let rows = x.rows();
+        if gamma.len() != n || dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
+            return Err(shape_err(
+                "layer_norm_backward_input",
+                format!("x {:?}, dy {:?}, gamma {}", x.shape(), dy.shape(), gamma.len()),
+            ));
+        }
+        dx.resize(x.shape());
+        if n == 0 {
+            return Ok(());
+        }
+        let g = gamma.data();
+        for ((((dxr, xr), dyr), &mu), &rs) in dx
+            .data_mut()
+            .chunks_exact_mut(n)
+            .zip(x.data().chunks_exact(n))
+            .zip(dy.data().chunks_exact(n))
+            .zip(mean.data())
+            .zip(rstd.data())
+        {
+            // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat))
+            let mut s1 = 0.0f64;
+            let mut s2 = 0.0f64;
+            for j in 0..n {
+                let gd = (g[j] * dyr[j]) as f64;
+                s1 += gd;
+                s2 += gd * ((xr[j] - mu) * rs) as f64;
+            }
+            let (m1, m2) = ((s1 / n as f64) as f32, (s2 / n as f64) as f32);
+            for j in 0..n {
+                let xhat = (xr[j] - mu) * rs;
+                dxr[j] = rs * (g[j] * dyr[j] - m1 - xhat * m2);
+            }
+        }
+        Ok(())
+    }
+
+    fn layer_norm_backward_params(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dgamma: &mut Tensor,
+        dbeta: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let n = x.cols();
+        let rows = x.rows();
+        if dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
+            return Err(shape_err(
+                "layer_norm_backward_params",
+                format!("x {:?}, dy {:?}", x.shape(), dy.shape()),
+            ));
+        }
+        if accumulate {
+            if dgamma.len() != n || dbeta.len() != n {
+                return Err(shape_err(
+                    "layer_norm_backward_params",
+                    format!("accumulators have {} and {}, rows {n}", dgamma.len(), dbeta.len()),
+                ));
+            }
+        } else {
+            dgamma.resize(&[n]);
+            dgamma.fill(0.0);
+            dbeta.resize(&[n]);
+            dbeta.fill(0.0);
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (dg, db) = (dgamma.data_mut(), dbeta.data_mut());
+        for (((xr, dyr), &mu), &rs) in x
+            .data()
+            .chunks_exact(n)
+            .zip(dy.data().chunks_exact(n))
+            .zip(mean.data())
+            .zip(rstd.data())
+        {
+            for j in 0..n {
+                dg[j] += dyr[j] * (xr[j] - mu) * rs;
+                db[j] += dyr[j];
+            }
+        }
+        Ok(())
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        logits: &Tensor,
+        labels: &[u32],
+        grad_scale: f32,
+        dlogits: Option<&mut Tensor>,
+    ) -> Result<LossStats> {
+        let (rows, n) = (logits.rows(), logits.cols());
+        if labels.len() != rows {
+            return Err(shape_err(
+                "softmax_cross_entropy",
+                format!("{rows} rows of logits but {} labels", labels.len()),
+            ));
+        }
+        if let Some((row, &label)) = labels.iter().enumerate().find(|(_, l)| **l as usize >= n) {
+            return Err(KernelError::Label {
+                row,
+                label,
+                classes: n,
+            });
+        }
+        let mut stats = LossStats {
+            rows,
+            ..LossStats::default()
+        };
+        if n == 0 {
+            return Ok(stats);
+        }
+        let mut grad = dlogits.map(|d| {
+            d.resize(logits.shape());
+            d
+        });
+        for (i, (row, &label)) in logits.data().chunks_exact(n).zip(labels).enumerate() {
+            let label = label as usize;
+            let (mut arg, mut max) = (0usize, f32::NEG_INFINITY);
+            for (j, &v) in row.iter().enumerate() {
+                if v > max {
+                    max = v;
+                    arg = j;
+                }
+            }
+            let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
+            let lse = sum.ln();
+            stats.loss_sum += lse - (row[label] - max) as f64;
+            stats.correct += usize::from(arg == label);
+            if let Some(d) = grad.as_deref_mut() {
+                let drow = &mut d.data_mut()[i * n..(i + 1) * n];
+                for (j, (o, &v)) in drow.iter_mut().zip(row).enumerate() {
+                    let p = (((v - max) as f64) - lse).exp() as f32;
+                    let y = if j == label { 1.0 } else { 0.0 };
+                    *o = (p - y) * grad_scale;
+                }
+            }
+        }
+        Ok(stats)
+    }
+
+    fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        if x.len() != y.len() {
+            return Err(shape_err(
+                "axpy",
+                format!("x {:?} and y {:?}", x.shape(), y.shape()),
+            ));
+        }
+        let xs = x.data();
+        let f = move |o: &mut [f32], a: &[f32], _: &[f32]| {
+            o.iter_mut().zip(a).for_each(|(o, &v)| *o += alpha * v);
+        };
+        self.par_zip(y.data_mut(), xs, xs, f);
+        Ok(())
+    }
+
+    fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
+        self.par_map_inplace(x.data_mut(), move |c| c.iter_mut().for_each(|v| *v *= alpha));
+        Ok(())
+    }
+
+    fn sum(&self, x: &Tensor) -> Result<f64> {
+        Ok(x.data().iter().map(|&v| v as f64).sum())
+    }
+
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        Ok(x.data().iter().map(|&v| (v as f64) * (v as f64)).sum())
+    }
+}
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044_715;
+
+fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh())
+}
+
+fn gelu_grad(x: f32) -> f32 {
+    let t = (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_plan_depends_on_shape_only() {
+        assert_eq!(block_plan(4, 4, 4), Blocks::Whole);
+        assert!(matches!(block_plan(256, 1024, 1024), Blocks::Cols(512)));
+        assert!(matches!(block_plan(1024, 10, 1024), Blocks::Rows(_)));
+    }
+}

@@ -1,0 +1,42 @@
+use thiserror::Error;
+
+/// Errors raised by tensors and backends.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum KernelError {
+    /// Operand shapes do not fit the operation.
+    #[error("{op}: shape mismatch: {detail}")]
+    Shape {
+        /// The operation that rejected its operands.
+        op: &'static str,
+        /// What did not fit.
+        detail: String,
+    },
+    /// A class label is outside `0..classes`.
+    #[error("label {label} at row {row} is outside 0..{classes}")]
+    Label {
+        /// Row of the offending label.
+        row: usize,
+        /// The label.
+        label: u32,
+        /// Number of classes (columns of the logits).
+        classes: usize,
+    },
+    /// The CUDA backend was requested but this build has no CUDA support.
+    #[error("built without CUDA: rebuild with `--features cuda` to use the cuda backend")]
+    NotCompiledWithCuda,
+    /// The CPU backend could not start its worker threads.
+    #[error("could not start {threads} compute threads: {reason}")]
+    ThreadPool {
+        /// Requested thread count.
+        threads: usize,
+        /// Why it failed.
+        reason: String,
+    },
+}
+
+pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> KernelError {
+    KernelError::Shape {
+        op,
+        detail: detail.into(),
+    }
+}
