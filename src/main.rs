@@ -1,1 +1,25 @@
-fn main() {}
+//! The `pipe` command line. It only parses arguments, turns them into a validated `RunConfig`
+//! once, wires observers (progress bar, JSON-lines log) and maps errors to exit codes: 2 for bad
+//! input, 1 for failures at run time.
+
+mod cli;
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    match cli::run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let code = cli::exit_code(&e);
+            // One line: the error and its causes joined, no backtrace.
+            let msg = e
+                .chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ")
+                .replace('\n', " ");
+            eprintln!("error: {msg}");
+            ExitCode::from(code)
+        }
+    }
+}

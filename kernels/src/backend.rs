@@ -33,6 +33,40 @@ pub struct LossStats {
     pub rows: usize,
 }
 
+/// Hyperparameters of one SGD update (PyTorch semantics, dampening 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum factor (0 disables the buffer).
+    pub momentum: f32,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f32,
+}
+
+/// Hyperparameters of one Adam or AdamW update.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Weight decay: added to the gradient (Adam) or applied to the weights (AdamW).
+    pub weight_decay: f32,
+    /// Decoupled weight decay (AdamW).
+    pub decoupled: bool,
+    /// `1 - beta1^t` for this step t (t >= 1).
+    pub bias_correction1: f32,
+    /// `1 - beta2^t` for this step t (t >= 1).
+    pub bias_correction2: f32,
+}
+
 /// The compute interface every layer is written against.
 ///
 /// Operands are viewed as 2-D (`rows x cols`, see [`Tensor::rows`]). Outputs are resized by the
@@ -169,6 +203,31 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// None today; reserved for device failures.
     fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()>;
+
+    /// One SGD update of `param` from `grad`, with the momentum buffer `buf` when momentum is on.
+    ///
+    /// # Errors
+    /// Length mismatch, or momentum requested without a buffer.
+    fn sgd_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        buf: Option<&mut Tensor>,
+        hp: SgdStep,
+    ) -> Result<()>;
+
+    /// One Adam/AdamW update of `param` from `grad` with moment buffers `m` and `v`.
+    ///
+    /// # Errors
+    /// Length mismatch.
+    fn adam_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: AdamStep,
+    ) -> Result<()>;
 
     /// Sum of all elements, accumulated in `f64` in a fixed order.
     ///

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{Activation, Backend, LossStats, Trans};
+use crate::backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
 use crate::error::shape_err;
 use crate::{KernelError, Result, Tensor};
 
@@ -116,7 +116,7 @@ fn strides(x: &Tensor, t: Trans) -> (usize, usize, isize, isize) {
     let (r, c) = (x.rows(), x.cols());
     match t {
         Trans::No => (r, c, c as isize, 1),
-        Trans::Yes => (c, r, 1, r as isize),
+        Trans::Yes => (c, r, 1, c as isize),
     }
 }
 
@@ -588,6 +588,106 @@ impl Backend for CpuBackend {
 
     fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
         self.par_map_inplace(x.data_mut(), move |c| c.iter_mut().for_each(|v| *v *= alpha));
+        Ok(())
+    }
+
+    fn sgd_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        buf: Option<&mut Tensor>,
+        hp: SgdStep,
+    ) -> Result<()> {
+        if param.len() != grad.len() {
+            return Err(shape_err(
+                "sgd_update",
+                format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
+            ));
+        }
+        let n = param.len();
+        let chunk = if self.threads > 1 && n >= PAR_MIN { PAR_CHUNK } else { n.max(1) };
+        let SgdStep { lr, momentum, nesterov, weight_decay: wd } = hp;
+        match buf {
+            Some(b) if momentum != 0.0 => {
+                if b.len() != n {
+                    return Err(shape_err("sgd_update", "momentum buffer length differs"));
+                }
+                let body = |((w, g), b): ((&mut [f32], &[f32]), &mut [f32])| {
+                    for ((w, &g), b) in w.iter_mut().zip(g).zip(b.iter_mut()) {
+                        let d = g + wd * *w;
+                        *b = momentum * *b + d;
+                        let step = if nesterov { d + momentum * *b } else { *b };
+                        *w -= lr * step;
+                    }
+                };
+                self.pool.install(|| {
+                    param
+                        .data_mut()
+                        .par_chunks_mut(chunk)
+                        .zip(grad.data().par_chunks(chunk))
+                        .zip(b.data_mut().par_chunks_mut(chunk))
+                        .for_each(body)
+                });
+            }
+            None if momentum != 0.0 => {
+                return Err(shape_err("sgd_update", "momentum needs a buffer"));
+            }
+            _ => {
+                let body = |(w, g): (&mut [f32], &[f32])| {
+                    for (w, &g) in w.iter_mut().zip(g) {
+                        *w -= lr * (g + wd * *w);
+                    }
+                };
+                self.pool.install(|| {
+                    param
+                        .data_mut()
+                        .par_chunks_mut(chunk)
+                        .zip(grad.data().par_chunks(chunk))
+                        .for_each(body)
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn adam_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: AdamStep,
+    ) -> Result<()> {
+        let n = param.len();
+        if grad.len() != n || m.len() != n || v.len() != n {
+            return Err(shape_err(
+                "adam_update",
+                format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
+            ));
+        }
+        let chunk = if self.threads > 1 && n >= PAR_MIN { PAR_CHUNK } else { n.max(1) };
+        let body = |(((w, g), m), v): (((&mut [f32], &[f32]), &mut [f32]), &mut [f32])| {
+            for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let g = if hp.decoupled { g } else { g + hp.weight_decay * *w };
+                if hp.decoupled {
+                    *w -= hp.lr * hp.weight_decay * *w;
+                }
+                *m = hp.beta1 * *m + (1.0 - hp.beta1) * g;
+                *v = hp.beta2 * *v + (1.0 - hp.beta2) * g * g;
+                let mhat = *m / hp.bias_correction1;
+                let vhat = *v / hp.bias_correction2;
+                *w -= hp.lr * mhat / (vhat.sqrt() + hp.eps);
+            }
+        };
+        self.pool.install(|| {
+            param
+                .data_mut()
+                .par_chunks_mut(chunk)
+                .zip(grad.data().par_chunks(chunk))
+                .zip(m.data_mut().par_chunks_mut(chunk))
+                .zip(v.data_mut().par_chunks_mut(chunk))
+                .for_each(body)
+        });
         Ok(())
     }
 

@@ -20,7 +20,7 @@ mod cuda;
 mod error;
 mod tensor;
 
-pub use backend::{Activation, Backend, LossStats, Trans};
+pub use backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use error::KernelError;

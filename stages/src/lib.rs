@@ -1,1 +1,23 @@
-//! placeholder
+//! `pipe-stages` owns compute: layers, models, losses, optimizers, data, the training loops and
+//! run metrics. It is shaped around one decision: **parameters live outside layers**. A layer is
+//! configuration plus forward and two-part backward code; a model is an ordered list of named
+//! layers; parameters are plain tensor lists passed in on every call. So a pipeline stage that
+//! keeps several weight versions (weight stashing) just hands the version its version plan names
+//! to the same code, and the sequential reference trainer can keep every version side by side.
+//!
+//! Today it trains on one worker ([`train::train`]); the pipelined executor and the reference
+//! trainer build on the same model and layer API.
+
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod data;
+mod error;
+pub mod layers;
+pub mod metrics;
+pub mod model;
+pub mod optim;
+pub mod rng;
+pub mod train;
+
+pub use error::{Result, StageError};

@@ -1,0 +1,309 @@
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use pipe_kernels::{Backend, CpuBackend, CudaBackend};
+use pipe_stages::StageError;
+use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
+use pipe_stages::metrics::JsonlLog;
+use pipe_stages::model::Model;
+use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
+use pipe_stages::train::{self, EpochStats, Observer, StepStats};
+
+/// Pipeline-parallel training with weight stashing.
+#[derive(Parser, Debug)]
+#[command(name = "pipe", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a model.
+    Train(TrainArgs),
+}
+
+/// An error caused by what the user gave us (exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct BadInput(String);
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    /// TOML config file; flags given on the command line override its values.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Model preset, e.g. mlp-784-512-512-10 or mlp-784-1024x16-10 (a layer list goes in --config).
+    #[arg(long)]
+    model: Option<String>,
+    /// Dataset: mnist or synthetic.
+    #[arg(long)]
+    dataset: Option<DatasetKind>,
+    /// Directory holding MNIST IDX files (default: the copy embedded in the binary).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Passes over the training data.
+    #[arg(long)]
+    epochs: Option<u64>,
+    /// Stop after this many optimizer steps.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Samples per microbatch.
+    #[arg(long)]
+    microbatch_size: Option<usize>,
+    /// Microbatches whose gradients one update sums.
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// Optimizer: sgd, adam or adamw.
+    #[arg(long)]
+    optimizer: Option<OptimizerKind>,
+    /// Base learning rate.
+    #[arg(long)]
+    lr: Option<f32>,
+    /// Learning-rate schedule: constant, warmup or cosine.
+    #[arg(long)]
+    lr_schedule: Option<LrScheduleKind>,
+    /// Linear warmup steps.
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    /// SGD momentum.
+    #[arg(long)]
+    momentum: Option<f32>,
+    /// Use Nesterov momentum.
+    #[arg(long)]
+    nesterov: bool,
+    /// Weight decay.
+    #[arg(long)]
+    weight_decay: Option<f32>,
+    /// Run seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Compute threads (0: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Write one JSON object per step and per epoch to FILE.
+    #[arg(long, value_name = "FILE")]
+    log_jsonl: Option<PathBuf>,
+    /// Pipeline stages (only 1 until the pipeline runtime lands).
+    #[arg(long)]
+    stages: Option<usize>,
+    /// Compute backend: cpu or cuda.
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+}
+
+impl TrainArgs {
+    fn settings(&self) -> TrainSettings {
+        TrainSettings {
+            model: self.model.clone().map(ModelChoice::Preset),
+            dataset: self.dataset,
+            data_dir: self.data_dir.clone(),
+            epochs: self.epochs,
+            steps: self.steps,
+            microbatch_size: self.microbatch_size,
+            microbatches: self.microbatches,
+            optimizer: self.optimizer,
+            lr: self.lr,
+            lr_schedule: self.lr_schedule,
+            warmup_steps: self.warmup_steps,
+            momentum: self.momentum,
+            nesterov: self.nesterov.then_some(true),
+            weight_decay: self.weight_decay,
+            seed: self.seed,
+            threads: self.threads,
+            log_jsonl: self.log_jsonl.clone(),
+            stages: self.stages,
+            ..TrainSettings::default()
+        }
+    }
+}
+
+/// Exit status for an error: 2 for bad input, 1 otherwise.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    for cause in e.chain() {
+        if cause.downcast_ref::<BadInput>().is_some() {
+            return 2;
+        }
+        if let Some(s) = cause.downcast_ref::<StageError>() {
+            return if s.is_bad_input() { 2 } else { 1 };
+        }
+        if let Some(c) = cause.downcast_ref::<clap::Error>() {
+            return if c.use_stderr() { 2 } else { 0 };
+        }
+    }
+    1
+}
+
+/// Parses the command line and runs the command.
+pub fn run() -> Result<()> {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            // --help, --version
+            e.print().ok();
+            return Ok(());
+        }
+        Err(e) => {
+            let text = e.render().to_string();
+            let first = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ")
+                .to_string();
+            return Err(BadInput(first).into());
+        }
+    };
+    match cli.command {
+        Command::Train(args) => cmd_train(&args),
+    }
+}
+
+fn run_config(args: &TrainArgs) -> Result<RunConfig> {
+    let mut settings = TrainSettings::default();
+    if let Some(path) = &args.config {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| BadInput(format!("cannot read config {}: {e}", path.display())))?;
+        settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
+    }
+    settings.merge(args.settings());
+    Ok(settings.resolve()?)
+}
+
+fn backend(name: &str, threads: usize) -> Result<Box<dyn Backend>> {
+    match name {
+        "cpu" => Ok(Box::new(CpuBackend::new(threads)?)),
+        "cuda" => {
+            CudaBackend::new(0).map_err(|e| BadInput(e.to_string()))?;
+            Err(anyhow!("the cuda backend has no kernels yet"))
+        }
+        other => Err(BadInput(format!("unknown backend '{other}' (cpu, cuda)")).into()),
+    }
+}
+
+fn cmd_train(args: &TrainArgs) -> Result<()> {
+    let cfg = run_config(args)?;
+    if cfg.stages != 1 {
+        return Err(BadInput(format!(
+            "--stages {}: this build trains on one stage only; pipelined training (--stages > 1) is not available yet",
+            cfg.stages
+        ))
+        .into());
+    }
+    let be = backend(&args.backend, cfg.threads)?;
+    let model = Model::new(&cfg.model)?;
+    let data = train::load_data(&cfg, &model)?;
+    let mut observers: Vec<Box<dyn Observer>> = Vec::new();
+    if let Some(path) = &cfg.log_jsonl {
+        observers.push(Box::new(JsonlLog::create(path)?));
+    }
+    println!(
+        "pipe train: model {} ({} parameters), {} ({} train / {} test), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}), seed {}, {} threads",
+        cfg.model_name,
+        model.param_count(),
+        data.train.name.trim_end_matches("-train"),
+        data.train.len(),
+        data.test.len(),
+        cfg.epochs,
+        cfg.microbatch_size,
+        cfg.microbatches,
+        cfg.optimizer.kind,
+        cfg.lr,
+        cfg.lr_schedule,
+        cfg.seed,
+        be.threads()
+    );
+    let mut progress = Progress::new(std::io::stderr().is_terminal());
+    let mut fan = Fan {
+        first: &mut progress,
+        rest: observers,
+    };
+    let report = train::train(&cfg, &data, be.as_ref(), &mut fan).context("training failed")?;
+    if let Some(last) = report.epochs.last() {
+        println!(
+            "done: {} steps, test accuracy {:.2}%, test loss {:.4}, {:.1} s",
+            report.steps,
+            100.0 * last.test_accuracy,
+            last.test_loss,
+            last.elapsed_s
+        );
+    }
+    Ok(())
+}
+
+struct Fan<'a> {
+    first: &'a mut Progress,
+    rest: Vec<Box<dyn Observer>>,
+}
+
+impl Observer for Fan<'_> {
+    fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+        self.first.on_step(s)?;
+        self.rest.iter_mut().try_for_each(|o| o.on_step(s))
+    }
+    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+        self.first.on_epoch(e)?;
+        self.rest.iter_mut().try_for_each(|o| o.on_epoch(e))
+    }
+}
+
+/// A progress bar on a terminal; nothing per step otherwise. One summary line per epoch.
+struct Progress {
+    bar: Option<ProgressBar>,
+    tty: bool,
+}
+
+impl Progress {
+    fn new(tty: bool) -> Self {
+        Self { bar: None, tty }
+    }
+}
+
+impl Observer for Progress {
+    fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+        if !self.tty {
+            return Ok(());
+        }
+        let bar = self.bar.get_or_insert_with(|| {
+            let b = ProgressBar::new(s.steps_in_epoch);
+            if let Ok(style) = ProgressStyle::with_template(
+                "epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
+            ) {
+                b.set_style(style.progress_chars("=> "));
+            }
+            b.set_prefix(s.epoch.to_string());
+            b.enable_steady_tick(Duration::from_millis(200));
+            b
+        });
+        bar.set_position(s.step_in_epoch);
+        if s.step_in_epoch % 10 == 1 || s.step_in_epoch == s.steps_in_epoch {
+            bar.set_message(format!("loss {:.4}, {:.0} samples/s", s.loss, s.samples_per_sec));
+        }
+        Ok(())
+    }
+
+    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+        let train_loss = if e.train_loss.is_finite() {
+            format!("{:.4}", e.train_loss)
+        } else {
+            "-".into()
+        };
+        println!(
+            "epoch {:>3}  train loss {}  test loss {:.4}  test acc {:6.2}%  {:>8.0} samples/s  {:>7.1} s",
+            e.epoch,
+            train_loss,
+            e.test_loss,
+            100.0 * e.test_accuracy,
+            e.samples_per_sec,
+            e.elapsed_s
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,618 @@
+//! Layers. A layer is configuration only; its parameters are passed in on every call. That keeps
+//! weight versions explicit: a stage that stashes versions just hands the right tensors to the
+//! same layer, and nothing has to be swapped in and out.
+//!
+//! Every backward comes in two parts, [`Layer::backward_input`] (gradient with respect to the
+//! input) and [`Layer::backward_params`] (with respect to the parameters), so zero-bubble
+//! schedules can run them at different times.
+
+use pipe_kernels::{Activation, Backend, Result as KResult, Tensor, Trans};
+use rand::Rng as _;
+use rand_distr::{Distribution, Normal, Uniform};
+use serde::{Deserialize, Serialize};
+
+use crate::rng::{Rng, derive_seed, rng_for};
+
+/// Everything a layer saves in its forward pass for its backward pass.
+#[derive(Clone, Debug, Default)]
+pub struct Saved {
+    /// Saved tensors (inputs, masks, statistics), layer-specific.
+    pub tensors: Vec<Tensor>,
+    /// Saved input shape, for layers that reshape.
+    pub shape: Vec<usize>,
+}
+
+impl Saved {
+    /// Bytes held by the saved tensors.
+    pub fn bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.len() * 4).sum()
+    }
+}
+
+/// Per-call context of a forward pass.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardCtx {
+    /// Training mode (dropout active) or evaluation.
+    pub train: bool,
+    /// Seed for this layer and microbatch (dropout masks); derived by the model from the run
+    /// seed, the layer index and the microbatch id, so it is the same on any partition.
+    pub seed: u64,
+}
+
+/// How a linear layer's weights are initialised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Init {
+    /// Kaiming (He) normal, std `sqrt(2 / fan_in)`: for layers followed by ReLU-like activations.
+    #[default]
+    Kaiming,
+    /// Xavier (Glorot) uniform, bound `sqrt(6 / (fan_in + fan_out))`.
+    Xavier,
+}
+
+/// A layer: shape logic, initialisation, forward and the two halves of backward.
+pub trait Layer: Send + Sync + std::fmt::Debug {
+    /// Short kind name (`linear`, `relu`, ...).
+    fn kind(&self) -> &'static str;
+
+    /// Names and shapes of the parameters, in the order the other methods take them.
+    fn param_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+        Vec::new()
+    }
+
+    /// Fresh parameters drawn from `rng`.
+    fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
+        let _ = rng;
+        Vec::new()
+    }
+
+    /// Per-sample output shape for a per-sample input shape, or why the input does not fit.
+    ///
+    /// # Errors
+    /// A message naming the mismatch.
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String>;
+
+    /// Forward floating-point operations per sample (multiply-add counted as 2).
+    fn flops_per_sample(&self, input: &[usize]) -> u64 {
+        input.iter().product::<usize>() as u64
+    }
+
+    /// Forward pass.
+    ///
+    /// # Errors
+    /// Kernel shape errors.
+    fn forward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        x: Tensor,
+        ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)>;
+
+    /// Gradient with respect to the input.
+    ///
+    /// # Errors
+    /// Kernel shape errors.
+    fn backward_input(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor>;
+
+    /// Gradient with respect to the parameters, written (or added, when `accumulate`) to
+    /// `grads`, one tensor per parameter. Layers without parameters do nothing.
+    ///
+    /// # Errors
+    /// Kernel shape errors.
+    fn backward_params(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> KResult<()> {
+        let _ = (be, params, saved, dy, grads, accumulate);
+        Ok(())
+    }
+}
+
+/// The serialisable description of a layer, as written in model config files.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LayerSpec {
+    /// Fully connected: `y = x W + b`, `W` stored `inputs x outputs`.
+    Linear {
+        /// Input features.
+        inputs: usize,
+        /// Output features.
+        outputs: usize,
+        /// Whether the layer has a bias (default true).
+        #[serde(default = "default_true")]
+        bias: bool,
+        /// Weight initialisation (default: Kaiming when followed by an activation, else Xavier).
+        #[serde(default)]
+        init: Option<Init>,
+    },
+    /// Rectified linear unit.
+    Relu,
+    /// GELU (tanh approximation).
+    Gelu,
+    /// Hyperbolic tangent.
+    Tanh,
+    /// Logistic sigmoid.
+    Sigmoid,
+    /// Layer normalisation over the last dimension, with learned scale and shift.
+    LayerNorm {
+        /// Features normalised (the last dimension).
+        features: usize,
+        /// Variance epsilon (default 1e-5).
+        #[serde(default = "default_eps")]
+        eps: f32,
+    },
+    /// Inverted dropout: zero each element with probability `p` and scale the rest by
+    /// `1 / (1 - p)` in training; identity in evaluation.
+    Dropout {
+        /// Drop probability in `[0, 1)`.
+        p: f32,
+    },
+    /// Flattens every per-sample dimension into one.
+    Flatten,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_eps() -> f32 {
+    1e-5
+}
+
+impl LayerSpec {
+    /// Builds the layer, checking its own hyperparameters.
+    ///
+    /// `followed_by_activation` picks the default initialisation of a linear layer.
+    ///
+    /// # Errors
+    /// Zero widths, a dropout probability outside `[0, 1)`, a non-positive epsilon.
+    pub fn build(&self, followed_by_activation: bool) -> Result<Box<dyn Layer>, String> {
+        Ok(match *self {
+            LayerSpec::Linear {
+                inputs,
+                outputs,
+                bias,
+                init,
+            } => {
+                if inputs == 0 || outputs == 0 {
+                    return Err(format!("linear layer {inputs}->{outputs} has a zero width"));
+                }
+                let init = init.unwrap_or(if followed_by_activation {
+                    Init::Kaiming
+                } else {
+                    Init::Xavier
+                });
+                Box::new(Linear {
+                    inputs,
+                    outputs,
+                    bias,
+                    init,
+                })
+            }
+            LayerSpec::Relu => Box::new(Act(Activation::Relu)),
+            LayerSpec::Gelu => Box::new(Act(Activation::Gelu)),
+            LayerSpec::Tanh => Box::new(Act(Activation::Tanh)),
+            LayerSpec::Sigmoid => Box::new(Act(Activation::Sigmoid)),
+            LayerSpec::LayerNorm { features, eps } => {
+                if features == 0 {
+                    return Err("layer_norm over zero features".into());
+                }
+                if !(eps > 0.0 && eps.is_finite()) {
+                    return Err(format!("layer_norm eps must be positive, got {eps}"));
+                }
+                Box::new(LayerNorm { features, eps })
+            }
+            LayerSpec::Dropout { p } => {
+                if !(0.0..1.0).contains(&p) {
+                    return Err(format!("dropout probability must be in [0, 1), got {p}"));
+                }
+                Box::new(Dropout { p })
+            }
+            LayerSpec::Flatten => Box::new(Flatten),
+        })
+    }
+
+    /// True for elementwise activations (used to pick initialisations).
+    pub fn is_activation(&self) -> bool {
+        matches!(
+            self,
+            LayerSpec::Relu | LayerSpec::Gelu | LayerSpec::Tanh | LayerSpec::Sigmoid
+        )
+    }
+}
+
+/// Fully connected layer, `W: inputs x outputs`, optional bias.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    inputs: usize,
+    outputs: usize,
+    bias: bool,
+    init: Init,
+}
+
+fn features_of(x: &Tensor, op: &'static str, want: usize) -> KResult<()> {
+    if x.cols() != want {
+        return Err(pipe_kernels::KernelError::Shape {
+            op,
+            detail: format!("expected {want} features, got {:?}", x.shape()),
+        });
+    }
+    Ok(())
+}
+
+impl Layer for Linear {
+    fn kind(&self) -> &'static str {
+        "linear"
+    }
+
+    fn param_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+        let mut v = vec![("weight", vec![self.inputs, self.outputs])];
+        if self.bias {
+            v.push(("bias", vec![self.outputs]));
+        }
+        v
+    }
+
+    fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
+        let n = self.inputs * self.outputs;
+        let data: Vec<f32> = match self.init {
+            Init::Kaiming => {
+                let std = (2.0 / self.inputs as f64).sqrt();
+                match Normal::new(0.0, std) {
+                    Ok(d) => (0..n).map(|_| d.sample(rng) as f32).collect(),
+                    Err(_) => vec![0.0; n],
+                }
+            }
+            Init::Xavier => {
+                let a = (6.0 / (self.inputs + self.outputs) as f64).sqrt();
+                match Uniform::new(-a, a) {
+                    Ok(d) => (0..n).map(|_| d.sample(rng) as f32).collect(),
+                    Err(_) => vec![0.0; n],
+                }
+            }
+        };
+        let mut v = vec![Tensor::from_vec(&[self.inputs, self.outputs], data).unwrap_or_default()];
+        if self.bias {
+            v.push(Tensor::zeros(&[self.outputs]));
+        }
+        v
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        match input.last() {
+            Some(&f) if f == self.inputs => {
+                let mut o = input.to_vec();
+                if let Some(last) = o.last_mut() {
+                    *last = self.outputs;
+                }
+                Ok(o)
+            }
+            _ => Err(format!(
+                "linear layer expects {} input features, gets shape {input:?}",
+                self.inputs
+            )),
+        }
+    }
+
+    fn flops_per_sample(&self, input: &[usize]) -> u64 {
+        let rows: usize = input[..input.len().saturating_sub(1)].iter().product();
+        (2 * rows * self.inputs * self.outputs) as u64
+    }
+
+    fn forward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        x: Tensor,
+        _ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        features_of(&x, "linear forward", self.inputs)?;
+        let mut y = Tensor::default();
+        be.matmul(&x, Trans::No, &params[0], Trans::No, &mut y, false)?;
+        if self.bias {
+            be.add_bias(&mut y, &params[1])?;
+        }
+        let mut shape = x.shape().to_vec();
+        if let Some(l) = shape.last_mut() {
+            *l = self.outputs;
+        }
+        let y = y.reshape(&shape)?;
+        Ok((
+            y,
+            Saved {
+                tensors: vec![x],
+                shape: Vec::new(),
+            },
+        ))
+    }
+
+    fn backward_input(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor> {
+        features_of(dy, "linear backward_input", self.outputs)?;
+        let mut dx = Tensor::default();
+        be.matmul(dy, Trans::No, &params[0], Trans::Yes, &mut dx, false)?;
+        dx.reshape(saved.tensors[0].shape())
+    }
+
+    fn backward_params(
+        &self,
+        be: &dyn Backend,
+        _params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> KResult<()> {
+        features_of(dy, "linear backward_params", self.outputs)?;
+        let x = &saved.tensors[0];
+        let (gw, rest) = grads.split_at_mut(1);
+        be.matmul(x, Trans::Yes, dy, Trans::No, &mut gw[0], accumulate)?;
+        if self.bias {
+            be.sum_rows(dy, &mut rest[0], accumulate)?;
+        }
+        Ok(())
+    }
+}
+
+/// Elementwise activation layer.
+#[derive(Debug, Clone, Copy)]
+pub struct Act(pub Activation);
+
+impl Layer for Act {
+    fn kind(&self) -> &'static str {
+        match self.0 {
+            Activation::Relu => "relu",
+            Activation::Gelu => "gelu",
+            Activation::Tanh => "tanh",
+            Activation::Sigmoid => "sigmoid",
+        }
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        Ok(input.to_vec())
+    }
+
+    fn forward(
+        &self,
+        be: &dyn Backend,
+        _params: &[Tensor],
+        x: Tensor,
+        _ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        let mut y = Tensor::default();
+        be.activation(self.0, &x, &mut y)?;
+        Ok((
+            y,
+            Saved {
+                tensors: vec![x],
+                shape: Vec::new(),
+            },
+        ))
+    }
+
+    fn backward_input(
+        &self,
+        be: &dyn Backend,
+        _params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor> {
+        let mut dx = Tensor::default();
+        be.activation_backward(self.0, &saved.tensors[0], dy, &mut dx)?;
+        Ok(dx)
+    }
+}
+
+/// Layer normalisation over the last dimension.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerNorm {
+    features: usize,
+    eps: f32,
+}
+
+impl Layer for LayerNorm {
+    fn kind(&self) -> &'static str {
+        "layer_norm"
+    }
+
+    fn param_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+        vec![("weight", vec![self.features]), ("bias", vec![self.features])]
+    }
+
+    fn init_params(&self, _rng: &mut Rng) -> Vec<Tensor> {
+        vec![
+            Tensor::full(&[self.features], 1.0),
+            Tensor::zeros(&[self.features]),
+        ]
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        match input.last() {
+            Some(&f) if f == self.features => Ok(input.to_vec()),
+            _ => Err(format!(
+                "layer_norm expects {} features, gets shape {input:?}",
+                self.features
+            )),
+        }
+    }
+
+    fn flops_per_sample(&self, input: &[usize]) -> u64 {
+        8 * input.iter().product::<usize>() as u64
+    }
+
+    fn forward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        x: Tensor,
+        _ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        let (mut y, mut mean, mut rstd) = (Tensor::default(), Tensor::default(), Tensor::default());
+        be.layer_norm(&x, &params[0], &params[1], self.eps, &mut y, &mut mean, &mut rstd)?;
+        Ok((
+            y,
+            Saved {
+                tensors: vec![x, mean, rstd],
+                shape: Vec::new(),
+            },
+        ))
+    }
+
+    fn backward_input(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor> {
+        let mut dx = Tensor::default();
+        let t = &saved.tensors;
+        be.layer_norm_backward_input(&t[0], &params[0], &t[1], &t[2], dy, &mut dx)?;
+        Ok(dx)
+    }
+
+    fn backward_params(
+        &self,
+        be: &dyn Backend,
+        _params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> KResult<()> {
+        let t = &saved.tensors;
+        let (g, b) = grads.split_at_mut(1);
+        be.layer_norm_backward_params(&t[0], &t[1], &t[2], dy, &mut g[0], &mut b[0], accumulate)
+    }
+}
+
+/// Inverted dropout with masks drawn from the per-call seed.
+#[derive(Debug, Clone, Copy)]
+pub struct Dropout {
+    p: f32,
+}
+
+impl Layer for Dropout {
+    fn kind(&self) -> &'static str {
+        "dropout"
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        Ok(input.to_vec())
+    }
+
+    fn forward(
+        &self,
+        _be: &dyn Backend,
+        _params: &[Tensor],
+        x: Tensor,
+        ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        if !ctx.train || self.p == 0.0 {
+            let ones = Tensor::full(x.shape(), 1.0);
+            return Ok((
+                x,
+                Saved {
+                    tensors: vec![ones],
+                    shape: Vec::new(),
+                },
+            ));
+        }
+        let mut rng = rng_for(derive_seed(ctx.seed, "dropout", 0), "mask", 0);
+        let keep = 1.0 / (1.0 - self.p);
+        let mask: Vec<f32> = (0..x.len())
+            .map(|_| if rng.random::<f32>() < self.p { 0.0 } else { keep })
+            .collect();
+        let mask = Tensor::from_vec(x.shape(), mask)?;
+        let y: Vec<f32> = x.data().iter().zip(mask.data()).map(|(a, m)| a * m).collect();
+        Ok((
+            Tensor::from_vec(x.shape(), y)?,
+            Saved {
+                tensors: vec![mask],
+                shape: Vec::new(),
+            },
+        ))
+    }
+
+    fn backward_input(
+        &self,
+        _be: &dyn Backend,
+        _params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor> {
+        let mask = &saved.tensors[0];
+        if mask.len() != dy.len() {
+            return Err(pipe_kernels::KernelError::Shape {
+                op: "dropout backward",
+                detail: format!("mask {:?}, gradient {:?}", mask.shape(), dy.shape()),
+            });
+        }
+        let dx: Vec<f32> = dy.data().iter().zip(mask.data()).map(|(g, m)| g * m).collect();
+        Tensor::from_vec(dy.shape(), dx)
+    }
+}
+
+/// Flattens per-sample dimensions: `[batch, d1, d2, ...] -> [batch, d1 * d2 * ...]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Flatten;
+
+impl Layer for Flatten {
+    fn kind(&self) -> &'static str {
+        "flatten"
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        Ok(vec![input.iter().product()])
+    }
+
+    fn flops_per_sample(&self, _input: &[usize]) -> u64 {
+        0
+    }
+
+    fn forward(
+        &self,
+        _be: &dyn Backend,
+        _params: &[Tensor],
+        x: Tensor,
+        _ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        let batch = x.shape().first().copied().unwrap_or(1);
+        let per = if batch == 0 { 0 } else { x.len() / batch };
+        let shape = x.shape().to_vec();
+        Ok((
+            x.reshape(&[batch, per])?,
+            Saved {
+                tensors: Vec::new(),
+                shape,
+            },
+        ))
+    }
+
+    fn backward_input(
+        &self,
+        _be: &dyn Backend,
+        _params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor> {
+        dy.clone().reshape(&saved.shape)
+    }
+}

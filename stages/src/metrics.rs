@@ -1,0 +1,64 @@
+//! Run metrics: JSON lines, one object per optimizer step and one per epoch, each tagged with
+//! `"kind"`, so a log can be read back with any JSON tool.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::{Result, StageError};
+use crate::train::{EpochStats, Observer, StepStats};
+
+/// Writes steps and epochs as JSON lines.
+#[derive(Debug)]
+pub struct JsonlLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+#[derive(Serialize)]
+struct Tagged<'a, T: Serialize> {
+    kind: &'static str,
+    #[serde(flatten)]
+    body: &'a T,
+}
+
+impl JsonlLog {
+    /// Creates (truncates) the log file.
+    ///
+    /// # Errors
+    /// [`StageError::Io`] when the file cannot be created.
+    pub fn create(path: &Path) -> Result<Self> {
+        let f = File::create(path).map_err(|source| StageError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            out: BufWriter::new(f),
+        })
+    }
+
+    fn write<T: Serialize>(&mut self, kind: &'static str, body: &T) -> Result<()> {
+        let io = |source| StageError::Io {
+            path: self.path.display().to_string(),
+            source,
+        };
+        let line = serde_json::to_string(&Tagged { kind, body }).map_err(|e| io(std::io::Error::other(e)))?;
+        writeln!(self.out, "{line}").map_err(io)
+    }
+}
+
+impl Observer for JsonlLog {
+    fn on_step(&mut self, s: &StepStats) -> Result<()> {
+        self.write("step", s)
+    }
+    fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
+        self.write("epoch", e)?;
+        self.out.flush().map_err(|source| StageError::Io {
+            path: self.path.display().to_string(),
+            source,
+        })
+    }
+}

@@ -1,0 +1,272 @@
+//! Optimizers (SGD with momentum, Nesterov and weight decay; Adam; AdamW) and learning-rate
+//! schedules. The arithmetic runs as backend kernels; this module keeps the state and the step
+//! count and picks the hyperparameters of each step.
+
+use pipe_kernels::{AdamStep, Backend, SgdStep, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, StageError};
+use crate::model::Params;
+
+/// Which optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// Stochastic gradient descent.
+    Sgd,
+    /// Adam (L2 weight decay added to the gradient).
+    Adam,
+    /// AdamW (decoupled weight decay).
+    Adamw,
+}
+
+impl std::str::FromStr for OptimizerKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "sgd" => Ok(Self::Sgd),
+            "adam" => Ok(Self::Adam),
+            "adamw" => Ok(Self::Adamw),
+            _ => Err(format!("unknown optimizer '{s}' (sgd, adam, adamw)")),
+        }
+    }
+}
+
+/// Optimizer hyperparameters.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    /// Which optimizer.
+    pub kind: OptimizerKind,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// SGD Nesterov momentum.
+    pub nesterov: bool,
+    /// Weight decay (L2 for SGD and Adam, decoupled for AdamW).
+    pub weight_decay: f32,
+    /// Adam first-moment decay.
+    pub beta1: f32,
+    /// Adam second-moment decay.
+    pub beta2: f32,
+    /// Adam epsilon.
+    pub eps: f32,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            kind: OptimizerKind::Sgd,
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+}
+
+impl OptimizerConfig {
+    /// Checks ranges.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming the bad value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(StageError::Config(m));
+        if !(0.0..1.0).contains(&self.momentum) {
+            return bad(format!("momentum must be in [0, 1), got {}", self.momentum));
+        }
+        if self.nesterov && self.momentum == 0.0 {
+            return bad("nesterov needs a non-zero momentum".into());
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return bad(format!("weight decay must be >= 0, got {}", self.weight_decay));
+        }
+        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
+            return bad(format!("betas must be in [0, 1), got {} and {}", self.beta1, self.beta2));
+        }
+        if !(self.eps > 0.0) {
+            return bad(format!("eps must be positive, got {}", self.eps));
+        }
+        Ok(())
+    }
+}
+
+/// An optimizer over one set of parameters (a model, or one stage's layers).
+#[derive(Debug, Clone)]
+pub struct Optimizer {
+    cfg: OptimizerConfig,
+    /// Per layer, per parameter: (momentum or first moment, second moment).
+    state: Vec<Vec<(Tensor, Tensor)>>,
+    steps: u64,
+}
+
+impl Optimizer {
+    /// An optimizer with zeroed state shaped like `params`.
+    pub fn new(cfg: OptimizerConfig, params: &Params) -> Self {
+        let state = params
+            .iter()
+            .map(|layer| {
+                layer
+                    .iter()
+                    .map(|p| {
+                        let first = match (cfg.kind, cfg.momentum != 0.0) {
+                            (OptimizerKind::Sgd, false) => Tensor::default(),
+                            _ => Tensor::zeros(p.shape()),
+                        };
+                        let second = match cfg.kind {
+                            OptimizerKind::Sgd => Tensor::default(),
+                            _ => Tensor::zeros(p.shape()),
+                        };
+                        (first, second)
+                    })
+                    .collect()
+            })
+            .collect();
+        Self {
+            cfg,
+            state,
+            steps: 0,
+        }
+    }
+
+    /// Updates applied so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The hyperparameters.
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.cfg
+    }
+
+    /// Applies one update with learning rate `lr`.
+    ///
+    /// # Errors
+    /// Shape mismatches between parameters, gradients and state.
+    pub fn step(&mut self, be: &dyn Backend, params: &mut Params, grads: &Params, lr: f32) -> Result<()> {
+        self.steps += 1;
+        let t = self.steps as i32;
+        let c = self.cfg;
+        for ((layer, lgrads), lstate) in params.iter_mut().zip(grads).zip(&mut self.state) {
+            for ((p, g), (s1, s2)) in layer.iter_mut().zip(lgrads).zip(lstate.iter_mut()) {
+                match c.kind {
+                    OptimizerKind::Sgd => {
+                        let hp = SgdStep {
+                            lr,
+                            momentum: c.momentum,
+                            nesterov: c.nesterov,
+                            weight_decay: c.weight_decay,
+                        };
+                        let buf = if c.momentum != 0.0 { Some(s1) } else { None };
+                        be.sgd_update(p, g, buf, hp)?;
+                    }
+                    OptimizerKind::Adam | OptimizerKind::Adamw => {
+                        let hp = AdamStep {
+                            lr,
+                            beta1: c.beta1,
+                            beta2: c.beta2,
+                            eps: c.eps,
+                            weight_decay: c.weight_decay,
+                            decoupled: c.kind == OptimizerKind::Adamw,
+                            bias_correction1: 1.0 - c.beta1.powi(t),
+                            bias_correction2: 1.0 - c.beta2.powi(t),
+                        };
+                        be.adam_update(p, g, s1, s2, hp)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Learning-rate schedules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScheduleKind {
+    /// The base rate throughout.
+    #[default]
+    Constant,
+    /// Linear warmup from 0 to the base rate, then constant.
+    Warmup,
+    /// Linear warmup, then cosine decay to `min_lr_ratio` times the base rate at the last step.
+    Cosine,
+}
+
+impl std::str::FromStr for LrScheduleKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "constant" => Ok(Self::Constant),
+            "warmup" => Ok(Self::Warmup),
+            "cosine" => Ok(Self::Cosine),
+            _ => Err(format!("unknown lr schedule '{s}' (constant, warmup, cosine)")),
+        }
+    }
+}
+
+/// A learning-rate schedule over a known number of steps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    /// Kind.
+    pub kind: LrScheduleKind,
+    /// Peak (base) learning rate.
+    pub base: f32,
+    /// Warmup steps (Warmup and Cosine).
+    pub warmup: u64,
+    /// Total steps of the run (Cosine).
+    pub total: u64,
+    /// Final rate as a fraction of the base (Cosine).
+    pub min_ratio: f32,
+}
+
+impl LrSchedule {
+    /// The rate for update number `step` (0-based).
+    pub fn at(&self, step: u64) -> f32 {
+        let warm = |s: u64| {
+            if self.warmup > 0 && s < self.warmup {
+                Some(self.base * (s + 1) as f32 / self.warmup as f32)
+            } else {
+                None
+            }
+        };
+        match self.kind {
+            LrScheduleKind::Constant => self.base,
+            LrScheduleKind::Warmup => warm(step).unwrap_or(self.base),
+            LrScheduleKind::Cosine => warm(step).unwrap_or_else(|| {
+                let span = self.total.saturating_sub(self.warmup).max(1) as f64;
+                let done = (step.saturating_sub(self.warmup) as f64 / span).min(1.0);
+                let cos = 0.5 * (1.0 + (std::f64::consts::PI * done).cos());
+                let min = self.min_ratio as f64;
+                (self.base as f64 * (min + (1.0 - min) * cos)) as f32
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules() {
+        let s = LrSchedule {
+            kind: LrScheduleKind::Cosine,
+            base: 1.0,
+            warmup: 10,
+            total: 110,
+            min_ratio: 0.0,
+        };
+        assert!((s.at(0) - 0.1).abs() < 1e-6);
+        assert!((s.at(9) - 1.0).abs() < 1e-6);
+        assert!((s.at(10) - 1.0).abs() < 1e-6);
+        assert!((s.at(60) - 0.5).abs() < 1e-6);
+        assert!(s.at(110).abs() < 1e-6);
+        let w = LrSchedule { kind: LrScheduleKind::Warmup, ..s };
+        assert!((w.at(4) - 0.5).abs() < 1e-6);
+        assert!((w.at(1000) - 1.0).abs() < 1e-6);
+        let c = LrSchedule { kind: LrScheduleKind::Constant, ..s };
+        assert_eq!(c.at(3), 1.0);
+    }
+}
