@@ -25,6 +25,37 @@ struct Cli {
 enum Command {
     /// Train a model.
     Train(TrainArgs),
+    /// Run a benchmark.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Single-worker training throughput and model FLOP utilisation against the GEMM rate.
+    Mfu(MfuArgs),
+}
+
+#[derive(Args, Debug)]
+struct MfuArgs {
+    /// Model preset.
+    #[arg(long, default_value = "mlp-784-1024x16-10")]
+    model: String,
+    /// Samples per step.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Compute threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// SGD momentum (0: plain SGD).
+    #[arg(long, default_value_t = 0.0)]
+    momentum: f32,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
 }
 
 /// An error caused by what the user gave us (exit code 2).
@@ -33,6 +64,7 @@ enum Command {
 struct BadInput(String);
 
 #[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
 struct TrainArgs {
     /// TOML config file; flags given on the command line override its values.
     #[arg(long, value_name = "FILE")]
@@ -160,7 +192,32 @@ pub fn run() -> Result<()> {
     };
     match cli.command {
         Command::Train(args) => cmd_train(&args),
+        Command::Bench(BenchCommand::Mfu(args)) => cmd_bench_mfu(&args),
     }
+}
+
+fn cmd_bench_mfu(args: &MfuArgs) -> Result<()> {
+    if args.threads == 0 || args.batch == 0 || args.steps == 0 {
+        return Err(BadInput("--threads, --batch and --steps must be positive".into()).into());
+    }
+    let cfg = pipe_experiments::mfu::MfuConfig {
+        model: args.model.clone(),
+        batch: args.batch,
+        threads: args.threads,
+        steps: args.steps,
+        warmup: 3,
+        momentum: args.momentum,
+    };
+    let report = pipe_experiments::mfu::run(&cfg).map_err(|e| match e {
+        pipe_experiments::ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
+        other => anyhow::Error::from(other),
+    })?;
+    print!("{}", pipe_experiments::mfu::render(&report));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn run_config(args: &TrainArgs) -> Result<RunConfig> {

@@ -156,6 +156,48 @@ pub fn evaluate(
     Ok((loss / n, correct as f64 / n))
 }
 
+/// What one optimizer step changes: parameters, gradient buffers and optimizer state.
+#[derive(Debug)]
+pub struct StepState<'a> {
+    /// Parameters, updated in place.
+    pub params: &'a mut Params,
+    /// Gradient buffers (overwritten).
+    pub grads: &'a mut Params,
+    /// Optimizer.
+    pub opt: &'a mut Optimizer,
+}
+
+/// One update on one worker: forward and backward over each microbatch in `batches`, summing
+/// gradients (each scaled by `grad_scale` at the loss), then one optimizer step at `lr`.
+/// Returns the summed loss. `microbatch_id` numbers microbatches for dropout seeds.
+///
+/// # Errors
+/// Kernel errors.
+#[allow(clippy::too_many_arguments)]
+pub fn train_step(
+    be: &dyn Backend,
+    model: &Model,
+    st: &mut StepState<'_>,
+    batches: Vec<(Tensor, Vec<u32>)>,
+    grad_scale: f32,
+    lr: f32,
+    seed: u64,
+    microbatch_id: &mut u64,
+) -> Result<f64> {
+    let mut loss = 0.0;
+    let n = model.len();
+    for (i, (x, y)) in batches.into_iter().enumerate() {
+        let (logits, saved) = model.forward_range(be, 0..n, st.params, x, true, seed, *microbatch_id)?;
+        *microbatch_id += 1;
+        let mut dlogits = Tensor::default();
+        let s = be.softmax_cross_entropy(&logits, &y, grad_scale, Some(&mut dlogits))?;
+        loss += s.loss_sum;
+        model.backward_range(be, 0..n, st.params, &saved, dlogits, st.grads, i > 0, false)?;
+    }
+    st.opt.step(be, st.params, st.grads, lr)?;
+    Ok(loss)
+}
+
 /// Trains `cfg`'s model on `data` with one worker.
 ///
 /// # Errors
@@ -190,18 +232,18 @@ pub fn train(cfg: &RunConfig, data: &Splits, be: &dyn Backend, obs: &mut dyn Obs
                 break 'epochs;
             }
             let lr = sched.at(step);
-            let mut loss = 0.0f64;
-            for (i, mb) in update.chunks_exact(b).enumerate() {
-                let (x, y) = data.train.gather(mb);
-                let (logits, saved) =
-                    model.forward_range(be, 0..model.len(), &params, x, true, cfg.seed, microbatch_id)?;
-                microbatch_id += 1;
-                let mut dlogits = Tensor::default();
-                let s = be.softmax_cross_entropy(&logits, &y, grad_scale, Some(&mut dlogits))?;
-                loss += s.loss_sum;
-                model.backward_range(be, 0..model.len(), &params, &saved, dlogits, &mut grads, i > 0, false)?;
-            }
-            opt.step(be, &mut params, &grads, lr)?;
+            let batches: Vec<(Tensor, Vec<u32>)> =
+                update.chunks_exact(b).map(|mb| data.train.gather(mb)).collect();
+            let loss = train_step(
+                be,
+                &model,
+                &mut StepState { params: &mut params, grads: &mut grads, opt: &mut opt },
+                batches,
+                grad_scale,
+                lr,
+                cfg.seed,
+                &mut microbatch_id,
+            )?;
             step += 1;
             let mean = loss / (b * m) as f64;
             if !mean.is_finite() {

@@ -1,0 +1,201 @@
+//! Single-worker training throughput and model FLOP utilisation (MFU).
+//!
+//! Method: in one process, (1) time the GEMM `256x1024 * 1024x1024` on the same backend and
+//! thread count (median of repeated runs: the machine's attainable matrix rate), then (2) train
+//! the given model with the ordinary training step (forward, loss, two-part backward, optimizer
+//! update) on random data and time each step after warm-up. MFU is
+//! `6 * parameters * samples/s / gemm_rate`: the FLOPs a dense model needs per sample
+//! (2 forward + 4 backward per parameter) over what the GEMM reaches. The two are interleaved
+//! (GEMM, train, GEMM) so a noisy neighbour hurts both alike.
+
+use std::time::Instant;
+
+use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
+use pipe_stages::model::{Model, ModelSpec};
+use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::train::{StepState, train_step};
+use serde::Serialize;
+
+use crate::{ExperimentError, median};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct MfuConfig {
+    /// Model preset.
+    pub model: String,
+    /// Samples per step.
+    pub batch: usize,
+    /// Compute threads.
+    pub threads: usize,
+    /// Timed training steps.
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    pub warmup: usize,
+    /// SGD momentum (0 for plain SGD).
+    pub momentum: f32,
+}
+
+impl Default for MfuConfig {
+    fn default() -> Self {
+        Self {
+            model: "mlp-784-1024x16-10".into(),
+            batch: 256,
+            threads: 2,
+            steps: 20,
+            warmup: 3,
+            momentum: 0.0,
+        }
+    }
+}
+
+/// The measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct MfuReport {
+    /// Model preset.
+    pub model: String,
+    /// Parameters.
+    pub parameters: usize,
+    /// Samples per step.
+    pub batch: usize,
+    /// Threads.
+    pub threads: usize,
+    /// Median seconds per training step.
+    pub step_s_median: f64,
+    /// Samples per second from the median step.
+    pub samples_per_s: f64,
+    /// Model FLOPs per sample, `6 * parameters`.
+    pub flops_per_sample: f64,
+    /// Achieved model GFLOP/s.
+    pub model_gflops: f64,
+    /// Median GFLOP/s of the 256x1024x1024 GEMM in the same run.
+    pub gemm_gflops: f64,
+    /// `model_gflops / gemm_gflops`.
+    pub mfu: f64,
+}
+
+fn gemm_rate(be: &dyn Backend, reps: usize) -> Result<f64, ExperimentError> {
+    let (m, k, n) = (256usize, 1024usize, 1024usize);
+    let a = Tensor::full(&[m, k], 0.5);
+    let b = Tensor::full(&[k, n], 0.25);
+    let mut c = Tensor::default();
+    for _ in 0..3 {
+        be.matmul(&a, Trans::No, &b, Trans::No, &mut c, false)?;
+    }
+    let mut rates = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        for _ in 0..8 {
+            be.matmul(&a, Trans::No, &b, Trans::No, &mut c, false)?;
+        }
+        rates.push(8.0 * 2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    Ok(median(&rates))
+}
+
+/// Runs the measurement.
+///
+/// # Errors
+/// Bad model names, zero sizes, kernel failures.
+pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
+    if cfg.batch == 0 || cfg.steps == 0 {
+        return Err(ExperimentError::Config("batch and steps must be positive".into()));
+    }
+    let be = CpuBackend::new(cfg.threads)?;
+    let spec = ModelSpec::preset(&cfg.model)?;
+    let model = Model::new(&spec)?;
+    let mut params = model.init_params(0);
+    let mut grads = model.zero_grads(0..model.len());
+    let ocfg = OptimizerConfig {
+        kind: OptimizerKind::Sgd,
+        momentum: cfg.momentum,
+        ..OptimizerConfig::default()
+    };
+    let mut opt = Optimizer::new(ocfg, &params);
+    let inputs: usize = model.input_shape().iter().product();
+    let classes: usize = model.output_shape().iter().product();
+    let mut x_shape = vec![cfg.batch];
+    x_shape.extend_from_slice(model.input_shape());
+    let x_data: Vec<f32> = (0..cfg.batch * inputs)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let x = Tensor::from_vec(&x_shape, x_data)?;
+    let y: Vec<u32> = (0..cfg.batch).map(|i| (i % classes) as u32).collect();
+
+    let gemm_before = gemm_rate(&be, 15)?;
+    let mut times = Vec::with_capacity(cfg.steps);
+    let mut mb = 0u64;
+    for i in 0..cfg.warmup + cfg.steps {
+        let t = Instant::now();
+        let mut st = StepState {
+            params: &mut params,
+            grads: &mut grads,
+            opt: &mut opt,
+        };
+        train_step(&be, &model, &mut st, vec![(x.clone(), y.clone())], 1.0 / cfg.batch as f32, 1e-3, 0, &mut mb)?;
+        if i >= cfg.warmup {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let gemm_after = gemm_rate(&be, 15)?;
+    let gemm = median(&[gemm_before, gemm_after]);
+    let step = median(&times);
+    let parameters = model.param_count();
+    let samples_per_s = cfg.batch as f64 / step;
+    let flops_per_sample = 6.0 * parameters as f64;
+    let model_gflops = flops_per_sample * samples_per_s / 1e9;
+    Ok(MfuReport {
+        model: cfg.model.clone(),
+        parameters,
+        batch: cfg.batch,
+        threads: be.threads(),
+        step_s_median: step,
+        samples_per_s,
+        flops_per_sample,
+        model_gflops,
+        gemm_gflops: gemm,
+        mfu: model_gflops / gemm,
+    })
+}
+
+/// A short human-readable summary.
+pub fn render(r: &MfuReport) -> String {
+    format!(
+        "model {} ({} parameters), batch {}, {} threads\n\
+         step (median)        {:.2} ms\n\
+         throughput           {:.0} samples/s\n\
+         model FLOP rate      {:.1} GFLOP/s (6 x params x samples/s)\n\
+         GEMM 256x1024x1024   {:.1} GFLOP/s (same run)\n\
+         MFU                  {:.3}\n",
+        r.model,
+        r.parameters,
+        r.batch,
+        r.threads,
+        r.step_s_median * 1e3,
+        r.samples_per_s,
+        r.model_gflops,
+        r.gemm_gflops,
+        r.mfu
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_run_reports_consistent_numbers() {
+        let r = run(&MfuConfig {
+            model: "mlp-64-128-10".into(),
+            batch: 32,
+            threads: 1,
+            steps: 3,
+            warmup: 1,
+            momentum: 0.9,
+        })
+        .unwrap();
+        assert_eq!(r.parameters, 64 * 128 + 128 + 128 * 10 + 10);
+        assert!(r.samples_per_s > 0.0 && r.gemm_gflops > 0.0);
+        assert!((r.mfu - r.model_gflops / r.gemm_gflops).abs() < 1e-12);
+        assert!(render(&r).contains("MFU"));
+    }
+}

@@ -1,0 +1,116 @@
+//! The `pipe` binary: it trains, and bad input gets a one-line error and exit code 2.
+
+use std::process::{Command, Output};
+
+fn pipe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipe"))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .expect("run pipe")
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+const SMALL: &[&str] = &[
+    "train", "--dataset", "synthetic", "--model", "mlp-784-32-10", "--epochs", "1", "--steps", "20",
+    "--threads", "1",
+];
+
+#[track_caller]
+fn assert_bad_input(args: &[&str], needle: &str) {
+    let out = pipe(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "args {args:?}: stderr {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line expected, got {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(lines[0].contains(needle), "expected '{needle}' in '{err}'");
+    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+}
+
+#[test]
+fn trains_on_synthetic_data_and_logs_jsonl() {
+    let log = tmp("run.jsonl");
+    let log_s = log.to_str().unwrap();
+    let mut args = SMALL.to_vec();
+    args.extend(["--log-jsonl", log_s]);
+    let out = pipe(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("test acc"), "{stdout}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let steps = lines.iter().filter(|v| v["kind"] == "step").count();
+    assert_eq!(steps, 20);
+    let epoch = lines.iter().find(|v| v["kind"] == "epoch").unwrap();
+    assert!(epoch["test_accuracy"].as_f64().unwrap() > 0.0);
+    assert!(lines[0]["loss"].as_f64().unwrap().is_finite());
+}
+
+#[test]
+fn config_file_and_flag_override() {
+    let cfg = tmp("run.toml");
+    std::fs::write(
+        &cfg,
+        "dataset = \"synthetic\"\nepochs = 1\nsteps = 3\nthreads = 1\n\n[model]\ninput = [784]\n\
+         layers = [{ type = \"linear\", inputs = 784, outputs = 16 }, { type = \"gelu\" },\n\
+         { type = \"layer_norm\", features = 16 }, { type = \"linear\", inputs = 16, outputs = 10 }]\n",
+    )
+    .unwrap();
+    let out = pipe(&["train", "--config", cfg.to_str().unwrap(), "--steps", "2"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("done: 2 steps"), "{stdout}");
+}
+
+#[test]
+fn bad_input_exits_2_with_one_line() {
+    assert_bad_input(&["train", "--dataset", "cifar"], "unknown dataset 'cifar'");
+    assert_bad_input(&["train", "--optimizer", "lion"], "unknown optimizer 'lion'");
+    assert_bad_input(&["train", "--epochs", "-1"], "--epochs");
+    assert_bad_input(&["train", "--epochs", "0"], "epochs must be at least 1");
+    assert_bad_input(&["train", "--microbatch-size", "0"], "microbatch size");
+    assert_bad_input(&["train", "--lr", "0"], "learning rate");
+    assert_bad_input(&["train", "--model", "mlp-784-0-10"], "not a positive width");
+    assert_bad_input(&["train", "--model", "transformer"], "unknown model preset");
+    assert_bad_input(&["train", "--model", "mlp-100-32-10"], "takes 100 input features");
+    assert_bad_input(&["train", "--model", "mlp-784-32-7"], "has 7 outputs");
+    assert_bad_input(&["train", "--stages", "4"], "--stages 4");
+    assert_bad_input(&["train", "--stages", "0"], "stages must be at least 1");
+    assert_bad_input(&["train", "--backend", "cuda"], "built without CUDA");
+    assert_bad_input(&["train", "--backend", "tpu"], "unknown backend");
+    assert_bad_input(&["train", "--frobnicate"], "--frobnicate");
+    assert_bad_input(&["train", "--config", "/nonexistent/pipe.toml"], "cannot read config");
+    let bad = tmp("bad.toml");
+    std::fs::write(&bad, "epochs = [1,\n").unwrap();
+    assert_bad_input(&["train", "--config", bad.to_str().unwrap()], "bad.toml");
+    std::fs::write(&bad, "epoch = 3\n").unwrap();
+    assert_bad_input(&["train", "--config", bad.to_str().unwrap()], "unknown field");
+    std::fs::write(&bad, "[model]\ninput = [784]\nlayers = [{ type = \"linear\", inputs = 784, outputs = 5 }, { type = \"linear\", inputs = 6, outputs = 10 }]\n").unwrap();
+    assert_bad_input(&["train", "--config", bad.to_str().unwrap()], "layer 1 (linear)");
+}
+
+#[test]
+fn missing_and_corrupt_data_files_exit_2() {
+    let dir = tmp("mnist-missing");
+    std::fs::create_dir_all(&dir).unwrap();
+    assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "missing");
+    let dir = tmp("mnist-corrupt");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("train-images-idx3-ubyte"), [0u8, 0, 8, 3, 0, 0, 0, 9]).unwrap();
+    assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "truncated");
+    std::fs::write(dir.join("train-images-idx3-ubyte"), b"PK\x03\x04 this is a zip").unwrap();
+    assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "bad magic");
+}
+
+#[test]
+fn help_works() {
+    let out = pipe(&["train", "--help"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--microbatch-size"));
+}
