@@ -338,7 +338,10 @@ impl Observer for Progress {
         });
         bar.set_position(s.step_in_epoch);
         if s.step_in_epoch % 10 == 1 || s.step_in_epoch == s.steps_in_epoch {
-            bar.set_message(format!("loss {:.4}, {:.0} samples/s", s.loss, s.samples_per_sec));
+            bar.set_message(format!(
+                "loss {:.4}, {:.0} samples/s",
+                s.loss, s.samples_per_sec
+            ));
         }
         Ok(())
     }

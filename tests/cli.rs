@@ -1,5 +1,7 @@
 //! The `pipe` binary: it trains, and bad input gets a one-line error and exit code 2.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::process::{Command, Output};
 
 fn pipe(args: &[&str]) -> Output {
@@ -17,8 +19,17 @@ fn tmp(name: &str) -> std::path::PathBuf {
 }
 
 const SMALL: &[&str] = &[
-    "train", "--dataset", "synthetic", "--model", "mlp-784-32-10", "--epochs", "1", "--steps", "20",
-    "--threads", "1",
+    "train",
+    "--dataset",
+    "synthetic",
+    "--model",
+    "mlp-784-32-10",
+    "--epochs",
+    "1",
+    "--steps",
+    "20",
+    "--threads",
+    "1",
 ];
 
 #[track_caller]
@@ -30,7 +41,10 @@ fn assert_bad_input(args: &[&str], needle: &str) {
     assert_eq!(lines.len(), 1, "one line expected, got {err}");
     assert!(lines[0].starts_with("error: "), "{err}");
     assert!(lines[0].contains(needle), "expected '{needle}' in '{err}'");
-    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -41,10 +55,17 @@ fn trains_on_synthetic_data_and_logs_jsonl() {
     args.extend(["--log-jsonl", log_s]);
     let out = pipe(&args);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("test acc"), "{stdout}");
     let text = std::fs::read_to_string(&log).unwrap();
-    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let steps = lines.iter().filter(|v| v["kind"] == "step").count();
     assert_eq!(steps, 20);
     let epoch = lines.iter().find(|v| v["kind"] == "epoch").unwrap();
@@ -64,35 +85,57 @@ fn config_file_and_flag_override() {
     .unwrap();
     let out = pipe(&["train", "--config", cfg.to_str().unwrap(), "--steps", "2"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("done: 2 steps"), "{stdout}");
 }
 
 #[test]
 fn bad_input_exits_2_with_one_line() {
     assert_bad_input(&["train", "--dataset", "cifar"], "unknown dataset 'cifar'");
-    assert_bad_input(&["train", "--optimizer", "lion"], "unknown optimizer 'lion'");
+    assert_bad_input(
+        &["train", "--optimizer", "lion"],
+        "unknown optimizer 'lion'",
+    );
     assert_bad_input(&["train", "--epochs", "-1"], "--epochs");
     assert_bad_input(&["train", "--epochs", "0"], "epochs must be at least 1");
     assert_bad_input(&["train", "--microbatch-size", "0"], "microbatch size");
     assert_bad_input(&["train", "--lr", "0"], "learning rate");
-    assert_bad_input(&["train", "--model", "mlp-784-0-10"], "not a positive width");
+    assert_bad_input(
+        &["train", "--model", "mlp-784-0-10"],
+        "not a positive width",
+    );
     assert_bad_input(&["train", "--model", "transformer"], "unknown model preset");
-    assert_bad_input(&["train", "--model", "mlp-100-32-10"], "takes 100 input features");
+    assert_bad_input(
+        &["train", "--model", "mlp-100-32-10"],
+        "takes 100 input features",
+    );
     assert_bad_input(&["train", "--model", "mlp-784-32-7"], "has 7 outputs");
     assert_bad_input(&["train", "--stages", "4"], "--stages 4");
     assert_bad_input(&["train", "--stages", "0"], "stages must be at least 1");
     assert_bad_input(&["train", "--backend", "cuda"], "built without CUDA");
     assert_bad_input(&["train", "--backend", "tpu"], "unknown backend");
     assert_bad_input(&["train", "--frobnicate"], "--frobnicate");
-    assert_bad_input(&["train", "--config", "/nonexistent/pipe.toml"], "cannot read config");
+    assert_bad_input(
+        &["train", "--config", "/nonexistent/pipe.toml"],
+        "cannot read config",
+    );
     let bad = tmp("bad.toml");
     std::fs::write(&bad, "epochs = [1,\n").unwrap();
     assert_bad_input(&["train", "--config", bad.to_str().unwrap()], "bad.toml");
     std::fs::write(&bad, "epoch = 3\n").unwrap();
-    assert_bad_input(&["train", "--config", bad.to_str().unwrap()], "unknown field");
+    assert_bad_input(
+        &["train", "--config", bad.to_str().unwrap()],
+        "unknown field",
+    );
     std::fs::write(&bad, "[model]\ninput = [784]\nlayers = [{ type = \"linear\", inputs = 784, outputs = 5 }, { type = \"linear\", inputs = 6, outputs = 10 }]\n").unwrap();
-    assert_bad_input(&["train", "--config", bad.to_str().unwrap()], "layer 1 (linear)");
+    assert_bad_input(
+        &["train", "--config", bad.to_str().unwrap()],
+        "layer 1 (linear)",
+    );
 }
 
 #[test]
@@ -102,9 +145,17 @@ fn missing_and_corrupt_data_files_exit_2() {
     assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "missing");
     let dir = tmp("mnist-corrupt");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("train-images-idx3-ubyte"), [0u8, 0, 8, 3, 0, 0, 0, 9]).unwrap();
+    std::fs::write(
+        dir.join("train-images-idx3-ubyte"),
+        [0u8, 0, 8, 3, 0, 0, 0, 9],
+    )
+    .unwrap();
     assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "truncated");
-    std::fs::write(dir.join("train-images-idx3-ubyte"), b"PK\x03\x04 this is a zip").unwrap();
+    std::fs::write(
+        dir.join("train-images-idx3-ubyte"),
+        b"PK\x03\x04 this is a zip",
+    )
+    .unwrap();
     assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "bad magic");
 }
 

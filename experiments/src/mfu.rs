@@ -98,7 +98,9 @@ fn gemm_rate(be: &dyn Backend, reps: usize) -> Result<f64, ExperimentError> {
 /// Bad model names, zero sizes, kernel failures.
 pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     if cfg.batch == 0 || cfg.steps == 0 {
-        return Err(ExperimentError::Config("batch and steps must be positive".into()));
+        return Err(ExperimentError::Config(
+            "batch and steps must be positive".into(),
+        ));
     }
     let be = CpuBackend::new(cfg.threads)?;
     let spec = ModelSpec::preset(&cfg.model)?;
@@ -131,7 +133,16 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
             grads: &mut grads,
             opt: &mut opt,
         };
-        train_step(&be, &model, &mut st, vec![(x.clone(), y.clone())], 1.0 / cfg.batch as f32, 1e-3, 0, &mut mb)?;
+        train_step(
+            &be,
+            &model,
+            &mut st,
+            vec![(x.clone(), y.clone())],
+            1.0 / cfg.batch as f32,
+            1e-3,
+            0,
+            &mut mb,
+        )?;
         if i >= cfg.warmup {
             times.push(t.elapsed().as_secs_f64());
         }

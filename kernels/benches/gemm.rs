@@ -13,9 +13,30 @@ fn shapes() -> Vec<(String, usize, usize, usize, Trans, Trans)> {
     let mut v = Vec::new();
     for batch in [64usize, 256] {
         for width in [256usize, 1024, 4096] {
-            v.push((format!("fwd_b{batch}_w{width}"), batch, width, width, Trans::No, Trans::No));
-            v.push((format!("dx_b{batch}_w{width}"), batch, width, width, Trans::No, Trans::Yes));
-            v.push((format!("dw_b{batch}_w{width}"), width, batch, width, Trans::Yes, Trans::No));
+            v.push((
+                format!("fwd_b{batch}_w{width}"),
+                batch,
+                width,
+                width,
+                Trans::No,
+                Trans::No,
+            ));
+            v.push((
+                format!("dx_b{batch}_w{width}"),
+                batch,
+                width,
+                width,
+                Trans::No,
+                Trans::Yes,
+            ));
+            v.push((
+                format!("dw_b{batch}_w{width}"),
+                width,
+                batch,
+                width,
+                Trans::Yes,
+                Trans::No,
+            ));
         }
     }
     for s in [256usize, 512, 1024, 2048] {
@@ -26,7 +47,10 @@ fn shapes() -> Vec<(String, usize, usize, usize, Trans, Trans)> {
 
 fn operand(rows: usize, cols: usize, seed: u32) -> Tensor {
     let data = (0..rows * cols)
-        .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 9) as f32 / 8_388_608.0 - 0.5)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 9) as f32 / 8_388_608.0
+                - 0.5
+        })
         .collect();
     Tensor::from_vec(&[rows, cols], data).expect("shape matches")
 }

@@ -62,7 +62,13 @@ impl CpuBackend {
         }
     }
 
-    fn par_zip(&self, out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync + Send) {
+    fn par_zip(
+        &self,
+        out: &mut [f32],
+        a: &[f32],
+        b: &[f32],
+        f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync + Send,
+    ) {
         if self.threads > 1 && out.len() >= PAR_MIN {
             self.pool.install(|| {
                 out.par_chunks_mut(PAR_CHUNK)
@@ -83,6 +89,13 @@ struct SendPtr(*mut f32);
 // before the buffer's borrow does.
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer. A method (not a field access) so closures capture the whole `SendPtr`.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 
 /// How a product is cut into independent output blocks. Chosen from the shape alone, so the
 /// arithmetic (and so the bits) never depends on the thread count.
@@ -174,7 +187,6 @@ impl Backend for CpuBackend {
         let bp = b.data().as_ptr() as usize;
         // One block: rows r0..r0+mr, cols c0..c0+nc of the output.
         let run = |r0: usize, mr: usize, c0: usize, nc: usize, par: gemm::Parallelism| {
-            let cp = cp;
             // SAFETY: the pointers come from live tensors whose shapes were checked above; the
             // offsets stay inside them (r0 + mr <= m, c0 + nc <= n), and blocks handed to
             // different tasks write disjoint output elements.
@@ -183,7 +195,7 @@ impl Backend for CpuBackend {
                     mr,
                     nc,
                     k,
-                    cp.0.add(r0 * n + c0),
+                    cp.get().add(r0 * n + c0),
                     1,
                     n as isize,
                     accumulate,
@@ -431,7 +443,12 @@ impl Backend for CpuBackend {
         if gamma.len() != n || dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
             return Err(shape_err(
                 "layer_norm_backward_input",
-                format!("x {:?}, dy {:?}, gamma {}", x.shape(), dy.shape(), gamma.len()),
+                format!(
+                    "x {:?}, dy {:?}, gamma {}",
+                    x.shape(),
+                    dy.shape(),
+                    gamma.len()
+                ),
             ));
         }
         dx.resize(x.shape());
@@ -486,7 +503,11 @@ impl Backend for CpuBackend {
             if dgamma.len() != n || dbeta.len() != n {
                 return Err(shape_err(
                     "layer_norm_backward_params",
-                    format!("accumulators have {} and {}, rows {n}", dgamma.len(), dbeta.len()),
+                    format!(
+                        "accumulators have {} and {}, rows {n}",
+                        dgamma.len(),
+                        dbeta.len()
+                    ),
                 ));
             }
         } else {
@@ -542,10 +563,10 @@ impl Backend for CpuBackend {
         if n == 0 {
             return Ok(stats);
         }
-        let mut grad = dlogits.map(|d| {
+        let mut grad = dlogits;
+        if let Some(d) = grad.as_deref_mut() {
             d.resize(logits.shape());
-            d
-        });
+        }
         for (i, (row, &label)) in logits.data().chunks_exact(n).zip(labels).enumerate() {
             let label = label as usize;
             let (mut arg, mut max) = (0usize, f32::NEG_INFINITY);
@@ -587,7 +608,9 @@ impl Backend for CpuBackend {
     }
 
     fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
-        self.par_map_inplace(x.data_mut(), move |c| c.iter_mut().for_each(|v| *v *= alpha));
+        self.par_map_inplace(x.data_mut(), move |c| {
+            c.iter_mut().for_each(|v| *v *= alpha)
+        });
         Ok(())
     }
 
@@ -605,8 +628,17 @@ impl Backend for CpuBackend {
             ));
         }
         let n = param.len();
-        let chunk = if self.threads > 1 && n >= PAR_MIN { PAR_CHUNK } else { n.max(1) };
-        let SgdStep { lr, momentum, nesterov, weight_decay: wd } = hp;
+        let chunk = if self.threads > 1 && n >= PAR_MIN {
+            PAR_CHUNK
+        } else {
+            n.max(1)
+        };
+        let SgdStep {
+            lr,
+            momentum,
+            nesterov,
+            weight_decay: wd,
+        } = hp;
         match buf {
             Some(b) if momentum != 0.0 => {
                 if b.len() != n {
@@ -665,10 +697,19 @@ impl Backend for CpuBackend {
                 format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
             ));
         }
-        let chunk = if self.threads > 1 && n >= PAR_MIN { PAR_CHUNK } else { n.max(1) };
-        let body = |(((w, g), m), v): (((&mut [f32], &[f32]), &mut [f32]), &mut [f32])| {
+        let chunk = if self.threads > 1 && n >= PAR_MIN {
+            PAR_CHUNK
+        } else {
+            n.max(1)
+        };
+        type Chunks<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
+        let body = |(((w, g), m), v): Chunks<'_>| {
             for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                let g = if hp.decoupled { g } else { g + hp.weight_decay * *w };
+                let g = if hp.decoupled {
+                    g
+                } else {
+                    g + hp.weight_decay * *w
+                };
                 if hp.decoupled {
                     *w -= hp.lr * hp.weight_decay * *w;
                 }

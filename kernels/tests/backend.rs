@@ -1,13 +1,19 @@
 //! One suite for every backend: each test is stamped per backend by `backend_tests!` (CPU always;
 //! CUDA joins when the feature and its kernels exist).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use pipe_kernels::{Activation, Backend, CpuBackend, KernelError, Tensor, Trans};
 
 fn lcg(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -54,7 +60,13 @@ fn close(got: &[f32], want: &[f64], tol: f64) {
 }
 
 fn matmul_all_transposes(be: &dyn Backend) {
-    for &(m, k, n) in &[(1, 1, 1), (3, 5, 7), (17, 33, 9), (64, 300, 600), (300, 64, 40)] {
+    for &(m, k, n) in &[
+        (1, 1, 1),
+        (3, 5, 7),
+        (17, 33, 9),
+        (64, 300, 600),
+        (300, 64, 40),
+    ] {
         for ta in [Trans::No, Trans::Yes] {
             for tb in [Trans::No, Trans::Yes] {
                 let a = match ta {
@@ -83,11 +95,16 @@ fn matmul_rejects_bad_shapes(be: &dyn Backend) {
     let a = rand_t(&[3, 4], 1);
     let b = rand_t(&[5, 6], 2);
     let mut c = Tensor::default();
-    let e = be.matmul(&a, Trans::No, &b, Trans::No, &mut c, false).unwrap_err();
+    let e = be
+        .matmul(&a, Trans::No, &b, Trans::No, &mut c, false)
+        .unwrap_err();
     assert!(matches!(e, KernelError::Shape { .. }), "{e}");
     let b = rand_t(&[4, 6], 2);
     let mut wrong = Tensor::zeros(&[2, 2]);
-    assert!(be.matmul(&a, Trans::No, &b, Trans::No, &mut wrong, true).is_err());
+    assert!(
+        be.matmul(&a, Trans::No, &b, Trans::No, &mut wrong, true)
+            .is_err()
+    );
 }
 
 fn elementwise_and_reductions(be: &dyn Backend) {
@@ -120,32 +137,62 @@ fn elementwise_and_reductions(be: &dyn Backend) {
     assert!(r.data().iter().zip(x.data()).all(|(r, x)| *r == x.max(0.0)));
     let mut yy = x.clone();
     be.axpy(2.0, &x, &mut yy).unwrap();
-    assert!(yy.data().iter().zip(x.data()).all(|(y, x)| (y - 3.0 * x).abs() < 1e-6));
+    assert!(
+        yy.data()
+            .iter()
+            .zip(x.data())
+            .all(|(y, x)| (y - 3.0 * x).abs() < 1e-6)
+    );
     be.scale(0.5, &mut yy).unwrap();
-    assert!(yy.data().iter().zip(x.data()).all(|(y, x)| (y - 1.5 * x).abs() < 1e-6));
+    assert!(
+        yy.data()
+            .iter()
+            .zip(x.data())
+            .all(|(y, x)| (y - 1.5 * x).abs() < 1e-6)
+    );
 }
 
 fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
     let logits = rand_t(&[5, 4], 9);
     let labels = [0u32, 3, 2, 1, 3];
     let mut d = Tensor::default();
-    let s = be.softmax_cross_entropy(&logits, &labels, 0.5, Some(&mut d)).unwrap();
+    let s = be
+        .softmax_cross_entropy(&logits, &labels, 0.5, Some(&mut d))
+        .unwrap();
     let mut want = 0.0f64;
     for (i, &l) in labels.iter().enumerate() {
-        let row: Vec<f64> = logits.data()[i * 4..i * 4 + 4].iter().map(|&v| v as f64).collect();
+        let row: Vec<f64> = logits.data()[i * 4..i * 4 + 4]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
         let z: f64 = row.iter().map(|v| v.exp()).sum();
         want += z.ln() - row[l as usize];
-        for j in 0..4 {
-            let p = row[j].exp() / z;
+        for (j, v) in row.iter().enumerate() {
+            let p = v.exp() / z;
             let g = 0.5 * (p - if j == l as usize { 1.0 } else { 0.0 });
             assert!((d.data()[i * 4 + j] as f64 - g).abs() < 1e-6);
         }
     }
     assert!((s.loss_sum - want).abs() < 1e-5);
     assert_eq!(s.rows, 5);
-    let e = be.softmax_cross_entropy(&logits, &[0, 1, 2, 3, 4], 1.0, None).unwrap_err();
-    assert!(matches!(e, KernelError::Label { row: 4, label: 4, classes: 4 }), "{e}");
-    assert!(be.softmax_cross_entropy(&logits, &[0, 1], 1.0, None).is_err());
+    let e = be
+        .softmax_cross_entropy(&logits, &[0, 1, 2, 3, 4], 1.0, None)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KernelError::Label {
+                row: 4,
+                label: 4,
+                classes: 4
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        be.softmax_cross_entropy(&logits, &[0, 1], 1.0, None)
+            .is_err()
+    );
 }
 
 macro_rules! backend_tests {
@@ -162,18 +209,31 @@ macro_rules! backend_tests {
     };
 }
 
-backend_tests!(cpu, pipe_kernels::CpuBackend::new(2).unwrap(), [
-    matmul_all_transposes,
-    matmul_rejects_bad_shapes,
-    elementwise_and_reductions,
-    softmax_cross_entropy_matches_reference,
-]);
+backend_tests!(
+    cpu,
+    pipe_kernels::CpuBackend::new(2).unwrap(),
+    [
+        matmul_all_transposes,
+        matmul_rejects_bad_shapes,
+        elementwise_and_reductions,
+        softmax_cross_entropy_matches_reference,
+    ]
+);
 
 /// The promise the whole project's oracle rests on: same inputs, same bits, any thread count.
 #[test]
 fn cpu_results_do_not_depend_on_thread_count() {
-    let shapes = [(256, 1024, 1024), (64, 1024, 4096), (1024, 256, 1024), (1024, 64, 10), (33, 77, 5)];
-    let backends: Vec<CpuBackend> = [1, 2, 3, 4].iter().map(|&t| CpuBackend::new(t).unwrap()).collect();
+    let shapes = [
+        (256, 1024, 1024),
+        (64, 1024, 4096),
+        (1024, 256, 1024),
+        (1024, 64, 10),
+        (33, 77, 5),
+    ];
+    let backends: Vec<CpuBackend> = [1, 2, 3, 4]
+        .iter()
+        .map(|&t| CpuBackend::new(t).unwrap())
+        .collect();
     for &(m, k, n) in &shapes {
         for ta in [Trans::No, Trans::Yes] {
             for tb in [Trans::No, Trans::Yes] {
@@ -195,7 +255,11 @@ fn cpu_results_do_not_depend_on_thread_count() {
                     })
                     .collect();
                 for (t, o) in outs.iter().enumerate().skip(1) {
-                    assert!(o == &outs[0], "{m}x{k}x{n} {ta:?}{tb:?}: {} threads differ from 1", t + 1);
+                    assert!(
+                        o == &outs[0],
+                        "{m}x{k}x{n} {ta:?}{tb:?}: {} threads differ from 1",
+                        t + 1
+                    );
                 }
             }
         }
@@ -207,7 +271,12 @@ fn cpu_results_do_not_depend_on_thread_count() {
         .iter()
         .map(|be| {
             let mut out = Vec::new();
-            for act in [Activation::Relu, Activation::Gelu, Activation::Tanh, Activation::Sigmoid] {
+            for act in [
+                Activation::Relu,
+                Activation::Gelu,
+                Activation::Tanh,
+                Activation::Sigmoid,
+            ] {
                 let (mut y, mut dx) = (Tensor::default(), Tensor::default());
                 be.activation(act, &x, &mut y).unwrap();
                 be.activation_backward(act, &x, &dy, &mut dx).unwrap();

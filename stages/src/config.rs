@@ -127,7 +127,10 @@ impl TrainSettings {
     /// [`StageError::Config`] or [`StageError::Model`] naming the first bad value.
     pub fn resolve(self) -> Result<RunConfig> {
         let bad = |m: String| Err(StageError::Config(m));
-        let (model_name, model) = match self.model.unwrap_or(ModelChoice::Preset(DEFAULT_MODEL.into())) {
+        let (model_name, model) = match self
+            .model
+            .unwrap_or(ModelChoice::Preset(DEFAULT_MODEL.into()))
+        {
             ModelChoice::Preset(name) => {
                 let spec = ModelSpec::preset(&name)?;
                 (name, spec)
@@ -136,7 +139,9 @@ impl TrainSettings {
         };
         Model::new(&model)?;
         let dataset = self.dataset.unwrap_or(DatasetKind::Mnist);
-        let epochs = self.epochs.unwrap_or(if dataset == DatasetKind::Mnist { 6 } else { 10 });
+        let epochs = self
+            .epochs
+            .unwrap_or(if dataset == DatasetKind::Mnist { 6 } else { 10 });
         if epochs == 0 {
             return bad("epochs must be at least 1".into());
         }
@@ -155,7 +160,9 @@ impl TrainSettings {
         let kind = self.optimizer.unwrap_or(OptimizerKind::Sgd);
         let optimizer = OptimizerConfig {
             kind,
-            momentum: self.momentum.unwrap_or(if kind == OptimizerKind::Sgd { 0.9 } else { 0.0 }),
+            momentum: self
+                .momentum
+                .unwrap_or(if kind == OptimizerKind::Sgd { 0.9 } else { 0.0 }),
             nesterov: self.nesterov.unwrap_or(false),
             weight_decay: self.weight_decay.unwrap_or(defaults.weight_decay),
             beta1: self.beta1.unwrap_or(defaults.beta1),

@@ -76,18 +76,27 @@ pub fn maybe_gunzip(bytes: &[u8], name: &str) -> Result<Vec<u8>> {
 pub fn parse_idx(bytes: &[u8], name: &str) -> Result<Idx> {
     let raw = maybe_gunzip(bytes, name)?;
     if raw.len() < 4 {
-        return Err(data_err(name, format!("truncated: {} bytes, no IDX header", raw.len())));
+        return Err(data_err(
+            name,
+            format!("truncated: {} bytes, no IDX header", raw.len()),
+        ));
     }
     if raw[0] != 0 || raw[1] != 0 {
         return Err(data_err(
             name,
-            format!("bad magic {:02x}{:02x}{:02x}{:02x}: not an IDX file", raw[0], raw[1], raw[2], raw[3]),
+            format!(
+                "bad magic {:02x}{:02x}{:02x}{:02x}: not an IDX file",
+                raw[0], raw[1], raw[2], raw[3]
+            ),
         ));
     }
     if raw[2] != 0x08 {
         return Err(data_err(
             name,
-            format!("IDX type code 0x{:02x} is not supported (only unsigned bytes, 0x08)", raw[2]),
+            format!(
+                "IDX type code 0x{:02x} is not supported (only unsigned bytes, 0x08)",
+                raw[2]
+            ),
         ));
     }
     let rank = raw[3] as usize;
@@ -96,7 +105,10 @@ pub fn parse_idx(bytes: &[u8], name: &str) -> Result<Idx> {
     }
     let header = 4 + 4 * rank;
     if raw.len() < header {
-        return Err(data_err(name, format!("truncated header: {} of {header} bytes", raw.len())));
+        return Err(data_err(
+            name,
+            format!("truncated header: {} of {header} bytes", raw.len()),
+        ));
     }
     let mut dims = Vec::with_capacity(rank);
     let mut total: usize = 1;
@@ -206,10 +218,19 @@ pub struct Splits {
 
 fn mnist_pair(images: Idx, labels: Idx, name: &str) -> Result<Dataset> {
     if images.dims.len() != 3 {
-        return Err(data_err(name, format!("images have dimensions {:?}, expected [n, rows, cols]", images.dims)));
+        return Err(data_err(
+            name,
+            format!(
+                "images have dimensions {:?}, expected [n, rows, cols]",
+                images.dims
+            ),
+        ));
     }
     if labels.dims.len() != 1 {
-        return Err(data_err(name, format!("labels have dimensions {:?}, expected [n]", labels.dims)));
+        return Err(data_err(
+            name,
+            format!("labels have dimensions {:?}, expected [n]", labels.dims),
+        ));
     }
     if images.dims[0] != labels.dims[0] {
         return Err(data_err(
@@ -218,7 +239,10 @@ fn mnist_pair(images: Idx, labels: Idx, name: &str) -> Result<Dataset> {
         ));
     }
     if let Some(pos) = labels.data.iter().position(|&l| l > 9) {
-        return Err(data_err(name, format!("label {} at {pos} is not a digit", labels.data[pos])));
+        return Err(data_err(
+            name,
+            format!("label {} at {pos} is not a digit", labels.data[pos]),
+        ));
     }
     let features = images
         .data
@@ -307,10 +331,15 @@ impl Default for SyntheticConfig {
 /// [`StageError::Config`] for zero sizes or fewer than two classes.
 pub fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Result<Splits> {
     if cfg.inputs == 0 || cfg.hidden == 0 || cfg.train == 0 || cfg.test == 0 {
-        return Err(StageError::Config(format!("synthetic dataset sizes must be positive: {cfg:?}")));
+        return Err(StageError::Config(format!(
+            "synthetic dataset sizes must be positive: {cfg:?}"
+        )));
     }
     if cfg.classes < 2 {
-        return Err(StageError::Config(format!("synthetic dataset needs >= 2 classes, got {}", cfg.classes)));
+        return Err(StageError::Config(format!(
+            "synthetic dataset needs >= 2 classes, got {}",
+            cfg.classes
+        )));
     }
     let (d, h, c) = (cfg.inputs, cfg.hidden, cfg.classes);
     let mut trng = rng_for(seed, "synthetic-teacher", 0);
@@ -320,11 +349,15 @@ pub fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Result<Splits> {
             v / (d as f32).sqrt()
         })
         .collect();
-    let w2: Vec<f32> = (0..h * c).map(|_| StandardNormal.sample(&mut trng)).collect();
+    let w2: Vec<f32> = (0..h * c)
+        .map(|_| StandardNormal.sample(&mut trng))
+        .collect();
     let b2: Vec<f32> = (0..c).map(|_| trng.random_range(-0.1..0.1)).collect();
     let make = |n: usize, index: u64, name: &str| {
         let mut rng = rng_for(seed, "synthetic-data", index);
-        let features: Vec<f32> = (0..n * d).map(|_| StandardNormal.sample(&mut rng)).collect();
+        let features: Vec<f32> = (0..n * d)
+            .map(|_| StandardNormal.sample(&mut rng))
+            .collect();
         let labels = features
             .chunks_exact(d)
             .map(|x| {

@@ -433,7 +433,10 @@ impl Layer for LayerNorm {
     }
 
     fn param_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
-        vec![("weight", vec![self.features]), ("bias", vec![self.features])]
+        vec![
+            ("weight", vec![self.features]),
+            ("bias", vec![self.features]),
+        ]
     }
 
     fn init_params(&self, _rng: &mut Rng) -> Vec<Tensor> {
@@ -465,7 +468,9 @@ impl Layer for LayerNorm {
         _ctx: ForwardCtx,
     ) -> KResult<(Tensor, Saved)> {
         let (mut y, mut mean, mut rstd) = (Tensor::default(), Tensor::default(), Tensor::default());
-        be.layer_norm(&x, &params[0], &params[1], self.eps, &mut y, &mut mean, &mut rstd)?;
+        be.layer_norm(
+            &x, &params[0], &params[1], self.eps, &mut y, &mut mean, &mut rstd,
+        )?;
         Ok((
             y,
             Saved {
@@ -538,10 +543,21 @@ impl Layer for Dropout {
         let mut rng = rng_for(derive_seed(ctx.seed, "dropout", 0), "mask", 0);
         let keep = 1.0 / (1.0 - self.p);
         let mask: Vec<f32> = (0..x.len())
-            .map(|_| if rng.random::<f32>() < self.p { 0.0 } else { keep })
+            .map(|_| {
+                if rng.random::<f32>() < self.p {
+                    0.0
+                } else {
+                    keep
+                }
+            })
             .collect();
         let mask = Tensor::from_vec(x.shape(), mask)?;
-        let y: Vec<f32> = x.data().iter().zip(mask.data()).map(|(a, m)| a * m).collect();
+        let y: Vec<f32> = x
+            .data()
+            .iter()
+            .zip(mask.data())
+            .map(|(a, m)| a * m)
+            .collect();
         Ok((
             Tensor::from_vec(x.shape(), y)?,
             Saved {
@@ -565,7 +581,12 @@ impl Layer for Dropout {
                 detail: format!("mask {:?}, gradient {:?}", mask.shape(), dy.shape()),
             });
         }
-        let dx: Vec<f32> = dy.data().iter().zip(mask.data()).map(|(g, m)| g * m).collect();
+        let dx: Vec<f32> = dy
+            .data()
+            .iter()
+            .zip(mask.data())
+            .map(|(g, m)| g * m)
+            .collect();
         Tensor::from_vec(dy.shape(), dx)
     }
 }
@@ -595,7 +616,7 @@ impl Layer for Flatten {
         _ctx: ForwardCtx,
     ) -> KResult<(Tensor, Saved)> {
         let batch = x.shape().first().copied().unwrap_or(1);
-        let per = if batch == 0 { 0 } else { x.len() / batch };
+        let per = x.len().checked_div(batch).unwrap_or(0);
         let shape = x.shape().to_vec();
         Ok((
             x.reshape(&[batch, per])?,

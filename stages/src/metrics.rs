@@ -45,7 +45,8 @@ impl JsonlLog {
             path: self.path.display().to_string(),
             source,
         };
-        let line = serde_json::to_string(&Tagged { kind, body }).map_err(|e| io(std::io::Error::other(e)))?;
+        let line = serde_json::to_string(&Tagged { kind, body })
+            .map_err(|e| io(std::io::Error::other(e)))?;
         writeln!(self.out, "{line}").map_err(io)
     }
 }

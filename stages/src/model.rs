@@ -51,14 +51,15 @@ impl ModelSpec {
                 None => (part, "1"),
             };
             let parse = |s: &str| {
-                s.parse::<usize>()
-                    .ok()
-                    .filter(|v| *v > 0)
-                    .ok_or_else(|| StageError::Model(format!("'{name}': '{part}' is not a positive width")))
+                s.parse::<usize>().ok().filter(|v| *v > 0).ok_or_else(|| {
+                    StageError::Model(format!("'{name}': '{part}' is not a positive width"))
+                })
             };
             let (w, n) = (parse(w)?, parse(n)?);
             if n > 10_000 {
-                return Err(StageError::Model(format!("'{name}': {n} repeated layers is too many")));
+                return Err(StageError::Model(format!(
+                    "'{name}': {n} repeated layers is too many"
+                )));
             }
             widths.extend(std::iter::repeat_n(w, n));
         }
@@ -213,6 +214,7 @@ impl Model {
     ///
     /// # Errors
     /// [`StageError::Kernel`] naming the layer that failed.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_range(
         &self,
         be: &dyn Backend,
@@ -231,14 +233,15 @@ impl Model {
                 train,
                 seed: derive_seed(seed, "layer", ((i as u64) << 40) ^ microbatch),
             };
-            let (y, s) = layer
-                .forward(be, &params[j], h, ctx)
-                .map_err(|source| StageError::Kernel {
-                    layer: i,
-                    kind: layer.kind(),
-                    op: "forward",
-                    source,
-                })?;
+            let (y, s) =
+                layer
+                    .forward(be, &params[j], h, ctx)
+                    .map_err(|source| StageError::Kernel {
+                        layer: i,
+                        kind: layer.kind(),
+                        op: "forward",
+                        source,
+                    })?;
             saved.push(s);
             h = y;
         }

@@ -80,12 +80,18 @@ impl OptimizerConfig {
             return bad("nesterov needs a non-zero momentum".into());
         }
         if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
-            return bad(format!("weight decay must be >= 0, got {}", self.weight_decay));
+            return bad(format!(
+                "weight decay must be >= 0, got {}",
+                self.weight_decay
+            ));
         }
         if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
-            return bad(format!("betas must be in [0, 1), got {} and {}", self.beta1, self.beta2));
+            return bad(format!(
+                "betas must be in [0, 1), got {} and {}",
+                self.beta1, self.beta2
+            ));
         }
-        if !(self.eps > 0.0) {
+        if self.eps.is_nan() || self.eps <= 0.0 {
             return bad(format!("eps must be positive, got {}", self.eps));
         }
         Ok(())
@@ -144,7 +150,13 @@ impl Optimizer {
     ///
     /// # Errors
     /// Shape mismatches between parameters, gradients and state.
-    pub fn step(&mut self, be: &dyn Backend, params: &mut Params, grads: &Params, lr: f32) -> Result<()> {
+    pub fn step(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut Params,
+        grads: &Params,
+        lr: f32,
+    ) -> Result<()> {
         self.steps += 1;
         let t = self.steps as i32;
         let c = self.cfg;
@@ -201,7 +213,9 @@ impl std::str::FromStr for LrScheduleKind {
             "constant" => Ok(Self::Constant),
             "warmup" => Ok(Self::Warmup),
             "cosine" => Ok(Self::Cosine),
-            _ => Err(format!("unknown lr schedule '{s}' (constant, warmup, cosine)")),
+            _ => Err(format!(
+                "unknown lr schedule '{s}' (constant, warmup, cosine)"
+            )),
         }
     }
 }
@@ -263,10 +277,16 @@ mod tests {
         assert!((s.at(10) - 1.0).abs() < 1e-6);
         assert!((s.at(60) - 0.5).abs() < 1e-6);
         assert!(s.at(110).abs() < 1e-6);
-        let w = LrSchedule { kind: LrScheduleKind::Warmup, ..s };
+        let w = LrSchedule {
+            kind: LrScheduleKind::Warmup,
+            ..s
+        };
         assert!((w.at(4) - 0.5).abs() < 1e-6);
         assert!((w.at(1000) - 1.0).abs() < 1e-6);
-        let c = LrSchedule { kind: LrScheduleKind::Constant, ..s };
+        let c = LrSchedule {
+            kind: LrScheduleKind::Constant,
+            ..s
+        };
         assert_eq!(c.at(3), 1.0);
     }
 }

@@ -187,7 +187,8 @@ pub fn train_step(
     let mut loss = 0.0;
     let n = model.len();
     for (i, (x, y)) in batches.into_iter().enumerate() {
-        let (logits, saved) = model.forward_range(be, 0..n, st.params, x, true, seed, *microbatch_id)?;
+        let (logits, saved) =
+            model.forward_range(be, 0..n, st.params, x, true, seed, *microbatch_id)?;
         *microbatch_id += 1;
         let mut dlogits = Tensor::default();
         let s = be.softmax_cross_entropy(&logits, &y, grad_scale, Some(&mut dlogits))?;
@@ -202,7 +203,12 @@ pub fn train_step(
 ///
 /// # Errors
 /// Kernel errors, a diverged loss, or an observer's error.
-pub fn train(cfg: &RunConfig, data: &Splits, be: &dyn Backend, obs: &mut dyn Observer) -> Result<TrainReport> {
+pub fn train(
+    cfg: &RunConfig,
+    data: &Splits,
+    be: &dyn Backend,
+    obs: &mut dyn Observer,
+) -> Result<TrainReport> {
     let model = Model::new(&cfg.model)?;
     let mut params = model.init_params(cfg.seed);
     let mut grads = model.zero_grads(0..model.len());
@@ -210,7 +216,9 @@ pub fn train(cfg: &RunConfig, data: &Splits, be: &dyn Backend, obs: &mut dyn Obs
     let b = cfg.microbatch_size;
     let m = cfg.microbatches;
     let steps_per_epoch = (data.train.len() / (b * m)) as u64;
-    let total = cfg.steps.map_or(steps_per_epoch * cfg.epochs, |s| s.min(steps_per_epoch * cfg.epochs));
+    let total = cfg.steps.map_or(steps_per_epoch * cfg.epochs, |s| {
+        s.min(steps_per_epoch * cfg.epochs)
+    });
     let sched = LrSchedule {
         kind: cfg.lr_schedule,
         base: cfg.lr,
@@ -232,12 +240,18 @@ pub fn train(cfg: &RunConfig, data: &Splits, be: &dyn Backend, obs: &mut dyn Obs
                 break 'epochs;
             }
             let lr = sched.at(step);
-            let batches: Vec<(Tensor, Vec<u32>)> =
-                update.chunks_exact(b).map(|mb| data.train.gather(mb)).collect();
+            let batches: Vec<(Tensor, Vec<u32>)> = update
+                .chunks_exact(b)
+                .map(|mb| data.train.gather(mb))
+                .collect();
             let loss = train_step(
                 be,
                 &model,
-                &mut StepState { params: &mut params, grads: &mut grads, opt: &mut opt },
+                &mut StepState {
+                    params: &mut params,
+                    grads: &mut grads,
+                    opt: &mut opt,
+                },
                 batches,
                 grad_scale,
                 lr,
@@ -257,7 +271,8 @@ pub fn train(cfg: &RunConfig, data: &Splits, be: &dyn Backend, obs: &mut dyn Obs
                 loss: mean,
                 lr,
                 samples: b * m,
-                samples_per_sec: epoch_samples as f64 / epoch_start.elapsed().as_secs_f64().max(1e-9),
+                samples_per_sec: epoch_samples as f64
+                    / epoch_start.elapsed().as_secs_f64().max(1e-9),
                 elapsed_s: start.elapsed().as_secs_f64(),
                 steps_in_epoch: steps_per_epoch.min(total),
                 step_in_epoch: k as u64 + 1,

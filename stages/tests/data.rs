@@ -1,9 +1,11 @@
 //! The IDX reader accepts MNIST and rejects malformed files with a message naming the problem.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::Write;
 
 use pipe_stages::StageError;
-use pipe_stages::data::{mnist, parse_idx, read_idx, synthetic, SyntheticConfig};
+use pipe_stages::data::{SyntheticConfig, mnist, parse_idx, read_idx, synthetic};
 
 fn idx(dims: &[u32], body: &[u8]) -> Vec<u8> {
     let mut v = vec![0, 0, 0x08, dims.len() as u8];
@@ -42,14 +44,24 @@ fn rejects_malformed_files() {
         (vec![], "truncated"),
         (vec![0, 0, 8], "truncated"),
         (vec![1, 2, 8, 1, 0, 0, 0, 1, 0], "bad magic"),
-        (idx(&[2], &[1, 2]).into_iter().enumerate().map(|(i, b)| if i == 2 { 0x0d } else { b }).collect(), "type code"),
+        (
+            idx(&[2], &[1, 2])
+                .into_iter()
+                .enumerate()
+                .map(|(i, b)| if i == 2 { 0x0d } else { b })
+                .collect(),
+            "type code",
+        ),
         (vec![0, 0, 8, 0], "rank 0"),
         (vec![0, 0, 8, 9], "rank 9"),
         (vec![0, 0, 8, 2, 0, 0, 0, 2], "truncated header"),
         (idx(&[2, 3], &[1, 2, 3]), "truncated"),
         (idx(&[2, 3], &[1, 2, 3, 4, 5, 6, 7]), "trailing"),
         (idx(&[0], &[]), "zero"),
-        (idx(&[u32::MAX, u32::MAX, u32::MAX], &[]), "more data than allowed"),
+        (
+            idx(&[u32::MAX, u32::MAX, u32::MAX], &[]),
+            "more data than allowed",
+        ),
         (vec![0x1f, 0x8b, 8, 0, 1, 2, 3], "corrupt gzip"),
     ];
     for (bytes, want) in cases {
@@ -71,7 +83,11 @@ fn missing_files_and_dirs_are_errors() {
     std::fs::write(&f, idx(&[3], &[1, 2])).unwrap();
     assert!(reason(read_idx(&f).unwrap_err()).contains("truncated"));
     // Images and labels that disagree in count.
-    std::fs::write(dir.join("train-images-idx3-ubyte"), idx(&[2, 2, 2], &[0; 8])).unwrap();
+    std::fs::write(
+        dir.join("train-images-idx3-ubyte"),
+        idx(&[2, 2, 2], &[0; 8]),
+    )
+    .unwrap();
     std::fs::write(dir.join("train-labels-idx1-ubyte"), idx(&[3], &[0, 1, 2])).unwrap();
     let msg = reason(mnist(Some(&dir)).unwrap_err());
     assert!(msg.contains("2 images but 3 labels"), "{msg}");
@@ -88,12 +104,21 @@ fn embedded_mnist_is_complete() {
     for &l in &s.test.labels {
         counts[l as usize] += 1;
     }
-    assert_eq!(counts, [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]);
+    assert_eq!(
+        counts,
+        [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    );
 }
 
 #[test]
 fn shuffling_and_synthetic_data_are_seeded() {
-    let cfg = SyntheticConfig { inputs: 16, classes: 4, hidden: 8, train: 256, test: 64 };
+    let cfg = SyntheticConfig {
+        inputs: 16,
+        classes: 4,
+        hidden: 8,
+        train: 256,
+        test: 64,
+    };
     let a = synthetic(&cfg, 3).unwrap();
     let b = synthetic(&cfg, 3).unwrap();
     let c = synthetic(&cfg, 4).unwrap();

@@ -3,6 +3,8 @@
 //! The objective is `L = sum(y * r)` for a fixed random `r`, so `dL/dy = r`; analytic input and
 //! parameter gradients are compared with central differences computed in f64 sums over f32 math.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use pipe_kernels::{Backend, CpuBackend, Tensor};
 use pipe_stages::layers::{ForwardCtx, Layer, LayerSpec};
 use pipe_stages::model::{Model, ModelSpec};
@@ -15,14 +17,22 @@ fn rand_t(shape: &[usize], seed: u64, away_from_zero: bool) -> Tensor {
     let data = (0..n)
         .map(|_| {
             let v: f32 = rng.random_range(-1.0..1.0);
-            if away_from_zero { v.signum() * (0.2 + v.abs()) } else { v }
+            if away_from_zero {
+                v.signum() * (0.2 + v.abs())
+            } else {
+                v
+            }
         })
         .collect();
     Tensor::from_vec(shape, data).unwrap()
 }
 
 fn objective(y: &Tensor, r: &Tensor) -> f64 {
-    y.data().iter().zip(r.data()).map(|(a, b)| *a as f64 * *b as f64).sum()
+    y.data()
+        .iter()
+        .zip(r.data())
+        .map(|(a, b)| *a as f64 * *b as f64)
+        .sum()
 }
 
 const H: f32 = 1e-2;
@@ -31,7 +41,10 @@ fn check(name: &str, analytic: &[f32], numeric: &[f64]) {
     let scale = numeric.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
     for (i, (a, n)) in analytic.iter().zip(numeric).enumerate() {
         let err = (*a as f64 - n).abs() / scale;
-        assert!(err < 2e-2, "{name}[{i}]: analytic {a}, numeric {n} (relative error {err:.3e})");
+        assert!(
+            err < 2e-2,
+            "{name}[{i}]: analytic {a}, numeric {n} (relative error {err:.3e})"
+        );
     }
 }
 
@@ -48,13 +61,23 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
         }
     }
     let x = rand_t(x_shape, 2, away_from_zero);
-    let ctx = ForwardCtx { train: true, seed: 42 };
+    let ctx = ForwardCtx {
+        train: true,
+        seed: 42,
+    };
     let (y, saved) = layer.forward(&be, &params, x.clone(), ctx).unwrap();
     let r = rand_t(y.shape(), 3, false);
     let dx = layer.backward_input(&be, &params, &saved, &r).unwrap();
-    assert_eq!(dx.shape(), x.shape(), "{}: input gradient shape", layer.kind());
+    assert_eq!(
+        dx.shape(),
+        x.shape(),
+        "{}: input gradient shape",
+        layer.kind()
+    );
     let mut grads: Vec<Tensor> = params.iter().map(|p| Tensor::zeros(p.shape())).collect();
-    layer.backward_params(&be, &params, &saved, &r, &mut grads, false).unwrap();
+    layer
+        .backward_params(&be, &params, &saved, &r, &mut grads, false)
+        .unwrap();
     let eval = |params: &[Tensor], x: &Tensor| {
         let (y, _) = layer.forward(&be, params, x.clone(), ctx).unwrap();
         objective(&y, &r)
@@ -81,7 +104,9 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
     }
     // Accumulating adds to what is there.
     let before = grads.clone();
-    layer.backward_params(&be, &params, &saved, &r, &mut grads, true).unwrap();
+    layer
+        .backward_params(&be, &params, &saved, &r, &mut grads, true)
+        .unwrap();
     for (a, b) in grads.iter().zip(&before) {
         for (x, y) in a.data().iter().zip(b.data()) {
             assert!((x - 2.0 * y).abs() <= 1e-5 * (1.0 + y.abs()));
@@ -91,20 +116,50 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
 
 #[test]
 fn linear() {
-    grad_check_layer(LayerSpec::Linear { inputs: 6, outputs: 5, bias: true, init: None }, &[4, 6], false);
-    grad_check_layer(LayerSpec::Linear { inputs: 6, outputs: 3, bias: false, init: None }, &[2, 6], false);
+    grad_check_layer(
+        LayerSpec::Linear {
+            inputs: 6,
+            outputs: 5,
+            bias: true,
+            init: None,
+        },
+        &[4, 6],
+        false,
+    );
+    grad_check_layer(
+        LayerSpec::Linear {
+            inputs: 6,
+            outputs: 3,
+            bias: false,
+            init: None,
+        },
+        &[2, 6],
+        false,
+    );
 }
 
 #[test]
 fn activations() {
-    for spec in [LayerSpec::Relu, LayerSpec::Gelu, LayerSpec::Tanh, LayerSpec::Sigmoid] {
+    for spec in [
+        LayerSpec::Relu,
+        LayerSpec::Gelu,
+        LayerSpec::Tanh,
+        LayerSpec::Sigmoid,
+    ] {
         grad_check_layer(spec, &[3, 7], true);
     }
 }
 
 #[test]
 fn layer_norm() {
-    grad_check_layer(LayerSpec::LayerNorm { features: 8, eps: 1e-5 }, &[3, 8], false);
+    grad_check_layer(
+        LayerSpec::LayerNorm {
+            features: 8,
+            eps: 1e-5,
+        },
+        &[3, 8],
+        false,
+    );
 }
 
 #[test]
@@ -113,12 +168,31 @@ fn dropout_is_seeded_and_checks() {
     let be = CpuBackend::new(1).unwrap();
     let layer = LayerSpec::Dropout { p: 0.5 }.build(false).unwrap();
     let x = Tensor::full(&[8, 64], 1.0);
-    let run = |seed| layer.forward(&be, &[], x.clone(), ForwardCtx { train: true, seed }).unwrap().0;
+    let run = |seed| {
+        layer
+            .forward(&be, &[], x.clone(), ForwardCtx { train: true, seed })
+            .unwrap()
+            .0
+    };
     assert_eq!(run(7), run(7), "same seed, same mask");
     assert_ne!(run(7), run(8), "another seed, another mask");
     let kept = run(7).data().iter().filter(|v| **v != 0.0).count();
-    assert!((150..362).contains(&kept), "about half kept, got {kept} of 512");
-    let eval = layer.forward(&be, &[], x.clone(), ForwardCtx { train: false, seed: 7 }).unwrap().0;
+    assert!(
+        (150..362).contains(&kept),
+        "about half kept, got {kept} of 512"
+    );
+    let eval = layer
+        .forward(
+            &be,
+            &[],
+            x.clone(),
+            ForwardCtx {
+                train: false,
+                seed: 7,
+            },
+        )
+        .unwrap()
+        .0;
     assert_eq!(eval, x, "identity in evaluation");
 }
 
@@ -133,8 +207,13 @@ fn softmax_cross_entropy_loss() {
     let logits = rand_t(&[4, 5], 11, false);
     let labels = [1u32, 0, 4, 2];
     let mut d = Tensor::default();
-    be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut d)).unwrap();
-    let loss = |l: &Tensor| be.softmax_cross_entropy(l, &labels, 1.0, None).unwrap().loss_sum;
+    be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut d))
+        .unwrap();
+    let loss = |l: &Tensor| {
+        be.softmax_cross_entropy(l, &labels, 1.0, None)
+            .unwrap()
+            .loss_sum
+    };
     let numeric: Vec<f64> = (0..logits.len())
         .map(|i| {
             let (mut p, mut m) = (logits.clone(), logits.clone());
@@ -153,13 +232,31 @@ fn whole_model() {
         input: vec![2, 3],
         layers: vec![
             LayerSpec::Flatten,
-            LayerSpec::Linear { inputs: 6, outputs: 8, bias: true, init: None },
-            LayerSpec::LayerNorm { features: 8, eps: 1e-5 },
+            LayerSpec::Linear {
+                inputs: 6,
+                outputs: 8,
+                bias: true,
+                init: None,
+            },
+            LayerSpec::LayerNorm {
+                features: 8,
+                eps: 1e-5,
+            },
             LayerSpec::Gelu,
             LayerSpec::Dropout { p: 0.25 },
-            LayerSpec::Linear { inputs: 8, outputs: 8, bias: true, init: None },
+            LayerSpec::Linear {
+                inputs: 8,
+                outputs: 8,
+                bias: true,
+                init: None,
+            },
             LayerSpec::Tanh,
-            LayerSpec::Linear { inputs: 8, outputs: 4, bias: true, init: None },
+            LayerSpec::Linear {
+                inputs: 8,
+                outputs: 4,
+                bias: true,
+                init: None,
+            },
         ],
     };
     let model = Model::new(&spec).unwrap();
@@ -167,15 +264,31 @@ fn whole_model() {
     let x = rand_t(&[3, 2, 3], 12, false);
     let labels = [3u32, 0, 2];
     let loss = |params: &Vec<Vec<Tensor>>, x: &Tensor| {
-        let (logits, _) = model.forward_range(&be, 0..model.len(), params, x.clone(), true, 9, 4).unwrap();
-        be.softmax_cross_entropy(&logits, &labels, 1.0, None).unwrap().loss_sum
+        let (logits, _) = model
+            .forward_range(&be, 0..model.len(), params, x.clone(), true, 9, 4)
+            .unwrap();
+        be.softmax_cross_entropy(&logits, &labels, 1.0, None)
+            .unwrap()
+            .loss_sum
     };
-    let (logits, saved) = model.forward_range(&be, 0..model.len(), &params, x.clone(), true, 9, 4).unwrap();
+    let (logits, saved) = model
+        .forward_range(&be, 0..model.len(), &params, x.clone(), true, 9, 4)
+        .unwrap();
     let mut dl = Tensor::default();
-    be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut dl)).unwrap();
+    be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut dl))
+        .unwrap();
     let mut grads = model.zero_grads(0..model.len());
     let dx = model
-        .backward_range(&be, 0..model.len(), &params, &saved, dl, &mut grads, false, true)
+        .backward_range(
+            &be,
+            0..model.len(),
+            &params,
+            &saved,
+            dl,
+            &mut grads,
+            false,
+            true,
+        )
         .unwrap()
         .unwrap();
     let numeric_x: Vec<f64> = (0..x.len())

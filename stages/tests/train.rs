@@ -1,6 +1,8 @@
 //! Training-loop properties: it learns, it is reproducible bit for bit, and its result does not
 //! depend on the thread count. Optimizer updates match hand-computed values.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use pipe_kernels::{Backend, CpuBackend, Tensor};
 use pipe_stages::config::{DatasetKind, ModelChoice, TrainSettings};
 use pipe_stages::data::SyntheticConfig;
@@ -12,7 +14,13 @@ fn settings() -> TrainSettings {
     TrainSettings {
         model: Some(ModelChoice::Preset("mlp-32-64-64-4".into())),
         dataset: Some(DatasetKind::Synthetic),
-        synthetic: Some(SyntheticConfig { inputs: 32, classes: 4, hidden: 16, train: 2048, test: 512 }),
+        synthetic: Some(SyntheticConfig {
+            inputs: 32,
+            classes: 4,
+            hidden: 16,
+            train: 2048,
+            test: 512,
+        }),
         epochs: Some(8),
         microbatch_size: Some(32),
         microbatches: Some(2),
@@ -23,7 +31,10 @@ fn settings() -> TrainSettings {
 }
 
 fn bits(p: &Params) -> Vec<u32> {
-    p.iter().flatten().flat_map(|t| t.data().iter().map(|v| v.to_bits())).collect()
+    p.iter()
+        .flatten()
+        .flat_map(|t| t.data().iter().map(|v| v.to_bits()))
+        .collect()
 }
 
 #[test]
@@ -43,17 +54,32 @@ fn reproducible_and_thread_count_independent() {
     let mut s = settings();
     s.epochs = Some(1);
     s.model = Some(ModelChoice::Preset("mlp-32-512-300-4".into()));
-    s.synthetic = Some(SyntheticConfig { inputs: 32, classes: 4, hidden: 16, train: 1024, test: 64 });
+    s.synthetic = Some(SyntheticConfig {
+        inputs: 32,
+        classes: 4,
+        hidden: 16,
+        train: 1024,
+        test: 64,
+    });
     s.microbatch_size = Some(256);
     let cfg = s.resolve().unwrap();
     let model = Model::new(&cfg.model).unwrap();
     let data = load_data(&cfg, &model).unwrap();
     let runs: Vec<Vec<u32>> = [1usize, 2, 2, 3]
         .iter()
-        .map(|&t| bits(&train(&cfg, &data, &CpuBackend::new(t).unwrap(), &mut Quiet).unwrap().params))
+        .map(|&t| {
+            bits(
+                &train(&cfg, &data, &CpuBackend::new(t).unwrap(), &mut Quiet)
+                    .unwrap()
+                    .params,
+            )
+        })
         .collect();
     for r in &runs[1..] {
-        assert!(r == &runs[0], "parameters differ between runs or thread counts");
+        assert!(
+            r == &runs[0],
+            "parameters differ between runs or thread counts"
+        );
     }
 }
 
@@ -67,11 +93,26 @@ fn steps_cap_and_config_errors() {
     let r = train(&cfg, &data, &CpuBackend::new(1).unwrap(), &mut Quiet).unwrap();
     assert_eq!(r.steps, 5);
     for bad in [
-        TrainSettings { epochs: Some(0), ..settings() },
-        TrainSettings { microbatch_size: Some(0), ..settings() },
-        TrainSettings { lr: Some(-1.0), ..settings() },
-        TrainSettings { model: Some(ModelChoice::Preset("resnet".into())), ..settings() },
-        TrainSettings { momentum: Some(1.5), ..settings() },
+        TrainSettings {
+            epochs: Some(0),
+            ..settings()
+        },
+        TrainSettings {
+            microbatch_size: Some(0),
+            ..settings()
+        },
+        TrainSettings {
+            lr: Some(-1.0),
+            ..settings()
+        },
+        TrainSettings {
+            model: Some(ModelChoice::Preset("resnet".into())),
+            ..settings()
+        },
+        TrainSettings {
+            momentum: Some(1.5),
+            ..settings()
+        },
     ] {
         assert!(bad.resolve().is_err());
     }
@@ -81,7 +122,8 @@ fn steps_cap_and_config_errors() {
     let cfg = s.resolve().unwrap();
     let e = load_data(&cfg, &Model::new(&cfg.model).unwrap()).unwrap_err();
     assert!(e.to_string().contains("takes 30 input features"), "{e}");
-    let parsed = TrainSettings::from_toml("epochs = 3\nlr_schedule = \"warmup\"\n", "t.toml").unwrap();
+    let parsed =
+        TrainSettings::from_toml("epochs = 3\nlr_schedule = \"warmup\"\n", "t.toml").unwrap();
     assert_eq!(parsed.lr_schedule, Some(LrScheduleKind::Warmup));
     assert!(TrainSettings::from_toml("epochs = \"x\"", "t.toml").is_err());
     assert!(TrainSettings::from_toml("bogus = 1", "t.toml").is_err());
@@ -96,7 +138,12 @@ fn optimizers_match_hand_computation() {
     let be = CpuBackend::new(1).unwrap();
     let g = one_param(&[0.5, -1.0]);
     // SGD, momentum 0.9, weight decay 0.1, two steps.
-    let cfg = OptimizerConfig { kind: OptimizerKind::Sgd, momentum: 0.9, weight_decay: 0.1, ..Default::default() };
+    let cfg = OptimizerConfig {
+        kind: OptimizerKind::Sgd,
+        momentum: 0.9,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
     let mut p = one_param(&[1.0, 2.0]);
     let mut o = Optimizer::new(cfg, &p);
     o.step(&be, &mut p, &g, 0.1).unwrap();
@@ -111,14 +158,23 @@ fn optimizers_match_hand_computation() {
     }
     assert_eq!(p[0][0].data(), &w);
     // Nesterov.
-    let cfg = OptimizerConfig { kind: OptimizerKind::Sgd, momentum: 0.5, nesterov: true, ..Default::default() };
+    let cfg = OptimizerConfig {
+        kind: OptimizerKind::Sgd,
+        momentum: 0.5,
+        nesterov: true,
+        ..Default::default()
+    };
     let mut p = one_param(&[1.0]);
     let mut o = Optimizer::new(cfg, &p);
     o.step(&be, &mut p, &one_param(&[2.0]), 0.1).unwrap();
     assert!((p[0][0].data()[0] - (1.0 - 0.1 * (2.0 + 0.5 * 2.0))).abs() < 1e-7);
     // Adam's first step moves each weight by lr (sign of the gradient).
     for kind in [OptimizerKind::Adam, OptimizerKind::Adamw] {
-        let cfg = OptimizerConfig { kind, momentum: 0.0, ..Default::default() };
+        let cfg = OptimizerConfig {
+            kind,
+            momentum: 0.0,
+            ..Default::default()
+        };
         let mut p = one_param(&[1.0, 2.0]);
         let mut o = Optimizer::new(cfg, &p);
         o.step(&be, &mut p, &g, 0.01).unwrap();
@@ -127,8 +183,15 @@ fn optimizers_match_hand_computation() {
     }
     // AdamW decays the weights directly, Adam through the gradient.
     let mut p = one_param(&[1.0]);
-    let cfg = OptimizerConfig { kind: OptimizerKind::Adamw, momentum: 0.0, weight_decay: 0.5, ..Default::default() };
-    Optimizer::new(cfg, &p).step(&be, &mut p, &one_param(&[0.0]), 0.1).unwrap();
+    let cfg = OptimizerConfig {
+        kind: OptimizerKind::Adamw,
+        momentum: 0.0,
+        weight_decay: 0.5,
+        ..Default::default()
+    };
+    Optimizer::new(cfg, &p)
+        .step(&be, &mut p, &one_param(&[0.0]), 0.1)
+        .unwrap();
     assert!((p[0][0].data()[0] - 0.95).abs() < 1e-6);
     assert_eq!(be.name(), "cpu");
 }

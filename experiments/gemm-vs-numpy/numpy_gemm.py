@@ -1,0 +1,75 @@
+"""Times numpy's matmul on the shapes of `cargo bench -p pipe-kernels --bench gemm` and prints
+the ratio table pipe/numpy. Run through run.sh, which builds the environment and runs both."""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+
+
+def shapes():
+    out = []
+    for batch in (64, 256):
+        for width in (256, 1024, 4096):
+            out.append((f"fwd_b{batch}_w{width}", batch, width, width, False, False))
+            out.append((f"dx_b{batch}_w{width}", batch, width, width, False, True))
+            out.append((f"dw_b{batch}_w{width}", width, batch, width, True, False))
+    for s in (256, 512, 1024, 2048):
+        out.append((f"square_{s}", s, s, s, False, False))
+    return out
+
+
+def time_numpy(m, k, n, ta, tb):
+    rng = np.random.default_rng(0)
+    a = rng.random((k, m) if ta else (m, k), dtype=np.float32) - 0.5
+    b = rng.random((n, k) if tb else (k, n), dtype=np.float32) - 0.5
+    A = a.T if ta else a
+    B = b.T if tb else b
+    out = np.empty((m, n), dtype=np.float32)
+    flops = 2.0 * m * n * k
+    iters = max(1, int(0.05e9 * 4 / flops))
+    for _ in range(3):
+        np.matmul(A, B, out=out)
+    rates = []
+    for _ in range(11):
+        t = time.perf_counter()
+        for _ in range(iters):
+            np.matmul(A, B, out=out)
+        rates.append(flops * iters / (time.perf_counter() - t) / 1e9)
+    rates.sort()
+    return rates[len(rates) // 2]
+
+
+def pipe_rate(criterion_dir, threads, name, m, k, n):
+    path = os.path.join(criterion_dir, f"gemm_t{threads}", name, "new", "estimates.json")
+    with open(path) as f:
+        est = json.load(f)
+    return 2.0 * m * n * k / est["median"]["point_estimate"]
+
+
+def main():
+    criterion_dir = sys.argv[1]
+    info = [(i["internal_api"], i.get("architecture"), i["version"]) for i in threadpool_info()]
+    print(f"numpy {np.__version__}, BLAS {info}")
+    print()
+    print("| shape | m x k x n | op | threads | pipe GFLOP/s | numpy GFLOP/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    worst = None
+    for threads in (1, 2):
+        with threadpool_limits(threads):
+            for name, m, k, n, ta, tb in shapes():
+                op = ("A^T" if ta else "A") + " " + ("B^T" if tb else "B")
+                npr = time_numpy(m, k, n, ta, tb)
+                pr = pipe_rate(criterion_dir, threads, name, m, k, n)
+                ratio = pr / npr
+                worst = ratio if worst is None else min(worst, ratio)
+                mark = "" if ratio >= 0.9 else " (below 0.9)"
+                print(f"| {name} | {m}x{k}x{n} | {op} | {threads} | {pr:.1f} | {npr:.1f} | {ratio:.2f}{mark} |")
+    print()
+    print(f"lowest ratio: {worst:.2f}")
+
+
+if __name__ == "__main__":
+    main()
