@@ -165,3 +165,27 @@ fn help_works() {
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("--microbatch-size"));
 }
+
+/// The quick start's promise: the default run (MLP on the embedded MNIST) reaches 97.5%.
+#[test]
+fn default_run_reaches_97_5_percent_on_mnist() {
+    let out = pipe(&["train"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let done = stdout
+        .lines()
+        .find(|l| l.starts_with("done:"))
+        .expect("summary line");
+    let acc: f64 = done
+        .split("test accuracy ")
+        .nth(1)
+        .and_then(|s| s.split('%').next())
+        .and_then(|s| s.parse().ok())
+        .expect("accuracy in summary");
+    assert!(acc >= 97.5, "default run reached only {acc}%: {stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("epoch")).count(), 6);
+}
