@@ -1,7 +1,10 @@
-"""Times numpy's matmul on the shapes of `cargo bench -p pipe-kernels --bench gemm` and prints
-the ratio table pipe/numpy. Run through run.sh, which builds the environment and runs both."""
+"""Times pipe's GEMM (the criterion bench `cargo bench -p pipe-kernels --bench gemm`) and numpy's
+matmul shape by shape, alternating, and prints the ratio table pipe/numpy. Alternating keeps both
+sides of a row within seconds of each other on a shared machine. Run through run.sh, which builds
+the environment."""
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -49,6 +52,14 @@ def pipe_rate(criterion_dir, threads, name, m, k, n):
     return 2.0 * m * n * k / est["median"]["point_estimate"]
 
 
+def run_pipe(threads, name):
+    env = dict(os.environ, PIPE_GEMM_THREADS=str(threads))
+    subprocess.run(
+        ["cargo", "bench", "--quiet", "-p", "pipe-kernels", "--bench", "gemm", "--",
+         "--exact", f"gemm_t{threads}/{name}"],
+        env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def main():
     criterion_dir = sys.argv[1]
     info = [(i["internal_api"], i.get("architecture"), i["version"]) for i in threadpool_info()]
@@ -61,8 +72,9 @@ def main():
         with threadpool_limits(threads):
             for name, m, k, n, ta, tb in shapes():
                 op = ("A^T" if ta else "A") + " " + ("B^T" if tb else "B")
-                npr = time_numpy(m, k, n, ta, tb)
+                run_pipe(threads, name)
                 pr = pipe_rate(criterion_dir, threads, name, m, k, n)
+                npr = time_numpy(m, k, n, ta, tb)
                 ratio = pr / npr
                 worst = ratio if worst is None else min(worst, ratio)
                 mark = "" if ratio >= 0.9 else " (below 0.9)"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GEMM throughput of pipe's CPU backend beside numpy's matmul, same shapes, same machine, one run.
+# GEMM throughput of pipe's CPU backend beside numpy's matmul: same shapes, same machine, one run,
+# the two measured back to back for each shape.
 #
-#   experiments/gemm-vs-numpy/run.sh            # full criterion run, then numpy, then the table
+#   experiments/gemm-vs-numpy/run.sh     # per shape: criterion bench, then numpy; then the table
 #
 # numpy comes from pip into a private virtual environment under target/ (used for nothing else).
 # The machine may set OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE to work around old OpenBLAS builds;
@@ -14,5 +15,5 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet numpy threadpoolctl
 fi
-cargo bench -p pipe-kernels --bench gemm
+cargo bench -p pipe-kernels --bench gemm --no-run
 env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$venv/bin/python" experiments/gemm-vs-numpy/numpy_gemm.py target/criterion
