@@ -23,6 +23,19 @@ fn rand_t(shape: &[usize], seed: u64) -> Tensor {
     Tensor::from_vec(shape, lcg(shape.iter().product(), seed)).unwrap()
 }
 
+/// Random `a` and `b` stored so that `op(a)` is m x k and `op(b)` is k x n.
+fn operands(m: usize, k: usize, n: usize, ta: Trans, tb: Trans, seed: u64) -> (Tensor, Tensor) {
+    let a = match ta {
+        Trans::No => rand_t(&[m, k], seed),
+        Trans::Yes => rand_t(&[k, m], seed),
+    };
+    let b = match tb {
+        Trans::No => rand_t(&[k, n], seed + 1),
+        Trans::Yes => rand_t(&[n, k], seed + 1),
+    };
+    (a, b)
+}
+
 fn naive(a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> Vec<f64> {
     let at = |i: usize, j: usize| match ta {
         Trans::No => a.data()[i * a.cols() + j],
@@ -69,14 +82,7 @@ fn matmul_all_transposes(be: &dyn Backend) {
     ] {
         for ta in [Trans::No, Trans::Yes] {
             for tb in [Trans::No, Trans::Yes] {
-                let a = match ta {
-                    Trans::No => rand_t(&[m, k], 1),
-                    Trans::Yes => rand_t(&[k, m], 1),
-                };
-                let b = match tb {
-                    Trans::No => rand_t(&[k, n], 2),
-                    Trans::Yes => rand_t(&[n, k], 2),
-                };
+                let (a, b) = operands(m, k, n, ta, tb, 1);
                 let mut c = Tensor::default();
                 be.matmul(&a, ta, &b, tb, &mut c, false).unwrap();
                 assert_eq!(c.shape(), &[m, n]);
@@ -237,14 +243,7 @@ fn cpu_results_do_not_depend_on_thread_count() {
     for &(m, k, n) in &shapes {
         for ta in [Trans::No, Trans::Yes] {
             for tb in [Trans::No, Trans::Yes] {
-                let a = match ta {
-                    Trans::No => rand_t(&[m, k], 5),
-                    Trans::Yes => rand_t(&[k, m], 5),
-                };
-                let b = match tb {
-                    Trans::No => rand_t(&[k, n], 6),
-                    Trans::Yes => rand_t(&[n, k], 6),
-                };
+                let (a, b) = operands(m, k, n, ta, tb, 5);
                 let outs: Vec<Vec<u32>> = backends
                     .iter()
                     .map(|be| {
