@@ -62,6 +62,16 @@ impl CpuBackend {
         }
     }
 
+    /// Chunk length for the fused optimizer updates: parallel chunks for large tensors, one chunk
+    /// on the calling pool thread otherwise.
+    fn update_chunk(&self, n: usize) -> usize {
+        if self.threads > 1 && n >= PAR_MIN {
+            PAR_CHUNK
+        } else {
+            n.max(1)
+        }
+    }
+
     fn par_zip(
         &self,
         out: &mut [f32],
@@ -628,11 +638,7 @@ impl Backend for CpuBackend {
             ));
         }
         let n = param.len();
-        let chunk = if self.threads > 1 && n >= PAR_MIN {
-            PAR_CHUNK
-        } else {
-            n.max(1)
-        };
+        let chunk = self.update_chunk(n);
         let SgdStep {
             lr,
             momentum,
@@ -697,11 +703,7 @@ impl Backend for CpuBackend {
                 format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
             ));
         }
-        let chunk = if self.threads > 1 && n >= PAR_MIN {
-            PAR_CHUNK
-        } else {
-            n.max(1)
-        };
+        let chunk = self.update_chunk(n);
         type Chunks<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
         let body = |(((w, g), m), v): Chunks<'_>| {
             for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {

@@ -23,6 +23,14 @@ pub struct Saved {
 }
 
 impl Saved {
+    /// Saved tensors only (no reshape to undo).
+    pub fn tensors(tensors: Vec<Tensor>) -> Self {
+        Self {
+            tensors,
+            shape: Vec::new(),
+        }
+    }
+
     /// Bytes held by the saved tensors.
     pub fn bytes(&self) -> usize {
         self.tensors.iter().map(|t| t.len() * 4).sum()
@@ -329,13 +337,7 @@ impl Layer for Linear {
             *l = self.outputs;
         }
         let y = y.reshape(&shape)?;
-        Ok((
-            y,
-            Saved {
-                tensors: vec![x],
-                shape: Vec::new(),
-            },
-        ))
+        Ok((y, Saved::tensors(vec![x])))
     }
 
     fn backward_input(
@@ -398,13 +400,7 @@ impl Layer for Act {
     ) -> KResult<(Tensor, Saved)> {
         let mut y = Tensor::default();
         be.activation(self.0, &x, &mut y)?;
-        Ok((
-            y,
-            Saved {
-                tensors: vec![x],
-                shape: Vec::new(),
-            },
-        ))
+        Ok((y, Saved::tensors(vec![x])))
     }
 
     fn backward_input(
@@ -471,13 +467,7 @@ impl Layer for LayerNorm {
         be.layer_norm(
             &x, &params[0], &params[1], self.eps, &mut y, &mut mean, &mut rstd,
         )?;
-        Ok((
-            y,
-            Saved {
-                tensors: vec![x, mean, rstd],
-                shape: Vec::new(),
-            },
-        ))
+        Ok((y, Saved::tensors(vec![x, mean, rstd])))
     }
 
     fn backward_input(
@@ -532,13 +522,7 @@ impl Layer for Dropout {
     ) -> KResult<(Tensor, Saved)> {
         if !ctx.train || self.p == 0.0 {
             let ones = Tensor::full(x.shape(), 1.0);
-            return Ok((
-                x,
-                Saved {
-                    tensors: vec![ones],
-                    shape: Vec::new(),
-                },
-            ));
+            return Ok((x, Saved::tensors(vec![ones])));
         }
         let mut rng = rng_for(derive_seed(ctx.seed, "dropout", 0), "mask", 0);
         let keep = 1.0 / (1.0 - self.p);
@@ -558,13 +542,7 @@ impl Layer for Dropout {
             .zip(mask.data())
             .map(|(a, m)| a * m)
             .collect();
-        Ok((
-            Tensor::from_vec(x.shape(), y)?,
-            Saved {
-                tensors: vec![mask],
-                shape: Vec::new(),
-            },
-        ))
+        Ok((Tensor::from_vec(x.shape(), y)?, Saved::tensors(vec![mask])))
     }
 
     fn backward_input(

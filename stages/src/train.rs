@@ -231,13 +231,17 @@ pub fn train(
     let mut report = Vec::new();
     let mut step = 0u64;
     let mut microbatch_id = 0u64;
-    'epochs: for epoch in 1..=cfg.epochs {
+    for epoch in 1..=cfg.epochs {
+        if step >= total {
+            break;
+        }
         let order = data.train.epoch_order(cfg.seed, epoch);
         let epoch_start = Instant::now();
         let (mut epoch_loss, mut epoch_samples) = (0.0f64, 0usize);
         for (k, update) in order.chunks_exact(b * m).enumerate() {
             if step >= total {
-                break 'epochs;
+                // Stopped by --steps inside this epoch: it still gets its summary below.
+                break;
             }
             let lr = sched.at(step);
             let batches: Vec<(Tensor, Vec<u32>)> = update
@@ -286,21 +290,6 @@ pub fn train(
             test_loss,
             test_accuracy,
             samples_per_sec: epoch_samples as f64 / secs.max(1e-9),
-            elapsed_s: start.elapsed().as_secs_f64(),
-            steps: step,
-        };
-        obs.on_epoch(&e)?;
-        report.push(e);
-    }
-    if report.last().is_none_or(|e| e.steps != step) {
-        // Stopped by --steps inside an epoch: evaluate once more so the run ends with a summary.
-        let (test_loss, test_accuracy) = evaluate(be, &model, &params, &data.test, 1000)?;
-        let e = EpochStats {
-            epoch: report.len() as u64 + 1,
-            train_loss: f64::NAN,
-            test_loss,
-            test_accuracy,
-            samples_per_sec: 0.0,
             elapsed_s: start.elapsed().as_secs_f64(),
             steps: step,
         };
