@@ -1,9 +1,48 @@
-//! `pipe-scheduler` will own planning, and only planning: layer profiles, the partitioner,
-//! schedules as data (per-worker action lists for every policy), their version plans, validation,
-//! the timed simulator and timeline exports. It is pure by design (no tensors, no threads, no
-//! I/O, no clock) so that every schedule can be generated, checked and simulated
-//! deterministically in tests and planned in microseconds, before any worker starts.
+//! `pipe-scheduler` owns planning, and only planning: schedules as data (per-worker action
+//! lists for every policy), their lowering into sends and receives, validation and deadlock
+//! detection, version plans, the timed simulator and timeline exports.
 //!
-//! Nothing is here yet; the scheduler issue fills it in. It depends on no other workspace crate.
+//! It is pure by design: no tensors, no threads, no I/O, no clock. A schedule is a value made
+//! by one generator per policy ([`generate`]), and everything else (the lowering pass, the
+//! validator, the version plan, the simulator and, in `pipe-stages`, the executor) interprets
+//! that value without knowing which policy made it. That is what lets a new policy be added
+//! in one place, lets tests hold schedules as golden text, and lets a plan be checked and
+//! simulated in milliseconds before a worker starts.
+//!
+//! The usual path:
+//!
+//! ```
+//! use pipe_scheduler::{generate, lower, validate, simulate, CostModel, LowerOptions, Policy,
+//!                      ScheduleSpec, SimOptions, StageCost, VersionPlan};
+//! let spec = ScheduleSpec::new(Policy::OneFOneBFlush, 4, 8);
+//! let schedule = lower(&generate(&spec)?, LowerOptions::default());
+//! validate::check(&schedule)?;
+//! let plan = VersionPlan::derive(&schedule)?;
+//! assert_eq!(plan.forward_version(3, 7), 0);
+//! let report = simulate(&schedule, &CostModel::uniform(StageCost::compute(1.0, 2.0)),
+//!                       SimOptions::default())?;
+//! assert!((report.bubble_fraction - 3.0 / 11.0).abs() < 1e-12);
+//! # Ok::<(), pipe_scheduler::ScheduleError>(())
+//! ```
 
 #![warn(missing_docs)]
+
+pub mod action;
+mod error;
+mod generate;
+pub mod grid;
+mod lower;
+pub mod plan;
+pub mod sim;
+pub mod spec;
+pub mod timeline;
+pub mod validate;
+
+pub use action::{Action, ActionKind, Microbatch, StageId, WorkerId};
+pub use error::{Result, ScheduleError};
+pub use generate::generate;
+pub use lower::{LowerOptions, lower};
+pub use plan::{MemoryPeak, UpdateSums, VersionPlan};
+pub use sim::{CostModel, SimOptions, SimReport, StageCost, WorkerReport, simulate};
+pub use spec::{Layout, Length, Policy, Resolved, Schedule, ScheduleSpec, VersionRule};
+pub use timeline::{Span, Timeline};

@@ -1,0 +1,544 @@
+//! What a schedule is asked to be (policy, layout, microbatch counts) and the schedule value.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::action::{Action, Microbatch, StageId, WorkerId};
+use crate::error::{Result, ScheduleError};
+
+/// A pipeline policy: how microbatches are ordered and which weight versions they see.
+/// The names are the CLI's `--schedule` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// One worker runs every stage, one microbatch at a time: the plain training loop.
+    Sequential,
+    /// All forwards of a minibatch, then all backwards, then a flush and update.
+    Gpipe,
+    /// 1F1B order inside a minibatch, flush and update at its end.
+    OneFOneBFlush,
+    /// 1F1B with `v` model chunks per worker (Megatron's interleaved schedule), flushed.
+    Interleaved,
+    /// Zero-bubble H1: 1F1B with the backward split into input and weight parts, the weight parts
+    /// deferred into the bubbles; flushed.
+    ZbH1,
+    /// PipeDream: asynchronous 1F1B with weight stashing, an update after every minibatch of each
+    /// replica group.
+    PipeDream,
+    /// As PipeDream but without stashing: the backward uses the latest weights.
+    PipeDreamNoStash,
+    /// As PipeDream, but every stage uses the version the input stage had when the microbatch
+    /// entered the pipeline (vertical sync).
+    VerticalSync,
+    /// PipeDream-2BW: updates every minibatch, minibatch `t` uses version `t - 1` everywhere.
+    TwoBw,
+}
+
+/// How a policy picks weight versions (the whole of its staleness semantics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VersionRule {
+    /// Forward uses the stage's current version; backward uses the stashed forward version.
+    Stash,
+    /// Forward uses the current version; backward uses the current version at backward time.
+    Latest,
+    /// Every stage uses the version matching what the input stage had applied when the
+    /// microbatch entered the pipeline.
+    VerticalSync,
+    /// Minibatch `t` uses version `t - 1` (clamped at 0) for forward and backward.
+    DelayedByOne,
+}
+
+impl Policy {
+    /// Every policy, in the order of DESIGN section 4.
+    pub const ALL: [Policy; 9] = [
+        Policy::Sequential,
+        Policy::Gpipe,
+        Policy::OneFOneBFlush,
+        Policy::Interleaved,
+        Policy::ZbH1,
+        Policy::PipeDream,
+        Policy::PipeDreamNoStash,
+        Policy::VerticalSync,
+        Policy::TwoBw,
+    ];
+
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Sequential => "sequential",
+            Policy::Gpipe => "gpipe",
+            Policy::OneFOneBFlush => "1f1b-flush",
+            Policy::Interleaved => "interleaved",
+            Policy::ZbH1 => "zb-h1",
+            Policy::PipeDream => "pipedream",
+            Policy::PipeDreamNoStash => "pipedream-nostash",
+            Policy::VerticalSync => "vsync",
+            Policy::TwoBw => "2bw",
+        }
+    }
+
+    /// True for policies that drain the pipeline before every update (synchronous SGD).
+    pub fn is_flush(self) -> bool {
+        matches!(
+            self,
+            Policy::Sequential
+                | Policy::Gpipe
+                | Policy::OneFOneBFlush
+                | Policy::Interleaved
+                | Policy::ZbH1
+        )
+    }
+
+    /// How the policy chooses weight versions.
+    pub fn version_rule(self) -> VersionRule {
+        match self {
+            Policy::PipeDreamNoStash => VersionRule::Latest,
+            Policy::VerticalSync => VersionRule::VerticalSync,
+            Policy::TwoBw => VersionRule::DelayedByOne,
+            _ => VersionRule::Stash,
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Policy {
+    type Err = ScheduleError;
+    fn from_str(s: &str) -> Result<Self> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Policy::ALL.iter().map(|p| p.name()).collect();
+                ScheduleError::Spec(format!(
+                    "unknown schedule {s:?} (expected one of {})",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+/// Where stages live: `positions` pipeline positions, each replicated `replicas[p]` times, each
+/// worker holding `chunks` model stages (stage `c * positions + p` is chunk `c` of position
+/// `p`). Workers are numbered position by position: position 0's replicas first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    replicas: Vec<u32>,
+    chunks: u32,
+    offsets: Vec<u32>,
+}
+
+impl Layout {
+    /// A layout with the given replica count per position and model chunks per worker.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Spec`] for zero positions, a zero replica count or zero chunks.
+    pub fn new(replicas: Vec<u32>, chunks: u32) -> Result<Self> {
+        if replicas.is_empty() {
+            return Err(ScheduleError::Spec(
+                "a pipeline needs at least one stage".into(),
+            ));
+        }
+        if let Some(p) = replicas.iter().position(|&r| r == 0) {
+            return Err(ScheduleError::Spec(format!("stage {p} has 0 replicas")));
+        }
+        if chunks == 0 {
+            return Err(ScheduleError::Spec(
+                "chunks per worker must be at least 1".into(),
+            ));
+        }
+        let mut offsets = Vec::with_capacity(replicas.len() + 1);
+        let mut total = 0u64;
+        for &r in &replicas {
+            offsets.push(total as u32);
+            total += u64::from(r);
+        }
+        let stages = replicas.len() as u64 * u64::from(chunks);
+        if total > u64::from(u32::MAX / 4) || stages > u64::from(u32::MAX / 4) {
+            return Err(ScheduleError::Spec("too many workers or stages".into()));
+        }
+        offsets.push(total as u32);
+        Ok(Layout {
+            replicas,
+            chunks,
+            offsets,
+        })
+    }
+
+    /// Number of pipeline positions.
+    pub fn positions(&self) -> u32 {
+        self.replicas.len() as u32
+    }
+
+    /// Model chunks per worker.
+    pub fn chunks(&self) -> u32 {
+        self.chunks
+    }
+
+    /// Number of model stages (`positions * chunks`).
+    pub fn stages(&self) -> u32 {
+        self.positions() * self.chunks
+    }
+
+    /// Total number of workers.
+    pub fn workers(&self) -> u32 {
+        self.offsets[self.replicas.len()]
+    }
+
+    /// Replica count per position.
+    pub fn replica_counts(&self) -> &[u32] {
+        &self.replicas
+    }
+
+    /// Position that holds a stage.
+    pub fn position_of(&self, stage: StageId) -> u32 {
+        stage % self.positions()
+    }
+
+    /// Number of replicas of a stage.
+    pub fn replicas_of(&self, stage: StageId) -> u32 {
+        self.replicas[self.position_of(stage) as usize]
+    }
+
+    /// The worker running `replica` of `position`.
+    pub fn worker(&self, position: u32, replica: u32) -> WorkerId {
+        self.offsets[position as usize] + replica
+    }
+
+    /// `(position, replica)` of a worker.
+    pub fn placement(&self, worker: WorkerId) -> (u32, u32) {
+        let p = self.offsets.partition_point(|&o| o <= worker) - 1;
+        (p as u32, worker - self.offsets[p])
+    }
+
+    /// The replica of `stage` that handles microbatch `mb` (round-robin).
+    pub fn replica_for(&self, stage: StageId, mb: Microbatch) -> u32 {
+        mb % self.replicas_of(stage)
+    }
+
+    /// The worker that handles microbatch `mb` at `stage`.
+    pub fn worker_for(&self, stage: StageId, mb: Microbatch) -> WorkerId {
+        let p = self.position_of(stage);
+        self.worker(p, mb % self.replicas[p as usize])
+    }
+
+    /// The stages a worker holds, in chunk order.
+    pub fn stages_of(&self, worker: WorkerId) -> impl Iterator<Item = StageId> + '_ {
+        let (p, _) = self.placement(worker);
+        (0..self.chunks).map(move |c| c * self.positions() + p)
+    }
+
+    /// The workers holding a stage, replica by replica.
+    pub fn group(&self, stage: StageId) -> std::ops::Range<WorkerId> {
+        let p = self.position_of(stage) as usize;
+        self.offsets[p]..self.offsets[p + 1]
+    }
+
+    /// Least common multiple of the replica counts: the number of microbatches (times `M`) that
+    /// every stage's replicas can split evenly.
+    pub fn replica_lcm(&self) -> u32 {
+        self.replicas
+            .iter()
+            .fold(1u64, |a, &r| lcm(a, u64::from(r))) as u32
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    a / gcd(a, b) * b
+}
+
+/// How long a schedule runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Length {
+    /// A number of minibatches (updates of the most replicated stage).
+    Updates(u32),
+    /// A number of microbatches in total; must be a whole number of minibatches.
+    Microbatches(u32),
+}
+
+/// The request a generator turns into a schedule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduleSpec {
+    /// The policy.
+    pub policy: Policy,
+    /// Pipeline stages (positions). For `interleaved`, the model has `stages * chunks` stages.
+    pub stages: u32,
+    /// Replicas per stage: one value for all stages, or one per stage.
+    pub replicas: Vec<u32>,
+    /// Model chunks per worker (`interleaved` only; 1 otherwise).
+    pub chunks: u32,
+    /// Microbatches per update, per replica (`M`).
+    pub microbatches: u32,
+    /// How long the schedule runs.
+    pub length: Length,
+}
+
+impl ScheduleSpec {
+    /// A spec with one replica per stage, one chunk and one update.
+    pub fn new(policy: Policy, stages: u32, microbatches: u32) -> Self {
+        ScheduleSpec {
+            policy,
+            stages,
+            replicas: vec![1],
+            chunks: 1,
+            microbatches,
+            length: Length::Updates(1),
+        }
+    }
+
+    /// Sets the replica list (one value for all stages, or one per stage).
+    pub fn with_replicas(mut self, replicas: Vec<u32>) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// Sets the number of model chunks per worker.
+    pub fn with_chunks(mut self, chunks: u32) -> Self {
+        self.chunks = chunks;
+        self
+    }
+
+    /// Sets how long the schedule runs.
+    pub fn with_length(mut self, length: Length) -> Self {
+        self.length = length;
+        self
+    }
+
+    /// Checks the request and works out the layout and the sizes it implies.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Spec`] naming the problem: zero stages or microbatches, a replica list
+    /// whose length is neither 1 nor the stage count, chunks on a policy without chunks, a
+    /// microbatch count the policy cannot use, or a run length that is not a whole number of
+    /// minibatches.
+    pub fn resolve(&self) -> Result<Resolved> {
+        let spec_err = |m: String| Err(ScheduleError::Spec(m));
+        if self.stages == 0 {
+            return spec_err("--stages must be at least 1".into());
+        }
+        if self.microbatches == 0 {
+            return spec_err("--microbatches must be at least 1".into());
+        }
+        let replicas = match self.replicas.len() {
+            1 => vec![self.replicas[0]; self.stages as usize],
+            n if n == self.stages as usize => self.replicas.clone(),
+            n => {
+                return spec_err(format!(
+                    "--replicas lists {n} values for {} stages (give one value, or one per stage)",
+                    self.stages
+                ));
+            }
+        };
+        if let Some(p) = replicas.iter().position(|&r| r == 0) {
+            return spec_err(format!("stage {p} has 0 replicas"));
+        }
+        if self.chunks == 0 {
+            return spec_err("--chunks must be at least 1".into());
+        }
+        if self.chunks > 1 && self.policy != Policy::Interleaved {
+            return spec_err(format!(
+                "--chunks {} needs --schedule interleaved ({} runs one chunk per worker)",
+                self.chunks, self.policy
+            ));
+        }
+        let pipeline = Layout::new(replicas, self.chunks)?;
+        let minibatch = u64::from(self.microbatches) * u64::from(pipeline.replica_lcm());
+        if minibatch > u64::from(u32::MAX / 4) {
+            return spec_err("microbatches per update times replicas is too large".into());
+        }
+        let minibatch = minibatch as u32;
+        if self.policy == Policy::Interleaved {
+            let uniform = pipeline
+                .replica_counts()
+                .iter()
+                .all(|&r| r == pipeline.replica_counts()[0]);
+            if !uniform {
+                return spec_err("interleaved needs the same replica count at every stage".into());
+            }
+            if self.microbatches % self.stages != 0 {
+                return spec_err(format!(
+                    "interleaved needs microbatches per update to be a multiple of the stage \
+                     count: {} is not a multiple of {}",
+                    self.microbatches, self.stages
+                ));
+            }
+        }
+        let total = match self.length {
+            Length::Updates(0) | Length::Microbatches(0) => {
+                return spec_err("the schedule must run at least one update".into());
+            }
+            Length::Updates(k) => u64::from(k) * u64::from(minibatch),
+            Length::Microbatches(n) => {
+                if n % minibatch != 0 {
+                    return spec_err(format!(
+                        "{n} microbatches is not a whole number of minibatches of {minibatch} \
+                         ({} per replica times {} for the replica layout)",
+                        self.microbatches,
+                        pipeline.replica_lcm()
+                    ));
+                }
+                u64::from(n)
+            }
+        };
+        if total > u64::from(u32::MAX / 4) {
+            return spec_err("too many microbatches".into());
+        }
+        let total = total as u32;
+        // `sequential` runs everything on one worker: one position holding every stage.
+        let layout = if self.policy == Policy::Sequential {
+            Layout::new(vec![1], self.stages)?
+        } else {
+            pipeline
+        };
+        Ok(Resolved {
+            policy: self.policy,
+            layout,
+            microbatches_per_update: self.microbatches,
+            minibatch,
+            total,
+        })
+    }
+}
+
+/// A checked request: the layout and the sizes a generator works with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    /// The policy.
+    pub policy: Policy,
+    /// Where stages live.
+    pub layout: Layout,
+    /// `M`: microbatches per update per replica, as requested.
+    pub microbatches_per_update: u32,
+    /// Microbatches in one synchronous minibatch: `M` times the least common multiple of the
+    /// replica counts (so every stage's replicas split it evenly).
+    pub minibatch: u32,
+    /// Microbatches in the whole run.
+    pub total: u32,
+}
+
+impl Resolved {
+    /// Microbatches that one update of `stage` sums: all of a minibatch for flush policies and
+    /// `sequential`; `M` per replica for the asynchronous ones.
+    pub fn update_size(&self, stage: StageId) -> u32 {
+        if self.policy.is_flush() {
+            self.minibatch
+        } else {
+            self.microbatches_per_update * self.layout.replicas_of(stage)
+        }
+    }
+
+    /// Update index at `stage` whose gradient sum holds microbatch `mb`.
+    pub fn update_of(&self, stage: StageId, mb: Microbatch) -> u32 {
+        mb / self.update_size(stage)
+    }
+
+    /// Number of updates `stage` makes over the run.
+    pub fn updates_at(&self, stage: StageId) -> u32 {
+        self.total / self.update_size(stage)
+    }
+}
+
+/// A schedule: one program (ordered action list) per worker, and what it was made from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    /// The checked request.
+    pub resolved: Resolved,
+    /// `programs[w]` is worker `w`'s program.
+    pub programs: Vec<Vec<Action>>,
+    /// True once sends and receives have been inserted.
+    pub lowered: bool,
+}
+
+impl Schedule {
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.resolved.layout
+    }
+
+    /// Number of model stages.
+    pub fn stages(&self) -> u32 {
+        self.resolved.layout.stages()
+    }
+
+    /// Number of workers.
+    pub fn workers(&self) -> u32 {
+        self.resolved.layout.workers()
+    }
+
+    /// Microbatches in the whole run.
+    pub fn total_microbatches(&self) -> u32 {
+        self.resolved.total
+    }
+
+    /// Total number of actions over all workers.
+    pub fn len(&self) -> usize {
+        self.programs.iter().map(Vec::len).sum()
+    }
+
+    /// True if no worker has any action.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The schedule as text: one line per worker, `wN:` then its actions separated by spaces.
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        for (w, prog) in self.programs.iter().enumerate() {
+            out.push_str(&format!("w{w}:"));
+            for a in prog {
+                out.push(' ');
+                out.push_str(&a.to_string());
+            }
+            out.push('\n');
+        }
+        out
+    }
+
+    /// Replaces the programs with ones parsed from [`Schedule::to_text`]'s format (lines
+    /// `wN: a a a`, blank lines and `#` comments ignored). Whether the result is lowered is
+    /// taken from the presence of sends or receives.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Parse`] for a malformed line or action, or a worker number outside the
+    /// layout.
+    pub fn with_text(mut self, text: &str) -> Result<Self> {
+        let workers = self.workers() as usize;
+        let mut programs = vec![Vec::new(); workers];
+        for line in text.lines() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if line.is_empty() {
+                continue;
+            }
+            let bad = |reason: &str| ScheduleError::Parse {
+                text: line.to_string(),
+                reason: reason.to_string(),
+            };
+            let (head, body) = line
+                .split_once(':')
+                .ok_or_else(|| bad("expected 'wN: actions'"))?;
+            let w: usize = head
+                .trim()
+                .strip_prefix('w')
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| bad("expected a worker label like 'w0:'"))?;
+            if w >= workers {
+                return Err(bad(&format!(
+                    "worker {w} is outside the layout ({workers} workers)"
+                )));
+            }
+            for tok in body.split_whitespace() {
+                programs[w].push(tok.parse()?);
+            }
+        }
+        self.lowered = programs.iter().flatten().any(Action::is_communication);
+        self.programs = programs;
+        Ok(self)
+    }
+}
