@@ -85,14 +85,10 @@ enum Gate {
     None,
 }
 
-/// In-flight limit per position: `ceil(sum_{q >= p} r_q / r_p)`.
+/// In-flight limit per position (see [`crate::Layout::in_flight_limit`]).
 fn pipeline_depths(r: &Resolved) -> Vec<usize> {
-    let reps = r.layout.replica_counts();
-    (0..reps.len())
-        .map(|p| {
-            let downstream: u64 = reps[p..].iter().map(|&x| u64::from(x)).sum();
-            downstream.div_ceil(u64::from(reps[p])) as usize
-        })
+    (0..r.layout.positions())
+        .map(|p| r.layout.in_flight_limit(p) as usize)
         .collect()
 }
 

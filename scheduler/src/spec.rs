@@ -237,6 +237,15 @@ impl Layout {
         self.offsets[p]..self.offsets[p + 1]
     }
 
+    /// How many of its microbatches a replica of `position` has in flight in 1F1B's steady
+    /// state: `ceil(sum of replicas at positions >= p / r_p)`. That is `S - p` on a straight
+    /// pipeline, and PipeDream's "NOAM" (workers over input-stage replicas) at the input stage.
+    pub fn in_flight_limit(&self, position: u32) -> u32 {
+        let p = position as usize;
+        let downstream: u64 = self.replicas[p..].iter().map(|&x| u64::from(x)).sum();
+        downstream.div_ceil(u64::from(self.replicas[p])) as u32
+    }
+
     /// Least common multiple of the replica counts: the number of microbatches (times `M`) that
     /// every stage's replicas can split evenly.
     pub fn replica_lcm(&self) -> u32 {
@@ -367,6 +376,23 @@ impl ScheduleSpec {
                     "interleaved needs microbatches per update to be a multiple of the stage \
                      count: {} is not a multiple of {}",
                     self.microbatches, self.stages
+                ));
+            }
+        }
+        if self.policy == Policy::TwoBw {
+            // Minibatch t uses version t - 1, which must exist by the time its first forward
+            // runs: at most M + 1 microbatches in flight per replica.
+            let deepest = (0..pipeline.positions())
+                .map(|p| pipeline.in_flight_limit(p))
+                .max()
+                .unwrap_or(1);
+            if self.microbatches + 1 < deepest {
+                return spec_err(format!(
+                    "2bw needs at least {} microbatches per update with this layout (it keeps \
+                     {deepest} in flight per replica and uses version t-1 for minibatch t); \
+                     got {}",
+                    deepest - 1,
+                    self.microbatches
                 ));
             }
         }

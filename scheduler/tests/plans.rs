@@ -1,0 +1,149 @@
+//! Version plans against their closed forms on straight pipelines (DESIGN section 4).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pipe_scheduler::{
+    Length, LowerOptions, Policy, ScheduleSpec, VersionPlan, generate, lower, validate,
+};
+
+fn plan(policy: Policy, stages: u32, m: u32, updates: u32) -> (VersionPlan, u32) {
+    let spec = ScheduleSpec::new(policy, stages, m).with_length(Length::Updates(updates));
+    let s = lower(&generate(&spec).unwrap(), LowerOptions::default());
+    validate::check(&s).unwrap();
+    (VersionPlan::derive(&s).unwrap(), s.total_microbatches())
+}
+
+fn clamp(v: i64) -> u32 {
+    v.max(0) as u32
+}
+
+#[test]
+fn pipedream_forward_is_n_minus_downstream_stages_and_backward_is_stashed() {
+    for stages in 1..=6u32 {
+        let (p, n) = plan(Policy::PipeDream, stages, 1, 40);
+        for s in 0..stages {
+            for mb in 0..n {
+                let expect = clamp(i64::from(mb) - i64::from(stages - s - 1));
+                assert_eq!(p.forward_version(s, mb), expect, "S={stages} s={s} n={mb}");
+                assert_eq!(p.backward_version(s, mb), expect);
+            }
+        }
+    }
+}
+
+#[test]
+fn pipedream_stash_depth_is_stages_minus_stage() {
+    for stages in 1..=6u32 {
+        let (p, _) = plan(Policy::PipeDream, stages, 1, 40);
+        for s in 0..stages {
+            assert_eq!(p.peak_versions[s as usize], stages - s, "S={stages} s={s}");
+            assert_eq!(p.peak_activations[s as usize], stages - s);
+        }
+    }
+}
+
+#[test]
+fn nostash_backward_uses_the_latest_version() {
+    for stages in 1..=6u32 {
+        let (p, n) = plan(Policy::PipeDreamNoStash, stages, 1, 40);
+        for s in 0..stages {
+            for mb in 0..n {
+                let fwd = clamp(i64::from(mb) - i64::from(stages - s - 1));
+                assert_eq!(p.forward_version(s, mb), fwd);
+                // With one microbatch per update, microbatches 0..n-1 have all been applied.
+                assert_eq!(p.backward_version(s, mb), mb, "S={stages} s={s} n={mb}");
+            }
+            assert_eq!(p.peak_versions[s as usize], 1, "no stash: one version");
+        }
+    }
+}
+
+#[test]
+fn vertical_sync_uses_the_input_stage_version_everywhere() {
+    for stages in 1..=6u32 {
+        let (p, n) = plan(Policy::VerticalSync, stages, 1, 40);
+        for s in 0..stages {
+            for mb in 0..n {
+                let expect = clamp(i64::from(mb) - i64::from(stages - 1));
+                assert_eq!(p.forward_version(s, mb), expect, "S={stages} s={s} n={mb}");
+                assert_eq!(p.backward_version(s, mb), expect);
+            }
+        }
+    }
+}
+
+#[test]
+fn two_bw_minibatch_t_uses_version_t_minus_one() {
+    for stages in 1..=6u32 {
+        for m in [stages.saturating_sub(1).max(1), stages, 2 * stages] {
+            let (p, n) = plan(Policy::TwoBw, stages, m, 10);
+            for s in 0..stages {
+                for mb in 0..n {
+                    let expect = (mb / m).saturating_sub(1);
+                    assert_eq!(p.forward_version(s, mb), expect, "S={stages} M={m} s={s}");
+                    assert_eq!(p.backward_version(s, mb), expect);
+                }
+                // Double buffering: never more than the version in use, the one being made
+                // and the current one.
+                assert!(p.peak_versions[s as usize] <= 3, "S={stages} M={m} s={s}");
+            }
+        }
+    }
+}
+
+#[test]
+fn flush_policies_are_synchronous() {
+    for policy in [
+        Policy::Sequential,
+        Policy::Gpipe,
+        Policy::OneFOneBFlush,
+        Policy::ZbH1,
+        Policy::Interleaved,
+    ] {
+        for stages in 1..=4u32 {
+            let m = 2 * stages;
+            let (p, n) = plan(policy, stages, m, 5);
+            for s in 0..p.stages() {
+                for mb in 0..n {
+                    assert_eq!(p.forward_version(s, mb), mb / m, "{policy} S={stages}");
+                    assert_eq!(p.backward_version(s, mb), mb / m);
+                }
+                for (k, u) in p.updates[s as usize].iter().enumerate() {
+                    let mut mbs: Vec<u32> = u.microbatches().collect();
+                    mbs.sort_unstable();
+                    let k = k as u32;
+                    assert_eq!(mbs, (k * m..(k + 1) * m).collect::<Vec<_>>());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn one_f_one_b_flush_holds_stages_minus_stage_activations() {
+    let (p, _) = plan(Policy::OneFOneBFlush, 4, 8, 2);
+    assert_eq!(p.peak_activations, vec![4, 3, 2, 1]);
+    assert_eq!(p.peak_versions, vec![1, 1, 1, 1]);
+    let (g, _) = plan(Policy::Gpipe, 4, 8, 2);
+    assert_eq!(g.peak_activations, vec![8, 8, 8, 8]);
+    // zb-h1 keeps 1F1B's peak (the input stage's) on every stage.
+    let (z, _) = plan(Policy::ZbH1, 4, 8, 2);
+    assert_eq!(z.peak_activations, vec![4, 4, 4, 4]);
+}
+
+#[test]
+fn replicas_take_microbatches_round_robin_and_sum_together() {
+    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 1)
+        .with_replicas(vec![2, 1, 1])
+        .with_length(Length::Updates(6));
+    let s = lower(&generate(&spec).unwrap(), LowerOptions::default());
+    validate::check(&s).unwrap();
+    let p = VersionPlan::derive(&s).unwrap();
+    // Stage 0 has two replicas: each update sums one microbatch from each.
+    for (k, u) in p.updates[0].iter().enumerate() {
+        let k = k as u32;
+        assert_eq!(u.per_replica, vec![vec![2 * k], vec![2 * k + 1]]);
+    }
+    // Stages 1 and 2 update after every microbatch.
+    assert_eq!(p.updates[1].len(), 12);
+    assert_eq!(p.updates[2][5].per_replica, vec![vec![5]]);
+}

@@ -1,0 +1,226 @@
+//! The simulator against the published closed forms (to 1e-9).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pipe_scheduler::{
+    CostModel, Length, LowerOptions, Policy, ScheduleSpec, SimOptions, SimReport, StageCost,
+    generate, lower, simulate,
+};
+
+const TOL: f64 = 1e-9;
+
+fn run(spec: &ScheduleSpec, costs: &CostModel) -> SimReport {
+    simulate(&generate(spec).unwrap(), costs, SimOptions::default()).unwrap()
+}
+
+fn close(a: f64, b: f64, what: &str) {
+    assert!(
+        (a - b).abs() <= TOL * b.abs().max(1.0),
+        "{what}: {a} vs {b}"
+    );
+}
+
+#[test]
+fn gpipe_and_1f1b_flush_bubble_is_p_minus_1_over_m_plus_p_minus_1() {
+    for policy in [Policy::Gpipe, Policy::OneFOneBFlush] {
+        for p in 1..=6u32 {
+            for m in [1u32, 2, 4, 8, 13] {
+                for updates in [1u32, 3] {
+                    for (f, b) in [(1.0, 2.0), (0.3, 0.7)] {
+                        let spec =
+                            ScheduleSpec::new(policy, p, m).with_length(Length::Updates(updates));
+                        let r = run(&spec, &CostModel::uniform(StageCost::compute(f, b)));
+                        let expect = f64::from(p - 1) / f64::from(m + p - 1);
+                        close(r.bubble_fraction, expect, &format!("{policy} p={p} m={m}"));
+                        close(
+                            r.makespan,
+                            f64::from(updates) * f64::from(m + p - 1) * (f + b),
+                            "makespan",
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaved_bubble_is_p_minus_1_over_v_m_of_ideal() {
+    for p in [2u32, 3, 4] {
+        for v in [1u32, 2, 3, 4] {
+            for m in [p, 2 * p, 4 * p] {
+                // A worker's v chunks together cost f + b per microbatch.
+                let (f, b) = (1.0, 2.0);
+                let chunk = StageCost::compute(f / f64::from(v), b / f64::from(v));
+                let spec = ScheduleSpec::new(Policy::Interleaved, p, m).with_chunks(v);
+                let r = run(&spec, &CostModel::uniform(chunk));
+                let ideal = f64::from(m) * (f + b);
+                close(
+                    (r.makespan - ideal) / ideal,
+                    f64::from(p - 1) / f64::from(v * m),
+                    &format!("interleaved p={p} v={v} m={m}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn zb_h1_has_a_third_of_1f1b_bubble_with_equal_f_b_w() {
+    for p in 2..=6u32 {
+        for m in [p, p + 1, 2 * p, 3 * p + 2] {
+            let split = StageCost {
+                backward_input: 1.0,
+                backward_weight: 1.0,
+                ..StageCost::compute(1.0, 0.0)
+            };
+            let costs = CostModel::uniform(split);
+            let ideal = 3.0 * f64::from(m);
+            let zb = run(&ScheduleSpec::new(Policy::ZbH1, p, m), &costs);
+            let ofob = run(&ScheduleSpec::new(Policy::OneFOneBFlush, p, m), &costs);
+            close(
+                zb.makespan - ideal,
+                (ofob.makespan - ideal) / 3.0,
+                &format!("p={p} m={m}"),
+            );
+            close(
+                zb.makespan - ideal,
+                f64::from(p - 1),
+                "zb-h1 bubble (p-1)(F+B-W)",
+            );
+        }
+    }
+}
+
+#[test]
+fn pipedream_pays_the_fill_once() {
+    for p in 1..=6u32 {
+        let (f, b, u) = (1.0, 2.0, 0.25);
+        let cost = StageCost {
+            update: u,
+            ..StageCost::compute(f, b)
+        };
+        let costs = CostModel::uniform(cost);
+        let at = |n: u32| {
+            run(
+                &ScheduleSpec::new(Policy::PipeDream, p, 1).with_length(Length::Microbatches(n)),
+                &costs,
+            )
+        };
+        let (short, long) = (at(50), at(150));
+        // Every extra microbatch costs exactly one forward, backward and update: no bubble in
+        // the steady state, whatever the depth of the pipeline.
+        close(
+            long.makespan - short.makespan,
+            100.0 * (f + b + u),
+            &format!("p={p}"),
+        );
+        // With free updates, the whole run is the fill plus one slot per microbatch.
+        let free = run(
+            &ScheduleSpec::new(Policy::PipeDream, p, 1).with_length(Length::Microbatches(50)),
+            &CostModel::uniform(StageCost::compute(f, b)),
+        );
+        close(
+            free.makespan,
+            f64::from(50 + p - 1) * (f + b),
+            "fill paid once",
+        );
+    }
+}
+
+#[test]
+fn ring_all_reduce_costs_2_r_minus_1_over_r_of_the_parameters() {
+    for r in [2u32, 3] {
+        for expand in [false, true] {
+            let cost = StageCost {
+                param_bytes: 6.0e6,
+                ..StageCost::compute(0.0, 0.0)
+            };
+            let costs = CostModel {
+                bandwidth: 1.0e9,
+                latency: 1.0e-5,
+                overlap: true,
+                ..CostModel::uniform(cost)
+            };
+            let spec = ScheduleSpec::new(Policy::PipeDream, 1, 1)
+                .with_replicas(vec![r])
+                .with_length(Length::Updates(4));
+            let schedule = lower(
+                &generate(&spec).unwrap(),
+                LowerOptions {
+                    expand_all_reduce: expand,
+                },
+            );
+            let rep = simulate(&schedule, &costs, SimOptions::default()).unwrap();
+            let rf = f64::from(r);
+            let one = 2.0 * (rf - 1.0) / rf * 6.0e6 / 1.0e9 + 2.0 * (rf - 1.0) * 1.0e-5;
+            close(rep.makespan, 4.0 * one, &format!("r={r} expand={expand}"));
+        }
+    }
+}
+
+#[test]
+fn activation_transfers_cost_latency_plus_bytes_over_bandwidth() {
+    // Two stages, one microbatch, no compute: forward hop then gradient hop.
+    for overlap in [true, false] {
+        let cost = StageCost {
+            activation_bytes: 2.0e6,
+            ..StageCost::compute(0.0, 0.0)
+        };
+        let costs = CostModel {
+            bandwidth: 1.0e9,
+            latency: 5.0e-6,
+            overlap,
+            ..CostModel::uniform(cost)
+        };
+        let rep = run(&ScheduleSpec::new(Policy::Gpipe, 2, 1), &costs);
+        close(rep.makespan, 2.0 * (5.0e-6 + 2.0e-3), "two hops");
+        let comm: f64 = rep.workers.iter().map(|w| w.communication).sum();
+        close(
+            comm,
+            if overlap {
+                0.0
+            } else {
+                2.0 * (5.0e-6 + 2.0e-3)
+            },
+            "sender busy",
+        );
+    }
+}
+
+#[test]
+fn peak_memory_counts_stash_and_versions_in_bytes() {
+    let cost = StageCost {
+        param_bytes: 1000.0,
+        stash_bytes: Some(10.0),
+        ..StageCost::compute(1.0, 2.0)
+    };
+    let spec = ScheduleSpec::new(Policy::PipeDream, 4, 1).with_length(Length::Updates(20));
+    let rep = run(&spec, &CostModel::uniform(cost));
+    for (s, w) in rep.workers.iter().enumerate() {
+        let depth = 4.0 - s as f64;
+        close(w.memory.weights, 1000.0 * depth, "stashed versions");
+        close(w.memory.activations, 10.0 * depth, "activations in flight");
+    }
+}
+
+#[test]
+fn bad_cost_models_are_rejected() {
+    let spec = ScheduleSpec::new(Policy::Gpipe, 2, 2);
+    let s = generate(&spec).unwrap();
+    let bad = [
+        CostModel::uniform(StageCost::compute(-1.0, 1.0)),
+        CostModel::uniform(StageCost::compute(f64::NAN, 1.0)),
+        CostModel {
+            bandwidth: 0.0,
+            ..CostModel::uniform(StageCost::compute(1.0, 1.0))
+        },
+        CostModel {
+            stages: vec![StageCost::compute(1.0, 1.0); 3],
+            ..CostModel::uniform(StageCost::compute(1.0, 1.0))
+        },
+    ];
+    for c in bad {
+        let e = simulate(&s, &c, SimOptions::default()).unwrap_err();
+        assert!(e.is_bad_input(), "{e}");
+    }
+}
