@@ -25,19 +25,27 @@ use crate::validate::invalid;
 /// Sentinel for "not recorded" in the per-(stage, microbatch) tables.
 const UNSET: u32 = u32::MAX;
 
-/// The gradients one update of one stage sums.
+/// The gradients one update of one stage sums (a view into the plan).
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
-pub struct UpdateSums {
+pub struct UpdateSums<'a> {
     /// Per replica (in replica order), the microbatches whose gradients it accumulated, in the
     /// order it accumulated them. The all-reduce then sums the replicas' partial sums.
-    pub per_replica: Vec<Vec<Microbatch>>,
+    pub per_replica: Vec<&'a [Microbatch]>,
 }
 
-impl UpdateSums {
+impl UpdateSums<'_> {
     /// Every microbatch of the update, replica by replica.
     pub fn microbatches(&self) -> impl Iterator<Item = Microbatch> + '_ {
-        self.per_replica.iter().flatten().copied()
+        self.per_replica.iter().flat_map(|p| p.iter().copied())
     }
+}
+
+/// The weight-gradient contributions of one (worker, stage), in order, cut into updates.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+struct Contributions {
+    mbs: Vec<Microbatch>,
+    /// `ends[k]`: index in `mbs` where update `k`'s contributions end.
+    ends: Vec<u32>,
 }
 
 /// The version plan of a schedule (see the module docs).
@@ -47,8 +55,12 @@ pub struct VersionPlan {
     microbatches: u32,
     forward: Vec<u32>,
     backward: Vec<u32>,
-    /// `updates[s][k]`: what update `k` of stage `s` sums.
-    pub updates: Vec<Vec<UpdateSums>>,
+    /// Indexed by `worker * chunks + chunk`.
+    contributions: Vec<Contributions>,
+    chunks: u32,
+    positions: u32,
+    replicas: Vec<u32>,
+    worker_offsets: Vec<u32>,
     /// Per worker: the most weight versions (over all its stages) held at once.
     pub peak_versions: Vec<u32>,
     /// Per worker: the most microbatches whose activations are held at once (forward done,
@@ -75,6 +87,20 @@ impl VersionPlan {
     /// or a microbatch lacks a forward or backward at some stage (run [`crate::validate`] first
     /// for the full structural check).
     pub fn derive(schedule: &Schedule) -> Result<Self> {
+        Ok(Self::derive_with_memory(schedule, |_| 0.0, |_| 0.0)?.0)
+    }
+
+    /// [`VersionPlan::derive`], also returning each worker's peak memory in bytes given bytes
+    /// per weight version and per stashed microbatch of each stage (one walk of the programs
+    /// instead of two).
+    ///
+    /// # Errors
+    /// As [`VersionPlan::derive`].
+    pub fn derive_with_memory(
+        schedule: &Schedule,
+        param_bytes: impl Fn(StageId) -> f64 + Copy,
+        stash_bytes: impl Fn(StageId) -> f64 + Copy,
+    ) -> Result<(Self, Vec<MemoryPeak>)> {
         let layout = schedule.layout();
         let stages = schedule.stages();
         let n = schedule.total_microbatches();
@@ -82,18 +108,9 @@ impl VersionPlan {
         let cells = stages as usize * n as usize;
         let mut forward = vec![UNSET; cells];
         let mut backward = vec![UNSET; cells];
-        let mut updates: Vec<Vec<UpdateSums>> = (0..stages)
-            .map(|s| {
-                let k = schedule.resolved.updates_at(s) as usize;
-                let r = layout.replicas_of(s) as usize;
-                vec![
-                    UpdateSums {
-                        per_replica: vec![Vec::new(); r]
-                    };
-                    k
-                ]
-            })
-            .collect();
+        let chunks = layout.chunks() as usize;
+        let mut contributions =
+            vec![Contributions::default(); schedule.workers() as usize * chunks];
         let idx = |s: StageId, mb: Microbatch| s as usize * n as usize + mb as usize;
         let size0 = u64::from(schedule.resolved.update_size(0));
 
@@ -102,15 +119,11 @@ impl VersionPlan {
         let mut order: Vec<WorkerId> = (0..schedule.workers()).collect();
         order.sort_by_key(|&w| !layout.stages_of(w).any(|s| s == 0));
 
-        let mut peak_versions = vec![0; schedule.workers() as usize];
-        let mut peak_activations = vec![0; schedule.workers() as usize];
+        let positions = layout.positions();
         for &w in &order {
             let prog = &schedule.programs[w as usize];
-            let (_, replica) = layout.placement(w);
-            let chunks = layout.chunks() as usize;
-            let positions = layout.positions();
             let mut current = vec![0u32; chunks];
-            let mut pending: Vec<Vec<Microbatch>> = vec![Vec::new(); chunks];
+            let contrib = &mut contributions[w as usize * chunks..(w as usize + 1) * chunks];
             for (pc, &a) in prog.iter().enumerate() {
                 let fail = |reason: String| invalid(schedule, w, pc, reason);
                 let stage = a.stage();
@@ -171,19 +184,19 @@ impl VersionPlan {
                         };
                         backward[idx(stage, mb)] = v;
                         if matches!(a, Action::Backward { .. }) {
-                            pending[c].push(mb);
+                            contrib[c].mbs.push(mb);
                         }
                     }
-                    Action::BackwardWeight { mb, .. } => pending[c].push(mb),
-                    Action::Update { stage, update } => {
-                        let slot = updates[stage as usize]
-                            .get_mut(update as usize)
-                            .ok_or_else(|| fail(format!("update {update} is beyond the run")))?;
-                        let dst = slot
-                            .per_replica
-                            .get_mut(replica as usize)
-                            .ok_or_else(|| fail("replica outside the stage's group".into()))?;
-                        *dst = std::mem::take(&mut pending[c]);
+                    Action::BackwardWeight { mb, .. } => contrib[c].mbs.push(mb),
+                    Action::Update { update, .. } => {
+                        if update != current[c] {
+                            return Err(fail(format!(
+                                "update {update} out of order (expected {})",
+                                current[c]
+                            )));
+                        }
+                        let end = contrib[c].mbs.len() as u32;
+                        contrib[c].ends.push(end);
                         current[c] += 1;
                     }
                     _ => {}
@@ -196,23 +209,60 @@ impl VersionPlan {
         if let Some(cell) = backward.iter().position(|&v| v == UNSET) {
             return Err(missing(schedule, cell, n, "backward"));
         }
+        let mut worker_offsets: Vec<u32> = (0..positions).map(|p| layout.worker(p, 0)).collect();
+        worker_offsets.push(schedule.workers());
         let mut plan = VersionPlan {
             stages,
             microbatches: n,
             forward,
             backward,
-            updates,
+            contributions,
+            chunks: layout.chunks(),
+            positions,
+            replicas: layout.replica_counts().to_vec(),
+            worker_offsets,
             peak_versions: Vec::new(),
             peak_activations: Vec::new(),
         };
-        for w in 0..schedule.workers() {
-            let p = plan.sweep(schedule, w, |_| 1.0, |_| 1.0);
-            peak_versions[w as usize] = p.weights as u32;
-            peak_activations[w as usize] = p.activations as u32;
-        }
-        plan.peak_versions = peak_versions;
-        plan.peak_activations = peak_activations;
-        Ok(plan)
+        let mut scratch = Vec::new();
+        let peaks: Vec<(MemoryPeak, MemoryPeak)> = (0..schedule.workers())
+            .map(|w| plan.sweep(schedule, w, param_bytes, stash_bytes, &mut scratch))
+            .collect();
+        plan.peak_versions = peaks.iter().map(|p| p.0.weights as u32).collect();
+        plan.peak_activations = peaks.iter().map(|p| p.0.activations as u32).collect();
+        let memory = peaks.iter().map(|p| p.1).collect();
+        Ok((plan, memory))
+    }
+
+    /// Number of updates `stage` makes.
+    pub fn updates_at(&self, stage: StageId) -> u32 {
+        let w = self.worker_offsets[(stage % self.positions) as usize];
+        let c = stage / self.positions;
+        self.contributions[(w * self.chunks + c) as usize]
+            .ends
+            .len() as u32
+    }
+
+    /// What update `k` of `stage` sums.
+    ///
+    /// # Panics
+    /// If `stage` or `k` is out of range.
+    pub fn update(&self, stage: StageId, k: u32) -> UpdateSums<'_> {
+        let p = (stage % self.positions) as usize;
+        let c = stage / self.positions;
+        let per_replica = (0..self.replicas[p])
+            .map(|j| {
+                let w = self.worker_offsets[p] + j;
+                let con = &self.contributions[(w * self.chunks + c) as usize];
+                let start = if k == 0 {
+                    0
+                } else {
+                    con.ends[k as usize - 1] as usize
+                };
+                &con.mbs[start..con.ends[k as usize] as usize]
+            })
+            .collect();
+        UpdateSums { per_replica }
     }
 
     /// Number of stages.
@@ -243,8 +293,12 @@ impl VersionPlan {
         param_bytes: impl Fn(StageId) -> f64 + Copy,
         stash_bytes: impl Fn(StageId) -> f64 + Copy,
     ) -> Vec<MemoryPeak> {
+        let mut scratch = Vec::new();
         (0..schedule.workers())
-            .map(|w| self.sweep(schedule, w, param_bytes, stash_bytes))
+            .map(|w| {
+                self.sweep(schedule, w, param_bytes, stash_bytes, &mut scratch)
+                    .1
+            })
             .collect()
     }
 
@@ -258,67 +312,95 @@ impl VersionPlan {
         w: WorkerId,
         param_bytes: impl Fn(StageId) -> f64,
         stash_bytes: impl Fn(StageId) -> f64,
-    ) -> MemoryPeak {
+        scratch: &mut Vec<Diff>,
+    ) -> (MemoryPeak, MemoryPeak) {
         let prog = &schedule.programs[w as usize];
         let layout = schedule.layout();
         let len = prog.len();
-        let mut act = vec![0.0f64; len + 1];
-        let mut wts = vec![0.0f64; len + 1];
-        for stage in layout.stages_of(w) {
-            let c_stage = stage;
-            // Position of each update of this stage, and last use of each version.
-            let mut update_pc: Vec<usize> = Vec::new();
-            let mut last_use: Vec<usize> = Vec::new();
-            let note = |v: u32, pc: usize, last_use: &mut Vec<usize>| {
-                let v = v as usize;
-                if last_use.len() <= v {
-                    last_use.resize(v + 1, 0);
-                }
-                last_use[v] = last_use[v].max(pc);
-            };
-            let split = prog
-                .iter()
-                .any(|a| matches!(a, Action::BackwardWeight { stage, .. } if *stage == c_stage));
-            for (pc, a) in prog.iter().enumerate() {
-                if a.stage() != c_stage {
-                    continue;
-                }
-                match *a {
-                    Action::Forward { mb, .. } => {
-                        note(self.forward_version(stage, mb), pc, &mut last_use);
-                        act[pc] += stash_bytes(stage);
-                    }
-                    Action::Backward { mb, .. } | Action::BackwardInput { mb, .. } => {
-                        note(self.backward_version(stage, mb), pc, &mut last_use);
-                        if !split || matches!(a, Action::Backward { .. }) {
-                            act[pc + 1] -= stash_bytes(stage);
-                        }
-                    }
-                    Action::BackwardWeight { .. } => act[pc + 1] -= stash_bytes(stage),
-                    Action::Update { .. } => update_pc.push(pc),
-                    _ => {}
-                }
+        let chunks = layout.chunks() as usize;
+        let positions = layout.positions();
+        // Difference arrays (reused across workers): counts and bytes of live activations and
+        // versions.
+        scratch.clear();
+        scratch.resize(len + 1, Diff::default());
+        let diff = scratch;
+        let stash: Vec<f64> = layout.stages_of(w).map(&stash_bytes).collect();
+        // Per chunk: position of each update, and last use of each version.
+        let mut update_pc: Vec<Vec<usize>> = vec![Vec::new(); chunks];
+        let mut last_use: Vec<Vec<usize>> = vec![Vec::new(); chunks];
+        let note = |uses: &mut Vec<usize>, v: u32, pc: usize| {
+            let v = v as usize;
+            if uses.len() <= v {
+                uses.resize(v + 1, 0);
             }
+            uses[v] = uses[v].max(pc);
+        };
+        for (pc, a) in prog.iter().enumerate() {
+            let stage = a.stage();
+            let c = (stage / positions) as usize;
+            match *a {
+                Action::Forward { mb, .. } => {
+                    note(&mut last_use[c], self.forward_version(stage, mb), pc);
+                    diff[pc].act_n += 1;
+                    diff[pc].act_b += stash[c];
+                }
+                Action::Backward { mb, .. } | Action::BackwardInput { mb, .. } => {
+                    note(&mut last_use[c], self.backward_version(stage, mb), pc);
+                    if matches!(a, Action::Backward { .. }) {
+                        diff[pc + 1].act_n -= 1;
+                        diff[pc + 1].act_b -= stash[c];
+                    }
+                }
+                // The weight half is the last reader of the stashed activations.
+                Action::BackwardWeight { .. } => {
+                    diff[pc + 1].act_n -= 1;
+                    diff[pc + 1].act_b -= stash[c];
+                }
+                Action::Update { .. } => update_pc[c].push(pc),
+                _ => {}
+            }
+        }
+        for (c, stage) in layout.stages_of(w).enumerate() {
             let bytes = param_bytes(stage);
-            for v in 0..=update_pc.len() {
-                let start = if v == 0 { 0 } else { update_pc[v - 1] };
-                let replaced = update_pc.get(v).copied().unwrap_or(len);
-                let end = replaced.max(last_use.get(v).map_or(0, |&u| u + 1));
-                wts[start] += bytes;
-                wts[end.min(len)] -= bytes;
+            let ups = &update_pc[c];
+            for v in 0..=ups.len() {
+                let start = if v == 0 { 0 } else { ups[v - 1] };
+                let replaced = ups.get(v).copied().unwrap_or(len);
+                let end = replaced
+                    .max(last_use[c].get(v).map_or(0, |&u| u + 1))
+                    .min(len);
+                diff[start].wts_n += 1;
+                diff[start].wts_b += bytes;
+                diff[end].wts_n -= 1;
+                diff[end].wts_b -= bytes;
             }
         }
-        let (mut a, mut ws) = (0.0f64, 0.0f64);
-        let mut peak = MemoryPeak::default();
+        let (mut an, mut ab, mut wn, mut wb) = (0i32, 0.0f64, 0i32, 0.0f64);
+        let (mut counts, mut peak) = (MemoryPeak::default(), MemoryPeak::default());
         for pc in 0..len.max(1) {
-            a += act[pc];
-            ws += wts[pc];
-            peak.activations = peak.activations.max(a);
-            peak.weights = peak.weights.max(ws);
-            peak.total = peak.total.max(a + ws);
+            let d = &diff[pc];
+            an += d.act_n;
+            ab += d.act_b;
+            wn += d.wts_n;
+            wb += d.wts_b;
+            counts.activations = counts.activations.max(f64::from(an));
+            counts.weights = counts.weights.max(f64::from(wn));
+            counts.total = counts.total.max(f64::from(an + wn));
+            peak.activations = peak.activations.max(ab);
+            peak.weights = peak.weights.max(wb);
+            peak.total = peak.total.max(ab + wb);
         }
-        peak
+        (counts, peak)
     }
+}
+
+/// One entry of the memory sweep's difference array.
+#[derive(Clone, Copy, Default)]
+struct Diff {
+    act_n: i32,
+    wts_n: i32,
+    act_b: f64,
+    wts_b: f64,
 }
 
 fn missing(schedule: &Schedule, cell: usize, n: u32, what: &str) -> ScheduleError {

@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::action::{Action, ActionKind, WorkerId};
+use crate::action::{Action, WorkerId};
 use crate::error::{Result, ScheduleError};
 use crate::grid;
 use crate::lower::{LowerOptions, lower};
@@ -284,15 +284,14 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel, opts: SimOptions) -> Res
         lowered = lower(schedule, LowerOptions::default());
         &lowered
     };
-    let plan = VersionPlan::derive(schedule)?;
-    let mut engine = Engine::new(schedule, Some(costs), opts.timeline);
-    engine.run()?;
-    let makespan = engine.clock.iter().copied().fold(0.0, f64::max);
-    let memory = plan.peak_memory(
+    let (plan, memory) = VersionPlan::derive_with_memory(
         schedule,
         |s| costs.stage(s).param_bytes,
         |s| costs.stage(s).stash(),
-    );
+    )?;
+    let mut engine = Engine::new(schedule, Some(costs), opts.timeline);
+    engine.run()?;
+    let makespan = engine.clock.iter().copied().fold(0.0, f64::max);
     let workers: Vec<WorkerReport> = (0..schedule.workers() as usize)
         .map(|w| WorkerReport {
             compute: engine.compute[w],
@@ -438,19 +437,6 @@ impl<'a> Engine<'a> {
         }
     }
 
-    fn compute_cost(&self, a: &Action) -> f64 {
-        let Some(c) = self.costs else { return 0.0 };
-        let s = c.stage(a.stage());
-        match a.kind() {
-            ActionKind::Forward => s.forward,
-            ActionKind::Backward => s.backward_input + s.backward_weight,
-            ActionKind::BackwardInput => s.backward_input,
-            ActionKind::BackwardWeight => s.backward_weight,
-            ActionKind::Update => s.update,
-            _ => 0.0,
-        }
-    }
-
     fn record(&mut self, worker: WorkerId, action: Action, start: f64, end: f64) {
         if let Some(spans) = &mut self.spans {
             spans.push(Span {
@@ -464,9 +450,10 @@ impl<'a> Engine<'a> {
 
     fn run(&mut self) -> Result<()> {
         let workers = self.schedule.workers();
+        let times = stage_times(self.schedule, self.costs);
         let mut ready: Vec<WorkerId> = (0..workers).rev().collect();
         while let Some(w) = ready.pop() {
-            self.advance(w, &mut ready);
+            self.advance(w, &mut ready, &times);
         }
         let blocked: Vec<(WorkerId, usize)> = (0..workers)
             .filter(|&w| self.pc[w as usize] < self.schedule.programs[w as usize].len())
@@ -496,51 +483,73 @@ impl<'a> Engine<'a> {
         })
     }
 
-    /// Runs worker `w` until it blocks or finishes; wakes the workers it unblocks.
-    fn advance(&mut self, w: WorkerId, ready: &mut Vec<WorkerId>) {
+    /// Runs worker `w` until it blocks or finishes; wakes the workers it unblocks. The hot loop
+    /// keeps the worker's position and clock in locals and reads per-stage times from a table.
+    fn advance(&mut self, w: WorkerId, ready: &mut Vec<WorkerId>, times: &[StageTimes]) {
         let wi = w as usize;
         let schedule: &'a Schedule = self.schedule;
         let prog = &schedule.programs[wi];
         let layout = schedule.layout();
-        while self.pc[wi] < prog.len() {
-            let a = prog[self.pc[wi]];
+        let (latency, overlap) = self.costs.map_or((0.0, true), |c| (c.latency, c.overlap));
+        let mut pc = self.pc[wi];
+        let mut clock = self.clock[wi];
+        let mut compute = 0.0;
+        let mut comm = 0.0;
+        let blocked = loop {
+            let Some(&a) = prog.get(pc) else { break false };
+            let t = &times[a.stage() as usize];
             match a {
+                Action::Forward { .. } => {
+                    self.record(w, a, clock, clock + t.forward);
+                    clock += t.forward;
+                    compute += t.forward;
+                }
+                Action::Backward { .. } => {
+                    self.record(w, a, clock, clock + t.backward);
+                    clock += t.backward;
+                    compute += t.backward;
+                }
+                Action::BackwardInput { .. } => {
+                    self.record(w, a, clock, clock + t.backward_input);
+                    clock += t.backward_input;
+                    compute += t.backward_input;
+                }
+                Action::BackwardWeight { .. } => {
+                    self.record(w, a, clock, clock + t.backward_weight);
+                    clock += t.backward_weight;
+                    compute += t.backward_weight;
+                }
+                Action::Update { .. } => {
+                    self.record(w, a, clock, clock + t.update);
+                    clock += t.update;
+                    compute += t.update;
+                }
                 Action::SendActivation { to, .. }
                 | Action::SendGradient { to, .. }
                 | Action::SendChunk { to, .. } => {
                     let id = self.message(w, &a);
-                    let start = self.clock[wi];
-                    let mut arrive = start;
-                    if let Some(c) = self.costs {
-                        let st = c.stage(a.stage());
-                        let bytes = match a {
-                            Action::SendActivation { .. } => st.activation_bytes,
-                            Action::SendGradient { .. } => {
-                                // The gradient of this stage's input: sized like the previous
-                                // stage's output.
-                                c.stage(a.stage() - 1).gradient()
-                            }
-                            _ => st.param_bytes / f64::from(layout.replicas_of(a.stage())),
-                        };
-                        let busy = c.transfer(bytes);
-                        let link = match self.links[wi].iter().position(|&(p, _)| p == to) {
-                            Some(i) => i,
-                            None => {
-                                self.links[wi].push((to, 0.0));
-                                self.links[wi].len() - 1
-                            }
-                        };
-                        let begin = start.max(self.links[wi][link].1);
-                        self.links[wi][link].1 = begin + busy;
-                        arrive = begin + busy + c.latency;
-                        if !c.overlap {
-                            self.comm[wi] += arrive - start;
-                            self.clock[wi] = arrive;
+                    let busy = match a {
+                        Action::SendActivation { .. } => t.activation_transfer,
+                        Action::SendGradient { .. } => t.gradient_transfer,
+                        _ => t.chunk_transfer,
+                    };
+                    let link = match self.links[wi].iter().position(|&(p, _)| p == to) {
+                        Some(i) => i,
+                        None => {
+                            self.links[wi].push((to, 0.0));
+                            self.links[wi].len() - 1
                         }
+                    };
+                    let begin = clock.max(self.links[wi][link].1);
+                    self.links[wi][link].1 = begin + busy;
+                    let arrive = begin + busy + latency;
+                    let start = clock;
+                    if !overlap {
+                        comm += arrive - clock;
+                        clock = arrive;
                     }
                     self.arrival[id] = arrive;
-                    let end = self.clock[wi];
-                    self.record(w, a, start, end);
+                    self.record(w, a, start, clock);
                     if self.wait[to as usize] == Wait::Message(id) {
                         self.wait[to as usize] = Wait::Nothing;
                         ready.push(to);
@@ -550,54 +559,97 @@ impl<'a> Engine<'a> {
                 | Action::RecvGradient { .. }
                 | Action::RecvChunk { .. } => {
                     let id = self.message(w, &a);
-                    let t = self.arrival[id];
-                    if t.is_nan() {
+                    let arrived = self.arrival[id];
+                    if arrived.is_nan() {
                         self.wait[wi] = Wait::Message(id);
-                        return;
+                        break true;
                     }
-                    let start = self.clock[wi];
-                    self.clock[wi] = start.max(t);
-                    let end = self.clock[wi];
-                    self.record(w, a, start, end);
+                    let start = clock;
+                    clock = clock.max(arrived);
+                    self.record(w, a, start, clock);
                 }
                 Action::AllReduce { stage, update } => {
                     let gid = self.group_offset[stage as usize] + update as usize;
                     self.group_count[gid] += 1;
-                    self.group_start[gid] = self.group_start[gid].max(self.clock[wi]);
+                    self.group_start[gid] = self.group_start[gid].max(clock);
                     let group = layout.group(stage);
-                    let r = group.end - group.start;
-                    if self.group_count[gid] < r {
+                    if self.group_count[gid] < group.end - group.start {
                         self.wait[wi] = Wait::Group(gid);
-                        return;
+                        break true;
                     }
-                    let cost = self.costs.map_or(0.0, |c| {
-                        let rf = f64::from(r);
-                        2.0 * (rf - 1.0) / rf * c.transfer(c.stage(stage).param_bytes)
-                            + 2.0 * (rf - 1.0) * c.latency
-                    });
                     let begin = self.group_start[gid];
-                    let end = begin + cost;
+                    let end = begin + t.all_reduce;
                     for m in group {
                         let mi = m as usize;
-                        self.comm[mi] += cost;
-                        self.clock[mi] = end;
                         self.record(m, a, begin, end);
                         if m != w {
+                            self.comm[mi] += t.all_reduce;
+                            self.clock[mi] = end;
                             self.pc[mi] += 1;
                             self.wait[mi] = Wait::Nothing;
                             ready.push(m);
                         }
                     }
-                }
-                _ => {
-                    let cost = self.compute_cost(&a);
-                    let start = self.clock[wi];
-                    self.clock[wi] = start + cost;
-                    self.compute[wi] += cost;
-                    self.record(w, a, start, start + cost);
+                    comm += t.all_reduce;
+                    clock = end;
                 }
             }
-            self.pc[wi] += 1;
-        }
+            pc += 1;
+        };
+        let _ = blocked;
+        self.pc[wi] = pc;
+        self.clock[wi] = clock;
+        self.compute[wi] += compute;
+        self.comm[wi] += comm;
     }
+}
+
+/// Per-stage times the engine reads for every action (all zero for the dry run).
+#[derive(Clone, Copy, Default)]
+struct StageTimes {
+    forward: f64,
+    backward: f64,
+    backward_input: f64,
+    backward_weight: f64,
+    update: f64,
+    /// Link time of this stage's output activation.
+    activation_transfer: f64,
+    /// Link time of the gradient this stage sends back (sized by the previous stage).
+    gradient_transfer: f64,
+    /// Link time of one ring all-reduce chunk (`P / r`).
+    chunk_transfer: f64,
+    /// Whole collective all-reduce: `2(r-1)/r * P / bandwidth + 2(r-1) * latency`.
+    all_reduce: f64,
+}
+
+fn stage_times(schedule: &Schedule, costs: Option<&CostModel>) -> Vec<StageTimes> {
+    let layout = schedule.layout();
+    (0..schedule.stages())
+        .map(|s| {
+            let Some(c) = costs else {
+                return StageTimes::default();
+            };
+            let st = c.stage(s);
+            let r = f64::from(layout.replicas_of(s));
+            StageTimes {
+                forward: st.forward,
+                backward: st.backward_input + st.backward_weight,
+                backward_input: st.backward_input,
+                backward_weight: st.backward_weight,
+                update: st.update,
+                activation_transfer: c.transfer(st.activation_bytes),
+                gradient_transfer: if s > 0 {
+                    c.transfer(c.stage(s - 1).gradient())
+                } else {
+                    0.0
+                },
+                chunk_transfer: c.transfer(st.param_bytes / r),
+                all_reduce: if r > 1.0 {
+                    2.0 * (r - 1.0) / r * c.transfer(st.param_bytes) + 2.0 * (r - 1.0) * c.latency
+                } else {
+                    0.0
+                },
+            }
+        })
+        .collect()
 }

@@ -528,8 +528,8 @@ impl Schedule {
     }
 
     /// Replaces the programs with ones parsed from [`Schedule::to_text`]'s format (lines
-    /// `wN: a a a`, blank lines and `#` comments ignored). Whether the result is lowered is
-    /// taken from the presence of sends or receives.
+    /// `wN: a a a`, blank lines and `#` comments ignored). The result counts as lowered when
+    /// it holds sends or receives, or runs on one worker (where the two forms are the same).
     ///
     /// # Errors
     /// [`ScheduleError::Parse`] for a malformed line or action, or a worker number outside the
@@ -563,7 +563,7 @@ impl Schedule {
                 programs[w].push(tok.parse()?);
             }
         }
-        self.lowered = programs.iter().flatten().any(Action::is_communication);
+        self.lowered = workers == 1 || programs.iter().flatten().any(Action::is_communication);
         self.programs = programs;
         Ok(self)
     }

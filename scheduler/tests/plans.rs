@@ -107,10 +107,9 @@ fn flush_policies_are_synchronous() {
                     assert_eq!(p.forward_version(s, mb), mb / m, "{policy} S={stages}");
                     assert_eq!(p.backward_version(s, mb), mb / m);
                 }
-                for (k, u) in p.updates[s as usize].iter().enumerate() {
-                    let mut mbs: Vec<u32> = u.microbatches().collect();
+                for k in 0..p.updates_at(s) {
+                    let mut mbs: Vec<u32> = p.update(s, k).microbatches().collect();
                     mbs.sort_unstable();
-                    let k = k as u32;
                     assert_eq!(mbs, (k * m..(k + 1) * m).collect::<Vec<_>>());
                 }
             }
@@ -139,11 +138,14 @@ fn replicas_take_microbatches_round_robin_and_sum_together() {
     validate::check(&s).unwrap();
     let p = VersionPlan::derive(&s).unwrap();
     // Stage 0 has two replicas: each update sums one microbatch from each.
-    for (k, u) in p.updates[0].iter().enumerate() {
-        let k = k as u32;
-        assert_eq!(u.per_replica, vec![vec![2 * k], vec![2 * k + 1]]);
+    assert_eq!(p.updates_at(0), 6);
+    for k in 0..6 {
+        assert_eq!(
+            p.update(0, k).per_replica,
+            vec![&[2 * k][..], &[2 * k + 1][..]]
+        );
     }
     // Stages 1 and 2 update after every microbatch.
-    assert_eq!(p.updates[1].len(), 12);
-    assert_eq!(p.updates[2][5].per_replica, vec![vec![5]]);
+    assert_eq!(p.updates_at(1), 12);
+    assert_eq!(p.update(2, 5).per_replica, vec![&[5u32][..]]);
 }

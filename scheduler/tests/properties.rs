@@ -66,8 +66,8 @@ fn check_spec(spec: &ScheduleSpec, expand: bool) -> Result<(), TestCaseError> {
     for s in 0..generated.stages() {
         // Every microbatch's gradient is summed into exactly one update of every stage.
         let mut seen = vec![0u32; n as usize];
-        for u in &plan.updates[s as usize] {
-            for mb in u.microbatches() {
+        for k in 0..plan.updates_at(s) {
+            for mb in plan.update(s, k).microbatches() {
                 seen[mb as usize] += 1;
             }
         }
