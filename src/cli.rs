@@ -28,6 +28,10 @@ enum Command {
     /// Run a benchmark.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Print a policy's schedule (grid, text, CSV or Chrome trace).
+    Schedule(crate::plan_cli::ScheduleArgs),
+    /// Simulate a schedule under a cost model: makespan, bubble, per-worker busy time and memory.
+    Simulate(crate::plan_cli::SimulateArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -154,6 +158,11 @@ impl TrainArgs {
     }
 }
 
+/// An error caused by user input, for other command modules.
+pub fn bad_input(msg: String) -> anyhow::Error {
+    BadInput(msg).into()
+}
+
 /// Exit status for an error: 2 for bad input, 1 otherwise.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
     for cause in e.chain() {
@@ -193,6 +202,8 @@ pub fn run() -> Result<()> {
     match cli.command {
         Command::Train(args) => cmd_train(&args),
         Command::Bench(BenchCommand::Mfu(args)) => cmd_bench_mfu(&args),
+        Command::Schedule(args) => crate::plan_cli::cmd_schedule(&args),
+        Command::Simulate(args) => crate::plan_cli::cmd_simulate(&args),
     }
 }
 

@@ -3,6 +3,7 @@
 //! input, 1 for failures at run time.
 
 mod cli;
+mod plan_cli;
 
 use std::process::ExitCode;
 

@@ -189,3 +189,219 @@ fn default_run_reaches_97_5_percent_on_mnist() {
     assert!(acc >= 97.5, "default run reached only {acc}%: {stdout}");
     assert_eq!(stdout.lines().filter(|l| l.starts_with("epoch")).count(), 6);
 }
+
+#[test]
+fn schedule_prints_grid_text_csv_and_trace() {
+    let out = pipe(&[
+        "schedule",
+        "--schedule",
+        "1f1b-flush",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--unlowered",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let w0 = text.lines().find(|l| l.starts_with("w0 ")).unwrap();
+    let cells: Vec<&str> = w0.split_whitespace().skip(1).collect();
+    assert_eq!(cells[..6], ["s0F0", "s0F1", "s0F2", "s0F3", "s0B0", "s0F4"]);
+
+    let out = pipe(&[
+        "schedule",
+        "--schedule",
+        "pipedream",
+        "--stages",
+        "3",
+        "--replicas",
+        "2,1,1",
+        "--microbatches",
+        "1",
+        "--format",
+        "text",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().count(), 4, "{text}");
+    assert!(
+        text.contains("s0A0"),
+        "replicated stage all-reduces: {text}"
+    );
+
+    let out = pipe(&[
+        "schedule",
+        "--schedule",
+        "vsync",
+        "--stages",
+        "3",
+        "--format",
+        "csv",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("worker,step,action,kind,stage,microbatch,update,forward_version"));
+    assert!(text.lines().count() > 20);
+
+    let path = tmp("schedule-trace.json");
+    let out = pipe(&[
+        "schedule",
+        "--schedule",
+        "zb-h1",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--format",
+        "trace",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    assert!(events.iter().any(|e| e["name"] == "s1W0" && e["ph"] == "X"));
+}
+
+#[test]
+fn simulate_prints_the_summary_and_writes_a_trace() {
+    let path = tmp("sim-trace.json");
+    let out = pipe(&[
+        "simulate",
+        "--schedule",
+        "gpipe",
+        "--stages",
+        "4",
+        "--microbatches",
+        "4",
+        "--forward",
+        "1ms",
+        "--backward",
+        "2ms",
+        "--trace",
+        path.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    // (m + p - 1)(f + b) = 7 * 3 ms, bubble (p - 1)/(m + p - 1) = 3/7.
+    assert!(text.contains("makespan 21.0000 ms"), "{text}");
+    assert!(text.contains("bubble 42.86%"), "{text}");
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let first_fwd = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "s3F0")
+        .unwrap();
+    assert_eq!(
+        first_fwd["ts"].as_f64().unwrap(),
+        3000.0,
+        "starts after three forwards"
+    );
+    assert_eq!(first_fwd["args"]["version"], 0);
+
+    let costs = tmp("costs.toml");
+    std::fs::write(
+        &costs,
+        "bandwidth = 1e9\nlatency = 0.0\n[[stage]]\nforward = 1.0\nbackward_input = 1.0\n\
+         backward_weight = 1.0\nactivation_bytes = 0\n",
+    )
+    .unwrap();
+    let out = pipe(&[
+        "simulate",
+        "--schedule",
+        "zb-h1",
+        "--stages",
+        "3",
+        "--microbatches",
+        "6",
+        "--costs",
+        costs.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    // 3m + (p - 1) = 20 s.
+    assert!(text.contains("makespan 20.0000 s"), "{text}");
+}
+
+#[test]
+fn schedule_and_simulate_reject_bad_input_with_exit_2() {
+    assert_bad_input(
+        &["schedule", "--stages", "0"],
+        "--stages must be at least 1",
+    );
+    assert_bad_input(
+        &["schedule", "--stages", "4", "--replicas", "2,1"],
+        "lists 2 values for 4 stages",
+    );
+    assert_bad_input(&["schedule", "--replicas", "0"], "0 replicas");
+    assert_bad_input(&["schedule", "--schedule", "nope"], "unknown schedule");
+    assert_bad_input(
+        &[
+            "schedule",
+            "--schedule",
+            "interleaved",
+            "--stages",
+            "4",
+            "--microbatches",
+            "6",
+        ],
+        "multiple of the stage count",
+    );
+    assert_bad_input(
+        &[
+            "schedule",
+            "--schedule",
+            "2bw",
+            "--stages",
+            "4",
+            "--microbatches",
+            "1",
+        ],
+        "2bw needs at least 3 microbatches",
+    );
+    assert_bad_input(
+        &["schedule", "--chunks", "2"],
+        "needs --schedule interleaved",
+    );
+    assert_bad_input(
+        &["schedule", "--total-microbatches", "7"],
+        "not a whole number of minibatches",
+    );
+    assert_bad_input(
+        &["simulate", "--forward", "-1"],
+        "must be a finite number >= 0",
+    );
+    assert_bad_input(&["simulate", "--bandwidth", "0GB/s"], "must be > 0");
+    let costs = tmp("bad-costs.toml");
+    std::fs::write(&costs, "[[stage]]\nforward = 1.0\nbogus = 2\n").unwrap();
+    assert_bad_input(
+        &["simulate", "--costs", costs.to_str().unwrap()],
+        "unknown field",
+    );
+    std::fs::write(&costs, "[[stage]]\nforward = -1.0\n").unwrap();
+    assert_bad_input(
+        &["simulate", "--costs", costs.to_str().unwrap()],
+        "forward must be",
+    );
+    std::fs::write(
+        &costs,
+        "[[stage]]\nforward = 1.0\n[[stage]]\nforward = 1.0\n",
+    )
+    .unwrap();
+    assert_bad_input(
+        &[
+            "simulate",
+            "--stages",
+            "3",
+            "--costs",
+            costs.to_str().unwrap(),
+        ],
+        "2 stage entries for 3 stages",
+    );
+    assert_bad_input(
+        &["simulate", "--costs", "/nonexistent/costs.toml"],
+        "cost file",
+    );
+}
