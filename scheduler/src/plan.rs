@@ -377,8 +377,7 @@ impl VersionPlan {
         }
         let (mut an, mut ab, mut wn, mut wb) = (0i32, 0.0f64, 0i32, 0.0f64);
         let (mut counts, mut peak) = (MemoryPeak::default(), MemoryPeak::default());
-        for pc in 0..len.max(1) {
-            let d = &diff[pc];
+        for d in &diff[..len.max(1)] {
             an += d.act_n;
             ab += d.act_b;
             wn += d.wts_n;

@@ -495,8 +495,8 @@ impl<'a> Engine<'a> {
         let mut clock = self.clock[wi];
         let mut compute = 0.0;
         let mut comm = 0.0;
-        let blocked = loop {
-            let Some(&a) = prog.get(pc) else { break false };
+        loop {
+            let Some(&a) = prog.get(pc) else { break };
             let t = &times[a.stage() as usize];
             match a {
                 Action::Forward { .. } => {
@@ -562,7 +562,7 @@ impl<'a> Engine<'a> {
                     let arrived = self.arrival[id];
                     if arrived.is_nan() {
                         self.wait[wi] = Wait::Message(id);
-                        break true;
+                        break;
                     }
                     let start = clock;
                     clock = clock.max(arrived);
@@ -575,7 +575,7 @@ impl<'a> Engine<'a> {
                     let group = layout.group(stage);
                     if self.group_count[gid] < group.end - group.start {
                         self.wait[wi] = Wait::Group(gid);
-                        break true;
+                        break;
                     }
                     let begin = self.group_start[gid];
                     let end = begin + t.all_reduce;
@@ -595,8 +595,7 @@ impl<'a> Engine<'a> {
                 }
             }
             pc += 1;
-        };
-        let _ = blocked;
+        }
         self.pc[wi] = pc;
         self.clock[wi] = clock;
         self.compute[wi] += compute;
