@@ -499,30 +499,15 @@ impl<'a> Engine<'a> {
             let Some(&a) = prog.get(pc) else { break };
             let t = &times[a.stage() as usize];
             match a {
-                Action::Forward { .. } => {
-                    self.record(w, a, clock, clock + t.forward);
-                    clock += t.forward;
-                    compute += t.forward;
-                }
-                Action::Backward { .. } => {
-                    self.record(w, a, clock, clock + t.backward);
-                    clock += t.backward;
-                    compute += t.backward;
-                }
-                Action::BackwardInput { .. } => {
-                    self.record(w, a, clock, clock + t.backward_input);
-                    clock += t.backward_input;
-                    compute += t.backward_input;
-                }
-                Action::BackwardWeight { .. } => {
-                    self.record(w, a, clock, clock + t.backward_weight);
-                    clock += t.backward_weight;
-                    compute += t.backward_weight;
-                }
-                Action::Update { .. } => {
-                    self.record(w, a, clock, clock + t.update);
-                    clock += t.update;
-                    compute += t.update;
+                Action::Forward { .. }
+                | Action::Backward { .. }
+                | Action::BackwardInput { .. }
+                | Action::BackwardWeight { .. }
+                | Action::Update { .. } => {
+                    let d = t.compute(&a);
+                    self.record(w, a, clock, clock + d);
+                    clock += d;
+                    compute += d;
                 }
                 Action::SendActivation { to, .. }
                 | Action::SendGradient { to, .. }
@@ -619,6 +604,20 @@ struct StageTimes {
     chunk_transfer: f64,
     /// Whole collective all-reduce: `2(r-1)/r * P / bandwidth + 2(r-1) * latency`.
     all_reduce: f64,
+}
+
+impl StageTimes {
+    /// Duration of a compute or update action (0 for anything else).
+    fn compute(&self, a: &Action) -> f64 {
+        match a {
+            Action::Forward { .. } => self.forward,
+            Action::Backward { .. } => self.backward,
+            Action::BackwardInput { .. } => self.backward_input,
+            Action::BackwardWeight { .. } => self.backward_weight,
+            Action::Update { .. } => self.update,
+            _ => 0.0,
+        }
+    }
 }
 
 fn stage_times(schedule: &Schedule, costs: Option<&CostModel>) -> Vec<StageTimes> {
