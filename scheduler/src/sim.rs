@@ -495,8 +495,7 @@ impl<'a> Engine<'a> {
         let mut clock = self.clock[wi];
         let mut compute = 0.0;
         let mut comm = 0.0;
-        loop {
-            let Some(&a) = prog.get(pc) else { break };
+        while let Some(&a) = prog.get(pc) {
             let t = &times[a.stage() as usize];
             match a {
                 Action::Forward { .. }
