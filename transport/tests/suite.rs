@@ -1,0 +1,220 @@
+//! The transport test suite, written against the `Transport` trait: every implementation runs
+//! the same cases through `transport_suite!`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use pipe_kernels::Tensor;
+use pipe_transport::collective::{ring_all_reduce, ring_sum};
+use pipe_transport::inproc::{InProcOptions, mesh};
+use pipe_transport::{Abort, Key, Kind, Message, Transport, TransportError};
+
+fn key(from: u32, to: u32, kind: Kind, index: u32) -> Key {
+    Key {
+        from,
+        to,
+        kind,
+        stage: 0,
+        index,
+        step: 0,
+    }
+}
+
+fn msg(k: Key, values: &[f32]) -> Message {
+    Message {
+        key: k,
+        version: 7,
+        tensor: Tensor::from_vec(&[values.len()], values.to_vec()).unwrap(),
+    }
+}
+
+/// The cases. `make(workers, abort, timeout)` builds one endpoint per worker.
+macro_rules! transport_suite {
+    ($name:ident, $make:expr) => {
+        mod $name {
+            use super::*;
+
+            fn make(
+                n: u32,
+                abort: &Abort,
+                timeout: Option<Duration>,
+            ) -> Vec<impl Transport + 'static> {
+                ($make)(n, abort, timeout)
+            }
+
+            #[test]
+            fn delivers_by_key_in_any_order() {
+                let abort = Abort::new();
+                let mut eps = make(2, &abort, None);
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                // Four messages: what the queue holds before a sender blocks.
+                for i in 0..3 {
+                    a.send(msg(key(0, 1, Kind::Activation, i), &[i as f32; 3]))
+                        .unwrap();
+                }
+                a.send(msg(key(0, 1, Kind::Gradient, 9), &[9.0])).unwrap();
+                let g = b.recv(&key(0, 1, Kind::Gradient, 9)).unwrap();
+                assert_eq!(g.tensor.data(), &[9.0]);
+                assert_eq!(g.version, 7);
+                for i in (0..3).rev() {
+                    let m = b.recv(&key(0, 1, Kind::Activation, i)).unwrap();
+                    assert_eq!(m.tensor.data(), &[i as f32; 3]);
+                }
+            }
+
+            #[test]
+            fn moves_between_threads_both_ways() {
+                let abort = Abort::new();
+                let mut eps = make(2, &abort, None);
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                let h = thread::spawn(move || {
+                    for i in 0..200 {
+                        let m = b.recv(&key(0, 1, Kind::Activation, i)).unwrap();
+                        b.send(msg(
+                            key(1, 0, Kind::Gradient, i),
+                            &[m.tensor.data()[0] * 2.0],
+                        ))
+                        .unwrap();
+                    }
+                });
+                for i in 0..200 {
+                    a.send(msg(key(0, 1, Kind::Activation, i), &[i as f32]))
+                        .unwrap();
+                    let g = a.recv(&key(1, 0, Kind::Gradient, i)).unwrap();
+                    assert_eq!(g.tensor.data(), &[2.0 * i as f32]);
+                }
+                h.join().unwrap();
+            }
+
+            #[test]
+            fn abort_stops_a_blocked_receive() {
+                let abort = Abort::new();
+                let mut eps = make(2, &abort, None);
+                let mut b = eps.pop().unwrap();
+                let _a = eps.pop().unwrap();
+                let flag = abort.clone();
+                let h = thread::spawn(move || {
+                    thread::sleep(Duration::from_millis(30));
+                    flag.trigger();
+                });
+                let t = Instant::now();
+                let e = b.recv(&key(0, 1, Kind::Activation, 0)).unwrap_err();
+                assert!(matches!(e, TransportError::Aborted), "{e}");
+                assert!(t.elapsed() < Duration::from_secs(2));
+                h.join().unwrap();
+            }
+
+            #[test]
+            fn a_gone_peer_is_an_error_not_a_hang() {
+                let abort = Abort::new();
+                let mut eps = make(2, &abort, None);
+                let mut b = eps.pop().unwrap();
+                let a = eps.pop().unwrap();
+                drop(a);
+                let e = b.recv(&key(0, 1, Kind::Activation, 0)).unwrap_err();
+                assert!(matches!(e, TransportError::Closed { peer: 0 }), "{e}");
+                let e = b
+                    .send(msg(key(1, 0, Kind::Gradient, 0), &[1.0]))
+                    .unwrap_err();
+                match e {
+                    TransportError::Send { message, .. } => {
+                        assert_eq!(message.tensor.data(), &[1.0])
+                    }
+                    other => panic!("{other}"),
+                }
+            }
+
+            #[test]
+            fn receive_times_out_when_asked_to() {
+                let abort = Abort::new();
+                let mut eps = make(2, &abort, Some(Duration::from_millis(50)));
+                let mut b = eps.pop().unwrap();
+                let _a = eps.pop().unwrap();
+                let e = b.recv(&key(0, 1, Kind::Activation, 0)).unwrap_err();
+                assert!(matches!(e, TransportError::Timeout { .. }), "{e}");
+            }
+
+            #[test]
+            fn bad_keys_are_protocol_errors() {
+                let abort = Abort::new();
+                let mut eps = make(2, &abort, None);
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                assert!(matches!(
+                    b.recv(&key(0, 0, Kind::Activation, 0)),
+                    Err(TransportError::Protocol(_))
+                ));
+                assert!(matches!(
+                    b.recv(&key(5, 1, Kind::Activation, 0)),
+                    Err(TransportError::Protocol(_))
+                ));
+                assert!(matches!(
+                    a.send(msg(key(0, 9, Kind::Activation, 0), &[1.0])),
+                    Err(TransportError::Send { .. })
+                ));
+                // The same key twice before it is consumed.
+                a.send(msg(key(0, 1, Kind::Activation, 3), &[1.0])).unwrap();
+                a.send(msg(key(0, 1, Kind::Activation, 3), &[1.0])).unwrap();
+                let e = b.recv(&key(0, 1, Kind::Activation, 4)).unwrap_err();
+                assert!(matches!(e, TransportError::Protocol(_)), "{e}");
+            }
+
+            #[test]
+            fn ring_all_reduce_matches_the_single_thread_ring_sum() {
+                for r in [2u32, 3, 4] {
+                    for len in [1usize, 5, 64, 1000] {
+                        let abort = Abort::new();
+                        let eps = make(r, &abort, None);
+                        let parts: Vec<Vec<f32>> = (0..r)
+                            .map(|w| {
+                                (0..len)
+                                    .map(|i| {
+                                        ((i * 7 + w as usize * 13) % 17) as f32 * 0.1
+                                            + 1e-3 * w as f32
+                                    })
+                                    .collect()
+                            })
+                            .collect();
+                        let expect =
+                            ring_sum(&parts.iter().map(|p| p.as_slice()).collect::<Vec<_>>());
+                        let group: Vec<u32> = (0..r).collect();
+                        let handles: Vec<_> = eps
+                            .into_iter()
+                            .zip(parts.clone())
+                            .map(|(mut ep, mut data)| {
+                                let group = group.clone();
+                                thread::spawn(move || {
+                                    ring_all_reduce(&mut ep, &group, 2, 5, &mut data).unwrap();
+                                    data
+                                })
+                            })
+                            .collect();
+                        for h in handles {
+                            let got = h.join().unwrap();
+                            assert_eq!(got, expect, "r={r} len={len}");
+                        }
+                        let naive: Vec<f32> =
+                            (0..len).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
+                        for (a, b) in expect.iter().zip(&naive) {
+                            assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0));
+                        }
+                    }
+                }
+            }
+        }
+    };
+}
+
+transport_suite!(inproc, |n, abort: &Abort, timeout| {
+    mesh(
+        n,
+        &InProcOptions {
+            capacity: 4,
+            timeout,
+        },
+        abort,
+    )
+});
