@@ -121,7 +121,7 @@ pub fn ring_sum(parts: &[&[f32]]) -> Vec<f32> {
         for k in 1..r {
             let src = &parts[(c + k) % r][range.clone()];
             for (d, s) in dst.iter_mut().zip(src) {
-                *d = *s + *d;
+                *d += *s;
             }
         }
     }

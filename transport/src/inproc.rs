@@ -50,11 +50,10 @@ pub fn mesh(workers: u32, opts: &InProcOptions, abort: &Abort) -> Vec<InProc> {
     let mut receivers: Vec<Vec<Option<Receiver<Message>>>> =
         (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
     for (a, row) in senders.iter_mut().enumerate() {
-        for (b, col) in receivers.iter_mut().enumerate() {
+        for col in receivers.iter_mut() {
             let (tx, rx) = bounded(opts.capacity.max(1));
             row.push(tx);
             col[a] = Some(rx);
-            let _ = b;
         }
     }
     senders
