@@ -41,6 +41,29 @@ pub enum StageError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// Moving a message between workers failed.
+    #[error("transport: {0}")]
+    Transport(String),
+    /// A schedule failed its checks or its version plan.
+    #[error("schedule: {0}")]
+    Schedule(String),
+    /// The executor met a state its program should not allow (missing input, freed version).
+    #[error("executor: {0}")]
+    Executor(String),
+    /// A worker of a pipelined run failed; every other worker was stopped.
+    #[error("worker {worker} (stage {stage}, replica {replica}) failed at {action}: {source}")]
+    Worker {
+        /// The worker.
+        worker: u32,
+        /// Its stage position.
+        stage: u32,
+        /// Its replica index.
+        replica: u32,
+        /// The action it was running (text form), or `start`/`end`.
+        action: String,
+        /// What went wrong.
+        source: Box<StageError>,
+    },
     /// Training produced a non-finite loss.
     #[error("loss became {loss} at step {step}: lower the learning rate")]
     Diverged {
@@ -51,6 +74,22 @@ pub enum StageError {
     },
 }
 
+impl From<pipe_transport::TransportError> for StageError {
+    fn from(e: pipe_transport::TransportError) -> Self {
+        StageError::Transport(e.to_string())
+    }
+}
+
+impl From<pipe_scheduler::ScheduleError> for StageError {
+    fn from(e: pipe_scheduler::ScheduleError) -> Self {
+        if e.is_bad_input() {
+            StageError::Config(e.to_string())
+        } else {
+            StageError::Schedule(e.to_string())
+        }
+    }
+}
+
 impl StageError {
     /// True when the error was caused by user input (configuration, model, data files), so a
     /// command-line front end should exit with status 2.
@@ -58,7 +97,7 @@ impl StageError {
         matches!(
             self,
             StageError::Model(_) | StageError::Data { .. } | StageError::Config(_)
-        )
+        ) || matches!(self, StageError::Worker { source, .. } if source.is_bad_input())
     }
 }
 

@@ -17,6 +17,7 @@ pub mod layers;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod pipeline;
 pub mod rng;
 pub mod train;
 

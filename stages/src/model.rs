@@ -291,4 +291,86 @@ impl Model {
         }
         Ok(Some(g))
     }
+
+    /// The input-gradient half of a split backward over layers `range`: runs each layer's
+    /// `backward_input`, last first, and returns the gradient entering `range.start` (None for
+    /// the model's first layer unless `need_input_grad`) together with the gradient that reached
+    /// each layer's output (in layer order), which [`Model::backward_params_range`] needs later.
+    ///
+    /// # Errors
+    /// [`StageError::Kernel`] naming the layer that failed.
+    pub fn backward_input_range(
+        &self,
+        be: &dyn Backend,
+        range: std::ops::Range<usize>,
+        params: &[Vec<Tensor>],
+        saved: &[Saved],
+        dy: Tensor,
+        need_input_grad: bool,
+    ) -> Result<(Option<Tensor>, Vec<Tensor>)> {
+        let start = range.start;
+        let mut dys: Vec<Tensor> = Vec::with_capacity(range.len());
+        let mut g = dy;
+        for i in range.rev() {
+            let j = i - start;
+            let layer = &self.layers[i];
+            if i == start && !need_input_grad {
+                dys.push(g);
+                dys.reverse();
+                return Ok((None, dys));
+            }
+            let next = layer
+                .backward_input(be, &params[j], &saved[j], &g)
+                .map_err(|source| StageError::Kernel {
+                    layer: i,
+                    kind: layer.kind(),
+                    op: "backward_input",
+                    source,
+                })?;
+            dys.push(std::mem::replace(&mut g, next));
+        }
+        dys.reverse();
+        Ok((Some(g), dys))
+    }
+
+    /// The weight-gradient half of a split backward: each layer's `backward_params` from its
+    /// saved activations and the output gradient [`Model::backward_input_range`] recorded,
+    /// added into `grads` when `accumulate`. Gives the same bits as the fused
+    /// [`Model::backward_range`].
+    ///
+    /// # Errors
+    /// [`StageError::Kernel`] naming the layer that failed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_params_range(
+        &self,
+        be: &dyn Backend,
+        range: std::ops::Range<usize>,
+        params: &[Vec<Tensor>],
+        saved: &[Saved],
+        dys: &[Tensor],
+        grads: &mut [Vec<Tensor>],
+        accumulate: bool,
+    ) -> Result<()> {
+        let start = range.start;
+        for i in range.rev() {
+            let j = i - start;
+            let layer = &self.layers[i];
+            layer
+                .backward_params(
+                    be,
+                    &params[j],
+                    &saved[j],
+                    &dys[j],
+                    &mut grads[j],
+                    accumulate,
+                )
+                .map_err(|source| StageError::Kernel {
+                    layer: i,
+                    kind: layer.kind(),
+                    op: "backward_params",
+                    source,
+                })?;
+        }
+        Ok(())
+    }
 }

@@ -1,0 +1,99 @@
+//! The pipelined runtime: the executor that runs one worker's program, the thread runner that
+//! runs a whole schedule on the in-process transport, the sequential reference trainer that
+//! follows a version plan literally, partitions, and the pipelined training loop.
+//!
+//! There is no schedule-specific code here: the executor interprets actions, picks weight
+//! versions by the policy's [`VersionRule`](pipe_scheduler::VersionRule) from its own state and
+//! the tags messages carry, and frees stashed versions once the plan says nothing pending needs
+//! them. Every forward and backward records the version it actually used, so a run's log can be
+//! compared with the plan, and the final weights with the reference trainer's.
+
+pub mod exec;
+pub mod partition;
+pub mod reference;
+pub mod runner;
+
+pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState, run_worker};
+pub use partition::Partition;
+pub use reference::reference_train;
+pub use runner::{RunOptions, run_threads};
+
+use pipe_kernels::Tensor;
+use pipe_scheduler::{Schedule, StageId, VersionPlan};
+
+use crate::data::Dataset;
+use crate::error::Result;
+use crate::model::Model;
+
+/// Where microbatches come from: stage 0 asks for inputs, the last stage for labels.
+pub trait MicrobatchSource: Sync {
+    /// Samples per microbatch.
+    fn microbatch_size(&self) -> usize;
+    /// Inputs of microbatch `mb` (of this run).
+    ///
+    /// # Errors
+    /// Data errors.
+    fn inputs(&self, mb: u32) -> Result<Tensor>;
+    /// Labels of microbatch `mb`.
+    ///
+    /// # Errors
+    /// Data errors.
+    fn labels(&self, mb: u32) -> Result<Vec<u32>>;
+}
+
+/// Microbatches cut in order from a list of sample indices (an epoch's shuffled order).
+#[derive(Debug)]
+pub struct OrderedSource<'a> {
+    /// The dataset.
+    pub data: &'a Dataset,
+    /// Sample indices; microbatch `mb` is `order[mb * size .. (mb + 1) * size]`.
+    pub order: Vec<u32>,
+    /// Samples per microbatch.
+    pub size: usize,
+}
+
+impl OrderedSource<'_> {
+    fn slice(&self, mb: u32) -> Result<&[u32]> {
+        let start = mb as usize * self.size;
+        self.order.get(start..start + self.size).ok_or_else(|| {
+            crate::StageError::Executor(format!("microbatch {mb} is beyond the data"))
+        })
+    }
+}
+
+impl MicrobatchSource for OrderedSource<'_> {
+    fn microbatch_size(&self) -> usize {
+        self.size
+    }
+
+    fn inputs(&self, mb: u32) -> Result<Tensor> {
+        Ok(self.data.gather(self.slice(mb)?).0)
+    }
+
+    fn labels(&self, mb: u32) -> Result<Vec<u32>> {
+        Ok(self.data.gather(self.slice(mb)?).1)
+    }
+}
+
+/// Learning rate for update `k` of a stage.
+pub type LrFn<'a> = dyn Fn(StageId, u32) -> f32 + Sync + 'a;
+
+/// Everything the workers of one run share (read-only).
+pub struct Setup<'a> {
+    /// The model.
+    pub model: &'a Model,
+    /// Layers of each model stage.
+    pub partition: &'a Partition,
+    /// The lowered, validated schedule.
+    pub schedule: &'a Schedule,
+    /// Its version plan.
+    pub plan: &'a VersionPlan,
+    /// Microbatches.
+    pub data: &'a dyn MicrobatchSource,
+    /// Run seed (dropout).
+    pub seed: u64,
+    /// Added to microbatch numbers for dropout seeds, so epochs differ.
+    pub microbatch_offset: u64,
+    /// Learning rate per stage and update.
+    pub lr: &'a LrFn<'a>,
+}

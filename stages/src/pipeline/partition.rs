@@ -1,0 +1,155 @@
+//! Cutting a model into contiguous stages: explicit boundaries (`--partition 0-5,6-11`) or a
+//! split balanced by each layer's forward FLOPs (the exact min-max split, by dynamic program).
+
+use std::ops::Range;
+
+use crate::error::{Result, StageError};
+use crate::model::Model;
+
+/// Contiguous layer ranges, one per model stage, covering the whole model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Partition {
+    ranges: Vec<Range<usize>>,
+}
+
+impl Partition {
+    /// Checks that `ranges` are non-empty, contiguous and cover `0..layers`.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming the gap, overlap or empty stage.
+    pub fn new(ranges: Vec<Range<usize>>, layers: usize) -> Result<Self> {
+        if ranges.is_empty() {
+            return Err(StageError::Config(
+                "a partition needs at least one stage".into(),
+            ));
+        }
+        let mut next = 0;
+        for (s, r) in ranges.iter().enumerate() {
+            if r.start != next {
+                return Err(StageError::Config(format!(
+                    "partition stage {s} starts at layer {} but layer {next} is next",
+                    r.start
+                )));
+            }
+            if r.is_empty() {
+                return Err(StageError::Config(format!(
+                    "partition stage {s} has no layers"
+                )));
+            }
+            next = r.end;
+        }
+        if next != layers {
+            return Err(StageError::Config(format!(
+                "partition covers layers 0-{} but the model has {layers}",
+                next - 1
+            )));
+        }
+        Ok(Partition { ranges })
+    }
+
+    /// Parses `0-5,6-11,...` (inclusive layer ranges; a single number is a one-layer stage).
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for malformed text or ranges that do not tile the model.
+    pub fn parse(text: &str, layers: usize) -> Result<Self> {
+        let bad = |why: &str| StageError::Config(format!("--partition {text:?}: {why}"));
+        let mut ranges = Vec::new();
+        for part in text.split(',') {
+            let part = part.trim();
+            let (a, b) = match part.split_once('-') {
+                Some((a, b)) => (a.trim(), b.trim()),
+                None => (part, part),
+            };
+            let a: usize = a
+                .parse()
+                .map_err(|_| bad("expected ranges like 0-5,6-11"))?;
+            let b: usize = b
+                .parse()
+                .map_err(|_| bad("expected ranges like 0-5,6-11"))?;
+            if b < a {
+                return Err(bad("a range ends before it starts"));
+            }
+            ranges.push(a..b + 1);
+        }
+        Partition::new(ranges, layers)
+    }
+
+    /// The split into `stages` contiguous stages that minimises the largest stage's forward
+    /// FLOPs per sample (each layer also counts its output size, so activation layers are not
+    /// free).
+    ///
+    /// # Errors
+    /// [`StageError::Config`] when there are more stages than layers.
+    pub fn balanced(model: &Model, stages: usize) -> Result<Self> {
+        let n = model.len();
+        if stages == 0 || stages > n {
+            return Err(StageError::Config(format!(
+                "cannot cut {n} layers into {stages} stages"
+            )));
+        }
+        let cost: Vec<u64> = (0..n)
+            .map(|i| {
+                let shape = model.shape_before(i);
+                model.layer(i).flops_per_sample(shape) + shape.iter().product::<usize>() as u64
+            })
+            .collect();
+        let mut prefix = vec![0u64; n + 1];
+        for i in 0..n {
+            prefix[i + 1] = prefix[i] + cost[i];
+        }
+        // best[k][i]: min over splits of the first i layers into k stages of the largest stage.
+        let inf = u64::MAX;
+        let mut best = vec![vec![inf; n + 1]; stages + 1];
+        let mut cut = vec![vec![0usize; n + 1]; stages + 1];
+        best[0][0] = 0;
+        for k in 1..=stages {
+            for i in k..=n {
+                for j in (k - 1)..i {
+                    if best[k - 1][j] == inf {
+                        continue;
+                    }
+                    let v = best[k - 1][j].max(prefix[i] - prefix[j]);
+                    if v < best[k][i] {
+                        best[k][i] = v;
+                        cut[k][i] = j;
+                    }
+                }
+            }
+        }
+        let mut ranges = Vec::with_capacity(stages);
+        let mut i = n;
+        for k in (1..=stages).rev() {
+            let j = cut[k][i];
+            ranges.push(j..i);
+            i = j;
+        }
+        ranges.reverse();
+        Partition::new(ranges, n)
+    }
+
+    /// Number of stages.
+    pub fn stages(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// Layers of `stage`.
+    pub fn range(&self, stage: usize) -> Range<usize> {
+        self.ranges[stage].clone()
+    }
+
+    /// All ranges.
+    pub fn ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+}
+
+impl std::fmt::Display for Partition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self
+            .ranges
+            .iter()
+            .map(|r| format!("{}-{}", r.start, r.end - 1))
+            .collect();
+        f.write_str(&parts.join(","))
+    }
+}

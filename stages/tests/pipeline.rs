@@ -1,0 +1,269 @@
+//! The pipeline oracle: for every policy, stage count, replica layout and M, the pipelined run's
+//! weights equal the sequential reference trainer's bit for bit, every worker's version log
+//! equals the plan, and flush policies match `sequential` with the same effective batch.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::OnceLock;
+
+use pipe_kernels::CpuBackend;
+use pipe_scheduler::{
+    Length, LowerOptions, Policy, Schedule, ScheduleSpec, VersionPlan, generate, lower, validate,
+};
+use pipe_stages::data::{Splits, mnist};
+use pipe_stages::model::{Model, ModelSpec, Params};
+use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
+use pipe_stages::pipeline::{
+    OrderedSource, Partition, Pass, RunOptions, Setup, WorkerOutcome, WorkerState, reference_train,
+    run_threads,
+};
+use pipe_transport::Abort;
+use pipe_transport::inproc::{InProcOptions, mesh};
+
+const SEED: u64 = 11;
+const MB: usize = 8;
+
+fn data() -> &'static Splits {
+    static DATA: OnceLock<Splits> = OnceLock::new();
+    DATA.get_or_init(|| mnist(None).unwrap())
+}
+
+fn model() -> Model {
+    Model::new(&ModelSpec::preset("mlp-784-16x8-10").unwrap()).unwrap()
+}
+
+fn opt() -> OptimizerConfig {
+    OptimizerConfig {
+        kind: OptimizerKind::Sgd,
+        momentum: 0.9,
+        ..OptimizerConfig::default()
+    }
+}
+
+struct Run {
+    schedule: Schedule,
+    plan: VersionPlan,
+    partition: Partition,
+}
+
+fn prepare(spec: &ScheduleSpec, model: &Model) -> Run {
+    let schedule = lower(&generate(spec).unwrap(), LowerOptions::default());
+    validate::check(&schedule).unwrap();
+    let plan = VersionPlan::derive(&schedule).unwrap();
+    // Layers split evenly by count: every stage of this model then holds a linear layer, so a
+    // wrong version anywhere changes some weights.
+    let k = schedule.stages() as usize;
+    let n = model.len();
+    let ranges = (0..k).map(|i| i * n / k..(i + 1) * n / k).collect();
+    let partition = Partition::new(ranges, n).unwrap();
+    Run {
+        schedule,
+        plan,
+        partition,
+    }
+}
+
+fn lr(_stage: u32, k: u32) -> f32 {
+    0.05 / (1.0 + 0.01 * k as f32)
+}
+
+/// Runs the pipeline and returns the final weights per worker and the outcomes.
+fn pipelined(run: &Run, model: &Model) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
+    let source = OrderedSource {
+        data: &data().train,
+        order: data().train.epoch_order(SEED, 1),
+        size: MB,
+    };
+    let setup = Setup {
+        model,
+        partition: &run.partition,
+        schedule: &run.schedule,
+        plan: &run.plan,
+        data: &source,
+        seed: SEED,
+        microbatch_offset: 0,
+        lr: &lr,
+    };
+    let init = model.init_params(SEED);
+    let mut states: Vec<WorkerState> = (0..run.schedule.workers())
+        .map(|w| WorkerState::new(&setup, w, &init, opt()))
+        .collect();
+    let abort = Abort::new();
+    let eps = mesh(run.schedule.workers(), &InProcOptions::default(), &abort);
+    let outs = run_threads(
+        &setup,
+        &mut states,
+        eps,
+        &abort,
+        || CpuBackend::new(1),
+        &RunOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    (states, outs)
+}
+
+fn reference(run: &Run, model: &Model) -> Vec<Params> {
+    let source = OrderedSource {
+        data: &data().train,
+        order: data().train.epoch_order(SEED, 1),
+        size: MB,
+    };
+    let setup = Setup {
+        model,
+        partition: &run.partition,
+        schedule: &run.schedule,
+        plan: &run.plan,
+        data: &source,
+        seed: SEED,
+        microbatch_offset: 0,
+        lr: &lr,
+    };
+    reference_train(
+        &CpuBackend::new(1).unwrap(),
+        &setup,
+        &model.init_params(SEED),
+        opt(),
+    )
+    .unwrap()
+}
+
+fn bits(p: &Params) -> Vec<u32> {
+    p.iter()
+        .flatten()
+        .flat_map(|t| t.data().iter().map(|x| x.to_bits()))
+        .collect()
+}
+
+fn flat(p: &Params) -> Vec<f32> {
+    p.iter()
+        .flatten()
+        .flat_map(|t| t.data().iter().copied())
+        .collect()
+}
+
+/// Whole-model weights from replica 0 of each stage.
+fn assemble(run: &Run, states: &[WorkerState]) -> Vec<f32> {
+    let layout = run.schedule.layout();
+    let mut out = Vec::new();
+    for s in 0..run.schedule.stages() {
+        let w = layout.worker_for(s, 0);
+        let st = states[w as usize]
+            .stages
+            .iter()
+            .find(|x| x.stage == s)
+            .unwrap();
+        out.extend(flat(&st.params));
+    }
+    out
+}
+
+fn check_case(spec: &ScheduleSpec, model: &Model) {
+    let run = prepare(spec, model);
+    let (states, outs) = pipelined(&run, model);
+    let want = reference(&run, model);
+    let layout = run.schedule.layout();
+    // Weights: every replica of every stage equals the reference, bit for bit.
+    for state in &states {
+        for st in &state.stages {
+            assert!(
+                bits(&st.params) == bits(&want[st.stage as usize]),
+                "{spec:?}: worker {} stage {} differs from the reference",
+                state.worker,
+                st.stage
+            );
+        }
+    }
+    // Version logs equal the plan.
+    for out in &outs {
+        let mut forwards = 0;
+        for r in &out.versions {
+            let planned = match r.pass {
+                Pass::Forward => run.plan.forward_version(r.stage, r.mb),
+                Pass::Backward => run.plan.backward_version(r.stage, r.mb),
+            };
+            assert_eq!(r.version, planned, "{spec:?}: worker {} {r:?}", out.worker);
+            forwards += usize::from(r.pass == Pass::Forward);
+        }
+        let expect: usize = layout
+            .stages_of(out.worker)
+            .map(|s| {
+                (0..run.schedule.total_microbatches())
+                    .filter(|&mb| layout.worker_for(s, mb) == out.worker)
+                    .count()
+            })
+            .sum();
+        assert_eq!(
+            forwards, expect,
+            "{spec:?}: worker {} logged every forward",
+            out.worker
+        );
+    }
+    // At least 20 updates at every stage.
+    for s in 0..run.schedule.stages() {
+        assert!(run.plan.updates_at(s) >= 20, "{spec:?}: stage {s}");
+    }
+    // Flush policies: the same as `sequential` with the same effective batch, to 1e-5.
+    if spec.policy.is_flush() && spec.policy != Policy::Sequential {
+        let res = &run.schedule.resolved;
+        let seq_spec = ScheduleSpec::new(Policy::Sequential, run.schedule.stages(), res.minibatch)
+            .with_length(Length::Microbatches(res.total));
+        let seq = prepare(&seq_spec, model);
+        assert_eq!(seq.partition, run.partition);
+        let (seq_states, _) = pipelined(&seq, model);
+        let a = assemble(&run, &states);
+        let b = assemble(&seq, &seq_states);
+        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff <= 1e-5 * scale,
+            "{spec:?}: differs from sequential by {diff} (scale {scale})"
+        );
+    }
+}
+
+fn specs() -> Vec<ScheduleSpec> {
+    let mut out = Vec::new();
+    for policy in Policy::ALL {
+        for stages in 1..=4u32 {
+            let mut layouts = vec![vec![1], vec![2]];
+            if stages == 3 {
+                layouts.push(vec![2, 1, 1]);
+            }
+            for replicas in layouts {
+                for m in [1u32, 4] {
+                    let (chunks, m) = match policy {
+                        // Interleaving needs M to be a multiple of the stages.
+                        Policy::Interleaved => (2, m.div_ceil(stages) * stages),
+                        // 2BW needs M >= its in-flight depth - 1.
+                        Policy::TwoBw => (
+                            1,
+                            m.max(stages.saturating_sub(1))
+                                .max(if replicas == [2, 1, 1] { 2 } else { 1 }),
+                        ),
+                        _ => (1, m),
+                    };
+                    if policy == Policy::Interleaved && replicas.len() > 1 {
+                        continue;
+                    }
+                    out.push(
+                        ScheduleSpec::new(policy, stages, m)
+                            .with_replicas(replicas.clone())
+                            .with_chunks(chunks)
+                            .with_length(Length::Updates(20)),
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn pipelined_runs_equal_the_reference_trainer() {
+    let model = model();
+    for spec in specs() {
+        check_case(&spec, &model);
+    }
+}
