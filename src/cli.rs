@@ -11,6 +11,7 @@ use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::metrics::JsonlLog;
 use pipe_stages::model::Model;
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
+use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
 
 /// Pipeline-parallel training with weight stashing.
@@ -124,9 +125,25 @@ struct TrainArgs {
     /// Write one JSON object per step and per epoch to FILE.
     #[arg(long, value_name = "FILE")]
     log_jsonl: Option<PathBuf>,
-    /// Pipeline stages (only 1 until the pipeline runtime lands).
+    /// Pipeline stages.
     #[arg(long)]
     stages: Option<usize>,
+    /// Replicas per stage: one value for all, or a comma-separated list (2,1,1,1).
+    #[arg(long, value_delimiter = ',')]
+    replicas: Option<Vec<u32>>,
+    /// Pipeline schedule: pipedream (default), pipedream-nostash, vsync, 2bw, gpipe,
+    /// 1f1b-flush, interleaved, zb-h1 or sequential.
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Model chunks per worker (interleaved).
+    #[arg(long)]
+    chunks: Option<u32>,
+    /// Stage boundaries as inclusive layer ranges, e.g. 0-2,3-5 (default: balanced by FLOPs).
+    #[arg(long)]
+    partition: Option<String>,
+    /// Write the measured timeline as Chrome trace JSON to FILE (pipelined runs).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
     /// Compute backend: cpu or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
@@ -153,6 +170,10 @@ impl TrainArgs {
             threads: self.threads,
             log_jsonl: self.log_jsonl.clone(),
             stages: self.stages,
+            replicas: self.replicas.clone(),
+            schedule: self.schedule.clone(),
+            chunks: self.chunks,
+            partition: self.partition.clone(),
             ..TrainSettings::default()
         }
     }
@@ -255,11 +276,10 @@ fn backend(name: &str, threads: usize) -> Result<Box<dyn Backend>> {
 
 fn cmd_train(args: &TrainArgs) -> Result<()> {
     let cfg = run_config(args)?;
-    if cfg.stages != 1 {
-        return Err(BadInput(format!(
-            "--stages {}: this build trains on one stage only; pipelined training (--stages > 1) is not available yet",
-            cfg.stages
-        ))
+    if args.trace.is_some() && !cfg.pipelined {
+        return Err(BadInput(
+            "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
+        )
         .into());
     }
     let be = backend(&args.backend, cfg.threads)?;
@@ -290,7 +310,45 @@ fn cmd_train(args: &TrainArgs) -> Result<()> {
         first: &mut progress,
         rest: observers,
     };
-    let report = train::train(&cfg, &data, be.as_ref(), &mut fan).context("training failed")?;
+    let report = if cfg.pipelined {
+        let opts = PipelineTrainOptions {
+            timeline: args.trace.is_some(),
+        };
+        let spec =
+            pipe_stages::pipeline::train::schedule_spec(&cfg, pipe_scheduler::Length::Updates(1))?;
+        let resolved = spec.resolve().map_err(|e| BadInput(e.to_string()))?;
+        println!(
+            "pipeline: schedule {}, {} stages x replicas {:?}{}, {} workers (one thread each), minibatch {} microbatches",
+            resolved.policy,
+            cfg.stages,
+            resolved.layout.replica_counts(),
+            if cfg.chunks > 1 {
+                format!(", {} chunks per worker", cfg.chunks)
+            } else {
+                String::new()
+            },
+            resolved.layout.workers(),
+            resolved.minibatch
+        );
+        let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
+        println!("partition: {}", out.partition);
+        if let (Some(path), Some(timeline)) = (&args.trace, &out.timeline) {
+            let plan = pipe_scheduler::VersionPlan::derive(&out.schedule).ok();
+            let mut tl = timeline.clone();
+            tl.names = (0..tl.workers)
+                .map(|w| {
+                    let (p, r) = out.schedule.layout().placement(w);
+                    format!("worker {w} (stage {p}, replica {r})")
+                })
+                .collect();
+            std::fs::write(path, tl.to_chrome_trace(plan.as_ref()))
+                .with_context(|| format!("writing {}", path.display()))?;
+            println!("trace written to {}", path.display());
+        }
+        out.report
+    } else {
+        train::train(&cfg, &data, be.as_ref(), &mut fan).context("training failed")?
+    };
     if let Some(last) = report.epochs.last() {
         println!(
             "done: {} steps, test accuracy {:.2}%, test loss {:.4}, {:.1} s",
@@ -375,6 +433,21 @@ impl Observer for Progress {
             e.samples_per_sec,
             e.elapsed_s
         );
+        if !e.stages.is_empty() {
+            let parts: Vec<String> = e
+                .stages
+                .iter()
+                .map(|s| {
+                    format!(
+                        "s{} util {:3.0}% staleness {:.2}",
+                        s.stage,
+                        100.0 * s.utilisation,
+                        s.staleness
+                    )
+                })
+                .collect();
+            println!("           {}", parts.join(" | "));
+        }
         Ok(())
     }
 }

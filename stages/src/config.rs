@@ -93,6 +93,14 @@ pub struct TrainSettings {
     pub log_jsonl: Option<PathBuf>,
     /// Pipeline stages.
     pub stages: Option<usize>,
+    /// Replicas per stage: one value for all stages, or one per stage.
+    pub replicas: Option<Vec<u32>>,
+    /// Pipeline schedule policy (`pipedream`, `1f1b-flush`, ...).
+    pub schedule: Option<String>,
+    /// Model chunks per worker (`interleaved`).
+    pub chunks: Option<u32>,
+    /// Explicit stage boundaries, `0-5,6-11,...` (default: balanced by FLOPs).
+    pub partition: Option<String>,
 }
 
 macro_rules! merge_fields {
@@ -118,7 +126,8 @@ impl TrainSettings {
         let src = other;
         merge_fields!(dst, src; model, dataset, data_dir, synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
-            nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages);
+            nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
+            schedule, chunks, partition);
     }
 
     /// Applies defaults and checks every value.
@@ -181,6 +190,26 @@ impl TrainSettings {
         if stages == 0 {
             return bad("stages must be at least 1".into());
         }
+        let replicas = self.replicas.clone().unwrap_or_else(|| vec![1]);
+        if replicas.is_empty() || replicas.contains(&0) {
+            return bad("replicas must be at least 1 per stage".into());
+        }
+        if replicas.len() != 1 && replicas.len() != stages {
+            return bad(format!(
+                "--replicas lists {} values for {stages} stages (give one value, or one per stage)",
+                replicas.len()
+            ));
+        }
+        let chunks = self.chunks.unwrap_or(1);
+        let pipelined = stages > 1
+            || replicas.iter().any(|&r| r > 1)
+            || chunks > 1
+            || self.schedule.is_some()
+            || self.partition.is_some();
+        let schedule = self.schedule.clone().unwrap_or_else(|| "pipedream".into());
+        schedule
+            .parse::<pipe_scheduler::Policy>()
+            .map_err(|e| StageError::Config(e.to_string()))?;
         let synthetic = self.synthetic.unwrap_or_default();
         Ok(RunConfig {
             model_name,
@@ -200,6 +229,11 @@ impl TrainSettings {
             threads: self.threads.unwrap_or(0),
             log_jsonl: self.log_jsonl,
             stages,
+            replicas,
+            schedule,
+            chunks,
+            partition: self.partition,
+            pipelined,
         })
     }
 }
@@ -241,4 +275,14 @@ pub struct RunConfig {
     pub log_jsonl: Option<PathBuf>,
     /// Pipeline stages.
     pub stages: usize,
+    /// Replicas per stage (one value, or one per stage).
+    pub replicas: Vec<u32>,
+    /// Schedule policy name (checked).
+    pub schedule: String,
+    /// Model chunks per worker.
+    pub chunks: u32,
+    /// Explicit partition, if given.
+    pub partition: Option<String>,
+    /// True when the run goes through the pipelined executor (any pipeline setting given).
+    pub pipelined: bool,
 }

@@ -53,6 +53,20 @@ pub struct EpochStats {
     pub elapsed_s: f64,
     /// Optimizer steps so far.
     pub steps: u64,
+    /// Per pipeline stage (empty for single-worker runs).
+    pub stages: Vec<StageEpochStats>,
+}
+
+/// One pipeline stage's figures over an epoch.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct StageEpochStats {
+    /// The stage.
+    pub stage: u32,
+    /// Share of the epoch's wall time its workers spent computing (mean over replicas).
+    pub utilisation: f64,
+    /// Mean number of updates between the weights a gradient was computed on and the weights
+    /// it was applied to.
+    pub staleness: f64,
 }
 
 /// Receives progress while training runs.
@@ -292,6 +306,7 @@ pub fn train(
             samples_per_sec: epoch_samples as f64 / secs.max(1e-9),
             elapsed_s: start.elapsed().as_secs_f64(),
             steps: step,
+            stages: Vec::new(),
         };
         obs.on_epoch(&e)?;
         report.push(e);

@@ -267,3 +267,167 @@ fn pipelined_runs_equal_the_reference_trainer() {
         check_case(&spec, &model);
     }
 }
+
+/// Wraps a transport and fails its `fail_at`-th send (counting from 0).
+struct Faulty<T> {
+    inner: T,
+    fail_at: Option<usize>,
+    sends: usize,
+}
+
+impl<T: pipe_transport::Transport> pipe_transport::Transport for Faulty<T> {
+    fn rank(&self) -> u32 {
+        self.inner.rank()
+    }
+    fn size(&self) -> u32 {
+        self.inner.size()
+    }
+    fn send(&mut self, m: pipe_transport::Message) -> Result<(), pipe_transport::TransportError> {
+        let n = self.sends;
+        self.sends += 1;
+        if self.fail_at == Some(n) {
+            return Err(pipe_transport::TransportError::Protocol(
+                "injected fault".into(),
+            ));
+        }
+        self.inner.send(m)
+    }
+    fn recv(
+        &mut self,
+        key: &pipe_transport::Key,
+    ) -> Result<pipe_transport::Message, pipe_transport::TransportError> {
+        self.inner.recv(key)
+    }
+}
+
+/// Microbatches made up from their number: any count, no dataset needed.
+struct Made {
+    features: usize,
+    panic_at: Option<u32>,
+}
+
+impl pipe_stages::pipeline::MicrobatchSource for Made {
+    fn microbatch_size(&self) -> usize {
+        2
+    }
+    fn inputs(&self, mb: u32) -> pipe_stages::Result<pipe_kernels::Tensor> {
+        let v: Vec<f32> = (0..2 * self.features)
+            .map(|i| ((mb as usize * 7 + i) % 11) as f32 / 11.0 - 0.5)
+            .collect();
+        Ok(pipe_kernels::Tensor::from_vec(&[2, self.features], v).unwrap())
+    }
+    fn labels(&self, mb: u32) -> pipe_stages::Result<Vec<u32>> {
+        assert!(
+            self.panic_at != Some(mb),
+            "injected panic at microbatch {mb}"
+        );
+        Ok(vec![mb % 2, (mb / 2) % 2])
+    }
+}
+
+fn small_setup_run(
+    spec: &ScheduleSpec,
+    source: &Made,
+    faults: impl Fn(u32) -> Option<usize>,
+) -> pipe_stages::Result<Vec<WorkerOutcome>> {
+    let model = Model::new(&ModelSpec::preset("mlp-4-4-4-2").unwrap()).unwrap();
+    let schedule = lower(&generate(spec).unwrap(), LowerOptions::default());
+    validate::check(&schedule).unwrap();
+    let plan = VersionPlan::derive(&schedule).unwrap();
+    let k = schedule.stages() as usize;
+    let n = model.len();
+    let partition =
+        Partition::new((0..k).map(|i| i * n / k..(i + 1) * n / k).collect(), n).unwrap();
+    let setup = Setup {
+        model: &model,
+        partition: &partition,
+        schedule: &schedule,
+        plan: &plan,
+        data: source,
+        seed: 1,
+        microbatch_offset: 0,
+        lr: &lr,
+    };
+    let init = model.init_params(1);
+    let mut states: Vec<WorkerState> = (0..schedule.workers())
+        .map(|w| WorkerState::new(&setup, w, &init, opt()))
+        .collect();
+    let abort = Abort::new();
+    let eps: Vec<Faulty<_>> = mesh(schedule.workers(), &InProcOptions::default(), &abort)
+        .into_iter()
+        .enumerate()
+        .map(|(w, inner)| Faulty {
+            inner,
+            fail_at: faults(w as u32),
+            sends: 0,
+        })
+        .collect();
+    run_threads(
+        &setup,
+        &mut states,
+        eps,
+        &abort,
+        || CpuBackend::new(1),
+        &RunOptions::default(),
+    )
+}
+
+#[test]
+fn a_failing_worker_stops_every_worker_and_is_named() {
+    let spec = ScheduleSpec::new(Policy::PipeDream, 4, 1)
+        .with_replicas(vec![1, 2, 1, 1])
+        .with_length(Length::Microbatches(400));
+    let source = Made {
+        features: 4,
+        panic_at: None,
+    };
+    let t = std::time::Instant::now();
+    // Worker 2 (stage 1, replica 1) fails on its 15th send.
+    let err = small_setup_run(&spec, &source, |w| (w == 2).then_some(14)).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("worker 2 (stage 1, replica 1) failed at s1"),
+        "{msg}"
+    );
+    assert!(msg.contains("injected fault"), "{msg}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
+
+    // A panic inside a worker (the last stage reading labels) is caught and named too.
+    let source = Made {
+        features: 4,
+        panic_at: Some(37),
+    };
+    let err = small_setup_run(&spec, &source, |_| None).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.starts_with("worker 4 (stage 3, replica 0)"), "{msg}");
+    assert!(msg.contains("injected panic at microbatch 37"), "{msg}");
+}
+
+#[test]
+fn ten_thousand_microbatches_complete_for_every_policy() {
+    let source = Made {
+        features: 4,
+        panic_at: None,
+    };
+    for policy in Policy::ALL {
+        let (stages, chunks) = if policy == Policy::Interleaved {
+            (2, 2)
+        } else {
+            (3, 1)
+        };
+        let spec = ScheduleSpec::new(policy, stages, 4)
+            .with_chunks(chunks)
+            .with_length(Length::Microbatches(10_000));
+        let outs =
+            small_setup_run(&spec, &source, |_| None).unwrap_or_else(|e| panic!("{policy}: {e}"));
+        let samples: usize = outs.iter().map(|o| o.samples).sum();
+        assert_eq!(
+            samples, 20_000,
+            "{policy}: every microbatch reached the loss"
+        );
+    }
+}

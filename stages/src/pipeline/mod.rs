@@ -12,11 +12,13 @@ pub mod exec;
 pub mod partition;
 pub mod reference;
 pub mod runner;
+pub mod train;
 
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState, run_worker};
 pub use partition::Partition;
 pub use reference::reference_train;
 pub use runner::{RunOptions, run_threads};
+pub use train::{PipelineReport, PipelineTrainOptions, train_pipelined};
 
 use pipe_kernels::Tensor;
 use pipe_scheduler::{Schedule, StageId, VersionPlan};
