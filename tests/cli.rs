@@ -114,7 +114,41 @@ fn bad_input_exits_2_with_one_line() {
         "takes 100 input features",
     );
     assert_bad_input(&["train", "--model", "mlp-784-32-7"], "has 7 outputs");
-    assert_bad_input(&["train", "--stages", "4"], "--stages 4");
+    assert_bad_input(
+        &["train", "--stages", "4", "--replicas", "2,1"],
+        "lists 2 values for 4 stages",
+    );
+    assert_bad_input(
+        &["train", "--stages", "2", "--schedule", "nope"],
+        "unknown schedule",
+    );
+    assert_bad_input(
+        &[
+            "train",
+            "--stages",
+            "4",
+            "--schedule",
+            "interleaved",
+            "--chunks",
+            "2",
+            "--microbatches",
+            "3",
+        ],
+        "multiple of the stage count",
+    );
+    assert_bad_input(
+        &["train", "--stages", "2", "--partition", "0-2,4-5"],
+        "starts at layer 4",
+    );
+    assert_bad_input(
+        &["train", "--stages", "40"],
+        "cannot cut 6 layers into 40 stages",
+    );
+    assert_bad_input(&["train", "--replicas", "0"], "replicas must be at least 1");
+    assert_bad_input(
+        &["train", "--trace", "t.json"],
+        "--trace records a pipelined run",
+    );
     assert_bad_input(&["train", "--stages", "0"], "stages must be at least 1");
     assert_bad_input(&["train", "--backend", "cuda"], "built without CUDA");
     assert_bad_input(&["train", "--backend", "tpu"], "unknown backend");
@@ -188,6 +222,55 @@ fn default_run_reaches_97_5_percent_on_mnist() {
         .expect("accuracy in summary");
     assert!(acc >= 97.5, "default run reached only {acc}%: {stdout}");
     assert_eq!(stdout.lines().filter(|l| l.starts_with("epoch")).count(), 6);
+}
+
+#[test]
+fn pipelined_training_reports_stages_and_writes_a_trace() {
+    let trace = tmp("train-trace.json");
+    let mut args: Vec<&str> = SMALL.to_vec();
+    args.extend([
+        "--stages",
+        "2",
+        "--replicas",
+        "2,1",
+        "--schedule",
+        "1f1b-flush",
+        "--microbatches",
+        "2",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    let out = pipe(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("pipeline: schedule 1f1b-flush, 2 stages x replicas [2, 1], 3 workers"),
+        "{text}"
+    );
+    assert!(
+        text.contains("s0 util") && text.contains("s1 util"),
+        "{text}"
+    );
+    assert!(
+        text.contains("staleness 0.00"),
+        "flush policies are synchronous: {text}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["name"] == "s1F0" && e["args"]["version"] == 0)
+    );
+    assert!(
+        events.iter().any(|e| e["name"] == "s0A0"),
+        "replicas all-reduce"
+    );
 }
 
 #[test]
@@ -404,4 +487,40 @@ fn schedule_and_simulate_reject_bad_input_with_exit_2() {
         &["simulate", "--costs", "/nonexistent/costs.toml"],
         "cost file",
     );
+}
+
+#[test]
+fn pipedream_four_stages_two_replicas_reaches_97_5_percent_on_mnist() {
+    let out = pipe(&["train", "--stages", "4", "--replicas", "2"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("schedule pipedream, 4 stages x replicas [2, 2, 2, 2], 8 workers"),
+        "{text}"
+    );
+    // Measured staleness per stage: S - s - 1 updates for PipeDream's 1F1B.
+    let last_stage_line = text.lines().rev().find(|l| l.contains("s0 util")).unwrap();
+    for (s, want) in [(0, 3.0), (1, 2.0), (2, 1.0), (3, 0.0)] {
+        let field = last_stage_line
+            .split('|')
+            .find(|p| p.trim().starts_with(&format!("s{s} ")))
+            .unwrap();
+        let staleness: f64 = field.split_whitespace().last().unwrap().parse().unwrap();
+        assert!(
+            (staleness - want).abs() < 0.05,
+            "stage {s}: {staleness} in {last_stage_line}"
+        );
+    }
+    let acc: f64 = text
+        .lines()
+        .find(|l| l.starts_with("done:"))
+        .and_then(|l| l.split("test accuracy ").nth(1))
+        .and_then(|r| r.split('%').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(acc >= 97.5, "test accuracy {acc}% < 97.5%: {text}");
 }
