@@ -39,6 +39,8 @@ enum Command {
 enum BenchCommand {
     /// Single-worker training throughput and model FLOP utilisation against the GEMM rate.
     Mfu(MfuArgs),
+    /// Pipelined throughput against one worker and against the simulator; executor overhead.
+    Pipeline(PipelineBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -58,6 +60,22 @@ struct MfuArgs {
     /// SGD momentum (0: plain SGD).
     #[arg(long, default_value_t = 0.0)]
     momentum: f32,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct PipelineBenchArgs {
+    /// Timed minibatches per case.
+    #[arg(long, default_value_t = 24)]
+    updates: u32,
+    /// Warm-up minibatches per case (their timings give the simulator its costs).
+    #[arg(long, default_value_t = 6)]
+    warmup: u32,
+    /// Only the small model (256-256x8-10).
+    #[arg(long)]
+    small_only: bool,
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -223,6 +241,7 @@ pub fn run() -> Result<()> {
     match cli.command {
         Command::Train(args) => cmd_train(&args),
         Command::Bench(BenchCommand::Mfu(args)) => cmd_bench_mfu(&args),
+        Command::Bench(BenchCommand::Pipeline(args)) => cmd_bench_pipeline(&args),
         Command::Schedule(args) => crate::plan_cli::cmd_schedule(&args),
         Command::Simulate(args) => crate::plan_cli::cmd_simulate(&args),
     }
@@ -245,6 +264,24 @@ fn cmd_bench_mfu(args: &MfuArgs) -> Result<()> {
         other => anyhow::Error::from(other),
     })?;
     print!("{}", pipe_experiments::mfu::render(&report));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn cmd_bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
+    if args.updates == 0 {
+        return Err(BadInput("--updates must be positive".into()).into());
+    }
+    let cfg = pipe_experiments::pipeline::PipelineBenchConfig {
+        updates: args.updates,
+        warmup: args.warmup,
+        small_only: args.small_only,
+    };
+    let report = pipe_experiments::pipeline::run(&cfg)?;
+    print!("{}", pipe_experiments::pipeline::render(&report));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;

@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod mfu;
+pub mod pipeline;
 
 /// Errors of experiments.
 #[derive(Debug, thiserror::Error)]
@@ -17,6 +18,9 @@ pub enum ExperimentError {
     /// A kernel failed.
     #[error(transparent)]
     Kernel(#[from] pipe_kernels::KernelError),
+    /// A schedule could not be built or simulated.
+    #[error(transparent)]
+    Schedule(#[from] pipe_scheduler::ScheduleError),
     /// The experiment's parameters are invalid.
     #[error("{0}")]
     Config(String),

@@ -1,0 +1,498 @@
+//! Pipeline throughput against one worker, against the simulator, and the executor's overhead.
+//!
+//! Method, all in one process and one sitting so the noisy host hurts every figure alike:
+//!
+//! 1. **Single worker**: the ordinary training step (one microbatch of the whole batch) with
+//!    2 compute threads; samples/s is the median over timed steps after warm-up.
+//! 2. **Each pipelined case**: the executor on in-process threads, one compute thread per worker;
+//!    a warm-up run, then a timed run of `updates` minibatches; samples/s = samples / wall time
+//!    of the timed run (thread start, fill and drain included).
+//! 3. **Simulated**: per-stage costs are the medians of each stage's forward, backward and update
+//!    durations measured in the warm-up run (so they include whatever contention the run sees);
+//!    the timed run's schedule is simulated with them (in-process messages cost nothing) and the
+//!    predicted samples/s compared with the measured one.
+//! 4. **Executor overhead per action**: the same small-model minibatches trained by the
+//!    executor running `sequential` on one worker and by the plain training loop, both on one
+//!    thread; the difference divided by the executor's actions is what interpreting a schedule
+//!    costs (version maps, hand-offs, timing). The in-process transport's cost per message is
+//!    measured separately by ping-pong between two threads.
+//!
+//! Data are random inputs and labels from a fixed pool (the figures are about speed).
+
+use std::time::Instant;
+
+use pipe_kernels::{CpuBackend, Tensor};
+use pipe_scheduler::{
+    Action, CostModel, Length, LowerOptions, Policy, ScheduleSpec, SimOptions, StageCost,
+    VersionPlan, generate, lower, simulate, validate,
+};
+use pipe_stages::model::{Model, ModelSpec};
+use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::pipeline::{
+    MicrobatchSource, Partition, RunOptions, Setup, WorkerOutcome, WorkerState, run_threads,
+};
+use pipe_stages::train::{StepState, train_step};
+use pipe_transport::inproc::{InProcOptions, mesh};
+use pipe_transport::{Abort, Key, Kind, Message, Transport};
+use serde::Serialize;
+
+use crate::{ExperimentError, median};
+
+/// Random samples from a fixed pool; microbatch `mb` takes consecutive rows, wrapping around.
+struct Pool {
+    x: Vec<f32>,
+    y: Vec<u32>,
+    features: usize,
+    size: usize,
+    shape: Vec<usize>,
+}
+
+impl Pool {
+    fn new(model: &Model, size: usize) -> Self {
+        let features: usize = model.input_shape().iter().product();
+        let classes: usize = model.output_shape().iter().product();
+        let n = 4096;
+        let x = (0..n * features)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let y = (0..n).map(|i| ((i * 7) % classes) as u32).collect();
+        let mut shape = vec![size];
+        shape.extend_from_slice(model.input_shape());
+        Pool {
+            x,
+            y,
+            features,
+            size,
+            shape,
+        }
+    }
+
+    fn rows(&self, mb: u32) -> impl Iterator<Item = usize> + '_ {
+        let n = self.y.len();
+        (0..self.size).map(move |i| (mb as usize * self.size + i) % n)
+    }
+
+    fn batch(&self, mb: u32) -> (Tensor, Vec<u32>) {
+        let mut x = Vec::with_capacity(self.size * self.features);
+        let mut y = Vec::with_capacity(self.size);
+        for r in self.rows(mb) {
+            x.extend_from_slice(&self.x[r * self.features..(r + 1) * self.features]);
+            y.push(self.y[r]);
+        }
+        (Tensor::from_vec(&self.shape, x).unwrap_or_default(), y)
+    }
+}
+
+impl MicrobatchSource for Pool {
+    fn microbatch_size(&self) -> usize {
+        self.size
+    }
+    fn inputs(&self, mb: u32) -> pipe_stages::Result<Tensor> {
+        Ok(self.batch(mb).0)
+    }
+    fn labels(&self, mb: u32) -> pipe_stages::Result<Vec<u32>> {
+        Ok(self.batch(mb).1)
+    }
+}
+
+/// One pipelined configuration.
+#[derive(Clone, Debug, Serialize)]
+pub struct Case {
+    /// Short name.
+    pub name: String,
+    /// Policy.
+    pub policy: String,
+    /// Stages.
+    pub stages: u32,
+    /// Replicas per stage.
+    pub replicas: u32,
+    /// Samples per microbatch.
+    pub microbatch: usize,
+    /// Microbatches per update per replica.
+    pub m: u32,
+}
+
+/// Results of one case.
+#[derive(Clone, Debug, Serialize)]
+pub struct CaseResult {
+    /// The case.
+    pub case: Case,
+    /// Measured samples/s.
+    pub samples_per_s: f64,
+    /// Measured over the single worker's samples/s.
+    pub ratio_to_single: f64,
+    /// Measured over twice the one-core figure: how much of two cores the pipeline keeps busy
+    /// at its own microbatch size.
+    pub core_scaling: f64,
+    /// Simulated samples/s with per-stage costs from the warm-up run.
+    pub simulated_samples_per_s: f64,
+    /// Measured over simulated.
+    pub measured_over_simulated: f64,
+}
+
+/// A model's results.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelResult {
+    /// Model preset.
+    pub model: String,
+    /// Samples per update.
+    pub batch: usize,
+    /// Single worker, 2 threads, samples/s.
+    pub single_samples_per_s: f64,
+    /// The executor running `sequential` on one worker with one thread, same microbatches as
+    /// the pipelined cases: what one core does at that microbatch size.
+    pub one_core_samples_per_s: f64,
+    /// Pipelined cases.
+    pub cases: Vec<CaseResult>,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize)]
+pub struct PipelineReport {
+    /// Per model.
+    pub models: Vec<ModelResult>,
+    /// Executor overhead per action, microseconds (small model, sequential on one worker).
+    pub overhead_us_per_action: f64,
+    /// In-process transport, microseconds per message (ping-pong).
+    pub transport_us_per_message: f64,
+    /// Timed updates per case.
+    pub updates: u32,
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct PipelineBenchConfig {
+    /// Timed minibatches per case.
+    pub updates: u32,
+    /// Warm-up minibatches per case.
+    pub warmup: u32,
+    /// Run only the small model (fast; for tests).
+    pub small_only: bool,
+}
+
+impl Default for PipelineBenchConfig {
+    fn default() -> Self {
+        Self {
+            updates: 24,
+            warmup: 6,
+            small_only: false,
+        }
+    }
+}
+
+fn sgd() -> OptimizerConfig {
+    OptimizerConfig {
+        kind: OptimizerKind::Sgd,
+        momentum: 0.9,
+        ..OptimizerConfig::default()
+    }
+}
+
+fn single_worker(model: &Model, batch: usize, steps: u32, warmup: u32) -> Result<f64, ExperimentError> {
+    let be = CpuBackend::new(2)?;
+    let pool = Pool::new(model, batch);
+    let mut params = model.init_params(0);
+    let mut grads = model.zero_grads(0..model.len());
+    let mut opt = Optimizer::new(sgd(), &params);
+    let mut times = Vec::new();
+    let mut id = 0u64;
+    for i in 0..warmup + steps {
+        let t = Instant::now();
+        let mut st = StepState {
+            params: &mut params,
+            grads: &mut grads,
+            opt: &mut opt,
+        };
+        train_step(&be, model, &mut st, vec![pool.batch(i)], 1.0 / batch as f32, 1e-3, 0, &mut id)?;
+        if i >= warmup {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(batch as f64 / median(&times))
+}
+
+/// Runs `minibatches` minibatches of `case` with `states` (created when empty).
+fn pipelined(
+    model: &Model,
+    case: &Case,
+    minibatches: u32,
+    states: &mut Vec<WorkerState>,
+) -> Result<(f64, Vec<WorkerOutcome>, pipe_scheduler::Schedule), ExperimentError> {
+    let policy: Policy = case.policy.parse()?;
+    let spec = ScheduleSpec::new(policy, case.stages, case.m)
+        .with_replicas(vec![case.replicas])
+        .with_length(Length::Updates(minibatches));
+    let schedule = lower(&generate(&spec)?, LowerOptions::default());
+    validate::check(&schedule)?;
+    let plan = VersionPlan::derive(&schedule)?;
+    let partition = Partition::balanced(model, schedule.stages() as usize)?;
+    let pool = Pool::new(model, case.microbatch);
+    let lr = |_: u32, _: u32| 1e-3f32;
+    let setup = Setup {
+        model,
+        partition: &partition,
+        schedule: &schedule,
+        plan: &plan,
+        data: &pool,
+        seed: 0,
+        microbatch_offset: 0,
+        lr: &lr,
+    };
+    if states.is_empty() {
+        let init = model.init_params(0);
+        *states = (0..schedule.workers())
+            .map(|w| WorkerState::new(&setup, w, &init, sgd()))
+            .collect();
+    }
+    let abort = Abort::new();
+    let eps = mesh(schedule.workers(), &InProcOptions::default(), &abort);
+    let t = Instant::now();
+    let outs = run_threads(&setup, states, eps, &abort, || CpuBackend::new(1), &RunOptions::default())?;
+    let secs = t.elapsed().as_secs_f64();
+    let samples = f64::from(schedule.total_microbatches()) * case.microbatch as f64;
+    Ok((samples / secs, outs, schedule))
+}
+
+/// Per-stage costs: medians of the measured action durations.
+fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
+    let mut per: Vec<[Vec<f64>; 3]> = (0..stages).map(|_| [Vec::new(), Vec::new(), Vec::new()]).collect();
+    for o in outs {
+        for sp in &o.spans {
+            let d = sp.end - sp.start;
+            let slot = match sp.action {
+                Action::Forward { .. } => 0,
+                Action::Backward { .. } => 1,
+                Action::Update { .. } => 2,
+                _ => continue,
+            };
+            per[sp.action.stage() as usize][slot].push(d);
+        }
+    }
+    let stages = per
+        .iter()
+        .map(|p| {
+            let m = |v: &Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
+            StageCost {
+                update: m(&p[2]),
+                ..StageCost::compute(m(&p[0]), m(&p[1]))
+            }
+        })
+        .collect();
+    CostModel {
+        stages,
+        ..CostModel::uniform(StageCost::compute(0.0, 0.0))
+    }
+}
+
+fn run_case(
+    model: &Model,
+    case: &Case,
+    cfg: &PipelineBenchConfig,
+    single: f64,
+    one_core: f64,
+) -> Result<CaseResult, ExperimentError> {
+    let mut states = Vec::new();
+    let (_, warm, _) = pipelined(model, case, cfg.warmup.max(1), &mut states)?;
+    let (measured, _, schedule) = pipelined(model, case, cfg.updates, &mut states)?;
+    let costs = costs_from(&warm, schedule.stages());
+    let sim = simulate(&schedule, &costs, SimOptions::default())?;
+    let simulated = sim.throughput * case.microbatch as f64;
+    Ok(CaseResult {
+        case: case.clone(),
+        samples_per_s: measured,
+        ratio_to_single: measured / single,
+        core_scaling: measured / (2.0 * one_core),
+        simulated_samples_per_s: simulated,
+        measured_over_simulated: measured / simulated,
+    })
+}
+
+fn model_cases(preset: &str, batch: usize, m: u32) -> Vec<Case> {
+    let micro = batch / m as usize;
+    let case = |name: &str, policy: &str, replicas: u32| Case {
+        name: format!("{preset} {name}"),
+        policy: policy.into(),
+        stages: 4,
+        replicas,
+        microbatch: micro,
+        m: m / replicas,
+    };
+    vec![
+        case("--stages 4 1f1b-flush", "1f1b-flush", 1),
+        case("--stages 4 pipedream", "pipedream", 1),
+        case("--stages 4 --replicas 2 pipedream", "pipedream", 2),
+    ]
+}
+
+/// Executor overhead per action: `sequential` on one worker against the plain loop.
+fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, ExperimentError> {
+    let micro = batch / m as usize;
+    let pool = Pool::new(model, micro);
+    // Plain loop, one thread.
+    let be = CpuBackend::new(1)?;
+    let mut params = model.init_params(0);
+    let mut grads = model.zero_grads(0..model.len());
+    let mut opt = Optimizer::new(sgd(), &params);
+    let mut id = 0u64;
+    let run_plain = |params: &mut _, grads: &mut _, opt: &mut _, id: &mut u64| -> Result<f64, ExperimentError> {
+        let t = Instant::now();
+        for u in 0..updates {
+            let batches = (0..m).map(|i| pool.batch(u * m + i)).collect();
+            let mut st = StepState { params, grads, opt };
+            train_step(&be, model, &mut st, batches, 1.0 / micro as f32, 1e-3, 0, id)?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    run_plain(&mut params, &mut grads, &mut opt, &mut id)?;
+    let case = Case {
+        name: "sequential".into(),
+        policy: "sequential".into(),
+        stages: 4,
+        replicas: 1,
+        microbatch: micro,
+        m,
+    };
+    let mut states = Vec::new();
+    pipelined(model, &case, updates, &mut states)?;
+    let mut plain = Vec::new();
+    let mut exec = Vec::new();
+    let mut actions = 0usize;
+    for _ in 0..5 {
+        plain.push(run_plain(&mut params, &mut grads, &mut opt, &mut id)?);
+        let (sps, outs, _) = pipelined(model, &case, updates, &mut states)?;
+        let samples = f64::from(updates) * batch as f64;
+        exec.push(samples / sps);
+        actions = outs.iter().map(|o| o.spans.len()).sum();
+    }
+    Ok((median(&exec) - median(&plain)) / actions as f64 * 1e6)
+}
+
+/// Ping-pong between two threads over the in-process transport: microseconds per message.
+fn transport_cost() -> Result<f64, ExperimentError> {
+    let abort = Abort::new();
+    let mut eps = mesh(2, &InProcOptions::default(), &abort);
+    let mut b = eps.pop().ok_or_else(|| ExperimentError::Config("mesh".into()))?;
+    let mut a = eps.pop().ok_or_else(|| ExperimentError::Config("mesh".into()))?;
+    let rounds = 2000u32;
+    let key = |from, to, i| Key { from, to, kind: Kind::Activation, stage: 0, index: i, step: 0 };
+    let h = std::thread::spawn(move || -> Result<(), pipe_transport::TransportError> {
+        for i in 0..rounds {
+            let m = b.recv(&key(0, 1, i))?;
+            b.send(Message { key: key(1, 0, i), version: 0, tensor: m.tensor })?;
+        }
+        Ok(())
+    });
+    let t = Instant::now();
+    let mut tensor = Tensor::zeros(&[8, 256]);
+    for i in 0..rounds {
+        a.send(Message { key: key(0, 1, i), version: 0, tensor })
+            .map_err(|e| ExperimentError::Config(e.to_string()))?;
+        tensor = a
+            .recv(&key(1, 0, i))
+            .map_err(|e| ExperimentError::Config(e.to_string()))?
+            .tensor;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    h.join()
+        .map_err(|_| ExperimentError::Config("ping-pong thread panicked".into()))?
+        .map_err(|e| ExperimentError::Config(e.to_string()))?;
+    Ok(secs / f64::from(2 * rounds) * 1e6)
+}
+
+/// Runs the benchmark.
+///
+/// # Errors
+/// Model, schedule or worker failures.
+pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError> {
+    let mut models = Vec::new();
+    let mut list = vec![("mlp-256-256x8-10", 64usize, 8u32)];
+    if !cfg.small_only {
+        list.insert(0, ("mlp-784-1024x16-10", 256, 8));
+    }
+    for (preset, batch, m) in list {
+        let model = Model::new(&ModelSpec::preset(preset)?)?;
+        let single = single_worker(&model, batch, 4 * cfg.updates, cfg.warmup)?;
+        let one = Case {
+            name: "sequential".into(),
+            policy: "sequential".into(),
+            stages: 4,
+            replicas: 1,
+            microbatch: batch / m as usize,
+            m,
+        };
+        let mut states = Vec::new();
+        pipelined(&model, &one, cfg.warmup.max(1), &mut states)?;
+        let (one_core, _, _) = pipelined(&model, &one, cfg.updates, &mut states)?;
+        let mut cases = Vec::new();
+        for case in model_cases(preset, batch, m) {
+            cases.push(run_case(&model, &case, cfg, single, one_core)?);
+        }
+        models.push(ModelResult {
+            model: preset.into(),
+            batch,
+            single_samples_per_s: single,
+            one_core_samples_per_s: one_core,
+            cases,
+        });
+    }
+    let small = Model::new(&ModelSpec::preset("mlp-256-256x8-10")?)?;
+    let overhead_us_per_action = overhead(&small, 64, 8, cfg.updates.max(10))?;
+    Ok(PipelineReport {
+        models,
+        overhead_us_per_action,
+        transport_us_per_message: transport_cost()?,
+        updates: cfg.updates,
+    })
+}
+
+/// A Markdown table of the report.
+pub fn render(r: &PipelineReport) -> String {
+    let mut out = String::new();
+    for m in &r.models {
+        out.push_str(&format!(
+            "{}, batch {}: single worker (2 threads, one microbatch of {}) {:.0} samples/s; \
+             one worker with one thread at the pipelines' microbatch size {:.0} samples/s\n\n\
+             | case | samples/s | / single | / (2 x one thread) | simulated | measured / simulated |\n\
+             |---|---|---|---|---|---|\n",
+            m.model, m.batch, m.batch, m.single_samples_per_s, m.one_core_samples_per_s
+        ));
+        for c in &m.cases {
+            out.push_str(&format!(
+                "| {} ({} x {}, M={}) | {:.0} | {:.2} | {:.2} | {:.0} | {:.2} |\n",
+                c.case.name.trim_start_matches(&m.model).trim(),
+                c.case.m * c.case.replicas,
+                c.case.microbatch,
+                c.case.m,
+                c.samples_per_s,
+                c.ratio_to_single,
+                c.core_scaling,
+                c.simulated_samples_per_s,
+                c.measured_over_simulated
+            ));
+        }
+        out.push('\n');
+    }
+    out.push_str(&format!(
+        "executor overhead per action: {:.1} us (sequential on one worker vs the plain loop)\n\
+         in-process transport: {:.1} us per message (ping-pong)\n",
+        r.overhead_us_per_action, r.transport_us_per_message
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_bench_reports_consistent_numbers() {
+        let r = run(&PipelineBenchConfig { updates: 3, warmup: 1, small_only: true }).unwrap();
+        assert_eq!(r.models.len(), 1);
+        for c in &r.models[0].cases {
+            assert!(c.samples_per_s > 0.0 && c.simulated_samples_per_s > 0.0, "{c:?}");
+            assert!((c.ratio_to_single - c.samples_per_s / r.models[0].single_samples_per_s).abs() < 1e-9);
+        }
+        assert!(r.transport_us_per_message > 0.0);
+        assert!(r.overhead_us_per_action.is_finite());
+    }
+}
