@@ -188,7 +188,12 @@ fn sgd() -> OptimizerConfig {
     }
 }
 
-fn single_worker(model: &Model, batch: usize, steps: u32, warmup: u32) -> Result<f64, ExperimentError> {
+fn single_worker(
+    model: &Model,
+    batch: usize,
+    steps: u32,
+    warmup: u32,
+) -> Result<f64, ExperimentError> {
     let be = CpuBackend::new(2)?;
     let pool = Pool::new(model, batch);
     let mut params = model.init_params(0);
@@ -203,7 +208,16 @@ fn single_worker(model: &Model, batch: usize, steps: u32, warmup: u32) -> Result
             grads: &mut grads,
             opt: &mut opt,
         };
-        train_step(&be, model, &mut st, vec![pool.batch(i)], 1.0 / batch as f32, 1e-3, 0, &mut id)?;
+        train_step(
+            &be,
+            model,
+            &mut st,
+            vec![pool.batch(i)],
+            1.0 / batch as f32,
+            1e-3,
+            0,
+            &mut id,
+        )?;
         if i >= warmup {
             times.push(t.elapsed().as_secs_f64());
         }
@@ -247,7 +261,14 @@ fn pipelined(
     let abort = Abort::new();
     let eps = mesh(schedule.workers(), &InProcOptions::default(), &abort);
     let t = Instant::now();
-    let outs = run_threads(&setup, states, eps, &abort, || CpuBackend::new(1), &RunOptions::default())?;
+    let outs = run_threads(
+        &setup,
+        states,
+        eps,
+        &abort,
+        || CpuBackend::new(1),
+        &RunOptions::default(),
+    )?;
     let secs = t.elapsed().as_secs_f64();
     let samples = f64::from(schedule.total_microbatches()) * case.microbatch as f64;
     Ok((samples / secs, outs, schedule))
@@ -255,7 +276,9 @@ fn pipelined(
 
 /// Per-stage costs: medians of the measured action durations.
 fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
-    let mut per: Vec<[Vec<f64>; 3]> = (0..stages).map(|_| [Vec::new(), Vec::new(), Vec::new()]).collect();
+    let mut per: Vec<[Vec<f64>; 3]> = (0..stages)
+        .map(|_| [Vec::new(), Vec::new(), Vec::new()])
+        .collect();
     for o in outs {
         for sp in &o.spans {
             let d = sp.end - sp.start;
@@ -334,12 +357,25 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
     let mut grads = model.zero_grads(0..model.len());
     let mut opt = Optimizer::new(sgd(), &params);
     let mut id = 0u64;
-    let run_plain = |params: &mut _, grads: &mut _, opt: &mut _, id: &mut u64| -> Result<f64, ExperimentError> {
+    let run_plain = |params: &mut _,
+                     grads: &mut _,
+                     opt: &mut _,
+                     id: &mut u64|
+     -> Result<f64, ExperimentError> {
         let t = Instant::now();
         for u in 0..updates {
             let batches = (0..m).map(|i| pool.batch(u * m + i)).collect();
             let mut st = StepState { params, grads, opt };
-            train_step(&be, model, &mut st, batches, 1.0 / micro as f32, 1e-3, 0, id)?;
+            train_step(
+                &be,
+                model,
+                &mut st,
+                batches,
+                1.0 / micro as f32,
+                1e-3,
+                0,
+                id,
+            )?;
         }
         Ok(t.elapsed().as_secs_f64())
     };
@@ -371,22 +407,41 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
 fn transport_cost() -> Result<f64, ExperimentError> {
     let abort = Abort::new();
     let mut eps = mesh(2, &InProcOptions::default(), &abort);
-    let mut b = eps.pop().ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-    let mut a = eps.pop().ok_or_else(|| ExperimentError::Config("mesh".into()))?;
+    let mut b = eps
+        .pop()
+        .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
+    let mut a = eps
+        .pop()
+        .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
     let rounds = 2000u32;
-    let key = |from, to, i| Key { from, to, kind: Kind::Activation, stage: 0, index: i, step: 0 };
+    let key = |from, to, i| Key {
+        from,
+        to,
+        kind: Kind::Activation,
+        stage: 0,
+        index: i,
+        step: 0,
+    };
     let h = std::thread::spawn(move || -> Result<(), pipe_transport::TransportError> {
         for i in 0..rounds {
             let m = b.recv(&key(0, 1, i))?;
-            b.send(Message { key: key(1, 0, i), version: 0, tensor: m.tensor })?;
+            b.send(Message {
+                key: key(1, 0, i),
+                version: 0,
+                tensor: m.tensor,
+            })?;
         }
         Ok(())
     });
     let t = Instant::now();
     let mut tensor = Tensor::zeros(&[8, 256]);
     for i in 0..rounds {
-        a.send(Message { key: key(0, 1, i), version: 0, tensor })
-            .map_err(|e| ExperimentError::Config(e.to_string()))?;
+        a.send(Message {
+            key: key(0, 1, i),
+            version: 0,
+            tensor,
+        })
+        .map_err(|e| ExperimentError::Config(e.to_string()))?;
         tensor = a
             .recv(&key(1, 0, i))
             .map_err(|e| ExperimentError::Config(e.to_string()))?
@@ -486,11 +541,22 @@ mod tests {
 
     #[test]
     fn small_bench_reports_consistent_numbers() {
-        let r = run(&PipelineBenchConfig { updates: 3, warmup: 1, small_only: true }).unwrap();
+        let r = run(&PipelineBenchConfig {
+            updates: 3,
+            warmup: 1,
+            small_only: true,
+        })
+        .unwrap();
         assert_eq!(r.models.len(), 1);
         for c in &r.models[0].cases {
-            assert!(c.samples_per_s > 0.0 && c.simulated_samples_per_s > 0.0, "{c:?}");
-            assert!((c.ratio_to_single - c.samples_per_s / r.models[0].single_samples_per_s).abs() < 1e-9);
+            assert!(
+                c.samples_per_s > 0.0 && c.simulated_samples_per_s > 0.0,
+                "{c:?}"
+            );
+            assert!(
+                (c.ratio_to_single - c.samples_per_s / r.models[0].single_samples_per_s).abs()
+                    < 1e-9
+            );
         }
         assert!(r.transport_us_per_message > 0.0);
         assert!(r.overhead_us_per_action.is_finite());
