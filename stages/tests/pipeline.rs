@@ -172,8 +172,13 @@ fn check_case(spec: &ScheduleSpec, model: &Model) {
             );
         }
     }
-    // Version logs equal the plan.
+    // Version logs equal the plan, and stashes hold no more versions than the plan needs.
     for out in &outs {
+        assert_eq!(
+            out.peak_versions, run.plan.peak_versions[out.worker as usize],
+            "{spec:?}: worker {} stash peak",
+            out.worker
+        );
         let mut forwards = 0;
         for r in &out.versions {
             let planned = match r.pass {

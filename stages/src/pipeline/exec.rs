@@ -96,6 +96,8 @@ pub struct WorkerOutcome {
     pub staleness_sum: f64,
     /// Number of gradients applied.
     pub staleness_count: u64,
+    /// The most weight versions (over all its stages) this worker held at once.
+    pub peak_versions: u32,
 }
 
 /// Per-stage runtime state for one run.
@@ -155,6 +157,8 @@ pub fn run_worker<B: Backend, T: Transport + ?Sized>(
         let start = t0.elapsed().as_secs_f64();
         ex.step(be, t, pc, a, &mut out)
             .map_err(|e| wrap(a.to_string(), e))?;
+        let held: usize = ex.rts.iter().map(|rt| rt.versions.len()).sum();
+        out.peak_versions = out.peak_versions.max(held as u32);
         let end = t0.elapsed().as_secs_f64();
         if a.kind().is_compute() || matches!(a, Action::Update { .. }) {
             out.compute_s += end - start;
