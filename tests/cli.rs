@@ -12,6 +12,19 @@ fn pipe(args: &[&str]) -> Output {
         .expect("run pipe")
 }
 
+/// Runs pipe, asserts success and returns its standard output.
+#[track_caller]
+fn pipe_ok(args: &[&str]) -> String {
+    let out = pipe(args);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
 fn tmp(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("pipe-cli-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
@@ -240,13 +253,7 @@ fn pipelined_training_reports_stages_and_writes_a_trace() {
         "--trace",
         trace.to_str().unwrap(),
     ]);
-    let out = pipe(&args);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = pipe_ok(&args);
     assert!(
         text.contains("pipeline: schedule 1f1b-flush, 2 stages x replicas [2, 1], 3 workers"),
         "{text}"
@@ -491,13 +498,7 @@ fn schedule_and_simulate_reject_bad_input_with_exit_2() {
 
 #[test]
 fn pipedream_four_stages_two_replicas_reaches_97_5_percent_on_mnist() {
-    let out = pipe(&["train", "--stages", "4", "--replicas", "2"]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = pipe_ok(&["train", "--stages", "4", "--replicas", "2"]);
     assert!(
         text.contains("schedule pipedream, 4 stages x replicas [2, 2, 2, 2], 8 workers"),
         "{text}"

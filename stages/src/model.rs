@@ -248,6 +248,49 @@ impl Model {
         Ok((h, saved))
     }
 
+    /// Layer `i`'s input gradient, errors naming the layer.
+    fn layer_input_grad(
+        &self,
+        be: &dyn Backend,
+        i: usize,
+        params: &[Tensor],
+        saved: &Saved,
+        g: &Tensor,
+    ) -> Result<Tensor> {
+        let layer = &self.layers[i];
+        layer
+            .backward_input(be, params, saved, g)
+            .map_err(|source| StageError::Kernel {
+                layer: i,
+                kind: layer.kind(),
+                op: "backward_input",
+                source,
+            })
+    }
+
+    /// Layer `i`'s parameter gradients into `grads`, errors naming the layer.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_params_grad(
+        &self,
+        be: &dyn Backend,
+        i: usize,
+        params: &[Tensor],
+        saved: &Saved,
+        g: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> Result<()> {
+        let layer = &self.layers[i];
+        layer
+            .backward_params(be, params, saved, g, grads, accumulate)
+            .map_err(|source| StageError::Kernel {
+                layer: i,
+                kind: layer.kind(),
+                op: "backward_params",
+                source,
+            })
+    }
+
     /// Runs layers `range` backward from `dy`: for each layer, last first, the input gradient
     /// (skipped for the model's first layer unless `need_input_grad`) and the parameter gradients,
     /// added into `grads` when `accumulate`. Returns the gradient entering `range.start`.
@@ -270,24 +313,11 @@ impl Model {
         let mut g = dy;
         for i in range.rev() {
             let j = i - start;
-            let layer = &self.layers[i];
-            let err = |op| {
-                move |source| StageError::Kernel {
-                    layer: i,
-                    kind: layer.kind(),
-                    op,
-                    source,
-                }
-            };
-            layer
-                .backward_params(be, &params[j], &saved[j], &g, &mut grads[j], accumulate)
-                .map_err(err("backward_params"))?;
+            self.layer_params_grad(be, i, &params[j], &saved[j], &g, &mut grads[j], accumulate)?;
             if i == start && !need_input_grad {
                 return Ok(None);
             }
-            g = layer
-                .backward_input(be, &params[j], &saved[j], &g)
-                .map_err(err("backward_input"))?;
+            g = self.layer_input_grad(be, i, &params[j], &saved[j], &g)?;
         }
         Ok(Some(g))
     }
@@ -313,20 +343,12 @@ impl Model {
         let mut g = dy;
         for i in range.rev() {
             let j = i - start;
-            let layer = &self.layers[i];
             if i == start && !need_input_grad {
                 dys.push(g);
                 dys.reverse();
                 return Ok((None, dys));
             }
-            let next = layer
-                .backward_input(be, &params[j], &saved[j], &g)
-                .map_err(|source| StageError::Kernel {
-                    layer: i,
-                    kind: layer.kind(),
-                    op: "backward_input",
-                    source,
-                })?;
+            let next = self.layer_input_grad(be, i, &params[j], &saved[j], &g)?;
             dys.push(std::mem::replace(&mut g, next));
         }
         dys.reverse();

@@ -66,23 +66,31 @@ fn lr(_stage: u32, k: u32) -> f32 {
     0.05 / (1.0 + 0.01 * k as f32)
 }
 
-/// Runs the pipeline and returns the final weights per worker and the outcomes.
-fn pipelined(run: &Run, model: &Model) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
-    let source = OrderedSource {
+fn source() -> OrderedSource<'static> {
+    OrderedSource {
         data: &data().train,
         order: data().train.epoch_order(SEED, 1),
         size: MB,
-    };
-    let setup = Setup {
+    }
+}
+
+fn setup<'a>(run: &'a Run, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
+    Setup {
         model,
         partition: &run.partition,
         schedule: &run.schedule,
         plan: &run.plan,
-        data: &source,
+        data: source,
         seed: SEED,
         microbatch_offset: 0,
         lr: &lr,
-    };
+    }
+}
+
+/// Runs the pipeline and returns the final weights per worker and the outcomes.
+fn pipelined(run: &Run, model: &Model) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
+    let source = source();
+    let setup = setup(run, model, &source);
     let init = model.init_params(SEED);
     let mut states: Vec<WorkerState> = (0..run.schedule.workers())
         .map(|w| WorkerState::new(&setup, w, &init, opt()))
@@ -102,21 +110,8 @@ fn pipelined(run: &Run, model: &Model) -> (Vec<WorkerState>, Vec<WorkerOutcome>)
 }
 
 fn reference(run: &Run, model: &Model) -> Vec<Params> {
-    let source = OrderedSource {
-        data: &data().train,
-        order: data().train.epoch_order(SEED, 1),
-        size: MB,
-    };
-    let setup = Setup {
-        model,
-        partition: &run.partition,
-        schedule: &run.schedule,
-        plan: &run.plan,
-        data: &source,
-        seed: SEED,
-        microbatch_offset: 0,
-        lr: &lr,
-    };
+    let source = source();
+    let setup = setup(run, model, &source);
     reference_train(
         &CpuBackend::new(1).unwrap(),
         &setup,
