@@ -13,8 +13,9 @@
 //!    predicted samples/s compared with the measured one.
 //! 4. **Executor overhead per action**: the same small-model minibatches trained by the
 //!    executor running `sequential` on one worker and by the plain training loop, both on one
-//!    thread; the difference divided by the executor's actions is what interpreting a schedule
-//!    costs (version maps, hand-offs, timing). The in-process transport's cost per message is
+//!    thread, alternated nine times; the median of the paired differences divided by the
+//!    executor's actions is what interpreting a schedule costs (version maps, hand-offs,
+//!    timing, thread start). The in-process transport's cost per message is
 //!    measured separately by ping-pong between two threads.
 //!
 //! Data are random inputs and labels from a fixed pool (the figures are about speed).
@@ -390,17 +391,17 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
     };
     let mut states = Vec::new();
     pipelined(model, &case, updates, &mut states)?;
-    let mut plain = Vec::new();
-    let mut exec = Vec::new();
-    let mut actions = 0usize;
-    for _ in 0..5 {
-        plain.push(run_plain(&mut params, &mut grads, &mut opt, &mut id)?);
+    // Alternate the two, and take the median of the paired differences: the host's noise
+    // moves both halves of a pair together.
+    let mut diffs = Vec::new();
+    for _ in 0..9 {
+        let plain = run_plain(&mut params, &mut grads, &mut opt, &mut id)?;
         let (sps, outs, _) = pipelined(model, &case, updates, &mut states)?;
         let samples = f64::from(updates) * batch as f64;
-        exec.push(samples / sps);
-        actions = outs.iter().map(|o| o.spans.len()).sum();
+        let actions: usize = outs.iter().map(|o| o.spans.len()).sum();
+        diffs.push((samples / sps - plain) / actions as f64 * 1e6);
     }
-    Ok((median(&exec) - median(&plain)) / actions as f64 * 1e6)
+    Ok(median(&diffs))
 }
 
 /// Ping-pong between two threads over the in-process transport: microseconds per message.

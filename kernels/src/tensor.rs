@@ -1,21 +1,58 @@
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::{KernelError, Result, error::shape_err};
+
+/// Source of content stamps: every new or mutably borrowed tensor gets the next value.
+static STAMPS: AtomicU64 = AtomicU64::new(1);
+
+fn next_stamp() -> u64 {
+    STAMPS.fetch_add(1, Ordering::Relaxed)
+}
 
 /// A dense tensor: a shape and contiguous row-major `f32` storage.
 ///
 /// Two-dimensional views are used throughout: [`Tensor::rows`] is the product of all dimensions
 /// but the last and [`Tensor::cols`] is the last dimension (a 1-D tensor is one row).
-#[derive(Clone, Debug, PartialEq, Default)]
+///
+/// Every tensor carries a content stamp ([`Tensor::stamp`]): a process-wide unique number that
+/// changes whenever the contents may change (any mutable access) and is shared by clones, which
+/// hold the same contents. Backends key caches of derived data (packed GEMM operands) on it.
+#[derive(Clone, Debug)]
 pub struct Tensor {
     shape: Vec<usize>,
     data: Vec<f32>,
+    stamp: u64,
+}
+
+impl Default for Tensor {
+    fn default() -> Self {
+        Self {
+            shape: Vec::new(),
+            data: Vec::new(),
+            stamp: next_stamp(),
+        }
+    }
+}
+
+impl PartialEq for Tensor {
+    /// Shapes and elements equal (the stamp is not compared).
+    fn eq(&self, other: &Self) -> bool {
+        self.shape == other.shape && self.data == other.data
+    }
 }
 
 impl Tensor {
+    /// The content stamp: equal stamps mean equal contents (see the type's docs).
+    pub fn stamp(&self) -> u64 {
+        self.stamp
+    }
+
     /// A tensor of zeros.
     pub fn zeros(shape: &[usize]) -> Self {
         Self {
             shape: shape.to_vec(),
             data: vec![0.0; shape.iter().product()],
+            stamp: next_stamp(),
         }
     }
 
@@ -24,6 +61,7 @@ impl Tensor {
         Self {
             shape: shape.to_vec(),
             data: vec![value; shape.iter().product()],
+            stamp: next_stamp(),
         }
     }
 
@@ -42,6 +80,7 @@ impl Tensor {
         Ok(Self {
             shape: shape.to_vec(),
             data,
+            stamp: next_stamp(),
         })
     }
 
@@ -80,6 +119,7 @@ impl Tensor {
 
     /// The elements, row-major, mutably.
     pub fn data_mut(&mut self) -> &mut [f32] {
+        self.stamp = next_stamp();
         &mut self.data
     }
 
@@ -101,12 +141,14 @@ impl Tensor {
             });
         }
         self.shape = shape.to_vec();
+        self.stamp = next_stamp();
         Ok(self)
     }
 
     /// Makes this tensor `shape`, reusing the allocation; contents are unspecified afterwards
     /// (zero where new storage was added).
     pub fn resize(&mut self, shape: &[usize]) {
+        self.stamp = next_stamp();
         if self.shape != shape {
             self.shape.clear();
             self.shape.extend_from_slice(shape);
@@ -116,6 +158,7 @@ impl Tensor {
 
     /// Sets every element to `value`.
     pub fn fill(&mut self, value: f32) {
+        self.stamp = next_stamp();
         self.data.fill(value);
     }
 }

@@ -72,6 +72,43 @@ fn close(got: &[f32], want: &[f64], tol: f64) {
     }
 }
 
+/// Products with few rows read a cached packed copy of the right operand; any change to the
+/// operand's contents (and only a change) must be seen.
+fn small_row_products_see_every_change_to_the_operand(be: &dyn Backend) {
+    for tb in [Trans::No, Trans::Yes] {
+        for (m, k, n) in [(8, 256, 512), (32, 300, 1000), (1, 1024, 1024)] {
+            let (a, mut b) = operands(m, k, n, Trans::No, tb, 7);
+            let mut c = Tensor::default();
+            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
+            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+            // A clone shares the cached copy; changing the clone must not change the original.
+            let mut other = b.clone();
+            other.data_mut()[3] += 1.0;
+            be.matmul(&a, Trans::No, &other, tb, &mut c, false).unwrap();
+            close(c.data(), &naive(&a, Trans::No, &other, tb), 1e-4);
+            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
+            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+            // In-place changes through every mutable path.
+            b.data_mut()[k] = 5.0;
+            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
+            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+            let step = pipe_kernels::SgdStep {
+                lr: 0.5,
+                momentum: 0.0,
+                nesterov: false,
+                weight_decay: 0.0,
+            };
+            let g = Tensor::full(b.shape(), 0.25);
+            be.sgd_update(&mut b, &g, None, step).unwrap();
+            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
+            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+            b.fill(0.5);
+            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
+            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+        }
+    }
+}
+
 fn matmul_all_transposes(be: &dyn Backend) {
     for &(m, k, n) in &[
         (1, 1, 1),
@@ -220,6 +257,7 @@ backend_tests!(
     pipe_kernels::CpuBackend::new(2).unwrap(),
     [
         matmul_all_transposes,
+        small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,
         elementwise_and_reductions,
         softmax_cross_entropy_matches_reference,
@@ -230,6 +268,8 @@ backend_tests!(
 #[test]
 fn cpu_results_do_not_depend_on_thread_count() {
     let shapes = [
+        (32, 1024, 1024),
+        (8, 512, 256),
         (256, 1024, 1024),
         (64, 1024, 4096),
         (1024, 256, 1024),
