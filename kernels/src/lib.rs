@@ -19,12 +19,14 @@ mod cpu;
 mod cuda;
 mod error;
 mod tensor;
+mod timed;
 
 pub use backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use error::KernelError;
 pub use tensor::Tensor;
+pub use timed::Timed;
 
 /// Result type of this crate.
 pub type Result<T, E = KernelError> = std::result::Result<T, E>;

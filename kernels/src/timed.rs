@@ -1,0 +1,182 @@
+//! A backend wrapper that adds up the time spent inside kernels, for measuring how much of a
+//! run is *not* kernel time (executor overhead). Behaviour is added by wrapping: any backend
+//! can be timed without changing it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
+use crate::{Result, Tensor};
+
+/// Wraps a backend and adds every kernel call's wall time to a shared counter.
+#[derive(Debug)]
+pub struct Timed<B> {
+    inner: B,
+    nanos: Arc<AtomicU64>,
+}
+
+impl<B: Backend> Timed<B> {
+    /// Times `inner`'s kernels into `counter` (nanoseconds; shareable across threads).
+    pub fn new(inner: B, counter: Arc<AtomicU64>) -> Self {
+        Self {
+            inner,
+            nanos: counter,
+        }
+    }
+
+    /// Time spent in kernels so far (all backends sharing the counter).
+    pub fn kernel_time(&self) -> Duration {
+        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+    }
+
+    fn time<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let out = f();
+        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(ns, Ordering::Relaxed);
+        out
+    }
+}
+
+impl<B: Backend> Backend for Timed<B> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn threads(&self) -> usize {
+        self.inner.threads()
+    }
+
+    fn matmul(
+        &self,
+        a: &Tensor,
+        ta: Trans,
+        b: &Tensor,
+        tb: Trans,
+        c: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.time(|| self.inner.matmul(a, ta, b, tb, c, accumulate))
+    }
+
+    fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.transpose(a, out))
+    }
+
+    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
+        self.time(|| self.inner.add_bias(y, bias))
+    }
+
+    fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
+        self.time(|| self.inner.sum_rows(x, out, accumulate))
+    }
+
+    fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.activation(act, x, y))
+    }
+
+    fn activation_backward(
+        &self,
+        act: Activation,
+        x: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        self.time(|| self.inner.activation_backward(act, x, dy, dx))
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        eps: f32,
+        y: &mut Tensor,
+        mean: &mut Tensor,
+        rstd: &mut Tensor,
+    ) -> Result<()> {
+        self.time(|| self.inner.layer_norm(x, gamma, beta, eps, y, mean, rstd))
+    }
+
+    fn layer_norm_backward_input(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        self.time(|| {
+            self.inner
+                .layer_norm_backward_input(x, gamma, mean, rstd, dy, dx)
+        })
+    }
+
+    fn layer_norm_backward_params(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dgamma: &mut Tensor,
+        dbeta: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.time(|| {
+            self.inner
+                .layer_norm_backward_params(x, mean, rstd, dy, dgamma, dbeta, accumulate)
+        })
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        logits: &Tensor,
+        labels: &[u32],
+        grad_scale: f32,
+        dlogits: Option<&mut Tensor>,
+    ) -> Result<LossStats> {
+        self.time(|| {
+            self.inner
+                .softmax_cross_entropy(logits, labels, grad_scale, dlogits)
+        })
+    }
+
+    fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.axpy(alpha, x, y))
+    }
+
+    fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.scale(alpha, x))
+    }
+
+    fn sgd_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        buf: Option<&mut Tensor>,
+        hp: SgdStep,
+    ) -> Result<()> {
+        self.time(|| self.inner.sgd_update(param, grad, buf, hp))
+    }
+
+    fn adam_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: AdamStep,
+    ) -> Result<()> {
+        self.time(|| self.inner.adam_update(param, grad, m, v, hp))
+    }
+
+    fn sum(&self, x: &Tensor) -> Result<f64> {
+        self.time(|| self.inner.sum(x))
+    }
+
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        self.time(|| self.inner.sum_squares(x))
+    }
+}
