@@ -98,6 +98,8 @@ pub struct WorkerOutcome {
     pub staleness_count: u64,
     /// The most weight versions (over all its stages) this worker held at once.
     pub peak_versions: u32,
+    /// Per microbatch whose loss this worker computed: (microbatch, loss sum, samples).
+    pub losses: Vec<(u32, f64, usize)>,
 }
 
 /// Per-stage runtime state for one run.
@@ -338,6 +340,7 @@ impl<'s, 'a> Exec<'s, 'a> {
                         out.loss_sum += stats.loss_sum;
                         out.correct += stats.correct;
                         out.samples += stats.rows;
+                        out.losses.push((mb, stats.loss_sum, stats.rows));
                         rt.dys.insert(mb, dlogits);
                     }
                     None => {

@@ -18,7 +18,7 @@ use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::model::{Model, Params};
 use crate::optim::LrSchedule;
-use crate::train::{EpochStats, Observer, StageEpochStats, TrainReport, evaluate};
+use crate::train::{EpochStats, Observer, StageEpochStats, StepStats, TrainReport, evaluate};
 
 /// Extra outputs of a pipelined run.
 #[derive(Debug)]
@@ -167,6 +167,32 @@ pub fn train_pipelined(
                 step: done_minibatches,
                 loss: train_loss,
             });
+        }
+        // One step record per minibatch (its microbatches' losses), reported after the epoch:
+        // the pipeline has no global step boundary while it runs.
+        let mut per_step = vec![(0.0f64, 0usize); this as usize];
+        for o in &outcomes {
+            for &(mb, l, n) in &o.losses {
+                if let Some(slot) = per_step.get_mut(mb as usize / minibatch) {
+                    slot.0 += l;
+                    slot.1 += n;
+                }
+            }
+        }
+        let epoch_rate = samples as f64 / secs.max(1e-9);
+        for (t, &(l, n)) in per_step.iter().enumerate() {
+            let step = done_minibatches - u64::from(this) + t as u64;
+            obs.on_step(&StepStats {
+                step: step + 1,
+                epoch,
+                loss: l / n.max(1) as f64,
+                lr: sched.at(step),
+                samples: n,
+                samples_per_sec: epoch_rate,
+                elapsed_s: start.elapsed().as_secs_f64(),
+                steps_in_epoch: u64::from(this),
+                step_in_epoch: t as u64 + 1,
+            })?;
         }
         let layout = schedule.layout();
         let stage_stats: Vec<StageEpochStats> = (0..schedule.stages())
