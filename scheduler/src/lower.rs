@@ -20,7 +20,8 @@ pub struct LowerOptions {
 }
 
 /// Returns the schedule with sends and receives inserted. A schedule that is already lowered
-/// is returned unchanged.
+/// is returned unchanged; a one-worker schedule comes back with the same programs, marked
+/// lowered (nothing crosses workers).
 pub fn lower(schedule: &Schedule, opts: LowerOptions) -> Schedule {
     if schedule.lowered {
         return schedule.clone();
@@ -99,5 +100,4 @@ pub fn lower(schedule: &Schedule, opts: LowerOptions) -> Schedule {
         programs,
         lowered: true,
     }
-    // (A one-worker schedule comes back unchanged but marked lowered: nothing crosses workers.)
 }

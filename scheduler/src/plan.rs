@@ -285,23 +285,6 @@ impl VersionPlan {
         self.backward[stage as usize * self.microbatches as usize + mb as usize]
     }
 
-    /// Peak memory per worker in bytes, given bytes per weight version and bytes of stashed
-    /// activations per in-flight microbatch, both per stage.
-    pub fn peak_memory(
-        &self,
-        schedule: &Schedule,
-        param_bytes: impl Fn(StageId) -> f64 + Copy,
-        stash_bytes: impl Fn(StageId) -> f64 + Copy,
-    ) -> Vec<MemoryPeak> {
-        let mut scratch = Vec::new();
-        (0..schedule.workers())
-            .map(|w| {
-                self.sweep(schedule, w, param_bytes, stash_bytes, &mut scratch)
-                    .1
-            })
-            .collect()
-    }
-
     /// Walks one worker's program and returns the peaks of weighted live versions and live
     /// activations. A version is live from the update that creates it until the later of the
     /// update that replaces it and its last use; an activation from its forward until the

@@ -331,13 +331,11 @@ fn small_setup_run(
     faults: impl Fn(u32) -> Option<usize>,
 ) -> pipe_stages::Result<Vec<WorkerOutcome>> {
     let model = Model::new(&ModelSpec::preset("mlp-4-4-4-2").unwrap()).unwrap();
-    let schedule = lower(&generate(spec).unwrap(), LowerOptions::default());
-    validate::check(&schedule).unwrap();
-    let plan = VersionPlan::derive(&schedule).unwrap();
-    let k = schedule.stages() as usize;
-    let n = model.len();
-    let partition =
-        Partition::new((0..k).map(|i| i * n / k..(i + 1) * n / k).collect(), n).unwrap();
+    let Run {
+        schedule,
+        plan,
+        partition,
+    } = prepare(spec, &model);
     let setup = Setup {
         model: &model,
         partition: &partition,

@@ -9,7 +9,7 @@ use pipe_scheduler::{Action, Span, VersionRule, WorkerId};
 use pipe_transport::collective::ring_all_reduce;
 use pipe_transport::{Key, Kind, Message, Transport};
 
-use super::Setup;
+use super::{Setup, flatten, mean_step, unflatten};
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::Params;
@@ -447,18 +447,9 @@ impl<'s, 'a> Exec<'s, 'a> {
                     zero(&mut rt.grads);
                     rt.fresh = false;
                 }
-                let mut flat: Vec<f32> =
-                    Vec::with_capacity(rt.grads.iter().flatten().map(|g| g.data().len()).sum());
-                for g in rt.grads.iter().flatten() {
-                    flat.extend_from_slice(g.data());
-                }
+                let mut flat = flatten(&rt.grads);
                 ring_all_reduce(t, &rt.group, stage, update, &mut flat)?;
-                let mut at = 0;
-                for g in rt.grads.iter_mut().flatten() {
-                    let n = g.data().len();
-                    g.data_mut().copy_from_slice(&flat[at..at + n]);
-                    at += n;
-                }
+                unflatten(&mut rt.grads, &flat);
             }
             Action::Update { stage, update } => {
                 let c = self.chunk(stage)?;
@@ -472,10 +463,6 @@ impl<'s, 'a> Exec<'s, 'a> {
                 if rt.fresh {
                     zero(&mut rt.grads);
                 }
-                let inv = 1.0 / rt.update_size as f32;
-                for g in rt.grads.iter_mut().flatten() {
-                    bed.scale(inv, g)?;
-                }
                 let lr = (setup.lr)(stage, update);
                 let cur = rt.current;
                 let mut p = rt
@@ -485,7 +472,7 @@ impl<'s, 'a> Exec<'s, 'a> {
                 if rt.last_use.get(cur as usize).is_some_and(|&u| u > pc) {
                     rt.versions.insert(cur, p.clone());
                 }
-                rt.opt.step(bed, &mut p, &rt.grads, lr)?;
+                mean_step(bed, &mut rt.opt, &mut p, &mut rt.grads, rt.update_size, lr)?;
                 rt.current += 1;
                 rt.versions.insert(rt.current, p);
                 rt.fresh = true;

@@ -20,12 +20,13 @@ pub use reference::reference_train;
 pub use runner::{RunOptions, run_threads};
 pub use train::{PipelineReport, PipelineTrainOptions, train_pipelined};
 
-use pipe_kernels::Tensor;
+use pipe_kernels::{Backend, Tensor};
 use pipe_scheduler::{Schedule, StageId, VersionPlan};
 
 use crate::data::Dataset;
 use crate::error::Result;
-use crate::model::Model;
+use crate::model::{Model, Params};
+use crate::optim::Optimizer;
 
 /// Where microbatches come from: stage 0 asks for inputs, the last stage for labels.
 pub trait MicrobatchSource: Sync {
@@ -98,4 +99,41 @@ pub struct Setup<'a> {
     pub microbatch_offset: u64,
     /// Learning rate per stage and update.
     pub lr: &'a LrFn<'a>,
+}
+
+/// A stage's gradients as one flat buffer, tensor after tensor (what an all-reduce moves).
+pub(crate) fn flatten(p: &Params) -> Vec<f32> {
+    let mut flat = Vec::with_capacity(p.iter().flatten().map(Tensor::len).sum());
+    for t in p.iter().flatten() {
+        flat.extend_from_slice(t.data());
+    }
+    flat
+}
+
+/// Copies a buffer made by [`flatten`] back into `p`'s tensors.
+pub(crate) fn unflatten(p: &mut Params, flat: &[f32]) {
+    let mut at = 0;
+    for t in p.iter_mut().flatten() {
+        let n = t.len();
+        t.data_mut().copy_from_slice(&flat[at..at + n]);
+        at += n;
+    }
+}
+
+/// The update the executor and the reference trainer both apply, with the same operations so
+/// their weights agree bit for bit: scale the summed gradients to a mean over the update's
+/// `microbatches`, then one optimizer step on `params`.
+pub(crate) fn mean_step(
+    be: &dyn Backend,
+    opt: &mut Optimizer,
+    params: &mut Params,
+    grads: &mut Params,
+    microbatches: u32,
+    lr: f32,
+) -> Result<()> {
+    let inv = 1.0 / microbatches as f32;
+    for g in grads.iter_mut().flatten() {
+        be.scale(inv, g)?;
+    }
+    opt.step(be, params, grads, lr)
 }

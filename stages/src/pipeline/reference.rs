@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use pipe_kernels::{Backend, Tensor};
 use pipe_transport::collective::ring_sum;
 
-use super::Setup;
+use super::{Setup, flatten, mean_step, unflatten};
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::Params;
@@ -133,31 +133,22 @@ pub fn reference_train(
                 let mut grads = if partials.len() == 1 {
                     partials.pop().unwrap_or_default()
                 } else {
-                    let flats: Vec<Vec<f32>> = partials
-                        .iter()
-                        .map(|p| {
-                            p.iter()
-                                .flatten()
-                                .flat_map(|t| t.data().iter().copied())
-                                .collect()
-                        })
-                        .collect();
+                    let flats: Vec<Vec<f32>> = partials.iter().map(flatten).collect();
                     let sum = ring_sum(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>());
                     let mut out = partials.swap_remove(0);
-                    let mut at = 0;
-                    for t in out.iter_mut().flatten() {
-                        let len = t.data().len();
-                        t.data_mut().copy_from_slice(&sum[at..at + len]);
-                        at += len;
-                    }
+                    unflatten(&mut out, &sum);
                     out
                 };
-                let inv = 1.0 / schedule.resolved.update_size(s as u32) as f32;
-                for t in grads.iter_mut().flatten() {
-                    be.scale(inv, t)?;
-                }
                 let mut p = versions[s][versions[s].len() - 1].clone();
-                opts[s].step(be, &mut p, &grads, (setup.lr)(s as u32, k))?;
+                let size = schedule.resolved.update_size(s as u32);
+                mean_step(
+                    be,
+                    &mut opts[s],
+                    &mut p,
+                    &mut grads,
+                    size,
+                    (setup.lr)(s as u32, k),
+                )?;
                 versions[s].push(p);
                 next_update[s] += 1;
                 progress = true;
