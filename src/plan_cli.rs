@@ -137,6 +137,10 @@ pub struct SimulateArgs {
     /// Senders wait until their messages land (no compute/communication overlap).
     #[arg(long)]
     no_overlap: bool,
+    /// Cores the workers share (default: one each); fewer cores than workers share them fairly.
+    /// Overrides `cores` in a cost file.
+    #[arg(long)]
+    cores: Option<u32>,
     /// Write the simulated timeline as Chrome trace JSON to FILE.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
@@ -232,8 +236,10 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
         } else {
             toml::from_str(&text).map_err(|e| e.message().to_string())
         };
-        return parsed
-            .map_err(|e| crate::cli::bad_input(format!("cost file {}: {e}", path.display())));
+        let mut costs = parsed
+            .map_err(|e| crate::cli::bad_input(format!("cost file {}: {e}", path.display())))?;
+        costs.cores = args.cores.or(costs.cores);
+        return Ok(costs);
     }
     Ok(CostModel {
         stages: vec![StageCost {
@@ -245,6 +251,7 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
         bandwidth: args.bandwidth.unwrap_or(f64::INFINITY),
         latency: args.latency,
         overlap: !args.no_overlap,
+        cores: args.cores,
     })
 }
 
@@ -264,7 +271,7 @@ pub fn cmd_simulate(args: &SimulateArgs) -> Result<()> {
         },
     )
     .map_err(bad)?;
-    print!("{}", render_report(&schedule, &report));
+    print!("{}", render_report(&schedule, &report, costs.cores));
     if let Some(timeline) = &report.timeline {
         if let Some(path) = &args.trace {
             let plan = VersionPlan::derive(&schedule)?;
@@ -281,11 +288,17 @@ pub fn cmd_simulate(args: &SimulateArgs) -> Result<()> {
     Ok(())
 }
 
-fn render_report(schedule: &Schedule, r: &SimReport) -> String {
+fn render_report(schedule: &Schedule, r: &SimReport, cores: Option<u32>) -> String {
     let res = &schedule.resolved;
+    let shared = match cores {
+        Some(c) if c < schedule.workers() => {
+            format!(" on {c} shared core(s) (compute columns are wall time)")
+        }
+        _ => String::new(),
+    };
     let mut out = format!(
         "{} | {} stages, replicas {:?}, {} chunk(s) | M = {} per replica, {} microbatches | {} \
-         workers\n",
+         workers{shared}\n",
         res.policy,
         res.layout.positions(),
         res.layout.replica_counts(),

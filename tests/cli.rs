@@ -416,6 +416,33 @@ fn simulate_prints_the_summary_and_writes_a_trace() {
 }
 
 #[test]
+fn simulate_shares_fewer_cores_than_workers() {
+    // On one core, the 4 x 4 gpipe run is all its work back to back: 16 x (1 + 2) ms.
+    let out = pipe(&[
+        "simulate",
+        "--schedule",
+        "gpipe",
+        "--stages",
+        "4",
+        "--microbatches",
+        "4",
+        "--forward",
+        "1ms",
+        "--backward",
+        "2ms",
+        "--cores",
+        "1",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("makespan 48.0000 ms"), "{text}");
+    assert!(text.contains("on 1 shared core(s)"), "{text}");
+    let bad = pipe(&["simulate", "--stages", "2", "--cores", "0"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("cores must be at least 1"));
+}
+
+#[test]
 fn schedule_and_simulate_reject_bad_input_with_exit_2() {
     assert_bad_input(
         &["schedule", "--stages", "0"],

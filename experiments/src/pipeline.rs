@@ -7,10 +7,13 @@
 //! 2. **Each pipelined case**: the executor on in-process threads, one compute thread per worker;
 //!    a warm-up run, then a timed run of `updates` minibatches; samples/s = samples / wall time
 //!    of the timed run (thread start, fill and drain included).
-//! 3. **Simulated**: per-stage costs are the medians of each stage's forward, backward and update
-//!    durations measured in the warm-up run (so they include whatever contention the run sees);
-//!    the timed run's schedule is simulated with them (in-process messages cost nothing) and the
-//!    predicted samples/s compared with the measured one.
+//! 3. **Simulated**: per-stage costs come from a quick per-stage timing, the one-thread
+//!    sequential run of the same partition and microbatch size (mean forward, backward and
+//!    update time of each stage; means, since the first forward of each weight version also
+//!    builds its transposed copy); a replicated stage's all-reduce is timed alone among its
+//!    replicas' threads. The timed run's schedule is simulated with those costs on the machine's
+//!    two cores shared by all workers (`CostModel::cores`), in-process messages costing nothing,
+//!    and the predicted samples/s compared with the measured one.
 //! 4. **Executor overhead per action**: the executor runs `sequential` (small model) on one
 //!    worker with a backend wrapper that times every kernel call; wall time minus kernel time,
 //!    over the actions, is what interpreting a schedule costs (version maps, hand-offs, data
@@ -34,6 +37,7 @@ use pipe_stages::pipeline::{
     MicrobatchSource, Partition, RunOptions, Setup, WorkerOutcome, WorkerState, run_threads,
 };
 use pipe_stages::train::{StepState, train_step};
+use pipe_transport::collective::ring_all_reduce;
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::{Abort, Key, Kind, Message, Transport};
 use serde::Serialize;
@@ -280,7 +284,9 @@ fn pipelined_with<B: pipe_kernels::Backend>(
     Ok((samples / secs, outs, schedule))
 }
 
-/// Per-stage costs: medians of the measured action durations.
+/// Per-stage costs: means of the measured action durations (means, not medians: the first
+/// forward of every weight version also builds the version's transposed copy, a cost every
+/// version pays once).
 fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
     let mut per: Vec<[Vec<f64>; 3]> = (0..stages)
         .map(|_| [Vec::new(), Vec::new(), Vec::new()])
@@ -300,7 +306,13 @@ fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
     let stages = per
         .iter()
         .map(|p| {
-            let m = |v: &Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
+            let m = |v: &Vec<f64>| {
+                if v.is_empty() {
+                    0.0
+                } else {
+                    v.iter().sum::<f64>() / v.len() as f64
+                }
+            };
             StageCost {
                 update: m(&p[2]),
                 ..StageCost::compute(m(&p[0]), m(&p[1]))
@@ -313,17 +325,83 @@ fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
     }
 }
 
+/// Seconds one ring all-reduce of `len` values takes among `r` in-process workers, each on its
+/// own thread (median of repeats after one warm-up round).
+fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
+    let rounds = 7u32;
+    let abort = Abort::new();
+    let group: Vec<u32> = (0..r).collect();
+    let handles: Vec<_> = mesh(r, &InProcOptions::default(), &abort)
+        .into_iter()
+        .map(|mut ep| {
+            let group = group.clone();
+            std::thread::spawn(
+                move || -> Result<Vec<f64>, pipe_transport::TransportError> {
+                    let mut data = vec![1.0f32; len];
+                    let mut times = Vec::new();
+                    for update in 0..=rounds {
+                        let t = Instant::now();
+                        ring_all_reduce(&mut ep, &group, 0, update, &mut data)?;
+                        if update > 0 {
+                            times.push(t.elapsed().as_secs_f64());
+                        }
+                    }
+                    Ok(times)
+                },
+            )
+        })
+        .collect();
+    let mut times = Vec::new();
+    for h in handles {
+        let mine = h
+            .join()
+            .map_err(|_| ExperimentError::Config("all-reduce thread panicked".into()))?
+            .map_err(|e| ExperimentError::Config(e.to_string()))?;
+        times.extend(mine);
+    }
+    Ok(median(&times))
+}
+
+/// The simulator's costs for `case`: the per-stage times of the one-thread sequential run
+/// (`base`), a measured all-reduce per replicated stage, and the machine's two cores shared by
+/// every worker.
+fn case_costs(
+    model: &Model,
+    case: &Case,
+    base: &CostModel,
+    stages: u32,
+) -> Result<CostModel, ExperimentError> {
+    let mut costs = CostModel {
+        cores: Some(2),
+        ..base.clone()
+    };
+    if case.replicas > 1 {
+        let partition = Partition::balanced(model, stages as usize)?;
+        for (s, st) in costs.stages.iter_mut().enumerate() {
+            let len: usize = model
+                .zero_grads(partition.range(s))
+                .iter()
+                .flatten()
+                .map(Tensor::len)
+                .sum();
+            st.all_reduce = Some(all_reduce_cost(len, case.replicas)?);
+        }
+    }
+    Ok(costs)
+}
+
 fn run_case(
     model: &Model,
     case: &Case,
     cfg: &PipelineBenchConfig,
     single: f64,
     one_core: f64,
+    base: &CostModel,
 ) -> Result<CaseResult, ExperimentError> {
     let mut states = Vec::new();
-    let (_, warm, _) = pipelined(model, case, cfg.warmup.max(1), &mut states)?;
+    pipelined(model, case, cfg.warmup.max(1), &mut states)?;
     let (measured, _, schedule) = pipelined(model, case, cfg.updates, &mut states)?;
-    let costs = costs_from(&warm, schedule.stages());
+    let costs = case_costs(model, case, base, schedule.stages())?;
     let sim = simulate(&schedule, &costs, SimOptions::default())?;
     let simulated = sim.throughput * case.microbatch as f64;
     Ok(CaseResult {
@@ -458,10 +536,11 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
         };
         let mut states = Vec::new();
         pipelined(&model, &one, cfg.warmup.max(1), &mut states)?;
-        let (one_core, _, _) = pipelined(&model, &one, cfg.updates, &mut states)?;
+        let (one_core, timed, _) = pipelined(&model, &one, cfg.updates, &mut states)?;
+        let base = costs_from(&timed, one.stages);
         let mut cases = Vec::new();
         for case in model_cases(preset, batch, m) {
-            cases.push(run_case(&model, &case, cfg, single, one_core)?);
+            cases.push(run_case(&model, &case, cfg, single, one_core, &base)?);
         }
         models.push(ModelResult {
             model: preset.into(),

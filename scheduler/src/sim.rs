@@ -11,6 +11,13 @@
 //! which blocked workers are resumed does not change any result. If every unfinished worker is
 //! blocked, the schedule deadlocks.
 //!
+//! With fewer cores than workers (`CostModel::cores`), a second engine keeps one global clock
+//! and shares the cores fairly: while `n` workers compute on `c < n` cores, each advances at
+//! `c / n` of its speed (processor sharing, the limit of an operating system's fair scheduler
+//! with short time slices). Its cost is `O(actions x workers)`, fine for the sizes that do run
+//! on one machine; with a core per worker it times every action exactly as the first engine
+//! (a unit test checks both on every policy).
+//!
 //! Messages are identified by a dense index computed from the action itself (boundary, kind,
 //! microbatch), so the engine needs no maps: it scales to a thousand workers and ten thousand
 //! microbatches in well under a second.
@@ -56,6 +63,11 @@ pub struct StageCost {
     /// `activation_bytes`).
     #[serde(default)]
     pub stash_bytes: Option<f64>,
+    /// Seconds one all-reduce of this stage's gradients takes among its replicas, when measured
+    /// (default: from the link, `2(r-1)/r * param_bytes / bandwidth + 2(r-1) * latency`). An
+    /// in-process all-reduce moves buffers for free but spends time adding them.
+    #[serde(default)]
+    pub all_reduce: Option<f64>,
 }
 
 impl StageCost {
@@ -71,6 +83,7 @@ impl StageCost {
             gradient_bytes: None,
             param_bytes: 0.0,
             stash_bytes: None,
+            all_reduce: None,
         }
     }
 
@@ -111,6 +124,7 @@ impl StageCost {
             ("gradient_bytes", self.gradient()),
             ("param_bytes", self.param_bytes),
             ("stash_bytes", self.stash()),
+            ("all_reduce", self.all_reduce.unwrap_or(0.0)),
         ];
         for (name, v) in fields {
             if !v.is_finite() || v < 0.0 {
@@ -148,6 +162,12 @@ pub struct CostModel {
     /// message has landed.
     #[serde(default = "yes")]
     pub overlap: bool,
+    /// Cores the workers share (default: one per worker). With fewer cores than workers, the
+    /// simulator shares them fairly: while `n` workers compute on `c < n` cores, each advances
+    /// at `c / n` of its speed (processor sharing, as threads on an operating system's fair
+    /// scheduler). Costs are then the times of actions running alone.
+    #[serde(default)]
+    pub cores: Option<u32>,
 }
 
 impl CostModel {
@@ -158,6 +178,7 @@ impl CostModel {
             bandwidth: f64::INFINITY,
             latency: 0.0,
             overlap: true,
+            cores: None,
         }
     }
 
@@ -213,6 +234,9 @@ impl CostModel {
                 "bandwidth must be > 0 bytes/s, got {}",
                 self.bandwidth
             )));
+        }
+        if self.cores == Some(0) {
+            return Err(ScheduleError::Cost("cores must be at least 1".into()));
         }
         if !self.latency.is_finite() || self.latency < 0.0 {
             return Err(ScheduleError::Cost(format!(
@@ -290,7 +314,10 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel, opts: SimOptions) -> Res
         |s| costs.stage(s).stash(),
     )?;
     let mut engine = Engine::new(schedule, Some(costs), opts.timeline);
-    engine.run()?;
+    match costs.cores {
+        Some(c) if c < schedule.workers() => engine.run_shared(f64::from(c))?,
+        _ => engine.run()?,
+    }
     let makespan = engine.clock.iter().copied().fold(0.0, f64::max);
     let workers: Vec<WorkerReport> = (0..schedule.workers() as usize)
         .map(|w| WorkerReport {
@@ -327,6 +354,21 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel, opts: SimOptions) -> Res
 /// The untimed dry run (see [`crate::validate::dry_run`]).
 pub(crate) fn run_untimed(schedule: &Schedule) -> Result<()> {
     Engine::new(schedule, None, false).run()
+}
+
+/// What a worker is doing in the shared-core engine.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Busy {
+    /// About to interpret its next action.
+    Ready,
+    /// Computing (or doing its share of a collective) with `left` seconds of work to go.
+    Work { left: f64, start: f64 },
+    /// Waiting for a message in flight, or for its own send to land, until `until`.
+    Sleep { until: f64, start: f64 },
+    /// Waiting for a message not yet sent, or for a collective's other members.
+    Blocked,
+    /// Finished its program.
+    Done,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -455,6 +497,12 @@ impl<'a> Engine<'a> {
         while let Some(w) = ready.pop() {
             self.advance(w, &mut ready, &times);
         }
+        self.finished()
+    }
+
+    /// `Ok` when every worker ran its whole program, else the deadlock naming who waits where.
+    fn finished(&self) -> Result<()> {
+        let workers = self.schedule.workers();
         let blocked: Vec<(WorkerId, usize)> = (0..workers)
             .filter(|&w| self.pc[w as usize] < self.schedule.programs[w as usize].len())
             .map(|w| (w, self.pc[w as usize]))
@@ -481,6 +529,252 @@ impl<'a> Engine<'a> {
             reason,
             grid: grid::blocked(self.schedule, &shown),
         })
+    }
+
+    /// Puts the message of send `a` from `w` to `to` on their link at `clock`: returns the
+    /// message's index and when it lands (the link is busy until then, less the latency).
+    fn post(
+        &mut self,
+        w: WorkerId,
+        a: &Action,
+        to: WorkerId,
+        t: &StageTimes,
+        clock: f64,
+        latency: f64,
+    ) -> (usize, f64) {
+        let wi = w as usize;
+        let id = self.message(w, a);
+        let busy = match a {
+            Action::SendActivation { .. } => t.activation_transfer,
+            Action::SendGradient { .. } => t.gradient_transfer,
+            _ => t.chunk_transfer,
+        };
+        let link = match self.links[wi].iter().position(|&(p, _)| p == to) {
+            Some(i) => i,
+            None => {
+                self.links[wi].push((to, 0.0));
+                self.links[wi].len() - 1
+            }
+        };
+        let begin = clock.max(self.links[wi][link].1);
+        self.links[wi][link].1 = begin + busy;
+        let arrive = begin + busy + latency;
+        self.arrival[id] = arrive;
+        (id, arrive)
+    }
+
+    /// The engine for fewer cores than workers: one global clock; between events every
+    /// computing worker advances at `min(1, cores / computing)` of its speed. Costs
+    /// `O(actions x workers)`, so it is meant for the sizes a machine actually runs.
+    fn run_shared(&mut self, cores: f64) -> Result<()> {
+        let workers = self.schedule.workers() as usize;
+        let times = stage_times(self.schedule, self.costs);
+        let mut state = vec![Busy::Ready; workers];
+        let mut group_left = vec![0u32; self.group_count.len()];
+        let mut ready: Vec<usize> = (0..workers).rev().collect();
+        let mut now = 0.0f64;
+        loop {
+            while let Some(w) = ready.pop() {
+                self.step_shared(w, now, &mut state, &mut ready, &times, &mut group_left);
+            }
+            let computing = state
+                .iter()
+                .filter(|b| matches!(b, Busy::Work { .. }))
+                .count();
+            let rate = if computing as f64 <= cores {
+                1.0
+            } else {
+                cores / computing as f64
+            };
+            let mut next = f64::INFINITY;
+            for b in &state {
+                match *b {
+                    Busy::Work { left, .. } => next = next.min(now + left / rate),
+                    Busy::Sleep { until, .. } => next = next.min(until),
+                    _ => {}
+                }
+            }
+            if !next.is_finite() {
+                break;
+            }
+            let dt = next - now;
+            let before = now;
+            now = next;
+            for w in 0..workers {
+                match state[w] {
+                    Busy::Work { left, start } => {
+                        if before + left / rate > next {
+                            state[w] = Busy::Work {
+                                left: left - dt * rate,
+                                start,
+                            };
+                            continue;
+                        }
+                        let a = self.schedule.programs[w][self.pc[w]];
+                        if let Action::AllReduce { stage, update } = a {
+                            // This member's share is done; the collective ends with its last.
+                            let gid = self.group_offset[stage as usize] + update as usize;
+                            group_left[gid] -= 1;
+                            state[w] = Busy::Blocked;
+                            if group_left[gid] == 0 {
+                                let begin = self.group_start[gid];
+                                for m in self.schedule.layout().group(stage) {
+                                    let mi = m as usize;
+                                    self.record(m, a, begin, now);
+                                    self.comm[mi] += now - begin;
+                                    self.pc[mi] += 1;
+                                    self.clock[mi] = now;
+                                    state[mi] = Busy::Ready;
+                                    ready.push(mi);
+                                }
+                            }
+                        } else {
+                            self.record(w as WorkerId, a, start, now);
+                            self.compute[w] += now - start;
+                            self.pc[w] += 1;
+                            self.clock[w] = now;
+                            state[w] = Busy::Ready;
+                            ready.push(w);
+                        }
+                    }
+                    Busy::Sleep { until, start } if until <= now => {
+                        let a = self.schedule.programs[w][self.pc[w]];
+                        if matches!(
+                            a,
+                            Action::SendActivation { .. }
+                                | Action::SendGradient { .. }
+                                | Action::SendChunk { .. }
+                        ) {
+                            self.comm[w] += now - start;
+                        }
+                        self.record(w as WorkerId, a, start, now);
+                        self.pc[w] += 1;
+                        self.clock[w] = now;
+                        state[w] = Busy::Ready;
+                        ready.push(w);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.finished()
+    }
+
+    /// Interprets worker `w`'s program at time `now` until it starts computing, sleeps, blocks
+    /// or finishes.
+    fn step_shared(
+        &mut self,
+        w: usize,
+        now: f64,
+        state: &mut [Busy],
+        ready: &mut Vec<usize>,
+        times: &[StageTimes],
+        group_left: &mut [u32],
+    ) {
+        let schedule: &'a Schedule = self.schedule;
+        let prog = &schedule.programs[w];
+        let (latency, overlap) = self.costs.map_or((0.0, true), |c| (c.latency, c.overlap));
+        loop {
+            let Some(&a) = prog.get(self.pc[w]) else {
+                state[w] = Busy::Done;
+                self.clock[w] = now;
+                return;
+            };
+            let t = &times[a.stage() as usize];
+            match a {
+                Action::Forward { .. }
+                | Action::Backward { .. }
+                | Action::BackwardInput { .. }
+                | Action::BackwardWeight { .. }
+                | Action::Update { .. } => {
+                    let d = t.compute(&a);
+                    if d > 0.0 {
+                        state[w] = Busy::Work {
+                            left: d,
+                            start: now,
+                        };
+                        return;
+                    }
+                    self.record(w as WorkerId, a, now, now);
+                }
+                Action::SendActivation { to, .. }
+                | Action::SendGradient { to, .. }
+                | Action::SendChunk { to, .. } => {
+                    let (id, arrive) = self.post(w as WorkerId, &a, to, t, now, latency);
+                    if self.wait[to as usize] == Wait::Message(id) {
+                        self.wait[to as usize] = Wait::Nothing;
+                        state[to as usize] = Busy::Ready;
+                        ready.push(to as usize);
+                    }
+                    if !overlap && arrive > now {
+                        state[w] = Busy::Sleep {
+                            until: arrive,
+                            start: now,
+                        };
+                        return;
+                    }
+                    self.record(w as WorkerId, a, now, now);
+                }
+                Action::RecvActivation { .. }
+                | Action::RecvGradient { .. }
+                | Action::RecvChunk { .. } => {
+                    let id = self.message(w as WorkerId, &a);
+                    let arrived = self.arrival[id];
+                    if arrived.is_nan() {
+                        self.wait[w] = Wait::Message(id);
+                        state[w] = Busy::Blocked;
+                        return;
+                    }
+                    // A receive's span starts when the worker reached it (it may have been
+                    // blocked since), as in the per-worker engine.
+                    let reached = self.clock[w];
+                    if arrived > now {
+                        state[w] = Busy::Sleep {
+                            until: arrived,
+                            start: reached,
+                        };
+                        return;
+                    }
+                    self.record(w as WorkerId, a, reached, now);
+                }
+                Action::AllReduce { stage, update } => {
+                    let gid = self.group_offset[stage as usize] + update as usize;
+                    self.group_count[gid] += 1;
+                    self.group_start[gid] = self.group_start[gid].max(now);
+                    let group = schedule.layout().group(stage);
+                    if self.group_count[gid] < group.end - group.start {
+                        self.wait[w] = Wait::Group(gid);
+                        state[w] = Busy::Blocked;
+                        return;
+                    }
+                    if t.all_reduce > 0.0 {
+                        // Every member now works on its share of the reduction.
+                        group_left[gid] = group.end - group.start;
+                        for m in group {
+                            self.wait[m as usize] = Wait::Nothing;
+                            state[m as usize] = Busy::Work {
+                                left: t.all_reduce,
+                                start: now,
+                            };
+                        }
+                        return;
+                    }
+                    for m in group {
+                        let mi = m as usize;
+                        self.record(m, a, now, now);
+                        if mi != w {
+                            self.wait[mi] = Wait::Nothing;
+                            self.pc[mi] += 1;
+                            self.clock[mi] = now;
+                            state[mi] = Busy::Ready;
+                            ready.push(mi);
+                        }
+                    }
+                }
+            }
+            self.pc[w] += 1;
+            self.clock[w] = now;
+        }
     }
 
     /// Runs worker `w` until it blocks or finishes; wakes the workers it unblocks. The hot loop
@@ -511,22 +805,7 @@ impl<'a> Engine<'a> {
                 Action::SendActivation { to, .. }
                 | Action::SendGradient { to, .. }
                 | Action::SendChunk { to, .. } => {
-                    let id = self.message(w, &a);
-                    let busy = match a {
-                        Action::SendActivation { .. } => t.activation_transfer,
-                        Action::SendGradient { .. } => t.gradient_transfer,
-                        _ => t.chunk_transfer,
-                    };
-                    let link = match self.links[wi].iter().position(|&(p, _)| p == to) {
-                        Some(i) => i,
-                        None => {
-                            self.links[wi].push((to, 0.0));
-                            self.links[wi].len() - 1
-                        }
-                    };
-                    let begin = clock.max(self.links[wi][link].1);
-                    self.links[wi][link].1 = begin + busy;
-                    let arrive = begin + busy + latency;
+                    let (id, arrive) = self.post(w, &a, to, t, clock, latency);
                     let start = clock;
                     if !overlap {
                         comm += arrive - clock;
@@ -641,12 +920,90 @@ fn stage_times(schedule: &Schedule, costs: Option<&CostModel>) -> Vec<StageTimes
                     0.0
                 },
                 chunk_transfer: c.transfer(st.param_bytes / r),
-                all_reduce: if r > 1.0 {
-                    2.0 * (r - 1.0) / r * c.transfer(st.param_bytes) + 2.0 * (r - 1.0) * c.latency
-                } else {
-                    0.0
+                all_reduce: match st.all_reduce {
+                    _ if r <= 1.0 => 0.0,
+                    Some(measured) => measured,
+                    None => {
+                        2.0 * (r - 1.0) / r * c.transfer(st.param_bytes)
+                            + 2.0 * (r - 1.0) * c.latency
+                    }
                 },
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::generate::generate;
+    use crate::spec::{Length, Policy, ScheduleSpec};
+
+    /// With a core per worker, the shared-core engine must time every action exactly as the
+    /// per-worker engine does (links, latency, overlap off, collectives and ring steps).
+    #[test]
+    fn shared_engine_with_a_core_each_matches_the_per_worker_engine() {
+        let policies = [
+            Policy::Gpipe,
+            Policy::OneFOneBFlush,
+            Policy::ZbH1,
+            Policy::PipeDream,
+            Policy::PipeDreamNoStash,
+            Policy::VerticalSync,
+            Policy::TwoBw,
+        ];
+        for policy in policies {
+            for replicas in [vec![1], vec![2], vec![2, 1, 1]] {
+                for (overlap, expand) in [(true, false), (false, false), (true, true)] {
+                    let spec = ScheduleSpec::new(policy, 3, 4)
+                        .with_replicas(replicas.clone())
+                        .with_length(Length::Updates(2));
+                    let schedule = lower(
+                        &generate(&spec).unwrap(),
+                        LowerOptions {
+                            expand_all_reduce: expand,
+                        },
+                    );
+                    let costs = CostModel {
+                        latency: 0.01,
+                        bandwidth: 1e3,
+                        overlap,
+                        ..CostModel::uniform(StageCost {
+                            activation_bytes: 5.0,
+                            param_bytes: 20.0,
+                            update: 0.1,
+                            ..StageCost::compute(1.0, 2.0)
+                        })
+                    };
+                    let mut a = Engine::new(&schedule, Some(&costs), true);
+                    a.run().unwrap();
+                    let mut b = Engine::new(&schedule, Some(&costs), true);
+                    b.run_shared(f64::from(schedule.workers())).unwrap();
+                    let what = format!("{policy} {replicas:?} overlap={overlap}");
+                    for w in 0..schedule.workers() as usize {
+                        for (x, y) in [
+                            (a.clock[w], b.clock[w]),
+                            (a.compute[w], b.compute[w]),
+                            (a.comm[w], b.comm[w]),
+                        ] {
+                            assert!((x - y).abs() < 1e-9, "{what} worker {w}: {x} vs {y}");
+                        }
+                    }
+                    let key = |s: &Span| (s.worker, s.start.to_bits(), s.end.to_bits());
+                    let (mut sa, mut sb) = (a.spans.unwrap(), b.spans.unwrap());
+                    sa.sort_by_key(key);
+                    sb.sort_by_key(key);
+                    assert_eq!(sa.len(), sb.len(), "{what}");
+                    for (x, y) in sa.iter().zip(&sb) {
+                        assert_eq!(x.action, y.action, "{what}");
+                        assert!(
+                            (x.start - y.start).abs() < 1e-9 && (x.end - y.end).abs() < 1e-9,
+                            "{what}: {x:?} vs {y:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

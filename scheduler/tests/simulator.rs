@@ -224,3 +224,99 @@ fn bad_cost_models_are_rejected() {
         assert!(e.is_bad_input(), "{e}");
     }
 }
+
+fn all_policies() -> Vec<(Policy, ScheduleSpec)> {
+    [
+        Policy::Gpipe,
+        Policy::OneFOneBFlush,
+        Policy::ZbH1,
+        Policy::PipeDream,
+        Policy::PipeDreamNoStash,
+        Policy::VerticalSync,
+        Policy::TwoBw,
+    ]
+    .into_iter()
+    .map(|p| {
+        (
+            p,
+            ScheduleSpec::new(p, 4, 4).with_length(Length::Updates(3)),
+        )
+    })
+    .chain([(
+        Policy::Interleaved,
+        ScheduleSpec::new(Policy::Interleaved, 2, 4).with_chunks(2),
+    )])
+    .collect()
+}
+
+#[test]
+fn one_shared_core_runs_all_the_work_back_to_back() {
+    // A pipeline always has a worker with work to do, so one core never idles: the makespan is
+    // the sum of every compute action, and that is spread over the workers.
+    for (policy, spec) in all_policies() {
+        let stage = StageCost {
+            update: 0.25,
+            ..StageCost::compute(1.0, 2.0)
+        };
+        let alone = run(&spec, &CostModel::uniform(stage.clone()));
+        let total: f64 = alone.workers.iter().map(|w| w.compute).sum();
+        let shared = run(
+            &spec,
+            &CostModel {
+                cores: Some(1),
+                ..CostModel::uniform(stage)
+            },
+        );
+        close(shared.makespan, total, &format!("{policy} on one core"));
+        assert!(shared.makespan > alone.makespan, "{policy}");
+    }
+}
+
+#[test]
+fn data_parallel_replicas_on_half_the_cores_take_twice_as_long() {
+    // Four replicas of one stage on two cores: every action of every replica runs at half
+    // speed, the measured all-reduce included.
+    let stage = StageCost {
+        update: 0.5,
+        all_reduce: Some(0.75),
+        ..StageCost::compute(1.0, 2.0)
+    };
+    let spec = ScheduleSpec::new(Policy::PipeDream, 1, 3)
+        .with_replicas(vec![4])
+        .with_length(Length::Updates(2));
+    let alone = run(&spec, &CostModel::uniform(stage.clone()));
+    close(alone.makespan, 2.0 * (3.0 * 3.0 + 0.75 + 0.5), "alone");
+    let shared = run(
+        &spec,
+        &CostModel {
+            cores: Some(2),
+            ..CostModel::uniform(stage)
+        },
+    );
+    close(shared.makespan, 2.0 * alone.makespan, "two cores");
+}
+
+#[test]
+fn cores_beyond_the_workers_change_nothing() {
+    for (policy, spec) in all_policies() {
+        let costs = CostModel {
+            latency: 0.01,
+            bandwidth: 1e3,
+            ..CostModel::uniform(StageCost {
+                activation_bytes: 5.0,
+                param_bytes: 20.0,
+                update: 0.1,
+                ..StageCost::compute(1.0, 2.0)
+            })
+        };
+        let a = run(&spec, &costs);
+        let b = run(
+            &spec,
+            &CostModel {
+                cores: Some(64),
+                ..costs
+            },
+        );
+        assert_eq!(a, b, "{policy}");
+    }
+}
