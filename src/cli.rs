@@ -70,12 +70,15 @@ struct PipelineBenchArgs {
     /// Timed minibatches per case.
     #[arg(long, default_value_t = 24)]
     updates: u32,
-    /// Warm-up minibatches per case (their timings give the simulator its costs).
+    /// Warm-up minibatches per case.
     #[arg(long, default_value_t = 6)]
     warmup: u32,
     /// Only the small model (256-256x8-10).
     #[arg(long)]
     small_only: bool,
+    /// Rounds of every measurement (figures are medians over rounds).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -279,6 +282,7 @@ fn cmd_bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         updates: args.updates,
         warmup: args.warmup,
         small_only: args.small_only,
+        rounds: args.rounds,
     };
     let report = pipe_experiments::pipeline::run(&cfg)?;
     print!("{}", pipe_experiments::pipeline::render(&report));

@@ -1,6 +1,8 @@
 //! Pipeline throughput against one worker, against the simulator, and the executor's overhead.
 //!
-//! Method, all in one process and one sitting so the noisy host hurts every figure alike:
+//! Method, all in one process and one sitting so the noisy host hurts every figure alike, in
+//! `rounds` rounds (default 3) of steps 1-3; each reported figure and ratio is the median over
+//! rounds of the figure or of the ratio taken within its round:
 //!
 //! 1. **Single worker**: the ordinary training step (one microbatch of the whole batch) with
 //!    2 compute threads; samples/s is the median over timed steps after warm-up.
@@ -130,7 +132,8 @@ pub struct CaseResult {
     /// Measured over twice the one-core figure: how much of two cores the pipeline keeps busy
     /// at its own microbatch size.
     pub core_scaling: f64,
-    /// Simulated samples/s with per-stage costs from the warm-up run.
+    /// Simulated samples/s with per-stage costs from the one-thread sequential run, on two
+    /// shared cores.
     pub simulated_samples_per_s: f64,
     /// Measured over simulated.
     pub measured_over_simulated: f64,
@@ -163,6 +166,8 @@ pub struct PipelineReport {
     pub transport_us_per_message: f64,
     /// Timed updates per case.
     pub updates: u32,
+    /// Rounds each figure is the median of.
+    pub rounds: u32,
 }
 
 /// What to run.
@@ -174,6 +179,9 @@ pub struct PipelineBenchConfig {
     pub warmup: u32,
     /// Run only the small model (fast; for tests).
     pub small_only: bool,
+    /// Rounds of every measurement; the report gives the median of each figure and of each
+    /// ratio over the rounds, each round's ratios taken within the round.
+    pub rounds: u32,
 }
 
 impl Default for PipelineBenchConfig {
@@ -182,6 +190,7 @@ impl Default for PipelineBenchConfig {
             updates: 24,
             warmup: 6,
             small_only: false,
+            rounds: 3,
         }
     }
 }
@@ -513,6 +522,67 @@ fn transport_cost() -> Result<f64, ExperimentError> {
     Ok(secs / f64::from(2 * rounds) * 1e6)
 }
 
+/// One round of one model: the single worker, the one-thread sequential run (which also gives
+/// the simulator its per-stage costs) and every pipelined case, back to back.
+fn model_round(
+    model: &Model,
+    preset: &str,
+    batch: usize,
+    m: u32,
+    cfg: &PipelineBenchConfig,
+) -> Result<ModelResult, ExperimentError> {
+    let single = single_worker(model, batch, cfg.updates, cfg.warmup)?;
+    let one = Case {
+        name: "sequential".into(),
+        policy: "sequential".into(),
+        stages: 4,
+        replicas: 1,
+        microbatch: batch / m as usize,
+        m,
+    };
+    let mut states = Vec::new();
+    pipelined(model, &one, cfg.warmup.max(1), &mut states)?;
+    let (one_core, timed, _) = pipelined(model, &one, cfg.updates, &mut states)?;
+    let base = costs_from(&timed, one.stages);
+    let mut cases = Vec::new();
+    for case in model_cases(preset, batch, m) {
+        cases.push(run_case(model, &case, cfg, single, one_core, &base)?);
+    }
+    Ok(ModelResult {
+        model: preset.into(),
+        batch,
+        single_samples_per_s: single,
+        one_core_samples_per_s: one_core,
+        cases,
+    })
+}
+
+/// Medians over rounds of every figure and every (within-round) ratio.
+fn combine(rounds: &[ModelResult]) -> ModelResult {
+    let med = |f: &dyn Fn(&ModelResult) -> f64| median(&rounds.iter().map(f).collect::<Vec<_>>());
+    let first = &rounds[0];
+    let cases = (0..first.cases.len())
+        .map(|i| {
+            let at = |f: fn(&CaseResult) -> f64| med(&|r: &ModelResult| f(&r.cases[i]));
+            CaseResult {
+                case: first.cases[i].case.clone(),
+                samples_per_s: at(|c| c.samples_per_s),
+                ratio_to_single: at(|c| c.ratio_to_single),
+                core_scaling: at(|c| c.core_scaling),
+                simulated_samples_per_s: at(|c| c.simulated_samples_per_s),
+                measured_over_simulated: at(|c| c.measured_over_simulated),
+            }
+        })
+        .collect();
+    ModelResult {
+        model: first.model.clone(),
+        batch: first.batch,
+        single_samples_per_s: med(&|r| r.single_samples_per_s),
+        one_core_samples_per_s: med(&|r| r.one_core_samples_per_s),
+        cases,
+    }
+}
+
 /// Runs the benchmark.
 ///
 /// # Errors
@@ -525,30 +595,10 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     }
     for (preset, batch, m) in list {
         let model = Model::new(&ModelSpec::preset(preset)?)?;
-        let single = single_worker(&model, batch, 4 * cfg.updates, cfg.warmup)?;
-        let one = Case {
-            name: "sequential".into(),
-            policy: "sequential".into(),
-            stages: 4,
-            replicas: 1,
-            microbatch: batch / m as usize,
-            m,
-        };
-        let mut states = Vec::new();
-        pipelined(&model, &one, cfg.warmup.max(1), &mut states)?;
-        let (one_core, timed, _) = pipelined(&model, &one, cfg.updates, &mut states)?;
-        let base = costs_from(&timed, one.stages);
-        let mut cases = Vec::new();
-        for case in model_cases(preset, batch, m) {
-            cases.push(run_case(&model, &case, cfg, single, one_core, &base)?);
-        }
-        models.push(ModelResult {
-            model: preset.into(),
-            batch,
-            single_samples_per_s: single,
-            one_core_samples_per_s: one_core,
-            cases,
-        });
+        let rounds = (0..cfg.rounds.max(1))
+            .map(|_| model_round(&model, preset, batch, m, cfg))
+            .collect::<Result<Vec<_>, _>>()?;
+        models.push(combine(&rounds));
     }
     let small = Model::new(&ModelSpec::preset("mlp-256-256x8-10")?)?;
     let overhead_us_per_action = overhead(&small, 64, 8, cfg.updates.max(10))?;
@@ -557,12 +607,16 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
         overhead_us_per_action,
         transport_us_per_message: transport_cost()?,
         updates: cfg.updates,
+        rounds: cfg.rounds.max(1),
     })
 }
 
 /// A Markdown table of the report.
 pub fn render(r: &PipelineReport) -> String {
-    let mut out = String::new();
+    let mut out = format!(
+        "medians over {} round(s); ratios taken within each round\n\n",
+        r.rounds
+    );
     for m in &r.models {
         out.push_str(&format!(
             "{}, batch {}: single worker (2 threads, one microbatch of {}) {:.0} samples/s; \
@@ -605,6 +659,7 @@ mod tests {
             updates: 3,
             warmup: 1,
             small_only: true,
+            rounds: 1,
         })
         .unwrap();
         assert_eq!(r.models.len(), 1);
@@ -620,5 +675,36 @@ mod tests {
         }
         assert!(r.transport_us_per_message > 0.0);
         assert!(r.overhead_us_per_action.is_finite());
+    }
+
+    #[test]
+    fn rounds_combine_into_medians_of_figures_and_of_ratios() {
+        let round = |single: f64, measured: f64| ModelResult {
+            model: "m".into(),
+            batch: 8,
+            single_samples_per_s: single,
+            one_core_samples_per_s: single / 2.0,
+            cases: vec![CaseResult {
+                case: Case {
+                    name: "c".into(),
+                    policy: "pipedream".into(),
+                    stages: 2,
+                    replicas: 1,
+                    microbatch: 4,
+                    m: 2,
+                },
+                samples_per_s: measured,
+                ratio_to_single: measured / single,
+                core_scaling: measured / single,
+                simulated_samples_per_s: 2.0 * measured,
+                measured_over_simulated: 0.5,
+            }],
+        };
+        // A slow round (both sides slow) must not drag the ratio: ratios 0.5, 0.5, 0.9.
+        let c = combine(&[round(100.0, 50.0), round(40.0, 20.0), round(100.0, 90.0)]);
+        assert_eq!(c.single_samples_per_s, 100.0);
+        assert_eq!(c.cases[0].samples_per_s, 50.0);
+        assert_eq!(c.cases[0].ratio_to_single, 0.5);
+        assert_eq!(c.cases[0].simulated_samples_per_s, 100.0);
     }
 }
