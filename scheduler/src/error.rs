@@ -43,6 +43,12 @@ pub enum ScheduleError {
     /// A cost model does not fit the schedule or holds impossible values.
     #[error("cost model: {0}")]
     Cost(String),
+    /// A layer profile that cannot be used.
+    #[error("profile: {0}")]
+    Profile(String),
+    /// A partitioning request that has no answer.
+    #[error("plan: {0}")]
+    Plan(String),
 }
 
 impl ScheduleError {

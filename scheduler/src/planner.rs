@@ -1,0 +1,261 @@
+//! Partitioning: which layers each stage gets and how many replicas each stage runs on.
+//!
+//! [`pipedream`] is PipeDream's optimizer, formula for formula, so its published plans can be
+//! reproduced: a dynamic program over contiguous stages and per-stage replication that
+//! minimises the slowest stage's time. A stage of compute time `C` (forward plus backward) and
+//! parameter bytes `P` on `r` replicas costs `(C + 4 (r-1) P / (B r)) / r` at bandwidth `B`.
+//! Activation transfers count only when an activation compression ratio is given (input and
+//! output each `2 a / (B r) / ratio`, compared with, not added to, compute), and the optional
+//! memory bound keeps a stage's stash, `ceil((W - used) / r) * (activations + parameters)`,
+//! under the limit, both as PipeDream's code has them. Every plan uses exactly `W` workers.
+//!
+//! PipeDream charges transfers asymmetrically, and so does this: the first stage never pays
+//! for its output; every later stage pays for its input and (unless last) its output at its
+//! own replica count.
+//!
+//! Layer graphs that branch are planned over the prefixes of their topological order: a cut
+//! after layer `k` sends every activation that crosses it (each layer up to `k` with an edge
+//! past `k`), as PipeDream's antichain states do. On chains, and on graphs whose branches stay
+//! inside one stage, such as vgg16's `Size`/`View` diamond, the two are the same states.
+//!
+//! The program is `O(L^2 W^2)` over `L` layers: `A[j][m]` is the best time for layers `0..=j`
+//! on `m + 1` workers, either one stage replicated `m + 1` times or a best prefix `A[k][m - r]`
+//! followed by the stage `k+1..=j` on `r` workers.
+
+use crate::error::{Result, ScheduleError};
+use crate::profile::Profile;
+
+/// Settings of PipeDream's optimizer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PipeDreamOptions {
+    /// Workers to use (all of them).
+    pub workers: u32,
+    /// Link bandwidth, bytes per second.
+    pub bandwidth: f64,
+    /// Per-worker memory bound in bytes, if any.
+    pub memory: Option<f64>,
+    /// No replication: every stage on one worker.
+    pub straight: bool,
+    /// Activation compression ratio; when set, activation transfers count.
+    pub activation_compression: Option<f64>,
+}
+
+impl PipeDreamOptions {
+    /// `workers` at `bandwidth` bytes/s, no memory bound, replication allowed.
+    pub fn new(workers: u32, bandwidth: f64) -> Self {
+        PipeDreamOptions {
+            workers,
+            bandwidth,
+            memory: None,
+            straight: false,
+            activation_compression: None,
+        }
+    }
+}
+
+/// One stage of a plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedStage {
+    /// Layers, as indices into the profile.
+    pub layers: std::ops::Range<usize>,
+    /// Replicas.
+    pub replicas: u32,
+    /// Compute per worker per microbatch: the stage's compute time over its replicas.
+    pub compute: f64,
+    /// Data-parallel communication per microbatch per worker: `4 (r-1) P / (B r) / r`.
+    pub communication: f64,
+    /// Activation transfer time counted for the stage (0 unless compression is given).
+    pub transfer: f64,
+    /// The stage's time in the plan: `compute + communication`, or the transfer if larger.
+    pub time: f64,
+    /// Parameter bytes.
+    pub param_bytes: f64,
+}
+
+/// A plan and what it predicts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PartitionPlan {
+    /// Stages in pipeline order.
+    pub stages: Vec<PlannedStage>,
+    /// The slowest stage's time: seconds per microbatch in steady state.
+    pub time_per_microbatch: f64,
+    /// One worker's time per microbatch (all compute, no communication).
+    pub single_worker: f64,
+    /// `W`-worker data parallelism's time per microbatch: `(C + 4 (W-1) P / (B W)) / W`.
+    pub data_parallel: f64,
+}
+
+impl PartitionPlan {
+    /// Speed-up over one worker.
+    pub fn speedup_over_single(&self) -> f64 {
+        self.single_worker / self.time_per_microbatch
+    }
+
+    /// Speed-up over data parallelism on the same workers.
+    pub fn speedup_over_data_parallel(&self) -> f64 {
+        self.data_parallel / self.time_per_microbatch
+    }
+
+    /// Indices of the first layer of every stage after the first.
+    pub fn cuts(&self) -> Vec<usize> {
+        self.stages.iter().skip(1).map(|s| s.layers.start).collect()
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Cell {
+    time: f64,
+    /// `(k, m_rest)`: the prefix `0..=k` on `m_rest + 1` workers; `None` for one stage.
+    split: Option<(usize, usize)>,
+    replicas: u32,
+}
+
+/// PipeDream's optimizer (see the module docs).
+///
+/// # Errors
+/// [`ScheduleError::Plan`] for zero workers, a bandwidth that is not positive, or a memory
+/// bound no plan meets; [`ScheduleError::Profile`] for a bad profile.
+pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan> {
+    profile.check()?;
+    if opts.workers == 0 {
+        return Err(ScheduleError::Plan("need at least one worker".into()));
+    }
+    if opts.bandwidth.is_nan() || opts.bandwidth <= 0.0 {
+        return Err(ScheduleError::Plan(format!(
+            "bandwidth must be > 0 bytes/s, got {}",
+            opts.bandwidth
+        )));
+    }
+    let layers = &profile.layers;
+    let crossing = profile.crossing_bytes();
+    let n = layers.len();
+    let w = opts.workers as usize;
+    let b = opts.bandwidth;
+    // Prefix sums: compute, activation and parameter bytes of layers 0..i.
+    let mut pc = vec![0.0f64; n + 1];
+    let mut pa = vec![0.0f64; n + 1];
+    let mut pp = vec![0.0f64; n + 1];
+    for (i, l) in layers.iter().enumerate() {
+        pc[i + 1] = pc[i] + l.compute();
+        pa[i + 1] = pa[i] + l.activation_bytes;
+        pp[i + 1] = pp[i] + l.param_bytes;
+    }
+    let range = |from: usize, to: usize| (pc[to + 1] - pc[from], pp[to + 1] - pp[from]);
+    let stage_time = |c: f64, p: f64, r: f64| (c + 4.0 * (r - 1.0) * p / (b * r)) / r;
+    let fits = |from: usize, to: usize, copies: usize| match opts.memory {
+        None => true,
+        Some(limit) => {
+            let act = pa[to + 1] - pa[from];
+            let par = pp[to + 1] - pp[from];
+            copies as f64 * (act + par) <= limit
+        }
+    };
+    let out_act = |i: usize| crossing[i];
+    let none = Cell {
+        time: f64::INFINITY,
+        split: None,
+        replicas: 0,
+    };
+    let mut a = vec![none; n * w];
+    for j in 0..n {
+        let (c, p) = range(0, j);
+        let max_m = if opts.straight { 1 } else { w };
+        for m in 0..max_m {
+            if fits(0, j, (w - (m + 1)).div_ceil(m + 1)) {
+                a[j * w + m] = Cell {
+                    time: stage_time(c, p, (m + 1) as f64),
+                    split: None,
+                    replicas: (m + 1) as u32,
+                };
+            }
+        }
+        for m in 1..w {
+            let mut best = a[j * w + m];
+            for k in 0..j {
+                let (c, p) = range(k + 1, j);
+                let max_r = if opts.straight { 1 } else { m };
+                for r in 1..=max_r {
+                    let prev = a[k * w + (m - r)].time;
+                    if !prev.is_finite() {
+                        continue;
+                    }
+                    if !fits(k + 1, j, (w - (m + 1)).div_ceil(r)) {
+                        continue;
+                    }
+                    let mut t = prev.max(stage_time(c, p, r as f64));
+                    if let Some(ratio) = opts.activation_compression {
+                        let rf = r as f64;
+                        t = t.max(2.0 * out_act(k) / (b * rf) / ratio);
+                        if j + 1 < n {
+                            t = t.max(2.0 * out_act(j) / (b * rf) / ratio);
+                        }
+                    }
+                    if t < best.time {
+                        best = Cell {
+                            time: t,
+                            split: Some((k, m - r)),
+                            replicas: r as u32,
+                        };
+                    }
+                }
+            }
+            a[j * w + m] = best;
+        }
+    }
+    let top = a[(n - 1) * w + (w - 1)];
+    if !top.time.is_finite() {
+        return Err(ScheduleError::Plan(format!(
+            "no plan of {n} layers on {w} workers fits the memory bound"
+        )));
+    }
+    // Walk the splits back from the last stage.
+    let mut bounds = Vec::new();
+    let (mut j, mut cell) = (n - 1, top);
+    loop {
+        match cell.split {
+            Some((k, rest)) => {
+                bounds.push((k + 1, j, cell.replicas));
+                j = k;
+                cell = a[k * w + rest];
+            }
+            None => {
+                bounds.push((0, j, cell.replicas));
+                break;
+            }
+        }
+    }
+    bounds.reverse();
+    let stages = bounds
+        .iter()
+        .map(|&(from, to, r)| {
+            let (c, p) = range(from, to);
+            let rf = f64::from(r);
+            let compute = c / rf;
+            let communication = 4.0 * (rf - 1.0) * p / (b * rf) / rf;
+            let transfer = match opts.activation_compression {
+                Some(ratio) if from > 0 => {
+                    let output = if to + 1 < n { out_act(to) } else { 0.0 };
+                    2.0 * out_act(from - 1).max(output) / (b * rf) / ratio
+                }
+                _ => 0.0,
+            };
+            PlannedStage {
+                layers: from..to + 1,
+                replicas: r,
+                compute,
+                communication,
+                transfer,
+                time: (compute + communication).max(transfer),
+                param_bytes: p,
+            }
+        })
+        .collect();
+    let total = pc[n];
+    let wf = w as f64;
+    Ok(PartitionPlan {
+        stages,
+        time_per_microbatch: top.time,
+        single_worker: total,
+        data_parallel: stage_time(total, pp[n], wf),
+    })
+}

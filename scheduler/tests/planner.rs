@@ -1,0 +1,163 @@
+//! The partitioner against PipeDream's published optimizer and against brute force.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pipe_scheduler::{LayerProfile, PipeDreamOptions, Profile, pipedream};
+use proptest::prelude::*;
+
+fn vgg16() -> Profile {
+    Profile::from_pipedream(include_str!("data/pipedream/vgg16.txt")).unwrap()
+}
+
+#[test]
+fn vgg16_on_4_workers_at_1_gb_per_s_is_pipedreams_published_plan() {
+    let p = vgg16();
+    assert_eq!(p.layers.len(), 40, "41 nodes less the input");
+    let plan = pipedream(&p, &PipeDreamOptions::new(4, 1e9)).unwrap();
+    let shape: Vec<(usize, u32)> = plan
+        .stages
+        .iter()
+        .map(|s| (s.layers.len(), s.replicas))
+        .collect();
+    assert_eq!(
+        shape,
+        vec![(15, 3), (25, 1)],
+        "2 stages, cut after the first 15 states"
+    );
+    assert!(
+        (plan.time_per_microbatch - 0.17573).abs() < 5e-6,
+        "{}",
+        plan.time_per_microbatch
+    );
+    assert!(
+        (plan.speedup_over_data_parallel() - 3.32).abs() < 5e-3,
+        "{}",
+        plan.speedup_over_data_parallel()
+    );
+    let slowest = plan.stages.iter().map(|s| s.time).fold(0.0, f64::max);
+    assert!((slowest - plan.time_per_microbatch).abs() < 1e-12);
+}
+
+#[test]
+fn straight_pipelines_use_one_worker_per_stage() {
+    let plan = pipedream(
+        &vgg16(),
+        &PipeDreamOptions {
+            straight: true,
+            ..PipeDreamOptions::new(4, 1e9)
+        },
+    )
+    .unwrap();
+    assert_eq!(plan.stages.len(), 4);
+    assert!(plan.stages.iter().all(|s| s.replicas == 1));
+}
+
+#[test]
+fn memory_bounds_follow_pipedreams_stash_formula() {
+    // A stage on all W workers stashes ceil(0 / W) = 0 copies, so a bound of one byte leaves
+    // exactly data parallelism; without replication nothing fits.
+    let tight = PipeDreamOptions {
+        memory: Some(1.0),
+        ..PipeDreamOptions::new(4, 1e9)
+    };
+    let plan = pipedream(&vgg16(), &tight).unwrap();
+    assert_eq!(plan.stages.len(), 1);
+    assert_eq!(plan.stages[0].replicas, 4);
+    let e = pipedream(
+        &vgg16(),
+        &PipeDreamOptions {
+            straight: true,
+            ..tight
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("memory"), "{e}");
+}
+
+/// Every split into contiguous stages with every replica assignment summing to `w`, under
+/// the same formulas: the best slowest-stage time.
+fn brute_force(p: &Profile, w: u32, b: f64, ratio: Option<f64>) -> f64 {
+    let n = p.layers.len();
+    let mut best = f64::INFINITY;
+    // Cut masks over the n-1 gaps.
+    for mask in 0u32..(1 << (n - 1)) {
+        let mut stages = Vec::new();
+        let mut start = 0;
+        for i in 0..n {
+            if i == n - 1 || mask & (1 << i) != 0 {
+                stages.push(start..i + 1);
+                start = i + 1;
+            }
+        }
+        if stages.len() > w as usize {
+            continue;
+        }
+        for reps in compositions(w, stages.len()) {
+            let mut t = 0.0f64;
+            for (s, r) in stages.iter().zip(&reps) {
+                let c: f64 = p.layers[s.clone()].iter().map(LayerProfile::compute).sum();
+                let pb: f64 = p.layers[s.clone()].iter().map(|l| l.param_bytes).sum();
+                let rf = f64::from(*r);
+                t = t.max((c + 4.0 * (rf - 1.0) * pb / (b * rf)) / rf);
+                // As PipeDream charges transfers: every stage but the first, for its input and
+                // (unless last) its output, at its own replica count.
+                if let (Some(ratio), true) = (ratio, s.start > 0) {
+                    t = t.max(2.0 * p.layers[s.start - 1].activation_bytes / (b * rf) / ratio);
+                    if s.end < n {
+                        t = t.max(2.0 * p.layers[s.end - 1].activation_bytes / (b * rf) / ratio);
+                    }
+                }
+            }
+            best = best.min(t);
+        }
+    }
+    best
+}
+
+/// Every way to write `w` as `k` positive parts, in order.
+fn compositions(w: u32, k: usize) -> Vec<Vec<u32>> {
+    if k == 1 {
+        return vec![vec![w]];
+    }
+    let mut out = Vec::new();
+    for first in 1..=w.saturating_sub(k as u32 - 1) {
+        for mut rest in compositions(w - first, k - 1) {
+            rest.insert(0, first);
+            out.push(rest);
+        }
+    }
+    out
+}
+
+fn layer() -> impl Strategy<Value = LayerProfile> {
+    (0.0f64..10.0, 0.0f64..20.0, 0.0f64..1e4, 0.0f64..1e4).prop_map(|(f, bw, a, p)| LayerProfile {
+        name: "l".into(),
+        forward: f,
+        backward_input: bw,
+        backward_weight: 0.0,
+        update: 0.0,
+        activation_bytes: a,
+        param_bytes: p,
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn brute_force_finds_nothing_better_than_the_dynamic_program(
+        layers in prop::collection::vec(layer(), 1..=10),
+        w in 1u32..=6,
+        b in prop::sample::select(vec![1e2, 1e3, 1e4]),
+        ratio in prop::option::of(prop::sample::select(vec![1.0, 4.0])),
+    ) {
+        let p = Profile::chain(layers);
+        let plan = pipedream(&p, &PipeDreamOptions {
+            activation_compression: ratio,
+            ..PipeDreamOptions::new(w, b)
+        }).unwrap();
+        let brute = brute_force(&p, w, b, ratio);
+        prop_assert!((plan.time_per_microbatch - brute).abs() <= 1e-9 * brute.max(1.0),
+            "dp {} brute {}", plan.time_per_microbatch, brute);
+        let used: u32 = plan.stages.iter().map(|s| s.replicas).sum();
+        prop_assert_eq!(used, w);
+    }
+}
