@@ -33,6 +33,8 @@ enum Command {
     Schedule(crate::plan_cli::ScheduleArgs),
     /// Simulate a schedule under a cost model: makespan, bubble, per-worker busy time and memory.
     Simulate(crate::plan_cli::SimulateArgs),
+    /// Partition a profiled model into stages and per-stage replicas.
+    Plan(crate::plan_cli::PlanArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -247,6 +249,7 @@ pub fn run() -> Result<()> {
         Command::Bench(BenchCommand::Pipeline(args)) => cmd_bench_pipeline(&args),
         Command::Schedule(args) => crate::plan_cli::cmd_schedule(&args),
         Command::Simulate(args) => crate::plan_cli::cmd_simulate(&args),
+        Command::Plan(args) => crate::plan_cli::cmd_plan(&args),
     }
 }
 

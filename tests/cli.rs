@@ -552,3 +552,48 @@ fn pipedream_four_stages_two_replicas_reaches_97_5_percent_on_mnist() {
         .unwrap();
     assert!(acc >= 97.5, "test accuracy {acc}% < 97.5%: {text}");
 }
+
+#[test]
+fn plan_reproduces_pipedreams_vgg16_plan_and_rejects_bad_profiles() {
+    let vgg = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scheduler/tests/data/pipedream/vgg16.txt"
+    );
+    let out = pipe(&[
+        "plan",
+        "--profile",
+        vgg,
+        "--workers",
+        "4",
+        "--bandwidth",
+        "1GB/s",
+        "--cost-model",
+        "pipedream",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("175.7326 ms per microbatch"), "{text}");
+    assert!(text.contains("3.32x data parallelism"), "{text}");
+    assert!(text.contains("0-14        3"), "{text}");
+    let bad = tmp("bad-profile.txt");
+    std::fs::write(
+        &bad,
+        "node1 -- Linear -- forward_compute_time=-1, backward_compute_time=1, activation_size=1, parameter_size=1\n",
+    )
+    .unwrap();
+    let out = pipe(&[
+        "plan",
+        "--profile",
+        bad.to_str().unwrap(),
+        "--workers",
+        "2",
+        "--cost-model",
+        "pipedream",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("forward must be a finite number >= 0"),
+        "{err}"
+    );
+}
