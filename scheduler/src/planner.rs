@@ -259,3 +259,50 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
         data_parallel: stage_time(total, pp[n], wf),
     })
 }
+
+/// The exact min-max split of a chain's layers into `stages` contiguous, non-empty stages by
+/// compute time (forward plus backward), one worker each and no communication: the split whose
+/// slowest stage is fastest. A dynamic program over prefixes, `O(stages x L^2)`; ties go to the
+/// earliest cut.
+///
+/// # Errors
+/// [`ScheduleError::Plan`] for zero stages or more stages than layers;
+/// [`ScheduleError::Profile`] for a bad profile.
+pub fn balanced(profile: &Profile, stages: usize) -> Result<Vec<std::ops::Range<usize>>> {
+    profile.check()?;
+    let n = profile.layers.len();
+    if stages == 0 || stages > n {
+        return Err(ScheduleError::Plan(format!(
+            "cannot split {n} layers into {stages} non-empty stages"
+        )));
+    }
+    let mut pc = vec![0.0f64; n + 1];
+    for (i, l) in profile.layers.iter().enumerate() {
+        pc[i + 1] = pc[i] + l.compute();
+    }
+    // best[s][j]: slowest stage of the best split of layers 0..j into s + 1 stages.
+    let mut best = vec![vec![f64::INFINITY; n + 1]; stages];
+    let mut cut = vec![vec![0usize; n + 1]; stages];
+    best[0][1..=n].copy_from_slice(&pc[1..=n]);
+    for s in 1..stages {
+        for j in s + 1..=n {
+            for k in s..j {
+                let t = best[s - 1][k].max(pc[j] - pc[k]);
+                if t < best[s][j] {
+                    best[s][j] = t;
+                    cut[s][j] = k;
+                }
+            }
+        }
+    }
+    let mut ranges = Vec::with_capacity(stages);
+    let mut end = n;
+    for s in (1..stages).rev() {
+        let k = cut[s][end];
+        ranges.push(k..end);
+        end = k;
+    }
+    ranges.push(0..end);
+    ranges.reverse();
+    Ok(ranges)
+}

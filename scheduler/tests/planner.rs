@@ -161,3 +161,44 @@ proptest! {
         prop_assert_eq!(used, w);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn the_balanced_split_is_the_exact_min_max(
+        layers in prop::collection::vec(layer(), 1..=10),
+        stages in 1usize..=10,
+    ) {
+        let p = Profile::chain(layers);
+        let n = p.layers.len();
+        if stages > n {
+            prop_assert!(pipe_scheduler::balanced(&p, stages).is_err());
+            return Ok(());
+        }
+        let split = pipe_scheduler::balanced(&p, stages).unwrap();
+        prop_assert_eq!(split.len(), stages);
+        prop_assert_eq!(split[0].start, 0);
+        prop_assert_eq!(split[stages - 1].end, n);
+        prop_assert!(split.windows(2).all(|w| w[0].end == w[1].start && !w[0].is_empty()));
+        let cost = |r: &std::ops::Range<usize>| -> f64 {
+            p.layers[r.clone()].iter().map(LayerProfile::compute).sum()
+        };
+        let got = split.iter().map(cost).fold(0.0, f64::max);
+        // Brute force over every choice of stages - 1 cuts among the n - 1 gaps.
+        let mut brute = f64::INFINITY;
+        for mask in 0u32..(1 << (n - 1)) {
+            if mask.count_ones() as usize != stages - 1 {
+                continue;
+            }
+            let (mut start, mut worst) = (0, 0.0f64);
+            for i in 0..n {
+                if i == n - 1 || mask & (1 << i) != 0 {
+                    worst = worst.max(cost(&(start..i + 1)));
+                    start = i + 1;
+                }
+            }
+            brute = brute.min(worst);
+        }
+        prop_assert!((got - brute).abs() <= 1e-9 * brute.max(1.0), "dp {} brute {}", got, brute);
+    }
+}
