@@ -45,7 +45,10 @@ pub use error::{Result, ScheduleError};
 pub use generate::generate;
 pub use lower::{LowerOptions, lower};
 pub use plan::{MemoryPeak, UpdateSums, VersionPlan};
-pub use planner::{PartitionPlan, PipeDreamOptions, PlannedStage, balanced, pipedream};
+pub use planner::{
+    Bound, PartitionPlan, PipeDreamOptions, PlanOptions, PlannedStage, WireDtype, balanced,
+    frontier, pipedream, plan as plan_partition, simulate_plan, stage_costs,
+};
 pub use profile::{LayerProfile, Profile};
 pub use sim::{CostModel, SimOptions, SimReport, StageCost, WorkerReport, simulate};
 pub use spec::{Layout, Length, Policy, Resolved, Schedule, ScheduleSpec, VersionRule};

@@ -34,12 +34,21 @@ pub struct LayerProfile {
     pub activation_bytes: f64,
     /// Bytes of the layer's parameters.
     pub param_bytes: f64,
+    /// Bytes the layer keeps from its forward for its backward, per microbatch (default: the
+    /// output activation, as PipeDream's files assume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stash_bytes: Option<f64>,
 }
 
 impl LayerProfile {
     /// Forward plus backward time: what PipeDream's optimizer calls the compute time.
     pub fn compute(&self) -> f64 {
         self.forward + self.backward_input + self.backward_weight
+    }
+
+    /// Bytes kept per in-flight microbatch for the backward.
+    pub fn stash(&self) -> f64 {
+        self.stash_bytes.unwrap_or(self.activation_bytes)
     }
 }
 
@@ -145,6 +154,7 @@ impl Profile {
                 update: 0.0,
                 activation_bytes: get("activation_size")?,
                 param_bytes: get("parameter_size")?,
+                stash_bytes: None,
             });
         }
         let mut edges = Vec::with_capacity(raw_edges.len());
@@ -318,6 +328,7 @@ impl Profile {
                 ("update", l.update),
                 ("activation_bytes", l.activation_bytes),
                 ("param_bytes", l.param_bytes),
+                ("stash_bytes", l.stash()),
             ] {
                 if !v.is_finite() || v < 0.0 {
                     return Err(bad(format!(

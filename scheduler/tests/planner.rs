@@ -1,7 +1,10 @@
 //! The partitioner against PipeDream's published optimizer and against brute force.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pipe_scheduler::{LayerProfile, PipeDreamOptions, Profile, pipedream};
+use pipe_scheduler::{
+    LayerProfile, PipeDreamOptions, PlanOptions, Policy, Profile, WireDtype, frontier, pipedream,
+    plan_partition,
+};
 use proptest::prelude::*;
 
 fn vgg16() -> Profile {
@@ -137,6 +140,7 @@ fn layer() -> impl Strategy<Value = LayerProfile> {
         update: 0.0,
         activation_bytes: a,
         param_bytes: p,
+        stash_bytes: None,
     })
 }
 
@@ -200,5 +204,168 @@ proptest! {
             brute = brute.min(worst);
         }
         prop_assert!((got - brute).abs() <= 1e-9 * brute.max(1.0), "dp {} brute {}", got, brute);
+    }
+}
+
+/// The default model's charge for one stage, written out from docs/planning.md independently
+/// of the planner: `(time, memory)`.
+#[allow(clippy::too_many_arguments)]
+fn default_stage(
+    p: &Profile,
+    o: &PlanOptions,
+    s: &std::ops::Range<usize>,
+    r: u32,
+    after: u32,
+) -> (f64, f64) {
+    let n = p.layers.len();
+    let ls = &p.layers[s.clone()];
+    let rf = f64::from(r);
+    let m = f64::from(o.microbatches);
+    let c: f64 = ls.iter().map(LayerProfile::compute).sum();
+    let u: f64 = ls.iter().map(|l| l.update).sum();
+    let pb: f64 = ls.iter().map(|l| l.param_bytes).sum();
+    let stash: f64 = ls.iter().map(|l| l.activation_bytes).sum();
+    let work = (c + u / m) / rf
+        + if r > 1 {
+            (2.0 * (rf - 1.0) / rf * pb / o.bandwidth + 2.0 * (rf - 1.0) * o.latency) / (m * rf)
+        } else {
+            0.0
+        };
+    let mut sends = Vec::new();
+    if s.start > 0 {
+        sends.push(p.layers[s.start - 1].activation_bytes);
+    }
+    if s.end < n {
+        sends.push(p.layers[s.end - 1].activation_bytes);
+    }
+    let wire = o.wire.factor();
+    let time = if o.overlap {
+        work.max(sends.iter().map(|b| b * wire / o.bandwidth).sum::<f64>() / rf)
+    } else {
+        work + sends
+            .iter()
+            .map(|b| b * wire / o.bandwidth + o.latency)
+            .sum::<f64>()
+            / rf
+    };
+    let in_flight = f64::from(after.div_ceil(r));
+    let (versions, acts) = match o.policy {
+        Policy::PipeDream | Policy::VerticalSync => (in_flight, in_flight),
+        Policy::TwoBw => (2.0, in_flight),
+        Policy::PipeDreamNoStash => (1.0, in_flight),
+        Policy::Gpipe => (1.0, m),
+        _ => (1.0, in_flight.min(m)),
+    };
+    (time, (versions + o.state_copies) * pb + acts * stash)
+}
+
+/// Brute force under the default model: the best slowest stage for every stage count (index
+/// `S - 1`), over every split and every replica assignment that fits the memory bound.
+fn brute_force_default(p: &Profile, o: &PlanOptions) -> Vec<f64> {
+    let n = p.layers.len();
+    let w = o.workers;
+    let mut best = vec![f64::INFINITY; n.min(w as usize)];
+    for mask in 0u32..(1 << (n - 1)) {
+        let mut stages = Vec::new();
+        let mut start = 0;
+        for i in 0..n {
+            if i == n - 1 || mask & (1 << i) != 0 {
+                stages.push(start..i + 1);
+                start = i + 1;
+            }
+        }
+        if stages.len() > w as usize {
+            continue;
+        }
+        for reps in compositions(w, stages.len()) {
+            if o.straight && reps.iter().any(|&r| r > 1) {
+                continue;
+            }
+            let (mut t, mut used, mut fits) = (0.0f64, 0, true);
+            for (s, &r) in stages.iter().zip(&reps) {
+                let (time, mem) = default_stage(p, o, s, r, w - used);
+                used += r;
+                t = t.max(time);
+                fits &= o.memory.is_none_or(|limit| mem <= limit);
+            }
+            if fits {
+                let k = stages.len() - 1;
+                best[k] = best[k].min(t);
+            }
+        }
+    }
+    best
+}
+
+fn policy() -> impl Strategy<Value = Policy> {
+    prop::sample::select(vec![
+        Policy::PipeDream,
+        Policy::PipeDreamNoStash,
+        Policy::TwoBw,
+        Policy::Gpipe,
+        Policy::OneFOneBFlush,
+    ])
+}
+
+fn with_updates() -> impl Strategy<Value = LayerProfile> {
+    (layer(), 0.0f64..2.0).prop_map(|(mut l, u)| {
+        l.update = u;
+        l
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn brute_force_finds_nothing_better_under_the_default_model(
+        layers in prop::collection::vec(with_updates(), 1..=8),
+        w in 1u32..=6,
+        b in prop::sample::select(vec![1e2, 1e3, 1e4]),
+        latency in prop::sample::select(vec![0.0, 0.5]),
+        overlap in any::<bool>(),
+        bf16 in any::<bool>(),
+        straight in prop::bool::weighted(0.2),
+        memory in prop::option::of(prop::sample::select(vec![2e4, 6e4, 2e5])),
+        policy in policy(),
+        microbatches in 1u32..=4,
+    ) {
+        let p = Profile::chain(layers);
+        let o = PlanOptions {
+            latency,
+            overlap,
+            wire: if bf16 { WireDtype::Bf16 } else { WireDtype::F32 },
+            straight: straight && w as usize <= p.layers.len(),
+            memory,
+            policy,
+            microbatches,
+            ..PlanOptions::new(w, b)
+        };
+        let brute = brute_force_default(&p, &o);
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1.0);
+        // Every stage count's best, as the flush planner sees them.
+        let front = frontier(&p, &o).unwrap();
+        prop_assert_eq!(front.len(), brute.len());
+        for (s, (got, want)) in front.iter().zip(&brute).enumerate() {
+            match got {
+                Some(plan) => {
+                    prop_assert_eq!(plan.stages.len(), s + 1);
+                    prop_assert!(close(plan.time_per_microbatch, *want),
+                        "{} stages: dp {} brute {}", s + 1, plan.time_per_microbatch, want);
+                    let used: u32 = plan.stages.iter().map(|s| s.replicas).sum();
+                    prop_assert_eq!(used, w);
+                }
+                None => prop_assert!(want.is_infinite(), "{} stages: brute {}", s + 1, want),
+            }
+        }
+        // The asynchronous planner: the best over all stage counts.
+        let asynchronous = PlanOptions { policy: if policy.is_flush() { Policy::PipeDream } else { policy }, ..o.clone() };
+        let brute_async = brute_force_default(&p, &asynchronous)
+            .into_iter()
+            .fold(f64::INFINITY, f64::min);
+        match plan_partition(&p, &asynchronous) {
+            Ok(plan) => prop_assert!(close(plan.time_per_microbatch, brute_async),
+                "dp {} brute {}", plan.time_per_microbatch, brute_async),
+            Err(e) => prop_assert!(brute_async.is_infinite(), "{e}; brute {brute_async}"),
+        }
     }
 }

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod pipeline;
+pub mod profile;
 pub mod rng;
 pub mod train;
 

@@ -22,6 +22,10 @@
 //! on `m + 1` workers, either one stage replicated `m + 1` times or a best prefix `A[k][m - r]`
 //! followed by the stage `k+1..=j` on `r` workers.
 
+mod model;
+
+pub use model::{PlanOptions, WireDtype, frontier, plan, simulate_plan, stage_costs};
+
 use crate::error::{Result, ScheduleError};
 use crate::profile::Profile;
 
@@ -66,10 +70,37 @@ pub struct PlannedStage {
     pub communication: f64,
     /// Activation transfer time counted for the stage (0 unless compression is given).
     pub transfer: f64,
-    /// The stage's time in the plan: `compute + communication`, or the transfer if larger.
+    /// The stage's time in the plan: what the cost model makes of the three above (PipeDream:
+    /// `compute + communication`, or the transfer if larger).
     pub time: f64,
     /// Parameter bytes.
     pub param_bytes: f64,
+    /// Bytes per worker the cost model charges the stage against the memory bound.
+    pub memory: f64,
+    /// Which part of the stage's time sets it.
+    pub bound: Bound,
+}
+
+/// The part of a stage's time that sets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bound {
+    /// Forward, backward and update compute.
+    Compute,
+    /// The replicas' gradient all-reduce.
+    AllReduce,
+    /// Activation and gradient transfers between stages.
+    Transfer,
+}
+
+impl Bound {
+    /// Words for plans.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Bound::Compute => "compute",
+            Bound::AllReduce => "gradient all-reduce",
+            Bound::Transfer => "activation transfer",
+        }
+    }
 }
 
 /// A plan and what it predicts.
@@ -81,8 +112,19 @@ pub struct PartitionPlan {
     pub time_per_microbatch: f64,
     /// One worker's time per microbatch (all compute, no communication).
     pub single_worker: f64,
-    /// `W`-worker data parallelism's time per microbatch: `(C + 4 (W-1) P / (B W)) / W`.
+    /// `W`-worker data parallelism's time per microbatch under the same cost model (PipeDream:
+    /// `(C + 4 (W-1) P / (B W)) / W`).
     pub data_parallel: f64,
+    /// Which cost model made the plan: `pipedream` or `default`.
+    pub cost_model: &'static str,
+    /// The schedule the plan was made for (the default model's memory and bubble depend on
+    /// it; PipeDream's model assumes its own asynchronous schedule).
+    pub policy: crate::spec::Policy,
+    /// Microbatches per update per replica the plan assumed.
+    pub microbatches: u32,
+    /// The simulator's time per microbatch for the plan, when it was simulated (flush
+    /// schedules: the pipeline's fill and drain included).
+    pub simulated: Option<f64>,
 }
 
 impl PartitionPlan {
@@ -225,9 +267,11 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
         }
     }
     bounds.reverse();
+    let mut upto = 0usize;
     let stages = bounds
         .iter()
         .map(|&(from, to, r)| {
+            upto += r as usize;
             let (c, p) = range(from, to);
             let rf = f64::from(r);
             let compute = c / rf;
@@ -239,6 +283,14 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
                 }
                 _ => 0.0,
             };
+            let bound = if transfer > compute + communication {
+                Bound::Transfer
+            } else if communication > compute {
+                Bound::AllReduce
+            } else {
+                Bound::Compute
+            };
+            let copies = (w - upto).div_ceil(r as usize) as f64;
             PlannedStage {
                 layers: from..to + 1,
                 replicas: r,
@@ -247,6 +299,8 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
                 transfer,
                 time: (compute + communication).max(transfer),
                 param_bytes: p,
+                memory: copies * (pa[to + 1] - pa[from] + p),
+                bound,
             }
         })
         .collect();
@@ -257,6 +311,10 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
         time_per_microbatch: top.time,
         single_worker: total,
         data_parallel: stage_time(total, pp[n], wf),
+        cost_model: "pipedream",
+        policy: crate::spec::Policy::PipeDream,
+        microbatches: 1,
+        simulated: None,
     })
 }
 

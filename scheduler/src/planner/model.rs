@@ -1,0 +1,622 @@
+//! The default cost model: what PipeDream's formulas leave out, under the schedule the plan
+//! will actually run.
+//!
+//! A stage of layers `i..=j` on `r` replicas, with `a` workers at or after it in the pipeline,
+//! is charged per pipeline microbatch (each replica handles one in `r`, and updates once per
+//! `M` of its own microbatches):
+//!
+//! - compute `(F + B + U / M) / r`: forward, both backward halves, the optimizer step;
+//! - all-reduce `(2 (r-1)/r * P / bw + 2 (r-1) * latency) / (M r)`: one ring all-reduce of the
+//!   gradients per update, as the runtime and the simulator do it;
+//! - transfer `(x_in + x_out) * wire / bw / r`: the activation the stage sends forward plus the
+//!   gradient it sends back, each the size of the tensor crossing the cut (every activation
+//!   crossing it, for branching graphs), halved on a bf16 wire. A worker's sends share its one
+//!   link. Without overlap a send also waits out the link's latency.
+//!
+//! The stage's time is `max(compute + all-reduce, transfer)` when sends overlap compute, and
+//! their sum when they do not. The plan minimises the slowest stage, over contiguous stages and
+//! per-stage replica counts that use exactly `W` workers.
+//!
+//! Memory per worker follows the schedule's version plan: `versions * P + state * P +
+//! in_flight * stash`, where `in_flight = ceil(a / r)` microbatches are between forward and
+//! backward on each replica in 1F1B's steady state, `versions` is that many for weight
+//! stashing (PipeDream, vertical sync), 2 for 2BW and 1 otherwise, GPipe holds all `M`
+//! activations, and `state` counts the gradient and optimizer buffers (default 2). A plan whose
+//! stage exceeds `--memory` is not considered.
+//!
+//! Flush schedules pay a bubble at every update, more with more stages, so for them the
+//! program also tracks the number of stages: it finds the best plan for every stage count and
+//! the simulator times the most promising few (by `(M + S - 1) * slowest`), whole minibatch,
+//! fill and drain included; the fastest simulated wins.
+//!
+//! The program is PipeDream's prefix recursion with exact pruning: a stage of compute `C` on
+//! `r` replicas never takes less than `C / r`, and a prefix of compute `C` on `m` workers never
+//! less than `C / m` (the slowest stage is at least the average), so for a current best `t`
+//! only cuts with `C_stage < r t` and `C_prefix < m t` can improve it. Both are ranges of the
+//! prefix sums, found by binary search; the search starts from the previous layer's best cut
+//! extended by one layer.
+
+use crate::error::{Result, ScheduleError};
+use crate::generate::generate;
+use crate::lower::{LowerOptions, lower};
+use crate::planner::{Bound, PartitionPlan, PlannedStage};
+use crate::profile::Profile;
+use crate::sim::{CostModel, SimOptions, StageCost, simulate};
+use crate::spec::{Length, Policy, ScheduleSpec};
+
+/// Element type of activations and gradients on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WireDtype {
+    /// 4 bytes per element, as computed.
+    #[default]
+    F32,
+    /// 2 bytes per element: half the transfer.
+    Bf16,
+}
+
+impl WireDtype {
+    /// Wire bytes per profiled (f32) byte.
+    pub fn factor(self) -> f64 {
+        match self {
+            WireDtype::F32 => 1.0,
+            WireDtype::Bf16 => 0.5,
+        }
+    }
+
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            WireDtype::F32 => "f32",
+            WireDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for WireDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(WireDtype::F32),
+            "bf16" => Ok(WireDtype::Bf16),
+            other => Err(format!("unknown wire dtype '{other}' (f32, bf16)")),
+        }
+    }
+}
+
+/// Settings of the default cost model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOptions {
+    /// Workers to use (all of them).
+    pub workers: u32,
+    /// Link bandwidth, bytes per second.
+    pub bandwidth: f64,
+    /// Link latency, seconds per message.
+    pub latency: f64,
+    /// Per-worker memory bound in bytes, if any.
+    pub memory: Option<f64>,
+    /// Element type of activations and gradients on the wire.
+    pub wire: WireDtype,
+    /// Whether sends overlap compute.
+    pub overlap: bool,
+    /// The schedule the plan is for.
+    pub policy: Policy,
+    /// Microbatches per update per replica (`M`).
+    pub microbatches: u32,
+    /// No replication: every stage on one worker.
+    pub straight: bool,
+    /// Parameter-sized buffers besides the weight versions: gradient and optimizer state.
+    pub state_copies: f64,
+    /// Flush schedules: how many of the best plans (one per stage count) the simulator times.
+    pub candidates: usize,
+}
+
+impl PlanOptions {
+    /// `workers` at `bandwidth` bytes/s: PipeDream's schedule, 8 microbatches per update, f32
+    /// on the wire, overlapped sends, no latency, no memory bound, replication allowed.
+    pub fn new(workers: u32, bandwidth: f64) -> Self {
+        PlanOptions {
+            workers,
+            bandwidth,
+            latency: 0.0,
+            memory: None,
+            wire: WireDtype::F32,
+            overlap: true,
+            policy: Policy::PipeDream,
+            microbatches: 8,
+            straight: false,
+            state_copies: 2.0,
+            candidates: 4,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(ScheduleError::Plan(m));
+        if self.workers == 0 {
+            return bad("need at least one worker".into());
+        }
+        if self.workers > 4096 {
+            return bad(format!("{} workers is more than 4096", self.workers));
+        }
+        if self.bandwidth.is_nan() || self.bandwidth <= 0.0 {
+            return bad(format!(
+                "bandwidth must be > 0 bytes/s, got {}",
+                self.bandwidth
+            ));
+        }
+        if !self.latency.is_finite() || self.latency < 0.0 {
+            return bad(format!("latency must be >= 0 s, got {}", self.latency));
+        }
+        if self.microbatches == 0 {
+            return bad("need at least one microbatch per update".into());
+        }
+        if !self.state_copies.is_finite() || self.state_copies < 0.0 {
+            return bad(format!(
+                "state copies must be >= 0, got {}",
+                self.state_copies
+            ));
+        }
+        if matches!(self.memory, Some(m) if m.is_nan() || m <= 0.0) {
+            return bad("the memory bound must be > 0 bytes".into());
+        }
+        match self.policy {
+            Policy::Sequential | Policy::Interleaved => bad(format!(
+                "the planner plans one contiguous stage per worker group; schedule '{}' is not \
+                 planned (use pipedream, pipedream-nostash, vsync, 2bw, gpipe, 1f1b-flush or \
+                 zb-h1)",
+                self.policy.name()
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// One stage's charges under the model.
+#[derive(Clone, Copy, Debug)]
+struct Eval {
+    compute: f64,
+    all_reduce: f64,
+    transfer: f64,
+    time: f64,
+    memory: f64,
+}
+
+/// Prefix sums of a profile and the options: evaluates any stage in O(1).
+struct Costs<'a> {
+    opts: &'a PlanOptions,
+    n: usize,
+    w: usize,
+    /// Forward + backward, update, parameter and stash bytes of layers `0..i`.
+    pc: Vec<f64>,
+    pu: Vec<f64>,
+    pp: Vec<f64>,
+    ps: Vec<f64>,
+    crossing: Vec<f64>,
+}
+
+impl<'a> Costs<'a> {
+    fn new(profile: &Profile, opts: &'a PlanOptions) -> Self {
+        let n = profile.layers.len();
+        let mut pc = vec![0.0f64; n + 1];
+        let mut pu = vec![0.0f64; n + 1];
+        let mut pp = vec![0.0f64; n + 1];
+        let mut ps = vec![0.0f64; n + 1];
+        for (i, l) in profile.layers.iter().enumerate() {
+            pc[i + 1] = pc[i] + l.compute();
+            pu[i + 1] = pu[i] + l.update;
+            pp[i + 1] = pp[i] + l.param_bytes;
+            ps[i + 1] = ps[i] + l.stash();
+        }
+        Costs {
+            opts,
+            n,
+            w: opts.workers as usize,
+            pc,
+            pu,
+            pp,
+            ps,
+            crossing: profile.crossing_bytes(),
+        }
+    }
+
+    /// Layers `from..=to` on `r` replicas with `after` workers at or after the stage.
+    fn eval(&self, from: usize, to: usize, r: usize, after: usize) -> Eval {
+        let o = self.opts;
+        let rf = r as f64;
+        let m = f64::from(o.microbatches);
+        let c = self.pc[to + 1] - self.pc[from];
+        let u = self.pu[to + 1] - self.pu[from];
+        let p = self.pp[to + 1] - self.pp[from];
+        let compute = (c + u / m) / rf;
+        let all_reduce = if r > 1 {
+            (2.0 * (rf - 1.0) / rf * p / o.bandwidth + 2.0 * (rf - 1.0) * o.latency) / (m * rf)
+        } else {
+            0.0
+        };
+        let (mut bytes, mut messages) = (0.0, 0.0);
+        if from > 0 {
+            bytes += self.crossing[from - 1];
+            messages += 1.0;
+        }
+        if to + 1 < self.n {
+            bytes += self.crossing[to];
+            messages += 1.0;
+        }
+        let link = bytes * o.wire.factor() / o.bandwidth;
+        let (transfer, time) = if o.overlap {
+            let t = link / rf;
+            (t, (compute + all_reduce).max(t))
+        } else {
+            let t = (link + messages * o.latency) / rf;
+            (t, compute + all_reduce + t)
+        };
+        let in_flight = after.div_ceil(r) as f64;
+        let versions = match o.policy {
+            Policy::PipeDream | Policy::VerticalSync => in_flight,
+            Policy::TwoBw => 2.0,
+            _ => 1.0,
+        };
+        let activations = match o.policy {
+            Policy::Gpipe => m,
+            Policy::OneFOneBFlush | Policy::ZbH1 => in_flight.min(m),
+            _ => in_flight,
+        };
+        let stash = self.ps[to + 1] - self.ps[from];
+        Eval {
+            compute,
+            all_reduce,
+            transfer,
+            time,
+            memory: (versions + o.state_copies) * p + activations * stash,
+        }
+    }
+
+    fn fits(&self, e: &Eval) -> bool {
+        self.opts.memory.is_none_or(|limit| e.memory <= limit)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Cell {
+    time: f64,
+    /// Last layer of the prefix before this cell's last stage (`u32::MAX`: one stage).
+    k: u32,
+    /// Replicas of the last stage.
+    r: u32,
+    /// Stages in the plan: of two plans equally fast, the one with fewer stages wins (shorter
+    /// pipeline, fewer transfers, less in flight).
+    stages: u32,
+}
+
+impl Cell {
+    fn beats(&self, other: &Cell) -> bool {
+        self.time < other.time || (self.time == other.time && self.stages < other.stages)
+    }
+}
+
+const EMPTY: Cell = Cell {
+    time: f64::INFINITY,
+    k: u32::MAX,
+    r: 0,
+    stages: u32::MAX,
+};
+
+/// One table of the dynamic program, `n x w` cells: cell `(j, m)` is the best plan of layers
+/// `0..=j` on `m + 1` workers.
+type Table = Vec<Cell>;
+
+/// Fills a table. With `prev`, cell `(j, m)` is the best plan whose last stage follows a plan
+/// from `prev` (one stage more than `prev`'s); without, the prefix comes from the table itself
+/// (any number of stages) and a single stage on all `m + 1` workers competes too.
+fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
+    let (n, w) = (costs.n, costs.w);
+    let straight = costs.opts.straight;
+    let pc = &costs.pc;
+    let mut cur: Table = vec![EMPTY; n * w];
+    for j in 0..n {
+        for m in 0..w {
+            let mut best = EMPTY;
+            if prev.is_none() && (!straight || m == 0) {
+                let e = costs.eval(0, j, m + 1, w);
+                if costs.fits(&e) {
+                    best = Cell {
+                        time: e.time,
+                        k: u32::MAX,
+                        r: (m + 1) as u32,
+                        stages: 1,
+                    };
+                }
+            }
+            if m > 0 && j > 0 {
+                let prefix = prev.unwrap_or(&cur);
+                let after_base = w - (m + 1);
+                let consider = |k: usize, r: usize, best: &mut Cell| {
+                    let before = prefix[k * w + (m - r)];
+                    if before.time > best.time || !before.time.is_finite() {
+                        return;
+                    }
+                    let e = costs.eval(k + 1, j, r, r + after_base);
+                    let cand = Cell {
+                        time: before.time.max(e.time),
+                        k: k as u32,
+                        r: r as u32,
+                        stages: before.stages + 1,
+                    };
+                    if cand.beats(best) && costs.fits(&e) {
+                        *best = cand;
+                    }
+                };
+                // Seed: the previous layer's best cut, its last stage grown by this layer.
+                let seed = cur[(j - 1) * w + m];
+                if seed.k != u32::MAX && seed.time.is_finite() {
+                    consider(seed.k as usize, seed.r as usize, &mut best);
+                }
+                let max_r = if straight { 1 } else { m };
+                for r in 1..=max_r {
+                    // Cuts k (prefix 0..=k, stage k+1..=j) with pc[k+1] in
+                    // [pc[j+1] - r * best, (m - r + 1) * best]: nothing else can beat best.
+                    let (lo, hi) = if best.time.is_finite() {
+                        let low = pc[j + 1] - r as f64 * best.time;
+                        let high = (m - r + 1) as f64 * best.time;
+                        (
+                            1 + pc[1..=j].partition_point(|&x| x < low),
+                            1 + pc[1..=j].partition_point(|&x| x <= high),
+                        )
+                    } else {
+                        (1, j + 1)
+                    };
+                    for idx in lo..hi {
+                        consider(idx - 1, r, &mut best);
+                    }
+                }
+            }
+            cur[j * w + m] = best;
+        }
+    }
+    cur
+}
+
+/// The tables for one stage, two stages, ... (`layers[s]` holds plans of `s + 1` stages).
+fn first_layer(costs: &Costs) -> Table {
+    let (n, w) = (costs.n, costs.w);
+    let mut t: Table = vec![EMPTY; n * w];
+    for j in 0..n {
+        for m in 0..w {
+            if costs.opts.straight && m > 0 {
+                continue;
+            }
+            let e = costs.eval(0, j, m + 1, w);
+            if costs.fits(&e) {
+                t[j * w + m] = Cell {
+                    time: e.time,
+                    k: u32::MAX,
+                    r: (m + 1) as u32,
+                    stages: 1,
+                };
+            }
+        }
+    }
+    t
+}
+
+/// Walks a plan back from the last cell: `(from, to, replicas)` per stage, in order. `tables`
+/// is one table (any stage count) or the per-stage-count tables up to the plan's.
+fn walk(tables: &[Table], n: usize, w: usize) -> Vec<(usize, usize, usize)> {
+    let mut out = Vec::new();
+    let (mut j, mut m) = (n - 1, w - 1);
+    let mut s = tables.len() - 1;
+    loop {
+        let c = tables[s][j * w + m];
+        if c.k == u32::MAX {
+            out.push((0, j, c.r as usize));
+            break;
+        }
+        let k = c.k as usize;
+        out.push((k + 1, j, c.r as usize));
+        j = k;
+        m -= c.r as usize;
+        s = s.saturating_sub(1);
+    }
+    out.reverse();
+    out
+}
+
+fn make_plan(costs: &Costs, profile: &Profile, bounds: &[(usize, usize, usize)]) -> PartitionPlan {
+    let o = costs.opts;
+    let w = costs.w;
+    let mut used = 0usize;
+    let stages: Vec<PlannedStage> = bounds
+        .iter()
+        .map(|&(from, to, r)| {
+            let e = costs.eval(from, to, r, w - used);
+            used += r;
+            // Overlapped, the transfer sets the time when it outlasts the work; serialised,
+            // when it is the largest part.
+            let rival = if o.overlap {
+                e.compute + e.all_reduce
+            } else {
+                e.compute.max(e.all_reduce)
+            };
+            let bound = if e.transfer > rival {
+                Bound::Transfer
+            } else if e.all_reduce > e.compute {
+                Bound::AllReduce
+            } else {
+                Bound::Compute
+            };
+            PlannedStage {
+                layers: from..to + 1,
+                replicas: r as u32,
+                compute: e.compute,
+                communication: e.all_reduce,
+                transfer: e.transfer,
+                time: e.time,
+                param_bytes: costs.pp[to + 1] - costs.pp[from],
+                memory: e.memory,
+                bound,
+            }
+        })
+        .collect();
+    let n = profile.layers.len();
+    let time = stages.iter().map(|s| s.time).fold(0.0, f64::max);
+    PartitionPlan {
+        stages,
+        time_per_microbatch: time,
+        single_worker: costs.eval(0, n - 1, 1, 1).time,
+        data_parallel: costs.eval(0, n - 1, w, w).time,
+        cost_model: "default",
+        policy: o.policy,
+        microbatches: o.microbatches,
+        simulated: None,
+    }
+}
+
+/// Plans `profile` under the default cost model (see the module docs).
+///
+/// # Errors
+/// [`ScheduleError::Plan`] for bad options, a schedule the planner does not plan, or a memory
+/// bound no plan meets; [`ScheduleError::Profile`] for a bad profile; simulator errors for
+/// flush schedules.
+pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
+    profile.check()?;
+    opts.check()?;
+    let costs = Costs::new(profile, opts);
+    let n = costs.n;
+    let w = costs.w;
+    if opts.straight && w > n {
+        return Err(ScheduleError::Plan(format!(
+            "{w} workers cannot each hold a stage of a {n}-layer model without replication"
+        )));
+    }
+    let none = || {
+        ScheduleError::Plan(format!(
+            "no plan of {n} layers on {w} workers fits the memory bound"
+        ))
+    };
+    let last = (n - 1) * w + (w - 1);
+    if !opts.policy.is_flush() {
+        let table = fill(&costs, None);
+        if !table[last].time.is_finite() {
+            return Err(none());
+        }
+        return Ok(make_plan(&costs, profile, &walk(&[table], n, w)));
+    }
+    // Flush: the best plan for each stage count in turn, ranked by (M + S - 1) x slowest
+    // stage. No S-stage plan scores under (M + S - 1) x C / W (its slowest stage is at least
+    // the average), so the search stops once that bound passes the candidates kept.
+    let m = f64::from(opts.microbatches);
+    let keep = opts.candidates.max(1);
+    let floor = costs.pc[n] / w as f64;
+    let mut tables = vec![first_layer(&costs)];
+    let mut ranked: Vec<(f64, usize)> = Vec::new();
+    for s in 0..n.min(w) {
+        if s > 0 {
+            let next = fill(&costs, tables.last());
+            tables.push(next);
+        }
+        let t = tables[s][last].time;
+        if t.is_finite() {
+            ranked.push(((m + s as f64) * t, s));
+            ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
+            ranked.truncate(keep);
+        }
+        if ranked.len() == keep && (m + s as f64 + 1.0) * floor >= ranked[keep - 1].0 {
+            break;
+        }
+    }
+    if ranked.is_empty() {
+        return Err(none());
+    }
+    let mut best: Option<PartitionPlan> = None;
+    for &(_, s) in &ranked {
+        let mut p = make_plan(&costs, profile, &walk(&tables[..=s], n, w));
+        p.simulated = Some(simulate_plan(profile, &p, opts)?);
+        if best.as_ref().is_none_or(|b| p.simulated < b.simulated) {
+            best = Some(p);
+        }
+    }
+    best.ok_or_else(none)
+}
+
+/// The best plan for every stage count `1..=min(W, L)` (None where no plan fits the memory
+/// bound), by the slowest stage's time, without simulating: what [`plan`] picks from for flush
+/// schedules.
+///
+/// # Errors
+/// As [`plan`].
+pub fn frontier(profile: &Profile, opts: &PlanOptions) -> Result<Vec<Option<PartitionPlan>>> {
+    profile.check()?;
+    opts.check()?;
+    let costs = Costs::new(profile, opts);
+    let (n, w) = (costs.n, costs.w);
+    let mut tables = vec![first_layer(&costs)];
+    for _ in 1..n.min(w) {
+        let next = fill(&costs, tables.last());
+        tables.push(next);
+    }
+    Ok((0..tables.len())
+        .map(|s| {
+            tables[s][(n - 1) * w + (w - 1)]
+                .time
+                .is_finite()
+                .then(|| make_plan(&costs, profile, &walk(&tables[..=s], n, w)))
+        })
+        .collect())
+}
+
+/// Per-stage costs of a plan's stages for the simulator: times and bytes summed over each
+/// stage's layers, activations and gradients at the wire's size.
+pub fn stage_costs(profile: &Profile, plan: &PartitionPlan, wire: WireDtype) -> Vec<StageCost> {
+    let crossing = profile.crossing_bytes();
+    plan.stages
+        .iter()
+        .map(|s| {
+            let layers = &profile.layers[s.layers.clone()];
+            let sum = |f: fn(&crate::profile::LayerProfile) -> f64| layers.iter().map(f).sum();
+            let out = crossing[s.layers.end - 1] * wire.factor();
+            StageCost {
+                forward: sum(|l| l.forward),
+                backward_input: sum(|l| l.backward_input),
+                backward_weight: sum(|l| l.backward_weight),
+                update: sum(|l| l.update),
+                activation_bytes: out,
+                gradient_bytes: None,
+                param_bytes: s.param_bytes,
+                stash_bytes: Some(sum(|l| l.stash())),
+                all_reduce: None,
+            }
+        })
+        .collect()
+}
+
+/// The simulator's seconds per microbatch for `plan` run with `opts`' schedule, link and
+/// microbatch count: one minibatch for flush schedules (they repeat it exactly); for
+/// asynchronous ones `2 S` minibatches (fill, then steady state), fewer when minibatches are
+/// long (unequal replica counts make a minibatch `M x lcm(replicas)` microbatches), but at
+/// least one and about 20,000 microbatches at most.
+///
+/// # Errors
+/// Errors of the schedule generator or the simulator (an impossible layout).
+pub fn simulate_plan(profile: &Profile, plan: &PartitionPlan, opts: &PlanOptions) -> Result<f64> {
+    let stages = plan.stages.len() as u32;
+    let replicas: Vec<u32> = plan.stages.iter().map(|s| s.replicas).collect();
+    let spec = ScheduleSpec::new(opts.policy, stages, opts.microbatches).with_replicas(replicas);
+    let minibatch = spec.resolve()?.minibatch.max(1);
+    let updates = if opts.policy.is_flush() {
+        1
+    } else {
+        (20_000 / minibatch).clamp(1, 2 * stages)
+    };
+    let schedule = lower(
+        &generate(&spec.with_length(Length::Updates(updates)))?,
+        LowerOptions::default(),
+    );
+    let costs = CostModel {
+        stages: stage_costs(profile, plan, opts.wire),
+        bandwidth: opts.bandwidth,
+        latency: opts.latency,
+        overlap: opts.overlap,
+        cores: None,
+    };
+    let report = simulate(&schedule, &costs, SimOptions::default())?;
+    Ok(report.makespan / f64::from(report.microbatches))
+}
