@@ -34,7 +34,9 @@ enum Command {
     /// Simulate a schedule under a cost model: makespan, bubble, per-worker busy time and memory.
     Simulate(crate::plan_cli::SimulateArgs),
     /// Partition a profiled model into stages and per-stage replicas.
-    Plan(crate::plan_cli::PlanArgs),
+    Plan(crate::partition_cli::PlanArgs),
+    /// Time every layer of a model (forward, both backward halves, update) and count its sizes.
+    Profile(crate::partition_cli::ProfileArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -43,6 +45,37 @@ enum BenchCommand {
     Mfu(MfuArgs),
     /// Pipelined throughput against one worker and against the simulator; executor overhead.
     Pipeline(PipelineBenchArgs),
+    /// The profiled plan against the uniform split on an unbalanced model, and the simulator's
+    /// prediction for the plan.
+    Partition(PartitionBenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct PartitionBenchArgs {
+    /// Model preset.
+    #[arg(long, default_value = "mlp-256-1536x3-256x6-10")]
+    model: String,
+    /// Samples per microbatch.
+    #[arg(long, default_value_t = 32)]
+    microbatch_size: usize,
+    /// Microbatches per update per replica.
+    #[arg(long, default_value_t = 4)]
+    microbatches: u32,
+    /// Workers.
+    #[arg(long, default_value_t = 2)]
+    workers: u32,
+    /// Schedule.
+    #[arg(long, default_value = "pipedream", value_parser = crate::plan_cli::parse_policy)]
+    schedule: pipe_scheduler::Policy,
+    /// Timed minibatches per measurement.
+    #[arg(long, default_value_t = 24)]
+    updates: u32,
+    /// Rounds (figures are medians over rounds).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -164,6 +197,13 @@ struct TrainArgs {
     /// Stage boundaries as inclusive layer ranges, e.g. 0-2,3-5 (default: balanced by FLOPs).
     #[arg(long)]
     partition: Option<String>,
+    /// Run a plan written by `pipe plan -o`: its schedule, stages, replicas and partition.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["stages", "replicas", "partition", "workers"])]
+    plan: Option<PathBuf>,
+    /// Plan automatically for W workers: profile the model, then partition it under the default
+    /// cost model for the run's schedule.
+    #[arg(long, conflicts_with_all = ["stages", "replicas", "partition"])]
+    workers: Option<u32>,
     /// Write the measured timeline as Chrome trace JSON to FILE (pipelined runs).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
@@ -249,7 +289,9 @@ pub fn run() -> Result<()> {
         Command::Bench(BenchCommand::Pipeline(args)) => cmd_bench_pipeline(&args),
         Command::Schedule(args) => crate::plan_cli::cmd_schedule(&args),
         Command::Simulate(args) => crate::plan_cli::cmd_simulate(&args),
-        Command::Plan(args) => crate::plan_cli::cmd_plan(&args),
+        Command::Plan(args) => crate::partition_cli::cmd_plan(&args),
+        Command::Profile(args) => crate::partition_cli::cmd_profile(&args),
+        Command::Bench(BenchCommand::Partition(args)) => cmd_bench_partition(&args),
     }
 }
 
@@ -296,6 +338,38 @@ fn cmd_bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     Ok(())
 }
 
+fn cmd_bench_partition(args: &PartitionBenchArgs) -> Result<()> {
+    if args.updates == 0 || args.microbatch_size == 0 || args.microbatches == 0 || args.workers < 2
+    {
+        return Err(BadInput(
+            "--updates, --microbatch-size and --microbatches must be positive, --workers at least 2"
+                .into(),
+        )
+        .into());
+    }
+    let cfg = pipe_experiments::partition::PartitionBenchConfig {
+        model: args.model.clone(),
+        microbatch: args.microbatch_size,
+        microbatches: args.microbatches,
+        workers: args.workers,
+        policy: args.schedule,
+        updates: args.updates,
+        rounds: args.rounds,
+        ..Default::default()
+    };
+    let report = pipe_experiments::partition::run(&cfg).map_err(|e| match e {
+        pipe_experiments::ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
+        pipe_experiments::ExperimentError::Schedule(s) => crate::plan_cli::bad(s),
+        other => anyhow::Error::from(other),
+    })?;
+    print!("{}", pipe_experiments::partition::render(&report));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     let mut settings = TrainSettings::default();
     if let Some(path) = &args.config {
@@ -304,7 +378,60 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
         settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
     }
     settings.merge(args.settings());
-    Ok(settings.resolve()?)
+    if let Some(path) = &args.plan {
+        let plan = crate::partition_cli::PlanFile::read(path)?;
+        if !plan.model.is_empty() {
+            match &settings.model {
+                None => settings.model = Some(ModelChoice::Preset(plan.model.clone())),
+                Some(ModelChoice::Preset(m)) if *m == plan.model => {}
+                Some(_) => {
+                    return Err(BadInput(format!(
+                        "plan {} was made for model {}, not this run's",
+                        path.display(),
+                        plan.model
+                    ))
+                    .into());
+                }
+            }
+        }
+        if plan.microbatch_size > 0 && settings.microbatch_size.is_none() {
+            settings.microbatch_size = Some(plan.microbatch_size);
+        }
+        settings.stages = Some(plan.replicas.len());
+        settings.replicas = Some(plan.replicas);
+        settings.partition = Some(plan.partition);
+        settings.schedule = Some(plan.schedule);
+        if settings.microbatches.is_none() {
+            settings.microbatches = Some(plan.microbatches as usize);
+        }
+    }
+    let cfg = settings.clone().resolve()?;
+    if let Some(w) = args.workers {
+        if w == 0 {
+            return Err(BadInput("--workers must be at least 1".into()).into());
+        }
+        let (_, plan) = crate::partition_cli::auto_plan(
+            &cfg.model_name,
+            &cfg.model,
+            cfg.microbatch_size,
+            &cfg.schedule,
+            cfg.microbatches as u32,
+            w,
+        )?;
+        let (partition, replicas) = crate::partition_cli::layout_of(&plan);
+        println!(
+            "auto plan for {w} workers: partition {partition}, replicas {replicas:?}, predicted {:.0} samples/s (simulated {:.0})",
+            cfg.microbatch_size as f64 / plan.time_per_microbatch,
+            plan.simulated
+                .map_or(f64::NAN, |t| cfg.microbatch_size as f64 / t)
+        );
+        settings.stages = Some(replicas.len());
+        settings.replicas = Some(replicas);
+        settings.partition = Some(partition);
+        settings.schedule = Some(cfg.schedule.clone());
+        return Ok(settings.resolve()?);
+    }
+    Ok(cfg)
 }
 
 fn backend(name: &str, threads: usize) -> Result<Box<dyn Backend>> {

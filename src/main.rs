@@ -3,6 +3,7 @@
 //! input, 1 for failures at run time.
 
 mod cli;
+mod partition_cli;
 mod plan_cli;
 
 use std::process::ExitCode;

@@ -69,7 +69,7 @@ impl ScheduleOpts {
     }
 }
 
-fn parse_policy(s: &str) -> Result<Policy, String> {
+pub(crate) fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
 }
 
@@ -149,7 +149,7 @@ pub struct SimulateArgs {
     csv: Option<PathBuf>,
 }
 
-fn bad(e: ScheduleError) -> anyhow::Error {
+pub(crate) fn bad(e: ScheduleError) -> anyhow::Error {
     if e.is_bad_input() {
         crate::cli::bad_input(e.to_string())
     } else {
@@ -352,7 +352,7 @@ fn render_report(schedule: &Schedule, r: &SimReport, cores: Option<u32>) -> Stri
     out
 }
 
-fn secs(s: f64) -> String {
+pub(crate) fn secs(s: f64) -> String {
     if s == 0.0 {
         "0".into()
     } else if s >= 1.0 {
@@ -364,7 +364,7 @@ fn secs(s: f64) -> String {
     }
 }
 
-fn bytes(b: f64) -> String {
+pub(crate) fn bytes(b: f64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b;
     let mut i = 0;
@@ -441,114 +441,6 @@ pub fn parse_bandwidth(text: &str) -> Result<f64, String> {
         return Err(format!("bandwidth {text:?} must be > 0"));
     }
     Ok(v)
-}
-
-/// Cost models `pipe plan` knows.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum PlanCostModel {
-    /// PipeDream's optimizer, formula for formula.
-    Pipedream,
-}
-
-/// `pipe plan`: partition a profiled model into stages and replicas.
-#[derive(Args, Debug)]
-pub struct PlanArgs {
-    /// Layer profile: pipe's JSON, or a PipeDream graph file (`nodeK -- ...` lines).
-    #[arg(long, value_name = "FILE")]
-    profile: PathBuf,
-    /// Workers to plan for (all are used).
-    #[arg(long)]
-    workers: u32,
-    /// Link bandwidth (GB means 10^9 bytes).
-    #[arg(long, default_value = "10GB/s", value_parser = parse_bandwidth)]
-    bandwidth: f64,
-    /// Per-worker memory bound.
-    #[arg(long, value_parser = parse_bytes)]
-    memory: Option<f64>,
-    /// Cost model. Only `pipedream` exists so far; the default model (transfers, overlap,
-    /// schedule-aware memory and bubble) is still to come, so the flag must be given.
-    #[arg(long, value_enum)]
-    cost_model: PlanCostModel,
-    /// No replication: one worker per stage.
-    #[arg(long)]
-    straight: bool,
-    /// Activation compression ratio (activation transfers count only when given).
-    #[arg(long)]
-    activation_compression: Option<f64>,
-}
-
-/// Runs `pipe plan`.
-pub fn cmd_plan(args: &PlanArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&args.profile)
-        .map_err(|e| crate::cli::bad_input(format!("profile {}: {e}", args.profile.display())))?;
-    let profile = if text.trim_start().starts_with('{') {
-        pipe_scheduler::Profile::from_json(&text)
-    } else {
-        pipe_scheduler::Profile::from_pipedream(&text)
-    }
-    .map_err(|e| crate::cli::bad_input(format!("{}: {e}", args.profile.display())))?;
-    if let Some(r) = args.activation_compression {
-        if !r.is_finite() || r <= 0.0 {
-            return Err(bad(ScheduleError::Plan(format!(
-                "activation compression ratio must be > 0, got {r}"
-            ))));
-        }
-    }
-    let PlanCostModel::Pipedream = args.cost_model;
-    let opts = pipe_scheduler::PipeDreamOptions {
-        workers: args.workers,
-        bandwidth: args.bandwidth,
-        memory: args.memory,
-        straight: args.straight,
-        activation_compression: args.activation_compression,
-    };
-    let plan = pipe_scheduler::pipedream(&profile, &opts).map_err(bad)?;
-    print!("{}", render_plan(&profile, &plan));
-    Ok(())
-}
-
-fn render_plan(profile: &pipe_scheduler::Profile, plan: &pipe_scheduler::PartitionPlan) -> String {
-    let mut out = format!(
-        "{} stage(s) on {} worker(s), cost model pipedream: {} per microbatch, {:.2}x one \
-         worker, {:.2}x data parallelism ({} per microbatch)\n",
-        plan.stages.len(),
-        plan.stages.iter().map(|s| s.replicas).sum::<u32>(),
-        secs(plan.time_per_microbatch),
-        plan.speedup_over_single(),
-        plan.speedup_over_data_parallel(),
-        secs(plan.data_parallel),
-    );
-    out.push_str(&format!(
-        "{:<6} {:>10} {:>8} {:>12} {:>12} {:>12} {:>12}  bound\n",
-        "stage", "layers", "replicas", "compute", "allreduce", "transfer", "params"
-    ));
-    for (i, s) in plan.stages.iter().enumerate() {
-        let bound = if s.transfer > s.compute + s.communication {
-            "activation transfer"
-        } else if s.communication > s.compute {
-            "gradient all-reduce"
-        } else {
-            "compute"
-        };
-        let slowest = (s.time - plan.time_per_microbatch).abs() <= 1e-12 * plan.time_per_microbatch;
-        out.push_str(&format!(
-            "{:<6} {:>10} {:>8} {:>12} {:>12} {:>12} {:>12}  {bound}{}\n",
-            i,
-            format!("{}-{}", s.layers.start, s.layers.end - 1),
-            s.replicas,
-            secs(s.compute),
-            secs(s.communication),
-            secs(s.transfer),
-            format!("{:.1} MB", s.param_bytes / 1e6),
-            if slowest { " (slowest stage)" } else { "" }
-        ));
-    }
-    for (i, s) in plan.stages.iter().enumerate() {
-        let first = &profile.layers[s.layers.start].name;
-        let last = &profile.layers[s.layers.end - 1].name;
-        out.push_str(&format!("stage {i}: {first} .. {last}\n"));
-    }
-    out
 }
 
 #[cfg(test)]

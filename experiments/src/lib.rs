@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod mfu;
+pub mod partition;
 pub mod pipeline;
 
 /// Errors of experiments.

@@ -118,6 +118,10 @@ pub struct Case {
     pub microbatch: usize,
     /// Microbatches per update per replica.
     pub m: u32,
+    /// Replicas per stage when they differ (overrides `replicas`).
+    pub replica_counts: Option<Vec<u32>>,
+    /// Layers of each stage (default: balanced by FLOPs).
+    pub partition: Option<Vec<std::ops::Range<usize>>>,
 }
 
 /// Results of one case.
@@ -241,7 +245,7 @@ fn single_worker(
 }
 
 /// Runs `minibatches` minibatches of `case` with `states` (created when empty).
-fn pipelined(
+pub(crate) fn pipelined(
     model: &Model,
     case: &Case,
     minibatches: u32,
@@ -259,13 +263,20 @@ fn pipelined_with<B: pipe_kernels::Backend>(
     make: impl Fn() -> Result<B, pipe_kernels::KernelError> + Sync,
 ) -> Result<(f64, Vec<WorkerOutcome>, pipe_scheduler::Schedule), ExperimentError> {
     let policy: Policy = case.policy.parse()?;
+    let replicas = case
+        .replica_counts
+        .clone()
+        .unwrap_or_else(|| vec![case.replicas]);
     let spec = ScheduleSpec::new(policy, case.stages, case.m)
-        .with_replicas(vec![case.replicas])
+        .with_replicas(replicas)
         .with_length(Length::Updates(minibatches));
     let schedule = lower(&generate(&spec)?, LowerOptions::default());
     validate::check(&schedule)?;
     let plan = VersionPlan::derive(&schedule)?;
-    let partition = Partition::balanced(model, schedule.stages() as usize)?;
+    let partition = match &case.partition {
+        Some(ranges) => Partition::new(ranges.clone(), model.len())?,
+        None => Partition::balanced(model, schedule.stages() as usize)?,
+    };
     let pool = Pool::new(model, case.microbatch);
     let lr = |_: u32, _: u32| 1e-3f32;
     let setup = Setup {
@@ -336,7 +347,7 @@ fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
 
 /// Seconds one ring all-reduce of `len` values takes among `r` in-process workers, each on its
 /// own thread (median of repeats after one warm-up round).
-fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
+pub(crate) fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
     let rounds = 7u32;
     let abort = Abort::new();
     let group: Vec<u32> = (0..r).collect();
@@ -432,6 +443,8 @@ fn model_cases(preset: &str, batch: usize, m: u32) -> Vec<Case> {
         replicas,
         microbatch: micro,
         m: m / replicas,
+        replica_counts: None,
+        partition: None,
     };
     vec![
         case("--stages 4 1f1b-flush", "1f1b-flush", 1),
@@ -453,6 +466,8 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
         replicas: 1,
         microbatch: micro,
         m,
+        replica_counts: None,
+        partition: None,
     };
     let mut states = Vec::new();
     pipelined(model, &case, updates, &mut states)?;
@@ -539,6 +554,8 @@ fn model_round(
         replicas: 1,
         microbatch: batch / m as usize,
         m,
+        replica_counts: None,
+        partition: None,
     };
     let mut states = Vec::new();
     pipelined(model, &one, cfg.warmup.max(1), &mut states)?;
@@ -692,6 +709,8 @@ mod tests {
                     replicas: 1,
                     microbatch: 4,
                     m: 2,
+                    replica_counts: None,
+                    partition: None,
                 },
                 samples_per_s: measured,
                 ratio_to_single: measured / single,

@@ -57,7 +57,11 @@ impl ScheduleError {
     pub fn is_bad_input(&self) -> bool {
         matches!(
             self,
-            ScheduleError::Spec(_) | ScheduleError::Parse { .. } | ScheduleError::Cost(_)
+            ScheduleError::Spec(_)
+                | ScheduleError::Parse { .. }
+                | ScheduleError::Cost(_)
+                | ScheduleError::Profile(_)
+                | ScheduleError::Plan(_)
         )
     }
 }

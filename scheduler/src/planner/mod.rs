@@ -24,7 +24,7 @@
 
 mod model;
 
-pub use model::{PlanOptions, WireDtype, frontier, plan, simulate_plan, stage_costs};
+pub use model::{PlanOptions, WireDtype, explain, frontier, plan, simulate_plan, stage_costs};
 
 use crate::error::{Result, ScheduleError};
 use crate::profile::Profile;

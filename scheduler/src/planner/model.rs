@@ -537,6 +537,43 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
     best.ok_or_else(none)
 }
 
+/// A given layout under the default model: `layout` lists each stage's layers and replicas, in
+/// order, covering every layer once and using exactly `W` workers. What `pipe plan` compares
+/// its plan with (a uniform split, a user's partition).
+///
+/// # Errors
+/// [`ScheduleError::Plan`] when the layout does not tile the layers or does not use `W`
+/// workers; as [`plan`] otherwise (the memory bound is reported, not enforced).
+pub fn explain(
+    profile: &Profile,
+    opts: &PlanOptions,
+    layout: &[(std::ops::Range<usize>, u32)],
+) -> Result<PartitionPlan> {
+    profile.check()?;
+    opts.check()?;
+    let costs = Costs::new(profile, opts);
+    let mut next = 0;
+    let mut bounds = Vec::with_capacity(layout.len());
+    for (range, r) in layout {
+        if range.start != next || range.is_empty() || *r == 0 {
+            return Err(ScheduleError::Plan(format!(
+                "layout stage {} ({range:?} on {r}) does not continue at layer {next}",
+                bounds.len()
+            )));
+        }
+        next = range.end;
+        bounds.push((range.start, range.end - 1, *r as usize));
+    }
+    let used: usize = bounds.iter().map(|b| b.2).sum();
+    if next != costs.n || used != costs.w {
+        return Err(ScheduleError::Plan(format!(
+            "the layout covers {next} of {} layers on {used} of {} workers",
+            costs.n, costs.w
+        )));
+    }
+    Ok(make_plan(&costs, profile, &bounds))
+}
+
 /// The best plan for every stage count `1..=min(W, L)` (None where no plan fits the memory
 /// bound), by the slowest stage's time, without simulating: what [`plan`] picks from for flush
 /// schedules.

@@ -1,0 +1,280 @@
+//! The partitioner on a deliberately unbalanced model: does the profiled plan beat the uniform
+//! split when measured, and does the simulator predict the plan's throughput?
+//!
+//! Method, in one process and one sitting, `rounds` rounds (default 3) of steps 3-4, every
+//! figure the median over rounds (ratios taken within a round):
+//!
+//! 1. **Profile** the model at the benchmark's microbatch size with one compute thread per
+//!    worker, as the pipeline runs it ([`pipe_stages::profile`]).
+//! 2. **Plan** under the default cost model for `workers` workers and the benchmark's schedule.
+//!    The link is the in-process transport: activations move for free (a pointer hand-off),
+//!    and the all-reduce's cost is measured (a ring all-reduce of the model's gradients among
+//!    two threads) and given to the planner as the bandwidth that reproduces it.
+//! 3. **Measure** the plan and the uniform split (`workers` stages of equal layer counts, one
+//!    worker each) with the pipelined executor on in-process threads: a warm-up run, then
+//!    `updates` timed minibatches; samples/s = samples / wall time (fill and drain included).
+//! 4. **Predict**: the simulator runs the plan's schedule with the profiled per-stage costs.
+//!
+//! The model is `mlp-256-1536x3-256x6-10`: three wide layers at the front, six narrow ones
+//! behind, so equal layer counts put nearly all the work on the first stage.
+
+use std::ops::Range;
+
+use pipe_kernels::CpuBackend;
+use pipe_scheduler::{
+    PartitionPlan, PlanOptions, Policy, Profile, explain, plan_partition, simulate_plan,
+};
+use pipe_stages::model::{Model, ModelSpec};
+use pipe_stages::profile::{ProfileOptions, profile_model};
+use serde::Serialize;
+
+use crate::pipeline::{Case, all_reduce_cost, pipelined};
+use crate::{ExperimentError, median};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct PartitionBenchConfig {
+    /// Model preset.
+    pub model: String,
+    /// Samples per microbatch.
+    pub microbatch: usize,
+    /// Microbatches per update per replica.
+    pub microbatches: u32,
+    /// Workers (threads).
+    pub workers: u32,
+    /// Schedule.
+    pub policy: Policy,
+    /// Timed minibatches per measurement.
+    pub updates: u32,
+    /// Warm-up minibatches per measurement.
+    pub warmup: u32,
+    /// Rounds; figures are medians over rounds.
+    pub rounds: u32,
+}
+
+impl Default for PartitionBenchConfig {
+    fn default() -> Self {
+        PartitionBenchConfig {
+            model: "mlp-256-1536x3-256x6-10".into(),
+            microbatch: 32,
+            microbatches: 4,
+            workers: 2,
+            policy: Policy::PipeDream,
+            updates: 24,
+            warmup: 4,
+            rounds: 3,
+        }
+    }
+}
+
+/// One layout's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayoutResult {
+    /// Stage layer ranges, inclusive (`0-9,10-19`).
+    pub partition: String,
+    /// Replicas per stage.
+    pub replicas: Vec<u32>,
+    /// The cost model's steady-state samples/s (slowest stage).
+    pub model_samples_per_s: f64,
+    /// The simulator's samples/s.
+    pub simulated_samples_per_s: f64,
+    /// Measured samples/s (median over rounds).
+    pub measured_samples_per_s: f64,
+    /// Measured per round.
+    pub rounds: Vec<f64>,
+}
+
+/// The report.
+#[derive(Clone, Debug, Serialize)]
+pub struct PartitionReport {
+    /// Model preset.
+    pub model: String,
+    /// Samples per microbatch.
+    pub microbatch: usize,
+    /// Workers.
+    pub workers: u32,
+    /// Schedule.
+    pub policy: String,
+    /// Bandwidth given to the planner (bytes/s), from the measured all-reduce.
+    pub bandwidth: f64,
+    /// The profile measured.
+    pub profile: Profile,
+    /// The profiled plan.
+    pub plan: LayoutResult,
+    /// The uniform split.
+    pub uniform: LayoutResult,
+    /// Plan over uniform, measured (median of per-round ratios).
+    pub plan_over_uniform: f64,
+    /// Plan: measured over simulated.
+    pub measured_over_simulated: f64,
+}
+
+fn ranges_text(ranges: &[Range<usize>]) -> String {
+    ranges
+        .iter()
+        .map(|r| format!("{}-{}", r.start, r.end - 1))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// `n` layers in `s` stages of equal counts (the first stages one longer when uneven).
+fn uniform(n: usize, s: usize) -> Vec<Range<usize>> {
+    let (base, extra) = (n / s, n % s);
+    let mut out = Vec::with_capacity(s);
+    let mut start = 0;
+    for i in 0..s {
+        let len = base + usize::from(i < extra);
+        out.push(start..start + len);
+        start += len;
+    }
+    out
+}
+
+fn case_of(cfg: &PartitionBenchConfig, name: &str, plan: &PartitionPlan) -> Case {
+    Case {
+        name: name.into(),
+        policy: cfg.policy.name().into(),
+        stages: plan.stages.len() as u32,
+        replicas: 1,
+        microbatch: cfg.microbatch,
+        m: cfg.microbatches,
+        replica_counts: Some(plan.stages.iter().map(|s| s.replicas).collect()),
+        partition: Some(plan.stages.iter().map(|s| s.layers.clone()).collect()),
+    }
+}
+
+fn measure(model: &Model, case: &Case, cfg: &PartitionBenchConfig) -> Result<f64, ExperimentError> {
+    let mut states = Vec::new();
+    pipelined(model, case, cfg.warmup.max(1), &mut states)?;
+    let (measured, _, _) = pipelined(model, case, cfg.updates, &mut states)?;
+    Ok(measured)
+}
+
+/// The link bandwidth that reproduces the in-process all-reduce of `params` f32 gradients
+/// between two worker threads: a ring of two moves `2 (r-1)/r P = P` bytes, so `P / t`.
+///
+/// # Errors
+/// A failure of the measuring threads.
+pub fn in_process_bandwidth(params: usize) -> Result<f64, ExperimentError> {
+    let t = all_reduce_cost(params.max(1), 2)?;
+    Ok((params.max(1) * 4) as f64 / t.max(1e-9))
+}
+
+/// Runs the benchmark (see the module docs).
+///
+/// # Errors
+/// Bad configuration (model, sizes), or a failure while profiling, planning or running.
+pub fn run(cfg: &PartitionBenchConfig) -> Result<PartitionReport, ExperimentError> {
+    if cfg.workers < 2 || cfg.updates == 0 || cfg.rounds == 0 || cfg.microbatch == 0 {
+        return Err(ExperimentError::Config(
+            "need at least 2 workers, 1 update, 1 round and 1 sample per microbatch".into(),
+        ));
+    }
+    let model = Model::new(&ModelSpec::preset(&cfg.model)?)?;
+    let be = CpuBackend::new(1)?;
+    let profile = profile_model(
+        &model,
+        &cfg.model,
+        &be,
+        &ProfileOptions::new(cfg.microbatch),
+    )?;
+    let bandwidth = in_process_bandwidth(model.param_count())?;
+    let opts = PlanOptions {
+        policy: cfg.policy,
+        microbatches: cfg.microbatches,
+        ..PlanOptions::new(cfg.workers, bandwidth)
+    };
+    let plan = plan_partition(&profile, &opts)?;
+    let even: Vec<(Range<usize>, u32)> = uniform(model.len(), cfg.workers as usize)
+        .into_iter()
+        .map(|r| (r, 1))
+        .collect();
+    let flat = explain(&profile, &opts, &even)?;
+    let plan_case = case_of(cfg, "plan", &plan);
+    let flat_case = case_of(cfg, "uniform", &flat);
+    let (mut plan_runs, mut flat_runs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..cfg.rounds {
+        let p = measure(&model, &plan_case, cfg)?;
+        let u = measure(&model, &flat_case, cfg)?;
+        plan_runs.push(p);
+        flat_runs.push(u);
+        ratios.push(p / u);
+    }
+    let b = cfg.microbatch as f64;
+    let layout = |p: &PartitionPlan, runs: Vec<f64>| -> Result<LayoutResult, ExperimentError> {
+        Ok(LayoutResult {
+            partition: ranges_text(
+                &p.stages
+                    .iter()
+                    .map(|s| s.layers.clone())
+                    .collect::<Vec<_>>(),
+            ),
+            replicas: p.stages.iter().map(|s| s.replicas).collect(),
+            model_samples_per_s: b / p.time_per_microbatch,
+            simulated_samples_per_s: b / simulate_plan(&profile, p, &opts)?,
+            measured_samples_per_s: median(&runs),
+            rounds: runs,
+        })
+    };
+    let plan_result = layout(&plan, plan_runs)?;
+    let flat_result = layout(&flat, flat_runs)?;
+    let measured_over_simulated =
+        plan_result.measured_samples_per_s / plan_result.simulated_samples_per_s;
+    Ok(PartitionReport {
+        model: cfg.model.clone(),
+        microbatch: cfg.microbatch,
+        workers: cfg.workers,
+        policy: cfg.policy.name().into(),
+        bandwidth,
+        profile,
+        plan: plan_result,
+        uniform: flat_result,
+        plan_over_uniform: median(&ratios),
+        measured_over_simulated,
+    })
+}
+
+/// The report as text.
+pub fn render(r: &PartitionReport) -> String {
+    let mut out = format!(
+        "partition benchmark: {} at microbatch {}, {} workers, schedule {}, all-reduce as {:.2} GB/s\n",
+        r.model,
+        r.microbatch,
+        r.workers,
+        r.policy,
+        r.bandwidth / 1e9
+    );
+    out.push_str(&format!(
+        "{:<10} {:>16} {:>10} {:>14} {:>14} {:>14}\n",
+        "layout", "layers", "replicas", "model s/s", "simulated s/s", "measured s/s"
+    ));
+    for (name, l) in [("plan", &r.plan), ("uniform", &r.uniform)] {
+        out.push_str(&format!(
+            "{:<10} {:>16} {:>10} {:>14.0} {:>14.0} {:>14.0}\n",
+            name,
+            l.partition,
+            format!("{:?}", l.replicas),
+            l.model_samples_per_s,
+            l.simulated_samples_per_s,
+            l.measured_samples_per_s
+        ));
+    }
+    out.push_str(&format!(
+        "plan / uniform (measured): {:.2}x; plan measured / simulated: {:.2}\n",
+        r.plan_over_uniform, r.measured_over_simulated
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn uniform_splits_cover_every_layer_evenly() {
+        assert_eq!(uniform(20, 2), vec![0..10, 10..20]);
+        assert_eq!(uniform(7, 3), vec![0..3, 3..5, 5..7]);
+        assert_eq!(ranges_text(&uniform(4, 2)), "0-1,2-3");
+    }
+}
