@@ -25,7 +25,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Train a model.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Run a benchmark.
     #[command(subcommand)]
     Bench(BenchCommand),
