@@ -38,6 +38,12 @@ pub struct ProfileArgs {
     /// Timed runs of each operation (figures are medians).
     #[arg(long, default_value_t = 11)]
     repeats: usize,
+    /// Microbatches per update of the executor run the times are calibrated on.
+    #[arg(long, default_value_t = 4)]
+    microbatches: u32,
+    /// Keep the layers' isolated timings (no executor calibration).
+    #[arg(long)]
+    isolated: bool,
     /// Write the profile as JSON to FILE.
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
@@ -51,14 +57,16 @@ fn profile_preset(name: &str, opts: &ProfileOptions, threads: usize) -> Result<P
 
 /// Runs `pipe profile`.
 pub fn cmd_profile(args: &ProfileArgs) -> Result<()> {
-    if args.microbatch_size == 0 || args.repeats == 0 || args.threads == 0 {
+    if args.microbatch_size == 0 || args.repeats == 0 || args.threads == 0 || args.microbatches == 0
+    {
         return Err(bad_input(
-            "--microbatch-size, --repeats and --threads must be at least 1".into(),
+            "--microbatch-size, --repeats, --threads and --microbatches must be at least 1".into(),
         ));
     }
     let opts = ProfileOptions {
         warmup: args.warmup,
         repeats: args.repeats,
+        calibrate: (!args.isolated).then_some(args.microbatches),
         ..ProfileOptions::new(args.microbatch_size)
     };
     let profile = profile_preset(&args.model, &opts, args.threads)?;
@@ -72,8 +80,12 @@ pub fn cmd_profile(args: &ProfileArgs) -> Result<()> {
 }
 
 fn render_profile(p: &Profile) -> String {
+    let how = match p.calibrated_microbatches {
+        Some(m) => format!("calibrated on the executor at {m} microbatches per update"),
+        None => "medians, one layer at a time".into(),
+    };
     let mut out = format!(
-        "profile of {} at microbatch {} (medians, one layer at a time)\n{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+        "profile of {} at microbatch {} ({how})\n{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
         p.model,
         p.microbatch_size,
         "layer",
@@ -274,7 +286,11 @@ pub fn cmd_plan(args: &PlanArgs) -> Result<()> {
             if args.microbatch_size == 0 {
                 return Err(bad_input("--microbatch-size must be at least 1".into()));
             }
-            profile_preset(model, &ProfileOptions::new(args.microbatch_size), 1)?
+            let opts = ProfileOptions {
+                calibrate: Some(args.microbatches),
+                ..ProfileOptions::new(args.microbatch_size)
+            };
+            profile_preset(model, &opts, 1)?
         }
         (None, None) => return Err(bad_input("give --profile FILE or --model M".into())),
     };
@@ -410,6 +426,7 @@ pub fn auto_plan(
     let opts = ProfileOptions {
         warmup: 2,
         repeats: 5,
+        calibrate: Some(microbatches),
         ..ProfileOptions::new(microbatch_size)
     };
     let profile = profile_model(&model, name, &be, &opts)?;

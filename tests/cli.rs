@@ -597,3 +597,157 @@ fn plan_reproduces_pipedreams_vgg16_plan_and_rejects_bad_profiles() {
         "{err}"
     );
 }
+
+#[test]
+fn profile_plan_and_train_the_plan() {
+    let profile = tmp("profile-mlp.json");
+    let out = pipe(&[
+        "profile",
+        "--model",
+        "mlp-784-64-64-10",
+        "--microbatch-size",
+        "16",
+        "--repeats",
+        "3",
+        "--microbatches",
+        "2",
+        "-o",
+        profile.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("calibrated on the executor at 2"), "{text}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
+    assert_eq!(json["layers"].as_array().unwrap().len(), 6);
+    assert_eq!(json["microbatch_size"], 16);
+
+    let plan = tmp("plan-mlp.toml");
+    let out = pipe(&[
+        "plan",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("2 stage(s) on 2 worker(s), cost model default"),
+        "{text}"
+    );
+    assert!(text.contains("simulated:"), "{text}");
+    let written = std::fs::read_to_string(&plan).unwrap();
+    assert!(written.contains("replicas = [1, 1]"), "{written}");
+
+    let out = pipe(&[
+        "train",
+        "--plan",
+        plan.to_str().unwrap(),
+        "--steps",
+        "20",
+        "--epochs",
+        "1",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("2 stages x replicas [1, 1]"), "{text}");
+    assert!(text.contains("done: 20 steps"), "{text}");
+
+    // A plan file with an unknown field, and one for another model.
+    let bad = tmp("bad-plan.toml");
+    std::fs::write(
+        &bad,
+        written.replace("schedule =", "colour = 1\nschedule ="),
+    )
+    .unwrap();
+    let out = pipe(&["train", "--plan", bad.to_str().unwrap(), "--steps", "1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("colour"));
+    let out = pipe(&[
+        "train",
+        "--plan",
+        plan.to_str().unwrap(),
+        "--model",
+        "mlp-784-32-10",
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("was made for model"));
+}
+
+#[test]
+fn train_with_workers_plans_automatically() {
+    let out = pipe(&[
+        "train",
+        "--model",
+        "mlp-784-64-64-10",
+        "--workers",
+        "2",
+        "--microbatch-size",
+        "16",
+        "--steps",
+        "10",
+        "--epochs",
+        "1",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("auto plan for 2 workers"), "{text}");
+    assert!(text.contains("done: 10 steps"), "{text}");
+    let out = pipe(&[
+        "train",
+        "--workers",
+        "2",
+        "--schedule",
+        "interleaved",
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn plan_rejects_cyclic_and_unknown_profiles_and_impossible_requests() {
+    let cyc = tmp("cyclic.json");
+    std::fs::write(
+        &cyc,
+        r#"{"layers": [{"name": "a", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1},
+                       {"name": "b", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1}],
+            "edges": [[1, 0]]}"#,
+    )
+    .unwrap();
+    let out = pipe(&["plan", "--profile", cyc.to_str().unwrap(), "--workers", "2"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not go from an earlier layer"));
+    let two = tmp("two-layers.json");
+    std::fs::write(
+        &two,
+        r#"{"layers": [{"name": "a", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1e9},
+                       {"name": "b", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1e9}]}"#,
+    )
+    .unwrap();
+    let out = pipe(&["plan", "--profile", two.to_str().unwrap(), "--stages", "3"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = pipe(&[
+        "plan",
+        "--profile",
+        two.to_str().unwrap(),
+        "--workers",
+        "2",
+        "--memory",
+        "1MB",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("memory bound"));
+}

@@ -82,6 +82,12 @@ pub struct LayoutResult {
     pub measured_samples_per_s: f64,
     /// Measured per round.
     pub rounds: Vec<f64>,
+    /// Per worker: the cost model's busy seconds per pipeline microbatch (its stage's compute
+    /// and all-reduce).
+    pub busy_model: Vec<f64>,
+    /// Per worker: measured seconds in forward, backward and update actions per pipeline
+    /// microbatch (median over rounds).
+    pub busy_measured: Vec<f64>,
 }
 
 /// The report.
@@ -143,11 +149,18 @@ fn case_of(cfg: &PartitionBenchConfig, name: &str, plan: &PartitionPlan) -> Case
     }
 }
 
-fn measure(model: &Model, case: &Case, cfg: &PartitionBenchConfig) -> Result<f64, ExperimentError> {
+/// Samples/s of a timed run after a warm-up, and each worker's compute seconds per pipeline
+/// microbatch.
+fn measure(
+    model: &Model,
+    case: &Case,
+    cfg: &PartitionBenchConfig,
+) -> Result<(f64, Vec<f64>), ExperimentError> {
     let mut states = Vec::new();
     pipelined(model, case, cfg.warmup.max(1), &mut states)?;
-    let (measured, _, _) = pipelined(model, case, cfg.updates, &mut states)?;
-    Ok(measured)
+    let (measured, outs, schedule) = pipelined(model, case, cfg.updates, &mut states)?;
+    let mbs = f64::from(schedule.total_microbatches());
+    Ok((measured, outs.iter().map(|o| o.compute_s / mbs).collect()))
 }
 
 /// The link bandwidth that reproduces the in-process all-reduce of `params` f32 gradients
@@ -176,7 +189,10 @@ pub fn run(cfg: &PartitionBenchConfig) -> Result<PartitionReport, ExperimentErro
         &model,
         &cfg.model,
         &be,
-        &ProfileOptions::new(cfg.microbatch),
+        &ProfileOptions {
+            calibrate: Some(cfg.microbatches),
+            ..ProfileOptions::new(cfg.microbatch)
+        },
     )?;
     let bandwidth = in_process_bandwidth(model.param_count())?;
     let opts = PlanOptions {
@@ -193,16 +209,34 @@ pub fn run(cfg: &PartitionBenchConfig) -> Result<PartitionReport, ExperimentErro
     let plan_case = case_of(cfg, "plan", &plan);
     let flat_case = case_of(cfg, "uniform", &flat);
     let (mut plan_runs, mut flat_runs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut plan_busy, mut flat_busy) = (Vec::new(), Vec::new());
     for _ in 0..cfg.rounds {
-        let p = measure(&model, &plan_case, cfg)?;
-        let u = measure(&model, &flat_case, cfg)?;
+        let (p, pb) = measure(&model, &plan_case, cfg)?;
+        let (u, ub) = measure(&model, &flat_case, cfg)?;
         plan_runs.push(p);
         flat_runs.push(u);
+        plan_busy.push(pb);
+        flat_busy.push(ub);
         ratios.push(p / u);
     }
     let b = cfg.microbatch as f64;
-    let layout = |p: &PartitionPlan, runs: Vec<f64>| -> Result<LayoutResult, ExperimentError> {
+    let per_worker = |rounds: &[Vec<f64>]| -> Vec<f64> {
+        let workers = rounds.first().map_or(0, Vec::len);
+        (0..workers)
+            .map(|w| median(&rounds.iter().map(|r| r[w]).collect::<Vec<_>>()))
+            .collect()
+    };
+    let layout = |p: &PartitionPlan,
+                  runs: Vec<f64>,
+                  busy: &[Vec<f64>]|
+     -> Result<LayoutResult, ExperimentError> {
         Ok(LayoutResult {
+            busy_model: p
+                .stages
+                .iter()
+                .flat_map(|s| std::iter::repeat_n(s.compute + s.communication, s.replicas as usize))
+                .collect(),
+            busy_measured: per_worker(busy),
             partition: ranges_text(
                 &p.stages
                     .iter()
@@ -216,8 +250,8 @@ pub fn run(cfg: &PartitionBenchConfig) -> Result<PartitionReport, ExperimentErro
             rounds: runs,
         })
     };
-    let plan_result = layout(&plan, plan_runs)?;
-    let flat_result = layout(&flat, flat_runs)?;
+    let plan_result = layout(&plan, plan_runs, &plan_busy)?;
+    let flat_result = layout(&flat, flat_runs, &flat_busy)?;
     let measured_over_simulated =
         plan_result.measured_samples_per_s / plan_result.simulated_samples_per_s;
     Ok(PartitionReport {
@@ -257,6 +291,19 @@ pub fn render(r: &PartitionReport) -> String {
             l.model_samples_per_s,
             l.simulated_samples_per_s,
             l.measured_samples_per_s
+        ));
+    }
+    for (name, l) in [("plan", &r.plan), ("uniform", &r.uniform)] {
+        let ms = |v: &[f64]| {
+            v.iter()
+                .map(|t| format!("{:.2}", t * 1e3))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
+        out.push_str(&format!(
+            "{name}: per-worker busy ms per microbatch, model {} , measured {}\n",
+            ms(&l.busy_model),
+            ms(&l.busy_measured)
         ));
     }
     out.push_str(&format!(

@@ -67,6 +67,10 @@ pub struct Profile {
     /// `(from, to)`: `from`'s output feeds `to`. Empty means a chain in layer order.
     #[serde(default)]
     pub edges: Vec<(usize, usize)>,
+    /// Microbatches per update of the executor run the times were calibrated on (absent: the
+    /// layers were timed alone, or the source does not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibrated_microbatches: Option<u32>,
 }
 
 fn bad(msg: impl Into<String>) -> ScheduleError {
@@ -81,6 +85,7 @@ impl Profile {
             microbatch_size: 0,
             layers,
             edges: Vec::new(),
+            calibrated_microbatches: None,
         }
     }
 
@@ -181,10 +186,8 @@ impl Profile {
             })
             .collect();
         let profile = Profile {
-            model: String::new(),
-            microbatch_size: 0,
-            layers,
             edges,
+            ..Profile::chain(layers)
         };
         let profile = profile.retain(&keep)?.sorted()?;
         profile.check()?;
