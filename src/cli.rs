@@ -380,7 +380,15 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     settings.merge(args.settings());
     if let Some(path) = &args.plan {
         let plan = crate::partition_cli::PlanFile::read(path)?;
-        if !plan.model.is_empty() {
+        if plan.model.is_empty() {
+            return Err(BadInput(format!(
+                "plan {} names no model (plans of imported profiles describe another system's \
+                 layers)",
+                path.display()
+            ))
+            .into());
+        }
+        {
             match &settings.model {
                 None => settings.model = Some(ModelChoice::Preset(plan.model.clone())),
                 Some(ModelChoice::Preset(m)) if *m == plan.model => {}

@@ -399,10 +399,16 @@ pub fn render_plan(profile: &Profile, plan: &PartitionPlan, memory: Option<f64>)
             if slowest { " (slowest stage)" } else { "" }
         ));
     }
+    let name = |at: usize| {
+        let layer = plan.order.get(at).copied().unwrap_or(at);
+        profile.layers.get(layer).map_or("?", |l| l.name.as_str())
+    };
     for (i, s) in plan.stages.iter().enumerate() {
-        let first = &profile.layers[s.layers.start].name;
-        let last = &profile.layers[s.layers.end - 1].name;
-        out.push_str(&format!("stage {i}: {first} .. {last}\n"));
+        out.push_str(&format!(
+            "stage {i}: {} .. {}\n",
+            name(s.layers.start),
+            name(s.layers.end - 1)
+        ));
     }
     out
 }

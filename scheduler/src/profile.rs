@@ -136,10 +136,16 @@ impl Profile {
                 let (k, v) = pair
                     .split_once('=')
                     .ok_or_else(|| bad(format!("line {no}: {pair:?} is not key=value")))?;
-                let v: f64 = v
-                    .trim()
-                    .parse()
-                    .map_err(|_| bad(format!("line {no}: {k} = {v:?} is not a number")))?;
+                let number = |t: &str| {
+                    t.trim()
+                        .parse::<f64>()
+                        .map_err(|_| bad(format!("line {no}: {k} = {v:?} is not a number")))
+                };
+                // A layer with several outputs lists their sizes, `[a; b; c]`: their sum.
+                let v: f64 = match v.trim().strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+                    Some(list) => list.split(';').map(number).sum::<Result<f64>>()?,
+                    None => number(v)?,
+                };
                 fields.insert(k.trim(), v);
             }
             let get = |k: &str| {

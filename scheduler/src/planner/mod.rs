@@ -13,15 +13,19 @@
 //! for its output; every later stage pays for its input and (unless last) its output at its
 //! own replica count.
 //!
-//! Layer graphs that branch are planned over the prefixes of their topological order: a cut
-//! after layer `k` sends every activation that crosses it (each layer up to `k` with an edge
-//! past `k`), as PipeDream's antichain states do. On chains, and on graphs whose branches stay
-//! inside one stage, such as vgg16's `Size`/`View` diamond, the two are the same states.
+//! Layer graphs that branch are planned the way PipeDream plans them, over its antichain
+//! states ([`antichain`]): a state is everything at or before an antichain, a stage the
+//! difference of two states, and a cut sends the activations of every layer in the state with
+//! an edge leaving it. On a chain the states are its prefixes and the program below runs.
+//! [`plan`] (the default model) plans every graph over the prefixes of its topological order,
+//! which is exact for the chains pipe trains; on branching graphs it can miss cuts through a
+//! residual block at two depths.
 //!
 //! The program is `O(L^2 W^2)` over `L` layers: `A[j][m]` is the best time for layers `0..=j`
 //! on `m + 1` workers, either one stage replicated `m + 1` times or a best prefix `A[k][m - r]`
 //! followed by the stage `k+1..=j` on `r` workers.
 
+pub mod antichain;
 mod model;
 
 pub use model::{PlanOptions, WireDtype, explain, frontier, plan, simulate_plan, stage_costs};
@@ -93,6 +97,18 @@ pub enum Bound {
 }
 
 impl Bound {
+    /// The bound of a PipeDream-model stage: transfer when it outlasts compute plus
+    /// all-reduce, else the larger of those two.
+    fn of(compute: f64, communication: f64, transfer: f64) -> Self {
+        if transfer > compute + communication {
+            Bound::Transfer
+        } else if communication > compute {
+            Bound::AllReduce
+        } else {
+            Bound::Compute
+        }
+    }
+
     /// Words for plans.
     pub fn describe(self) -> &'static str {
         match self {
@@ -125,6 +141,10 @@ pub struct PartitionPlan {
     /// The simulator's time per microbatch for the plan, when it was simulated (flush
     /// schedules: the pipeline's fill and drain included).
     pub simulated: Option<f64>,
+    /// The layer order the stages' ranges index: the profile's own order, except for
+    /// PipeDream-model plans of branching graphs, whose stages are differences of antichain
+    /// states listed one after another.
+    pub order: Vec<usize>,
 }
 
 impl PartitionPlan {
@@ -159,6 +179,9 @@ struct Cell {
 /// bound no plan meets; [`ScheduleError::Profile`] for a bad profile.
 pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan> {
     profile.check()?;
+    if !profile.is_chain() {
+        return antichain::plan(profile, opts);
+    }
     if opts.workers == 0 {
         return Err(ScheduleError::Plan("need at least one worker".into()));
     }
@@ -283,13 +306,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
                 }
                 _ => 0.0,
             };
-            let bound = if transfer > compute + communication {
-                Bound::Transfer
-            } else if communication > compute {
-                Bound::AllReduce
-            } else {
-                Bound::Compute
-            };
+            let bound = Bound::of(compute, communication, transfer);
             let copies = (w - upto).div_ceil(r as usize) as f64;
             PlannedStage {
                 layers: from..to + 1,
@@ -315,6 +332,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
         policy: crate::spec::Policy::PipeDream,
         microbatches: 1,
         simulated: None,
+        order: (0..n).collect(),
     })
 }
 

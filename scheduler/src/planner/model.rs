@@ -467,6 +467,7 @@ fn make_plan(costs: &Costs, profile: &Profile, bounds: &[(usize, usize, usize)])
         policy: o.policy,
         microbatches: o.microbatches,
         simulated: None,
+        order: (0..n).collect(),
     }
 }
 
