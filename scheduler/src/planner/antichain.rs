@@ -162,6 +162,10 @@ struct State {
     output: f64,
 }
 
+/// A table cell: the best time, the split `(state before the last stage, workers before it)`
+/// or `None` for one stage, and the last stage's replicas.
+type Cell = (f64, Option<(usize, usize)>, usize);
+
 /// The largest number of states explored before giving up.
 const MAX_STATES: usize = 200_000;
 
@@ -237,8 +241,7 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
         }
         None => 0.0,
     };
-    // Cell: (time, Some((k, m - r)) or None for one stage, r).
-    let mut a: Vec<(f64, Option<(usize, usize)>, usize)> = vec![(f64::INFINITY, None, 0); s * w];
+    let mut a: Vec<Cell> = vec![(f64::INFINITY, None, 0); s * w];
     for &j in &order {
         let st = &states[j];
         let max_m = if opts.straight { 1 } else { w };
