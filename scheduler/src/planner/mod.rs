@@ -21,9 +21,10 @@
 //! which is exact for the chains pipe trains; on branching graphs it can miss cuts through a
 //! residual block at two depths.
 //!
-//! The program is `O(L^2 W^2)` over `L` layers: `A[j][m]` is the best time for layers `0..=j`
-//! on `m + 1` workers, either one stage replicated `m + 1` times or a best prefix `A[k][m - r]`
-//! followed by the stage `k+1..=j` on `r` workers.
+//! The program runs over `L` layers: `A[j][m]` is the best time for layers `0..=j` on `m + 1`
+//! workers, either one stage replicated `m + 1` times or a best prefix `A[k][m - r]` followed
+//! by the stage `k+1..=j` on `r` workers. That is `O(L^2 W^2)` as written; the search over `k`
+//! is cut, exactly, to the cuts whose compute bounds can still beat the best time found.
 
 pub mod antichain;
 mod model;
@@ -236,17 +237,30 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
         }
         for m in 1..w {
             let mut best = a[j * w + m];
-            for k in 0..j {
-                let (c, p) = range(k + 1, j);
-                let max_r = if opts.straight { 1 } else { m };
-                for r in 1..=max_r {
+            let max_r = if opts.straight { 1 } else { m };
+            for r in 1..=max_r {
+                // Only cuts k with pc[k+1] in [pc[j+1] - r t, (m - r + 1) t] can beat the best
+                // time t: a stage is never faster than its compute over its replicas, nor a
+                // prefix than its compute over its workers (see `model`'s docs).
+                let (lo, hi) = if best.time.is_finite() {
+                    let low = pc[j + 1] - r as f64 * best.time;
+                    let high = (m - r + 1) as f64 * best.time;
+                    (
+                        1 + pc[1..=j].partition_point(|&x| x < low),
+                        1 + pc[1..=j].partition_point(|&x| x <= high),
+                    )
+                } else {
+                    (1, j + 1)
+                };
+                for k in lo - 1..hi - 1 {
                     let prev = a[k * w + (m - r)].time;
-                    if !prev.is_finite() {
+                    if !prev.is_finite() || prev >= best.time {
                         continue;
                     }
                     if !fits(k + 1, j, (w - (m + 1)).div_ceil(r)) {
                         continue;
                     }
+                    let (c, p) = range(k + 1, j);
                     let mut t = prev.max(stage_time(c, p, r as f64));
                     if let Some(ratio) = opts.activation_compression {
                         let rf = r as f64;
