@@ -191,6 +191,22 @@ struct Costs<'a> {
     pp: Vec<f64>,
     ps: Vec<f64>,
     crossing: Vec<f64>,
+    /// Factors per replica count (index `r`).
+    per_r: Vec<PerReplicas>,
+    inv_m: f64,
+    /// Seconds per profiled byte on the wire.
+    wire_per_byte: f64,
+}
+
+/// Factors of the stage formulas that depend only on the replica count.
+struct PerReplicas {
+    /// `1 / r`.
+    inv: f64,
+    /// All-reduce seconds per parameter byte per pipeline microbatch:
+    /// `2 (r-1)/r / bw / (M r)`.
+    ring: f64,
+    /// All-reduce latency per pipeline microbatch: `2 (r-1) latency / (M r)`.
+    ring_latency: f64,
 }
 
 impl<'a> Costs<'a> {
@@ -206,6 +222,17 @@ impl<'a> Costs<'a> {
             pp[i + 1] = pp[i] + l.param_bytes;
             ps[i + 1] = ps[i] + l.stash();
         }
+        let m = f64::from(opts.microbatches);
+        let per_r = (0..=opts.workers as usize)
+            .map(|r| {
+                let rf = (r as f64).max(1.0);
+                PerReplicas {
+                    inv: 1.0 / rf,
+                    ring: 2.0 * (rf - 1.0) / rf / opts.bandwidth / (m * rf),
+                    ring_latency: 2.0 * (rf - 1.0) * opts.latency / (m * rf),
+                }
+            })
+            .collect();
         Costs {
             opts,
             n,
@@ -215,24 +242,24 @@ impl<'a> Costs<'a> {
             pp,
             ps,
             crossing: profile.crossing_bytes(),
+            per_r,
+            inv_m: 1.0 / m,
+            wire_per_byte: opts.wire.factor() / opts.bandwidth,
         }
     }
 
-    /// Layers `from..=to` on `r` replicas with `after` workers at or after the stage.
-    fn eval(&self, from: usize, to: usize, r: usize, after: usize) -> Eval {
-        let o = self.opts;
-        let rf = r as f64;
-        let m = f64::from(o.microbatches);
+    /// Compute, all-reduce, transfer and time of layers `from..=to` on `r` replicas: the
+    /// formulas of the module docs with the per-replica factors precomputed (the program
+    /// evaluates this for every cut it cannot prune).
+    fn parts(&self, from: usize, to: usize, r: usize) -> (f64, f64, f64, f64) {
+        let f = &self.per_r[r];
         let c = self.pc[to + 1] - self.pc[from];
         let u = self.pu[to + 1] - self.pu[from];
         let p = self.pp[to + 1] - self.pp[from];
-        let compute = (c + u / m) / rf;
-        let all_reduce = if r > 1 {
-            (2.0 * (rf - 1.0) / rf * p / o.bandwidth + 2.0 * (rf - 1.0) * o.latency) / (m * rf)
-        } else {
-            0.0
-        };
-        let (mut bytes, mut messages) = (0.0, 0.0);
+        let compute = (c + u * self.inv_m) * f.inv;
+        let all_reduce = p * f.ring + f.ring_latency;
+        let mut bytes = 0.0;
+        let mut messages = 0.0;
         if from > 0 {
             bytes += self.crossing[from - 1];
             messages += 1.0;
@@ -241,14 +268,21 @@ impl<'a> Costs<'a> {
             bytes += self.crossing[to];
             messages += 1.0;
         }
-        let link = bytes * o.wire.factor() / o.bandwidth;
-        let (transfer, time) = if o.overlap {
-            let t = link / rf;
-            (t, (compute + all_reduce).max(t))
+        if self.opts.overlap {
+            let t = bytes * self.wire_per_byte * f.inv;
+            (compute, all_reduce, t, (compute + all_reduce).max(t))
         } else {
-            let t = (link + messages * o.latency) / rf;
-            (t, compute + all_reduce + t)
-        };
+            let t = (bytes * self.wire_per_byte + messages * self.opts.latency) * f.inv;
+            (compute, all_reduce, t, compute + all_reduce + t)
+        }
+    }
+
+    /// Bytes per worker of layers `from..=to` on `r` replicas with `after` workers at or after
+    /// the stage.
+    fn memory(&self, from: usize, to: usize, r: usize, after: usize) -> f64 {
+        let o = self.opts;
+        let m = f64::from(o.microbatches);
+        let p = self.pp[to + 1] - self.pp[from];
         let in_flight = after.div_ceil(r) as f64;
         let versions = match o.policy {
             Policy::PipeDream | Policy::VerticalSync => in_flight,
@@ -261,13 +295,29 @@ impl<'a> Costs<'a> {
             _ => in_flight,
         };
         let stash = self.ps[to + 1] - self.ps[from];
+        (versions + o.state_copies) * p + activations * stash
+    }
+
+    /// Everything about layers `from..=to` on `r` replicas with `after` workers at or after.
+    fn eval(&self, from: usize, to: usize, r: usize, after: usize) -> Eval {
+        let (compute, all_reduce, transfer, time) = self.parts(from, to, r);
         Eval {
             compute,
             all_reduce,
             transfer,
             time,
-            memory: (versions + o.state_copies) * p + activations * stash,
+            memory: self.memory(from, to, r, after),
         }
+    }
+
+    /// The stage's time if it fits the memory bound.
+    fn time_if_fits(&self, from: usize, to: usize, r: usize, after: usize) -> Option<f64> {
+        if let Some(limit) = self.opts.memory {
+            if self.memory(from, to, r, after) > limit {
+                return None;
+            }
+        }
+        Some(self.parts(from, to, r).3)
     }
 
     fn fits(&self, e: &Eval) -> bool {
@@ -334,14 +384,16 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
                     if before.time > best.time || !before.time.is_finite() {
                         return;
                     }
-                    let e = costs.eval(k + 1, j, r, r + after_base);
+                    let Some(t) = costs.time_if_fits(k + 1, j, r, r + after_base) else {
+                        return;
+                    };
                     let cand = Cell {
-                        time: before.time.max(e.time),
+                        time: before.time.max(t),
                         k: k as u32,
                         r: r as u32,
                         stages: before.stages + 1,
                     };
-                    if cand.beats(best) && costs.fits(&e) {
+                    if cand.beats(best) {
                         *best = cand;
                     }
                 };
