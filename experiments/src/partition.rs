@@ -319,6 +319,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_small_run_reports_both_layouts() {
+        let r = run(&PartitionBenchConfig {
+            model: "mlp-32-128x2-16x4-10".into(),
+            microbatch: 4,
+            microbatches: 2,
+            updates: 2,
+            warmup: 1,
+            rounds: 1,
+            ..PartitionBenchConfig::default()
+        })
+        .unwrap();
+        for l in [&r.plan, &r.uniform] {
+            assert!(l.measured_samples_per_s > 0.0 && l.simulated_samples_per_s > 0.0);
+            assert_eq!(l.busy_measured.len(), 2, "{l:?}");
+            assert_eq!(l.busy_model.len(), 2, "{l:?}");
+        }
+        assert_eq!(r.uniform.partition, "0-6,7-13");
+        assert!(r.profile.calibrated_microbatches == Some(2));
+        // The plan is the model's best, so it never predicts slower than the uniform split.
+        assert!(r.plan.model_samples_per_s >= r.uniform.model_samples_per_s * (1.0 - 1e-9));
+    }
+
+    #[test]
     fn uniform_splits_cover_every_layer_evenly() {
         assert_eq!(uniform(20, 2), vec![0..10, 10..20]);
         assert_eq!(uniform(7, 3), vec![0..3, 3..5, 5..7]);

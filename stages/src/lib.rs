@@ -5,8 +5,10 @@
 //! keeps several weight versions (weight stashing) just hands the version its version plan names
 //! to the same code, and the sequential reference trainer can keep every version side by side.
 //!
-//! Today it trains on one worker ([`train::train`]); the pipelined executor and the reference
-//! trainer build on the same model and layer API.
+//! It trains on one worker ([`train::train`]) and pipelined ([`pipeline`]): the executor and
+//! the reference trainer build on the same model and layer API, and so does the profiler
+//! ([`profile`]), which times layers alone and then on the executor itself, so plans are made
+//! from what the runtime really pays.
 
 #![warn(missing_docs)]
 
