@@ -173,6 +173,23 @@ struct Cell {
     replicas: u32,
 }
 
+/// The cuts `k` (prefix `0..=k` on `m - r + 1` workers, then the stage `k+1..=j` on `r`) that
+/// can beat the best time `t` found so far, given the compute prefix sums `pc`: a stage is never
+/// faster than its compute over its replicas, nor a prefix than its compute over its workers
+/// (the slowest stage is at least the average), so only `pc[k+1]` in
+/// `[pc[j+1] - r t, (m - r + 1) t]` qualifies. Both ends by binary search (`pc` never
+/// decreases); every cut when `t` is infinite.
+fn cuts_that_can_win(pc: &[f64], j: usize, m: usize, r: usize, t: f64) -> std::ops::Range<usize> {
+    if !t.is_finite() {
+        return 0..j;
+    }
+    let low = pc[j + 1] - r as f64 * t;
+    let high = (m - r + 1) as f64 * t;
+    let lo = pc[1..=j].partition_point(|&x| x < low);
+    let hi = pc[1..=j].partition_point(|&x| x <= high);
+    lo..hi.max(lo)
+}
+
 /// PipeDream's optimizer (see the module docs).
 ///
 /// # Errors
@@ -239,20 +256,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
             let mut best = a[j * w + m];
             let max_r = if opts.straight { 1 } else { m };
             for r in 1..=max_r {
-                // Only cuts k with pc[k+1] in [pc[j+1] - r t, (m - r + 1) t] can beat the best
-                // time t: a stage is never faster than its compute over its replicas, nor a
-                // prefix than its compute over its workers (see `model`'s docs).
-                let (lo, hi) = if best.time.is_finite() {
-                    let low = pc[j + 1] - r as f64 * best.time;
-                    let high = (m - r + 1) as f64 * best.time;
-                    (
-                        1 + pc[1..=j].partition_point(|&x| x < low),
-                        1 + pc[1..=j].partition_point(|&x| x <= high),
-                    )
-                } else {
-                    (1, j + 1)
-                };
-                for k in lo - 1..hi - 1 {
+                for k in cuts_that_can_win(&pc, j, m, r, best.time) {
                     let prev = a[k * w + (m - r)].time;
                     if !prev.is_finite() || prev >= best.time {
                         continue;

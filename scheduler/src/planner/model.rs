@@ -39,7 +39,7 @@
 use crate::error::{Result, ScheduleError};
 use crate::generate::generate;
 use crate::lower::{LowerOptions, lower};
-use crate::planner::{Bound, PartitionPlan, PlannedStage};
+use crate::planner::{Bound, PartitionPlan, PlannedStage, cuts_that_can_win};
 use crate::profile::Profile;
 use crate::sim::{CostModel, SimOptions, StageCost, simulate};
 use crate::spec::{Length, Policy, ScheduleSpec};
@@ -404,20 +404,8 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
                 }
                 let max_r = if straight { 1 } else { m };
                 for r in 1..=max_r {
-                    // Cuts k (prefix 0..=k, stage k+1..=j) with pc[k+1] in
-                    // [pc[j+1] - r * best, (m - r + 1) * best]: nothing else can beat best.
-                    let (lo, hi) = if best.time.is_finite() {
-                        let low = pc[j + 1] - r as f64 * best.time;
-                        let high = (m - r + 1) as f64 * best.time;
-                        (
-                            1 + pc[1..=j].partition_point(|&x| x < low),
-                            1 + pc[1..=j].partition_point(|&x| x <= high),
-                        )
-                    } else {
-                        (1, j + 1)
-                    };
-                    for idx in lo..hi {
-                        consider(idx - 1, r, &mut best);
+                    for k in cuts_that_can_win(pc, j, m, r, best.time) {
+                        consider(k, r, &mut best);
                     }
                 }
             }
