@@ -44,6 +44,9 @@ pub struct ProfileArgs {
     /// Keep the layers' isolated timings (no executor calibration).
     #[arg(long)]
     isolated: bool,
+    /// Calibration copies run at once: the pipeline's busy workers (at most one per core).
+    #[arg(long, default_value_t = 1)]
+    concurrent: usize,
     /// Write the profile as JSON to FILE.
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
@@ -63,10 +66,17 @@ pub fn cmd_profile(args: &ProfileArgs) -> Result<()> {
             "--microbatch-size, --repeats, --threads and --microbatches must be at least 1".into(),
         ));
     }
+    if args.concurrent == 0 || args.concurrent > 256 {
+        return Err(bad_input(format!(
+            "--concurrent must be between 1 and 256, got {}",
+            args.concurrent
+        )));
+    }
     let opts = ProfileOptions {
         warmup: args.warmup,
         repeats: args.repeats,
         calibrate: (!args.isolated).then_some(args.microbatches),
+        concurrent: args.concurrent,
         ..ProfileOptions::new(args.microbatch_size)
     };
     let profile = profile_preset(&args.model, &opts, args.threads)?;
@@ -288,6 +298,9 @@ pub fn cmd_plan(args: &PlanArgs) -> Result<()> {
             }
             let opts = ProfileOptions {
                 calibrate: Some(args.microbatches),
+                concurrent: pipe_experiments::partition::busy_workers(
+                    args.stages.or(args.workers).unwrap_or(1),
+                ),
                 ..ProfileOptions::new(args.microbatch_size)
             };
             profile_preset(model, &opts, 1)?
@@ -433,11 +446,12 @@ pub fn auto_plan(
         warmup: 2,
         repeats: 5,
         calibrate: Some(microbatches),
+        concurrent: pipe_experiments::partition::busy_workers(workers),
         ..ProfileOptions::new(microbatch_size)
     };
     let profile = profile_model(&model, name, &be, &opts)?;
     let policy: Policy = policy.parse().map_err(bad)?;
-    let bandwidth = pipe_experiments::partition::in_process_bandwidth(model.param_count())?;
+    let bandwidth = pipe_experiments::partition::in_process_bandwidth(&model, microbatch_size)?;
     let opts = PlanOptions {
         policy,
         microbatches,

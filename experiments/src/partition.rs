@@ -5,11 +5,12 @@
 //! figure the median over rounds (ratios taken within a round):
 //!
 //! 1. **Profile** the model at the benchmark's microbatch size with one compute thread per
-//!    worker, as the pipeline runs it ([`pipe_stages::profile`]).
+//!    worker, as the pipeline runs it, calibrated on the executor with as many copies at once
+//!    as the pipeline has busy workers ([`pipe_stages::profile`]).
 //! 2. **Plan** under the default cost model for `workers` workers and the benchmark's schedule.
 //!    The link is the in-process transport: activations move for free (a pointer hand-off),
-//!    and the all-reduce's cost is measured (a ring all-reduce of the model's gradients among
-//!    two threads) and given to the planner as the bandwidth that reproduces it.
+//!    and the all-reduce's cost is measured on the executor (two replicas of the whole model)
+//!    and given to the planner as the bandwidth that reproduces it.
 //! 3. **Measure** the plan and the uniform split (`workers` stages of equal layer counts, one
 //!    worker each) with the pipelined executor on in-process threads: a warm-up run, then
 //!    `updates` timed minibatches; samples/s = samples / wall time (fill and drain included).
@@ -22,13 +23,13 @@ use std::ops::Range;
 
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{
-    PartitionPlan, PlanOptions, Policy, Profile, explain, plan_partition, simulate_plan,
+    Action, PartitionPlan, PlanOptions, Policy, Profile, explain, plan_partition, simulate_plan,
 };
 use pipe_stages::model::{Model, ModelSpec};
 use pipe_stages::profile::{ProfileOptions, profile_model};
 use serde::Serialize;
 
-use crate::pipeline::{Case, all_reduce_cost, pipelined};
+use crate::pipeline::{Case, pipelined};
 use crate::{ExperimentError, median};
 
 /// What to run.
@@ -163,14 +164,46 @@ fn measure(
     Ok((measured, outs.iter().map(|o| o.compute_s / mbs).collect()))
 }
 
-/// The link bandwidth that reproduces the in-process all-reduce of `params` f32 gradients
-/// between two worker threads: a ring of two moves `2 (r-1)/r P = P` bytes, so `P / t`.
+/// Workers that compute at once: one per worker, at most one per core.
+pub fn busy_workers(workers: u32) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    (workers as usize).clamp(1, cores)
+}
+
+/// The link bandwidth that reproduces the executor's all-reduce of `model`'s gradients between
+/// two in-process replicas: a one-stage, two-replica `pipedream` run at one microbatch per
+/// update, whose all-reduce actions (flattening the gradients, the ring, unflattening, waiting
+/// for the peer) are timed; a ring of two moves `2 (r-1)/r P = P` bytes, so `P / median`.
 ///
 /// # Errors
-/// A failure of the measuring threads.
-pub fn in_process_bandwidth(params: usize) -> Result<f64, ExperimentError> {
-    let t = all_reduce_cost(params.max(1), 2)?;
-    Ok((params.max(1) * 4) as f64 / t.max(1e-9))
+/// A failure of the run.
+pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64, ExperimentError> {
+    let case = Case {
+        name: "all-reduce".into(),
+        policy: "pipedream".into(),
+        stages: 1,
+        replicas: 2,
+        microbatch,
+        m: 1,
+        replica_counts: None,
+        partition: None,
+    };
+    let mut states = Vec::new();
+    pipelined(model, &case, 2, &mut states)?;
+    let (_, outs, _) = pipelined(model, &case, 6, &mut states)?;
+    let times: Vec<f64> = outs
+        .iter()
+        .flat_map(|o| &o.spans)
+        .filter(|sp| matches!(sp.action, Action::AllReduce { .. }))
+        .map(|sp| sp.end - sp.start)
+        .collect();
+    let t = median(&times);
+    let bytes = (model.param_count().max(1) * 4) as f64;
+    Ok(if t.is_finite() && t > 0.0 {
+        bytes / t
+    } else {
+        f64::INFINITY
+    })
 }
 
 /// Runs the benchmark (see the module docs).
@@ -191,10 +224,11 @@ pub fn run(cfg: &PartitionBenchConfig) -> Result<PartitionReport, ExperimentErro
         &be,
         &ProfileOptions {
             calibrate: Some(cfg.microbatches),
+            concurrent: busy_workers(cfg.workers),
             ..ProfileOptions::new(cfg.microbatch)
         },
     )?;
-    let bandwidth = in_process_bandwidth(model.param_count())?;
+    let bandwidth = in_process_bandwidth(&model, cfg.microbatch)?;
     let opts = PlanOptions {
         policy: cfg.policy,
         microbatches: cfg.microbatches,

@@ -347,7 +347,7 @@ fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
 
 /// Seconds one ring all-reduce of `len` values takes among `r` in-process workers, each on its
 /// own thread (median of repeats after one warm-up round).
-pub(crate) fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
+fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
     let rounds = 7u32;
     let abort = Abort::new();
     let group: Vec<u32> = (0..r).collect();

@@ -18,6 +18,10 @@
 //! update, and each layer's forward, backward and update take the mean of what the executor
 //! measured (means, since the per-version costs land on one microbatch in `M`). The backward
 //! is split into its input and weight halves in the proportion the isolated timing found.
+//! Workers of a pipeline compute at the same time and slow each other down (shared cache and
+//! memory bandwidth: 15-25% per action on this machine's two cores), so the calibration runs
+//! as many copies at once as the pipeline will have busy workers
+//! ([`ProfileOptions::concurrent`]).
 
 use std::time::Instant;
 
@@ -55,6 +59,11 @@ pub struct ProfileOptions {
     pub calibrate: Option<u32>,
     /// Minibatches the calibration run times (after one untimed).
     pub calibration_minibatches: u32,
+    /// Copies of the calibration run timed at once, each on its own thread: the number of
+    /// workers that will compute at the same time (the pipeline's workers, at most one per
+    /// core), so the times include what they cost each other in shared caches and memory
+    /// bandwidth.
+    pub concurrent: usize,
 }
 
 impl ProfileOptions {
@@ -69,6 +78,7 @@ impl ProfileOptions {
             seed: 0,
             calibrate: Some(4),
             calibration_minibatches: 6,
+            concurrent: 1,
         }
     }
 }
@@ -244,6 +254,9 @@ impl MicrobatchSource for Random {
     }
 }
 
+/// Per layer: (seconds, count) of its forward, backward and update actions.
+type Sums = Vec<[(f64, u32); 3]>;
+
 /// Replaces the profile's times with the executor's means (see the module docs).
 fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32) -> Result<()> {
     if m == 0 || opts.calibration_minibatches == 0 {
@@ -277,33 +290,62 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
         lr: &lr,
     };
     let init = model.init_params(opts.seed);
-    let mut states = vec![WorkerState::new(&setup, 0, &init, opts.optimizer)];
+    let copies = opts.concurrent.max(1);
+    let barrier = std::sync::Barrier::new(copies);
+    // One copy of the run: an untimed pass, then (with every copy at once) the timed one;
     // [forward, backward, update] sums and counts per layer.
-    let mut sums = vec![[(0.0f64, 0u32); 3]; n];
-    for timed in [false, true] {
-        let abort = Abort::new();
-        let eps = mesh(1, &InProcOptions::default(), &abort);
-        let outs = run_threads(
-            &setup,
-            &mut states,
-            eps,
-            &abort,
-            || CpuBackend::new(1),
-            &RunOptions::default(),
-        )?;
-        if !timed {
-            continue;
+    let run = || -> Result<Sums> {
+        let mut states = vec![WorkerState::new(&setup, 0, &init, opts.optimizer)];
+        let mut sums = vec![[(0.0f64, 0u32); 3]; n];
+        for timed in [false, true] {
+            if timed {
+                barrier.wait();
+            }
+            let abort = Abort::new();
+            let eps = mesh(1, &InProcOptions::default(), &abort);
+            let outs = run_threads(
+                &setup,
+                &mut states,
+                eps,
+                &abort,
+                || CpuBackend::new(1),
+                &RunOptions::default(),
+            )?;
+            if !timed {
+                continue;
+            }
+            for sp in outs.iter().flat_map(|o| &o.spans) {
+                let slot = match sp.action {
+                    Action::Forward { .. } => 0,
+                    Action::Backward { .. } => 1,
+                    Action::Update { .. } => 2,
+                    _ => continue,
+                };
+                let cell = &mut sums[sp.action.stage() as usize][slot];
+                cell.0 += sp.end - sp.start;
+                cell.1 += 1;
+            }
         }
-        for sp in outs.iter().flat_map(|o| &o.spans) {
-            let slot = match sp.action {
-                Action::Forward { .. } => 0,
-                Action::Backward { .. } => 1,
-                Action::Update { .. } => 2,
-                _ => continue,
-            };
-            let cell = &mut sums[sp.action.stage() as usize][slot];
-            cell.0 += sp.end - sp.start;
-            cell.1 += 1;
+        Ok(sums)
+    };
+    let results: Vec<Result<Sums>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..copies).map(|_| scope.spawn(run)).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(StageError::Config("a calibration thread panicked".into()))
+                })
+            })
+            .collect()
+    });
+    let mut sums = vec![[(0.0f64, 0u32); 3]; n];
+    for r in results {
+        for (acc, layer) in sums.iter_mut().zip(r?) {
+            for (a, x) in acc.iter_mut().zip(layer) {
+                a.0 += x.0;
+                a.1 += x.1;
+            }
         }
     }
     let mean = |c: (f64, u32)| if c.1 == 0 { 0.0 } else { c.0 / f64::from(c.1) };
@@ -376,6 +418,7 @@ mod tests {
             warmup: 1,
             calibrate: Some(2),
             calibration_minibatches: 2,
+            concurrent: 2,
             ..ProfileOptions::new(4)
         };
         let p = profile_model(&model, "mlp-20-30-5", &be, &opts).unwrap();
