@@ -173,21 +173,70 @@ struct Cell {
     replicas: u32,
 }
 
-/// The cuts `k` (prefix `0..=k` on `m - r + 1` workers, then the stage `k+1..=j` on `r`) that
-/// can beat the best time `t` found so far, given the compute prefix sums `pc`: a stage is never
-/// faster than its compute over its replicas, nor a prefix than its compute over its workers
-/// (the slowest stage is at least the average), so only `pc[k+1]` in
-/// `[pc[j+1] - r t, (m - r + 1) t]` qualifies. Both ends by binary search (`pc` never
-/// decreases); every cut when `t` is infinite.
-fn cuts_that_can_win(pc: &[f64], j: usize, m: usize, r: usize, t: f64) -> std::ops::Range<usize> {
-    if !t.is_finite() {
-        return 0..j;
+/// Compute prefix sums `pc` (never decreasing) with a bucket index over their values, so
+/// "the first prefix at or above `v`" takes a step or two instead of a binary search: the
+/// planners ask it twice per cut range, millions of times on big profiles.
+struct PrefixIndex<'a> {
+    pc: &'a [f64],
+    /// `first[q]`: the first index whose value is at least `q * step`.
+    first: Vec<usize>,
+    step: f64,
+}
+
+impl<'a> PrefixIndex<'a> {
+    fn new(pc: &'a [f64]) -> Self {
+        let n = pc.len();
+        let top = pc.last().copied().unwrap_or(0.0);
+        let buckets = 4 * n;
+        let step = if top > 0.0 { top / buckets as f64 } else { 1.0 };
+        let mut first = Vec::with_capacity(buckets + 2);
+        let mut i = 0;
+        for q in 0..=buckets + 1 {
+            let v = q as f64 * step;
+            while i < n && pc[i] < v {
+                i += 1;
+            }
+            first.push(i);
+        }
+        PrefixIndex { pc, first, step }
     }
-    let low = pc[j + 1] - r as f64 * t;
-    let high = (m - r + 1) as f64 * t;
-    let lo = pc[1..=j].partition_point(|&x| x < low);
-    let hi = pc[1..=j].partition_point(|&x| x <= high);
-    lo..hi.max(lo)
+
+    /// The first index `i` in `1..=j` with `pc[i] >= v` (or `>` when `strict`), else `j + 1`.
+    fn first_from(&self, v: f64, strict: bool, j: usize) -> usize {
+        let q = (v / self.step).floor();
+        let mut i = if q.is_nan() || q < 1.0 {
+            1
+        } else if q as usize >= self.first.len() {
+            j + 1
+        } else {
+            // Buckets may undershoot by rounding: step back to be safe.
+            self.first[q as usize].saturating_sub(1).max(1)
+        };
+        let past = |x: f64| if strict { x > v } else { x >= v };
+        while i > 1 && past(self.pc[i - 1]) {
+            i -= 1;
+        }
+        while i <= j && !past(self.pc[i]) {
+            i += 1;
+        }
+        i.min(j + 1)
+    }
+
+    /// The cuts `k` (prefix `0..=k` on `m - r + 1` workers, then the stage `k+1..=j` on `r`)
+    /// that can beat the best time `t` found so far: a stage is never faster than its compute
+    /// over its replicas, nor a prefix than its compute over its workers (the slowest stage is
+    /// at least the average), so only `pc[k+1]` in `[pc[j+1] - r t, (m - r + 1) t]`
+    /// qualifies. Every cut when `t` is infinite.
+    fn cuts_that_can_win(&self, j: usize, m: usize, r: usize, t: f64) -> std::ops::Range<usize> {
+        if !t.is_finite() {
+            return 0..j;
+        }
+        let low = self.pc[j + 1] - r as f64 * t;
+        let high = (m - r + 1) as f64 * t;
+        let lo = self.first_from(low, false, j) - 1;
+        let hi = self.first_from(high, true, j) - 1;
+        lo..hi.max(lo)
+    }
 }
 
 /// PipeDream's optimizer (see the module docs).
@@ -224,6 +273,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
         pp[i + 1] = pp[i] + l.param_bytes;
     }
     let range = |from: usize, to: usize| (pc[to + 1] - pc[from], pp[to + 1] - pp[from]);
+    let index = PrefixIndex::new(&pc);
     let stage_time = |c: f64, p: f64, r: f64| (c + 4.0 * (r - 1.0) * p / (b * r)) / r;
     let fits = |from: usize, to: usize, copies: usize| match opts.memory {
         None => true,
@@ -256,7 +306,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
             let mut best = a[j * w + m];
             let max_r = if opts.straight { 1 } else { m };
             for r in 1..=max_r {
-                for k in cuts_that_can_win(&pc, j, m, r, best.time) {
+                for k in index.cuts_that_can_win(j, m, r, best.time) {
                     let prev = a[k * w + (m - r)].time;
                     if !prev.is_finite() || prev >= best.time {
                         continue;
@@ -399,4 +449,42 @@ pub fn balanced(profile: &Profile, stages: usize) -> Result<Vec<std::ops::Range<
     ranges.push(0..end);
     ranges.reverse();
     Ok(ranges)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefix_index_finds_what_a_binary_search_finds() {
+        // Monotone prefix sums with runs of equal values (zero-cost layers), probed at, between,
+        // below and above every value.
+        let mut state = 7u64;
+        for n in [1usize, 2, 5, 40] {
+            let mut pc = vec![0.0f64];
+            for _ in 0..n {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let step = if state >> 62 == 0 {
+                    0.0
+                } else {
+                    (state >> 40) as f64 / 1e6
+                };
+                pc.push(pc[pc.len() - 1] + step);
+            }
+            let index = PrefixIndex::new(&pc);
+            let mut probes: Vec<f64> = pc.clone();
+            probes.extend(pc.windows(2).map(|w| (w[0] + w[1]) / 2.0));
+            probes.extend([-1.0, pc[n] + 1.0, pc[n] * 10.0]);
+            for j in 1..=n {
+                for &v in &probes {
+                    let at_least = 1 + pc[1..=j].partition_point(|&x| x < v);
+                    let above = 1 + pc[1..=j].partition_point(|&x| x <= v);
+                    assert_eq!(index.first_from(v, false, j), at_least, "n {n} j {j} v {v}");
+                    assert_eq!(index.first_from(v, true, j), above, "n {n} j {j} v {v}");
+                }
+            }
+        }
+    }
 }

@@ -39,7 +39,7 @@
 use crate::error::{Result, ScheduleError};
 use crate::generate::generate;
 use crate::lower::{LowerOptions, lower};
-use crate::planner::{Bound, PartitionPlan, PlannedStage, cuts_that_can_win};
+use crate::planner::{Bound, PartitionPlan, PlannedStage, PrefixIndex};
 use crate::profile::Profile;
 use crate::sim::{CostModel, SimOptions, StageCost, simulate};
 use crate::spec::{Length, Policy, ScheduleSpec};
@@ -360,7 +360,7 @@ type Table = Vec<Cell>;
 fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
     let (n, w) = (costs.n, costs.w);
     let straight = costs.opts.straight;
-    let pc = &costs.pc;
+    let index = PrefixIndex::new(&costs.pc);
     let mut cur: Table = vec![EMPTY; n * w];
     for j in 0..n {
         for m in 0..w {
@@ -404,7 +404,7 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
                 }
                 let max_r = if straight { 1 } else { m };
                 for r in 1..=max_r {
-                    for k in cuts_that_can_win(pc, j, m, r, best.time) {
+                    for k in index.cuts_that_can_win(j, m, r, best.time) {
                         consider(k, r, &mut best);
                     }
                 }
