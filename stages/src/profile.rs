@@ -141,6 +141,16 @@ pub fn profile_model(
         ));
     }
     let b = opts.microbatch_size;
+    // Every layer's input and output is materialised: refuse sizes that cannot fit.
+    let widest = (0..=model.len())
+        .map(|i| model.shape_before(i).iter().product::<usize>())
+        .max()
+        .unwrap_or(0);
+    if widest.saturating_mul(b) > 1 << 28 {
+        return Err(StageError::Config(format!(
+            "microbatch size {b} makes a {widest}-wide activation over 2^28 elements (1 GiB)"
+        )));
+    }
     let params = model.init_params(opts.seed);
     let mut layers = Vec::with_capacity(model.len());
     for (i, p) in params.iter().enumerate() {

@@ -166,8 +166,8 @@ struct State {
 /// or `None` for one stage, and the last stage's replicas.
 type Cell = (f64, Option<(usize, usize)>, usize);
 
-/// The largest number of states explored before giving up.
-const MAX_STATES: usize = 200_000;
+/// The largest number of states explored before giving up (their ancestor sets take `s^2` bits).
+const MAX_STATES: usize = 50_000;
 
 /// PipeDream's optimizer over antichain states (see the module docs).
 ///
@@ -177,12 +177,13 @@ const MAX_STATES: usize = 200_000;
 ///
 /// # Errors
 /// [`ScheduleError::Profile`] for a bad profile; [`ScheduleError::Plan`] for bad options, no
-/// plan within the memory bound, or more than 200,000 states.
+/// plan within the memory bound, or more than 50,000 states.
 pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan> {
     profile.check()?;
-    if opts.workers == 0 || opts.bandwidth.is_nan() || opts.bandwidth <= 0.0 {
+    if opts.workers == 0 || opts.workers > 4096 || opts.bandwidth.is_nan() || opts.bandwidth <= 0.0
+    {
         return Err(ScheduleError::Plan(
-            "need at least one worker and a bandwidth > 0".into(),
+            "need 1 to 4096 workers and a bandwidth > 0".into(),
         ));
     }
     let g = Graph::new(profile);
@@ -241,6 +242,14 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
         }
         None => 0.0,
     };
+    if s.saturating_mul(w)
+        .saturating_mul(std::mem::size_of::<Cell>())
+        > 1 << 30
+    {
+        return Err(ScheduleError::Plan(format!(
+            "a table of {s} antichain states x {w} workers is over 1 GiB"
+        )));
+    }
     let mut a: Vec<Cell> = vec![(f64::INFINITY, None, 0); s * w];
     for &j in &order {
         let st = &states[j];

@@ -246,6 +246,12 @@ impl<'a> PrefixIndex<'a> {
 /// bound no plan meets; [`ScheduleError::Profile`] for a bad profile.
 pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan> {
     profile.check()?;
+    if opts.workers > 4096 {
+        return Err(ScheduleError::Plan(format!(
+            "{} workers is more than 4096",
+            opts.workers
+        )));
+    }
     if !profile.is_chain() {
         return antichain::plan(profile, opts);
     }
@@ -289,6 +295,14 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
         split: None,
         replicas: 0,
     };
+    if n.saturating_mul(w)
+        .saturating_mul(std::mem::size_of::<Cell>())
+        > 1 << 30
+    {
+        return Err(ScheduleError::Plan(format!(
+            "a table of {n} layers x {w} workers is over 1 GiB"
+        )));
+    }
     let mut a = vec![none; n * w];
     for j in 0..n {
         let (c, p) = range(0, j);

@@ -438,6 +438,22 @@ fn first_layer(costs: &Costs) -> Table {
     t
 }
 
+/// Refuses to hold `tables` tables of `n x w` cells past 1 GiB (flush schedules keep one table
+/// per stage count).
+fn check_table_memory(tables: usize, n: usize, w: usize) -> Result<()> {
+    let bytes = tables
+        .saturating_mul(n)
+        .saturating_mul(w)
+        .saturating_mul(std::mem::size_of::<Cell>());
+    if bytes > 1 << 30 {
+        return Err(ScheduleError::Plan(format!(
+            "planning {n} layers on {w} workers for a flush schedule needs {tables} tables of \
+             {n} x {w} cells, over 1 GiB; plan for fewer workers or an asynchronous schedule"
+        )));
+    }
+    Ok(())
+}
+
 /// Walks a plan back from the last cell: `(from, to, replicas)` per stage, in order. `tables`
 /// is one table (any stage count) or the per-stage-count tables up to the plan's.
 fn walk(tables: &[Table], n: usize, w: usize) -> Vec<(usize, usize, usize)> {
@@ -534,6 +550,7 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
         ))
     };
     let last = (n - 1) * w + (w - 1);
+    check_table_memory(1, n, w)?;
     if !opts.policy.is_flush() {
         let table = fill(&costs, None);
         if !table[last].time.is_finite() {
@@ -551,6 +568,7 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
     let mut ranked: Vec<(f64, usize)> = Vec::new();
     for s in 0..n.min(w) {
         if s > 0 {
+            check_table_memory(s + 1, n, w)?;
             let next = fill(&costs, tables.last());
             tables.push(next);
         }
@@ -627,7 +645,8 @@ pub fn frontier(profile: &Profile, opts: &PlanOptions) -> Result<Vec<Option<Part
     let costs = Costs::new(profile, opts);
     let (n, w) = (costs.n, costs.w);
     let mut tables = vec![first_layer(&costs)];
-    for _ in 1..n.min(w) {
+    for s in 1..n.min(w) {
+        check_table_memory(s + 1, n, w)?;
         let next = fill(&costs, tables.last());
         tables.push(next);
     }
