@@ -33,8 +33,8 @@
 //! `r` replicas never takes less than `C / r`, and a prefix of compute `C` on `m` workers never
 //! less than `C / m` (the slowest stage is at least the average), so for a current best `t`
 //! only cuts with `C_stage < r t` and `C_prefix < m t` can improve it. Both are ranges of the
-//! prefix sums, found by binary search; the search starts from the previous layer's best cut
-//! extended by one layer.
+//! prefix sums, found through a bucket index over them; the search starts from the previous
+//! layer's best cut extended by one layer.
 
 use crate::error::{Result, ScheduleError};
 use crate::generate::generate;
