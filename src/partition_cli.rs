@@ -335,12 +335,7 @@ pub fn cmd_plan(args: &PlanArgs) -> Result<()> {
                 ));
             }
             let opts = plan_options(args, workers);
-            let mut plan = pipe_scheduler::plan_partition(&profile, &opts).map_err(bad)?;
-            if plan.simulated.is_none() {
-                plan.simulated =
-                    Some(pipe_scheduler::simulate_plan(&profile, &plan, &opts).map_err(bad)?);
-            }
-            plan
+            pipe_scheduler::plan_checked(&profile, &opts).map_err(bad)?
         }
     };
     print!("{}", render_plan(&profile, &plan, args.memory));
@@ -457,10 +452,7 @@ pub fn auto_plan(
         microbatches,
         ..PlanOptions::new(workers, bandwidth)
     };
-    let mut plan = pipe_scheduler::plan_partition(&profile, &opts).map_err(bad)?;
-    if plan.simulated.is_none() {
-        plan.simulated = Some(pipe_scheduler::simulate_plan(&profile, &plan, &opts).map_err(bad)?);
-    }
+    let plan = pipe_scheduler::plan_checked(&profile, &opts).map_err(bad)?;
     Ok((profile, plan))
 }
 

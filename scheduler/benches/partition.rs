@@ -3,7 +3,8 @@
 //! `cargo bench -p pipe-scheduler --bench partition`. The profile is seeded and fixed: a
 //! transformer-like repeat of wide and narrow layers (attention-sized, MLP-sized and cheap
 //! element-wise ones) with ±30% noise on every cost, so no two layers tie. Cases: the default
-//! cost model under PipeDream's asynchronous schedule (one table, any number of stages), under
+//! cost model under PipeDream's asynchronous schedule (one table, any number of stages; and
+//! the same checked by the simulator against a straight pipeline and data parallelism), under
 //! 1F1B with flushes (the table tracks the stage count, and the simulator times the four most
 //! promising plans), and PipeDream's own optimizer for comparison.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
@@ -57,6 +58,15 @@ fn bench(c: &mut Criterion) {
     let async_opts = PlanOptions::new(64, 10e9);
     g.bench_function("default_pipedream", |b| {
         b.iter(|| black_box(plan_partition(&p, &async_opts).unwrap().time_per_microbatch))
+    });
+    g.bench_function("default_pipedream_checked", |b| {
+        b.iter(|| {
+            black_box(
+                pipe_scheduler::plan_checked(&p, &async_opts)
+                    .unwrap()
+                    .time_per_microbatch,
+            )
+        })
     });
     let flush = PlanOptions {
         policy: Policy::OneFOneBFlush,

@@ -478,3 +478,35 @@ proptest! {
             "prefix {} antichain {}", prefix.time_per_microbatch, states.time_per_microbatch);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+    #[test]
+    fn the_simulator_check_never_picks_a_slower_plan(
+        layers in prop::collection::vec(with_updates(), 2..=12),
+        w in 2u32..=6,
+        b in prop::sample::select(vec![1e2, 1e4]),
+        policy in prop::sample::select(vec![Policy::PipeDream, Policy::TwoBw]),
+    ) {
+        let p = Profile::chain(layers);
+        let o = PlanOptions { policy, microbatches: 2, ..PlanOptions::new(w, b) };
+        let raw = plan_partition(&p, &o).unwrap();
+        // The schedule may refuse the layout (2BW with too few microbatches for it).
+        let raw_sim = pipe_scheduler::simulate_plan(&p, &raw, &o).ok();
+        let checked = match pipe_scheduler::plan_checked(&p, &o) {
+            Ok(c) => c,
+            Err(e) => {
+                prop_assert!(raw_sim.is_none(), "{e}");
+                return Ok(());
+            }
+        };
+        let sim = checked.simulated.unwrap();
+        if let Some(raw_sim) = raw_sim {
+            prop_assert!(sim <= raw_sim * (1.0 + 1e-12), "checked {} raw {}", sim, raw_sim);
+        }
+        prop_assert_eq!(checked.stages.iter().map(|s| s.replicas).sum::<u32>(), w);
+        // Whatever it picked, its figure is the simulator's for that plan.
+        let again = pipe_scheduler::simulate_plan(&p, &checked, &o).unwrap();
+        prop_assert!((again - sim).abs() <= 1e-12 * sim.max(1.0));
+    }
+}

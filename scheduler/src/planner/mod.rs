@@ -29,7 +29,9 @@
 pub mod antichain;
 mod model;
 
-pub use model::{PlanOptions, WireDtype, explain, frontier, plan, simulate_plan, stage_costs};
+pub use model::{
+    PlanOptions, WireDtype, explain, frontier, plan, plan_checked, simulate_plan, stage_costs,
+};
 
 use crate::error::{Result, ScheduleError};
 use crate::profile::Profile;

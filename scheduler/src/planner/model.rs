@@ -586,14 +586,87 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
         return Err(none());
     }
     let mut best: Option<PartitionPlan> = None;
+    let mut failure = None;
     for &(_, s) in &ranked {
         let mut p = make_plan(&costs, profile, &walk(&tables[..=s], n, w));
-        p.simulated = Some(simulate_plan(profile, &p, opts)?);
+        match simulate_plan(profile, &p, opts) {
+            Ok(t) => p.simulated = Some(t),
+            Err(e) => {
+                // A layout the schedule cannot run is no candidate.
+                failure.get_or_insert(e);
+                continue;
+            }
+        }
         if best.as_ref().is_none_or(|b| p.simulated < b.simulated) {
             best = Some(p);
         }
     }
-    best.ok_or_else(none)
+    match (best, failure) {
+        (Some(p), _) => Ok(p),
+        (None, Some(e)) => Err(e),
+        (None, None) => Err(none()),
+    }
+}
+
+/// [`plan`], then checked by the simulator against the simplest alternatives, keeping the
+/// fastest simulated: for asynchronous schedules the program's plan, the best straight
+/// pipeline (one worker per stage, when there are at least as many layers as workers) and plain
+/// data parallelism (one stage on every worker), each that fits `--memory`. The program's
+/// steady state cannot see how the schedules' fixed per-replica orders stall when replica
+/// counts differ between stages (see docs/planning.md); the simulator does. Flush schedules
+/// are already ranked by simulation in [`plan`]. The returned plan carries its simulated time.
+///
+/// # Errors
+/// As [`plan`] and [`simulate_plan`].
+pub fn plan_checked(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
+    let first = plan(profile, opts)?;
+    let n = profile.layers.len();
+    let w = opts.workers as usize;
+    let mut candidates = Vec::new();
+    if !opts.policy.is_flush() && !opts.straight && w > 1 {
+        if w <= n {
+            let straight = PlanOptions {
+                straight: true,
+                ..opts.clone()
+            };
+            candidates.push(plan(profile, &straight));
+        }
+        candidates.push(explain(profile, opts, &[(0..n, w as u32)]));
+    }
+    let mut best: Option<PartitionPlan> = None;
+    let mut failure = None;
+    for candidate in std::iter::once(Ok(first.clone())).chain(candidates) {
+        let Ok(mut p) = candidate else { continue };
+        let fits = opts
+            .memory
+            .is_none_or(|limit| p.stages.iter().all(|s| s.memory <= limit));
+        if !fits || (p.stages == first.stages && p.simulated.is_none() && best.is_some()) {
+            continue;
+        }
+        // A layout the schedule cannot run (2BW with too few microbatches, say) is skipped.
+        let simulated = match p.simulated {
+            Some(t) => t,
+            None => match simulate_plan(profile, &p, opts) {
+                Ok(t) => t,
+                Err(e) => {
+                    failure.get_or_insert(e);
+                    continue;
+                }
+            },
+        };
+        p.simulated = Some(simulated);
+        if best
+            .as_ref()
+            .is_none_or(|b| b.simulated.is_some_and(|t| simulated < t))
+        {
+            best = Some(p);
+        }
+    }
+    match (best, failure) {
+        (Some(p), _) => Ok(p),
+        (None, Some(e)) => Err(e),
+        (None, None) => Ok(first),
+    }
 }
 
 /// A given layout under the default model: `layout` lists each stage's layers and replicas, in
