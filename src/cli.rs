@@ -242,6 +242,23 @@ impl TrainArgs {
     }
 }
 
+/// Writes to standard output. When the reader has gone away (a closed pipe) the program ends
+/// at once with status 0, as a command killed by SIGPIPE would, with nothing on standard error:
+/// the output was not wanted. Any other write failure is reported on standard error and ends
+/// the program with status 1.
+pub fn write_out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    let result = stdout.write_fmt(args).and_then(|()| stdout.flush());
+    if let Err(e) = result {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing standard output: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// An error caused by user input, for other command modules.
 pub fn bad_input(msg: String) -> anyhow::Error {
     BadInput(msg).into()
@@ -311,7 +328,7 @@ fn cmd_bench_mfu(args: &MfuArgs) -> Result<()> {
         pipe_experiments::ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
         other => anyhow::Error::from(other),
     })?;
-    print!("{}", pipe_experiments::mfu::render(&report));
+    out!("{}", pipe_experiments::mfu::render(&report));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
@@ -330,7 +347,7 @@ fn cmd_bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         rounds: args.rounds,
     };
     let report = pipe_experiments::pipeline::run(&cfg)?;
-    print!("{}", pipe_experiments::pipeline::render(&report));
+    out!("{}", pipe_experiments::pipeline::render(&report));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
@@ -362,7 +379,7 @@ fn cmd_bench_partition(args: &PartitionBenchArgs) -> Result<()> {
         pipe_experiments::ExperimentError::Schedule(s) => crate::plan_cli::bad(s),
         other => anyhow::Error::from(other),
     })?;
-    print!("{}", pipe_experiments::partition::render(&report));
+    out!("{}", pipe_experiments::partition::render(&report));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
@@ -427,7 +444,7 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
             w,
         )?;
         let (partition, replicas) = crate::partition_cli::layout_of(&plan);
-        println!(
+        outln!(
             "auto plan for {w} workers: partition {partition}, replicas {replicas:?}, predicted {:.0} samples/s (simulated {:.0})",
             cfg.microbatch_size as f64 / plan.time_per_microbatch,
             plan.simulated
@@ -468,7 +485,7 @@ fn cmd_train(args: &TrainArgs) -> Result<()> {
     if let Some(path) = &cfg.log_jsonl {
         observers.push(Box::new(JsonlLog::create(path)?));
     }
-    println!(
+    outln!(
         "pipe train: model {} ({} parameters), {} ({} train / {} test), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}), seed {}, {} threads",
         cfg.model_name,
         model.param_count(),
@@ -496,7 +513,7 @@ fn cmd_train(args: &TrainArgs) -> Result<()> {
         let spec =
             pipe_stages::pipeline::train::schedule_spec(&cfg, pipe_scheduler::Length::Updates(1))?;
         let resolved = spec.resolve().map_err(|e| BadInput(e.to_string()))?;
-        println!(
+        outln!(
             "pipeline: schedule {}, {} stages x replicas {:?}{}, {} workers (one thread each), minibatch {} microbatches",
             resolved.policy,
             cfg.stages,
@@ -510,7 +527,7 @@ fn cmd_train(args: &TrainArgs) -> Result<()> {
             resolved.minibatch
         );
         let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
-        println!("partition: {}", out.partition);
+        outln!("partition: {}", out.partition);
         if let (Some(path), Some(timeline)) = (&args.trace, &out.timeline) {
             let plan = pipe_scheduler::VersionPlan::derive(&out.schedule).ok();
             let mut tl = timeline.clone();
@@ -522,14 +539,14 @@ fn cmd_train(args: &TrainArgs) -> Result<()> {
                 .collect();
             std::fs::write(path, tl.to_chrome_trace(plan.as_ref()))
                 .with_context(|| format!("writing {}", path.display()))?;
-            println!("trace written to {}", path.display());
+            outln!("trace written to {}", path.display());
         }
         out.report
     } else {
         train::train(&cfg, &data, be.as_ref(), &mut fan).context("training failed")?
     };
     if let Some(last) = report.epochs.last() {
-        println!(
+        outln!(
             "done: {} steps, test accuracy {:.2}%, test loss {:.4}, {:.1} s",
             report.steps,
             100.0 * last.test_accuracy,
@@ -603,7 +620,7 @@ impl Observer for Progress {
         } else {
             "-".into()
         };
-        println!(
+        outln!(
             "epoch {:>3}  train loss {}  test loss {:.4}  test acc {:6.2}%  {:>8.0} samples/s  {:>7.1} s",
             e.epoch,
             train_loss,
@@ -625,7 +642,7 @@ impl Observer for Progress {
                     )
                 })
                 .collect();
-            println!("           {}", parts.join(" | "));
+            outln!("           {}", parts.join(" | "));
         }
         Ok(())
     }

@@ -2,6 +2,17 @@
 //! once, wires observers (progress bar, JSON-lines log) and maps errors to exit codes: 2 for bad
 //! input, 1 for failures at run time.
 
+/// Prints to standard output like `print!`, except that a reader that has gone away (`pipe
+/// plan | head`) ends the program quietly instead of panicking; see [`cli::write_out`].
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::cli::write_out(format_args!($($arg)*)) };
+}
+
+/// [`out!`] with a newline, like `println!`.
+macro_rules! outln {
+    ($($arg:tt)*) => { $crate::cli::write_out(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 mod cli;
 mod partition_cli;
 mod plan_cli;

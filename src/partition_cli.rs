@@ -80,11 +80,11 @@ pub fn cmd_profile(args: &ProfileArgs) -> Result<()> {
         ..ProfileOptions::new(args.microbatch_size)
     };
     let profile = profile_preset(&args.model, &opts, args.threads)?;
-    print!("{}", render_profile(&profile));
+    out!("{}", render_profile(&profile));
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&profile)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-        println!("profile written to {}", path.display());
+        outln!("profile written to {}", path.display());
     }
     Ok(())
 }
@@ -338,7 +338,7 @@ pub fn cmd_plan(args: &PlanArgs) -> Result<()> {
             pipe_scheduler::plan_checked(&profile, &opts).map_err(bad)?
         }
     };
-    print!("{}", render_plan(&profile, &plan, args.memory));
+    out!("{}", render_plan(&profile, &plan, args.memory));
     if let Some(path) = &args.output {
         let file = PlanFile::from_plan(&profile, &plan);
         let text = toml::to_string(&file)?;
@@ -347,7 +347,7 @@ pub fn cmd_plan(args: &PlanArgs) -> Result<()> {
             format!("# written by pipe plan; run it with pipe train --plan\n{text}"),
         )
         .with_context(|| format!("writing {}", path.display()))?;
-        println!("plan written to {}", path.display());
+        outln!("plan written to {}", path.display());
     }
     Ok(())
 }

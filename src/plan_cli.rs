@@ -161,7 +161,7 @@ fn write_out(path: Option<&Path>, text: &str) -> Result<()> {
     match path {
         Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display())),
         None => {
-            print!("{text}");
+            out!("{text}");
             Ok(())
         }
     }
@@ -271,18 +271,18 @@ pub fn cmd_simulate(args: &SimulateArgs) -> Result<()> {
         },
     )
     .map_err(bad)?;
-    print!("{}", render_report(&schedule, &report, costs.cores));
+    out!("{}", render_report(&schedule, &report, costs.cores));
     if let Some(timeline) = &report.timeline {
         if let Some(path) = &args.trace {
             let plan = VersionPlan::derive(&schedule)?;
             std::fs::write(path, timeline.to_chrome_trace(Some(&plan)))
                 .with_context(|| format!("writing {}", path.display()))?;
-            println!("trace written to {}", path.display());
+            outln!("trace written to {}", path.display());
         }
         if let Some(path) = &args.csv {
             std::fs::write(path, timeline.to_csv())
                 .with_context(|| format!("writing {}", path.display()))?;
-            println!("timeline CSV written to {}", path.display());
+            outln!("timeline CSV written to {}", path.display());
         }
     }
     Ok(())

@@ -751,3 +751,31 @@ fn plan_rejects_cyclic_and_unknown_profiles_and_impossible_requests() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("memory bound"));
 }
+
+#[test]
+fn a_reader_that_leaves_early_ends_the_output_quietly() {
+    use std::io::Read as _;
+    // Far more than a pipe buffer holds, so the writer is still writing when the reader leaves.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pipe"))
+        .args([
+            "schedule",
+            "--stages",
+            "32",
+            "--microbatches",
+            "256",
+            "--format",
+            "text",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 64];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    // The read end is dropped here.
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(first.starts_with(b"w0: "));
+}
