@@ -5,8 +5,10 @@
 //! element-wise ones) with ±30% noise on every cost, so no two layers tie. Cases: the default
 //! cost model under PipeDream's asynchronous schedule (one table, any number of stages; and
 //! the same checked by the simulator against a straight pipeline and data parallelism), under
-//! 1F1B with flushes (the table tracks the stage count, and the simulator times the four most
-//! promising plans), and PipeDream's own optimizer for comparison.
+//! 1F1B with flushes at 10 GB/s and at 1 GB/s (one table per stage count until no more
+//! stages can score better, then the simulator times the most promising plans; at 10 GB/s data
+//! parallelism is near the floor and the search ends after one stage count, at 1 GB/s it goes
+//! deeper), and PipeDream's own optimizer for comparison.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use std::hint::black_box;
@@ -74,6 +76,14 @@ fn bench(c: &mut Criterion) {
     };
     g.bench_function("default_1f1b-flush", |b| {
         b.iter(|| black_box(plan_partition(&p, &flush).unwrap().time_per_microbatch))
+    });
+    // At 1 GB/s data parallelism is far from the floor, so many stage counts are searched.
+    let slow_flush = PlanOptions {
+        policy: Policy::OneFOneBFlush,
+        ..PlanOptions::new(64, 1e9)
+    };
+    g.bench_function("default_1f1b-flush_1GBps", |b| {
+        b.iter(|| black_box(plan_partition(&p, &slow_flush).unwrap().time_per_microbatch))
     });
     let pd = PipeDreamOptions::new(64, 10e9);
     g.bench_function("pipedream_model", |b| {

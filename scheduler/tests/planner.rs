@@ -510,3 +510,36 @@ proptest! {
         prop_assert!((again - sim).abs() <= 1e-12 * sim.max(1.0));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(50))]
+    #[test]
+    fn flush_plans_are_the_best_simulated_of_the_best_per_stage_count(
+        layers in prop::collection::vec(with_updates(), 2..=10),
+        w in 2u32..=6,
+        policy in prop::sample::select(vec![Policy::OneFOneBFlush, Policy::Gpipe]),
+        microbatches in 1u32..=8,
+    ) {
+        let p = Profile::chain(layers);
+        let o = PlanOptions { policy, microbatches, ..PlanOptions::new(w, 1e3) };
+        let chosen = plan_partition(&p, &o).unwrap();
+        let sim = chosen.simulated.unwrap();
+        let front = frontier(&p, &o).unwrap();
+        // The choice is the per-stage-count best for its stage count ...
+        let same = front[chosen.stages.len() - 1].as_ref().unwrap();
+        prop_assert_eq!(&same.stages, &chosen.stages);
+        // ... and simulates no slower than the plan with the best (M + S - 1) x slowest score.
+        let m = f64::from(microbatches);
+        let best_score = front
+            .iter()
+            .flatten()
+            .min_by(|a, b| {
+                let sa = (m + a.stages.len() as f64 - 1.0) * a.time_per_microbatch;
+                let sb = (m + b.stages.len() as f64 - 1.0) * b.time_per_microbatch;
+                sa.total_cmp(&sb)
+            })
+            .unwrap();
+        let reference = pipe_scheduler::simulate_plan(&p, best_score, &o).unwrap();
+        prop_assert!(sim <= reference * (1.0 + 1e-12), "chosen {} best-score {}", sim, reference);
+    }
+}

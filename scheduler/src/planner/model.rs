@@ -25,9 +25,10 @@
 //! stage exceeds `--memory` is not considered.
 //!
 //! Flush schedules pay a bubble at every update, more with more stages, so for them the
-//! program also tracks the number of stages: it finds the best plan for every stage count and
-//! the simulator times the most promising few (by `(M + S - 1) * slowest`), whole minibatch,
-//! fill and drain included; the fastest simulated wins.
+//! program also tracks the number of stages: it finds the best plan for 1, 2, ... stages until
+//! no more stages can score below the best `(M + S - 1) * slowest` found, and the simulator
+//! times the most promising few, whole minibatch, fill and drain included; the fastest
+//! simulated wins.
 //!
 //! The program is PipeDream's prefix recursion with exact pruning: a stage of compute `C` on
 //! `r` replicas never takes less than `C / r`, and a prefix of compute `C` on `m` workers never
@@ -560,7 +561,8 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
     }
     // Flush: the best plan for each stage count in turn, ranked by (M + S - 1) x slowest
     // stage. No S-stage plan scores under (M + S - 1) x C / W (its slowest stage is at least
-    // the average), so the search stops once that bound passes the candidates kept.
+    // the average), so the search stops once that bound passes the best score; the best few
+    // of the stage counts tried are simulated.
     let m = f64::from(opts.microbatches);
     let keep = opts.candidates.max(1);
     let floor = costs.pc[n] / w as f64;
@@ -578,7 +580,11 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
             ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
             ranked.truncate(keep);
         }
-        if ranked.len() == keep && (m + s as f64 + 1.0) * floor >= ranked[keep - 1].0 {
+        // No plan with more stages can score below the best so far.
+        if ranked
+            .first()
+            .is_some_and(|b| (m + s as f64 + 1.0) * floor >= b.0)
+        {
             break;
         }
     }
