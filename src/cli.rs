@@ -459,7 +459,8 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-fn backend(name: &str, threads: usize) -> Result<Box<dyn Backend>> {
+/// The compute backend named on the command line.
+pub(crate) fn backend(name: &str, threads: usize) -> Result<Box<dyn Backend>> {
     match name {
         "cpu" => Ok(Box::new(CpuBackend::new(threads)?)),
         "cuda" => {

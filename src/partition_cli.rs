@@ -47,15 +47,25 @@ pub struct ProfileArgs {
     /// Calibration copies run at once: the pipeline's busy workers (at most one per core).
     #[arg(long, default_value_t = 1)]
     concurrent: usize,
+    /// Compute backend: cpu or cuda.
+    #[arg(long, default_value = "cpu")]
+    backend: String,
     /// Write the profile as JSON to FILE.
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
 }
 
 fn profile_preset(name: &str, opts: &ProfileOptions, threads: usize) -> Result<Profile> {
+    profile_on(name, opts, &CpuBackend::new(threads)?)
+}
+
+fn profile_on(
+    name: &str,
+    opts: &ProfileOptions,
+    be: &dyn pipe_kernels::Backend,
+) -> Result<Profile> {
     let model = Model::new(&ModelSpec::preset(name)?)?;
-    let be = CpuBackend::new(threads)?;
-    Ok(profile_model(&model, name, &be, opts)?)
+    Ok(profile_model(&model, name, be, opts)?)
 }
 
 /// Runs `pipe profile`.
@@ -79,7 +89,8 @@ pub fn cmd_profile(args: &ProfileArgs) -> Result<()> {
         concurrent: args.concurrent,
         ..ProfileOptions::new(args.microbatch_size)
     };
-    let profile = profile_preset(&args.model, &opts, args.threads)?;
+    let be = crate::cli::backend(&args.backend, args.threads)?;
+    let profile = profile_on(&args.model, &opts, be.as_ref())?;
     out!("{}", render_profile(&profile));
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&profile)?;
