@@ -443,7 +443,8 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
             cfg.microbatches as u32,
             w,
         )?;
-        let (partition, replicas) = crate::partition_cli::layout_of(&plan);
+        let (partition, replicas) = crate::partition_cli::layout_of(&plan)?;
+        let partition = partition.to_string();
         outln!(
             "auto plan for {w} workers: partition {partition}, replicas {replicas:?}, predicted {:.0} samples/s (simulated {:.0})",
             cfg.microbatch_size as f64 / plan.time_per_microbatch,

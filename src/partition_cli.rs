@@ -12,6 +12,7 @@ use pipe_scheduler::{
 };
 use pipe_stages::config::DEFAULT_MODEL;
 use pipe_stages::model::{Model, ModelSpec};
+use pipe_stages::pipeline::Partition;
 use pipe_stages::profile::{ProfileOptions, profile_model};
 use serde::{Deserialize, Serialize};
 
@@ -231,23 +232,19 @@ pub struct PlanFile {
 }
 
 impl PlanFile {
-    fn from_plan(profile: &Profile, plan: &PartitionPlan) -> Self {
-        PlanFile {
+    fn from_plan(profile: &Profile, plan: &PartitionPlan) -> Result<Self> {
+        let (partition, replicas) = layout_of(plan)?;
+        Ok(PlanFile {
             model: profile.model.clone(),
             microbatch_size: profile.microbatch_size,
             schedule: plan.policy.name().into(),
             microbatches: plan.microbatches,
-            partition: plan
-                .stages
-                .iter()
-                .map(|s| format!("{}-{}", s.layers.start, s.layers.end - 1))
-                .collect::<Vec<_>>()
-                .join(","),
-            replicas: plan.stages.iter().map(|s| s.replicas).collect(),
+            partition: partition.to_string(),
+            replicas,
             cost_model: plan.cost_model.into(),
             time_per_microbatch: plan.time_per_microbatch,
             simulated_time_per_microbatch: plan.simulated,
-        }
+        })
     }
 
     /// Reads and checks a plan file.
@@ -351,7 +348,7 @@ pub fn cmd_plan(args: &PlanArgs) -> Result<()> {
     };
     out!("{}", render_plan(&profile, &plan, args.memory));
     if let Some(path) = &args.output {
-        let file = PlanFile::from_plan(&profile, &plan);
+        let file = PlanFile::from_plan(&profile, &plan)?;
         let text = toml::to_string(&file)?;
         std::fs::write(
             path,
@@ -467,8 +464,13 @@ pub fn auto_plan(
     Ok((profile, plan))
 }
 
-/// The `--partition` text and replica list of a plan.
-pub fn layout_of(plan: &PartitionPlan) -> (String, Vec<u32>) {
-    let f = PlanFile::from_plan(&Profile::chain(Vec::new()), plan);
-    (f.partition, f.replicas)
+/// A plan's stages as the partition `--partition` takes (its text is what a plan file holds),
+/// and its replica counts.
+///
+/// # Errors
+/// When the stages do not tile the layers (never, for a plan the planner made).
+pub fn layout_of(plan: &PartitionPlan) -> Result<(Partition, Vec<u32>)> {
+    let ranges = plan.stages.iter().map(|s| s.layers.clone()).collect();
+    let partition = Partition::new(ranges, plan.order.len())?;
+    Ok((partition, plan.stages.iter().map(|s| s.replicas).collect()))
 }

@@ -581,27 +581,25 @@ fn plan_reproduces_pipedreams_vgg16_plan_and_rejects_bad_profiles() {
         "node1 -- Linear -- forward_compute_time=-1, backward_compute_time=1, activation_size=1, parameter_size=1\n",
     )
     .unwrap();
-    let out = pipe(&[
-        "plan",
-        "--profile",
-        bad.to_str().unwrap(),
-        "--workers",
-        "2",
-        "--cost-model",
-        "pipedream",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("forward must be a finite number >= 0"),
-        "{err}"
+    assert_bad_input(
+        &[
+            "plan",
+            "--profile",
+            bad.to_str().unwrap(),
+            "--workers",
+            "2",
+            "--cost-model",
+            "pipedream",
+        ],
+        "forward must be a finite number >= 0",
     );
 }
 
 #[test]
 fn profile_plan_and_train_the_plan() {
     let profile = tmp("profile-mlp.json");
-    let out = pipe(&[
+    let profile_path = profile.to_str().unwrap();
+    let text = pipe_ok(&[
         "profile",
         "--model",
         "mlp-784-64-64-10",
@@ -612,10 +610,8 @@ fn profile_plan_and_train_the_plan() {
         "--microbatches",
         "2",
         "-o",
-        profile.to_str().unwrap(),
+        profile_path,
     ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
     assert!(text.contains("calibrated on the executor at 2"), "{text}");
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
@@ -623,19 +619,18 @@ fn profile_plan_and_train_the_plan() {
     assert_eq!(json["microbatch_size"], 16);
 
     let plan = tmp("plan-mlp.toml");
-    let out = pipe(&[
+    let plan_path = plan.to_str().unwrap();
+    let text = pipe_ok(&[
         "plan",
         "--profile",
-        profile.to_str().unwrap(),
+        profile_path,
         "--stages",
         "2",
         "--microbatches",
         "2",
         "-o",
-        plan.to_str().unwrap(),
+        plan_path,
     ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
     assert!(
         text.contains("2 stage(s) on 2 worker(s), cost model default"),
         "{text}"
@@ -644,17 +639,9 @@ fn profile_plan_and_train_the_plan() {
     let written = std::fs::read_to_string(&plan).unwrap();
     assert!(written.contains("replicas = [1, 1]"), "{written}");
 
-    let out = pipe(&[
-        "train",
-        "--plan",
-        plan.to_str().unwrap(),
-        "--steps",
-        "20",
-        "--epochs",
-        "1",
+    let text = pipe_ok(&[
+        "train", "--plan", plan_path, "--steps", "20", "--epochs", "1",
     ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
     assert!(text.contains("2 stages x replicas [1, 1]"), "{text}");
     assert!(text.contains("done: 20 steps"), "{text}");
 
@@ -665,25 +652,27 @@ fn profile_plan_and_train_the_plan() {
         written.replace("schedule =", "colour = 1\nschedule ="),
     )
     .unwrap();
-    let out = pipe(&["train", "--plan", bad.to_str().unwrap(), "--steps", "1"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("colour"));
-    let out = pipe(&[
-        "train",
-        "--plan",
-        plan.to_str().unwrap(),
-        "--model",
-        "mlp-784-32-10",
-        "--steps",
-        "1",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("was made for model"));
+    assert_bad_input(
+        &["train", "--plan", bad.to_str().unwrap(), "--steps", "1"],
+        "colour",
+    );
+    assert_bad_input(
+        &[
+            "train",
+            "--plan",
+            plan_path,
+            "--model",
+            "mlp-784-32-10",
+            "--steps",
+            "1",
+        ],
+        "was made for model",
+    );
 }
 
 #[test]
 fn train_with_workers_plans_automatically() {
-    let out = pipe(&[
+    let text = pipe_ok(&[
         "train",
         "--model",
         "mlp-784-64-64-10",
@@ -696,24 +685,19 @@ fn train_with_workers_plans_automatically() {
         "--epochs",
         "1",
     ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
     assert!(text.contains("auto plan for 2 workers"), "{text}");
     assert!(text.contains("done: 10 steps"), "{text}");
-    let out = pipe(&[
-        "train",
-        "--workers",
-        "2",
-        "--schedule",
-        "interleaved",
-        "--steps",
-        "1",
-    ]);
-    assert_eq!(
-        out.status.code(),
-        Some(2),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    assert_bad_input(
+        &[
+            "train",
+            "--workers",
+            "2",
+            "--schedule",
+            "interleaved",
+            "--steps",
+            "1",
+        ],
+        "is not planned",
     );
 }
 
@@ -727,9 +711,10 @@ fn plan_rejects_cyclic_and_unknown_profiles_and_impossible_requests() {
             "edges": [[1, 0]]}"#,
     )
     .unwrap();
-    let out = pipe(&["plan", "--profile", cyc.to_str().unwrap(), "--workers", "2"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("does not go from an earlier layer"));
+    assert_bad_input(
+        &["plan", "--profile", cyc.to_str().unwrap(), "--workers", "2"],
+        "does not go from an earlier layer",
+    );
     let two = tmp("two-layers.json");
     std::fs::write(
         &two,
@@ -737,19 +722,23 @@ fn plan_rejects_cyclic_and_unknown_profiles_and_impossible_requests() {
                        {"name": "b", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1e9}]}"#,
     )
     .unwrap();
-    let out = pipe(&["plan", "--profile", two.to_str().unwrap(), "--stages", "3"]);
-    assert_eq!(out.status.code(), Some(2));
-    let out = pipe(&[
-        "plan",
-        "--profile",
-        two.to_str().unwrap(),
-        "--workers",
-        "2",
-        "--memory",
-        "1MB",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("memory bound"));
+    let two = two.to_str().unwrap();
+    assert_bad_input(
+        &["plan", "--profile", two, "--stages", "3"],
+        "cannot each hold a stage",
+    );
+    assert_bad_input(
+        &[
+            "plan",
+            "--profile",
+            two,
+            "--workers",
+            "2",
+            "--memory",
+            "1MB",
+        ],
+        "memory bound",
+    );
 }
 
 #[test]

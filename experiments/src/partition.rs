@@ -30,6 +30,7 @@ use pipe_scheduler::{
     Action, PartitionPlan, PlanOptions, Policy, Profile, explain, plan_checked, simulate_plan,
 };
 use pipe_stages::model::{Model, ModelSpec};
+use pipe_stages::pipeline::Partition;
 use pipe_stages::profile::{ProfileOptions, profile_model};
 use serde::Serialize;
 
@@ -121,12 +122,11 @@ pub struct PartitionReport {
     pub measured_over_simulated: f64,
 }
 
+/// Stage ranges as `--partition` writes them (`0-9,10-19`).
 fn ranges_text(ranges: &[Range<usize>]) -> String {
-    ranges
-        .iter()
-        .map(|r| format!("{}-{}", r.start, r.end - 1))
-        .collect::<Vec<_>>()
-        .join(",")
+    let layers = ranges.last().map_or(0, |r| r.end);
+    Partition::new(ranges.to_vec(), layers)
+        .map_or_else(|_| format!("{ranges:?}"), |p| p.to_string())
 }
 
 /// `n` layers in `s` stages of equal counts (the first stages one longer when uneven).

@@ -82,15 +82,7 @@ fn brute_force(p: &Profile, w: u32, b: f64, ratio: Option<f64>) -> f64 {
     let n = p.layers.len();
     let mut best = f64::INFINITY;
     // Cut masks over the n-1 gaps.
-    for mask in 0u32..(1 << (n - 1)) {
-        let mut stages = Vec::new();
-        let mut start = 0;
-        for i in 0..n {
-            if i == n - 1 || mask & (1 << i) != 0 {
-                stages.push(start..i + 1);
-                start = i + 1;
-            }
-        }
+    for stages in splits(n) {
         if stages.len() > w as usize {
             continue;
         }
@@ -114,6 +106,24 @@ fn brute_force(p: &Profile, w: u32, b: f64, ratio: Option<f64>) -> f64 {
         }
     }
     best
+}
+
+/// Every split of layers `0..n` into contiguous non-empty stages (one per set of cuts among the
+/// `n - 1` gaps).
+fn splits(n: usize) -> Vec<Vec<std::ops::Range<usize>>> {
+    (0u32..(1 << (n - 1)))
+        .map(|mask| {
+            let mut stages = Vec::new();
+            let mut start = 0;
+            for i in 0..n {
+                if i == n - 1 || mask & (1 << i) != 0 {
+                    stages.push(start..i + 1);
+                    start = i + 1;
+                }
+            }
+            stages
+        })
+        .collect()
 }
 
 /// Every way to write `w` as `k` positive parts, in order.
@@ -190,18 +200,8 @@ proptest! {
         let got = split.iter().map(cost).fold(0.0, f64::max);
         // Brute force over every choice of stages - 1 cuts among the n - 1 gaps.
         let mut brute = f64::INFINITY;
-        for mask in 0u32..(1 << (n - 1)) {
-            if mask.count_ones() as usize != stages - 1 {
-                continue;
-            }
-            let (mut start, mut worst) = (0, 0.0f64);
-            for i in 0..n {
-                if i == n - 1 || mask & (1 << i) != 0 {
-                    worst = worst.max(cost(&(start..i + 1)));
-                    start = i + 1;
-                }
-            }
-            brute = brute.min(worst);
+        for split in splits(n).into_iter().filter(|s| s.len() == stages) {
+            brute = brute.min(split.iter().map(cost).fold(0.0, f64::max));
         }
         prop_assert!((got - brute).abs() <= 1e-9 * brute.max(1.0), "dp {} brute {}", got, brute);
     }
@@ -265,15 +265,7 @@ fn brute_force_default(p: &Profile, o: &PlanOptions) -> Vec<f64> {
     let n = p.layers.len();
     let w = o.workers;
     let mut best = vec![f64::INFINITY; n.min(w as usize)];
-    for mask in 0u32..(1 << (n - 1)) {
-        let mut stages = Vec::new();
-        let mut start = 0;
-        for i in 0..n {
-            if i == n - 1 || mask & (1 << i) != 0 {
-                stages.push(start..i + 1);
-                start = i + 1;
-            }
-        }
+    for stages in splits(n) {
         if stages.len() > w as usize {
             continue;
         }

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Result, ScheduleError};
-use crate::planner::{Bound, PartitionPlan, PipeDreamOptions, PlannedStage};
+use crate::planner::{Bound, PartitionPlan, PipeDreamOptions, PlannedStage, pipedream_stage_time};
 use crate::profile::Profile;
 use crate::spec::Policy;
 
@@ -230,7 +230,7 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
         .ok_or_else(|| ScheduleError::Plan("no antichain state covers every layer".into()))?;
     let w = opts.workers as usize;
     let b = opts.bandwidth;
-    let stage_time = |c: f64, p: f64, r: f64| (c + 4.0 * (r - 1.0) * p / (b * r)) / r;
+    let stage_time = |c: f64, p: f64, r: f64| pipedream_stage_time(c, p, r, b);
     let fits = |act: f64, par: f64, copies: usize| {
         opts.memory
             .is_none_or(|limit| copies as f64 * (act + par) <= limit)

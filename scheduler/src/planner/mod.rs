@@ -241,6 +241,12 @@ impl<'a> PrefixIndex<'a> {
     }
 }
 
+/// PipeDream's time for a stage of compute `c` and parameter bytes `p` on `r` replicas at
+/// bandwidth `b`: `(c + 4 (r-1) p / (b r)) / r`.
+fn pipedream_stage_time(c: f64, p: f64, r: f64, b: f64) -> f64 {
+    (c + 4.0 * (r - 1.0) * p / (b * r)) / r
+}
+
 /// PipeDream's optimizer (see the module docs).
 ///
 /// # Errors
@@ -282,7 +288,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
     }
     let range = |from: usize, to: usize| (pc[to + 1] - pc[from], pp[to + 1] - pp[from]);
     let index = PrefixIndex::new(&pc);
-    let stage_time = |c: f64, p: f64, r: f64| (c + 4.0 * (r - 1.0) * p / (b * r)) / r;
+    let stage_time = |c: f64, p: f64, r: f64| pipedream_stage_time(c, p, r, b);
     let fits = |from: usize, to: usize, copies: usize| match opts.memory {
         None => true,
         Some(limit) => {

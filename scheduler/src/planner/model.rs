@@ -63,14 +63,6 @@ impl WireDtype {
             WireDtype::Bf16 => 0.5,
         }
     }
-
-    /// The CLI name.
-    pub fn name(self) -> &'static str {
-        match self {
-            WireDtype::F32 => "f32",
-            WireDtype::Bf16 => "bf16",
-        }
-    }
 }
 
 impl std::str::FromStr for WireDtype {
@@ -365,18 +357,11 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
     let mut cur: Table = vec![EMPTY; n * w];
     for j in 0..n {
         for m in 0..w {
-            let mut best = EMPTY;
-            if prev.is_none() && (!straight || m == 0) {
-                let e = costs.eval(0, j, m + 1, w);
-                if costs.fits(&e) {
-                    best = Cell {
-                        time: e.time,
-                        k: u32::MAX,
-                        r: (m + 1) as u32,
-                        stages: 1,
-                    };
-                }
-            }
+            let mut best = if prev.is_none() {
+                single_stage(costs, j, m)
+            } else {
+                EMPTY
+            };
             if m > 0 && j > 0 {
                 let prefix = prev.unwrap_or(&cur);
                 let after_base = w - (m + 1);
@@ -416,27 +401,31 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
     cur
 }
 
-/// The tables for one stage, two stages, ... (`layers[s]` holds plans of `s + 1` stages).
-fn first_layer(costs: &Costs) -> Table {
-    let (n, w) = (costs.n, costs.w);
-    let mut t: Table = vec![EMPTY; n * w];
-    for j in 0..n {
-        for m in 0..w {
-            if costs.opts.straight && m > 0 {
-                continue;
-            }
-            let e = costs.eval(0, j, m + 1, w);
-            if costs.fits(&e) {
-                t[j * w + m] = Cell {
-                    time: e.time,
-                    k: u32::MAX,
-                    r: (m + 1) as u32,
-                    stages: 1,
-                };
-            }
-        }
+/// The plan of layers `0..=j` as one stage on all `m + 1` workers (empty when it does not fit
+/// the memory bound, or needs replicas a straight pipeline does not allow).
+fn single_stage(costs: &Costs, j: usize, m: usize) -> Cell {
+    if costs.opts.straight && m > 0 {
+        return EMPTY;
     }
-    t
+    let e = costs.eval(0, j, m + 1, costs.w);
+    if !costs.fits(&e) {
+        return EMPTY;
+    }
+    Cell {
+        time: e.time,
+        k: u32::MAX,
+        r: (m + 1) as u32,
+        stages: 1,
+    }
+}
+
+/// The table of one-stage plans: the first of the per-stage-count tables (`tables[s]` holds
+/// plans of `s + 1` stages).
+fn first_layer(costs: &Costs) -> Table {
+    let w = costs.w;
+    (0..costs.n * w)
+        .map(|i| single_stage(costs, i / w, i % w))
+        .collect()
 }
 
 /// Refuses to hold `tables` tables of `n x w` cells past 1 GiB (flush schedules keep one table
