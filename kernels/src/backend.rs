@@ -241,3 +241,56 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// None today; reserved for device failures.
     fn sum_squares(&self, x: &Tensor) -> Result<f64>;
 }
+
+/// Which compute backend a run uses: the typed form of `--backend`, parsed once at the edge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum BackendKind {
+    /// The CPU backend (always built).
+    #[default]
+    Cpu,
+    /// The CUDA backend (behind the `cuda` feature).
+    Cuda,
+}
+
+impl BackendKind {
+    /// The name `--backend` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+
+    /// Opens the backend with `threads` compute threads (0: one per core) on device `ordinal`
+    /// where the backend has devices.
+    ///
+    /// # Errors
+    /// [`crate::KernelError::NotCompiledWithCuda`] for CUDA in a build without it; thread-pool
+    /// failures for the CPU.
+    pub fn open(self, threads: usize, ordinal: usize) -> Result<Box<dyn Backend>> {
+        match self {
+            BackendKind::Cpu => Ok(Box::new(crate::CpuBackend::new(threads)?)),
+            BackendKind::Cuda => {
+                crate::CudaBackend::new(ordinal)?;
+                Err(crate::KernelError::NotCompiledWithCuda)
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(BackendKind::Cpu),
+            "cuda" => Ok(BackendKind::Cuda),
+            other => Err(format!("unknown backend '{other}' (cpu, cuda)")),
+        }
+    }
+}

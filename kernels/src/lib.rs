@@ -21,7 +21,7 @@ mod error;
 mod tensor;
 mod timed;
 
-pub use backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
+pub use backend::{Activation, AdamStep, Backend, BackendKind, LossStats, SgdStep, Trans};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use error::KernelError;

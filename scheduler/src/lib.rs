@@ -52,5 +52,7 @@ pub use planner::{
 };
 pub use profile::{LayerProfile, Profile};
 pub use sim::{CostModel, SimOptions, SimReport, StageCost, WorkerReport, simulate};
-pub use spec::{Layout, Length, Policy, Resolved, Schedule, ScheduleSpec, VersionRule};
+pub use spec::{
+    Layout, Length, Policy, Resolved, Schedule, ScheduleSpec, VersionQuery, VersionRule,
+};
 pub use timeline::{Span, Timeline};

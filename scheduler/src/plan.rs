@@ -19,7 +19,7 @@
 
 use crate::action::{Action, Microbatch, StageId, WorkerId};
 use crate::error::{Result, ScheduleError};
-use crate::spec::{Schedule, VersionRule};
+use crate::spec::{Schedule, VersionQuery};
 use crate::validate::invalid;
 
 /// Sentinel for "not recorded" in the per-(stage, microbatch) tables.
@@ -112,7 +112,6 @@ impl VersionPlan {
         let mut contributions =
             vec![Contributions::default(); schedule.workers() as usize * chunks];
         let idx = |s: StageId, mb: Microbatch| s as usize * n as usize + mb as usize;
-        let size0 = u64::from(schedule.resolved.update_size(0));
 
         // Vertical sync reads the input stage's forward versions, so walk input-stage workers
         // first.
@@ -130,7 +129,7 @@ impl VersionPlan {
                 if stage >= stages {
                     return Err(fail(format!("stage {stage} does not exist")));
                 }
-                let c = (stage / positions) as usize;
+                let c = layout.chunk_of(stage) as usize;
                 if c >= chunks {
                     return Err(fail(format!("stage {stage} is not held by this worker")));
                 }
@@ -141,27 +140,25 @@ impl VersionPlan {
                 }
                 match a {
                     Action::Forward { stage, mb } => {
-                        let v = match rule {
-                            VersionRule::Stash | VersionRule::Latest => current[c],
-                            VersionRule::DelayedByOne => {
-                                schedule.resolved.update_of(stage, mb).saturating_sub(1)
+                        let entry_tag = if stage == 0 || rule != crate::VersionRule::VerticalSync {
+                            0
+                        } else {
+                            let v0 = forward[idx(0, mb)];
+                            if v0 == UNSET {
+                                return Err(fail(format!(
+                                    "microbatch {mb} reaches stage {stage} without a \
+                                     forward at stage 0"
+                                )));
                             }
-                            VersionRule::VerticalSync => {
-                                if stage == 0 {
-                                    current[c]
-                                } else {
-                                    let v0 = forward[idx(0, mb)];
-                                    if v0 == UNSET {
-                                        return Err(fail(format!(
-                                            "microbatch {mb} reaches stage {stage} without a \
-                                             forward at stage 0"
-                                        )));
-                                    }
-                                    let tag = u64::from(v0) * size0;
-                                    (tag / u64::from(schedule.resolved.update_size(stage))) as u32
-                                }
-                            }
+                            crate::VersionRule::entry_tag(v0, schedule.resolved.update_size(0))
                         };
+                        let v = rule.forward_version(&VersionQuery {
+                            stage,
+                            current: current[c],
+                            update: schedule.resolved.update_of(stage, mb),
+                            entry_tag,
+                            update_size: schedule.resolved.update_size(stage),
+                        });
                         if v > current[c] {
                             return Err(fail(format!(
                                 "forward needs version {v} of stage {stage}, which does not \
@@ -178,11 +175,7 @@ impl VersionPlan {
                                 "backward of microbatch {mb} before its forward"
                             )));
                         }
-                        let v = match rule {
-                            VersionRule::Latest => current[c],
-                            _ => f,
-                        };
-                        backward[idx(stage, mb)] = v;
+                        backward[idx(stage, mb)] = rule.backward_version(f, current[c]);
                         if matches!(a, Action::Backward { .. }) {
                             contrib[c].mbs.push(mb);
                         }
@@ -285,6 +278,30 @@ impl VersionPlan {
         self.backward[stage as usize * self.microbatches as usize + mb as usize]
     }
 
+    /// The last use of every weight version on `worker`: per chunk (in
+    /// [`Layout::stages_of`](crate::Layout::stages_of) order), indexed by version, the program
+    /// counter of the last action that reads that version (0 when none does). Forwards read
+    /// their forward version; backwards, their input halves and their weight halves read the
+    /// backward version (the executor hands the weight half the version's parameters). The
+    /// executor frees a stashed version after its last use.
+    pub fn last_uses(&self, schedule: &Schedule, worker: WorkerId) -> Vec<Vec<usize>> {
+        let layout = schedule.layout();
+        let mut last: Vec<Vec<usize>> = vec![Vec::new(); layout.chunks() as usize];
+        for (pc, a) in schedule.programs[worker as usize].iter().enumerate() {
+            let v = match *a {
+                Action::Forward { stage, mb } => self.forward_version(stage, mb),
+                Action::Backward { stage, mb }
+                | Action::BackwardInput { stage, mb }
+                | Action::BackwardWeight { stage, mb } => self.backward_version(stage, mb),
+                _ => continue,
+            };
+            if let Some(uses) = last.get_mut(layout.chunk_of(a.stage()) as usize) {
+                note_use(uses, v, pc);
+            }
+        }
+        last
+    }
+
     /// Walks one worker's program and returns the peaks of weighted live versions and live
     /// activations. A version is live from the update that creates it until the later of the
     /// update that replaces it and its last use; an activation from its forward until the
@@ -301,7 +318,6 @@ impl VersionPlan {
         let layout = schedule.layout();
         let len = prog.len();
         let chunks = layout.chunks() as usize;
-        let positions = layout.positions();
         // Difference arrays (reused across workers): counts and bytes of live activations and
         // versions.
         scratch.clear();
@@ -311,24 +327,17 @@ impl VersionPlan {
         // Per chunk: position of each update, and last use of each version.
         let mut update_pc: Vec<Vec<usize>> = vec![Vec::new(); chunks];
         let mut last_use: Vec<Vec<usize>> = vec![Vec::new(); chunks];
-        let note = |uses: &mut Vec<usize>, v: u32, pc: usize| {
-            let v = v as usize;
-            if uses.len() <= v {
-                uses.resize(v + 1, 0);
-            }
-            uses[v] = uses[v].max(pc);
-        };
         for (pc, a) in prog.iter().enumerate() {
             let stage = a.stage();
-            let c = (stage / positions) as usize;
+            let c = layout.chunk_of(stage) as usize;
             match *a {
                 Action::Forward { mb, .. } => {
-                    note(&mut last_use[c], self.forward_version(stage, mb), pc);
+                    note_use(&mut last_use[c], self.forward_version(stage, mb), pc);
                     diff[pc].act_n += 1;
                     diff[pc].act_b += stash[c];
                 }
                 Action::Backward { mb, .. } | Action::BackwardInput { mb, .. } => {
-                    note(&mut last_use[c], self.backward_version(stage, mb), pc);
+                    note_use(&mut last_use[c], self.backward_version(stage, mb), pc);
                     if matches!(a, Action::Backward { .. }) {
                         diff[pc + 1].act_n -= 1;
                         diff[pc + 1].act_b -= stash[c];
@@ -374,6 +383,15 @@ impl VersionPlan {
         }
         (counts, peak)
     }
+}
+
+/// Records that version `v` is used at `pc` (uses come in program order).
+fn note_use(uses: &mut Vec<usize>, v: u32, pc: usize) {
+    let v = v as usize;
+    if uses.len() <= v {
+        uses.resize(v + 1, 0);
+    }
+    uses[v] = uses[v].max(pc);
 }
 
 /// One entry of the memory sweep's difference array.

@@ -47,6 +47,51 @@ pub enum VersionRule {
     DelayedByOne,
 }
 
+/// What a pass knows when it picks its weight version ([`VersionRule::forward_version`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VersionQuery {
+    /// The stage.
+    pub stage: StageId,
+    /// The stage's current version on this worker (updates applied so far).
+    pub current: u32,
+    /// The update at this stage whose gradient sum holds the microbatch
+    /// ([`Resolved::update_of`]).
+    pub update: u32,
+    /// Vertical sync: microbatches whose gradients were in the input stage's weights when the
+    /// microbatch entered the pipeline ([`VersionRule::entry_tag`]); ignored otherwise.
+    pub entry_tag: u64,
+    /// Microbatches per update of this stage ([`Resolved::update_size`]).
+    pub update_size: u32,
+}
+
+impl VersionRule {
+    /// The version a forward uses: the one home of the rule, used by the version plan and by
+    /// the executor.
+    pub fn forward_version(self, q: &VersionQuery) -> u32 {
+        match self {
+            VersionRule::Stash | VersionRule::Latest => q.current,
+            VersionRule::DelayedByOne => q.update.saturating_sub(1),
+            VersionRule::VerticalSync if q.stage == 0 => q.current,
+            VersionRule::VerticalSync => (q.entry_tag / u64::from(q.update_size.max(1))) as u32,
+        }
+    }
+
+    /// The version a backward (its input-gradient half) uses, given the version its forward
+    /// used and the stage's current version when it runs.
+    pub fn backward_version(self, forward: u32, current: u32) -> u32 {
+        match self {
+            VersionRule::Latest => current,
+            _ => forward,
+        }
+    }
+
+    /// The tag the input stage gives a microbatch it forwarded with `version`: the number of
+    /// microbatches whose gradients that version holds (`version * update size of stage 0`).
+    pub fn entry_tag(version: u32, input_update_size: u32) -> u64 {
+        u64::from(version) * u64::from(input_update_size)
+    }
+}
+
 impl Policy {
     /// Every policy, in the order of DESIGN section 4.
     pub const ALL: [Policy; 9] = [
@@ -191,6 +236,12 @@ impl Layout {
     /// Replica count per position.
     pub fn replica_counts(&self) -> &[u32] {
         &self.replicas
+    }
+
+    /// Which of its worker's chunks a stage is (`stage / positions`): the index of the stage
+    /// among [`Layout::stages_of`] its worker.
+    pub fn chunk_of(&self, stage: StageId) -> u32 {
+        stage / self.positions()
     }
 
     /// Position that holds a stage.

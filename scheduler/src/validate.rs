@@ -85,7 +85,7 @@ pub fn validate(schedule: &Schedule) -> Result<()> {
             if a.is_communication() && !lowered {
                 return fail("send or receive in a schedule that is not lowered".into());
             }
-            let c = (stage / layout.positions()) as usize;
+            let c = layout.chunk_of(stage) as usize;
             let last = stages - 1;
             match a {
                 Action::Forward { stage, mb } => {

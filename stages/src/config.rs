@@ -3,12 +3,16 @@
 
 use std::path::PathBuf;
 
+use pipe_kernels::BackendKind;
+use pipe_scheduler::{Length, Policy, ScheduleSpec};
+use pipe_transport::TransportKind;
 use serde::{Deserialize, Serialize};
 
 use crate::data::SyntheticConfig;
 use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec};
-use crate::optim::{LrScheduleKind, OptimizerConfig, OptimizerKind};
+use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
+use crate::pipeline::Partition;
 
 /// The model preset used when none is given.
 pub const DEFAULT_MODEL: &str = "mlp-784-512-512-10";
@@ -101,6 +105,10 @@ pub struct TrainSettings {
     pub chunks: Option<u32>,
     /// Explicit stage boundaries, `0-5,6-11,...` (default: balanced by FLOPs).
     pub partition: Option<String>,
+    /// Compute backend (`cpu`, `cuda`).
+    pub backend: Option<String>,
+    /// How workers exchange tensors (`inproc`).
+    pub transport: Option<String>,
 }
 
 macro_rules! merge_fields {
@@ -127,7 +135,43 @@ impl TrainSettings {
         merge_fields!(dst, src; model, dataset, data_dir, synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
-            schedule, chunks, partition);
+            schedule, chunks, partition, backend, transport);
+    }
+
+    /// Takes the layout a plan file describes (schedule, stages, replicas, partition), and its
+    /// model, microbatch size and microbatch count where these settings give none.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming `source` when the plan names no model or another model
+    /// than these settings.
+    pub fn apply_plan(&mut self, plan: &PlanFile, source: &str) -> Result<()> {
+        if plan.model.is_empty() {
+            return Err(StageError::Config(format!(
+                "plan {source} names no model (plans of imported profiles describe another \
+                 system's layers)"
+            )));
+        }
+        match &self.model {
+            None => self.model = Some(ModelChoice::Preset(plan.model.clone())),
+            Some(ModelChoice::Preset(m)) if *m == plan.model => {}
+            Some(_) => {
+                return Err(StageError::Config(format!(
+                    "plan {source} was made for model {}, not this run's",
+                    plan.model
+                )));
+            }
+        }
+        if plan.microbatch_size > 0 && self.microbatch_size.is_none() {
+            self.microbatch_size = Some(plan.microbatch_size);
+        }
+        self.stages = Some(plan.replicas.len());
+        self.replicas = Some(plan.replicas.clone());
+        self.partition = Some(plan.partition.clone());
+        self.schedule = Some(plan.schedule.clone());
+        if self.microbatches.is_none() {
+            self.microbatches = Some(plan.microbatches as usize);
+        }
+        Ok(())
     }
 
     /// Applies defaults and checks every value.
@@ -136,7 +180,7 @@ impl TrainSettings {
     /// [`StageError::Config`] or [`StageError::Model`] naming the first bad value.
     pub fn resolve(self) -> Result<RunConfig> {
         let bad = |m: String| Err(StageError::Config(m));
-        let (model_name, model) = match self
+        let (model_name, model_spec) = match self
             .model
             .unwrap_or(ModelChoice::Preset(DEFAULT_MODEL.into()))
         {
@@ -146,7 +190,7 @@ impl TrainSettings {
             }
             ModelChoice::Layers(spec) => ("custom".to_string(), spec),
         };
-        Model::new(&model)?;
+        let model = Model::new(&model_spec)?;
         let dataset = self.dataset.unwrap_or(DatasetKind::Mnist);
         let epochs = self
             .epochs
@@ -190,7 +234,7 @@ impl TrainSettings {
         if stages == 0 {
             return bad("stages must be at least 1".into());
         }
-        let replicas = self.replicas.clone().unwrap_or_else(|| vec![1]);
+        let mut replicas = self.replicas.clone().unwrap_or_else(|| vec![1]);
         if replicas.is_empty() || replicas.contains(&0) {
             return bad("replicas must be at least 1 per stage".into());
         }
@@ -200,20 +244,37 @@ impl TrainSettings {
                 replicas.len()
             ));
         }
+        if replicas.len() == 1 {
+            replicas = vec![replicas[0]; stages];
+        }
         let chunks = self.chunks.unwrap_or(1);
         let pipelined = stages > 1
             || replicas.iter().any(|&r| r > 1)
             || chunks > 1
             || self.schedule.is_some()
             || self.partition.is_some();
-        let schedule = self.schedule.clone().unwrap_or_else(|| "pipedream".into());
-        schedule
-            .parse::<pipe_scheduler::Policy>()
-            .map_err(|e| StageError::Config(e.to_string()))?;
+        let schedule: Policy = match &self.schedule {
+            Some(name) => name
+                .parse()
+                .map_err(|e: pipe_scheduler::ScheduleError| StageError::Config(e.to_string()))?,
+            None => Policy::PipeDream,
+        };
+        let partition = match &self.partition {
+            Some(text) => Some(Partition::parse(text, model.len())?),
+            None => None,
+        };
+        let backend = match &self.backend {
+            Some(b) => b.parse().map_err(StageError::Config)?,
+            None => BackendKind::Cpu,
+        };
+        let transport = match &self.transport {
+            Some(t) => t.parse().map_err(StageError::Config)?,
+            None => TransportKind::InProcess,
+        };
         let synthetic = self.synthetic.unwrap_or_default();
         Ok(RunConfig {
             model_name,
-            model,
+            model: model_spec,
             dataset,
             data_dir: self.data_dir,
             synthetic,
@@ -232,14 +293,17 @@ impl TrainSettings {
             replicas,
             schedule,
             chunks,
-            partition: self.partition,
+            partition,
             pipelined,
+            backend,
+            transport,
         })
     }
 }
 
-/// A validated run configuration.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+/// A validated run configuration: every choice typed (policy, partition, per-stage replica
+/// counts, backend, transport), built once by [`TrainSettings::resolve`].
+#[derive(Clone, Debug, PartialEq)]
 pub struct RunConfig {
     /// Preset name, or `custom`.
     pub model_name: String,
@@ -275,14 +339,121 @@ pub struct RunConfig {
     pub log_jsonl: Option<PathBuf>,
     /// Pipeline stages.
     pub stages: usize,
-    /// Replicas per stage (one value, or one per stage).
+    /// Replicas of each stage (one value per stage).
     pub replicas: Vec<u32>,
-    /// Schedule policy name (checked).
-    pub schedule: String,
+    /// Schedule policy.
+    pub schedule: Policy,
     /// Model chunks per worker.
     pub chunks: u32,
-    /// Explicit partition, if given.
-    pub partition: Option<String>,
+    /// Explicit partition, if given (checked against the model).
+    pub partition: Option<Partition>,
     /// True when the run goes through the pipelined executor (any pipeline setting given).
     pub pipelined: bool,
+    /// Compute backend.
+    pub backend: BackendKind,
+    /// How workers exchange tensors.
+    pub transport: TransportKind,
+}
+
+impl RunConfig {
+    /// The schedule request this run implies, running for `length`.
+    pub fn schedule_spec(&self, length: Length) -> ScheduleSpec {
+        ScheduleSpec::new(self.schedule, self.stages as u32, self.microbatches as u32)
+            .with_replicas(self.replicas.clone())
+            .with_chunks(self.chunks)
+            .with_length(length)
+    }
+
+    /// The learning-rate schedule of a run of `total` updates (the one place it is built).
+    pub fn lr_schedule(&self, total: u64) -> LrSchedule {
+        LrSchedule {
+            kind: self.lr_schedule,
+            base: self.lr,
+            warmup: self.warmup_steps,
+            total,
+            min_ratio: 0.0,
+        }
+    }
+}
+
+/// A plan as `pipe plan -o` writes it and `pipe train --plan` reads it (TOML).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanFile {
+    /// Model preset the profile was taken from (empty when unknown).
+    #[serde(default)]
+    pub model: String,
+    /// Samples per microbatch the profile was taken at (0 when unknown).
+    #[serde(default)]
+    pub microbatch_size: usize,
+    /// Schedule.
+    pub schedule: String,
+    /// Microbatches per update per replica.
+    pub microbatches: u32,
+    /// Inclusive layer ranges per stage, as `--partition` takes them.
+    pub partition: String,
+    /// Replicas per stage.
+    pub replicas: Vec<u32>,
+    /// Cost model that made the plan.
+    #[serde(default)]
+    pub cost_model: String,
+    /// Predicted seconds per microbatch (slowest stage).
+    #[serde(default)]
+    pub time_per_microbatch: f64,
+    /// The simulator's seconds per microbatch, when simulated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub simulated_time_per_microbatch: Option<f64>,
+}
+
+impl PlanFile {
+    /// A plan file for `plan`, made from `profile`.
+    ///
+    /// # Errors
+    /// When the plan's stages do not tile the profile's layers.
+    pub fn from_plan(
+        profile: &pipe_scheduler::Profile,
+        plan: &pipe_scheduler::PartitionPlan,
+    ) -> Result<Self> {
+        let (partition, replicas) = layout_of(plan)?;
+        Ok(PlanFile {
+            model: profile.model.clone(),
+            microbatch_size: profile.microbatch_size,
+            schedule: plan.policy.name().into(),
+            microbatches: plan.microbatches,
+            partition: partition.to_string(),
+            replicas,
+            cost_model: plan.cost_model.into(),
+            time_per_microbatch: plan.time_per_microbatch,
+            simulated_time_per_microbatch: plan.simulated,
+        })
+    }
+
+    /// Parses and checks a plan file's text; `source` names it in errors.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming the file and the problem.
+    pub fn parse(text: &str, source: &str) -> Result<Self> {
+        let f: PlanFile = toml::from_str(text).map_err(|e| {
+            StageError::Config(format!(
+                "plan {source}: {}",
+                e.to_string().replace('\n', " ")
+            ))
+        })?;
+        if f.replicas.is_empty() || f.replicas.contains(&0) || f.microbatches == 0 {
+            return Err(StageError::Config(format!(
+                "plan {source}: replicas and microbatches must be at least 1"
+            )));
+        }
+        Ok(f)
+    }
+}
+
+/// A plan's stages as the partition `--partition` takes, and its replica counts.
+///
+/// # Errors
+/// When the stages do not tile the layers (never, for a plan the planner made).
+pub fn layout_of(plan: &pipe_scheduler::PartitionPlan) -> Result<(Partition, Vec<u32>)> {
+    let ranges = plan.stages.iter().map(|s| s.layers.clone()).collect();
+    let partition = Partition::new(ranges, plan.order.len())?;
+    Ok((partition, plan.stages.iter().map(|s| s.replicas).collect()))
 }

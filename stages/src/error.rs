@@ -43,20 +43,21 @@ pub enum StageError {
     },
     /// Moving a message between workers failed.
     #[error("transport: {0}")]
-    Transport(String),
-    /// A schedule failed its checks or its version plan.
+    Transport(#[from] pipe_transport::TransportError),
+    /// A schedule request was impossible, or a schedule failed its checks or its version plan.
     #[error("schedule: {0}")]
-    Schedule(String),
+    Schedule(#[from] pipe_scheduler::ScheduleError),
     /// The executor met a state its program should not allow (missing input, freed version).
     #[error("executor: {0}")]
     Executor(String),
     /// A worker of a pipelined run failed; every other worker was stopped.
-    #[error("worker {worker} (stage {stage}, replica {replica}) failed at {action}: {source}")]
+    #[error("worker {worker} (stage {position}, replica {replica}) failed at {action}: {source}")]
     Worker {
         /// The worker.
         worker: u32,
-        /// Its stage position.
-        stage: u32,
+        /// Its pipeline position (the stage it holds; with several chunks per worker, the
+        /// first of them).
+        position: u32,
         /// Its replica index.
         replica: u32,
         /// The action it was running (text form), or `start`/`end`.
@@ -74,30 +75,26 @@ pub enum StageError {
     },
 }
 
-impl From<pipe_transport::TransportError> for StageError {
-    fn from(e: pipe_transport::TransportError) -> Self {
-        StageError::Transport(e.to_string())
-    }
-}
-
-impl From<pipe_scheduler::ScheduleError> for StageError {
-    fn from(e: pipe_scheduler::ScheduleError) -> Self {
-        if e.is_bad_input() {
-            StageError::Config(e.to_string())
-        } else {
-            StageError::Schedule(e.to_string())
-        }
-    }
-}
-
 impl StageError {
     /// True when the error was caused by user input (configuration, model, data files), so a
     /// command-line front end should exit with status 2.
     pub fn is_bad_input(&self) -> bool {
-        matches!(
-            self,
-            StageError::Model(_) | StageError::Data { .. } | StageError::Config(_)
-        ) || matches!(self, StageError::Worker { source, .. } if source.is_bad_input())
+        match self {
+            StageError::Model(_) | StageError::Data { .. } | StageError::Config(_) => true,
+            StageError::Schedule(e) => e.is_bad_input(),
+            StageError::Worker { source, .. } => source.is_bad_input(),
+            _ => false,
+        }
+    }
+
+    /// True when this worker stopped only because another worker failed and said so: not the
+    /// run's cause, which a launcher reports instead.
+    pub fn is_abort_echo(&self) -> bool {
+        match self {
+            StageError::Transport(pipe_transport::TransportError::Aborted { .. }) => true,
+            StageError::Worker { source, .. } => source.is_abort_echo(),
+            _ => false,
+        }
     }
 }
 

@@ -20,6 +20,8 @@ pub struct Saved {
     pub tensors: Vec<Tensor>,
     /// Saved input shape, for layers that reshape.
     pub shape: Vec<usize>,
+    /// What the inner layers of a block saved, in order.
+    pub inner: Vec<Saved>,
 }
 
 impl Saved {
@@ -28,12 +30,14 @@ impl Saved {
         Self {
             tensors,
             shape: Vec::new(),
+            inner: Vec::new(),
         }
     }
 
-    /// Bytes held by the saved tensors.
+    /// Bytes held by the saved tensors (inner layers' included).
     pub fn bytes(&self) -> usize {
-        self.tensors.iter().map(|t| t.len() * 4).sum()
+        let own: usize = self.tensors.iter().map(|t| t.len() * 4).sum();
+        own + self.inner.iter().map(Saved::bytes).sum::<usize>()
     }
 }
 
@@ -63,8 +67,9 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
     /// Short kind name (`linear`, `relu`, ...).
     fn kind(&self) -> &'static str;
 
-    /// Names and shapes of the parameters, in the order the other methods take them.
-    fn param_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+    /// Names and shapes of the parameters, in the order the other methods take them. A block
+    /// names its inner layers' parameters `{inner index}.{name}`.
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
         Vec::new()
     }
 
@@ -169,6 +174,13 @@ pub enum LayerSpec {
     },
     /// Flattens every per-sample dimension into one.
     Flatten,
+    /// A block with a residual connection: `y = x + f(x)`, where `f` runs the inner layers in
+    /// order. The block is one pipeline layer (stages cut between blocks, never inside one);
+    /// its parameters are named `layers.{block}.{inner}.{name}`.
+    Residual {
+        /// The inner layers; their output must have the block's input shape.
+        layers: Vec<LayerSpec>,
+    },
 }
 
 fn default_true() -> bool {
@@ -229,6 +241,7 @@ impl LayerSpec {
                 Box::new(Dropout { p })
             }
             LayerSpec::Flatten => Box::new(Flatten),
+            LayerSpec::Residual { ref layers } => Box::new(Residual::build(layers)?),
         })
     }
 
@@ -265,10 +278,10 @@ impl Layer for Linear {
         "linear"
     }
 
-    fn param_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
-        let mut v = vec![("weight", vec![self.inputs, self.outputs])];
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let mut v = vec![("weight".into(), vec![self.inputs, self.outputs])];
         if self.bias {
-            v.push(("bias", vec![self.outputs]));
+            v.push(("bias".into(), vec![self.outputs]));
         }
         v
     }
@@ -428,10 +441,10 @@ impl Layer for LayerNorm {
         "layer_norm"
     }
 
-    fn param_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
         vec![
-            ("weight", vec![self.features]),
-            ("bias", vec![self.features]),
+            ("weight".into(), vec![self.features]),
+            ("bias".into(), vec![self.features]),
         ]
     }
 
@@ -599,8 +612,8 @@ impl Layer for Flatten {
         Ok((
             x.reshape(&[batch, per])?,
             Saved {
-                tensors: Vec::new(),
                 shape,
+                ..Saved::default()
             },
         ))
     }
@@ -613,5 +626,179 @@ impl Layer for Flatten {
         dy: &Tensor,
     ) -> KResult<Tensor> {
         dy.clone().reshape(&saved.shape)
+    }
+}
+
+/// A residual block, `y = x + f(x)` with `f` the inner layers in order (see
+/// [`LayerSpec::Residual`]).
+///
+/// Parameters are the inner layers' lists, concatenated. The weight-gradient half needs the
+/// gradient reaching each inner layer's output, which the input-gradient half computes; since
+/// the two halves may run at different times (zero-bubble schedules) and [`Saved`] is read-only
+/// in the backward, [`Layer::backward_params`] recomputes the inner input gradients it needs.
+#[derive(Debug)]
+pub struct Residual {
+    inner: Vec<Box<dyn Layer>>,
+    /// Parameter count of each inner layer (to cut the block's parameter list).
+    counts: Vec<usize>,
+}
+
+impl Residual {
+    fn build(specs: &[LayerSpec]) -> Result<Self, String> {
+        if specs.is_empty() {
+            return Err("a residual block needs at least one inner layer".into());
+        }
+        let mut inner = Vec::with_capacity(specs.len());
+        for (j, spec) in specs.iter().enumerate() {
+            let followed = specs.get(j + 1).is_some_and(LayerSpec::is_activation);
+            inner.push(spec.build(followed).map_err(|e| format!("inner layer {j}: {e}"))?);
+        }
+        let counts = inner.iter().map(|l| l.param_shapes().len()).collect();
+        Ok(Self { inner, counts })
+    }
+
+    /// The block's parameter list cut per inner layer.
+    fn split<'p, T>(&self, mut params: &'p [T]) -> Vec<&'p [T]> {
+        self.counts
+            .iter()
+            .map(|&n| {
+                let (head, rest) = params.split_at(n.min(params.len()));
+                params = rest;
+                head
+            })
+            .collect()
+    }
+
+    fn inner_ctx(ctx: ForwardCtx, j: usize) -> ForwardCtx {
+        ForwardCtx {
+            seed: derive_seed(ctx.seed, "inner", j as u64),
+            ..ctx
+        }
+    }
+
+    fn saved_of<'s>(saved: &'s Saved, j: usize) -> KResult<&'s Saved> {
+        saved
+            .inner
+            .get(j)
+            .ok_or_else(|| pipe_kernels::KernelError::Shape {
+                op: "residual backward",
+                detail: format!("nothing saved for inner layer {j}"),
+            })
+    }
+}
+
+impl Layer for Residual {
+    fn kind(&self) -> &'static str {
+        "residual"
+    }
+
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.inner
+            .iter()
+            .enumerate()
+            .flat_map(|(j, l)| {
+                l.param_shapes()
+                    .into_iter()
+                    .map(move |(n, s)| (format!("{j}.{n}"), s))
+            })
+            .collect()
+    }
+
+    fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
+        self.inner.iter().flat_map(|l| l.init_params(rng)).collect()
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        let mut shape = input.to_vec();
+        for (j, l) in self.inner.iter().enumerate() {
+            shape = l
+                .output_shape(&shape)
+                .map_err(|e| format!("inner layer {j} ({}): {e}", l.kind()))?;
+        }
+        if shape != input {
+            return Err(format!(
+                "residual block maps {input:?} to {shape:?}; the two must match"
+            ));
+        }
+        Ok(shape)
+    }
+
+    fn flops_per_sample(&self, input: &[usize]) -> u64 {
+        let mut shape = input.to_vec();
+        let mut flops = input.iter().product::<usize>() as u64; // the residual add
+        for l in &self.inner {
+            flops += l.flops_per_sample(&shape);
+            shape = l.output_shape(&shape).unwrap_or(shape);
+        }
+        flops
+    }
+
+    fn forward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        x: Tensor,
+        ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        let skip = x.clone();
+        let mut h = x;
+        let mut inner = Vec::with_capacity(self.inner.len());
+        for (j, (l, p)) in self.inner.iter().zip(self.split(params)).enumerate() {
+            let (y, s) = l.forward(be, p, h, Self::inner_ctx(ctx, j))?;
+            inner.push(s);
+            h = y;
+        }
+        be.axpy(1.0, &skip, &mut h)?;
+        Ok((
+            h,
+            Saved {
+                inner,
+                ..Saved::default()
+            },
+        ))
+    }
+
+    fn backward_input(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor> {
+        let parts = self.split(params);
+        let mut g = dy.clone();
+        for j in (0..self.inner.len()).rev() {
+            g = self.inner[j].backward_input(be, parts[j], Self::saved_of(saved, j)?, &g)?;
+        }
+        be.axpy(1.0, dy, &mut g)?;
+        Ok(g)
+    }
+
+    fn backward_params(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> KResult<()> {
+        let parts = self.split(params);
+        let mut grad_parts: Vec<&mut [Tensor]> = Vec::with_capacity(self.counts.len());
+        let mut rest = grads;
+        for &n in &self.counts {
+            let (head, tail) = rest.split_at_mut(n.min(rest.len()));
+            grad_parts.push(head);
+            rest = tail;
+        }
+        let mut g = dy.clone();
+        for j in (0..self.inner.len()).rev() {
+            let s = Self::saved_of(saved, j)?;
+            self.inner[j].backward_params(be, parts[j], s, &g, grad_parts[j], accumulate)?;
+            if j > 0 {
+                g = self.inner[j].backward_input(be, parts[j], s, &g)?;
+            }
+        }
+        Ok(())
     }
 }

@@ -1,5 +1,14 @@
-//! Models: an ordered list of named layers with stable parameter names (`layers.3.weight`), and
-//! their parameters kept apart from them (see [`crate::layers`]).
+//! Models: an ordered list of layers, and a **parameter table** that names every parameter
+//! (`layers.3.weight`) and says which layers use it.
+//!
+//! Parameters are kept apart from layers (see [`crate::layers`]): every call gets the tensors
+//! its layer uses, as [`Params`], one list per layer. A parameter may be **tied**: used by
+//! several layers, on one stage or on different stages (a language model's token embedding and
+//! its output head). Every use holds its own copy of a tied parameter; the gradients of all
+//! uses are summed before the update ([`Model::sum_tied`]) and every copy applies the same
+//! summed gradient, so the copies stay bit-identical and each use reads the version its stage's
+//! version plan names. Checkpoints and reports key parameters by their table name, which does
+//! not depend on the partition.
 
 use pipe_kernels::{Backend, Tensor};
 use serde::{Deserialize, Serialize};
@@ -12,13 +21,31 @@ use crate::rng::{derive_seed, rng_for};
 /// order of [`Layer::param_shapes`].
 pub type Params = Vec<Vec<Tensor>>;
 
-/// A sequential model.
+/// Index of a parameter in a model's table.
+pub type ParamId = usize;
+
+/// One parameter of the table: its name, shape and the layer parameters that use it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamEntry {
+    /// Stable name: the first user's `layers.{index}.{name}`.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Every use, as (layer index, index in that layer's parameter list), in model order.
+    pub uses: Vec<(usize, usize)>,
+}
+
+/// A sequential model with a parameter table.
 #[derive(Debug)]
 pub struct Model {
     specs: Vec<LayerSpec>,
     layers: Vec<Box<dyn Layer>>,
     /// Per-sample shape entering each layer, plus the final output shape.
     shapes: Vec<Vec<usize>>,
+    /// The parameter table.
+    table: Vec<ParamEntry>,
+    /// Per layer, the table entry of each of its parameters.
+    slots: Vec<Vec<ParamId>>,
 }
 
 /// A model description as written in a config file.
@@ -29,6 +56,19 @@ pub struct ModelSpec {
     pub input: Vec<usize>,
     /// The layers, in order.
     pub layers: Vec<LayerSpec>,
+    /// Tied parameters: each entry makes a layer parameter use another (earlier) one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tied: Vec<Tie>,
+}
+
+/// One tie: layer parameter `param` uses the parameter named `to` instead of its own.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tie {
+    /// The using parameter, `layers.{index}.{name}`.
+    pub param: String,
+    /// The parameter it uses, named the same way; it must come earlier and have the same shape.
+    pub to: String,
 }
 
 impl ModelSpec {
@@ -83,6 +123,7 @@ impl ModelSpec {
         Ok(Self {
             input: vec![widths[0]],
             layers,
+            tied: Vec::new(),
         })
     }
 }
@@ -115,10 +156,13 @@ impl Model {
             shapes.push(out);
             layers.push(layer);
         }
+        let (table, slots) = param_table(&layers, &spec.tied)?;
         Ok(Self {
             specs: spec.layers.clone(),
             layers,
             shapes,
+            table,
+            slots,
         })
     }
 
@@ -157,26 +201,83 @@ impl Model {
         &self.shapes[i]
     }
 
-    /// Stable parameter names, `layers.{index}.{name}`, in model order.
-    pub fn param_names(&self) -> Vec<String> {
-        self.layers
-            .iter()
-            .enumerate()
-            .flat_map(|(i, l)| {
-                l.param_shapes()
-                    .into_iter()
-                    .map(move |(n, _)| format!("layers.{i}.{n}"))
-            })
-            .collect()
+    /// The parameter table, in model order of first use.
+    pub fn param_table(&self) -> &[ParamEntry] {
+        &self.table
     }
 
-    /// Total number of parameters.
+    /// The table entry of parameter `slot` of layer `layer`.
+    pub fn param_id(&self, layer: usize, slot: usize) -> ParamId {
+        self.slots[layer][slot]
+    }
+
+    /// Stable parameter names (the table's), `layers.{index}.{name}`, in model order.
+    pub fn param_names(&self) -> Vec<String> {
+        self.table.iter().map(|e| e.name.clone()).collect()
+    }
+
+    /// Total number of parameters (a tied parameter counts once).
     pub fn param_count(&self) -> usize {
-        self.layers
+        self.table
             .iter()
-            .flat_map(|l| l.param_shapes())
-            .map(|(_, s)| s.iter().product::<usize>())
+            .map(|e| e.shape.iter().product::<usize>())
             .sum()
+    }
+
+    /// True when some parameter has more than one use.
+    pub fn has_ties(&self) -> bool {
+        self.table.iter().any(|e| e.uses.len() > 1)
+    }
+
+    /// The first tied parameter whose uses fall in different parts of `ranges` (stages), as
+    /// (name, first part, other part).
+    pub fn tie_across(&self, ranges: &[std::ops::Range<usize>]) -> Option<(&str, usize, usize)> {
+        let part = |layer: usize| ranges.iter().position(|r| r.contains(&layer));
+        self.table.iter().find_map(|e| {
+            let first = part(e.uses.first()?.0)?;
+            let other = e
+                .uses
+                .iter()
+                .filter_map(|&(l, _)| part(l))
+                .find(|&p| p != first)?;
+            Some((e.name.as_str(), first, other))
+        })
+    }
+
+    /// Sums the gradients of every use of each tied parameter and gives every use the sum.
+    /// `parts` are gradient lists of disjoint layer ranges, each with its first layer's index
+    /// (one part for a stage; every stage sharing a parameter for the reference trainer).
+    /// Uses are summed in model order, so the result does not depend on how `parts` are
+    /// listed. Uses outside `parts` are left alone. Does nothing for a model without ties.
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn sum_tied(&self, be: &dyn Backend, parts: &mut [(usize, &mut Params)]) -> Result<()> {
+        if !self.has_ties() {
+            return Ok(());
+        }
+        for entry in self.table.iter().filter(|e| e.uses.len() > 1) {
+            let mut held: Vec<(usize, usize, usize)> = Vec::new(); // (part, layer in part, slot)
+            for &(layer, slot) in &entry.uses {
+                for (k, (start, grads)) in parts.iter().enumerate() {
+                    if layer >= *start && layer - *start < grads.len() {
+                        held.push((k, layer - *start, slot));
+                    }
+                }
+            }
+            if held.len() < 2 {
+                continue;
+            }
+            let (k0, l0, s0) = held[0];
+            let mut sum = parts[k0].1[l0][s0].clone();
+            for &(k, l, s) in &held[1..] {
+                be.axpy(1.0, &parts[k].1[l][s], &mut sum)?;
+            }
+            for &(k, l, s) in &held {
+                parts[k].1[l][s].data_mut().copy_from_slice(sum.data());
+            }
+        }
+        Ok(())
     }
 
     /// Forward FLOPs per sample over all layers.
@@ -188,12 +289,22 @@ impl Model {
 
     /// Initial parameters. Each layer draws from its own stream (seed, layer index), so a
     /// layer's initial weights do not depend on the rest of the model or on the partition.
+    /// Every use of a tied parameter starts as a copy of its first use.
     pub fn init_params(&self, seed: u64) -> Params {
-        self.layers
+        let mut params: Params = self
+            .layers
             .iter()
             .enumerate()
             .map(|(i, l)| l.init_params(&mut rng_for(seed, "init", i as u64)))
-            .collect()
+            .collect();
+        for entry in self.table.iter().filter(|e| e.uses.len() > 1) {
+            let (l0, s0) = entry.uses[0];
+            let first = params[l0][s0].clone();
+            for &(l, s) in &entry.uses[1..] {
+                params[l][s] = first.clone();
+            }
+        }
+        params
     }
 
     /// Zeroed gradient buffers shaped like the parameters of layers `range`.
@@ -395,4 +506,60 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// Builds the parameter table of `layers` with `tied` applied.
+fn param_table(
+    layers: &[Box<dyn Layer>],
+    tied: &[Tie],
+) -> Result<(Vec<ParamEntry>, Vec<Vec<ParamId>>)> {
+    let mut table: Vec<ParamEntry> = Vec::new();
+    let mut slots = Vec::with_capacity(layers.len());
+    let mut by_name = std::collections::HashMap::new();
+    let mut used_ties = vec![false; tied.len()];
+    for (i, layer) in layers.iter().enumerate() {
+        let mut ids = Vec::new();
+        for (slot, (name, shape)) in layer.param_shapes().into_iter().enumerate() {
+            let name = format!("layers.{i}.{name}");
+            let tie = tied.iter().position(|t| t.param == name);
+            let id = match tie {
+                Some(t) => {
+                    used_ties[t] = true;
+                    let to = &tied[t].to;
+                    let &id = by_name.get(to).ok_or_else(|| {
+                        StageError::Model(format!(
+                            "tie {name} -> {to}: {to} is not a parameter of an earlier layer"
+                        ))
+                    })?;
+                    let entry: &mut ParamEntry = &mut table[id];
+                    if entry.shape != shape {
+                        return Err(StageError::Model(format!(
+                            "tie {name} -> {to}: shapes {shape:?} and {:?} differ",
+                            entry.shape
+                        )));
+                    }
+                    entry.uses.push((i, slot));
+                    id
+                }
+                None => {
+                    table.push(ParamEntry {
+                        name: name.clone(),
+                        shape,
+                        uses: vec![(i, slot)],
+                    });
+                    table.len() - 1
+                }
+            };
+            by_name.insert(name, id);
+            ids.push(id);
+        }
+        slots.push(ids);
+    }
+    if let Some(t) = used_ties.iter().position(|u| !u) {
+        return Err(StageError::Model(format!(
+            "tie {} -> {}: the model has no parameter {}",
+            tied[t].param, tied[t].to, tied[t].param
+        )));
+    }
+    Ok((table, slots))
 }

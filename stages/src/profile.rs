@@ -26,11 +26,7 @@
 use std::time::Instant;
 
 use pipe_kernels::{Backend, CpuBackend, Tensor};
-use pipe_scheduler::{
-    Action, LayerProfile, Length, LowerOptions, Policy, Profile, ScheduleSpec, VersionPlan,
-    generate, lower,
-};
-use pipe_transport::Abort;
+use pipe_scheduler::{Action, LayerProfile, Length, Policy, Profile, ScheduleSpec};
 use pipe_transport::inproc::{InProcOptions, mesh};
 use rand::Rng as _;
 
@@ -38,7 +34,8 @@ use crate::error::{Result, StageError};
 use crate::layers::ForwardCtx;
 use crate::model::Model;
 use crate::optim::{Optimizer, OptimizerConfig};
-use crate::pipeline::{MicrobatchSource, Partition, RunOptions, Setup, WorkerState, run_threads};
+use crate::loss::SoftmaxCrossEntropy;
+use crate::pipeline::{MicrobatchSource, Partition, RunPlan, Setup, WorkerState, run_threads};
 use crate::rng::rng_for;
 
 /// How to profile.
@@ -278,9 +275,8 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
     let b = opts.microbatch_size;
     let spec = ScheduleSpec::new(Policy::Sequential, n as u32, m)
         .with_length(Length::Updates(opts.calibration_minibatches));
-    let schedule = lower(&generate(&spec)?, LowerOptions::default());
-    let plan = VersionPlan::derive(&schedule)?;
     let partition = Partition::new((0..n).map(|i| i..i + 1).collect(), n)?;
+    let plan = RunPlan::new(model, &spec, Some(partition))?;
     let mut shape = vec![b];
     shape.extend_from_slice(model.input_shape());
     let classes: usize = model.output_shape().iter().product();
@@ -291,10 +287,9 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
     let lr = |_: u32, _: u32| 1e-6f32;
     let setup = Setup {
         model,
-        partition: &partition,
-        schedule: &schedule,
         plan: &plan,
         data: &source,
+        loss: &SoftmaxCrossEntropy,
         seed: opts.seed,
         microbatch_offset: 0,
         lr: &lr,
@@ -311,16 +306,8 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
             if timed {
                 barrier.wait();
             }
-            let abort = Abort::new();
-            let eps = mesh(1, &InProcOptions::default(), &abort);
-            let outs = run_threads(
-                &setup,
-                &mut states,
-                eps,
-                &abort,
-                || CpuBackend::new(1),
-                &RunOptions::default(),
-            )?;
+            let eps = mesh(1, &InProcOptions::default());
+            let outs = run_threads(&setup, &mut states, eps, || CpuBackend::new(1))?;
             if !timed {
                 continue;
             }

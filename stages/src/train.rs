@@ -11,7 +11,8 @@ use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
 use crate::model::{Model, Params};
-use crate::optim::{LrSchedule, Optimizer};
+use crate::loss::{Loss, SoftmaxCrossEntropy};
+use crate::optim::Optimizer;
 
 /// One optimizer step, as reported to observers and logs.
 #[derive(Clone, Debug, Serialize)]
@@ -162,7 +163,7 @@ pub fn evaluate(
     for chunk in order.chunks(batch.max(1)) {
         let (x, y) = data.gather(chunk);
         let (logits, _) = model.forward_range(be, 0..model.len(), params, x, false, 0, 0)?;
-        let s = be.softmax_cross_entropy(&logits, &y, 0.0, None)?;
+        let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, 0.0, None)?;
         loss += s.loss_sum;
         correct += s.correct;
     }
@@ -205,10 +206,11 @@ pub fn train_step(
             model.forward_range(be, 0..n, st.params, x, true, seed, *microbatch_id)?;
         *microbatch_id += 1;
         let mut dlogits = Tensor::default();
-        let s = be.softmax_cross_entropy(&logits, &y, grad_scale, Some(&mut dlogits))?;
+        let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, grad_scale, Some(&mut dlogits))?;
         loss += s.loss_sum;
         model.backward_range(be, 0..n, st.params, &saved, dlogits, st.grads, i > 0, false)?;
     }
+    model.sum_tied(be, &mut [(0, &mut *st.grads)])?;
     st.opt.step(be, st.params, st.grads, lr)?;
     Ok(loss)
 }
@@ -233,13 +235,7 @@ pub fn train(
     let total = cfg.steps.map_or(steps_per_epoch * cfg.epochs, |s| {
         s.min(steps_per_epoch * cfg.epochs)
     });
-    let sched = LrSchedule {
-        kind: cfg.lr_schedule,
-        base: cfg.lr,
-        warmup: cfg.warmup_steps,
-        total,
-        min_ratio: 0.0,
-    };
+    let sched = cfg.lr_schedule(total);
     let grad_scale = 1.0 / (b * m) as f32;
     let start = Instant::now();
     let mut report = Vec::new();

@@ -197,6 +197,35 @@ fn dropout_is_seeded_and_checks() {
 }
 
 #[test]
+fn residual_block() {
+    grad_check_layer(
+        LayerSpec::Residual {
+            layers: vec![
+                LayerSpec::LayerNorm {
+                    features: 6,
+                    eps: 1e-5,
+                },
+                LayerSpec::Linear {
+                    inputs: 6,
+                    outputs: 9,
+                    bias: true,
+                    init: None,
+                },
+                LayerSpec::Gelu,
+                LayerSpec::Linear {
+                    inputs: 9,
+                    outputs: 6,
+                    bias: true,
+                    init: None,
+                },
+            ],
+        },
+        &[3, 6],
+        false,
+    );
+}
+
+#[test]
 fn flatten() {
     grad_check_layer(LayerSpec::Flatten, &[2, 3, 4], false);
 }
@@ -258,6 +287,7 @@ fn whole_model() {
                 init: None,
             },
         ],
+        tied: Vec::new(),
     };
     let model = Model::new(&spec).unwrap();
     let params = model.init_params(5);

@@ -6,17 +6,15 @@
 use std::sync::OnceLock;
 
 use pipe_kernels::CpuBackend;
-use pipe_scheduler::{
-    Length, LowerOptions, Policy, Schedule, ScheduleSpec, VersionPlan, generate, lower, validate,
-};
+use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::data::{Splits, mnist};
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
+use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::pipeline::{
-    OrderedSource, Partition, Pass, RunOptions, Setup, WorkerOutcome, WorkerState, reference_train,
+    OrderedSource, Partition, Pass, RunPlan, Setup, WorkerOutcome, WorkerState, reference_train,
     run_threads,
 };
-use pipe_transport::Abort;
 use pipe_transport::inproc::{InProcOptions, mesh};
 
 const SEED: u64 = 11;
@@ -39,27 +37,14 @@ fn opt() -> OptimizerConfig {
     }
 }
 
-struct Run {
-    schedule: Schedule,
-    plan: VersionPlan,
-    partition: Partition,
-}
-
-fn prepare(spec: &ScheduleSpec, model: &Model) -> Run {
-    let schedule = lower(&generate(spec).unwrap(), LowerOptions::default());
-    validate::check(&schedule).unwrap();
-    let plan = VersionPlan::derive(&schedule).unwrap();
+fn prepare(spec: &ScheduleSpec, model: &Model) -> RunPlan {
     // Layers split evenly by count: every stage of this model then holds a linear layer, so a
     // wrong version anywhere changes some weights.
-    let k = schedule.stages() as usize;
+    let k = spec.resolve().unwrap().layout.stages() as usize;
     let n = model.len();
     let ranges = (0..k).map(|i| i * n / k..(i + 1) * n / k).collect();
     let partition = Partition::new(ranges, n).unwrap();
-    Run {
-        schedule,
-        plan,
-        partition,
-    }
+    RunPlan::new(model, spec, Some(partition)).unwrap()
 }
 
 fn lr(_stage: u32, k: u32) -> f32 {
@@ -74,13 +59,12 @@ fn source() -> OrderedSource<'static> {
     }
 }
 
-fn setup<'a>(run: &'a Run, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
+fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
     Setup {
         model,
-        partition: &run.partition,
-        schedule: &run.schedule,
-        plan: &run.plan,
+        plan: run,
         data: source,
+        loss: &SoftmaxCrossEntropy,
         seed: SEED,
         microbatch_offset: 0,
         lr: &lr,
@@ -88,28 +72,20 @@ fn setup<'a>(run: &'a Run, model: &'a Model, source: &'a OrderedSource<'static>)
 }
 
 /// Runs the pipeline and returns the final weights per worker and the outcomes.
-fn pipelined(run: &Run, model: &Model) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
+fn pipelined(run: &RunPlan, model: &Model) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
     let source = source();
     let setup = setup(run, model, &source);
     let init = model.init_params(SEED);
     let mut states: Vec<WorkerState> = (0..run.schedule.workers())
         .map(|w| WorkerState::new(&setup, w, &init, opt()))
         .collect();
-    let abort = Abort::new();
-    let eps = mesh(run.schedule.workers(), &InProcOptions::default(), &abort);
-    let outs = run_threads(
-        &setup,
-        &mut states,
-        eps,
-        &abort,
-        || CpuBackend::new(1),
-        &RunOptions::default(),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
+    let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+    let outs = run_threads(&setup, &mut states, eps, || CpuBackend::new(1))
+        .unwrap_or_else(|e| panic!("{e}"));
     (states, outs)
 }
 
-fn reference(run: &Run, model: &Model) -> Vec<Params> {
+fn reference(run: &RunPlan, model: &Model) -> Vec<Params> {
     let source = source();
     let setup = setup(run, model, &source);
     reference_train(
@@ -136,7 +112,7 @@ fn flat(p: &Params) -> Vec<f32> {
 }
 
 /// Whole-model weights from replica 0 of each stage.
-fn assemble(run: &Run, states: &[WorkerState]) -> Vec<f32> {
+fn assemble(run: &RunPlan, states: &[WorkerState]) -> Vec<f32> {
     let layout = run.schedule.layout();
     let mut out = Vec::new();
     for s in 0..run.schedule.stages() {
@@ -170,15 +146,15 @@ fn check_case(spec: &ScheduleSpec, model: &Model) {
     // Version logs equal the plan, and stashes hold no more versions than the plan needs.
     for out in &outs {
         assert_eq!(
-            out.peak_versions, run.plan.peak_versions[out.worker as usize],
+            out.peak_versions, run.versions.peak_versions[out.worker as usize],
             "{spec:?}: worker {} stash peak",
             out.worker
         );
         let mut forwards = 0;
         for r in &out.versions {
             let planned = match r.pass {
-                Pass::Forward => run.plan.forward_version(r.stage, r.mb),
-                Pass::Backward => run.plan.backward_version(r.stage, r.mb),
+                Pass::Forward => run.versions.forward_version(r.stage, r.mb),
+                Pass::Backward => run.versions.backward_version(r.stage, r.mb),
             };
             assert_eq!(r.version, planned, "{spec:?}: worker {} {r:?}", out.worker);
             forwards += usize::from(r.pass == Pass::Forward);
@@ -199,7 +175,7 @@ fn check_case(spec: &ScheduleSpec, model: &Model) {
     }
     // At least 20 updates at every stage.
     for s in 0..run.schedule.stages() {
-        assert!(run.plan.updates_at(s) >= 20, "{spec:?}: stage {s}");
+        assert!(run.versions.updates_at(s) >= 20, "{spec:?}: stage {s}");
     }
     // Flush policies: the same as `sequential` with the same effective batch, to 1e-5.
     if spec.policy.is_flush() && spec.policy != Policy::Sequential {
@@ -298,6 +274,9 @@ impl<T: pipe_transport::Transport> pipe_transport::Transport for Faulty<T> {
     ) -> Result<pipe_transport::Message, pipe_transport::TransportError> {
         self.inner.recv(key)
     }
+    fn abort(&mut self) {
+        self.inner.abort();
+    }
 }
 
 /// Microbatches made up from their number: any count, no dataset needed.
@@ -331,17 +310,13 @@ fn small_setup_run(
     faults: impl Fn(u32) -> Option<usize>,
 ) -> pipe_stages::Result<Vec<WorkerOutcome>> {
     let model = Model::new(&ModelSpec::preset("mlp-4-4-4-2").unwrap()).unwrap();
-    let Run {
-        schedule,
-        plan,
-        partition,
-    } = prepare(spec, &model);
+    let plan = prepare(spec, &model);
+    let schedule = &plan.schedule;
     let setup = Setup {
         model: &model,
-        partition: &partition,
-        schedule: &schedule,
         plan: &plan,
         data: source,
+        loss: &SoftmaxCrossEntropy,
         seed: 1,
         microbatch_offset: 0,
         lr: &lr,
@@ -350,8 +325,7 @@ fn small_setup_run(
     let mut states: Vec<WorkerState> = (0..schedule.workers())
         .map(|w| WorkerState::new(&setup, w, &init, opt()))
         .collect();
-    let abort = Abort::new();
-    let eps: Vec<Faulty<_>> = mesh(schedule.workers(), &InProcOptions::default(), &abort)
+    let eps: Vec<Faulty<_>> = mesh(schedule.workers(), &InProcOptions::default())
         .into_iter()
         .enumerate()
         .map(|(w, inner)| Faulty {
@@ -360,14 +334,7 @@ fn small_setup_run(
             sends: 0,
         })
         .collect();
-    run_threads(
-        &setup,
-        &mut states,
-        eps,
-        &abort,
-        || CpuBackend::new(1),
-        &RunOptions::default(),
-    )
+    run_threads(&setup, &mut states, eps, || CpuBackend::new(1))
 }
 
 #[test]

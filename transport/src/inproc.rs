@@ -2,16 +2,18 @@
 //! bounded crossbeam channel that moves `Message`s (the tensor's buffer moves, it is never
 //! copied). A receive drains the sender's channel into a small map until its key shows up, so
 //! messages may be consumed in a different order than they were sent.
+//!
+//! Every endpoint also has an unbounded control channel that any peer may write to: an abort
+//! ([`Transport::abort`]) is a message on it naming the worker that failed. Blocked sends and
+//! receives wait on their data channel and the control channel at once (`select!`), so an abort
+//! wakes them immediately and nothing polls.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender, bounded};
+use crossbeam_channel::{Receiver, Sender, bounded, never, select, unbounded};
 
-use crate::{Abort, Key, Message, Transport, TransportError};
-
-/// How often a blocked call looks at the abort flag.
-const POLL: Duration = Duration::from_millis(5);
+use crate::{Key, Message, Transport, TransportError};
 
 /// Options of an in-process mesh.
 #[derive(Clone, Debug)]
@@ -37,13 +39,17 @@ pub struct InProc {
     rank: u32,
     to: Vec<Sender<Message>>,
     from: Vec<Receiver<Message>>,
+    /// Control channels of every worker (aborts), this one's included.
+    control_to: Vec<Sender<u32>>,
+    control: Receiver<u32>,
+    /// The worker whose abort this endpoint has seen.
+    aborted_by: Option<u32>,
     early: HashMap<Key, Message>,
-    abort: Abort,
     timeout: Option<Duration>,
 }
 
-/// Builds a full mesh of `workers` endpoints sharing `abort`.
-pub fn mesh(workers: u32, opts: &InProcOptions, abort: &Abort) -> Vec<InProc> {
+/// Builds a full mesh of `workers` endpoints.
+pub fn mesh(workers: u32, opts: &InProcOptions) -> Vec<InProc> {
     let n = workers as usize;
     // channels[a][b]: from a to b.
     let mut senders: Vec<Vec<Sender<Message>>> = (0..n).map(|_| Vec::with_capacity(n)).collect();
@@ -56,19 +62,67 @@ pub fn mesh(workers: u32, opts: &InProcOptions, abort: &Abort) -> Vec<InProc> {
             col[a] = Some(rx);
         }
     }
+    let (control_to, controls): (Vec<Sender<u32>>, Vec<Receiver<u32>>) =
+        (0..n).map(|_| unbounded()).unzip();
     senders
         .into_iter()
         .zip(receivers)
+        .zip(controls)
         .enumerate()
-        .map(|(rank, (to, from))| InProc {
+        .map(|(rank, ((to, from), control))| InProc {
             rank: rank as u32,
             to,
             from: from.into_iter().flatten().collect(),
+            control_to: control_to.clone(),
+            control,
+            aborted_by: None,
             early: HashMap::new(),
-            abort: abort.clone(),
             timeout: opts.timeout,
         })
         .collect()
+}
+
+impl InProc {
+    /// Records an abort from `by` and returns the error every later call gives.
+    fn aborted(&mut self, by: u32) -> TransportError {
+        let by = *self.aborted_by.get_or_insert(by);
+        TransportError::Aborted { by }
+    }
+
+    fn check_key(&self, key: &Key) -> Result<(), TransportError> {
+        if key.to != self.rank {
+            return Err(TransportError::Protocol(format!(
+                "worker {} asked for a message addressed to {}",
+                self.rank, key.to
+            )));
+        }
+        if key.from as usize >= self.from.len() {
+            return Err(TransportError::Protocol(format!(
+                "no worker {} in a mesh of {}",
+                key.from,
+                self.from.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Keeps a message that arrived before it was asked for.
+    fn keep_early(&mut self, m: Message, from: u32) -> Result<(), TransportError> {
+        if m.key.to != self.rank || m.key.from != from {
+            return Err(TransportError::Protocol(format!(
+                "worker {} received {:?} on its channel from {from}",
+                self.rank, m.key
+            )));
+        }
+        if self.early.contains_key(&m.key) {
+            return Err(TransportError::Protocol(format!(
+                "duplicate message {:?}",
+                m.key
+            )));
+        }
+        self.early.insert(m.key, m);
+        Ok(())
+    }
 }
 
 impl Transport for InProc {
@@ -81,83 +135,69 @@ impl Transport for InProc {
     }
 
     fn send(&mut self, message: Message) -> Result<(), TransportError> {
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
         let to = message.key.to as usize;
-        let Some(tx) = self.to.get(to) else {
+        let Some(tx) = self.to.get(to).cloned() else {
             return Err(TransportError::Send {
                 reason: format!("no worker {to} in a mesh of {}", self.to.len()),
                 message: Box::new(message),
             });
         };
-        let mut message = message;
+        let control = self.control.clone();
+        select! {
+            send(tx, message) -> sent => match sent {
+                Ok(()) => Ok(()),
+                Err(e) => Err(TransportError::Send {
+                    reason: format!("worker {to} is gone"),
+                    message: Box::new(e.into_inner()),
+                }),
+            },
+            recv(control) -> by => Err(self.aborted(by.unwrap_or(self.rank))),
+        }
+    }
+
+    fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
+        self.check_key(key)?;
+        if let Some(m) = self.early.remove(key) {
+            return Ok(m);
+        }
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        let rx = self.from[key.from as usize].clone();
+        let control = self.control.clone();
+        let start = Instant::now();
+        let deadline = self.timeout.map(|t| start + t);
         loop {
-            if self.abort.is_set() {
-                return Err(TransportError::Aborted);
-            }
-            match tx.send_timeout(message, POLL) {
-                Ok(()) => return Ok(()),
-                Err(SendTimeoutError::Timeout(m)) => message = m,
-                Err(SendTimeoutError::Disconnected(m)) => {
-                    return Err(TransportError::Send {
-                        reason: format!("worker {to} is gone"),
-                        message: Box::new(m),
-                    });
+            let timer = match deadline {
+                Some(d) => crossbeam_channel::at(d),
+                None => never(),
+            };
+            select! {
+                recv(rx) -> m => match m {
+                    Ok(m) if m.key == *key => return Ok(m),
+                    Ok(m) => self.keep_early(m, key.from)?,
+                    Err(_) => return Err(TransportError::Closed { peer: key.from }),
+                },
+                recv(control) -> by => return Err(self.aborted(by.unwrap_or(self.rank))),
+                recv(timer) -> _ => {
+                    return Err(TransportError::Timeout {
+                        key: *key,
+                        waited: start.elapsed(),
+                    })
                 }
             }
         }
     }
 
-    fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
-        if key.to != self.rank {
-            return Err(TransportError::Protocol(format!(
-                "worker {} asked for a message addressed to {}",
-                self.rank, key.to
-            )));
-        }
-        if let Some(m) = self.early.remove(key) {
-            return Ok(m);
-        }
-        let Some(rx) = self.from.get(key.from as usize) else {
-            return Err(TransportError::Protocol(format!(
-                "no worker {} in a mesh of {}",
-                key.from,
-                self.from.len()
-            )));
-        };
-        let start = Instant::now();
-        loop {
-            if self.abort.is_set() {
-                return Err(TransportError::Aborted);
-            }
-            match rx.recv_timeout(POLL) {
-                Ok(m) if m.key == *key => return Ok(m),
-                Ok(m) => {
-                    if m.key.to != self.rank || m.key.from != key.from {
-                        return Err(TransportError::Protocol(format!(
-                            "worker {} received {:?} on its channel from {}",
-                            self.rank, m.key, key.from
-                        )));
-                    }
-                    if self.early.contains_key(&m.key) {
-                        return Err(TransportError::Protocol(format!(
-                            "duplicate message {:?}",
-                            m.key
-                        )));
-                    }
-                    self.early.insert(m.key, m);
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    if let Some(limit) = self.timeout {
-                        if start.elapsed() >= limit {
-                            return Err(TransportError::Timeout {
-                                key: *key,
-                                waited: start.elapsed(),
-                            });
-                        }
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(TransportError::Closed { peer: key.from });
-                }
+    fn abort(&mut self) {
+        self.aborted_by.get_or_insert(self.rank);
+        for (peer, tx) in self.control_to.iter().enumerate() {
+            if peer as u32 != self.rank {
+                // An unbounded channel never blocks; a peer that is gone needs no word.
+                let _ = tx.send(self.rank);
             }
         }
     }

@@ -6,9 +6,11 @@
 //! receiver, kind, stage, microbatch or update, ring step) that the receiver asks for by value,
 //! because a lowered schedule places each receive where its data is consumed, not where it was
 //! sent: messages from one peer may be consumed in another order than they were sent, and the
-//! transport buffers the early ones. A failed send hands the message back. Every blocking call
-//! watches a shared abort flag, so one failing worker stops all the others promptly instead of
-//! leaving them waiting forever. The test suite in `tests/suite.rs` is written against the trait
+//! transport buffers the early ones. A failed send hands the message back. A worker that fails
+//! tells every peer with [`Transport::abort`], an abort message any transport can carry (no
+//! process-local flag), and every blocked call of a peer returns [`TransportError::Aborted`]
+//! naming the failed worker, so one failure stops all the others promptly instead of leaving
+//! them waiting forever. The test suite in `tests/suite.rs` is written against the trait
 //! so each implementation runs the same cases.
 
 #![warn(missing_docs)]
@@ -16,8 +18,6 @@
 pub mod collective;
 pub mod inproc;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use pipe_kernels::Tensor;
@@ -73,9 +73,12 @@ pub enum TransportError {
         /// The peer.
         peer: u32,
     },
-    /// Another worker failed and the run is being stopped.
-    #[error("stopped because another worker failed")]
-    Aborted,
+    /// A worker failed and the run is being stopped.
+    #[error("stopped because worker {by} failed")]
+    Aborted {
+        /// The worker that failed (this worker's own rank after it aborted itself).
+        by: u32,
+    },
     /// Nothing arrived within the transport's time limit.
     #[error("no message {key:?} after {waited:?}")]
     Timeout {
@@ -109,7 +112,8 @@ pub trait Transport: Send {
     /// Sends a message to `message.key.to`. May block while the peer's queue is full.
     ///
     /// # Errors
-    /// [`TransportError::Send`] with the message handed back, or [`TransportError::Aborted`].
+    /// [`TransportError::Send`] with the message handed back, or [`TransportError::Aborted`]
+    /// when a peer has failed.
     fn send(&mut self, message: Message) -> Result<(), TransportError>;
 
     /// Receives the message with exactly this key, buffering any other message that arrives
@@ -119,25 +123,43 @@ pub trait Transport: Send {
     /// [`TransportError::Closed`], [`TransportError::Aborted`], [`TransportError::Timeout`] or
     /// [`TransportError::Protocol`].
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError>;
+
+    /// Tells every peer that this worker has failed, so their blocked calls return
+    /// [`TransportError::Aborted`]. Best effort and never blocks: a peer that is already gone
+    /// is skipped. Later calls on this endpoint fail with `Aborted` too.
+    fn abort(&mut self);
 }
 
-/// A flag shared by every worker of a run: set once, by the first worker that fails.
-#[derive(Clone, Debug, Default)]
-pub struct Abort(Arc<AtomicBool>);
+/// How the workers of a run exchange tensors: the typed form of a run's transport choice,
+/// parsed once at the edge. QUIC (one process per worker, or hosts) will join it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum TransportKind {
+    /// Threads of one process over crossbeam channels ([`inproc`]).
+    #[default]
+    InProcess,
+}
 
-impl Abort {
-    /// A fresh, unset flag.
-    pub fn new() -> Self {
-        Self::default()
+impl TransportKind {
+    /// The name a run's settings use.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::InProcess => "inproc",
+        }
     }
+}
 
-    /// Stops the run.
-    pub fn trigger(&self) {
-        self.0.store(true, Ordering::SeqCst);
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
+}
 
-    /// True once some worker has stopped the run.
-    pub fn is_set(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "inproc" => Ok(TransportKind::InProcess),
+            other => Err(format!("unknown transport '{other}' (inproc)")),
+        }
     }
 }

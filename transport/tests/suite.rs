@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use pipe_kernels::Tensor;
 use pipe_transport::collective::{ring_all_reduce, ring_sum};
 use pipe_transport::inproc::{InProcOptions, mesh};
-use pipe_transport::{Abort, Key, Kind, Message, Transport, TransportError};
+use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
 fn key(from: u32, to: u32, kind: Kind, index: u32) -> Key {
     Key {
@@ -29,24 +29,19 @@ fn msg(k: Key, values: &[f32]) -> Message {
     }
 }
 
-/// The cases. `make(workers, abort, timeout)` builds one endpoint per worker.
+/// The cases. `make(workers, timeout)` builds one endpoint per worker.
 macro_rules! transport_suite {
     ($name:ident, $make:expr) => {
         mod $name {
             use super::*;
 
-            fn make(
-                n: u32,
-                abort: &Abort,
-                timeout: Option<Duration>,
-            ) -> Vec<impl Transport + 'static> {
-                ($make)(n, abort, timeout)
+            fn make(n: u32, timeout: Option<Duration>) -> Vec<impl Transport + 'static> {
+                ($make)(n, timeout)
             }
 
             #[test]
             fn delivers_by_key_in_any_order() {
-                let abort = Abort::new();
-                let mut eps = make(2, &abort, None);
+                let mut eps = make(2, None);
                 let mut b = eps.pop().unwrap();
                 let mut a = eps.pop().unwrap();
                 // Four messages: what the queue holds before a sender blocks.
@@ -66,8 +61,7 @@ macro_rules! transport_suite {
 
             #[test]
             fn moves_between_threads_both_ways() {
-                let abort = Abort::new();
-                let mut eps = make(2, &abort, None);
+                let mut eps = make(2, None);
                 let mut b = eps.pop().unwrap();
                 let mut a = eps.pop().unwrap();
                 let h = thread::spawn(move || {
@@ -91,26 +85,57 @@ macro_rules! transport_suite {
 
             #[test]
             fn abort_stops_a_blocked_receive() {
-                let abort = Abort::new();
-                let mut eps = make(2, &abort, None);
+                let mut eps = make(3, None);
+                let mut c = eps.pop().unwrap();
                 let mut b = eps.pop().unwrap();
-                let _a = eps.pop().unwrap();
-                let flag = abort.clone();
+                let mut a = eps.pop().unwrap();
+                // Worker 2 waits on worker 0; worker 1 fails and says so.
                 let h = thread::spawn(move || {
                     thread::sleep(Duration::from_millis(30));
-                    flag.trigger();
+                    b.abort();
+                    b
                 });
                 let t = Instant::now();
-                let e = b.recv(&key(0, 1, Kind::Activation, 0)).unwrap_err();
-                assert!(matches!(e, TransportError::Aborted), "{e}");
+                let e = c.recv(&key(0, 2, Kind::Activation, 0)).unwrap_err();
+                assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");
                 assert!(t.elapsed() < Duration::from_secs(2));
-                h.join().unwrap();
+                // Later calls keep failing, on every peer, naming the failed worker.
+                let e = c.send(msg(key(2, 0, Kind::Gradient, 0), &[1.0])).unwrap_err();
+                assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");
+                let e = a.recv(&key(2, 0, Kind::Gradient, 0)).unwrap_err();
+                assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");
+                let mut b = h.join().unwrap();
+                let e = b.recv(&key(0, 1, Kind::Activation, 0)).unwrap_err();
+                assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");
+            }
+
+            #[test]
+            fn abort_stops_a_blocked_send() {
+                let mut eps = make(2, None);
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                // Fill the channel from 0 to 1 until a send would block, then abort from 1.
+                let h = thread::spawn(move || {
+                    thread::sleep(Duration::from_millis(30));
+                    b.abort();
+                    b
+                });
+                let t = Instant::now();
+                let mut i = 0;
+                let e = loop {
+                    match a.send(msg(key(0, 1, Kind::Activation, i), &[1.0])) {
+                        Ok(()) => i += 1,
+                        Err(e) => break e,
+                    }
+                };
+                assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");
+                assert!(t.elapsed() < Duration::from_secs(2));
+                drop(h.join().unwrap());
             }
 
             #[test]
             fn a_gone_peer_is_an_error_not_a_hang() {
-                let abort = Abort::new();
-                let mut eps = make(2, &abort, None);
+                let mut eps = make(2, None);
                 let mut b = eps.pop().unwrap();
                 let a = eps.pop().unwrap();
                 drop(a);
@@ -129,8 +154,7 @@ macro_rules! transport_suite {
 
             #[test]
             fn receive_times_out_when_asked_to() {
-                let abort = Abort::new();
-                let mut eps = make(2, &abort, Some(Duration::from_millis(50)));
+                let mut eps = make(2, Some(Duration::from_millis(50)));
                 let mut b = eps.pop().unwrap();
                 let _a = eps.pop().unwrap();
                 let e = b.recv(&key(0, 1, Kind::Activation, 0)).unwrap_err();
@@ -139,8 +163,7 @@ macro_rules! transport_suite {
 
             #[test]
             fn bad_keys_are_protocol_errors() {
-                let abort = Abort::new();
-                let mut eps = make(2, &abort, None);
+                let mut eps = make(2, None);
                 let mut b = eps.pop().unwrap();
                 let mut a = eps.pop().unwrap();
                 assert!(matches!(
@@ -166,8 +189,7 @@ macro_rules! transport_suite {
             fn ring_all_reduce_matches_the_single_thread_ring_sum() {
                 for r in [2u32, 3, 4] {
                     for len in [1usize, 5, 64, 1000] {
-                        let abort = Abort::new();
-                        let eps = make(r, &abort, None);
+                        let eps = make(r, None);
                         let parts: Vec<Vec<f32>> = (0..r)
                             .map(|w| {
                                 (0..len)
@@ -208,13 +230,12 @@ macro_rules! transport_suite {
     };
 }
 
-transport_suite!(inproc, |n, abort: &Abort, timeout| {
+transport_suite!(inproc, |n, timeout| {
     mesh(
         n,
         &InProcOptions {
             capacity: 4,
             timeout,
         },
-        abort,
     )
 });

@@ -1,13 +1,17 @@
-//! The executor: runs exactly one worker's program.
+//! The worker core: the state of one worker during a run and one method per action.
+//!
+//! It decides everything and performs no I/O: it reads no clock and calls no transport. Sends
+//! hand out the [`Message`] to send, receives take the message the driver received, and the
+//! all-reduce hands out the flat gradient buffer and takes the sum back. The driver
+//! ([`super::driver`]) connects these to a transport and times them; tests drive the same
+//! methods directly.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
-use std::time::Instant;
 
 use pipe_kernels::{Backend, Tensor};
-use pipe_scheduler::{Action, Span, VersionRule, WorkerId};
-use pipe_transport::collective::ring_all_reduce;
-use pipe_transport::{Key, Kind, Message, Transport};
+use pipe_scheduler::{Action, Layout, Span, VersionQuery, VersionRule, WorkerId};
+use pipe_transport::{Key, Kind, Message};
 
 use super::{Setup, flatten, mean_step, unflatten};
 use crate::error::{Result, StageError};
@@ -39,12 +43,13 @@ impl WorkerState {
     /// Fresh state for `worker`: the slices of `init` (the whole model's parameters) its stages
     /// hold, and zeroed optimizer state.
     pub fn new(setup: &Setup<'_>, worker: WorkerId, init: &Params, opt: OptimizerConfig) -> Self {
-        let stages = setup
+        let plan = setup.plan;
+        let stages = plan
             .schedule
             .layout()
             .stages_of(worker)
             .map(|stage| {
-                let params: Params = init[setup.partition.range(stage as usize)].to_vec();
+                let params: Params = init[plan.partition.range(stage as usize)].to_vec();
                 let opt = Optimizer::new(opt, &params);
                 StageState { stage, params, opt }
             })
@@ -102,487 +107,534 @@ pub struct WorkerOutcome {
     pub losses: Vec<(u32, f64, usize)>,
 }
 
-/// Per-stage runtime state for one run.
-struct Rt {
+/// A forward's saved activations, kept until the backward.
+struct ForwardSaved {
+    saved: Vec<Saved>,
+    version: u32,
+}
+
+/// An input-gradient half's leftovers, kept until the weight half.
+struct WeightPending {
+    saved: Vec<Saved>,
+    output_grads: Vec<Tensor>,
+    version: u32,
+}
+
+/// An activation with the tag it travels with (vertical sync's entry tag).
+struct Tagged {
+    tensor: Tensor,
+    tag: u64,
+}
+
+/// One stage's state on this worker during one run.
+struct StageRun {
     stage: u32,
-    range: Range<usize>,
-    group: Vec<u32>,
+    layers: Range<usize>,
+    /// Workers holding this stage (its replicas), in ring order.
+    replica_group: Vec<u32>,
     update_size: u32,
+    /// Weight versions held, by version number.
     versions: BTreeMap<u32, Params>,
-    current: u32,
+    current_version: u32,
     grads: Params,
-    fresh: bool,
-    opt: Optimizer,
+    /// No gradient accumulated since the last update (the next one writes, not adds).
+    grads_fresh: bool,
+    optimizer: Optimizer,
+    /// Per version, the program counter of its last use.
     last_use: Vec<usize>,
-    fwd: HashMap<u32, (Vec<Saved>, u32)>,
-    split: HashMap<u32, (Vec<Saved>, Vec<Tensor>, u32)>,
-    inputs: HashMap<u32, (Tensor, u64)>,
-    dys: HashMap<u32, Tensor>,
-    outputs: HashMap<u32, (Tensor, u64)>,
-    dxs: HashMap<u32, Tensor>,
-    used: Vec<u32>,
+    forward_saved: HashMap<u32, ForwardSaved>,
+    weight_pending: HashMap<u32, WeightPending>,
+    /// Activations to forward (received, or handed over by a local previous stage).
+    inputs: HashMap<u32, Tagged>,
+    /// Gradients of this stage's output (from the loss, a local next stage, or received).
+    output_grads: HashMap<u32, Tensor>,
+    /// Outputs waiting to be sent.
+    outbox_activations: HashMap<u32, Tagged>,
+    /// Input gradients waiting to be sent.
+    outbox_gradients: HashMap<u32, Tensor>,
+    /// Versions of the gradients accumulated since the last update (for staleness).
+    gradient_versions: Vec<u32>,
+}
+
+impl StageRun {
+    fn params(&self, v: u32) -> Result<&Params> {
+        self.versions
+            .get(&v)
+            .ok_or_else(|| exec_err(format!("version {v} of stage {} is not held", self.stage)))
+    }
+
+    /// Drops versions that nothing after `pc` uses (never the current one).
+    fn free_after(&mut self, pc: usize) {
+        let cur = self.current_version;
+        let last = &self.last_use;
+        self.versions
+            .retain(|&v, _| v == cur || last.get(v as usize).is_some_and(|&u| u > pc));
+    }
 }
 
 fn exec_err(msg: String) -> StageError {
     StageError::Executor(msg)
 }
 
-/// Runs `state.worker`'s program of `setup.schedule` over transport `t`, updating `state`.
-/// `t0` is the run's start (span times are relative to it).
-///
-/// # Errors
-/// [`StageError::Worker`] naming the worker, its stage and replica, and the action that failed.
-pub fn run_worker<B: Backend, T: Transport + ?Sized>(
-    be: &B,
-    t: &mut T,
-    setup: &Setup<'_>,
-    state: &mut WorkerState,
-    t0: Instant,
-) -> Result<WorkerOutcome> {
-    let w = state.worker;
-    let layout = setup.schedule.layout();
-    let (position, replica) = layout.placement(w);
-    let wrap = |action: String, e: StageError| StageError::Worker {
-        worker: w,
-        stage: position,
-        replica,
-        action,
-        source: Box::new(e),
-    };
-    let mut ex = Exec::new(setup, state).map_err(|e| wrap("start".into(), e))?;
-    let program = &setup.schedule.programs[w as usize];
-    let mut out = WorkerOutcome {
-        worker: w,
-        ..WorkerOutcome::default()
-    };
-    for (pc, &a) in program.iter().enumerate() {
-        let start = t0.elapsed().as_secs_f64();
-        ex.step(be, t, pc, a, &mut out)
-            .map_err(|e| wrap(a.to_string(), e))?;
-        let held: usize = ex.rts.iter().map(|rt| rt.versions.len()).sum();
-        out.peak_versions = out.peak_versions.max(held as u32);
-        let end = t0.elapsed().as_secs_f64();
-        if a.kind().is_compute() || matches!(a, Action::Update { .. }) {
-            out.compute_s += end - start;
-        }
-        out.spans.push(Span {
-            worker: w,
-            action: a,
-            start,
-            end,
-        });
-    }
-    ex.finish(state).map_err(|e| wrap("end".into(), e))?;
-    Ok(out)
-}
-
-struct Exec<'s, 'a> {
+/// One worker's state during one run of a schedule, with one method per action.
+pub struct WorkerCore<'s, 'a> {
     setup: &'s Setup<'a>,
     worker: WorkerId,
+    layout: &'s Layout,
     rule: VersionRule,
-    rts: Vec<Rt>,
-    positions: u32,
+    stages: Vec<StageRun>,
     last_stage: u32,
+    /// What the run reports (versions used, losses, staleness; the driver adds times).
+    pub outcome: WorkerOutcome,
 }
 
-impl<'s, 'a> Exec<'s, 'a> {
-    fn new(setup: &'s Setup<'a>, state: &WorkerState) -> Result<Self> {
-        let schedule = setup.schedule;
-        let layout = schedule.layout();
-        let w = state.worker;
+impl<'s, 'a> WorkerCore<'s, 'a> {
+    /// The core of `state.worker` for `setup`'s plan, starting from `state`'s weights.
+    ///
+    /// # Errors
+    /// A parameter tied across stages (the gradient exchange between stages is not built),
+    /// or a stage the worker does not hold.
+    pub fn new(setup: &'s Setup<'a>, state: &WorkerState) -> Result<Self> {
         let plan = setup.plan;
-        let positions = layout.positions();
-        let mut rts: Vec<Rt> = state
-            .stages
-            .iter()
-            .map(|st| {
-                let s = st.stage;
-                let mut versions = BTreeMap::new();
-                versions.insert(0, st.params.clone());
-                let range = setup.partition.range(s as usize);
-                Rt {
-                    stage: s,
-                    grads: setup.model.zero_grads(range.clone()),
-                    range,
-                    group: layout.group(s).collect(),
-                    update_size: schedule.resolved.update_size(s),
-                    versions,
-                    current: 0,
-                    fresh: true,
-                    opt: st.opt.clone(),
-                    last_use: Vec::new(),
-                    fwd: HashMap::new(),
-                    split: HashMap::new(),
-                    inputs: HashMap::new(),
-                    dys: HashMap::new(),
-                    outputs: HashMap::new(),
-                    dxs: HashMap::new(),
-                    used: Vec::new(),
-                }
-            })
-            .collect();
-        // Last use of each version, from the plan: versions are freed after it.
-        for (pc, a) in schedule.programs[w as usize].iter().enumerate() {
-            let v = match *a {
-                Action::Forward { stage, mb } => plan.forward_version(stage, mb),
-                Action::Backward { stage, mb }
-                | Action::BackwardInput { stage, mb }
-                | Action::BackwardWeight { stage, mb } => plan.backward_version(stage, mb),
-                _ => continue,
-            };
-            let c = (a.stage() / positions) as usize;
-            let rt = rts
-                .get_mut(c)
-                .ok_or_else(|| exec_err(format!("stage {} is not held here", a.stage())))?;
-            let v = v as usize;
-            if rt.last_use.len() <= v {
-                rt.last_use.resize(v + 1, 0);
-            }
-            rt.last_use[v] = rt.last_use[v].max(pc);
+        let schedule = &plan.schedule;
+        let layout = schedule.layout();
+        if let Some((name, a, b)) = setup.model.tie_across(plan.partition.ranges()) {
+            return Err(StageError::Config(format!(
+                "parameter {name} is used by stages {a} and {b}; the pipelined executor does \
+                 not exchange tied gradients between stages yet (keep its uses on one stage)"
+            )));
         }
-        Ok(Exec {
+        let last_uses = plan.versions.last_uses(schedule, state.worker);
+        let mut stages = Vec::with_capacity(state.stages.len());
+        for (st, last_use) in state.stages.iter().zip(last_uses) {
+            let layers = plan.partition.range(st.stage as usize);
+            stages.push(StageRun {
+                stage: st.stage,
+                grads: setup.model.zero_grads(layers.clone()),
+                layers,
+                replica_group: layout.group(st.stage).collect(),
+                update_size: schedule.resolved.update_size(st.stage),
+                versions: BTreeMap::from([(0, st.params.clone())]),
+                current_version: 0,
+                grads_fresh: true,
+                optimizer: st.opt.clone(),
+                last_use,
+                forward_saved: HashMap::new(),
+                weight_pending: HashMap::new(),
+                inputs: HashMap::new(),
+                output_grads: HashMap::new(),
+                outbox_activations: HashMap::new(),
+                outbox_gradients: HashMap::new(),
+                gradient_versions: Vec::new(),
+            });
+        }
+        Ok(WorkerCore {
             setup,
-            worker: w,
+            worker: state.worker,
+            layout,
             rule: schedule.resolved.policy.version_rule(),
-            rts,
-            positions,
+            stages,
             last_stage: schedule.stages() - 1,
+            outcome: WorkerOutcome {
+                worker: state.worker,
+                ..WorkerOutcome::default()
+            },
         })
     }
 
+    /// Index of `stage` among this worker's stages.
     fn chunk(&self, stage: u32) -> Result<usize> {
-        let c = (stage / self.positions) as usize;
-        match self.rts.get(c) {
-            Some(rt) if rt.stage == stage => Ok(c),
+        let c = self.layout.chunk_of(stage) as usize;
+        match self.stages.get(c) {
+            Some(s) if s.stage == stage => Ok(c),
             _ => Err(exec_err(format!(
                 "stage {stage} is not held by this worker"
             ))),
         }
     }
 
-    /// True when `stage` of microbatch `mb` runs on this worker too (local hand-off).
-    fn local(&self, stage: u32, mb: u32) -> bool {
-        self.setup.schedule.layout().worker_for(stage, mb) == self.worker
+    /// This worker's chunk for `stage` of `mb` when that stage runs here too (local hand-off).
+    fn local_chunk(&self, stage: u32, mb: u32) -> Result<Option<usize>> {
+        if self.layout.worker_for(stage, mb) == self.worker {
+            Ok(Some(self.chunk(stage)?))
+        } else {
+            Ok(None)
+        }
     }
 
-    fn step<B: Backend, T: Transport + ?Sized>(
-        &mut self,
-        be: &B,
-        t: &mut T,
-        pc: usize,
-        a: Action,
-        out: &mut WorkerOutcome,
-    ) -> Result<()> {
-        let setup = self.setup;
-        let model = setup.model;
-        let bed: &dyn Backend = be;
-        let me = self.worker;
+    /// Weight versions held now, over all stages.
+    pub fn versions_held(&self) -> usize {
+        self.stages.iter().map(|s| s.versions.len()).sum()
+    }
+
+    /// Runs a compute action (forward, backward or its halves, update) at program counter
+    /// `pc`. Communication actions go through [`WorkerCore::outgoing`],
+    /// [`WorkerCore::incoming_key`]/[`WorkerCore::deliver`] and the all-reduce pair.
+    ///
+    /// # Errors
+    /// Kernel and data errors, or an action the state does not allow.
+    pub fn compute(&mut self, be: &dyn Backend, pc: usize, a: Action) -> Result<()> {
         match a {
-            Action::Forward { stage, mb } => {
-                let c = self.chunk(stage)?;
-                let last = stage == self.last_stage;
-                let next_local = if !last && self.local(stage + 1, mb) {
-                    Some(self.chunk(stage + 1)?)
-                } else {
-                    None
-                };
-                let (x, tag) = if stage == 0 {
-                    (setup.data.inputs(mb)?, 0u64)
-                } else {
-                    self.rts[c]
-                        .inputs
-                        .remove(&mb)
-                        .ok_or_else(|| exec_err(format!("no input for microbatch {mb}")))?
-                };
-                let rt = &mut self.rts[c];
-                let v = match self.rule {
-                    VersionRule::Stash | VersionRule::Latest => rt.current,
-                    VersionRule::DelayedByOne => (mb / rt.update_size).saturating_sub(1),
-                    VersionRule::VerticalSync if stage == 0 => rt.current,
-                    VersionRule::VerticalSync => (tag / u64::from(rt.update_size)) as u32,
-                };
-                let params = rt
-                    .versions
-                    .get(&v)
-                    .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))?;
-                let (y, saved) = model.forward_range(
-                    bed,
-                    rt.range.clone(),
-                    params,
-                    x,
-                    true,
-                    setup.seed,
-                    setup.microbatch_offset + u64::from(mb),
-                )?;
-                rt.fwd.insert(mb, (saved, v));
-                out.versions.push(VersionRecord {
-                    stage,
-                    mb,
-                    pass: Pass::Forward,
-                    version: v,
-                });
-                let out_tag = if stage == 0 {
-                    u64::from(v) * u64::from(rt.update_size)
-                } else {
-                    tag
-                };
-                match next_local {
-                    _ if last => {
-                        let labels = setup.data.labels(mb)?;
-                        let b = labels.len().max(1);
-                        let mut dlogits = Tensor::default();
-                        let stats = bed.softmax_cross_entropy(
-                            &y,
-                            &labels,
-                            1.0 / b as f32,
-                            Some(&mut dlogits),
-                        )?;
-                        out.loss_sum += stats.loss_sum;
-                        out.correct += stats.correct;
-                        out.samples += stats.rows;
-                        out.losses.push((mb, stats.loss_sum, stats.rows));
-                        rt.dys.insert(mb, dlogits);
-                    }
-                    None => {
-                        rt.outputs.insert(mb, (y, out_tag));
-                    }
-                    Some(n) => {
-                        self.rts[n].inputs.insert(mb, (y, out_tag));
-                    }
-                }
-                self.free(c, pc);
+            Action::Forward { stage, mb } => self.forward(be, pc, stage, mb),
+            Action::Backward { stage, mb } => self.backward(be, pc, stage, mb, false),
+            Action::BackwardInput { stage, mb } => self.backward(be, pc, stage, mb, true),
+            Action::BackwardWeight { stage, mb } => self.backward_weight(be, pc, stage, mb),
+            Action::Update { stage, update } => self.update(be, pc, stage, update),
+            other => Err(exec_err(format!("{other} is not a compute action"))),
+        }
+    }
+
+    fn forward(&mut self, be: &dyn Backend, pc: usize, stage: u32, mb: u32) -> Result<()> {
+        let setup = self.setup;
+        let c = self.chunk(stage)?;
+        let last = stage == self.last_stage;
+        let next_local = if last {
+            None
+        } else {
+            self.local_chunk(stage + 1, mb)?
+        };
+        let input = if stage == 0 {
+            Tagged {
+                tensor: setup.data.inputs(mb)?,
+                tag: 0,
             }
-            Action::Backward { stage, mb } | Action::BackwardInput { stage, mb } => {
-                let c = self.chunk(stage)?;
-                let split = matches!(a, Action::BackwardInput { .. });
-                let rule = self.rule;
-                let rt = &mut self.rts[c];
-                let (saved, fv) = rt.fwd.remove(&mb).ok_or_else(|| {
-                    exec_err(format!("backward of microbatch {mb} before its forward"))
-                })?;
-                let dy = rt
-                    .dys
-                    .remove(&mb)
-                    .ok_or_else(|| exec_err(format!("no output gradient for microbatch {mb}")))?;
-                let v = if rule == VersionRule::Latest {
-                    rt.current
-                } else {
-                    fv
-                };
-                let params = rt
-                    .versions
-                    .get(&v)
-                    .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))?;
-                let dx = if split {
-                    let (dx, dys) = model.backward_input_range(
-                        bed,
-                        rt.range.clone(),
-                        params,
-                        &saved,
-                        dy,
-                        stage > 0,
-                    )?;
-                    rt.split.insert(mb, (saved, dys, v));
-                    dx
-                } else {
-                    let dx = model.backward_range(
-                        bed,
-                        rt.range.clone(),
-                        params,
-                        &saved,
-                        dy,
-                        &mut rt.grads,
-                        !rt.fresh,
-                        stage > 0,
-                    )?;
-                    rt.fresh = false;
-                    rt.used.push(v);
-                    dx
-                };
-                out.versions.push(VersionRecord {
-                    stage,
-                    mb,
-                    pass: Pass::Backward,
-                    version: v,
-                });
-                if let Some(dx) = dx {
-                    if self.local(stage - 1, mb) {
-                        let p = self.chunk(stage - 1)?;
-                        self.rts[p].dys.insert(mb, dx);
-                    } else {
-                        self.rts[c].dxs.insert(mb, dx);
-                    }
-                }
-                self.free(c, pc);
-            }
-            Action::BackwardWeight { stage, mb } => {
-                let c = self.chunk(stage)?;
-                let rt = &mut self.rts[c];
-                let (saved, dys, v) = rt.split.remove(&mb).ok_or_else(|| {
-                    exec_err(format!(
-                        "weight gradient of microbatch {mb} before its input gradient"
-                    ))
-                })?;
-                let params = rt
-                    .versions
-                    .get(&v)
-                    .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))?;
-                model.backward_params_range(
-                    bed,
-                    rt.range.clone(),
-                    params,
-                    &saved,
-                    &dys,
-                    &mut rt.grads,
-                    !rt.fresh,
-                )?;
-                rt.fresh = false;
-                rt.used.push(v);
-                self.free(c, pc);
-            }
-            Action::AllReduce { stage, update } => {
-                let c = self.chunk(stage)?;
-                let rt = &mut self.rts[c];
-                if rt.fresh {
-                    zero(&mut rt.grads);
-                    rt.fresh = false;
-                }
-                let mut flat = flatten(&rt.grads);
-                ring_all_reduce(t, &rt.group, stage, update, &mut flat)?;
-                unflatten(&mut rt.grads, &flat);
-            }
-            Action::Update { stage, update } => {
-                let c = self.chunk(stage)?;
-                let rt = &mut self.rts[c];
-                if update != rt.current {
-                    return Err(exec_err(format!(
-                        "update {update} but the stage is at version {}",
-                        rt.current
-                    )));
-                }
-                if rt.fresh {
-                    zero(&mut rt.grads);
-                }
-                let lr = (setup.lr)(stage, update);
-                let cur = rt.current;
-                let mut p = rt
-                    .versions
-                    .remove(&cur)
-                    .ok_or_else(|| exec_err(format!("current version {cur} is not held")))?;
-                if rt.last_use.get(cur as usize).is_some_and(|&u| u > pc) {
-                    rt.versions.insert(cur, p.clone());
-                }
-                mean_step(bed, &mut rt.opt, &mut p, &mut rt.grads, rt.update_size, lr)?;
-                rt.current += 1;
-                rt.versions.insert(rt.current, p);
-                rt.fresh = true;
-                for v in rt.used.drain(..) {
-                    out.staleness_sum += f64::from(cur - v.min(cur));
-                    out.staleness_count += 1;
-                }
-                self.free(c, pc);
-            }
+        } else {
+            self.stages[c]
+                .inputs
+                .remove(&mb)
+                .ok_or_else(|| exec_err(format!("no input for microbatch {mb}")))?
+        };
+        let run = &mut self.stages[c];
+        let v = self.rule.forward_version(&VersionQuery {
+            stage,
+            current: run.current_version,
+            update: mb / run.update_size,
+            entry_tag: input.tag,
+            update_size: run.update_size,
+        });
+        let (y, saved) = setup.model.forward_range(
+            be,
+            run.layers.clone(),
+            run.params(v)?,
+            input.tensor,
+            true,
+            setup.seed,
+            setup.microbatch_offset + u64::from(mb),
+        )?;
+        run.forward_saved
+            .insert(mb, ForwardSaved { saved, version: v });
+        self.outcome.versions.push(VersionRecord {
+            stage,
+            mb,
+            pass: Pass::Forward,
+            version: v,
+        });
+        let tag = if stage == 0 {
+            VersionRule::entry_tag(v, run.update_size)
+        } else {
+            input.tag
+        };
+        if last {
+            let dy = self.loss(be, mb, &y)?;
+            self.stages[c].output_grads.insert(mb, dy);
+        } else if let Some(n) = next_local {
+            let out = Tagged { tensor: y, tag };
+            self.stages[n].inputs.insert(mb, out);
+        } else {
+            let out = Tagged { tensor: y, tag };
+            self.stages[c].outbox_activations.insert(mb, out);
+        }
+        self.stages[c].free_after(pc);
+        Ok(())
+    }
+
+    /// The loss of microbatch `mb`'s output; returns the gradient that starts its backward.
+    fn loss(&mut self, be: &dyn Backend, mb: u32, y: &Tensor) -> Result<Tensor> {
+        let targets = self.setup.data.labels(mb)?;
+        let scale = 1.0 / targets.len().max(1) as f32;
+        let mut dy = Tensor::default();
+        let stats = self
+            .setup
+            .loss
+            .evaluate(be, y, &targets, scale, Some(&mut dy))?;
+        let out = &mut self.outcome;
+        out.loss_sum += stats.loss_sum;
+        out.correct += stats.correct;
+        out.samples += stats.rows;
+        out.losses.push((mb, stats.loss_sum, stats.rows));
+        Ok(dy)
+    }
+
+    fn backward(
+        &mut self,
+        be: &dyn Backend,
+        pc: usize,
+        stage: u32,
+        mb: u32,
+        split: bool,
+    ) -> Result<()> {
+        let model = self.setup.model;
+        let c = self.chunk(stage)?;
+        let rule = self.rule;
+        let run = &mut self.stages[c];
+        let fwd = run.forward_saved.remove(&mb).ok_or_else(|| {
+            exec_err(format!("backward of microbatch {mb} before its forward"))
+        })?;
+        let dy = run
+            .output_grads
+            .remove(&mb)
+            .ok_or_else(|| exec_err(format!("no output gradient for microbatch {mb}")))?;
+        let v = rule.backward_version(fwd.version, run.current_version);
+        let params = run.versions.get(&v).ok_or_else(|| {
+            exec_err(format!("version {v} of stage {stage} is not held"))
+        })?;
+        let dx = if split {
+            let (dx, output_grads) = model.backward_input_range(
+                be,
+                run.layers.clone(),
+                params,
+                &fwd.saved,
+                dy,
+                stage > 0,
+            )?;
+            let pending = WeightPending {
+                saved: fwd.saved,
+                output_grads,
+                version: v,
+            };
+            run.weight_pending.insert(mb, pending);
+            dx
+        } else {
+            let dx = model.backward_range(
+                be,
+                run.layers.clone(),
+                params,
+                &fwd.saved,
+                dy,
+                &mut run.grads,
+                !run.grads_fresh,
+                stage > 0,
+            )?;
+            run.grads_fresh = false;
+            run.gradient_versions.push(v);
+            dx
+        };
+        self.outcome.versions.push(VersionRecord {
+            stage,
+            mb,
+            pass: Pass::Backward,
+            version: v,
+        });
+        if let Some(dx) = dx {
+            match self.local_chunk(stage - 1, mb)? {
+                Some(p) => self.stages[p].output_grads.insert(mb, dx),
+                None => self.stages[c].outbox_gradients.insert(mb, dx),
+            };
+        }
+        self.stages[c].free_after(pc);
+        Ok(())
+    }
+
+    fn backward_weight(&mut self, be: &dyn Backend, pc: usize, stage: u32, mb: u32) -> Result<()> {
+        let c = self.chunk(stage)?;
+        let run = &mut self.stages[c];
+        let pending = run.weight_pending.remove(&mb).ok_or_else(|| {
+            exec_err(format!(
+                "weight gradient of microbatch {mb} before its input gradient"
+            ))
+        })?;
+        let params = run.versions.get(&pending.version).ok_or_else(|| {
+            exec_err(format!(
+                "version {} of stage {stage} is not held",
+                pending.version
+            ))
+        })?;
+        self.setup.model.backward_params_range(
+            be,
+            run.layers.clone(),
+            params,
+            &pending.saved,
+            &pending.output_grads,
+            &mut run.grads,
+            !run.grads_fresh,
+        )?;
+        run.grads_fresh = false;
+        run.gradient_versions.push(pending.version);
+        run.free_after(pc);
+        Ok(())
+    }
+
+    fn update(&mut self, be: &dyn Backend, pc: usize, stage: u32, update: u32) -> Result<()> {
+        let setup = self.setup;
+        let c = self.chunk(stage)?;
+        let run = &mut self.stages[c];
+        let cur = run.current_version;
+        if update != cur {
+            return Err(exec_err(format!(
+                "update {update} but the stage is at version {cur}"
+            )));
+        }
+        if run.grads_fresh {
+            zero(&mut run.grads);
+        }
+        let mut p = run
+            .versions
+            .remove(&cur)
+            .ok_or_else(|| exec_err(format!("current version {cur} is not held")))?;
+        if run.last_use.get(cur as usize).is_some_and(|&u| u > pc) {
+            run.versions.insert(cur, p.clone());
+        }
+        setup
+            .model
+            .sum_tied(be, &mut [(run.layers.start, &mut run.grads)])?;
+        let lr = (setup.lr)(stage, update);
+        mean_step(be, &mut run.optimizer, &mut p, &mut run.grads, run.update_size, lr)?;
+        run.current_version += 1;
+        run.versions.insert(run.current_version, p);
+        run.grads_fresh = true;
+        for v in run.gradient_versions.drain(..) {
+            self.outcome.staleness_sum += f64::from(cur - v.min(cur));
+            self.outcome.staleness_count += 1;
+        }
+        run.free_after(pc);
+        Ok(())
+    }
+
+    /// The message a send action sends.
+    ///
+    /// # Errors
+    /// Nothing to send (the program sends before it computed), or not a send action.
+    pub fn outgoing(&mut self, a: Action) -> Result<Message> {
+        let me = self.worker;
+        let key = |kind, stage, mb, to| Key {
+            from: me,
+            to,
+            kind,
+            stage,
+            index: mb,
+            step: 0,
+        };
+        match a {
             Action::SendActivation { stage, mb, to } => {
                 let c = self.chunk(stage)?;
-                let (tensor, tag) = self.rts[c]
-                    .outputs
+                let out = self.stages[c]
+                    .outbox_activations
                     .remove(&mb)
                     .ok_or_else(|| exec_err(format!("no output of microbatch {mb} to send")))?;
-                t.send(Message {
-                    key: Key {
-                        from: me,
-                        to,
-                        kind: Kind::Activation,
-                        stage,
-                        index: mb,
-                        step: 0,
-                    },
-                    version: tag,
-                    tensor,
-                })?;
+                Ok(Message {
+                    key: key(Kind::Activation, stage, mb, to),
+                    version: out.tag,
+                    tensor: out.tensor,
+                })
             }
             Action::SendGradient { stage, mb, to } => {
                 let c = self.chunk(stage)?;
-                let tensor = self.rts[c].dxs.remove(&mb).ok_or_else(|| {
+                let tensor = self.stages[c].outbox_gradients.remove(&mb).ok_or_else(|| {
                     exec_err(format!("no input gradient of microbatch {mb} to send"))
                 })?;
-                t.send(Message {
-                    key: Key {
-                        from: me,
-                        to,
-                        kind: Kind::Gradient,
-                        stage,
-                        index: mb,
-                        step: 0,
-                    },
+                Ok(Message {
+                    key: key(Kind::Gradient, stage, mb, to),
                     version: 0,
                     tensor,
-                })?;
+                })
             }
+            other => Err(exec_err(format!("{other} is not a send"))),
+        }
+    }
+
+    /// The key a receive action waits for.
+    ///
+    /// # Errors
+    /// Not a receive action.
+    pub fn incoming_key(&self, a: Action) -> Result<Key> {
+        let (kind, producer, mb, from) = match a {
             Action::RecvActivation { stage, mb, from } => {
+                (Kind::Activation, stage.wrapping_sub(1), mb, from)
+            }
+            Action::RecvGradient { stage, mb, from } => (Kind::Gradient, stage + 1, mb, from),
+            other => return Err(exec_err(format!("{other} is not a receive"))),
+        };
+        Ok(Key {
+            from,
+            to: self.worker,
+            kind,
+            stage: producer,
+            index: mb,
+            step: 0,
+        })
+    }
+
+    /// Takes the message a receive action received.
+    ///
+    /// # Errors
+    /// Not a receive action, or a stage this worker does not hold.
+    pub fn deliver(&mut self, a: Action, m: Message) -> Result<()> {
+        match a {
+            Action::RecvActivation { stage, mb, .. } => {
                 let c = self.chunk(stage)?;
-                let m = t.recv(&Key {
-                    from,
-                    to: me,
-                    kind: Kind::Activation,
-                    stage: stage - 1,
-                    index: mb,
-                    step: 0,
-                })?;
-                self.rts[c].inputs.insert(mb, (m.tensor, m.version));
+                let input = Tagged {
+                    tensor: m.tensor,
+                    tag: m.version,
+                };
+                self.stages[c].inputs.insert(mb, input);
             }
-            Action::RecvGradient { stage, mb, from } => {
+            Action::RecvGradient { stage, mb, .. } => {
                 let c = self.chunk(stage)?;
-                let m = t.recv(&Key {
-                    from,
-                    to: me,
-                    kind: Kind::Gradient,
-                    stage: stage + 1,
-                    index: mb,
-                    step: 0,
-                })?;
-                self.rts[c].dys.insert(mb, m.tensor);
+                self.stages[c].output_grads.insert(mb, m.tensor);
             }
-            Action::SendChunk { .. } | Action::RecvChunk { .. } => {
-                return Err(exec_err(
-                    "expanded ring all-reduce steps are for the simulator; lower the schedule \
-                     with collective all-reduces"
-                        .into(),
-                ));
-            }
+            other => return Err(exec_err(format!("{other} is not a receive"))),
         }
         Ok(())
     }
 
-    /// Drops versions of stage chunk `c` that nothing after `pc` uses (never the current one).
-    fn free(&mut self, c: usize, pc: usize) {
-        let rt = &mut self.rts[c];
-        let cur = rt.current;
-        let last = &rt.last_use;
-        rt.versions
-            .retain(|&v, _| v == cur || last.get(v as usize).is_some_and(|&u| u > pc));
+    /// For an all-reduce of `stage`: its replica group (ring order) and its gradients as one
+    /// flat buffer (zeros when nothing was accumulated since the last update).
+    ///
+    /// # Errors
+    /// A stage this worker does not hold.
+    pub fn all_reduce_input(&mut self, stage: u32) -> Result<(Vec<u32>, Vec<f32>)> {
+        let c = self.chunk(stage)?;
+        let run = &mut self.stages[c];
+        if run.grads_fresh {
+            zero(&mut run.grads);
+            run.grads_fresh = false;
+        }
+        Ok((run.replica_group.clone(), flatten(&run.grads)))
     }
 
-    /// Moves the final weights and optimizer state back into `state`.
-    fn finish(self, state: &mut WorkerState) -> Result<()> {
-        for (rt, st) in self.rts.into_iter().zip(state.stages.iter_mut()) {
-            if !rt.fwd.is_empty()
-                || !rt.split.is_empty()
-                || !rt.outputs.is_empty()
-                || !rt.dxs.is_empty()
+    /// Takes the summed buffer of an all-reduce of `stage` back.
+    ///
+    /// # Errors
+    /// A stage this worker does not hold.
+    pub fn all_reduce_output(&mut self, stage: u32, summed: &[f32]) -> Result<()> {
+        let c = self.chunk(stage)?;
+        unflatten(&mut self.stages[c].grads, summed);
+        Ok(())
+    }
+
+    /// Ends the run: moves the final weights and optimizer state back into `state`.
+    ///
+    /// # Errors
+    /// Microbatches left unfinished, or the current version lost.
+    pub fn finish(self, state: &mut WorkerState) -> Result<WorkerOutcome> {
+        for (run, st) in self.stages.into_iter().zip(state.stages.iter_mut()) {
+            if !run.forward_saved.is_empty()
+                || !run.weight_pending.is_empty()
+                || !run.outbox_activations.is_empty()
+                || !run.outbox_gradients.is_empty()
             {
                 return Err(exec_err(format!(
                     "stage {} ended with unfinished microbatches",
-                    rt.stage
+                    run.stage
                 )));
             }
-            let mut versions = rt.versions;
+            let mut versions = run.versions;
             st.params = versions
-                .remove(&rt.current)
+                .remove(&run.current_version)
                 .ok_or_else(|| exec_err("current version lost".into()))?;
-            st.opt = rt.opt;
+            st.opt = run.optimizer;
         }
-        Ok(())
+        Ok(self.outcome)
     }
 }
 

@@ -1,34 +1,48 @@
-//! The pipelined runtime: the executor that runs one worker's program, the thread runner that
-//! runs a whole schedule on the in-process transport, the sequential reference trainer that
-//! follows a version plan literally, partitions, and the pipelined training loop.
+//! The pipelined runtime: a checked plan ([`RunPlan`]), the worker core that runs one worker's
+//! program ([`exec`]), the worker driver that connects it to a backend and a transport
+//! ([`driver::run_worker`]), the in-process launcher that runs every worker as a thread
+//! ([`launch::run_threads`]), the sequential reference trainer that follows a version plan
+//! literally, partitions, and the pipelined training loop.
 //!
-//! There is no schedule-specific code here: the executor interprets actions, picks weight
-//! versions by the policy's [`VersionRule`](pipe_scheduler::VersionRule) from its own state and
-//! the tags messages carry, and frees stashed versions once the plan says nothing pending needs
+//! The seams are shaped for every place a worker can run. The driver takes a rank, a backend,
+//! a transport endpoint and the checked plan, and nothing else; a launcher only starts
+//! drivers (threads here; one process per worker or one host per worker later, calling the
+//! same driver). The core ([`exec::WorkerCore`]) makes every decision (which weight version a
+//! pass uses, when a stashed version is freed, what a message carries) without reading a clock
+//! or touching a transport, so it is driven by the driver at run time and directly by tests.
+//!
+//! There is no schedule-specific code here: the core interprets actions, picks weight versions
+//! by the policy's [`VersionRule`](pipe_scheduler::VersionRule) from its own state and the
+//! tags messages carry, and frees stashed versions once the plan says nothing pending needs
 //! them. Every forward and backward records the version it actually used, so a run's log can be
 //! compared with the plan, and the final weights with the reference trainer's.
 
+pub mod driver;
 pub mod exec;
+pub mod launch;
 pub mod partition;
 pub mod reference;
-pub mod runner;
+pub mod run_plan;
 pub mod train;
 
-pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState, run_worker};
+pub use driver::run_worker;
+pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
+pub use launch::run_threads;
 pub use partition::Partition;
 pub use reference::reference_train;
-pub use runner::{RunOptions, run_threads};
+pub use run_plan::RunPlan;
 pub use train::{PipelineReport, PipelineTrainOptions, train_pipelined};
 
 use pipe_kernels::{Backend, Tensor};
-use pipe_scheduler::{Schedule, StageId, VersionPlan};
+use pipe_scheduler::StageId;
 
 use crate::data::Dataset;
 use crate::error::Result;
+use crate::loss::Loss;
 use crate::model::{Model, Params};
 use crate::optim::Optimizer;
 
-/// Where microbatches come from: stage 0 asks for inputs, the last stage for labels.
+/// Where microbatches come from: stage 0 asks for inputs, the last stage for targets.
 pub trait MicrobatchSource: Sync {
     /// Samples per microbatch.
     fn microbatch_size(&self) -> usize;
@@ -37,7 +51,7 @@ pub trait MicrobatchSource: Sync {
     /// # Errors
     /// Data errors.
     fn inputs(&self, mb: u32) -> Result<Tensor>;
-    /// Labels of microbatch `mb`.
+    /// Targets (class labels, or token ids) of microbatch `mb`, one per output row.
     ///
     /// # Errors
     /// Data errors.
@@ -85,14 +99,12 @@ pub type LrFn<'a> = dyn Fn(StageId, u32) -> f32 + Sync + 'a;
 pub struct Setup<'a> {
     /// The model.
     pub model: &'a Model,
-    /// Layers of each model stage.
-    pub partition: &'a Partition,
-    /// The lowered, validated schedule.
-    pub schedule: &'a Schedule,
-    /// Its version plan.
-    pub plan: &'a VersionPlan,
+    /// The checked plan: schedule, version plan and partition.
+    pub plan: &'a RunPlan,
     /// Microbatches.
     pub data: &'a dyn MicrobatchSource,
+    /// The loss the last stage computes.
+    pub loss: &'a dyn Loss,
     /// Run seed (dropout).
     pub seed: u64,
     /// Added to microbatch numbers for dropout seeds, so epochs differ.
@@ -121,8 +133,9 @@ pub(crate) fn unflatten(p: &mut Params, flat: &[f32]) {
 }
 
 /// The update the executor and the reference trainer both apply, with the same operations so
-/// their weights agree bit for bit: scale the summed gradients to a mean over the update's
-/// `microbatches`, then one optimizer step on `params`.
+/// their weights agree bit for bit: scale the summed gradients (tied parameters' uses already
+/// summed, [`Model::sum_tied`]) to a mean over the update's `microbatches`, then one optimizer
+/// step on `params`.
 pub(crate) fn mean_step(
     be: &dyn Backend,
     opt: &mut Optimizer,

@@ -1,7 +1,9 @@
 //! Cutting a model into contiguous stages: explicit boundaries (`--partition 0-5,6-11`) or a
-//! split balanced by each layer's forward FLOPs (the exact min-max split, by dynamic program).
+//! split balanced by each layer's forward FLOPs (the planner's exact min-max split).
 
 use std::ops::Range;
+
+use pipe_scheduler::{LayerProfile, Profile};
 
 use crate::error::{Result, StageError};
 use crate::model::Model;
@@ -76,7 +78,8 @@ impl Partition {
 
     /// The split into `stages` contiguous stages that minimises the largest stage's forward
     /// FLOPs per sample (each layer also counts its output size, so activation layers are not
-    /// free).
+    /// free). The split itself is the planner's exact min-max split
+    /// ([`pipe_scheduler::balanced`]), given these costs as a profile.
     ///
     /// # Errors
     /// [`StageError::Config`] when there are more stages than layers.
@@ -87,43 +90,24 @@ impl Partition {
                 "cannot cut {n} layers into {stages} stages"
             )));
         }
-        let cost: Vec<u64> = (0..n)
+        let layers = (0..n)
             .map(|i| {
                 let shape = model.shape_before(i);
-                model.layer(i).flops_per_sample(shape) + shape.iter().product::<usize>() as u64
+                let cost =
+                    model.layer(i).flops_per_sample(shape) + shape.iter().product::<usize>() as u64;
+                LayerProfile {
+                    name: format!("{i}:{}", model.layer(i).kind()),
+                    forward: cost as f64,
+                    backward_input: 0.0,
+                    backward_weight: 0.0,
+                    update: 0.0,
+                    activation_bytes: 0.0,
+                    param_bytes: 0.0,
+                    stash_bytes: None,
+                }
             })
             .collect();
-        let mut prefix = vec![0u64; n + 1];
-        for i in 0..n {
-            prefix[i + 1] = prefix[i] + cost[i];
-        }
-        // best[k][i]: min over splits of the first i layers into k stages of the largest stage.
-        let inf = u64::MAX;
-        let mut best = vec![vec![inf; n + 1]; stages + 1];
-        let mut cut = vec![vec![0usize; n + 1]; stages + 1];
-        best[0][0] = 0;
-        for k in 1..=stages {
-            for i in k..=n {
-                for j in (k - 1)..i {
-                    if best[k - 1][j] == inf {
-                        continue;
-                    }
-                    let v = best[k - 1][j].max(prefix[i] - prefix[j]);
-                    if v < best[k][i] {
-                        best[k][i] = v;
-                        cut[k][i] = j;
-                    }
-                }
-            }
-        }
-        let mut ranges = Vec::with_capacity(stages);
-        let mut i = n;
-        for k in (1..=stages).rev() {
-            let j = cut[k][i];
-            ranges.push(j..i);
-            i = j;
-        }
-        ranges.reverse();
+        let ranges = pipe_scheduler::balanced(&Profile::chain(layers), stages)?;
         Partition::new(ranges, n)
     }
 
@@ -140,6 +124,11 @@ impl Partition {
     /// All ranges.
     pub fn ranges(&self) -> &[Range<usize>] {
         &self.ranges
+    }
+
+    /// Number of layers covered.
+    pub fn layers(&self) -> usize {
+        self.ranges.last().map_or(0, |r| r.end)
     }
 }
 

@@ -6,9 +6,15 @@
 //! input-gradient backward with its backward versions. An update of a stage is applied as soon
 //! as every microbatch it sums has been computed: each replica's gradients are accumulated in
 //! the plan's order with the same kernel calls the executor makes, replicas are combined in
-//! ring order ([`ring_sum`]), the sum is scaled by one over the update's size and the optimizer
-//! steps from the newest version. Whatever order a pipelined run executes, its weights must
-//! equal these bit for bit.
+//! ring order ([`ring_sum`]), the uses of each tied parameter are summed
+//! ([`Model::sum_tied`](crate::model::Model::sum_tied)), the sum is scaled by one over the
+//! update's size and the optimizer steps from the newest version. Whatever order a pipelined
+//! run executes, its weights must equal these bit for bit.
+//!
+//! Stages that share a tied parameter update together: update `k` of each of them waits until
+//! all of them have every gradient of their update `k`, and every copy of the tied parameter
+//! then applies the same summed gradient, so the copies stay equal and version `v` of the tied
+//! parameter is the same tensor on every stage that uses it.
 
 use std::collections::HashMap;
 
@@ -24,138 +30,67 @@ use crate::optim::{Optimizer, OptimizerConfig};
 /// Per computed microbatch of a stage: saved activations and each layer's output gradient.
 type Pending = HashMap<u32, (Vec<Saved>, Vec<Tensor>)>;
 
+/// Every stage's state in the reference run.
+struct Reference<'s, 'a> {
+    setup: &'s Setup<'a>,
+    /// Per stage, every version so far.
+    versions: Vec<Vec<Params>>,
+    opts: Vec<Optimizer>,
+    pending: Vec<Pending>,
+    next_update: Vec<u32>,
+    /// Per stage, the stages it updates together with (itself included, ascending).
+    tie_group: Vec<Vec<usize>>,
+}
+
 /// Runs the reference trainer from `init` (the whole model's parameters) and returns each
 /// stage's final weights (its newest version).
 ///
 /// # Errors
-/// Kernel and data errors, or [`StageError::Executor`] if the plan can never complete.
+/// Kernel and data errors; [`StageError::Config`] when stages that share a tied parameter
+/// update at different rates; [`StageError::Executor`] if the plan can never complete.
 pub fn reference_train(
     be: &dyn Backend,
     setup: &Setup<'_>,
     init: &Params,
     opt: OptimizerConfig,
 ) -> Result<Vec<Params>> {
-    let schedule = setup.schedule;
     let plan = setup.plan;
-    let model = setup.model;
-    let stages = schedule.stages() as usize;
-    let n = schedule.total_microbatches();
-    let mut versions: Vec<Vec<Params>> = (0..stages)
-        .map(|s| vec![init[setup.partition.range(s)].to_vec()])
+    let stages = plan.schedule.stages() as usize;
+    let n = plan.schedule.total_microbatches();
+    let versions: Vec<Vec<Params>> = (0..stages)
+        .map(|s| vec![init[plan.partition.range(s)].to_vec()])
         .collect();
-    let mut opts: Vec<Optimizer> = versions
+    let opts = versions
         .iter()
         .map(|v| Optimizer::new(opt, &v[0]))
         .collect();
-    // Per stage, per computed microbatch: saved activations and the output gradient of each
-    // layer, waiting for the weight-gradient half.
-    let mut pending: Vec<Pending> = vec![HashMap::new(); stages];
+    let mut r = Reference {
+        setup,
+        versions,
+        opts,
+        pending: vec![HashMap::new(); stages],
+        next_update: vec![0; stages],
+        tie_group: tie_groups(setup)?,
+    };
     let mut done = vec![false; n as usize];
-    let mut next_update = vec![0u32; stages];
-    let updates: Vec<u32> = (0..stages as u32).map(|s| plan.updates_at(s)).collect();
     loop {
         let mut progress = false;
         for mb in 0..n {
-            if done[mb as usize] {
-                continue;
-            }
-            let ready = (0..stages as u32).all(|s| {
-                let have = versions[s as usize].len() as u32;
-                plan.forward_version(s, mb) < have && plan.backward_version(s, mb) < have
-            });
-            if !ready {
-                continue;
-            }
-            let mut h = setup.data.inputs(mb)?;
-            let mut saved_all = Vec::with_capacity(stages);
-            for (s, vs) in versions.iter().enumerate() {
-                let v = plan.forward_version(s as u32, mb) as usize;
-                let (y, saved) = model.forward_range(
-                    be,
-                    setup.partition.range(s),
-                    &vs[v],
-                    h,
-                    true,
-                    setup.seed,
-                    setup.microbatch_offset + u64::from(mb),
-                )?;
-                saved_all.push(saved);
-                h = y;
-            }
-            let labels = setup.data.labels(mb)?;
-            let mut g = Tensor::default();
-            be.softmax_cross_entropy(&h, &labels, 1.0 / labels.len().max(1) as f32, Some(&mut g))?;
-            for s in (0..stages).rev() {
-                let v = plan.backward_version(s as u32, mb) as usize;
-                let saved = saved_all.pop().unwrap_or_default();
-                let (dx, dys) = model.backward_input_range(
-                    be,
-                    setup.partition.range(s),
-                    &versions[s][v],
-                    &saved,
-                    g,
-                    s > 0,
-                )?;
-                pending[s].insert(mb, (saved, dys));
-                g = dx.unwrap_or_default();
-            }
-            done[mb as usize] = true;
-            progress = true;
-        }
-        for s in 0..stages {
-            while next_update[s] < updates[s] {
-                let k = next_update[s];
-                let sums = plan.update(s as u32, k);
-                if !sums.microbatches().all(|mb| pending[s].contains_key(&mb)) {
-                    break;
-                }
-                let range = setup.partition.range(s);
-                let mut partials: Vec<Params> = Vec::with_capacity(sums.per_replica.len());
-                for mbs in &sums.per_replica {
-                    let mut acc = model.zero_grads(range.clone());
-                    for (i, mb) in mbs.iter().enumerate() {
-                        let (saved, dys) = pending[s].remove(mb).ok_or_else(|| {
-                            StageError::Executor(format!("microbatch {mb} summed twice"))
-                        })?;
-                        let v = plan.backward_version(s as u32, *mb) as usize;
-                        model.backward_params_range(
-                            be,
-                            range.clone(),
-                            &versions[s][v],
-                            &saved,
-                            &dys,
-                            &mut acc,
-                            i > 0,
-                        )?;
-                    }
-                    partials.push(acc);
-                }
-                let mut grads = if partials.len() == 1 {
-                    partials.pop().unwrap_or_default()
-                } else {
-                    let flats: Vec<Vec<f32>> = partials.iter().map(flatten).collect();
-                    let sum = ring_sum(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>());
-                    let mut out = partials.swap_remove(0);
-                    unflatten(&mut out, &sum);
-                    out
-                };
-                let mut p = versions[s][versions[s].len() - 1].clone();
-                let size = schedule.resolved.update_size(s as u32);
-                mean_step(
-                    be,
-                    &mut opts[s],
-                    &mut p,
-                    &mut grads,
-                    size,
-                    (setup.lr)(s as u32, k),
-                )?;
-                versions[s].push(p);
-                next_update[s] += 1;
+            if !done[mb as usize] && r.ready(mb) {
+                r.microbatch(be, mb)?;
+                done[mb as usize] = true;
                 progress = true;
             }
         }
-        let finished = done.iter().all(|&d| d) && (0..stages).all(|s| next_update[s] == updates[s]);
-        if finished {
+        for s in 0..stages {
+            while r.update_ready(s) {
+                r.update(be, s)?;
+                progress = true;
+            }
+        }
+        let updates_done =
+            (0..stages).all(|s| r.next_update[s] == plan.versions.updates_at(s as u32));
+        if done.iter().all(|&d| d) && updates_done {
             break;
         }
         if !progress {
@@ -164,8 +99,187 @@ pub fn reference_train(
             ));
         }
     }
-    Ok(versions
+    Ok(r.versions
         .into_iter()
         .map(|mut v| v.pop().unwrap_or_default())
         .collect())
+}
+
+/// Per stage, the stages sharing a tied parameter with it (transitively), ascending.
+fn tie_groups(setup: &Setup<'_>) -> Result<Vec<Vec<usize>>> {
+    let plan = setup.plan;
+    let stages = plan.schedule.stages() as usize;
+    let stage_of = |layer: usize| {
+        (0..stages)
+            .find(|&s| plan.partition.range(s).contains(&layer))
+            .unwrap_or(0)
+    };
+    let mut group: Vec<usize> = (0..stages).collect();
+    let root = |g: &Vec<usize>, mut s: usize| {
+        while g[s] != s {
+            s = g[s];
+        }
+        s
+    };
+    for entry in setup.model.param_table() {
+        let mut users = entry.uses.iter().map(|&(l, _)| stage_of(l));
+        if let Some(first) = users.next() {
+            for s in users {
+                let (a, b) = (root(&group, first), root(&group, s));
+                group[a.max(b)] = a.min(b);
+            }
+        }
+    }
+    let groups: Vec<Vec<usize>> = (0..stages)
+        .map(|s| (0..stages).filter(|&t| root(&group, t) == root(&group, s)).collect())
+        .collect();
+    for g in &groups {
+        let rates: Vec<(u32, u32)> = g
+            .iter()
+            .map(|&s| {
+                let s = s as u32;
+                (plan.versions.updates_at(s), plan.schedule.resolved.update_size(s))
+            })
+            .collect();
+        if rates.windows(2).any(|w| w[0] != w[1]) {
+            return Err(StageError::Config(format!(
+                "stages {g:?} share a tied parameter but update at different rates \
+                 (updates and microbatches per update: {rates:?})"
+            )));
+        }
+    }
+    Ok(groups)
+}
+
+impl Reference<'_, '_> {
+    /// True when every version microbatch `mb`'s plan names exists.
+    fn ready(&self, mb: u32) -> bool {
+        let plan = &self.setup.plan.versions;
+        self.versions.iter().enumerate().all(|(s, vs)| {
+            let have = vs.len() as u32;
+            let s = s as u32;
+            plan.forward_version(s, mb) < have && plan.backward_version(s, mb) < have
+        })
+    }
+
+    /// Forward through every stage, loss, then every stage's input-gradient half.
+    fn microbatch(&mut self, be: &dyn Backend, mb: u32) -> Result<()> {
+        let setup = self.setup;
+        let plan = setup.plan;
+        let model = setup.model;
+        let mut h = setup.data.inputs(mb)?;
+        let mut saved_all = Vec::with_capacity(self.versions.len());
+        for (s, vs) in self.versions.iter().enumerate() {
+            let v = plan.versions.forward_version(s as u32, mb) as usize;
+            let (y, saved) = model.forward_range(
+                be,
+                plan.partition.range(s),
+                &vs[v],
+                h,
+                true,
+                setup.seed,
+                setup.microbatch_offset + u64::from(mb),
+            )?;
+            saved_all.push(saved);
+            h = y;
+        }
+        let targets = setup.data.labels(mb)?;
+        let mut g = Tensor::default();
+        let scale = 1.0 / targets.len().max(1) as f32;
+        setup.loss.evaluate(be, &h, &targets, scale, Some(&mut g))?;
+        for s in (0..self.versions.len()).rev() {
+            let v = plan.versions.backward_version(s as u32, mb) as usize;
+            let saved = saved_all.pop().unwrap_or_default();
+            let (dx, dys) = model.backward_input_range(
+                be,
+                plan.partition.range(s),
+                &self.versions[s][v],
+                &saved,
+                g,
+                s > 0,
+            )?;
+            self.pending[s].insert(mb, (saved, dys));
+            g = dx.unwrap_or_default();
+        }
+        Ok(())
+    }
+
+    /// True when the next update of `s`, and of every stage it updates together with, has
+    /// all its gradients.
+    fn update_ready(&self, s: usize) -> bool {
+        let plan = &self.setup.plan.versions;
+        let k = self.next_update[s];
+        k < plan.updates_at(s as u32)
+            && self.tie_group[s].iter().all(|&t| {
+                self.next_update[t] == k
+                    && plan
+                        .update(t as u32, k)
+                        .microbatches()
+                        .all(|mb| self.pending[t].contains_key(&mb))
+            })
+    }
+
+    /// Stage `s`'s gradients of its next update: each replica's partial sum, then the ring sum.
+    fn gradients(&mut self, be: &dyn Backend, s: usize) -> Result<Params> {
+        let plan = self.setup.plan;
+        let model = self.setup.model;
+        let k = self.next_update[s];
+        let range = plan.partition.range(s);
+        let sums = plan.versions.update(s as u32, k);
+        let mut partials: Vec<Params> = Vec::with_capacity(sums.per_replica.len());
+        for mbs in &sums.per_replica {
+            let mut acc = model.zero_grads(range.clone());
+            for (i, mb) in mbs.iter().enumerate() {
+                let (saved, dys) = self.pending[s].remove(mb).ok_or_else(|| {
+                    StageError::Executor(format!("microbatch {mb} summed twice"))
+                })?;
+                let v = plan.versions.backward_version(s as u32, *mb) as usize;
+                model.backward_params_range(
+                    be,
+                    range.clone(),
+                    &self.versions[s][v],
+                    &saved,
+                    &dys,
+                    &mut acc,
+                    i > 0,
+                )?;
+            }
+            partials.push(acc);
+        }
+        Ok(if partials.len() == 1 {
+            partials.pop().unwrap_or_default()
+        } else {
+            let flats: Vec<Vec<f32>> = partials.iter().map(flatten).collect();
+            let sum = ring_sum(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>());
+            let mut out = partials.swap_remove(0);
+            unflatten(&mut out, &sum);
+            out
+        })
+    }
+
+    /// Applies the next update of `s` and of every stage it updates together with.
+    fn update(&mut self, be: &dyn Backend, s: usize) -> Result<()> {
+        let setup = self.setup;
+        let group = self.tie_group[s].clone();
+        let k = self.next_update[s];
+        let mut grads = Vec::with_capacity(group.len());
+        for &t in &group {
+            grads.push(self.gradients(be, t)?);
+        }
+        let mut parts: Vec<(usize, &mut Params)> = group
+            .iter()
+            .zip(grads.iter_mut())
+            .map(|(&t, g)| (setup.plan.partition.range(t).start, g))
+            .collect();
+        setup.model.sum_tied(be, &mut parts)?;
+        for (&t, mut g) in group.iter().zip(grads) {
+            let mut p = self.versions[t][self.versions[t].len() - 1].clone();
+            let size = setup.plan.schedule.resolved.update_size(t as u32);
+            let lr = (setup.lr)(t as u32, k);
+            mean_step(be, &mut self.opts[t], &mut p, &mut g, size, lr)?;
+            self.versions[t].push(p);
+            self.next_update[t] += 1;
+        }
+        Ok(())
+    }
 }

@@ -1,28 +1,24 @@
-//! Running a whole schedule: one thread per worker on a transport mesh, one backend per
-//! thread. The first worker to fail sets the shared abort flag; every other worker's blocked
-//! send or receive returns within milliseconds, and the run's error is the first real failure
-//! (naming its worker and action), never the "aborted" echoes.
+//! The in-process launcher: every worker of a run as a thread of this process, each with its
+//! own backend, all calling the one worker driver ([`super::run_worker`]). A worker that fails
+//! (or panics) tells its peers through the transport; their blocked calls return at once, and
+//! the run's error is the first real failure (naming its worker and action), never the
+//! "stopped because worker N failed" echoes of the others.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::time::Instant;
 
 use pipe_kernels::Backend;
-use pipe_transport::{Abort, Transport};
+use pipe_transport::Transport;
 
 use super::Setup;
-use super::exec::{WorkerOutcome, WorkerState, run_worker};
+use super::driver::run_worker;
+use super::exec::{WorkerOutcome, WorkerState};
 use crate::error::{Result, StageError};
 
-/// Options of [`run_threads`].
-#[derive(Clone, Debug, Default)]
-pub struct RunOptions {
-    /// Name of the threads (for debuggers), `pipe-w{N}` by default.
-    pub thread_prefix: Option<String>,
-}
-
-/// Runs every worker's program on its own thread over `endpoints` (one per worker, in worker
-/// order), with a backend made by `make_backend` on each thread. `states` are updated in place.
+/// Runs every worker's program on its own thread (named `pipe-w{N}`) over `endpoints` (one per
+/// worker, in worker order), with a backend made by `make_backend` on each thread. `states`
+/// are updated in place.
 ///
 /// # Errors
 /// The first worker failure ([`StageError::Worker`]), after every worker has stopped.
@@ -30,9 +26,7 @@ pub fn run_threads<T, B, F>(
     setup: &Setup<'_>,
     states: &mut [WorkerState],
     endpoints: Vec<T>,
-    abort: &Abort,
     make_backend: F,
-    opts: &RunOptions,
 ) -> Result<Vec<WorkerOutcome>>
 where
     T: Transport,
@@ -48,19 +42,12 @@ where
     }
     let first: Mutex<Option<StageError>> = Mutex::new(None);
     let t0 = Instant::now();
-    let prefix = opts
-        .thread_prefix
-        .clone()
-        .unwrap_or_else(|| "pipe-w".into());
     let fail = |e: StageError| {
-        let aborted = matches!(&e, StageError::Worker { source, .. }
-            if matches!(source.as_ref(), StageError::Transport(m) if m.contains("another worker failed")));
         if let Ok(mut slot) = first.lock() {
-            if slot.is_none() && !aborted {
+            if slot.is_none() && !e.is_abort_echo() {
                 *slot = Some(e);
             }
         }
-        abort.trigger();
     };
     let outcomes: Vec<Option<WorkerOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = states
@@ -68,10 +55,9 @@ where
             .zip(endpoints)
             .map(|(state, mut ep)| {
                 let worker = state.worker;
-                let make = &make_backend;
-                let fail = &fail;
+                let (make, fail) = (&make_backend, &fail);
                 std::thread::Builder::new()
-                    .name(format!("{prefix}{worker}"))
+                    .name(format!("pipe-w{worker}"))
                     .spawn_scoped(scope, move || {
                         let result = catch_unwind(AssertUnwindSafe(|| {
                             let be = make()?;
@@ -80,26 +66,17 @@ where
                         match result {
                             Ok(Ok(out)) => Some(out),
                             Ok(Err(e)) => {
+                                // The driver has told its peers; a backend that failed to
+                                // start never reached it.
+                                if !e.is_abort_echo() {
+                                    ep.abort();
+                                }
                                 fail(e);
                                 None
                             }
                             Err(panic) => {
-                                let msg = panic
-                                    .downcast_ref::<&str>()
-                                    .map(|s| s.to_string())
-                                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                                    .unwrap_or_else(|| "panic".into());
-                                let layout = setup.schedule.layout();
-                                let (stage, replica) = layout.placement(worker);
-                                fail(StageError::Worker {
-                                    worker,
-                                    stage,
-                                    replica,
-                                    action: "an action".into(),
-                                    source: Box::new(StageError::Executor(format!(
-                                        "panicked: {msg}"
-                                    ))),
-                                });
+                                ep.abort();
+                                fail(panicked(setup, worker, panic.as_ref()));
                                 None
                             }
                         }
@@ -126,4 +103,25 @@ where
         .into_iter()
         .map(|o| o.ok_or_else(|| StageError::Executor("a worker stopped without an error".into())))
         .collect()
+}
+
+/// The error for a worker thread that panicked.
+fn panicked(
+    setup: &Setup<'_>,
+    worker: u32,
+    panic: &(dyn std::any::Any + Send),
+) -> StageError {
+    let msg = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into());
+    let (position, replica) = setup.plan.schedule.layout().placement(worker);
+    StageError::Worker {
+        worker,
+        position,
+        replica,
+        action: "an action".into(),
+        source: Box::new(StageError::Executor(format!("panicked: {msg}"))),
+    }
 }

@@ -1,4 +1,4 @@
-//! Run metrics: JSON lines, one object per optimizer step and one per epoch, each tagged with
+//! Run logs: JSON lines, one object per optimizer step and one per epoch, each tagged with
 //! `"kind"`, so a log can be read back with any JSON tool.
 
 use std::fs::File;

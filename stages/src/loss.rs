@@ -1,0 +1,50 @@
+//! Losses: what the last stage turns its output and the microbatch's targets into (a loss sum
+//! and the gradient that starts the backward pass). One trait, so the executor, the reference
+//! trainer and the single-worker loop are written once for classification today and next-token
+//! prediction later (whose targets are token ids, the same `u32` per row).
+
+use pipe_kernels::{Backend, LossStats, Tensor};
+
+use crate::error::Result;
+
+/// A loss over a batch of outputs and one target id per output row.
+pub trait Loss: Send + Sync + std::fmt::Debug {
+    /// Short name (`softmax_cross_entropy`).
+    fn name(&self) -> &'static str;
+
+    /// Evaluates the loss of `output` against `targets`. When `grad` is given it receives
+    /// `dLoss/doutput * grad_scale` (the executor passes one over the samples of an update, so
+    /// an update applies the mean gradient).
+    ///
+    /// # Errors
+    /// A target outside the output's classes, or a target count that differs from the rows.
+    fn evaluate(
+        &self,
+        be: &dyn Backend,
+        output: &Tensor,
+        targets: &[u32],
+        grad_scale: f32,
+        grad: Option<&mut Tensor>,
+    ) -> Result<LossStats>;
+}
+
+/// Softmax cross-entropy over the last dimension, with accuracy (arg-max against the target).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SoftmaxCrossEntropy;
+
+impl Loss for SoftmaxCrossEntropy {
+    fn name(&self) -> &'static str {
+        "softmax_cross_entropy"
+    }
+
+    fn evaluate(
+        &self,
+        be: &dyn Backend,
+        output: &Tensor,
+        targets: &[u32],
+        grad_scale: f32,
+        grad: Option<&mut Tensor>,
+    ) -> Result<LossStats> {
+        Ok(be.softmax_cross_entropy(output, targets, grad_scale, grad)?)
+    }
+}

@@ -1,0 +1,119 @@
+//! The worker driver: runs one worker given its rank, its backend, its transport endpoint and
+//! the checked plan, and nothing else. Every launcher calls it: the in-process launcher (one
+//! thread per worker, [`super::launch`]) today, a process or host launcher later.
+//!
+//! The driver is the only place where the worker core meets I/O: it times each action, hands
+//! the core's outgoing messages to the transport, gives it the messages the transport
+//! receives, and runs the ring all-reduce over the transport on the core's gradient buffer.
+//! When the worker fails it tells every peer ([`Transport::abort`]) before returning the
+//! error, so no peer waits forever.
+
+use std::time::Instant;
+
+use pipe_kernels::Backend;
+use pipe_scheduler::{Action, Span};
+use pipe_transport::Transport;
+use pipe_transport::collective::ring_all_reduce;
+
+use super::Setup;
+use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
+use crate::error::{Result, StageError};
+
+/// Runs `state.worker`'s program of `setup.plan` over transport `t` with backend `be`,
+/// updating `state`. `t0` is the run's start (span times are relative to it).
+///
+/// # Errors
+/// [`StageError::Worker`] naming the worker, its stage position and replica, and the action
+/// that failed (`start` or `end` outside the program). Every peer has been told.
+pub fn run_worker<B: Backend, T: Transport + ?Sized>(
+    be: &B,
+    t: &mut T,
+    setup: &Setup<'_>,
+    state: &mut WorkerState,
+    t0: Instant,
+) -> Result<WorkerOutcome> {
+    let w = state.worker;
+    let (position, replica) = setup.plan.schedule.layout().placement(w);
+    let wrap = |action: String, e: StageError| StageError::Worker {
+        worker: w,
+        position,
+        replica,
+        action,
+        source: Box::new(e),
+    };
+    let result = run_program(be, t, setup, state, t0).map_err(|(a, e)| {
+        wrap(a.map_or_else(|| "start".to_string(), |a| a.to_string()), e)
+    });
+    match result {
+        Ok(core) => core.finish(state).map_err(|e| wrap("end".into(), e)),
+        Err(e) => {
+            if !e.is_abort_echo() {
+                t.abort();
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The program loop; an error comes with the action it happened in (`None`: at start).
+fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
+    be: &B,
+    t: &mut T,
+    setup: &'s Setup<'a>,
+    state: &WorkerState,
+    t0: Instant,
+) -> std::result::Result<WorkerCore<'s, 'a>, (Option<Action>, StageError)> {
+    let mut core = WorkerCore::new(setup, state).map_err(|e| (None, e))?;
+    let program = &setup.plan.schedule.programs[state.worker as usize];
+    for (pc, &a) in program.iter().enumerate() {
+        let start = t0.elapsed().as_secs_f64();
+        step(be, t, &mut core, pc, a).map_err(|e| (Some(a), e))?;
+        let end = t0.elapsed().as_secs_f64();
+        let held = core.versions_held() as u32;
+        let out = &mut core.outcome;
+        out.peak_versions = out.peak_versions.max(held);
+        if a.kind().is_compute() || matches!(a, Action::Update { .. }) {
+            out.compute_s += end - start;
+        }
+        out.spans.push(Span {
+            worker: state.worker,
+            action: a,
+            start,
+            end,
+        });
+    }
+    Ok(core)
+}
+
+/// One action: compute on the core, or move data between the core and the transport.
+fn step<B: Backend, T: Transport + ?Sized>(
+    be: &B,
+    t: &mut T,
+    core: &mut WorkerCore<'_, '_>,
+    pc: usize,
+    a: Action,
+) -> Result<()> {
+    match a {
+        Action::SendActivation { .. } | Action::SendGradient { .. } => {
+            t.send(core.outgoing(a)?)?;
+        }
+        Action::RecvActivation { .. } | Action::RecvGradient { .. } => {
+            let m = t.recv(&core.incoming_key(a)?)?;
+            core.deliver(a, m)?;
+        }
+        Action::AllReduce { stage, update } => {
+            let (group, mut flat) = core.all_reduce_input(stage)?;
+            ring_all_reduce(t, &group, stage, update, &mut flat)?;
+            core.all_reduce_output(stage, &flat)?;
+        }
+        Action::SendChunk { .. } | Action::RecvChunk { .. } => {
+            return Err(StageError::Executor(
+                "expanded ring all-reduce steps are for the simulator; lower the schedule \
+                 with collective all-reduces"
+                    .into(),
+            ));
+        }
+        _ => core.compute(be, pc, a)?,
+    }
+    Ok(())
+}
