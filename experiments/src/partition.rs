@@ -27,7 +27,7 @@ use std::ops::Range;
 
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{
-    Action, PartitionPlan, PlanOptions, Policy, Profile, explain, plan_checked, simulate_plan,
+    PartitionPlan, PlanOptions, Policy, Profile, explain, plan_checked, simulate_plan,
 };
 use pipe_stages::model::{Model, ModelSpec};
 use pipe_stages::pipeline::Partition;
@@ -169,48 +169,6 @@ fn measure(
     Ok((measured, outs.iter().map(|o| o.compute_s / mbs).collect()))
 }
 
-/// Workers that compute at once: one per worker, at most one per core.
-pub fn busy_workers(workers: u32) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    (workers as usize).clamp(1, cores)
-}
-
-/// The link bandwidth that reproduces the executor's all-reduce of `model`'s gradients between
-/// two in-process replicas: a one-stage, two-replica `pipedream` run at one microbatch per
-/// update, whose all-reduce actions (flattening the gradients, the ring, unflattening, waiting
-/// for the peer) are timed; a ring of two moves `2 (r-1)/r P = P` bytes, so `P / median`.
-///
-/// # Errors
-/// A failure of the run.
-pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64, ExperimentError> {
-    let case = Case {
-        name: "all-reduce".into(),
-        policy: "pipedream".into(),
-        stages: 1,
-        replicas: 2,
-        microbatch,
-        m: 1,
-        replica_counts: None,
-        partition: None,
-    };
-    let mut states = Vec::new();
-    pipelined(model, &case, 2, &mut states)?;
-    let (_, outs, _) = pipelined(model, &case, 6, &mut states)?;
-    let times: Vec<f64> = outs
-        .iter()
-        .flat_map(|o| &o.spans)
-        .filter(|sp| matches!(sp.action, Action::AllReduce { .. }))
-        .map(|sp| sp.end - sp.start)
-        .collect();
-    let t = median(&times);
-    let bytes = (model.param_count().max(1) * 4) as f64;
-    Ok(if t.is_finite() && t > 0.0 {
-        bytes / t
-    } else {
-        f64::INFINITY
-    })
-}
-
 /// One layout's figures over the rounds.
 #[derive(Default)]
 struct Rounds {
@@ -290,11 +248,11 @@ pub fn run(cfg: &PartitionBenchConfig) -> Result<PartitionReport, ExperimentErro
     let be = CpuBackend::new(1)?;
     let profile_opts = ProfileOptions {
         calibrate: Some(cfg.microbatches),
-        concurrent: busy_workers(cfg.workers),
+        concurrent: pipe_stages::planning::busy_workers(cfg.workers),
         ..ProfileOptions::new(cfg.microbatch)
     };
     let profile = profile_model(&model, &cfg.model, &be, &profile_opts)?;
-    let bandwidth = in_process_bandwidth(&model, cfg.microbatch)?;
+    let bandwidth = pipe_stages::planning::in_process_bandwidth(&model, cfg.microbatch)?;
     let opts = PlanOptions {
         policy: cfg.policy,
         microbatches: cfg.microbatches,

@@ -30,18 +30,18 @@ use std::time::Instant;
 
 use pipe_kernels::{CpuBackend, Tensor, Timed};
 use pipe_scheduler::{
-    Action, CostModel, Length, LowerOptions, Policy, ScheduleSpec, SimOptions, StageCost,
-    VersionPlan, generate, lower, simulate, validate,
+    Action, CostModel, Length, Policy, ScheduleSpec, SimOptions, StageCost, simulate,
 };
+use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
-    MicrobatchSource, Partition, RunOptions, Setup, WorkerOutcome, WorkerState, run_threads,
+    MicrobatchSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, run_threads,
 };
 use pipe_stages::train::{StepState, train_step};
 use pipe_transport::collective::ring_all_reduce;
 use pipe_transport::inproc::{InProcOptions, mesh};
-use pipe_transport::{Abort, Key, Kind, Message, Transport};
+use pipe_transport::{Key, Kind, Message, Transport};
 use serde::Serialize;
 
 use crate::{ExperimentError, median};
@@ -270,21 +270,19 @@ fn pipelined_with<B: pipe_kernels::Backend>(
     let spec = ScheduleSpec::new(policy, case.stages, case.m)
         .with_replicas(replicas)
         .with_length(Length::Updates(minibatches));
-    let schedule = lower(&generate(&spec)?, LowerOptions::default());
-    validate::check(&schedule)?;
-    let plan = VersionPlan::derive(&schedule)?;
     let partition = match &case.partition {
-        Some(ranges) => Partition::new(ranges.clone(), model.len())?,
-        None => Partition::balanced(model, schedule.stages() as usize)?,
+        Some(ranges) => Some(Partition::new(ranges.clone(), model.len())?),
+        None => None,
     };
+    let plan = RunPlan::new(model, &spec, partition)?;
+    let schedule = &plan.schedule;
     let pool = Pool::new(model, case.microbatch);
     let lr = |_: u32, _: u32| 1e-3f32;
     let setup = Setup {
         model,
-        partition: &partition,
-        schedule: &schedule,
         plan: &plan,
         data: &pool,
+        loss: &SoftmaxCrossEntropy,
         seed: 0,
         microbatch_offset: 0,
         lr: &lr,
@@ -295,13 +293,12 @@ fn pipelined_with<B: pipe_kernels::Backend>(
             .map(|w| WorkerState::new(&setup, w, &init, sgd()))
             .collect();
     }
-    let abort = Abort::new();
-    let eps = mesh(schedule.workers(), &InProcOptions::default(), &abort);
+    let eps = mesh(schedule.workers(), &InProcOptions::default());
     let t = Instant::now();
-    let outs = run_threads(&setup, states, eps, &abort, make, &RunOptions::default())?;
+    let outs = run_threads(&setup, states, eps, make)?;
     let secs = t.elapsed().as_secs_f64();
     let samples = f64::from(schedule.total_microbatches()) * case.microbatch as f64;
-    Ok((samples / secs, outs, schedule))
+    Ok((samples / secs, outs, plan.schedule))
 }
 
 /// Per-stage costs: means of the measured action durations (means, not medians: the first
@@ -349,9 +346,8 @@ fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
 /// own thread (median of repeats after one warm-up round).
 fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
     let rounds = 7u32;
-    let abort = Abort::new();
     let group: Vec<u32> = (0..r).collect();
-    let handles: Vec<_> = mesh(r, &InProcOptions::default(), &abort)
+    let handles: Vec<_> = mesh(r, &InProcOptions::default())
         .into_iter()
         .map(|mut ep| {
             let group = group.clone();
@@ -488,8 +484,7 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
 
 /// Ping-pong between two threads over the in-process transport: microseconds per message.
 fn transport_cost() -> Result<f64, ExperimentError> {
-    let abort = Abort::new();
-    let mut eps = mesh(2, &InProcOptions::default(), &abort);
+    let mut eps = mesh(2, &InProcOptions::default());
     let mut b = eps
         .pop()
         .ok_or_else(|| ExperimentError::Config("mesh".into()))?;

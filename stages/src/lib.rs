@@ -21,6 +21,7 @@ pub mod loss;
 pub mod model;
 pub mod optim;
 pub mod pipeline;
+pub mod planning;
 pub mod profile;
 pub mod rng;
 pub mod train;

@@ -113,7 +113,7 @@ fn seconds<T>(f: impl FnOnce() -> Result<T>) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-fn random(shape: &[usize], seed: u64, what: &str, i: u64) -> Result<Tensor> {
+pub(crate) fn random(shape: &[usize], seed: u64, what: &str, i: u64) -> Result<Tensor> {
     let mut rng = rng_for(seed, what, i);
     let n: usize = shape.iter().product();
     let data = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
@@ -243,9 +243,22 @@ pub fn profile_model(
 }
 
 /// Random inputs (a fixed pool) and labels for the calibration run.
-struct Random {
+pub(crate) struct Random {
     x: Tensor,
     classes: u32,
+}
+
+impl Random {
+    /// Random inputs for `model` at `microbatch_size` samples, labels cycling over its outputs.
+    pub(crate) fn for_model(model: &Model, microbatch_size: usize, seed: u64) -> Result<Self> {
+        let mut shape = vec![microbatch_size];
+        shape.extend_from_slice(model.input_shape());
+        let classes: usize = model.output_shape().iter().product();
+        Ok(Random {
+            x: random(&shape, seed, "calibrate-x", 0)?,
+            classes: classes.max(1) as u32,
+        })
+    }
 }
 
 impl MicrobatchSource for Random {
@@ -277,13 +290,7 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
         .with_length(Length::Updates(opts.calibration_minibatches));
     let partition = Partition::new((0..n).map(|i| i..i + 1).collect(), n)?;
     let plan = RunPlan::new(model, &spec, Some(partition))?;
-    let mut shape = vec![b];
-    shape.extend_from_slice(model.input_shape());
-    let classes: usize = model.output_shape().iter().product();
-    let source = Random {
-        x: random(&shape, opts.seed, "calibrate-x", 0)?,
-        classes: classes.max(1) as u32,
-    };
+    let source = Random::for_model(model, b, opts.seed)?;
     let lr = |_: u32, _: u32| 1e-6f32;
     let setup = Setup {
         model,

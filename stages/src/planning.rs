@@ -1,0 +1,122 @@
+//! Planning a run on this machine: what `pipe train --workers W` and `pipe plan --model`
+//! measure before the planner runs. The model is profiled at the run's microbatch size with
+//! one compute thread per worker ([`crate::profile`]); the in-process link is measured as the
+//! executor's own all-reduce; the planner ([`pipe_scheduler::plan_checked`]) then picks the
+//! layout under the default cost model.
+
+use pipe_kernels::CpuBackend;
+use pipe_scheduler::{
+    Action, Length, PartitionPlan, PlanOptions, Policy, Profile, ScheduleSpec, plan_checked,
+};
+use pipe_transport::inproc::{InProcOptions, mesh};
+
+use crate::error::Result;
+use crate::loss::SoftmaxCrossEntropy;
+use crate::model::Model;
+use crate::optim::OptimizerConfig;
+use crate::pipeline::{RunPlan, Setup, WorkerState, run_threads};
+use crate::profile::{ProfileOptions, Random, profile_model};
+
+/// Workers that compute at once: one per worker, at most one per core.
+pub fn busy_workers(workers: u32) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    (workers as usize).clamp(1, cores)
+}
+
+/// The median of a sample (NaN when empty).
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    match xs.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => xs[n / 2],
+        n => 0.5 * (xs[n / 2 - 1] + xs[n / 2]),
+    }
+}
+
+/// The link bandwidth that reproduces the executor's all-reduce of `model`'s gradients between
+/// two in-process replicas: a one-stage, two-replica `pipedream` run at one microbatch per
+/// update, whose all-reduce actions (flattening the gradients, the ring, unflattening, waiting
+/// for the peer) are timed after a warm-up run; a ring of two moves `2 (r-1)/r P = P` bytes,
+/// so `P / median`.
+///
+/// # Errors
+/// A failure of the run.
+pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
+    let source = Random::for_model(model, microbatch, 0)?;
+    let lr = |_: u32, _: u32| 1e-3f32;
+    let init = model.init_params(0);
+    let mut states: Vec<WorkerState> = Vec::new();
+    let mut times = Vec::new();
+    for (round, updates) in [2u32, 6].into_iter().enumerate() {
+        let spec = ScheduleSpec::new(Policy::PipeDream, 1, 1)
+            .with_replicas(vec![2])
+            .with_length(Length::Updates(updates));
+        let plan = RunPlan::new(model, &spec, None)?;
+        let setup = Setup {
+            model,
+            plan: &plan,
+            data: &source,
+            loss: &SoftmaxCrossEntropy,
+            seed: 0,
+            microbatch_offset: 0,
+            lr: &lr,
+        };
+        if states.is_empty() {
+            states = (0..2)
+                .map(|w| WorkerState::new(&setup, w, &init, OptimizerConfig::default()))
+                .collect();
+        }
+        let eps = mesh(2, &InProcOptions::default());
+        let outs = run_threads(&setup, &mut states, eps, || CpuBackend::new(1))?;
+        if round == 0 {
+            continue;
+        }
+        times.extend(
+            outs.iter()
+                .flat_map(|o| &o.spans)
+                .filter(|sp| matches!(sp.action, Action::AllReduce { .. }))
+                .map(|sp| sp.end - sp.start),
+        );
+    }
+    let t = median(times);
+    let bytes = (model.param_count().max(1) * 4) as f64;
+    Ok(if t.is_finite() && t > 0.0 {
+        bytes / t
+    } else {
+        f64::INFINITY
+    })
+}
+
+/// What `pipe train --workers W` plans with: the model profiled at the run's microbatch size
+/// with one thread (calibrated on the executor, as many copies at once as there are busy
+/// workers), planned under the default cost model for the run's schedule. In-process
+/// activations move for free; the all-reduce's measured cost sets the bandwidth.
+///
+/// # Errors
+/// Profiling or planning failures (an unplannable schedule is bad input).
+pub fn auto_plan(
+    name: &str,
+    model: &Model,
+    microbatch_size: usize,
+    policy: Policy,
+    microbatches: u32,
+    workers: u32,
+) -> Result<(Profile, PartitionPlan)> {
+    let be = CpuBackend::new(1)?;
+    let opts = ProfileOptions {
+        warmup: 2,
+        repeats: 5,
+        calibrate: Some(microbatches),
+        concurrent: busy_workers(workers),
+        ..ProfileOptions::new(microbatch_size)
+    };
+    let profile = profile_model(model, name, &be, &opts)?;
+    let bandwidth = in_process_bandwidth(model, microbatch_size)?;
+    let opts = PlanOptions {
+        policy,
+        microbatches,
+        ..PlanOptions::new(workers, bandwidth)
+    };
+    let plan = plan_checked(&profile, &opts)?;
+    Ok((profile, plan))
+}
