@@ -1,29 +1,108 @@
 //! The `pipe` command line. It only parses arguments, turns them into a validated `RunConfig`
 //! once, wires observers (progress bar, JSON-lines log) and maps errors to exit codes: 2 for bad
 //! input, 1 for failures at run time.
+//!
+//! This file owns the command tree and the exit status; each command lives in [`commands`],
+//! shared argument handling in [`args`], output and errors in [`output`], and plan files and
+//! automatic planning in [`plan_file`].
 
 /// Prints to standard output like `print!`, except that a reader that has gone away (`pipe
-/// plan | head`) ends the program quietly instead of panicking; see [`cli::write_out`].
+/// plan | head`) ends the program quietly instead of panicking; see [`output::write_out`].
 macro_rules! out {
-    ($($arg:tt)*) => { $crate::cli::write_out(format_args!($($arg)*)) };
+    ($($arg:tt)*) => { $crate::output::write_out(format_args!($($arg)*)) };
 }
 
 /// [`out!`] with a newline, like `println!`.
 macro_rules! outln {
-    ($($arg:tt)*) => { $crate::cli::write_out(format_args!("{}\n", format_args!($($arg)*))) };
+    ($($arg:tt)*) => { $crate::output::write_out(format_args!("{}\n", format_args!($($arg)*))) };
 }
 
-mod cli;
-mod partition_cli;
-mod plan_cli;
+mod args;
+mod commands;
+mod output;
+mod plan_file;
 
 use std::process::ExitCode;
 
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+use crate::commands::{bench, plan, profile, schedule, simulate, train};
+use crate::output::bad_input;
+
+/// Pipeline-parallel training with weight stashing.
+#[derive(Parser, Debug)]
+#[command(name = "pipe", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a model.
+    Train(Box<train::TrainArgs>),
+    /// Run a benchmark.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Print a policy's schedule (grid, text, CSV or Chrome trace).
+    Schedule(schedule::ScheduleArgs),
+    /// Simulate a schedule under a cost model: makespan, bubble, per-worker busy time and memory.
+    Simulate(simulate::SimulateArgs),
+    /// Partition a profiled model into stages and per-stage replicas.
+    Plan(plan::PlanArgs),
+    /// Time every layer of a model (forward, both backward halves, update) and count its sizes.
+    Profile(profile::ProfileArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Single-worker training throughput and model FLOP utilisation against the GEMM rate.
+    Mfu(bench::MfuArgs),
+    /// Pipelined throughput against one worker and against the simulator; executor overhead.
+    Pipeline(bench::PipelineBenchArgs),
+    /// The profiled plan against the uniform split on an unbalanced model, and the simulator's
+    /// prediction for the plan.
+    Partition(bench::PartitionBenchArgs),
+}
+
+/// Parses the command line and runs the command.
+fn run() -> Result<()> {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            // --help, --version
+            e.print().ok();
+            return Ok(());
+        }
+        Err(e) => {
+            let text = e.render().to_string();
+            let first = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ")
+                .to_string();
+            return Err(bad_input(first));
+        }
+    };
+    match cli.command {
+        Command::Train(args) => train::run(&args),
+        Command::Bench(BenchCommand::Mfu(args)) => bench::run_mfu(&args),
+        Command::Bench(BenchCommand::Pipeline(args)) => bench::run_pipeline(&args),
+        Command::Bench(BenchCommand::Partition(args)) => bench::run_partition(&args),
+        Command::Schedule(args) => schedule::run(&args),
+        Command::Simulate(args) => simulate::run(&args),
+        Command::Plan(args) => plan::run(&args),
+        Command::Profile(args) => profile::run(&args),
+    }
+}
+
 fn main() -> ExitCode {
-    match cli::run() {
+    match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let code = cli::exit_code(&e);
+            let code = output::exit_code(&e);
             // One line: the error and its causes joined, no backtrace.
             let msg = e
                 .chain()

@@ -1,12 +1,14 @@
+//! `pipe train`: its flags, merged over a TOML config and a plan file (or an automatic plan
+//! for `--workers`) into one validated `RunConfig`, then a single-worker or pipelined run with
+//! a progress bar, per-epoch summaries and the optional JSON-lines log and Chrome trace.
+
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
-use clap::{Args, Parser, Subcommand};
+use anyhow::{Context, Result};
+use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use pipe_kernels::{Backend, CpuBackend, CudaBackend};
-use pipe_stages::StageError;
 use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::metrics::JsonlLog;
 use pipe_stages::model::Model;
@@ -14,119 +16,14 @@ use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
 
-/// Pipeline-parallel training with weight stashing.
-#[derive(Parser, Debug)]
-#[command(name = "pipe", version, about, long_about = None)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
+use crate::args::{BackendChoice, BackendParser};
+use crate::output::bad_input;
+use crate::plan_file::{PlanFile, auto_plan, layout_of};
 
-#[derive(Subcommand, Debug)]
-enum Command {
-    /// Train a model.
-    Train(Box<TrainArgs>),
-    /// Run a benchmark.
-    #[command(subcommand)]
-    Bench(BenchCommand),
-    /// Print a policy's schedule (grid, text, CSV or Chrome trace).
-    Schedule(crate::plan_cli::ScheduleArgs),
-    /// Simulate a schedule under a cost model: makespan, bubble, per-worker busy time and memory.
-    Simulate(crate::plan_cli::SimulateArgs),
-    /// Partition a profiled model into stages and per-stage replicas.
-    Plan(crate::partition_cli::PlanArgs),
-    /// Time every layer of a model (forward, both backward halves, update) and count its sizes.
-    Profile(crate::partition_cli::ProfileArgs),
-}
-
-#[derive(Subcommand, Debug)]
-enum BenchCommand {
-    /// Single-worker training throughput and model FLOP utilisation against the GEMM rate.
-    Mfu(MfuArgs),
-    /// Pipelined throughput against one worker and against the simulator; executor overhead.
-    Pipeline(PipelineBenchArgs),
-    /// The profiled plan against the uniform split on an unbalanced model, and the simulator's
-    /// prediction for the plan.
-    Partition(PartitionBenchArgs),
-}
-
-#[derive(Args, Debug)]
-struct PartitionBenchArgs {
-    /// Model preset.
-    #[arg(long, default_value = "mlp-256-1536x3-256x6-10")]
-    model: String,
-    /// Samples per microbatch.
-    #[arg(long, default_value_t = 32)]
-    microbatch_size: usize,
-    /// Microbatches per update per replica.
-    #[arg(long, default_value_t = 4)]
-    microbatches: u32,
-    /// Workers.
-    #[arg(long, default_value_t = 2)]
-    workers: u32,
-    /// Schedule.
-    #[arg(long, default_value = "pipedream", value_parser = crate::plan_cli::parse_policy)]
-    schedule: pipe_scheduler::Policy,
-    /// Timed minibatches per measurement.
-    #[arg(long, default_value_t = 24)]
-    updates: u32,
-    /// Rounds (figures are medians over rounds).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
-    rounds: u32,
-    /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-}
-
-#[derive(Args, Debug)]
-struct MfuArgs {
-    /// Model preset.
-    #[arg(long, default_value = "mlp-784-1024x16-10")]
-    model: String,
-    /// Samples per step.
-    #[arg(long, default_value_t = 256)]
-    batch: usize,
-    /// Compute threads.
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
-    /// Timed steps.
-    #[arg(long, default_value_t = 20)]
-    steps: usize,
-    /// SGD momentum (0: plain SGD).
-    #[arg(long, default_value_t = 0.0)]
-    momentum: f32,
-    /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-}
-
-#[derive(Args, Debug)]
-struct PipelineBenchArgs {
-    /// Timed minibatches per case.
-    #[arg(long, default_value_t = 24)]
-    updates: u32,
-    /// Warm-up minibatches per case.
-    #[arg(long, default_value_t = 6)]
-    warmup: u32,
-    /// Only the small model (256-256x8-10).
-    #[arg(long)]
-    small_only: bool,
-    /// Rounds of every measurement (figures are medians over rounds).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
-    rounds: u32,
-    /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-}
-
-/// An error caused by what the user gave us (exit code 2).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct BadInput(String);
-
+/// `pipe train`: flags override the config file's values.
 #[derive(Args, Debug)]
 #[command(allow_negative_numbers = true)]
-struct TrainArgs {
+pub struct TrainArgs {
     /// TOML config file; flags given on the command line override its values.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -208,11 +105,12 @@ struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// Compute backend: cpu or cuda.
-    #[arg(long, default_value = "cpu")]
-    backend: String,
+    #[arg(long, default_value = "cpu", value_parser = BackendParser)]
+    backend: BackendChoice,
 }
 
 impl TrainArgs {
+    /// The flags as settings to merge over a config file's.
     fn settings(&self) -> TrainSettings {
         TrainSettings {
             model: self.model.clone().map(ModelChoice::Preset),
@@ -242,180 +140,35 @@ impl TrainArgs {
     }
 }
 
-/// Writes to standard output. When the reader has gone away (a closed pipe) the program ends
-/// at once with status 0, as a command killed by SIGPIPE would, with nothing on standard error:
-/// the output was not wanted. Any other write failure is reported on standard error and ends
-/// the program with status 1.
-pub fn write_out(args: std::fmt::Arguments<'_>) {
-    use std::io::Write as _;
-    let mut stdout = std::io::stdout().lock();
-    let result = stdout.write_fmt(args).and_then(|()| stdout.flush());
-    if let Err(e) = result {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(0);
-        }
-        eprintln!("error: writing standard output: {e}");
-        std::process::exit(1);
-    }
-}
-
-/// An error caused by user input, for other command modules.
-pub fn bad_input(msg: String) -> anyhow::Error {
-    BadInput(msg).into()
-}
-
-/// Exit status for an error: 2 for bad input, 1 otherwise.
-pub fn exit_code(e: &anyhow::Error) -> u8 {
-    for cause in e.chain() {
-        if cause.downcast_ref::<BadInput>().is_some() {
-            return 2;
-        }
-        if let Some(s) = cause.downcast_ref::<StageError>() {
-            return if s.is_bad_input() { 2 } else { 1 };
-        }
-        if let Some(c) = cause.downcast_ref::<clap::Error>() {
-            return if c.use_stderr() { 2 } else { 0 };
-        }
-    }
-    1
-}
-
-/// Parses the command line and runs the command.
-pub fn run() -> Result<()> {
-    let cli = match Cli::try_parse() {
-        Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            // --help, --version
-            e.print().ok();
-            return Ok(());
-        }
-        Err(e) => {
-            let text = e.render().to_string();
-            let first = text
-                .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ")
-                .to_string();
-            return Err(BadInput(first).into());
-        }
-    };
-    match cli.command {
-        Command::Train(args) => cmd_train(&args),
-        Command::Bench(BenchCommand::Mfu(args)) => cmd_bench_mfu(&args),
-        Command::Bench(BenchCommand::Pipeline(args)) => cmd_bench_pipeline(&args),
-        Command::Schedule(args) => crate::plan_cli::cmd_schedule(&args),
-        Command::Simulate(args) => crate::plan_cli::cmd_simulate(&args),
-        Command::Plan(args) => crate::partition_cli::cmd_plan(&args),
-        Command::Profile(args) => crate::partition_cli::cmd_profile(&args),
-        Command::Bench(BenchCommand::Partition(args)) => cmd_bench_partition(&args),
-    }
-}
-
-fn cmd_bench_mfu(args: &MfuArgs) -> Result<()> {
-    if args.threads == 0 || args.batch == 0 || args.steps == 0 {
-        return Err(BadInput("--threads, --batch and --steps must be positive".into()).into());
-    }
-    let cfg = pipe_experiments::mfu::MfuConfig {
-        model: args.model.clone(),
-        batch: args.batch,
-        threads: args.threads,
-        steps: args.steps,
-        warmup: 3,
-        momentum: args.momentum,
-    };
-    let report = pipe_experiments::mfu::run(&cfg).map_err(|e| match e {
-        pipe_experiments::ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
-        other => anyhow::Error::from(other),
-    })?;
-    out!("{}", pipe_experiments::mfu::render(&report));
-    if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
-}
-
-fn cmd_bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
-    if args.updates == 0 {
-        return Err(BadInput("--updates must be positive".into()).into());
-    }
-    let cfg = pipe_experiments::pipeline::PipelineBenchConfig {
-        updates: args.updates,
-        warmup: args.warmup,
-        small_only: args.small_only,
-        rounds: args.rounds,
-    };
-    let report = pipe_experiments::pipeline::run(&cfg)?;
-    out!("{}", pipe_experiments::pipeline::render(&report));
-    if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
-}
-
-fn cmd_bench_partition(args: &PartitionBenchArgs) -> Result<()> {
-    if args.updates == 0 || args.microbatch_size == 0 || args.microbatches == 0 || args.workers < 2
-    {
-        return Err(BadInput(
-            "--updates, --microbatch-size and --microbatches must be positive, --workers at least 2"
-                .into(),
-        )
-        .into());
-    }
-    let cfg = pipe_experiments::partition::PartitionBenchConfig {
-        model: args.model.clone(),
-        microbatch: args.microbatch_size,
-        microbatches: args.microbatches,
-        workers: args.workers,
-        policy: args.schedule,
-        updates: args.updates,
-        rounds: args.rounds,
-        ..Default::default()
-    };
-    let report = pipe_experiments::partition::run(&cfg).map_err(|e| match e {
-        pipe_experiments::ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
-        pipe_experiments::ExperimentError::Schedule(s) => crate::plan_cli::bad(s),
-        other => anyhow::Error::from(other),
-    })?;
-    out!("{}", pipe_experiments::partition::render(&report));
-    if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
-}
-
+/// The run the flags describe: config file, then flags, then a plan file or an automatic
+/// plan, validated once.
 fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     let mut settings = TrainSettings::default();
     if let Some(path) = &args.config {
         let text = std::fs::read_to_string(path)
-            .map_err(|e| BadInput(format!("cannot read config {}: {e}", path.display())))?;
+            .map_err(|e| bad_input(format!("cannot read config {}: {e}", path.display())))?;
         settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
     }
     settings.merge(args.settings());
     if let Some(path) = &args.plan {
-        let plan = crate::partition_cli::PlanFile::read(path)?;
+        let plan = PlanFile::read(path)?;
         if plan.model.is_empty() {
-            return Err(BadInput(format!(
+            return Err(bad_input(format!(
                 "plan {} names no model (plans of imported profiles describe another system's \
                  layers)",
                 path.display()
-            ))
-            .into());
+            )));
         }
         {
             match &settings.model {
                 None => settings.model = Some(ModelChoice::Preset(plan.model.clone())),
                 Some(ModelChoice::Preset(m)) if *m == plan.model => {}
                 Some(_) => {
-                    return Err(BadInput(format!(
+                    return Err(bad_input(format!(
                         "plan {} was made for model {}, not this run's",
                         path.display(),
                         plan.model
-                    ))
-                    .into());
+                    )));
                 }
             }
         }
@@ -433,9 +186,9 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     let cfg = settings.clone().resolve()?;
     if let Some(w) = args.workers {
         if w == 0 {
-            return Err(BadInput("--workers must be at least 1".into()).into());
+            return Err(bad_input("--workers must be at least 1".into()));
         }
-        let (_, plan) = crate::partition_cli::auto_plan(
+        let (_, plan) = auto_plan(
             &cfg.model_name,
             &cfg.model,
             cfg.microbatch_size,
@@ -443,7 +196,7 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
             cfg.microbatches as u32,
             w,
         )?;
-        let (partition, replicas) = crate::partition_cli::layout_of(&plan)?;
+        let (partition, replicas) = layout_of(&plan)?;
         let partition = partition.to_string();
         outln!(
             "auto plan for {w} workers: partition {partition}, replicas {replicas:?}, predicted {:.0} samples/s (simulated {:.0})",
@@ -460,27 +213,19 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// The compute backend named on the command line.
-pub(crate) fn backend(name: &str, threads: usize) -> Result<Box<dyn Backend>> {
-    match name {
-        "cpu" => Ok(Box::new(CpuBackend::new(threads)?)),
-        "cuda" => {
-            CudaBackend::new(0).map_err(|e| BadInput(e.to_string()))?;
-            Err(anyhow!("the cuda backend has no kernels yet"))
-        }
-        other => Err(BadInput(format!("unknown backend '{other}' (cpu, cuda)")).into()),
-    }
-}
-
-fn cmd_train(args: &TrainArgs) -> Result<()> {
+/// Runs `pipe train`.
+///
+/// # Errors
+/// Bad input for flags, config, plan or data files that describe no run; run-time failures of
+/// training or of writing its outputs.
+pub fn run(args: &TrainArgs) -> Result<()> {
     let cfg = run_config(args)?;
     if args.trace.is_some() && !cfg.pipelined {
-        return Err(BadInput(
+        return Err(bad_input(
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
-        )
-        .into());
+        ));
     }
-    let be = backend(&args.backend, cfg.threads)?;
+    let be = args.backend.open(cfg.threads)?;
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
     let mut observers: Vec<Box<dyn Observer>> = Vec::new();
@@ -514,7 +259,7 @@ fn cmd_train(args: &TrainArgs) -> Result<()> {
         };
         let spec =
             pipe_stages::pipeline::train::schedule_spec(&cfg, pipe_scheduler::Length::Updates(1))?;
-        let resolved = spec.resolve().map_err(|e| BadInput(e.to_string()))?;
+        let resolved = spec.resolve().map_err(|e| bad_input(e.to_string()))?;
         outln!(
             "pipeline: schedule {}, {} stages x replicas {:?}{}, {} workers (one thread each), minibatch {} microbatches",
             resolved.policy,
@@ -559,6 +304,7 @@ fn cmd_train(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// Hands every step and epoch to the progress display first, then to the other observers.
 struct Fan<'a> {
     first: &'a mut Progress,
     rest: Vec<Box<dyn Observer>>,

@@ -1,0 +1,265 @@
+//! Argument parsing and formatting that several commands share: schedule policies, times,
+//! sizes and bandwidths with units, the compute backend, the flags that describe a schedule
+//! (`pipe schedule` and `pipe simulate`), and the time and size formats reports print.
+
+use std::ffi::OsStr;
+
+use anyhow::{Context, Result, anyhow};
+use clap::builder::TypedValueParser;
+use clap::error::ErrorKind;
+use clap::{Args, ValueEnum};
+use pipe_kernels::{Backend, CpuBackend, CudaBackend};
+use pipe_scheduler::{
+    Length, LowerOptions, Policy, Schedule, ScheduleSpec, generate, lower, validate,
+};
+
+use crate::output::{bad_input, schedule_error};
+
+/// A schedule policy by name, for `value_parser`.
+pub fn parse_policy(s: &str) -> Result<Policy, String> {
+    s.parse::<Policy>().map_err(|e| e.to_string())
+}
+
+/// The compute backend `--backend` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// The CPU kernels.
+    Cpu,
+    /// An NVIDIA GPU.
+    Cuda,
+}
+
+impl BackendChoice {
+    /// Opens the backend with `threads` compute threads.
+    ///
+    /// # Errors
+    /// Bad input when this build or machine has no such device; a run-time failure when the
+    /// backend cannot run models yet.
+    pub fn open(self, threads: usize) -> Result<Box<dyn Backend>> {
+        match self {
+            BackendChoice::Cpu => Ok(Box::new(CpuBackend::new(threads)?)),
+            BackendChoice::Cuda => {
+                CudaBackend::new(0).map_err(|e| bad_input(e.to_string()))?;
+                Err(anyhow!("the cuda backend has no kernels yet"))
+            }
+        }
+    }
+}
+
+/// Parses `--backend`. An unknown name is reported as `unknown backend 'NAME' (cpu, cuda)`, on
+/// its own rather than inside clap's "invalid value" sentence.
+#[derive(Clone, Copy, Debug)]
+pub struct BackendParser;
+
+impl TypedValueParser for BackendParser {
+    type Value = BackendChoice;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> Result<BackendChoice, clap::Error> {
+        let name = value.to_string_lossy();
+        BackendChoice::from_str(&name, false).map_err(|_| {
+            clap::Error::raw(
+                ErrorKind::InvalidValue,
+                format!("unknown backend '{name}' (cpu, cuda)\n"),
+            )
+            .with_cmd(cmd)
+        })
+    }
+}
+
+/// What describes a schedule on the command line (shared by `pipe schedule` and `pipe
+/// simulate`).
+#[derive(Args, Debug)]
+pub struct ScheduleOpts {
+    /// Policy: sequential, gpipe, 1f1b-flush, interleaved, zb-h1, pipedream, pipedream-nostash,
+    /// vsync or 2bw.
+    #[arg(long, default_value = "1f1b-flush", value_parser = parse_policy)]
+    schedule: Policy,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 4)]
+    stages: u32,
+    /// Microbatches per update, per replica (M).
+    #[arg(long, default_value_t = 8)]
+    microbatches: u32,
+    /// Replicas per stage: one value for all, or a comma-separated list (2,1,1,1).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    replicas: Vec<u32>,
+    /// Model chunks per worker (interleaved only).
+    #[arg(long, default_value_t = 1)]
+    chunks: u32,
+    /// Minibatches to run (default: 1 for flush policies, 2 x stages for asynchronous ones, so
+    /// the steady state shows).
+    #[arg(long, conflicts_with = "total_microbatches")]
+    updates: Option<u32>,
+    /// Microbatches to run in total (a whole number of minibatches).
+    #[arg(long)]
+    total_microbatches: Option<u32>,
+    /// Expand each all-reduce into its ring send and receive steps.
+    #[arg(long)]
+    expand_all_reduce: bool,
+}
+
+impl ScheduleOpts {
+    /// The schedule the flags describe, before generation.
+    pub fn spec(&self) -> ScheduleSpec {
+        let length = match (self.updates, self.total_microbatches) {
+            (_, Some(n)) => Length::Microbatches(n),
+            (Some(k), None) => Length::Updates(k),
+            (None, None) if self.schedule.is_flush() => Length::Updates(1),
+            (None, None) => Length::Updates(2 * self.stages.max(1)),
+        };
+        ScheduleSpec::new(self.schedule, self.stages, self.microbatches)
+            .with_replicas(self.replicas.clone())
+            .with_chunks(self.chunks)
+            .with_length(length)
+    }
+
+    /// Generates, lowers and checks the schedule.
+    ///
+    /// # Errors
+    /// Bad input when the flags describe no schedule; a run-time failure when the generated
+    /// schedule fails its checks.
+    pub fn build(&self) -> Result<Schedule> {
+        let generated = generate(&self.spec()).map_err(schedule_error)?;
+        let lowered = lower(
+            &generated,
+            LowerOptions {
+                expand_all_reduce: self.expand_all_reduce,
+            },
+        );
+        validate::check(&lowered).context("generated schedule failed its checks")?;
+        Ok(lowered)
+    }
+}
+
+/// Seconds for a report: `0`, or four decimals in s or ms, or three in us.
+pub fn secs(s: f64) -> String {
+    if s == 0.0 {
+        "0".into()
+    } else if s >= 1.0 {
+        format!("{s:.4} s")
+    } else if s >= 1e-3 {
+        format!("{:.4} ms", s * 1e3)
+    } else {
+        format!("{:.3} us", s * 1e6)
+    }
+}
+
+/// Bytes for a report, in powers of 1024: `512 B`, `1.50 MiB`.
+pub fn bytes(b: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{v:.0} B")
+    } else {
+        format!("{v:.2} {}", UNITS[i])
+    }
+}
+
+/// Splits `text` into a number and a unit suffix.
+fn split_unit(text: &str) -> Result<(f64, String), String> {
+    let t = text.trim();
+    let end = t
+        .find(|c: char| {
+            !(c.is_ascii_digit() || c == '.' || c == 'e' || c == 'E' || c == '-' || c == '+')
+        })
+        .unwrap_or(t.len());
+    // An exponent letter followed by a unit letter ("5e" + "ms") is not a number; back off.
+    let (num, unit) = t.split_at(end);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number with an optional unit"))?;
+    if !value.is_finite() || value < 0.0 {
+        return Err(format!("{text:?} must be a finite number >= 0"));
+    }
+    Ok((value, unit.trim().to_string()))
+}
+
+/// Seconds, with an optional unit: s, ms, us, ns.
+pub fn parse_seconds(text: &str) -> Result<f64, String> {
+    let (v, unit) = split_unit(text)?;
+    let scale = match unit.as_str() {
+        "" | "s" => 1.0,
+        "ms" => 1e-3,
+        "us" | "µs" => 1e-6,
+        "ns" => 1e-9,
+        other => return Err(format!("unknown time unit {other:?} (use s, ms, us or ns)")),
+    };
+    Ok(v * scale)
+}
+
+/// Bytes, with an optional unit: B, KB, MB, GB (powers of 10) or KiB, MiB, GiB (powers of 2).
+pub fn parse_bytes(text: &str) -> Result<f64, String> {
+    let (v, unit) = split_unit(text)?;
+    let scale = match unit.as_str() {
+        "" | "B" => 1.0,
+        "KB" | "kB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024.0f64.powi(4),
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?} (use B, KB, MB, GB, KiB, MiB, GiB)"
+            ));
+        }
+    };
+    Ok(v * scale)
+}
+
+/// Bytes per second: a size with an optional `/s` (10GB/s, 1.25e9).
+pub fn parse_bandwidth(text: &str) -> Result<f64, String> {
+    let t = text.trim();
+    let v = parse_bytes(t.strip_suffix("/s").unwrap_or(t))?;
+    if v <= 0.0 {
+        return Err(format!("bandwidth {text:?} must be > 0"));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_parse() {
+        assert_eq!(parse_seconds("2ms"), Ok(2e-3));
+        assert_eq!(parse_seconds("1.5"), Ok(1.5));
+        assert_eq!(parse_seconds("150us"), Ok(150e-6));
+        assert_eq!(parse_bandwidth("10GB/s"), Ok(1e10));
+        assert_eq!(parse_bandwidth("1GiB/s"), Ok(1073741824.0));
+        assert_eq!(parse_bytes("4MiB"), Ok(4194304.0));
+        assert!(parse_seconds("-1").is_err());
+        assert!(parse_seconds("3 fortnights").is_err());
+        assert!(parse_bandwidth("0GB/s").is_err());
+        assert!(parse_bytes("NaN").is_err());
+    }
+
+    #[test]
+    fn backends_parse_by_name() {
+        let cmd = clap::Command::new("t");
+        let parse = |s: &str| BackendParser.parse_ref(&cmd, None, OsStr::new(s));
+        assert_eq!(parse("cpu").ok(), Some(BackendChoice::Cpu));
+        assert_eq!(parse("cuda").ok(), Some(BackendChoice::Cuda));
+        let err = parse("tpu")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.starts_with("error: unknown backend 'tpu' (cpu, cuda)"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,169 @@
+//! `pipe bench mfu`, `pipe bench pipeline` and `pipe bench partition`: check the arguments,
+//! run the benchmark in `pipe-experiments`, print its report and write it as JSON on request.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use pipe_experiments::ExperimentError;
+
+use crate::args::parse_policy;
+use crate::output::{bad_input, schedule_error};
+
+/// `pipe bench partition`: the profiled plan against the uniform split.
+#[derive(Args, Debug)]
+pub struct PartitionBenchArgs {
+    /// Model preset.
+    #[arg(long, default_value = "mlp-256-1536x3-256x6-10")]
+    model: String,
+    /// Samples per microbatch.
+    #[arg(long, default_value_t = 32)]
+    microbatch_size: usize,
+    /// Microbatches per update per replica.
+    #[arg(long, default_value_t = 4)]
+    microbatches: u32,
+    /// Workers.
+    #[arg(long, default_value_t = 2)]
+    workers: u32,
+    /// Schedule.
+    #[arg(long, default_value = "pipedream", value_parser = parse_policy)]
+    schedule: pipe_scheduler::Policy,
+    /// Timed minibatches per measurement.
+    #[arg(long, default_value_t = 24)]
+    updates: u32,
+    /// Rounds (figures are medians over rounds).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+/// `pipe bench mfu`: single-worker throughput and model FLOP utilisation.
+#[derive(Args, Debug)]
+pub struct MfuArgs {
+    /// Model preset.
+    #[arg(long, default_value = "mlp-784-1024x16-10")]
+    model: String,
+    /// Samples per step.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Compute threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// SGD momentum (0: plain SGD).
+    #[arg(long, default_value_t = 0.0)]
+    momentum: f32,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+/// `pipe bench pipeline`: pipelined throughput against one worker and the simulator.
+#[derive(Args, Debug)]
+pub struct PipelineBenchArgs {
+    /// Timed minibatches per case.
+    #[arg(long, default_value_t = 24)]
+    updates: u32,
+    /// Warm-up minibatches per case.
+    #[arg(long, default_value_t = 6)]
+    warmup: u32,
+    /// Only the small model (256-256x8-10).
+    #[arg(long)]
+    small_only: bool,
+    /// Rounds of every measurement (figures are medians over rounds).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+/// Writes a report as pretty JSON, with a final newline, when `path` is given.
+fn write_json<T: serde::Serialize>(path: Option<&PathBuf>, report: &T) -> Result<()> {
+    if let Some(path) = path {
+        let text = serde_json::to_string_pretty(report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Runs `pipe bench mfu`.
+///
+/// # Errors
+/// Bad input for non-positive sizes or an unusable model; run-time failures of the benchmark.
+pub fn run_mfu(args: &MfuArgs) -> Result<()> {
+    if args.threads == 0 || args.batch == 0 || args.steps == 0 {
+        return Err(bad_input(
+            "--threads, --batch and --steps must be positive".into(),
+        ));
+    }
+    let cfg = pipe_experiments::mfu::MfuConfig {
+        model: args.model.clone(),
+        batch: args.batch,
+        threads: args.threads,
+        steps: args.steps,
+        warmup: 3,
+        momentum: args.momentum,
+    };
+    let report = pipe_experiments::mfu::run(&cfg).map_err(|e| match e {
+        ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
+        other => anyhow::Error::from(other),
+    })?;
+    out!("{}", pipe_experiments::mfu::render(&report));
+    write_json(args.json.as_ref(), &report)
+}
+
+/// Runs `pipe bench pipeline`.
+///
+/// # Errors
+/// Bad input for zero updates; run-time failures of the benchmark.
+pub fn run_pipeline(args: &PipelineBenchArgs) -> Result<()> {
+    if args.updates == 0 {
+        return Err(bad_input("--updates must be positive".into()));
+    }
+    let cfg = pipe_experiments::pipeline::PipelineBenchConfig {
+        updates: args.updates,
+        warmup: args.warmup,
+        small_only: args.small_only,
+        rounds: args.rounds,
+    };
+    let report = pipe_experiments::pipeline::run(&cfg)?;
+    out!("{}", pipe_experiments::pipeline::render(&report));
+    write_json(args.json.as_ref(), &report)
+}
+
+/// Runs `pipe bench partition`.
+///
+/// # Errors
+/// Bad input for non-positive sizes, too few workers, an unusable model or an unplannable
+/// schedule; run-time failures of the benchmark.
+pub fn run_partition(args: &PartitionBenchArgs) -> Result<()> {
+    if args.updates == 0 || args.microbatch_size == 0 || args.microbatches == 0 || args.workers < 2
+    {
+        return Err(bad_input(
+            "--updates, --microbatch-size and --microbatches must be positive, --workers at least 2"
+                .into(),
+        ));
+    }
+    let cfg = pipe_experiments::partition::PartitionBenchConfig {
+        model: args.model.clone(),
+        microbatch: args.microbatch_size,
+        microbatches: args.microbatches,
+        workers: args.workers,
+        policy: args.schedule,
+        updates: args.updates,
+        rounds: args.rounds,
+        ..Default::default()
+    };
+    let report = pipe_experiments::partition::run(&cfg).map_err(|e| match e {
+        ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
+        ExperimentError::Schedule(s) => schedule_error(s),
+        other => anyhow::Error::from(other),
+    })?;
+    out!("{}", pipe_experiments::partition::render(&report));
+    write_json(args.json.as_ref(), &report)
+}

@@ -1,0 +1,9 @@
+//! One module per `pipe` command: its arguments and the code that runs it. A command uses
+//! [`crate::args`], [`crate::output`] and [`crate::plan_file`], never another command.
+
+pub mod bench;
+pub mod plan;
+pub mod profile;
+pub mod schedule;
+pub mod simulate;
+pub mod train;

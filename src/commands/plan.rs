@@ -1,0 +1,245 @@
+//! `pipe plan`: partition a profiled model (a profile file, PipeDream's graph format, or a preset
+//! profiled first) into stages and per-stage replicas under the default or PipeDream's cost
+//! model; print the plan and write it as the plan file `pipe train --plan` runs. Planning is
+//! `pipe-scheduler`'s.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use pipe_kernels::CpuBackend;
+use pipe_scheduler::{
+    PartitionPlan, PipeDreamOptions, PlanOptions, Policy, Profile, ScheduleError, WireDtype,
+};
+use pipe_stages::profile::ProfileOptions;
+
+use crate::args::{bytes, parse_bandwidth, parse_bytes, parse_policy, parse_seconds, secs};
+use crate::output::{bad_input, schedule_error};
+use crate::plan_file::{PlanFile, profile_preset};
+
+/// Cost models `pipe plan` knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlanCostModel {
+    /// Transfers on the link, overlap, memory under the schedule, flush bubbles simulated.
+    Default,
+    /// PipeDream's optimizer, formula for formula.
+    Pipedream,
+}
+
+/// `pipe plan`: partition a profiled model into stages and per-stage replicas.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Layer profile: pipe's JSON, or a PipeDream graph file (`nodeK -- ...` lines).
+    #[arg(long, value_name = "FILE", required_unless_present = "model")]
+    profile: Option<PathBuf>,
+    /// Profile this model preset first (instead of --profile).
+    #[arg(long, conflicts_with = "profile")]
+    model: Option<String>,
+    /// Samples per microbatch when profiling --model.
+    #[arg(long, default_value_t = 64)]
+    microbatch_size: usize,
+    /// Workers to plan for (all are used).
+    #[arg(long, required_unless_present = "stages")]
+    workers: Option<u32>,
+    /// Exactly S stages, one worker each: the exact min-max split by time.
+    #[arg(long, conflicts_with_all = ["workers", "straight"])]
+    stages: Option<u32>,
+    /// Link bandwidth (GB means 10^9 bytes).
+    #[arg(long, default_value = "10GB/s", value_parser = parse_bandwidth)]
+    bandwidth: f64,
+    /// Link latency per message.
+    #[arg(long, default_value = "0", value_parser = parse_seconds)]
+    latency: f64,
+    /// Per-worker memory bound.
+    #[arg(long, value_parser = parse_bytes)]
+    memory: Option<f64>,
+    /// The schedule the plan is for: pipedream, pipedream-nostash, vsync, 2bw, gpipe,
+    /// 1f1b-flush or zb-h1.
+    #[arg(long, default_value = "pipedream", value_parser = parse_policy)]
+    schedule: Policy,
+    /// Microbatches per update per replica.
+    #[arg(long, default_value_t = 8)]
+    microbatches: u32,
+    /// Cost model.
+    #[arg(long, value_enum, default_value = "default")]
+    cost_model: PlanCostModel,
+    /// Element type of activations and gradients on the wire: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    wire_dtype: WireDtype,
+    /// Sends do not overlap compute (a sender waits until its message lands).
+    #[arg(long)]
+    no_overlap: bool,
+    /// No replication: one worker per stage.
+    #[arg(long)]
+    straight: bool,
+    /// PipeDream model: activation compression ratio (activation transfers count only when
+    /// given).
+    #[arg(long)]
+    activation_compression: Option<f64>,
+    /// Write the plan as TOML to FILE (for `pipe train --plan`).
+    #[arg(short, long, value_name = "FILE")]
+    output: Option<PathBuf>,
+}
+
+/// Reads a profile: pipe's JSON, or PipeDream's graph format.
+fn load_profile(path: &Path) -> Result<Profile> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| bad_input(format!("profile {}: {e}", path.display())))?;
+    if text.trim_start().starts_with('{') {
+        Profile::from_json(&text)
+    } else {
+        Profile::from_pipedream(&text)
+    }
+    .map_err(|e| bad_input(format!("{}: {e}", path.display())))
+}
+
+/// Default-model options from the flags.
+fn plan_options(args: &PlanArgs, workers: u32) -> PlanOptions {
+    PlanOptions {
+        latency: args.latency,
+        memory: args.memory,
+        wire: args.wire_dtype,
+        overlap: !args.no_overlap,
+        policy: args.schedule,
+        microbatches: args.microbatches,
+        straight: args.straight || args.stages.is_some(),
+        ..PlanOptions::new(workers, args.bandwidth)
+    }
+}
+
+/// Runs `pipe plan`.
+///
+/// # Errors
+/// Bad input for unreadable profiles, an unknown model and requests no plan meets; failures
+/// while profiling, planning or writing.
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let profile = match (&args.profile, &args.model) {
+        (Some(path), _) => load_profile(path)?,
+        (None, Some(model)) => {
+            if args.microbatch_size == 0 {
+                return Err(bad_input("--microbatch-size must be at least 1".into()));
+            }
+            let opts = ProfileOptions {
+                calibrate: Some(args.microbatches),
+                concurrent: pipe_experiments::partition::busy_workers(
+                    args.stages.or(args.workers).unwrap_or(1),
+                ),
+                ..ProfileOptions::new(args.microbatch_size)
+            };
+            profile_preset(model, &opts, &CpuBackend::new(1)?)?
+        }
+        (None, None) => return Err(bad_input("give --profile FILE or --model M".into())),
+    };
+    let workers = args.stages.or(args.workers).unwrap_or(0);
+    let plan = match args.cost_model {
+        PlanCostModel::Pipedream => {
+            if let Some(r) = args.activation_compression {
+                if !r.is_finite() || r <= 0.0 {
+                    return Err(schedule_error(ScheduleError::Plan(format!(
+                        "activation compression ratio must be > 0, got {r}"
+                    ))));
+                }
+            }
+            let opts = PipeDreamOptions {
+                workers,
+                bandwidth: args.bandwidth,
+                memory: args.memory,
+                straight: args.straight || args.stages.is_some(),
+                activation_compression: args.activation_compression,
+            };
+            pipe_scheduler::pipedream(&profile, &opts).map_err(schedule_error)?
+        }
+        PlanCostModel::Default => {
+            if args.activation_compression.is_some() {
+                return Err(bad_input(
+                    "--activation-compression belongs to --cost-model pipedream (the default \
+                     model counts transfers always; see --wire-dtype)"
+                        .into(),
+                ));
+            }
+            let opts = plan_options(args, workers);
+            pipe_scheduler::plan_checked(&profile, &opts).map_err(schedule_error)?
+        }
+    };
+    out!("{}", render_plan(&profile, &plan, args.memory));
+    if let Some(path) = &args.output {
+        let file = PlanFile::from_plan(&profile, &plan)?;
+        let text = toml::to_string(&file)?;
+        std::fs::write(
+            path,
+            format!("# written by pipe plan; run it with pipe train --plan\n{text}"),
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
+        outln!("plan written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// A plan as text: the headline prediction, one row per stage, and each stage's layers.
+pub fn render_plan(profile: &Profile, plan: &PartitionPlan, memory: Option<f64>) -> String {
+    let per_s = |t: f64| {
+        if profile.microbatch_size > 0 {
+            format!("{:.0} samples/s", profile.microbatch_size as f64 / t)
+        } else {
+            format!("{:.2} microbatches/s", 1.0 / t)
+        }
+    };
+    let mut out = format!(
+        "{} stage(s) on {} worker(s), cost model {}, schedule {} (M = {}): {} per microbatch \
+         ({}), {:.2}x one worker ({}), {:.2}x data parallelism ({})\n",
+        plan.stages.len(),
+        plan.stages.iter().map(|s| s.replicas).sum::<u32>(),
+        plan.cost_model,
+        plan.policy.name(),
+        plan.microbatches,
+        secs(plan.time_per_microbatch),
+        per_s(plan.time_per_microbatch),
+        plan.speedup_over_single(),
+        per_s(plan.single_worker),
+        plan.speedup_over_data_parallel(),
+        per_s(plan.data_parallel),
+    );
+    if let Some(sim) = plan.simulated {
+        out.push_str(&format!(
+            "simulated: {} per microbatch ({}) with fill, drain and the schedule's exact order\n",
+            secs(sim),
+            per_s(sim)
+        ));
+    }
+    out.push_str(&format!(
+        "{:<6} {:>10} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12}  bound\n",
+        "stage", "layers", "replicas", "compute", "allreduce", "transfer", "params", "memory"
+    ));
+    for (i, s) in plan.stages.iter().enumerate() {
+        let slowest = (s.time - plan.time_per_microbatch).abs() <= 1e-12 * plan.time_per_microbatch;
+        let mem = match memory {
+            Some(limit) => format!("{} ({:.0}%)", bytes(s.memory), 100.0 * s.memory / limit),
+            None => bytes(s.memory),
+        };
+        out.push_str(&format!(
+            "{:<6} {:>10} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12}  {}{}\n",
+            i,
+            format!("{}-{}", s.layers.start, s.layers.end - 1),
+            s.replicas,
+            secs(s.compute),
+            secs(s.communication),
+            secs(s.transfer),
+            bytes(s.param_bytes),
+            mem,
+            s.bound.describe(),
+            if slowest { " (slowest stage)" } else { "" }
+        ));
+    }
+    let name = |at: usize| {
+        let layer = plan.order.get(at).copied().unwrap_or(at);
+        profile.layers.get(layer).map_or("?", |l| l.name.as_str())
+    };
+    for (i, s) in plan.stages.iter().enumerate() {
+        out.push_str(&format!(
+            "stage {i}: {} .. {}\n",
+            name(s.layers.start),
+            name(s.layers.end - 1)
+        ));
+    }
+    out
+}

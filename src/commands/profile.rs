@@ -1,0 +1,124 @@
+//! `pipe profile`: time every layer of a model preset (forward, both backward halves, update)
+//! and count its activation and parameter sizes; print the table and write the profile as JSON
+//! on request. Measuring is `pipe-stages`'.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use pipe_scheduler::Profile;
+use pipe_stages::config::DEFAULT_MODEL;
+use pipe_stages::profile::ProfileOptions;
+
+use crate::args::{BackendChoice, BackendParser, bytes, secs};
+use crate::output::bad_input;
+use crate::plan_file::profile_preset;
+
+/// `pipe profile`: time every layer of a model.
+#[derive(Args, Debug)]
+pub struct ProfileArgs {
+    /// Model preset.
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    model: String,
+    /// Samples per microbatch.
+    #[arg(long, default_value_t = 64)]
+    microbatch_size: usize,
+    /// Compute threads (a pipeline worker has one).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Untimed runs of each operation.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Timed runs of each operation (figures are medians).
+    #[arg(long, default_value_t = 11)]
+    repeats: usize,
+    /// Microbatches per update of the executor run the times are calibrated on.
+    #[arg(long, default_value_t = 4)]
+    microbatches: u32,
+    /// Keep the layers' isolated timings (no executor calibration).
+    #[arg(long)]
+    isolated: bool,
+    /// Calibration copies run at once: the pipeline's busy workers (at most one per core).
+    #[arg(long, default_value_t = 1)]
+    concurrent: usize,
+    /// Compute backend: cpu or cuda.
+    #[arg(long, default_value = "cpu", value_parser = BackendParser)]
+    backend: BackendChoice,
+    /// Write the profile as JSON to FILE.
+    #[arg(short, long, value_name = "FILE")]
+    output: Option<PathBuf>,
+}
+
+/// Runs `pipe profile`.
+///
+/// # Errors
+/// Bad input for non-positive counts, an unknown model or a backend this build lacks;
+/// failures while measuring or writing.
+pub fn run(args: &ProfileArgs) -> Result<()> {
+    if args.microbatch_size == 0 || args.repeats == 0 || args.threads == 0 || args.microbatches == 0
+    {
+        return Err(bad_input(
+            "--microbatch-size, --repeats, --threads and --microbatches must be at least 1".into(),
+        ));
+    }
+    if args.concurrent == 0 || args.concurrent > 256 {
+        return Err(bad_input(format!(
+            "--concurrent must be between 1 and 256, got {}",
+            args.concurrent
+        )));
+    }
+    let opts = ProfileOptions {
+        warmup: args.warmup,
+        repeats: args.repeats,
+        calibrate: (!args.isolated).then_some(args.microbatches),
+        concurrent: args.concurrent,
+        ..ProfileOptions::new(args.microbatch_size)
+    };
+    let be = args.backend.open(args.threads)?;
+    let profile = profile_preset(&args.model, &opts, be.as_ref())?;
+    out!("{}", render_profile(&profile));
+    if let Some(path) = &args.output {
+        let text = serde_json::to_string_pretty(&profile)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        outln!("profile written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// A profile as text: one row per layer and the total per microbatch.
+fn render_profile(p: &Profile) -> String {
+    let how = match p.calibrated_microbatches {
+        Some(m) => format!("calibrated on the executor at {m} microbatches per update"),
+        None => "medians, one layer at a time".into(),
+    };
+    let mut out = format!(
+        "profile of {} at microbatch {} ({how})\n{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+        p.model,
+        p.microbatch_size,
+        "layer",
+        "kind",
+        "forward",
+        "bwd-input",
+        "bwd-weight",
+        "update",
+        "activation",
+        "params"
+    );
+    for (i, l) in p.layers.iter().enumerate() {
+        let kind = l.name.split_once(':').map_or(l.name.as_str(), |(_, k)| k);
+        out.push_str(&format!(
+            "{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+            i,
+            kind,
+            secs(l.forward),
+            secs(l.backward_input),
+            secs(l.backward_weight),
+            secs(l.update),
+            bytes(l.activation_bytes),
+            bytes(l.param_bytes)
+        ));
+    }
+    let total: f64 = p.layers.iter().map(|l| l.compute() + l.update).sum();
+    out.push_str(&format!("total per microbatch: {}\n", secs(total)));
+    out
+}

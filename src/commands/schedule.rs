@@ -1,0 +1,111 @@
+//! `pipe schedule`: print a policy's schedule as a grid, text, CSV or a Chrome trace of a
+//! unit-cost run. Generating and checking the schedule is `pipe-scheduler`'s.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use pipe_scheduler::{CostModel, SimOptions, StageCost, VersionPlan, generate, grid, simulate};
+
+use crate::args::ScheduleOpts;
+use crate::output::schedule_error;
+
+/// Output formats of `pipe schedule`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ScheduleFormat {
+    /// Worker-by-step grid.
+    Grid,
+    /// One line per worker: `wN: action action ...` (the golden-test format).
+    Text,
+    /// One row per action with its step, microbatch, update and weight versions.
+    Csv,
+    /// Chrome trace JSON of a unit-cost run (forward 1, backward 2 time units).
+    Trace,
+}
+
+/// `pipe schedule`.
+#[derive(Args, Debug)]
+pub struct ScheduleArgs {
+    #[command(flatten)]
+    opts: ScheduleOpts,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "grid")]
+    format: ScheduleFormat,
+    /// Show the programs before lowering (no sends and receives).
+    #[arg(long)]
+    unlowered: bool,
+    /// Write to FILE instead of standard output.
+    #[arg(short, long, value_name = "FILE")]
+    output: Option<PathBuf>,
+}
+
+/// Writes `text` to `path`, or to standard output when there is none.
+fn write_text(path: Option<&Path>, text: &str) -> Result<()> {
+    match path {
+        Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display())),
+        None => {
+            out!("{text}");
+            Ok(())
+        }
+    }
+}
+
+/// Runs `pipe schedule`.
+///
+/// # Errors
+/// Bad input when the flags describe no schedule; failures of the checks or of writing.
+pub fn run(args: &ScheduleArgs) -> Result<()> {
+    let lowered = args.opts.build()?;
+    let shown = if args.unlowered {
+        generate(&args.opts.spec()).map_err(schedule_error)?
+    } else {
+        lowered.clone()
+    };
+    let plan = VersionPlan::derive(&lowered)?;
+    let text = match args.format {
+        ScheduleFormat::Grid => {
+            let mut out = grid::full(&shown);
+            out.push_str(&format!(
+                "{} workers, {} actions; peak weight versions per worker {:?}, peak stashed \
+                 activations per worker {:?}\n",
+                shown.workers(),
+                shown.len(),
+                plan.peak_versions,
+                plan.peak_activations
+            ));
+            out
+        }
+        ScheduleFormat::Text => shown.to_text(),
+        ScheduleFormat::Csv => {
+            let mut out = String::from(
+                "worker,step,action,kind,stage,microbatch,update,forward_version,backward_version\n",
+            );
+            for (w, prog) in shown.programs.iter().enumerate() {
+                for (i, a) in prog.iter().enumerate() {
+                    let (fv, bv) = match (a.kind().is_compute(), a.microbatch()) {
+                        (true, Some(mb)) => (
+                            plan.forward_version(a.stage(), mb).to_string(),
+                            plan.backward_version(a.stage(), mb).to_string(),
+                        ),
+                        _ => (String::new(), String::new()),
+                    };
+                    out.push_str(&format!(
+                        "{w},{i},{a},{},{},{},{},{fv},{bv}\n",
+                        a.kind().name(),
+                        a.stage(),
+                        a.microbatch().map_or(String::new(), |m| m.to_string()),
+                        a.update_index().map_or(String::new(), |u| u.to_string()),
+                    ));
+                }
+            }
+            out
+        }
+        ScheduleFormat::Trace => {
+            let unit = CostModel::uniform(StageCost::compute(1.0, 2.0));
+            let report = simulate(&lowered, &unit, SimOptions { timeline: true })?;
+            let timeline = report.timeline.unwrap_or_default();
+            timeline.to_chrome_trace(Some(&plan)) + "\n"
+        }
+    };
+    write_text(args.output.as_deref(), &text)
+}

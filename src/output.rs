@@ -1,0 +1,59 @@
+//! What every command shares on the way out: writing standard output (a reader that leaves
+//! early ends the program quietly), the bad-input error type, and the exit status an error
+//! maps to (2 for bad input, 1 for failures at run time).
+
+use pipe_scheduler::ScheduleError;
+use pipe_stages::StageError;
+
+/// An error caused by what the user gave us (exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct BadInput(String);
+
+/// Writes to standard output. When the reader has gone away (a closed pipe) the program ends
+/// at once with status 0, as a command killed by SIGPIPE would, with nothing on standard error:
+/// the output was not wanted. Any other write failure is reported on standard error and ends
+/// the program with status 1.
+pub fn write_out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    let result = stdout.write_fmt(args).and_then(|()| stdout.flush());
+    if let Err(e) = result {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing standard output: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// An error caused by user input: `msg` is what the user reads.
+pub fn bad_input(msg: String) -> anyhow::Error {
+    BadInput(msg).into()
+}
+
+/// A scheduler error as the command line reports it: bad input (exit 2) when the scheduler
+/// blames its input, a run-time failure otherwise.
+pub fn schedule_error(e: ScheduleError) -> anyhow::Error {
+    if e.is_bad_input() {
+        bad_input(e.to_string())
+    } else {
+        anyhow::Error::new(e)
+    }
+}
+
+/// Exit status for an error: 2 for bad input, 1 otherwise.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    for cause in e.chain() {
+        if cause.downcast_ref::<BadInput>().is_some() {
+            return 2;
+        }
+        if let Some(s) = cause.downcast_ref::<StageError>() {
+            return if s.is_bad_input() { 2 } else { 1 };
+        }
+        if let Some(c) = cause.downcast_ref::<clap::Error>() {
+            return if c.use_stderr() { 2 } else { 0 };
+        }
+    }
+    1
+}
