@@ -4,11 +4,11 @@
 
 use std::ffi::OsStr;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result};
+use clap::Args;
 use clap::builder::TypedValueParser;
 use clap::error::ErrorKind;
-use clap::{Args, ValueEnum};
-use pipe_kernels::{Backend, CpuBackend, CudaBackend};
+use pipe_kernels::{Backend, BackendKind, KernelError};
 use pipe_scheduler::{
     Length, LowerOptions, Policy, Schedule, ScheduleSpec, generate, lower, validate,
 };
@@ -20,30 +20,16 @@ pub fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
 }
 
-/// The compute backend `--backend` names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendChoice {
-    /// The CPU kernels.
-    Cpu,
-    /// An NVIDIA GPU.
-    Cuda,
-}
-
-impl BackendChoice {
-    /// Opens the backend with `threads` compute threads.
-    ///
-    /// # Errors
-    /// Bad input when this build or machine has no such device; a run-time failure when the
-    /// backend cannot run models yet.
-    pub fn open(self, threads: usize) -> Result<Box<dyn Backend>> {
-        match self {
-            BackendChoice::Cpu => Ok(Box::new(CpuBackend::new(threads)?)),
-            BackendChoice::Cuda => {
-                CudaBackend::new(0).map_err(|e| bad_input(e.to_string()))?;
-                Err(anyhow!("the cuda backend has no kernels yet"))
-            }
-        }
-    }
+/// Opens the backend a run names, with `threads` compute threads: the one place the typed
+/// choice becomes a backend.
+///
+/// # Errors
+/// Bad input when this build or machine has no such device.
+pub fn open_backend(kind: BackendKind, threads: usize) -> Result<Box<dyn Backend>> {
+    kind.open(threads, 0).map_err(|e| match e {
+        KernelError::NotCompiledWithCuda => bad_input(e.to_string()),
+        other => other.into(),
+    })
 }
 
 /// Parses `--backend`. An unknown name is reported as `unknown backend 'NAME' (cpu, cuda)`, on
@@ -52,16 +38,16 @@ impl BackendChoice {
 pub struct BackendParser;
 
 impl TypedValueParser for BackendParser {
-    type Value = BackendChoice;
+    type Value = BackendKind;
 
     fn parse_ref(
         &self,
         cmd: &clap::Command,
         _arg: Option<&clap::Arg>,
         value: &OsStr,
-    ) -> Result<BackendChoice, clap::Error> {
+    ) -> Result<BackendKind, clap::Error> {
         let name = value.to_string_lossy();
-        BackendChoice::from_str(&name, false).map_err(|_| {
+        name.parse::<BackendKind>().map_err(|_| {
             clap::Error::raw(
                 ErrorKind::InvalidValue,
                 format!("unknown backend '{name}' (cpu, cuda)\n"),
@@ -251,8 +237,8 @@ mod tests {
     fn backends_parse_by_name() {
         let cmd = clap::Command::new("t");
         let parse = |s: &str| BackendParser.parse_ref(&cmd, None, OsStr::new(s));
-        assert_eq!(parse("cpu").ok(), Some(BackendChoice::Cpu));
-        assert_eq!(parse("cuda").ok(), Some(BackendChoice::Cuda));
+        assert_eq!(parse("cpu").ok(), Some(BackendKind::Cpu));
+        assert_eq!(parse("cuda").ok(), Some(BackendKind::Cuda));
         let err = parse("tpu")
             .err()
             .map(|e| e.to_string())

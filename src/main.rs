@@ -20,7 +20,6 @@ macro_rules! outln {
 mod args;
 mod commands;
 mod output;
-mod plan_file;
 
 use std::process::ExitCode;
 

@@ -15,7 +15,8 @@ use pipe_stages::profile::ProfileOptions;
 
 use crate::args::{bytes, parse_bandwidth, parse_bytes, parse_policy, parse_seconds, secs};
 use crate::output::{bad_input, schedule_error};
-use crate::plan_file::{PlanFile, profile_preset};
+use pipe_stages::config::PlanFile;
+use pipe_stages::profile::profile_preset;
 
 /// Cost models `pipe plan` knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -121,7 +122,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             }
             let opts = ProfileOptions {
                 calibrate: Some(args.microbatches),
-                concurrent: pipe_experiments::partition::busy_workers(
+                concurrent: pipe_stages::planning::busy_workers(
                     args.stages.or(args.workers).unwrap_or(1),
                 ),
                 ..ProfileOptions::new(args.microbatch_size)

@@ -10,9 +10,10 @@ use pipe_scheduler::Profile;
 use pipe_stages::config::DEFAULT_MODEL;
 use pipe_stages::profile::ProfileOptions;
 
-use crate::args::{BackendChoice, BackendParser, bytes, secs};
+use crate::args::{BackendParser, bytes, open_backend, secs};
 use crate::output::bad_input;
-use crate::plan_file::profile_preset;
+use pipe_kernels::BackendKind;
+use pipe_stages::profile::profile_preset;
 
 /// `pipe profile`: time every layer of a model.
 #[derive(Args, Debug)]
@@ -43,7 +44,7 @@ pub struct ProfileArgs {
     concurrent: usize,
     /// Compute backend: cpu or cuda.
     #[arg(long, default_value = "cpu", value_parser = BackendParser)]
-    backend: BackendChoice,
+    backend: BackendKind,
     /// Write the profile as JSON to FILE.
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
@@ -74,7 +75,7 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
         concurrent: args.concurrent,
         ..ProfileOptions::new(args.microbatch_size)
     };
-    let be = args.backend.open(args.threads)?;
+    let be = open_backend(args.backend, args.threads)?;
     let profile = profile_preset(&args.model, &opts, be.as_ref())?;
     out!("{}", render_profile(&profile));
     if let Some(path) = &args.output {

@@ -10,15 +10,17 @@ use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
-use pipe_stages::metrics::JsonlLog;
+use pipe_stages::log::JsonlLog;
 use pipe_stages::model::Model;
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
 
-use crate::args::{BackendChoice, BackendParser};
+use crate::args::{BackendParser, open_backend};
 use crate::output::bad_input;
-use crate::plan_file::{PlanFile, auto_plan, layout_of};
+use pipe_kernels::BackendKind;
+use pipe_stages::config::{PlanFile, layout_of};
+use pipe_stages::planning::auto_plan;
 
 /// `pipe train`: flags override the config file's values.
 #[derive(Args, Debug)]
@@ -105,8 +107,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// Compute backend: cpu or cuda.
-    #[arg(long, default_value = "cpu", value_parser = BackendParser)]
-    backend: BackendChoice,
+    #[arg(long, value_parser = BackendParser)]
+    backend: Option<BackendKind>,
 }
 
 impl TrainArgs {
@@ -135,6 +137,7 @@ impl TrainArgs {
             schedule: self.schedule.clone(),
             chunks: self.chunks,
             partition: self.partition.clone(),
+            backend: self.backend.map(|b| b.name().to_string()),
             ..TrainSettings::default()
         }
     }
@@ -151,37 +154,10 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     }
     settings.merge(args.settings());
     if let Some(path) = &args.plan {
-        let plan = PlanFile::read(path)?;
-        if plan.model.is_empty() {
-            return Err(bad_input(format!(
-                "plan {} names no model (plans of imported profiles describe another system's \
-                 layers)",
-                path.display()
-            )));
-        }
-        {
-            match &settings.model {
-                None => settings.model = Some(ModelChoice::Preset(plan.model.clone())),
-                Some(ModelChoice::Preset(m)) if *m == plan.model => {}
-                Some(_) => {
-                    return Err(bad_input(format!(
-                        "plan {} was made for model {}, not this run's",
-                        path.display(),
-                        plan.model
-                    )));
-                }
-            }
-        }
-        if plan.microbatch_size > 0 && settings.microbatch_size.is_none() {
-            settings.microbatch_size = Some(plan.microbatch_size);
-        }
-        settings.stages = Some(plan.replicas.len());
-        settings.replicas = Some(plan.replicas);
-        settings.partition = Some(plan.partition);
-        settings.schedule = Some(plan.schedule);
-        if settings.microbatches.is_none() {
-            settings.microbatches = Some(plan.microbatches as usize);
-        }
+        let source = path.display().to_string();
+        let text =
+            std::fs::read_to_string(path).map_err(|e| bad_input(format!("plan {source}: {e}")))?;
+        settings.apply_plan(&PlanFile::parse(&text, &source)?, &source)?;
     }
     let cfg = settings.clone().resolve()?;
     if let Some(w) = args.workers {
@@ -190,9 +166,9 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
         }
         let (_, plan) = auto_plan(
             &cfg.model_name,
-            &cfg.model,
+            &Model::new(&cfg.model)?,
             cfg.microbatch_size,
-            &cfg.schedule,
+            cfg.schedule,
             cfg.microbatches as u32,
             w,
         )?;
@@ -207,7 +183,7 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
         settings.stages = Some(replicas.len());
         settings.replicas = Some(replicas);
         settings.partition = Some(partition);
-        settings.schedule = Some(cfg.schedule.clone());
+        settings.schedule = Some(cfg.schedule.name().into());
         return Ok(settings.resolve()?);
     }
     Ok(cfg)
@@ -225,7 +201,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
         ));
     }
-    let be = args.backend.open(cfg.threads)?;
+    let be = open_backend(cfg.backend, cfg.threads)?;
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
     let mut observers: Vec<Box<dyn Observer>> = Vec::new();
@@ -257,8 +233,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let opts = PipelineTrainOptions {
             timeline: args.trace.is_some(),
         };
-        let spec =
-            pipe_stages::pipeline::train::schedule_spec(&cfg, pipe_scheduler::Length::Updates(1))?;
+        let spec = cfg.schedule_spec(pipe_scheduler::Length::Updates(1));
         let resolved = spec.resolve().map_err(|e| bad_input(e.to_string()))?;
         outln!(
             "pipeline: schedule {}, {} stages x replicas {:?}{}, {} workers (one thread each), minibatch {} microbatches",

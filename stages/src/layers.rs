@@ -651,7 +651,10 @@ impl Residual {
         let mut inner = Vec::with_capacity(specs.len());
         for (j, spec) in specs.iter().enumerate() {
             let followed = specs.get(j + 1).is_some_and(LayerSpec::is_activation);
-            inner.push(spec.build(followed).map_err(|e| format!("inner layer {j}: {e}"))?);
+            inner.push(
+                spec.build(followed)
+                    .map_err(|e| format!("inner layer {j}: {e}"))?,
+            );
         }
         let counts = inner.iter().map(|l| l.param_shapes().len()).collect();
         Ok(Self { inner, counts })

@@ -32,9 +32,9 @@ use rand::Rng as _;
 
 use crate::error::{Result, StageError};
 use crate::layers::ForwardCtx;
+use crate::loss::SoftmaxCrossEntropy;
 use crate::model::Model;
 use crate::optim::{Optimizer, OptimizerConfig};
-use crate::loss::SoftmaxCrossEntropy;
 use crate::pipeline::{MicrobatchSource, Partition, RunPlan, Setup, WorkerState, run_threads};
 use crate::rng::rng_for;
 
@@ -240,6 +240,15 @@ pub fn profile_model(
         profile.calibrated_microbatches = Some(m);
     }
     Ok(profile)
+}
+
+/// Profiles the model preset `name` on `be` (see [`profile_model`]).
+///
+/// # Errors
+/// An unknown preset ([`StageError::Model`]) or a failure while measuring.
+pub fn profile_preset(name: &str, opts: &ProfileOptions, be: &dyn Backend) -> Result<Profile> {
+    let model = Model::new(&crate::model::ModelSpec::preset(name)?)?;
+    profile_model(&model, name, be, opts)
 }
 
 /// Random inputs (a fixed pool) and labels for the calibration run.

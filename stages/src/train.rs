@@ -10,8 +10,8 @@ use serde::Serialize;
 use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
-use crate::model::{Model, Params};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
+use crate::model::{Model, Params};
 use crate::optim::Optimizer;
 
 /// One optimizer step, as reported to observers and logs.

@@ -8,9 +8,9 @@ use std::sync::OnceLock;
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::data::{Splits, mnist};
+use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::pipeline::{
     OrderedSource, Partition, Pass, RunPlan, Setup, WorkerOutcome, WorkerState, reference_train,
     run_threads,

@@ -93,8 +93,14 @@ fn hand_update(w: &[f32]) -> Vec<f64> {
     let mut grad = [[0.0f64; 2]; 2];
     for (x, &label) in X.iter().zip(&Y) {
         let x = [f64::from(x[0]), f64::from(x[1])];
-        let h = [x[0] * w(0, 0) + x[1] * w(1, 0), x[0] * w(0, 1) + x[1] * w(1, 1)];
-        let y = [h[0] * w(0, 0) + h[1] * w(1, 0), h[0] * w(0, 1) + h[1] * w(1, 1)];
+        let h = [
+            x[0] * w(0, 0) + x[1] * w(1, 0),
+            x[0] * w(0, 1) + x[1] * w(1, 1),
+        ];
+        let y = [
+            h[0] * w(0, 0) + h[1] * w(1, 0),
+            h[0] * w(0, 1) + h[1] * w(1, 1),
+        ];
         let m = y[0].max(y[1]);
         let z = (y[0] - m).exp() + (y[1] - m).exp();
         // dL/dy of the mean over two rows.
@@ -102,7 +108,10 @@ fn hand_update(w: &[f32]) -> Vec<f64> {
             .map(|j| (((y[j] - m).exp() / z) - f64::from(u8::from(label as usize == j))) / 2.0)
             .collect();
         // Second use: dW += h^T g. First use: dh = g W^T, dW += x^T dh.
-        let dh = [g[0] * w(0, 0) + g[1] * w(0, 1), g[0] * w(1, 0) + g[1] * w(1, 1)];
+        let dh = [
+            g[0] * w(0, 0) + g[1] * w(0, 1),
+            g[0] * w(1, 0) + g[1] * w(1, 1),
+        ];
         for i in 0..2 {
             for j in 0..2 {
                 grad[i][j] += h[i] * g[j] + x[i] * dh[j];
@@ -139,20 +148,28 @@ fn bad_ties_are_refused() {
     };
     let spec = |to: &str| ModelSpec {
         input: vec![2],
-        layers: vec![linear.clone(), LayerSpec::Relu, LayerSpec::Linear {
-            inputs: 3,
-            outputs: 2,
-            bias: false,
-            init: None,
-        }],
+        layers: vec![
+            linear.clone(),
+            LayerSpec::Relu,
+            LayerSpec::Linear {
+                inputs: 3,
+                outputs: 2,
+                bias: false,
+                init: None,
+            },
+        ],
         tied: vec![Tie {
             param: "layers.2.weight".into(),
             to: to.into(),
         }],
     };
-    let e = Model::new(&spec("layers.0.weight")).unwrap_err().to_string();
+    let e = Model::new(&spec("layers.0.weight"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("shapes [3, 2] and [2, 3] differ"), "{e}");
-    let e = Model::new(&spec("layers.9.weight")).unwrap_err().to_string();
+    let e = Model::new(&spec("layers.9.weight"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("not a parameter of an earlier layer"), "{e}");
 }
 

@@ -100,7 +100,9 @@ macro_rules! transport_suite {
                 assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");
                 assert!(t.elapsed() < Duration::from_secs(2));
                 // Later calls keep failing, on every peer, naming the failed worker.
-                let e = c.send(msg(key(2, 0, Kind::Gradient, 0), &[1.0])).unwrap_err();
+                let e = c
+                    .send(msg(key(2, 0, Kind::Gradient, 0), &[1.0]))
+                    .unwrap_err();
                 assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");
                 let e = a.recv(&key(2, 0, Kind::Gradient, 0)).unwrap_err();
                 assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");

@@ -41,9 +41,8 @@ pub fn run_worker<B: Backend, T: Transport + ?Sized>(
         action,
         source: Box::new(e),
     };
-    let result = run_program(be, t, setup, state, t0).map_err(|(a, e)| {
-        wrap(a.map_or_else(|| "start".to_string(), |a| a.to_string()), e)
-    });
+    let result = run_program(be, t, setup, state, t0)
+        .map_err(|(a, e)| wrap(a.map_or_else(|| "start".to_string(), |a| a.to_string()), e));
     match result {
         Ok(core) => core.finish(state).map_err(|e| wrap("end".into(), e)),
         Err(e) => {

@@ -377,17 +377,19 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let c = self.chunk(stage)?;
         let rule = self.rule;
         let run = &mut self.stages[c];
-        let fwd = run.forward_saved.remove(&mb).ok_or_else(|| {
-            exec_err(format!("backward of microbatch {mb} before its forward"))
-        })?;
+        let fwd = run
+            .forward_saved
+            .remove(&mb)
+            .ok_or_else(|| exec_err(format!("backward of microbatch {mb} before its forward")))?;
         let dy = run
             .output_grads
             .remove(&mb)
             .ok_or_else(|| exec_err(format!("no output gradient for microbatch {mb}")))?;
         let v = rule.backward_version(fwd.version, run.current_version);
-        let params = run.versions.get(&v).ok_or_else(|| {
-            exec_err(format!("version {v} of stage {stage} is not held"))
-        })?;
+        let params = run
+            .versions
+            .get(&v)
+            .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))?;
         let dx = if split {
             let (dx, output_grads) = model.backward_input_range(
                 be,
@@ -488,7 +490,14 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .model
             .sum_tied(be, &mut [(run.layers.start, &mut run.grads)])?;
         let lr = (setup.lr)(stage, update);
-        mean_step(be, &mut run.optimizer, &mut p, &mut run.grads, run.update_size, lr)?;
+        mean_step(
+            be,
+            &mut run.optimizer,
+            &mut p,
+            &mut run.grads,
+            run.update_size,
+            lr,
+        )?;
         run.current_version += 1;
         run.versions.insert(run.current_version, p);
         run.grads_fresh = true;

@@ -106,11 +106,7 @@ where
 }
 
 /// The error for a worker thread that panicked.
-fn panicked(
-    setup: &Setup<'_>,
-    worker: u32,
-    panic: &(dyn std::any::Any + Send),
-) -> StageError {
+fn panicked(setup: &Setup<'_>, worker: u32, panic: &(dyn std::any::Any + Send)) -> StageError {
     let msg = panic
         .downcast_ref::<&str>()
         .map(|s| s.to_string())

@@ -131,14 +131,21 @@ fn tie_groups(setup: &Setup<'_>) -> Result<Vec<Vec<usize>>> {
         }
     }
     let groups: Vec<Vec<usize>> = (0..stages)
-        .map(|s| (0..stages).filter(|&t| root(&group, t) == root(&group, s)).collect())
+        .map(|s| {
+            (0..stages)
+                .filter(|&t| root(&group, t) == root(&group, s))
+                .collect()
+        })
         .collect();
     for g in &groups {
         let rates: Vec<(u32, u32)> = g
             .iter()
             .map(|&s| {
                 let s = s as u32;
-                (plan.versions.updates_at(s), plan.schedule.resolved.update_size(s))
+                (
+                    plan.versions.updates_at(s),
+                    plan.schedule.resolved.update_size(s),
+                )
             })
             .collect();
         if rates.windows(2).any(|w| w[0] != w[1]) {
@@ -230,9 +237,9 @@ impl Reference<'_, '_> {
         for mbs in &sums.per_replica {
             let mut acc = model.zero_grads(range.clone());
             for (i, mb) in mbs.iter().enumerate() {
-                let (saved, dys) = self.pending[s].remove(mb).ok_or_else(|| {
-                    StageError::Executor(format!("microbatch {mb} summed twice"))
-                })?;
+                let (saved, dys) = self.pending[s]
+                    .remove(mb)
+                    .ok_or_else(|| StageError::Executor(format!("microbatch {mb} summed twice")))?;
                 let v = plan.versions.backward_version(s as u32, *mb) as usize;
                 model.backward_params_range(
                     be,

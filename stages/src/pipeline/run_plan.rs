@@ -3,7 +3,9 @@
 //! fix the partition. Training, profiling, benchmarks and tests all build a [`RunPlan`] this
 //! way, so nothing runs a schedule that skipped a check.
 
-use pipe_scheduler::{LowerOptions, Schedule, ScheduleSpec, VersionPlan, generate, lower, validate};
+use pipe_scheduler::{
+    LowerOptions, Schedule, ScheduleSpec, VersionPlan, generate, lower, validate,
+};
 
 use super::Partition;
 use crate::error::{Result, StageError};

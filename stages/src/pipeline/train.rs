@@ -222,9 +222,9 @@ impl<'c> Run<'c> {
         this: u64,
         secs: f64,
     ) -> Result<(f64, usize)> {
-        let (loss, samples) = outcomes
-            .iter()
-            .fold((0.0f64, 0usize), |(l, n), o| (l + o.loss_sum, n + o.samples));
+        let (loss, samples) = outcomes.iter().fold((0.0f64, 0usize), |(l, n), o| {
+            (l + o.loss_sum, n + o.samples)
+        });
         let train_loss = loss / samples.max(1) as f64;
         if !train_loss.is_finite() {
             return Err(StageError::Diverged {
