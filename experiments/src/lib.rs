@@ -2,7 +2,7 @@
 //! number they can trust, with the method written next to it. Each experiment is a function that
 //! returns a typed report (so tests can run it small) plus a renderer; the `pipe bench`
 //! subcommands only parse flags and print. Staleness studies, throughput sweeps and the
-//! Markdown/SVG/CSV reports of DESIGN section 8 will live here too.
+//! Markdown/SVG/CSV reports (`docs/architecture.md`, "Files") will live here too.
 
 #![warn(missing_docs)]
 

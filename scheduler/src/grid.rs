@@ -2,6 +2,7 @@
 //! for error messages (the marked cell is wrapped in `[ ]`).
 
 use crate::action::WorkerId;
+use crate::error::ScheduleError;
 use crate::spec::Schedule;
 
 /// Cells shown on each side of a marked cell.
@@ -97,4 +98,23 @@ fn render(
         out.push('\n');
     }
     out
+}
+
+/// The error for a broken rule at `step` of `worker`'s program, with the grid around it.
+pub(crate) fn invalid(
+    schedule: &Schedule,
+    worker: WorkerId,
+    step: usize,
+    reason: String,
+) -> ScheduleError {
+    let action = schedule.programs[worker as usize]
+        .get(step)
+        .map_or_else(|| "end".to_string(), |a| a.to_string());
+    ScheduleError::Invalid {
+        worker,
+        step,
+        action,
+        reason,
+        grid: around(schedule, worker, step),
+    }
 }

@@ -19,8 +19,8 @@
 
 use crate::action::{Action, Microbatch, StageId, WorkerId};
 use crate::error::{Result, ScheduleError};
+use crate::grid::invalid;
 use crate::spec::{Schedule, VersionQuery};
-use crate::validate::invalid;
 
 /// Sentinel for "not recorded" in the per-(stage, microbatch) tables.
 const UNSET: u32 = u32::MAX;

@@ -93,7 +93,7 @@ impl VersionRule {
 }
 
 impl Policy {
-    /// Every policy, in the order of DESIGN section 4.
+    /// Every policy, in the order `docs/scheduling.md` lists them.
     pub const ALL: [Policy; 9] = [
         Policy::Sequential,
         Policy::Gpipe,

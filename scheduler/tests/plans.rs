@@ -1,4 +1,4 @@
-//! Version plans against their closed forms on straight pipelines (DESIGN section 4).
+//! Version plans against their closed forms on straight pipelines (the policies of `docs/scheduling.md`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pipe_scheduler::{

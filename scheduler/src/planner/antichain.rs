@@ -15,7 +15,9 @@
 use std::collections::HashMap;
 
 use crate::error::{Result, ScheduleError};
-use crate::planner::{Bound, PartitionPlan, PipeDreamOptions, PlannedStage, pipedream_stage_time};
+use crate::planner::types::{
+    Bound, PartitionPlan, PipeDreamOptions, PlannedStage, pipedream_stage_time,
+};
 use crate::profile::Profile;
 use crate::spec::Policy;
 

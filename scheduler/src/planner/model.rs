@@ -40,7 +40,7 @@
 use crate::error::{Result, ScheduleError};
 use crate::generate::generate;
 use crate::lower::{LowerOptions, lower};
-use crate::planner::{Bound, PartitionPlan, PlannedStage, PrefixIndex};
+use crate::planner::types::{Bound, PartitionPlan, PlannedStage, PrefixIndex};
 use crate::profile::Profile;
 use crate::sim::{CostModel, SimOptions, StageCost, simulate};
 use crate::spec::{Length, Policy, ScheduleSpec};
