@@ -679,7 +679,7 @@ impl Residual {
         }
     }
 
-    fn saved_of<'s>(saved: &'s Saved, j: usize) -> KResult<&'s Saved> {
+    fn saved_of(saved: &Saved, j: usize) -> KResult<&Saved> {
         saved
             .inner
             .get(j)
