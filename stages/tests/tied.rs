@@ -1,7 +1,11 @@
 //! Tied parameters: a weight used by layers on two stages is one parameter of the model's
 //! table. The reference trainer sums the gradients of both uses before the update and keeps
 //! the copies equal; checked against a gradient computed by hand.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::single_range_in_vec_init)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::single_range_in_vec_init
+)]
 
 use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
