@@ -46,6 +46,8 @@ pub struct Model {
     table: Vec<ParamEntry>,
     /// Per layer, the table entry of each of its parameters.
     slots: Vec<Vec<ParamId>>,
+    /// Some parameter has more than one use.
+    tied: bool,
 }
 
 /// A model description as written in a config file.
@@ -157,7 +159,9 @@ impl Model {
             layers.push(layer);
         }
         let (table, slots) = param_table(&layers, &spec.tied)?;
+        let tied = table.iter().any(|e| e.uses.len() > 1);
         Ok(Self {
+            tied,
             specs: spec.layers.clone(),
             layers,
             shapes,
@@ -226,7 +230,7 @@ impl Model {
 
     /// True when some parameter has more than one use.
     pub fn has_ties(&self) -> bool {
-        self.table.iter().any(|e| e.uses.len() > 1)
+        self.tied
     }
 
     /// The first tied parameter whose uses fall in different parts of `ranges` (stages), as

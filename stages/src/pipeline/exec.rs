@@ -308,7 +308,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let v = self.rule.forward_version(&VersionQuery {
             stage,
             current: run.current_version,
-            update: mb / run.update_size,
+            update: setup.plan.schedule.resolved.update_of(stage, mb),
             entry_tag: input.tag,
             update_size: run.update_size,
         });
