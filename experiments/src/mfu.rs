@@ -121,7 +121,10 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
     let x = Tensor::from_vec(&x_shape, x_data)?;
-    let y: Vec<u32> = (0..cfg.batch).map(|i| (i % classes) as u32).collect();
+    let y = Tensor::from_vec(
+        &[cfg.batch],
+        (0..cfg.batch).map(|i| (i % classes) as u32).collect(),
+    )?;
 
     let gemm_before = gemm_rate(&be, 15)?;
     let mut times = Vec::with_capacity(cfg.steps);

@@ -80,14 +80,18 @@ impl Pool {
         (0..self.size).map(move |i| (mb as usize * self.size + i) % n)
     }
 
-    fn batch(&self, mb: u32) -> (Tensor, Vec<u32>) {
+    fn batch(&self, mb: u32) -> (Tensor, Tensor<u32>) {
         let mut x = Vec::with_capacity(self.size * self.features);
         let mut y = Vec::with_capacity(self.size);
         for r in self.rows(mb) {
             x.extend_from_slice(&self.x[r * self.features..(r + 1) * self.features]);
             y.push(self.y[r]);
         }
-        (Tensor::from_vec(&self.shape, x).unwrap_or_default(), y)
+        let n = y.len();
+        (
+            Tensor::from_vec(&self.shape, x).unwrap_or_default(),
+            Tensor::from_vec(&[n], y).unwrap_or_default(),
+        )
     }
 }
 
@@ -98,7 +102,7 @@ impl MicrobatchSource for Pool {
     fn inputs(&self, mb: u32) -> pipe_stages::Result<Tensor> {
         Ok(self.batch(mb).0)
     }
-    fn labels(&self, mb: u32) -> pipe_stages::Result<Vec<u32>> {
+    fn labels(&self, mb: u32) -> pipe_stages::Result<Tensor<u32>> {
         Ok(self.batch(mb).1)
     }
 }

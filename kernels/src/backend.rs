@@ -1,4 +1,6 @@
-use crate::{Result, Tensor};
+use std::borrow::Cow;
+
+use crate::{Device, Result, Tensor};
 
 /// Whether a matrix operand is used as stored or transposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -79,6 +81,54 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Number of compute threads this backend uses.
     fn threads(&self) -> usize;
+
+    /// Where this backend keeps the tensors it computes on.
+    fn device(&self) -> Device;
+
+    /// Makes `t` resident where this backend computes: a host tensor is copied to the device,
+    /// a tensor already there is returned as it is (the CPU backend returns every host tensor
+    /// as it is).
+    ///
+    /// # Errors
+    /// A tensor held by a device this backend cannot reach; device allocation failures.
+    fn place(&self, t: Tensor) -> Result<Tensor>;
+
+    /// [`Backend::place`] for id tensors (labels, token ids).
+    ///
+    /// # Errors
+    /// As [`Backend::place`].
+    fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>>;
+
+    /// The elements of `t` in host memory: borrowed where they already are, copied from the
+    /// device otherwise (after the device has finished writing them).
+    ///
+    /// # Errors
+    /// A tensor held by a device this backend cannot reach; device failures.
+    fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>>;
+
+    /// Overwrites the elements of `t` with host values `src` (as many as `t` has).
+    ///
+    /// # Errors
+    /// Length mismatch; device failures.
+    fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()>;
+
+    /// `dst = src` (`dst` takes `src`'s shape).
+    ///
+    /// # Errors
+    /// None today; reserved for device failures.
+    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;
+
+    /// Sets every element of `x` to `value`.
+    ///
+    /// # Errors
+    /// None today; reserved for device failures.
+    fn fill(&self, value: f32, x: &mut Tensor) -> Result<()>;
+
+    /// `out = a * b`, elementwise; `out` takes `a`'s shape.
+    ///
+    /// # Errors
+    /// `a` and `b` differ in length.
+    fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()>;
 
     /// `c = op(a) op(b)`, or `c += op(a) op(b)` when `accumulate`. `c` is resized to
     /// `rows(op(a)) x cols(op(b))` unless accumulating.
@@ -179,15 +229,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         accumulate: bool,
     ) -> Result<()>;
 
-    /// Softmax cross-entropy of `logits` (rows x classes) against `labels`. When `dlogits` is
-    /// given it receives `(softmax - onehot) * grad_scale`.
+    /// Softmax cross-entropy of `logits` (rows x classes) against `labels` (one id per row).
+    /// When `dlogits` is given it receives `(softmax - onehot) * grad_scale`.
     ///
     /// # Errors
     /// A label outside `0..classes` or a label count different from the row count.
     fn softmax_cross_entropy(
         &self,
         logits: &Tensor,
-        labels: &[u32],
+        labels: &Tensor<u32>,
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats>;

@@ -1,6 +1,7 @@
 //! The CPU backend: `gemm` for matrix products, plain loops (auto-vectorised) for the rest, a
 //! private rayon pool for threads, and a block layout that depends only on shapes.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
@@ -8,7 +9,7 @@ use rayon::prelude::*;
 
 use crate::backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
 use crate::error::shape_err;
-use crate::{KernelError, Result, Tensor};
+use crate::{Device, KernelError, Result, Tensor};
 
 /// Elementwise work below this many elements runs on the calling thread.
 const PAR_MIN: usize = 1 << 16;
@@ -86,21 +87,21 @@ impl CpuBackend {
 
     /// `b` (`k x n`, row-major) transposed into a row-major `n x k` copy, from the cache when
     /// `b`'s contents were transposed before (a weight matrix: once per version).
-    fn transposed(&self, b: &Tensor, k: usize, n: usize) -> Arc<Vec<f32>> {
+    fn transposed(&self, b: &Tensor, k: usize, n: usize) -> Result<Arc<Vec<f32>>> {
         let key = b.stamp();
         if let Ok(mut cache) = self.packs.lock() {
             if let Some(i) = cache.iter().position(|p| p.stamp == key) {
                 if let Some(hit) = cache.remove(i) {
                     let data = Arc::clone(&hit.data);
                     cache.push_back(hit);
-                    return data;
+                    return Ok(data);
                 }
             }
         }
         // The `transpose` crate's recursive tiling: a 1024 x 1024 weight in about 1.5 ms
         // here, where plain 32 x 32 tiles took 5.4 ms (rows 4 KiB apart share one L1 set).
         let mut data = vec![0.0f32; n * k];
-        transpose::transpose(b.data(), &mut data, n, k);
+        transpose::transpose(b.host()?, &mut data, n, k);
         let data = Arc::new(data);
         if let Ok(mut cache) = self.packs.lock() {
             cache.push_back(Packed {
@@ -111,7 +112,7 @@ impl CpuBackend {
                 cache.pop_front();
             }
         }
-        data
+        Ok(data)
     }
 
     /// Runs `f(i)` for every block index `i < count`: on the pool when it has more than one
@@ -232,6 +233,64 @@ impl Backend for CpuBackend {
         self.threads
     }
 
+    fn device(&self) -> Device {
+        Device::Host
+    }
+
+    fn place(&self, t: Tensor) -> Result<Tensor> {
+        t.host()?;
+        Ok(t)
+    }
+
+    fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>> {
+        t.host()?;
+        Ok(t)
+    }
+
+    fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>> {
+        Ok(Cow::Borrowed(t.host()?))
+    }
+
+    fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()> {
+        if src.len() != t.len() {
+            return Err(shape_err(
+                "write",
+                format!("{} values for a tensor of {:?}", src.len(), t.shape()),
+            ));
+        }
+        t.host_mut()?.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        let from = src.host()?;
+        dst.resize_host(src.shape()).copy_from_slice(from);
+        Ok(())
+    }
+
+    fn fill(&self, value: f32, x: &mut Tensor) -> Result<()> {
+        x.host_mut()?.fill(value);
+        Ok(())
+    }
+
+    fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
+        if a.len() != b.len() {
+            return Err(shape_err(
+                "mul",
+                format!("a {:?} and b {:?}", a.shape(), b.shape()),
+            ));
+        }
+        let (xa, xb) = (a.host()?, b.host()?);
+        let f = |o: &mut [f32], a: &[f32], b: &[f32]| {
+            o.iter_mut()
+                .zip(a)
+                .zip(b)
+                .for_each(|((o, &a), &b)| *o = a * b);
+        };
+        self.par_zip(out.resize_host(a.shape()), xa, xb, f);
+        Ok(())
+    }
+
     fn matmul(
         &self,
         a: &Tensor,
@@ -261,20 +320,20 @@ impl Backend for CpuBackend {
                 ));
             }
         } else {
-            c.resize(&[m, n]);
+            c.resize_host(&[m, n]);
         }
         if m == 0 || n == 0 {
             return Ok(());
         }
         if k == 0 {
             if !accumulate {
-                c.fill(0.0);
+                c.host_mut()?.fill(0.0);
             }
             return Ok(());
         }
-        let cp = SendPtr(c.data_mut().as_mut_ptr());
-        let ap = a.data().as_ptr() as usize;
-        let bp = b.data().as_ptr() as usize;
+        let cp = SendPtr(c.host_mut()?.as_mut_ptr());
+        let ap = a.host()?.as_ptr() as usize;
+        let bp = b.host()?.as_ptr() as usize;
         // One block: rows r0..r0+mr, cols c0..c0+nc of the output.
         // One block: rows r0..r0+mr, cols c0..c0+nc of the output, reading op(b)'s columns
         // c0.. from `bsrc` with strides (b_cs, b_rs).
@@ -330,9 +389,9 @@ impl Backend for CpuBackend {
             // then transposed into C. Column blocks of C become row blocks of C^T.
             let owned;
             let lhs = match tb {
-                Trans::Yes => b.data().as_ptr() as usize,
+                Trans::Yes => b.host()?.as_ptr() as usize,
                 Trans::No => {
-                    owned = self.transposed(b, k, n);
+                    owned = self.transposed(b, k, n)?;
                     owned.as_ptr() as usize
                 }
             };
@@ -383,7 +442,7 @@ impl Backend for CpuBackend {
             self.for_each_block(blocks, one);
             // Back into C in 16-column blocks: the 16 scratch rows a block reads stay in L1
             // while every output row takes its 16 values from them.
-            let out = c.data_mut();
+            let out = c.host_mut()?;
             for j0 in (0..n).step_by(16) {
                 let j1 = (j0 + 16).min(n);
                 for (i, row) in out.chunks_mut(n).enumerate() {
@@ -433,11 +492,11 @@ impl Backend for CpuBackend {
     fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
         const T: usize = 32;
         let (r, c) = (a.rows(), a.cols());
-        out.resize(&[c, r]);
+        out.resize_host(&[c, r]);
         if r == 0 || c == 0 {
             return Ok(());
         }
-        let src = a.data();
+        let src = a.host()?;
         // Each task owns T rows of the output (T columns of the input).
         let body = |(bj, dst): (usize, &mut [f32])| {
             let j0 = bj * T;
@@ -453,7 +512,7 @@ impl Backend for CpuBackend {
                 }
             }
         };
-        let data = out.data_mut();
+        let data = out.host_mut()?;
         if self.threads > 1 && r * c >= PAR_MIN {
             self.pool
                 .install(|| data.par_chunks_mut(T * r).enumerate().for_each(body));
@@ -474,7 +533,7 @@ impl Backend for CpuBackend {
         if n == 0 {
             return Ok(());
         }
-        let b = bias.data();
+        let b = bias.host()?;
         let rows_per = (PAR_CHUNK / n).max(1) * n;
         let f = |chunk: &mut [f32]| {
             for row in chunk.chunks_exact_mut(n) {
@@ -483,7 +542,7 @@ impl Backend for CpuBackend {
                 }
             }
         };
-        let data = y.data_mut();
+        let data = y.host_mut()?;
         if self.threads > 1 && data.len() >= PAR_MIN {
             self.pool
                 .install(|| data.par_chunks_mut(rows_per).for_each(f));
@@ -503,14 +562,13 @@ impl Backend for CpuBackend {
                 ));
             }
         } else {
-            out.resize(&[n]);
-            out.fill(0.0);
+            out.resize_host(&[n]).fill(0.0);
         }
         if n == 0 {
             return Ok(());
         }
-        let o = out.data_mut();
-        for row in x.data().chunks_exact(n) {
+        let o = out.host_mut()?;
+        for row in x.host()?.chunks_exact(n) {
             for (acc, v) in o.iter_mut().zip(row) {
                 *acc += v;
             }
@@ -519,15 +577,15 @@ impl Backend for CpuBackend {
     }
 
     fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        y.resize(x.shape());
-        let src = x.data();
+        y.resize_host(x.shape());
+        let src = x.host()?;
         let f = move |o: &mut [f32], a: &[f32], _: &[f32]| match act {
             Activation::Relu => o.iter_mut().zip(a).for_each(|(o, &v)| *o = v.max(0.0)),
             Activation::Gelu => o.iter_mut().zip(a).for_each(|(o, &v)| *o = gelu(v)),
             Activation::Tanh => o.iter_mut().zip(a).for_each(|(o, &v)| *o = v.tanh()),
             Activation::Sigmoid => o.iter_mut().zip(a).for_each(|(o, &v)| *o = sigmoid(v)),
         };
-        self.par_zip(y.data_mut(), src, src, f);
+        self.par_zip(y.host_mut()?, src, src, f);
         Ok(())
     }
 
@@ -544,7 +602,7 @@ impl Backend for CpuBackend {
                 format!("input {:?} but gradient {:?}", x.shape(), dy.shape()),
             ));
         }
-        dx.resize(x.shape());
+        dx.resize_host(x.shape());
         let f = move |o: &mut [f32], a: &[f32], g: &[f32]| {
             let it = o.iter_mut().zip(a).zip(g);
             match act {
@@ -560,7 +618,7 @@ impl Backend for CpuBackend {
                 }),
             }
         };
-        self.par_zip(dx.data_mut(), x.data(), dy.data(), f);
+        self.par_zip(dx.host_mut()?, x.host()?, dy.host()?, f);
         Ok(())
     }
 
@@ -586,20 +644,20 @@ impl Backend for CpuBackend {
             ));
         }
         let rows = x.rows();
-        y.resize(x.shape());
-        mean.resize(&[rows]);
-        rstd.resize(&[rows]);
+        y.resize_host(x.shape());
+        mean.resize_host(&[rows]);
+        rstd.resize_host(&[rows]);
         if n == 0 {
             return Ok(());
         }
-        let (g, b) = (gamma.data(), beta.data());
-        let xs = x.data();
+        let (g, b) = (gamma.host()?, beta.host()?);
+        let xs = x.host()?;
         for (((yr, xr), m), r) in y
-            .data_mut()
+            .host_mut()?
             .chunks_exact_mut(n)
             .zip(xs.chunks_exact(n))
-            .zip(mean.data_mut())
-            .zip(rstd.data_mut())
+            .zip(mean.host_mut()?)
+            .zip(rstd.host_mut()?)
         {
             let mu = xr.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
             let var = xr.iter().map(|&v| (v as f64 - mu).powi(2)).sum::<f64>() / n as f64;
@@ -636,18 +694,18 @@ impl Backend for CpuBackend {
                 ),
             ));
         }
-        dx.resize(x.shape());
+        dx.resize_host(x.shape());
         if n == 0 {
             return Ok(());
         }
-        let g = gamma.data();
+        let g = gamma.host()?;
         for ((((dxr, xr), dyr), &mu), &rs) in dx
-            .data_mut()
+            .host_mut()?
             .chunks_exact_mut(n)
-            .zip(x.data().chunks_exact(n))
-            .zip(dy.data().chunks_exact(n))
-            .zip(mean.data())
-            .zip(rstd.data())
+            .zip(x.host()?.chunks_exact(n))
+            .zip(dy.host()?.chunks_exact(n))
+            .zip(mean.host()?)
+            .zip(rstd.host()?)
         {
             // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat))
             let mut s1 = 0.0f64;
@@ -696,21 +754,19 @@ impl Backend for CpuBackend {
                 ));
             }
         } else {
-            dgamma.resize(&[n]);
-            dgamma.fill(0.0);
-            dbeta.resize(&[n]);
-            dbeta.fill(0.0);
+            dgamma.resize_host(&[n]).fill(0.0);
+            dbeta.resize_host(&[n]).fill(0.0);
         }
         if n == 0 {
             return Ok(());
         }
-        let (dg, db) = (dgamma.data_mut(), dbeta.data_mut());
+        let (dg, db) = (dgamma.host_mut()?, dbeta.host_mut()?);
         for (((xr, dyr), &mu), &rs) in x
-            .data()
+            .host()?
             .chunks_exact(n)
-            .zip(dy.data().chunks_exact(n))
-            .zip(mean.data())
-            .zip(rstd.data())
+            .zip(dy.host()?.chunks_exact(n))
+            .zip(mean.host()?)
+            .zip(rstd.host()?)
         {
             for j in 0..n {
                 dg[j] += dyr[j] * (xr[j] - mu) * rs;
@@ -723,11 +779,12 @@ impl Backend for CpuBackend {
     fn softmax_cross_entropy(
         &self,
         logits: &Tensor,
-        labels: &[u32],
+        labels: &Tensor<u32>,
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats> {
         let (rows, n) = (logits.rows(), logits.cols());
+        let labels = labels.host()?;
         if labels.len() != rows {
             return Err(shape_err(
                 "softmax_cross_entropy",
@@ -750,9 +807,9 @@ impl Backend for CpuBackend {
         }
         let mut grad = dlogits;
         if let Some(d) = grad.as_deref_mut() {
-            d.resize(logits.shape());
+            d.resize_host(logits.shape());
         }
-        for (i, (row, &label)) in logits.data().chunks_exact(n).zip(labels).enumerate() {
+        for (i, (row, &label)) in logits.host()?.chunks_exact(n).zip(labels).enumerate() {
             let label = label as usize;
             let (mut arg, mut max) = (0usize, f32::NEG_INFINITY);
             for (j, &v) in row.iter().enumerate() {
@@ -766,7 +823,7 @@ impl Backend for CpuBackend {
             stats.loss_sum += lse - (row[label] - max) as f64;
             stats.correct += usize::from(arg == label);
             if let Some(d) = grad.as_deref_mut() {
-                let drow = &mut d.data_mut()[i * n..(i + 1) * n];
+                let drow = &mut d.host_mut()?[i * n..(i + 1) * n];
                 for (j, (o, &v)) in drow.iter_mut().zip(row).enumerate() {
                     let p = (((v - max) as f64) - lse).exp() as f32;
                     let y = if j == label { 1.0 } else { 0.0 };
@@ -784,16 +841,16 @@ impl Backend for CpuBackend {
                 format!("x {:?} and y {:?}", x.shape(), y.shape()),
             ));
         }
-        let xs = x.data();
+        let xs = x.host()?;
         let f = move |o: &mut [f32], a: &[f32], _: &[f32]| {
             o.iter_mut().zip(a).for_each(|(o, &v)| *o += alpha * v);
         };
-        self.par_zip(y.data_mut(), xs, xs, f);
+        self.par_zip(y.host_mut()?, xs, xs, f);
         Ok(())
     }
 
     fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
-        self.par_map_inplace(x.data_mut(), move |c| {
+        self.par_map_inplace(x.host_mut()?, move |c| {
             c.iter_mut().for_each(|v| *v *= alpha)
         });
         Ok(())
@@ -833,15 +890,14 @@ impl Backend for CpuBackend {
                         *w -= lr * step;
                     }
                 };
+                let (w, g, b) = (param.host_mut()?, grad.host()?, b.host_mut()?);
                 if chunk >= n {
-                    body(((param.data_mut(), grad.data()), b.data_mut()));
+                    body(((w, g), b));
                 } else {
                     self.pool.install(|| {
-                        param
-                            .data_mut()
-                            .par_chunks_mut(chunk)
-                            .zip(grad.data().par_chunks(chunk))
-                            .zip(b.data_mut().par_chunks_mut(chunk))
+                        w.par_chunks_mut(chunk)
+                            .zip(g.par_chunks(chunk))
+                            .zip(b.par_chunks_mut(chunk))
                             .for_each(body)
                     });
                 }
@@ -855,14 +911,13 @@ impl Backend for CpuBackend {
                         *w -= lr * (g + wd * *w);
                     }
                 };
+                let (w, g) = (param.host_mut()?, grad.host()?);
                 if chunk >= n {
-                    body((param.data_mut(), grad.data()));
+                    body((w, g));
                 } else {
                     self.pool.install(|| {
-                        param
-                            .data_mut()
-                            .par_chunks_mut(chunk)
-                            .zip(grad.data().par_chunks(chunk))
+                        w.par_chunks_mut(chunk)
+                            .zip(g.par_chunks(chunk))
                             .for_each(body)
                     });
                 }
@@ -905,19 +960,16 @@ impl Backend for CpuBackend {
                 *w -= hp.lr * mhat / (vhat.sqrt() + hp.eps);
             }
         };
+        let (w, g) = (param.host_mut()?, grad.host()?);
+        let (m, v) = (m.host_mut()?, v.host_mut()?);
         if chunk >= n {
-            body((
-                ((param.data_mut(), grad.data()), m.data_mut()),
-                v.data_mut(),
-            ));
+            body((((w, g), m), v));
         } else {
             self.pool.install(|| {
-                param
-                    .data_mut()
-                    .par_chunks_mut(chunk)
-                    .zip(grad.data().par_chunks(chunk))
-                    .zip(m.data_mut().par_chunks_mut(chunk))
-                    .zip(v.data_mut().par_chunks_mut(chunk))
+                w.par_chunks_mut(chunk)
+                    .zip(g.par_chunks(chunk))
+                    .zip(m.par_chunks_mut(chunk))
+                    .zip(v.par_chunks_mut(chunk))
                     .for_each(body)
             });
         }
@@ -925,11 +977,11 @@ impl Backend for CpuBackend {
     }
 
     fn sum(&self, x: &Tensor) -> Result<f64> {
-        Ok(x.data().iter().map(|&v| v as f64).sum())
+        Ok(x.host()?.iter().map(|&v| v as f64).sum())
     }
 
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
-        Ok(x.data().iter().map(|&v| (v as f64) * (v as f64)).sum())
+        Ok(x.host()?.iter().map(|&v| (v as f64) * (v as f64)).sum())
     }
 }
 

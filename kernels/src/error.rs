@@ -21,6 +21,12 @@ pub enum KernelError {
         /// Number of classes (columns of the logits).
         classes: usize,
     },
+    /// Host code asked for the elements of a tensor that a device holds.
+    #[error("the tensor is held by {device}, not host memory; move it through its backend")]
+    NotOnHost {
+        /// Where the tensor is.
+        device: crate::Device,
+    },
     /// The CUDA backend was requested but this build has no CUDA support.
     #[error("built without CUDA: rebuild with `--features cuda` to use the cuda backend")]
     NotCompiledWithCuda,

@@ -25,7 +25,7 @@ pub use backend::{Activation, AdamStep, Backend, BackendKind, LossStats, SgdStep
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use error::KernelError;
-pub use tensor::Tensor;
+pub use tensor::{DType, Device, DeviceMemory, Element, Storage, Tensor};
 pub use timed::Timed;
 
 /// Result type of this crate.

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
-use crate::{Result, Tensor};
+use std::borrow::Cow;
+
+use crate::{Device, Result, Tensor};
 
 /// Wraps a backend and adds every kernel call's wall time to a shared counter.
 #[derive(Debug)]
@@ -46,6 +48,38 @@ impl<B: Backend> Backend for Timed<B> {
 
     fn threads(&self) -> usize {
         self.inner.threads()
+    }
+
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+
+    fn place(&self, t: Tensor) -> Result<Tensor> {
+        self.time(|| self.inner.place(t))
+    }
+
+    fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>> {
+        self.time(|| self.inner.place_ids(t))
+    }
+
+    fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>> {
+        self.time(|| self.inner.read(t))
+    }
+
+    fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.write(src, t))
+    }
+
+    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.copy(src, dst))
+    }
+
+    fn fill(&self, value: f32, x: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.fill(value, x))
+    }
+
+    fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.mul(a, b, out))
     }
 
     fn matmul(
@@ -133,7 +167,7 @@ impl<B: Backend> Backend for Timed<B> {
     fn softmax_cross_entropy(
         &self,
         logits: &Tensor,
-        labels: &[u32],
+        labels: &Tensor<u32>,
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats> {

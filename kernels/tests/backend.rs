@@ -1,9 +1,16 @@
 //! One suite for every backend: each test is stamped per backend by `backend_tests!` (CPU always;
-//! CUDA joins when the feature and its kernels exist).
+//! CUDA joins when the feature and its kernels exist). Stamped tests build their operands on the
+//! host, move them to the backend with `place` and read results back with `read`, so they run
+//! unchanged on a backend that keeps tensors on a device.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pipe_kernels::{Activation, Backend, CpuBackend, KernelError, Tensor, Trans};
+use std::any::Any;
+use std::sync::Arc;
+
+use pipe_kernels::{
+    Activation, Backend, CpuBackend, DType, Device, DeviceMemory, KernelError, Tensor, Trans,
+};
 
 fn lcg(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed
@@ -23,6 +30,22 @@ fn rand_t(shape: &[usize], seed: u64) -> Tensor {
     Tensor::from_vec(shape, lcg(shape.iter().product(), seed)).unwrap()
 }
 
+/// A host tensor made resident on `be`.
+fn on(be: &dyn Backend, t: &Tensor) -> Tensor {
+    be.place(t.clone()).unwrap()
+}
+
+/// The elements of `t` (wherever it lives) in host memory.
+fn read(be: &dyn Backend, t: &Tensor) -> Vec<f32> {
+    be.read(t).unwrap().into_owned()
+}
+
+/// The ids `v` as a tensor resident on `be`.
+fn ids(be: &dyn Backend, v: &[u32]) -> Tensor<u32> {
+    be.place_ids(Tensor::from_vec(&[v.len()], v.to_vec()).unwrap())
+        .unwrap()
+}
+
 /// Random `a` and `b` stored so that `op(a)` is m x k and `op(b)` is k x n.
 fn operands(m: usize, k: usize, n: usize, ta: Trans, tb: Trans, seed: u64) -> (Tensor, Tensor) {
     let a = match ta {
@@ -38,12 +61,12 @@ fn operands(m: usize, k: usize, n: usize, ta: Trans, tb: Trans, seed: u64) -> (T
 
 fn naive(a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> Vec<f64> {
     let at = |i: usize, j: usize| match ta {
-        Trans::No => a.data()[i * a.cols() + j],
-        Trans::Yes => a.data()[j * a.cols() + i],
+        Trans::No => a.host().unwrap()[i * a.cols() + j],
+        Trans::Yes => a.host().unwrap()[j * a.cols() + i],
     };
     let bt = |i: usize, j: usize| match tb {
-        Trans::No => b.data()[i * b.cols() + j],
-        Trans::Yes => b.data()[j * b.cols() + i],
+        Trans::No => b.host().unwrap()[i * b.cols() + j],
+        Trans::Yes => b.host().unwrap()[j * b.cols() + i],
     };
     let (m, k) = match ta {
         Trans::No => (a.rows(), a.cols()),
@@ -77,34 +100,40 @@ fn close(got: &[f32], want: &[f64], tol: f64) {
 fn small_row_products_see_every_change_to_the_operand(be: &dyn Backend) {
     for tb in [Trans::No, Trans::Yes] {
         for (m, k, n) in [(8, 256, 512), (32, 300, 1000), (1, 1024, 1024)] {
-            let (a, mut b) = operands(m, k, n, Trans::No, tb, 7);
+            let (a_host, b_host) = operands(m, k, n, Trans::No, tb, 7);
+            let (a, mut b) = (on(be, &a_host), on(be, &b_host));
+            let product = |b: &Tensor, c: &mut Tensor| {
+                be.matmul(&a, Trans::No, b, tb, c, false).unwrap();
+                let b_now = Tensor::from_vec(b.shape(), read(be, b)).unwrap();
+                close(&read(be, c), &naive(&a_host, Trans::No, &b_now, tb), 1e-4);
+            };
             let mut c = Tensor::default();
-            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
-            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+            product(&b, &mut c);
             // A clone shares the cached copy; changing the clone must not change the original.
             let mut other = b.clone();
-            other.data_mut()[3] += 1.0;
-            be.matmul(&a, Trans::No, &other, tb, &mut c, false).unwrap();
-            close(c.data(), &naive(&a, Trans::No, &other, tb), 1e-4);
-            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
-            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+            let mut changed = read(be, &other);
+            changed[3] += 1.0;
+            be.write(&changed, &mut other).unwrap();
+            product(&other, &mut c);
+            product(&b, &mut c);
             // In-place changes through every mutable path.
-            b.data_mut()[k] = 5.0;
-            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
-            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+            let mut changed = read(be, &b);
+            changed[k] = 5.0;
+            be.write(&changed, &mut b).unwrap();
+            product(&b, &mut c);
             let step = pipe_kernels::SgdStep {
                 lr: 0.5,
                 momentum: 0.0,
                 nesterov: false,
                 weight_decay: 0.0,
             };
-            let g = Tensor::full(b.shape(), 0.25);
+            let g = on(be, &Tensor::full(b.shape(), 0.25));
             be.sgd_update(&mut b, &g, None, step).unwrap();
-            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
-            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
-            b.fill(0.5);
-            be.matmul(&a, Trans::No, &b, tb, &mut c, false).unwrap();
-            close(c.data(), &naive(&a, Trans::No, &b, tb), 1e-4);
+            product(&b, &mut c);
+            be.fill(0.5, &mut b).unwrap();
+            product(&b, &mut c);
+            be.copy(&on(be, &b_host), &mut b).unwrap();
+            product(&b, &mut c);
         }
     }
 }
@@ -121,29 +150,31 @@ fn matmul_all_transposes(be: &dyn Backend) {
             for tb in [Trans::No, Trans::Yes] {
                 let (a, b) = operands(m, k, n, ta, tb, 1);
                 let mut c = Tensor::default();
-                be.matmul(&a, ta, &b, tb, &mut c, false).unwrap();
+                be.matmul(&on(be, &a), ta, &on(be, &b), tb, &mut c, false)
+                    .unwrap();
                 assert_eq!(c.shape(), &[m, n]);
                 let want = naive(&a, ta, &b, tb);
-                close(c.data(), &want, 1e-4);
+                close(&read(be, &c), &want, 1e-4);
                 // Accumulate: c += a b gives twice the product.
-                be.matmul(&a, ta, &b, tb, &mut c, true).unwrap();
+                be.matmul(&on(be, &a), ta, &on(be, &b), tb, &mut c, true)
+                    .unwrap();
                 let twice: Vec<f64> = want.iter().map(|v| 2.0 * v).collect();
-                close(c.data(), &twice, 1e-4);
+                close(&read(be, &c), &twice, 1e-4);
             }
         }
     }
 }
 
 fn matmul_rejects_bad_shapes(be: &dyn Backend) {
-    let a = rand_t(&[3, 4], 1);
-    let b = rand_t(&[5, 6], 2);
+    let a = on(be, &rand_t(&[3, 4], 1));
+    let b = on(be, &rand_t(&[5, 6], 2));
     let mut c = Tensor::default();
     let e = be
         .matmul(&a, Trans::No, &b, Trans::No, &mut c, false)
         .unwrap_err();
     assert!(matches!(e, KernelError::Shape { .. }), "{e}");
-    let b = rand_t(&[4, 6], 2);
-    let mut wrong = Tensor::zeros(&[2, 2]);
+    let b = on(be, &rand_t(&[4, 6], 2));
+    let mut wrong = on(be, &Tensor::zeros(&[2, 2]));
     assert!(
         be.matmul(&a, Trans::No, &b, Trans::No, &mut wrong, true)
             .is_err()
@@ -151,60 +182,96 @@ fn matmul_rejects_bad_shapes(be: &dyn Backend) {
 }
 
 fn elementwise_and_reductions(be: &dyn Backend) {
-    let x = rand_t(&[7, 13], 3);
+    let xh = rand_t(&[7, 13], 3);
+    let xv = xh.host().unwrap().to_vec();
+    let x = on(be, &xh);
     let mut t = Tensor::default();
     be.transpose(&x, &mut t).unwrap();
     assert_eq!(t.shape(), &[13, 7]);
+    let tv = read(be, &t);
     for i in 0..7 {
         for j in 0..13 {
-            assert_eq!(t.data()[j * 7 + i], x.data()[i * 13 + j]);
+            assert_eq!(tv[j * 7 + i], xv[i * 13 + j]);
         }
     }
-    let bias = rand_t(&[13], 4);
+    let bias_h = rand_t(&[13], 4);
     let mut y = x.clone();
-    be.add_bias(&mut y, &bias).unwrap();
-    assert_eq!(y.data()[13 + 5], x.data()[13 + 5] + bias.data()[5]);
-    assert!(be.add_bias(&mut y, &rand_t(&[12], 4)).is_err());
+    be.add_bias(&mut y, &on(be, &bias_h)).unwrap();
+    assert_eq!(read(be, &y)[13 + 5], xv[13 + 5] + bias_h.host().unwrap()[5]);
+    assert!(be.add_bias(&mut y, &on(be, &rand_t(&[12], 4))).is_err());
     let mut s = Tensor::default();
     be.sum_rows(&x, &mut s, false).unwrap();
     let want: Vec<f64> = (0..13)
-        .map(|j| (0..7).map(|i| x.data()[i * 13 + j] as f64).sum())
+        .map(|j| (0..7).map(|i| xv[i * 13 + j] as f64).sum())
         .collect();
-    close(s.data(), &want, 1e-6);
+    close(&read(be, &s), &want, 1e-6);
     let total = be.sum(&x).unwrap();
     assert!((total - want.iter().sum::<f64>()).abs() < 1e-5);
     let sq = be.sum_squares(&x).unwrap();
-    assert!((sq - x.data().iter().map(|v| (*v as f64).powi(2)).sum::<f64>()).abs() < 1e-9);
+    assert!((sq - xv.iter().map(|v| (*v as f64).powi(2)).sum::<f64>()).abs() < 1e-9);
     let mut r = Tensor::default();
     be.activation(Activation::Relu, &x, &mut r).unwrap();
-    assert!(r.data().iter().zip(x.data()).all(|(r, x)| *r == x.max(0.0)));
+    assert!(read(be, &r).iter().zip(&xv).all(|(r, x)| *r == x.max(0.0)));
     let mut yy = x.clone();
     be.axpy(2.0, &x, &mut yy).unwrap();
-    assert!(
-        yy.data()
-            .iter()
-            .zip(x.data())
-            .all(|(y, x)| (y - 3.0 * x).abs() < 1e-6)
-    );
+    let yv = read(be, &yy);
+    assert!(yv.iter().zip(&xv).all(|(y, x)| (y - 3.0 * x).abs() < 1e-6));
     be.scale(0.5, &mut yy).unwrap();
-    assert!(
-        yy.data()
-            .iter()
-            .zip(x.data())
-            .all(|(y, x)| (y - 1.5 * x).abs() < 1e-6)
-    );
+    let yv = read(be, &yy);
+    assert!(yv.iter().zip(&xv).all(|(y, x)| (y - 1.5 * x).abs() < 1e-6));
+    // `yy` started as a clone of `x`: its writes must not reach `x`.
+    assert_eq!(read(be, &x), xv);
+}
+
+/// Moving tensors in and out, copies, fills and the elementwise product.
+fn data_movement_and_products(be: &dyn Backend) {
+    let ah = rand_t(&[6, 5], 11);
+    let bh = rand_t(&[6, 5], 12);
+    let (a, b) = (on(be, &ah), on(be, &bh));
+    assert_eq!(a.device(), be.device());
+    assert_eq!(read(be, &a), ah.host().unwrap());
+    let mut p = Tensor::default();
+    be.mul(&a, &b, &mut p).unwrap();
+    assert_eq!(p.shape(), &[6, 5]);
+    let want: Vec<f32> = ah
+        .host()
+        .unwrap()
+        .iter()
+        .zip(bh.host().unwrap())
+        .map(|(x, y)| x * y)
+        .collect();
+    assert_eq!(read(be, &p), want);
+    let e = be.mul(&a, &on(be, &rand_t(&[4], 1)), &mut p).unwrap_err();
+    assert!(matches!(e, KernelError::Shape { op: "mul", .. }), "{e}");
+    let mut c = Tensor::default();
+    be.copy(&a, &mut c).unwrap();
+    assert_eq!((c.shape(), read(be, &c)), (a.shape(), read(be, &a)));
+    be.fill(-2.0, &mut c).unwrap();
+    assert!(read(be, &c).iter().all(|&v| v == -2.0));
+    assert_eq!(read(be, &a), ah.host().unwrap(), "a copy is not an alias");
+    let values: Vec<f32> = (0..30).map(|i| i as f32).collect();
+    be.write(&values, &mut c).unwrap();
+    assert_eq!(read(be, &c), values);
+    assert!(matches!(
+        be.write(&values[..29], &mut c).unwrap_err(),
+        KernelError::Shape { op: "write", .. }
+    ));
+    let labels = ids(be, &[3, 1, 4]);
+    assert_eq!((labels.dtype(), labels.shape()), (DType::U32, &[3][..]));
 }
 
 fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
-    let logits = rand_t(&[5, 4], 9);
+    let lh = rand_t(&[5, 4], 9);
+    let logits = on(be, &lh);
     let labels = [0u32, 3, 2, 1, 3];
     let mut d = Tensor::default();
     let s = be
-        .softmax_cross_entropy(&logits, &labels, 0.5, Some(&mut d))
+        .softmax_cross_entropy(&logits, &ids(be, &labels), 0.5, Some(&mut d))
         .unwrap();
+    let dv = read(be, &d);
     let mut want = 0.0f64;
     for (i, &l) in labels.iter().enumerate() {
-        let row: Vec<f64> = logits.data()[i * 4..i * 4 + 4]
+        let row: Vec<f64> = lh.host().unwrap()[i * 4..i * 4 + 4]
             .iter()
             .map(|&v| v as f64)
             .collect();
@@ -213,13 +280,13 @@ fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
         for (j, v) in row.iter().enumerate() {
             let p = v.exp() / z;
             let g = 0.5 * (p - if j == l as usize { 1.0 } else { 0.0 });
-            assert!((d.data()[i * 4 + j] as f64 - g).abs() < 1e-6);
+            assert!((dv[i * 4 + j] as f64 - g).abs() < 1e-6);
         }
     }
     assert!((s.loss_sum - want).abs() < 1e-5);
     assert_eq!(s.rows, 5);
     let e = be
-        .softmax_cross_entropy(&logits, &[0, 1, 2, 3, 4], 1.0, None)
+        .softmax_cross_entropy(&logits, &ids(be, &[0, 1, 2, 3, 4]), 1.0, None)
         .unwrap_err();
     assert!(
         matches!(
@@ -233,7 +300,7 @@ fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
         "{e}"
     );
     assert!(
-        be.softmax_cross_entropy(&logits, &[0, 1], 1.0, None)
+        be.softmax_cross_entropy(&logits, &ids(be, &[0, 1]), 1.0, None)
             .is_err()
     );
 }
@@ -260,6 +327,7 @@ backend_tests!(
         small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,
         elementwise_and_reductions,
+        data_movement_and_products,
         softmax_cross_entropy_matches_reference,
     ]
 );
@@ -290,7 +358,7 @@ fn cpu_results_do_not_depend_on_thread_count() {
                         let mut c = Tensor::default();
                         be.matmul(&a, ta, &b, tb, &mut c, false).unwrap();
                         be.matmul(&a, ta, &b, tb, &mut c, true).unwrap();
-                        c.data().iter().map(|v| v.to_bits()).collect()
+                        c.host().unwrap().iter().map(|v| v.to_bits()).collect()
                     })
                     .collect();
                 for (t, o) in outs.iter().enumerate().skip(1) {
@@ -319,14 +387,20 @@ fn cpu_results_do_not_depend_on_thread_count() {
                 let (mut y, mut dx) = (Tensor::default(), Tensor::default());
                 be.activation(act, &x, &mut y).unwrap();
                 be.activation_backward(act, &x, &dy, &mut dx).unwrap();
-                out.extend(y.data().iter().chain(dx.data()).map(|v| v.to_bits()));
+                out.extend(
+                    y.host()
+                        .unwrap()
+                        .iter()
+                        .chain(dx.host().unwrap())
+                        .map(|v| v.to_bits()),
+                );
             }
             let mut s = Tensor::default();
             be.sum_rows(&x, &mut s, false).unwrap();
-            out.extend(s.data().iter().map(|v| v.to_bits()));
+            out.extend(s.host().unwrap().iter().map(|v| v.to_bits()));
             let mut t = Tensor::default();
             be.transpose(&x, &mut t).unwrap();
-            out.extend(t.data().iter().map(|v| v.to_bits()));
+            out.extend(t.host().unwrap().iter().map(|v| v.to_bits()));
             out
         })
         .collect();
@@ -340,4 +414,74 @@ fn cuda_without_feature_is_a_clear_error() {
     let e = pipe_kernels::CudaBackend::new(0).unwrap_err();
     assert_eq!(e, KernelError::NotCompiledWithCuda);
     assert!(e.to_string().contains("built without CUDA"));
+}
+
+/// Memory a device backend would own: here only a size and a device, to check how host code
+/// and the CPU backend treat a tensor they cannot read.
+#[derive(Debug)]
+struct ForeignMemory {
+    bytes: usize,
+}
+
+impl DeviceMemory for ForeignMemory {
+    fn device(&self) -> Device {
+        Device::Cuda(3)
+    }
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[test]
+fn device_tensors_are_refused_by_host_code_not_read() {
+    let mem: Arc<dyn DeviceMemory> = Arc::new(ForeignMemory { bytes: 24 });
+    let e = Tensor::<f32>::from_device(&[4, 2], Arc::clone(&mem)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KernelError::Shape {
+                op: "from_device",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let dev = Tensor::<f32>::from_device(&[2, 3], Arc::clone(&mem)).unwrap();
+    assert_eq!(
+        (dev.device(), dev.len(), dev.bytes()),
+        (Device::Cuda(3), 6, 24)
+    );
+    let not_host = KernelError::NotOnHost {
+        device: Device::Cuda(3),
+    };
+    assert_eq!(dev.host().unwrap_err(), not_host);
+    assert_eq!(dev.clone().into_host_vec().unwrap_err(), not_host);
+    assert_eq!(dev, dev.clone(), "clones share the device buffer");
+    let be = CpuBackend::new(1).unwrap();
+    assert_eq!(be.place(dev.clone()).unwrap_err(), not_host);
+    assert_eq!(be.read(&dev).unwrap_err(), not_host);
+    let host = rand_t(&[3, 2], 1);
+    let mut c = Tensor::default();
+    let e = be
+        .matmul(&dev, Trans::No, &host, Trans::No, &mut c, false)
+        .unwrap_err();
+    assert_eq!(e, not_host);
+    assert!(e.to_string().contains("cuda:3"), "{e}");
+    // An output the backend overwrites may start anywhere: it becomes host memory.
+    let mut out = dev.clone();
+    be.activation(Activation::Relu, &host, &mut out).unwrap();
+    assert_eq!(out.device(), Device::Host);
+}
+
+#[test]
+fn id_tensors_hold_u32() {
+    let t = Tensor::<u32>::from_vec(&[2, 2], vec![1, 2, 3, 4]).unwrap();
+    assert_eq!((t.dtype(), t.rows(), t.cols()), (DType::U32, 2, 2));
+    assert_eq!(t.host().unwrap(), &[1, 2, 3, 4]);
+    assert_eq!(Tensor::<u32>::zeros(&[3]).host().unwrap(), &[0, 0, 0]);
+    assert!(Tensor::<u32>::from_vec(&[3], vec![1]).is_err());
+    assert!(Tensor::<f32>::default().is_empty());
 }

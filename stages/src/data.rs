@@ -183,8 +183,9 @@ impl Dataset {
         self.feature_shape.iter().product()
     }
 
-    /// Gathers the samples `indices` into a batch tensor `[len, feature_shape...]` and labels.
-    pub fn gather(&self, indices: &[u32]) -> (Tensor, Vec<u32>) {
+    /// Gathers the samples `indices` into a batch tensor `[len, feature_shape...]` and a label
+    /// tensor `[len]`, both in host memory.
+    pub fn gather(&self, indices: &[u32]) -> (Tensor, Tensor<u32>) {
         let d = self.sample_size();
         let mut x = Vec::with_capacity(indices.len() * d);
         let mut y = Vec::with_capacity(indices.len());
@@ -196,7 +197,8 @@ impl Dataset {
         let mut shape = vec![indices.len()];
         shape.extend_from_slice(&self.feature_shape);
         let t = Tensor::from_vec(&shape, x).unwrap_or_default();
-        (t, y)
+        let n = y.len();
+        (t, Tensor::from_vec(&[n], y).unwrap_or_default())
     }
 
     /// The order of samples in epoch `epoch`: a seeded permutation, independent per epoch.

@@ -528,13 +528,13 @@ impl Layer for Dropout {
 
     fn forward(
         &self,
-        _be: &dyn Backend,
+        be: &dyn Backend,
         _params: &[Tensor],
         x: Tensor,
         ctx: ForwardCtx,
     ) -> KResult<(Tensor, Saved)> {
         if !ctx.train || self.p == 0.0 {
-            let ones = Tensor::full(x.shape(), 1.0);
+            let ones = be.place(Tensor::full(x.shape(), 1.0))?;
             return Ok((x, Saved::tensors(vec![ones])));
         }
         let mut rng = rng_for(derive_seed(ctx.seed, "dropout", 0), "mask", 0);
@@ -548,19 +548,17 @@ impl Layer for Dropout {
                 }
             })
             .collect();
-        let mask = Tensor::from_vec(x.shape(), mask)?;
-        let y: Vec<f32> = x
-            .data()
-            .iter()
-            .zip(mask.data())
-            .map(|(a, m)| a * m)
-            .collect();
-        Ok((Tensor::from_vec(x.shape(), y)?, Saved::tensors(vec![mask])))
+        // The mask is drawn on the host from the seeded stream (so every backend drops the
+        // same units), then moved to the backend.
+        let mask = be.place(Tensor::from_vec(x.shape(), mask)?)?;
+        let mut y = Tensor::default();
+        be.mul(&x, &mask, &mut y)?;
+        Ok((y, Saved::tensors(vec![mask])))
     }
 
     fn backward_input(
         &self,
-        _be: &dyn Backend,
+        be: &dyn Backend,
         _params: &[Tensor],
         saved: &Saved,
         dy: &Tensor,
@@ -572,13 +570,9 @@ impl Layer for Dropout {
                 detail: format!("mask {:?}, gradient {:?}", mask.shape(), dy.shape()),
             });
         }
-        let dx: Vec<f32> = dy
-            .data()
-            .iter()
-            .zip(mask.data())
-            .map(|(g, m)| g * m)
-            .collect();
-        Tensor::from_vec(dy.shape(), dx)
+        let mut dx = Tensor::default();
+        be.mul(dy, mask, &mut dx)?;
+        Ok(dx)
     }
 }
 

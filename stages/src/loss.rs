@@ -1,7 +1,8 @@
 //! Losses: what the last stage turns its output and the microbatch's targets into (a loss sum
 //! and the gradient that starts the backward pass). One trait, so the executor, the reference
 //! trainer and the single-worker loop are written once for classification today and next-token
-//! prediction later (whose targets are token ids, the same `u32` per row).
+//! prediction later (whose targets are token ids, the same `u32` per row, in an id tensor that
+//! lives where the backend computes).
 
 use pipe_kernels::{Backend, LossStats, Tensor};
 
@@ -22,7 +23,7 @@ pub trait Loss: Send + Sync + std::fmt::Debug {
         &self,
         be: &dyn Backend,
         output: &Tensor,
-        targets: &[u32],
+        targets: &Tensor<u32>,
         grad_scale: f32,
         grad: Option<&mut Tensor>,
     ) -> Result<LossStats>;
@@ -41,7 +42,7 @@ impl Loss for SoftmaxCrossEntropy {
         &self,
         be: &dyn Backend,
         output: &Tensor,
-        targets: &[u32],
+        targets: &Tensor<u32>,
         grad_scale: f32,
         grad: Option<&mut Tensor>,
     ) -> Result<LossStats> {

@@ -21,6 +21,22 @@ use crate::rng::{derive_seed, rng_for};
 /// order of [`Layer::param_shapes`].
 pub type Params = Vec<Vec<Tensor>>;
 
+/// `params` made resident where `be` computes (parameters and gradients are built on the host).
+///
+/// # Errors
+/// Kernel errors (device allocation).
+pub fn place_params(be: &dyn Backend, params: Params) -> Result<Params> {
+    params
+        .into_iter()
+        .map(|layer| {
+            layer
+                .into_iter()
+                .map(|t| Ok(be.place(t)?))
+                .collect::<Result<Vec<Tensor>>>()
+        })
+        .collect()
+}
+
 /// Index of a parameter in a model's table.
 pub type ParamId = usize;
 
@@ -278,7 +294,7 @@ impl Model {
                 be.axpy(1.0, &parts[k].1[l][s], &mut sum)?;
             }
             for &(k, l, s) in &held {
-                parts[k].1[l][s].data_mut().copy_from_slice(sum.data());
+                be.copy(&sum, &mut parts[k].1[l][s])?;
             }
         }
         Ok(())

@@ -136,6 +136,18 @@ impl Optimizer {
         }
     }
 
+    /// This optimizer with its state made resident where `be` computes.
+    ///
+    /// # Errors
+    /// Kernel errors (device allocation).
+    pub fn placed(mut self, be: &dyn Backend) -> Result<Self> {
+        for pair in self.state.iter_mut().flatten() {
+            let (first, second) = std::mem::take(pair);
+            *pair = (be.place(first)?, be.place(second)?);
+        }
+        Ok(self)
+    }
+
     /// Updates applied so far.
     pub fn steps(&self) -> u64 {
         self.steps

@@ -277,9 +277,10 @@ impl MicrobatchSource for Random {
     fn inputs(&self, _mb: u32) -> Result<Tensor> {
         Ok(self.x.clone())
     }
-    fn labels(&self, mb: u32) -> Result<Vec<u32>> {
+    fn labels(&self, mb: u32) -> Result<Tensor<u32>> {
         let n = self.x.rows() as u32;
-        Ok((0..n).map(|i| (i + mb) % self.classes).collect())
+        let ids = (0..n).map(|i| (i + mb) % self.classes).collect();
+        Ok(Tensor::from_vec(&[n as usize], ids)?)
     }
 }
 

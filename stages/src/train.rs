@@ -11,7 +11,7 @@ use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
-use crate::model::{Model, Params};
+use crate::model::{Model, Params, place_params};
 use crate::optim::Optimizer;
 
 /// One optimizer step, as reported to observers and logs.
@@ -162,6 +162,7 @@ pub fn evaluate(
     let (mut loss, mut correct) = (0.0f64, 0usize);
     for chunk in order.chunks(batch.max(1)) {
         let (x, y) = data.gather(chunk);
+        let (x, y) = (be.place(x)?, be.place_ids(y)?);
         let (logits, _) = model.forward_range(be, 0..model.len(), params, x, false, 0, 0)?;
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, 0.0, None)?;
         loss += s.loss_sum;
@@ -182,8 +183,9 @@ pub struct StepState<'a> {
     pub opt: &'a mut Optimizer,
 }
 
-/// One update on one worker: forward and backward over each microbatch in `batches`, summing
-/// gradients (each scaled by `grad_scale` at the loss), then one optimizer step at `lr`.
+/// One update on one worker: forward and backward over each microbatch in `batches` (inputs
+/// and labels, moved to the backend here), summing gradients (each scaled by `grad_scale` at
+/// the loss), then one optimizer step at `lr`.
 /// Returns the summed loss. `microbatch_id` numbers microbatches for dropout seeds.
 ///
 /// # Errors
@@ -193,7 +195,7 @@ pub fn train_step(
     be: &dyn Backend,
     model: &Model,
     st: &mut StepState<'_>,
-    batches: Vec<(Tensor, Vec<u32>)>,
+    batches: Vec<(Tensor, Tensor<u32>)>,
     grad_scale: f32,
     lr: f32,
     seed: u64,
@@ -202,6 +204,7 @@ pub fn train_step(
     let mut loss = 0.0;
     let n = model.len();
     for (i, (x, y)) in batches.into_iter().enumerate() {
+        let (x, y) = (be.place(x)?, be.place_ids(y)?);
         let (logits, saved) =
             model.forward_range(be, 0..n, st.params, x, true, seed, *microbatch_id)?;
         *microbatch_id += 1;
@@ -226,9 +229,9 @@ pub fn train(
     obs: &mut dyn Observer,
 ) -> Result<TrainReport> {
     let model = Model::new(&cfg.model)?;
-    let mut params = model.init_params(cfg.seed);
-    let mut grads = model.zero_grads(0..model.len());
-    let mut opt = Optimizer::new(cfg.optimizer, &params);
+    let mut params = place_params(be, model.init_params(cfg.seed))?;
+    let mut grads = place_params(be, model.zero_grads(0..model.len()))?;
+    let mut opt = Optimizer::new(cfg.optimizer, &params).placed(be)?;
     let b = cfg.microbatch_size;
     let m = cfg.microbatches;
     let steps_per_epoch = (data.train.len() / (b * m)) as u64;
@@ -254,7 +257,7 @@ pub fn train(
                 break;
             }
             let lr = sched.at(step);
-            let batches: Vec<(Tensor, Vec<u32>)> = update
+            let batches: Vec<(Tensor, Tensor<u32>)> = update
                 .chunks_exact(b)
                 .map(|mb| data.train.gather(mb))
                 .collect();

@@ -28,9 +28,10 @@ fn rand_t(shape: &[usize], seed: u64, away_from_zero: bool) -> Tensor {
 }
 
 fn objective(y: &Tensor, r: &Tensor) -> f64 {
-    y.data()
+    y.host()
+        .unwrap()
         .iter()
-        .zip(r.data())
+        .zip(r.host().unwrap())
         .map(|(a, b)| *a as f64 * *b as f64)
         .sum()
 }
@@ -56,7 +57,7 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
     // Non-trivial parameters (LayerNorm starts at ones and zeros).
     for (k, p) in params.iter_mut().enumerate() {
         let noise = rand_t(p.shape(), 100 + k as u64, false);
-        for (v, n) in p.data_mut().iter_mut().zip(noise.data()) {
+        for (v, n) in p.host_mut().unwrap().iter_mut().zip(noise.host().unwrap()) {
             *v += 0.3 * n;
         }
     }
@@ -85,22 +86,30 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
     let numeric_x: Vec<f64> = (0..x.len())
         .map(|i| {
             let (mut xp, mut xm) = (x.clone(), x.clone());
-            xp.data_mut()[i] += H;
-            xm.data_mut()[i] -= H;
+            xp.host_mut().unwrap()[i] += H;
+            xm.host_mut().unwrap()[i] -= H;
             (eval(&params, &xp) - eval(&params, &xm)) / (2.0 * H as f64)
         })
         .collect();
-    check(&format!("{} dx", layer.kind()), dx.data(), &numeric_x);
+    check(
+        &format!("{} dx", layer.kind()),
+        dx.host().unwrap(),
+        &numeric_x,
+    );
     for (k, g) in grads.iter().enumerate() {
         let numeric: Vec<f64> = (0..params[k].len())
             .map(|i| {
                 let (mut pp, mut pm) = (params.clone(), params.clone());
-                pp[k].data_mut()[i] += H;
-                pm[k].data_mut()[i] -= H;
+                pp[k].host_mut().unwrap()[i] += H;
+                pm[k].host_mut().unwrap()[i] -= H;
                 (eval(&pp, &x) - eval(&pm, &x)) / (2.0 * H as f64)
             })
             .collect();
-        check(&format!("{} param {k}", layer.kind()), g.data(), &numeric);
+        check(
+            &format!("{} param {k}", layer.kind()),
+            g.host().unwrap(),
+            &numeric,
+        );
     }
     // Accumulating adds to what is there.
     let before = grads.clone();
@@ -108,7 +117,7 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
         .backward_params(&be, &params, &saved, &r, &mut grads, true)
         .unwrap();
     for (a, b) in grads.iter().zip(&before) {
-        for (x, y) in a.data().iter().zip(b.data()) {
+        for (x, y) in a.host().unwrap().iter().zip(b.host().unwrap()) {
             assert!((x - 2.0 * y).abs() <= 1e-5 * (1.0 + y.abs()));
         }
     }
@@ -176,7 +185,7 @@ fn dropout_is_seeded_and_checks() {
     };
     assert_eq!(run(7), run(7), "same seed, same mask");
     assert_ne!(run(7), run(8), "another seed, another mask");
-    let kept = run(7).data().iter().filter(|v| **v != 0.0).count();
+    let kept = run(7).host().unwrap().iter().filter(|v| **v != 0.0).count();
     assert!(
         (150..362).contains(&kept),
         "about half kept, got {kept} of 512"
@@ -234,7 +243,7 @@ fn flatten() {
 fn softmax_cross_entropy_loss() {
     let be = CpuBackend::new(1).unwrap();
     let logits = rand_t(&[4, 5], 11, false);
-    let labels = [1u32, 0, 4, 2];
+    let labels = Tensor::from_vec(&[4], vec![1u32, 0, 4, 2]).unwrap();
     let mut d = Tensor::default();
     be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut d))
         .unwrap();
@@ -246,12 +255,12 @@ fn softmax_cross_entropy_loss() {
     let numeric: Vec<f64> = (0..logits.len())
         .map(|i| {
             let (mut p, mut m) = (logits.clone(), logits.clone());
-            p.data_mut()[i] += H;
-            m.data_mut()[i] -= H;
+            p.host_mut().unwrap()[i] += H;
+            m.host_mut().unwrap()[i] -= H;
             (loss(&p) - loss(&m)) / (2.0 * H as f64)
         })
         .collect();
-    check("softmax_cross_entropy", d.data(), &numeric);
+    check("softmax_cross_entropy", d.host().unwrap(), &numeric);
 }
 
 #[test]
@@ -292,7 +301,7 @@ fn whole_model() {
     let model = Model::new(&spec).unwrap();
     let params = model.init_params(5);
     let x = rand_t(&[3, 2, 3], 12, false);
-    let labels = [3u32, 0, 2];
+    let labels = Tensor::from_vec(&[3], vec![3u32, 0, 2]).unwrap();
     let loss = |params: &Vec<Vec<Tensor>>, x: &Tensor| {
         let (logits, _) = model
             .forward_range(&be, 0..model.len(), params, x.clone(), true, 9, 4)
@@ -324,23 +333,27 @@ fn whole_model() {
     let numeric_x: Vec<f64> = (0..x.len())
         .map(|i| {
             let (mut p, mut m) = (x.clone(), x.clone());
-            p.data_mut()[i] += H;
-            m.data_mut()[i] -= H;
+            p.host_mut().unwrap()[i] += H;
+            m.host_mut().unwrap()[i] -= H;
             (loss(&params, &p) - loss(&params, &m)) / (2.0 * H as f64)
         })
         .collect();
-    check("model dx", dx.data(), &numeric_x);
+    check("model dx", dx.host().unwrap(), &numeric_x);
     for (li, layer_grads) in grads.iter().enumerate() {
         for (k, g) in layer_grads.iter().enumerate() {
             let numeric: Vec<f64> = (0..g.len())
                 .map(|i| {
                     let (mut pp, mut pm) = (params.clone(), params.clone());
-                    pp[li][k].data_mut()[i] += H;
-                    pm[li][k].data_mut()[i] -= H;
+                    pp[li][k].host_mut().unwrap()[i] += H;
+                    pm[li][k].host_mut().unwrap()[i] -= H;
                     (loss(&pp, &x) - loss(&pm, &x)) / (2.0 * H as f64)
                 })
                 .collect();
-            check(&format!("model layers.{li} param {k}"), g.data(), &numeric);
+            check(
+                &format!("model layers.{li} param {k}"),
+                g.host().unwrap(),
+                &numeric,
+            );
         }
     }
     assert_eq!(model.param_names()[0], "layers.1.weight");

@@ -100,14 +100,14 @@ fn reference(run: &RunPlan, model: &Model) -> Vec<Params> {
 fn bits(p: &Params) -> Vec<u32> {
     p.iter()
         .flatten()
-        .flat_map(|t| t.data().iter().map(|x| x.to_bits()))
+        .flat_map(|t| t.host().unwrap().iter().map(|x| x.to_bits()))
         .collect()
 }
 
 fn flat(p: &Params) -> Vec<f32> {
     p.iter()
         .flatten()
-        .flat_map(|t| t.data().iter().copied())
+        .flat_map(|t| t.host().unwrap().iter().copied())
         .collect()
 }
 
@@ -295,12 +295,12 @@ impl pipe_stages::pipeline::MicrobatchSource for Made {
             .collect();
         Ok(pipe_kernels::Tensor::from_vec(&[2, self.features], v).unwrap())
     }
-    fn labels(&self, mb: u32) -> pipe_stages::Result<Vec<u32>> {
+    fn labels(&self, mb: u32) -> pipe_stages::Result<pipe_kernels::Tensor<u32>> {
         assert!(
             self.panic_at != Some(mb),
             "injected panic at microbatch {mb}"
         );
-        Ok(vec![mb % 2, (mb / 2) % 2])
+        Ok(pipe_kernels::Tensor::from_vec(&[2], vec![mb % 2, (mb / 2) % 2]).unwrap())
     }
 }
 

@@ -52,8 +52,8 @@ impl MicrobatchSource for Fixed {
     fn inputs(&self, _mb: u32) -> pipe_stages::Result<Tensor> {
         Ok(Tensor::from_vec(&[2, 2], X.concat()).unwrap())
     }
-    fn labels(&self, _mb: u32) -> pipe_stages::Result<Vec<u32>> {
-        Ok(Y.to_vec())
+    fn labels(&self, _mb: u32) -> pipe_stages::Result<Tensor<u32>> {
+        Ok(Tensor::from_vec(&[2], Y.to_vec()).unwrap())
     }
 }
 
@@ -184,9 +184,9 @@ fn reference_trainer_sums_both_uses_across_stages_as_computed_by_hand() {
     let plan = plan(&model, Policy::Gpipe, 2, 1);
     let be = CpuBackend::new(1).unwrap();
     let out = reference_train(&be, &setup(&model, &plan), &init, plain_sgd()).unwrap();
-    let want = hand_update(init[0][0].data());
+    let want = hand_update(init[0][0].host().unwrap());
     for stage in &out {
-        let got = stage[0][0].data();
+        let got = stage[0][0].host().unwrap();
         for (g, w) in got.iter().zip(&want) {
             assert!(
                 (f64::from(*g) - w).abs() <= 1e-6 * (1.0 + w.abs()),

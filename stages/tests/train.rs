@@ -33,7 +33,7 @@ fn settings() -> TrainSettings {
 fn bits(p: &Params) -> Vec<u32> {
     p.iter()
         .flatten()
-        .flat_map(|t| t.data().iter().map(|v| v.to_bits()))
+        .flat_map(|t| t.host().unwrap().iter().map(|v| v.to_bits()))
         .collect()
 }
 
@@ -151,12 +151,12 @@ fn optimizers_match_hand_computation() {
     let (mut w, mut b) = ([1.0f32, 2.0], [0.0f32; 2]);
     for _ in 0..2 {
         for i in 0..2 {
-            let d = g[0][0].data()[i] + 0.1 * w[i];
+            let d = g[0][0].host().unwrap()[i] + 0.1 * w[i];
             b[i] = 0.9 * b[i] + d;
             w[i] -= 0.1 * b[i];
         }
     }
-    assert_eq!(p[0][0].data(), &w);
+    assert_eq!(p[0][0].host().unwrap(), &w);
     // Nesterov.
     let cfg = OptimizerConfig {
         kind: OptimizerKind::Sgd,
@@ -167,7 +167,7 @@ fn optimizers_match_hand_computation() {
     let mut p = one_param(&[1.0]);
     let mut o = Optimizer::new(cfg, &p);
     o.step(&be, &mut p, &one_param(&[2.0]), 0.1).unwrap();
-    assert!((p[0][0].data()[0] - (1.0 - 0.1 * (2.0 + 0.5 * 2.0))).abs() < 1e-7);
+    assert!((p[0][0].host().unwrap()[0] - (1.0 - 0.1 * (2.0 + 0.5 * 2.0))).abs() < 1e-7);
     // Adam's first step moves each weight by lr (sign of the gradient).
     for kind in [OptimizerKind::Adam, OptimizerKind::Adamw] {
         let cfg = OptimizerConfig {
@@ -178,8 +178,8 @@ fn optimizers_match_hand_computation() {
         let mut p = one_param(&[1.0, 2.0]);
         let mut o = Optimizer::new(cfg, &p);
         o.step(&be, &mut p, &g, 0.01).unwrap();
-        assert!((p[0][0].data()[0] - 0.99).abs() < 1e-6);
-        assert!((p[0][0].data()[1] - 2.01).abs() < 1e-6);
+        assert!((p[0][0].host().unwrap()[0] - 0.99).abs() < 1e-6);
+        assert!((p[0][0].host().unwrap()[1] - 2.01).abs() < 1e-6);
     }
     // AdamW decays the weights directly, Adam through the gradient.
     let mut p = one_param(&[1.0]);
@@ -192,6 +192,6 @@ fn optimizers_match_hand_computation() {
     Optimizer::new(cfg, &p)
         .step(&be, &mut p, &one_param(&[0.0]), 0.1)
         .unwrap();
-    assert!((p[0][0].data()[0] - 0.95).abs() < 1e-6);
+    assert!((p[0][0].host().unwrap()[0] - 0.95).abs() < 1e-6);
     assert_eq!(be.name(), "cpu");
 }

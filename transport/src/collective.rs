@@ -79,7 +79,10 @@ pub fn ring_all_reduce<T: Transport + ?Sized>(
             step: step as u32,
         })?;
         let dst = &mut data[chunk(len, r, recv_c)];
-        let src = got.tensor.data();
+        let src = got
+            .tensor
+            .host()
+            .map_err(|e| TransportError::Protocol(format!("all-reduce chunk: {e}")))?;
         if src.len() != dst.len() {
             return Err(TransportError::Protocol(format!(
                 "all-reduce chunk of {} values where {} were expected",

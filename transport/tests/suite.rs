@@ -51,11 +51,11 @@ macro_rules! transport_suite {
                 }
                 a.send(msg(key(0, 1, Kind::Gradient, 9), &[9.0])).unwrap();
                 let g = b.recv(&key(0, 1, Kind::Gradient, 9)).unwrap();
-                assert_eq!(g.tensor.data(), &[9.0]);
+                assert_eq!(g.tensor.host().unwrap(), &[9.0]);
                 assert_eq!(g.version, 7);
                 for i in (0..3).rev() {
                     let m = b.recv(&key(0, 1, Kind::Activation, i)).unwrap();
-                    assert_eq!(m.tensor.data(), &[i as f32; 3]);
+                    assert_eq!(m.tensor.host().unwrap(), &[i as f32; 3]);
                 }
             }
 
@@ -69,7 +69,7 @@ macro_rules! transport_suite {
                         let m = b.recv(&key(0, 1, Kind::Activation, i)).unwrap();
                         b.send(msg(
                             key(1, 0, Kind::Gradient, i),
-                            &[m.tensor.data()[0] * 2.0],
+                            &[m.tensor.host().unwrap()[0] * 2.0],
                         ))
                         .unwrap();
                     }
@@ -78,7 +78,7 @@ macro_rules! transport_suite {
                     a.send(msg(key(0, 1, Kind::Activation, i), &[i as f32]))
                         .unwrap();
                     let g = a.recv(&key(1, 0, Kind::Gradient, i)).unwrap();
-                    assert_eq!(g.tensor.data(), &[2.0 * i as f32]);
+                    assert_eq!(g.tensor.host().unwrap(), &[2.0 * i as f32]);
                 }
                 h.join().unwrap();
             }
@@ -148,7 +148,7 @@ macro_rules! transport_suite {
                     .unwrap_err();
                 match e {
                     TransportError::Send { message, .. } => {
-                        assert_eq!(message.tensor.data(), &[1.0])
+                        assert_eq!(message.tensor.host().unwrap(), &[1.0])
                     }
                     other => panic!("{other}"),
                 }

@@ -62,7 +62,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     state: &WorkerState,
     t0: Instant,
 ) -> std::result::Result<WorkerCore<'s, 'a>, (Option<Action>, StageError)> {
-    let mut core = WorkerCore::new(setup, state).map_err(|e| (None, e))?;
+    let mut core = WorkerCore::new(be, setup, state).map_err(|e| (None, e))?;
     let program = &setup.plan.schedule.programs[state.worker as usize];
     for (pc, &a) in program.iter().enumerate() {
         let start = t0.elapsed().as_secs_f64();
@@ -97,13 +97,14 @@ fn step<B: Backend, T: Transport + ?Sized>(
             t.send(core.outgoing(a)?)?;
         }
         Action::RecvActivation { .. } | Action::RecvGradient { .. } => {
-            let m = t.recv(&core.incoming_key(a)?)?;
+            let mut m = t.recv(&core.incoming_key(a)?)?;
+            m.tensor = be.place(m.tensor)?;
             core.deliver(a, m)?;
         }
         Action::AllReduce { stage, update } => {
-            let (group, mut flat) = core.all_reduce_input(stage)?;
+            let (group, mut flat) = core.all_reduce_input(be, stage)?;
             ring_all_reduce(t, &group, stage, update, &mut flat)?;
-            core.all_reduce_output(stage, &flat)?;
+            core.all_reduce_output(be, stage, &flat)?;
         }
         Action::SendChunk { .. } | Action::RecvChunk { .. } => {
             return Err(StageError::Executor(

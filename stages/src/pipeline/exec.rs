@@ -16,7 +16,7 @@ use pipe_transport::{Key, Kind, Message};
 use super::{Setup, flatten, mean_step, unflatten};
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
-use crate::model::Params;
+use crate::model::{Params, place_params};
 use crate::optim::{Optimizer, OptimizerConfig};
 
 /// One stage's persistent state on a worker: its current weights and optimizer state.
@@ -194,7 +194,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     /// # Errors
     /// A parameter tied across stages (the gradient exchange between stages is not built),
     /// or a stage the worker does not hold.
-    pub fn new(setup: &'s Setup<'a>, state: &WorkerState) -> Result<Self> {
+    pub fn new(be: &dyn Backend, setup: &'s Setup<'a>, state: &WorkerState) -> Result<Self> {
         let plan = setup.plan;
         let schedule = &plan.schedule;
         let layout = schedule.layout();
@@ -210,14 +210,14 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             let layers = plan.partition.range(st.stage as usize);
             stages.push(StageRun {
                 stage: st.stage,
-                grads: setup.model.zero_grads(layers.clone()),
+                grads: place_params(be, setup.model.zero_grads(layers.clone()))?,
                 layers,
                 replica_group: layout.group(st.stage).collect(),
                 update_size: schedule.resolved.update_size(st.stage),
-                versions: BTreeMap::from([(0, st.params.clone())]),
+                versions: BTreeMap::from([(0, place_params(be, st.params.clone())?)]),
                 current_version: 0,
                 grads_fresh: true,
-                optimizer: st.opt.clone(),
+                optimizer: st.opt.clone().placed(be)?,
                 last_use,
                 forward_saved: HashMap::new(),
                 weight_pending: HashMap::new(),
@@ -295,7 +295,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         };
         let input = if stage == 0 {
             Tagged {
-                tensor: setup.data.inputs(mb)?,
+                tensor: be.place(setup.data.inputs(mb)?)?,
                 tag: 0,
             }
         } else {
@@ -350,7 +350,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
 
     /// The loss of microbatch `mb`'s output; returns the gradient that starts its backward.
     fn loss(&mut self, be: &dyn Backend, mb: u32, y: &Tensor) -> Result<Tensor> {
-        let targets = self.setup.data.labels(mb)?;
+        let targets = be.place_ids(self.setup.data.labels(mb)?)?;
         let scale = 1.0 / targets.len().max(1) as f32;
         let mut dy = Tensor::default();
         let stats = self
@@ -477,7 +477,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             )));
         }
         if run.grads_fresh {
-            zero(&mut run.grads);
+            zero(be, &mut run.grads)?;
         }
         let mut p = run
             .versions
@@ -601,24 +601,32 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     ///
     /// # Errors
     /// A stage this worker does not hold.
-    pub fn all_reduce_input(&mut self, stage: u32) -> Result<(Vec<u32>, Vec<f32>)> {
+    pub fn all_reduce_input(
+        &mut self,
+        be: &dyn Backend,
+        stage: u32,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
         let c = self.chunk(stage)?;
         let run = &mut self.stages[c];
         if run.grads_fresh {
-            zero(&mut run.grads);
+            zero(be, &mut run.grads)?;
             run.grads_fresh = false;
         }
-        Ok((run.replica_group.clone(), flatten(&run.grads)))
+        Ok((run.replica_group.clone(), flatten(be, &run.grads)?))
     }
 
     /// Takes the summed buffer of an all-reduce of `stage` back.
     ///
     /// # Errors
     /// A stage this worker does not hold.
-    pub fn all_reduce_output(&mut self, stage: u32, summed: &[f32]) -> Result<()> {
+    pub fn all_reduce_output(
+        &mut self,
+        be: &dyn Backend,
+        stage: u32,
+        summed: &[f32],
+    ) -> Result<()> {
         let c = self.chunk(stage)?;
-        unflatten(&mut self.stages[c].grads, summed);
-        Ok(())
+        unflatten(be, &mut self.stages[c].grads, summed)
     }
 
     /// Ends the run: moves the final weights and optimizer state back into `state`.
@@ -647,8 +655,9 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     }
 }
 
-fn zero(p: &mut Params) {
+fn zero(be: &dyn Backend, p: &mut Params) -> Result<()> {
     for g in p.iter_mut().flatten() {
-        g.fill(0.0);
+        be.fill(0.0, g)?;
     }
+    Ok(())
 }

@@ -46,16 +46,17 @@ use crate::optim::Optimizer;
 pub trait MicrobatchSource: Sync {
     /// Samples per microbatch.
     fn microbatch_size(&self) -> usize;
-    /// Inputs of microbatch `mb` (of this run).
+    /// Inputs of microbatch `mb` (of this run), in host memory.
     ///
     /// # Errors
     /// Data errors.
     fn inputs(&self, mb: u32) -> Result<Tensor>;
-    /// Targets (class labels, or token ids) of microbatch `mb`, one per output row.
+    /// Targets (class labels, or token ids) of microbatch `mb`, one per output row, in host
+    /// memory.
     ///
     /// # Errors
     /// Data errors.
-    fn labels(&self, mb: u32) -> Result<Vec<u32>>;
+    fn labels(&self, mb: u32) -> Result<Tensor<u32>>;
 }
 
 /// Microbatches cut in order from a list of sample indices (an epoch's shuffled order).
@@ -87,7 +88,7 @@ impl MicrobatchSource for OrderedSource<'_> {
         Ok(self.data.gather(self.slice(mb)?).0)
     }
 
-    fn labels(&self, mb: u32) -> Result<Vec<u32>> {
+    fn labels(&self, mb: u32) -> Result<Tensor<u32>> {
         Ok(self.data.gather(self.slice(mb)?).1)
     }
 }
@@ -113,23 +114,33 @@ pub struct Setup<'a> {
     pub lr: &'a LrFn<'a>,
 }
 
-/// A stage's gradients as one flat buffer, tensor after tensor (what an all-reduce moves).
-pub(crate) fn flatten(p: &Params) -> Vec<f32> {
+/// A stage's gradients as one flat host buffer, tensor after tensor (what an all-reduce moves).
+pub(crate) fn flatten(be: &dyn Backend, p: &Params) -> Result<Vec<f32>> {
     let mut flat = Vec::with_capacity(p.iter().flatten().map(Tensor::len).sum());
     for t in p.iter().flatten() {
-        flat.extend_from_slice(t.data());
+        flat.extend_from_slice(&be.read(t)?);
     }
-    flat
+    Ok(flat)
 }
 
 /// Copies a buffer made by [`flatten`] back into `p`'s tensors.
-pub(crate) fn unflatten(p: &mut Params, flat: &[f32]) {
+///
+/// # Errors
+/// A buffer shorter than the tensors; kernel errors.
+pub(crate) fn unflatten(be: &dyn Backend, p: &mut Params, flat: &[f32]) -> Result<()> {
     let mut at = 0;
     for t in p.iter_mut().flatten() {
         let n = t.len();
-        t.data_mut().copy_from_slice(&flat[at..at + n]);
+        let part = flat.get(at..at + n).ok_or_else(|| {
+            crate::StageError::Executor(format!(
+                "a flat buffer of {} values is too short for the gradients",
+                flat.len()
+            ))
+        })?;
+        be.write(part, t)?;
         at += n;
     }
+    Ok(())
 }
 
 /// The update the executor and the reference trainer both apply, with the same operations so

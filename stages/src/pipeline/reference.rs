@@ -24,7 +24,7 @@ use pipe_transport::collective::ring_sum;
 use super::{Setup, flatten, mean_step, unflatten};
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
-use crate::model::Params;
+use crate::model::{Params, place_params};
 use crate::optim::{Optimizer, OptimizerConfig};
 
 /// Per computed microbatch of a stage: saved activations and each layer's output gradient.
@@ -58,12 +58,17 @@ pub fn reference_train(
     let stages = plan.schedule.stages() as usize;
     let n = plan.schedule.total_microbatches();
     let versions: Vec<Vec<Params>> = (0..stages)
-        .map(|s| vec![init[plan.partition.range(s)].to_vec()])
-        .collect();
+        .map(|s| {
+            Ok(vec![place_params(
+                be,
+                init[plan.partition.range(s)].to_vec(),
+            )?])
+        })
+        .collect::<Result<_>>()?;
     let opts = versions
         .iter()
-        .map(|v| Optimizer::new(opt, &v[0]))
-        .collect();
+        .map(|v| Optimizer::new(opt, &v[0]).placed(be))
+        .collect::<Result<_>>()?;
     let mut r = Reference {
         setup,
         versions,
@@ -174,7 +179,7 @@ impl Reference<'_, '_> {
         let setup = self.setup;
         let plan = setup.plan;
         let model = setup.model;
-        let mut h = setup.data.inputs(mb)?;
+        let mut h = be.place(setup.data.inputs(mb)?)?;
         let mut saved_all = Vec::with_capacity(self.versions.len());
         for (s, vs) in self.versions.iter().enumerate() {
             let v = plan.versions.forward_version(s as u32, mb) as usize;
@@ -190,7 +195,7 @@ impl Reference<'_, '_> {
             saved_all.push(saved);
             h = y;
         }
-        let targets = setup.data.labels(mb)?;
+        let targets = be.place_ids(setup.data.labels(mb)?)?;
         let mut g = Tensor::default();
         let scale = 1.0 / targets.len().max(1) as f32;
         setup.loss.evaluate(be, &h, &targets, scale, Some(&mut g))?;
@@ -235,7 +240,7 @@ impl Reference<'_, '_> {
         let sums = plan.versions.update(s as u32, k);
         let mut partials: Vec<Params> = Vec::with_capacity(sums.per_replica.len());
         for mbs in &sums.per_replica {
-            let mut acc = model.zero_grads(range.clone());
+            let mut acc = place_params(be, model.zero_grads(range.clone()))?;
             for (i, mb) in mbs.iter().enumerate() {
                 let (saved, dys) = self.pending[s]
                     .remove(mb)
@@ -256,10 +261,13 @@ impl Reference<'_, '_> {
         Ok(if partials.len() == 1 {
             partials.pop().unwrap_or_default()
         } else {
-            let flats: Vec<Vec<f32>> = partials.iter().map(flatten).collect();
+            let flats = partials
+                .iter()
+                .map(|p| flatten(be, p))
+                .collect::<Result<Vec<Vec<f32>>>>()?;
             let sum = ring_sum(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>());
             let mut out = partials.swap_remove(0);
-            unflatten(&mut out, &sum);
+            unflatten(be, &mut out, &sum)?;
             out
         })
     }
