@@ -121,10 +121,11 @@ pub struct Tensor<E: Element = f32> {
 }
 
 impl<E: Element> Default for Tensor<E> {
-    /// An empty host tensor of shape `[0]` (a scratch output for a backend to fill).
+    /// An empty host tensor (a scratch output for a backend to fill). It allocates nothing:
+    /// scratch outputs are made for every kernel call.
     fn default() -> Self {
         Self {
-            shape: vec![0],
+            shape: Vec::new(),
             storage: Storage::Host(Vec::new()),
             stamp: next_stamp(),
         }
@@ -249,9 +250,12 @@ impl<E: Element> Tensor<E> {
         &self.shape
     }
 
-    /// Number of elements.
+    /// Number of elements (0 for an empty default tensor).
     pub fn len(&self) -> usize {
-        self.shape.iter().product()
+        match &self.storage {
+            Storage::Host(v) => v.len(),
+            Storage::Device(m) => m.bytes() / E::DTYPE.size(),
+        }
     }
 
     /// True when the tensor holds no element.
