@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Throughput of two revisions of pipe side by side, in one sitting: builds both, then alternates
+# `pipe bench mfu` and `pipe bench pipeline --rounds 1` between them ROUNDS times, so both see the
+# same machine load, and prints each figure's median with the after/before ratio.
+#
+#   experiments/compare-builds/run.sh [BEFORE [AFTER [ROUNDS]]]    # defaults: 1fa4d95 HEAD 3
+#
+# Each revision is built in its own worktree and target directory under target/compare/.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+before=${1:-1fa4d95}
+after=${2:-HEAD}
+rounds=${3:-3}
+root=$PWD/target/compare
+out=$root/out
+mkdir -p "$out"
+rm -f "$out"/*.json
+
+build() { # rev -> path of its pipe binary
+  local rev sha dir
+  rev=$1
+  sha=$(git rev-parse --short "$rev")
+  dir=$root/src-$sha
+  if [ ! -d "$dir" ]; then
+    git worktree add --detach "$dir" "$sha" >/dev/null 2>&1
+  fi
+  (cd "$dir" && CARGO_TARGET_DIR=$root/target-$sha cargo build --release --locked --bin pipe >&2)
+  echo "$root/target-$sha/release/pipe"
+}
+
+bin_before=$(build "$before")
+bin_after=$(build "$after")
+for r in $(seq 1 "$rounds"); do
+  for side in before after; do
+    bin=bin_$side
+    echo "round $r: $side mfu" >&2
+    "${!bin}" bench mfu --json "$out/mfu-$side-$r.json" >/dev/null
+    echo "round $r: $side pipeline" >&2
+    "${!bin}" bench pipeline --rounds 1 --json "$out/pipeline-$side-$r.json" >/dev/null
+  done
+done
+python3 experiments/compare-builds/summarise.py "$out" "$rounds" \
+  "$(git rev-parse --short "$before")" "$(git rev-parse --short "$after")"
