@@ -155,7 +155,7 @@ fn bad_input_exits_2_with_one_line() {
     );
     assert_bad_input(
         &["train", "--stages", "40"],
-        "cannot cut 6 layers into 40 stages",
+        "cannot cut the model into 40 stages that each hold parameters: it has 5 layers",
     );
     assert_bad_input(&["train", "--replicas", "0"], "replicas must be at least 1");
     assert_bad_input(

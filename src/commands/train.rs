@@ -9,10 +9,11 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
+use pipe_stages::config::{DatasetKind, ModelChoice, PartitionChoice, RunConfig, TrainSettings};
 use pipe_stages::log::JsonlLog;
 use pipe_stages::model::Model;
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
+use pipe_stages::pipeline::train::measured_cut;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
 
@@ -93,7 +94,9 @@ pub struct TrainArgs {
     /// Model chunks per worker (interleaved).
     #[arg(long)]
     chunks: Option<u32>,
-    /// Stage boundaries as inclusive layer ranges, e.g. 0-2,3-5 (default: balanced by FLOPs).
+    /// How to cut the model into stages: `measured` (profile briefly, balance time; the
+    /// default), `flops` (balance FLOPs; the same cut on every machine) or inclusive layer
+    /// ranges such as 0-2,3-5.
     #[arg(long)]
     partition: Option<String>,
     /// Run a plan written by `pipe plan -o`: its schedule, stages, replicas and partition.
@@ -195,7 +198,7 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
 /// Bad input for flags, config, plan or data files that describe no run; run-time failures of
 /// training or of writing its outputs.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let cfg = run_config(args)?;
+    let mut cfg = run_config(args)?;
     if args.trace.is_some() && !cfg.pipelined {
         return Err(bad_input(
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
@@ -230,6 +233,21 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         rest: observers,
     };
     let report = if cfg.pipelined {
+        if cfg.partition == PartitionChoice::Measured {
+            let cut = measured_cut(&cfg, &model)?;
+            let ms: Vec<String> = cut
+                .stage_seconds
+                .iter()
+                .map(|s| format!("{:.2}", s * 1e3))
+                .collect();
+            outln!(
+                "partition {} by measured time (ms per microbatch per stage: {}; --partition {} repeats it)",
+                cut.partition,
+                ms.join(", "),
+                cut.partition
+            );
+            cfg.partition = PartitionChoice::Given(cut.partition);
+        }
         let opts = PipelineTrainOptions {
             timeline: args.trace.is_some(),
         };

@@ -17,6 +17,44 @@ use crate::pipeline::Partition;
 /// The model preset used when none is given.
 pub const DEFAULT_MODEL: &str = "mlp-784-512-512-10";
 
+/// The model preset used when none is given and the run has more than one stage: five linear
+/// layers, four of them about equally costly (784 x 1024, then 1024 x 1024 three times; the
+/// last, 1024 x 10, rides with the fourth), so four stages are within 25% of each other, where
+/// the three linear layers of [`DEFAULT_MODEL`] leave any four-stage cut unbalanced.
+pub const DEFAULT_PIPELINE_MODEL: &str = "mlp-784-1024x4-10";
+
+/// Without `--warmup-steps`, the learning rate warms up linearly over the first
+/// `1 / DEFAULT_WARMUP_FRACTION` of the run's steps (5%): asynchronous pipelines apply
+/// gradients computed on weights several updates old, and a full learning rate on the first,
+/// largest gradients is where they go wrong.
+pub const DEFAULT_WARMUP_FRACTION: u64 = 20;
+
+/// How a pipelined run's layers are cut into stages.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum PartitionChoice {
+    /// Profile the model briefly on this machine and balance measured time (the default).
+    #[default]
+    Measured,
+    /// Balance forward FLOPs per sample (no measurement: the same cut on every machine).
+    Flops,
+    /// Explicit ranges (checked against the model).
+    Given(Partition),
+}
+
+impl PartitionChoice {
+    /// Parses `--partition`: `measured`, `flops`, or inclusive ranges such as `0-2,3-5`.
+    ///
+    /// # Errors
+    /// Ranges that do not tile a model of `layers` layers.
+    pub fn parse(text: &str, layers: usize) -> Result<Self> {
+        Ok(match text.trim() {
+            "measured" => PartitionChoice::Measured,
+            "flops" => PartitionChoice::Flops,
+            ranges => PartitionChoice::Given(Partition::parse(ranges, layers)?),
+        })
+    }
+}
+
 /// A model given by preset name or by layer list.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -180,9 +218,14 @@ impl TrainSettings {
     /// [`StageError::Config`] or [`StageError::Model`] naming the first bad value.
     pub fn resolve(self) -> Result<RunConfig> {
         let bad = |m: String| Err(StageError::Config(m));
+        let default_model = if self.stages.unwrap_or(1) > 1 {
+            DEFAULT_PIPELINE_MODEL
+        } else {
+            DEFAULT_MODEL
+        };
         let (model_name, model_spec) = match self
             .model
-            .unwrap_or(ModelChoice::Preset(DEFAULT_MODEL.into()))
+            .unwrap_or(ModelChoice::Preset(default_model.into()))
         {
             ModelChoice::Preset(name) => {
                 let spec = ModelSpec::preset(&name)?;
@@ -260,8 +303,8 @@ impl TrainSettings {
             None => Policy::PipeDream,
         };
         let partition = match &self.partition {
-            Some(text) => Some(Partition::parse(text, model.len())?),
-            None => None,
+            Some(text) => PartitionChoice::parse(text, model.len())?,
+            None => PartitionChoice::Measured,
         };
         let backend = match &self.backend {
             Some(b) => b.parse().map_err(StageError::Config)?,
@@ -285,7 +328,7 @@ impl TrainSettings {
             optimizer,
             lr,
             lr_schedule: self.lr_schedule.unwrap_or(LrScheduleKind::Cosine),
-            warmup_steps: self.warmup_steps.unwrap_or(0),
+            warmup_steps: self.warmup_steps,
             seed: self.seed.unwrap_or(0),
             threads: self.threads.unwrap_or(0),
             log_jsonl: self.log_jsonl,
@@ -329,8 +372,8 @@ pub struct RunConfig {
     pub lr: f32,
     /// Learning-rate schedule.
     pub lr_schedule: LrScheduleKind,
-    /// Warmup steps.
-    pub warmup_steps: u64,
+    /// Warmup steps (`None`: 5% of the run, [`DEFAULT_WARMUP_FRACTION`]).
+    pub warmup_steps: Option<u64>,
     /// Run seed.
     pub seed: u64,
     /// Compute threads (0: one per core).
@@ -345,8 +388,8 @@ pub struct RunConfig {
     pub schedule: Policy,
     /// Model chunks per worker.
     pub chunks: u32,
-    /// Explicit partition, if given (checked against the model).
-    pub partition: Option<Partition>,
+    /// How the layers are cut into stages.
+    pub partition: PartitionChoice,
     /// True when the run goes through the pipelined executor (any pipeline setting given).
     pub pipelined: bool,
     /// Compute backend.
@@ -369,7 +412,7 @@ impl RunConfig {
         LrSchedule {
             kind: self.lr_schedule,
             base: self.lr,
-            warmup: self.warmup_steps,
+            warmup: self.warmup_steps.unwrap_or(total / DEFAULT_WARMUP_FRACTION),
             total,
             min_ratio: 0.0,
         }

@@ -1,7 +1,9 @@
-//! Planning a run on this machine: what `pipe train --workers W` and `pipe plan --model`
-//! measure before the planner runs. The model is profiled at the run's microbatch size with
-//! one compute thread per worker ([`crate::profile`]); the in-process link is measured as the
-//! executor's own all-reduce; the planner ([`pipe_scheduler::plan_checked`]) then picks the
+//! Planning a run on this machine: what `pipe train --stages S` (with no `--partition`),
+//! `pipe train --workers W` and `pipe plan --model` measure before they cut the model. The model
+//! is profiled at the run's microbatch size with one compute thread per worker
+//! ([`crate::profile`]). A fixed stage count is then cut by measured time
+//! ([`measured_partition`]); a worker count is planned in full: the in-process link is measured
+//! as the executor's own all-reduce, and the planner ([`pipe_scheduler::plan_checked`]) picks the
 //! layout under the default cost model.
 
 use pipe_kernels::CpuBackend;
@@ -14,7 +16,7 @@ use crate::error::Result;
 use crate::loss::SoftmaxCrossEntropy;
 use crate::model::Model;
 use crate::optim::OptimizerConfig;
-use crate::pipeline::{RunPlan, Setup, WorkerState, run_threads};
+use crate::pipeline::{Partition, RunPlan, Setup, WorkerState, run_threads};
 use crate::profile::{ProfileOptions, Random, profile_model};
 
 /// Workers that compute at once: one per worker, at most one per core.
@@ -84,6 +86,65 @@ pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
         bytes / t
     } else {
         f64::INFINITY
+    })
+}
+
+/// A partition cut by measured time, with what each stage was measured to cost.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredPartition {
+    /// The cut.
+    pub partition: Partition,
+    /// Seconds per microbatch of each stage: its layers' forward and backward, plus its
+    /// update spread over the microbatches of an update.
+    pub stage_seconds: Vec<f64>,
+}
+
+/// The cut `pipe train --stages S` makes when no partition is given: `model` profiled briefly
+/// at `microbatch_size` samples with one thread (isolated layer timings, no calibration run),
+/// each layer costing its forward and backward time plus its update over `microbatches`, split
+/// into `stages` by [`Partition::by_cost`] (so no stage is only parameter-free layers, whose
+/// memory traffic the times include and a FLOP count misses).
+///
+/// The cut depends on measured times, so it can differ between machines; runs print it, and
+/// `--partition` with the printed ranges repeats a run exactly.
+///
+/// # Errors
+/// More stages than layers with parameters; profiling failures.
+pub fn measured_partition(
+    model: &Model,
+    microbatch_size: usize,
+    microbatches: u32,
+    stages: usize,
+) -> Result<MeasuredPartition> {
+    if stages == 1 {
+        return Ok(MeasuredPartition {
+            partition: Partition::new(std::iter::once(0..model.len()).collect(), model.len())?,
+            stage_seconds: vec![f64::NAN],
+        });
+    }
+    let be = CpuBackend::new(1)?;
+    let opts = ProfileOptions {
+        warmup: 2,
+        repeats: 5,
+        calibrate: None,
+        ..ProfileOptions::new(microbatch_size)
+    };
+    let profile = profile_model(model, "", &be, &opts)?;
+    let per_update = f64::from(microbatches.max(1));
+    let costs: Vec<f64> = profile
+        .layers
+        .iter()
+        .map(|l| l.compute() + l.update / per_update)
+        .collect();
+    let partition = Partition::by_cost(model, &costs, stages)?;
+    let stage_seconds = partition
+        .ranges()
+        .iter()
+        .map(|r| costs[r.clone()].iter().sum())
+        .collect();
+    Ok(MeasuredPartition {
+        partition,
+        stage_seconds,
     })
 }
 

@@ -1,5 +1,6 @@
 //! Cutting a model into contiguous stages: explicit boundaries (`--partition 0-5,6-11`) or a
-//! split balanced by each layer's forward FLOPs (the planner's exact min-max split).
+//! min-max split balanced by per-layer costs (measured times, or forward FLOPs), in which every
+//! stage holds parameters.
 
 use std::ops::Range;
 
@@ -78,36 +79,67 @@ impl Partition {
 
     /// The split into `stages` contiguous stages that minimises the largest stage's forward
     /// FLOPs per sample (each layer also counts its output size, so activation layers are not
-    /// free). The split itself is the planner's exact min-max split
-    /// ([`pipe_scheduler::balanced`]), given these costs as a profile.
+    /// free), cutting only where [`Partition::by_cost`] may.
     ///
     /// # Errors
-    /// [`StageError::Config`] when there are more stages than layers.
+    /// As [`Partition::by_cost`].
     pub fn balanced(model: &Model, stages: usize) -> Result<Self> {
-        let n = model.len();
-        if stages == 0 || stages > n {
-            return Err(StageError::Config(format!(
-                "cannot cut {n} layers into {stages} stages"
-            )));
-        }
-        let layers = (0..n)
+        let costs: Vec<f64> = (0..model.len())
             .map(|i| {
                 let shape = model.shape_before(i);
-                let cost =
-                    model.layer(i).flops_per_sample(shape) + shape.iter().product::<usize>() as u64;
-                LayerProfile {
-                    name: format!("{i}:{}", model.layer(i).kind()),
-                    forward: cost as f64,
-                    backward_input: 0.0,
-                    backward_weight: 0.0,
-                    update: 0.0,
-                    activation_bytes: 0.0,
-                    param_bytes: 0.0,
-                    stash_bytes: None,
-                }
+                let flops = model.layer(i).flops_per_sample(shape);
+                (flops + shape.iter().product::<usize>() as u64) as f64
             })
             .collect();
-        let ranges = pipe_scheduler::balanced(&Profile::chain(layers), stages)?;
+        Partition::by_cost(model, &costs, stages)
+    }
+
+    /// The split into `stages` contiguous stages that minimises the largest stage's total
+    /// `costs` (one per layer: seconds measured, or FLOPs), where every stage holds at least
+    /// one layer with parameters: a stage starts at layer 0 or at a layer with parameters, so
+    /// parameter-free layers (flatten, activations, dropout) ride with the layer before them.
+    /// The split itself is the planner's exact min-max split ([`pipe_scheduler::balanced`])
+    /// over those units.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] when `costs` does not match the layers, or when there are more
+    /// stages than layers with parameters (naming both counts).
+    pub fn by_cost(model: &Model, costs: &[f64], stages: usize) -> Result<Self> {
+        let n = model.len();
+        if costs.len() != n {
+            return Err(StageError::Config(format!(
+                "{} layer costs for a model of {n} layers",
+                costs.len()
+            )));
+        }
+        let starts = unit_starts(model);
+        if stages == 0 || stages > starts.len() {
+            return Err(StageError::Config(format!(
+                "cannot cut the model into {stages} stages that each hold parameters: it has \
+                 {} layers with parameters ({n} layers in all); use at most {} stages, a \
+                 deeper model, or an explicit --partition",
+                starts.len(),
+                starts.len()
+            )));
+        }
+        let bounds: Vec<usize> = starts.iter().copied().chain([n]).collect();
+        let units = bounds
+            .windows(2)
+            .map(|w| LayerProfile {
+                name: format!("layers {}-{}", w[0], w[1] - 1),
+                forward: costs[w[0]..w[1]].iter().sum(),
+                backward_input: 0.0,
+                backward_weight: 0.0,
+                update: 0.0,
+                activation_bytes: 0.0,
+                param_bytes: 0.0,
+                stash_bytes: None,
+            })
+            .collect();
+        let ranges = pipe_scheduler::balanced(&Profile::chain(units), stages)?
+            .into_iter()
+            .map(|u| bounds[u.start]..bounds[u.end])
+            .collect();
         Partition::new(ranges, n)
     }
 
@@ -130,6 +162,17 @@ impl Partition {
     pub fn layers(&self) -> usize {
         self.ranges.last().map_or(0, |r| r.end)
     }
+}
+
+/// Where a stage may start: layer 0, and every layer with parameters after the first one that
+/// has them. Unit `u` runs from `starts[u]` to the next start.
+fn unit_starts(model: &Model) -> Vec<usize> {
+    let with_params: Vec<usize> = (0..model.len())
+        .filter(|&i| !model.layer(i).param_shapes().is_empty())
+        .collect();
+    std::iter::once(0)
+        .chain(with_params.into_iter().skip(1))
+        .collect()
 }
 
 impl std::fmt::Display for Partition {

@@ -10,12 +10,13 @@ use pipe_transport::TransportKind;
 use pipe_transport::inproc::{InProcOptions, mesh};
 
 use super::{OrderedSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, run_threads};
-use crate::config::RunConfig;
+use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::loss::SoftmaxCrossEntropy;
 use crate::model::{Model, Params};
 use crate::optim::LrSchedule;
+use crate::planning::{MeasuredPartition, measured_partition};
 use crate::train::{EpochStats, Observer, StageEpochStats, StepStats, TrainReport, evaluate};
 
 /// Extra outputs of a pipelined run.
@@ -71,6 +72,7 @@ pub fn train_pipelined(
         BackendKind::open(cfg.backend, 1, 0)?;
     }
     let run = Run::new(cfg, data)?;
+    let partition = run_partition(cfg, &run.model)?;
     let init = run.model.init_params(cfg.seed);
     let eval_be = CpuBackend::new(0)?;
     let mut states: Vec<WorkerState> = Vec::new();
@@ -85,7 +87,7 @@ pub fn train_pipelined(
             break;
         }
         let spec = cfg.schedule_spec(Length::Updates(this as u32));
-        let plan = RunPlan::new(&run.model, &spec, cfg.partition.clone())?;
+        let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
         let epoch_start = Instant::now();
         let outcomes = run.epoch(&plan, data, epoch, done, &init, &mut states)?;
         let secs = epoch_start.elapsed().as_secs_f64();
@@ -135,6 +137,31 @@ pub fn train_pipelined(
         schedule: plan.schedule,
         timeline: opts.timeline.then(|| Timeline::new(workers, spans)),
     })
+}
+
+/// The partition `cfg` asks for: given ranges, the FLOP-balanced split (`None`, which
+/// [`RunPlan::new`] fills in), or a cut by time measured now
+/// ([`crate::planning::measured_partition`]).
+///
+/// # Errors
+/// An impossible schedule; more stages than layers with parameters; profiling failures.
+pub fn run_partition(cfg: &RunConfig, model: &Model) -> Result<Option<Partition>> {
+    Ok(match &cfg.partition {
+        PartitionChoice::Given(p) => Some(p.clone()),
+        PartitionChoice::Flops => None,
+        PartitionChoice::Measured => Some(measured_cut(cfg, model)?.partition),
+    })
+}
+
+/// The cut by measured time for `cfg`'s schedule (as many model stages as it has).
+///
+/// # Errors
+/// As [`run_partition`].
+pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition> {
+    let spec = cfg.schedule_spec(Length::Updates(1));
+    let stages = spec.resolve()?.layout.stages() as usize;
+    let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
+    measured_partition(model, cfg.microbatch_size, m, stages)
 }
 
 impl<'c> Run<'c> {
