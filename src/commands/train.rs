@@ -240,12 +240,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 .iter()
                 .map(|s| format!("{:.2}", s * 1e3))
                 .collect();
-            outln!(
-                "partition {} by measured time (ms per microbatch per stage: {}; --partition {} repeats it)",
-                cut.partition,
-                ms.join(", "),
-                cut.partition
-            );
+            if cut.partition.stages() > 1 {
+                outln!(
+                    "partition {} by measured time (ms per microbatch per stage: {}; --partition {} repeats it)",
+                    cut.partition,
+                    ms.join(", "),
+                    cut.partition
+                );
+            }
             cfg.partition = PartitionChoice::Given(cut.partition);
         }
         let opts = PipelineTrainOptions {
