@@ -104,6 +104,11 @@ impl ScheduleOpts {
             .with_length(length)
     }
 
+    /// True when each all-reduce is to be expanded into its ring steps.
+    pub fn expands_all_reduce(&self) -> bool {
+        self.expand_all_reduce
+    }
+
     /// Generates, lowers and checks the schedule.
     ///
     /// # Errors

@@ -5,7 +5,10 @@
 //! derive the version plan and simulate with a cost model (the simulator's engine is also the
 //! dry run). Layouts: a straight 1,024-stage pipeline (every microbatch visits every worker:
 //! about 20 million compute actions and 40 million sends and receives) and 128 stages of 8
-//! replicas (1,024 workers, 1.3 million compute actions plus the all-reduces).
+//! replicas (1,024 workers, 1.3 million compute actions plus the all-reduces). The `streamed/`
+//! cases time `simulate_spec`, which generates and lowers each worker's program as the engine
+//! consumes it and never holds the schedule (what `pipe simulate` runs when no trace is asked
+//! for); the `materialised/` cases build the whole schedule first.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use std::hint::black_box;
@@ -14,7 +17,7 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use pipe_scheduler::{
     CostModel, Length, LowerOptions, Policy, ScheduleSpec, SimOptions, StageCost, generate, lower,
-    simulate,
+    simulate, simulate_spec,
 };
 
 fn costs() -> CostModel {
@@ -61,8 +64,17 @@ fn bench(c: &mut Criterion) {
     ];
     for (name, spec) in cases {
         let spec = spec.with_length(Length::Microbatches(10_000));
-        g.bench_function(name, |b| {
+        g.bench_function(format!("materialised/{name}"), |b| {
             b.iter(|| black_box(plan_and_simulate(&spec, &costs)))
+        });
+        g.bench_function(format!("streamed/{name}"), |b| {
+            b.iter(|| {
+                black_box(
+                    simulate_spec(&spec, &costs, SimOptions::default())
+                        .unwrap()
+                        .makespan,
+                )
+            })
         });
     }
     g.finish();

@@ -29,17 +29,13 @@ use crate::spec::{Policy, Resolved, Schedule, ScheduleSpec};
 /// [`ScheduleError::Spec`] when the request is impossible (see [`ScheduleSpec::resolve`]).
 pub fn generate(spec: &ScheduleSpec) -> Result<Schedule> {
     let resolved = spec.resolve()?;
-    let programs = match resolved.policy {
-        Policy::Sequential => sequential(&resolved),
-        Policy::Gpipe => sequenced(&resolved, Depth::Minibatch, Gate::Flush, false),
-        Policy::OneFOneBFlush => sequenced(&resolved, Depth::Pipeline, Gate::Flush, false),
-        Policy::ZbH1 => sequenced(&resolved, Depth::Pipeline, Gate::Flush, true),
-        Policy::Interleaved => interleaved(&resolved),
-        Policy::PipeDream | Policy::PipeDreamNoStash | Policy::VerticalSync => {
-            sequenced(&resolved, Depth::Pipeline, Gate::None, false)
-        }
-        Policy::TwoBw => sequenced(&resolved, Depth::Pipeline, Gate::OneBehind, false),
-    }?;
+    let streams = WorkerProgram::all(&resolved);
+    let mut programs = Vec::with_capacity(streams.len());
+    for mut stream in streams {
+        let prog: Vec<Action> = stream.by_ref().collect();
+        stream.check()?;
+        programs.push(prog);
+    }
     Ok(Schedule {
         resolved,
         programs,
@@ -47,24 +43,155 @@ pub fn generate(spec: &ScheduleSpec) -> Result<Schedule> {
     })
 }
 
-/// The plain training loop: every microbatch forward through all stages and back, an update of
-/// every stage after each minibatch.
-fn sequential(r: &Resolved) -> Result<Vec<Vec<Action>>> {
-    let stages = r.layout.stages();
-    let mut prog = Vec::with_capacity(r.total as usize * (2 * stages as usize) + 16);
-    for mb in 0..r.total {
-        prog.extend((0..stages).map(|stage| Action::Forward { stage, mb }));
-        prog.extend(
-            (0..stages)
-                .rev()
-                .map(|stage| Action::Backward { stage, mb }),
-        );
-        if (mb + 1) % r.minibatch == 0 {
-            let update = mb / r.minibatch;
-            prog.extend((0..stages).map(|stage| Action::Update { stage, update }));
+/// One worker's (unlowered) program, produced a block at a time: what [`generate`] collects,
+/// and what the streaming simulator runs without ever holding the whole schedule.
+pub(crate) struct WorkerProgram {
+    buf: std::collections::VecDeque<Action>,
+    source: Source,
+    stalled: bool,
+}
+
+/// Where a [`WorkerProgram`]'s next block comes from.
+enum Source {
+    /// `sequential`: one microbatch through every stage and back per block.
+    Sequential {
+        stages: StageId,
+        minibatch: u32,
+        total: u32,
+        next: Microbatch,
+    },
+    /// Every policy built on the local sequencer.
+    Sequenced(Sequenced),
+    /// Megatron's interleaved order: one minibatch per block.
+    Interleaved(Interleaved),
+}
+
+impl WorkerProgram {
+    /// The program of every worker under the checked request `r`, in worker order.
+    pub(crate) fn all(r: &Resolved) -> Vec<Self> {
+        let depths = r.layout.in_flight_limits();
+        (0..r.layout.workers())
+            .map(|w| WorkerProgram::new(r, w, &depths))
+            .collect()
+    }
+
+    /// The program of worker `w` under the checked request `r`, given the in-flight limit of
+    /// every position ([`crate::Layout::in_flight_limits`]).
+    fn new(r: &Resolved, w: u32, depths: &[u32]) -> Self {
+        let sequenced = |depth, gate, split| {
+            Source::Sequenced(Sequenced::new(r, w, depths, depth, gate, split))
+        };
+        let source = match r.policy {
+            Policy::Sequential => Source::Sequential {
+                stages: r.layout.stages(),
+                minibatch: r.minibatch,
+                total: r.total,
+                next: 0,
+            },
+            Policy::Gpipe => sequenced(Depth::Minibatch, Gate::Flush, false),
+            Policy::OneFOneBFlush => sequenced(Depth::Pipeline, Gate::Flush, false),
+            Policy::ZbH1 => sequenced(Depth::Pipeline, Gate::Flush, true),
+            Policy::Interleaved => Source::Interleaved(Interleaved::new(r, w)),
+            Policy::PipeDream | Policy::PipeDreamNoStash | Policy::VerticalSync => {
+                sequenced(Depth::Pipeline, Gate::None, false)
+            }
+            Policy::TwoBw => sequenced(Depth::Pipeline, Gate::OneBehind, false),
+        };
+        WorkerProgram {
+            buf: std::collections::VecDeque::new(),
+            source,
+            stalled: false,
         }
     }
-    Ok(vec![prog])
+
+    /// `Err` when the sequencer stalled (no forward allowed and nothing to backward), which a
+    /// checked request never does; the program then ended early.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.stalled {
+            return Err(ScheduleError::Spec(
+                "internal: sequencer stalled (no forward allowed, nothing to backward)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Appends the next block to the buffer; false when the program has ended.
+    fn refill(&mut self) -> bool {
+        match &mut self.source {
+            Source::Sequential {
+                stages,
+                minibatch,
+                total,
+                next,
+            } => {
+                let mb = *next;
+                if mb >= *total {
+                    return false;
+                }
+                *next += 1;
+                let buf = &mut self.buf;
+                buf.extend((0..*stages).map(|stage| Action::Forward { stage, mb }));
+                buf.extend(
+                    (0..*stages)
+                        .rev()
+                        .map(|stage| Action::Backward { stage, mb }),
+                );
+                if (mb + 1) % *minibatch == 0 {
+                    let update = mb / *minibatch;
+                    buf.extend((0..*stages).map(|stage| Action::Update { stage, update }));
+                }
+                true
+            }
+            Source::Sequenced(s) => match s.seq.next_op() {
+                Ok(Some(op)) => {
+                    s.expand(op, &mut self.buf);
+                    true
+                }
+                Ok(None) => false,
+                Err(()) => {
+                    self.stalled = true;
+                    false
+                }
+            },
+            Source::Interleaved(i) => i.minibatch(&mut self.buf),
+        }
+    }
+}
+
+impl Iterator for WorkerProgram {
+    type Item = Action;
+
+    #[inline]
+    fn next(&mut self) -> Option<Action> {
+        loop {
+            if let Some(a) = self.buf.pop_front() {
+                return Some(a);
+            }
+            // Fast path: a plain forward or backward needs no buffer.
+            if let Source::Sequenced(s) = &mut self.source {
+                if !s.split {
+                    match s.seq.next_op() {
+                        Ok(Some(Op::F(mb))) => return Some(Action::Forward { stage: s.stage, mb }),
+                        Ok(Some(Op::B(mb))) => {
+                            return Some(Action::Backward { stage: s.stage, mb });
+                        }
+                        Ok(Some(op)) => {
+                            s.expand(op, &mut self.buf);
+                            continue;
+                        }
+                        Ok(None) => return None,
+                        Err(()) => {
+                            self.stalled = true;
+                            return None;
+                        }
+                    }
+                }
+            }
+            if !self.refill() {
+                return None;
+            }
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -85,13 +212,6 @@ enum Gate {
     None,
 }
 
-/// In-flight limit per position (see [`crate::Layout::in_flight_limit`]).
-fn pipeline_depths(r: &Resolved) -> Vec<usize> {
-    (0..r.layout.positions())
-        .map(|p| r.layout.in_flight_limit(p) as usize)
-        .collect()
-}
-
 /// A step of a local sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
@@ -100,97 +220,147 @@ enum Op {
     Sync(u32),
 }
 
-/// The shared local sequencer (see the module docs).
-fn sequence(
-    local: &[Microbatch],
+/// The shared local sequencer (see the module docs) as a state machine over the worker's
+/// local microbatches `first, first + step, ...` (`n` of them).
+struct Sequencer {
+    first: Microbatch,
+    step: u32,
+    n: usize,
     depth: usize,
     per_update: usize,
-    gate: impl Fn(usize) -> u32,
-) -> Result<Vec<Op>> {
-    let n = local.len();
-    let mut ops = Vec::with_capacity(2 * n + n / per_update.max(1) + 1);
-    let (mut f, mut b, mut u) = (0usize, 0usize, 0u32);
-    while b < n {
-        if f < n && f - b < depth && u >= gate(f) {
-            ops.push(Op::F(local[f]));
-            f += 1;
-            continue;
-        }
-        if b == f {
-            return Err(ScheduleError::Spec(
-                "internal: sequencer stalled (no forward allowed, nothing to backward)".into(),
-            ));
-        }
-        ops.push(Op::B(local[b]));
-        b += 1;
-        if b % per_update == 0 {
-            ops.push(Op::Sync(u));
-            u += 1;
+    gate: Gate,
+    f: usize,
+    b: usize,
+    u: u32,
+    sync_due: bool,
+}
+
+impl Sequencer {
+    /// The update count the forward of local microbatch `f` waits for.
+    fn gate(&self, f: usize) -> u32 {
+        let t = (f / self.per_update) as u32;
+        match self.gate {
+            Gate::Flush => t,
+            Gate::OneBehind => t.saturating_sub(1),
+            Gate::None => 0,
         }
     }
-    Ok(ops)
+
+    fn local(&self, i: usize) -> Microbatch {
+        self.first + self.step * i as u32
+    }
+
+    /// The next step, `Ok(None)` at the end, `Err` if the sequencer stalls.
+    #[inline]
+    fn next_op(&mut self) -> std::result::Result<Option<Op>, ()> {
+        if self.sync_due {
+            self.sync_due = false;
+            let u = self.u;
+            self.u += 1;
+            return Ok(Some(Op::Sync(u)));
+        }
+        if self.b >= self.n {
+            return Ok(None);
+        }
+        let f = self.f;
+        if f < self.n && f - self.b < self.depth && self.u >= self.gate(f) {
+            self.f += 1;
+            return Ok(Some(Op::F(self.local(f))));
+        }
+        if self.b == self.f {
+            return Err(());
+        }
+        let b = self.b;
+        self.b += 1;
+        if self.b % self.per_update == 0 {
+            self.sync_due = true;
+        }
+        Ok(Some(Op::B(self.local(b))))
+    }
 }
 
 /// Emits the synchronisation for one update of `stage`: all-reduce when replicated, then update.
-fn push_sync(prog: &mut Vec<Action>, stage: StageId, replicas: u32, update: u32) {
+fn push_sync(out: &mut impl Extend<Action>, stage: StageId, replicas: u32, update: u32) {
     if replicas > 1 {
-        prog.push(Action::AllReduce { stage, update });
+        out.extend([Action::AllReduce { stage, update }]);
     }
-    prog.push(Action::Update { stage, update });
+    out.extend([Action::Update { stage, update }]);
 }
 
-/// Every policy built on [`sequence`]. `split` turns it into zero-bubble H1: backward split into
-/// input and weight halves, weight halves deferred by `max depth - depth_s` (so every stage
-/// holds at most the input stage's activations, as 1F1B does) and drained before each update.
-fn sequenced(r: &Resolved, depth: Depth, gate: Gate, split: bool) -> Result<Vec<Vec<Action>>> {
-    let layout = &r.layout;
-    let depths = pipeline_depths(r);
-    let max_depth = depths.iter().copied().max().unwrap_or(1);
-    let mut programs = Vec::with_capacity(layout.workers() as usize);
-    for w in 0..layout.workers() {
+/// Every policy built on [`Sequencer`]. `split` turns it into zero-bubble H1: backward split
+/// into input and weight halves, weight halves deferred by `max depth - depth_s` (so every
+/// stage holds at most the input stage's activations, as 1F1B does) and drained before each
+/// update.
+struct Sequenced {
+    seq: Sequencer,
+    stage: StageId,
+    reps: u32,
+    split: bool,
+    defer: usize,
+    pending: std::collections::VecDeque<Microbatch>,
+}
+
+impl Sequenced {
+    fn new(r: &Resolved, w: u32, depths: &[u32], depth: Depth, gate: Gate, split: bool) -> Self {
+        let layout = &r.layout;
+        let max_depth = depths.iter().copied().max().unwrap_or(1) as usize;
         let (p, j) = layout.placement(w);
         let stage = p;
         let reps = layout.replicas_of(stage);
-        let local: Vec<Microbatch> = (j..r.total).step_by(reps as usize).collect();
+        let n = if j < r.total {
+            (r.total - j).div_ceil(reps) as usize
+        } else {
+            0
+        };
         let per_update = (r.update_size(stage) / reps) as usize;
+        let pipeline_depth = depths[p as usize] as usize;
         let depth = match depth {
             Depth::Minibatch => per_update,
-            Depth::Pipeline => depths[p as usize],
+            Depth::Pipeline => pipeline_depth,
         };
-        let ops = match gate {
-            Gate::Flush => sequence(&local, depth, per_update, |f| (f / per_update) as u32)?,
-            Gate::OneBehind => sequence(&local, depth, per_update, |f| {
-                ((f / per_update) as u32).saturating_sub(1)
-            })?,
-            Gate::None => sequence(&local, depth, per_update, |_| 0)?,
-        };
-        let defer = max_depth - depths[p as usize];
-        let mut prog = Vec::with_capacity(ops.len() * if split { 2 } else { 1 } + 8);
-        let mut pending = std::collections::VecDeque::new();
-        for op in ops {
-            match op {
-                Op::F(mb) => prog.push(Action::Forward { stage, mb }),
-                Op::B(mb) if split => {
-                    prog.push(Action::BackwardInput { stage, mb });
-                    pending.push_back(mb);
-                    if pending.len() > defer {
-                        if let Some(old) = pending.pop_front() {
-                            prog.push(Action::BackwardWeight { stage, mb: old });
-                        }
+        Sequenced {
+            seq: Sequencer {
+                first: j,
+                step: reps,
+                n,
+                depth,
+                per_update,
+                gate,
+                f: 0,
+                b: 0,
+                u: 0,
+                sync_due: false,
+            },
+            stage,
+            reps,
+            split,
+            defer: max_depth - pipeline_depth,
+            pending: std::collections::VecDeque::new(),
+        }
+    }
+
+    fn expand(&mut self, op: Op, out: &mut std::collections::VecDeque<Action>) {
+        let stage = self.stage;
+        match op {
+            Op::F(mb) => out.push_back(Action::Forward { stage, mb }),
+            Op::B(mb) if self.split => {
+                out.push_back(Action::BackwardInput { stage, mb });
+                self.pending.push_back(mb);
+                if self.pending.len() > self.defer {
+                    if let Some(old) = self.pending.pop_front() {
+                        out.push_back(Action::BackwardWeight { stage, mb: old });
                     }
-                }
-                Op::B(mb) => prog.push(Action::Backward { stage, mb }),
-                Op::Sync(u) => {
-                    while let Some(old) = pending.pop_front() {
-                        prog.push(Action::BackwardWeight { stage, mb: old });
-                    }
-                    push_sync(&mut prog, stage, reps, u);
                 }
             }
+            Op::B(mb) => out.push_back(Action::Backward { stage, mb }),
+            Op::Sync(u) => {
+                while let Some(old) = self.pending.pop_front() {
+                    out.push_back(Action::BackwardWeight { stage, mb: old });
+                }
+                push_sync(out, stage, self.reps, u);
+            }
         }
-        programs.push(prog);
     }
-    Ok(programs)
 }
 
 /// Megatron-LM's interleaved 1F1B: each worker holds `v` chunks (stages `c * P + p`); inside a
@@ -198,46 +368,69 @@ fn sequenced(r: &Resolved, depth: Depth, gate: Gate, split: bool) -> Result<Vec<
 /// then one forward and one backward at a time, then the remaining backwards. Forward `k` works
 /// on chunk `(k / P) mod v` and local microbatch `(k / (P v)) P + k mod P`; backward `k` on
 /// chunk `v - 1 - (k / P) mod v` and the same microbatch formula.
-fn interleaved(r: &Resolved) -> Result<Vec<Vec<Action>>> {
-    let layout = &r.layout;
-    let big_p = layout.positions() as usize;
-    let v = layout.chunks() as usize;
-    let reps = layout.replica_counts()[0];
-    let m = (r.minibatch / reps) as usize;
-    let total = m * v;
-    let mut programs = Vec::with_capacity(layout.workers() as usize);
-    for w in 0..layout.workers() {
+struct Interleaved {
+    big_p: usize,
+    v: usize,
+    p: usize,
+    j: u32,
+    reps: u32,
+    minibatch: u32,
+    minibatches: u32,
+    next: u32,
+}
+
+impl Interleaved {
+    fn new(r: &Resolved, w: u32) -> Self {
+        let layout = &r.layout;
         let (p, j) = layout.placement(w);
-        let p = p as usize;
-        let warmup = ((big_p - p - 1) * 2 + (v - 1) * big_p).min(total);
-        let mut prog = Vec::with_capacity((2 * total + 2 * v) * (r.total / r.minibatch) as usize);
-        for t in 0..r.total / r.minibatch {
-            let local = |k: usize| -> Microbatch {
-                let i = (k / (big_p * v)) * big_p + k % big_p;
-                t * r.minibatch + j + reps * i as u32
-            };
-            let stage_of = |chunk: usize| (chunk * big_p + p) as StageId;
-            let fwd = |k: usize| Action::Forward {
-                stage: stage_of((k / big_p) % v),
-                mb: local(k),
-            };
-            let bwd = |k: usize| Action::Backward {
-                stage: stage_of(v - 1 - (k / big_p) % v),
-                mb: local(k),
-            };
-            prog.extend((0..warmup).map(fwd));
-            for i in 0..total - warmup {
-                prog.push(fwd(warmup + i));
-                prog.push(bwd(i));
-            }
-            prog.extend((total - warmup..total).map(bwd));
-            for c in 0..v {
-                push_sync(&mut prog, stage_of(c), reps, t);
-            }
+        Interleaved {
+            big_p: layout.positions() as usize,
+            v: layout.chunks() as usize,
+            p: p as usize,
+            j,
+            reps: layout.replica_counts()[0],
+            minibatch: r.minibatch,
+            minibatches: r.total / r.minibatch,
+            next: 0,
         }
-        programs.push(prog);
     }
-    Ok(programs)
+
+    /// Appends the next minibatch's actions; false after the last.
+    fn minibatch(&mut self, out: &mut std::collections::VecDeque<Action>) -> bool {
+        let t = self.next;
+        if t >= self.minibatches {
+            return false;
+        }
+        self.next += 1;
+        let (big_p, v, p) = (self.big_p, self.v, self.p);
+        let m = (self.minibatch / self.reps) as usize;
+        let total = m * v;
+        let warmup = ((big_p - p - 1) * 2 + (v - 1) * big_p).min(total);
+        let (j, reps, minibatch) = (self.j, self.reps, self.minibatch);
+        let local = |k: usize| -> Microbatch {
+            let i = (k / (big_p * v)) * big_p + k % big_p;
+            t * minibatch + j + reps * i as u32
+        };
+        let stage_of = |chunk: usize| (chunk * big_p + p) as StageId;
+        let fwd = |k: usize| Action::Forward {
+            stage: stage_of((k / big_p) % v),
+            mb: local(k),
+        };
+        let bwd = |k: usize| Action::Backward {
+            stage: stage_of(v - 1 - (k / big_p) % v),
+            mb: local(k),
+        };
+        out.extend((0..warmup).map(fwd));
+        for i in 0..total - warmup {
+            out.push_back(fwd(warmup + i));
+            out.push_back(bwd(i));
+        }
+        out.extend((total - warmup..total).map(bwd));
+        for c in 0..v {
+            push_sync(out, stage_of(c), reps, t);
+        }
+        true
+    }
 }
 
 #[cfg(test)]

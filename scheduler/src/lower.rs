@@ -9,8 +9,8 @@
 //! receive steps (reduce-scatter, then all-gather) so the simulator charges each chunk on the
 //! link; otherwise it stays one collective action, which is how the executor runs it.
 
-use crate::action::Action;
-use crate::spec::Schedule;
+use crate::action::{Action, WorkerId};
+use crate::spec::{Layout, Schedule};
 
 /// Options for [`lower`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,69 +27,19 @@ pub fn lower(schedule: &Schedule, opts: LowerOptions) -> Schedule {
         return schedule.clone();
     }
     let layout = schedule.layout();
-    let last = schedule.stages() - 1;
     let programs = schedule
         .programs
         .iter()
         .enumerate()
         .map(|(w, prog)| {
-            let w = w as u32;
             // At most a receive and a send around each action (ring steps aside).
             let mut out = Vec::with_capacity(prog.len() * 3);
             for &a in prog {
                 match a {
-                    Action::Forward { stage, mb } => {
-                        if stage > 0 {
-                            let from = layout.worker_for(stage - 1, mb);
-                            if from != w {
-                                out.push(Action::RecvActivation { stage, mb, from });
-                            }
-                        }
-                        out.push(a);
-                        if stage < last {
-                            let to = layout.worker_for(stage + 1, mb);
-                            if to != w {
-                                out.push(Action::SendActivation { stage, mb, to });
-                            }
-                        }
-                    }
-                    Action::Backward { stage, mb } | Action::BackwardInput { stage, mb } => {
-                        if stage < last {
-                            let from = layout.worker_for(stage + 1, mb);
-                            if from != w {
-                                out.push(Action::RecvGradient { stage, mb, from });
-                            }
-                        }
-                        out.push(a);
-                        if stage > 0 {
-                            let to = layout.worker_for(stage - 1, mb);
-                            if to != w {
-                                out.push(Action::SendGradient { stage, mb, to });
-                            }
-                        }
-                    }
                     Action::AllReduce { stage, update } if opts.expand_all_reduce => {
-                        let group = layout.group(stage);
-                        let r = group.end - group.start;
-                        let j = w - group.start;
-                        let next = group.start + (j + 1) % r;
-                        let prev = group.start + (j + r - 1) % r;
-                        for step in 0..2 * (r - 1) {
-                            out.push(Action::SendChunk {
-                                stage,
-                                update,
-                                step,
-                                to: next,
-                            });
-                            out.push(Action::RecvChunk {
-                                stage,
-                                update,
-                                step,
-                                from: prev,
-                            });
-                        }
+                        expand_all_reduce(layout, w as WorkerId, stage, update, &mut out);
                     }
-                    _ => out.push(a),
+                    _ => out.extend(lower_action(layout, w as WorkerId, a).into_iter().flatten()),
                 }
             }
             out
@@ -99,5 +49,91 @@ pub fn lower(schedule: &Schedule, opts: LowerOptions) -> Schedule {
         resolved: schedule.resolved.clone(),
         programs,
         lowered: true,
+    }
+}
+
+/// The peers action `a` of worker `w`'s program talks to: the worker it receives its input
+/// from and the worker it sends its output to, where those live on other workers (the one
+/// home of the lowering rule, shared by [`lower`] and the streaming simulator). A collective
+/// all-reduce talks to no single peer.
+#[inline]
+pub(crate) fn peers(
+    layout: &Layout,
+    w: WorkerId,
+    a: Action,
+) -> (Option<WorkerId>, Option<WorkerId>) {
+    let last = layout.stages() - 1;
+    let (stage, mb, upstream_in) = match a {
+        Action::Forward { stage, mb } => (stage, mb, true),
+        Action::Backward { stage, mb } | Action::BackwardInput { stage, mb } => (stage, mb, false),
+        _ => return (None, None),
+    };
+    let before = (stage > 0)
+        .then(|| layout.worker_for(stage - 1, mb))
+        .filter(|&p| p != w);
+    let after = (stage < last)
+        .then(|| layout.worker_for(stage + 1, mb))
+        .filter(|&p| p != w);
+    if upstream_in {
+        (before, after)
+    } else {
+        (after, before)
+    }
+}
+
+/// The receive that brings the input of compute action `a` from `from`.
+#[inline]
+pub(crate) fn receive(a: Action, from: WorkerId) -> Action {
+    match a {
+        Action::Forward { stage, mb } => Action::RecvActivation { stage, mb, from },
+        _ => Action::RecvGradient {
+            stage: a.stage(),
+            mb: a.microbatch().unwrap_or(0),
+            from,
+        },
+    }
+}
+
+/// The send that carries the output of compute action `a` to `to`.
+#[inline]
+pub(crate) fn send(a: Action, to: WorkerId) -> Action {
+    match a {
+        Action::Forward { stage, mb } => Action::SendActivation { stage, mb, to },
+        _ => Action::SendGradient {
+            stage: a.stage(),
+            mb: a.microbatch().unwrap_or(0),
+            to,
+        },
+    }
+}
+
+/// Action `a` of worker `w`'s program with the communication it implies: the receive it
+/// waits for, the action, the send it makes.
+fn lower_action(layout: &Layout, w: WorkerId, a: Action) -> [Option<Action>; 3] {
+    let (from, to) = peers(layout, w, a);
+    [from.map(|f| receive(a, f)), Some(a), to.map(|t| send(a, t))]
+}
+
+/// Worker `w`'s ring steps of an all-reduce: `2(r-1)` sends to the next replica, each followed
+/// by a receive from the previous one (reduce-scatter, then all-gather).
+fn expand_all_reduce(layout: &Layout, w: WorkerId, stage: u32, update: u32, out: &mut Vec<Action>) {
+    let group = layout.group(stage);
+    let r = group.end - group.start;
+    let j = w - group.start;
+    let next = group.start + (j + 1) % r;
+    let prev = group.start + (j + r - 1) % r;
+    for step in 0..2 * (r - 1) {
+        out.push(Action::SendChunk {
+            stage,
+            update,
+            step,
+            to: next,
+        });
+        out.push(Action::RecvChunk {
+            stage,
+            update,
+            step,
+            from: prev,
+        });
     }
 }

@@ -19,8 +19,9 @@
 
 use crate::action::{Action, Microbatch, StageId, WorkerId};
 use crate::error::{Result, ScheduleError};
+use crate::generate::WorkerProgram;
 use crate::grid::invalid;
-use crate::spec::{Schedule, VersionQuery};
+use crate::spec::{Layout, Resolved, Schedule, VersionQuery};
 
 /// Sentinel for "not recorded" in the per-(stage, microbatch) tables.
 const UNSET: u32 = u32::MAX;
@@ -104,98 +105,20 @@ impl VersionPlan {
         let layout = schedule.layout();
         let stages = schedule.stages();
         let n = schedule.total_microbatches();
-        let rule = schedule.resolved.policy.version_rule();
-        let cells = stages as usize * n as usize;
-        let mut forward = vec![UNSET; cells];
-        let mut backward = vec![UNSET; cells];
+        let mut tables = Tables::new(stages, n);
         let chunks = layout.chunks() as usize;
         let mut contributions =
             vec![Contributions::default(); schedule.workers() as usize * chunks];
-        let idx = |s: StageId, mb: Microbatch| s as usize * n as usize + mb as usize;
-
-        // Vertical sync reads the input stage's forward versions, so walk input-stage workers
-        // first.
-        let mut order: Vec<WorkerId> = (0..schedule.workers()).collect();
-        order.sort_by_key(|&w| !layout.stages_of(w).any(|s| s == 0));
-
         let positions = layout.positions();
-        for &w in &order {
+        for w in walk_order(layout) {
             let prog = &schedule.programs[w as usize];
-            let mut current = vec![0u32; chunks];
             let contrib = &mut contributions[w as usize * chunks..(w as usize + 1) * chunks];
-            for (pc, &a) in prog.iter().enumerate() {
-                let fail = |reason: String| invalid(schedule, w, pc, reason);
-                let stage = a.stage();
-                if stage >= stages {
-                    return Err(fail(format!("stage {stage} does not exist")));
-                }
-                let c = layout.chunk_of(stage) as usize;
-                if c >= chunks {
-                    return Err(fail(format!("stage {stage} is not held by this worker")));
-                }
-                if let Some(mb) = a.microbatch() {
-                    if mb >= n {
-                        return Err(fail(format!("microbatch {mb} is beyond the run ({n})")));
-                    }
-                }
-                match a {
-                    Action::Forward { stage, mb } => {
-                        let entry_tag = if stage == 0 || rule != crate::VersionRule::VerticalSync {
-                            0
-                        } else {
-                            let v0 = forward[idx(0, mb)];
-                            if v0 == UNSET {
-                                return Err(fail(format!(
-                                    "microbatch {mb} reaches stage {stage} without a \
-                                     forward at stage 0"
-                                )));
-                            }
-                            crate::VersionRule::entry_tag(v0, schedule.resolved.update_size(0))
-                        };
-                        let v = rule.forward_version(&VersionQuery {
-                            stage,
-                            current: current[c],
-                            update: schedule.resolved.update_of(stage, mb),
-                            entry_tag,
-                            update_size: schedule.resolved.update_size(stage),
-                        });
-                        if v > current[c] {
-                            return Err(fail(format!(
-                                "forward needs version {v} of stage {stage}, which does not \
-                                 exist yet (current {})",
-                                current[c]
-                            )));
-                        }
-                        forward[idx(stage, mb)] = v;
-                    }
-                    Action::Backward { stage, mb } | Action::BackwardInput { stage, mb } => {
-                        let f = forward[idx(stage, mb)];
-                        if f == UNSET {
-                            return Err(fail(format!(
-                                "backward of microbatch {mb} before its forward"
-                            )));
-                        }
-                        backward[idx(stage, mb)] = rule.backward_version(f, current[c]);
-                        if matches!(a, Action::Backward { .. }) {
-                            contrib[c].mbs.push(mb);
-                        }
-                    }
-                    Action::BackwardWeight { mb, .. } => contrib[c].mbs.push(mb),
-                    Action::Update { update, .. } => {
-                        if update != current[c] {
-                            return Err(fail(format!(
-                                "update {update} out of order (expected {})",
-                                current[c]
-                            )));
-                        }
-                        let end = contrib[c].mbs.len() as u32;
-                        contrib[c].ends.push(end);
-                        current[c] += 1;
-                    }
-                    _ => {}
-                }
-            }
+            walk_worker(&schedule.resolved, prog, &mut tables, Some(contrib))
+                .map_err(|(pc, reason)| invalid(schedule, w, pc, reason))?;
         }
+        let Tables {
+            forward, backward, ..
+        } = tables;
         if let Some(cell) = forward.iter().position(|&v| v == UNSET) {
             return Err(missing(schedule, cell, n, "forward"));
         }
@@ -219,7 +142,17 @@ impl VersionPlan {
         };
         let mut scratch = Vec::new();
         let peaks: Vec<(MemoryPeak, MemoryPeak)> = (0..schedule.workers())
-            .map(|w| plan.sweep(schedule, w, param_bytes, stash_bytes, &mut scratch))
+            .map(|w| {
+                sweep(
+                    layout,
+                    w,
+                    &schedule.programs[w as usize],
+                    |s, mb| plan.forward_version(s, mb),
+                    |s, mb| plan.backward_version(s, mb),
+                    (param_bytes, stash_bytes),
+                    &mut scratch,
+                )
+            })
             .collect();
         plan.peak_versions = peaks.iter().map(|p| p.0.weights as u32).collect();
         plan.peak_activations = peaks.iter().map(|p| p.0.activations as u32).collect();
@@ -301,88 +234,262 @@ impl VersionPlan {
         }
         last
     }
+}
 
-    /// Walks one worker's program and returns the peaks of weighted live versions and live
-    /// activations. A version is live from the update that creates it until the later of the
-    /// update that replaces it and its last use; an activation from its forward until the
-    /// backward (or weight half) that consumes it.
-    fn sweep(
-        &self,
-        schedule: &Schedule,
-        w: WorkerId,
-        param_bytes: impl Fn(StageId) -> f64,
-        stash_bytes: impl Fn(StageId) -> f64,
-        scratch: &mut Vec<Diff>,
-    ) -> (MemoryPeak, MemoryPeak) {
-        let prog = &schedule.programs[w as usize];
-        let layout = schedule.layout();
-        let len = prog.len();
-        let chunks = layout.chunks() as usize;
-        // Difference arrays (reused across workers): counts and bytes of live activations and
-        // versions.
-        scratch.clear();
-        scratch.resize(len + 1, Diff::default());
-        let diff = scratch;
-        let stash: Vec<f64> = layout.stages_of(w).map(&stash_bytes).collect();
-        // Per chunk: position of each update, and last use of each version.
-        let mut update_pc: Vec<Vec<usize>> = vec![Vec::new(); chunks];
-        let mut last_use: Vec<Vec<usize>> = vec![Vec::new(); chunks];
-        for (pc, a) in prog.iter().enumerate() {
-            let stage = a.stage();
-            let c = layout.chunk_of(stage) as usize;
-            match *a {
-                Action::Forward { mb, .. } => {
-                    note_use(&mut last_use[c], self.forward_version(stage, mb), pc);
-                    diff[pc].act_n += 1;
-                    diff[pc].act_b += stash[c];
-                }
-                Action::Backward { mb, .. } | Action::BackwardInput { mb, .. } => {
-                    note_use(&mut last_use[c], self.backward_version(stage, mb), pc);
-                    if matches!(a, Action::Backward { .. }) {
-                        diff[pc + 1].act_n -= 1;
-                        diff[pc + 1].act_b -= stash[c];
-                    }
-                }
-                // The weight half is the last reader of the stashed activations.
-                Action::BackwardWeight { .. } => {
+/// Walks one worker's program and returns the peaks of weighted live versions and live
+/// activations (counts, then bytes given bytes per weight version and per stashed microbatch of
+/// each stage). A version is live from the update that creates it until the later of the update
+/// that replaces it and its last use; an activation from its forward until the backward (or
+/// weight half) that consumes it.
+fn sweep(
+    layout: &Layout,
+    w: WorkerId,
+    prog: &[Action],
+    forward_version: impl Fn(StageId, Microbatch) -> u32,
+    backward_version: impl Fn(StageId, Microbatch) -> u32,
+    (param_bytes, stash_bytes): (impl Fn(StageId) -> f64, impl Fn(StageId) -> f64),
+    scratch: &mut Vec<Diff>,
+) -> (MemoryPeak, MemoryPeak) {
+    let len = prog.len();
+    let chunks = layout.chunks() as usize;
+    // Difference arrays (reused across workers): counts and bytes of live activations and
+    // versions.
+    scratch.clear();
+    scratch.resize(len + 1, Diff::default());
+    let diff = scratch;
+    let stash: Vec<f64> = layout.stages_of(w).map(&stash_bytes).collect();
+    // Per chunk: position of each update, and last use of each version.
+    let mut update_pc: Vec<Vec<usize>> = vec![Vec::new(); chunks];
+    let mut last_use: Vec<Vec<usize>> = vec![Vec::new(); chunks];
+    for (pc, a) in prog.iter().enumerate() {
+        let stage = a.stage();
+        let c = layout.chunk_of(stage) as usize;
+        match *a {
+            Action::Forward { mb, .. } => {
+                note_use(&mut last_use[c], forward_version(stage, mb), pc);
+                diff[pc].act_n += 1;
+                diff[pc].act_b += stash[c];
+            }
+            Action::Backward { mb, .. } | Action::BackwardInput { mb, .. } => {
+                note_use(&mut last_use[c], backward_version(stage, mb), pc);
+                if matches!(a, Action::Backward { .. }) {
                     diff[pc + 1].act_n -= 1;
                     diff[pc + 1].act_b -= stash[c];
                 }
-                Action::Update { .. } => update_pc[c].push(pc),
-                _ => {}
             }
-        }
-        for (c, stage) in layout.stages_of(w).enumerate() {
-            let bytes = param_bytes(stage);
-            let ups = &update_pc[c];
-            for v in 0..=ups.len() {
-                let start = if v == 0 { 0 } else { ups[v - 1] };
-                let replaced = ups.get(v).copied().unwrap_or(len);
-                let end = replaced
-                    .max(last_use[c].get(v).map_or(0, |&u| u + 1))
-                    .min(len);
-                diff[start].wts_n += 1;
-                diff[start].wts_b += bytes;
-                diff[end].wts_n -= 1;
-                diff[end].wts_b -= bytes;
+            // The weight half is the last reader of the stashed activations.
+            Action::BackwardWeight { .. } => {
+                diff[pc + 1].act_n -= 1;
+                diff[pc + 1].act_b -= stash[c];
             }
+            Action::Update { .. } => update_pc[c].push(pc),
+            _ => {}
         }
-        let (mut an, mut ab, mut wn, mut wb) = (0i32, 0.0f64, 0i32, 0.0f64);
-        let (mut counts, mut peak) = (MemoryPeak::default(), MemoryPeak::default());
-        for d in &diff[..len.max(1)] {
-            an += d.act_n;
-            ab += d.act_b;
-            wn += d.wts_n;
-            wb += d.wts_b;
-            counts.activations = counts.activations.max(f64::from(an));
-            counts.weights = counts.weights.max(f64::from(wn));
-            counts.total = counts.total.max(f64::from(an + wn));
-            peak.activations = peak.activations.max(ab);
-            peak.weights = peak.weights.max(wb);
-            peak.total = peak.total.max(ab + wb);
-        }
-        (counts, peak)
     }
+    for (c, stage) in layout.stages_of(w).enumerate() {
+        let bytes = param_bytes(stage);
+        let ups = &update_pc[c];
+        for v in 0..=ups.len() {
+            let start = if v == 0 { 0 } else { ups[v - 1] };
+            let replaced = ups.get(v).copied().unwrap_or(len);
+            let end = replaced
+                .max(last_use[c].get(v).map_or(0, |&u| u + 1))
+                .min(len);
+            diff[start].wts_n += 1;
+            diff[start].wts_b += bytes;
+            diff[end].wts_n -= 1;
+            diff[end].wts_b -= bytes;
+        }
+    }
+    let (mut an, mut ab, mut wn, mut wb) = (0i32, 0.0f64, 0i32, 0.0f64);
+    let (mut counts, mut peak) = (MemoryPeak::default(), MemoryPeak::default());
+    for d in &diff[..len.max(1)] {
+        an += d.act_n;
+        ab += d.act_b;
+        wn += d.wts_n;
+        wb += d.wts_b;
+        counts.activations = counts.activations.max(f64::from(an));
+        counts.weights = counts.weights.max(f64::from(wn));
+        counts.total = counts.total.max(f64::from(an + wn));
+        peak.activations = peak.activations.max(ab);
+        peak.weights = peak.weights.max(wb);
+        peak.total = peak.total.max(ab + wb);
+    }
+    (counts, peak)
+}
+
+/// Forward and backward versions over (stage, microbatch), [`UNSET`] until recorded.
+struct Tables {
+    n: usize,
+    forward: Vec<u32>,
+    backward: Vec<u32>,
+}
+
+impl Tables {
+    fn new(stages: u32, n: u32) -> Self {
+        let cells = stages as usize * n as usize;
+        Tables {
+            n: n as usize,
+            forward: vec![UNSET; cells],
+            backward: vec![UNSET; cells],
+        }
+    }
+
+    fn idx(&self, s: StageId, mb: Microbatch) -> usize {
+        s as usize * self.n + mb as usize
+    }
+}
+
+/// Workers in the order their programs must be walked: vertical sync reads the input stage's
+/// forward versions, so input-stage workers come first.
+fn walk_order(layout: &Layout) -> Vec<WorkerId> {
+    let mut order: Vec<WorkerId> = (0..layout.workers()).collect();
+    order.sort_by_key(|&w| !layout.stages_of(w).any(|s| s == 0));
+    order
+}
+
+/// Walks one worker's program: records the version every forward and backward uses (the
+/// policy's [`crate::VersionRule`] applied to the action order) and, when asked, the gradient
+/// contributions of each update; checks that no action uses a version before it exists.
+/// Returns the failing step and the reason.
+fn walk_worker(
+    resolved: &Resolved,
+    prog: &[Action],
+    tables: &mut Tables,
+    mut contrib: Option<&mut [Contributions]>,
+) -> std::result::Result<(), (usize, String)> {
+    let layout = &resolved.layout;
+    let stages = layout.stages();
+    let n = resolved.total;
+    let rule = resolved.policy.version_rule();
+    let chunks = layout.chunks() as usize;
+    let mut current = vec![0u32; chunks];
+    for (pc, &a) in prog.iter().enumerate() {
+        let fail = |reason: String| Err((pc, reason));
+        let stage = a.stage();
+        if stage >= stages {
+            return fail(format!("stage {stage} does not exist"));
+        }
+        let c = layout.chunk_of(stage) as usize;
+        if c >= chunks {
+            return fail(format!("stage {stage} is not held by this worker"));
+        }
+        if let Some(mb) = a.microbatch() {
+            if mb >= n {
+                return fail(format!("microbatch {mb} is beyond the run ({n})"));
+            }
+        }
+        match a {
+            Action::Forward { stage, mb } => {
+                let entry_tag = if stage == 0 || rule != crate::VersionRule::VerticalSync {
+                    0
+                } else {
+                    let v0 = tables.forward[tables.idx(0, mb)];
+                    if v0 == UNSET {
+                        return fail(format!(
+                            "microbatch {mb} reaches stage {stage} without a forward at stage 0"
+                        ));
+                    }
+                    crate::VersionRule::entry_tag(v0, resolved.update_size(0))
+                };
+                let v = rule.forward_version(&VersionQuery {
+                    stage,
+                    current: current[c],
+                    update: resolved.update_of(stage, mb),
+                    entry_tag,
+                    update_size: resolved.update_size(stage),
+                });
+                if v > current[c] {
+                    return fail(format!(
+                        "forward needs version {v} of stage {stage}, which does not exist yet \
+                         (current {})",
+                        current[c]
+                    ));
+                }
+                let i = tables.idx(stage, mb);
+                tables.forward[i] = v;
+            }
+            Action::Backward { stage, mb } | Action::BackwardInput { stage, mb } => {
+                let i = tables.idx(stage, mb);
+                let f = tables.forward[i];
+                if f == UNSET {
+                    return fail(format!("backward of microbatch {mb} before its forward"));
+                }
+                tables.backward[i] = rule.backward_version(f, current[c]);
+                if let (Action::Backward { .. }, Some(contrib)) = (a, contrib.as_deref_mut()) {
+                    contrib[c].mbs.push(mb);
+                }
+            }
+            Action::BackwardWeight { mb, .. } => {
+                if let Some(contrib) = contrib.as_deref_mut() {
+                    contrib[c].mbs.push(mb);
+                }
+            }
+            Action::Update { update, .. } => {
+                if update != current[c] {
+                    return fail(format!(
+                        "update {update} out of order (expected {})",
+                        current[c]
+                    ));
+                }
+                if let Some(contrib) = contrib.as_deref_mut() {
+                    let end = contrib[c].mbs.len() as u32;
+                    contrib[c].ends.push(end);
+                }
+                current[c] += 1;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Peak weight versions, peak activations (counts) and peak memory (bytes) of every worker of
+/// the schedule `resolved` asks for, generated one worker at a time: what
+/// [`VersionPlan::derive_with_memory`] reports, without holding the whole schedule. The
+/// programs come from the generators, which produce only valid schedules (the property tests
+/// check every policy), so the structural checks of [`crate::validate`] are not repeated.
+///
+/// # Errors
+/// [`ScheduleError::Invalid`] when a program uses a version before it exists.
+pub(crate) fn streamed_peaks(
+    resolved: &Resolved,
+    param_bytes: impl Fn(StageId) -> f64 + Copy,
+    stash_bytes: impl Fn(StageId) -> f64 + Copy,
+) -> Result<Vec<(MemoryPeak, MemoryPeak)>> {
+    let layout = &resolved.layout;
+    let mut tables = Tables::new(layout.stages(), resolved.total);
+    let mut peaks = vec![(MemoryPeak::default(), MemoryPeak::default()); layout.workers() as usize];
+    let (mut prog, mut scratch) = (Vec::new(), Vec::new());
+    let mut streams: Vec<Option<WorkerProgram>> =
+        WorkerProgram::all(resolved).into_iter().map(Some).collect();
+    for w in walk_order(layout) {
+        prog.clear();
+        let Some(mut stream) = streams[w as usize].take() else {
+            continue;
+        };
+        prog.extend(stream.by_ref());
+        stream.check()?;
+        walk_worker(resolved, &prog, &mut tables, None).map_err(|(pc, reason)| {
+            ScheduleError::Invalid {
+                worker: w,
+                step: pc,
+                action: prog.get(pc).map_or_else(|| "end".into(), |a| a.to_string()),
+                reason,
+                grid: String::new(),
+            }
+        })?;
+        peaks[w as usize] = sweep(
+            layout,
+            w,
+            &prog,
+            |s, mb| tables.forward[tables.idx(s, mb)],
+            |s, mb| tables.backward[tables.idx(s, mb)],
+            (param_bytes, stash_bytes),
+            &mut scratch,
+        );
+    }
+    Ok(peaks)
 }
 
 /// Records that version `v` is used at `pc` (uses come in program order).

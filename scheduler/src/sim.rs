@@ -26,10 +26,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::action::{Action, WorkerId};
 use crate::error::{Result, ScheduleError};
+use crate::generate::WorkerProgram;
 use crate::grid;
-use crate::lower::{LowerOptions, lower};
-use crate::plan::{MemoryPeak, VersionPlan};
-use crate::spec::Schedule;
+use crate::lower::{LowerOptions, lower, peers, receive, send};
+use crate::plan::{MemoryPeak, VersionPlan, streamed_peaks};
+use crate::spec::{Layout, Resolved, Schedule, ScheduleSpec};
 use crate::timeline::{Span, Timeline};
 
 /// Costs of one stage. Times are in seconds, sizes in bytes.
@@ -313,47 +314,282 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel, opts: SimOptions) -> Res
         |s| costs.stage(s).param_bytes,
         |s| costs.stage(s).stash(),
     )?;
-    let mut engine = Engine::new(schedule, Some(costs), opts.timeline);
+    let programs = Materialized::new(schedule);
+    let mut engine = Engine::new(&schedule.resolved, programs, Some(costs), opts.timeline);
     match costs.cores {
         Some(c) if c < schedule.workers() => engine.run_shared(f64::from(c))?,
         _ => engine.run()?,
     }
-    let makespan = engine.clock.iter().copied().fold(0.0, f64::max);
-    let workers: Vec<WorkerReport> = (0..schedule.workers() as usize)
-        .map(|w| WorkerReport {
-            compute: engine.compute[w],
-            communication: engine.comm[w],
-            idle: (makespan - engine.compute[w] - engine.comm[w]).max(0.0),
-            memory: memory[w],
-            peak_versions: plan.peak_versions[w],
-            peak_activations: plan.peak_activations[w],
+    let peaks: Vec<(MemoryPeak, MemoryPeak)> = (0..schedule.workers() as usize)
+        .map(|w| {
+            let counts = MemoryPeak {
+                weights: f64::from(plan.peak_versions[w]),
+                activations: f64::from(plan.peak_activations[w]),
+                total: 0.0,
+            };
+            (counts, memory[w])
         })
         .collect();
-    let idle: f64 = workers.iter().map(|w| w.idle).sum();
-    let n = schedule.total_microbatches();
-    Ok(SimReport {
-        makespan,
-        microbatches: n,
-        throughput: if makespan > 0.0 {
-            f64::from(n) / makespan
-        } else {
-            f64::INFINITY
-        },
-        bubble_fraction: if makespan > 0.0 {
-            idle / (f64::from(schedule.workers()) * makespan)
-        } else {
-            0.0
-        },
-        timeline: engine
-            .spans
-            .map(|spans| Timeline::new(schedule.workers(), spans)),
-        workers,
-    })
+    Ok(engine.report(&peaks))
+}
+
+/// Simulates the schedule a request describes without materialising it: every worker's
+/// program is generated and lowered a block at a time while the engine runs, and peak memory
+/// comes from a second pass that holds one worker's program at a time. Memory is `O(stages x
+/// microbatches)` words for the version tables plus the messages in flight, instead of every
+/// action of every worker; the times and figures are those of [`simulate`] on the generated
+/// schedule, bit for bit (tested on every policy). Timelines and fewer cores than workers need
+/// the whole schedule: with either, this generates it and calls [`simulate`].
+///
+/// # Errors
+/// [`ScheduleError::Spec`] for an impossible request, otherwise as [`simulate`].
+pub fn simulate_spec(
+    spec: &ScheduleSpec,
+    costs: &CostModel,
+    opts: SimOptions,
+) -> Result<SimReport> {
+    let resolved = spec.resolve()?;
+    costs.check(resolved.layout.stages())?;
+    let shared = costs.cores.is_some_and(|c| c < resolved.layout.workers());
+    if opts.timeline || shared {
+        return simulate(&crate::generate(spec)?, costs, opts);
+    }
+    // Peak memory and timing are independent passes over the same programs: the peaks are
+    // computed on a second (scoped) thread while this one times the run. Both are pure
+    // functions of the request, so the result is the same as running them one after the other.
+    let (peaks, engine) = std::thread::scope(|scope| {
+        let peaks = scope.spawn(|| {
+            streamed_peaks(
+                &resolved,
+                |s| costs.stage(s).param_bytes,
+                |s| costs.stage(s).stash(),
+            )
+        });
+        let mut engine = Engine::new(&resolved, Streamed::new(&resolved), Some(costs), false);
+        let timed = engine.run();
+        let peaks = peaks
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        timed.map(|()| (peaks, engine))
+    })?;
+    let peaks = peaks?;
+    Ok(engine.report(&peaks))
 }
 
 /// The untimed dry run (see [`crate::validate::dry_run`]).
 pub(crate) fn run_untimed(schedule: &Schedule) -> Result<()> {
-    Engine::new(schedule, None, false).run()
+    Engine::new(&schedule.resolved, Materialized::new(schedule), None, false).run()
+}
+
+/// Where the engine reads every worker's program from.
+trait Programs {
+    /// The worker's current action; `None` once its program has ended.
+    fn current(&mut self, w: usize) -> Option<Action>;
+    /// Moves the worker past its current action.
+    fn step(&mut self, w: usize);
+    /// How many actions the worker has completed.
+    fn position(&self, w: usize) -> usize;
+    /// The worker-by-step grid around blocked workers, for a deadlock report.
+    fn grid(&self, marks: &[(WorkerId, usize)]) -> String;
+}
+
+/// The programs of a schedule held in memory.
+struct Materialized<'a> {
+    schedule: &'a Schedule,
+    pc: Vec<usize>,
+}
+
+impl<'a> Materialized<'a> {
+    fn new(schedule: &'a Schedule) -> Self {
+        Materialized {
+            schedule,
+            pc: vec![0; schedule.workers() as usize],
+        }
+    }
+}
+
+impl Programs for Materialized<'_> {
+    fn current(&mut self, w: usize) -> Option<Action> {
+        self.schedule.programs[w].get(self.pc[w]).copied()
+    }
+
+    fn step(&mut self, w: usize) {
+        self.pc[w] += 1;
+    }
+
+    fn position(&self, w: usize) -> usize {
+        self.pc[w]
+    }
+
+    fn grid(&self, marks: &[(WorkerId, usize)]) -> String {
+        grid::blocked(self.schedule, marks)
+    }
+}
+
+/// Programs generated and lowered on demand: each worker holds only the lowered form of its
+/// current action (receive, action, send).
+struct Streamed<'a> {
+    layout: &'a Layout,
+    programs: Vec<WorkerProgram>,
+    lowered: Vec<Lowered>,
+    done: Vec<usize>,
+}
+
+/// A worker's current action with the communication lowering adds around it: the receive
+/// from `from` (phase 0), the action (phase 1), the send to `to` (phase 2); `NONE` where
+/// there is none. Kept in this compact form and expanded on demand.
+#[derive(Clone, Copy)]
+struct Lowered {
+    action: Action,
+    from: WorkerId,
+    to: WorkerId,
+    phase: u8,
+}
+
+const NONE: WorkerId = WorkerId::MAX;
+
+impl<'a> Streamed<'a> {
+    fn new(resolved: &'a Resolved) -> Self {
+        let workers = resolved.layout.workers() as usize;
+        let ended = Lowered {
+            action: Action::Update {
+                stage: 0,
+                update: 0,
+            },
+            from: NONE,
+            to: NONE,
+            phase: 3,
+        };
+        Streamed {
+            layout: &resolved.layout,
+            programs: WorkerProgram::all(resolved),
+            lowered: vec![ended; workers],
+            done: vec![0; workers],
+        }
+    }
+}
+
+impl Programs for Streamed<'_> {
+    #[inline]
+    fn current(&mut self, w: usize) -> Option<Action> {
+        let l = &mut self.lowered[w];
+        loop {
+            match l.phase {
+                0 if l.from != NONE => return Some(receive(l.action, l.from)),
+                1 => return Some(l.action),
+                2 if l.to != NONE => return Some(send(l.action, l.to)),
+                0 | 2 => l.phase += 1,
+                _ => {
+                    let a = self.programs[w].next()?;
+                    let (from, to) = peers(self.layout, w as WorkerId, a);
+                    *l = Lowered {
+                        action: a,
+                        from: from.unwrap_or(NONE),
+                        to: to.unwrap_or(NONE),
+                        phase: 0,
+                    };
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn step(&mut self, w: usize) {
+        self.lowered[w].phase += 1;
+        self.done[w] += 1;
+    }
+
+    fn position(&self, w: usize) -> usize {
+        self.done[w]
+    }
+
+    fn grid(&self, _marks: &[(WorkerId, usize)]) -> String {
+        String::new()
+    }
+}
+
+/// Arrival times of the messages in flight, one table per channel (a stage boundary and
+/// direction, or a stage's ring steps), keyed by microbatch or ring step. Each table is a
+/// power-of-two array indexed by the key's low bits that doubles when two keys in flight
+/// collide and shrinks when it empties, so memory follows the messages actually in flight.
+struct Arrivals {
+    channels: Vec<Slots>,
+}
+
+/// One channel's table: `(key, arrival)`, `EMPTY` keys free.
+#[derive(Clone, Default)]
+struct Slots {
+    slots: Vec<(u64, f64)>,
+    live: usize,
+}
+
+const EMPTY: u64 = u64::MAX;
+const MIN_SLOTS: usize = 16;
+
+impl Slots {
+    #[inline]
+    fn insert(&mut self, key: u64, at: f64) {
+        if self.slots.is_empty() {
+            self.slots = vec![(EMPTY, 0.0); MIN_SLOTS];
+        }
+        loop {
+            let i = key as usize & (self.slots.len() - 1);
+            let slot = &mut self.slots[i];
+            if slot.0 == EMPTY || slot.0 == key {
+                if slot.0 == EMPTY {
+                    self.live += 1;
+                }
+                *slot = (key, at);
+                return;
+            }
+            self.grow();
+        }
+    }
+
+    /// Doubles the table until every key in it has a slot of its own.
+    fn grow(&mut self) {
+        let mut size = self.slots.len() * 2;
+        'sizes: loop {
+            let mut next = vec![(EMPTY, 0.0); size];
+            for &(key, at) in self.slots.iter().filter(|s| s.0 != EMPTY) {
+                let slot = &mut next[key as usize & (size - 1)];
+                if slot.0 != EMPTY {
+                    size *= 2;
+                    continue 'sizes;
+                }
+                *slot = (key, at);
+            }
+            self.slots = next;
+            return;
+        }
+    }
+
+    /// Removes and returns the arrival of `key`, if it has been sent.
+    #[inline]
+    fn take(&mut self, key: u64) -> Option<f64> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let i = key as usize & (self.slots.len() - 1);
+        let slot = &mut self.slots[i];
+        if slot.0 != key {
+            return None;
+        }
+        slot.0 = EMPTY;
+        let at = slot.1;
+        self.live -= 1;
+        if self.live == 0 && self.slots.len() > 16 * MIN_SLOTS {
+            self.slots = Vec::new();
+        }
+        Some(at)
+    }
+}
+
+/// Which message a send or receive moves: its channel and key.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct MessageId {
+    channel: usize,
+    key: u64,
 }
 
 /// What a worker is doing in the shared-core engine.
@@ -374,64 +610,60 @@ enum Busy {
 #[derive(Clone, Copy, PartialEq)]
 enum Wait {
     Nothing,
-    Message(usize),
+    Message(MessageId),
     Group(usize),
 }
 
-struct Engine<'a> {
-    schedule: &'a Schedule,
+struct Engine<'a, P: Programs> {
+    resolved: &'a Resolved,
+    programs: P,
     costs: Option<&'a CostModel>,
-    n: usize,
     stages: usize,
-    chunk_base: usize,
-    chunk_offset: Vec<usize>,
     group_offset: Vec<usize>,
-    pc: Vec<usize>,
     clock: Vec<f64>,
     compute: Vec<f64>,
     comm: Vec<f64>,
     wait: Vec<Wait>,
-    arrival: Vec<f64>,
+    arrivals: Arrivals,
     group_count: Vec<u32>,
     group_start: Vec<f64>,
     links: Vec<Vec<(WorkerId, f64)>>,
     spans: Option<Vec<Span>>,
 }
 
-impl<'a> Engine<'a> {
-    fn new(schedule: &'a Schedule, costs: Option<&'a CostModel>, record: bool) -> Self {
-        let layout = schedule.layout();
-        let n = schedule.total_microbatches() as usize;
-        let stages = schedule.stages() as usize;
-        let mut chunk_offset = Vec::with_capacity(stages);
+impl<'a, P: Programs> Engine<'a, P> {
+    fn new(
+        resolved: &'a Resolved,
+        programs: P,
+        costs: Option<&'a CostModel>,
+        record: bool,
+    ) -> Self {
+        let layout = &resolved.layout;
+        let stages = layout.stages() as usize;
         let mut group_offset = Vec::with_capacity(stages);
-        let (mut chunks, mut groups) = (0usize, 0usize);
+        let mut groups = 0usize;
         for s in 0..stages as u32 {
-            let r = layout.replicas_of(s) as usize;
-            let k = schedule.resolved.updates_at(s) as usize;
-            chunk_offset.push(chunks);
             group_offset.push(groups);
-            if r > 1 {
-                chunks += k * r * 2 * (r - 1);
-                groups += k;
+            if layout.replicas_of(s) > 1 {
+                groups += resolved.updates_at(s) as usize;
             }
         }
-        let chunk_base = 2 * stages.saturating_sub(1) * n;
-        let workers = schedule.workers() as usize;
+        let workers = layout.workers() as usize;
+        // Activations (one channel per boundary), gradients (likewise), ring steps (per stage).
+        let channels = 2 * stages.saturating_sub(1) + stages;
         Engine {
-            schedule,
+            resolved,
+            programs,
             costs,
-            n,
             stages,
-            chunk_base,
-            chunk_offset,
             group_offset,
-            pc: vec![0; workers],
             clock: vec![0.0; workers],
             compute: vec![0.0; workers],
             comm: vec![0.0; workers],
             wait: vec![Wait::Nothing; workers],
-            arrival: vec![f64::NAN; chunk_base + chunks],
+            arrivals: Arrivals {
+                channels: vec![Slots::default(); channels],
+            },
             group_count: vec![0; groups],
             group_start: vec![0.0; groups],
             links: vec![Vec::new(); workers],
@@ -439,17 +671,51 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// Dense index of the message a send or receive moves.
-    fn message(&self, w: WorkerId, a: &Action) -> usize {
-        let n = self.n;
+    /// The report once the engine has run: times from the engine, peaks (counts, bytes) per
+    /// worker from the version plan's sweep.
+    fn report(self, peaks: &[(MemoryPeak, MemoryPeak)]) -> SimReport {
+        let makespan = self.clock.iter().copied().fold(0.0, f64::max);
+        let workers: Vec<WorkerReport> = peaks
+            .iter()
+            .enumerate()
+            .map(|(w, (counts, bytes))| WorkerReport {
+                compute: self.compute[w],
+                communication: self.comm[w],
+                idle: (makespan - self.compute[w] - self.comm[w]).max(0.0),
+                memory: *bytes,
+                peak_versions: counts.weights as u32,
+                peak_activations: counts.activations as u32,
+            })
+            .collect();
+        let idle: f64 = workers.iter().map(|w| w.idle).sum();
+        let n = self.resolved.total;
+        let count = self.resolved.layout.workers();
+        SimReport {
+            makespan,
+            microbatches: n,
+            throughput: if makespan > 0.0 {
+                f64::from(n) / makespan
+            } else {
+                f64::INFINITY
+            },
+            bubble_fraction: if makespan > 0.0 {
+                idle / (f64::from(count) * makespan)
+            } else {
+                0.0
+            },
+            timeline: self.spans.map(|spans| Timeline::new(count, spans)),
+            workers,
+        }
+    }
+
+    /// The message a send or receive of worker `w` moves.
+    fn message(&self, w: WorkerId, a: &Action) -> MessageId {
         let grads = self.stages - 1;
-        match *a {
-            Action::SendActivation { stage, mb, .. } => stage as usize * n + mb as usize,
-            Action::RecvActivation { stage, mb, .. } => (stage as usize - 1) * n + mb as usize,
-            Action::SendGradient { stage, mb, .. } => {
-                (grads + stage as usize - 1) * n + mb as usize
-            }
-            Action::RecvGradient { stage, mb, .. } => (grads + stage as usize) * n + mb as usize,
+        let (channel, key) = match *a {
+            Action::SendActivation { stage, mb, .. } => (stage as usize, mb),
+            Action::RecvActivation { stage, mb, .. } => (stage as usize - 1, mb),
+            Action::SendGradient { stage, mb, .. } => (grads + stage as usize - 1, mb),
+            Action::RecvGradient { stage, mb, .. } => (grads + stage as usize, mb),
             Action::SendChunk {
                 stage,
                 update,
@@ -462,21 +728,32 @@ impl<'a> Engine<'a> {
                 step,
                 ..
             } => {
-                let group = self.schedule.layout().group(stage);
-                let r = (group.end - group.start) as usize;
+                let group = self.resolved.layout.group(stage);
+                let r = u64::from(group.end - group.start);
                 let sender = match *a {
                     Action::SendChunk { .. } => w,
                     _ => a.peer().unwrap_or(w),
                 };
-                let j = (sender - group.start) as usize;
+                let j = u64::from(sender - group.start);
                 let steps = 2 * (r - 1);
-                self.chunk_base
-                    + self.chunk_offset[stage as usize]
-                    + (update as usize * r + j) * steps
-                    + step as usize
+                let key = (u64::from(update) * r + j) * steps + u64::from(step);
+                return MessageId {
+                    channel: 2 * grads + stage as usize,
+                    key,
+                };
             }
-            _ => usize::MAX,
+            _ => (usize::MAX, 0),
+        };
+        MessageId {
+            channel,
+            key: u64::from(key),
         }
+    }
+
+    /// The arrival of message `id` if it has been sent (and then forgets it: every message is
+    /// received once).
+    fn take_arrival(&mut self, id: MessageId) -> Option<f64> {
+        self.arrivals.channels[id.channel].take(id.key)
     }
 
     fn record(&mut self, worker: WorkerId, action: Action, start: f64, end: f64) {
@@ -491,8 +768,8 @@ impl<'a> Engine<'a> {
     }
 
     fn run(&mut self) -> Result<()> {
-        let workers = self.schedule.workers();
-        let times = stage_times(self.schedule, self.costs);
+        let workers = self.resolved.layout.workers();
+        let times = stage_times(self.resolved, self.costs);
         let mut ready: Vec<WorkerId> = (0..workers).rev().collect();
         while let Some(w) = ready.pop() {
             self.advance(w, &mut ready, &times);
@@ -501,22 +778,25 @@ impl<'a> Engine<'a> {
     }
 
     /// `Ok` when every worker ran its whole program, else the deadlock naming who waits where.
-    fn finished(&self) -> Result<()> {
-        let workers = self.schedule.workers();
-        let blocked: Vec<(WorkerId, usize)> = (0..workers)
-            .filter(|&w| self.pc[w as usize] < self.schedule.programs[w as usize].len())
-            .map(|w| (w, self.pc[w as usize]))
-            .collect();
+    fn finished(&mut self) -> Result<()> {
+        let workers = self.resolved.layout.workers();
+        let mut blocked: Vec<(WorkerId, usize, Action)> = Vec::new();
+        for w in 0..workers {
+            if let Some(a) = self.programs.current(w as usize) {
+                blocked.push((w, self.programs.position(w as usize), a));
+            }
+        }
         if blocked.is_empty() {
             return Ok(());
         }
-        let shown: Vec<(WorkerId, usize)> = blocked.iter().take(16).copied().collect();
+        let shown: Vec<(WorkerId, usize)> = blocked.iter().take(16).map(|b| (b.0, b.1)).collect();
         let reason = format!(
             "{} of {workers} workers cannot go on ({}{})",
             blocked.len(),
-            shown
+            blocked
                 .iter()
-                .map(|&(w, pc)| format!("w{w} waits at {}", self.schedule.programs[w as usize][pc]))
+                .take(16)
+                .map(|&(w, _, a)| format!("w{w} waits at {a}"))
                 .collect::<Vec<_>>()
                 .join(", "),
             if blocked.len() > shown.len() {
@@ -527,12 +807,12 @@ impl<'a> Engine<'a> {
         );
         Err(ScheduleError::Deadlock {
             reason,
-            grid: grid::blocked(self.schedule, &shown),
+            grid: self.programs.grid(&shown),
         })
     }
 
     /// Puts the message of send `a` from `w` to `to` on their link at `clock`: returns the
-    /// message's index and when it lands (the link is busy until then, less the latency).
+    /// message and when it lands (the link is busy until then, less the latency).
     fn post(
         &mut self,
         w: WorkerId,
@@ -541,7 +821,7 @@ impl<'a> Engine<'a> {
         t: &StageTimes,
         clock: f64,
         latency: f64,
-    ) -> (usize, f64) {
+    ) -> (MessageId, f64) {
         let wi = w as usize;
         let id = self.message(w, a);
         let busy = match a {
@@ -559,16 +839,15 @@ impl<'a> Engine<'a> {
         let begin = clock.max(self.links[wi][link].1);
         self.links[wi][link].1 = begin + busy;
         let arrive = begin + busy + latency;
-        self.arrival[id] = arrive;
+        self.arrivals.channels[id.channel].insert(id.key, arrive);
         (id, arrive)
     }
-
     /// The engine for fewer cores than workers: one global clock; between events every
     /// computing worker advances at `min(1, cores / computing)` of its speed. Costs
     /// `O(actions x workers)`, so it is meant for the sizes a machine actually runs.
     fn run_shared(&mut self, cores: f64) -> Result<()> {
-        let workers = self.schedule.workers() as usize;
-        let times = stage_times(self.schedule, self.costs);
+        let workers = self.resolved.layout.workers() as usize;
+        let times = stage_times(self.resolved, self.costs);
         let mut state = vec![Busy::Ready; workers];
         let mut group_left = vec![0u32; self.group_count.len()];
         let mut ready: Vec<usize> = (0..workers).rev().collect();
@@ -610,7 +889,9 @@ impl<'a> Engine<'a> {
                             };
                             continue;
                         }
-                        let a = self.schedule.programs[w][self.pc[w]];
+                        let Some(a) = self.programs.current(w) else {
+                            continue;
+                        };
                         if let Action::AllReduce { stage, update } = a {
                             // This member's share is done; the collective ends with its last.
                             let gid = self.group_offset[stage as usize] + update as usize;
@@ -618,11 +899,11 @@ impl<'a> Engine<'a> {
                             state[w] = Busy::Blocked;
                             if group_left[gid] == 0 {
                                 let begin = self.group_start[gid];
-                                for m in self.schedule.layout().group(stage) {
+                                for m in self.resolved.layout.group(stage) {
                                     let mi = m as usize;
                                     self.record(m, a, begin, now);
                                     self.comm[mi] += now - begin;
-                                    self.pc[mi] += 1;
+                                    self.programs.step(mi);
                                     self.clock[mi] = now;
                                     state[mi] = Busy::Ready;
                                     ready.push(mi);
@@ -631,14 +912,16 @@ impl<'a> Engine<'a> {
                         } else {
                             self.record(w as WorkerId, a, start, now);
                             self.compute[w] += now - start;
-                            self.pc[w] += 1;
+                            self.programs.step(w);
                             self.clock[w] = now;
                             state[w] = Busy::Ready;
                             ready.push(w);
                         }
                     }
                     Busy::Sleep { until, start } if until <= now => {
-                        let a = self.schedule.programs[w][self.pc[w]];
+                        let Some(a) = self.programs.current(w) else {
+                            continue;
+                        };
                         if matches!(
                             a,
                             Action::SendActivation { .. }
@@ -648,7 +931,7 @@ impl<'a> Engine<'a> {
                             self.comm[w] += now - start;
                         }
                         self.record(w as WorkerId, a, start, now);
-                        self.pc[w] += 1;
+                        self.programs.step(w);
                         self.clock[w] = now;
                         state[w] = Busy::Ready;
                         ready.push(w);
@@ -671,11 +954,10 @@ impl<'a> Engine<'a> {
         times: &[StageTimes],
         group_left: &mut [u32],
     ) {
-        let schedule: &'a Schedule = self.schedule;
-        let prog = &schedule.programs[w];
+        let layout: &'a Layout = &self.resolved.layout;
         let (latency, overlap) = self.costs.map_or((0.0, true), |c| (c.latency, c.overlap));
         loop {
-            let Some(&a) = prog.get(self.pc[w]) else {
+            let Some(a) = self.programs.current(w) else {
                 state[w] = Busy::Done;
                 self.clock[w] = now;
                 return;
@@ -719,12 +1001,11 @@ impl<'a> Engine<'a> {
                 | Action::RecvGradient { .. }
                 | Action::RecvChunk { .. } => {
                     let id = self.message(w as WorkerId, &a);
-                    let arrived = self.arrival[id];
-                    if arrived.is_nan() {
+                    let Some(arrived) = self.take_arrival(id) else {
                         self.wait[w] = Wait::Message(id);
                         state[w] = Busy::Blocked;
                         return;
-                    }
+                    };
                     // A receive's span starts when the worker reached it (it may have been
                     // blocked since), as in the per-worker engine.
                     let reached = self.clock[w];
@@ -741,7 +1022,7 @@ impl<'a> Engine<'a> {
                     let gid = self.group_offset[stage as usize] + update as usize;
                     self.group_count[gid] += 1;
                     self.group_start[gid] = self.group_start[gid].max(now);
-                    let group = schedule.layout().group(stage);
+                    let group = layout.group(stage);
                     if self.group_count[gid] < group.end - group.start {
                         self.wait[w] = Wait::Group(gid);
                         state[w] = Busy::Blocked;
@@ -764,7 +1045,7 @@ impl<'a> Engine<'a> {
                         self.record(m, a, now, now);
                         if mi != w {
                             self.wait[mi] = Wait::Nothing;
-                            self.pc[mi] += 1;
+                            self.programs.step(mi);
                             self.clock[mi] = now;
                             state[mi] = Busy::Ready;
                             ready.push(mi);
@@ -772,24 +1053,20 @@ impl<'a> Engine<'a> {
                     }
                 }
             }
-            self.pc[w] += 1;
+            self.programs.step(w);
             self.clock[w] = now;
         }
     }
 
-    /// Runs worker `w` until it blocks or finishes; wakes the workers it unblocks. The hot loop
-    /// keeps the worker's position and clock in locals and reads per-stage times from a table.
+    /// Runs worker `w` until it blocks or finishes; wakes the workers it unblocks.
     fn advance(&mut self, w: WorkerId, ready: &mut Vec<WorkerId>, times: &[StageTimes]) {
         let wi = w as usize;
-        let schedule: &'a Schedule = self.schedule;
-        let prog = &schedule.programs[wi];
-        let layout = schedule.layout();
+        let layout: &'a Layout = &self.resolved.layout;
         let (latency, overlap) = self.costs.map_or((0.0, true), |c| (c.latency, c.overlap));
-        let mut pc = self.pc[wi];
         let mut clock = self.clock[wi];
         let mut compute = 0.0;
         let mut comm = 0.0;
-        while let Some(&a) = prog.get(pc) {
+        while let Some(a) = self.programs.current(wi) {
             let t = &times[a.stage() as usize];
             match a {
                 Action::Forward { .. }
@@ -811,7 +1088,6 @@ impl<'a> Engine<'a> {
                         comm += arrive - clock;
                         clock = arrive;
                     }
-                    self.arrival[id] = arrive;
                     self.record(w, a, start, clock);
                     if self.wait[to as usize] == Wait::Message(id) {
                         self.wait[to as usize] = Wait::Nothing;
@@ -822,11 +1098,10 @@ impl<'a> Engine<'a> {
                 | Action::RecvGradient { .. }
                 | Action::RecvChunk { .. } => {
                     let id = self.message(w, &a);
-                    let arrived = self.arrival[id];
-                    if arrived.is_nan() {
+                    let Some(arrived) = self.take_arrival(id) else {
                         self.wait[wi] = Wait::Message(id);
                         break;
-                    }
+                    };
                     let start = clock;
                     clock = clock.max(arrived);
                     self.record(w, a, start, clock);
@@ -848,7 +1123,7 @@ impl<'a> Engine<'a> {
                         if m != w {
                             self.comm[mi] += t.all_reduce;
                             self.clock[mi] = end;
-                            self.pc[mi] += 1;
+                            self.programs.step(mi);
                             self.wait[mi] = Wait::Nothing;
                             ready.push(m);
                         }
@@ -857,9 +1132,8 @@ impl<'a> Engine<'a> {
                     clock = end;
                 }
             }
-            pc += 1;
+            self.programs.step(wi);
         }
-        self.pc[wi] = pc;
         self.clock[wi] = clock;
         self.compute[wi] += compute;
         self.comm[wi] += comm;
@@ -898,9 +1172,9 @@ impl StageTimes {
     }
 }
 
-fn stage_times(schedule: &Schedule, costs: Option<&CostModel>) -> Vec<StageTimes> {
-    let layout = schedule.layout();
-    (0..schedule.stages())
+fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes> {
+    let layout = &resolved.layout;
+    (0..layout.stages())
         .map(|s| {
             let Some(c) = costs else {
                 return StageTimes::default();
@@ -976,9 +1250,19 @@ mod tests {
                             ..StageCost::compute(1.0, 2.0)
                         })
                     };
-                    let mut a = Engine::new(&schedule, Some(&costs), true);
+                    let mut a = Engine::new(
+                        &schedule.resolved,
+                        Materialized::new(&schedule),
+                        Some(&costs),
+                        true,
+                    );
                     a.run().unwrap();
-                    let mut b = Engine::new(&schedule, Some(&costs), true);
+                    let mut b = Engine::new(
+                        &schedule.resolved,
+                        Materialized::new(&schedule),
+                        Some(&costs),
+                        true,
+                    );
                     b.run_shared(f64::from(schedule.workers())).unwrap();
                     let what = format!("{policy} {replicas:?} overlap={overlap}");
                     for w in 0..schedule.workers() as usize {

@@ -271,9 +271,17 @@ impl Layout {
     }
 
     /// The worker that handles microbatch `mb` at `stage`.
+    #[inline]
     pub fn worker_for(&self, stage: StageId, mb: Microbatch) -> WorkerId {
-        let p = self.position_of(stage);
-        self.worker(p, mb % self.replicas[p as usize])
+        // The hot path of lowering and simulation: skip the divisions where they are no-ops.
+        let p = if self.chunks == 1 {
+            stage
+        } else {
+            self.position_of(stage)
+        };
+        let r = self.replicas[p as usize];
+        let j = if r == 1 { 0 } else { mb % r };
+        self.worker(p, j)
     }
 
     /// The stages a worker holds, in chunk order.
@@ -295,6 +303,17 @@ impl Layout {
         let p = position as usize;
         let downstream: u64 = self.replicas[p..].iter().map(|&x| u64::from(x)).sum();
         downstream.div_ceil(u64::from(self.replicas[p])) as u32
+    }
+
+    /// [`Layout::in_flight_limit`] of every position, in one pass over suffix sums.
+    pub fn in_flight_limits(&self) -> Vec<u32> {
+        let mut downstream = 0u64;
+        let mut limits = vec![0u32; self.replicas.len()];
+        for (p, &r) in self.replicas.iter().enumerate().rev() {
+            downstream += u64::from(r);
+            limits[p] = downstream.div_ceil(u64::from(r)) as u32;
+        }
+        limits
     }
 
     /// Least common multiple of the replica counts: the number of microbatches (times `M`) that

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use pipe_scheduler::{
-    CostModel, Schedule, SimOptions, SimReport, StageCost, VersionPlan, simulate,
+    CostModel, Resolved, SimOptions, SimReport, StageCost, VersionPlan, simulate, simulate_spec,
 };
 
 use crate::args::{ScheduleOpts, bytes, parse_bandwidth, parse_bytes, parse_seconds, secs};
@@ -99,18 +99,19 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
 /// failures of the simulator or of writing.
 pub fn run(args: &SimulateArgs) -> Result<()> {
     let costs = load_costs(args)?;
+    let spec = args.opts.spec();
+    let resolved = spec.resolve().map_err(schedule_error)?;
     costs
-        .check(
-            args.opts
-                .spec()
-                .resolve()
-                .map_err(schedule_error)?
-                .layout
-                .stages(),
-        )
+        .check(resolved.layout.stages())
         .map_err(schedule_error)?;
-    let schedule = args.opts.build()?;
     let want_timeline = args.trace.is_some() || args.csv.is_some();
+    if !want_timeline && !args.opts.expands_all_reduce() {
+        // Nothing needs the whole schedule: stream it (thousands of workers in little memory).
+        let report = simulate_spec(&spec, &costs, SimOptions::default()).map_err(schedule_error)?;
+        out!("{}", render_report(&resolved, &report, costs.cores));
+        return Ok(());
+    }
+    let schedule = args.opts.build()?;
     let report = simulate(
         &schedule,
         &costs,
@@ -119,7 +120,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         },
     )
     .map_err(schedule_error)?;
-    out!("{}", render_report(&schedule, &report, costs.cores));
+    out!("{}", render_report(&resolved, &report, costs.cores));
     if let Some(timeline) = &report.timeline {
         if let Some(path) = &args.trace {
             let plan = VersionPlan::derive(&schedule)?;
@@ -136,25 +137,37 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     Ok(())
 }
 
+/// Replica counts as the flag takes them: one value when every stage has it, else the list.
+fn replica_list(counts: &[u32]) -> String {
+    match counts {
+        [first, rest @ ..] if rest.iter().all(|r| r == first) => first.to_string(),
+        _ => counts
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+    }
+}
+
 /// The simulator's report as text: a headline and one row per worker.
-fn render_report(schedule: &Schedule, r: &SimReport, cores: Option<u32>) -> String {
-    let res = &schedule.resolved;
+fn render_report(res: &Resolved, r: &SimReport, cores: Option<u32>) -> String {
+    let workers = res.layout.workers();
     let shared = match cores {
-        Some(c) if c < schedule.workers() => {
+        Some(c) if c < workers => {
             format!(" on {c} shared core(s) (compute columns are wall time)")
         }
         _ => String::new(),
     };
     let mut out = format!(
-        "{} | {} stages, replicas {:?}, {} chunk(s) | M = {} per replica, {} microbatches | {} \
+        "{} | {} stages, replicas {}, {} chunk(s) | M = {} per replica, {} microbatches | {} \
          workers{shared}\n",
         res.policy,
         res.layout.positions(),
-        res.layout.replica_counts(),
+        replica_list(res.layout.replica_counts()),
         res.layout.chunks(),
         res.microbatches_per_update,
         res.total,
-        schedule.workers()
+        workers
     );
     out.push_str(&format!(
         "makespan {}  throughput {:.6} microbatches/s  bubble {:.2}%\n",
@@ -175,8 +188,8 @@ fn render_report(schedule: &Schedule, r: &SimReport, cores: Option<u32>) -> Stri
         "peak memory"
     ));
     for (w, wr) in r.workers.iter().enumerate() {
-        let stages: Vec<String> = schedule
-            .layout()
+        let stages: Vec<String> = res
+            .layout
             .stages_of(w as u32)
             .map(|s| s.to_string())
             .collect();
