@@ -7,8 +7,10 @@
 //! the same checked by the simulator against a straight pipeline and data parallelism), under
 //! 1F1B with flushes at 10 GB/s and at 1 GB/s (one table per stage count until no more
 //! stages can score better, then the simulator times the most promising plans; at 10 GB/s data
-//! parallelism is near the floor and the search ends after one stage count, at 1 GB/s it goes
-//! deeper), and PipeDream's own optimizer for comparison.
+//! parallelism is near the floor and the search ends after one stage count, at 1 GB/s and
+//! 0.1 GB/s it goes deeper), the same at 0.1 GB/s for both schedules, and PipeDream's own
+//! optimizer for comparison. `cargo run --release -p pipe-scheduler --example plan_speed`
+//! times what `pipe plan` runs (`plan_checked`) for four policies at 10, 1 and 0.1 GB/s.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use std::hint::black_box;
@@ -84,6 +86,30 @@ fn bench(c: &mut Criterion) {
     };
     g.bench_function("default_1f1b-flush_1GBps", |b| {
         b.iter(|| black_box(plan_partition(&p, &slow_flush).unwrap().time_per_microbatch))
+    });
+    // At 0.1 GB/s the all-reduce dominates: the pruning that counts it keeps both fast.
+    let slowest_flush = PlanOptions {
+        policy: Policy::OneFOneBFlush,
+        ..PlanOptions::new(64, 0.1e9)
+    };
+    g.bench_function("default_1f1b-flush_0.1GBps", |b| {
+        b.iter(|| {
+            black_box(
+                plan_partition(&p, &slowest_flush)
+                    .unwrap()
+                    .time_per_microbatch,
+            )
+        })
+    });
+    let slowest_async = PlanOptions::new(64, 0.1e9);
+    g.bench_function("default_pipedream_0.1GBps_checked", |b| {
+        b.iter(|| {
+            black_box(
+                pipe_scheduler::plan_checked(&p, &slowest_async)
+                    .unwrap()
+                    .time_per_microbatch,
+            )
+        })
     });
     let pd = PipeDreamOptions::new(64, 10e9);
     g.bench_function("pipedream_model", |b| {

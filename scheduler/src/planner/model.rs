@@ -30,12 +30,26 @@
 //! times the most promising few, whole minibatch, fill and drain included; the fastest
 //! simulated wins.
 //!
+//! Stopping: an `S`-stage plan on `W` workers has a slowest stage `T` with `W T >= C + P_R /
+//! (bw M) + 2 latency / M` when `S < W`: every replicated stage pays at least `P / (bw M)` of
+//! all-reduce per replica-microbatch on its parameters, and the parameters `P_R` on replicated
+//! stages are at least all of them less what `S - 1` unreplicated stages, each of work at most
+//! `T`, can hold (the widest run of layers of work at most `T`, found by two pointers). The
+//! least such `T` (bisection), or `C / W` and the heaviest layer over the most replicas it can
+//! have, bounds every `S`-stage plan from below; the search stops once no larger stage count's
+//! `(M + S - 1)` times its bound is below the best score. Ignoring the all-reduce, as the plain
+//! `C / W` floor does, kept the search going through 19 stage counts at 0.1 GB/s.
+//!
 //! The program is PipeDream's prefix recursion with exact pruning: a stage of compute `C` on
 //! `r` replicas never takes less than `C / r`, and a prefix of compute `C` on `m` workers never
 //! less than `C / m` (the slowest stage is at least the average), so for a current best `t`
 //! only cuts with `C_stage < r t` and `C_prefix < m t` can improve it. Both are ranges of the
 //! prefix sums, found through a bucket index over them; the search starts from the previous
-//! layer's best cut extended by one layer.
+//! layer's best cut extended by one layer. Two more cuts of the range: a stage's compute plus
+//! all-reduce grows with the stage, so a binary search drops the cuts whose stage alone is
+//! slower than `t` (at low bandwidth, most of them); and when the prefix comes from the
+//! previous stage count's table, the fastest prefix ending at or after each layer never
+//! decreases, so a second binary search drops the cuts whose prefix is slower than `t`.
 
 use crate::error::{Result, ScheduleError};
 use crate::generate::generate;
@@ -246,11 +260,7 @@ impl<'a> Costs<'a> {
     /// evaluates this for every cut it cannot prune).
     fn parts(&self, from: usize, to: usize, r: usize) -> (f64, f64, f64, f64) {
         let f = &self.per_r[r];
-        let c = self.pc[to + 1] - self.pc[from];
-        let u = self.pu[to + 1] - self.pu[from];
-        let p = self.pp[to + 1] - self.pp[from];
-        let compute = (c + u * self.inv_m) * f.inv;
-        let all_reduce = p * f.ring + f.ring_latency;
+        let (compute, all_reduce) = self.work(from, to, r);
         let mut bytes = 0.0;
         let mut messages = 0.0;
         if from > 0 {
@@ -268,6 +278,93 @@ impl<'a> Costs<'a> {
             let t = (bytes * self.wire_per_byte + messages * self.opts.latency) * f.inv;
             (compute, all_reduce, t, compute + all_reduce + t)
         }
+    }
+
+    /// Compute and all-reduce of layers `from..=to` on `r` replicas: their sum is a lower bound
+    /// on the stage's time (the transfer can only add to it), never decreasing as the stage
+    /// grows, which is what lets [`Costs::first_cut_within`] prune cuts.
+    #[inline]
+    fn work(&self, from: usize, to: usize, r: usize) -> (f64, f64) {
+        let f = &self.per_r[r];
+        let c = self.pc[to + 1] - self.pc[from];
+        let u = self.pu[to + 1] - self.pu[from];
+        let p = self.pp[to + 1] - self.pp[from];
+        ((c + u * self.inv_m) * f.inv, p * f.ring + f.ring_latency)
+    }
+
+    /// The first cut `k` in `cuts` whose stage `k+1..=j` on `r` replicas has compute plus
+    /// all-reduce at most `t` (`cuts.end` if none): cuts before it give a stage slower than
+    /// `t` whatever its transfer. The compute-only range of [`PrefixIndex`] ignores the
+    /// all-reduce, which at low bandwidth leaves most cuts in; this binary search removes them.
+    fn first_cut_within(&self, cuts: std::ops::Range<usize>, j: usize, r: usize, t: f64) -> usize {
+        let slower = |k: usize| {
+            let (compute, all_reduce) = self.work(k + 1, j, r);
+            compute + all_reduce > t
+        };
+        let (mut lo, mut hi) = (cuts.start, cuts.end);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if slower(mid) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// A lower bound on the slowest stage of any plan with exactly `stages` stages on all the
+    /// workers, for the flush search's stopping rule (module docs, "Stopping").
+    fn stage_count_bound(&self, stages: usize) -> f64 {
+        let (n, w) = (self.n, self.w);
+        let work =
+            |i: usize| (self.pc[i + 1] - self.pc[i]) + (self.pu[i + 1] - self.pu[i]) * self.inv_m;
+        let total = self.pc[n] + self.pu[n] * self.inv_m;
+        // Some stage holds the heaviest layer on at most `w - stages + 1` replicas.
+        let heaviest = (0..n).map(work).fold(0.0, f64::max) / (w + 1 - stages.min(w)) as f64;
+        let floor = (total / w as f64).max(heaviest);
+        if stages >= w {
+            return floor;
+        }
+        // A replicated stage pays at least `P / (bw M) + 2 latency / M` per replica-microbatch
+        // on its parameters `P`; at most `stages - 1` unreplicated stages, each of work at most
+        // `T`, can hold parameters without paying it.
+        let per_byte = self.per_r[2].ring * 2.0;
+        let latency = self.per_r[2].ring_latency * 2.0;
+        let params = self.pp[n];
+        let widest = |t: f64| {
+            // Most parameter bytes in a run of layers whose work is at most `t` (two pointers).
+            let (mut best, mut start, mut c, mut p) = (0.0f64, 0usize, 0.0f64, 0.0f64);
+            for end in 0..n {
+                c += work(end);
+                p += self.pp[end + 1] - self.pp[end];
+                while c > t && start <= end {
+                    c -= work(start);
+                    p -= self.pp[start + 1] - self.pp[start];
+                    start += 1;
+                }
+                best = best.max(p);
+            }
+            best
+        };
+        let feasible = |t: f64| {
+            let paid = (params - (stages - 1) as f64 * widest(t)).max(0.0);
+            w as f64 * t >= total + paid * per_byte + latency
+        };
+        let (mut lo, mut hi) = (floor, (total + params * per_byte + latency) / w as f64);
+        if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater) || feasible(lo) {
+            return lo;
+        }
+        for _ in 0..60 {
+            let mid = 0.5 * (lo + hi);
+            if feasible(mid) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        // The bisection's lower end is infeasible: every plan is slower than it.
+        lo
     }
 
     /// Bytes per worker of layers `from..=to` on `r` replicas with `after` workers at or after
@@ -343,8 +440,9 @@ const EMPTY: Cell = Cell {
     stages: u32::MAX,
 };
 
-/// One table of the dynamic program, `n x w` cells: cell `(j, m)` is the best plan of layers
-/// `0..=j` on `m + 1` workers.
+/// One table of the dynamic program, `n x w` cells: cell `(j, m)`, at `m * n + j`, is the
+/// best plan of layers `0..=j` on `m + 1` workers. Worker-major, so the cut loop (over `k` at
+/// fixed workers) reads consecutive cells.
 type Table = Vec<Cell>;
 
 /// Fills a table. With `prev`, cell `(j, m)` is the best plan whose last stage follows a plan
@@ -354,6 +452,20 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
     let (n, w) = (costs.n, costs.w);
     let straight = costs.opts.straight;
     let index = PrefixIndex::new(&costs.pc);
+    // Per worker count, the fastest prefix of `prev` ending at or after each layer: never
+    // decreasing in the layer, so the cuts whose prefix alone is slower than the best found
+    // are a tail of the range, cut off by a binary search.
+    let fastest_from: Vec<f64> = prev.map_or_else(Vec::new, |prev| {
+        let mut out = vec![f64::INFINITY; n * w];
+        for q in 0..w {
+            let mut least = f64::INFINITY;
+            for k in (0..n).rev() {
+                least = least.min(prev[q * n + k].time);
+                out[q * n + k] = least;
+            }
+        }
+        out
+    });
     let mut cur: Table = vec![EMPTY; n * w];
     for j in 0..n {
         for m in 0..w {
@@ -366,7 +478,7 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
                 let prefix = prev.unwrap_or(&cur);
                 let after_base = w - (m + 1);
                 let consider = |k: usize, r: usize, best: &mut Cell| {
-                    let before = prefix[k * w + (m - r)];
+                    let before = prefix[(m - r) * n + k];
                     if before.time > best.time || !before.time.is_finite() {
                         return;
                     }
@@ -384,18 +496,31 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
                     }
                 };
                 // Seed: the previous layer's best cut, its last stage grown by this layer.
-                let seed = cur[(j - 1) * w + m];
+                let seed = cur[m * n + j - 1];
                 if seed.k != u32::MAX && seed.time.is_finite() {
                     consider(seed.k as usize, seed.r as usize, &mut best);
                 }
                 let max_r = if straight { 1 } else { m };
                 for r in 1..=max_r {
-                    for k in index.cuts_that_can_win(j, m, r, best.time) {
+                    let cuts = index.cuts_that_can_win(j, m, r, best.time);
+                    let (first, end) = if best.time.is_finite() {
+                        let first = costs.first_cut_within(cuts.clone(), j, r, best.time);
+                        let end = if fastest_from.is_empty() {
+                            cuts.end
+                        } else {
+                            let row = &fastest_from[(m - r) * n..(m - r + 1) * n];
+                            first + row[first..cuts.end].partition_point(|&t| t <= best.time)
+                        };
+                        (first, end)
+                    } else {
+                        (cuts.start, cuts.end)
+                    };
+                    for k in first..end {
                         consider(k, r, &mut best);
                     }
                 }
             }
-            cur[j * w + m] = best;
+            cur[m * n + j] = best;
         }
     }
     cur
@@ -424,7 +549,7 @@ fn single_stage(costs: &Costs, j: usize, m: usize) -> Cell {
 fn first_layer(costs: &Costs) -> Table {
     let w = costs.w;
     (0..costs.n * w)
-        .map(|i| single_stage(costs, i / w, i % w))
+        .map(|i| single_stage(costs, i % costs.n, i / costs.n))
         .collect()
 }
 
@@ -451,7 +576,7 @@ fn walk(tables: &[Table], n: usize, w: usize) -> Vec<(usize, usize, usize)> {
     let (mut j, mut m) = (n - 1, w - 1);
     let mut s = tables.len() - 1;
     loop {
-        let c = tables[s][j * w + m];
+        let c = tables[s][m * n + j];
         if c.k == u32::MAX {
             out.push((0, j, c.r as usize));
             break;
@@ -539,7 +664,7 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
             "no plan of {n} layers on {w} workers fits the memory bound"
         ))
     };
-    let last = (n - 1) * w + (w - 1);
+    let last = (w - 1) * n + (n - 1);
     check_table_memory(1, n, w)?;
     if !opts.policy.is_flush() {
         let table = fill(&costs, None);
@@ -554,7 +679,13 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
     // of the stage counts tried are simulated.
     let m = f64::from(opts.microbatches);
     let keep = opts.candidates.max(1);
-    let floor = costs.pc[n] / w as f64;
+    // `stop[s]`: no plan of more than `s + 1` stages scores below it.
+    let counts = n.min(w);
+    let mut stop = vec![f64::INFINITY; counts + 1];
+    for s in (0..counts).rev() {
+        let score = (m + s as f64) * costs.stage_count_bound(s + 1);
+        stop[s] = stop[s + 1].min(score);
+    }
     let mut tables = vec![first_layer(&costs)];
     let mut ranked: Vec<(f64, usize)> = Vec::new();
     for s in 0..n.min(w) {
@@ -570,10 +701,7 @@ pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
             ranked.truncate(keep);
         }
         // No plan with more stages can score below the best so far.
-        if ranked
-            .first()
-            .is_some_and(|b| (m + s as f64 + 1.0) * floor >= b.0)
-        {
+        if ranked.first().is_some_and(|b| stop[s + 1] >= b.0) {
             break;
         }
     }
@@ -720,7 +848,7 @@ pub fn frontier(profile: &Profile, opts: &PlanOptions) -> Result<Vec<Option<Part
     }
     Ok((0..tables.len())
         .map(|s| {
-            tables[s][(n - 1) * w + (w - 1)]
+            tables[s][(w - 1) * n + (n - 1)]
                 .time
                 .is_finite()
                 .then(|| make_plan(&costs, profile, &walk(&tables[..=s], n, w)))
@@ -784,4 +912,66 @@ pub fn simulate_plan(profile: &Profile, plan: &PartitionPlan, opts: &PlanOptions
     };
     let report = simulate(&schedule, &costs, SimOptions::default())?;
     Ok(report.makespan / f64::from(report.microbatches))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::profile::LayerProfile;
+    use proptest::prelude::*;
+
+    fn layer() -> impl Strategy<Value = LayerProfile> {
+        (
+            0.0f64..4.0,
+            0.0f64..4.0,
+            0.0f64..1.0,
+            0.0f64..2e4,
+            0.0f64..1e4,
+        )
+            .prop_map(
+                |(forward, backward, update, param_bytes, activation_bytes)| LayerProfile {
+                    name: String::new(),
+                    forward,
+                    backward_input: backward / 2.0,
+                    backward_weight: backward / 2.0,
+                    update,
+                    activation_bytes,
+                    param_bytes,
+                    stash_bytes: None,
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+        /// The flush search stops on `stage_count_bound`: it must never exceed the best plan of
+        /// that many stages, at any bandwidth, latency and overlap.
+        #[test]
+        fn the_stage_count_bound_is_below_every_plan_of_that_many_stages(
+            layers in prop::collection::vec(layer(), 1..=9),
+            w in 1u32..=7,
+            b in prop::sample::select(vec![1e2, 1e3, 1e5]),
+            latency in prop::sample::select(vec![0.0, 0.3]),
+            overlap in any::<bool>(),
+            microbatches in 1u32..=4,
+        ) {
+            let p = Profile::chain(layers);
+            let o = PlanOptions {
+                latency,
+                overlap,
+                microbatches,
+                policy: Policy::OneFOneBFlush,
+                ..PlanOptions::new(w, b)
+            };
+            let costs = Costs::new(&p, &o);
+            for (s, plan) in frontier(&p, &o).unwrap().iter().enumerate() {
+                let bound = costs.stage_count_bound(s + 1);
+                if let Some(plan) = plan {
+                    prop_assert!(bound <= plan.time_per_microbatch * (1.0 + 1e-12),
+                        "{} stages: bound {} plan {}", s + 1, bound, plan.time_per_microbatch);
+                }
+            }
+        }
+    }
 }
