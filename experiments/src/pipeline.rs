@@ -33,10 +33,11 @@ use pipe_scheduler::{
     Action, CostModel, Length, Policy, ScheduleSpec, SimOptions, StageCost, simulate,
 };
 use pipe_stages::loss::SoftmaxCrossEntropy;
-use pipe_stages::model::{Model, ModelSpec};
+use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
-    MicrobatchSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, run_threads,
+    MicrobatchSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, all_reduce_gradients,
+    run_threads,
 };
 use pipe_stages::train::{StepState, train_step};
 use pipe_transport::collective::ring_all_reduce;
@@ -172,10 +173,35 @@ pub struct PipelineReport {
     pub overhead_us_per_action: f64,
     /// In-process transport, microseconds per message (ping-pong).
     pub transport_us_per_message: f64,
+    /// The executor's all-reduce against the bare ring on the same gradients.
+    pub all_reduce: AllReduceResult,
     /// Timed updates per case.
     pub updates: u32,
     /// Rounds each figure is the median of.
     pub rounds: u32,
+}
+
+/// The executor's all-reduce of one stage's gradients between two in-process replicas, each on
+/// its own thread, against the bare ring on one flat buffer of the same length, and against
+/// flattening the gradients into such a buffer and back around the ring (how the executor did
+/// it before its all-reduce reduced the tensors in place). Medians over repeats, the three
+/// variants alternating in every repeat.
+#[derive(Clone, Debug, Serialize)]
+pub struct AllReduceResult {
+    /// The model and the stage whose gradients are summed.
+    pub what: String,
+    /// Gradient tensors and values.
+    pub tensors: usize,
+    /// Values summed.
+    pub values: usize,
+    /// Seconds: the executor's all-reduce (`pipe_stages::pipeline::all_reduce_gradients`).
+    pub executor_s: f64,
+    /// Seconds: `ring_all_reduce` on one flat buffer.
+    pub bare_ring_s: f64,
+    /// Seconds: flatten, ring, unflatten.
+    pub flattened_s: f64,
+    /// Executor over bare ring.
+    pub ratio: f64,
 }
 
 /// What to run.
@@ -380,6 +406,80 @@ fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
         times.extend(mine);
     }
     Ok(median(&times))
+}
+
+/// Measures [`AllReduceResult`] for `grads` (one stage's gradient shapes) on two replicas.
+fn all_reduce_against_ring(
+    what: String,
+    grads: &Params,
+) -> Result<AllReduceResult, ExperimentError> {
+    const REPEATS: u32 = 15;
+    let group = [0u32, 1];
+    let values: usize = grads.iter().flatten().map(Tensor::len).sum();
+    let handles: Vec<_> = mesh(2, &InProcOptions::default())
+        .into_iter()
+        .map(|mut ep| {
+            let mut tensors = grads.clone();
+            std::thread::spawn(move || -> Result<[Vec<f64>; 3], ExperimentError> {
+                let mut flat = vec![1.0f32; values];
+                let mut times: [Vec<f64>; 3] = Default::default();
+                let err =
+                    |e: pipe_transport::TransportError| ExperimentError::Config(e.to_string());
+                for round in 0..=REPEATS {
+                    let update = 3 * round;
+                    let t = Instant::now();
+                    all_reduce_gradients(&mut ep, &group, 0, update, &mut tensors)?;
+                    let executor = t.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    ring_all_reduce(&mut ep, &group, 0, update + 1, &mut flat).map_err(err)?;
+                    let bare = t.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    let mut copy = Vec::with_capacity(values);
+                    for g in tensors.iter().flatten() {
+                        copy.extend_from_slice(
+                            g.host()
+                                .map_err(|e| ExperimentError::Config(e.to_string()))?,
+                        );
+                    }
+                    ring_all_reduce(&mut ep, &group, 0, update + 2, &mut copy).map_err(err)?;
+                    let mut at = 0;
+                    for g in tensors.iter_mut().flatten() {
+                        let dst = g
+                            .host_mut()
+                            .map_err(|e| ExperimentError::Config(e.to_string()))?;
+                        dst.copy_from_slice(&copy[at..at + dst.len()]);
+                        at += dst.len();
+                    }
+                    let flattened = t.elapsed().as_secs_f64();
+                    if round > 0 {
+                        times[0].push(executor);
+                        times[1].push(bare);
+                        times[2].push(flattened);
+                    }
+                }
+                Ok(times)
+            })
+        })
+        .collect();
+    let mut all: [Vec<f64>; 3] = Default::default();
+    for h in handles {
+        let mine = h
+            .join()
+            .map_err(|_| ExperimentError::Config("all-reduce thread panicked".into()))??;
+        for (a, m) in all.iter_mut().zip(mine) {
+            a.extend(m);
+        }
+    }
+    let [executor_s, bare_ring_s, flattened_s] = all.map(|t| median(&t));
+    Ok(AllReduceResult {
+        what,
+        tensors: grads.iter().map(Vec::len).sum(),
+        values,
+        executor_s,
+        bare_ring_s,
+        flattened_s,
+        ratio: executor_s / bare_ring_s,
+    })
 }
 
 /// The simulator's costs for `case`: the per-stage times of the one-thread sequential run
@@ -609,7 +709,7 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     if !cfg.small_only {
         list.insert(0, ("mlp-784-1024x16-10", 256, 8));
     }
-    for (preset, batch, m) in list {
+    for &(preset, batch, m) in &list {
         let model = Model::new(&ModelSpec::preset(preset)?)?;
         let rounds = (0..cfg.rounds.max(1))
             .map(|_| model_round(&model, preset, batch, m, cfg))
@@ -618,10 +718,19 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     }
     let small = Model::new(&ModelSpec::preset("mlp-256-256x8-10")?)?;
     let overhead_us_per_action = overhead(&small, 64, 8, cfg.updates.max(10))?;
+    // The replicated stage of the `--stages 4 --replicas 2` case of the first model.
+    let (preset, _, _) = list[0];
+    let model = Model::new(&ModelSpec::preset(preset)?)?;
+    let partition = Partition::balanced(&model, 4)?;
+    let all_reduce = all_reduce_against_ring(
+        format!("{preset}, stage 1 of 4 (layers {:?})", partition.range(1)),
+        &model.zero_grads(partition.range(1)),
+    )?;
     Ok(PipelineReport {
         models,
         overhead_us_per_action,
         transport_us_per_message: transport_cost()?,
+        all_reduce,
         updates: cfg.updates,
         rounds: cfg.rounds.max(1),
     })
@@ -662,6 +771,20 @@ pub fn render(r: &PipelineReport) -> String {
          in-process transport: {:.1} us per message (ping-pong)\n",
         r.overhead_us_per_action, r.transport_us_per_message
     ));
+    let a = &r.all_reduce;
+    out.push_str(&format!(
+        "all-reduce, 2 replicas, {} ({} tensors, {} values): executor {:.3} ms, bare ring on one \
+         flat buffer {:.3} ms, executor / bare ring {:.2}; flattening around the ring (the \
+         earlier executor) {:.3} ms, {:.2}x the bare ring\n",
+        a.what,
+        a.tensors,
+        a.values,
+        a.executor_s * 1e3,
+        a.bare_ring_s * 1e3,
+        a.ratio,
+        a.flattened_s * 1e3,
+        a.flattened_s / a.bare_ring_s
+    ));
     out
 }
 
@@ -690,6 +813,7 @@ mod tests {
             );
         }
         assert!(r.transport_us_per_message > 0.0);
+        assert!(r.all_reduce.executor_s > 0.0 && r.all_reduce.bare_ring_s > 0.0);
         assert!(r.overhead_us_per_action.is_finite());
     }
 

@@ -35,6 +35,25 @@ pub fn ring_all_reduce<T: Transport + ?Sized>(
     update: u32,
     data: &mut [f32],
 ) -> Result<(), TransportError> {
+    ring_all_reduce_segments(t, group, stage, update, &mut [data])
+}
+
+/// [`ring_all_reduce`] of the concatenation of `segments`, without concatenating them: the
+/// ring's chunks are ranges of the virtual flat buffer, copied out of the segments they span
+/// when sent and added into them when received. A stage's gradient tensors are reduced where
+/// they live, with exactly the bare ring's copies, messages and additions, and the result is
+/// [`ring_sum`] of the replicas' concatenations. One chunk buffer is allocated per call and
+/// then passed around: each received chunk's buffer carries the next chunk this worker sends.
+///
+/// # Errors
+/// As [`ring_all_reduce`].
+pub fn ring_all_reduce_segments<T: Transport + ?Sized>(
+    t: &mut T,
+    group: &[u32],
+    stage: u32,
+    update: u32,
+    segments: &mut [&mut [f32]],
+) -> Result<(), TransportError> {
     let r = group.len();
     if r <= 1 {
         return Ok(());
@@ -43,9 +62,10 @@ pub fn ring_all_reduce<T: Transport + ?Sized>(
     let i = group.iter().position(|&w| w == me).ok_or_else(|| {
         TransportError::Protocol(format!("worker {me} is not in all-reduce group {group:?}"))
     })?;
-    let next = group[(i + 1) % r];
-    let prev = group[(i + r - 1) % r];
-    let len = data.len();
+    let (next, prev) = (group[(i + 1) % r], group[(i + r - 1) % r]);
+    let mut flat = Segments::new(segments);
+    let len = flat.len();
+    let mut spare: Vec<f32> = Vec::new();
     for step in 0..2 * (r - 1) {
         let k = step % (r - 1);
         let gather = step >= r - 1;
@@ -54,51 +74,114 @@ pub fn ring_all_reduce<T: Transport + ?Sized>(
         } else {
             ((i + r - k) % r, (i + 2 * r - k - 1) % r)
         };
-        let out = data[chunk(len, r, send_c)].to_vec();
-        let n = out.len();
-        let tensor = Tensor::from_vec(&[n], out)
+        spare.clear();
+        flat.copy_out(chunk(len, r, send_c), &mut spare);
+        let n = spare.len();
+        let tensor = Tensor::from_vec(&[n], std::mem::take(&mut spare))
             .map_err(|e| TransportError::Protocol(format!("chunk tensor: {e}")))?;
-        t.send(Message {
-            key: Key {
-                from: me,
-                to: next,
-                kind: Kind::Chunk,
-                stage,
-                index: update,
-                step: step as u32,
-            },
-            version: 0,
-            tensor,
-        })?;
-        let got = t.recv(&Key {
-            from: prev,
-            to: me,
+        let key = |from: u32, to: u32| Key {
+            from,
+            to,
             kind: Kind::Chunk,
             stage,
             index: update,
             step: step as u32,
+        };
+        t.send(Message {
+            key: key(me, next),
+            version: 0,
+            tensor,
         })?;
-        let dst = &mut data[chunk(len, r, recv_c)];
+        let got = t.recv(&key(prev, me))?;
+        let range = chunk(len, r, recv_c);
         let src = got
             .tensor
             .host()
             .map_err(|e| TransportError::Protocol(format!("all-reduce chunk: {e}")))?;
-        if src.len() != dst.len() {
+        if src.len() != range.len() {
             return Err(TransportError::Protocol(format!(
                 "all-reduce chunk of {} values where {} were expected",
                 src.len(),
-                dst.len()
+                range.len()
             )));
         }
-        if gather {
-            dst.copy_from_slice(src);
-        } else {
-            for (d, s) in dst.iter_mut().zip(src) {
-                *d += *s;
+        flat.merge_in(range, src, gather);
+        // The received buffer carries the next send (a host tensor gives its Vec back).
+        spare = got.tensor.into_host_vec().unwrap_or_default();
+    }
+    Ok(())
+}
+
+/// Slices seen as one flat buffer.
+struct Segments<'a, 'b> {
+    parts: &'a mut [&'b mut [f32]],
+    /// `starts[s]`: where part `s` begins in the flat buffer; one more entry for the end.
+    starts: Vec<usize>,
+}
+
+impl<'a, 'b> Segments<'a, 'b> {
+    fn new(parts: &'a mut [&'b mut [f32]]) -> Self {
+        let mut starts = Vec::with_capacity(parts.len() + 1);
+        let mut at = 0;
+        for p in parts.iter() {
+            starts.push(at);
+            at += p.len();
+        }
+        starts.push(at);
+        Segments { parts, starts }
+    }
+
+    fn len(&self) -> usize {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// The pieces of flat range `range`: (part, range within the part, offset in `range`).
+    fn pieces(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (usize, std::ops::Range<usize>, usize)> + '_ {
+        let first = self
+            .starts
+            .partition_point(|&s| s <= range.start)
+            .saturating_sub(1);
+        (first..self.parts.len())
+            .take_while(move |&p| self.starts[p] < range.end)
+            .filter_map(move |p| {
+                let lo = range.start.max(self.starts[p]);
+                let hi = range.end.min(self.starts[p + 1]);
+                (lo < hi).then(|| {
+                    (
+                        p,
+                        lo - self.starts[p]..hi - self.starts[p],
+                        lo - range.start,
+                    )
+                })
+            })
+    }
+
+    /// Appends flat range `range` to `out`.
+    fn copy_out(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        for (p, within, _) in self.pieces(range) {
+            out.extend_from_slice(&self.parts[p][within]);
+        }
+    }
+
+    /// Adds `src` into flat range `range` (or copies it, for the all-gather).
+    fn merge_in(&mut self, range: std::ops::Range<usize>, src: &[f32], copy: bool) {
+        let pieces: Vec<_> = self.pieces(range).collect();
+        for (p, within, offset) in pieces {
+            let n = within.len();
+            let dst = &mut self.parts[p][within];
+            let src = &src[offset..offset + n];
+            if copy {
+                dst.copy_from_slice(src);
+            } else {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d += *s;
+                }
             }
         }
     }
-    Ok(())
 }
 
 /// What [`ring_all_reduce`] leaves in every replica, computed on one thread from the replicas'

@@ -6,7 +6,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use pipe_kernels::Tensor;
-use pipe_transport::collective::{ring_all_reduce, ring_sum};
+use pipe_transport::collective::{ring_all_reduce, ring_all_reduce_segments, ring_sum};
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
@@ -225,6 +225,49 @@ macro_rules! transport_suite {
                         for (a, b) in expect.iter().zip(&naive) {
                             assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0));
                         }
+                    }
+                }
+            }
+
+            #[test]
+            fn segmented_ring_all_reduce_is_the_ring_sum_of_the_concatenation() {
+                for r in [2u32, 3] {
+                    let sizes = [1usize, 7, 0, 300, 2, 64];
+                    let eps = make(r, None);
+                    let parts: Vec<Vec<Vec<f32>>> = (0..r)
+                        .map(|w| {
+                            sizes
+                                .iter()
+                                .enumerate()
+                                .map(|(b, &n)| {
+                                    (0..n)
+                                        .map(|i| {
+                                            ((i * 5 + b * 3 + w as usize * 11) % 13) as f32 * 0.37
+                                        })
+                                        .collect()
+                                })
+                                .collect()
+                        })
+                        .collect();
+                    let flats: Vec<Vec<f32>> = parts.iter().map(|p| p.concat()).collect();
+                    let expect = ring_sum(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>());
+                    let group: Vec<u32> = (0..r).collect();
+                    let handles: Vec<_> = eps
+                        .into_iter()
+                        .zip(parts.clone())
+                        .map(|(mut ep, mut data)| {
+                            let group = group.clone();
+                            thread::spawn(move || {
+                                let mut buckets: Vec<&mut [f32]> =
+                                    data.iter_mut().map(Vec::as_mut_slice).collect();
+                                ring_all_reduce_segments(&mut ep, &group, 1, 3, &mut buckets)
+                                    .unwrap();
+                                data.concat()
+                            })
+                        })
+                        .collect();
+                    for h in handles {
+                        assert_eq!(h.join().unwrap(), expect, "r={r}");
                     }
                 }
             }

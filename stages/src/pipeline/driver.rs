@@ -4,7 +4,7 @@
 //!
 //! The driver is the only place where the worker core meets I/O: it times each action, hands
 //! the core's outgoing messages to the transport, gives it the messages the transport
-//! receives, and runs the ring all-reduce over the transport on the core's gradient buffer.
+//! receives, and runs the ring all-reduce over the transport on the core's gradient tensors.
 //! When the worker fails it tells every peer ([`Transport::abort`]) before returning the
 //! error, so no peer waits forever.
 
@@ -13,10 +13,9 @@ use std::time::Instant;
 use pipe_kernels::Backend;
 use pipe_scheduler::{Action, Span};
 use pipe_transport::Transport;
-use pipe_transport::collective::ring_all_reduce;
 
-use super::Setup;
 use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
+use super::{Setup, all_reduce_gradients};
 use crate::error::{Result, StageError};
 
 /// Runs `state.worker`'s program of `setup.plan` over transport `t` with backend `be`,
@@ -102,9 +101,8 @@ fn step<B: Backend, T: Transport + ?Sized>(
             core.deliver(a, m)?;
         }
         Action::AllReduce { stage, update } => {
-            let (group, mut flat) = core.all_reduce_input(be, stage)?;
-            ring_all_reduce(t, &group, stage, update, &mut flat)?;
-            core.all_reduce_output(be, stage, &flat)?;
+            let (group, grads) = core.all_reduce_gradients(be, stage)?;
+            all_reduce_gradients(t, &group, stage, update, grads)?;
         }
         Action::SendChunk { .. } | Action::RecvChunk { .. } => {
             return Err(StageError::Executor(

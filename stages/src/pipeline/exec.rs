@@ -13,7 +13,7 @@ use pipe_kernels::{Backend, Tensor};
 use pipe_scheduler::{Action, Layout, Span, VersionQuery, VersionRule, WorkerId};
 use pipe_transport::{Key, Kind, Message};
 
-use super::{Setup, flatten, mean_step, unflatten};
+use super::{Setup, mean_step};
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{Params, place_params};
@@ -596,37 +596,24 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         Ok(())
     }
 
-    /// For an all-reduce of `stage`: its replica group (ring order) and its gradients as one
-    /// flat buffer (zeros when nothing was accumulated since the last update).
+    /// For an all-reduce of `stage`: its replica group (ring order) and its accumulated
+    /// gradients (zeros when nothing was accumulated since the last update), which the
+    /// all-reduce sums in place ([`super::gradient_buckets`]).
     ///
     /// # Errors
     /// A stage this worker does not hold.
-    pub fn all_reduce_input(
+    pub fn all_reduce_gradients(
         &mut self,
         be: &dyn Backend,
         stage: u32,
-    ) -> Result<(Vec<u32>, Vec<f32>)> {
+    ) -> Result<(Vec<u32>, &mut Params)> {
         let c = self.chunk(stage)?;
         let run = &mut self.stages[c];
         if run.grads_fresh {
             zero(be, &mut run.grads)?;
             run.grads_fresh = false;
         }
-        Ok((run.replica_group.clone(), flatten(be, &run.grads)?))
-    }
-
-    /// Takes the summed buffer of an all-reduce of `stage` back.
-    ///
-    /// # Errors
-    /// A stage this worker does not hold.
-    pub fn all_reduce_output(
-        &mut self,
-        be: &dyn Backend,
-        stage: u32,
-        summed: &[f32],
-    ) -> Result<()> {
-        let c = self.chunk(stage)?;
-        unflatten(be, &mut self.stages[c].grads, summed)
+        Ok((run.replica_group.clone(), &mut run.grads))
     }
 
     /// Ends the run: moves the final weights and optimizer state back into `state`.

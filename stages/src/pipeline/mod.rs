@@ -114,32 +114,33 @@ pub struct Setup<'a> {
     pub lr: &'a LrFn<'a>,
 }
 
-/// A stage's gradients as one flat host buffer, tensor after tensor (what an all-reduce moves).
-pub(crate) fn flatten(be: &dyn Backend, p: &Params) -> Result<Vec<f32>> {
-    let mut flat = Vec::with_capacity(p.iter().flatten().map(Tensor::len).sum());
-    for t in p.iter().flatten() {
-        flat.extend_from_slice(&be.read(t)?);
-    }
-    Ok(flat)
-}
-
-/// Copies a buffer made by [`flatten`] back into `p`'s tensors.
+/// The executor's all-reduce: sums a stage's gradients across its replicas `group` (ring
+/// order), in place. The gradient tensors, in layer and parameter order, are reduced as one
+/// flat buffer without being copied into one
+/// ([`pipe_transport::collective::ring_all_reduce_segments`]): the same chunks, messages and
+/// additions as the bare ring, so the reference trainer, which sums the concatenated
+/// gradients with [`pipe_transport::collective::ring_sum`], agrees bit for bit. Flattening the
+/// tensors into a buffer and back, as the executor once did, copied every gradient twice per
+/// update on top of the ring's own work. `stage` and `update` name the messages.
 ///
 /// # Errors
-/// A buffer shorter than the tensors; kernel errors.
-pub(crate) fn unflatten(be: &dyn Backend, p: &mut Params, flat: &[f32]) -> Result<()> {
-    let mut at = 0;
-    for t in p.iter_mut().flatten() {
-        let n = t.len();
-        let part = flat.get(at..at + n).ok_or_else(|| {
-            crate::StageError::Executor(format!(
-                "a flat buffer of {} values is too short for the gradients",
-                flat.len()
-            ))
-        })?;
-        be.write(part, t)?;
-        at += n;
-    }
+/// A gradient not held on the host; transport errors.
+pub fn all_reduce_gradients<T: pipe_transport::Transport + ?Sized>(
+    t: &mut T,
+    group: &[u32],
+    stage: u32,
+    update: u32,
+    grads: &mut Params,
+) -> Result<()> {
+    let mut segments = grads
+        .iter_mut()
+        .flatten()
+        .map(|g| {
+            g.host_mut()
+                .map_err(|e| crate::StageError::Executor(format!("all-reduce of a gradient: {e}")))
+        })
+        .collect::<Result<Vec<&mut [f32]>>>()?;
+    pipe_transport::collective::ring_all_reduce_segments(t, group, stage, update, &mut segments)?;
     Ok(())
 }
 

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use pipe_kernels::{Backend, Tensor};
 use pipe_transport::collective::ring_sum;
 
-use super::{Setup, flatten, mean_step, unflatten};
+use super::{Setup, mean_step};
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{Params, place_params};
@@ -258,18 +258,30 @@ impl Reference<'_, '_> {
             }
             partials.push(acc);
         }
-        Ok(if partials.len() == 1 {
-            partials.pop().unwrap_or_default()
-        } else {
-            let flats = partials
+        if partials.len() > 1 {
+            // The executor's all-reduce (`super::all_reduce_gradients`): the gradient tensors
+            // concatenated, summed over the replicas in ring order.
+            let flats: Vec<Vec<f32>> = partials
                 .iter()
-                .map(|p| flatten(be, p))
-                .collect::<Result<Vec<Vec<f32>>>>()?;
+                .map(|p| {
+                    let mut flat = Vec::new();
+                    for t in p.iter().flatten() {
+                        flat.extend_from_slice(&be.read(t)?);
+                    }
+                    Ok(flat)
+                })
+                .collect::<Result<_>>()?;
             let sum = ring_sum(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>());
             let mut out = partials.swap_remove(0);
-            unflatten(be, &mut out, &sum)?;
-            out
-        })
+            let mut at = 0;
+            for t in out.iter_mut().flatten() {
+                let n = t.len();
+                be.write(&sum[at..at + n], t)?;
+                at += n;
+            }
+            return Ok(out);
+        }
+        Ok(partials.pop().unwrap_or_default())
     }
 
     /// Applies the next update of `s` and of every stage it updates together with.
