@@ -60,7 +60,10 @@ impl std::fmt::Debug for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend computing on `threads` threads (0 means one per available core).
+    /// A backend computing on `threads` threads (0 means one per available core). It sets
+    /// flush-to-zero and denormals-are-zero ([`crate::flush_denormals`]) on the calling thread,
+    /// where one-thread kernels run, and on its pool's threads: compute with a backend on the
+    /// thread that made it, as every launcher does.
     ///
     /// # Errors
     /// [`KernelError::ThreadPool`] when the threads cannot be started.
@@ -70,9 +73,13 @@ impl CpuBackend {
         } else {
             threads
         };
+        // Subnormals are flushed on every thread that computes: this one (one-thread kernels
+        // run on the caller) and the pool's.
+        crate::flush_denormals();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("pipe-cpu-{i}"))
+            .start_handler(|_| crate::flush_denormals())
             .build()
             .map_err(|e| KernelError::ThreadPool {
                 threads,

@@ -17,6 +17,7 @@
 mod backend;
 mod cpu;
 mod cuda;
+mod denormals;
 mod error;
 mod tensor;
 mod timed;
@@ -24,6 +25,7 @@ mod timed;
 pub use backend::{Activation, AdamStep, Backend, BackendKind, LossStats, SgdStep, Trans};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
+pub use denormals::{flush_denormals, flushes_denormals};
 pub use error::KernelError;
 pub use tensor::{DType, Device, DeviceMemory, Element, Storage, Tensor};
 pub use timed::Timed;

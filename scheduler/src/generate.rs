@@ -14,8 +14,10 @@
 //! | pipedream, nostash, vsync | d_s | M | none |
 //! | 2bw | d_s | M | t - 1 updates done |
 //!
-//! with `d_s = ceil(sum of replicas of stages s.. / r_s)`, which is `S - s` on a straight
-//! pipeline and PipeDream's "NOAM" (workers / input-stage replicas) at the input stage.
+//! with `d_s` from [`Resolved::depths`]: `ceil(sum of replicas of stages s.. / r_s)`, which is
+//! `S - s` on a straight pipeline and PipeDream's "NOAM" (workers / input-stage replicas) at
+//! the input stage, deepened for asynchronous policies on unequal replica counts
+//! ([`crate::depth`]).
 //! `zb-h1` then splits each backward and defers the weight halves, `interleaved` follows
 //! Megatron-LM's interleaved order, and `sequential` is the plain loop on one worker.
 
@@ -28,7 +30,11 @@ use crate::spec::{Policy, Resolved, Schedule, ScheduleSpec};
 /// # Errors
 /// [`ScheduleError::Spec`] when the request is impossible (see [`ScheduleSpec::resolve`]).
 pub fn generate(spec: &ScheduleSpec) -> Result<Schedule> {
-    let resolved = spec.resolve()?;
+    generate_resolved(spec.resolve()?)
+}
+
+/// [`generate`] for a request already resolved (depths included).
+pub(crate) fn generate_resolved(resolved: Resolved) -> Result<Schedule> {
     let streams = WorkerProgram::all(&resolved);
     let mut programs = Vec::with_capacity(streams.len());
     for mut stream in streams {
@@ -69,14 +75,13 @@ enum Source {
 impl WorkerProgram {
     /// The program of every worker under the checked request `r`, in worker order.
     pub(crate) fn all(r: &Resolved) -> Vec<Self> {
-        let depths = r.layout.in_flight_limits();
         (0..r.layout.workers())
-            .map(|w| WorkerProgram::new(r, w, &depths))
+            .map(|w| WorkerProgram::new(r, w, &r.depths))
             .collect()
     }
 
     /// The program of worker `w` under the checked request `r`, given the in-flight limit of
-    /// every position ([`crate::Layout::in_flight_limits`]).
+    /// every position ([`Resolved::depths`]).
     fn new(r: &Resolved, w: u32, depths: &[u32]) -> Self {
         let sequenced = |depth, gate, split| {
             Source::Sequenced(Sequenced::new(r, w, depths, depth, gate, split))

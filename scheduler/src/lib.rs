@@ -29,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod action;
+pub mod depth;
 mod error;
 mod generate;
 pub mod grid;

@@ -493,13 +493,17 @@ impl ScheduleSpec {
         } else {
             pipeline
         };
-        Ok(Resolved {
+        let depths = layout.in_flight_limits();
+        let mut resolved = Resolved {
             policy: self.policy,
             layout,
             microbatches_per_update: self.microbatches,
             minibatch,
             total,
-        })
+            depths,
+        };
+        resolved.depths = crate::depth::in_flight_depths(&resolved);
+        Ok(resolved)
     }
 }
 
@@ -517,6 +521,10 @@ pub struct Resolved {
     pub minibatch: u32,
     /// Microbatches in the whole run.
     pub total: u32,
+    /// How many of its microbatches a replica of each position keeps in flight (forward done,
+    /// backward not yet) under the 1F1B-style policies: [`Layout::in_flight_limits`], deepened
+    /// for asynchronous policies on unequal replica counts ([`crate::depth`]).
+    pub depths: Vec<u32>,
 }
 
 impl Resolved {

@@ -192,6 +192,15 @@ fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
+/// The momentum in the run header, for SGD.
+fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
+    if opt.kind == pipe_stages::optim::OptimizerKind::Sgd {
+        format!(" momentum {:.2}", opt.momentum)
+    } else {
+        String::new()
+    }
+}
+
 /// Runs `pipe train`.
 ///
 /// # Errors
@@ -212,7 +221,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         observers.push(Box::new(JsonlLog::create(path)?));
     }
     outln!(
-        "pipe train: model {} ({} parameters), {} ({} train / {} test), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}), seed {}, {} threads",
+        "pipe train: model {} ({} parameters), {} ({} train / {} test), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads",
         cfg.model_name,
         model.param_count(),
         data.train.name.trim_end_matches("-train"),
@@ -224,6 +233,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         cfg.optimizer.kind,
         cfg.lr,
         cfg.lr_schedule,
+        momentum_note(&cfg.optimizer),
         cfg.seed,
         be.threads()
     );

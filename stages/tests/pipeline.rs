@@ -205,7 +205,9 @@ fn specs() -> Vec<ScheduleSpec> {
         for stages in 1..=4u32 {
             let mut layouts = vec![vec![1], vec![2]];
             if stages == 3 {
+                // Unequal replica counts: their asynchronous depths come from the depth search.
                 layouts.push(vec![2, 1, 1]);
+                layouts.push(vec![1, 3, 1]);
             }
             for replicas in layouts {
                 for m in [1u32, 4] {
@@ -216,7 +218,11 @@ fn specs() -> Vec<ScheduleSpec> {
                         Policy::TwoBw => (
                             1,
                             m.max(stages.saturating_sub(1))
-                                .max(if replicas == [2, 1, 1] { 2 } else { 1 }),
+                                .max(match replicas.as_slice() {
+                                    [2, 1, 1] => 2,
+                                    [1, 3, 1] => 4,
+                                    _ => 1,
+                                }),
                         ),
                         _ => (1, m),
                     };

@@ -1,0 +1,119 @@
+//! How deep each position's 1F1B pipeline runs: how many of its microbatches a replica keeps
+//! between forward and backward.
+//!
+//! The default is PipeDream's "NOAM", `ceil(sum of replicas at positions >= p / r_p)`
+//! ([`Layout::in_flight_limit`](crate::Layout::in_flight_limit)): the microbatches needed to
+//! cover one microbatch's trip from the position to the end of the pipeline and back, when
+//! every worker runs at the same pace. On a straight or uniformly replicated pipeline that is
+//! exactly enough. With unequal replica counts it is not: the replicas of a stage take
+//! microbatches round-robin and synchronise at every update (the all-reduce), so they run in
+//! lockstep while their neighbours serve microbatches one at a time, and each transition
+//! between replica counts adds waiting that NOAM does not cover. Balanced stages under
+//! `[1, 3, 1]` then ran at half the bound (0.5 of it for `M = 4`, 0.43 for `M = 1`).
+//!
+//! No closed form fitted the layouts tried (deepening the replicated stage itself can make it
+//! slower), so for the asynchronous policies (pipedream, pipedream-nostash, vsync) on unequal
+//! replica counts the depths are chosen by simulation: the schedule is generated and simulated
+//! on the balanced cost model of its layout (each stage's forward, backward-input and
+//! backward-weight cost its replica count, so every worker has the same work and the bound is
+//! one microbatch per `3` time units), and the position whose deepening raises throughput most
+//! is deepened (across plateaus: one position may help only once another is deeper), for at
+//! most 24 steps or until the throughput is within 2% of the bound; the best depths seen win,
+//! the shallowest among those within 0.5% of each other. It is a
+//! pure function of the request, so every run of it gets the same schedule. Layouts above 64
+//! workers or 32 positions keep NOAM (the search would take seconds), as do flush policies
+//! (they drain every minibatch) and 2BW (its version rule fixes the in-flight depth).
+
+use crate::generate::generate_resolved;
+use crate::sim::{CostModel, SimOptions, StageCost, simulate};
+use crate::spec::{Policy, Resolved};
+
+/// Largest layout whose depths are searched.
+const MAX_WORKERS: u32 = 64;
+const MAX_POSITIONS: u32 = 32;
+/// Minibatches the search simulates (fill and drain amortised, still small).
+const SEARCH_MINIBATCHES: u32 = 12;
+/// At most this many deepening steps.
+const MAX_STEPS: usize = 24;
+
+/// The in-flight depth per position for `r` (see the module docs). `r.depths` holds NOAM.
+pub fn in_flight_depths(r: &Resolved) -> Vec<u32> {
+    let layout = &r.layout;
+    let counts = layout.replica_counts();
+    let uniform = counts.iter().all(|&c| c == counts[0]);
+    let asynchronous = matches!(
+        r.policy,
+        Policy::PipeDream | Policy::PipeDreamNoStash | Policy::VerticalSync
+    );
+    if uniform
+        || !asynchronous
+        || layout.workers() > MAX_WORKERS
+        || layout.positions() > MAX_POSITIONS
+        || layout.chunks() != 1
+    {
+        return r.depths.clone();
+    }
+    search(r)
+}
+
+/// Greedy deepening on the balanced cost model.
+fn search(r: &Resolved) -> Vec<u32> {
+    let layout = &r.layout;
+    let costs = CostModel {
+        stages: (0..layout.stages())
+            .map(|s| {
+                let w = f64::from(layout.replicas_of(s));
+                StageCost {
+                    backward_input: w,
+                    backward_weight: w,
+                    ..StageCost::compute(w, 0.0)
+                }
+            })
+            .collect(),
+        ..CostModel::uniform(StageCost::compute(0.0, 0.0))
+    };
+    let trial = Resolved {
+        total: r.minibatch * SEARCH_MINIBATCHES,
+        ..r.clone()
+    };
+    let bound = 1.0 / 3.0;
+    // A deeper position can ask for more forwards than its upstream will keep in flight
+    // (a replica of depth `d` needs `d r` microbatches sent to its stage before its first
+    // backward): such a schedule deadlocks and scores 0.
+    let throughput = |depths: &[u32]| -> f64 {
+        let candidate = Resolved {
+            depths: depths.to_vec(),
+            ..trial.clone()
+        };
+        generate_resolved(candidate)
+            .and_then(|schedule| simulate(&schedule, &costs, SimOptions::default()))
+            .map_or(0.0, |report| report.throughput)
+    };
+    // Walk: deepen the most helpful position each step, even across a plateau (one deeper
+    // position may help only once another is deeper too); keep the best depths seen, the
+    // shallowest on ties within 0.5%.
+    let mut depths = r.depths.clone();
+    let mut best = (throughput(&depths), depths.clone());
+    let last = depths.len().saturating_sub(1);
+    for _ in 0..MAX_STEPS {
+        if best.0 >= 0.98 * bound {
+            break;
+        }
+        let mut step: Option<(f64, usize)> = None;
+        // The last position's backward needs nothing downstream: deepening it only delays it.
+        for p in 0..last {
+            let mut deeper = depths.clone();
+            deeper[p] += 1;
+            let t = throughput(&deeper);
+            if step.is_none_or(|(b, _)| t > b) {
+                step = Some((t, p));
+            }
+        }
+        let Some((t, p)) = step else { break };
+        depths[p] += 1;
+        if t > best.0 * 1.005 {
+            best = (t, depths.clone());
+        }
+    }
+    best.1
+}
