@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use pipe_kernels::{CpuBackend, Tensor, Timed};
 use pipe_scheduler::{
-    Action, CoreSharing, CostModel, Length, Policy, ScheduleSpec, SimOptions, StageCost, simulate,
+    Action, CostModel, Length, Policy, ScheduleSpec, SimOptions, StageCost, simulate,
 };
 use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
@@ -491,10 +491,8 @@ fn case_costs(
     base: &CostModel,
     stages: u32,
 ) -> Result<CostModel, ExperimentError> {
-    // The in-process launcher gives its two cores to compute actions in turn (core tokens).
     let mut costs = CostModel {
         cores: Some(2),
-        sharing: CoreSharing::Queue,
         ..base.clone()
     };
     if case.replicas > 1 {

@@ -52,9 +52,7 @@ pub use planner::{
     explain, frontier, pipedream, plan as plan_partition, plan_checked, simulate_plan, stage_costs,
 };
 pub use profile::{LayerProfile, Profile};
-pub use sim::{
-    CoreSharing, CostModel, SimOptions, SimReport, StageCost, WorkerReport, simulate, simulate_spec,
-};
+pub use sim::{CostModel, SimOptions, SimReport, StageCost, WorkerReport, simulate, simulate_spec};
 pub use spec::{
     Layout, Length, Policy, Resolved, Schedule, ScheduleSpec, VersionQuery, VersionRule,
 };

@@ -169,23 +169,6 @@ pub struct CostModel {
     /// scheduler). Costs are then the times of actions running alone.
     #[serde(default)]
     pub cores: Option<u32>,
-    /// How workers share `cores` when there are fewer than workers (default `fair`).
-    #[serde(default)]
-    pub sharing: CoreSharing,
-}
-
-/// How workers share fewer cores than there are workers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CoreSharing {
-    /// Processor sharing: while `n` workers compute on `c < n` cores, each advances at `c / n`
-    /// of its speed (an operating system's fair scheduler with short time slices).
-    #[default]
-    Fair,
-    /// Each compute action waits for a free core, first come first served, then runs to
-    /// completion at full speed (the in-process launcher's core tokens); all-reduces and
-    /// messages take no core.
-    Queue,
 }
 
 impl CostModel {
@@ -197,7 +180,6 @@ impl CostModel {
             latency: 0.0,
             overlap: true,
             cores: None,
-            sharing: CoreSharing::Fair,
         }
     }
 
@@ -615,11 +597,8 @@ struct MessageId {
 enum Busy {
     /// About to interpret its next action.
     Ready,
-    /// Computing (or doing its share of a collective) with `left` seconds of work to go;
-    /// `core`: a compute action (under [`CoreSharing::Queue`] only those take a core).
-    Work { left: f64, start: f64, core: bool },
-    /// Under [`CoreSharing::Queue`]: a compute action of `left` seconds waiting for a core.
-    Queued { left: f64 },
+    /// Computing (or doing its share of a collective) with `left` seconds of work to go.
+    Work { left: f64, start: f64 },
     /// Waiting for a message in flight, or for its own send to land, until `until`.
     Sleep { until: f64, start: f64 },
     /// Waiting for a message not yet sent, or for a collective's other members.
@@ -873,38 +852,15 @@ impl<'a, P: Programs> Engine<'a, P> {
         let mut group_left = vec![0u32; self.group_count.len()];
         let mut ready: Vec<usize> = (0..workers).rev().collect();
         let mut now = 0.0f64;
-        let queue_mode = self.costs.is_some_and(|c| c.sharing == CoreSharing::Queue);
-        let mut queue: std::collections::VecDeque<usize> = std::collections::VecDeque::new();
         loop {
             while let Some(w) = ready.pop() {
                 self.step_shared(w, now, &mut state, &mut ready, &times, &mut group_left);
-                if let Busy::Queued { .. } = state[w] {
-                    queue.push_back(w);
-                }
-            }
-            if queue_mode {
-                // Free cores go to the queue's head, first come first served.
-                let mut busy = state
-                    .iter()
-                    .filter(|b| matches!(b, Busy::Work { core: true, .. }))
-                    .count();
-                while (busy as f64) < cores {
-                    let Some(w) = queue.pop_front() else { break };
-                    if let Busy::Queued { left } = state[w] {
-                        state[w] = Busy::Work {
-                            left,
-                            start: now,
-                            core: true,
-                        };
-                        busy += 1;
-                    }
-                }
             }
             let computing = state
                 .iter()
                 .filter(|b| matches!(b, Busy::Work { .. }))
                 .count();
-            let rate = if queue_mode || computing as f64 <= cores {
+            let rate = if computing as f64 <= cores {
                 1.0
             } else {
                 cores / computing as f64
@@ -925,12 +881,11 @@ impl<'a, P: Programs> Engine<'a, P> {
             now = next;
             for w in 0..workers {
                 match state[w] {
-                    Busy::Work { left, start, core } => {
+                    Busy::Work { left, start } => {
                         if before + left / rate > next {
                             state[w] = Busy::Work {
                                 left: left - dt * rate,
                                 start,
-                                core,
                             };
                             continue;
                         }
@@ -1016,15 +971,9 @@ impl<'a, P: Programs> Engine<'a, P> {
                 | Action::Update { .. } => {
                     let d = t.compute(&a);
                     if d > 0.0 {
-                        // Under the queue discipline the run loop hands out the cores.
-                        state[w] = if self.costs.is_some_and(|c| c.sharing == CoreSharing::Queue) {
-                            Busy::Queued { left: d }
-                        } else {
-                            Busy::Work {
-                                left: d,
-                                start: now,
-                                core: true,
-                            }
+                        state[w] = Busy::Work {
+                            left: d,
+                            start: now,
                         };
                         return;
                     }
@@ -1087,7 +1036,6 @@ impl<'a, P: Programs> Engine<'a, P> {
                             state[m as usize] = Busy::Work {
                                 left: t.all_reduce,
                                 start: now,
-                                core: false,
                             };
                         }
                         return;

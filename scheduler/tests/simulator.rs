@@ -2,8 +2,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pipe_scheduler::{
-    CoreSharing, CostModel, Length, LowerOptions, Policy, ScheduleSpec, SimOptions, SimReport,
-    StageCost, generate, lower, simulate,
+    CostModel, Length, LowerOptions, Policy, ScheduleSpec, SimOptions, SimReport, StageCost,
+    generate, lower, simulate,
 };
 
 const TOL: f64 = 1e-9;
@@ -294,51 +294,6 @@ fn data_parallel_replicas_on_half_the_cores_take_twice_as_long() {
         },
     );
     close(shared.makespan, 2.0 * alone.makespan, "two cores");
-}
-
-#[test]
-fn queued_cores_run_actions_to_completion_first_come_first_served() {
-    // Three replicas, one forward of 1 s each, two cores. Shared fairly, all three finish at
-    // 1.5 s; queued, two run at once and the third starts when one ends: 2 s.
-    let spec = ScheduleSpec::new(Policy::PipeDream, 1, 1)
-        .with_replicas(vec![3])
-        .with_length(Length::Updates(1));
-    let stage = StageCost::compute(1.0, 0.0);
-    let fair = run(
-        &spec,
-        &CostModel {
-            cores: Some(2),
-            ..CostModel::uniform(stage.clone())
-        },
-    );
-    close(fair.makespan, 1.5, "fair");
-    let queued = run(
-        &spec,
-        &CostModel {
-            cores: Some(2),
-            sharing: CoreSharing::Queue,
-            ..CostModel::uniform(stage)
-        },
-    );
-    close(queued.makespan, 2.0, "queued");
-    // A pipeline on one core never idles under either discipline: the makespan is all its work.
-    for (policy, spec) in all_policies() {
-        let stage = StageCost {
-            update: 0.25,
-            ..StageCost::compute(1.0, 2.0)
-        };
-        let alone = run(&spec, &CostModel::uniform(stage.clone()));
-        let total: f64 = alone.workers.iter().map(|w| w.compute).sum();
-        let one = run(
-            &spec,
-            &CostModel {
-                cores: Some(1),
-                sharing: CoreSharing::Queue,
-                ..CostModel::uniform(stage)
-            },
-        );
-        close(one.makespan, total, &format!("{policy} queued on one core"));
-    }
 }
 
 #[test]

@@ -7,8 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use pipe_scheduler::{
-    CoreSharing, CostModel, Resolved, SimOptions, SimReport, StageCost, VersionPlan, simulate,
-    simulate_spec,
+    CostModel, Resolved, SimOptions, SimReport, StageCost, VersionPlan, simulate, simulate_spec,
 };
 
 use crate::args::{ScheduleOpts, bytes, parse_bandwidth, parse_bytes, parse_seconds, secs};
@@ -53,26 +52,12 @@ pub struct SimulateArgs {
     /// Overrides `cores` in a cost file.
     #[arg(long)]
     cores: Option<u32>,
-    /// With fewer cores than workers: `fair` (processor sharing, the default) or `queue` (each
-    /// compute action waits for a free core, first come first served, as `pipe train`'s
-    /// in-process workers do). Overrides `sharing` in a cost file.
-    #[arg(long, value_parser = parse_sharing)]
-    sharing: Option<CoreSharing>,
     /// Write the simulated timeline as Chrome trace JSON to FILE.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// Write the simulated timeline as CSV to FILE.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
-}
-
-/// `--sharing fair|queue`.
-fn parse_sharing(s: &str) -> Result<CoreSharing, String> {
-    match s {
-        "fair" => Ok(CoreSharing::Fair),
-        "queue" => Ok(CoreSharing::Queue),
-        other => Err(format!("unknown core sharing '{other}' (fair, queue)")),
-    }
 }
 
 /// The cost model: the cost file when given (with `--cores` over its own), else the flags.
@@ -91,7 +76,6 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
         let mut costs =
             parsed.map_err(|e| bad_input(format!("cost file {}: {e}", path.display())))?;
         costs.cores = args.cores.or(costs.cores);
-        costs.sharing = args.sharing.unwrap_or(costs.sharing);
         return Ok(costs);
     }
     Ok(CostModel {
@@ -105,7 +89,6 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
         latency: args.latency,
         overlap: !args.no_overlap,
         cores: args.cores,
-        sharing: args.sharing.unwrap_or_default(),
     })
 }
 

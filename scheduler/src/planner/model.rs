@@ -909,7 +909,6 @@ pub fn simulate_plan(profile: &Profile, plan: &PartitionPlan, opts: &PlanOptions
         latency: opts.latency,
         overlap: opts.overlap,
         cores: None,
-        sharing: crate::sim::CoreSharing::Fair,
     };
     let report = simulate(&schedule, &costs, SimOptions::default())?;
     Ok(report.makespan / f64::from(report.microbatches))

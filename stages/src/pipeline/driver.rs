@@ -14,14 +14,12 @@ use pipe_kernels::Backend;
 use pipe_scheduler::{Action, Span};
 use pipe_transport::Transport;
 
-use super::cores::CoreGate;
 use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
 use super::{Setup, all_reduce_gradients};
 use crate::error::{Result, StageError};
 
 /// Runs `state.worker`'s program of `setup.plan` over transport `t` with backend `be`,
-/// updating `state`. `t0` is the run's start (span times are relative to it). With `cores`,
-/// every compute action runs holding one of its tokens ([`super::cores`]).
+/// updating `state`. `t0` is the run's start (span times are relative to it).
 ///
 /// # Errors
 /// [`StageError::Worker`] naming the worker, its stage position and replica, and the action
@@ -32,7 +30,6 @@ pub fn run_worker<B: Backend, T: Transport + ?Sized>(
     setup: &Setup<'_>,
     state: &mut WorkerState,
     t0: Instant,
-    cores: Option<&CoreGate>,
 ) -> Result<WorkerOutcome> {
     let w = state.worker;
     let (position, replica) = setup.plan.schedule.layout().placement(w);
@@ -43,7 +40,7 @@ pub fn run_worker<B: Backend, T: Transport + ?Sized>(
         action,
         source: Box::new(e),
     };
-    let result = run_program(be, t, setup, state, t0, cores)
+    let result = run_program(be, t, setup, state, t0)
         .map_err(|(a, e)| wrap(a.map_or_else(|| "start".to_string(), |a| a.to_string()), e));
     match result {
         Ok(core) => core.finish(state).map_err(|e| wrap("end".into(), e)),
@@ -63,17 +60,12 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     setup: &'s Setup<'a>,
     state: &WorkerState,
     t0: Instant,
-    cores: Option<&CoreGate>,
 ) -> std::result::Result<WorkerCore<'s, 'a>, (Option<Action>, StageError)> {
     let mut core = WorkerCore::new(be, setup, state).map_err(|e| (None, e))?;
     let program = &setup.plan.schedule.programs[state.worker as usize];
     for (pc, &a) in program.iter().enumerate() {
-        let token = cores
-            .filter(|_| a.kind().is_compute() || matches!(a, Action::Update { .. }))
-            .map(CoreGate::acquire);
         let start = t0.elapsed().as_secs_f64();
         step(be, t, &mut core, pc, a).map_err(|e| (Some(a), e))?;
-        drop(token);
         let end = t0.elapsed().as_secs_f64();
         let held = core.versions_held() as u32;
         let out = &mut core.outcome;

@@ -12,16 +12,13 @@ use pipe_kernels::Backend;
 use pipe_transport::Transport;
 
 use super::Setup;
-use super::cores::CoreGate;
 use super::driver::run_worker;
 use super::exec::{WorkerOutcome, WorkerState};
 use crate::error::{Result, StageError};
 
 /// Runs every worker's program on its own thread (named `pipe-w{N}`) over `endpoints` (one per
 /// worker, in worker order), with a backend made by `make_backend` on each thread. `states`
-/// are updated in place. With more workers than cores, compute actions take turns on the cores
-/// ([`super::cores`]: one token per core, first come first served) instead of being
-/// time-sliced by the operating system.
+/// are updated in place.
 ///
 /// # Errors
 /// The first worker failure ([`StageError::Worker`]), after every worker has stopped.
@@ -44,8 +41,6 @@ where
         )));
     }
     let first: Mutex<Option<StageError>> = Mutex::new(None);
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    let gate = (states.len() > cores).then(|| CoreGate::new(cores));
     let t0 = Instant::now();
     let fail = |e: StageError| {
         if let Ok(mut slot) = first.lock() {
@@ -60,13 +55,13 @@ where
             .zip(endpoints)
             .map(|(state, mut ep)| {
                 let worker = state.worker;
-                let (make, fail, gate) = (&make_backend, &fail, gate.as_ref());
+                let (make, fail) = (&make_backend, &fail);
                 std::thread::Builder::new()
                     .name(format!("pipe-w{worker}"))
                     .spawn_scoped(scope, move || {
                         let result = catch_unwind(AssertUnwindSafe(|| {
                             let be = make()?;
-                            run_worker(&be, &mut ep, setup, state, t0, gate)
+                            run_worker(&be, &mut ep, setup, state, t0)
                         }));
                         match result {
                             Ok(Ok(out)) => Some(out),

@@ -17,7 +17,6 @@
 //! them. Every forward and backward records the version it actually used, so a run's log can be
 //! compared with the plan, and the final weights with the reference trainer's.
 
-pub mod cores;
 pub mod driver;
 pub mod exec;
 pub mod launch;
@@ -26,7 +25,6 @@ pub mod reference;
 pub mod run_plan;
 pub mod train;
 
-pub use cores::CoreGate;
 pub use driver::run_worker;
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
 pub use launch::run_threads;
