@@ -56,10 +56,11 @@ pub fn in_flight_depths(r: &Resolved) -> Vec<u32> {
     search(r)
 }
 
-/// Greedy deepening on the balanced cost model.
-fn search(r: &Resolved) -> Vec<u32> {
-    let layout = &r.layout;
-    let costs = CostModel {
+/// The balanced cost model of a layout: each stage's forward, backward-input and
+/// backward-weight cost its replica count (in seconds), so every worker has the same work and
+/// the bound is one microbatch per 3 s.
+pub fn balanced_costs(layout: &crate::Layout) -> CostModel {
+    CostModel {
         stages: (0..layout.stages())
             .map(|s| {
                 let w = f64::from(layout.replicas_of(s));
@@ -71,7 +72,12 @@ fn search(r: &Resolved) -> Vec<u32> {
             })
             .collect(),
         ..CostModel::uniform(StageCost::compute(0.0, 0.0))
-    };
+    }
+}
+
+/// Greedy deepening on the balanced cost model.
+fn search(r: &Resolved) -> Vec<u32> {
+    let costs = balanced_costs(&r.layout);
     let trial = Resolved {
         total: r.minibatch * SEARCH_MINIBATCHES,
         ..r.clone()

@@ -387,20 +387,8 @@ fn unequal_replicas_on_balanced_stages_run_near_the_bound() {
         vec![1, 4, 2, 1],
         vec![1, 3],
     ] {
-        let costs = CostModel {
-            stages: replicas
-                .iter()
-                .map(|&r| {
-                    let w = f64::from(r);
-                    StageCost {
-                        backward_input: w,
-                        backward_weight: w,
-                        ..StageCost::compute(w, 0.0)
-                    }
-                })
-                .collect(),
-            ..CostModel::uniform(StageCost::compute(0.0, 0.0))
-        };
+        let layout = pipe_scheduler::Layout::new(replicas.clone(), 1).unwrap();
+        let costs = pipe_scheduler::depth::balanced_costs(&layout);
         for policy in [
             Policy::PipeDream,
             Policy::PipeDreamNoStash,
