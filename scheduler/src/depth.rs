@@ -24,9 +24,26 @@
 //! workers or 32 positions keep NOAM (the search would take seconds), as do flush policies
 //! (they drain every minibatch) and 2BW (its version rule fixes the in-flight depth).
 
+use crate::error::Result;
 use crate::generate::generate_resolved;
 use crate::sim::{CostModel, SimOptions, StageCost, simulate};
-use crate::spec::{Policy, Resolved};
+use crate::spec::{Policy, Resolved, ScheduleSpec};
+
+impl ScheduleSpec {
+    /// Checks the request and works out the layout, the sizes it implies and each position's
+    /// in-flight depth ([`in_flight_depths`]).
+    ///
+    /// # Errors
+    /// [`crate::ScheduleError::Spec`] naming the problem: zero stages or microbatches, a
+    /// replica list whose length is neither 1 nor the stage count, chunks on a policy without
+    /// chunks, a microbatch count the policy cannot use, or a run length that is not a whole
+    /// number of minibatches.
+    pub fn resolve(&self) -> Result<Resolved> {
+        let mut resolved = self.resolve_shape()?;
+        resolved.depths = in_flight_depths(&resolved);
+        Ok(resolved)
+    }
+}
 
 /// Largest layout whose depths are searched.
 const MAX_WORKERS: u32 = 64;

@@ -56,7 +56,7 @@ pub fn lower(schedule: &Schedule, opts: LowerOptions) -> Schedule {
 /// from and the worker it sends its output to, where those live on other workers (the one
 /// home of the lowering rule, shared by [`lower`] and the streaming simulator). A collective
 /// all-reduce talks to no single peer.
-#[inline]
+#[inline(always)]
 pub(crate) fn peers(
     layout: &Layout,
     w: WorkerId,

@@ -392,12 +392,19 @@ fn walk_worker(
                     }
                     crate::VersionRule::entry_tag(v0, resolved.update_size(0))
                 };
+                // Only 2BW reads the update and only vertical sync the update size: skip their
+                // divisions otherwise (this walk runs over every action of big schedules).
+                let (update, update_size) = match rule {
+                    crate::VersionRule::DelayedByOne => (resolved.update_of(stage, mb), 0),
+                    crate::VersionRule::VerticalSync => (0, resolved.update_size(stage)),
+                    _ => (0, 0),
+                };
                 let v = rule.forward_version(&VersionQuery {
                     stage,
                     current: current[c],
-                    update: resolved.update_of(stage, mb),
+                    update,
                     entry_tag,
-                    update_size: resolved.update_size(stage),
+                    update_size,
                 });
                 if v > current[c] {
                     return fail(format!(

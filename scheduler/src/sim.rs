@@ -354,24 +354,16 @@ pub fn simulate_spec(
     if opts.timeline || shared {
         return simulate(&crate::generate(spec)?, costs, opts);
     }
-    // Peak memory and timing are independent passes over the same programs: the peaks are
-    // computed on a second (scoped) thread while this one times the run. Both are pure
-    // functions of the request, so the result is the same as running them one after the other.
-    let (peaks, engine) = std::thread::scope(|scope| {
-        let peaks = scope.spawn(|| {
-            streamed_peaks(
-                &resolved,
-                |s| costs.stage(s).param_bytes,
-                |s| costs.stage(s).stash(),
-            )
-        });
-        let mut engine = Engine::new(&resolved, Streamed::new(&resolved), Some(costs), false);
-        let timed = engine.run();
-        let peaks = peaks
-            .join()
-            .unwrap_or_else(|e| std::panic::resume_unwind(e));
-        timed.map(|()| (peaks, engine))
-    })?;
+    // Peak memory and timing are independent passes over the same programs, one after the
+    // other (the crate runs no threads: two cores would take the pair from 0.92 s to 0.75 s on
+    // the 1,024-stage benchmark, `docs/scheduling.md`).
+    let peaks = streamed_peaks(
+        &resolved,
+        |s| costs.stage(s).param_bytes,
+        |s| costs.stage(s).stash(),
+    );
+    let mut engine = Engine::new(&resolved, Streamed::new(&resolved), Some(costs), false);
+    engine.run()?;
     let peaks = peaks?;
     Ok(engine.report(&peaks))
 }

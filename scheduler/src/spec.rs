@@ -240,13 +240,23 @@ impl Layout {
 
     /// Which of its worker's chunks a stage is (`stage / positions`): the index of the stage
     /// among [`Layout::stages_of`] its worker.
+    #[inline]
     pub fn chunk_of(&self, stage: StageId) -> u32 {
-        stage / self.positions()
+        if self.chunks == 1 {
+            0
+        } else {
+            stage / self.positions()
+        }
     }
 
     /// Position that holds a stage.
+    #[inline]
     pub fn position_of(&self, stage: StageId) -> u32 {
-        stage % self.positions()
+        if self.chunks == 1 {
+            stage
+        } else {
+            stage % self.positions()
+        }
     }
 
     /// Number of replicas of a stage.
@@ -390,14 +400,13 @@ impl ScheduleSpec {
         self
     }
 
-    /// Checks the request and works out the layout and the sizes it implies.
+    /// [`ScheduleSpec::resolve`] up to the in-flight depths, which are NOAM here: the checks,
+    /// the layout and the sizes. `resolve` itself lives in [`crate::depth`], which deepens
+    /// them by simulating, so that this file does not depend on the generators.
     ///
     /// # Errors
-    /// [`ScheduleError::Spec`] naming the problem: zero stages or microbatches, a replica list
-    /// whose length is neither 1 nor the stage count, chunks on a policy without chunks, a
-    /// microbatch count the policy cannot use, or a run length that is not a whole number of
-    /// minibatches.
-    pub fn resolve(&self) -> Result<Resolved> {
+    /// As [`ScheduleSpec::resolve`].
+    pub(crate) fn resolve_shape(&self) -> Result<Resolved> {
         let spec_err = |m: String| Err(ScheduleError::Spec(m));
         if self.stages == 0 {
             return spec_err("--stages must be at least 1".into());
@@ -494,16 +503,14 @@ impl ScheduleSpec {
             pipeline
         };
         let depths = layout.in_flight_limits();
-        let mut resolved = Resolved {
+        Ok(Resolved {
             policy: self.policy,
             layout,
             microbatches_per_update: self.microbatches,
             minibatch,
             total,
             depths,
-        };
-        resolved.depths = crate::depth::in_flight_depths(&resolved);
-        Ok(resolved)
+        })
     }
 }
 
