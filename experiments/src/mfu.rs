@@ -71,6 +71,23 @@ pub struct MfuReport {
     pub gemm_gflops: f64,
     /// `model_gflops / gemm_gflops`.
     pub mfu: f64,
+    /// The step's matrix products timed alone, per pass over every linear layer: where the
+    /// step's time goes.
+    pub passes: Vec<PassTime>,
+    /// Seconds per step the matrix products take alone (sum of `passes`).
+    pub gemm_s_per_step: f64,
+}
+
+/// One pass's matrix products (forward `X W`, input gradient `dY W^T`, weight gradient
+/// `X^T dY`) over every linear layer of the model at the step's batch, timed alone.
+#[derive(Clone, Debug, Serialize)]
+pub struct PassTime {
+    /// `forward`, `backward_input` or `backward_weight`.
+    pub pass: String,
+    /// Median seconds per step.
+    pub seconds: f64,
+    /// GFLOP/s over those products.
+    pub gflops: f64,
 }
 
 fn gemm_rate(be: &dyn Backend, reps: usize) -> Result<f64, ExperimentError> {
@@ -90,6 +107,67 @@ fn gemm_rate(be: &dyn Backend, reps: usize) -> Result<f64, ExperimentError> {
         rates.push(8.0 * 2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     Ok(median(&rates))
+}
+
+/// Times the step's products alone: for every 2-D parameter `k x n` (a linear layer's
+/// weight), the three products at `batch` rows (medians over `reps` rounds).
+fn pass_times(
+    be: &dyn Backend,
+    weights: &[Vec<usize>],
+    batch: usize,
+    reps: usize,
+) -> Result<Vec<PassTime>, ExperimentError> {
+    let mut out = Vec::new();
+    for pass in ["forward", "backward_input", "backward_weight"] {
+        let operands: Vec<(Tensor, Tensor, Trans, Trans)> = weights
+            .iter()
+            .map(|w| {
+                let (k, n) = (w[0], w[1]);
+                match pass {
+                    "forward" => (
+                        Tensor::full(&[batch, k], 0.5),
+                        Tensor::full(&[k, n], 0.25),
+                        Trans::No,
+                        Trans::No,
+                    ),
+                    "backward_input" => (
+                        Tensor::full(&[batch, n], 0.5),
+                        Tensor::full(&[k, n], 0.25),
+                        Trans::No,
+                        Trans::Yes,
+                    ),
+                    _ => (
+                        Tensor::full(&[batch, k], 0.5),
+                        Tensor::full(&[batch, n], 0.25),
+                        Trans::Yes,
+                        Trans::No,
+                    ),
+                }
+            })
+            .collect();
+        let flops: f64 = weights
+            .iter()
+            .map(|w| 2.0 * (batch * w[0] * w[1]) as f64)
+            .sum();
+        let mut outs = vec![Tensor::default(); operands.len()];
+        let mut times = Vec::with_capacity(reps);
+        for round in 0..reps + 2 {
+            let t = Instant::now();
+            for ((a, b, ta, tb), c) in operands.iter().zip(outs.iter_mut()) {
+                be.matmul(a, *ta, b, *tb, c, false)?;
+            }
+            if round >= 2 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        let seconds = median(&times);
+        out.push(PassTime {
+            pass: pass.into(),
+            seconds,
+            gflops: flops / seconds / 1e9,
+        });
+    }
+    Ok(out)
 }
 
 /// Runs the measurement.
@@ -151,6 +229,14 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         }
     }
     let gemm_after = gemm_rate(&be, 15)?;
+    let weights: Vec<Vec<usize>> = grads
+        .iter()
+        .flatten()
+        .filter(|t| t.shape().len() == 2)
+        .map(|t| t.shape().to_vec())
+        .collect();
+    let passes = pass_times(&be, &weights, cfg.batch, 9)?;
+    let gemm_s_per_step = passes.iter().map(|p| p.seconds).sum();
     let gemm = median(&[gemm_before, gemm_after]);
     let step = median(&times);
     let parameters = model.param_count();
@@ -168,18 +254,21 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         model_gflops,
         gemm_gflops: gemm,
         mfu: model_gflops / gemm,
+        passes,
+        gemm_s_per_step,
     })
 }
 
 /// A short human-readable summary.
 pub fn render(r: &MfuReport) -> String {
-    format!(
+    let mut out = format!(
         "model {} ({} parameters), batch {}, {} threads\n\
          step (median)        {:.2} ms\n\
          throughput           {:.0} samples/s\n\
          model FLOP rate      {:.1} GFLOP/s (6 x params x samples/s)\n\
          GEMM 256x1024x1024   {:.1} GFLOP/s (same run)\n\
-         MFU                  {:.3}\n",
+         MFU                  {:.3}\n\
+         products alone       {:.2} ms per step ({:.0}% of the step), by pass:\n",
         r.model,
         r.parameters,
         r.batch,
@@ -188,8 +277,19 @@ pub fn render(r: &MfuReport) -> String {
         r.samples_per_s,
         r.model_gflops,
         r.gemm_gflops,
-        r.mfu
-    )
+        r.mfu,
+        r.gemm_s_per_step * 1e3,
+        100.0 * r.gemm_s_per_step / r.step_s_median
+    );
+    for p in &r.passes {
+        out.push_str(&format!(
+            "  {:<18} {:>7.2} ms  {:>6.1} GFLOP/s\n",
+            p.pass,
+            p.seconds * 1e3,
+            p.gflops
+        ));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -211,5 +311,8 @@ mod tests {
         assert!(r.samples_per_s > 0.0 && r.gemm_gflops > 0.0);
         assert!((r.mfu - r.model_gflops / r.gemm_gflops).abs() < 1e-12);
         assert!(render(&r).contains("MFU"));
+        assert_eq!(r.passes.len(), 3);
+        let sum: f64 = r.passes.iter().map(|p| p.seconds).sum();
+        assert!((r.gemm_s_per_step - sum).abs() < 1e-12 && sum > 0.0);
     }
 }
