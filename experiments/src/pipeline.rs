@@ -523,7 +523,7 @@ fn case_costs(
         ..base.clone()
     };
     if case.replicas > 1 {
-        let partition = Partition::balanced(model, stages as usize)?;
+        let partition = Partition::balanced(model, &vec![case.replicas; stages as usize])?;
         for (s, st) in costs.stages.iter_mut().enumerate() {
             let len: usize = model
                 .zero_grads(partition.range(s))
@@ -748,7 +748,7 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     // The replicated stage of the `--stages 4 --replicas 2` case of the first model.
     let (preset, _, _) = list[0];
     let model = Model::new(&ModelSpec::preset(preset)?)?;
-    let partition = Partition::balanced(&model, 4)?;
+    let partition = Partition::balanced(&model, &[2; 4])?;
     let all_reduce = all_reduce_against_ring(
         format!("{preset}, stage 1 of 4 (layers {:?})", partition.range(1)),
         &model.zero_grads(partition.range(1)),

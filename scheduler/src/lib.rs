@@ -49,7 +49,8 @@ pub use lower::{LowerOptions, lower};
 pub use plan::{MemoryPeak, UpdateSums, VersionPlan};
 pub use planner::{
     Bound, PartitionPlan, PipeDreamOptions, PlanOptions, PlannedStage, WireDtype, balanced,
-    explain, frontier, pipedream, plan as plan_partition, plan_checked, simulate_plan, stage_costs,
+    balanced_replicated, explain, frontier, pipedream, plan as plan_partition, plan_checked,
+    simulate_plan, stage_costs,
 };
 pub use profile::{LayerProfile, Profile};
 pub use sim::{CostModel, SimOptions, SimReport, StageCost, WorkerReport, simulate, simulate_spec};

@@ -94,16 +94,17 @@ pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
 pub struct MeasuredPartition {
     /// The cut.
     pub partition: Partition,
-    /// Seconds per microbatch of each stage: its layers' forward and backward, plus its
-    /// update spread over the microbatches of an update.
+    /// Seconds per pipeline microbatch of each stage: its layers' forward and backward, plus
+    /// its update spread over the microbatches of an update, over its replicas.
     pub stage_seconds: Vec<f64>,
 }
 
 /// The cut `pipe train --stages S` makes when no partition is given: `model` profiled briefly
 /// at `microbatch_size` samples with one thread (isolated layer timings, no calibration run),
 /// each layer costing its forward and backward time plus its update over `microbatches`, split
-/// into `stages` by [`Partition::by_cost`] (so no stage is only parameter-free layers, whose
-/// memory traffic the times include and a FLOP count misses).
+/// into one stage per entry of `replicas` by [`Partition::by_cost`] (a stage's time is over its
+/// replicas; no stage is only parameter-free layers, whose memory traffic the times include
+/// and a FLOP count misses).
 ///
 /// The cut depends on measured times, so it can differ between machines; runs print it, and
 /// `--partition` with the printed ranges repeats a run exactly.
@@ -114,9 +115,9 @@ pub fn measured_partition(
     model: &Model,
     microbatch_size: usize,
     microbatches: u32,
-    stages: usize,
+    replicas: &[u32],
 ) -> Result<MeasuredPartition> {
-    if stages == 1 {
+    if replicas.len() == 1 {
         return Ok(MeasuredPartition {
             partition: Partition::new(std::iter::once(0..model.len()).collect(), model.len())?,
             stage_seconds: vec![f64::NAN],
@@ -136,11 +137,12 @@ pub fn measured_partition(
         .iter()
         .map(|l| l.compute() + l.update / per_update)
         .collect();
-    let partition = Partition::by_cost(model, &costs, stages)?;
+    let partition = Partition::by_cost(model, &costs, replicas)?;
     let stage_seconds = partition
         .ranges()
         .iter()
-        .map(|r| costs[r.clone()].iter().sum())
+        .zip(replicas)
+        .map(|(r, &reps)| costs[r.clone()].iter().sum::<f64>() / f64::from(reps))
         .collect();
     Ok(MeasuredPartition {
         partition,

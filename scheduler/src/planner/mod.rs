@@ -229,31 +229,51 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
 /// The exact min-max split of a chain's layers into `stages` contiguous, non-empty stages by
 /// compute time (forward plus backward), one worker each and no communication: the split whose
 /// slowest stage is fastest. A dynamic program over prefixes, `O(stages x L^2)`; ties go to the
-/// earliest cut.
+/// earliest cut. [`balanced_replicated`] with one replica per stage.
 ///
 /// # Errors
 /// [`ScheduleError::Plan`] for zero stages or more stages than layers;
 /// [`ScheduleError::Profile`] for a bad profile.
 pub fn balanced(profile: &Profile, stages: usize) -> Result<Vec<std::ops::Range<usize>>> {
+    balanced_replicated(profile, &vec![1; stages])
+}
+
+/// [`balanced`] for stages with `replicas[s]` replicas each: stage `s`'s time is its compute
+/// over its replicas (they take its microbatches in turn), so a replicated stage takes
+/// proportionally more layers.
+///
+/// # Errors
+/// As [`balanced`]; a zero replica count.
+pub fn balanced_replicated(
+    profile: &Profile,
+    replicas: &[u32],
+) -> Result<Vec<std::ops::Range<usize>>> {
     profile.check()?;
+    let stages = replicas.len();
     let n = profile.layers.len();
     if stages == 0 || stages > n {
         return Err(ScheduleError::Plan(format!(
             "cannot split {n} layers into {stages} non-empty stages"
         )));
     }
+    if let Some(s) = replicas.iter().position(|&r| r == 0) {
+        return Err(ScheduleError::Plan(format!("stage {s} has 0 replicas")));
+    }
     let mut pc = vec![0.0f64; n + 1];
     for (i, l) in profile.layers.iter().enumerate() {
         pc[i + 1] = pc[i] + l.compute();
     }
+    let share = |s: usize, k: usize, j: usize| (pc[j] - pc[k]) / f64::from(replicas[s]);
     // best[s][j]: slowest stage of the best split of layers 0..j into s + 1 stages.
     let mut best = vec![vec![f64::INFINITY; n + 1]; stages];
     let mut cut = vec![vec![0usize; n + 1]; stages];
-    best[0][1..=n].copy_from_slice(&pc[1..=n]);
+    for (j, b) in best[0].iter_mut().enumerate().skip(1) {
+        *b = share(0, 0, j);
+    }
     for s in 1..stages {
         for j in s + 1..=n {
             for k in s..j {
-                let t = best[s - 1][k].max(pc[j] - pc[k]);
+                let t = best[s - 1][k].max(share(s, k, j));
                 if t < best[s][j] {
                     best[s][j] = t;
                     cut[s][j] = k;
@@ -276,6 +296,32 @@ pub fn balanced(profile: &Profile, stages: usize) -> Result<Vec<std::ops::Range<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replicated_stage_takes_layers_in_proportion() {
+        let layers = (0..9)
+            .map(|i| crate::LayerProfile {
+                name: format!("l{i}"),
+                forward: 1.0,
+                backward_input: 0.0,
+                backward_weight: 0.0,
+                update: 0.0,
+                activation_bytes: 0.0,
+                param_bytes: 0.0,
+                stash_bytes: None,
+            })
+            .collect();
+        let p = Profile::chain(layers);
+        let cut = balanced_replicated(&p, &[1, 3, 1]).unwrap();
+        let times: Vec<f64> = cut
+            .iter()
+            .zip([1.0, 3.0, 1.0])
+            .map(|(r, reps)| r.len() as f64 / reps)
+            .collect();
+        assert_eq!(times.iter().copied().fold(0.0, f64::max), 2.0, "{cut:?}");
+        assert!(cut[1].len() >= 5, "{cut:?}");
+        assert_eq!(balanced(&p, 3).unwrap(), vec![0..3, 3..6, 6..9]);
+    }
 
     #[test]
     fn the_prefix_index_finds_what_a_binary_search_finds() {

@@ -77,13 +77,13 @@ impl Partition {
         Partition::new(ranges, layers)
     }
 
-    /// The split into `stages` contiguous stages that minimises the largest stage's forward
-    /// FLOPs per sample (each layer also counts its output size, so activation layers are not
-    /// free), cutting only where [`Partition::by_cost`] may.
+    /// The split into one contiguous stage per entry of `replicas` that minimises the largest
+    /// stage's forward FLOPs per sample over its replicas (each layer also counts its output
+    /// size, so activation layers are not free), cutting only where [`Partition::by_cost`] may.
     ///
     /// # Errors
     /// As [`Partition::by_cost`].
-    pub fn balanced(model: &Model, stages: usize) -> Result<Self> {
+    pub fn balanced(model: &Model, replicas: &[u32]) -> Result<Self> {
         let costs: Vec<f64> = (0..model.len())
             .map(|i| {
                 let shape = model.shape_before(i);
@@ -91,21 +91,23 @@ impl Partition {
                 (flops + shape.iter().product::<usize>() as u64) as f64
             })
             .collect();
-        Partition::by_cost(model, &costs, stages)
+        Partition::by_cost(model, &costs, replicas)
     }
 
-    /// The split into `stages` contiguous stages that minimises the largest stage's total
-    /// `costs` (one per layer: seconds measured, or FLOPs), where every stage holds at least
-    /// one layer with parameters: a stage starts at layer 0 or at a layer with parameters, so
+    /// The split into one contiguous stage per entry of `replicas` that minimises the largest
+    /// stage's total `costs` (one per layer: seconds measured, or FLOPs) over its replicas
+    /// (they take its microbatches in turn), where every stage holds at least one layer with
+    /// parameters: a stage starts at layer 0 or at a layer with parameters, so
     /// parameter-free layers (flatten, activations, dropout) ride with the layer before them.
-    /// The split itself is the planner's exact min-max split ([`pipe_scheduler::balanced`])
-    /// over those units.
+    /// The split itself is the planner's exact min-max split
+    /// ([`pipe_scheduler::balanced_replicated`]) over those units.
     ///
     /// # Errors
     /// [`StageError::Config`] when `costs` does not match the layers, or when there are more
     /// stages than layers with parameters (naming both counts).
-    pub fn by_cost(model: &Model, costs: &[f64], stages: usize) -> Result<Self> {
+    pub fn by_cost(model: &Model, costs: &[f64], replicas: &[u32]) -> Result<Self> {
         let n = model.len();
+        let stages = replicas.len();
         if costs.len() != n {
             return Err(StageError::Config(format!(
                 "{} layer costs for a model of {n} layers",
@@ -136,7 +138,7 @@ impl Partition {
                 stash_bytes: None,
             })
             .collect();
-        let ranges = pipe_scheduler::balanced(&Profile::chain(units), stages)?
+        let ranges = pipe_scheduler::balanced_replicated(&Profile::chain(units), replicas)?
             .into_iter()
             .map(|u| bounds[u.start]..bounds[u.end])
             .collect();

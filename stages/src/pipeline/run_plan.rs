@@ -36,7 +36,12 @@ impl RunPlan {
         let stages = schedule.stages() as usize;
         let partition = match partition {
             Some(p) => p,
-            None => Partition::balanced(model, stages)?,
+            None => {
+                let layout = schedule.layout();
+                let replicas: Vec<u32> =
+                    (0..stages as u32).map(|s| layout.replicas_of(s)).collect();
+                Partition::balanced(model, &replicas)?
+            }
         };
         if partition.stages() != stages {
             return Err(StageError::Config(format!(

@@ -159,9 +159,12 @@ pub fn run_partition(cfg: &RunConfig, model: &Model) -> Result<Option<Partition>
 /// As [`run_partition`].
 pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition> {
     let spec = cfg.schedule_spec(Length::Updates(1));
-    let stages = spec.resolve()?.layout.stages() as usize;
+    let layout = spec.resolve()?.layout;
+    let replicas: Vec<u32> = (0..layout.stages())
+        .map(|s| layout.replicas_of(s))
+        .collect();
     let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
-    measured_partition(model, cfg.microbatch_size, m, stages)
+    measured_partition(model, cfg.microbatch_size, m, &replicas)
 }
 
 impl<'c> Run<'c> {
