@@ -18,11 +18,13 @@
 //! backward-weight cost its replica count, so every worker has the same work and the bound is
 //! one microbatch per `3` time units), and the position whose deepening raises throughput most
 //! is deepened (across plateaus: one position may help only once another is deeper), for at
-//! most 24 steps or until the throughput is within 2% of the bound; the best depths seen win,
+//! most 16 steps or until the throughput is within 2% of the bound; the best depths seen win,
 //! the shallowest among those within 0.5% of each other. It is a
-//! pure function of the request, so every run of it gets the same schedule. Layouts above 64
-//! workers or 32 positions keep NOAM (the search would take seconds), as do flush policies
-//! (they drain every minibatch) and 2BW (its version rule fixes the in-flight depth).
+//! pure function of the request, so every run of it gets the same schedule. Layouts above 16
+//! workers or 8 positions keep NOAM (the search simulates up to 112 candidates, and the
+//! planner resolves every plan it simulates: at 64 workers planning took minutes), as do
+//! flush policies (they drain every minibatch) and 2BW (its version rule fixes the in-flight
+//! depth).
 
 use crate::error::Result;
 use crate::generate::generate_resolved;
@@ -45,13 +47,16 @@ impl ScheduleSpec {
     }
 }
 
-/// Largest layout whose depths are searched.
-const MAX_WORKERS: u32 = 64;
-const MAX_POSITIONS: u32 = 32;
-/// Minibatches the search simulates (fill and drain amortised, still small).
+/// Largest layout whose depths are searched: the search simulates up to `MAX_STEPS x
+/// (positions - 1)` candidate schedules, and the planner resolves every plan it simulates.
+const MAX_WORKERS: u32 = 16;
+const MAX_POSITIONS: u32 = 8;
+/// Minibatches the search simulates (fill and drain amortised, still small): 12, fewer for
+/// big minibatches, so that a candidate stays near `SEARCH_MICROBATCHES` microbatches.
 const SEARCH_MINIBATCHES: u32 = 12;
+const SEARCH_MICROBATCHES: u32 = 2_000;
 /// At most this many deepening steps.
-const MAX_STEPS: usize = 24;
+const MAX_STEPS: usize = 16;
 
 /// The in-flight depth per position for `r` (see the module docs). `r.depths` holds NOAM.
 pub fn in_flight_depths(r: &Resolved) -> Vec<u32> {
@@ -95,8 +100,9 @@ pub fn balanced_costs(layout: &crate::Layout) -> CostModel {
 /// Greedy deepening on the balanced cost model.
 fn search(r: &Resolved) -> Vec<u32> {
     let costs = balanced_costs(&r.layout);
+    let minibatches = (SEARCH_MICROBATCHES / r.minibatch.max(1)).clamp(2, SEARCH_MINIBATCHES);
     let trial = Resolved {
-        total: r.minibatch * SEARCH_MINIBATCHES,
+        total: r.minibatch * minibatches,
         ..r.clone()
     };
     let bound = 1.0 / 3.0;
