@@ -89,6 +89,21 @@ impl InProc {
         TransportError::Aborted { by }
     }
 
+    /// The error for a peer whose channel closed: `Aborted` when an abort reached this
+    /// endpoint, else `gone`. A peer stops after an abort (its own or one it received), and
+    /// the abort that stopped it was sent to every endpoint as it began, so a closed channel
+    /// during a failure is the echo of that abort, not a second failure. The abort may trail
+    /// the closing by the time its sender takes to tell the other peers: wait a moment for it.
+    fn abort_or(&mut self, gone: TransportError) -> TransportError {
+        if let Some(by) = self.aborted_by {
+            return TransportError::Aborted { by };
+        }
+        match self.control.recv_timeout(Duration::from_millis(200)) {
+            Ok(by) => self.aborted(by),
+            Err(_) => gone,
+        }
+    }
+
     fn check_key(&self, key: &Key) -> Result<(), TransportError> {
         if key.to != self.rank {
             return Err(TransportError::Protocol(format!(
@@ -149,10 +164,10 @@ impl Transport for InProc {
         select! {
             send(tx, message) -> sent => match sent {
                 Ok(()) => Ok(()),
-                Err(e) => Err(TransportError::Send {
+                Err(e) => Err(self.abort_or(TransportError::Send {
                     reason: format!("worker {to} is gone"),
                     message: Box::new(e.into_inner()),
-                }),
+                })),
             },
             recv(control) -> by => Err(self.aborted(by.unwrap_or(self.rank))),
         }
@@ -179,7 +194,9 @@ impl Transport for InProc {
                 recv(rx) -> m => match m {
                     Ok(m) if m.key == *key => return Ok(m),
                     Ok(m) => self.keep_early(m, key.from)?,
-                    Err(_) => return Err(TransportError::Closed { peer: key.from }),
+                    Err(_) => {
+                        return Err(self.abort_or(TransportError::Closed { peer: key.from }));
+                    }
                 },
                 recv(control) -> by => return Err(self.aborted(by.unwrap_or(self.rank))),
                 recv(timer) -> _ => {
