@@ -81,30 +81,32 @@ pub(crate) fn peers(
     }
 }
 
-/// The receive that brings the input of compute action `a` from `from`.
+/// The receive that brings the input of compute action `a` from `from`: the activation of a
+/// forward, the output gradient of anything else.
 #[inline]
 pub(crate) fn receive(a: Action, from: WorkerId) -> Action {
+    let (stage, mb) = stage_and_microbatch(a);
     match a {
-        Action::Forward { stage, mb } => Action::RecvActivation { stage, mb, from },
-        _ => Action::RecvGradient {
-            stage: a.stage(),
-            mb: a.microbatch().unwrap_or(0),
-            from,
-        },
+        Action::Forward { .. } => Action::RecvActivation { stage, mb, from },
+        _ => Action::RecvGradient { stage, mb, from },
     }
 }
 
-/// The send that carries the output of compute action `a` to `to`.
+/// The send that carries the output of compute action `a` to `to`: the activation of a
+/// forward, the input gradient of anything else.
 #[inline]
 pub(crate) fn send(a: Action, to: WorkerId) -> Action {
+    let (stage, mb) = stage_and_microbatch(a);
     match a {
-        Action::Forward { stage, mb } => Action::SendActivation { stage, mb, to },
-        _ => Action::SendGradient {
-            stage: a.stage(),
-            mb: a.microbatch().unwrap_or(0),
-            to,
-        },
+        Action::Forward { .. } => Action::SendActivation { stage, mb, to },
+        _ => Action::SendGradient { stage, mb, to },
     }
+}
+
+/// Stage and microbatch of a compute action ([`peers`] gives peers to those only).
+#[inline]
+fn stage_and_microbatch(a: Action) -> (u32, u32) {
+    (a.stage(), a.microbatch().unwrap_or_default())
 }
 
 /// Action `a` of worker `w`'s program with the communication it implies: the receive it

@@ -141,7 +141,7 @@ impl VersionPlan {
             peak_activations: Vec::new(),
         };
         let mut scratch = Vec::new();
-        let peaks: Vec<(MemoryPeak, MemoryPeak)> = (0..schedule.workers())
+        let peaks: Vec<WorkerPeaks> = (0..schedule.workers())
             .map(|w| {
                 sweep(
                     layout,
@@ -154,9 +154,9 @@ impl VersionPlan {
                 )
             })
             .collect();
-        plan.peak_versions = peaks.iter().map(|p| p.0.weights as u32).collect();
-        plan.peak_activations = peaks.iter().map(|p| p.0.activations as u32).collect();
-        let memory = peaks.iter().map(|p| p.1).collect();
+        plan.peak_versions = peaks.iter().map(|p| p.versions).collect();
+        plan.peak_activations = peaks.iter().map(|p| p.activations).collect();
+        let memory = peaks.iter().map(|p| p.memory).collect();
         Ok((plan, memory))
     }
 
@@ -249,7 +249,7 @@ fn sweep(
     backward_version: impl Fn(StageId, Microbatch) -> u32,
     (param_bytes, stash_bytes): (impl Fn(StageId) -> f64, impl Fn(StageId) -> f64),
     scratch: &mut Vec<Diff>,
-) -> (MemoryPeak, MemoryPeak) {
+) -> WorkerPeaks {
     let len = prog.len();
     let chunks = layout.chunks() as usize;
     // Difference arrays (reused across workers): counts and bytes of live activations and
@@ -302,20 +302,32 @@ fn sweep(
         }
     }
     let (mut an, mut ab, mut wn, mut wb) = (0i32, 0.0f64, 0i32, 0.0f64);
-    let (mut counts, mut peak) = (MemoryPeak::default(), MemoryPeak::default());
+    let mut peaks = WorkerPeaks::default();
     for d in &diff[..len.max(1)] {
         an += d.act_n;
         ab += d.act_b;
         wn += d.wts_n;
         wb += d.wts_b;
-        counts.activations = counts.activations.max(f64::from(an));
-        counts.weights = counts.weights.max(f64::from(wn));
-        counts.total = counts.total.max(f64::from(an + wn));
-        peak.activations = peak.activations.max(ab);
-        peak.weights = peak.weights.max(wb);
-        peak.total = peak.total.max(ab + wb);
+        peaks.activations = peaks.activations.max(an.max(0) as u32);
+        peaks.versions = peaks.versions.max(wn.max(0) as u32);
+        let m = &mut peaks.memory;
+        m.activations = m.activations.max(ab);
+        m.weights = m.weights.max(wb);
+        m.total = m.total.max(ab + wb);
     }
-    (counts, peak)
+    peaks
+}
+
+/// One worker's peaks: most weight versions and most microbatches' activations held at once,
+/// and most bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct WorkerPeaks {
+    /// Most weight versions held at once.
+    pub(crate) versions: u32,
+    /// Most microbatches' activations held at once.
+    pub(crate) activations: u32,
+    /// Most bytes.
+    pub(crate) memory: MemoryPeak,
 }
 
 /// Forward and backward versions over (stage, microbatch), [`UNSET`] until recorded.
@@ -463,10 +475,10 @@ pub(crate) fn streamed_peaks(
     resolved: &Resolved,
     param_bytes: impl Fn(StageId) -> f64 + Copy,
     stash_bytes: impl Fn(StageId) -> f64 + Copy,
-) -> Result<Vec<(MemoryPeak, MemoryPeak)>> {
+) -> Result<Vec<WorkerPeaks>> {
     let layout = &resolved.layout;
     let mut tables = Tables::new(layout.stages(), resolved.total);
-    let mut peaks = vec![(MemoryPeak::default(), MemoryPeak::default()); layout.workers() as usize];
+    let mut peaks = vec![WorkerPeaks::default(); layout.workers() as usize];
     let (mut prog, mut scratch) = (Vec::new(), Vec::new());
     let mut streams: Vec<Option<WorkerProgram>> =
         WorkerProgram::all(resolved).into_iter().map(Some).collect();

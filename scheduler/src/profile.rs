@@ -41,6 +41,21 @@ pub struct LayerProfile {
 }
 
 impl LayerProfile {
+    /// A layer that costs `seconds` of compute (counted as forward) and moves no bytes: what
+    /// a compute-only split ([`crate::balanced_replicated`]) needs.
+    pub fn compute_only(name: String, seconds: f64) -> Self {
+        LayerProfile {
+            name,
+            forward: seconds,
+            backward_input: 0.0,
+            backward_weight: 0.0,
+            update: 0.0,
+            activation_bytes: 0.0,
+            param_bytes: 0.0,
+            stash_bytes: None,
+        }
+    }
+
     /// Forward plus backward time: what PipeDream's optimizer calls the compute time.
     pub fn compute(&self) -> f64 {
         self.forward + self.backward_input + self.backward_weight

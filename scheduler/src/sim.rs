@@ -29,7 +29,7 @@ use crate::error::{Result, ScheduleError};
 use crate::generate::WorkerProgram;
 use crate::grid;
 use crate::lower::{LowerOptions, lower, peers, receive, send};
-use crate::plan::{MemoryPeak, VersionPlan, streamed_peaks};
+use crate::plan::{MemoryPeak, VersionPlan, WorkerPeaks, streamed_peaks};
 use crate::spec::{Layout, Resolved, Schedule, ScheduleSpec};
 use crate::timeline::{Span, Timeline};
 
@@ -320,14 +320,11 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel, opts: SimOptions) -> Res
         Some(c) if c < schedule.workers() => engine.run_shared(f64::from(c))?,
         _ => engine.run()?,
     }
-    let peaks: Vec<(MemoryPeak, MemoryPeak)> = (0..schedule.workers() as usize)
-        .map(|w| {
-            let counts = MemoryPeak {
-                weights: f64::from(plan.peak_versions[w]),
-                activations: f64::from(plan.peak_activations[w]),
-                total: 0.0,
-            };
-            (counts, memory[w])
+    let peaks: Vec<WorkerPeaks> = (0..schedule.workers() as usize)
+        .map(|w| WorkerPeaks {
+            versions: plan.peak_versions[w],
+            activations: plan.peak_activations[w],
+            memory: memory[w],
         })
         .collect();
     Ok(engine.report(&peaks))
@@ -355,7 +352,7 @@ pub fn simulate_spec(
         return simulate(&crate::generate(spec)?, costs, opts);
     }
     // Peak memory and timing are independent passes over the same programs, one after the
-    // other (the crate runs no threads: two cores would take the pair from 0.92 s to 0.75 s on
+    // other (the crate runs no threads: two cores took the pair from 0.92 s to 0.75 s on
     // the 1,024-stage benchmark, `docs/scheduling.md`).
     let peaks = streamed_peaks(
         &resolved,
@@ -500,15 +497,10 @@ impl Programs for Streamed<'_> {
     }
 }
 
-/// Arrival times of the messages in flight, one table per channel (a stage boundary and
-/// direction, or a stage's ring steps), keyed by microbatch or ring step. Each table is a
-/// power-of-two array indexed by the key's low bits that doubles when two keys in flight
+/// Arrival times of one channel's messages in flight (a stage boundary and direction, or a
+/// stage's ring steps), keyed by microbatch or ring step: `(key, arrival)`, `EMPTY` keys free.
+/// A power-of-two array indexed by the key's low bits that doubles when two keys in flight
 /// collide and shrinks when it empties, so memory follows the messages actually in flight.
-struct Arrivals {
-    channels: Vec<Slots>,
-}
-
-/// One channel's table: `(key, arrival)`, `EMPTY` keys free.
 #[derive(Clone, Default)]
 struct Slots {
     slots: Vec<(u64, f64)>,
@@ -616,7 +608,8 @@ struct Engine<'a, P: Programs> {
     compute: Vec<f64>,
     comm: Vec<f64>,
     wait: Vec<Wait>,
-    arrivals: Arrivals,
+    /// Per channel.
+    arrivals: Vec<Slots>,
     group_count: Vec<u32>,
     group_start: Vec<f64>,
     links: Vec<Vec<(WorkerId, f64)>>,
@@ -653,9 +646,7 @@ impl<'a, P: Programs> Engine<'a, P> {
             compute: vec![0.0; workers],
             comm: vec![0.0; workers],
             wait: vec![Wait::Nothing; workers],
-            arrivals: Arrivals {
-                channels: vec![Slots::default(); channels],
-            },
+            arrivals: vec![Slots::default(); channels],
             group_count: vec![0; groups],
             group_start: vec![0.0; groups],
             links: vec![Vec::new(); workers],
@@ -663,20 +654,20 @@ impl<'a, P: Programs> Engine<'a, P> {
         }
     }
 
-    /// The report once the engine has run: times from the engine, peaks (counts, bytes) per
-    /// worker from the version plan's sweep.
-    fn report(self, peaks: &[(MemoryPeak, MemoryPeak)]) -> SimReport {
+    /// The report once the engine has run: times from the engine, peaks per worker from the
+    /// version plan's sweep.
+    fn report(self, peaks: &[WorkerPeaks]) -> SimReport {
         let makespan = self.clock.iter().copied().fold(0.0, f64::max);
         let workers: Vec<WorkerReport> = peaks
             .iter()
             .enumerate()
-            .map(|(w, (counts, bytes))| WorkerReport {
+            .map(|(w, p)| WorkerReport {
                 compute: self.compute[w],
                 communication: self.comm[w],
                 idle: (makespan - self.compute[w] - self.comm[w]).max(0.0),
-                memory: *bytes,
-                peak_versions: counts.weights as u32,
-                peak_activations: counts.activations as u32,
+                memory: p.memory,
+                peak_versions: p.versions,
+                peak_activations: p.activations,
             })
             .collect();
         let idle: f64 = workers.iter().map(|w| w.idle).sum();
@@ -745,7 +736,7 @@ impl<'a, P: Programs> Engine<'a, P> {
     /// The arrival of message `id` if it has been sent (and then forgets it: every message is
     /// received once).
     fn take_arrival(&mut self, id: MessageId) -> Option<f64> {
-        self.arrivals.channels[id.channel].take(id.key)
+        self.arrivals[id.channel].take(id.key)
     }
 
     fn record(&mut self, worker: WorkerId, action: Action, start: f64, end: f64) {
@@ -831,7 +822,7 @@ impl<'a, P: Programs> Engine<'a, P> {
         let begin = clock.max(self.links[wi][link].1);
         self.links[wi][link].1 = begin + busy;
         let arrive = begin + busy + latency;
-        self.arrivals.channels[id.channel].insert(id.key, arrive);
+        self.arrivals[id.channel].insert(id.key, arrive);
         (id, arrive)
     }
     /// The engine for fewer cores than workers: one global clock; between events every

@@ -300,16 +300,7 @@ mod tests {
     #[test]
     fn a_replicated_stage_takes_layers_in_proportion() {
         let layers = (0..9)
-            .map(|i| crate::LayerProfile {
-                name: format!("l{i}"),
-                forward: 1.0,
-                backward_input: 0.0,
-                backward_weight: 0.0,
-                update: 0.0,
-                activation_bytes: 0.0,
-                param_bytes: 0.0,
-                stash_bytes: None,
-            })
+            .map(|i| crate::LayerProfile::compute_only(format!("l{i}"), 1.0))
             .collect();
         let p = Profile::chain(layers);
         let cut = balanced_replicated(&p, &[1, 3, 1]).unwrap();

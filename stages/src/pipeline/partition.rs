@@ -127,15 +127,11 @@ impl Partition {
         let bounds: Vec<usize> = starts.iter().copied().chain([n]).collect();
         let units = bounds
             .windows(2)
-            .map(|w| LayerProfile {
-                name: format!("layers {}-{}", w[0], w[1] - 1),
-                forward: costs[w[0]..w[1]].iter().sum(),
-                backward_input: 0.0,
-                backward_weight: 0.0,
-                update: 0.0,
-                activation_bytes: 0.0,
-                param_bytes: 0.0,
-                stash_bytes: None,
+            .map(|w| {
+                LayerProfile::compute_only(
+                    format!("layers {}-{}", w[0], w[1] - 1),
+                    costs[w[0]..w[1]].iter().sum(),
+                )
             })
             .collect();
         let ranges = pipe_scheduler::balanced_replicated(&Profile::chain(units), replicas)?
