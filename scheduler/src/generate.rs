@@ -3,16 +3,16 @@
 //!
 //! Most policies share one local sequencer: a worker walks its own microbatches in order,
 //! forwarding while fewer than `depth` are in flight and an optional version gate allows it,
-//! and otherwise running the oldest pending backward; after every `per_update` backwards it
+//! and otherwise running the oldest pending backward; after its last backward of each update it
 //! synchronises (all-reduce when replicated, then update). The policies differ only in `depth`,
-//! `per_update` and the gate:
+//! the update size and the gate:
 //!
-//! | policy | depth at stage s | per update | gate for forward of local minibatch t |
+//! | policy | depth at stage s | microbatches per update (all replicas) | gate for forward of update t |
 //! |---|---|---|---|
-//! | gpipe | whole minibatch | minibatch / r_s | t updates done (flush) |
-//! | 1f1b-flush, zb-h1 | d_s | minibatch / r_s | t updates done (flush) |
-//! | pipedream, nostash, vsync | d_s | M | none |
-//! | 2bw | d_s | M | t - 1 updates done |
+//! | gpipe | a replica's share of the minibatch | minibatch | t updates done (flush) |
+//! | 1f1b-flush, zb-h1 | d_s | minibatch | t updates done (flush) |
+//! | pipedream, nostash, vsync | d_s | M r_s | none |
+//! | 2bw | d_s | M r_s | t - 1 updates done |
 //!
 //! with `d_s` from [`Resolved::depths`]: `ceil(sum of replicas of stages s.. / r_s)`, which is
 //! `S - s` on a straight pipeline and PipeDream's "NOAM" (workers / input-stage replicas) at
@@ -232,18 +232,21 @@ struct Sequencer {
     step: u32,
     n: usize,
     depth: usize,
-    per_update: usize,
+    /// Microbatches (of every replica) one update of the stage sums.
+    update_size: u32,
     gate: Gate,
     f: usize,
     b: usize,
     u: u32,
+    /// Local index one past the last backward of update `u`.
+    update_end: usize,
     sync_due: bool,
 }
 
 impl Sequencer {
     /// The update count the forward of local microbatch `f` waits for.
     fn gate(&self, f: usize) -> u32 {
-        let t = (f / self.per_update) as u32;
+        let t = self.local(f) / self.update_size;
         match self.gate {
             Gate::Flush => t,
             Gate::OneBehind => t.saturating_sub(1),
@@ -255,6 +258,18 @@ impl Sequencer {
         self.first + self.step * i as u32
     }
 
+    /// Local index one past the worker's last microbatch of update `t`: the first `i` with
+    /// `first + step * i >= (t + 1) * update_size`, at most `n`. A replica's share of an
+    /// update differs by one between replicas when the update size is not a multiple of the
+    /// replica count.
+    fn end_of_update(&self, t: u32) -> usize {
+        let end = (u64::from(t) + 1) * u64::from(self.update_size);
+        let share = end
+            .saturating_sub(u64::from(self.first))
+            .div_ceil(u64::from(self.step));
+        (share as usize).min(self.n)
+    }
+
     /// The next step, `Ok(None)` at the end, `Err` if the sequencer stalls.
     #[inline]
     fn next_op(&mut self) -> std::result::Result<Option<Op>, ()> {
@@ -262,6 +277,7 @@ impl Sequencer {
             self.sync_due = false;
             let u = self.u;
             self.u += 1;
+            self.update_end = self.end_of_update(self.u);
             return Ok(Some(Op::Sync(u)));
         }
         if self.b >= self.n {
@@ -277,7 +293,7 @@ impl Sequencer {
         }
         let b = self.b;
         self.b += 1;
-        if self.b % self.per_update == 0 {
+        if self.b == self.update_end {
             self.sync_due = true;
         }
         Ok(Some(Op::B(self.local(b))))
@@ -317,25 +333,29 @@ impl Sequenced {
         } else {
             0
         };
-        let per_update = (r.update_size(stage) / reps) as usize;
+        let update_size = r.update_size(stage);
         let pipeline_depth = depths[p as usize] as usize;
         let depth = match depth {
-            Depth::Minibatch => per_update,
+            // The largest share of an update any replica holds.
+            Depth::Minibatch => update_size.div_ceil(reps) as usize,
             Depth::Pipeline => pipeline_depth,
         };
+        let mut seq = Sequencer {
+            first: j,
+            step: reps,
+            n,
+            depth,
+            update_size,
+            gate,
+            f: 0,
+            b: 0,
+            u: 0,
+            update_end: 0,
+            sync_due: false,
+        };
+        seq.update_end = seq.end_of_update(0);
         Sequenced {
-            seq: Sequencer {
-                first: j,
-                step: reps,
-                n,
-                depth,
-                per_update,
-                gate,
-                f: 0,
-                b: 0,
-                u: 0,
-                sync_due: false,
-            },
+            seq,
             stage,
             reps,
             split,

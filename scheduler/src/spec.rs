@@ -326,8 +326,15 @@ impl Layout {
         limits
     }
 
-    /// Least common multiple of the replica counts: the number of microbatches (times `M`) that
-    /// every stage's replicas can split evenly.
+    /// The largest replica count: a synchronous minibatch is `M` times this many microbatches,
+    /// so each replica of the most replicated stage takes exactly `M` per update.
+    pub fn widest(&self) -> u32 {
+        self.replicas.iter().copied().max().unwrap_or(1)
+    }
+
+    /// Least common multiple of the replica counts: an asynchronous run is a whole number of
+    /// `M` times this many microbatches, so that every stage (updating after `M r_s`) ends on
+    /// a whole update.
     pub fn replica_lcm(&self) -> u32 {
         self.replicas
             .iter()
@@ -437,7 +444,15 @@ impl ScheduleSpec {
             ));
         }
         let pipeline = Layout::new(replicas, self.chunks)?;
-        let minibatch = u64::from(self.microbatches) * u64::from(pipeline.replica_lcm());
+        // Synchronous policies update every stage once per minibatch of `M` per replica of the
+        // widest stage. Asynchronous ones update stage s after `M r_s`; their run unit is the
+        // least common multiple of those, so that every stage ends on a whole update.
+        let unit = if self.policy.is_flush() {
+            pipeline.widest()
+        } else {
+            pipeline.replica_lcm()
+        };
+        let minibatch = u64::from(self.microbatches) * u64::from(unit);
         if minibatch > u64::from(u32::MAX / 4) {
             return spec_err("microbatches per update times replicas is too large".into());
         }
@@ -484,9 +499,8 @@ impl ScheduleSpec {
                 if n % minibatch != 0 {
                     return spec_err(format!(
                         "{n} microbatches is not a whole number of minibatches of {minibatch} \
-                         ({} per replica times {} for the replica layout)",
-                        self.microbatches,
-                        pipeline.replica_lcm()
+                         ({} per replica times {unit} for the replica layout)",
+                        self.microbatches
                     ));
                 }
                 u64::from(n)
@@ -523,8 +537,12 @@ pub struct Resolved {
     pub layout: Layout,
     /// `M`: microbatches per update per replica, as requested.
     pub microbatches_per_update: u32,
-    /// Microbatches in one synchronous minibatch: `M` times the least common multiple of the
-    /// replica counts (so every stage's replicas split it evenly).
+    /// Microbatches in one minibatch. Synchronous policies (flush, `sequential`): `M` times the
+    /// largest replica count, the training batch of every update; each replica of the most
+    /// replicated stage takes `M` of them, and a stage with fewer replicas splits it
+    /// round-robin, so its replicas' shares differ by at most one. Asynchronous policies,
+    /// whose stage `s` updates after `M r_s`: `M` times the least common multiple of the
+    /// replica counts, the unit a run is a whole number of.
     pub minibatch: u32,
     /// Microbatches in the whole run.
     pub total: u32,

@@ -149,3 +149,66 @@ fn replicas_take_microbatches_round_robin_and_sum_together() {
     assert_eq!(p.updates_at(1), 12);
     assert_eq!(p.update(2, 5).per_replica, vec![&[5u32][..]]);
 }
+
+/// A flush minibatch is `M` per replica of the most replicated stage, not `M x lcm(replicas)`:
+/// with replicas `[2, 3]` and `M = 2` every update sums 6 microbatches, the three replicas of
+/// stage 1 take 2 each, and stage 0's two replicas take 3 each (round-robin over the run, so
+/// within one update their shares may differ by one). Asynchronous policies keep PipeDream's
+/// `M r_s` per update of stage `s`.
+#[test]
+fn flush_minibatch_is_m_per_replica_of_the_widest_stage() {
+    for policy in [Policy::OneFOneBFlush, Policy::Gpipe, Policy::ZbH1] {
+        let spec = ScheduleSpec::new(policy, 2, 2)
+            .with_replicas(vec![2, 3])
+            .with_length(Length::Updates(5));
+        let s = lower(&generate(&spec).unwrap(), LowerOptions::default());
+        validate::check(&s).unwrap();
+        assert_eq!(s.resolved.minibatch, 6, "{policy}");
+        assert_eq!(s.total_microbatches(), 30, "{policy}");
+        let p = VersionPlan::derive(&s).unwrap();
+        for stage in 0..2 {
+            assert_eq!(p.updates_at(stage), 5, "{policy} stage {stage}");
+            for k in 0..5 {
+                let sums = p.update(stage, k);
+                let mut mbs: Vec<u32> = sums.microbatches().collect();
+                mbs.sort_unstable();
+                assert_eq!(mbs, (6 * k..6 * k + 6).collect::<Vec<_>>(), "{policy}");
+                let shares: Vec<usize> = sums.per_replica.iter().map(|r| r.len()).collect();
+                let expect = if stage == 0 {
+                    vec![3, 3]
+                } else {
+                    vec![2, 2, 2]
+                };
+                assert_eq!(shares, expect, "{policy} stage {stage} update {k}");
+                for mb in sums.microbatches() {
+                    assert_eq!(p.forward_version(stage, mb), k, "synchronous");
+                }
+            }
+        }
+    }
+    let spec = ScheduleSpec::new(Policy::PipeDream, 2, 2)
+        .with_replicas(vec![2, 3])
+        .with_length(Length::Updates(2));
+    let r = spec.resolve().unwrap();
+    assert_eq!(
+        r.minibatch, 12,
+        "an asynchronous run is a whole number of M x lcm"
+    );
+    assert_eq!((r.update_size(0), r.update_size(1)), (4, 6));
+}
+
+/// With an odd minibatch over two replicas, the replicas' shares of one update differ by one
+/// and alternate, and every microbatch is summed once.
+#[test]
+fn flush_shares_differ_by_one_when_the_minibatch_does_not_divide() {
+    let spec = ScheduleSpec::new(Policy::OneFOneBFlush, 2, 1)
+        .with_replicas(vec![2, 3])
+        .with_length(Length::Updates(4));
+    let s = lower(&generate(&spec).unwrap(), LowerOptions::default());
+    validate::check(&s).unwrap();
+    let p = VersionPlan::derive(&s).unwrap();
+    let shares: Vec<Vec<usize>> = (0..4)
+        .map(|k| p.update(0, k).per_replica.iter().map(|r| r.len()).collect())
+        .collect();
+    assert_eq!(shares, vec![vec![2, 1], vec![1, 2], vec![2, 1], vec![1, 2]]);
+}

@@ -204,6 +204,10 @@ fn specs() -> Vec<ScheduleSpec> {
     for policy in Policy::ALL {
         for stages in 1..=4u32 {
             let mut layouts = vec![vec![1], vec![2]];
+            if stages == 2 {
+                // Flush minibatches of M x 3: stage 0's two replicas take shares differing by one.
+                layouts.push(vec![2, 3]);
+            }
             if stages == 3 {
                 // Unequal replica counts: their asynchronous depths come from the depth search.
                 layouts.push(vec![2, 1, 1]);
@@ -219,7 +223,7 @@ fn specs() -> Vec<ScheduleSpec> {
                             1,
                             m.max(stages.saturating_sub(1))
                                 .max(match replicas.as_slice() {
-                                    [2, 1, 1] => 2,
+                                    [2, 1, 1] | [2, 3] => 2,
                                     [1, 3, 1] => 4,
                                     _ => 1,
                                 }),

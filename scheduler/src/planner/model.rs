@@ -884,7 +884,7 @@ pub fn stage_costs(profile: &Profile, plan: &PartitionPlan, wire: WireDtype) -> 
 /// The simulator's seconds per microbatch for `plan` run with `opts`' schedule, link and
 /// microbatch count: one minibatch for flush schedules (they repeat it exactly); for
 /// asynchronous ones `2 S` minibatches (fill, then steady state), fewer when minibatches are
-/// long (unequal replica counts make a minibatch `M x lcm(replicas)` microbatches), but at
+/// long (a minibatch is `M` times the largest replica count), but at
 /// least one and about 20,000 microbatches at most.
 ///
 /// # Errors

@@ -171,7 +171,7 @@ impl<'c> Run<'c> {
     fn new(cfg: &'c RunConfig, data: &Splits) -> Result<Self> {
         let model = Model::new(&cfg.model)?;
         let b = cfg.microbatch_size;
-        // One minibatch: M per replica times the lcm of the replica counts.
+        // One minibatch: M per replica of the most replicated stage.
         let probe = cfg.schedule_spec(Length::Updates(1)).resolve()?;
         let minibatch = u64::from(probe.minibatch);
         let per_epoch = data.train.len() as u64 / b as u64 / minibatch;
