@@ -145,6 +145,9 @@ fn matmul_all_transposes(be: &dyn Backend) {
         (17, 33, 9),
         (64, 300, 600),
         (300, 64, 40),
+        // A right operand of over 2^20 elements: transposed, it is read row-major as the left
+        // operand of C^T, at any row count.
+        (70, 1030, 1024),
     ] {
         for ta in [Trans::No, Trans::Yes] {
             for tb in [Trans::No, Trans::Yes] {
