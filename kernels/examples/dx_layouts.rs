@@ -1,13 +1,63 @@
-//! Scratch: dX = dY W^T layouts through gemm, 256x1024x1024.
+//! The backward product `dX = dY W^T` (256 x 1024 x 1024) through `gemm` in several operand
+//! layouts, timed side by side: why the CPU backend computes it as `C^T = W dY^T` with both
+//! operands row-major.
+//!
+//! ```sh
+//! cargo run --release -p pipe-kernels --example dx_layouts [THREADS]   # default 2
+//! ```
+//!
+//! Prints the median of 31 timed calls per layout after 5 untimed ones.
+#![allow(clippy::expect_used)]
+
 use std::time::Instant;
 
+/// Median seconds of `f` over 31 calls after 5 warm-up calls.
+fn median_seconds(f: &mut dyn FnMut()) -> f64 {
+    for _ in 0..5 {
+        f();
+    }
+    let mut times: Vec<f64> = (0..31)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// `gemm::gemm` with the crate's argument order (column stride before row stride), overwriting
+/// `dst`. The pointers must hold the strided matrices the arguments describe.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    (dst_cs, dst_rs): (isize, isize),
+    lhs: *const f32,
+    (lhs_cs, lhs_rs): (isize, isize),
+    rhs: *const f32,
+    (rhs_cs, rhs_rs): (isize, isize),
+    par: gemm::Parallelism,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m, n, k, dst, dst_cs, dst_rs, false, lhs, lhs_cs, lhs_rs, rhs, rhs_cs, rhs_rs, 1.0,
+            1.0, false, false, false, par,
+        );
+    }
+}
+
 fn main() {
-    let (m, k, n) = (256usize, 1024usize, 1024usize); // dX m x n, dY m x k, W n x k (in x out)
+    // dX is m x n, dY m x k, W n x k (stored in x out, so dX = dY W^T).
+    let (m, k, n) = (256usize, 1024usize, 1024usize);
     let dy: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.01).collect();
     let w: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 * 0.01).collect();
-    let mut wt = vec![0.0f32; n * k];
+    let mut w_t = vec![0.0f32; n * k];
+    let mut dy_t = vec![0.0f32; m * k];
     let mut dx = vec![0.0f32; m * n];
-    let mut scratch = vec![0.0f32; m * n];
+    let mut dx_t = vec![0.0f32; m * n];
     let threads: usize = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())
@@ -15,229 +65,81 @@ fn main() {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
-        .unwrap();
+        .expect("thread pool");
     let par = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
     };
     let flops = 2.0 * (m * n * k) as f64;
-    let time = |name: &str, f: &mut dyn FnMut()| {
-        for _ in 0..5 {
-            f();
-        }
-        let mut v = Vec::new();
-        for _ in 0..31 {
-            let t = Instant::now();
-            f();
-            v.push(t.elapsed().as_secs_f64());
-        }
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let report = |name: &str, s: f64| {
         println!(
-            "{name:40} {:7.3} ms {:6.1} GFLOP/s",
-            v[15] * 1e3,
-            flops / v[15] / 1e9
+            "{name:48} {:7.3} ms {:6.1} GFLOP/s",
+            s * 1e3,
+            flops / s / 1e9
         );
     };
+    let (ik, im, i1) = (k as isize, m as isize, 1isize);
+    println!("dX = dY W^T, {m} x {k} x {n}, {threads} threads");
     pool.install(|| {
-        time("a: dY W^T (rhs strided)", &mut || unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
+        // SAFETY (every `product` call below): the buffers hold the matrices the strides name.
+        let s = median_seconds(&mut || unsafe {
+            product(
+                (m, n, k),
                 dx.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
+                (1, n as isize),
                 dy.as_ptr(),
-                1,
-                k as isize,
+                (1, ik),
                 w.as_ptr(),
-                k as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
+                (ik, 1),
                 par,
             )
         });
-        time("b: W dY^T into C col-major", &mut || unsafe {
-            gemm::gemm(
-                n,
-                m,
-                k,
-                dx.as_mut_ptr(),
-                n as isize,
-                1,
-                false,
-                w.as_ptr(),
-                1,
-                k as isize,
-                dy.as_ptr(),
-                k as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            )
-        });
-        time("c: W dY^T into scratch, transpose", &mut || {
+        report("dY W^T, right operand column-major", s);
+        let s = median_seconds(&mut || {
+            transpose::transpose(&dy, &mut dy_t, k, m);
             unsafe {
-                gemm::gemm(
-                    n,
-                    m,
-                    k,
-                    scratch.as_mut_ptr(),
-                    1,
-                    m as isize,
-                    false,
+                product(
+                    (n, m, k),
+                    dx_t.as_mut_ptr(),
+                    (1, im),
                     w.as_ptr(),
-                    1,
-                    k as isize,
-                    dy.as_ptr(),
-                    k as isize,
-                    1,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
+                    (1, ik),
+                    dy_t.as_ptr(),
+                    (1, im),
                     par,
                 )
             }
-            transpose::transpose(&scratch, &mut dx, m, n);
+            transpose::transpose(&dx_t, &mut dx, m, n);
         });
-        let mut dyt = vec![0.0f32; m * k];
-        time("e: dY^T copy, W dY^T row-major, transpose", &mut || {
-            transpose::transpose(&dy, &mut dyt, k, m);
-            unsafe {
-                gemm::gemm(
-                    n,
-                    m,
-                    k,
-                    scratch.as_mut_ptr(),
-                    1,
-                    m as isize,
-                    false,
-                    w.as_ptr(),
-                    1,
-                    k as isize,
-                    dyt.as_ptr(),
-                    1,
-                    m as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    par,
-                )
-            }
-            transpose::transpose(&scratch, &mut dx, m, n);
-        });
-        time("e': gemm part only", &mut || unsafe {
-            gemm::gemm(
-                n,
-                m,
-                k,
-                scratch.as_mut_ptr(),
-                1,
-                m as isize,
-                false,
+        report("W dY^T row-major, both transposes included", s);
+        let s = median_seconds(&mut || unsafe {
+            product(
+                (n, m, k),
+                dx_t.as_mut_ptr(),
+                (1, im),
                 w.as_ptr(),
-                1,
-                k as isize,
-                dyt.as_ptr(),
-                1,
-                m as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            )
-        });
-        time("c': gemm part only", &mut || unsafe {
-            gemm::gemm(
-                n,
-                m,
-                k,
-                scratch.as_mut_ptr(),
-                1,
-                m as isize,
-                false,
-                w.as_ptr(),
-                1,
-                k as isize,
+                (1, ik),
                 dy.as_ptr(),
-                k as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
+                (ik, i1),
                 par,
             )
         });
-        time("transpose out alone", &mut || {
-            transpose::transpose(&scratch, &mut dx, m, n)
-        });
-        transpose::transpose(&w, &mut wt, k, n);
-        time("d: dY Wt (cached transposed copy)", &mut || unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
+        report("W dY^T, right operand column-major", s);
+        let s = median_seconds(&mut || transpose::transpose(&w, &mut w_t, k, n));
+        report("transposed copy of W alone", s);
+        let s = median_seconds(&mut || unsafe {
+            product(
+                (m, n, k),
                 dx.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
+                (1, n as isize),
                 dy.as_ptr(),
-                1,
-                k as isize,
-                wt.as_ptr(),
-                1,
-                n as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
+                (1, ik),
+                w_t.as_ptr(),
+                (1, n as isize),
                 par,
             )
         });
-        time("transpose W alone", &mut || {
-            transpose::transpose(&w, &mut wt, k, n)
-        });
-        time("fwd: X W", &mut || unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                dx.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                dy.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                1,
-                n as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            )
-        });
+        report("dY (W^T copy), both row-major", s);
     });
 }
