@@ -15,7 +15,8 @@
 //!    each stage; means, since the first forward of each weight version also builds its
 //!    transposed copy); a replicated stage's all-reduce is timed alone among its
 //!    replicas' threads. The timed run's schedule is simulated with those costs on the machine's
-//!    two cores shared by all workers (`CostModel::cores`), in-process messages costing nothing,
+//!    two cores shared by all workers (`CostModel::cores`), each in-process message costing the
+//!    one-way ping-pong time of step 4 as link latency,
 //!    and the predicted samples/s compared with the measured one.
 //! 4. **Executor overhead per action**: the executor runs `sequential` (small model) on one
 //!    worker with a backend wrapper that times every kernel call; wall time minus kernel time,
@@ -671,6 +672,7 @@ fn model_round(
     batch: usize,
     m: u32,
     cfg: &PipelineBenchConfig,
+    message_s: f64,
 ) -> Result<ModelResult, ExperimentError> {
     let single = single_worker(model, batch, cfg.updates, cfg.warmup)?;
     let one = Case {
@@ -686,7 +688,10 @@ fn model_round(
     let mut states = Vec::new();
     pipelined(model, &one, cfg.warmup.max(1), &mut states)?;
     let (one_core, _, _) = pipelined(model, &one, cfg.updates, &mut states)?;
-    let base = contended_costs(model, &one, cfg.updates, &mut states)?;
+    let mut base = contended_costs(model, &one, cfg.updates, &mut states)?;
+    // Every in-process message costs the measured one-way ping-pong time: mostly waking the
+    // receiving thread, which the scheduler then has to run.
+    base.latency = message_s;
     let mut cases = Vec::new();
     for case in model_cases(preset, batch, m) {
         cases.push(run_case(model, &case, cfg, single, one_core, &base)?);
@@ -731,6 +736,7 @@ fn combine(rounds: &[ModelResult]) -> ModelResult {
 /// # Errors
 /// Model, schedule or worker failures.
 pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError> {
+    let transport_us_per_message = transport_cost()?;
     let mut models = Vec::new();
     let mut list = vec![("mlp-256-256x8-10", 64usize, 8u32)];
     if !cfg.small_only {
@@ -739,7 +745,16 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     for &(preset, batch, m) in &list {
         let model = Model::new(&ModelSpec::preset(preset)?)?;
         let rounds = (0..cfg.rounds.max(1))
-            .map(|_| model_round(&model, preset, batch, m, cfg))
+            .map(|_| {
+                model_round(
+                    &model,
+                    preset,
+                    batch,
+                    m,
+                    cfg,
+                    transport_us_per_message * 1e-6,
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         models.push(combine(&rounds));
     }
@@ -756,7 +771,7 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     Ok(PipelineReport {
         models,
         overhead_us_per_action,
-        transport_us_per_message: transport_cost()?,
+        transport_us_per_message,
         all_reduce,
         updates: cfg.updates,
         rounds: cfg.rounds.max(1),

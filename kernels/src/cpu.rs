@@ -485,7 +485,10 @@ impl Backend for CpuBackend {
         // at any row count: `gemm` reads a right operand that is not row-major at about two
         // thirds of its rate (256x1024x1024, 2 threads: 4.6 ms against 2.9 ms this way;
         // `kernels/examples/dx_layouts.rs`), while here it is the row-major left operand.
-        let wide_transposed = tb == Trans::Yes && k * n >= PACK_MIN;
+        // (At 64 rows the same holds from `TRANSPOSED_MIN` on: 64x256x256 at 99 against 65
+        // GFLOP/s on one thread; at 256x256x256 with 2 threads reading in place is faster.)
+        let wide_transposed = tb == Trans::Yes
+            && (k * n >= PACK_MIN || (m <= PACK_BELOW_ROWS && k * n >= TRANSPOSED_MIN));
         if (m < PACK_BELOW_ROWS && k * n >= min) || wide_transposed {
             let width = match plan {
                 Blocks::Cols(w) => w,
