@@ -30,8 +30,11 @@ const PACK_MIN: usize = 1 << 20;
 /// this many elements (the backward `dX = dY W^T`, where `gemm` reads `W^T` column by column: at
 /// 8x256x256, 22 GFLOP/s in place against about 80 transposed).
 const TRANSPOSED_MIN: usize = 1 << 14;
-/// Packed operands kept per backend (least recently used dropped first).
+/// Packed operands kept per backend (least recently used dropped first) ...
 const PACK_CACHE: usize = 64;
+/// ... and their bytes at most: a pipeline stage's weights over the versions it stashes (a
+/// quarter of `mlp-784-1024x16-10`, 16 MiB, four times).
+const PACK_BYTES: usize = 64 << 20;
 
 /// A transposed copy of a right operand, keyed by its content stamp.
 struct Packed {
@@ -105,9 +108,31 @@ impl CpuBackend {
                 }
             }
         }
+        // Room is made first, and the buffer of a copy dropped for it is reused when nobody
+        // holds it: a fresh multi-megabyte buffer costs a page fault and a cleared page per
+        // 4 KiB on first touch (9% of a 4-stage pipeline's cycles at microbatch 32, where every
+        // update makes new weights to transpose).
+        let need = n * k * std::mem::size_of::<f32>();
+        let mut recycled: Option<Vec<f32>> = None;
+        if let Ok(mut cache) = self.packs.lock() {
+            let mut bytes: usize = cache.iter().map(|p| p.data.len() * 4).sum();
+            while !cache.is_empty() && (cache.len() >= PACK_CACHE || bytes + need > PACK_BYTES) {
+                let Some(old) = cache.pop_front() else { break };
+                bytes -= old.data.len() * 4;
+                if let Ok(buf) = Arc::try_unwrap(old.data) {
+                    if recycled
+                        .as_ref()
+                        .is_none_or(|r| r.capacity() < buf.capacity())
+                    {
+                        recycled = Some(buf);
+                    }
+                }
+            }
+        }
         // The `transpose` crate's recursive tiling: a 1024 x 1024 weight in about 1.5 ms
         // here, where plain 32 x 32 tiles took 5.4 ms (rows 4 KiB apart share one L1 set).
-        let mut data = vec![0.0f32; n * k];
+        let mut data = recycled.unwrap_or_default();
+        data.resize(n * k, 0.0);
         transpose::transpose(b.host()?, &mut data, n, k);
         let data = Arc::new(data);
         if let Ok(mut cache) = self.packs.lock() {
@@ -115,9 +140,6 @@ impl CpuBackend {
                 stamp: key,
                 data: Arc::clone(&data),
             });
-            while cache.len() > PACK_CACHE {
-                cache.pop_front();
-            }
         }
         Ok(data)
     }
