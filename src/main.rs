@@ -17,6 +17,13 @@ macro_rules! outln {
     ($($arg:tt)*) => { $crate::output::write_out(format_args!("{}\n", format_args!($($arg)*))) };
 }
 
+/// The process allocator. Training allocates and frees multi-megabyte tensors every step;
+/// glibc's malloc moves its mmap threshold with them, after which a later run in the same
+/// process (the small model of `pipe bench pipeline` after the large one) slowed 2.7x on heap
+/// growth and trimming. mimalloc keeps freed pages for reuse per thread.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod args;
 mod commands;
 mod output;
