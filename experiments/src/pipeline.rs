@@ -15,14 +15,16 @@
 //!    each stage; means, since the first forward of each weight version also builds its
 //!    transposed copy); a replicated stage's all-reduce is timed alone among its
 //!    replicas' threads. The timed run's schedule is simulated with those costs on the machine's
-//!    two cores shared by all workers (`CostModel::cores`), each in-process message costing the
-//!    one-way ping-pong time of step 4 as link latency,
-//!    and the predicted samples/s compared with the measured one.
+//!    two cores shared by all workers (`CostModel::cores`), each in-process message delayed by
+//!    the one-way ping-pong time of step 4 (link latency) and costing its sender and receiver
+//!    the ping-pong's processor time per message end (`CostModel::message_cpu`), and the
+//!    predicted samples/s compared with the measured one.
 //! 4. **Executor overhead per action**: the executor runs `sequential` (small model) on one
 //!    worker with a backend wrapper that times every kernel call; wall time minus kernel time,
 //!    over the actions, is what interpreting a schedule costs (version maps, hand-offs, data
 //!    gathering, timing, thread start). Median of five runs. The in-process transport's cost per message is
-//!    measured separately by ping-pong between two threads.
+//!    measured separately by ping-pong between two threads: wall time per message, and
+//!    both threads' processor time (`CLOCK_THREAD_CPUTIME_ID`) per message end.
 //!
 //! Data are random inputs and labels from a fixed pool (the figures are about speed).
 
@@ -173,8 +175,11 @@ pub struct PipelineReport {
     pub models: Vec<ModelResult>,
     /// Executor overhead per action, microseconds (small model, sequential on one worker).
     pub overhead_us_per_action: f64,
-    /// In-process transport, microseconds per message (ping-pong).
+    /// In-process transport, microseconds per message (ping-pong wall time, one way).
     pub transport_us_per_message: f64,
+    /// Processor time per message at each end (sender or receiver), microseconds: the
+    /// ping-pong's thread CPU time over both threads, per message and end.
+    pub transport_cpu_us_per_message: f64,
     /// The executor's all-reduce against the bare ring on the same gradients.
     pub all_reduce: AllReduceResult,
     /// Timed updates per case.
@@ -614,8 +619,30 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
     Ok(median(&per_action))
 }
 
-/// Ping-pong between two threads over the in-process transport: microseconds per message.
-fn transport_cost() -> Result<f64, ExperimentError> {
+/// The calling thread's processor time in seconds (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// What a message costs over the in-process transport, by ping-pong between two threads.
+struct MessageCost {
+    /// Wall time per message, one way, microseconds.
+    wall_us: f64,
+    /// Processor time per message at each end, microseconds.
+    cpu_us: f64,
+}
+
+/// Ping-pong between two threads over the in-process transport.
+fn transport_cost() -> Result<MessageCost, ExperimentError> {
     let mut eps = mesh(2, &InProcOptions::default());
     let mut b = eps
         .pop()
@@ -632,7 +659,8 @@ fn transport_cost() -> Result<f64, ExperimentError> {
         index: i,
         step: 0,
     };
-    let h = std::thread::spawn(move || -> Result<(), pipe_transport::TransportError> {
+    let h = std::thread::spawn(move || -> Result<f64, pipe_transport::TransportError> {
+        let cpu0 = thread_cpu_seconds();
         for i in 0..rounds {
             let m = b.recv(&key(0, 1, i))?;
             b.send(Message {
@@ -641,9 +669,10 @@ fn transport_cost() -> Result<f64, ExperimentError> {
                 tensor: m.tensor,
             })?;
         }
-        Ok(())
+        Ok(thread_cpu_seconds() - cpu0)
     });
     let t = Instant::now();
+    let cpu0 = thread_cpu_seconds();
     let mut tensor = Tensor::zeros(&[8, 256]);
     for i in 0..rounds {
         a.send(Message {
@@ -658,10 +687,17 @@ fn transport_cost() -> Result<f64, ExperimentError> {
             .tensor;
     }
     let secs = t.elapsed().as_secs_f64();
-    h.join()
+    let cpu = thread_cpu_seconds() - cpu0;
+    let peer_cpu = h
+        .join()
         .map_err(|_| ExperimentError::Config("ping-pong thread panicked".into()))?
         .map_err(|e| ExperimentError::Config(e.to_string()))?;
-    Ok(secs / f64::from(2 * rounds) * 1e6)
+    let messages = f64::from(2 * rounds);
+    Ok(MessageCost {
+        wall_us: secs / messages * 1e6,
+        // Every message has two ends, so both threads' time over twice the messages.
+        cpu_us: (cpu + peer_cpu) / (2.0 * messages) * 1e6,
+    })
 }
 
 /// One round of one model: the single worker, the one-thread sequential run (which also gives
@@ -672,7 +708,7 @@ fn model_round(
     batch: usize,
     m: u32,
     cfg: &PipelineBenchConfig,
-    message_s: f64,
+    message: &MessageCost,
 ) -> Result<ModelResult, ExperimentError> {
     let single = single_worker(model, batch, cfg.updates, cfg.warmup)?;
     let one = Case {
@@ -689,9 +725,10 @@ fn model_round(
     pipelined(model, &one, cfg.warmup.max(1), &mut states)?;
     let (one_core, _, _) = pipelined(model, &one, cfg.updates, &mut states)?;
     let mut base = contended_costs(model, &one, cfg.updates, &mut states)?;
-    // Every in-process message costs the measured one-way ping-pong time: mostly waking the
-    // receiving thread, which the scheduler then has to run.
-    base.latency = message_s;
+    // Every in-process message is delayed by the measured one-way ping-pong time and costs
+    // its sender and its receiver the ping-pong's measured processor time per message end.
+    base.latency = message.wall_us * 1e-6;
+    base.message_cpu = message.cpu_us * 1e-6;
     let mut cases = Vec::new();
     for case in model_cases(preset, batch, m) {
         cases.push(run_case(model, &case, cfg, single, one_core, &base)?);
@@ -736,7 +773,7 @@ fn combine(rounds: &[ModelResult]) -> ModelResult {
 /// # Errors
 /// Model, schedule or worker failures.
 pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError> {
-    let transport_us_per_message = transport_cost()?;
+    let message = transport_cost()?;
     let mut models = Vec::new();
     let mut list = vec![("mlp-256-256x8-10", 64usize, 8u32)];
     if !cfg.small_only {
@@ -745,16 +782,7 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     for &(preset, batch, m) in &list {
         let model = Model::new(&ModelSpec::preset(preset)?)?;
         let rounds = (0..cfg.rounds.max(1))
-            .map(|_| {
-                model_round(
-                    &model,
-                    preset,
-                    batch,
-                    m,
-                    cfg,
-                    transport_us_per_message * 1e-6,
-                )
-            })
+            .map(|_| model_round(&model, preset, batch, m, cfg, &message))
             .collect::<Result<Vec<_>, _>>()?;
         models.push(combine(&rounds));
     }
@@ -771,7 +799,8 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     Ok(PipelineReport {
         models,
         overhead_us_per_action,
-        transport_us_per_message,
+        transport_us_per_message: message.wall_us,
+        transport_cpu_us_per_message: message.cpu_us,
         all_reduce,
         updates: cfg.updates,
         rounds: cfg.rounds.max(1),
@@ -810,8 +839,8 @@ pub fn render(r: &PipelineReport) -> String {
     }
     out.push_str(&format!(
         "executor overhead per action: {:.1} us (wall time minus kernel time, sequential on one worker)\n\
-         in-process transport: {:.1} us per message (ping-pong)\n",
-        r.overhead_us_per_action, r.transport_us_per_message
+         in-process transport: {:.1} us per message one way, {:.1} us of processor time at each end (ping-pong)\n",
+        r.overhead_us_per_action, r.transport_us_per_message, r.transport_cpu_us_per_message
     ));
     let a = &r.all_reduce;
     out.push_str(&format!(

@@ -169,6 +169,13 @@ pub struct CostModel {
     /// scheduler). Costs are then the times of actions running alone.
     #[serde(default)]
     pub cores: Option<u32>,
+    /// Processor time a worker spends on each message it sends or receives between stages
+    /// (waking the peer, being woken and scheduled), in seconds (default 0). It is added to
+    /// the compute of the action that produces or consumes the message: a stage's forward pays
+    /// for its input and output activations, its backward (or input half) for the gradients.
+    /// Threads on shared cores pay this; latency, by contrast, delays without occupying a core.
+    #[serde(default)]
+    pub message_cpu: f64,
 }
 
 impl CostModel {
@@ -180,6 +187,7 @@ impl CostModel {
             latency: 0.0,
             overlap: true,
             cores: None,
+            message_cpu: 0.0,
         }
     }
 
@@ -243,6 +251,12 @@ impl CostModel {
             return Err(ScheduleError::Cost(format!(
                 "latency must be a finite number >= 0, got {}",
                 self.latency
+            )));
+        }
+        if !self.message_cpu.is_finite() || self.message_cpu < 0.0 {
+            return Err(ScheduleError::Cost(format!(
+                "message_cpu must be a finite number of seconds >= 0, got {}",
+                self.message_cpu
             )));
         }
         Ok(())
@@ -1164,10 +1178,16 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
             };
             let st = c.stage(s);
             let r = f64::from(layout.replicas_of(s));
+            // Messages per forward (activation in, activation out) and per backward (gradient
+            // in, gradient out); none when one position holds every stage.
+            let apart = layout.positions() > 1;
+            let messages = f64::from(u8::from(apart && s > 0))
+                + f64::from(u8::from(apart && s + 1 < layout.stages()));
+            let message_cpu = c.message_cpu * messages;
             StageTimes {
-                forward: st.forward,
-                backward: st.backward_input + st.backward_weight,
-                backward_input: st.backward_input,
+                forward: st.forward + message_cpu,
+                backward: st.backward_input + st.backward_weight + message_cpu,
+                backward_input: st.backward_input + message_cpu,
                 backward_weight: st.backward_weight,
                 update: st.update,
                 activation_transfer: c.transfer(st.activation_bytes),

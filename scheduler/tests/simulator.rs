@@ -187,6 +187,43 @@ fn activation_transfers_cost_latency_plus_bytes_over_bandwidth() {
     }
 }
 
+/// Each message costs its sender and its receiver `message_cpu` of compute: one microbatch
+/// through `S` stages sends `S - 1` activations and `S - 1` gradients, each paid at both ends,
+/// so the makespan grows by `4 (S - 1) c`; on one worker there are no messages. On shared
+/// cores the cost occupies a core: one core runs everything back to back.
+#[test]
+fn message_cpu_is_paid_at_both_ends_of_every_message() {
+    let (f, b, c) = (1.0, 2.0, 0.125);
+    for stages in 1..=5u32 {
+        let costs = CostModel {
+            message_cpu: c,
+            ..CostModel::uniform(StageCost::compute(f, b))
+        };
+        let spec = ScheduleSpec::new(Policy::Gpipe, stages, 1);
+        let s = f64::from(stages);
+        let expect = s * (f + b) + 4.0 * (s - 1.0) * c;
+        close(run(&spec, &costs).makespan, expect, "one microbatch");
+        let one_core = CostModel {
+            cores: Some(1),
+            ..costs.clone()
+        };
+        let m = 6u32;
+        let spec = ScheduleSpec::new(Policy::OneFOneBFlush, stages, m);
+        close(
+            run(&spec, &one_core).makespan,
+            f64::from(m) * expect,
+            "one core: all the work, messages included",
+        );
+        let sequential = ScheduleSpec::new(Policy::Sequential, stages, 1);
+        close(run(&sequential, &costs).makespan, s * (f + b), "one worker");
+    }
+    let bad = CostModel {
+        message_cpu: -1.0,
+        ..CostModel::uniform(StageCost::compute(f, b))
+    };
+    assert!(bad.check(2).is_err());
+}
+
 #[test]
 fn peak_memory_counts_stash_and_versions_in_bytes() {
     let cost = StageCost {

@@ -19,8 +19,8 @@ use crate::output::{bad_input, schedule_error};
 pub struct SimulateArgs {
     #[command(flatten)]
     opts: ScheduleOpts,
-    /// Cost model file (TOML, or JSON if it ends in .json): `bandwidth`, `latency`, `overlap`
-    /// and `[[stage]]` tables with forward, backward_input, backward_weight, update,
+    /// Cost model file (TOML, or JSON if it ends in .json): `bandwidth`, `latency`, `overlap`,
+    /// `cores`, `message_cpu` and `[[stage]]` tables with forward, backward_input, backward_weight, update,
     /// activation_bytes, param_bytes, stash_bytes. Overrides the inline cost flags.
     #[arg(long, value_name = "FILE")]
     costs: Option<PathBuf>,
@@ -48,6 +48,10 @@ pub struct SimulateArgs {
     /// Senders wait until their messages land (no compute/communication overlap).
     #[arg(long)]
     no_overlap: bool,
+    /// Processor time each message costs its sender and its receiver (waking a peer, being
+    /// woken), added to the action that sends or receives it.
+    #[arg(long, default_value = "0", value_parser = parse_seconds)]
+    message_cpu: f64,
     /// Cores the workers share (default: one each); fewer cores than workers share them fairly.
     /// Overrides `cores` in a cost file.
     #[arg(long)]
@@ -89,6 +93,7 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
         latency: args.latency,
         overlap: !args.no_overlap,
         cores: args.cores,
+        message_cpu: args.message_cpu,
     })
 }
 

@@ -909,6 +909,8 @@ pub fn simulate_plan(profile: &Profile, plan: &PartitionPlan, opts: &PlanOptions
         latency: opts.latency,
         overlap: opts.overlap,
         cores: None,
+        // Planning is for workers with a core each, whose messages cost link time only.
+        message_cpu: 0.0,
     };
     let report = simulate(&schedule, &costs, SimOptions::default())?;
     Ok(report.makespan / f64::from(report.microbatches))
