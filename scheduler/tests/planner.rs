@@ -535,3 +535,58 @@ proptest! {
         prop_assert!(sim <= reference * (1.0 + 1e-12), "chosen {} best-score {}", sim, reference);
     }
 }
+
+/// On unequal replica counts the generator deepens the asynchronous schedule beyond the
+/// planner's `ceil(a / r)` model; the checked plan reports, and bounds, what the simulated
+/// schedule really holds.
+#[test]
+fn checked_plans_charge_the_memory_the_simulated_schedule_holds() {
+    let layer = |w: f64| LayerProfile {
+        name: "l".into(),
+        forward: w,
+        backward_input: w,
+        backward_weight: w,
+        update: 0.0,
+        activation_bytes: 1000.0,
+        param_bytes: 1e4,
+        stash_bytes: Some(1e6),
+    };
+    // Stashed activations dominate (the model counts `ceil(a / r)` weight versions, which
+    // overstates them when M > 1, and as many activations, which understates a deepened
+    // stage). Balanced under [1, 3, 1]: the middle stage has three times the work.
+    let profile = Profile {
+        model: "unequal".into(),
+        microbatch_size: 1,
+        layers: vec![layer(1.0), layer(1.5), layer(1.5), layer(1.0)],
+        edges: Vec::new(),
+        calibrated_microbatches: None,
+    };
+    let opts = PlanOptions {
+        policy: Policy::PipeDream,
+        microbatches: 4,
+        ..PlanOptions::new(5, f64::INFINITY)
+    };
+    let layout = [(0..1, 1), (1..3, 3), (3..4, 1)];
+    let modelled = pipe_scheduler::explain(&profile, &opts, &layout).unwrap();
+    let (_, held) = pipe_scheduler::simulate_plan_with_memory(&profile, &modelled, &opts).unwrap();
+    assert!(
+        held[0] > modelled.stages[0].memory,
+        "the searched depth stashes more activations at the input stage: {held:?} against {:?}",
+        modelled.stages.iter().map(|s| s.memory).collect::<Vec<_>>()
+    );
+    let checked = pipe_scheduler::plan_checked(&profile, &opts).unwrap();
+    let (_, held) = pipe_scheduler::simulate_plan_with_memory(&profile, &checked, &opts).unwrap();
+    for (s, h) in checked.stages.iter().zip(&held) {
+        assert!(s.memory >= *h, "reported {} < simulated {h}", s.memory);
+    }
+    // A bound between the model's figure and the schedule's refuses that layout.
+    let bound = (modelled.stages[0].memory + held[0]) / 2.0;
+    let bounded = PlanOptions {
+        memory: Some(bound),
+        ..opts.clone()
+    };
+    if let Ok(p) = pipe_scheduler::plan_checked(&profile, &bounded) {
+        let (_, held) = pipe_scheduler::simulate_plan_with_memory(&profile, &p, &bounded).unwrap();
+        assert!(held.iter().all(|&h| h <= bound), "{held:?} over {bound}");
+    }
+}

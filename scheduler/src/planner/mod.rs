@@ -31,7 +31,8 @@ mod model;
 mod types;
 
 pub use model::{
-    PlanOptions, WireDtype, explain, frontier, plan, plan_checked, simulate_plan, stage_costs,
+    PlanOptions, WireDtype, explain, frontier, plan, plan_checked, simulate_plan,
+    simulate_plan_with_memory, stage_costs,
 };
 
 use crate::error::{Result, ScheduleError};

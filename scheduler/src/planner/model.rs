@@ -758,25 +758,49 @@ pub fn plan_checked(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPl
     }
     let mut best: Option<PartitionPlan> = None;
     let mut failure = None;
-    for candidate in std::iter::once(Ok(first.clone())).chain(candidates) {
+    let fits = |p: &PartitionPlan| {
+        opts.memory
+            .is_none_or(|limit| p.stages.iter().all(|s| s.memory <= limit))
+    };
+    let layout_of = |p: &PartitionPlan| -> Vec<(std::ops::Range<usize>, u32)> {
+        p.stages
+            .iter()
+            .map(|s| (s.layers.clone(), s.replicas))
+            .collect()
+    };
+    for (i, candidate) in std::iter::once(Ok(first.clone()))
+        .chain(candidates)
+        .enumerate()
+    {
         let Ok(mut p) = candidate else { continue };
-        let fits = opts
-            .memory
-            .is_none_or(|limit| p.stages.iter().all(|s| s.memory <= limit));
-        if !fits || (p.stages == first.stages && p.simulated.is_none() && best.is_some()) {
+        if !fits(&p) || (i > 0 && layout_of(&p) == layout_of(&first)) {
             continue;
         }
         // A layout the schedule cannot run (2BW with too few microbatches, say) is skipped.
-        let simulated = match p.simulated {
-            Some(t) => t,
-            None => match simulate_plan(profile, &p, opts) {
-                Ok(t) => t,
-                Err(e) => {
-                    failure.get_or_insert(e);
-                    continue;
-                }
-            },
+        let (simulated, memory) = match simulate_plan_with_memory(profile, &p, opts) {
+            Ok(r) => r,
+            Err(e) => {
+                failure.get_or_insert(e);
+                continue;
+            }
         };
+        // What the real schedule holds, where it holds more than the model said (searched
+        // in-flight depths on unequal layouts), and the bound checked again on it.
+        for (st, held) in p.stages.iter_mut().zip(memory) {
+            st.memory = st.memory.max(held);
+        }
+        if !fits(&p) {
+            failure.get_or_insert(ScheduleError::Plan(format!(
+                "the plan's simulated schedule holds more than the memory bound on a stage \
+                 ({})",
+                p.stages
+                    .iter()
+                    .map(|s| format!("{:.0} B", s.memory))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+            continue;
+        }
         p.simulated = Some(simulated);
         if best
             .as_ref()
@@ -890,6 +914,23 @@ pub fn stage_costs(profile: &Profile, plan: &PartitionPlan, wire: WireDtype) -> 
 /// # Errors
 /// Errors of the schedule generator or the simulator (an impossible layout).
 pub fn simulate_plan(profile: &Profile, plan: &PartitionPlan, opts: &PlanOptions) -> Result<f64> {
+    Ok(simulate_plan_with_memory(profile, plan, opts)?.0)
+}
+
+/// [`simulate_plan`], and each stage's bytes per worker as the simulated schedule holds them:
+/// the most any of its workers holds at once of stashed activations and weight versions (the
+/// version plan of the real schedule, with the in-flight depths it actually uses), plus the
+/// gradient and optimizer copies the cost model counts (`state_copies` parameter copies).
+/// Where the generator deepens unequal layouts ([`crate::ScheduleSpec::resolve`]) this is
+/// more than the planner's own `ceil(a / r)` model.
+///
+/// # Errors
+/// As [`simulate_plan`].
+pub fn simulate_plan_with_memory(
+    profile: &Profile,
+    plan: &PartitionPlan,
+    opts: &PlanOptions,
+) -> Result<(f64, Vec<f64>)> {
     let stages = plan.stages.len() as u32;
     let replicas: Vec<u32> = plan.stages.iter().map(|s| s.replicas).collect();
     let spec = ScheduleSpec::new(opts.policy, stages, opts.microbatches).with_replicas(replicas);
@@ -913,7 +954,20 @@ pub fn simulate_plan(profile: &Profile, plan: &PartitionPlan, opts: &PlanOptions
         message_cpu: 0.0,
     };
     let report = simulate(&schedule, &costs, SimOptions::default())?;
-    Ok(report.makespan / f64::from(report.microbatches))
+    let layout = schedule.layout();
+    let memory = plan
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(s, st)| {
+            let held = layout
+                .group(s as u32)
+                .map(|w| report.workers[w as usize].memory.total)
+                .fold(0.0, f64::max);
+            held + opts.state_copies * st.param_bytes
+        })
+        .collect();
+    Ok((report.makespan / f64::from(report.microbatches), memory))
 }
 
 #[cfg(test)]
