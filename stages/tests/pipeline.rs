@@ -287,6 +287,9 @@ impl<T: pipe_transport::Transport> pipe_transport::Transport for Faulty<T> {
     fn abort(&mut self) {
         self.inner.abort();
     }
+    fn close(&mut self) -> Result<(), pipe_transport::TransportError> {
+        self.inner.close()
+    }
 }
 
 /// Microbatches made up from their number: any count, no dataset needed.

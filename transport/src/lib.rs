@@ -16,7 +16,9 @@
 #![warn(missing_docs)]
 
 pub mod collective;
+pub mod frame;
 pub mod inproc;
+pub mod quic;
 
 use std::time::Duration;
 
@@ -91,6 +93,9 @@ pub enum TransportError {
     /// for another worker, a worker number outside the mesh).
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The transport could not be set up: credentials, sockets, peers that never connected.
+    #[error("transport setup: {0}")]
+    Setup(String),
     /// A send failed; the message is handed back.
     #[error("sending {:?} failed: {reason}", .message.key)]
     Send {
@@ -128,6 +133,15 @@ pub trait Transport: Send {
     /// [`TransportError::Aborted`]. Best effort and never blocks: a peer that is already gone
     /// is skipped. Later calls on this endpoint fail with `Aborted` too.
     fn abort(&mut self);
+
+    /// Ends this worker's part: everything it sent reaches its peers before the transport lets
+    /// go (a networked transport waits, bounded, until each peer has read it all). Call it
+    /// once a worker's program is complete, or after [`Transport::abort`], before dropping the
+    /// endpoint.
+    ///
+    /// # Errors
+    /// Transport errors while finishing.
+    fn close(&mut self) -> Result<(), TransportError>;
 }
 
 /// How the workers of a run exchange tensors: the typed form of a run's transport choice,

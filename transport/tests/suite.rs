@@ -284,3 +284,11 @@ transport_suite!(inproc, |n, timeout| {
         },
     )
 });
+
+transport_suite!(quic, |n, timeout| {
+    let mut opts = pipe_transport::quic::QuicOptions::new(0x701e);
+    opts.timeout = timeout;
+    opts.queue = 4;
+    opts.linger = Duration::from_secs(2);
+    pipe_transport::quic::local_mesh(n, &opts).unwrap()
+});

@@ -63,7 +63,7 @@ where
                             let be = make()?;
                             run_worker(&be, &mut ep, setup, state, t0)
                         }));
-                        match result {
+                        let outcome = match result {
                             Ok(Ok(out)) => Some(out),
                             Ok(Err(e)) => {
                                 // The driver has told its peers; a backend that failed to
@@ -79,7 +79,12 @@ where
                                 fail(panicked(setup, worker, panic.as_ref()));
                                 None
                             }
+                        };
+                        // Everything this worker sent reaches its peers before it lets go.
+                        if let Err(e) = ep.close() {
+                            fail(StageError::Transport(e));
                         }
+                        outcome
                     })
             })
             .collect();

@@ -1,0 +1,1133 @@
+//! The QUIC transport: workers in separate processes or on separate hosts, over quinn (on a
+//! tokio runtime each endpoint owns) with mutual TLS. Only peers whose certificate chains to
+//! the cluster CA are accepted, and only for the same run.
+//!
+//! **Connections and streams.** One connection per pair of workers: the lower rank dials, the
+//! higher accepts. On each connection, each side opens one unidirectional *control* stream
+//! first (a hello naming its rank and run, then control records) and one data stream per
+//! message [`Kind`], so messages of one (sender, receiver, kind) arrive in the order sent and a
+//! large all-reduce chunk never holds up an activation. Data streams carry [`crate::frame`]
+//! frames; the reader checks every frame (run, sizes, sender) before it allocates.
+//!
+//! **Sends overlap compute.** [`Transport::send`] encodes the frame and queues it for the
+//! stream's writer task; it blocks only when `queue` frames wait for that stream
+//! (back-pressure). Receives are served from one channel fed by every reader task, buffered
+//! by key as in-process.
+//!
+//! **Failures name the peer.** An abort is a control record every peer's reader turns into
+//! [`TransportError::Aborted`]. A connection that times out (keep-alives every second, idle
+//! limit [`QuicOptions::idle_timeout`]) or resets is [`TransportError::Closed`] naming that
+//! peer. A peer that has finished its streams is gone for the keys it would have sent.
+//!
+//! **Nothing is lost at the end.** [`Transport::close`] finishes this worker's data streams,
+//! waits until it has read every peer's data streams to their end, tells each peer so (an
+//! `F` record), and closes a connection only when the peer has said the same: a frame is never
+//! in flight when its connection closes. Dropping an endpoint without `close` does the same
+//! on a background thread, bounded by [`QuicOptions::linger`].
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, never, select, unbounded};
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+use crate::frame::{self, FrameLimits, PREFIX_BYTES, WireDType};
+use crate::{Key, Kind, Message, Transport, TransportError};
+
+/// Application protocol name on the TLS handshake.
+const ALPN: &[u8] = b"pipe/1";
+/// First bytes of a hello.
+const HELLO_MAGIC: [u8; 4] = *b"PIPH";
+/// Stream tags: the first byte of every unidirectional stream.
+const TAG_CONTROL: u8 = b'C';
+/// Control records.
+const RECORD_ABORT: u8 = b'A';
+const RECORD_FINISHED: u8 = b'F';
+/// Connection close codes.
+const CLOSE_DONE: u32 = 0;
+const CLOSE_ABORT: u32 = 1;
+const CLOSE_REFUSED: u32 = 2;
+
+const KINDS: [Kind; 3] = [Kind::Activation, Kind::Gradient, Kind::Chunk];
+
+fn kind_slot(kind: Kind) -> usize {
+    match kind {
+        Kind::Activation => 0,
+        Kind::Gradient => 1,
+        Kind::Chunk => 2,
+    }
+}
+
+/// The DNS name on rank `rank`'s certificate, which a dialling peer verifies.
+pub fn server_name(rank: u32) -> String {
+    format!("rank-{rank}.pipe")
+}
+
+fn setup_err(what: &str, e: impl std::fmt::Display) -> TransportError {
+    TransportError::Setup(format!("{what}: {e}"))
+}
+
+/// A worker's TLS identity: the cluster CA it trusts and its own certificate and key.
+#[derive(Debug)]
+pub struct Credentials {
+    /// The cluster CA certificate (DER).
+    pub ca: CertificateDer<'static>,
+    /// This worker's certificate chain (DER), leaf first.
+    pub chain: Vec<CertificateDer<'static>>,
+    /// This worker's private key.
+    pub key: PrivateKeyDer<'static>,
+}
+
+impl Clone for Credentials {
+    fn clone(&self) -> Self {
+        Credentials {
+            ca: self.ca.clone(),
+            chain: self.chain.clone(),
+            key: self.key.clone_key(),
+        }
+    }
+}
+
+/// A cluster CA and one certificate per rank, as `pipe cluster init` writes them and local
+/// launches make for themselves.
+#[derive(Debug)]
+pub struct Cluster {
+    /// The CA certificate in PEM.
+    pub ca_pem: String,
+    /// Per rank: certificate PEM, key PEM, and the same as [`Credentials`].
+    pub ranks: Vec<(String, String, Credentials)>,
+}
+
+impl Cluster {
+    /// A fresh CA (its key is discarded: nobody can add a rank later) and `workers`
+    /// certificates, each valid for [`server_name`] of its rank, for client and server use.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] when certificate generation fails.
+    pub fn generate(workers: u32) -> Result<Self, TransportError> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair, KeyUsagePurpose,
+        };
+        let err = |e: rcgen::Error| setup_err("certificate generation", e);
+        let ca_key = KeyPair::generate().map_err(err)?;
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "pipe cluster CA");
+        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_cert = ca_params.self_signed(&ca_key).map_err(err)?;
+        let issuer = Issuer::new(ca_params, ca_key);
+        let ranks = (0..workers)
+            .map(|rank| {
+                let key = KeyPair::generate().map_err(err)?;
+                let mut params = CertificateParams::new(vec![server_name(rank)]).map_err(err)?;
+                params
+                    .distinguished_name
+                    .push(DnType::CommonName, format!("pipe rank {rank}"));
+                params.extended_key_usages = vec![
+                    ExtendedKeyUsagePurpose::ServerAuth,
+                    ExtendedKeyUsagePurpose::ClientAuth,
+                ];
+                let cert = params.signed_by(&key, &issuer).map_err(err)?;
+                let creds = Credentials {
+                    ca: ca_cert.der().clone(),
+                    chain: vec![cert.der().clone()],
+                    key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+                };
+                Ok((cert.pem(), key.serialize_pem(), creds))
+            })
+            .collect::<Result<Vec<_>, TransportError>>()?;
+        Ok(Cluster {
+            ca_pem: ca_cert.pem(),
+            ranks,
+        })
+    }
+}
+
+/// Settings of a QUIC endpoint.
+#[derive(Clone, Debug)]
+pub struct QuicOptions {
+    /// The run every peer and frame must belong to.
+    pub run_id: u64,
+    /// Element type of payloads on the wire.
+    pub wire: WireDType,
+    /// How long a receive waits (None: until the message, a failure or the idle limit).
+    pub timeout: Option<Duration>,
+    /// How long connecting waits for peers that start late.
+    pub connect_timeout: Duration,
+    /// A connection with no packet for this long is lost (keep-alives go every second).
+    pub idle_timeout: Duration,
+    /// How long closing waits for peers to finish reading.
+    pub linger: Duration,
+    /// Frames queued per stream before a send blocks.
+    pub queue: usize,
+    /// Largest payload accepted from a peer.
+    pub max_payload_bytes: u64,
+}
+
+impl QuicOptions {
+    /// Defaults for run `run_id`.
+    pub fn new(run_id: u64) -> Self {
+        QuicOptions {
+            run_id,
+            wire: WireDType::F32,
+            timeout: None,
+            connect_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(5),
+            linger: Duration::from_secs(10),
+            queue: 64,
+            max_payload_bytes: FrameLimits::DEFAULT_MAX_PAYLOAD,
+        }
+    }
+}
+
+/// What reader tasks tell the worker's thread.
+#[derive(Debug)]
+enum Event {
+    Message(Message),
+    /// The peer finished its data stream of this kind: it sends nothing more of it.
+    StreamEnd {
+        peer: u32,
+        kind: Kind,
+    },
+    /// The peer has read all of this worker's data streams to their end.
+    Finished {
+        peer: u32,
+    },
+    Aborted {
+        by: u32,
+    },
+    /// The connection ended (after both sides finished, or not), or the peer broke the
+    /// protocol.
+    Lost {
+        peer: u32,
+    },
+    /// The peer sent something the protocol does not allow; its connection is closed.
+    Broken {
+        peer: u32,
+        why: String,
+    },
+}
+
+/// One peer's connection and the writers of this worker's streams to it.
+struct Peer {
+    conn: quinn::Connection,
+    control: Arc<tokio::sync::Mutex<quinn::SendStream>>,
+    data: [Option<tokio::sync::mpsc::Sender<Vec<u8>>>; 3],
+    writers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// A bound endpoint that has not connected to its peers yet (its address is known, so a
+/// launcher can tell the others).
+pub struct Bound {
+    rank: u32,
+    runtime: tokio::runtime::Runtime,
+    endpoint: quinn::Endpoint,
+    client: quinn::ClientConfig,
+    opts: QuicOptions,
+}
+
+impl std::fmt::Debug for Bound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bound").field("rank", &self.rank).finish()
+    }
+}
+
+fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, TransportError> {
+    let mut t = quinn::TransportConfig::default();
+    let idle = quinn::IdleTimeout::try_from(opts.idle_timeout)
+        .map_err(|e| setup_err("idle timeout", e))?;
+    t.max_idle_timeout(Some(idle))
+        .keep_alive_interval(Some(Duration::from_secs(1).min(opts.idle_timeout / 2)))
+        .stream_receive_window(quinn::VarInt::from_u32(16 << 20))
+        .receive_window(quinn::VarInt::from_u32(64 << 20))
+        .send_window(64 << 20)
+        .max_concurrent_uni_streams(quinn::VarInt::from_u32(8));
+    Ok(Arc::new(t))
+}
+
+fn tls_configs(
+    creds: &Credentials,
+    opts: &QuicOptions,
+) -> Result<(quinn::ServerConfig, quinn::ClientConfig), TransportError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(creds.ca.clone())
+        .map_err(|e| setup_err("cluster CA", e))?;
+    let roots = Arc::new(roots);
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots.clone(),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| setup_err("client verifier", e))?;
+    let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| setup_err("TLS", e))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(creds.chain.clone(), creds.key.clone_key())
+        .map_err(|e| setup_err("certificate", e))?;
+    server.alpn_protocols = vec![ALPN.to_vec()];
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| setup_err("TLS", e))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(creds.chain.clone(), creds.key.clone_key())
+        .map_err(|e| setup_err("certificate", e))?;
+    client.alpn_protocols = vec![ALPN.to_vec()];
+    let transport = transport_config(opts)?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(
+        QuicServerConfig::try_from(server).map_err(|e| setup_err("QUIC TLS", e))?,
+    ));
+    server.transport_config(transport.clone());
+    let mut client = quinn::ClientConfig::new(Arc::new(
+        QuicClientConfig::try_from(client).map_err(|e| setup_err("QUIC TLS", e))?,
+    ));
+    client.transport_config(transport);
+    Ok((server, client))
+}
+
+impl Bound {
+    /// Binds rank `rank`'s endpoint to `addr` (port 0: any free port).
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`]: bad credentials, a socket that cannot be bound.
+    pub fn bind(
+        rank: u32,
+        addr: SocketAddr,
+        creds: &Credentials,
+        opts: QuicOptions,
+    ) -> Result<Self, TransportError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(format!("pipe-quic-{rank}"))
+            .enable_all()
+            .build()
+            .map_err(|e| setup_err("runtime", e))?;
+        let (server, client) = tls_configs(creds, &opts)?;
+        let endpoint = {
+            let _guard = runtime.enter();
+            quinn::Endpoint::server(server, addr)
+                .map_err(|e| setup_err(&format!("bind {addr}"), e))?
+        };
+        Ok(Bound {
+            rank,
+            runtime,
+            endpoint,
+            client,
+            opts,
+        })
+    }
+
+    /// The address peers reach this endpoint at.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] if the socket has no address.
+    pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
+        self.endpoint
+            .local_addr()
+            .map_err(|e| setup_err("local address", e))
+    }
+
+    /// Connects to every other worker (`addrs[r]` is rank r's address; this one's entry is
+    /// ignored): dials the higher ranks, accepts the lower ones, exchanges hellos, and opens
+    /// the streams. Peers that start late are waited for up to the connect timeout.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] naming the peers that never connected, or a refused one.
+    pub fn connect(self, addrs: &[SocketAddr]) -> Result<Quic, TransportError> {
+        let Bound {
+            rank,
+            runtime,
+            endpoint,
+            client,
+            opts,
+        } = self;
+        let size = addrs.len() as u32;
+        if rank >= size {
+            return Err(TransportError::Setup(format!(
+                "rank {rank} in a mesh of {size}"
+            )));
+        }
+        let (events_tx, events) = unbounded();
+        let peers = runtime.block_on(connect_all(
+            rank, addrs, &endpoint, &client, &opts, &events_tx,
+        ))?;
+        Ok(Quic {
+            rank,
+            size,
+            runtime: Some(runtime),
+            endpoint,
+            peers,
+            events,
+            early: HashMap::new(),
+            ended: HashSet::new(),
+            finished_by: HashSet::new(),
+            lost: HashSet::new(),
+            aborted_by: None,
+            opts,
+            closed: false,
+        })
+    }
+}
+
+/// The hello a side sends first on its control stream.
+fn hello(rank: u32, run_id: u64) -> Vec<u8> {
+    let mut out = vec![TAG_CONTROL];
+    out.extend_from_slice(&HELLO_MAGIC);
+    out.extend_from_slice(&run_id.to_le_bytes());
+    out.extend_from_slice(&rank.to_le_bytes());
+    out
+}
+
+/// Reads a peer's hello from its first stream: returns its rank.
+async fn read_hello(stream: &mut quinn::RecvStream, run_id: u64) -> Result<u32, String> {
+    let mut buf = [0u8; 17];
+    stream
+        .read_exact(&mut buf)
+        .await
+        .map_err(|e| format!("reading the hello: {e}"))?;
+    if buf[0] != TAG_CONTROL || buf[1..5] != HELLO_MAGIC {
+        return Err("the first stream is not a pipe hello".into());
+    }
+    let mut run = [0u8; 8];
+    run.copy_from_slice(&buf[5..13]);
+    let run = u64::from_le_bytes(run);
+    if run != run_id {
+        return Err(format!("peer of run {run:#x}, this run is {run_id:#x}"));
+    }
+    Ok(u32::from_le_bytes([buf[13], buf[14], buf[15], buf[16]]))
+}
+
+/// Hello exchange on a fresh connection: returns the peer's rank, this side's control stream
+/// and the peer's control stream (past the hello).
+async fn greet(
+    conn: &quinn::Connection,
+    rank: u32,
+    run_id: u64,
+) -> Result<(u32, quinn::SendStream, quinn::RecvStream), String> {
+    let mut control = conn.open_uni().await.map_err(|e| e.to_string())?;
+    control
+        .write_all(&hello(rank, run_id))
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut theirs = conn.accept_uni().await.map_err(|e| e.to_string())?;
+    let peer = read_hello(&mut theirs, run_id).await?;
+    Ok((peer, control, theirs))
+}
+
+type Greeted = (u32, quinn::Connection, quinn::SendStream, quinn::RecvStream);
+
+async fn dial(
+    endpoint: &quinn::Endpoint,
+    client: &quinn::ClientConfig,
+    rank: u32,
+    to: u32,
+    addr: SocketAddr,
+    opts: &QuicOptions,
+    deadline: Instant,
+) -> Result<Greeted, TransportError> {
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let attempt = async {
+            let connecting = endpoint
+                .connect_with(client.clone(), addr, &server_name(to))
+                .map_err(|e| e.to_string())?;
+            let conn = connecting.await.map_err(|e| e.to_string())?;
+            let (peer, control, theirs) = greet(&conn, rank, opts.run_id).await?;
+            if peer != to {
+                conn.close(CLOSE_REFUSED.into(), b"wrong rank");
+                return Err(format!("the worker at {addr} says it is rank {peer}"));
+            }
+            Ok((peer, conn, control, theirs))
+        };
+        match tokio::time::timeout(Duration::from_secs(2), attempt).await {
+            Ok(Ok(g)) => return Ok(g),
+            Ok(Err(e)) => last = e,
+            Err(_) => last = "handshake timed out".into(),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(TransportError::Setup(format!(
+        "rank {rank} could not connect to rank {to} at {addr} within {:?}: {last}",
+        opts.connect_timeout
+    )))
+}
+
+/// Accepts the lower ranks' connections; refuses peers of another run or rank.
+async fn accept_lower(
+    endpoint: &quinn::Endpoint,
+    rank: u32,
+    opts: &QuicOptions,
+) -> Vec<Result<Greeted, String>> {
+    let mut got: Vec<Result<Greeted, String>> = Vec::new();
+    let mut have = HashSet::new();
+    while (have.len() as u32) < rank {
+        let Some(incoming) = endpoint.accept().await else {
+            break;
+        };
+        let Ok(conn) = incoming.await else {
+            // A failed handshake (a peer without a valid certificate): keep waiting.
+            continue;
+        };
+        match greet(&conn, rank, opts.run_id).await {
+            Ok((peer, control, theirs)) if peer < rank && have.insert(peer) => {
+                got.push(Ok((peer, conn, control, theirs)));
+            }
+            Ok((peer, ..)) => conn.close(
+                CLOSE_REFUSED.into(),
+                format!("rank {peer} refused").as_bytes(),
+            ),
+            Err(e) => conn.close(CLOSE_REFUSED.into(), e.as_bytes()),
+        }
+    }
+    got
+}
+
+async fn connect_all(
+    rank: u32,
+    addrs: &[SocketAddr],
+    endpoint: &quinn::Endpoint,
+    client: &quinn::ClientConfig,
+    opts: &QuicOptions,
+    events: &Sender<Event>,
+) -> Result<Vec<Option<Peer>>, TransportError> {
+    let deadline = Instant::now() + opts.connect_timeout;
+    let dials: Vec<_> = (rank + 1..addrs.len() as u32)
+        .map(|to| {
+            let (endpoint, client, opts) = (endpoint.clone(), client.clone(), opts.clone());
+            let addr = addrs[to as usize];
+            tokio::spawn(
+                async move { dial(&endpoint, &client, rank, to, addr, &opts, deadline).await },
+            )
+        })
+        .collect();
+    let accepted =
+        tokio::time::timeout(opts.connect_timeout, accept_lower(endpoint, rank, opts)).await;
+    let mut greeted = Vec::new();
+    for d in dials {
+        greeted.push(d.await.map_err(|e| setup_err("dialling", e))??);
+    }
+    let accepted = accepted.unwrap_or_default();
+    for a in accepted {
+        greeted.push(a.map_err(TransportError::Setup)?);
+    }
+    let mut peers: Vec<Option<Peer>> = (0..addrs.len()).map(|_| None).collect();
+    for (peer, conn, control, theirs) in greeted {
+        peers[peer as usize] =
+            Some(start_peer(rank, peer, conn, control, theirs, opts, events).await?);
+    }
+    let missing: Vec<u32> = (0..addrs.len() as u32)
+        .filter(|&p| p != rank && peers[p as usize].is_none())
+        .collect();
+    if !missing.is_empty() {
+        return Err(TransportError::Setup(format!(
+            "rank {rank}: ranks {missing:?} did not connect within {:?}",
+            opts.connect_timeout
+        )));
+    }
+    Ok(peers)
+}
+
+/// Opens this side's data streams to `peer`, starts their writers, and starts the readers of
+/// the peer's control stream, data streams and connection state.
+async fn start_peer(
+    rank: u32,
+    peer: u32,
+    conn: quinn::Connection,
+    control: quinn::SendStream,
+    theirs: quinn::RecvStream,
+    opts: &QuicOptions,
+    events: &Sender<Event>,
+) -> Result<Peer, TransportError> {
+    let mut data: [Option<tokio::sync::mpsc::Sender<Vec<u8>>>; 3] = [None, None, None];
+    let mut writers = Vec::new();
+    for kind in KINDS {
+        let mut stream = conn
+            .open_uni()
+            .await
+            .map_err(|e| setup_err(&format!("stream to rank {peer}"), e))?;
+        stream
+            .write_all(&[kind_slot(kind) as u8])
+            .await
+            .map_err(|e| setup_err(&format!("stream to rank {peer}"), e))?;
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(opts.queue.max(1));
+        data[kind_slot(kind)] = Some(tx);
+        writers.push(tokio::spawn(async move {
+            while let Some(frame) = rx.recv().await {
+                if stream.write_all(&frame).await.is_err() {
+                    // The connection's reader reports why; dropping `rx` fails later sends.
+                    return;
+                }
+            }
+            // Delivery is the closing handshake's business (see `Quic::shutdown`).
+            let _ = stream.finish();
+        }));
+    }
+    tokio::spawn(read_control(peer, theirs, events.clone()));
+    let limits = FrameLimits {
+        run_id: opts.run_id,
+        max_payload_bytes: opts.max_payload_bytes,
+    };
+    tokio::spawn(read_data_streams(
+        rank,
+        peer,
+        conn.clone(),
+        limits,
+        events.clone(),
+    ));
+    tokio::spawn(watch_connection(peer, conn.clone(), events.clone()));
+    Ok(Peer {
+        conn,
+        control: Arc::new(tokio::sync::Mutex::new(control)),
+        data,
+        writers,
+    })
+}
+
+async fn read_control(peer: u32, mut stream: quinn::RecvStream, events: Sender<Event>) {
+    let mut record = [0u8; 5];
+    while stream.read_exact(&mut record).await.is_ok() {
+        let by = u32::from_le_bytes([record[1], record[2], record[3], record[4]]);
+        let event = match record[0] {
+            RECORD_ABORT => Event::Aborted { by },
+            RECORD_FINISHED => Event::Finished { peer },
+            other => Event::Broken {
+                peer,
+                why: format!("unknown control record {other}"),
+            },
+        };
+        if events.send(event).is_err() {
+            return;
+        }
+    }
+}
+
+async fn read_data_streams(
+    rank: u32,
+    peer: u32,
+    conn: quinn::Connection,
+    limits: FrameLimits,
+    events: Sender<Event>,
+) {
+    for _ in KINDS {
+        let Ok(mut stream) = conn.accept_uni().await else {
+            return;
+        };
+        let (events, conn) = (events.clone(), conn.clone());
+        tokio::spawn(async move {
+            let mut tag = [0u8; 1];
+            let kind = match stream.read_exact(&mut tag).await {
+                Ok(()) => KINDS.get(tag[0] as usize).copied(),
+                Err(_) => return,
+            };
+            let Some(kind) = kind else {
+                let _ = events.send(Event::Broken {
+                    peer,
+                    why: format!("unknown stream tag {}", tag[0]),
+                });
+                return;
+            };
+            let end = match read_frames(rank, peer, kind, &mut stream, &limits, &events).await {
+                Ok(()) => Event::StreamEnd { peer, kind },
+                Err(why) => {
+                    conn.close(CLOSE_REFUSED.into(), why.as_bytes());
+                    Event::Broken { peer, why }
+                }
+            };
+            let _ = events.send(end);
+        });
+    }
+}
+
+/// Reads frames from one data stream until it ends; every check before any allocation.
+async fn read_frames(
+    rank: u32,
+    peer: u32,
+    kind: Kind,
+    stream: &mut quinn::RecvStream,
+    limits: &FrameLimits,
+    events: &Sender<Event>,
+) -> Result<(), String> {
+    loop {
+        let mut prefix = [0u8; PREFIX_BYTES];
+        match stream.read_exact(&mut prefix).await {
+            Ok(()) => {}
+            Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(()),
+            Err(e) => return Err(format!("reading from rank {peer}: {e}")),
+        }
+        let header_len = frame::parse_prefix(&prefix).map_err(|e| format!("rank {peer}: {e}"))?;
+        let mut header = vec![0u8; header_len];
+        stream
+            .read_exact(&mut header)
+            .await
+            .map_err(|e| format!("reading from rank {peer}: {e}"))?;
+        let header =
+            frame::parse_header(&header, limits).map_err(|e| format!("rank {peer}: {e}"))?;
+        let key = header.key().map_err(|e| format!("rank {peer}: {e}"))?;
+        if key.from != peer || key.to != rank || key.kind != kind {
+            return Err(format!(
+                "rank {peer} sent {key:?} on its {kind:?} stream to rank {rank}"
+            ));
+        }
+        let mut payload = vec![0u8; header.payload_bytes() as usize];
+        stream
+            .read_exact(&mut payload)
+            .await
+            .map_err(|e| format!("reading from rank {peer}: {e}"))?;
+        let message = frame::payload_into_message(&header, &payload)
+            .map_err(|e| format!("rank {peer}: {e}"))?;
+        if events.send(Event::Message(message)).is_err() {
+            return Ok(());
+        }
+    }
+}
+
+async fn watch_connection(peer: u32, conn: quinn::Connection, events: Sender<Event>) {
+    let event = match conn.closed().await {
+        quinn::ConnectionError::ApplicationClosed(c) if c.error_code == CLOSE_ABORT.into() => {
+            let by = c
+                .reason
+                .get(..4)
+                .map_or(peer, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            Event::Aborted { by }
+        }
+        quinn::ConnectionError::ApplicationClosed(c) if c.error_code == CLOSE_DONE.into() => {
+            Event::Lost { peer }
+        }
+        quinn::ConnectionError::LocallyClosed => return,
+        _ => Event::Lost { peer },
+    };
+    let _ = events.send(event);
+}
+
+/// One worker's QUIC endpoint, connected to every other worker.
+pub struct Quic {
+    rank: u32,
+    size: u32,
+    /// Taken when the endpoint lingers on a background thread after a drop.
+    runtime: Option<tokio::runtime::Runtime>,
+    endpoint: quinn::Endpoint,
+    peers: Vec<Option<Peer>>,
+    events: Receiver<Event>,
+    early: HashMap<Key, Message>,
+    /// Data streams (peer, kind) that have ended.
+    ended: HashSet<(u32, Kind)>,
+    /// Peers that have read all of this worker's data.
+    finished_by: HashSet<u32>,
+    /// Peers whose connection ended.
+    lost: HashSet<u32>,
+    aborted_by: Option<u32>,
+    opts: QuicOptions,
+    closed: bool,
+}
+
+impl std::fmt::Debug for Quic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Quic")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+/// Binds and connects `workers` endpoints on loopback, with fresh credentials: what tests,
+/// benchmarks and local launches of one process use.
+///
+/// # Errors
+/// As [`Bound::bind`] and [`Bound::connect`].
+pub fn local_mesh(workers: u32, opts: &QuicOptions) -> Result<Vec<Quic>, TransportError> {
+    let cluster = Cluster::generate(workers)?;
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let bound = cluster
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(r, (_, _, creds))| Bound::bind(r as u32, loopback, creds, opts.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let addrs = bound
+        .iter()
+        .map(Bound::local_addr)
+        .collect::<Result<Vec<_>, _>>()?;
+    let handles: Vec<_> = bound
+        .into_iter()
+        .map(|b| {
+            let addrs = addrs.clone();
+            std::thread::spawn(move || b.connect(&addrs))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join()
+                .map_err(|_| TransportError::Setup("a connecting thread panicked".into()))?
+        })
+        .collect()
+}
+
+impl Quic {
+    fn aborted(&mut self, by: u32) -> TransportError {
+        let by = *self.aborted_by.get_or_insert(by);
+        TransportError::Aborted { by }
+    }
+
+    /// Applies one event; returns the message it carried, if any.
+    fn apply(&mut self, event: Event) -> Result<Option<Message>, TransportError> {
+        match event {
+            Event::Message(m) => Ok(Some(m)),
+            Event::StreamEnd { peer, kind } => {
+                self.ended.insert((peer, kind));
+                Ok(None)
+            }
+            Event::Finished { peer } => {
+                self.finished_by.insert(peer);
+                Ok(None)
+            }
+            Event::Aborted { by } => Err(self.aborted(by)),
+            Event::Lost { peer } => {
+                self.lost.insert(peer);
+                Ok(None)
+            }
+            Event::Broken { peer, why } => {
+                self.lost.insert(peer);
+                Err(TransportError::Protocol(format!("worker {peer}: {why}")))
+            }
+        }
+    }
+
+    fn keep_early(&mut self, m: Message) -> Result<(), TransportError> {
+        if self.early.contains_key(&m.key) {
+            return Err(TransportError::Protocol(format!(
+                "duplicate message {:?}",
+                m.key
+            )));
+        }
+        self.early.insert(m.key, m);
+        Ok(())
+    }
+
+    /// Takes every event already waiting (messages are kept by key).
+    fn drain(&mut self) -> Result<(), TransportError> {
+        while let Ok(event) = self.events.try_recv() {
+            if let Some(m) = self.apply(event)? {
+                self.keep_early(m)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Why nothing more can come from `peer` on `kind`, if so.
+    fn gone(&self, peer: u32, kind: Option<Kind>) -> Option<TransportError> {
+        if self.lost.contains(&peer) {
+            return Some(TransportError::Closed { peer });
+        }
+        let ended = match kind {
+            Some(k) => self.ended.contains(&(peer, k)),
+            None => KINDS.iter().any(|&k| self.ended.contains(&(peer, k))),
+        };
+        ended.then_some(TransportError::Closed { peer })
+    }
+
+    fn runtime(&self) -> Result<&tokio::runtime::Runtime, TransportError> {
+        self.runtime
+            .as_ref()
+            .ok_or_else(|| TransportError::Protocol("endpoint already closed".into()))
+    }
+
+    /// Sends one control record to every connected peer; waits for the writes when `wait`.
+    fn tell_all(&self, record: u8, value: u32, only: Option<u32>, wait: bool) {
+        let Ok(rt) = self.runtime() else { return };
+        let mut bytes = vec![record];
+        bytes.extend_from_slice(&value.to_le_bytes());
+        let tasks: Vec<_> = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter(|(p, _)| only.is_none_or(|o| o as usize == *p))
+            .filter_map(|(_, p)| p.as_ref())
+            .map(|p| {
+                let control = p.control.clone();
+                let bytes = bytes.clone();
+                rt.spawn(async move {
+                    let _ = control.lock().await.write_all(&bytes).await;
+                })
+            })
+            .collect();
+        if wait {
+            rt.block_on(async {
+                for t in tasks {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), t).await;
+                }
+            });
+        }
+    }
+
+    /// The closing handshake (see the module documentation), bounded by `linger`.
+    fn shutdown(&mut self, linger: Duration) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let deadline = Instant::now() + linger;
+        let aborted = self.aborted_by.is_some();
+        for p in self.peers.iter_mut().flatten() {
+            p.data = [None, None, None];
+        }
+        let others: Vec<u32> = (0..self.size).filter(|&p| p != self.rank).collect();
+        let mut told = HashSet::new();
+        while !aborted && Instant::now() < deadline {
+            let _ = self.drain();
+            for &p in &others {
+                let read_all = KINDS.iter().all(|&k| self.ended.contains(&(p, k)));
+                if (read_all || self.lost.contains(&p)) && told.insert(p) {
+                    self.tell_all(RECORD_FINISHED, self.rank, Some(p), false);
+                }
+            }
+            let done = others.iter().all(|p| {
+                told.contains(p) && (self.finished_by.contains(p) || self.lost.contains(p))
+            });
+            if done {
+                break;
+            }
+            if let Ok(event) = self.events.recv_timeout(Duration::from_millis(20)) {
+                let _ = self.apply(event).map(|m| m.map(|m| self.keep_early(m)));
+            }
+        }
+        let Some(rt) = self.runtime.take() else {
+            return;
+        };
+        let writers: Vec<_> = self
+            .peers
+            .iter_mut()
+            .flatten()
+            .flat_map(|p| p.writers.drain(..))
+            .collect();
+        rt.block_on(async {
+            for w in writers {
+                let _ = tokio::time::timeout(Duration::from_millis(200), w).await;
+            }
+        });
+        let (code, reason) = match self.aborted_by {
+            Some(by) => (CLOSE_ABORT, by.to_le_bytes().to_vec()),
+            None => (CLOSE_DONE, b"done".to_vec()),
+        };
+        for p in self.peers.iter().flatten() {
+            p.conn.close(code.into(), &reason);
+        }
+        let endpoint = self.endpoint.clone();
+        rt.block_on(async {
+            let _ = tokio::time::timeout(Duration::from_millis(500), endpoint.wait_idle()).await;
+        });
+        rt.shutdown_timeout(Duration::from_millis(100));
+    }
+}
+
+impl Transport for Quic {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn send(&mut self, message: Message) -> Result<(), TransportError> {
+        let fail = |message: Message, reason: String| TransportError::Send {
+            message: Box::new(message),
+            reason,
+        };
+        self.drain()?;
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        let to = message.key.to;
+        if to == self.rank || to >= self.size {
+            let reason = format!(
+                "no peer {to} for worker {} in a mesh of {}",
+                self.rank, self.size
+            );
+            return Err(fail(message, reason));
+        }
+        if let Some(e) = self.gone(to, None) {
+            return Err(fail(message, e.to_string()));
+        }
+        let bytes = match frame::encode(&message, self.opts.run_id, self.opts.wire) {
+            Ok(b) => b,
+            Err(e) => return Err(fail(message, e.to_string())),
+        };
+        let slot = kind_slot(message.key.kind);
+        let Some(tx) = self.peers[to as usize]
+            .as_ref()
+            .and_then(|p| p.data[slot].clone())
+        else {
+            return Err(fail(message, "endpoint closed".into()));
+        };
+        match tx.try_send(bytes) {
+            Ok(()) => Ok(()),
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => {
+                self.drain()?;
+                Err(fail(message, format!("the stream to worker {to} failed")))
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Full(bytes)) => {
+                self.send_when_room(message, &tx, bytes)
+            }
+        }
+    }
+
+    fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
+        if key.to != self.rank {
+            return Err(TransportError::Protocol(format!(
+                "worker {} asked for a message addressed to {}",
+                self.rank, key.to
+            )));
+        }
+        if key.from >= self.size || key.from == self.rank {
+            return Err(TransportError::Protocol(format!(
+                "no peer {} for worker {} in a mesh of {}",
+                key.from, self.rank, self.size
+            )));
+        }
+        if let Some(m) = self.early.remove(key) {
+            return Ok(m);
+        }
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        let start = Instant::now();
+        let deadline = self.opts.timeout.map(|t| start + t);
+        loop {
+            if let Some(e) = self.gone(key.from, Some(key.kind)) {
+                // Frames read before the stream ended are already in the channel.
+                self.drain()?;
+                return match self.early.remove(key) {
+                    Some(m) => Ok(m),
+                    None => Err(e),
+                };
+            }
+            let timer = match deadline {
+                Some(d) => crossbeam_channel::at(d),
+                None => never(),
+            };
+            let events = self.events.clone();
+            select! {
+                recv(events) -> event => {
+                    let Ok(event) = event else {
+                        return Err(TransportError::Closed { peer: key.from });
+                    };
+                    if let Some(m) = self.apply(event)? {
+                        if m.key == *key {
+                            return Ok(m);
+                        }
+                        self.keep_early(m)?;
+                    }
+                }
+                recv(timer) -> _ => {
+                    return Err(TransportError::Timeout {
+                        key: *key,
+                        waited: start.elapsed(),
+                    });
+                }
+            }
+        }
+    }
+
+    fn abort(&mut self) {
+        self.aborted_by.get_or_insert(self.rank);
+        self.tell_all(RECORD_ABORT, self.rank, None, false);
+    }
+
+    fn close(&mut self) -> Result<(), TransportError> {
+        if self.aborted_by == Some(self.rank) {
+            // Let the abort records reach the peers before the connections close.
+            self.tell_all(RECORD_ABORT, self.rank, None, true);
+        }
+        let linger = self.opts.linger;
+        self.shutdown(linger);
+        Ok(())
+    }
+}
+
+impl Quic {
+    /// Waits for room in a full stream queue (back-pressure), watching for aborts and lost
+    /// peers between waits.
+    fn send_when_room(
+        &mut self,
+        message: Message,
+        tx: &tokio::sync::mpsc::Sender<Vec<u8>>,
+        bytes: Vec<u8>,
+    ) -> Result<(), TransportError> {
+        let to = message.key.to;
+        loop {
+            self.drain()?;
+            if let Some(by) = self.aborted_by {
+                return Err(TransportError::Aborted { by });
+            }
+            if let Some(e) = self.gone(to, None) {
+                return Err(TransportError::Send {
+                    message: Box::new(message),
+                    reason: e.to_string(),
+                });
+            }
+            let permit = self.runtime()?.block_on(async {
+                tokio::time::timeout(Duration::from_millis(20), tx.reserve()).await
+            });
+            match permit {
+                Ok(Ok(p)) => {
+                    p.send(bytes);
+                    return Ok(());
+                }
+                Ok(Err(_)) => {
+                    return Err(TransportError::Send {
+                        message: Box::new(message),
+                        reason: format!("the stream to worker {to} failed"),
+                    });
+                }
+                Err(_) => continue,
+            }
+        }
+    }
+}
+
+impl Drop for Quic {
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        // Finish on a background thread, so that dropping one endpoint never waits for a peer
+        // that the same thread would drop next.
+        let mut me = Quic {
+            rank: self.rank,
+            size: self.size,
+            runtime: self.runtime.take(),
+            endpoint: self.endpoint.clone(),
+            peers: std::mem::take(&mut self.peers),
+            events: self.events.clone(),
+            early: HashMap::new(),
+            ended: std::mem::take(&mut self.ended),
+            finished_by: std::mem::take(&mut self.finished_by),
+            lost: std::mem::take(&mut self.lost),
+            aborted_by: self.aborted_by,
+            opts: self.opts.clone(),
+            closed: false,
+        };
+        self.closed = true;
+        if me.runtime.is_none() {
+            return;
+        }
+        let linger = me.opts.linger;
+        let _ = std::thread::Builder::new()
+            .name(format!("pipe-quic-close-{}", me.rank))
+            .spawn(move || {
+                if me.aborted_by == Some(me.rank) {
+                    me.tell_all(RECORD_ABORT, me.rank, None, true);
+                }
+                me.shutdown(linger);
+            });
+    }
+}
