@@ -523,6 +523,13 @@ async fn connect_all(
         peers[peer as usize] =
             Some(start_peer(rank, peer, conn, control, theirs, opts, events).await?);
     }
+    // The mesh is complete: any later connection attempt is refused at once.
+    let late = endpoint.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = late.accept().await {
+            incoming.refuse();
+        }
+    });
     let missing: Vec<u32> = (0..addrs.len() as u32)
         .filter(|&p| p != rank && peers[p as usize].is_none())
         .collect();

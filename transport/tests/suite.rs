@@ -84,6 +84,115 @@ macro_rules! transport_suite {
             }
 
             #[test]
+            fn moves_a_256_mib_tensor_intact() {
+                let mut eps = make(2, None);
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                let n = 64 << 20;
+                let values: Vec<f32> = (0..n).map(|i| (i % 1021) as f32 - 510.5).collect();
+                let t = Tensor::from_vec(&[n / 1024, 1024], values).unwrap();
+                let h = thread::spawn(move || {
+                    a.send(Message {
+                        key: key(0, 1, Kind::Chunk, 1),
+                        version: 3,
+                        tensor: t,
+                    })
+                    .unwrap();
+                    a.close().unwrap();
+                });
+                let m = b.recv(&key(0, 1, Kind::Chunk, 1)).unwrap();
+                h.join().unwrap();
+                assert_eq!(m.tensor.shape(), &[n / 1024, 1024]);
+                let got = m.tensor.host().unwrap();
+                assert!(
+                    got.iter()
+                        .enumerate()
+                        .all(|(i, &v)| v == (i % 1021) as f32 - 510.5)
+                );
+            }
+
+            #[test]
+            fn thousands_of_small_messages_arrive_in_order_per_kind() {
+                let mut eps = make(2, None);
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                let count = 5000u32;
+                let h = thread::spawn(move || {
+                    for i in 0..count {
+                        let kind = if i % 2 == 0 {
+                            Kind::Activation
+                        } else {
+                            Kind::Gradient
+                        };
+                        a.send(msg(key(0, 1, kind, i), &[i as f32])).unwrap();
+                    }
+                    a.close().unwrap();
+                });
+                // Received in send order, all of one kind first: the other kind waits buffered.
+                for kind in [Kind::Gradient, Kind::Activation] {
+                    let first = u32::from(kind == Kind::Gradient);
+                    for i in (first..count).step_by(2) {
+                        let m = b.recv(&key(0, 1, kind, i)).unwrap();
+                        assert_eq!(m.tensor.host().unwrap(), &[i as f32]);
+                    }
+                }
+                h.join().unwrap();
+            }
+
+            #[test]
+            fn many_peers_exchange_at_once() {
+                let n = 8u32;
+                let eps = make(n, None);
+                let handles: Vec<_> = eps
+                    .into_iter()
+                    .map(|mut ep| {
+                        thread::spawn(move || {
+                            let me = ep.rank();
+                            for round in 0..20 {
+                                for to in (0..n).filter(|&p| p != me) {
+                                    let v = (me * 1000 + to * 10 + round) as f32;
+                                    ep.send(msg(key(me, to, Kind::Activation, round), &[v; 16]))
+                                        .unwrap();
+                                }
+                                for from in (0..n).filter(|&p| p != me) {
+                                    let m =
+                                        ep.recv(&key(from, me, Kind::Activation, round)).unwrap();
+                                    let v = (from * 1000 + me * 10 + round) as f32;
+                                    assert_eq!(m.tensor.host().unwrap(), &[v; 16]);
+                                }
+                            }
+                            ep.close().unwrap();
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    h.join().unwrap();
+                }
+            }
+
+            #[test]
+            fn a_peer_that_closes_mid_stream_loses_nothing_it_sent() {
+                let mut eps = make(2, None);
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                let h = thread::spawn(move || {
+                    for i in 0..100 {
+                        a.send(msg(key(0, 1, Kind::Activation, i), &[i as f32; 1000]))
+                            .unwrap();
+                    }
+                    // Worker 0 goes away without closing, its messages possibly in flight.
+                    drop(a);
+                });
+                for i in 0..100 {
+                    let m = b.recv(&key(0, 1, Kind::Activation, i)).unwrap();
+                    assert_eq!(m.tensor.host().unwrap()[999], i as f32);
+                }
+                h.join().unwrap();
+                let e = b.recv(&key(0, 1, Kind::Activation, 100)).unwrap_err();
+                assert!(matches!(e, TransportError::Closed { peer: 0 }), "{e}");
+            }
+
+            #[test]
             fn abort_stops_a_blocked_receive() {
                 let mut eps = make(3, None);
                 let mut c = eps.pop().unwrap();

@@ -1,0 +1,116 @@
+//! What only the QUIC transport has: peers are authenticated by the cluster CA and bound to one
+//! run. (The behaviour every transport shares is in `suite.rs`.)
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use pipe_transport::TransportError;
+use pipe_transport::quic::{Bound, Cluster, QuicOptions, server_name};
+
+fn opts(run_id: u64) -> QuicOptions {
+    let mut o = QuicOptions::new(run_id);
+    o.connect_timeout = Duration::from_secs(2);
+    o
+}
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+/// Binds the two given endpoints and connects them; returns both results.
+fn pair(a: Bound, b: Bound) -> (Result<(), TransportError>, Result<(), TransportError>) {
+    let addrs = vec![a.local_addr().unwrap(), b.local_addr().unwrap()];
+    let other = addrs.clone();
+    let h = thread::spawn(move || b.connect(&other).map(drop));
+    let ra = a.connect(&addrs).map(drop);
+    (ra, h.join().unwrap())
+}
+
+#[test]
+fn a_worker_with_another_clusters_certificate_is_refused() {
+    let ours = Cluster::generate(2).unwrap();
+    let theirs = Cluster::generate(2).unwrap();
+    // Rank 0 holds a certificate from another CA.
+    let intruder = Bound::bind(0, loopback(), &theirs.ranks[0].2, opts(7)).unwrap();
+    let worker = Bound::bind(1, loopback(), &ours.ranks[1].2, opts(7)).unwrap();
+    let (ri, rw) = pair(intruder, worker);
+    let ei = ri.unwrap_err().to_string();
+    assert!(ei.contains("could not connect to rank 1"), "{ei}");
+    let ew = rw.unwrap_err().to_string();
+    assert!(ew.contains("ranks [0] did not connect"), "{ew}");
+}
+
+#[test]
+fn a_client_without_a_certificate_is_refused() {
+    let cluster = Cluster::generate(2).unwrap();
+    // Rank 1 waits for rank 0 to dial it; instead, a client that trusts the cluster CA but
+    // shows no certificate of its own tries.
+    let worker = Bound::bind(1, loopback(), &cluster.ranks[1].2, opts(7)).unwrap();
+    let addr = worker.local_addr().unwrap();
+    let h = thread::spawn(move || worker.connect(&[loopback(), addr]).map(drop));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cluster.ranks[1].2.ca.clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![b"pipe/1".to_vec()];
+    let client = quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap(),
+    ));
+    let outcome = rt.block_on(async {
+        let mut ep = quinn::Endpoint::client(loopback()).unwrap();
+        ep.set_default_client_config(client);
+        let conn = ep.connect(addr, &server_name(1)).unwrap().await;
+        match conn {
+            // TLS 1.3 lets the client finish its side first; the server's refusal then
+            // closes the connection before any stream can be used.
+            Ok(c) => match tokio::time::timeout(Duration::from_secs(1), c.accept_uni()).await {
+                Ok(Err(e)) => Err(e.to_string()),
+                Ok(Ok(_)) => Ok("served a stream"),
+                Err(_) => Ok("left waiting"),
+            },
+            Err(e) => Err(e.to_string()),
+        }
+    });
+    let why = outcome.expect_err("a client without a certificate was not refused");
+    assert!(why.to_lowercase().contains("certificate"), "{why}");
+    // The worker itself never saw its rank 0.
+    let e = h.join().unwrap().unwrap_err().to_string();
+    assert!(e.contains("ranks [0] did not connect"), "{e}");
+}
+
+#[test]
+fn a_peer_of_another_run_is_refused() {
+    let cluster = Cluster::generate(2).unwrap();
+    let a = Bound::bind(0, loopback(), &cluster.ranks[0].2, opts(7)).unwrap();
+    let b = Bound::bind(1, loopback(), &cluster.ranks[1].2, opts(8)).unwrap();
+    let (ra, rb) = pair(a, b);
+    let ea = ra.unwrap_err().to_string();
+    assert!(
+        ea.contains("run 0x8, this run is 0x7") || ea.contains("run 0x7, this run is 0x8"),
+        "{ea}"
+    );
+    assert!(rb.is_err());
+}
+
+#[test]
+fn a_late_worker_is_waited_for() {
+    let cluster = Cluster::generate(2).unwrap();
+    let a = Bound::bind(0, loopback(), &cluster.ranks[0].2, opts(7)).unwrap();
+    let b = Bound::bind(1, loopback(), &cluster.ranks[1].2, opts(7)).unwrap();
+    let addrs = vec![a.local_addr().unwrap(), b.local_addr().unwrap()];
+    let other = addrs.clone();
+    let h = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(700));
+        b.connect(&other).map(drop)
+    });
+    a.connect(&addrs).unwrap();
+    h.join().unwrap().unwrap();
+}
