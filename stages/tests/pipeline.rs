@@ -73,13 +73,22 @@ fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'stat
 
 /// Runs the pipeline and returns the final weights per worker and the outcomes.
 fn pipelined(run: &RunPlan, model: &Model) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
+    let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+    pipelined_over(run, model, eps)
+}
+
+/// [`pipelined`] over the given endpoints.
+fn pipelined_over<T: pipe_transport::Transport>(
+    run: &RunPlan,
+    model: &Model,
+    eps: Vec<T>,
+) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
     let source = source();
     let setup = setup(run, model, &source);
     let init = model.init_params(SEED);
     let mut states: Vec<WorkerState> = (0..run.schedule.workers())
         .map(|w| WorkerState::new(&setup, w, &init, opt()))
         .collect();
-    let eps = mesh(run.schedule.workers(), &InProcOptions::default());
     let outs = run_threads(&setup, &mut states, eps, || CpuBackend::new(1))
         .unwrap_or_else(|e| panic!("{e}"));
     (states, outs)
@@ -251,6 +260,48 @@ fn pipelined_runs_equal_the_reference_trainer() {
     let model = model();
     for spec in specs() {
         check_case(&spec, &model);
+    }
+}
+
+/// Over QUIC (loopback, mutual TLS, f32 on the wire), every policy ends with the same weights
+/// on every worker as in-process, bit for bit: `--stages 4 --replicas 2` and `--replicas 2,1,1`.
+#[test]
+fn quic_runs_equal_in_process_runs() {
+    let model = model();
+    for policy in Policy::ALL {
+        for replicas in [vec![2], vec![2, 1, 1]] {
+            let stages = if replicas.len() == 1 { 4 } else { 3 };
+            if policy == Policy::Interleaved && replicas.len() > 1 {
+                continue;
+            }
+            let (chunks, m) = match policy {
+                Policy::Interleaved => (2, 4),
+                _ => (1, 4),
+            };
+            let spec = ScheduleSpec::new(policy, stages, m)
+                .with_replicas(replicas.clone())
+                .with_chunks(chunks)
+                .with_length(Length::Updates(6));
+            let run = prepare(&spec, &model);
+            let (inproc, _) = pipelined(&run, &model);
+            let eps = pipe_transport::quic::local_mesh(
+                run.schedule.workers(),
+                &pipe_transport::quic::QuicOptions::new(SEED),
+            )
+            .unwrap();
+            let (quic, _) = pipelined_over(&run, &model, eps);
+            for (a, b) in inproc.iter().zip(&quic) {
+                for (sa, sb) in a.stages.iter().zip(&b.stages) {
+                    assert_eq!(
+                        bits(&sa.params),
+                        bits(&sb.params),
+                        "{policy} {replicas:?}: worker {} stage {}",
+                        a.worker,
+                        sa.stage
+                    );
+                }
+            }
+        }
     }
 }
 
