@@ -79,6 +79,8 @@ enum BenchCommand {
     /// The profiled plan against the uniform split on an unbalanced model, and the simulator's
     /// prediction for the plan.
     Partition(bench::PartitionBenchArgs),
+    /// Tensor streaming per transport against a TCP socket; the ring all-reduce.
+    Transport(bench::TransportBenchArgs),
 }
 
 /// Parses the command line and runs the command.
@@ -106,6 +108,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Mfu(args)) => bench::run_mfu(&args),
         Command::Bench(BenchCommand::Pipeline(args)) => bench::run_pipeline(&args),
         Command::Bench(BenchCommand::Partition(args)) => bench::run_partition(&args),
+        Command::Bench(BenchCommand::Transport(args)) => bench::run_transport(&args),
         Command::Schedule(args) => schedule::run(&args),
         Command::Simulate(args) => simulate::run(&args),
         Command::Plan(args) => plan::run(&args),

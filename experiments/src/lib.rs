@@ -9,6 +9,7 @@
 pub mod mfu;
 pub mod partition;
 pub mod pipeline;
+pub mod transport;
 
 /// Errors of experiments.
 #[derive(Debug, thiserror::Error)]

@@ -1,4 +1,4 @@
-//! `pipe bench mfu`, `pipe bench pipeline` and `pipe bench partition`: check the arguments,
+//! `pipe bench mfu`, `pipe bench pipeline`, `pipe bench partition` and `pipe bench transport`: check the arguments,
 //! run the benchmark in `pipe-experiments`, print its report and write it as JSON on request.
 
 use std::path::PathBuf;
@@ -80,6 +80,46 @@ pub struct PipelineBenchArgs {
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+}
+
+/// `pipe bench transport`: tensor streaming per transport, TCP, the ring all-reduce.
+#[derive(Args, Debug)]
+pub struct TransportBenchArgs {
+    /// MiB per streamed tensor.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    message_mib: u64,
+    /// Tensors per streaming round.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    messages: u32,
+    /// MB all-reduced.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    allreduce_mb: u64,
+    /// Workers in the all-reduce.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=64))]
+    allreduce_workers: u32,
+    /// Rounds per figure (medians).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+/// Runs `pipe bench transport`.
+///
+/// # Errors
+/// Run-time failures of the benchmark (the flags are range-checked by the parser).
+pub fn run_transport(args: &TransportBenchArgs) -> Result<()> {
+    let cfg = pipe_experiments::transport::TransportBenchConfig {
+        message_mib: args.message_mib as usize,
+        messages: args.messages,
+        allreduce_mb: args.allreduce_mb as usize,
+        allreduce_workers: args.allreduce_workers,
+        rounds: args.rounds,
+    };
+    let report = pipe_experiments::transport::run(&cfg)?;
+    out!("{}", pipe_experiments::transport::render(&report));
+    write_json(args.json.as_ref(), &report)
 }
 
 /// Writes a report as pretty JSON, with a final newline, when `path` is given.

@@ -305,6 +305,77 @@ pub fn encode_payload(values: &[f32], dtype: WireDType, out: &mut Vec<u8>) {
     }
 }
 
+/// `values` as a payload of `dtype`. An f32 payload on a little-endian machine is the
+/// tensor's own buffer, handed over without a copy; bf16 is converted.
+pub fn payload(values: Vec<f32>, dtype: WireDType) -> bytes::Bytes {
+    /// A tensor buffer seen as its little-endian bytes.
+    struct F32Bytes(Vec<f32>);
+    impl AsRef<[u8]> for F32Bytes {
+        fn as_ref(&self) -> &[u8] {
+            bytemuck::cast_slice(&self.0)
+        }
+    }
+    if dtype == WireDType::F32 && cfg!(target_endian = "little") {
+        return bytes::Bytes::from_owner(F32Bytes(values));
+    }
+    let mut out = Vec::with_capacity(values.len() * dtype.size());
+    encode_payload(&values, dtype, &mut out);
+    bytes::Bytes::from(out)
+}
+
+/// The buffer a checked header's payload is read into: for f32 on a little-endian machine the
+/// tensor's own buffer, so a received payload is never copied after the socket.
+#[derive(Debug)]
+pub struct PayloadBuffer {
+    direct: Option<Vec<f32>>,
+    raw: Vec<u8>,
+}
+
+impl PayloadBuffer {
+    /// A zeroed buffer of exactly `header`'s payload size. `header` must have passed
+    /// [`parse_header`], which bounds that size.
+    pub fn for_header(header: &Header) -> Self {
+        let elements = header.elements() as usize;
+        if header.dtype == WireDType::F32 && cfg!(target_endian = "little") {
+            PayloadBuffer {
+                direct: Some(vec![0.0; elements]),
+                raw: Vec::new(),
+            }
+        } else {
+            PayloadBuffer {
+                direct: None,
+                raw: vec![0; header.payload_bytes() as usize],
+            }
+        }
+    }
+
+    /// The bytes to fill.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        match &mut self.direct {
+            Some(values) => bytemuck::cast_slice_mut(values),
+            None => &mut self.raw,
+        }
+    }
+
+    /// The message the filled buffer and its header make.
+    ///
+    /// # Errors
+    /// As [`payload_into_message`].
+    pub fn into_message(self, header: &Header) -> Result<Message, FrameError> {
+        let Some(values) = self.direct else {
+            return payload_into_message(header, &self.raw);
+        };
+        let shape: Vec<usize> = header.shape.iter().map(|&d| d as usize).collect();
+        let tensor = Tensor::from_vec(&shape, values)
+            .map_err(|e| FrameError::Header(format!("payload does not fit the shape: {e}")))?;
+        Ok(Message {
+            key: header.key()?,
+            version: header.version,
+            tensor,
+        })
+    }
+}
+
 /// A whole frame for `message`: prefix, header and payload.
 ///
 /// # Errors

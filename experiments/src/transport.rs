@@ -1,0 +1,356 @@
+//! `pipe bench transport`: how fast tensors move between workers, per transport, next to a
+//! plain TCP socket on the same loopback; and the ring all-reduce over QUIC.
+//!
+//! Method. *Streaming*: one worker sends `messages` tensors of `message_mib` MiB to another
+//! through the [`Transport`] trait, which receives each by key, after a quarter as many again
+//! that warm the connection up; the time runs from the last warm-up receive to the last receive, so it includes encoding, TLS, the wire, decoding and the
+//! receiver's allocation. The tensors are made before the clock starts. *TCP*: the same bytes
+//! written to a `std::net::TcpStream` on loopback and read into one buffer, no framing: the
+//! ceiling a socket gives on this machine. *All-reduce*: `workers` endpoints, each on its own
+//! thread of this process (separate processes need the launcher), run
+//! [`ring_all_reduce`] over a buffer of `allreduce_mb` MB, once untimed and once timed (the
+//! slowest worker's time); algorithm bandwidth is bytes /
+//! time, bus bandwidth that times `2 (n - 1) / n`, as NCCL's tests report them. Every figure
+//! is the median over `rounds`.
+
+use std::io::{Read, Write};
+use std::time::Instant;
+
+use pipe_kernels::Tensor;
+use pipe_transport::collective::ring_all_reduce;
+use pipe_transport::frame::WireDType;
+use pipe_transport::inproc::{InProcOptions, mesh};
+use pipe_transport::quic::{QuicOptions, local_mesh};
+use pipe_transport::{Key, Kind, Message, Transport, TransportError};
+use serde::Serialize;
+
+use crate::{ExperimentError, median};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct TransportBenchConfig {
+    /// Size of each streamed tensor in MiB.
+    pub message_mib: usize,
+    /// Tensors per streaming round.
+    pub messages: u32,
+    /// Size of the all-reduced buffer in MB (10^6 bytes).
+    pub allreduce_mb: usize,
+    /// Workers in the all-reduce.
+    pub allreduce_workers: u32,
+    /// Rounds per figure.
+    pub rounds: u32,
+}
+
+impl Default for TransportBenchConfig {
+    fn default() -> Self {
+        TransportBenchConfig {
+            message_mib: 4,
+            messages: 64,
+            allreduce_mb: 100,
+            allreduce_workers: 4,
+            rounds: 3,
+        }
+    }
+}
+
+/// One streaming figure.
+#[derive(Clone, Debug, Serialize)]
+pub struct Stream {
+    /// What moved the bytes.
+    pub transport: String,
+    /// Median GB/s (10^9 bytes per second) of payload.
+    pub gbytes_per_s: f64,
+    /// Every round's GB/s.
+    pub rounds: Vec<f64>,
+}
+
+/// The all-reduce figure.
+#[derive(Clone, Debug, Serialize)]
+pub struct AllReduce {
+    /// Transport.
+    pub transport: String,
+    /// Workers.
+    pub workers: u32,
+    /// Bytes reduced.
+    pub bytes: usize,
+    /// Median seconds per all-reduce.
+    pub seconds: f64,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw: f64,
+}
+
+/// The report.
+#[derive(Clone, Debug, Serialize)]
+pub struct TransportReport {
+    /// MiB per streamed tensor.
+    pub message_mib: usize,
+    /// Tensors per round.
+    pub messages: u32,
+    /// Streaming figures: in-process, QUIC (f32 and bf16 wire), TCP.
+    pub streams: Vec<Stream>,
+    /// QUIC (f32) over TCP.
+    pub quic_over_tcp: f64,
+    /// All-reduce figures.
+    pub allreduce: Vec<AllReduce>,
+}
+
+fn quic_opts(wire: WireDType) -> QuicOptions {
+    let mut o = QuicOptions::new(0xbe7c);
+    o.wire = wire;
+    o
+}
+
+fn key(i: u32) -> Key {
+    Key {
+        from: 0,
+        to: 1,
+        kind: Kind::Activation,
+        stage: 0,
+        index: i,
+        step: 0,
+    }
+}
+
+/// Seconds to stream `tensors` from endpoint 0 to endpoint 1, not counting the first `warm`.
+fn stream_once<T: Transport + 'static>(
+    mut eps: Vec<T>,
+    tensors: Vec<Tensor>,
+    warm: u32,
+) -> Result<f64, ExperimentError> {
+    let err = |e: TransportError| ExperimentError::Config(format!("transport: {e}"));
+    let mut b = eps
+        .pop()
+        .ok_or_else(|| ExperimentError::Config("no endpoint".into()))?;
+    let mut a = eps
+        .pop()
+        .ok_or_else(|| ExperimentError::Config("no endpoint".into()))?;
+    let n = tensors.len() as u32;
+    let mut t = Instant::now();
+    let sender = std::thread::spawn(move || -> Result<(), TransportError> {
+        for (i, tensor) in tensors.into_iter().enumerate() {
+            a.send(Message {
+                key: key(i as u32),
+                version: 0,
+                tensor,
+            })?;
+        }
+        a.close()
+    });
+    for i in 0..n {
+        b.recv(&key(i)).map_err(err)?;
+        if i + 1 == warm {
+            t = Instant::now();
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    // Both ends close together: each waits until the other has read everything.
+    b.close().map_err(err)?;
+    sender
+        .join()
+        .map_err(|_| ExperimentError::Config("sender panicked".into()))?
+        .map_err(err)?;
+    Ok(secs)
+}
+
+fn warm_up(cfg: &TransportBenchConfig) -> u32 {
+    cfg.messages.div_ceil(4)
+}
+
+/// The timed tensors and, first, a quarter as many again to warm the connection up (slow
+/// start, path MTU discovery), which the clock does not count.
+fn tensors(cfg: &TransportBenchConfig) -> Result<Vec<Tensor>, ExperimentError> {
+    let n = cfg.message_mib << 18;
+    (0..cfg.messages + warm_up(cfg))
+        .map(|i| Ok(Tensor::from_vec(&[n], vec![i as f32 * 0.5; n])?))
+        .collect()
+}
+
+/// Seconds to write `bytes` `count` times through a loopback TCP socket, after `warm` writes
+/// the clock does not count (timed by the reader, like the streams).
+fn tcp_once(bytes: usize, count: u32, warm: u32) -> Result<f64, ExperimentError> {
+    let io = |e: std::io::Error| ExperimentError::Config(format!("tcp: {e}"));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    let addr = listener.local_addr().map_err(io)?;
+    let reader = std::thread::spawn(move || -> std::io::Result<f64> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; bytes];
+        for _ in 0..warm {
+            s.read_exact(&mut buf)?;
+        }
+        let t = Instant::now();
+        for _ in 0..count {
+            s.read_exact(&mut buf)?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    });
+    let data = vec![7u8; bytes];
+    let mut s = std::net::TcpStream::connect(addr).map_err(io)?;
+    s.set_nodelay(true).map_err(io)?;
+    for _ in 0..warm + count {
+        s.write_all(&data).map_err(io)?;
+    }
+    reader
+        .join()
+        .map_err(|_| ExperimentError::Config("tcp reader panicked".into()))?
+        .map_err(io)
+}
+
+fn stream_figure(
+    name: &str,
+    bytes: f64,
+    rounds: u32,
+    mut once: impl FnMut() -> Result<f64, ExperimentError>,
+) -> Result<Stream, ExperimentError> {
+    let rates = (0..rounds)
+        .map(|_| once().map(|s| bytes / s / 1e9))
+        .collect::<Result<Vec<f64>, _>>()?;
+    Ok(Stream {
+        transport: name.into(),
+        gbytes_per_s: median(&rates),
+        rounds: rates,
+    })
+}
+
+fn allreduce_figure<T: Transport + 'static>(
+    name: &str,
+    cfg: &TransportBenchConfig,
+    mut make: impl FnMut() -> Result<Vec<T>, ExperimentError>,
+) -> Result<AllReduce, ExperimentError> {
+    let n = cfg.allreduce_workers;
+    let values = cfg.allreduce_mb * 1_000_000 / 4;
+    let mut times = Vec::new();
+    for _ in 0..cfg.rounds {
+        let eps = make()?;
+        let group: Vec<u32> = (0..n).collect();
+        let start = std::sync::Barrier::new(n as usize);
+        let secs: Vec<Result<f64, TransportError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = eps
+                .into_iter()
+                .map(|mut ep| {
+                    let (group, start) = (&group, &start);
+                    s.spawn(move || {
+                        let mut data = vec![ep.rank() as f32; values];
+                        // One untimed all-reduce warms the connections up.
+                        ring_all_reduce(&mut ep, group, 0, 0, &mut data)?;
+                        start.wait();
+                        let t = Instant::now();
+                        ring_all_reduce(&mut ep, group, 0, 1, &mut data)?;
+                        let secs = t.elapsed().as_secs_f64();
+                        ep.close()?;
+                        Ok(secs)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or(Err(TransportError::Protocol("panicked".into())))
+                })
+                .collect()
+        });
+        let slowest = secs
+            .into_iter()
+            .collect::<Result<Vec<f64>, _>>()
+            .map_err(|e| ExperimentError::Config(format!("all-reduce: {e}")))?
+            .into_iter()
+            .fold(0.0, f64::max);
+        times.push(slowest);
+    }
+    let seconds = median(&times);
+    let bytes = values * 4;
+    let algbw = bytes as f64 / seconds / 1e9;
+    Ok(AllReduce {
+        transport: name.into(),
+        workers: n,
+        bytes,
+        seconds,
+        algbw,
+        busbw: algbw * 2.0 * f64::from(n - 1) / f64::from(n),
+    })
+}
+
+/// Runs the measurement.
+///
+/// # Errors
+/// Zero sizes; transport failures.
+pub fn run(cfg: &TransportBenchConfig) -> Result<TransportReport, ExperimentError> {
+    if cfg.message_mib == 0 || cfg.messages == 0 || cfg.rounds == 0 || cfg.allreduce_workers < 2 {
+        return Err(ExperimentError::Config(
+            "message size, messages and rounds must be positive, all-reduce workers at least 2"
+                .into(),
+        ));
+    }
+    let bytes = (cfg.message_mib << 20) as f64 * f64::from(cfg.messages);
+    let setup = |e: TransportError| ExperimentError::Config(format!("transport setup: {e}"));
+    let warm = warm_up(cfg);
+    let mut streams = vec![stream_figure(
+        "in-process (moves the buffer)",
+        bytes,
+        cfg.rounds,
+        || stream_once(mesh(2, &InProcOptions::default()), tensors(cfg)?, warm),
+    )?];
+    for wire in [WireDType::F32, WireDType::Bf16] {
+        let name = format!("QUIC, {wire} on the wire");
+        streams.push(stream_figure(&name, bytes, cfg.rounds, || {
+            let eps = local_mesh(2, &quic_opts(wire)).map_err(setup)?;
+            stream_once(eps, tensors(cfg)?, warm)
+        })?);
+    }
+    streams.push(stream_figure(
+        "TCP socket (raw bytes)",
+        bytes,
+        cfg.rounds,
+        || tcp_once(cfg.message_mib << 20, cfg.messages, warm),
+    )?);
+    let quic_over_tcp = streams[1].gbytes_per_s / streams[3].gbytes_per_s;
+    let n = cfg.allreduce_workers;
+    let allreduce = vec![
+        allreduce_figure("in-process", cfg, || Ok(mesh(n, &InProcOptions::default())))?,
+        allreduce_figure("QUIC", cfg, || {
+            local_mesh(n, &quic_opts(WireDType::F32)).map_err(setup)
+        })?,
+    ];
+    Ok(TransportReport {
+        message_mib: cfg.message_mib,
+        messages: cfg.messages,
+        streams,
+        quic_over_tcp,
+        allreduce,
+    })
+}
+
+/// The report as text.
+pub fn render(r: &TransportReport) -> String {
+    let mut out = format!(
+        "streaming {} tensors of {} MiB from one worker to another (loopback), medians\n\n\
+         | transport | GB/s | rounds |\n|---|---|---|\n",
+        r.messages, r.message_mib
+    );
+    for s in &r.streams {
+        let rounds: Vec<String> = s.rounds.iter().map(|x| format!("{x:.2}")).collect();
+        out += &format!(
+            "| {} | {:.2} | {} |\n",
+            s.transport,
+            s.gbytes_per_s,
+            rounds.join(", ")
+        );
+    }
+    out += &format!("\nQUIC (f32) / TCP: {:.2}\n\n", r.quic_over_tcp);
+    out += "ring all-reduce, one endpoint per thread of this process\n\n\
+            | transport | workers | MB | seconds | algbw GB/s | busbw GB/s |\n|---|---|---|---|---|---|\n";
+    for a in &r.allreduce {
+        out += &format!(
+            "| {} | {} | {:.0} | {:.3} | {:.2} | {:.2} |\n",
+            a.transport,
+            a.workers,
+            a.bytes as f64 / 1e6,
+            a.seconds,
+            a.algbw,
+            a.busbw
+        );
+    }
+    out
+}
