@@ -112,6 +112,14 @@ pub struct TrainArgs {
     /// Compute backend: cpu or cuda.
     #[arg(long, value_parser = BackendParser)]
     backend: Option<BackendKind>,
+    /// How workers exchange tensors: inproc (channels) or quic (QUIC with mutual TLS on
+    /// loopback).
+    #[arg(long, value_parser = ["inproc", "quic"])]
+    transport: Option<String>,
+    /// Element type of activations and gradients between stages: f32 or bf16 (half the
+    /// bytes; all-reduces stay f32).
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    wire_dtype: Option<String>,
 }
 
 impl TrainArgs {
@@ -141,6 +149,8 @@ impl TrainArgs {
             chunks: self.chunks,
             partition: self.partition.clone(),
             backend: self.backend.map(|b| b.name().to_string()),
+            transport: self.transport.clone(),
+            wire_dtype: self.wire_dtype.clone(),
             ..TrainSettings::default()
         }
     }

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use pipe_kernels::BackendKind;
 use pipe_scheduler::{Length, Policy, Resolved, ScheduleSpec};
 use pipe_transport::TransportKind;
+use pipe_transport::frame::WireDType;
 use serde::{Deserialize, Serialize};
 
 use crate::data::SyntheticConfig;
@@ -170,8 +171,10 @@ pub struct TrainSettings {
     pub partition: Option<String>,
     /// Compute backend (`cpu`, `cuda`).
     pub backend: Option<String>,
-    /// How workers exchange tensors (`inproc`).
+    /// How workers exchange tensors (`inproc`, `quic`).
     pub transport: Option<String>,
+    /// Element type of activations and gradients between stages (`f32`, `bf16`).
+    pub wire_dtype: Option<String>,
 }
 
 macro_rules! merge_fields {
@@ -198,7 +201,7 @@ impl TrainSettings {
         merge_fields!(dst, src; model, dataset, data_dir, synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
-            schedule, chunks, partition, backend, transport);
+            schedule, chunks, partition, backend, transport, wire_dtype);
     }
 
     /// Takes the layout a plan file describes (schedule, stages, replicas, partition), and its
@@ -349,6 +352,10 @@ impl TrainSettings {
             Some(t) => t.parse().map_err(StageError::Config)?,
             None => TransportKind::InProcess,
         };
+        let wire = match &self.wire_dtype {
+            Some(w) => w.parse().map_err(StageError::Config)?,
+            None => WireDType::F32,
+        };
         let synthetic = self.synthetic.unwrap_or_default();
         Ok(RunConfig {
             model_name,
@@ -375,6 +382,7 @@ impl TrainSettings {
             pipelined,
             backend,
             transport,
+            wire,
         })
     }
 }
@@ -431,6 +439,8 @@ pub struct RunConfig {
     pub backend: BackendKind,
     /// How workers exchange tensors.
     pub transport: TransportKind,
+    /// Element type of activations and gradients between stages.
+    pub wire: WireDType,
 }
 
 impl RunConfig {

@@ -305,6 +305,37 @@ fn quic_runs_equal_in_process_runs() {
     }
 }
 
+/// With a bf16 wire, QUIC (which encodes bf16) and in-process (which rounds as the wire
+/// would) end bit-identical too, and differ from the f32 run.
+#[test]
+fn a_bf16_wire_has_the_same_numerics_in_process_and_over_quic() {
+    use pipe_transport::frame::WireDType;
+    let model = model();
+    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 4)
+        .with_replicas(vec![2, 1, 1])
+        .with_length(Length::Updates(6));
+    let run = prepare(&spec, &model);
+    let workers = run.schedule.workers();
+    let inproc = InProcOptions {
+        wire: WireDType::Bf16,
+        ..InProcOptions::default()
+    };
+    let (a, _) = pipelined_over(&run, &model, mesh(workers, &inproc));
+    let mut quic = pipe_transport::quic::QuicOptions::new(SEED);
+    quic.wire = WireDType::Bf16;
+    let eps = pipe_transport::quic::local_mesh(workers, &quic).unwrap();
+    let (b, _) = pipelined_over(&run, &model, eps);
+    let (f32_run, _) = pipelined(&run, &model);
+    let all = |states: &[WorkerState]| -> Vec<u32> {
+        states
+            .iter()
+            .flat_map(|w| w.stages.iter().flat_map(|s| bits(&s.params)))
+            .collect()
+    };
+    assert_eq!(all(&a), all(&b));
+    assert_ne!(all(&a), all(&f32_run));
+}
+
 /// Wraps a transport and fails its `fail_at`-th send (counting from 0).
 struct Faulty<T> {
     inner: T,

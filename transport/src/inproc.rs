@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, bounded, never, select, unbounded};
 
-use crate::{Key, Message, Transport, TransportError};
+use crate::frame::{WireDType, round_to_wire};
+use crate::{Key, Kind, Message, Transport, TransportError};
 
 /// Options of an in-process mesh.
 #[derive(Clone, Debug)]
@@ -22,6 +23,10 @@ pub struct InProcOptions {
     pub capacity: usize,
     /// How long a receive waits before failing with a timeout (None: forever, until aborted).
     pub timeout: Option<Duration>,
+    /// The wire precision to give activations and gradients: with bf16, their values are
+    /// rounded as a networked transport's wire would round them (nothing is encoded), so an
+    /// in-process run has exactly a QUIC run's numerics. All-reduce chunks stay f32.
+    pub wire: WireDType,
 }
 
 impl Default for InProcOptions {
@@ -29,6 +34,7 @@ impl Default for InProcOptions {
         InProcOptions {
             capacity: 1024,
             timeout: None,
+            wire: WireDType::F32,
         }
     }
 }
@@ -46,6 +52,7 @@ pub struct InProc {
     aborted_by: Option<u32>,
     early: HashMap<Key, Message>,
     timeout: Option<Duration>,
+    wire: WireDType,
 }
 
 /// Builds a full mesh of `workers` endpoints.
@@ -78,6 +85,7 @@ pub fn mesh(workers: u32, opts: &InProcOptions) -> Vec<InProc> {
             aborted_by: None,
             early: HashMap::new(),
             timeout: opts.timeout,
+            wire: opts.wire,
         })
         .collect()
 }
@@ -140,6 +148,15 @@ impl InProc {
     }
 }
 
+/// The wire precision of a message of `kind` on a run whose wire is `wire`: all-reduce chunks
+/// are always f32 (sums of rounded chunks would drift between replicas' orders).
+pub(crate) fn wire_for(kind: Kind, wire: WireDType) -> WireDType {
+    match kind {
+        Kind::Chunk => WireDType::F32,
+        Kind::Activation | Kind::Gradient => wire,
+    }
+}
+
 impl Transport for InProc {
     fn rank(&self) -> u32 {
         self.rank
@@ -149,9 +166,15 @@ impl Transport for InProc {
         self.to.len() as u32
     }
 
-    fn send(&mut self, message: Message) -> Result<(), TransportError> {
+    fn send(&mut self, mut message: Message) -> Result<(), TransportError> {
         if let Some(by) = self.aborted_by {
             return Err(TransportError::Aborted { by });
+        }
+        let wire = wire_for(message.key.kind, self.wire);
+        if wire != WireDType::F32 {
+            if let Ok(values) = message.tensor.host_mut() {
+                round_to_wire(values, wire);
+            }
         }
         let to = message.key.to as usize;
         let Some(tx) = self.to.get(to).cloned() else {

@@ -145,12 +145,14 @@ pub trait Transport: Send {
 }
 
 /// How the workers of a run exchange tensors: the typed form of a run's transport choice,
-/// parsed once at the edge. QUIC (one process per worker, or hosts) will join it.
+/// parsed once at the edge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum TransportKind {
     /// Threads of one process over crossbeam channels ([`inproc`]).
     #[default]
     InProcess,
+    /// QUIC with mutual TLS ([`quic`]): one connection per pair of workers.
+    Quic,
 }
 
 impl TransportKind {
@@ -158,6 +160,7 @@ impl TransportKind {
     pub fn name(self) -> &'static str {
         match self {
             TransportKind::InProcess => "inproc",
+            TransportKind::Quic => "quic",
         }
     }
 }
@@ -173,7 +176,8 @@ impl std::str::FromStr for TransportKind {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "inproc" => Ok(TransportKind::InProcess),
-            other => Err(format!("unknown transport '{other}' (inproc)")),
+            "quic" => Ok(TransportKind::Quic),
+            other => Err(format!("unknown transport '{other}' (inproc, quic)")),
         }
     }
 }

@@ -154,7 +154,7 @@ impl Cluster {
 pub struct QuicOptions {
     /// The run every peer and frame must belong to.
     pub run_id: u64,
-    /// Element type of payloads on the wire.
+    /// Element type of activations and gradients on the wire (all-reduce chunks are f32).
     pub wire: WireDType,
     /// How long a receive waits (None: until the message, a failure or the idle limit).
     pub timeout: Option<Duration>,
@@ -691,6 +691,11 @@ async fn read_data_streams(
 }
 
 /// Reads frames from one data stream until it ends; every check before any allocation.
+/// Time any frame may take once its header has arrived, plus its payload at [`MIN_RATE`].
+const FRAME_GRACE: Duration = Duration::from_secs(10);
+/// Slowest payload rate a peer is allowed, bytes per second.
+const MIN_RATE: f64 = 1e6;
+
 async fn read_frames(
     rank: u32,
     peer: u32,
@@ -721,10 +726,19 @@ async fn read_frames(
             ));
         }
         let mut payload = frame::PayloadBuffer::for_header(&header);
-        stream
-            .read_exact(payload.bytes_mut())
-            .await
-            .map_err(|e| format!("reading from rank {peer}: {e}"))?;
+        // A frame that has begun must finish: a peer that stops mid-payload (or sends fewer
+        // bytes than its header says) is an error, not a receive that waits forever.
+        let limit = FRAME_GRACE + Duration::from_secs_f64(header.payload_bytes() as f64 / MIN_RATE);
+        match tokio::time::timeout(limit, stream.read_exact(payload.bytes_mut())).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("reading from rank {peer}: {e}")),
+            Err(_) => {
+                return Err(format!(
+                    "rank {peer} did not finish a {}-byte payload within {limit:?}",
+                    header.payload_bytes()
+                ));
+            }
+        }
         let message = payload
             .into_message(&header)
             .map_err(|e| format!("rank {peer}: {e}"))?;
@@ -1012,16 +1026,14 @@ impl Transport for Quic {
         if let Err(e) = message.tensor.host() {
             return Err(fail(message, e.to_string()));
         }
-        let header = frame::header_of(&message, self.opts.run_id, self.opts.wire);
+        let wire = crate::inproc::wire_for(message.key.kind, self.opts.wire);
+        let header = frame::header_of(&message, self.opts.run_id, wire);
         let head = match frame::encode_header(&header) {
             Ok(h) => h,
             Err(e) => return Err(fail(message, e.to_string())),
         };
         let values = message.tensor.into_host_vec().unwrap_or_default();
-        let frame = [
-            bytes::Bytes::from(head),
-            frame::payload(values, self.opts.wire),
-        ];
+        let frame = [bytes::Bytes::from(head), frame::payload(values, wire)];
         match tx.try_send(frame) {
             Ok(()) => Ok(()),
             Err(tokio::sync::mpsc::error::TrySendError::Closed(frame)) => {

@@ -114,3 +114,50 @@ fn a_late_worker_is_waited_for() {
     a.connect(&addrs).unwrap();
     h.join().unwrap().unwrap();
 }
+
+#[test]
+fn a_bf16_wire_rounds_activations_and_gradients_and_keeps_chunks_exact() {
+    use pipe_kernels::Tensor;
+    use pipe_transport::frame::{WireDType, round_to_wire};
+    use pipe_transport::{Key, Kind, Message, Transport};
+    let mut o = opts(9);
+    o.wire = WireDType::Bf16;
+    let mut eps = pipe_transport::quic::local_mesh(2, &o).unwrap();
+    let mut b = eps.pop().unwrap();
+    let mut a = eps.pop().unwrap();
+    let values: Vec<f32> = (0..300).map(|i| 1.0 + i as f32 * 1e-3).collect();
+    let key = |kind, index| Key {
+        from: 0,
+        to: 1,
+        kind,
+        stage: 0,
+        index,
+        step: 0,
+    };
+    for (i, kind) in [Kind::Activation, Kind::Chunk, Kind::Gradient]
+        .into_iter()
+        .enumerate()
+    {
+        a.send(Message {
+            key: key(kind, i as u32),
+            version: 1,
+            tensor: Tensor::from_vec(&[3, 100], values.clone()).unwrap(),
+        })
+        .unwrap();
+    }
+    let mut rounded = values.clone();
+    round_to_wire(&mut rounded, WireDType::Bf16);
+    assert_ne!(rounded, values);
+    for (i, kind) in [Kind::Activation, Kind::Chunk, Kind::Gradient]
+        .into_iter()
+        .enumerate()
+    {
+        let m = b.recv(&key(kind, i as u32)).unwrap();
+        let want = if kind == Kind::Chunk {
+            &values
+        } else {
+            &rounded
+        };
+        assert_eq!(m.tensor.host().unwrap(), &want[..], "{kind:?}");
+    }
+}

@@ -390,6 +390,7 @@ transport_suite!(inproc, |n, timeout| {
         &InProcOptions {
             capacity: 4,
             timeout,
+            ..InProcOptions::default()
         },
     )
 });

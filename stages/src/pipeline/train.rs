@@ -1,6 +1,7 @@
 //! Pipelined training: one schedule per epoch (the pipeline drains at every epoch's end, where
-//! the model is evaluated), workers launched as threads on the in-process transport, worker
-//! state (weights, optimizer) carried from epoch to epoch.
+//! the model is evaluated), workers launched as threads of this process that exchange tensors
+//! in process or over QUIC on loopback, worker state (weights, optimizer) carried from epoch
+//! to epoch.
 
 use std::time::Instant;
 
@@ -8,6 +9,7 @@ use pipe_kernels::{Backend, BackendKind, CpuBackend};
 use pipe_scheduler::{Length, Schedule, Span, Timeline};
 use pipe_transport::TransportKind;
 use pipe_transport::inproc::{InProcOptions, mesh};
+use pipe_transport::quic::{QuicOptions, local_mesh};
 
 use super::{OrderedSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, run_threads};
 use crate::config::{PartitionChoice, RunConfig};
@@ -65,9 +67,6 @@ pub fn train_pipelined(
     obs: &mut dyn Observer,
     opts: &PipelineTrainOptions,
 ) -> Result<PipelineReport> {
-    match cfg.transport {
-        TransportKind::InProcess => {}
-    }
     if cfg.backend != BackendKind::Cpu {
         BackendKind::open(cfg.backend, 1, 0)?;
     }
@@ -236,8 +235,22 @@ impl<'c> Run<'c> {
                 .collect();
         }
         let threads = if cfg.threads == 0 { 1 } else { cfg.threads };
-        let endpoints = mesh(plan.schedule.workers(), &InProcOptions::default());
-        run_threads(&setup, states, endpoints, || CpuBackend::new(threads))
+        let workers = plan.schedule.workers();
+        let backend = || CpuBackend::new(threads);
+        match cfg.transport {
+            TransportKind::InProcess => {
+                let opts = InProcOptions {
+                    wire: cfg.wire,
+                    ..InProcOptions::default()
+                };
+                run_threads(&setup, states, mesh(workers, &opts), backend)
+            }
+            TransportKind::Quic => {
+                let mut opts = QuicOptions::new(run_id(cfg.seed, epoch));
+                opts.wire = cfg.wire;
+                run_threads(&setup, states, local_mesh(workers, &opts)?, backend)
+            }
+        }
     }
 
     /// Reports one step record per minibatch of the epoch (its microbatches' losses), after
@@ -288,6 +301,16 @@ impl<'c> Run<'c> {
         }
         Ok((train_loss, samples))
     }
+}
+
+/// A run id for one epoch's QUIC mesh: unique to this process and moment, so that peers of
+/// another run (or an earlier epoch) on the same ports are refused; never part of the
+/// numerics.
+fn run_id(seed: u64, epoch: u64) -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    seed.rotate_left(17) ^ epoch.rotate_left(41) ^ u64::from(std::process::id()) ^ now
 }
 
 /// Each stage's utilisation and measured staleness over an epoch of `secs`.
