@@ -9,23 +9,9 @@
 //! Prints the median of 31 timed calls per layout after 5 untimed ones.
 #![allow(clippy::expect_used)]
 
-use std::time::Instant;
+mod common;
 
-/// Median seconds of `f` over 31 calls after 5 warm-up calls.
-fn median_seconds(f: &mut dyn FnMut()) -> f64 {
-    for _ in 0..5 {
-        f();
-    }
-    let mut times: Vec<f64> = (0..31)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
-}
+use common::median_seconds;
 
 /// `gemm::gemm` with the crate's argument order (column stride before row stride), overwriting
 /// `dst`. The pointers must hold the strided matrices the arguments describe.

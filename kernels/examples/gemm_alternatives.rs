@@ -10,25 +10,11 @@
 //! timed calls after 5 untimed ones; the two columns of a row are timed one after the other.
 #![allow(clippy::expect_used)]
 
-use std::time::Instant;
+mod common;
+
+use common::median_seconds;
 
 use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
-
-/// Median seconds of `f` over 31 calls after 5 warm-up calls.
-fn median_seconds(f: &mut dyn FnMut()) -> f64 {
-    for _ in 0..5 {
-        f();
-    }
-    let mut times: Vec<f64> = (0..31)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
-}
 
 /// A row-major `rows x cols` matrix of small deterministic values.
 fn matrix(rows: usize, cols: usize, salt: usize) -> Tensor {

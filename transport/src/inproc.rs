@@ -8,13 +8,12 @@
 //! receives wait on their data channel and the control channel at once (`select!`), so an abort
 //! wakes them immediately and nothing polls.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, bounded, never, select, unbounded};
 
 use crate::frame::{WireDType, round_to_wire};
-use crate::{Key, Kind, Message, Transport, TransportError};
+use crate::{Early, Key, Kind, Message, Transport, TransportError};
 
 /// Options of an in-process mesh.
 #[derive(Clone, Debug)]
@@ -50,7 +49,7 @@ pub struct InProc {
     control: Receiver<u32>,
     /// The worker whose abort this endpoint has seen.
     aborted_by: Option<u32>,
-    early: HashMap<Key, Message>,
+    early: Early,
     timeout: Option<Duration>,
     wire: WireDType,
 }
@@ -83,7 +82,7 @@ pub fn mesh(workers: u32, opts: &InProcOptions) -> Vec<InProc> {
             control_to: control_to.clone(),
             control,
             aborted_by: None,
-            early: HashMap::new(),
+            early: Early::default(),
             timeout: opts.timeout,
             wire: opts.wire,
         })
@@ -137,14 +136,7 @@ impl InProc {
                 self.rank, m.key
             )));
         }
-        if self.early.contains_key(&m.key) {
-            return Err(TransportError::Protocol(format!(
-                "duplicate message {:?}",
-                m.key
-            )));
-        }
-        self.early.insert(m.key, m);
-        Ok(())
+        self.early.keep(m)
     }
 }
 
@@ -198,7 +190,7 @@ impl Transport for InProc {
 
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
         self.check_key(key)?;
-        if let Some(m) = self.early.remove(key) {
+        if let Some(m) = self.early.take(key) {
             return Ok(m);
         }
         if let Some(by) = self.aborted_by {

@@ -106,6 +106,34 @@ pub enum TransportError {
     },
 }
 
+/// Messages that arrived before they were asked for, by key: what lets a receive take keys
+/// in another order than they were sent. Shared by every transport.
+#[derive(Debug, Default)]
+pub(crate) struct Early(std::collections::HashMap<Key, Message>);
+
+impl Early {
+    /// Keeps `m` until its key is asked for.
+    ///
+    /// # Errors
+    /// [`TransportError::Protocol`] for a second message with a key already held.
+    pub(crate) fn keep(&mut self, m: Message) -> Result<(), TransportError> {
+        match self.0.entry(m.key) {
+            std::collections::hash_map::Entry::Occupied(_) => Err(TransportError::Protocol(
+                format!("duplicate message {:?}", m.key),
+            )),
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(m);
+                Ok(())
+            }
+        }
+    }
+
+    /// The message with `key`, if it has arrived.
+    pub(crate) fn take(&mut self, key: &Key) -> Option<Message> {
+        self.0.remove(key)
+    }
+}
+
 /// A worker's end of the mesh.
 pub trait Transport: Send {
     /// This worker's number.

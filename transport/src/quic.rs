@@ -25,7 +25,7 @@
 //! in flight when its connection closes. Dropping an endpoint without `close` does the same
 //! on a background thread, bounded by [`QuicOptions::linger`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,7 +35,7 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use crate::frame::{self, FrameLimits, PREFIX_BYTES, WireDType};
-use crate::{Key, Kind, Message, Transport, TransportError};
+use crate::{Early, Key, Kind, Message, Transport, TransportError};
 
 /// Application protocol name on the TLS handshake.
 const ALPN: &[u8] = b"pipe/1";
@@ -403,7 +403,7 @@ impl Bound {
             endpoint,
             peers,
             events,
-            early: HashMap::new(),
+            early: Early::default(),
             ended: HashSet::new(),
             finished_by: HashSet::new(),
             lost: HashSet::new(),
@@ -775,7 +775,7 @@ pub struct Quic {
     endpoint: quinn::Endpoint,
     peers: Vec<Option<Peer>>,
     events: Receiver<Event>,
-    early: HashMap<Key, Message>,
+    early: Early,
     /// Data streams (peer, kind) that have ended.
     ended: HashSet<(u32, Kind)>,
     /// Peers that have read all of this worker's data.
@@ -860,22 +860,11 @@ impl Quic {
         }
     }
 
-    fn keep_early(&mut self, m: Message) -> Result<(), TransportError> {
-        if self.early.contains_key(&m.key) {
-            return Err(TransportError::Protocol(format!(
-                "duplicate message {:?}",
-                m.key
-            )));
-        }
-        self.early.insert(m.key, m);
-        Ok(())
-    }
-
     /// Takes every event already waiting (messages are kept by key).
     fn drain(&mut self) -> Result<(), TransportError> {
         while let Ok(event) = self.events.try_recv() {
             if let Some(m) = self.apply(event)? {
-                self.keep_early(m)?;
+                self.early.keep(m)?;
             }
         }
         Ok(())
@@ -955,7 +944,7 @@ impl Quic {
                 break;
             }
             if let Ok(event) = self.events.recv_timeout(Duration::from_millis(20)) {
-                let _ = self.apply(event).map(|m| m.map(|m| self.keep_early(m)));
+                let _ = self.apply(event).map(|m| m.map(|m| self.early.keep(m)));
             }
         }
         let Some(rt) = self.runtime.take() else {
@@ -1063,7 +1052,7 @@ impl Transport for Quic {
                 key.from, self.rank, self.size
             )));
         }
-        if let Some(m) = self.early.remove(key) {
+        if let Some(m) = self.early.take(key) {
             return Ok(m);
         }
         if let Some(by) = self.aborted_by {
@@ -1075,7 +1064,7 @@ impl Transport for Quic {
             if let Some(e) = self.gone(key.from, Some(key.kind)) {
                 // Frames read before the stream ended are already in the channel.
                 self.drain()?;
-                return match self.early.remove(key) {
+                return match self.early.take(key) {
                     Some(m) => Ok(m),
                     None => Err(e),
                 };
@@ -1094,7 +1083,7 @@ impl Transport for Quic {
                         if m.key == *key {
                             return Ok(m);
                         }
-                        self.keep_early(m)?;
+                        self.early.keep(m)?;
                     }
                 }
                 recv(timer) -> _ => {
@@ -1185,7 +1174,7 @@ impl Drop for Quic {
             endpoint: self.endpoint.clone(),
             peers: std::mem::take(&mut self.peers),
             events: self.events.clone(),
-            early: HashMap::new(),
+            early: Early::default(),
             ended: std::mem::take(&mut self.ended),
             finished_by: std::mem::take(&mut self.finished_by),
             lost: std::mem::take(&mut self.lost),
