@@ -230,7 +230,7 @@ struct Peer {
 /// launcher can tell the others).
 pub struct Bound {
     rank: u32,
-    runtime: Arc<tokio::runtime::Runtime>,
+    runtime: tokio::runtime::Runtime,
     endpoint: quinn::Endpoint,
     client: quinn::ClientConfig,
     opts: QuicOptions,
@@ -325,17 +325,6 @@ fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket, TransportError> {
     Ok(socket)
 }
 
-/// A tokio runtime with `threads` threads named `name`.
-fn runtime(threads: usize, name: &str) -> Result<Arc<tokio::runtime::Runtime>, TransportError> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .thread_name(name)
-        .enable_all()
-        .build()
-        .map(Arc::new)
-        .map_err(|e| setup_err("runtime", e))
-}
-
 impl Bound {
     /// Binds rank `rank`'s endpoint to `addr` (port 0: any free port).
     ///
@@ -347,27 +336,12 @@ impl Bound {
         creds: &Credentials,
         opts: QuicOptions,
     ) -> Result<Self, TransportError> {
-        Self::bind_on(
-            runtime(1, &format!("pipe-quic-{rank}"))?,
-            rank,
-            addr,
-            creds,
-            opts,
-        )
-    }
-
-    /// [`Bound::bind`] on a runtime shared with other endpoints of this process (fewer
-    /// threads when several workers of one process each have an endpoint).
-    ///
-    /// # Errors
-    /// As [`Bound::bind`].
-    pub fn bind_on(
-        runtime: Arc<tokio::runtime::Runtime>,
-        rank: u32,
-        addr: SocketAddr,
-        creds: &Credentials,
-        opts: QuicOptions,
-    ) -> Result<Self, TransportError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(format!("pipe-quic-{rank}"))
+            .enable_all()
+            .build()
+            .map_err(|e| setup_err("runtime", e))?;
         let (server, client) = tls_configs(creds, &opts)?;
         let endpoint = {
             let _guard = runtime.enter();
@@ -797,7 +771,7 @@ pub struct Quic {
     rank: u32,
     size: u32,
     /// Taken when the endpoint lingers on a background thread after a drop.
-    runtime: Option<Arc<tokio::runtime::Runtime>>,
+    runtime: Option<tokio::runtime::Runtime>,
     endpoint: quinn::Endpoint,
     peers: Vec<Option<Peer>>,
     events: Receiver<Event>,
@@ -830,14 +804,11 @@ impl std::fmt::Debug for Quic {
 pub fn local_mesh(workers: u32, opts: &QuicOptions) -> Result<Vec<Quic>, TransportError> {
     let cluster = Cluster::generate(workers)?;
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
-    let shared = runtime(2, "pipe-quic")?;
     let bound = cluster
         .ranks
         .iter()
         .enumerate()
-        .map(|(r, (_, _, creds))| {
-            Bound::bind_on(shared.clone(), r as u32, loopback, creds, opts.clone())
-        })
+        .map(|(r, (_, _, creds))| Bound::bind(r as u32, loopback, creds, opts.clone()))
         .collect::<Result<Vec<_>, _>>()?;
     let addrs = bound
         .iter()
@@ -913,7 +884,7 @@ impl Quic {
 
     fn runtime(&self) -> Result<&tokio::runtime::Runtime, TransportError> {
         self.runtime
-            .as_deref()
+            .as_ref()
             .ok_or_else(|| TransportError::Protocol("endpoint already closed".into()))
     }
 
@@ -1001,10 +972,7 @@ impl Quic {
         rt.block_on(async {
             let _ = tokio::time::timeout(Duration::from_millis(500), endpoint.wait_idle()).await;
         });
-        // The last endpoint on a shared runtime stops it.
-        if let Ok(rt) = Arc::try_unwrap(rt) {
-            rt.shutdown_timeout(Duration::from_millis(100));
-        }
+        rt.shutdown_timeout(Duration::from_millis(100));
     }
 }
 
