@@ -166,6 +166,9 @@ pub struct QuicOptions {
     pub linger: Duration,
     /// Frames queued per stream before a send blocks.
     pub queue: usize,
+    /// Time a frame may take once its header has arrived, on top of its payload at 1 MB/s: a
+    /// peer that stops mid-frame is an error after this, not a receive that waits forever.
+    pub frame_grace: Duration,
     /// Largest payload accepted from a peer.
     pub max_payload_bytes: u64,
 }
@@ -181,6 +184,7 @@ impl QuicOptions {
             idle_timeout: Duration::from_secs(5),
             linger: Duration::from_secs(10),
             queue: 64,
+            frame_grace: Duration::from_secs(10),
             max_payload_bytes: FrameLimits::DEFAULT_MAX_PAYLOAD,
         }
     }
@@ -623,7 +627,7 @@ async fn start_peer(
         rank,
         peer,
         conn.clone(),
-        limits,
+        (limits, opts.frame_grace),
         events.clone(),
     ));
     tokio::spawn(watch_connection(peer, conn.clone(), events.clone()));
@@ -657,7 +661,7 @@ async fn read_data_streams(
     rank: u32,
     peer: u32,
     conn: quinn::Connection,
-    limits: FrameLimits,
+    (limits, grace): (FrameLimits, Duration),
     events: Sender<Event>,
 ) {
     for _ in KINDS {
@@ -678,22 +682,22 @@ async fn read_data_streams(
                 });
                 return;
             };
-            let end = match read_frames(rank, peer, kind, &mut stream, &limits, &events).await {
-                Ok(()) => Event::StreamEnd { peer, kind },
-                Err(why) => {
-                    conn.close(CLOSE_REFUSED.into(), why.as_bytes());
-                    Event::Broken { peer, why }
-                }
-            };
+            let end =
+                match read_frames(rank, peer, kind, &mut stream, &limits, grace, &events).await {
+                    Ok(()) => Event::StreamEnd { peer, kind },
+                    Err(why) => {
+                        conn.close(CLOSE_REFUSED.into(), why.as_bytes());
+                        Event::Broken { peer, why }
+                    }
+                };
             let _ = events.send(end);
         });
     }
 }
 
 /// Reads frames from one data stream until it ends; every check before any allocation.
-/// Time any frame may take once its header has arrived, plus its payload at [`MIN_RATE`].
-const FRAME_GRACE: Duration = Duration::from_secs(10);
-/// Slowest payload rate a peer is allowed, bytes per second.
+/// Slowest payload rate a peer is allowed, bytes per second (see
+/// [`QuicOptions::frame_grace`]).
 const MIN_RATE: f64 = 1e6;
 
 async fn read_frames(
@@ -702,6 +706,7 @@ async fn read_frames(
     kind: Kind,
     stream: &mut quinn::RecvStream,
     limits: &FrameLimits,
+    grace: Duration,
     events: &Sender<Event>,
 ) -> Result<(), String> {
     loop {
@@ -728,7 +733,7 @@ async fn read_frames(
         let mut payload = frame::PayloadBuffer::for_header(&header);
         // A frame that has begun must finish: a peer that stops mid-payload (or sends fewer
         // bytes than its header says) is an error, not a receive that waits forever.
-        let limit = FRAME_GRACE + Duration::from_secs_f64(header.payload_bytes() as f64 / MIN_RATE);
+        let limit = grace + Duration::from_secs_f64(header.payload_bytes() as f64 / MIN_RATE);
         match tokio::time::timeout(limit, stream.read_exact(payload.bytes_mut())).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(format!("reading from rank {peer}: {e}")),

@@ -161,3 +161,97 @@ fn a_bf16_wire_rounds_activations_and_gradients_and_keeps_chunks_exact() {
         assert_eq!(m.tensor.host().unwrap(), &want[..], "{kind:?}");
     }
 }
+
+/// A peer with a valid certificate that breaks the protocol on its data stream: what the
+/// honest worker (rank 1) reports, and how long it takes.
+fn hostile_peer(data: Vec<u8>, keep_open: Duration) -> (TransportError, Duration) {
+    use pipe_transport::{Key, Kind, Transport};
+    let cluster = Cluster::generate(2).unwrap();
+    let mut o = opts(7);
+    o.frame_grace = Duration::from_millis(500);
+    let worker = Bound::bind(1, loopback(), &cluster.ranks[1].2, o).unwrap();
+    let addr = worker.local_addr().unwrap();
+    let h = thread::spawn(move || {
+        let mut ep = worker.connect(&[loopback(), addr]).unwrap();
+        let t = std::time::Instant::now();
+        let key = Key {
+            from: 0,
+            to: 1,
+            kind: Kind::Activation,
+            stage: 0,
+            index: 0,
+            step: 0,
+        };
+        let e = ep.recv(&key).unwrap_err();
+        (e, t.elapsed())
+    });
+    // Rank 0, played by hand: a valid certificate and hello, then `data` on an activation stream.
+    let creds = &cluster.ranks[0].2;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(creds.ca.clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(creds.chain.clone(), creds.key.clone_key())
+        .unwrap();
+    tls.alpn_protocols = vec![b"pipe/1".to_vec()];
+    let client = quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap(),
+    ));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut ep = quinn::Endpoint::client(loopback()).unwrap();
+        ep.set_default_client_config(client);
+        let conn = ep.connect(addr, &server_name(1)).unwrap().await.unwrap();
+        let mut control = conn.open_uni().await.unwrap();
+        let mut hello = vec![b'C'];
+        hello.extend_from_slice(b"PIPH");
+        hello.extend_from_slice(&7u64.to_le_bytes());
+        hello.extend_from_slice(&0u32.to_le_bytes());
+        control.write_all(&hello).await.unwrap();
+        let mut stream = conn.open_uni().await.unwrap();
+        stream.write_all(&[0]).await.unwrap();
+        stream.write_all(&data).await.unwrap();
+        tokio::time::sleep(keep_open).await;
+    });
+    h.join().unwrap()
+}
+
+#[test]
+fn a_peer_sending_garbage_is_refused_by_name() {
+    let (e, _) = hostile_peer(b"GARBAGE!garbage garbage".to_vec(), Duration::from_secs(1));
+    let msg = e.to_string();
+    assert!(matches!(e, TransportError::Protocol(_)), "{msg}");
+    assert!(
+        msg.contains("worker 0") && msg.contains("not a pipe frame"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_peer_that_stops_mid_payload_is_an_error_not_a_hang() {
+    use pipe_kernels::Tensor;
+    use pipe_transport::frame::{self, WireDType};
+    use pipe_transport::{Key, Kind, Message};
+    let m = Message {
+        key: Key {
+            from: 0,
+            to: 1,
+            kind: Kind::Activation,
+            stage: 0,
+            index: 0,
+            step: 0,
+        },
+        version: 0,
+        tensor: Tensor::from_vec(&[1000], vec![1.0; 1000]).unwrap(),
+    };
+    let mut bytes = frame::encode(&m, 7, WireDType::F32).unwrap();
+    bytes.truncate(bytes.len() - 3000);
+    // The peer keeps its connection open (keep-alives flow) but never finishes the frame.
+    let (e, waited) = hostile_peer(bytes, Duration::from_secs(3));
+    let msg = e.to_string();
+    assert!(msg.contains("did not finish a 4000-byte payload"), "{msg}");
+    assert!(waited < Duration::from_secs(3), "{waited:?}");
+}
