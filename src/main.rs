@@ -42,7 +42,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use crate::commands::{bench, plan, profile, schedule, simulate, train};
+use crate::commands::{bench, cluster, plan, profile, schedule, simulate, train};
 use crate::output::bad_input;
 
 /// Pipeline-parallel training with weight stashing.
@@ -68,6 +68,9 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Time every layer of a model (forward, both backward halves, update) and count its sizes.
     Profile(profile::ProfileArgs),
+    /// Cluster credentials for workers on separate hosts.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
 }
 
 #[derive(Subcommand, Debug)]
@@ -113,6 +116,7 @@ fn run() -> Result<()> {
         Command::Simulate(args) => simulate::run(&args),
         Command::Plan(args) => plan::run(&args),
         Command::Profile(args) => profile::run(&args),
+        Command::Cluster(cmd) => cluster::run(&cmd),
     }
 }
 

@@ -768,3 +768,46 @@ fn a_reader_that_leaves_early_ends_the_output_quietly() {
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(first.starts_with(b"w0: "));
 }
+
+#[test]
+fn quic_training_matches_in_process_training_and_cluster_init_writes_credentials() {
+    let mut args: Vec<&str> = SMALL.to_vec();
+    args.extend(["--stages", "2", "--replicas", "2,1"]);
+    let inproc = pipe_ok(&args);
+    args.extend(["--transport", "quic"]);
+    let quic = pipe_ok(&args);
+    let summary = |t: &str| {
+        t.lines().find(|l| l.starts_with("done:")).map(|l| {
+            // The wall time differs; the loss and accuracy must not.
+            l.rsplit_once(',')
+                .map_or(l.to_string(), |(head, _)| head.to_string())
+        })
+    };
+    assert_eq!(summary(&inproc), summary(&quic), "{inproc}\n{quic}");
+    assert!(summary(&quic).is_some(), "{quic}");
+    let dir = tmp("cluster");
+    let d = dir.to_str().unwrap();
+    let text = pipe_ok(&["cluster", "init", "--workers", "2", "-o", d]);
+    assert!(text.contains("cluster of 2 workers"), "{text}");
+    for f in ["ca.pem", "rank-0.pem", "rank-1.key", "cluster.toml"] {
+        assert!(dir.join(f).exists(), "{f}");
+    }
+    assert_bad_input(
+        &["cluster", "init", "--workers", "0", "-o", d],
+        "--workers 0",
+    );
+    assert_bad_input(
+        &[
+            "cluster",
+            "init",
+            "--workers",
+            "2",
+            "--addrs",
+            "a:1",
+            "-o",
+            d,
+        ],
+        "1 addresses for 2 workers",
+    );
+    assert_bad_input(&["train", "--transport", "tcp"], "tcp");
+}

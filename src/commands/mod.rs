@@ -2,6 +2,7 @@
 //! [`crate::args`], [`crate::output`] and [`crate::plan_file`], never another command.
 
 pub mod bench;
+pub mod cluster;
 pub mod plan;
 pub mod profile;
 pub mod schedule;

@@ -15,6 +15,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cluster;
 pub mod collective;
 pub mod frame;
 pub mod inproc;
