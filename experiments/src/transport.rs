@@ -145,7 +145,7 @@ fn stream_once<T: Transport + 'static>(
         }
     }
     let secs = t.elapsed().as_secs_f64();
-    // Both ends close together: each waits until the other has read everything.
+    // The receiver has read everything; its close lets the sender's go.
     b.close().map_err(err)?;
     sender
         .join()

@@ -12,18 +12,22 @@
 //! **Sends overlap compute.** [`Transport::send`] encodes the frame and queues it for the
 //! stream's writer task; it blocks only when `queue` frames wait for that stream
 //! (back-pressure). Receives are served from one channel fed by every reader task, buffered
-//! by key as in-process.
+//! by key as in-process. That channel is unbounded: readers drain quinn's buffers as fast as
+//! frames arrive, so QUIC's flow control does not hold a sender back; what bounds the bytes
+//! waiting is the schedule, which sends a stage only as many messages ahead as it has in
+//! flight.
 //!
 //! **Failures name the peer.** An abort is a control record every peer's reader turns into
 //! [`TransportError::Aborted`]. A connection that times out (keep-alives every second, idle
 //! limit [`QuicOptions::idle_timeout`]) or resets is [`TransportError::Closed`] naming that
 //! peer. A peer that has finished its streams is gone for the keys it would have sent.
 //!
-//! **Nothing is lost at the end.** [`Transport::close`] finishes this worker's data streams,
-//! waits until it has read every peer's data streams to their end, tells each peer so (an
-//! `F` record), and closes a connection only when the peer has said the same: a frame is never
-//! in flight when its connection closes. Dropping an endpoint without `close` does the same
-//! on a background thread, bounded by [`QuicOptions::linger`].
+//! **Nothing is lost at the end.** QUIC discards unread data when a connection closes. A
+//! worker's readers tell a peer (an `F` record) as soon as they have read all of that peer's
+//! data streams to their end. [`Transport::close`] finishes this worker's data streams and
+//! closes each connection once the peer has confirmed (or is gone), bounded by
+//! [`QuicOptions::linger`]; it never waits for a peer's program to end. Dropping an endpoint
+//! without `close` does the same on a background thread.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -446,20 +450,45 @@ async fn read_hello(stream: &mut quinn::RecvStream, run_id: u64) -> Result<u32, 
     Ok(u32::from_le_bytes([buf[13], buf[14], buf[15], buf[16]]))
 }
 
+/// Why a hello exchange failed, and whether trying again could help: a peer of another run,
+/// one that is not a pipe worker, or one that refused this worker will say the same again.
+#[derive(Debug)]
+struct GreetError {
+    definitive: bool,
+    why: String,
+}
+
 /// Hello exchange on a fresh connection: returns the peer's rank, this side's control stream
 /// and the peer's control stream (past the hello).
 async fn greet(
     conn: &quinn::Connection,
     rank: u32,
     run_id: u64,
-) -> Result<(u32, quinn::SendStream, quinn::RecvStream), String> {
-    let mut control = conn.open_uni().await.map_err(|e| e.to_string())?;
+) -> Result<(u32, quinn::SendStream, quinn::RecvStream), GreetError> {
+    // A transport failure is worth retrying unless the peer closed the connection to refuse.
+    let transient = |e: String| GreetError {
+        definitive: matches!(conn.close_reason(),
+            Some(quinn::ConnectionError::ApplicationClosed(c)) if c.error_code == CLOSE_REFUSED.into()),
+        why: e,
+    };
+    let mut control = conn
+        .open_uni()
+        .await
+        .map_err(|e| transient(e.to_string()))?;
     control
         .write_all(&hello(rank, run_id))
         .await
-        .map_err(|e| e.to_string())?;
-    let mut theirs = conn.accept_uni().await.map_err(|e| e.to_string())?;
-    let peer = read_hello(&mut theirs, run_id).await?;
+        .map_err(|e| transient(e.to_string()))?;
+    let mut theirs = conn
+        .accept_uni()
+        .await
+        .map_err(|e| transient(e.to_string()))?;
+    let peer = read_hello(&mut theirs, run_id)
+        .await
+        .map_err(|why| GreetError {
+            definitive: !why.starts_with("reading the hello"),
+            why,
+        })?;
     Ok((peer, control, theirs))
 }
 
@@ -479,18 +508,33 @@ async fn dial(
         let attempt = async {
             let connecting = endpoint
                 .connect_with(client.clone(), addr, &server_name(to))
-                .map_err(|e| e.to_string())?;
-            let conn = connecting.await.map_err(|e| e.to_string())?;
+                .map_err(|e| GreetError {
+                    definitive: true,
+                    why: e.to_string(),
+                })?;
+            let conn = connecting.await.map_err(|e| GreetError {
+                definitive: false,
+                why: e.to_string(),
+            })?;
             let (peer, control, theirs) = greet(&conn, rank, opts.run_id).await?;
             if peer != to {
                 conn.close(CLOSE_REFUSED.into(), b"wrong rank");
-                return Err(format!("the worker at {addr} says it is rank {peer}"));
+                return Err(GreetError {
+                    definitive: true,
+                    why: format!("the worker at {addr} says it is rank {peer}"),
+                });
             }
             Ok((peer, conn, control, theirs))
         };
         match tokio::time::timeout(Duration::from_secs(2), attempt).await {
             Ok(Ok(g)) => return Ok(g),
-            Ok(Err(e)) => last = e,
+            Ok(Err(e)) if e.definitive => {
+                return Err(TransportError::Setup(format!(
+                    "rank {rank} could not connect to rank {to} at {addr}: {}",
+                    e.why
+                )));
+            }
+            Ok(Err(e)) => last = e.why,
             Err(_) => last = "handshake timed out".into(),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -525,7 +569,7 @@ async fn accept_lower(
                 CLOSE_REFUSED.into(),
                 format!("rank {peer} refused").as_bytes(),
             ),
-            Err(e) => conn.close(CLOSE_REFUSED.into(), e.as_bytes()),
+            Err(e) => conn.close(CLOSE_REFUSED.into(), e.why.as_bytes()),
         }
     }
     got
@@ -623,17 +667,19 @@ async fn start_peer(
         run_id: opts.run_id,
         max_payload_bytes: opts.max_payload_bytes,
     };
+    let control = Arc::new(tokio::sync::Mutex::new(control));
     tokio::spawn(read_data_streams(
         rank,
         peer,
         conn.clone(),
         (limits, opts.frame_grace),
         events.clone(),
+        control.clone(),
     ));
     tokio::spawn(watch_connection(peer, conn.clone(), events.clone()));
     Ok(Peer {
         conn,
-        control: Arc::new(tokio::sync::Mutex::new(control)),
+        control,
         data,
         writers,
     })
@@ -657,49 +703,64 @@ async fn read_control(peer: u32, mut stream: quinn::RecvStream, events: Sender<E
     }
 }
 
+/// Reads the peer's data streams; once all of them have ended cleanly, tells the peer (an `F`
+/// record on this side's control stream) that everything it sent has been read, so it may
+/// close the connection without waiting for this worker's program to end.
 async fn read_data_streams(
     rank: u32,
     peer: u32,
     conn: quinn::Connection,
     (limits, grace): (FrameLimits, Duration),
     events: Sender<Event>,
+    control: Arc<tokio::sync::Mutex<quinn::SendStream>>,
 ) {
+    let mut readers = Vec::new();
     for _ in KINDS {
         let Ok(mut stream) = conn.accept_uni().await else {
             return;
         };
         let (events, conn) = (events.clone(), conn.clone());
-        tokio::spawn(async move {
+        readers.push(tokio::spawn(async move {
             let mut tag = [0u8; 1];
             let kind = match stream.read_exact(&mut tag).await {
                 Ok(()) => KINDS.get(tag[0] as usize).copied(),
-                Err(_) => return,
+                Err(_) => return false,
             };
             let Some(kind) = kind else {
                 let _ = events.send(Event::Broken {
                     peer,
                     why: format!("unknown stream tag {}", tag[0]),
                 });
-                return;
+                return false;
             };
-            let end =
-                match read_frames(rank, peer, kind, &mut stream, &limits, grace, &events).await {
-                    Ok(()) => Event::StreamEnd { peer, kind },
-                    Err(why) => {
-                        conn.close(CLOSE_REFUSED.into(), why.as_bytes());
-                        Event::Broken { peer, why }
-                    }
-                };
+            let read = read_frames(rank, peer, kind, &mut stream, &limits, grace, &events).await;
+            let (end, clean) = match read {
+                Ok(()) => (Event::StreamEnd { peer, kind }, true),
+                Err(why) => {
+                    conn.close(CLOSE_REFUSED.into(), why.as_bytes());
+                    (Event::Broken { peer, why }, false)
+                }
+            };
             let _ = events.send(end);
-        });
+            clean
+        }));
+    }
+    let mut all_clean = true;
+    for r in readers {
+        all_clean &= r.await.unwrap_or(false);
+    }
+    if all_clean {
+        let mut record = vec![RECORD_FINISHED];
+        record.extend_from_slice(&rank.to_le_bytes());
+        let _ = control.lock().await.write_all(&record).await;
     }
 }
 
-/// Reads frames from one data stream until it ends; every check before any allocation.
 /// Slowest payload rate a peer is allowed, bytes per second (see
 /// [`QuicOptions::frame_grace`]).
 const MIN_RATE: f64 = 1e6;
 
+/// Reads frames from one data stream until it ends; every check before any allocation.
 async fn read_frames(
     rank: u32,
     peer: u32,
@@ -894,16 +955,14 @@ impl Quic {
     }
 
     /// Sends one control record to every connected peer; waits for the writes when `wait`.
-    fn tell_all(&self, record: u8, value: u32, only: Option<u32>, wait: bool) {
+    fn tell_all(&self, record: u8, value: u32, wait: bool) {
         let Ok(rt) = self.runtime() else { return };
         let mut bytes = vec![record];
         bytes.extend_from_slice(&value.to_le_bytes());
         let tasks: Vec<_> = self
             .peers
             .iter()
-            .enumerate()
-            .filter(|(p, _)| only.is_none_or(|o| o as usize == *p))
-            .filter_map(|(_, p)| p.as_ref())
+            .flatten()
             .map(|p| {
                 let control = p.control.clone();
                 let bytes = bytes.clone();
@@ -932,19 +991,14 @@ impl Quic {
         for p in self.peers.iter_mut().flatten() {
             p.data = [None, None, None];
         }
+        // Every peer's readers confirm (an `F` record) once they have read this worker's
+        // finished streams to the end; a peer that has gone needs nothing more.
         let others: Vec<u32> = (0..self.size).filter(|&p| p != self.rank).collect();
-        let mut told = HashSet::new();
         while !aborted && Instant::now() < deadline {
             let _ = self.drain();
-            for &p in &others {
-                let read_all = KINDS.iter().all(|&k| self.ended.contains(&(p, k)));
-                if (read_all || self.lost.contains(&p)) && told.insert(p) {
-                    self.tell_all(RECORD_FINISHED, self.rank, Some(p), false);
-                }
-            }
-            let done = others.iter().all(|p| {
-                told.contains(p) && (self.finished_by.contains(p) || self.lost.contains(p))
-            });
+            let done = others
+                .iter()
+                .all(|p| self.finished_by.contains(p) || self.lost.contains(p));
             if done {
                 break;
             }
@@ -1103,13 +1157,13 @@ impl Transport for Quic {
 
     fn abort(&mut self) {
         self.aborted_by.get_or_insert(self.rank);
-        self.tell_all(RECORD_ABORT, self.rank, None, false);
+        self.tell_all(RECORD_ABORT, self.rank, false);
     }
 
     fn close(&mut self) -> Result<(), TransportError> {
         if self.aborted_by == Some(self.rank) {
             // Let the abort records reach the peers before the connections close.
-            self.tell_all(RECORD_ABORT, self.rank, None, true);
+            self.tell_all(RECORD_ABORT, self.rank, true);
         }
         let linger = self.opts.linger;
         self.shutdown(linger);
@@ -1196,7 +1250,7 @@ impl Drop for Quic {
             .name(format!("pipe-quic-close-{}", me.rank))
             .spawn(move || {
                 if me.aborted_by == Some(me.rank) {
-                    me.tell_all(RECORD_ABORT, me.rank, None, true);
+                    me.tell_all(RECORD_ABORT, me.rank, true);
                 }
                 me.shutdown(linger);
             });
