@@ -3,8 +3,8 @@
 //! input, 1 for failures at run time.
 //!
 //! This file owns the command tree and the exit status; each command lives in [`commands`],
-//! shared argument handling in [`args`], output and errors in [`output`], and plan files and
-//! automatic planning in [`plan_file`].
+//! shared argument handling in [`args`], what `pipe train` and `pipe worker` share in
+//! [`training`], the worker-process launcher in [`launch`], output and errors in [`output`].
 
 /// Prints to standard output like `print!`, except that a reader that has gone away (`pipe
 /// plan | head`) ends the program quietly instead of panicking; see [`output::write_out`].
@@ -35,14 +35,16 @@ const _: () = assert!(MI_OPTION_PURGE_DELAY + 1 == libmimalloc_sys::mi_option_us
 
 mod args;
 mod commands;
+mod launch;
 mod output;
+mod training;
 
 use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use crate::commands::{bench, cluster, plan, profile, schedule, simulate, train};
+use crate::commands::{bench, cluster, plan, profile, schedule, simulate, train, worker};
 use crate::output::bad_input;
 
 /// Pipeline-parallel training with weight stashing.
@@ -71,6 +73,8 @@ enum Command {
     /// Cluster credentials for workers on separate hosts.
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
+    /// Run one worker of a pipelined run (one per host or process), over QUIC.
+    Worker(Box<worker::WorkerArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -84,6 +88,9 @@ enum BenchCommand {
     Partition(bench::PartitionBenchArgs),
     /// Tensor streaming per transport against a TCP socket; the ring all-reduce.
     Transport(bench::TransportBenchArgs),
+    /// One process of `pipe bench transport`'s all-reduce among processes.
+    #[command(hide = true)]
+    AllreduceWorker(bench::AllreduceWorkerArgs),
 }
 
 /// Parses the command line and runs the command.
@@ -112,11 +119,13 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Pipeline(args)) => bench::run_pipeline(&args),
         Command::Bench(BenchCommand::Partition(args)) => bench::run_partition(&args),
         Command::Bench(BenchCommand::Transport(args)) => bench::run_transport(&args),
+        Command::Bench(BenchCommand::AllreduceWorker(args)) => bench::run_allreduce_worker(&args),
         Command::Schedule(args) => schedule::run(&args),
         Command::Simulate(args) => simulate::run(&args),
         Command::Plan(args) => plan::run(&args),
         Command::Profile(args) => profile::run(&args),
         Command::Cluster(cmd) => cluster::run(&cmd),
+        Command::Worker(args) => worker::run(&args),
     }
 }
 
@@ -129,13 +138,18 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let code = output::exit_code(&e);
-            // One line: the error and its causes joined, no backtrace.
-            let msg = e
-                .chain()
-                .map(|c| c.to_string())
-                .collect::<Vec<_>>()
-                .join(": ")
-                .replace('\n', " ");
+            // One line: the error and its causes joined, no backtrace; a cause whose text
+            // its parent already shows is not repeated.
+            let mut msg = String::new();
+            for cause in e.chain().map(|c| c.to_string()) {
+                if !msg.ends_with(&cause) {
+                    if !msg.is_empty() {
+                        msg.push_str(": ");
+                    }
+                    msg.push_str(&cause);
+                }
+            }
+            let msg = msg.replace('\n', " ");
             eprintln!("error: {msg}");
             ExitCode::from(code)
         }

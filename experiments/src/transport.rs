@@ -7,9 +7,10 @@
 //! receiver's allocation. The tensors are made before the clock starts. *TCP*: the same bytes
 //! written to a `std::net::TcpStream` on loopback and read into one buffer, no framing: the
 //! ceiling a socket gives on this machine. *All-reduce*: `workers` endpoints, each on its own
-//! thread of this process (separate processes need the launcher), run
-//! [`ring_all_reduce`] over a buffer of `allreduce_mb` MB, once untimed and once timed (the
-//! slowest worker's time); algorithm bandwidth is bytes /
+//! thread of this process, run [`ring_all_reduce`] over a buffer of `allreduce_mb` MB, once
+//! untimed and once timed (the slowest worker's time); with every endpoint in its own
+//! process (`pipe bench transport` starts them), [`allreduce_rounds`] is each one's part.
+//! Algorithm bandwidth is bytes /
 //! time, bus bandwidth that times `2 (n - 1) / n`, as NCCL's tests report them. Every figure
 //! is the median over `rounds`.
 
@@ -259,17 +260,48 @@ fn allreduce_figure<T: Transport + 'static>(
             .fold(0.0, f64::max);
         times.push(slowest);
     }
-    let seconds = median(&times);
-    let bytes = values * 4;
+    Ok(allreduce_from_times(name, n, values * 4, &times))
+}
+
+/// The all-reduce figure of `workers` reducing `bytes`, from each round's slowest time.
+pub fn allreduce_from_times(name: &str, workers: u32, bytes: usize, times: &[f64]) -> AllReduce {
+    let seconds = median(times);
     let algbw = bytes as f64 / seconds / 1e9;
-    Ok(AllReduce {
+    AllReduce {
         transport: name.into(),
-        workers: n,
+        workers,
         bytes,
         seconds,
         algbw,
-        busbw: algbw * 2.0 * f64::from(n - 1) / f64::from(n),
-    })
+        busbw: algbw * 2.0 * f64::from(workers - 1) / f64::from(workers),
+    }
+}
+
+/// One endpoint's part of the all-reduce figure when every worker is its own process: one
+/// untimed all-reduce of `mb` MB, then `rounds` timed ones, each after a one-value
+/// all-reduce that lines the workers up. Returns this worker's seconds per round; the
+/// figure takes each round's slowest worker ([`allreduce_from_times`]).
+///
+/// # Errors
+/// Transport failures.
+pub fn allreduce_rounds<T: Transport + ?Sized>(
+    ep: &mut T,
+    mb: usize,
+    rounds: u32,
+) -> Result<Vec<f64>, ExperimentError> {
+    let fail = |e: TransportError| ExperimentError::Config(format!("all-reduce: {e}"));
+    let group: Vec<u32> = (0..ep.size()).collect();
+    let mut data = vec![ep.rank() as f32; mb * 1_000_000 / 4];
+    ring_all_reduce(ep, &group, 0, 0, &mut data).map_err(fail)?;
+    let mut times = Vec::with_capacity(rounds as usize);
+    for round in 1..=rounds {
+        let mut one = [0.0f32];
+        ring_all_reduce(ep, &group, 1, round, &mut one).map_err(fail)?;
+        let t = Instant::now();
+        ring_all_reduce(ep, &group, 0, round, &mut data).map_err(fail)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(times)
 }
 
 /// Runs the measurement.
@@ -308,8 +340,10 @@ pub fn run(cfg: &TransportBenchConfig) -> Result<TransportReport, ExperimentErro
     let quic_over_tcp = streams[1].gbytes_per_s / streams[3].gbytes_per_s;
     let n = cfg.allreduce_workers;
     let allreduce = vec![
-        allreduce_figure("in-process", cfg, || Ok(mesh(n, &InProcOptions::default())))?,
-        allreduce_figure("QUIC", cfg, || {
+        allreduce_figure("in-process, threads", cfg, || {
+            Ok(mesh(n, &InProcOptions::default()))
+        })?,
+        allreduce_figure("QUIC, threads of one process", cfg, || {
             local_mesh(n, &quic_opts(WireDType::F32)).map_err(setup)
         })?,
     ];
@@ -339,7 +373,7 @@ pub fn render(r: &TransportReport) -> String {
         );
     }
     out += &format!("\nQUIC (f32) / TCP: {:.2}\n\n", r.quic_over_tcp);
-    out += "ring all-reduce, one endpoint per thread of this process\n\n\
+    out += "ring all-reduce\n\n\
             | transport | workers | MB | seconds | algbw GB/s | busbw GB/s |\n|---|---|---|---|---|---|\n";
     for a in &r.allreduce {
         out += &format!(

@@ -7,7 +7,11 @@ use anyhow::{Context, Result};
 use clap::Args;
 use pipe_experiments::ExperimentError;
 
+use pipe_transport::cluster::ClusterFile;
+use pipe_transport::quic::QuicOptions;
+
 use crate::args::parse_policy;
+use crate::launch::{LaunchOptions, RECORD, join, launch};
 use crate::output::{bad_input, schedule_error};
 
 /// `pipe bench partition`: the profiled plan against the uniform split.
@@ -117,9 +121,89 @@ pub fn run_transport(args: &TransportBenchArgs) -> Result<()> {
         allreduce_workers: args.allreduce_workers,
         rounds: args.rounds,
     };
-    let report = pipe_experiments::transport::run(&cfg)?;
+    let mut report = pipe_experiments::transport::run(&cfg)?;
+    report.allreduce.push(allreduce_in_processes(args)?);
     out!("{}", pipe_experiments::transport::render(&report));
     write_json(args.json.as_ref(), &report)
+}
+
+/// The ring all-reduce with every worker its own process over QUIC on loopback: each
+/// process's seconds per round come back as a record; a round takes its slowest worker.
+fn allreduce_in_processes(
+    args: &TransportBenchArgs,
+) -> Result<pipe_experiments::transport::AllReduce> {
+    let n = args.allreduce_workers;
+    let mut per_rank: Vec<Option<Vec<f64>>> = vec![None; n as usize];
+    let mut on_record = |rank: u32, json: &str| -> Result<()> {
+        let times: Vec<f64> = serde_json::from_str(json).context("a worker's all-reduce times")?;
+        if let Some(slot) = per_rank.get_mut(rank as usize) {
+            *slot = Some(times);
+        }
+        Ok(())
+    };
+    let (mb, rounds) = (args.allreduce_mb.to_string(), args.rounds.to_string());
+    let command = |_: &std::path::Path| -> Vec<std::ffi::OsString> {
+        vec![
+            "bench".into(),
+            "allreduce-worker".into(),
+            "--mb".into(),
+            mb.clone().into(),
+            "--rounds".into(),
+            rounds.clone().into(),
+        ]
+    };
+    launch(&LaunchOptions::new(n), &[], &command, &mut on_record)?;
+    let slowest: Vec<f64> = (0..args.rounds as usize)
+        .map(|r| {
+            per_rank
+                .iter()
+                .map(|t| t.as_ref().and_then(|t| t.get(r)).copied())
+                .try_fold(0.0f64, |m, t| t.map(|t| m.max(t)))
+                .ok_or_else(|| anyhow::anyhow!("a worker did not report its all-reduce times"))
+        })
+        .collect::<Result<_>>()?;
+    Ok(pipe_experiments::transport::allreduce_from_times(
+        "QUIC, one process per worker",
+        n,
+        args.allreduce_mb as usize * 1_000_000,
+        &slowest,
+    ))
+}
+
+/// `pipe bench allreduce-worker`: one process of `pipe bench transport`'s all-reduce among
+/// processes (started by it, not by hand).
+#[derive(Args, Debug)]
+pub struct AllreduceWorkerArgs {
+    /// MB all-reduced.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    mb: u64,
+    /// Timed rounds.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
+    /// The cluster file.
+    #[arg(long)]
+    cluster: PathBuf,
+    /// This worker's rank.
+    #[arg(long)]
+    rank: u32,
+    /// Started by a launcher.
+    #[arg(long)]
+    launched: bool,
+}
+
+/// Runs one all-reduce worker: joins the cluster, reports its seconds per round as a record.
+///
+/// # Errors
+/// Bad cluster files; transport failures.
+pub fn run_allreduce_worker(args: &AllreduceWorkerArgs) -> Result<()> {
+    let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
+    let opts = QuicOptions::new(cluster.run_id);
+    let mut ep = join(&cluster, args.rank, None, opts, args.launched)?;
+    let times =
+        pipe_experiments::transport::allreduce_rounds(&mut ep, args.mb as usize, args.rounds);
+    pipe_transport::Transport::close(&mut ep)?;
+    outln!("{RECORD}{}", serde_json::to_string(&times?)?);
+    Ok(())
 }
 
 /// Writes a report as pretty JSON, with a final newline, when `path` is given.

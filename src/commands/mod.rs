@@ -1,5 +1,6 @@
 //! One module per `pipe` command: its arguments and the code that runs it. A command uses
-//! [`crate::args`], [`crate::output`] and [`crate::plan_file`], never another command.
+//! [`crate::args`], [`crate::output`], [`crate::training`] and [`crate::launch`], never another
+//! command.
 
 pub mod bench;
 pub mod cluster;
@@ -8,3 +9,4 @@ pub mod profile;
 pub mod schedule;
 pub mod simulate;
 pub mod train;
+pub mod worker;

@@ -583,3 +583,28 @@ fn param_table(
     }
     Ok((table, slots))
 }
+
+/// A 64-bit FNV-1a digest of `params`' exact bits (shapes included), in layer order: what
+/// runs print so that two runs' final weights can be compared bit for bit without saving
+/// them. Host tensors only; a device tensor counts as its shape alone.
+pub fn params_digest(params: &Params) -> u64 {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(PRIME);
+        }
+    };
+    for t in params.iter().flatten() {
+        for &d in t.shape() {
+            eat(&(d as u64).to_le_bytes());
+        }
+        if let Ok(values) = t.host() {
+            for v in values {
+                eat(&v.to_bits().to_le_bytes());
+            }
+        }
+    }
+    h
+}

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use pipe_kernels::{Backend, Tensor};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
@@ -15,7 +15,7 @@ use crate::model::{Model, Params, place_params};
 use crate::optim::Optimizer;
 
 /// One optimizer step, as reported to observers and logs.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StepStats {
     /// Update number, from 1.
     pub step: u64,
@@ -38,7 +38,7 @@ pub struct StepStats {
 }
 
 /// One epoch's summary.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct EpochStats {
     /// Epoch, from 1.
     pub epoch: u64,
@@ -59,7 +59,7 @@ pub struct EpochStats {
 }
 
 /// One pipeline stage's figures over an epoch.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct StageEpochStats {
     /// The stage.
     pub stage: u32,

@@ -207,6 +207,7 @@ impl Header {
             0 => Kind::Activation,
             1 => Kind::Gradient,
             2 => Kind::Chunk,
+            3 => Kind::Control,
             k => return Err(FrameError::Header(format!("unknown message kind {k}"))),
         };
         Ok(Key {
@@ -235,6 +236,7 @@ fn kind_number(kind: Kind) -> u8 {
         Kind::Activation => 0,
         Kind::Gradient => 1,
         Kind::Chunk => 2,
+        Kind::Control => 3,
     }
 }
 

@@ -144,7 +144,7 @@ impl InProc {
 /// are always f32 (sums of rounded chunks would drift between replicas' orders).
 pub(crate) fn wire_for(kind: Kind, wire: WireDType) -> WireDType {
     match kind {
-        Kind::Chunk => WireDType::F32,
+        Kind::Chunk | Kind::Control => WireDType::F32,
         Kind::Activation | Kind::Gradient => wire,
     }
 }

@@ -35,6 +35,10 @@ pub enum Kind {
     Gradient,
     /// A chunk of a ring all-reduce.
     Chunk,
+    /// Run bookkeeping between a run's workers and its chief (rank 0) at drain points: the
+    /// run's settings, each worker's epoch summary, weights for evaluation. Carried bit-exact
+    /// (never rounded to a narrower wire type); byte payloads use [`Message::from_bytes`].
+    Control,
 }
 
 /// Identifies a message. A receiver asks for exactly one key.
@@ -67,6 +71,55 @@ pub struct Message {
     pub tensor: Tensor,
 }
 
+impl Message {
+    /// A message carrying `bytes` exactly: packed four to an `f32` element by bit pattern
+    /// (no arithmetic ever touches a payload, so every bit pattern survives), the byte count
+    /// in [`Message::version`]. For [`Kind::Control`] records, which are small and rare.
+    pub fn from_bytes(key: Key, bytes: &[u8]) -> Message {
+        let words: Vec<f32> = bytes
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                f32::from_bits(u32::from_le_bytes(w))
+            })
+            .collect();
+        let mut tensor = Tensor::zeros(&[0]);
+        tensor.resize_host(&[words.len()]).copy_from_slice(&words);
+        Message {
+            key,
+            version: bytes.len() as u64,
+            tensor,
+        }
+    }
+
+    /// The bytes of a message made by [`Message::from_bytes`].
+    ///
+    /// # Errors
+    /// [`TransportError::Protocol`] when the byte count does not fit the payload, or the
+    /// payload is not in host memory.
+    pub fn into_bytes(self) -> Result<Vec<u8>, TransportError> {
+        let key = self.key;
+        let words = self
+            .tensor
+            .host()
+            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+        let len = usize::try_from(self.version).unwrap_or(usize::MAX);
+        if len > words.len() * 4 || len + 4 <= words.len() * 4 {
+            return Err(TransportError::Protocol(format!(
+                "{key:?} says {len} bytes but carries {} words",
+                words.len()
+            )));
+        }
+        let mut bytes: Vec<u8> = words
+            .iter()
+            .flat_map(|w| w.to_bits().to_le_bytes())
+            .collect();
+        bytes.truncate(len);
+        Ok(bytes)
+    }
+}
+
 /// Errors of a transport.
 #[derive(Debug, Error)]
 pub enum TransportError {
@@ -75,6 +128,15 @@ pub enum TransportError {
     Closed {
         /// The peer.
         peer: u32,
+    },
+    /// A peer's connection ended without the closing handshake: its process died, its host
+    /// or the network went away (no word from it within the idle timeout), or it reset.
+    #[error("lost worker {peer}: {why}")]
+    Lost {
+        /// The peer.
+        peer: u32,
+        /// What the connection reported.
+        why: String,
     },
     /// A worker failed and the run is being stopped.
     #[error("stopped because worker {by} failed")]

@@ -55,13 +55,14 @@ const CLOSE_DONE: u32 = 0;
 const CLOSE_ABORT: u32 = 1;
 const CLOSE_REFUSED: u32 = 2;
 
-const KINDS: [Kind; 3] = [Kind::Activation, Kind::Gradient, Kind::Chunk];
+const KINDS: [Kind; 4] = [Kind::Activation, Kind::Gradient, Kind::Chunk, Kind::Control];
 
 fn kind_slot(kind: Kind) -> usize {
     match kind {
         Kind::Activation => 0,
         Kind::Gradient => 1,
         Kind::Chunk => 2,
+        Kind::Control => 3,
     }
 }
 
@@ -214,10 +215,15 @@ enum Event {
     Aborted {
         by: u32,
     },
-    /// The connection ended (after both sides finished, or not), or the peer broke the
-    /// protocol.
+    /// The connection ended after the peer's closing handshake.
     Lost {
         peer: u32,
+    },
+    /// The connection ended without it: the peer died, went silent past the idle timeout, or
+    /// reset. The run cannot go on.
+    Failed {
+        peer: u32,
+        why: String,
     },
     /// The peer sent something the protocol does not allow; its connection is closed.
     Broken {
@@ -230,7 +236,7 @@ enum Event {
 struct Peer {
     conn: quinn::Connection,
     control: Arc<tokio::sync::Mutex<quinn::SendStream>>,
-    data: [Option<tokio::sync::mpsc::Sender<Frame>>; 3],
+    data: [Option<tokio::sync::mpsc::Sender<Frame>>; 4],
     writers: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -415,7 +421,9 @@ impl Bound {
             ended: HashSet::new(),
             finished_by: HashSet::new(),
             lost: HashSet::new(),
+            failed: None,
             aborted_by: None,
+            told_abort: false,
             opts,
             closed: false,
         })
@@ -638,7 +646,7 @@ async fn start_peer(
     opts: &QuicOptions,
     events: &Sender<Event>,
 ) -> Result<Peer, TransportError> {
-    let mut data: [Option<tokio::sync::mpsc::Sender<Frame>>; 3] = [None, None, None];
+    let mut data: [Option<tokio::sync::mpsc::Sender<Frame>>; 4] = [None, None, None, None];
     let mut writers = Vec::new();
     for kind in KINDS {
         let mut stream = conn
@@ -827,7 +835,15 @@ async fn watch_connection(peer: u32, conn: quinn::Connection, events: Sender<Eve
             Event::Lost { peer }
         }
         quinn::ConnectionError::LocallyClosed => return,
-        _ => Event::Lost { peer },
+        quinn::ConnectionError::TimedOut => Event::Failed {
+            peer,
+            why: "no word from it within the idle timeout (its process, host or network is gone)"
+                .into(),
+        },
+        other => Event::Failed {
+            peer,
+            why: format!("its connection ended: {other}"),
+        },
     };
     let _ = events.send(event);
 }
@@ -848,7 +864,12 @@ pub struct Quic {
     finished_by: HashSet<u32>,
     /// Peers whose connection ended.
     lost: HashSet<u32>,
+    /// The first peer lost without a closing handshake: the failure this worker's abort
+    /// names, so every worker's error points at the rank that died.
+    failed: Option<u32>,
     aborted_by: Option<u32>,
+    /// This worker told its peers to stop.
+    told_abort: bool,
     opts: QuicOptions,
     closed: bool,
 }
@@ -918,6 +939,11 @@ impl Quic {
             Event::Lost { peer } => {
                 self.lost.insert(peer);
                 Ok(None)
+            }
+            Event::Failed { peer, why } => {
+                self.lost.insert(peer);
+                self.failed.get_or_insert(peer);
+                Err(TransportError::Lost { peer, why })
             }
             Event::Broken { peer, why } => {
                 self.lost.insert(peer);
@@ -989,7 +1015,7 @@ impl Quic {
         let deadline = Instant::now() + linger;
         let aborted = self.aborted_by.is_some();
         for p in self.peers.iter_mut().flatten() {
-            p.data = [None, None, None];
+            p.data = [None, None, None, None];
         }
         // Every peer's readers confirm (an `F` record) once they have read this worker's
         // finished streams to the end; a peer that has gone needs nothing more.
@@ -1156,14 +1182,18 @@ impl Transport for Quic {
     }
 
     fn abort(&mut self) {
-        self.aborted_by.get_or_insert(self.rank);
-        self.tell_all(RECORD_ABORT, self.rank, false);
+        // A worker stopping because a peer died names that peer, not itself.
+        let by = self.failed.unwrap_or(self.rank);
+        self.aborted_by.get_or_insert(by);
+        self.told_abort = true;
+        self.tell_all(RECORD_ABORT, by, false);
     }
 
     fn close(&mut self) -> Result<(), TransportError> {
-        if self.aborted_by == Some(self.rank) {
+        if self.told_abort {
             // Let the abort records reach the peers before the connections close.
-            self.tell_all(RECORD_ABORT, self.rank, true);
+            let by = self.aborted_by.unwrap_or(self.rank);
+            self.tell_all(RECORD_ABORT, by, true);
         }
         let linger = self.opts.linger;
         self.shutdown(linger);
@@ -1237,7 +1267,9 @@ impl Drop for Quic {
             ended: std::mem::take(&mut self.ended),
             finished_by: std::mem::take(&mut self.finished_by),
             lost: std::mem::take(&mut self.lost),
+            failed: self.failed,
             aborted_by: self.aborted_by,
+            told_abort: self.told_abort,
             opts: self.opts.clone(),
             closed: false,
         };
@@ -1249,8 +1281,9 @@ impl Drop for Quic {
         let _ = std::thread::Builder::new()
             .name(format!("pipe-quic-close-{}", me.rank))
             .spawn(move || {
-                if me.aborted_by == Some(me.rank) {
-                    me.tell_all(RECORD_ABORT, me.rank, true);
+                if me.told_abort {
+                    let by = me.aborted_by.unwrap_or(me.rank);
+                    me.tell_all(RECORD_ABORT, by, true);
                 }
                 me.shutdown(linger);
             });

@@ -1,7 +1,8 @@
 //! The pipelined runtime: a checked plan ([`RunPlan`]), the worker core that runs one worker's
 //! program ([`exec`]), the worker driver that connects it to a backend and a transport
 //! ([`driver::run_worker`]), the in-process launcher that runs every worker as a thread
-//! ([`launch::run_threads`]), the sequential reference trainer that follows a version plan
+//! ([`launch::run_threads`]), one worker of a run whose others are in other processes
+//! ([`worker::train_worker`]), the sequential reference trainer that follows a version plan
 //! literally, partitions, and the pipelined training loop.
 //!
 //! The seams are shaped for every place a worker can run. The driver takes a rank, a backend,
@@ -24,6 +25,7 @@ pub mod partition;
 pub mod reference;
 pub mod run_plan;
 pub mod train;
+pub mod worker;
 
 pub use driver::run_worker;
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
@@ -32,6 +34,7 @@ pub use partition::Partition;
 pub use reference::reference_train;
 pub use run_plan::RunPlan;
 pub use train::{PipelineReport, PipelineTrainOptions, train_pipelined};
+pub use worker::train_worker;
 
 use pipe_kernels::{Backend, Tensor};
 use pipe_scheduler::StageId;

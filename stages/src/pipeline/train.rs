@@ -41,16 +41,32 @@ pub struct PipelineTrainOptions {
     pub timeline: bool,
 }
 
+/// An epoch that has ended, as the chief sees it.
+pub(super) struct EpochEnd<'p> {
+    /// Its schedule.
+    pub plan: &'p RunPlan,
+    /// Every worker's outcome, in worker order.
+    pub outcomes: &'p [WorkerOutcome],
+    /// The epoch, from 1.
+    pub epoch: u64,
+    /// Minibatches done by its end.
+    pub done: u64,
+    /// Minibatches in it.
+    pub this: u64,
+    /// Its wall time.
+    pub secs: f64,
+}
+
 /// What every epoch of a run shares.
-struct Run<'c> {
-    cfg: &'c RunConfig,
-    model: Model,
+pub(super) struct Run<'c> {
+    pub(super) cfg: &'c RunConfig,
+    pub(super) model: Model,
     /// Microbatches per minibatch.
     minibatch: u64,
     /// Minibatches per epoch.
-    per_epoch: u64,
+    pub(super) per_epoch: u64,
     /// Minibatches over the whole run.
-    total: u64,
+    pub(super) total: u64,
     lr: LrSchedule,
     start: Instant,
 }
@@ -91,7 +107,6 @@ pub fn train_pipelined(
         let outcomes = run.epoch(&plan, data, epoch, done, &init, &mut states)?;
         let secs = epoch_start.elapsed().as_secs_f64();
         done += this;
-        let (train_loss, samples) = run.report_steps(&outcomes, obs, epoch, done, this, secs)?;
         if opts.timeline {
             let base = run.start.elapsed().as_secs_f64() - secs;
             for o in &outcomes {
@@ -103,25 +118,15 @@ pub fn train_pipelined(
             }
         }
         params = assemble(&plan, &states)?;
-        let (test_loss, test_accuracy) = evaluate(
-            &eval_be as &dyn Backend,
-            &run.model,
-            &params,
-            &data.test,
-            1000,
-        )?;
-        let e = EpochStats {
+        let ended = EpochEnd {
+            plan: &plan,
+            outcomes: &outcomes,
             epoch,
-            train_loss,
-            test_loss,
-            test_accuracy,
-            samples_per_sec: samples as f64 / secs.max(1e-9),
-            elapsed_s: run.start.elapsed().as_secs_f64(),
-            steps: done,
-            stages: stage_stats(&plan.schedule, &outcomes, secs),
+            done,
+            this,
+            secs,
         };
-        obs.on_epoch(&e)?;
-        epochs.push(e);
+        epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
         last = Some(plan);
     }
     let plan = last.ok_or_else(|| StageError::Config("nothing to train".into()))?;
@@ -167,7 +172,7 @@ pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition>
 }
 
 impl<'c> Run<'c> {
-    fn new(cfg: &'c RunConfig, data: &Splits) -> Result<Self> {
+    pub(super) fn new(cfg: &'c RunConfig, data: &Splits) -> Result<Self> {
         let model = Model::new(&cfg.model)?;
         let b = cfg.microbatch_size;
         // One minibatch: M per replica of the most replicated stage.
@@ -208,6 +213,43 @@ impl<'c> Run<'c> {
         states: &mut Vec<WorkerState>,
     ) -> Result<Vec<WorkerOutcome>> {
         let cfg = self.cfg;
+        let threads = if cfg.threads == 0 { 1 } else { cfg.threads };
+        let workers = plan.schedule.workers();
+        let backend = || CpuBackend::new(threads);
+        self.with_setup(plan, data, epoch, done, |setup| {
+            if states.is_empty() {
+                *states = (0..plan.schedule.workers())
+                    .map(|w| WorkerState::new(setup, w, init, cfg.optimizer))
+                    .collect();
+            }
+            match cfg.transport {
+                TransportKind::InProcess => {
+                    let opts = InProcOptions {
+                        wire: cfg.wire,
+                        ..InProcOptions::default()
+                    };
+                    run_threads(setup, states, mesh(workers, &opts), backend)
+                }
+                TransportKind::Quic => {
+                    let mut opts = QuicOptions::new(run_id(cfg.seed, epoch));
+                    opts.wire = cfg.wire;
+                    run_threads(setup, states, local_mesh(workers, &opts)?, backend)
+                }
+            }
+        })
+    }
+
+    /// Calls `f` with the [`Setup`] of one epoch's schedule (`plan`) from minibatch `done` on:
+    /// the epoch's sample order, the learning rate of each stage's updates, dropout offsets.
+    pub(super) fn with_setup<R>(
+        &self,
+        plan: &RunPlan,
+        data: &Splits,
+        epoch: u64,
+        done: u64,
+        f: impl FnOnce(&Setup<'_>) -> R,
+    ) -> R {
+        let cfg = self.cfg;
         let source = OrderedSource {
             data: &data.train,
             order: data.train.epoch_order(cfg.seed, epoch),
@@ -229,42 +271,52 @@ impl<'c> Run<'c> {
             microbatch_offset: done * self.minibatch,
             lr: &lr,
         };
-        if states.is_empty() {
-            *states = (0..plan.schedule.workers())
-                .map(|w| WorkerState::new(&setup, w, init, cfg.optimizer))
-                .collect();
-        }
-        let threads = if cfg.threads == 0 { 1 } else { cfg.threads };
-        let workers = plan.schedule.workers();
-        let backend = || CpuBackend::new(threads);
-        match cfg.transport {
-            TransportKind::InProcess => {
-                let opts = InProcOptions {
-                    wire: cfg.wire,
-                    ..InProcOptions::default()
-                };
-                run_threads(&setup, states, mesh(workers, &opts), backend)
-            }
-            TransportKind::Quic => {
-                let mut opts = QuicOptions::new(run_id(cfg.seed, epoch));
-                opts.wire = cfg.wire;
-                run_threads(&setup, states, local_mesh(workers, &opts)?, backend)
-            }
-        }
+        f(&setup)
+    }
+
+    /// The end of an epoch on the chief: reports its steps, evaluates the assembled `params`
+    /// on the test split, and reports the epoch.
+    pub(super) fn finish_epoch(
+        &self,
+        ended: &EpochEnd<'_>,
+        params: &Params,
+        data: &Splits,
+        eval_be: &CpuBackend,
+        obs: &mut dyn Observer,
+    ) -> Result<EpochStats> {
+        let (train_loss, samples) = self.report_steps(ended, obs)?;
+        let (test_loss, test_accuracy) = evaluate(
+            eval_be as &dyn Backend,
+            &self.model,
+            params,
+            &data.test,
+            1000,
+        )?;
+        let e = EpochStats {
+            epoch: ended.epoch,
+            train_loss,
+            test_loss,
+            test_accuracy,
+            samples_per_sec: samples as f64 / ended.secs.max(1e-9),
+            elapsed_s: self.start.elapsed().as_secs_f64(),
+            steps: ended.done,
+            stages: stage_stats(&ended.plan.schedule, ended.outcomes, ended.secs),
+        };
+        obs.on_epoch(&e)?;
+        Ok(e)
     }
 
     /// Reports one step record per minibatch of the epoch (its microbatches' losses), after
     /// the epoch: the pipeline has no global step boundary while it runs. Returns the epoch's
     /// mean training loss and its samples.
-    fn report_steps(
-        &self,
-        outcomes: &[WorkerOutcome],
-        obs: &mut dyn Observer,
-        epoch: u64,
-        done: u64,
-        this: u64,
-        secs: f64,
-    ) -> Result<(f64, usize)> {
+    fn report_steps(&self, ended: &EpochEnd<'_>, obs: &mut dyn Observer) -> Result<(f64, usize)> {
+        let (outcomes, epoch, done, this, secs) = (
+            ended.outcomes,
+            ended.epoch,
+            ended.done,
+            ended.this,
+            ended.secs,
+        );
         let (loss, samples) = outcomes.iter().fold((0.0f64, 0usize), |(l, n), o| {
             (l + o.loss_sum, n + o.samples)
         });

@@ -1,0 +1,111 @@
+//! `pipe worker`: one worker of a pipelined run, in this process, reaching the others over
+//! QUIC with the credentials of a cluster file (`pipe cluster init`). Every host runs it with
+//! the same training flags; the rank comes from `--rank` or the environment of the engine
+//! that started it (Slurm, torchrun, a Kubernetes indexed Job). Rank 0, the chief, prints the
+//! run's progress and results. `pipe train --transport quic` starts one per worker on
+//! loopback ([`crate::launch`]), with the hidden `--launched` handshake.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use pipe_stages::model::{Model, params_digest};
+use pipe_stages::pipeline::train_worker;
+use pipe_stages::train::{self, Observer, Quiet};
+use pipe_transport::TransportKind;
+use pipe_transport::cluster::{ClusterFile, resolve_rank};
+use pipe_transport::quic::QuicOptions;
+
+use crate::launch::{Record, RecordWriter, join};
+use crate::output::bad_input;
+use crate::training::{Fan, TrainArgs, print_done, print_header, run_config};
+
+/// `pipe worker`.
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    /// The cluster file (`pipe cluster init`): every rank's address and credentials.
+    #[arg(long, value_name = "FILE")]
+    cluster: PathBuf,
+    /// This worker's rank (default: PIPE_RANK, RANK, SLURM_PROCID or JOB_COMPLETION_INDEX).
+    #[arg(long)]
+    rank: Option<u32>,
+    /// Address to bind (default: this rank's address in the cluster file), e.g. 0.0.0.0:29400
+    /// where the listed name is not an address of this host.
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// Seconds to wait for the other workers to start and connect.
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    connect_timeout: f64,
+    /// Started by `pipe train --transport quic`: report the bound address, read the others'
+    /// from standard input, report progress as records, exit when standard input closes.
+    #[arg(long, hide = true)]
+    launched: bool,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+/// Runs `pipe worker`.
+///
+/// # Errors
+/// Bad input for flags, cluster files and ranks; run-time failures of the run (a lost peer is
+/// named).
+pub fn run(args: &WorkerArgs) -> Result<()> {
+    if args.train.trace.is_some() {
+        return Err(bad_input(
+            "--trace records the worker threads of one process; pipe worker does not take it"
+                .into(),
+        ));
+    }
+    if args.train.workers.is_some() {
+        return Err(bad_input(
+            "--workers plans on one machine: run `pipe plan -o plan.toml` once and give every worker --plan plan.toml".into(),
+        ));
+    }
+    if !(args.connect_timeout.is_finite() && (0.0..=86_400.0).contains(&args.connect_timeout)) {
+        return Err(bad_input(format!(
+            "--connect-timeout {}: give 0 to 86400 seconds",
+            args.connect_timeout
+        )));
+    }
+    let mut cfg = run_config(&args.train)?.cfg;
+    if !cfg.pipelined {
+        return Err(bad_input(
+            "pipe worker runs a pipelined schedule: give --stages, --replicas or --schedule".into(),
+        ));
+    }
+    cfg.transport = TransportKind::Quic;
+    let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
+    let rank =
+        resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
+    let mut opts = QuicOptions::new(cluster.run_id);
+    opts.wire = cfg.wire;
+    opts.connect_timeout = Duration::from_secs_f64(args.connect_timeout);
+    let model = Model::new(&cfg.model)?;
+    let data = train::load_data(&cfg, &model)?;
+    let mut ep = join(&cluster, rank, args.listen, opts, args.launched)?;
+    let chief = rank == 0;
+    let mut obs: Box<dyn Observer> = match (chief, args.launched) {
+        (true, true) => Box::new(RecordWriter),
+        (true, false) => {
+            print_header(&cfg, &model, &data, cfg.threads.max(1));
+            Box::new(Fan::new(&cfg)?)
+        }
+        (false, _) => Box::new(Quiet),
+    };
+    let result = train_worker(&cfg, &data, &mut ep, obs.as_mut());
+    let closed = pipe_transport::Transport::close(&mut ep);
+    // The error names this worker, its stage and the action that failed.
+    let report = result?;
+    closed.with_context(|| format!("worker {rank}: closing"))?;
+    match (report, args.launched) {
+        (Some(report), true) => RecordWriter::write(&Record::Done {
+            steps: report.steps,
+            weights: params_digest(&report.params),
+        })?,
+        (Some(report), false) => print_done(&report),
+        (None, _) => {}
+    }
+    Ok(())
+}

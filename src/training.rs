@@ -1,0 +1,410 @@
+//! What `pipe train` and `pipe worker` share: the training flags, merged over a TOML config
+//! and a plan file (or an automatic plan for `--workers`) into one validated `RunConfig`; the
+//! run's header, the cut by measured time, and the closing line; the progress display and
+//! the observers every epoch is reported to.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use pipe_kernels::BackendKind;
+use pipe_stages::config::{
+    DatasetKind, ModelChoice, PartitionChoice, PlanFile, RunConfig, TrainSettings, layout_of,
+};
+use pipe_stages::data::Splits;
+use pipe_stages::log::JsonlLog;
+use pipe_stages::model::{Model, params_digest};
+use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
+use pipe_stages::pipeline::train::measured_cut;
+use pipe_stages::planning::auto_plan;
+use pipe_stages::train::{EpochStats, Observer, StepStats, TrainReport};
+
+use crate::args::BackendParser;
+use crate::output::bad_input;
+
+/// The training flags of `pipe train` and `pipe worker`: they override the config file's values.
+#[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
+pub struct TrainArgs {
+    /// TOML config file; flags given on the command line override its values.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Model preset, e.g. mlp-784-512-512-10 or mlp-784-1024x16-10 (a layer list goes in --config).
+    #[arg(long)]
+    model: Option<String>,
+    /// Dataset: mnist or synthetic.
+    #[arg(long)]
+    dataset: Option<DatasetKind>,
+    /// Directory holding MNIST IDX files (default: the copy embedded in the binary).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Passes over the training data.
+    #[arg(long)]
+    epochs: Option<u64>,
+    /// Stop after this many optimizer steps.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Samples per microbatch.
+    #[arg(long)]
+    microbatch_size: Option<usize>,
+    /// Microbatches whose gradients one update sums.
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// Optimizer: sgd, adam or adamw.
+    #[arg(long)]
+    optimizer: Option<OptimizerKind>,
+    /// Base learning rate.
+    #[arg(long)]
+    lr: Option<f32>,
+    /// Learning-rate schedule: constant, warmup or cosine.
+    #[arg(long)]
+    lr_schedule: Option<LrScheduleKind>,
+    /// Linear warmup steps.
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    /// SGD momentum.
+    #[arg(long)]
+    momentum: Option<f32>,
+    /// Use Nesterov momentum.
+    #[arg(long)]
+    nesterov: bool,
+    /// Weight decay.
+    #[arg(long)]
+    weight_decay: Option<f32>,
+    /// Run seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Compute threads (0: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Write one JSON object per step and per epoch to FILE.
+    #[arg(long, value_name = "FILE")]
+    log_jsonl: Option<PathBuf>,
+    /// Pipeline stages.
+    #[arg(long)]
+    stages: Option<usize>,
+    /// Replicas per stage: one value for all, or a comma-separated list (2,1,1,1).
+    #[arg(long, value_delimiter = ',')]
+    replicas: Option<Vec<u32>>,
+    /// Pipeline schedule: pipedream (default), pipedream-nostash, vsync, 2bw, gpipe,
+    /// 1f1b-flush, interleaved, zb-h1 or sequential.
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Model chunks per worker (interleaved).
+    #[arg(long)]
+    chunks: Option<u32>,
+    /// How to cut the model into stages: `measured` (profile briefly, balance time; the
+    /// default), `flops` (balance FLOPs; the same cut on every machine) or inclusive layer
+    /// ranges such as 0-2,3-5.
+    #[arg(long)]
+    partition: Option<String>,
+    /// Run a plan written by `pipe plan -o`: its schedule, stages, replicas and partition.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["stages", "replicas", "partition", "workers"])]
+    plan: Option<PathBuf>,
+    /// Plan automatically for W workers: profile the model, then partition it under the default
+    /// cost model for the run's schedule.
+    #[arg(long, conflicts_with_all = ["stages", "replicas", "partition"])]
+    pub workers: Option<u32>,
+    /// Write the measured timeline as Chrome trace JSON to FILE (pipelined runs).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Compute backend: cpu or cuda.
+    #[arg(long, value_parser = BackendParser)]
+    backend: Option<BackendKind>,
+    /// How workers exchange tensors: inproc (channels) or quic (QUIC with mutual TLS on
+    /// loopback).
+    #[arg(long, value_parser = ["inproc", "quic"])]
+    transport: Option<String>,
+    /// Element type of activations and gradients between stages: f32 or bf16 (half the
+    /// bytes; all-reduces stay f32).
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    wire_dtype: Option<String>,
+}
+
+impl TrainArgs {
+    /// The flags as settings to merge over a config file's.
+    fn settings(&self) -> TrainSettings {
+        TrainSettings {
+            model: self.model.clone().map(ModelChoice::Preset),
+            dataset: self.dataset,
+            data_dir: self.data_dir.clone(),
+            epochs: self.epochs,
+            steps: self.steps,
+            microbatch_size: self.microbatch_size,
+            microbatches: self.microbatches,
+            optimizer: self.optimizer,
+            lr: self.lr,
+            lr_schedule: self.lr_schedule,
+            warmup_steps: self.warmup_steps,
+            momentum: self.momentum,
+            nesterov: self.nesterov.then_some(true),
+            weight_decay: self.weight_decay,
+            seed: self.seed,
+            threads: self.threads,
+            log_jsonl: self.log_jsonl.clone(),
+            stages: self.stages,
+            replicas: self.replicas.clone(),
+            schedule: self.schedule.clone(),
+            chunks: self.chunks,
+            partition: self.partition.clone(),
+            backend: self.backend.map(|b| b.name().to_string()),
+            transport: self.transport.clone(),
+            wire_dtype: self.wire_dtype.clone(),
+            ..TrainSettings::default()
+        }
+    }
+}
+
+/// The run the flags describe, and the settings it was resolved from (what a launcher hands
+/// its worker processes).
+#[derive(Debug)]
+pub struct Resolved {
+    /// Config file, flags and plan, merged.
+    pub settings: TrainSettings,
+    /// The validated run.
+    pub cfg: RunConfig,
+}
+
+/// The run the flags describe: config file, then flags, then a plan file or an automatic
+/// plan, validated once.
+///
+/// # Errors
+/// Bad input for unreadable or malformed files and settings that describe no run.
+pub fn run_config(args: &TrainArgs) -> Result<Resolved> {
+    let mut settings = TrainSettings::default();
+    if let Some(path) = &args.config {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad_input(format!("cannot read config {}: {e}", path.display())))?;
+        settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
+    }
+    settings.merge(args.settings());
+    if let Some(path) = &args.plan {
+        let source = path.display().to_string();
+        let text =
+            std::fs::read_to_string(path).map_err(|e| bad_input(format!("plan {source}: {e}")))?;
+        settings.apply_plan(&PlanFile::parse(&text, &source)?, &source)?;
+    }
+    let cfg = settings.clone().resolve()?;
+    if let Some(w) = args.workers {
+        if w == 0 {
+            return Err(bad_input("--workers must be at least 1".into()));
+        }
+        let (_, plan) = auto_plan(
+            &cfg.model_name,
+            &Model::new(&cfg.model)?,
+            cfg.microbatch_size,
+            cfg.schedule,
+            cfg.microbatches as u32,
+            w,
+        )?;
+        let (partition, replicas) = layout_of(&plan)?;
+        let partition = partition.to_string();
+        outln!(
+            "auto plan for {w} workers: partition {partition}, replicas {replicas:?}, predicted {:.0} samples/s (simulated {:.0})",
+            cfg.microbatch_size as f64 / plan.time_per_microbatch,
+            plan.simulated
+                .map_or(f64::NAN, |t| cfg.microbatch_size as f64 / t)
+        );
+        settings.stages = Some(replicas.len());
+        settings.replicas = Some(replicas);
+        settings.partition = Some(partition);
+        settings.schedule = Some(cfg.schedule.name().into());
+        let cfg = settings.clone().resolve()?;
+        return Ok(Resolved { settings, cfg });
+    }
+    Ok(Resolved { settings, cfg })
+}
+
+/// The momentum in the run header, for SGD.
+pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
+    if opt.kind == pipe_stages::optim::OptimizerKind::Sgd {
+        format!(" momentum {:.2}", opt.momentum)
+    } else {
+        String::new()
+    }
+}
+
+/// Prints the run's header line: model, data, optimizer, seed, compute threads.
+pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usize) {
+    outln!(
+        "pipe train: model {} ({} parameters), {} ({} train / {} test), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads",
+        cfg.model_name,
+        model.param_count(),
+        data.train.name.trim_end_matches("-train"),
+        data.train.len(),
+        data.test.len(),
+        cfg.epochs,
+        cfg.microbatch_size,
+        cfg.microbatches,
+        cfg.optimizer.kind,
+        cfg.lr,
+        cfg.lr_schedule,
+        momentum_note(&cfg.optimizer),
+        cfg.seed,
+        threads
+    );
+}
+
+/// Settles a measured partition once, on this machine: profiles `model`, prints the cut, and
+/// fixes it in `cfg` and `settings` so that every worker (thread or process) runs the same.
+///
+/// # Errors
+/// Profiling failures; more stages than layers with parameters.
+pub fn settle_partition(
+    cfg: &mut RunConfig,
+    settings: &mut TrainSettings,
+    model: &Model,
+) -> Result<()> {
+    if cfg.partition != PartitionChoice::Measured {
+        return Ok(());
+    }
+    let cut = measured_cut(cfg, model)?;
+    let ms: Vec<String> = cut
+        .stage_seconds
+        .iter()
+        .map(|s| format!("{:.2}", s * 1e3))
+        .collect();
+    if cut.partition.stages() > 1 {
+        outln!(
+            "partition {} by measured time (ms per microbatch per stage: {}; --partition {} repeats it)",
+            cut.partition,
+            ms.join(", "),
+            cut.partition
+        );
+    }
+    settings.partition = Some(cut.partition.to_string());
+    cfg.partition = PartitionChoice::Given(cut.partition);
+    Ok(())
+}
+
+/// Prints the closing line of a run.
+pub fn print_done(report: &TrainReport) {
+    if let Some(last) = report.epochs.last() {
+        print_done_line(report.steps, last, params_digest(&report.params));
+    }
+}
+
+/// The closing line, from the last epoch's figures and the final weights' digest
+/// ([`params_digest`]: equal digests, equal weights, bit for bit).
+pub fn print_done_line(steps: u64, last: &EpochStats, digest: u64) {
+    outln!(
+        "done: {} steps, test accuracy {:.2}%, test loss {:.4}, weights {digest:016x}, {:.1} s",
+        steps,
+        100.0 * last.test_accuracy,
+        last.test_loss,
+        last.elapsed_s
+    );
+}
+
+/// Hands every step and epoch to the progress display first, then to the other observers
+/// (the JSON-lines log).
+pub struct Fan {
+    first: Progress,
+    rest: Vec<Box<dyn Observer>>,
+}
+
+impl Fan {
+    /// The progress display (a bar on a terminal) and the log `cfg` asks for.
+    ///
+    /// # Errors
+    /// A log file that cannot be created.
+    pub fn new(cfg: &RunConfig) -> Result<Self> {
+        let mut rest: Vec<Box<dyn Observer>> = Vec::new();
+        if let Some(path) = &cfg.log_jsonl {
+            rest.push(Box::new(JsonlLog::create(path)?));
+        }
+        Ok(Fan {
+            first: Progress::new(std::io::stderr().is_terminal()),
+            rest,
+        })
+    }
+}
+
+impl Observer for Fan {
+    fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+        self.first.on_step(s)?;
+        self.rest.iter_mut().try_for_each(|o| o.on_step(s))
+    }
+    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+        self.first.on_epoch(e)?;
+        self.rest.iter_mut().try_for_each(|o| o.on_epoch(e))
+    }
+}
+
+/// A progress bar on a terminal; nothing per step otherwise. One summary line per epoch.
+struct Progress {
+    bar: Option<ProgressBar>,
+    tty: bool,
+}
+
+impl Progress {
+    fn new(tty: bool) -> Self {
+        Self { bar: None, tty }
+    }
+}
+
+impl Observer for Progress {
+    fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+        if !self.tty {
+            return Ok(());
+        }
+        let bar = self.bar.get_or_insert_with(|| {
+            let b = ProgressBar::new(s.steps_in_epoch);
+            if let Ok(style) = ProgressStyle::with_template(
+                "epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
+            ) {
+                b.set_style(style.progress_chars("=> "));
+            }
+            b.set_prefix(s.epoch.to_string());
+            b.enable_steady_tick(Duration::from_millis(200));
+            b
+        });
+        bar.set_position(s.step_in_epoch);
+        if s.step_in_epoch % 10 == 1 || s.step_in_epoch == s.steps_in_epoch {
+            bar.set_message(format!(
+                "loss {:.4}, {:.0} samples/s",
+                s.loss, s.samples_per_sec
+            ));
+        }
+        Ok(())
+    }
+
+    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+        let train_loss = if e.train_loss.is_finite() {
+            format!("{:.4}", e.train_loss)
+        } else {
+            "-".into()
+        };
+        outln!(
+            "epoch {:>3}  train loss {}  test loss {:.4}  test acc {:6.2}%  {:>8.0} samples/s  {:>7.1} s",
+            e.epoch,
+            train_loss,
+            e.test_loss,
+            100.0 * e.test_accuracy,
+            e.samples_per_sec,
+            e.elapsed_s
+        );
+        if !e.stages.is_empty() {
+            let parts: Vec<String> = e
+                .stages
+                .iter()
+                .map(|s| {
+                    format!(
+                        "s{} util {:3.0}% staleness {:.2}",
+                        s.stage,
+                        100.0 * s.utilisation,
+                        s.staleness
+                    )
+                })
+                .collect();
+            outln!("           {}", parts.join(" | "));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,442 @@
+//! Workers in separate processes (`pipe worker`, and `pipe train --transport quic`, which
+//! launches them): the same weights as in-process for every policy, a worker killed with
+//! SIGKILL stopping the others within 10 s with errors that name it and leaving no process
+//! behind, two hosts (network namespaces joined by a veth pair where this machine allows it,
+//! distinct loopback addresses otherwise) with one worker starting late, and workers whose
+//! settings differ refused.
+//!
+//! These tests start many processes; they run one at a time so their timing claims hold on
+//! a 2-core machine.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::BufRead;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
+
+fn dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-workers-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small synthetic run (small enough that eight processes start quickly): its config file.
+fn small_config(d: &std::path::Path, epochs: u32) -> String {
+    let path = d.join("small.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "dataset = \"synthetic\"\nmodel = \"mlp-64-32x8-10\"\nepochs = {epochs}\nthreads = 1\n\
+             partition = \"flops\"\n\n[synthetic]\ninputs = 64\nclasses = 10\nhidden = 32\n\
+             train = 2048\ntest = 256\n"
+        ),
+    )
+    .unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+fn run(cmd: &mut Command) -> Output {
+    cmd.env_remove("RUST_BACKTRACE").output().expect("run pipe")
+}
+
+#[track_caller]
+fn ok(out: &Output) -> String {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// The `done:` line without its wall time: steps, accuracy, loss and the weights' digest.
+#[track_caller]
+fn done(text: &str) -> String {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("done:"))
+        .unwrap_or_else(|| panic!("no done line in {text}"));
+    assert!(line.contains("weights "), "{line}");
+    line.rsplit_once(',').unwrap().0.to_string()
+}
+
+#[test]
+fn processes_end_with_the_in_process_weights_for_every_policy() {
+    let _one = serial();
+    let d = dir("policies");
+    let config = small_config(&d, 1);
+    let policies = [
+        "sequential",
+        "gpipe",
+        "1f1b-flush",
+        "interleaved",
+        "zb-h1",
+        "pipedream",
+        "pipedream-nostash",
+        "vsync",
+        "2bw",
+    ];
+    for policy in policies {
+        for replicas in ["2", "2,1,1"] {
+            let stages = if replicas == "2" { "4" } else { "3" };
+            if policy == "interleaved" && replicas != "2" {
+                continue;
+            }
+            let chunks = if policy == "interleaved" { "2" } else { "1" };
+            let args = [
+                "train",
+                "--config",
+                &config,
+                "--steps",
+                "6",
+                "--stages",
+                stages,
+                "--replicas",
+                replicas,
+                "--schedule",
+                policy,
+                "--chunks",
+                chunks,
+                "--microbatches",
+                "4",
+            ];
+            let inproc = ok(&run(Command::new(PIPE).args(args)));
+            let quic = ok(&run(Command::new(PIPE)
+                .args(args)
+                .args(["--transport", "quic"])));
+            assert!(quic.contains("one process each"), "{quic}");
+            assert_eq!(
+                done(&inproc),
+                done(&quic),
+                "{policy} --replicas {replicas}:\n{inproc}\n{quic}"
+            );
+        }
+    }
+}
+
+/// Every process whose parent is `parent`, with its command line.
+fn children_of(parent: u32) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the parenthesised command name: state, ppid, ...
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let ppid = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok());
+        if ppid == Some(parent) {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            out.push((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")));
+        }
+    }
+    out
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie is dead for our purposes (its parent has yet to reap it).
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
+    if !std::path::Path::new("/proc/self/stat").exists() {
+        eprintln!("skipped: needs /proc to find the worker processes");
+        return;
+    }
+    let _one = serial();
+    let d = dir("kill");
+    let config = small_config(&d, 10_000);
+    let mut launcher: Child = Command::new(PIPE)
+        .args(["train", "--config", &config])
+        .args(["--stages", "2", "--replicas", "2,1", "--transport", "quic"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until training runs: the first epoch's line.
+    let stdout = launcher.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let started = Instant::now();
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the run never reached its first epoch");
+        if line.starts_with("epoch") {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60));
+    }
+    let workers = children_of(launcher.id());
+    assert_eq!(workers.len(), 3, "{workers:?}");
+    let victim = workers
+        .iter()
+        .find(|(_, cmd)| cmd.contains("--rank 2 "))
+        .expect("rank 2's process")
+        .0;
+    let killed = Instant::now();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &victim.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let others: Vec<u32> = workers
+        .iter()
+        .map(|w| w.0)
+        .filter(|&p| p != victim)
+        .collect();
+    while others.iter().any(|&p| alive(p)) {
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "workers still running 10 s after rank 2 was killed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stopped = killed.elapsed();
+    let out = launcher.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.lines()
+            .last()
+            .is_some_and(|l| l.contains("worker 2 was killed by signal 9")),
+        "{err}"
+    );
+    for rank in [0, 1] {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with(&format!("worker {rank}: error:")))
+            .unwrap_or_else(|| panic!("no error from worker {rank}: {err}"));
+        assert!(
+            line.contains("lost worker 2") || line.contains("because worker 2 failed"),
+            "{line}"
+        );
+    }
+    for (pid, _) in &workers {
+        assert!(!alive(*pid), "worker process {pid} outlived the launcher");
+    }
+    eprintln!("the others stopped {stopped:?} after the kill");
+}
+
+/// Two "hosts": network namespaces joined by a veth pair when this process may create them
+/// (root with `ip`), else two loopback addresses. Dropping it removes the namespaces.
+struct Hosts {
+    addrs: [String; 2],
+    namespaces: Option<[String; 2]>,
+}
+
+impl Hosts {
+    fn new() -> Hosts {
+        let tag = std::process::id() % 100_000;
+        let ns = [format!("pipe-a-{tag}"), format!("pipe-b-{tag}")];
+        let (va, vb) = (format!("pva{tag}"), format!("pvb{tag}"));
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let made = ip(&["netns", "add", &ns[0]])
+            && ip(&["netns", "add", &ns[1]])
+            && ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])
+            && ip(&["link", "set", &va, "netns", &ns[0]])
+            && ip(&["link", "set", &vb, "netns", &ns[1]])
+            && ip(&["-n", &ns[0], "addr", "add", "10.77.0.1/24", "dev", &va])
+            && ip(&["-n", &ns[1], "addr", "add", "10.77.0.2/24", "dev", &vb])
+            && ip(&["-n", &ns[0], "link", "set", &va, "up"])
+            && ip(&["-n", &ns[1], "link", "set", &vb, "up"]);
+        if made {
+            return Hosts {
+                addrs: ["10.77.0.1:29400".into(), "10.77.0.2:29400".into()],
+                namespaces: Some(ns),
+            };
+        }
+        for n in &ns {
+            let _ = ip(&["netns", "del", n]);
+        }
+        let free = |host: &str| {
+            let s = std::net::UdpSocket::bind(format!("{host}:0")).unwrap();
+            s.local_addr().unwrap().to_string()
+        };
+        Hosts {
+            addrs: [free("127.0.0.1"), free("127.0.0.2")],
+            namespaces: None,
+        }
+    }
+
+    /// A command that runs `pipe` on host `h`.
+    fn pipe(&self, h: usize) -> Command {
+        match &self.namespaces {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &ns[h], PIPE]);
+                c
+            }
+            None => Command::new(PIPE),
+        }
+    }
+
+    fn describe(&self) -> &'static str {
+        if self.namespaces.is_some() {
+            "two network namespaces joined by a veth pair"
+        } else {
+            "two loopback addresses (no network namespaces here)"
+        }
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for n in self.namespaces.iter().flatten() {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+#[test]
+fn two_hosts_train_like_one_process_and_wait_for_a_late_worker() {
+    let _one = serial();
+    let d = dir("hosts");
+    let config = small_config(&d, 1);
+    let hosts = Hosts::new();
+    eprintln!("hosts: {}", hosts.describe());
+    let cluster = d.join("cluster");
+    let addrs = hosts.addrs.join(",");
+    ok(&run(Command::new(PIPE).args([
+        "cluster",
+        "init",
+        "--workers",
+        "2",
+        "--addrs",
+        &addrs,
+        "-o",
+        cluster.to_str().unwrap(),
+    ])));
+    let file = cluster.join("cluster.toml");
+    let flags = ["--config", &config, "--steps", "8", "--stages", "2"];
+    let worker = |h: usize, rank: &str| {
+        let mut c = hosts.pipe(h);
+        c.args([
+            "worker",
+            "--cluster",
+            file.to_str().unwrap(),
+            "--rank",
+            rank,
+        ])
+        .args(flags)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        c
+    };
+    // Rank 1 starts first; the chief two seconds later.
+    let one = worker(1, "1").spawn().unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let chief = worker(0, "0").spawn().unwrap();
+    let chief = chief.wait_with_output().unwrap();
+    let one = one.wait_with_output().unwrap();
+    ok(&one);
+    let text = ok(&chief);
+    let inproc = ok(&run(Command::new(PIPE).arg("train").args(flags)));
+    assert_eq!(done(&inproc), done(&text), "{}", hosts.describe());
+}
+
+#[test]
+fn workers_refuse_other_settings_and_wait_no_longer_than_the_connect_timeout() {
+    let _one = serial();
+    let d = dir("refuse");
+    let config = small_config(&d, 1);
+    let cluster = d.join("cluster");
+    let free = || {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        s.local_addr().unwrap().to_string()
+    };
+    let addrs = format!("{},{}", free(), free());
+    ok(&run(Command::new(PIPE).args([
+        "cluster",
+        "init",
+        "--workers",
+        "2",
+        "--addrs",
+        &addrs,
+        "-o",
+        cluster.to_str().unwrap(),
+    ])));
+    let file = cluster.join("cluster.toml");
+    let worker = |rank: &str, lr: &str| {
+        Command::new(PIPE)
+            .args([
+                "worker",
+                "--cluster",
+                file.to_str().unwrap(),
+                "--rank",
+                rank,
+            ])
+            .args(["--config", &config, "--steps", "4", "--stages", "2"])
+            .args(["--lr", lr, "--connect-timeout", "20"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let chief = worker("0", "0.05");
+    let other = worker("1", "0.07").wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert_eq!(other.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("differ from the chief's") && err.contains("lr"),
+        "{err}"
+    );
+    let chief = chief.wait_with_output().unwrap();
+    assert!(!chief.status.success());
+
+    // Nobody else comes: the chief gives up after its connect timeout, naming the absent rank.
+    let t = Instant::now();
+    let alone = run(Command::new(PIPE)
+        .args(["worker", "--cluster", file.to_str().unwrap(), "--rank", "0"])
+        .args([
+            "--config",
+            &config,
+            "--stages",
+            "2",
+            "--connect-timeout",
+            "1",
+        ]));
+    let err = String::from_utf8_lossy(&alone.stderr);
+    assert!(!alone.status.success(), "{err}");
+    assert!(err.contains("1"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    eprintln!("alone: {err}");
+}
