@@ -1,0 +1,225 @@
+//! The examples in `deploy/`: the sbatch script runs (under stand-in `srun` and `scontrol`
+//! that start its tasks on this machine, when Slurm itself is absent), the Kubernetes
+//! manifest is an indexed Job with a headless Service whose worker arguments `pipe worker`
+//! accepts, and the two-host cluster file is one `pipe worker` reads.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use yaml_rust2::{Yaml, YamlLoader};
+
+const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-deploy-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn executable(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+}
+
+#[test]
+fn the_sbatch_script_parses_and_trains_under_stand_in_slurm_tools() {
+    let script = root().join("deploy/slurm/pipe.sbatch");
+    let syntax = Command::new("bash")
+        .arg("-n")
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(syntax.status.success(), "{syntax:?}");
+    let d = dir("slurm");
+    let bin = d.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    // scontrol: the allocation is this one machine.
+    executable(&bin.join("scontrol"), "#!/bin/bash\necho 127.0.0.1\n");
+    // srun: every task of the step as a local process with its Slurm variables; the step
+    // fails if one task does.
+    executable(
+        &bin.join("srun"),
+        "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\npids=()\n\
+         for ((t = 0; t < SLURM_NTASKS; t++)); do\n\
+           SLURM_PROCID=$t SLURM_LOCALID=$t \"$@\" & pids+=($!)\ndone\n\
+         rc=0\nfor p in \"${pids[@]}\"; do wait \"$p\" || rc=1; done\nexit $rc\n",
+    );
+    if Command::new("sbatch").arg("--version").output().is_ok() {
+        eprintln!("sbatch is installed, but this test runs the script under stand-ins");
+    }
+    let port = 30_000 + std::process::id() % 20_000;
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let out = Command::new("bash")
+        .arg(&script)
+        .current_dir(&d)
+        .env("PATH", path)
+        .env("PIPE", PIPE)
+        .env("PORT", port.to_string())
+        .env("SLURM_JOB_ID", "7")
+        .env("SLURM_NTASKS", "2")
+        .env("SLURM_NTASKS_PER_NODE", "2")
+        .env("SLURM_JOB_NODELIST", "node1")
+        .env(
+            "PIPE_ARGS",
+            "--dataset synthetic --model mlp-784-32x4-10 --stages 2 --steps 4 --partition flops",
+        )
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("done: 4 steps"), "{text}");
+    assert!(
+        !d.join("pipe-cluster-7").exists(),
+        "the credentials outlived the job"
+    );
+}
+
+/// The value at `path` (mapping keys) in `doc`.
+fn at<'y>(doc: &'y Yaml, path: &[&str]) -> &'y Yaml {
+    path.iter().fold(doc, |y, k| &y[*k])
+}
+
+#[test]
+fn the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() {
+    let text = std::fs::read_to_string(root().join("deploy/kubernetes/pipe-job.yaml")).unwrap();
+    let docs = YamlLoader::load_from_str(&text).unwrap();
+    assert_eq!(docs.len(), 2);
+    let service = docs
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("Service"))
+        .unwrap();
+    let job = docs
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("Job"))
+        .unwrap();
+    assert_eq!(at(service, &["spec", "clusterIP"]).as_str(), Some("None"));
+    assert_eq!(
+        at(service, &["spec", "publishNotReadyAddresses"]).as_bool(),
+        Some(true)
+    );
+    let service_name = at(service, &["metadata", "name"]).as_str().unwrap();
+    let job_name = at(job, &["metadata", "name"]).as_str().unwrap();
+    assert_eq!(
+        at(service, &["spec", "selector", "job-name"]).as_str(),
+        Some(job_name)
+    );
+    let spec = &job["spec"];
+    assert_eq!(spec["completionMode"].as_str(), Some("Indexed"));
+    let n = spec["completions"].as_i64().unwrap();
+    assert_eq!(spec["parallelism"].as_i64(), Some(n));
+    let pod = at(spec, &["template", "spec"]);
+    assert_eq!(pod["subdomain"].as_str(), Some(service_name));
+    let container = &pod["containers"][0];
+    let command: Vec<&str> = container["command"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert_eq!(command, ["pipe", "worker"]);
+    let mut args: Vec<String> = container["args"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    // The cluster the header's commands make, with the pods' DNS names.
+    let d = dir("k8s");
+    let addrs: Vec<String> = (0..n)
+        .map(|i| format!("{job_name}-{i}.{service_name}:29400"))
+        .collect();
+    let init = Command::new(PIPE)
+        .args(["cluster", "init", "--workers", &n.to_string(), "--addrs"])
+        .arg(addrs.join(","))
+        .arg("-o")
+        .arg(&d)
+        .output()
+        .unwrap();
+    assert!(init.status.success(), "{init:?}");
+    let cluster = args.iter().position(|a| a == "--cluster").unwrap();
+    args[cluster + 1] = d.join("cluster.toml").to_string_lossy().into_owned();
+    // With a rank outside the cluster, `pipe worker` gets as far as checking the rank: every
+    // argument parsed, the run's settings resolved and the cluster file read.
+    let out = Command::new(PIPE)
+        .arg("worker")
+        .args(&args)
+        .env("JOB_COMPLETION_INDEX", n.to_string())
+        .args(["--dataset", "synthetic"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!(
+            "rank {n} (from JOB_COMPLETION_INDEX) in a cluster of {n}"
+        )),
+        "{err}"
+    );
+    let stages: i64 = args[args.iter().position(|a| a == "--stages").unwrap() + 1]
+        .parse()
+        .unwrap();
+    let replicas: i64 = args[args.iter().position(|a| a == "--replicas").unwrap() + 1]
+        .parse()
+        .unwrap();
+    assert_eq!(stages * replicas, n, "completions must equal the workers");
+}
+
+#[test]
+fn the_two_host_cluster_file_is_what_cluster_init_writes() {
+    let shipped = std::fs::read_to_string(root().join("deploy/two-hosts/cluster.toml")).unwrap();
+    let d = dir("two-hosts");
+    let addrs = shipped
+        .lines()
+        .filter_map(|l| l.strip_prefix("addr = "))
+        .map(|a| a.trim_matches('"'))
+        .collect::<Vec<_>>()
+        .join(",");
+    assert_eq!(addrs, "10.0.0.1:29400,10.0.0.2:29400");
+    let init = Command::new(PIPE)
+        .args(["cluster", "init", "--workers", "2", "--addrs", &addrs, "-o"])
+        .arg(&d)
+        .output()
+        .unwrap();
+    assert!(init.status.success(), "{init:?}");
+    let made = std::fs::read_to_string(d.join("cluster.toml")).unwrap();
+    let body = |t: &str| -> Vec<String> {
+        t.lines()
+            .filter(|l| !l.starts_with('#') && !l.starts_with("run_id"))
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(body(&shipped), body(&made));
+    // With the credentials next to it, pipe worker reads the shipped file.
+    std::fs::copy(
+        root().join("deploy/two-hosts/cluster.toml"),
+        d.join("cluster.toml"),
+    )
+    .unwrap();
+    let out = Command::new(PIPE)
+        .args(["worker", "--cluster"])
+        .arg(d.join("cluster.toml"))
+        .args(["--rank", "2", "--stages", "2", "--dataset", "synthetic"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("rank 2 (from --rank) in a cluster of 2"),
+        "{err}"
+    );
+}
