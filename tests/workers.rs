@@ -78,24 +78,8 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
     let _one = serial();
     let d = dir("policies");
     let config = small_config(&d, 1);
-    let policies = [
-        "sequential",
-        "gpipe",
-        "1f1b-flush",
-        "interleaved",
-        "zb-h1",
-        "pipedream",
-        "pipedream-nostash",
-        "vsync",
-        "2bw",
-    ];
-    for policy in policies {
-        for replicas in ["2", "2,1,1"] {
-            let stages = if replicas == "2" { "4" } else { "3" };
-            if policy == "interleaved" && replicas != "2" {
-                continue;
-            }
-            let chunks = if policy == "interleaved" { "2" } else { "1" };
+    for (policy, stages, replicas, chunks) in cases() {
+        {
             let args = [
                 "train",
                 "--config",
@@ -253,7 +237,7 @@ fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
 /// Two "hosts": network namespaces joined by a veth pair when this process may create them
 /// (root with `ip`), else two loopback addresses. Dropping it removes the namespaces.
 struct Hosts {
-    addrs: [String; 2],
+    ips: [&'static str; 2],
     namespaces: Option<[String; 2]>,
 }
 
@@ -269,7 +253,10 @@ impl Hosts {
                 .status()
                 .is_ok_and(|s| s.success())
         };
-        let made = ip(&["netns", "add", &ns[0]])
+        // PIPE_TEST_HOSTS=loopback checks the fallback on a machine that has namespaces.
+        let wanted = std::env::var("PIPE_TEST_HOSTS").map_or(true, |v| v != "loopback");
+        let made = wanted
+            && ip(&["netns", "add", &ns[0]])
             && ip(&["netns", "add", &ns[1]])
             && ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])
             && ip(&["link", "set", &va, "netns", &ns[0]])
@@ -277,24 +264,38 @@ impl Hosts {
             && ip(&["-n", &ns[0], "addr", "add", "10.77.0.1/24", "dev", &va])
             && ip(&["-n", &ns[1], "addr", "add", "10.77.0.2/24", "dev", &vb])
             && ip(&["-n", &ns[0], "link", "set", &va, "up"])
-            && ip(&["-n", &ns[1], "link", "set", &vb, "up"]);
+            && ip(&["-n", &ns[1], "link", "set", &vb, "up"])
+            && ip(&["-n", &ns[0], "link", "set", "lo", "up"])
+            && ip(&["-n", &ns[1], "link", "set", "lo", "up"]);
         if made {
             return Hosts {
-                addrs: ["10.77.0.1:29400".into(), "10.77.0.2:29400".into()],
+                ips: ["10.77.0.1", "10.77.0.2"],
                 namespaces: Some(ns),
             };
         }
         for n in &ns {
             let _ = ip(&["netns", "del", n]);
         }
-        let free = |host: &str| {
-            let s = std::net::UdpSocket::bind(format!("{host}:0")).unwrap();
-            s.local_addr().unwrap().to_string()
-        };
         Hosts {
-            addrs: [free("127.0.0.1"), free("127.0.0.2")],
+            ips: ["127.0.0.1", "127.0.0.2"],
             namespaces: None,
         }
+    }
+
+    /// Addresses for `n` ranks, rank r on host r % 2: fixed ports inside namespaces (each has
+    /// its own), free ones otherwise.
+    fn addrs(&self, n: usize) -> Vec<String> {
+        (0..n)
+            .map(|r| {
+                let ip = self.ips[r % 2];
+                if self.namespaces.is_some() {
+                    format!("{ip}:{}", 29400 + r)
+                } else {
+                    let s = std::net::UdpSocket::bind(format!("{ip}:0")).unwrap();
+                    s.local_addr().unwrap().to_string()
+                }
+            })
+            .collect()
     }
 
     /// A command that runs `pipe` on host `h`.
@@ -313,7 +314,7 @@ impl Hosts {
         if self.namespaces.is_some() {
             "two network namespaces joined by a veth pair"
         } else {
-            "two loopback addresses (no network namespaces here)"
+            "two loopback addresses, 127.0.0.1 and 127.0.0.2 (no network namespaces)"
         }
     }
 }
@@ -326,51 +327,110 @@ impl Drop for Hosts {
     }
 }
 
+/// Every policy at `--stages 4 --replicas 2` and `--replicas 2,1,1` (but sequential, which
+/// has one worker), ranks alternating between two hosts, ends with the in-process weights; in the first case the hosts' workers start
+/// two seconds apart.
 #[test]
-fn two_hosts_train_like_one_process_and_wait_for_a_late_worker() {
+fn two_hosts_train_like_one_process_for_every_policy_and_wait_for_late_workers() {
     let _one = serial();
     let d = dir("hosts");
     let config = small_config(&d, 1);
     let hosts = Hosts::new();
     eprintln!("hosts: {}", hosts.describe());
-    let cluster = d.join("cluster");
-    let addrs = hosts.addrs.join(",");
-    ok(&run(Command::new(PIPE).args([
-        "cluster",
-        "init",
-        "--workers",
-        "2",
-        "--addrs",
-        &addrs,
-        "-o",
-        cluster.to_str().unwrap(),
-    ])));
-    let file = cluster.join("cluster.toml");
-    let flags = ["--config", &config, "--steps", "8", "--stages", "2"];
-    let worker = |h: usize, rank: &str| {
-        let mut c = hosts.pipe(h);
-        c.args([
-            "worker",
-            "--cluster",
-            file.to_str().unwrap(),
-            "--rank",
-            rank,
-        ])
-        .args(flags)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        c
-    };
-    // Rank 1 starts first; the chief two seconds later.
-    let one = worker(1, "1").spawn().unwrap();
-    std::thread::sleep(Duration::from_secs(2));
-    let chief = worker(0, "0").spawn().unwrap();
-    let chief = chief.wait_with_output().unwrap();
-    let one = one.wait_with_output().unwrap();
-    ok(&one);
-    let text = ok(&chief);
-    let inproc = ok(&run(Command::new(PIPE).arg("train").args(flags)));
-    assert_eq!(done(&inproc), done(&text), "{}", hosts.describe());
+    let mut late = true;
+    // Sequential runs one worker: nothing to split between hosts.
+    for (policy, stages, replicas, chunks) in cases().into_iter().filter(|c| c.0 != "sequential") {
+        let workers: usize = if replicas == "2" { 8 } else { 4 };
+        let cluster = d.join(format!("cluster-{policy}-{stages}"));
+        let addrs = hosts.addrs(workers).join(",");
+        ok(&run(Command::new(PIPE)
+            .args(["cluster", "init", "--workers", &workers.to_string()])
+            .args(["--addrs", &addrs, "-o"])
+            .arg(&cluster)));
+        let file = cluster.join("cluster.toml");
+        let flags = [
+            "--config",
+            &config,
+            "--steps",
+            "6",
+            "--microbatches",
+            "4",
+            "--stages",
+            stages,
+            "--replicas",
+            replicas,
+            "--schedule",
+            policy,
+            "--chunks",
+            chunks,
+        ];
+        let start = |rank: usize| {
+            hosts
+                .pipe(rank % 2)
+                .args(["worker", "--cluster", file.to_str().unwrap()])
+                .args(["--rank", &rank.to_string()])
+                .args(flags)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        // Host 1's workers first; host 0's (the chief's) two seconds later in the first case.
+        let mut children: Vec<(usize, Child)> =
+            (1..workers).step_by(2).map(|r| (r, start(r))).collect();
+        if late {
+            std::thread::sleep(Duration::from_secs(2));
+            late = false;
+        }
+        children.extend((0..workers).step_by(2).map(|r| (r, start(r))));
+        children.sort_by_key(|c| c.0);
+        let outs: Vec<Output> = children
+            .into_iter()
+            .map(|(_, c)| c.wait_with_output().unwrap())
+            .collect();
+        if outs.iter().any(|o| !o.status.success()) {
+            let all: Vec<String> = outs
+                .iter()
+                .enumerate()
+                .map(|(r, o)| format!("rank {r}: {}", String::from_utf8_lossy(&o.stderr)))
+                .collect();
+            panic!("{policy} --replicas {replicas}:\n{}", all.join("\n"));
+        }
+        let texts: Vec<String> = outs.iter().map(ok).collect();
+        let inproc = ok(&run(Command::new(PIPE).arg("train").args(flags)));
+        assert_eq!(
+            done(&inproc),
+            done(&texts[0]),
+            "{policy} --replicas {replicas} on {}",
+            hosts.describe()
+        );
+    }
+}
+
+/// (policy, stages, replicas, chunks) of the cross-checks: every policy at `--stages 4
+/// --replicas 2` and at `--stages 3 --replicas 2,1,1` (interleaved, which needs equal replica
+/// counts, only at the first).
+fn cases() -> Vec<(&'static str, &'static str, &'static str, &'static str)> {
+    let policies = [
+        "sequential",
+        "gpipe",
+        "1f1b-flush",
+        "interleaved",
+        "zb-h1",
+        "pipedream",
+        "pipedream-nostash",
+        "vsync",
+        "2bw",
+    ];
+    let mut out = Vec::new();
+    for policy in policies {
+        let chunks = if policy == "interleaved" { "2" } else { "1" };
+        out.push((policy, "4", "2", chunks));
+        if policy != "interleaved" {
+            out.push((policy, "3", "2,1,1", chunks));
+        }
+    }
+    out
 }
 
 #[test]

@@ -77,6 +77,22 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     }
     cfg.transport = TransportKind::Quic;
     let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
+    // Refused before connecting, so that no peer waits for a worker that cannot run.
+    let layout = cfg
+        .schedule_spec(pipe_scheduler::Length::Updates(1))
+        .resolve()
+        .map_err(|e| bad_input(e.to_string()))?
+        .layout;
+    if layout.workers() != cluster.size() {
+        return Err(bad_input(format!(
+            "this run needs {} workers ({} stages x replicas {:?}) but {} lists {}",
+            layout.workers(),
+            layout.stages(),
+            layout.replica_counts(),
+            args.cluster.display(),
+            cluster.size()
+        )));
+    }
     let rank =
         resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
     let mut opts = QuicOptions::new(cluster.run_id);
