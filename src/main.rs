@@ -44,7 +44,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use crate::commands::{bench, cluster, plan, profile, schedule, simulate, train, worker};
+use crate::commands::{bench, cluster, eval, plan, profile, schedule, simulate, train, worker};
 use crate::output::bad_input;
 
 /// Pipeline-parallel training with weight stashing.
@@ -75,6 +75,8 @@ enum Command {
     Cluster(cluster::ClusterCommand),
     /// Run one worker of a pipelined run (one per host or process), over QUIC.
     Worker(Box<worker::WorkerArgs>),
+    /// Test loss and accuracy of a checkpoint.
+    Eval(eval::EvalArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -126,6 +128,7 @@ fn run() -> Result<()> {
         Command::Profile(args) => profile::run(&args),
         Command::Cluster(cmd) => cluster::run(&cmd),
         Command::Worker(args) => worker::run(&args),
+        Command::Eval(args) => eval::run(&args),
     }
 }
 

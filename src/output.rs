@@ -1,6 +1,6 @@
 //! What every command shares on the way out: writing standard output (a reader that leaves
 //! early ends the program quietly), the bad-input error type, and the exit status an error
-//! maps to (2 for bad input, 1 for failures at run time).
+//! maps to (2 for bad input, 130 for a run stopped by Ctrl-C, 1 for failures at run time).
 
 use pipe_scheduler::ScheduleError;
 use pipe_stages::StageError;
@@ -27,6 +27,12 @@ pub fn write_out(args: std::fmt::Arguments<'_>) {
     }
 }
 
+/// A run stopped on request (Ctrl-C) after saving what it could (exit code 130, as a shell
+/// reports a process ended by SIGINT).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Interrupted(pub String);
+
 /// An error caused by user input: `msg` is what the user reads.
 pub fn bad_input(msg: String) -> anyhow::Error {
     BadInput(msg).into()
@@ -47,6 +53,9 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
     for cause in e.chain() {
         if cause.downcast_ref::<BadInput>().is_some() {
             return 2;
+        }
+        if cause.downcast_ref::<Interrupted>().is_some() {
+            return 130;
         }
         if let Some(s) = cause.downcast_ref::<StageError>() {
             return if s.is_bad_input() { 2 } else { 1 };

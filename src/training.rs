@@ -122,6 +122,22 @@ pub struct TrainArgs {
     /// bytes; all-reduces stay f32).
     #[arg(long, value_parser = ["f32", "bf16"])]
     wire_dtype: Option<String>,
+    /// Write checkpoints to DIR: at every epoch's end, every --checkpoint-every updates, and
+    /// on Ctrl-C (pipelined runs).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Also drain the pipeline and write a checkpoint every N updates.
+    #[arg(long, value_name = "N", requires = "checkpoint_dir",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_every: Option<u64>,
+    /// Checkpoints kept, newest first.
+    #[arg(long, default_value_t = 3, value_name = "K",
+          value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pub keep_checkpoints: u64,
+    /// Resume from a checkpoint: a checkpoint's directory, a checkpoint directory (its
+    /// newest), or `latest` (the newest in --checkpoint-dir).
+    #[arg(long, value_name = "DIR|latest")]
+    pub resume: Option<String>,
 }
 
 impl TrainArgs {

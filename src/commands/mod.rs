@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod eval;
 pub mod plan;
 pub mod profile;
 pub mod schedule;

@@ -1,19 +1,26 @@
 //! `pipe train`: a single-worker or pipelined run of the flags' configuration
-//! ([`crate::training`]), with a progress bar, per-epoch summaries and the optional JSON-lines
-//! log and Chrome trace. Pipelined workers are threads of this process (`--transport
+//! ([`crate::training`]), with a progress bar, per-epoch summaries, the optional JSON-lines
+//! log and Chrome trace, checkpoints, resume, and a clean stop on Ctrl-C. Pipelined workers are threads of this process (`--transport
 //! inproc`) or `pipe worker` processes talking QUIC on loopback (`--transport quic`,
 //! [`crate::launch`]).
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use anyhow::{Context, Result};
+use pipe_stages::checkpoint::Checkpoint;
 use pipe_stages::config::RunConfig;
 use pipe_stages::model::Model;
+use pipe_stages::pipeline::train::CheckpointPolicy;
+use pipe_stages::pipeline::worker::settings_fingerprint;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train;
 use pipe_transport::TransportKind;
 
 use crate::args::open_backend;
 use crate::launch::{LaunchOptions, run_processes};
-use crate::output::bad_input;
+use crate::output::{Interrupted, bad_input};
 pub use crate::training::TrainArgs;
 use crate::training::{
     Fan, print_done, print_done_line, print_header, run_config, settle_partition,
@@ -44,6 +51,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let data = train::load_data(&cfg, &model)?;
     print_header(&cfg, &model, &data, be.threads());
     let mut fan = Fan::new(&cfg)?;
+    let checkpoints = args.checkpoint_dir.is_some() || args.resume.is_some();
+    if checkpoints && (!cfg.pipelined || processes) {
+        return Err(bad_input(
+            "checkpoints are written and resumed by pipelined runs in one process so far: add \
+             --stages (1 or more) and keep --transport inproc"
+                .into(),
+        ));
+    }
     if !cfg.pipelined {
         let report = train::train(&cfg, &data, be.as_ref(), &mut fan).context("training failed")?;
         print_done(&report);
@@ -63,8 +78,30 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let opts = PipelineTrainOptions {
         timeline: args.trace.is_some(),
+        checkpoints: args.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
+            dir: dir.clone(),
+            every: args.checkpoint_every,
+            keep: usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX),
+            settings: settings_fingerprint(&cfg),
+        }),
+        resume: resume_from(args, &model)?,
+        stop: Some(stop_on_ctrl_c()),
     };
     let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
+    if let Some(last) = out.checkpoints.last() {
+        outln!(
+            "checkpoints: {} written, the last {}",
+            out.checkpoints.len(),
+            last.display()
+        );
+    }
+    if let Some(updates) = out.stopped {
+        let saved = match out.checkpoints.last() {
+            Some(dir) => format!("; resume with --resume {}", dir.display()),
+            None => "; nothing saved (no --checkpoint-dir)".into(),
+        };
+        return Err(Interrupted(format!("stopped after update {updates}{saved}")).into());
+    }
     outln!("partition: {}", out.partition);
     if let (Some(path), Some(timeline)) = (&args.trace, &out.timeline) {
         let plan = pipe_scheduler::VersionPlan::derive(&out.schedule).ok();
@@ -81,6 +118,50 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     print_done(&out.report);
     Ok(())
+}
+
+/// The checkpoint `--resume` names, read and checked against `model`.
+///
+/// # Errors
+/// Bad input: `latest` without `--checkpoint-dir`; a checkpoint that is missing, corrupted,
+/// truncated or made for another model (the error names the file).
+fn resume_from(args: &TrainArgs, model: &Model) -> Result<Option<Checkpoint>> {
+    let Some(r) = &args.resume else {
+        return Ok(None);
+    };
+    let path = if r == "latest" {
+        args.checkpoint_dir
+            .clone()
+            .ok_or_else(|| bad_input("--resume latest needs --checkpoint-dir".into()))?
+    } else {
+        PathBuf::from(r)
+    };
+    let (dir, ckpt) = pipe_stages::checkpoint::read(&path, model)?;
+    outln!(
+        "resuming from {} (update {}, epoch {}, {} samples into it)",
+        dir.display(),
+        ckpt.state.updates,
+        ckpt.state.epoch,
+        ckpt.state.samples_in_epoch
+    );
+    Ok(Some(ckpt))
+}
+
+/// A flag Ctrl-C sets: the run stops at its next drain point, after a checkpoint. A second
+/// Ctrl-C ends the process at once (exit 130).
+fn stop_on_ctrl_c() -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let installed = ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("stopping at the next drain point (Ctrl-C again to quit at once)");
+    });
+    if let Err(e) = installed {
+        eprintln!("warning: Ctrl-C will end the run without a checkpoint: {e}");
+    }
+    stop
 }
 
 /// The partition a run settled on, as `--partition` takes it.

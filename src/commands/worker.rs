@@ -58,6 +58,11 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
                 .into(),
         ));
     }
+    if args.train.checkpoint_dir.is_some() || args.train.resume.is_some() {
+        return Err(bad_input(
+            "checkpoints are not written by worker processes yet: run pipelined in one process (--transport inproc) to checkpoint".into(),
+        ));
+    }
     if args.train.workers.is_some() {
         return Err(bad_input(
             "--workers plans on one machine: run `pipe plan -o plan.toml` once and give every worker --plan plan.toml".into(),

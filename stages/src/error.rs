@@ -33,6 +33,13 @@ pub enum StageError {
     /// A configuration value is invalid.
     #[error("config: {0}")]
     Config(String),
+    /// A checkpoint that is missing, corrupted, truncated or made for another model (bad
+    /// input: exit 2).
+    #[error("checkpoint {0}")]
+    Checkpoint(String),
+    /// A checkpoint that could not be written (a failure at run time).
+    #[error("writing checkpoint {0}")]
+    CheckpointWrite(String),
     /// Writing a log failed.
     #[error("writing {path}: {source}")]
     Io {
@@ -80,7 +87,10 @@ impl StageError {
     /// command-line front end should exit with status 2.
     pub fn is_bad_input(&self) -> bool {
         match self {
-            StageError::Model(_) | StageError::Data { .. } | StageError::Config(_) => true,
+            StageError::Model(_)
+            | StageError::Data { .. }
+            | StageError::Config(_)
+            | StageError::Checkpoint(_) => true,
             StageError::Schedule(e) => e.is_bad_input(),
             StageError::Worker { source, .. } => source.is_bad_input(),
             _ => false,

@@ -8,10 +8,12 @@
 //! It trains on one worker ([`train::train`]) and pipelined ([`pipeline`]): the executor and
 //! the reference trainer build on the same model and layer API, and so does the profiler
 //! ([`profile`]), which times layers alone and then on the executor itself, so plans are made
-//! from what the runtime really pays.
+//! from what the runtime really pays. Runs save and resume through [`checkpoint`], whose files
+//! are keyed by parameter name, so a checkpoint does not depend on the partition that wrote it.
 
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod error;

@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, StageError};
 use crate::model::Params;
 
+/// An optimizer's state per layer and parameter: (momentum or first moment, second moment),
+/// empty tensors where the optimizer keeps none.
+pub type OptimizerState = Vec<Vec<(Tensor, Tensor)>>;
+
 /// Which optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -103,7 +107,7 @@ impl OptimizerConfig {
 pub struct Optimizer {
     cfg: OptimizerConfig,
     /// Per layer, per parameter: (momentum or first moment, second moment).
-    state: Vec<Vec<(Tensor, Tensor)>>,
+    state: OptimizerState,
     steps: u64,
 }
 
@@ -146,6 +150,50 @@ impl Optimizer {
             *pair = (be.place(first)?, be.place(second)?);
         }
         Ok(self)
+    }
+
+    /// An optimizer resuming from saved `state` (per layer and parameter: first, second;
+    /// host tensors shaped like `params`) after `steps` updates.
+    ///
+    /// # Errors
+    /// [`StageError::Checkpoint`] when `state` lacks what this optimizer keeps (momentum for
+    /// SGD with momentum, both moments for Adam) or does not match `params`' shapes.
+    pub fn with_state(
+        cfg: OptimizerConfig,
+        params: &Params,
+        state: OptimizerState,
+        steps: u64,
+    ) -> Result<Self> {
+        let fresh = Self::new(cfg, params);
+        let fits = |have: &Tensor, want: &Tensor| {
+            have.shape() == want.shape() || (want.is_empty() && have.is_empty())
+        };
+        let ok = state.len() == fresh.state.len()
+            && state.iter().zip(&fresh.state).all(|(a, b)| {
+                a.len() == b.len()
+                    && a
+                        .iter()
+                        .zip(b)
+                        .all(|((a1, a2), (b1, b2))| fits(a1, b1) && fits(a2, b2))
+            });
+        if !ok {
+            return Err(StageError::Checkpoint(format!(
+                "its optimizer state does not fit a {:?} optimizer{} on this model (saved by another optimizer?)",
+                cfg.kind,
+                if cfg.kind == OptimizerKind::Sgd && cfg.momentum != 0.0 {
+                    " with momentum"
+                } else {
+                    ""
+                }
+            )));
+        }
+        Ok(Self { cfg, state, steps })
+    }
+
+    /// The state per layer and parameter: (momentum or first moment, second moment); empty
+    /// tensors where this optimizer keeps none.
+    pub fn state(&self) -> &[Vec<(Tensor, Tensor)>] {
+        &self.state
     }
 
     /// Updates applied so far.

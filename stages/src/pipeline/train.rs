@@ -1,8 +1,12 @@
-//! Pipelined training: one schedule per epoch (the pipeline drains at every epoch's end, where
-//! the model is evaluated), workers launched as threads of this process that exchange tensors
-//! in process or over QUIC on loopback, worker state (weights, optimizer) carried from epoch
-//! to epoch.
+//! Pipelined training: one schedule per epoch, or per segment of an epoch when checkpoints are
+//! asked for more often (the pipeline drains at the end of each, so a checkpoint needs no
+//! stashed weights; the model is evaluated at each epoch's end), workers launched as threads
+//! of this process that exchange tensors in process or over QUIC on loopback, worker state
+//! (weights, optimizer) carried from segment to segment, or from a checkpoint.
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
@@ -12,12 +16,13 @@ use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
 
 use super::{OrderedSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, run_threads};
+use crate::checkpoint::{Checkpoint, RunState};
 use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::loss::SoftmaxCrossEntropy;
 use crate::model::{Model, Params};
-use crate::optim::LrSchedule;
+use crate::optim::{LrSchedule, Optimizer, OptimizerKind, OptimizerState};
 use crate::planning::{MeasuredPartition, measured_partition};
 use crate::train::{EpochStats, Observer, StageEpochStats, StepStats, TrainReport, evaluate};
 
@@ -32,6 +37,10 @@ pub struct PipelineReport {
     pub schedule: Schedule,
     /// Every action's measured interval over the whole run, when asked for.
     pub timeline: Option<Timeline>,
+    /// Checkpoints written, oldest first.
+    pub checkpoints: Vec<PathBuf>,
+    /// The run stopped early (asked to, at a drain point) after this many updates.
+    pub stopped: Option<u64>,
 }
 
 /// Options of [`train_pipelined`].
@@ -39,20 +48,45 @@ pub struct PipelineReport {
 pub struct PipelineTrainOptions {
     /// Record the measured timeline (for `--trace`).
     pub timeline: bool,
+    /// Write checkpoints.
+    pub checkpoints: Option<CheckpointPolicy>,
+    /// Start from this checkpoint instead of fresh weights.
+    pub resume: Option<Checkpoint>,
+    /// Set (by a Ctrl-C handler) to stop at the next drain point, after a checkpoint.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
-/// An epoch that has ended, as the chief sees it.
+/// When and where a run writes checkpoints.
+#[derive(Clone, Debug)]
+pub struct CheckpointPolicy {
+    /// The checkpoint directory (`DIR/ckpt-N`, `DIR/latest`).
+    pub dir: PathBuf,
+    /// Also drain and write one every this many updates (at every multiple of it, counted
+    /// over the whole run); without it, at each epoch's end.
+    pub every: Option<u64>,
+    /// Checkpoints kept.
+    pub keep: usize,
+    /// The run's numerics-deciding settings, recorded in each checkpoint.
+    pub settings: String,
+}
+
+/// A segment of an epoch (one schedule, ending at a drain point) or a whole epoch that has
+/// ended, as the chief sees it.
 pub(super) struct EpochEnd<'p> {
-    /// Its schedule.
+    /// Its schedule (the last one, for a whole epoch).
     pub plan: &'p RunPlan,
     /// Every worker's outcome, in worker order.
     pub outcomes: &'p [WorkerOutcome],
     /// The epoch, from 1.
     pub epoch: u64,
-    /// Minibatches done by its end.
+    /// Minibatches done by its end, over the run.
     pub done: u64,
     /// Minibatches in it.
     pub this: u64,
+    /// Minibatches of the epoch before it.
+    pub before: u64,
+    /// Minibatches in the whole epoch.
+    pub epoch_len: u64,
     /// Its wall time.
     pub secs: f64,
 }
@@ -62,7 +96,7 @@ pub(super) struct Run<'c> {
     pub(super) cfg: &'c RunConfig,
     pub(super) model: Model,
     /// Microbatches per minibatch.
-    minibatch: u64,
+    pub(super) minibatch: u64,
     /// Minibatches per epoch.
     pub(super) per_epoch: u64,
     /// Minibatches over the whole run.
@@ -88,48 +122,107 @@ pub fn train_pipelined(
     }
     let run = Run::new(cfg, data)?;
     let partition = run_partition(cfg, &run.model)?;
-    let init = run.model.init_params(cfg.seed);
+    let start = Start::new(&run, opts.resume.as_ref())?;
     let eval_be = CpuBackend::new(0)?;
     let mut states: Vec<WorkerState> = Vec::new();
     let mut epochs = Vec::new();
-    let mut done = 0u64;
+    let mut done = start.done;
     let mut spans: Vec<Span> = Vec::new();
     let mut last = None;
-    let mut params: Params = init.clone();
-    for epoch in 1..=cfg.epochs {
-        let this = (run.total - done).min(run.per_epoch);
-        if this == 0 {
+    let mut params: Params = start.params.clone();
+    let mut written = Vec::new();
+    let mut stopped = None;
+    for epoch in done / run.per_epoch + 1..=cfg.epochs {
+        let first = (epoch - 1) * run.per_epoch;
+        let epoch_len = run.total.saturating_sub(first).min(run.per_epoch);
+        if epoch_len == 0 {
             break;
         }
-        let spec = cfg.schedule_spec(Length::Updates(this as u32));
-        let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
-        let epoch_start = Instant::now();
-        let outcomes = run.epoch(&plan, data, epoch, done, &init, &mut states)?;
-        let secs = epoch_start.elapsed().as_secs_f64();
-        done += this;
-        if opts.timeline {
-            let base = run.start.elapsed().as_secs_f64() - secs;
-            for o in &outcomes {
-                spans.extend(o.spans.iter().map(|sp| Span {
-                    start: sp.start + base,
-                    end: sp.end + base,
-                    ..*sp
-                }));
+        let mut acc: Vec<WorkerOutcome> = Vec::new();
+        let mut secs = 0.0;
+        while done < first + epoch_len && stopped.is_none() {
+            let before = done - first;
+            let left = epoch_len - before;
+            let this = opts
+                .checkpoints
+                .as_ref()
+                .and_then(|c| c.every)
+                .map_or(left, |n| (n.max(1) - done % n.max(1)).min(left));
+            let spec = cfg.schedule_spec(Length::Updates(this as u32));
+            let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
+            let t = Instant::now();
+            let outcomes = run.segment(&plan, data, epoch, done, &start, &mut states)?;
+            let seg_secs = t.elapsed().as_secs_f64();
+            secs += seg_secs;
+            done += this;
+            if opts.timeline {
+                let base = run.start.elapsed().as_secs_f64() - seg_secs;
+                for o in &outcomes {
+                    spans.extend(o.spans.iter().map(|sp| Span {
+                        start: sp.start + base,
+                        end: sp.end + base,
+                        ..*sp
+                    }));
+                }
             }
+            let seg = EpochEnd {
+                plan: &plan,
+                outcomes: &outcomes,
+                epoch,
+                done,
+                this,
+                before,
+                epoch_len,
+                secs: seg_secs,
+            };
+            run.report_steps(&seg, obs)?;
+            merge_outcomes(&mut acc, outcomes);
+            let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+            if let Some(policy) = &opts.checkpoints {
+                let due = stop
+                    || done == first + epoch_len
+                    || policy.every.is_some_and(|n| done % n.max(1) == 0);
+                if due {
+                    let ckpt = run.checkpoint(&plan, &states, done, policy)?;
+                    written.push(crate::checkpoint::write(
+                        &policy.dir,
+                        &run.model,
+                        &ckpt,
+                        policy.keep,
+                    )?);
+                }
+            }
+            if stop {
+                stopped = Some(done);
+            }
+            last = Some(plan);
         }
-        params = assemble(&plan, &states)?;
+        let Some(plan) = last.as_ref() else { break };
+        params = assemble(plan, &states)?;
+        if stopped.is_some() && done < first + epoch_len {
+            break;
+        }
         let ended = EpochEnd {
-            plan: &plan,
-            outcomes: &outcomes,
+            plan,
+            outcomes: &acc,
             epoch,
             done,
-            this,
+            this: epoch_len,
+            before: 0,
+            epoch_len,
             secs,
         };
         epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
-        last = Some(plan);
+        if stopped.is_some() {
+            break;
+        }
     }
-    let plan = last.ok_or_else(|| StageError::Config("nothing to train".into()))?;
+    let plan = last.ok_or_else(|| {
+        StageError::Config(format!(
+            "nothing to train: the run has {} updates and starts at update {}",
+            run.total, start.done
+        ))
+    })?;
     let workers = plan.schedule.workers();
     Ok(PipelineReport {
         report: TrainReport {
@@ -140,7 +233,111 @@ pub fn train_pipelined(
         partition: plan.partition,
         schedule: plan.schedule,
         timeline: opts.timeline.then(|| Timeline::new(workers, spans)),
+        checkpoints: written,
+        stopped,
     })
+}
+
+/// Where a run starts: fresh weights, or a checkpoint's weights, optimizer state and update
+/// count.
+pub(super) struct Start {
+    params: Params,
+    optimizer: Option<(OptimizerState, Vec<u64>)>,
+    done: u64,
+}
+
+impl Start {
+    fn new(run: &Run<'_>, resume: Option<&Checkpoint>) -> Result<Self> {
+        let Some(c) = resume else {
+            return Ok(Start {
+                params: run.model.init_params(run.cfg.seed),
+                optimizer: None,
+                done: 0,
+            });
+        };
+        // The checkpoint's data position in this run's updates (its layout may differ).
+        let per_update = run.minibatch * run.cfg.microbatch_size as u64;
+        let at = c.state.samples_in_epoch;
+        if at % per_update != 0 || at / per_update > run.per_epoch || c.state.epoch == 0 {
+            return Err(StageError::Checkpoint(format!(
+                "stopped {at} samples into epoch {}, not a whole number of this run's minibatches of {per_update} samples",
+                c.state.epoch
+            )));
+        }
+        let done = (c.state.epoch - 1)
+            .saturating_mul(run.per_epoch)
+            .saturating_add(at / per_update);
+        if done >= run.total {
+            return Err(StageError::Checkpoint(format!(
+                "is at update {done} of this run, which has {} in all: nothing left to train",
+                run.total
+            )));
+        }
+        if c.state.optimizer_steps.len() != c.params.len() {
+            return Err(StageError::Checkpoint(format!(
+                "state.json has optimizer steps for {} layers, the model has {}",
+                c.state.optimizer_steps.len(),
+                c.params.len()
+            )));
+        }
+        Ok(Start {
+            params: c.params.clone(),
+            optimizer: Some((c.optimizer.clone(), c.state.optimizer_steps.clone())),
+            done,
+        })
+    }
+
+    /// Every worker's state at the start: its stages' slices of the weights and, when
+    /// resuming, of the optimizer state.
+    fn states(&self, setup: &Setup<'_>, cfg: &RunConfig) -> Result<Vec<WorkerState>> {
+        let plan = setup.plan;
+        (0..plan.schedule.workers())
+            .map(|w| {
+                let mut st = WorkerState::new(setup, w, &self.params, cfg.optimizer);
+                if let Some((opt, steps)) = &self.optimizer {
+                    for stage in &mut st.stages {
+                        let range = plan.partition.range(stage.stage as usize);
+                        let counts = &steps[range.clone()];
+                        let first = counts.first().copied().unwrap_or(0);
+                        // Only Adam's bias correction reads the count.
+                        if cfg.optimizer.kind != OptimizerKind::Sgd
+                            && counts.iter().any(|&c| c != first)
+                        {
+                            return Err(StageError::Checkpoint(format!(
+                                "layers {}-{} were saved after different numbers of optimizer updates ({counts:?}): they cannot share a stage; resume with the replicas that wrote it",
+                                range.start,
+                                range.end - 1
+                            )));
+                        }
+                        stage.opt = Optimizer::with_state(
+                            cfg.optimizer,
+                            &stage.params,
+                            opt[range].to_vec(),
+                            first,
+                        )?;
+                    }
+                }
+                Ok(st)
+            })
+            .collect()
+    }
+}
+
+/// Adds one segment's outcomes to an epoch's (per worker: sums, and the latest peak).
+fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerOutcome>) {
+    if acc.is_empty() {
+        *acc = outcomes;
+        return;
+    }
+    for (a, o) in acc.iter_mut().zip(outcomes) {
+        a.loss_sum += o.loss_sum;
+        a.correct += o.correct;
+        a.samples += o.samples;
+        a.compute_s += o.compute_s;
+        a.staleness_sum += o.staleness_sum;
+        a.staleness_count += o.staleness_count;
+        a.peak_versions = a.peak_versions.max(o.peak_versions);
+    }
 }
 
 /// The partition `cfg` asks for: given ranges, the FLOP-balanced split (`None`, which
@@ -201,15 +398,15 @@ impl<'c> Run<'c> {
         })
     }
 
-    /// Runs one epoch's schedule (`plan`) from minibatch `done` on, creating the workers'
-    /// state on the first epoch.
-    fn epoch(
+    /// Runs one segment's schedule (`plan`) of epoch `epoch` from minibatch `done` on,
+    /// creating the workers' state from `start` the first time.
+    fn segment(
         &self,
         plan: &RunPlan,
         data: &Splits,
         epoch: u64,
         done: u64,
-        init: &Params,
+        start: &Start,
         states: &mut Vec<WorkerState>,
     ) -> Result<Vec<WorkerOutcome>> {
         let cfg = self.cfg;
@@ -218,9 +415,7 @@ impl<'c> Run<'c> {
         let backend = || CpuBackend::new(threads);
         self.with_setup(plan, data, epoch, done, |setup| {
             if states.is_empty() {
-                *states = (0..plan.schedule.workers())
-                    .map(|w| WorkerState::new(setup, w, init, cfg.optimizer))
-                    .collect();
+                *states = start.states(setup, cfg)?;
             }
             match cfg.transport {
                 TransportKind::InProcess => {
@@ -231,11 +426,63 @@ impl<'c> Run<'c> {
                     run_threads(setup, states, mesh(workers, &opts), backend)
                 }
                 TransportKind::Quic => {
-                    let mut opts = QuicOptions::new(run_id(cfg.seed, epoch));
+                    let mut opts = QuicOptions::new(run_id(cfg.seed, done));
                     opts.wire = cfg.wire;
                     run_threads(setup, states, local_mesh(workers, &opts)?, backend)
                 }
             }
+        })
+    }
+
+    /// The checkpoint after `done` updates: the whole model's weights and optimizer state
+    /// from replica 0 of each stage, and where the run stands.
+    fn checkpoint(
+        &self,
+        plan: &RunPlan,
+        states: &[WorkerState],
+        done: u64,
+        policy: &CheckpointPolicy,
+    ) -> Result<Checkpoint> {
+        let layout = plan.schedule.layout();
+        let mut optimizer = Vec::new();
+        let mut steps = Vec::new();
+        for s in 0..plan.schedule.stages() {
+            let w = layout.worker_for(s, 0);
+            let st = states[w as usize]
+                .stages
+                .iter()
+                .find(|x| x.stage == s)
+                .ok_or_else(|| StageError::Executor(format!("stage {s} missing on worker {w}")))?;
+            steps.extend(st.params.iter().map(|_| st.opt.steps()));
+            optimizer.extend(st.opt.state().iter().map(|layer| {
+                layer
+                    .iter()
+                    .map(|(a, b)| (a.clone(), b.clone()))
+                    .collect::<Vec<_>>()
+            }));
+        }
+        let cfg = self.cfg;
+        Ok(Checkpoint {
+            params: assemble(plan, states)?,
+            optimizer,
+            state: RunState {
+                format: crate::checkpoint::FORMAT,
+                updates: done,
+                epoch: done / self.per_epoch + 1,
+                samples_in_epoch: (done % self.per_epoch)
+                    * self.minibatch
+                    * cfg.microbatch_size as u64,
+                optimizer_steps: steps,
+                seed: cfg.seed,
+                model: cfg.model_name.clone(),
+                model_spec: cfg.model.clone(),
+                dataset: cfg.dataset,
+                synthetic: cfg.synthetic.clone(),
+                partition: plan.partition.to_string(),
+                policy: cfg.schedule.name().to_string(),
+                replicas: plan.schedule.layout().replica_counts().to_vec(),
+                settings: policy.settings.clone(),
+            },
         })
     }
 
@@ -250,9 +497,15 @@ impl<'c> Run<'c> {
         f: impl FnOnce(&Setup<'_>) -> R,
     ) -> R {
         let cfg = self.cfg;
+        // The data cursor: the updates of this epoch already done (by earlier segments, or
+        // before the checkpoint this run resumed from).
+        let in_epoch = done - (epoch - 1) * self.per_epoch;
+        let mut order = data.train.epoch_order(cfg.seed, epoch);
+        let skip = (in_epoch * self.minibatch) as usize * cfg.microbatch_size;
+        order.drain(..skip.min(order.len()));
         let source = OrderedSource {
             data: &data.train,
-            order: data.train.epoch_order(cfg.seed, epoch),
+            order,
             size: cfg.microbatch_size,
         };
         let res = &plan.schedule.resolved;
@@ -284,7 +537,10 @@ impl<'c> Run<'c> {
         eval_be: &CpuBackend,
         obs: &mut dyn Observer,
     ) -> Result<EpochStats> {
-        let (train_loss, samples) = self.report_steps(ended, obs)?;
+        let (loss, samples) = ended.outcomes.iter().fold((0.0f64, 0usize), |(l, n), o| {
+            (l + o.loss_sum, n + o.samples)
+        });
+        let train_loss = loss / samples.max(1) as f64;
         let (test_loss, test_accuracy) = evaluate(
             eval_be as &dyn Backend,
             &self.model,
@@ -306,10 +562,12 @@ impl<'c> Run<'c> {
         Ok(e)
     }
 
-    /// Reports one step record per minibatch of the epoch (its microbatches' losses), after
-    /// the epoch: the pipeline has no global step boundary while it runs. Returns the epoch's
-    /// mean training loss and its samples.
-    fn report_steps(&self, ended: &EpochEnd<'_>, obs: &mut dyn Observer) -> Result<(f64, usize)> {
+    /// Reports one step record per minibatch of a segment (its microbatches' losses), after
+    /// the segment: the pipeline has no global step boundary while it runs.
+    ///
+    /// # Errors
+    /// [`StageError::Diverged`] when the segment's loss is not finite; an observer's error.
+    pub(super) fn report_steps(&self, ended: &EpochEnd<'_>, obs: &mut dyn Observer) -> Result<()> {
         let (outcomes, epoch, done, this, secs) = (
             ended.outcomes,
             ended.epoch,
@@ -347,11 +605,11 @@ impl<'c> Run<'c> {
                 samples: n,
                 samples_per_sec: rate,
                 elapsed_s: self.start.elapsed().as_secs_f64(),
-                steps_in_epoch: this,
-                step_in_epoch: t as u64 + 1,
+                steps_in_epoch: ended.epoch_len,
+                step_in_epoch: ended.before + t as u64 + 1,
             })?;
         }
-        Ok((train_loss, samples))
+        Ok(())
     }
 }
 

@@ -126,8 +126,11 @@ fn run_epochs<T: Transport + ?Sized>(
                 epoch,
                 done,
                 this,
+                before: 0,
+                epoch_len: this,
                 secs,
             };
+            run.report_steps(&ended, obs)?;
             epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
             for w in (0..ep.size()).filter(|&w| w != CHIEF) {
                 ep.send(Message::from_bytes(

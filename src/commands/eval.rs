@@ -1,0 +1,72 @@
+//! `pipe eval`: test loss and accuracy of a checkpoint's weights. The checkpoint says which
+//! model and dataset it was trained on; `--dataset` and `--data-dir` evaluate on others.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use pipe_kernels::CpuBackend;
+use pipe_stages::checkpoint::{read, read_state};
+use pipe_stages::config::DatasetKind;
+use pipe_stages::data::{mnist, synthetic};
+use pipe_stages::model::{Model, params_digest};
+use pipe_stages::train::evaluate;
+
+use crate::output::bad_input;
+
+/// `pipe eval`.
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    /// A checkpoint's directory, or a checkpoint directory (its newest checkpoint).
+    #[arg(long, value_name = "DIR")]
+    checkpoint: PathBuf,
+    /// Dataset to evaluate on (default: the one the run trained on).
+    #[arg(long)]
+    dataset: Option<DatasetKind>,
+    /// Directory holding MNIST IDX files (default: the copy embedded in the binary).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Compute threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+/// Runs `pipe eval`.
+///
+/// # Errors
+/// Bad input for a missing, corrupted or truncated checkpoint (the error names the file) or a
+/// dataset the model does not fit.
+pub fn run(args: &EvalArgs) -> Result<()> {
+    let (dir, state) = read_state(&args.checkpoint)?;
+    let model = Model::new(&state.model_spec)?;
+    let (_, ckpt) = read(&dir, &model)?;
+    let dataset = args.dataset.unwrap_or(state.dataset);
+    let data = match dataset {
+        DatasetKind::Mnist => mnist(args.data_dir.as_deref())?,
+        DatasetKind::Synthetic => synthetic(&state.synthetic, state.seed)?,
+    };
+    let inputs: usize = model.input_shape().iter().product();
+    let outputs: usize = model.output_shape().iter().product();
+    if inputs != data.test.sample_size() || outputs != data.test.classes {
+        return Err(bad_input(format!(
+            "model {} takes {inputs} features and has {outputs} outputs; {} has {} and {} classes",
+            state.model,
+            data.test.name,
+            data.test.sample_size(),
+            data.test.classes
+        )));
+    }
+    let be = CpuBackend::new(args.threads)?;
+    let (loss, accuracy) = evaluate(&be, &model, &ckpt.params, &data.test, 1000)?;
+    outln!(
+        "{} (model {}, update {}, weights {:016x}): {} ({} samples): test loss {loss:.4}, test accuracy {:.2}%",
+        dir.display(),
+        state.model,
+        state.updates,
+        params_digest(&ckpt.params),
+        data.test.name,
+        data.test.len(),
+        100.0 * accuracy
+    );
+    Ok(())
+}

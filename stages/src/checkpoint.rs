@@ -1,0 +1,481 @@
+//! Checkpoints: a run's weights, optimizer state and position, written so that nothing is
+//! ever half there, and read so that nothing is ever half loaded.
+//!
+//! **Layout.** `DIR/ckpt-NNNNNNNN/` (N: updates done) holds
+//! - `weights.safetensors`: every parameter by the model's parameter name (`layers.3.weight`),
+//!   so the file is independent of the partition and loads in other tools;
+//! - `optimizer.safetensors`: the optimizer's state per parameter (`layers.3.weight.first`,
+//!   `.second`: momentum, or Adam's two moments), present only where the optimizer keeps it;
+//! - `state.json`: the run's position and identity ([`RunState`]);
+//! - `manifest.json`: the SHA-256 and size of each of those files.
+//!
+//! `DIR/latest` names the newest complete checkpoint.
+//!
+//! **Writing.** Everything goes into a temporary directory (`DIR/.tmp-ckpt-...`); each file
+//! and the directory are fsynced, then the directory is renamed into place and `DIR` fsynced.
+//! Only then is `latest` replaced, by writing `DIR/.latest.tmp`, fsyncing and renaming it. A
+//! process killed at any moment leaves either the previous state or the new one, plus perhaps
+//! a temporary directory that nothing points at (removed by the next write). The newest `keep`
+//! checkpoints are kept.
+//!
+//! **Reading.** The manifest is checked first: every file it names must exist with its size
+//! and hash, before any byte of it is parsed. Then the safetensors files are parsed (which
+//! rejects truncation and bad offsets), and every tensor is checked against the model's
+//! shapes. Only a checkpoint that passes every check is returned: nothing is partially
+//! loaded. Every error names the file and the problem.
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use pipe_kernels::Tensor;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{Result, StageError};
+use crate::config::DatasetKind;
+use crate::data::SyntheticConfig;
+use crate::model::{Model, ModelSpec, Params};
+use crate::optim::OptimizerState;
+
+/// The checkpoint format this build writes and reads.
+pub const FORMAT: u32 = 1;
+/// The pointer file naming the newest checkpoint.
+pub const LATEST: &str = "latest";
+/// The weights file.
+pub const WEIGHTS: &str = "weights.safetensors";
+/// The optimizer state file.
+pub const OPTIMIZER: &str = "optimizer.safetensors";
+/// The run state file.
+pub const STATE: &str = "state.json";
+/// The manifest.
+pub const MANIFEST: &str = "manifest.json";
+/// Largest `state.json` or `manifest.json` read.
+const MAX_SMALL_FILE: u64 = 1 << 20;
+
+/// Where a run stands, and what it is.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunState {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// Updates (minibatches) done over the whole run, by the layout that wrote it.
+    pub updates: u64,
+    /// The epoch the next update belongs to, from 1.
+    pub epoch: u64,
+    /// Samples of that epoch's seeded order already trained on: the data cursor. It is
+    /// counted in samples because a minibatch's size depends on the layout (M microbatches
+    /// per replica of the most replicated stage), and a run may resume under another.
+    pub samples_in_epoch: u64,
+    /// Updates the optimizer has applied to each layer (stages with fewer replicas than
+    /// others apply more, smaller updates).
+    pub optimizer_steps: Vec<u64>,
+    /// The run seed: the data order of every epoch and every dropout mask derive from it and
+    /// the counts above, so no generator state needs saving.
+    pub seed: u64,
+    /// The model's name.
+    pub model: String,
+    /// The model itself (what `pipe eval` builds).
+    pub model_spec: ModelSpec,
+    /// The dataset the run trained on.
+    pub dataset: DatasetKind,
+    /// Its shape, for the synthetic dataset (whose samples the seed decides).
+    pub synthetic: SyntheticConfig,
+    /// The partition the run used (the weights do not depend on it).
+    pub partition: String,
+    /// The schedule policy.
+    pub policy: String,
+    /// Replicas per stage.
+    pub replicas: Vec<u32>,
+    /// The numerics-deciding settings, as text (see
+    /// [`crate::pipeline::worker::settings_fingerprint`]).
+    pub settings: String,
+}
+
+/// A checkpoint's contents: the whole model's weights and optimizer state (host memory, in
+/// model layer order), and the run state.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    /// Weights, per layer.
+    pub params: Params,
+    /// Optimizer state per layer and parameter: (first, second); an empty tensor where the
+    /// optimizer keeps none.
+    pub optimizer: OptimizerState,
+    /// Position and identity.
+    pub state: RunState,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Manifest {
+    format: u32,
+    files: Vec<ManifestEntry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ManifestEntry {
+    name: String,
+    bytes: u64,
+    sha256: String,
+}
+
+fn io_err(path: &Path, e: impl std::fmt::Display) -> StageError {
+    StageError::Checkpoint(format!("{}: {e}", path.display()))
+}
+
+fn write_err(path: &Path, e: impl std::fmt::Display) -> StageError {
+    StageError::CheckpointWrite(format!("{}: {e}", path.display()))
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The directory name of the checkpoint after `updates` updates.
+pub fn dir_name(updates: u64) -> String {
+    format!("ckpt-{updates:08}")
+}
+
+/// Writes `bytes` to `path` and fsyncs it.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::File::create(path).map_err(|e| write_err(path, e))?;
+    f.write_all(bytes).map_err(|e| write_err(path, e))?;
+    f.sync_all().map_err(|e| write_err(path, e))
+}
+
+/// Fsyncs a directory, so that the entries created or renamed in it are durable.
+fn sync_dir(path: &Path) -> Result<()> {
+    std::fs::File::open(path)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| write_err(path, e))
+}
+
+/// A tensor's values as little-endian bytes.
+fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    Ok(t.host()?.iter().flat_map(|v| v.to_le_bytes()).collect())
+}
+
+/// One safetensors file of `(name, tensor)` pairs.
+fn safetensors_bytes(entries: &[(String, &Tensor)], model_name: &str) -> Result<Vec<u8>> {
+    let data: Vec<(String, Vec<u8>, Vec<usize>)> = entries
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), le_bytes(t)?, t.shape().to_vec())))
+        .collect::<Result<_>>()?;
+    let views = data
+        .iter()
+        .map(|(n, bytes, shape)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| StageError::CheckpointWrite(format!("tensor {n}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let info: HashMap<String, String> = [
+        ("format".to_string(), "pipe".to_string()),
+        ("model".to_string(), model_name.to_string()),
+    ]
+    .into();
+    safetensors::tensor::serialize(views, Some(info))
+        .map_err(|e| StageError::CheckpointWrite(format!("serializing: {e}")))
+}
+
+/// Writes `ckpt` under `root` (created if needed) as [`dir_name`]`(updates)`, points `latest`
+/// at it, and removes all but the newest `keep` checkpoints. Returns its directory.
+///
+/// # Errors
+/// [`StageError::Checkpoint`] naming the file that could not be written.
+pub fn write(root: &Path, model: &Model, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf> {
+    std::fs::create_dir_all(root).map_err(|e| write_err(root, e))?;
+    remove_stale_temporaries(root);
+    let name = dir_name(ckpt.state.updates);
+    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir(&tmp).map_err(|e| write_err(&tmp, e))?;
+    let mut weights = Vec::new();
+    let mut moments = Vec::new();
+    for entry in model.param_table() {
+        let (l, s) = entry.uses[0];
+        weights.push((entry.name.clone(), &ckpt.params[l][s]));
+        let (first, second) = &ckpt.optimizer[l][s];
+        if !first.is_empty() {
+            moments.push((format!("{}.first", entry.name), first));
+        }
+        if !second.is_empty() {
+            moments.push((format!("{}.second", entry.name), second));
+        }
+    }
+    let state = serde_json::to_vec_pretty(&ckpt.state)
+        .map_err(|e| StageError::CheckpointWrite(format!("run state: {e}")))?;
+    let files: [(&str, Vec<u8>); 3] = [
+        (WEIGHTS, safetensors_bytes(&weights, &ckpt.state.model)?),
+        (OPTIMIZER, safetensors_bytes(&moments, &ckpt.state.model)?),
+        (STATE, state),
+    ];
+    let mut manifest = Manifest {
+        format: FORMAT,
+        files: Vec::new(),
+    };
+    for (file, bytes) in &files {
+        write_synced(&tmp.join(file), bytes)?;
+        manifest.files.push(ManifestEntry {
+            name: (*file).to_string(),
+            bytes: bytes.len() as u64,
+            sha256: sha256_hex(bytes),
+        });
+        fault_pause();
+    }
+    let manifest = serde_json::to_vec_pretty(&manifest)
+        .map_err(|e| StageError::CheckpointWrite(format!("manifest: {e}")))?;
+    write_synced(&tmp.join(MANIFEST), &manifest)?;
+    sync_dir(&tmp)?;
+    let dest = root.join(&name);
+    if dest.exists() {
+        std::fs::remove_dir_all(&dest).map_err(|e| write_err(&dest, e))?;
+    }
+    std::fs::rename(&tmp, &dest).map_err(|e| write_err(&dest, e))?;
+    sync_dir(root)?;
+    let pointer = root.join(".latest.tmp");
+    write_synced(&pointer, format!("{name}\n").as_bytes())?;
+    std::fs::rename(&pointer, root.join(LATEST)).map_err(|e| write_err(&root.join(LATEST), e))?;
+    sync_dir(root)?;
+    prune(root, keep.max(1), &name);
+    Ok(dest)
+}
+
+/// Test hook: `PIPE_FAULT_CHECKPOINT_PAUSE_MS` sleeps after each file of a checkpoint is
+/// written, so a test can kill the process while one is half written.
+fn fault_pause() {
+    if let Some(ms) = std::env::var("PIPE_FAULT_CHECKPOINT_PAUSE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms.min(60_000)));
+    }
+}
+
+/// Removes temporary directories of writers that did not finish.
+fn remove_stale_temporaries(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-ckpt-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// The checkpoints under `root`, oldest first, by update count.
+pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(root)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let n = name.strip_prefix("ckpt-")?.parse::<u64>().ok()?;
+                    Some((n, e.path()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+/// Keeps the newest `keep` checkpoints (and always `current`).
+fn prune(root: &Path, keep: usize, current: &str) {
+    let all = list(root);
+    let excess = all.len().saturating_sub(keep);
+    for (_, path) in all.into_iter().take(excess) {
+        if path.file_name().is_some_and(|n| n != current) {
+            let _ = std::fs::remove_dir_all(path);
+        }
+    }
+}
+
+/// The checkpoint directory `path` names: a checkpoint itself, or a checkpoint root whose
+/// `latest` is followed.
+///
+/// # Errors
+/// [`StageError::Checkpoint`]: no such directory, or a `latest` that names nothing.
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join(MANIFEST).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let pointer = path.join(LATEST);
+    if pointer.is_file() {
+        let name = read_small(&pointer)?;
+        let name = String::from_utf8(name).map_err(|_| io_err(&pointer, "not text"))?;
+        let name = name.trim();
+        if name.is_empty() || name.contains('/') || name.contains("..") {
+            return Err(io_err(&pointer, format!("names '{name}', not a checkpoint")));
+        }
+        let dir = path.join(name);
+        if !dir.join(MANIFEST).is_file() {
+            return Err(io_err(&pointer, format!("names {name}, which has no manifest")));
+        }
+        return Ok(dir);
+    }
+    Err(io_err(
+        path,
+        "neither a checkpoint (no manifest.json) nor a checkpoint directory (no latest)",
+    ))
+}
+
+/// Reads a small file, bounded.
+fn read_small(path: &Path) -> Result<Vec<u8>> {
+    let meta = std::fs::metadata(path).map_err(|e| io_err(path, e))?;
+    if meta.len() > MAX_SMALL_FILE {
+        return Err(io_err(path, format!("{} bytes is too large", meta.len())));
+    }
+    std::fs::read(path).map_err(|e| io_err(path, e))
+}
+
+/// Every file the manifest of checkpoint `dir` names, checked against its size and SHA-256,
+/// by name.
+fn verified_files(dir: &Path) -> Result<HashMap<String, Vec<u8>>> {
+    let mpath = dir.join(MANIFEST);
+    let manifest: Manifest = serde_json::from_slice(&read_small(&mpath)?)
+        .map_err(|e| io_err(&mpath, format!("malformed: {e}")))?;
+    if manifest.format != FORMAT {
+        return Err(io_err(
+            &mpath,
+            format!("format {} (this build reads {FORMAT})", manifest.format),
+        ));
+    }
+    let mut out = HashMap::new();
+    for want in [WEIGHTS, OPTIMIZER, STATE] {
+        let entry = manifest
+            .files
+            .iter()
+            .find(|e| e.name == want)
+            .ok_or_else(|| io_err(&mpath, format!("does not list {want}")))?;
+        let path = dir.join(want);
+        let meta = std::fs::metadata(&path).map_err(|e| io_err(&path, e))?;
+        if meta.len() != entry.bytes {
+            return Err(io_err(
+                &path,
+                format!(
+                    "{} bytes, the manifest says {} (truncated or replaced)",
+                    meta.len(),
+                    entry.bytes
+                ),
+            ));
+        }
+        let bytes = std::fs::read(&path).map_err(|e| io_err(&path, e))?;
+        if sha256_hex(&bytes) != entry.sha256 {
+            return Err(io_err(&path, "SHA-256 differs from the manifest's (corrupted)"));
+        }
+        out.insert(want.to_string(), bytes);
+    }
+    Ok(out)
+}
+
+/// A host tensor of `shape` from a safetensors view, which must be f32 of that shape.
+fn tensor_from(view: &TensorView<'_>, shape: &[usize], what: &str, path: &Path) -> Result<Tensor> {
+    if view.dtype() != Dtype::F32 || view.shape() != shape {
+        return Err(io_err(
+            path,
+            format!(
+                "{what} is {:?} {:?}, the model has F32 {shape:?}",
+                view.dtype(),
+                view.shape()
+            ),
+        ));
+    }
+    let values: Vec<f32> = view
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Tensor::from_vec(shape, values).map_err(|e| io_err(path, e))
+}
+
+/// The run state of the checkpoint `path` names ([`resolve`]), after the manifest check of
+/// every file: what a reader needs to build the model before [`read`].
+///
+/// # Errors
+/// As [`read`].
+pub fn read_state(path: &Path) -> Result<(PathBuf, RunState)> {
+    let dir = resolve(path)?;
+    let files = verified_files(&dir)?;
+    Ok((dir.clone(), parse_state(&dir, &files[STATE])?))
+}
+
+fn parse_state(dir: &Path, bytes: &[u8]) -> Result<RunState> {
+    let spath = dir.join(STATE);
+    let state: RunState =
+        serde_json::from_slice(bytes).map_err(|e| io_err(&spath, format!("malformed: {e}")))?;
+    if state.format != FORMAT {
+        return Err(io_err(&spath, format!("format {}", state.format)));
+    }
+    Ok(state)
+}
+
+/// Reads and checks the checkpoint `path` names ([`resolve`]) for `model`.
+///
+/// # Errors
+/// [`StageError::Checkpoint`] naming the file and the problem: a manifest that does not
+/// match, a truncated or malformed file, a tensor missing or shaped unlike the model's.
+pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
+    let dir = resolve(path)?;
+    let files = verified_files(&dir)?;
+    let state = parse_state(&dir, &files[STATE])?;
+    let wpath = dir.join(WEIGHTS);
+    let weights = SafeTensors::deserialize(&files[WEIGHTS]).map_err(|e| io_err(&wpath, e))?;
+    let opath = dir.join(OPTIMIZER);
+    let moments = SafeTensors::deserialize(&files[OPTIMIZER]).map_err(|e| io_err(&opath, e))?;
+    let mut params = model.init_params(0);
+    let mut optimizer: OptimizerState = params
+        .iter()
+        .map(|layer| layer.iter().map(|_| Default::default()).collect())
+        .collect();
+    let table = model.param_table();
+    if weights.len() != table.len() {
+        return Err(io_err(
+            &wpath,
+            format!(
+                "{} tensors, model {} has {} parameters",
+                weights.len(),
+                state.model,
+                table.len()
+            ),
+        ));
+    }
+    for entry in table {
+        let view = weights
+            .tensor(&entry.name)
+            .map_err(|_| io_err(&wpath, format!("has no {} (another model?)", entry.name)))?;
+        let t = tensor_from(&view, &entry.shape, &entry.name, &wpath)?;
+        let first = optional(&moments, &format!("{}.first", entry.name), entry, &opath)?;
+        let second = optional(&moments, &format!("{}.second", entry.name), entry, &opath)?;
+        for &(l, s) in &entry.uses {
+            params[l][s] = t.clone();
+            optimizer[l][s] = (first.clone(), second.clone());
+        }
+    }
+    Ok((
+        dir,
+        Checkpoint {
+            params,
+            optimizer,
+            state,
+        },
+    ))
+}
+
+/// An optimizer tensor if the file has it (an empty tensor otherwise).
+fn optional(
+    file: &SafeTensors<'_>,
+    name: &str,
+    entry: &crate::model::ParamEntry,
+    path: &Path,
+) -> Result<Tensor> {
+    match file.tensor(name) {
+        Ok(view) => tensor_from(&view, &entry.shape, name, path),
+        Err(_) => Ok(Tensor::default()),
+    }
+}
