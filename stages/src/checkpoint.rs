@@ -33,9 +33,9 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::error::{Result, StageError};
 use crate::config::DatasetKind;
 use crate::data::SyntheticConfig;
+use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec, Params};
 use crate::optim::OptimizerState;
 
@@ -311,11 +311,17 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         let name = String::from_utf8(name).map_err(|_| io_err(&pointer, "not text"))?;
         let name = name.trim();
         if name.is_empty() || name.contains('/') || name.contains("..") {
-            return Err(io_err(&pointer, format!("names '{name}', not a checkpoint")));
+            return Err(io_err(
+                &pointer,
+                format!("names '{name}', not a checkpoint"),
+            ));
         }
         let dir = path.join(name);
         if !dir.join(MANIFEST).is_file() {
-            return Err(io_err(&pointer, format!("names {name}, which has no manifest")));
+            return Err(io_err(
+                &pointer,
+                format!("names {name}, which has no manifest"),
+            ));
         }
         return Ok(dir);
     }
@@ -367,7 +373,10 @@ fn verified_files(dir: &Path) -> Result<HashMap<String, Vec<u8>>> {
         }
         let bytes = std::fs::read(&path).map_err(|e| io_err(&path, e))?;
         if sha256_hex(&bytes) != entry.sha256 {
-            return Err(io_err(&path, "SHA-256 differs from the manifest's (corrupted)"));
+            return Err(io_err(
+                &path,
+                "SHA-256 differs from the manifest's (corrupted)",
+            ));
         }
         out.insert(want.to_string(), bytes);
     }

@@ -171,8 +171,7 @@ impl Optimizer {
         let ok = state.len() == fresh.state.len()
             && state.iter().zip(&fresh.state).all(|(a, b)| {
                 a.len() == b.len()
-                    && a
-                        .iter()
+                    && a.iter()
                         .zip(b)
                         .all(|((a1, a2), (b1, b2))| fits(a1, b1) && fits(a2, b2))
             });

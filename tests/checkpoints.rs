@@ -1,0 +1,340 @@
+//! Checkpoints through the `pipe` binary: a run stopped (Ctrl-C) and resumed ends with the
+//! weights of the same run uninterrupted, for a flush policy and for pipedream; resuming
+//! under another layout works; corrupted, truncated, missing and foreign checkpoints are
+//! refused naming the file; a process killed while writing one leaves the previous one
+//! loadable and `latest` on it; `pipe eval` reads them.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small pipelined run: two epochs of 64 updates (8,192 samples, minibatches of 2 x 64).
+fn flags(schedule: &str) -> Vec<String> {
+    [
+        "--dataset",
+        "synthetic",
+        "--model",
+        "mlp-784-32x4-10",
+        "--epochs",
+        "2",
+        "--stages",
+        "2",
+        "--partition",
+        "flops",
+        "--microbatches",
+        "2",
+        "--threads",
+        "1",
+        "--schedule",
+        schedule,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn train(args: &[String], extra: &[&str]) -> Output {
+    Command::new(PIPE)
+        .arg("train")
+        .args(args)
+        .args(extra)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap()
+}
+
+#[track_caller]
+fn ok(out: &Output) -> String {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// The final weights' digest from a `done:` line.
+#[track_caller]
+fn weights(text: &str) -> String {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("done:"))
+        .unwrap_or_else(|| panic!("no done line in {text}"));
+    line.split("weights ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap()
+        .to_string()
+}
+
+#[track_caller]
+fn refused(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    for n in needles {
+        assert!(lines[0].contains(n), "expected '{n}' in {err}");
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Stops a run with SIGINT once its first checkpoint exists; returns its output.
+fn interrupt_after_first_checkpoint(args: &[String], ckpt: &Path) -> Output {
+    let child = Command::new(PIPE)
+        .arg("train")
+        .args(args)
+        .args(["--checkpoint-dir", s(ckpt), "--checkpoint-every", "8"])
+        // Slow each checkpoint down so the run is still going when the signal comes.
+        .env("PIPE_FAULT_CHECKPOINT_PAUSE_MS", "150")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !ckpt.join("latest").exists() {
+        assert!(t.elapsed() < Duration::from_secs(60), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_run_stopped_with_ctrl_c_and_resumed_ends_like_the_uninterrupted_run() {
+    for schedule in ["1f1b-flush", "pipedream"] {
+        let d = dir(&format!("resume-{schedule}"));
+        let args = flags(schedule);
+        let every = ["--checkpoint-every", "8"];
+        let whole = ok(&train(
+            &args,
+            &[&["--checkpoint-dir", s(&d.join("whole"))], &every[..]].concat(),
+        ));
+        let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"));
+        let err = String::from_utf8_lossy(&stopped.stderr);
+        assert_eq!(stopped.status.code(), Some(130), "{err}");
+        assert!(err.contains("stopped after update"), "{err}");
+        assert!(err.contains("resume with --resume"), "{err}");
+        let resumed = ok(&train(
+            &args,
+            &[
+                &["--checkpoint-dir", s(&d.join("run")), "--resume", "latest"],
+                &every[..],
+            ]
+            .concat(),
+        ));
+        assert!(resumed.contains("resuming from"), "{resumed}");
+        assert_eq!(weights(&whole), weights(&resumed), "{schedule}");
+
+        // Resuming from a checkpoint of the uninterrupted run, at every one kept.
+        let mut kept: Vec<PathBuf> = std::fs::read_dir(d.join("whole"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.join("manifest.json").exists())
+            .collect();
+        kept.sort();
+        assert_eq!(kept.len(), 3, "--keep-checkpoints defaults to 3: {kept:?}");
+        // The last is the run's end: nothing left to resume.
+        assert!(kept[2].ends_with("ckpt-00000128"), "{kept:?}");
+        for c in &kept[..2] {
+            let again = ok(&train(
+                &args,
+                &[
+                    &["--checkpoint-dir", s(&d.join("again")), "--resume", s(c)],
+                    &every[..],
+                ]
+                .concat(),
+            ));
+            assert_eq!(weights(&whole), weights(&again), "{schedule} from {c:?}");
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_resumes_under_another_layout_and_evaluates() {
+    let d = dir("layout");
+    let args = flags("pipedream");
+    ok(&train(&args, &["--checkpoint-dir", s(&d), "--steps", "64"]));
+    // Another policy, stage count and replica layout.
+    let other: Vec<String> = {
+        let mut v = flags("1f1b-flush");
+        let i = v.iter().position(|a| a == "--stages").unwrap();
+        v.drain(i..i + 2);
+        v.extend(["--stages", "4", "--replicas", "2,1,1,1"].map(String::from));
+        v
+    };
+    let text = ok(&train(&other, &["--resume", s(&d)]));
+    assert!(text.contains("resuming from"), "{text}");
+    assert!(text.contains("epoch   2"), "{text}");
+    let eval = Command::new(PIPE)
+        .args(["eval", "--checkpoint", s(&d)])
+        .output()
+        .unwrap();
+    let out = ok(&eval);
+    assert!(out.contains("test accuracy"), "{out}");
+    assert!(out.contains("update 64"), "{out}");
+}
+
+/// A fresh checkpoint directory with one checkpoint; returns the checkpoint's directory.
+fn one_checkpoint(name: &str) -> (PathBuf, PathBuf) {
+    let d = dir(name);
+    ok(&train(
+        &flags("pipedream"),
+        &["--checkpoint-dir", s(&d), "--steps", "64"],
+    ));
+    let latest = std::fs::read_to_string(d.join("latest")).unwrap();
+    let c = d.join(latest.trim());
+    (d, c)
+}
+
+fn eval(path: &Path) -> Output {
+    Command::new(PIPE)
+        .args(["eval", "--checkpoint", s(path)])
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn corrupted_truncated_missing_and_foreign_checkpoints_are_refused() {
+    // A flipped byte.
+    let (_, c) = one_checkpoint("flip");
+    let w = c.join("weights.safetensors");
+    let mut bytes = std::fs::read(&w).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&w, &bytes).unwrap();
+    refused(&eval(&c), &["weights.safetensors", "SHA-256", "corrupted"]);
+    refused(
+        &train(&flags("pipedream"), &["--resume", s(&c)]),
+        &["weights.safetensors", "corrupted"],
+    );
+
+    // A truncated file: first as the manifest sees it, then with a manifest rewritten to
+    // match, so that the safetensors reader has to find it.
+    let (_, c) = one_checkpoint("truncate");
+    let o = c.join("optimizer.safetensors");
+    let bytes = std::fs::read(&o).unwrap();
+    let short = &bytes[..bytes.len() - 100];
+    std::fs::write(&o, short).unwrap();
+    refused(&eval(&c), &["optimizer.safetensors", "truncated"]);
+    let manifest = std::fs::read_to_string(c.join("manifest.json")).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&manifest).unwrap();
+    for f in m["files"].as_array_mut().unwrap() {
+        if f["name"] == "optimizer.safetensors" {
+            f["bytes"] = short.len().into();
+            let out = Command::new("sha256sum").arg(&o).output().unwrap();
+            let hash = String::from_utf8_lossy(&out.stdout);
+            f["sha256"] = hash.split_whitespace().next().unwrap().into();
+        }
+    }
+    std::fs::write(c.join("manifest.json"), m.to_string()).unwrap();
+    refused(&eval(&c), &["optimizer.safetensors"]);
+
+    // A missing file.
+    let (_, c) = one_checkpoint("missing");
+    std::fs::remove_file(c.join("state.json")).unwrap();
+    refused(&eval(&c), &["state.json"]);
+
+    // Another model's checkpoint.
+    let (_, c) = one_checkpoint("foreign");
+    let mut wider = flags("pipedream");
+    let i = wider.iter().position(|a| a == "mlp-784-32x4-10").unwrap();
+    wider[i] = "mlp-784-48x4-10".into();
+    refused(
+        &train(&wider, &["--resume", s(&c)]),
+        &["weights.safetensors", "layers.1.weight", "[784, 48]"],
+    );
+
+    // A pointer to nothing, and nothing at all.
+    let (d, _) = one_checkpoint("pointer");
+    std::fs::write(d.join("latest"), "ckpt-99999999\n").unwrap();
+    refused(&eval(&d), &["latest", "ckpt-99999999"]);
+    refused(&eval(&d.join("nowhere")), &["nowhere"]);
+}
+
+#[test]
+fn a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole() {
+    let d = dir("kill");
+    let child = Command::new(PIPE)
+        .arg("train")
+        .args(flags("pipedream"))
+        .args(["--checkpoint-dir", s(&d), "--checkpoint-every", "8"])
+        .env("PIPE_FAULT_CHECKPOINT_PAUSE_MS", "400")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    // The first checkpoint is complete; the second is being written.
+    let partial = loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "no second checkpoint"
+        );
+        if d.join("latest").exists() {
+            let tmp = std::fs::read_dir(&d)
+                .unwrap()
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(".tmp-ckpt-"))
+                });
+            if let Some(tmp) = tmp.filter(|p| p.join("weights.safetensors").exists()) {
+                break tmp;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        Command::new("kill")
+            .args(["-9", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mut child = child;
+    child.wait().unwrap();
+    let latest = std::fs::read_to_string(d.join("latest")).unwrap();
+    assert_eq!(
+        latest.trim(),
+        "ckpt-00000008",
+        "latest moved to a partial checkpoint"
+    );
+    let text = ok(&eval(&d));
+    assert!(text.contains("ckpt-00000008"), "{text}");
+    // The partial one has no manifest, so nothing reads it as a checkpoint.
+    assert!(!partial.join("manifest.json").exists());
+    let out = eval(&partial);
+    assert_eq!(out.status.code(), Some(2));
+    // A resumed run cleans it up and carries on.
+    let text = ok(&train(
+        &flags("pipedream"),
+        &["--checkpoint-dir", s(&d), "--resume", "latest"],
+    ));
+    assert!(text.contains("done: 128 steps"), "{text}");
+    assert!(!partial.exists());
+}
