@@ -488,3 +488,85 @@ fn optional(
         Err(_) => Ok(Tensor::default()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+
+    fn model() -> Model {
+        Model::new(&model_spec()).unwrap()
+    }
+
+    fn checkpoint(model: &Model) -> Checkpoint {
+        let params = model.init_params(7);
+        let cfg = OptimizerConfig {
+            kind: OptimizerKind::Adam,
+            ..OptimizerConfig::default()
+        };
+        let opt = Optimizer::new(cfg, &params);
+        Checkpoint {
+            optimizer: opt.state().to_vec(),
+            params,
+            state: RunState {
+                format: FORMAT,
+                updates: 5,
+                epoch: 1,
+                samples_in_epoch: 320,
+                optimizer_steps: vec![5; model.len()],
+                seed: 7,
+                model: "mlp-8-6-4".into(),
+                model_spec: model_spec(),
+                dataset: DatasetKind::Synthetic,
+                synthetic: SyntheticConfig::default(),
+                partition: "0-1,2-3".into(),
+                policy: "pipedream".into(),
+                replicas: vec![1, 1],
+                settings: String::new(),
+            },
+        }
+    }
+
+    fn model_spec() -> ModelSpec {
+        let text = "input = [8]\nlayers = [{ type = \"linear\", inputs = 8, outputs = 6 }, \
+                    { type = \"relu\" }, { type = \"linear\", inputs = 6, outputs = 4 }]\n";
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn weights_round_trip_through_the_safetensors_crate_by_parameter_name() {
+        let model = model();
+        let ckpt = checkpoint(&model);
+        let root = std::env::temp_dir().join(format!("pipe-ckpt-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = write(&root, &model, &ckpt, 2).unwrap();
+        let bytes = std::fs::read(dir.join(WEIGHTS)).unwrap();
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = file.names();
+        names.sort();
+        let mut want = model.param_names();
+        want.sort();
+        assert_eq!(names.into_iter().map(str::to_string).collect::<Vec<_>>(), want);
+        for entry in model.param_table() {
+            let (l, s) = entry.uses[0];
+            let view = file.tensor(&entry.name).unwrap();
+            assert_eq!(view.shape(), entry.shape.as_slice());
+            let expect: Vec<u8> = ckpt.params[l][s]
+                .host()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            assert_eq!(view.data(), expect.as_slice(), "{}", entry.name);
+        }
+        let (_, back) = read(&root, &model).unwrap();
+        assert_eq!(back.state, ckpt.state);
+        assert_eq!(
+            crate::model::params_digest(&back.params),
+            crate::model::params_digest(&ckpt.params)
+        );
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}
