@@ -1,5 +1,6 @@
 //! Checkpoints through the `pipe` binary: a run stopped (Ctrl-C) and resumed ends with the
-//! weights of the same run uninterrupted, for a flush policy and for pipedream; resuming
+//! weights of the same run uninterrupted, for a flush policy, for pipedream and for one
+//! worker; resuming
 //! under another layout works; corrupted, truncated, missing and foreign checkpoints are
 //! refused naming the file; a process killed while writing one leaves the previous one
 //! loadable and `latest` on it; `pipe eval` reads them.
@@ -17,6 +18,45 @@ fn dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// A small single-worker run: two epochs of 128 updates.
+fn single_flags() -> Vec<String> {
+    let mut f = flags("pipedream");
+    for flag in ["--stages", "--partition", "--schedule"] {
+        let i = f.iter().position(|a| a == flag).unwrap();
+        f.drain(i..i + 2);
+    }
+    f
+}
+
+#[test]
+fn a_single_worker_run_stops_on_ctrl_c_and_resumes_like_the_uninterrupted_run() {
+    let d = dir("single");
+    let args = single_flags();
+    let whole = ok(&train(
+        &args,
+        &[
+            "--checkpoint-dir",
+            s(&d.join("whole")),
+            "--checkpoint-every",
+            "8",
+        ],
+    ));
+    let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"));
+    assert_eq!(stopped.status.code(), Some(130), "{stopped:?}");
+    let resumed = ok(&train(
+        &args,
+        &[
+            "--checkpoint-dir",
+            s(&d.join("run")),
+            "--checkpoint-every",
+            "8",
+            "--resume",
+            "latest",
+        ],
+    ));
+    assert_eq!(weights(&whole), weights(&resumed));
 }
 
 /// A small pipelined run: two epochs of 64 updates (8,192 samples, minibatches of 2 x 64).

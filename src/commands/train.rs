@@ -15,7 +15,7 @@ use pipe_stages::model::Model;
 use pipe_stages::pipeline::train::CheckpointPolicy;
 use pipe_stages::pipeline::worker::settings_fingerprint;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
-use pipe_stages::train;
+use pipe_stages::train::{self, TrainOptions};
 use pipe_transport::TransportKind;
 
 use crate::args::open_backend;
@@ -52,16 +52,29 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     print_header(&cfg, &model, &data, be.threads());
     let mut fan = Fan::new(&cfg)?;
     let checkpoints = args.checkpoint_dir.is_some() || args.resume.is_some();
-    if checkpoints && (!cfg.pipelined || processes) {
+    if checkpoints && processes {
         return Err(bad_input(
-            "checkpoints are written and resumed by pipelined runs in one process so far: add \
-             --stages (1 or more) and keep --transport inproc"
+            "worker processes do not write or resume checkpoints yet: use --transport inproc"
                 .into(),
         ));
     }
+    let policy = args.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
+        dir: dir.clone(),
+        every: args.checkpoint_every,
+        keep: usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX),
+        settings: settings_fingerprint(&cfg),
+    });
+    let resume = resume_from(args, &model)?;
     if !cfg.pipelined {
-        let report = train::train(&cfg, &data, be.as_ref(), &mut fan).context("training failed")?;
-        print_done(&report);
+        let opts = TrainOptions {
+            checkpoints: policy,
+            resume,
+            stop: Some(stop_on_ctrl_c()),
+        };
+        let out = train::train_with(&cfg, &data, be.as_ref(), &mut fan, &opts)
+            .context("training failed")?;
+        finish_checkpoints(&out.checkpoints, out.stopped)?;
+        print_done(&out.report);
         return Ok(());
     }
     settle_partition(&mut cfg, &mut settings, &model)?;
@@ -78,30 +91,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let opts = PipelineTrainOptions {
         timeline: args.trace.is_some(),
-        checkpoints: args.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
-            dir: dir.clone(),
-            every: args.checkpoint_every,
-            keep: usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX),
-            settings: settings_fingerprint(&cfg),
-        }),
-        resume: resume_from(args, &model)?,
+        checkpoints: policy,
+        resume,
         stop: Some(stop_on_ctrl_c()),
     };
     let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
-    if let Some(last) = out.checkpoints.last() {
-        outln!(
-            "checkpoints: {} written, the last {}",
-            out.checkpoints.len(),
-            last.display()
-        );
-    }
-    if let Some(updates) = out.stopped {
-        let saved = match out.checkpoints.last() {
-            Some(dir) => format!("; resume with --resume {}", dir.display()),
-            None => "; nothing saved (no --checkpoint-dir)".into(),
-        };
-        return Err(Interrupted(format!("stopped after update {updates}{saved}")).into());
-    }
+    finish_checkpoints(&out.checkpoints, out.stopped)?;
     outln!("partition: {}", out.partition);
     if let (Some(path), Some(timeline)) = (&args.trace, &out.timeline) {
         let plan = pipe_scheduler::VersionPlan::derive(&out.schedule).ok();
@@ -117,6 +112,29 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         outln!("trace written to {}", path.display());
     }
     print_done(&out.report);
+    Ok(())
+}
+
+/// Reports the checkpoints a run wrote; a run stopped by Ctrl-C ends here (exit 130), naming
+/// the checkpoint to resume from.
+///
+/// # Errors
+/// [`Interrupted`] when the run stopped early.
+fn finish_checkpoints(written: &[PathBuf], stopped: Option<u64>) -> Result<()> {
+    if let Some(last) = written.last() {
+        outln!(
+            "checkpoints: {} written, the last {}",
+            written.len(),
+            last.display()
+        );
+    }
+    if let Some(updates) = stopped {
+        let saved = match written.last() {
+            Some(dir) => format!("; resume with --resume {}", dir.display()),
+            None => "; nothing saved (no --checkpoint-dir)".into(),
+        };
+        return Err(Interrupted(format!("stopped after update {updates}{saved}")).into());
+    }
     Ok(())
 }
 

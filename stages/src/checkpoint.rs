@@ -33,7 +33,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::config::DatasetKind;
+use crate::config::{DatasetKind, RunConfig};
 use crate::data::SyntheticConfig;
 use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec, Params};
@@ -91,6 +91,55 @@ pub struct RunState {
     /// The numerics-deciding settings, as text (see
     /// [`crate::pipeline::worker::settings_fingerprint`]).
     pub settings: String,
+}
+
+impl RunState {
+    /// The identity part of `cfg`'s run state (model, dataset, seed, policy, `settings`), at
+    /// position zero on one stage: callers fill in the position and layout.
+    pub fn identity(cfg: &RunConfig, settings: String) -> RunState {
+        RunState {
+            format: FORMAT,
+            updates: 0,
+            epoch: 1,
+            samples_in_epoch: 0,
+            optimizer_steps: Vec::new(),
+            seed: cfg.seed,
+            model: cfg.model_name.clone(),
+            model_spec: cfg.model.clone(),
+            dataset: cfg.dataset,
+            synthetic: cfg.synthetic.clone(),
+            partition: String::new(),
+            policy: if cfg.pipelined {
+                cfg.schedule.name().to_string()
+            } else {
+                "single-worker".into()
+            },
+            replicas: vec![1],
+            settings,
+        }
+    }
+}
+
+/// When and where a run writes checkpoints.
+#[derive(Clone, Debug)]
+pub struct CheckpointPolicy {
+    /// The checkpoint directory (`DIR/ckpt-N`, `DIR/latest`).
+    pub dir: PathBuf,
+    /// Also write one every this many updates (at every multiple of it, counted over the
+    /// whole run; a pipeline drains there); without it, at each epoch's end.
+    pub every: Option<u64>,
+    /// Checkpoints kept.
+    pub keep: usize,
+    /// The run's numerics-deciding settings, recorded in each checkpoint.
+    pub settings: String,
+}
+
+impl CheckpointPolicy {
+    /// Whether a checkpoint is due after `done` updates (`epoch_end`: the epoch just ended;
+    /// `stop`: the run is stopping).
+    pub fn due(&self, done: u64, epoch_end: bool, stop: bool) -> bool {
+        stop || epoch_end || self.every.is_some_and(|n| done % n.max(1) == 0)
+    }
 }
 
 /// A checkpoint's contents: the whole model's weights and optimizer state (host memory, in
@@ -548,7 +597,10 @@ mod tests {
         names.sort();
         let mut want = model.param_names();
         want.sort();
-        assert_eq!(names.into_iter().map(str::to_string).collect::<Vec<_>>(), want);
+        assert_eq!(
+            names.into_iter().map(str::to_string).collect::<Vec<_>>(),
+            want
+        );
         for entry in model.param_table() {
             let (l, s) = entry.uses[0];
             let view = file.tensor(&entry.name).unwrap();

@@ -2,11 +2,15 @@
 //! `microbatches` per update, one optimizer step per update, evaluation after each epoch.
 //! The pipeline executor (one per worker) replaces this loop when a run has several stages.
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::{Checkpoint, CheckpointPolicy, RunState};
 use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
@@ -228,31 +232,84 @@ pub fn train(
     be: &dyn Backend,
     obs: &mut dyn Observer,
 ) -> Result<TrainReport> {
+    train_with(cfg, data, be, obs, &TrainOptions::default()).map(|o| o.report)
+}
+
+/// Checkpoints, resume and stopping for [`train_with`].
+#[derive(Clone, Debug, Default)]
+pub struct TrainOptions {
+    /// Write checkpoints (every update is a drain point here).
+    pub checkpoints: Option<CheckpointPolicy>,
+    /// Start from this checkpoint.
+    pub resume: Option<Checkpoint>,
+    /// Set (by a Ctrl-C handler) to stop after the current update, with a checkpoint.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+/// What [`train_with`] ends with.
+#[derive(Debug)]
+pub struct TrainOutcome {
+    /// The report.
+    pub report: TrainReport,
+    /// Checkpoints written, oldest first.
+    pub checkpoints: Vec<PathBuf>,
+    /// The run stopped early, asked to, after this many updates.
+    pub stopped: Option<u64>,
+}
+
+/// [`train`] with checkpoints, resume and a stop flag.
+///
+/// # Errors
+/// As [`train`]; a checkpoint that does not fit this run; a checkpoint that cannot be
+/// written.
+pub fn train_with(
+    cfg: &RunConfig,
+    data: &Splits,
+    be: &dyn Backend,
+    obs: &mut dyn Observer,
+    opts: &TrainOptions,
+) -> Result<TrainOutcome> {
     let model = Model::new(&cfg.model)?;
-    let mut params = place_params(be, model.init_params(cfg.seed))?;
-    let mut grads = place_params(be, model.zero_grads(0..model.len()))?;
-    let mut opt = Optimizer::new(cfg.optimizer, &params).placed(be)?;
     let b = cfg.microbatch_size;
     let m = cfg.microbatches;
     let steps_per_epoch = (data.train.len() / (b * m)) as u64;
     let total = cfg.steps.map_or(steps_per_epoch * cfg.epochs, |s| {
         s.min(steps_per_epoch * cfg.epochs)
     });
+    let (mut params, mut opt, mut step) = start(
+        cfg,
+        &model,
+        be,
+        opts.resume.as_ref(),
+        (b * m) as u64,
+        steps_per_epoch,
+    )?;
+    let first_epoch = (step / steps_per_epoch.max(1)) + 1;
+    let skip = step % steps_per_epoch.max(1);
+    if step >= total {
+        return Err(StageError::Checkpoint(format!(
+            "is at update {step} of this run, which has {total} in all: nothing left to train"
+        )));
+    }
+    let mut grads = place_params(be, model.zero_grads(0..model.len()))?;
     let sched = cfg.lr_schedule(total);
     let grad_scale = 1.0 / (b * m) as f32;
     let start = Instant::now();
     let mut report = Vec::new();
-    let mut step = 0u64;
-    let mut microbatch_id = 0u64;
-    for epoch in 1..=cfg.epochs {
-        if step >= total {
+    let mut microbatch_id = step * m as u64;
+    let mut written = Vec::new();
+    let mut stopped = None;
+    for epoch in first_epoch..=cfg.epochs {
+        if step >= total || stopped.is_some() {
             break;
         }
         let order = data.train.epoch_order(cfg.seed, epoch);
         let epoch_start = Instant::now();
         let (mut epoch_loss, mut epoch_samples) = (0.0f64, 0usize);
-        for (k, update) in order.chunks_exact(b * m).enumerate() {
-            if step >= total {
+        let mut epoch_finished = false;
+        let skip = if epoch == first_epoch { skip } else { 0 };
+        for (k, update) in order.chunks_exact(b * m).enumerate().skip(skip as usize) {
+            if step >= total || stopped.is_some() {
                 // Stopped by --steps inside this epoch: it still gets its summary below.
                 break;
             }
@@ -261,14 +318,15 @@ pub fn train(
                 .chunks_exact(b)
                 .map(|mb| data.train.gather(mb))
                 .collect();
+            let mut st = StepState {
+                params: &mut params,
+                grads: &mut grads,
+                opt: &mut opt,
+            };
             let loss = train_step(
                 be,
                 &model,
-                &mut StepState {
-                    params: &mut params,
-                    grads: &mut grads,
-                    opt: &mut opt,
-                },
+                &mut st,
                 batches,
                 grad_scale,
                 lr,
@@ -294,6 +352,38 @@ pub fn train(
                 steps_in_epoch: steps_per_epoch.min(total),
                 step_in_epoch: k as u64 + 1,
             })?;
+            let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+            let epoch_end = k as u64 + 1 == steps_per_epoch || step == total;
+            epoch_finished = epoch_end;
+            if let Some(policy) = opts
+                .checkpoints
+                .as_ref()
+                .filter(|p| p.due(step, epoch_end, stop))
+            {
+                let mut state = RunState::identity(cfg, policy.settings.clone());
+                state.updates = step;
+                state.epoch = step / steps_per_epoch.max(1) + 1;
+                state.samples_in_epoch = (step % steps_per_epoch.max(1)) * (b * m) as u64;
+                state.optimizer_steps = vec![opt.steps(); model.len()];
+                state.partition = format!("0-{}", model.len().saturating_sub(1));
+                let ckpt = Checkpoint {
+                    params: params.clone(),
+                    optimizer: opt.state().to_vec(),
+                    state,
+                };
+                written.push(crate::checkpoint::write(
+                    &policy.dir,
+                    &model,
+                    &ckpt,
+                    policy.keep,
+                )?);
+            }
+            if stop {
+                stopped = Some(step);
+            }
+        }
+        if stopped.is_some() && !epoch_finished {
+            break;
         }
         let secs = epoch_start.elapsed().as_secs_f64();
         let (test_loss, test_accuracy) = evaluate(be, &model, &params, &data.test, 1000)?;
@@ -310,9 +400,51 @@ pub fn train(
         obs.on_epoch(&e)?;
         report.push(e);
     }
-    Ok(TrainReport {
-        epochs: report,
-        params,
-        steps: step,
+    Ok(TrainOutcome {
+        report: TrainReport {
+            epochs: report,
+            params,
+            steps: step,
+        },
+        checkpoints: written,
+        stopped,
     })
+}
+
+/// Fresh weights and optimizer, or a checkpoint's (whose data cursor must fall on a whole
+/// update of `per_update` samples), with the updates done.
+fn start(
+    cfg: &RunConfig,
+    model: &Model,
+    be: &dyn Backend,
+    resume: Option<&Checkpoint>,
+    per_update: u64,
+    per_epoch: u64,
+) -> Result<(Params, Optimizer, u64)> {
+    let Some(c) = resume else {
+        let params = place_params(be, model.init_params(cfg.seed))?;
+        let opt = Optimizer::new(cfg.optimizer, &params).placed(be)?;
+        return Ok((params, opt, 0));
+    };
+    let at = c.state.samples_in_epoch;
+    if at % per_update != 0 || at / per_update > per_epoch || c.state.epoch == 0 {
+        return Err(StageError::Checkpoint(format!(
+            "stopped {at} samples into epoch {}, not a whole number of this run's updates of {per_update} samples",
+            c.state.epoch
+        )));
+    }
+    let done = (c.state.epoch - 1) * per_epoch + at / per_update;
+    let steps = c.state.optimizer_steps.first().copied().unwrap_or(0);
+    if cfg.optimizer.kind != crate::optim::OptimizerKind::Sgd
+        && c.state.optimizer_steps.iter().any(|&s| s != steps)
+    {
+        return Err(StageError::Checkpoint(
+            "its layers were saved after different numbers of Adam updates; one worker cannot resume them"
+                .into(),
+        ));
+    }
+    let params = place_params(be, c.params.clone())?;
+    let opt =
+        Optimizer::with_state(cfg.optimizer, &params, c.optimizer.clone(), steps)?.placed(be)?;
+    Ok((params, opt, done))
 }

@@ -16,6 +16,7 @@ use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
 
 use super::{OrderedSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, run_threads};
+pub use crate::checkpoint::CheckpointPolicy;
 use crate::checkpoint::{Checkpoint, RunState};
 use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
@@ -54,20 +55,6 @@ pub struct PipelineTrainOptions {
     pub resume: Option<Checkpoint>,
     /// Set (by a Ctrl-C handler) to stop at the next drain point, after a checkpoint.
     pub stop: Option<Arc<AtomicBool>>,
-}
-
-/// When and where a run writes checkpoints.
-#[derive(Clone, Debug)]
-pub struct CheckpointPolicy {
-    /// The checkpoint directory (`DIR/ckpt-N`, `DIR/latest`).
-    pub dir: PathBuf,
-    /// Also drain and write one every this many updates (at every multiple of it, counted
-    /// over the whole run); without it, at each epoch's end.
-    pub every: Option<u64>,
-    /// Checkpoints kept.
-    pub keep: usize,
-    /// The run's numerics-deciding settings, recorded in each checkpoint.
-    pub settings: String,
 }
 
 /// A segment of an epoch (one schedule, ending at a drain point) or a whole epoch that has
@@ -179,10 +166,7 @@ pub fn train_pipelined(
             merge_outcomes(&mut acc, outcomes);
             let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
             if let Some(policy) = &opts.checkpoints {
-                let due = stop
-                    || done == first + epoch_len
-                    || policy.every.is_some_and(|n| done % n.max(1) == 0);
-                if due {
+                if policy.due(done, done == first + epoch_len, stop) {
                     let ckpt = run.checkpoint(&plan, &states, done, policy)?;
                     written.push(crate::checkpoint::write(
                         &policy.dir,
@@ -462,27 +446,18 @@ impl<'c> Run<'c> {
             }));
         }
         let cfg = self.cfg;
+        let mut state = RunState::identity(cfg, policy.settings.clone());
+        state.updates = done;
+        state.epoch = done / self.per_epoch + 1;
+        state.samples_in_epoch =
+            (done % self.per_epoch) * self.minibatch * cfg.microbatch_size as u64;
+        state.optimizer_steps = steps;
+        state.partition = plan.partition.to_string();
+        state.replicas = plan.schedule.layout().replica_counts().to_vec();
         Ok(Checkpoint {
             params: assemble(plan, states)?,
             optimizer,
-            state: RunState {
-                format: crate::checkpoint::FORMAT,
-                updates: done,
-                epoch: done / self.per_epoch + 1,
-                samples_in_epoch: (done % self.per_epoch)
-                    * self.minibatch
-                    * cfg.microbatch_size as u64,
-                optimizer_steps: steps,
-                seed: cfg.seed,
-                model: cfg.model_name.clone(),
-                model_spec: cfg.model.clone(),
-                dataset: cfg.dataset,
-                synthetic: cfg.synthetic.clone(),
-                partition: plan.partition.to_string(),
-                policy: cfg.schedule.name().to_string(),
-                replicas: plan.schedule.layout().replica_counts().to_vec(),
-                settings: policy.settings.clone(),
-            },
+            state,
         })
     }
 
