@@ -378,3 +378,29 @@ fn a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole() {
     assert!(text.contains("done: 128 steps"), "{text}");
     assert!(!partial.exists());
 }
+
+#[test]
+fn a_non_finite_loss_stops_the_run_naming_it_and_keeps_the_last_good_checkpoint() {
+    let d = dir("guard");
+    let out = train(
+        &flags("pipedream"),
+        &[
+            "--lr",
+            "1e30",
+            "--checkpoint-dir",
+            s(&d),
+            "--checkpoint-every",
+            "1",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("is not finite at update"), "{err}");
+    assert!(err.contains("(stage "), "{err}");
+    assert!(
+        err.contains("the loss of microbatch") || err.contains("the gradient of layers."),
+        "{err}"
+    );
+    let text = ok(&eval(&d));
+    assert!(text.contains("test accuracy"), "{text}");
+}

@@ -323,6 +323,7 @@ fn pipelined_with<B: pipe_kernels::Backend>(
         seed: 0,
         microbatch_offset: 0,
         lr: &lr,
+        progress: None,
     };
     if states.is_empty() {
         let init = model.init_params(0);

@@ -72,6 +72,17 @@ pub enum StageError {
         /// What went wrong.
         source: Box<StageError>,
     },
+    /// A loss or gradient that is not finite (the guard stops training there; checkpoints
+    /// already written are kept).
+    #[error(
+        "{what} is not finite at update {update}: lower the learning rate (checkpoints written before it are kept)"
+    )]
+    NonFinite {
+        /// What: the loss of a microbatch, or the gradient of a parameter.
+        what: String,
+        /// The update (over the whole run, from 1).
+        update: u64,
+    },
     /// Training produced a non-finite loss.
     #[error("loss became {loss} at step {step}: lower the learning rate")]
     Diverged {

@@ -1,5 +1,6 @@
 //! Run logs: JSON lines, one object per optimizer step and one per epoch, each tagged with
-//! `"kind"`, so a log can be read back with any JSON tool.
+//! `"kind"`, so a log can be read back with any JSON tool; each line is flushed as it is
+//! written (`docs/training.md` has the schema).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -47,7 +48,10 @@ impl JsonlLog {
         };
         let line = serde_json::to_string(&Tagged { kind, body })
             .map_err(|e| io(std::io::Error::other(e)))?;
-        writeln!(self.out, "{line}").map_err(io)
+        // Flushed line by line, so `tail -f` sees every update as it happens.
+        writeln!(self.out, "{line}")
+            .and_then(|()| self.out.flush())
+            .map_err(io)
     }
 }
 
@@ -56,10 +60,6 @@ impl Observer for JsonlLog {
         self.write("step", s)
     }
     fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
-        self.write("epoch", e)?;
-        self.out.flush().map_err(|source| StageError::Io {
-            path: self.path.display().to_string(),
-            source,
-        })
+        self.write("epoch", e)
     }
 }

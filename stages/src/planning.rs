@@ -62,6 +62,7 @@ pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
             seed: 0,
             microbatch_offset: 0,
             lr: &lr,
+            progress: None,
         };
         if states.is_empty() {
             states = (0..2)

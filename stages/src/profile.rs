@@ -310,6 +310,7 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
         seed: opts.seed,
         microbatch_offset: 0,
         lr: &lr,
+        progress: None,
     };
     let init = model.init_params(opts.seed);
     let copies = opts.concurrent.max(1);

@@ -207,6 +207,7 @@ pub fn train_step(
 ) -> Result<f64> {
     let mut loss = 0.0;
     let n = model.len();
+    let batches_len = batches.len().max(1);
     for (i, (x, y)) in batches.into_iter().enumerate() {
         let (x, y) = (be.place(x)?, be.place_ids(y)?);
         let (logits, saved) =
@@ -214,12 +215,49 @@ pub fn train_step(
         *microbatch_id += 1;
         let mut dlogits = Tensor::default();
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, grad_scale, Some(&mut dlogits))?;
+        if !s.loss_sum.is_finite() {
+            return Err(StageError::NonFinite {
+                what: format!("the loss of microbatch {}", *microbatch_id - 1),
+                update: (*microbatch_id - 1) / batches_len as u64 + 1,
+            });
+        }
         loss += s.loss_sum;
         model.backward_range(be, 0..n, st.params, &saved, dlogits, st.grads, i > 0, false)?;
     }
     model.sum_tied(be, &mut [(0, &mut *st.grads)])?;
+    check_gradients(model, 0, st.grads, *microbatch_id / batches_len as u64)?;
     st.opt.step(be, st.params, st.grads, lr)?;
     Ok(loss)
+}
+
+/// The guard on gradients: every value of `grads` (the gradients of layers `first..` of
+/// `model`) must be finite before an update applies them.
+///
+/// # Errors
+/// [`StageError::NonFinite`] naming the first parameter whose gradient is not, and `update`.
+pub(crate) fn check_gradients(
+    model: &Model,
+    first: usize,
+    grads: &Params,
+    update: u64,
+) -> Result<()> {
+    for (i, layer) in grads.iter().enumerate() {
+        for (slot, g) in layer.iter().enumerate() {
+            let Ok(values) = g.host() else { continue };
+            if !values.iter().all(|v| v.is_finite()) {
+                let id = model.param_id(first + i, slot);
+                let name = model
+                    .param_table()
+                    .get(id)
+                    .map_or_else(|| format!("layers.{}", first + i), |e| e.name.clone());
+                return Err(StageError::NonFinite {
+                    what: format!("the gradient of {name}"),
+                    update,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Trains `cfg`'s model on `data` with one worker.

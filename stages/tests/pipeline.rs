@@ -68,6 +68,7 @@ fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'stat
         seed: SEED,
         microbatch_offset: 0,
         lr: &lr,
+        progress: None,
     }
 }
 
@@ -415,6 +416,7 @@ fn small_setup_run(
         seed: 1,
         microbatch_offset: 0,
         lr: &lr,
+        progress: None,
     };
     let init = model.init_params(1);
     let mut states: Vec<WorkerState> = (0..schedule.workers())

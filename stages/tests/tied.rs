@@ -88,6 +88,7 @@ fn setup<'a>(model: &'a Model, plan: &'a RunPlan) -> Setup<'a> {
         seed: 3,
         microbatch_offset: 0,
         lr: &lr,
+        progress: None,
     }
 }
 

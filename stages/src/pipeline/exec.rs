@@ -357,6 +357,19 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .setup
             .loss
             .evaluate(be, y, &targets, scale, Some(&mut dy))?;
+        let minibatch = u64::from(self.setup.plan.schedule.resolved.minibatch.max(1));
+        let global = self.setup.microbatch_offset + u64::from(mb);
+        if !stats.loss_sum.is_finite() {
+            return Err(crate::StageError::NonFinite {
+                what: format!("the loss of microbatch {global}"),
+                update: global / minibatch + 1,
+            });
+        }
+        if let Some(tx) = self.setup.progress {
+            // The trainer's thread reports each update as its losses arrive; if it has gone,
+            // nothing is lost (the outcome keeps them too).
+            let _ = tx.send((mb, stats.loss_sum, stats.rows));
+        }
         let out = &mut self.outcome;
         out.loss_sum += stats.loss_sum;
         out.correct += stats.correct;
@@ -489,6 +502,14 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         setup
             .model
             .sum_tied(be, &mut [(run.layers.start, &mut run.grads)])?;
+        let minibatch = u64::from(setup.plan.schedule.resolved.minibatch.max(1));
+        let first_mb = setup.microbatch_offset + u64::from(update) * u64::from(run.update_size);
+        crate::train::check_gradients(
+            setup.model,
+            run.layers.start,
+            &run.grads,
+            first_mb / minibatch + 1,
+        )?;
         let lr = (setup.lr)(stage, update);
         mean_step(
             be,

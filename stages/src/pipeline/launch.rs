@@ -33,6 +33,34 @@ where
     B: Backend,
     F: Fn() -> std::result::Result<B, pipe_kernels::KernelError> + Sync,
 {
+    run_threads_reporting(setup, states, endpoints, make_backend, None)
+}
+
+/// What the launching thread does while the workers run: receive the losses the last stage
+/// reports ([`Setup::progress`]) and hand each to the function.
+pub type Progress<'p> = (
+    crossbeam_channel::Receiver<super::LossReport>,
+    &'p mut dyn FnMut(super::LossReport) -> Result<()>,
+);
+
+/// [`run_threads`], with this thread handling `progress` while the workers run. An error of
+/// the progress function (an observer that cannot write its log) is the run's error once
+/// the workers have finished.
+///
+/// # Errors
+/// As [`run_threads`].
+pub fn run_threads_reporting<T, B, F>(
+    setup: &Setup<'_>,
+    states: &mut [WorkerState],
+    endpoints: Vec<T>,
+    make_backend: F,
+    mut progress: Option<Progress<'_>>,
+) -> Result<Vec<WorkerOutcome>>
+where
+    T: Transport,
+    B: Backend,
+    F: Fn() -> std::result::Result<B, pipe_kernels::KernelError> + Sync,
+{
     if endpoints.len() != states.len() {
         return Err(StageError::Executor(format!(
             "{} endpoints for {} workers",
@@ -88,6 +116,26 @@ where
                     })
             })
             .collect();
+        if let Some((rx, on_loss)) = progress.as_mut() {
+            let mut report = |r| {
+                if let Err(e) = on_loss(r) {
+                    fail(e);
+                }
+            };
+            loop {
+                let running = handles
+                    .iter()
+                    .any(|h| h.as_ref().is_ok_and(|h| !h.is_finished()));
+                match rx.recv_timeout(std::time::Duration::from_millis(20)) {
+                    Ok(r) => report(r),
+                    Err(_) if !running => break,
+                    Err(_) => {}
+                }
+            }
+            while let Ok(r) = rx.try_recv() {
+                report(r);
+            }
+        }
         handles
             .into_iter()
             .map(|h| match h {

@@ -115,7 +115,14 @@ pub struct Setup<'a> {
     pub microbatch_offset: u64,
     /// Learning rate per stage and update.
     pub lr: &'a LrFn<'a>,
+    /// Where the last stage reports each microbatch's loss as it is computed (microbatch,
+    /// loss sum, samples), so the trainer can report updates while the pipeline runs.
+    pub progress: Option<&'a crossbeam_channel::Sender<LossReport>>,
 }
+
+/// One microbatch's loss as the last stage reports it: (microbatch of the schedule, loss
+/// sum, samples).
+pub type LossReport = (u32, f64, usize);
 
 /// The executor's all-reduce: sums a stage's gradients across its replicas `group` (ring
 /// order), in place. The gradient tensors, in layer and parameter order, are reduced as one

@@ -15,7 +15,8 @@ use pipe_transport::TransportKind;
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
 
-use super::{OrderedSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, run_threads};
+use super::launch::run_threads_reporting;
+use super::{LossReport, OrderedSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState};
 pub use crate::checkpoint::CheckpointPolicy;
 use crate::checkpoint::{Checkpoint, RunState};
 use crate::config::{PartitionChoice, RunConfig};
@@ -138,7 +139,13 @@ pub fn train_pipelined(
             let spec = cfg.schedule_spec(Length::Updates(this as u32));
             let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
             let t = Instant::now();
-            let outcomes = run.segment(&plan, data, epoch, done, &start, &mut states)?;
+            let at = Segment {
+                epoch,
+                done,
+                before,
+                epoch_len,
+            };
+            let outcomes = run.segment(&plan, data, &at, &start, &mut states, obs)?;
             let seg_secs = t.elapsed().as_secs_f64();
             secs += seg_secs;
             done += this;
@@ -152,17 +159,6 @@ pub fn train_pipelined(
                     }));
                 }
             }
-            let seg = EpochEnd {
-                plan: &plan,
-                outcomes: &outcomes,
-                epoch,
-                done,
-                this,
-                before,
-                epoch_len,
-                secs: seg_secs,
-            };
-            run.report_steps(&seg, obs)?;
             merge_outcomes(&mut acc, outcomes);
             let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
             if let Some(policy) = &opts.checkpoints {
@@ -307,6 +303,76 @@ impl Start {
     }
 }
 
+/// Where a segment sits: its epoch, the updates done before it over the run and within
+/// its epoch, and its epoch's length.
+pub(super) struct Segment {
+    epoch: u64,
+    done: u64,
+    before: u64,
+    epoch_len: u64,
+}
+
+/// Per-update loss sums of a running segment, reported in update order as each completes.
+struct LiveSteps<'r> {
+    run: &'r Run<'r>,
+    seg: &'r Segment,
+    minibatch: u64,
+    /// Per update of the segment: (loss sum, samples, microbatches seen).
+    steps: Vec<(f64, usize, u64)>,
+    next: usize,
+    samples: usize,
+    start: Instant,
+}
+
+impl<'r> LiveSteps<'r> {
+    fn new(run: &'r Run<'r>, plan: &RunPlan, seg: &'r Segment) -> Self {
+        let minibatch = u64::from(plan.schedule.resolved.minibatch.max(1));
+        let updates = plan.schedule.total_microbatches() as u64 / minibatch;
+        LiveSteps {
+            run,
+            seg,
+            minibatch,
+            steps: vec![(0.0, 0, 0); updates as usize],
+            next: 0,
+            samples: 0,
+            start: Instant::now(),
+        }
+    }
+
+    /// Adds microbatch `mb`'s loss; reports every update that is now complete.
+    fn add(&mut self, (mb, loss, n): LossReport, obs: &mut dyn Observer) -> Result<()> {
+        if let Some(slot) = self
+            .steps
+            .get_mut((u64::from(mb) / self.minibatch) as usize)
+        {
+            slot.0 += loss;
+            slot.1 += n;
+            slot.2 += 1;
+        }
+        while let Some(&(l, n, seen)) = self.steps.get(self.next) {
+            if seen < self.minibatch {
+                break;
+            }
+            self.samples += n;
+            let t = self.next as u64;
+            let step = self.seg.done + t;
+            obs.on_step(&StepStats {
+                step: step + 1,
+                epoch: self.seg.epoch,
+                loss: l / n.max(1) as f64,
+                lr: self.run.lr.at(step),
+                samples: n,
+                samples_per_sec: self.samples as f64 / self.start.elapsed().as_secs_f64().max(1e-9),
+                elapsed_s: self.run.start.elapsed().as_secs_f64(),
+                steps_in_epoch: self.seg.epoch_len,
+                step_in_epoch: self.seg.before + t + 1,
+            })?;
+            self.next += 1;
+        }
+        Ok(())
+    }
+}
+
 /// Adds one segment's outcomes to an epoch's (per worker: sums, and the latest peak).
 fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerOutcome>) {
     if acc.is_empty() {
@@ -382,22 +448,27 @@ impl<'c> Run<'c> {
         })
     }
 
-    /// Runs one segment's schedule (`plan`) of epoch `epoch` from minibatch `done` on,
-    /// creating the workers' state from `start` the first time.
+    /// Runs one segment's schedule (`plan`) of `seg.epoch` from minibatch `seg.done` on,
+    /// creating the workers' state from `start` the first time, and reports each update to
+    /// `obs` as soon as the last stage has computed all its losses.
     fn segment(
         &self,
         plan: &RunPlan,
         data: &Splits,
-        epoch: u64,
-        done: u64,
+        seg: &Segment,
         start: &Start,
         states: &mut Vec<WorkerState>,
+        obs: &mut dyn Observer,
     ) -> Result<Vec<WorkerOutcome>> {
         let cfg = self.cfg;
         let threads = if cfg.threads == 0 { 1 } else { cfg.threads };
         let workers = plan.schedule.workers();
         let backend = || CpuBackend::new(threads);
-        self.with_setup(plan, data, epoch, done, |setup| {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut live = LiveSteps::new(self, plan, seg);
+        let mut on_loss = |r: LossReport| live.add(r, obs);
+        let progress = Some((rx, &mut on_loss as &mut dyn FnMut(LossReport) -> Result<()>));
+        self.with_setup(plan, data, (seg.epoch, seg.done), Some(&tx), |setup| {
             if states.is_empty() {
                 *states = start.states(setup, cfg)?;
             }
@@ -407,12 +478,13 @@ impl<'c> Run<'c> {
                         wire: cfg.wire,
                         ..InProcOptions::default()
                     };
-                    run_threads(setup, states, mesh(workers, &opts), backend)
+                    run_threads_reporting(setup, states, mesh(workers, &opts), backend, progress)
                 }
                 TransportKind::Quic => {
-                    let mut opts = QuicOptions::new(run_id(cfg.seed, done));
+                    let mut opts = QuicOptions::new(run_id(cfg.seed, seg.done));
                     opts.wire = cfg.wire;
-                    run_threads(setup, states, local_mesh(workers, &opts)?, backend)
+                    let eps = local_mesh(workers, &opts)?;
+                    run_threads_reporting(setup, states, eps, backend, progress)
                 }
             }
         })
@@ -467,8 +539,8 @@ impl<'c> Run<'c> {
         &self,
         plan: &RunPlan,
         data: &Splits,
-        epoch: u64,
-        done: u64,
+        (epoch, done): (u64, u64),
+        progress: Option<&crossbeam_channel::Sender<LossReport>>,
         f: impl FnOnce(&Setup<'_>) -> R,
     ) -> R {
         let cfg = self.cfg;
@@ -498,6 +570,7 @@ impl<'c> Run<'c> {
             seed: cfg.seed,
             microbatch_offset: done * self.minibatch,
             lr: &lr,
+            progress,
         };
         f(&setup)
     }

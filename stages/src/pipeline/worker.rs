@@ -106,7 +106,7 @@ fn run_epochs<T: Transport + ?Sized>(
         let spec = cfg.schedule_spec(Length::Updates(this as u32));
         let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
         let start = Instant::now();
-        let outcome = run.with_setup(&plan, data, epoch, done, |setup| {
+        let outcome = run.with_setup(&plan, data, (epoch, done), None, |setup| {
             let st =
                 state.get_or_insert_with(|| WorkerState::new(setup, rank, &init, cfg.optimizer));
             run_worker(&be, ep, setup, st, start)
