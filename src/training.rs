@@ -134,6 +134,9 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 3, value_name = "K",
           value_parser = clap::value_parser!(u64).range(1..=10_000))]
     pub keep_checkpoints: u64,
+    /// Serve metrics for Prometheus at ADDR (e.g. 127.0.0.1:9464) while the run lasts.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// Resume from a checkpoint: a checkpoint's directory, a checkpoint directory (its
     /// newest), or `latest` (the newest in --checkpoint-dir).
     #[arg(long, value_name = "DIR|latest")]
@@ -241,6 +244,23 @@ pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
     } else {
         String::new()
     }
+}
+
+/// Serves the `metrics` crate's metrics for Prometheus at `addr`, when given.
+///
+/// # Errors
+/// Bad input when the address cannot be listened on.
+pub fn serve_metrics(addr: Option<std::net::SocketAddr>) -> Result<()> {
+    let Some(addr) = addr else { return Ok(()) };
+    // Bind first, so that an address in use is one clear line, not an exporter's panic.
+    std::net::TcpListener::bind(addr)
+        .map_err(|e| bad_input(format!("--metrics-addr {addr}: {e}")))?;
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| bad_input(format!("--metrics-addr {addr}: {e}")))?;
+    outln!("metrics for Prometheus at http://{addr}/metrics");
+    Ok(())
 }
 
 /// Prints the run's header line: model, data, optimizer, seed, compute threads.

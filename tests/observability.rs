@@ -1,8 +1,10 @@
 //! What a running `pipe train` shows while it runs: the JSON-lines log grows update by
-//! update during a pipelined epoch, not only at its end.
+//! update during a pipelined epoch, not only at its end, and `--metrics-addr` serves live
+//! metrics that a Prometheus scrape reads.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -66,4 +68,100 @@ fn the_jsonl_log_grows_during_a_pipelined_epoch() {
         .filter(|l| l.contains("\"kind\":\"step\""))
         .count();
     assert_eq!(steps, 64, "one record per update");
+}
+
+/// One scrape: the body of `GET /metrics`, or nothing if the endpoint is not up.
+fn scrape(addr: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+}
+
+/// The value of the first sample of `name` (with any labels) in a scrape.
+fn value(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[test]
+fn prometheus_scrapes_live_metrics_during_a_pipelined_run() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = Command::new(PIPE)
+        .args([
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "mlp-784-256x4-10",
+        ])
+        .args([
+            "--epochs",
+            "3",
+            "--stages",
+            "2",
+            "--replicas",
+            "2",
+            "--threads",
+            "1",
+        ])
+        .args(["--partition", "flops", "--metrics-addr", &addr])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let mut samples = Vec::new();
+    let mut last = None;
+    while child.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(120) {
+        if let Some(body) = scrape(&addr) {
+            if let Some(n) = value(&body, "pipe_samples_total") {
+                if samples.last() != Some(&n) {
+                    samples.push(n);
+                }
+                last = Some(body);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let body = last.expect("no scrape with pipe_samples_total");
+    assert!(samples.len() >= 3, "samples seen: {samples:?}");
+    for name in [
+        "pipe_updates_total",
+        "pipe_update_seconds",
+        "pipe_worker_busy_seconds",
+        "pipe_worker_idle_seconds",
+        "pipe_bytes_sent_total",
+        "pipe_bytes_received_total",
+        "pipe_queue_depth",
+        "pipe_staleness",
+        "pipe_stash_versions",
+        "pipe_stash_bytes",
+    ] {
+        assert!(
+            body.contains(name),
+            "{name} missing from the scrape:\n{body}"
+        );
+    }
+    assert!(body.contains("worker=\"3\""), "{body}");
+    assert!(
+        value(&body, "pipe_bytes_sent_total").unwrap_or(0.0) > 0.0,
+        "{body}"
+    );
 }

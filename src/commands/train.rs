@@ -23,7 +23,7 @@ use crate::launch::{LaunchOptions, run_processes};
 use crate::output::{Interrupted, bad_input};
 pub use crate::training::TrainArgs;
 use crate::training::{
-    Fan, print_done, print_done_line, print_header, run_config, settle_partition,
+    Fan, print_done, print_done_line, print_header, run_config, serve_metrics, settle_partition,
 };
 
 /// Runs `pipe train`.
@@ -46,6 +46,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 .into(),
         ));
     }
+    serve_metrics(args.metrics_addr)?;
     let be = open_backend(cfg.backend, cfg.threads)?;
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;

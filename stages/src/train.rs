@@ -260,6 +260,15 @@ pub(crate) fn check_gradients(
     Ok(())
 }
 
+/// Records one update of `samples` in the metrics: the samples and updates counters, and the
+/// time since the previous update (`last`, reset here) in the update-time histogram.
+pub(crate) fn record_update(samples: usize, last: &mut Instant) {
+    metrics::counter!("pipe_samples_total").increment(samples as u64);
+    metrics::counter!("pipe_updates_total").increment(1);
+    metrics::histogram!("pipe_update_seconds").record(last.elapsed().as_secs_f64());
+    *last = Instant::now();
+}
+
 /// Trains `cfg`'s model on `data` with one worker.
 ///
 /// # Errors
@@ -337,6 +346,7 @@ pub fn train_with(
     let mut microbatch_id = step * m as u64;
     let mut written = Vec::new();
     let mut stopped = None;
+    let mut last_update = Instant::now();
     for epoch in first_epoch..=cfg.epochs {
         if step >= total || stopped.is_some() {
             break;
@@ -378,6 +388,7 @@ pub fn train_with(
             }
             epoch_loss += loss;
             epoch_samples += b * m;
+            record_update(b * m, &mut last_update);
             obs.on_step(&StepStats {
                 step,
                 epoch,

@@ -229,6 +229,10 @@ impl Transport for InProc {
         Ok(())
     }
 
+    fn buffered(&self) -> usize {
+        self.early.len()
+    }
+
     fn abort(&mut self) {
         self.aborted_by.get_or_insert(self.rank);
         for (peer, tx) in self.control_to.iter().enumerate() {

@@ -195,6 +195,11 @@ impl Early {
     pub(crate) fn take(&mut self, key: &Key) -> Option<Message> {
         self.0.remove(key)
     }
+
+    /// Messages held.
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
 }
 
 /// A worker's end of the mesh.
@@ -219,6 +224,10 @@ pub trait Transport: Send {
     /// [`TransportError::Closed`], [`TransportError::Aborted`], [`TransportError::Timeout`] or
     /// [`TransportError::Protocol`].
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError>;
+
+    /// Messages that have arrived and wait for their receive: this worker's input queue, as
+    /// the metrics report it.
+    fn buffered(&self) -> usize;
 
     /// Tells every peer that this worker has failed, so their blocked calls return
     /// [`TransportError::Aborted`]. Best effort and never blocks: a peer that is already gone

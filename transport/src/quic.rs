@@ -1181,6 +1181,10 @@ impl Transport for Quic {
         }
     }
 
+    fn buffered(&self) -> usize {
+        self.early.len()
+    }
+
     fn abort(&mut self) {
         // A worker stopping because a peer died names that peer, not itself.
         let by = self.failed.unwrap_or(self.rank);

@@ -63,14 +63,20 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
 ) -> std::result::Result<WorkerCore<'s, 'a>, (Option<Action>, StageError)> {
     let mut core = WorkerCore::new(be, setup, state).map_err(|e| (None, e))?;
     let program = &setup.plan.schedule.programs[state.worker as usize];
+    let m = WorkerMetrics::new(state.worker);
     for (pc, &a) in program.iter().enumerate() {
         let start = t0.elapsed().as_secs_f64();
-        step(be, t, &mut core, pc, a).map_err(|e| (Some(a), e))?;
+        let bytes = step(be, t, &mut core, pc, a).map_err(|e| (Some(a), e))?;
         let end = t0.elapsed().as_secs_f64();
         let held = core.versions_held() as u32;
+        let compute = a.kind().is_compute() || matches!(a, Action::Update { .. });
+        m.record(compute, end - start, bytes);
+        m.queue.set(t.buffered() as f64);
+        m.stash_versions.set(f64::from(held));
+        m.stash_bytes.set(core.stash_bytes() as f64);
         let out = &mut core.outcome;
         out.peak_versions = out.peak_versions.max(held);
-        if a.kind().is_compute() || matches!(a, Action::Update { .. }) {
+        if compute {
             out.compute_s += end - start;
         }
         out.spans.push(Span {
@@ -83,26 +89,75 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     Ok(core)
 }
 
+/// A worker's metrics (the `metrics` crate: no cost without a recorder), labelled with its
+/// rank. `docs/pipeline.md` lists them.
+struct WorkerMetrics {
+    busy: metrics::Gauge,
+    idle: metrics::Gauge,
+    sent: metrics::Counter,
+    received: metrics::Counter,
+    queue: metrics::Gauge,
+    stash_versions: metrics::Gauge,
+    stash_bytes: metrics::Gauge,
+}
+
+impl WorkerMetrics {
+    fn new(worker: u32) -> Self {
+        let w = worker.to_string();
+        WorkerMetrics {
+            busy: metrics::gauge!("pipe_worker_busy_seconds", "worker" => w.clone()),
+            idle: metrics::gauge!("pipe_worker_idle_seconds", "worker" => w.clone()),
+            sent: metrics::counter!("pipe_bytes_sent_total", "worker" => w.clone()),
+            received: metrics::counter!("pipe_bytes_received_total", "worker" => w.clone()),
+            queue: metrics::gauge!("pipe_queue_depth", "worker" => w.clone()),
+            stash_versions: metrics::gauge!("pipe_stash_versions", "worker" => w.clone()),
+            stash_bytes: metrics::gauge!("pipe_stash_bytes", "worker" => w),
+        }
+    }
+
+    /// One action of `secs`, computing or not, that moved `bytes` (sent, received).
+    fn record(&self, compute: bool, secs: f64, (sent, received): (u64, u64)) {
+        if compute {
+            self.busy.increment(secs);
+        } else {
+            self.idle.increment(secs);
+        }
+        self.sent.increment(sent);
+        self.received.increment(received);
+    }
+}
+
 /// One action: compute on the core, or move data between the core and the transport.
+/// Returns the payload bytes it sent and received.
 fn step<B: Backend, T: Transport + ?Sized>(
     be: &B,
     t: &mut T,
     core: &mut WorkerCore<'_, '_>,
     pc: usize,
     a: Action,
-) -> Result<()> {
+) -> Result<(u64, u64)> {
     match a {
         Action::SendActivation { .. } | Action::SendGradient { .. } => {
-            t.send(core.outgoing(a)?)?;
+            let m = core.outgoing(a)?;
+            let bytes = m.tensor.bytes() as u64;
+            t.send(m)?;
+            return Ok((bytes, 0));
         }
         Action::RecvActivation { .. } | Action::RecvGradient { .. } => {
             let mut m = t.recv(&core.incoming_key(a)?)?;
+            let bytes = m.tensor.bytes() as u64;
             m.tensor = be.place(m.tensor)?;
             core.deliver(a, m)?;
+            return Ok((0, bytes));
         }
         Action::AllReduce { stage, update } => {
             let (group, grads) = core.all_reduce_gradients(be, stage)?;
+            let total: u64 = grads.iter().flatten().map(|g| g.bytes() as u64).sum();
             all_reduce_gradients(t, &group, stage, update, grads)?;
+            // A ring sends and receives 2 (n - 1) chunks of 1/n of the buffer.
+            let n = group.len().max(1) as u64;
+            let moved = 2 * (n - 1) * total / n;
+            return Ok((moved, moved));
         }
         Action::SendChunk { .. } | Action::RecvChunk { .. } => {
             return Err(StageError::Executor(
@@ -113,5 +168,5 @@ fn step<B: Backend, T: Transport + ?Sized>(
         }
         _ => core.compute(be, pc, a)?,
     }
-    Ok(())
+    Ok((0, 0))
 }

@@ -267,6 +267,21 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         self.stages.iter().map(|s| s.versions.len()).sum()
     }
 
+    /// Bytes of the weight versions held beyond each stage's newest: the stash.
+    pub fn stash_bytes(&self) -> usize {
+        self.stages
+            .iter()
+            .map(|s| {
+                let one: usize = s
+                    .versions
+                    .values()
+                    .next()
+                    .map_or(0, |p| p.iter().flatten().map(Tensor::bytes).sum());
+                one * s.versions.len().saturating_sub(1)
+            })
+            .sum()
+    }
+
     /// Runs a compute action (forward, backward or its halves, update) at program counter
     /// `pc`. Communication actions go through [`WorkerCore::outgoing`],
     /// [`WorkerCore::incoming_key`]/[`WorkerCore::deliver`] and the all-reduce pair.
@@ -522,9 +537,15 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         run.current_version += 1;
         run.versions.insert(run.current_version, p);
         run.grads_fresh = true;
+        let (mut sum, mut n) = (0.0, 0u32);
         for v in run.gradient_versions.drain(..) {
-            self.outcome.staleness_sum += f64::from(cur - v.min(cur));
-            self.outcome.staleness_count += 1;
+            sum += f64::from(cur - v.min(cur));
+            n += 1;
+        }
+        self.outcome.staleness_sum += sum;
+        self.outcome.staleness_count += u64::from(n);
+        if n > 0 {
+            metrics::gauge!("pipe_staleness", "stage" => stage.to_string()).set(sum / f64::from(n));
         }
         run.free_after(pc);
         Ok(())

@@ -322,6 +322,7 @@ struct LiveSteps<'r> {
     next: usize,
     samples: usize,
     start: Instant,
+    last_update: Instant,
 }
 
 impl<'r> LiveSteps<'r> {
@@ -336,6 +337,7 @@ impl<'r> LiveSteps<'r> {
             next: 0,
             samples: 0,
             start: Instant::now(),
+            last_update: Instant::now(),
         }
     }
 
@@ -354,6 +356,7 @@ impl<'r> LiveSteps<'r> {
                 break;
             }
             self.samples += n;
+            crate::train::record_update(n, &mut self.last_update);
             let t = self.next as u64;
             let step = self.seg.done + t;
             obs.on_step(&StepStats {
