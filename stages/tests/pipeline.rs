@@ -367,6 +367,9 @@ impl<T: pipe_transport::Transport> pipe_transport::Transport for Faulty<T> {
     ) -> Result<pipe_transport::Message, pipe_transport::TransportError> {
         self.inner.recv(key)
     }
+    fn buffered(&self) -> usize {
+        self.inner.buffered()
+    }
     fn abort(&mut self) {
         self.inner.abort();
     }

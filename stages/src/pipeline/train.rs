@@ -16,7 +16,9 @@ use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
 
 use super::launch::run_threads_reporting;
-use super::{LossReport, OrderedSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState};
+use super::{
+    LossReport, OrderedSource, Partition, RunPlan, Setup, StageState, WorkerOutcome, WorkerState,
+};
 pub use crate::checkpoint::CheckpointPolicy;
 use crate::checkpoint::{Checkpoint, RunState};
 use crate::config::{PartitionChoice, RunConfig};
@@ -502,16 +504,9 @@ impl<'c> Run<'c> {
         done: u64,
         policy: &CheckpointPolicy,
     ) -> Result<Checkpoint> {
-        let layout = plan.schedule.layout();
         let mut optimizer = Vec::new();
         let mut steps = Vec::new();
-        for s in 0..plan.schedule.stages() {
-            let w = layout.worker_for(s, 0);
-            let st = states[w as usize]
-                .stages
-                .iter()
-                .find(|x| x.stage == s)
-                .ok_or_else(|| StageError::Executor(format!("stage {s} missing on worker {w}")))?;
+        for st in first_replicas(plan, states)? {
             steps.extend(st.params.iter().map(|_| st.opt.steps()));
             optimizer.extend(st.opt.state().iter().map(|layer| {
                 layer
@@ -700,17 +695,25 @@ fn stage_stats(schedule: &Schedule, outcomes: &[WorkerOutcome], secs: f64) -> Ve
         .collect()
 }
 
+/// Replica 0's state of every stage, in stage order.
+fn first_replicas<'s>(plan: &RunPlan, states: &'s [WorkerState]) -> Result<Vec<&'s StageState>> {
+    let layout = plan.schedule.layout();
+    (0..plan.schedule.stages())
+        .map(|s| {
+            let w = layout.worker_for(s, 0);
+            states[w as usize]
+                .stages
+                .iter()
+                .find(|x| x.stage == s)
+                .ok_or_else(|| StageError::Executor(format!("stage {s} missing on worker {w}")))
+        })
+        .collect()
+}
+
 /// The whole model's weights, from replica 0 of each stage.
 pub fn assemble(plan: &RunPlan, states: &[WorkerState]) -> Result<Params> {
-    let layout = plan.schedule.layout();
     let mut out: Params = Vec::new();
-    for s in 0..plan.schedule.stages() {
-        let w = layout.worker_for(s, 0);
-        let st = states[w as usize]
-            .stages
-            .iter()
-            .find(|x| x.stage == s)
-            .ok_or_else(|| StageError::Executor(format!("stage {s} missing on worker {w}")))?;
+    for st in first_replicas(plan, states)? {
         out.extend(st.params.iter().cloned());
     }
     Ok(out)
