@@ -13,7 +13,7 @@ use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
     OrderedSource, Partition, Pass, RunPlan, Setup, WorkerOutcome, WorkerState, reference_train,
-    run_threads,
+    reference_train_from, run_threads,
 };
 use pipe_transport::inproc::{InProcOptions, mesh};
 
@@ -494,5 +494,74 @@ fn ten_thousand_microbatches_complete_for_every_policy() {
             samples, 20_000,
             "{policy}: every microbatch reached the loss"
         );
+    }
+}
+
+/// A run cut into schedules at drain points (epochs, or segments between checkpoints) carries
+/// weights and optimizer state from one to the next; the reference trainer, given the same
+/// drains and carrying the same state, ends with the same weights bit for bit.
+#[test]
+fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
+    use pipe_stages::optim::Optimizer;
+    let model = model();
+    let be = CpuBackend::new(1).unwrap();
+    for policy in [
+        Policy::PipeDream,
+        Policy::OneFOneBFlush,
+        Policy::TwoBw,
+        Policy::VerticalSync,
+    ] {
+        for replicas in [vec![1, 1, 1], vec![2, 1, 1]] {
+            let spec = ScheduleSpec::new(policy, 3, 2)
+                .with_replicas(replicas.clone())
+                .with_length(Length::Updates(3));
+            let run = prepare(&spec, &model);
+            let per_segment = run.schedule.total_microbatches() as usize;
+            let init = model.init_params(SEED);
+            // Segment k reads the epoch's order from its first unused sample on.
+            let source_at = |k: usize| {
+                let mut order = data().train.epoch_order(SEED, 1);
+                order.drain(..k * per_segment * MB);
+                OrderedSource {
+                    data: &data().train,
+                    order,
+                    size: MB,
+                }
+            };
+            let sources = [source_at(0), source_at(1)];
+            let setups: Vec<Setup<'_>> = sources
+                .iter()
+                .enumerate()
+                .map(|(k, src)| Setup {
+                    microbatch_offset: (k * per_segment) as u64,
+                    ..setup(&run, &model, src)
+                })
+                .collect();
+            let mut states: Vec<WorkerState> = (0..run.schedule.workers())
+                .map(|w| WorkerState::new(&setups[0], w, &init, opt()))
+                .collect();
+            for s in &setups {
+                let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+                run_threads(s, &mut states, eps, || CpuBackend::new(1)).unwrap();
+            }
+            let mut params = init.clone();
+            let mut opts: Vec<Optimizer> = (0..run.schedule.stages() as usize)
+                .map(|s| Optimizer::new(opt(), &init[run.partition.range(s)].to_vec()))
+                .collect();
+            for s in &setups {
+                let (stages, carried) = reference_train_from(&be, s, &params, opts).unwrap();
+                params = stages.into_iter().flatten().collect();
+                opts = carried;
+            }
+            let want: Vec<f32> = flat(&params);
+            assert_eq!(
+                assemble(&run, &states)
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{policy} {replicas:?}"
+            );
+        }
     }
 }

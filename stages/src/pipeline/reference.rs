@@ -55,7 +55,35 @@ pub fn reference_train(
     opt: OptimizerConfig,
 ) -> Result<Vec<Params>> {
     let plan = setup.plan;
+    let opts = (0..plan.schedule.stages() as usize)
+        .map(|s| Optimizer::new(opt, &init[plan.partition.range(s)].to_vec()).placed(be))
+        .collect::<Result<_>>()?;
+    reference_train_from(be, setup, init, opts).map(|(params, _)| params)
+}
+
+/// [`reference_train`] from given optimizers (one per stage, in stage order), as a run
+/// resumes after a drain point: the pipeline drains at the end of every schedule, and a run
+/// cut into several schedules (epochs, or segments between checkpoints) carries the weights
+/// and the optimizers' state from one to the next. Returns each stage's final weights and
+/// optimizer.
+///
+/// # Errors
+/// As [`reference_train`]; [`StageError::Config`] for a number of optimizers other than
+/// the stage count.
+pub fn reference_train_from(
+    be: &dyn Backend,
+    setup: &Setup<'_>,
+    init: &Params,
+    opts: Vec<Optimizer>,
+) -> Result<(Vec<Params>, Vec<Optimizer>)> {
+    let plan = setup.plan;
     let stages = plan.schedule.stages() as usize;
+    if opts.len() != stages {
+        return Err(StageError::Config(format!(
+            "{} optimizers for {stages} stages",
+            opts.len()
+        )));
+    }
     let n = plan.schedule.total_microbatches();
     let versions: Vec<Vec<Params>> = (0..stages)
         .map(|s| {
@@ -64,10 +92,6 @@ pub fn reference_train(
                 init[plan.partition.range(s)].to_vec(),
             )?])
         })
-        .collect::<Result<_>>()?;
-    let opts = versions
-        .iter()
-        .map(|v| Optimizer::new(opt, &v[0]).placed(be))
         .collect::<Result<_>>()?;
     let mut r = Reference {
         setup,
@@ -104,10 +128,12 @@ pub fn reference_train(
             ));
         }
     }
-    Ok(r.versions
+    let params = r
+        .versions
         .into_iter()
         .map(|mut v| v.pop().unwrap_or_default())
-        .collect())
+        .collect();
+    Ok((params, r.opts))
 }
 
 /// Per stage, the stages sharing a tied parameter with it (transitively), ascending.
