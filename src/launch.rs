@@ -19,6 +19,8 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
@@ -45,12 +47,17 @@ pub enum Record {
     Step(StepStats),
     /// An epoch, after evaluation.
     Epoch(EpochStats),
-    /// The end of the run: steps done and the final weights' digest.
+    /// The end of the run: steps done, the final weights' digest, the checkpoints written,
+    /// and whether it stopped early (Ctrl-C).
     Done {
         /// Optimizer steps.
         steps: u64,
         /// [`pipe_stages::model::params_digest`] of the final weights.
         weights: u64,
+        /// Checkpoint directories written, oldest first.
+        checkpoints: Vec<PathBuf>,
+        /// Stopped early after this many updates.
+        stopped: Option<u64>,
     },
 }
 
@@ -91,6 +98,10 @@ pub struct LaunchOptions {
     /// After the first failure, how long the others may take to stop on their own before they
     /// are killed.
     pub grace: Duration,
+    /// Arguments every worker gets after its command (checkpoint flags).
+    pub extra: Vec<OsString>,
+    /// Set (Ctrl-C) to ask the chief to stop at its next drain point.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 impl LaunchOptions {
@@ -100,6 +111,8 @@ impl LaunchOptions {
             workers,
             connect_timeout: Duration::from_secs(30),
             grace: Duration::from_secs(15),
+            extra: Vec::new(),
+            stop: None,
         }
     }
 }
@@ -178,7 +191,7 @@ impl Drop for Workers {
     }
 }
 
-/// A line of a worker's output, or the end of one of its streams.
+/// A line of a worker's output.
 struct Line {
     rank: u32,
     stderr: bool,
@@ -276,9 +289,23 @@ impl Relay<'_> {
     }
 }
 
+/// How a run of worker processes ended, as the chief reported it.
+#[derive(Debug)]
+pub struct ProcessRunEnd {
+    /// The last epoch's figures (none if it stopped before one ended).
+    pub last: Option<EpochStats>,
+    /// Updates done.
+    pub steps: u64,
+    /// The final weights' digest.
+    pub weights: u64,
+    /// Checkpoints written.
+    pub checkpoints: Vec<PathBuf>,
+    /// Stopped early after this many updates.
+    pub stopped: Option<u64>,
+}
+
 /// Runs `settings` (a pipelined run with its partition settled) as `opts.workers` worker
-/// processes of this executable, reporting the chief's steps and epochs to `obs`. Returns the
-/// last epoch's figures, the steps done and the final weights' digest.
+/// processes of this executable, reporting the chief's steps and epochs to `obs`.
 ///
 /// # Errors
 /// As [`launch`]; a chief that ends without reporting the run's end.
@@ -286,7 +313,7 @@ pub fn run_processes(
     settings: &TrainSettings,
     opts: &LaunchOptions,
     obs: &mut dyn Observer,
-) -> Result<(EpochStats, u64, u64)> {
+) -> Result<ProcessRunEnd> {
     let toml = toml::to_string(settings).context("writing the run's settings")?;
     let mut last = None;
     let mut done = None;
@@ -300,22 +327,34 @@ pub fn run_processes(
                 obs.on_epoch(&e)?;
                 last = Some(e);
             }
-            Record::Done { steps, weights } => done = Some((steps, weights)),
+            Record::Done {
+                steps,
+                weights,
+                checkpoints,
+                stopped,
+            } => done = Some((steps, weights, checkpoints, stopped)),
         }
         Ok(())
     };
     let command = |dir: &Path| -> Vec<OsString> {
-        vec![
+        let mut args: Vec<OsString> = vec![
             "worker".into(),
             "--config".into(),
             dir.join("run.toml").into(),
-        ]
+        ];
+        args.extend(opts.extra.iter().cloned());
+        args
     };
     launch(opts, &[("run.toml", &toml)], &command, &mut on_record)?;
-    match (last, done) {
-        (Some(last), Some((steps, weights))) => Ok((last, steps, weights)),
-        _ => Err(anyhow!("the chief ended without reporting the run's end")),
-    }
+    let (steps, weights, checkpoints, stopped) =
+        done.ok_or_else(|| anyhow!("the chief ended without reporting the run's end"))?;
+    Ok(ProcessRunEnd {
+        last,
+        steps,
+        weights,
+        checkpoints,
+        stopped,
+    })
 }
 
 /// Runs `opts.workers` processes of this executable, each `command(dir)` followed by
@@ -362,7 +401,16 @@ pub fn launch(
     let mut told = false;
     let mut stop_by: Option<Instant> = None;
     let mut first_exit: Option<(u32, ExitStatus)> = None;
+    let mut stop_sent = false;
     loop {
+        // Ctrl-C here: the chief stops at its next drain point, after a checkpoint, and tells
+        // the others.
+        if told && !stop_sent && opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
+            if let Some(stdin) = workers.0.first_mut().and_then(|w| w.stdin.as_mut()) {
+                let _ = writeln!(stdin, "stop").and_then(|()| stdin.flush());
+            }
+            stop_sent = true;
+        }
         match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(line) => relay.line(line),
             Err(RecvTimeoutError::Timeout) => {}
@@ -441,7 +489,7 @@ pub fn join(
     rank: u32,
     listen: Option<SocketAddr>,
     opts: QuicOptions,
-    launched: bool,
+    launched: Option<Arc<AtomicBool>>,
 ) -> Result<Quic> {
     let creds = cluster
         .credentials(rank)
@@ -453,9 +501,9 @@ pub fn join(
     };
     let bound = Bound::bind(rank, bind_addr, &creds, opts)
         .with_context(|| format!("worker {rank} binding {bind_addr}"))?;
-    let addrs = if launched {
+    let addrs = if let Some(stop) = launched {
         outln!("{LISTENING}{}", bound.local_addr()?);
-        launcher_addrs(cluster.size())?
+        launcher_addrs(cluster.size(), stop)?
     } else {
         (0..cluster.size())
             .map(|r| resolve(cluster, r, deadline))
@@ -485,9 +533,9 @@ fn resolve(cluster: &ClusterFile, rank: u32, deadline: Instant) -> Result<Socket
 }
 
 /// The launcher's line of every worker's address (after this worker reported its own); then
-/// a watcher that ends this process when the launcher goes away (its end of standard input
-/// closes), so no worker outlives it.
-fn launcher_addrs(size: u32) -> Result<Vec<SocketAddr>> {
+/// a watcher of standard input: a `stop` line sets `stop` (the launcher's Ctrl-C), and its
+/// end (the launcher went away) ends this process, so no worker outlives it.
+fn launcher_addrs(size: u32, stop: Arc<AtomicBool>) -> Result<Vec<SocketAddr>> {
     let mut line = String::new();
     std::io::stdin()
         .lock()
@@ -505,9 +553,14 @@ fn launcher_addrs(size: u32) -> Result<Vec<SocketAddr>> {
             addrs.len()
         )));
     }
-    std::thread::spawn(|| {
-        let mut rest = Vec::new();
-        let _ = std::io::stdin().read_to_end(&mut rest);
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            match line {
+                Ok(l) if l.trim() == "stop" => stop.store(true, Ordering::SeqCst),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
         eprintln!("error: the launcher is gone");
         std::process::exit(1);
     });

@@ -7,10 +7,14 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pipe_kernels::BackendKind;
+use pipe_stages::checkpoint::{Checkpoint, CheckpointPolicy};
 use pipe_stages::config::{
     DatasetKind, ModelChoice, PartitionChoice, PlanFile, RunConfig, TrainSettings, layout_of,
 };
@@ -19,11 +23,12 @@ use pipe_stages::log::JsonlLog;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
 use pipe_stages::pipeline::train::measured_cut;
+use pipe_stages::pipeline::worker::settings_fingerprint;
 use pipe_stages::planning::auto_plan;
 use pipe_stages::train::{EpochStats, Observer, StepStats, TrainReport};
 
 use crate::args::BackendParser;
-use crate::output::bad_input;
+use crate::output::{Interrupted, bad_input};
 
 /// The training flags of `pipe train` and `pipe worker`: they override the config file's values.
 #[derive(Args, Debug)]
@@ -261,6 +266,107 @@ pub fn serve_metrics(addr: Option<std::net::SocketAddr>) -> Result<()> {
         .map_err(|e| bad_input(format!("--metrics-addr {addr}: {e}")))?;
     outln!("metrics for Prometheus at http://{addr}/metrics");
     Ok(())
+}
+
+/// The checkpoint policy the flags ask for, if any.
+pub fn checkpoint_policy(args: &TrainArgs, cfg: &RunConfig) -> Option<CheckpointPolicy> {
+    args.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
+        dir: dir.clone(),
+        every: args.checkpoint_every,
+        keep: usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX),
+        settings: settings_fingerprint(cfg),
+    })
+}
+
+/// Reports the checkpoints a run wrote; a run stopped by Ctrl-C ends here (exit 130), naming
+/// the checkpoint to resume from.
+///
+/// # Errors
+/// [`Interrupted`] when the run stopped early.
+pub fn finish_checkpoints(written: &[PathBuf], stopped: Option<u64>) -> Result<()> {
+    if let Some(last) = written.last() {
+        outln!(
+            "checkpoints: {} written, the last {}",
+            written.len(),
+            last.display()
+        );
+    }
+    if let Some(updates) = stopped {
+        let saved = match written.last() {
+            Some(dir) => format!("; resume with --resume {}", dir.display()),
+            None => "; nothing saved (no --checkpoint-dir)".into(),
+        };
+        return Err(Interrupted(format!("stopped after update {updates}{saved}")).into());
+    }
+    Ok(())
+}
+
+/// The checkpoint `--resume` names, read and checked against `model`, with its directory.
+///
+/// # Errors
+/// Bad input: `latest` without `--checkpoint-dir`; a checkpoint that is missing, corrupted,
+/// truncated or made for another model (the error names the file).
+pub fn resume_from(args: &TrainArgs, model: &Model) -> Result<Option<(PathBuf, Checkpoint)>> {
+    let Some(r) = &args.resume else {
+        return Ok(None);
+    };
+    let path = if r == "latest" {
+        args.checkpoint_dir
+            .clone()
+            .ok_or_else(|| bad_input("--resume latest needs --checkpoint-dir".into()))?
+    } else {
+        PathBuf::from(r)
+    };
+    Ok(Some(pipe_stages::checkpoint::read(&path, model)?))
+}
+
+/// Prints where a run resumes from.
+pub fn print_resuming(dir: &std::path::Path, ckpt: &Checkpoint) {
+    outln!(
+        "resuming from {} (update {}, epoch {}, {} samples into it)",
+        dir.display(),
+        ckpt.state.updates,
+        ckpt.state.epoch,
+        ckpt.state.samples_in_epoch
+    );
+}
+
+/// The checkpoint flags, as a launcher passes them on to its workers.
+pub fn checkpoint_args(args: &TrainArgs) -> Vec<std::ffi::OsString> {
+    let mut out: Vec<std::ffi::OsString> = Vec::new();
+    if let Some(d) = &args.checkpoint_dir {
+        out.extend(["--checkpoint-dir".into(), d.clone().into_os_string()]);
+    }
+    if let Some(n) = args.checkpoint_every {
+        out.extend(["--checkpoint-every".into(), n.to_string().into()]);
+    }
+    out.extend([
+        "--keep-checkpoints".into(),
+        args.keep_checkpoints.to_string().into(),
+    ]);
+    if let Some(r) = &args.resume {
+        out.extend(["--resume".into(), r.into()]);
+    }
+    out
+}
+
+/// A flag Ctrl-C sets: the run stops at its next drain point, after a checkpoint (saying so
+/// when `announce`). A second Ctrl-C ends the process at once (exit 130).
+pub fn stop_on_ctrl_c(announce: bool) -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let installed = ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        if announce {
+            eprintln!("stopping at the next drain point (Ctrl-C again to quit at once)");
+        }
+    });
+    if let Err(e) = installed {
+        eprintln!("warning: Ctrl-C will end the run without a checkpoint: {e}");
+    }
+    stop
 }
 
 /// Prints the run's header line: model, data, optimizer, seed, compute threads.

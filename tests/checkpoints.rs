@@ -404,3 +404,58 @@ fn a_non_finite_loss_stops_the_run_naming_it_and_keeps_the_last_good_checkpoint(
     let text = ok(&eval(&d));
     assert!(text.contains("test accuracy"), "{text}");
 }
+
+#[test]
+fn worker_processes_checkpoint_through_the_chief_and_resume_like_one_process() {
+    let d = dir("processes");
+    let mut args = flags("pipedream");
+    let i = args.iter().position(|a| a == "--stages").unwrap();
+    args.drain(i..i + 2);
+    args.extend(["--stages", "2", "--replicas", "2,1"].map(String::from));
+    let every = ["--checkpoint-every", "8"];
+    let whole = ok(&train(
+        &args,
+        &[&["--checkpoint-dir", s(&d.join("whole"))], &every[..]].concat(),
+    ));
+    // Ctrl-C reaches the launcher; it asks the chief to stop at its next drain point.
+    let mut quic = args.clone();
+    quic.extend(["--transport", "quic"].map(String::from));
+    let stopped = interrupt_after_first_checkpoint(&quic, &d.join("run"));
+    let err = String::from_utf8_lossy(&stopped.stderr);
+    assert_eq!(stopped.status.code(), Some(130), "{err}");
+    assert!(err.contains("resume with --resume"), "{err}");
+    // Keep the chief's checkpoint aside (resuming prunes old ones).
+    let latest = std::fs::read_to_string(d.join("run").join("latest")).unwrap();
+    let saved = d.join("saved");
+    std::fs::create_dir_all(&saved).unwrap();
+    for f in std::fs::read_dir(d.join("run").join(latest.trim()))
+        .unwrap()
+        .flatten()
+    {
+        std::fs::copy(f.path(), saved.join(f.file_name())).unwrap();
+    }
+    let resumed = ok(&train(
+        &quic,
+        &[
+            &["--checkpoint-dir", s(&d.join("run")), "--resume", "latest"],
+            &every[..],
+        ]
+        .concat(),
+    ));
+    assert_eq!(weights(&whole), weights(&resumed));
+    // What the chief wrote resumes in one process too.
+    let again = ok(&train(
+        &args,
+        &[
+            &[
+                "--checkpoint-dir",
+                s(&d.join("again")),
+                "--resume",
+                s(&saved),
+            ],
+            &every[..],
+        ]
+        .concat(),
+    ));
+    assert_eq!(weights(&whole), weights(&again));
+}

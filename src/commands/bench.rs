@@ -2,6 +2,8 @@
 //! run the benchmark in `pipe-experiments`, print its report and write it as JSON on request.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -198,7 +200,8 @@ pub struct AllreduceWorkerArgs {
 pub fn run_allreduce_worker(args: &AllreduceWorkerArgs) -> Result<()> {
     let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
     let opts = QuicOptions::new(cluster.run_id);
-    let mut ep = join(&cluster, args.rank, None, opts, args.launched)?;
+    let launched = args.launched.then(|| Arc::new(AtomicBool::new(false)));
+    let mut ep = join(&cluster, args.rank, None, opts, launched)?;
     let times =
         pipe_experiments::transport::allreduce_rounds(&mut ep, args.mb as usize, args.rounds);
     pipe_transport::Transport::close(&mut ep)?;

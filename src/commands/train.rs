@@ -1,29 +1,24 @@
 //! `pipe train`: a single-worker or pipelined run of the flags' configuration
 //! ([`crate::training`]), with a progress bar, per-epoch summaries, the optional JSON-lines
-//! log and Chrome trace, checkpoints, resume, and a clean stop on Ctrl-C. Pipelined workers are threads of this process (`--transport
-//! inproc`) or `pipe worker` processes talking QUIC on loopback (`--transport quic`,
+//! log and Chrome trace, checkpoints, resume, and a clean stop on Ctrl-C. Pipelined workers
+//! are threads of this process (`--transport inproc`) or `pipe worker` processes talking QUIC on loopback (`--transport quic`,
 //! [`crate::launch`]).
 
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use anyhow::{Context, Result};
-use pipe_stages::checkpoint::Checkpoint;
 use pipe_stages::config::RunConfig;
 use pipe_stages::model::Model;
-use pipe_stages::pipeline::train::CheckpointPolicy;
-use pipe_stages::pipeline::worker::settings_fingerprint;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, TrainOptions};
 use pipe_transport::TransportKind;
 
 use crate::args::open_backend;
 use crate::launch::{LaunchOptions, run_processes};
-use crate::output::{Interrupted, bad_input};
+use crate::output::bad_input;
 pub use crate::training::TrainArgs;
 use crate::training::{
-    Fan, print_done, print_done_line, print_header, run_config, serve_metrics, settle_partition,
+    Fan, checkpoint_args, checkpoint_policy, finish_checkpoints, print_done, print_done_line,
+    print_header, print_resuming, resume_from, run_config, serve_metrics, settle_partition,
+    stop_on_ctrl_c,
 };
 
 /// Runs `pipe train`.
@@ -52,25 +47,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let data = train::load_data(&cfg, &model)?;
     print_header(&cfg, &model, &data, be.threads());
     let mut fan = Fan::new(&cfg)?;
-    let checkpoints = args.checkpoint_dir.is_some() || args.resume.is_some();
-    if checkpoints && processes {
-        return Err(bad_input(
-            "worker processes do not write or resume checkpoints yet: use --transport inproc"
-                .into(),
-        ));
-    }
-    let policy = args.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
-        dir: dir.clone(),
-        every: args.checkpoint_every,
-        keep: usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX),
-        settings: settings_fingerprint(&cfg),
+    let policy = checkpoint_policy(args, &cfg);
+    let resume = resume_from(args, &model)?.map(|(dir, ckpt)| {
+        print_resuming(&dir, &ckpt);
+        ckpt
     });
-    let resume = resume_from(args, &model)?;
     if !cfg.pipelined {
         let opts = TrainOptions {
             checkpoints: policy,
             resume,
-            stop: Some(stop_on_ctrl_c()),
+            stop: Some(stop_on_ctrl_c(true)),
         };
         let out = train::train_with(&cfg, &data, be.as_ref(), &mut fan, &opts)
             .context("training failed")?;
@@ -83,18 +69,22 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if processes {
         // The launcher logs what the chief reports; the workers write no log of their own.
         settings.log_jsonl = None;
-        let opts = LaunchOptions::new(workers);
-        let (last, steps, weights) =
-            run_processes(&settings, &opts, &mut fan).context("training failed")?;
+        let mut opts = LaunchOptions::new(workers);
+        opts.extra = checkpoint_args(args);
+        opts.stop = Some(stop_on_ctrl_c(true));
+        let end = run_processes(&settings, &opts, &mut fan).context("training failed")?;
+        finish_checkpoints(&end.checkpoints, end.stopped)?;
         outln!("partition: {}", partition_text(&cfg));
-        print_done_line(steps, &last, weights);
+        if let Some(last) = &end.last {
+            print_done_line(end.steps, last, end.weights);
+        }
         return Ok(());
     }
     let opts = PipelineTrainOptions {
         timeline: args.trace.is_some(),
         checkpoints: policy,
         resume,
-        stop: Some(stop_on_ctrl_c()),
+        stop: Some(stop_on_ctrl_c(true)),
     };
     let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;
@@ -114,73 +104,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     print_done(&out.report);
     Ok(())
-}
-
-/// Reports the checkpoints a run wrote; a run stopped by Ctrl-C ends here (exit 130), naming
-/// the checkpoint to resume from.
-///
-/// # Errors
-/// [`Interrupted`] when the run stopped early.
-fn finish_checkpoints(written: &[PathBuf], stopped: Option<u64>) -> Result<()> {
-    if let Some(last) = written.last() {
-        outln!(
-            "checkpoints: {} written, the last {}",
-            written.len(),
-            last.display()
-        );
-    }
-    if let Some(updates) = stopped {
-        let saved = match written.last() {
-            Some(dir) => format!("; resume with --resume {}", dir.display()),
-            None => "; nothing saved (no --checkpoint-dir)".into(),
-        };
-        return Err(Interrupted(format!("stopped after update {updates}{saved}")).into());
-    }
-    Ok(())
-}
-
-/// The checkpoint `--resume` names, read and checked against `model`.
-///
-/// # Errors
-/// Bad input: `latest` without `--checkpoint-dir`; a checkpoint that is missing, corrupted,
-/// truncated or made for another model (the error names the file).
-fn resume_from(args: &TrainArgs, model: &Model) -> Result<Option<Checkpoint>> {
-    let Some(r) = &args.resume else {
-        return Ok(None);
-    };
-    let path = if r == "latest" {
-        args.checkpoint_dir
-            .clone()
-            .ok_or_else(|| bad_input("--resume latest needs --checkpoint-dir".into()))?
-    } else {
-        PathBuf::from(r)
-    };
-    let (dir, ckpt) = pipe_stages::checkpoint::read(&path, model)?;
-    outln!(
-        "resuming from {} (update {}, epoch {}, {} samples into it)",
-        dir.display(),
-        ckpt.state.updates,
-        ckpt.state.epoch,
-        ckpt.state.samples_in_epoch
-    );
-    Ok(Some(ckpt))
-}
-
-/// A flag Ctrl-C sets: the run stops at its next drain point, after a checkpoint. A second
-/// Ctrl-C ends the process at once (exit 130).
-fn stop_on_ctrl_c() -> Arc<AtomicBool> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    let installed = ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            std::process::exit(130);
-        }
-        eprintln!("stopping at the next drain point (Ctrl-C again to quit at once)");
-    });
-    if let Err(e) = installed {
-        eprintln!("warning: Ctrl-C will end the run without a checkpoint: {e}");
-    }
-    stop
 }
 
 /// The partition a run settled on, as `--partition` takes it.

@@ -13,6 +13,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::pipeline::train_worker;
+use pipe_stages::pipeline::worker::WorkerOptions;
 use pipe_stages::train::{self, Observer, Quiet};
 use pipe_transport::TransportKind;
 use pipe_transport::cluster::{ClusterFile, resolve_rank};
@@ -20,7 +21,10 @@ use pipe_transport::quic::QuicOptions;
 
 use crate::launch::{Record, RecordWriter, join};
 use crate::output::bad_input;
-use crate::training::{Fan, TrainArgs, print_done, print_header, run_config};
+use crate::training::{
+    Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, print_header,
+    print_resuming, resume_from, run_config, stop_on_ctrl_c,
+};
 
 /// `pipe worker`.
 #[derive(Args, Debug)]
@@ -56,11 +60,6 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         return Err(bad_input(
             "--trace records the worker threads of one process; pipe worker does not take it"
                 .into(),
-        ));
-    }
-    if args.train.checkpoint_dir.is_some() || args.train.resume.is_some() {
-        return Err(bad_input(
-            "checkpoints are not written by worker processes yet: run pipelined in one process (--transport inproc) to checkpoint".into(),
         ));
     }
     if args.train.workers.is_some() {
@@ -105,27 +104,54 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     opts.connect_timeout = Duration::from_secs_f64(args.connect_timeout);
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
-    let mut ep = join(&cluster, rank, args.listen, opts, args.launched)?;
     let chief = rank == 0;
+    // Only the chief reads the checkpoint (it sends the others their part) and decides when
+    // to stop; a launched worker also hears the launcher's Ctrl-C on standard input.
+    let resume = if chief {
+        resume_from(&args.train, &model)?
+    } else {
+        None
+    };
+    let stop = stop_on_ctrl_c(chief && !args.launched);
+    let mut ep = join(
+        &cluster,
+        rank,
+        args.listen,
+        opts,
+        args.launched.then(|| stop.clone()),
+    )?;
     let mut obs: Box<dyn Observer> = match (chief, args.launched) {
         (true, true) => Box::new(RecordWriter),
         (true, false) => {
             print_header(&cfg, &model, &data, cfg.threads.max(1));
+            if let Some((dir, ckpt)) = &resume {
+                print_resuming(dir, ckpt);
+            }
             Box::new(Fan::new(&cfg)?)
         }
         (false, _) => Box::new(Quiet),
     };
-    let result = train_worker(&cfg, &data, &mut ep, obs.as_mut());
+    let opts = WorkerOptions {
+        checkpoints: checkpoint_policy(&args.train, &cfg).filter(|_| chief),
+        resume: resume.map(|(_, ckpt)| ckpt),
+        stop: chief.then_some(stop),
+    };
+    let result = train_worker(&cfg, &data, &mut ep, obs.as_mut(), &opts);
     let closed = pipe_transport::Transport::close(&mut ep);
     // The error names this worker, its stage and the action that failed.
     let report = result?;
     closed.with_context(|| format!("worker {rank}: closing"))?;
     match (report, args.launched) {
-        (Some(report), true) => RecordWriter::write(&Record::Done {
-            steps: report.steps,
-            weights: params_digest(&report.params),
+        (Some(end), true) => RecordWriter::write(&Record::Done {
+            steps: end.report.steps,
+            weights: params_digest(&end.report.params),
+            checkpoints: end.checkpoints,
+            stopped: end.stopped,
         })?,
-        (Some(report), false) => print_done(&report),
+        (Some(end), false) => {
+            finish_checkpoints(&end.checkpoints, end.stopped)?;
+            print_done(&end.report);
+        }
         (None, _) => {}
     }
     Ok(())

@@ -133,11 +133,7 @@ pub fn train_pipelined(
         while done < first + epoch_len && stopped.is_none() {
             let before = done - first;
             let left = epoch_len - before;
-            let this = opts
-                .checkpoints
-                .as_ref()
-                .and_then(|c| c.every)
-                .map_or(left, |n| (n.max(1) - done % n.max(1)).min(left));
+            let this = segment_length(opts.checkpoints.as_ref().and_then(|c| c.every), done, left);
             let spec = cfg.schedule_spec(Length::Updates(this as u32));
             let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
             let t = Instant::now();
@@ -220,16 +216,16 @@ pub fn train_pipelined(
     })
 }
 
-/// Where a run starts: fresh weights, or a checkpoint's weights, optimizer state and update
-/// count.
+/// Where a run starts: fresh weights, or a checkpoint's weights, optimizer state (with each
+/// layer's update count) and the updates done.
 pub(super) struct Start {
-    params: Params,
-    optimizer: Option<(OptimizerState, Vec<u64>)>,
-    done: u64,
+    pub(super) params: Params,
+    pub(super) optimizer: Option<(OptimizerState, Vec<u64>)>,
+    pub(super) done: u64,
 }
 
 impl Start {
-    fn new(run: &Run<'_>, resume: Option<&Checkpoint>) -> Result<Self> {
+    pub(super) fn new(run: &Run<'_>, resume: Option<&Checkpoint>) -> Result<Self> {
         let Some(c) = resume else {
             return Ok(Start {
                 params: run.model.init_params(run.cfg.seed),
@@ -269,40 +265,52 @@ impl Start {
         })
     }
 
-    /// Every worker's state at the start: its stages' slices of the weights and, when
-    /// resuming, of the optimizer state.
+    /// Every worker's state at the start.
     fn states(&self, setup: &Setup<'_>, cfg: &RunConfig) -> Result<Vec<WorkerState>> {
-        let plan = setup.plan;
-        (0..plan.schedule.workers())
-            .map(|w| {
-                let mut st = WorkerState::new(setup, w, &self.params, cfg.optimizer);
-                if let Some((opt, steps)) = &self.optimizer {
-                    for stage in &mut st.stages {
-                        let range = plan.partition.range(stage.stage as usize);
-                        let counts = &steps[range.clone()];
-                        let first = counts.first().copied().unwrap_or(0);
-                        // Only Adam's bias correction reads the count.
-                        if cfg.optimizer.kind != OptimizerKind::Sgd
-                            && counts.iter().any(|&c| c != first)
-                        {
-                            return Err(StageError::Checkpoint(format!(
-                                "layers {}-{} were saved after different numbers of optimizer updates ({counts:?}): they cannot share a stage; resume with the replicas that wrote it",
-                                range.start,
-                                range.end - 1
-                            )));
-                        }
-                        stage.opt = Optimizer::with_state(
-                            cfg.optimizer,
-                            &stage.params,
-                            opt[range].to_vec(),
-                            first,
-                        )?;
-                    }
-                }
-                Ok(st)
-            })
+        (0..setup.plan.schedule.workers())
+            .map(|w| self.state_of(setup, cfg, w))
             .collect()
     }
+
+    /// Worker `w`'s state at the start: its stages' slices of the weights and, when
+    /// resuming, of the optimizer state.
+    pub(super) fn state_of(
+        &self,
+        setup: &Setup<'_>,
+        cfg: &RunConfig,
+        w: u32,
+    ) -> Result<WorkerState> {
+        let plan = setup.plan;
+        let mut st = WorkerState::new(setup, w, &self.params, cfg.optimizer);
+        if let Some((opt, steps)) = &self.optimizer {
+            for stage in &mut st.stages {
+                let range = plan.partition.range(stage.stage as usize);
+                let counts = &steps[range.clone()];
+                let first = counts.first().copied().unwrap_or(0);
+                // Only Adam's bias correction reads the count.
+                if cfg.optimizer.kind != OptimizerKind::Sgd && counts.iter().any(|&c| c != first) {
+                    return Err(StageError::Checkpoint(format!(
+                        "layers {}-{} were saved after different numbers of optimizer updates ({counts:?}): they cannot share a stage; resume with the replicas that wrote it",
+                        range.start,
+                        range.end - 1
+                    )));
+                }
+                stage.opt = Optimizer::with_state(
+                    cfg.optimizer,
+                    &stage.params,
+                    opt[range].to_vec(),
+                    first,
+                )?;
+            }
+        }
+        Ok(st)
+    }
+}
+
+/// The length of the next segment: up to the next multiple of `every` (counted over the
+/// run), and no further than the `left` updates of the epoch.
+pub(super) fn segment_length(every: Option<u64>, done: u64, left: u64) -> u64 {
+    every.map_or(left, |n| (n.max(1) - done % n.max(1)).min(left))
 }
 
 /// Where a segment sits: its epoch, the updates done before it over the run and within
@@ -379,7 +387,7 @@ impl<'r> LiveSteps<'r> {
 }
 
 /// Adds one segment's outcomes to an epoch's (per worker: sums, and the latest peak).
-fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerOutcome>) {
+pub(super) fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerOutcome>) {
     if acc.is_empty() {
         *acc = outcomes;
         return;
@@ -508,13 +516,27 @@ impl<'c> Run<'c> {
         let mut steps = Vec::new();
         for st in first_replicas(plan, states)? {
             steps.extend(st.params.iter().map(|_| st.opt.steps()));
-            optimizer.extend(st.opt.state().iter().map(|layer| {
-                layer
-                    .iter()
-                    .map(|(a, b)| (a.clone(), b.clone()))
-                    .collect::<Vec<_>>()
-            }));
+            optimizer.extend(st.opt.state().iter().cloned());
         }
+        Ok(self.checkpoint_of(
+            plan,
+            done,
+            assemble(plan, states)?,
+            (optimizer, steps),
+            policy,
+        ))
+    }
+
+    /// The checkpoint of the whole model's `params` and `optimizer` state (with each layer's
+    /// update count) after `done` updates of `plan`'s layout.
+    pub(super) fn checkpoint_of(
+        &self,
+        plan: &RunPlan,
+        done: u64,
+        params: Params,
+        (optimizer, steps): (OptimizerState, Vec<u64>),
+        policy: &CheckpointPolicy,
+    ) -> Checkpoint {
         let cfg = self.cfg;
         let mut state = RunState::identity(cfg, policy.settings.clone());
         state.updates = done;
@@ -524,11 +546,11 @@ impl<'c> Run<'c> {
         state.optimizer_steps = steps;
         state.partition = plan.partition.to_string();
         state.replicas = plan.schedule.layout().replica_counts().to_vec();
-        Ok(Checkpoint {
-            params: assemble(plan, states)?,
+        Checkpoint {
+            params,
             optimizer,
             state,
-        })
+        }
     }
 
     /// Calls `f` with the [`Setup`] of one epoch's schedule (`plan`) from minibatch `done` on:

@@ -1,38 +1,49 @@
 //! One worker of a run in this process, the others in other processes or on other hosts,
 //! reached through one transport endpoint for the whole run (`pipe worker`). Rank 0 is the
-//! *chief*: it settles what every worker must agree on, and at the end of every epoch gathers
-//! what the in-process launcher reads from shared memory (each worker's epoch summary, the
-//! weights of replica 0 of every stage), evaluates, and reports.
+//! *chief*: it settles what every worker must agree on, and at the end of every segment (an
+//! epoch, or the stretch up to the next checkpoint) gathers what the in-process trainer reads
+//! from shared memory: each worker's summary, and when it evaluates or checkpoints, the
+//! weights and optimizer state of replica 0 of every stage. It evaluates, reports and writes
+//! the checkpoints.
 //!
 //! Everything between workers travels as [`Kind::Control`] messages, so it needs nothing a
 //! transport does not already offer:
 //!
 //! | topic | from -> to | index | carries |
 //! |---|---|---|---|
-//! | [`TOPIC_START`] | chief -> each | 0 | the chief's run settings and partition |
-//! | [`TOPIC_SUMMARY`] | each -> chief | epoch | losses, compute time, staleness |
-//! | [`TOPIC_WEIGHTS`] | replica 0 of a stage -> chief | epoch | one layer's tensors (step: layer) |
-//! | [`TOPIC_GO`] | chief -> each | epoch | nothing: the epoch is over everywhere |
+//! | [`TOPIC_START`] | chief -> each | 0 | settings, partition, checkpoint interval, start |
+//! | [`TOPIC_RESUME`] | chief -> each | layer | a resumed run's weights and moments (step 0-2) |
+//! | [`TOPIC_SUMMARY`] | each -> chief | segment | losses, compute time, staleness |
+//! | [`TOPIC_GO`] | chief -> each | segment | the request: weights? optimizer? stop? |
+//! | [`TOPIC_WEIGHTS`] | replica 0 of a stage -> chief | segment | one layer's weights (step: layer) |
+//! | [`TOPIC_OPTIMIZER`] | replica 0 of a stage -> chief | segment | one layer's moments (step: 2 layer + k) |
 //!
 //! The start exchange refuses a worker whose settings differ from the chief's (flags and
 //! config must be the same everywhere, or the workers would run different programs), and
 //! hands every worker the chief's cut when the partition is measured, so one machine's
-//! profile decides it. The end-of-epoch exchange is also a barrier: no worker starts an epoch
-//! before every worker has finished the previous one, so message keys, which restart with
-//! each epoch's schedule, never meet their predecessors.
+//! profile decides it, and the chief's checkpoint interval, which decides where the pipeline
+//! drains. The end-of-segment exchange is also a barrier: no worker starts a segment before
+//! every worker has finished the previous one, so message keys, which restart with each
+//! segment's schedule, never meet their predecessors. Only the chief reads the checkpoint a
+//! run resumes from, and only the chief watches for a stop (Ctrl-C): it tells the others.
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::Length;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
-use super::train::{EpochEnd, Run, run_partition};
+use super::train::{EpochEnd, Run, Start, run_partition, segment_length};
 use super::{Partition, RunPlan, WorkerOutcome, WorkerState, run_worker};
+use crate::checkpoint::{Checkpoint, CheckpointPolicy};
 use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
-use crate::model::{Model, Params};
+use crate::model::Params;
+use crate::optim::{Optimizer, OptimizerState};
 use crate::train::{Observer, TrainReport};
 
 /// Control topic: the chief's settings and partition, before the first epoch.
@@ -41,11 +52,40 @@ pub const TOPIC_START: u32 = 0;
 pub const TOPIC_SUMMARY: u32 = 1;
 /// Control topic: one layer's weights for the chief's evaluation.
 pub const TOPIC_WEIGHTS: u32 = 2;
-/// Control topic: the chief's end-of-epoch release.
+/// Control topic: the chief's request at the end of a segment (weights, optimizer state,
+/// stop), which also releases the worker into the next segment.
 pub const TOPIC_GO: u32 = 3;
+/// Control topic: a replica 0's optimizer state for a checkpoint.
+pub const TOPIC_OPTIMIZER: u32 = 4;
+/// Control topic: a resumed run's weights and optimizer state, from the chief.
+pub const TOPIC_RESUME: u32 = 5;
 
 /// The chief's rank.
 pub const CHIEF: u32 = 0;
+
+/// Checkpoints, resume and stopping for [`train_worker`]. Only the chief's are read: it
+/// writes the checkpoints, reads the one to resume from and decides when to stop; the other
+/// workers follow it.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerOptions {
+    /// Write checkpoints (the chief, into its directory).
+    pub checkpoints: Option<CheckpointPolicy>,
+    /// Start from this checkpoint (the chief sends every worker its part).
+    pub resume: Option<Checkpoint>,
+    /// Set to stop at the next drain point, after a checkpoint.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+/// What the chief's run ends with.
+#[derive(Debug)]
+pub struct WorkerReport {
+    /// The run's report.
+    pub report: TrainReport,
+    /// Checkpoints written, oldest first.
+    pub checkpoints: Vec<PathBuf>,
+    /// The run stopped early, asked to, after this many updates.
+    pub stopped: Option<u64>,
+}
 
 /// Runs this process's worker (`ep.rank()`) of `cfg` over `ep`, whose peers run the same call
 /// in their processes. The chief reports steps and epochs to `obs` and returns the run's
@@ -54,14 +94,16 @@ pub const CHIEF: u32 = 0;
 ///
 /// # Errors
 /// Settings that differ from the chief's, a mesh of the wrong size, worker failures naming
-/// the worker and action, lost peers naming the rank, a diverged loss.
+/// the worker and action, lost peers naming the rank, a non-finite loss or gradient, a
+/// checkpoint that does not fit.
 pub fn train_worker<T: Transport + ?Sized>(
     cfg: &RunConfig,
     data: &Splits,
     ep: &mut T,
     obs: &mut dyn Observer,
-) -> Result<Option<TrainReport>> {
-    let result = run_epochs(cfg, data, ep, obs);
+    opts: &WorkerOptions,
+) -> Result<Option<WorkerReport>> {
+    let result = run_segments(cfg, data, ep, obs, opts);
     if let Err(e) = &result {
         if !e.is_abort_echo() {
             ep.abort();
@@ -70,12 +112,45 @@ pub fn train_worker<T: Transport + ?Sized>(
     result
 }
 
-fn run_epochs<T: Transport + ?Sized>(
+/// The chief's word at the end of a segment: what it wants from every worker, and whether
+/// the run goes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Request {
+    weights: bool,
+    optimizer: bool,
+    stop: bool,
+}
+
+impl Request {
+    fn bytes(self) -> [u8; 3] {
+        [
+            u8::from(self.weights),
+            u8::from(self.optimizer),
+            u8::from(self.stop),
+        ]
+    }
+
+    fn parse(b: &[u8]) -> Result<Self> {
+        match b {
+            [w, o, s] if [w, o, s].iter().all(|&&x| x <= 1) => Ok(Request {
+                weights: *w == 1,
+                optimizer: *o == 1,
+                stop: *s == 1,
+            }),
+            _ => Err(protocol(format!(
+                "a malformed request from the chief: {b:?}"
+            ))),
+        }
+    }
+}
+
+fn run_segments<T: Transport + ?Sized>(
     cfg: &RunConfig,
     data: &Splits,
     ep: &mut T,
     obs: &mut dyn Observer,
-) -> Result<Option<TrainReport>> {
+    opts: &WorkerOptions,
+) -> Result<Option<WorkerReport>> {
     let rank = ep.rank();
     let chief = rank == CHIEF;
     let run = Run::new(cfg, data)?;
@@ -89,69 +164,143 @@ fn run_epochs<T: Transport + ?Sized>(
             ep.size()
         )));
     }
-    let partition = agree(cfg, &run.model, ep)?;
-    let threads = cfg.threads.max(1);
-    let be = CpuBackend::new(threads)?;
+    let agreed = agree(cfg, &run, ep, opts)?;
+    let (partition, every) = (agreed.partition.clone(), agreed.every);
+    let start = receive_start(&run, ep, agreed, cfg)?;
+    let be = CpuBackend::new(cfg.threads.max(1))?;
     let eval_be = CpuBackend::new(0)?;
     let init = run.model.init_params(cfg.seed);
     let mut state: Option<WorkerState> = None;
     let mut epochs = Vec::new();
-    let mut params = init.clone();
-    let mut done = 0u64;
-    for epoch in 1..=cfg.epochs {
-        let this = (run.total - done).min(run.per_epoch);
-        if this == 0 {
+    let mut params = start.params.clone();
+    let mut done = start.done;
+    let mut index = 0u32;
+    let mut written = Vec::new();
+    let mut stopped = None;
+    for epoch in done / run.per_epoch + 1..=cfg.epochs {
+        let first = (epoch - 1) * run.per_epoch;
+        let epoch_len = run.total.saturating_sub(first).min(run.per_epoch);
+        if epoch_len == 0 || stopped.is_some() {
             break;
         }
-        let spec = cfg.schedule_spec(Length::Updates(this as u32));
-        let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
-        let start = Instant::now();
-        let outcome = run.with_setup(&plan, data, (epoch, done), None, |setup| {
-            let st =
-                state.get_or_insert_with(|| WorkerState::new(setup, rank, &init, cfg.optimizer));
-            run_worker(&be, ep, setup, st, start)
-        })?;
-        let secs = start.elapsed().as_secs_f64();
-        done += this;
-        let mine = state
-            .as_ref()
-            .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
-        let index = epoch_index(epoch)?;
-        if chief {
+        let mut acc: Vec<WorkerOutcome> = Vec::new();
+        let mut secs = 0.0;
+        let mut last_plan = None;
+        while done < first + epoch_len && stopped.is_none() {
+            let before = done - first;
+            let this = segment_length(every, done, epoch_len - before);
+            let spec = cfg.schedule_spec(Length::Updates(this as u32));
+            let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
+            let t = Instant::now();
+            let outcome = run.with_setup(&plan, data, (epoch, done), None, |setup| {
+                if state.is_none() {
+                    state = Some(start.state_of(setup, cfg, rank)?);
+                }
+                let st = state
+                    .as_mut()
+                    .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
+                run_worker(&be, ep, setup, st, t)
+            })?;
+            let seg_secs = t.elapsed().as_secs_f64();
+            secs += seg_secs;
+            done += this;
+            index += 1;
+            let mine = state
+                .as_ref()
+                .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
+            let epoch_end = done == first + epoch_len;
+            if !chief {
+                let bytes = encode_summary(&outcome);
+                ep.send(Message::from_bytes(
+                    control(rank, CHIEF, TOPIC_SUMMARY, index, 0),
+                    &bytes,
+                ))?;
+                let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, 0))?;
+                let req = Request::parse(&req.into_bytes()?)?;
+                if req.weights {
+                    send_weights(ep, &plan, mine, index)?;
+                }
+                if req.optimizer {
+                    send_optimizer(ep, &plan, mine, index)?;
+                }
+                if req.stop {
+                    return Ok(None);
+                }
+                continue;
+            }
             let outcomes = gather_summaries(ep, outcome, index)?;
-            params = gather_weights(ep, &plan, mine, &init, index)?;
-            let ended = EpochEnd {
+            let seg = EpochEnd {
                 plan: &plan,
                 outcomes: &outcomes,
                 epoch,
                 done,
                 this,
-                before: 0,
-                epoch_len: this,
-                secs,
+                before,
+                epoch_len,
+                secs: seg_secs,
             };
-            run.report_steps(&ended, obs)?;
-            epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
+            run.report_steps(&seg, obs)?;
+            super::train::merge_outcomes(&mut acc, outcomes);
+            let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+            let save = opts
+                .checkpoints
+                .as_ref()
+                .filter(|p| p.due(done, epoch_end, stop));
+            let req = Request {
+                weights: epoch_end || save.is_some(),
+                optimizer: save.is_some(),
+                stop,
+            };
             for w in (0..ep.size()).filter(|&w| w != CHIEF) {
                 ep.send(Message::from_bytes(
                     control(CHIEF, w, TOPIC_GO, index, 0),
-                    &[],
+                    &req.bytes(),
                 ))?;
             }
-        } else {
-            let bytes = encode_summary(&outcome);
-            ep.send(Message::from_bytes(
-                control(rank, CHIEF, TOPIC_SUMMARY, index, 0),
-                &bytes,
-            ))?;
-            send_weights(ep, &plan, mine, index)?;
-            ep.recv(&control(CHIEF, rank, TOPIC_GO, index, 0))?;
+            if req.weights {
+                params = gather_weights(ep, &plan, mine, &init, index)?;
+            }
+            if let Some(policy) = save {
+                let optimizer = gather_optimizer(ep, &plan, mine, &init, cfg, index)?;
+                let ckpt = run.checkpoint_of(&plan, done, params.clone(), optimizer, policy);
+                written.push(crate::checkpoint::write(
+                    &policy.dir,
+                    &run.model,
+                    &ckpt,
+                    policy.keep,
+                )?);
+            }
+            if stop {
+                stopped = Some(done);
+            }
+            last_plan = Some(plan);
         }
+        let Some(plan) = last_plan.as_ref().filter(|_| chief) else {
+            continue;
+        };
+        if done < first + epoch_len {
+            break;
+        }
+        let ended = EpochEnd {
+            plan,
+            outcomes: &acc,
+            epoch,
+            done,
+            this: epoch_len,
+            before: 0,
+            epoch_len,
+            secs,
+        };
+        epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
     }
-    Ok(chief.then_some(TrainReport {
-        epochs,
-        params,
-        steps: done,
+    Ok(chief.then_some(WorkerReport {
+        report: TrainReport {
+            epochs,
+            params,
+            steps: done,
+        },
+        checkpoints: written,
+        stopped,
     }))
 }
 
@@ -167,10 +316,6 @@ fn control(from: u32, to: u32, topic: u32, index: u32, step: u32) -> Key {
     }
 }
 
-fn epoch_index(epoch: u64) -> Result<u32> {
-    u32::try_from(epoch).map_err(|_| StageError::Config(format!("epoch {epoch} is too large")))
-}
-
 /// The run settings that decide the numerics, as text every worker compares with the
 /// chief's: what may differ between hosts (data paths, compute threads, logs) and the
 /// partition (settled separately) are left out.
@@ -183,35 +328,100 @@ pub fn settings_fingerprint(cfg: &RunConfig) -> String {
     format!("{c:#?}")
 }
 
-/// The start exchange: the chief settles the partition (measuring it if asked) and sends it
-/// with its settings; every other worker checks the settings and takes the partition.
+/// What the start exchange settles: the partition, the checkpoint interval (which decides
+/// where the pipeline drains, so it is the chief's for everyone), and where the run starts.
+struct Agreed {
+    partition: Option<Partition>,
+    every: Option<u64>,
+    done: u64,
+    /// Per layer, the optimizer updates a resumed run starts after.
+    steps: Option<Vec<u64>>,
+    /// The chief's start (a resumed checkpoint's state, or fresh).
+    start: Option<Start>,
+}
+
+/// The start exchange: the chief settles the partition (measuring it if asked) and where the
+/// run starts, and sends them with its settings; every other worker checks the settings and
+/// takes the rest.
 fn agree<T: Transport + ?Sized>(
     cfg: &RunConfig,
-    model: &Model,
+    run: &Run<'_>,
     ep: &mut T,
-) -> Result<Option<Partition>> {
+    opts: &WorkerOptions,
+) -> Result<Agreed> {
     let rank = ep.rank();
     let mine = settings_fingerprint(cfg);
     if rank == CHIEF {
-        let partition = run_partition(cfg, model)?;
-        let cut = partition
-            .as_ref()
-            .map_or("flops".to_string(), |p| p.to_string());
-        let text = format!("{cut}\n{mine}");
+        let partition = run_partition(cfg, &run.model)?;
+        let start = Start::new(run, opts.resume.as_ref())?;
+        let every = opts.checkpoints.as_ref().and_then(|c| c.every);
+        let steps = start.optimizer.as_ref().map(|(_, s)| s.clone());
+        let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+        let text = format!(
+            "{}\n{}\n{}\n{}\n{mine}",
+            partition
+                .as_ref()
+                .map_or("flops".to_string(), |p| p.to_string()),
+            every.map_or("-".to_string(), |n| n.to_string()),
+            start.done,
+            steps.as_deref().map_or("-".to_string(), list),
+        );
         for w in 1..ep.size() {
             ep.send(Message::from_bytes(
                 control(CHIEF, w, TOPIC_START, 0, 0),
                 text.as_bytes(),
             ))?;
         }
-        return Ok(partition);
+        return Ok(Agreed {
+            partition,
+            every,
+            done: start.done,
+            steps,
+            start: Some(start),
+        });
     }
     let bytes = ep
         .recv(&control(CHIEF, rank, TOPIC_START, 0, 0))?
         .into_bytes()?;
     let text = String::from_utf8(bytes)
         .map_err(|_| protocol("the chief's settings are not text".into()))?;
-    let (cut, theirs) = text.split_once('\n').unwrap_or((text.as_str(), ""));
+    let mut parts = text.splitn(5, '\n');
+    let mut next = || parts.next().unwrap_or("");
+    let (cut, every, done, steps, theirs) = (next(), next(), next(), next(), next());
+    compare_settings(rank, &mine, theirs)?;
+    let chiefs = PartitionChoice::parse(cut, run.model.len())?;
+    let partition = match (&cfg.partition, chiefs) {
+        (PartitionChoice::Given(p), PartitionChoice::Given(q)) if *p != q => {
+            return Err(StageError::Config(format!(
+                "worker {rank} was given partition {p} but the chief runs {q}"
+            )));
+        }
+        (_, PartitionChoice::Given(q)) => Some(q),
+        _ => None,
+    };
+    let number = |t: &str| {
+        t.parse::<u64>()
+            .map_err(|_| protocol(format!("the chief's start names '{t}', not a count")))
+    };
+    Ok(Agreed {
+        partition,
+        every: if every == "-" {
+            None
+        } else {
+            Some(number(every)?)
+        },
+        done: number(done)?,
+        steps: if steps == "-" {
+            None
+        } else {
+            Some(steps.split(',').map(number).collect::<Result<_>>()?)
+        },
+        start: None,
+    })
+}
+
+/// Refuses settings (line by line) that differ from the chief's.
+fn compare_settings(rank: u32, mine: &str, theirs: &str) -> Result<()> {
     if let Some((a, b)) = mine.lines().zip(theirs.lines()).find(|(a, b)| a != b) {
         return Err(StageError::Config(format!(
             "worker {rank}'s run settings differ from the chief's (worker 0): `{}` here, `{}` there; give every worker the same flags and config",
@@ -224,16 +434,117 @@ fn agree<T: Transport + ?Sized>(
             "worker {rank}'s run settings differ from the chief's (worker 0)"
         )));
     }
-    let chiefs = PartitionChoice::parse(cut, model.len())?;
-    Ok(match (&cfg.partition, chiefs) {
-        (PartitionChoice::Given(p), PartitionChoice::Given(q)) if *p != q => {
-            return Err(StageError::Config(format!(
-                "worker {rank} was given partition {p} but the chief runs {q}"
-            )));
+    Ok(())
+}
+
+/// Where this worker starts. A resumed run's chief sends every other worker the weights and
+/// optimizer state of the layers its stages hold (one message each per layer); they fill
+/// them into a fresh model.
+fn receive_start<T: Transport + ?Sized>(
+    run: &Run<'_>,
+    ep: &mut T,
+    agreed: Agreed,
+    cfg: &RunConfig,
+) -> Result<Start> {
+    let rank = ep.rank();
+    let spec = cfg.schedule_spec(Length::Updates(1));
+    let plan = RunPlan::new(&run.model, &spec, agreed.partition.clone())?;
+    let layout = plan.schedule.layout();
+    if let Some(start) = agreed.start {
+        if let Some((opt, _)) = &start.optimizer {
+            for w in 1..ep.size() {
+                for s in layout.stages_of(w) {
+                    for layer in plan.partition.range(s as usize) {
+                        let l = layer as u32;
+                        let parts = [
+                            flatten(start.params[layer].iter())?,
+                            flatten(opt[layer].iter().map(|p| &p.0))?,
+                            flatten(opt[layer].iter().map(|p| &p.1))?,
+                        ];
+                        for (k, flat) in parts.into_iter().enumerate() {
+                            let n = flat.len();
+                            ep.send(Message {
+                                key: control(CHIEF, w, TOPIC_RESUME, l, k as u32),
+                                version: 0,
+                                tensor: Tensor::from_vec(&[n], flat)?,
+                            })?;
+                        }
+                    }
+                }
+            }
         }
-        (_, PartitionChoice::Given(q)) => Some(q),
-        _ => None,
+        return Ok(start);
+    }
+    let mut params = run.model.init_params(cfg.seed);
+    let Some(steps) = agreed.steps else {
+        return Ok(Start {
+            params,
+            optimizer: None,
+            done: agreed.done,
+        });
+    };
+    if steps.len() != params.len() {
+        return Err(protocol(format!(
+            "the chief sent optimizer steps for {} layers of {}",
+            steps.len(),
+            params.len()
+        )));
+    }
+    let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, &params).state().to_vec();
+    for s in layout.stages_of(rank) {
+        for layer in plan.partition.range(s as usize) {
+            let l = layer as u32;
+            let mut take = |k: u32| -> Result<Vec<f32>> {
+                let m = ep.recv(&control(CHIEF, rank, TOPIC_RESUME, l, k))?;
+                Ok(m.tensor.host()?.to_vec())
+            };
+            let (p, first, second) = (take(0)?, take(1)?, take(2)?);
+            fill(params[layer].iter_mut(), &p, layer)?;
+            fill(opt[layer].iter_mut().map(|x| &mut x.0), &first, layer)?;
+            fill(opt[layer].iter_mut().map(|x| &mut x.1), &second, layer)?;
+        }
+    }
+    Ok(Start {
+        params,
+        optimizer: Some((opt, steps)),
+        done: agreed.done,
     })
+}
+
+/// A layer's tensors as one flat buffer.
+fn flatten<'t>(tensors: impl Iterator<Item = &'t Tensor>) -> Result<Vec<f32>> {
+    let mut flat = Vec::new();
+    for t in tensors {
+        flat.extend_from_slice(t.host()?);
+    }
+    Ok(flat)
+}
+
+/// Copies `flat` into `tensors` (their shapes decide the split); the lengths must match.
+fn fill<'t>(
+    tensors: impl Iterator<Item = &'t mut Tensor>,
+    flat: &[f32],
+    layer: usize,
+) -> Result<()> {
+    let mut at = 0;
+    for t in tensors {
+        let n = t.len();
+        let part = flat.get(at..at + n).ok_or_else(|| {
+            protocol(format!(
+                "layer {layer}: {} values, fewer than its tensors hold",
+                flat.len()
+            ))
+        })?;
+        t.host_mut()?.copy_from_slice(part);
+        at += n;
+    }
+    if at != flat.len() {
+        return Err(protocol(format!(
+            "layer {layer}: {} values for tensors of {at}",
+            flat.len()
+        )));
+    }
+    Ok(())
 }
 
 fn protocol(why: String) -> StageError {
@@ -368,10 +679,7 @@ fn send_weights<T: Transport + ?Sized>(
     for st in first_replica_stages(plan, state) {
         let first = plan.partition.range(st.stage as usize).start;
         for (i, layer) in st.params.iter().enumerate() {
-            let mut flat = Vec::new();
-            for t in layer {
-                flat.extend_from_slice(t.host()?);
-            }
+            let flat = flatten(layer.iter())?;
             let n = flat.len();
             let key = control(
                 state.worker,
@@ -390,7 +698,42 @@ fn send_weights<T: Transport + ?Sized>(
     Ok(())
 }
 
-/// The whole model's weights after epoch `index`: the chief's own stages from `own`, the
+/// Sends the optimizer state of every stage this worker is replica 0 of: per layer, the first
+/// and second moments (steps 2l and 2l + 1), each carrying the stage's update count.
+fn send_optimizer<T: Transport + ?Sized>(
+    ep: &mut T,
+    plan: &RunPlan,
+    state: &WorkerState,
+    index: u32,
+) -> Result<()> {
+    for st in first_replica_stages(plan, state) {
+        let first = plan.partition.range(st.stage as usize).start;
+        for (i, layer) in st.opt.state().iter().enumerate() {
+            let l = (first + i) as u32;
+            let parts = [
+                flatten(layer.iter().map(|p| &p.0))?,
+                flatten(layer.iter().map(|p| &p.1))?,
+            ];
+            for (k, flat) in parts.into_iter().enumerate() {
+                let n = flat.len();
+                ep.send(Message {
+                    key: control(
+                        state.worker,
+                        CHIEF,
+                        TOPIC_OPTIMIZER,
+                        index,
+                        2 * l + k as u32,
+                    ),
+                    version: st.opt.steps(),
+                    tensor: Tensor::from_vec(&[n], flat)?,
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The whole model's weights after segment `index`: the chief's own stages from `own`, the
 /// others' from their messages, each checked against the layer shapes of `like`.
 fn gather_weights<T: Transport + ?Sized>(
     ep: &mut T,
@@ -414,23 +757,55 @@ fn gather_weights<T: Transport + ?Sized>(
         }
         for layer in plan.partition.range(s as usize) {
             let m = ep.recv(&control(w, CHIEF, TOPIC_WEIGHTS, index, layer as u32))?;
-            let flat = m.tensor.host()?;
-            let want: usize = params[layer].iter().map(Tensor::len).sum();
-            if flat.len() != want {
-                return Err(protocol(format!(
-                    "worker {w} sent {} weights for layer {layer}, which has {want}",
-                    flat.len()
-                )));
-            }
-            let mut at = 0;
-            for t in &mut params[layer] {
-                let n = t.len();
-                t.host_mut()?.copy_from_slice(&flat[at..at + n]);
-                at += n;
-            }
+            fill(params[layer].iter_mut(), m.tensor.host()?, layer)?;
         }
     }
     Ok(params)
+}
+
+/// The whole model's optimizer state and per-layer update counts after segment `index`,
+/// gathered like [`gather_weights`].
+fn gather_optimizer<T: Transport + ?Sized>(
+    ep: &mut T,
+    plan: &RunPlan,
+    own: &WorkerState,
+    like: &Params,
+    cfg: &RunConfig,
+    index: u32,
+) -> Result<(OptimizerState, Vec<u64>)> {
+    let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, like).state().to_vec();
+    let mut steps = vec![0u64; like.len()];
+    for st in first_replica_stages(plan, own) {
+        let first = plan.partition.range(st.stage as usize).start;
+        for (i, layer) in st.opt.state().iter().enumerate() {
+            opt[first + i] = layer.clone();
+            steps[first + i] = st.opt.steps();
+        }
+    }
+    let layout = plan.schedule.layout();
+    for s in 0..plan.schedule.stages() {
+        let w = layout.worker_for(s, 0);
+        if w == CHIEF {
+            continue;
+        }
+        for layer in plan.partition.range(s as usize) {
+            let l = layer as u32;
+            let m = ep.recv(&control(w, CHIEF, TOPIC_OPTIMIZER, index, 2 * l))?;
+            steps[layer] = m.version;
+            fill(
+                opt[layer].iter_mut().map(|x| &mut x.0),
+                m.tensor.host()?,
+                layer,
+            )?;
+            let m = ep.recv(&control(w, CHIEF, TOPIC_OPTIMIZER, index, 2 * l + 1))?;
+            fill(
+                opt[layer].iter_mut().map(|x| &mut x.1),
+                m.tensor.host()?,
+                layer,
+            )?;
+        }
+    }
+    Ok((opt, steps))
 }
 
 #[cfg(test)]
