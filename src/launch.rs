@@ -102,6 +102,8 @@ pub struct LaunchOptions {
     pub extra: Vec<OsString>,
     /// Set (Ctrl-C) to ask the chief to stop at its next drain point.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Serve each worker's metrics for Prometheus: worker K at this address's port + K.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl LaunchOptions {
@@ -113,6 +115,7 @@ impl LaunchOptions {
             grace: Duration::from_secs(15),
             extra: Vec::new(),
             stop: None,
+            metrics: None,
         }
     }
 }
@@ -389,6 +392,19 @@ pub fn launch(
     let (tx, rx) = unbounded();
     let mut workers = Workers::default();
     for rank in 0..n {
+        let mut args = args.clone();
+        if let Some(base) = opts.metrics {
+            let port = u32::from(base.port()) + rank;
+            let port = u16::try_from(port).map_err(|_| {
+                bad_input(format!(
+                    "--metrics-addr {base}: worker {rank} would need port {port}"
+                ))
+            })?;
+            args.extend([
+                "--metrics-addr".into(),
+                SocketAddr::new(base.ip(), port).to_string().into(),
+            ]);
+        }
         workers.0.push(spawn(&exe, &args, &dir.0, rank, &tx)?);
     }
     drop(tx);

@@ -257,6 +257,16 @@ pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
 /// Bad input when the address cannot be listened on.
 pub fn serve_metrics(addr: Option<std::net::SocketAddr>) -> Result<()> {
     let Some(addr) = addr else { return Ok(()) };
+    serve_metrics_quietly(addr)?;
+    outln!("metrics for Prometheus at http://{addr}/metrics");
+    Ok(())
+}
+
+/// [`serve_metrics`] without the line saying so.
+///
+/// # Errors
+/// As [`serve_metrics`].
+pub fn serve_metrics_quietly(addr: std::net::SocketAddr) -> Result<()> {
     // Bind first, so that an address in use is one clear line, not an exporter's panic.
     std::net::TcpListener::bind(addr)
         .map_err(|e| bad_input(format!("--metrics-addr {addr}: {e}")))?;
@@ -264,7 +274,6 @@ pub fn serve_metrics(addr: Option<std::net::SocketAddr>) -> Result<()> {
         .with_http_listener(addr)
         .install()
         .map_err(|e| bad_input(format!("--metrics-addr {addr}: {e}")))?;
-    outln!("metrics for Prometheus at http://{addr}/metrics");
     Ok(())
 }
 

@@ -41,7 +41,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 .into(),
         ));
     }
-    serve_metrics(args.metrics_addr)?;
+    if !processes {
+        serve_metrics(args.metrics_addr)?;
+    }
     let be = open_backend(cfg.backend, cfg.threads)?;
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
@@ -72,6 +74,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let mut opts = LaunchOptions::new(workers);
         opts.extra = checkpoint_args(args);
         opts.stop = Some(stop_on_ctrl_c(true));
+        opts.metrics = args.metrics_addr;
         let end = run_processes(&settings, &opts, &mut fan).context("training failed")?;
         finish_checkpoints(&end.checkpoints, end.stopped)?;
         outln!("partition: {}", partition_text(&cfg));

@@ -23,7 +23,7 @@ use crate::launch::{Record, RecordWriter, join};
 use crate::output::bad_input;
 use crate::training::{
     Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, print_header,
-    print_resuming, resume_from, run_config, stop_on_ctrl_c,
+    print_resuming, resume_from, run_config, serve_metrics, serve_metrics_quietly, stop_on_ctrl_c,
 };
 
 /// `pipe worker`.
@@ -105,6 +105,12 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
     let chief = rank == 0;
+    if !args.launched {
+        serve_metrics(args.train.metrics_addr)?;
+    } else if let Some(addr) = args.train.metrics_addr {
+        // The launcher gave this worker its own port; its banner would break the records.
+        serve_metrics_quietly(addr)?;
+    }
     // Only the chief reads the checkpoint (it sends the others their part) and decides when
     // to stop; a launched worker also hears the launcher's Ctrl-C on standard input.
     let resume = if chief {

@@ -260,13 +260,16 @@ pub(crate) fn check_gradients(
     Ok(())
 }
 
-/// Records one update of `samples` in the metrics: the samples and updates counters, and the
-/// time since the previous update (`last`, reset here) in the update-time histogram.
-pub(crate) fn record_update(samples: usize, last: &mut Instant) {
+/// Records one update of `samples` in the metrics: the samples and updates counters, and,
+/// when the update is reported as it completes, the time since the previous one (`last`,
+/// reset here) in the update-time histogram.
+pub(crate) fn record_update(samples: usize, last: Option<&mut Instant>) {
     metrics::counter!("pipe_samples_total").increment(samples as u64);
     metrics::counter!("pipe_updates_total").increment(1);
-    metrics::histogram!("pipe_update_seconds").record(last.elapsed().as_secs_f64());
-    *last = Instant::now();
+    if let Some(last) = last {
+        metrics::histogram!("pipe_update_seconds").record(last.elapsed().as_secs_f64());
+        *last = Instant::now();
+    }
 }
 
 /// Trains `cfg`'s model on `data` with one worker.
@@ -388,7 +391,7 @@ pub fn train_with(
             }
             epoch_loss += loss;
             epoch_samples += b * m;
-            record_update(b * m, &mut last_update);
+            record_update(b * m, Some(&mut last_update));
             obs.on_step(&StepStats {
                 step,
                 epoch,

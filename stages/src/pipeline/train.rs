@@ -366,7 +366,7 @@ impl<'r> LiveSteps<'r> {
                 break;
             }
             self.samples += n;
-            crate::train::record_update(n, &mut self.last_update);
+            crate::train::record_update(n, Some(&mut self.last_update));
             let t = self.next as u64;
             let step = self.seg.done + t;
             obs.on_step(&StepStats {
@@ -664,6 +664,8 @@ impl<'c> Run<'c> {
         }
         let rate = samples as f64 / secs.max(1e-9);
         for (t, &(l, n)) in per_step.iter().enumerate() {
+            // Reported after the segment: counted, but not timed one by one.
+            crate::train::record_update(n, None);
             let step = done - this + t as u64;
             obs.on_step(&StepStats {
                 step: step + 1,
