@@ -165,3 +165,61 @@ fn prometheus_scrapes_live_metrics_during_a_pipelined_run() {
         "{body}"
     );
 }
+
+#[test]
+fn launched_worker_processes_each_serve_their_metrics() {
+    // Two consecutive free ports.
+    let base = (0..50)
+        .find_map(|_| {
+            let a = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
+            let p = a.local_addr().ok()?.port();
+            let b = std::net::TcpListener::bind(("127.0.0.1", p.checked_add(1)?)).ok()?;
+            drop((a, b));
+            Some(p)
+        })
+        .unwrap();
+    let mut child = Command::new(PIPE)
+        .args([
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "mlp-784-256x4-10",
+        ])
+        .args(["--epochs", "50", "--stages", "2", "--threads", "1"])
+        .args(["--partition", "flops", "--transport", "quic"])
+        .args(["--metrics-addr", &format!("127.0.0.1:{base}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let (mut chief, mut other) = (None, None);
+    while (chief.is_none() || other.is_none()) && t.elapsed() < Duration::from_secs(60) {
+        let (a, b) = (
+            scrape(&format!("127.0.0.1:{base}")),
+            scrape(&format!("127.0.0.1:{}", base + 1)),
+        );
+        if a.as_deref()
+            .is_some_and(|x| value(x, "pipe_samples_total").is_some())
+        {
+            chief = a;
+        }
+        if b.as_deref().is_some_and(|x| x.contains("worker=\"1\"")) {
+            other = b;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let chief = chief.expect("the chief's metrics");
+    let other = other.expect("worker 1's metrics");
+    assert!(
+        chief.contains("pipe_worker_busy_seconds{worker=\"0\"}"),
+        "{chief}"
+    );
+    assert!(
+        other.contains("pipe_bytes_received_total{worker=\"1\"}"),
+        "{other}"
+    );
+}
