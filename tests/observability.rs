@@ -12,7 +12,16 @@ const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
 #[test]
 fn the_jsonl_log_grows_during_a_pipelined_epoch() {
-    let d = std::env::temp_dir().join(format!("pipe-obs-{}", std::process::id()));
+    log_grows_during_an_epoch("inproc");
+}
+
+#[test]
+fn the_jsonl_log_grows_during_an_epoch_of_worker_processes() {
+    log_grows_during_an_epoch("quic");
+}
+
+fn log_grows_during_an_epoch(transport: &str) {
+    let d = std::env::temp_dir().join(format!("pipe-obs-{}-{transport}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     let log = d.join("run.jsonl");
@@ -35,6 +44,7 @@ fn the_jsonl_log_grows_during_a_pipelined_epoch() {
             "1",
         ])
         .args(["--partition", "flops", "--log-jsonl", log.to_str().unwrap()])
+        .args(["--transport", transport])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -60,7 +70,7 @@ fn the_jsonl_log_grows_during_a_pipelined_epoch() {
     assert!(child.wait().unwrap().success());
     assert!(
         seen.len() >= 3,
-        "the log grew only {seen:?} before the epoch ended"
+        "{transport}: the log grew only {seen:?} before the epoch ended"
     );
     let text = std::fs::read_to_string(&log).unwrap();
     let steps = text

@@ -370,6 +370,12 @@ impl<T: pipe_transport::Transport> pipe_transport::Transport for Faulty<T> {
     fn buffered(&self) -> usize {
         self.inner.buffered()
     }
+    fn try_recv(
+        &mut self,
+        key: &pipe_transport::Key,
+    ) -> Result<Option<pipe_transport::Message>, pipe_transport::TransportError> {
+        self.inner.try_recv(key)
+    }
     fn abort(&mut self) {
         self.inner.abort();
     }

@@ -229,6 +229,27 @@ impl Transport for InProc {
         Ok(())
     }
 
+    fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
+        self.check_key(key)?;
+        if let Some(m) = self.early.take(key) {
+            return Ok(Some(m));
+        }
+        if let Ok(by) = self.control.try_recv() {
+            return Err(self.aborted(by));
+        }
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        let rx = self.from[key.from as usize].clone();
+        while let Ok(m) = rx.try_recv() {
+            if m.key == *key {
+                return Ok(Some(m));
+            }
+            self.keep_early(m, key.from)?;
+        }
+        Ok(None)
+    }
+
     fn buffered(&self) -> usize {
         self.early.len()
     }

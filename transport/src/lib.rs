@@ -225,6 +225,13 @@ pub trait Transport: Send {
     /// [`TransportError::Protocol`].
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError>;
 
+    /// The message with exactly this key if it has already arrived, without waiting: what a
+    /// worker polls between actions (the chief collecting losses as they are computed).
+    ///
+    /// # Errors
+    /// As [`Transport::recv`], except that nothing having arrived is `Ok(None)`.
+    fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError>;
+
     /// Messages that have arrived and wait for their receive: this worker's input queue, as
     /// the metrics report it.
     fn buffered(&self) -> usize;

@@ -1181,6 +1181,23 @@ impl Transport for Quic {
         }
     }
 
+    fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
+        if key.to != self.rank || key.from >= self.size || key.from == self.rank {
+            return Err(TransportError::Protocol(format!(
+                "worker {} cannot receive {key:?}",
+                self.rank
+            )));
+        }
+        self.drain()?;
+        if let Some(m) = self.early.take(key) {
+            return Ok(Some(m));
+        }
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        Ok(None)
+    }
+
     fn buffered(&self) -> usize {
         self.early.len()
     }

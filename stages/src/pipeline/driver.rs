@@ -31,6 +31,23 @@ pub fn run_worker<B: Backend, T: Transport + ?Sized>(
     state: &mut WorkerState,
     t0: Instant,
 ) -> Result<WorkerOutcome> {
+    run_worker_with(be, t, setup, state, t0, &mut |_| Ok(()))
+}
+
+/// [`run_worker`], calling `between` with the transport after every action: how a worker in
+/// a process of its own forwards the losses it computes to the chief, and how the chief
+/// collects them while its own program runs.
+///
+/// # Errors
+/// As [`run_worker`]; an error of `between` is the failure of the action before it.
+pub fn run_worker_with<B: Backend, T: Transport + ?Sized>(
+    be: &B,
+    t: &mut T,
+    setup: &Setup<'_>,
+    state: &mut WorkerState,
+    t0: Instant,
+    between: &mut dyn FnMut(&mut T) -> Result<()>,
+) -> Result<WorkerOutcome> {
     let w = state.worker;
     let (position, replica) = setup.plan.schedule.layout().placement(w);
     let wrap = |action: String, e: StageError| StageError::Worker {
@@ -40,7 +57,7 @@ pub fn run_worker<B: Backend, T: Transport + ?Sized>(
         action,
         source: Box::new(e),
     };
-    let result = run_program(be, t, setup, state, t0)
+    let result = run_program(be, t, setup, state, t0, between)
         .map_err(|(a, e)| wrap(a.map_or_else(|| "start".to_string(), |a| a.to_string()), e));
     match result {
         Ok(core) => core.finish(state).map_err(|e| wrap("end".into(), e)),
@@ -60,6 +77,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     setup: &'s Setup<'a>,
     state: &WorkerState,
     t0: Instant,
+    between: &mut dyn FnMut(&mut T) -> Result<()>,
 ) -> std::result::Result<WorkerCore<'s, 'a>, (Option<Action>, StageError)> {
     let mut core = WorkerCore::new(be, setup, state).map_err(|e| (None, e))?;
     let program = &setup.plan.schedule.programs[state.worker as usize];
@@ -67,6 +85,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     for (pc, &a) in program.iter().enumerate() {
         let start = t0.elapsed().as_secs_f64();
         let bytes = step(be, t, &mut core, pc, a).map_err(|e| (Some(a), e))?;
+        between(t).map_err(|e| (Some(a), e))?;
         let end = t0.elapsed().as_secs_f64();
         let held = core.versions_held() as u32;
         let compute = a.kind().is_compute() || matches!(a, Action::Update { .. });

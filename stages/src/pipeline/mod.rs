@@ -27,7 +27,7 @@ pub mod run_plan;
 pub mod train;
 pub mod worker;
 
-pub use driver::run_worker;
+pub use driver::{run_worker, run_worker_with};
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
 pub use launch::run_threads;
 pub use partition::Partition;

@@ -60,10 +60,9 @@ pub struct PipelineTrainOptions {
     pub stop: Option<Arc<AtomicBool>>,
 }
 
-/// A segment of an epoch (one schedule, ending at a drain point) or a whole epoch that has
-/// ended, as the chief sees it.
+/// An epoch that has ended, as the chief sees it.
 pub(super) struct EpochEnd<'p> {
-    /// Its schedule (the last one, for a whole epoch).
+    /// Its last schedule.
     pub plan: &'p RunPlan,
     /// Every worker's outcome, in worker order.
     pub outcomes: &'p [WorkerOutcome],
@@ -71,12 +70,6 @@ pub(super) struct EpochEnd<'p> {
     pub epoch: u64,
     /// Minibatches done by its end, over the run.
     pub done: u64,
-    /// Minibatches in it.
-    pub this: u64,
-    /// Minibatches of the epoch before it.
-    pub before: u64,
-    /// Minibatches in the whole epoch.
-    pub epoch_len: u64,
     /// Its wall time.
     pub secs: f64,
 }
@@ -185,9 +178,6 @@ pub fn train_pipelined(
             outcomes: &acc,
             epoch,
             done,
-            this: epoch_len,
-            before: 0,
-            epoch_len,
             secs,
         };
         epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
@@ -316,14 +306,14 @@ pub(super) fn segment_length(every: Option<u64>, done: u64, left: u64) -> u64 {
 /// Where a segment sits: its epoch, the updates done before it over the run and within
 /// its epoch, and its epoch's length.
 pub(super) struct Segment {
-    epoch: u64,
-    done: u64,
-    before: u64,
-    epoch_len: u64,
+    pub(super) epoch: u64,
+    pub(super) done: u64,
+    pub(super) before: u64,
+    pub(super) epoch_len: u64,
 }
 
 /// Per-update loss sums of a running segment, reported in update order as each completes.
-struct LiveSteps<'r> {
+pub(super) struct LiveSteps<'r> {
     run: &'r Run<'r>,
     seg: &'r Segment,
     minibatch: u64,
@@ -336,7 +326,7 @@ struct LiveSteps<'r> {
 }
 
 impl<'r> LiveSteps<'r> {
-    fn new(run: &'r Run<'r>, plan: &RunPlan, seg: &'r Segment) -> Self {
+    pub(super) fn new(run: &'r Run<'r>, plan: &RunPlan, seg: &'r Segment) -> Self {
         let minibatch = u64::from(plan.schedule.resolved.minibatch.max(1));
         let updates = plan.schedule.total_microbatches() as u64 / minibatch;
         LiveSteps {
@@ -352,7 +342,7 @@ impl<'r> LiveSteps<'r> {
     }
 
     /// Adds microbatch `mb`'s loss; reports every update that is now complete.
-    fn add(&mut self, (mb, loss, n): LossReport, obs: &mut dyn Observer) -> Result<()> {
+    pub(super) fn add(&mut self, (mb, loss, n): LossReport, obs: &mut dyn Observer) -> Result<()> {
         if let Some(slot) = self
             .steps
             .get_mut((u64::from(mb) / self.minibatch) as usize)
@@ -628,58 +618,6 @@ impl<'c> Run<'c> {
         };
         obs.on_epoch(&e)?;
         Ok(e)
-    }
-
-    /// Reports one step record per minibatch of a segment (its microbatches' losses), after
-    /// the segment: the pipeline has no global step boundary while it runs.
-    ///
-    /// # Errors
-    /// [`StageError::Diverged`] when the segment's loss is not finite; an observer's error.
-    pub(super) fn report_steps(&self, ended: &EpochEnd<'_>, obs: &mut dyn Observer) -> Result<()> {
-        let (outcomes, epoch, done, this, secs) = (
-            ended.outcomes,
-            ended.epoch,
-            ended.done,
-            ended.this,
-            ended.secs,
-        );
-        let (loss, samples) = outcomes.iter().fold((0.0f64, 0usize), |(l, n), o| {
-            (l + o.loss_sum, n + o.samples)
-        });
-        let train_loss = loss / samples.max(1) as f64;
-        if !train_loss.is_finite() {
-            return Err(StageError::Diverged {
-                step: done,
-                loss: train_loss,
-            });
-        }
-        let mut per_step = vec![(0.0f64, 0usize); this as usize];
-        for o in outcomes {
-            for &(mb, l, n) in &o.losses {
-                if let Some(slot) = per_step.get_mut((u64::from(mb) / self.minibatch) as usize) {
-                    slot.0 += l;
-                    slot.1 += n;
-                }
-            }
-        }
-        let rate = samples as f64 / secs.max(1e-9);
-        for (t, &(l, n)) in per_step.iter().enumerate() {
-            // Reported after the segment: counted, but not timed one by one.
-            crate::train::record_update(n, None);
-            let step = done - this + t as u64;
-            obs.on_step(&StepStats {
-                step: step + 1,
-                epoch,
-                loss: l / n.max(1) as f64,
-                lr: self.lr.at(step),
-                samples: n,
-                samples_per_sec: rate,
-                elapsed_s: self.start.elapsed().as_secs_f64(),
-                steps_in_epoch: ended.epoch_len,
-                step_in_epoch: ended.before + t as u64 + 1,
-            })?;
-        }
-        Ok(())
     }
 }
 

@@ -13,6 +13,7 @@
 //! |---|---|---|---|
 //! | [`TOPIC_START`] | chief -> each | 0 | settings, partition, checkpoint interval, start |
 //! | [`TOPIC_RESUME`] | chief -> each | layer | a resumed run's weights and moments (step 0-2) |
+//! | [`TOPIC_LOSS`] | last stage -> chief | segment | one microbatch's loss, as computed (step: its number) |
 //! | [`TOPIC_SUMMARY`] | each -> chief | segment | losses, compute time, staleness |
 //! | [`TOPIC_GO`] | chief -> each | segment | the request: weights? optimizer? stop? |
 //! | [`TOPIC_WEIGHTS`] | replica 0 of a stage -> chief | segment | one layer's weights (step: layer) |
@@ -36,8 +37,8 @@ use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::Length;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
-use super::train::{EpochEnd, Run, Start, run_partition, segment_length};
-use super::{Partition, RunPlan, WorkerOutcome, WorkerState, run_worker};
+use super::train::{EpochEnd, LiveSteps, Run, Segment, Start, run_partition, segment_length};
+use super::{LossReport, Partition, RunPlan, WorkerOutcome, WorkerState, run_worker_with};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
 use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
@@ -59,6 +60,8 @@ pub const TOPIC_GO: u32 = 3;
 pub const TOPIC_OPTIMIZER: u32 = 4;
 /// Control topic: a resumed run's weights and optimizer state, from the chief.
 pub const TOPIC_RESUME: u32 = 5;
+/// Control topic: one microbatch's loss, from the worker that computed it.
+pub const TOPIC_LOSS: u32 = 6;
 
 /// The chief's rank.
 pub const CHIEF: u32 = 0;
@@ -192,24 +195,34 @@ fn run_segments<T: Transport + ?Sized>(
             let spec = cfg.schedule_spec(Length::Updates(this as u32));
             let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
             let t = Instant::now();
-            let outcome = run.with_setup(&plan, data, (epoch, done), None, |setup| {
+            index += 1;
+            let at = Segment {
+                epoch,
+                done,
+                before,
+                epoch_len,
+            };
+            let mut losses = LossRelay::new(&run, &plan, &at, index, rank);
+            let (tx, rx) = crossbeam_channel::unbounded();
+            let outcome = run.with_setup(&plan, data, (epoch, done), Some(&tx), |setup| {
                 if state.is_none() {
                     state = Some(start.state_of(setup, cfg, rank)?);
                 }
                 let st = state
                     .as_mut()
                     .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
-                run_worker(&be, ep, setup, st, t)
+                let mut between = |ep: &mut T| losses.poll(ep, &rx, obs);
+                run_worker_with(&be, ep, setup, st, t, &mut between)
             })?;
             let seg_secs = t.elapsed().as_secs_f64();
             secs += seg_secs;
             done += this;
-            index += 1;
             let mine = state
                 .as_ref()
                 .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
             let epoch_end = done == first + epoch_len;
             if !chief {
+                losses.poll(ep, &rx, obs)?;
                 let bytes = encode_summary(&outcome);
                 ep.send(Message::from_bytes(
                     control(rank, CHIEF, TOPIC_SUMMARY, index, 0),
@@ -229,17 +242,7 @@ fn run_segments<T: Transport + ?Sized>(
                 continue;
             }
             let outcomes = gather_summaries(ep, outcome, index)?;
-            let seg = EpochEnd {
-                plan: &plan,
-                outcomes: &outcomes,
-                epoch,
-                done,
-                this,
-                before,
-                epoch_len,
-                secs: seg_secs,
-            };
-            run.report_steps(&seg, obs)?;
+            losses.finish(ep, &rx, &outcomes, obs)?;
             super::train::merge_outcomes(&mut acc, outcomes);
             let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
             let save = opts
@@ -286,9 +289,6 @@ fn run_segments<T: Transport + ?Sized>(
             outcomes: &acc,
             epoch,
             done,
-            this: epoch_len,
-            before: 0,
-            epoch_len,
             secs,
         };
         epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
@@ -302,6 +302,110 @@ fn run_segments<T: Transport + ?Sized>(
         checkpoints: written,
         stopped,
     }))
+}
+
+/// Losses as a segment computes them: a worker sends each of its own to the chief as it
+/// computes it ([`TOPIC_LOSS`], numbered per sender); the chief takes its own and polls the
+/// last stage's workers for theirs between its actions, and reports each update as soon as
+/// all its losses are in, as the in-process trainer does.
+struct LossRelay<'r> {
+    rank: u32,
+    index: u32,
+    /// The workers that compute losses (the last stage's), and the next number of each.
+    reporters: Vec<(u32, u32)>,
+    sent: u32,
+    live: LiveSteps<'r>,
+}
+
+impl<'r> LossRelay<'r> {
+    fn new(run: &'r Run<'r>, plan: &RunPlan, seg: &'r Segment, index: u32, rank: u32) -> Self {
+        let last = plan.schedule.stages().saturating_sub(1);
+        let reporters = plan
+            .schedule
+            .layout()
+            .group(last)
+            .filter(|&w| w != CHIEF)
+            .map(|w| (w, 0))
+            .collect();
+        LossRelay {
+            rank,
+            index,
+            reporters,
+            sent: 0,
+            live: LiveSteps::new(run, plan, seg),
+        }
+    }
+
+    /// Between two actions: forwards this worker's new losses (another worker), or takes them
+    /// and every loss that has arrived and reports what is complete (the chief).
+    fn poll<T: Transport + ?Sized>(
+        &mut self,
+        ep: &mut T,
+        rx: &crossbeam_channel::Receiver<LossReport>,
+        obs: &mut dyn Observer,
+    ) -> Result<()> {
+        while let Ok((mb, loss, n)) = rx.try_recv() {
+            if self.rank == CHIEF {
+                self.live.add((mb, loss, n), obs)?;
+                continue;
+            }
+            let mut b = Vec::with_capacity(20);
+            b.extend_from_slice(&mb.to_le_bytes());
+            b.extend_from_slice(&loss.to_le_bytes());
+            b.extend_from_slice(&(n as u64).to_le_bytes());
+            let key = control(self.rank, CHIEF, TOPIC_LOSS, self.index, self.sent);
+            ep.send(Message::from_bytes(key, &b))?;
+            self.sent += 1;
+        }
+        if self.rank != CHIEF {
+            return Ok(());
+        }
+        for i in 0..self.reporters.len() {
+            let (w, next) = self.reporters[i];
+            let key = control(w, CHIEF, TOPIC_LOSS, self.index, next);
+            if let Some(m) = ep.try_recv(&key)? {
+                self.take(m, obs)?;
+                self.reporters[i].1 += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// The chief, after the segment: takes every loss not yet taken (each worker's summary
+    /// says how many it computed) and reports the remaining updates.
+    fn finish<T: Transport + ?Sized>(
+        &mut self,
+        ep: &mut T,
+        rx: &crossbeam_channel::Receiver<LossReport>,
+        outcomes: &[WorkerOutcome],
+        obs: &mut dyn Observer,
+    ) -> Result<()> {
+        self.poll(ep, rx, obs)?;
+        for i in 0..self.reporters.len() {
+            let (w, mut next) = self.reporters[i];
+            let total = outcomes.get(w as usize).map_or(0, |o| o.losses.len());
+            while (next as usize) < total {
+                let m = ep.recv(&control(w, CHIEF, TOPIC_LOSS, self.index, next))?;
+                self.take(m, obs)?;
+                next += 1;
+            }
+            self.reporters[i].1 = next;
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, m: Message, obs: &mut dyn Observer) -> Result<()> {
+        let from = m.key.from;
+        let bytes = m.into_bytes()?;
+        let mut f = Fields(&bytes);
+        let report = (f.u32()?, f.f64()?, f.usize()?);
+        if !f.0.is_empty() {
+            return Err(protocol(format!(
+                "worker {from}'s loss report is malformed"
+            )));
+        }
+        self.live.add(report, obs)
+    }
 }
 
 /// A control message's key.
