@@ -566,12 +566,8 @@ fn receive_start<T: Transport + ?Sized>(
                             flatten(opt[layer].iter().map(|p| &p.1))?,
                         ];
                         for (k, flat) in parts.into_iter().enumerate() {
-                            let n = flat.len();
-                            ep.send(Message {
-                                key: control(CHIEF, w, TOPIC_RESUME, l, k as u32),
-                                version: 0,
-                                tensor: Tensor::from_vec(&[n], flat)?,
-                            })?;
+                            let key = control(CHIEF, w, TOPIC_RESUME, l, k as u32);
+                            send_flat(ep, key, 0, flat)?;
                         }
                     }
                 }
@@ -613,6 +609,22 @@ fn receive_start<T: Transport + ?Sized>(
         optimizer: Some((opt, steps)),
         done: agreed.done,
     })
+}
+
+/// Sends `flat` as one control message with `key` and `version`.
+fn send_flat<T: Transport + ?Sized>(
+    ep: &mut T,
+    key: Key,
+    version: u64,
+    flat: Vec<f32>,
+) -> Result<()> {
+    let n = flat.len();
+    ep.send(Message {
+        key,
+        version,
+        tensor: Tensor::from_vec(&[n], flat)?,
+    })?;
+    Ok(())
 }
 
 /// A layer's tensors as one flat buffer.
@@ -783,8 +795,6 @@ fn send_weights<T: Transport + ?Sized>(
     for st in first_replica_stages(plan, state) {
         let first = plan.partition.range(st.stage as usize).start;
         for (i, layer) in st.params.iter().enumerate() {
-            let flat = flatten(layer.iter())?;
-            let n = flat.len();
             let key = control(
                 state.worker,
                 CHIEF,
@@ -792,11 +802,7 @@ fn send_weights<T: Transport + ?Sized>(
                 index,
                 (first + i) as u32,
             );
-            ep.send(Message {
-                key,
-                version: 0,
-                tensor: Tensor::from_vec(&[n], flat)?,
-            })?;
+            send_flat(ep, key, 0, flatten(layer.iter())?)?;
         }
     }
     Ok(())
@@ -819,18 +825,14 @@ fn send_optimizer<T: Transport + ?Sized>(
                 flatten(layer.iter().map(|p| &p.1))?,
             ];
             for (k, flat) in parts.into_iter().enumerate() {
-                let n = flat.len();
-                ep.send(Message {
-                    key: control(
-                        state.worker,
-                        CHIEF,
-                        TOPIC_OPTIMIZER,
-                        index,
-                        2 * l + k as u32,
-                    ),
-                    version: st.opt.steps(),
-                    tensor: Tensor::from_vec(&[n], flat)?,
-                })?;
+                let key = control(
+                    state.worker,
+                    CHIEF,
+                    TOPIC_OPTIMIZER,
+                    index,
+                    2 * l + k as u32,
+                );
+                send_flat(ep, key, st.opt.steps(), flat)?;
             }
         }
     }
