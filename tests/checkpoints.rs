@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{ok, weights};
+
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
 fn dir(name: &str) -> PathBuf {
@@ -92,31 +95,6 @@ fn train(args: &[String], extra: &[&str]) -> Output {
         .env_remove("RUST_BACKTRACE")
         .output()
         .unwrap()
-}
-
-#[track_caller]
-fn ok(out: &Output) -> String {
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
-}
-
-/// The final weights' digest from a `done:` line.
-#[track_caller]
-fn weights(text: &str) -> String {
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("done:"))
-        .unwrap_or_else(|| panic!("no done line in {text}"));
-    line.split("weights ")
-        .nth(1)
-        .and_then(|r| r.split(',').next())
-        .unwrap()
-        .to_string()
 }
 
 #[track_caller]

@@ -4,6 +4,8 @@
 
 use std::process::{Command, Output};
 
+mod common;
+
 fn pipe(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_pipe"))
         .args(args)
@@ -15,14 +17,7 @@ fn pipe(args: &[&str]) -> Output {
 /// Runs pipe, asserts success and returns its standard output.
 #[track_caller]
 fn pipe_ok(args: &[&str]) -> String {
-    let out = pipe(args);
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
+    common::ok(&pipe(args))
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {

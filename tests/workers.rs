@@ -15,6 +15,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{done, ok};
+
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -49,28 +52,6 @@ fn small_config(d: &std::path::Path, epochs: u32) -> String {
 
 fn run(cmd: &mut Command) -> Output {
     cmd.env_remove("RUST_BACKTRACE").output().expect("run pipe")
-}
-
-#[track_caller]
-fn ok(out: &Output) -> String {
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
-}
-
-/// The `done:` line without its wall time: steps, accuracy, loss and the weights' digest.
-#[track_caller]
-fn done(text: &str) -> String {
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("done:"))
-        .unwrap_or_else(|| panic!("no done line in {text}"));
-    assert!(line.contains("weights "), "{line}");
-    line.rsplit_once(',').unwrap().0.to_string()
 }
 
 #[test]

@@ -1,0 +1,47 @@
+//! Helpers the binary's integration tests share: a run's output checked for success, and the
+//! `done:` line's parts.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::process::Output;
+
+/// Asserts that a run succeeded and returns its standard output (both streams in the
+/// failure message).
+#[track_caller]
+pub fn ok(out: &Output) -> String {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// The `done:` line of a run's output.
+#[track_caller]
+pub fn done_line(text: &str) -> &str {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("done:"))
+        .unwrap_or_else(|| panic!("no done line in {text}"));
+    assert!(line.contains("weights "), "{line}");
+    line
+}
+
+/// The `done:` line without its wall time: steps, accuracy, loss and the weights' digest.
+#[track_caller]
+pub fn done(text: &str) -> String {
+    done_line(text).rsplit_once(',').unwrap().0.to_string()
+}
+
+/// The final weights' digest from the `done:` line.
+#[track_caller]
+pub fn weights(text: &str) -> String {
+    done_line(text)
+        .split("weights ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap()
+        .to_string()
+}
