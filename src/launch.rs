@@ -577,7 +577,9 @@ fn launcher_addrs(size: u32, stop: Arc<AtomicBool>) -> Result<Vec<SocketAddr>> {
                 Err(_) => break,
             }
         }
-        eprintln!("error: the launcher is gone");
+        // Not eprintln!: standard error went with the launcher, and eprintln! panics when it
+        // cannot write (which would end this thread, not the process).
+        let _ = writeln!(std::io::stderr(), "error: the launcher is gone");
         std::process::exit(1);
     });
     Ok(addrs)

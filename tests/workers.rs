@@ -481,3 +481,37 @@ fn workers_refuse_other_settings_and_wait_no_longer_than_the_connect_timeout() {
     assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
     eprintln!("alone: {err}");
 }
+
+#[test]
+fn workers_exit_at_once_when_their_launcher_is_killed() {
+    if !std::path::Path::new("/proc/self/stat").exists() {
+        eprintln!("skipped: needs /proc to find the worker processes");
+        return;
+    }
+    let _one = serial();
+    let d = dir("launcher");
+    let config = small_config(&d, 10_000);
+    let mut launcher: Child = Command::new(PIPE)
+        .args(["train", "--config", &config])
+        .args(["--stages", "2", "--transport", "quic"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = launcher.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    // Training runs once the first epoch has been reported.
+    assert!(lines.any(|l| l.is_ok_and(|l| l.starts_with("epoch"))));
+    let workers = children_of(launcher.id());
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let killed = Instant::now();
+    while workers.iter().any(|&(p, _)| alive(p)) {
+        assert!(
+            killed.elapsed() < Duration::from_secs(3),
+            "workers outlived their launcher by 3 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
