@@ -35,6 +35,29 @@ pub struct LossStats {
     pub rows: usize,
 }
 
+/// The geometry of a causal self-attention call: `batch` sequences of `seq` tokens, `heads`
+/// heads over a model width `C`. The packed query-key-value tensor is `[batch * seq, 3C]`:
+/// queries in columns `0..C`, keys in `C..2C`, values in `2C..3C`, head `h` at offset
+/// `h C / heads` within each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Model width `C` (a multiple of `heads`).
+    pub width: usize,
+}
+
+impl AttentionShape {
+    /// Model width `C`.
+    pub fn width(self) -> usize {
+        self.width
+    }
+}
+
 /// Hyperparameters of one SGD update (PyTorch semantics, dampening 0).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdStep {
@@ -241,6 +264,58 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats>;
+
+    /// Token-embedding lookup: row `i` of `out` (`[ids, C]`) is row `ids[i]` of `table`
+    /// (`[vocab, C]`). Token ids travel as exact whole numbers in an `f32` tensor (a pipeline's
+    /// first stage receives them as its input activation).
+    ///
+    /// # Errors
+    /// [`crate::KernelError::Token`] for an id that is not a whole number below `vocab`.
+    fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()>;
+
+    /// The embedding's weight gradient: `dtable[ids[i]] += dy[i]`, rows summed in order;
+    /// `dtable` is zeroed first unless `accumulate`.
+    ///
+    /// # Errors
+    /// As [`Backend::embedding`]; `dy` rows differing from the id count.
+    fn embedding_backward(
+        &self,
+        ids: &Tensor,
+        dy: &Tensor,
+        dtable: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()>;
+
+    /// Causal multi-head self-attention: `out[b, t]` (`[batch * seq, C]`) attends over
+    /// positions `0..=t` of sequence `b` with `softmax(q k^T / sqrt(C / heads)) v`, per head,
+    /// from the packed `qkv` (see [`AttentionShape`]). `lse` receives each row's log-sum-exp
+    /// of scaled scores (`[batch, heads, seq]`), all the backward needs besides the inputs.
+    ///
+    /// # Errors
+    /// Operand sizes that do not match `shape`.
+    fn attention(
+        &self,
+        qkv: &Tensor,
+        shape: AttentionShape,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+    ) -> Result<()>;
+
+    /// The gradient of [`Backend::attention`] with respect to `qkv`, from the forward's
+    /// inputs and outputs and `dout`.
+    ///
+    /// # Errors
+    /// Operand sizes that do not match `shape`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        shape: AttentionShape,
+        dqkv: &mut Tensor,
+    ) -> Result<()>;
 
     /// `y += alpha * x`, elementwise.
     ///

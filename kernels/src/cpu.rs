@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
-use crate::backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
+use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, SgdStep, Trans};
 use crate::error::shape_err;
 use crate::{Device, KernelError, Result, Tensor};
 
@@ -892,6 +892,113 @@ impl Backend for CpuBackend {
             }
         }
         Ok(stats)
+    }
+
+    fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {
+        let width = table.cols();
+        let n = ids.len();
+        crate::sequence::embedding(
+            ids.host()?,
+            table.host()?,
+            width,
+            out.resize_host(&[n, width]),
+        )
+    }
+
+    fn embedding_backward(
+        &self,
+        ids: &Tensor,
+        dy: &Tensor,
+        dtable: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let width = dtable.cols();
+        if dy.len() != ids.len() * width {
+            return Err(shape_err(
+                "embedding backward",
+                format!("{} ids but gradient {:?}", ids.len(), dy.shape()),
+            ));
+        }
+        let table = dtable.host_mut()?;
+        if !accumulate {
+            table.fill(0.0);
+        }
+        crate::sequence::embedding_backward(ids.host()?, dy.host()?, width, table)
+    }
+
+    fn attention(
+        &self,
+        qkv: &Tensor,
+        shape: AttentionShape,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+    ) -> Result<()> {
+        crate::sequence::check("attention", shape, qkv.len())?;
+        let (t, c, h) = (shape.seq, shape.width, shape.heads);
+        let rows = shape.batch * t;
+        let src = qkv.host()?;
+        let out = out.resize_host(&[rows, c]);
+        let lse = lse.resize_host(&[shape.batch, h, t]);
+        let one = |((q, o), l): ((&[f32], &mut [f32]), &mut [f32])| {
+            let mut scratch = vec![0.0f32; t * t];
+            crate::sequence::attention_one(shape, q, o, l, &mut scratch);
+        };
+        let tasks = src
+            .chunks(t * 3 * c)
+            .zip(out.chunks_mut(t * c))
+            .zip(lse.chunks_mut(h * t));
+        if self.threads > 1 && shape.batch > 1 {
+            let tasks: Vec<_> = tasks.collect();
+            self.pool.install(|| tasks.into_par_iter().for_each(one));
+        } else {
+            tasks.for_each(one);
+        }
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        shape: AttentionShape,
+        dqkv: &mut Tensor,
+    ) -> Result<()> {
+        crate::sequence::check("attention backward", shape, qkv.len())?;
+        let (t, c, h) = (shape.seq, shape.width, shape.heads);
+        let rows = shape.batch * t;
+        if out.len() != rows * c || dout.len() != rows * c || lse.len() != shape.batch * h * t {
+            return Err(shape_err(
+                "attention backward",
+                format!(
+                    "output {:?}, its gradient {:?} and log-sum-exp {:?} do not fit {shape:?}",
+                    out.shape(),
+                    dout.shape(),
+                    lse.shape()
+                ),
+            ));
+        }
+        let (src, o, l, go) = (qkv.host()?, out.host()?, lse.host()?, dout.host()?);
+        let dst = dqkv.resize_host(&[rows, 3 * c]);
+        let one = |((((q, o), l), go), d): ((((&[f32], &[f32]), &[f32]), &[f32]), &mut [f32])| {
+            let mut probs = vec![0.0f32; t * t];
+            let mut dprobs = vec![0.0f32; t * t];
+            crate::sequence::attention_backward_one(shape, q, o, l, go, d, &mut probs, &mut dprobs);
+        };
+        let tasks = src
+            .chunks(t * 3 * c)
+            .zip(o.chunks(t * c))
+            .zip(l.chunks(h * t))
+            .zip(go.chunks(t * c))
+            .zip(dst.chunks_mut(t * 3 * c));
+        if self.threads > 1 && shape.batch > 1 {
+            let tasks: Vec<_> = tasks.collect();
+            self.pool.install(|| tasks.into_par_iter().for_each(one));
+        } else {
+            tasks.for_each(one);
+        }
+        Ok(())
     }
 
     fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {

@@ -21,6 +21,16 @@ pub enum KernelError {
         /// Number of classes (columns of the logits).
         classes: usize,
     },
+    /// A token id that is not a whole number below the vocabulary size.
+    #[error("token id {value} at position {index} is not a whole number in 0..{vocab}")]
+    Token {
+        /// Position in the id tensor.
+        index: usize,
+        /// The value found.
+        value: f32,
+        /// Vocabulary size (rows of the embedding table).
+        vocab: usize,
+    },
     /// Host code asked for the elements of a tensor that a device holds.
     #[error("the tensor is held by {device}, not host memory; move it through its backend")]
     NotOnHost {

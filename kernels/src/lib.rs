@@ -19,10 +19,13 @@ mod cpu;
 mod cuda;
 mod denormals;
 mod error;
+mod sequence;
 mod tensor;
 mod timed;
 
-pub use backend::{Activation, AdamStep, Backend, BackendKind, LossStats, SgdStep, Trans};
+pub use backend::{
+    Activation, AdamStep, AttentionShape, Backend, BackendKind, LossStats, SgdStep, Trans,
+};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use denormals::{flush_denormals, flushes_denormals};

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Activation, AdamStep, Backend, LossStats, SgdStep, Trans};
+use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, SgdStep, Trans};
 use std::borrow::Cow;
 
 use crate::{Device, Result, Tensor};
@@ -174,6 +174,45 @@ impl<B: Backend> Backend for Timed<B> {
         self.time(|| {
             self.inner
                 .softmax_cross_entropy(logits, labels, grad_scale, dlogits)
+        })
+    }
+
+    fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.time(|| self.inner.embedding(ids, table, out))
+    }
+
+    fn embedding_backward(
+        &self,
+        ids: &Tensor,
+        dy: &Tensor,
+        dtable: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.time(|| self.inner.embedding_backward(ids, dy, dtable, accumulate))
+    }
+
+    fn attention(
+        &self,
+        qkv: &Tensor,
+        shape: AttentionShape,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+    ) -> Result<()> {
+        self.time(|| self.inner.attention(qkv, shape, out, lse))
+    }
+
+    fn attention_backward(
+        &self,
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        shape: AttentionShape,
+        dqkv: &mut Tensor,
+    ) -> Result<()> {
+        self.time(|| {
+            self.inner
+                .attention_backward(qkv, out, lse, dout, shape, dqkv)
         })
     }
 

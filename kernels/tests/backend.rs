@@ -9,7 +9,8 @@ use std::any::Any;
 use std::sync::Arc;
 
 use pipe_kernels::{
-    Activation, Backend, CpuBackend, DType, Device, DeviceMemory, KernelError, Tensor, Trans,
+    Activation, AttentionShape, Backend, CpuBackend, DType, Device, DeviceMemory, KernelError,
+    Tensor, Trans,
 };
 
 fn lcg(n: usize, seed: u64) -> Vec<f32> {
@@ -322,6 +323,140 @@ macro_rules! backend_tests {
     };
 }
 
+/// Token ids 3, 0, 3, 1 into a 4 x 2 table; the gradient of the repeated id sums in order.
+fn embedding_gathers_and_scatters_rows(be: &dyn Backend) {
+    let table = on(
+        be,
+        &Tensor::from_vec(&[4, 2], (0..8).map(|v| v as f32).collect()).unwrap(),
+    );
+    let ids_t = on(
+        be,
+        &Tensor::from_vec(&[4], vec![3.0, 0.0, 3.0, 1.0]).unwrap(),
+    );
+    let mut out = Tensor::default();
+    be.embedding(&ids_t, &table, &mut out).unwrap();
+    assert_eq!(read(be, &out), [6., 7., 0., 1., 6., 7., 2., 3.]);
+    let dy = on(
+        be,
+        &Tensor::from_vec(&[4, 2], vec![1., 2., 3., 4., 5., 6., 7., 8.]).unwrap(),
+    );
+    let mut d = on(be, &Tensor::full(&[4, 2], 1.0));
+    be.embedding_backward(&ids_t, &dy, &mut d, true).unwrap();
+    assert_eq!(read(be, &d), [4., 5., 8., 9., 1., 1., 7., 9.]);
+    be.embedding_backward(&ids_t, &dy, &mut d, false).unwrap();
+    assert_eq!(read(be, &d), [3., 4., 7., 8., 0., 0., 6., 8.]);
+    for bad in [4.0, -1.0, 1.5, f32::NAN] {
+        let ids_t = on(be, &Tensor::from_vec(&[2], vec![0.0, bad]).unwrap());
+        let e = be.embedding(&ids_t, &table, &mut out).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KernelError::Token {
+                    index: 1,
+                    vocab: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}
+
+/// Causal attention in f64, the definition: per sequence and head, scores over positions up
+/// to the row's own, softmax, weighted values. Returns (out, lse).
+fn naive_attention(qkv: &[f32], s: AttentionShape) -> (Vec<f64>, Vec<f64>) {
+    let (t, c, h) = (s.seq, s.width, s.heads);
+    let d = c / h;
+    let at = |b: usize, i: usize, col: usize| f64::from(qkv[(b * t + i) * 3 * c + col]);
+    let mut out = vec![0.0; s.batch * t * c];
+    let mut lse = vec![0.0; s.batch * h * t];
+    for b in 0..s.batch {
+        for hd in 0..h {
+            for i in 0..t {
+                let scores: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..d)
+                            .map(|p| at(b, i, hd * d + p) * at(b, j, c + hd * d + p))
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().map(|v| (v - m).exp()).sum();
+                lse[(b * h + hd) * t + i] = m + z.ln();
+                for p in 0..d {
+                    out[(b * t + i) * c + hd * d + p] = scores
+                        .iter()
+                        .enumerate()
+                        .map(|(j, v)| (v - m).exp() / z * at(b, j, 2 * c + hd * d + p))
+                        .sum();
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+const ATTN: AttentionShape = AttentionShape {
+    batch: 3,
+    seq: 7,
+    heads: 2,
+    width: 8,
+};
+
+fn attention_matches_reference(be: &dyn Backend) {
+    let rows = ATTN.batch * ATTN.seq;
+    let mut qkv = rand_t(&[rows, 3 * ATTN.width], 21);
+    // Large scores too: the softmax must subtract its row maximum.
+    qkv.host_mut().unwrap().iter_mut().for_each(|v| *v *= 6.0);
+    let (want, want_lse) = naive_attention(qkv.host().unwrap(), ATTN);
+    let (mut out, mut lse) = (Tensor::default(), Tensor::default());
+    be.attention(&on(be, &qkv), ATTN, &mut out, &mut lse)
+        .unwrap();
+    assert_eq!(out.shape(), [rows, ATTN.width]);
+    close(&read(be, &out), &want, 1e-5);
+    close(&read(be, &lse), &want_lse, 1e-5);
+    let short = rand_t(&[rows - 1, 3 * ATTN.width], 1);
+    assert!(
+        be.attention(&on(be, &short), ATTN, &mut out, &mut lse)
+            .is_err()
+    );
+    let odd = AttentionShape { heads: 3, ..ATTN };
+    assert!(
+        be.attention(&on(be, &qkv), odd, &mut out, &mut lse)
+            .is_err()
+    );
+}
+
+/// The backward against central differences of `sum(out * g)` computed in f64.
+fn attention_backward_matches_reference(be: &dyn Backend) {
+    let rows = ATTN.batch * ATTN.seq;
+    let qkv = rand_t(&[rows, 3 * ATTN.width], 22);
+    let g = lcg(rows * ATTN.width, 23);
+    let (mut out, mut lse) = (Tensor::default(), Tensor::default());
+    be.attention(&on(be, &qkv), ATTN, &mut out, &mut lse)
+        .unwrap();
+    let dout = Tensor::from_vec(&[rows, ATTN.width], g.clone()).unwrap();
+    let mut dqkv = Tensor::default();
+    be.attention_backward(&on(be, &qkv), &out, &lse, &on(be, &dout), ATTN, &mut dqkv)
+        .unwrap();
+    let objective = |x: &[f32]| -> f64 {
+        let (o, _) = naive_attention(x, ATTN);
+        o.iter().zip(&g).map(|(o, g)| o * f64::from(*g)).sum()
+    };
+    let base = qkv.host().unwrap().to_vec();
+    let h = 1e-3f32;
+    let want: Vec<f64> = (0..base.len())
+        .map(|i| {
+            let (mut up, mut down) = (base.clone(), base.clone());
+            up[i] += h;
+            down[i] -= h;
+            (objective(&up) - objective(&down)) / f64::from(2.0 * h)
+        })
+        .collect();
+    close(&read(be, &dqkv), &want, 2e-3);
+}
+
 backend_tests!(
     cpu,
     pipe_kernels::CpuBackend::new(2).unwrap(),
@@ -332,6 +467,9 @@ backend_tests!(
         elementwise_and_reductions,
         data_movement_and_products,
         softmax_cross_entropy_matches_reference,
+        embedding_gathers_and_scatters_rows,
+        attention_matches_reference,
+        attention_backward_matches_reference,
     ]
 );
 
@@ -404,6 +542,21 @@ fn cpu_results_do_not_depend_on_thread_count() {
             let mut t = Tensor::default();
             be.transpose(&x, &mut t).unwrap();
             out.extend(t.host().unwrap().iter().map(|v| v.to_bits()));
+            let shape = AttentionShape {
+                batch: 4,
+                seq: 64,
+                heads: 4,
+                width: 64,
+            };
+            let qkv = rand_t(&[256, 192], 9);
+            let dout = rand_t(&[256, 64], 10);
+            let (mut o, mut l, mut d) = (Tensor::default(), Tensor::default(), Tensor::default());
+            be.attention(&qkv, shape, &mut o, &mut l).unwrap();
+            be.attention_backward(&qkv, &o, &l, &dout, shape, &mut d)
+                .unwrap();
+            for r in [&o, &l, &d] {
+                out.extend(r.host().unwrap().iter().map(|v| v.to_bits()));
+            }
             out
         })
         .collect();

@@ -60,6 +60,8 @@ pub enum Init {
     Kaiming,
     /// Xavier (Glorot) uniform, bound `sqrt(6 / (fan_in + fan_out))`.
     Xavier,
+    /// Normal with standard deviation 0.02 (GPT-2's, for transformer blocks).
+    Gpt,
 }
 
 /// A layer: shape logic, initialisation, forward and the two halves of backward.
@@ -131,6 +133,31 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
         let _ = (be, params, saved, dy, grads, accumulate);
         Ok(())
     }
+
+    /// Both halves of the backward at once: the parameter gradients into `grads` (as
+    /// [`Layer::backward_params`]), then the input gradient when `need_input_grad`. Layers
+    /// whose two halves share work (attention, blocks) override it to do that work once; the
+    /// bits equal the two halves called apart.
+    ///
+    /// # Errors
+    /// Kernel shape errors.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+        need_input_grad: bool,
+    ) -> KResult<Option<Tensor>> {
+        self.backward_params(be, params, saved, dy, grads, accumulate)?;
+        if need_input_grad {
+            return self.backward_input(be, params, saved, dy).map(Some);
+        }
+        Ok(None)
+    }
 }
 
 /// The serialisable description of a layer, as written in model config files.
@@ -180,6 +207,51 @@ pub enum LayerSpec {
     Residual {
         /// The inner layers; their output must have the block's input shape.
         layers: Vec<LayerSpec>,
+    },
+    /// Inner layers run in order as one pipeline layer (no residual); parameters named
+    /// `layers.{block}.{inner}.{name}`.
+    Sequence {
+        /// The inner layers.
+        layers: Vec<LayerSpec>,
+    },
+    /// Token embedding plus learned position embedding: token ids `[tokens]` (whole numbers
+    /// in `f32`) to `[tokens, width]`.
+    Embedding {
+        /// Vocabulary size.
+        vocab: usize,
+        /// Model width.
+        width: usize,
+        /// Longest sequence (rows of the position table).
+        context: usize,
+    },
+    /// Causal multi-head self-attention over `[tokens, width]`, with its query-key-value and
+    /// output projections.
+    Attention {
+        /// Model width.
+        width: usize,
+        /// Heads; must divide `width`.
+        heads: usize,
+    },
+    /// A pre-LayerNorm transformer block, one pipeline layer: `x + attention(ln(x))`, then
+    /// `h + mlp(ln(h))` with a GELU MLP of `hidden` units. It is the sequence of two residual
+    /// blocks, and its parameters are named accordingly (`layers.{i}.0.1.qkv.weight` is the
+    /// attention's input projection, `layers.{i}.1.1.weight` the MLP's first linear layer).
+    TransformerBlock {
+        /// Model width.
+        width: usize,
+        /// Attention heads.
+        heads: usize,
+        /// MLP hidden units (default `4 * width`).
+        #[serde(default)]
+        hidden: Option<usize>,
+    },
+    /// Logits over the vocabulary, `x W^T` with `W` stored `[vocab, width]` (tieable to the
+    /// token embedding).
+    LmHead {
+        /// Model width.
+        width: usize,
+        /// Vocabulary size.
+        vocab: usize,
     },
 }
 
@@ -241,8 +313,81 @@ impl LayerSpec {
                 Box::new(Dropout { p })
             }
             LayerSpec::Flatten => Box::new(Flatten),
-            LayerSpec::Residual { ref layers } => Box::new(Residual::build(layers)?),
+            LayerSpec::Residual { ref layers } => Box::new(Residual::build(layers, true)?),
+            LayerSpec::Sequence { ref layers } => Box::new(Residual::build(layers, false)?),
+            LayerSpec::Embedding {
+                vocab,
+                width,
+                context,
+            } => {
+                if vocab == 0 || width == 0 || context == 0 {
+                    return Err(format!(
+                        "embedding sizes must be positive: vocab {vocab}, width {width}, \
+                         context {context}"
+                    ));
+                }
+                Box::new(crate::transformer::Embedding {
+                    vocab,
+                    width,
+                    context,
+                })
+            }
+            LayerSpec::Attention { width, heads } => {
+                if heads == 0 || width == 0 || width % heads != 0 {
+                    return Err(format!(
+                        "attention width {width} must be a positive multiple of its {heads} heads"
+                    ));
+                }
+                Box::new(crate::transformer::Attention { width, heads })
+            }
+            LayerSpec::TransformerBlock { .. } => {
+                let inner = self.block_layers().unwrap_or_default();
+                Box::new(Residual::build(&inner, false)?)
+            }
+            LayerSpec::LmHead { width, vocab } => {
+                if width == 0 || vocab == 0 {
+                    return Err(format!("lm_head {width}->{vocab} has a zero size"));
+                }
+                Box::new(crate::transformer::LmHead { width, vocab })
+            }
         })
+    }
+
+    /// The two residual blocks a [`LayerSpec::TransformerBlock`] is made of; `None` for other
+    /// layers.
+    pub fn block_layers(&self) -> Option<Vec<LayerSpec>> {
+        let LayerSpec::TransformerBlock {
+            width,
+            heads,
+            hidden,
+        } = *self
+        else {
+            return None;
+        };
+        let hidden = hidden.unwrap_or(4 * width);
+        let norm = LayerSpec::LayerNorm {
+            features: width,
+            eps: default_eps(),
+        };
+        let linear = |inputs, outputs| LayerSpec::Linear {
+            inputs,
+            outputs,
+            bias: true,
+            init: Some(Init::Gpt),
+        };
+        Some(vec![
+            LayerSpec::Residual {
+                layers: vec![norm.clone(), LayerSpec::Attention { width, heads }],
+            },
+            LayerSpec::Residual {
+                layers: vec![
+                    norm,
+                    linear(width, hidden),
+                    LayerSpec::Gelu,
+                    linear(hidden, width),
+                ],
+            },
+        ])
     }
 
     /// True for elementwise activations (used to pick initialisations).
@@ -303,6 +448,13 @@ impl Layer for Linear {
                     Err(_) => vec![0.0; n],
                 }
             }
+            Init::Gpt => crate::transformer::normal(
+                rng,
+                &[self.inputs, self.outputs],
+                crate::transformer::INIT_STD,
+            )
+            .into_host_vec()
+            .unwrap_or_default(),
         };
         let mut v = vec![Tensor::from_vec(&[self.inputs, self.outputs], data).unwrap_or_default()];
         if self.bias {
@@ -633,14 +785,16 @@ impl Layer for Flatten {
 #[derive(Debug)]
 pub struct Residual {
     inner: Vec<Box<dyn Layer>>,
+    /// Adds the input to the output (a residual block); without, a plain sequence.
+    skip: bool,
     /// Parameter count of each inner layer (to cut the block's parameter list).
     counts: Vec<usize>,
 }
 
 impl Residual {
-    fn build(specs: &[LayerSpec]) -> Result<Self, String> {
+    fn build(specs: &[LayerSpec], skip: bool) -> Result<Self, String> {
         if specs.is_empty() {
-            return Err("a residual block needs at least one inner layer".into());
+            return Err("a block needs at least one inner layer".into());
         }
         let mut inner = Vec::with_capacity(specs.len());
         for (j, spec) in specs.iter().enumerate() {
@@ -651,7 +805,11 @@ impl Residual {
             );
         }
         let counts = inner.iter().map(|l| l.param_shapes().len()).collect();
-        Ok(Self { inner, counts })
+        Ok(Self {
+            inner,
+            skip,
+            counts,
+        })
     }
 
     /// The block's parameter list cut per inner layer.
@@ -686,7 +844,7 @@ impl Residual {
 
 impl Layer for Residual {
     fn kind(&self) -> &'static str {
-        "residual"
+        if self.skip { "residual" } else { "sequence" }
     }
 
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
@@ -712,7 +870,7 @@ impl Layer for Residual {
                 .output_shape(&shape)
                 .map_err(|e| format!("inner layer {j} ({}): {e}", l.kind()))?;
         }
-        if shape != input {
+        if self.skip && shape != input {
             return Err(format!(
                 "residual block maps {input:?} to {shape:?}; the two must match"
             ));
@@ -722,7 +880,12 @@ impl Layer for Residual {
 
     fn flops_per_sample(&self, input: &[usize]) -> u64 {
         let mut shape = input.to_vec();
-        let mut flops = input.iter().product::<usize>() as u64; // the residual add
+        // The residual add.
+        let mut flops = if self.skip {
+            input.iter().product::<usize>() as u64
+        } else {
+            0
+        };
         for l in &self.inner {
             flops += l.flops_per_sample(&shape);
             shape = l.output_shape(&shape).unwrap_or(shape);
@@ -745,7 +908,9 @@ impl Layer for Residual {
             inner.push(s);
             h = y;
         }
-        be.axpy(1.0, &skip, &mut h)?;
+        if self.skip {
+            be.axpy(1.0, &skip, &mut h)?;
+        }
         Ok((
             h,
             Saved {
@@ -767,7 +932,9 @@ impl Layer for Residual {
         for j in (0..self.inner.len()).rev() {
             g = self.inner[j].backward_input(be, parts[j], Self::saved_of(saved, j)?, &g)?;
         }
-        be.axpy(1.0, dy, &mut g)?;
+        if self.skip {
+            be.axpy(1.0, dy, &mut g)?;
+        }
         Ok(g)
     }
 
@@ -780,6 +947,23 @@ impl Layer for Residual {
         grads: &mut [Tensor],
         accumulate: bool,
     ) -> KResult<()> {
+        self.backward(be, params, saved, dy, grads, accumulate, false)
+            .map(|_| ())
+    }
+
+    /// One pass over the inner layers, last first, each doing both halves of its backward
+    /// with the work they share done once. The weight half alone
+    /// ([`Layer::backward_params`]) is this pass without the block's own input gradient.
+    fn backward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+        need_input_grad: bool,
+    ) -> KResult<Option<Tensor>> {
         let parts = self.split(params);
         let mut grad_parts: Vec<&mut [Tensor]> = Vec::with_capacity(self.counts.len());
         let mut rest = grads;
@@ -791,11 +975,24 @@ impl Layer for Residual {
         let mut g = dy.clone();
         for j in (0..self.inner.len()).rev() {
             let s = Self::saved_of(saved, j)?;
-            self.inner[j].backward_params(be, parts[j], s, &g, grad_parts[j], accumulate)?;
-            if j > 0 {
-                g = self.inner[j].backward_input(be, parts[j], s, &g)?;
+            let need = j > 0 || need_input_grad;
+            let next = self.inner[j].backward(
+                be,
+                parts[j],
+                s,
+                &g,
+                &mut *grad_parts[j],
+                accumulate,
+                need,
+            )?;
+            match next {
+                Some(next) => g = next,
+                None => return Ok(None),
             }
         }
-        Ok(())
+        if self.skip {
+            be.axpy(1.0, dy, &mut g)?;
+        }
+        Ok(Some(g))
     }
 }

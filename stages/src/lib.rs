@@ -27,5 +27,6 @@ pub mod planning;
 pub mod profile;
 pub mod rng;
 pub mod train;
+pub mod transformer;
 
 pub use error::{Result, StageError};

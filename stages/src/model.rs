@@ -399,29 +399,6 @@ impl Model {
             })
     }
 
-    /// Layer `i`'s parameter gradients into `grads`, errors naming the layer.
-    #[allow(clippy::too_many_arguments)]
-    fn layer_params_grad(
-        &self,
-        be: &dyn Backend,
-        i: usize,
-        params: &[Tensor],
-        saved: &Saved,
-        g: &Tensor,
-        grads: &mut [Tensor],
-        accumulate: bool,
-    ) -> Result<()> {
-        let layer = &self.layers[i];
-        layer
-            .backward_params(be, params, saved, g, grads, accumulate)
-            .map_err(|source| StageError::Kernel {
-                layer: i,
-                kind: layer.kind(),
-                op: "backward_params",
-                source,
-            })
-    }
-
     /// Runs layers `range` backward from `dy`: for each layer, last first, the input gradient
     /// (skipped for the model's first layer unless `need_input_grad`) and the parameter gradients,
     /// added into `grads` when `accumulate`. Returns the gradient entering `range.start`.
@@ -444,11 +421,28 @@ impl Model {
         let mut g = dy;
         for i in range.rev() {
             let j = i - start;
-            self.layer_params_grad(be, i, &params[j], &saved[j], &g, &mut grads[j], accumulate)?;
-            if i == start && !need_input_grad {
-                return Ok(None);
+            let layer = &self.layers[i];
+            let need = i > start || need_input_grad;
+            let next = layer
+                .backward(
+                    be,
+                    &params[j],
+                    &saved[j],
+                    &g,
+                    &mut grads[j],
+                    accumulate,
+                    need,
+                )
+                .map_err(|source| StageError::Kernel {
+                    layer: i,
+                    kind: layer.kind(),
+                    op: "backward",
+                    source,
+                })?;
+            match next {
+                Some(next) => g = next,
+                None => return Ok(None),
             }
-            g = self.layer_input_grad(be, i, &params[j], &saved[j], &g)?;
         }
         Ok(Some(g))
     }

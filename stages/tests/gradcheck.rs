@@ -49,8 +49,14 @@ fn check(name: &str, analytic: &[f32], numeric: &[f64]) {
     }
 }
 
-/// Checks one layer's input and parameter gradients at `x`.
+/// Checks one layer's input and parameter gradients at a random `x`.
 fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
+    grad_check_at(spec, rand_t(x_shape, 2, away_from_zero), true);
+}
+
+/// Checks one layer's parameter gradients, and its input gradient when `input_grad`, at `x`;
+/// and that the fused backward gives the bits of its two halves.
+fn grad_check_at(spec: LayerSpec, x: Tensor, input_grad: bool) {
     let be = CpuBackend::new(1).unwrap();
     let layer: Box<dyn Layer> = spec.build(false).unwrap();
     let mut params = layer.init_params(&mut rng_for(1, "init", 0));
@@ -61,7 +67,6 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
             *v += 0.3 * n;
         }
     }
-    let x = rand_t(x_shape, 2, away_from_zero);
     let ctx = ForwardCtx {
         train: true,
         seed: 42,
@@ -83,19 +88,27 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
         let (y, _) = layer.forward(&be, params, x.clone(), ctx).unwrap();
         objective(&y, &r)
     };
-    let numeric_x: Vec<f64> = (0..x.len())
-        .map(|i| {
-            let (mut xp, mut xm) = (x.clone(), x.clone());
-            xp.host_mut().unwrap()[i] += H;
-            xm.host_mut().unwrap()[i] -= H;
-            (eval(&params, &xp) - eval(&params, &xm)) / (2.0 * H as f64)
-        })
-        .collect();
-    check(
-        &format!("{} dx", layer.kind()),
-        dx.host().unwrap(),
-        &numeric_x,
-    );
+    if input_grad {
+        let numeric_x: Vec<f64> = (0..x.len())
+            .map(|i| {
+                let (mut xp, mut xm) = (x.clone(), x.clone());
+                xp.host_mut().unwrap()[i] += H;
+                xm.host_mut().unwrap()[i] -= H;
+                (eval(&params, &xp) - eval(&params, &xm)) / (2.0 * H as f64)
+            })
+            .collect();
+        check(
+            &format!("{} dx", layer.kind()),
+            dx.host().unwrap(),
+            &numeric_x,
+        );
+    }
+    let mut fused: Vec<Tensor> = params.iter().map(|p| Tensor::zeros(p.shape())).collect();
+    let fused_dx = layer
+        .backward(&be, &params, &saved, &r, &mut fused, false, true)
+        .unwrap();
+    assert_eq!(fused_dx.as_ref(), Some(&dx), "{}: fused dx", layer.kind());
+    assert_eq!(fused, grads, "{}: fused parameter gradients", layer.kind());
     for (k, g) in grads.iter().enumerate() {
         let numeric: Vec<f64> = (0..params[k].len())
             .map(|i| {
@@ -232,6 +245,56 @@ fn residual_block() {
         &[3, 6],
         false,
     );
+}
+
+#[test]
+fn embedding() {
+    // Ids repeat (their gradients sum) and the sequence is shorter than the context.
+    let ids = Tensor::from_vec(&[2, 4], vec![3., 0., 3., 6., 1., 1., 5., 2.]).unwrap();
+    grad_check_at(
+        LayerSpec::Embedding {
+            vocab: 7,
+            width: 5,
+            context: 6,
+        },
+        ids,
+        false,
+    );
+}
+
+#[test]
+fn attention() {
+    grad_check_layer(
+        LayerSpec::Attention { width: 8, heads: 2 },
+        &[2, 5, 8],
+        false,
+    );
+}
+
+#[test]
+fn transformer_block() {
+    grad_check_layer(
+        LayerSpec::TransformerBlock {
+            width: 8,
+            heads: 2,
+            hidden: Some(12),
+        },
+        &[2, 4, 8],
+        false,
+    );
+}
+
+#[test]
+fn final_norm_and_lm_head() {
+    grad_check_layer(
+        LayerSpec::LayerNorm {
+            features: 6,
+            eps: 1e-5,
+        },
+        &[2, 3, 6],
+        false,
+    );
+    grad_check_layer(LayerSpec::LmHead { width: 6, vocab: 5 }, &[2, 3, 6], false);
 }
 
 #[test]

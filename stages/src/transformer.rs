@@ -1,0 +1,533 @@
+//! The layers of a GPT-style decoder and its presets: token and learned position embeddings,
+//! causal multi-head self-attention, the language-model head, and the `gpt-*` models built
+//! from them with the existing layer norm, GELU, linear and residual layers.
+//!
+//! A transformer block is one pipeline layer ([`crate::layers::LayerSpec::TransformerBlock`]):
+//! pre-LayerNorm attention and a GELU MLP, each inside its own residual, run as one sequence,
+//! so stages cut between blocks. The embedding and the head are layers of their own, so the
+//! profiler costs them and the partitioner can give them a stage's share like any block.
+//!
+//! Token ids travel as whole numbers in `f32` tensors: they are the first stage's input
+//! activation, and every transport and checkpoint already moves `f32`. The embedding checks
+//! every id (a fractional, negative or out-of-vocabulary value is an error naming it).
+
+use pipe_kernels::{AttentionShape, Backend, Result as KResult, Tensor, Trans};
+use rand_distr::{Distribution, Normal};
+
+use crate::layers::{ForwardCtx, Layer, LayerSpec, Saved};
+use crate::model::{ModelSpec, Tie};
+use crate::rng::Rng;
+
+/// Standard deviation of the normal initialisation of embeddings, attention and the head
+/// (GPT-2's).
+pub const INIT_STD: f64 = 0.02;
+
+/// `shape` filled from `N(0, std)`.
+pub(crate) fn normal(rng: &mut Rng, shape: &[usize], std: f64) -> Tensor {
+    let n = shape.iter().product();
+    let data = match Normal::new(0.0, std) {
+        Ok(d) => (0..n).map(|_| d.sample(rng) as f32).collect(),
+        Err(_) => vec![0.0; n],
+    };
+    Tensor::from_vec(shape, data).unwrap_or_default()
+}
+
+fn shape_err(op: &'static str, detail: String) -> pipe_kernels::KernelError {
+    pipe_kernels::KernelError::Shape { op, detail }
+}
+
+/// `(batch, tokens)` of a batch whose per-sample shape is `[tokens, ...]`.
+fn batch_and_tokens(x: &Tensor, op: &'static str) -> KResult<(usize, usize)> {
+    match x.shape() {
+        [b, t, ..] => Ok((*b, *t)),
+        other => Err(shape_err(
+            op,
+            format!("expected [batch, tokens, ...], got {other:?}"),
+        )),
+    }
+}
+
+/// The ids `0..n` as an `f32` tensor placed on `be` (the positions of a sequence).
+fn positions(be: &dyn Backend, n: usize) -> KResult<Tensor> {
+    be.place(Tensor::from_vec(&[n], (0..n).map(|i| i as f32).collect())?)
+}
+
+/// Token embedding plus learned position embedding: `[tokens]` ids to `[tokens, width]`.
+/// Parameters `token` (`[vocab, width]`) and `position` (`[context, width]`); a batch may be
+/// shorter than `context` (sampling from a short prompt).
+#[derive(Debug, Clone, Copy)]
+pub struct Embedding {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Model width.
+    pub width: usize,
+    /// Longest sequence.
+    pub context: usize,
+}
+
+impl Layer for Embedding {
+    fn kind(&self) -> &'static str {
+        "embedding"
+    }
+
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        vec![
+            ("token".into(), vec![self.vocab, self.width]),
+            ("position".into(), vec![self.context, self.width]),
+        ]
+    }
+
+    fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
+        vec![
+            normal(rng, &[self.vocab, self.width], INIT_STD),
+            normal(rng, &[self.context, self.width], INIT_STD),
+        ]
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        match input {
+            [t] if (1..=self.context).contains(t) => Ok(vec![*t, self.width]),
+            _ => Err(format!(
+                "embedding takes [tokens] with 1..={} tokens, gets {input:?}",
+                self.context
+            )),
+        }
+    }
+
+    fn flops_per_sample(&self, input: &[usize]) -> u64 {
+        // A gather and an add per element.
+        (input.iter().product::<usize>() * self.width) as u64
+    }
+
+    fn forward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        x: Tensor,
+        _ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        let (b, t) = batch_and_tokens(&x, "embedding forward")?;
+        if t > self.context || x.len() != b * t {
+            return Err(shape_err(
+                "embedding forward",
+                format!("ids {:?}, context {}", x.shape(), self.context),
+            ));
+        }
+        let (mut y, mut pos) = (Tensor::default(), Tensor::default());
+        be.embedding(&x, &params[0], &mut y)?;
+        be.embedding(&positions(be, t)?, &params[1], &mut pos)?;
+        let pos = pos.reshape(&[t * self.width])?;
+        let mut y = y.reshape(&[b, t * self.width])?;
+        be.add_bias(&mut y, &pos)?;
+        Ok((y.reshape(&[b, t, self.width])?, Saved::tensors(vec![x])))
+    }
+
+    /// Token ids have no gradient: zeros shaped like them (the model's first layer never asks).
+    fn backward_input(
+        &self,
+        be: &dyn Backend,
+        _params: &[Tensor],
+        saved: &Saved,
+        _dy: &Tensor,
+    ) -> KResult<Tensor> {
+        be.place(Tensor::zeros(saved.tensors[0].shape()))
+    }
+
+    fn backward_params(
+        &self,
+        be: &dyn Backend,
+        _params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> KResult<()> {
+        let ids = &saved.tensors[0];
+        let (b, t) = batch_and_tokens(ids, "embedding backward")?;
+        let (dtok, dpos) = grads.split_at_mut(1);
+        be.embedding_backward(ids, dy, &mut dtok[0], accumulate)?;
+        let flat = dy.clone().reshape(&[b, t * self.width])?;
+        let mut per_position = Tensor::default();
+        be.sum_rows(&flat, &mut per_position, false)?;
+        let per_position = per_position.reshape(&[t, self.width])?;
+        be.embedding_backward(&positions(be, t)?, &per_position, &mut dpos[0], accumulate)
+    }
+}
+
+/// Causal multi-head self-attention with its input and output projections:
+/// `y = attention(x W_qkv + b_qkv) W_proj + b_proj` over `[tokens, width]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Attention {
+    /// Model width.
+    pub width: usize,
+    /// Heads (dividing `width`).
+    pub heads: usize,
+}
+
+/// What the attention forward keeps: its input, the packed query-key-value rows, the
+/// attention output before projection and each row's log-sum-exp (no `T x T` tensor).
+const SAVED_X: usize = 0;
+const SAVED_QKV: usize = 1;
+const SAVED_OUT: usize = 2;
+const SAVED_LSE: usize = 3;
+
+impl Attention {
+    fn shape(&self, x_shape: &[usize]) -> KResult<AttentionShape> {
+        match x_shape {
+            [b, t, c] if *c == self.width => Ok(AttentionShape {
+                batch: *b,
+                seq: *t,
+                heads: self.heads,
+                width: self.width,
+            }),
+            other => Err(shape_err(
+                "attention",
+                format!("expected [batch, tokens, {}], got {other:?}", self.width),
+            )),
+        }
+    }
+
+    /// The gradient at the attention output (before projection) and at the packed
+    /// query-key-value rows.
+    fn inner_grads(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<(Tensor, Tensor)> {
+        let s = &saved.tensors;
+        let shape = self.shape(s[SAVED_X].shape())?;
+        let mut dout = Tensor::default();
+        be.matmul(dy, Trans::No, &params[2], Trans::Yes, &mut dout, false)?;
+        let mut dqkv = Tensor::default();
+        be.attention_backward(
+            &s[SAVED_QKV],
+            &s[SAVED_OUT],
+            &s[SAVED_LSE],
+            &dout,
+            shape,
+            &mut dqkv,
+        )?;
+        Ok((dout, dqkv))
+    }
+
+    fn param_grads(
+        &self,
+        be: &dyn Backend,
+        saved: &Saved,
+        dy: &Tensor,
+        dqkv: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> KResult<()> {
+        let s = &saved.tensors;
+        let [gw, gb, pw, pb] = grads else {
+            return Err(shape_err(
+                "attention backward",
+                format!("{} gradient tensors for 4 parameters", grads.len()),
+            ));
+        };
+        be.matmul(&s[SAVED_X], Trans::Yes, dqkv, Trans::No, gw, accumulate)?;
+        be.sum_rows(dqkv, gb, accumulate)?;
+        be.matmul(&s[SAVED_OUT], Trans::Yes, dy, Trans::No, pw, accumulate)?;
+        be.sum_rows(dy, pb, accumulate)
+    }
+
+    fn input_grad(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dqkv: &Tensor,
+    ) -> KResult<Tensor> {
+        let mut dx = Tensor::default();
+        be.matmul(dqkv, Trans::No, &params[0], Trans::Yes, &mut dx, false)?;
+        dx.reshape(saved.tensors[SAVED_X].shape())
+    }
+}
+
+impl Layer for Attention {
+    fn kind(&self) -> &'static str {
+        "attention"
+    }
+
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let c = self.width;
+        vec![
+            ("qkv.weight".into(), vec![c, 3 * c]),
+            ("qkv.bias".into(), vec![3 * c]),
+            ("proj.weight".into(), vec![c, c]),
+            ("proj.bias".into(), vec![c]),
+        ]
+    }
+
+    fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
+        let c = self.width;
+        vec![
+            normal(rng, &[c, 3 * c], INIT_STD),
+            Tensor::zeros(&[3 * c]),
+            normal(rng, &[c, c], INIT_STD),
+            Tensor::zeros(&[c]),
+        ]
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        match input {
+            [_, c] if *c == self.width => Ok(input.to_vec()),
+            _ => Err(format!(
+                "attention expects [tokens, {}], gets {input:?}",
+                self.width
+            )),
+        }
+    }
+
+    fn flops_per_sample(&self, input: &[usize]) -> u64 {
+        let (t, c) = (input.first().copied().unwrap_or(1), self.width);
+        // Projections in and out, then Q K^T and P V over the full T x T tile per head (the
+        // kernel computes the masked half too).
+        (2 * t * c * 3 * c + 2 * t * c * c + 4 * t * t * c) as u64
+    }
+
+    fn forward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        x: Tensor,
+        _ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        let shape = self.shape(x.shape())?;
+        let mut qkv = Tensor::default();
+        be.matmul(&x, Trans::No, &params[0], Trans::No, &mut qkv, false)?;
+        be.add_bias(&mut qkv, &params[1])?;
+        let (mut out, mut lse) = (Tensor::default(), Tensor::default());
+        be.attention(&qkv, shape, &mut out, &mut lse)?;
+        let mut y = Tensor::default();
+        be.matmul(&out, Trans::No, &params[2], Trans::No, &mut y, false)?;
+        be.add_bias(&mut y, &params[3])?;
+        let y = y.reshape(x.shape())?;
+        Ok((y, Saved::tensors(vec![x, qkv, out, lse])))
+    }
+
+    fn backward_input(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor> {
+        let (_, dqkv) = self.inner_grads(be, params, saved, dy)?;
+        self.input_grad(be, params, saved, &dqkv)
+    }
+
+    fn backward_params(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> KResult<()> {
+        let (_, dqkv) = self.inner_grads(be, params, saved, dy)?;
+        self.param_grads(be, saved, dy, &dqkv, grads, accumulate)
+    }
+
+    fn backward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+        need_input_grad: bool,
+    ) -> KResult<Option<Tensor>> {
+        let (_, dqkv) = self.inner_grads(be, params, saved, dy)?;
+        self.param_grads(be, saved, dy, &dqkv, grads, accumulate)?;
+        if need_input_grad {
+            return self.input_grad(be, params, saved, &dqkv).map(Some);
+        }
+        Ok(None)
+    }
+}
+
+/// The language-model head: logits `x W^T` over the vocabulary, with `W` stored
+/// `[vocab, width]` like the token embedding so the two can be tied.
+#[derive(Debug, Clone, Copy)]
+pub struct LmHead {
+    /// Model width.
+    pub width: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+impl Layer for LmHead {
+    fn kind(&self) -> &'static str {
+        "lm_head"
+    }
+
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        vec![("weight".into(), vec![self.vocab, self.width])]
+    }
+
+    fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
+        vec![normal(rng, &[self.vocab, self.width], INIT_STD)]
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        match input.split_last() {
+            Some((&c, rest)) if c == self.width => {
+                let mut o = rest.to_vec();
+                o.push(self.vocab);
+                Ok(o)
+            }
+            _ => Err(format!(
+                "lm_head expects {} features, gets shape {input:?}",
+                self.width
+            )),
+        }
+    }
+
+    fn flops_per_sample(&self, input: &[usize]) -> u64 {
+        let rows: usize = input[..input.len().saturating_sub(1)].iter().product();
+        (2 * rows * self.width * self.vocab) as u64
+    }
+
+    fn forward(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        x: Tensor,
+        _ctx: ForwardCtx,
+    ) -> KResult<(Tensor, Saved)> {
+        if x.cols() != self.width {
+            return Err(shape_err(
+                "lm_head forward",
+                format!("expected {} features, got {:?}", self.width, x.shape()),
+            ));
+        }
+        let mut y = Tensor::default();
+        be.matmul(&x, Trans::No, &params[0], Trans::Yes, &mut y, false)?;
+        let mut shape = x.shape().to_vec();
+        if let Some(l) = shape.last_mut() {
+            *l = self.vocab;
+        }
+        Ok((y.reshape(&shape)?, Saved::tensors(vec![x])))
+    }
+
+    fn backward_input(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+    ) -> KResult<Tensor> {
+        let mut dx = Tensor::default();
+        be.matmul(dy, Trans::No, &params[0], Trans::No, &mut dx, false)?;
+        dx.reshape(saved.tensors[0].shape())
+    }
+
+    fn backward_params(
+        &self,
+        be: &dyn Backend,
+        _params: &[Tensor],
+        saved: &Saved,
+        dy: &Tensor,
+        grads: &mut [Tensor],
+        accumulate: bool,
+    ) -> KResult<()> {
+        be.matmul(
+            dy,
+            Trans::Yes,
+            &saved.tensors[0],
+            Trans::No,
+            &mut grads[0],
+            accumulate,
+        )
+    }
+}
+
+/// The shape of a GPT-style preset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GptShape {
+    /// Transformer blocks.
+    pub blocks: usize,
+    /// Model width.
+    pub width: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Context length (tokens per sample).
+    pub context: usize,
+}
+
+/// The named GPT presets: `gpt-mini` (trains to a useful character model on two cores in
+/// half an hour) and `gpt-small` (for benchmarks: four times the compute per token).
+pub const GPT_PRESETS: [(&str, GptShape); 2] = [
+    (
+        "gpt-mini",
+        GptShape {
+            blocks: 6,
+            width: 128,
+            heads: 4,
+            context: 128,
+        },
+    ),
+    (
+        "gpt-small",
+        GptShape {
+            blocks: 8,
+            width: 256,
+            heads: 8,
+            context: 128,
+        },
+    ),
+];
+
+/// The shape of GPT preset `name`, if it is one.
+pub fn gpt_shape(name: &str) -> Option<GptShape> {
+    GPT_PRESETS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, s)| *s)
+}
+
+/// A GPT-style decoder over `vocab` tokens: embedding, `blocks` transformer blocks, final layer
+/// norm, head; with `tie`, the head uses the token embedding (`layers.{last}.weight` tied to
+/// `layers.0.token`).
+pub fn gpt_spec(shape: GptShape, vocab: usize, tie: bool) -> ModelSpec {
+    let GptShape {
+        blocks,
+        width,
+        heads,
+        context,
+    } = shape;
+    let mut layers = vec![LayerSpec::Embedding {
+        vocab,
+        width,
+        context,
+    }];
+    layers.extend((0..blocks).map(|_| LayerSpec::TransformerBlock {
+        width,
+        heads,
+        hidden: None,
+    }));
+    layers.push(LayerSpec::LayerNorm {
+        features: width,
+        eps: 1e-5,
+    });
+    layers.push(LayerSpec::LmHead { width, vocab });
+    let tied = if tie {
+        vec![Tie {
+            param: format!("layers.{}.weight", layers.len() - 1),
+            to: "layers.0.token".into(),
+        }]
+    } else {
+        Vec::new()
+    };
+    ModelSpec {
+        input: vec![context],
+        layers,
+        tied,
+    }
+}
