@@ -37,13 +37,18 @@ pub struct TrainArgs {
     /// TOML config file; flags given on the command line override its values.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Model preset, e.g. mlp-784-512-512-10 or mlp-784-1024x16-10 (a layer list goes in --config).
+    /// Model preset: mlp-784-512-512-10, mlp-784-1024x16-10, ... or gpt-mini, gpt-small (a
+    /// layer list goes in --config).
     #[arg(long)]
     model: Option<String>,
-    /// Dataset: mnist or synthetic.
+    /// Share a gpt-* model's token embedding (first stage) with its LM head (last stage).
+    #[arg(long)]
+    tie_embeddings: bool,
+    /// Dataset: mnist, synthetic or tinyshakespeare (the default for gpt-* models).
     #[arg(long)]
     dataset: Option<DatasetKind>,
-    /// Directory holding MNIST IDX files (default: the copy embedded in the binary).
+    /// Directory holding MNIST IDX files or tinyshakespeare.txt (default: the copies embedded
+    /// in the binary).
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,
     /// Passes over the training data.
@@ -153,6 +158,7 @@ impl TrainArgs {
     fn settings(&self) -> TrainSettings {
         TrainSettings {
             model: self.model.clone().map(ModelChoice::Preset),
+            tie_embeddings: self.tie_embeddings.then_some(true),
             dataset: self.dataset,
             data_dir: self.data_dir.clone(),
             epochs: self.epochs,
@@ -489,11 +495,17 @@ impl Observer for Fan {
 struct Progress {
     bar: Option<ProgressBar>,
     tty: bool,
+    /// The latest validation loss of a language model, shown while the next epoch runs.
+    last_val: Option<f64>,
 }
 
 impl Progress {
     fn new(tty: bool) -> Self {
-        Self { bar: None, tty }
+        Self {
+            bar: None,
+            tty,
+            last_val: None,
+        }
     }
 }
 
@@ -515,10 +527,15 @@ impl Observer for Progress {
         });
         bar.set_position(s.step_in_epoch);
         if s.step_in_epoch % 10 == 1 || s.step_in_epoch == s.steps_in_epoch {
-            bar.set_message(format!(
-                "loss {:.4}, {:.0} samples/s",
-                s.loss, s.samples_per_sec
-            ));
+            let rate = match s.tokens_per_sec {
+                Some(t) => format!("{t:.0} tokens/s"),
+                None => format!("{:.0} samples/s", s.samples_per_sec),
+            };
+            let val = self
+                .last_val
+                .map(|v| format!(", val loss {v:.4}"))
+                .unwrap_or_default();
+            bar.set_message(format!("loss {:.4}{val}, {rate}", s.loss));
         }
         Ok(())
     }
@@ -532,15 +549,29 @@ impl Observer for Progress {
         } else {
             "-".into()
         };
-        outln!(
-            "epoch {:>3}  train loss {}  test loss {:.4}  test acc {:6.2}%  {:>8.0} samples/s  {:>7.1} s",
-            e.epoch,
-            train_loss,
-            e.test_loss,
-            100.0 * e.test_accuracy,
-            e.samples_per_sec,
-            e.elapsed_s
-        );
+        match e.tokens_per_sec {
+            Some(tokens) => {
+                self.last_val = Some(e.test_loss);
+                outln!(
+                    "epoch {:>3}  train loss {}  val loss {:.4} nats/char  val acc {:6.2}%  {:>8.0} tokens/s  {:>7.1} s",
+                    e.epoch,
+                    train_loss,
+                    e.test_loss,
+                    100.0 * e.test_accuracy,
+                    tokens,
+                    e.elapsed_s
+                );
+            }
+            None => outln!(
+                "epoch {:>3}  train loss {}  test loss {:.4}  test acc {:6.2}%  {:>8.0} samples/s  {:>7.1} s",
+                e.epoch,
+                train_loss,
+                e.test_loss,
+                100.0 * e.test_accuracy,
+                e.samples_per_sec,
+                e.elapsed_s
+            ),
+        }
         if !e.stages.is_empty() {
             let parts: Vec<String> = e
                 .stages

@@ -1155,12 +1155,14 @@ impl Backend for CpuBackend {
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044_715;
 
+#[inline(always)]
 fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh())
+    0.5 * x * (1.0 + crate::fastmath::tanh(SQRT_2_OVER_PI * (x + GELU_C * x * x * x)))
 }
 
+#[inline(always)]
 fn gelu_grad(x: f32) -> f32 {
-    let t = (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh();
+    let t = crate::fastmath::tanh(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
 }
 

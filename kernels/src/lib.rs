@@ -19,6 +19,7 @@ mod cpu;
 mod cuda;
 mod denormals;
 mod error;
+mod fastmath;
 mod sequence;
 mod tensor;
 mod timed;

@@ -219,7 +219,10 @@ pub(crate) fn attention_one(
                 .fold(f32::NEG_INFINITY, |m, &v| m.max(v * g.scale));
             let mut sum = 0.0f32;
             for v in live.iter_mut() {
-                *v = (*v * g.scale - max).exp();
+                *v = crate::fastmath::exp(*v * g.scale - max);
+            }
+            // Summed apart from the exponentials, in order, so their loop vectorises.
+            for v in live.iter() {
                 sum += *v;
             }
             let inv = 1.0 / sum;
@@ -272,7 +275,7 @@ pub(crate) fn attention_backward_one(
             let l = lse[h * t + i];
             row[..=i]
                 .iter_mut()
-                .for_each(|v| *v = (*v * g.scale - l).exp());
+                .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
             row[i + 1..].fill(0.0);
         }
         let p_t = View {

@@ -8,7 +8,7 @@ use clap::Args;
 use pipe_kernels::CpuBackend;
 use pipe_stages::checkpoint::{read, read_state};
 use pipe_stages::config::DatasetKind;
-use pipe_stages::data::{mnist, synthetic};
+use pipe_stages::data::{mnist, synthetic, tinyshakespeare};
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::train::evaluate;
 
@@ -44,9 +44,19 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let data = match dataset {
         DatasetKind::Mnist => mnist(args.data_dir.as_deref())?,
         DatasetKind::Synthetic => synthetic(&state.synthetic, state.seed)?,
+        DatasetKind::TinyShakespeare => {
+            let context = model.input_shape().first().copied().unwrap_or(1);
+            tinyshakespeare(args.data_dir.as_deref(), context)?
+        }
     };
+    if data.vocab.is_some() && data.vocab != state.vocab {
+        return Err(bad_input(format!(
+            "{}'s vocabulary differs from the checkpoint's",
+            data.test.name
+        )));
+    }
     let inputs: usize = model.input_shape().iter().product();
-    let outputs: usize = model.output_shape().iter().product();
+    let outputs: usize = model.output_shape().last().copied().unwrap_or(0);
     if inputs != data.test.sample_size() || outputs != data.test.classes {
         return Err(bad_input(format!(
             "model {} takes {inputs} features and has {outputs} outputs; {} has {} and {} classes",

@@ -80,6 +80,10 @@ pub struct RunState {
     pub model_spec: ModelSpec,
     /// The dataset the run trained on.
     pub dataset: DatasetKind,
+    /// The character vocabulary of a language model, id by id (what `pipe sample` decodes
+    /// with).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab: Option<crate::data::Vocab>,
     /// Its shape, for the synthetic dataset (whose samples the seed decides).
     pub synthetic: SyntheticConfig,
     /// The partition the run used (the weights do not depend on it).
@@ -107,6 +111,7 @@ impl RunState {
             model: cfg.model_name.clone(),
             model_spec: cfg.model.clone(),
             dataset: cfg.dataset,
+            vocab: cfg.vocab.clone(),
             synthetic: cfg.synthetic.clone(),
             partition: String::new(),
             policy: if cfg.pipelined {

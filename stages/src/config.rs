@@ -9,9 +9,10 @@ use pipe_transport::TransportKind;
 use pipe_transport::frame::WireDType;
 use serde::{Deserialize, Serialize};
 
-use crate::data::SyntheticConfig;
+use crate::data::{SyntheticConfig, Vocab};
 use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec};
+use crate::transformer::{gpt_shape, gpt_spec};
 use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
 use crate::pipeline::Partition;
 
@@ -54,6 +55,34 @@ pub fn default_momentum(run: &Resolved) -> f32 {
 
 /// SGD momentum of synchronous training when none is given.
 pub const BASE_MOMENTUM: f32 = 0.9;
+
+/// What a `gpt-*` preset trains with when the run does not say: the settings under which
+/// `gpt-mini` on Tiny Shakespeare reaches its target (see the README's transformer section).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LanguageDefaults {
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Base learning rate.
+    pub lr: f32,
+    /// Weight decay (decoupled, AdamW).
+    pub weight_decay: f32,
+    /// Sequences per microbatch.
+    pub microbatch_size: usize,
+    /// Passes over the training text.
+    pub epochs: u64,
+}
+
+impl Default for LanguageDefaults {
+    fn default() -> Self {
+        Self {
+            optimizer: OptimizerKind::Adamw,
+            lr: 2e-3,
+            weight_decay: 0.1,
+            microbatch_size: 16,
+            epochs: 4,
+        }
+    }
+}
 
 /// How a pipelined run's layers are cut into stages.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -99,6 +128,10 @@ pub enum DatasetKind {
     Mnist,
     /// The seeded teacher-network dataset.
     Synthetic,
+    /// Tiny Shakespeare as characters, for next-token prediction (embedded, or
+    /// `data_dir/tinyshakespeare.txt`).
+    #[serde(rename = "tinyshakespeare")]
+    TinyShakespeare,
 }
 
 impl std::str::FromStr for DatasetKind {
@@ -107,7 +140,10 @@ impl std::str::FromStr for DatasetKind {
         match s.to_ascii_lowercase().as_str() {
             "mnist" => Ok(Self::Mnist),
             "synthetic" => Ok(Self::Synthetic),
-            _ => Err(format!("unknown dataset '{s}' (mnist, synthetic)")),
+            "tinyshakespeare" => Ok(Self::TinyShakespeare),
+            _ => Err(format!(
+                "unknown dataset '{s}' (mnist, synthetic, tinyshakespeare)"
+            )),
         }
     }
 }
@@ -119,6 +155,8 @@ impl std::str::FromStr for DatasetKind {
 pub struct TrainSettings {
     /// Model preset or layer list.
     pub model: Option<ModelChoice>,
+    /// Tie a `gpt-*` preset's LM head to its token embedding.
+    pub tie_embeddings: Option<bool>,
     /// Dataset.
     pub dataset: Option<DatasetKind>,
     /// Directory with MNIST IDX files instead of the embedded copy.
@@ -198,7 +236,7 @@ impl TrainSettings {
     pub fn merge(&mut self, other: TrainSettings) {
         let dst = self;
         let src = other;
-        merge_fields!(dst, src; model, dataset, data_dir, synthetic, epochs, steps,
+        merge_fields!(dst, src; model, tie_embeddings, dataset, data_dir, synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, transport, wire_dtype);
@@ -251,28 +289,63 @@ impl TrainSettings {
         } else {
             DEFAULT_MODEL
         };
-        let (model_name, model_spec) = match self
+        let choice = self
             .model
-            .unwrap_or(ModelChoice::Preset(default_model.into()))
-        {
-            ModelChoice::Preset(name) => {
+            .unwrap_or(ModelChoice::Preset(default_model.into()));
+        let language = match &choice {
+            ModelChoice::Preset(name) => gpt_shape(name),
+            ModelChoice::Layers(_) => None,
+        };
+        let dataset = self.dataset.unwrap_or(if language.is_some() {
+            DatasetKind::TinyShakespeare
+        } else {
+            DatasetKind::Mnist
+        });
+        let tie = self.tie_embeddings.unwrap_or(false);
+        let mut vocab = None;
+        let (model_name, model_spec) = match (choice, language) {
+            (ModelChoice::Preset(name), Some(shape)) => {
+                if dataset != DatasetKind::TinyShakespeare {
+                    return bad(format!(
+                        "model {name} is a language model; it trains on a text dataset \
+                         (tinyshakespeare), not {dataset:?}"
+                    ));
+                }
+                let text = crate::data::tinyshakespeare_text(self.data_dir.as_deref())?;
+                let v = crate::data::corpus_vocab(&text);
+                let spec = gpt_spec(shape, v.len(), tie);
+                vocab = Some(v);
+                (name, spec)
+            }
+            (ModelChoice::Preset(name), None) => {
                 let spec = ModelSpec::preset(&name)?;
                 (name, spec)
             }
-            ModelChoice::Layers(spec) => ("custom".to_string(), spec),
+            (ModelChoice::Layers(spec), _) => ("custom".to_string(), spec),
         };
+        if tie && language.is_none() {
+            return bad(
+                "--tie-embeddings applies to the gpt-* presets (a layer list states its ties \
+                 in its own `tied` table)"
+                    .into(),
+            );
+        }
         let model = Model::new(&model_spec)?;
-        let dataset = self.dataset.unwrap_or(DatasetKind::Mnist);
-        let epochs = self
-            .epochs
-            .unwrap_or(if dataset == DatasetKind::Mnist { 6 } else { 10 });
+        let lm = language.map(|_| LanguageDefaults::default());
+        let epochs = self.epochs.unwrap_or(match (dataset, lm) {
+            (_, Some(d)) => d.epochs,
+            (DatasetKind::Mnist, None) => 6,
+            _ => 10,
+        });
         if epochs == 0 {
             return bad("epochs must be at least 1".into());
         }
         if self.steps == Some(0) {
             return bad("steps must be at least 1".into());
         }
-        let microbatch_size = self.microbatch_size.unwrap_or(64);
+        let microbatch_size = self
+            .microbatch_size
+            .unwrap_or(lm.map_or(64, |d| d.microbatch_size));
         if microbatch_size == 0 {
             return bad("microbatch size must be at least 1".into());
         }
@@ -280,9 +353,12 @@ impl TrainSettings {
         if microbatches == 0 {
             return bad("microbatches per update must be at least 1".into());
         }
-        let kind = self.optimizer.unwrap_or(OptimizerKind::Sgd);
-        let lr = self.lr.unwrap_or(match kind {
-            OptimizerKind::Sgd => 0.05,
+        let kind = self
+            .optimizer
+            .unwrap_or(lm.map_or(OptimizerKind::Sgd, |d| d.optimizer));
+        let lr = self.lr.unwrap_or(match (kind, lm) {
+            (OptimizerKind::Sgd, _) => 0.05,
+            (_, Some(d)) => d.lr,
             _ => 1e-3,
         });
         if !(lr > 0.0 && lr.is_finite()) {
@@ -334,7 +410,9 @@ impl TrainSettings {
             kind,
             momentum,
             nesterov: self.nesterov.unwrap_or(false),
-            weight_decay: self.weight_decay.unwrap_or(defaults.weight_decay),
+            weight_decay: self
+                .weight_decay
+                .unwrap_or(lm.map_or(defaults.weight_decay, |d| d.weight_decay)),
             beta1: self.beta1.unwrap_or(defaults.beta1),
             beta2: self.beta2.unwrap_or(defaults.beta2),
             eps: self.eps.unwrap_or(defaults.eps),
@@ -360,6 +438,7 @@ impl TrainSettings {
         Ok(RunConfig {
             model_name,
             model: model_spec,
+            vocab,
             dataset,
             data_dir: self.data_dir,
             synthetic,
@@ -395,6 +474,8 @@ pub struct RunConfig {
     pub model_name: String,
     /// The model.
     pub model: ModelSpec,
+    /// The character vocabulary of a language model (from its corpus's training text).
+    pub vocab: Option<Vocab>,
     /// Dataset.
     pub dataset: DatasetKind,
     /// MNIST directory (embedded copy when absent).

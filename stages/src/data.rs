@@ -163,14 +163,17 @@ pub struct Dataset {
     pub features: Vec<f32>,
     /// Labels in `0..classes`.
     pub labels: Vec<u32>,
-    /// Number of classes.
+    /// Number of classes (the vocabulary size of a language-modelling set).
     pub classes: usize,
+    /// Targets per sample: 1 for classification, the tokens of a window for next-token
+    /// prediction (the model's output has one row per target).
+    pub targets: usize,
 }
 
 impl Dataset {
     /// Number of samples.
     pub fn len(&self) -> usize {
-        self.labels.len()
+        self.labels.len() / self.targets.max(1)
     }
 
     /// True when the dataset is empty.
@@ -188,11 +191,12 @@ impl Dataset {
     pub fn gather(&self, indices: &[u32]) -> (Tensor, Tensor<u32>) {
         let d = self.sample_size();
         let mut x = Vec::with_capacity(indices.len() * d);
-        let mut y = Vec::with_capacity(indices.len());
+        let k = self.targets.max(1);
+        let mut y = Vec::with_capacity(indices.len() * k);
         for &i in indices {
             let i = i as usize;
             x.extend_from_slice(&self.features[i * d..(i + 1) * d]);
-            y.push(self.labels[i]);
+            y.extend_from_slice(&self.labels[i * k..(i + 1) * k]);
         }
         let mut shape = vec![indices.len()];
         shape.extend_from_slice(&self.feature_shape);
@@ -216,6 +220,162 @@ pub struct Splits {
     pub train: Dataset,
     /// Held-out samples.
     pub test: Dataset,
+    /// The vocabulary of a text corpus (None for other data).
+    pub vocab: Option<Vocab>,
+}
+
+/// Tiny Shakespeare (1,115,394 characters of Shakespeare's plays, public domain; see
+/// `data/README.md`), embedded so that character models train anywhere.
+const TINYSHAKESPEARE: &str = include_str!("../../data/tinyshakespeare.txt");
+
+/// Largest text corpus read from disk.
+pub const MAX_TEXT_BYTES: usize = 256 << 20;
+
+/// Share of a corpus, in tenths, that trains; the rest (the end of the text) validates.
+const TRAIN_TENTHS: usize = 9;
+
+/// A character vocabulary: the distinct characters of a training text, sorted, id = index.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vocab {
+    /// The characters, by id.
+    pub chars: Vec<char>,
+}
+
+impl Vocab {
+    /// The vocabulary of `text`.
+    pub fn from_text(text: &str) -> Self {
+        let set: std::collections::BTreeSet<char> = text.chars().collect();
+        Self {
+            chars: set.into_iter().collect(),
+        }
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.chars.len()
+    }
+
+    /// True for an empty vocabulary.
+    pub fn is_empty(&self) -> bool {
+        self.chars.is_empty()
+    }
+
+    /// The ids of `text`.
+    ///
+    /// # Errors
+    /// [`StageError::Data`] naming the first character the vocabulary lacks.
+    pub fn encode(&self, text: &str, name: &str) -> Result<Vec<u32>> {
+        text.chars()
+            .enumerate()
+            .map(|(i, c)| {
+                self.chars
+                    .binary_search(&c)
+                    .map(|id| id as u32)
+                    .map_err(|_| {
+                        data_err(
+                            name,
+                            format!("character {c:?} at {i} is not in the vocabulary"),
+                        )
+                    })
+            })
+            .collect()
+    }
+
+    /// The text of `ids` (ids outside the vocabulary become U+FFFD).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        ids.iter()
+            .map(|&i| self.chars.get(i as usize).copied().unwrap_or('\u{fffd}'))
+            .collect()
+    }
+}
+
+/// Cuts token ids into next-token windows of `context`: sample `i` reads
+/// `ids[i T .. i T + T]` and predicts `ids[i T + 1 .. i T + T + 1]`.
+fn windows(ids: &[u32], context: usize, vocab: usize, name: &str) -> Result<Dataset> {
+    let n = ids.len().saturating_sub(1) / context.max(1);
+    if n == 0 {
+        return Err(data_err(
+            name,
+            format!(
+                "{} tokens cannot fill one window of {context} (plus the next token)",
+                ids.len()
+            ),
+        ));
+    }
+    let used = n * context;
+    Ok(Dataset {
+        name: name.to_string(),
+        feature_shape: vec![context],
+        features: ids[..used].iter().map(|&t| t as f32).collect(),
+        labels: ids[1..=used].to_vec(),
+        classes: vocab,
+        targets: context,
+    })
+}
+
+/// A character corpus as next-token data: the first 90% of `text` trains (and defines the
+/// vocabulary), the last 10% validates, both cut into windows of `context` characters.
+///
+/// # Errors
+/// [`StageError::Data`] for a corpus too short for a window in either split, or a validation
+/// character the training text lacks.
+pub fn char_corpus(text: &str, context: usize, name: &str) -> Result<Splits> {
+    let (train_text, test_text) = split_text(text);
+    let vocab = Vocab::from_text(&train_text);
+    let train_name = format!("{name}-train");
+    let test_name = format!("{name}-val");
+    let train_ids = vocab.encode(&train_text, &train_name)?;
+    let test_ids = vocab.encode(&test_text, &test_name)?;
+    Ok(Splits {
+        train: windows(&train_ids, context, vocab.len(), &train_name)?,
+        test: windows(&test_ids, context, vocab.len(), &test_name)?,
+        vocab: Some(vocab),
+    })
+}
+
+/// The text of Tiny Shakespeare: the embedded copy, or `dir/tinyshakespeare.txt` (UTF-8).
+///
+/// # Errors
+/// [`StageError::Data`] for a missing, oversize or non-UTF-8 file.
+pub fn tinyshakespeare_text(dir: Option<&Path>) -> Result<std::borrow::Cow<'static, str>> {
+    let Some(d) = dir else {
+        return Ok(std::borrow::Cow::Borrowed(TINYSHAKESPEARE));
+    };
+    let path = d.join("tinyshakespeare.txt");
+    let name = path.display().to_string();
+    let file =
+        std::fs::File::open(&path).map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_TEXT_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
+    if bytes.len() > MAX_TEXT_BYTES {
+        return Err(data_err(&name, format!("larger than {MAX_TEXT_BYTES} bytes")));
+    }
+    let text =
+        String::from_utf8(bytes).map_err(|e| data_err(&name, format!("not UTF-8 text: {e}")))?;
+    Ok(std::borrow::Cow::Owned(text))
+}
+
+/// The training part of a corpus (its first 90%) and the rest.
+fn split_text(text: &str) -> (String, String) {
+    let chars: Vec<char> = text.chars().collect();
+    let cut = chars.len() * TRAIN_TENTHS / 10;
+    (chars[..cut].iter().collect(), chars[cut..].iter().collect())
+}
+
+/// The vocabulary a corpus's training part defines.
+pub fn corpus_vocab(text: &str) -> Vocab {
+    Vocab::from_text(&split_text(text).0)
+}
+
+/// Tiny Shakespeare (see [`tinyshakespeare_text`]) as next-token windows of `context`
+/// characters.
+///
+/// # Errors
+/// As [`tinyshakespeare_text`] and [`char_corpus`].
+pub fn tinyshakespeare(dir: Option<&Path>, context: usize) -> Result<Splits> {
+    char_corpus(&tinyshakespeare_text(dir)?, context, "tinyshakespeare")
 }
 
 fn mnist_pair(images: Idx, labels: Idx, name: &str) -> Result<Dataset> {
@@ -257,6 +417,7 @@ fn mnist_pair(images: Idx, labels: Idx, name: &str) -> Result<Dataset> {
         features,
         labels: labels.data.iter().map(|&l| u32::from(l)).collect(),
         classes: 10,
+        targets: 1,
     })
 }
 
@@ -295,7 +456,11 @@ pub fn mnist(dir: Option<&Path>) -> Result<Splits> {
         load("t10k-labels-idx1-ubyte", TEST_LABELS)?,
         "mnist-test",
     )?;
-    Ok(Splits { train, test })
+    Ok(Splits {
+        train,
+        test,
+        vocab: None,
+    })
 }
 
 /// Shape of the synthetic dataset.
@@ -382,10 +547,12 @@ pub fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Result<Splits> {
             features,
             labels,
             classes: c,
+            targets: 1,
         }
     };
     Ok(Splits {
         train: make(cfg.train, 0, "synthetic-train"),
         test: make(cfg.test, 1, "synthetic-test"),
+        vocab: None,
     })
 }

@@ -90,16 +90,22 @@ pub struct Tie {
 }
 
 impl ModelSpec {
-    /// Parses a preset name: `mlp-IN-H1-H2-...-OUT`, where a hidden width may be written `WxN`
+    /// Parses a preset name: a GPT preset (`gpt-mini`, `gpt-small`: a character model sized
+    /// for the embedded Tiny Shakespeare's vocabulary, untied), or `mlp-IN-H1-H2-...-OUT`, where a hidden width may be written `WxN`
     /// for N layers of width W (`mlp-784-1024x16-10`). Hidden layers use ReLU; a flatten layer
     /// comes first so image-shaped data fits.
     ///
     /// # Errors
     /// [`StageError::Model`] for unknown names or malformed widths.
     pub fn preset(name: &str) -> Result<Self> {
+        if let Some(shape) = crate::transformer::gpt_shape(name) {
+            let vocab = crate::data::corpus_vocab(&crate::data::tinyshakespeare_text(None)?);
+            return Ok(crate::transformer::gpt_spec(shape, vocab.len(), false));
+        }
         let rest = name.strip_prefix("mlp-").ok_or_else(|| {
             StageError::Model(format!(
-                "unknown model preset '{name}' (presets look like mlp-784-512-512-10)"
+                "unknown model preset '{name}' (presets look like mlp-784-512-512-10, or gpt-mini \
+                 and gpt-small)"
             ))
         })?;
         let mut widths = Vec::new();

@@ -31,7 +31,7 @@ use pipe_transport::inproc::{InProcOptions, mesh};
 use rand::Rng as _;
 
 use crate::error::{Result, StageError};
-use crate::layers::ForwardCtx;
+use crate::layers::{ForwardCtx, LayerSpec};
 use crate::loss::SoftmaxCrossEntropy;
 use crate::model::Model;
 use crate::optim::{Optimizer, OptimizerConfig};
@@ -120,6 +120,26 @@ pub(crate) fn random(shape: &[usize], seed: u64, what: &str, i: u64) -> Result<T
     Ok(Tensor::from_vec(shape, data)?)
 }
 
+/// A random input batch (`shape`, batch first) for layer `i` of `model`: token ids below the
+/// vocabulary for an embedding, uniform values in `[-1, 1)` otherwise.
+pub(crate) fn random_input(
+    model: &Model,
+    i: usize,
+    shape: &[usize],
+    seed: u64,
+    what: &str,
+) -> Result<Tensor> {
+    match model.specs().get(i) {
+        Some(&LayerSpec::Embedding { vocab, .. }) => {
+            let mut rng = rng_for(seed, what, i as u64);
+            let n: usize = shape.iter().product();
+            let ids = (0..n).map(|_| rng.random_range(0..vocab) as f32).collect();
+            Ok(Tensor::from_vec(shape, ids)?)
+        }
+        _ => random(shape, seed, what, i as u64),
+    }
+}
+
 /// Profiles every layer of `model` on `be` (see the module docs). The forward runs in
 /// training mode, so dropout draws its masks as it does in training.
 ///
@@ -165,11 +185,12 @@ pub fn profile_model(
             s.extend_from_slice(shape);
             s
         };
-        let x = random(
+        let x = random_input(
+            model,
+            i,
             &batch(model.shape_before(i)),
             opts.seed,
             "profile-x",
-            i as u64,
         )?;
         let dy = random(
             &batch(model.shape_before(i + 1)),
@@ -255,6 +276,8 @@ pub fn profile_preset(name: &str, opts: &ProfileOptions, be: &dyn Backend) -> Re
 pub(crate) struct Random {
     x: Tensor,
     classes: u32,
+    /// Targets (output rows) per sample.
+    targets: usize,
 }
 
 impl Random {
@@ -262,23 +285,24 @@ impl Random {
     pub(crate) fn for_model(model: &Model, microbatch_size: usize, seed: u64) -> Result<Self> {
         let mut shape = vec![microbatch_size];
         shape.extend_from_slice(model.input_shape());
-        let classes: usize = model.output_shape().iter().product();
+        let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
         Ok(Random {
-            x: random(&shape, seed, "calibrate-x", 0)?,
+            x: random_input(model, 0, &shape, seed, "calibrate-x")?,
             classes: classes.max(1) as u32,
+            targets: rows.iter().product::<usize>().max(1),
         })
     }
 }
 
 impl MicrobatchSource for Random {
     fn microbatch_size(&self) -> usize {
-        self.x.rows()
+        self.x.shape().first().copied().unwrap_or(0)
     }
     fn inputs(&self, _mb: u32) -> Result<Tensor> {
         Ok(self.x.clone())
     }
     fn labels(&self, mb: u32) -> Result<Tensor<u32>> {
-        let n = self.x.rows() as u32;
+        let n = (self.x.shape().first().copied().unwrap_or(0) * self.targets) as u32;
         let ids = (0..n).map(|i| (i + mb) % self.classes).collect();
         Ok(Tensor::from_vec(&[n as usize], ids)?)
     }

@@ -25,7 +25,8 @@ pub struct StepStats {
     pub step: u64,
     /// Epoch, from 1.
     pub epoch: u64,
-    /// Mean training loss over the update's samples.
+    /// Mean training loss over the update's targets (samples; tokens of a language model,
+    /// in nats per token).
     pub loss: f64,
     /// Learning rate used.
     pub lr: f32,
@@ -33,6 +34,9 @@ pub struct StepStats {
     pub samples: usize,
     /// Training throughput since the epoch began.
     pub samples_per_sec: f64,
+    /// The same in tokens (language models: a sample is a window of tokens).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_sec: Option<f64>,
     /// Seconds since training began.
     pub elapsed_s: f64,
     /// Steps in this epoch.
@@ -46,14 +50,17 @@ pub struct StepStats {
 pub struct EpochStats {
     /// Epoch, from 1.
     pub epoch: u64,
-    /// Mean training loss over the epoch.
+    /// Mean training loss over the epoch (per target, as [`StepStats::loss`]).
     pub train_loss: f64,
-    /// Mean test loss.
+    /// Mean test loss per target (a language model's validation loss, nats per token).
     pub test_loss: f64,
     /// Test accuracy in `[0, 1]`.
     pub test_accuracy: f64,
     /// Training samples per second over the epoch (evaluation excluded).
     pub samples_per_sec: f64,
+    /// The same in tokens, for language models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_sec: Option<f64>,
     /// Seconds since training began.
     pub elapsed_s: f64,
     /// Optimizer steps so far.
@@ -119,7 +126,17 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
     let data = match cfg.dataset {
         DatasetKind::Mnist => mnist(cfg.data_dir.as_deref())?,
         DatasetKind::Synthetic => synthetic(&cfg.synthetic, cfg.seed)?,
+        DatasetKind::TinyShakespeare => {
+            let context = model.input_shape().first().copied().unwrap_or(1);
+            crate::data::tinyshakespeare(cfg.data_dir.as_deref(), context)?
+        }
     };
+    if data.vocab != cfg.vocab && cfg.vocab.is_some() {
+        return Err(StageError::Data {
+            source_name: data.train.name.clone(),
+            reason: "its vocabulary differs from the one the model was sized for".into(),
+        });
+    }
     let want: usize = model.input_shape().iter().product();
     if want != data.train.sample_size() {
         return Err(StageError::Model(format!(
@@ -131,11 +148,21 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
             data.train.feature_shape
         )));
     }
-    let out: usize = model.output_shape().iter().product();
+    let (&out, rows) = model
+        .output_shape()
+        .split_last()
+        .unwrap_or((&0, &[]));
     if out != data.train.classes {
         return Err(StageError::Model(format!(
             "model '{}' has {out} outputs but {} has {} classes",
             cfg.model_name, data.train.name, data.train.classes
+        )));
+    }
+    let rows: usize = rows.iter().product();
+    if rows != data.train.targets {
+        return Err(StageError::Model(format!(
+            "model '{}' predicts {rows} targets per sample but {} has {}",
+            cfg.model_name, data.train.name, data.train.targets
         )));
     }
     let per_update = cfg.microbatch_size * cfg.microbatches;
@@ -151,7 +178,17 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
     Ok(data)
 }
 
-/// Mean loss and accuracy of `params` on `data`, in batches of `batch`, evaluation mode.
+/// Tokens per second for data whose samples hold `targets` tokens (None for classification).
+pub fn tokens_per_sec(samples_per_sec: f64, targets: usize) -> Option<f64> {
+    (targets > 1).then(|| samples_per_sec * targets as f64)
+}
+
+/// Fewest samples per evaluation batch.
+const MIN_EVAL_SAMPLES: usize = 16;
+
+/// Mean loss and accuracy per target (per sample for classification, per token for a
+/// language model) of `params` on `data`, in batches of about `batch` targets, evaluation
+/// mode.
 ///
 /// # Errors
 /// Kernel errors.
@@ -163,16 +200,19 @@ pub fn evaluate(
     batch: usize,
 ) -> Result<(f64, f64)> {
     let order: Vec<u32> = (0..data.len() as u32).collect();
-    let (mut loss, mut correct) = (0.0f64, 0usize);
-    for chunk in order.chunks(batch.max(1)) {
+    let (mut loss, mut correct, mut rows) = (0.0f64, 0usize, 0usize);
+    // `batch` counts targets: a language model's sample holds a window of them.
+    let samples = (batch / data.targets.max(1)).max(MIN_EVAL_SAMPLES).min(batch.max(1));
+    for chunk in order.chunks(samples) {
         let (x, y) = data.gather(chunk);
         let (x, y) = (be.place(x)?, be.place_ids(y)?);
         let (logits, _) = model.forward_range(be, 0..model.len(), params, x, false, 0, 0)?;
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, 0.0, None)?;
         loss += s.loss_sum;
         correct += s.correct;
+        rows += s.rows;
     }
-    let n = data.len().max(1) as f64;
+    let n = rows.max(1) as f64;
     Ok((loss / n, correct as f64 / n))
 }
 
@@ -343,7 +383,8 @@ pub fn train_with(
     }
     let mut grads = place_params(be, model.zero_grads(0..model.len()))?;
     let sched = cfg.lr_schedule(total);
-    let grad_scale = 1.0 / (b * m) as f32;
+    let targets = data.train.targets.max(1);
+    let grad_scale = 1.0 / (b * m * targets) as f32;
     let start = Instant::now();
     let mut report = Vec::new();
     let mut microbatch_id = step * m as u64;
@@ -385,7 +426,7 @@ pub fn train_with(
                 &mut microbatch_id,
             )?;
             step += 1;
-            let mean = loss / (b * m) as f64;
+            let mean = loss / (b * m * targets) as f64;
             if !mean.is_finite() {
                 return Err(StageError::Diverged { step, loss: mean });
             }
@@ -400,6 +441,10 @@ pub fn train_with(
                 samples: b * m,
                 samples_per_sec: epoch_samples as f64
                     / epoch_start.elapsed().as_secs_f64().max(1e-9),
+                tokens_per_sec: tokens_per_sec(
+                    epoch_samples as f64 / epoch_start.elapsed().as_secs_f64().max(1e-9),
+                    targets,
+                ),
                 elapsed_s: start.elapsed().as_secs_f64(),
                 steps_in_epoch: steps_per_epoch.min(total),
                 step_in_epoch: k as u64 + 1,
@@ -441,10 +486,11 @@ pub fn train_with(
         let (test_loss, test_accuracy) = evaluate(be, &model, &params, &data.test, 1000)?;
         let e = EpochStats {
             epoch,
-            train_loss: epoch_loss / epoch_samples.max(1) as f64,
+            train_loss: epoch_loss / (epoch_samples * targets).max(1) as f64,
             test_loss,
             test_accuracy,
             samples_per_sec: epoch_samples as f64 / secs.max(1e-9),
+            tokens_per_sec: tokens_per_sec(epoch_samples as f64 / secs.max(1e-9), targets),
             elapsed_s: start.elapsed().as_secs_f64(),
             steps: step,
             stages: Vec::new(),

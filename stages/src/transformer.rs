@@ -462,12 +462,13 @@ pub struct GptShape {
 }
 
 /// The named GPT presets: `gpt-mini` (trains to a useful character model on two cores in
-/// half an hour) and `gpt-small` (for benchmarks: four times the compute per token).
+/// half an hour; eight blocks, so four stages hold two each) and `gpt-small` (for
+/// benchmarks: about four times the compute per token).
 pub const GPT_PRESETS: [(&str, GptShape); 2] = [
     (
         "gpt-mini",
         GptShape {
-            blocks: 6,
+            blocks: 8,
             width: 128,
             heads: 4,
             context: 128,

@@ -78,6 +78,8 @@ pub(super) struct EpochEnd<'p> {
 pub(super) struct Run<'c> {
     pub(super) cfg: &'c RunConfig,
     pub(super) model: Model,
+    /// Targets (loss rows) per sample: 1, or a language model's window.
+    pub(super) targets: usize,
     /// Microbatches per minibatch.
     pub(super) minibatch: u64,
     /// Minibatches per epoch.
@@ -355,17 +357,21 @@ impl<'r> LiveSteps<'r> {
             if seen < self.minibatch {
                 break;
             }
-            self.samples += n;
-            crate::train::record_update(n, Some(&mut self.last_update));
+            // `n` counts loss rows: samples, or tokens of a language model.
+            let targets = self.run.targets;
+            self.samples += n / targets;
+            crate::train::record_update(n / targets, Some(&mut self.last_update));
             let t = self.next as u64;
             let step = self.seg.done + t;
+            let rate = self.samples as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
             obs.on_step(&StepStats {
                 step: step + 1,
                 epoch: self.seg.epoch,
                 loss: l / n.max(1) as f64,
                 lr: self.run.lr.at(step),
-                samples: n,
-                samples_per_sec: self.samples as f64 / self.start.elapsed().as_secs_f64().max(1e-9),
+                samples: n / targets,
+                samples_per_sec: rate,
+                tokens_per_sec: crate::train::tokens_per_sec(rate, targets),
                 elapsed_s: self.run.start.elapsed().as_secs_f64(),
                 steps_in_epoch: self.seg.epoch_len,
                 step_in_epoch: self.seg.before + t + 1,
@@ -443,6 +449,7 @@ impl<'c> Run<'c> {
         Ok(Run {
             cfg,
             model,
+            targets: data.train.targets.max(1),
             minibatch,
             per_epoch,
             total,
@@ -599,6 +606,8 @@ impl<'c> Run<'c> {
             (l + o.loss_sum, n + o.samples)
         });
         let train_loss = loss / samples.max(1) as f64;
+        // Loss rows: samples, or tokens of a language model.
+        let samples = samples / self.targets;
         let (test_loss, test_accuracy) = evaluate(
             eval_be as &dyn Backend,
             &self.model,
@@ -612,6 +621,10 @@ impl<'c> Run<'c> {
             test_loss,
             test_accuracy,
             samples_per_sec: samples as f64 / ended.secs.max(1e-9),
+            tokens_per_sec: crate::train::tokens_per_sec(
+                samples as f64 / ended.secs.max(1e-9),
+                self.targets,
+            ),
             elapsed_s: self.start.elapsed().as_secs_f64(),
             steps: ended.done,
             stages: stage_stats(&ended.plan.schedule, ended.outcomes, ended.secs),
