@@ -574,6 +574,7 @@ mod tests {
                 model: "mlp-8-6-4".into(),
                 model_spec: model_spec(),
                 dataset: DatasetKind::Synthetic,
+                vocab: None,
                 synthetic: SyntheticConfig::default(),
                 partition: "0-1,2-3".into(),
                 policy: "pipedream".into(),

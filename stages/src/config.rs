@@ -12,9 +12,9 @@ use serde::{Deserialize, Serialize};
 use crate::data::{SyntheticConfig, Vocab};
 use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec};
-use crate::transformer::{gpt_shape, gpt_spec};
 use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
 use crate::pipeline::Partition;
+use crate::transformer::{gpt_shape, gpt_spec};
 
 /// The model preset used when none is given.
 pub const DEFAULT_MODEL: &str = "mlp-784-512-512-10";

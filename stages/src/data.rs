@@ -350,7 +350,10 @@ pub fn tinyshakespeare_text(dir: Option<&Path>) -> Result<std::borrow::Cow<'stat
         .read_to_end(&mut bytes)
         .map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
     if bytes.len() > MAX_TEXT_BYTES {
-        return Err(data_err(&name, format!("larger than {MAX_TEXT_BYTES} bytes")));
+        return Err(data_err(
+            &name,
+            format!("larger than {MAX_TEXT_BYTES} bytes"),
+        ));
     }
     let text =
         String::from_utf8(bytes).map_err(|e| data_err(&name, format!("not UTF-8 text: {e}")))?;

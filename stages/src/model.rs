@@ -270,6 +270,34 @@ impl Model {
         })
     }
 
+    /// The uses, as (layer, slot), that layers `mine` make of parameters also used in layers
+    /// `theirs`: what a stage sends a stage it shares tied parameters with. In table order,
+    /// then use order, so both sides agree on the layout of the message.
+    pub fn tied_uses_shared(
+        &self,
+        mine: std::ops::Range<usize>,
+        theirs: std::ops::Range<usize>,
+    ) -> Vec<(usize, usize)> {
+        self.table
+            .iter()
+            .filter(|e| e.uses.iter().any(|(l, _)| theirs.contains(l)))
+            .flat_map(|e| e.uses.iter().copied().filter(|(l, _)| mine.contains(l)))
+            .collect()
+    }
+
+    /// The parts of `ranges` (stages) that share a tied parameter with part `me`, ascending.
+    pub fn tie_partners(&self, ranges: &[std::ops::Range<usize>], me: usize) -> Vec<usize> {
+        let mine = &ranges[me];
+        (0..ranges.len())
+            .filter(|&p| p != me)
+            .filter(|&p| {
+                !self
+                    .tied_uses_shared(mine.clone(), ranges[p].clone())
+                    .is_empty()
+            })
+            .collect()
+    }
+
     /// Sums the gradients of every use of each tied parameter and gives every use the sum.
     /// `parts` are gradient lists of disjoint layer ranges, each with its first layer's index
     /// (one part for a stage; every stage sharing a parameter for the reference trainer).

@@ -148,10 +148,7 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
             data.train.feature_shape
         )));
     }
-    let (&out, rows) = model
-        .output_shape()
-        .split_last()
-        .unwrap_or((&0, &[]));
+    let (&out, rows) = model.output_shape().split_last().unwrap_or((&0, &[]));
     if out != data.train.classes {
         return Err(StageError::Model(format!(
             "model '{}' has {out} outputs but {} has {} classes",
@@ -202,7 +199,9 @@ pub fn evaluate(
     let order: Vec<u32> = (0..data.len() as u32).collect();
     let (mut loss, mut correct, mut rows) = (0.0f64, 0usize, 0usize);
     // `batch` counts targets: a language model's sample holds a window of them.
-    let samples = (batch / data.targets.max(1)).max(MIN_EVAL_SAMPLES).min(batch.max(1));
+    let samples = (batch / data.targets.max(1))
+        .max(MIN_EVAL_SAMPLES)
+        .min(batch.max(1));
     for chunk in order.chunks(samples) {
         let (x, y) = data.gather(chunk);
         let (x, y) = (be.place(x)?, be.place_ids(y)?);

@@ -178,6 +178,22 @@ fn step<B: Backend, T: Transport + ?Sized>(
             let moved = 2 * (n - 1) * total / n;
             return Ok((moved, moved));
         }
+        Action::Update { stage, update } => {
+            // Stages sharing a tied parameter swap their raw gradients of it first.
+            let (sends, recvs) = core.tie_exchange(be, stage, update)?;
+            let (mut sent, mut received) = (0, 0);
+            for m in sends {
+                sent += m.tensor.bytes() as u64;
+                t.send(m)?;
+            }
+            for (key, from) in recvs {
+                let m = t.recv(&key)?;
+                received += m.tensor.bytes() as u64;
+                core.deliver_tied(stage, from, m.tensor)?;
+            }
+            core.compute(be, pc, a)?;
+            return Ok((sent, received));
+        }
         Action::SendChunk { .. } | Action::RecvChunk { .. } => {
             return Err(StageError::Executor(
                 "expanded ring all-reduce steps are for the simulator; lower the schedule \

@@ -154,6 +154,10 @@ struct StageRun {
     outbox_gradients: HashMap<u32, Tensor>,
     /// Versions of the gradients accumulated since the last update (for staleness).
     gradient_versions: Vec<u32>,
+    /// Stages sharing a tied parameter with this one ([`Model::tie_partners`]), ascending.
+    tie_partners: Vec<u32>,
+    /// Per partner stage, its raw tied-use gradients of the coming update (received).
+    tied_received: HashMap<u32, Tensor>,
 }
 
 impl StageRun {
@@ -198,18 +202,31 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let plan = setup.plan;
         let schedule = &plan.schedule;
         let layout = schedule.layout();
-        if let Some((name, a, b)) = setup.model.tie_across(plan.partition.ranges()) {
-            return Err(StageError::Config(format!(
-                "parameter {name} is used by stages {a} and {b}; the pipelined executor does \
-                 not exchange tied gradients between stages yet (keep its uses on one stage)"
-            )));
-        }
+        let ranges = plan.partition.ranges();
         let last_uses = plan.versions.last_uses(schedule, state.worker);
         let mut stages = Vec::with_capacity(state.stages.len());
         for (st, last_use) in state.stages.iter().zip(last_uses) {
             let layers = plan.partition.range(st.stage as usize);
+            let tie_partners: Vec<u32> = setup
+                .model
+                .tie_partners(ranges, st.stage as usize)
+                .into_iter()
+                .map(|p| p as u32)
+                .collect();
+            if let Some(&p) = tie_partners
+                .iter()
+                .find(|&&p| layout.group(p).contains(&state.worker))
+            {
+                return Err(StageError::Config(format!(
+                    "stages {} and {p} share a tied parameter and run on one worker (worker {}); \
+                     tied stages must be on different workers",
+                    st.stage, state.worker
+                )));
+            }
             stages.push(StageRun {
                 stage: st.stage,
+                tie_partners,
+                tied_received: HashMap::new(),
                 grads: place_params(be, setup.model.zero_grads(layers.clone()))?,
                 layers,
                 replica_group: layout.group(st.stage).collect(),
@@ -514,9 +531,13 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         if run.last_use.get(cur as usize).is_some_and(|&u| u > pc) {
             run.versions.insert(cur, p.clone());
         }
-        setup
-            .model
-            .sum_tied(be, &mut [(run.layers.start, &mut run.grads)])?;
+        if run.tie_partners.is_empty() {
+            setup
+                .model
+                .sum_tied(be, &mut [(run.layers.start, &mut run.grads)])?;
+        } else {
+            sum_tied_across(setup, be, run)?;
+        }
         let minibatch = u64::from(setup.plan.schedule.resolved.minibatch.max(1));
         let first_mb = setup.microbatch_offset + u64::from(update) * u64::from(run.update_size);
         crate::train::check_gradients(
@@ -658,6 +679,78 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         Ok((run.replica_group.clone(), &mut run.grads))
     }
 
+    /// Before update `update` of `stage`: the messages carrying its raw tied-use gradients
+    /// to the replicas of each stage it shares a tied parameter with, and the keys of theirs
+    /// to receive (with the sending stage). Empty when the stage shares none.
+    ///
+    /// Replica `i` of a stage receives from replica `i mod R` of a partner with `R`
+    /// replicas; every replica holds the same all-reduced gradient, so one copy suffices.
+    ///
+    /// # Errors
+    /// A stage this worker does not hold; gradients not on the host.
+    pub fn tie_exchange(
+        &mut self,
+        be: &dyn Backend,
+        stage: u32,
+        update: u32,
+    ) -> Result<(Vec<Message>, Vec<(Key, u32)>)> {
+        let c = self.chunk(stage)?;
+        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+        if self.stages[c].tie_partners.is_empty() {
+            return Ok((sends, recvs));
+        }
+        if self.stages[c].grads_fresh {
+            zero(be, &mut self.stages[c].grads)?;
+            self.stages[c].grads_fresh = false;
+        }
+        let run = &self.stages[c];
+        let ranges = self.setup.plan.partition.ranges();
+        let me = self.worker;
+        let mine: Vec<u32> = self.layout.group(stage).collect();
+        let q = mine.iter().position(|&w| w == me).unwrap_or(0);
+        for &p in &run.tie_partners {
+            let theirs: Vec<u32> = self.layout.group(p).collect();
+            let uses = self
+                .setup
+                .model
+                .tied_uses_shared(run.layers.clone(), ranges[p as usize].clone());
+            let mut flat = Vec::new();
+            for (layer, slot) in uses {
+                flat.extend_from_slice(&be.read(&run.grads[layer - run.layers.start][slot])?);
+            }
+            let key = |from: u32, to: u32, producer: u32| Key {
+                from,
+                to,
+                kind: Kind::Chunk,
+                stage: producer,
+                index: update,
+                step: TIED_GRADIENT_STEP,
+            };
+            for (r, &to) in theirs.iter().enumerate() {
+                if r % mine.len() == q {
+                    let n = flat.len();
+                    sends.push(Message {
+                        key: key(me, to, stage),
+                        version: 0,
+                        tensor: Tensor::from_vec(&[n], flat.clone())?,
+                    });
+                }
+            }
+            recvs.push((key(theirs[q % theirs.len()], me, p), p));
+        }
+        Ok((sends, recvs))
+    }
+
+    /// Hands over partner stage `from`'s tied-use gradients for `stage`'s coming update.
+    ///
+    /// # Errors
+    /// A stage this worker does not hold.
+    pub fn deliver_tied(&mut self, stage: u32, from: u32, tensor: Tensor) -> Result<()> {
+        let c = self.chunk(stage)?;
+        self.stages[c].tied_received.insert(from, tensor);
+        Ok(())
+    }
+
     /// Ends the run: moves the final weights and optimizer state back into `state`.
     ///
     /// # Errors
@@ -682,6 +775,54 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         }
         Ok(self.outcome)
     }
+}
+
+/// The [`Key::step`] of a tied-gradient message (ring steps of all-reduce chunks, which share
+/// the kind, stay far below it).
+pub const TIED_GRADIENT_STEP: u32 = u32::MAX;
+
+/// Sums each tied parameter's uses across `run` and the partner stages whose gradients it
+/// received, exactly as the reference trainer sums a tie group's stages
+/// ([`crate::model::Model::sum_tied`] over every stage's part), so every copy applies the
+/// same bits.
+fn sum_tied_across(setup: &Setup<'_>, be: &dyn Backend, run: &mut StageRun) -> Result<()> {
+    let model = setup.model;
+    let ranges = setup.plan.partition.ranges();
+    let mut remote: Vec<(usize, Params)> = Vec::with_capacity(run.tie_partners.len());
+    for &p in &run.tie_partners {
+        let flat = run.tied_received.remove(&p).ok_or_else(|| {
+            exec_err(format!(
+                "stage {} updates without stage {p}'s tied gradients",
+                run.stage
+            ))
+        })?;
+        let flat = be.read(&flat)?;
+        let theirs = ranges[p as usize].clone();
+        let mut part: Params = theirs
+            .clone()
+            .map(|l| vec![Tensor::default(); model.layer(l).param_shapes().len()])
+            .collect();
+        let mut at = 0;
+        for (layer, slot) in model.tied_uses_shared(theirs.clone(), run.layers.clone()) {
+            let shape = model.param_table()[model.param_id(layer, slot)]
+                .shape
+                .clone();
+            let n: usize = shape.iter().product();
+            let values = flat
+                .get(at..at + n)
+                .ok_or_else(|| exec_err(format!("stage {p}'s tied gradients are too short")))?;
+            part[layer - theirs.start][slot] =
+                be.place(Tensor::from_vec(&shape, values.to_vec())?)?;
+            at += n;
+        }
+        if at != flat.len() {
+            return Err(exec_err(format!("stage {p}'s tied gradients are too long")));
+        }
+        remote.push((theirs.start, part));
+    }
+    let mut parts: Vec<(usize, &mut Params)> = vec![(run.layers.start, &mut run.grads)];
+    parts.extend(remote.iter_mut().map(|(start, p)| (*start, p)));
+    model.sum_tied(be, &mut parts)
 }
 
 fn zero(be: &dyn Backend, p: &mut Params) -> Result<()> {

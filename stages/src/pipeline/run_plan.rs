@@ -56,6 +56,27 @@ impl RunPlan {
                 model.len()
             )));
         }
+        // Stages sharing a tied parameter sum its gradients at every update, so they must
+        // update equally often (asynchronous policies update a stage after M r_s microbatches).
+        for s in 0..stages {
+            for p in model.tie_partners(partition.ranges(), s) {
+                let rate = |s: usize| {
+                    let s = s as u32;
+                    (versions.updates_at(s), schedule.resolved.update_size(s))
+                };
+                if rate(s) != rate(p) {
+                    return Err(StageError::Config(format!(
+                        "stages {s} and {p} share a tied parameter but update at different \
+                         rates ({} and {} updates of {} and {} microbatches); give them the same \
+                         replica count or use a flush schedule",
+                        rate(s).0,
+                        rate(p).0,
+                        rate(s).1,
+                        rate(p).1
+                    )));
+                }
+            }
+        }
         Ok(RunPlan {
             schedule,
             versions,

@@ -1,0 +1,181 @@
+//! The transformer through the pipeline oracle: a small GPT (embedding, three blocks, final
+//! layer norm, head) on a character corpus at four stages, pipelined on threads, must equal the
+//! sequential reference trainer bit for bit, with and without the token embedding (stage 0)
+//! tied to the head (stage 3), under the asynchronous, 2BW and flush schedules and with
+//! replicated stages.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::OnceLock;
+
+use pipe_kernels::CpuBackend;
+use pipe_scheduler::{Length, Policy, ScheduleSpec};
+use pipe_stages::data::{Splits, char_corpus};
+use pipe_stages::loss::SoftmaxCrossEntropy;
+use pipe_stages::model::{Model, Params};
+use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
+use pipe_stages::pipeline::{
+    OrderedSource, Partition, RunPlan, Setup, WorkerState, reference_train, run_threads,
+};
+use pipe_stages::transformer::{GptShape, gpt_spec};
+use pipe_transport::inproc::{InProcOptions, mesh};
+
+const SEED: u64 = 5;
+const CONTEXT: usize = 6;
+
+fn data() -> &'static Splits {
+    static DATA: OnceLock<Splits> = OnceLock::new();
+    DATA.get_or_init(|| {
+        let text = "to be, or not to be: that is the question. whether 'tis nobler in the mind "
+            .repeat(20);
+        char_corpus(&text, CONTEXT, "verse").unwrap()
+    })
+}
+
+fn model(tie: bool) -> Model {
+    let shape = GptShape {
+        blocks: 3,
+        width: 8,
+        heads: 2,
+        context: CONTEXT,
+    };
+    let vocab = data().vocab.as_ref().unwrap().len();
+    Model::new(&gpt_spec(shape, vocab, tie)).unwrap()
+}
+
+fn opt() -> OptimizerConfig {
+    OptimizerConfig {
+        kind: OptimizerKind::Adamw,
+        weight_decay: 0.1,
+        ..OptimizerConfig::default()
+    }
+}
+
+fn lr(_stage: u32, k: u32) -> f32 {
+    3e-3 / (1.0 + 0.05 * k as f32)
+}
+
+/// Layers `[emb] [block block] [block] [norm head]`: the tie spans stages 0 and 3.
+fn plan(model: &Model, spec: &ScheduleSpec) -> RunPlan {
+    let partition = Partition::new(vec![0..1, 1..3, 3..4, 4..6], model.len()).unwrap();
+    RunPlan::new(model, spec, Some(partition)).unwrap()
+}
+
+fn source() -> OrderedSource<'static> {
+    OrderedSource {
+        data: &data().train,
+        order: data().train.epoch_order(SEED, 1),
+        size: 2,
+    }
+}
+
+fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
+    Setup {
+        model,
+        plan: run,
+        data: source,
+        loss: &SoftmaxCrossEntropy,
+        seed: SEED,
+        microbatch_offset: 0,
+        lr: &lr,
+        progress: None,
+    }
+}
+
+fn bits(p: &Params) -> Vec<u32> {
+    p.iter()
+        .flatten()
+        .flat_map(|t| t.host().unwrap().iter().map(|x| x.to_bits()))
+        .collect()
+}
+
+/// Runs `spec` pipelined and by the reference; every replica of every stage must match.
+/// Returns the reference's weights.
+fn check(spec: &ScheduleSpec, tie: bool) -> Vec<Params> {
+    let model = model(tie);
+    let run = plan(&model, spec);
+    let source = source();
+    let setup = setup(&run, &model, &source);
+    let init = model.init_params(SEED);
+    let mut states: Vec<WorkerState> = (0..run.schedule.workers())
+        .map(|w| WorkerState::new(&setup, w, &init, opt()))
+        .collect();
+    let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+    run_threads(&setup, &mut states, eps, || CpuBackend::new(1))
+        .unwrap_or_else(|e| panic!("{spec:?} tie {tie}: {e}"));
+    let want = reference_train(&CpuBackend::new(1).unwrap(), &setup, &init, opt()).unwrap();
+    for state in &states {
+        for st in &state.stages {
+            assert!(
+                bits(&st.params) == bits(&want[st.stage as usize]),
+                "{spec:?} tie {tie}: worker {} stage {} differs from the reference",
+                state.worker,
+                st.stage
+            );
+        }
+    }
+    for s in 0..run.schedule.stages() {
+        assert!(run.versions.updates_at(s) >= 8, "{spec:?}: stage {s}");
+    }
+    want
+}
+
+fn spec(policy: Policy, m: u32) -> ScheduleSpec {
+    ScheduleSpec::new(policy, 4, m).with_length(Length::Microbatches(48))
+}
+
+#[test]
+fn pipelined_transformer_equals_the_reference() {
+    for tie in [false, true] {
+        for (policy, m) in [
+            (Policy::PipeDream, 1),
+            (Policy::TwoBw, 4),
+            (Policy::OneFOneBFlush, 4),
+        ] {
+            check(&spec(policy, m), tie);
+        }
+    }
+}
+
+#[test]
+fn tied_copies_stay_equal_under_every_policy_and_replication() {
+    let cases = [
+        spec(Policy::PipeDream, 2).with_replicas(vec![2, 1, 1, 2]),
+        spec(Policy::PipeDreamNoStash, 1),
+        spec(Policy::VerticalSync, 1),
+        spec(Policy::Gpipe, 4),
+        spec(Policy::ZbH1, 4),
+        spec(Policy::OneFOneBFlush, 2).with_replicas(vec![1, 1, 2, 3]),
+    ];
+    let model = model(true);
+    let head = model.len() - 1;
+    for case in cases {
+        let want = check(&case, true);
+        // The embedding's token table (stage 0) and the head (stage 3) are one parameter.
+        assert_eq!(
+            bits(&vec![vec![want[0][0][0].clone()]]),
+            bits(&vec![vec![want[3][head - 4][0].clone()]]),
+            "{case:?}: tied copies differ"
+        );
+    }
+}
+
+#[test]
+fn tied_stages_updating_at_different_rates_are_refused() {
+    let model = model(true);
+    let asynchronous = spec(Policy::PipeDream, 2).with_replicas(vec![2, 1, 1, 1]);
+    let e = RunPlan::new(
+        &model,
+        &asynchronous,
+        Some(Partition::new(vec![0..1, 1..3, 3..4, 4..6], model.len()).unwrap()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("stages 0 and 3 share a tied parameter"), "{e}");
+}
+
+#[test]
+fn tying_changes_the_result() {
+    let untied = check(&spec(Policy::PipeDream, 1), false);
+    let tied = check(&spec(Policy::PipeDream, 1), true);
+    assert_ne!(bits(&untied[3]), bits(&tied[3]));
+}
