@@ -44,7 +44,9 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use crate::commands::{bench, cluster, eval, plan, profile, schedule, simulate, train, worker};
+use crate::commands::{
+    bench, cluster, eval, plan, profile, sample, schedule, simulate, train, worker,
+};
 use crate::output::bad_input;
 
 /// Pipeline-parallel training with weight stashing.
@@ -77,6 +79,8 @@ enum Command {
     Worker(Box<worker::WorkerArgs>),
     /// Test loss and accuracy of a checkpoint.
     Eval(eval::EvalArgs),
+    /// Generate text from a language model's checkpoint.
+    Sample(sample::SampleArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -129,6 +133,7 @@ fn run() -> Result<()> {
         Command::Cluster(cmd) => cluster::run(&cmd),
         Command::Worker(args) => worker::run(&args),
         Command::Eval(args) => eval::run(&args),
+        Command::Sample(args) => sample::run(&args),
     }
 }
 

@@ -10,9 +10,11 @@
 
 use std::time::Instant;
 
-use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
-use pipe_stages::model::{Model, ModelSpec};
+use pipe_kernels::{AttentionShape, Backend, CpuBackend, Tensor, Trans};
+use pipe_stages::layers::{ForwardCtx, LayerSpec};
+use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::profile::random_input;
 use pipe_stages::train::{StepState, train_step};
 use serde::Serialize;
 
@@ -76,6 +78,23 @@ pub struct MfuReport {
     pub passes: Vec<PassTime>,
     /// Seconds per step the matrix products take alone (sum of `passes`).
     pub gemm_s_per_step: f64,
+    /// A transformer's attention and block step timed alone (empty for other models).
+    pub components: Vec<ComponentTime>,
+}
+
+/// One part of a transformer's step timed alone.
+#[derive(Clone, Debug, Serialize)]
+pub struct ComponentTime {
+    /// `attention` (the kernel's forward and backward) or `block step` (one transformer
+    /// block's forward and backward).
+    pub part: String,
+    /// Median seconds.
+    pub seconds: f64,
+    /// GFLOP/s: attention counts `14 B T^2 C` (scores over the whole `T x T` tile, forward
+    /// and backward, the masked half included); the block three times its forward FLOPs.
+    pub gflops: f64,
+    /// `gflops` over the GEMM rate of the same run.
+    pub of_gemm: f64,
 }
 
 /// One pass's matrix products (forward `X W`, input gradient `dY W^T`, weight gradient
@@ -191,18 +210,19 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         ..OptimizerConfig::default()
     };
     let mut opt = Optimizer::new(ocfg, &params);
-    let inputs: usize = model.input_shape().iter().product();
-    let classes: usize = model.output_shape().iter().product();
+    let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
+    let targets = cfg.batch * rows.iter().product::<usize>();
     let mut x_shape = vec![cfg.batch];
     x_shape.extend_from_slice(model.input_shape());
-    let x_data: Vec<f32> = (0..cfg.batch * inputs)
-        .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
-    let x = Tensor::from_vec(&x_shape, x_data)?;
+    let x = random_input(&model, 0, &x_shape, 0, "mfu-x")?;
     let y = Tensor::from_vec(
-        &[cfg.batch],
-        (0..cfg.batch).map(|i| (i % classes) as u32).collect(),
+        &[targets],
+        (0..targets).map(|i| (i % classes.max(1)) as u32).collect(),
     )?;
+    let language = model
+        .specs()
+        .iter()
+        .any(|l| matches!(l, LayerSpec::TransformerBlock { .. }));
 
     let gemm_before = gemm_rate(&be, 15)?;
     let mut times = Vec::with_capacity(cfg.steps);
@@ -219,7 +239,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
             &model,
             &mut st,
             vec![(x.clone(), y.clone())],
-            1.0 / cfg.batch as f32,
+            1.0 / targets as f32,
             1e-3,
             0,
             &mut mb,
@@ -241,7 +261,18 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     let step = median(&times);
     let parameters = model.param_count();
     let samples_per_s = cfg.batch as f64 / step;
-    let flops_per_sample = 6.0 * parameters as f64;
+    // A dense model: 6 FLOPs per parameter and sample. A transformer also spends FLOPs that
+    // no parameter counts (attention scores and their weighted sums): three times its forward.
+    let flops_per_sample = if language {
+        3.0 * model.flops_per_sample() as f64
+    } else {
+        6.0 * parameters as f64
+    };
+    let components = if language {
+        transformer_components(&be, &model, &params, cfg.batch, gemm)?
+    } else {
+        Vec::new()
+    };
     let model_gflops = flops_per_sample * samples_per_s / 1e9;
     Ok(MfuReport {
         model: cfg.model.clone(),
@@ -256,7 +287,88 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         mfu: model_gflops / gemm,
         passes,
         gemm_s_per_step,
+        components,
     })
+}
+
+/// A transformer's parts timed alone at the step's batch: attention (its kernel forward and
+/// backward) and one block's whole step (forward and fused backward), each as GFLOP/s and as
+/// a fraction of the GEMM rate `gemm`.
+fn transformer_components(
+    be: &dyn Backend,
+    model: &Model,
+    params: &Params,
+    batch: usize,
+    gemm: f64,
+) -> Result<Vec<ComponentTime>, ExperimentError> {
+    let Some(i) = model
+        .specs()
+        .iter()
+        .position(|l| matches!(l, LayerSpec::TransformerBlock { .. }))
+    else {
+        return Ok(Vec::new());
+    };
+    let LayerSpec::TransformerBlock { width, heads, .. } = model.specs()[i] else {
+        return Ok(Vec::new());
+    };
+    let seq = model.shape_before(i).first().copied().unwrap_or(1);
+    let mut shape = vec![batch];
+    shape.extend_from_slice(model.shape_before(i));
+    let x = random_input(model, i, &shape, 1, "mfu-block")?;
+    let attention = AttentionShape {
+        batch,
+        seq,
+        heads,
+        width,
+    };
+    let qkv = random_input(model, i, &[batch * seq, 3 * width], 2, "mfu-qkv")?;
+    let (mut out, mut lse, mut dqkv) = (Tensor::default(), Tensor::default(), Tensor::default());
+    // Forward: Q K^T and P V, 2 T^2 C each per sequence; backward: the scores again, then
+    // dV, dP, dQ and dK.
+    let tile = (batch * seq * seq * width) as f64;
+    let attention_s = time_median(9, || {
+        be.attention(&qkv, attention, &mut out, &mut lse)?;
+        be.attention_backward(&qkv, &out, &lse, &out, attention, &mut dqkv)?;
+        Ok(())
+    })?;
+    let layer = model.layer(i);
+    let mut grads: Vec<Tensor> = params[i].iter().map(|p| Tensor::zeros(p.shape())).collect();
+    let ctx = ForwardCtx {
+        train: true,
+        seed: 0,
+    };
+    let block_s = time_median(9, || {
+        let (y, saved) = layer.forward(be, &params[i], x.clone(), ctx)?;
+        layer.backward(be, &params[i], &saved, &y, &mut grads, false, true)?;
+        Ok(())
+    })?;
+    let block_flops = 3.0 * (layer.flops_per_sample(model.shape_before(i)) * batch as u64) as f64;
+    let part = |name: &str, seconds: f64, flops: f64| ComponentTime {
+        part: name.into(),
+        seconds,
+        gflops: flops / seconds / 1e9,
+        of_gemm: flops / seconds / 1e9 / gemm,
+    };
+    Ok(vec![
+        part("attention", attention_s, 14.0 * tile),
+        part("block step", block_s, block_flops),
+    ])
+}
+
+/// Median seconds of `f` over `reps` runs after two untimed ones.
+fn time_median(
+    reps: usize,
+    mut f: impl FnMut() -> Result<(), pipe_kernels::KernelError>,
+) -> Result<f64, ExperimentError> {
+    let mut times = Vec::with_capacity(reps);
+    for round in 0..reps + 2 {
+        let t = Instant::now();
+        f()?;
+        if round >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(&times))
 }
 
 /// A short human-readable summary.
@@ -289,6 +401,18 @@ pub fn render(r: &MfuReport) -> String {
             p.gflops
         ));
     }
+    if !r.components.is_empty() {
+        out.push_str("transformer parts alone, against the GEMM rate:\n");
+    }
+    for c in &r.components {
+        out.push_str(&format!(
+            "  {:<18} {:>7.2} ms  {:>6.1} GFLOP/s  {:.2} of GEMM\n",
+            c.part,
+            c.seconds * 1e3,
+            c.gflops,
+            c.of_gemm
+        ));
+    }
     out
 }
 
@@ -314,5 +438,27 @@ mod tests {
         assert_eq!(r.passes.len(), 3);
         let sum: f64 = r.passes.iter().map(|p| p.seconds).sum();
         assert!((r.gemm_s_per_step - sum).abs() < 1e-12 && sum > 0.0);
+        assert!(r.components.is_empty(), "an MLP has no transformer parts");
+    }
+
+    #[test]
+    fn transformer_reports_attention_and_block_against_gemm() {
+        let r = run(&MfuConfig {
+            model: "gpt-mini".into(),
+            batch: 1,
+            threads: 1,
+            steps: 1,
+            warmup: 0,
+            momentum: 0.0,
+        })
+        .unwrap();
+        // Three times the forward FLOPs, which exceed 2 x parameters by attention's scores.
+        assert!(r.flops_per_sample > 6.0 * r.parameters as f64 * 0.5);
+        let parts: Vec<&str> = r.components.iter().map(|c| c.part.as_str()).collect();
+        assert_eq!(parts, ["attention", "block step"]);
+        for c in &r.components {
+            assert!(c.gflops > 0.0 && (c.of_gemm - c.gflops / r.gemm_gflops).abs() < 1e-9);
+        }
+        assert!(render(&r).contains("of GEMM"));
     }
 }

@@ -11,6 +11,13 @@ use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, S
 use crate::error::shape_err;
 use crate::{Device, KernelError, Result, Tensor};
 
+/// One sequence's share of the attention backward pass: its packed `qkv` rows, its output rows,
+/// its log-sum-exp row per head, the output's gradient rows, and the `dqkv` rows it fills.
+type AttentionBackwardTask<'a> = (
+    (((&'a [f32], &'a [f32]), &'a [f32]), &'a [f32]),
+    &'a mut [f32],
+);
+
 /// Elementwise work below this many elements runs on the calling thread.
 const PAR_MIN: usize = 1 << 16;
 /// Elementwise chunk handed to one task.
@@ -981,7 +988,7 @@ impl Backend for CpuBackend {
         }
         let (src, o, l, go) = (qkv.host()?, out.host()?, lse.host()?, dout.host()?);
         let dst = dqkv.resize_host(&[rows, 3 * c]);
-        let one = |((((q, o), l), go), d): ((((&[f32], &[f32]), &[f32]), &[f32]), &mut [f32])| {
+        let one = |((((q, o), l), go), d): AttentionBackwardTask<'_>| {
             let mut probs = vec![0.0f32; t * t];
             let mut dprobs = vec![0.0f32; t * t];
             crate::sequence::attention_backward_one(shape, q, o, l, go, d, &mut probs, &mut dprobs);

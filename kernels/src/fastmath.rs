@@ -27,7 +27,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let er = p * r * r + r + 1.0;
     // The integer n sits in the low mantissa bits of `shifted` (offset by 0x4B40_0000).
     let k = shifted.to_bits().wrapping_sub(0x4B40_0000) as i32;

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod eval;
 pub mod plan;
 pub mod profile;
+pub mod sample;
 pub mod schedule;
 pub mod simulate;
 pub mod train;

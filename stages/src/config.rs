@@ -14,7 +14,7 @@ use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec};
 use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
 use crate::pipeline::Partition;
-use crate::transformer::{gpt_shape, gpt_spec};
+use crate::transformer::gpt_shape;
 
 /// The model preset used when none is given.
 pub const DEFAULT_MODEL: &str = "mlp-784-512-512-10";
@@ -68,6 +68,12 @@ pub struct LanguageDefaults {
     pub weight_decay: f32,
     /// Sequences per microbatch.
     pub microbatch_size: usize,
+    /// Microbatches per update (per replica of the widest stage).
+    pub microbatches: usize,
+    /// Pipeline policy: PipeDream-2BW, whose gradients are one update old (PipeDream's are
+    /// up to the pipeline depth old, and on gpt-mini learned markedly slower; see
+    /// `docs/training.md`).
+    pub schedule: Policy,
     /// Passes over the training text.
     pub epochs: u64,
 }
@@ -78,8 +84,10 @@ impl Default for LanguageDefaults {
             optimizer: OptimizerKind::Adamw,
             lr: 2e-3,
             weight_decay: 0.1,
-            microbatch_size: 16,
-            epochs: 4,
+            microbatch_size: 4,
+            microbatches: 3,
+            schedule: Policy::TwoBw,
+            epochs: 14,
         }
     }
 }
@@ -313,7 +321,7 @@ impl TrainSettings {
                 }
                 let text = crate::data::tinyshakespeare_text(self.data_dir.as_deref())?;
                 let v = crate::data::corpus_vocab(&text);
-                let spec = gpt_spec(shape, v.len(), tie);
+                let spec = ModelSpec::gpt(shape, v.len(), tie);
                 vocab = Some(v);
                 (name, spec)
             }
@@ -323,6 +331,11 @@ impl TrainSettings {
             }
             (ModelChoice::Layers(spec), _) => ("custom".to_string(), spec),
         };
+        if vocab.is_none() && dataset == DatasetKind::TinyShakespeare {
+            // A layer list on text: its checkpoints carry the vocabulary like a preset's.
+            let text = crate::data::tinyshakespeare_text(self.data_dir.as_deref())?;
+            vocab = Some(crate::data::corpus_vocab(&text));
+        }
         if tie && language.is_none() {
             return bad(
                 "--tie-embeddings applies to the gpt-* presets (a layer list states its ties \
@@ -349,7 +362,9 @@ impl TrainSettings {
         if microbatch_size == 0 {
             return bad("microbatch size must be at least 1".into());
         }
-        let microbatches = self.microbatches.unwrap_or(1);
+        let microbatches = self
+            .microbatches
+            .unwrap_or(lm.map_or(1, |d| d.microbatches));
         if microbatches == 0 {
             return bad("microbatches per update must be at least 1".into());
         }
@@ -391,7 +406,7 @@ impl TrainSettings {
             Some(name) => name
                 .parse()
                 .map_err(|e: pipe_scheduler::ScheduleError| StageError::Config(e.to_string()))?,
-            None => Policy::PipeDream,
+            None => lm.map_or(Policy::PipeDream, |d| d.schedule),
         };
         let defaults = OptimizerConfig::default();
         let momentum = match (self.momentum, kind) {

@@ -11,45 +11,9 @@ use rand::Rng as _;
 use rand_distr::{Distribution, Normal, Uniform};
 use serde::{Deserialize, Serialize};
 
+pub use crate::layer::{ForwardCtx, Layer, Saved};
+use crate::layer::{INIT_STD, normal};
 use crate::rng::{Rng, derive_seed, rng_for};
-
-/// Everything a layer saves in its forward pass for its backward pass.
-#[derive(Clone, Debug, Default)]
-pub struct Saved {
-    /// Saved tensors (inputs, masks, statistics), layer-specific.
-    pub tensors: Vec<Tensor>,
-    /// Saved input shape, for layers that reshape.
-    pub shape: Vec<usize>,
-    /// What the inner layers of a block saved, in order.
-    pub inner: Vec<Saved>,
-}
-
-impl Saved {
-    /// Saved tensors only (no reshape to undo).
-    pub fn tensors(tensors: Vec<Tensor>) -> Self {
-        Self {
-            tensors,
-            shape: Vec::new(),
-            inner: Vec::new(),
-        }
-    }
-
-    /// Bytes held by the saved tensors (inner layers' included).
-    pub fn bytes(&self) -> usize {
-        let own: usize = self.tensors.iter().map(|t| t.len() * 4).sum();
-        own + self.inner.iter().map(Saved::bytes).sum::<usize>()
-    }
-}
-
-/// Per-call context of a forward pass.
-#[derive(Clone, Copy, Debug)]
-pub struct ForwardCtx {
-    /// Training mode (dropout active) or evaluation.
-    pub train: bool,
-    /// Seed for this layer and microbatch (dropout masks); derived by the model from the run
-    /// seed, the layer index and the microbatch id, so it is the same on any partition.
-    pub seed: u64,
-}
 
 /// How a linear layer's weights are initialised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -62,102 +26,8 @@ pub enum Init {
     Xavier,
     /// Normal with standard deviation 0.02 (GPT-2's, for transformer blocks).
     Gpt,
-}
-
-/// A layer: shape logic, initialisation, forward and the two halves of backward.
-pub trait Layer: Send + Sync + std::fmt::Debug {
-    /// Short kind name (`linear`, `relu`, ...).
-    fn kind(&self) -> &'static str;
-
-    /// Names and shapes of the parameters, in the order the other methods take them. A block
-    /// names its inner layers' parameters `{inner index}.{name}`.
-    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        Vec::new()
-    }
-
-    /// Fresh parameters drawn from `rng`.
-    fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
-        let _ = rng;
-        Vec::new()
-    }
-
-    /// Per-sample output shape for a per-sample input shape, or why the input does not fit.
-    ///
-    /// # Errors
-    /// A message naming the mismatch.
-    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String>;
-
-    /// Forward floating-point operations per sample (multiply-add counted as 2).
-    fn flops_per_sample(&self, input: &[usize]) -> u64 {
-        input.iter().product::<usize>() as u64
-    }
-
-    /// Forward pass.
-    ///
-    /// # Errors
-    /// Kernel shape errors.
-    fn forward(
-        &self,
-        be: &dyn Backend,
-        params: &[Tensor],
-        x: Tensor,
-        ctx: ForwardCtx,
-    ) -> KResult<(Tensor, Saved)>;
-
-    /// Gradient with respect to the input.
-    ///
-    /// # Errors
-    /// Kernel shape errors.
-    fn backward_input(
-        &self,
-        be: &dyn Backend,
-        params: &[Tensor],
-        saved: &Saved,
-        dy: &Tensor,
-    ) -> KResult<Tensor>;
-
-    /// Gradient with respect to the parameters, written (or added, when `accumulate`) to
-    /// `grads`, one tensor per parameter. Layers without parameters do nothing.
-    ///
-    /// # Errors
-    /// Kernel shape errors.
-    fn backward_params(
-        &self,
-        be: &dyn Backend,
-        params: &[Tensor],
-        saved: &Saved,
-        dy: &Tensor,
-        grads: &mut [Tensor],
-        accumulate: bool,
-    ) -> KResult<()> {
-        let _ = (be, params, saved, dy, grads, accumulate);
-        Ok(())
-    }
-
-    /// Both halves of the backward at once: the parameter gradients into `grads` (as
-    /// [`Layer::backward_params`]), then the input gradient when `need_input_grad`. Layers
-    /// whose two halves share work (attention, blocks) override it to do that work once; the
-    /// bits equal the two halves called apart.
-    ///
-    /// # Errors
-    /// Kernel shape errors.
-    #[allow(clippy::too_many_arguments)]
-    fn backward(
-        &self,
-        be: &dyn Backend,
-        params: &[Tensor],
-        saved: &Saved,
-        dy: &Tensor,
-        grads: &mut [Tensor],
-        accumulate: bool,
-        need_input_grad: bool,
-    ) -> KResult<Option<Tensor>> {
-        self.backward_params(be, params, saved, dy, grads, accumulate)?;
-        if need_input_grad {
-            return self.backward_input(be, params, saved, dy).map(Some);
-        }
-        Ok(None)
-    }
+    /// Zeros: a residual branch's last layer, so every block starts as the identity.
+    Zeros,
 }
 
 /// The serialisable description of a layer, as written in model config files.
@@ -369,11 +239,11 @@ impl LayerSpec {
             features: width,
             eps: default_eps(),
         };
-        let linear = |inputs, outputs| LayerSpec::Linear {
+        let linear = |inputs, outputs, init| LayerSpec::Linear {
             inputs,
             outputs,
             bias: true,
-            init: Some(Init::Gpt),
+            init: Some(init),
         };
         Some(vec![
             LayerSpec::Residual {
@@ -382,9 +252,9 @@ impl LayerSpec {
             LayerSpec::Residual {
                 layers: vec![
                     norm,
-                    linear(width, hidden),
+                    linear(width, hidden, Init::Gpt),
                     LayerSpec::Gelu,
-                    linear(hidden, width),
+                    linear(hidden, width, Init::Zeros),
                 ],
             },
         ])
@@ -448,13 +318,10 @@ impl Layer for Linear {
                     Err(_) => vec![0.0; n],
                 }
             }
-            Init::Gpt => crate::transformer::normal(
-                rng,
-                &[self.inputs, self.outputs],
-                crate::transformer::INIT_STD,
-            )
-            .into_host_vec()
-            .unwrap_or_default(),
+            Init::Gpt => normal(rng, &[self.inputs, self.outputs], INIT_STD)
+                .into_host_vec()
+                .unwrap_or_default(),
+            Init::Zeros => vec![0.0; n],
         };
         let mut v = vec![Tensor::from_vec(&[self.inputs, self.outputs], data).unwrap_or_default()];
         if self.bias {

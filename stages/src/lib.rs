@@ -17,6 +17,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod error;
+pub mod layer;
 pub mod layers;
 pub mod log;
 pub mod loss;
@@ -26,6 +27,7 @@ pub mod pipeline;
 pub mod planning;
 pub mod profile;
 pub mod rng;
+pub mod sample;
 pub mod train;
 pub mod transformer;
 

@@ -90,6 +90,46 @@ pub struct Tie {
 }
 
 impl ModelSpec {
+    /// A GPT-style decoder over `vocab` tokens: embedding, `blocks` transformer blocks, final layer
+    /// norm, head; with `tie`, the head uses the token embedding (`layers.{last}.weight` tied to
+    /// `layers.0.token`).
+    pub fn gpt(shape: crate::transformer::GptShape, vocab: usize, tie: bool) -> Self {
+        let crate::transformer::GptShape {
+            blocks,
+            width,
+            heads,
+            context,
+        } = shape;
+        let mut layers = vec![LayerSpec::Embedding {
+            vocab,
+            width,
+            context,
+        }];
+        layers.extend((0..blocks).map(|_| LayerSpec::TransformerBlock {
+            width,
+            heads,
+            hidden: None,
+        }));
+        layers.push(LayerSpec::LayerNorm {
+            features: width,
+            eps: 1e-5,
+        });
+        layers.push(LayerSpec::LmHead { width, vocab });
+        let tied = if tie {
+            vec![Tie {
+                param: format!("layers.{}.weight", layers.len() - 1),
+                to: "layers.0.token".into(),
+            }]
+        } else {
+            Vec::new()
+        };
+        Self {
+            input: vec![context],
+            layers,
+            tied,
+        }
+    }
+
     /// Parses a preset name: a GPT preset (`gpt-mini`, `gpt-small`: a character model sized
     /// for the embedded Tiny Shakespeare's vocabulary, untied), or `mlp-IN-H1-H2-...-OUT`, where a hidden width may be written `WxN`
     /// for N layers of width W (`mlp-784-1024x16-10`). Hidden layers use ReLU; a flatten layer
@@ -100,7 +140,7 @@ impl ModelSpec {
     pub fn preset(name: &str) -> Result<Self> {
         if let Some(shape) = crate::transformer::gpt_shape(name) {
             let vocab = crate::data::corpus_vocab(&crate::data::tinyshakespeare_text(None)?);
-            return Ok(crate::transformer::gpt_spec(shape, vocab.len(), false));
+            return Ok(Self::gpt(shape, vocab.len(), false));
         }
         let rest = name.strip_prefix("mlp-").ok_or_else(|| {
             StageError::Model(format!(

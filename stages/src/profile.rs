@@ -122,7 +122,10 @@ pub(crate) fn random(shape: &[usize], seed: u64, what: &str, i: u64) -> Result<T
 
 /// A random input batch (`shape`, batch first) for layer `i` of `model`: token ids below the
 /// vocabulary for an embedding, uniform values in `[-1, 1)` otherwise.
-pub(crate) fn random_input(
+///
+/// # Errors
+/// A shape whose element count does not fit a tensor.
+pub fn random_input(
     model: &Model,
     i: usize,
     shape: &[usize],

@@ -177,7 +177,7 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
 
 /// Tokens per second for data whose samples hold `targets` tokens (None for classification).
 pub fn tokens_per_sec(samples_per_sec: f64, targets: usize) -> Option<f64> {
-    (targets > 1).then(|| samples_per_sec * targets as f64)
+    (targets > 1).then_some(samples_per_sec * targets as f64)
 }
 
 /// Fewest samples per evaluation batch.

@@ -12,25 +12,9 @@
 //! every id (a fractional, negative or out-of-vocabulary value is an error naming it).
 
 use pipe_kernels::{AttentionShape, Backend, Result as KResult, Tensor, Trans};
-use rand_distr::{Distribution, Normal};
 
-use crate::layers::{ForwardCtx, Layer, LayerSpec, Saved};
-use crate::model::{ModelSpec, Tie};
+use crate::layer::{ForwardCtx, INIT_STD, Layer, Saved, normal};
 use crate::rng::Rng;
-
-/// Standard deviation of the normal initialisation of embeddings, attention and the head
-/// (GPT-2's).
-pub const INIT_STD: f64 = 0.02;
-
-/// `shape` filled from `N(0, std)`.
-pub(crate) fn normal(rng: &mut Rng, shape: &[usize], std: f64) -> Tensor {
-    let n = shape.iter().product();
-    let data = match Normal::new(0.0, std) {
-        Ok(d) => (0..n).map(|_| d.sample(rng) as f32).collect(),
-        Err(_) => vec![0.0; n],
-    };
-    Tensor::from_vec(shape, data).unwrap_or_default()
-}
 
 fn shape_err(op: &'static str, detail: String) -> pipe_kernels::KernelError {
     pipe_kernels::KernelError::Shape { op, detail }
@@ -267,7 +251,8 @@ impl Layer for Attention {
         vec![
             normal(rng, &[c, 3 * c], INIT_STD),
             Tensor::zeros(&[3 * c]),
-            normal(rng, &[c, c], INIT_STD),
+            // The residual branch starts closed (see `Init::Zeros`).
+            Tensor::zeros(&[c, c]),
             Tensor::zeros(&[c]),
         ]
     }
@@ -491,44 +476,4 @@ pub fn gpt_shape(name: &str) -> Option<GptShape> {
         .iter()
         .find(|(n, _)| *n == name)
         .map(|(_, s)| *s)
-}
-
-/// A GPT-style decoder over `vocab` tokens: embedding, `blocks` transformer blocks, final layer
-/// norm, head; with `tie`, the head uses the token embedding (`layers.{last}.weight` tied to
-/// `layers.0.token`).
-pub fn gpt_spec(shape: GptShape, vocab: usize, tie: bool) -> ModelSpec {
-    let GptShape {
-        blocks,
-        width,
-        heads,
-        context,
-    } = shape;
-    let mut layers = vec![LayerSpec::Embedding {
-        vocab,
-        width,
-        context,
-    }];
-    layers.extend((0..blocks).map(|_| LayerSpec::TransformerBlock {
-        width,
-        heads,
-        hidden: None,
-    }));
-    layers.push(LayerSpec::LayerNorm {
-        features: width,
-        eps: 1e-5,
-    });
-    layers.push(LayerSpec::LmHead { width, vocab });
-    let tied = if tie {
-        vec![Tie {
-            param: format!("layers.{}.weight", layers.len() - 1),
-            to: "layers.0.token".into(),
-        }]
-    } else {
-        Vec::new()
-    };
-    ModelSpec {
-        input: vec![context],
-        layers,
-        tied,
-    }
 }

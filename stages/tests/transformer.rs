@@ -11,12 +11,12 @@ use pipe_kernels::CpuBackend;
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::data::{Splits, char_corpus};
 use pipe_stages::loss::SoftmaxCrossEntropy;
-use pipe_stages::model::{Model, Params};
+use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
     OrderedSource, Partition, RunPlan, Setup, WorkerState, reference_train, run_threads,
 };
-use pipe_stages::transformer::{GptShape, gpt_spec};
+use pipe_stages::transformer::GptShape;
 use pipe_transport::inproc::{InProcOptions, mesh};
 
 const SEED: u64 = 5;
@@ -39,7 +39,7 @@ fn model(tie: bool) -> Model {
         context: CONTEXT,
     };
     let vocab = data().vocab.as_ref().unwrap().len();
-    Model::new(&gpt_spec(shape, vocab, tie)).unwrap()
+    Model::new(&ModelSpec::gpt(shape, vocab, tie)).unwrap()
 }
 
 fn opt() -> OptimizerConfig {

@@ -693,7 +693,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         be: &dyn Backend,
         stage: u32,
         update: u32,
-    ) -> Result<(Vec<Message>, Vec<(Key, u32)>)> {
+    ) -> Result<TieExchange> {
         let c = self.chunk(stage)?;
         let (mut sends, mut recvs) = (Vec::new(), Vec::new());
         if self.stages[c].tie_partners.is_empty() {
@@ -780,6 +780,10 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
 /// The [`Key::step`] of a tied-gradient message (ring steps of all-reduce chunks, which share
 /// the kind, stay far below it).
 pub const TIED_GRADIENT_STEP: u32 = u32::MAX;
+
+/// What [`WorkerCore::tie_exchange`] returns: the messages to send, and the keys to receive with
+/// the stage each comes from.
+pub type TieExchange = (Vec<Message>, Vec<(Key, u32)>);
 
 /// Sums each tied parameter's uses across `run` and the partner stages whose gradients it
 /// received, exactly as the reference trainer sums a tie group's stages
