@@ -177,24 +177,63 @@ impl Heads {
         }
     }
 
-    /// `scores = scale * Q K^T` for head `h` (all `T x T`; the causal half is ignored later).
+    /// Rows `r0..r1` of `scores = Q K^T` for head `h`, columns `0..r1` only: the columns past
+    /// a block's last row are masked for every row of it, so they are never formed.
     ///
     /// # Safety
-    /// `qkv` addresses one sequence's `T x 3C` values; `scores` holds `T * T`.
-    unsafe fn scores(&self, qkv: *const f32, h: usize, scores: &mut [f32]) {
+    /// `qkv` addresses one sequence's `T x 3C` values; `scores` holds `T * T`; `r0 < r1 <= T`.
+    unsafe fn scores(
+        &self,
+        qkv: *const f32,
+        h: usize,
+        (r0, r1): (usize, usize),
+        scores: &mut [f32],
+    ) {
         let t = self.seq;
+        let q = self.qkv(qkv, 0, h);
         // SAFETY: per the caller; the views stay inside the sequence's rows.
         unsafe {
             product(
-                t,
-                t,
+                r1 - r0,
+                r1,
                 self.head,
-                scores.as_mut_ptr(),
+                scores.as_mut_ptr().add(r0 * t),
                 t as isize,
-                self.qkv(qkv, 0, h),
+                View {
+                    ptr: q.ptr.wrapping_offset(r0 as isize * q.rs),
+                    ..q
+                },
                 self.qkv_t(qkv, 1, h),
             );
         }
+    }
+}
+
+/// Rows per block of the causal mask: a block of query rows `r0..r1` attends to keys `0..r1`,
+/// so the products skip every key column past its block (with `T = 128`, 10 of 16 tiles of
+/// each `T x T` product are formed instead of 16).
+const BLOCK: usize = 32;
+
+/// The row blocks `(r0, r1)` of a `t`-row sequence.
+fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(BLOCK)
+        .map(move |r0| (r0, (r0 + BLOCK).min(t)))
+}
+
+/// `view` moved down by `rows` rows.
+fn down(view: View, rows: usize) -> View {
+    View {
+        ptr: view.ptr.wrapping_offset(rows as isize * view.rs),
+        ..view
+    }
+}
+
+/// `view` moved right by `cols` columns.
+fn right(view: View, cols: usize) -> View {
+    View {
+        ptr: view.ptr.wrapping_offset(cols as isize * view.cs),
+        ..view
     }
 }
 
@@ -210,48 +249,56 @@ pub(crate) fn attention_one(
     let g = Heads::new(s);
     let t = g.seq;
     for h in 0..s.heads {
-        // SAFETY: `qkv` is this sequence's T x 3C values, `scratch` T x T.
-        unsafe { g.scores(qkv.as_ptr(), h, scratch) };
-        for (i, row) in scratch.chunks_exact_mut(t).enumerate() {
-            let live = &mut row[..=i];
-            let max = live
-                .iter()
-                .fold(f32::NEG_INFINITY, |m, &v| m.max(v * g.scale));
-            let mut sum = 0.0f32;
-            for v in live.iter_mut() {
-                *v = crate::fastmath::exp(*v * g.scale - max);
+        for (r0, r1) in blocks(t) {
+            // SAFETY: `qkv` is this sequence's T x 3C values, `scratch` T x T.
+            unsafe { g.scores(qkv.as_ptr(), h, (r0, r1), scratch) };
+            for i in r0..r1 {
+                let row = &mut scratch[i * t..i * t + r1];
+                let live = &mut row[..=i];
+                let max = live
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, &v| m.max(v * g.scale));
+                let mut sum = 0.0f32;
+                for v in live.iter_mut() {
+                    *v = crate::fastmath::exp(*v * g.scale - max);
+                }
+                // Summed apart from the exponentials, in order, so their loop vectorises.
+                for v in live.iter() {
+                    sum += *v;
+                }
+                let inv = 1.0 / sum;
+                live.iter_mut().for_each(|v| *v *= inv);
+                row[i + 1..].fill(0.0);
+                lse[h * t + i] = max + sum.ln();
             }
-            // Summed apart from the exponentials, in order, so their loop vectorises.
-            for v in live.iter() {
-                sum += *v;
+            let p = View {
+                ptr: scratch.as_ptr(),
+                cs: 1,
+                rs: t as isize,
+            };
+            // SAFETY: `out` is this sequence's T x C values; head h's columns of rows r0..r1
+            // are written whole, from the block's probabilities (columns 0..r1) and values.
+            unsafe {
+                product(
+                    r1 - r0,
+                    g.head,
+                    r1,
+                    out.as_mut_ptr().add(r0 * g.width + h * g.head),
+                    g.width as isize,
+                    down(p, r0),
+                    g.qkv(qkv.as_ptr(), 2, h),
+                );
             }
-            let inv = 1.0 / sum;
-            live.iter_mut().for_each(|v| *v *= inv);
-            row[i + 1..].fill(0.0);
-            lse[h * t + i] = max + sum.ln();
-        }
-        let p = View {
-            ptr: scratch.as_ptr(),
-            cs: 1,
-            rs: t as isize,
-        };
-        // SAFETY: `out` is this sequence's T x C values; head h's columns are written whole.
-        unsafe {
-            product(
-                t,
-                g.head,
-                t,
-                out.as_mut_ptr().add(h * g.head),
-                g.width as isize,
-                p,
-                g.qkv(qkv.as_ptr(), 2, h),
-            );
         }
     }
 }
 
 /// The backward of [`attention_one`] for one sequence: `dqkv` (`T x 3C`, every element
 /// written) from `dout` (`T x C`), with `probs` and `dprobs` scratch of `T * T` each.
+///
+/// Only the causal blocks are formed: a block of query rows `r0..r1` reads and writes
+/// probability columns `0..r1` (zero past each row's diagonal), and a block of key rows
+/// `j0..j1` gathers from query rows `j0..T`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward_one(
     s: AttentionShape,
@@ -268,82 +315,102 @@ pub(crate) fn attention_backward_one(
     let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr());
     let rs3 = 3 * g.width as isize;
     for h in 0..s.heads {
-        // Probabilities again, from the saved log-sum-exp.
-        // SAFETY: `qkv` is this sequence's T x 3C values, `probs` T x T.
-        unsafe { g.scores(q, h, probs) };
-        for (i, row) in probs.chunks_exact_mut(t).enumerate() {
-            let l = lse[h * t + i];
-            row[..=i]
-                .iter_mut()
-                .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
-            row[i + 1..].fill(0.0);
+        let dout_h = g.out(dout.as_ptr(), h);
+        for (r0, r1) in blocks(t) {
+            // Probabilities again, from the saved log-sum-exp.
+            // SAFETY: `qkv` is this sequence's T x 3C values, `probs` T x T.
+            unsafe { g.scores(q, h, (r0, r1), probs) };
+            for i in r0..r1 {
+                let l = lse[h * t + i];
+                let row = &mut probs[i * t..i * t + r1];
+                row[..=i]
+                    .iter_mut()
+                    .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
+                row[i + 1..].fill(0.0);
+            }
+            // SAFETY: rows r0..r1, columns 0..r1 of the T x T scratch; dO's and V's rows stay
+            // inside the sequence.
+            unsafe {
+                // dP = dO V^T.
+                product(
+                    r1 - r0,
+                    r1,
+                    g.head,
+                    dprobs.as_mut_ptr().add(r0 * t),
+                    t as isize,
+                    down(dout_h, r0),
+                    g.qkv_t(q, 2, h),
+                );
+            }
+            // dS = P * (dP - rowsum(dO * O)) * scale.
+            for i in r0..r1 {
+                let (o, go) = (
+                    &out[i * g.width + h * g.head..],
+                    &dout[i * g.width + h * g.head..],
+                );
+                let dot: f32 = (0..g.head).map(|j| o[j] * go[j]).sum();
+                let (p, dp) = (&probs[i * t..i * t + r1], &mut dprobs[i * t..i * t + r1]);
+                for j in 0..=i {
+                    dp[j] = p[j] * (dp[j] - dot) * g.scale;
+                }
+                dp[i + 1..].fill(0.0);
+            }
+            let ds = View {
+                ptr: dprobs.as_ptr(),
+                cs: 1,
+                rs: t as isize,
+            };
+            // SAFETY: as above; dQ's rows r0..r1 of head h are written whole.
+            unsafe {
+                // dQ = dS K.
+                product(
+                    r1 - r0,
+                    g.head,
+                    r1,
+                    d.add(r0 * 3 * g.width + h * g.head),
+                    rs3,
+                    down(ds, r0),
+                    g.qkv(q, 1, h),
+                );
+            }
         }
         let p_t = View {
             ptr: probs.as_ptr(),
             cs: t as isize,
             rs: 1,
         };
-        let dout_h = g.out(dout.as_ptr(), h);
-        // SAFETY: every view addresses this sequence's buffers (T x 3C, T x C, T x T); the
-        // destinations are head h's columns of dqkv or the scratch, written whole.
-        unsafe {
-            // dV = P^T dO.
-            product(
-                t,
-                g.head,
-                t,
-                d.add(2 * g.width + h * g.head),
-                rs3,
-                p_t,
-                dout_h,
-            );
-            // dP = dO V^T.
-            product(
-                t,
-                t,
-                g.head,
-                dprobs.as_mut_ptr(),
-                t as isize,
-                dout_h,
-                g.qkv_t(q, 2, h),
-            );
-        }
-        // dS = P * (dP - rowsum(dO * O)) * scale.
-        for i in 0..t {
-            let (o, go) = (
-                &out[i * g.width + h * g.head..],
-                &dout[i * g.width + h * g.head..],
-            );
-            let dot: f32 = (0..g.head).map(|j| o[j] * go[j]).sum();
-            let (p, dp) = (&probs[i * t..i * t + t], &mut dprobs[i * t..i * t + t]);
-            for j in 0..=i {
-                dp[j] = p[j] * (dp[j] - dot) * g.scale;
-            }
-            dp[i + 1..].fill(0.0);
-        }
-        let ds = View {
-            ptr: dprobs.as_ptr(),
-            cs: 1,
-            rs: t as isize,
-        };
         let ds_t = View {
             ptr: dprobs.as_ptr(),
             cs: t as isize,
             rs: 1,
         };
-        // SAFETY: as above.
-        unsafe {
-            // dQ = dS K, dK = dS^T Q.
-            product(t, g.head, t, d.add(h * g.head), rs3, ds, g.qkv(q, 1, h));
-            product(
-                t,
-                g.head,
-                t,
-                d.add(g.width + h * g.head),
-                rs3,
-                ds_t,
-                g.qkv(q, 0, h),
-            );
+        for (j0, j1) in blocks(t) {
+            // Key rows j0..j1 receive from query rows j0..T: every probability and score
+            // gradient they read was formed above (or is a zero past a diagonal).
+            // SAFETY: rows j0..j1 of dV and dK, head h's columns, written whole; the reads
+            // stay inside the T x T scratch and the sequence's rows.
+            unsafe {
+                // dV = P^T dO.
+                product(
+                    j1 - j0,
+                    g.head,
+                    t - j0,
+                    d.add(j0 * 3 * g.width + 2 * g.width + h * g.head),
+                    rs3,
+                    right(down(p_t, j0), j0),
+                    down(dout_h, j0),
+                );
+                // dK = dS^T Q.
+                product(
+                    j1 - j0,
+                    g.head,
+                    t - j0,
+                    d.add(j0 * 3 * g.width + g.width + h * g.head),
+                    rs3,
+                    right(down(ds_t, j0), j0),
+                    down(g.qkv(q, 0, h), j0),
+                );
+            }
         }
     }
 }

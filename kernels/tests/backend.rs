@@ -404,24 +404,38 @@ const ATTN: AttentionShape = AttentionShape {
     width: 8,
 };
 
+/// Longer than the CPU kernel's 32-row causal blocks, and not a multiple of them: the blocks
+/// past the first, the skipped tiles and a partial last block are all exercised.
+const LONG_ATTN: AttentionShape = AttentionShape {
+    batch: 2,
+    seq: 70,
+    heads: 2,
+    width: 8,
+};
+
 fn attention_matches_reference(be: &dyn Backend) {
-    let rows = ATTN.batch * ATTN.seq;
-    let mut qkv = rand_t(&[rows, 3 * ATTN.width], 21);
+    attention_forward_case(be, ATTN);
+    attention_forward_case(be, LONG_ATTN);
+}
+
+fn attention_forward_case(be: &dyn Backend, shape: AttentionShape) {
+    let rows = shape.batch * shape.seq;
+    let mut qkv = rand_t(&[rows, 3 * shape.width], 21);
     // Large scores too: the softmax must subtract its row maximum.
     qkv.host_mut().unwrap().iter_mut().for_each(|v| *v *= 6.0);
-    let (want, want_lse) = naive_attention(qkv.host().unwrap(), ATTN);
+    let (want, want_lse) = naive_attention(qkv.host().unwrap(), shape);
     let (mut out, mut lse) = (Tensor::default(), Tensor::default());
-    be.attention(&on(be, &qkv), ATTN, &mut out, &mut lse)
+    be.attention(&on(be, &qkv), shape, &mut out, &mut lse)
         .unwrap();
-    assert_eq!(out.shape(), [rows, ATTN.width]);
+    assert_eq!(out.shape(), [rows, shape.width]);
     close(&read(be, &out), &want, 1e-5);
     close(&read(be, &lse), &want_lse, 1e-5);
-    let short = rand_t(&[rows - 1, 3 * ATTN.width], 1);
+    let short = rand_t(&[rows - 1, 3 * shape.width], 1);
     assert!(
-        be.attention(&on(be, &short), ATTN, &mut out, &mut lse)
+        be.attention(&on(be, &short), shape, &mut out, &mut lse)
             .is_err()
     );
-    let odd = AttentionShape { heads: 3, ..ATTN };
+    let odd = AttentionShape { heads: 3, ..shape };
     assert!(
         be.attention(&on(be, &qkv), odd, &mut out, &mut lse)
             .is_err()
@@ -430,18 +444,29 @@ fn attention_matches_reference(be: &dyn Backend) {
 
 /// The backward against central differences of `sum(out * g)` computed in f64.
 fn attention_backward_matches_reference(be: &dyn Backend) {
-    let rows = ATTN.batch * ATTN.seq;
-    let qkv = rand_t(&[rows, 3 * ATTN.width], 22);
-    let g = lcg(rows * ATTN.width, 23);
+    attention_backward_case(be, ATTN);
+    attention_backward_case(
+        be,
+        AttentionShape {
+            batch: 1,
+            ..LONG_ATTN
+        },
+    );
+}
+
+fn attention_backward_case(be: &dyn Backend, shape: AttentionShape) {
+    let rows = shape.batch * shape.seq;
+    let qkv = rand_t(&[rows, 3 * shape.width], 22);
+    let g = lcg(rows * shape.width, 23);
     let (mut out, mut lse) = (Tensor::default(), Tensor::default());
-    be.attention(&on(be, &qkv), ATTN, &mut out, &mut lse)
+    be.attention(&on(be, &qkv), shape, &mut out, &mut lse)
         .unwrap();
-    let dout = Tensor::from_vec(&[rows, ATTN.width], g.clone()).unwrap();
+    let dout = Tensor::from_vec(&[rows, shape.width], g.clone()).unwrap();
     let mut dqkv = Tensor::default();
-    be.attention_backward(&on(be, &qkv), &out, &lse, &on(be, &dout), ATTN, &mut dqkv)
+    be.attention_backward(&on(be, &qkv), &out, &lse, &on(be, &dout), shape, &mut dqkv)
         .unwrap();
     let objective = |x: &[f32]| -> f64 {
-        let (o, _) = naive_attention(x, ATTN);
+        let (o, _) = naive_attention(x, shape);
         o.iter().zip(&g).map(|(o, g)| o * f64::from(*g)).sum()
     };
     let base = qkv.host().unwrap().to_vec();
