@@ -212,3 +212,140 @@ fn flush_shares_differ_by_one_when_the_minibatch_does_not_divide() {
         .collect();
     assert_eq!(shares, vec![vec![2, 1], vec![1, 2], vec![2, 1], vec![1, 2]]);
 }
+
+/// The version a replica has applied when it starts the forward of its local microbatch `i`
+/// (its `i`-th microbatch of the stage): a 1F1B sequencer of in-flight depth `depth` has then
+/// finished `i + 1 - depth` backwards (none while filling), and it updates after every `m`.
+fn async_forward_version(i: u32, depth: u32, m: u32) -> u32 {
+    (i + 1).saturating_sub(depth) / m
+}
+
+fn plan_with(
+    policy: Policy,
+    replicas: Vec<u32>,
+    m: u32,
+    updates: u32,
+) -> (VersionPlan, u32, Vec<u32>) {
+    let spec = ScheduleSpec::new(policy, replicas.len() as u32, m)
+        .with_replicas(replicas)
+        .with_length(Length::Updates(updates));
+    let s = lower(&generate(&spec).unwrap(), LowerOptions::default());
+    validate::check(&s).unwrap();
+    let depths = s.resolved.depths.clone();
+    (
+        VersionPlan::derive(&s).unwrap(),
+        s.total_microbatches(),
+        depths,
+    )
+}
+
+/// The asynchronous policies at `M > 1` on straight pipelines: the forward at stage `s` sees
+/// `floor((n - (S - s - 1)) / M)` updates, so stage 0 is `S - 1` microbatches behind at every
+/// `M`, and an update sums `M` consecutive microbatches.
+#[test]
+fn asynchronous_policies_at_several_microbatches_per_update() {
+    for stages in 1..=5u32 {
+        for m in [2u32, 3, 4] {
+            let straight = vec![1; stages as usize];
+            for policy in [
+                Policy::PipeDream,
+                Policy::PipeDreamNoStash,
+                Policy::VerticalSync,
+            ] {
+                let (p, n, depths) = plan_with(policy, straight.clone(), m, 12);
+                let want_depths: Vec<u32> = (0..stages).map(|s| stages - s).collect();
+                assert_eq!(depths, want_depths, "{policy} S={stages}");
+                for s in 0..stages {
+                    for mb in 0..n {
+                        let ctx = format!("{policy} S={stages} M={m} s={s} n={mb}");
+                        let own = async_forward_version(mb, stages - s, m);
+                        let input_stage = async_forward_version(mb, stages, m);
+                        let (fwd, bwd) = match policy {
+                            Policy::PipeDream => (own, own),
+                            Policy::PipeDreamNoStash => (own, mb / m),
+                            _ => (input_stage, input_stage),
+                        };
+                        assert_eq!(p.forward_version(s, mb), fwd, "{ctx} forward");
+                        assert_eq!(p.backward_version(s, mb), bwd, "{ctx} backward");
+                    }
+                    for k in 0..p.updates_at(s) {
+                        let mbs: Vec<u32> = p.update(s, k).microbatches().collect();
+                        assert_eq!(mbs, (k * m..(k + 1) * m).collect::<Vec<_>>(), "{policy}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Replicated and unequal layouts: microbatch `n` goes to replica `n mod r_s` as its local
+/// microbatch `n / r_s`; each replica runs the same 1F1B sequencer at its position's depth
+/// (pinned here: NOAM where it is kept; the searched depths where replica counts differ and
+/// the search deepens them, `[2, 1, 1]` to 3, 2, 1 from NOAM's 2, 2, 1 and `[1, 2, 1]` to
+/// 6, 2, 1 from 4, 2, 1), and the replicas
+/// of a stage update together after `M` local backwards each. Vertical sync converts the
+/// input stage's version into microbatches (`v M r_0`) and each stage takes its newest
+/// version holding no other gradients; 2BW's minibatch `t` (of `M r_s` microbatches) uses
+/// version `t - 1`.
+#[test]
+fn replicated_and_unequal_layouts_follow_their_closed_forms() {
+    // (replicas, M, in-flight depth per stage for the asynchronous policies)
+    let cases: [(&[u32], u32, &[u32]); 9] = [
+        (&[2, 1, 1], 1, &[3, 2, 1]),
+        (&[2, 1, 1], 2, &[3, 2, 1]),
+        (&[2, 1, 1], 3, &[3, 2, 1]),
+        (&[1, 2, 1], 1, &[6, 2, 1]),
+        (&[1, 2, 1], 2, &[6, 2, 1]),
+        (&[1, 2, 1], 3, &[6, 2, 1]),
+        (&[3, 1], 1, &[2, 1]),
+        (&[3, 1], 2, &[2, 1]),
+        (&[2, 2, 2], 2, &[3, 2, 1]),
+    ];
+    for (replicas, m, want_depths) in cases {
+        let r = |s: u32| replicas[s as usize];
+        for policy in [
+            Policy::PipeDream,
+            Policy::PipeDreamNoStash,
+            Policy::VerticalSync,
+            Policy::TwoBw,
+        ] {
+            let m = if policy == Policy::TwoBw { m.max(3) } else { m };
+            let (p, n, depths) = plan_with(policy, replicas.to_vec(), m, 8);
+            if policy != Policy::TwoBw {
+                assert_eq!(depths, want_depths, "{policy} {replicas:?} M={m} depths");
+            }
+            let stages = replicas.len() as u32;
+            for s in 0..stages {
+                for mb in 0..n {
+                    let ctx = format!("{policy} {replicas:?} M={m} s={s} n={mb}");
+                    let local = mb / r(s);
+                    let own = async_forward_version(local, depths[s as usize], m);
+                    let (fwd, bwd) = match policy {
+                        Policy::PipeDream => (own, own),
+                        Policy::PipeDreamNoStash => (own, local / m),
+                        Policy::VerticalSync => {
+                            let v0 = async_forward_version(mb / r(0), depths[0], m);
+                            let v = v0 * m * r(0) / (m * r(s));
+                            (v, v)
+                        }
+                        _ => {
+                            let t = mb / (m * r(s));
+                            (t.saturating_sub(1), t.saturating_sub(1))
+                        }
+                    };
+                    assert_eq!(p.forward_version(s, mb), fwd, "{ctx} forward");
+                    assert_eq!(p.backward_version(s, mb), bwd, "{ctx} backward");
+                }
+                for k in 0..p.updates_at(s) {
+                    let sums = p.update(s, k);
+                    assert_eq!(sums.per_replica.len(), r(s) as usize);
+                    for (j, mbs) in sums.per_replica.iter().enumerate() {
+                        let want: Vec<u32> =
+                            (k * m..(k + 1) * m).map(|i| i * r(s) + j as u32).collect();
+                        assert_eq!(mbs.to_vec(), want, "{policy} {replicas:?} s={s} k={k}");
+                    }
+                }
+            }
+        }
+    }
+}
