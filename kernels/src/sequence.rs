@@ -87,6 +87,26 @@ struct View {
     rs: isize,
 }
 
+impl View {
+    /// A row-major matrix with rows `rs` elements apart (the `T x T` scratch).
+    fn row_major(ptr: *const f32, rs: usize) -> Self {
+        View {
+            ptr,
+            cs: 1,
+            rs: rs as isize,
+        }
+    }
+
+    /// The transpose of this view (no data moves).
+    fn t(self) -> Self {
+        View {
+            ptr: self.ptr,
+            cs: self.rs,
+            rs: self.cs,
+        }
+    }
+}
+
 /// `dst (m x n, row stride dst_rs) = lhs (m x k) rhs (k x n)`, one thread.
 ///
 /// # Safety
@@ -160,12 +180,7 @@ impl Heads {
 
     /// The transpose of [`Heads::qkv`].
     fn qkv_t(&self, base: *const f32, part: usize, h: usize) -> View {
-        let v = self.qkv(base, part, h);
-        View {
-            ptr: v.ptr,
-            cs: v.rs,
-            rs: v.cs,
-        }
+        self.qkv(base, part, h).t()
     }
 
     /// Head `h` of one sequence's `[T, C]` rows.
@@ -271,11 +286,7 @@ pub(crate) fn attention_one(
                 row[i + 1..].fill(0.0);
                 lse[h * t + i] = max + sum.ln();
             }
-            let p = View {
-                ptr: scratch.as_ptr(),
-                cs: 1,
-                rs: t as isize,
-            };
+            let p = View::row_major(scratch.as_ptr(), t);
             // SAFETY: `out` is this sequence's T x C values; head h's columns of rows r0..r1
             // are written whole, from the block's probabilities (columns 0..r1) and values.
             unsafe {
@@ -355,11 +366,7 @@ pub(crate) fn attention_backward_one(
                 }
                 dp[i + 1..].fill(0.0);
             }
-            let ds = View {
-                ptr: dprobs.as_ptr(),
-                cs: 1,
-                rs: t as isize,
-            };
+            let ds = View::row_major(dprobs.as_ptr(), t);
             // SAFETY: as above; dQ's rows r0..r1 of head h are written whole.
             unsafe {
                 // dQ = dS K.
@@ -374,16 +381,8 @@ pub(crate) fn attention_backward_one(
                 );
             }
         }
-        let p_t = View {
-            ptr: probs.as_ptr(),
-            cs: t as isize,
-            rs: 1,
-        };
-        let ds_t = View {
-            ptr: dprobs.as_ptr(),
-            cs: t as isize,
-            rs: 1,
-        };
+        let p_t = View::row_major(probs.as_ptr(), t).t();
+        let ds_t = View::row_major(dprobs.as_ptr(), t).t();
         for (j0, j1) in blocks(t) {
             // Key rows j0..j1 receive from query rows j0..T: every probability and score
             // gradient they read was formed above (or is a zero past a diagonal).
