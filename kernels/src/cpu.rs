@@ -255,10 +255,12 @@ impl CpuBackend {
 
     fn par_map_inplace(&self, data: &mut [f32], f: impl Fn(&mut [f32]) + Sync + Send) {
         if self.threads > 1 && data.len() >= PAR_MIN {
-            self.pool
-                .install(|| data.par_chunks_mut(PAR_CHUNK).for_each(&f));
+            self.pool.install(|| {
+                data.par_chunks_mut(PAR_CHUNK)
+                    .for_each(|c| crate::vector::vectorized(|| f(c)))
+            });
         } else {
-            f(data);
+            crate::vector::vectorized(|| f(data));
         }
     }
 
@@ -284,11 +286,30 @@ impl CpuBackend {
                 out.par_chunks_mut(PAR_CHUNK)
                     .zip(a.par_chunks(PAR_CHUNK))
                     .zip(b.par_chunks(PAR_CHUNK))
-                    .for_each(|((o, a), b)| f(o, a, b));
+                    .for_each(|((o, a), b)| crate::vector::vectorized(|| f(o, a, b)));
             });
         } else {
-            f(out, a, b);
+            crate::vector::vectorized(|| f(out, a, b));
         }
+    }
+}
+
+/// One task of the layer norm's forward: output, input, mean and rstd rows.
+type LayerNormChunk<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
+/// One task of the layer norm's input gradient: dx, x, dy, mean and rstd rows.
+type LayerNormBackChunk<'a> = (
+    (((&'a mut [f32], &'a [f32]), &'a [f32]), &'a [f32]),
+    &'a [f32],
+);
+
+impl CpuBackend {
+    /// Runs `body` on every row chunk of `tasks` on the pool (whose threads flush subnormals
+    /// like the caller's). Each row is one chunk's alone, so the split never changes a result.
+    fn run_rows<I>(&self, tasks: I, body: impl Fn(I::Item) + Sync + Send)
+    where
+        I: IndexedParallelIterator,
+    {
+        self.pool.install(|| tasks.for_each(body));
     }
 }
 
@@ -611,10 +632,12 @@ impl Backend for CpuBackend {
         };
         let data = y.host_mut()?;
         if self.threads > 1 && data.len() >= PAR_MIN {
-            self.pool
-                .install(|| data.par_chunks_mut(rows_per).for_each(f));
+            self.pool.install(|| {
+                data.par_chunks_mut(rows_per)
+                    .for_each(|c| crate::vector::vectorized(|| f(c)))
+            });
         } else {
-            f(data);
+            crate::vector::vectorized(|| f(data));
         }
         Ok(())
     }
@@ -718,24 +741,35 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let (g, b) = (gamma.host()?, beta.host()?);
-        let xs = x.host()?;
-        for (((yr, xr), m), r) in y
+        let rows_per = (PAR_CHUNK / n).max(1);
+        let body = |(((yc, xc), mc), rc): LayerNormChunk<'_>| {
+            crate::vector::vectorized(|| {
+                for (((yr, xr), m), r) in yc
+                    .chunks_exact_mut(n)
+                    .zip(xc.chunks_exact(n))
+                    .zip(mc)
+                    .zip(rc)
+                {
+                    let mu = crate::fastmath::sum_f64(xr, f64::from) / n as f64;
+                    let var =
+                        crate::fastmath::sum_f64(xr, |v| (f64::from(v) - mu).powi(2)) / n as f64;
+                    let rs = 1.0 / (var + f64::from(eps)).sqrt();
+                    let (mu, rs) = (mu as f32, rs as f32);
+                    for (((o, &xv), &gv), &bv) in yr.iter_mut().zip(xr).zip(g).zip(b) {
+                        *o = (xv - mu) * rs * gv + bv;
+                    }
+                    *m = mu;
+                    *r = rs;
+                }
+            });
+        };
+        let tasks = y
             .host_mut()?
-            .chunks_exact_mut(n)
-            .zip(xs.chunks_exact(n))
-            .zip(mean.host_mut()?)
-            .zip(rstd.host_mut()?)
-        {
-            let mu = xr.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
-            let var = xr.iter().map(|&v| (v as f64 - mu).powi(2)).sum::<f64>() / n as f64;
-            let rs = 1.0 / (var + eps as f64).sqrt();
-            let (mu, rs) = (mu as f32, rs as f32);
-            for (j, o) in yr.iter_mut().enumerate() {
-                *o = (xr[j] - mu) * rs * g[j] + b[j];
-            }
-            *m = mu;
-            *r = rs;
-        }
+            .par_chunks_mut(rows_per * n)
+            .zip(x.host()?.par_chunks(rows_per * n))
+            .zip(mean.host_mut()?.par_chunks_mut(rows_per))
+            .zip(rstd.host_mut()?.par_chunks_mut(rows_per));
+        self.run_rows(tasks, body);
         Ok(())
     }
 
@@ -766,28 +800,41 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let g = gamma.host()?;
-        for ((((dxr, xr), dyr), &mu), &rs) in dx
+        let rows_per = (PAR_CHUNK / n).max(1);
+        let body = |((((dxc, xc), dyc), mc), rc): LayerNormBackChunk<'_>| {
+            crate::vector::vectorized(|| {
+                for ((((dxr, xr), dyr), &mu), &rs) in dxc
+                    .chunks_exact_mut(n)
+                    .zip(xc.chunks_exact(n))
+                    .zip(dyc.chunks_exact(n))
+                    .zip(mc)
+                    .zip(rc)
+                {
+                    // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), the two means
+                    // summed in f64. The products go through dx as scratch first.
+                    for ((o, &gv), &d) in dxr.iter_mut().zip(g).zip(dyr) {
+                        *o = gv * d;
+                    }
+                    let s1 = crate::fastmath::sum_f64(dxr, f64::from);
+                    let s2 = crate::fastmath::sum_f64_pairs(dxr, xr, |gd, xv| {
+                        f64::from(gd) * f64::from((xv - mu) * rs)
+                    });
+                    let (m1, m2) = ((s1 / n as f64) as f32, (s2 / n as f64) as f32);
+                    for (o, &xv) in dxr.iter_mut().zip(xr) {
+                        let xhat = (xv - mu) * rs;
+                        *o = rs * (*o - m1 - xhat * m2);
+                    }
+                }
+            });
+        };
+        let tasks = dx
             .host_mut()?
-            .chunks_exact_mut(n)
-            .zip(x.host()?.chunks_exact(n))
-            .zip(dy.host()?.chunks_exact(n))
-            .zip(mean.host()?)
-            .zip(rstd.host()?)
-        {
-            // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat))
-            let mut s1 = 0.0f64;
-            let mut s2 = 0.0f64;
-            for j in 0..n {
-                let gd = (g[j] * dyr[j]) as f64;
-                s1 += gd;
-                s2 += gd * ((xr[j] - mu) * rs) as f64;
-            }
-            let (m1, m2) = ((s1 / n as f64) as f32, (s2 / n as f64) as f32);
-            for j in 0..n {
-                let xhat = (xr[j] - mu) * rs;
-                dxr[j] = rs * (g[j] * dyr[j] - m1 - xhat * m2);
-            }
-        }
+            .par_chunks_mut(rows_per * n)
+            .zip(x.host()?.par_chunks(rows_per * n))
+            .zip(dy.host()?.par_chunks(rows_per * n))
+            .zip(mean.host()?.par_chunks(rows_per))
+            .zip(rstd.host()?.par_chunks(rows_per));
+        self.run_rows(tasks, body);
         Ok(())
     }
 
@@ -947,8 +994,7 @@ impl Backend for CpuBackend {
         let out = out.resize_host(&[rows, c]);
         let lse = lse.resize_host(&[shape.batch, h, t]);
         let one = |((q, o), l): ((&[f32], &mut [f32]), &mut [f32])| {
-            let mut scratch = vec![0.0f32; t * t];
-            crate::sequence::attention_one(shape, q, o, l, &mut scratch);
+            crate::sequence::attention_one(shape, q, o, l);
         };
         let tasks = src
             .chunks(t * 3 * c)
@@ -989,9 +1035,7 @@ impl Backend for CpuBackend {
         let (src, o, l, go) = (qkv.host()?, out.host()?, lse.host()?, dout.host()?);
         let dst = dqkv.resize_host(&[rows, 3 * c]);
         let one = |((((q, o), l), go), d): AttentionBackwardTask<'_>| {
-            let mut probs = vec![0.0f32; t * t];
-            let mut dprobs = vec![0.0f32; t * t];
-            crate::sequence::attention_backward_one(shape, q, o, l, go, d, &mut probs, &mut dprobs);
+            crate::sequence::attention_backward_one(shape, q, o, l, go, d);
         };
         let tasks = src
             .chunks(t * 3 * c)

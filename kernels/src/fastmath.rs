@@ -57,6 +57,68 @@ pub(crate) fn tanh(x: f32) -> f32 {
     p / q
 }
 
+/// Independent partial sums in [`sum`] and [`max`]: a fixed count, so the order of additions,
+/// and with it the bits, does not depend on the vector width the loop is compiled for.
+const PARTIALS: usize = 16;
+
+/// The sum of `x`: element `j` goes to partial `j % 16`, the partials are added in order and
+/// the tail last. Unlike a single running sum, its loop vectorises (each partial is one lane).
+#[inline(always)]
+pub(crate) fn sum(x: &[f32]) -> f32 {
+    let mut partial = [0.0f32; PARTIALS];
+    let chunks = x.chunks_exact(PARTIALS);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (p, &v) in partial.iter_mut().zip(chunk) {
+            *p += v;
+        }
+    }
+    partial.iter().sum::<f32>() + tail.iter().sum::<f32>()
+}
+
+/// The sum of `f(v)` over `x` in `f64`, with [`sum`]'s fixed partials.
+#[inline(always)]
+pub(crate) fn sum_f64(x: &[f32], f: impl Fn(f32) -> f64) -> f64 {
+    sum_f64_pairs(x, x, |v, _| f(v))
+}
+
+/// The sum of `f(a[j], b[j])` in `f64`, with [`sum`]'s fixed partials.
+#[inline(always)]
+pub(crate) fn sum_f64_pairs(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f64) -> f64 {
+    let mut partial = [0.0f64; PARTIALS];
+    let (ca, cb) = (a.chunks_exact(PARTIALS), b.chunks_exact(PARTIALS));
+    let tail: f64 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(&x, &y)| f(x, y))
+        .sum();
+    for (xa, xb) in ca.zip(cb) {
+        for ((p, &x), &y) in partial.iter_mut().zip(xa).zip(xb) {
+            *p += f(x, y);
+        }
+    }
+    partial.iter().sum::<f64>() + tail
+}
+
+/// The largest element of `x` (negative infinity when empty), with [`sum`]'s partials. NaNs
+/// are skipped, as `f32::max` skips them.
+#[inline(always)]
+pub(crate) fn max(x: &[f32]) -> f32 {
+    let mut partial = [f32::NEG_INFINITY; PARTIALS];
+    let chunks = x.chunks_exact(PARTIALS);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (p, &v) in partial.iter_mut().zip(chunk) {
+            *p = p.max(v);
+        }
+    }
+    partial
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -71,6 +133,32 @@ mod tests {
                 (f64::from(f(x)) - want).abs() / want.abs().max(1e-30)
             })
             .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn lane_sums_and_maxima_match_plain_ones() {
+        for n in [0, 1, 15, 16, 17, 70, 128] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.25)
+                .collect();
+            let plain: f64 = x.iter().map(|&v| f64::from(v)).sum();
+            assert!((f64::from(sum(&x)) - plain).abs() < 1e-5, "sum of {n}");
+            let want = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            assert_eq!(max(&x), want, "max of {n}");
+        }
+        // The order is fixed: element j of the whole chunks goes to partial j % 16, the
+        // partials are added in order, then the tail.
+        let x: Vec<f32> = (0..70).map(|i| 1.0 / (1.0 + i as f32)).collect();
+        let mut want = 0.0f32;
+        for p in 0..PARTIALS {
+            want += x[..64]
+                .iter()
+                .skip(p)
+                .step_by(PARTIALS)
+                .fold(0.0, |a, &v| a + v);
+        }
+        want += x[64..].iter().sum::<f32>();
+        assert_eq!(sum(&x).to_bits(), want.to_bits());
     }
 
     #[test]

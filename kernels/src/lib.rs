@@ -22,7 +22,9 @@ mod error;
 mod fastmath;
 mod sequence;
 mod tensor;
+mod tile;
 mod timed;
+mod vector;
 
 pub use backend::{
     Activation, AdamStep, AttentionShape, Backend, BackendKind, LossStats, SgdStep, Trans,

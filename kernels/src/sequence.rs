@@ -12,6 +12,7 @@
 
 use crate::backend::AttentionShape;
 use crate::error::shape_err;
+use crate::tile::Product;
 use crate::{KernelError, Result};
 
 /// Checks that `value` is a token id below `vocab` and returns it.
@@ -79,76 +80,8 @@ pub(crate) fn check(op: &'static str, s: AttentionShape, qkv: usize) -> Result<(
     Ok(())
 }
 
-/// A strided view of a matrix for `gemm`: base pointer, column stride, row stride.
-#[derive(Clone, Copy)]
-struct View {
-    ptr: *const f32,
-    cs: isize,
-    rs: isize,
-}
-
-impl View {
-    /// A row-major matrix with rows `rs` elements apart (the `T x T` scratch).
-    fn row_major(ptr: *const f32, rs: usize) -> Self {
-        View {
-            ptr,
-            cs: 1,
-            rs: rs as isize,
-        }
-    }
-
-    /// The transpose of this view (no data moves).
-    fn t(self) -> Self {
-        View {
-            ptr: self.ptr,
-            cs: self.rs,
-            rs: self.cs,
-        }
-    }
-}
-
-/// `dst (m x n, row stride dst_rs) = lhs (m x k) rhs (k x n)`, one thread.
-///
-/// # Safety
-/// The views must address `m x k`, `k x n` and `m x n` valid elements, `dst` writable and not
-/// overlapping the operands.
-unsafe fn product(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: isize,
-    lhs: View,
-    rhs: View,
-) {
-    // SAFETY: forwarded from the caller. `gemm`'s alpha scales the old destination, which is
-    // not read here, and beta the product.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs,
-            false,
-            lhs.ptr,
-            lhs.cs,
-            lhs.rs,
-            rhs.ptr,
-            rhs.cs,
-            rhs.rs,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-}
-
 /// The geometry of one sequence's slice of the packed tensors.
+#[derive(Clone, Copy)]
 struct Heads {
     seq: usize,
     width: usize,
@@ -168,60 +101,25 @@ impl Heads {
         }
     }
 
-    /// Query (0), key (1) or value (2) of head `h` in one sequence's `[T, 3C]` rows.
-    fn qkv(&self, base: *const f32, part: usize, h: usize) -> View {
-        View {
-            // SAFETY (of the offset): below 3C, inside the first row.
-            ptr: base.wrapping_add(part * self.width + h * self.head),
-            cs: 1,
-            rs: 3 * self.width as isize,
-        }
+    /// Offset of query (0), key (1) or value (2) of head `h` in row 0 of the `[T, 3C]` rows.
+    fn qkv(&self, part: usize, h: usize) -> usize {
+        part * self.width + h * self.head
     }
 
-    /// The transpose of [`Heads::qkv`].
-    fn qkv_t(&self, base: *const f32, part: usize, h: usize) -> View {
-        self.qkv(base, part, h).t()
+    /// Offset of query (0), key (1) or value (2) of head `h` in the transposed rows
+    /// ([`transposed`]): row `part * C + h * D` of the `3C x T` matrix, whose rows run across
+    /// key positions as the score products read them.
+    fn qkv_t(&self, part: usize, h: usize) -> usize {
+        self.qkv(part, h) * self.seq
     }
+}
 
-    /// Head `h` of one sequence's `[T, C]` rows.
-    fn out(&self, base: *const f32, h: usize) -> View {
-        View {
-            ptr: base.wrapping_add(h * self.head),
-            cs: 1,
-            rs: self.width as isize,
-        }
-    }
-
-    /// Rows `r0..r1` of `scores = Q K^T` for head `h`, columns `0..r1` only: the columns past
-    /// a block's last row are masked for every row of it, so they are never formed.
-    ///
-    /// # Safety
-    /// `qkv` addresses one sequence's `T x 3C` values; `scores` holds `T * T`; `r0 < r1 <= T`.
-    unsafe fn scores(
-        &self,
-        qkv: *const f32,
-        h: usize,
-        (r0, r1): (usize, usize),
-        scores: &mut [f32],
-    ) {
-        let t = self.seq;
-        let q = self.qkv(qkv, 0, h);
-        // SAFETY: per the caller; the views stay inside the sequence's rows.
-        unsafe {
-            product(
-                r1 - r0,
-                r1,
-                self.head,
-                scores.as_mut_ptr().add(r0 * t),
-                t as isize,
-                View {
-                    ptr: q.ptr.wrapping_offset(r0 as isize * q.rs),
-                    ..q
-                },
-                self.qkv_t(qkv, 1, h),
-            );
-        }
-    }
+/// One sequence's `T x 3C` query-key-value rows transposed to `3C x T` (by the `transpose`
+/// crate's cache-blocked kernel, once per sequence rather than once per head).
+fn transposed(g: &Heads, qkv: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0f32; qkv.len()];
+    transpose::transpose(qkv, &mut out, 3 * g.width, g.seq);
+    out
 }
 
 /// Rows per block of the causal mask: a block of query rows `r0..r1` attends to keys `0..r1`,
@@ -236,81 +134,97 @@ fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |r0| (r0, (r0 + BLOCK).min(t)))
 }
 
-/// `view` moved down by `rows` rows.
-fn down(view: View, rows: usize) -> View {
-    View {
-        ptr: view.ptr.wrapping_offset(rows as isize * view.rs),
-        ..view
-    }
-}
-
-/// `view` moved right by `cols` columns.
-fn right(view: View, cols: usize) -> View {
-    View {
-        ptr: view.ptr.wrapping_offset(cols as isize * view.cs),
-        ..view
-    }
-}
-
 /// Causal attention of one sequence: `out` (`T x C`) and `lse` (`heads x T`) from `qkv`
-/// (`T x 3C`), with `scratch` of `T * T`.
-pub(crate) fn attention_one(
+/// (`T x 3C`).
+pub(crate) fn attention_one(s: AttentionShape, qkv: &[f32], out: &mut [f32], lse: &mut [f32]) {
+    crate::vector::arch().dispatch(Forward { s, qkv, out, lse });
+}
+
+/// The forward of one sequence, as a `pulp` operation (compiled per instruction set).
+struct Forward<'a> {
     s: AttentionShape,
-    qkv: &[f32],
-    out: &mut [f32],
-    lse: &mut [f32],
-    scratch: &mut [f32],
-) {
-    let g = Heads::new(s);
-    let t = g.seq;
-    for h in 0..s.heads {
-        for (r0, r1) in blocks(t) {
-            // SAFETY: `qkv` is this sequence's T x 3C values, `scratch` T x T.
-            unsafe { g.scores(qkv.as_ptr(), h, (r0, r1), scratch) };
-            for i in r0..r1 {
-                let row = &mut scratch[i * t..i * t + r1];
-                let live = &mut row[..=i];
-                let max = live
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |m, &v| m.max(v * g.scale));
-                let mut sum = 0.0f32;
-                for v in live.iter_mut() {
-                    *v = crate::fastmath::exp(*v * g.scale - max);
+    qkv: &'a [f32],
+    out: &'a mut [f32],
+    lse: &'a mut [f32],
+}
+
+impl pulp::WithSimd for Forward<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        let Forward { s, qkv, out, lse } = self;
+        let g = Heads::new(s);
+        let (t, c3) = (g.seq, 3 * g.width);
+        let qkv_t = transposed(&g, qkv);
+        let mut scores = vec![0.0f32; BLOCK * t];
+        for h in 0..s.heads {
+            for (r0, r1) in blocks(t) {
+                // SAFETY: rows r0..r1 of head h's queries (stride 3C), K^T's D x T and the
+                // block's scores (rows of T) are inside their buffers.
+                unsafe {
+                    crate::tile::product(
+                        simd,
+                        &Product {
+                            m: r1 - r0,
+                            n: r1,
+                            k: g.head,
+                            a: qkv.as_ptr().add(r0 * c3 + g.qkv(0, h)),
+                            a_rs: c3,
+                            a_cs: 1,
+                            b: qkv_t[g.qkv_t(1, h)..].as_ptr(),
+                            ldb: t,
+                            c: scores.as_mut_ptr(),
+                            ldc: t,
+                            accumulate: false,
+                        },
+                    );
                 }
-                // Summed apart from the exponentials, in order, so their loop vectorises.
-                for v in live.iter() {
-                    sum += *v;
+                for i in r0..r1 {
+                    let row = &mut scores[(i - r0) * t..(i - r0) * t + r1];
+                    let live = &mut row[..=i];
+                    // The scale is positive, so it commutes with the maximum.
+                    let max = crate::fastmath::max(live) * g.scale;
+                    for v in live.iter_mut() {
+                        *v = crate::fastmath::exp(*v * g.scale - max);
+                    }
+                    let sum = crate::fastmath::sum(live);
+                    let inv = 1.0 / sum;
+                    live.iter_mut().for_each(|v| *v *= inv);
+                    row[i + 1..].fill(0.0);
+                    lse[h * t + i] = max + sum.ln();
                 }
-                let inv = 1.0 / sum;
-                live.iter_mut().for_each(|v| *v *= inv);
-                row[i + 1..].fill(0.0);
-                lse[h * t + i] = max + sum.ln();
-            }
-            let p = View::row_major(scratch.as_ptr(), t);
-            // SAFETY: `out` is this sequence's T x C values; head h's columns of rows r0..r1
-            // are written whole, from the block's probabilities (columns 0..r1) and values.
-            unsafe {
-                product(
-                    r1 - r0,
-                    g.head,
-                    r1,
-                    out.as_mut_ptr().add(r0 * g.width + h * g.head),
-                    g.width as isize,
-                    down(p, r0),
-                    g.qkv(qkv.as_ptr(), 2, h),
-                );
+                // SAFETY: the block's probabilities (columns 0..r1), value rows 0..r1 of head
+                // h, and head h's columns of output rows r0..r1, written whole.
+                unsafe {
+                    crate::tile::product(
+                        simd,
+                        &Product {
+                            m: r1 - r0,
+                            n: g.head,
+                            k: r1,
+                            a: scores.as_ptr(),
+                            a_rs: t,
+                            a_cs: 1,
+                            b: qkv.as_ptr().add(g.qkv(2, h)),
+                            ldb: c3,
+                            c: out.as_mut_ptr().add(r0 * g.width + h * g.head),
+                            ldc: g.width,
+                            accumulate: false,
+                        },
+                    );
+                }
             }
         }
     }
 }
 
 /// The backward of [`attention_one`] for one sequence: `dqkv` (`T x 3C`, every element
-/// written) from `dout` (`T x C`), with `probs` and `dprobs` scratch of `T * T` each.
+/// written) from `dout` (`T x C`).
 ///
 /// Only the causal blocks are formed: a block of query rows `r0..r1` reads and writes
 /// probability columns `0..r1` (zero past each row's diagonal), and a block of key rows
 /// `j0..j1` gathers from query rows `j0..T`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward_one(
     s: AttentionShape,
     qkv: &[f32],
@@ -318,97 +232,150 @@ pub(crate) fn attention_backward_one(
     lse: &[f32],
     dout: &[f32],
     dqkv: &mut [f32],
-    probs: &mut [f32],
-    dprobs: &mut [f32],
 ) {
-    let g = Heads::new(s);
-    let t = g.seq;
-    let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr());
-    let rs3 = 3 * g.width as isize;
-    for h in 0..s.heads {
-        let dout_h = g.out(dout.as_ptr(), h);
-        for (r0, r1) in blocks(t) {
-            // Probabilities again, from the saved log-sum-exp.
-            // SAFETY: `qkv` is this sequence's T x 3C values, `probs` T x T.
-            unsafe { g.scores(q, h, (r0, r1), probs) };
-            for i in r0..r1 {
-                let l = lse[h * t + i];
-                let row = &mut probs[i * t..i * t + r1];
-                row[..=i]
-                    .iter_mut()
-                    .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
-                row[i + 1..].fill(0.0);
-            }
-            // SAFETY: rows r0..r1, columns 0..r1 of the T x T scratch; dO's and V's rows stay
-            // inside the sequence.
-            unsafe {
-                // dP = dO V^T.
-                product(
-                    r1 - r0,
-                    r1,
-                    g.head,
-                    dprobs.as_mut_ptr().add(r0 * t),
-                    t as isize,
-                    down(dout_h, r0),
-                    g.qkv_t(q, 2, h),
-                );
-            }
-            // dS = P * (dP - rowsum(dO * O)) * scale.
-            for i in r0..r1 {
-                let (o, go) = (
-                    &out[i * g.width + h * g.head..],
-                    &dout[i * g.width + h * g.head..],
-                );
-                let dot: f32 = (0..g.head).map(|j| o[j] * go[j]).sum();
-                let (p, dp) = (&probs[i * t..i * t + r1], &mut dprobs[i * t..i * t + r1]);
-                for j in 0..=i {
-                    dp[j] = p[j] * (dp[j] - dot) * g.scale;
+    crate::vector::arch().dispatch(Backward {
+        s,
+        qkv,
+        out,
+        lse,
+        dout,
+        dqkv,
+    });
+}
+
+/// The backward of one sequence, as a `pulp` operation.
+struct Backward<'a> {
+    s: AttentionShape,
+    qkv: &'a [f32],
+    out: &'a [f32],
+    lse: &'a [f32],
+    dout: &'a [f32],
+    dqkv: &'a mut [f32],
+}
+
+impl pulp::WithSimd for Backward<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        let Backward {
+            s,
+            qkv,
+            out,
+            lse,
+            dout,
+            dqkv,
+        } = self;
+        let g = Heads::new(s);
+        let (t, c, c3) = (g.seq, g.width, 3 * g.width);
+        let qkv_t = transposed(&g, qkv);
+        let (mut probs, mut dprobs) = (vec![0.0f32; t * t], vec![0.0f32; t * t]);
+        let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr());
+        // One product of this sequence; every call below addresses rows of the sequence's
+        // tensors and of the T x T scratch only.
+        let run = |p: Product| {
+            // SAFETY: see each call's operands; all lie inside the buffers above.
+            unsafe { crate::tile::product(simd, &p) }
+        };
+        for h in 0..s.heads {
+            let (k_t, v_t) = (&qkv_t[g.qkv_t(1, h)..], &qkv_t[g.qkv_t(2, h)..]);
+            let dout_h = dout[h * g.head..].as_ptr();
+            for (r0, r1) in blocks(t) {
+                let m = r1 - r0;
+                // Probabilities again, from the saved log-sum-exp: S = Q K^T.
+                run(Product {
+                    m,
+                    n: r1,
+                    k: g.head,
+                    a: q.wrapping_add(r0 * c3 + g.qkv(0, h)),
+                    a_rs: c3,
+                    a_cs: 1,
+                    b: k_t.as_ptr(),
+                    ldb: t,
+                    c: probs[r0 * t..].as_mut_ptr(),
+                    ldc: t,
+                    accumulate: false,
+                });
+                for i in r0..r1 {
+                    let l = lse[h * t + i];
+                    let row = &mut probs[i * t..i * t + r1];
+                    row[..=i]
+                        .iter_mut()
+                        .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
+                    row[i + 1..].fill(0.0);
                 }
-                dp[i + 1..].fill(0.0);
+                // dP = dO V^T.
+                run(Product {
+                    m,
+                    n: r1,
+                    k: g.head,
+                    a: dout_h.wrapping_add(r0 * c),
+                    a_rs: c,
+                    a_cs: 1,
+                    b: v_t.as_ptr(),
+                    ldb: t,
+                    c: dprobs[r0 * t..].as_mut_ptr(),
+                    ldc: t,
+                    accumulate: false,
+                });
+                // dS = P * (dP - rowsum(dO * O)) * scale.
+                for i in r0..r1 {
+                    let at = i * c + h * g.head;
+                    let (o, go) = (&out[at..at + g.head], &dout[at..at + g.head]);
+                    let dot: f32 = o.iter().zip(go).map(|(o, go)| o * go).sum();
+                    let (p, dp) = (&probs[i * t..=i * t + i], &mut dprobs[i * t..i * t + r1]);
+                    for (dp, &p) in dp.iter_mut().zip(p) {
+                        *dp = p * (*dp - dot) * g.scale;
+                    }
+                    dp[i + 1..].fill(0.0);
+                }
+                // dQ = dS K, head h's columns of rows r0..r1 written whole.
+                run(Product {
+                    m,
+                    n: g.head,
+                    k: r1,
+                    a: dprobs[r0 * t..].as_ptr(),
+                    a_rs: t,
+                    a_cs: 1,
+                    b: q.wrapping_add(g.qkv(1, h)),
+                    ldb: c3,
+                    c: d.wrapping_add(r0 * c3 + g.qkv(0, h)),
+                    ldc: c3,
+                    accumulate: false,
+                });
             }
-            let ds = View::row_major(dprobs.as_ptr(), t);
-            // SAFETY: as above; dQ's rows r0..r1 of head h are written whole.
-            unsafe {
-                // dQ = dS K.
-                product(
-                    r1 - r0,
-                    g.head,
-                    r1,
-                    d.add(r0 * 3 * g.width + h * g.head),
-                    rs3,
-                    down(ds, r0),
-                    g.qkv(q, 1, h),
-                );
-            }
-        }
-        let p_t = View::row_major(probs.as_ptr(), t).t();
-        let ds_t = View::row_major(dprobs.as_ptr(), t).t();
-        for (j0, j1) in blocks(t) {
             // Key rows j0..j1 receive from query rows j0..T: every probability and score
-            // gradient they read was formed above (or is a zero past a diagonal).
-            // SAFETY: rows j0..j1 of dV and dK, head h's columns, written whole; the reads
-            // stay inside the T x T scratch and the sequence's rows.
-            unsafe {
+            // gradient they read was formed above (or is a zero past a diagonal). The left
+            // operands are P^T and dS^T, read in place through their strides.
+            for (j0, j1) in blocks(t) {
                 // dV = P^T dO.
-                product(
-                    j1 - j0,
-                    g.head,
-                    t - j0,
-                    d.add(j0 * 3 * g.width + 2 * g.width + h * g.head),
-                    rs3,
-                    right(down(p_t, j0), j0),
-                    down(dout_h, j0),
-                );
+                run(Product {
+                    m: j1 - j0,
+                    n: g.head,
+                    k: t - j0,
+                    a: probs[j0 * t + j0..].as_ptr(),
+                    a_rs: 1,
+                    a_cs: t,
+                    b: dout_h.wrapping_add(j0 * c),
+                    ldb: c,
+                    c: d.wrapping_add(j0 * c3 + g.qkv(2, h)),
+                    ldc: c3,
+                    accumulate: false,
+                });
                 // dK = dS^T Q.
-                product(
-                    j1 - j0,
-                    g.head,
-                    t - j0,
-                    d.add(j0 * 3 * g.width + g.width + h * g.head),
-                    rs3,
-                    right(down(ds_t, j0), j0),
-                    down(g.qkv(q, 0, h), j0),
-                );
+                run(Product {
+                    m: j1 - j0,
+                    n: g.head,
+                    k: t - j0,
+                    a: dprobs[j0 * t + j0..].as_ptr(),
+                    a_rs: 1,
+                    a_cs: t,
+                    b: q.wrapping_add(j0 * c3 + g.qkv(0, h)),
+                    ldb: c3,
+                    c: d.wrapping_add(j0 * c3 + g.qkv(1, h)),
+                    ldc: c3,
+                    accumulate: false,
+                });
             }
         }
     }

@@ -1,0 +1,147 @@
+//! Register-tiled products for attention's small matrices.
+//!
+//! Attention's products are many and small: per sequence and head, `32 x T x D` score blocks
+//! and `32 x D x T` weighted sums, with `D` the head width (32 in `gpt-mini`). A general GEMM
+//! packs both operands and sets up its blocking on every call, which at these sizes costs as
+//! much as the arithmetic: through the `gemm` crate they ran at about half its large-matrix
+//! rate. [`product`] instead keeps an `MR x 2` vector tile of the output in registers while it
+//! walks the inner dimension, loading one row of `B` and broadcasting one element of `A` per
+//! step. `A` may have any strides (its elements are broadcast one at a time), so transposed
+//! operands such as `P^T` need no copy; `B`'s rows must be contiguous across the output's
+//! columns. It runs inside a `pulp` dispatch ([`crate::vector`]), with 16 lanes on AVX-512
+//! (tiles of 8 x 32), 8 on AVX2 (4 x 16) and 1 in the portable fallback.
+//!
+//! The tiling depends only on the shape and the vector width, so a product gives the same bits
+//! on every call and every thread of one machine. Its sums use fused multiply-adds where the
+//! CPU has them, so the last bits differ between machines, as the `gemm` crate's do.
+
+use pulp::Simd;
+
+/// `c (m x n) = a (m x k) b (k x n)`, or `c += a b` with `accumulate`. Element `(i, p)` of `a` is
+/// `a[i * a_rs + p * a_cs]`; row `p` of `b` starts at `b[p * ldb]` and row `i` of `c` at
+/// `c[i * ldc]`, both contiguous across the `n` columns.
+#[derive(Clone, Copy)]
+pub(crate) struct Product {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: *const f32,
+    pub a_rs: usize,
+    pub a_cs: usize,
+    pub b: *const f32,
+    pub ldb: usize,
+    pub c: *mut f32,
+    pub ldc: usize,
+    pub accumulate: bool,
+}
+
+/// Computes `p` (see [`Product`]).
+///
+/// # Safety
+/// Every element the strides address for `i < m`, `j < n`, `p < k` must be valid, `c`'s
+/// writable, and `c` must not overlap `a` or `b`.
+#[inline(always)]
+pub(crate) unsafe fn product<S: Simd>(simd: S, p: &Product) {
+    let lanes = S::F32_LANES;
+    let mut j0 = 0;
+    // SAFETY (all tile calls): the tiles cover rows i0..i0+MR <= m and columns
+    // j0..j0+NV*lanes <= n, inside what the caller guarantees.
+    while j0 + 2 * lanes <= p.n {
+        let mut i0 = 0;
+        if lanes >= 16 {
+            while i0 + 8 <= p.m {
+                unsafe { tile::<S, 8, 2>(simd, p, i0, j0) };
+                i0 += 8;
+            }
+        }
+        while i0 + 4 <= p.m {
+            unsafe { tile::<S, 4, 2>(simd, p, i0, j0) };
+            i0 += 4;
+        }
+        while i0 < p.m {
+            unsafe { tile::<S, 1, 2>(simd, p, i0, j0) };
+            i0 += 1;
+        }
+        j0 += 2 * lanes;
+    }
+    if j0 + lanes <= p.n {
+        let mut i0 = 0;
+        while i0 + 4 <= p.m {
+            unsafe { tile::<S, 4, 1>(simd, p, i0, j0) };
+            i0 += 4;
+        }
+        while i0 < p.m {
+            unsafe { tile::<S, 1, 1>(simd, p, i0, j0) };
+            i0 += 1;
+        }
+        j0 += lanes;
+    }
+    if j0 < p.n {
+        // SAFETY: columns j0..n of the same product.
+        unsafe { columns_left(p, j0) };
+    }
+}
+
+/// One `MR x NV`-vector tile of the output at row `i0`, column `j0`.
+///
+/// # Safety
+/// As [`product`], with `i0 + MR <= m` and `j0 + NV * lanes <= n`.
+#[inline(always)]
+unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
+    simd: S,
+    p: &Product,
+    i0: usize,
+    j0: usize,
+) {
+    let lanes = S::F32_LANES;
+    let zero = simd.splat_f32s(0.0);
+    let mut acc = [[zero; NV]; MR];
+    // SAFETY: every offset addresses an element of a, b or c inside the tile, which the caller
+    // guarantees valid; unaligned reads and writes of whole vectors.
+    unsafe {
+        for kk in 0..p.k {
+            let row = p.b.add(kk * p.ldb + j0);
+            let mut bv = [zero; NV];
+            for (v, b) in bv.iter_mut().enumerate() {
+                *b = std::ptr::read_unaligned(row.add(v * lanes).cast::<S::f32s>());
+            }
+            for (r, acc_row) in acc.iter_mut().enumerate() {
+                let a = simd.splat_f32s(*p.a.add((i0 + r) * p.a_rs + kk * p.a_cs));
+                for (acc, &b) in acc_row.iter_mut().zip(&bv) {
+                    *acc = simd.mul_add_e_f32s(a, b, *acc);
+                }
+            }
+        }
+        for (r, acc_row) in acc.iter().enumerate() {
+            for (v, &sum) in acc_row.iter().enumerate() {
+                let dst = p.c.add((i0 + r) * p.ldc + j0 + v * lanes).cast::<S::f32s>();
+                let value = if p.accumulate {
+                    simd.add_f32s(std::ptr::read_unaligned(dst), sum)
+                } else {
+                    sum
+                };
+                std::ptr::write_unaligned(dst, value);
+            }
+        }
+    }
+}
+
+/// Columns `j0..n` (fewer than one vector), one element at a time.
+///
+/// # Safety
+/// As [`product`].
+unsafe fn columns_left(p: &Product, j0: usize) {
+    // SAFETY: every offset is inside the product's operands (the caller's guarantee).
+    unsafe {
+        for i in 0..p.m {
+            for j in j0..p.n {
+                let mut sum = 0.0f32;
+                for kk in 0..p.k {
+                    sum += *p.a.add(i * p.a_rs + kk * p.a_cs) * *p.b.add(kk * p.ldb + j);
+                }
+                let dst = p.c.add(i * p.ldc + j);
+                *dst = if p.accumulate { *dst + sum } else { sum };
+            }
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! Loops compiled for the widest vector instructions the running CPU has.
+//!
+//! The workspace is built for the baseline of its target (SSE2 on x86-64), so an ordinary loop
+//! runs four `f32` lanes at a time even on a machine with AVX-512. [`vectorized`] runs a
+//! closure inside a function compiled for AVX-512 (or AVX2 with FMA, or the baseline), chosen
+//! at run time by `pulp` (the dispatch the `gemm` crate already uses); the closure's loops are
+//! inlined there and vectorised for that width. Plain `a * b + c` is never contracted into a
+//! fused multiply-add by the compiler, and nothing reorders a sum, so a closure written with
+//! ordinary arithmetic gives the same bits on every path; only code that asks for fused
+//! operations explicitly (the attention tiles in [`crate::tile`]) rounds per machine, as the
+//! `gemm` crate's products already do.
+
+use std::sync::OnceLock;
+
+/// The instruction set detected once per process.
+pub(crate) fn arch() -> pulp::Arch {
+    static ARCH: OnceLock<pulp::Arch> = OnceLock::new();
+    *ARCH.get_or_init(pulp::Arch::new)
+}
+
+/// Runs `f` compiled for the detected instruction set (see the module docs).
+#[inline(always)]
+pub(crate) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+    arch().dispatch(f)
+}
