@@ -255,12 +255,30 @@ impl CpuBackend {
 
     fn par_map_inplace(&self, data: &mut [f32], f: impl Fn(&mut [f32]) + Sync + Send) {
         if self.threads > 1 && data.len() >= PAR_MIN {
+            self.pool
+                .install(|| data.par_chunks_mut(PAR_CHUNK).for_each(&f));
+        } else {
+            f(data);
+        }
+    }
+
+    /// Runs `f(first_column, block)` on 64-column blocks of the per-column accumulator `out`,
+    /// on the pool when the reduction reads `elements` values or more.
+    fn column_blocks(
+        &self,
+        out: &mut [f32],
+        elements: usize,
+        f: impl Fn(usize, &mut [f32]) + Sync,
+    ) {
+        const COLS: usize = 64;
+        if self.threads > 1 && elements >= PAR_MIN && out.len() > COLS {
             self.pool.install(|| {
-                data.par_chunks_mut(PAR_CHUNK)
-                    .for_each(|c| crate::vector::vectorized(|| f(c)))
+                out.par_chunks_mut(COLS)
+                    .enumerate()
+                    .for_each(|(b, block)| f(b * COLS, block));
             });
         } else {
-            crate::vector::vectorized(|| f(data));
+            f(0, out);
         }
     }
 
@@ -286,10 +304,10 @@ impl CpuBackend {
                 out.par_chunks_mut(PAR_CHUNK)
                     .zip(a.par_chunks(PAR_CHUNK))
                     .zip(b.par_chunks(PAR_CHUNK))
-                    .for_each(|((o, a), b)| crate::vector::vectorized(|| f(o, a, b)));
+                    .for_each(|((o, a), b)| f(o, a, b));
             });
         } else {
-            crate::vector::vectorized(|| f(out, a, b));
+            f(out, a, b);
         }
     }
 }
@@ -632,12 +650,10 @@ impl Backend for CpuBackend {
         };
         let data = y.host_mut()?;
         if self.threads > 1 && data.len() >= PAR_MIN {
-            self.pool.install(|| {
-                data.par_chunks_mut(rows_per)
-                    .for_each(|c| crate::vector::vectorized(|| f(c)))
-            });
+            self.pool
+                .install(|| data.par_chunks_mut(rows_per).for_each(f));
         } else {
-            crate::vector::vectorized(|| f(data));
+            f(data);
         }
         Ok(())
     }
@@ -657,23 +673,24 @@ impl Backend for CpuBackend {
         if n == 0 {
             return Ok(());
         }
-        let o = out.host_mut()?;
-        for row in x.host()?.chunks_exact(n) {
-            for (acc, v) in o.iter_mut().zip(row) {
-                *acc += v;
+        let xs = x.host()?;
+        // Column blocks in parallel; each column is summed over the rows in order, as one
+        // thread would, so the split never changes a result.
+        self.column_blocks(out.host_mut()?, xs.len(), |c0, sums| {
+            for row in xs.chunks_exact(n) {
+                for (acc, v) in sums.iter_mut().zip(&row[c0..]) {
+                    *acc += v;
+                }
             }
-        }
+        });
         Ok(())
     }
 
     fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
         y.resize_host(x.shape());
         let src = x.host()?;
-        let f = move |o: &mut [f32], a: &[f32], _: &[f32]| match act {
-            Activation::Relu => o.iter_mut().zip(a).for_each(|(o, &v)| *o = v.max(0.0)),
-            Activation::Gelu => o.iter_mut().zip(a).for_each(|(o, &v)| *o = gelu(v)),
-            Activation::Tanh => o.iter_mut().zip(a).for_each(|(o, &v)| *o = v.tanh()),
-            Activation::Sigmoid => o.iter_mut().zip(a).for_each(|(o, &v)| *o = sigmoid(v)),
+        let f = move |out: &mut [f32], x: &[f32], _: &[f32]| {
+            crate::vector::vectorized(Activate { act, out, x });
         };
         self.par_zip(y.host_mut()?, src, src, f);
         Ok(())
@@ -693,20 +710,8 @@ impl Backend for CpuBackend {
             ));
         }
         dx.resize_host(x.shape());
-        let f = move |o: &mut [f32], a: &[f32], g: &[f32]| {
-            let it = o.iter_mut().zip(a).zip(g);
-            match act {
-                Activation::Relu => it.for_each(|((o, &v), &g)| *o = if v > 0.0 { g } else { 0.0 }),
-                Activation::Gelu => it.for_each(|((o, &v), &g)| *o = g * gelu_grad(v)),
-                Activation::Tanh => it.for_each(|((o, &v), &g)| {
-                    let t = v.tanh();
-                    *o = g * (1.0 - t * t);
-                }),
-                Activation::Sigmoid => it.for_each(|((o, &v), &g)| {
-                    let s = sigmoid(v);
-                    *o = g * s * (1.0 - s);
-                }),
-            }
+        let f = move |out: &mut [f32], x: &[f32], dy: &[f32]| {
+            crate::vector::vectorized(ActivateBackward { act, out, x, dy });
         };
         self.par_zip(dx.host_mut()?, x.host()?, dy.host()?, f);
         Ok(())
@@ -742,25 +747,15 @@ impl Backend for CpuBackend {
         }
         let (g, b) = (gamma.host()?, beta.host()?);
         let rows_per = (PAR_CHUNK / n).max(1);
-        let body = |(((yc, xc), mc), rc): LayerNormChunk<'_>| {
-            crate::vector::vectorized(|| {
-                for (((yr, xr), m), r) in yc
-                    .chunks_exact_mut(n)
-                    .zip(xc.chunks_exact(n))
-                    .zip(mc)
-                    .zip(rc)
-                {
-                    let mu = crate::fastmath::sum_f64(xr, f64::from) / n as f64;
-                    let var =
-                        crate::fastmath::sum_f64(xr, |v| (f64::from(v) - mu).powi(2)) / n as f64;
-                    let rs = 1.0 / (var + f64::from(eps)).sqrt();
-                    let (mu, rs) = (mu as f32, rs as f32);
-                    for (((o, &xv), &gv), &bv) in yr.iter_mut().zip(xr).zip(g).zip(b) {
-                        *o = (xv - mu) * rs * gv + bv;
-                    }
-                    *m = mu;
-                    *r = rs;
-                }
+        let body = |(((y, x), mean), rstd): LayerNormChunk<'_>| {
+            crate::vector::vectorized(LayerNormRows {
+                y,
+                x,
+                mean,
+                rstd,
+                gamma: g,
+                beta: b,
+                eps,
             });
         };
         let tasks = y
@@ -801,30 +796,14 @@ impl Backend for CpuBackend {
         }
         let g = gamma.host()?;
         let rows_per = (PAR_CHUNK / n).max(1);
-        let body = |((((dxc, xc), dyc), mc), rc): LayerNormBackChunk<'_>| {
-            crate::vector::vectorized(|| {
-                for ((((dxr, xr), dyr), &mu), &rs) in dxc
-                    .chunks_exact_mut(n)
-                    .zip(xc.chunks_exact(n))
-                    .zip(dyc.chunks_exact(n))
-                    .zip(mc)
-                    .zip(rc)
-                {
-                    // dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat)), the two means
-                    // summed in f64. The products go through dx as scratch first.
-                    for ((o, &gv), &d) in dxr.iter_mut().zip(g).zip(dyr) {
-                        *o = gv * d;
-                    }
-                    let s1 = crate::fastmath::sum_f64(dxr, f64::from);
-                    let s2 = crate::fastmath::sum_f64_pairs(dxr, xr, |gd, xv| {
-                        f64::from(gd) * f64::from((xv - mu) * rs)
-                    });
-                    let (m1, m2) = ((s1 / n as f64) as f32, (s2 / n as f64) as f32);
-                    for (o, &xv) in dxr.iter_mut().zip(xr) {
-                        let xhat = (xv - mu) * rs;
-                        *o = rs * (*o - m1 - xhat * m2);
-                    }
-                }
+        let body = |((((dx, x), dy), mean), rstd): LayerNormBackChunk<'_>| {
+            crate::vector::vectorized(LayerNormBackRows {
+                dx,
+                x,
+                dy,
+                mean,
+                rstd,
+                gamma: g,
             });
         };
         let tasks = dx
@@ -874,19 +853,28 @@ impl Backend for CpuBackend {
         if n == 0 {
             return Ok(());
         }
-        let (dg, db) = (dgamma.host_mut()?, dbeta.host_mut()?);
-        for (((xr, dyr), &mu), &rs) in x
-            .host()?
-            .chunks_exact(n)
-            .zip(dy.host()?.chunks_exact(n))
-            .zip(mean.host()?)
-            .zip(rstd.host()?)
-        {
-            for j in 0..n {
-                dg[j] += dyr[j] * (xr[j] - mu) * rs;
-                db[j] += dyr[j];
+        let (xs, dys, means, rstds) = (x.host()?, dy.host()?, mean.host()?, rstd.host()?);
+        let rows_of = |c0: usize| {
+            xs.chunks_exact(n)
+                .zip(dys.chunks_exact(n))
+                .zip(means.iter().zip(rstds))
+                .map(move |((xr, dyr), (&mu, &rs))| (&xr[c0..], &dyr[c0..], mu, rs))
+        };
+        // Column blocks in parallel, each column summed over the rows in order.
+        self.column_blocks(dgamma.host_mut()?, xs.len(), |c0, dg| {
+            for (xr, dyr, mu, rs) in rows_of(c0) {
+                for ((g, &d), &xv) in dg.iter_mut().zip(dyr).zip(xr) {
+                    *g += d * (xv - mu) * rs;
+                }
             }
-        }
+        });
+        self.column_blocks(dbeta.host_mut()?, xs.len(), |c0, db| {
+            for (_, dyr, _, _) in rows_of(c0) {
+                for (b, &d) in db.iter_mut().zip(dyr) {
+                    *b += d;
+                }
+            }
+        });
         Ok(())
     }
 
@@ -1203,6 +1191,136 @@ impl Backend for CpuBackend {
     }
 }
 
+/// `out = act(x)`, vectorised ([`crate::vector`]).
+struct Activate<'a> {
+    act: Activation,
+    out: &'a mut [f32],
+    x: &'a [f32],
+}
+
+impl crate::vector::Kernel for Activate<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run(self) {
+        let it = self.out.iter_mut().zip(self.x);
+        match self.act {
+            Activation::Relu => it.for_each(|(o, &v)| *o = v.max(0.0)),
+            Activation::Gelu => it.for_each(|(o, &v)| *o = gelu(v)),
+            Activation::Tanh => it.for_each(|(o, &v)| *o = v.tanh()),
+            Activation::Sigmoid => it.for_each(|(o, &v)| *o = sigmoid(v)),
+        }
+    }
+}
+
+/// `out = dy * act'(x)`, vectorised.
+struct ActivateBackward<'a> {
+    act: Activation,
+    out: &'a mut [f32],
+    x: &'a [f32],
+    dy: &'a [f32],
+}
+
+impl crate::vector::Kernel for ActivateBackward<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run(self) {
+        let it = self.out.iter_mut().zip(self.x).zip(self.dy);
+        match self.act {
+            Activation::Relu => it.for_each(|((o, &v), &g)| *o = if v > 0.0 { g } else { 0.0 }),
+            Activation::Gelu => it.for_each(|((o, &v), &g)| *o = g * gelu_grad(v)),
+            Activation::Tanh => it.for_each(|((o, &v), &g)| {
+                let t = v.tanh();
+                *o = g * (1.0 - t * t);
+            }),
+            Activation::Sigmoid => it.for_each(|((o, &v), &g)| {
+                let s = sigmoid(v);
+                *o = g * s * (1.0 - s);
+            }),
+        }
+    }
+}
+
+/// Layer norm over whole rows of `x` (`gamma.len()` features each), vectorised.
+struct LayerNormRows<'a> {
+    y: &'a mut [f32],
+    x: &'a [f32],
+    mean: &'a mut [f32],
+    rstd: &'a mut [f32],
+    gamma: &'a [f32],
+    beta: &'a [f32],
+    eps: f32,
+}
+
+impl crate::vector::Kernel for LayerNormRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run(self) {
+        let n = self.gamma.len();
+        for (((yr, xr), m), r) in self
+            .y
+            .chunks_exact_mut(n)
+            .zip(self.x.chunks_exact(n))
+            .zip(self.mean)
+            .zip(self.rstd)
+        {
+            let mu = crate::fastmath::sum_f64(xr, f64::from) / n as f64;
+            let var = crate::fastmath::sum_f64(xr, |v| (f64::from(v) - mu).powi(2)) / n as f64;
+            let rs = 1.0 / (var + f64::from(self.eps)).sqrt();
+            let (mu, rs) = (mu as f32, rs as f32);
+            for (((o, &xv), &gv), &bv) in yr.iter_mut().zip(xr).zip(self.gamma).zip(self.beta) {
+                *o = (xv - mu) * rs * gv + bv;
+            }
+            *m = mu;
+            *r = rs;
+        }
+    }
+}
+
+/// The layer norm's input gradient over whole rows, vectorised:
+/// `dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat))`, the two means summed in f64.
+struct LayerNormBackRows<'a> {
+    dx: &'a mut [f32],
+    x: &'a [f32],
+    dy: &'a [f32],
+    mean: &'a [f32],
+    rstd: &'a [f32],
+    gamma: &'a [f32],
+}
+
+impl crate::vector::Kernel for LayerNormBackRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run(self) {
+        let n = self.gamma.len();
+        for ((((dxr, xr), dyr), &mu), &rs) in self
+            .dx
+            .chunks_exact_mut(n)
+            .zip(self.x.chunks_exact(n))
+            .zip(self.dy.chunks_exact(n))
+            .zip(self.mean)
+            .zip(self.rstd)
+        {
+            // The products g*dy go through dx as scratch first.
+            for ((o, &gv), &d) in dxr.iter_mut().zip(self.gamma).zip(dyr) {
+                *o = gv * d;
+            }
+            let s1 = crate::fastmath::sum_f64(dxr, f64::from);
+            let s2 = crate::fastmath::sum_f64_pairs(dxr, xr, |gd, xv| {
+                f64::from(gd) * f64::from((xv - mu) * rs)
+            });
+            let (m1, m2) = ((s1 / n as f64) as f32, (s2 / n as f64) as f32);
+            for (o, &xv) in dxr.iter_mut().zip(xr) {
+                let xhat = (xv - mu) * rs;
+                *o = rs * (*o - m1 - xhat * m2);
+            }
+        }
+    }
+}
+
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044_715;
 
@@ -1217,6 +1335,7 @@ fn gelu_grad(x: f32) -> f32 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
 }
 
+#[inline(always)]
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }

@@ -106,19 +106,44 @@ impl Heads {
         part * self.width + h * self.head
     }
 
-    /// Offset of query (0), key (1) or value (2) of head `h` in the transposed rows
-    /// ([`transposed`]): row `part * C + h * D` of the `3C x T` matrix, whose rows run across
-    /// key positions as the score products read them.
-    fn qkv_t(&self, part: usize, h: usize) -> usize {
-        self.qkv(part, h) * self.seq
+    /// Offset of head `h`'s rows in a part transposed by [`transpose_part`].
+    fn head_rows(&self, h: usize) -> usize {
+        h * self.head * self.seq
     }
 }
 
-/// One sequence's `T x 3C` query-key-value rows transposed to `3C x T` (by the `transpose`
-/// crate's cache-blocked kernel, once per sequence rather than once per head).
-fn transposed(g: &Heads, qkv: &[f32]) -> Vec<f32> {
-    let mut out = vec![0.0f32; qkv.len()];
-    transpose::transpose(qkv, &mut out, 3 * g.width, g.seq);
+/// Part `part` (key 1, value 2) of one sequence's `T x 3C` query-key-value rows, transposed
+/// into `dst` as `C x T`: the rows of head `h` are `h * D..(h + 1) * D`, each running across
+/// key positions as the score products read them. Each output row gathers one column of the
+/// `T` input rows (AVX-512 and AVX2 gather loads); the lines it reads serve the next 15
+/// columns from L1.
+#[inline(always)]
+fn transpose_part(g: &Heads, qkv: &[f32], part: usize, dst: &mut [f32]) {
+    let (t, c3) = (g.seq, 3 * g.width);
+    let src = &qkv[..t * c3];
+    for (d, out) in dst[..g.width * t].chunks_exact_mut(t).enumerate() {
+        let column = &src[part * g.width + d..];
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = column[j * c3];
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's attention scratch, reused by every sequence it computes: fresh buffers of
+    /// this size come from the operating system as zeroed pages on every call.
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Runs `f` on `len` elements of this thread's scratch (contents left from earlier calls: `f`
+/// writes every element before it reads it).
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut buf = SCRATCH.with(std::cell::Cell::take);
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    let out = f(&mut buf[..len]);
+    SCRATCH.with(|cell| cell.set(buf));
     out
 }
 
@@ -137,7 +162,16 @@ fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 /// Causal attention of one sequence: `out` (`T x C`) and `lse` (`heads x T`) from `qkv`
 /// (`T x 3C`).
 pub(crate) fn attention_one(s: AttentionShape, qkv: &[f32], out: &mut [f32], lse: &mut [f32]) {
-    crate::vector::arch().dispatch(Forward { s, qkv, out, lse });
+    let (t, c) = (s.seq, s.width());
+    with_scratch(c * t + BLOCK * t, |scratch| {
+        crate::vector::arch().dispatch(Forward {
+            s,
+            qkv,
+            out,
+            lse,
+            scratch,
+        });
+    });
 }
 
 /// The forward of one sequence, as a `pulp` operation (compiled per instruction set).
@@ -146,6 +180,8 @@ struct Forward<'a> {
     qkv: &'a [f32],
     out: &'a mut [f32],
     lse: &'a mut [f32],
+    /// `C x T` for K^T, then `BLOCK x T` for a block's scores.
+    scratch: &'a mut [f32],
 }
 
 impl pulp::WithSimd for Forward<'_> {
@@ -153,66 +189,74 @@ impl pulp::WithSimd for Forward<'_> {
 
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, simd: S) {
-        let Forward { s, qkv, out, lse } = self;
+        let Forward {
+            s,
+            qkv,
+            out,
+            lse,
+            scratch,
+        } = self;
         let g = Heads::new(s);
         let (t, c3) = (g.seq, 3 * g.width);
-        let qkv_t = transposed(&g, qkv);
-        let mut scores = vec![0.0f32; BLOCK * t];
-        for h in 0..s.heads {
-            for (r0, r1) in blocks(t) {
-                // SAFETY: rows r0..r1 of head h's queries (stride 3C), K^T's D x T and the
-                // block's scores (rows of T) are inside their buffers.
-                unsafe {
-                    crate::tile::product(
-                        simd,
-                        &Product {
-                            m: r1 - r0,
-                            n: r1,
-                            k: g.head,
-                            a: qkv.as_ptr().add(r0 * c3 + g.qkv(0, h)),
-                            a_rs: c3,
-                            a_cs: 1,
-                            b: qkv_t[g.qkv_t(1, h)..].as_ptr(),
-                            ldb: t,
-                            c: scores.as_mut_ptr(),
-                            ldc: t,
-                            accumulate: false,
-                        },
-                    );
-                }
-                for i in r0..r1 {
-                    let row = &mut scores[(i - r0) * t..(i - r0) * t + r1];
-                    let live = &mut row[..=i];
-                    // The scale is positive, so it commutes with the maximum.
-                    let max = crate::fastmath::max(live) * g.scale;
-                    for v in live.iter_mut() {
-                        *v = crate::fastmath::exp(*v * g.scale - max);
+        {
+            let (k_t, scores) = scratch.split_at_mut(g.width * t);
+            transpose_part(&g, qkv, 1, k_t);
+            for h in 0..s.heads {
+                for (r0, r1) in blocks(t) {
+                    // SAFETY: rows r0..r1 of head h's queries (stride 3C), K^T's D x T and the
+                    // block's scores (rows of T) are inside their buffers.
+                    unsafe {
+                        crate::tile::product(
+                            simd,
+                            &Product {
+                                m: r1 - r0,
+                                n: r1,
+                                k: g.head,
+                                a: qkv.as_ptr().add(r0 * c3 + g.qkv(0, h)),
+                                a_rs: c3,
+                                a_cs: 1,
+                                b: k_t[g.head_rows(h)..].as_ptr(),
+                                ldb: t,
+                                c: scores.as_mut_ptr(),
+                                ldc: t,
+                                accumulate: false,
+                            },
+                        );
                     }
-                    let sum = crate::fastmath::sum(live);
-                    let inv = 1.0 / sum;
-                    live.iter_mut().for_each(|v| *v *= inv);
-                    row[i + 1..].fill(0.0);
-                    lse[h * t + i] = max + sum.ln();
-                }
-                // SAFETY: the block's probabilities (columns 0..r1), value rows 0..r1 of head
-                // h, and head h's columns of output rows r0..r1, written whole.
-                unsafe {
-                    crate::tile::product(
-                        simd,
-                        &Product {
-                            m: r1 - r0,
-                            n: g.head,
-                            k: r1,
-                            a: scores.as_ptr(),
-                            a_rs: t,
-                            a_cs: 1,
-                            b: qkv.as_ptr().add(g.qkv(2, h)),
-                            ldb: c3,
-                            c: out.as_mut_ptr().add(r0 * g.width + h * g.head),
-                            ldc: g.width,
-                            accumulate: false,
-                        },
-                    );
+                    for i in r0..r1 {
+                        let row = &mut scores[(i - r0) * t..(i - r0) * t + r1];
+                        let live = &mut row[..=i];
+                        // The scale is positive, so it commutes with the maximum.
+                        let max = crate::fastmath::max(live) * g.scale;
+                        for v in live.iter_mut() {
+                            *v = crate::fastmath::exp(*v * g.scale - max);
+                        }
+                        let sum = crate::fastmath::sum(live);
+                        let inv = 1.0 / sum;
+                        live.iter_mut().for_each(|v| *v *= inv);
+                        row[i + 1..].fill(0.0);
+                        lse[h * t + i] = max + sum.ln();
+                    }
+                    // SAFETY: the block's probabilities (columns 0..r1), value rows 0..r1 of head
+                    // h, and head h's columns of output rows r0..r1, written whole.
+                    unsafe {
+                        crate::tile::product(
+                            simd,
+                            &Product {
+                                m: r1 - r0,
+                                n: g.head,
+                                k: r1,
+                                a: scores.as_ptr(),
+                                a_rs: t,
+                                a_cs: 1,
+                                b: qkv.as_ptr().add(g.qkv(2, h)),
+                                ldb: c3,
+                                c: out.as_mut_ptr().add(r0 * g.width + h * g.head),
+                                ldc: g.width,
+                                accumulate: false,
+                            },
+                        );
+                    }
                 }
             }
         }
@@ -233,13 +277,17 @@ pub(crate) fn attention_backward_one(
     dout: &[f32],
     dqkv: &mut [f32],
 ) {
-    crate::vector::arch().dispatch(Backward {
-        s,
-        qkv,
-        out,
-        lse,
-        dout,
-        dqkv,
+    let (t, c) = (s.seq, s.width());
+    with_scratch(2 * c * t + 2 * t * t, |scratch| {
+        crate::vector::arch().dispatch(Backward {
+            s,
+            qkv,
+            out,
+            lse,
+            dout,
+            dqkv,
+            scratch,
+        });
     });
 }
 
@@ -251,6 +299,8 @@ struct Backward<'a> {
     lse: &'a [f32],
     dout: &'a [f32],
     dqkv: &'a mut [f32],
+    /// `C x T` each for K^T and V^T, then `T x T` each for P and dS.
+    scratch: &'a mut [f32],
 }
 
 impl pulp::WithSimd for Backward<'_> {
@@ -265,117 +315,123 @@ impl pulp::WithSimd for Backward<'_> {
             lse,
             dout,
             dqkv,
+            scratch,
         } = self;
         let g = Heads::new(s);
         let (t, c, c3) = (g.seq, g.width, 3 * g.width);
-        let qkv_t = transposed(&g, qkv);
-        let (mut probs, mut dprobs) = (vec![0.0f32; t * t], vec![0.0f32; t * t]);
-        let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr());
-        // One product of this sequence; every call below addresses rows of the sequence's
-        // tensors and of the T x T scratch only.
-        let run = |p: Product| {
-            // SAFETY: see each call's operands; all lie inside the buffers above.
-            unsafe { crate::tile::product(simd, &p) }
-        };
-        for h in 0..s.heads {
-            let (k_t, v_t) = (&qkv_t[g.qkv_t(1, h)..], &qkv_t[g.qkv_t(2, h)..]);
-            let dout_h = dout[h * g.head..].as_ptr();
-            for (r0, r1) in blocks(t) {
-                let m = r1 - r0;
-                // Probabilities again, from the saved log-sum-exp: S = Q K^T.
-                run(Product {
-                    m,
-                    n: r1,
-                    k: g.head,
-                    a: q.wrapping_add(r0 * c3 + g.qkv(0, h)),
-                    a_rs: c3,
-                    a_cs: 1,
-                    b: k_t.as_ptr(),
-                    ldb: t,
-                    c: probs[r0 * t..].as_mut_ptr(),
-                    ldc: t,
-                    accumulate: false,
-                });
-                for i in r0..r1 {
-                    let l = lse[h * t + i];
-                    let row = &mut probs[i * t..i * t + r1];
-                    row[..=i]
-                        .iter_mut()
-                        .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
-                    row[i + 1..].fill(0.0);
-                }
-                // dP = dO V^T.
-                run(Product {
-                    m,
-                    n: r1,
-                    k: g.head,
-                    a: dout_h.wrapping_add(r0 * c),
-                    a_rs: c,
-                    a_cs: 1,
-                    b: v_t.as_ptr(),
-                    ldb: t,
-                    c: dprobs[r0 * t..].as_mut_ptr(),
-                    ldc: t,
-                    accumulate: false,
-                });
-                // dS = P * (dP - rowsum(dO * O)) * scale.
-                for i in r0..r1 {
-                    let at = i * c + h * g.head;
-                    let (o, go) = (&out[at..at + g.head], &dout[at..at + g.head]);
-                    let dot: f32 = o.iter().zip(go).map(|(o, go)| o * go).sum();
-                    let (p, dp) = (&probs[i * t..=i * t + i], &mut dprobs[i * t..i * t + r1]);
-                    for (dp, &p) in dp.iter_mut().zip(p) {
-                        *dp = p * (*dp - dot) * g.scale;
+        {
+            let (k_t, rest) = scratch.split_at_mut(c * t);
+            let (v_t, rest) = rest.split_at_mut(c * t);
+            let (probs, dprobs) = rest.split_at_mut(t * t);
+            transpose_part(&g, qkv, 1, k_t);
+            transpose_part(&g, qkv, 2, v_t);
+            let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr());
+            // One product of this sequence; every call below addresses rows of the sequence's
+            // tensors and of the T x T scratch only.
+            let run = |p: Product| {
+                // SAFETY: see each call's operands; all lie inside the buffers above.
+                unsafe { crate::tile::product(simd, &p) }
+            };
+            for h in 0..s.heads {
+                let (k_t, v_t) = (&k_t[g.head_rows(h)..], &v_t[g.head_rows(h)..]);
+                let dout_h = dout[h * g.head..].as_ptr();
+                for (r0, r1) in blocks(t) {
+                    let m = r1 - r0;
+                    // Probabilities again, from the saved log-sum-exp: S = Q K^T.
+                    run(Product {
+                        m,
+                        n: r1,
+                        k: g.head,
+                        a: q.wrapping_add(r0 * c3 + g.qkv(0, h)),
+                        a_rs: c3,
+                        a_cs: 1,
+                        b: k_t.as_ptr(),
+                        ldb: t,
+                        c: probs[r0 * t..].as_mut_ptr(),
+                        ldc: t,
+                        accumulate: false,
+                    });
+                    for i in r0..r1 {
+                        let l = lse[h * t + i];
+                        let row = &mut probs[i * t..i * t + r1];
+                        row[..=i]
+                            .iter_mut()
+                            .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
+                        row[i + 1..].fill(0.0);
                     }
-                    dp[i + 1..].fill(0.0);
+                    // dP = dO V^T.
+                    run(Product {
+                        m,
+                        n: r1,
+                        k: g.head,
+                        a: dout_h.wrapping_add(r0 * c),
+                        a_rs: c,
+                        a_cs: 1,
+                        b: v_t.as_ptr(),
+                        ldb: t,
+                        c: dprobs[r0 * t..].as_mut_ptr(),
+                        ldc: t,
+                        accumulate: false,
+                    });
+                    // dS = P * (dP - rowsum(dO * O)) * scale.
+                    for i in r0..r1 {
+                        let at = i * c + h * g.head;
+                        let (o, go) = (&out[at..at + g.head], &dout[at..at + g.head]);
+                        let dot: f32 = o.iter().zip(go).map(|(o, go)| o * go).sum();
+                        let (p, dp) = (&probs[i * t..=i * t + i], &mut dprobs[i * t..i * t + r1]);
+                        for (dp, &p) in dp.iter_mut().zip(p) {
+                            *dp = p * (*dp - dot) * g.scale;
+                        }
+                        dp[i + 1..].fill(0.0);
+                    }
+                    // dQ = dS K, head h's columns of rows r0..r1 written whole.
+                    run(Product {
+                        m,
+                        n: g.head,
+                        k: r1,
+                        a: dprobs[r0 * t..].as_ptr(),
+                        a_rs: t,
+                        a_cs: 1,
+                        b: q.wrapping_add(g.qkv(1, h)),
+                        ldb: c3,
+                        c: d.wrapping_add(r0 * c3 + g.qkv(0, h)),
+                        ldc: c3,
+                        accumulate: false,
+                    });
                 }
-                // dQ = dS K, head h's columns of rows r0..r1 written whole.
-                run(Product {
-                    m,
-                    n: g.head,
-                    k: r1,
-                    a: dprobs[r0 * t..].as_ptr(),
-                    a_rs: t,
-                    a_cs: 1,
-                    b: q.wrapping_add(g.qkv(1, h)),
-                    ldb: c3,
-                    c: d.wrapping_add(r0 * c3 + g.qkv(0, h)),
-                    ldc: c3,
-                    accumulate: false,
-                });
-            }
-            // Key rows j0..j1 receive from query rows j0..T: every probability and score
-            // gradient they read was formed above (or is a zero past a diagonal). The left
-            // operands are P^T and dS^T, read in place through their strides.
-            for (j0, j1) in blocks(t) {
-                // dV = P^T dO.
-                run(Product {
-                    m: j1 - j0,
-                    n: g.head,
-                    k: t - j0,
-                    a: probs[j0 * t + j0..].as_ptr(),
-                    a_rs: 1,
-                    a_cs: t,
-                    b: dout_h.wrapping_add(j0 * c),
-                    ldb: c,
-                    c: d.wrapping_add(j0 * c3 + g.qkv(2, h)),
-                    ldc: c3,
-                    accumulate: false,
-                });
-                // dK = dS^T Q.
-                run(Product {
-                    m: j1 - j0,
-                    n: g.head,
-                    k: t - j0,
-                    a: dprobs[j0 * t + j0..].as_ptr(),
-                    a_rs: 1,
-                    a_cs: t,
-                    b: q.wrapping_add(j0 * c3 + g.qkv(0, h)),
-                    ldb: c3,
-                    c: d.wrapping_add(j0 * c3 + g.qkv(1, h)),
-                    ldc: c3,
-                    accumulate: false,
-                });
+                // Key rows j0..j1 receive from query rows j0..T: every probability and score
+                // gradient they read was formed above (or is a zero past a diagonal). The left
+                // operands are P^T and dS^T, read in place through their strides.
+                for (j0, j1) in blocks(t) {
+                    // dV = P^T dO.
+                    run(Product {
+                        m: j1 - j0,
+                        n: g.head,
+                        k: t - j0,
+                        a: probs[j0 * t + j0..].as_ptr(),
+                        a_rs: 1,
+                        a_cs: t,
+                        b: dout_h.wrapping_add(j0 * c),
+                        ldb: c,
+                        c: d.wrapping_add(j0 * c3 + g.qkv(2, h)),
+                        ldc: c3,
+                        accumulate: false,
+                    });
+                    // dK = dS^T Q.
+                    run(Product {
+                        m: j1 - j0,
+                        n: g.head,
+                        k: t - j0,
+                        a: dprobs[j0 * t + j0..].as_ptr(),
+                        a_rs: 1,
+                        a_cs: t,
+                        b: q.wrapping_add(j0 * c3 + g.qkv(0, h)),
+                        ldb: c3,
+                        c: d.wrapping_add(j0 * c3 + g.qkv(1, h)),
+                        ldc: c3,
+                        accumulate: false,
+                    });
+                }
             }
         }
     }

@@ -795,10 +795,13 @@ impl Layer for Residual {
         dy: &Tensor,
     ) -> KResult<Tensor> {
         let parts = self.split(params);
-        let mut g = dy.clone();
+        // The gradient reaching the current inner layer's output: `dy` itself for the last.
+        let mut g: Option<Tensor> = None;
         for j in (0..self.inner.len()).rev() {
-            g = self.inner[j].backward_input(be, parts[j], Self::saved_of(saved, j)?, &g)?;
+            let at = g.as_ref().unwrap_or(dy);
+            g = Some(self.inner[j].backward_input(be, parts[j], Self::saved_of(saved, j)?, at)?);
         }
+        let mut g = g.unwrap_or_else(|| dy.clone());
         if self.skip {
             be.axpy(1.0, dy, &mut g)?;
         }
@@ -839,7 +842,8 @@ impl Layer for Residual {
             grad_parts.push(head);
             rest = tail;
         }
-        let mut g = dy.clone();
+        // The gradient reaching the current inner layer's output: `dy` itself for the last.
+        let mut g: Option<Tensor> = None;
         for j in (0..self.inner.len()).rev() {
             let s = Self::saved_of(saved, j)?;
             let need = j > 0 || need_input_grad;
@@ -847,16 +851,17 @@ impl Layer for Residual {
                 be,
                 parts[j],
                 s,
-                &g,
+                g.as_ref().unwrap_or(dy),
                 &mut *grad_parts[j],
                 accumulate,
                 need,
             )?;
             match next {
-                Some(next) => g = next,
+                Some(next) => g = Some(next),
                 None => return Ok(None),
             }
         }
+        let mut g = g.unwrap_or_else(|| dy.clone());
         if self.skip {
             be.axpy(1.0, dy, &mut g)?;
         }
