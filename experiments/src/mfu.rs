@@ -94,7 +94,9 @@ pub struct ComponentTime {
     /// over the whole `T x T` tile, the masked half included); the block three times its
     /// forward FLOPs.
     pub gflops: f64,
-    /// `gflops` over the GEMM rate of the same run.
+    /// The reference GEMM's GFLOP/s, timed in alternation with this part.
+    pub gemm_gflops: f64,
+    /// `gflops` over `gemm_gflops`.
     pub of_gemm: f64,
 }
 
@@ -111,22 +113,50 @@ pub struct PassTime {
 }
 
 fn gemm_rate(be: &dyn Backend, reps: usize) -> Result<f64, ExperimentError> {
-    let (m, k, n) = (256usize, 1024usize, 1024usize);
-    let a = Tensor::full(&[m, k], 0.5);
-    let b = Tensor::full(&[k, n], 0.25);
-    let mut c = Tensor::default();
-    for _ in 0..3 {
-        be.matmul(&a, Trans::No, &b, Trans::No, &mut c, false)?;
+    let mut probe = GemmProbe::new(be)?;
+    let rates = (0..reps)
+        .map(|_| probe.rate(be))
+        .collect::<Result<Vec<f64>, _>>()?;
+    Ok(median(&rates))
+}
+
+/// The reference GEMM `256x1024 * 1024x1024`, warmed up, ready to time.
+struct GemmProbe {
+    a: Tensor,
+    b: Tensor,
+    c: Tensor,
+}
+
+impl GemmProbe {
+    const SHAPE: (usize, usize, usize) = (256, 1024, 1024);
+
+    fn new(be: &dyn Backend) -> Result<Self, ExperimentError> {
+        let (m, k, n) = Self::SHAPE;
+        let mut probe = Self {
+            a: Tensor::full(&[m, k], 0.5),
+            b: Tensor::full(&[k, n], 0.25),
+            c: Tensor::default(),
+        };
+        for _ in 0..3 {
+            probe.product(be)?;
+        }
+        Ok(probe)
     }
-    let mut rates = Vec::with_capacity(reps);
-    for _ in 0..reps {
+
+    fn product(&mut self, be: &dyn Backend) -> Result<(), ExperimentError> {
+        be.matmul(&self.a, Trans::No, &self.b, Trans::No, &mut self.c, false)?;
+        Ok(())
+    }
+
+    /// GFLOP/s of eight products in a row.
+    fn rate(&mut self, be: &dyn Backend) -> Result<f64, ExperimentError> {
+        let (m, k, n) = Self::SHAPE;
         let t = Instant::now();
         for _ in 0..8 {
-            be.matmul(&a, Trans::No, &b, Trans::No, &mut c, false)?;
+            self.product(be)?;
         }
-        rates.push(8.0 * 2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        Ok(8.0 * 2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9)
     }
-    Ok(median(&rates))
 }
 
 /// Times the step's products alone: for every 2-D parameter `k x n` (a linear layer's
@@ -270,7 +300,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         6.0 * parameters as f64
     };
     let components = if language {
-        transformer_components(&be, &model, &params, cfg.batch, gemm)?
+        transformer_components(&be, &model, &params, cfg.batch)?
     } else {
         Vec::new()
     };
@@ -294,13 +324,12 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
 
 /// A transformer's parts timed alone at the step's batch: attention (its kernel forward and
 /// backward) and one block's whole step (forward and fused backward), each as GFLOP/s and as
-/// a fraction of the GEMM rate `gemm`.
+/// a fraction of the GEMM rate measured in alternation with it (see [`time_beside_gemm`]).
 fn transformer_components(
     be: &dyn Backend,
     model: &Model,
     params: &Params,
     batch: usize,
-    gemm: f64,
 ) -> Result<Vec<ComponentTime>, ExperimentError> {
     let Some(i) = model
         .specs()
@@ -329,7 +358,8 @@ fn transformer_components(
     // recomputation of the scores is work the kernel chooses to do, not model FLOPs, so it is
     // not counted.
     let tile = (batch * seq * seq * width) as f64;
-    let attention_s = time_median(TIMED_ROUNDS, || {
+    let mut probe = GemmProbe::new(be)?;
+    let attention_s = time_beside_gemm(be, &mut probe, || {
         be.attention(&qkv, attention, &mut out, &mut lse)?;
         be.attention_backward(&qkv, &out, &lse, &out, attention, &mut dqkv)?;
         Ok(())
@@ -343,17 +373,18 @@ fn transformer_components(
     // Each round's input is copied before the clock starts: the forward consumes it, and a
     // 16 MiB copy is no part of the block's step.
     let mut inputs: Vec<Tensor> = (0..TIMED_ROUNDS + 2).map(|_| x.clone()).collect();
-    let block_s = time_median(TIMED_ROUNDS, || {
+    let block_s = time_beside_gemm(be, &mut probe, || {
         let input = inputs.pop().unwrap_or_else(|| x.clone());
         let (y, saved) = layer.forward(be, &params[i], input, ctx)?;
         layer.backward(be, &params[i], &saved, &y, &mut grads, false, true)?;
         Ok(())
     })?;
     let block_flops = 3.0 * (layer.flops_per_sample(model.shape_before(i)) * batch as u64) as f64;
-    let part = |name: &str, seconds: f64, flops: f64| ComponentTime {
+    let part = |name: &str, (seconds, gemm): (f64, f64), flops: f64| ComponentTime {
         part: name.into(),
         seconds,
         gflops: flops / seconds / 1e9,
+        gemm_gflops: gemm,
         of_gemm: flops / seconds / 1e9 / gemm,
     };
     Ok(vec![
@@ -365,20 +396,26 @@ fn transformer_components(
 /// Timed calls of each transformer part (after two untimed ones).
 const TIMED_ROUNDS: usize = 9;
 
-/// Median seconds of `f` over `reps` runs after two untimed ones.
-fn time_median(
-    reps: usize,
+/// Median seconds of `f` over [`TIMED_ROUNDS`] calls after two untimed ones, and the median
+/// GEMM rate of `probe` timed just before each of them. On a shared machine the rate changes
+/// from minute to minute; measured in alternation, the part and its reference see the same
+/// neighbours, so their ratio holds where either alone does not.
+fn time_beside_gemm(
+    be: &dyn Backend,
+    probe: &mut GemmProbe,
     mut f: impl FnMut() -> Result<(), pipe_kernels::KernelError>,
-) -> Result<f64, ExperimentError> {
-    let mut times = Vec::with_capacity(reps);
-    for round in 0..reps + 2 {
+) -> Result<(f64, f64), ExperimentError> {
+    let (mut times, mut rates) = (Vec::new(), Vec::new());
+    for round in 0..TIMED_ROUNDS + 2 {
+        let rate = probe.rate(be)?;
         let t = Instant::now();
         f()?;
         if round >= 2 {
             times.push(t.elapsed().as_secs_f64());
+            rates.push(rate);
         }
     }
-    Ok(median(&times))
+    Ok((median(&times), median(&rates)))
 }
 
 /// A short human-readable summary.
@@ -424,15 +461,16 @@ pub fn render(r: &MfuReport) -> String {
         }
     }
     if !r.components.is_empty() {
-        out.push_str("transformer parts alone, against the GEMM rate:\n");
+        out.push_str("transformer parts alone, against the GEMM timed in alternation with each:\n");
     }
     for c in &r.components {
         out.push_str(&format!(
-            "  {:<18} {:>7.2} ms  {:>6.1} GFLOP/s  {:.2} of GEMM\n",
+            "  {:<18} {:>7.2} ms  {:>6.1} GFLOP/s  {:.2} of GEMM ({:.1} GFLOP/s)\n",
             c.part,
             c.seconds * 1e3,
             c.gflops,
-            c.of_gemm
+            c.of_gemm,
+            c.gemm_gflops
         ));
     }
     out
@@ -479,7 +517,7 @@ mod tests {
         let parts: Vec<&str> = r.components.iter().map(|c| c.part.as_str()).collect();
         assert_eq!(parts, ["attention", "block step"]);
         for c in &r.components {
-            assert!(c.gflops > 0.0 && (c.of_gemm - c.gflops / r.gemm_gflops).abs() < 1e-9);
+            assert!(c.gflops > 0.0 && (c.of_gemm - c.gflops / c.gemm_gflops).abs() < 1e-9);
         }
         assert!(render(&r).contains("of GEMM"));
     }

@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -15,13 +16,23 @@ use crate::{Device, KernelError, Result, Tensor};
 /// its log-sum-exp row per head, the output's gradient rows, and the `dqkv` rows it fills.
 type AttentionBackwardTask<'a> = (
     (((&'a [f32], &'a [f32]), &'a [f32]), &'a [f32]),
-    &'a mut [f32],
+    &'a mut [MaybeUninit<f32>],
+);
+/// One sequence's share of the attention forward: its `qkv` rows, the output rows and the
+/// log-sum-exp row per head it fills.
+type AttentionTask<'a> = (
+    (&'a [f32], &'a mut [MaybeUninit<f32>]),
+    &'a mut [MaybeUninit<f32>],
 );
 
 /// Elementwise work below this many elements runs on the calling thread.
 const PAR_MIN: usize = 1 << 16;
 /// Elementwise chunk handed to one task.
 const PAR_CHUNK: usize = 1 << 14;
+/// Rows from which a product with a small transposed right operand reads a row-major copy.
+const TALL_ROWS: usize = 1024;
+/// Rows per partial sum of `sum_rows` when there are more rows than this.
+const SUM_ROWS_CHUNK: usize = 256;
 /// Products below this many multiply-adds run as one `gemm` call on one thread.
 const GEMM_SPLIT_MIN: usize = 1 << 21;
 
@@ -292,12 +303,12 @@ impl CpuBackend {
         }
     }
 
-    fn par_zip(
+    fn par_zip<T: Send>(
         &self,
-        out: &mut [f32],
+        out: &mut [T],
         a: &[f32],
         b: &[f32],
-        f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync + Send,
+        f: impl Fn(&mut [T], &[f32], &[f32]) + Sync + Send,
     ) {
         if self.threads > 1 && out.len() >= PAR_MIN {
             self.pool.install(|| {
@@ -312,6 +323,21 @@ impl CpuBackend {
     }
 }
 
+/// One product for [`CpuBackend::run_plan`]: `op(a)` (`m x k`) and `op(b)` (`k x n`) as base
+/// addresses and (row, column) strides, and whether the output is added to.
+struct Operands {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: usize,
+    a_rs: isize,
+    a_cs: isize,
+    b: usize,
+    b_rs: isize,
+    b_cs: isize,
+    accumulate: bool,
+}
+
 /// One task of the layer norm's forward: output, input, mean and rstd rows.
 type LayerNormChunk<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
 /// One task of the layer norm's input gradient: dx, x, dy, mean and rstd rows.
@@ -321,6 +347,64 @@ type LayerNormBackChunk<'a> = (
 );
 
 impl CpuBackend {
+    /// Runs one product's `gemm` calls over the blocks of `plan`, writing to `c` (row-major,
+    /// `m x n`): the whole product split by `gemm` itself, or column or row blocks, one task
+    /// each.
+    fn run_plan(&self, plan: Blocks, p: &Operands, c: SendPtr) {
+        let (m, n) = (p.m, p.n);
+        // One block: rows r0..r0+mr, cols c0..c0+nc of the output.
+        let run = |r0: usize, mr: usize, c0: usize, nc: usize, par: gemm::Parallelism| {
+            // SAFETY: the pointers come from live tensors whose shapes the caller checked; the
+            // offsets stay inside them (r0 + mr <= m, c0 + nc <= n), and blocks handed to
+            // different tasks write disjoint output elements.
+            unsafe {
+                gemm::gemm(
+                    mr,
+                    nc,
+                    p.k,
+                    c.get().add(r0 * n + c0),
+                    1,
+                    n as isize,
+                    p.accumulate,
+                    (p.a as *const f32).offset(r0 as isize * p.a_rs),
+                    p.a_cs,
+                    p.a_rs,
+                    (p.b as *const f32).offset(c0 as isize * p.b_cs),
+                    p.b_cs,
+                    p.b_rs,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    par,
+                );
+            }
+        };
+        match plan {
+            Blocks::Whole => {
+                if self.threads > 1 && m * n * p.k >= GEMM_SPLIT_MIN {
+                    let par = gemm::Parallelism::Rayon(self.threads);
+                    self.pool.install(|| run(0, m, 0, n, par));
+                } else {
+                    run(0, m, 0, n, gemm::Parallelism::None);
+                }
+            }
+            Blocks::Cols(w) => {
+                self.for_each_block(n.div_ceil(w), |i| {
+                    let c0 = i * w;
+                    run(0, m, c0, w.min(n - c0), gemm::Parallelism::None);
+                });
+            }
+            Blocks::Rows(h) => {
+                self.for_each_block(m.div_ceil(h), |i| {
+                    let r0 = i * h;
+                    run(r0, h.min(m - r0), 0, n, gemm::Parallelism::None);
+                });
+            }
+        }
+    }
+
     /// Runs `body` on every row chunk of `tasks` on the pool (whose threads flush subnormals
     /// like the caller's). Each row is one chunk's alone, so the split never changes a result.
     fn run_rows<I>(&self, tasks: I, body: impl Fn(I::Item) + Sync + Send)
@@ -479,70 +563,30 @@ impl Backend for CpuBackend {
                 ),
             ));
         }
-        if accumulate {
-            if c.rows() != m || c.cols() != n {
-                return Err(shape_err(
-                    "matmul",
-                    format!("accumulating into {:?}, product is {m}x{n}", c.shape()),
-                ));
-            }
-        } else {
-            c.resize_host(&[m, n]);
+        if accumulate && (c.rows() != m || c.cols() != n) {
+            return Err(shape_err(
+                "matmul",
+                format!("accumulating into {:?}, product is {m}x{n}", c.shape()),
+            ));
         }
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        if k == 0 {
+        if m == 0 || n == 0 || k == 0 {
             if !accumulate {
-                c.host_mut()?.fill(0.0);
+                c.resize_host(&[m, n]).fill(0.0);
             }
             return Ok(());
         }
-        let cp = SendPtr(c.host_mut()?.as_mut_ptr());
-        let ap = a.host()?.as_ptr() as usize;
-        let bp = b.host()?.as_ptr() as usize;
-        // One block: rows r0..r0+mr, cols c0..c0+nc of the output.
-        // One block: rows r0..r0+mr, cols c0..c0+nc of the output, reading op(b)'s columns
-        // c0.. from `bsrc` with strides (b_cs, b_rs).
-        let run_from = |r0: usize,
-                        mr: usize,
-                        c0: usize,
-                        nc: usize,
-                        bsrc: usize,
-                        b_cs: isize,
-                        b_rs: isize,
-                        par: gemm::Parallelism| {
-            // SAFETY: the pointers come from live tensors whose shapes were checked above; the
-            // offsets stay inside them (r0 + mr <= m, c0 + nc <= n), and blocks handed to
-            // different tasks write disjoint output elements.
-            unsafe {
-                gemm::gemm(
-                    mr,
-                    nc,
-                    k,
-                    cp.get().add(r0 * n + c0),
-                    1,
-                    n as isize,
-                    accumulate,
-                    (ap as *const f32).offset(r0 as isize * a_rs),
-                    a_cs,
-                    a_rs,
-                    bsrc as *const f32,
-                    b_cs,
-                    b_rs,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    par,
-                );
-            }
-        };
-        let run = |r0: usize, mr: usize, c0: usize, nc: usize, par: gemm::Parallelism| {
-            // SAFETY (pointer arithmetic only): c0 < n, inside op(b).
-            let bsrc = unsafe { (bp as *const f32).offset(c0 as isize * b_cs) } as usize;
-            run_from(r0, mr, c0, nc, bsrc, b_cs, b_rs, par)
+        // A tall product whose small right operand is stored transposed (a transformer's
+        // `dX = dY W^T` over thousands of token rows) reads a row-major copy of `op(b)`, cached
+        // per weight version: a few hundred KiB once, where `gemm` reads the transposed operand
+        // in place at about two thirds of its rate and the transposed route below would move
+        // the tall output through a scratch twice.
+        let tall_transposed = tb == Trans::Yes && m >= TALL_ROWS && m >= 2 * n && k * n < PACK_MIN;
+        let held_b;
+        let (bp, b_rs, b_cs) = if tall_transposed {
+            held_b = self.transposed(b, n, k)?;
+            (held_b.as_ptr() as usize, n as isize, 1)
+        } else {
+            (b.host()?.as_ptr() as usize, b_rs, b_cs)
         };
         let plan = block_plan(m, n, k);
         let min = match tb {
@@ -556,39 +600,38 @@ impl Backend for CpuBackend {
         // (At 64 rows the same holds from `TRANSPOSED_MIN` on: 64x256x256 at 99 against 65
         // GFLOP/s on one thread; at 256x256x256 with 2 threads reading in place is faster.)
         let wide_transposed = tb == Trans::Yes
+            && !tall_transposed
             && (k * n >= PACK_MIN || (m <= PACK_BELOW_ROWS && k * n >= TRANSPOSED_MIN));
         if (m < PACK_BELOW_ROWS && k * n >= min) || wide_transposed {
             let width = match plan {
                 Blocks::Cols(w) => w,
                 _ => n,
             };
+            if !accumulate {
+                c.resize_host(&[m, n]);
+            }
             return self.matmul_transposed(a, ta, b, tb, c, accumulate, width);
         }
-        match plan {
-            Blocks::Whole => {
-                let par = if self.threads > 1 && m * n * k >= GEMM_SPLIT_MIN {
-                    gemm::Parallelism::Rayon(self.threads)
-                } else {
-                    gemm::Parallelism::None
-                };
-                if matches!(par, gemm::Parallelism::None) {
-                    run(0, m, 0, n, par);
-                } else {
-                    self.pool.install(|| run(0, m, 0, n, par));
-                }
-            }
-            Blocks::Cols(w) => {
-                let nb = n.div_ceil(w);
-                self.for_each_block(nb, |i| {
-                    let c0 = i * w;
-                    run(0, m, c0, w.min(n - c0), gemm::Parallelism::None);
-                });
-            }
-            Blocks::Rows(h) => {
-                let nb = m.div_ceil(h);
-                self.for_each_block(nb, |i| {
-                    let r0 = i * h;
-                    run(r0, h.min(m - r0), 0, n, gemm::Parallelism::None);
+        let operands = Operands {
+            m,
+            n,
+            k,
+            a: a.host()?.as_ptr() as usize,
+            a_rs,
+            a_cs,
+            b: bp,
+            b_rs,
+            b_cs,
+            accumulate,
+        };
+        if accumulate {
+            self.run_plan(plan, &operands, SendPtr(c.host_mut()?.as_mut_ptr()));
+        } else {
+            // SAFETY: the plan's blocks cover the m x n output, and each `gemm` call writes
+            // every element of its block without reading it (`read_dst` is false).
+            unsafe {
+                c.write_host_with(&[m, n], |out| {
+                    self.run_plan(plan, &operands, SendPtr(out.as_mut_ptr().cast()));
                 });
             }
         }
@@ -674,25 +717,48 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let xs = x.host()?;
-        // Column blocks in parallel; each column is summed over the rows in order, as one
-        // thread would, so the split never changes a result.
-        self.column_blocks(out.host_mut()?, xs.len(), |c0, sums| {
-            for row in xs.chunks_exact(n) {
+        let sum_into = |c0: usize, sums: &mut [f32], rows: &[f32]| {
+            for row in rows.chunks_exact(n) {
                 for (acc, v) in sums.iter_mut().zip(&row[c0..]) {
                     *acc += v;
                 }
             }
-        });
+        };
+        if xs.len() <= SUM_ROWS_CHUNK * n {
+            // Column blocks in parallel; each column is summed over the rows in order, as one
+            // thread would, so the split never changes a result.
+            self.column_blocks(out.host_mut()?, xs.len(), |c0, sums| sum_into(c0, sums, xs));
+            return Ok(());
+        }
+        // Many rows (a transformer's tokens): each fixed chunk of rows is summed on its own,
+        // reading memory in order, and the chunks' sums are added in chunk order. The chunks
+        // depend on the shape alone, so the bits do not depend on the thread count.
+        let chunk_sum = |rows: &[f32]| {
+            let mut sums = vec![0.0f32; n];
+            sum_into(0, &mut sums, rows);
+            sums
+        };
+        let partials: Vec<Vec<f32>> = if self.threads > 1 {
+            self.pool
+                .install(|| xs.par_chunks(SUM_ROWS_CHUNK * n).map(chunk_sum).collect())
+        } else {
+            xs.chunks(SUM_ROWS_CHUNK * n).map(chunk_sum).collect()
+        };
+        let o = out.host_mut()?;
+        for sums in &partials {
+            o.iter_mut().zip(sums).for_each(|(acc, v)| *acc += v);
+        }
         Ok(())
     }
 
     fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        y.resize_host(x.shape());
         let src = x.host()?;
-        let f = move |out: &mut [f32], x: &[f32], _: &[f32]| {
+        let f = move |out: &mut [MaybeUninit<f32>], x: &[f32], _: &[f32]| {
             crate::vector::vectorized(Activate { act, out, x });
         };
-        self.par_zip(y.host_mut()?, src, src, f);
+        // SAFETY: `par_zip` hands every chunk of the output to `Activate`, which writes each
+        // of its elements once and reads none.
+        unsafe { y.write_host_with(x.shape(), |out| self.par_zip(out, src, src, f)) };
         Ok(())
     }
 
@@ -709,11 +775,12 @@ impl Backend for CpuBackend {
                 format!("input {:?} but gradient {:?}", x.shape(), dy.shape()),
             ));
         }
-        dx.resize_host(x.shape());
-        let f = move |out: &mut [f32], x: &[f32], dy: &[f32]| {
+        let (xs, dys) = (x.host()?, dy.host()?);
+        let f = move |out: &mut [MaybeUninit<f32>], x: &[f32], dy: &[f32]| {
             crate::vector::vectorized(ActivateBackward { act, out, x, dy });
         };
-        self.par_zip(dx.host_mut()?, x.host()?, dy.host()?, f);
+        // SAFETY: as in `activation`: every output element is written once, none is read.
+        unsafe { dx.write_host_with(x.shape(), |out| self.par_zip(out, xs, dys, f)) };
         Ok(())
     }
 
@@ -979,20 +1046,27 @@ impl Backend for CpuBackend {
         let (t, c, h) = (shape.seq, shape.width, shape.heads);
         let rows = shape.batch * t;
         let src = qkv.host()?;
-        let out = out.resize_host(&[rows, c]);
-        let lse = lse.resize_host(&[shape.batch, h, t]);
-        let one = |((q, o), l): ((&[f32], &mut [f32]), &mut [f32])| {
-            crate::sequence::attention_one(shape, q, o, l);
+        let run = |out: &mut [MaybeUninit<f32>], lse: &mut [MaybeUninit<f32>]| {
+            let one = |((q, o), l): AttentionTask<'_>| {
+                crate::sequence::attention_one(shape, q, o, l);
+            };
+            let tasks = src
+                .chunks(t * 3 * c)
+                .zip(out.chunks_mut(t * c))
+                .zip(lse.chunks_mut(h * t));
+            if self.threads > 1 && shape.batch > 1 {
+                let tasks: Vec<_> = tasks.collect();
+                self.pool.install(|| tasks.into_par_iter().for_each(one));
+            } else {
+                tasks.for_each(one);
+            }
         };
-        let tasks = src
-            .chunks(t * 3 * c)
-            .zip(out.chunks_mut(t * c))
-            .zip(lse.chunks_mut(h * t));
-        if self.threads > 1 && shape.batch > 1 {
-            let tasks: Vec<_> = tasks.collect();
-            self.pool.install(|| tasks.into_par_iter().for_each(one));
-        } else {
-            tasks.for_each(one);
+        // SAFETY: each sequence's task writes all its output rows (every head's columns) and
+        // its log-sum-exp row per head, and reads neither.
+        unsafe {
+            out.write_host_with(&[rows, c], |out| {
+                lse.write_host_with(&[shape.batch, h, t], |lse| run(out, lse));
+            });
         }
         Ok(())
     }
@@ -1021,22 +1095,26 @@ impl Backend for CpuBackend {
             ));
         }
         let (src, o, l, go) = (qkv.host()?, out.host()?, lse.host()?, dout.host()?);
-        let dst = dqkv.resize_host(&[rows, 3 * c]);
-        let one = |((((q, o), l), go), d): AttentionBackwardTask<'_>| {
-            crate::sequence::attention_backward_one(shape, q, o, l, go, d);
+        let run = |dst: &mut [MaybeUninit<f32>]| {
+            let one = |((((q, o), l), go), d): AttentionBackwardTask<'_>| {
+                crate::sequence::attention_backward_one(shape, q, o, l, go, d);
+            };
+            let tasks = src
+                .chunks(t * 3 * c)
+                .zip(o.chunks(t * c))
+                .zip(l.chunks(h * t))
+                .zip(go.chunks(t * c))
+                .zip(dst.chunks_mut(t * 3 * c));
+            if self.threads > 1 && shape.batch > 1 {
+                let tasks: Vec<_> = tasks.collect();
+                self.pool.install(|| tasks.into_par_iter().for_each(one));
+            } else {
+                tasks.for_each(one);
+            }
         };
-        let tasks = src
-            .chunks(t * 3 * c)
-            .zip(o.chunks(t * c))
-            .zip(l.chunks(h * t))
-            .zip(go.chunks(t * c))
-            .zip(dst.chunks_mut(t * 3 * c));
-        if self.threads > 1 && shape.batch > 1 {
-            let tasks: Vec<_> = tasks.collect();
-            self.pool.install(|| tasks.into_par_iter().for_each(one));
-        } else {
-            tasks.for_each(one);
-        }
+        // SAFETY: each sequence's task writes every element of its `dqkv` rows (dQ by query
+        // blocks, dK and dV by key blocks, every head) and reads none.
+        unsafe { dqkv.write_host_with(&[rows, 3 * c], run) };
         Ok(())
     }
 
@@ -1194,7 +1272,7 @@ impl Backend for CpuBackend {
 /// `out = act(x)`, vectorised ([`crate::vector`]).
 struct Activate<'a> {
     act: Activation,
-    out: &'a mut [f32],
+    out: &'a mut [MaybeUninit<f32>],
     x: &'a [f32],
 }
 
@@ -1205,10 +1283,10 @@ impl crate::vector::Kernel for Activate<'_> {
     fn run(self) {
         let it = self.out.iter_mut().zip(self.x);
         match self.act {
-            Activation::Relu => it.for_each(|(o, &v)| *o = v.max(0.0)),
-            Activation::Gelu => it.for_each(|(o, &v)| *o = gelu(v)),
-            Activation::Tanh => it.for_each(|(o, &v)| *o = v.tanh()),
-            Activation::Sigmoid => it.for_each(|(o, &v)| *o = sigmoid(v)),
+            Activation::Relu => it.for_each(|(o, &v)| _ = o.write(v.max(0.0))),
+            Activation::Gelu => it.for_each(|(o, &v)| _ = o.write(gelu(v))),
+            Activation::Tanh => it.for_each(|(o, &v)| _ = o.write(v.tanh())),
+            Activation::Sigmoid => it.for_each(|(o, &v)| _ = o.write(sigmoid(v))),
         }
     }
 }
@@ -1216,7 +1294,7 @@ impl crate::vector::Kernel for Activate<'_> {
 /// `out = dy * act'(x)`, vectorised.
 struct ActivateBackward<'a> {
     act: Activation,
-    out: &'a mut [f32],
+    out: &'a mut [MaybeUninit<f32>],
     x: &'a [f32],
     dy: &'a [f32],
 }
@@ -1228,15 +1306,17 @@ impl crate::vector::Kernel for ActivateBackward<'_> {
     fn run(self) {
         let it = self.out.iter_mut().zip(self.x).zip(self.dy);
         match self.act {
-            Activation::Relu => it.for_each(|((o, &v), &g)| *o = if v > 0.0 { g } else { 0.0 }),
-            Activation::Gelu => it.for_each(|((o, &v), &g)| *o = g * gelu_grad(v)),
+            Activation::Relu => {
+                it.for_each(|((o, &v), &g)| _ = o.write(if v > 0.0 { g } else { 0.0 }))
+            }
+            Activation::Gelu => it.for_each(|((o, &v), &g)| _ = o.write(g * gelu_grad(v))),
             Activation::Tanh => it.for_each(|((o, &v), &g)| {
                 let t = v.tanh();
-                *o = g * (1.0 - t * t);
+                o.write(g * (1.0 - t * t));
             }),
             Activation::Sigmoid => it.for_each(|((o, &v), &g)| {
                 let s = sigmoid(v);
-                *o = g * s * (1.0 - s);
+                o.write(g * s * (1.0 - s));
             }),
         }
     }

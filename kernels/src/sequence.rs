@@ -10,6 +10,8 @@
 //! sequence is one task and writes only its own rows, so the bits never depend on the thread
 //! count.
 
+use std::mem::MaybeUninit;
+
 use crate::backend::AttentionShape;
 use crate::error::shape_err;
 use crate::tile::Product;
@@ -161,7 +163,12 @@ fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 
 /// Causal attention of one sequence: `out` (`T x C`) and `lse` (`heads x T`) from `qkv`
 /// (`T x 3C`).
-pub(crate) fn attention_one(s: AttentionShape, qkv: &[f32], out: &mut [f32], lse: &mut [f32]) {
+pub(crate) fn attention_one(
+    s: AttentionShape,
+    qkv: &[f32],
+    out: &mut [MaybeUninit<f32>],
+    lse: &mut [MaybeUninit<f32>],
+) {
     let (t, c) = (s.seq, s.width());
     with_scratch(c * t + BLOCK * t, |scratch| {
         crate::vector::arch().dispatch(Forward {
@@ -178,8 +185,10 @@ pub(crate) fn attention_one(s: AttentionShape, qkv: &[f32], out: &mut [f32], lse
 struct Forward<'a> {
     s: AttentionShape,
     qkv: &'a [f32],
-    out: &'a mut [f32],
-    lse: &'a mut [f32],
+    /// Written whole (every head's columns of every row), never read.
+    out: &'a mut [MaybeUninit<f32>],
+    /// Written whole, never read.
+    lse: &'a mut [MaybeUninit<f32>],
     /// `C x T` for K^T, then `BLOCK x T` for a block's scores.
     scratch: &'a mut [f32],
 }
@@ -235,7 +244,7 @@ impl pulp::WithSimd for Forward<'_> {
                         let inv = 1.0 / sum;
                         live.iter_mut().for_each(|v| *v *= inv);
                         row[i + 1..].fill(0.0);
-                        lse[h * t + i] = max + sum.ln();
+                        lse[h * t + i].write(max + sum.ln());
                     }
                     // SAFETY: the block's probabilities (columns 0..r1), value rows 0..r1 of head
                     // h, and head h's columns of output rows r0..r1, written whole.
@@ -251,7 +260,10 @@ impl pulp::WithSimd for Forward<'_> {
                                 a_cs: 1,
                                 b: qkv.as_ptr().add(g.qkv(2, h)),
                                 ldb: c3,
-                                c: out.as_mut_ptr().add(r0 * g.width + h * g.head),
+                                c: out
+                                    .as_mut_ptr()
+                                    .cast::<f32>()
+                                    .add(r0 * g.width + h * g.head),
                                 ldc: g.width,
                                 accumulate: false,
                             },
@@ -275,7 +287,7 @@ pub(crate) fn attention_backward_one(
     out: &[f32],
     lse: &[f32],
     dout: &[f32],
-    dqkv: &mut [f32],
+    dqkv: &mut [MaybeUninit<f32>],
 ) {
     let (t, c) = (s.seq, s.width());
     with_scratch(2 * c * t + 2 * t * t, |scratch| {
@@ -298,7 +310,8 @@ struct Backward<'a> {
     out: &'a [f32],
     lse: &'a [f32],
     dout: &'a [f32],
-    dqkv: &'a mut [f32],
+    /// Written whole, never read.
+    dqkv: &'a mut [MaybeUninit<f32>],
     /// `C x T` each for K^T and V^T, then `T x T` each for P and dS.
     scratch: &'a mut [f32],
 }
@@ -325,7 +338,7 @@ impl pulp::WithSimd for Backward<'_> {
             let (probs, dprobs) = rest.split_at_mut(t * t);
             transpose_part(&g, qkv, 1, k_t);
             transpose_part(&g, qkv, 2, v_t);
-            let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr());
+            let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr().cast::<f32>());
             // One product of this sequence; every call below addresses rows of the sequence's
             // tensors and of the T x T scratch only.
             let run = |p: Product| {

@@ -332,6 +332,36 @@ impl<E: Element> Tensor<E> {
         Ok(self)
     }
 
+    /// Makes this a host tensor of `shape` whose elements `write` fills, reusing a host
+    /// allocation without clearing it first: for an output that a kernel overwrites whole, where
+    /// [`Tensor::resize_host`] would write every new element twice (a multi-megabyte pass of
+    /// zeros per fresh output).
+    ///
+    /// # Safety
+    /// `write` must initialise every element of the slice it is given before it returns, and
+    /// must not read an element it has not written.
+    pub unsafe fn write_host_with<R>(
+        &mut self,
+        shape: &[usize],
+        write: impl FnOnce(&mut [std::mem::MaybeUninit<E>]) -> R,
+    ) -> R {
+        let n = shape.iter().product();
+        let mut v = match std::mem::replace(&mut self.storage, Storage::Host(Vec::new())) {
+            Storage::Host(v) => v,
+            Storage::Device(_) => Vec::new(),
+        };
+        v.clear();
+        v.reserve(n);
+        let out = write(&mut v.spare_capacity_mut()[..n]);
+        // SAFETY: the caller's `write` initialised the first n elements.
+        unsafe { v.set_len(n) };
+        self.storage = Storage::Host(v);
+        self.shape.clear();
+        self.shape.extend_from_slice(shape);
+        self.stamp = next_stamp();
+        out
+    }
+
     /// Makes this a host tensor of `shape` and returns its elements, reusing a host allocation;
     /// contents are unspecified afterwards (zero where new storage was added). For host
     /// backends writing an output.

@@ -209,6 +209,14 @@ fn elementwise_and_reductions(be: &dyn Backend) {
         .map(|j| (0..7).map(|i| xv[i * 13 + j] as f64).sum())
         .collect();
     close(&read(be, &s), &want, 1e-6);
+    // Many rows (summed in chunks of rows on the CPU), then accumulated onto that sum.
+    let tall = rand_t(&[600, 13], 11);
+    let tv = tall.host().unwrap().to_vec();
+    be.sum_rows(&on(be, &tall), &mut s, true).unwrap();
+    let want_tall: Vec<f64> = (0..13)
+        .map(|j| want[j] + (0..600).map(|i| tv[i * 13 + j] as f64).sum::<f64>())
+        .collect();
+    close(&read(be, &s), &want_tall, 1e-5);
     let total = be.sum(&x).unwrap();
     assert!((total - want.iter().sum::<f64>()).abs() < 1e-5);
     let sq = be.sum_squares(&x).unwrap();
