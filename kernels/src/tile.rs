@@ -99,18 +99,23 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
     // SAFETY: every offset addresses an element of a, b or c inside the tile, which the caller
     // guarantees valid; unaligned reads and writes of whole vectors.
     unsafe {
-        for kk in 0..p.k {
-            let row = p.b.add(kk * p.ldb + j0);
+        // Pointers walked along the inner dimension: no index products in the loop.
+        let a_rows: [*const f32; MR] = std::array::from_fn(|r| p.a.add((i0 + r) * p.a_rs));
+        let (mut a_at, mut row) = (0, p.b.add(j0));
+        for _ in 0..p.k {
             let mut bv = [zero; NV];
             for (v, b) in bv.iter_mut().enumerate() {
                 *b = std::ptr::read_unaligned(row.add(v * lanes).cast::<S::f32s>());
             }
-            for (r, acc_row) in acc.iter_mut().enumerate() {
-                let a = simd.splat_f32s(*p.a.add((i0 + r) * p.a_rs + kk * p.a_cs));
+            for (acc_row, a_row) in acc.iter_mut().zip(&a_rows) {
+                let a = simd.splat_f32s(*a_row.add(a_at));
                 for (acc, &b) in acc_row.iter_mut().zip(&bv) {
                     *acc = simd.mul_add_e_f32s(a, b, *acc);
                 }
             }
+            a_at += p.a_cs;
+            // One row past the last may lie outside the operand: only ever read before this.
+            row = row.wrapping_add(p.ldb);
         }
         for (r, acc_row) in acc.iter().enumerate() {
             for (v, &sum) in acc_row.iter().enumerate() {
