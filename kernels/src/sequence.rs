@@ -112,6 +112,34 @@ impl Heads {
     fn head_rows(&self, h: usize) -> usize {
         h * self.head * self.seq
     }
+
+    /// The product `S = Q K^T` of head `h` for query rows `r0..r1` and key columns `0..r1`
+    /// (the columns past a block's last row are masked for all of its rows, so they are never
+    /// formed), from the sequence's `qkv` rows and its transposed keys `k_t`
+    /// ([`transpose_part`]), into `dst` (the block's first row, rows `T` apart).
+    fn scores(
+        &self,
+        qkv: &[f32],
+        k_t: &[f32],
+        h: usize,
+        (r0, r1): (usize, usize),
+        dst: *mut f32,
+    ) -> Product {
+        let c3 = 3 * self.width;
+        Product {
+            m: r1 - r0,
+            n: r1,
+            k: self.head,
+            a: qkv[r0 * c3 + self.qkv(0, h)..].as_ptr(),
+            a_rs: c3,
+            a_cs: 1,
+            b: k_t[self.head_rows(h)..].as_ptr(),
+            ldb: self.seq,
+            c: dst,
+            ldc: self.seq,
+            accumulate: false,
+        }
+    }
 }
 
 /// Part `part` (key 1, value 2) of one sequence's `T x 3C` query-key-value rows, transposed
@@ -207,69 +235,47 @@ impl pulp::WithSimd for Forward<'_> {
         } = self;
         let g = Heads::new(s);
         let (t, c3) = (g.seq, 3 * g.width);
-        {
-            let (k_t, scores) = scratch.split_at_mut(g.width * t);
-            transpose_part(&g, qkv, 1, k_t);
-            for h in 0..s.heads {
-                for (r0, r1) in blocks(t) {
-                    // SAFETY: rows r0..r1 of head h's queries (stride 3C), K^T's D x T and the
-                    // block's scores (rows of T) are inside their buffers.
-                    unsafe {
-                        crate::tile::product(
-                            simd,
-                            &Product {
-                                m: r1 - r0,
-                                n: r1,
-                                k: g.head,
-                                a: qkv.as_ptr().add(r0 * c3 + g.qkv(0, h)),
-                                a_rs: c3,
-                                a_cs: 1,
-                                b: k_t[g.head_rows(h)..].as_ptr(),
-                                ldb: t,
-                                c: scores.as_mut_ptr(),
-                                ldc: t,
-                                accumulate: false,
-                            },
-                        );
+        let (k_t, scores) = scratch.split_at_mut(g.width * t);
+        transpose_part(&g, qkv, 1, k_t);
+        // One product of this sequence; every call below addresses rows of the sequence's
+        // tensors and of the scratch only.
+        let run = |p: Product| {
+            // SAFETY: see each call's operands; all lie inside the buffers above.
+            unsafe { crate::tile::product(simd, &p) }
+        };
+        let out = out.as_mut_ptr().cast::<f32>();
+        for h in 0..s.heads {
+            for (r0, r1) in blocks(t) {
+                run(g.scores(qkv, k_t, h, (r0, r1), scores.as_mut_ptr()));
+                for i in r0..r1 {
+                    let row = &mut scores[(i - r0) * t..(i - r0) * t + r1];
+                    let live = &mut row[..=i];
+                    // The scale is positive, so it commutes with the maximum.
+                    let max = crate::fastmath::max(live) * g.scale;
+                    for v in live.iter_mut() {
+                        *v = crate::fastmath::exp(*v * g.scale - max);
                     }
-                    for i in r0..r1 {
-                        let row = &mut scores[(i - r0) * t..(i - r0) * t + r1];
-                        let live = &mut row[..=i];
-                        // The scale is positive, so it commutes with the maximum.
-                        let max = crate::fastmath::max(live) * g.scale;
-                        for v in live.iter_mut() {
-                            *v = crate::fastmath::exp(*v * g.scale - max);
-                        }
-                        let sum = crate::fastmath::sum(live);
-                        let inv = 1.0 / sum;
-                        live.iter_mut().for_each(|v| *v *= inv);
-                        row[i + 1..].fill(0.0);
-                        lse[h * t + i].write(max + sum.ln());
-                    }
-                    // SAFETY: the block's probabilities (columns 0..r1), value rows 0..r1 of head
-                    // h, and head h's columns of output rows r0..r1, written whole.
-                    unsafe {
-                        crate::tile::product(
-                            simd,
-                            &Product {
-                                m: r1 - r0,
-                                n: g.head,
-                                k: r1,
-                                a: scores.as_ptr(),
-                                a_rs: t,
-                                a_cs: 1,
-                                b: qkv.as_ptr().add(g.qkv(2, h)),
-                                ldb: c3,
-                                c: out
-                                    .as_mut_ptr()
-                                    .cast::<f32>()
-                                    .add(r0 * g.width + h * g.head),
-                                ldc: g.width,
-                                accumulate: false,
-                            },
-                        );
-                    }
+                    let sum = crate::fastmath::sum(live);
+                    let inv = 1.0 / sum;
+                    live.iter_mut().for_each(|v| *v *= inv);
+                    row[i + 1..].fill(0.0);
+                    lse[h * t + i].write(max + sum.ln());
                 }
+                // O = P V: the block's probabilities (columns 0..r1) and value rows 0..r1 of
+                // head h into head h's columns of output rows r0..r1, written whole.
+                run(Product {
+                    m: r1 - r0,
+                    n: g.head,
+                    k: r1,
+                    a: scores.as_ptr(),
+                    a_rs: t,
+                    a_cs: 1,
+                    b: qkv[g.qkv(2, h)..].as_ptr(),
+                    ldb: c3,
+                    c: out.wrapping_add(r0 * g.width + h * g.head),
+                    ldc: g.width,
+                    accumulate: false,
+                });
             }
         }
     }
@@ -332,119 +338,105 @@ impl pulp::WithSimd for Backward<'_> {
         } = self;
         let g = Heads::new(s);
         let (t, c, c3) = (g.seq, g.width, 3 * g.width);
-        {
-            let (k_t, rest) = scratch.split_at_mut(c * t);
-            let (v_t, rest) = rest.split_at_mut(c * t);
-            let (probs, dprobs) = rest.split_at_mut(t * t);
-            transpose_part(&g, qkv, 1, k_t);
-            transpose_part(&g, qkv, 2, v_t);
-            let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr().cast::<f32>());
-            // One product of this sequence; every call below addresses rows of the sequence's
-            // tensors and of the T x T scratch only.
-            let run = |p: Product| {
-                // SAFETY: see each call's operands; all lie inside the buffers above.
-                unsafe { crate::tile::product(simd, &p) }
-            };
-            for h in 0..s.heads {
-                let (k_t, v_t) = (&k_t[g.head_rows(h)..], &v_t[g.head_rows(h)..]);
-                let dout_h = dout[h * g.head..].as_ptr();
-                for (r0, r1) in blocks(t) {
-                    let m = r1 - r0;
-                    // Probabilities again, from the saved log-sum-exp: S = Q K^T.
-                    run(Product {
-                        m,
-                        n: r1,
-                        k: g.head,
-                        a: q.wrapping_add(r0 * c3 + g.qkv(0, h)),
-                        a_rs: c3,
-                        a_cs: 1,
-                        b: k_t.as_ptr(),
-                        ldb: t,
-                        c: probs[r0 * t..].as_mut_ptr(),
-                        ldc: t,
-                        accumulate: false,
-                    });
-                    for i in r0..r1 {
-                        let l = lse[h * t + i];
-                        let row = &mut probs[i * t..i * t + r1];
-                        row[..=i]
-                            .iter_mut()
-                            .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
-                        row[i + 1..].fill(0.0);
-                    }
-                    // dP = dO V^T.
-                    run(Product {
-                        m,
-                        n: r1,
-                        k: g.head,
-                        a: dout_h.wrapping_add(r0 * c),
-                        a_rs: c,
-                        a_cs: 1,
-                        b: v_t.as_ptr(),
-                        ldb: t,
-                        c: dprobs[r0 * t..].as_mut_ptr(),
-                        ldc: t,
-                        accumulate: false,
-                    });
-                    // dS = P * (dP - rowsum(dO * O)) * scale.
-                    for i in r0..r1 {
-                        let at = i * c + h * g.head;
-                        let (o, go) = (&out[at..at + g.head], &dout[at..at + g.head]);
-                        let dot: f32 = o.iter().zip(go).map(|(o, go)| o * go).sum();
-                        let (p, dp) = (&probs[i * t..=i * t + i], &mut dprobs[i * t..i * t + r1]);
-                        for (dp, &p) in dp.iter_mut().zip(p) {
-                            *dp = p * (*dp - dot) * g.scale;
-                        }
-                        dp[i + 1..].fill(0.0);
-                    }
-                    // dQ = dS K, head h's columns of rows r0..r1 written whole.
-                    run(Product {
-                        m,
-                        n: g.head,
-                        k: r1,
-                        a: dprobs[r0 * t..].as_ptr(),
-                        a_rs: t,
-                        a_cs: 1,
-                        b: q.wrapping_add(g.qkv(1, h)),
-                        ldb: c3,
-                        c: d.wrapping_add(r0 * c3 + g.qkv(0, h)),
-                        ldc: c3,
-                        accumulate: false,
-                    });
+        let (k_t, rest) = scratch.split_at_mut(c * t);
+        let (v_t, rest) = rest.split_at_mut(c * t);
+        let (probs, dprobs) = rest.split_at_mut(t * t);
+        transpose_part(&g, qkv, 1, k_t);
+        transpose_part(&g, qkv, 2, v_t);
+        let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr().cast::<f32>());
+        // One product of this sequence; every call below addresses rows of the sequence's
+        // tensors and of the T x T scratch only.
+        let run = |p: Product| {
+            // SAFETY: see each call's operands; all lie inside the buffers above.
+            unsafe { crate::tile::product(simd, &p) }
+        };
+        for h in 0..s.heads {
+            let v_t = &v_t[g.head_rows(h)..];
+            let dout_h = dout[h * g.head..].as_ptr();
+            for (r0, r1) in blocks(t) {
+                let m = r1 - r0;
+                // Probabilities again, from the saved log-sum-exp.
+                run(g.scores(qkv, k_t, h, (r0, r1), probs[r0 * t..].as_mut_ptr()));
+                for i in r0..r1 {
+                    let l = lse[h * t + i];
+                    let row = &mut probs[i * t..i * t + r1];
+                    row[..=i]
+                        .iter_mut()
+                        .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
+                    row[i + 1..].fill(0.0);
                 }
-                // Key rows j0..j1 receive from query rows j0..T: every probability and score
-                // gradient they read was formed above (or is a zero past a diagonal). The left
-                // operands are P^T and dS^T, read in place through their strides.
-                for (j0, j1) in blocks(t) {
-                    // dV = P^T dO.
-                    run(Product {
-                        m: j1 - j0,
-                        n: g.head,
-                        k: t - j0,
-                        a: probs[j0 * t + j0..].as_ptr(),
-                        a_rs: 1,
-                        a_cs: t,
-                        b: dout_h.wrapping_add(j0 * c),
-                        ldb: c,
-                        c: d.wrapping_add(j0 * c3 + g.qkv(2, h)),
-                        ldc: c3,
-                        accumulate: false,
-                    });
-                    // dK = dS^T Q.
-                    run(Product {
-                        m: j1 - j0,
-                        n: g.head,
-                        k: t - j0,
-                        a: dprobs[j0 * t + j0..].as_ptr(),
-                        a_rs: 1,
-                        a_cs: t,
-                        b: q.wrapping_add(j0 * c3 + g.qkv(0, h)),
-                        ldb: c3,
-                        c: d.wrapping_add(j0 * c3 + g.qkv(1, h)),
-                        ldc: c3,
-                        accumulate: false,
-                    });
+                // dP = dO V^T.
+                run(Product {
+                    m,
+                    n: r1,
+                    k: g.head,
+                    a: dout_h.wrapping_add(r0 * c),
+                    a_rs: c,
+                    a_cs: 1,
+                    b: v_t.as_ptr(),
+                    ldb: t,
+                    c: dprobs[r0 * t..].as_mut_ptr(),
+                    ldc: t,
+                    accumulate: false,
+                });
+                // dS = P * (dP - rowsum(dO * O)) * scale.
+                for i in r0..r1 {
+                    let at = i * c + h * g.head;
+                    let (o, go) = (&out[at..at + g.head], &dout[at..at + g.head]);
+                    let dot: f32 = o.iter().zip(go).map(|(o, go)| o * go).sum();
+                    let (p, dp) = (&probs[i * t..=i * t + i], &mut dprobs[i * t..i * t + r1]);
+                    for (dp, &p) in dp.iter_mut().zip(p) {
+                        *dp = p * (*dp - dot) * g.scale;
+                    }
+                    dp[i + 1..].fill(0.0);
                 }
+                // dQ = dS K, head h's columns of rows r0..r1 written whole.
+                run(Product {
+                    m,
+                    n: g.head,
+                    k: r1,
+                    a: dprobs[r0 * t..].as_ptr(),
+                    a_rs: t,
+                    a_cs: 1,
+                    b: q.wrapping_add(g.qkv(1, h)),
+                    ldb: c3,
+                    c: d.wrapping_add(r0 * c3 + g.qkv(0, h)),
+                    ldc: c3,
+                    accumulate: false,
+                });
+            }
+            // Key rows j0..j1 receive from query rows j0..T: every probability and score
+            // gradient they read was formed above (or is a zero past a diagonal). The left
+            // operands are P^T and dS^T, read in place through their strides.
+            for (j0, j1) in blocks(t) {
+                // dV = P^T dO.
+                run(Product {
+                    m: j1 - j0,
+                    n: g.head,
+                    k: t - j0,
+                    a: probs[j0 * t + j0..].as_ptr(),
+                    a_rs: 1,
+                    a_cs: t,
+                    b: dout_h.wrapping_add(j0 * c),
+                    ldb: c,
+                    c: d.wrapping_add(j0 * c3 + g.qkv(2, h)),
+                    ldc: c3,
+                    accumulate: false,
+                });
+                // dK = dS^T Q.
+                run(Product {
+                    m: j1 - j0,
+                    n: g.head,
+                    k: t - j0,
+                    a: dprobs[j0 * t + j0..].as_ptr(),
+                    a_rs: 1,
+                    a_cs: t,
+                    b: q.wrapping_add(j0 * c3 + g.qkv(0, h)),
+                    ldb: c3,
+                    c: d.wrapping_add(j0 * c3 + g.qkv(1, h)),
+                    ldc: c3,
+                    accumulate: false,
+                });
             }
         }
     }
