@@ -14,9 +14,7 @@ use pipe_stages::data::{Splits, mnist};
 use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
-use pipe_stages::pipeline::{
-    OrderedSource, Partition, RunPlan, Setup, reference_train, reference_train_from,
-};
+use pipe_stages::pipeline::{OrderedSource, RunPlan, Setup, reference_train, reference_train_from};
 use pipe_stages::train::{StepState, train_step};
 
 const SEED: u64 = 5;
@@ -46,8 +44,8 @@ fn source(epoch: u64) -> OrderedSource<'static> {
 fn plan(model: &Model, updates: u32) -> RunPlan {
     let spec =
         ScheduleSpec::new(Policy::Sequential, 1, M).with_length(Length::Microbatches(updates * M));
-    let n = model.len();
-    RunPlan::new(model, &spec, Some(Partition::new(vec![0..n], n).unwrap())).unwrap()
+    // One stage: the whole model, whatever partition is asked for.
+    RunPlan::new(model, &spec, None).unwrap()
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
@@ -267,10 +265,13 @@ fn one_sgd_step_of_the_reference_trainer_is_the_handwritten_update() {
     let mut init = model.init_params(SEED);
     // The one layer with parameters (after the input's flatten).
     let layer = init.iter().position(|p| p.len() == 2).unwrap();
-    assert_eq!(init.iter().map(Vec::len).sum::<usize>(), 2, "one linear layer");
+    assert_eq!(
+        init.iter().map(Vec::len).sum::<usize>(),
+        2,
+        "one linear layer"
+    );
     // A bias that is not zero, so its gradient and update show.
-    init[layer][1] =
-        Tensor::from_vec(&[10], (0..10).map(|j| 0.01 * j as f32).collect()).unwrap();
+    init[layer][1] = Tensor::from_vec(&[10], (0..10).map(|j| 0.01 * j as f32).collect()).unwrap();
     let cfg = OptimizerConfig {
         kind: OptimizerKind::Sgd,
         momentum: 0.0,
