@@ -31,7 +31,7 @@ pub use driver::{run_worker, run_worker_with};
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
 pub use launch::run_threads;
 pub use partition::Partition;
-pub use reference::{reference_train, reference_train_from};
+pub use reference::{ReferenceRun, reference_run, reference_train, reference_train_from};
 pub use run_plan::RunPlan;
 pub use train::{PipelineReport, PipelineTrainOptions, train_pipelined};
 pub use worker::train_worker;

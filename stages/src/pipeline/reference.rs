@@ -40,6 +40,8 @@ struct Reference<'s, 'a> {
     next_update: Vec<u32>,
     /// Per stage, the stages it updates together with (itself included, ascending).
     tie_group: Vec<Vec<usize>>,
+    /// Per microbatch, its summed loss.
+    losses: Vec<f64>,
 }
 
 /// Runs the reference trainer from `init` (the whole model's parameters) and returns each
@@ -76,6 +78,31 @@ pub fn reference_train_from(
     init: &Params,
     opts: Vec<Optimizer>,
 ) -> Result<(Vec<Params>, Vec<Optimizer>)> {
+    reference_run(be, setup, init, opts).map(|r| (r.params, r.opts))
+}
+
+/// What a reference run ends with.
+#[derive(Debug)]
+pub struct ReferenceRun {
+    /// Each stage's final weights.
+    pub params: Vec<Params>,
+    /// Each stage's optimizer, to carry into a next run.
+    pub opts: Vec<Optimizer>,
+    /// Per microbatch of the run, in order: the sum of its samples' losses, as the last stage
+    /// of a pipelined run reports it (`WorkerOutcome::losses`).
+    pub losses: Vec<f64>,
+}
+
+/// [`reference_train_from`], also returning every microbatch's loss.
+///
+/// # Errors
+/// As [`reference_train_from`].
+pub fn reference_run(
+    be: &dyn Backend,
+    setup: &Setup<'_>,
+    init: &Params,
+    opts: Vec<Optimizer>,
+) -> Result<ReferenceRun> {
     let plan = setup.plan;
     let stages = plan.schedule.stages() as usize;
     if opts.len() != stages {
@@ -100,6 +127,7 @@ pub fn reference_train_from(
         pending: vec![HashMap::new(); stages],
         next_update: vec![0; stages],
         tie_group: tie_groups(setup)?,
+        losses: vec![0.0; n as usize],
     };
     let mut done = vec![false; n as usize];
     loop {
@@ -133,7 +161,11 @@ pub fn reference_train_from(
         .into_iter()
         .map(|mut v| v.pop().unwrap_or_default())
         .collect();
-    Ok((params, r.opts))
+    Ok(ReferenceRun {
+        params,
+        opts: r.opts,
+        losses: r.losses,
+    })
 }
 
 /// Per stage, the stages sharing a tied parameter with it (transitively), ascending.
@@ -224,7 +256,10 @@ impl Reference<'_, '_> {
         let targets = be.place_ids(setup.data.labels(mb)?)?;
         let mut g = Tensor::default();
         let scale = 1.0 / targets.len().max(1) as f32;
-        setup.loss.evaluate(be, &h, &targets, scale, Some(&mut g))?;
+        let stats = setup.loss.evaluate(be, &h, &targets, scale, Some(&mut g))?;
+        if let Some(loss) = self.losses.get_mut(mb as usize) {
+            *loss = stats.loss_sum;
+        }
         for s in (0..self.versions.len()).rev() {
             let v = plan.versions.backward_version(s as u32, mb) as usize;
             let saved = saved_all.pop().unwrap_or_default();
