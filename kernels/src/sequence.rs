@@ -159,24 +159,6 @@ fn transpose_part(g: &Heads, qkv: &[f32], part: usize, dst: &mut [f32]) {
     }
 }
 
-thread_local! {
-    /// This thread's attention scratch, reused by every sequence it computes: fresh buffers of
-    /// this size come from the operating system as zeroed pages on every call.
-    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
-}
-
-/// Runs `f` on `len` elements of this thread's scratch (contents left from earlier calls: `f`
-/// writes every element before it reads it).
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    let mut buf = SCRATCH.with(std::cell::Cell::take);
-    if buf.len() < len {
-        buf.resize(len, 0.0);
-    }
-    let out = f(&mut buf[..len]);
-    SCRATCH.with(|cell| cell.set(buf));
-    out
-}
-
 /// Rows per block of the causal mask: a block of query rows `r0..r1` attends to keys `0..r1`,
 /// so the products skip every key column past its block (with `T = 128`, 10 of 16 tiles of
 /// each `T x T` product are formed instead of 16).
@@ -198,7 +180,7 @@ pub(crate) fn attention_one(
     lse: &mut [MaybeUninit<f32>],
 ) {
     let (t, c) = (s.seq, s.width());
-    with_scratch(c * t + BLOCK * t, |scratch| {
+    crate::cpu::with_scratch(c * t + BLOCK * t, |scratch| {
         crate::vector::arch().dispatch(Forward {
             s,
             qkv,
@@ -296,7 +278,7 @@ pub(crate) fn attention_backward_one(
     dqkv: &mut [MaybeUninit<f32>],
 ) {
     let (t, c) = (s.seq, s.width());
-    with_scratch(2 * c * t + 2 * t * t, |scratch| {
+    crate::cpu::with_scratch(2 * c * t + 2 * t * t, |scratch| {
         crate::vector::arch().dispatch(Backward {
             s,
             qkv,
