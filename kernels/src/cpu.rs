@@ -4,6 +4,8 @@
 use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::mem::MaybeUninit;
+
+use crate::scratch::SCRATCH;
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -415,25 +417,7 @@ impl CpuBackend {
     }
 }
 
-/// Runs `f` on `len` elements of this thread's scratch ([`SCRATCH`], the transposed products'
-/// buffer; attention borrows it between products, never during one). Its contents are left
-/// from earlier calls: `f` writes every element before it reads it.
-pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    let mut buf = SCRATCH.with(std::cell::Cell::take);
-    if buf.len() < len {
-        buf.resize(len, 0.0);
-    }
-    let out = f(&mut buf[..len]);
-    SCRATCH.with(|cell| cell.set(buf));
-    out
-}
-
 thread_local! {
-    /// The calling thread's scratch for transposed products (and for attention, through
-    /// [`with_scratch`]), reused so that every small-row product does not allocate (and
-    /// page-fault) a fresh buffer. Every element a product reads is written by its `gemm` call
-    /// first.
-    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
     /// The calling thread's scratch for a left operand copied transposed (row-major `op(a)^T`).
     static SCRATCH_A: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }

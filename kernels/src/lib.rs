@@ -20,6 +20,7 @@ mod cuda;
 mod denormals;
 mod error;
 mod fastmath;
+mod scratch;
 mod sequence;
 mod tensor;
 mod tile;

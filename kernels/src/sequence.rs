@@ -180,7 +180,7 @@ pub(crate) fn attention_one(
     lse: &mut [MaybeUninit<f32>],
 ) {
     let (t, c) = (s.seq, s.width());
-    crate::cpu::with_scratch(c * t + BLOCK * t, |scratch| {
+    crate::scratch::with_scratch(c * t + BLOCK * t, |scratch| {
         crate::vector::arch().dispatch(Forward {
             s,
             qkv,
@@ -278,7 +278,7 @@ pub(crate) fn attention_backward_one(
     dqkv: &mut [MaybeUninit<f32>],
 ) {
     let (t, c) = (s.seq, s.width());
-    crate::cpu::with_scratch(2 * c * t + 2 * t * t, |scratch| {
+    crate::scratch::with_scratch(2 * c * t + 2 * t * t, |scratch| {
         crate::vector::arch().dispatch(Backward {
             s,
             qkv,
