@@ -132,6 +132,15 @@ pub struct TrainArgs {
     /// bytes; all-reduces stay f32).
     #[arg(long, value_parser = ["f32", "bf16"])]
     wire_dtype: Option<String>,
+    /// Remedy for stale weights: run the first N updates with the synchronous 1f1b-flush
+    /// schedule, then the asynchronous policy (pipedream, pipedream-nostash, vsync, 2bw).
+    #[arg(long, value_name = "N")]
+    sync_warmup: Option<u64>,
+    /// Remedy for stale weights: scale each stage's learning rate by its delay tau:
+    /// `staleness` (lr / (1 + tau)) or `pipemare:K` (lr * tau^-(1 - k/K), PipeMare's
+    /// rescheduling over the first K updates).
+    #[arg(long, value_name = "none|staleness|pipemare:K")]
+    lr_scaling: Option<String>,
     /// Write checkpoints to DIR: at every epoch's end, every --checkpoint-every updates, and
     /// on Ctrl-C (pipelined runs).
     #[arg(long, value_name = "DIR")]
@@ -183,6 +192,8 @@ impl TrainArgs {
             backend: self.backend.map(|b| b.name().to_string()),
             transport: self.transport.clone(),
             wire_dtype: self.wire_dtype.clone(),
+            sync_warmup: self.sync_warmup,
+            lr_scaling: self.lr_scaling.clone(),
             ..TrainSettings::default()
         }
     }

@@ -88,6 +88,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         checkpoints: policy,
         resume,
         stop: Some(stop_on_ctrl_c(true)),
+        ..PipelineTrainOptions::default()
     };
     let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;

@@ -14,6 +14,7 @@ use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec};
 use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
 use crate::pipeline::Partition;
+use crate::remedy::{LrScaling, Remedies};
 use crate::transformer::gpt_shape;
 
 /// The model preset used when none is given.
@@ -221,6 +222,10 @@ pub struct TrainSettings {
     pub transport: Option<String>,
     /// Element type of activations and gradients between stages (`f32`, `bf16`).
     pub wire_dtype: Option<String>,
+    /// Updates run synchronously (`1f1b-flush`) before an asynchronous policy takes over.
+    pub sync_warmup: Option<u64>,
+    /// Per-stage learning-rate scaling by delay (`none`, `staleness`, `pipemare:UPDATES`).
+    pub lr_scaling: Option<String>,
 }
 
 macro_rules! merge_fields {
@@ -247,7 +252,7 @@ impl TrainSettings {
         merge_fields!(dst, src; model, tie_embeddings, dataset, data_dir, synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
-            schedule, chunks, partition, backend, transport, wire_dtype);
+            schedule, chunks, partition, backend, transport, wire_dtype, sync_warmup, lr_scaling);
     }
 
     /// Takes the layout a plan file describes (schedule, stages, replicas, partition), and its
@@ -401,7 +406,9 @@ impl TrainSettings {
             || replicas.iter().any(|&r| r > 1)
             || chunks > 1
             || self.schedule.is_some()
-            || self.partition.is_some();
+            || self.partition.is_some()
+            || self.sync_warmup.is_some()
+            || self.lr_scaling.is_some();
         let schedule: Policy = match &self.schedule {
             Some(name) => name
                 .parse()
@@ -450,6 +457,23 @@ impl TrainSettings {
             None => WireDType::F32,
         };
         let synthetic = self.synthetic.unwrap_or_default();
+        let remedies = Remedies {
+            sync_warmup: self.sync_warmup.unwrap_or(0),
+            lr_scaling: match &self.lr_scaling {
+                Some(text) => text.parse().map_err(StageError::Config)?,
+                None => LrScaling::None,
+            },
+        };
+        if !remedies.is_none() {
+            let spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
+                .with_replicas(replicas.clone())
+                .with_chunks(chunks);
+            remedies.check(
+                &spec
+                    .resolve()
+                    .map_err(|e| StageError::Config(e.to_string()))?,
+            )?;
+        }
         Ok(RunConfig {
             model_name,
             model: model_spec,
@@ -477,6 +501,7 @@ impl TrainSettings {
             backend,
             transport,
             wire,
+            remedies,
         })
     }
 }
@@ -537,12 +562,20 @@ pub struct RunConfig {
     pub transport: TransportKind,
     /// Element type of activations and gradients between stages.
     pub wire: WireDType,
+    /// Remedies for stale weights (asynchronous policies only).
+    pub remedies: Remedies,
 }
 
 impl RunConfig {
     /// The schedule request this run implies, running for `length`.
     pub fn schedule_spec(&self, length: Length) -> ScheduleSpec {
-        ScheduleSpec::new(self.schedule, self.stages as u32, self.microbatches as u32)
+        self.schedule_spec_of(self.schedule, length)
+    }
+
+    /// [`RunConfig::schedule_spec`] with another policy on the same layout (a synchronous
+    /// warm-up's).
+    pub fn schedule_spec_of(&self, policy: Policy, length: Length) -> ScheduleSpec {
+        ScheduleSpec::new(policy, self.stages as u32, self.microbatches as u32)
             .with_replicas(self.replicas.clone())
             .with_chunks(self.chunks)
             .with_length(length)

@@ -16,6 +16,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod delayed;
 mod error;
 pub mod layer;
 pub mod layers;
@@ -26,6 +27,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod planning;
 pub mod profile;
+pub mod remedy;
 pub mod rng;
 pub mod sample;
 pub mod train;

@@ -21,6 +21,7 @@
 pub mod driver;
 pub mod exec;
 pub mod launch;
+pub mod ledger;
 pub mod partition;
 pub mod reference;
 pub mod run_plan;
@@ -30,10 +31,11 @@ pub mod worker;
 pub use driver::{run_worker, run_worker_with};
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
 pub use launch::run_threads;
+pub use ledger::LedgerEntry;
 pub use partition::Partition;
 pub use reference::{ReferenceRun, reference_run, reference_train, reference_train_from};
 pub use run_plan::RunPlan;
-pub use train::{PipelineReport, PipelineTrainOptions, train_pipelined};
+pub use train::{PipelineReport, PipelineTrainOptions, train_pipelined, train_reference};
 pub use worker::train_worker;
 
 use pipe_kernels::{Backend, Tensor};

@@ -10,12 +10,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
-use pipe_scheduler::{Length, Schedule, Span, Timeline};
+use pipe_scheduler::{Length, Policy, Schedule, Span, Timeline};
 use pipe_transport::TransportKind;
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
 
 use super::launch::run_threads_reporting;
+use super::ledger::{LedgerEntry, segment_ledger};
 use super::{
     LossReport, OrderedSource, Partition, RunPlan, Setup, StageState, WorkerOutcome, WorkerState,
 };
@@ -28,6 +29,7 @@ use crate::loss::SoftmaxCrossEntropy;
 use crate::model::{Model, Params};
 use crate::optim::{LrSchedule, Optimizer, OptimizerKind, OptimizerState};
 use crate::planning::{MeasuredPartition, measured_partition};
+use crate::remedy::{LrScaling, stage_delays};
 use crate::train::{EpochStats, Observer, StageEpochStats, StepStats, TrainReport, evaluate};
 
 /// Extra outputs of a pipelined run.
@@ -41,6 +43,8 @@ pub struct PipelineReport {
     pub schedule: Schedule,
     /// Every action's measured interval over the whole run, when asked for.
     pub timeline: Option<Timeline>,
+    /// The measured version ledger of the whole run, when asked for (empty otherwise).
+    pub ledger: Vec<LedgerEntry>,
     /// Checkpoints written, oldest first.
     pub checkpoints: Vec<PathBuf>,
     /// The run stopped early (asked to, at a drain point) after this many updates.
@@ -52,6 +56,8 @@ pub struct PipelineReport {
 pub struct PipelineTrainOptions {
     /// Record the measured timeline (for `--trace`).
     pub timeline: bool,
+    /// Record the version ledger ([`LedgerEntry`]).
+    pub ledger: bool,
     /// Write checkpoints.
     pub checkpoints: Option<CheckpointPolicy>,
     /// Start from this checkpoint instead of fresh weights.
@@ -117,6 +123,7 @@ pub fn train_pipelined(
     let mut params: Params = start.params.clone();
     let mut written = Vec::new();
     let mut stopped = None;
+    let mut ledger = Vec::new();
     for epoch in done / run.per_epoch + 1..=cfg.epochs {
         let first = (epoch - 1) * run.per_epoch;
         let epoch_len = run.total.saturating_sub(first).min(run.per_epoch);
@@ -128,9 +135,8 @@ pub fn train_pipelined(
         while done < first + epoch_len && stopped.is_none() {
             let before = done - first;
             let left = epoch_len - before;
-            let this = segment_length(opts.checkpoints.as_ref().and_then(|c| c.every), done, left);
-            let spec = cfg.schedule_spec(Length::Updates(this as u32));
-            let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
+            let every = opts.checkpoints.as_ref().and_then(|c| c.every);
+            let (plan, this) = run.segment_plan(every, done, left, &partition)?;
             let t = Instant::now();
             let at = Segment {
                 epoch,
@@ -151,6 +157,9 @@ pub fn train_pipelined(
                         ..*sp
                     }));
                 }
+            }
+            if opts.ledger {
+                ledger.extend(segment_ledger(&plan, &outcomes, done - this, run.minibatch));
             }
             merge_outcomes(&mut acc, outcomes);
             let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
@@ -203,9 +212,52 @@ pub fn train_pipelined(
         partition: plan.partition,
         schedule: plan.schedule,
         timeline: opts.timeline.then(|| Timeline::new(workers, spans)),
+        ledger,
         checkpoints: written,
         stopped,
     })
+}
+
+/// The sequential reference trainer over a whole run of `cfg`, from fresh weights: the same
+/// segments (epochs, a synchronous warm-up), data order, learning rates and remedies as
+/// [`train_pipelined`], each segment run by [`reference_run`](super::reference_run) with the
+/// optimizers carried from one to the next. A pipelined run of `cfg` must end with these
+/// weights bit for bit. Returns the whole model's final weights and every update's mean loss.
+///
+/// # Errors
+/// As [`train_pipelined`].
+pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f64>)> {
+    let run = Run::new(cfg, data)?;
+    let partition = run_partition(cfg, &run.model)?;
+    let be = CpuBackend::new(1)?;
+    let mut params = run.model.init_params(cfg.seed);
+    let mut opts: Option<Vec<Optimizer>> = None;
+    let mut losses = Vec::new();
+    let mut done = 0;
+    while done < run.total {
+        let epoch = done / run.per_epoch + 1;
+        let left = (epoch * run.per_epoch).min(run.total) - done;
+        let (plan, this) = run.segment_plan(None, done, left, &partition)?;
+        let carried = match opts.take() {
+            Some(o) => o,
+            None => (0..plan.schedule.stages() as usize)
+                .map(|s| Optimizer::new(cfg.optimizer, &params[plan.partition.range(s)].to_vec()))
+                .collect(),
+        };
+        let r = run.with_setup(&plan, data, (epoch, done), None, |setup| {
+            super::reference_run(&be, setup, &params, carried)
+        })?;
+        params = r.params.into_iter().flatten().collect();
+        opts = Some(r.opts);
+        let rows = (run.minibatch as usize * cfg.microbatch_size * run.targets) as f64;
+        losses.extend(
+            r.losses
+                .chunks(run.minibatch as usize)
+                .map(|u| u.iter().sum::<f64>() / rows),
+        );
+        done += this;
+    }
+    Ok((params, losses))
 }
 
 /// Where a run starts: fresh weights, or a checkpoint's weights, optimizer state (with each
@@ -458,6 +510,41 @@ impl<'c> Run<'c> {
         })
     }
 
+    /// The plan of the next segment of a run `done` updates in, with `left` updates left in
+    /// its epoch, and its length: up to the next checkpoint (`every`), and, while a
+    /// synchronous warm-up lasts ([`crate::remedy::Remedies::sync_warmup`]), up to its end
+    /// under `1f1b-flush` on the same layout.
+    ///
+    /// # Errors
+    /// An impossible schedule or partition; a warm-up whose minibatch differs from the run's.
+    pub(super) fn segment_plan(
+        &self,
+        every: Option<u64>,
+        done: u64,
+        left: u64,
+        partition: &Option<Partition>,
+    ) -> Result<(RunPlan, u64)> {
+        let cfg = self.cfg;
+        let mut this = segment_length(every, done, left);
+        let warmup = cfg.remedies.sync_warmup;
+        let policy = if done < warmup {
+            this = this.min(warmup - done);
+            Policy::OneFOneBFlush
+        } else {
+            cfg.schedule
+        };
+        let spec = cfg.schedule_spec_of(policy, Length::Updates(this as u32));
+        let plan = RunPlan::new(&self.model, &spec, partition.clone())?;
+        if u64::from(plan.schedule.resolved.minibatch) != self.minibatch {
+            return Err(StageError::Config(format!(
+                "a synchronous warm-up needs the same minibatch as {} ({} microbatches), but \
+                 1f1b-flush on this layout takes {}: give every stage the same replica count",
+                cfg.schedule, self.minibatch, plan.schedule.resolved.minibatch
+            )));
+        }
+        Ok((plan, this))
+    }
+
     /// Runs one segment's schedule (`plan`) of `seg.epoch` from minibatch `seg.done` on,
     /// creating the workers' state from `start` the first time, and reports each update to
     /// `obs` as soon as the last stage has computed all its losses.
@@ -575,9 +662,19 @@ impl<'c> Run<'c> {
         let res = &plan.schedule.resolved;
         // Update k of a stage is global step `done + (k-th update's first microbatch) /
         // minibatch`: the schedule's LR at that step.
+        let scaling = cfg.remedies.lr_scaling;
+        let delays = match scaling {
+            LrScaling::None => Vec::new(),
+            _ => stage_delays(res, &plan.versions),
+        };
         let lr = |stage: u32, k: u32| -> f32 {
             let mb = u64::from(k) * u64::from(res.update_size(stage));
-            self.lr.at(done + mb / u64::from(res.minibatch))
+            let step = done + mb / u64::from(res.minibatch);
+            let base = self.lr.at(step);
+            match delays.get(stage as usize) {
+                Some(&tau) => base * scaling.factor(tau, step),
+                None => base,
+            }
         };
         let setup = Setup {
             model: &self.model,

@@ -37,7 +37,7 @@ use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::Length;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
-use super::train::{EpochEnd, LiveSteps, Run, Segment, Start, run_partition, segment_length};
+use super::train::{EpochEnd, LiveSteps, Run, Segment, Start, run_partition};
 use super::{LossReport, Partition, RunPlan, WorkerOutcome, WorkerState, run_worker_with};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
 use crate::config::{PartitionChoice, RunConfig};
@@ -191,9 +191,7 @@ fn run_segments<T: Transport + ?Sized>(
         let mut last_plan = None;
         while done < first + epoch_len && stopped.is_none() {
             let before = done - first;
-            let this = segment_length(every, done, epoch_len - before);
-            let spec = cfg.schedule_spec(Length::Updates(this as u32));
-            let plan = RunPlan::new(&run.model, &spec, partition.clone())?;
+            let (plan, this) = run.segment_plan(every, done, epoch_len - before, &partition)?;
             let t = Instant::now();
             index += 1;
             let at = Segment {
