@@ -45,7 +45,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 use crate::commands::{
-    bench, cluster, eval, plan, profile, sample, schedule, simulate, train, worker,
+    bench, cluster, eval, experiment, plan, profile, sample, schedule, simulate, train, worker,
 };
 use crate::output::bad_input;
 
@@ -81,6 +81,12 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Generate text from a language model's checkpoint.
     Sample(sample::SampleArgs),
+    /// Run a research experiment and write its report.
+    #[command(subcommand)]
+    Experiment(experiment::ExperimentCommand),
+    /// Regenerate an experiment's report from its saved results.
+    #[command(subcommand)]
+    Report(experiment::ReportCommand),
 }
 
 #[derive(Subcommand, Debug)]
@@ -134,6 +140,8 @@ fn run() -> Result<()> {
         Command::Worker(args) => worker::run(&args),
         Command::Eval(args) => eval::run(&args),
         Command::Sample(args) => sample::run(&args),
+        Command::Experiment(cmd) => experiment::run(&cmd),
+        Command::Report(cmd) => experiment::run_report(&cmd),
     }
 }
 

@@ -9,6 +9,7 @@
 pub mod mfu;
 pub mod partition;
 pub mod pipeline;
+pub mod staleness;
 pub mod transport;
 
 /// Errors of experiments.

@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod cluster;
 pub mod eval;
+pub mod experiment;
 pub mod plan;
 pub mod profile;
 pub mod sample;

@@ -108,6 +108,17 @@ impl StageError {
         }
     }
 
+    /// The update at which training diverged (a loss or gradient not finite, or a diverged
+    /// mean loss), seen through a worker's report; `None` for every other error.
+    pub fn diverged_at(&self) -> Option<u64> {
+        match self {
+            StageError::NonFinite { update, .. } => Some(*update),
+            StageError::Diverged { step, .. } => Some(*step),
+            StageError::Worker { source, .. } => source.diverged_at(),
+            _ => None,
+        }
+    }
+
     /// True when this worker stopped only because another worker failed and said so: not the
     /// run's cause, which a launcher reports instead.
     pub fn is_abort_echo(&self) -> bool {

@@ -1,0 +1,139 @@
+//! The staleness experiment (`pipe experiment staleness`): how much stale weights cost each
+//! pipeline policy, and what the remedies buy, next to the parameter-server picture of
+//! staleness (delayed data-parallel SGD), on one runtime under one semantics.
+//!
+//! Shaped as three steps that meet at one file: [`config`] expands a TOML file into runs,
+//! [`run`] turns each into a [`run::RunRecord`], and [`report`] renders `results.json` into
+//! `REPORT.md`, SVG plots and the CSV behind each. The report never re-runs anything, so
+//! `pipe report staleness --from DIR` regenerates it from saved results alone.
+
+pub mod config;
+pub mod plot;
+pub mod report;
+pub mod run;
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+pub use config::StalenessConfig;
+pub use run::RunRecord;
+
+use crate::ExperimentError;
+
+/// The machine a result was measured on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Machine {
+    /// CPU model.
+    pub cpu: String,
+    /// Logical cores available to the process.
+    pub cores: usize,
+    /// Memory, GiB.
+    pub memory_gib: f64,
+    /// Operating system and architecture.
+    pub os: String,
+}
+
+impl Machine {
+    /// This machine.
+    pub fn this() -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map_or_else(|| "unknown".to_string(), |(_, v)| v.trim().to_string());
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib: f64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        Machine {
+            cpu,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            memory_gib: kib / (1024.0 * 1024.0),
+            os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
+        }
+    }
+}
+
+/// Everything an experiment run leaves: what was asked, where, and every run's record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StalenessResults {
+    /// The command line that produced it.
+    pub command: String,
+    /// The machine.
+    pub machine: Machine,
+    /// Seconds since the Unix epoch when it started.
+    pub started_unix: u64,
+    /// Wall seconds of the whole experiment.
+    pub wall_s: f64,
+    /// `--quick`.
+    pub quick: bool,
+    /// The configuration as run (after `--quick`).
+    pub config: StalenessConfig,
+    /// Every run, in the order run.
+    pub runs: Vec<RunRecord>,
+}
+
+/// Runs every run of `cfg` (its `--quick` reduction when `quick`), writing ledgers under
+/// `out`, and calls `progress` after each with its position, the count and its record.
+///
+/// # Errors
+/// Configuration and data errors; a run failing other than by divergence.
+pub fn run_experiment(
+    cfg: &StalenessConfig,
+    quick: bool,
+    out: &Path,
+    command: &str,
+    progress: &mut dyn FnMut(usize, usize, &RunRecord),
+) -> Result<StalenessResults, ExperimentError> {
+    let cfg = if quick { cfg.quick() } else { cfg.clone() };
+    let specs = cfg.matrix()?;
+    let data = run::load(&cfg)?;
+    let started_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let start = Instant::now();
+    let mut runs = Vec::with_capacity(specs.len());
+    for (i, spec) in specs.iter().enumerate() {
+        let r = run::run_one(&cfg, spec, &data, out)?;
+        progress(i + 1, specs.len(), &r);
+        runs.push(r);
+    }
+    Ok(StalenessResults {
+        command: command.to_string(),
+        machine: Machine::this(),
+        started_unix,
+        wall_s: start.elapsed().as_secs_f64(),
+        quick,
+        config: cfg,
+        runs,
+    })
+}
+
+/// Writes `results.json` under `out`.
+///
+/// # Errors
+/// An unwritable directory.
+pub fn save(results: &StalenessResults, out: &Path) -> Result<(), ExperimentError> {
+    let io = |e: String| ExperimentError::Config(format!("{}: {e}", out.display()));
+    std::fs::create_dir_all(out).map_err(|e| io(e.to_string()))?;
+    let text = serde_json::to_string(results).map_err(|e| io(e.to_string()))?;
+    std::fs::write(out.join("results.json"), text).map_err(|e| io(e.to_string()))
+}
+
+/// Reads `results.json` from `dir`.
+///
+/// # Errors
+/// A missing or malformed file, named.
+pub fn load(dir: &Path) -> Result<StalenessResults, ExperimentError> {
+    let path = dir.join("results.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))
+}
