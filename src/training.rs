@@ -141,6 +141,12 @@ pub struct TrainArgs {
     /// rescheduling over the first K updates).
     #[arg(long, value_name = "none|staleness|pipemare:K")]
     lr_scaling: Option<String>,
+    /// Remedy for stale weights: predict weights from a running average of each stage's
+    /// weight changes. `discrepancy[:DECAY]` (pipedream-nostash): the backward estimates the
+    /// forward's weights (PipeMare); `lookahead[:DECAY]` (pipedream, vsync, 2bw): passes use
+    /// the weights predicted for when the gradient is applied.
+    #[arg(long, value_name = "none|discrepancy[:D]|lookahead[:D]")]
+    weight_prediction: Option<String>,
     /// Write checkpoints to DIR: at every epoch's end, every --checkpoint-every updates, and
     /// on Ctrl-C (pipelined runs).
     #[arg(long, value_name = "DIR")]
@@ -194,6 +200,7 @@ impl TrainArgs {
             wire_dtype: self.wire_dtype.clone(),
             sync_warmup: self.sync_warmup,
             lr_scaling: self.lr_scaling.clone(),
+            weight_prediction: self.weight_prediction.clone(),
             ..TrainSettings::default()
         }
     }

@@ -324,6 +324,7 @@ fn pipelined_with<B: pipe_kernels::Backend>(
         microbatch_offset: 0,
         lr: &lr,
         progress: None,
+        prediction: Default::default(),
     };
     if states.is_empty() {
         let init = model.init_params(0);

@@ -14,7 +14,7 @@ use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec};
 use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
 use crate::pipeline::Partition;
-use crate::remedy::{LrScaling, Remedies};
+use crate::remedy::{LrScaling, Prediction, Remedies};
 use crate::transformer::gpt_shape;
 
 /// The model preset used when none is given.
@@ -226,6 +226,9 @@ pub struct TrainSettings {
     pub sync_warmup: Option<u64>,
     /// Per-stage learning-rate scaling by delay (`none`, `staleness`, `pipemare:UPDATES`).
     pub lr_scaling: Option<String>,
+    /// Weight prediction from a velocity estimate (`none`, `discrepancy[:DECAY]`,
+    /// `lookahead[:DECAY]`).
+    pub weight_prediction: Option<String>,
 }
 
 macro_rules! merge_fields {
@@ -252,7 +255,8 @@ impl TrainSettings {
         merge_fields!(dst, src; model, tie_embeddings, dataset, data_dir, synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
-            schedule, chunks, partition, backend, transport, wire_dtype, sync_warmup, lr_scaling);
+            schedule, chunks, partition, backend, transport, wire_dtype, sync_warmup, lr_scaling,
+            weight_prediction);
     }
 
     /// Takes the layout a plan file describes (schedule, stages, replicas, partition), and its
@@ -408,7 +412,8 @@ impl TrainSettings {
             || self.schedule.is_some()
             || self.partition.is_some()
             || self.sync_warmup.is_some()
-            || self.lr_scaling.is_some();
+            || self.lr_scaling.is_some()
+            || self.weight_prediction.is_some();
         let schedule: Policy = match &self.schedule {
             Some(name) => name
                 .parse()
@@ -462,6 +467,10 @@ impl TrainSettings {
             lr_scaling: match &self.lr_scaling {
                 Some(text) => text.parse().map_err(StageError::Config)?,
                 None => LrScaling::None,
+            },
+            prediction: match &self.weight_prediction {
+                Some(text) => text.parse().map_err(StageError::Config)?,
+                None => Prediction::None,
             },
         };
         if !remedies.is_none() {

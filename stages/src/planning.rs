@@ -63,6 +63,7 @@ pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
             microbatch_offset: 0,
             lr: &lr,
             progress: None,
+            prediction: Default::default(),
         };
         if states.is_empty() {
             states = (0..2)

@@ -338,6 +338,7 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
         microbatch_offset: 0,
         lr: &lr,
         progress: None,
+        prediction: Default::default(),
     };
     let init = model.init_params(opts.seed);
     let copies = opts.concurrent.max(1);

@@ -2,6 +2,8 @@
 //! sequential run and a delay of one is one-stage 2BW, bit for bit; the remedies do what
 //! they say.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::Policy;
 use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};

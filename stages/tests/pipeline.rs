@@ -70,6 +70,7 @@ fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'stat
         microbatch_offset: 0,
         lr: &lr,
         progress: None,
+        prediction: Default::default(),
     }
 }
 
@@ -549,6 +550,7 @@ fn small_setup_run(
         microbatch_offset: 0,
         lr: &lr,
         progress: None,
+        prediction: Default::default(),
     };
     let init = model.init_params(1);
     let mut states: Vec<WorkerState> = (0..schedule.workers())

@@ -2,6 +2,8 @@
 //! policy ends a pipelined run with the reference trainer's weights, bit for bit, and each
 //! remedy changes the run the way it says it does.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use pipe_scheduler::Policy;
 use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::data::SyntheticConfig;
@@ -58,11 +60,15 @@ fn reference(cfg: &RunConfig) -> (Params, Vec<f64>) {
 
 #[test]
 fn every_remedy_on_every_asynchronous_policy_equals_the_reference_trainer() {
+    // (sync warm-up, lr scaling, weight prediction): `true` asks for the prediction that
+    // fits the policy (the discrepancy correction without stashing, the look-ahead with).
     let remedies = [
-        (Some(7), None),
-        (None, Some("staleness")),
-        (None, Some("pipemare:40")),
-        (Some(5), Some("pipemare:30")),
+        (Some(7), None, false),
+        (None, Some("staleness"), false),
+        (None, Some("pipemare:40"), false),
+        (Some(5), Some("pipemare:30"), false),
+        (None, None, true),
+        (Some(5), Some("staleness"), true),
     ];
     for (policy, m) in [
         (Policy::PipeDream, 1),
@@ -70,10 +76,16 @@ fn every_remedy_on_every_asynchronous_policy_equals_the_reference_trainer() {
         (Policy::VerticalSync, 1),
         (Policy::TwoBw, 3),
     ] {
-        for (warmup, scaling) in remedies {
+        for (warmup, scaling, predict) in remedies {
             let mut s = settings(policy, m);
             s.sync_warmup = warmup;
             s.lr_scaling = scaling.map(str::to_string);
+            let fitting = if policy == Policy::PipeDreamNoStash {
+                "discrepancy:0.8"
+            } else {
+                "lookahead:0.8"
+            };
+            s.weight_prediction = predict.then(|| fitting.to_string());
             let cfg = s.resolve().unwrap();
             let got = pipelined(&cfg, false);
             let (want, losses) = reference(&cfg);
@@ -85,7 +97,7 @@ fn every_remedy_on_every_asynchronous_policy_equals_the_reference_trainer() {
             assert_eq!(losses.len() as u64, got.report.steps);
             // Not a remedy that changes nothing: the weights differ from the plain run's
             // (except PipeMare's scaling under 2BW, whose delay of one leaves `tau^-p` at 1).
-            if policy == Policy::TwoBw && warmup.is_none() && scaling != Some("staleness") {
+            if policy == Policy::TwoBw && warmup.is_none() && scaling == Some("pipemare:40") {
                 continue;
             }
             let plain = reference(&settings(policy, m).resolve().unwrap()).0;
@@ -170,9 +182,22 @@ fn lr_scaling_factors_follow_their_formulas() {
 }
 
 #[test]
-fn remedies_are_refused_on_synchronous_schedules() {
+fn remedies_are_refused_where_they_do_not_apply() {
     let mut s = settings(Policy::Gpipe, 2);
     s.lr_scaling = Some("staleness".into());
     let err = s.resolve().unwrap_err().to_string();
     assert!(err.contains("asynchronous"), "{err}");
+    let mut s = settings(Policy::PipeDream, 1);
+    s.weight_prediction = Some("discrepancy".into());
+    let err = s.resolve().unwrap_err().to_string();
+    assert!(err.contains("pipedream-nostash"), "{err}");
+    let mut s = settings(Policy::PipeDreamNoStash, 1);
+    s.weight_prediction = Some("lookahead".into());
+    let err = s.resolve().unwrap_err().to_string();
+    assert!(err.contains("look-ahead"), "{err}");
+    for bad in ["lookahead:1.5", "ahead", "discrepancy:x"] {
+        let mut s = settings(Policy::PipeDream, 1);
+        s.weight_prediction = Some(bad.into());
+        assert!(s.resolve().is_err(), "{bad}");
+    }
 }

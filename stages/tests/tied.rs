@@ -89,6 +89,7 @@ fn setup<'a>(model: &'a Model, plan: &'a RunPlan) -> Setup<'a> {
         microbatch_offset: 0,
         lr: &lr,
         progress: None,
+        prediction: Default::default(),
     }
 }
 

@@ -78,6 +78,7 @@ fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'stat
         microbatch_offset: 0,
         lr: &lr,
         progress: None,
+        prediction: Default::default(),
     }
 }
 

@@ -6,7 +6,7 @@
 use pipe_scheduler::Policy;
 use pipe_stages::delayed::{Delay, DelayedOptions};
 use pipe_stages::optim::OptimizerKind;
-use pipe_stages::remedy::{LrScaling, Remedies};
+use pipe_stages::remedy::{LrScaling, Prediction, Remedies};
 use serde::{Deserialize, Serialize};
 
 use crate::ExperimentError;
@@ -103,6 +103,11 @@ pub struct RemedyVariant {
     /// Learning-rate scaling (`staleness`, `pipemare:K`).
     #[serde(default)]
     pub lr_scaling: Option<String>,
+    /// Weight prediction (`discrepancy[:DECAY]` for pipedream-nostash, `lookahead[:DECAY]`
+    /// for the stashing policies); a variant whose prediction does not apply to a policy is
+    /// skipped for it.
+    #[serde(default)]
+    pub weight_prediction: Option<String>,
     /// SGD momentum lowered by the delay (`pipe train`'s default for asynchronous policies).
     #[serde(default)]
     pub compensate_momentum: bool,
@@ -273,8 +278,11 @@ impl StalenessConfig {
                         ));
                     }
                     for v in &self.remedies.variants {
-                        // Only SGD has a momentum to lower.
-                        if v.compensate_momentum && o.kind != OptimizerKind::Sgd {
+                        // Only SGD has a momentum to lower; each prediction fits one kind
+                        // of policy.
+                        if v.compensate_momentum && o.kind != OptimizerKind::Sgd
+                            || !prediction_fits(v, policy)?
+                        {
                             continue;
                         }
                         let run =
@@ -316,6 +324,10 @@ impl StalenessConfig {
             lr_scaling: match &v.lr_scaling {
                 Some(t) => t.parse().map_err(ExperimentError::Config)?,
                 None => LrScaling::None,
+            },
+            prediction: match &v.weight_prediction {
+                Some(t) => t.parse().map_err(ExperimentError::Config)?,
+                None => Prediction::None,
             },
         };
         let mut label = remedies.label();
@@ -418,6 +430,20 @@ fn delayed_label(r: &DelayedRemedy, minibatch: bool) -> String {
     } else {
         parts.join("+")
     }
+}
+
+/// True when `v`'s weight prediction (if any) applies to `policy`.
+fn prediction_fits(v: &RemedyVariant, policy: Policy) -> Result<bool, ExperimentError> {
+    let Some(text) = &v.weight_prediction else {
+        return Ok(true);
+    };
+    let p: Prediction = text.parse().map_err(ExperimentError::Config)?;
+    let nostash = policy == Policy::PipeDreamNoStash;
+    Ok(match p {
+        Prediction::None => true,
+        Prediction::Discrepancy { .. } => nostash,
+        Prediction::LookAhead { .. } => !nostash,
+    })
 }
 
 fn parse_policy(name: &str) -> Result<Policy, ExperimentError> {

@@ -104,6 +104,11 @@ struct Recorder {
 
 impl Observer for Recorder {
     fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+        // JSON has no NaN or infinity; a run whose loss stops being finite is recorded as
+        // diverged by its error instead.
+        if !s.loss.is_finite() {
+            return Ok(());
+        }
         self.losses.push(s.loss as f32);
         self.window_sum += s.loss;
         let n = self.losses.len();
@@ -183,6 +188,8 @@ pub fn run_config(cfg: &StalenessConfig, spec: &RunSpec) -> Result<RunConfig, Ex
         sync_warmup: (spec.remedies.sync_warmup > 0).then_some(spec.remedies.sync_warmup),
         lr_scaling: (spec.remedies.lr_scaling != Default::default())
             .then(|| spec.remedies.lr_scaling.to_string()),
+        weight_prediction: (spec.remedies.prediction != Default::default())
+            .then(|| spec.remedies.prediction.to_string()),
         ..TrainSettings::default()
     };
     Ok(settings.resolve()?)

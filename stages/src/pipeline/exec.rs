@@ -18,6 +18,7 @@ use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{Params, place_params};
 use crate::optim::{Optimizer, OptimizerConfig};
+use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
 /// One stage's persistent state on a worker: its current weights and optimizer state.
 #[derive(Debug, Clone)]
@@ -158,6 +159,11 @@ struct StageRun {
     tie_partners: Vec<u32>,
     /// Per partner stage, its raw tied-use gradients of the coming update (received).
     tied_received: HashMap<u32, Tensor>,
+    /// The velocity estimate of weight prediction ([`Prediction`]), when asked for.
+    velocity: Option<Velocity>,
+    /// The look-ahead's distance (the stage's delay) and, per version held, the weights its
+    /// passes use.
+    lookahead: Option<(f32, BTreeMap<u32, Params>)>,
 }
 
 impl StageRun {
@@ -167,13 +173,37 @@ impl StageRun {
             .ok_or_else(|| exec_err(format!("version {v} of stage {} is not held", self.stage)))
     }
 
+    /// The weights the passes of version `v` use: the version itself, or its look-ahead.
+    fn pass_params(&self, v: u32) -> Result<&Params> {
+        pass_weights(&self.versions, &self.lookahead, self.stage, v)
+    }
+
     /// Drops versions that nothing after `pc` uses (never the current one).
     fn free_after(&mut self, pc: usize) {
         let cur = self.current_version;
         let last = &self.last_use;
-        self.versions
-            .retain(|&v, _| v == cur || last.get(v as usize).is_some_and(|&u| u > pc));
+        let keep = |v: &u32| *v == cur || last.get(*v as usize).is_some_and(|&u| u > pc);
+        self.versions.retain(|v, _| keep(v));
+        if let Some((_, predicted)) = &mut self.lookahead {
+            predicted.retain(|v, _| keep(v));
+        }
     }
+}
+
+/// [`StageRun::pass_params`] over the fields it reads, so a caller can hold the weights while
+/// it writes other fields of the stage.
+fn pass_weights<'r>(
+    versions: &'r BTreeMap<u32, Params>,
+    lookahead: &'r Option<(f32, BTreeMap<u32, Params>)>,
+    stage: u32,
+    v: u32,
+) -> Result<&'r Params> {
+    let held = match lookahead {
+        Some((_, predicted)) => predicted,
+        None => versions,
+    };
+    held.get(&v)
+        .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))
 }
 
 fn exec_err(msg: String) -> StageError {
@@ -204,6 +234,10 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let layout = schedule.layout();
         let ranges = plan.partition.ranges();
         let last_uses = plan.versions.last_uses(schedule, state.worker);
+        let delays = match setup.prediction {
+            Prediction::LookAhead { .. } => stage_delays(&schedule.resolved, &plan.versions),
+            _ => Vec::new(),
+        };
         let mut stages = Vec::with_capacity(state.stages.len());
         for (st, last_use) in state.stages.iter().zip(last_uses) {
             let layers = plan.partition.range(st.stage as usize);
@@ -223,15 +257,29 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                     st.stage, state.worker
                 )));
             }
+            let weights = place_params(be, st.params.clone())?;
+            let velocity = match setup.prediction.decay() {
+                Some(decay) => Some(Velocity::new(be, &weights, decay)?),
+                None => None,
+            };
+            let lookahead = match (&velocity, delays.get(st.stage as usize)) {
+                (Some(vel), Some(&tau)) => {
+                    let ahead = vel.extrapolate(be, &weights, tau as f32)?;
+                    Some((tau as f32, BTreeMap::from([(0, ahead)])))
+                }
+                _ => None,
+            };
             stages.push(StageRun {
                 stage: st.stage,
+                velocity,
+                lookahead,
                 tie_partners,
                 tied_received: HashMap::new(),
                 grads: place_params(be, setup.model.zero_grads(layers.clone()))?,
                 layers,
                 replica_group: layout.group(st.stage).collect(),
                 update_size: schedule.resolved.update_size(st.stage),
-                versions: BTreeMap::from([(0, place_params(be, st.params.clone())?)]),
+                versions: BTreeMap::from([(0, weights)]),
                 current_version: 0,
                 grads_fresh: true,
                 optimizer: st.opt.clone().placed(be)?,
@@ -347,7 +395,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let (y, saved) = setup.model.forward_range(
             be,
             run.layers.clone(),
-            run.params(v)?,
+            run.pass_params(v)?,
             input.tensor,
             true,
             setup.seed,
@@ -431,10 +479,16 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .remove(&mb)
             .ok_or_else(|| exec_err(format!("no output gradient for microbatch {mb}")))?;
         let v = rule.backward_version(fwd.version, run.current_version);
-        let params = run
-            .versions
-            .get(&v)
-            .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))?;
+        let corrected = match &run.velocity {
+            Some(vel) if run.lookahead.is_none() => {
+                corrected_weights(be, vel, run.params(v)?, v, fwd.version)?
+            }
+            _ => None,
+        };
+        let params = match &corrected {
+            Some(p) => p,
+            None => pass_weights(&run.versions, &run.lookahead, stage, v)?,
+        };
         let dx = if split {
             let (dx, output_grads) = model.backward_input_range(
                 be,
@@ -547,6 +601,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             first_mb / minibatch + 1,
         )?;
         let lr = (setup.lr)(stage, update);
+        let old = run.velocity.as_ref().map(|_| p.clone());
         mean_step(
             be,
             &mut run.optimizer,
@@ -556,6 +611,12 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             lr,
         )?;
         run.current_version += 1;
+        if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
+            vel.advance(be, &old, &p)?;
+            if let Some((tau, predicted)) = &mut run.lookahead {
+                predicted.insert(run.current_version, vel.extrapolate(be, &p, *tau)?);
+            }
+        }
         run.versions.insert(run.current_version, p);
         run.grads_fresh = true;
         let (mut sum, mut n) = (0.0, 0u32);

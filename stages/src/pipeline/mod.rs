@@ -120,6 +120,8 @@ pub struct Setup<'a> {
     /// Where the last stage reports each microbatch's loss as it is computed (microbatch,
     /// loss sum, samples), so the trainer can report updates while the pipeline runs.
     pub progress: Option<&'a crossbeam_channel::Sender<LossReport>>,
+    /// Weight prediction (a remedy for stale weights; none by default).
+    pub prediction: crate::remedy::Prediction,
 }
 
 /// One microbatch's loss as the last stage reports it: (microbatch of the schedule, loss

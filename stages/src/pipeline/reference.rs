@@ -16,6 +16,7 @@
 //! then applies the same summed gradient, so the copies stay equal and version `v` of the tied
 //! parameter is the same tensor on every stage that uses it.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use pipe_kernels::{Backend, Tensor};
@@ -26,6 +27,7 @@ use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{Params, place_params};
 use crate::optim::{Optimizer, OptimizerConfig};
+use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
 /// Per computed microbatch of a stage: saved activations and each layer's output gradient.
 type Pending = HashMap<u32, (Vec<Saved>, Vec<Tensor>)>;
@@ -42,6 +44,10 @@ struct Reference<'s, 'a> {
     tie_group: Vec<Vec<usize>>,
     /// Per microbatch, its summed loss.
     losses: Vec<f64>,
+    /// Weight prediction: per stage, the velocity estimate of every version (empty without
+    /// prediction), and the look-ahead distance (each stage's delay; empty unless look-ahead).
+    velocities: Vec<Vec<Velocity>>,
+    lookahead: Vec<f32>,
 }
 
 /// Runs the reference trainer from `init` (the whole model's parameters) and returns each
@@ -120,8 +126,24 @@ pub fn reference_run(
             )?])
         })
         .collect::<Result<_>>()?;
+    let velocities = match setup.prediction.decay() {
+        Some(decay) => versions
+            .iter()
+            .map(|v| Ok(vec![Velocity::new(be, &v[0], decay)?]))
+            .collect::<Result<_>>()?,
+        None => Vec::new(),
+    };
+    let lookahead = match setup.prediction {
+        Prediction::LookAhead { .. } => stage_delays(&plan.schedule.resolved, &plan.versions)
+            .into_iter()
+            .map(|d| d as f32)
+            .collect(),
+        _ => Vec::new(),
+    };
     let mut r = Reference {
         setup,
+        velocities,
+        lookahead,
         versions,
         opts,
         pending: vec![HashMap::new(); stages],
@@ -222,6 +244,36 @@ fn tie_groups(setup: &Setup<'_>) -> Result<Vec<Vec<usize>>> {
 }
 
 impl Reference<'_, '_> {
+    /// The weights a forward of version `v` of stage `s` uses: the version, or its look-ahead.
+    fn forward_weights(&self, be: &dyn Backend, s: usize, v: usize) -> Result<Cow<'_, Params>> {
+        match self.lookahead.get(s) {
+            Some(&tau) => Ok(Cow::Owned(self.velocities[s][v].extrapolate(
+                be,
+                &self.versions[s][v],
+                tau,
+            )?)),
+            None => Ok(Cow::Borrowed(&self.versions[s][v])),
+        }
+    }
+
+    /// The weights the backward of `mb` at stage `s` uses: its planned version, its
+    /// look-ahead, or the discrepancy correction's estimate of its forward's weights.
+    fn backward_weights(&self, be: &dyn Backend, s: usize, mb: u32) -> Result<Cow<'_, Params>> {
+        let plan = &self.setup.plan.versions;
+        let v = plan.backward_version(s as u32, mb);
+        if !self.lookahead.is_empty() {
+            return self.forward_weights(be, s, v as usize);
+        }
+        if let Some(vel) = self.velocities.get(s).and_then(|vs| vs.get(v as usize)) {
+            let w = &self.versions[s][v as usize];
+            let forward = plan.forward_version(s as u32, mb);
+            if let Some(c) = corrected_weights(be, vel, w, v, forward)? {
+                return Ok(Cow::Owned(c));
+            }
+        }
+        Ok(Cow::Borrowed(&self.versions[s][v as usize]))
+    }
+
     /// True when every version microbatch `mb`'s plan names exists.
     fn ready(&self, mb: u32) -> bool {
         let plan = &self.setup.plan.versions;
@@ -239,12 +291,12 @@ impl Reference<'_, '_> {
         let model = setup.model;
         let mut h = be.place(setup.data.inputs(mb)?)?;
         let mut saved_all = Vec::with_capacity(self.versions.len());
-        for (s, vs) in self.versions.iter().enumerate() {
+        for s in 0..self.versions.len() {
             let v = plan.versions.forward_version(s as u32, mb) as usize;
             let (y, saved) = model.forward_range(
                 be,
                 plan.partition.range(s),
-                &vs[v],
+                &self.forward_weights(be, s, v)?,
                 h,
                 true,
                 setup.seed,
@@ -261,12 +313,11 @@ impl Reference<'_, '_> {
             *loss = stats.loss_sum;
         }
         for s in (0..self.versions.len()).rev() {
-            let v = plan.versions.backward_version(s as u32, mb) as usize;
             let saved = saved_all.pop().unwrap_or_default();
             let (dx, dys) = model.backward_input_range(
                 be,
                 plan.partition.range(s),
-                &self.versions[s][v],
+                &self.backward_weights(be, s, mb)?,
                 &saved,
                 g,
                 s > 0,
@@ -365,6 +416,12 @@ impl Reference<'_, '_> {
             let size = setup.plan.schedule.resolved.update_size(t as u32);
             let lr = (setup.lr)(t as u32, k);
             mean_step(be, &mut self.opts[t], &mut p, &mut g, size, lr)?;
+            if let Some(vs) = self.velocities.get_mut(t) {
+                let old = &self.versions[t][self.versions[t].len() - 1];
+                let mut vel = vs[vs.len() - 1].clone();
+                vel.advance(be, old, &p)?;
+                vs.push(vel);
+            }
             self.versions[t].push(p);
             self.next_update[t] += 1;
         }

@@ -685,6 +685,7 @@ impl<'c> Run<'c> {
             microbatch_offset: done * self.minibatch,
             lr: &lr,
             progress,
+            prediction: cfg.remedies.prediction,
         };
         f(&setup)
     }

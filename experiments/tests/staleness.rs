@@ -1,0 +1,150 @@
+//! The staleness experiment end to end on a small matrix: the committed configuration
+//! parses, the matrix has the runs it should, a run records what the report needs, and the
+//! report regenerates from saved results alone.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pipe_experiments::staleness::config::Family;
+use pipe_experiments::staleness::{StalenessConfig, load, report, run_experiment, save};
+
+const COMMITTED: &str = include_str!("../staleness/mnist.toml");
+
+#[test]
+fn the_committed_configuration_expands_into_the_full_matrix() {
+    let cfg = StalenessConfig::parse(COMMITTED, "mnist.toml").unwrap();
+    let runs = cfg.matrix().unwrap();
+    let seeds = cfg.seeds.len();
+    assert!(seeds >= 3);
+    let pipeline = runs
+        .iter()
+        .filter(|r| r.family == Family::Pipeline && r.remedy == "none");
+    // sequential at one stage, the six other policies at 2, 4 and 8, per optimizer and seed.
+    assert_eq!(pipeline.count(), (1 + 6 * 3) * 2 * seeds);
+    for policy in [
+        "sequential",
+        "1f1b-flush",
+        "gpipe",
+        "pipedream",
+        "pipedream-nostash",
+        "vsync",
+        "2bw",
+    ] {
+        assert!(runs.iter().any(|r| r.policy == policy), "{policy}");
+    }
+    for s in [1, 2, 4, 8] {
+        assert!(runs.iter().any(|r| r.stages == s));
+    }
+    // Every pipeline run takes the same samples per update.
+    for r in runs.iter().filter(|r| r.family == Family::Pipeline) {
+        assert_eq!(
+            r.microbatch_size * r.microbatches,
+            cfg.minibatch,
+            "{}",
+            r.id
+        );
+    }
+    let ids: std::collections::HashSet<&str> = runs.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids.len(), runs.len(), "run ids are unique");
+    assert!(runs.iter().any(|r| r.family == Family::Delayed));
+}
+
+#[test]
+fn bad_configurations_are_refused_with_the_reason() {
+    let cases = [
+        (
+            "\"pipedream\", \"pipedream-nostash\", \"vsync\"",
+            "\"fast\", \"pipedream-nostash\", \"vsync\"",
+            "fast",
+        ),
+        ("minibatch = 64", "minibatch = 60", "does not split"),
+        (
+            "remedy_delay = \"uniform:7\"",
+            "remedy_delay = \"soon\"",
+            "delay 'soon'",
+        ),
+        ("seeds = [1, 2, 3]", "seeds = []", "at least one"),
+        ("epochs = 3", "epochs = \"three\"", "mnist.toml"),
+    ];
+    for (from, to, want) in cases {
+        let text = COMMITTED.replacen(from, to, 1);
+        assert_ne!(text, COMMITTED, "{from} is in the file");
+        let err = StalenessConfig::parse(&text, "mnist.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{to}: {err}");
+    }
+}
+
+#[test]
+fn a_small_experiment_runs_saves_and_regenerates_its_report() {
+    let mut cfg = StalenessConfig::parse(COMMITTED, "mnist.toml").unwrap();
+    cfg.quick.train_samples = 1024;
+    cfg.quick.test_samples = 256;
+    cfg.quick.stages = vec![1, 2];
+    cfg.delayed.delays = vec!["0".into(), "2".into()];
+    cfg.remedies.variants.truncate(2);
+    cfg.target_loss = 10.0;
+    cfg.target_window = 4;
+    let dir = std::env::temp_dir().join(format!("pipe-staleness-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut seen = 0;
+    let results = run_experiment(&cfg, true, &dir, "pipe test", &mut |i, n, _| {
+        seen = i;
+        assert!(i <= n);
+    })
+    .unwrap();
+    assert_eq!(seen, results.runs.len());
+    for r in &results.runs {
+        let updates = 1024 / r.spec.microbatch_size / r.spec.microbatches;
+        assert_eq!(
+            r.losses.len(),
+            updates,
+            "{}: one loss per update",
+            r.spec.id
+        );
+        assert_eq!(r.epochs.len(), 1);
+        // A target of 10 nats is met as soon as the window is full.
+        assert_eq!(r.updates_to_target, Some(4), "{}", r.spec.id);
+    }
+    // The measured delays: pipedream at two stages runs stage 0 one update behind.
+    let pd = results
+        .runs
+        .iter()
+        .find(|r| r.spec.policy == "pipedream" && r.spec.remedy == "none")
+        .unwrap();
+    assert_eq!(pd.stage_delays[0].forward_max, 1);
+    assert_eq!(pd.stage_delays[1].forward_max, 0);
+    assert!(
+        dir.join("ledgers")
+            .join(format!("{}.csv.gz", pd.spec.id))
+            .exists()
+    );
+    save(&results, &dir).unwrap();
+    let again = load(&dir).unwrap();
+    assert_eq!(again, results);
+    std::fs::write(dir.join("discussion.md"), "Written by hand.\n").unwrap();
+    let path = report::write_report(&again, &dir).unwrap();
+    let text = std::fs::read_to_string(path).unwrap();
+    for want in [
+        "pipe test",
+        "## Policies against stage count",
+        "## Remedies at 2 stages",
+        "## Delayed data-parallel SGD",
+        "## Measured delay per stage at 2 stages",
+        "weight stashing tracks synchronous training",
+        "Written by hand.",
+    ] {
+        assert!(text.contains(want), "{want}");
+    }
+    let plots = dir.join("plots");
+    for name in [
+        "loss-2-stages-adamw",
+        "quality-vs-stages-sgd-momentum",
+        "staleness-per-stage-2",
+    ] {
+        assert!(plots.join(format!("{name}.svg")).exists(), "{name}.svg");
+        let csv = std::fs::read_to_string(plots.join(format!("{name}.csv"))).unwrap();
+        assert!(csv.lines().count() > 1, "{name}.csv has rows");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
