@@ -349,3 +349,28 @@ fn replicated_and_unequal_layouts_follow_their_closed_forms() {
         }
     }
 }
+
+#[test]
+fn only_zero_bubble_splits_the_backward() {
+    for policy in Policy::ALL {
+        let chunks = if policy == Policy::Interleaved { 2 } else { 1 };
+        let spec = ScheduleSpec::new(policy, 4, 4)
+            .with_chunks(chunks)
+            .with_length(Length::Updates(3));
+        let s = lower(&generate(&spec).unwrap(), LowerOptions::default());
+        let split = s.programs.iter().flatten().any(|a| {
+            matches!(
+                a,
+                pipe_scheduler::Action::BackwardInput { .. }
+                    | pipe_scheduler::Action::BackwardWeight { .. }
+            )
+        });
+        let whole = s
+            .programs
+            .iter()
+            .flatten()
+            .any(|a| matches!(a, pipe_scheduler::Action::Backward { .. }));
+        assert_eq!(split, policy == Policy::ZbH1, "{policy}: split backward");
+        assert_eq!(whole, policy != Policy::ZbH1, "{policy}: whole backward");
+    }
+}
