@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+use plotters::coord::ranged1d::ValueFormatter;
 use plotters::prelude::*;
 
 use crate::ExperimentError;
@@ -35,6 +36,18 @@ pub struct LineChart {
 }
 
 impl LineChart {
+    /// Training loss against update on a log axis, no markers.
+    pub fn loss(title: String, series: Vec<Series>) -> Self {
+        LineChart {
+            title,
+            x_label: "update".into(),
+            y_label: "training loss".into(),
+            log_y: true,
+            markers: false,
+            series,
+        }
+    }
+
     /// Writes `name.svg` and `name.csv` (columns `series,x,y`) into `dir`.
     ///
     /// # Errors
@@ -98,36 +111,31 @@ impl LineChart {
             let mut chart = builder
                 .build_cartesian_2d(x0..x1, (y0..y1).log_scale())
                 .map_err(|e| e.to_string())?;
-            chart
-                .configure_mesh()
-                .x_desc(&self.x_label)
-                .y_desc(&self.y_label)
-                .draw()
-                .map_err(|e| e.to_string())?;
             self.lines(&mut chart)?;
         } else {
             let mut chart = builder
                 .build_cartesian_2d(x0..x1, y0..y1)
-                .map_err(|e| e.to_string())?;
-            chart
-                .configure_mesh()
-                .x_desc(&self.x_label)
-                .y_desc(&self.y_label)
-                .draw()
                 .map_err(|e| e.to_string())?;
             self.lines(&mut chart)?;
         }
         root.present().map_err(|e| e.to_string())
     }
 
+    /// Draws the mesh, the lines and the legend.
     fn lines<'a, X, Y>(
         &self,
         chart: &mut ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>,
     ) -> Result<(), String>
     where
-        X: Ranged<ValueType = f64>,
-        Y: Ranged<ValueType = f64>,
+        X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+        Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
     {
+        chart
+            .configure_mesh()
+            .x_desc(&self.x_label)
+            .y_desc(&self.y_label)
+            .draw()
+            .map_err(|e| e.to_string())?;
         for (i, s) in self.series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             let pts: Vec<(f64, f64)> = s

@@ -643,21 +643,10 @@ fn write_plots(
             });
         }
         let name = format!("loss-{s}-stages-{opt}");
-        let chart = LineChart {
-            title: format!(
-                "Training loss at {s} stages, {opt} (mean over seeds, {w}-update average)"
-            ),
-            x_label: "update".into(),
-            y_label: "training loss".into(),
-            log_y: true,
-            markers: false,
-            series,
-        };
-        chart.write(dir, &name)?;
-        figures.push((
-            name,
-            format!("Loss against update per policy at {s} stages, {opt}"),
-        ));
+        let title =
+            format!("Training loss at {s} stages, {opt} (mean over seeds, {w}-update average)");
+        let caption = format!("Loss against update per policy at {s} stages, {opt}");
+        figures.push(figure(dir, name, caption, &LineChart::loss(title, series))?);
         figures.push(quality_plot(r, cells, dir, &opt)?);
         figures.extend(remedy_plots(r, cells, dir, &opt)?);
         figures.push(delayed_plot(r, cells, dir, &opt)?);
@@ -691,19 +680,20 @@ fn quality_plot(
         })
         .collect();
     let name = format!("quality-vs-stages-{opt}");
-    LineChart {
+    let chart = LineChart {
         title: format!("Final test accuracy against stages, {opt} (1 stage: sequential)"),
         x_label: "stages".into(),
         y_label: "test accuracy %".into(),
         log_y: false,
         markers: true,
         series,
-    }
-    .write(dir, &name)?;
-    Ok((
+    };
+    figure(
+        dir,
         name,
         format!("Final quality against stage count per policy, {opt}"),
-    ))
+        &chart,
+    )
 }
 
 fn remedy_plots(
@@ -732,19 +722,9 @@ fn remedy_plots(
             })
             .collect();
         let name = format!("remedies-{policy}-{s}-stages-{opt}");
-        LineChart {
-            title: format!("{policy} at {s} stages, {opt}: remedies against none"),
-            x_label: "update".into(),
-            y_label: "training loss".into(),
-            log_y: true,
-            markers: false,
-            series,
-        }
-        .write(dir, &name)?;
-        out.push((
-            name,
-            format!("Remedies against no remedy, {policy} at {s} stages, {opt}"),
-        ));
+        let title = format!("{policy} at {s} stages, {opt}: remedies against none");
+        let caption = format!("Remedies against no remedy, {policy} at {s} stages, {opt}");
+        out.push(figure(dir, name, caption, &LineChart::loss(title, series))?);
     }
     Ok(out)
 }
@@ -771,19 +751,10 @@ fn delayed_plot(
         })
         .collect();
     let name = format!("delayed-{opt}");
-    LineChart {
-        title: format!("Delayed data-parallel SGD, {opt}: delays and remedies"),
-        x_label: "update".into(),
-        y_label: "training loss".into(),
-        log_y: true,
-        markers: false,
-        series,
-    }
-    .write(dir, &name)?;
-    Ok((
-        name,
-        format!("Delayed data-parallel SGD: loss against update per delay and remedy, {opt}"),
-    ))
+    let title = format!("Delayed data-parallel SGD, {opt}: delays and remedies");
+    let caption =
+        format!("Delayed data-parallel SGD: loss against update per delay and remedy, {opt}");
+    figure(dir, name, caption, &LineChart::loss(title, series))
 }
 
 fn staleness_plot(r: &StalenessResults, dir: &Path) -> Result<(String, String), ExperimentError> {
@@ -817,19 +788,31 @@ fn staleness_plot(r: &StalenessResults, dir: &Path) -> Result<(String, String), 
         }
     }
     let name = format!("staleness-per-stage-{s}");
-    LineChart {
+    let chart = LineChart {
         title: format!("Measured delay per stage at {s} stages (updates)"),
         x_label: "stage".into(),
         y_label: "mean delay (updates)".into(),
         log_y: false,
         markers: true,
         series,
-    }
-    .write(dir, &name)?;
-    Ok((
+    };
+    figure(
+        dir,
         name,
         format!("Measured staleness per stage at {s} stages, from the ledgers"),
-    ))
+        &chart,
+    )
+}
+
+/// Writes `chart` as `name` (SVG and CSV) and returns the figure's file stem and caption.
+fn figure(
+    dir: &Path,
+    name: String,
+    caption: String,
+    chart: &LineChart,
+) -> Result<(String, String), ExperimentError> {
+    chart.write(dir, &name)?;
+    Ok((name, caption))
 }
 
 /// `YYYY-MM-DD HH:MM` of a Unix time (UTC).
