@@ -806,3 +806,50 @@ fn quic_training_matches_in_process_training_and_cluster_init_writes_credentials
     );
     assert_bad_input(&["train", "--transport", "tcp"], "tcp");
 }
+
+#[test]
+fn experiment_and_report_refuse_bad_input() {
+    let bad = tmp("staleness-bad.toml");
+    std::fs::write(&bad, "model = \"mlp-784-10\"\nepochs = 1\n").unwrap();
+    assert_bad_input(
+        &["experiment", "staleness", "--config", bad.to_str().unwrap()],
+        "missing field",
+    );
+    assert_bad_input(
+        &[
+            "experiment",
+            "staleness",
+            "--config",
+            "/nonexistent/staleness.toml",
+        ],
+        "cannot read",
+    );
+    let empty = tmp("staleness-empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    assert_bad_input(
+        &["report", "staleness", "--from", empty.to_str().unwrap()],
+        "results.json",
+    );
+    std::fs::write(empty.join("results.json"), "{\"runs\": 3").unwrap();
+    assert_bad_input(
+        &["report", "staleness", "--from", empty.to_str().unwrap()],
+        "results.json",
+    );
+    // Bad remedies on `pipe train` too.
+    assert_bad_input(
+        &[
+            "train",
+            "--stages",
+            "2",
+            "--schedule",
+            "gpipe",
+            "--sync-warmup",
+            "5",
+        ],
+        "asynchronous",
+    );
+    assert_bad_input(
+        &["train", "--stages", "2", "--lr-scaling", "quick"],
+        "unknown lr scaling",
+    );
+}

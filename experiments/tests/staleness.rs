@@ -76,6 +76,18 @@ fn bad_configurations_are_refused_with_the_reason() {
 }
 
 #[test]
+fn an_empty_matrix_is_refused() {
+    let mut cfg = StalenessConfig::parse(COMMITTED, "mnist.toml").unwrap();
+    cfg.stages = vec![1];
+    cfg.policies = vec!["pipedream".into()];
+    cfg.remedies.policies.clear();
+    cfg.delayed.delays.clear();
+    cfg.delayed.remedies.clear();
+    let err = cfg.matrix().unwrap_err().to_string();
+    assert!(err.contains("no runs"), "{err}");
+}
+
+#[test]
 fn a_small_experiment_runs_saves_and_regenerates_its_report() {
     let mut cfg = StalenessConfig::parse(COMMITTED, "mnist.toml").unwrap();
     cfg.quick.train_samples = 1024;

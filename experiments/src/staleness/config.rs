@@ -293,6 +293,9 @@ impl StalenessConfig {
                 self.delayed_runs(opt, seed, &mut runs)?;
             }
         }
+        if runs.is_empty() {
+            return bad("the matrix has no runs (stage count 1 runs only `sequential`)".into());
+        }
         Ok(runs)
     }
 

@@ -141,7 +141,11 @@ impl Observer for Recorder {
 /// # Errors
 /// Unknown dataset or unreadable data.
 pub fn load(cfg: &StalenessConfig) -> Result<Splits, ExperimentError> {
-    let probe = run_config(cfg, &cfg.matrix()?[0])?;
+    let runs = cfg.matrix()?;
+    let first = runs
+        .first()
+        .ok_or_else(|| ExperimentError::Config("the experiment has no runs".into()))?;
+    let probe = run_config(cfg, first)?;
     let model = pipe_stages::model::Model::new(&probe.model)?;
     let mut data = pipe_stages::train::load_data(&probe, &model)?;
     truncate(&mut data.train, cfg.train_samples);
