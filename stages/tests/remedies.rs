@@ -95,6 +95,20 @@ fn every_remedy_on_every_asynchronous_policy_equals_the_reference_trainer() {
                 cfg.remedies.label()
             );
             assert_eq!(losses.len() as u64, got.report.steps);
+            // Each epoch's training loss is the mean of its updates' losses.
+            let per_epoch = losses.len() / got.report.epochs.len();
+            for (e, epoch) in got.report.epochs.iter().enumerate() {
+                let want = losses[e * per_epoch..(e + 1) * per_epoch]
+                    .iter()
+                    .sum::<f64>()
+                    / per_epoch as f64;
+                assert!(
+                    (epoch.train_loss - want).abs() <= 1e-9 * want.abs(),
+                    "{policy}: epoch {} train loss {} against {want}",
+                    e + 1,
+                    epoch.train_loss
+                );
+            }
             // Not a remedy that changes nothing: the weights differ from the plain run's
             // (except PipeMare's scaling under 2BW, whose delay of one leaves `tau^-p` at 1).
             if policy == Policy::TwoBw && warmup.is_none() && scaling == Some("pipemare:40") {
@@ -144,6 +158,27 @@ fn the_ledger_shows_each_policys_delays() {
     ];
     for (policy, m, fwd, bwd) in want {
         let out = pipelined(&settings(policy, m).resolve().unwrap(), true);
+        // The staleness each epoch reports per stage is the mean backward delay of its
+        // gradients, as the ledger has it.
+        for (e, epoch) in out.report.epochs.iter().enumerate() {
+            let first = e as u64 * 48;
+            for st in &epoch.stages {
+                let delays: Vec<f64> = out
+                    .ledger
+                    .iter()
+                    .filter(|x| x.stage == st.stage && (first..first + 48).contains(&x.mb))
+                    .map(|x| x.backward_delay() as f64)
+                    .collect();
+                let mean = delays.iter().sum::<f64>() / delays.len() as f64;
+                assert!(
+                    (st.staleness - mean).abs() < 1e-12,
+                    "{policy} epoch {} stage {}: staleness {} against the ledger's {mean}",
+                    e + 1,
+                    st.stage,
+                    st.staleness
+                );
+            }
+        }
         for s in 0..4u32 {
             let of = |f: fn(&pipe_stages::pipeline::LedgerEntry) -> u64| {
                 out.ledger
