@@ -374,3 +374,104 @@ fn only_zero_bubble_splits_the_backward() {
         assert_eq!(whole, policy != Policy::ZbH1, "{policy}: whole backward");
     }
 }
+
+/// Every policy on a few layouts (interleaved with 2 chunks per worker), lowered and checked.
+fn every_schedule() -> Vec<pipe_scheduler::Schedule> {
+    let mut out = Vec::new();
+    for policy in Policy::ALL {
+        for replicas in [vec![1, 1, 1, 1], vec![2, 1, 1, 1]] {
+            if policy == Policy::Interleaved && replicas[0] > 1 {
+                continue;
+            }
+            let chunks = if policy == Policy::Interleaved { 2 } else { 1 };
+            let spec = ScheduleSpec::new(policy, 4, 4)
+                .with_replicas(replicas)
+                .with_chunks(chunks)
+                .with_length(Length::Updates(3));
+            let s = lower(&generate(&spec).unwrap(), LowerOptions::default());
+            validate::check(&s).unwrap();
+            out.push(s);
+        }
+    }
+    out
+}
+
+#[test]
+fn last_uses_are_the_last_action_reading_each_version() {
+    for s in every_schedule() {
+        let plan = VersionPlan::derive(&s).unwrap();
+        let layout = s.layout();
+        for w in 0..s.workers() {
+            // Recomputed here from the plan's versions: forwards read the forward version,
+            // every backward half the backward version.
+            let mut want: Vec<Vec<usize>> = vec![Vec::new(); layout.chunks() as usize];
+            for (pc, a) in s.programs[w as usize].iter().enumerate() {
+                use pipe_scheduler::Action::*;
+                let (stage, v) = match *a {
+                    Forward { stage, mb } => (stage, plan.forward_version(stage, mb)),
+                    Backward { stage, mb }
+                    | BackwardInput { stage, mb }
+                    | BackwardWeight { stage, mb } => (stage, plan.backward_version(stage, mb)),
+                    _ => continue,
+                };
+                let uses = &mut want[layout.chunk_of(stage) as usize];
+                if uses.len() <= v as usize {
+                    uses.resize(v as usize + 1, 0);
+                }
+                uses[v as usize] = pc;
+            }
+            let got = plan.last_uses(&s, w);
+            assert_eq!(got.len(), want.len(), "{} w{w}", s.resolved.policy);
+            for (g, x) in got.iter().zip(&want) {
+                // Versions past the last one read may be listed with 0.
+                assert_eq!(&g[..x.len()], &x[..], "{} w{w}", s.resolved.policy);
+                assert!(g[x.len()..].iter().all(|&u| u == 0));
+            }
+        }
+    }
+}
+
+#[test]
+fn updates_per_stage_match_the_layout() {
+    for s in every_schedule() {
+        let plan = VersionPlan::derive(&s).unwrap();
+        for st in 0..s.stages() {
+            assert_eq!(
+                plan.updates_at(st),
+                s.resolved.updates_at(st),
+                "{} stage {st}",
+                s.resolved.policy
+            );
+        }
+    }
+}
+
+#[test]
+fn memory_peaks_in_bytes_agree_with_the_counts() {
+    for s in every_schedule() {
+        // One byte per version and per stashed microbatch of every stage: with one stage per
+        // worker, bytes are counts.
+        let (plan, mem) = VersionPlan::derive_with_memory(&s, |_| 1.0, |_| 1.0).unwrap();
+        if s.layout().chunks() > 1 {
+            continue;
+        }
+        for (w, m) in mem.iter().enumerate() {
+            let p = s.resolved.policy;
+            assert_eq!(m.weights, f64::from(plan.peak_versions[w]), "{p} w{w}");
+            assert_eq!(
+                m.activations,
+                f64::from(plan.peak_activations[w]),
+                "{p} w{w}"
+            );
+            assert!(
+                m.total <= m.weights + m.activations && m.total >= m.weights.max(m.activations)
+            );
+        }
+        // Bytes scale with what each stage holds.
+        let (_, scaled) = VersionPlan::derive_with_memory(&s, |_| 3.0, |_| 5.0).unwrap();
+        for (a, b) in mem.iter().zip(&scaled) {
+            assert_eq!(b.weights, 3.0 * a.weights);
+            assert_eq!(b.activations, 5.0 * a.activations);
+        }
+    }
+}
