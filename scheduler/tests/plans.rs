@@ -475,3 +475,16 @@ fn memory_peaks_in_bytes_agree_with_the_counts() {
         }
     }
 }
+
+#[test]
+fn a_program_missing_a_backward_is_refused_naming_it() {
+    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 1).with_length(Length::Updates(5));
+    let mut s = lower(&generate(&spec).unwrap(), LowerOptions::default());
+    // Worker 1 (stage 1) loses its backward of microbatch 3.
+    s.programs[1].retain(|a| !matches!(a, pipe_scheduler::Action::Backward { stage: 1, mb: 3 }));
+    let err = VersionPlan::derive(&s).unwrap_err().to_string();
+    assert!(
+        err.contains("microbatch 3 never has a backward at stage 1"),
+        "{err}"
+    );
+}
