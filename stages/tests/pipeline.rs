@@ -187,6 +187,15 @@ fn check_case(spec: &ScheduleSpec, model: &Model) {
             "{spec:?}: microbatch {mb}'s loss {got} differs from the reference's {want}"
         );
     }
+    // Memory: each worker held at most as many weight versions as the plan says, and
+    // exactly that many at its peak (a version freed late or early shows here).
+    for o in &outs {
+        assert_eq!(
+            o.peak_versions, run.versions.peak_versions[o.worker as usize],
+            "{spec:?}: worker {} peak weight versions",
+            o.worker
+        );
+    }
     let layout = run.schedule.layout();
     // Weights: every replica of every stage equals the reference, bit for bit.
     for state in &states {
