@@ -233,3 +233,49 @@ fn stashing_keeps_the_copies_equal_and_the_executor_matches_on_one_and_two_stage
     assert_eq!(states[0].stages[0].params, want[0]);
     assert_eq!(want[0][0][0], want[0][1][0]);
 }
+
+/// Tied stages with replicas: each replica of a tied stage exchanges its share of the tied
+/// gradients with the partner stage's replicas, and every copy still equals the reference's.
+#[test]
+fn tied_stages_with_replicas_match_the_reference() {
+    let model = tied_model();
+    let init = model.init_params(3);
+    let be = CpuBackend::new(1).unwrap();
+    for (policy, replicas) in [
+        (Policy::OneFOneBFlush, vec![2, 1]),
+        (Policy::OneFOneBFlush, vec![1, 3]),
+        (Policy::PipeDream, vec![2, 2]),
+    ] {
+        let spec = ScheduleSpec::new(policy, 2, 1)
+            .with_replicas(replicas.clone())
+            .with_length(Length::Updates(6));
+        let run = RunPlan::new(
+            &model,
+            &spec,
+            Some(Partition::new(vec![0..1, 1..2], 2).unwrap()),
+        )
+        .unwrap();
+        let s = setup(&model, &run);
+        let want = reference_train(&be, &s, &init, plain_sgd()).unwrap();
+        let workers = run.schedule.workers();
+        let mut states: Vec<WorkerState> = (0..workers)
+            .map(|w| WorkerState::new(&s, w, &init, plain_sgd()))
+            .collect();
+        run_threads(
+            &s,
+            &mut states,
+            mesh(workers, &InProcOptions::default()),
+            || CpuBackend::new(1),
+        )
+        .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
+        for st in &states {
+            let stage = st.stages[0].stage as usize;
+            assert_eq!(
+                st.stages[0].params, want[stage],
+                "{policy} {replicas:?}: worker {} (stage {stage})",
+                st.worker
+            );
+        }
+        assert_ne!(want[0][0][0], init[0][0], "it trained");
+    }
+}
