@@ -236,6 +236,36 @@ macro_rules! merge_fields {
 }
 
 impl TrainSettings {
+    /// The remedies the settings `sync_warmup`, `lr_scaling` and `weight_prediction` ask for,
+    /// checked against the run's schedule (`spec`).
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for unknown values, or remedies the schedule cannot use.
+    fn remedies(
+        sync_warmup: Option<u64>,
+        lr_scaling: Option<&str>,
+        weight_prediction: Option<&str>,
+        spec: &ScheduleSpec,
+    ) -> Result<Remedies> {
+        let remedies = Remedies {
+            sync_warmup: sync_warmup.unwrap_or(0),
+            lr_scaling: match lr_scaling {
+                Some(text) => text.parse().map_err(StageError::Config)?,
+                None => LrScaling::None,
+            },
+            prediction: match weight_prediction {
+                Some(text) => text.parse().map_err(StageError::Config)?,
+                None => Prediction::None,
+            },
+        };
+        if !remedies.is_none() {
+            let run = spec
+                .resolve()
+                .map_err(|e| StageError::Config(e.to_string()))?;
+            remedies.check(&run)?;
+        }
+        Ok(remedies)
+    }
     /// Parses a TOML config file's text.
     ///
     /// # Errors
@@ -421,14 +451,15 @@ impl TrainSettings {
             None => lm.map_or(Policy::PipeDream, |d| d.schedule),
         };
         let defaults = OptimizerConfig::default();
+        let layout_spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
+            .with_replicas(replicas.clone())
+            .with_chunks(chunks);
         let momentum = match (self.momentum, kind) {
             (Some(m), _) => m,
             (None, OptimizerKind::Sgd) => {
-                let spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
-                    .with_replicas(replicas.clone())
-                    .with_chunks(chunks);
                 // An impossible layout is refused later, with the schedule's own message.
-                spec.resolve()
+                layout_spec
+                    .resolve()
                     .map_or(BASE_MOMENTUM, |r| default_momentum(&r))
             }
             (None, _) => 0.0,
@@ -461,28 +492,13 @@ impl TrainSettings {
             Some(w) => w.parse().map_err(StageError::Config)?,
             None => WireDType::F32,
         };
+        let remedies = Self::remedies(
+            self.sync_warmup,
+            self.lr_scaling.as_deref(),
+            self.weight_prediction.as_deref(),
+            &layout_spec,
+        )?;
         let synthetic = self.synthetic.unwrap_or_default();
-        let remedies = Remedies {
-            sync_warmup: self.sync_warmup.unwrap_or(0),
-            lr_scaling: match &self.lr_scaling {
-                Some(text) => text.parse().map_err(StageError::Config)?,
-                None => LrScaling::None,
-            },
-            prediction: match &self.weight_prediction {
-                Some(text) => text.parse().map_err(StageError::Config)?,
-                None => Prediction::None,
-            },
-        };
-        if !remedies.is_none() {
-            let spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
-                .with_replicas(replicas.clone())
-                .with_chunks(chunks);
-            remedies.check(
-                &spec
-                    .resolve()
-                    .map_err(|e| StageError::Config(e.to_string()))?,
-            )?;
-        }
         Ok(RunConfig {
             model_name,
             model: model_spec,
