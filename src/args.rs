@@ -61,8 +61,8 @@ impl TypedValueParser for BackendParser {
 /// simulate`).
 #[derive(Args, Debug)]
 pub struct ScheduleOpts {
-    /// Policy: sequential, gpipe, 1f1b-flush, interleaved, zb-h1, pipedream, pipedream-nostash,
-    /// vsync or 2bw.
+    /// Policy: sequential, gpipe, 1f1b-flush, interleaved, zb-h1, zb-v, dualpipev, pipedream,
+    /// pipedream-nostash, vsync or 2bw.
     #[arg(long, default_value = "1f1b-flush", value_parser = parse_policy)]
     schedule: Policy,
     /// Pipeline stages.
@@ -74,7 +74,7 @@ pub struct ScheduleOpts {
     /// Replicas per stage: one value for all, or a comma-separated list (2,1,1,1).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     replicas: Vec<u32>,
-    /// Model chunks per worker (interleaved only).
+    /// Model chunks per worker (interleaved; zb-v and dualpipev always hold 2).
     #[arg(long, default_value_t = 1)]
     chunks: u32,
     /// Minibatches to run (default: 1 for flush policies, 2 x stages for asynchronous ones, so

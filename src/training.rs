@@ -100,10 +100,10 @@ pub struct TrainArgs {
     #[arg(long, value_delimiter = ',')]
     replicas: Option<Vec<u32>>,
     /// Pipeline schedule: pipedream (default), pipedream-nostash, vsync, 2bw, gpipe,
-    /// 1f1b-flush, interleaved, zb-h1 or sequential.
+    /// 1f1b-flush, interleaved, zb-h1, zb-v, dualpipev or sequential.
     #[arg(long)]
     schedule: Option<String>,
-    /// Model chunks per worker (interleaved).
+    /// Model chunks per worker (interleaved; zb-v and dualpipev always hold 2).
     #[arg(long)]
     chunks: Option<u32>,
     /// How to cut the model into stages: `measured` (profile briefly, balance time; the

@@ -19,7 +19,9 @@
 //! the input stage, deepened for asynchronous policies on unequal replica counts
 //! ([`crate::depth`]).
 //! `zb-h1` then splits each backward and defers the weight halves, `interleaved` follows
-//! Megatron-LM's interleaved order, and `sequential` is the plain loop on one worker.
+//! Megatron-LM's interleaved order, `zb-v` and `dualpipev` follow their published per-rank
+//! orders over two V-placed chunks ([`VShaped`]), and `sequential` is the plain loop on one
+//! worker.
 
 use crate::action::{Action, Microbatch, StageId};
 use crate::error::{Result, ScheduleError};
@@ -70,6 +72,8 @@ enum Source {
     Sequenced(Sequenced),
     /// Megatron's interleaved order: one minibatch per block.
     Interleaved(Interleaved),
+    /// ZB-V or DualPipeV: one minibatch per block.
+    VShaped(VShaped),
 }
 
 impl WorkerProgram {
@@ -101,6 +105,7 @@ impl WorkerProgram {
                 sequenced(Depth::Pipeline, Gate::None, false)
             }
             Policy::TwoBw => sequenced(Depth::Pipeline, Gate::OneBehind, false),
+            Policy::ZbV | Policy::DualPipeV => Source::VShaped(VShaped::new(r, w)),
         };
         WorkerProgram {
             buf: std::collections::VecDeque::new(),
@@ -159,6 +164,7 @@ impl WorkerProgram {
                 }
             },
             Source::Interleaved(i) => i.minibatch(&mut self.buf),
+            Source::VShaped(v) => v.minibatch(&mut self.buf),
         }
     }
 }
@@ -456,6 +462,206 @@ impl Interleaved {
         }
         true
     }
+}
+
+/// A step of a V-shaped order: chunk 0 is the worker's stage on the way down, chunk 1 its
+/// stage on the way back up.
+#[derive(Clone, Copy, Debug)]
+enum VStep {
+    /// Forward of the chunk's next microbatch.
+    F(usize),
+    /// Whole backward of the chunk's next microbatch.
+    B(usize),
+    /// Input half of the chunk's next backward; its weight half is queued.
+    I(usize),
+    /// Weight half of the oldest queued microbatch of the chunk.
+    W(usize),
+    /// Weight half of the oldest queued microbatch of any chunk (DualPipe's weight store is
+    /// one queue); nothing when the queue is empty.
+    WAny,
+}
+
+/// ZB-V and DualPipeV on a V layout ([`crate::ChunkShape::V`]): position `p` of `P` holds
+/// stages `p` (chunk 0) and `2P - 1 - p` (chunk 1). Each minibatch runs the policy's
+/// published per-rank order ([`zb_v_order`], [`dualpipe_v_order`]) over the worker's `m` local
+/// microbatches of each chunk, in microbatch order per chunk, then flushes: any weight half
+/// still queued, then both chunks' all-reduce and update.
+struct VShaped {
+    dual: bool,
+    big_p: usize,
+    p: usize,
+    j: u32,
+    reps: u32,
+    minibatch: u32,
+    minibatches: u32,
+    next: u32,
+}
+
+impl VShaped {
+    fn new(r: &Resolved, w: u32) -> Self {
+        let layout = &r.layout;
+        let (p, j) = layout.placement(w);
+        VShaped {
+            dual: r.policy == Policy::DualPipeV,
+            big_p: layout.positions() as usize,
+            p: p as usize,
+            j,
+            reps: layout.replica_counts()[0],
+            minibatch: r.minibatch,
+            minibatches: r.total / r.minibatch,
+            next: 0,
+        }
+    }
+
+    /// Appends the next minibatch's actions; false after the last.
+    fn minibatch(&mut self, out: &mut std::collections::VecDeque<Action>) -> bool {
+        let t = self.next;
+        if t >= self.minibatches {
+            return false;
+        }
+        self.next += 1;
+        let m = (self.minibatch / self.reps) as usize;
+        let steps = if self.dual {
+            dualpipe_v_order(self.big_p, self.p, m)
+        } else {
+            zb_v_order(self.big_p, self.p, m)
+        };
+        let (j, reps, minibatch) = (self.j, self.reps, self.minibatch);
+        let mb = |i: usize| t * minibatch + j + reps * i as u32;
+        let stage = [self.p as StageId, (2 * self.big_p - 1 - self.p) as StageId];
+        let mut forwards = [0usize; 2];
+        let mut backwards = [0usize; 2];
+        let mut queued: std::collections::VecDeque<(usize, usize)> = Default::default();
+        let weight = |c: usize, i: usize| Action::BackwardWeight {
+            stage: stage[c],
+            mb: mb(i),
+        };
+        for step in steps {
+            match step {
+                VStep::F(c) => {
+                    out.push_back(Action::Forward {
+                        stage: stage[c],
+                        mb: mb(forwards[c]),
+                    });
+                    forwards[c] += 1;
+                }
+                VStep::B(c) => {
+                    out.push_back(Action::Backward {
+                        stage: stage[c],
+                        mb: mb(backwards[c]),
+                    });
+                    backwards[c] += 1;
+                }
+                VStep::I(c) => {
+                    out.push_back(Action::BackwardInput {
+                        stage: stage[c],
+                        mb: mb(backwards[c]),
+                    });
+                    queued.push_back((c, backwards[c]));
+                    backwards[c] += 1;
+                }
+                VStep::W(c) => {
+                    if let Some(k) = queued.iter().position(|&(qc, _)| qc == c) {
+                        if let Some((c, i)) = queued.remove(k) {
+                            out.push_back(weight(c, i));
+                        }
+                    }
+                }
+                VStep::WAny => {
+                    if let Some((c, i)) = queued.pop_front() {
+                        out.push_back(weight(c, i));
+                    }
+                }
+            }
+        }
+        out.extend(queued.drain(..).map(|(c, i)| weight(c, i)));
+        for s in stage {
+            push_sync(out, s, reps, t);
+        }
+        true
+    }
+}
+
+/// ZB-V's order for rank `p` of `big_p` over `m >= 2 big_p` microbatches per chunk (the
+/// handcrafted V schedule of "Pipeline Parallelism with Controllable Memory", Qi et al. 2024,
+/// as PyTorch's `ScheduleZBVZeroBubble` lays it out): warm-up forwards that fill both chunks,
+/// a steady state of `F0 B0 F1 B1` with each backward's weight half right behind its input
+/// half, and a drain whose input halves run first and whose weight halves fill the bubbles.
+fn zb_v_order(big_p: usize, p: usize, m: usize) -> Vec<VStep> {
+    use VStep::{F, I, W};
+    let mut order = Vec::with_capacity(6 * m);
+    order.extend(std::iter::repeat_n(F(0), 2 * (big_p - p) - 1));
+    for _ in 0..p {
+        order.extend([F(1), F(0)]);
+    }
+    for _ in 0..big_p - p {
+        order.extend([F(1), I(1), W(1)]);
+    }
+    let (mut f0, mut f1) = (2 * big_p - p - 1, big_p);
+    while f1 < f0 || f0 < m {
+        if f0 < m {
+            order.push(F(0));
+            f0 += 1;
+        }
+        order.extend([I(0), W(0), F(1), I(1), W(1)]);
+        f1 += 1;
+    }
+    for _ in 0..p {
+        order.extend([I(0), I(1)]);
+    }
+    for _ in 0..big_p - p {
+        order.extend([I(0), W(0)]);
+    }
+    // The flush drains what is still queued: chunk 1's weight halves, then chunk 0's.
+    order.extend(std::iter::repeat_n(W(1), p));
+    order.extend(std::iter::repeat_n(W(0), p));
+    order
+}
+
+/// DualPipeV's order for rank `p` of `big_p` over `m >= 2 big_p` microbatches per chunk
+/// (DeepSeek's DualPipe folded into a V, as the reference implementation's eight steps lay it
+/// out). A step that overlaps a forward of one chunk with a backward of the other runs here as
+/// the forward, then the backward. Weight halves go through one queue.
+fn dualpipe_v_order(big_p: usize, p: usize, m: usize) -> Vec<VStep> {
+    use VStep::{B, F, I, WAny};
+    let mut order = Vec::with_capacity(6 * m);
+    // 1: forwards of chunk 0; 2: one more of chunk 0 and one of chunk 1, `p + 1` times.
+    order.extend(std::iter::repeat_n(F(0), 2 * (big_p - p - 1)));
+    for _ in 0..=p {
+        order.extend([F(0), F(1)]);
+    }
+    // 3: chunk 1's backward split, its weight half at once, then a forward of chunk 1.
+    for _ in 0..big_p - p - 1 {
+        order.extend([I(1), WAny, F(1)]);
+    }
+    // 4, the steady state: F0 B1 F1 B0 with whole backwards.
+    for _ in 0..(m + p + 1).saturating_sub(2 * big_p) {
+        order.extend([F(0), B(1), F(1), B(0)]);
+    }
+    // 5: B1 F1 B0.
+    for _ in 0..big_p - p - 1 {
+        order.extend([B(1), F(1), B(0)]);
+    }
+    // 6: backwards of both chunks, split from the middle step on (chunk 1 first on odd ranks).
+    let steps = p + 1;
+    let half = steps / 2;
+    let mut split = false;
+    for i in 0..steps {
+        if i == half && p % 2 == 1 {
+            split = true;
+        }
+        order.push(if split { I(1) } else { B(1) });
+        if i == half && p % 2 == 0 {
+            split = true;
+        }
+        order.push(if split { I(0) } else { B(0) });
+    }
+    // 7: a queued weight half, then chunk 0's backward split; 8: the queued weight halves.
+    for _ in 0..big_p - p - 1 {
+        order.extend([WAny, I(0)]);
+    }
+    order.extend(std::iter::repeat_n(WAny, p + 1));
+    order
 }
 
 #[cfg(test)]

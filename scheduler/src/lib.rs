@@ -55,6 +55,6 @@ pub use planner::{
 pub use profile::{LayerProfile, Profile};
 pub use sim::{CostModel, SimOptions, SimReport, StageCost, WorkerReport, simulate, simulate_spec};
 pub use spec::{
-    Layout, Length, Policy, Resolved, Schedule, ScheduleSpec, VersionQuery, VersionRule,
+    ChunkShape, Layout, Length, Policy, Resolved, Schedule, ScheduleSpec, VersionQuery, VersionRule,
 };
 pub use timeline::{Span, Timeline};

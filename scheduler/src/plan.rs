@@ -58,8 +58,8 @@ pub struct VersionPlan {
     backward: Vec<u32>,
     /// Indexed by `worker * chunks + chunk`.
     contributions: Vec<Contributions>,
-    chunks: u32,
-    positions: u32,
+    /// Where the stages live (maps a stage to its position and chunk).
+    layout: Layout,
     replicas: Vec<u32>,
     worker_offsets: Vec<u32>,
     /// Per worker: the most weight versions (over all its stages) held at once.
@@ -133,8 +133,7 @@ impl VersionPlan {
             forward,
             backward,
             contributions,
-            chunks: layout.chunks(),
-            positions,
+            layout: layout.clone(),
             replicas: layout.replica_counts().to_vec(),
             worker_offsets,
             peak_versions: Vec::new(),
@@ -162,9 +161,9 @@ impl VersionPlan {
 
     /// Number of updates `stage` makes.
     pub fn updates_at(&self, stage: StageId) -> u32 {
-        let w = self.worker_offsets[(stage % self.positions) as usize];
-        let c = stage / self.positions;
-        self.contributions[(w * self.chunks + c) as usize]
+        let w = self.worker_offsets[self.layout.position_of(stage) as usize];
+        let c = self.layout.chunk_of(stage);
+        self.contributions[(w * self.layout.chunks() + c) as usize]
             .ends
             .len() as u32
     }
@@ -174,12 +173,12 @@ impl VersionPlan {
     /// # Panics
     /// If `stage` or `k` is out of range.
     pub fn update(&self, stage: StageId, k: u32) -> UpdateSums<'_> {
-        let p = (stage % self.positions) as usize;
-        let c = stage / self.positions;
+        let p = self.layout.position_of(stage) as usize;
+        let c = self.layout.chunk_of(stage);
         let per_replica = (0..self.replicas[p])
             .map(|j| {
                 let w = self.worker_offsets[p] + j;
-                let con = &self.contributions[(w * self.chunks + c) as usize];
+                let con = &self.contributions[(w * self.layout.chunks() + c) as usize];
                 let start = if k == 0 {
                     0
                 } else {

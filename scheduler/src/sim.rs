@@ -1179,10 +1179,11 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
             let st = c.stage(s);
             let r = f64::from(layout.replicas_of(s));
             // Messages per forward (activation in, activation out) and per backward (gradient
-            // in, gradient out); none when one position holds every stage.
-            let apart = layout.positions() > 1;
-            let messages = f64::from(u8::from(apart && s > 0))
-                + f64::from(u8::from(apart && s + 1 < layout.stages()));
+            // in, gradient out); none to a neighbour on the same position (one position
+            // holding every stage, the turn of a V).
+            let apart = |n: u32| layout.position_of(n) != layout.position_of(s);
+            let messages = f64::from(u8::from(s > 0 && apart(s - 1)))
+                + f64::from(u8::from(s + 1 < layout.stages() && apart(s + 1)));
             let message_cpu = c.message_cpu * messages;
             StageTimes {
                 forward: st.forward + message_cpu,

@@ -31,6 +31,13 @@ pub enum Policy {
     VerticalSync,
     /// PipeDream-2BW: updates every minibatch, minibatch `t` uses version `t - 1` everywhere.
     TwoBw,
+    /// Zero-bubble V (ZB-V): two chunks per worker placed in a V (worker `p` holds stages `p`
+    /// and `2P - 1 - p`), backward split into input and weight parts; flushed.
+    ZbV,
+    /// DualPipeV: the V placement of ZB-V with DualPipe's order (each steady step pairs a
+    /// forward of one chunk with a backward of the other; weight parts deferred only in the
+    /// warm-up and drain); flushed.
+    DualPipeV,
 }
 
 /// How a policy picks weight versions (the whole of its staleness semantics).
@@ -94,7 +101,7 @@ impl VersionRule {
 
 impl Policy {
     /// Every policy, in the order `docs/scheduling.md` lists them.
-    pub const ALL: [Policy; 9] = [
+    pub const ALL: [Policy; 11] = [
         Policy::Sequential,
         Policy::Gpipe,
         Policy::OneFOneBFlush,
@@ -104,6 +111,8 @@ impl Policy {
         Policy::PipeDreamNoStash,
         Policy::VerticalSync,
         Policy::TwoBw,
+        Policy::ZbV,
+        Policy::DualPipeV,
     ];
 
     /// The CLI name.
@@ -118,6 +127,8 @@ impl Policy {
             Policy::PipeDreamNoStash => "pipedream-nostash",
             Policy::VerticalSync => "vsync",
             Policy::TwoBw => "2bw",
+            Policy::ZbV => "zb-v",
+            Policy::DualPipeV => "dualpipev",
         }
     }
 
@@ -130,7 +141,14 @@ impl Policy {
                 | Policy::OneFOneBFlush
                 | Policy::Interleaved
                 | Policy::ZbH1
+                | Policy::ZbV
+                | Policy::DualPipeV
         )
+    }
+
+    /// True for the policies that place two chunks per worker in a V ([`ChunkShape::V`]).
+    pub fn is_v_shaped(self) -> bool {
+        matches!(self, Policy::ZbV | Policy::DualPipeV)
     }
 
     /// How the policy chooses weight versions.
@@ -166,13 +184,28 @@ impl FromStr for Policy {
     }
 }
 
+/// How a worker's chunks map to model stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ChunkShape {
+    /// Chunk `c` of position `p` is stage `c * positions + p`: the pipeline loops through the
+    /// workers `chunks` times (Megatron's interleaved placement).
+    #[default]
+    Loop,
+    /// Two chunks: position `p` holds stages `p` and `2 positions - 1 - p`, so data runs down
+    /// the workers and back up (ZB-V, DualPipeV). The last position holds two neighbouring
+    /// stages, and the first holds the input and the loss stage.
+    V,
+}
+
 /// Where stages live: `positions` pipeline positions, each replicated `replicas[p]` times, each
-/// worker holding `chunks` model stages (stage `c * positions + p` is chunk `c` of position
-/// `p`). Workers are numbered position by position: position 0's replicas first.
+/// worker holding `chunks` model stages placed by a [`ChunkShape`] (looped: stage
+/// `c * positions + p` is chunk `c` of position `p`; or V-shaped). Workers are numbered
+/// position by position: position 0's replicas first.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layout {
     replicas: Vec<u32>,
     chunks: u32,
+    shape: ChunkShape,
     offsets: Vec<u32>,
 }
 
@@ -209,8 +242,25 @@ impl Layout {
         Ok(Layout {
             replicas,
             chunks,
+            shape: ChunkShape::Loop,
             offsets,
         })
+    }
+
+    /// A V-shaped layout ([`ChunkShape::V`]): two chunks per worker.
+    ///
+    /// # Errors
+    /// As [`Layout::new`].
+    pub fn v_shape(replicas: Vec<u32>) -> Result<Self> {
+        Ok(Layout {
+            shape: ChunkShape::V,
+            ..Layout::new(replicas, 2)?
+        })
+    }
+
+    /// How chunks map to stages.
+    pub fn shape(&self) -> ChunkShape {
+        self.shape
     }
 
     /// Number of pipeline positions.
@@ -238,8 +288,8 @@ impl Layout {
         &self.replicas
     }
 
-    /// Which of its worker's chunks a stage is (`stage / positions`): the index of the stage
-    /// among [`Layout::stages_of`] its worker.
+    /// Which of its worker's chunks a stage is (`stage / positions` in both shapes): the index
+    /// of the stage among [`Layout::stages_of`] its worker.
     #[inline]
     pub fn chunk_of(&self, stage: StageId) -> u32 {
         if self.chunks == 1 {
@@ -253,9 +303,23 @@ impl Layout {
     #[inline]
     pub fn position_of(&self, stage: StageId) -> u32 {
         if self.chunks == 1 {
-            stage
-        } else {
-            stage % self.positions()
+            return stage;
+        }
+        let positions = self.positions();
+        match self.shape {
+            ChunkShape::Loop => stage % positions,
+            ChunkShape::V if stage < positions => stage,
+            ChunkShape::V => 2 * positions - 1 - stage,
+        }
+    }
+
+    /// Stage of chunk `c` at `position`.
+    #[inline]
+    pub fn stage_at(&self, position: u32, c: u32) -> StageId {
+        let positions = self.positions();
+        match self.shape {
+            ChunkShape::V if c == 1 => 2 * positions - 1 - position,
+            _ => c * positions + position,
         }
     }
 
@@ -297,7 +361,7 @@ impl Layout {
     /// The stages a worker holds, in chunk order.
     pub fn stages_of(&self, worker: WorkerId) -> impl Iterator<Item = StageId> + '_ {
         let (p, _) = self.placement(worker);
-        (0..self.chunks).map(move |c| c * self.positions() + p)
+        (0..self.chunks).map(move |c| self.stage_at(p, c))
     }
 
     /// The workers holding a stage, replica by replica.
@@ -364,11 +428,13 @@ pub enum Length {
 pub struct ScheduleSpec {
     /// The policy.
     pub policy: Policy,
-    /// Pipeline stages (positions). For `interleaved`, the model has `stages * chunks` stages.
+    /// Pipeline stages (positions). For `interleaved`, the model has `stages * chunks` stages;
+    /// for the V-shaped policies (`zb-v`, `dualpipev`), `2 * stages`.
     pub stages: u32,
     /// Replicas per stage: one value for all stages, or one per stage.
     pub replicas: Vec<u32>,
-    /// Model chunks per worker (`interleaved` only; 1 otherwise).
+    /// Model chunks per worker (`interleaved`; the V-shaped policies always hold 2, and
+    /// accept 1 or 2 here; 1 otherwise).
     pub chunks: u32,
     /// Microbatches per update, per replica (`M`).
     pub microbatches: u32,
@@ -437,13 +503,24 @@ impl ScheduleSpec {
         if self.chunks == 0 {
             return spec_err("--chunks must be at least 1".into());
         }
-        if self.chunks > 1 && self.policy != Policy::Interleaved {
+        let v_shaped = self.policy.is_v_shaped();
+        if v_shaped && self.chunks > 2 {
+            return spec_err(format!(
+                "--chunks {}: {} holds exactly 2 chunks per worker (placed in a V)",
+                self.chunks, self.policy
+            ));
+        }
+        if self.chunks > 1 && self.policy != Policy::Interleaved && !v_shaped {
             return spec_err(format!(
                 "--chunks {} needs --schedule interleaved ({} runs one chunk per worker)",
                 self.chunks, self.policy
             ));
         }
-        let pipeline = Layout::new(replicas, self.chunks)?;
+        let pipeline = if v_shaped {
+            Layout::v_shape(replicas)?
+        } else {
+            Layout::new(replicas, self.chunks)?
+        };
         // Synchronous policies update every stage once per minibatch of `M` per replica of the
         // widest stage. Asynchronous ones update stage s after `M r_s`; their run unit is the
         // least common multiple of those, so that every stage ends on a whole update.
@@ -470,6 +547,26 @@ impl ScheduleSpec {
                     "interleaved needs microbatches per update to be a multiple of the stage \
                      count: {} is not a multiple of {}",
                     self.microbatches, self.stages
+                ));
+            }
+        }
+        if v_shaped {
+            let uniform = pipeline
+                .replica_counts()
+                .iter()
+                .all(|&r| r == pipeline.replica_counts()[0]);
+            if !uniform {
+                return spec_err(format!(
+                    "{} needs the same replica count at every stage",
+                    self.policy
+                ));
+            }
+            let least = u64::from(self.stages) * 2;
+            if u64::from(self.microbatches) < least {
+                return spec_err(format!(
+                    "{} needs at least 2 x stages = {least} microbatches per update (its warm-up \
+                     fills both chunks of every worker); got {}",
+                    self.policy, self.microbatches
                 ));
             }
         }

@@ -108,8 +108,7 @@ impl<'a> Checker<'a> {
             self.action(w, position, a, &mut upd)
                 .map_err(|reason| invalid(schedule, w, pc, reason))?;
         }
-        for (c, st) in upd.iter().enumerate() {
-            let stage = c as u32 * self.layout.positions() + position;
+        for (st, stage) in upd.iter().zip(self.layout.stages_of(w)) {
             self.worker_end(stage, st)
                 .map_err(|reason| invalid(schedule, w, prog.len(), reason))?;
         }

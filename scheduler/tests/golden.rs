@@ -59,6 +59,14 @@ fn cases() -> Vec<Case> {
             file: "2bw",
             spec: s(Policy::TwoBw, 3, 2, 4),
         },
+        Case {
+            file: "zb-v",
+            spec: s(Policy::ZbV, 2, 4, 1),
+        },
+        Case {
+            file: "dualpipev",
+            spec: s(Policy::DualPipeV, 2, 4, 1),
+        },
     ]
 }
 

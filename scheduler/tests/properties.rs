@@ -28,6 +28,9 @@ fn spec_strategy() -> impl Strategy<Value = ScheduleSpec> {
             let (chunks, m) = if policy == Policy::Interleaved {
                 // Interleaving needs M to be a multiple of the stage count.
                 (chunks, (m.div_ceil(stages)).max(1) * stages)
+            } else if policy.is_v_shaped() {
+                // The V schedules need M >= 2 x stages.
+                (1, m.max(2 * stages))
             } else {
                 (1, m)
             };
@@ -42,10 +45,12 @@ fn spec_strategy() -> impl Strategy<Value = ScheduleSpec> {
 fn check_spec(spec: &ScheduleSpec, expand: bool) -> Result<(), TestCaseError> {
     let generated = match generate(spec) {
         Ok(s) => s,
-        // The requests a policy may refuse: interleaving over non-uniform replication, and 2BW
+        // The requests a policy may refuse: interleaving and the V schedules over non-uniform
+        // replication, and 2BW
         // with fewer microbatches per update than it keeps in flight.
         Err(ScheduleError::Spec(msg))
-            if (spec.policy == Policy::Interleaved && msg.contains("same replica count"))
+            if ((spec.policy == Policy::Interleaved || spec.policy.is_v_shaped())
+                && msg.contains("same replica count"))
                 || (spec.policy == Policy::TwoBw && msg.contains("2bw needs at least")) =>
         {
             return Ok(());
@@ -113,6 +118,8 @@ fn sweep_every_policy_small() {
                 for m in [1u32, 2, 4, 5] {
                     let m = if policy == Policy::Interleaved {
                         m * stages
+                    } else if policy.is_v_shaped() {
+                        m + 2 * stages - 1
                     } else {
                         m
                     };

@@ -293,9 +293,12 @@ fn specs() -> Vec<ScheduleSpec> {
                                     _ => 1,
                                 }),
                         ),
+                        // The V schedules need M >= 2 x stages.
+                        Policy::ZbV | Policy::DualPipeV => (1, m.max(2 * stages)),
                         _ => (1, m),
                     };
-                    if policy == Policy::Interleaved && replicas.len() > 1 {
+                    let needs_uniform = policy == Policy::Interleaved || policy.is_v_shaped();
+                    if needs_uniform && replicas.len() > 1 {
                         continue;
                     }
                     out.push(
@@ -405,11 +408,12 @@ fn quic_runs_equal_in_process_runs() {
     for policy in Policy::ALL {
         for replicas in [vec![2], vec![2, 1, 1]] {
             let stages = if replicas.len() == 1 { 4 } else { 3 };
-            if policy == Policy::Interleaved && replicas.len() > 1 {
+            if (policy == Policy::Interleaved || policy.is_v_shaped()) && replicas.len() > 1 {
                 continue;
             }
             let (chunks, m) = match policy {
                 Policy::Interleaved => (2, 4),
+                Policy::ZbV | Policy::DualPipeV => (1, 8),
                 _ => (1, 4),
             };
             let spec = ScheduleSpec::new(policy, stages, m)
@@ -619,10 +623,11 @@ fn ten_thousand_microbatches_complete_for_every_policy() {
         panic_at: None,
     };
     for policy in Policy::ALL {
-        let (stages, chunks) = if policy == Policy::Interleaved {
-            (2, 2)
-        } else {
-            (3, 1)
+        // Two chunks per worker on two positions: the small model's layers cover 4 stages.
+        let (stages, chunks) = match policy {
+            Policy::Interleaved => (2, 2),
+            Policy::ZbV | Policy::DualPipeV => (2, 1),
+            _ => (3, 1),
         };
         let spec = ScheduleSpec::new(policy, stages, 4)
             .with_chunks(chunks)

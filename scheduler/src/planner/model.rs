@@ -166,12 +166,14 @@ impl PlanOptions {
             return bad("the memory bound must be > 0 bytes".into());
         }
         match self.policy {
-            Policy::Sequential | Policy::Interleaved => bad(format!(
-                "the planner plans one contiguous stage per worker group; schedule '{}' is not \
+            Policy::Sequential | Policy::Interleaved | Policy::ZbV | Policy::DualPipeV => {
+                bad(format!(
+                    "the planner plans one contiguous stage per worker group; schedule '{}' is not \
                  planned (use pipedream, pipedream-nostash, vsync, 2bw, gpipe, 1f1b-flush or \
                  zb-h1)",
-                self.policy.name()
-            )),
+                    self.policy.name()
+                ))
+            }
             _ => Ok(()),
         }
     }
