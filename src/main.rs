@@ -45,7 +45,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 use crate::commands::{
-    bench, cluster, eval, experiment, plan, profile, sample, schedule, simulate, train, worker,
+    bench, cluster, eval, experiment, plan, profile, sample, schedule, simulate, sweep, train,
+    worker,
 };
 use crate::output::bad_input;
 
@@ -61,9 +62,8 @@ struct Cli {
 enum Command {
     /// Train a model.
     Train(Box<train::TrainArgs>),
-    /// Run a benchmark.
-    #[command(subcommand)]
-    Bench(BenchCommand),
+    /// Run the benchmark sweep and write its report, or one benchmark (subcommands).
+    Bench(Box<BenchArgs>),
     /// Print a policy's schedule (grid, text, CSV or Chrome trace).
     Schedule(schedule::ScheduleArgs),
     /// Simulate a schedule under a cost model: makespan, bubble, per-worker busy time and memory.
@@ -86,7 +86,26 @@ enum Command {
     Experiment(experiment::ExperimentCommand),
     /// Regenerate an experiment's report from its saved results.
     #[command(subcommand)]
-    Report(experiment::ReportCommand),
+    Report(ReportCommand),
+}
+
+/// `pipe bench`: the sweep without a subcommand.
+#[derive(clap::Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+struct BenchArgs {
+    #[command(subcommand)]
+    command: Option<BenchCommand>,
+    #[command(flatten)]
+    sweep: sweep::SweepArgs,
+}
+
+/// `pipe report`.
+#[derive(Subcommand, Debug)]
+enum ReportCommand {
+    /// Regenerate the staleness experiment's REPORT.md, plots and CSV from DIR/results.json.
+    Staleness(experiment::ReportArgs),
+    /// Regenerate the `pipe bench` sweep's REPORT.md, plots and CSV from DIR/results.json.
+    Bench(sweep::ReportBenchArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -103,6 +122,9 @@ enum BenchCommand {
     /// One process of `pipe bench transport`'s all-reduce among processes.
     #[command(hide = true)]
     AllreduceWorker(bench::AllreduceWorkerArgs),
+    /// One configuration of the sweep, measured in its own process (JSON in and out).
+    #[command(hide = true)]
+    MeasureConfig(sweep::MeasureConfigArgs),
 }
 
 /// Parses the command line and runs the command.
@@ -127,11 +149,15 @@ fn run() -> Result<()> {
     };
     match cli.command {
         Command::Train(args) => train::run(&args),
-        Command::Bench(BenchCommand::Mfu(args)) => bench::run_mfu(&args),
-        Command::Bench(BenchCommand::Pipeline(args)) => bench::run_pipeline(&args),
-        Command::Bench(BenchCommand::Partition(args)) => bench::run_partition(&args),
-        Command::Bench(BenchCommand::Transport(args)) => bench::run_transport(&args),
-        Command::Bench(BenchCommand::AllreduceWorker(args)) => bench::run_allreduce_worker(&args),
+        Command::Bench(b) => match b.command {
+            None => sweep::run(&b.sweep),
+            Some(BenchCommand::Mfu(args)) => bench::run_mfu(&args),
+            Some(BenchCommand::Pipeline(args)) => bench::run_pipeline(&args),
+            Some(BenchCommand::Partition(args)) => bench::run_partition(&args),
+            Some(BenchCommand::Transport(args)) => bench::run_transport(&args),
+            Some(BenchCommand::AllreduceWorker(args)) => bench::run_allreduce_worker(&args),
+            Some(BenchCommand::MeasureConfig(args)) => sweep::run_measure_config(&args),
+        },
         Command::Schedule(args) => schedule::run(&args),
         Command::Simulate(args) => simulate::run(&args),
         Command::Plan(args) => plan::run(&args),
@@ -141,7 +167,8 @@ fn run() -> Result<()> {
         Command::Eval(args) => eval::run(&args),
         Command::Sample(args) => sample::run(&args),
         Command::Experiment(cmd) => experiment::run(&cmd),
-        Command::Report(cmd) => experiment::run_report(&cmd),
+        Command::Report(ReportCommand::Staleness(args)) => experiment::run_report(&args),
+        Command::Report(ReportCommand::Bench(args)) => sweep::run_report(&args),
     }
 }
 

@@ -38,6 +38,17 @@ pub fn bad_input(msg: String) -> anyhow::Error {
     BadInput(msg).into()
 }
 
+/// An experiment's error as the command line reports it: bad input (exit 2) for a malformed
+/// configuration or results file and for settings `pipe train` would refuse.
+pub fn experiment_error(e: pipe_experiments::ExperimentError) -> anyhow::Error {
+    use pipe_experiments::ExperimentError;
+    match e {
+        ExperimentError::Config(m) => bad_input(m),
+        ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
+        other => anyhow::Error::from(other),
+    }
+}
+
 /// A scheduler error as the command line reports it: bad input (exit 2) when the scheduler
 /// blames its input, a run-time failure otherwise.
 pub fn schedule_error(e: ScheduleError) -> anyhow::Error {

@@ -61,26 +61,43 @@ def run_pipe(threads, name):
 
 
 def main():
-    criterion_dir = sys.argv[1]
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("criterion_dir")
+    ap.add_argument("--json", help="also write the rows as JSON (what `pipe bench --numpy` reads)")
+    ap.add_argument("--shapes", help="comma-separated shape names (default: all)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    args = ap.parse_args()
+    wanted = set(args.shapes.split(",")) if args.shapes else None
+    thread_counts = [int(t) for t in args.threads.split(",")]
     info = [(i["internal_api"], i.get("architecture"), i["version"]) for i in threadpool_info()]
+    blas = ", ".join(f"{a} {b or ''} {c}".replace("  ", " ") for a, b, c in info)
     print(f"numpy {np.__version__}, BLAS {info}")
     print()
     print("| shape | m x k x n | op | threads | pipe GFLOP/s | numpy GFLOP/s | ratio |")
     print("|---|---|---|---|---|---|---|")
     worst = None
-    for threads in (1, 2):
+    rows = []
+    for threads in thread_counts:
         with threadpool_limits(threads):
             for name, m, k, n, ta, tb in shapes():
+                if wanted is not None and name not in wanted:
+                    continue
                 op = ("A^T" if ta else "A") + " " + ("B^T" if tb else "B")
                 run_pipe(threads, name)
-                pr = pipe_rate(criterion_dir, threads, name, m, k, n)
+                pr = pipe_rate(args.criterion_dir, threads, name, m, k, n)
                 npr = time_numpy(m, k, n, ta, tb)
                 ratio = pr / npr
                 worst = ratio if worst is None else min(worst, ratio)
+                rows.append({"shape": name, "threads": threads, "pipe_gflops": pr,
+                             "numpy_gflops": npr, "ratio": ratio})
                 mark = "" if ratio >= 0.9 else " (below 0.9)"
                 print(f"| {name} | {m}x{k}x{n} | {op} | {threads} | {pr:.1f} | {npr:.1f} | {ratio:.2f}{mark} |")
     print()
     print(f"lowest ratio: {worst:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"numpy": f"numpy {np.__version__}, {blas}", "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

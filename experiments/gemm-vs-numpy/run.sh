@@ -16,4 +16,4 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/pip" install --quiet numpy threadpoolctl
 fi
 cargo bench -p pipe-kernels --bench gemm --no-run
-env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$venv/bin/python" experiments/gemm-vs-numpy/numpy_gemm.py target/criterion
+env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$venv/bin/python" experiments/gemm-vs-numpy/numpy_gemm.py target/criterion "$@"

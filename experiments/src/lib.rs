@@ -1,14 +1,19 @@
 //! `pipe-experiments` owns experiments and benchmarks that span crates: what a user runs to get a
 //! number they can trust, with the method written next to it. Each experiment is a function that
 //! returns a typed report (so tests can run it small) plus a renderer; the `pipe bench`
-//! subcommands only parse flags and print. Staleness studies, throughput sweeps and the
-//! Markdown/SVG/CSV reports (`docs/architecture.md`, "Files") will live here too.
+//! subcommands only parse flags and print. The staleness study (`pipe experiment staleness`) and
+//! the throughput sweep (`pipe bench`) write Markdown reports with SVG plots (plotters) and the
+//! CSV behind each plot; [`plot`] and [`machine`] are shared by both.
 
 #![warn(missing_docs)]
 
+pub mod bench;
+pub mod link;
+pub mod machine;
 pub mod mfu;
 pub mod partition;
 pub mod pipeline;
+pub mod plot;
 pub mod staleness;
 pub mod transport;
 

@@ -112,7 +112,8 @@ pub struct PassTime {
     pub gflops: f64,
 }
 
-fn gemm_rate(be: &dyn Backend, reps: usize) -> Result<f64, ExperimentError> {
+/// GFLOP/s of the reference GEMM on `be`: the median of `reps` timings of eight products.
+pub(crate) fn gemm_rate(be: &dyn Backend, reps: usize) -> Result<f64, ExperimentError> {
     let mut probe = GemmProbe::new(be)?;
     let rates = (0..reps)
         .map(|_| probe.rate(be))
@@ -220,6 +221,25 @@ fn pass_times(
     Ok(out)
 }
 
+/// True for models with transformer blocks (their figures count tokens).
+pub(crate) fn is_language_model(model: &Model) -> bool {
+    model
+        .specs()
+        .iter()
+        .any(|l| matches!(l, LayerSpec::TransformerBlock { .. }))
+}
+
+/// FLOPs of one training step per sample. A dense model: 6 per parameter. A transformer also
+/// spends FLOPs that no parameter counts (attention scores and their weighted sums): three
+/// times its forward.
+pub(crate) fn training_flops_per_sample(model: &Model) -> f64 {
+    if is_language_model(model) {
+        3.0 * model.flops_per_sample() as f64
+    } else {
+        6.0 * model.param_count() as f64
+    }
+}
+
 /// Runs the measurement.
 ///
 /// # Errors
@@ -250,10 +270,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         &[targets],
         (0..targets).map(|i| (i % classes.max(1)) as u32).collect(),
     )?;
-    let language = model
-        .specs()
-        .iter()
-        .any(|l| matches!(l, LayerSpec::TransformerBlock { .. }));
+    let language = is_language_model(&model);
 
     let gemm_before = gemm_rate(&be, 15)?;
     let mut times = Vec::with_capacity(cfg.steps);
@@ -292,13 +309,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     let step = median(&times);
     let parameters = model.param_count();
     let samples_per_s = cfg.batch as f64 / step;
-    // A dense model: 6 FLOPs per parameter and sample. A transformer also spends FLOPs that
-    // no parameter counts (attention scores and their weighted sums): three times its forward.
-    let flops_per_sample = if language {
-        3.0 * model.flops_per_sample() as f64
-    } else {
-        6.0 * parameters as f64
-    };
+    let flops_per_sample = training_flops_per_sample(&model);
     let components = if language {
         transformer_components(&be, &model, &params, cfg.batch)?
     } else {

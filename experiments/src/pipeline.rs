@@ -46,9 +46,9 @@ use pipe_stages::pipeline::{
 use pipe_stages::train::{StepState, train_step};
 use pipe_transport::collective::ring_all_reduce;
 use pipe_transport::inproc::{InProcOptions, mesh};
-use pipe_transport::{Key, Kind, Message, Transport};
 use serde::Serialize;
 
+use crate::link::LinkCost;
 use crate::{ExperimentError, median};
 
 /// Random samples from a fixed pool; microbatch `mb` takes consecutive rows, wrapping around.
@@ -382,39 +382,9 @@ fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
 }
 
 /// Seconds one ring all-reduce of `len` values takes among `r` in-process workers, each on its
-/// own thread (median of repeats after one warm-up round).
+/// own thread ([`crate::link::all_reduce_seconds`]).
 fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
-    let rounds = 7u32;
-    let group: Vec<u32> = (0..r).collect();
-    let handles: Vec<_> = mesh(r, &InProcOptions::default())
-        .into_iter()
-        .map(|mut ep| {
-            let group = group.clone();
-            std::thread::spawn(
-                move || -> Result<Vec<f64>, pipe_transport::TransportError> {
-                    let mut data = vec![1.0f32; len];
-                    let mut times = Vec::new();
-                    for update in 0..=rounds {
-                        let t = Instant::now();
-                        ring_all_reduce(&mut ep, &group, 0, update, &mut data)?;
-                        if update > 0 {
-                            times.push(t.elapsed().as_secs_f64());
-                        }
-                    }
-                    Ok(times)
-                },
-            )
-        })
-        .collect();
-    let mut times = Vec::new();
-    for h in handles {
-        let mine = h
-            .join()
-            .map_err(|_| ExperimentError::Config("all-reduce thread panicked".into()))?
-            .map_err(|e| ExperimentError::Config(e.to_string()))?;
-        times.extend(mine);
-    }
-    Ok(median(&times))
+    crate::link::all_reduce_seconds(mesh(r, &InProcOptions::default()), len, 7)
 }
 
 /// Per-stage costs of `one` (the one-thread sequential run) timed with two copies running at
@@ -621,85 +591,16 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
     Ok(median(&per_action))
 }
 
-/// The calling thread's processor time in seconds (`CLOCK_THREAD_CPUTIME_ID`).
-fn thread_cpu_seconds() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec through a valid pointer.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return 0.0;
-    }
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-}
-
-/// What a message costs over the in-process transport, by ping-pong between two threads.
-struct MessageCost {
-    /// Wall time per message, one way, microseconds.
-    wall_us: f64,
-    /// Processor time per message at each end, microseconds.
-    cpu_us: f64,
-}
-
-/// Ping-pong between two threads over the in-process transport.
-fn transport_cost() -> Result<MessageCost, ExperimentError> {
+/// Ping-pong between two threads over the in-process transport ([`crate::link`]).
+fn transport_cost() -> Result<LinkCost, ExperimentError> {
     let mut eps = mesh(2, &InProcOptions::default());
-    let mut b = eps
+    let b = eps
         .pop()
         .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-    let mut a = eps
+    let a = eps
         .pop()
         .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-    let rounds = 2000u32;
-    let key = |from, to, i| Key {
-        from,
-        to,
-        kind: Kind::Activation,
-        stage: 0,
-        index: i,
-        step: 0,
-    };
-    let h = std::thread::spawn(move || -> Result<f64, pipe_transport::TransportError> {
-        let cpu0 = thread_cpu_seconds();
-        for i in 0..rounds {
-            let m = b.recv(&key(0, 1, i))?;
-            b.send(Message {
-                key: key(1, 0, i),
-                version: 0,
-                tensor: m.tensor,
-            })?;
-        }
-        Ok(thread_cpu_seconds() - cpu0)
-    });
-    let t = Instant::now();
-    let cpu0 = thread_cpu_seconds();
-    let mut tensor = Tensor::zeros(&[8, 256]);
-    for i in 0..rounds {
-        a.send(Message {
-            key: key(0, 1, i),
-            version: 0,
-            tensor,
-        })
-        .map_err(|e| ExperimentError::Config(e.to_string()))?;
-        tensor = a
-            .recv(&key(1, 0, i))
-            .map_err(|e| ExperimentError::Config(e.to_string()))?
-            .tensor;
-    }
-    let secs = t.elapsed().as_secs_f64();
-    let cpu = thread_cpu_seconds() - cpu0;
-    let peer_cpu = h
-        .join()
-        .map_err(|_| ExperimentError::Config("ping-pong thread panicked".into()))?
-        .map_err(|e| ExperimentError::Config(e.to_string()))?;
-    let messages = f64::from(2 * rounds);
-    Ok(MessageCost {
-        wall_us: secs / messages * 1e6,
-        // Every message has two ends, so both threads' time over twice the messages.
-        cpu_us: (cpu + peer_cpu) / (2.0 * messages) * 1e6,
-    })
+    crate::link::measure(a, b, 2000)
 }
 
 /// One round of one model: the single worker, the one-thread sequential run (which also gives
@@ -710,7 +611,7 @@ fn model_round(
     batch: usize,
     m: u32,
     cfg: &PipelineBenchConfig,
-    message: &MessageCost,
+    message: &LinkCost,
 ) -> Result<ModelResult, ExperimentError> {
     let single = single_worker(model, batch, cfg.updates, cfg.warmup)?;
     let one = Case {
@@ -729,8 +630,8 @@ fn model_round(
     let mut base = contended_costs(model, &one, cfg.updates, &mut states)?;
     // Every in-process message is delayed by the measured one-way ping-pong time and costs
     // its sender and its receiver the ping-pong's measured processor time per message end.
-    base.latency = message.wall_us * 1e-6;
-    base.message_cpu = message.cpu_us * 1e-6;
+    base.latency = message.latency_s;
+    base.message_cpu = message.cpu_s;
     let mut cases = Vec::new();
     for case in model_cases(preset, batch, m) {
         cases.push(run_case(model, &case, cfg, single, one_core, &base)?);
@@ -801,8 +702,8 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     Ok(PipelineReport {
         models,
         overhead_us_per_action,
-        transport_us_per_message: message.wall_us,
-        transport_cpu_us_per_message: message.cpu_us,
+        transport_us_per_message: message.latency_s * 1e6,
+        transport_cpu_us_per_message: message.cpu_s * 1e6,
         all_reduce,
         updates: cfg.updates,
         rounds: cfg.rounds.max(1),

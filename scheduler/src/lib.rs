@@ -50,7 +50,7 @@ pub use plan::{MemoryPeak, UpdateSums, VersionPlan};
 pub use planner::{
     Bound, PartitionPlan, PipeDreamOptions, PlanOptions, PlannedStage, WireDtype, balanced,
     balanced_replicated, explain, frontier, pipedream, plan as plan_partition, plan_checked,
-    simulate_plan, simulate_plan_with_memory, stage_costs,
+    range_costs, simulate_plan, simulate_plan_with_memory, stage_costs,
 };
 pub use profile::{LayerProfile, Profile};
 pub use sim::{CostModel, SimOptions, SimReport, StageCost, WorkerReport, simulate, simulate_spec};

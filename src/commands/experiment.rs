@@ -5,10 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
-use pipe_experiments::ExperimentError;
 use pipe_experiments::staleness::{StalenessConfig, load, report, run_experiment, save};
 
-use crate::output::bad_input;
+use crate::output::{bad_input, experiment_error};
 
 /// The default configuration, also committed as `experiments/staleness/mnist.toml`.
 const DEFAULT_CONFIG: &str = include_str!("../../experiments/staleness/mnist.toml");
@@ -19,13 +18,6 @@ pub enum ExperimentCommand {
     /// Policies x stages x seeds x optimizers, remedies and a delayed data-parallel baseline:
     /// what stale weights cost and what fixes it.
     Staleness(StalenessArgs),
-}
-
-/// `pipe report`.
-#[derive(Subcommand, Debug)]
-pub enum ReportCommand {
-    /// Regenerate REPORT.md, its plots and CSV from DIR/results.json.
-    Staleness(ReportArgs),
 }
 
 /// `pipe experiment staleness`.
@@ -50,14 +42,6 @@ pub struct ReportArgs {
     from: PathBuf,
 }
 
-fn to_anyhow(e: ExperimentError) -> anyhow::Error {
-    match e {
-        ExperimentError::Config(m) => bad_input(m),
-        ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
-        other => anyhow::Error::from(other),
-    }
-}
-
 /// Runs `pipe experiment`.
 ///
 /// # Errors
@@ -75,7 +59,7 @@ pub fn run(cmd: &ExperimentCommand) -> Result<()> {
             "experiments/staleness/mnist.toml".into(),
         ),
     };
-    let cfg = StalenessConfig::parse(&text, &name).map_err(to_anyhow)?;
+    let cfg = StalenessConfig::parse(&text, &name).map_err(experiment_error)?;
     let command = std::iter::once("pipe".to_string())
         .chain(std::env::args().skip(1))
         .collect::<Vec<_>>()
@@ -98,10 +82,10 @@ pub fn run(cmd: &ExperimentCommand) -> Result<()> {
             r.wall_s
         );
     };
-    let results =
-        run_experiment(&cfg, args.quick, &args.out, &command, &mut progress).map_err(to_anyhow)?;
-    save(&results, &args.out).map_err(to_anyhow)?;
-    let path = report::write_report(&results, &args.out).map_err(to_anyhow)?;
+    let results = run_experiment(&cfg, args.quick, &args.out, &command, &mut progress)
+        .map_err(experiment_error)?;
+    save(&results, &args.out).map_err(experiment_error)?;
+    let path = report::write_report(&results, &args.out).map_err(experiment_error)?;
     outln!(
         "{} runs in {:.1} min; report: {}",
         results.runs.len(),
@@ -111,14 +95,13 @@ pub fn run(cmd: &ExperimentCommand) -> Result<()> {
     Ok(())
 }
 
-/// Runs `pipe report`.
+/// Runs `pipe report staleness`.
 ///
 /// # Errors
 /// Bad input for a missing or malformed results file.
-pub fn run_report(cmd: &ReportCommand) -> Result<()> {
-    let ReportCommand::Staleness(args) = cmd;
-    let results = load(&args.from).map_err(to_anyhow)?;
-    let path = report::write_report(&results, &args.from).map_err(to_anyhow)?;
+pub fn run_report(args: &ReportArgs) -> Result<()> {
+    let results = load(&args.from).map_err(experiment_error)?;
+    let path = report::write_report(&results, &args.from).map_err(experiment_error)?;
     outln!("report: {}", path.display());
     Ok(())
 }

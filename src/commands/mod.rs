@@ -11,5 +11,6 @@ pub mod profile;
 pub mod sample;
 pub mod schedule;
 pub mod simulate;
+pub mod sweep;
 pub mod train;
 pub mod worker;

@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 
 use super::StalenessResults;
 use super::config::Family;
-use super::plot::{LineChart, Series};
 use super::run::RunRecord;
 use crate::ExperimentError;
+use crate::plot::{LineChart, Series};
 
 /// Mean and sample standard deviation of the finite values, and how many there were.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -686,6 +686,7 @@ fn quality_plot(
         y_label: "test accuracy %".into(),
         log_y: false,
         markers: true,
+        scatter: false,
         series,
     };
     figure(
@@ -794,6 +795,7 @@ fn staleness_plot(r: &StalenessResults, dir: &Path) -> Result<(String, String), 
         y_label: "mean delay (updates)".into(),
         log_y: false,
         markers: true,
+        scatter: false,
         series,
     };
     figure(
@@ -816,7 +818,7 @@ fn figure(
 }
 
 /// `YYYY-MM-DD HH:MM` of a Unix time (UTC).
-fn utc(secs: u64) -> String {
+pub(crate) fn utc(secs: u64) -> String {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).

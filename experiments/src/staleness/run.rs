@@ -93,13 +93,28 @@ impl RunRecord {
 }
 
 /// Collects a run's updates and epochs, and finds when the loss reaches the target.
-struct Recorder {
+pub(crate) struct Recorder {
     target: f64,
     window: usize,
-    losses: Vec<f32>,
-    epochs: Vec<EpochRecord>,
+    pub(crate) losses: Vec<f32>,
+    pub(crate) epochs: Vec<EpochRecord>,
     window_sum: f64,
-    reached: Option<(u64, f64)>,
+    /// (update, seconds) when the mean loss over the window first reached the target.
+    pub(crate) reached: Option<(u64, f64)>,
+}
+
+impl Recorder {
+    /// Watches for the training loss, averaged over `window` updates, at or below `target`.
+    pub(crate) fn new(target: f64, window: usize) -> Self {
+        Recorder {
+            target,
+            window,
+            losses: Vec::new(),
+            epochs: Vec::new(),
+            window_sum: 0.0,
+            reached: None,
+        }
+    }
 }
 
 impl Observer for Recorder {
@@ -153,7 +168,7 @@ pub fn load(cfg: &StalenessConfig) -> Result<Splits, ExperimentError> {
     Ok(data)
 }
 
-fn truncate(ds: &mut pipe_stages::data::Dataset, n: usize) {
+pub(crate) fn truncate(ds: &mut pipe_stages::data::Dataset, n: usize) {
     if n == 0 || n >= ds.len() {
         return;
     }
@@ -210,14 +225,7 @@ pub fn run_one(
     out: &Path,
 ) -> Result<RunRecord, ExperimentError> {
     let rc = run_config(cfg, spec)?;
-    let mut rec = Recorder {
-        target: cfg.target_loss,
-        window: cfg.target_window,
-        losses: Vec::new(),
-        epochs: Vec::new(),
-        window_sum: 0.0,
-        reached: None,
-    };
+    let mut rec = Recorder::new(cfg.target_loss, cfg.target_window);
     let start = Instant::now();
     let mut ledger = Vec::new();
     let mut dropped = 0;

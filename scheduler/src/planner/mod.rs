@@ -31,7 +31,7 @@ mod model;
 mod types;
 
 pub use model::{
-    PlanOptions, WireDtype, explain, frontier, plan, plan_checked, simulate_plan,
+    PlanOptions, WireDtype, explain, frontier, plan, plan_checked, range_costs, simulate_plan,
     simulate_plan_with_memory, stage_costs,
 };
 

@@ -883,23 +883,41 @@ pub fn frontier(profile: &Profile, opts: &PlanOptions) -> Result<Vec<Option<Part
 }
 
 /// Per-stage costs of a plan's stages for the simulator: times and bytes summed over each
-/// stage's layers, activations and gradients at the wire's size.
+/// stage's layers, activations and gradients at the wire's size ([`range_costs`]).
 pub fn stage_costs(profile: &Profile, plan: &PartitionPlan, wire: WireDtype) -> Vec<StageCost> {
+    let ranges: Vec<_> = plan.stages.iter().map(|s| s.layers.clone()).collect();
+    let mut costs = range_costs(profile, &ranges, wire);
+    for (c, s) in costs.iter_mut().zip(&plan.stages) {
+        c.param_bytes = s.param_bytes;
+    }
+    costs
+}
+
+/// Per-stage costs of stages given as layer ranges (any partition, any number of stages):
+/// times, parameter and stash bytes summed over each stage's layers, the activation its last
+/// layer sends at the wire's size.
+///
+/// # Panics
+/// If a range runs past the profile's layers or is empty.
+pub fn range_costs(
+    profile: &Profile,
+    ranges: &[std::ops::Range<usize>],
+    wire: WireDtype,
+) -> Vec<StageCost> {
     let crossing = profile.crossing_bytes();
-    plan.stages
+    ranges
         .iter()
-        .map(|s| {
-            let layers = &profile.layers[s.layers.clone()];
+        .map(|r| {
+            let layers = &profile.layers[r.clone()];
             let sum = |f: fn(&crate::profile::LayerProfile) -> f64| layers.iter().map(f).sum();
-            let out = crossing[s.layers.end - 1] * wire.factor();
             StageCost {
                 forward: sum(|l| l.forward),
                 backward_input: sum(|l| l.backward_input),
                 backward_weight: sum(|l| l.backward_weight),
                 update: sum(|l| l.update),
-                activation_bytes: out,
+                activation_bytes: crossing[r.end - 1] * wire.factor(),
                 gradient_bytes: None,
-                param_bytes: s.param_bytes,
+                param_bytes: sum(|l| l.param_bytes),
                 stash_bytes: Some(sum(|l| l.stash())),
                 all_reduce: None,
             }

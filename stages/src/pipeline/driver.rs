@@ -92,9 +92,12 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
         m.record(compute, end - start, bytes);
         m.queue.set(t.buffered() as f64);
         m.stash_versions.set(f64::from(held));
-        m.stash_bytes.set(core.stash_bytes() as f64);
+        let stash = core.stash_bytes() as u64;
+        m.stash_bytes.set(stash as f64);
         let out = &mut core.outcome;
         out.peak_versions = out.peak_versions.max(held);
+        out.peak_stash_bytes = out.peak_stash_bytes.max(stash);
+        out.bytes_sent += bytes.0;
         if compute {
             out.compute_s += end - start;
         }

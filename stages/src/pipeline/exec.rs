@@ -104,6 +104,11 @@ pub struct WorkerOutcome {
     pub staleness_count: u64,
     /// The most weight versions (over all its stages) this worker held at once.
     pub peak_versions: u32,
+    /// The most bytes of stashed weight versions (beyond each stage's newest) it held at once.
+    pub peak_stash_bytes: u64,
+    /// Payload bytes it sent: activations, gradients, its share of all-reduce traffic and tied
+    /// gradients.
+    pub bytes_sent: u64,
     /// Per microbatch whose loss this worker computed: (microbatch, loss sum, samples).
     pub losses: Vec<(u32, f64, usize)>,
 }

@@ -448,6 +448,8 @@ pub(super) fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerO
         a.staleness_sum += o.staleness_sum;
         a.staleness_count += o.staleness_count;
         a.peak_versions = a.peak_versions.max(o.peak_versions);
+        a.peak_stash_bytes = a.peak_stash_bytes.max(o.peak_stash_bytes);
+        a.bytes_sent += o.bytes_sent;
     }
 }
 

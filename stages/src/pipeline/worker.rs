@@ -677,6 +677,8 @@ fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
     b.extend_from_slice(&o.staleness_sum.to_le_bytes());
     b.extend_from_slice(&o.staleness_count.to_le_bytes());
     b.extend_from_slice(&o.peak_versions.to_le_bytes());
+    b.extend_from_slice(&o.peak_stash_bytes.to_le_bytes());
+    b.extend_from_slice(&o.bytes_sent.to_le_bytes());
     b.extend_from_slice(&(o.losses.len() as u64).to_le_bytes());
     for &(mb, loss, n) in &o.losses {
         b.extend_from_slice(&mb.to_le_bytes());
@@ -728,6 +730,8 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
     let staleness_sum = f.f64()?;
     let staleness_count = f.u64()?;
     let peak_versions = f.u32()?;
+    let peak_stash_bytes = f.u64()?;
+    let bytes_sent = f.u64()?;
     let n = f.usize()?;
     // Each record is 20 bytes: a count beyond what is left is a lie, refused before any
     // allocation.
@@ -751,6 +755,8 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
         staleness_sum,
         staleness_count,
         peak_versions,
+        peak_stash_bytes,
+        bytes_sent,
         losses,
     })
 }
@@ -928,6 +934,8 @@ mod tests {
             staleness_sum: f64::from_bits(0x3ff0_0000_0000_0001),
             staleness_count: 9,
             peak_versions: 4,
+            peak_stash_bytes: 1 << 33,
+            bytes_sent: 12_345,
             losses: vec![(0, 0.75, 32), (5, 0.5, 32)],
         }
     }
@@ -939,6 +947,7 @@ mod tests {
         assert_eq!(back.losses, o.losses);
         assert_eq!(back.staleness_sum.to_bits(), o.staleness_sum.to_bits());
         assert_eq!((back.correct, back.samples, back.peak_versions), (7, 64, 4));
+        assert_eq!((back.peak_stash_bytes, back.bytes_sent), (1 << 33, 12_345));
     }
 
     #[test]
@@ -950,7 +959,7 @@ mod tests {
         assert!(decode_summary(&bytes, 2).is_err());
         let mut lie = bytes.clone();
         // The loss count says far more records than the bytes hold.
-        let at = 4 + 8 * 6 + 4;
+        let at = 4 + 8 * 6 + 4 + 8 * 2;
         lie[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode_summary(&lie, 3).is_err());
     }

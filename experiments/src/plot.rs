@@ -31,6 +31,8 @@ pub struct LineChart {
     pub log_y: bool,
     /// Draw a marker at every point (few points per line).
     pub markers: bool,
+    /// Markers only, no lines between them (a scatter plot).
+    pub scatter: bool,
     /// The lines.
     pub series: Vec<Series>,
 }
@@ -44,6 +46,7 @@ impl LineChart {
             y_label: "training loss".into(),
             log_y: true,
             markers: false,
+            scatter: false,
             series,
         }
     }
@@ -144,12 +147,22 @@ impl LineChart {
                 .copied()
                 .filter(|(x, y)| x.is_finite() && y.is_finite() && (!self.log_y || *y > 0.0))
                 .collect();
+            let style = if self.scatter {
+                color.stroke_width(0)
+            } else {
+                color.stroke_width(2)
+            };
+            let line = if self.scatter {
+                Vec::new()
+            } else {
+                pts.clone()
+            };
             chart
-                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+                .draw_series(LineSeries::new(line, style))
                 .map_err(|e| e.to_string())?
                 .label(s.name.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
-            if self.markers {
+            if self.markers || self.scatter {
                 chart
                     .draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))
                     .map_err(|e| e.to_string())?;

@@ -1,0 +1,444 @@
+//! Measuring one configuration: the executor on threads of this process, over in-process
+//! channels or QUIC on loopback, `warmup` untimed runs then `repeats` timed ones of the same
+//! schedule, each run continuing the training of the one before (the weights keep changing, as
+//! in training). A run's time covers thread start, fill and drain; the endpoints (QUIC
+//! handshakes included) are made before the clock starts.
+//!
+//! Throughput is MLPerf's rule over the repeats: the mean without the fastest and the slowest.
+//! Utilisation and the measured bubble come from the executor's own spans in the last repeat;
+//! memory from the executor's accounting (weights and stash per worker) and from the process's
+//! peak resident set (`VmHWM`), which is the configuration's own when the sweep runs it in a
+//! child process (`pipe bench` does).
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Condvar, Mutex};
+use std::time::Instant;
+
+use pipe_kernels::{CpuBackend, Tensor};
+use pipe_scheduler::{Action, Timeline};
+use pipe_stages::loss::SoftmaxCrossEntropy;
+use pipe_stages::model::{Model, ModelSpec};
+use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
+use pipe_stages::pipeline::{
+    MicrobatchSource, RunPlan, Setup, WorkerOutcome, WorkerState, run_worker,
+};
+use pipe_stages::profile::random_input;
+use pipe_transport::Transport;
+use pipe_transport::inproc::{InProcOptions, mesh};
+use pipe_transport::quic::{QuicOptions, local_mesh};
+use serde::{Deserialize, Serialize};
+
+use super::config::{ConfigSpec, TransportName};
+use crate::ExperimentError;
+
+/// How to measure.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MeasureOptions {
+    /// Untimed runs first.
+    pub warmup: u32,
+    /// Timed runs.
+    pub repeats: u32,
+    /// Minibatches per run.
+    pub minibatches: u32,
+    /// Write the last repeat's Chrome trace here.
+    pub trace: Option<std::path::PathBuf>,
+}
+
+/// One worker's figures.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerFigures {
+    /// Share of the last repeat's wall time spent in compute actions (forward, backward and
+    /// its halves, update), from the executor's spans.
+    pub busy: f64,
+    /// Bytes of the weights of its stages (one version each).
+    pub param_bytes: u64,
+    /// Most bytes of stashed weight versions held at once.
+    pub peak_stash_bytes: u64,
+    /// Most weight versions held at once (all its stages).
+    pub peak_versions: u32,
+}
+
+/// What one configuration measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Measured {
+    /// Workers.
+    pub workers: u32,
+    /// Model stages (positions times chunks).
+    pub model_stages: u32,
+    /// Layers of each model stage, `[start, end)`.
+    pub partition: Vec<[usize; 2]>,
+    /// Samples in one run.
+    pub samples_per_run: u64,
+    /// Tokens per sample (sequence length for language models, 1 otherwise).
+    pub tokens_per_sample: u64,
+    /// Seconds of every timed run.
+    pub run_s: Vec<f64>,
+    /// Samples/s: samples per run over the mean run time without the fastest and slowest.
+    pub samples_per_s: f64,
+    /// Coefficient of variation of the run times (all repeats).
+    pub cv: f64,
+    /// Per worker.
+    pub per_worker: Vec<WorkerFigures>,
+    /// 1 - mean busy share over the workers (last repeat).
+    pub bubble: f64,
+    /// Payload bytes sent by all workers per sample (activations, gradients, all-reduce
+    /// traffic; f32 on both transports).
+    pub bytes_sent_per_sample: f64,
+    /// Peak resident set of the process, bytes (`VmHWM`).
+    pub peak_rss_bytes: Option<u64>,
+    /// Resident set before the first run, bytes (`VmRSS`).
+    pub start_rss_bytes: Option<u64>,
+}
+
+/// Random inputs and labels from a pool of eight microbatches, cycled (the figures are about
+/// speed; the same pool serves every configuration of a model).
+struct RandomPool {
+    inputs: Vec<Tensor>,
+    labels: Vec<Tensor<u32>>,
+    size: usize,
+}
+
+impl RandomPool {
+    fn new(model: &Model, size: usize) -> Result<Self, ExperimentError> {
+        let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
+        let targets = size * rows.iter().product::<usize>();
+        let mut shape = vec![size];
+        shape.extend_from_slice(model.input_shape());
+        let mut inputs = Vec::new();
+        let mut labels = Vec::new();
+        for i in 0..8u64 {
+            inputs.push(random_input(model, 0, &shape, i, "bench-x")?);
+            let y = (0..targets)
+                .map(|j| ((j as u64 * 7 + i) % classes.max(1) as u64) as u32)
+                .collect();
+            labels.push(Tensor::from_vec(&[targets], y)?);
+        }
+        Ok(RandomPool {
+            inputs,
+            labels,
+            size,
+        })
+    }
+}
+
+impl MicrobatchSource for RandomPool {
+    fn microbatch_size(&self) -> usize {
+        self.size
+    }
+    fn inputs(&self, mb: u32) -> pipe_stages::Result<Tensor> {
+        Ok(self.inputs[mb as usize % self.inputs.len()].clone())
+    }
+    fn labels(&self, mb: u32) -> pipe_stages::Result<Tensor<u32>> {
+        Ok(self.labels[mb as usize % self.labels.len()].clone())
+    }
+}
+
+/// A field of `/proc/self/status` in bytes (`VmHWM`, `VmRSS`); `None` off Linux.
+pub fn proc_status_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))?
+        .trim_start_matches(':')
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// Mean of `xs` without its smallest and largest value (MLPerf's rule; all of them when fewer
+/// than three).
+pub fn trimmed_mean(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let kept = if v.len() >= 3 {
+        &v[1..v.len() - 1]
+    } else {
+        &v[..]
+    };
+    kept.iter().sum::<f64>() / kept.len().max(1) as f64
+}
+
+/// Standard deviation over mean.
+pub fn coefficient_of_variation(xs: &[f64]) -> f64 {
+    let n = xs.len() as f64;
+    if xs.len() < 2 {
+        return 0.0;
+    }
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    var.sqrt() / mean
+}
+
+/// A barrier that a failure opens for good: every party waiting (or arriving later) gets
+/// `Err`, so a worker that stops never leaves the others waiting.
+struct Gate {
+    state: Mutex<(u64, usize, bool)>,
+    cv: Condvar,
+    parties: usize,
+}
+
+impl Gate {
+    fn new(parties: usize) -> Self {
+        Gate {
+            state: Mutex::new((0, 0, false)),
+            cv: Condvar::new(),
+            parties,
+        }
+    }
+
+    fn wait(&self) -> Result<(), ()> {
+        let mut st = self.state.lock().map_err(|_| ())?;
+        if st.2 {
+            return Err(());
+        }
+        st.1 += 1;
+        if st.1 == self.parties {
+            st.1 = 0;
+            st.0 += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let generation = st.0;
+        while st.0 == generation && !st.2 {
+            st = self.cv.wait(st).map_err(|_| ())?;
+        }
+        if st.2 { Err(()) } else { Ok(()) }
+    }
+
+    fn fail(&self) {
+        if let Ok(mut st) = self.state.lock() {
+            st.2 = true;
+        }
+        self.cv.notify_all();
+    }
+}
+
+/// Runs one configuration `runs` times on endpoints made once: each worker is a thread that
+/// keeps its endpoint (connections stay up between runs, as in training) and its state; a
+/// run starts when every worker and the timing thread have reached the gate, and ends when
+/// all have reached it again. Returns each run's seconds and the last run's outcomes.
+fn run_persistent<T: Transport + Send>(
+    setup: &Setup<'_>,
+    states: &mut [WorkerState],
+    endpoints: Vec<T>,
+    runs: u32,
+) -> Result<(Vec<f64>, Vec<WorkerOutcome>), ExperimentError> {
+    let gate = Gate::new(states.len() + 1);
+    let first_error: Mutex<Option<String>> = Mutex::new(None);
+    let fail = |e: String| {
+        if let Ok(mut slot) = first_error.lock() {
+            slot.get_or_insert(e);
+        }
+        gate.fail();
+    };
+    let mut times = Vec::with_capacity(runs as usize);
+    let outcomes: Vec<Option<WorkerOutcome>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = states
+            .iter_mut()
+            .zip(endpoints)
+            .map(|(state, mut ep)| {
+                let (gate, fail) = (&gate, &fail);
+                scope.spawn(move || {
+                    let result = catch_unwind(AssertUnwindSafe(|| {
+                        worker_runs(setup, state, &mut ep, gate, runs)
+                    }));
+                    match result {
+                        Ok(Ok(out)) => {
+                            let _ = ep.close();
+                            out
+                        }
+                        Ok(Err(e)) => {
+                            ep.abort();
+                            fail(e);
+                            None
+                        }
+                        Err(_) => {
+                            ep.abort();
+                            fail(format!("worker {} panicked", state.worker));
+                            None
+                        }
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..runs {
+            if gate.wait().is_err() {
+                break;
+            }
+            let t = Instant::now();
+            if gate.wait().is_err() {
+                break;
+            }
+            times.push(t.elapsed().as_secs_f64());
+        }
+        handles
+            .into_iter()
+            .map(|h| h.join().ok().flatten())
+            .collect()
+    });
+    if let Some(e) = first_error.into_inner().ok().flatten() {
+        return Err(ExperimentError::Config(e));
+    }
+    let outs = outcomes
+        .into_iter()
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| ExperimentError::Config("a worker stopped without an error".into()))?;
+    Ok((times, outs))
+}
+
+/// One worker's side of [`run_persistent`]: `runs` runs between gates; the last outcome.
+fn worker_runs<T: Transport>(
+    setup: &Setup<'_>,
+    state: &mut WorkerState,
+    ep: &mut T,
+    gate: &Gate,
+    runs: u32,
+) -> Result<Option<WorkerOutcome>, String> {
+    let be = CpuBackend::new(1).map_err(|e| e.to_string())?;
+    let mut last = None;
+    for _ in 0..runs {
+        if gate.wait().is_err() {
+            return Ok(None);
+        }
+        let out = run_worker(&be, ep, setup, state, Instant::now()).map_err(|e| e.to_string())?;
+        last = Some(out);
+        if gate.wait().is_err() {
+            return Ok(None);
+        }
+    }
+    Ok(last)
+}
+
+/// The optimizer every configuration trains with.
+pub fn sgd() -> OptimizerConfig {
+    OptimizerConfig {
+        kind: OptimizerKind::Sgd,
+        momentum: 0.9,
+        ..OptimizerConfig::default()
+    }
+}
+
+/// Measures `spec` (see the module docs).
+///
+/// # Errors
+/// An impossible configuration ([`ExperimentError::Stage`] or [`ExperimentError::Schedule`]
+/// with the reason: too few layers for the stages, a layout the policy refuses), or a failure
+/// while running.
+pub fn measure(spec: &ConfigSpec, opts: &MeasureOptions) -> Result<Measured, ExperimentError> {
+    let model = Model::new(&ModelSpec::preset(&spec.model)?)?;
+    let plan = RunPlan::new(&model, &spec.schedule(opts.minibatches)?, None)?;
+    let pool = RandomPool::new(&model, spec.microbatch)?;
+    let lr = |_: u32, _: u32| 1e-3f32;
+    let setup = Setup {
+        model: &model,
+        plan: &plan,
+        data: &pool,
+        loss: &SoftmaxCrossEntropy,
+        seed: 0,
+        microbatch_offset: 0,
+        lr: &lr,
+        progress: None,
+        prediction: Default::default(),
+    };
+    let init = model.init_params(0);
+    let mut states: Vec<WorkerState> = (0..plan.schedule.workers())
+        .map(|w| WorkerState::new(&setup, w, &init, sgd()))
+        .collect();
+    drop(init);
+    let partition: Vec<[usize; 2]> = plan
+        .partition
+        .ranges()
+        .iter()
+        .map(|r| [r.start, r.end])
+        .collect();
+    let samples_per_run = u64::from(plan.schedule.total_microbatches()) * spec.microbatch as u64;
+    let start_rss_bytes = proc_status_bytes("VmRSS");
+    let workers = plan.schedule.workers();
+    let runs = opts.warmup + opts.repeats.max(1);
+    let (times, last) = match spec.transport {
+        TransportName::InProc => run_persistent(
+            &setup,
+            &mut states,
+            mesh(workers, &InProcOptions::default()),
+            runs,
+        )?,
+        TransportName::Quic => {
+            let eps = local_mesh(workers, &QuicOptions::new(0x62656e6368))
+                .map_err(|e| ExperimentError::Config(format!("QUIC mesh: {e}")))?;
+            run_persistent(&setup, &mut states, eps, runs)?
+        }
+    };
+    let run_s: Vec<f64> = times.into_iter().skip(opts.warmup as usize).collect();
+    let wall = run_s.last().copied().unwrap_or(f64::NAN);
+    let per_worker = worker_figures(&model, &plan, &last, wall);
+    let bubble =
+        1.0 - per_worker.iter().map(|w| w.busy).sum::<f64>() / per_worker.len().max(1) as f64;
+    let sent: u64 = last.iter().map(|o| o.bytes_sent).sum();
+    if let Some(path) = &opts.trace {
+        let spans = last.iter().flat_map(|o| o.spans.iter().copied()).collect();
+        let timeline = Timeline::new(plan.schedule.workers(), spans);
+        std::fs::write(path, timeline.to_chrome_trace(Some(&plan.versions)))
+            .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
+    }
+    let language = model.input_shape().len() == 1 && model.output_shape().len() == 2;
+    Ok(Measured {
+        workers: plan.schedule.workers(),
+        model_stages: plan.schedule.stages(),
+        partition,
+        samples_per_run,
+        tokens_per_sample: if language {
+            model.input_shape()[0] as u64
+        } else {
+            1
+        },
+        samples_per_s: samples_per_run as f64 / trimmed_mean(&run_s),
+        cv: coefficient_of_variation(&run_s),
+        run_s,
+        per_worker,
+        bubble,
+        bytes_sent_per_sample: sent as f64 / samples_per_run as f64,
+        peak_rss_bytes: proc_status_bytes("VmHWM"),
+        start_rss_bytes,
+    })
+}
+
+/// Per-worker figures of the last run (`wall` seconds).
+fn worker_figures(
+    model: &Model,
+    plan: &RunPlan,
+    outs: &[WorkerOutcome],
+    wall: f64,
+) -> Vec<WorkerFigures> {
+    let layout = plan.schedule.layout();
+    outs.iter()
+        .map(|o| {
+            let compute: f64 = o
+                .spans
+                .iter()
+                .filter(|s| {
+                    s.action.kind().is_compute() || matches!(s.action, Action::Update { .. })
+                })
+                .map(|s| s.end - s.start)
+                .sum();
+            let param_bytes = layout
+                .stages_of(o.worker)
+                .map(|s| {
+                    model
+                        .zero_grads(plan.partition.range(s as usize))
+                        .iter()
+                        .flatten()
+                        .map(|t| t.bytes() as u64)
+                        .sum::<u64>()
+                })
+                .sum();
+            WorkerFigures {
+                busy: compute / wall,
+                param_bytes,
+                peak_stash_bytes: o.peak_stash_bytes,
+                peak_versions: o.peak_versions,
+            }
+        })
+        .collect()
+}

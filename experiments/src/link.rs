@@ -1,0 +1,173 @@
+//! What a message costs on a transport, measured by ping-pong between two threads: the one-way
+//! wall time of a small message (the simulator's link latency), the processor time each end
+//! spends on it (the simulator's `message_cpu`), and the one-way time of a large one, whose
+//! excess over the small one gives the link's bandwidth. Generic over [`Transport`], so the
+//! in-process channels and QUIC on loopback are measured by the same code.
+
+use std::time::Instant;
+
+use pipe_kernels::Tensor;
+use pipe_transport::{Key, Kind, Message, Transport, TransportError};
+use serde::{Deserialize, Serialize};
+
+use crate::ExperimentError;
+
+/// What a message costs on one transport.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinkCost {
+    /// Wall time per small message, one way, seconds.
+    pub latency_s: f64,
+    /// Processor time per small message at each end (sender or receiver), seconds.
+    pub cpu_s: f64,
+    /// Bytes per second beyond the small message's cost (infinite when large messages cost
+    /// no more than small ones, as on the in-process transport, which moves owned buffers).
+    pub bandwidth: f64,
+}
+
+/// The calling thread's processor time in seconds (`CLOCK_THREAD_CPUTIME_ID`).
+pub fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+fn key(from: u32, to: u32, index: u32) -> Key {
+    Key {
+        from,
+        to,
+        kind: Kind::Activation,
+        stage: 0,
+        index,
+        step: 0,
+    }
+}
+
+fn transport_err(e: TransportError) -> ExperimentError {
+    ExperimentError::Config(format!("transport: {e}"))
+}
+
+/// One ping-pong series of `rounds` round trips of a tensor of `values` floats starting at
+/// message index `first`: (wall seconds per message one way, processor seconds per message
+/// end).
+fn ping_pong<T: Transport + Send + 'static>(
+    a: &mut T,
+    b: T,
+    values: usize,
+    rounds: u32,
+    first: u32,
+) -> Result<(f64, f64, T), ExperimentError> {
+    let mut b = b;
+    let echo = std::thread::spawn(move || -> Result<(f64, T), TransportError> {
+        let cpu0 = thread_cpu_seconds();
+        for i in first..first + rounds {
+            let m = b.recv(&key(0, 1, i))?;
+            b.send(Message {
+                key: key(1, 0, i),
+                version: 0,
+                tensor: m.tensor,
+            })?;
+        }
+        Ok((thread_cpu_seconds() - cpu0, b))
+    });
+    let t = Instant::now();
+    let cpu0 = thread_cpu_seconds();
+    let mut tensor = Tensor::zeros(&[values]);
+    for i in first..first + rounds {
+        a.send(Message {
+            key: key(0, 1, i),
+            version: 0,
+            tensor,
+        })
+        .map_err(transport_err)?;
+        tensor = a.recv(&key(1, 0, i)).map_err(transport_err)?.tensor;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let cpu = thread_cpu_seconds() - cpu0;
+    let (peer_cpu, b) = echo
+        .join()
+        .map_err(|_| ExperimentError::Config("ping-pong thread panicked".into()))?
+        .map_err(transport_err)?;
+    let messages = f64::from(2 * rounds);
+    // Every message has two ends: both threads' time over twice the messages.
+    Ok((secs / messages, (cpu + peer_cpu) / (2.0 * messages), b))
+}
+
+/// Measures [`LinkCost`] between two endpoints of one transport (ranks 0 and 1): a warm-up,
+/// then `rounds` round trips of a 2,048-value tensor and `rounds / 10` (at least 5) of a
+/// 1 Mi-value one.
+///
+/// # Errors
+/// Transport failures, or a panicked echo thread.
+pub fn measure<T: Transport + Send + 'static>(
+    mut a: T,
+    b: T,
+    rounds: u32,
+) -> Result<LinkCost, ExperimentError> {
+    const SMALL: usize = 2048;
+    const LARGE: usize = 1 << 20;
+    let (_, _, b) = ping_pong(&mut a, b, SMALL, 50, 0)?;
+    let (small_s, cpu_s, b) = ping_pong(&mut a, b, SMALL, rounds.max(10), 50)?;
+    let (large_s, _, _) = ping_pong(&mut a, b, LARGE, (rounds / 10).max(5), 50 + rounds.max(10))?;
+    let extra_bytes = ((LARGE - SMALL) * 4) as f64;
+    let extra_s = large_s - small_s;
+    let bandwidth = if extra_s > 1e-7 {
+        extra_bytes / extra_s
+    } else {
+        f64::INFINITY
+    };
+    Ok(LinkCost {
+        latency_s: small_s,
+        cpu_s,
+        bandwidth,
+    })
+}
+
+/// Seconds one ring all-reduce of `values` floats takes among `endpoints` (one thread each,
+/// ranks `0..n`): one untimed round, then the median over `rounds` timed rounds of every
+/// thread's time.
+///
+/// # Errors
+/// Transport failures, or a panicked thread.
+pub fn all_reduce_seconds<T: Transport + Send + 'static>(
+    endpoints: Vec<T>,
+    values: usize,
+    rounds: u32,
+) -> Result<f64, ExperimentError> {
+    let group: Vec<u32> = (0..endpoints.len() as u32).collect();
+    let handles: Vec<_> = endpoints
+        .into_iter()
+        .map(|mut ep| {
+            let group = group.clone();
+            std::thread::spawn(move || -> Result<Vec<f64>, TransportError> {
+                let mut data = vec![1.0f32; values];
+                let mut times = Vec::with_capacity(rounds as usize);
+                for update in 0..=rounds {
+                    let t = Instant::now();
+                    pipe_transport::collective::ring_all_reduce(
+                        &mut ep, &group, 0, update, &mut data,
+                    )?;
+                    if update > 0 {
+                        times.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                Ok(times)
+            })
+        })
+        .collect();
+    let mut times = Vec::new();
+    for h in handles {
+        let mine = h
+            .join()
+            .map_err(|_| ExperimentError::Config("all-reduce thread panicked".into()))?
+            .map_err(transport_err)?;
+        times.extend(mine);
+    }
+    Ok(crate::median(&times))
+}
