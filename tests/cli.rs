@@ -835,6 +835,33 @@ fn experiment_and_report_refuse_bad_input() {
         &["report", "staleness", "--from", empty.to_str().unwrap()],
         "results.json",
     );
+    // The benchmark sweep and its report.
+    let bench_bad = tmp("bench-bad.toml");
+    std::fs::write(&bench_bad, "repeats = 5\n").unwrap();
+    assert_bad_input(
+        &["bench", "--config", bench_bad.to_str().unwrap()],
+        "missing field",
+    );
+    assert_bad_input(
+        &["bench", "--config", "/nonexistent/bench.toml"],
+        "cannot read",
+    );
+    let bench_empty = tmp("bench-empty");
+    std::fs::create_dir_all(&bench_empty).unwrap();
+    assert_bad_input(
+        &["report", "bench", "--from", bench_empty.to_str().unwrap()],
+        "results.json",
+    );
+    std::fs::write(bench_empty.join("results.json"), "{\"configs\": 3").unwrap();
+    assert_bad_input(
+        &["report", "bench", "--from", bench_empty.to_str().unwrap()],
+        "not a bench results file",
+    );
+    assert_bad_input(
+        &["bench", "measure-config", "--spec", "{", "--options", "{}"],
+        "--spec",
+    );
+    assert_bad_input(&["bench", "--quick", "mfu"], "cannot be used");
     // Bad remedies on `pipe train` too.
     assert_bad_input(
         &[

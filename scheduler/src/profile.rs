@@ -27,6 +27,10 @@ pub struct LayerProfile {
     /// Backward time for the weight gradient.
     #[serde(default)]
     pub backward_weight: f64,
+    /// The whole backward (both halves at once) where it differs from their sum: layers
+    /// whose halves share work do it once in a whole backward (default: the sum).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backward: Option<f64>,
     /// Optimizer step time for the layer's parameters.
     #[serde(default)]
     pub update: f64,
@@ -49,6 +53,7 @@ impl LayerProfile {
             forward: seconds,
             backward_input: 0.0,
             backward_weight: 0.0,
+            backward: None,
             update: 0.0,
             activation_bytes: 0.0,
             param_bytes: 0.0,
@@ -56,9 +61,15 @@ impl LayerProfile {
         }
     }
 
-    /// Forward plus backward time: what PipeDream's optimizer calls the compute time.
+    /// The whole backward's time ([`LayerProfile::backward`], or the sum of the halves).
+    pub fn whole_backward(&self) -> f64 {
+        self.backward
+            .unwrap_or(self.backward_input + self.backward_weight)
+    }
+
+    /// Forward plus (whole) backward time: what PipeDream's optimizer calls the compute time.
     pub fn compute(&self) -> f64 {
-        self.forward + self.backward_input + self.backward_weight
+        self.forward + self.whole_backward()
     }
 
     /// Bytes kept per in-flight microbatch for the backward.
@@ -177,6 +188,7 @@ impl Profile {
                 forward: get("forward_compute_time")? / 1000.0,
                 backward_input: get("backward_compute_time")? / 1000.0,
                 backward_weight: 0.0,
+                backward: None,
                 update: 0.0,
                 activation_bytes: get("activation_size")?,
                 param_bytes: get("parameter_size")?,
@@ -349,6 +361,7 @@ impl Profile {
                 ("forward", l.forward),
                 ("backward_input", l.backward_input),
                 ("backward_weight", l.backward_weight),
+                ("backward", l.whole_backward()),
                 ("update", l.update),
                 ("activation_bytes", l.activation_bytes),
                 ("param_bytes", l.param_bytes),

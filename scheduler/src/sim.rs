@@ -43,10 +43,15 @@ pub struct StageCost {
     /// Input-gradient half of the backward, per microbatch.
     #[serde(default)]
     pub backward_input: f64,
-    /// Weight-gradient half of the backward, per microbatch. A fused backward costs
-    /// `backward_input + backward_weight`.
+    /// Weight-gradient half of the backward, per microbatch.
     #[serde(default)]
     pub backward_weight: f64,
+    /// The whole backward (both halves at once), per microbatch, where it differs from
+    /// `backward_input + backward_weight` (the default): layers whose halves share work
+    /// (attention, transformer blocks) do that work once in a whole backward and twice when
+    /// a zero-bubble schedule runs the halves apart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backward: Option<f64>,
     /// Optimizer step time.
     #[serde(default)]
     pub update: f64,
@@ -79,6 +84,7 @@ impl StageCost {
             forward,
             backward_input: backward / 2.0,
             backward_weight: backward / 2.0,
+            backward: None,
             update: 0.0,
             activation_bytes: 0.0,
             gradient_bytes: None,
@@ -92,19 +98,29 @@ impl StageCost {
     /// output activation and incoming gradient are the last layer's.
     pub fn merge(layers: &[StageCost]) -> Self {
         let mut out = StageCost::compute(0.0, 0.0);
+        let (mut whole, mut any_whole) = (0.0, false);
         for l in layers {
             out.forward += l.forward;
             out.backward_input += l.backward_input;
             out.backward_weight += l.backward_weight;
+            whole += l.whole_backward();
+            any_whole |= l.backward.is_some();
             out.update += l.update;
             out.param_bytes += l.param_bytes;
             out.stash_bytes = Some(out.stash_bytes.unwrap_or(0.0) + l.stash());
         }
+        out.backward = any_whole.then_some(whole);
         if let Some(last) = layers.last() {
             out.activation_bytes = last.activation_bytes;
             out.gradient_bytes = last.gradient_bytes;
         }
         out
+    }
+
+    /// The whole backward's time ([`StageCost::backward`], or the sum of the halves).
+    pub fn whole_backward(&self) -> f64 {
+        self.backward
+            .unwrap_or(self.backward_input + self.backward_weight)
     }
 
     fn gradient(&self) -> f64 {
@@ -120,6 +136,7 @@ impl StageCost {
             ("forward", self.forward),
             ("backward_input", self.backward_input),
             ("backward_weight", self.backward_weight),
+            ("backward", self.whole_backward()),
             ("update", self.update),
             ("activation_bytes", self.activation_bytes),
             ("gradient_bytes", self.gradient()),
@@ -1187,7 +1204,7 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
             let message_cpu = c.message_cpu * messages;
             StageTimes {
                 forward: st.forward + message_cpu,
-                backward: st.backward_input + st.backward_weight + message_cpu,
+                backward: st.whole_backward() + message_cpu,
                 backward_input: st.backward_input + message_cpu,
                 backward_weight: st.backward_weight,
                 update: st.update,

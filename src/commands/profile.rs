@@ -93,12 +93,13 @@ fn render_profile(p: &Profile) -> String {
         None => "medians, one layer at a time".into(),
     };
     let mut out = format!(
-        "profile of {} at microbatch {} ({how})\n{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+        "profile of {} at microbatch {} ({how})\n{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
         p.model,
         p.microbatch_size,
         "layer",
         "kind",
         "forward",
+        "backward",
         "bwd-input",
         "bwd-weight",
         "update",
@@ -108,10 +109,11 @@ fn render_profile(p: &Profile) -> String {
     for (i, l) in p.layers.iter().enumerate() {
         let kind = l.name.split_once(':').map_or(l.name.as_str(), |(_, k)| k);
         out.push_str(&format!(
-            "{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+            "{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
             i,
             kind,
             secs(l.forward),
+            secs(l.whole_backward()),
             secs(l.backward_input),
             secs(l.backward_weight),
             secs(l.update),

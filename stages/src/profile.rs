@@ -223,8 +223,8 @@ pub fn profile_model(
                 })
             })?
         };
-        let (backward_weight, update) = if p.is_empty() {
-            (0.0, 0.0)
+        let (backward_weight, whole, update) = if p.is_empty() {
+            (0.0, backward_input, 0.0)
         } else {
             let mut grads: Vec<Tensor> = p.iter().map(|t| Tensor::zeros(t.shape())).collect();
             let bw = time_median(opts.warmup, opts.repeats, || {
@@ -234,13 +234,21 @@ pub fn profile_model(
                         .map_err(kernel("backward_params"))
                 })
             })?;
+            // Both halves at once: a layer whose halves share work does it once here.
+            let whole = time_median(opts.warmup, opts.repeats, || {
+                seconds(|| {
+                    layer
+                        .backward(be, p, &saved, &dy, &mut grads, false, i != 0)
+                        .map_err(kernel("backward"))
+                })
+            })?;
             let mut own = vec![p.clone()];
             let grads = vec![grads];
             let mut opt = Optimizer::new(opts.optimizer, &own);
             let up = time_median(opts.warmup, opts.repeats, || {
                 seconds(|| opt.step(be, &mut own, &grads, 1e-6))
             })?;
-            (bw, up)
+            (bw, whole, up)
         };
         let param_elems: usize = p.iter().map(Tensor::len).sum();
         layers.push(LayerProfile {
@@ -248,6 +256,7 @@ pub fn profile_model(
             forward,
             backward_input,
             backward_weight,
+            backward: Some(whole),
             update,
             activation_bytes: (y.len() * 4) as f64,
             param_bytes: (param_elems * 4) as f64,
@@ -393,16 +402,23 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
     }
     let mean = |c: (f64, u32)| if c.1 == 0 { 0.0 } else { c.0 / f64::from(c.1) };
     for (l, s) in profile.layers.iter_mut().zip(&sums) {
+        // The executor ran whole backwards: they set the whole backward's time, and the
+        // halves (run apart by zero-bubble schedules) keep their isolated ratio to it.
         let backward = mean(s[1]);
-        let isolated = l.backward_input + l.backward_weight;
-        let input_share = if isolated > 0.0 {
-            l.backward_input / isolated
+        let isolated = l.whole_backward();
+        let scale = if isolated > 0.0 {
+            backward / isolated
         } else {
             1.0
         };
         l.forward = mean(s[0]);
-        l.backward_input = backward * input_share;
-        l.backward_weight = backward - l.backward_input;
+        if isolated > 0.0 {
+            l.backward_input *= scale;
+            l.backward_weight *= scale;
+        } else {
+            l.backward_input = backward;
+        }
+        l.backward = Some(backward);
         if l.param_bytes > 0.0 {
             l.update = mean(s[2]);
         }

@@ -43,6 +43,10 @@ pub struct ModelEntry {
     pub name: String,
     /// Samples (sequences for language models) per microbatch.
     pub microbatch: usize,
+    /// Minibatches per run for this model (default: the sweep's `minibatches`): more for a
+    /// fast model, so that a run lasts long enough to time well.
+    #[serde(default)]
+    pub minibatches: Option<u32>,
 }
 
 /// Every combination of its lists.
@@ -182,17 +186,17 @@ pub struct ConfigSpec {
     pub chunks: u32,
     /// Transport.
     pub transport: TransportName,
+    /// Minibatches per run.
+    pub minibatches: u32,
 }
 
 impl ConfigSpec {
-    /// The schedule request of `minibatches` minibatches.
+    /// The schedule request of one run.
     ///
     /// # Errors
     /// An unknown policy name.
-    pub fn schedule(
-        &self,
-        minibatches: u32,
-    ) -> Result<pipe_scheduler::ScheduleSpec, ExperimentError> {
+    pub fn schedule(&self) -> Result<pipe_scheduler::ScheduleSpec, ExperimentError> {
+        let minibatches = self.minibatches;
         let policy: Policy = self.policy.parse()?;
         let chunks = if policy == Policy::Interleaved {
             self.chunks
@@ -330,9 +334,11 @@ impl BenchConfig {
                         for &m in &sweep.microbatches {
                             for &policy in &policies {
                                 for &transport in &sweep.transports {
-                                    let spec = config_spec(
+                                    let mut spec = config_spec(
                                         sweep, entry, policy, stages, replicas, m, transport,
                                     );
+                                    spec.minibatches =
+                                        entry.minibatches.unwrap_or(self.minibatches);
                                     if seen.insert(spec.id.clone()) {
                                         out.push(spec);
                                     }
@@ -377,6 +383,7 @@ fn config_spec(
         m,
         chunks,
         transport,
+        minibatches: 1,
     }
 }
 
@@ -387,6 +394,9 @@ fn check_sweeps(models: &[ModelEntry], sweeps: &[Sweep]) -> Result<(), String> {
                 "model {}: microbatch = {}: between 1 and 65536",
                 m.name, m.microbatch
             ));
+        }
+        if m.minibatches.is_some_and(|v| v == 0 || v > 1000) {
+            return Err(format!("model {}: minibatches: between 1 and 1000", m.name));
         }
     }
     for s in sweeps {

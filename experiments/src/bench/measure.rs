@@ -38,8 +38,6 @@ pub struct MeasureOptions {
     pub warmup: u32,
     /// Timed runs.
     pub repeats: u32,
-    /// Minibatches per run.
-    pub minibatches: u32,
     /// Write the last repeat's Chrome trace here.
     pub trace: Option<std::path::PathBuf>,
 }
@@ -172,44 +170,58 @@ pub fn coefficient_of_variation(xs: &[f64]) -> f64 {
 }
 
 /// A barrier that a failure opens for good: every party waiting (or arriving later) gets
-/// `Err`, so a worker that stops never leaves the others waiting.
+/// `Err`, so a worker that stops never leaves the others waiting. Each opening returns the
+/// instant it opened, the same for every party: the run's common start.
 struct Gate {
-    state: Mutex<(u64, usize, bool)>,
+    state: Mutex<GateState>,
     cv: Condvar,
     parties: usize,
+}
+
+struct GateState {
+    generation: u64,
+    arrived: usize,
+    failed: bool,
+    opened: Instant,
 }
 
 impl Gate {
     fn new(parties: usize) -> Self {
         Gate {
-            state: Mutex::new((0, 0, false)),
+            state: Mutex::new(GateState {
+                generation: 0,
+                arrived: 0,
+                failed: false,
+                opened: Instant::now(),
+            }),
             cv: Condvar::new(),
             parties,
         }
     }
 
-    fn wait(&self) -> Result<(), ()> {
+    fn wait(&self) -> Result<Instant, ()> {
         let mut st = self.state.lock().map_err(|_| ())?;
-        if st.2 {
+        if st.failed {
             return Err(());
         }
-        st.1 += 1;
-        if st.1 == self.parties {
-            st.1 = 0;
-            st.0 += 1;
+        st.arrived += 1;
+        if st.arrived == self.parties {
+            st.arrived = 0;
+            st.generation += 1;
+            st.opened = Instant::now();
             self.cv.notify_all();
-            return Ok(());
+            return Ok(st.opened);
         }
-        let generation = st.0;
-        while st.0 == generation && !st.2 {
+        let generation = st.generation;
+        while st.generation == generation && !st.failed {
             st = self.cv.wait(st).map_err(|_| ())?;
         }
-        if st.2 { Err(()) } else { Ok(()) }
+        if st.failed { Err(()) } else { Ok(st.opened) }
     }
 
     fn fail(&self) {
         if let Ok(mut st) = self.state.lock() {
-            st.2 = true;
+            st.failed = true;
         }
         self.cv.notify_all();
     }
@@ -217,15 +229,18 @@ impl Gate {
 
 /// Runs one configuration `runs` times on endpoints made once: each worker is a thread that
 /// keeps its endpoint (connections stay up between runs, as in training) and its state; a
-/// run starts when every worker and the timing thread have reached the gate, and ends when
-/// all have reached it again. Returns each run's seconds and the last run's outcomes.
+/// run starts when every worker has reached the gate (all share that instant as the start of
+/// their spans) and lasts until the last worker ends. Returns each run's seconds and the last
+/// run's outcomes.
 fn run_persistent<T: Transport + Send>(
     setup: &Setup<'_>,
     states: &mut [WorkerState],
     endpoints: Vec<T>,
     runs: u32,
 ) -> Result<(Vec<f64>, Vec<WorkerOutcome>), ExperimentError> {
-    let gate = Gate::new(states.len() + 1);
+    let gate = Gate::new(states.len());
+    // Per run, its start and the latest end over the workers.
+    let bounds: Mutex<Vec<Option<(Instant, Instant)>>> = Mutex::new(vec![None; runs as usize]);
     let first_error: Mutex<Option<String>> = Mutex::new(None);
     let fail = |e: String| {
         if let Ok(mut slot) = first_error.lock() {
@@ -233,16 +248,15 @@ fn run_persistent<T: Transport + Send>(
         }
         gate.fail();
     };
-    let mut times = Vec::with_capacity(runs as usize);
     let outcomes: Vec<Option<WorkerOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = states
             .iter_mut()
             .zip(endpoints)
             .map(|(state, mut ep)| {
-                let (gate, fail) = (&gate, &fail);
+                let (gate, fail, bounds) = (&gate, &fail, &bounds);
                 scope.spawn(move || {
                     let result = catch_unwind(AssertUnwindSafe(|| {
-                        worker_runs(setup, state, &mut ep, gate, runs)
+                        worker_runs(setup, state, &mut ep, gate, runs, bounds)
                     }));
                     match result {
                         Ok(Ok(out)) => {
@@ -263,16 +277,6 @@ fn run_persistent<T: Transport + Send>(
                 })
             })
             .collect();
-        for _ in 0..runs {
-            if gate.wait().is_err() {
-                break;
-            }
-            let t = Instant::now();
-            if gate.wait().is_err() {
-                break;
-            }
-            times.push(t.elapsed().as_secs_f64());
-        }
         handles
             .into_iter()
             .map(|h| h.join().ok().flatten())
@@ -285,28 +289,40 @@ fn run_persistent<T: Transport + Send>(
         .into_iter()
         .collect::<Option<Vec<_>>>()
         .ok_or_else(|| ExperimentError::Config("a worker stopped without an error".into()))?;
+    let times = bounds
+        .into_inner()
+        .map_err(|_| ExperimentError::Config("run bounds lost".into()))?
+        .into_iter()
+        .map(|b| b.map_or(f64::NAN, |(start, end)| (end - start).as_secs_f64()))
+        .collect();
     Ok((times, outs))
 }
 
-/// One worker's side of [`run_persistent`]: `runs` runs between gates; the last outcome.
+/// One worker's side of [`run_persistent`]: `runs` runs, each after a gate, each recording
+/// its end in the run's bounds; the last outcome.
 fn worker_runs<T: Transport>(
     setup: &Setup<'_>,
     state: &mut WorkerState,
     ep: &mut T,
     gate: &Gate,
     runs: u32,
+    bounds: &Mutex<Vec<Option<(Instant, Instant)>>>,
 ) -> Result<Option<WorkerOutcome>, String> {
     let be = CpuBackend::new(1).map_err(|e| e.to_string())?;
     let mut last = None;
-    for _ in 0..runs {
-        if gate.wait().is_err() {
+    for run in 0..runs as usize {
+        let Ok(start) = gate.wait() else {
             return Ok(None);
+        };
+        let out = run_worker(&be, ep, setup, state, start).map_err(|e| e.to_string())?;
+        let end = Instant::now();
+        if let Ok(mut b) = bounds.lock() {
+            if let Some(slot) = b.get_mut(run) {
+                let latest = slot.map_or(end, |(_, e)| e.max(end));
+                *slot = Some((start, latest));
+            }
         }
-        let out = run_worker(&be, ep, setup, state, Instant::now()).map_err(|e| e.to_string())?;
         last = Some(out);
-        if gate.wait().is_err() {
-            return Ok(None);
-        }
     }
     Ok(last)
 }
@@ -328,7 +344,7 @@ pub fn sgd() -> OptimizerConfig {
 /// while running.
 pub fn measure(spec: &ConfigSpec, opts: &MeasureOptions) -> Result<Measured, ExperimentError> {
     let model = Model::new(&ModelSpec::preset(&spec.model)?)?;
-    let plan = RunPlan::new(&model, &spec.schedule(opts.minibatches)?, None)?;
+    let plan = RunPlan::new(&model, &spec.schedule()?, None)?;
     let pool = RandomPool::new(&model, spec.microbatch)?;
     let lr = |_: u32, _: u32| 1e-3f32;
     let setup = Setup {

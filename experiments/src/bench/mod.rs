@@ -252,12 +252,14 @@ fn all_reduce_on(transport: TransportName, values: usize, r: u32) -> Result<f64,
     }
 }
 
-/// Costs measured once per sweep: the GEMM peak, links, profiles, all-reduces (memoised).
+/// Costs measured once per sweep: links, profiles, all-reduces (memoised).
 struct Shared {
     links: HashMap<TransportName, LinkCost>,
-    profiles: HashMap<String, pipe_scheduler::Profile>,
+    /// Per model and number of copies calibrated at once (1 up to `[profile] concurrent`).
+    profiles: HashMap<(String, usize), pipe_scheduler::Profile>,
     all_reduce: HashMap<(TransportName, usize, u32), f64>,
     cores: u32,
+    max_concurrent: usize,
 }
 
 impl Shared {
@@ -275,22 +277,25 @@ impl Shared {
                 continue;
             }
             let model = Model::new(&ModelSpec::preset(&entry.name)?)?;
-            let opts = ProfileOptions {
-                repeats: cfg.profile.repeats,
-                calibrate: Some(cfg.profile.calibrate_microbatches),
-                concurrent: cfg.profile.concurrent,
-                ..ProfileOptions::new(entry.microbatch)
-            };
-            profiles.insert(
-                entry.name.clone(),
-                profile_model(&model, &entry.name, &be, &opts)?,
-            );
+            // A layer runs slower while other workers compute beside it (shared caches and
+            // memory bandwidth): one profile per number of workers computing at once.
+            for concurrent in 1..=cfg.profile.concurrent {
+                let opts = ProfileOptions {
+                    repeats: cfg.profile.repeats,
+                    calibrate: Some(cfg.profile.calibrate_microbatches),
+                    concurrent,
+                    ..ProfileOptions::new(entry.microbatch)
+                };
+                let profile = profile_model(&model, &entry.name, &be, &opts)?;
+                profiles.insert((entry.name.clone(), concurrent), profile);
+            }
         }
         Ok(Shared {
             links,
             profiles,
             all_reduce: HashMap::new(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()) as u32,
+            max_concurrent: cfg.profile.concurrent,
         })
     }
 
@@ -299,12 +304,13 @@ impl Shared {
         &mut self,
         spec: &ConfigSpec,
         m: &Measured,
-        minibatches: u32,
         timeline: bool,
     ) -> Result<(Predicted, Option<pipe_scheduler::Timeline>), ExperimentError> {
+        // As many workers compute at once as there are workers, up to the cores.
+        let busy = (m.workers.min(self.cores) as usize).min(self.max_concurrent);
         let profile = self
             .profiles
-            .get(&spec.model)
+            .get(&(spec.model.clone(), busy.max(1)))
             .ok_or_else(|| ExperimentError::Config(format!("no profile of {}", spec.model)))?;
         let link = *self
             .links
@@ -326,7 +332,7 @@ impl Shared {
             all_reduce: &mut all_reduce,
             cores: self.cores,
         };
-        predict::predict(spec, m, minibatches, &mut inputs, timeline)
+        predict::predict(spec, m, &mut inputs, timeline)
     }
 }
 
@@ -411,22 +417,13 @@ pub fn run_sweep(
         let mopts = MeasureOptions {
             warmup: cfg.warmup,
             repeats: cfg.repeats,
-            minibatches: cfg.minibatches,
             trace: traced.then(|| traces.join(format!("{}.measured.json", file_name(&spec.id)))),
         };
         let attempt = match &opts.runner {
             Some(runner) => attempt_in_child(runner, spec, &mopts),
             None => attempt(spec, &mopts),
         };
-        let outcome = outcome_of(
-            attempt,
-            spec,
-            cfg,
-            &mut shared,
-            traced,
-            &traces,
-            peak_gflops,
-        )?;
+        let outcome = outcome_of(attempt, spec, &mut shared, traced, &traces, peak_gflops)?;
         if opts.verbose {
             eprintln!(
                 "[{}/{}] {} {}",
@@ -474,7 +471,6 @@ pub fn run_sweep(
 fn outcome_of(
     attempt: Attempt,
     spec: &ConfigSpec,
-    cfg: &BenchConfig,
     shared: &mut Shared,
     traced: bool,
     traces: &Path,
@@ -487,7 +483,7 @@ fn outcome_of(
             let model = Model::new(&ModelSpec::preset(&spec.model)?)?;
             let flops = crate::mfu::training_flops_per_sample(&model);
             let mfu = flops * measured.samples_per_s / (peak_gflops * 1e9);
-            let (predicted, note) = match shared.predict(spec, &measured, cfg.minibatches, traced) {
+            let (predicted, note) = match shared.predict(spec, &measured, traced) {
                 Ok((p, timeline)) => {
                     if let Some(t) = timeline {
                         let path = traces.join(format!("{}.simulated.json", file_name(&spec.id)));
@@ -539,6 +535,10 @@ pub fn save(results: &BenchResults, out: &Path) -> Result<(), ExperimentError> {
     let err = |e: String| ExperimentError::Config(format!("{}: {e}", out.display()));
     std::fs::create_dir_all(out).map_err(|e| err(e.to_string()))?;
     let json = serde_json::to_string_pretty(results).map_err(|e| err(e.to_string()))?;
+    // JSON has no NaN or infinity (serde_json writes null): refuse to save what cannot load.
+    if let Err(e) = serde_json::from_str::<BenchResults>(&json) {
+        return Err(err(format!("a figure is not finite: {e}")));
+    }
     std::fs::write(out.join("results.json"), json).map_err(|e| err(e.to_string()))
 }
 

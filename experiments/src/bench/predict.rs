@@ -59,14 +59,10 @@ pub struct Inputs<'a> {
 pub fn predict(
     spec: &ConfigSpec,
     measured: &Measured,
-    minibatches: u32,
     inputs: &mut Inputs<'_>,
     timeline: bool,
 ) -> Result<(Predicted, Option<Timeline>), ExperimentError> {
-    let schedule = lower(
-        &generate(&spec.schedule(minibatches)?)?,
-        LowerOptions::default(),
-    );
+    let schedule = lower(&generate(&spec.schedule()?)?, LowerOptions::default());
     let ranges: Vec<_> = measured.partition.iter().map(|r| r[0]..r[1]).collect();
     if ranges.last().map(|r| r.end) != Some(inputs.profile.layers.len()) {
         return Err(ExperimentError::Config(format!(
@@ -87,7 +83,7 @@ pub fn predict(
         cores: Some(inputs.cores),
         latency: inputs.link.latency_s,
         message_cpu: inputs.link.cpu_s,
-        bandwidth: inputs.link.bandwidth,
+        bandwidth: inputs.link.bandwidth.unwrap_or(f64::INFINITY),
         ..CostModel::uniform(StageCost::compute(0.0, 0.0))
     };
     let sim = simulate(&schedule, &costs, SimOptions { timeline })?;

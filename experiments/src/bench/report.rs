@@ -193,6 +193,15 @@ fn summary(md: &mut String, r: &BenchResults, rows: &[Row<'_>]) {
                 b.spec.id
             );
         }
+        let reference = format!("{}/s4r1m8/pipedream/inproc", s.model);
+        if let Some(x) = rows.iter().find(|x| x.spec.id == reference) {
+            let _ = writeln!(
+                md,
+                "| pipelined / single worker, {} | {:.2} | `{reference}` |",
+                s.model,
+                x.m.samples_per_s / s.samples_per_s
+            );
+        }
     }
     let pairs = quic_pairs(rows);
     if !pairs.is_empty() {
@@ -263,10 +272,9 @@ fn quic_pairs<'r>(rows: &'r [Row<'r>]) -> Vec<(&'r str, f64)> {
 fn costs(md: &mut String, r: &BenchResults) {
     md.push_str("## Measured costs the simulator uses\n\n| transport | latency per message | CPU per message end | bandwidth |\n|---|---|---|---|\n");
     for (t, l) in &r.links {
-        let bw = if l.bandwidth.is_finite() {
-            format!("{:.2} GB/s", l.bandwidth / 1e9)
-        } else {
-            "no cost beyond latency (owned buffers move)".into()
+        let bw = match l.bandwidth {
+            Some(b) => format!("{:.2} GB/s", b / 1e9),
+            None => "no cost beyond latency (owned buffers move)".into(),
         };
         let _ = writeln!(
             md,
@@ -460,13 +468,14 @@ fn target_table(md: &mut String, r: &BenchResults) {
     for x in &r.target {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {:.2}% | {:.1} |{}",
+            "| {} | {} | {} | {} | {} | {:.1} |{}",
             x.policy,
             x.stages,
             x.seconds
                 .map_or("not reached".into(), |s| format!("{s:.1}")),
             x.updates.map_or("-".into(), |u| u.to_string()),
-            x.test_accuracy * 100.0,
+            x.test_accuracy
+                .map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
             x.wall_s,
             x.error
                 .as_ref()

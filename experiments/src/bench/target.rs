@@ -23,8 +23,8 @@ pub struct TargetResult {
     pub updates: Option<u64>,
     /// Seconds of training until then.
     pub seconds: Option<f64>,
-    /// Final test accuracy.
-    pub test_accuracy: f64,
+    /// Final test accuracy (None when the run stopped before its first evaluation).
+    pub test_accuracy: Option<f64>,
     /// Wall seconds of the whole run.
     pub wall_s: f64,
     /// The error, when the run stopped (divergence included).
@@ -77,7 +77,7 @@ pub fn run_targets(t: &TargetRun) -> Result<Vec<TargetResult>, ExperimentError> 
             stages,
             updates: rec.reached.map(|r| r.0),
             seconds: rec.reached.map(|r| r.1),
-            test_accuracy: rec.epochs.last().map_or(f64::NAN, |e| e.test_accuracy),
+            test_accuracy: rec.epochs.last().map(|e| e.test_accuracy),
             wall_s: start.elapsed().as_secs_f64(),
             error: result.err().map(|e| e.to_string()),
         });

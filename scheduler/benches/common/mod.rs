@@ -27,6 +27,7 @@ pub fn profile(layers: usize) -> Profile {
                     forward: t * noise(),
                     backward_input: t * noise(),
                     backward_weight: t * noise(),
+                    backward: None,
                     update: p / 1e11,
                     activation_bytes: a * noise(),
                     param_bytes: p,

@@ -914,6 +914,10 @@ pub fn range_costs(
                 forward: sum(|l| l.forward),
                 backward_input: sum(|l| l.backward_input),
                 backward_weight: sum(|l| l.backward_weight),
+                backward: layers
+                    .iter()
+                    .any(|l| l.backward.is_some())
+                    .then(|| sum(|l| l.whole_backward())),
                 update: sum(|l| l.update),
                 activation_bytes: crossing[r.end - 1] * wire.factor(),
                 gradient_bytes: None,
@@ -1011,6 +1015,7 @@ mod tests {
                     forward,
                     backward_input: backward / 2.0,
                     backward_weight: backward / 2.0,
+                    backward: None,
                     update,
                     activation_bytes,
                     param_bytes,
