@@ -108,6 +108,8 @@ pub struct ProfileSettings {
     pub concurrent: usize,
     /// Microbatches per update of the calibration run.
     pub calibrate_microbatches: u32,
+    /// Minibatches the calibration run times.
+    pub calibration_minibatches: u32,
 }
 
 /// Time to a target training loss on real data, one run per policy.
@@ -282,8 +284,14 @@ impl BenchConfig {
                 self.budget_minutes
             ));
         }
-        if self.profile.repeats == 0 || self.profile.concurrent == 0 {
-            return Err("profile: repeats and concurrent must be at least 1".into());
+        let p = &self.profile;
+        if p.repeats == 0 || p.concurrent == 0 || p.calibrate_microbatches == 0 {
+            return Err(
+                "profile: repeats, concurrent and calibrate_microbatches must be at least 1".into(),
+            );
+        }
+        if p.calibration_minibatches == 0 || p.calibration_minibatches > 1000 {
+            return Err("profile: calibration_minibatches between 1 and 1000".into());
         }
         for (models, sweeps) in [
             (&self.models, &self.sweeps),

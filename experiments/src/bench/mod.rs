@@ -283,6 +283,7 @@ impl Shared {
                 let opts = ProfileOptions {
                     repeats: cfg.profile.repeats,
                     calibrate: Some(cfg.profile.calibrate_microbatches),
+                    calibration_minibatches: cfg.profile.calibration_minibatches,
                     concurrent,
                     ..ProfileOptions::new(entry.microbatch)
                 };
