@@ -220,6 +220,35 @@ pub fn parse_bandwidth(text: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// An experiment file's text and the name messages give it: the file at `path`, or the
+/// built-in `default` (committed as `default_name`) when none is given. The command line
+/// (`pipe experiment staleness --config`, `pipe bench --config`) and the command run after.
+///
+/// # Errors
+/// Bad input for an unreadable file.
+pub fn config_text(
+    path: Option<&std::path::Path>,
+    default: &str,
+    default_name: &str,
+) -> Result<(String, String)> {
+    match path {
+        Some(p) => Ok((
+            std::fs::read_to_string(p)
+                .map_err(|e| bad_input(format!("cannot read {}: {e}", p.display())))?,
+            p.display().to_string(),
+        )),
+        None => Ok((default.to_string(), default_name.to_string())),
+    }
+}
+
+/// The command line as run, for a report to name the command that made it.
+pub fn command_line() -> String {
+    std::iter::once("pipe".to_string())
+        .chain(std::env::args().skip(1))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

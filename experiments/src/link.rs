@@ -168,3 +168,17 @@ pub fn all_reduce_seconds<T: Transport + Send + 'static>(
     }
     Ok(crate::median(&times))
 }
+
+/// [`measure`] between the two endpoints of a two-worker mesh.
+///
+/// # Errors
+/// As [`measure`]; a mesh of fewer than two endpoints.
+pub fn measure_mesh<T: Transport + Send + 'static>(
+    mut endpoints: Vec<T>,
+    rounds: u32,
+) -> Result<LinkCost, ExperimentError> {
+    let missing = || ExperimentError::Config("a link needs a mesh of two endpoints".into());
+    let b = endpoints.pop().ok_or_else(missing)?;
+    let a = endpoints.pop().ok_or_else(missing)?;
+    measure(a, b, rounds)
+}

@@ -593,14 +593,7 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
 
 /// Ping-pong between two threads over the in-process transport ([`crate::link`]).
 fn transport_cost() -> Result<LinkCost, ExperimentError> {
-    let mut eps = mesh(2, &InProcOptions::default());
-    let b = eps
-        .pop()
-        .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-    let a = eps
-        .pop()
-        .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-    crate::link::measure(a, b, 2000)
+    crate::link::measure_mesh(mesh(2, &InProcOptions::default()), 2000)
 }
 
 /// One round of one model: the single worker, the one-thread sequential run (which also gives

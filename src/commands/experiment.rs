@@ -7,7 +7,8 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 use pipe_experiments::staleness::{StalenessConfig, load, report, run_experiment, save};
 
-use crate::output::{bad_input, experiment_error};
+use crate::args::{command_line, config_text};
+use crate::output::experiment_error;
 
 /// The default configuration, also committed as `experiments/staleness/mnist.toml`.
 const DEFAULT_CONFIG: &str = include_str!("../../experiments/staleness/mnist.toml");
@@ -48,22 +49,13 @@ pub struct ReportArgs {
 /// Bad input for an unreadable or malformed file; run-time failures of a run.
 pub fn run(cmd: &ExperimentCommand) -> Result<()> {
     let ExperimentCommand::Staleness(args) = cmd;
-    let (text, name) = match &args.config {
-        Some(p) => (
-            std::fs::read_to_string(p)
-                .map_err(|e| bad_input(format!("cannot read {}: {e}", p.display())))?,
-            p.display().to_string(),
-        ),
-        None => (
-            DEFAULT_CONFIG.to_string(),
-            "experiments/staleness/mnist.toml".into(),
-        ),
-    };
+    let (text, name) = config_text(
+        args.config.as_deref(),
+        DEFAULT_CONFIG,
+        "experiments/staleness/mnist.toml",
+    )?;
     let cfg = StalenessConfig::parse(&text, &name).map_err(experiment_error)?;
-    let command = std::iter::once("pipe".to_string())
-        .chain(std::env::args().skip(1))
-        .collect::<Vec<_>>()
-        .join(" ");
+    let command = command_line();
     let mut progress = |i: usize, n: usize, r: &pipe_experiments::staleness::RunRecord| {
         let acc = r.final_accuracy();
         let quality = if r.diverged_at.is_some() {

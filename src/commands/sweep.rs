@@ -10,6 +10,7 @@ use pipe_experiments::bench::config::ConfigSpec;
 use pipe_experiments::bench::measure::MeasureOptions;
 use pipe_experiments::bench::{BenchConfig, SweepOptions, attempt, load, report, run_sweep, save};
 
+use crate::args::{command_line, config_text};
 use crate::output::{bad_input, experiment_error};
 
 /// The default sweep, also committed as `experiments/bench/default.toml`.
@@ -63,23 +64,14 @@ pub struct ReportBenchArgs {
 /// # Errors
 /// Bad input for an unreadable or malformed sweep file; failures outside a configuration.
 pub fn run(args: &SweepArgs) -> Result<()> {
-    let (text, name) = match &args.config {
-        Some(p) => (
-            std::fs::read_to_string(p)
-                .map_err(|e| bad_input(format!("cannot read {}: {e}", p.display())))?,
-            p.display().to_string(),
-        ),
-        None => (
-            DEFAULT_CONFIG.to_string(),
-            "experiments/bench/default.toml".into(),
-        ),
-    };
+    let (text, name) = config_text(
+        args.config.as_deref(),
+        DEFAULT_CONFIG,
+        "experiments/bench/default.toml",
+    )?;
     let cfg = BenchConfig::parse(&text, &name).map_err(experiment_error)?;
     let cfg = if args.quick { cfg.quick() } else { cfg };
-    let command = std::iter::once("pipe".to_string())
-        .chain(std::env::args().skip(1))
-        .collect::<Vec<_>>()
-        .join(" ");
+    let command = command_line();
     let opts = SweepOptions {
         runner: if args.in_process {
             None

@@ -215,25 +215,9 @@ fn attempt_in_child(runner: &Path, spec: &ConfigSpec, opts: &MeasureOptions) -> 
 fn link_cost(transport: TransportName) -> Result<LinkCost, ExperimentError> {
     match transport {
         TransportName::InProc => {
-            let mut eps = mesh(2, &InProcOptions::default());
-            let b = eps
-                .pop()
-                .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-            let a = eps
-                .pop()
-                .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-            crate::link::measure(a, b, 2000)
+            crate::link::measure_mesh(mesh(2, &InProcOptions::default()), 2000)
         }
-        TransportName::Quic => {
-            let mut eps = quic_mesh(2)?;
-            let b = eps
-                .pop()
-                .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-            let a = eps
-                .pop()
-                .ok_or_else(|| ExperimentError::Config("mesh".into()))?;
-            crate::link::measure(a, b, 500)
-        }
+        TransportName::Quic => crate::link::measure_mesh(quic_mesh(2)?, 500),
     }
 }
 
