@@ -22,9 +22,10 @@ pub struct SweepArgs {
     /// Sweep file (default: experiments/bench/default.toml, built in).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Where results.json, plots/, traces/ and REPORT.md go.
-    #[arg(long, value_name = "DIR", default_value = "experiments/bench")]
-    out: PathBuf,
+    /// Where results.json, plots/, traces/ and REPORT.md go (default: experiments/bench, or
+    /// target/bench-quick with --quick, so a smoke run never replaces the committed report).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
     /// Run the file's [quick] sweep (under a minute).
     #[arg(long)]
     quick: bool,
@@ -71,6 +72,13 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     )?;
     let cfg = BenchConfig::parse(&text, &name).map_err(experiment_error)?;
     let cfg = if args.quick { cfg.quick() } else { cfg };
+    let out = args.out.clone().unwrap_or_else(|| {
+        PathBuf::from(if args.quick {
+            "target/bench-quick"
+        } else {
+            "experiments/bench"
+        })
+    });
     let command = command_line();
     let opts = SweepOptions {
         runner: if args.in_process {
@@ -80,12 +88,12 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         },
         criterion_dir: args.criterion.clone(),
         numpy_json: args.numpy.clone(),
-        out: args.out.clone(),
+        out: out.clone(),
         verbose: true,
     };
     let results = run_sweep(&cfg, args.quick, command, &opts).map_err(experiment_error)?;
-    save(&results, &args.out).map_err(experiment_error)?;
-    let path = report::write_report(&results, &args.out).map_err(experiment_error)?;
+    save(&results, &out).map_err(experiment_error)?;
+    let path = report::write_report(&results, &out).map_err(experiment_error)?;
     outln!(
         "{} configurations in {:.1} min; report: {}",
         results.configs.len(),
