@@ -398,7 +398,7 @@ pub fn measure(spec: &ConfigSpec, opts: &MeasureOptions) -> Result<Measured, Exp
         std::fs::write(path, timeline.to_chrome_trace(Some(&plan.versions)))
             .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
     }
-    let language = model.input_shape().len() == 1 && model.output_shape().len() == 2;
+    let language = crate::mfu::is_language_model(&model);
     Ok(Measured {
         workers: plan.schedule.workers(),
         model_stages: plan.schedule.stages(),
