@@ -233,8 +233,7 @@ pub fn config_text(
 ) -> Result<(String, String)> {
     match path {
         Some(p) => Ok((
-            std::fs::read_to_string(p)
-                .map_err(|e| bad_input(format!("cannot read {}: {e}", p.display())))?,
+            pipe_stages::limits::read_text_file(p)?,
             p.display().to_string(),
         )),
         None => Ok((default.to_string(), default_name.to_string())),

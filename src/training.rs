@@ -67,7 +67,7 @@ pub struct TrainArgs {
     #[arg(long)]
     optimizer: Option<OptimizerKind>,
     /// Base learning rate.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_f32)]
     lr: Option<f32>,
     /// Learning-rate schedule: constant, warmup or cosine.
     #[arg(long)]
@@ -76,13 +76,13 @@ pub struct TrainArgs {
     #[arg(long)]
     warmup_steps: Option<u64>,
     /// SGD momentum.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_f32)]
     momentum: Option<f32>,
     /// Use Nesterov momentum.
     #[arg(long)]
     nesterov: bool,
     /// Weight decay.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_f32)]
     weight_decay: Option<f32>,
     /// Run seed.
     #[arg(long)]
@@ -224,15 +224,13 @@ pub struct Resolved {
 pub fn run_config(args: &TrainArgs) -> Result<Resolved> {
     let mut settings = TrainSettings::default();
     if let Some(path) = &args.config {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| bad_input(format!("cannot read config {}: {e}", path.display())))?;
+        let text = pipe_stages::limits::read_text_file(path)?;
         settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
     }
     settings.merge(args.settings());
     if let Some(path) = &args.plan {
         let source = path.display().to_string();
-        let text =
-            std::fs::read_to_string(path).map_err(|e| bad_input(format!("plan {source}: {e}")))?;
+        let text = pipe_stages::limits::read_text_file(path)?;
         settings.apply_plan(&PlanFile::parse(&text, &source)?, &source)?;
     }
     let cfg = settings.clone().resolve()?;
@@ -607,4 +605,14 @@ impl Observer for Progress {
         }
         Ok(())
     }
+}
+
+/// Parses a floating-point flag, refusing what an `f32` cannot hold (`1e300`, `inf`, `nan`)
+/// with the value as given.
+fn parse_f32(text: &str) -> Result<f32, String> {
+    let v: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{text}' is not a number"))?;
+    pipe_stages::config::to_f32(v)
 }

@@ -33,6 +33,7 @@ pub mod depth;
 mod error;
 mod generate;
 pub mod grid;
+pub mod limits;
 mod lower;
 pub mod plan;
 pub mod planner;

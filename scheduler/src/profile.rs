@@ -99,6 +99,16 @@ pub struct Profile {
     pub calibrated_microbatches: Option<u32>,
 }
 
+/// The most seconds one layer's pass may take in a profile (about 11 days): past it, sums and
+/// speed-ups stop being meaningful figures.
+pub const MAX_PROFILE_SECONDS: f64 = 1e6;
+
+/// The most bytes one layer's activation, parameters or stash may have in a profile (1 PiB).
+pub const MAX_PROFILE_BYTES: f64 = (1u64 << 50) as f64;
+
+/// The largest microbatch size a profile may state.
+pub const MAX_PROFILE_MICROBATCH: u64 = 1 << 31;
+
 fn bad(msg: impl Into<String>) -> ScheduleError {
     ScheduleError::Profile(msg.into())
 }
@@ -167,11 +177,18 @@ impl Profile {
                         .parse::<f64>()
                         .map_err(|_| bad(format!("line {no}: {k} = {v:?} is not a number")))
                 };
-                // A layer with several outputs lists their sizes, `[a; b; c]`: their sum.
-                let v: f64 = match v.trim().strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
-                    Some(list) => list.split(';').map(number).sum::<Result<f64>>()?,
-                    None => number(v)?,
+                // A layer with several outputs lists their sizes, `[a; b; c]`: their sum. Each
+                // part is checked on its own, so that a negative one is not summed away.
+                let parts = match v.trim().strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+                    Some(list) => list.split(';').map(number).collect::<Result<Vec<f64>>>()?,
+                    None => vec![number(v)?],
                 };
+                if let Some(p) = parts.iter().find(|p| !p.is_finite() || **p < 0.0) {
+                    return Err(bad(format!(
+                        "line {no}: {k} must be finite and >= 0, got {p}"
+                    )));
+                }
+                let v: f64 = parts.iter().sum();
                 fields.insert(k.trim(), v);
             }
             let get = |k: &str| {
@@ -356,6 +373,13 @@ impl Profile {
         if self.layers.is_empty() {
             return Err(bad("no layers"));
         }
+        crate::limits::check_layers(self.layers.len() as u64)?;
+        if self.microbatch_size as u64 > MAX_PROFILE_MICROBATCH {
+            return Err(bad(format!(
+                "microbatch_size {} is over the limit of {MAX_PROFILE_MICROBATCH}",
+                self.microbatch_size
+            )));
+        }
         for (i, l) in self.layers.iter().enumerate() {
             for (name, v) in [
                 ("forward", l.forward),
@@ -373,7 +397,23 @@ impl Profile {
                         l.name
                     )));
                 }
+                let (bound, unit) = if name.ends_with("bytes") {
+                    (MAX_PROFILE_BYTES, "bytes, 1 PiB")
+                } else {
+                    (MAX_PROFILE_SECONDS, "seconds, 11 days")
+                };
+                if v > bound {
+                    return Err(bad(format!(
+                        "layer {i} ({:?}): {name} is {v}, over the limit of {bound:e} {unit}",
+                        l.name
+                    )));
+                }
             }
+        }
+        if self.layers.iter().all(|l| l.compute() == 0.0) {
+            return Err(bad(
+                "every layer takes 0 s: a profile needs some time to balance (was it measured?)",
+            ));
         }
         let n = self.layers.len();
         for &(a, b) in &self.edges {

@@ -234,10 +234,7 @@ impl Layout {
             offsets.push(total as u32);
             total += u64::from(r);
         }
-        let stages = replicas.len() as u64 * u64::from(chunks);
-        if total > u64::from(u32::MAX / 4) || stages > u64::from(u32::MAX / 4) {
-            return Err(ScheduleError::Spec("too many workers or stages".into()));
-        }
+        crate::limits::check_layout(replicas.len() as u64, total, u64::from(chunks))?;
         offsets.push(total as u32);
         Ok(Layout {
             replicas,
@@ -487,6 +484,13 @@ impl ScheduleSpec {
         if self.microbatches == 0 {
             return spec_err("--microbatches must be at least 1".into());
         }
+        crate::limits::check_microbatches(u64::from(self.microbatches))?;
+        let workers: u64 = match self.replicas.len() {
+            1 => u64::from(self.replicas[0]).saturating_mul(u64::from(self.stages)),
+            _ => self.replicas.iter().map(|&r| u64::from(r)).sum(),
+        };
+        let chunks = if self.policy.is_v_shaped() { 2 } else { self.chunks };
+        crate::limits::check_layout(u64::from(self.stages), workers, u64::from(chunks))?;
         let replicas = match self.replicas.len() {
             1 => vec![self.replicas[0]; self.stages as usize],
             n if n == self.stages as usize => self.replicas.clone(),
@@ -603,9 +607,10 @@ impl ScheduleSpec {
                 u64::from(n)
             }
         };
-        if total > u64::from(u32::MAX / 4) {
-            return spec_err("too many microbatches".into());
-        }
+        crate::limits::check_schedule(
+            total,
+            u64::from(self.stages) * u64::from(pipeline.chunks()),
+        )?;
         let total = total as u32;
         // `sequential` runs everything on one worker: one position holding every stage.
         let layout = if self.policy == Policy::Sequential {

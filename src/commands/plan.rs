@@ -84,8 +84,7 @@ pub struct PlanArgs {
 
 /// Reads a profile: pipe's JSON, or PipeDream's graph format.
 fn load_profile(path: &Path) -> Result<Profile> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| bad_input(format!("profile {}: {e}", path.display())))?;
+    let text = pipe_stages::limits::read_text_file(path)?;
     if text.trim_start().starts_with('{') {
         Profile::from_json(&text)
     } else {
@@ -108,12 +107,31 @@ fn plan_options(args: &PlanArgs, workers: u32) -> PlanOptions {
     }
 }
 
+/// Refuses zero or over-limit stage, worker and microbatch counts before anything is profiled
+/// or planned, with the flag's own name.
+fn check_counts(args: &PlanArgs) -> Result<()> {
+    use pipe_scheduler::limits;
+    for (flag, v) in [("--stages", args.stages), ("--workers", args.workers)] {
+        match v {
+            Some(0) => return Err(bad_input(format!("{flag} must be at least 1"))),
+            Some(n) => limits::check_layout(u64::from(n), u64::from(n), 1).map_err(schedule_error)?,
+            None => {}
+        }
+    }
+    if args.microbatches == 0 {
+        return Err(bad_input("--microbatches must be at least 1".into()));
+    }
+    limits::check_microbatches(u64::from(args.microbatches)).map_err(schedule_error)?;
+    Ok(())
+}
+
 /// Runs `pipe plan`.
 ///
 /// # Errors
 /// Bad input for unreadable profiles, an unknown model and requests no plan meets; failures
 /// while profiling, planning or writing.
 pub fn run(args: &PlanArgs) -> Result<()> {
+    check_counts(args)?;
     let profile = match (&args.profile, &args.model) {
         (Some(path), _) => load_profile(path)?,
         (None, Some(model)) => {

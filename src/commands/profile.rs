@@ -62,12 +62,13 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
             "--microbatch-size, --repeats, --threads and --microbatches must be at least 1".into(),
         ));
     }
-    if args.concurrent == 0 || args.concurrent > 256 {
-        return Err(bad_input(format!(
-            "--concurrent must be between 1 and 256, got {}",
-            args.concurrent
-        )));
+    if args.concurrent == 0 {
+        return Err(bad_input("--concurrent must be at least 1".into()));
     }
+    pipe_stages::limits::check_threads(
+        args.threads as u64,
+        &pipe_stages::limits::Machine::detect(),
+    )?;
     let opts = ProfileOptions {
         warmup: args.warmup,
         repeats: args.repeats,

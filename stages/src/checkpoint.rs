@@ -387,11 +387,16 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
 
 /// Reads a small file, bounded.
 fn read_small(path: &Path) -> Result<Vec<u8>> {
-    let meta = std::fs::metadata(path).map_err(|e| io_err(path, e))?;
-    if meta.len() > MAX_SMALL_FILE {
-        return Err(io_err(path, format!("{} bytes is too large", meta.len())));
+    use std::io::Read as _;
+    let file = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_SMALL_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| io_err(path, e))?;
+    if bytes.len() as u64 > MAX_SMALL_FILE {
+        return Err(io_err(path, format!("larger than {MAX_SMALL_FILE} bytes")));
     }
-    std::fs::read(path).map_err(|e| io_err(path, e))
+    Ok(bytes)
 }
 
 /// Every file the manifest of checkpoint `dir` names, checked against its size and SHA-256,

@@ -119,14 +119,61 @@ impl PartitionChoice {
     }
 }
 
-/// A model given by preset name or by layer list.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// A model given by preset name or by layer list. Read by its form (a string is a preset, a
+/// table a layer list) rather than by trying each variant, so that a bad layer list reports
+/// its own error instead of "no variant matched".
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum ModelChoice {
     /// A preset name such as `mlp-784-512-512-10`.
     Preset(String),
     /// An explicit layer list.
     Layers(ModelSpec),
+}
+
+impl<'de> Deserialize<'de> for ModelChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct ChoiceVisitor;
+        impl<'de> serde::de::Visitor<'de> for ChoiceVisitor {
+            type Value = ModelChoice;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a preset name (\"mlp-784-512-512-10\") or a table with input and layers")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<ModelChoice, E> {
+                Ok(ModelChoice::Preset(v.to_string()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> std::result::Result<ModelChoice, A::Error> {
+                ModelSpec::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(ModelChoice::Layers)
+            }
+        }
+        d.deserialize_any(ChoiceVisitor)
+    }
+}
+
+/// Reads an optional `f32` setting through `f64`, refusing values an `f32` cannot hold
+/// (`1e300` would otherwise become infinity and be reported as such).
+fn finite_f32<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<f32>, D::Error> {
+    let v = Option::<f64>::deserialize(d)?;
+    v.map(|v| to_f32(v).map_err(serde::de::Error::custom))
+        .transpose()
+}
+
+/// `v` as an `f32`, or why it is not one: not finite, or beyond `f32`'s range.
+///
+/// # Errors
+/// A message naming the value.
+pub fn to_f32(v: f64) -> std::result::Result<f32, String> {
+    if !v.is_finite() {
+        return Err(format!("{v} is not a finite number"));
+    }
+    if v.abs() > f64::from(f32::MAX) {
+        return Err(format!("{v:e} is too large (at most {:e})", f32::MAX));
+    }
+    Ok(v as f32)
 }
 
 /// Which dataset.
@@ -183,22 +230,28 @@ pub struct TrainSettings {
     /// Optimizer.
     pub optimizer: Option<OptimizerKind>,
     /// Base learning rate.
+    #[serde(default, deserialize_with = "finite_f32")]
     pub lr: Option<f32>,
     /// Learning-rate schedule.
     pub lr_schedule: Option<LrScheduleKind>,
     /// Warmup steps.
     pub warmup_steps: Option<u64>,
     /// SGD momentum.
+    #[serde(default, deserialize_with = "finite_f32")]
     pub momentum: Option<f32>,
     /// SGD Nesterov momentum.
     pub nesterov: Option<bool>,
     /// Weight decay.
+    #[serde(default, deserialize_with = "finite_f32")]
     pub weight_decay: Option<f32>,
     /// Adam betas.
+    #[serde(default, deserialize_with = "finite_f32")]
     pub beta1: Option<f32>,
     /// Adam betas.
+    #[serde(default, deserialize_with = "finite_f32")]
     pub beta2: Option<f32>,
     /// Adam epsilon.
+    #[serde(default, deserialize_with = "finite_f32")]
     pub eps: Option<f32>,
     /// Run seed.
     pub seed: Option<u64>,
@@ -229,6 +282,11 @@ pub struct TrainSettings {
     /// Weight prediction from a velocity estimate (`none`, `discrepancy[:DECAY]`,
     /// `lookahead[:DECAY]`).
     pub weight_prediction: Option<String>,
+}
+
+/// A message on one line.
+fn one_line(msg: &str) -> String {
+    msg.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 macro_rules! merge_fields {
@@ -271,10 +329,18 @@ impl TrainSettings {
     /// # Errors
     /// [`StageError::Config`] with the parser's message (line and key).
     pub fn from_toml(text: &str, name: &str) -> Result<Self> {
-        toml::from_str(text).map_err(|e| {
-            let msg = e.to_string();
-            let one_line = msg.split_whitespace().collect::<Vec<_>>().join(" ");
-            StageError::Config(format!("{name}: {one_line}"))
+        let parsed: std::result::Result<Self, _> =
+            serde_path_to_error::deserialize(toml::Deserializer::parse(text).map_err(|e| {
+                StageError::Config(format!("{name}: {}", one_line(&e.to_string())))
+            })?);
+        parsed.map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let at = inner
+                .span()
+                .map(|s| format!(" (line {})", text[..s.start.min(text.len())].lines().count().max(1)))
+                .unwrap_or_default();
+            StageError::Config(format!("{name}: {path}{at}: {}", one_line(inner.message())))
         })
     }
 
@@ -383,6 +449,9 @@ impl TrainSettings {
             );
         }
         let model = Model::new(&model_spec)?;
+        if let Some(size) = self.microbatch_size {
+            crate::limits::check_activations(&model, size)?;
+        }
         let lm = language.map(|_| LanguageDefaults::default());
         let epochs = self.epochs.unwrap_or(match (dataset, lm) {
             (_, Some(d)) => d.epochs,
@@ -394,6 +463,11 @@ impl TrainSettings {
         }
         if self.steps == Some(0) {
             return bad("steps must be at least 1".into());
+        }
+        use crate::limits::{MAX_EPOCHS, MAX_STEPS, check_count};
+        check_count("--epochs", epochs, MAX_EPOCHS, "a run that would not end this year")?;
+        if let Some(steps) = self.steps {
+            check_count("--steps", steps, MAX_STEPS, "a run that would not end this year")?;
         }
         let microbatch_size = self
             .microbatch_size
@@ -681,12 +755,37 @@ impl PlanFile {
                 e.to_string().replace('\n', " ")
             ))
         })?;
-        if f.replicas.is_empty() || f.replicas.contains(&0) || f.microbatches == 0 {
-            return Err(StageError::Config(format!(
-                "plan {source}: replicas and microbatches must be at least 1"
-            )));
-        }
+        f.check().map_err(|e| StageError::Config(format!("plan {source}: {e}")))?;
         Ok(f)
+    }
+
+    /// Checks what a plan file says as its flags would be checked, before any of it is used:
+    /// a schedule the planner plans, counts within [`crate::limits`], finite figures. The
+    /// partition is checked against the model when the run resolves.
+    fn check(&self) -> std::result::Result<(), String> {
+        let policy: Policy = self.schedule.parse().map_err(|e: pipe_scheduler::ScheduleError| e.to_string())?;
+        pipe_scheduler::planner::check_plannable(policy).map_err(|e| e.to_string())?;
+        if self.replicas.is_empty() || self.replicas.contains(&0) || self.microbatches == 0 {
+            return Err("replicas and microbatches must be at least 1".into());
+        }
+        let workers: u64 = self.replicas.iter().map(|&r| u64::from(r)).sum();
+        pipe_scheduler::limits::check_layout(self.replicas.len() as u64, workers, 1)
+            .and_then(|()| pipe_scheduler::limits::check_microbatches(u64::from(self.microbatches)))
+            .map_err(|e| e.to_string())?;
+        if self.microbatch_size > 0 {
+            crate::limits::check_count(
+                "microbatch_size",
+                self.microbatch_size as u64,
+                crate::limits::MAX_TENSOR_ELEMENTS,
+                "a microbatch is one tensor",
+            )
+            .map_err(|e| e.to_string())?;
+        }
+        let times = [Some(self.time_per_microbatch), self.simulated_time_per_microbatch];
+        if let Some(t) = times.into_iter().flatten().find(|t| !(t.is_finite() && *t >= 0.0)) {
+            return Err(format!("a predicted time must be a finite number >= 0, got {t}"));
+        }
+        Ok(())
     }
 }
 

@@ -148,7 +148,7 @@ pub fn parse_idx(bytes: &[u8], name: &str) -> Result<Idx> {
 /// [`StageError::Data`] when the file is missing, unreadable or malformed.
 pub fn read_idx(path: &Path) -> Result<Idx> {
     let name = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
+    let bytes = crate::limits::read_file(path, MAX_IDX_BYTES as u64)?;
     parse_idx(&bytes, &name)
 }
 

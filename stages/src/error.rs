@@ -33,6 +33,9 @@ pub enum StageError {
     /// A configuration value is invalid.
     #[error("config: {0}")]
     Config(String),
+    /// A request past a resource limit ([`crate::limits`]): what was asked, the limit, why.
+    #[error("limit: {0}")]
+    Limit(String),
     /// A checkpoint that is missing, corrupted, truncated or made for another model (bad
     /// input: exit 2).
     #[error("checkpoint {0}")]
@@ -101,6 +104,7 @@ impl StageError {
             StageError::Model(_)
             | StageError::Data { .. }
             | StageError::Config(_)
+            | StageError::Limit(_)
             | StageError::Checkpoint(_) => true,
             StageError::Schedule(e) => e.is_bad_input(),
             StageError::Worker { source, .. } => source.is_bad_input(),

@@ -20,6 +20,7 @@ pub mod delayed;
 mod error;
 pub mod layer;
 pub mod layers;
+pub mod limits;
 pub mod log;
 pub mod loss;
 pub mod model;

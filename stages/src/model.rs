@@ -66,9 +66,11 @@ pub struct Model {
     tied: bool,
 }
 
-/// A model description as written in a config file.
+/// A model description as written in a config file. Parsing is strict: every layer is read on
+/// its own so that an error names its index, and a key a layer does not take is an error at
+/// any depth (see [`RawModelSpec`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, try_from = "RawModelSpec")]
 pub struct ModelSpec {
     /// Per-sample input shape (for MNIST `[28, 28]` or `[784]`).
     pub input: Vec<usize>,
@@ -77,6 +79,97 @@ pub struct ModelSpec {
     /// Tied parameters: each entry makes a layer parameter use another (earlier) one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tied: Vec<Tie>,
+}
+
+/// A model description as it arrives, before its layers are read: each layer is read from its
+/// own value by [`ModelSpec`]'s `TryFrom`, which names the layer's index, the key and the value
+/// in every error. serde alone cannot: an internally tagged enum's unit variants (`relu`)
+/// accept any extra keys, and an error inside a list does not say which element it came from.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModelSpec {
+    input: Vec<usize>,
+    layers: Vec<serde_json::Value>,
+    #[serde(default)]
+    tied: Vec<Tie>,
+}
+
+impl TryFrom<RawModelSpec> for ModelSpec {
+    type Error = String;
+
+    fn try_from(raw: RawModelSpec) -> std::result::Result<Self, String> {
+        let layers = raw
+            .layers
+            .into_iter()
+            .enumerate()
+            .map(|(i, value)| parse_layer(value).map_err(|e| format!("layer {i}: {e}")))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(ModelSpec {
+            input: raw.input,
+            layers,
+            tied: raw.tied,
+        })
+    }
+}
+
+/// Reads one layer strictly: a serde error with the key it is about, or the first key the
+/// layer (or a layer inside it) does not take.
+fn parse_layer(value: serde_json::Value) -> std::result::Result<LayerSpec, String> {
+    let spec: LayerSpec = serde_path_to_error::deserialize(value.clone()).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." || path.is_empty() {
+            e.into_inner().to_string()
+        } else {
+            format!("{path}: {}", e.into_inner())
+        }
+    })?;
+    let known = serde_json::to_value(&spec).map_err(|e| e.to_string())?;
+    unknown_key(&value, &known, "")?;
+    Ok(spec)
+}
+
+/// The first key of `given` (with its path below `at`) that the parsed layer `known` does not
+/// have.
+fn unknown_key(
+    given: &serde_json::Value,
+    known: &serde_json::Value,
+    at: &str,
+) -> std::result::Result<(), String> {
+    use serde_json::Value;
+    match (given, known) {
+        (Value::Object(g), Value::Object(k)) => {
+            for (key, v) in g {
+                let path = format!("{at}{key}");
+                match k.get(key) {
+                    None => {
+                        let kind = k.get("type").and_then(Value::as_str).unwrap_or("layer");
+                        let takes: Vec<&str> = k
+                            .keys()
+                            .map(String::as_str)
+                            .filter(|n| *n != "type")
+                            .collect();
+                        let takes = if takes.is_empty() {
+                            "no keys besides type".to_string()
+                        } else {
+                            takes.join(", ")
+                        };
+                        return Err(format!(
+                            "unknown key `{path}` = {v} (a {kind} layer takes {takes})"
+                        ));
+                    }
+                    Some(kv) => unknown_key(v, kv, &format!("{path}."))?,
+                }
+            }
+            Ok(())
+        }
+        (Value::Array(g), Value::Array(k)) => {
+            for (i, (gv, kv)) in g.iter().zip(k).enumerate() {
+                unknown_key(gv, kv, &format!("{at}{i}."))?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// One tie: layer parameter `param` uses the parameter named `to` instead of its own.
@@ -201,6 +294,9 @@ impl Model {
         if spec.layers.is_empty() {
             return Err(StageError::Model("the model has no layers".into()));
         }
+        pipe_scheduler::limits::check_layers(spec.layers.len() as u64)
+            .map_err(|e| StageError::Limit(e.to_string()))?;
+        crate::limits::check_shape("the model's input", &spec.input)?;
         if spec.input.is_empty() || spec.input.contains(&0) {
             return Err(StageError::Model(format!(
                 "input shape {:?} must be non-empty and positive",
@@ -222,14 +318,16 @@ impl Model {
         }
         let (table, slots) = param_table(&layers, &spec.tied)?;
         let tied = table.iter().any(|e| e.uses.len() > 1);
-        Ok(Self {
+        let model = Self {
             tied,
             specs: spec.layers.clone(),
             layers,
             shapes,
             table,
             slots,
-        })
+        };
+        crate::limits::check_model_shapes(&model)?;
+        Ok(model)
     }
 
     /// Number of layers.

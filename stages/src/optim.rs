@@ -95,7 +95,7 @@ impl OptimizerConfig {
                 self.beta1, self.beta2
             ));
         }
-        if self.eps.is_nan() || self.eps <= 0.0 {
+        if !(self.eps.is_finite() && self.eps > 0.0) {
             return bad(format!("eps must be positive, got {}", self.eps));
         }
         Ok(())

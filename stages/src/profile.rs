@@ -143,6 +143,24 @@ pub fn random_input(
     }
 }
 
+/// The limits a profile request must keep ([`crate::limits`]): repeat counts, activation
+/// sizes, and the memory of `concurrent` single-worker copies of the model on this machine.
+fn check_profile_request(model: &Model, opts: &ProfileOptions) -> Result<()> {
+    use crate::limits::{self, Machine, RunShape};
+    limits::check_profile_repeats(opts.warmup as u64, opts.repeats as u64)?;
+    limits::check_activations(model, opts.microbatch_size)?;
+    let run = pipe_scheduler::ScheduleSpec::new(pipe_scheduler::Policy::Sequential, 1, 1)
+        .resolve()?;
+    let shape = RunShape {
+        model,
+        run: &run,
+        microbatch_size: opts.microbatch_size,
+        optimizer: crate::optim::OptimizerKind::Sgd,
+        local_workers: opts.concurrent as u64,
+    };
+    limits::check_run_memory(&shape, &Machine::detect())
+}
+
 /// Profiles every layer of `model` on `be` (see the module docs). The forward runs in
 /// training mode, so dropout draws its masks as it does in training.
 ///
@@ -160,17 +178,8 @@ pub fn profile_model(
             "profiling needs a microbatch size and a repeat count of at least 1".into(),
         ));
     }
+    check_profile_request(model, opts)?;
     let b = opts.microbatch_size;
-    // Every layer's input and output is materialised: refuse sizes that cannot fit.
-    let widest = (0..=model.len())
-        .map(|i| model.shape_before(i).iter().product::<usize>())
-        .max()
-        .unwrap_or(0);
-    if widest.saturating_mul(b) > 1 << 28 {
-        return Err(StageError::Config(format!(
-            "microbatch size {b} makes a {widest}-wide activation over 2^28 elements (1 GiB)"
-        )));
-    }
     let params = model.init_params(opts.seed);
     let mut layers = Vec::with_capacity(model.len());
     for (i, p) in params.iter().enumerate() {

@@ -148,6 +148,25 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
             data.train.feature_shape
         )));
     }
+    if model.input_shape() != data.train.feature_shape.as_slice() {
+        // Samples arrive in the dataset's shape: every layer must take them in that shape, not
+        // only in the one the model declares.
+        let as_fed = crate::model::ModelSpec {
+            input: data.train.feature_shape.clone(),
+            ..cfg.model.clone()
+        };
+        Model::new(&as_fed).map_err(|e| {
+            StageError::Model(format!(
+                "model '{}' declares input {:?} but {} samples are {:?}, which its layers do \
+                 not take ({e}); start with a flatten layer or declare input = {:?}",
+                cfg.model_name,
+                model.input_shape(),
+                data.train.name,
+                data.train.feature_shape,
+                data.train.feature_shape
+            ))
+        })?;
+    }
     let (&out, rows) = model.output_shape().split_last().unwrap_or((&0, &[]));
     if out != data.train.classes {
         return Err(StageError::Model(format!(

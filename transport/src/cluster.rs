@@ -66,15 +66,19 @@ fn setup(msg: String) -> TransportError {
 
 /// A file's bytes, refusing anything over [`MAX_FILE_BYTES`].
 fn read_bounded(path: &Path) -> Result<Vec<u8>, TransportError> {
-    let meta = std::fs::metadata(path).map_err(|e| setup(format!("{}: {e}", path.display())))?;
-    if meta.len() > MAX_FILE_BYTES {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path).map_err(|e| setup(format!("{}: {e}", path.display())))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| setup(format!("{}: {e}", path.display())))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
         return Err(setup(format!(
-            "{}: {} bytes, more than the {MAX_FILE_BYTES} a cluster file may have",
-            path.display(),
-            meta.len()
+            "{}: more than the {MAX_FILE_BYTES} bytes a cluster file may have",
+            path.display()
         )));
     }
-    std::fs::read(path).map_err(|e| setup(format!("{}: {e}", path.display())))
+    Ok(bytes)
 }
 
 /// Writes `bytes` to `path`, readable by its owner only when `private`.

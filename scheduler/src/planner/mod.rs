@@ -32,7 +32,7 @@ mod types;
 
 pub use model::{
     PlanOptions, WireDtype, explain, frontier, plan, plan_checked, range_costs, simulate_plan,
-    simulate_plan_with_memory, stage_costs,
+    simulate_plan_with_memory, stage_costs, worker_memory_bytes, check_plannable,
 };
 
 use crate::error::{Result, ScheduleError};

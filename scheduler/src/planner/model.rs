@@ -165,17 +165,7 @@ impl PlanOptions {
         if matches!(self.memory, Some(m) if m.is_nan() || m <= 0.0) {
             return bad("the memory bound must be > 0 bytes".into());
         }
-        match self.policy {
-            Policy::Sequential | Policy::Interleaved | Policy::ZbV | Policy::DualPipeV => {
-                bad(format!(
-                    "the planner plans one contiguous stage per worker group; schedule '{}' is not \
-                 planned (use pipedream, pipedream-nostash, vsync, 2bw, gpipe, 1f1b-flush or \
-                 zb-h1)",
-                    self.policy.name()
-                ))
-            }
-            _ => Ok(()),
-        }
+        check_plannable(self.policy)
     }
 }
 
@@ -373,21 +363,14 @@ impl<'a> Costs<'a> {
     /// the stage.
     fn memory(&self, from: usize, to: usize, r: usize, after: usize) -> f64 {
         let o = self.opts;
-        let m = f64::from(o.microbatches);
-        let p = self.pp[to + 1] - self.pp[from];
-        let in_flight = after.div_ceil(r) as f64;
-        let versions = match o.policy {
-            Policy::PipeDream | Policy::VerticalSync => in_flight,
-            Policy::TwoBw => 2.0,
-            _ => 1.0,
-        };
-        let activations = match o.policy {
-            Policy::Gpipe => m,
-            Policy::OneFOneBFlush | Policy::ZbH1 => in_flight.min(m),
-            _ => in_flight,
-        };
-        let stash = self.ps[to + 1] - self.ps[from];
-        (versions + o.state_copies) * p + activations * stash
+        worker_memory_bytes(
+            o.policy,
+            o.microbatches,
+            after.div_ceil(r) as u64,
+            self.pp[to + 1] - self.pp[from],
+            self.ps[to + 1] - self.ps[from],
+            o.state_copies,
+        )
     }
 
     /// Everything about layers `from..=to` on `r` replicas with `after` workers at or after.
@@ -415,6 +398,54 @@ impl<'a> Costs<'a> {
     fn fits(&self, e: &Eval) -> bool {
         self.opts.memory.is_none_or(|limit| e.memory <= limit)
     }
+}
+
+/// Checks that the planner plans `policy`: one contiguous stage per worker group. A plan file
+/// naming another schedule is refused the same way.
+///
+/// # Errors
+/// [`ScheduleError::Plan`] naming the schedule and those the planner plans.
+pub fn check_plannable(policy: Policy) -> Result<()> {
+    match policy {
+        Policy::Sequential | Policy::Interleaved | Policy::ZbV | Policy::DualPipeV => {
+            Err(ScheduleError::Plan(format!(
+                "the planner plans one contiguous stage per worker group; schedule '{}' is not \
+                 planned (use pipedream, pipedream-nostash, vsync, 2bw, gpipe, 1f1b-flush or \
+                 zb-h1)",
+                policy.name()
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Bytes one worker holds under `policy` (the memory model in this module's documentation):
+/// `versions * params + state_copies * params + activations * stash`, with `in_flight`
+/// microbatches between forward and backward on it (`ceil(a / r)` for a stage with `a` workers
+/// at or after it on `r` replicas), weight versions for stashing policies, all `microbatches`
+/// activations under GPipe. `params` and `stash` are the stage's parameter bytes and its
+/// activation bytes per microbatch. The partitioner and `pipe_stages::limits` both use it.
+pub fn worker_memory_bytes(
+    policy: Policy,
+    microbatches: u32,
+    in_flight: u64,
+    params: f64,
+    stash: f64,
+    state_copies: f64,
+) -> f64 {
+    let m = f64::from(microbatches);
+    let in_flight = in_flight as f64;
+    let versions = match policy {
+        Policy::PipeDream | Policy::VerticalSync => in_flight,
+        Policy::TwoBw => 2.0,
+        _ => 1.0,
+    };
+    let activations = match policy {
+        Policy::Gpipe => m,
+        Policy::OneFOneBFlush | Policy::ZbH1 => in_flight.min(m),
+        _ => in_flight,
+    };
+    (versions + state_copies) * params + activations * stash
 }
 
 #[derive(Clone, Copy)]

@@ -1,0 +1,133 @@
+//! The sizes a schedule request may ask for, checked before anything is allocated.
+//!
+//! Every number here bounds something a user (a flag, a config, a plan file) or a peer (a
+//! cluster file) controls, so that an absurd request is refused with a message instead of
+//! being allocated until the process is killed. They are constants because a schedule is pure
+//! and knows nothing of the machine; the checks that depend on the machine's memory and cores
+//! live in `pipe_stages::limits`, which applies these too, so that `pipe train`, `pipe plan`,
+//! `pipe profile` and `pipe schedule` refuse the same requests with the same words.
+
+use crate::error::{Result, ScheduleError};
+
+/// Workers in one run: the cluster file's bound (`pipe_transport::cluster::MAX_WORKERS` is
+/// kept equal), far past the largest pipeline this system has been run with.
+pub const MAX_WORKERS: u64 = 4096;
+
+/// Model stages in one pipeline (positions times chunks): no model this system builds has
+/// more layers than [`MAX_LAYERS`], and a stage holds at least one layer.
+pub const MAX_STAGES: u64 = 1024;
+
+/// Layers in one model. The largest preset has under 40; a layer list of more is a mistake
+/// or an attack, and every layer costs a thread-safe allocation per microbatch.
+pub const MAX_LAYERS: u64 = 10_000;
+
+/// Microbatches per update per replica (`M`).
+pub const MAX_MICROBATCHES: u64 = 1 << 16;
+
+/// Microbatch passes one schedule holds: total microbatches times model stages. A lowered
+/// schedule costs about 400 bytes per pass (measured: `pipe schedule --stages 8
+/// --microbatches 100000 --total-microbatches 100000` peaks at 333 MB), so this bound keeps
+/// the largest schedule near 3.4 GB. A training run builds one schedule per epoch, or per
+/// checkpoint interval when that is shorter.
+pub const MAX_SCHEDULE_PASSES: u64 = 1 << 23;
+
+/// A request past a limit: what was asked, the limit and why it exists.
+pub fn exceeded(what: &str, asked: u64, limit: u64, why: &str) -> ScheduleError {
+    ScheduleError::Spec(format!(
+        "{what} is {asked}, over the limit of {limit} ({why})"
+    ))
+}
+
+/// Checks a layout's size: `positions` pipeline positions of `workers` workers in all, each
+/// holding `chunks` model stages.
+///
+/// # Errors
+/// [`ScheduleError::Spec`] naming the first size over its limit.
+pub fn check_layout(positions: u64, workers: u64, chunks: u64) -> Result<()> {
+    if positions.saturating_mul(chunks) > MAX_STAGES {
+        return Err(exceeded(
+            "the number of model stages (stages x chunks)",
+            positions.saturating_mul(chunks),
+            MAX_STAGES,
+            "a stage holds at least one layer, and models have at most 10000",
+        ));
+    }
+    if workers > MAX_WORKERS {
+        return Err(exceeded(
+            "the number of workers (replicas summed over stages)",
+            workers,
+            MAX_WORKERS,
+            "the largest mesh the transport admits",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks microbatches per update per replica.
+///
+/// # Errors
+/// [`ScheduleError::Spec`] past [`MAX_MICROBATCHES`].
+pub fn check_microbatches(microbatches: u64) -> Result<()> {
+    if microbatches > MAX_MICROBATCHES {
+        return Err(exceeded(
+            "microbatches per update",
+            microbatches,
+            MAX_MICROBATCHES,
+            "each one is a schedule slot on every worker; use larger microbatches instead",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the size of one schedule: `total` microbatches through `stages` model stages.
+///
+/// # Errors
+/// [`ScheduleError::Spec`] past [`MAX_SCHEDULE_PASSES`].
+pub fn check_schedule(total: u64, stages: u64) -> Result<()> {
+    let passes = total.saturating_mul(stages);
+    if passes > MAX_SCHEDULE_PASSES {
+        return Err(exceeded(
+            "one schedule's microbatch passes (microbatches x stages)",
+            passes,
+            MAX_SCHEDULE_PASSES,
+            "about 400 bytes each once lowered; ask for fewer updates, or checkpoint more often \
+             so that a run builds shorter schedules",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a model's layer count.
+///
+/// # Errors
+/// [`ScheduleError::Spec`] past [`MAX_LAYERS`].
+pub fn check_layers(layers: u64) -> Result<()> {
+    if layers > MAX_LAYERS {
+        return Err(exceeded(
+            "the number of layers",
+            layers,
+            MAX_LAYERS,
+            "no model this system builds comes close",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_name_the_request_and_the_bound() {
+        let e = check_layout(100_000, 100_000, 1).unwrap_err().to_string();
+        assert!(e.contains("100000") && e.contains("1024"), "{e}");
+        let e = check_layout(4, 1_000_000, 1).unwrap_err().to_string();
+        assert!(e.contains("workers") && e.contains("4096"), "{e}");
+        assert!(check_layout(1024, 4096, 1).is_ok());
+        assert!(check_microbatches(MAX_MICROBATCHES).is_ok());
+        assert!(check_microbatches(MAX_MICROBATCHES + 1).is_err());
+        assert!(check_schedule(u64::MAX, u64::MAX).is_err());
+        assert!(check_schedule(60_000, 8).is_ok());
+        assert!(check_layers(MAX_LAYERS + 1).is_err());
+    }
+}
