@@ -147,6 +147,10 @@ pub struct TrainArgs {
     /// the weights predicted for when the gradient is applied.
     #[arg(long, value_name = "none|discrepancy[:D]|lookahead[:D]")]
     weight_prediction: Option<String>,
+    /// Seconds a worker may wait for data before the run stops as stalled and the hang doctor
+    /// prints every worker's state and the wait-for graph (default 300).
+    #[arg(long, value_name = "SECONDS")]
+    stall_timeout: Option<f64>,
     /// Write checkpoints to DIR: at every epoch's end, every --checkpoint-every updates, and
     /// on Ctrl-C (pipelined runs).
     #[arg(long, value_name = "DIR")]
@@ -201,6 +205,7 @@ impl TrainArgs {
             sync_warmup: self.sync_warmup,
             lr_scaling: self.lr_scaling.clone(),
             weight_prediction: self.weight_prediction.clone(),
+            stall_timeout: self.stall_timeout,
             ..TrainSettings::default()
         }
     }

@@ -185,7 +185,7 @@ impl Profile {
                 };
                 if let Some(p) = parts.iter().find(|p| !p.is_finite() || **p < 0.0) {
                     return Err(bad(format!(
-                        "line {no}: {k} must be finite and >= 0, got {p}"
+                        "line {no}: {k} must be a finite number >= 0, got {p}"
                     )));
                 }
                 let v: f64 = parts.iter().sum();

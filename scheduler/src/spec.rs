@@ -489,7 +489,11 @@ impl ScheduleSpec {
             1 => u64::from(self.replicas[0]).saturating_mul(u64::from(self.stages)),
             _ => self.replicas.iter().map(|&r| u64::from(r)).sum(),
         };
-        let chunks = if self.policy.is_v_shaped() { 2 } else { self.chunks };
+        let chunks = if self.policy.is_v_shaped() {
+            2
+        } else {
+            self.chunks
+        };
         crate::limits::check_layout(u64::from(self.stages), workers, u64::from(chunks))?;
         let replicas = match self.replicas.len() {
             1 => vec![self.replicas[0]; self.stages as usize],

@@ -114,7 +114,9 @@ fn check_counts(args: &PlanArgs) -> Result<()> {
     for (flag, v) in [("--stages", args.stages), ("--workers", args.workers)] {
         match v {
             Some(0) => return Err(bad_input(format!("{flag} must be at least 1"))),
-            Some(n) => limits::check_layout(u64::from(n), u64::from(n), 1).map_err(schedule_error)?,
+            Some(n) => {
+                limits::check_layout(u64::from(n), u64::from(n), 1).map_err(schedule_error)?
+            }
             None => {}
         }
     }

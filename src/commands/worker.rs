@@ -102,6 +102,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
     let mut opts = QuicOptions::new(cluster.run_id);
     opts.wire = cfg.wire;
+    opts.timeout = Some(cfg.stall_timeout);
     opts.connect_timeout = Duration::from_secs_f64(args.connect_timeout);
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;

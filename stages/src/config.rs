@@ -137,9 +137,14 @@ impl<'de> Deserialize<'de> for ModelChoice {
         impl<'de> serde::de::Visitor<'de> for ChoiceVisitor {
             type Value = ModelChoice;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a preset name (\"mlp-784-512-512-10\") or a table with input and layers")
+                f.write_str(
+                    "a preset name (\"mlp-784-512-512-10\") or a table with input and layers",
+                )
             }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<ModelChoice, E> {
+            fn visit_str<E: serde::de::Error>(
+                self,
+                v: &str,
+            ) -> std::result::Result<ModelChoice, E> {
                 Ok(ModelChoice::Preset(v.to_string()))
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(
@@ -156,7 +161,9 @@ impl<'de> Deserialize<'de> for ModelChoice {
 
 /// Reads an optional `f32` setting through `f64`, refusing values an `f32` cannot hold
 /// (`1e300` would otherwise become infinity and be reported as such).
-fn finite_f32<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<f32>, D::Error> {
+fn finite_f32<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<f32>, D::Error> {
     let v = Option::<f64>::deserialize(d)?;
     v.map(|v| to_f32(v).map_err(serde::de::Error::custom))
         .transpose()
@@ -282,7 +289,15 @@ pub struct TrainSettings {
     /// Weight prediction from a velocity estimate (`none`, `discrepancy[:DECAY]`,
     /// `lookahead[:DECAY]`).
     pub weight_prediction: Option<String>,
+    /// Seconds a worker may wait for an activation, gradient or all-reduce chunk before the
+    /// run is stopped and the hang doctor reports (default [`DEFAULT_STALL_TIMEOUT`]).
+    pub stall_timeout: Option<f64>,
 }
+
+/// Seconds a worker waits for data before the run counts as stalled: far past any wait of a
+/// healthy run on this system (the slowest microbatch measured, gpt-small on one core, takes
+/// under 10 s), short enough that a hang ends the run the same hour.
+pub const DEFAULT_STALL_TIMEOUT: f64 = 300.0;
 
 /// A message on one line.
 fn one_line(msg: &str) -> String {
@@ -338,7 +353,12 @@ impl TrainSettings {
             let inner = e.into_inner();
             let at = inner
                 .span()
-                .map(|s| format!(" (line {})", text[..s.start.min(text.len())].lines().count().max(1)))
+                .map(|s| {
+                    format!(
+                        " (line {})",
+                        text[..s.start.min(text.len())].lines().count().max(1)
+                    )
+                })
                 .unwrap_or_default();
             StageError::Config(format!("{name}: {path}{at}: {}", one_line(inner.message())))
         })
@@ -352,7 +372,7 @@ impl TrainSettings {
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, transport, wire_dtype, sync_warmup, lr_scaling,
-            weight_prediction);
+            weight_prediction, stall_timeout);
     }
 
     /// Takes the layout a plan file describes (schedule, stages, replicas, partition), and its
@@ -465,9 +485,19 @@ impl TrainSettings {
             return bad("steps must be at least 1".into());
         }
         use crate::limits::{MAX_EPOCHS, MAX_STEPS, check_count};
-        check_count("--epochs", epochs, MAX_EPOCHS, "a run that would not end this year")?;
+        check_count(
+            "--epochs",
+            epochs,
+            MAX_EPOCHS,
+            "a run that would not end this year",
+        )?;
         if let Some(steps) = self.steps {
-            check_count("--steps", steps, MAX_STEPS, "a run that would not end this year")?;
+            check_count(
+                "--steps",
+                steps,
+                MAX_STEPS,
+                "a run that would not end this year",
+            )?;
         }
         let microbatch_size = self
             .microbatch_size
@@ -573,6 +603,12 @@ impl TrainSettings {
             &layout_spec,
         )?;
         let synthetic = self.synthetic.unwrap_or_default();
+        let stall = self.stall_timeout.unwrap_or(DEFAULT_STALL_TIMEOUT);
+        if !(stall.is_finite() && stall > 0.0 && stall <= 86_400.0 * 7.0) {
+            return bad(format!(
+                "stall timeout must be between 0 and 604800 seconds (a week), got {stall}"
+            ));
+        }
         Ok(RunConfig {
             model_name,
             model: model_spec,
@@ -601,6 +637,7 @@ impl TrainSettings {
             transport,
             wire,
             remedies,
+            stall_timeout: std::time::Duration::from_secs_f64(stall),
         })
     }
 }
@@ -663,6 +700,8 @@ pub struct RunConfig {
     pub wire: WireDType,
     /// Remedies for stale weights (asynchronous policies only).
     pub remedies: Remedies,
+    /// How long a worker waits for data before the run is stopped as stalled.
+    pub stall_timeout: std::time::Duration,
 }
 
 impl RunConfig {
@@ -755,7 +794,8 @@ impl PlanFile {
                 e.to_string().replace('\n', " ")
             ))
         })?;
-        f.check().map_err(|e| StageError::Config(format!("plan {source}: {e}")))?;
+        f.check()
+            .map_err(|e| StageError::Config(format!("plan {source}: {e}")))?;
         Ok(f)
     }
 
@@ -763,7 +803,10 @@ impl PlanFile {
     /// a schedule the planner plans, counts within [`crate::limits`], finite figures. The
     /// partition is checked against the model when the run resolves.
     fn check(&self) -> std::result::Result<(), String> {
-        let policy: Policy = self.schedule.parse().map_err(|e: pipe_scheduler::ScheduleError| e.to_string())?;
+        let policy: Policy = self
+            .schedule
+            .parse()
+            .map_err(|e: pipe_scheduler::ScheduleError| e.to_string())?;
         pipe_scheduler::planner::check_plannable(policy).map_err(|e| e.to_string())?;
         if self.replicas.is_empty() || self.replicas.contains(&0) || self.microbatches == 0 {
             return Err("replicas and microbatches must be at least 1".into());
@@ -781,9 +824,18 @@ impl PlanFile {
             )
             .map_err(|e| e.to_string())?;
         }
-        let times = [Some(self.time_per_microbatch), self.simulated_time_per_microbatch];
-        if let Some(t) = times.into_iter().flatten().find(|t| !(t.is_finite() && *t >= 0.0)) {
-            return Err(format!("a predicted time must be a finite number >= 0, got {t}"));
+        let times = [
+            Some(self.time_per_microbatch),
+            self.simulated_time_per_microbatch,
+        ];
+        if let Some(t) = times
+            .into_iter()
+            .flatten()
+            .find(|t| !(t.is_finite() && *t >= 0.0))
+        {
+            return Err(format!(
+                "a predicted time must be a finite number >= 0, got {t}"
+            ));
         }
         Ok(())
     }

@@ -30,6 +30,10 @@ pub enum StageError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A run stalled past its bound: the hang doctor's report (every worker's state, the
+    /// wait-for graph and the cause).
+    #[error("the run stalled: {0}")]
+    Stalled(String),
     /// A configuration value is invalid.
     #[error("config: {0}")]
     Config(String),
@@ -109,6 +113,20 @@ impl StageError {
             StageError::Schedule(e) => e.is_bad_input(),
             StageError::Worker { source, .. } => source.is_bad_input(),
             _ => false,
+        }
+    }
+
+    /// The worker whose receive of data timed out, what it waited for and how long, seen
+    /// through a worker's report; `None` for every other error.
+    pub fn stall(&self) -> Option<(u32, pipe_transport::Key, std::time::Duration)> {
+        match self {
+            StageError::Worker { worker, source, .. } => match source.as_ref() {
+                StageError::Transport(pipe_transport::TransportError::Timeout { key, waited }) => {
+                    Some((*worker, *key, *waited))
+                }
+                other => other.stall(),
+            },
+            _ => None,
         }
     }
 

@@ -434,14 +434,19 @@ mod tests {
     fn huge_widths_are_refused_before_allocation() {
         let model = Model::new(&ModelSpec::preset("mlp-784-1000000000-10").unwrap()).unwrap();
         let e = check_model_shapes(&model).unwrap_err().to_string();
-        assert!(e.contains("layers.1.weight") && e.contains("2147483648"), "{e}");
+        assert!(
+            e.contains("layers.1.weight") && e.contains("2147483648"),
+            "{e}"
+        );
         assert!(check_activations(&model, 64).is_err());
     }
 
     #[test]
     fn memory_estimate_follows_the_planner_and_scales_with_workers() {
         let model = Model::new(&ModelSpec::preset("mlp-784-1024x4-10").unwrap()).unwrap();
-        let run = ScheduleSpec::new(Policy::OneFOneBFlush, 1, 1).resolve().unwrap();
+        let run = ScheduleSpec::new(Policy::OneFOneBFlush, 1, 1)
+            .resolve()
+            .unwrap();
         let one = RunShape {
             model: &model,
             run: &run,
@@ -464,8 +469,13 @@ mod tests {
             local_workers: 3000,
             ..one
         };
-        let e = check_run_memory(&many, &machine(24)).unwrap_err().to_string();
-        assert!(e.contains("workers on this host") && e.contains("3000"), "{e}");
+        let e = check_run_memory(&many, &machine(24))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("workers on this host") && e.contains("3000"),
+            "{e}"
+        );
         let tight = check_run_memory(&one, &machine(0)).unwrap_err().to_string();
         assert!(tight.contains("needs at least"), "{tight}");
     }

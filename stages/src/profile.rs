@@ -149,8 +149,8 @@ fn check_profile_request(model: &Model, opts: &ProfileOptions) -> Result<()> {
     use crate::limits::{self, Machine, RunShape};
     limits::check_profile_repeats(opts.warmup as u64, opts.repeats as u64)?;
     limits::check_activations(model, opts.microbatch_size)?;
-    let run = pipe_scheduler::ScheduleSpec::new(pipe_scheduler::Policy::Sequential, 1, 1)
-        .resolve()?;
+    let run =
+        pipe_scheduler::ScheduleSpec::new(pipe_scheduler::Policy::Sequential, 1, 1).resolve()?;
     let shape = RunShape {
         model,
         run: &run,

@@ -20,7 +20,8 @@ use crate::{Early, Key, Kind, Message, Transport, TransportError};
 pub struct InProcOptions {
     /// Messages each directed channel holds before a sender blocks.
     pub capacity: usize,
-    /// How long a receive waits before failing with a timeout (None: forever, until aborted).
+    /// How long a receive of data waits before failing with a timeout, the stall bound (None:
+    /// forever, until aborted). Control records are waited for without bound.
     pub timeout: Option<Duration>,
     /// The wire precision to give activations and gradients: with bf16, their values are
     /// rounded as a networked transport's wire would round them (nothing is encoded), so an
@@ -199,7 +200,7 @@ impl Transport for InProc {
         let rx = self.from[key.from as usize].clone();
         let control = self.control.clone();
         let start = Instant::now();
-        let deadline = self.timeout.map(|t| start + t);
+        let deadline = crate::stall_deadline(self.timeout, key, start);
         loop {
             let timer = match deadline {
                 Some(d) => crossbeam_channel::at(d),

@@ -17,6 +17,7 @@
 
 pub mod cluster;
 pub mod collective;
+pub mod fault;
 pub mod frame;
 pub mod inproc;
 pub mod quic;
@@ -200,6 +201,19 @@ impl Early {
     pub(crate) fn len(&self) -> usize {
         self.0.len()
     }
+}
+
+/// When a receive of `key` that started at `start` gives up, under a stall bound of `timeout`:
+/// data only, never control records (whose waits are the chief's work between epochs).
+pub(crate) fn stall_deadline(
+    timeout: Option<Duration>,
+    key: &Key,
+    start: std::time::Instant,
+) -> Option<std::time::Instant> {
+    if key.kind == Kind::Control {
+        return None;
+    }
+    timeout.map(|t| start + t)
 }
 
 /// A worker's end of the mesh.

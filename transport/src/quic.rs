@@ -161,7 +161,10 @@ pub struct QuicOptions {
     pub run_id: u64,
     /// Element type of activations and gradients on the wire (all-reduce chunks are f32).
     pub wire: WireDType,
-    /// How long a receive waits (None: until the message, a failure or the idle limit).
+    /// How long a receive of data (activations, gradients, chunks) waits before it fails with
+    /// [`TransportError::Timeout`], the stall bound (None: until the message, a failure or the
+    /// idle limit). Control records are waited for without bound: the chief evaluating between
+    /// epochs is not a stall.
     pub timeout: Option<Duration>,
     /// How long connecting waits for peers that start late.
     pub connect_timeout: Duration,
@@ -1150,7 +1153,7 @@ impl Transport for Quic {
             return Err(TransportError::Aborted { by });
         }
         let start = Instant::now();
-        let deadline = self.opts.timeout.map(|t| start + t);
+        let deadline = crate::stall_deadline(self.opts.timeout, key, start);
         loop {
             if let Some(e) = self.gone(key.from, Some(key.kind)) {
                 // Frames read before the stream ended are already in the channel.

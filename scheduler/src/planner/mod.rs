@@ -31,8 +31,8 @@ mod model;
 mod types;
 
 pub use model::{
-    PlanOptions, WireDtype, explain, frontier, plan, plan_checked, range_costs, simulate_plan,
-    simulate_plan_with_memory, stage_costs, worker_memory_bytes, check_plannable,
+    PlanOptions, WireDtype, check_plannable, explain, frontier, plan, plan_checked, range_costs,
+    simulate_plan, simulate_plan_with_memory, stage_costs, worker_memory_bytes,
 };
 
 use crate::error::{Result, ScheduleError};

@@ -57,8 +57,12 @@ pub fn run_worker_with<B: Backend, T: Transport + ?Sized>(
         action,
         source: Box::new(e),
     };
-    let result = run_program(be, t, setup, state, t0, between)
-        .map_err(|(a, e)| wrap(a.map_or_else(|| "start".to_string(), |a| a.to_string()), e));
+    let mut progress = super::doctor::StopPoint::default();
+    let result = run_program(be, t, setup, state, t0, between, &mut progress);
+    progress.finished = result.is_ok();
+    state.progress = progress;
+    let result =
+        result.map_err(|(a, e)| wrap(a.map_or_else(|| "start".to_string(), |a| a.to_string()), e));
     match result {
         Ok(core) => core.finish(state).map_err(|e| wrap("end".into(), e)),
         Err(e) => {
@@ -78,14 +82,22 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     state: &WorkerState,
     t0: Instant,
     between: &mut dyn FnMut(&mut T) -> Result<()>,
+    progress: &mut super::doctor::StopPoint,
 ) -> std::result::Result<WorkerCore<'s, 'a>, (Option<Action>, StageError)> {
     let mut core = WorkerCore::new(be, setup, state).map_err(|e| (None, e))?;
     let program = &setup.plan.schedule.programs[state.worker as usize];
     let m = WorkerMetrics::new(state.worker);
     for (pc, &a) in program.iter().enumerate() {
         let start = t0.elapsed().as_secs_f64();
+        progress.at = Some(a);
         let bytes = step(be, t, &mut core, pc, a).map_err(|e| (Some(a), e))?;
         between(t).map_err(|e| (Some(a), e))?;
+        *progress = super::doctor::StopPoint {
+            at: None,
+            completed: pc + 1,
+            last_completed: Some(a),
+            finished: false,
+        };
         let end = t0.elapsed().as_secs_f64();
         let held = core.versions_held() as u32;
         let compute = a.kind().is_compute() || matches!(a, Action::Update { .. });

@@ -38,6 +38,8 @@ pub struct WorkerState {
     pub worker: WorkerId,
     /// Its stages.
     pub stages: Vec<StageState>,
+    /// Where its last run's program stands (or stopped): what the hang doctor reads.
+    pub progress: super::doctor::StopPoint,
 }
 
 impl WorkerState {
@@ -55,7 +57,11 @@ impl WorkerState {
                 StageState { stage, params, opt }
             })
             .collect();
-        WorkerState { worker, stages }
+        WorkerState {
+            worker,
+            stages,
+            progress: super::doctor::StopPoint::default(),
+        }
     }
 }
 

@@ -18,6 +18,7 @@
 //! them. Every forward and backward records the version it actually used, so a run's log can be
 //! compared with the plan, and the final weights with the reference trainer's.
 
+pub mod doctor;
 pub mod driver;
 pub mod exec;
 pub mod launch;

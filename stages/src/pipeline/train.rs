@@ -575,6 +575,7 @@ impl<'c> Run<'c> {
                 TransportKind::InProcess => {
                     let opts = InProcOptions {
                         wire: cfg.wire,
+                        timeout: Some(cfg.stall_timeout),
                         ..InProcOptions::default()
                     };
                     run_threads_reporting(setup, states, mesh(workers, &opts), backend, progress)
@@ -582,6 +583,7 @@ impl<'c> Run<'c> {
                 TransportKind::Quic => {
                     let mut opts = QuicOptions::new(run_id(cfg.seed, seg.done));
                     opts.wire = cfg.wire;
+                    opts.timeout = Some(cfg.stall_timeout);
                     let eps = local_mesh(workers, &opts)?;
                     run_threads_reporting(setup, states, eps, backend, progress)
                 }
