@@ -233,7 +233,7 @@ pub fn config_text(
 ) -> Result<(String, String)> {
     match path {
         Some(p) => Ok((
-            pipe_stages::limits::read_text_file(p)?,
+            pipe_stages::limits::read_text_file(p, "experiment file")?,
             p.display().to_string(),
         )),
         None => Ok((default.to_string(), default_name.to_string())),

@@ -137,14 +137,22 @@ fn run() -> Result<()> {
             return Ok(());
         }
         Err(e) => {
+            // One line: clap's message with the lines that name what is missing or wrong
+            // (the required arguments it lists below its first line), without its usage hint.
             let text = e.render().to_string();
-            let first = text
+            let parts: Vec<&str> = text
                 .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ")
-                .to_string();
-            return Err(bad_input(first));
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+                .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+                .collect();
+            let line = parts.join(" ");
+            let line = line.trim_start_matches("error: ");
+            return Err(bad_input(if line.is_empty() {
+                "invalid arguments".to_string()
+            } else {
+                line.to_string()
+            }));
         }
     };
     match cli.command {

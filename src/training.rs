@@ -229,13 +229,13 @@ pub struct Resolved {
 pub fn run_config(args: &TrainArgs) -> Result<Resolved> {
     let mut settings = TrainSettings::default();
     if let Some(path) = &args.config {
-        let text = pipe_stages::limits::read_text_file(path)?;
+        let text = pipe_stages::limits::read_text_file(path, "config")?;
         settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
     }
     settings.merge(args.settings());
     if let Some(path) = &args.plan {
         let source = path.display().to_string();
-        let text = pipe_stages::limits::read_text_file(path)?;
+        let text = pipe_stages::limits::read_text_file(path, "plan")?;
         settings.apply_plan(&PlanFile::parse(&text, &source)?, &source)?;
     }
     let cfg = settings.clone().resolve()?;

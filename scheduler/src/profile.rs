@@ -109,6 +109,15 @@ pub const MAX_PROFILE_BYTES: f64 = (1u64 << 50) as f64;
 /// The largest microbatch size a profile may state.
 pub const MAX_PROFILE_MICROBATCH: u64 = 1 << 31;
 
+/// A figure as a message shows it: plain, or in exponent form when it is huge or tiny.
+fn number(v: f64) -> String {
+    if v != 0.0 && !(1e-4..1e9).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
 fn bad(msg: impl Into<String>) -> ScheduleError {
     ScheduleError::Profile(msg.into())
 }
@@ -183,7 +192,8 @@ impl Profile {
                     Some(list) => list.split(';').map(number).collect::<Result<Vec<f64>>>()?,
                     None => vec![number(v)?],
                 };
-                if let Some(p) = parts.iter().find(|p| !p.is_finite() || **p < 0.0) {
+                // A single value is checked with the layer's other fields, by name.
+                if let Some(p) = parts.iter().find(|p| parts.len() > 1 && (!p.is_finite() || **p < 0.0)) {
                     return Err(bad(format!(
                         "line {no}: {k} must be a finite number >= 0, got {p}"
                     )));
@@ -393,8 +403,9 @@ impl Profile {
             ] {
                 if !v.is_finite() || v < 0.0 {
                     return Err(bad(format!(
-                        "layer {i} ({:?}): {name} must be a finite number >= 0, got {v}",
-                        l.name
+                        "layer {i} ({:?}): {name} must be a finite number >= 0, got {}",
+                        l.name,
+                        number(v)
                     )));
                 }
                 let (bound, unit) = if name.ends_with("bytes") {
@@ -404,8 +415,9 @@ impl Profile {
                 };
                 if v > bound {
                     return Err(bad(format!(
-                        "layer {i} ({:?}): {name} is {v}, over the limit of {bound:e} {unit}",
-                        l.name
+                        "layer {i} ({:?}): {name} is {}, over the limit of {bound:e} {unit}",
+                        l.name,
+                        number(v)
                     )));
                 }
             }

@@ -84,7 +84,7 @@ pub struct PlanArgs {
 
 /// Reads a profile: pipe's JSON, or PipeDream's graph format.
 fn load_profile(path: &Path) -> Result<Profile> {
-    let text = pipe_stages::limits::read_text_file(path)?;
+    let text = pipe_stages::limits::read_text_file(path, "profile")?;
     if text.trim_start().starts_with('{') {
         Profile::from_json(&text)
     } else {
@@ -114,8 +114,11 @@ fn check_counts(args: &PlanArgs) -> Result<()> {
     for (flag, v) in [("--stages", args.stages), ("--workers", args.workers)] {
         match v {
             Some(0) => return Err(bad_input(format!("{flag} must be at least 1"))),
+            // S stages hold one worker each; W workers may form as few as one stage.
             Some(n) => {
-                limits::check_layout(u64::from(n), u64::from(n), 1).map_err(schedule_error)?
+                let stages = if flag == "--stages" { n } else { 1 };
+                limits::check_layout(u64::from(stages), u64::from(n), 1)
+                    .map_err(schedule_error)?;
             }
             None => {}
         }

@@ -67,7 +67,7 @@ pub struct SimulateArgs {
 /// The cost model: the cost file when given (with `--cores` over its own), else the flags.
 fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
     if let Some(path) = &args.costs {
-        let text = pipe_stages::limits::read_text_file(path)?;
+        let text = pipe_stages::limits::read_text_file(path, "cost file")?;
         let parsed: Result<CostModel, String> = if path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("json"))

@@ -603,6 +603,7 @@ impl TrainSettings {
             &layout_spec,
         )?;
         let synthetic = self.synthetic.unwrap_or_default();
+        crate::limits::check_synthetic(&synthetic)?;
         let stall = self.stall_timeout.unwrap_or(DEFAULT_STALL_TIMEOUT);
         if !(stall.is_finite() && stall > 0.0 && stall <= 86_400.0 * 7.0) {
             return bad(format!(

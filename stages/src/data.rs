@@ -231,6 +231,9 @@ const TINYSHAKESPEARE: &str = include_str!("../../data/tinyshakespeare.txt");
 /// Largest text corpus read from disk.
 pub const MAX_TEXT_BYTES: usize = 256 << 20;
 
+/// Smallest corpus file read: shorter texts leave too little to hold out.
+pub const MIN_TEXT_BYTES: usize = 1024;
+
 /// Share of a corpus, in tenths, that trains; the rest (the end of the text) validates.
 const TRAIN_TENTHS: usize = 9;
 
@@ -353,6 +356,16 @@ pub fn tinyshakespeare_text(dir: Option<&Path>) -> Result<std::borrow::Cow<'stat
         return Err(data_err(
             &name,
             format!("larger than {MAX_TEXT_BYTES} bytes"),
+        ));
+    }
+    if bytes.len() < MIN_TEXT_BYTES {
+        return Err(data_err(
+            &name,
+            format!(
+                "{} bytes; a corpus needs at least {MIN_TEXT_BYTES} (its last tenth is held out, \
+                 and both parts must cover its characters)",
+                bytes.len()
+            ),
         ));
     }
     let text =

@@ -119,36 +119,58 @@ pub const MAX_TEXT_FILE_BYTES: u64 = 16 << 20;
 /// [`StageError::Limit`] for a longer file; [`StageError::Data`] naming `path` when it cannot
 /// be read.
 pub fn read_file(path: &std::path::Path, max: u64) -> Result<Vec<u8>> {
-    use std::io::Read as _;
     let name = path.display().to_string();
-    let data_err = |reason: String| StageError::Data {
-        source_name: name.clone(),
-        reason,
-    };
-    let file = std::fs::File::open(path).map_err(|e| data_err(format!("cannot read: {e}")))?;
+    read_bounded(path, max).map_err(|e| match e {
+        Bounded::Io(e) => StageError::Data {
+            source_name: name,
+            reason: format!("cannot read: {e}"),
+        },
+        Bounded::Long => too_long(path, max),
+    })
+}
+
+/// Why [`read_bounded`] failed.
+enum Bounded {
+    Io(std::io::Error),
+    Long,
+}
+
+fn too_long(path: &std::path::Path, max: u64) -> StageError {
+    StageError::Limit(format!(
+        "{} is larger than the limit of {max} bytes for this kind of file (those this \
+         project writes are far smaller; is it the right file?)",
+        path.display()
+    ))
+}
+
+/// At most `max` bytes of `path`.
+fn read_bounded(path: &std::path::Path, max: u64) -> std::result::Result<Vec<u8>, Bounded> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path).map_err(Bounded::Io)?;
     let mut bytes = Vec::new();
     file.take(max.saturating_add(1))
         .read_to_end(&mut bytes)
-        .map_err(|e| data_err(format!("cannot read: {e}")))?;
+        .map_err(Bounded::Io)?;
     if bytes.len() as u64 > max {
-        return Err(StageError::Limit(format!(
-            "{name} is larger than the limit of {max} bytes for this kind of file (those this \
-             project writes are far smaller; is it the right file?)"
-        )));
+        return Err(Bounded::Long);
     }
     Ok(bytes)
 }
 
-/// Reads a UTF-8 text file of at most [`MAX_TEXT_FILE_BYTES`].
+/// Reads a UTF-8 text file of at most [`MAX_TEXT_FILE_BYTES`]; `what` names the kind of file
+/// in errors (`config`, `plan`, `profile`, `cost file`).
 ///
 /// # Errors
-/// As [`read_file`], and [`StageError::Data`] for text that is not UTF-8.
-pub fn read_text_file(path: &std::path::Path) -> Result<String> {
-    let bytes = read_file(path, MAX_TEXT_FILE_BYTES)?;
-    String::from_utf8(bytes).map_err(|e| StageError::Data {
-        source_name: path.display().to_string(),
-        reason: format!("not UTF-8 text: {e}"),
-    })
+/// [`StageError::Config`] naming `what` and `path` when it cannot be read or is not UTF-8;
+/// [`StageError::Limit`] for a longer file.
+pub fn read_text_file(path: &std::path::Path, what: &str) -> Result<String> {
+    let shown = path.display();
+    let bytes = read_bounded(path, MAX_TEXT_FILE_BYTES).map_err(|e| match e {
+        Bounded::Io(e) => StageError::Config(format!("cannot read {what} {shown}: {e}")),
+        Bounded::Long => too_long(path, MAX_TEXT_FILE_BYTES),
+    })?;
+    String::from_utf8(bytes)
+        .map_err(|e| StageError::Config(format!("{what} {shown} is not UTF-8 text: {e}")))
 }
 
 /// Checks a count against its bound.
@@ -186,6 +208,25 @@ pub fn check_profile_repeats(warmup: u64, repeats: u64) -> Result<()> {
     let why = "a profile's medians are stable after a few dozen";
     check_count("--warmup", warmup, MAX_PROFILE_REPEATS, why)?;
     check_count("--repeats", repeats, MAX_PROFILE_REPEATS, why)
+}
+
+/// Checks the synthetic dataset's shape: its samples times inputs (the features it
+/// generates), and its teacher network (inputs times hidden, hidden times classes), each
+/// against [`MAX_TENSOR_ELEMENTS`].
+///
+/// # Errors
+/// [`StageError::Limit`] naming the setting.
+pub fn check_synthetic(c: &crate::data::SyntheticConfig) -> Result<()> {
+    let why = "elements of one tensor, 8 GiB of f32";
+    let samples = (c.train as u64).saturating_add(c.test as u64);
+    for (what, n) in [
+        ("synthetic samples x inputs", samples.saturating_mul(c.inputs as u64)),
+        ("synthetic inputs x hidden", (c.inputs as u64).saturating_mul(c.hidden as u64)),
+        ("synthetic hidden x classes", (c.hidden as u64).saturating_mul(c.classes as u64)),
+    ] {
+        check_count(what, n, MAX_TENSOR_ELEMENTS, why)?;
+    }
+    Ok(())
 }
 
 /// Elements of a shape, or `None` past `u64`.

@@ -117,15 +117,42 @@ impl TryFrom<RawModelSpec> for ModelSpec {
 fn parse_layer(value: serde_json::Value) -> std::result::Result<LayerSpec, String> {
     let spec: LayerSpec = serde_path_to_error::deserialize(value.clone()).map_err(|e| {
         let path = e.path().to_string();
-        if path == "." || path.is_empty() {
-            e.into_inner().to_string()
-        } else {
-            format!("{path}: {}", e.into_inner())
+        let msg = e.into_inner().to_string();
+        if path != "." && !path.is_empty() {
+            return format!("{path}: {msg}");
+        }
+        // An internally tagged enum reads its fields from a buffer, where the path is lost:
+        // name the key whose value the message quotes.
+        match offending_key(&value, &msg) {
+            Some((key, v)) => format!("`{key}` = {v}: {msg}"),
+            None => msg,
         }
     })?;
     let known = serde_json::to_value(&spec).map_err(|e| e.to_string())?;
     unknown_key(&value, &known, "")?;
     Ok(spec)
+}
+
+/// The key of a layer's table that serde's message `msg` is about: the unknown field it names,
+/// or the one field whose value it quotes.
+fn offending_key<'v>(
+    layer: &'v serde_json::Value,
+    msg: &str,
+) -> Option<(&'v str, &'v serde_json::Value)> {
+    let fields = layer.as_object()?;
+    if let Some(rest) = msg.strip_prefix("unknown field `") {
+        let name = rest.split('`').next()?;
+        return fields.get_key_value(name).map(|(k, v)| (k.as_str(), v));
+    }
+    let quoted = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => {
+            msg.contains(&format!("\"{s}\"")) || msg.contains(&format!("`{s}`"))
+        }
+        other => msg.contains(&format!("`{other}`")),
+    };
+    let mut hits = fields.iter().filter(|(k, v)| *k != "type" && quoted(v));
+    let first = hits.next()?;
+    hits.next().is_none().then_some((first.0.as_str(), first.1))
 }
 
 /// The first key of `given` (with its path below `at`) that the parsed layer `known` does not
