@@ -3,7 +3,8 @@
 //! worker; resuming
 //! under another layout works; corrupted, truncated, missing and foreign checkpoints are
 //! refused naming the file; a process killed while writing one leaves the previous one
-//! loadable and `latest` on it; `pipe eval` reads them.
+//! loadable and `latest` on it; a checkpoint directory made read-only or a full disk stops the
+//! run naming the write and keeps the last checkpoint; `pipe eval` reads them.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -436,4 +437,94 @@ fn worker_processes_checkpoint_through_the_chief_and_resume_like_one_process() {
         .concat(),
     ));
     assert_eq!(weights(&whole), weights(&again));
+}
+
+/// A run whose checkpoint directory is taken away from under it (read-only or full), started
+/// by `launch` with the directory `d`: it must stop with one error line naming the write and
+/// `cause`, and leave the first checkpoint whole and `latest` on it. `spoil` spoils the
+/// directory once the first checkpoint exists.
+fn storage_fault(d: &Path, launch: Command, spoil: impl FnOnce(), cause: &str) {
+    let mut launch = launch;
+    let child = launch
+        .arg("train")
+        .args(flags("pipedream"))
+        .args(["--checkpoint-dir", s(d), "--checkpoint-every", "8"])
+        // Slow each checkpoint down so the directory is spoiled before the second.
+        .env("PIPE_FAULT_CHECKPOINT_PAUSE_MS", "200")
+        .env_remove("RUST_BACKTRACE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !d.join("latest").exists() {
+        assert!(t.elapsed() < Duration::from_secs(60), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    spoil();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("writing checkpoint") && lines[0].contains(cause),
+        "{err}"
+    );
+    let latest = std::fs::read_to_string(d.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "ckpt-00000008", "{err}");
+    let text = ok(&eval(d));
+    assert!(text.contains("ckpt-00000008"), "{text}");
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+#[test]
+fn a_checkpoint_directory_made_read_only_stops_the_run_and_keeps_the_last_checkpoint() {
+    // Permission bits do not bind root: the run drops to `nobody`, and root takes the
+    // directory's write permission away.
+    if !is_root() || Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("skipped: needs root and setpriv to run pipe as another user");
+        return;
+    }
+    let d = dir("readonly");
+    std::os::unix::fs::chown(&d, Some(65534), Some(65534)).unwrap();
+    let mut launch = Command::new("setpriv");
+    launch.args(["--reuid=65534", "--regid=65534", "--clear-groups", PIPE]);
+    let spoil = || {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o555)).unwrap();
+    };
+    storage_fault(&d, launch, spoil, "Permission denied");
+}
+
+#[test]
+fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
+    // A 400 KiB file system holds one checkpoint of this model (about 230 KiB), not two.
+    let d = dir("full");
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=400k", "tmpfs", s(&d)])
+        .output();
+    if !mounted.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: cannot mount a tmpfs here ({mounted:?})");
+        return;
+    }
+    let result = std::panic::catch_unwind(|| {
+        storage_fault(&d, Command::new(PIPE), || {}, "No space left on device");
+        // The partial copy was removed, giving its space back.
+        let partial = std::fs::read_dir(&d)
+            .unwrap()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(".tmp-ckpt-"));
+        assert!(!partial, "a partial checkpoint was left on the full disk");
+    });
+    let _ = Command::new("umount").arg(s(&d)).status();
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
 }

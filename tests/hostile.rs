@@ -142,20 +142,53 @@ fn cli_rows() -> Vec<Row> {
         // Counts and sizes on the command line.
         row("train --stages 0", "stages must be at least 1"),
         row("train --replicas 0", "replicas must be at least 1"),
-        row("train --microbatch-size 0", "microbatch size must be at least 1"),
+        row(
+            "train --microbatch-size 0",
+            "microbatch size must be at least 1",
+        ),
         row("train --microbatches 0", "at least 1"),
         row("train --epochs 0", "epochs must be at least 1"),
         row("train --steps 0", "steps must be at least 1"),
-        row("train --epochs 1000000", "--epochs is 1000000, over the limit of 100000"),
-        row("train --steps 99999999999", "--steps is 99999999999, over the limit"),
-        row("train --threads 100000", "--threads is 100000, over the limit"),
-        row("train --stages 2 --replicas 3000", "workers (replicas summed over stages) is 6000"),
-        row("train --stages 2 --replicas 200", "workers on this host is 400"),
-        row("train --stages 2000", "model stages (stages x chunks) is 2000"),
-        row("train --stages 2 --microbatches 100000", "microbatches per update is 100000"),
-        row("train --stages 3 --replicas 1,2", "lists 2 values for 3 stages"),
-        row("train --microbatch-size 100000000", "over the limit of 2147483648"),
-        row("train --stages 4 --microbatches 65536 --steps 1", "one update needs 4194304 samples"),
+        row(
+            "train --epochs 1000000",
+            "--epochs is 1000000, over the limit of 100000",
+        ),
+        row(
+            "train --steps 99999999999",
+            "--steps is 99999999999, over the limit",
+        ),
+        row(
+            "train --threads 100000",
+            "--threads is 100000, over the limit",
+        ),
+        row(
+            "train --stages 2 --replicas 3000",
+            "workers (replicas summed over stages) is 6000",
+        ),
+        row(
+            "train --stages 2 --replicas 200",
+            "workers on this host is 400",
+        ),
+        row(
+            "train --stages 2000",
+            "model stages (stages x chunks) is 2000",
+        ),
+        row(
+            "train --stages 2 --microbatches 100000",
+            "microbatches per update is 100000",
+        ),
+        row(
+            "train --stages 3 --replicas 1,2",
+            "lists 2 values for 3 stages",
+        ),
+        row(
+            "train --microbatch-size 100000000",
+            "over the limit of 2147483648",
+        ),
+        row(
+            "train --stages 4 --microbatches 65536 --steps 1",
+            "one update needs 4194304 samples",
+        ),
         // Numbers that are not numbers, or not in range.
         row("train --lr 0", "learning rate must be positive"),
         row("train --lr -1", "learning rate must be positive"),
@@ -171,12 +204,24 @@ fn cli_rows() -> Vec<Row> {
         row("train --stages 99999999999999999999", "invalid value"),
         // Names.
         row("train --model nope", "unknown model preset 'nope'"),
-        row("train --model mlp-784", "needs at least an input and an output width"),
+        row(
+            "train --model mlp-784",
+            "needs at least an input and an output width",
+        ),
         row("train --model mlp-784-0-10", "'0' is not a positive width"),
         row("train --model mlp-784--10", "is not a positive width"),
-        row("train --model mlp-784-1000000000-10", "layers.1.weight [784, 1000000000]"),
-        row("train --model mlp-784-10x100000-10", "repeated layers is too many"),
-        row("train --model mlp-784-10x9000-10x9000-10", "the number of layers is"),
+        row(
+            "train --model mlp-784-1000000000-10",
+            "layers.1.weight [784, 1000000000]",
+        ),
+        row(
+            "train --model mlp-784-10x100000-10",
+            "repeated layers is too many",
+        ),
+        row(
+            "train --model mlp-784-10x9000-10x9000-10",
+            "the number of layers is",
+        ),
         row("train --schedule nope", "nope"),
         row("train --backend tpu", "tpu"),
         row("train --backend cuda", "CUDA"),
@@ -188,10 +233,22 @@ fn cli_rows() -> Vec<Row> {
         row("train --lr-scaling bogus", "bogus"),
         row("train --weight-prediction bogus", "bogus"),
         // Layouts the schedules refuse.
-        row("train --chunks 2 --stages 2", "needs --schedule interleaved"),
-        row("train --schedule interleaved --stages 2 --chunks 2 --microbatches 3", "multiple of the stage count"),
-        row("train --schedule zb-v --stages 2 --microbatches 2", "needs at least 2 x stages"),
-        row("train --schedule interleaved --stages 2 --chunks 2 --replicas 1,2 --microbatches 2", "same replica count"),
+        row(
+            "train --chunks 2 --stages 2",
+            "needs --schedule interleaved",
+        ),
+        row(
+            "train --schedule interleaved --stages 2 --chunks 2 --microbatches 3",
+            "multiple of the stage count",
+        ),
+        row(
+            "train --schedule zb-v --stages 2 --microbatches 2",
+            "needs at least 2 x stages",
+        ),
+        row(
+            "train --schedule interleaved --stages 2 --chunks 2 --replicas 1,2 --microbatches 2",
+            "same replica count",
+        ),
         row("train --stages 2 --partition 0-1,5-9", "partition"),
         row("train --stages 2 --partition 0-100", "partition"),
         row("train --stages 2 --partition banana", "partition"),
@@ -200,27 +257,66 @@ fn cli_rows() -> Vec<Row> {
         row("train --config {d}/missing.toml", "missing.toml"),
         row("train --plan {d}/missing.toml", "missing.toml"),
         row("train --data-dir {d}/nowhere --steps 1", "nowhere"),
-        row("train --config /dev/zero", "larger than the limit of 16777216 bytes"),
+        row(
+            "train --config /dev/zero",
+            "larger than the limit of 16777216 bytes",
+        ),
         row("train --config {d}", "cannot read"),
         row("eval --checkpoint {d}/nowhere", "nowhere"),
         // Other commands.
-        row("plan --model mlp-784-1024x4-10 --stages 0", "--stages must be at least 1"),
-        row("plan --model mlp-784-1024x4-10 --workers 0", "--workers must be at least 1"),
-        row("plan --model mlp-784-1024x4-10 --workers 100000", "over the limit of 4096"),
-        row("plan --model mlp-784-1024x4-10 --workers 2 --microbatches 0", "--microbatches must be at least 1"),
-        row("plan --model mlp-784-1024x4-10 --workers 2 --schedule interleaved", "is not planned"),
-        row("plan --model mlp-784-1024x4-10 --workers 2 --bandwidth 0", "bandwidth"),
+        row(
+            "plan --model mlp-784-1024x4-10 --stages 0",
+            "--stages must be at least 1",
+        ),
+        row(
+            "plan --model mlp-784-1024x4-10 --workers 0",
+            "--workers must be at least 1",
+        ),
+        row(
+            "plan --model mlp-784-1024x4-10 --workers 100000",
+            "over the limit of 4096",
+        ),
+        row(
+            "plan --model mlp-784-1024x4-10 --workers 2 --microbatches 0",
+            "--microbatches must be at least 1",
+        ),
+        row(
+            "plan --model mlp-784-1024x4-10 --workers 2 --schedule interleaved",
+            "is not planned",
+        ),
+        row(
+            "plan --model mlp-784-1024x4-10 --workers 2 --bandwidth 0",
+            "bandwidth",
+        ),
         row("plan --workers 2", "--profile"),
-        row("profile --warmup 18446744073709551615", "--warmup is 18446744073709551615, over the limit of 10000"),
+        row(
+            "profile --warmup 18446744073709551615",
+            "--warmup is 18446744073709551615, over the limit of 10000",
+        ),
         row("profile --repeats 0", "at least 1"),
         row("profile --repeats 100000", "--repeats is 100000"),
         row("profile --threads 100000", "--threads is 100000"),
-        row("profile --model mlp-784-1000000000-10", "over the limit of 2147483648"),
+        row(
+            "profile --model mlp-784-1000000000-10",
+            "over the limit of 2147483648",
+        ),
         row("profile --microbatch-size 0", "at least 1"),
-        row("schedule --stages 100000 --microbatches 100000", "microbatches per update is 100000"),
-        row("schedule --stages 100000", "model stages (stages x chunks) is 100000"),
-        row("schedule --stages 2 --replicas 1000000", "workers (replicas summed over stages) is 2000000"),
-        row("schedule --stages 8 --microbatches 60000 --updates 100", "microbatch passes"),
+        row(
+            "schedule --stages 100000 --microbatches 100000",
+            "microbatches per update is 100000",
+        ),
+        row(
+            "schedule --stages 100000",
+            "model stages (stages x chunks) is 100000",
+        ),
+        row(
+            "schedule --stages 2 --replicas 1000000",
+            "workers (replicas summed over stages) is 2000000",
+        ),
+        row(
+            "schedule --stages 8 --microbatches 60000 --updates 100",
+            "microbatch passes",
+        ),
         row("schedule --schedule nope", "nope"),
         row("simulate --stages 0", "at least 1"),
         row("frobnicate", "frobnicate"),
@@ -236,8 +332,14 @@ fn config_rows() -> Vec<Row> {
         config("this is not toml", "c.toml"),
         config("colour = 3\n", "unknown field `colour`"),
         config("[synthetic]\nshade = 1\n", "unknown field `shade`"),
-        config("dataset = \"synthetic\"\n[synthetic]\ntrain = 1000000000000\n", "synthetic samples x inputs"),
-        config("dataset = \"synthetic\"\n[synthetic]\nhidden = 1000000000000\n", "synthetic inputs x hidden"),
+        config(
+            "dataset = \"synthetic\"\n[synthetic]\ntrain = 1000000000000\n",
+            "synthetic samples x inputs",
+        ),
+        config(
+            "dataset = \"synthetic\"\n[synthetic]\nhidden = 1000000000000\n",
+            "synthetic inputs x hidden",
+        ),
         config("model = 42\n", "a preset name"),
         config("lr = 1e300\n", "too large"),
         config("lr = nan\n", "not a finite number"),
@@ -245,52 +347,150 @@ fn config_rows() -> Vec<Row> {
         config("stages = \"two\"\n", "stages"),
         config("replicas = []\n", "replicas must be at least 1"),
         config("schedule = 7\n", "schedule"),
-        layers(r#"{ type = "flatten", foo = 1 }, { type = "linear", inputs = 784, outputs = 10 }"#, "layer 0: unknown key `foo` = 1"),
-        layers(r#"{ type = "flatten" }, { type = "relu", foo = 1 }, { type = "linear", inputs = 784, outputs = 10 }"#, "layer 1: unknown key `foo`"),
-        layers(r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 10, bogus = 2 }"#, "layer 1: `bogus` = 2: unknown field `bogus`"),
-        layers(r#"{ type = "flatten" }, { type = "linar", inputs = 784, outputs = 10 }"#, "layer 1: type: unknown variant `linar`"),
-        layers(r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = -5 }"#, "layer 1: `outputs` = -5: invalid value"),
-        layers(r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = "ten" }"#, "layer 1: `outputs` = \"ten\": invalid type"),
-        layers(r#"{ type = "flatten" }, { type = "linear", inputs = 784 }"#, "layer 1: missing field `outputs`"),
+        layers(
+            r#"{ type = "flatten", foo = 1 }, { type = "linear", inputs = 784, outputs = 10 }"#,
+            "layer 0: unknown key `foo` = 1",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "relu", foo = 1 }, { type = "linear", inputs = 784, outputs = 10 }"#,
+            "layer 1: unknown key `foo`",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 10, bogus = 2 }"#,
+            "layer 1: `bogus` = 2: unknown field `bogus`",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linar", inputs = 784, outputs = 10 }"#,
+            "layer 1: type: unknown variant `linar`",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = -5 }"#,
+            "layer 1: `outputs` = -5: invalid value",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = "ten" }"#,
+            "layer 1: `outputs` = \"ten\": invalid type",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linear", inputs = 784 }"#,
+            "layer 1: missing field `outputs`",
+        ),
         layers(r#"{ inputs = 784 }"#, "layer 0: missing field `type`"),
-        layers(r#"{ type = "flatten" }, { type = "residual", layers = [ { type = "relu", foo = 1 } ] }, { type = "linear", inputs = 784, outputs = 10 }"#, "layer 1: unknown key `layers.0.foo`"),
-        layers(r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 10, init = "magic" }"#, "layer 1: `init` = \"magic\": unknown variant"),
-        layers(r#"{ type = "flatten" }, { type = "dropout", p = 1.5 }, { type = "linear", inputs = 784, outputs = 10 }"#, "layer 1"),
-        layers(r#"{ type = "flatten" }, { type = "layer_norm", features = 784, eps = -1.0 }, { type = "linear", inputs = 784, outputs = 10 }"#, "layer 1"),
-        layers(r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 20 }, { type = "linear", inputs = 30, outputs = 10 }"#, "layer 2"),
-        layers(r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 7 }"#, "has 7 outputs but"),
-        layers(r#"{ type = "relu" }, { type = "linear", inputs = 784, outputs = 10 }"#, "which its layers do not take"),
-        layers(r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 4000000000 }, { type = "linear", inputs = 4000000000, outputs = 10 }"#, "over the limit of 2147483648"),
+        layers(
+            r#"{ type = "flatten" }, { type = "residual", layers = [ { type = "relu", foo = 1 } ] }, { type = "linear", inputs = 784, outputs = 10 }"#,
+            "layer 1: unknown key `layers.0.foo`",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 10, init = "magic" }"#,
+            "layer 1: `init` = \"magic\": unknown variant",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "dropout", p = 1.5 }, { type = "linear", inputs = 784, outputs = 10 }"#,
+            "layer 1",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "layer_norm", features = 784, eps = -1.0 }, { type = "linear", inputs = 784, outputs = 10 }"#,
+            "layer 1",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 20 }, { type = "linear", inputs = 30, outputs = 10 }"#,
+            "layer 2",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 7 }"#,
+            "has 7 outputs but",
+        ),
+        layers(
+            r#"{ type = "relu" }, { type = "linear", inputs = 784, outputs = 10 }"#,
+            "which its layers do not take",
+        ),
+        layers(
+            r#"{ type = "flatten" }, { type = "linear", inputs = 784, outputs = 4000000000 }, { type = "linear", inputs = 4000000000, outputs = 10 }"#,
+            "over the limit of 2147483648",
+        ),
         layers("", "the model has no layers"),
-        config("[model]\ninput = []\nlayers = [ { type = \"flatten\" } ]\n", "input shape"),
-        config("[model]\ninput = [0]\nlayers = [ { type = \"flatten\" } ]\n", "input shape"),
-        config("[model]\ninput = [4294967295, 4294967295]\nlayers = [ { type = \"flatten\" } ]\n", "over the limit of 2147483648"),
-        config("[model]\ninput = [784]\nlayers = [ { type = \"flatten\" } ]\ncolour = 1\n", "unknown field `colour`"),
-        config("[model]\ninput = [784]\nlayers = [ { type = \"flatten\" }, { type = \"linear\", inputs = 784, outputs = 10 } ]\ntied = [ { param = \"layers.9.weight\", to = \"layers.1.weight\" } ]\n", "layers.9.weight"),
-        config(format!("[model]\ninput = [784]\nlayers = [ {many} ]\n"), "the number of layers is 200000, over the limit of 10000"),
-        with("train --config {d}/c.toml", vec![File::Bytes("c.toml", vec![0xff, 0xfe, 0x00, 0x41])], "not UTF-8"),
-        with("train --config {d}/c.toml", vec![File::Bytes("c.toml", vec![b'#'; 17 << 20])], "larger than the limit"),
+        config(
+            "[model]\ninput = []\nlayers = [ { type = \"flatten\" } ]\n",
+            "input shape",
+        ),
+        config(
+            "[model]\ninput = [0]\nlayers = [ { type = \"flatten\" } ]\n",
+            "input shape",
+        ),
+        config(
+            "[model]\ninput = [4294967295, 4294967295]\nlayers = [ { type = \"flatten\" } ]\n",
+            "over the limit of 2147483648",
+        ),
+        config(
+            "[model]\ninput = [784]\nlayers = [ { type = \"flatten\" } ]\ncolour = 1\n",
+            "unknown field `colour`",
+        ),
+        config(
+            "[model]\ninput = [784]\nlayers = [ { type = \"flatten\" }, { type = \"linear\", inputs = 784, outputs = 10 } ]\ntied = [ { param = \"layers.9.weight\", to = \"layers.1.weight\" } ]\n",
+            "layers.9.weight",
+        ),
+        config(
+            format!("[model]\ninput = [784]\nlayers = [ {many} ]\n"),
+            "the number of layers is 200000, over the limit of 10000",
+        ),
+        with(
+            "train --config {d}/c.toml",
+            vec![File::Bytes("c.toml", vec![0xff, 0xfe, 0x00, 0x41])],
+            "not UTF-8",
+        ),
+        with(
+            "train --config {d}/c.toml",
+            vec![File::Bytes("c.toml", vec![b'#'; 17 << 20])],
+            "larger than the limit",
+        ),
     ]
 }
 
 fn plan_rows() -> Vec<Row> {
     let swap = |from: &str, to: &str| PLAN_OK.replace(from, to);
     vec![
-        plan(&swap("\"pipedream\"", "\"interleaved\""), "schedule 'interleaved' is not planned"),
+        plan(
+            &swap("\"pipedream\"", "\"interleaved\""),
+            "schedule 'interleaved' is not planned",
+        ),
         plan(&swap("\"pipedream\"", "\"zb-v\""), "is not planned"),
         plan(&swap("\"pipedream\"", "\"nope\""), "nope"),
-        plan(&swap("[1, 1]", "[]"), "replicas and microbatches must be at least 1"),
-        plan(&swap("[1, 1]", "[0, 1]"), "replicas and microbatches must be at least 1"),
-        plan(&swap("microbatches = 4", "microbatches = 0"), "replicas and microbatches must be at least 1"),
-        plan(&swap("microbatches = 4", "microbatches = 100000"), "microbatches per update is 100000"),
+        plan(
+            &swap("[1, 1]", "[]"),
+            "replicas and microbatches must be at least 1",
+        ),
+        plan(
+            &swap("[1, 1]", "[0, 1]"),
+            "replicas and microbatches must be at least 1",
+        ),
+        plan(
+            &swap("microbatches = 4", "microbatches = 0"),
+            "replicas and microbatches must be at least 1",
+        ),
+        plan(
+            &swap("microbatches = 4", "microbatches = 100000"),
+            "microbatches per update is 100000",
+        ),
         plan(&swap("[1, 1]", "[5000, 1]"), "over the limit of 4096"),
-        plan(&(PLAN_OK.to_string() + "time_per_microbatch = -1.0\n"), "finite number >= 0"),
-        plan(&(PLAN_OK.to_string() + "time_per_microbatch = inf\n"), "finite number >= 0"),
-        plan(&(PLAN_OK.to_string() + "colour = 1\n"), "unknown field `colour`"),
+        plan(
+            &(PLAN_OK.to_string() + "time_per_microbatch = -1.0\n"),
+            "finite number >= 0",
+        ),
+        plan(
+            &(PLAN_OK.to_string() + "time_per_microbatch = inf\n"),
+            "finite number >= 0",
+        ),
+        plan(
+            &(PLAN_OK.to_string() + "colour = 1\n"),
+            "unknown field `colour`",
+        ),
         plan(&swap("mlp-784-1024x4-10", "mlp-784-10"), "partition"),
         plan(&swap("0-3,4-8", "banana"), "partition"),
         plan(&swap("0-3,4-8", "0-3,4-99"), "partition"),
-        plan(&swap("model = \"mlp-784-1024x4-10\"\n", ""), "names no model"),
+        plan(
+            &swap("model = \"mlp-784-1024x4-10\"\n", ""),
+            "names no model",
+        ),
         plan("not a plan", "p.toml"),
         with(
             "train --plan {d}/p.toml --model mlp-784-32-10 --steps 1",
@@ -302,24 +502,80 @@ fn plan_rows() -> Vec<Row> {
 
 fn profile_rows() -> Vec<Row> {
     vec![
-        profile_json(&layer_json("").replace("\"forward\": 1", "\"forward\": 0").replace("\"backward_input\": 1", "\"backward_input\": 0"), "every layer takes 0 s"),
-        profile_json(&layer_json("").replace("\"activation_bytes\": 1,", "\"activation_bytes\": 1e308,"), "activation_bytes is 1e308, over the limit"),
-        profile_json(&layer_json("").replace("\"forward\": 1,", "\"forward\": 1e300,"), "forward is 1e300, over the limit"),
-        profile_json(&layer_json("").replace("\"forward\": 1,", "\"forward\": -1,"), "forward must be a finite number >= 0"),
+        profile_json(
+            &layer_json("")
+                .replace("\"forward\": 1", "\"forward\": 0")
+                .replace("\"backward_input\": 1", "\"backward_input\": 0"),
+            "every layer takes 0 s",
+        ),
+        profile_json(
+            &layer_json("").replace("\"activation_bytes\": 1,", "\"activation_bytes\": 1e308,"),
+            "activation_bytes is 1e308, over the limit",
+        ),
+        profile_json(
+            &layer_json("").replace("\"forward\": 1,", "\"forward\": 1e300,"),
+            "forward is 1e300, over the limit",
+        ),
+        profile_json(
+            &layer_json("").replace("\"forward\": 1,", "\"forward\": -1,"),
+            "forward must be a finite number >= 0",
+        ),
         profile_json(&layer_json(", \"colour\": 3"), "colour"),
         profile_json(r#"{"layers": []}"#, "no layers"),
-        profile_json(&layer_json("").replace("]}", "], \"edges\": [[0, 9]]}"), "names a layer past the last"),
-        profile_json(&layer_json("").replace("]}", "], \"edges\": [[1, 0]]}"), "earlier layer"),
+        profile_json(
+            &layer_json("").replace("]}", "], \"edges\": [[0, 9]]}"),
+            "names a layer past the last",
+        ),
+        profile_json(
+            &layer_json("").replace("]}", "], \"edges\": [[1, 0]]}"),
+            "earlier layer",
+        ),
         profile_json("{\"layers\": [", "p.json"),
-        profile_json(&layer_json("").replace("{\"layers\"", "{\"microbatch_size\": 99999999999, \"layers\""), "microbatch_size"),
-        profile_graph(&GRAPH.replace("activation_size=10.0, parameter_size=50", "activation_size=[5; -10], parameter_size=50"), "activation_size must be a finite number >= 0, got -10"),
-        profile_graph(&GRAPH.replace("forward_compute_time=2.000", "forward_compute_time=x"), "is not a number"),
-        profile_graph(&GRAPH.replace("\tnode2 -- node3", "\tnode2 -- node9"), "unknown node node9"),
+        profile_json(
+            &layer_json("").replace(
+                "{\"layers\"",
+                "{\"microbatch_size\": 99999999999, \"layers\"",
+            ),
+            "microbatch_size",
+        ),
+        profile_graph(
+            &GRAPH.replace(
+                "activation_size=10.0, parameter_size=50",
+                "activation_size=[5; -10], parameter_size=50",
+            ),
+            "activation_size must be a finite number >= 0, got -10",
+        ),
+        profile_graph(
+            &GRAPH.replace("forward_compute_time=2.000", "forward_compute_time=x"),
+            "is not a number",
+        ),
+        profile_graph(
+            &GRAPH.replace("\tnode2 -- node3", "\tnode2 -- node9"),
+            "unknown node node9",
+        ),
         profile_graph(&(GRAPH.to_string() + "\tnode3 -- node2\n"), "cycle"),
-        profile_graph(&GRAPH.replace(", parameter_size=50.000", ""), "missing parameter_size"),
-        profile_graph(&GRAPH.replace("node2 -- Linear -- ", "node2 -- "), "node is not"),
-        profile_graph(&GRAPH.replace("forward_compute_time=2.000", "forward_compute_time=inf"), "finite number >= 0"),
-        profile_graph(&GRAPH.replace("forward_compute_time=2.000", "forward_compute_time=0").replace("forward_compute_time=1.000, backward_compute_time=1.000", "forward_compute_time=0, backward_compute_time=0").replace("backward_compute_time=3.000", "backward_compute_time=0"), "every layer takes 0 s"),
+        profile_graph(
+            &GRAPH.replace(", parameter_size=50.000", ""),
+            "missing parameter_size",
+        ),
+        profile_graph(
+            &GRAPH.replace("node2 -- Linear -- ", "node2 -- "),
+            "node is not",
+        ),
+        profile_graph(
+            &GRAPH.replace("forward_compute_time=2.000", "forward_compute_time=inf"),
+            "finite number >= 0",
+        ),
+        profile_graph(
+            &GRAPH
+                .replace("forward_compute_time=2.000", "forward_compute_time=0")
+                .replace(
+                    "forward_compute_time=1.000, backward_compute_time=1.000",
+                    "forward_compute_time=0, backward_compute_time=0",
+                )
+                .replace("backward_compute_time=3.000", "backward_compute_time=0"),
+            "every layer takes 0 s",
+        ),
     ]
 }
 
@@ -329,13 +585,19 @@ fn data_rows() -> Vec<Row> {
         mnist_images(vec![1, 2, 8, 3], "magic"),
         mnist_images(vec![0, 0, 0x0d, 3], "type code 0x0d"),
         mnist_images(vec![0, 0, 8, 9], "IDX rank 9"),
-        mnist_images(idx(&[60000, 28, 28], 10), "truncated: dimensions [60000, 28, 28]"),
+        mnist_images(
+            idx(&[60000, 28, 28], 10),
+            "truncated: dimensions [60000, 28, 28]",
+        ),
         mnist_images(idx(&[4, 28, 28], 4 * 28 * 28 + 5), "5 trailing bytes"),
         mnist_images(idx(&[0, 28, 28], 0), "dimension 0 is zero"),
         mnist_images(idx(&[65535, 65535, 65535], 0), "more data than allowed"),
         with(
             "train --data-dir {d} --steps 1",
-            vec![File::Bytes("train-images-idx3-ubyte.gz", vec![0x1f, 0x8b, 0, 1, 2, 3])],
+            vec![File::Bytes(
+                "train-images-idx3-ubyte.gz",
+                vec![0x1f, 0x8b, 0, 1, 2, 3],
+            )],
             "train-images-idx3-ubyte.gz",
         ),
         corpus(Vec::new(), "0 bytes; a corpus needs at least 1024"),
@@ -387,9 +649,7 @@ fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
     let start = Instant::now();
     let out = Command::new("sh")
         .arg("-c")
-        .arg(format!(
-            "ulimit -v 8388608; exec timeout 60 \"$0\" {args}"
-        ))
+        .arg(format!("ulimit -v 8388608; exec timeout 60 \"$0\" {args}"))
         .arg(env!("CARGO_BIN_EXE_pipe"))
         .env_remove("RUST_BACKTRACE")
         .output()
@@ -399,14 +659,21 @@ fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
     let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
     let code = out.status.code();
     let fails = [
-        (code != Some(r.code), format!("exit {code:?}, want {}", r.code)),
+        (
+            code != Some(r.code),
+            format!("exit {code:?}, want {}", r.code),
+        ),
         (lines.len() != 1, format!("{} error lines", lines.len())),
         (!err.starts_with("error: "), "no `error:` line".to_string()),
         (!err.contains(r.want), format!("no '{}'", r.want)),
         (err.contains("panicked"), "a panic".to_string()),
         (took > Duration::from_secs(30), format!("took {took:?}")),
     ];
-    let why: Vec<&String> = fails.iter().filter(|(bad, _)| *bad).map(|(_, w)| w).collect();
+    let why: Vec<&String> = fails
+        .iter()
+        .filter(|(bad, _)| *bad)
+        .map(|(_, w)| w)
+        .collect();
     if why.is_empty() {
         Ok(())
     } else {
@@ -438,7 +705,10 @@ fn every_bad_input_is_refused_on_one_line_with_its_exit_code() {
         }
     }
     let _ = std::fs::remove_dir_all(scratch());
-    eprintln!("{total} bad inputs, {} not refused as expected", failures.len());
+    eprintln!(
+        "{total} bad inputs, {} not refused as expected",
+        failures.len()
+    );
     assert!(total >= 100, "the suite has {total} rows");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -498,15 +768,33 @@ fn every_hostile_frame_is_refused_by_name() {
         (good[..12].to_vec(), "truncated"),
         (good[..good.len() - 1].to_vec(), "truncated"),
         ([good.clone(), vec![0]].concat(), "1 bytes after the end"),
-        ([b"HTTP".as_slice(), &good[4..]].concat(), "not a pipe frame"),
+        (
+            [b"HTTP".as_slice(), &good[4..]].concat(),
+            "not a pipe frame",
+        ),
         (long_prefix, "header of 100000 bytes"),
         (garbage_header, "protocol version 65535"),
-        (with_header(&header(&|h| h.protocol = 9), 24), "protocol version 9"),
-        (with_header(&header(&|h| h.run_id = 7), 24), "frame of run 0x7"),
-        (with_header(&header(&|h| h.kind = 9), 24), "unknown message kind 9"),
+        (
+            with_header(&header(&|h| h.protocol = 9), 24),
+            "protocol version 9",
+        ),
+        (
+            with_header(&header(&|h| h.run_id = 7), 24),
+            "frame of run 0x7",
+        ),
+        (
+            with_header(&header(&|h| h.kind = 9), 24),
+            "unknown message kind 9",
+        ),
         (rank_nine, "rank above 8"),
-        (with_header(&header(&|h| h.shape = vec![u64::MAX, u64::MAX]), 0), "shape"),
-        (with_header(&header(&|h| h.shape = vec![1 << 40]), 0), "payload of"),
+        (
+            with_header(&header(&|h| h.shape = vec![u64::MAX, u64::MAX]), 0),
+            "shape",
+        ),
+        (
+            with_header(&header(&|h| h.shape = vec![1 << 40]), 0),
+            "payload of",
+        ),
         (with_header(&header(&|h| h.shape = vec![4]), 8), "truncated"),
     ];
     let limits = FrameLimits::new(RUN);

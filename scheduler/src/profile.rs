@@ -193,7 +193,10 @@ impl Profile {
                     None => vec![number(v)?],
                 };
                 // A single value is checked with the layer's other fields, by name.
-                if let Some(p) = parts.iter().find(|p| parts.len() > 1 && (!p.is_finite() || **p < 0.0)) {
+                if let Some(p) = parts
+                    .iter()
+                    .find(|p| parts.len() > 1 && (!p.is_finite() || **p < 0.0))
+                {
                     return Err(bad(format!(
                         "line {no}: {k} must be a finite number >= 0, got {p}"
                     )));

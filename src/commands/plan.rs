@@ -117,8 +117,7 @@ fn check_counts(args: &PlanArgs) -> Result<()> {
             // S stages hold one worker each; W workers may form as few as one stage.
             Some(n) => {
                 let stages = if flag == "--stages" { n } else { 1 };
-                limits::check_layout(u64::from(stages), u64::from(n), 1)
-                    .map_err(schedule_error)?;
+                limits::check_layout(u64::from(stages), u64::from(n), 1).map_err(schedule_error)?;
             }
             None => {}
         }

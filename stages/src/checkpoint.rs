@@ -247,6 +247,26 @@ pub fn write(root: &Path, model: &Model, ckpt: &Checkpoint, keep: usize) -> Resu
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir(&tmp).map_err(|e| write_err(&tmp, e))?;
+    let written = write_into(root, &tmp, &name, model, ckpt);
+    if written.is_err() {
+        // A full disk or a directory made read-only: give back what the partial copy took.
+        // `latest` still names the previous checkpoint, which nothing here touched.
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    let dest = written?;
+    prune(root, keep.max(1), &name);
+    Ok(dest)
+}
+
+/// Writes checkpoint `name` into `tmp`, renames it into place under `root` and points `latest`
+/// at it.
+fn write_into(
+    root: &Path,
+    tmp: &Path,
+    name: &str,
+    model: &Model,
+    ckpt: &Checkpoint,
+) -> Result<PathBuf> {
     let mut weights = Vec::new();
     let mut moments = Vec::new();
     for entry in model.param_table() {
@@ -283,18 +303,17 @@ pub fn write(root: &Path, model: &Model, ckpt: &Checkpoint, keep: usize) -> Resu
     let manifest = serde_json::to_vec_pretty(&manifest)
         .map_err(|e| StageError::CheckpointWrite(format!("manifest: {e}")))?;
     write_synced(&tmp.join(MANIFEST), &manifest)?;
-    sync_dir(&tmp)?;
-    let dest = root.join(&name);
+    sync_dir(tmp)?;
+    let dest = root.join(name);
     if dest.exists() {
         std::fs::remove_dir_all(&dest).map_err(|e| write_err(&dest, e))?;
     }
-    std::fs::rename(&tmp, &dest).map_err(|e| write_err(&dest, e))?;
+    std::fs::rename(tmp, &dest).map_err(|e| write_err(&dest, e))?;
     sync_dir(root)?;
     let pointer = root.join(".latest.tmp");
     write_synced(&pointer, format!("{name}\n").as_bytes())?;
     std::fs::rename(&pointer, root.join(LATEST)).map_err(|e| write_err(&root.join(LATEST), e))?;
     sync_dir(root)?;
-    prune(root, keep.max(1), &name);
     Ok(dest)
 }
 

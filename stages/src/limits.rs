@@ -220,9 +220,18 @@ pub fn check_synthetic(c: &crate::data::SyntheticConfig) -> Result<()> {
     let why = "elements of one tensor, 8 GiB of f32";
     let samples = (c.train as u64).saturating_add(c.test as u64);
     for (what, n) in [
-        ("synthetic samples x inputs", samples.saturating_mul(c.inputs as u64)),
-        ("synthetic inputs x hidden", (c.inputs as u64).saturating_mul(c.hidden as u64)),
-        ("synthetic hidden x classes", (c.hidden as u64).saturating_mul(c.classes as u64)),
+        (
+            "synthetic samples x inputs",
+            samples.saturating_mul(c.inputs as u64),
+        ),
+        (
+            "synthetic inputs x hidden",
+            (c.inputs as u64).saturating_mul(c.hidden as u64),
+        ),
+        (
+            "synthetic hidden x classes",
+            (c.hidden as u64).saturating_mul(c.classes as u64),
+        ),
     ] {
         check_count(what, n, MAX_TENSOR_ELEMENTS, why)?;
     }

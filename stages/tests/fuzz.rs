@@ -175,3 +175,24 @@ proptest! {
         idx_file(&bytes);
     }
 }
+
+/// The mutations reach past the parsers' first checks: of single-digit edits of the valid
+/// config (the cheapest way to a huge or zero size), most still parse, and some resolve; so
+/// the targets above exercise the limits and the model checks, not only the TOML error path.
+#[test]
+fn mutations_reach_the_checks_behind_the_parser() {
+    let (mut parsed, mut resolved, mut refused) = (0, 0, 0);
+    for i in 0..400usize {
+        let edits = [Edit::Digit(i * 7919, b'0' + (i % 10) as u8)];
+        let text = String::from_utf8(mutate(CONFIG.as_bytes(), &edits)).unwrap();
+        if let Ok(s) = TrainSettings::from_toml(&text, "fuzz.toml") {
+            parsed += 1;
+            match s.resolve() {
+                Ok(_) => resolved += 1,
+                Err(_) => refused += 1,
+            }
+        }
+    }
+    eprintln!("400 digit edits: {parsed} parsed, {resolved} resolved, {refused} refused");
+    assert!(parsed > 200 && resolved > 20 && refused > 20);
+}
