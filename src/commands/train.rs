@@ -44,7 +44,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if !processes {
         serve_metrics(args.metrics_addr)?;
     }
-    pipe_stages::limits::check_run(&cfg, None, &pipe_stages::limits::Machine::detect())?;
+    cfg.check_resources(None, &pipe_stages::limits::Machine::detect())?;
     let be = open_backend(cfg.backend, cfg.threads)?;
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;

@@ -80,7 +80,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         ));
     }
     cfg.transport = TransportKind::Quic;
-    pipe_stages::limits::check_run(&cfg, Some(1), &pipe_stages::limits::Machine::detect())?;
+    cfg.check_resources(Some(1), &pipe_stages::limits::Machine::detect())?;
     let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
     // Refused before connecting, so that no peer waits for a worker that cannot run.
     let layout = cfg

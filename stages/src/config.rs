@@ -470,7 +470,7 @@ impl TrainSettings {
         }
         let model = Model::new(&model_spec)?;
         if let Some(size) = self.microbatch_size {
-            crate::limits::check_activations(&model, size)?;
+            model.check_microbatch(size)?;
         }
         let lm = language.map(|_| LanguageDefaults::default());
         let epochs = self.epochs.unwrap_or(match (dataset, lm) {
@@ -603,7 +603,7 @@ impl TrainSettings {
             &layout_spec,
         )?;
         let synthetic = self.synthetic.unwrap_or_default();
-        crate::limits::check_synthetic(&synthetic)?;
+        synthetic.check()?;
         let stall = self.stall_timeout.unwrap_or(DEFAULT_STALL_TIMEOUT);
         if !(stall.is_finite() && stall > 0.0 && stall <= 86_400.0 * 7.0) {
             return bad(format!(
@@ -706,6 +706,46 @@ pub struct RunConfig {
 }
 
 impl RunConfig {
+    /// Checks the run against this host ([`crate::limits`]): its compute threads, its
+    /// microbatch's activations, and the planner's memory estimate of its workers that live
+    /// here (`local_workers`: `None` for all of them, as `pipe train` runs them; `Some(1)` for
+    /// `pipe worker`).
+    ///
+    /// # Errors
+    /// [`StageError::Limit`] for the first bound exceeded; [`StageError::Schedule`] or
+    /// [`StageError::Model`] when the run's layout or model cannot be built.
+    pub fn check_resources(
+        &self,
+        local_workers: Option<u64>,
+        machine: &crate::limits::Machine,
+    ) -> Result<()> {
+        crate::limits::check_threads(self.threads as u64, machine)?;
+        let model = Model::new(&self.model)?;
+        model.check_microbatch(self.microbatch_size)?;
+        let spec = if self.pipelined {
+            self.schedule_spec(Length::Updates(1))
+        } else {
+            ScheduleSpec::new(Policy::Sequential, 1, 1)
+        };
+        let run = spec.resolve()?;
+        let workers = local_workers.unwrap_or(u64::from(run.layout.workers()));
+        let per_worker = model.worker_memory_bytes(
+            &run,
+            self.microbatch_size,
+            self.optimizer.kind.state_copies(),
+        );
+        let holding = format!(
+            "{} parameters' weights{}, optimizer state and stashed activations",
+            model.param_count(),
+            if matches!(run.policy, Policy::PipeDream | Policy::VerticalSync) {
+                " in every version stashed"
+            } else {
+                ""
+            }
+        );
+        crate::limits::check_memory(per_worker * workers as f64, workers, &holding, machine)
+    }
+
     /// The schedule request this run implies, running for `length`.
     pub fn schedule_spec(&self, length: Length) -> ScheduleSpec {
         self.schedule_spec_of(self.schedule, length)

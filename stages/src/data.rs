@@ -495,6 +495,33 @@ pub struct SyntheticConfig {
     pub test: usize,
 }
 
+impl SyntheticConfig {
+    /// Checks the shape against [`crate::limits::MAX_TENSOR_ELEMENTS`]: samples times inputs
+    /// (the features it generates) and its teacher network's layers (inputs times hidden,
+    /// hidden times classes).
+    ///
+    /// # Errors
+    /// [`StageError::Limit`] naming the setting.
+    pub fn check(&self) -> Result<()> {
+        use crate::limits::{MAX_TENSOR_ELEMENTS, check_count};
+        let why = "elements of one tensor, 8 GiB of f32";
+        let samples = (self.train as u64).saturating_add(self.test as u64);
+        let inputs = self.inputs as u64;
+        let hidden = self.hidden as u64;
+        for (what, n) in [
+            ("synthetic samples x inputs", samples.saturating_mul(inputs)),
+            ("synthetic inputs x hidden", inputs.saturating_mul(hidden)),
+            (
+                "synthetic hidden x classes",
+                hidden.saturating_mul(self.classes as u64),
+            ),
+        ] {
+            check_count(what, n, MAX_TENSOR_ELEMENTS, why)?;
+        }
+        Ok(())
+    }
+}
+
 impl Default for SyntheticConfig {
     fn default() -> Self {
         Self {

@@ -6,10 +6,16 @@
 //! because a schedule knows nothing of the machine. The wire's sizes (frame header and payload,
 //! cluster files) are constants of `pipe_transport::frame` and `pipe_transport::cluster`,
 //! re-exported here so that this module lists every bound. The rest depend on the machine
-//! ([`Machine`]: memory and cores) and are checked here: a run's memory, estimated with the
-//! planner's memory model ([`pipe_scheduler::planner::worker_memory_bytes`]) from the model's
-//! exact parameter and activation sizes; tensors; threads; workers on one host; profiling
-//! repeats; the run's length.
+//! ([`Machine`]: memory and cores) and are checked here: a run's memory against the machine's
+//! ([`check_memory`]; the estimate is the planner's memory model,
+//! [`pipe_scheduler::planner::worker_memory_bytes`], on the model's exact parameter and
+//! activation sizes, [`crate::model::Model::worker_memory_bytes`]); tensors; threads; workers
+//! on one host; profiling repeats; the run's length; file sizes.
+//!
+//! This module imports nothing else of the crate: the model, the config and the data check
+//! their own values with its functions and bounds (`Model::check_microbatch`,
+//! `RunConfig::check_resources`, `SyntheticConfig::check`), so that every bound is stated here
+//! once and any module can use it.
 //!
 //! Every refusal is a [`StageError::Limit`] (exit 2) that says what was asked, the limit, and
 //! why the limit exists. `pipe train`, `pipe profile`, `pipe plan` and `pipe schedule` call the
@@ -18,11 +24,7 @@
 //! allocator's slack or the dataset), so a refusal is certain to be right; what passes may
 //! still fail at run time on a machine already busy with other work.
 
-use pipe_scheduler::{Policy, Resolved};
-
 use crate::error::{Result, StageError};
-use crate::model::Model;
-use crate::optim::OptimizerKind;
 
 pub use pipe_scheduler::limits::{
     MAX_LAYERS, MAX_MICROBATCHES, MAX_SCHEDULE_PASSES, MAX_STAGES, MAX_WORKERS,
@@ -102,7 +104,8 @@ impl Machine {
     }
 }
 
-fn limit(what: impl std::fmt::Display, asked: u64, limit: u64, why: &str) -> StageError {
+/// The refusal of `asked` past `limit`: what, the limit and why.
+pub fn limit(what: impl std::fmt::Display, asked: u64, limit: u64, why: &str) -> StageError {
     StageError::Limit(format!(
         "{what} is {asked}, over the limit of {limit} ({why})"
     ))
@@ -210,36 +213,8 @@ pub fn check_profile_repeats(warmup: u64, repeats: u64) -> Result<()> {
     check_count("--repeats", repeats, MAX_PROFILE_REPEATS, why)
 }
 
-/// Checks the synthetic dataset's shape: its samples times inputs (the features it
-/// generates), and its teacher network (inputs times hidden, hidden times classes), each
-/// against [`MAX_TENSOR_ELEMENTS`].
-///
-/// # Errors
-/// [`StageError::Limit`] naming the setting.
-pub fn check_synthetic(c: &crate::data::SyntheticConfig) -> Result<()> {
-    let why = "elements of one tensor, 8 GiB of f32";
-    let samples = (c.train as u64).saturating_add(c.test as u64);
-    for (what, n) in [
-        (
-            "synthetic samples x inputs",
-            samples.saturating_mul(c.inputs as u64),
-        ),
-        (
-            "synthetic inputs x hidden",
-            (c.inputs as u64).saturating_mul(c.hidden as u64),
-        ),
-        (
-            "synthetic hidden x classes",
-            (c.hidden as u64).saturating_mul(c.classes as u64),
-        ),
-    ] {
-        check_count(what, n, MAX_TENSOR_ELEMENTS, why)?;
-    }
-    Ok(())
-}
-
 /// Elements of a shape, or `None` past `u64`.
-fn elements(shape: &[usize]) -> Option<u64> {
+pub fn elements(shape: &[usize]) -> Option<u64> {
     shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
@@ -263,200 +238,36 @@ pub fn check_shape(what: &str, shape: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// Checks a built model's sizes before any parameter is allocated: every parameter's and every
-/// per-sample activation's element count ([`check_activations`] adds the microbatch). The
-/// layer count is checked before the layers are built ([`Model::new`]).
-///
-/// # Errors
-/// [`StageError::Limit`] naming the layer and its size.
-pub fn check_model_shapes(model: &Model) -> Result<()> {
-    check_activations(model, 1)?;
-    for entry in model.param_table() {
-        let n = elements(&entry.shape).unwrap_or(u64::MAX);
-        if n > MAX_TENSOR_ELEMENTS {
-            return Err(limit(
-                format_args!("parameter {} {:?}, in elements,", entry.name, entry.shape),
-                n,
-                MAX_TENSOR_ELEMENTS,
-                "elements of one tensor, 8 GiB of f32",
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Bytes of one microbatch's activation entering layer `i` (`i == len` is the output).
-fn activation_elements(model: &Model, i: usize, microbatch_size: usize) -> u64 {
-    elements(model.shape_before(i))
-        .unwrap_or(u64::MAX)
-        .saturating_mul(microbatch_size as u64)
-}
-
-/// Checks every activation of a microbatch of `microbatch_size` samples against
-/// [`MAX_TENSOR_ELEMENTS`].
-///
-/// # Errors
-/// [`StageError::Limit`] naming the widest layer boundary.
-pub fn check_activations(model: &Model, microbatch_size: usize) -> Result<()> {
-    for i in 0..=model.len() {
-        let n = activation_elements(model, i, microbatch_size);
-        if n > MAX_TENSOR_ELEMENTS {
-            let at = if i == model.len() {
-                "the model's output".to_string()
-            } else {
-                format!("the input of layer {i}")
-            };
-            return Err(limit(
-                format_args!(
-                    "{at} at microbatch size {microbatch_size} ({:?} per sample), in elements,",
-                    model.shape_before(i)
-                ),
-                n,
-                MAX_TENSOR_ELEMENTS,
-                "elements of one tensor, 8 GiB of f32; use smaller microbatches",
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Copies of a stage's parameters an optimizer keeps besides the weights: the gradient, plus
-/// momentum (SGD) or both moments (Adam, AdamW).
-fn state_copies(optimizer: OptimizerKind) -> f64 {
-    match optimizer {
-        OptimizerKind::Sgd => 2.0,
-        _ => 3.0,
-    }
-}
-
-/// What a run asks of this host, for [`check_run_memory`].
-#[derive(Clone, Copy, Debug)]
-pub struct RunShape<'a> {
-    /// The model.
-    pub model: &'a Model,
-    /// The resolved schedule (policy, layout, in-flight depths).
-    pub run: &'a Resolved,
-    /// Samples per microbatch.
-    pub microbatch_size: usize,
-    /// The optimizer.
-    pub optimizer: OptimizerKind,
-    /// Workers of the run that live on this host (all of them for `pipe train`, one for
-    /// `pipe worker`).
-    pub local_workers: u64,
-}
-
-/// The planner's memory estimate for a run, in bytes on this host: per worker, its stage's
-/// parameters times the weight versions it keeps plus the optimizer's state, and its in-flight
-/// microbatches' stashed activations (every layer's input and output), summed over the
-/// workers on this host. Layers are shared out evenly by count, the stage ranges a balanced
-/// cut would give; the largest stage's share is charged to every worker.
-pub fn run_memory_bytes(shape: &RunShape<'_>) -> f64 {
-    let model = shape.model;
-    let layers = model.len().max(1);
-    let stages = (shape.run.layout.stages() as usize).clamp(1, layers);
-    let per_stage = layers.div_ceil(stages);
-    // Every use holds its own copy of a tied parameter.
-    let mut layer_params = vec![0.0f64; layers];
-    for entry in model.param_table() {
-        let n = elements(&entry.shape).unwrap_or(u64::MAX) as f64;
-        for &(l, _) in &entry.uses {
-            layer_params[l] += n;
-        }
-    }
-    let mut worst_params = 0.0f64;
-    let mut worst_stash = 0.0f64;
-    for s in 0..stages {
-        let range = (s * per_stage).min(layers)..((s + 1) * per_stage).min(layers);
-        let params: f64 = layer_params[range.clone()].iter().sum();
-        let stash: f64 = range
-            .map(|l| {
-                (activation_elements(model, l, shape.microbatch_size) as f64)
-                    + activation_elements(model, l + 1, shape.microbatch_size) as f64
-            })
-            .sum();
-        worst_params = worst_params.max(params * 4.0);
-        worst_stash = worst_stash.max(stash * 4.0);
-    }
-    let deepest = shape.run.depths.iter().copied().max().unwrap_or(1);
-    let per_worker = pipe_scheduler::planner::worker_memory_bytes(
-        shape.run.policy,
-        shape.run.microbatches_per_update,
-        u64::from(deepest),
-        worst_params,
-        worst_stash,
-        state_copies(shape.optimizer),
-    );
-    per_worker * shape.local_workers as f64
-}
-
-/// Checks a run against this host: workers on the host, and the planner's memory estimate
-/// ([`run_memory_bytes`]) against [`Machine::memory_budget`].
+/// Checks what a run asks of this host: `workers` of its workers here, together needing at
+/// least `need` bytes (the planner's estimate, [`crate::model::Model::worker_memory_bytes`]
+/// per worker), against [`Machine::max_local_workers`] and [`Machine::memory_budget`].
+/// `holding` says what the bytes hold, for the message.
 ///
 /// # Errors
 /// [`StageError::Limit`] saying what the run needs and what the machine has.
-pub fn check_run_memory(shape: &RunShape<'_>, machine: &Machine) -> Result<()> {
+pub fn check_memory(need: f64, workers: u64, holding: &str, machine: &Machine) -> Result<()> {
     check_count(
         "the number of workers on this host",
-        shape.local_workers,
+        workers,
         machine.max_local_workers(),
         &format!(
             "16 per core on this machine's {} cores; spread them over hosts with `pipe worker`",
             machine.cores
         ),
     )?;
-    let need = run_memory_bytes(shape);
     let budget = machine.memory_budget();
     if need > budget as f64 {
         return Err(StageError::Limit(format!(
-            "the run needs at least {} of memory ({} workers on this host holding {} \
-             parameters' weights, optimizer state{} and stashed activations), over the limit of \
-             {} ({:.0}% of this machine's {}); use fewer replicas, more stages or smaller \
-             microbatches",
+            "the run needs at least {} of memory ({workers} workers on this host holding \
+             {holding}), over the limit of {} ({:.0}% of this machine's {}); use fewer \
+             replicas, more stages or smaller microbatches",
             gib(need),
-            shape.local_workers,
-            shape.model.param_count(),
-            if matches!(shape.run.policy, Policy::PipeDream | Policy::VerticalSync) {
-                ", stashed weight versions"
-            } else {
-                ""
-            },
             gib(budget as f64),
             MEMORY_SHARE * 100.0,
             gib(machine.memory_bytes as f64),
         )));
     }
     Ok(())
-}
-
-/// Checks a resolved run against this host: its threads, and when it is pipelined or not, its
-/// workers and memory ([`check_run_memory`]). `local_workers` is how many of the run's workers
-/// live on this host: `None` for all of them (`pipe train`), `Some(1)` for `pipe worker`.
-///
-/// # Errors
-/// [`StageError::Limit`] for the first bound exceeded; [`StageError::Schedule`] or
-/// [`StageError::Model`] when the run's layout or model cannot be built.
-pub fn check_run(
-    cfg: &crate::config::RunConfig,
-    local_workers: Option<u64>,
-    machine: &Machine,
-) -> Result<()> {
-    check_threads(cfg.threads as u64, machine)?;
-    let model = Model::new(&cfg.model)?;
-    check_activations(&model, cfg.microbatch_size)?;
-    let spec = if cfg.pipelined {
-        cfg.schedule_spec(pipe_scheduler::Length::Updates(1))
-    } else {
-        pipe_scheduler::ScheduleSpec::new(Policy::Sequential, 1, 1)
-    };
-    let run = spec.resolve()?;
-    let shape = RunShape {
-        model: &model,
-        run: &run,
-        microbatch_size: cfg.microbatch_size,
-        optimizer: cfg.optimizer.kind,
-        local_workers: local_workers.unwrap_or(u64::from(run.layout.workers())),
-    };
-    check_run_memory(&shape, machine)
 }
 
 fn gib(bytes: f64) -> String {
@@ -470,8 +281,6 @@ fn gib(bytes: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ModelSpec;
-    use pipe_scheduler::ScheduleSpec;
 
     fn machine(gib: u64) -> Machine {
         Machine {
@@ -481,60 +290,24 @@ mod tests {
     }
 
     #[test]
-    fn huge_widths_are_refused_before_allocation() {
-        let model = Model::new(&ModelSpec::preset("mlp-784-1000000000-10").unwrap()).unwrap();
-        let e = check_model_shapes(&model).unwrap_err().to_string();
-        assert!(
-            e.contains("layers.1.weight") && e.contains("2147483648"),
-            "{e}"
-        );
-        assert!(check_activations(&model, 64).is_err());
-    }
-
-    #[test]
-    fn memory_estimate_follows_the_planner_and_scales_with_workers() {
-        let model = Model::new(&ModelSpec::preset("mlp-784-1024x4-10").unwrap()).unwrap();
-        let run = ScheduleSpec::new(Policy::OneFOneBFlush, 1, 1)
-            .resolve()
-            .unwrap();
-        let one = RunShape {
-            model: &model,
-            run: &run,
-            microbatch_size: 64,
-            optimizer: OptimizerKind::Sgd,
-            local_workers: 1,
-        };
-        // One worker, one version: weights + gradient + momentum, and one microbatch's
-        // activations in and out of every layer.
-        let params = model.param_count() as f64 * 4.0;
-        let acts: f64 = (0..model.len())
-            .map(|l| {
-                (activation_elements(&model, l, 64) + activation_elements(&model, l + 1, 64)) as f64
-            })
-            .sum::<f64>()
-            * 4.0;
-        assert_eq!(run_memory_bytes(&one), 3.0 * params + acts);
-        assert!(check_run_memory(&one, &machine(24)).is_ok());
-        let many = RunShape {
-            local_workers: 3000,
-            ..one
-        };
-        let e = check_run_memory(&many, &machine(24))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("workers on this host") && e.contains("3000"),
-            "{e}"
-        );
-        let tight = check_run_memory(&one, &machine(0)).unwrap_err().to_string();
-        assert!(tight.contains("needs at least"), "{tight}");
-    }
-
-    #[test]
-    fn threads_and_repeats_have_bounds() {
+    fn counts_threads_repeats_and_memory_have_bounds() {
         assert!(check_threads(8, &machine(1)).is_ok());
         assert!(check_threads(100_000, &machine(1)).is_err());
         assert!(check_profile_repeats(u64::MAX, 1).is_err());
         assert!(check_profile_repeats(3, 10).is_ok());
+        assert!(check_memory(1e9, 4, "weights", &machine(24)).is_ok());
+        let e = check_memory(1e9, 3000, "weights", &machine(24))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("workers on this host is 3000"), "{e}");
+        let e = check_memory(30e9, 4, "weights", &machine(24))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("needs at least 27.9 GiB") && e.contains("19.2 GiB"),
+            "{e}"
+        );
+        assert!(check_shape("input", &[usize::MAX, 2]).is_err());
+        assert_eq!(elements(&[3, 4]), Some(12));
     }
 }

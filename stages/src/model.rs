@@ -353,7 +353,7 @@ impl Model {
             table,
             slots,
         };
-        crate::limits::check_model_shapes(&model)?;
+        model.check_sizes()?;
         Ok(model)
     }
 
@@ -405,6 +405,111 @@ impl Model {
     /// Stable parameter names (the table's), `layers.{index}.{name}`, in model order.
     pub fn param_names(&self) -> Vec<String> {
         self.table.iter().map(|e| e.name.clone()).collect()
+    }
+
+    /// Checks the built model's sizes before any parameter is allocated: every parameter's and
+    /// every per-sample activation's element count against
+    /// [`crate::limits::MAX_TENSOR_ELEMENTS`] ([`Model::check_microbatch`] adds the
+    /// microbatch). The layer count is checked before the layers are built.
+    fn check_sizes(&self) -> Result<()> {
+        use crate::limits::{MAX_TENSOR_ELEMENTS, elements, limit};
+        self.check_microbatch(1)?;
+        for entry in &self.table {
+            let n = elements(&entry.shape).unwrap_or(u64::MAX);
+            if n > MAX_TENSOR_ELEMENTS {
+                return Err(limit(
+                    format_args!("parameter {} {:?}, in elements,", entry.name, entry.shape),
+                    n,
+                    MAX_TENSOR_ELEMENTS,
+                    "elements of one tensor, 8 GiB of f32",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements of one microbatch's activation entering layer `i` (`i == len()` is the output).
+    fn activation_elements(&self, i: usize, microbatch_size: usize) -> u64 {
+        crate::limits::elements(self.shape_before(i))
+            .unwrap_or(u64::MAX)
+            .saturating_mul(microbatch_size as u64)
+    }
+
+    /// Checks every activation of a microbatch of `microbatch_size` samples against
+    /// [`crate::limits::MAX_TENSOR_ELEMENTS`].
+    ///
+    /// # Errors
+    /// [`StageError::Limit`] naming the first layer boundary over it.
+    pub fn check_microbatch(&self, microbatch_size: usize) -> Result<()> {
+        use crate::limits::{MAX_TENSOR_ELEMENTS, limit};
+        for i in 0..=self.len() {
+            let n = self.activation_elements(i, microbatch_size);
+            if n > MAX_TENSOR_ELEMENTS {
+                let at = if i == self.len() {
+                    "the model's output".to_string()
+                } else {
+                    format!("the input of layer {i}")
+                };
+                return Err(limit(
+                    format_args!(
+                        "{at} at microbatch size {microbatch_size} ({:?} per sample), in \
+                         elements,",
+                        self.shape_before(i)
+                    ),
+                    n,
+                    MAX_TENSOR_ELEMENTS,
+                    "elements of one tensor, 8 GiB of f32; use smaller microbatches",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The planner's memory estimate of one worker of `run` in bytes
+    /// ([`pipe_scheduler::planner::worker_memory_bytes`]): its stage's parameters times the
+    /// weight versions it keeps plus `state_copies` (gradient and optimizer state), and its
+    /// in-flight microbatches' stashed activations (every layer's input and output). Layers are
+    /// shared out evenly by count, the ranges a balanced cut gives, and the largest stage's
+    /// share is charged, so that the estimate bounds any worker of a balanced run.
+    pub fn worker_memory_bytes(
+        &self,
+        run: &pipe_scheduler::Resolved,
+        microbatch_size: usize,
+        state_copies: f64,
+    ) -> f64 {
+        let layers = self.len().max(1);
+        let stages = (run.layout.stages() as usize).clamp(1, layers);
+        let per_stage = layers.div_ceil(stages);
+        // Every use holds its own copy of a tied parameter.
+        let mut layer_params = vec![0.0f64; layers];
+        for entry in &self.table {
+            let n = crate::limits::elements(&entry.shape).unwrap_or(u64::MAX) as f64;
+            for &(l, _) in &entry.uses {
+                layer_params[l] += n;
+            }
+        }
+        let (mut params, mut stash) = (0.0f64, 0.0f64);
+        for s in 0..stages {
+            let range = (s * per_stage).min(layers)..((s + 1) * per_stage).min(layers);
+            let p: f64 = layer_params[range.clone()].iter().sum();
+            let a: f64 = range
+                .map(|l| {
+                    (self.activation_elements(l, microbatch_size) as f64)
+                        + self.activation_elements(l + 1, microbatch_size) as f64
+                })
+                .sum();
+            params = params.max(p * 4.0);
+            stash = stash.max(a * 4.0);
+        }
+        let deepest = run.depths.iter().copied().max().unwrap_or(1);
+        pipe_scheduler::planner::worker_memory_bytes(
+            run.policy,
+            run.microbatches_per_update,
+            u64::from(deepest),
+            params,
+            stash,
+            state_copies,
+        )
     }
 
     /// Total number of parameters (a tied parameter counts once).

@@ -24,6 +24,17 @@ pub enum OptimizerKind {
     Adamw,
 }
 
+impl OptimizerKind {
+    /// Copies of the parameters this optimizer keeps besides the weights, for memory
+    /// estimates: the gradient, plus momentum (SGD) or both moments (Adam, AdamW).
+    pub fn state_copies(self) -> f64 {
+        match self {
+            OptimizerKind::Sgd => 2.0,
+            _ => 3.0,
+        }
+    }
+}
+
 impl std::str::FromStr for OptimizerKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

@@ -146,19 +146,19 @@ pub fn random_input(
 /// The limits a profile request must keep ([`crate::limits`]): repeat counts, activation
 /// sizes, and the memory of `concurrent` single-worker copies of the model on this machine.
 fn check_profile_request(model: &Model, opts: &ProfileOptions) -> Result<()> {
-    use crate::limits::{self, Machine, RunShape};
+    use crate::limits::{self, Machine};
     limits::check_profile_repeats(opts.warmup as u64, opts.repeats as u64)?;
-    limits::check_activations(model, opts.microbatch_size)?;
+    model.check_microbatch(opts.microbatch_size)?;
     let run =
         pipe_scheduler::ScheduleSpec::new(pipe_scheduler::Policy::Sequential, 1, 1).resolve()?;
-    let shape = RunShape {
-        model,
-        run: &run,
-        microbatch_size: opts.microbatch_size,
-        optimizer: crate::optim::OptimizerKind::Sgd,
-        local_workers: opts.concurrent as u64,
-    };
-    limits::check_run_memory(&shape, &Machine::detect())
+    let copies = opts.concurrent as u64;
+    let state = crate::optim::OptimizerKind::Sgd.state_copies();
+    let need = model.worker_memory_bytes(&run, opts.microbatch_size, state) * copies as f64;
+    let holding = format!(
+        "{} parameters and a microbatch's activations",
+        model.param_count()
+    );
+    limits::check_memory(need, copies, &holding, &Machine::detect())
 }
 
 /// Profiles every layer of `model` on `be` (see the module docs). The forward runs in
