@@ -8,9 +8,9 @@ use pipe_scheduler::Profile;
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
     if let Ok(p) = Profile::from_json(&text) {
-        assert!(p.check().is_ok());
+        assert!(p.check_file().is_ok());
     }
     if let Ok(p) = Profile::from_pipedream(&text) {
-        assert!(p.check().is_ok());
+        assert!(p.check_file().is_ok());
     }
 });

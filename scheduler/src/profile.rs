@@ -61,6 +61,20 @@ impl LayerProfile {
         }
     }
 
+    /// Every figure of the layer by name, as checks and messages name them.
+    pub fn fields(&self) -> [(&'static str, f64); 8] {
+        [
+            ("forward", self.forward),
+            ("backward_input", self.backward_input),
+            ("backward_weight", self.backward_weight),
+            ("backward", self.whole_backward()),
+            ("update", self.update),
+            ("activation_bytes", self.activation_bytes),
+            ("param_bytes", self.param_bytes),
+            ("stash_bytes", self.stash()),
+        ]
+    }
+
     /// The whole backward's time ([`LayerProfile::backward`], or the sum of the halves).
     pub fn whole_backward(&self) -> f64 {
         self.backward
@@ -140,7 +154,7 @@ impl Profile {
     /// [`ScheduleError::Profile`] for malformed JSON, unknown fields or bad values.
     pub fn from_json(text: &str) -> Result<Self> {
         let p: Profile = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
-        p.check()?;
+        p.check_file()?;
         Ok(p)
     }
 
@@ -253,7 +267,7 @@ impl Profile {
             ..Profile::chain(layers)
         };
         let profile = profile.retain(&keep)?.sorted()?;
-        profile.check()?;
+        profile.check_file()?;
         Ok(profile)
     }
 
@@ -377,15 +391,16 @@ impl Profile {
                 && self.edges.iter().enumerate().all(|(i, &e)| e == (i, i + 1)))
     }
 
-    /// Checks every value and edge.
+    /// Checks a profile read from a file ([`Profile::check`], then the bounds of what a
+    /// measured profile can hold): at most [`crate::limits::MAX_LAYERS`] layers, times up to
+    /// [`MAX_PROFILE_SECONDS`], sizes up to [`MAX_PROFILE_BYTES`], a plausible microbatch size,
+    /// and some time in some layer, so that every figure printed from it is finite. Profiles
+    /// made in memory (FLOP counts standing in for times, say) need only [`Profile::check`].
     ///
     /// # Errors
-    /// [`ScheduleError::Profile`] naming the bad layer and field, a dangling or self edge, or
-    /// a cycle.
-    pub fn check(&self) -> Result<()> {
-        if self.layers.is_empty() {
-            return Err(bad("no layers"));
-        }
+    /// [`ScheduleError::Profile`] naming the layer, the field and the bound.
+    pub fn check_file(&self) -> Result<()> {
+        self.check()?;
         crate::limits::check_layers(self.layers.len() as u64)?;
         if self.microbatch_size as u64 > MAX_PROFILE_MICROBATCH {
             return Err(bad(format!(
@@ -394,23 +409,7 @@ impl Profile {
             )));
         }
         for (i, l) in self.layers.iter().enumerate() {
-            for (name, v) in [
-                ("forward", l.forward),
-                ("backward_input", l.backward_input),
-                ("backward_weight", l.backward_weight),
-                ("backward", l.whole_backward()),
-                ("update", l.update),
-                ("activation_bytes", l.activation_bytes),
-                ("param_bytes", l.param_bytes),
-                ("stash_bytes", l.stash()),
-            ] {
-                if !v.is_finite() || v < 0.0 {
-                    return Err(bad(format!(
-                        "layer {i} ({:?}): {name} must be a finite number >= 0, got {}",
-                        l.name,
-                        number(v)
-                    )));
-                }
+            for (name, v) in l.fields() {
                 let (bound, unit) = if name.ends_with("bytes") {
                     (MAX_PROFILE_BYTES, "bytes, 1 PiB")
                 } else {
@@ -429,6 +428,29 @@ impl Profile {
             return Err(bad(
                 "every layer takes 0 s: a profile needs some time to balance (was it measured?)",
             ));
+        }
+        Ok(())
+    }
+
+    /// Checks every value and edge.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Profile`] naming the bad layer and field, a dangling or self edge, or
+    /// a cycle.
+    pub fn check(&self) -> Result<()> {
+        if self.layers.is_empty() {
+            return Err(bad("no layers"));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            for (name, v) in l.fields() {
+                if !v.is_finite() || v < 0.0 {
+                    return Err(bad(format!(
+                        "layer {i} ({:?}): {name} must be a finite number >= 0, got {}",
+                        l.name,
+                        number(v)
+                    )));
+                }
+            }
         }
         let n = self.layers.len();
         for &(a, b) in &self.edges {

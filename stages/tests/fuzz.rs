@@ -126,10 +126,10 @@ fn plan(bytes: &[u8]) {
 fn profiles(bytes: &[u8]) {
     let text = String::from_utf8_lossy(bytes);
     if let Ok(p) = Profile::from_json(&text) {
-        p.check().unwrap();
+        p.check_file().unwrap();
     }
     if let Ok(p) = Profile::from_pipedream(&text) {
-        p.check().unwrap();
+        p.check_file().unwrap();
     }
 }
 
