@@ -165,9 +165,18 @@ fn cli_rows() -> Vec<Row> {
             "train --stages 2 --replicas 3000",
             "workers (replicas summed over stages) is 6000",
         ),
+        // Refused on any host of fewer than 250 cores, and under 1 TB of memory.
         row(
-            "train --stages 2 --replicas 200",
-            "workers on this host is 400",
+            "train --stages 2 --replicas 2000",
+            "workers on this host is 4000",
+        ),
+        row(
+            "train --model mlp-784-40000x40-10",
+            "the run needs at least",
+        ),
+        row(
+            "profile --model mlp-784-40000x40-10",
+            "the run needs at least",
         ),
         row(
             "train --stages 2000",
@@ -759,7 +768,7 @@ fn every_hostile_frame_is_refused_by_name() {
     let width = rank_nine.len() - seven.len();
     let count_at = rank_nine.len() - 8 * width - width;
     rank_nine[count_at] = 9;
-    rank_nine.extend_from_slice(&rank_nine[rank_nine.len() - width..].to_vec());
+    rank_nine.extend_from_within(rank_nine.len() - width..);
     let header_len = u32::from_le_bytes(rank_nine[4..8].try_into().unwrap()) + width as u32;
     rank_nine[4..8].copy_from_slice(&header_len.to_le_bytes());
     let rows: Vec<(Vec<u8>, &str)> = vec![
