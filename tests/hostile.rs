@@ -509,8 +509,29 @@ fn plan_rows() -> Vec<Row> {
     ]
 }
 
+/// A JSON profile of `n` equal layers.
+fn many_layers(n: usize) -> String {
+    let layer = r#"{"name": "l", "forward": 0.001, "backward_input": 0.002, "activation_bytes": 4096, "param_bytes": 1024}"#;
+    format!("{{\"layers\": [{}]}}", vec![layer; n].join(", "))
+}
+
 fn profile_rows() -> Vec<Row> {
     vec![
+        with(
+            "plan --profile {d}/p.json --workers 1024",
+            text("p.json", many_layers(10_000)),
+            "a plan's table (layers x workers) is 10240000",
+        ),
+        with(
+            "plan --profile {d}/p.json --workers 1000",
+            text("p.json", many_layers(1000)),
+            "a plan's work (layers x workers^2) is 1000000000",
+        ),
+        with(
+            "plan --profile {d}/p.json --workers 2",
+            text("p.json", many_layers(10_001)),
+            "the number of layers is 10001, over the limit of 10000",
+        ),
         profile_json(
             &layer_json("")
                 .replace("\"forward\": 1", "\"forward\": 0")

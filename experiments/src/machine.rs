@@ -24,17 +24,11 @@ impl Machine {
             .find_map(|l| l.strip_prefix("model name"))
             .and_then(|l| l.split_once(':'))
             .map_or_else(|| "unknown".to_string(), |(_, v)| v.trim().to_string());
-        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let kib: f64 = meminfo
-            .lines()
-            .find_map(|l| l.strip_prefix("MemTotal:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0);
+        let limits = pipe_stages::limits::Machine::detect();
         Machine {
             cpu,
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            memory_gib: kib / (1024.0 * 1024.0),
+            cores: limits.cores,
+            memory_gib: limits.memory_bytes as f64 / f64::from(1u32 << 30),
             os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
         }
     }

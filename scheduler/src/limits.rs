@@ -31,6 +31,14 @@ pub const MAX_MICROBATCHES: u64 = 1 << 16;
 /// checkpoint interval when that is shorter.
 pub const MAX_SCHEDULE_PASSES: u64 = 1 << 23;
 
+/// Cells of a planner's table, layers times workers: the default cost model's tables measured
+/// about 950 MB at 2,000 layers and 512 workers (a million cells).
+pub const MAX_PLAN_CELLS: u64 = 1 << 20;
+
+/// Work of one plan, layers times workers squared: 2,000 layers on 512 workers (2^29) took
+/// 10 s here; the bound keeps any plan under about as long.
+pub const MAX_PLAN_WORK: u64 = 1 << 29;
+
 /// A request past a limit: what was asked, the limit and why it exists.
 pub fn exceeded(what: &str, asked: u64, limit: u64, why: &str) -> ScheduleError {
     ScheduleError::Spec(format!(
@@ -97,6 +105,33 @@ pub fn check_schedule(total: u64, stages: u64) -> Result<()> {
     Ok(())
 }
 
+/// Checks the size of a planning problem: `layers` layers on `workers` workers.
+///
+/// # Errors
+/// [`ScheduleError::Plan`] past [`MAX_PLAN_CELLS`] or [`MAX_PLAN_WORK`].
+pub fn check_plan(layers: u64, workers: u64) -> Result<()> {
+    let cells = layers.saturating_mul(workers);
+    let work = cells.saturating_mul(workers);
+    let plan_err = |e: ScheduleError| ScheduleError::Plan(e.to_string());
+    if cells > MAX_PLAN_CELLS {
+        return Err(plan_err(exceeded(
+            "a plan's table (layers x workers)",
+            cells,
+            MAX_PLAN_CELLS,
+            "about 1 KB a cell; plan fewer workers, or merge layers into blocks",
+        )));
+    }
+    if work > MAX_PLAN_WORK {
+        return Err(plan_err(exceeded(
+            "a plan's work (layers x workers^2)",
+            work,
+            MAX_PLAN_WORK,
+            "10 s at the limit; plan fewer workers, or merge layers into blocks",
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a model's layer count.
 ///
 /// # Errors
@@ -129,5 +164,13 @@ mod tests {
         assert!(check_schedule(u64::MAX, u64::MAX).is_err());
         assert!(check_schedule(60_000, 8).is_ok());
         assert!(check_layers(MAX_LAYERS + 1).is_err());
+        assert!(check_plan(2000, 512).is_ok());
+        let e = check_plan(10_000, 1024).unwrap_err().to_string();
+        assert!(
+            e.contains("layers x workers") && e.contains("10240000"),
+            "{e}"
+        );
+        let e = check_plan(1000, 1000).unwrap_err().to_string();
+        assert!(e.contains("layers x workers^2"), "{e}");
     }
 }

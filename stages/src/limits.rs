@@ -258,10 +258,11 @@ pub fn check_memory(need: f64, workers: u64, holding: &str, machine: &Machine) -
     let budget = machine.memory_budget();
     if need > budget as f64 {
         return Err(StageError::Limit(format!(
-            "the run needs at least {} of memory ({workers} workers on this host holding \
+            "the run needs at least {} of memory ({workers} worker{} on this host holding \
              {holding}), over the limit of {} ({:.0}% of this machine's {}); use fewer \
              replicas, more stages or smaller microbatches",
             gib(need),
+            if workers == 1 { "" } else { "s" },
             gib(budget as f64),
             MEMORY_SHARE * 100.0,
             gib(machine.memory_bytes as f64),

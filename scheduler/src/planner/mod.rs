@@ -55,6 +55,7 @@ struct Cell {
 /// bound no plan meets; [`ScheduleError::Profile`] for a bad profile.
 pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan> {
     profile.check()?;
+    crate::limits::check_plan(profile.layers.len() as u64, u64::from(opts.workers))?;
     if opts.workers > 4096 {
         return Err(ScheduleError::Plan(format!(
             "{} workers is more than 4096",

@@ -683,6 +683,7 @@ fn make_plan(costs: &Costs, profile: &Profile, bounds: &[(usize, usize, usize)])
 /// flush schedules.
 pub fn plan(profile: &Profile, opts: &PlanOptions) -> Result<PartitionPlan> {
     profile.check()?;
+    crate::limits::check_plan(profile.layers.len() as u64, u64::from(opts.workers))?;
     opts.check()?;
     let costs = Costs::new(profile, opts);
     let n = costs.n;
@@ -894,6 +895,7 @@ pub fn explain(
 /// As [`plan`].
 pub fn frontier(profile: &Profile, opts: &PlanOptions) -> Result<Vec<Option<PartitionPlan>>> {
     profile.check()?;
+    crate::limits::check_plan(profile.layers.len() as u64, u64::from(opts.workers))?;
     opts.check()?;
     let costs = Costs::new(profile, opts);
     let (n, w) = (costs.n, costs.w);
