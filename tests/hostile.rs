@@ -328,6 +328,32 @@ fn cli_rows() -> Vec<Row> {
         ),
         row("schedule --schedule nope", "nope"),
         row("simulate --stages 0", "at least 1"),
+        row(
+            "simulate --forward 1e300",
+            "forward is 1e300, over the limit",
+        ),
+        row(
+            "simulate --forward 0 --backward 0",
+            "the stages compute for 0 s in all",
+        ),
+        with(
+            "simulate --costs {d}/c.toml --stages 2",
+            text(
+                "c.toml",
+                "[[stage]]\nforward = 1e-320\nbackward_input = 0\n",
+            ),
+            "under 1e-9 s",
+        ),
+        with(
+            "simulate --costs {d}/c.toml --stages 1",
+            text("c.toml", "bandwidth = 1e-300\n[[stage]]\nforward = 1\n"),
+            "bandwidth must be at least 1 byte/s",
+        ),
+        with(
+            "simulate --costs {d}/c.toml --stages 1",
+            text("c.toml", "[[stages]]\nforward = 1\n"),
+            "unknown field `stages`",
+        ),
         row("frobnicate", "frobnicate"),
     ]
 }
@@ -536,7 +562,7 @@ fn profile_rows() -> Vec<Row> {
             &layer_json("")
                 .replace("\"forward\": 1", "\"forward\": 0")
                 .replace("\"backward_input\": 1", "\"backward_input\": 0"),
-            "every layer takes 0 s",
+            "the layers take 0 s in all",
         ),
         profile_json(
             &layer_json("").replace("\"activation_bytes\": 1,", "\"activation_bytes\": 1e308,"),
@@ -604,7 +630,7 @@ fn profile_rows() -> Vec<Row> {
                     "forward_compute_time=0, backward_compute_time=0",
                 )
                 .replace("backward_compute_time=3.000", "backward_compute_time=0"),
-            "every layer takes 0 s",
+            "the layers take 0 s in all",
         ),
     ]
 }

@@ -39,6 +39,47 @@ pub const MAX_PLAN_CELLS: u64 = 1 << 20;
 /// 10 s here; the bound keeps any plan under about as long.
 pub const MAX_PLAN_WORK: u64 = 1 << 29;
 
+/// The most seconds one pass of one layer or stage may take in a profile or a cost file (about
+/// 11 days): past it, sums and speed-ups stop being meaningful figures.
+pub const MAX_FIGURE_SECONDS: f64 = 1e6;
+
+/// The most bytes one activation, parameter set or stash may have in a profile or a cost file
+/// (1 PiB).
+pub const MAX_FIGURE_BYTES: f64 = (1u64 << 50) as f64;
+
+/// The least time the layers of a profile, or the stages of a cost file, may take in all (a
+/// nanosecond): with less, throughputs and speed-ups are not finite.
+pub const MIN_TOTAL_SECONDS: f64 = 1e-9;
+
+/// A figure as a message shows it: plain, or in exponent form when it is huge or tiny.
+pub fn number(v: f64) -> String {
+    if v != 0.0 && !(1e-4..1e9).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// Checks one figure of a profile or a cost file, named `name` (sizes end in `bytes`, the
+/// rest are seconds), against [`MAX_FIGURE_BYTES`] or [`MAX_FIGURE_SECONDS`].
+///
+/// # Errors
+/// The message naming the figure, its value and the bound.
+pub fn check_figure(name: &str, v: f64) -> std::result::Result<(), String> {
+    let (bound, unit) = if name.ends_with("bytes") {
+        (MAX_FIGURE_BYTES, "bytes, 1 PiB")
+    } else {
+        (MAX_FIGURE_SECONDS, "seconds, 11 days")
+    };
+    if v > bound {
+        return Err(format!(
+            "{name} is {}, over the limit of {bound:e} {unit}",
+            number(v)
+        ));
+    }
+    Ok(())
+}
+
 /// A request past a limit: what was asked, the limit and why it exists.
 pub fn exceeded(what: &str, asked: u64, limit: u64, why: &str) -> ScheduleError {
     ScheduleError::Spec(format!(

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, ScheduleError};
+use crate::limits::{MIN_TOTAL_SECONDS, number};
 
 /// One layer's costs. Times are seconds per microbatch, sizes bytes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -113,24 +114,8 @@ pub struct Profile {
     pub calibrated_microbatches: Option<u32>,
 }
 
-/// The most seconds one layer's pass may take in a profile (about 11 days): past it, sums and
-/// speed-ups stop being meaningful figures.
-pub const MAX_PROFILE_SECONDS: f64 = 1e6;
-
-/// The most bytes one layer's activation, parameters or stash may have in a profile (1 PiB).
-pub const MAX_PROFILE_BYTES: f64 = (1u64 << 50) as f64;
-
 /// The largest microbatch size a profile may state.
 pub const MAX_PROFILE_MICROBATCH: u64 = 1 << 31;
-
-/// A figure as a message shows it: plain, or in exponent form when it is huge or tiny.
-fn number(v: f64) -> String {
-    if v != 0.0 && !(1e-4..1e9).contains(&v.abs()) {
-        format!("{v:e}")
-    } else {
-        format!("{v}")
-    }
-}
 
 fn bad(msg: impl Into<String>) -> ScheduleError {
     ScheduleError::Profile(msg.into())
@@ -393,7 +378,7 @@ impl Profile {
 
     /// Checks a profile read from a file ([`Profile::check`], then the bounds of what a
     /// measured profile can hold): at most [`crate::limits::MAX_LAYERS`] layers, times up to
-    /// [`MAX_PROFILE_SECONDS`], sizes up to [`MAX_PROFILE_BYTES`], a plausible microbatch size,
+    /// [`crate::limits::MAX_FIGURE_SECONDS`], sizes up to [`crate::limits::MAX_FIGURE_BYTES`], a plausible microbatch size,
     /// and some time in some layer, so that every figure printed from it is finite. Profiles
     /// made in memory (FLOP counts standing in for times, say) need only [`Profile::check`].
     ///
@@ -410,24 +395,17 @@ impl Profile {
         }
         for (i, l) in self.layers.iter().enumerate() {
             for (name, v) in l.fields() {
-                let (bound, unit) = if name.ends_with("bytes") {
-                    (MAX_PROFILE_BYTES, "bytes, 1 PiB")
-                } else {
-                    (MAX_PROFILE_SECONDS, "seconds, 11 days")
-                };
-                if v > bound {
-                    return Err(bad(format!(
-                        "layer {i} ({:?}): {name} is {}, over the limit of {bound:e} {unit}",
-                        l.name,
-                        number(v)
-                    )));
-                }
+                crate::limits::check_figure(name, v)
+                    .map_err(|why| bad(format!("layer {i} ({:?}): {why}", l.name)))?;
             }
         }
-        if self.layers.iter().all(|l| l.compute() == 0.0) {
-            return Err(bad(
-                "every layer takes 0 s: a profile needs some time to balance (was it measured?)",
-            ));
+        let total: f64 = self.layers.iter().map(LayerProfile::compute).sum();
+        if total < MIN_TOTAL_SECONDS {
+            return Err(bad(format!(
+                "the layers take {} s in all, under {MIN_TOTAL_SECONDS:e} s: a profile needs \
+                 some time to balance (was it measured?)",
+                number(total)
+            )));
         }
         Ok(())
     }

@@ -132,7 +132,19 @@ impl StageCost {
     }
 
     fn check(&self, which: usize) -> Result<()> {
-        let fields = [
+        for (name, v) in self.fields() {
+            if !v.is_finite() || v < 0.0 {
+                return Err(ScheduleError::Cost(format!(
+                    "stage {which}: {name} must be a finite number >= 0, got {v}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every figure by name, as checks name them.
+    fn fields(&self) -> [(&'static str, f64); 10] {
+        [
             ("forward", self.forward),
             ("backward_input", self.backward_input),
             ("backward_weight", self.backward_weight),
@@ -143,15 +155,7 @@ impl StageCost {
             ("param_bytes", self.param_bytes),
             ("stash_bytes", self.stash()),
             ("all_reduce", self.all_reduce.unwrap_or(0.0)),
-        ];
-        for (name, v) in fields {
-            if !v.is_finite() || v < 0.0 {
-                return Err(ScheduleError::Cost(format!(
-                    "stage {which}: {name} must be a finite number >= 0, got {v}"
-                )));
-            }
-        }
-        Ok(())
+        ]
     }
 }
 
@@ -274,6 +278,45 @@ impl CostModel {
             return Err(ScheduleError::Cost(format!(
                 "message_cpu must be a finite number of seconds >= 0, got {}",
                 self.message_cpu
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`CostModel::check`] for costs a user gave (a cost file, `pipe simulate`'s flags):
+    /// every figure within [`crate::limits::MAX_FIGURE_SECONDS`] or
+    /// [`crate::limits::MAX_FIGURE_BYTES`], some compute time, a bandwidth of at least a
+    /// byte a second; so that every figure the simulator prints is finite.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Cost`] naming the figure and the bound.
+    pub fn check_input(&self, stages: u32) -> Result<()> {
+        use crate::limits::{MIN_TOTAL_SECONDS, check_figure, number};
+        self.check(stages)?;
+        let cost = |m: String| ScheduleError::Cost(m);
+        for (i, s) in self.stages.iter().enumerate() {
+            for (name, v) in s.fields() {
+                check_figure(name, v).map_err(|why| cost(format!("stage {i}: {why}")))?;
+            }
+        }
+        check_figure("latency", self.latency).map_err(cost)?;
+        check_figure("message_cpu", self.message_cpu).map_err(cost)?;
+        let total: f64 = self
+            .stages
+            .iter()
+            .map(|s| s.forward + s.whole_backward())
+            .sum();
+        if total < MIN_TOTAL_SECONDS {
+            return Err(cost(format!(
+                "the stages compute for {} s in all, under {MIN_TOTAL_SECONDS:e} s: throughputs \
+                 would not be finite",
+                number(total)
+            )));
+        }
+        if self.bandwidth < 1.0 {
+            return Err(cost(format!(
+                "bandwidth must be at least 1 byte/s, got {}",
+                number(self.bandwidth)
             )));
         }
         Ok(())

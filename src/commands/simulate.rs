@@ -106,7 +106,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     let spec = args.opts.spec();
     let resolved = spec.resolve().map_err(schedule_error)?;
     costs
-        .check(resolved.layout.stages())
+        .check_input(resolved.layout.stages())
         .map_err(schedule_error)?;
     let want_timeline = args.trace.is_some() || args.csv.is_some();
     if !want_timeline && !args.opts.expands_all_reduce() {
