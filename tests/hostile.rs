@@ -179,6 +179,10 @@ fn cli_rows() -> Vec<Row> {
             "the run needs at least",
         ),
         row(
+            "train --stages 9999999999",
+            "model stages (stages x chunks) is 9999999999",
+        ),
+        row(
             "train --stages 2000",
             "model stages (stages x chunks) is 2000",
         ),

@@ -304,6 +304,15 @@ fn one_line(msg: &str) -> String {
     msg.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
+/// The model a run's settings choose, as [`TrainSettings::resolve`] goes on with it.
+struct ChosenModel {
+    name: String,
+    spec: ModelSpec,
+    vocab: Option<Vocab>,
+    dataset: DatasetKind,
+    language: Option<crate::transformer::GptShape>,
+}
+
 macro_rules! merge_fields {
     ($dst:ident, $src:ident; $($f:ident),*) => { $( if $src.$f.is_some() { $dst.$f = $src.$f; } )* };
 }
@@ -411,11 +420,84 @@ impl TrainSettings {
         Ok(())
     }
 
-    /// Applies defaults and checks every value.
+    /// The optimizer's settings: those given, else the defaults (a language model's, and an
+    /// SGD momentum lowered for an asynchronous layout, [`default_momentum`]), checked.
     ///
     /// # Errors
-    /// [`StageError::Config`] or [`StageError::Model`] naming the first bad value.
-    pub fn resolve(self) -> Result<RunConfig> {
+    /// [`StageError::Config`] for values out of range.
+    fn optimizer_config(
+        &self,
+        kind: OptimizerKind,
+        lm: Option<LanguageDefaults>,
+        layout_spec: &ScheduleSpec,
+    ) -> Result<OptimizerConfig> {
+        let defaults = OptimizerConfig::default();
+        let momentum = match (self.momentum, kind) {
+            (Some(m), _) => m,
+            (None, OptimizerKind::Sgd) => {
+                // An impossible layout is refused later, with the schedule's own message.
+                layout_spec
+                    .resolve()
+                    .map_or(BASE_MOMENTUM, |r| default_momentum(&r))
+            }
+            (None, _) => 0.0,
+        };
+        let optimizer = OptimizerConfig {
+            kind,
+            momentum,
+            nesterov: self.nesterov.unwrap_or(false),
+            weight_decay: self
+                .weight_decay
+                .unwrap_or(lm.map_or(defaults.weight_decay, |d| d.weight_decay)),
+            beta1: self.beta1.unwrap_or(defaults.beta1),
+            beta2: self.beta2.unwrap_or(defaults.beta2),
+            eps: self.eps.unwrap_or(defaults.eps),
+        };
+        optimizer.validate()?;
+        Ok(optimizer)
+    }
+
+    /// The stage count and one replica count per stage, checked against the schedule's limits
+    /// before the per-stage list is built.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for zero or mismatched counts; [`StageError::Schedule`] past a
+    /// limit.
+    fn layout(&self) -> Result<(usize, Vec<u32>)> {
+        let bad = |m: String| Err(StageError::Config(m));
+        let stages = self.stages.unwrap_or(1);
+        if stages == 0 {
+            return bad("stages must be at least 1".into());
+        }
+        let replicas = self.replicas.clone().unwrap_or_else(|| vec![1]);
+        if replicas.is_empty() || replicas.contains(&0) {
+            return bad("replicas must be at least 1 per stage".into());
+        }
+        if replicas.len() != 1 && replicas.len() != stages {
+            return bad(format!(
+                "--replicas lists {} values for {stages} stages (give one value, or one per stage)",
+                replicas.len()
+            ));
+        }
+        let workers: u64 = match replicas.as_slice() {
+            [r] => u64::from(*r).saturating_mul(stages as u64),
+            many => many.iter().map(|&r| u64::from(r)).sum(),
+        };
+        let chunks = u64::from(self.chunks.unwrap_or(1));
+        pipe_scheduler::limits::check_layout(stages as u64, workers, chunks)?;
+        if replicas.len() == 1 {
+            return Ok((stages, vec![replicas[0]; stages]));
+        }
+        Ok((stages, replicas))
+    }
+
+    /// The model these settings name, its dataset (a language model's text by default) and,
+    /// on text, the vocabulary from the corpus.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for a language model on another dataset or ties on a layer
+    /// list; [`StageError::Model`] for an unknown preset; data errors reading the corpus.
+    fn choose_model(&self) -> Result<ChosenModel> {
         let bad = |m: String| Err(StageError::Config(m));
         let default_model = if self.stages.unwrap_or(1) > 1 {
             DEFAULT_PIPELINE_MODEL
@@ -424,6 +506,7 @@ impl TrainSettings {
         };
         let choice = self
             .model
+            .clone()
             .unwrap_or(ModelChoice::Preset(default_model.into()));
         let language = match &choice {
             ModelChoice::Preset(name) => gpt_shape(name),
@@ -436,7 +519,7 @@ impl TrainSettings {
         });
         let tie = self.tie_embeddings.unwrap_or(false);
         let mut vocab = None;
-        let (model_name, model_spec) = match (choice, language) {
+        let (name, spec) = match (choice, language) {
             (ModelChoice::Preset(name), Some(shape)) => {
                 if dataset != DatasetKind::TinyShakespeare {
                     return bad(format!(
@@ -468,6 +551,28 @@ impl TrainSettings {
                     .into(),
             );
         }
+        Ok(ChosenModel {
+            name,
+            spec,
+            vocab,
+            dataset,
+            language,
+        })
+    }
+
+    /// Applies defaults and checks every value.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] or [`StageError::Model`] naming the first bad value.
+    pub fn resolve(self) -> Result<RunConfig> {
+        let bad = |m: String| Err(StageError::Config(m));
+        let ChosenModel {
+            name: model_name,
+            spec: model_spec,
+            vocab,
+            dataset,
+            language,
+        } = self.choose_model()?;
         let model = Model::new(&model_spec)?;
         if let Some(size) = self.microbatch_size {
             model.check_microbatch(size)?;
@@ -522,23 +627,7 @@ impl TrainSettings {
         if !(lr > 0.0 && lr.is_finite()) {
             return bad(format!("learning rate must be positive, got {lr}"));
         }
-        let stages = self.stages.unwrap_or(1);
-        if stages == 0 {
-            return bad("stages must be at least 1".into());
-        }
-        let mut replicas = self.replicas.clone().unwrap_or_else(|| vec![1]);
-        if replicas.is_empty() || replicas.contains(&0) {
-            return bad("replicas must be at least 1 per stage".into());
-        }
-        if replicas.len() != 1 && replicas.len() != stages {
-            return bad(format!(
-                "--replicas lists {} values for {stages} stages (give one value, or one per stage)",
-                replicas.len()
-            ));
-        }
-        if replicas.len() == 1 {
-            replicas = vec![replicas[0]; stages];
-        }
+        let (stages, replicas) = self.layout()?;
         let chunks = self.chunks.unwrap_or(1);
         let pipelined = stages > 1
             || replicas.iter().any(|&r| r > 1)
@@ -554,32 +643,10 @@ impl TrainSettings {
                 .map_err(|e: pipe_scheduler::ScheduleError| StageError::Config(e.to_string()))?,
             None => lm.map_or(Policy::PipeDream, |d| d.schedule),
         };
-        let defaults = OptimizerConfig::default();
         let layout_spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
             .with_replicas(replicas.clone())
             .with_chunks(chunks);
-        let momentum = match (self.momentum, kind) {
-            (Some(m), _) => m,
-            (None, OptimizerKind::Sgd) => {
-                // An impossible layout is refused later, with the schedule's own message.
-                layout_spec
-                    .resolve()
-                    .map_or(BASE_MOMENTUM, |r| default_momentum(&r))
-            }
-            (None, _) => 0.0,
-        };
-        let optimizer = OptimizerConfig {
-            kind,
-            momentum,
-            nesterov: self.nesterov.unwrap_or(false),
-            weight_decay: self
-                .weight_decay
-                .unwrap_or(lm.map_or(defaults.weight_decay, |d| d.weight_decay)),
-            beta1: self.beta1.unwrap_or(defaults.beta1),
-            beta2: self.beta2.unwrap_or(defaults.beta2),
-            eps: self.eps.unwrap_or(defaults.eps),
-        };
-        optimizer.validate()?;
+        let optimizer = self.optimizer_config(kind, lm, &layout_spec)?;
         let partition = match &self.partition {
             Some(text) => PartitionChoice::parse(text, model.len())?,
             None => PartitionChoice::Measured,
