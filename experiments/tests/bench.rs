@@ -138,7 +138,11 @@ fn sweep_files_are_checked() {
     };
     bad(
         &|s| s.replace("repeats = 5  ", "repeats = 3  "),
-        "at least 5",
+        "repeats = 3: between 5",
+    );
+    bad(
+        &|s| s.replace("repeats = 5  ", "repeats = 5000  "),
+        "and 1000",
     );
     bad(
         &|s| s.replace("budget_minutes = 60", "budget_minutes = -1"),

@@ -160,3 +160,11 @@ fn a_small_experiment_runs_saves_and_regenerates_its_report() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn an_experiment_of_too_many_runs_is_refused() {
+    let mut cfg = StalenessConfig::parse(COMMITTED, "mnist.toml").unwrap();
+    cfg.seeds = (0..5000).collect();
+    let err = cfg.matrix().unwrap_err().to_string();
+    assert!(err.contains("over the limit of 1000"), "{err}");
+}

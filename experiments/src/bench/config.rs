@@ -255,15 +255,15 @@ impl BenchConfig {
     /// # Errors
     /// A message naming the field.
     pub fn check(&self) -> Result<(), String> {
-        if self.repeats < 5 {
+        if self.repeats < 5 || self.repeats > 1000 {
             return Err(format!(
-                "repeats = {}: at least 5 (the mean leaves out the fastest and slowest)",
+                "repeats = {}: between 5 (the mean leaves out the fastest and slowest) and 1000",
                 self.repeats
             ));
         }
-        if self.quick.repeats < 5 {
+        if self.quick.repeats < 5 || self.quick.repeats > 1000 {
             return Err(format!(
-                "quick.repeats = {}: at least 5",
+                "quick.repeats = {}: between 5 and 1000",
                 self.quick.repeats
             ));
         }

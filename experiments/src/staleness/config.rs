@@ -244,6 +244,9 @@ impl StalenessConfig {
         }
     }
 
+    /// Runs in one experiment: a thousand is days of training at this machine's scale.
+    pub const MAX_RUNS: usize = 1000;
+
     /// Every run, in the order they run: pipelines, remedies, the delayed baseline.
     ///
     /// # Errors
@@ -295,6 +298,14 @@ impl StalenessConfig {
         }
         if runs.is_empty() {
             return bad("the matrix has no runs (stage count 1 runs only `sequential`)".into());
+        }
+        let max = Self::MAX_RUNS;
+        if runs.len() > max {
+            return bad(format!(
+                "the experiment has {} runs, over the limit of {max} (each is a training \
+                 run; split it into several experiments)",
+                runs.len()
+            ));
         }
         Ok(runs)
     }
