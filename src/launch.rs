@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow};
 use crossbeam_channel::{RecvTimeoutError, Sender, unbounded};
 use pipe_stages::config::TrainSettings;
+use pipe_stages::pipeline::doctor::{StopReport, diagnose};
 use pipe_stages::train::{EpochStats, Observer, StepStats};
 use pipe_transport::cluster::ClusterFile;
 use pipe_transport::quic::{Bound, Quic, QuicOptions};
@@ -59,6 +60,9 @@ pub enum Record {
         /// Stopped early after this many updates.
         stopped: Option<u64>,
     },
+    /// Where a worker's program stopped when its part of the run failed (any rank), for the
+    /// hang doctor.
+    Stop(StopReport),
 }
 
 /// The chief's observer in a launched run: every step and epoch as a [`Record`] line on
@@ -85,6 +89,20 @@ impl Observer for RecordWriter {
     }
     fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
         Self::write(&Record::Epoch(e.clone()))
+    }
+    fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
+        Self::write(&Record::Stop(report.clone()))
+    }
+}
+
+/// The observer of a launched worker other than the chief: only where it stopped, when its
+/// part of the run fails.
+#[derive(Debug, Default)]
+pub struct StopWriter;
+
+impl Observer for StopWriter {
+    fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
+        RecordWriter::write(&Record::Stop(report.clone()))
     }
 }
 
@@ -320,11 +338,18 @@ pub fn run_processes(
     let toml = toml::to_string(settings).context("writing the run's settings")?;
     let mut last = None;
     let mut done = None;
+    let mut stops = Vec::new();
     let mut on_record = |rank: u32, json: &str| -> Result<()> {
+        let record = serde_json::from_str::<Record>(json).context("a worker's record")?;
+        if let Record::Stop(report) = record {
+            stops.push(report);
+            return Ok(());
+        }
         if rank != 0 {
             return Ok(());
         }
-        match serde_json::from_str::<Record>(json).context("a record of the chief")? {
+        match record {
+            Record::Stop(_) => {}
             Record::Step(s) => obs.on_step(&s)?,
             Record::Epoch(e) => {
                 obs.on_epoch(&e)?;
@@ -348,7 +373,12 @@ pub fn run_processes(
         args.extend(opts.extra.iter().cloned());
         args
     };
-    launch(opts, &[("run.toml", &toml)], &command, &mut on_record)?;
+    if let Err(e) = launch(opts, &[("run.toml", &toml)], &command, &mut on_record) {
+        return Err(match stall_report(settings, &stops, opts.workers) {
+            Some(report) => anyhow!("the run stalled: {report}"),
+            None => e,
+        });
+    }
     let (steps, weights, checkpoints, stopped) =
         done.ok_or_else(|| anyhow!("the chief ended without reporting the run's end"))?;
     Ok(ProcessRunEnd {
@@ -358,6 +388,35 @@ pub fn run_processes(
         checkpoints,
         stopped,
     })
+}
+
+/// The hang doctor's report on a run of worker processes that stalled: the schedule of the
+/// segment the stalled worker was in, rebuilt from `settings`, and every worker's reported
+/// stop point (a worker that sent none is reported as such). `None` when no worker stalled.
+fn stall_report(settings: &TrainSettings, stops: &[StopReport], workers: u32) -> Option<String> {
+    let stalled = stops.iter().find(|r| r.stalled.is_some())?;
+    let (awaited, waited) = stalled.awaited()?;
+    let cfg = settings.clone().resolve().ok()?;
+    let policy = stalled.policy.parse().ok()?;
+    let spec = cfg.schedule_spec_of(policy, pipe_scheduler::Length::Updates(stalled.updates));
+    let model = pipe_stages::model::Model::new(&cfg.model).ok()?;
+    let plan = pipe_stages::pipeline::RunPlan::new(&model, &spec, None).ok()?;
+    let points: Vec<_> = (0..workers)
+        .map(|w| {
+            let program = plan.schedule.programs.get(w as usize)?;
+            stops
+                .iter()
+                .find(|r| r.rank == w)
+                .map(|r| r.stop_point(program))
+        })
+        .collect();
+    Some(diagnose(
+        &plan.schedule,
+        &points,
+        stalled.rank,
+        &awaited,
+        waited,
+    ))
 }
 
 /// Runs `opts.workers` processes of this executable, each `command(dir)` followed by

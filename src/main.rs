@@ -189,8 +189,9 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let code = output::exit_code(&e);
-            // One line: the error and its causes joined, no backtrace; a cause whose text
-            // its parent already shows is not repeated.
+            // The error and its causes joined, no backtrace; a cause whose text its parent
+            // already shows is not repeated. Bad input is one line; a failure at run time may
+            // carry a report of several (the hang doctor's wait-for graph).
             let mut msg = String::new();
             for cause in e.chain().map(|c| c.to_string()) {
                 if !msg.ends_with(&cause) {
@@ -200,7 +201,11 @@ fn main() -> ExitCode {
                     msg.push_str(&cause);
                 }
             }
-            let msg = msg.replace('\n', " ");
+            let msg = if code == 2 {
+                msg.replace('\n', " ")
+            } else {
+                msg
+            };
             eprintln!("error: {msg}");
             ExitCode::from(code)
         }

@@ -125,6 +125,92 @@ fn alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// Starts `pipe train` as worker processes with `flags` and waits for its first epoch line;
+/// returns the launcher and its worker processes (pid, command line).
+fn launched_run(flags: &[&str], d: &std::path::Path) -> (Child, Vec<(u32, String)>) {
+    let config = small_config(d, 10_000);
+    let mut launcher: Child = Command::new(PIPE)
+        .args(["train", "--config", &config])
+        .args(flags)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = launcher.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let started = Instant::now();
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the run never reached its first epoch");
+        if line.starts_with("epoch") {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60));
+    }
+    let workers = children_of(launcher.id());
+    (launcher, workers)
+}
+
+#[test]
+fn a_frozen_worker_process_is_found_by_the_hang_doctor() {
+    if !std::path::Path::new("/proc/self/stat").exists() {
+        eprintln!("skipped: needs /proc to find the worker processes");
+        return;
+    }
+    let _one = serial();
+    let d = dir("freeze");
+    // A stall bound under QUIC's idle limit (5 s), so the others report a stall rather than a
+    // lost connection.
+    let flags = [
+        "--stages",
+        "3",
+        "--transport",
+        "quic",
+        "--stall-timeout",
+        "2",
+    ];
+    let (launcher, workers) = launched_run(&flags, &d);
+    assert_eq!(workers.len(), 3, "{workers:?}");
+    let victim = workers
+        .iter()
+        .find(|(_, cmd)| cmd.contains("--rank 1 "))
+        .expect("rank 1's process")
+        .0;
+    let frozen = Instant::now();
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &victim.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = launcher.wait_with_output().unwrap();
+    let took = frozen.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("the run stalled"), "{err}");
+    assert!(err.contains("wait-for graph"), "{err}");
+    assert!(
+        err.contains("worker 1 (stage 1, replica 0): sent no report"),
+        "{err}"
+    );
+    assert!(err.contains("\ncause: worker 1 sent no report"), "{err}");
+    assert!(took < Duration::from_secs(30), "stopped after {took:?}");
+    for (pid, _) in &workers {
+        assert!(!alive(*pid), "worker process {pid} outlived the launcher");
+    }
+    eprintln!("{err}");
+}
+
 #[test]
 fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
     if !std::path::Path::new("/proc/self/stat").exists() {

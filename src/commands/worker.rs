@@ -19,7 +19,7 @@ use pipe_transport::TransportKind;
 use pipe_transport::cluster::{ClusterFile, resolve_rank};
 use pipe_transport::quic::QuicOptions;
 
-use crate::launch::{Record, RecordWriter, join};
+use crate::launch::{Record, RecordWriter, StopWriter, join};
 use crate::output::bad_input;
 use crate::training::{
     Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, print_header,
@@ -137,7 +137,8 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             }
             Box::new(Fan::new(&cfg)?)
         }
-        (false, _) => Box::new(Quiet),
+        (false, true) => Box::new(StopWriter),
+        (false, false) => Box::new(Quiet),
     };
     let opts = WorkerOptions {
         checkpoints: checkpoint_policy(&args.train, &cfg).filter(|_| chief),

@@ -120,11 +120,21 @@ impl StageError {
     /// through a worker's report; `None` for every other error.
     pub fn stall(&self) -> Option<(u32, pipe_transport::Key, std::time::Duration)> {
         match self {
-            StageError::Worker { worker, source, .. } => match source.as_ref() {
+            StageError::Worker { worker, .. } => self
+                .stall_key()
+                .map(|(key, waited)| (*worker, *key, waited)),
+            _ => None,
+        }
+    }
+
+    /// [`StageError::stall`]'s awaited key and wait, for a [`crate::pipeline::doctor::StopReport`].
+    pub fn stall_key(&self) -> Option<(&pipe_transport::Key, std::time::Duration)> {
+        match self {
+            StageError::Worker { source, .. } => match source.as_ref() {
                 StageError::Transport(pipe_transport::TransportError::Timeout { key, waited }) => {
-                    Some((*worker, *key, *waited))
+                    Some((key, *waited))
                 }
-                other => other.stall(),
+                other => other.stall_key(),
             },
             _ => None,
         }

@@ -99,6 +99,15 @@ pub trait Observer {
         let _ = e;
         Ok(())
     }
+    /// When a worker's part of a run failed: where its program stopped, for the hang doctor of
+    /// a launcher that cannot see into the worker's process.
+    ///
+    /// # Errors
+    /// As for `on_step` (the run has failed already; the error is dropped).
+    fn on_stop(&mut self, report: &crate::pipeline::doctor::StopReport) -> Result<()> {
+        let _ = report;
+        Ok(())
+    }
 }
 
 /// An observer that ignores everything.

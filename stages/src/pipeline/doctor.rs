@@ -15,10 +15,9 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use pipe_scheduler::{Action, WorkerId};
+use pipe_scheduler::{Action, Schedule, WorkerId};
 use pipe_transport::{Key, Kind};
-
-use super::Setup;
+use serde::{Deserialize, Serialize};
 
 /// Where a worker's program stands.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -31,6 +30,95 @@ pub struct StopPoint {
     pub last_completed: Option<Action>,
     /// It ran its whole program.
     pub finished: bool,
+}
+
+/// A worker process's stop point as it reports it to its launcher, which has no view of the
+/// process: where its program stood by index, the segment's schedule (policy and length) so
+/// the launcher can rebuild the programs, and, for the worker whose wait timed out, what it
+/// waited for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StopReport {
+    /// The worker.
+    pub rank: u32,
+    /// The segment's policy, by name.
+    pub policy: String,
+    /// The segment's length in updates.
+    pub updates: u32,
+    /// Actions completed.
+    pub completed: usize,
+    /// It was inside action `completed` (not between actions).
+    pub in_action: bool,
+    /// It ran its whole program.
+    pub finished: bool,
+    /// For the worker that stalled: the awaited message's key (from, kind as `Kind`'s debug
+    /// name, stage, index) and how long it waited.
+    pub stalled: Option<(u32, String, u32, u32, f64)>,
+}
+
+impl StopReport {
+    /// The report of `rank` at `stop`, in a segment of `updates` updates of `policy`; `stall`
+    /// when its own receive timed out.
+    pub fn new(
+        rank: u32,
+        (policy, updates): (&str, u32),
+        stop: &StopPoint,
+        stall: Option<(&Key, Duration)>,
+    ) -> Self {
+        StopReport {
+            rank,
+            policy: policy.to_string(),
+            updates,
+            completed: stop.completed,
+            in_action: stop.at.is_some(),
+            finished: stop.finished,
+            stalled: stall.map(|(k, waited)| {
+                (
+                    k.from,
+                    format!("{:?}", k.kind),
+                    k.stage,
+                    k.index,
+                    waited.as_secs_f64(),
+                )
+            }),
+        }
+    }
+
+    /// The stop point on `program` (the worker's program in the rebuilt schedule).
+    pub fn stop_point(&self, program: &[Action]) -> StopPoint {
+        StopPoint {
+            at: if self.in_action {
+                program.get(self.completed).copied()
+            } else {
+                None
+            },
+            completed: self.completed,
+            last_completed: self
+                .completed
+                .checked_sub(1)
+                .and_then(|i| program.get(i).copied()),
+            finished: self.finished,
+        }
+    }
+
+    /// What the stalled worker waited for, and how long.
+    pub fn awaited(&self) -> Option<(Key, Duration)> {
+        let (from, kind, stage, index, waited) = self.stalled.clone()?;
+        let kind = match kind.as_str() {
+            "Activation" => Kind::Activation,
+            "Gradient" => Kind::Gradient,
+            "Chunk" => Kind::Chunk,
+            _ => Kind::Control,
+        };
+        let key = Key {
+            from,
+            to: self.rank,
+            kind,
+            stage,
+            index,
+            step: 0,
+        };
+        Some((key, Duration::from_secs_f64(waited.max(0.0))))
+    }
 }
 
 /// What a worker waits for, read off the action it stopped in.
@@ -46,7 +134,7 @@ enum Wait {
     Nobody(Action),
 }
 
-fn wait_of(setup: &Setup<'_>, worker: WorkerId, a: Action) -> Wait {
+fn wait_of(schedule: &Schedule, worker: WorkerId, a: Action) -> Wait {
     let key = |kind, stage, mb, from| Key {
         from,
         to: worker,
@@ -64,7 +152,7 @@ fn wait_of(setup: &Setup<'_>, worker: WorkerId, a: Action) -> Wait {
         }
         Action::SendActivation { to, .. } | Action::SendGradient { to, .. } => Wait::Send(to, a),
         Action::AllReduce { stage, .. } => {
-            let layout = setup.plan.schedule.layout();
+            let layout = schedule.layout();
             let group = (0..layout.workers())
                 .filter(|&w| w != worker && layout.stages_of(w).any(|s| s == stage))
                 .collect();
@@ -87,16 +175,17 @@ fn describe(key: &Key) -> String {
     )
 }
 
-/// The report on a stalled run: the stall, every worker's state, the wait-for graph as one
-/// line per worker, and the cause found by following the waits from `stalled`.
+/// The report on a stalled run of `schedule`: the stall, every worker's state (`None`: it sent
+/// no report), the wait-for graph as one line per worker, and the cause found by following the
+/// waits from `stalled`.
 pub fn diagnose(
-    setup: &Setup<'_>,
-    stops: &[StopPoint],
+    schedule: &Schedule,
+    stops: &[Option<StopPoint>],
     stalled: WorkerId,
     awaited: &Key,
     waited: Duration,
 ) -> String {
-    let layout = setup.plan.schedule.layout();
+    let layout = schedule.layout();
     let mut out = format!(
         "worker {stalled} waited {:.1} s for {} and the run was stopped.\nwait-for graph:\n",
         waited.as_secs_f64(),
@@ -105,10 +194,21 @@ pub fn diagnose(
     let waits: Vec<Option<Wait>> = stops
         .iter()
         .enumerate()
-        .map(|(w, s)| s.at.map(|a| wait_of(setup, w as WorkerId, a)))
+        .map(|(w, s)| {
+            s.and_then(|s| s.at)
+                .map(|a| wait_of(schedule, w as WorkerId, a))
+        })
         .collect();
     for (w, (stop, wait)) in stops.iter().zip(&waits).enumerate() {
         let (position, replica) = layout.placement(w as WorkerId);
+        let Some(stop) = stop else {
+            let _ = writeln!(
+                out,
+                "  worker {w} (stage {position}, replica {replica}): sent no report (it is not \
+                 running its program: stopped, stuck outside the transport, or gone)"
+            );
+            continue;
+        };
         let last = stop
             .last_completed
             .map_or_else(|| "nothing yet".to_string(), |a| a.to_string());
@@ -130,15 +230,15 @@ pub fn diagnose(
     let _ = write!(
         out,
         "cause: {}",
-        cause(setup, stops, &waits, stalled, awaited)
+        cause(schedule, stops, &waits, stalled, awaited)
     );
     out
 }
 
 /// Follows the waits from `stalled`, which waits for `awaited`.
 fn cause(
-    setup: &Setup<'_>,
-    stops: &[StopPoint],
+    schedule: &Schedule,
+    stops: &[Option<StopPoint>],
     waits: &[Option<Wait>],
     stalled: WorkerId,
     awaited: &Key,
@@ -159,9 +259,9 @@ fn cause(
             },
             _ => return None,
         };
-        let program = setup.plan.schedule.programs.get(k.from as usize)?;
+        let program = schedule.programs.get(k.from as usize)?;
         let at = program.iter().position(|&a| a == send)?;
-        let done = stops.get(k.from as usize)?;
+        let done = stops.get(k.from as usize)?.as_ref()?;
         (done.finished || at < done.completed).then(|| {
             format!(
                 "worker {} sent {} ({send}, action {at} of its program) but worker {waiter} \
@@ -200,6 +300,12 @@ fn cause(
             return format!("worker {next} is not in this run");
         };
         let waiter = path[path.len() - 1];
+        let Some(stop) = stop else {
+            return format!(
+                "worker {next} sent no report: it is not running its program (stopped, stuck \
+                 outside the transport, or gone), and worker {waiter} waits for {wanted}"
+            );
+        };
         if stop.finished {
             return format!(
                 "worker {next} finished its program, but worker {waiter} still waits for \

@@ -151,9 +151,13 @@ where
     });
     if let Some(e) = first.into_inner().ok().flatten() {
         if let Some((worker, key, waited)) = e.stall() {
-            let stops: Vec<_> = states.iter().map(|s| s.progress).collect();
+            let stops: Vec<_> = states.iter().map(|s| Some(s.progress)).collect();
             return Err(StageError::Stalled(super::doctor::diagnose(
-                setup, &stops, worker, &key, waited,
+                &setup.plan.schedule,
+                &stops,
+                worker,
+                &key,
+                waited,
             )));
         }
         return Err(e);

@@ -37,6 +37,7 @@ use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::Length;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
+use super::doctor::StopReport;
 use super::train::{EpochEnd, LiveSteps, Run, Segment, Start, run_partition};
 use super::{LossReport, Partition, RunPlan, WorkerOutcome, WorkerState, run_worker_with};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
@@ -211,7 +212,19 @@ fn run_segments<T: Transport + ?Sized>(
                     .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
                 let mut between = |ep: &mut T| losses.poll(ep, &rx, obs);
                 run_worker_with(&be, ep, setup, st, t, &mut between)
-            })?;
+            });
+            let outcome = match outcome {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    if let Some(st) = &state {
+                        let segment = (plan.schedule.resolved.policy.name(), this as u32);
+                        let report = StopReport::new(rank, segment, &st.progress, e.stall_key());
+                        // The run has failed already; a report that cannot be written is lost.
+                        let _ = obs.on_stop(&report);
+                    }
+                    return Err(e);
+                }
+            };
             let seg_secs = t.elapsed().as_secs_f64();
             secs += seg_secs;
             done += this;
