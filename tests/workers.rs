@@ -219,36 +219,8 @@ fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
     }
     let _one = serial();
     let d = dir("kill");
-    let config = small_config(&d, 10_000);
-    let mut launcher: Child = Command::new(PIPE)
-        .args(["train", "--config", &config])
-        .args(["--stages", "2", "--replicas", "2,1", "--transport", "quic"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Wait until training runs: the first epoch's line.
-    let stdout = launcher.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-        {
-            let _ = tx.send(line);
-        }
-    });
-    let started = Instant::now();
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the run never reached its first epoch");
-        if line.starts_with("epoch") {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60));
-    }
-    let workers = children_of(launcher.id());
+    let flags = ["--stages", "2", "--replicas", "2,1", "--transport", "quic"];
+    let (launcher, workers) = launched_run(&flags, &d);
     assert_eq!(workers.len(), 3, "{workers:?}");
     let victim = workers
         .iter()
