@@ -10,6 +10,8 @@
 //! ([`profile`]), which times layers alone and then on the executor itself, so plans are made
 //! from what the runtime really pays. Runs save and resume through [`checkpoint`], whose files
 //! are keyed by parameter name, so a checkpoint does not depend on the partition that wrote it.
+//! Every size a user or a peer controls is checked against [`limits`] before anything is
+//! allocated, and a stalled pipeline is explained by the hang doctor ([`pipeline::doctor`]).
 
 #![warn(missing_docs)]
 

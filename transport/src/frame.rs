@@ -17,7 +17,7 @@
 //! against the receiver's limit ([`FrameLimits`]) before any buffer for it exists. A frame that
 //! is truncated, oversized, from another run or another protocol version, or garbage, is a
 //! [`FrameError`], never a panic. The reader and the decoder of a whole buffer share these
-//! checks: [`parse_prefix`], [`parse_header`] and [`payload_into_tensor`] are the only places
+//! checks: [`parse_prefix`], [`parse_header`] and [`payload_into_message`] are the only places
 //! that interpret bytes.
 
 use bincode::{Decode, Encode};

@@ -1,6 +1,8 @@
 //! `pipe-transport` owns moving tensors between workers: one [`Transport`] trait, an in-process
-//! implementation ([`inproc`]: crossbeam channels moving owned buffers, no copies), the ring
-//! all-reduce written once over the trait ([`collective`]), and, in later work, QUIC and NCCL.
+//! implementation ([`inproc`]: crossbeam channels moving owned buffers, no copies), QUIC between
+//! processes and hosts ([`quic`], with its wire format in [`frame`]), the ring all-reduce
+//! written once over the trait ([`collective`]), and a wrapper that injects faults into any
+//! transport for tests ([`fault`]); NCCL in later work.
 //!
 //! The trait is shaped around how schedules use it. Every message has a [`Key`] (sender,
 //! receiver, kind, stage, microbatch or update, ring step) that the receiver asks for by value,

@@ -733,7 +733,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
 
     /// For an all-reduce of `stage`: its replica group (ring order) and its accumulated
     /// gradients (zeros when nothing was accumulated since the last update), which the
-    /// all-reduce sums in place ([`super::gradient_buckets`]).
+    /// all-reduce sums in place ([`super::all_reduce_gradients`]).
     ///
     /// # Errors
     /// A stage this worker does not hold.
