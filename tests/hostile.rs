@@ -359,6 +359,36 @@ fn cli_rows() -> Vec<Row> {
             "unknown field `stages`",
         ),
         row("frobnicate", "frobnicate"),
+        row(
+            "bench mfu --batch 100000000",
+            "over the limit of 2147483648",
+        ),
+        row(
+            "bench mfu --steps 18446744073709551615",
+            "--steps is 18446744073709551615",
+        ),
+        row("bench mfu --threads 100000", "--threads is 100000"),
+        row(
+            "bench pipeline --updates 4000000000",
+            "--updates is 4000000000",
+        ),
+        row("bench partition --workers 100000", "over the limit of 4096"),
+        row(
+            "bench partition --microbatch-size 100000000",
+            "over the limit of 2147483648",
+        ),
+        row(
+            "bench transport --message-mib 100000",
+            "100000 is not in 1..=1024",
+        ),
+        row(
+            "bench transport --allreduce-workers 100000",
+            "100000 is not in 2..=64",
+        ),
+        row(
+            "bench transport --rounds 4000000000",
+            "4000000000 is not in 1..=100",
+        ),
     ]
 }
 

@@ -116,6 +116,7 @@ pub struct TransportBenchArgs {
 /// # Errors
 /// Run-time failures of the benchmark (the flags are range-checked by the parser).
 pub fn run_transport(args: &TransportBenchArgs) -> Result<()> {
+    // Sizes, workers and rounds are bounded by their flags' ranges.
     let cfg = pipe_experiments::transport::TransportBenchConfig {
         message_mib: args.message_mib as usize,
         messages: args.messages,
@@ -209,6 +210,31 @@ pub fn run_allreduce_worker(args: &AllreduceWorkerArgs) -> Result<()> {
     Ok(())
 }
 
+/// Checks a benchmark's counts (flag, value) against
+/// [`pipe_stages::limits::MAX_BENCH_ITERATIONS`] and its threads against the machine.
+fn check_counts(counts: &[(&str, u64)], threads: Option<usize>) -> Result<()> {
+    use pipe_stages::limits::{MAX_BENCH_ITERATIONS, Machine, check_count, check_threads};
+    for &(flag, v) in counts {
+        check_count(
+            flag,
+            v,
+            MAX_BENCH_ITERATIONS,
+            "far past what a median needs",
+        )?;
+    }
+    if let Some(t) = threads {
+        check_threads(t as u64, &Machine::detect())?;
+    }
+    Ok(())
+}
+
+/// Checks `model`'s microbatch of `size` samples against the tensor limit.
+fn check_model_batch(model: &str, size: usize) -> Result<()> {
+    let spec = pipe_stages::model::ModelSpec::preset(model)?;
+    pipe_stages::model::Model::new(&spec)?.check_microbatch(size)?;
+    Ok(())
+}
+
 /// Writes a report as pretty JSON, with a final newline, when `path` is given.
 fn write_json<T: serde::Serialize>(path: Option<&PathBuf>, report: &T) -> Result<()> {
     if let Some(path) = path {
@@ -228,6 +254,8 @@ pub fn run_mfu(args: &MfuArgs) -> Result<()> {
             "--threads, --batch and --steps must be positive".into(),
         ));
     }
+    check_counts(&[("--steps", args.steps as u64)], Some(args.threads))?;
+    check_model_batch(&args.model, args.batch)?;
     let cfg = pipe_experiments::mfu::MfuConfig {
         model: args.model.clone(),
         batch: args.batch,
@@ -252,6 +280,14 @@ pub fn run_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     if args.updates == 0 {
         return Err(bad_input("--updates must be positive".into()));
     }
+    check_counts(
+        &[
+            ("--updates", u64::from(args.updates)),
+            ("--warmup", u64::from(args.warmup)),
+            ("--rounds", u64::from(args.rounds)),
+        ],
+        None,
+    )?;
     let cfg = pipe_experiments::pipeline::PipelineBenchConfig {
         updates: args.updates,
         warmup: args.warmup,
@@ -276,6 +312,17 @@ pub fn run_partition(args: &PartitionBenchArgs) -> Result<()> {
                 .into(),
         ));
     }
+    check_counts(
+        &[
+            ("--updates", u64::from(args.updates)),
+            ("--rounds", u64::from(args.rounds)),
+        ],
+        None,
+    )?;
+    pipe_scheduler::limits::check_microbatches(u64::from(args.microbatches))
+        .and_then(|()| pipe_scheduler::limits::check_layout(1, u64::from(args.workers), 1))
+        .map_err(schedule_error)?;
+    check_model_batch(&args.model, args.microbatch_size)?;
     let cfg = pipe_experiments::partition::PartitionBenchConfig {
         model: args.model.clone(),
         microbatch: args.microbatch_size,

@@ -39,6 +39,10 @@ pub const MAX_TENSOR_ELEMENTS: u64 = 1 << 31;
 /// Warm-up or timed repeats per layer when profiling.
 pub const MAX_PROFILE_REPEATS: u64 = 10_000;
 
+/// Timed steps, updates, rounds, warm-ups or messages of one `pipe bench` measurement: far past
+/// what a median needs.
+pub const MAX_BENCH_ITERATIONS: u64 = 100_000;
+
 /// Passes over the training set in one run (a run of more would not end within a year on the
 /// smallest model and the embedded data).
 pub const MAX_EPOCHS: u64 = 100_000;
