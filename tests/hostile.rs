@@ -360,6 +360,14 @@ fn cli_rows() -> Vec<Row> {
         ),
         row("frobnicate", "frobnicate"),
         row(
+            "train --microbatches 4611686018427387904",
+            "microbatches per update is 4611686018427387904",
+        ),
+        row(
+            "train --microbatch-size 4294967296",
+            "at microbatch size 4294967296",
+        ),
+        row(
             "bench mfu --batch 100000000",
             "over the limit of 2147483648",
         ),
@@ -397,7 +405,17 @@ fn config_rows() -> Vec<Row> {
         .map(|_| "{ type = \"relu\" },")
         .collect::<Vec<_>>()
         .join(" ");
+    let nested: String = (0..20_000)
+        .map(|_| "{ type = \"relu\" },")
+        .collect::<Vec<_>>()
+        .join(" ");
     vec![
+        layers(
+            &format!(
+                "{{ type = \"flatten\" }}, {{ type = \"sequence\", layers = [ {nested} ] }}, {{ type = \"linear\", inputs = 784, outputs = 10 }}"
+            ),
+            "the number of layers is 20003, over the limit of 10000",
+        ),
         config("this is not toml", "c.toml"),
         config("colour = 3\n", "unknown field `colour`"),
         config("[synthetic]\nshade = 1\n", "unknown field `shade`"),

@@ -249,9 +249,12 @@ pub fn write(root: &Path, model: &Model, ckpt: &Checkpoint, keep: usize) -> Resu
     std::fs::create_dir(&tmp).map_err(|e| write_err(&tmp, e))?;
     let written = write_into(root, &tmp, &name, model, ckpt);
     if written.is_err() {
-        // A full disk or a directory made read-only: give back what the partial copy took.
-        // `latest` still names the previous checkpoint, which nothing here touched.
+        // A full disk or a directory made read-only: give back what the partial copy and the
+        // pointer being written took. `latest` still names the previous checkpoint, unless this
+        // write replaced a checkpoint of the same update count (a run resumed from before it),
+        // which is gone once the rename has begun.
         let _ = std::fs::remove_dir_all(&tmp);
+        let _ = std::fs::remove_file(root.join(".latest.tmp"));
     }
     let dest = written?;
     prune(root, keep.max(1), &name);

@@ -365,7 +365,7 @@ impl TrainSettings {
                 .map(|s| {
                     format!(
                         " (line {})",
-                        text[..s.start.min(text.len())].lines().count().max(1)
+                        text[..s.start.min(text.len())].matches('\n').count() + 1
                     )
                 })
                 .unwrap_or_default();
@@ -610,12 +610,19 @@ impl TrainSettings {
         if microbatch_size == 0 {
             return bad("microbatch size must be at least 1".into());
         }
+        crate::limits::check_count(
+            "--microbatch-size",
+            microbatch_size as u64,
+            crate::limits::MAX_TENSOR_ELEMENTS,
+            "a microbatch is one tensor",
+        )?;
         let microbatches = self
             .microbatches
             .unwrap_or(lm.map_or(1, |d| d.microbatches));
         if microbatches == 0 {
             return bad("microbatches per update must be at least 1".into());
         }
+        pipe_scheduler::limits::check_microbatches(microbatches as u64)?;
         let kind = self
             .optimizer
             .unwrap_or(lm.map_or(OptimizerKind::Sgd, |d| d.optimizer));

@@ -134,6 +134,17 @@ fn default_eps() -> f32 {
 }
 
 impl LayerSpec {
+    /// Layers this spec describes, counting those inside residual blocks and sequences (one
+    /// for any other layer); a transformer block counts as one.
+    pub fn layer_count(&self) -> u64 {
+        match self {
+            LayerSpec::Residual { layers } | LayerSpec::Sequence { layers } => {
+                1 + layers.iter().map(LayerSpec::layer_count).sum::<u64>()
+            }
+            _ => 1,
+        }
+    }
+
     /// Builds the layer, checking its own hyperparameters.
     ///
     /// `followed_by_activation` picks the default initialisation of a linear layer.

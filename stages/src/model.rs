@@ -285,6 +285,9 @@ impl ModelSpec {
                     "'{name}': {n} repeated layers is too many"
                 )));
             }
+            // Checked before the widths exist: a long name of many parts is as big a request.
+            pipe_scheduler::limits::check_layers((widths.len() + n) as u64)
+                .map_err(|e| StageError::Limit(e.to_string()))?;
             widths.extend(std::iter::repeat_n(w, n));
         }
         if widths.len() < 2 {
@@ -321,7 +324,9 @@ impl Model {
         if spec.layers.is_empty() {
             return Err(StageError::Model("the model has no layers".into()));
         }
-        pipe_scheduler::limits::check_layers(spec.layers.len() as u64)
+        // Layers inside residual blocks and sequences count too.
+        let nested: u64 = spec.layers.iter().map(LayerSpec::layer_count).sum();
+        pipe_scheduler::limits::check_layers(nested)
             .map_err(|e| StageError::Limit(e.to_string()))?;
         crate::limits::check_shape("the model's input", &spec.input)?;
         if spec.input.is_empty() || spec.input.contains(&0) {

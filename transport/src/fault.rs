@@ -26,9 +26,11 @@ pub enum Fault {
         seed: u64,
     },
     /// Data messages are held back and sent newest first, `window` at a time (and whenever the
-    /// worker is about to receive, so that holding them never blocks a peer the worker then
-    /// waits for): the reordering the protocol allows, since a receiver asks for messages by
-    /// key.
+    /// worker is about to wait in a receive or close, so that holding them never blocks a peer
+    /// the worker then waits for): the reordering the protocol allows, since a receiver asks
+    /// for messages by key. Control records are not held, so they may overtake held data; a
+    /// send that blocks on a full queue while data is held is not covered (queues here hold far
+    /// more than a window).
     Reorder {
         /// Messages held before they are released.
         window: usize,
@@ -204,7 +206,7 @@ impl<T: Transport> Transport for Faulty<T> {
     }
 
     fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
-        self.flush()?;
+        // A poll never waits, so what is held cannot block anyone here: keep holding it.
         self.inner()?.try_recv(key)
     }
 

@@ -163,14 +163,14 @@ fn wait_of(schedule: &Schedule, worker: WorkerId, a: Action) -> Wait {
 }
 
 fn describe(key: &Key) -> String {
-    let what = match key.kind {
-        Kind::Activation => "the activation",
-        Kind::Gradient => "the gradient",
-        Kind::Chunk => "an all-reduce chunk",
-        Kind::Control => "a control record",
+    let (what, of) = match key.kind {
+        Kind::Activation => ("the activation", "microbatch"),
+        Kind::Gradient => ("the gradient", "microbatch"),
+        Kind::Chunk => ("an all-reduce or tied-gradient chunk", "update"),
+        Kind::Control => ("a control record", "record"),
     };
     format!(
-        "{what} of microbatch {} from worker {} (stage {})",
+        "{what} of {of} {} from worker {} (stage {})",
         key.index, key.from, key.stage
     )
 }
@@ -217,6 +217,9 @@ pub fn diagnose(
             (false, Some(Wait::Message(k))) => format!("waits for {}", describe(k)),
             (false, Some(Wait::Send(to, a))) => format!("is sending to worker {to} ({a})"),
             (false, Some(Wait::Group(g, a))) => format!("waits for replicas {g:?} ({a})"),
+            (false, Some(Wait::Nobody(a @ Action::Update { .. }))) => {
+                format!("is inside {a} (with tied parameters it waits for the partner stage)")
+            }
             (false, Some(Wait::Nobody(a))) => format!("waits for nobody: it is inside {a}"),
             (false, None) => "stopped outside its program".to_string(),
         };

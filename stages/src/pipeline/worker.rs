@@ -107,10 +107,17 @@ pub fn train_worker<T: Transport + ?Sized>(
     obs: &mut dyn Observer,
     opts: &WorkerOptions,
 ) -> Result<Option<WorkerReport>> {
-    let result = run_segments(cfg, data, ep, obs, opts);
+    let mut stop = None;
+    let result = run_segments(cfg, data, ep, obs, opts, &mut stop);
     if let Err(e) = &result {
         if !e.is_abort_echo() {
             ep.abort();
+        }
+        // Where this worker's program stood, for a launcher's hang doctor: in the segment
+        // that failed, or finished with it (waiting for the chief's word) when the failure
+        // came after. The run has failed already; a report that cannot be written is lost.
+        if let Some(report) = &stop {
+            let _ = obs.on_stop(report);
         }
     }
     result
@@ -154,6 +161,7 @@ fn run_segments<T: Transport + ?Sized>(
     ep: &mut T,
     obs: &mut dyn Observer,
     opts: &WorkerOptions,
+    stop: &mut Option<StopReport>,
 ) -> Result<Option<WorkerReport>> {
     let rank = ep.rank();
     let chief = rank == CHIEF;
@@ -213,18 +221,12 @@ fn run_segments<T: Transport + ?Sized>(
                 let mut between = |ep: &mut T| losses.poll(ep, &rx, obs);
                 run_worker_with(&be, ep, setup, st, t, &mut between)
             });
-            let outcome = match outcome {
-                Ok(outcome) => outcome,
-                Err(e) => {
-                    if let Some(st) = &state {
-                        let segment = (plan.schedule.resolved.policy.name(), this as u32);
-                        let report = StopReport::new(rank, segment, &st.progress, e.stall_key());
-                        // The run has failed already; a report that cannot be written is lost.
-                        let _ = obs.on_stop(&report);
-                    }
-                    return Err(e);
-                }
-            };
+            if let Some(st) = &state {
+                let segment = (plan.schedule.resolved.policy.name(), this as u32);
+                let stall = outcome.as_ref().err().and_then(StageError::stall_key);
+                *stop = Some(StopReport::new(rank, segment, &st.progress, stall));
+            }
+            let outcome = outcome?;
             let seg_secs = t.elapsed().as_secs_f64();
             secs += seg_secs;
             done += this;
