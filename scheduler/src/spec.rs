@@ -542,59 +542,7 @@ impl ScheduleSpec {
             return spec_err("microbatches per update times replicas is too large".into());
         }
         let minibatch = minibatch as u32;
-        if self.policy == Policy::Interleaved {
-            let uniform = pipeline
-                .replica_counts()
-                .iter()
-                .all(|&r| r == pipeline.replica_counts()[0]);
-            if !uniform {
-                return spec_err("interleaved needs the same replica count at every stage".into());
-            }
-            if self.microbatches % self.stages != 0 {
-                return spec_err(format!(
-                    "interleaved needs microbatches per update to be a multiple of the stage \
-                     count: {} is not a multiple of {}",
-                    self.microbatches, self.stages
-                ));
-            }
-        }
-        if v_shaped {
-            let uniform = pipeline
-                .replica_counts()
-                .iter()
-                .all(|&r| r == pipeline.replica_counts()[0]);
-            if !uniform {
-                return spec_err(format!(
-                    "{} needs the same replica count at every stage",
-                    self.policy
-                ));
-            }
-            let least = u64::from(self.stages) * 2;
-            if u64::from(self.microbatches) < least {
-                return spec_err(format!(
-                    "{} needs at least 2 x stages = {least} microbatches per update (its warm-up \
-                     fills both chunks of every worker); got {}",
-                    self.policy, self.microbatches
-                ));
-            }
-        }
-        if self.policy == Policy::TwoBw {
-            // Minibatch t uses version t - 1, which must exist by the time its first forward
-            // runs: at most M + 1 microbatches in flight per replica.
-            let deepest = (0..pipeline.positions())
-                .map(|p| pipeline.in_flight_limit(p))
-                .max()
-                .unwrap_or(1);
-            if self.microbatches + 1 < deepest {
-                return spec_err(format!(
-                    "2bw needs at least {} microbatches per update with this layout (it keeps \
-                     {deepest} in flight per replica and uses version t-1 for minibatch t); \
-                     got {}",
-                    deepest - 1,
-                    self.microbatches
-                ));
-            }
-        }
+        self.check_policy_layout(&pipeline)?;
         let total = match self.length {
             Length::Updates(0) | Length::Microbatches(0) => {
                 return spec_err("the schedule must run at least one update".into());
@@ -631,6 +579,64 @@ impl ScheduleSpec {
             total,
             depths,
         })
+    }
+
+    /// The layout rules of particular policies: interleaved and the V-shaped ones need one
+    /// replica count everywhere and enough microbatches to fill their chunks; 2BW needs enough
+    /// microbatches for version `t - 1` to exist when minibatch `t` starts.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Spec`] naming the policy and the rule.
+    fn check_policy_layout(&self, pipeline: &Layout) -> Result<()> {
+        let spec_err = |m: String| Err(ScheduleError::Spec(m));
+        let counts = pipeline.replica_counts();
+        let uniform = counts.iter().all(|&r| r == counts[0]);
+        if self.policy == Policy::Interleaved {
+            if !uniform {
+                return spec_err("interleaved needs the same replica count at every stage".into());
+            }
+            if self.microbatches % self.stages != 0 {
+                return spec_err(format!(
+                    "interleaved needs microbatches per update to be a multiple of the stage \
+                     count: {} is not a multiple of {}",
+                    self.microbatches, self.stages
+                ));
+            }
+        }
+        if self.policy.is_v_shaped() {
+            if !uniform {
+                return spec_err(format!(
+                    "{} needs the same replica count at every stage",
+                    self.policy
+                ));
+            }
+            let least = u64::from(self.stages) * 2;
+            if u64::from(self.microbatches) < least {
+                return spec_err(format!(
+                    "{} needs at least 2 x stages = {least} microbatches per update (its warm-up \
+                     fills both chunks of every worker); got {}",
+                    self.policy, self.microbatches
+                ));
+            }
+        }
+        if self.policy == Policy::TwoBw {
+            // Minibatch t uses version t - 1, which must exist by the time its first forward
+            // runs: at most M + 1 microbatches in flight per replica.
+            let deepest = (0..pipeline.positions())
+                .map(|p| pipeline.in_flight_limit(p))
+                .max()
+                .unwrap_or(1);
+            if self.microbatches + 1 < deepest {
+                return spec_err(format!(
+                    "2bw needs at least {} microbatches per update with this layout (it keeps \
+                     {deepest} in flight per replica and uses version t-1 for minibatch t); \
+                     got {}",
+                    deepest - 1,
+                    self.microbatches
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
