@@ -160,6 +160,24 @@ fn launched_run(flags: &[&str], d: &std::path::Path) -> (Child, Vec<(u32, String
     (launcher, workers)
 }
 
+/// Sends `signal` (as `kill` spells it) to rank `rank`'s process among `workers`; returns its
+/// pid.
+fn signal(workers: &[(u32, String)], rank: u32, signal: &str) -> u32 {
+    let pid = workers
+        .iter()
+        .find(|(_, cmd)| cmd.contains(&format!("--rank {rank} ")))
+        .unwrap_or_else(|| panic!("rank {rank}'s process"))
+        .0;
+    assert!(
+        Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    pid
+}
+
 #[test]
 fn a_frozen_worker_process_is_found_by_the_hang_doctor() {
     if !std::path::Path::new("/proc/self/stat").exists() {
@@ -180,19 +198,8 @@ fn a_frozen_worker_process_is_found_by_the_hang_doctor() {
     ];
     let (launcher, workers) = launched_run(&flags, &d);
     assert_eq!(workers.len(), 3, "{workers:?}");
-    let victim = workers
-        .iter()
-        .find(|(_, cmd)| cmd.contains("--rank 1 "))
-        .expect("rank 1's process")
-        .0;
     let frozen = Instant::now();
-    assert!(
-        Command::new("kill")
-            .args(["-STOP", &victim.to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal(&workers, 1, "-STOP");
     let out = launcher.wait_with_output().unwrap();
     let took = frozen.elapsed();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -222,19 +229,8 @@ fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
     let flags = ["--stages", "2", "--replicas", "2,1", "--transport", "quic"];
     let (launcher, workers) = launched_run(&flags, &d);
     assert_eq!(workers.len(), 3, "{workers:?}");
-    let victim = workers
-        .iter()
-        .find(|(_, cmd)| cmd.contains("--rank 2 "))
-        .expect("rank 2's process")
-        .0;
     let killed = Instant::now();
-    assert!(
-        Command::new("kill")
-            .args(["-9", &victim.to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    let victim = signal(&workers, 2, "-9");
     let others: Vec<u32> = workers
         .iter()
         .map(|w| w.0)
