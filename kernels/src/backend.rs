@@ -108,6 +108,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Where this backend keeps the tensors it computes on.
     fn device(&self) -> Device;
 
+    /// Waits until every operation queued so far has finished: call it before reading a clock.
+    /// Backends that compute synchronously (the CPU) return at once.
+    ///
+    /// # Errors
+    /// Device failures reported by queued work.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Makes `t` resident where this backend computes: a host tensor is copied to the device,
     /// a tensor already there is returned as it is (the CPU backend returns every host tensor
     /// as it is).
@@ -386,18 +395,19 @@ impl BackendKind {
         }
     }
 
-    /// Opens the backend with `threads` compute threads (0: one per core) on device `ordinal`
-    /// where the backend has devices.
+    /// Opens the backend with `threads` compute threads (0: one per core; the CPU's) on device
+    /// `ordinal` (CUDA's).
     ///
     /// # Errors
-    /// [`crate::KernelError::NotCompiledWithCuda`] for CUDA in a build without it; thread-pool
+    /// [`crate::KernelError::NotCompiledWithCuda`] for CUDA in a build without it,
+    /// [`crate::KernelError::NoCuda`] where no driver, device or NVRTC is found; thread-pool
     /// failures for the CPU.
     pub fn open(self, threads: usize, ordinal: usize) -> Result<Box<dyn Backend>> {
         match self {
             BackendKind::Cpu => Ok(Box::new(crate::CpuBackend::new(threads)?)),
             BackendKind::Cuda => {
-                crate::CudaBackend::new(ordinal)?;
-                Err(crate::KernelError::NotCompiledWithCuda)
+                let _ = threads;
+                Ok(Box::new(crate::CudaBackend::new(ordinal)?))
             }
         }
     }

@@ -40,6 +40,32 @@ pub enum KernelError {
     /// The CUDA backend was requested but this build has no CUDA support.
     #[error("built without CUDA: rebuild with `--features cuda` to use the cuda backend")]
     NotCompiledWithCuda,
+    /// The CUDA backend cannot run here: no driver, no device, or no NVRTC.
+    #[error("CUDA is not available: {reason}")]
+    NoCuda {
+        /// What is missing.
+        reason: String,
+    },
+    /// A CUDA driver, cuBLAS or NVRTC call failed.
+    #[error("cuda {op}: {detail}")]
+    Cuda {
+        /// The step that failed.
+        op: &'static str,
+        /// The library's error.
+        detail: String,
+    },
+    /// An operand lives where this backend cannot compute on it (move it with `place` first).
+    #[error(
+        "{op}: operand is held by {found}, this backend computes on {expected}; place it first"
+    )]
+    WrongDevice {
+        /// The operation that refused it.
+        op: &'static str,
+        /// Where the backend computes.
+        expected: crate::Device,
+        /// Where the operand is.
+        found: crate::Device,
+    },
     /// The CPU backend could not start its worker threads.
     #[error("could not start {threads} compute threads: {reason}")]
     ThreadPool {

@@ -16,7 +16,7 @@
 
 mod backend;
 mod cpu;
-mod cuda;
+pub mod cuda;
 mod denormals;
 mod error;
 mod fastmath;
@@ -32,6 +32,8 @@ pub use backend::{
 };
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use cuda::PoolStats;
 pub use denormals::{flush_denormals, flushes_denormals};
 pub use error::KernelError;
 pub use tensor::{DType, Device, DeviceMemory, Element, Storage, Tensor};

@@ -35,6 +35,9 @@ impl<B: Backend> Timed<B> {
     fn time<T>(&self, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let out = f();
+        // A device backend only queues work: wait for it before reading the clock. A device
+        // error found here is reported again by the next call that waits, so none is lost.
+        let _ = self.inner.synchronize();
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.nanos.fetch_add(ns, Ordering::Relaxed);
         out
@@ -52,6 +55,10 @@ impl<B: Backend> Backend for Timed<B> {
 
     fn device(&self) -> Device {
         self.inner.device()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.inner.synchronize()
     }
 
     fn place(&self, t: Tensor) -> Result<Tensor> {

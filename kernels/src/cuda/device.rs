@@ -1,0 +1,1289 @@
+//! The CUDA backend proper: one context, one stream, one cuBLAS handle and one memory pool per
+//! backend (per worker). Every operation is queued on the stream; the host waits only where it
+//! must have a value (`read`, the loss statistics, the f64 sums, id checks) or before timing
+//! ([`Backend::synchronize`]).
+//!
+//! Kernels receive raw device pointers: the stream's order is the only synchronisation, which is
+//! why a tensor from another backend is copied in by [`Backend::place`] before use and refused
+//! anywhere else.
+
+use std::borrow::Cow;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+    result as driver, sys as driver_sys,
+};
+
+use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, SgdStep, Trans};
+use crate::error::shape_err;
+use crate::{Device, Element, KernelError, Result, Storage, Tensor};
+
+use super::compile::ptx_for;
+use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
+
+/// Threads per block for elementwise and per-column kernels.
+const THREADS: u32 = 256;
+/// Grid-stride kernels never need more blocks than this to fill a GPU.
+const MAX_BLOCKS: u64 = 8192;
+/// Warps (rows) per block for the one-warp-per-row kernels.
+const WARPS_PER_BLOCK: u64 = 4;
+/// The partial-sum grid of `partial_sums_f32` (fixed, so the summation order depends on the
+/// length alone).
+const REDUCE_BLOCKS: u32 = 256;
+const REDUCE_THREADS: u32 = 256;
+/// The attention kernels keep a head's features in registers, 32 lanes x 8.
+const MAX_HEAD_DIM: usize = 256;
+
+macro_rules! kernel_table {
+    ($($name:ident),* $(,)?) => {
+        /// Every kernel of `kernels.cu`, looked up once.
+        struct Kernels {
+            $($name: CudaFunction,)*
+        }
+
+        impl Kernels {
+            fn load(module: &Arc<CudaModule>) -> Result<Self> {
+                Ok(Self {
+                    $($name: module
+                        .load_function(stringify!($name))
+                        .map_err(driver_err(stringify!($name)))?,)*
+                })
+            }
+        }
+    };
+}
+
+kernel_table!(
+    fill_f32,
+    mul_f32,
+    axpy_f32,
+    scale_f32,
+    add_bias_f32,
+    sum_rows_f32,
+    transpose_f32,
+    activation_f32,
+    activation_backward_f32,
+    layer_norm_f32,
+    layer_norm_backward_input_f32,
+    layer_norm_backward_params_f32,
+    check_labels_u32,
+    check_ids_f32,
+    softmax_xent_f32,
+    embedding_f32,
+    embedding_backward_f32,
+    attention_f32,
+    attention_backward_queries_f32,
+    attention_backward_keys_f32,
+    sgd_f32,
+    adam_f32,
+    partial_sums_f32,
+);
+
+/// A compute backend on one CUDA device (see the module docs).
+pub struct CudaBackend {
+    ordinal: usize,
+    name: String,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: Mutex<CudaBlas>,
+    kernels: Kernels,
+    pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.ordinal)
+            .field("device", &self.name)
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
+/// The number of CUDA devices this process can see.
+///
+/// # Errors
+/// [`KernelError::NoCuda`] when no driver can be loaded or it reports no device.
+pub fn device_count() -> Result<usize> {
+    // SAFETY: only tries to open the driver library. Without it cudarc's entry points panic,
+    // which is why this comes first.
+    if !unsafe { driver_sys::is_culib_present() } {
+        return Err(KernelError::NoCuda {
+            reason: "no NVIDIA driver found (libcuda.so could not be loaded)".into(),
+        });
+    }
+    let count = CudaContext::device_count().map_err(|e| KernelError::NoCuda {
+        reason: format!("the CUDA driver did not start: {e}"),
+    })?;
+    match usize::try_from(count) {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(KernelError::NoCuda {
+            reason: "the CUDA driver reports no device".into(),
+        }),
+    }
+}
+
+fn cublas_err(e: blas::CublasError) -> KernelError {
+    KernelError::Cuda {
+        op: "cublas",
+        detail: e.to_string(),
+    }
+}
+
+fn blocks_for(n: u64, per_block: u64) -> u32 {
+    // At most MAX_BLOCKS, which fits u32.
+    n.div_ceil(per_block).clamp(1, MAX_BLOCKS) as u32
+}
+
+fn grid(n: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks_for(n, u64::from(THREADS)), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per row; rows beyond the grid's x limit are refused by the caller's shape checks
+/// long before (2^31 blocks of 4 rows).
+fn warp_rows(rows: u64) -> LaunchConfig {
+    let blocks = u32::try_from(rows.div_ceil(WARPS_PER_BLOCK).max(1)).unwrap_or(u32::MAX);
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: ((WARPS_PER_BLOCK * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn as_u64(n: usize) -> u64 {
+    n as u64
+}
+
+fn gemm_dim(op: &'static str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| shape_err(op, format!("dimension {n} exceeds cuBLAS's 2^31")))
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `ordinal`: a context, a stream, a cuBLAS handle, the kernels compiled
+    /// for the device's architecture by NVRTC, and an empty memory pool.
+    ///
+    /// # Errors
+    /// [`KernelError::NoCuda`] without a driver, a device `ordinal` or NVRTC;
+    /// [`KernelError::Cuda`] when the device refuses a step.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(KernelError::NoCuda {
+                reason: format!("device {ordinal} requested, {count} visible"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("context"))?;
+        let name = ctx.name().map_err(driver_err("device name"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver_err("compute capability"))?;
+        let arch = u32::try_from(major * 10 + minor).map_err(|_| KernelError::Cuda {
+            op: "compute capability",
+            detail: format!("{major}.{minor}"),
+        })?;
+        let stream = ctx.new_stream().map_err(driver_err("stream"))?;
+        let module = ctx
+            .load_module(ptx_for(arch)?)
+            .map_err(driver_err("load module"))?;
+        let kernels = Kernels::load(&module)?;
+        let blas = CudaBlas::new(Arc::clone(&stream)).map_err(cublas_err)?;
+        let pool = Pool::new(Arc::clone(&ctx));
+        Ok(Self {
+            ordinal,
+            name,
+            ctx,
+            stream,
+            blas: Mutex::new(blas),
+            kernels,
+            pool,
+        })
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    /// What the memory pool holds.
+    pub fn memory(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// This backend's buffer behind `t`.
+    ///
+    /// # Errors
+    /// [`KernelError::WrongDevice`] for a host tensor or another backend's buffer.
+    fn buffer<'a, E: Element>(&self, t: &'a Tensor<E>, op: &'static str) -> Result<&'a CudaMemory> {
+        let wrong = || KernelError::WrongDevice {
+            op,
+            expected: Device::Cuda(self.ordinal),
+            found: t.device(),
+        };
+        match t.storage() {
+            Storage::Device(m) => match m.as_any().downcast_ref::<CudaMemory>() {
+                Some(c) if c.pool_id() == self.pool.id() => Ok(c),
+                _ => Err(wrong()),
+            },
+            Storage::Host(_) => Err(wrong()),
+        }
+    }
+
+    fn ptr<E: Element>(&self, t: &Tensor<E>, op: &'static str) -> Result<u64> {
+        Ok(self.buffer(t, op)?.ptr())
+    }
+
+    /// Makes `t` a buffer of this backend's of `shape` that no clone shares, without keeping
+    /// its contents (an output the kernel overwrites).
+    fn output<E: Element>(&self, t: &mut Tensor<E>, shape: &[usize]) -> Result<u64> {
+        let bytes = shape.iter().product::<usize>() * E::DTYPE.size();
+        let reusable = match t.storage() {
+            Storage::Device(m) => {
+                Arc::strong_count(m) == 1
+                    && m.bytes() == bytes
+                    && m.as_any()
+                        .downcast_ref::<CudaMemory>()
+                        .is_some_and(|c| c.pool_id() == self.pool.id())
+            }
+            Storage::Host(_) => false,
+        };
+        let memory = match t.storage() {
+            Storage::Device(m) if reusable => Arc::clone(m),
+            _ => self.pool.allocate(bytes)?,
+        };
+        let ptr = memory
+            .as_any()
+            .downcast_ref::<CudaMemory>()
+            .map(CudaMemory::ptr)
+            .ok_or_else(|| shape_err("output", "not a CUDA buffer"))?;
+        // Drop the old storage first so a reused buffer is held once again.
+        *t = Tensor::default();
+        *t = Tensor::from_device(shape, memory)?;
+        Ok(ptr)
+    }
+
+    /// Makes `t` a buffer of this backend's that no clone shares, keeping its contents (copied
+    /// from the host, from another backend, or from a shared buffer), for an in-place update.
+    fn in_place(&self, t: &mut Tensor, op: &'static str) -> Result<u64> {
+        let mine_alone = match t.storage() {
+            Storage::Device(m) => Arc::strong_count(m) == 1 && self.buffer(t, op).is_ok(),
+            Storage::Host(_) => false,
+        };
+        if !mine_alone {
+            let shape = t.shape().to_vec();
+            let source = std::mem::take(t);
+            let placed = self.place_owned(source)?;
+            *t = placed;
+            if let Storage::Device(m) = t.storage()
+                && Arc::strong_count(m) > 1
+            {
+                let copy = self.copy_to_new(&*t, &shape)?;
+                *t = copy;
+            }
+        }
+        let memory = match t.storage() {
+            Storage::Device(m) => Arc::clone(m),
+            Storage::Host(_) => return Err(shape_err(op, "in-place operand stayed on the host")),
+        };
+        // Re-setting the storage gives the tensor a new content stamp: it is about to change.
+        t.set_storage(Storage::Device(memory))?;
+        self.ptr(t, op)
+    }
+
+    fn copy_to_new<E: Element>(&self, src: &Tensor<E>, shape: &[usize]) -> Result<Tensor<E>> {
+        let from = self.ptr(src, "copy")?;
+        let mut out = Tensor::default();
+        let to = self.output(&mut out, shape)?;
+        self.copy_bytes(to, from, src.bytes())?;
+        Ok(out)
+    }
+
+    fn copy_bytes(&self, to: u64, from: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        // SAFETY: both pointers are this backend's live buffers of at least `bytes` bytes,
+        // used in this stream's order.
+        unsafe { driver::memcpy_dtod_async(to, from, bytes, self.stream.cu_stream()) }
+            .map_err(driver_err("copy"))
+    }
+
+    fn upload<E: Element>(&self, data: &[E], shape: &[usize]) -> Result<Tensor<E>> {
+        let mut out = Tensor::default();
+        let ptr = self.output(&mut out, shape)?;
+        if !data.is_empty() {
+            self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+            // SAFETY: `ptr` holds `size_of_val(data)` bytes; a copy from pageable memory has
+            // read `data` by the time it returns.
+            unsafe { driver::memcpy_htod_async(ptr, data, self.stream.cu_stream()) }
+                .map_err(driver_err("upload"))?;
+        }
+        Ok(out)
+    }
+
+    fn download<T: Copy + Default>(&self, ptr: u64, len: usize) -> Result<Vec<T>> {
+        let mut host = vec![T::default(); len];
+        if len > 0 {
+            self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+            // SAFETY: `ptr` holds `len` elements of `T`, written in this stream's order; the
+            // stream is synchronised before `host` is read.
+            unsafe { driver::memcpy_dtoh_async(&mut host, ptr, self.stream.cu_stream()) }
+                .map_err(driver_err("download"))?;
+            self.sync()?;
+        }
+        Ok(host)
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err("synchronize"))
+    }
+
+    /// `t` as one of this backend's tensors: as it is when it already is, uploaded from the
+    /// host, or copied from another backend's buffer (another stream, perhaps another GPU)
+    /// once both streams have finished with it.
+    fn place_owned<E: Element>(&self, t: Tensor<E>) -> Result<Tensor<E>> {
+        let shape = t.shape().to_vec();
+        if self.buffer(&t, "place").is_ok() {
+            return Ok(t);
+        }
+        match t.storage() {
+            Storage::Host(v) => self.upload(v, &shape),
+            Storage::Device(m) => {
+                let Some(other) = m.as_any().downcast_ref::<CudaMemory>() else {
+                    return Err(KernelError::WrongDevice {
+                        op: "place",
+                        expected: Device::Cuda(self.ordinal),
+                        found: t.device(),
+                    });
+                };
+                // The producer's queued work on the buffer must be done: wait for its whole
+                // device (its stream is not reachable from here), then copy, then wait for our
+                // copy so the buffer can go back to its pool at once.
+                other.context().synchronize().map_err(driver_err("place"))?;
+                let mut out = Tensor::default();
+                let to = self.output(&mut out, &shape)?;
+                let bytes = t.bytes();
+                if bytes > 0 {
+                    self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+                    // SAFETY: both buffers are live and hold `bytes` bytes; the source's device
+                    // is idle and ours waits below before the source can be reused.
+                    unsafe {
+                        driver_sys::cuMemcpyPeerAsync(
+                            to,
+                            self.ctx.cu_ctx(),
+                            other.ptr(),
+                            other.context().cu_ctx(),
+                            bytes,
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .result()
+                    .map_err(driver_err("peer copy"))?;
+                    self.sync()?;
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn launch(&self, build: impl FnOnce(&CudaStream) -> Result<()>) -> Result<()> {
+        build(&self.stream)
+    }
+
+    /// Reads one `u32` flag that a check kernel lowered from `u32::MAX`; `None` when untouched.
+    fn first_bad(
+        &self,
+        check: &CudaFunction,
+        data: u64,
+        n: usize,
+        limit: usize,
+    ) -> Result<Option<usize>> {
+        let flag = self.upload(&[u32::MAX], &[1])?;
+        let flag_ptr = self.ptr(&flag, "check")?;
+        let (n64, limit64) = (as_u64(n), as_u64(limit));
+        self.launch(|s| {
+            let mut b = s.launch_builder(check);
+            b.arg(&data).arg(&n64).arg(&limit64).arg(&flag_ptr);
+            // SAFETY: the argument list matches the kernel's signature; `data` holds n ids.
+            unsafe { b.launch(grid(n64)) }.map_err(driver_err("check ids"))?;
+            Ok(())
+        })?;
+        let got = self.download::<u32>(flag_ptr, 1)?;
+        Ok(got
+            .first()
+            .copied()
+            .filter(|&v| v != u32::MAX)
+            .map(|v| v as usize))
+    }
+
+    fn check_tokens(&self, ids: &Tensor, vocab: usize, op: &'static str) -> Result<()> {
+        let ids_ptr = self.ptr(ids, op)?;
+        if let Some(index) =
+            self.first_bad(&self.kernels.check_ids_f32, ids_ptr, ids.len(), vocab)?
+        {
+            let value = self
+                .download::<f32>(ids_ptr + as_u64(index * 4), 1)?
+                .first()
+                .copied()
+                .unwrap_or(f32::NAN);
+            return Err(KernelError::Token {
+                index,
+                value,
+                vocab,
+            });
+        }
+        Ok(())
+    }
+
+    fn elementwise(
+        &self,
+        f: &CudaFunction,
+        args: &[u64],
+        n: usize,
+        op: &'static str,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = as_u64(n);
+        self.launch(|s| {
+            let mut b = s.launch_builder(f);
+            for a in args {
+                b.arg(a);
+            }
+            b.arg(&n64);
+            // SAFETY: each caller passes the pointers its kernel takes, all of n elements.
+            unsafe { b.launch(grid(n64)) }.map_err(driver_err(op))?;
+            Ok(())
+        })
+    }
+
+    fn reduce(&self, x: &Tensor, squares: bool) -> Result<f64> {
+        if x.is_empty() {
+            return Ok(0.0);
+        }
+        let xp = self.ptr(x, "sum")?;
+        let mut partials = Tensor::<f32>::default();
+        // REDUCE_BLOCKS f64 values are REDUCE_BLOCKS * 2 f32 slots.
+        let pp = self.output(&mut partials, &[REDUCE_BLOCKS as usize * 2])?;
+        let n = as_u64(x.len());
+        let sq = i32::from(squares);
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.partial_sums_f32);
+            b.arg(&xp).arg(&n).arg(&sq).arg(&pp);
+            let cfg = LaunchConfig {
+                grid_dim: (REDUCE_BLOCKS, 1, 1),
+                block_dim: (REDUCE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `partials` holds REDUCE_BLOCKS doubles.
+            unsafe { b.launch(cfg) }.map_err(driver_err("sum"))?;
+            Ok(())
+        })?;
+        Ok(self
+            .download::<f64>(pp, REDUCE_BLOCKS as usize)?
+            .iter()
+            .sum())
+    }
+
+    fn attention_dims(shape: AttentionShape, op: &'static str) -> Result<[u64; 4]> {
+        let head = shape.width / shape.heads.max(1);
+        if head > MAX_HEAD_DIM {
+            return Err(shape_err(
+                op,
+                format!("head width {head} exceeds the CUDA kernels' {MAX_HEAD_DIM}"),
+            ));
+        }
+        Ok([
+            as_u64(shape.batch),
+            as_u64(shape.seq),
+            as_u64(shape.heads),
+            as_u64(shape.width),
+        ])
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.sync()
+    }
+
+    fn place(&self, t: Tensor) -> Result<Tensor> {
+        self.place_owned(t)
+    }
+
+    fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>> {
+        self.place_owned(t)
+    }
+
+    fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>> {
+        match t.storage() {
+            Storage::Host(v) => Ok(Cow::Borrowed(v)),
+            Storage::Device(_) => {
+                let mine = self.place_owned(t.clone())?;
+                Ok(Cow::Owned(
+                    self.download(self.ptr(&mine, "read")?, t.len())?,
+                ))
+            }
+        }
+    }
+
+    fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()> {
+        if src.len() != t.len() {
+            return Err(shape_err(
+                "write",
+                format!("{} values for {} elements", src.len(), t.len()),
+            ));
+        }
+        let shape = t.shape().to_vec();
+        *t = self.upload(src, &shape)?;
+        Ok(())
+    }
+
+    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        let from = self.ptr(src, "copy")?;
+        let to = self.output(dst, src.shape())?;
+        self.copy_bytes(to, from, src.bytes())
+    }
+
+    fn fill(&self, value: f32, x: &mut Tensor) -> Result<()> {
+        let shape = x.shape().to_vec();
+        let p = self.output(x, &shape)?;
+        let n = as_u64(x.len());
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.fill_f32);
+            b.arg(&p).arg(&n).arg(&value);
+            // SAFETY: `x` holds n floats.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err("fill"))?;
+            Ok(())
+        })
+    }
+
+    fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
+        if a.len() != b.len() {
+            return Err(shape_err(
+                "mul",
+                format!("{:?} times {:?}", a.shape(), b.shape()),
+            ));
+        }
+        let (ap, bp) = (self.ptr(a, "mul")?, self.ptr(b, "mul")?);
+        let op = self.output(out, a.shape())?;
+        self.elementwise(&self.kernels.mul_f32, &[ap, bp, op], a.len(), "mul")
+    }
+
+    fn matmul(
+        &self,
+        a: &Tensor,
+        ta: Trans,
+        b: &Tensor,
+        tb: Trans,
+        c: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (m, k) = match ta {
+            Trans::No => (a.rows(), a.cols()),
+            Trans::Yes => (a.cols(), a.rows()),
+        };
+        let (k2, n) = match tb {
+            Trans::No => (b.rows(), b.cols()),
+            Trans::Yes => (b.cols(), b.rows()),
+        };
+        if k != k2 {
+            return Err(shape_err(
+                "matmul",
+                format!("inner dimensions {k} and {k2} differ"),
+            ));
+        }
+        let (ap, bp) = (self.ptr(a, "matmul")?, self.ptr(b, "matmul")?);
+        let cp = if accumulate {
+            if c.rows() != m || c.cols() != n || c.len() != m * n {
+                return Err(shape_err(
+                    "matmul",
+                    format!("accumulating into {:?}, product is {m}x{n}", c.shape()),
+                ));
+            }
+            self.in_place(c, "matmul")?
+        } else {
+            self.output(c, &[m, n])?
+        };
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            return if accumulate {
+                Ok(())
+            } else {
+                self.fill(0.0, c)
+            };
+        }
+        // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: hand cuBLAS B first.
+        let op = |t: Trans| match t {
+            Trans::No => blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            Trans::Yes => blas_sys::cublasOperation_t::CUBLAS_OP_T,
+        };
+        let (mi, ni, ki) = (
+            gemm_dim("matmul", m)?,
+            gemm_dim("matmul", n)?,
+            gemm_dim("matmul", k)?,
+        );
+        let (lda, ldb) = (gemm_dim("matmul", a.cols())?, gemm_dim("matmul", b.cols())?);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let handle = self.blas.lock().unwrap_or_else(PoisonError::into_inner);
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        // SAFETY: the pointers are this backend's buffers of the checked sizes; the handle is
+        // bound to this backend's stream.
+        unsafe {
+            blas::sgemm(
+                *handle.handle(),
+                op(tb),
+                op(ta),
+                ni,
+                mi,
+                ki,
+                &alpha,
+                bp as *const f32,
+                ldb,
+                ap as *const f32,
+                lda,
+                &beta,
+                cp as *mut f32,
+                ni,
+            )
+        }
+        .map_err(cublas_err)
+    }
+
+    fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
+        let (rows, cols) = (a.rows(), a.cols());
+        let ap = self.ptr(a, "transpose")?;
+        let op = self.output(out, &[cols, rows])?;
+        if a.is_empty() {
+            return Ok(());
+        }
+        let (r, c) = (as_u64(rows), as_u64(cols));
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(c.div_ceil(32)).map_err(|_| shape_err("transpose", "too wide"))?,
+                u32::try_from(r.div_ceil(32).min(65_535))
+                    .map_err(|_| shape_err("transpose", "too tall"))?,
+                1,
+            ),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        if r.div_ceil(32) > 65_535 {
+            return Err(shape_err(
+                "transpose",
+                format!("{rows} rows exceed the CUDA grid"),
+            ));
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.transpose_f32);
+            b.arg(&ap).arg(&op).arg(&r).arg(&c);
+            // SAFETY: both buffers hold rows x cols floats.
+            unsafe { b.launch(cfg) }.map_err(driver_err("transpose"))?;
+            Ok(())
+        })
+    }
+
+    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
+        if bias.len() != y.cols() {
+            return Err(shape_err(
+                "add_bias",
+                format!("bias of {} for rows of {}", bias.len(), y.cols()),
+            ));
+        }
+        let bp = self.ptr(bias, "add_bias")?;
+        let yp = self.in_place(y, "add_bias")?;
+        let (rows, cols) = (as_u64(y.rows()), as_u64(y.cols()));
+        if y.is_empty() {
+            return Ok(());
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.add_bias_f32);
+            b.arg(&yp).arg(&bp).arg(&rows).arg(&cols);
+            // SAFETY: y holds rows x cols floats, bias cols.
+            unsafe { b.launch(grid(rows * cols)) }.map_err(driver_err("add_bias"))?;
+            Ok(())
+        })
+    }
+
+    fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
+        let cols = x.cols();
+        let xp = self.ptr(x, "sum_rows")?;
+        let op = if accumulate {
+            if out.len() != cols {
+                return Err(shape_err(
+                    "sum_rows",
+                    format!("accumulating into {} elements, rows have {cols}", out.len()),
+                ));
+            }
+            self.in_place(out, "sum_rows")?
+        } else {
+            self.output(out, &[cols])?
+        };
+        if cols == 0 {
+            return Ok(());
+        }
+        let (r, c) = (
+            as_u64(if x.is_empty() { 0 } else { x.rows() }),
+            as_u64(cols),
+        );
+        let acc = i32::from(accumulate);
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.sum_rows_f32);
+            b.arg(&xp).arg(&op).arg(&r).arg(&c).arg(&acc);
+            // SAFETY: x holds r x c floats, out c.
+            unsafe { b.launch(grid(c)) }.map_err(driver_err("sum_rows"))?;
+            Ok(())
+        })
+    }
+
+    fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        let xp = self.ptr(x, "activation")?;
+        let yp = self.output(y, x.shape())?;
+        let code = activation_code(act);
+        let n = as_u64(x.len());
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.activation_f32);
+            b.arg(&code).arg(&xp).arg(&yp).arg(&n);
+            // SAFETY: both buffers hold n floats.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err("activation"))?;
+            Ok(())
+        })
+    }
+
+    fn activation_backward(
+        &self,
+        act: Activation,
+        x: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        if x.len() != dy.len() {
+            return Err(shape_err(
+                "activation_backward",
+                format!("input {:?} but gradient {:?}", x.shape(), dy.shape()),
+            ));
+        }
+        let (xp, dyp) = (
+            self.ptr(x, "activation_backward")?,
+            self.ptr(dy, "activation_backward")?,
+        );
+        let dxp = self.output(dx, x.shape())?;
+        let code = activation_code(act);
+        let n = as_u64(x.len());
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.activation_backward_f32);
+            b.arg(&code).arg(&xp).arg(&dyp).arg(&dxp).arg(&n);
+            // SAFETY: all three buffers hold n floats.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err("activation_backward"))?;
+            Ok(())
+        })
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        eps: f32,
+        y: &mut Tensor,
+        mean: &mut Tensor,
+        rstd: &mut Tensor,
+    ) -> Result<()> {
+        let (rows, cols) = (x.rows(), x.cols());
+        if gamma.len() != cols || beta.len() != cols {
+            return Err(shape_err(
+                "layer_norm",
+                format!(
+                    "rows have {cols} features, gamma {} and beta {}",
+                    gamma.len(),
+                    beta.len()
+                ),
+            ));
+        }
+        let (xp, gp, bp) = (
+            self.ptr(x, "layer_norm")?,
+            self.ptr(gamma, "layer_norm")?,
+            self.ptr(beta, "layer_norm")?,
+        );
+        let yp = self.output(y, x.shape())?;
+        let mp = self.output(mean, &[rows])?;
+        let rp = self.output(rstd, &[rows])?;
+        if cols == 0 || x.is_empty() {
+            return Ok(());
+        }
+        let (r, c) = (as_u64(rows), as_u64(cols));
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.layer_norm_f32);
+            b.arg(&xp).arg(&gp).arg(&bp).arg(&eps);
+            b.arg(&yp).arg(&mp).arg(&rp).arg(&r).arg(&c);
+            // SAFETY: shapes checked above; one warp per row.
+            unsafe { b.launch(warp_rows(r)) }.map_err(driver_err("layer_norm"))?;
+            Ok(())
+        })
+    }
+
+    fn layer_norm_backward_input(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        let (rows, cols) = (x.rows(), x.cols());
+        if gamma.len() != cols || dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
+            return Err(shape_err(
+                "layer_norm_backward_input",
+                format!(
+                    "x {:?}, dy {:?}, gamma {}",
+                    x.shape(),
+                    dy.shape(),
+                    gamma.len()
+                ),
+            ));
+        }
+        let op = "layer_norm_backward_input";
+        let (xp, gp, mp, rp, dyp) = (
+            self.ptr(x, op)?,
+            self.ptr(gamma, op)?,
+            self.ptr(mean, op)?,
+            self.ptr(rstd, op)?,
+            self.ptr(dy, op)?,
+        );
+        let dxp = self.output(dx, x.shape())?;
+        if cols == 0 || x.is_empty() {
+            return Ok(());
+        }
+        let (r, c) = (as_u64(rows), as_u64(cols));
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.layer_norm_backward_input_f32);
+            b.arg(&xp).arg(&gp).arg(&mp).arg(&rp).arg(&dyp).arg(&dxp);
+            b.arg(&r).arg(&c);
+            // SAFETY: shapes checked above; one warp per row.
+            unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
+            Ok(())
+        })
+    }
+
+    fn layer_norm_backward_params(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dgamma: &mut Tensor,
+        dbeta: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (rows, cols) = (x.rows(), x.cols());
+        let op = "layer_norm_backward_params";
+        if dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
+            return Err(shape_err(
+                op,
+                format!("x {:?}, dy {:?}", x.shape(), dy.shape()),
+            ));
+        }
+        if accumulate && (dgamma.len() != cols || dbeta.len() != cols) {
+            return Err(shape_err(
+                op,
+                format!("accumulating into {} and {}", dgamma.len(), dbeta.len()),
+            ));
+        }
+        let (xp, mp, rp, dyp) = (
+            self.ptr(x, op)?,
+            self.ptr(mean, op)?,
+            self.ptr(rstd, op)?,
+            self.ptr(dy, op)?,
+        );
+        let (gp, bp) = if accumulate {
+            (self.in_place(dgamma, op)?, self.in_place(dbeta, op)?)
+        } else {
+            (self.output(dgamma, &[cols])?, self.output(dbeta, &[cols])?)
+        };
+        if cols == 0 {
+            return Ok(());
+        }
+        let (r, c) = (as_u64(if x.is_empty() { 0 } else { rows }), as_u64(cols));
+        let acc = i32::from(accumulate);
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.layer_norm_backward_params_f32);
+            b.arg(&xp).arg(&mp).arg(&rp).arg(&dyp).arg(&gp).arg(&bp);
+            b.arg(&r).arg(&c).arg(&acc);
+            // SAFETY: shapes checked above; one thread per feature.
+            unsafe { b.launch(grid(c)) }.map_err(driver_err(op))?;
+            Ok(())
+        })
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor<u32>,
+        grad_scale: f32,
+        dlogits: Option<&mut Tensor>,
+    ) -> Result<LossStats> {
+        let (rows, n) = (logits.rows(), logits.cols());
+        let op = "softmax_cross_entropy";
+        if labels.len() != rows {
+            return Err(shape_err(
+                op,
+                format!("{rows} rows of logits but {} labels", labels.len()),
+            ));
+        }
+        let (lp, yp) = (self.ptr(logits, op)?, self.ptr(labels, op)?);
+        if let Some(row) = self.first_bad(&self.kernels.check_labels_u32, yp, rows, n)? {
+            let label = self
+                .download::<u32>(yp + as_u64(row * 4), 1)?
+                .first()
+                .copied()
+                .unwrap_or(u32::MAX);
+            return Err(KernelError::Label {
+                row,
+                label,
+                classes: n,
+            });
+        }
+        let mut stats = LossStats {
+            rows,
+            ..LossStats::default()
+        };
+        if n == 0 || rows == 0 {
+            return Ok(stats);
+        }
+        let dp = match dlogits {
+            Some(d) => self.output(d, logits.shape())?,
+            None => 0,
+        };
+        // Per-row loss (f64, two f32 slots each) and hit flags.
+        let (mut losses, mut hits) = (Tensor::<f32>::default(), Tensor::<u32>::default());
+        let lossp = self.output(&mut losses, &[rows * 2])?;
+        let hitp = self.output(&mut hits, &[rows])?;
+        let (r, c) = (as_u64(rows), as_u64(n));
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.softmax_xent_f32);
+            b.arg(&lp).arg(&yp).arg(&r).arg(&c).arg(&grad_scale);
+            b.arg(&dp).arg(&lossp).arg(&hitp);
+            // SAFETY: shapes checked above; `dp` is null when no gradient is wanted.
+            unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
+            Ok(())
+        })?;
+        let losses = self.download::<f64>(lossp, rows)?;
+        let hits = self.download::<i32>(hitp, rows)?;
+        // Summed in row order on the host, as the CPU backend sums them.
+        stats.loss_sum = losses.iter().sum();
+        stats.correct = hits.iter().filter(|&&h| h == 1).count();
+        Ok(stats)
+    }
+
+    fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {
+        let width = table.cols();
+        let vocab = table.rows();
+        self.check_tokens(ids, vocab, "embedding")?;
+        let (ip, tp) = (self.ptr(ids, "embedding")?, self.ptr(table, "embedding")?);
+        let op = self.output(out, &[ids.len(), width])?;
+        let (n, w) = (as_u64(ids.len()), as_u64(width));
+        if n * w == 0 {
+            return Ok(());
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.embedding_f32);
+            b.arg(&ip).arg(&tp).arg(&op).arg(&n).arg(&w);
+            // SAFETY: ids checked against the table's rows above.
+            unsafe { b.launch(grid(n * w)) }.map_err(driver_err("embedding"))?;
+            Ok(())
+        })
+    }
+
+    fn embedding_backward(
+        &self,
+        ids: &Tensor,
+        dy: &Tensor,
+        dtable: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (width, vocab) = (dtable.cols(), dtable.rows());
+        if dy.len() != ids.len() * width {
+            return Err(shape_err(
+                "embedding backward",
+                format!(
+                    "{} ids but gradient {:?} for a table {:?}",
+                    ids.len(),
+                    dy.shape(),
+                    dtable.shape()
+                ),
+            ));
+        }
+        self.check_tokens(ids, vocab, "embedding_backward")?;
+        let (ip, dyp) = (
+            self.ptr(ids, "embedding_backward")?,
+            self.ptr(dy, "embedding_backward")?,
+        );
+        if !accumulate {
+            self.fill(0.0, dtable)?;
+        }
+        let tp = self.in_place(dtable, "embedding_backward")?;
+        let (n, w) = (as_u64(ids.len()), as_u64(width));
+        if n * w == 0 {
+            return Ok(());
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.embedding_backward_f32);
+            b.arg(&ip).arg(&dyp).arg(&tp).arg(&n).arg(&w);
+            // SAFETY: ids checked; one thread per table column.
+            unsafe { b.launch(grid(w)) }.map_err(driver_err("embedding_backward"))?;
+            Ok(())
+        })
+    }
+
+    fn attention(
+        &self,
+        qkv: &Tensor,
+        shape: AttentionShape,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+    ) -> Result<()> {
+        crate::sequence::check("attention", shape, qkv.len())?;
+        let [batch, seq, heads, width] = Self::attention_dims(shape, "attention")?;
+        let qp = self.ptr(qkv, "attention")?;
+        let op = self.output(out, &[shape.batch * shape.seq, shape.width])?;
+        let lp = self.output(lse, &[shape.batch, shape.heads, shape.seq])?;
+        let rows = batch * heads * seq;
+        if rows == 0 {
+            return Ok(());
+        }
+        let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.attention_f32);
+            b.arg(&qp).arg(&op).arg(&lp);
+            b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
+            // SAFETY: sizes checked against the shape above; one warp per query row.
+            unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err("attention"))?;
+            Ok(())
+        })
+    }
+
+    fn attention_backward(
+        &self,
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        shape: AttentionShape,
+        dqkv: &mut Tensor,
+    ) -> Result<()> {
+        let op = "attention backward";
+        crate::sequence::check(op, shape, qkv.len())?;
+        let tokens = shape.batch * shape.seq;
+        if out.len() != tokens * shape.width
+            || dout.len() != out.len()
+            || lse.len() != shape.batch * shape.heads * shape.seq
+        {
+            return Err(shape_err(
+                op,
+                format!(
+                    "output {:?}, its gradient {:?} and log-sum-exp {:?} do not match {shape:?}",
+                    out.shape(),
+                    dout.shape(),
+                    lse.shape()
+                ),
+            ));
+        }
+        let [batch, seq, heads, width] = Self::attention_dims(shape, op)?;
+        let (qp, outp, lp, dop) = (
+            self.ptr(qkv, op)?,
+            self.ptr(out, op)?,
+            self.ptr(lse, op)?,
+            self.ptr(dout, op)?,
+        );
+        let dp = self.output(dqkv, qkv.shape())?;
+        let mut delta = Tensor::<f32>::default();
+        let deltap = self.output(&mut delta, &[shape.batch, shape.heads, shape.seq])?;
+        let rows = batch * heads * seq;
+        if rows == 0 {
+            return Ok(());
+        }
+        let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.attention_backward_queries_f32);
+            b.arg(&qp)
+                .arg(&outp)
+                .arg(&lp)
+                .arg(&dop)
+                .arg(&dp)
+                .arg(&deltap);
+            b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
+            // SAFETY: as the forward; writes the query third of dqkv and delta.
+            unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err(op))?;
+            let mut b = s.launch_builder(&self.kernels.attention_backward_keys_f32);
+            b.arg(&qp).arg(&lp).arg(&dop).arg(&deltap).arg(&dp);
+            b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
+            // SAFETY: as above; writes the key and value thirds of dqkv, after the queries'
+            // kernel (same stream) has written delta.
+            unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err(op))?;
+            Ok(())
+        })
+    }
+
+    fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        if x.len() != y.len() {
+            return Err(shape_err(
+                "axpy",
+                format!("{:?} into {:?}", x.shape(), y.shape()),
+            ));
+        }
+        let xp = self.ptr(x, "axpy")?;
+        let yp = self.in_place(y, "axpy")?;
+        let n = as_u64(x.len());
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.axpy_f32);
+            b.arg(&alpha).arg(&xp).arg(&yp).arg(&n);
+            // SAFETY: both buffers hold n floats.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err("axpy"))?;
+            Ok(())
+        })
+    }
+
+    fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
+        let xp = self.in_place(x, "scale")?;
+        let n = as_u64(x.len());
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.scale_f32);
+            b.arg(&alpha).arg(&xp).arg(&n);
+            // SAFETY: x holds n floats.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err("scale"))?;
+            Ok(())
+        })
+    }
+
+    fn sgd_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        buf: Option<&mut Tensor>,
+        hp: SgdStep,
+    ) -> Result<()> {
+        if param.len() != grad.len() {
+            return Err(shape_err(
+                "sgd_update",
+                format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
+            ));
+        }
+        let gp = self.ptr(grad, "sgd_update")?;
+        let bufp = match buf {
+            Some(b) if hp.momentum != 0.0 => {
+                if b.len() != param.len() {
+                    return Err(shape_err("sgd_update", "momentum buffer length differs"));
+                }
+                self.in_place(b, "sgd_update")?
+            }
+            _ => 0,
+        };
+        let wp = self.in_place(param, "sgd_update")?;
+        let n = as_u64(param.len());
+        if n == 0 {
+            return Ok(());
+        }
+        let nesterov = i32::from(hp.nesterov);
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.sgd_f32);
+            b.arg(&wp).arg(&gp).arg(&bufp).arg(&n);
+            b.arg(&hp.lr)
+                .arg(&hp.momentum)
+                .arg(&nesterov)
+                .arg(&hp.weight_decay);
+            // SAFETY: all buffers hold n floats; `bufp` is null without momentum.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err("sgd_update"))?;
+            Ok(())
+        })
+    }
+
+    fn adam_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: AdamStep,
+    ) -> Result<()> {
+        let n = param.len();
+        if grad.len() != n || m.len() != n || v.len() != n {
+            return Err(shape_err(
+                "adam_update",
+                format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
+            ));
+        }
+        let gp = self.ptr(grad, "adam_update")?;
+        let mp = self.in_place(m, "adam_update")?;
+        let vp = self.in_place(v, "adam_update")?;
+        let wp = self.in_place(param, "adam_update")?;
+        let n = as_u64(n);
+        if n == 0 {
+            return Ok(());
+        }
+        let decoupled = i32::from(hp.decoupled);
+        self.launch(|s| {
+            let mut b = s.launch_builder(&self.kernels.adam_f32);
+            b.arg(&wp).arg(&gp).arg(&mp).arg(&vp).arg(&n);
+            b.arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps);
+            b.arg(&hp.weight_decay).arg(&decoupled);
+            b.arg(&hp.bias_correction1).arg(&hp.bias_correction2);
+            // SAFETY: all four buffers hold n floats.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err("adam_update"))?;
+            Ok(())
+        })
+    }
+
+    fn sum(&self, x: &Tensor) -> Result<f64> {
+        self.reduce(x, false)
+    }
+
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        self.reduce(x, true)
+    }
+}
+
+fn activation_code(act: Activation) -> i32 {
+    match act {
+        Activation::Relu => 0,
+        Activation::Gelu => 1,
+        Activation::Tanh => 2,
+        Activation::Sigmoid => 3,
+    }
+}

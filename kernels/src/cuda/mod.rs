@@ -1,0 +1,99 @@
+//! The CUDA backend: cuBLAS for products, NVRTC-compiled kernels (`kernels.cu`) for everything
+//! else, device memory from a caching allocator, one stream per backend.
+//!
+//! It is built only with the `cuda` feature, against cudarc with dynamic loading: the build needs
+//! no CUDA toolkit, and the driver, cuBLAS and NVRTC libraries are opened at run time. Opening the
+//! backend on a machine without them is an error ([`KernelError::NoCuda`]), never a panic: the
+//! driver library's presence is checked before any cudarc entry point is called. Without the
+//! feature every entry point returns [`KernelError::NotCompiledWithCuda`].
+//!
+//! The kernel source is part of every build ([`KERNEL_SOURCE`]) so that it can be compiled by
+//! NVRTC on a machine with no GPU ([`check_source`]): a kernel that does not compile
+//! cannot land.
+
+#[cfg(doc)]
+use crate::KernelError;
+use crate::Result;
+
+/// The CUDA C source of the backend's kernels (compiled at run time by NVRTC).
+pub const KERNEL_SOURCE: &str = include_str!("kernels.cu");
+
+/// The GPU architectures CI compiles the kernels for (`compute_XY`): Volta, Ampere, Hopper.
+pub const CHECKED_ARCHITECTURES: [u32; 3] = [70, 80, 90];
+
+#[cfg(feature = "cuda")]
+mod compile;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod memory;
+
+#[cfg(feature = "cuda")]
+pub use device::{CudaBackend, device_count};
+#[cfg(feature = "cuda")]
+pub use memory::PoolStats;
+
+/// Compiles CUDA C `source` (the backend's is [`KERNEL_SOURCE`]) with NVRTC for virtual
+/// architecture `compute_<arch>` and returns the size of the PTX. Needs the NVRTC library, not
+/// a GPU.
+///
+/// # Errors
+/// [`KernelError::NotCompiledWithCuda`] without the `cuda` feature, [`KernelError::NoCuda`]
+/// when NVRTC cannot be loaded, [`KernelError::Cuda`] with the compiler's log when the source
+/// does not compile.
+pub fn check_source(source: &str, arch: u32) -> Result<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        compile::compile(source, arch).map(|ptx| ptx.len())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (source, arch);
+        Err(crate::KernelError::NotCompiledWithCuda)
+    }
+}
+
+/// Whether NVRTC can be loaded here (false without the `cuda` feature).
+pub fn nvrtc_available() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        compile::nvrtc_present()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod absent {
+    use crate::{KernelError, Result};
+
+    /// The CUDA backend; this build has no CUDA support, so it cannot be opened.
+    #[derive(Debug)]
+    pub struct CudaBackend {
+        _private: (),
+    }
+
+    impl CudaBackend {
+        /// Opens CUDA device `ordinal`.
+        ///
+        /// # Errors
+        /// Always [`KernelError::NotCompiledWithCuda`] in this build.
+        pub fn new(ordinal: usize) -> Result<Self> {
+            let _ = ordinal;
+            Err(KernelError::NotCompiledWithCuda)
+        }
+    }
+
+    /// The number of CUDA devices this process can see.
+    ///
+    /// # Errors
+    /// Always [`KernelError::NotCompiledWithCuda`] in this build.
+    pub fn device_count() -> Result<usize> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub use absent::{CudaBackend, device_count};
