@@ -405,10 +405,7 @@ impl BackendKind {
     pub fn open(self, threads: usize, ordinal: usize) -> Result<Box<dyn Backend>> {
         match self {
             BackendKind::Cpu => Ok(Box::new(crate::CpuBackend::new(threads)?)),
-            BackendKind::Cuda => {
-                let _ = threads;
-                Ok(Box::new(crate::CudaBackend::new(ordinal)?))
-            }
+            BackendKind::Cuda => crate::cuda::open(ordinal),
         }
     }
 }

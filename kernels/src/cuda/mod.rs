@@ -53,6 +53,19 @@ pub fn check_source(source: &str, arch: u32) -> Result<usize> {
     }
 }
 
+/// Opens the CUDA backend on device `ordinal` as a trait object.
+pub(crate) fn open(ordinal: usize) -> Result<Box<dyn crate::Backend>> {
+    #[cfg(feature = "cuda")]
+    {
+        Ok(Box::new(CudaBackend::new(ordinal)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        CudaBackend::new(ordinal)?;
+        Err(crate::KernelError::NotCompiledWithCuda)
+    }
+}
+
 /// Whether NVRTC can be loaded here (false without the `cuda` feature).
 pub fn nvrtc_available() -> bool {
     #[cfg(feature = "cuda")]
