@@ -1,5 +1,5 @@
 //! One suite for every backend: each test is stamped per backend by `backend_tests!` (CPU always;
-//! CUDA joins when the feature and its kernels exist). Stamped tests build their operands on the
+//! CUDA with the `cuda` feature, skipped with the reason printed where no GPU is found). Stamped tests build their operands on the
 //! host, move them to the backend with `place` and read results back with `read`, so they run
 //! unchanged on a backend that keeps tensors on a device.
 
@@ -317,18 +317,202 @@ fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
     );
 }
 
+/// Stamps the suite for one backend. `$make` gives `Option<backend>`: `None` where the backend
+/// cannot run here (no GPU), and then each test says it skipped and why, and passes.
 macro_rules! backend_tests {
     ($backend:ident, $make:expr, [$($test:ident),* $(,)?]) => {
         mod $backend {
             $(
                 #[test]
                 fn $test() {
-                    let be = $make;
+                    let Some(be) = $make else { return };
                     super::$test(&be);
                 }
             )*
         }
     };
+}
+
+/// The CUDA backend on device 0, or `None` after saying why not. `PIPE_REQUIRE_GPU=1` turns a
+/// missing GPU into a failure (for runs on a GPU machine, so that a broken driver cannot pass
+/// as a skip).
+#[cfg(feature = "cuda")]
+fn cuda_or_skip() -> Option<pipe_kernels::CudaBackend> {
+    match pipe_kernels::CudaBackend::new(0) {
+        Ok(be) => Some(be),
+        Err(e) => {
+            assert!(
+                std::env::var_os("PIPE_REQUIRE_GPU").is_none_or(|v| v != "1"),
+                "PIPE_REQUIRE_GPU=1 but the CUDA backend did not open: {e}"
+            );
+            eprintln!("skipped on the cuda backend: {e}");
+            None
+        }
+    }
+}
+
+/// Every operation against the CPU backend on the same random operands (the CPU backend is
+/// itself checked against definitions above); on the CPU this compares it with itself, which
+/// must agree exactly.
+fn agrees_with_the_cpu_backend(be: &dyn Backend) {
+    use pipe_kernels::{AdamStep, SgdStep};
+    let cpu = CpuBackend::new(1).unwrap();
+    let exact = be.name() == "cpu";
+    let same = |what: &str, got: &[f32], want: &[f32], tol: f32| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let ok = if exact {
+                g.to_bits() == w.to_bits()
+            } else {
+                (g - w).abs() <= tol * (1.0 + w.abs())
+            };
+            assert!(
+                ok,
+                "{what}: element {i}: {g} on {}, {w} on the cpu",
+                be.name()
+            );
+        }
+    };
+    let x = rand_t(&[37, 29], 31);
+    let dy = rand_t(&[37, 29], 32);
+    let bias = rand_t(&[29], 33);
+    for act in [
+        Activation::Relu,
+        Activation::Gelu,
+        Activation::Tanh,
+        Activation::Sigmoid,
+    ] {
+        let (mut a, mut b) = (Tensor::default(), Tensor::default());
+        be.activation(act, &on(be, &x), &mut a).unwrap();
+        cpu.activation(act, &x, &mut b).unwrap();
+        same(&format!("{act:?}"), &read(be, &a), &read(&cpu, &b), 1e-6);
+        be.activation_backward(act, &on(be, &x), &on(be, &dy), &mut a)
+            .unwrap();
+        cpu.activation_backward(act, &x, &dy, &mut b).unwrap();
+        same(
+            &format!("{act:?} backward"),
+            &read(be, &a),
+            &read(&cpu, &b),
+            1e-5,
+        );
+    }
+    let (gamma, beta) = (rand_t(&[29], 34), rand_t(&[29], 35));
+    let (mut y, mut m, mut r) = (Tensor::default(), Tensor::default(), Tensor::default());
+    let (mut yc, mut mc, mut rc) = (Tensor::default(), Tensor::default(), Tensor::default());
+    be.layer_norm(
+        &on(be, &x),
+        &on(be, &gamma),
+        &on(be, &beta),
+        1e-5,
+        &mut y,
+        &mut m,
+        &mut r,
+    )
+    .unwrap();
+    cpu.layer_norm(&x, &gamma, &beta, 1e-5, &mut yc, &mut mc, &mut rc)
+        .unwrap();
+    same("layer_norm", &read(be, &y), &read(&cpu, &yc), 1e-5);
+    same("layer_norm rstd", &read(be, &r), &read(&cpu, &rc), 1e-5);
+    let mut dx = Tensor::default();
+    let mut dxc = Tensor::default();
+    be.layer_norm_backward_input(&on(be, &x), &on(be, &gamma), &m, &r, &on(be, &dy), &mut dx)
+        .unwrap();
+    cpu.layer_norm_backward_input(&x, &gamma, &mc, &rc, &dy, &mut dxc)
+        .unwrap();
+    same(
+        "layer_norm backward",
+        &read(be, &dx),
+        &read(&cpu, &dxc),
+        1e-4,
+    );
+    let (mut dg, mut db) = (Tensor::default(), Tensor::default());
+    let (mut dgc, mut dbc) = (Tensor::default(), Tensor::default());
+    be.layer_norm_backward_params(&on(be, &x), &m, &r, &on(be, &dy), &mut dg, &mut db, false)
+        .unwrap();
+    cpu.layer_norm_backward_params(&x, &mc, &rc, &dy, &mut dgc, &mut dbc, false)
+        .unwrap();
+    same("layer_norm dgamma", &read(be, &dg), &read(&cpu, &dgc), 1e-4);
+    same("layer_norm dbeta", &read(be, &db), &read(&cpu, &dbc), 1e-4);
+    let (mut s, mut sc) = (Tensor::default(), Tensor::default());
+    be.sum_rows(&on(be, &x), &mut s, false).unwrap();
+    cpu.sum_rows(&x, &mut sc, false).unwrap();
+    same("sum_rows", &read(be, &s), &read(&cpu, &sc), 1e-5);
+    let (mut yb, mut ybc) = (on(be, &x), x.clone());
+    be.add_bias(&mut yb, &on(be, &bias)).unwrap();
+    cpu.add_bias(&mut ybc, &bias).unwrap();
+    same("add_bias", &read(be, &yb), &read(&cpu, &ybc), 0.0);
+    let sums = (be.sum(&on(be, &x)).unwrap(), cpu.sum(&x).unwrap());
+    assert!((sums.0 - sums.1).abs() < 1e-9, "sum {sums:?}");
+    let squares = (
+        be.sum_squares(&on(be, &x)).unwrap(),
+        cpu.sum_squares(&x).unwrap(),
+    );
+    assert!(
+        (squares.0 - squares.1).abs() < 1e-9,
+        "sum_squares {squares:?}"
+    );
+    // Optimizer updates, several steps so the buffers matter.
+    let sgd = SgdStep {
+        lr: 0.1,
+        momentum: 0.9,
+        nesterov: true,
+        weight_decay: 1e-3,
+    };
+    let adam = AdamStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 1e-2,
+        decoupled: true,
+        bias_correction1: 0.1,
+        bias_correction2: 0.001,
+    };
+    let (mut w, mut buf, mut mm, mut vv) = (
+        on(be, &x),
+        on(be, &Tensor::zeros(&[37, 29])),
+        on(be, &Tensor::zeros(&[37, 29])),
+        on(be, &Tensor::zeros(&[37, 29])),
+    );
+    let (mut wc, mut bufc, mut mmc, mut vvc) = (
+        x.clone(),
+        Tensor::zeros(&[37, 29]),
+        Tensor::zeros(&[37, 29]),
+        Tensor::zeros(&[37, 29]),
+    );
+    for _ in 0..3 {
+        be.sgd_update(&mut w, &on(be, &dy), Some(&mut buf), sgd)
+            .unwrap();
+        cpu.sgd_update(&mut wc, &dy, Some(&mut bufc), sgd).unwrap();
+        be.adam_update(&mut w, &on(be, &dy), &mut mm, &mut vv, adam)
+            .unwrap();
+        cpu.adam_update(&mut wc, &dy, &mut mmc, &mut vvc, adam)
+            .unwrap();
+    }
+    same("sgd + adam", &read(be, &w), &read(&cpu, &wc), 1e-5);
+    same(
+        "adam second moment",
+        &read(be, &vv),
+        &read(&cpu, &vvc),
+        1e-5,
+    );
+    // Softmax cross-entropy: loss, hits and gradient.
+    let labels: Vec<u32> = (0..37).map(|i| (i * 7 % 29) as u32).collect();
+    let (mut d, mut dc) = (Tensor::default(), Tensor::default());
+    let got = be
+        .softmax_cross_entropy(&on(be, &x), &ids(be, &labels), 0.25, Some(&mut d))
+        .unwrap();
+    let want = cpu
+        .softmax_cross_entropy(
+            &x,
+            &Tensor::from_vec(&[37], labels.clone()).unwrap(),
+            0.25,
+            Some(&mut dc),
+        )
+        .unwrap();
+    assert_eq!((got.rows, got.correct), (want.rows, want.correct));
+    assert!((got.loss_sum - want.loss_sum).abs() < 1e-6 * want.loss_sum.abs().max(1.0));
+    same("softmax gradient", &read(be, &d), &read(&cpu, &dc), 1e-6);
 }
 
 /// Token ids 3, 0, 3, 1 into a 4 x 2 table; the gradient of the repeated id sums in order.
@@ -525,8 +709,27 @@ fn attention_backward_case(be: &dyn Backend, shape: AttentionShape, every: usize
 
 backend_tests!(
     cpu,
-    pipe_kernels::CpuBackend::new(2).unwrap(),
+    Some(pipe_kernels::CpuBackend::new(2).unwrap()),
     [
+        agrees_with_the_cpu_backend,
+        matmul_all_transposes,
+        small_row_products_see_every_change_to_the_operand,
+        matmul_rejects_bad_shapes,
+        elementwise_and_reductions,
+        data_movement_and_products,
+        softmax_cross_entropy_matches_reference,
+        embedding_gathers_and_scatters_rows,
+        attention_matches_reference,
+        attention_backward_matches_reference,
+    ]
+);
+
+#[cfg(feature = "cuda")]
+backend_tests!(
+    cuda,
+    super::cuda_or_skip(),
+    [
+        agrees_with_the_cpu_backend,
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,
@@ -632,10 +835,35 @@ fn cpu_results_do_not_depend_on_thread_count() {
 }
 
 #[test]
+#[cfg(not(feature = "cuda"))]
 fn cuda_without_feature_is_a_clear_error() {
     let e = pipe_kernels::CudaBackend::new(0).unwrap_err();
     assert_eq!(e, KernelError::NotCompiledWithCuda);
     assert!(e.to_string().contains("built without CUDA"));
+    assert_eq!(
+        pipe_kernels::cuda::device_count().unwrap_err(),
+        KernelError::NotCompiledWithCuda
+    );
+}
+
+/// With the feature and no driver, opening the backend is an error that says what is missing
+/// (never the panic cudarc gives without a driver); with a GPU, a device that does not exist is
+/// refused the same way.
+#[test]
+#[cfg(feature = "cuda")]
+fn cuda_without_a_gpu_is_a_clear_error() {
+    match pipe_kernels::cuda::device_count() {
+        Err(e) => {
+            assert!(matches!(e, KernelError::NoCuda { .. }), "{e}");
+            assert!(e.to_string().starts_with("CUDA is not available: "), "{e}");
+            let again = pipe_kernels::CudaBackend::new(0).unwrap_err();
+            assert_eq!(again, e);
+        }
+        Ok(n) => {
+            let e = pipe_kernels::CudaBackend::new(n).unwrap_err();
+            assert!(e.to_string().contains(&format!("device {n} requested")), "{e}");
+        }
+    }
 }
 
 /// Memory a device backend would own: here only a size and a device, to check how host code
