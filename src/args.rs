@@ -24,10 +24,11 @@ pub fn parse_policy(s: &str) -> Result<Policy, String> {
 /// choice becomes a backend.
 ///
 /// # Errors
-/// Bad input when this build or machine has no such device.
+/// Bad input (exit 2) when this build or machine has no such device: a build without CUDA,
+/// or no driver, GPU or NVRTC.
 pub fn open_backend(kind: BackendKind, threads: usize) -> Result<Box<dyn Backend>> {
     kind.open(threads, 0).map_err(|e| match e {
-        KernelError::NotCompiledWithCuda => bad_input(e.to_string()),
+        KernelError::NotCompiledWithCuda | KernelError::NoCuda { .. } => bad_input(e.to_string()),
         other => other.into(),
     })
 }

@@ -86,7 +86,7 @@ fn bench(c: &mut Criterion) {
         g.bench_function(id, |b| {
             b.iter(|| {
                 let eps = mesh(plan.schedule.workers(), &InProcOptions::default());
-                run_threads(&setup, &mut states, eps, || CpuBackend::new(1)).unwrap()
+                run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1)).unwrap()
             })
         });
     }

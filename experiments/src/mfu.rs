@@ -10,9 +10,9 @@
 
 use std::time::Instant;
 
-use pipe_kernels::{AttentionShape, Backend, CpuBackend, Tensor, Trans};
+use pipe_kernels::{AttentionShape, Backend, BackendKind, Tensor, Trans};
 use pipe_stages::layers::{ForwardCtx, LayerSpec};
-use pipe_stages::model::{Model, ModelSpec, Params};
+use pipe_stages::model::{Model, ModelSpec, Params, place_params};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::profile::random_input;
 use pipe_stages::train::{StepState, train_step};
@@ -35,6 +35,8 @@ pub struct MfuConfig {
     pub warmup: usize,
     /// SGD momentum (0 for plain SGD).
     pub momentum: f32,
+    /// The backend measured (CUDA: device 0).
+    pub backend: BackendKind,
 }
 
 impl Default for MfuConfig {
@@ -46,6 +48,7 @@ impl Default for MfuConfig {
             steps: 20,
             warmup: 3,
             momentum: 0.0,
+            backend: BackendKind::Cpu,
         }
     }
 }
@@ -61,6 +64,8 @@ pub struct MfuReport {
     pub batch: usize,
     /// Threads.
     pub threads: usize,
+    /// The backend measured (`cpu`, `cuda`).
+    pub backend: String,
     /// Median seconds per training step.
     pub step_s_median: f64,
     /// Samples per second from the median step.
@@ -134,8 +139,8 @@ impl GemmProbe {
     fn new(be: &dyn Backend) -> Result<Self, ExperimentError> {
         let (m, k, n) = Self::SHAPE;
         let mut probe = Self {
-            a: Tensor::full(&[m, k], 0.5),
-            b: Tensor::full(&[k, n], 0.25),
+            a: be.place(Tensor::full(&[m, k], 0.5))?,
+            b: be.place(Tensor::full(&[k, n], 0.25))?,
             c: Tensor::default(),
         };
         for _ in 0..3 {
@@ -152,10 +157,12 @@ impl GemmProbe {
     /// GFLOP/s of eight products in a row.
     fn rate(&mut self, be: &dyn Backend) -> Result<f64, ExperimentError> {
         let (m, k, n) = Self::SHAPE;
+        be.synchronize()?;
         let t = Instant::now();
         for _ in 0..8 {
             self.product(be)?;
         }
+        be.synchronize()?;
         Ok(8.0 * 2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9)
     }
 }
@@ -174,7 +181,7 @@ fn pass_times(
             .iter()
             .map(|w| {
                 let (k, n) = (w[0], w[1]);
-                match pass {
+                let (a, b, ta, tb) = match pass {
                     "forward" => (
                         Tensor::full(&[batch, k], 0.5),
                         Tensor::full(&[k, n], 0.25),
@@ -193,9 +200,10 @@ fn pass_times(
                         Trans::Yes,
                         Trans::No,
                     ),
-                }
+                };
+                Ok((be.place(a)?, be.place(b)?, ta, tb))
             })
-            .collect();
+            .collect::<Result<_, ExperimentError>>()?;
         let flops: f64 = weights
             .iter()
             .map(|w| 2.0 * (batch * w[0] * w[1]) as f64)
@@ -203,10 +211,12 @@ fn pass_times(
         let mut outs = vec![Tensor::default(); operands.len()];
         let mut times = Vec::with_capacity(reps);
         for round in 0..reps + 2 {
+            be.synchronize()?;
             let t = Instant::now();
             for ((a, b, ta, tb), c) in operands.iter().zip(outs.iter_mut()) {
                 be.matmul(a, *ta, b, *tb, c, false)?;
             }
+            be.synchronize()?;
             if round >= 2 {
                 times.push(t.elapsed().as_secs_f64());
             }
@@ -250,17 +260,18 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
             "batch and steps must be positive".into(),
         ));
     }
-    let be = CpuBackend::new(cfg.threads)?;
+    let be = cfg.backend.open(cfg.threads, 0)?;
+    let be = be.as_ref();
     let spec = ModelSpec::preset(&cfg.model)?;
     let model = Model::new(&spec)?;
-    let mut params = model.init_params(0);
-    let mut grads = model.zero_grads(0..model.len());
+    let mut params = place_params(be, model.init_params(0))?;
+    let mut grads = place_params(be, model.zero_grads(0..model.len()))?;
     let ocfg = OptimizerConfig {
         kind: OptimizerKind::Sgd,
         momentum: cfg.momentum,
         ..OptimizerConfig::default()
     };
-    let mut opt = Optimizer::new(ocfg, &params);
+    let mut opt = Optimizer::new(ocfg, &params).placed(be)?;
     let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
     let targets = cfg.batch * rows.iter().product::<usize>();
     let mut x_shape = vec![cfg.batch];
@@ -272,10 +283,11 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     )?;
     let language = is_language_model(&model);
 
-    let gemm_before = gemm_rate(&be, 15)?;
+    let gemm_before = gemm_rate(be, 15)?;
     let mut times = Vec::with_capacity(cfg.steps);
     let mut mb = 0u64;
     for i in 0..cfg.warmup + cfg.steps {
+        be.synchronize()?;
         let t = Instant::now();
         let mut st = StepState {
             params: &mut params,
@@ -283,7 +295,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
             opt: &mut opt,
         };
         train_step(
-            &be,
+            be,
             &model,
             &mut st,
             vec![(x.clone(), y.clone())],
@@ -292,18 +304,19 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
             0,
             &mut mb,
         )?;
+        be.synchronize()?;
         if i >= cfg.warmup {
             times.push(t.elapsed().as_secs_f64());
         }
     }
-    let gemm_after = gemm_rate(&be, 15)?;
+    let gemm_after = gemm_rate(be, 15)?;
     let weights: Vec<Vec<usize>> = grads
         .iter()
         .flatten()
         .filter(|t| t.shape().len() == 2)
         .map(|t| t.shape().to_vec())
         .collect();
-    let passes = pass_times(&be, &weights, cfg.batch, 9)?;
+    let passes = pass_times(be, &weights, cfg.batch, 9)?;
     let gemm_s_per_step = passes.iter().map(|p| p.seconds).sum();
     let gemm = median(&[gemm_before, gemm_after]);
     let step = median(&times);
@@ -311,7 +324,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     let samples_per_s = cfg.batch as f64 / step;
     let flops_per_sample = training_flops_per_sample(&model);
     let components = if language {
-        transformer_components(&be, &model, &params, cfg.batch)?
+        transformer_components(be, &model, &params, cfg.batch)?
     } else {
         Vec::new()
     };
@@ -321,6 +334,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         parameters,
         batch: cfg.batch,
         threads: be.threads(),
+        backend: be.name().into(),
         step_s_median: step,
         samples_per_s,
         flops_per_sample,
@@ -355,14 +369,20 @@ fn transformer_components(
     let seq = model.shape_before(i).first().copied().unwrap_or(1);
     let mut shape = vec![batch];
     shape.extend_from_slice(model.shape_before(i));
-    let x = random_input(model, i, &shape, 1, "mfu-block")?;
+    let x = be.place(random_input(model, i, &shape, 1, "mfu-block")?)?;
     let attention = AttentionShape {
         batch,
         seq,
         heads,
         width,
     };
-    let qkv = random_input(model, i, &[batch * seq, 3 * width], 2, "mfu-qkv")?;
+    let qkv = be.place(random_input(
+        model,
+        i,
+        &[batch * seq, 3 * width],
+        2,
+        "mfu-qkv",
+    )?)?;
     let (mut out, mut lse, mut dqkv) = (Tensor::default(), Tensor::default(), Tensor::default());
     // Model FLOPs, as for the whole model: three times the forward's Q K^T and P V (2 T^2 C
     // each per sequence, the full tile as Megatron-LM and PaLM count it). The backward's
@@ -376,7 +396,10 @@ fn transformer_components(
         Ok(())
     })?;
     let layer = model.layer(i);
-    let mut grads: Vec<Tensor> = params[i].iter().map(|p| Tensor::zeros(p.shape())).collect();
+    let mut grads: Vec<Tensor> = params[i]
+        .iter()
+        .map(|p| be.place(Tensor::zeros(p.shape())))
+        .collect::<Result<_, _>>()?;
     let ctx = ForwardCtx {
         train: true,
         seed: 0,
@@ -421,6 +444,7 @@ fn time_beside_gemm(
         let rate = probe.rate(be)?;
         let t = Instant::now();
         f()?;
+        be.synchronize()?;
         if round >= 2 {
             times.push(t.elapsed().as_secs_f64());
             rates.push(rate);
@@ -438,7 +462,7 @@ pub fn render(r: &MfuReport) -> String {
         "6 x params x samples/s"
     };
     let mut out = format!(
-        "model {} ({} parameters), batch {}, {} threads\n\
+        "model {} ({} parameters), batch {}, {} on {} threads\n\
          step (median)        {:.2} ms\n\
          throughput           {:.0} samples/s\n\
          model FLOP rate      {:.1} GFLOP/s ({flop_rule})\n\
@@ -447,6 +471,7 @@ pub fn render(r: &MfuReport) -> String {
         r.model,
         r.parameters,
         r.batch,
+        r.backend,
         r.threads,
         r.step_s_median * 1e3,
         r.samples_per_s,
@@ -500,6 +525,7 @@ mod tests {
             steps: 3,
             warmup: 1,
             momentum: 0.9,
+            ..MfuConfig::default()
         })
         .unwrap();
         assert_eq!(r.parameters, 64 * 128 + 128 + 128 * 10 + 10);
@@ -521,6 +547,7 @@ mod tests {
             steps: 1,
             warmup: 0,
             momentum: 0.0,
+            ..MfuConfig::default()
         })
         .unwrap();
         // Three times the forward FLOPs, which exceed 2 x parameters by attention's scores.

@@ -288,7 +288,7 @@ pub(crate) fn pipelined(
     minibatches: u32,
     states: &mut Vec<WorkerState>,
 ) -> Result<(f64, Vec<WorkerOutcome>, pipe_scheduler::Schedule), ExperimentError> {
-    pipelined_with(model, case, minibatches, states, || CpuBackend::new(1))
+    pipelined_with(model, case, minibatches, states, |_| CpuBackend::new(1))
 }
 
 /// [`pipelined`] with backends made by `make`.
@@ -297,7 +297,7 @@ fn pipelined_with<B: pipe_kernels::Backend>(
     case: &Case,
     minibatches: u32,
     states: &mut Vec<WorkerState>,
-    make: impl Fn() -> Result<B, pipe_kernels::KernelError> + Sync,
+    make: impl Fn(u32) -> Result<B, pipe_kernels::KernelError> + Sync,
 ) -> Result<(f64, Vec<WorkerOutcome>, pipe_scheduler::Schedule), ExperimentError> {
     let policy: Policy = case.policy.parse()?;
     let replicas = case
@@ -427,13 +427,14 @@ fn all_reduce_against_ring(
             let mut tensors = grads.clone();
             std::thread::spawn(move || -> Result<[Vec<f64>; 3], ExperimentError> {
                 let mut flat = vec![1.0f32; values];
+                let be = CpuBackend::new(1)?;
                 let mut times: [Vec<f64>; 3] = Default::default();
                 let err =
                     |e: pipe_transport::TransportError| ExperimentError::Config(e.to_string());
                 for round in 0..=REPEATS {
                     let update = 3 * round;
                     let t = Instant::now();
-                    all_reduce_gradients(&mut ep, &group, 0, update, &mut tensors)?;
+                    all_reduce_gradients(&be, &mut ep, &group, 0, update, &mut tensors)?;
                     let executor = t.elapsed().as_secs_f64();
                     let t = Instant::now();
                     ring_all_reduce(&mut ep, &group, 0, update + 1, &mut flat).map_err(err)?;
@@ -580,7 +581,7 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
     for _ in 0..5 {
         let counter = Arc::new(AtomicU64::new(0));
         let t = Instant::now();
-        let (_, outs, _) = pipelined_with(model, &case, updates, &mut states, || {
+        let (_, outs, _) = pipelined_with(model, &case, updates, &mut states, |_| {
             Ok(Timed::new(CpuBackend::new(1)?, Arc::clone(&counter)))
         })?;
         let wall = t.elapsed().as_secs_f64();

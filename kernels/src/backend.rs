@@ -376,6 +376,213 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn sum_squares(&self, x: &Tensor) -> Result<f64>;
 }
 
+/// A boxed backend is a backend: runs choose theirs at run time (`--backend`) and hand the box
+/// to code written for any `B: Backend`.
+impl<B: Backend + ?Sized> Backend for Box<B> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn threads(&self) -> usize {
+        (**self).threads()
+    }
+
+    fn device(&self) -> Device {
+        (**self).device()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        (**self).synchronize()
+    }
+
+    fn place(&self, t: Tensor) -> Result<Tensor> {
+        (**self).place(t)
+    }
+
+    fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>> {
+        (**self).place_ids(t)
+    }
+
+    fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>> {
+        (**self).read(t)
+    }
+
+    fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()> {
+        (**self).write(src, t)
+    }
+
+    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        (**self).copy(src, dst)
+    }
+
+    fn fill(&self, value: f32, x: &mut Tensor) -> Result<()> {
+        (**self).fill(value, x)
+    }
+
+    fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
+        (**self).mul(a, b, out)
+    }
+
+    fn matmul(
+        &self,
+        a: &Tensor,
+        ta: Trans,
+        b: &Tensor,
+        tb: Trans,
+        c: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        (**self).matmul(a, ta, b, tb, c, accumulate)
+    }
+
+    fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
+        (**self).transpose(a, out)
+    }
+
+    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
+        (**self).add_bias(y, bias)
+    }
+
+    fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
+        (**self).sum_rows(x, out, accumulate)
+    }
+
+    fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        (**self).activation(act, x, y)
+    }
+
+    fn activation_backward(
+        &self,
+        act: Activation,
+        x: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        (**self).activation_backward(act, x, dy, dx)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        eps: f32,
+        y: &mut Tensor,
+        mean: &mut Tensor,
+        rstd: &mut Tensor,
+    ) -> Result<()> {
+        (**self).layer_norm(x, gamma, beta, eps, y, mean, rstd)
+    }
+
+    fn layer_norm_backward_input(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+    ) -> Result<()> {
+        (**self).layer_norm_backward_input(x, gamma, mean, rstd, dy, dx)
+    }
+
+    fn layer_norm_backward_params(
+        &self,
+        x: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dy: &Tensor,
+        dgamma: &mut Tensor,
+        dbeta: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        (**self).layer_norm_backward_params(x, mean, rstd, dy, dgamma, dbeta, accumulate)
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor<u32>,
+        grad_scale: f32,
+        dlogits: Option<&mut Tensor>,
+    ) -> Result<LossStats> {
+        (**self).softmax_cross_entropy(logits, labels, grad_scale, dlogits)
+    }
+
+    fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {
+        (**self).embedding(ids, table, out)
+    }
+
+    fn embedding_backward(
+        &self,
+        ids: &Tensor,
+        dy: &Tensor,
+        dtable: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        (**self).embedding_backward(ids, dy, dtable, accumulate)
+    }
+
+    fn attention(
+        &self,
+        qkv: &Tensor,
+        shape: AttentionShape,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+    ) -> Result<()> {
+        (**self).attention(qkv, shape, out, lse)
+    }
+
+    fn attention_backward(
+        &self,
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        shape: AttentionShape,
+        dqkv: &mut Tensor,
+    ) -> Result<()> {
+        (**self).attention_backward(qkv, out, lse, dout, shape, dqkv)
+    }
+
+    fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        (**self).axpy(alpha, x, y)
+    }
+
+    fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
+        (**self).scale(alpha, x)
+    }
+
+    fn sgd_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        buf: Option<&mut Tensor>,
+        hp: SgdStep,
+    ) -> Result<()> {
+        (**self).sgd_update(param, grad, buf, hp)
+    }
+
+    fn adam_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: AdamStep,
+    ) -> Result<()> {
+        (**self).adam_update(param, grad, m, v, hp)
+    }
+
+    fn sum(&self, x: &Tensor) -> Result<f64> {
+        (**self).sum(x)
+    }
+
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        (**self).sum_squares(x)
+    }
+}
+
 /// Which compute backend a run uses: the typed form of `--backend`, parsed once at the edge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum BackendKind {

@@ -861,7 +861,10 @@ fn cuda_without_a_gpu_is_a_clear_error() {
         }
         Ok(n) => {
             let e = pipe_kernels::CudaBackend::new(n).unwrap_err();
-            assert!(e.to_string().contains(&format!("device {n} requested")), "{e}");
+            assert!(
+                e.to_string().contains(&format!("device {n} requested")),
+                "{e}"
+            );
         }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicBool;
 use anyhow::{Context, Result};
 use clap::Args;
 use pipe_experiments::ExperimentError;
+use pipe_kernels::BackendKind;
 
 use pipe_transport::cluster::ClusterFile;
 use pipe_transport::quic::QuicOptions;
@@ -63,6 +64,9 @@ pub struct MfuArgs {
     /// SGD momentum (0: plain SGD).
     #[arg(long, default_value_t = 0.0)]
     momentum: f32,
+    /// Compute backend: cpu, or cuda (device 0; builds with `--features cuda`).
+    #[arg(long, default_value = "cpu", value_parser = crate::args::BackendParser)]
+    backend: BackendKind,
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -256,6 +260,8 @@ pub fn run_mfu(args: &MfuArgs) -> Result<()> {
     }
     check_counts(&[("--steps", args.steps as u64)], Some(args.threads))?;
     check_model_batch(&args.model, args.batch)?;
+    // A backend that cannot run here is bad input, said before any measuring.
+    drop(crate::args::open_backend(args.backend, 1)?);
     let cfg = pipe_experiments::mfu::MfuConfig {
         model: args.model.clone(),
         batch: args.batch,
@@ -263,6 +269,7 @@ pub fn run_mfu(args: &MfuArgs) -> Result<()> {
         steps: args.steps,
         warmup: 3,
         momentum: args.momentum,
+        backend: args.backend,
     };
     let report = pipe_experiments::mfu::run(&cfg).map_err(|e| match e {
         ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),

@@ -189,7 +189,7 @@ pub fn train_delayed(
                 dropped += 1;
             } else {
                 model.sum_tied(be, &mut [(0, &mut grads)])?;
-                crate::train::check_gradients(&model, 0, &grads, step + 1)?;
+                crate::train::check_gradients(be, &model, 0, &grads, step + 1)?;
                 let scale = if opts.age_scaling {
                     1.0 / (1.0 + d as f32)
                 } else {

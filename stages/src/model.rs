@@ -37,6 +37,29 @@ pub fn place_params(be: &dyn Backend, params: Params) -> Result<Params> {
         .collect()
 }
 
+/// `params` in host memory: host tensors as they are, device tensors copied out through `be`.
+///
+/// # Errors
+/// Device failures.
+pub fn host_params(be: &dyn Backend, params: Params) -> Result<Params> {
+    params
+        .into_iter()
+        .map(|layer| layer.into_iter().map(|t| host_tensor(be, t)).collect())
+        .collect()
+}
+
+/// `t` in host memory (as it is when it already is there).
+///
+/// # Errors
+/// Device failures.
+pub fn host_tensor(be: &dyn Backend, t: Tensor) -> Result<Tensor> {
+    if t.device() == pipe_kernels::Device::Host {
+        return Ok(t);
+    }
+    let values = be.read(&t)?.into_owned();
+    Ok(Tensor::from_vec(t.shape(), values)?)
+}
+
 /// Index of a parameter in a model's table.
 pub type ParamId = usize;
 

@@ -163,6 +163,21 @@ impl Optimizer {
         Ok(self)
     }
 
+    /// This optimizer with its state in host memory (see [`crate::model::host_tensor`]).
+    ///
+    /// # Errors
+    /// Device failures.
+    pub fn on_host(mut self, be: &dyn Backend) -> Result<Self> {
+        for pair in self.state.iter_mut().flatten() {
+            let (first, second) = std::mem::take(pair);
+            *pair = (
+                crate::model::host_tensor(be, first)?,
+                crate::model::host_tensor(be, second)?,
+            );
+        }
+        Ok(self)
+    }
+
     /// An optimizer resuming from saved `state` (per layer and parameter: first, second;
     /// host tensors shaped like `params`) after `steps` updates.
     ///

@@ -71,7 +71,7 @@ pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
                 .collect();
         }
         let eps = mesh(2, &InProcOptions::default());
-        let outs = run_threads(&setup, &mut states, eps, || CpuBackend::new(1))?;
+        let outs = run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1))?;
         if round == 0 {
             continue;
         }

@@ -371,7 +371,7 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
                 barrier.wait();
             }
             let eps = mesh(1, &InProcOptions::default());
-            let outs = run_threads(&setup, &mut states, eps, || CpuBackend::new(1))?;
+            let outs = run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1))?;
             if !timed {
                 continue;
             }

@@ -292,7 +292,7 @@ pub fn train_step(
         model.backward_range(be, 0..n, st.params, &saved, dlogits, st.grads, i > 0, false)?;
     }
     model.sum_tied(be, &mut [(0, &mut *st.grads)])?;
-    check_gradients(model, 0, st.grads, *microbatch_id / batches_len as u64)?;
+    check_gradients(be, model, 0, st.grads, *microbatch_id / batches_len as u64)?;
     st.opt.step(be, st.params, st.grads, lr)?;
     Ok(loss)
 }
@@ -303,6 +303,7 @@ pub fn train_step(
 /// # Errors
 /// [`StageError::NonFinite`] naming the first parameter whose gradient is not, and `update`.
 pub(crate) fn check_gradients(
+    be: &dyn Backend,
     model: &Model,
     first: usize,
     grads: &Params,
@@ -310,8 +311,13 @@ pub(crate) fn check_gradients(
 ) -> Result<()> {
     for (i, layer) in grads.iter().enumerate() {
         for (slot, g) in layer.iter().enumerate() {
-            let Ok(values) = g.host() else { continue };
-            if !values.iter().all(|v| v.is_finite()) {
+            // On a device the sum says it: a sum of f32 values in f64 is finite exactly when
+            // every value is.
+            let finite = match g.host() {
+                Ok(values) => values.iter().all(|v| v.is_finite()),
+                Err(_) => be.sum(g)?.is_finite(),
+            };
+            if !finite {
                 let id = model.param_id(first + i, slot);
                 let name = model
                     .param_table()

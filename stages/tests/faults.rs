@@ -117,7 +117,7 @@ fn run_with<T: pipe_transport::Transport>(
         .map(|(w, ep)| Faulty::new(ep, fault_of(w as u32)))
         .collect();
     let start = Instant::now();
-    let result = run_threads(&setup, &mut states, eps, || CpuBackend::new(1));
+    let result = run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1));
     let took = start.elapsed();
     let weights = result.map(|_| {
         let layout = run.schedule.layout();

@@ -102,7 +102,7 @@ fn pipelined_with<T: pipe_transport::Transport>(
     let mut states: Vec<WorkerState> = (0..run.schedule.workers())
         .map(|w| WorkerState::new(&setup, w, &init, cfg))
         .collect();
-    let outs = run_threads(&setup, &mut states, eps, || CpuBackend::new(1))
+    let outs = run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1))
         .unwrap_or_else(|e| panic!("{e}"));
     (states, outs)
 }
@@ -578,7 +578,7 @@ fn small_setup_run(
             sends: 0,
         })
         .collect();
-    run_threads(&setup, &mut states, eps, || CpuBackend::new(1))
+    run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1))
 }
 
 #[test]
@@ -686,7 +686,7 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
                 .collect();
             for s in &setups {
                 let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-                run_threads(s, &mut states, eps, || CpuBackend::new(1)).unwrap();
+                run_threads(s, &mut states, eps, |_| CpuBackend::new(1)).unwrap();
             }
             let mut params = init.clone();
             let mut opts: Vec<Optimizer> = (0..run.schedule.stages() as usize)

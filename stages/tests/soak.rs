@@ -94,7 +94,7 @@ fn soak<T: Transport>(
                 .map(|w| WorkerState::new(&setup, w, &init, opt))
                 .collect();
         }
-        let outs = run_threads(&setup, &mut states, mesh_for(seg), || CpuBackend::new(1))
+        let outs = run_threads(&setup, &mut states, mesh_for(seg), |_| CpuBackend::new(1))
             .unwrap_or_else(|e| panic!("{name}, segment {seg}: {e}"));
         for o in &outs {
             assert_eq!(

@@ -215,7 +215,7 @@ fn stashing_keeps_the_copies_equal_and_the_executor_matches_on_one_and_two_stage
     let mut states: Vec<WorkerState> = (0..2)
         .map(|w| WorkerState::new(&s, w, &init, plain_sgd()))
         .collect();
-    run_threads(&s, &mut states, mesh(2, &InProcOptions::default()), || {
+    run_threads(&s, &mut states, mesh(2, &InProcOptions::default()), |_| {
         CpuBackend::new(1)
     })
     .unwrap();
@@ -226,7 +226,7 @@ fn stashing_keeps_the_copies_equal_and_the_executor_matches_on_one_and_two_stage
     let s = setup(&model, &one);
     let want = reference_train(&be, &s, &init, plain_sgd()).unwrap();
     let mut states = vec![WorkerState::new(&s, 0, &init, plain_sgd())];
-    run_threads(&s, &mut states, mesh(1, &InProcOptions::default()), || {
+    run_threads(&s, &mut states, mesh(1, &InProcOptions::default()), |_| {
         CpuBackend::new(1)
     })
     .unwrap();
@@ -265,7 +265,7 @@ fn tied_stages_with_replicas_match_the_reference() {
             &s,
             &mut states,
             mesh(workers, &InProcOptions::default()),
-            || CpuBackend::new(1),
+            |_| CpuBackend::new(1),
         )
         .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
         for st in &states {

@@ -101,7 +101,7 @@ fn check(spec: &ScheduleSpec, tie: bool) -> Vec<Params> {
         .map(|w| WorkerState::new(&setup, w, &init, opt()))
         .collect();
     let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-    run_threads(&setup, &mut states, eps, || CpuBackend::new(1))
+    run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1))
         .unwrap_or_else(|e| panic!("{spec:?} tie {tie}: {e}"));
     let want = reference_train(&CpuBackend::new(1).unwrap(), &setup, &init, opt()).unwrap();
     for state in &states {

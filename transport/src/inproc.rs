@@ -151,6 +151,11 @@ pub(crate) fn wire_for(kind: Kind, wire: WireDType) -> WireDType {
 }
 
 impl Transport for InProc {
+    fn carries_device_tensors(&self) -> bool {
+        // A narrower wire type rounds the payload on the host.
+        self.wire == WireDType::F32
+    }
+
     fn rank(&self) -> u32 {
         self.rank
     }

@@ -223,6 +223,14 @@ pub trait Transport: Send {
     /// This worker's number.
     fn rank(&self) -> u32;
 
+    /// Whether a message may carry a tensor held by a device (a GPU buffer) as it is: true
+    /// only for a transport between threads of one process that sends payloads untouched, so
+    /// the receiving worker's backend copies device to device. Every other transport is given
+    /// host tensors (the sender copies a device tensor out first).
+    fn carries_device_tensors(&self) -> bool {
+        false
+    }
+
     /// Number of workers in the mesh.
     fn size(&self) -> u32;
 

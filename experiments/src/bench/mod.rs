@@ -339,6 +339,7 @@ fn single_workers(
             steps: if quick { 5 } else { 20 },
             warmup: 2,
             momentum: 0.9,
+            ..crate::mfu::MfuConfig::default()
         })?;
         out.push(SingleWorker {
             model: entry.name.clone(),

@@ -64,7 +64,7 @@ pub fn run_worker_with<B: Backend, T: Transport + ?Sized>(
     let result =
         result.map_err(|(a, e)| wrap(a.map_or_else(|| "start".to_string(), |a| a.to_string()), e));
     match result {
-        Ok(core) => core.finish(state).map_err(|e| wrap("end".into(), e)),
+        Ok(core) => core.finish(be, state).map_err(|e| wrap("end".into(), e)),
         Err(e) => {
             if !e.is_abort_echo() {
                 t.abort();
@@ -172,7 +172,10 @@ fn step<B: Backend, T: Transport + ?Sized>(
 ) -> Result<(u64, u64)> {
     match a {
         Action::SendActivation { .. } | Action::SendGradient { .. } => {
-            let m = core.outgoing(a)?;
+            let mut m = core.outgoing(a)?;
+            if !t.carries_device_tensors() {
+                m.tensor = crate::model::host_tensor(be, m.tensor)?;
+            }
             let bytes = m.tensor.bytes() as u64;
             t.send(m)?;
             return Ok((bytes, 0));
@@ -187,7 +190,7 @@ fn step<B: Backend, T: Transport + ?Sized>(
         Action::AllReduce { stage, update } => {
             let (group, grads) = core.all_reduce_gradients(be, stage)?;
             let total: u64 = grads.iter().flatten().map(|g| g.bytes() as u64).sum();
-            all_reduce_gradients(t, &group, stage, update, grads)?;
+            all_reduce_gradients(be, t, &group, stage, update, grads)?;
             // A ring sends and receives 2 (n - 1) chunks of 1/n of the buffer.
             let n = group.len().max(1) as u64;
             let moved = 2 * (n - 1) * total / n;

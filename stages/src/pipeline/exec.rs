@@ -606,6 +606,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let minibatch = u64::from(setup.plan.schedule.resolved.minibatch.max(1));
         let first_mb = setup.microbatch_offset + u64::from(update) * u64::from(run.update_size);
         crate::train::check_gradients(
+            be,
             setup.model,
             run.layers.start,
             &run.grads,
@@ -823,11 +824,13 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         Ok(())
     }
 
-    /// Ends the run: moves the final weights and optimizer state back into `state`.
+    /// Ends the run: moves the final weights and optimizer state back into `state`, in host
+    /// memory (a device backend's tensors are copied out), where checkpoints, evaluation and
+    /// the next segment read them.
     ///
     /// # Errors
-    /// Microbatches left unfinished, or the current version lost.
-    pub fn finish(self, state: &mut WorkerState) -> Result<WorkerOutcome> {
+    /// Microbatches left unfinished, the current version lost, or a device that fails the copy.
+    pub fn finish(self, be: &dyn Backend, state: &mut WorkerState) -> Result<WorkerOutcome> {
         for (run, st) in self.stages.into_iter().zip(state.stages.iter_mut()) {
             if !run.forward_saved.is_empty()
                 || !run.weight_pending.is_empty()
@@ -840,10 +843,11 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 )));
             }
             let mut versions = run.versions;
-            st.params = versions
+            let params = versions
                 .remove(&run.current_version)
                 .ok_or_else(|| exec_err("current version lost".into()))?;
-            st.opt = run.optimizer;
+            st.params = crate::model::host_params(be, params)?;
+            st.opt = run.optimizer.on_host(be)?;
         }
         Ok(self.outcome)
     }

@@ -17,7 +17,7 @@ use super::exec::{WorkerOutcome, WorkerState};
 use crate::error::{Result, StageError};
 
 /// Runs every worker's program on its own thread (named `pipe-w{N}`) over `endpoints` (one per
-/// worker, in worker order), with a backend made by `make_backend` on each thread. `states`
+/// worker, in worker order), with a backend made by `make_backend(worker)` on each thread. `states`
 /// are updated in place.
 ///
 /// # Errors
@@ -31,7 +31,7 @@ pub fn run_threads<T, B, F>(
 where
     T: Transport,
     B: Backend,
-    F: Fn() -> std::result::Result<B, pipe_kernels::KernelError> + Sync,
+    F: Fn(u32) -> std::result::Result<B, pipe_kernels::KernelError> + Sync,
 {
     run_threads_reporting(setup, states, endpoints, make_backend, None)
 }
@@ -59,7 +59,7 @@ pub fn run_threads_reporting<T, B, F>(
 where
     T: Transport,
     B: Backend,
-    F: Fn() -> std::result::Result<B, pipe_kernels::KernelError> + Sync,
+    F: Fn(u32) -> std::result::Result<B, pipe_kernels::KernelError> + Sync,
 {
     if endpoints.len() != states.len() {
         return Err(StageError::Executor(format!(
@@ -88,7 +88,7 @@ where
                     .name(format!("pipe-w{worker}"))
                     .spawn_scoped(scope, move || {
                         let result = catch_unwind(AssertUnwindSafe(|| {
-                            let be = make()?;
+                            let be = make(worker)?;
                             run_worker(&be, &mut ep, setup, state, t0)
                         }));
                         let outcome = match result {

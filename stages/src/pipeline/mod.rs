@@ -141,12 +141,26 @@ pub type LossReport = (u32, f64, usize);
 /// # Errors
 /// A gradient not held on the host; transport errors.
 pub fn all_reduce_gradients<T: pipe_transport::Transport + ?Sized>(
+    be: &dyn Backend,
     t: &mut T,
     group: &[u32],
     stage: u32,
     update: u32,
     grads: &mut Params,
 ) -> Result<()> {
+    if grads
+        .iter()
+        .flatten()
+        .any(|g| g.device() != pipe_kernels::Device::Host)
+    {
+        // Device gradients go through the host: copied out, summed by the ring, written back.
+        let mut staged = crate::model::host_params(be, grads.clone())?;
+        all_reduce_gradients(be, t, group, stage, update, &mut staged)?;
+        for (g, s) in grads.iter_mut().flatten().zip(staged.iter().flatten()) {
+            be.write(s.host()?, g)?;
+        }
+        return Ok(());
+    }
     let mut segments = grads
         .iter_mut()
         .flatten()

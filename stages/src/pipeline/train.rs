@@ -108,9 +108,8 @@ pub fn train_pipelined(
     obs: &mut dyn Observer,
     opts: &PipelineTrainOptions,
 ) -> Result<PipelineReport> {
-    if cfg.backend != BackendKind::Cpu {
-        BackendKind::open(cfg.backend, 1, 0)?;
-    }
+    // A backend that cannot run here fails before any worker starts.
+    drop(open_backend(cfg.backend, 1, 0)?);
     let run = Run::new(cfg, data)?;
     let partition = run_partition(cfg, &run.model)?;
     let start = Start::new(&run, opts.resume.as_ref())?;
@@ -562,7 +561,7 @@ impl<'c> Run<'c> {
         let cfg = self.cfg;
         let threads = if cfg.threads == 0 { 1 } else { cfg.threads };
         let workers = plan.schedule.workers();
-        let backend = || CpuBackend::new(threads);
+        let backend = |worker: u32| open_backend(cfg.backend, threads, worker);
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut live = LiveSteps::new(self, plan, seg);
         let mut on_loss = |r: LossReport| live.add(r, obs);
@@ -794,4 +793,22 @@ pub fn assemble(plan: &RunPlan, states: &[WorkerState]) -> Result<Params> {
         out.extend(st.params.iter().cloned());
     }
     Ok(out)
+}
+
+/// Worker `worker`'s backend: the CPU with `threads` threads, or CUDA device
+/// `worker mod visible devices`, so that workers spread over a host's GPUs in rank order.
+///
+/// # Errors
+/// The backend's own: a build without CUDA, no driver or device, a CPU thread pool that does
+/// not start.
+pub fn open_backend(
+    kind: BackendKind,
+    threads: usize,
+    worker: u32,
+) -> std::result::Result<Box<dyn Backend>, pipe_kernels::KernelError> {
+    let ordinal = match kind {
+        BackendKind::Cpu => 0,
+        BackendKind::Cuda => worker as usize % pipe_kernels::cuda::device_count()?,
+    };
+    kind.open(threads, ordinal)
 }

@@ -179,7 +179,7 @@ fn run_segments<T: Transport + ?Sized>(
     let agreed = agree(cfg, &run, ep, opts)?;
     let (partition, every) = (agreed.partition.clone(), agreed.every);
     let start = receive_start(&run, ep, agreed, cfg)?;
-    let be = CpuBackend::new(cfg.threads.max(1))?;
+    let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), ep.rank())?;
     let eval_be = CpuBackend::new(0)?;
     let init = run.model.init_params(cfg.seed);
     let mut state: Option<WorkerState> = None;
