@@ -25,7 +25,7 @@
 
 use std::time::Instant;
 
-use pipe_kernels::{Backend, CpuBackend, Tensor};
+use pipe_kernels::{Backend, Tensor};
 use pipe_scheduler::{Action, LayerProfile, Length, Policy, Profile, ScheduleSpec};
 use pipe_transport::inproc::{InProcOptions, mesh};
 use rand::Rng as _;
@@ -33,9 +33,11 @@ use rand::Rng as _;
 use crate::error::{Result, StageError};
 use crate::layers::{ForwardCtx, LayerSpec};
 use crate::loss::SoftmaxCrossEntropy;
-use crate::model::Model;
+use crate::model::{Model, place_params};
 use crate::optim::{Optimizer, OptimizerConfig};
-use crate::pipeline::{MicrobatchSource, Partition, RunPlan, Setup, WorkerState, run_threads};
+use crate::pipeline::{
+    MicrobatchSource, Partition, RunPlan, Setup, WorkerState, open_backend, run_threads,
+};
 use crate::rng::rng_for;
 
 /// How to profile.
@@ -106,10 +108,12 @@ fn time_median(warmup: usize, repeats: usize, mut f: impl FnMut() -> Result<f64>
     Ok(median(&mut times))
 }
 
-/// Seconds `f` takes.
-fn seconds<T>(f: impl FnOnce() -> Result<T>) -> Result<f64> {
+/// Seconds `f` takes on `be`, from an idle device to the end of the work `f` queued.
+fn seconds<T>(be: &dyn Backend, f: impl FnOnce() -> Result<T>) -> Result<f64> {
+    be.synchronize()?;
     let t = Instant::now();
     f()?;
+    be.synchronize()?;
     Ok(t.elapsed().as_secs_f64())
 }
 
@@ -180,7 +184,7 @@ pub fn profile_model(
     }
     check_profile_request(model, opts)?;
     let b = opts.microbatch_size;
-    let params = model.init_params(opts.seed);
+    let params = place_params(be, model.init_params(opts.seed))?;
     let mut layers = Vec::with_capacity(model.len());
     for (i, p) in params.iter().enumerate() {
         let layer = model.layer(i);
@@ -197,19 +201,19 @@ pub fn profile_model(
             s.extend_from_slice(shape);
             s
         };
-        let x = random_input(
+        let x = be.place(random_input(
             model,
             i,
             &batch(model.shape_before(i)),
             opts.seed,
             "profile-x",
-        )?;
-        let dy = random(
+        )?)?;
+        let dy = be.place(random(
             &batch(model.shape_before(i + 1)),
             opts.seed,
             "profile-dy",
             i as u64,
-        )?;
+        )?)?;
         let ctx = ForwardCtx {
             train: true,
             seed: opts.seed,
@@ -217,7 +221,9 @@ pub fn profile_model(
         let forward = time_median(opts.warmup, opts.repeats, || {
             // The forward consumes its input: copy it outside the timed call.
             let input = x.clone();
-            seconds(|| layer.forward(be, p, input, ctx).map_err(kernel("forward")))
+            seconds(be, || {
+                layer.forward(be, p, input, ctx).map_err(kernel("forward"))
+            })
         })?;
         let (y, saved) = layer.forward(be, p, x, ctx).map_err(kernel("forward"))?;
         let backward_input = if i == 0 {
@@ -225,7 +231,7 @@ pub fn profile_model(
             0.0
         } else {
             time_median(opts.warmup, opts.repeats, || {
-                seconds(|| {
+                seconds(be, || {
                     layer
                         .backward_input(be, p, &saved, &dy)
                         .map_err(kernel("backward_input"))
@@ -235,9 +241,12 @@ pub fn profile_model(
         let (backward_weight, whole, update) = if p.is_empty() {
             (0.0, backward_input, 0.0)
         } else {
-            let mut grads: Vec<Tensor> = p.iter().map(|t| Tensor::zeros(t.shape())).collect();
+            let mut grads: Vec<Tensor> = p
+                .iter()
+                .map(|t| be.place(Tensor::zeros(t.shape())))
+                .collect::<std::result::Result<_, _>>()?;
             let bw = time_median(opts.warmup, opts.repeats, || {
-                seconds(|| {
+                seconds(be, || {
                     layer
                         .backward_params(be, p, &saved, &dy, &mut grads, false)
                         .map_err(kernel("backward_params"))
@@ -245,7 +254,7 @@ pub fn profile_model(
             })?;
             // Both halves at once: a layer whose halves share work does it once here.
             let whole = time_median(opts.warmup, opts.repeats, || {
-                seconds(|| {
+                seconds(be, || {
                     layer
                         .backward(be, p, &saved, &dy, &mut grads, false, i != 0)
                         .map_err(kernel("backward"))
@@ -253,9 +262,9 @@ pub fn profile_model(
             })?;
             let mut own = vec![p.clone()];
             let grads = vec![grads];
-            let mut opt = Optimizer::new(opts.optimizer, &own);
+            let mut opt = Optimizer::new(opts.optimizer, &own).placed(be)?;
             let up = time_median(opts.warmup, opts.repeats, || {
-                seconds(|| opt.step(be, &mut own, &grads, 1e-6))
+                seconds(be, || opt.step(be, &mut own, &grads, 1e-6))
             })?;
             (bw, whole, up)
         };
@@ -278,7 +287,7 @@ pub fn profile_model(
         ..Profile::chain(layers)
     };
     if let Some(m) = opts.calibrate {
-        calibrate(model, &mut profile, opts, m)?;
+        calibrate(model, &mut profile, opts, m, be.name())?;
         profile.calibrated_microbatches = Some(m);
     }
     Ok(profile)
@@ -333,7 +342,14 @@ impl MicrobatchSource for Random {
 type Sums = Vec<[(f64, u32); 3]>;
 
 /// Replaces the profile's times with the executor's means (see the module docs).
-fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32) -> Result<()> {
+fn calibrate(
+    model: &Model,
+    profile: &mut Profile,
+    opts: &ProfileOptions,
+    m: u32,
+    backend: &str,
+) -> Result<()> {
+    let kind: pipe_kernels::BackendKind = backend.parse().map_err(StageError::Config)?;
     if m == 0 || opts.calibration_minibatches == 0 {
         return Err(StageError::Config(
             "calibration needs at least one microbatch per update and one minibatch".into(),
@@ -371,7 +387,7 @@ fn calibrate(model: &Model, profile: &mut Profile, opts: &ProfileOptions, m: u32
                 barrier.wait();
             }
             let eps = mesh(1, &InProcOptions::default());
-            let outs = run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1))?;
+            let outs = run_threads(&setup, &mut states, eps, |w| open_backend(kind, 1, w))?;
             if !timed {
                 continue;
             }

@@ -9,7 +9,7 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 
 use crate::{KernelError, Result};
 
-use super::KERNEL_SOURCE;
+use super::source::KERNEL_SOURCE;
 
 /// Whether the NVRTC library can be loaded (it needs no GPU and no driver).
 pub(crate) fn nvrtc_present() -> bool {

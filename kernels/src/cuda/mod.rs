@@ -15,11 +15,9 @@
 use crate::KernelError;
 use crate::Result;
 
-/// The CUDA C source of the backend's kernels (compiled at run time by NVRTC).
-pub const KERNEL_SOURCE: &str = include_str!("kernels.cu");
+mod source;
 
-/// The GPU architectures CI compiles the kernels for (`compute_XY`): Volta, Ampere, Hopper.
-pub const CHECKED_ARCHITECTURES: [u32; 3] = [70, 80, 90];
+pub use source::{CHECKED_ARCHITECTURES, KERNEL_SOURCE};
 
 #[cfg(feature = "cuda")]
 mod compile;

@@ -91,6 +91,9 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
         let start = t0.elapsed().as_secs_f64();
         progress.at = Some(a);
         let bytes = step(be, t, &mut core, pc, a).map_err(|e| (Some(a), e))?;
+        // A device backend only queued the action's kernels: the span ends when they have run.
+        be.synchronize()
+            .map_err(|e| (Some(a), StageError::from(e)))?;
         between(t).map_err(|e| (Some(a), e))?;
         *progress = super::doctor::StopPoint {
             at: None,

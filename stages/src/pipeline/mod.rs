@@ -36,7 +36,9 @@ pub use ledger::LedgerEntry;
 pub use partition::Partition;
 pub use reference::{ReferenceRun, reference_run, reference_train, reference_train_from};
 pub use run_plan::RunPlan;
-pub use train::{PipelineReport, PipelineTrainOptions, train_pipelined, train_reference};
+pub use train::{
+    PipelineReport, PipelineTrainOptions, open_backend, train_pipelined, train_reference,
+};
 pub use worker::train_worker;
 
 use pipe_kernels::{Backend, Tensor};
