@@ -158,7 +158,12 @@ fn bad_input_exits_2_with_one_line() {
         "--trace records a pipelined run",
     );
     assert_bad_input(&["train", "--stages", "0"], "stages must be at least 1");
-    assert_bad_input(&["train", "--backend", "cuda"], "built without CUDA");
+    if !cfg!(feature = "cuda") {
+        assert_bad_input(&["train", "--backend", "cuda"], "built without CUDA");
+    } else if pipe_kernels::cuda::device_count().is_err() {
+        // A CUDA build on a machine without a driver or GPU.
+        assert_bad_input(&["train", "--backend", "cuda"], "CUDA is not available");
+    }
     assert_bad_input(&["train", "--backend", "tpu"], "unknown backend");
     assert_bad_input(&["train", "--frobnicate"], "--frobnicate");
     assert_bad_input(

@@ -108,6 +108,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Where this backend keeps the tensors it computes on.
     fn device(&self) -> Device;
 
+    /// This backend as the CUDA backend, for libraries that compute on its device buffers in
+    /// its stream's order (NCCL); `None` for every other backend.
+    fn as_cuda(&self) -> Option<&crate::CudaBackend> {
+        None
+    }
+
     /// Waits until every operation queued so far has finished: call it before reading a clock.
     /// Backends that compute synchronously (the CPU) return at once.
     ///
@@ -379,6 +385,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// A boxed backend is a backend: runs choose theirs at run time (`--backend`) and hand the box
 /// to code written for any `B: Backend`.
 impl<B: Backend + ?Sized> Backend for Box<B> {
+    fn as_cuda(&self) -> Option<&crate::CudaBackend> {
+        (**self).as_cuda()
+    }
+
     fn name(&self) -> &'static str {
         (**self).name()
     }

@@ -61,6 +61,10 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.synchronize()
     }
 
+    fn as_cuda(&self) -> Option<&crate::CudaBackend> {
+        self.inner.as_cuda()
+    }
+
     fn place(&self, t: Tensor) -> Result<Tensor> {
         self.time(|| self.inner.place(t))
     }

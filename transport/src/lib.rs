@@ -22,6 +22,7 @@ pub mod collective;
 pub mod fault;
 pub mod frame;
 pub mod inproc;
+pub mod nccl;
 pub mod quic;
 
 use std::time::Duration;

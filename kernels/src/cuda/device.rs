@@ -205,6 +205,47 @@ impl CudaBackend {
         })
     }
 
+    /// For a library that computes on this backend's tensors in its stream's order (NCCL):
+    /// makes `t` one of this backend's buffers that no clone holds (copying it in where it is
+    /// not), binds the context to this thread and returns the buffer's device pointer. The
+    /// caller queues its work on [`CudaBackend::raw_stream`] and keeps `t` alive meanwhile.
+    ///
+    /// # Errors
+    /// Device failures.
+    pub fn raw_in_place(&self, t: &mut Tensor) -> Result<u64> {
+        let ptr = self.in_place(t, "raw_in_place")?;
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        Ok(ptr)
+    }
+
+    /// Makes this backend's context current on the calling thread (libraries that use the
+    /// current device, such as NCCL, need it).
+    ///
+    /// # Errors
+    /// Device failures.
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))
+    }
+
+    /// The GPU's UUID: the same GPU has the same UUID in every process on every host.
+    ///
+    /// # Errors
+    /// Device failures.
+    pub fn device_uuid(&self) -> Result<[u8; 16]> {
+        let uuid = self.ctx.uuid().map_err(driver_err("device uuid"))?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    /// The stream every operation of this backend is queued on.
+    pub fn raw_stream(&self) -> driver_sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// The CUDA device this backend computes on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
     /// The device's name as the driver reports it.
     pub fn device_name(&self) -> &str {
         &self.name
@@ -524,6 +565,10 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self) -> Result<()> {
         self.sync()
+    }
+
+    fn as_cuda(&self) -> Option<&CudaBackend> {
+        Some(self)
     }
 
     fn place(&self, t: Tensor) -> Result<Tensor> {

@@ -13,8 +13,10 @@ use std::time::Instant;
 use pipe_kernels::Backend;
 use pipe_scheduler::{Action, Span};
 use pipe_transport::Transport;
+use pipe_transport::nccl::NcclComms;
 
 use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
+
 use super::{Setup, all_reduce_gradients};
 use crate::error::{Result, StageError};
 
@@ -87,10 +89,11 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     let mut core = WorkerCore::new(be, setup, state).map_err(|e| (None, e))?;
     let program = &setup.plan.schedule.programs[state.worker as usize];
     let m = WorkerMetrics::new(state.worker);
+    let mut nccl = NcclComms::default();
     for (pc, &a) in program.iter().enumerate() {
         let start = t0.elapsed().as_secs_f64();
         progress.at = Some(a);
-        let bytes = step(be, t, &mut core, pc, a).map_err(|e| (Some(a), e))?;
+        let bytes = step(be, t, &mut core, &mut nccl, (pc, a)).map_err(|e| (Some(a), e))?;
         // A device backend only queued the action's kernels: the span ends when they have run.
         be.synchronize()
             .map_err(|e| (Some(a), StageError::from(e)))?;
@@ -170,8 +173,8 @@ fn step<B: Backend, T: Transport + ?Sized>(
     be: &B,
     t: &mut T,
     core: &mut WorkerCore<'_, '_>,
-    pc: usize,
-    a: Action,
+    nccl: &mut NcclComms,
+    (pc, a): (usize, Action),
 ) -> Result<(u64, u64)> {
     match a {
         Action::SendActivation { .. } | Action::SendGradient { .. } => {
@@ -193,7 +196,11 @@ fn step<B: Backend, T: Transport + ?Sized>(
         Action::AllReduce { stage, update } => {
             let (group, grads) = core.all_reduce_gradients(be, stage)?;
             let total: u64 = grads.iter().flatten().map(|g| g.bytes() as u64).sum();
-            all_reduce_gradients(be, t, &group, stage, update, grads)?;
+            let on_gpus =
+                nccl.all_reduce(t, be, &group, stage, grads.iter_mut().flatten().collect())?;
+            if !on_gpus {
+                all_reduce_gradients(be, t, &group, stage, update, grads)?;
+            }
             // A ring sends and receives 2 (n - 1) chunks of 1/n of the buffer.
             let n = group.len().max(1) as u64;
             let moved = 2 * (n - 1) * total / n;
