@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, SgdStep, Trans};
-use crate::error::shape_err;
 use crate::{Device, KernelError, Result, Tensor};
 
 /// One sequence's share of the attention backward pass: its packed `qkv` rows, its output rows,
@@ -501,12 +500,7 @@ impl Backend for CpuBackend {
     }
 
     fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()> {
-        if src.len() != t.len() {
-            return Err(shape_err(
-                "write",
-                format!("{} values for a tensor of {:?}", src.len(), t.shape()),
-            ));
-        }
+        crate::check::write(src.len(), t)?;
         t.host_mut()?.copy_from_slice(src);
         Ok(())
     }
@@ -523,12 +517,7 @@ impl Backend for CpuBackend {
     }
 
     fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
-        if a.len() != b.len() {
-            return Err(shape_err(
-                "mul",
-                format!("a {:?} and b {:?}", a.shape(), b.shape()),
-            ));
-        }
+        crate::check::same_len("mul", (a, b), ("a", "b"))?;
         let (xa, xb) = (a.host()?, b.host()?);
         let f = |o: &mut [f32], a: &[f32], b: &[f32]| {
             o.iter_mut()
@@ -549,24 +538,9 @@ impl Backend for CpuBackend {
         c: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
+        crate::check::matmul((a, ta), (b, tb), c, accumulate)?;
         let (m, k, a_rs, a_cs) = strides(a, ta);
-        let (k2, n, b_rs, b_cs) = strides(b, tb);
-        if k != k2 {
-            return Err(shape_err(
-                "matmul",
-                format!(
-                    "op(a) is {m}x{k} ({:?}, {ta:?}) but op(b) is {k2}x{n} ({:?}, {tb:?})",
-                    a.shape(),
-                    b.shape()
-                ),
-            ));
-        }
-        if accumulate && (c.rows() != m || c.cols() != n) {
-            return Err(shape_err(
-                "matmul",
-                format!("accumulating into {:?}, product is {m}x{n}", c.shape()),
-            ));
-        }
+        let (_, n, b_rs, b_cs) = strides(b, tb);
         if m == 0 || n == 0 || k == 0 {
             if !accumulate {
                 c.resize_host(&[m, n]).fill(0.0);
@@ -670,13 +644,8 @@ impl Backend for CpuBackend {
     }
 
     fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
+        crate::check::bias(y, bias)?;
         let n = y.cols();
-        if bias.len() != n {
-            return Err(shape_err(
-                "add_bias",
-                format!("bias has {} elements, rows have {n}", bias.len()),
-            ));
-        }
         if n == 0 {
             return Ok(());
         }
@@ -702,12 +671,7 @@ impl Backend for CpuBackend {
     fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
         let n = x.cols();
         if accumulate {
-            if out.len() != n {
-                return Err(shape_err(
-                    "sum_rows",
-                    format!("accumulating into {} elements, rows have {n}", out.len()),
-                ));
-            }
+            crate::check::sum_rows_into(x, out)?;
         } else {
             out.resize_host(&[n]).fill(0.0);
         }
@@ -767,12 +731,7 @@ impl Backend for CpuBackend {
         dy: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
-        if x.len() != dy.len() {
-            return Err(shape_err(
-                "activation_backward",
-                format!("input {:?} but gradient {:?}", x.shape(), dy.shape()),
-            ));
-        }
+        crate::check::activation_backward(x, dy)?;
         let (xs, dys) = (x.host()?, dy.host()?);
         let f = move |out: &mut [MaybeUninit<f32>], x: &[f32], dy: &[f32]| {
             crate::vector::vectorized(ActivateBackward { act, out, x, dy });
@@ -792,17 +751,8 @@ impl Backend for CpuBackend {
         mean: &mut Tensor,
         rstd: &mut Tensor,
     ) -> Result<()> {
+        crate::check::layer_norm(x, gamma, beta)?;
         let n = x.cols();
-        if gamma.len() != n || beta.len() != n {
-            return Err(shape_err(
-                "layer_norm",
-                format!(
-                    "rows have {n} features, gamma {} and beta {}",
-                    gamma.len(),
-                    beta.len()
-                ),
-            ));
-        }
         let rows = x.rows();
         y.resize_host(x.shape());
         mean.resize_host(&[rows]);
@@ -842,19 +792,8 @@ impl Backend for CpuBackend {
         dy: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
+        crate::check::layer_norm_backward_input(x, gamma, (mean, rstd), dy)?;
         let n = x.cols();
-        let rows = x.rows();
-        if gamma.len() != n || dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
-            return Err(shape_err(
-                "layer_norm_backward_input",
-                format!(
-                    "x {:?}, dy {:?}, gamma {}",
-                    x.shape(),
-                    dy.shape(),
-                    gamma.len()
-                ),
-            ));
-        }
         dx.resize_host(x.shape());
         if n == 0 {
             return Ok(());
@@ -892,26 +831,9 @@ impl Backend for CpuBackend {
         dbeta: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
+        crate::check::layer_norm_backward_params(x, (mean, rstd), dy, (dgamma, dbeta), accumulate)?;
         let n = x.cols();
-        let rows = x.rows();
-        if dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
-            return Err(shape_err(
-                "layer_norm_backward_params",
-                format!("x {:?}, dy {:?}", x.shape(), dy.shape()),
-            ));
-        }
-        if accumulate {
-            if dgamma.len() != n || dbeta.len() != n {
-                return Err(shape_err(
-                    "layer_norm_backward_params",
-                    format!(
-                        "accumulators have {} and {}, rows {n}",
-                        dgamma.len(),
-                        dbeta.len()
-                    ),
-                ));
-            }
-        } else {
+        if !accumulate {
             dgamma.resize_host(&[n]).fill(0.0);
             dbeta.resize_host(&[n]).fill(0.0);
         }
@@ -951,13 +873,8 @@ impl Backend for CpuBackend {
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats> {
         let (rows, n) = (logits.rows(), logits.cols());
+        crate::check::label_count(logits, labels)?;
         let labels = labels.host()?;
-        if labels.len() != rows {
-            return Err(shape_err(
-                "softmax_cross_entropy",
-                format!("{rows} rows of logits but {} labels", labels.len()),
-            ));
-        }
         if let Some((row, &label)) = labels.iter().enumerate().find(|(_, l)| **l as usize >= n) {
             return Err(KernelError::Label {
                 row,
@@ -1020,12 +937,7 @@ impl Backend for CpuBackend {
         accumulate: bool,
     ) -> Result<()> {
         let width = dtable.cols();
-        if dy.len() != ids.len() * width {
-            return Err(shape_err(
-                "embedding backward",
-                format!("{} ids but gradient {:?}", ids.len(), dy.shape()),
-            ));
-        }
+        crate::check::embedding_backward(ids, dy, width)?;
         let table = dtable.host_mut()?;
         if !accumulate {
             table.fill(0.0);
@@ -1078,20 +990,9 @@ impl Backend for CpuBackend {
         shape: AttentionShape,
         dqkv: &mut Tensor,
     ) -> Result<()> {
-        crate::sequence::check("attention backward", shape, qkv.len())?;
+        crate::check::attention_backward(qkv, (out, lse, dout), shape)?;
         let (t, c, h) = (shape.seq, shape.width, shape.heads);
         let rows = shape.batch * t;
-        if out.len() != rows * c || dout.len() != rows * c || lse.len() != shape.batch * h * t {
-            return Err(shape_err(
-                "attention backward",
-                format!(
-                    "output {:?}, its gradient {:?} and log-sum-exp {:?} do not fit {shape:?}",
-                    out.shape(),
-                    dout.shape(),
-                    lse.shape()
-                ),
-            ));
-        }
         let (src, o, l, go) = (qkv.host()?, out.host()?, lse.host()?, dout.host()?);
         let run = |dst: &mut [MaybeUninit<f32>]| {
             let one = |((((q, o), l), go), d): AttentionBackwardTask<'_>| {
@@ -1117,12 +1018,7 @@ impl Backend for CpuBackend {
     }
 
     fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        if x.len() != y.len() {
-            return Err(shape_err(
-                "axpy",
-                format!("x {:?} and y {:?}", x.shape(), y.shape()),
-            ));
-        }
+        crate::check::same_len("axpy", (x, y), ("x", "y"))?;
         let xs = x.host()?;
         let f = move |o: &mut [f32], a: &[f32], _: &[f32]| {
             o.iter_mut().zip(a).for_each(|(o, &v)| *o += alpha * v);
@@ -1145,12 +1041,7 @@ impl Backend for CpuBackend {
         buf: Option<&mut Tensor>,
         hp: SgdStep,
     ) -> Result<()> {
-        if param.len() != grad.len() {
-            return Err(shape_err(
-                "sgd_update",
-                format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
-            ));
-        }
+        crate::check::sgd(param, grad, buf.as_deref(), hp.momentum)?;
         let n = param.len();
         let chunk = self.update_chunk(n);
         let SgdStep {
@@ -1161,9 +1052,6 @@ impl Backend for CpuBackend {
         } = hp;
         match buf {
             Some(b) if momentum != 0.0 => {
-                if b.len() != n {
-                    return Err(shape_err("sgd_update", "momentum buffer length differs"));
-                }
                 let body = |((w, g), b): ((&mut [f32], &[f32]), &mut [f32])| {
                     for ((w, &g), b) in w.iter_mut().zip(g).zip(b.iter_mut()) {
                         let d = g + wd * *w;
@@ -1183,9 +1071,6 @@ impl Backend for CpuBackend {
                             .for_each(body)
                     });
                 }
-            }
-            None if momentum != 0.0 => {
-                return Err(shape_err("sgd_update", "momentum needs a buffer"));
             }
             _ => {
                 let body = |(w, g): (&mut [f32], &[f32])| {
@@ -1216,13 +1101,8 @@ impl Backend for CpuBackend {
         v: &mut Tensor,
         hp: AdamStep,
     ) -> Result<()> {
+        crate::check::adam(param, grad, m, v)?;
         let n = param.len();
-        if grad.len() != n || m.len() != n || v.len() != n {
-            return Err(shape_err(
-                "adam_update",
-                format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
-            ));
-        }
         let chunk = self.update_chunk(n);
         type Chunks<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
         let body = |(((w, g), m), v): Chunks<'_>| {

@@ -15,6 +15,7 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod check;
 mod cpu;
 pub mod cuda;
 mod denormals;

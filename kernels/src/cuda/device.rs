@@ -592,12 +592,7 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()> {
-        if src.len() != t.len() {
-            return Err(shape_err(
-                "write",
-                format!("{} values for {} elements", src.len(), t.len()),
-            ));
-        }
+        crate::check::write(src.len(), t)?;
         let shape = t.shape().to_vec();
         *t = self.upload(src, &shape)?;
         Ok(())
@@ -626,12 +621,7 @@ impl Backend for CudaBackend {
     }
 
     fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
-        if a.len() != b.len() {
-            return Err(shape_err(
-                "mul",
-                format!("{:?} times {:?}", a.shape(), b.shape()),
-            ));
-        }
+        crate::check::same_len("mul", (a, b), ("a", "b"))?;
         let (ap, bp) = (self.ptr(a, "mul")?, self.ptr(b, "mul")?);
         let op = self.output(out, a.shape())?;
         self.elementwise(&self.kernels.mul_f32, &[ap, bp, op], a.len(), "mul")
@@ -646,28 +636,9 @@ impl Backend for CudaBackend {
         c: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
-        let (m, k) = match ta {
-            Trans::No => (a.rows(), a.cols()),
-            Trans::Yes => (a.cols(), a.rows()),
-        };
-        let (k2, n) = match tb {
-            Trans::No => (b.rows(), b.cols()),
-            Trans::Yes => (b.cols(), b.rows()),
-        };
-        if k != k2 {
-            return Err(shape_err(
-                "matmul",
-                format!("inner dimensions {k} and {k2} differ"),
-            ));
-        }
+        let (m, k, n) = crate::check::matmul((a, ta), (b, tb), c, accumulate)?;
         let (ap, bp) = (self.ptr(a, "matmul")?, self.ptr(b, "matmul")?);
         let cp = if accumulate {
-            if c.rows() != m || c.cols() != n || c.len() != m * n {
-                return Err(shape_err(
-                    "matmul",
-                    format!("accumulating into {:?}, product is {m}x{n}", c.shape()),
-                ));
-            }
             self.in_place(c, "matmul")?
         } else {
             self.output(c, &[m, n])?
@@ -753,12 +724,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
-        if bias.len() != y.cols() {
-            return Err(shape_err(
-                "add_bias",
-                format!("bias of {} for rows of {}", bias.len(), y.cols()),
-            ));
-        }
+        crate::check::bias(y, bias)?;
         let bp = self.ptr(bias, "add_bias")?;
         let yp = self.in_place(y, "add_bias")?;
         let (rows, cols) = (as_u64(y.rows()), as_u64(y.cols()));
@@ -778,12 +744,7 @@ impl Backend for CudaBackend {
         let cols = x.cols();
         let xp = self.ptr(x, "sum_rows")?;
         let op = if accumulate {
-            if out.len() != cols {
-                return Err(shape_err(
-                    "sum_rows",
-                    format!("accumulating into {} elements, rows have {cols}", out.len()),
-                ));
-            }
+            crate::check::sum_rows_into(x, out)?;
             self.in_place(out, "sum_rows")?
         } else {
             self.output(out, &[cols])?
@@ -829,12 +790,7 @@ impl Backend for CudaBackend {
         dy: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
-        if x.len() != dy.len() {
-            return Err(shape_err(
-                "activation_backward",
-                format!("input {:?} but gradient {:?}", x.shape(), dy.shape()),
-            ));
-        }
+        crate::check::activation_backward(x, dy)?;
         let (xp, dyp) = (
             self.ptr(x, "activation_backward")?,
             self.ptr(dy, "activation_backward")?,
@@ -865,16 +821,7 @@ impl Backend for CudaBackend {
         rstd: &mut Tensor,
     ) -> Result<()> {
         let (rows, cols) = (x.rows(), x.cols());
-        if gamma.len() != cols || beta.len() != cols {
-            return Err(shape_err(
-                "layer_norm",
-                format!(
-                    "rows have {cols} features, gamma {} and beta {}",
-                    gamma.len(),
-                    beta.len()
-                ),
-            ));
-        }
+        crate::check::layer_norm(x, gamma, beta)?;
         let (xp, gp, bp) = (
             self.ptr(x, "layer_norm")?,
             self.ptr(gamma, "layer_norm")?,
@@ -907,17 +854,7 @@ impl Backend for CudaBackend {
         dx: &mut Tensor,
     ) -> Result<()> {
         let (rows, cols) = (x.rows(), x.cols());
-        if gamma.len() != cols || dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
-            return Err(shape_err(
-                "layer_norm_backward_input",
-                format!(
-                    "x {:?}, dy {:?}, gamma {}",
-                    x.shape(),
-                    dy.shape(),
-                    gamma.len()
-                ),
-            ));
-        }
+        crate::check::layer_norm_backward_input(x, gamma, (mean, rstd), dy)?;
         let op = "layer_norm_backward_input";
         let (xp, gp, mp, rp, dyp) = (
             self.ptr(x, op)?,
@@ -953,18 +890,8 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let (rows, cols) = (x.rows(), x.cols());
         let op = "layer_norm_backward_params";
-        if dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
-            return Err(shape_err(
-                op,
-                format!("x {:?}, dy {:?}", x.shape(), dy.shape()),
-            ));
-        }
-        if accumulate && (dgamma.len() != cols || dbeta.len() != cols) {
-            return Err(shape_err(
-                op,
-                format!("accumulating into {} and {}", dgamma.len(), dbeta.len()),
-            ));
-        }
+        crate::check::layer_norm_backward_params(x, (mean, rstd), dy, (dgamma, dbeta), accumulate)?;
+
         let (xp, mp, rp, dyp) = (
             self.ptr(x, op)?,
             self.ptr(mean, op)?,
@@ -1000,12 +927,7 @@ impl Backend for CudaBackend {
     ) -> Result<LossStats> {
         let (rows, n) = (logits.rows(), logits.cols());
         let op = "softmax_cross_entropy";
-        if labels.len() != rows {
-            return Err(shape_err(
-                op,
-                format!("{rows} rows of logits but {} labels", labels.len()),
-            ));
-        }
+        crate::check::label_count(logits, labels)?;
         let (lp, yp) = (self.ptr(logits, op)?, self.ptr(labels, op)?);
         if let Some(row) = self.first_bad(&self.kernels.check_labels_u32, yp, rows, n)? {
             let label = self
@@ -1078,17 +1000,7 @@ impl Backend for CudaBackend {
         accumulate: bool,
     ) -> Result<()> {
         let (width, vocab) = (dtable.cols(), dtable.rows());
-        if dy.len() != ids.len() * width {
-            return Err(shape_err(
-                "embedding backward",
-                format!(
-                    "{} ids but gradient {:?} for a table {:?}",
-                    ids.len(),
-                    dy.shape(),
-                    dtable.shape()
-                ),
-            ));
-        }
+        crate::check::embedding_backward(ids, dy, width)?;
         self.check_tokens(ids, vocab, "embedding_backward")?;
         let (ip, dyp) = (
             self.ptr(ids, "embedding_backward")?,
@@ -1148,22 +1060,8 @@ impl Backend for CudaBackend {
         dqkv: &mut Tensor,
     ) -> Result<()> {
         let op = "attention backward";
-        crate::sequence::check(op, shape, qkv.len())?;
-        let tokens = shape.batch * shape.seq;
-        if out.len() != tokens * shape.width
-            || dout.len() != out.len()
-            || lse.len() != shape.batch * shape.heads * shape.seq
-        {
-            return Err(shape_err(
-                op,
-                format!(
-                    "output {:?}, its gradient {:?} and log-sum-exp {:?} do not match {shape:?}",
-                    out.shape(),
-                    dout.shape(),
-                    lse.shape()
-                ),
-            ));
-        }
+        crate::check::attention_backward(qkv, (out, lse, dout), shape)?;
+
         let [batch, seq, heads, width] = Self::attention_dims(shape, op)?;
         let (qp, outp, lp, dop) = (
             self.ptr(qkv, op)?,
@@ -1201,12 +1099,7 @@ impl Backend for CudaBackend {
     }
 
     fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        if x.len() != y.len() {
-            return Err(shape_err(
-                "axpy",
-                format!("{:?} into {:?}", x.shape(), y.shape()),
-            ));
-        }
+        crate::check::same_len("axpy", (x, y), ("x", "y"))?;
         let xp = self.ptr(x, "axpy")?;
         let yp = self.in_place(y, "axpy")?;
         let n = as_u64(x.len());
@@ -1244,20 +1137,10 @@ impl Backend for CudaBackend {
         buf: Option<&mut Tensor>,
         hp: SgdStep,
     ) -> Result<()> {
-        if param.len() != grad.len() {
-            return Err(shape_err(
-                "sgd_update",
-                format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
-            ));
-        }
+        crate::check::sgd(param, grad, buf.as_deref(), hp.momentum)?;
         let gp = self.ptr(grad, "sgd_update")?;
         let bufp = match buf {
-            Some(b) if hp.momentum != 0.0 => {
-                if b.len() != param.len() {
-                    return Err(shape_err("sgd_update", "momentum buffer length differs"));
-                }
-                self.in_place(b, "sgd_update")?
-            }
+            Some(b) if hp.momentum != 0.0 => self.in_place(b, "sgd_update")?,
             _ => 0,
         };
         let wp = self.in_place(param, "sgd_update")?;
@@ -1288,12 +1171,7 @@ impl Backend for CudaBackend {
         hp: AdamStep,
     ) -> Result<()> {
         let n = param.len();
-        if grad.len() != n || m.len() != n || v.len() != n {
-            return Err(shape_err(
-                "adam_update",
-                format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
-            ));
-        }
+        crate::check::adam(param, grad, m, v)?;
         let gp = self.ptr(grad, "adam_update")?;
         let mp = self.in_place(m, "adam_update")?;
         let vp = self.in_place(v, "adam_update")?;
