@@ -3,7 +3,8 @@
 //! order, the split backward of zero-bubble H1 and unequal replica counts. Each pipelined run
 //! of two epochs on a small synthetic problem ends with the whole-run reference trainer's
 //! weights, bit for bit. (`stages/tests/pipeline.rs` is the full oracle on MNIST; this one
-//! runs in seconds, so a mutation run can afford it.)
+//! runs in seconds, so a mutation run can afford it.) The same layouts on GPUs are compared with
+//! the reference within a stated tolerance.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -20,6 +21,40 @@ fn bits(p: &Params) -> Vec<u32> {
         .collect()
 }
 
+/// A two-epoch run of `policy` on a small synthetic problem.
+fn settings(
+    policy: &str,
+    stages: usize,
+    replicas: &[u32],
+    chunks: u32,
+    microbatches: usize,
+) -> TrainSettings {
+    TrainSettings {
+        model: Some(ModelChoice::Preset("mlp-16-24x3-4".into())),
+        dataset: Some(DatasetKind::Synthetic),
+        synthetic: Some(SyntheticConfig {
+            inputs: 16,
+            classes: 4,
+            hidden: 8,
+            train: 576,
+            test: 64,
+        }),
+        epochs: Some(2),
+        microbatch_size: Some(8),
+        microbatches: Some(microbatches),
+        lr: Some(0.1),
+        momentum: Some(0.9),
+        seed: Some(11),
+        threads: Some(1),
+        stages: Some(stages),
+        replicas: Some(replicas.to_vec()),
+        chunks: Some(chunks),
+        schedule: Some(policy.into()),
+        partition: Some("flops".into()),
+        ..TrainSettings::default()
+    }
+}
+
 #[test]
 fn special_layouts_equal_the_reference_trainer() {
     // (policy, stages, replicas, chunks, microbatches per update)
@@ -34,32 +69,9 @@ fn special_layouts_equal_the_reference_trainer() {
         ("2bw", 2, vec![1, 2], 1, 2),
     ];
     for (policy, stages, replicas, chunks, m) in cases {
-        let cfg = TrainSettings {
-            model: Some(ModelChoice::Preset("mlp-16-24x3-4".into())),
-            dataset: Some(DatasetKind::Synthetic),
-            synthetic: Some(SyntheticConfig {
-                inputs: 16,
-                classes: 4,
-                hidden: 8,
-                train: 576,
-                test: 64,
-            }),
-            epochs: Some(2),
-            microbatch_size: Some(8),
-            microbatches: Some(m),
-            lr: Some(0.1),
-            momentum: Some(0.9),
-            seed: Some(11),
-            threads: Some(1),
-            stages: Some(stages),
-            replicas: Some(replicas.clone()),
-            chunks: Some(chunks),
-            schedule: Some(policy.into()),
-            partition: Some("flops".into()),
-            ..TrainSettings::default()
-        }
-        .resolve()
-        .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
+        let cfg = settings(policy, stages, &replicas, chunks, m)
+            .resolve()
+            .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
         let data = load_data(&cfg, &Model::new(&cfg.model).unwrap()).unwrap();
         let got = train_pipelined(&cfg, &data, &mut Quiet, &PipelineTrainOptions::default())
             .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
@@ -67,6 +79,64 @@ fn special_layouts_equal_the_reference_trainer() {
         assert!(
             bits(&got.report.params) == bits(&want),
             "{policy} {stages} stages {replicas:?} x{chunks}: differs from the reference"
+        );
+    }
+}
+
+/// Largest accepted `|gpu - cpu| / (1 + |cpu|)` over every weight of a run on GPUs: cuBLAS and
+/// the CUDA kernels sum in other orders than the CPU backend, so not bit for bit.
+const GPU_TOLERANCE: f32 = 1e-4;
+
+/// The oracle on the CUDA backend: runs with every worker on a GPU end near the CPU reference
+/// trainer's weights. Where no GPU opens (no `cuda` feature, no driver, no device) it says so and
+/// passes; `PIPE_REQUIRE_GPU=1` makes that a failure, for runs on a GPU machine.
+#[test]
+fn layouts_on_gpus_end_near_the_cpu_reference_trainer() {
+    if let Err(e) = pipe_kernels::cuda::device_count() {
+        assert!(
+            std::env::var_os("PIPE_REQUIRE_GPU").is_none_or(|v| v != "1"),
+            "PIPE_REQUIRE_GPU=1 but no GPU opened: {e}"
+        );
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let values = |p: &Params| -> Vec<f32> {
+        p.iter()
+            .flatten()
+            .flat_map(|t| t.host().unwrap().to_vec())
+            .collect()
+    };
+    let cases: [(&str, usize, Vec<u32>, u32, usize); 5] = [
+        ("pipedream", 2, vec![2], 1, 1),
+        ("1f1b-flush", 3, vec![2, 1, 1], 1, 2),
+        ("vsync", 3, vec![1], 1, 1),
+        ("2bw", 2, vec![1, 2], 1, 2),
+        ("interleaved", 2, vec![1], 2, 2),
+    ];
+    for (policy, stages, replicas, chunks, m) in cases {
+        let base = settings(policy, stages, &replicas, chunks, m);
+        let cpu = base.clone().resolve().unwrap();
+        let gpu = TrainSettings {
+            backend: Some("cuda".into()),
+            ..base
+        }
+        .resolve()
+        .unwrap();
+        let data = load_data(&cpu, &Model::new(&cpu.model).unwrap()).unwrap();
+        let got = train_pipelined(&gpu, &data, &mut Quiet, &PipelineTrainOptions::default())
+            .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
+        let (want, _) = train_reference(&cpu, &data).unwrap();
+        let (got, want) = (values(&got.report.params), values(&want));
+        assert_eq!(got.len(), want.len());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+            .fold(0.0f32, f32::max);
+        eprintln!("{policy} {stages} stages {replicas:?} x{chunks}: worst relative gap {worst:e}");
+        assert!(
+            worst <= GPU_TOLERANCE,
+            "{policy} {replicas:?}: worst relative gap {worst:e} exceeds {GPU_TOLERANCE:e}"
         );
     }
 }
