@@ -30,9 +30,9 @@ fn kernel_source_compiles_with_nvrtc_for_every_checked_architecture() {
     }
     for arch in CHECKED_ARCHITECTURES {
         match check_source(KERNEL_SOURCE, arch) {
-            Ok(ptx_bytes) => {
-                assert!(ptx_bytes > 0);
-                eprintln!("compute_{arch}: {ptx_bytes} bytes of PTX");
+            Ok((ptx, cubin)) => {
+                assert!(ptx > 0 && cubin > 0);
+                eprintln!("compute_{arch}: {ptx} bytes of PTX; sm_{arch}: {cubin} bytes of CUBIN");
             }
             Err(e) => panic!("{e}"),
         }

@@ -1,11 +1,12 @@
 //! NCCL all-reduce for the replicas of a stage on GPUs (behind the `cuda` feature).
 //!
 //! A replica group's communicator is made on the group's first all-reduce: every member sends
-//! its GPU's UUID to the group's first worker over the transport (so over the QUIC control
-//! channel between processes), which answers every member with whether NCCL can serve the group
-//! (one rank per GPU: NCCL refuses two ranks on one device) and, if so, a fresh NCCL id; then all
-//! members join with `ncclCommInitRank`. A group NCCL cannot serve keeps the ring all-reduce
-//! through the host, as do CPU workers and builds without the feature.
+//! whether it can load NCCL and its GPU's UUID to the group's first worker over the transport
+//! (so over the QUIC control channel between processes), which answers every member with whether
+//! NCCL serves the group (every member can load it, one rank per GPU: NCCL refuses two ranks on
+//! one device) and, if so, a fresh NCCL id; then all members join with `ncclCommInitRank`. The
+//! decision is the leader's, so the members never disagree on it. A group NCCL cannot serve
+//! keeps the ring all-reduce through the host, as do CPU workers and builds without the feature.
 //!
 //! The sums are queued on each worker's backend stream, in order with its kernels, so no
 //! synchronisation is added.
@@ -59,8 +60,9 @@ fn nccl_err(what: &str, e: impl std::fmt::Display) -> TransportError {
 }
 
 impl NcclComms {
-    /// Whether all-reduces of `be`'s tensors may go through NCCL: a CUDA backend, in a build
-    /// with the feature, where the NCCL library loads.
+    /// Whether this worker could take part in NCCL all-reduces of `be`'s tensors: a CUDA
+    /// backend, in a build with the feature, where the NCCL library loads. (A group uses NCCL
+    /// only when every member could.)
     pub fn available(be: &dyn Backend) -> bool {
         #[cfg(feature = "cuda")]
         {
@@ -75,8 +77,9 @@ impl NcclComms {
 
     /// Sums `tensors` in place across `group` (worker ranks in ring order, this worker among
     /// them) with NCCL, making the group's communicator on first use (see the module docs).
-    /// Returns `false`, having changed nothing, when the group cannot use NCCL (members share a
-    /// GPU, or [`NcclComms::available`] is false): the caller sums through the host.
+    /// Returns `false`, having changed nothing, when the group does not use NCCL (CPU workers, a
+    /// member without NCCL, members sharing a GPU): the caller sums through the host. Every
+    /// member of a group gets the same answer.
     ///
     /// # Errors
     /// Transport errors while setting up; NCCL or device failures.
@@ -88,7 +91,9 @@ impl NcclComms {
         stage: u32,
         tensors: Vec<&mut Tensor>,
     ) -> Result<bool, TransportError> {
-        if group.len() < 2 || !Self::available(be) {
+        // Every worker of a run has the same kind of backend, so CPU groups skip the exchange
+        // together.
+        if group.len() < 2 || be.as_cuda().is_none() {
             return Ok(false);
         }
         let comm = match self.by_stage.entry(stage) {
@@ -122,25 +127,58 @@ impl NcclComms {
             .iter()
             .position(|&w| w == me)
             .ok_or_else(|| TransportError::Setup(format!("worker {me} is not in {group:?}")))?;
-        match agree(t, group, stage, device_uuid(be)?, new_id)? {
+        let hello = Hello {
+            usable: Self::available(be),
+            device: device_uuid(be)?,
+        };
+        match agree(t, group, stage, hello, new_id)? {
             Some(id) => join(be, rank, group.len(), &id),
             None => Ok(GroupComm::HostRing),
         }
     }
 }
 
-/// The set-up exchange of a replica group: every member sends its device's `uuid` to the
-/// group's first worker, which answers every member with the NCCL id it makes with `make_id`
-/// when all the devices differ, or with a refusal. Returns the id, the same for every member, or
-/// `None` when the group shares a device.
+/// What a member tells the group's first worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Whether it can load NCCL.
+    pub usable: bool,
+    /// Its GPU's UUID.
+    pub device: Vec<u8>,
+}
+
+impl Hello {
+    fn to_bytes(&self) -> Vec<u8> {
+        let mut b = vec![u8::from(self.usable)];
+        b.extend_from_slice(&self.device);
+        b
+    }
+
+    fn from_bytes(b: &[u8]) -> Result<Self, TransportError> {
+        match b.split_first() {
+            Some((&flag, device)) if flag <= 1 => Ok(Hello {
+                usable: flag == 1,
+                device: device.to_vec(),
+            }),
+            _ => Err(TransportError::Protocol(
+                "a malformed NCCL set-up greeting".into(),
+            )),
+        }
+    }
+}
+
+/// The set-up exchange of a replica group: every member sends its [`Hello`] to the group's
+/// first worker, which answers every member with the NCCL id it makes with `make_id` when every
+/// member can use NCCL and all the devices differ, or with a refusal. Returns the id, the same
+/// for every member, or `None` for every member when the group keeps the host ring.
 ///
 /// # Errors
-/// Transport errors; a malformed answer.
+/// Transport errors; a malformed greeting or answer.
 pub fn agree<T: Transport + ?Sized>(
     t: &mut T,
     group: &[u32],
     stage: u32,
-    uuid: Vec<u8>,
+    hello: Hello,
     make_id: impl FnOnce() -> Result<Vec<u8>, TransportError>,
 ) -> Result<Option<Vec<u8>>, TransportError> {
     let me = t.rank();
@@ -149,14 +187,16 @@ pub fn agree<T: Transport + ?Sized>(
         .copied()
         .ok_or_else(|| TransportError::Setup("an empty replica group".into()))?;
     let answer = if me == leader {
-        let mut uuids = vec![uuid];
+        let mut hellos = vec![hello];
         for &w in &group[1..] {
             let m = t.recv(&setup_key(w, me, stage, 0))?;
-            uuids.push(m.into_bytes()?);
+            hellos.push(Hello::from_bytes(&m.into_bytes()?)?);
         }
-        let distinct = (1..uuids.len()).all(|i| !uuids[..i].contains(&uuids[i]));
-        let mut answer = vec![u8::from(distinct)];
-        if distinct {
+        let distinct =
+            (1..hellos.len()).all(|i| hellos[..i].iter().all(|h| h.device != hellos[i].device));
+        let nccl = distinct && hellos.iter().all(|h| h.usable);
+        let mut answer = vec![u8::from(nccl)];
+        if nccl {
             answer.extend_from_slice(&make_id()?);
         }
         for &w in &group[1..] {
@@ -164,7 +204,10 @@ pub fn agree<T: Transport + ?Sized>(
         }
         answer
     } else {
-        t.send(Message::from_bytes(setup_key(me, leader, stage, 0), &uuid))?;
+        t.send(Message::from_bytes(
+            setup_key(me, leader, stage, 0),
+            &hello.to_bytes(),
+        ))?;
         t.recv(&setup_key(leader, me, stage, 1))?.into_bytes()?
     };
     match answer.split_first() {
@@ -234,9 +277,11 @@ mod imp {
     use super::nccl_err;
     use crate::TransportError;
 
-    /// An NCCL communicator, destroyed on drop.
+    /// An NCCL communicator: destroyed on drop, or aborted when a collective on it failed
+    /// (destroying waits for outstanding work, which a failed rank never completes).
     pub(super) struct Comm {
         raw: sys::ncclComm_t,
+        failed: bool,
     }
 
     // SAFETY: a communicator is used by the one worker thread that owns it; NCCL handles may be
@@ -245,8 +290,14 @@ mod imp {
 
     impl Drop for Comm {
         fn drop(&mut self) {
-            // SAFETY: the handle came from ncclCommInitRank and is dropped once.
-            let _ = unsafe { result::comm_destroy(self.raw) };
+            // SAFETY: the handle came from ncclCommInitRank and is released once.
+            let _ = unsafe {
+                if self.failed {
+                    result::comm_abort(self.raw)
+                } else {
+                    result::comm_destroy(self.raw)
+                }
+            };
         }
     }
 
@@ -293,11 +344,26 @@ mod imp {
         // SAFETY: initialised by the successful call above.
         Ok(Comm {
             raw: unsafe { comm.assume_init() },
+            failed: false,
         })
     }
 
-    /// Queues one grouped in-place sum of every tensor on the backend's stream.
+    /// Queues one grouped in-place sum of every tensor on the backend's stream. A failure marks
+    /// the communicator failed (it is aborted when dropped) and stops the worker; its peers'
+    /// sums then never complete, which NCCL has no time-out for (see docs/gpu.md).
     pub(super) fn all_reduce(
+        comm: &mut Comm,
+        be: &dyn Backend,
+        tensors: Vec<&mut Tensor>,
+    ) -> Result<(), TransportError> {
+        let result = queue_sums(comm, be, tensors);
+        if result.is_err() {
+            comm.failed = true;
+        }
+        result
+    }
+
+    fn queue_sums(
         comm: &Comm,
         be: &dyn Backend,
         tensors: Vec<&mut Tensor>,
@@ -306,26 +372,25 @@ mod imp {
             .as_cuda()
             .ok_or_else(|| TransportError::Setup("NCCL needs the CUDA backend".into()))?;
         let stream = cuda.raw_stream();
+        // Every operand is made this backend's own before the group opens, so a failure here
+        // leaves no half-queued group.
+        let mut operands = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            if !t.is_empty() {
+                let ptr = cuda.raw_in_place(t).map_err(|e| nccl_err("operand", e))?;
+                operands.push((ptr, t.len()));
+            }
+        }
         result::group_start().map_err(|e| nccl_err("group start", format!("{e:?}")))?;
         let mut queued = Ok(());
-        for t in tensors {
-            if t.is_empty() {
-                continue;
-            }
-            let ptr = match cuda.raw_in_place(t) {
-                Ok(p) => p,
-                Err(e) => {
-                    queued = Err(nccl_err("operand", e));
-                    break;
-                }
-            };
-            // SAFETY: `ptr` is this backend's buffer of `t.len()` floats, alive until the
-            // stream has run the sum (the caller keeps the tensors); the sum is in place.
+        for (ptr, len) in operands {
+            // SAFETY: `ptr` is this backend's buffer of `len` floats, alive until the stream
+            // has run the sum (the caller keeps the tensors); the sum is in place.
             let r = unsafe {
                 result::all_reduce(
                     ptr as *const c_void,
                     ptr as *mut c_void,
-                    t.len(),
+                    len,
                     sys::ncclDataType_t::ncclFloat32,
                     sys::ncclRedOp_t::ncclSum,
                     comm.raw,
@@ -352,7 +417,7 @@ mod tests {
 
     /// Runs the exchange on one thread per member of a four-worker mesh whose group is workers
     /// 3, 1 and 2 (leader 3), each with the given device id.
-    fn exchange(devices: [u8; 3]) -> Vec<Option<Vec<u8>>> {
+    fn exchange(devices: [u8; 3], usable: [bool; 3]) -> Vec<Option<Vec<u8>>> {
         let group = [3u32, 1, 2];
         let mut eps: Vec<_> = mesh(4, &InProcOptions::default())
             .into_iter()
@@ -360,11 +425,15 @@ mod tests {
             .collect();
         let handles: Vec<_> = group
             .iter()
-            .zip(devices)
-            .map(|(&w, device)| {
+            .zip(devices.into_iter().zip(usable))
+            .map(|(&w, (device, usable))| {
                 let mut ep = eps[w as usize].take().unwrap();
                 std::thread::spawn(move || {
-                    agree(&mut ep, &group, 5, vec![device; 16], || Ok(vec![7u8; 128])).unwrap()
+                    let hello = Hello {
+                        usable,
+                        device: vec![device; 16],
+                    };
+                    agree(&mut ep, &group, 5, hello, || Ok(vec![7u8; 128])).unwrap()
                 })
             })
             .collect();
@@ -373,7 +442,7 @@ mod tests {
 
     #[test]
     fn a_group_on_distinct_devices_shares_one_id() {
-        let got = exchange([1, 2, 3]);
+        let got = exchange([1, 2, 3], [true; 3]);
         assert!(
             got.iter().all(|id| id.as_deref() == Some(&[7u8; 128][..])),
             "{got:?}"
@@ -382,7 +451,15 @@ mod tests {
 
     #[test]
     fn a_group_sharing_a_device_keeps_the_host_ring() {
-        assert_eq!(exchange([4, 9, 4]), vec![None, None, None]);
+        assert_eq!(exchange([4, 9, 4], [true; 3]), vec![None, None, None]);
+    }
+
+    #[test]
+    fn a_member_without_nccl_keeps_the_whole_group_on_the_host_ring() {
+        assert_eq!(
+            exchange([1, 2, 3], [true, false, true]),
+            vec![None, None, None]
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, S
 use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
-use super::compile::ptx_for;
+use super::compile::module_for;
 use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
 
 /// Threads per block for elementwise and per-column kernels.
@@ -189,11 +189,19 @@ impl CudaBackend {
         })?;
         let stream = ctx.new_stream().map_err(driver_err("stream"))?;
         let module = ctx
-            .load_module(ptx_for(arch)?)
+            .load_module(module_for(arch)?)
             .map_err(driver_err("load module"))?;
         let kernels = Kernels::load(&module)?;
+        // SAFETY: only tries to open the library; cudarc's loader panics without it.
+        if !unsafe { blas_sys::is_culib_present() } {
+            return Err(KernelError::NoCuda {
+                reason: "the cuBLAS library (libcublas.so.12) could not be loaded; install the \
+                         CUDA runtime libraries or put them on LD_LIBRARY_PATH"
+                    .into(),
+            });
+        }
         let blas = CudaBlas::new(Arc::clone(&stream)).map_err(cublas_err)?;
-        let pool = Pool::new(Arc::clone(&ctx));
+        let pool = Pool::new(Arc::clone(&stream));
         Ok(Self {
             ordinal,
             name,
@@ -360,10 +368,11 @@ impl CudaBackend {
         let ptr = self.output(&mut out, shape)?;
         if !data.is_empty() {
             self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
-            // SAFETY: `ptr` holds `size_of_val(data)` bytes; a copy from pageable memory has
-            // read `data` by the time it returns.
+            // SAFETY: `ptr` holds `size_of_val(data)` bytes; the stream is synchronised below,
+            // before `data` (pageable memory the caller may free) can go away.
             unsafe { driver::memcpy_htod_async(ptr, data, self.stream.cu_stream()) }
                 .map_err(driver_err("upload"))?;
+            self.sync()?;
         }
         Ok(out)
     }
@@ -394,6 +403,8 @@ impl CudaBackend {
             return Ok(t);
         }
         match t.storage() {
+            // An empty scratch tensor (no shape, no elements) stays empty.
+            Storage::Host(v) if v.is_empty() => self.upload(v, &[0]),
             Storage::Host(v) => self.upload(v, &shape),
             Storage::Device(m) => {
                 let Some(other) = m.as_any().downcast_ref::<CudaMemory>() else {
@@ -403,10 +414,10 @@ impl CudaBackend {
                         found: t.device(),
                     });
                 };
-                // The producer's queued work on the buffer must be done: wait for its whole
-                // device (its stream is not reachable from here), then copy, then wait for our
-                // copy so the buffer can go back to its pool at once.
-                other.context().synchronize().map_err(driver_err("place"))?;
+                // The producer's queued work on the buffer must be done: wait for its stream,
+                // then copy, then wait for our copy so the buffer can go back to its pool at
+                // once.
+                other.wait_for_producer()?;
                 let mut out = Tensor::default();
                 let to = self.output(&mut out, &shape)?;
                 let bytes = t.bytes();
@@ -547,6 +558,14 @@ impl CudaBackend {
             as_u64(shape.heads),
             as_u64(shape.width),
         ])
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Queued kernels must finish before their module and cuBLAS handle go; nothing can
+        // report an error from here, and a device fault is reported by the call that queued it.
+        let _ = self.stream.synchronize();
     }
 }
 
@@ -698,22 +717,16 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (r, c) = (as_u64(rows), as_u64(cols));
+        // Column tiles across x (up to 2^31 - 1), row tiles across y, looped past y's 65,535.
         let cfg = LaunchConfig {
             grid_dim: (
                 u32::try_from(c.div_ceil(32)).map_err(|_| shape_err("transpose", "too wide"))?,
-                u32::try_from(r.div_ceil(32).min(65_535))
-                    .map_err(|_| shape_err("transpose", "too tall"))?,
+                r.div_ceil(32).min(65_535) as u32,
                 1,
             ),
             block_dim: (32, 8, 1),
             shared_mem_bytes: 0,
         };
-        if r.div_ceil(32) > 65_535 {
-            return Err(shape_err(
-                "transpose",
-                format!("{rows} rows exceed the CUDA grid"),
-            ));
-        }
         self.launch(|s| {
             let mut b = s.launch_builder(&self.kernels.transpose_f32);
             b.arg(&ap).arg(&op).arg(&r).arg(&c);

@@ -80,18 +80,22 @@ extern "C" __global__ void sum_rows_f32(const float* x, float* out, u64 rows, u6
     }
 }
 
-// 32 x 32 tiles through shared memory; blocks of 32 x 8 threads, grid over (cols, rows) tiles.
+// 32 x 32 tiles through shared memory; blocks of 32 x 8 threads, grid over (cols, rows) tiles,
+// row tiles looped past the grid's height.
 extern "C" __global__ void transpose_f32(const float* a, float* out, u64 rows, u64 cols) {
     __shared__ float tile[32][33];
-    u64 c0 = (u64)blockIdx.x * 32, r0 = (u64)blockIdx.y * 32;
-    for (int dy = threadIdx.y; dy < 32; dy += 8) {
-        u64 r = r0 + dy, c = c0 + threadIdx.x;
-        if (r < rows && c < cols) tile[dy][threadIdx.x] = a[r * cols + c];
-    }
-    __syncthreads();
-    for (int dy = threadIdx.y; dy < 32; dy += 8) {
-        u64 c = c0 + dy, r = r0 + threadIdx.x;
-        if (r < rows && c < cols) out[c * rows + r] = tile[threadIdx.x][dy];
+    u64 c0 = (u64)blockIdx.x * 32;
+    for (u64 r0 = (u64)blockIdx.y * 32; r0 < rows; r0 += (u64)gridDim.y * 32) {
+        for (int dy = threadIdx.y; dy < 32; dy += 8) {
+            u64 r = r0 + dy, c = c0 + threadIdx.x;
+            if (r < rows && c < cols) tile[dy][threadIdx.x] = a[r * cols + c];
+        }
+        __syncthreads();
+        for (int dy = threadIdx.y; dy < 32; dy += 8) {
+            u64 c = c0 + dy, r = r0 + threadIdx.x;
+            if (r < rows && c < cols) out[c * rows + r] = tile[threadIdx.x][dy];
+        }
+        __syncthreads();
     }
 }
 

@@ -3,9 +3,9 @@
 //!
 //! Blocks are rounded up to a size class (a power of two from 512 bytes up to 64 MiB, then a
 //! multiple of 2 MiB) and a freed block goes back to its class's free list instead of to the
-//! driver. Every block is used in the order of one stream (the backend's): a block freed while a
-//! kernel that reads it is still queued can be handed out again at once, because whatever the
-//! next owner enqueues runs after that kernel on the same stream. A tensor that another backend
+//! driver. Every block is used in the order of one stream (the backend's, which the pool
+//! keeps): a block freed while a kernel that reads it is still queued can be handed out again
+//! at once, because whatever the next owner enqueues runs after that kernel on the same stream. A tensor that another backend
 //! (another stream) made is never read in place: [`super::CudaBackend::place`] copies it after
 //! both streams have finished, so a block is never shared across streams.
 
@@ -15,7 +15,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::{CudaContext, result as driver};
+use cudarc::driver::{CudaContext, CudaStream, result as driver};
 
 use crate::{Device, DeviceMemory, KernelError, Result};
 
@@ -62,6 +62,8 @@ pub(crate) struct Pool {
     id: u64,
     ordinal: usize,
     ctx: Arc<CudaContext>,
+    /// The one stream every block of this pool is used on (its backend's).
+    stream: Arc<CudaStream>,
     free: Mutex<Free>,
 }
 
@@ -83,13 +85,22 @@ pub(crate) fn driver_err(op: &'static str) -> impl Fn(driver::DriverError) -> Ke
 }
 
 impl Pool {
-    pub(crate) fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
+    pub(crate) fn new(stream: Arc<CudaStream>) -> Arc<Self> {
+        let ctx = Arc::clone(stream.context());
         Arc::new(Self {
             id: POOL_IDS.fetch_add(1, Ordering::Relaxed),
             ordinal: ctx.ordinal(),
             ctx,
+            stream,
             free: Mutex::new(Free::default()),
         })
+    }
+
+    /// Waits until the pool's stream has run everything queued on it: after this, no queued
+    /// work reads or writes any of its blocks. Only this stream: a context-wide wait would also
+    /// wait on other workers of the GPU, whose work may wait on this one.
+    pub(crate) fn wait_idle(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err("synchronize"))
     }
 
     pub(crate) fn id(&self) -> u64 {
@@ -154,14 +165,14 @@ impl Pool {
         Ok(ptr)
     }
 
-    /// Frees every cached block (after the device has finished with them).
+    /// Frees every cached block (after the stream has finished with them).
     fn release_cached(&self) -> Result<()> {
-        self.ctx.synchronize().map_err(driver_err("synchronize"))?;
+        self.wait_idle()?;
         let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
         let classes: Vec<(usize, Vec<u64>)> = free.by_class.drain().collect();
         for (class, ptrs) in classes {
             for ptr in ptrs {
-                // SAFETY: the block is cached (no tensor holds it) and the device is idle.
+                // SAFETY: the block is cached (no tensor holds it) and its stream is idle.
                 unsafe { driver::free_sync(ptr) }.map_err(driver_err("free"))?;
                 free.stats.reserved_bytes -= class;
             }
@@ -180,11 +191,11 @@ impl Drop for Pool {
     fn drop(&mut self) {
         // Nothing can report an error from here; a failure leaves device memory to the driver,
         // which frees it with the context.
-        if self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok() {
+        if self.ctx.bind_to_thread().is_ok() && self.stream.synchronize().is_ok() {
             let free = self.free.get_mut().unwrap_or_else(PoisonError::into_inner);
             for ptr in free.by_class.drain().flat_map(|(_, ptrs)| ptrs) {
-                // SAFETY: every buffer has been dropped (each holds the pool) and the device
-                // is idle.
+                // SAFETY: every buffer has been dropped (each holds the pool) and the stream
+                // that used them is idle.
                 let _ = unsafe { driver::free_sync(ptr) };
             }
         }
@@ -211,6 +222,11 @@ impl CudaMemory {
 
     pub(crate) fn context(&self) -> &Arc<CudaContext> {
         &self.pool.ctx
+    }
+
+    /// Waits until the stream that produces this buffer has run everything queued on it.
+    pub(crate) fn wait_for_producer(&self) -> Result<()> {
+        self.pool.wait_idle()
     }
 }
 

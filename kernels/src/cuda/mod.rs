@@ -31,18 +31,20 @@ pub use device::{CudaBackend, device_count};
 #[cfg(feature = "cuda")]
 pub use memory::PoolStats;
 
-/// Compiles CUDA C `source` (the backend's is [`KERNEL_SOURCE`]) with NVRTC for virtual
-/// architecture `compute_<arch>` and returns the size of the PTX. Needs the NVRTC library, not
-/// a GPU.
+/// Compiles CUDA C `source` (the backend's is [`KERNEL_SOURCE`]) with NVRTC both ways the
+/// backend loads it, PTX for `compute_<arch>` and machine code for `sm_<arch>`, and returns the
+/// sizes `(ptx, cubin)`. Needs the NVRTC library, not a GPU.
 ///
 /// # Errors
 /// [`KernelError::NotCompiledWithCuda`] without the `cuda` feature, [`KernelError::NoCuda`]
 /// when NVRTC cannot be loaded, [`KernelError::Cuda`] with the compiler's log when the source
 /// does not compile.
-pub fn check_source(source: &str, arch: u32) -> Result<usize> {
+pub fn check_source(source: &str, arch: u32) -> Result<(usize, usize)> {
     #[cfg(feature = "cuda")]
     {
-        compile::compile(source, arch).map(|ptx| ptx.len())
+        let ptx = compile::compile(source, compile::Target::Ptx(arch))?;
+        let cubin = compile::compile(source, compile::Target::Cubin(arch))?;
+        Ok((ptx.len(), cubin.len()))
     }
     #[cfg(not(feature = "cuda"))]
     {
