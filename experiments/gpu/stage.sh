@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds what the GPU checks of docs/gpu.md run, on this (GPU-less) machine, into .gpu/: the
+# `pipe` binary and the two test binaries with the `cuda` feature, stripped, plus run.sh. A GPU
+# machine with no Rust toolchain runs them from there: `bash .gpu/run.sh` (see run.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=.gpu
+rm -rf "$out" && mkdir -p "$out"
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+cargo build --release --locked --features cuda --bin pipe
+cp target/release/pipe "$out/pipe"
+# The test binaries' paths, from cargo's own record of what it built.
+test_binary() {
+  cargo test --release --locked --features cuda "$@" --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])' | tail -n 1
+}
+cp "$(test_binary -p pipe-kernels --test backend)" "$out/backend-tests"
+cp "$(test_binary -p pipe-stages --test layouts)" "$out/layout-tests"
+strip "$out"/pipe "$out"/backend-tests "$out"/layout-tests
+cp experiments/gpu/run.sh "$out/run.sh"
+du -sh "$out"/*
