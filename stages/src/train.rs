@@ -15,7 +15,7 @@ use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
-use crate::model::{Model, Params, place_params};
+use crate::model::{Model, Params, host_params, place_params};
 use crate::optim::Optimizer;
 
 /// One optimizer step, as reported to observers and logs.
@@ -496,9 +496,10 @@ pub fn train_with(
                 state.samples_in_epoch = (step % steps_per_epoch.max(1)) * (b * m) as u64;
                 state.optimizer_steps = vec![opt.steps(); model.len()];
                 state.partition = format!("0-{}", model.len().saturating_sub(1));
+                // Checkpoints hold host tensors, whatever the backend computes on.
                 let ckpt = Checkpoint {
-                    params: params.clone(),
-                    optimizer: opt.state().to_vec(),
+                    params: host_params(be, params.clone())?,
+                    optimizer: opt.clone().on_host(be)?.state().to_vec(),
                     state,
                 };
                 written.push(crate::checkpoint::write(
@@ -534,7 +535,7 @@ pub fn train_with(
     Ok(TrainOutcome {
         report: TrainReport {
             epochs: report,
-            params,
+            params: host_params(be, params)?,
             steps: step,
         },
         checkpoints: written,
