@@ -19,6 +19,7 @@ mod check;
 mod cpu;
 pub mod cuda;
 mod denormals;
+mod emulated;
 mod error;
 mod fastmath;
 mod scratch;
@@ -36,6 +37,7 @@ pub use cuda::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use cuda::PoolStats;
 pub use denormals::{flush_denormals, flushes_denormals};
+pub use emulated::EmulatedDevice;
 pub use error::KernelError;
 pub use tensor::{DType, Device, DeviceMemory, Element, Storage, Tensor};
 pub use timed::Timed;

@@ -724,6 +724,24 @@ backend_tests!(
     ]
 );
 
+// The device code paths (placement, copies, strict operands) with the CPU's results.
+backend_tests!(
+    emulated,
+    Some(pipe_kernels::EmulatedDevice::new(0).unwrap()),
+    [
+        agrees_with_the_cpu_backend,
+        matmul_all_transposes,
+        small_row_products_see_every_change_to_the_operand,
+        matmul_rejects_bad_shapes,
+        elementwise_and_reductions,
+        data_movement_and_products,
+        softmax_cross_entropy_matches_reference,
+        embedding_gathers_and_scatters_rows,
+        attention_matches_reference,
+        attention_backward_matches_reference,
+    ]
+);
+
 #[cfg(feature = "cuda")]
 backend_tests!(
     cuda,

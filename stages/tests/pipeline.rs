@@ -96,14 +96,24 @@ fn pipelined_with<T: pipe_transport::Transport>(
     eps: Vec<T>,
     cfg: OptimizerConfig,
 ) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
+    pipelined_on(run, model, eps, cfg, |_| CpuBackend::new(1))
+}
+
+/// [`pipelined_with`] with each worker's backend made by `make(worker)`.
+fn pipelined_on<T: pipe_transport::Transport, B: pipe_kernels::Backend>(
+    run: &RunPlan,
+    model: &Model,
+    eps: Vec<T>,
+    cfg: OptimizerConfig,
+    make: impl Fn(u32) -> Result<B, pipe_kernels::KernelError> + Sync,
+) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
     let source = source();
     let setup = setup(run, model, &source);
     let init = model.init_params(SEED);
     let mut states: Vec<WorkerState> = (0..run.schedule.workers())
         .map(|w| WorkerState::new(&setup, w, &init, cfg))
         .collect();
-    let outs = run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let outs = run_threads(&setup, &mut states, eps, make).unwrap_or_else(|e| panic!("{e}"));
     (states, outs)
 }
 
@@ -434,6 +444,51 @@ fn quic_runs_equal_in_process_runs() {
                         bits(&sa.params),
                         bits(&sb.params),
                         "{policy} {replicas:?}: worker {} stage {}",
+                        a.worker,
+                        sa.stage
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The code paths only a device backend takes, run without a GPU: every worker on its own
+/// emulated device (`pipe_kernels::EmulatedDevice`: device buffers, CPU arithmetic). In
+/// process the device buffers cross the channels and each receiver copies them in; over QUIC
+/// the senders copy them out; replicas stage their all-reduce through the host; finished
+/// workers hand back host weights. Every path must end with the CPU run's weights, bit for bit.
+#[test]
+fn workers_on_emulated_devices_end_with_the_cpu_weights() {
+    let model = model();
+    for (policy, replicas, chunks, m) in [
+        (Policy::PipeDream, vec![2, 1, 1], 1, 4),
+        (Policy::OneFOneBFlush, vec![1, 2, 1], 1, 4),
+        (Policy::Interleaved, vec![1], 2, 6),
+    ] {
+        let spec = ScheduleSpec::new(policy, 3, m)
+            .with_replicas(replicas.clone())
+            .with_chunks(chunks)
+            .with_length(Length::Updates(4));
+        let run = prepare(&spec, &model);
+        let (cpu, _) = pipelined(&run, &model);
+        let workers = run.schedule.workers();
+        let on_devices = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
+        let inproc = mesh(workers, &InProcOptions::default());
+        let (in_process, _) = pipelined_on(&run, &model, inproc, opt(), on_devices);
+        let quic = pipe_transport::quic::local_mesh(
+            workers,
+            &pipe_transport::quic::QuicOptions::new(SEED),
+        )
+        .unwrap();
+        let (over_quic, _) = pipelined_on(&run, &model, quic, opt(), on_devices);
+        for (path, states) in [("in process", &in_process), ("over QUIC", &over_quic)] {
+            for (a, b) in cpu.iter().zip(states) {
+                for (sa, sb) in a.stages.iter().zip(&b.stages) {
+                    assert_eq!(
+                        bits(&sa.params),
+                        bits(&sb.params),
+                        "{policy} {replicas:?} {path}: worker {} stage {}",
                         a.worker,
                         sa.stage
                     );

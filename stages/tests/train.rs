@@ -49,6 +49,41 @@ fn learns_the_synthetic_teacher() {
     assert!(r.epochs[0].train_loss > last.train_loss);
 }
 
+/// The one-worker trainer on a device backend (emulated: device buffers, CPU arithmetic):
+/// the same weights as on the CPU, bit for bit, and checkpoints and the final report in host
+/// memory that read back to those weights, with the momentum buffers.
+#[test]
+fn on_a_device_backend_weights_and_checkpoints_equal_the_cpu_run() {
+    use pipe_stages::checkpoint::{CheckpointPolicy, read};
+    use pipe_stages::train::{TrainOptions, train_with};
+    let mut s = settings();
+    s.epochs = Some(2);
+    s.momentum = Some(0.9);
+    let cfg = s.resolve().unwrap();
+    let model = Model::new(&cfg.model).unwrap();
+    let data = load_data(&cfg, &model).unwrap();
+    let dir = std::env::temp_dir().join(format!("pipe-device-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let opts = TrainOptions {
+        checkpoints: Some(CheckpointPolicy {
+            dir: dir.clone(),
+            every: None,
+            keep: 2,
+            settings: String::new(),
+        }),
+        ..TrainOptions::default()
+    };
+    let device = pipe_kernels::EmulatedDevice::new(0).unwrap();
+    let on_device = train_with(&cfg, &data, &device, &mut Quiet, &opts).unwrap();
+    let cpu = train(&cfg, &data, &CpuBackend::new(1).unwrap(), &mut Quiet).unwrap();
+    assert!(bits(&on_device.report.params) == bits(&cpu.params));
+    let (_, last) = read(on_device.checkpoints.last().unwrap(), &model).unwrap();
+    assert!(bits(&last.params) == bits(&cpu.params));
+    let momentum: Vec<&Tensor> = last.optimizer.iter().flatten().map(|(m, _)| m).collect();
+    assert!(!momentum.is_empty() && momentum.iter().all(|m| m.host().is_ok()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn reproducible_and_thread_count_independent() {
     let mut s = settings();

@@ -89,9 +89,15 @@ fn bits(p: &Params) -> Vec<u32> {
         .collect()
 }
 
-/// Runs `spec` pipelined and by the reference; every replica of every stage must match.
-/// Returns the reference's weights.
+/// Runs `spec` pipelined on CPU workers and by the reference; every replica of every stage must
+/// match. Returns the reference's weights.
 fn check(spec: &ScheduleSpec, tie: bool) -> Vec<Params> {
+    check_on(spec, tie, false)
+}
+
+/// [`check`], with every worker on its own emulated device when `devices` (device buffers,
+/// CPU arithmetic: the device code paths without a GPU, still bit for bit).
+fn check_on(spec: &ScheduleSpec, tie: bool, devices: bool) -> Vec<Params> {
     let model = model(tie);
     let run = plan(&model, spec);
     let source = source();
@@ -101,8 +107,15 @@ fn check(spec: &ScheduleSpec, tie: bool) -> Vec<Params> {
         .map(|w| WorkerState::new(&setup, w, &init, opt()))
         .collect();
     let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-    run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1))
-        .unwrap_or_else(|e| panic!("{spec:?} tie {tie}: {e}"));
+    let backend = |w: u32| -> Result<Box<dyn pipe_kernels::Backend>, pipe_kernels::KernelError> {
+        Ok(if devices {
+            Box::new(pipe_kernels::EmulatedDevice::new(w as usize)?)
+        } else {
+            Box::new(CpuBackend::new(1)?)
+        })
+    };
+    run_threads(&setup, &mut states, eps, backend)
+        .unwrap_or_else(|e| panic!("{spec:?} tie {tie} devices {devices}: {e}"));
     let want = reference_train(&CpuBackend::new(1).unwrap(), &setup, &init, opt()).unwrap();
     for state in &states {
         for st in &state.stages {
@@ -135,6 +148,20 @@ fn pipelined_transformer_equals_the_reference() {
             check(&spec(policy, m), tie);
         }
     }
+}
+
+/// The transformer's device paths (token ids placed, positions, layer norm, attention, tied
+/// gradients exchanged and replicas summed through the host) on emulated devices.
+#[test]
+fn pipelined_transformer_on_emulated_devices_equals_the_reference() {
+    for tie in [false, true] {
+        check_on(
+            &spec(Policy::PipeDream, 2).with_replicas(vec![2, 1, 1, 2]),
+            tie,
+            true,
+        );
+    }
+    check_on(&spec(Policy::OneFOneBFlush, 4), true, true);
 }
 
 #[test]
