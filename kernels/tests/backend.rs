@@ -351,28 +351,32 @@ fn cuda_or_skip() -> Option<pipe_kernels::CudaBackend> {
     }
 }
 
-/// Every operation against the CPU backend on the same random operands (the CPU backend is
-/// itself checked against definitions above); on the CPU this compares it with itself, which
-/// must agree exactly.
-fn agrees_with_the_cpu_backend(be: &dyn Backend) {
-    use pipe_kernels::{AdamStep, SgdStep};
-    let cpu = CpuBackend::new(1).unwrap();
+/// Compares `got` (computed on `be`) with `want` (on the CPU backend): bit for bit when `be` is
+/// the CPU backend itself, within `tol` relative otherwise.
+fn same_as_cpu(be: &dyn Backend, what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}");
     let exact = be.name() == "cpu";
-    let same = |what: &str, got: &[f32], want: &[f32], tol: f32| {
-        assert_eq!(got.len(), want.len(), "{what}");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let ok = if exact {
-                g.to_bits() == w.to_bits()
-            } else {
-                (g - w).abs() <= tol * (1.0 + w.abs())
-            };
-            assert!(
-                ok,
-                "{what}: element {i}: {g} on {}, {w} on the cpu",
-                be.name()
-            );
-        }
-    };
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let ok = if exact {
+            g.to_bits() == w.to_bits()
+        } else {
+            (g - w).abs() <= tol * (1.0 + w.abs())
+        };
+        assert!(
+            ok,
+            "{what}: element {i}: {g} on {}, {w} on the cpu",
+            be.name()
+        );
+    }
+}
+
+/// Every elementwise operation, reduction and LayerNorm against the CPU backend on the same
+/// random operands (the CPU backend is itself checked against definitions above); on the CPU
+/// this compares it with itself, which must agree exactly.
+fn elementwise_and_norms_agree_with_the_cpu_backend(be: &dyn Backend) {
+    let cpu = CpuBackend::new(1).unwrap();
+    let same =
+        |what: &str, got: &[f32], want: &[f32], tol: f32| same_as_cpu(be, what, got, want, tol);
     let x = rand_t(&[37, 29], 31);
     let dy = rand_t(&[37, 29], 32);
     let bias = rand_t(&[29], 33);
@@ -451,6 +455,16 @@ fn agrees_with_the_cpu_backend(be: &dyn Backend) {
         (squares.0 - squares.1).abs() < 1e-9,
         "sum_squares {squares:?}"
     );
+}
+
+/// The optimizer updates and softmax cross-entropy against the CPU backend, as above.
+fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
+    use pipe_kernels::{AdamStep, SgdStep};
+    let cpu = CpuBackend::new(1).unwrap();
+    let same =
+        |what: &str, got: &[f32], want: &[f32], tol: f32| same_as_cpu(be, what, got, want, tol);
+    let x = rand_t(&[37, 29], 31);
+    let dy = rand_t(&[37, 29], 32);
     // Optimizer updates, several steps so the buffers matter.
     let sgd = SgdStep {
         lr: 0.1,
@@ -711,7 +725,8 @@ backend_tests!(
     cpu,
     Some(pipe_kernels::CpuBackend::new(2).unwrap()),
     [
-        agrees_with_the_cpu_backend,
+        elementwise_and_norms_agree_with_the_cpu_backend,
+        updates_and_loss_agree_with_the_cpu_backend,
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,
@@ -729,7 +744,8 @@ backend_tests!(
     emulated,
     Some(pipe_kernels::EmulatedDevice::new(0).unwrap()),
     [
-        agrees_with_the_cpu_backend,
+        elementwise_and_norms_agree_with_the_cpu_backend,
+        updates_and_loss_agree_with_the_cpu_backend,
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,
@@ -747,7 +763,8 @@ backend_tests!(
     cuda,
     super::cuda_or_skip(),
     [
-        agrees_with_the_cpu_backend,
+        elementwise_and_norms_agree_with_the_cpu_backend,
+        updates_and_loss_agree_with_the_cpu_backend,
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,

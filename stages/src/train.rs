@@ -490,23 +490,13 @@ pub fn train_with(
                 .as_ref()
                 .filter(|p| p.due(step, epoch_end, stop))
             {
-                let mut state = RunState::identity(cfg, policy.settings.clone());
-                state.updates = step;
-                state.epoch = step / steps_per_epoch.max(1) + 1;
-                state.samples_in_epoch = (step % steps_per_epoch.max(1)) * (b * m) as u64;
-                state.optimizer_steps = vec![opt.steps(); model.len()];
-                state.partition = format!("0-{}", model.len().saturating_sub(1));
-                // Checkpoints hold host tensors, whatever the backend computes on.
-                let ckpt = Checkpoint {
-                    params: host_params(be, params.clone())?,
-                    optimizer: opt.clone().on_host(be)?.state().to_vec(),
-                    state,
-                };
-                written.push(crate::checkpoint::write(
-                    &policy.dir,
-                    &model,
-                    &ckpt,
-                    policy.keep,
+                let at = (step, steps_per_epoch, (b * m) as u64);
+                written.push(write_checkpoint(
+                    cfg,
+                    (be, &model),
+                    policy,
+                    (&params, &opt),
+                    at,
                 )?);
             }
             if stop {
@@ -541,6 +531,32 @@ pub fn train_with(
         checkpoints: written,
         stopped,
     })
+}
+
+/// Writes the one-worker trainer's checkpoint after `step` updates (`at`: the step, updates per
+/// epoch, samples per update) under `policy`, in host memory whatever `be` computes on.
+///
+/// # Errors
+/// Device failures copying out; checkpoint write failures.
+fn write_checkpoint(
+    cfg: &RunConfig,
+    (be, model): (&dyn Backend, &Model),
+    policy: &CheckpointPolicy,
+    (params, opt): (&Params, &Optimizer),
+    (step, steps_per_epoch, per_update): (u64, u64, u64),
+) -> Result<PathBuf> {
+    let mut state = RunState::identity(cfg, policy.settings.clone());
+    state.updates = step;
+    state.epoch = step / steps_per_epoch.max(1) + 1;
+    state.samples_in_epoch = (step % steps_per_epoch.max(1)) * per_update;
+    state.optimizer_steps = vec![opt.steps(); model.len()];
+    state.partition = format!("0-{}", model.len().saturating_sub(1));
+    let ckpt = Checkpoint {
+        params: host_params(be, params.clone())?,
+        optimizer: opt.clone().on_host(be)?.state().to_vec(),
+        state,
+    };
+    crate::checkpoint::write(&policy.dir, model, &ckpt, policy.keep)
 }
 
 /// Fresh weights and optimizer, or a checkpoint's (whose data cursor must fall on a whole
