@@ -155,6 +155,45 @@ impl Request {
     }
 }
 
+/// The run's layout must have one worker per rank of the cluster.
+fn check_cluster_size(cfg: &RunConfig, size: u32) -> Result<()> {
+    let layout = cfg.schedule_spec(Length::Updates(1)).resolve()?.layout;
+    if layout.workers() != size {
+        return Err(StageError::Config(format!(
+            "this run needs {} workers ({} stages x replicas {:?}) but the cluster has {size}",
+            layout.workers(),
+            layout.stages(),
+            layout.replica_counts(),
+        )));
+    }
+    Ok(())
+}
+
+/// A worker other than the chief at the end of segment `index`: sends its summary, waits for
+/// the chief's request and sends the weights and optimizer state it asks for. Returns whether
+/// the chief asked the run to stop.
+fn report_to_chief<T: Transport + ?Sized>(
+    ep: &mut T,
+    outcome: &WorkerOutcome,
+    (plan, mine): (&RunPlan, &WorkerState),
+    index: u32,
+) -> Result<bool> {
+    let rank = ep.rank();
+    ep.send(Message::from_bytes(
+        control(rank, CHIEF, TOPIC_SUMMARY, index, 0),
+        &encode_summary(outcome),
+    ))?;
+    let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, 0))?;
+    let req = Request::parse(&req.into_bytes()?)?;
+    if req.weights {
+        send_weights(ep, plan, mine, index)?;
+    }
+    if req.optimizer {
+        send_optimizer(ep, plan, mine, index)?;
+    }
+    Ok(req.stop)
+}
+
 fn run_segments<T: Transport + ?Sized>(
     cfg: &RunConfig,
     data: &Splits,
@@ -166,16 +205,7 @@ fn run_segments<T: Transport + ?Sized>(
     let rank = ep.rank();
     let chief = rank == CHIEF;
     let run = Run::new(cfg, data)?;
-    let layout = cfg.schedule_spec(Length::Updates(1)).resolve()?.layout;
-    if layout.workers() != ep.size() {
-        return Err(StageError::Config(format!(
-            "this run needs {} workers ({} stages x replicas {:?}) but the cluster has {}",
-            layout.workers(),
-            layout.stages(),
-            layout.replica_counts(),
-            ep.size()
-        )));
-    }
+    check_cluster_size(cfg, ep.size())?;
     let agreed = agree(cfg, &run, ep, opts)?;
     let (partition, every) = (agreed.partition.clone(), agreed.every);
     let start = receive_start(&run, ep, agreed, cfg)?;
@@ -236,20 +266,7 @@ fn run_segments<T: Transport + ?Sized>(
             let epoch_end = done == first + epoch_len;
             if !chief {
                 losses.poll(ep, &rx, obs)?;
-                let bytes = encode_summary(&outcome);
-                ep.send(Message::from_bytes(
-                    control(rank, CHIEF, TOPIC_SUMMARY, index, 0),
-                    &bytes,
-                ))?;
-                let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, 0))?;
-                let req = Request::parse(&req.into_bytes()?)?;
-                if req.weights {
-                    send_weights(ep, &plan, mine, index)?;
-                }
-                if req.optimizer {
-                    send_optimizer(ep, &plan, mine, index)?;
-                }
-                if req.stop {
+                if report_to_chief(ep, &outcome, (&plan, mine), index)? {
                     return Ok(None);
                 }
                 continue;
