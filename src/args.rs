@@ -20,14 +20,15 @@ pub fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
 }
 
-/// Opens the backend a run names, with `threads` compute threads: the one place the typed
-/// choice becomes a backend.
+/// Opens the backend a run names for its first worker, with `threads` compute threads
+/// (through [`pipe_stages::pipeline::open_backend`], which places every worker), turning a
+/// device this machine lacks into bad input.
 ///
 /// # Errors
 /// Bad input (exit 2) when this build or machine has no such device: a build without CUDA,
 /// or no driver, GPU or NVRTC.
 pub fn open_backend(kind: BackendKind, threads: usize) -> Result<Box<dyn Backend>> {
-    kind.open(threads, 0).map_err(|e| match e {
+    pipe_stages::pipeline::open_backend(kind, threads, 0).map_err(|e| match e {
         KernelError::NotCompiledWithCuda | KernelError::NoCuda { .. } => bad_input(e.to_string()),
         other => other.into(),
     })

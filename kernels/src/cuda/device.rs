@@ -444,10 +444,6 @@ impl CudaBackend {
         }
     }
 
-    fn launch(&self, build: impl FnOnce(&CudaStream) -> Result<()>) -> Result<()> {
-        build(&self.stream)
-    }
-
     /// Reads one `u32` flag that a check kernel lowered from `u32::MAX`; `None` when untouched.
     fn first_bad(
         &self,
@@ -459,13 +455,10 @@ impl CudaBackend {
         let flag = self.upload(&[u32::MAX], &[1])?;
         let flag_ptr = self.ptr(&flag, "check")?;
         let (n64, limit64) = (as_u64(n), as_u64(limit));
-        self.launch(|s| {
-            let mut b = s.launch_builder(check);
-            b.arg(&data).arg(&n64).arg(&limit64).arg(&flag_ptr);
-            // SAFETY: the argument list matches the kernel's signature; `data` holds n ids.
-            unsafe { b.launch(grid(n64)) }.map_err(driver_err("check ids"))?;
-            Ok(())
-        })?;
+        let mut b = self.stream.launch_builder(check);
+        b.arg(&data).arg(&n64).arg(&limit64).arg(&flag_ptr);
+        // SAFETY: the argument list matches the kernel's signature; `data` holds n ids.
+        unsafe { b.launch(grid(n64)) }.map_err(driver_err("check ids"))?;
         let got = self.download::<u32>(flag_ptr, 1)?;
         Ok(got
             .first()
@@ -493,29 +486,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn elementwise(
-        &self,
-        f: &CudaFunction,
-        args: &[u64],
-        n: usize,
-        op: &'static str,
-    ) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let n64 = as_u64(n);
-        self.launch(|s| {
-            let mut b = s.launch_builder(f);
-            for a in args {
-                b.arg(a);
-            }
-            b.arg(&n64);
-            // SAFETY: each caller passes the pointers its kernel takes, all of n elements.
-            unsafe { b.launch(grid(n64)) }.map_err(driver_err(op))?;
-            Ok(())
-        })
-    }
-
     fn reduce(&self, x: &Tensor, squares: bool) -> Result<f64> {
         if x.is_empty() {
             return Ok(0.0);
@@ -526,18 +496,15 @@ impl CudaBackend {
         let pp = self.output(&mut partials, &[REDUCE_BLOCKS as usize * 2])?;
         let n = as_u64(x.len());
         let sq = i32::from(squares);
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.partial_sums_f32);
-            b.arg(&xp).arg(&n).arg(&sq).arg(&pp);
-            let cfg = LaunchConfig {
-                grid_dim: (REDUCE_BLOCKS, 1, 1),
-                block_dim: (REDUCE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: `partials` holds REDUCE_BLOCKS doubles.
-            unsafe { b.launch(cfg) }.map_err(driver_err("sum"))?;
-            Ok(())
-        })?;
+        let mut b = self.stream.launch_builder(&self.kernels.partial_sums_f32);
+        b.arg(&xp).arg(&n).arg(&sq).arg(&pp);
+        let cfg = LaunchConfig {
+            grid_dim: (REDUCE_BLOCKS, 1, 1),
+            block_dim: (REDUCE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `partials` holds REDUCE_BLOCKS doubles.
+        unsafe { b.launch(cfg) }.map_err(driver_err("sum"))?;
         Ok(self
             .download::<f64>(pp, REDUCE_BLOCKS as usize)?
             .iter()
@@ -630,20 +597,26 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.fill_f32);
-            b.arg(&p).arg(&n).arg(&value);
-            // SAFETY: `x` holds n floats.
-            unsafe { b.launch(grid(n)) }.map_err(driver_err("fill"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.fill_f32);
+        b.arg(&p).arg(&n).arg(&value);
+        // SAFETY: `x` holds n floats.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("fill"))?;
+        Ok(())
     }
 
     fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
         crate::check::same_len("mul", (a, b), ("a", "b"))?;
         let (ap, bp) = (self.ptr(a, "mul")?, self.ptr(b, "mul")?);
         let op = self.output(out, a.shape())?;
-        self.elementwise(&self.kernels.mul_f32, &[ap, bp, op], a.len(), "mul")
+        let n = as_u64(a.len());
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = self.stream.launch_builder(&self.kernels.mul_f32);
+        b.arg(&ap).arg(&bp).arg(&op).arg(&n);
+        // SAFETY: the three buffers hold n floats.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("mul"))?;
+        Ok(())
     }
 
     fn matmul(
@@ -727,13 +700,11 @@ impl Backend for CudaBackend {
             block_dim: (32, 8, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.transpose_f32);
-            b.arg(&ap).arg(&op).arg(&r).arg(&c);
-            // SAFETY: both buffers hold rows x cols floats.
-            unsafe { b.launch(cfg) }.map_err(driver_err("transpose"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.transpose_f32);
+        b.arg(&ap).arg(&op).arg(&r).arg(&c);
+        // SAFETY: both buffers hold rows x cols floats.
+        unsafe { b.launch(cfg) }.map_err(driver_err("transpose"))?;
+        Ok(())
     }
 
     fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
@@ -744,13 +715,11 @@ impl Backend for CudaBackend {
         if y.is_empty() {
             return Ok(());
         }
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.add_bias_f32);
-            b.arg(&yp).arg(&bp).arg(&rows).arg(&cols);
-            // SAFETY: y holds rows x cols floats, bias cols.
-            unsafe { b.launch(grid(rows * cols)) }.map_err(driver_err("add_bias"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.add_bias_f32);
+        b.arg(&yp).arg(&bp).arg(&rows).arg(&cols);
+        // SAFETY: y holds rows x cols floats, bias cols.
+        unsafe { b.launch(grid(rows * cols)) }.map_err(driver_err("add_bias"))?;
+        Ok(())
     }
 
     fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
@@ -770,13 +739,11 @@ impl Backend for CudaBackend {
             as_u64(cols),
         );
         let acc = i32::from(accumulate);
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.sum_rows_f32);
-            b.arg(&xp).arg(&op).arg(&r).arg(&c).arg(&acc);
-            // SAFETY: x holds r x c floats, out c.
-            unsafe { b.launch(grid(c)) }.map_err(driver_err("sum_rows"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.sum_rows_f32);
+        b.arg(&xp).arg(&op).arg(&r).arg(&c).arg(&acc);
+        // SAFETY: x holds r x c floats, out c.
+        unsafe { b.launch(grid(c)) }.map_err(driver_err("sum_rows"))?;
+        Ok(())
     }
 
     fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
@@ -787,13 +754,11 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.activation_f32);
-            b.arg(&code).arg(&xp).arg(&yp).arg(&n);
-            // SAFETY: both buffers hold n floats.
-            unsafe { b.launch(grid(n)) }.map_err(driver_err("activation"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.activation_f32);
+        b.arg(&code).arg(&xp).arg(&yp).arg(&n);
+        // SAFETY: both buffers hold n floats.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("activation"))?;
+        Ok(())
     }
 
     fn activation_backward(
@@ -814,13 +779,13 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.activation_backward_f32);
-            b.arg(&code).arg(&xp).arg(&dyp).arg(&dxp).arg(&n);
-            // SAFETY: all three buffers hold n floats.
-            unsafe { b.launch(grid(n)) }.map_err(driver_err("activation_backward"))?;
-            Ok(())
-        })
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.activation_backward_f32);
+        b.arg(&code).arg(&xp).arg(&dyp).arg(&dxp).arg(&n);
+        // SAFETY: all three buffers hold n floats.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("activation_backward"))?;
+        Ok(())
     }
 
     fn layer_norm(
@@ -847,14 +812,12 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (r, c) = (as_u64(rows), as_u64(cols));
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.layer_norm_f32);
-            b.arg(&xp).arg(&gp).arg(&bp).arg(&eps);
-            b.arg(&yp).arg(&mp).arg(&rp).arg(&r).arg(&c);
-            // SAFETY: shapes checked above; one warp per row.
-            unsafe { b.launch(warp_rows(r)) }.map_err(driver_err("layer_norm"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.layer_norm_f32);
+        b.arg(&xp).arg(&gp).arg(&bp).arg(&eps);
+        b.arg(&yp).arg(&mp).arg(&rp).arg(&r).arg(&c);
+        // SAFETY: shapes checked above; one warp per row.
+        unsafe { b.launch(warp_rows(r)) }.map_err(driver_err("layer_norm"))?;
+        Ok(())
     }
 
     fn layer_norm_backward_input(
@@ -881,14 +844,14 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (r, c) = (as_u64(rows), as_u64(cols));
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.layer_norm_backward_input_f32);
-            b.arg(&xp).arg(&gp).arg(&mp).arg(&rp).arg(&dyp).arg(&dxp);
-            b.arg(&r).arg(&c);
-            // SAFETY: shapes checked above; one warp per row.
-            unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
-            Ok(())
-        })
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.layer_norm_backward_input_f32);
+        b.arg(&xp).arg(&gp).arg(&mp).arg(&rp).arg(&dyp).arg(&dxp);
+        b.arg(&r).arg(&c);
+        // SAFETY: shapes checked above; one warp per row.
+        unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
+        Ok(())
     }
 
     fn layer_norm_backward_params(
@@ -921,14 +884,14 @@ impl Backend for CudaBackend {
         }
         let (r, c) = (as_u64(if x.is_empty() { 0 } else { rows }), as_u64(cols));
         let acc = i32::from(accumulate);
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.layer_norm_backward_params_f32);
-            b.arg(&xp).arg(&mp).arg(&rp).arg(&dyp).arg(&gp).arg(&bp);
-            b.arg(&r).arg(&c).arg(&acc);
-            // SAFETY: shapes checked above; one thread per feature.
-            unsafe { b.launch(grid(c)) }.map_err(driver_err(op))?;
-            Ok(())
-        })
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.layer_norm_backward_params_f32);
+        b.arg(&xp).arg(&mp).arg(&rp).arg(&dyp).arg(&gp).arg(&bp);
+        b.arg(&r).arg(&c).arg(&acc);
+        // SAFETY: shapes checked above; one thread per feature.
+        unsafe { b.launch(grid(c)) }.map_err(driver_err(op))?;
+        Ok(())
     }
 
     fn softmax_cross_entropy(
@@ -970,14 +933,11 @@ impl Backend for CudaBackend {
         let lossp = self.output(&mut losses, &[rows * 2])?;
         let hitp = self.output(&mut hits, &[rows])?;
         let (r, c) = (as_u64(rows), as_u64(n));
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.softmax_xent_f32);
-            b.arg(&lp).arg(&yp).arg(&r).arg(&c).arg(&grad_scale);
-            b.arg(&dp).arg(&lossp).arg(&hitp);
-            // SAFETY: shapes checked above; `dp` is null when no gradient is wanted.
-            unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
-            Ok(())
-        })?;
+        let mut b = self.stream.launch_builder(&self.kernels.softmax_xent_f32);
+        b.arg(&lp).arg(&yp).arg(&r).arg(&c).arg(&grad_scale);
+        b.arg(&dp).arg(&lossp).arg(&hitp);
+        // SAFETY: shapes checked above; `dp` is null when no gradient is wanted.
+        unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
         let losses = self.download::<f64>(lossp, rows)?;
         let hits = self.download::<i32>(hitp, rows)?;
         // Summed in row order on the host, as the CPU backend sums them.
@@ -996,13 +956,11 @@ impl Backend for CudaBackend {
         if n * w == 0 {
             return Ok(());
         }
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.embedding_f32);
-            b.arg(&ip).arg(&tp).arg(&op).arg(&n).arg(&w);
-            // SAFETY: ids checked against the table's rows above.
-            unsafe { b.launch(grid(n * w)) }.map_err(driver_err("embedding"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.embedding_f32);
+        b.arg(&ip).arg(&tp).arg(&op).arg(&n).arg(&w);
+        // SAFETY: ids checked against the table's rows above.
+        unsafe { b.launch(grid(n * w)) }.map_err(driver_err("embedding"))?;
+        Ok(())
     }
 
     fn embedding_backward(
@@ -1027,13 +985,13 @@ impl Backend for CudaBackend {
         if n * w == 0 {
             return Ok(());
         }
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.embedding_backward_f32);
-            b.arg(&ip).arg(&dyp).arg(&tp).arg(&n).arg(&w);
-            // SAFETY: ids checked; one thread per table column.
-            unsafe { b.launch(grid(w)) }.map_err(driver_err("embedding_backward"))?;
-            Ok(())
-        })
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.embedding_backward_f32);
+        b.arg(&ip).arg(&dyp).arg(&tp).arg(&n).arg(&w);
+        // SAFETY: ids checked; one thread per table column.
+        unsafe { b.launch(grid(w)) }.map_err(driver_err("embedding_backward"))?;
+        Ok(())
     }
 
     fn attention(
@@ -1053,14 +1011,12 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.attention_f32);
-            b.arg(&qp).arg(&op).arg(&lp);
-            b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
-            // SAFETY: sizes checked against the shape above; one warp per query row.
-            unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err("attention"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.attention_f32);
+        b.arg(&qp).arg(&op).arg(&lp);
+        b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
+        // SAFETY: sizes checked against the shape above; one warp per query row.
+        unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err("attention"))?;
+        Ok(())
     }
 
     fn attention_backward(
@@ -1090,25 +1046,27 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.attention_backward_queries_f32);
-            b.arg(&qp)
-                .arg(&outp)
-                .arg(&lp)
-                .arg(&dop)
-                .arg(&dp)
-                .arg(&deltap);
-            b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
-            // SAFETY: as the forward; writes the query third of dqkv and delta.
-            unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err(op))?;
-            let mut b = s.launch_builder(&self.kernels.attention_backward_keys_f32);
-            b.arg(&qp).arg(&lp).arg(&dop).arg(&deltap).arg(&dp);
-            b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
-            // SAFETY: as above; writes the key and value thirds of dqkv, after the queries'
-            // kernel (same stream) has written delta.
-            unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err(op))?;
-            Ok(())
-        })
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.attention_backward_queries_f32);
+        b.arg(&qp)
+            .arg(&outp)
+            .arg(&lp)
+            .arg(&dop)
+            .arg(&dp)
+            .arg(&deltap);
+        b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
+        // SAFETY: as the forward; writes the query third of dqkv and delta.
+        unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err(op))?;
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.attention_backward_keys_f32);
+        b.arg(&qp).arg(&lp).arg(&dop).arg(&deltap).arg(&dp);
+        b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
+        // SAFETY: as above; writes the key and value thirds of dqkv, after the queries'
+        // kernel (same stream) has written delta.
+        unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err(op))?;
+        Ok(())
     }
 
     fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
@@ -1119,13 +1077,11 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.axpy_f32);
-            b.arg(&alpha).arg(&xp).arg(&yp).arg(&n);
-            // SAFETY: both buffers hold n floats.
-            unsafe { b.launch(grid(n)) }.map_err(driver_err("axpy"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.axpy_f32);
+        b.arg(&alpha).arg(&xp).arg(&yp).arg(&n);
+        // SAFETY: both buffers hold n floats.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("axpy"))?;
+        Ok(())
     }
 
     fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
@@ -1134,13 +1090,11 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.scale_f32);
-            b.arg(&alpha).arg(&xp).arg(&n);
-            // SAFETY: x holds n floats.
-            unsafe { b.launch(grid(n)) }.map_err(driver_err("scale"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.scale_f32);
+        b.arg(&alpha).arg(&xp).arg(&n);
+        // SAFETY: x holds n floats.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("scale"))?;
+        Ok(())
     }
 
     fn sgd_update(
@@ -1162,17 +1116,15 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let nesterov = i32::from(hp.nesterov);
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.sgd_f32);
-            b.arg(&wp).arg(&gp).arg(&bufp).arg(&n);
-            b.arg(&hp.lr)
-                .arg(&hp.momentum)
-                .arg(&nesterov)
-                .arg(&hp.weight_decay);
-            // SAFETY: all buffers hold n floats; `bufp` is null without momentum.
-            unsafe { b.launch(grid(n)) }.map_err(driver_err("sgd_update"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.sgd_f32);
+        b.arg(&wp).arg(&gp).arg(&bufp).arg(&n);
+        b.arg(&hp.lr)
+            .arg(&hp.momentum)
+            .arg(&nesterov)
+            .arg(&hp.weight_decay);
+        // SAFETY: all buffers hold n floats; `bufp` is null without momentum.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("sgd_update"))?;
+        Ok(())
     }
 
     fn adam_update(
@@ -1194,16 +1146,14 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let decoupled = i32::from(hp.decoupled);
-        self.launch(|s| {
-            let mut b = s.launch_builder(&self.kernels.adam_f32);
-            b.arg(&wp).arg(&gp).arg(&mp).arg(&vp).arg(&n);
-            b.arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps);
-            b.arg(&hp.weight_decay).arg(&decoupled);
-            b.arg(&hp.bias_correction1).arg(&hp.bias_correction2);
-            // SAFETY: all four buffers hold n floats.
-            unsafe { b.launch(grid(n)) }.map_err(driver_err("adam_update"))?;
-            Ok(())
-        })
+        let mut b = self.stream.launch_builder(&self.kernels.adam_f32);
+        b.arg(&wp).arg(&gp).arg(&mp).arg(&vp).arg(&n);
+        b.arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps);
+        b.arg(&hp.weight_decay).arg(&decoupled);
+        b.arg(&hp.bias_correction1).arg(&hp.bias_correction2);
+        // SAFETY: all four buffers hold n floats.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("adam_update"))?;
+        Ok(())
     }
 
     fn sum(&self, x: &Tensor) -> Result<f64> {

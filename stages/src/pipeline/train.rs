@@ -108,8 +108,10 @@ pub fn train_pipelined(
     obs: &mut dyn Observer,
     opts: &PipelineTrainOptions,
 ) -> Result<PipelineReport> {
-    // A backend that cannot run here fails before any worker starts.
-    drop(open_backend(cfg.backend, 1, 0)?);
+    // A backend that cannot run here fails before any worker starts (the CPU always can).
+    if cfg.backend == BackendKind::Cuda {
+        pipe_kernels::cuda::device_count()?;
+    }
     let run = Run::new(cfg, data)?;
     let partition = run_partition(cfg, &run.model)?;
     let start = Start::new(&run, opts.resume.as_ref())?;
