@@ -273,7 +273,10 @@ mod tests {
         let cmd = clap::Command::new("t");
         let parse = |s: &str| BackendParser.parse_ref(&cmd, None, OsStr::new(s));
         assert_eq!(parse("cpu").ok(), Some(BackendKind::Cpu));
-        assert_eq!(parse("cuda").ok(), Some(BackendKind::Cuda));
+        assert_eq!(
+            parse("cuda").ok(),
+            Some(BackendKind::Cuda(pipe_kernels::Precision::F32))
+        );
         let err = parse("tpu")
             .err()
             .map(|e| e.to_string())

@@ -593,14 +593,61 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
 }
 
-/// Which compute backend a run uses: the typed form of `--backend`, parsed once at the edge.
+/// The arithmetic of a backend's matrix products: the typed form of `--precision`.
+///
+/// Weights, optimizer state, gradients and every operation other than the products stay f32
+/// in all three; only the CUDA backend offers the reduced precisions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Precision {
+    /// Full f32 products.
+    #[default]
+    F32,
+    /// Products on tensor cores with inputs rounded to TF32 (10-bit mantissa), f32 accumulation
+    /// (PyTorch's `allow_tf32`).
+    Tf32,
+    /// Products on tensor cores with inputs rounded to bf16 (round to nearest even), f32
+    /// accumulation and f32 results.
+    Bf16,
+}
+
+impl Precision {
+    /// The name `--precision` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "tf32" => Ok(Precision::Tf32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(format!("unknown precision '{other}' (f32, tf32, bf16)")),
+        }
+    }
+}
+
+/// Which compute backend a run uses: the typed form of `--backend` (and, for CUDA,
+/// `--precision`), parsed once at the edge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum BackendKind {
-    /// The CPU backend (always built).
+    /// The CPU backend (always built; f32 only).
     #[default]
     Cpu,
-    /// The CUDA backend (behind the `cuda` feature).
-    Cuda,
+    /// The CUDA backend (behind the `cuda` feature), with the precision of its products.
+    Cuda(Precision),
 }
 
 impl BackendKind {
@@ -608,7 +655,29 @@ impl BackendKind {
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Cpu => "cpu",
-            BackendKind::Cuda => "cuda",
+            BackendKind::Cuda(_) => "cuda",
+        }
+    }
+
+    /// The precision of this backend's products.
+    pub fn precision(self) -> Precision {
+        match self {
+            BackendKind::Cpu => Precision::F32,
+            BackendKind::Cuda(p) => p,
+        }
+    }
+
+    /// This backend computing its products in `precision`.
+    ///
+    /// # Errors
+    /// A one-line message when the backend cannot (the CPU computes in f32 only).
+    pub fn with_precision(self, precision: Precision) -> std::result::Result<Self, String> {
+        match (self, precision) {
+            (BackendKind::Cpu, Precision::F32) => Ok(BackendKind::Cpu),
+            (BackendKind::Cpu, p) => Err(format!(
+                "the cpu backend computes in f32 only; --precision {p} needs --backend cuda"
+            )),
+            (BackendKind::Cuda(_), p) => Ok(BackendKind::Cuda(p)),
         }
     }
 
@@ -622,7 +691,7 @@ impl BackendKind {
     pub fn open(self, threads: usize, ordinal: usize) -> Result<Box<dyn Backend>> {
         match self {
             BackendKind::Cpu => Ok(Box::new(crate::CpuBackend::new(threads)?)),
-            BackendKind::Cuda => crate::cuda::open(ordinal),
+            BackendKind::Cuda(precision) => crate::cuda::open(ordinal, precision),
         }
     }
 }
@@ -635,10 +704,11 @@ impl std::fmt::Display for BackendKind {
 
 impl std::str::FromStr for BackendKind {
     type Err = String;
+    /// `cpu` or `cuda` (f32 products; [`BackendKind::with_precision`] sets another).
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "cpu" => Ok(BackendKind::Cpu),
-            "cuda" => Ok(BackendKind::Cuda),
+            "cuda" => Ok(BackendKind::Cuda(Precision::F32)),
             other => Err(format!("unknown backend '{other}' (cpu, cuda)")),
         }
     }

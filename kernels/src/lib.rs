@@ -30,7 +30,8 @@ mod timed;
 mod vector;
 
 pub use backend::{
-    Activation, AdamStep, AttentionShape, Backend, BackendKind, LossStats, SgdStep, Trans,
+    Activation, AdamStep, AttentionShape, Backend, BackendKind, LossStats, Precision, SgdStep,
+    Trans,
 };
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;

@@ -16,7 +16,9 @@ use cudarc::driver::{
     result as driver, sys as driver_sys,
 };
 
-use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, SgdStep, Trans};
+use crate::backend::{
+    Activation, AdamStep, AttentionShape, Backend, LossStats, Precision, SgdStep, Trans,
+};
 use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
@@ -61,21 +63,33 @@ kernel_table!(
     axpy_f32,
     scale_f32,
     add_bias_f32,
-    sum_rows_f32,
+    column_partials_f32,
+    sum_partials_f32,
     transpose_f32,
     activation_f32,
     activation_backward_f32,
     layer_norm_f32,
     layer_norm_backward_input_f32,
-    layer_norm_backward_params_f32,
+    layer_norm_param_partials_f32,
     check_labels_u32,
     check_ids_f32,
     softmax_xent_f32,
     embedding_f32,
     embedding_backward_f32,
+    embedding_backward_rows_f32,
     attention_f32,
     attention_backward_queries_f32,
     attention_backward_keys_f32,
+    attention_tiled_16,
+    attention_tiled_32,
+    attention_tiled_64,
+    attention_backward_queries_tiled_16,
+    attention_backward_queries_tiled_32,
+    attention_backward_queries_tiled_64,
+    attention_backward_keys_tiled_16,
+    attention_backward_keys_tiled_32,
+    attention_backward_keys_tiled_64,
+    to_bf16,
     sgd_f32,
     adam_f32,
     partial_sums_f32,
@@ -84,6 +98,7 @@ kernel_table!(
 /// A compute backend on one CUDA device (see the module docs).
 pub struct CudaBackend {
     ordinal: usize,
+    precision: Precision,
     name: String,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -96,6 +111,7 @@ impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
             .field("ordinal", &self.ordinal)
+            .field("precision", &self.precision)
             .field("device", &self.name)
             .field("pool", &self.pool)
             .finish()
@@ -156,6 +172,63 @@ fn warp_rows(rows: u64) -> LaunchConfig {
     }
 }
 
+/// Threads per block of `embedding_backward_rows_f32` (`EMBED_THREADS` in `kernels.cu`).
+const EMBED_THREADS: u64 = 128;
+/// Table rows x ids up to which the embedding gradient scans the ids once per table row: each
+/// of those blocks reads every id, so large vocabularies keep the kernel with one thread per
+/// column.
+const EMBEDDING_ROW_SCAN_LIMIT: u64 = 1 << 22;
+
+/// A column-major product's operations, sizes and leading dimensions, in cuBLAS's order:
+/// `(transa, transb)`, `(m, n, k)`, `(lda, ldb, ldc)`.
+#[derive(Clone, Copy)]
+struct GemmDims {
+    ops: (blas_sys::cublasOperation_t, blas_sys::cublasOperation_t),
+    mnk: (i32, i32, i32),
+    lds: (i32, i32, i32),
+}
+
+/// The tiled attention kernels of one head width.
+struct TiledAttention<'a> {
+    forward: &'a CudaFunction,
+    queries: &'a CudaFunction,
+    keys: &'a CudaFunction,
+}
+
+/// Rows per block of the tiled attention kernels (`ATT_TILE` in `kernels.cu`).
+const ATTENTION_TILE: u64 = 64;
+
+/// The tiled attention kernels' grid: row tiles along x, (sequence, head) pairs along y.
+fn attention_tiles(seq: u64, pairs: u64) -> Result<LaunchConfig> {
+    let too_many = |_| shape_err("attention", "too many sequences or heads for one launch");
+    Ok(LaunchConfig {
+        grid_dim: (
+            u32::try_from(seq.div_ceil(ATTENTION_TILE)).map_err(too_many)?,
+            u32::try_from(pairs).map_err(too_many)?,
+            1,
+        ),
+        block_dim: (ATTENTION_TILE as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Rows per chunk of the column sums' first pass (`COLUMN_CHUNK_ROWS` in `kernels.cu`).
+const COLUMN_CHUNK_ROWS: u64 = 128;
+
+/// The first pass of the column sums: 32 columns by 8 row threads a block, one block per
+/// chunk of rows along y (looped past y's 65,535).
+fn column_grid(chunks: u64, cols: u64) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (
+            u32::try_from(cols.div_ceil(32)).map_err(|_| shape_err("column sums", "too wide"))?,
+            chunks.clamp(1, 65_535) as u32,
+            1,
+        ),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 fn as_u64(n: usize) -> u64 {
     n as u64
 }
@@ -172,6 +245,16 @@ impl CudaBackend {
     /// [`KernelError::NoCuda`] without a driver, a device `ordinal` or NVRTC;
     /// [`KernelError::Cuda`] when the device refuses a step.
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_precision(ordinal, Precision::F32)
+    }
+
+    /// Opens CUDA device `ordinal` as [`CudaBackend::new`] does, its matrix products in
+    /// `precision` (TF32 or bf16 inputs on tensor cores, f32 accumulation; see
+    /// [`Precision`]).
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`].
+    pub fn with_precision(ordinal: usize, precision: Precision) -> Result<Self> {
         let count = device_count()?;
         if ordinal >= count {
             return Err(KernelError::NoCuda {
@@ -204,6 +287,7 @@ impl CudaBackend {
         let pool = Pool::new(Arc::clone(&stream));
         Ok(Self {
             ordinal,
+            precision,
             name,
             ctx,
             stream,
@@ -247,6 +331,11 @@ impl CudaBackend {
     /// The stream every operation of this backend is queued on.
     pub fn raw_stream(&self) -> driver_sys::CUstream {
         self.stream.cu_stream()
+    }
+
+    /// The precision of this backend's matrix products.
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The CUDA device this backend computes on.
@@ -511,6 +600,153 @@ impl CudaBackend {
             .sum())
     }
 
+    /// Column-major `C = alpha op(A) op(B) + beta C` in f32 (cuBLAS `sgemm`).
+    fn sgemm(&self, d: GemmDims, (alpha, beta): (f32, f32), (a, b, c): (u64, u64, u64)) -> Result<()> {
+        let handle = self.blas.lock().unwrap_or_else(PoisonError::into_inner);
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        // SAFETY: the pointers are this backend's buffers of the sizes `d` describes (checked
+        // by the caller); the handle is bound to this backend's stream.
+        unsafe {
+            blas::sgemm(
+                *handle.handle(),
+                d.ops.0,
+                d.ops.1,
+                d.mnk.0,
+                d.mnk.1,
+                d.mnk.2,
+                &alpha,
+                a as *const f32,
+                d.lds.0,
+                b as *const f32,
+                d.lds.1,
+                &beta,
+                c as *mut f32,
+                d.lds.2,
+            )
+        }
+        .map_err(cublas_err)
+    }
+
+    /// Column-major `C = alpha op(A) op(B) + beta C` with A and B of `input` type, C in f32,
+    /// accumulated as `compute` says (cuBLAS `GemmEx`).
+    fn gemm_ex(
+        &self,
+        d: GemmDims,
+        (alpha, beta): (f32, f32),
+        (a, b, c): (u64, u64, u64),
+        input: blas_sys::cudaDataType,
+        compute: blas_sys::cublasComputeType_t,
+    ) -> Result<()> {
+        let handle = self.blas.lock().unwrap_or_else(PoisonError::into_inner);
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        // SAFETY: as `sgemm`; A and B hold elements of `input` type, C f32; alpha and beta
+        // are f32, as the f32 compute types take them.
+        unsafe {
+            blas::gemm_ex(
+                *handle.handle(),
+                d.ops.0,
+                d.ops.1,
+                d.mnk.0,
+                d.mnk.1,
+                d.mnk.2,
+                (&alpha as *const f32).cast(),
+                a as *const std::ffi::c_void,
+                input,
+                d.lds.0,
+                b as *const std::ffi::c_void,
+                input,
+                d.lds.1,
+                (&beta as *const f32).cast(),
+                c as *mut std::ffi::c_void,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                d.lds.2,
+                compute,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(cublas_err)
+    }
+
+    /// `t` rounded to bf16 (nearest even) in a scratch buffer, and the buffer's pointer.
+    fn to_bf16(&self, t: &Tensor, op: &'static str) -> Result<(Tensor, u64)> {
+        let from = self.ptr(t, op)?;
+        let n = as_u64(t.len());
+        // Two bf16 values per f32 slot of the scratch buffer.
+        let (scratch, to) = self.scratch(t.len().div_ceil(2))?;
+        if n > 0 {
+            let mut b = self.stream.launch_builder(&self.kernels.to_bf16);
+            b.arg(&from).arg(&to).arg(&n);
+            // SAFETY: `from` holds n floats, `to` room for n bf16 values.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err(op))?;
+        }
+        Ok((scratch, to))
+    }
+
+    /// A scratch buffer of this backend's holding `len` floats, returned to the pool when
+    /// dropped (later work on this stream may reuse it: the stream orders every use).
+    fn scratch(&self, len: usize) -> Result<(Tensor, u64)> {
+        let mut t = Tensor::default();
+        let ptr = self.output(&mut t, &[len])?;
+        Ok((t, ptr))
+    }
+
+    /// The column sums of a row-major `rows x cols` buffer at `xp` into the `cols` floats at
+    /// `out` (added to them when `accumulate`), by the two deterministic passes of
+    /// `column_partials_f32` and `sum_partials_f32`.
+    fn column_sums(&self, xp: u64, (rows, cols): (u64, u64), out: u64, accumulate: bool) -> Result<()> {
+        let chunks = rows.div_ceil(COLUMN_CHUNK_ROWS);
+        let (_partials, pp) = self.scratch(usize::try_from(chunks * cols).unwrap_or(usize::MAX))?;
+        if chunks > 0 {
+            let mut b = self.stream.launch_builder(&self.kernels.column_partials_f32);
+            b.arg(&xp).arg(&pp).arg(&rows).arg(&cols);
+            // SAFETY: x holds rows x cols floats, the partials chunks x cols.
+            unsafe { b.launch(column_grid(chunks, cols)?) }.map_err(driver_err("column sums"))?;
+        }
+        self.sum_partials(pp, chunks, cols, out, accumulate)
+    }
+
+    /// `out[j] (+)= sum over c of partials[c * cols + j]`, one warp per column.
+    fn sum_partials(&self, pp: u64, chunks: u64, cols: u64, out: u64, accumulate: bool) -> Result<()> {
+        let acc = i32::from(accumulate);
+        let mut b = self.stream.launch_builder(&self.kernels.sum_partials_f32);
+        b.arg(&pp).arg(&out).arg(&chunks).arg(&cols).arg(&acc);
+        // SAFETY: the partials hold chunks x cols floats, out cols.
+        unsafe { b.launch(warp_rows(cols)) }.map_err(driver_err("column sums"))?;
+        Ok(())
+    }
+
+    /// The tiled attention kernels for this shape's head width, where there are some (16, 32
+    /// and 64 features); other widths take the one-warp-per-row kernels.
+    fn tiled_attention(&self, shape: AttentionShape) -> Option<TiledAttention<'_>> {
+        if shape.batch * shape.heads > 65_535 {
+            return None;
+        }
+        let k = &self.kernels;
+        let (forward, queries, keys) = match shape.width / shape.heads.max(1) {
+            16 => (
+                &k.attention_tiled_16,
+                &k.attention_backward_queries_tiled_16,
+                &k.attention_backward_keys_tiled_16,
+            ),
+            32 => (
+                &k.attention_tiled_32,
+                &k.attention_backward_queries_tiled_32,
+                &k.attention_backward_keys_tiled_32,
+            ),
+            64 => (
+                &k.attention_tiled_64,
+                &k.attention_backward_queries_tiled_64,
+                &k.attention_backward_keys_tiled_64,
+            ),
+            _ => return None,
+        };
+        Some(TiledAttention {
+            forward,
+            queries,
+            keys,
+        })
+    }
+
     fn attention_dims(shape: AttentionShape, op: &'static str) -> Result<[u64; 4]> {
         let head = shape.width / shape.heads.max(1);
         if head > MAX_HEAD_DIM {
@@ -657,29 +893,28 @@ impl Backend for CudaBackend {
         );
         let (lda, ldb) = (gemm_dim("matmul", a.cols())?, gemm_dim("matmul", b.cols())?);
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        let handle = self.blas.lock().unwrap_or_else(PoisonError::into_inner);
-        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
-        // SAFETY: the pointers are this backend's buffers of the checked sizes; the handle is
-        // bound to this backend's stream.
-        unsafe {
-            blas::sgemm(
-                *handle.handle(),
-                op(tb),
-                op(ta),
-                ni,
-                mi,
-                ki,
-                &alpha,
-                bp as *const f32,
-                ldb,
-                ap as *const f32,
-                lda,
-                &beta,
-                cp as *mut f32,
-                ni,
-            )
+        let dims = GemmDims {
+            ops: (op(tb), op(ta)),
+            mnk: (ni, mi, ki),
+            lds: (ldb, lda, ni),
+        };
+        match self.precision {
+            Precision::F32 => self.sgemm(dims, (alpha, beta), (bp, ap, cp)),
+            Precision::Tf32 => {
+                let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
+                let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;
+                self.gemm_ex(dims, (alpha, beta), (bp, ap, cp), f32_type, compute)
+            }
+            Precision::Bf16 => {
+                // Both operands rounded to bf16 in scratch buffers (freed to the pool when
+                // this returns; the stream orders their reuse after the product).
+                let (_b16, b16p) = self.to_bf16(b, "matmul")?;
+                let (_a16, a16p) = self.to_bf16(a, "matmul")?;
+                let bf16_type = blas_sys::cudaDataType::CUDA_R_16BF;
+                let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+                self.gemm_ex(dims, (alpha, beta), (b16p, a16p, cp), bf16_type, compute)
+            }
         }
-        .map_err(cublas_err)
     }
 
     fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -738,12 +973,7 @@ impl Backend for CudaBackend {
             as_u64(if x.is_empty() { 0 } else { x.rows() }),
             as_u64(cols),
         );
-        let acc = i32::from(accumulate);
-        let mut b = self.stream.launch_builder(&self.kernels.sum_rows_f32);
-        b.arg(&xp).arg(&op).arg(&r).arg(&c).arg(&acc);
-        // SAFETY: x holds r x c floats, out c.
-        unsafe { b.launch(grid(c)) }.map_err(driver_err("sum_rows"))?;
-        Ok(())
+        self.column_sums(xp, (r, c), op, accumulate)
     }
 
     fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
@@ -883,15 +1113,19 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (r, c) = (as_u64(if x.is_empty() { 0 } else { rows }), as_u64(cols));
-        let acc = i32::from(accumulate);
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.layer_norm_backward_params_f32);
-        b.arg(&xp).arg(&mp).arg(&rp).arg(&dyp).arg(&gp).arg(&bp);
-        b.arg(&r).arg(&c).arg(&acc);
-        // SAFETY: shapes checked above; one thread per feature.
-        unsafe { b.launch(grid(c)) }.map_err(driver_err(op))?;
-        Ok(())
+        let chunks = r.div_ceil(COLUMN_CHUNK_ROWS);
+        let (_partials, pp) =
+            self.scratch(usize::try_from(2 * chunks * c).unwrap_or(usize::MAX))?;
+        if chunks > 0 {
+            let mut b = self
+                .stream
+                .launch_builder(&self.kernels.layer_norm_param_partials_f32);
+            b.arg(&xp).arg(&mp).arg(&rp).arg(&dyp).arg(&pp).arg(&r).arg(&c);
+            // SAFETY: shapes checked above; the partials hold 2 x chunks x cols floats.
+            unsafe { b.launch(column_grid(chunks, c)?) }.map_err(driver_err(op))?;
+        }
+        self.sum_partials(pp, chunks, c, gp, accumulate)?;
+        self.sum_partials(pp + 4 * chunks * c, chunks, c, bp, accumulate)
     }
 
     fn softmax_cross_entropy(
@@ -985,6 +1219,27 @@ impl Backend for CudaBackend {
         if n * w == 0 {
             return Ok(());
         }
+        let rows = as_u64(vocab);
+        if rows * n <= EMBEDDING_ROW_SCAN_LIMIT {
+            // Small tables: a block per table row and 128 columns (same bits, far more blocks).
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32::try_from(w.div_ceil(EMBED_THREADS))
+                        .map_err(|_| shape_err("embedding_backward", "too wide"))?,
+                    rows.clamp(1, 65_535) as u32,
+                    1,
+                ),
+                block_dim: (EMBED_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self
+                .stream
+                .launch_builder(&self.kernels.embedding_backward_rows_f32);
+            b.arg(&ip).arg(&dyp).arg(&tp).arg(&n).arg(&w).arg(&rows);
+            // SAFETY: ids checked; the table holds rows x w floats.
+            unsafe { b.launch(cfg) }.map_err(driver_err("embedding_backward"))?;
+            return Ok(());
+        }
         let mut b = self
             .stream
             .launch_builder(&self.kernels.embedding_backward_f32);
@@ -1011,6 +1266,15 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
+        if let Some(tiled) = self.tiled_attention(shape) {
+            let mut b = self.stream.launch_builder(tiled.forward);
+            b.arg(&qp).arg(&op).arg(&lp);
+            b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
+            // SAFETY: sizes checked against the shape above; one thread per query row.
+            unsafe { b.launch(attention_tiles(seq, batch * heads)?) }
+                .map_err(driver_err("attention"))?;
+            return Ok(());
+        }
         let mut b = self.stream.launch_builder(&self.kernels.attention_f32);
         b.arg(&qp).arg(&op).arg(&lp);
         b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
@@ -1046,6 +1310,21 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
+        if let Some(tiled) = self.tiled_attention(shape) {
+            let cfg = attention_tiles(seq, batch * heads)?;
+            let mut b = self.stream.launch_builder(tiled.queries);
+            b.arg(&qp).arg(&outp).arg(&lp).arg(&dop).arg(&dp).arg(&deltap);
+            b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
+            // SAFETY: as the forward; writes the query third of dqkv and delta.
+            unsafe { b.launch(cfg) }.map_err(driver_err(op))?;
+            let mut b = self.stream.launch_builder(tiled.keys);
+            b.arg(&qp).arg(&lp).arg(&dop).arg(&deltap).arg(&dp);
+            b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
+            // SAFETY: as above; writes the key and value thirds of dqkv after the queries'
+            // kernel (same stream) has written delta.
+            unsafe { b.launch(cfg) }.map_err(driver_err(op))?;
+            return Ok(());
+        }
         let mut b = self
             .stream
             .launch_builder(&self.kernels.attention_backward_queries_f32);

@@ -71,13 +71,82 @@ extern "C" __global__ void add_bias_f32(float* y, const float* bias, u64 rows, u
     for (u64 i = global_index(); i < n; i += global_stride()) y[i] += bias[i % cols];
 }
 
-// One thread per column, rows summed in order (as the CPU backend sums them).
-extern "C" __global__ void sum_rows_f32(const float* x, float* out, u64 rows, u64 cols, int accumulate) {
-    for (u64 j = global_index(); j < cols; j += global_stride()) {
-        float acc = accumulate ? out[j] : 0.0f;
-        for (u64 i = 0; i < rows; ++i) acc += x[i * cols + j];
-        out[j] = acc;
+// ---- column sums: two deterministic passes -------------------------------------------------
+//
+// Pass one cuts the rows into chunks of COLUMN_CHUNK_ROWS; a block of 32 x COLUMN_ROW_THREADS
+// threads sums one chunk of 32 columns (thread (x, y) adds rows y, y + 8, ... of the chunk in
+// order, then row y = 0 adds the eight in order) into `partials[chunk * cols + col]`. Pass two
+// sums each column's chunks with one warp: lane l adds chunks l, l + 32, ... in order, then the
+// fixed butterfly. Every order depends on the shape alone, so the bits repeat.
+
+#define COLUMN_CHUNK_ROWS 128
+#define COLUMN_ROW_THREADS 8
+
+extern "C" __global__ void column_partials_f32(const float* x, float* partials, u64 rows, u64 cols) {
+    __shared__ float sums[COLUMN_ROW_THREADS][33];
+    u64 col = (u64)blockIdx.x * 32 + threadIdx.x;
+    u64 chunks = (rows + COLUMN_CHUNK_ROWS - 1) / COLUMN_CHUNK_ROWS;
+    for (u64 chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
+        u64 r0 = chunk * COLUMN_CHUNK_ROWS;
+        u64 r1 = r0 + COLUMN_CHUNK_ROWS < rows ? r0 + COLUMN_CHUNK_ROWS : rows;
+        float acc = 0.0f;
+        if (col < cols) {
+            for (u64 r = r0 + threadIdx.y; r < r1; r += COLUMN_ROW_THREADS) acc += x[r * cols + col];
+        }
+        sums[threadIdx.y][threadIdx.x] = acc;
+        __syncthreads();
+        if (threadIdx.y == 0 && col < cols) {
+            float t = 0.0f;
+            for (int k = 0; k < COLUMN_ROW_THREADS; ++k) t += sums[k][threadIdx.x];
+            partials[chunk * cols + col] = t;
+        }
+        __syncthreads();
     }
+}
+
+// LayerNorm's parameter gradients as column partials: dgamma's chunks (dy * xhat) first, then
+// dbeta's (dy), each `chunks * cols` long.
+extern "C" __global__ void layer_norm_param_partials_f32(const float* x, const float* mean, const float* rstd,
+                                                         const float* dy, float* partials, u64 rows, u64 cols) {
+    __shared__ float gsums[COLUMN_ROW_THREADS][33];
+    __shared__ float bsums[COLUMN_ROW_THREADS][33];
+    u64 col = (u64)blockIdx.x * 32 + threadIdx.x;
+    u64 chunks = (rows + COLUMN_CHUNK_ROWS - 1) / COLUMN_CHUNK_ROWS;
+    for (u64 chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
+        u64 r0 = chunk * COLUMN_CHUNK_ROWS;
+        u64 r1 = r0 + COLUMN_CHUNK_ROWS < rows ? r0 + COLUMN_CHUNK_ROWS : rows;
+        float g = 0.0f, b = 0.0f;
+        if (col < cols) {
+            for (u64 r = r0 + threadIdx.y; r < r1; r += COLUMN_ROW_THREADS) {
+                float d = dy[r * cols + col];
+                g += d * ((x[r * cols + col] - mean[r]) * rstd[r]);
+                b += d;
+            }
+        }
+        gsums[threadIdx.y][threadIdx.x] = g;
+        bsums[threadIdx.y][threadIdx.x] = b;
+        __syncthreads();
+        if (threadIdx.y == 0 && col < cols) {
+            float tg = 0.0f, tb = 0.0f;
+            for (int k = 0; k < COLUMN_ROW_THREADS; ++k) {
+                tg += gsums[k][threadIdx.x];
+                tb += bsums[k][threadIdx.x];
+            }
+            partials[chunk * cols + col] = tg;
+            partials[(chunks + chunk) * cols + col] = tb;
+        }
+        __syncthreads();
+    }
+}
+
+// out[j] (+)= the sum of partials[c * cols + j] over c; one warp per column.
+extern "C" __global__ void sum_partials_f32(const float* partials, float* out, u64 chunks, u64 cols, int accumulate) {
+    u64 col = warp_row();
+    if (col >= cols) return;
+    float acc = 0.0f;
+    for (u64 c = lane(); c < chunks; c += 32) acc += partials[c * cols + col];
+    acc = warp_sum(acc);
+    if (lane() == 0) out[col] = accumulate ? out[col] + acc : acc;
 }
 
 // 32 x 32 tiles through shared memory; blocks of 32 x 8 threads, grid over (cols, rows) tiles,
@@ -192,22 +261,6 @@ extern "C" __global__ void layer_norm_backward_input_f32(const float* x, const f
     }
 }
 
-// One thread per feature, rows in order.
-extern "C" __global__ void layer_norm_backward_params_f32(const float* x, const float* mean, const float* rstd,
-                                                          const float* dy, float* dgamma, float* dbeta,
-                                                          u64 rows, u64 cols, int accumulate) {
-    for (u64 j = global_index(); j < cols; j += global_stride()) {
-        float g = accumulate ? dgamma[j] : 0.0f, b = accumulate ? dbeta[j] : 0.0f;
-        for (u64 i = 0; i < rows; ++i) {
-            float d = dy[i * cols + j];
-            g += d * ((x[i * cols + j] - mean[i]) * rstd[i]);
-            b += d;
-        }
-        dgamma[j] = g;
-        dbeta[j] = b;
-    }
-}
-
 // ---- ids: labels and token ids are checked on the device, the first bad position reported ---
 
 extern "C" __global__ void check_labels_u32(const u32* labels, u64 n, u64 classes, unsigned int* first_bad) {
@@ -282,6 +335,36 @@ extern "C" __global__ void embedding_f32(const float* ids, const float* table, f
 extern "C" __global__ void embedding_backward_f32(const float* ids, const float* dy, float* dtable, u64 n, u64 width) {
     for (u64 col = global_index(); col < width; col += global_stride()) {
         for (u64 i = 0; i < n; ++i) dtable[(u64)ids[i] * width + col] += dy[i * width + col];
+    }
+}
+
+// The same sums by table row, for small tables: a block of EMBED_THREADS threads takes one row
+// and EMBED_THREADS of its columns, reads the ids through shared memory in order and adds the
+// gradient rows whose id is its row. Each element adds the same terms in the same order as the
+// kernel above, so both give the same bits; this one runs vocab x (width / EMBED_THREADS)
+// blocks in parallel instead of width threads over every id.
+#define EMBED_THREADS 128
+#define EMBED_ID_TILE 1024
+
+extern "C" __global__ void embedding_backward_rows_f32(const float* ids, const float* dy, float* dtable, u64 n,
+                                                       u64 width, u64 vocab) {
+    __shared__ float tile[EMBED_ID_TILE];
+    u64 col = (u64)blockIdx.x * EMBED_THREADS + threadIdx.x;
+    for (u64 row = blockIdx.y; row < vocab; row += gridDim.y) {
+        float acc = col < width ? dtable[row * width + col] : 0.0f;
+        float id = (float)row;
+        for (u64 i0 = 0; i0 < n; i0 += EMBED_ID_TILE) {
+            u64 len = n - i0 < EMBED_ID_TILE ? n - i0 : EMBED_ID_TILE;
+            __syncthreads();
+            for (u64 i = threadIdx.x; i < len; i += EMBED_THREADS) tile[i] = ids[i0 + i];
+            __syncthreads();
+            if (col < width) {
+                for (u64 i = 0; i < len; ++i) {
+                    if (tile[i] == id) acc += dy[(i0 + i) * width + col];
+                }
+            }
+        }
+        if (col < width) dtable[row * width + col] = acc;
     }
 }
 
@@ -408,6 +491,218 @@ extern "C" __global__ void attention_backward_keys_f32(const float* qkv, const f
             dvr[j] = dv[k];
         }
     }
+}
+
+// ---- causal attention, tiled: one thread per query (forward) or key (backward) row ---------
+//
+// For head widths D in {16, 32, 64}: a block of ATT_TILE threads takes ATT_TILE consecutive rows
+// of one (sequence, head); the other side's rows stream through shared memory ATT_TILE at a
+// time, so a thread's dot products read shared memory (a broadcast: every thread reads the same
+// key) and its own row in registers, with no shuffles. Per row the terms are taken in the same
+// order as the one-warp kernels (keys in order, online softmax), dot products in feature order.
+// Grid: x = row tiles, y = batch * heads.
+
+#define ATT_TILE 64
+
+template <int D>
+__device__ __forceinline__ float dot_shared(const float* mine, const float* shared_row) {
+    float s = 0.0f;
+#pragma unroll
+    for (int f = 0; f < D; ++f) s += mine[f] * shared_row[f];
+    return s;
+}
+
+// Loads rows [r0, r0 + ATT_TILE) (those below `seq`) of the D-wide slice at `column` of a
+// row-major [batch * seq, stride] tensor into `tile`.
+template <int D>
+__device__ __forceinline__ void load_tile(float (*tile)[D], const float* base, u64 r0, u64 seq, u64 stride,
+                                          u64 column) {
+    for (int e = threadIdx.x; e < ATT_TILE * D; e += ATT_TILE) {
+        int r = e / D, f = e % D;
+        u64 row = r0 + r;
+        tile[r][f] = row < seq ? base[row * stride + column + f] : 0.0f;
+    }
+}
+
+template <int D>
+__device__ void attention_tiled(const float* qkv, float* out, float* lse, u64 seq, u64 heads, u64 width,
+                                float scale) {
+    __shared__ float ks[ATT_TILE][D];
+    __shared__ float vs[ATT_TILE][D];
+    u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    u64 t = (u64)blockIdx.x * ATT_TILE + threadIdx.x;
+    u64 stride = 3 * width;
+    const float* base = qkv + b * seq * stride;
+    float q[D], acc[D];
+    bool live = t < seq;
+#pragma unroll
+    for (int f = 0; f < D; ++f) {
+        q[f] = live ? base[t * stride + h * D + f] : 0.0f;
+        acc[f] = 0.0f;
+    }
+    float m = neg_infinity(), l = 0.0f;
+    u64 last = (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1;
+    if (last >= seq) last = seq - 1;
+    for (u64 s0 = 0; s0 <= last; s0 += ATT_TILE) {
+        __syncthreads();
+        load_tile<D>(ks, base, s0, seq, stride, width + h * D);
+        load_tile<D>(vs, base, s0, seq, stride, 2 * width + h * D);
+        __syncthreads();
+        if (!live || s0 > t) continue;
+        u64 n = t - s0 + 1 < ATT_TILE ? t - s0 + 1 : ATT_TILE;
+        for (u64 j = 0; j < n; ++j) {
+            float score = dot_shared<D>(q, ks[j]) * scale;
+            float m_new = fmaxf(m, score);
+            float correction = expf(m - m_new);
+            float p = expf(score - m_new);
+            l = l * correction + p;
+#pragma unroll
+            for (int f = 0; f < D; ++f) acc[f] = acc[f] * correction + p * vs[j][f];
+            m = m_new;
+        }
+    }
+    if (!live) return;
+    float* o = out + (b * seq + t) * width + h * D;
+#pragma unroll
+    for (int f = 0; f < D; ++f) o[f] = acc[f] / l;
+    lse[bh * seq + t] = m + logf(l);
+}
+
+// Per query row t: delta_t = dout_t . out_t and dq_t = scale * sum_{s<=t} P_ts (dP_ts - delta_t) k_s.
+template <int D>
+__device__ void attention_backward_queries_tiled(const float* qkv, const float* out, const float* lse,
+                                                 const float* dout, float* dqkv, float* delta, u64 seq,
+                                                 u64 heads, u64 width, float scale) {
+    __shared__ float ks[ATT_TILE][D];
+    __shared__ float vs[ATT_TILE][D];
+    u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    u64 t = (u64)blockIdx.x * ATT_TILE + threadIdx.x;
+    u64 stride = 3 * width;
+    const float* base = qkv + b * seq * stride;
+    bool live = t < seq;
+    float q[D], go[D], acc[D];
+    float dt = 0.0f;
+#pragma unroll
+    for (int f = 0; f < D; ++f) {
+        q[f] = live ? base[t * stride + h * D + f] : 0.0f;
+        go[f] = live ? dout[(b * seq + t) * width + h * D + f] : 0.0f;
+        float o = live ? out[(b * seq + t) * width + h * D + f] : 0.0f;
+        dt += go[f] * o;
+        acc[f] = 0.0f;
+    }
+    float l = live ? lse[bh * seq + t] : 0.0f;
+    u64 last = (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1;
+    if (last >= seq) last = seq - 1;
+    for (u64 s0 = 0; s0 <= last; s0 += ATT_TILE) {
+        __syncthreads();
+        load_tile<D>(ks, base, s0, seq, stride, width + h * D);
+        load_tile<D>(vs, base, s0, seq, stride, 2 * width + h * D);
+        __syncthreads();
+        if (!live || s0 > t) continue;
+        u64 n = t - s0 + 1 < ATT_TILE ? t - s0 + 1 : ATT_TILE;
+        for (u64 j = 0; j < n; ++j) {
+            float p = expf(dot_shared<D>(q, ks[j]) * scale - l);
+            float ds = p * (dot_shared<D>(go, vs[j]) - dt) * scale;
+#pragma unroll
+            for (int f = 0; f < D; ++f) acc[f] += ds * ks[j][f];
+        }
+    }
+    if (!live) return;
+    float* dq = dqkv + (b * seq + t) * stride + h * D;
+#pragma unroll
+    for (int f = 0; f < D; ++f) dq[f] = acc[f];
+    delta[bh * seq + t] = dt;
+}
+
+// Per key row s: dk_s = scale * sum_{t>=s} P_ts (dP_ts - delta_t) q_t and dv_s = sum_{t>=s} P_ts dout_t.
+template <int D>
+__device__ void attention_backward_keys_tiled(const float* qkv, const float* lse, const float* dout,
+                                              const float* delta, float* dqkv, u64 seq, u64 heads, u64 width,
+                                              float scale) {
+    __shared__ float qs[ATT_TILE][D];
+    __shared__ float gos[ATT_TILE][D];
+    __shared__ float lses[ATT_TILE];
+    __shared__ float deltas[ATT_TILE];
+    u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    u64 s = (u64)blockIdx.x * ATT_TILE + threadIdx.x;
+    u64 stride = 3 * width;
+    const float* base = qkv + b * seq * stride;
+    const float* dbase = dout + b * seq * width;
+    bool live = s < seq;
+    float k[D], v[D], dk[D], dv[D];
+#pragma unroll
+    for (int f = 0; f < D; ++f) {
+        k[f] = live ? base[s * stride + width + h * D + f] : 0.0f;
+        v[f] = live ? base[s * stride + 2 * width + h * D + f] : 0.0f;
+        dk[f] = 0.0f;
+        dv[f] = 0.0f;
+    }
+    for (u64 t0 = (u64)blockIdx.x * ATT_TILE; t0 < seq; t0 += ATT_TILE) {
+        __syncthreads();
+        load_tile<D>(qs, base, t0, seq, stride, h * D);
+        load_tile<D>(gos, dbase, t0, seq, width, h * D);
+        u64 tt = t0 + threadIdx.x;
+        lses[threadIdx.x] = tt < seq ? lse[bh * seq + tt] : 0.0f;
+        deltas[threadIdx.x] = tt < seq ? delta[bh * seq + tt] : 0.0f;
+        __syncthreads();
+        if (!live) continue;
+        u64 first = s > t0 ? s - t0 : 0;
+        u64 n = seq - t0 < ATT_TILE ? seq - t0 : ATT_TILE;
+        for (u64 j = first; j < n; ++j) {
+            float p = expf(dot_shared<D>(qs[j], k) * scale - lses[j]);
+            float ds = p * (dot_shared<D>(gos[j], v) - deltas[j]) * scale;
+#pragma unroll
+            for (int f = 0; f < D; ++f) {
+                dk[f] += ds * qs[j][f];
+                dv[f] += p * gos[j][f];
+            }
+        }
+    }
+    if (!live) return;
+    float* dkr = dqkv + (b * seq + s) * stride + width + h * D;
+    float* dvr = dqkv + (b * seq + s) * stride + 2 * width + h * D;
+#pragma unroll
+    for (int f = 0; f < D; ++f) {
+        dkr[f] = dk[f];
+        dvr[f] = dv[f];
+    }
+}
+
+#define ATTENTION_TILED(D)                                                                                  \
+    extern "C" __global__ void attention_tiled_##D(const float* qkv, float* out, float* lse, u64 seq,      \
+                                                   u64 heads, u64 width, float scale) {                    \
+        attention_tiled<D>(qkv, out, lse, seq, heads, width, scale);                                       \
+    }                                                                                                      \
+    extern "C" __global__ void attention_backward_queries_tiled_##D(                                       \
+        const float* qkv, const float* out, const float* lse, const float* dout, float* dqkv, float* delta, \
+        u64 seq, u64 heads, u64 width, float scale) {                                                      \
+        attention_backward_queries_tiled<D>(qkv, out, lse, dout, dqkv, delta, seq, heads, width, scale);   \
+    }                                                                                                      \
+    extern "C" __global__ void attention_backward_keys_tiled_##D(const float* qkv, const float* lse,       \
+                                                                 const float* dout, const float* delta,    \
+                                                                 float* dqkv, u64 seq, u64 heads,          \
+                                                                 u64 width, float scale) {                 \
+        attention_backward_keys_tiled<D>(qkv, lse, dout, delta, dqkv, seq, heads, width, scale);           \
+    }
+
+ATTENTION_TILED(16)
+ATTENTION_TILED(32)
+ATTENTION_TILED(64)
+
+// ---- bf16 operands for tensor-core products ------------------------------------------------
+//
+// f32 to bf16 by round-to-nearest-even (NaN kept quiet), as `half`'s `bf16::from_f32` on the
+// host, so the wire's and the products' roundings agree.
+
+__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
+    u32 bits = __float_as_uint(x);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x0040u);
+    u32 rounding = 0x7fffu + ((bits >> 16) & 1u);
+    return (unsigned short)((bits + rounding) >> 16);
+}
+
+extern "C" __global__ void to_bf16(const float* x, unsigned short* out, u64 n) {
+    for (u64 i = global_index(); i < n; i += global_stride()) out[i] = f32_to_bf16(x[i]);
 }
 
 // ---- optimizer updates (PyTorch semantics, as the CPU backend) -----------------------------

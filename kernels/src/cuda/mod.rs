@@ -53,14 +53,15 @@ pub fn check_source(source: &str, arch: u32) -> Result<(usize, usize)> {
     }
 }
 
-/// Opens the CUDA backend on device `ordinal` as a trait object.
-pub(crate) fn open(ordinal: usize) -> Result<Box<dyn crate::Backend>> {
+/// Opens the CUDA backend on device `ordinal`, its products in `precision`, as a trait object.
+pub(crate) fn open(ordinal: usize, precision: crate::Precision) -> Result<Box<dyn crate::Backend>> {
     #[cfg(feature = "cuda")]
     {
-        Ok(Box::new(CudaBackend::new(ordinal)?))
+        Ok(Box::new(CudaBackend::with_precision(ordinal, precision)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
+        let _ = precision;
         CudaBackend::new(ordinal)?;
         Err(crate::KernelError::NotCompiledWithCuda)
     }

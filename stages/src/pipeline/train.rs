@@ -109,7 +109,7 @@ pub fn train_pipelined(
     opts: &PipelineTrainOptions,
 ) -> Result<PipelineReport> {
     // A backend that cannot run here fails before any worker starts (the CPU always can).
-    if cfg.backend == BackendKind::Cuda {
+    if matches!(cfg.backend, BackendKind::Cuda(_)) {
         pipe_kernels::cuda::device_count()?;
     }
     let run = Run::new(cfg, data)?;
@@ -810,7 +810,7 @@ pub fn open_backend(
 ) -> std::result::Result<Box<dyn Backend>, pipe_kernels::KernelError> {
     let ordinal = match kind {
         BackendKind::Cpu => 0,
-        BackendKind::Cuda => worker as usize % pipe_kernels::cuda::device_count()?,
+        BackendKind::Cuda(_) => worker as usize % pipe_kernels::cuda::device_count()?,
     };
     kind.open(threads, ordinal)
 }
