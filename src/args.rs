@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use clap::builder::TypedValueParser;
 use clap::error::ErrorKind;
-use pipe_kernels::{Backend, BackendKind, KernelError};
+use pipe_kernels::{Backend, BackendKind, KernelError, Precision};
 use pipe_scheduler::{
     Length, LowerOptions, Policy, Schedule, ScheduleSpec, generate, lower, validate,
 };
@@ -57,6 +57,14 @@ impl TypedValueParser for BackendParser {
             .with_cmd(cmd)
         })
     }
+}
+
+/// Parses `--precision` (`f32`, `tf32`, `bf16`).
+///
+/// # Errors
+/// The one-line message naming the choices.
+pub fn parse_precision(s: &str) -> Result<Precision, String> {
+    s.parse()
 }
 
 /// What describes a schedule on the command line (shared by `pipe schedule` and `pipe

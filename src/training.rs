@@ -124,6 +124,10 @@ pub struct TrainArgs {
     /// Compute backend: cpu or cuda.
     #[arg(long, value_parser = BackendParser)]
     backend: Option<BackendKind>,
+    /// Precision of the matrix products: f32, tf32 or bf16 (tensor cores with f32
+    /// accumulation and f32 master weights; cuda only).
+    #[arg(long, value_parser = ["f32", "tf32", "bf16"])]
+    precision: Option<String>,
     /// How workers exchange tensors: inproc (channels) or quic (QUIC with mutual TLS on
     /// loopback).
     #[arg(long, value_parser = ["inproc", "quic"])]
@@ -200,6 +204,7 @@ impl TrainArgs {
             chunks: self.chunks,
             partition: self.partition.clone(),
             backend: self.backend.map(|b| b.name().to_string()),
+            precision: self.precision.clone(),
             transport: self.transport.clone(),
             wire_dtype: self.wire_dtype.clone(),
             sync_warmup: self.sync_warmup,

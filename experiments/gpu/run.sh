@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/gpu.md, on a machine with an NVIDIA GPU, from the binaries that
 # experiments/gpu/stage.sh put in .gpu/ (run from the repository root: `bash .gpu/run.sh`).
-# Everything goes to $OUT/gpu-checks.log (or ./gpu-checks.log); PIPE_REQUIRE_GPU=1 makes every
-# stamped CUDA test fail rather than skip if the GPU cannot be opened.
+# Everything goes to $OUT/gpu-checks.log (or ./gpu-checks.log), the comparison with PyTorch to
+# $OUT/compare/; PIPE_REQUIRE_GPU=1 makes every stamped CUDA test fail rather than skip if the
+# GPU cannot be opened. Every step has its own time limit.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 log="${OUT:-.}/gpu-checks.log"
@@ -12,14 +13,26 @@ for d in /usr/local/cuda/lib64 /usr/local/nvidia/lib64; do
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
 step() {
-  echo "== $*" | tee -a "$log"
-  "$@" 2>&1 | tee -a "$log"
-  echo "-- exit ${PIPESTATUS[0]}" | tee -a "$log"
+  local limit=$1
+  shift
+  echo "== $* (limit ${limit}s)" | tee -a "$log"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$log"
+  echo "-- exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$log"
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } 2>&1 | tee "$log"
-step "$here/backend-tests" --test-threads 1
-step "$here/layout-tests" --nocapture layouts_on_gpus
-step "$here/pipe" bench mfu --backend cuda
-step "$here/pipe" bench mfu --backend cuda --model gpt-mini --batch 8
-step "$here/pipe" train --backend cuda --stages 2 --epochs 1
-step "$here/pipe" train --backend cuda --stages 2 --replicas 2 --epochs 1
+step 120 "$here/backend-tests" --test-threads 1
+step 150 "$here/layout-tests" --nocapture layouts_on_gpus
+step 420 bash "$here/compare.sh"
+# Precision against f32 on whole runs: MNIST (default MLP, 6 epochs) and gpt-mini (3 epochs).
+for p in f32 bf16; do
+  step 60 "$here/pipe" train --backend cuda --precision "$p"
+done
+for p in f32 bf16; do
+  step 100 "$here/pipe" train --backend cuda --precision "$p" --model gpt-mini --epochs 3
+done
+# One GPU shared by the workers of a pipeline, against one worker on the same model.
+m=mlp-784-1024x4-10
+step 60 "$here/pipe" train --backend cuda --model "$m" --epochs 1
+step 60 "$here/pipe" train --backend cuda --model "$m" --stages 2 --epochs 1
+step 90 "$here/pipe" train --backend cuda --model "$m" --stages 4 --replicas 2 --epochs 1

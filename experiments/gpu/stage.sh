@@ -21,5 +21,5 @@ for line in sys.stdin:
 cp "$(test_binary -p pipe-kernels --test backend)" "$out/backend-tests"
 cp "$(test_binary -p pipe-stages --test layouts)" "$out/layout-tests"
 strip "$out"/pipe "$out"/backend-tests "$out"/layout-tests
-cp experiments/gpu/run.sh "$out/run.sh"
+cp experiments/gpu/run.sh experiments/gpu/compare.sh experiments/gpu/peer.py experiments/gpu/table.py "$out/"
 du -sh "$out"/*

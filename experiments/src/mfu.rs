@@ -66,6 +66,8 @@ pub struct MfuReport {
     pub threads: usize,
     /// The backend measured (`cpu`, `cuda`).
     pub backend: String,
+    /// The precision of its matrix products (`f32`, `tf32`, `bf16`).
+    pub precision: String,
     /// Median seconds per training step.
     pub step_s_median: f64,
     /// Samples per second from the median step.
@@ -335,6 +337,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         batch: cfg.batch,
         threads: be.threads(),
         backend: be.name().into(),
+        precision: cfg.backend.precision().to_string(),
         step_s_median: step,
         samples_per_s,
         flops_per_sample,
@@ -462,7 +465,7 @@ pub fn render(r: &MfuReport) -> String {
         "6 x params x samples/s"
     };
     let mut out = format!(
-        "model {} ({} parameters), batch {}, {} on {} threads\n\
+        "model {} ({} parameters), batch {}, {} ({} products) on {} threads\n\
          step (median)        {:.2} ms\n\
          throughput           {:.0} samples/s\n\
          model FLOP rate      {:.1} GFLOP/s ({flop_rule})\n\
@@ -472,6 +475,7 @@ pub fn render(r: &MfuReport) -> String {
         r.parameters,
         r.batch,
         r.backend,
+        r.precision,
         r.threads,
         r.step_s_median * 1e3,
         r.samples_per_s,

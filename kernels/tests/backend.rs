@@ -973,3 +973,83 @@ fn id_tensors_hold_u32() {
     assert!(Tensor::<u32>::from_vec(&[3], vec![1]).is_err());
     assert!(Tensor::<f32>::default().is_empty());
 }
+
+/// `x` rounded to `mantissa` bits (round to nearest, ties to even): what TF32 (10) and bf16 (7)
+/// keep of an f32 product input.
+fn round_mantissa(x: f32, mantissa: u32) -> f32 {
+    let drop = 23 - mantissa;
+    let bits = x.to_bits();
+    let half = (1u32 << (drop - 1)) - 1 + ((bits >> drop) & 1);
+    f32::from_bits((bits + half) & !((1u32 << drop) - 1))
+}
+
+/// The reduced precisions on CUDA, for every transpose and with accumulation: bf16 products
+/// equal the f64 product of the inputs rounded to bf16 up to f32 accumulation (1e-4); TF32
+/// products are within 5e-3 of the product of inputs rounded to TF32 (cuBLAS may truncate
+/// rather than round the inputs, so looser); the same call twice gives the same bits.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_reduced_precision_products_round_their_inputs() {
+    use pipe_kernels::Precision;
+    for (precision, mantissa, tol) in [(Precision::Bf16, 7, 1e-4), (Precision::Tf32, 10, 5e-3)] {
+        let be = match pipe_kernels::CudaBackend::with_precision(0, precision) {
+            Ok(be) => be,
+            Err(e) => {
+                assert!(
+                    std::env::var_os("PIPE_REQUIRE_GPU").is_none_or(|v| v != "1"),
+                    "PIPE_REQUIRE_GPU=1 but the CUDA backend did not open: {e}"
+                );
+                eprintln!("skipped on the cuda backend: {e}");
+                return;
+            }
+        };
+        assert_eq!(be.precision(), precision);
+        for (m, k, n) in [(64, 256, 96), (5, 33, 7), (256, 1024, 512)] {
+            for ta in [Trans::No, Trans::Yes] {
+                for tb in [Trans::No, Trans::Yes] {
+                    let (a, b) = operands(m, k, n, ta, tb, 3);
+                    let rounded = |t: &Tensor| {
+                        let v = t
+                            .host()
+                            .unwrap()
+                            .iter()
+                            .map(|&x| round_mantissa(x, mantissa));
+                        Tensor::from_vec(t.shape(), v.collect()).unwrap()
+                    };
+                    let want = naive(&rounded(&a), ta, &rounded(&b), tb);
+                    let (ad, bd) = (on(&be, &a), on(&be, &b));
+                    let mut c = Tensor::default();
+                    be.matmul(&ad, ta, &bd, tb, &mut c, false).unwrap();
+                    let first = read(&be, &c);
+                    close(&first, &want, tol);
+                    be.matmul(&ad, ta, &bd, tb, &mut c, false).unwrap();
+                    assert!(
+                        read(&be, &c)
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .eq(first.iter().map(|v| v.to_bits())),
+                        "{precision} {m}x{k}x{n}: a repeated product changed its bits"
+                    );
+                    be.matmul(&ad, ta, &bd, tb, &mut c, true).unwrap();
+                    let twice: Vec<f64> = want.iter().map(|w| 2.0 * w).collect();
+                    close(&read(&be, &c), &twice, tol);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mantissa_rounding_is_to_nearest_even() {
+    assert_eq!(round_mantissa(1.0, 7), 1.0);
+    // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa, 1.
+    assert_eq!(round_mantissa(1.0 + 2f32.powi(-8), 7), 1.0);
+    assert_eq!(
+        round_mantissa(1.0 + 3.0 * 2f32.powi(-8), 7),
+        1.0 + 2.0 * 2f32.powi(-7)
+    );
+    assert_eq!(
+        round_mantissa(-1.0 - 2f32.powi(-6), 7),
+        -1.0 - 2f32.powi(-6)
+    );
+}

@@ -8,7 +8,7 @@ use std::sync::atomic::AtomicBool;
 use anyhow::{Context, Result};
 use clap::Args;
 use pipe_experiments::ExperimentError;
-use pipe_kernels::BackendKind;
+use pipe_kernels::{BackendKind, Precision};
 
 use pipe_transport::cluster::ClusterFile;
 use pipe_transport::quic::QuicOptions;
@@ -67,6 +67,9 @@ pub struct MfuArgs {
     /// Compute backend: cpu, or cuda (device 0; builds with `--features cuda`).
     #[arg(long, default_value = "cpu", value_parser = crate::args::BackendParser)]
     backend: BackendKind,
+    /// Precision of the matrix products: f32, tf32 or bf16 (the last two on cuda only).
+    #[arg(long, default_value = "f32", value_parser = crate::args::parse_precision)]
+    precision: Precision,
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -260,8 +263,12 @@ pub fn run_mfu(args: &MfuArgs) -> Result<()> {
     }
     check_counts(&[("--steps", args.steps as u64)], Some(args.threads))?;
     check_model_batch(&args.model, args.batch)?;
+    let backend = args
+        .backend
+        .with_precision(args.precision)
+        .map_err(bad_input)?;
     // A backend that cannot run here is bad input, said before any measuring.
-    drop(crate::args::open_backend(args.backend, 1)?);
+    drop(crate::args::open_backend(backend, 1)?);
     let cfg = pipe_experiments::mfu::MfuConfig {
         model: args.model.clone(),
         batch: args.batch,
@@ -269,7 +276,7 @@ pub fn run_mfu(args: &MfuArgs) -> Result<()> {
         steps: args.steps,
         warmup: 3,
         momentum: args.momentum,
-        backend: args.backend,
+        backend,
     };
     let report = pipe_experiments::mfu::run(&cfg).map_err(|e| match e {
         ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),

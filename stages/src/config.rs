@@ -278,6 +278,8 @@ pub struct TrainSettings {
     pub partition: Option<String>,
     /// Compute backend (`cpu`, `cuda`).
     pub backend: Option<String>,
+    /// Precision of the matrix products (`f32`, `tf32`, `bf16`; the last two need `cuda`).
+    pub precision: Option<String>,
     /// How workers exchange tensors (`inproc`, `quic`).
     pub transport: Option<String>,
     /// Element type of activations and gradients between stages (`f32`, `bf16`).
@@ -380,7 +382,7 @@ impl TrainSettings {
         merge_fields!(dst, src; model, tie_embeddings, dataset, data_dir, synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
-            schedule, chunks, partition, backend, transport, wire_dtype, sync_warmup, lr_scaling,
+            schedule, chunks, partition, backend, precision, transport, wire_dtype, sync_warmup, lr_scaling,
             weight_prediction, stall_timeout);
     }
 
@@ -661,6 +663,12 @@ impl TrainSettings {
         let backend = match &self.backend {
             Some(b) => b.parse().map_err(StageError::Config)?,
             None => BackendKind::Cpu,
+        };
+        let backend = match &self.precision {
+            Some(p) => backend
+                .with_precision(p.parse().map_err(StageError::Config)?)
+                .map_err(StageError::Config)?,
+            None => backend,
         };
         let transport = match &self.transport {
             Some(t) => t.parse().map_err(StageError::Config)?,

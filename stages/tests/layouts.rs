@@ -83,9 +83,13 @@ fn special_layouts_equal_the_reference_trainer() {
     }
 }
 
-/// Largest accepted `|gpu - cpu| / (1 + |cpu|)` over every weight of a run on GPUs: cuBLAS and
-/// the CUDA kernels sum in other orders than the CPU backend, so not bit for bit.
-const GPU_TOLERANCE: f32 = 1e-4;
+/// Largest accepted `|gpu - cpu| / (1 + |cpu|)` over every weight of a run on GPUs (the
+/// layouts below: about 70 to 140 updates with momentum 0.9), by the precision of the GPU's
+/// products. In f32, cuBLAS and the CUDA kernels sum in other orders than the CPU backend, so
+/// not bit for bit. TF32 rounds every product's inputs to 10 mantissa bits (relative error up
+/// to 2^-11) and bf16 to 7 (2^-8); the CPU reference stays f32, so the gap is the reduced
+/// precision's drift over the whole run.
+const GPU_TOLERANCES: [(&str, f32); 3] = [("f32", 1e-4), ("tf32", 5e-3), ("bf16", 2e-2)];
 
 /// The oracle on the CUDA backend: runs with every worker on a GPU end near the CPU reference
 /// trainer's weights. Where no GPU opens (no `cuda` feature, no driver, no device) it says so and
@@ -113,30 +117,37 @@ fn layouts_on_gpus_end_near_the_cpu_reference_trainer() {
         ("2bw", 2, vec![1, 2], 1, 2),
         ("interleaved", 2, vec![1], 2, 2),
     ];
-    for (policy, stages, replicas, chunks, m) in cases {
-        let base = settings(policy, stages, &replicas, chunks, m);
-        let cpu = base.clone().resolve().unwrap();
-        let gpu = TrainSettings {
-            backend: Some("cuda".into()),
-            ..base
+    for (precision, tolerance) in GPU_TOLERANCES {
+        for (policy, stages, replicas, chunks, m) in &cases {
+            let base = settings(policy, *stages, replicas, *chunks, *m);
+            let cpu = base.clone().resolve().unwrap();
+            let gpu = TrainSettings {
+                backend: Some("cuda".into()),
+                precision: Some(precision.into()),
+                ..base
+            }
+            .resolve()
+            .unwrap();
+            let data = load_data(&cpu, &Model::new(&cpu.model).unwrap()).unwrap();
+            let got = train_pipelined(&gpu, &data, &mut Quiet, &PipelineTrainOptions::default())
+                .unwrap_or_else(|e| panic!("{policy} {replicas:?} {precision}: {e}"));
+            let (want, _) = train_reference(&cpu, &data).unwrap();
+            let (got, want) = (values(&got.report.params), values(&want));
+            assert_eq!(got.len(), want.len());
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+                .fold(0.0f32, f32::max);
+            eprintln!(
+                "{precision} {policy} {stages} stages {replicas:?} x{chunks}: worst relative gap \
+                 {worst:e} (tolerance {tolerance:e})"
+            );
+            assert!(
+                worst <= tolerance,
+                "{precision} {policy} {replicas:?}: worst relative gap {worst:e} exceeds \
+                 {tolerance:e}"
+            );
         }
-        .resolve()
-        .unwrap();
-        let data = load_data(&cpu, &Model::new(&cpu.model).unwrap()).unwrap();
-        let got = train_pipelined(&gpu, &data, &mut Quiet, &PipelineTrainOptions::default())
-            .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
-        let (want, _) = train_reference(&cpu, &data).unwrap();
-        let (got, want) = (values(&got.report.params), values(&want));
-        assert_eq!(got.len(), want.len());
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
-            .fold(0.0f32, f32::max);
-        eprintln!("{policy} {stages} stages {replicas:?} x{chunks}: worst relative gap {worst:e}");
-        assert!(
-            worst <= GPU_TOLERANCE,
-            "{policy} {replicas:?}: worst relative gap {worst:e} exceeds {GPU_TOLERANCE:e}"
-        );
     }
 }

@@ -533,7 +533,34 @@ impl CudaBackend {
         }
     }
 
-    /// Reads one `u32` flag that a check kernel lowered from `u32::MAX`; `None` when untouched.
+    /// Queues a check kernel over the `n` ids at `data` against `limit`: it lowers the `u32`
+    /// at `flag` from `u32::MAX` (set here, on the stream, with no wait) to the first bad index.
+    fn queue_check(
+        &self,
+        check: &CudaFunction,
+        data: u64,
+        n: usize,
+        limit: usize,
+        flag: u64,
+    ) -> Result<()> {
+        let (n64, limit64, one) = (as_u64(n), as_u64(limit), 1u64);
+        // All ones: the bits of u32::MAX written through the f32 fill.
+        let all_ones = f32::from_bits(u32::MAX);
+        let mut b = self.stream.launch_builder(&self.kernels.fill_f32);
+        b.arg(&flag).arg(&one).arg(&all_ones);
+        // SAFETY: `flag` is one live u32 slot of this backend's.
+        unsafe { b.launch(grid(1)) }.map_err(driver_err("check ids"))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = self.stream.launch_builder(check);
+        b.arg(&data).arg(&n64).arg(&limit64).arg(&flag);
+        // SAFETY: the argument list matches the kernel's signature; `data` holds n ids.
+        unsafe { b.launch(grid(n64)) }.map_err(driver_err("check ids"))?;
+        Ok(())
+    }
+
+    /// Runs a check kernel and reads its flag (one wait); `None` when every id passed.
     fn first_bad(
         &self,
         check: &CudaFunction,
@@ -541,13 +568,8 @@ impl CudaBackend {
         n: usize,
         limit: usize,
     ) -> Result<Option<usize>> {
-        let flag = self.upload(&[u32::MAX], &[1])?;
-        let flag_ptr = self.ptr(&flag, "check")?;
-        let (n64, limit64) = (as_u64(n), as_u64(limit));
-        let mut b = self.stream.launch_builder(check);
-        b.arg(&data).arg(&n64).arg(&limit64).arg(&flag_ptr);
-        // SAFETY: the argument list matches the kernel's signature; `data` holds n ids.
-        unsafe { b.launch(grid(n64)) }.map_err(driver_err("check ids"))?;
+        let (_flag, flag_ptr) = self.scratch(1)?;
+        self.queue_check(check, data, n, limit, flag_ptr)?;
         let got = self.download::<u32>(flag_ptr, 1)?;
         Ok(got
             .first()
@@ -601,7 +623,12 @@ impl CudaBackend {
     }
 
     /// Column-major `C = alpha op(A) op(B) + beta C` in f32 (cuBLAS `sgemm`).
-    fn sgemm(&self, d: GemmDims, (alpha, beta): (f32, f32), (a, b, c): (u64, u64, u64)) -> Result<()> {
+    fn sgemm(
+        &self,
+        d: GemmDims,
+        (alpha, beta): (f32, f32),
+        (a, b, c): (u64, u64, u64),
+    ) -> Result<()> {
         let handle = self.blas.lock().unwrap_or_else(PoisonError::into_inner);
         self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
         // SAFETY: the pointers are this backend's buffers of the sizes `d` describes (checked
@@ -693,11 +720,19 @@ impl CudaBackend {
     /// The column sums of a row-major `rows x cols` buffer at `xp` into the `cols` floats at
     /// `out` (added to them when `accumulate`), by the two deterministic passes of
     /// `column_partials_f32` and `sum_partials_f32`.
-    fn column_sums(&self, xp: u64, (rows, cols): (u64, u64), out: u64, accumulate: bool) -> Result<()> {
+    fn column_sums(
+        &self,
+        xp: u64,
+        (rows, cols): (u64, u64),
+        out: u64,
+        accumulate: bool,
+    ) -> Result<()> {
         let chunks = rows.div_ceil(COLUMN_CHUNK_ROWS);
         let (_partials, pp) = self.scratch(usize::try_from(chunks * cols).unwrap_or(usize::MAX))?;
         if chunks > 0 {
-            let mut b = self.stream.launch_builder(&self.kernels.column_partials_f32);
+            let mut b = self
+                .stream
+                .launch_builder(&self.kernels.column_partials_f32);
             b.arg(&xp).arg(&pp).arg(&rows).arg(&cols);
             // SAFETY: x holds rows x cols floats, the partials chunks x cols.
             unsafe { b.launch(column_grid(chunks, cols)?) }.map_err(driver_err("column sums"))?;
@@ -706,7 +741,14 @@ impl CudaBackend {
     }
 
     /// `out[j] (+)= sum over c of partials[c * cols + j]`, one warp per column.
-    fn sum_partials(&self, pp: u64, chunks: u64, cols: u64, out: u64, accumulate: bool) -> Result<()> {
+    fn sum_partials(
+        &self,
+        pp: u64,
+        chunks: u64,
+        cols: u64,
+        out: u64,
+        accumulate: bool,
+    ) -> Result<()> {
         let acc = i32::from(accumulate);
         let mut b = self.stream.launch_builder(&self.kernels.sum_partials_f32);
         b.arg(&pp).arg(&out).arg(&chunks).arg(&cols).arg(&acc);
@@ -1120,7 +1162,13 @@ impl Backend for CudaBackend {
             let mut b = self
                 .stream
                 .launch_builder(&self.kernels.layer_norm_param_partials_f32);
-            b.arg(&xp).arg(&mp).arg(&rp).arg(&dyp).arg(&pp).arg(&r).arg(&c);
+            b.arg(&xp)
+                .arg(&mp)
+                .arg(&rp)
+                .arg(&dyp)
+                .arg(&pp)
+                .arg(&r)
+                .arg(&c);
             // SAFETY: shapes checked above; the partials hold 2 x chunks x cols floats.
             unsafe { b.launch(column_grid(chunks, c)?) }.map_err(driver_err(op))?;
         }
@@ -1139,7 +1187,39 @@ impl Backend for CudaBackend {
         let op = "softmax_cross_entropy";
         crate::check::label_count(logits, labels)?;
         let (lp, yp) = (self.ptr(logits, op)?, self.ptr(labels, op)?);
-        if let Some(row) = self.first_bad(&self.kernels.check_labels_u32, yp, rows, n)? {
+        let mut stats = LossStats {
+            rows,
+            ..LossStats::default()
+        };
+        if rows == 0 {
+            return Ok(stats);
+        }
+        // One buffer comes back in one wait: per-row losses (f64), per-row hits (i32), then the
+        // label check's flag (u32::MAX when every label is below n).
+        let (loss_bytes, hit_bytes) = (rows * 8, rows * 4);
+        let (_results, lossp) = self.scratch((loss_bytes + hit_bytes + 4).div_ceil(4))?;
+        let hitp = lossp + as_u64(loss_bytes);
+        let flagp = hitp + as_u64(hit_bytes);
+        self.queue_check(&self.kernels.check_labels_u32, yp, rows, n, flagp)?;
+        if n > 0 {
+            let dp = match dlogits {
+                Some(d) => self.output(d, logits.shape())?,
+                None => 0,
+            };
+            let (r, c) = (as_u64(rows), as_u64(n));
+            let mut b = self.stream.launch_builder(&self.kernels.softmax_xent_f32);
+            b.arg(&lp).arg(&yp).arg(&r).arg(&c).arg(&grad_scale);
+            b.arg(&dp).arg(&lossp).arg(&hitp);
+            // SAFETY: shapes checked above; `dp` is null when no gradient is wanted; a row
+            // whose label is out of range reads no logit by it (the kernel skips it).
+            unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
+        }
+        let bytes = self.download::<u8>(lossp, loss_bytes + hit_bytes + 4)?;
+        let (losses, rest) = bytes.split_at(loss_bytes);
+        let (hits, flag) = rest.split_at(hit_bytes);
+        let flag = flag.try_into().map(u32::from_le_bytes).unwrap_or(u32::MAX);
+        if flag != u32::MAX {
+            let row = flag as usize;
             let label = self
                 .download::<u32>(yp + as_u64(row * 4), 1)?
                 .first()
@@ -1151,32 +1231,18 @@ impl Backend for CudaBackend {
                 classes: n,
             });
         }
-        let mut stats = LossStats {
-            rows,
-            ..LossStats::default()
-        };
-        if n == 0 || rows == 0 {
+        if n == 0 {
             return Ok(stats);
         }
-        let dp = match dlogits {
-            Some(d) => self.output(d, logits.shape())?,
-            None => 0,
-        };
-        // Per-row loss (f64, two f32 slots each) and hit flags.
-        let (mut losses, mut hits) = (Tensor::<f32>::default(), Tensor::<u32>::default());
-        let lossp = self.output(&mut losses, &[rows * 2])?;
-        let hitp = self.output(&mut hits, &[rows])?;
-        let (r, c) = (as_u64(rows), as_u64(n));
-        let mut b = self.stream.launch_builder(&self.kernels.softmax_xent_f32);
-        b.arg(&lp).arg(&yp).arg(&r).arg(&c).arg(&grad_scale);
-        b.arg(&dp).arg(&lossp).arg(&hitp);
-        // SAFETY: shapes checked above; `dp` is null when no gradient is wanted.
-        unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
-        let losses = self.download::<f64>(lossp, rows)?;
-        let hits = self.download::<i32>(hitp, rows)?;
         // Summed in row order on the host, as the CPU backend sums them.
-        stats.loss_sum = losses.iter().sum();
-        stats.correct = hits.iter().filter(|&&h| h == 1).count();
+        stats.loss_sum = losses
+            .chunks_exact(8)
+            .filter_map(|b| b.try_into().ok().map(f64::from_le_bytes))
+            .sum();
+        stats.correct = hits
+            .chunks_exact(4)
+            .filter(|b| <[u8; 4]>::try_from(*b).ok().map(i32::from_le_bytes) == Some(1))
+            .count();
         Ok(stats)
     }
 
@@ -1313,7 +1379,12 @@ impl Backend for CudaBackend {
         if let Some(tiled) = self.tiled_attention(shape) {
             let cfg = attention_tiles(seq, batch * heads)?;
             let mut b = self.stream.launch_builder(tiled.queries);
-            b.arg(&qp).arg(&outp).arg(&lp).arg(&dop).arg(&dp).arg(&deltap);
+            b.arg(&qp)
+                .arg(&outp)
+                .arg(&lp)
+                .arg(&dop)
+                .arg(&dp)
+                .arg(&deltap);
             b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
             // SAFETY: as the forward; writes the query third of dqkv and delta.
             unsafe { b.launch(cfg) }.map_err(driver_err(op))?;

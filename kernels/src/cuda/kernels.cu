@@ -284,6 +284,15 @@ extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labe
                                             int* row_hit) {
     u64 row = warp_row();
     if (row >= rows) return;
+    u32 label = labels[row];
+    if ((u64)label >= cols) {
+        // Refused by the label check queued before; no logit is read by this label.
+        if (lane() == 0) {
+            row_loss[row] = 0.0;
+            row_hit[row] = 0;
+        }
+        return;
+    }
     const float* lr = logits + row * cols;
     // Arg-max with the first maximum winning: each lane keeps its first maximum, then the warp
     // keeps the largest value and, among equals, the smallest index.
@@ -306,7 +315,6 @@ extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labe
     double s = 0.0;
     for (u64 j = lane(); j < cols; j += 32) s += exp((double)(lr[j] - best));
     double lse = log(warp_sum_f64(s));
-    u32 label = labels[row];
     if (lane() == 0) {
         row_loss[row] = lse - (double)(lr[label] - best);
         row_hit[row] = arg == (u64)label ? 1 : 0;
