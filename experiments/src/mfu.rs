@@ -278,11 +278,13 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     let targets = cfg.batch * rows.iter().product::<usize>();
     let mut x_shape = vec![cfg.batch];
     x_shape.extend_from_slice(model.input_shape());
-    let x = random_input(&model, 0, &x_shape, 0, "mfu-x")?;
-    let y = Tensor::from_vec(
+    // The batch lives on the device for the whole measurement, as in the PyTorch peer
+    // (experiments/gpu/peer.py): the step is timed, not a data loader's copy.
+    let x = be.place(random_input(&model, 0, &x_shape, 0, "mfu-x")?)?;
+    let y = be.place_ids(Tensor::from_vec(
         &[targets],
         (0..targets).map(|i| (i % classes.max(1)) as u32).collect(),
-    )?;
+    )?)?;
     let language = is_language_model(&model);
 
     let gemm_before = gemm_rate(be, 15)?;

@@ -380,6 +380,26 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// None today; reserved for device failures.
     fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+
+    /// The index of the first tensor of `xs` that holds a value that is not finite (NaN or an
+    /// infinity), or `None`. A device backend answers for the whole list with one wait, so a
+    /// guard over every gradient of an update costs one round trip, not one per tensor.
+    ///
+    /// # Errors
+    /// Device failures.
+    fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
+        for (i, x) in xs.iter().enumerate() {
+            // A sum of f32 values in f64 is finite exactly when every value is.
+            let finite = match x.host() {
+                Ok(values) => values.iter().all(|v| v.is_finite()),
+                Err(_) => self.sum(x)?.is_finite(),
+            };
+            if !finite {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
 }
 
 /// A boxed backend is a backend: runs choose theirs at run time (`--backend`) and hand the box
@@ -590,6 +610,10 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
         (**self).sum_squares(x)
+    }
+
+    fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
+        (**self).first_non_finite(xs)
     }
 }
 

@@ -263,4 +263,8 @@ impl<B: Backend> Backend for Timed<B> {
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
         self.time(|| self.inner.sum_squares(x))
     }
+
+    fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
+        self.time(|| self.inner.first_non_finite(xs))
+    }
 }

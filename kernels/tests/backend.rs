@@ -736,6 +736,7 @@ backend_tests!(
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,
+        non_finite_values_are_found_by_tensor,
     ]
 );
 
@@ -755,6 +756,7 @@ backend_tests!(
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,
+        non_finite_values_are_found_by_tensor,
     ]
 );
 
@@ -774,8 +776,31 @@ backend_tests!(
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,
+        non_finite_values_are_found_by_tensor,
     ]
 );
+
+/// The guard over an update's gradients: the first tensor holding a NaN or an infinity is
+/// named, wherever in it the value sits; empty and finite tensors pass.
+fn non_finite_values_are_found_by_tensor(be: &dyn Backend) {
+    let finite = rand_t(&[64, 33], 21);
+    let empty = Tensor::from_vec(&[0], Vec::new()).unwrap();
+    assert_eq!(be.first_non_finite(&[]).unwrap(), None);
+    let (f, e) = (on(be, &finite), on(be, &empty));
+    assert_eq!(be.first_non_finite(&[&f, &e, &f]).unwrap(), None);
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for at in [0, 1000, 64 * 33 - 1] {
+            let mut values = finite.host().unwrap().to_vec();
+            values[at] = bad;
+            let b = on(be, &Tensor::from_vec(&[64, 33], values).unwrap());
+            assert_eq!(
+                be.first_non_finite(&[&f, &e, &b, &b]).unwrap(),
+                Some(2),
+                "{bad} at {at}"
+            );
+        }
+    }
+}
 
 /// The promise the whole project's oracle rests on: same inputs, same bits, any thread count.
 #[test]

@@ -309,26 +309,22 @@ pub(crate) fn check_gradients(
     grads: &Params,
     update: u64,
 ) -> Result<()> {
-    for (i, layer) in grads.iter().enumerate() {
-        for (slot, g) in layer.iter().enumerate() {
-            // On a device the sum says it: a sum of f32 values in f64 is finite exactly when
-            // every value is.
-            let finite = match g.host() {
-                Ok(values) => values.iter().all(|v| v.is_finite()),
-                Err(_) => be.sum(g)?.is_finite(),
-            };
-            if !finite {
-                let id = model.param_id(first + i, slot);
-                let name = model
-                    .param_table()
-                    .get(id)
-                    .map_or_else(|| format!("layers.{}", first + i), |e| e.name.clone());
-                return Err(StageError::NonFinite {
-                    what: format!("the gradient of {name}"),
-                    update,
-                });
-            }
-        }
+    let tensors: Vec<(usize, usize, &Tensor)> = grads
+        .iter()
+        .enumerate()
+        .flat_map(|(i, layer)| layer.iter().enumerate().map(move |(slot, g)| (i, slot, g)))
+        .collect();
+    let refs: Vec<&Tensor> = tensors.iter().map(|&(_, _, g)| g).collect();
+    if let Some(&(i, slot, _)) = be.first_non_finite(&refs)?.and_then(|bad| tensors.get(bad)) {
+        let id = model.param_id(first + i, slot);
+        let name = model
+            .param_table()
+            .get(id)
+            .map_or_else(|| format!("layers.{}", first + i), |e| e.name.clone());
+        return Err(StageError::NonFinite {
+            what: format!("the gradient of {name}"),
+            update,
+        });
     }
     Ok(())
 }

@@ -83,13 +83,24 @@ fn special_layouts_equal_the_reference_trainer() {
     }
 }
 
-/// Largest accepted `|gpu - cpu| / (1 + |cpu|)` over every weight of a run on GPUs (the
-/// layouts below: about 70 to 140 updates with momentum 0.9), by the precision of the GPU's
-/// products. In f32, cuBLAS and the CUDA kernels sum in other orders than the CPU backend, so
-/// not bit for bit. TF32 rounds every product's inputs to 10 mantissa bits (relative error up
-/// to 2^-11) and bf16 to 7 (2^-8); the CPU reference stays f32, so the gap is the reduced
-/// precision's drift over the whole run.
-const GPU_TOLERANCES: [(&str, f32); 3] = [("f32", 1e-4), ("tf32", 5e-3), ("bf16", 2e-2)];
+/// Largest accepted `|gpu - cpu| / (1 + |cpu|)` over every weight of a run on GPUs, by the
+/// precision of the GPU's products. In f32 (the two-epoch runs below, about 70 to 140 updates),
+/// cuBLAS and the CUDA kernels sum in other orders than the CPU backend, so not bit for bit.
+/// TF32 rounds every product's inputs to 10 mantissa bits and bf16 to 7, while the reference
+/// stays f32: a drift that these runs (learning rate 0.1, momentum 0.9) amplify, to 0.2 and
+/// beyond over two epochs. So the reduced precisions are held to a short run, one epoch of 96
+/// samples (6 to 12 updates), where a correct rounding drifts by a few 1e-3 and a wrong
+/// product (a transposed or misread operand) by far more than the tolerance.
+const GPU_TOLERANCES: [(&str, f32); 3] = [("f32", 1e-4), ("tf32", 1.5e-2), ("bf16", 1.5e-2)];
+
+/// The short run of the reduced precisions (see [`GPU_TOLERANCES`]).
+fn short(mut s: TrainSettings) -> TrainSettings {
+    s.epochs = Some(1);
+    if let Some(synthetic) = s.synthetic.as_mut() {
+        synthetic.train = 96;
+    }
+    s
+}
 
 /// The oracle on the CUDA backend: runs with every worker on a GPU end near the CPU reference
 /// trainer's weights. Where no GPU opens (no `cuda` feature, no driver, no device) it says so and
@@ -120,6 +131,11 @@ fn layouts_on_gpus_end_near_the_cpu_reference_trainer() {
     for (precision, tolerance) in GPU_TOLERANCES {
         for (policy, stages, replicas, chunks, m) in &cases {
             let base = settings(policy, *stages, replicas, *chunks, *m);
+            let base = if precision == "f32" {
+                base
+            } else {
+                short(base)
+            };
             let cpu = base.clone().resolve().unwrap();
             let gpu = TrainSettings {
                 backend: Some("cuda".into()),

@@ -59,6 +59,7 @@ macro_rules! kernel_table {
 
 kernel_table!(
     fill_f32,
+    flag_non_finite_f32,
     mul_f32,
     axpy_f32,
     scale_f32,
@@ -1512,6 +1513,35 @@ impl Backend for CudaBackend {
 
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
         self.reduce(x, true)
+    }
+
+    fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
+        if xs.is_empty() {
+            return Ok(None);
+        }
+        // One u32 flag per tensor, zeroed on the stream, raised by a kernel per tensor, read
+        // back together.
+        let (_flags, flags) = self.scratch(xs.len())?;
+        let (count, zero) = (as_u64(xs.len()), 0.0f32);
+        let mut b = self.stream.launch_builder(&self.kernels.fill_f32);
+        b.arg(&flags).arg(&count).arg(&zero);
+        // SAFETY: the flags hold xs.len() u32 slots (zero bits).
+        unsafe { b.launch(grid(count)) }.map_err(driver_err("non-finite check"))?;
+        for (i, x) in xs.iter().enumerate() {
+            let n = as_u64(x.len());
+            if n == 0 {
+                continue;
+            }
+            let (xp, slot) = (self.ptr(x, "non-finite check")?, flags + 4 * as_u64(i));
+            let mut b = self
+                .stream
+                .launch_builder(&self.kernels.flag_non_finite_f32);
+            b.arg(&xp).arg(&n).arg(&slot);
+            // SAFETY: x holds n floats; `slot` is one live u32.
+            unsafe { b.launch(grid(n)) }.map_err(driver_err("non-finite check"))?;
+        }
+        let raised = self.download::<u32>(flags, xs.len())?;
+        Ok(raised.iter().position(|&f| f != 0))
     }
 }
 

@@ -54,6 +54,14 @@ extern "C" __global__ void fill_f32(float* x, u64 n, float value) {
     for (u64 i = global_index(); i < n; i += global_stride()) x[i] = value;
 }
 
+// Raises *flag (to 1) when any of the n values is NaN or an infinity; every writer writes the
+// same value, so the result does not depend on which thread wins.
+extern "C" __global__ void flag_non_finite_f32(const float* x, u64 n, u32* flag) {
+    for (u64 i = global_index(); i < n; i += global_stride()) {
+        if (!isfinite(x[i])) *flag = 1u;
+    }
+}
+
 extern "C" __global__ void mul_f32(const float* a, const float* b, float* out, u64 n) {
     for (u64 i = global_index(); i < n; i += global_stride()) out[i] = a[i] * b[i];
 }
