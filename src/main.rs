@@ -45,8 +45,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 use crate::commands::{
-    bench, cluster, eval, experiment, plan, profile, sample, schedule, simulate, sweep, train,
-    worker,
+    bench, cluster, doctor, eval, experiment, plan, profile, sample, schedule, simulate, sweep,
+    train, worker,
 };
 use crate::output::bad_input;
 
@@ -87,6 +87,9 @@ enum Command {
     /// Regenerate an experiment's report from its saved results.
     #[command(subcommand)]
     Report(ReportCommand),
+    /// Check the machine: `pipe doctor gpu` says which GPU, driver and CUDA libraries are used.
+    #[command(subcommand)]
+    Doctor(doctor::DoctorCommand),
 }
 
 /// `pipe bench`: the sweep without a subcommand.
@@ -177,6 +180,7 @@ fn run() -> Result<()> {
         Command::Experiment(cmd) => experiment::run(&cmd),
         Command::Report(ReportCommand::Staleness(args)) => experiment::run_report(&args),
         Command::Report(ReportCommand::Bench(args)) => sweep::run_report(&args),
+        Command::Doctor(cmd) => doctor::run(&cmd),
     }
 }
 
@@ -185,6 +189,9 @@ fn main() -> ExitCode {
     // `MIMALLOC_PURGE_DELAY` in the environment still overrides this at mimalloc's start.
     // SAFETY: sets one integer option of the allocator; no memory is touched.
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    // With CUDA built in and a driver present: the CUDA libraries the search chooses, put in
+    // place by starting again (returns when nothing needs doing).
+    doctor::use_found_cuda_libraries();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -8,10 +8,6 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 log="${OUT:-.}/gpu-checks.log"
 export PIPE_REQUIRE_GPU=1
-# CUDA's libraries where a toolkit or the framework wheels keep them.
-for d in /usr/local/cuda/lib64 /usr/local/nvidia/lib64; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-done
 step() {
   local limit=$1
   shift
@@ -21,6 +17,16 @@ step() {
   echo "-- exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$log"
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } 2>&1 | tee "$log"
+# pipe finds CUDA's libraries itself (docs/gpu.md, "Finding the libraries"): in the plain
+# environment, and with a toolkit's stubs first on the loader's path, it must name the real
+# driver and open the GPU.
+step 60 "$here/pipe" doctor gpu
+if [ -d /usr/local/cuda/lib64/stubs ]; then
+  step 60 env LD_LIBRARY_PATH=/usr/local/cuda/lib64/stubs "$here/pipe" doctor gpu
+fi
+# The test binaries open the libraries pipe chose, through the same links.
+LD_LIBRARY_PATH="$("$here/pipe" doctor gpu --library-path)" && export LD_LIBRARY_PATH
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee -a "$log"
 step 120 "$here/backend-tests" --test-threads 1
 step 150 "$here/layout-tests" --nocapture layouts_on_gpus
 step 420 bash "$here/compare.sh"

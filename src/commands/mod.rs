@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod doctor;
 pub mod eval;
 pub mod experiment;
 pub mod plan;

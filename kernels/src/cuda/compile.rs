@@ -24,10 +24,28 @@ pub(crate) fn nvrtc_present() -> bool {
 
 fn no_nvrtc() -> KernelError {
     KernelError::NoCuda {
-        reason: "the NVRTC library (libnvrtc.so.12) could not be loaded; install the CUDA \
-                 runtime libraries or put them on LD_LIBRARY_PATH"
-            .into(),
+        reason: format!(
+            "the NVRTC library could not be loaded ({}); install the CUDA runtime libraries (a \
+             toolkit, or the nvidia-cuda-nvrtc wheel)",
+            super::device::explain(super::libraries::Library::Nvrtc)
+        ),
     }
+}
+
+/// NVRTC's version, `(major, minor)`.
+///
+/// # Errors
+/// [`KernelError::NoCuda`] without NVRTC.
+pub(crate) fn nvrtc_version() -> Result<(i32, i32)> {
+    if !nvrtc_present() {
+        return Err(no_nvrtc());
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two integers.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| nvrtc_err("version", e))?;
+    Ok((major, minor))
 }
 
 fn nvrtc_err(what: &str, e: impl std::fmt::Debug) -> KernelError {

@@ -23,6 +23,7 @@ use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
 use super::compile::module_for;
+use super::libraries::{self, Library};
 use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
 
 /// Threads per block for elementwise and per-column kernels.
@@ -128,7 +129,10 @@ pub fn device_count() -> Result<usize> {
     // which is why this comes first.
     if !unsafe { driver_sys::is_culib_present() } {
         return Err(KernelError::NoCuda {
-            reason: "no NVIDIA driver found (libcuda.so could not be loaded)".into(),
+            reason: format!(
+                "no NVIDIA driver found (libcuda.so could not be loaded; {})",
+                explain(Library::Driver)
+            ),
         });
     }
     let count = CudaContext::device_count().map_err(|e| KernelError::NoCuda {
@@ -140,6 +144,45 @@ pub fn device_count() -> Result<usize> {
             reason: "the CUDA driver reports no device".into(),
         }),
     }
+}
+
+/// What the library search found or tried for `library`, for an error message.
+pub(crate) fn explain(library: Library) -> String {
+    libraries::resolve(&libraries::SearchPath::from_environment()).explain(library)
+}
+
+/// Appends the driver's CUDA version, NVRTC's, and every GPU (name, architecture, memory) to
+/// `report`, for `pipe doctor gpu`.
+///
+/// # Errors
+/// [`KernelError::NoCuda`] when the driver, NVRTC or a GPU cannot be opened.
+pub(crate) fn describe_devices(report: &mut String) -> Result<()> {
+    let fail = |_: &String, reason: String| KernelError::NoCuda { reason };
+    let count = device_count()?;
+    let mut version: std::ffi::c_int = 0;
+    // SAFETY: the driver is loaded (device_count succeeded); writes one integer.
+    unsafe { driver_sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| fail(report, format!("driver version: {e}")))?;
+    report.push_str(&format!(
+        "driver API: CUDA {}.{}\n",
+        version / 1000,
+        (version % 1000) / 10
+    ));
+    let (major, minor) = super::compile::nvrtc_version()?;
+    report.push_str(&format!("NVRTC: {major}.{minor}\n"));
+    report.push_str(&format!("GPUs: {count}\n"));
+    for ordinal in 0..count {
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| fail(report, format!("GPU {ordinal}: {e}")))?;
+        let name = ctx.name().unwrap_or_else(|_| "?".into());
+        let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
+        let memory = ctx.total_mem().unwrap_or(0) as f64 / f64::from(1u32 << 30);
+        report.push_str(&format!(
+            "  {ordinal}: {name}, sm_{major}{minor}, {memory:.1} GiB\n"
+        ));
+    }
+    Ok(())
 }
 
 fn cublas_err(e: blas::CublasError) -> KernelError {
@@ -279,9 +322,11 @@ impl CudaBackend {
         // SAFETY: only tries to open the library; cudarc's loader panics without it.
         if !unsafe { blas_sys::is_culib_present() } {
             return Err(KernelError::NoCuda {
-                reason: "the cuBLAS library (libcublas.so.12) could not be loaded; install the \
-                         CUDA runtime libraries or put them on LD_LIBRARY_PATH"
-                    .into(),
+                reason: format!(
+                    "the cuBLAS library could not be loaded ({}); install the CUDA runtime \
+                     libraries (a toolkit, or the nvidia-cublas wheel)",
+                    explain(Library::Cublas)
+                ),
             });
         }
         let blas = CudaBlas::new(Arc::clone(&stream)).map_err(cublas_err)?;
