@@ -19,12 +19,12 @@ for c in "${cases[@]}"; do
   IFS=: read -r model batch precision <<< "$c"
   echo "== pipe bench mfu $model batch $batch $precision"
   timeout 120 "$pipe" bench mfu --backend cuda --model "$model" --batch "$batch" \
-    --precision "$precision" --steps 20 --json "$dir/pipe-$model-$batch-$precision.json"
+    --precision "$precision" --steps 50 --json "$dir/pipe-$model-$batch-$precision.json"
   echo "-- exit $?"
 done
 echo "== experiments/gpu/peer.py"
 args=()
 for c in "${cases[@]}"; do args+=(--case "$c"); done
-timeout 240 python3 "$here/peer.py" "${args[@]}" | tee "$dir/peer.jsonl"
+timeout 240 python3 "$here/peer.py" --steps 50 --warmup 10 "${args[@]}" | tee "$dir/peer.jsonl"
 echo "-- exit ${PIPESTATUS[0]}"
 python3 "$here/table.py" "$dir" | tee "$dir/table.md"

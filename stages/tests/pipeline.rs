@@ -456,7 +456,8 @@ fn quic_runs_equal_in_process_runs() {
 /// The code paths only a device backend takes, run without a GPU: every worker on its own
 /// emulated device (`pipe_kernels::EmulatedDevice`: device buffers, CPU arithmetic). In
 /// process the device buffers cross the channels and each receiver copies them in; over QUIC
-/// the senders copy them out; replicas stage their all-reduce through the host; finished
+/// the senders copy them out; replicas sum on the devices in process and through the host
+/// over QUIC; finished
 /// workers hand back host weights. Every path must end with the CPU run's weights, bit for bit.
 #[test]
 fn workers_on_emulated_devices_end_with_the_cpu_weights() {
@@ -496,6 +497,46 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
             }
         }
     }
+}
+
+/// Three replicas on emulated devices in one process sum their gradients on the devices in
+/// group order, not the ring's order: every replica of the stage holds the same bits, within
+/// rounding of the CPU run's.
+#[test]
+fn three_replicas_on_devices_sum_on_the_devices_within_rounding_of_the_ring() {
+    let model = model();
+    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 3)
+        .with_replicas(vec![3, 1, 1])
+        .with_length(Length::Updates(4));
+    let run = prepare(&spec, &model);
+    let (cpu, _) = pipelined(&run, &model);
+    let workers = run.schedule.workers();
+    let on_devices = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
+    let inproc = mesh(workers, &InProcOptions::default());
+    let (devices, _) = pipelined_on(&run, &model, inproc, opt(), on_devices);
+    let values = |bits: Vec<u32>| -> Vec<f32> { bits.into_iter().map(f32::from_bits).collect() };
+    let mut stage0 = Vec::new();
+    for (a, b) in cpu.iter().zip(&devices) {
+        for (sa, sb) in a.stages.iter().zip(&b.stages) {
+            let (want, got) = (values(bits(&sa.params)), values(bits(&sb.params)));
+            let worst = want
+                .iter()
+                .zip(&got)
+                .map(|(w, g)| (w - g).abs() / (1.0 + w.abs()))
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst <= 1e-5,
+                "worker {} stage {}: {worst:e}",
+                a.worker,
+                sa.stage
+            );
+            if sb.stage == 0 {
+                stage0.push(bits(&sb.params));
+            }
+        }
+    }
+    assert_eq!(stage0.len(), 3);
+    assert!(stage0.windows(2).all(|w| w[0] == w[1]), "replicas disagree");
 }
 
 /// With a bf16 wire, QUIC (which encodes bf16) and in-process (which rounds as the wire

@@ -155,6 +155,9 @@ pub fn all_reduce_gradients<T: pipe_transport::Transport + ?Sized>(
         .flatten()
         .any(|g| g.device() != pipe_kernels::Device::Host)
     {
+        if t.carries_device_tensors() {
+            return all_reduce_on_devices(be, t, group, stage, update, grads);
+        }
         // Device gradients go through the host: copied out, summed by the ring, written back.
         let mut staged = crate::model::host_params(be, grads.clone())?;
         all_reduce_gradients(be, t, group, stage, update, &mut staged)?;
@@ -172,6 +175,74 @@ pub fn all_reduce_gradients<T: pipe_transport::Transport + ?Sized>(
         })
         .collect::<Result<Vec<&mut [f32]>>>()?;
     pipe_transport::collective::ring_all_reduce_segments(t, group, stage, update, &mut segments)?;
+    Ok(())
+}
+
+/// The `step` of the messages of [`all_reduce_on_devices`]: this plus the gradient tensor's
+/// index (ring chunks use small steps; tied gradients and NCCL's setup the top two).
+pub const DEVICE_SUM_STEP: u32 = 1 << 24;
+
+/// The all-reduce of device gradients among workers of one process (the transport moves
+/// device buffers untouched): a group NCCL cannot serve, because its members share a GPU or
+/// NCCL is missing. Tensor by tensor, every member sends its gradient to every other member,
+/// copies theirs onto its device (device to device, [`Backend::place`]) and adds all of them in
+/// group order, so every member holds the same bits and nothing passes through host memory.
+/// With two replicas the sum is the ring's (`a + b` either way round), bit for bit; with more,
+/// the additions come in another order than [`pipe_transport::collective::ring_sum`]'s, so it
+/// agrees with the reference trainer within rounding.
+///
+/// # Errors
+/// Transport errors; device failures; a gradient count past the message steps.
+pub fn all_reduce_on_devices<T: pipe_transport::Transport + ?Sized>(
+    be: &dyn Backend,
+    t: &mut T,
+    group: &[u32],
+    stage: u32,
+    update: u32,
+    grads: &mut Params,
+) -> Result<()> {
+    use pipe_transport::{Key, Kind, Message};
+    let me = t.rank();
+    let key = |from: u32, to: u32, j: usize| -> Result<Key> {
+        let step = u32::try_from(j)
+            .ok()
+            .filter(|&j| j < DEVICE_SUM_STEP)
+            .map(|j| DEVICE_SUM_STEP + j)
+            .ok_or_else(|| crate::StageError::Executor(format!("{j} gradients to all-reduce")))?;
+        Ok(Key {
+            from,
+            to,
+            kind: Kind::Chunk,
+            stage,
+            index: update,
+            step,
+        })
+    };
+    for (j, g) in grads.iter_mut().flatten().enumerate() {
+        for &peer in group.iter().filter(|&&w| w != me) {
+            let message = Message {
+                key: key(me, peer, j)?,
+                version: 0,
+                tensor: g.clone(),
+            };
+            t.send(message)?;
+        }
+        let mut sum: Option<Tensor> = None;
+        for &w in group {
+            let part = if w == me {
+                g.clone()
+            } else {
+                be.place(t.recv(&key(w, me, j)?)?.tensor)?
+            };
+            match sum.as_mut() {
+                None => sum = Some(part),
+                Some(s) => be.axpy(1.0, &part, s)?,
+            }
+        }
+        if let Some(s) = sum {
+            *g = s;
+        }
+    }
     Ok(())
 }
 
