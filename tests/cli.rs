@@ -165,6 +165,39 @@ fn bad_input_exits_2_with_one_line() {
         assert_bad_input(&["train", "--backend", "cuda"], "CUDA is not available");
     }
     assert_bad_input(&["train", "--backend", "tpu"], "unknown backend");
+    assert_bad_input(
+        &["train", "--precision", "bf16"],
+        "the cpu backend computes in f32 only; --precision bf16 needs --backend cuda",
+    );
+    assert_bad_input(&["train", "--precision", "fp8"], "fp8");
+    assert_bad_input(
+        &["bench", "mfu", "--precision", "tf32"],
+        "--precision tf32 needs --backend cuda",
+    );
+    if pipe_kernels::cuda::device_count().is_err() {
+        // Without a usable GPU, `pipe doctor gpu` still reports the library search on stdout,
+        // then fails as --backend cuda does.
+        let out = pipe(&["doctor", "gpu"]);
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stdout.contains("libraries:") && stdout.contains("searched"),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains("cuBLAS") && stdout.contains("NVRTC"),
+            "{stdout}"
+        );
+        let want = if cfg!(feature = "cuda") {
+            "CUDA is not available"
+        } else {
+            "built without CUDA"
+        };
+        assert!(stderr.contains(want), "{stderr}");
+    }
     assert_bad_input(&["train", "--frobnicate"], "--frobnicate");
     assert_bad_input(
         &["train", "--config", "/nonexistent/pipe.toml"],

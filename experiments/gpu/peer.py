@@ -101,6 +101,7 @@ def case(model_name, batch, precision, steps, warmup, device, dry):
         if i >= warmup:
             times.append(time.perf_counter() - start)
     step = statistics.median(times)
+    final = float(loss.detach())
     return {
         "system": "pytorch",
         "torch": torch.__version__,
@@ -110,8 +111,8 @@ def case(model_name, batch, precision, steps, warmup, device, dry):
         "step_s_median": step,
         "samples_per_s": batch / step,
         "tokens_per_s": batch * per_sample / step,
-        "loss": float(loss),
-        "finite": math.isfinite(float(loss)),
+        "loss": final,
+        "finite": math.isfinite(final),
     }
 
 

@@ -25,7 +25,10 @@ def load(directory):
                 r = json.loads(line)
                 peer[(r["model"], r["batch"], r["precision"])] = r
     with open(os.path.join(directory, "device.txt")) as f:
-        device = " ".join(f.read().split())
+        lines = [l.strip() for l in f if l.strip()]
+    name, _, driver = lines[0].partition(", ") if lines else ("?", "", "?")
+    when = lines[1] if len(lines) > 1 else "?"
+    device = f"on one {name} (driver {driver}), {when}"
     return pipe, peer, device
 
 

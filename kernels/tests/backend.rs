@@ -621,8 +621,8 @@ const LONG_ATTN: AttentionShape = AttentionShape {
 
 /// Heads as wide as `gpt-mini`'s (32: whole vectors of every width) and 24 wide (a vector and
 /// a remainder on AVX-512), over several causal blocks: the CPU kernel's register tiles and
-/// their edges.
-const WIDE_ATTN: [AttentionShape; 2] = [
+/// their edges. Also 16 and 64 wide: the CUDA backend's tiled kernels have one of each.
+const WIDE_ATTN: [AttentionShape; 4] = [
     AttentionShape {
         batch: 1,
         seq: 70,
@@ -634,6 +634,19 @@ const WIDE_ATTN: [AttentionShape; 2] = [
         seq: 45,
         heads: 2,
         width: 48,
+    },
+    // Head widths 16 and 64, over three and two of the CUDA kernels' 64-row tiles.
+    AttentionShape {
+        batch: 1,
+        seq: 130,
+        heads: 2,
+        width: 32,
+    },
+    AttentionShape {
+        batch: 1,
+        seq: 70,
+        heads: 1,
+        width: 64,
     },
 ];
 

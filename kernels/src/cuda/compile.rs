@@ -27,7 +27,7 @@ fn no_nvrtc() -> KernelError {
         reason: format!(
             "the NVRTC library could not be loaded ({}); install the CUDA runtime libraries (a \
              toolkit, or the nvidia-cuda-nvrtc wheel)",
-            super::device::explain(super::libraries::Library::Nvrtc)
+            super::libraries::explain(super::libraries::Library::Nvrtc)
         ),
     }
 }

@@ -23,7 +23,7 @@ use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
 use super::compile::module_for;
-use super::libraries::{self, Library};
+use super::libraries::{Library, explain};
 use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
 
 /// Threads per block for elementwise and per-column kernels.
@@ -144,11 +144,6 @@ pub fn device_count() -> Result<usize> {
             reason: "the CUDA driver reports no device".into(),
         }),
     }
-}
-
-/// What the library search found or tried for `library`, for an error message.
-pub(crate) fn explain(library: Library) -> String {
-    libraries::resolve(&libraries::SearchPath::from_environment()).explain(library)
 }
 
 /// Appends the driver's CUDA version, NVRTC's, and every GPU (name, architecture, memory) to

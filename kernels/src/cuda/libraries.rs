@@ -496,6 +496,12 @@ fn join_paths(paths: &[PathBuf]) -> String {
         .join(", ")
 }
 
+/// What the search of this machine finds or tries for `library`, on one line (for an error
+/// that says a library could not be opened).
+pub fn explain(library: Library) -> String {
+    resolve(&SearchPath::from_environment()).explain(library)
+}
+
 /// Makes (or reuses) the private link folder for `res` under `base` and returns it: one folder
 /// per set of chosen files, named by a hash of their paths, filled under a temporary name and
 /// renamed into place so concurrent processes never see it half made.

@@ -15,8 +15,11 @@
 use crate::KernelError;
 use crate::Result;
 
+mod doctor;
 pub mod libraries;
 mod source;
+
+pub use doctor::doctor;
 
 pub use source::{CHECKED_ARCHITECTURES, KERNEL_SOURCE};
 
@@ -65,40 +68,6 @@ pub(crate) fn open(ordinal: usize, precision: crate::Precision) -> Result<Box<dy
         let _ = precision;
         CudaBackend::new(ordinal)?;
         Err(crate::KernelError::NotCompiledWithCuda)
-    }
-}
-
-/// What `pipe doctor gpu` reports: the libraries the search chose (and what it tried for those
-/// it could not find), then, in a build with the `cuda` feature, the driver's CUDA version,
-/// NVRTC's, and every GPU with its architecture and memory. The report comes back with the
-/// outcome, so it is shown even when the GPU cannot be used.
-///
-/// # Errors
-/// [`KernelError::NotCompiledWithCuda`] without the feature; [`KernelError::NoCuda`] when the
-/// driver, a GPU or NVRTC cannot be opened.
-pub fn doctor() -> (String, Result<()>) {
-    let res = libraries::resolve(&libraries::SearchPath::from_environment());
-    let mut report = String::from("libraries:\n");
-    for line in res.report().lines() {
-        report.push_str("  ");
-        report.push_str(line);
-        report.push('\n');
-    }
-    match std::env::var_os(libraries::LINKS_VARIABLE) {
-        Some(dir) => report.push_str(&format!(
-            "  opened through the links in {}\n",
-            std::path::Path::new(&dir).display()
-        )),
-        None => report.push_str("  not linked for this process: the loader's own search applies\n"),
-    }
-    #[cfg(feature = "cuda")]
-    {
-        let outcome = device::describe_devices(&mut report);
-        (report, outcome)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        (report, Err(crate::KernelError::NotCompiledWithCuda))
     }
 }
 
