@@ -410,10 +410,11 @@ pub fn stop_on_ctrl_c(announce: bool) -> Arc<AtomicBool> {
     stop
 }
 
-/// Prints the run's header line: model, data, optimizer, seed, compute threads.
+/// Prints the run's header line: model, data, optimizer, seed, compute threads, and on CUDA
+/// the precision of the products.
 pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usize) {
     outln!(
-        "pipe train: model {} ({} parameters), {} ({} train / {} test), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads",
+        "pipe train: model {} ({} parameters), {} ({} train / {} test), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
         cfg.model_name,
         model.param_count(),
         data.train.name.trim_end_matches("-train"),
@@ -427,7 +428,11 @@ pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usiz
         cfg.lr_schedule,
         momentum_note(&cfg.optimizer),
         cfg.seed,
-        threads
+        threads,
+        match cfg.backend {
+            pipe_kernels::BackendKind::Cpu => String::new(),
+            pipe_kernels::BackendKind::Cuda(p) => format!(", cuda ({p} products)"),
+        }
     );
 }
 
