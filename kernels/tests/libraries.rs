@@ -241,3 +241,24 @@ fn a_driver_too_old_for_the_only_cuda_present_is_said_so() {
     assert!(line.contains("13 needs 580+"), "{line}");
     assert!(Path::new(&chosen(&res, Library::Driver).0).exists());
 }
+
+#[test]
+fn a_link_folder_that_is_not_exactly_ours_is_not_used() {
+    let t = Tree::new("tamper");
+    driver(&t, "580.159.04");
+    toolkit(&t, "usr/local/cuda", 13, "13.1.0.3");
+    let res = resolve(&t.search(&[]));
+    let base = t.path("base");
+    std::fs::create_dir_all(&base).unwrap();
+    let dir = link_folder(&res, &base).unwrap();
+    // Something planted in the folder, which the loader would search first: not used again.
+    std::fs::write(dir.join("libcudart.so"), b"").unwrap();
+    let other = link_folder(&res, &base).unwrap();
+    assert_ne!(other, dir);
+    assert!(!other.join("libcudart.so").exists());
+    // A link bent elsewhere: the same.
+    std::fs::remove_file(dir.join("libcudart.so")).unwrap();
+    std::fs::remove_file(dir.join("libcuda.so")).unwrap();
+    std::os::unix::fs::symlink("/elsewhere/libcuda.so", dir.join("libcuda.so")).unwrap();
+    assert_ne!(link_folder(&res, &base).unwrap(), dir);
+}

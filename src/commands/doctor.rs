@@ -5,7 +5,7 @@
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use pipe_kernels::KernelError;
-use pipe_kernels::cuda::libraries::{LINKS_VARIABLE, SearchPath, link_folder, resolve};
+use pipe_kernels::cuda::libraries::{LINKS_VARIABLE, SearchPath, link_base, link_folder, resolve};
 
 use crate::output::bad_input;
 
@@ -60,7 +60,7 @@ fn library_path() -> Result<String> {
     }
     let dir = match std::env::var_os(LINKS_VARIABLE) {
         Some(d) => d.into(),
-        None => link_folder(&res, &std::env::temp_dir())?,
+        None => link_folder(&res, &link_base())?,
     };
     let previous = std::env::var_os("LD_LIBRARY_PATH");
     Ok(res
@@ -89,10 +89,7 @@ pub fn use_found_cuda_libraries() {
         {
             return;
         }
-        let (Ok(dir), Ok(exe)) = (
-            link_folder(&res, &std::env::temp_dir()),
-            std::env::current_exe(),
-        ) else {
+        let (Ok(dir), Ok(exe)) = (link_folder(&res, &link_base()), std::env::current_exe()) else {
             return;
         };
         let previous = std::env::var_os("LD_LIBRARY_PATH");

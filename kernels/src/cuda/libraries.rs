@@ -496,6 +496,15 @@ fn join_paths(paths: &[PathBuf]) -> String {
         .join(", ")
 }
 
+/// Where the link folder goes: this user's runtime folder (`XDG_RUNTIME_DIR`) where there is
+/// one, the system's temporary folder otherwise ([`link_folder`] checks what it finds there).
+pub fn link_base() -> PathBuf {
+    std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir())
+        .unwrap_or_else(std::env::temp_dir)
+}
+
 /// What the search of this machine finds or tries for `library`, on one line (for an error
 /// that says a library could not be opened).
 pub fn explain(library: Library) -> String {
@@ -506,6 +515,12 @@ pub fn explain(library: Library) -> String {
 /// per set of chosen files, named by a hash of their paths, filled under a temporary name and
 /// renamed into place so concurrent processes never see it half made.
 ///
+/// Everything in that folder is loaded ahead of the system's libraries, so a folder found in
+/// place is used only if it is exactly what this process would make: owned by this user,
+/// writable by no one else, and holding the expected links and nothing more. Otherwise (a
+/// shared `base` where someone else made the name first) a folder of this process's own is
+/// made beside it.
+///
 /// # Errors
 /// File-system failures.
 #[cfg(unix)]
@@ -514,27 +529,55 @@ pub fn link_folder(res: &Resolution, base: &Path) -> std::io::Result<PathBuf> {
     let links = res.links();
     let mut h = std::collections::hash_map::DefaultHasher::new();
     links.hash(&mut h);
-    let dir = base.join(format!("pipe-cuda-libraries-{:016x}", h.finish()));
-    if dir.is_dir() {
-        return Ok(dir);
-    }
-    let tmp = base.join(format!(
-        "pipe-cuda-libraries-{:016x}.{}",
-        h.finish(),
-        std::process::id()
-    ));
+    let name = format!("pipe-cuda-libraries-{:016x}", h.finish());
+    let dir = base.join(&name);
+    let tmp = base.join(format!("{name}.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp)?;
-    for (name, target) in &links {
-        std::os::unix::fs::symlink(target, tmp.join(name))?;
+    // Writable by this user alone, whatever the umask.
+    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    for (link, target) in &links {
+        std::os::unix::fs::symlink(target, tmp.join(link))?;
+    }
+    if dir.is_dir() && is_exactly(&dir, &links, &tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Ok(dir);
+    }
+    if dir.exists() {
+        // Not ours, or not as expected: keep this process's own folder.
+        return Ok(tmp);
     }
     match std::fs::rename(&tmp, &dir) {
         Ok(()) => Ok(dir),
-        // Another process put the same folder in place first.
-        Err(_) if dir.is_dir() => {
+        // Another process put a folder there first: use it if it is exactly ours.
+        Err(_) if is_exactly(&dir, &links, &tmp) => {
             let _ = std::fs::remove_dir_all(&tmp);
             Ok(dir)
         }
-        Err(e) => Err(e),
+        Err(_) => Ok(tmp),
     }
+}
+
+/// Whether `dir` holds exactly `links` (each a link to its target, nothing else), belongs to
+/// the owner of `mine` (a folder this process just made) and is writable by its owner alone.
+#[cfg(unix)]
+fn is_exactly(dir: &Path, links: &[(String, PathBuf)], mine: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(meta), Ok(own)) = (std::fs::symlink_metadata(dir), std::fs::metadata(mine)) else {
+        return false;
+    };
+    if !meta.is_dir() || meta.uid() != own.uid() || meta.mode() & 0o022 != 0 {
+        return false;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    let names: HashSet<String> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.len() == links.len()
+        && links.iter().all(|(name, target)| {
+            names.contains(name) && std::fs::read_link(dir.join(name)).is_ok_and(|t| t == *target)
+        })
 }
