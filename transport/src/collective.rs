@@ -38,14 +38,38 @@ pub fn ring_all_reduce<T: Transport + ?Sized>(
     ring_all_reduce_segments(t, group, stage, update, &mut [data])
 }
 
+/// Values per piece of a ring chunk: chunks travel in pieces of at most this many values
+/// (1 MiB of f32), so that a piece received can be added and passed on while the next one is
+/// still arriving.
+pub const RING_PIECE_VALUES: usize = 1 << 18;
+
+/// The pieces of a chunk of `n` values: their count and the range of piece `j` within the
+/// chunk. From the length alone, so sender and receiver agree.
+fn pieces_of(n: usize) -> usize {
+    n.div_ceil(RING_PIECE_VALUES).max(1)
+}
+
+fn piece(range: &std::ops::Range<usize>, count: usize, j: usize) -> std::ops::Range<usize> {
+    let n = range.len();
+    range.start + j * n / count..range.start + (j + 1) * n / count
+}
+
 /// [`ring_all_reduce`] of the concatenation of `segments`, without concatenating them: the
 /// ring's chunks are ranges of the virtual flat buffer, copied out of the segments they span
 /// when sent and added into them when received. A stage's gradient tensors are reduced where
-/// they live, with exactly the bare ring's copies, messages and additions, and the result is
-/// [`ring_sum`] of the replicas' concatenations. One chunk buffer is passed around: each
-/// received chunk's buffer carries the next chunk this worker sends, and the last one received
-/// is kept by the calling thread for its next all-reduce, so that the steady state allocates
-/// nothing (a fresh buffer of a 4-million-value stage's chunk page-faulted 2,000 pages a call).
+/// they live, and the result is [`ring_sum`] of the replicas' concatenations.
+///
+/// **Pipelined.** Each chunk travels in pieces ([`RING_PIECE_VALUES`]). The chunk a worker
+/// sends at step `k + 1` is the one it received (and added into) at step `k`, so each piece is
+/// passed on as soon as it is merged, while the next piece is still on its way: every link
+/// carries several pieces at once, and adding overlaps receiving. A piece follows the same
+/// route as its whole chunk did, so every value is summed in the same order, whatever the
+/// timing.
+///
+/// **Buffers.** A received piece's buffer carries the same piece onward; the buffers left at
+/// the end are kept by the calling thread for its next all-reduce, so the steady state
+/// allocates little (a fresh buffer of a 4-million-value stage's chunk page-faulted 2,000
+/// pages a call).
 ///
 /// # Errors
 /// As [`ring_all_reduce`].
@@ -67,58 +91,104 @@ pub fn ring_all_reduce_segments<T: Transport + ?Sized>(
     let (next, prev) = (group[(i + 1) % r], group[(i + r - 1) % r]);
     let mut flat = Segments::new(segments);
     let len = flat.len();
-    let mut spare: Vec<f32> = CHUNK_BUFFER.with(std::cell::Cell::take);
-    for step in 0..2 * (r - 1) {
+    let steps = 2 * (r - 1);
+    // (chunk sent, chunk received) at each step: reduce-scatter, then all-gather.
+    let chunks = |step: usize| {
         let k = step % (r - 1);
-        let gather = step >= r - 1;
-        let (send_c, recv_c) = if gather {
+        if step >= r - 1 {
             ((i + 1 + r - k) % r, (i + r - k) % r)
         } else {
             ((i + r - k) % r, (i + 2 * r - k - 1) % r)
-        };
-        spare.clear();
-        flat.copy_out(chunk(len, r, send_c), &mut spare);
-        let n = spare.len();
-        let tensor = Tensor::from_vec(&[n], std::mem::take(&mut spare))
-            .map_err(|e| TransportError::Protocol(format!("chunk tensor: {e}")))?;
-        let key = |from: u32, to: u32| Key {
+        }
+    };
+    let key = |from: u32, to: u32, step: usize, j: usize| -> Result<Key, TransportError> {
+        let at = u32::try_from(step * (len / RING_PIECE_VALUES + r + 1) + j)
+            .ok()
+            .filter(|&s| s < RING_STEP_LIMIT)
+            .ok_or_else(|| TransportError::Protocol("all-reduce of too many pieces".into()))?;
+        Ok(Key {
             from,
             to,
             kind: Kind::Chunk,
             stage,
             index: update,
-            step: step as u32,
-        };
-        t.send(Message {
-            key: key(me, next),
-            version: 0,
-            tensor,
-        })?;
-        let got = t.recv(&key(prev, me))?;
-        let range = chunk(len, r, recv_c);
-        let src = got
-            .tensor
-            .host()
-            .map_err(|e| TransportError::Protocol(format!("all-reduce chunk: {e}")))?;
-        if src.len() != range.len() {
-            return Err(TransportError::Protocol(format!(
-                "all-reduce chunk of {} values where {} were expected",
-                src.len(),
-                range.len()
-            )));
-        }
-        flat.merge_in(range, src, gather);
-        // The received buffer carries the next send (a host tensor gives its Vec back).
-        spare = got.tensor.into_host_vec().unwrap_or_default();
+            step: at,
+        })
+    };
+    let mut spares: Vec<Vec<f32>> = CHUNK_BUFFERS.with(std::cell::Cell::take);
+    let first = chunk(len, r, chunks(0).0);
+    let count = pieces_of(first.len());
+    for j in 0..count {
+        let mut buf = spares.pop().unwrap_or_default();
+        buf.clear();
+        flat.copy_out(piece(&first, count, j), &mut buf);
+        send_piece(t, key(me, next, 0, j)?, buf)?;
     }
-    CHUNK_BUFFER.with(|cell| cell.set(spare));
+    for step in 0..steps {
+        let gather = step >= r - 1;
+        let range = chunk(len, r, chunks(step).1);
+        let count = pieces_of(range.len());
+        for j in 0..count {
+            let at = piece(&range, count, j);
+            let got = t.recv(&key(prev, me, step, j)?)?;
+            let src = got
+                .tensor
+                .host()
+                .map_err(|e| TransportError::Protocol(format!("all-reduce chunk: {e}")))?;
+            if src.len() != at.len() {
+                return Err(TransportError::Protocol(format!(
+                    "all-reduce piece of {} values where {} were expected",
+                    src.len(),
+                    at.len()
+                )));
+            }
+            flat.merge_in(at.clone(), src, gather);
+            let mut buf = got.tensor.into_host_vec().unwrap_or_default();
+            if step + 1 < steps {
+                // The chunk received now is the one sent next: pass this piece on at once
+                // (after the all-gather's copy the buffer already holds its values).
+                if !gather {
+                    buf.clear();
+                    flat.copy_out(at, &mut buf);
+                }
+                send_piece(t, key(me, next, step + 1, j)?, buf)?;
+            } else {
+                spares.push(buf);
+            }
+        }
+    }
+    spares.truncate(SPARE_BUFFERS);
+    CHUNK_BUFFERS.with(|cell| cell.set(spares));
     Ok(())
 }
 
+/// Ring steps and pieces share the message's `step` below this (the executor's other chunk
+/// messages, tied gradients and device sums, use steps from 2^24 up).
+const RING_STEP_LIMIT: u32 = 1 << 24;
+
+/// Buffers a thread keeps between all-reduces.
+const SPARE_BUFFERS: usize = 16;
+
+fn send_piece<T: Transport + ?Sized>(
+    t: &mut T,
+    key: Key,
+    buf: Vec<f32>,
+) -> Result<(), TransportError> {
+    let n = buf.len();
+    let tensor = Tensor::from_vec(&[n], buf)
+        .map_err(|e| TransportError::Protocol(format!("chunk tensor: {e}")))?;
+    t.send(Message {
+        key,
+        version: 0,
+        tensor,
+    })
+}
+
 thread_local! {
-    /// The calling thread's chunk buffer between all-reduces (see
+    /// The calling thread's piece buffers between all-reduces (see
     /// [`ring_all_reduce_segments`]).
-    static CHUNK_BUFFER: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    static CHUNK_BUFFERS: std::cell::Cell<Vec<Vec<f32>>> =
+        const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Slices seen as one flat buffer.

@@ -298,8 +298,10 @@ macro_rules! transport_suite {
 
             #[test]
             fn ring_all_reduce_matches_the_single_thread_ring_sum() {
+                // The last length sends each chunk in two or three pieces.
+                let pieces = 5 * pipe_transport::collective::RING_PIECE_VALUES + 3;
                 for r in [2u32, 3, 4] {
-                    for len in [1usize, 5, 64, 1000] {
+                    for len in [1usize, 5, 64, 1000, pieces] {
                         let eps = make(r, None);
                         let parts: Vec<Vec<f32>> = (0..r)
                             .map(|w| {
