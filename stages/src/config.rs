@@ -375,6 +375,23 @@ impl TrainSettings {
         })
     }
 
+    /// The backend `backend` and `precision` name (the CPU in f32 when neither is set).
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for an unknown name, or a precision the backend cannot compute in.
+    fn backend_kind(&self) -> Result<BackendKind> {
+        let backend = match &self.backend {
+            Some(b) => b.parse().map_err(StageError::Config)?,
+            None => BackendKind::Cpu,
+        };
+        match &self.precision {
+            Some(p) => backend
+                .with_precision(p.parse().map_err(StageError::Config)?)
+                .map_err(StageError::Config),
+            None => Ok(backend),
+        }
+    }
+
     /// Overrides every field that `other` sets.
     pub fn merge(&mut self, other: TrainSettings) {
         let dst = self;
@@ -660,16 +677,7 @@ impl TrainSettings {
             Some(text) => PartitionChoice::parse(text, model.len())?,
             None => PartitionChoice::Measured,
         };
-        let backend = match &self.backend {
-            Some(b) => b.parse().map_err(StageError::Config)?,
-            None => BackendKind::Cpu,
-        };
-        let backend = match &self.precision {
-            Some(p) => backend
-                .with_precision(p.parse().map_err(StageError::Config)?)
-                .map_err(StageError::Config)?,
-            None => backend,
-        };
+        let backend = self.backend_kind()?;
         let transport = match &self.transport {
             Some(t) => t.parse().map_err(StageError::Config)?,
             None => TransportKind::InProcess,

@@ -102,7 +102,8 @@ pub fn ring_all_reduce_segments<T: Transport + ?Sized>(
         }
     };
     let key = |from: u32, to: u32, step: usize, j: usize| -> Result<Key, TransportError> {
-        let at = u32::try_from(step * (len / RING_PIECE_VALUES + r + 1) + j)
+        // No chunk has more pieces than the whole buffer would.
+        let at = u32::try_from(step * pieces_of(len) + j)
             .ok()
             .filter(|&s| s < RING_STEP_LIMIT)
             .ok_or_else(|| TransportError::Protocol("all-reduce of too many pieces".into()))?;

@@ -152,13 +152,14 @@ pub fn device_count() -> Result<usize> {
 /// # Errors
 /// [`KernelError::NoCuda`] when the driver, NVRTC or a GPU cannot be opened.
 pub(crate) fn describe_devices(report: &mut String) -> Result<()> {
-    let fail = |_: &String, reason: String| KernelError::NoCuda { reason };
     let count = device_count()?;
     let mut version: std::ffi::c_int = 0;
     // SAFETY: the driver is loaded (device_count succeeded); writes one integer.
     unsafe { driver_sys::cuDriverGetVersion(&mut version) }
         .result()
-        .map_err(|e| fail(report, format!("driver version: {e}")))?;
+        .map_err(|e| KernelError::NoCuda {
+            reason: format!("driver version: {e}"),
+        })?;
     report.push_str(&format!(
         "driver API: CUDA {}.{}\n",
         version / 1000,
@@ -168,8 +169,9 @@ pub(crate) fn describe_devices(report: &mut String) -> Result<()> {
     report.push_str(&format!("NVRTC: {major}.{minor}\n"));
     report.push_str(&format!("GPUs: {count}\n"));
     for ordinal in 0..count {
-        let ctx =
-            CudaContext::new(ordinal).map_err(|e| fail(report, format!("GPU {ordinal}: {e}")))?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| KernelError::NoCuda {
+            reason: format!("GPU {ordinal}: {e}"),
+        })?;
         let name = ctx.name().unwrap_or_else(|_| "?".into());
         let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
         let memory = ctx.total_mem().unwrap_or(0) as f64 / f64::from(1u32 << 30);
