@@ -136,6 +136,10 @@ pub struct TrainArgs {
     /// bytes; all-reduces stay f32).
     #[arg(long, value_parser = ["f32", "bf16"])]
     wire_dtype: Option<String>,
+    /// MiB of f32 gradients per all-reduce bucket (default 4): each bucket of a stage's last
+    /// layers starts its ring all-reduce while the backward pass computes the earlier ones.
+    #[arg(long, value_name = "MIB")]
+    allreduce_bucket_mb: Option<f64>,
     /// Remedy for stale weights: run the first N updates with the synchronous 1f1b-flush
     /// schedule, then the asynchronous policy (pipedream, pipedream-nostash, vsync, 2bw).
     #[arg(long, value_name = "N")]
@@ -211,6 +215,7 @@ impl TrainArgs {
             lr_scaling: self.lr_scaling.clone(),
             weight_prediction: self.weight_prediction.clone(),
             stall_timeout: self.stall_timeout,
+            allreduce_bucket_mb: self.allreduce_bucket_mb,
             ..TrainSettings::default()
         }
     }

@@ -152,6 +152,7 @@ fn case_of(cfg: &PartitionBenchConfig, name: &str, plan: &PartitionPlan) -> Case
         m: cfg.microbatches,
         replica_counts: Some(plan.stages.iter().map(|s| s.replicas).collect()),
         partition: Some(plan.stages.iter().map(|s| s.layers.clone()).collect()),
+        bucket_values: None,
     }
 }
 

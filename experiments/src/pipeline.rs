@@ -40,8 +40,8 @@ use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
-    MicrobatchSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState, all_reduce_gradients,
-    run_threads,
+    DEFAULT_BUCKET_VALUES, MicrobatchSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState,
+    all_reduce_gradients, run_threads,
 };
 use pipe_stages::train::{StepState, train_step};
 use pipe_transport::collective::ring_all_reduce;
@@ -131,6 +131,11 @@ pub struct Case {
     pub replica_counts: Option<Vec<u32>>,
     /// Layers of each stage (default: balanced by FLOPs).
     pub partition: Option<Vec<std::ops::Range<usize>>>,
+    /// Gradient values per all-reduce bucket (default
+    /// [`pipe_stages::pipeline::DEFAULT_BUCKET_VALUES`]; `usize::MAX`: one bucket per stage,
+    /// started when the stage's last backward pass has finished).
+    #[serde(default)]
+    pub bucket_values: Option<usize>,
 }
 
 /// Results of one case.
@@ -311,7 +316,8 @@ fn pipelined_with<B: pipe_kernels::Backend>(
         Some(ranges) => Some(Partition::new(ranges.clone(), model.len())?),
         None => None,
     };
-    let plan = RunPlan::new(model, &spec, partition)?;
+    let plan = RunPlan::new(model, &spec, partition)?
+        .with_bucket_values(case.bucket_values.unwrap_or(DEFAULT_BUCKET_VALUES));
     let schedule = &plan.schedule;
     let pool = Pool::new(model, case.microbatch);
     let lr = |_: u32, _: u32| 1e-3f32;
@@ -434,7 +440,14 @@ fn all_reduce_against_ring(
                 for round in 0..=REPEATS {
                     let update = 3 * round;
                     let t = Instant::now();
-                    all_reduce_gradients(&be, &mut ep, &group, 0, update, &mut tensors)?;
+                    all_reduce_gradients(
+                        &be,
+                        &mut ep,
+                        &group,
+                        (0, update),
+                        &mut tensors,
+                        DEFAULT_BUCKET_VALUES,
+                    )?;
                     let executor = t.elapsed().as_secs_f64();
                     let t = Instant::now();
                     ring_all_reduce(&mut ep, &group, 0, update + 1, &mut flat).map_err(err)?;
@@ -551,11 +564,23 @@ fn model_cases(preset: &str, batch: usize, m: u32) -> Vec<Case> {
         m: m / replicas,
         replica_counts: None,
         partition: None,
+        bucket_values: None,
+    };
+    // The same replicated run with each stage's gradients in one bucket: what overlapping
+    // the all-reduce with the backward pass gains.
+    let one_bucket = Case {
+        bucket_values: Some(usize::MAX),
+        ..case(
+            "--stages 4 --replicas 2 pipedream, one bucket",
+            "pipedream",
+            2,
+        )
     };
     vec![
         case("--stages 4 1f1b-flush", "1f1b-flush", 1),
         case("--stages 4 pipedream", "pipedream", 1),
         case("--stages 4 --replicas 2 pipedream", "pipedream", 2),
+        one_bucket,
     ]
 }
 
@@ -574,6 +599,7 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
         m,
         replica_counts: None,
         partition: None,
+        bucket_values: None,
     };
     let mut states = Vec::new();
     pipelined(model, &case, updates, &mut states)?;
@@ -617,6 +643,7 @@ fn model_round(
         m,
         replica_counts: None,
         partition: None,
+        bucket_values: None,
     };
     let mut states = Vec::new();
     pipelined(model, &one, cfg.warmup.max(1), &mut states)?;
@@ -802,6 +829,7 @@ mod tests {
                     m: 2,
                     replica_counts: None,
                     partition: None,
+                    bucket_values: None,
                 },
                 samples_per_s: measured,
                 ratio_to_single: measured / single,

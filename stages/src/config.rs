@@ -294,6 +294,9 @@ pub struct TrainSettings {
     /// Seconds a worker may wait for an activation, gradient or all-reduce chunk before the
     /// run is stopped and the hang doctor reports (default [`DEFAULT_STALL_TIMEOUT`]).
     pub stall_timeout: Option<f64>,
+    /// MiB of f32 gradients per all-reduce bucket (default 4): replicas start summing a bucket
+    /// as soon as the backward pass has finished its layers.
+    pub allreduce_bucket_mb: Option<f64>,
 }
 
 /// Seconds a worker waits for data before the run counts as stalled: far past any wait of a
@@ -392,6 +395,23 @@ impl TrainSettings {
         }
     }
 
+    /// Gradient values per all-reduce bucket from `--allreduce-bucket-mb` (MiB of f32).
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for a size that is not positive or past 64 GiB.
+    fn bucket_values(mb: Option<f64>) -> Result<usize> {
+        let Some(mb) = mb else {
+            return Ok(crate::pipeline::DEFAULT_BUCKET_VALUES);
+        };
+        if !(mb.is_finite() && mb > 0.0 && mb <= 65_536.0) {
+            return Err(StageError::Config(format!(
+                "all-reduce bucket must be between 0 and 65536 MiB, got {mb}"
+            )));
+        }
+        // At least one value; whole values of 4 bytes.
+        Ok(((mb * 1024.0 * 1024.0 / 4.0) as usize).max(1))
+    }
+
     /// Overrides every field that `other` sets.
     pub fn merge(&mut self, other: TrainSettings) {
         let dst = self;
@@ -400,7 +420,7 @@ impl TrainSettings {
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, wire_dtype, sync_warmup, lr_scaling,
-            weight_prediction, stall_timeout);
+            weight_prediction, stall_timeout, allreduce_bucket_mb);
     }
 
     /// Takes the layout a plan file describes (schedule, stages, replicas, partition), and its
@@ -700,6 +720,7 @@ impl TrainSettings {
                 "stall timeout must be between 0 and 604800 seconds (a week), got {stall}"
             ));
         }
+        let bucket_values = Self::bucket_values(self.allreduce_bucket_mb)?;
         Ok(RunConfig {
             model_name,
             model: model_spec,
@@ -729,6 +750,7 @@ impl TrainSettings {
             wire,
             remedies,
             stall_timeout: std::time::Duration::from_secs_f64(stall),
+            bucket_values,
         })
     }
 }
@@ -793,6 +815,8 @@ pub struct RunConfig {
     pub remedies: Remedies,
     /// How long a worker waits for data before the run is stopped as stalled.
     pub stall_timeout: std::time::Duration,
+    /// Gradient values per all-reduce bucket.
+    pub bucket_values: usize,
 }
 
 impl RunConfig {

@@ -21,6 +21,10 @@ use crate::rng::{derive_seed, rng_for};
 /// order of [`Layer::param_shapes`].
 pub type Params = Vec<Vec<Tensor>>;
 
+/// What a backward pass calls after each layer: the layer's index within the pass's range,
+/// and the range's gradients, of which that layer's and every later one's are complete.
+pub type GradientsReady<'h> = dyn FnMut(usize, &mut [Vec<Tensor>]) -> Result<()> + 'h;
+
 /// `params` made resident where `be` computes (parameters and gradients are built on the host).
 ///
 /// # Errors
@@ -749,6 +753,38 @@ impl Model {
         accumulate: bool,
         need_input_grad: bool,
     ) -> Result<Option<Tensor>> {
+        let mut ignore = |_: usize, _: &mut [Vec<Tensor>]| Ok(());
+        self.backward_range_notify(
+            be,
+            range,
+            params,
+            saved,
+            (dy, need_input_grad),
+            grads,
+            accumulate,
+            &mut ignore,
+        )
+    }
+
+    /// [`Model::backward_range`] (`dy` and `need_input_grad` as a pair), calling `ready` after
+    /// each layer with the layer's index within `range` and `grads`: that layer and every
+    /// later one hold their parameter gradients of this pass (what lets the executor start
+    /// all-reducing them while the earlier layers compute).
+    ///
+    /// # Errors
+    /// As [`Model::backward_range`], or `ready`'s error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_range_notify(
+        &self,
+        be: &dyn Backend,
+        range: std::ops::Range<usize>,
+        params: &[Vec<Tensor>],
+        saved: &[Saved],
+        (dy, need_input_grad): (Tensor, bool),
+        grads: &mut [Vec<Tensor>],
+        accumulate: bool,
+        ready: &mut GradientsReady<'_>,
+    ) -> Result<Option<Tensor>> {
         let start = range.start;
         let mut g = dy;
         for i in range.rev() {
@@ -771,6 +807,7 @@ impl Model {
                     op: "backward",
                     source,
                 })?;
+            ready(j, grads)?;
             match next {
                 Some(next) => g = next,
                 None => return Ok(None),
@@ -815,7 +852,8 @@ impl Model {
     /// The weight-gradient half of a split backward: each layer's `backward_params` from its
     /// saved activations and the output gradient [`Model::backward_input_range`] recorded,
     /// added into `grads` when `accumulate`. Gives the same bits as the fused
-    /// [`Model::backward_range`].
+    /// [`Model::backward_range`]. Calls `ready` after each layer, as
+    /// [`Model::backward_range_notify`] does.
     ///
     /// # Errors
     /// [`StageError::Kernel`] naming the layer that failed.
@@ -829,6 +867,7 @@ impl Model {
         dys: &[Tensor],
         grads: &mut [Vec<Tensor>],
         accumulate: bool,
+        ready: &mut GradientsReady<'_>,
     ) -> Result<()> {
         let start = range.start;
         for i in range.rev() {
@@ -849,6 +888,7 @@ impl Model {
                     op: "backward_params",
                     source,
                 })?;
+            ready(j, grads)?;
         }
         Ok(())
     }

@@ -539,6 +539,51 @@ fn three_replicas_on_devices_sum_on_the_devices_within_rounding_of_the_ring() {
     assert!(stage0.windows(2).all(|w| w[0] == w[1]), "replicas disagree");
 }
 
+/// All-reduce buckets of a few hundred values (a bucket per layer, each started during the
+/// backward pass) with three replicas: in process and over QUIC the weights equal the
+/// reference trainer's, which sums the same buckets, bit for bit; and the buckets are real:
+/// summed as one bucket, three replicas' additions come in another order and the weights
+/// differ.
+#[test]
+fn gradient_buckets_reduced_during_the_backward_pass_equal_the_reference() {
+    let model = model();
+    for policy in [Policy::PipeDream, Policy::TwoBw, Policy::OneFOneBFlush] {
+        let m = if policy == Policy::TwoBw { 4 } else { 3 };
+        let spec = ScheduleSpec::new(policy, 3, m)
+            .with_replicas(vec![1, 3, 1])
+            .with_length(Length::Updates(6));
+        let run = prepare(&spec, &model).with_bucket_values(300);
+        let grads = model.zero_grads(run.partition.range(1));
+        let buckets = pipe_stages::pipeline::gradient_buckets(&grads, 300, 3);
+        assert!(buckets.len() >= 2, "{policy}: {buckets:?}");
+        let (inproc, _) = pipelined(&run, &model);
+        let eps = pipe_transport::quic::local_mesh(
+            run.schedule.workers(),
+            &pipe_transport::quic::QuicOptions::new(SEED),
+        )
+        .unwrap();
+        let (quic, _) = pipelined_over(&run, &model, eps);
+        let want = reference_with(&run, &model, opt());
+        for states in [&inproc, &quic] {
+            for state in states {
+                for st in &state.stages {
+                    assert!(
+                        bits(&st.params) == bits(&want[st.stage as usize]),
+                        "{policy}: worker {} stage {} differs from the reference",
+                        state.worker,
+                        st.stage
+                    );
+                }
+            }
+        }
+        let one_bucket = reference_with(&run.clone().with_bucket_values(usize::MAX), &model, opt());
+        assert!(
+            bits(&one_bucket[1]) != bits(&want[1]),
+            "{policy}: one bucket summed like several"
+        );
+    }
+}
+
 /// With a bf16 wire, QUIC (which encodes bf16) and in-process (which rounds as the wire
 /// would) end bit-identical too, and differ from the f32 run.
 #[test]

@@ -80,58 +80,206 @@ pub fn ring_all_reduce_segments<T: Transport + ?Sized>(
     update: u32,
     segments: &mut [&mut [f32]],
 ) -> Result<(), TransportError> {
-    let r = group.len();
-    if r <= 1 {
-        return Ok(());
+    let names = RingNames {
+        stage,
+        update,
+        first_step: 0,
+    };
+    RingAllReduce::start(t, group, names, segments)?.finish(t, segments)
+}
+
+/// What names a ring's messages: its `stage` and `update` (the keys' stage and index) and the
+/// first of the `step` values it uses ([`ring_step_count`] of them), so that several rings of
+/// one update (gradient buckets) never share a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingNames {
+    /// The keys' stage.
+    pub stage: u32,
+    /// The keys' index.
+    pub update: u32,
+    /// The first key step this ring uses.
+    pub first_step: u32,
+}
+
+/// The key steps a ring all-reduce of `len` values among `replicas` uses: one per piece per
+/// ring step (zero for a single replica).
+pub fn ring_step_count(len: usize, replicas: usize) -> usize {
+    if replicas <= 1 {
+        return 0;
     }
-    let me = t.rank();
-    let i = group.iter().position(|&w| w == me).ok_or_else(|| {
-        TransportError::Protocol(format!("worker {me} is not in all-reduce group {group:?}"))
-    })?;
-    let (next, prev) = (group[(i + 1) % r], group[(i + r - 1) % r]);
-    let mut flat = Segments::new(segments);
-    let len = flat.len();
-    let steps = 2 * (r - 1);
-    // (chunk sent, chunk received) at each step: reduce-scatter, then all-gather.
-    let chunks = |step: usize| {
+    // No chunk has more pieces than the whole buffer would.
+    2 * (replicas - 1) * pieces_of(len)
+}
+
+/// A ring all-reduce in progress ([`ring_all_reduce_segments`], taken apart): started by
+/// [`RingAllReduce::start`], moved on without waiting by [`RingAllReduce::poll`] (what a worker
+/// calls between the layers of its backward pass, so a bucket of gradients is summed while
+/// earlier layers compute), and completed by [`RingAllReduce::finish`]. It holds no borrow of
+/// the buffer: each call is given the same `segments` again, untouched by anyone else in
+/// between. The pieces are received in one fixed order whatever the timing, so the sum is
+/// [`ring_sum`]'s, bit for bit.
+#[derive(Debug)]
+pub struct RingAllReduce {
+    /// Replicas in the ring; 0 or 1 means nothing to do.
+    r: usize,
+    /// This worker's place in the ring.
+    i: usize,
+    next: u32,
+    prev: u32,
+    me: u32,
+    names: RingNames,
+    /// Values in the flat buffer.
+    len: usize,
+    /// The next piece to receive: (ring step, piece).
+    step: usize,
+    piece: usize,
+    /// Buffers taken from the thread's spares, returned when the ring ends.
+    spares: Vec<Vec<f32>>,
+}
+
+impl RingAllReduce {
+    /// Starts the ring: checks the group and sends this worker's first chunk.
+    ///
+    /// # Errors
+    /// As [`ring_all_reduce`].
+    pub fn start<T: Transport + ?Sized>(
+        t: &mut T,
+        group: &[u32],
+        names: RingNames,
+        segments: &mut [&mut [f32]],
+    ) -> Result<Self, TransportError> {
+        let r = group.len();
+        let me = t.rank();
+        let flat = Segments::new(segments);
+        let mut ring = RingAllReduce {
+            r,
+            i: 0,
+            next: me,
+            prev: me,
+            me,
+            names,
+            len: flat.len(),
+            step: 0,
+            piece: 0,
+            spares: Vec::new(),
+        };
+        if r <= 1 {
+            return Ok(ring);
+        }
+        let i = group.iter().position(|&w| w == me).ok_or_else(|| {
+            TransportError::Protocol(format!("worker {me} is not in all-reduce group {group:?}"))
+        })?;
+        ring.i = i;
+        (ring.next, ring.prev) = (group[(i + 1) % r], group[(i + r - 1) % r]);
+        let last = u64::from(names.first_step) + ring_step_count(ring.len, r) as u64;
+        if last > u64::from(RING_STEP_LIMIT) {
+            return Err(TransportError::Protocol(
+                "all-reduce of too many pieces".into(),
+            ));
+        }
+        ring.spares = CHUNK_BUFFERS.with(std::cell::Cell::take);
+        let first = chunk(ring.len, r, ring.chunks(0).0);
+        let count = pieces_of(first.len());
+        for j in 0..count {
+            let mut buf = ring.spares.pop().unwrap_or_default();
+            buf.clear();
+            flat.copy_out(piece(&first, count, j), &mut buf);
+            send_piece(t, ring.key(ring.me, ring.next, 0, j), buf)?;
+        }
+        Ok(ring)
+    }
+
+    /// Whether every piece has been received (this worker holds the whole sum).
+    pub fn is_done(&self) -> bool {
+        self.r <= 1 || self.step >= 2 * (self.r - 1)
+    }
+
+    /// Takes every piece that has already arrived, adding it in and passing it on, without
+    /// waiting. Returns whether the ring is done.
+    ///
+    /// # Errors
+    /// As [`ring_all_reduce`].
+    pub fn poll<T: Transport + ?Sized>(
+        &mut self,
+        t: &mut T,
+        segments: &mut [&mut [f32]],
+    ) -> Result<bool, TransportError> {
+        self.advance(t, segments, false)
+    }
+
+    /// Waits for the remaining pieces and completes the sum.
+    ///
+    /// # Errors
+    /// As [`ring_all_reduce`].
+    pub fn finish<T: Transport + ?Sized>(
+        mut self,
+        t: &mut T,
+        segments: &mut [&mut [f32]],
+    ) -> Result<(), TransportError> {
+        self.advance(t, segments, true)?;
+        Ok(())
+    }
+
+    /// (chunk sent, chunk received) at ring step `step`: reduce-scatter, then all-gather.
+    fn chunks(&self, step: usize) -> (usize, usize) {
+        let (r, i) = (self.r, self.i);
         let k = step % (r - 1);
         if step >= r - 1 {
             ((i + 1 + r - k) % r, (i + r - k) % r)
         } else {
             ((i + r - k) % r, (i + 2 * r - k - 1) % r)
         }
-    };
-    let key = |from: u32, to: u32, step: usize, j: usize| -> Result<Key, TransportError> {
-        // No chunk has more pieces than the whole buffer would.
-        let at = u32::try_from(step * pieces_of(len) + j)
-            .ok()
-            .filter(|&s| s < RING_STEP_LIMIT)
-            .ok_or_else(|| TransportError::Protocol("all-reduce of too many pieces".into()))?;
-        Ok(Key {
+    }
+
+    /// The key of piece `j` of ring step `step` (in range: checked by `start`).
+    fn key(&self, from: u32, to: u32, step: usize, j: usize) -> Key {
+        let at = step * pieces_of(self.len) + j;
+        Key {
             from,
             to,
             kind: Kind::Chunk,
-            stage,
-            index: update,
-            step: at,
-        })
-    };
-    let mut spares: Vec<Vec<f32>> = CHUNK_BUFFERS.with(std::cell::Cell::take);
-    let first = chunk(len, r, chunks(0).0);
-    let count = pieces_of(first.len());
-    for j in 0..count {
-        let mut buf = spares.pop().unwrap_or_default();
-        buf.clear();
-        flat.copy_out(piece(&first, count, j), &mut buf);
-        send_piece(t, key(me, next, 0, j)?, buf)?;
+            stage: self.names.stage,
+            index: self.names.update,
+            step: self.names.first_step + at as u32,
+        }
     }
-    for step in 0..steps {
-        let gather = step >= r - 1;
-        let range = chunk(len, r, chunks(step).1);
-        let count = pieces_of(range.len());
-        for j in 0..count {
+
+    /// Receives pieces in their fixed order, waiting for each when `wait`, otherwise until
+    /// the next has not arrived yet. Returns whether the ring is done.
+    fn advance<T: Transport + ?Sized>(
+        &mut self,
+        t: &mut T,
+        segments: &mut [&mut [f32]],
+        wait: bool,
+    ) -> Result<bool, TransportError> {
+        if self.is_done() {
+            return Ok(true);
+        }
+        let mut flat = Segments::new(segments);
+        if flat.len() != self.len {
+            return Err(TransportError::Protocol(format!(
+                "all-reduce buffer of {} values resumed with {}",
+                self.len,
+                flat.len()
+            )));
+        }
+        let steps = 2 * (self.r - 1);
+        while self.step < steps {
+            let step = self.step;
+            let gather = step >= self.r - 1;
+            let range = chunk(self.len, self.r, self.chunks(step).1);
+            let count = pieces_of(range.len());
+            let j = self.piece;
             let at = piece(&range, count, j);
-            let got = t.recv(&key(prev, me, step, j)?)?;
+            let key = self.key(self.prev, self.me, step, j);
+            let got = if wait {
+                t.recv(&key)?
+            } else {
+                match t.try_recv(&key)? {
+                    Some(m) => m,
+                    None => return Ok(false),
+                }
+            };
             let src = got
                 .tensor
                 .host()
@@ -152,15 +300,26 @@ pub fn ring_all_reduce_segments<T: Transport + ?Sized>(
                     buf.clear();
                     flat.copy_out(at, &mut buf);
                 }
-                send_piece(t, key(me, next, step + 1, j)?, buf)?;
+                send_piece(t, self.key(self.me, self.next, step + 1, j), buf)?;
             } else {
-                spares.push(buf);
+                self.spares.push(buf);
             }
+            (self.step, self.piece) = if j + 1 < count {
+                (step, j + 1)
+            } else {
+                (step + 1, 0)
+            };
         }
+        let spares = std::mem::take(&mut self.spares);
+        CHUNK_BUFFERS.with(|cell| {
+            // Another ring of this thread may have returned its buffers meanwhile.
+            let mut held = cell.take();
+            held.extend(spares);
+            held.truncate(SPARE_BUFFERS);
+            cell.set(held);
+        });
+        Ok(true)
     }
-    spares.truncate(SPARE_BUFFERS);
-    CHUNK_BUFFERS.with(|cell| cell.set(spares));
-    Ok(())
 }
 
 /// Ring steps and pieces share the message's `step` below this (the executor's other chunk

@@ -17,7 +17,7 @@ use pipe_transport::nccl::NcclComms;
 
 use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
 
-use super::{Setup, all_reduce_gradients};
+use super::{BucketedAllReduce, Setup, all_reduce_gradients, last_backwards};
 use crate::error::{Result, StageError};
 
 /// Runs `state.worker`'s program of `setup.plan` over transport `t` with backend `be`,
@@ -89,11 +89,14 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     let mut core = WorkerCore::new(be, setup, state).map_err(|e| (None, e))?;
     let program = &setup.plan.schedule.programs[state.worker as usize];
     let m = WorkerMetrics::new(state.worker);
-    let mut nccl = NcclComms::default();
+    let mut comms = Comms {
+        nccl: NcclComms::default(),
+        overlap: Overlap::new(program, setup.plan.bucket_values, be.device()),
+    };
     for (pc, &a) in program.iter().enumerate() {
         let start = t0.elapsed().as_secs_f64();
         progress.at = Some(a);
-        let bytes = step(be, t, &mut core, &mut nccl, (pc, a)).map_err(|e| (Some(a), e))?;
+        let bytes = step(be, t, &mut core, &mut comms, (pc, a)).map_err(|e| (Some(a), e))?;
         // A device backend only queued the action's kernels: the span ends when they have run.
         be.synchronize()
             .map_err(|e| (Some(a), StageError::from(e)))?;
@@ -167,15 +170,94 @@ impl WorkerMetrics {
     }
 }
 
+/// A worker's collective state between actions: its NCCL communicators and the all-reduces
+/// in flight.
+struct Comms {
+    nccl: NcclComms,
+    overlap: Overlap,
+}
+
+/// The all-reduces a worker starts during backward passes ([`BucketedAllReduce`]): which
+/// passes start one, and those in flight until their `AllReduce` action. Only for gradients
+/// in host memory (device gradients are summed by NCCL or on the devices, at the action).
+struct Overlap {
+    /// Program counter of a stage's last backward pass before an all-reduce: that update.
+    starts: std::collections::HashMap<usize, u32>,
+    bucket_values: usize,
+    in_flight: Vec<BucketedAllReduce>,
+}
+
+impl Overlap {
+    fn new(program: &[Action], bucket_values: usize, device: pipe_kernels::Device) -> Self {
+        let starts = if device == pipe_kernels::Device::Host {
+            last_backwards(program)
+        } else {
+            Default::default()
+        };
+        Overlap {
+            starts,
+            bucket_values,
+            in_flight: Vec::new(),
+        }
+    }
+
+    /// Runs backward pass `a` at `pc`, starting its stage's all-reduce of `update` bucket by
+    /// bucket as the pass completes layers.
+    fn backward<T: Transport + ?Sized>(
+        &mut self,
+        be: &dyn Backend,
+        t: &mut T,
+        core: &mut WorkerCore<'_, '_>,
+        (pc, a): (usize, Action),
+        (stage, update): (u32, u32),
+    ) -> Result<()> {
+        let group = core.replica_group(stage)?;
+        let mut started: Option<BucketedAllReduce> = None;
+        let bucket_values = self.bucket_values;
+        core.compute_notify(be, pc, a, &mut |j, grads| {
+            let ar = started.get_or_insert_with(|| {
+                BucketedAllReduce::new(&group, (stage, update), grads, bucket_values)
+            });
+            ar.layers_ready(t, j, grads)
+        })?;
+        self.in_flight.extend(started);
+        Ok(())
+    }
+
+    /// Moves every all-reduce in flight on with what has arrived.
+    fn poll<T: Transport + ?Sized>(
+        &mut self,
+        t: &mut T,
+        core: &mut WorkerCore<'_, '_>,
+    ) -> Result<()> {
+        for ar in &mut self.in_flight {
+            ar.poll(t, core.gradients_mut(ar.names().0)?)?;
+        }
+        Ok(())
+    }
+
+    /// The all-reduce of `stage`'s `update` if one is in flight, taken out.
+    fn take(&mut self, stage: u32, update: u32) -> Option<BucketedAllReduce> {
+        let at = self
+            .in_flight
+            .iter()
+            .position(|ar| ar.names() == (stage, update))?;
+        Some(self.in_flight.swap_remove(at))
+    }
+}
+
 /// One action: compute on the core, or move data between the core and the transport.
 /// Returns the payload bytes it sent and received.
 fn step<B: Backend, T: Transport + ?Sized>(
     be: &B,
     t: &mut T,
     core: &mut WorkerCore<'_, '_>,
-    nccl: &mut NcclComms,
+    comms: &mut Comms,
     (pc, a): (usize, Action),
 ) -> Result<(u64, u64)> {
+    if !comms.overlap.in_flight.is_empty() {
+        comms.overlap.poll(t, core)?;
+    }
     match a {
         Action::SendActivation { .. } | Action::SendGradient { .. } => {
             let mut m = core.outgoing(a)?;
@@ -193,13 +275,28 @@ fn step<B: Backend, T: Transport + ?Sized>(
             core.deliver(a, m)?;
             return Ok((0, bytes));
         }
+        Action::Backward { stage, .. } | Action::BackwardWeight { stage, .. } => {
+            match comms.overlap.starts.get(&pc) {
+                Some(&update) => comms
+                    .overlap
+                    .backward(be, t, core, (pc, a), (stage, update))?,
+                None => core.compute(be, pc, a)?,
+            }
+        }
         Action::AllReduce { stage, update } => {
+            let in_flight = comms.overlap.take(stage, update);
             let (group, grads) = core.all_reduce_gradients(be, stage)?;
             let total: u64 = grads.iter().flatten().map(|g| g.bytes() as u64).sum();
-            let on_gpus =
-                nccl.all_reduce(t, be, &group, stage, grads.iter_mut().flatten().collect())?;
-            if !on_gpus {
-                all_reduce_gradients(be, t, &group, stage, update, grads)?;
+            if let Some(ar) = in_flight {
+                ar.finish(t, grads)?;
+            } else {
+                let nccl = &mut comms.nccl;
+                let on_gpus =
+                    nccl.all_reduce(t, be, &group, stage, grads.iter_mut().flatten().collect())?;
+                if !on_gpus {
+                    let buckets = comms.overlap.bucket_values;
+                    all_reduce_gradients(be, t, &group, (stage, update), grads, buckets)?;
+                }
             }
             // A ring sends and receives 2 (n - 1) chunks of 1/n of the buffer.
             let n = group.len().max(1) as u64;

@@ -16,7 +16,7 @@ use pipe_transport::{Key, Kind, Message};
 use super::{Setup, mean_step};
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
-use crate::model::{Params, place_params};
+use crate::model::{GradientsReady, Params, place_params};
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
@@ -365,11 +365,32 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     /// # Errors
     /// Kernel and data errors, or an action the state does not allow.
     pub fn compute(&mut self, be: &dyn Backend, pc: usize, a: Action) -> Result<()> {
+        self.compute_notify(be, pc, a, &mut |_, _| Ok(()))
+    }
+
+    /// [`WorkerCore::compute`], calling `ready` after each layer of a backward pass that
+    /// computes weight gradients (fused, or the weight half), as
+    /// [`crate::model::Model::backward_range_notify`] describes: how the driver starts
+    /// all-reducing a bucket while earlier layers compute.
+    ///
+    /// # Errors
+    /// As [`WorkerCore::compute`], or `ready`'s error.
+    pub fn compute_notify(
+        &mut self,
+        be: &dyn Backend,
+        pc: usize,
+        a: Action,
+        ready: &mut GradientsReady<'_>,
+    ) -> Result<()> {
         match a {
             Action::Forward { stage, mb } => self.forward(be, pc, stage, mb),
-            Action::Backward { stage, mb } => self.backward(be, pc, stage, mb, false),
-            Action::BackwardInput { stage, mb } => self.backward(be, pc, stage, mb, true),
-            Action::BackwardWeight { stage, mb } => self.backward_weight(be, pc, stage, mb),
+            Action::Backward { stage, mb } => self.backward(be, (pc, stage, mb), false, ready),
+            Action::BackwardInput { stage, mb } => {
+                self.backward(be, (pc, stage, mb), true, &mut |_, _| Ok(()))
+            }
+            Action::BackwardWeight { stage, mb } => {
+                self.backward_weight(be, (pc, stage, mb), ready)
+            }
             Action::Update { stage, update } => self.update(be, pc, stage, update),
             other => Err(exec_err(format!("{other} is not a compute action"))),
         }
@@ -472,10 +493,9 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     fn backward(
         &mut self,
         be: &dyn Backend,
-        pc: usize,
-        stage: u32,
-        mb: u32,
+        (pc, stage, mb): (usize, u32, u32),
         split: bool,
+        ready: &mut GradientsReady<'_>,
     ) -> Result<()> {
         let model = self.setup.model;
         let c = self.chunk(stage)?;
@@ -517,15 +537,15 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             run.weight_pending.insert(mb, pending);
             dx
         } else {
-            let dx = model.backward_range(
+            let dx = model.backward_range_notify(
                 be,
                 run.layers.clone(),
                 params,
                 &fwd.saved,
-                dy,
+                (dy, stage > 0),
                 &mut run.grads,
                 !run.grads_fresh,
-                stage > 0,
+                ready,
             )?;
             run.grads_fresh = false;
             run.gradient_versions.push(v);
@@ -547,7 +567,12 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         Ok(())
     }
 
-    fn backward_weight(&mut self, be: &dyn Backend, pc: usize, stage: u32, mb: u32) -> Result<()> {
+    fn backward_weight(
+        &mut self,
+        be: &dyn Backend,
+        (pc, stage, mb): (usize, u32, u32),
+        ready: &mut GradientsReady<'_>,
+    ) -> Result<()> {
         let c = self.chunk(stage)?;
         let run = &mut self.stages[c];
         let pending = run.weight_pending.remove(&mb).ok_or_else(|| {
@@ -569,6 +594,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             &pending.output_grads,
             &mut run.grads,
             !run.grads_fresh,
+            ready,
         )?;
         run.grads_fresh = false;
         run.gradient_versions.push(pending.version);
@@ -750,6 +776,24 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             run.grads_fresh = false;
         }
         Ok((run.replica_group.clone(), &mut run.grads))
+    }
+
+    /// The replica group of `stage` (ring order).
+    ///
+    /// # Errors
+    /// A stage this worker does not hold.
+    pub fn replica_group(&self, stage: u32) -> Result<Vec<u32>> {
+        Ok(self.stages[self.chunk(stage)?].replica_group.clone())
+    }
+
+    /// The gradients `stage` has accumulated, as they are (what an all-reduce in flight moves
+    /// on between actions).
+    ///
+    /// # Errors
+    /// A stage this worker does not hold.
+    pub fn gradients_mut(&mut self, stage: u32) -> Result<&mut Params> {
+        let c = self.chunk(stage)?;
+        Ok(&mut self.stages[c].grads)
     }
 
     /// Before update `update` of `stage`: the messages carrying its raw tied-use gradients

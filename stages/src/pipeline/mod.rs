@@ -18,6 +18,7 @@
 //! them. Every forward and backward records the version it actually used, so a run's log can be
 //! compared with the plan, and the final weights with the reference trainer's.
 
+pub mod allreduce;
 pub mod doctor;
 pub mod driver;
 pub mod exec;
@@ -29,6 +30,10 @@ pub mod run_plan;
 pub mod train;
 pub mod worker;
 
+pub use allreduce::{
+    BucketedAllReduce, DEFAULT_BUCKET_VALUES, DEVICE_SUM_STEP, GradientBucket,
+    all_reduce_gradients, all_reduce_on_devices, gradient_buckets, last_backwards,
+};
 pub use driver::{run_worker, run_worker_with};
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
 pub use launch::run_threads;
@@ -130,121 +135,6 @@ pub struct Setup<'a> {
 /// One microbatch's loss as the last stage reports it: (microbatch of the schedule, loss
 /// sum, samples).
 pub type LossReport = (u32, f64, usize);
-
-/// The executor's all-reduce: sums a stage's gradients across its replicas `group` (ring
-/// order), in place. The gradient tensors, in layer and parameter order, are reduced as one
-/// flat buffer without being copied into one
-/// ([`pipe_transport::collective::ring_all_reduce_segments`]): the same chunks, messages and
-/// additions as the bare ring, so the reference trainer, which sums the concatenated
-/// gradients with [`pipe_transport::collective::ring_sum`], agrees bit for bit. Flattening the
-/// tensors into a buffer and back, as the executor once did, copied every gradient twice per
-/// update on top of the ring's own work. `stage` and `update` name the messages.
-///
-/// # Errors
-/// A gradient not held on the host; transport errors.
-pub fn all_reduce_gradients<T: pipe_transport::Transport + ?Sized>(
-    be: &dyn Backend,
-    t: &mut T,
-    group: &[u32],
-    stage: u32,
-    update: u32,
-    grads: &mut Params,
-) -> Result<()> {
-    if grads
-        .iter()
-        .flatten()
-        .any(|g| g.device() != pipe_kernels::Device::Host)
-    {
-        if t.carries_device_tensors() {
-            return all_reduce_on_devices(be, t, group, stage, update, grads);
-        }
-        // Device gradients go through the host: copied out, summed by the ring, written back.
-        let mut staged = crate::model::host_params(be, grads.clone())?;
-        all_reduce_gradients(be, t, group, stage, update, &mut staged)?;
-        for (g, s) in grads.iter_mut().flatten().zip(staged.iter().flatten()) {
-            be.write(s.host()?, g)?;
-        }
-        return Ok(());
-    }
-    let mut segments = grads
-        .iter_mut()
-        .flatten()
-        .map(|g| {
-            g.host_mut()
-                .map_err(|e| crate::StageError::Executor(format!("all-reduce of a gradient: {e}")))
-        })
-        .collect::<Result<Vec<&mut [f32]>>>()?;
-    pipe_transport::collective::ring_all_reduce_segments(t, group, stage, update, &mut segments)?;
-    Ok(())
-}
-
-/// The `step` of the messages of [`all_reduce_on_devices`]: this plus the gradient tensor's
-/// index (ring chunks use small steps; tied gradients and NCCL's setup the top two).
-pub const DEVICE_SUM_STEP: u32 = 1 << 24;
-
-/// The all-reduce of device gradients among workers of one process (the transport moves
-/// device buffers untouched): a group NCCL cannot serve, because its members share a GPU or
-/// NCCL is missing. Tensor by tensor, every member sends its gradient to every other member,
-/// copies theirs onto its device (device to device, [`Backend::place`]) and adds all of them in
-/// group order, so every member holds the same bits and nothing passes through host memory.
-/// With two replicas the sum is the ring's (`a + b` either way round), bit for bit; with more,
-/// the additions come in another order than [`pipe_transport::collective::ring_sum`]'s, so it
-/// agrees with the reference trainer within rounding.
-///
-/// # Errors
-/// Transport errors; device failures; a gradient count past the message steps.
-pub fn all_reduce_on_devices<T: pipe_transport::Transport + ?Sized>(
-    be: &dyn Backend,
-    t: &mut T,
-    group: &[u32],
-    stage: u32,
-    update: u32,
-    grads: &mut Params,
-) -> Result<()> {
-    use pipe_transport::{Key, Kind, Message};
-    let me = t.rank();
-    let key = |from: u32, to: u32, j: usize| -> Result<Key> {
-        let step = u32::try_from(j)
-            .ok()
-            .filter(|&j| j < DEVICE_SUM_STEP)
-            .map(|j| DEVICE_SUM_STEP + j)
-            .ok_or_else(|| crate::StageError::Executor(format!("{j} gradients to all-reduce")))?;
-        Ok(Key {
-            from,
-            to,
-            kind: Kind::Chunk,
-            stage,
-            index: update,
-            step,
-        })
-    };
-    for (j, g) in grads.iter_mut().flatten().enumerate() {
-        for &peer in group.iter().filter(|&&w| w != me) {
-            let message = Message {
-                key: key(me, peer, j)?,
-                version: 0,
-                tensor: g.clone(),
-            };
-            t.send(message)?;
-        }
-        let mut sum: Option<Tensor> = None;
-        for &w in group {
-            let part = if w == me {
-                g.clone()
-            } else {
-                be.place(t.recv(&key(w, me, j)?)?.tensor)?
-            };
-            match sum.as_mut() {
-                None => sum = Some(part),
-                Some(s) => be.axpy(1.0, &part, s)?,
-            }
-        }
-        if let Some(s) = sum {
-            *g = s;
-        }
-    }
-    Ok(())
-}
 
 /// The update the executor and the reference trainer both apply, with the same operations so
 /// their weights agree bit for bit: scale the summed gradients (tied parameters' uses already

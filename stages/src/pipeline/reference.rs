@@ -6,7 +6,8 @@
 //! input-gradient backward with its backward versions. An update of a stage is applied as soon
 //! as every microbatch it sums has been computed: each replica's gradients are accumulated in
 //! the plan's order with the same kernel calls the executor makes, replicas are combined in
-//! ring order ([`ring_sum`]), the uses of each tied parameter are summed
+//! ring order bucket by bucket
+//! ([`ring_sum`](pipe_transport::collective::ring_sum), [`super::gradient_buckets`]), the uses of each tied parameter are summed
 //! ([`Model::sum_tied`](crate::model::Model::sum_tied)), the sum is scaled by one over the
 //! update's size and the optimizer steps from the newest version. Whatever order a pipelined
 //! run executes, its weights must equal these bit for bit.
@@ -20,7 +21,6 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 
 use pipe_kernels::{Backend, Tensor};
-use pipe_transport::collective::ring_sum;
 
 use super::{Setup, mean_step};
 use crate::error::{Result, StageError};
@@ -366,32 +366,15 @@ impl Reference<'_, '_> {
                     &dys,
                     &mut acc,
                     i > 0,
+                    &mut |_, _| Ok(()),
                 )?;
             }
             partials.push(acc);
         }
         if partials.len() > 1 {
-            // The executor's all-reduce (`super::all_reduce_gradients`): the gradient tensors
-            // concatenated, summed over the replicas in ring order.
-            let flats: Vec<Vec<f32>> = partials
-                .iter()
-                .map(|p| {
-                    let mut flat = Vec::new();
-                    for t in p.iter().flatten() {
-                        flat.extend_from_slice(&be.read(t)?);
-                    }
-                    Ok(flat)
-                })
-                .collect::<Result<_>>()?;
-            let sum = ring_sum(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>());
-            let mut out = partials.swap_remove(0);
-            let mut at = 0;
-            for t in out.iter_mut().flatten() {
-                let n = t.len();
-                be.write(&sum[at..at + n], t)?;
-                at += n;
-            }
-            return Ok(out);
+            // The executor's all-reduce: bucket by bucket, summed over the replicas in ring
+            // order.
+            return super::allreduce::bucketed_ring_sum(be, partials, plan.bucket_values);
         }
         Ok(partials.pop().unwrap_or_default())
     }

@@ -20,6 +20,10 @@ pub struct RunPlan {
     pub versions: VersionPlan,
     /// Layers of each model stage.
     pub partition: Partition,
+    /// Gradient values per all-reduce bucket ([`super::gradient_buckets`]): part of the plan
+    /// because the buckets fix the order of the replicas' additions, which the reference
+    /// trainer must follow.
+    pub bucket_values: usize,
 }
 
 impl RunPlan {
@@ -81,6 +85,14 @@ impl RunPlan {
             schedule,
             versions,
             partition,
+            bucket_values: super::DEFAULT_BUCKET_VALUES,
         })
+    }
+
+    /// This plan with all-reduce buckets of `values` gradient values (at least one).
+    #[must_use]
+    pub fn with_bucket_values(mut self, values: usize) -> Self {
+        self.bucket_values = values.max(1);
+        self
     }
 }
