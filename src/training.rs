@@ -140,6 +140,10 @@ pub struct TrainArgs {
     /// layers starts its ring all-reduce while the backward pass computes the earlier ones.
     #[arg(long, value_name = "MIB")]
     allreduce_bucket_mb: Option<f64>,
+    /// Precision of the gradients the replicas' all-reduce sends: f32, or bf16 (half the
+    /// bytes; sums stay f32, every replica ends with the same bits).
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    allreduce_dtype: Option<String>,
     /// Remedy for stale weights: run the first N updates with the synchronous 1f1b-flush
     /// schedule, then the asynchronous policy (pipedream, pipedream-nostash, vsync, 2bw).
     #[arg(long, value_name = "N")]
@@ -216,6 +220,7 @@ impl TrainArgs {
             weight_prediction: self.weight_prediction.clone(),
             stall_timeout: self.stall_timeout,
             allreduce_bucket_mb: self.allreduce_bucket_mb,
+            allreduce_dtype: self.allreduce_dtype.clone(),
             ..TrainSettings::default()
         }
     }

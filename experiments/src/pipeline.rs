@@ -446,7 +446,7 @@ fn all_reduce_against_ring(
                         &group,
                         (0, update),
                         &mut tensors,
-                        DEFAULT_BUCKET_VALUES,
+                        (DEFAULT_BUCKET_VALUES, pipe_transport::frame::WireDType::F32),
                     )?;
                     let executor = t.elapsed().as_secs_f64();
                     let t = Instant::now();

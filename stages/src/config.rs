@@ -297,6 +297,9 @@ pub struct TrainSettings {
     /// MiB of f32 gradients per all-reduce bucket (default 4): replicas start summing a bucket
     /// as soon as the backward pass has finished its layers.
     pub allreduce_bucket_mb: Option<f64>,
+    /// Precision of the values the replicas' all-reduce sends (`f32`, `bf16`; the sums stay
+    /// f32).
+    pub allreduce_dtype: Option<String>,
 }
 
 /// Seconds a worker waits for data before the run counts as stalled: far past any wait of a
@@ -420,7 +423,7 @@ impl TrainSettings {
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, wire_dtype, sync_warmup, lr_scaling,
-            weight_prediction, stall_timeout, allreduce_bucket_mb);
+            weight_prediction, stall_timeout, allreduce_bucket_mb, allreduce_dtype);
     }
 
     /// Takes the layout a plan file describes (schedule, stages, replicas, partition), and its
@@ -721,6 +724,10 @@ impl TrainSettings {
             ));
         }
         let bucket_values = Self::bucket_values(self.allreduce_bucket_mb)?;
+        let allreduce_wire = match &self.allreduce_dtype {
+            Some(w) => w.parse().map_err(StageError::Config)?,
+            None => WireDType::F32,
+        };
         Ok(RunConfig {
             model_name,
             model: model_spec,
@@ -751,6 +758,7 @@ impl TrainSettings {
             remedies,
             stall_timeout: std::time::Duration::from_secs_f64(stall),
             bucket_values,
+            allreduce_wire,
         })
     }
 }
@@ -817,6 +825,8 @@ pub struct RunConfig {
     pub stall_timeout: std::time::Duration,
     /// Gradient values per all-reduce bucket.
     pub bucket_values: usize,
+    /// The precision the all-reduce sends in.
+    pub allreduce_wire: WireDType,
 }
 
 impl RunConfig {

@@ -11,6 +11,7 @@
 
 use pipe_kernels::Tensor;
 
+use crate::frame::{WireDType, round_to_wire};
 use crate::{Key, Kind, Message, Transport, TransportError};
 
 /// Start of chunk `c` of `r` over a buffer of `len` values.
@@ -80,25 +81,35 @@ pub fn ring_all_reduce_segments<T: Transport + ?Sized>(
     update: u32,
     segments: &mut [&mut [f32]],
 ) -> Result<(), TransportError> {
-    let names = RingNames {
+    let spec = RingSpec {
         stage,
         update,
         first_step: 0,
+        wire: WireDType::F32,
     };
-    RingAllReduce::start(t, group, names, segments)?.finish(t, segments)
+    RingAllReduce::start(t, group, spec, segments)?.finish(t, segments)
 }
 
-/// What names a ring's messages: its `stage` and `update` (the keys' stage and index) and the
-/// first of the `step` values it uses ([`ring_step_count`] of them), so that several rings of
-/// one update (gradient buckets) never share a key.
+/// One ring all-reduce: what names its messages, its `stage` and `update` (the keys' stage and
+/// index) and the first of the `step` values it uses ([`ring_step_count`] of them), so that
+/// several rings of one update (gradient buckets) never share a key; and the precision its
+/// values travel in.
+///
+/// With a bf16 `wire` the sums stay f32 and only what is sent is rounded (nearest even): each
+/// partial sum is rounded as it leaves for the next replica, which adds its own f32 values to
+/// it, and the owner of a finished chunk rounds it before passing it around and keeps the
+/// rounded values itself, so every replica ends with the same bits, [`ring_sum_as`]'s. A piece
+/// whose values are all bf16 values travels in two bytes each ([`crate::frame::exact_in_bf16`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RingNames {
+pub struct RingSpec {
     /// The keys' stage.
     pub stage: u32,
     /// The keys' index.
     pub update: u32,
     /// The first key step this ring uses.
     pub first_step: u32,
+    /// The precision of the values sent.
+    pub wire: WireDType,
 }
 
 /// The key steps a ring all-reduce of `len` values among `replicas` uses: one per piece per
@@ -127,7 +138,7 @@ pub struct RingAllReduce {
     next: u32,
     prev: u32,
     me: u32,
-    names: RingNames,
+    spec: RingSpec,
     /// Values in the flat buffer.
     len: usize,
     /// The next piece to receive: (ring step, piece).
@@ -145,7 +156,7 @@ impl RingAllReduce {
     pub fn start<T: Transport + ?Sized>(
         t: &mut T,
         group: &[u32],
-        names: RingNames,
+        spec: RingSpec,
         segments: &mut [&mut [f32]],
     ) -> Result<Self, TransportError> {
         let r = group.len();
@@ -157,7 +168,7 @@ impl RingAllReduce {
             next: me,
             prev: me,
             me,
-            names,
+            spec,
             len: flat.len(),
             step: 0,
             piece: 0,
@@ -171,7 +182,7 @@ impl RingAllReduce {
         })?;
         ring.i = i;
         (ring.next, ring.prev) = (group[(i + 1) % r], group[(i + r - 1) % r]);
-        let last = u64::from(names.first_step) + ring_step_count(ring.len, r) as u64;
+        let last = u64::from(spec.first_step) + ring_step_count(ring.len, r) as u64;
         if last > u64::from(RING_STEP_LIMIT) {
             return Err(TransportError::Protocol(
                 "all-reduce of too many pieces".into(),
@@ -184,6 +195,7 @@ impl RingAllReduce {
             let mut buf = ring.spares.pop().unwrap_or_default();
             buf.clear();
             flat.copy_out(piece(&first, count, j), &mut buf);
+            round_to_wire(&mut buf, spec.wire);
             send_piece(t, ring.key(ring.me, ring.next, 0, j), buf)?;
         }
         Ok(ring)
@@ -238,9 +250,9 @@ impl RingAllReduce {
             from,
             to,
             kind: Kind::Chunk,
-            stage: self.names.stage,
-            index: self.names.update,
-            step: self.names.first_step + at as u32,
+            stage: self.spec.stage,
+            index: self.spec.update,
+            step: self.spec.first_step + at as u32,
         }
     }
 
@@ -298,7 +310,13 @@ impl RingAllReduce {
                 // (after the all-gather's copy the buffer already holds its values).
                 if !gather {
                     buf.clear();
-                    flat.copy_out(at, &mut buf);
+                    flat.copy_out(at.clone(), &mut buf);
+                    round_to_wire(&mut buf, self.spec.wire);
+                    if step + 2 == self.r && self.spec.wire != WireDType::F32 {
+                        // The finished sum of the chunk this worker owns: it keeps what it
+                        // sends, as every other replica will.
+                        flat.merge_in(at, &buf, true);
+                    }
                 }
                 send_piece(t, self.key(self.me, self.next, step + 1, j), buf)?;
             } else {
@@ -429,6 +447,15 @@ impl<'a, 'b> Segments<'a, 'b> {
 /// # Panics
 /// If the buffers differ in length.
 pub fn ring_sum(parts: &[&[f32]]) -> Vec<f32> {
+    ring_sum_as(parts, WireDType::F32)
+}
+
+/// [`ring_sum`] of a ring whose values travel as `wire` ([`RingSpec`]): each partial sum
+/// rounded before the next replica adds to it, and the finished sum rounded.
+///
+/// # Panics
+/// If the buffers differ in length.
+pub fn ring_sum_as(parts: &[&[f32]], wire: WireDType) -> Vec<f32> {
     let r = parts.len();
     let Some(first) = parts.first() else {
         return Vec::new();
@@ -444,10 +471,14 @@ pub fn ring_sum(parts: &[&[f32]]) -> Vec<f32> {
         let dst = &mut out[range.clone()];
         dst.copy_from_slice(&parts[c][range.clone()]);
         for k in 1..r {
+            round_to_wire(dst, wire);
             let src = &parts[(c + k) % r][range.clone()];
             for (d, s) in dst.iter_mut().zip(src) {
                 *d += *s;
             }
+        }
+        if r > 1 {
+            round_to_wire(dst, wire);
         }
     }
     out

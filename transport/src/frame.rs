@@ -531,6 +531,14 @@ pub fn decode(bytes: &[u8], limits: &FrameLimits) -> Result<Message, FrameError>
     payload_into_message(&header, rest)
 }
 
+/// Whether every value is a bf16 value (its low 16 bits zero, and not a NaN, whose payload
+/// a conversion may change): such a payload travels as bf16 without losing a bit.
+pub fn exact_in_bf16(values: &[f32]) -> bool {
+    values
+        .iter()
+        .all(|v| v.to_bits() & 0xFFFF == 0 && !v.is_nan())
+}
+
 /// The values a tensor arrives with after a trip through `dtype`: unchanged for f32, rounded
 /// to bf16 (nearest even) for bf16. Lets a transport that moves tensors without encoding them
 /// (in-process) give a run exactly the precision a networked one has.

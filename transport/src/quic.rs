@@ -1109,7 +1109,11 @@ impl Transport for Quic {
         if let Err(e) = message.tensor.host() {
             return Err(fail(message, e.to_string()));
         }
-        let wire = crate::inproc::wire_for(message.key.kind, self.opts.wire);
+        let wire = match message.key.kind {
+            // A chunk of a bf16 all-reduce holds bf16 values: two bytes each, losslessly.
+            Kind::Chunk if message.tensor.host().is_ok_and(frame::exact_in_bf16) => WireDType::Bf16,
+            kind => crate::inproc::wire_for(kind, self.opts.wire),
+        };
         let header = frame::header_of(&message, self.opts.run_id, wire);
         let head = match frame::encode_header(&header) {
             Ok(h) => h,

@@ -265,3 +265,16 @@ fn wire_dtypes_parse_by_name() {
     assert_eq!("f32".parse::<WireDType>(), Ok(WireDType::F32));
     assert!("fp8".parse::<WireDType>().unwrap_err().contains("fp8"));
 }
+
+/// A payload of bf16 values is recognised (it then travels in two bytes a value without loss);
+/// anything else, NaN included, is not.
+#[test]
+fn exact_bf16_payloads_are_recognised() {
+    use pipe_transport::frame::{exact_in_bf16, round_to_wire};
+    let mut v = vec![0.1f32, -3.7, 1e-30, 0.0, 65504.0];
+    assert!(!exact_in_bf16(&v));
+    round_to_wire(&mut v, WireDType::Bf16);
+    assert!(exact_in_bf16(&v));
+    assert!(!exact_in_bf16(&[f32::NAN]));
+    assert!(exact_in_bf16(&[]));
+}

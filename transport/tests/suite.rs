@@ -340,6 +340,59 @@ macro_rules! transport_suite {
                 }
             }
 
+            /// A bf16 ring: f32 sums, bf16 values sent; every replica ends with the same bits,
+            /// `ring_sum_as`'s, which differ from the f32 sum by rounding only.
+            #[test]
+            fn a_bf16_ring_gives_every_replica_the_rounded_ring_sum() {
+                use pipe_transport::collective::{RingAllReduce, RingSpec, ring_sum_as};
+                use pipe_transport::frame::WireDType;
+                let pieces = 2 * pipe_transport::collective::RING_PIECE_VALUES + 5;
+                for r in [2u32, 3, 4] {
+                    for len in [3usize, 1000, pieces] {
+                        let eps = make(r, None);
+                        let parts: Vec<Vec<f32>> = (0..r)
+                            .map(|w| {
+                                (0..len)
+                                    .map(|i| ((i * 7 + w as usize * 13) % 17) as f32 * 0.1 + 0.013)
+                                    .collect()
+                            })
+                            .collect();
+                        let slices: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
+                        let expect = ring_sum_as(&slices, WireDType::Bf16);
+                        let exact = ring_sum(&slices);
+                        assert_ne!(expect, exact, "r={r} len={len}: nothing was rounded");
+                        for (a, b) in expect.iter().zip(&exact) {
+                            assert!((a - b).abs() <= 1.6e-2 * b.abs(), "{a} against {b}");
+                        }
+                        let group: Vec<u32> = (0..r).collect();
+                        let handles: Vec<_> = eps
+                            .into_iter()
+                            .zip(parts.clone())
+                            .map(|(mut ep, mut data)| {
+                                let group = group.clone();
+                                thread::spawn(move || {
+                                    let spec = RingSpec {
+                                        stage: 2,
+                                        update: 5,
+                                        first_step: 9,
+                                        wire: WireDType::Bf16,
+                                    };
+                                    let mut segments = [data.as_mut_slice()];
+                                    RingAllReduce::start(&mut ep, &group, spec, &mut segments)
+                                        .unwrap()
+                                        .finish(&mut ep, &mut segments)
+                                        .unwrap();
+                                    data
+                                })
+                            })
+                            .collect();
+                        for h in handles {
+                            assert_eq!(h.join().unwrap(), expect, "r={r} len={len}");
+                        }
+                    }
+                }
+            }
+
             #[test]
             fn segmented_ring_all_reduce_is_the_ring_sum_of_the_concatenation() {
                 for r in [2u32, 3] {

@@ -9,7 +9,7 @@
 //! between the remaining layers ([`BucketedAllReduce`]); the update waits only for what is
 //! still in flight. Each bucket is one ring over its tensors, so the order of additions is
 //! fixed by the ring and the layout, never by timing: the reference trainer sums each bucket
-//! with [`ring_sum`] ([`bucketed_ring_sum`]) and agrees bit for bit, on every transport.
+//! with [`ring_sum_as`] ([`bucketed_ring_sum`]) and agrees bit for bit, on every transport.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -17,7 +17,8 @@ use std::ops::Range;
 use pipe_kernels::{Backend, Tensor};
 use pipe_scheduler::Action;
 use pipe_transport::Transport;
-use pipe_transport::collective::{RingAllReduce, RingNames, ring_step_count, ring_sum};
+use pipe_transport::collective::{RingAllReduce, RingSpec, ring_step_count, ring_sum_as};
+use pipe_transport::frame::WireDType;
 
 use crate::error::{Result, StageError};
 use crate::model::Params;
@@ -125,24 +126,27 @@ pub struct BucketedAllReduce {
     stage: u32,
     update: u32,
     buckets: Vec<GradientBucket>,
+    /// The precision the rings send in.
+    wire: WireDType,
     /// The rings of the buckets started so far, in bucket order.
     rings: Vec<RingAllReduce>,
 }
 
 impl BucketedAllReduce {
     /// The all-reduce of update `update` of `stage` among `group` (ring order), with the
-    /// buckets of `grads` at `bucket_values` values.
+    /// buckets of `grads` at `bucket_values` values, sending in `wire`'s precision.
     pub fn new(
         group: &[u32],
         (stage, update): (u32, u32),
         grads: &[Vec<Tensor>],
-        bucket_values: usize,
+        (bucket_values, wire): (usize, WireDType),
     ) -> Self {
         BucketedAllReduce {
             group: group.to_vec(),
             stage,
             update,
             buckets: gradient_buckets(grads, bucket_values, group.len()),
+            wire,
             rings: Vec::new(),
         }
     }
@@ -167,10 +171,11 @@ impl BucketedAllReduce {
             if b.layers.start < ready {
                 break;
             }
-            let names = RingNames {
+            let names = RingSpec {
                 stage: self.stage,
                 update: self.update,
                 first_step: b.first_step,
+                wire: self.wire,
             };
             let ring = RingAllReduce::start(
                 t,
@@ -219,15 +224,15 @@ impl BucketedAllReduce {
 }
 
 /// What the bucketed all-reduce leaves in every replica, on one thread: each bucket of the
-/// replicas' gradients `partials` (in ring order) summed with [`ring_sum`]. Returns the
-/// first replica's tensors holding the sum.
+/// replicas' gradients `partials` (in ring order) summed with [`ring_sum_as`]. Returns the
+/// first replica's tensors holding the sum. `wire` is the rings' precision.
 ///
 /// # Errors
 /// Kernel errors reading or writing a gradient.
 pub(crate) fn bucketed_ring_sum(
     be: &dyn Backend,
     mut partials: Vec<Params>,
-    bucket_values: usize,
+    (bucket_values, wire): (usize, WireDType),
 ) -> Result<Params> {
     let Some(first) = partials.first() else {
         return Ok(Params::new());
@@ -244,7 +249,7 @@ pub(crate) fn bucketed_ring_sum(
                 Ok(flat)
             })
             .collect::<Result<_>>()?;
-        let sum = ring_sum(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        let sum = ring_sum_as(&flats.iter().map(Vec::as_slice).collect::<Vec<_>>(), wire);
         let mut at = 0;
         for t in partials[0][b.layers.clone()].iter_mut().flatten() {
             let n = t.len();
@@ -271,25 +276,32 @@ pub fn all_reduce_gradients<T: Transport + ?Sized>(
     group: &[u32],
     (stage, update): (u32, u32),
     grads: &mut Params,
-    bucket_values: usize,
+    (bucket_values, wire): (usize, WireDType),
 ) -> Result<()> {
     if grads
         .iter()
         .flatten()
         .any(|g| g.device() != pipe_kernels::Device::Host)
     {
-        if t.carries_device_tensors() {
+        if t.carries_device_tensors() && wire == WireDType::F32 {
             return all_reduce_on_devices(be, t, group, stage, update, grads);
         }
         // Device gradients go through the host: copied out, summed by the ring, written back.
         let mut staged = crate::model::host_params(be, grads.clone())?;
-        all_reduce_gradients(be, t, group, (stage, update), &mut staged, bucket_values)?;
+        all_reduce_gradients(
+            be,
+            t,
+            group,
+            (stage, update),
+            &mut staged,
+            (bucket_values, wire),
+        )?;
         for (g, s) in grads.iter_mut().flatten().zip(staged.iter().flatten()) {
             be.write(s.host()?, g)?;
         }
         return Ok(());
     }
-    BucketedAllReduce::new(group, (stage, update), grads, bucket_values).finish(t, grads)
+    BucketedAllReduce::new(group, (stage, update), grads, (bucket_values, wire)).finish(t, grads)
 }
 
 /// The `step` of the messages of [`all_reduce_on_devices`]: this plus the gradient tensor's
@@ -454,14 +466,14 @@ mod tests {
         let want = bucketed_ring_sum(
             &pipe_kernels::CpuBackend::new(1).unwrap(),
             grads.to_vec(),
-            1_000,
+            (1_000, WireDType::F32),
         )
         .unwrap();
         let mut eps = mesh(2, &InProcOptions::default());
         let group = [0, 1];
         let mut ars: Vec<BucketedAllReduce> = grads
             .iter()
-            .map(|g| BucketedAllReduce::new(&group, (1, 7), g, 1_000))
+            .map(|g| BucketedAllReduce::new(&group, (1, 7), g, (1_000, WireDType::F32)))
             .collect();
         assert_eq!(ars[0].buckets.len(), 3);
         for ready in (0..sizes.len()).rev() {

@@ -91,7 +91,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     let m = WorkerMetrics::new(state.worker);
     let mut comms = Comms {
         nccl: NcclComms::default(),
-        overlap: Overlap::new(program, setup.plan.bucket_values, be.device()),
+        overlap: Overlap::new(program, setup.plan, be.device()),
     };
     for (pc, &a) in program.iter().enumerate() {
         let start = t0.elapsed().as_secs_f64();
@@ -183,12 +183,14 @@ struct Comms {
 struct Overlap {
     /// Program counter of a stage's last backward pass before an all-reduce: that update.
     starts: std::collections::HashMap<usize, u32>,
-    bucket_values: usize,
+    /// Bucket size and wire precision ([`super::RunPlan::bucket_values`] and
+    /// [`super::RunPlan::allreduce_wire`]).
+    ring: (usize, pipe_transport::frame::WireDType),
     in_flight: Vec<BucketedAllReduce>,
 }
 
 impl Overlap {
-    fn new(program: &[Action], bucket_values: usize, device: pipe_kernels::Device) -> Self {
+    fn new(program: &[Action], plan: &super::RunPlan, device: pipe_kernels::Device) -> Self {
         let starts = if device == pipe_kernels::Device::Host {
             last_backwards(program)
         } else {
@@ -196,7 +198,7 @@ impl Overlap {
         };
         Overlap {
             starts,
-            bucket_values,
+            ring: (plan.bucket_values, plan.allreduce_wire),
             in_flight: Vec::new(),
         }
     }
@@ -213,10 +215,10 @@ impl Overlap {
     ) -> Result<()> {
         let group = core.replica_group(stage)?;
         let mut started: Option<BucketedAllReduce> = None;
-        let bucket_values = self.bucket_values;
+        let ring = self.ring;
         core.compute_notify(be, pc, a, &mut |j, grads| {
             let ar = started.get_or_insert_with(|| {
-                BucketedAllReduce::new(&group, (stage, update), grads, bucket_values)
+                BucketedAllReduce::new(&group, (stage, update), grads, ring)
             });
             ar.layers_ready(t, j, grads)
         })?;
@@ -290,12 +292,18 @@ fn step<B: Backend, T: Transport + ?Sized>(
             if let Some(ar) = in_flight {
                 ar.finish(t, grads)?;
             } else {
-                let nccl = &mut comms.nccl;
-                let on_gpus =
-                    nccl.all_reduce(t, be, &group, stage, grads.iter_mut().flatten().collect())?;
+                let ring = comms.overlap.ring;
+                // NCCL sums in f32 only.
+                let on_gpus = ring.1 == pipe_transport::frame::WireDType::F32
+                    && comms.nccl.all_reduce(
+                        t,
+                        be,
+                        &group,
+                        stage,
+                        grads.iter_mut().flatten().collect(),
+                    )?;
                 if !on_gpus {
-                    let buckets = comms.overlap.bucket_values;
-                    all_reduce_gradients(be, t, &group, (stage, update), grads, buckets)?;
+                    all_reduce_gradients(be, t, &group, (stage, update), grads, ring)?;
                 }
             }
             // A ring sends and receives 2 (n - 1) chunks of 1/n of the buffer.

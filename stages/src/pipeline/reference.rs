@@ -374,7 +374,8 @@ impl Reference<'_, '_> {
         if partials.len() > 1 {
             // The executor's all-reduce: bucket by bucket, summed over the replicas in ring
             // order.
-            return super::allreduce::bucketed_ring_sum(be, partials, plan.bucket_values);
+            let ring = (plan.bucket_values, plan.allreduce_wire);
+            return super::allreduce::bucketed_ring_sum(be, partials, ring);
         }
         Ok(partials.pop().unwrap_or_default())
     }

@@ -24,6 +24,9 @@ pub struct RunPlan {
     /// because the buckets fix the order of the replicas' additions, which the reference
     /// trainer must follow.
     pub bucket_values: usize,
+    /// The precision all-reduce rings send in (f32, or bf16 with f32 sums): part of the
+    /// numerics, like the buckets.
+    pub allreduce_wire: pipe_transport::frame::WireDType,
 }
 
 impl RunPlan {
@@ -86,7 +89,15 @@ impl RunPlan {
             versions,
             partition,
             bucket_values: super::DEFAULT_BUCKET_VALUES,
+            allreduce_wire: pipe_transport::frame::WireDType::F32,
         })
+    }
+
+    /// This plan with all-reduce rings that send in `wire`'s precision.
+    #[must_use]
+    pub fn with_allreduce_wire(mut self, wire: pipe_transport::frame::WireDType) -> Self {
+        self.allreduce_wire = wire;
+        self
     }
 
     /// This plan with all-reduce buckets of `values` gradient values (at least one).

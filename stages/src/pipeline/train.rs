@@ -538,7 +538,8 @@ impl<'c> Run<'c> {
         };
         let spec = cfg.schedule_spec_of(policy, Length::Updates(this as u32));
         let plan = RunPlan::new(&self.model, &spec, partition.clone())?
-            .with_bucket_values(cfg.bucket_values);
+            .with_bucket_values(cfg.bucket_values)
+            .with_allreduce_wire(cfg.allreduce_wire);
         if u64::from(plan.schedule.resolved.minibatch) != self.minibatch {
             return Err(StageError::Config(format!(
                 "a synchronous warm-up needs the same minibatch as {} ({} microbatches), but \
