@@ -37,6 +37,7 @@ mod args;
 mod commands;
 mod launch;
 mod output;
+mod trace;
 mod training;
 
 use std::process::ExitCode;

@@ -92,6 +92,57 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
     }
 }
 
+/// `--trace` with worker processes: each worker writes its part, the launcher merges them into
+/// one Chrome trace with every worker's track (named) and the same actions an in-process trace
+/// records, and removes the parts.
+#[test]
+fn a_trace_across_worker_processes_has_every_workers_actions() {
+    let _one = serial();
+    let d = dir("trace");
+    let config = small_config(&d, 1);
+    let args = [
+        "train",
+        "--config",
+        &config,
+        "--steps",
+        "6",
+        "--stages",
+        "4",
+        "--replicas",
+        "2,1,1,1",
+    ];
+    let count = |path: &std::path::Path| -> (Vec<usize>, usize) {
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let events = json["traceEvents"].as_array().unwrap();
+        let mut per = vec![0usize; 5];
+        for e in events.iter().filter(|e| e["ph"] == "X") {
+            per[e["tid"].as_u64().unwrap() as usize] += 1;
+            assert!(e["ts"].as_f64().unwrap() >= 0.0);
+        }
+        let named = events.iter().filter(|e| e["ph"] == "M").count();
+        (per, named)
+    };
+    let inproc = d.join("inproc.json");
+    ok(&run(Command::new(PIPE)
+        .args(args)
+        .args(["--trace", inproc.to_str().unwrap()])));
+    let quic = d.join("quic.json");
+    let out = ok(&run(Command::new(PIPE).args(args).args([
+        "--trace",
+        quic.to_str().unwrap(),
+        "--transport",
+        "quic",
+    ])));
+    assert!(out.contains("5 of 5 workers"), "{out}");
+    let (want, _) = count(&inproc);
+    let (got, named) = count(&quic);
+    assert_eq!(got, want);
+    assert!(got.iter().all(|&n| n > 0), "{got:?}");
+    assert_eq!(named, 5);
+    assert!(!d.join("quic.parts").exists());
+}
+
 /// Every process whose parent is `parent`, with its command line.
 fn children_of(parent: u32) -> Vec<(u32, String)> {
     let mut out = Vec::new();

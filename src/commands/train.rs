@@ -14,6 +14,7 @@ use pipe_transport::TransportKind;
 use crate::args::open_backend;
 use crate::launch::{LaunchOptions, run_processes};
 use crate::output::bad_input;
+use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
     Fan, checkpoint_args, checkpoint_policy, finish_checkpoints, print_done, print_done_line,
@@ -35,12 +36,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         ));
     }
     let processes = cfg.pipelined && cfg.transport == TransportKind::Quic;
-    if processes && args.trace.is_some() {
-        return Err(bad_input(
-            "--trace records the worker threads of one process: use it with --transport inproc"
-                .into(),
-        ));
-    }
     if !processes {
         serve_metrics(args.metrics_addr)?;
     }
@@ -76,7 +71,18 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         opts.extra = checkpoint_args(args);
         opts.stop = Some(stop_on_ctrl_c(true));
         opts.metrics = args.metrics_addr;
-        let end = run_processes(&settings, &opts, &mut fan).context("training failed")?;
+        // Each worker writes its part of the trace; they are merged once all have exited.
+        let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
+        if let Some(dir) = &parts {
+            opts.extra.push("--trace".into());
+            opts.extra
+                .push(dir.join("worker-{rank}.json").into_os_string());
+        }
+        let end = run_processes(&settings, &opts, &mut fan);
+        if let (Some(dir), Some(path)) = (&parts, &args.trace) {
+            merge_trace_parts(dir, workers, path)?;
+        }
+        let end = end.context("training failed")?;
         finish_checkpoints(&end.checkpoints, end.stopped)?;
         outln!("partition: {}", partition_text(&cfg));
         if let Some(last) = &end.last {
@@ -97,17 +103,40 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if let (Some(path), Some(timeline)) = (&args.trace, &out.timeline) {
         let plan = pipe_scheduler::VersionPlan::derive(&out.schedule).ok();
         let mut tl = timeline.clone();
-        tl.names = (0..tl.workers)
-            .map(|w| {
-                let (p, r) = out.schedule.layout().placement(w);
-                format!("worker {w} (stage {p}, replica {r})")
-            })
-            .collect();
+        tl.names = worker_names(out.schedule.layout());
         std::fs::write(path, tl.to_chrome_trace(plan.as_ref()))
             .with_context(|| format!("writing {}", path.display()))?;
         outln!("trace written to {}", path.display());
     }
     print_done(&out.report);
+    Ok(())
+}
+
+/// Merges the trace parts the `workers` wrote into `dir` (those that exist: a worker that
+/// failed early may have written none) into `out`, and removes `dir`.
+///
+/// # Errors
+/// A part that cannot be read; `out` cannot be written.
+fn merge_trace_parts(dir: &std::path::Path, workers: u32, out: &std::path::Path) -> Result<()> {
+    let template = dir.join("worker-{rank}.json");
+    let parts: Vec<_> = (0..workers)
+        .map(|w| part_path(&template, w))
+        .filter(|p| p.exists())
+        .collect();
+    if parts.is_empty() {
+        outln!(
+            "no worker wrote a trace part; {} not written",
+            out.display()
+        );
+        return Ok(());
+    }
+    let events = merge_parts(&parts, out)?;
+    std::fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
+    outln!(
+        "trace written to {} ({} of {workers} workers, {events} events)",
+        out.display(),
+        parts.len()
+    );
     Ok(())
 }
 

@@ -21,6 +21,7 @@ use pipe_transport::quic::QuicOptions;
 
 use crate::launch::{Record, RecordWriter, StopWriter, join};
 use crate::output::bad_input;
+use crate::trace::{PartRecorder, Traced, part_path, worker_names};
 use crate::training::{
     Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, print_header,
     print_resuming, resume_from, run_config, serve_metrics, serve_metrics_quietly, stop_on_ctrl_c,
@@ -56,12 +57,6 @@ pub struct WorkerArgs {
 /// Bad input for flags, cluster files and ranks; run-time failures of the run (a lost peer is
 /// named).
 pub fn run(args: &WorkerArgs) -> Result<()> {
-    if args.train.trace.is_some() {
-        return Err(bad_input(
-            "--trace records the worker threads of one process; pipe worker does not take it"
-                .into(),
-        ));
-    }
     if args.train.workers.is_some() {
         return Err(bad_input(
             "--workers plans on one machine: run `pipe plan -o plan.toml` once and give every worker --plan plan.toml".into(),
@@ -145,8 +140,22 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         resume: resume.map(|(_, ckpt)| ckpt),
         stop: chief.then_some(stop),
     };
-    let result = train_worker(&cfg, &data, &mut ep, obs.as_mut(), &opts);
+    let mut recorder = args.train.trace.as_ref().map(|_| PartRecorder::default());
+    let result = match recorder.as_mut() {
+        Some(part) => {
+            let mut traced = Traced {
+                run: obs.as_mut(),
+                part,
+            };
+            train_worker(&cfg, &data, &mut ep, &mut traced, &opts)
+        }
+        None => train_worker(&cfg, &data, &mut ep, obs.as_mut(), &opts),
+    };
     let closed = pipe_transport::Transport::close(&mut ep);
+    if let (Some(rec), Some(template)) = (&recorder, &args.train.trace) {
+        // Written whether the run succeeded or not: a failed run's trace shows where it stood.
+        rec.write(&part_path(template, rank), rank, worker_names(&layout))?;
+    }
     // The error names this worker, its stage and the action that failed.
     let report = result?;
     closed.with_context(|| format!("worker {rank}: closing"))?;

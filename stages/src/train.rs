@@ -108,6 +108,21 @@ pub trait Observer {
         let _ = report;
         Ok(())
     }
+    /// After each segment of a worker that runs in a process of its own
+    /// ([`crate::pipeline::train_worker`]): the actions it ran, with times in seconds since
+    /// `origin`, the worker's start by the system clock (so that the parts of several
+    /// processes can be put on one time axis for a trace).
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_spans(
+        &mut self,
+        origin: std::time::SystemTime,
+        spans: &[pipe_scheduler::Span],
+    ) -> Result<()> {
+        let _ = (origin, spans);
+        Ok(())
+    }
 }
 
 /// An observer that ignores everything.

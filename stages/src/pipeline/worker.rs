@@ -204,6 +204,8 @@ fn run_segments<T: Transport + ?Sized>(
 ) -> Result<Option<WorkerReport>> {
     let rank = ep.rank();
     let chief = rank == CHIEF;
+    // The worker's start, by the system clock and by the monotonic one, for its spans.
+    let origin = (std::time::SystemTime::now(), Instant::now());
     let run = Run::new(cfg, data)?;
     check_cluster_size(cfg, ep.size())?;
     let agreed = agree(cfg, &run, ep, opts)?;
@@ -257,6 +259,17 @@ fn run_segments<T: Transport + ?Sized>(
                 *stop = Some(StopReport::new(rank, segment, &st.progress, stall));
             }
             let outcome = outcome?;
+            let base = t.duration_since(origin.1).as_secs_f64();
+            let spans: Vec<pipe_scheduler::Span> = outcome
+                .spans
+                .iter()
+                .map(|sp| pipe_scheduler::Span {
+                    start: sp.start + base,
+                    end: sp.end + base,
+                    ..*sp
+                })
+                .collect();
+            obs.on_spans(origin.0, &spans)?;
             let seg_secs = t.elapsed().as_secs_f64();
             secs += seg_secs;
             done += this;

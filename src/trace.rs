@@ -1,0 +1,189 @@
+//! Chrome traces of runs whose workers are processes: each worker writes its own part (its
+//! actions on its own track, times from its own start by the system clock), and the launcher
+//! merges the parts onto one time axis. A part is itself a Chrome trace, so one worker's part
+//! opens alone too. The in-process run writes its trace in one piece (`pipe train --trace`).
+
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use anyhow::{Context, Result, bail};
+use pipe_scheduler::{Layout, Span, Timeline};
+use pipe_stages::pipeline::doctor::StopReport;
+use pipe_stages::train::{EpochStats, Observer, StepStats};
+use serde_json::{Value, json};
+
+/// The key of a part's header: the worker's rank and its start in microseconds since the UNIX
+/// epoch.
+const PART_KEY: &str = "pipeWorker";
+
+/// Track names: `worker W (stage P, replica R)`.
+pub fn worker_names(layout: &Layout) -> Vec<String> {
+    (0..layout.workers())
+        .map(|w| {
+            let (p, r) = layout.placement(w);
+            format!("worker {w} (stage {p}, replica {r})")
+        })
+        .collect()
+}
+
+/// `template` with `{rank}` replaced by `rank`: how the workers of one launch, given the same
+/// flags, write different parts.
+pub fn part_path(template: &Path, rank: u32) -> PathBuf {
+    PathBuf::from(
+        template
+            .to_string_lossy()
+            .replace("{rank}", &rank.to_string()),
+    )
+}
+
+/// A worker's spans, kept for its part.
+#[derive(Debug, Default)]
+pub struct PartRecorder {
+    origin: Option<SystemTime>,
+    spans: Vec<Span>,
+}
+
+impl PartRecorder {
+    /// Keeps one segment's `spans` (times from `origin`, the worker's start).
+    pub fn record(&mut self, origin: SystemTime, spans: &[Span]) {
+        self.origin.get_or_insert(origin);
+        self.spans.extend_from_slice(spans);
+    }
+
+    /// Writes worker `rank`'s part to `path` (tracks named by `names`).
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub fn write(&self, path: &Path, rank: u32, names: Vec<String>) -> Result<()> {
+        let origin = self.origin.unwrap_or_else(SystemTime::now);
+        let start_us = origin
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e6);
+        let workers = names.len() as u32;
+        let mut timeline = Timeline::new(workers, self.spans.clone());
+        timeline.names = names;
+        let mut trace: Value = serde_json::from_str(&timeline.to_chrome_trace(None))?;
+        // Only this worker's track name: the other workers' parts name theirs.
+        if let Some(events) = trace["traceEvents"].as_array_mut() {
+            events.retain(|e| e["ph"] != "M" || e["tid"] == rank);
+        }
+        trace[PART_KEY] = json!({ "rank": rank, "start_us": start_us });
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        std::fs::write(path, trace.to_string())
+            .with_context(|| format!("writing trace part {}", path.display()))
+    }
+}
+
+/// A run's observer, told everything, with the worker's spans also kept for its part.
+pub struct Traced<'a> {
+    /// The run's own observer.
+    pub run: &'a mut dyn Observer,
+    /// Where the spans go.
+    pub part: &'a mut PartRecorder,
+}
+
+impl Observer for Traced<'_> {
+    fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+        self.run.on_step(s)
+    }
+
+    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+        self.run.on_epoch(e)
+    }
+
+    fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
+        self.run.on_stop(report)
+    }
+
+    fn on_spans(&mut self, origin: SystemTime, spans: &[Span]) -> pipe_stages::Result<()> {
+        self.part.record(origin, spans);
+        self.run.on_spans(origin, spans)
+    }
+}
+
+/// Merges the parts at `parts` into one Chrome trace at `out`: every part's events shifted by
+/// its start's distance from the earliest start. Returns the number of events.
+///
+/// # Errors
+/// A part that cannot be read or is not a part; `out` cannot be written.
+pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<usize> {
+    let mut loaded = Vec::with_capacity(parts.len());
+    for path in parts {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading trace part {}", path.display()))?;
+        let part: Value = serde_json::from_str(&text)
+            .with_context(|| format!("trace part {} is not JSON", path.display()))?;
+        let Some(start) = part[PART_KEY]["start_us"].as_f64() else {
+            bail!("{} is not a worker's trace part", path.display());
+        };
+        loaded.push((start, part));
+    }
+    let first = loaded.iter().map(|(s, _)| *s).fold(f64::INFINITY, f64::min);
+    let mut events = Vec::new();
+    for (start, mut part) in loaded {
+        let shift = start - first;
+        if let Some(list) = part["traceEvents"].as_array_mut() {
+            for mut e in list.drain(..) {
+                if let Some(ts) = e["ts"].as_f64() {
+                    e["ts"] = json!(ts + shift);
+                }
+                events.push(e);
+            }
+        }
+    }
+    let n = events.len();
+    let trace = json!({ "traceEvents": events, "displayTimeUnit": "ms" });
+    std::fs::write(out, trace.to_string()).with_context(|| format!("writing {}", out.display()))?;
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use pipe_scheduler::Action;
+
+    #[test]
+    fn parts_of_two_workers_merge_on_one_time_axis() {
+        let dir = std::env::temp_dir().join(format!("pipe-trace-test-{}", std::process::id()));
+        let template = dir.join("part-{rank}.json");
+        let names = vec!["a".to_string(), "b".to_string()];
+        let t0 = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
+        let mut paths = Vec::new();
+        for (rank, late) in [(0u32, 0.0f64), (1, 0.5)] {
+            let mut rec = PartRecorder::default();
+            let origin = t0 + std::time::Duration::from_secs_f64(late);
+            let span = Span {
+                worker: rank,
+                action: Action::Forward { stage: rank, mb: 0 },
+                start: 0.25,
+                end: 0.5,
+            };
+            rec.record(origin, &[span]);
+            let path = part_path(&template, rank);
+            rec.write(&path, rank, names.clone()).unwrap();
+            paths.push(path);
+        }
+        let out = dir.join("merged.json");
+        assert_eq!(merge_parts(&paths, &out).unwrap(), 4);
+        let merged: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        let events = merged["traceEvents"].as_array().unwrap();
+        let ts = |tid: u32| {
+            events
+                .iter()
+                .find(|e| e["ph"] == "X" && e["tid"] == tid)
+                .and_then(|e| e["ts"].as_f64())
+                .unwrap()
+        };
+        assert!((ts(0) - 250_000.0).abs() < 1.0);
+        assert!((ts(1) - 750_000.0).abs() < 1.0);
+        let named: Vec<_> = events.iter().filter(|e| e["ph"] == "M").collect();
+        assert_eq!(named.len(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let err = merge_parts(&[out], &dir.join("x.json")).unwrap_err();
+        assert!(err.to_string().contains("reading trace part"), "{err}");
+    }
+}
