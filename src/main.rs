@@ -123,6 +123,9 @@ enum BenchCommand {
     Partition(bench::PartitionBenchArgs),
     /// Tensor streaming per transport against a TCP socket; the ring all-reduce.
     Transport(bench::TransportBenchArgs),
+    /// The planner's pick against a pipeline and data parallelism, as worker processes over
+    /// (rate-limited) hosts, each against the simulator (`experiments/hosts/run.sh`).
+    Hosts(bench::HostsBenchArgs),
     /// One process of `pipe bench transport`'s all-reduce among processes.
     #[command(hide = true)]
     AllreduceWorker(bench::AllreduceWorkerArgs),
@@ -167,6 +170,7 @@ fn run() -> Result<()> {
             Some(BenchCommand::Pipeline(args)) => bench::run_pipeline(&args),
             Some(BenchCommand::Partition(args)) => bench::run_partition(&args),
             Some(BenchCommand::Transport(args)) => bench::run_transport(&args),
+            Some(BenchCommand::Hosts(args)) => bench::run_hosts(&args),
             Some(BenchCommand::AllreduceWorker(args)) => bench::run_allreduce_worker(&args),
             Some(BenchCommand::MeasureConfig(args)) => sweep::run_measure_config(&args),
         },

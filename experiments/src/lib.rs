@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod hosts;
 pub mod link;
 pub mod machine;
 pub mod mfu;

@@ -1,4 +1,5 @@
-//! `pipe bench mfu`, `pipe bench pipeline`, `pipe bench partition` and `pipe bench transport`: check the arguments,
+//! `pipe bench mfu`, `pipe bench pipeline`, `pipe bench partition`, `pipe bench transport` and
+//! `pipe bench hosts`: check the arguments,
 //! run the benchmark in `pipe-experiments`, print its report and write it as JSON on request.
 
 use std::path::PathBuf;
@@ -44,6 +45,91 @@ pub struct PartitionBenchArgs {
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+}
+
+/// `pipe bench hosts`: the planner's pick against a pipeline and data parallelism, measured as
+/// worker processes over hosts.
+#[derive(Args, Debug)]
+pub struct HostsBenchArgs {
+    /// Model preset.
+    #[arg(long, default_value = "mlp-784-1024x16-10")]
+    model: String,
+    /// Samples per microbatch.
+    #[arg(long, default_value_t = 32)]
+    microbatch_size: usize,
+    /// Microbatches per update per replica.
+    #[arg(long, default_value_t = 4)]
+    microbatches: u32,
+    /// Workers (processes).
+    #[arg(long, default_value_t = 4)]
+    workers: u32,
+    /// The link's bandwidth, as the planner and the simulator are told (GB means 10^9 bytes).
+    #[arg(long, value_parser = crate::args::parse_bandwidth)]
+    bandwidth: f64,
+    /// Host addresses, comma-separated; rank r runs on host r mod hosts.
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1")]
+    hosts: Vec<String>,
+    /// The network namespace of each host, comma-separated (workers start with `ip netns
+    /// exec`); none: on this host.
+    #[arg(long, value_delimiter = ',')]
+    netns: Vec<String>,
+    /// Timed minibatches per measurement.
+    #[arg(long, default_value_t = 30)]
+    updates: u64,
+    /// Cores the workers share, for the simulator (default: this machine's).
+    #[arg(long)]
+    cores: Option<u32>,
+    /// Where cluster files go (default: a folder in the temporary directory).
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+/// Runs `pipe bench hosts`.
+///
+/// # Errors
+/// Bad input for sizes, counts and namespaces; run-time failures of a worker.
+pub fn run_hosts(args: &HostsBenchArgs) -> Result<()> {
+    if args.workers < 2 || args.microbatch_size == 0 || args.microbatches == 0 {
+        return Err(bad_input(
+            "--workers must be at least 2, --microbatch-size and --microbatches positive".into(),
+        ));
+    }
+    check_counts(&[("--updates", args.updates)], None)?;
+    pipe_scheduler::limits::check_microbatches(u64::from(args.microbatches))
+        .and_then(|()| pipe_scheduler::limits::check_layout(1, u64::from(args.workers), 1))
+        .map_err(schedule_error)?;
+    check_model_batch(&args.model, args.microbatch_size)?;
+    let cores = args.cores.or_else(|| {
+        std::thread::available_parallelism()
+            .ok()
+            .map(|n| n.get() as u32)
+    });
+    let dir = args.dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("pipe-bench-hosts-{}", std::process::id()))
+    });
+    let cfg = pipe_experiments::hosts::HostsBenchConfig {
+        model: args.model.clone(),
+        microbatch: args.microbatch_size,
+        microbatches: args.microbatches,
+        workers: args.workers,
+        bandwidth: args.bandwidth,
+        hosts: args.hosts.clone(),
+        netns: args.netns.clone(),
+        updates: args.updates,
+        cores,
+        pipe: std::env::current_exe().context("finding this pipe binary")?,
+        dir,
+    };
+    let report = pipe_experiments::hosts::run(&cfg).map_err(|e| match e {
+        ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
+        ExperimentError::Schedule(s) => schedule_error(s),
+        other => anyhow::Error::from(other),
+    })?;
+    out!("{}", pipe_experiments::hosts::render(&report));
+    write_json(args.json.as_ref(), &report)
 }
 
 /// `pipe bench mfu`: single-worker throughput and model FLOP utilisation.

@@ -115,6 +115,9 @@ pub struct PlanOptions {
     pub state_copies: f64,
     /// Flush schedules: how many of the best plans (one per stage count) the simulator times.
     pub candidates: usize,
+    /// Cores the workers share when the simulator times a plan (`None`: one each); fewer cores
+    /// than workers share them fairly ([`CostModel::cores`]).
+    pub cores: Option<u32>,
 }
 
 impl PlanOptions {
@@ -133,6 +136,7 @@ impl PlanOptions {
             straight: false,
             state_copies: 2.0,
             candidates: 4,
+            cores: None,
         }
     }
 
@@ -1006,8 +1010,8 @@ pub fn simulate_plan_with_memory(
         bandwidth: opts.bandwidth,
         latency: opts.latency,
         overlap: opts.overlap,
-        cores: None,
-        // Planning is for workers with a core each, whose messages cost link time only.
+        cores: opts.cores,
+        // Messages cost link time only.
         message_cpu: 0.0,
     };
     let report = simulate(&schedule, &costs, SimOptions::default())?;
