@@ -12,10 +12,13 @@
 //! **Sends overlap compute.** [`Transport::send`] encodes the frame and queues it for the
 //! stream's writer task; it blocks only when `queue` frames wait for that stream
 //! (back-pressure). Receives are served from one channel fed by every reader task, buffered
-//! by key as in-process. That channel is unbounded: readers drain quinn's buffers as fast as
-//! frames arrive, so QUIC's flow control does not hold a sender back; what bounds the bytes
-//! waiting is the schedule, which sends a stage only as many messages ahead as it has in
-//! flight.
+//! by key as in-process. Readers never wait for the worker's program: they drain quinn's
+//! buffers as fast as frames arrive, so QUIC's flow control does not hold a sender back, and
+//! two workers that send to each other before receiving cannot deadlock. What waits is
+//! bounded twice: by the schedule, which sends a stage only as many messages ahead as it has
+//! in flight, and per peer by [`QuicOptions::max_held_bytes`] (8 GiB by default), past which
+//! the peer's connection is closed as a protocol error naming it, instead of memory growing
+//! without bound.
 //!
 //! **Failures name the peer.** An abort is a control record every peer's reader turns into
 //! [`TransportError::Aborted`]. A connection that times out (keep-alives every second, idle
@@ -179,6 +182,12 @@ pub struct QuicOptions {
     pub frame_grace: Duration,
     /// Largest payload accepted from a peer.
     pub max_payload_bytes: u64,
+    /// Bytes of one peer's messages that may wait for this worker's receives (in the event
+    /// channel and held by key). A schedule keeps far less in flight; a peer past the bound is
+    /// a protocol error that names it, and its connection is closed. A bound on memory, not a
+    /// wait: readers never block on the worker's program, so two workers sending to each other
+    /// cannot deadlock (see the module documentation).
+    pub max_held_bytes: u64,
 }
 
 impl QuicOptions {
@@ -194,9 +203,13 @@ impl QuicOptions {
             queue: 64,
             frame_grace: Duration::from_secs(10),
             max_payload_bytes: FrameLimits::DEFAULT_MAX_PAYLOAD,
+            max_held_bytes: DEFAULT_MAX_HELD_BYTES,
         }
     }
 }
+
+/// The default [`QuicOptions::max_held_bytes`]: 8 GiB per peer.
+pub const DEFAULT_MAX_HELD_BYTES: u64 = 8 << 30;
 
 /// A frame as its writer sends it: the prefix and header, then the payload (the tensor's own
 /// buffer for an f32 wire).
@@ -241,6 +254,8 @@ struct Peer {
     control: Arc<tokio::sync::Mutex<quinn::SendStream>>,
     data: [Option<tokio::sync::mpsc::Sender<Frame>>; 4],
     writers: Vec<tokio::task::JoinHandle<()>>,
+    /// Bytes of this peer's messages read and not yet received by the program.
+    held: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A bound endpoint that has not connected to its peers yet (its address is known, so a
@@ -760,11 +775,17 @@ async fn start_peer(
         max_payload_bytes: opts.max_payload_bytes,
     };
     let control = Arc::new(tokio::sync::Mutex::new(control));
+    let held = Arc::new(std::sync::atomic::AtomicU64::new(0));
     tokio::spawn(read_data_streams(
         rank,
         peer,
         conn.clone(),
-        (limits, opts.frame_grace),
+        Reading {
+            limits,
+            grace: opts.frame_grace,
+            held: held.clone(),
+            max_held: opts.max_held_bytes,
+        },
         events.clone(),
         control.clone(),
     ));
@@ -774,6 +795,7 @@ async fn start_peer(
         control,
         data,
         writers,
+        held,
     })
 }
 
@@ -802,7 +824,7 @@ async fn read_data_streams(
     rank: u32,
     peer: u32,
     conn: quinn::Connection,
-    (limits, grace): (FrameLimits, Duration),
+    reading: Reading,
     events: Sender<Event>,
     control: Arc<tokio::sync::Mutex<quinn::SendStream>>,
 ) {
@@ -811,7 +833,7 @@ async fn read_data_streams(
         let Ok(mut stream) = conn.accept_uni().await else {
             return;
         };
-        let (events, conn) = (events.clone(), conn.clone());
+        let (events, conn, reading) = (events.clone(), conn.clone(), reading.clone());
         readers.push(tokio::spawn(async move {
             let mut tag = [0u8; 1];
             let kind = match stream.read_exact(&mut tag).await {
@@ -825,7 +847,7 @@ async fn read_data_streams(
                 });
                 return false;
             };
-            let read = read_frames(rank, peer, kind, &mut stream, &limits, grace, &events).await;
+            let read = read_frames((rank, peer, kind), &mut stream, &reading, &events).await;
             let (end, clean) = match read {
                 Ok(()) => (Event::StreamEnd { peer, kind }, true),
                 Err(why) => {
@@ -852,16 +874,24 @@ async fn read_data_streams(
 /// [`QuicOptions::frame_grace`]).
 const MIN_RATE: f64 = 1e6;
 
+/// How a peer's data streams are read: the frame checks, the grace a begun frame has, and the
+/// bound on what may wait for the program ([`QuicOptions::max_held_bytes`]).
+#[derive(Clone, Debug)]
+struct Reading {
+    limits: FrameLimits,
+    grace: Duration,
+    held: Arc<std::sync::atomic::AtomicU64>,
+    max_held: u64,
+}
+
 /// Reads frames from one data stream until it ends; every check before any allocation.
 async fn read_frames(
-    rank: u32,
-    peer: u32,
-    kind: Kind,
+    (rank, peer, kind): (u32, u32, Kind),
     stream: &mut quinn::RecvStream,
-    limits: &FrameLimits,
-    grace: Duration,
+    reading: &Reading,
     events: &Sender<Event>,
 ) -> Result<(), String> {
+    let (limits, grace) = (&reading.limits, reading.grace);
     loop {
         let mut prefix = [0u8; PREFIX_BYTES];
         match stream.read_exact(&mut prefix).await {
@@ -900,6 +930,18 @@ async fn read_frames(
         let message = payload
             .into_message(&header)
             .map_err(|e| format!("rank {peer}: {e}"))?;
+        let bytes = message.tensor.bytes() as u64;
+        let held = reading
+            .held
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed)
+            + bytes;
+        if held > reading.max_held {
+            return Err(format!(
+                "rank {peer} has {held} bytes of messages waiting for rank {rank} to receive \
+                 them, past the bound of {} (more than any schedule keeps in flight)",
+                reading.max_held
+            ));
+        }
         if events.send(Event::Message(message)).is_err() {
             return Ok(());
         }
@@ -1034,6 +1076,19 @@ impl Quic {
                 Err(TransportError::Protocol(format!("worker {peer}: {why}")))
             }
         }
+    }
+
+    /// `m`, handed to the program: its bytes no longer wait ([`QuicOptions::max_held_bytes`]).
+    fn handed(&self, m: Message) -> Message {
+        if let Some(Some(p)) = self.peers.get(m.key.from as usize) {
+            let bytes = m.tensor.bytes() as u64;
+            let _ = p.held.fetch_update(
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+                |h| Some(h.saturating_sub(bytes)),
+            );
+        }
+        m
     }
 
     /// Takes every event already waiting (messages are kept by key).
@@ -1226,7 +1281,7 @@ impl Transport for Quic {
             )));
         }
         if let Some(m) = self.early.take(key) {
-            return Ok(m);
+            return Ok(self.handed(m));
         }
         if let Some(by) = self.aborted_by {
             return Err(TransportError::Aborted { by });
@@ -1238,7 +1293,7 @@ impl Transport for Quic {
                 // Frames read before the stream ended are already in the channel.
                 self.drain()?;
                 return match self.early.take(key) {
-                    Some(m) => Ok(m),
+                    Some(m) => Ok(self.handed(m)),
                     None => Err(e),
                 };
             }
@@ -1254,7 +1309,7 @@ impl Transport for Quic {
                     };
                     if let Some(m) = self.apply(event)? {
                         if m.key == *key {
-                            return Ok(m);
+                            return Ok(self.handed(m));
                         }
                         self.early.keep(m)?;
                     }
@@ -1278,7 +1333,7 @@ impl Transport for Quic {
         }
         self.drain()?;
         if let Some(m) = self.early.take(key) {
-            return Ok(Some(m));
+            return Ok(Some(self.handed(m)));
         }
         if let Some(by) = self.aborted_by {
             return Err(TransportError::Aborted { by });
@@ -1505,6 +1560,51 @@ mod tests {
         // A last part of one datagram goes without a segment size.
         let (_, sends) = send(vec![], 2 * 40_000 + 10, Some(40_000));
         assert_eq!(sends, vec![(40_000, None), (40_000, None), (10, None)]);
+    }
+
+    fn message(from: u32, to: u32, index: u32, values: usize) -> Message {
+        Message {
+            key: Key {
+                from,
+                to,
+                kind: Kind::Activation,
+                stage: 0,
+                index,
+                step: 0,
+            },
+            version: 0,
+            tensor: pipe_kernels::Tensor::zeros(&[values]),
+        }
+    }
+
+    /// What waits for a worker's receives is bounded per peer: received messages stop
+    /// counting, and a peer past the bound is a protocol error naming it, not memory without
+    /// end.
+    #[test]
+    fn bytes_waiting_for_receives_are_bounded_per_peer() {
+        let mut opts = QuicOptions::new(7);
+        opts.max_held_bytes = 3 << 19; // 1.5 MiB: one 1 MiB message at a time.
+        opts.timeout = Some(Duration::from_secs(20));
+        let mut eps = local_mesh(2, &opts).unwrap();
+        let mut b = eps.pop().unwrap();
+        let mut a = eps.pop().unwrap();
+        let mib = 1 << 18;
+        // Received one by one, eight messages of 1 MiB pass a bound of 1.5 MiB.
+        for i in 0..8 {
+            a.send(message(0, 1, i, mib)).unwrap();
+            b.recv(&message(0, 1, i, 0).key).unwrap();
+            b.send(message(1, 0, i, 1)).unwrap();
+            a.recv(&message(1, 0, i, 0).key).unwrap();
+        }
+        // Sent and never received: the second is past the bound.
+        for i in 100..103 {
+            a.send(message(0, 1, i, mib)).unwrap();
+        }
+        let err = b.recv(&message(0, 1, 999, 0).key).unwrap_err();
+        assert!(
+            matches!(&err, TransportError::Protocol(why) if why.contains("past the bound")),
+            "{err}"
+        );
     }
 
     #[test]
