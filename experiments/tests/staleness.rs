@@ -34,10 +34,10 @@ fn the_committed_configuration_expands_into_the_full_matrix() {
     for s in [1, 2, 4, 8] {
         assert!(runs.iter().any(|r| r.stages == s));
     }
-    // Every pipeline run takes the same samples per update.
+    // Every pipeline run takes the same samples per update, replicated or not.
     for r in runs.iter().filter(|r| r.family == Family::Pipeline) {
         assert_eq!(
-            r.microbatch_size * r.microbatches,
+            r.microbatch_size * r.microbatches * r.replicas as usize,
             cfg.minibatch,
             "{}",
             r.id
@@ -46,6 +46,14 @@ fn the_committed_configuration_expands_into_the_full_matrix() {
     let ids: std::collections::HashSet<&str> = runs.iter().map(|r| r.id.as_str()).collect();
     assert_eq!(ids.len(), runs.len(), "run ids are unique");
     assert!(runs.iter().any(|r| r.family == Family::Delayed));
+    // The bf16 all-reduce against the same replicated layout in f32.
+    for label in ["replicas:2", "replicas:2+allreduce:bf16"] {
+        assert!(
+            runs.iter()
+                .any(|r| r.remedy == label && r.replicas == 2 && r.stages == 8),
+            "{label}"
+        );
+    }
 }
 
 #[test]

@@ -111,6 +111,17 @@ pub struct RemedyVariant {
     /// SGD momentum lowered by the delay (`pipe train`'s default for asynchronous policies).
     #[serde(default)]
     pub compensate_momentum: bool,
+    /// Replicas of every stage (the same samples per update, cut into as many more
+    /// microbatches): not a remedy but the layout that data-parallel options need.
+    #[serde(default = "one_replica")]
+    pub replicas: u32,
+    /// The precision the replicas' all-reduce sends in (`bf16`; default f32).
+    #[serde(default)]
+    pub allreduce_dtype: Option<String>,
+}
+
+fn one_replica() -> u32 {
+    1
 }
 
 /// The delayed data-parallel baseline: each delay for every optimizer and seed, then each
@@ -201,6 +212,12 @@ pub struct RunSpec {
     pub compensate_momentum: bool,
     /// Delayed-baseline options.
     pub delayed: Option<DelayedOptions>,
+    /// Replicas of every stage (pipelines).
+    #[serde(default = "one_replica")]
+    pub replicas: u32,
+    /// The precision of the replicas' all-reduce (`bf16`), when not f32.
+    #[serde(default)]
+    pub allreduce_dtype: Option<String>,
     /// Learning-rate factor (delayed baseline's lower-rate remedy).
     #[serde(default = "unit")]
     pub lr_factor: f32,
@@ -322,17 +339,19 @@ impl StalenessConfig {
         seed: u64,
         remedy: Option<&RemedyVariant>,
     ) -> Result<RunSpec, ExperimentError> {
+        let v = remedy.cloned().unwrap_or_default();
         let m = match policy {
             Policy::PipeDream | Policy::PipeDreamNoStash | Policy::VerticalSync => 1,
             _ => stages as usize,
         };
-        if self.minibatch % m != 0 {
+        let r = v.replicas.max(1) as usize;
+        if self.minibatch % (m * r) != 0 {
             return Err(ExperimentError::Config(format!(
-                "minibatch {} does not split into {m} microbatches for {policy} at {stages} stages",
+                "minibatch {} does not split into {m} microbatches for each of {r} replicas for \
+                 {policy} at {stages} stages",
                 self.minibatch
             )));
         }
-        let v = remedy.cloned().unwrap_or_default();
         let remedies = Remedies {
             sync_warmup: v.sync_warmup,
             lr_scaling: match &v.lr_scaling {
@@ -345,11 +364,22 @@ impl StalenessConfig {
             },
         };
         let mut label = remedies.label();
+        let mut extra = Vec::new();
         if v.compensate_momentum {
+            extra.push("momentum-compensated".to_string());
+        }
+        if r > 1 {
+            extra.push(format!("replicas:{r}"));
+        }
+        if let Some(d) = &v.allreduce_dtype {
+            extra.push(format!("allreduce:{d}"));
+        }
+        if !extra.is_empty() {
+            let extra = extra.join("+");
             label = if remedies.is_none() {
-                "momentum-compensated".into()
+                extra
             } else {
-                format!("{label}+momentum-compensated")
+                format!("{label}+{extra}")
             };
         }
         Ok(RunSpec {
@@ -360,11 +390,13 @@ impl StalenessConfig {
             optimizer: opt.into(),
             seed,
             remedy: label,
-            microbatch_size: self.minibatch / m,
+            microbatch_size: self.minibatch / (m * r),
             microbatches: m,
             remedies,
             compensate_momentum: v.compensate_momentum,
             delayed: None,
+            replicas: r as u32,
+            allreduce_dtype: v.allreduce_dtype.clone(),
             lr_factor: 1.0,
         })
     }
@@ -415,6 +447,8 @@ impl StalenessConfig {
                 compensate_momentum: false,
                 delayed: Some(opts),
                 lr_factor: r.lr_factor.unwrap_or(1.0),
+                replicas: 1,
+                allreduce_dtype: None,
             });
         }
         Ok(())

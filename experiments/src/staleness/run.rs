@@ -202,6 +202,8 @@ pub fn run_config(cfg: &StalenessConfig, spec: &RunSpec) -> Result<RunConfig, Ex
         seed: Some(spec.seed),
         threads: Some(cfg.threads),
         stages: pipeline.then_some(spec.stages as usize),
+        replicas: (pipeline && spec.replicas > 1).then(|| vec![spec.replicas]),
+        allreduce_dtype: spec.allreduce_dtype.clone(),
         schedule: pipeline.then(|| spec.policy.clone()),
         partition: pipeline.then(|| "flops".to_string()),
         sync_warmup: (spec.remedies.sync_warmup > 0).then_some(spec.remedies.sync_warmup),
