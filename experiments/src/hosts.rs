@@ -25,7 +25,7 @@ use pipe_scheduler::{
     PartitionPlan, PlanOptions, Profile, explain, plan_checked, plan_partition, simulate_plan,
 };
 use pipe_stages::model::{Model, ModelSpec};
-use pipe_stages::profile::{ProfileOptions, profile_model};
+use pipe_stages::profile::profile_model;
 use serde::Serialize;
 
 use crate::ExperimentError;
@@ -136,11 +136,8 @@ pub fn run(cfg: &HostsBenchConfig) -> Result<HostsReport, ExperimentError> {
     }
     let model = Model::new(&ModelSpec::preset(&cfg.model)?)?;
     let be = CpuBackend::new(1)?;
-    let profile_opts = ProfileOptions {
-        calibrate: Some(cfg.microbatches),
-        concurrent: pipe_stages::planning::busy_workers(cfg.workers),
-        ..ProfileOptions::new(cfg.microbatch)
-    };
+    let profile_opts =
+        crate::partition::plan_profile_options(cfg.microbatch, cfg.microbatches, cfg.workers);
     let profile = profile_model(&model, &cfg.model, &be, &profile_opts)?;
     let opts = PlanOptions {
         microbatches: cfg.microbatches,

@@ -235,6 +235,20 @@ impl Rounds {
     }
 }
 
+/// How a plan's profile is taken: calibrated on the executor at `microbatches` per update,
+/// with as many copies at once as `workers` keep cores busy (as `pipe plan --model` does).
+pub(crate) fn plan_profile_options(
+    microbatch: usize,
+    microbatches: u32,
+    workers: u32,
+) -> ProfileOptions {
+    ProfileOptions {
+        calibrate: Some(microbatches),
+        concurrent: pipe_stages::planning::busy_workers(workers),
+        ..ProfileOptions::new(microbatch)
+    }
+}
+
 /// Runs the benchmark (see the module docs).
 ///
 /// # Errors
@@ -247,11 +261,7 @@ pub fn run(cfg: &PartitionBenchConfig) -> Result<PartitionReport, ExperimentErro
     }
     let model = Model::new(&ModelSpec::preset(&cfg.model)?)?;
     let be = CpuBackend::new(1)?;
-    let profile_opts = ProfileOptions {
-        calibrate: Some(cfg.microbatches),
-        concurrent: pipe_stages::planning::busy_workers(cfg.workers),
-        ..ProfileOptions::new(cfg.microbatch)
-    };
+    let profile_opts = plan_profile_options(cfg.microbatch, cfg.microbatches, cfg.workers);
     let profile = profile_model(&model, &cfg.model, &be, &profile_opts)?;
     let bandwidth = pipe_stages::planning::in_process_bandwidth(&model, cfg.microbatch)?;
     let opts = PlanOptions {

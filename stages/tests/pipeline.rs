@@ -539,6 +539,36 @@ fn three_replicas_on_devices_sum_on_the_devices_within_rounding_of_the_ring() {
     assert!(stage0.windows(2).all(|w| w[0] == w[1]), "replicas disagree");
 }
 
+/// Runs `run` in process and over QUIC, checks every worker's weights against the reference
+/// trainer's bit for bit (`what` names the case), and returns the reference's.
+fn equal_to_the_reference_in_process_and_over_quic(
+    run: &RunPlan,
+    model: &Model,
+    what: &dyn std::fmt::Display,
+) -> Vec<Params> {
+    let (inproc, _) = pipelined(run, model);
+    let eps = pipe_transport::quic::local_mesh(
+        run.schedule.workers(),
+        &pipe_transport::quic::QuicOptions::new(SEED),
+    )
+    .unwrap();
+    let (quic, _) = pipelined_over(run, model, eps);
+    let want = reference_with(run, model, opt());
+    for states in [&inproc, &quic] {
+        for state in states {
+            for st in &state.stages {
+                assert!(
+                    bits(&st.params) == bits(&want[st.stage as usize]),
+                    "{what}: worker {} stage {} differs from the reference",
+                    state.worker,
+                    st.stage
+                );
+            }
+        }
+    }
+    want
+}
+
 /// All-reduce buckets of a few hundred values (a bucket per layer, each started during the
 /// backward pass) with three replicas: in process and over QUIC the weights equal the
 /// reference trainer's, which sums the same buckets, bit for bit; and the buckets are real:
@@ -556,26 +586,7 @@ fn gradient_buckets_reduced_during_the_backward_pass_equal_the_reference() {
         let grads = model.zero_grads(run.partition.range(1));
         let buckets = pipe_stages::pipeline::gradient_buckets(&grads, 300, 3);
         assert!(buckets.len() >= 2, "{policy}: {buckets:?}");
-        let (inproc, _) = pipelined(&run, &model);
-        let eps = pipe_transport::quic::local_mesh(
-            run.schedule.workers(),
-            &pipe_transport::quic::QuicOptions::new(SEED),
-        )
-        .unwrap();
-        let (quic, _) = pipelined_over(&run, &model, eps);
-        let want = reference_with(&run, &model, opt());
-        for states in [&inproc, &quic] {
-            for state in states {
-                for st in &state.stages {
-                    assert!(
-                        bits(&st.params) == bits(&want[st.stage as usize]),
-                        "{policy}: worker {} stage {} differs from the reference",
-                        state.worker,
-                        st.stage
-                    );
-                }
-            }
-        }
+        let want = equal_to_the_reference_in_process_and_over_quic(&run, &model, &policy);
         let one_bucket = reference_with(&run.clone().with_bucket_values(usize::MAX), &model, opt());
         assert!(
             bits(&one_bucket[1]) != bits(&want[1]),
@@ -597,26 +608,7 @@ fn a_bf16_all_reduce_equals_the_reference_and_stays_near_f32() {
         .with_length(Length::Updates(6));
     let f32_run = prepare(&spec, &model).with_bucket_values(300);
     let run = f32_run.clone().with_allreduce_wire(WireDType::Bf16);
-    let (inproc, _) = pipelined(&run, &model);
-    let eps = pipe_transport::quic::local_mesh(
-        run.schedule.workers(),
-        &pipe_transport::quic::QuicOptions::new(SEED),
-    )
-    .unwrap();
-    let (quic, _) = pipelined_over(&run, &model, eps);
-    let want = reference_with(&run, &model, opt());
-    for states in [&inproc, &quic] {
-        for state in states {
-            for st in &state.stages {
-                assert!(
-                    bits(&st.params) == bits(&want[st.stage as usize]),
-                    "worker {} stage {} differs from the reference",
-                    state.worker,
-                    st.stage
-                );
-            }
-        }
-    }
+    let want = equal_to_the_reference_in_process_and_over_quic(&run, &model, &"bf16");
     let exact = reference_with(&f32_run, &model, opt());
     assert!(bits(&exact[1]) != bits(&want[1]), "nothing was rounded");
     for (a, b) in flat(&want[1]).iter().zip(flat(&exact[1])) {
