@@ -57,8 +57,6 @@ const RECORD_FINISHED: u8 = b'F';
 const CLOSE_DONE: u32 = 0;
 const CLOSE_ABORT: u32 = 1;
 const CLOSE_REFUSED: u32 = 2;
-/// A worker failed while connecting; the reason says why.
-const CLOSE_FAILED: u32 = 3;
 
 const KINDS: [Kind; 4] = [Kind::Activation, Kind::Gradient, Kind::Chunk, Kind::Control];
 
@@ -656,11 +654,11 @@ async fn dial(
 
 /// Accepts the lower ranks' connections; refuses peers of another run or rank.
 async fn accept_lower(
-    endpoint: quinn::Endpoint,
+    endpoint: &quinn::Endpoint,
     rank: u32,
-    opts: QuicOptions,
-    found: tokio::sync::mpsc::UnboundedSender<Result<Greeted, TransportError>>,
-) {
+    opts: &QuicOptions,
+) -> Vec<Result<Greeted, String>> {
+    let mut got: Vec<Result<Greeted, String>> = Vec::new();
     let mut have = HashSet::new();
     while (have.len() as u32) < rank {
         let Some(incoming) = endpoint.accept().await else {
@@ -672,9 +670,7 @@ async fn accept_lower(
         };
         match greet(&conn, rank, opts.run_id).await {
             Ok((peer, control, theirs)) if peer < rank && have.insert(peer) => {
-                if found.send(Ok((peer, conn, control, theirs))).is_err() {
-                    return;
-                }
+                got.push(Ok((peer, conn, control, theirs)));
             }
             Ok((peer, ..)) => conn.close(
                 CLOSE_REFUSED.into(),
@@ -683,26 +679,9 @@ async fn accept_lower(
             Err(e) => conn.close(CLOSE_REFUSED.into(), e.why.as_bytes()),
         }
     }
+    got
 }
 
-/// Waits until the connection to `peer`, made while connecting, closes: why, if the peer
-/// closed it (a peer that failed while connecting closes every connection it has made with
-/// [`CLOSE_FAILED`] and the reason).
-async fn closed_while_connecting(peer: u32, conn: quinn::Connection) -> (u32, String) {
-    let why = match conn.closed().await {
-        quinn::ConnectionError::ApplicationClosed(c) if c.error_code == CLOSE_FAILED.into() => {
-            String::from_utf8_lossy(&c.reason).into_owned()
-        }
-        other => format!("its connection ended: {other}"),
-    };
-    (peer, why)
-}
-
-/// Connects to every peer: dials the higher ranks, accepts the lower ones. Fails at once,
-/// not at the connect timeout, when a dial fails for good or a connection already made closes
-/// (a peer failed while connecting, or its process died); either way it closes every
-/// connection it has made with [`CLOSE_FAILED`] and the reason, so that its peers stop at
-/// once too, and each of theirs in turn.
 async fn connect_all(
     rank: u32,
     addrs: &[SocketAddr],
@@ -711,68 +690,25 @@ async fn connect_all(
     opts: &QuicOptions,
     events: &Sender<Event>,
 ) -> Result<Vec<Option<Peer>>, TransportError> {
-    // Every task ends by itself: a dial at the deadline (after its last attempt), the accepts
-    // at the connect timeout; the channel then closes.
     let deadline = Instant::now() + opts.connect_timeout;
-    let (found, mut arrivals) = tokio::sync::mpsc::unbounded_channel();
-    let mut tasks = tokio::task::JoinSet::new();
-    for to in rank + 1..addrs.len() as u32 {
-        let (endpoint, client, opts) = (endpoint.clone(), client.clone(), opts.clone());
-        let (addr, found) = (addrs[to as usize], found.clone());
-        tasks.spawn(async move {
-            let _ = found.send(dial(&endpoint, &client, rank, to, addr, &opts, deadline).await);
-        });
-    }
-    let accepting = accept_lower(endpoint.clone(), rank, opts.clone(), found);
-    let wait = opts.connect_timeout;
-    tasks.spawn(async move {
-        let _ = tokio::time::timeout(wait, accepting).await;
-    });
-    let mut greeted: Vec<Greeted> = Vec::new();
-    let mut watches = tokio::task::JoinSet::new();
-    let expected = addrs.len().saturating_sub(1);
-    let failure = loop {
-        if greeted.len() == expected {
-            break None;
-        }
-        tokio::select! {
-            got = arrivals.recv() => match got {
-                Some(Ok(g)) => {
-                    watches.spawn(closed_while_connecting(g.0, g.1.clone()));
-                    greeted.push(g);
-                }
-                Some(Err(e)) => break Some(e),
-                None => break None,
-            },
-            Some(Ok((peer, why))) = watches.join_next() => {
-                break Some(TransportError::Setup(format!(
-                    "rank {rank}: rank {peer} failed while connecting: {why}"
-                )));
-            }
-        }
-    };
-    tasks.abort_all();
-    watches.abort_all();
-    let missing: Vec<u32> = (0..addrs.len() as u32)
-        .filter(|&p| p != rank && greeted.iter().all(|g| g.0 != p))
-        .collect();
-    let failure = failure.or_else(|| {
-        (!missing.is_empty()).then(|| {
-            TransportError::Setup(format!(
-                "rank {rank}: ranks {missing:?} did not connect within {:?}",
-                opts.connect_timeout
-            ))
+    let dials: Vec<_> = (rank + 1..addrs.len() as u32)
+        .map(|to| {
+            let (endpoint, client, opts) = (endpoint.clone(), client.clone(), opts.clone());
+            let addr = addrs[to as usize];
+            tokio::spawn(
+                async move { dial(&endpoint, &client, rank, to, addr, &opts, deadline).await },
+            )
         })
-    });
-    if let Some(e) = failure {
-        let why = e.to_string();
-        for (_, conn, ..) in &greeted {
-            conn.close(CLOSE_FAILED.into(), why.as_bytes());
-        }
-        // The closes go out with the endpoint's next packets: let them leave before the
-        // caller drops the endpoint (bounded; a peer that does not answer costs a second).
-        let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
-        return Err(e);
+        .collect();
+    let accepted =
+        tokio::time::timeout(opts.connect_timeout, accept_lower(endpoint, rank, opts)).await;
+    let mut greeted = Vec::new();
+    for d in dials {
+        greeted.push(d.await.map_err(|e| setup_err("dialling", e))??);
+    }
+    let accepted = accepted.unwrap_or_default();
+    for a in accepted {
+        greeted.push(a.map_err(TransportError::Setup)?);
     }
     let mut peers: Vec<Option<Peer>> = (0..addrs.len()).map(|_| None).collect();
     for (peer, conn, control, theirs) in greeted {
@@ -786,6 +722,15 @@ async fn connect_all(
             incoming.refuse();
         }
     });
+    let missing: Vec<u32> = (0..addrs.len() as u32)
+        .filter(|&p| p != rank && peers[p as usize].is_none())
+        .collect();
+    if !missing.is_empty() {
+        return Err(TransportError::Setup(format!(
+            "rank {rank}: ranks {missing:?} did not connect within {:?}",
+            opts.connect_timeout
+        )));
+    }
     Ok(peers)
 }
 
@@ -1659,49 +1604,6 @@ mod tests {
         assert!(
             matches!(&err, TransportError::Protocol(why) if why.contains("past the bound")),
             "{err}"
-        );
-    }
-
-    /// Rank 2 never starts. Rank 1 gives up at its own connect timeout (1 s) and closes the
-    /// connection it had made to rank 0 saying why; rank 0, whose timeout is 30 s, stops at
-    /// once, naming rank 1 and its reason.
-    #[test]
-    fn a_worker_failing_while_connecting_stops_its_peers_at_once() {
-        let cluster = Cluster::generate(3).unwrap();
-        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
-        let bound: Vec<Bound> = cluster
-            .ranks
-            .iter()
-            .enumerate()
-            .map(|(r, (_, _, creds))| {
-                let mut opts = QuicOptions::new(11);
-                opts.connect_timeout = Duration::from_secs(if r == 1 { 1 } else { 30 });
-                Bound::bind(r as u32, loopback, creds, opts).unwrap()
-            })
-            .collect();
-        let addrs: Vec<SocketAddr> = bound.iter().map(|b| b.local_addr().unwrap()).collect();
-        let start = Instant::now();
-        let handles: Vec<_> = bound
-            .into_iter()
-            .take(2)
-            .map(|b| {
-                let addrs = addrs.clone();
-                std::thread::spawn(move || (b.connect(&addrs).map(|_| ()), start.elapsed()))
-            })
-            .collect();
-        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        let err = |r: usize| results[r].0.as_ref().unwrap_err().to_string();
-        assert!(err(1).contains("could not connect to rank 2"), "{}", err(1));
-        assert!(
-            err(0).contains("rank 1 failed while connecting")
-                && err(0).contains("could not connect to rank 2"),
-            "{}",
-            err(0)
-        );
-        assert!(
-            results[0].1 < Duration::from_secs(10),
-            "rank 0 took {:?}",
-            results[0].1
         );
     }
 
