@@ -275,82 +275,12 @@ impl std::fmt::Debug for Bound {
 }
 
 /// Largest UDP payload path MTU discovery tries. Loopback and jumbo-frame links carry large
-/// datagrams, and fewer, larger packets cost less per byte (header protection, acknowledgements,
-/// system calls): streaming 4 MiB tensors on loopback measured 0.8 GB/s at the default 1,452
-/// bytes, 1.3-1.7 at 6,500, 2.0-2.6 at 16,000 and 2.1-2.6 at 32,000 (`pipe bench transport`,
-/// 2026-11-26; above 6,500 only since [`BatchBounded`] cuts the GSO batches). Ordinary links
-/// stop at their own MTU, which discovery finds.
-const MTU_UPPER_BOUND: u16 = 32_000;
-
-/// The most bytes one GSO send may carry: a UDP datagram's 65,507 bytes, with room to spare.
-/// The kernel refuses a larger batch, and every packet in it is lost.
-const GSO_BATCH_BYTES: usize = 65_000;
-
-/// A UDP socket that cuts quinn's GSO batches to what the kernel takes in one send. quinn
-/// batches up to 10 datagrams of the path's MTU: above 6,500 bytes that passes 64 KiB, so
-/// without the cut path MTU discovery lost its probes and fell back to 1,200 bytes. On links
-/// with an ordinary MTU a batch fits and passes untouched.
-#[derive(Debug)]
-struct BatchBounded {
-    inner: Arc<dyn quinn::AsyncUdpSocket>,
-}
-
-impl quinn::AsyncUdpSocket for BatchBounded {
-    fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
-        self.inner.clone().create_io_poller()
-    }
-
-    fn try_send(&self, transmit: &quinn::udp::Transmit) -> std::io::Result<()> {
-        let Some(segment) = transmit
-            .segment_size
-            .filter(|_| transmit.contents.len() > GSO_BATCH_BYTES)
-        else {
-            return self.inner.try_send(transmit);
-        };
-        let per_send = (GSO_BATCH_BYTES / segment.max(1)).max(1) * segment;
-        for (i, part) in transmit.contents.chunks(per_send).enumerate() {
-            let cut = quinn::udp::Transmit {
-                contents: part,
-                segment_size: (part.len() > segment).then_some(segment),
-                ..*transmit
-            };
-            match self.inner.try_send(&cut) {
-                Ok(()) => {}
-                // Nothing sent yet: quinn waits for the socket and retries the whole batch.
-                Err(e) if i == 0 => return Err(e),
-                // Part of the batch has left: the rest counts as lost, and QUIC's loss
-                // recovery resends it (retrying all would duplicate what left).
-                Err(_) => return Ok(()),
-            }
-        }
-        Ok(())
-    }
-
-    fn poll_recv(
-        &self,
-        cx: &mut std::task::Context,
-        bufs: &mut [std::io::IoSliceMut<'_>],
-        meta: &mut [quinn::udp::RecvMeta],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        self.inner.poll_recv(cx, bufs, meta)
-    }
-
-    fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.inner.local_addr()
-    }
-
-    fn max_transmit_segments(&self) -> usize {
-        self.inner.max_transmit_segments()
-    }
-
-    fn max_receive_segments(&self) -> usize {
-        self.inner.max_receive_segments()
-    }
-
-    fn may_fragment(&self) -> bool {
-        self.inner.may_fragment()
-    }
-}
+/// datagrams, and fewer, larger packets cost less per byte: streaming 4 MiB tensors on
+/// loopback measured 0.8 GB/s at the default 1,452 bytes, 1.2-1.6 at 4,000 and 1.7-1.8 at
+/// 6,500. From 8,000 bytes up the sender lost packets and discovery fell back to 1,200 bytes
+/// (a batch of 10 segments per send then exceeds the kernel's 64 KiB, the likely cause).
+/// Ordinary links stop at their own MTU, which discovery finds.
+const MTU_UPPER_BOUND: u16 = 6_500;
 
 fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, TransportError> {
     let mut t = quinn::TransportConfig::default();
@@ -458,12 +388,7 @@ impl Bound {
             config
                 .max_udp_payload_size(MTU_UPPER_BOUND)
                 .map_err(|e| setup_err("UDP payload size", e))?;
-            let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
-            let socket = runtime
-                .wrap_udp_socket(socket)
-                .map_err(|e| setup_err(&format!("UDP socket on {addr}"), e))?;
-            let socket = Arc::new(BatchBounded { inner: socket });
-            quinn::Endpoint::new_with_abstract_socket(config, Some(server), socket, runtime)
+            quinn::Endpoint::new(config, Some(server), socket, Arc::new(quinn::TokioRuntime))
                 .map_err(|e| setup_err(&format!("endpoint on {addr}"), e))?
         };
         Ok(Bound {
@@ -1459,108 +1384,6 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use std::sync::Mutex;
-
-    /// A socket that records each send's length and segment size, and fails the sends whose
-    /// numbers are listed.
-    #[derive(Debug, Default)]
-    struct Recorder {
-        sends: Mutex<Vec<(usize, Option<usize>)>>,
-        fail: Vec<usize>,
-    }
-
-    #[derive(Debug)]
-    struct Ready;
-
-    impl quinn::UdpPoller for Ready {
-        fn poll_writable(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-    }
-
-    impl quinn::AsyncUdpSocket for Recorder {
-        fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
-            Box::pin(Ready)
-        }
-
-        fn try_send(&self, t: &quinn::udp::Transmit) -> std::io::Result<()> {
-            let mut sends = self.sends.lock().unwrap();
-            if self.fail.contains(&sends.len()) {
-                sends.push((0, None));
-                return Err(std::io::ErrorKind::WouldBlock.into());
-            }
-            sends.push((t.contents.len(), t.segment_size));
-            Ok(())
-        }
-
-        fn poll_recv(
-            &self,
-            _: &mut std::task::Context,
-            _: &mut [std::io::IoSliceMut<'_>],
-            _: &mut [quinn::udp::RecvMeta],
-        ) -> std::task::Poll<std::io::Result<usize>> {
-            std::task::Poll::Pending
-        }
-
-        fn local_addr(&self) -> std::io::Result<SocketAddr> {
-            Ok(SocketAddr::from(([127, 0, 0, 1], 9)))
-        }
-    }
-
-    fn send(
-        fail: Vec<usize>,
-        len: usize,
-        segment: Option<usize>,
-    ) -> (std::io::Result<()>, Vec<(usize, Option<usize>)>) {
-        use quinn::AsyncUdpSocket;
-        let inner = Arc::new(Recorder {
-            fail,
-            ..Recorder::default()
-        });
-        let socket = BatchBounded {
-            inner: inner.clone(),
-        };
-        let contents = vec![0u8; len];
-        let transmit = quinn::udp::Transmit {
-            destination: SocketAddr::from(([127, 0, 0, 1], 10)),
-            ecn: None,
-            contents: &contents,
-            segment_size: segment,
-            src_ip: None,
-        };
-        let result = socket.try_send(&transmit);
-        let sends = inner.sends.lock().unwrap().clone();
-        (result, sends)
-    }
-
-    #[test]
-    fn gso_batches_are_cut_to_what_one_send_takes() {
-        // Ten datagrams of 32,000 bytes, the last one short: five sends of at most two.
-        let (r, sends) = send(vec![], 9 * 32_000 + 100, Some(32_000));
-        assert!(r.is_ok());
-        assert_eq!(
-            sends,
-            vec![
-                (64_000, Some(32_000)),
-                (64_000, Some(32_000)),
-                (64_000, Some(32_000)),
-                (64_000, Some(32_000)),
-                (32_100, Some(32_000)),
-            ]
-        );
-        // A batch that fits, and a single datagram, pass untouched.
-        assert_eq!(
-            send(vec![], 10 * 1_452, Some(1_452)).1,
-            vec![(14_520, Some(1_452))]
-        );
-        assert_eq!(send(vec![], 40_000, None).1, vec![(40_000, None)]);
-        // A last part of one datagram goes without a segment size.
-        let (_, sends) = send(vec![], 2 * 40_000 + 10, Some(40_000));
-        assert_eq!(sends, vec![(40_000, None), (40_000, None), (10, None)]);
-    }
 
     fn message(from: u32, to: u32, index: u32, values: usize) -> Message {
         Message {
@@ -1605,16 +1428,5 @@ mod tests {
             matches!(&err, TransportError::Protocol(why) if why.contains("past the bound")),
             "{err}"
         );
-    }
-
-    #[test]
-    fn a_cut_batch_reports_blocking_only_before_anything_left() {
-        let (r, sends) = send(vec![0], 4 * 32_000, Some(32_000));
-        assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
-        assert_eq!(sends.len(), 1);
-        // Once part has left, the rest is dropped (QUIC resends it as lost).
-        let (r, sends) = send(vec![1], 6 * 32_000, Some(32_000));
-        assert!(r.is_ok());
-        assert_eq!(sends.len(), 2);
     }
 }
