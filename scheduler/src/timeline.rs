@@ -30,6 +30,19 @@ pub struct Timeline {
     pub names: Vec<String>,
 }
 
+impl Span {
+    /// This span `by` seconds later: how spans timed from a segment's start are put on a
+    /// run's (or a worker's) time axis.
+    #[must_use]
+    pub fn shifted(self, by: f64) -> Span {
+        Span {
+            start: self.start + by,
+            end: self.end + by,
+            ..self
+        }
+    }
+}
+
 impl Timeline {
     /// A timeline over `workers` tracks.
     pub fn new(workers: u32, spans: Vec<Span>) -> Self {

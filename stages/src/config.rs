@@ -159,6 +159,16 @@ impl<'de> Deserialize<'de> for ModelChoice {
     }
 }
 
+/// A wire element type by name (`f32` when not given).
+///
+/// # Errors
+/// [`StageError::Config`] for an unknown name.
+fn wire_dtype(name: Option<&str>) -> Result<WireDType> {
+    name.map_or(Ok(WireDType::F32), |w| {
+        w.parse().map_err(StageError::Config)
+    })
+}
+
 /// Reads an optional `f32` setting through `f64`, refusing values an `f32` cannot hold
 /// (`1e300` would otherwise become infinity and be reported as such).
 fn finite_f32<'de, D: serde::Deserializer<'de>>(
@@ -705,10 +715,7 @@ impl TrainSettings {
             Some(t) => t.parse().map_err(StageError::Config)?,
             None => TransportKind::InProcess,
         };
-        let wire = match &self.wire_dtype {
-            Some(w) => w.parse().map_err(StageError::Config)?,
-            None => WireDType::F32,
-        };
+        let wire = wire_dtype(self.wire_dtype.as_deref())?;
         let remedies = Self::remedies(
             self.sync_warmup,
             self.lr_scaling.as_deref(),
@@ -724,10 +731,7 @@ impl TrainSettings {
             ));
         }
         let bucket_values = Self::bucket_values(self.allreduce_bucket_mb)?;
-        let allreduce_wire = match &self.allreduce_dtype {
-            Some(w) => w.parse().map_err(StageError::Config)?,
-            None => WireDType::F32,
-        };
+        let allreduce_wire = wire_dtype(self.allreduce_dtype.as_deref())?;
         Ok(RunConfig {
             model_name,
             model: model_spec,

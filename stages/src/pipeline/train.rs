@@ -152,11 +152,7 @@ pub fn train_pipelined(
             if opts.timeline {
                 let base = run.start.elapsed().as_secs_f64() - seg_secs;
                 for o in &outcomes {
-                    spans.extend(o.spans.iter().map(|sp| Span {
-                        start: sp.start + base,
-                        end: sp.end + base,
-                        ..*sp
-                    }));
+                    spans.extend(o.spans.iter().map(|sp| sp.shifted(base)));
                 }
             }
             if opts.ledger {

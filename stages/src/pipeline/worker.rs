@@ -260,15 +260,7 @@ fn run_segments<T: Transport + ?Sized>(
             }
             let outcome = outcome?;
             let base = t.duration_since(origin.1).as_secs_f64();
-            let spans: Vec<pipe_scheduler::Span> = outcome
-                .spans
-                .iter()
-                .map(|sp| pipe_scheduler::Span {
-                    start: sp.start + base,
-                    end: sp.end + base,
-                    ..*sp
-                })
-                .collect();
+            let spans: Vec<_> = outcome.spans.iter().map(|sp| sp.shifted(base)).collect();
             obs.on_spans(origin.0, &spans)?;
             let seg_secs = t.elapsed().as_secs_f64();
             secs += seg_secs;
