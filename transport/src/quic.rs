@@ -57,6 +57,12 @@ const RECORD_FINISHED: u8 = b'F';
 const CLOSE_DONE: u32 = 0;
 const CLOSE_ABORT: u32 = 1;
 const CLOSE_REFUSED: u32 = 2;
+/// A worker failed while connecting; the reason says why.
+const CLOSE_FAILED: u32 = 3;
+
+/// How long one dial attempt waits for the QUIC handshake before trying again (a peer that
+/// has not bound its socket yet answers nothing, and QUIC does not hear a refusal).
+const DIAL_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 
 const KINDS: [Kind; 4] = [Kind::Activation, Kind::Gradient, Kind::Chunk, Kind::Control];
 
@@ -275,12 +281,82 @@ impl std::fmt::Debug for Bound {
 }
 
 /// Largest UDP payload path MTU discovery tries. Loopback and jumbo-frame links carry large
-/// datagrams, and fewer, larger packets cost less per byte: streaming 4 MiB tensors on
-/// loopback measured 0.8 GB/s at the default 1,452 bytes, 1.2-1.6 at 4,000 and 1.7-1.8 at
-/// 6,500. From 8,000 bytes up the sender lost packets and discovery fell back to 1,200 bytes
-/// (a batch of 10 segments per send then exceeds the kernel's 64 KiB, the likely cause).
-/// Ordinary links stop at their own MTU, which discovery finds.
-const MTU_UPPER_BOUND: u16 = 6_500;
+/// datagrams, and fewer, larger packets cost less per byte (header protection, acknowledgements,
+/// system calls): streaming 4 MiB tensors on loopback measured 0.8 GB/s at the default 1,452
+/// bytes, 1.3-1.7 at 6,500, 2.0-2.6 at 16,000 and 2.1-2.6 at 32,000 (`pipe bench transport`,
+/// 2026-11-26; above 6,500 only since [`BatchBounded`] cuts the GSO batches). Ordinary links
+/// stop at their own MTU, which discovery finds.
+const MTU_UPPER_BOUND: u16 = 32_000;
+
+/// The most bytes one GSO send may carry: a UDP datagram's 65,507 bytes, with room to spare.
+/// The kernel refuses a larger batch, and every packet in it is lost.
+const GSO_BATCH_BYTES: usize = 65_000;
+
+/// A UDP socket that cuts quinn's GSO batches to what the kernel takes in one send. quinn
+/// batches up to 10 datagrams of the path's MTU: above 6,500 bytes that passes 64 KiB, so
+/// without the cut path MTU discovery lost its probes and fell back to 1,200 bytes. On links
+/// with an ordinary MTU a batch fits and passes untouched.
+#[derive(Debug)]
+struct BatchBounded {
+    inner: Arc<dyn quinn::AsyncUdpSocket>,
+}
+
+impl quinn::AsyncUdpSocket for BatchBounded {
+    fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &quinn::udp::Transmit) -> std::io::Result<()> {
+        let Some(segment) = transmit
+            .segment_size
+            .filter(|_| transmit.contents.len() > GSO_BATCH_BYTES)
+        else {
+            return self.inner.try_send(transmit);
+        };
+        let per_send = (GSO_BATCH_BYTES / segment.max(1)).max(1) * segment;
+        for (i, part) in transmit.contents.chunks(per_send).enumerate() {
+            let cut = quinn::udp::Transmit {
+                contents: part,
+                segment_size: (part.len() > segment).then_some(segment),
+                ..*transmit
+            };
+            match self.inner.try_send(&cut) {
+                Ok(()) => {}
+                // Nothing sent yet: quinn waits for the socket and retries the whole batch.
+                Err(e) if i == 0 => return Err(e),
+                // Part of the batch has left: the rest counts as lost, and QUIC's loss
+                // recovery resends it (retrying all would duplicate what left).
+                Err(_) => return Ok(()),
+            }
+        }
+        Ok(())
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut std::task::Context,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        meta: &mut [quinn::udp::RecvMeta],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.inner.max_transmit_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.inner.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.inner.may_fragment()
+    }
+}
 
 fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, TransportError> {
     let mut t = quinn::TransportConfig::default();
@@ -388,7 +464,12 @@ impl Bound {
             config
                 .max_udp_payload_size(MTU_UPPER_BOUND)
                 .map_err(|e| setup_err("UDP payload size", e))?;
-            quinn::Endpoint::new(config, Some(server), socket, Arc::new(quinn::TokioRuntime))
+            let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+            let socket = runtime
+                .wrap_udp_socket(socket)
+                .map_err(|e| setup_err(&format!("UDP socket on {addr}"), e))?;
+            let socket = Arc::new(BatchBounded { inner: socket });
+            quinn::Endpoint::new_with_abstract_socket(config, Some(server), socket, runtime)
                 .map_err(|e| setup_err(&format!("endpoint on {addr}"), e))?
         };
         Ok(Bound {
@@ -526,6 +607,12 @@ async fn greet(
 
 type Greeted = (u32, quinn::Connection, quinn::SendStream, quinn::RecvStream);
 
+/// Dials `to` until it answers or the deadline passes. Only the QUIC handshake of an attempt
+/// is bounded by a short timer (a peer that has not bound its socket yet answers nothing):
+/// once the handshake is done the peer may already hold this connection as rank `rank`'s, so
+/// the hello exchange is never abandoned on a timer, only when the connection fails or the
+/// deadline passes. Abandoning it would leave the peer holding a connection this side had
+/// dropped.
 async fn dial(
     endpoint: &quinn::Endpoint,
     client: &quinn::ClientConfig,
@@ -535,39 +622,40 @@ async fn dial(
     opts: &QuicOptions,
     deadline: Instant,
 ) -> Result<Greeted, TransportError> {
+    let give_up = |why: &str| {
+        TransportError::Setup(format!(
+            "rank {rank} could not connect to rank {to} at {addr}: {why}"
+        ))
+    };
     let mut last = String::new();
     while Instant::now() < deadline {
-        let attempt = async {
-            let connecting = endpoint
-                .connect_with(client.clone(), addr, &server_name(to))
-                .map_err(|e| GreetError {
-                    definitive: true,
-                    why: e.to_string(),
-                })?;
-            let conn = connecting.await.map_err(|e| GreetError {
-                definitive: false,
-                why: e.to_string(),
-            })?;
-            let (peer, control, theirs) = greet(&conn, rank, opts.run_id).await?;
-            if peer != to {
-                conn.close(CLOSE_REFUSED.into(), b"wrong rank");
-                return Err(GreetError {
-                    definitive: true,
-                    why: format!("the worker at {addr} says it is rank {peer}"),
-                });
+        let connecting = endpoint
+            .connect_with(client.clone(), addr, &server_name(to))
+            .map_err(|e| give_up(&e.to_string()))?;
+        let conn = match tokio::time::timeout(DIAL_HANDSHAKE_TIMEOUT, connecting).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => {
+                last = e.to_string();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
             }
-            Ok((peer, conn, control, theirs))
+            Err(_) => {
+                last = "handshake timed out".into();
+                continue;
+            }
         };
-        match tokio::time::timeout(Duration::from_secs(2), attempt).await {
-            Ok(Ok(g)) => return Ok(g),
-            Ok(Err(e)) if e.definitive => {
-                return Err(TransportError::Setup(format!(
-                    "rank {rank} could not connect to rank {to} at {addr}: {}",
-                    e.why
-                )));
+        let greeting = greet(&conn, rank, opts.run_id);
+        match tokio::time::timeout_at(deadline.into(), greeting).await {
+            Ok(Ok((peer, control, theirs))) if peer == to => {
+                return Ok((peer, conn, control, theirs));
             }
+            Ok(Ok((peer, ..))) => {
+                conn.close(CLOSE_REFUSED.into(), b"wrong rank");
+                return Err(give_up(&format!("the worker there says it is rank {peer}")));
+            }
+            Ok(Err(e)) if e.definitive => return Err(give_up(&e.why)),
             Ok(Err(e)) => last = e.why,
-            Err(_) => last = "handshake timed out".into(),
+            Err(_) => last = "no hello before the connect timeout".into(),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -577,36 +665,67 @@ async fn dial(
     )))
 }
 
-/// Accepts the lower ranks' connections; refuses peers of another run or rank.
+/// Accepts the lower ranks' connections; refuses peers of another run or rank. Each incoming
+/// connection is handshaken and greeted in a task of its own, so that one slow or silent peer
+/// holds up no other (quinn does not start an incoming connection's handshake until it is
+/// accepted).
 async fn accept_lower(
-    endpoint: &quinn::Endpoint,
+    endpoint: quinn::Endpoint,
     rank: u32,
-    opts: &QuicOptions,
-) -> Vec<Result<Greeted, String>> {
-    let mut got: Vec<Result<Greeted, String>> = Vec::new();
+    opts: QuicOptions,
+    found: tokio::sync::mpsc::UnboundedSender<Result<Greeted, TransportError>>,
+) {
     let mut have = HashSet::new();
+    let mut greeting = tokio::task::JoinSet::new();
     while (have.len() as u32) < rank {
-        let Some(incoming) = endpoint.accept().await else {
-            break;
-        };
-        let Ok(conn) = incoming.await else {
-            // A failed handshake (a peer without a valid certificate): keep waiting.
-            continue;
-        };
-        match greet(&conn, rank, opts.run_id).await {
-            Ok((peer, control, theirs)) if peer < rank && have.insert(peer) => {
-                got.push(Ok((peer, conn, control, theirs)));
+        tokio::select! {
+            incoming = endpoint.accept() => {
+                let Some(incoming) = incoming else { break };
+                let run_id = opts.run_id;
+                greeting.spawn(async move {
+                    // A failed handshake (a peer without a valid certificate) is dropped.
+                    let conn = incoming.await.ok()?;
+                    let greeted = greet(&conn, rank, run_id).await;
+                    Some((conn, greeted))
+                });
             }
-            Ok((peer, ..)) => conn.close(
-                CLOSE_REFUSED.into(),
-                format!("rank {peer} refused").as_bytes(),
-            ),
-            Err(e) => conn.close(CLOSE_REFUSED.into(), e.why.as_bytes()),
+            Some(done) = greeting.join_next() => {
+                let Ok(Some((conn, greeted))) = done else { continue };
+                match greeted {
+                    Ok((peer, control, theirs)) if peer < rank && have.insert(peer) => {
+                        if found.send(Ok((peer, conn, control, theirs))).is_err() {
+                            return;
+                        }
+                    }
+                    Ok((peer, ..)) => conn.close(
+                        CLOSE_REFUSED.into(),
+                        format!("rank {peer} refused").as_bytes(),
+                    ),
+                    Err(e) => conn.close(CLOSE_REFUSED.into(), e.why.as_bytes()),
+                }
+            }
         }
     }
-    got
 }
 
+/// Waits until the connection to `peer`, made while connecting, closes: why, if the peer
+/// closed it (a peer that failed while connecting closes every connection it has made with
+/// [`CLOSE_FAILED`] and the reason).
+async fn closed_while_connecting(peer: u32, conn: quinn::Connection) -> (u32, String) {
+    let why = match conn.closed().await {
+        quinn::ConnectionError::ApplicationClosed(c) if c.error_code == CLOSE_FAILED.into() => {
+            String::from_utf8_lossy(&c.reason).into_owned()
+        }
+        other => format!("its connection ended: {other}"),
+    };
+    (peer, why)
+}
+
+/// Connects to every peer: dials the higher ranks, accepts the lower ones. Fails at once,
+/// not at the connect timeout, when a dial fails for good or a connection already made closes
+/// (a peer failed while connecting, or its process died); either way it closes every
+/// connection it has made with [`CLOSE_FAILED`] and the reason, so that its peers stop at
+/// once too, and each of theirs in turn.
 async fn connect_all(
     rank: u32,
     addrs: &[SocketAddr],
@@ -615,25 +734,68 @@ async fn connect_all(
     opts: &QuicOptions,
     events: &Sender<Event>,
 ) -> Result<Vec<Option<Peer>>, TransportError> {
+    // Every task ends by itself: a dial at the deadline (after its last attempt), the accepts
+    // at the connect timeout; the channel then closes.
     let deadline = Instant::now() + opts.connect_timeout;
-    let dials: Vec<_> = (rank + 1..addrs.len() as u32)
-        .map(|to| {
-            let (endpoint, client, opts) = (endpoint.clone(), client.clone(), opts.clone());
-            let addr = addrs[to as usize];
-            tokio::spawn(
-                async move { dial(&endpoint, &client, rank, to, addr, &opts, deadline).await },
-            )
-        })
-        .collect();
-    let accepted =
-        tokio::time::timeout(opts.connect_timeout, accept_lower(endpoint, rank, opts)).await;
-    let mut greeted = Vec::new();
-    for d in dials {
-        greeted.push(d.await.map_err(|e| setup_err("dialling", e))??);
+    let (found, mut arrivals) = tokio::sync::mpsc::unbounded_channel();
+    let mut tasks = tokio::task::JoinSet::new();
+    for to in rank + 1..addrs.len() as u32 {
+        let (endpoint, client, opts) = (endpoint.clone(), client.clone(), opts.clone());
+        let (addr, found) = (addrs[to as usize], found.clone());
+        tasks.spawn(async move {
+            let _ = found.send(dial(&endpoint, &client, rank, to, addr, &opts, deadline).await);
+        });
     }
-    let accepted = accepted.unwrap_or_default();
-    for a in accepted {
-        greeted.push(a.map_err(TransportError::Setup)?);
+    let accepting = accept_lower(endpoint.clone(), rank, opts.clone(), found);
+    let wait = opts.connect_timeout;
+    tasks.spawn(async move {
+        let _ = tokio::time::timeout(wait, accepting).await;
+    });
+    let mut greeted: Vec<Greeted> = Vec::new();
+    let mut watches = tokio::task::JoinSet::new();
+    let expected = addrs.len().saturating_sub(1);
+    let failure = loop {
+        if greeted.len() == expected {
+            break None;
+        }
+        tokio::select! {
+            got = arrivals.recv() => match got {
+                Some(Ok(g)) => {
+                    watches.spawn(closed_while_connecting(g.0, g.1.clone()));
+                    greeted.push(g);
+                }
+                Some(Err(e)) => break Some(e),
+                None => break None,
+            },
+            Some(Ok((peer, why))) = watches.join_next() => {
+                break Some(TransportError::Setup(format!(
+                    "rank {rank}: rank {peer} failed while connecting: {why}"
+                )));
+            }
+        }
+    };
+    tasks.abort_all();
+    watches.abort_all();
+    let missing: Vec<u32> = (0..addrs.len() as u32)
+        .filter(|&p| p != rank && greeted.iter().all(|g| g.0 != p))
+        .collect();
+    let failure = failure.or_else(|| {
+        (!missing.is_empty()).then(|| {
+            TransportError::Setup(format!(
+                "rank {rank}: ranks {missing:?} did not connect within {:?}",
+                opts.connect_timeout
+            ))
+        })
+    });
+    if let Some(e) = failure {
+        let why = e.to_string();
+        for (_, conn, ..) in &greeted {
+            conn.close(CLOSE_FAILED.into(), why.as_bytes());
+        }
+        // The closes go out with the endpoint's next packets: let them leave before the
+        // caller drops the endpoint (bounded; a peer that does not answer costs a second).
+        let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+        return Err(e);
     }
     let mut peers: Vec<Option<Peer>> = (0..addrs.len()).map(|_| None).collect();
     for (peer, conn, control, theirs) in greeted {
@@ -647,15 +809,6 @@ async fn connect_all(
             incoming.refuse();
         }
     });
-    let missing: Vec<u32> = (0..addrs.len() as u32)
-        .filter(|&p| p != rank && peers[p as usize].is_none())
-        .collect();
-    if !missing.is_empty() {
-        return Err(TransportError::Setup(format!(
-            "rank {rank}: ranks {missing:?} did not connect within {:?}",
-            opts.connect_timeout
-        )));
-    }
     Ok(peers)
 }
 
@@ -1384,6 +1537,108 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use std::sync::Mutex;
+
+    /// A socket that records each send's length and segment size, and fails the sends whose
+    /// numbers are listed.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        sends: Mutex<Vec<(usize, Option<usize>)>>,
+        fail: Vec<usize>,
+    }
+
+    #[derive(Debug)]
+    struct Ready;
+
+    impl quinn::UdpPoller for Ready {
+        fn poll_writable(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    impl quinn::AsyncUdpSocket for Recorder {
+        fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
+            Box::pin(Ready)
+        }
+
+        fn try_send(&self, t: &quinn::udp::Transmit) -> std::io::Result<()> {
+            let mut sends = self.sends.lock().unwrap();
+            if self.fail.contains(&sends.len()) {
+                sends.push((0, None));
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            sends.push((t.contents.len(), t.segment_size));
+            Ok(())
+        }
+
+        fn poll_recv(
+            &self,
+            _: &mut std::task::Context,
+            _: &mut [std::io::IoSliceMut<'_>],
+            _: &mut [quinn::udp::RecvMeta],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::task::Poll::Pending
+        }
+
+        fn local_addr(&self) -> std::io::Result<SocketAddr> {
+            Ok(SocketAddr::from(([127, 0, 0, 1], 9)))
+        }
+    }
+
+    fn send(
+        fail: Vec<usize>,
+        len: usize,
+        segment: Option<usize>,
+    ) -> (std::io::Result<()>, Vec<(usize, Option<usize>)>) {
+        use quinn::AsyncUdpSocket;
+        let inner = Arc::new(Recorder {
+            fail,
+            ..Recorder::default()
+        });
+        let socket = BatchBounded {
+            inner: inner.clone(),
+        };
+        let contents = vec![0u8; len];
+        let transmit = quinn::udp::Transmit {
+            destination: SocketAddr::from(([127, 0, 0, 1], 10)),
+            ecn: None,
+            contents: &contents,
+            segment_size: segment,
+            src_ip: None,
+        };
+        let result = socket.try_send(&transmit);
+        let sends = inner.sends.lock().unwrap().clone();
+        (result, sends)
+    }
+
+    #[test]
+    fn gso_batches_are_cut_to_what_one_send_takes() {
+        // Ten datagrams of 32,000 bytes, the last one short: five sends of at most two.
+        let (r, sends) = send(vec![], 9 * 32_000 + 100, Some(32_000));
+        assert!(r.is_ok());
+        assert_eq!(
+            sends,
+            vec![
+                (64_000, Some(32_000)),
+                (64_000, Some(32_000)),
+                (64_000, Some(32_000)),
+                (64_000, Some(32_000)),
+                (32_100, Some(32_000)),
+            ]
+        );
+        // A batch that fits, and a single datagram, pass untouched.
+        assert_eq!(
+            send(vec![], 10 * 1_452, Some(1_452)).1,
+            vec![(14_520, Some(1_452))]
+        );
+        assert_eq!(send(vec![], 40_000, None).1, vec![(40_000, None)]);
+        // A last part of one datagram goes without a segment size.
+        let (_, sends) = send(vec![], 2 * 40_000 + 10, Some(40_000));
+        assert_eq!(sends, vec![(40_000, None), (40_000, None), (10, None)]);
+    }
 
     fn message(from: u32, to: u32, index: u32, values: usize) -> Message {
         Message {
@@ -1428,5 +1683,141 @@ mod tests {
             matches!(&err, TransportError::Protocol(why) if why.contains("past the bound")),
             "{err}"
         );
+    }
+
+    /// Binds every rank of a fresh cluster on loopback, each with `opts`.
+    fn bind_all(workers: u32, opts: &QuicOptions) -> (Vec<Bound>, Vec<SocketAddr>) {
+        let cluster = Cluster::generate(workers).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let bound: Vec<Bound> = cluster
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, (_, _, creds))| Bound::bind(r as u32, loopback, creds, opts.clone()).unwrap())
+            .collect();
+        let addrs = bound.iter().map(|b| b.local_addr().unwrap()).collect();
+        (bound, addrs)
+    }
+
+    /// Rank 1 finishes the QUIC handshake at once but greets only after 3 s, longer than a
+    /// dial attempt's handshake timer. Rank 0 keeps that first connection and greets on it: a
+    /// dialler that dropped it on a timer would leave rank 1 holding a dead connection (the
+    /// two-host test's failure), and rank 1 would see a second one.
+    #[test]
+    fn a_peer_that_greets_late_is_kept_on_its_first_connection() {
+        let mut opts = QuicOptions::new(12);
+        opts.connect_timeout = Duration::from_secs(10);
+        let (mut bound, addrs) = bind_all(2, &opts);
+        let late = bound.pop().unwrap();
+        let dialler = bound.pop().unwrap();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let accepting = std::thread::spawn(move || {
+            late.runtime.block_on(async {
+                let conn = late.endpoint.accept().await.unwrap().await.unwrap();
+                tokio::time::sleep(DIAL_HANDSHAKE_TIMEOUT + Duration::from_secs(1)).await;
+                let greeted = greet(&conn, 1, 12).await.map(|g| g.0);
+                // Keep the connection open until the dialler is done, and count the others.
+                let _ = tokio::task::spawn_blocking(move || done_rx.recv()).await;
+                let again =
+                    tokio::time::timeout(Duration::from_millis(200), late.endpoint.accept());
+                (greeted, again.await.is_ok())
+            })
+        });
+        let dialled = dialler.connect(&addrs).map(|_| ());
+        done_tx.send(()).unwrap();
+        let (greeted, second) = accepting.join().unwrap();
+        assert!(dialled.is_ok(), "{dialled:?}");
+        assert_eq!(greeted.unwrap(), 0);
+        assert!(!second, "the dialler opened a second connection");
+    }
+
+    /// A peer that completes the QUIC handshake and then says nothing holds up no other:
+    /// rank 1 greets the real rank 0 while the silent one waits.
+    #[test]
+    fn a_silent_connection_holds_up_no_other_peer() {
+        let mut opts = QuicOptions::new(13);
+        opts.connect_timeout = Duration::from_secs(8);
+        let (mut bound, addrs) = bind_all(2, &opts);
+        let acceptor = bound.pop().unwrap();
+        let dialler = bound.pop().unwrap();
+        let accepting = std::thread::spawn({
+            let addrs = addrs.clone();
+            move || acceptor.connect(&addrs).map(|_| ())
+        });
+        // The silent peer holds rank 0's certificate, so its handshake succeeds.
+        let silent = dialler.runtime.block_on(async {
+            let connecting = dialler
+                .endpoint
+                .connect_with(dialler.client.clone(), addrs[1], &server_name(1))
+                .unwrap();
+            connecting.await.unwrap()
+        });
+        let start = Instant::now();
+        let dialled = dialler.connect(&addrs).map(|_| ());
+        let accepted = accepting.join().unwrap();
+        assert!(
+            dialled.is_ok() && accepted.is_ok(),
+            "{dialled:?} {accepted:?}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        drop(silent);
+    }
+
+    /// Rank 2 never starts. Rank 1 gives up at its own connect timeout (1 s) and closes the
+    /// connection it had made to rank 0 saying why; rank 0, whose timeout is 30 s, stops at
+    /// once, naming rank 1 and its reason.
+    #[test]
+    fn a_worker_failing_while_connecting_stops_its_peers_at_once() {
+        let cluster = Cluster::generate(3).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let bound: Vec<Bound> = cluster
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, (_, _, creds))| {
+                let mut opts = QuicOptions::new(11);
+                opts.connect_timeout = Duration::from_secs(if r == 1 { 1 } else { 30 });
+                Bound::bind(r as u32, loopback, creds, opts).unwrap()
+            })
+            .collect();
+        let addrs: Vec<SocketAddr> = bound.iter().map(|b| b.local_addr().unwrap()).collect();
+        let start = Instant::now();
+        let handles: Vec<_> = bound
+            .into_iter()
+            .take(2)
+            .map(|b| {
+                let addrs = addrs.clone();
+                std::thread::spawn(move || (b.connect(&addrs).map(|_| ()), start.elapsed()))
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let err = |r: usize| results[r].0.as_ref().unwrap_err().to_string();
+        assert!(err(1).contains("could not connect to rank 2"), "{}", err(1));
+        assert!(
+            err(0).contains("rank 1 failed while connecting")
+                && err(0).contains("could not connect to rank 2"),
+            "{}",
+            err(0)
+        );
+        assert!(
+            results[0].1 < Duration::from_secs(10),
+            "rank 0 took {:?}",
+            results[0].1
+        );
+    }
+
+    #[test]
+    fn a_cut_batch_reports_blocking_only_before_anything_left() {
+        let (r, sends) = send(vec![0], 4 * 32_000, Some(32_000));
+        assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+        assert_eq!(sends.len(), 1);
+        // Once part has left, the rest is dropped (QUIC resends it as lost).
+        let (r, sends) = send(vec![1], 6 * 32_000, Some(32_000));
+        assert!(r.is_ok());
+        assert_eq!(sends.len(), 2);
     }
 }
