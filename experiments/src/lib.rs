@@ -3,7 +3,10 @@
 //! returns a typed report (so tests can run it small) plus a renderer; the `pipe bench`
 //! subcommands only parse flags and print. The staleness study (`pipe experiment staleness`) and
 //! the throughput sweep (`pipe bench`) write Markdown reports with SVG plots (plotters) and the
-//! CSV behind each plot; [`plot`] and [`machine`] are shared by both.
+//! CSV behind each plot; [`plot`] and [`machine`] are shared by both. The single benchmarks
+//! behind `pipe bench mfu`, `pipeline`, `partition`, `transport` and `hosts` are [`mfu`],
+//! [`pipeline`], [`partition`], [`transport`] and [`hosts`]; [`link`] measures what a message
+//! costs on a transport, for the simulator's cost model.
 
 #![warn(missing_docs)]
 

@@ -30,7 +30,7 @@ use pipe_scheduler::{
     PartitionPlan, PlanOptions, Policy, Profile, explain, plan_checked, simulate_plan,
 };
 use pipe_stages::model::{Model, ModelSpec};
-use pipe_stages::pipeline::Partition;
+use pipe_stages::partition::Partition;
 use pipe_stages::profile::{ProfileOptions, profile_model};
 use serde::Serialize;
 

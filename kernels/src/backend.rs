@@ -108,11 +108,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Where this backend keeps the tensors it computes on.
     fn device(&self) -> Device;
 
-    /// This backend as the CUDA backend, for libraries that compute on its device buffers in
-    /// its stream's order (NCCL); `None` for every other backend.
-    fn as_cuda(&self) -> Option<&crate::CudaBackend> {
-        None
-    }
+    /// The backend that computes, as [`Any`](std::any::Any), for the downcast a device's own
+    /// code makes when a library must compute on its buffers in its stream's order
+    /// ([`CudaBackend::of`](crate::CudaBackend::of), for NCCL). A wrapper that only observes
+    /// another backend (timing) returns the one it wraps.
+    fn as_any(&self) -> &dyn std::any::Any;
 
     /// Waits until every operation queued so far has finished: call it before reading a clock.
     /// Backends that compute synchronously (the CPU) return at once.
@@ -405,8 +405,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// A boxed backend is a backend: runs choose theirs at run time (`--backend`) and hand the box
 /// to code written for any `B: Backend`.
 impl<B: Backend + ?Sized> Backend for Box<B> {
-    fn as_cuda(&self) -> Option<&crate::CudaBackend> {
-        (**self).as_cuda()
+    fn as_any(&self) -> &dyn std::any::Any {
+        (**self).as_any()
     }
 
     fn name(&self) -> &'static str {

@@ -477,6 +477,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn threads(&self) -> usize {
         self.threads
     }

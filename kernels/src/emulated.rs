@@ -157,6 +157,10 @@ impl Backend for EmulatedDevice {
         "emulated"
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn threads(&self) -> usize {
         1
     }

@@ -1,9 +1,16 @@
 //! `pipe-kernels` owns tensors and the compute backends that every other crate calls.
 //!
-//! A [`Tensor`] is a shape and a contiguous row-major `f32` buffer; nothing else. All arithmetic
+//! A [`Tensor`] is a shape, an element type ([`Element`]: `f32` by default, `u32` for labels and
+//! token ids; [`DType`] names it) and contiguous row-major [`Storage`]: a host `Vec`, or a buffer
+//! that a device backend allocated and only it reads ([`DeviceMemory`], on a [`Device`]).
+//! Host code reads elements with [`Tensor::host`], which refuses a device tensor. All arithmetic
 //! goes through the [`Backend`] trait so that layers in `pipe-stages` are written once and run on
-//! the CPU backend (always built) or on CUDA (behind the `cuda` feature; without it the CUDA
-//! constructor returns [`KernelError::NotCompiledWithCuda`]).
+//! the CPU backend ([`CpuBackend`], always built), on CUDA ([`CudaBackend`]: cuBLAS products,
+//! NVRTC-compiled kernels and a caching allocator, behind the `cuda` feature; without it the
+//! constructor returns [`KernelError::NotCompiledWithCuda`]; [`cuda`] also decides which CUDA
+//! libraries are opened), or on [`EmulatedDevice`], a device backend whose arithmetic is the
+//! CPU's, so the device code paths are tested without a GPU. [`BackendKind`] is the typed
+//! backend choice, with its [`Precision`]; [`Timed`] wraps any backend to time its kernels.
 //!
 //! The CPU backend is built around one promise: **the same inputs give the same bits whatever the
 //! thread count**. Matrix multiplies come from the `gemm` crate (with its AVX-512 kernels compiled

@@ -61,8 +61,8 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.synchronize()
     }
 
-    fn as_cuda(&self) -> Option<&crate::CudaBackend> {
-        self.inner.as_cuda()
+    fn as_any(&self) -> &dyn std::any::Any {
+        self.inner.as_any()
     }
 
     fn place(&self, t: Tensor) -> Result<Tensor> {

@@ -1,7 +1,9 @@
 //! `pipe-scheduler` owns planning, and only planning: layer profiles and the partitioner
 //! (PipeDream's optimizer and the default cost model, [`planner`]), schedules as data
 //! (per-worker action lists for every policy), their lowering into sends and receives,
-//! validation and deadlock detection, version plans, the timed simulator and timeline exports.
+//! validation and deadlock detection, version plans, the timed simulator and timeline exports,
+//! the in-flight depths of unequal replica layouts ([`depth`]), text grids ([`grid`]) and the
+//! bounds on every size a schedule may have ([`limits`]).
 //!
 //! It is pure by design: no tensors, no threads, no I/O, no clock. A schedule is a value made
 //! by one generator per policy ([`generate`]), and everything else (the lowering pass, the

@@ -13,7 +13,7 @@ use crate::data::{SyntheticConfig, Vocab};
 use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec};
 use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
-use crate::pipeline::Partition;
+use crate::partition::Partition;
 use crate::remedy::{LrScaling, Prediction, Remedies};
 use crate::transformer::gpt_shape;
 

@@ -11,7 +11,7 @@
 //!
 //! An update computes what the reference trainer computes for one stage
 //! ([`crate::pipeline::reference_run`]): each microbatch's loss scaled by its rows, gradients
-//! accumulated, tied uses summed, one [`mean_step`](crate::pipeline) over the update. With no
+//! accumulated, tied uses summed, one [`Optimizer::mean_step`](crate::optim::Optimizer::mean_step) over the update. With no
 //! delay it is the reference trainer's sequential run, and with a fixed delay of one it is its
 //! one-stage 2BW run, bit for bit (`stages/tests/delayed.rs`).
 
@@ -189,14 +189,14 @@ pub fn train_delayed(
                 dropped += 1;
             } else {
                 model.sum_tied(be, &mut [(0, &mut grads)])?;
-                crate::train::check_gradients(be, &model, 0, &grads, step + 1)?;
+                model.check_gradients(be, 0, &grads, step + 1)?;
                 let scale = if opts.age_scaling {
                     1.0 / (1.0 + d as f32)
                 } else {
                     1.0
                 };
                 let lr = lr * scale;
-                crate::pipeline::mean_step(be, &mut opt, &mut params, &mut grads, m as u32, lr)?;
+                opt.mean_step(be, &mut params, &mut grads, m as u32, lr)?;
             }
             step += 1;
             loss_sum += loss;

@@ -5,13 +5,19 @@
 //! keeps several weight versions (weight stashing) just hands the version its version plan names
 //! to the same code, and the sequential reference trainer can keep every version side by side.
 //!
-//! It trains on one worker ([`train::train`]) and pipelined ([`pipeline`]): the executor and
-//! the reference trainer build on the same model and layer API, and so does the profiler
-//! ([`profile`]), which times layers alone and then on the executor itself, so plans are made
-//! from what the runtime really pays. Runs save and resume through [`checkpoint`], whose files
-//! are keyed by parameter name, so a checkpoint does not depend on the partition that wrote it.
-//! Every size a user or a peer controls is checked against [`limits`] before anything is
-//! allocated, and a stalled pipeline is explained by the hang doctor ([`pipeline::doctor`]).
+//! A run starts as [`config::TrainSettings`] (flags, a TOML file and a plan file merged) and is
+//! checked once into a [`config::RunConfig`]. It trains on one worker ([`train::train_with`]),
+//! pipelined with every worker a thread of this process ([`pipeline::train_pipelined`]), or as
+//! one worker of a run spread over processes or hosts ([`pipeline::train_worker`]); the
+//! staleness experiment's data-parallel baseline with delayed gradients is
+//! [`delayed::train_delayed`]. The executor, the sequential reference trainer
+//! ([`pipeline::reference`]) and the remedies for stale weights ([`remedy`]) build on the same
+//! model and layer API, and so does the profiler ([`profile`]), which times layers alone and
+//! then on the executor itself, so the cuts of [`planning`] and [`partition`] are made from what
+//! the runtime really pays. Runs save and resume through [`checkpoint`], whose files are keyed by
+//! parameter name, so a checkpoint does not depend on the partition that wrote it. Every size a
+//! user or a peer controls is checked against [`limits`] before anything is allocated, and a
+//! stalled pipeline is explained by the hang doctor ([`pipeline::doctor`]).
 
 #![warn(missing_docs)]
 
@@ -27,6 +33,7 @@ pub mod log;
 pub mod loss;
 pub mod model;
 pub mod optim;
+pub mod partition;
 pub mod pipeline;
 pub mod planning;
 pub mod profile;

@@ -600,6 +600,38 @@ impl Model {
             .collect()
     }
 
+    /// The guard on gradients: every value of `grads` (the gradients of layers `first..`)
+    /// must be finite before an update applies them.
+    ///
+    /// # Errors
+    /// [`StageError::NonFinite`] naming the first parameter whose gradient is not, and `update`.
+    pub fn check_gradients(
+        &self,
+        be: &dyn Backend,
+        first: usize,
+        grads: &Params,
+        update: u64,
+    ) -> Result<()> {
+        let tensors: Vec<(usize, usize, &Tensor)> = grads
+            .iter()
+            .enumerate()
+            .flat_map(|(i, layer)| layer.iter().enumerate().map(move |(slot, g)| (i, slot, g)))
+            .collect();
+        let refs: Vec<&Tensor> = tensors.iter().map(|&(_, _, g)| g).collect();
+        if let Some(&(i, slot, _)) = be.first_non_finite(&refs)?.and_then(|bad| tensors.get(bad)) {
+            let id = self.param_id(first + i, slot);
+            let name = self
+                .param_table()
+                .get(id)
+                .map_or_else(|| format!("layers.{}", first + i), |e| e.name.clone());
+            return Err(StageError::NonFinite {
+                what: format!("the gradient of {name}"),
+                update,
+            });
+        }
+        Ok(())
+    }
+
     /// Sums the gradients of every use of each tied parameter and gives every use the sum.
     /// `parts` are gradient lists of disjoint layer ranges, each with its first layer's index
     /// (one part for a stage; every stage sharing a parameter for the reference trainer).

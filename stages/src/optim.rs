@@ -231,6 +231,28 @@ impl Optimizer {
         &self.cfg
     }
 
+    /// The update the executor, the reference trainer and delayed SGD all apply, with the
+    /// same operations so that their weights agree bit for bit: scale the summed gradients
+    /// (tied parameters' uses already summed, [`Model::sum_tied`](crate::model::Model::sum_tied))
+    /// to a mean over the update's `microbatches`, then one step on `params`.
+    ///
+    /// # Errors
+    /// Shape mismatches between parameters, gradients and state.
+    pub fn mean_step(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut Params,
+        grads: &mut Params,
+        microbatches: u32,
+        lr: f32,
+    ) -> Result<()> {
+        let inv = 1.0 / microbatches as f32;
+        for g in grads.iter_mut().flatten() {
+            be.scale(inv, g)?;
+        }
+        self.step(be, params, grads, lr)
+    }
+
     /// Applies one update with learning rate `lr`.
     ///
     /// # Errors

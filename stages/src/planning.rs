@@ -16,7 +16,8 @@ use crate::error::Result;
 use crate::loss::SoftmaxCrossEntropy;
 use crate::model::Model;
 use crate::optim::OptimizerConfig;
-use crate::pipeline::{Partition, RunPlan, Setup, WorkerState, run_threads};
+use crate::partition::Partition;
+use crate::pipeline::{RunPlan, Setup, WorkerState, run_threads};
 use crate::profile::{ProfileOptions, Random, profile_model};
 
 /// Workers that compute at once: one per worker, at most one per core.

@@ -35,9 +35,8 @@ use crate::layers::{ForwardCtx, LayerSpec};
 use crate::loss::SoftmaxCrossEntropy;
 use crate::model::{Model, place_params};
 use crate::optim::{Optimizer, OptimizerConfig};
-use crate::pipeline::{
-    MicrobatchSource, Partition, RunPlan, Setup, WorkerState, open_backend, run_threads,
-};
+use crate::partition::Partition;
+use crate::pipeline::{MicrobatchSource, RunPlan, Setup, WorkerState, open_backend, run_threads};
 use crate::rng::rng_for;
 
 /// How to profile.

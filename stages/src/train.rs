@@ -307,41 +307,9 @@ pub fn train_step(
         model.backward_range(be, 0..n, st.params, &saved, dlogits, st.grads, i > 0, false)?;
     }
     model.sum_tied(be, &mut [(0, &mut *st.grads)])?;
-    check_gradients(be, model, 0, st.grads, *microbatch_id / batches_len as u64)?;
+    model.check_gradients(be, 0, st.grads, *microbatch_id / batches_len as u64)?;
     st.opt.step(be, st.params, st.grads, lr)?;
     Ok(loss)
-}
-
-/// The guard on gradients: every value of `grads` (the gradients of layers `first..` of
-/// `model`) must be finite before an update applies them.
-///
-/// # Errors
-/// [`StageError::NonFinite`] naming the first parameter whose gradient is not, and `update`.
-pub(crate) fn check_gradients(
-    be: &dyn Backend,
-    model: &Model,
-    first: usize,
-    grads: &Params,
-    update: u64,
-) -> Result<()> {
-    let tensors: Vec<(usize, usize, &Tensor)> = grads
-        .iter()
-        .enumerate()
-        .flat_map(|(i, layer)| layer.iter().enumerate().map(move |(slot, g)| (i, slot, g)))
-        .collect();
-    let refs: Vec<&Tensor> = tensors.iter().map(|&(_, _, g)| g).collect();
-    if let Some(&(i, slot, _)) = be.first_non_finite(&refs)?.and_then(|bad| tensors.get(bad)) {
-        let id = model.param_id(first + i, slot);
-        let name = model
-            .param_table()
-            .get(id)
-            .map_or_else(|| format!("layers.{}", first + i), |e| e.name.clone());
-        return Err(StageError::NonFinite {
-            what: format!("the gradient of {name}"),
-            update,
-        });
-    }
-    Ok(())
 }
 
 /// Records one update of `samples` in the metrics: the samples and updates counters, and,

@@ -1,8 +1,10 @@
-//! `pipe-transport` owns moving tensors between workers: one [`Transport`] trait, an in-process
-//! implementation ([`inproc`]: crossbeam channels moving owned buffers, no copies), QUIC between
-//! processes and hosts ([`quic`], with its wire format in [`frame`]), the ring all-reduce
-//! written once over the trait ([`collective`]), and a wrapper that injects faults into any
-//! transport for tests ([`fault`]); NCCL in later work.
+//! `pipe-transport` owns moving tensors between workers: one [`Transport`] trait and its typed
+//! choice ([`TransportKind`]), an in-process implementation ([`inproc`]: crossbeam channels
+//! moving owned buffers, no copies), QUIC between processes and hosts ([`quic`]: quinn, mutual
+//! TLS, with its wire format in [`frame`]), cluster files and where a worker's rank comes from
+//! ([`cluster`]), the ring all-reduce written once over the trait ([`collective`]), the NCCL
+//! all-reduce for replicas on GPUs ([`nccl`], behind the `cuda` feature), and a wrapper that
+//! injects faults into any transport for tests ([`fault`]).
 //!
 //! The trait is shaped around how schedules use it. Every message has a [`Key`] (sender,
 //! receiver, kind, stage, microbatch or update, ring step) that the receiver asks for by value,

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use pipe_kernels::{Backend, Tensor};
+use pipe_kernels::{Backend, CudaBackend, Tensor};
 
 use crate::{Key, Kind, Message, Transport, TransportError};
 
@@ -66,7 +66,7 @@ impl NcclComms {
     pub fn available(be: &dyn Backend) -> bool {
         #[cfg(feature = "cuda")]
         {
-            be.as_cuda().is_some() && imp::library_present()
+            CudaBackend::of(be).is_some() && imp::library_present()
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -93,7 +93,7 @@ impl NcclComms {
     ) -> Result<bool, TransportError> {
         // Every worker of a run has the same kind of backend, so CPU groups skip the exchange
         // together.
-        if group.len() < 2 || be.as_cuda().is_none() {
+        if group.len() < 2 || CudaBackend::of(be).is_none() {
             return Ok(false);
         }
         let comm = match self.by_stage.entry(stage) {
@@ -222,8 +222,7 @@ pub fn agree<T: Transport + ?Sized>(
 
 #[cfg(feature = "cuda")]
 fn device_uuid(be: &dyn Backend) -> Result<Vec<u8>, TransportError> {
-    let cuda = be
-        .as_cuda()
+    let cuda = CudaBackend::of(be)
         .ok_or_else(|| TransportError::Setup("NCCL needs the CUDA backend".into()))?;
     Ok(cuda
         .device_uuid()
@@ -272,7 +271,7 @@ mod imp {
     use std::mem::MaybeUninit;
 
     use cudarc::nccl::{result, sys};
-    use pipe_kernels::{Backend, Tensor};
+    use pipe_kernels::{Backend, CudaBackend, Tensor};
 
     use super::nccl_err;
     use crate::TransportError;
@@ -317,8 +316,7 @@ mod imp {
         size: usize,
         id: &[u8],
     ) -> Result<Comm, TransportError> {
-        let cuda = be
-            .as_cuda()
+        let cuda = CudaBackend::of(be)
             .ok_or_else(|| TransportError::Setup("NCCL needs the CUDA backend".into()))?;
         let mut internal = [0 as std::ffi::c_char; 128];
         if id.len() != internal.len() {
@@ -368,8 +366,7 @@ mod imp {
         be: &dyn Backend,
         tensors: Vec<&mut Tensor>,
     ) -> Result<(), TransportError> {
-        let cuda = be
-            .as_cuda()
+        let cuda = CudaBackend::of(be)
             .ok_or_else(|| TransportError::Setup("NCCL needs the CUDA backend".into()))?;
         let stream = cuda.raw_stream();
         // Every operand is made this backend's own before the group opens, so a failure here

@@ -279,6 +279,12 @@ fn gemm_dim(op: &'static str, n: usize) -> Result<i32> {
 }
 
 impl CudaBackend {
+    /// `be` as the CUDA backend, for libraries that compute on its device buffers in its
+    /// stream's order (NCCL); `None` for every other backend.
+    pub fn of(be: &dyn Backend) -> Option<&CudaBackend> {
+        be.as_any().downcast_ref()
+    }
+
     /// Opens CUDA device `ordinal`: a context, a stream, a cuBLAS handle, the kernels compiled
     /// for the device's architecture by NVRTC, and an empty memory pool.
     ///
@@ -874,8 +880,8 @@ impl Backend for CudaBackend {
         self.sync()
     }
 
-    fn as_cuda(&self) -> Option<&CudaBackend> {
-        Some(self)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn place(&self, t: Tensor) -> Result<Tensor> {

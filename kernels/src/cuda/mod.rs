@@ -94,6 +94,11 @@ mod absent {
     }
 
     impl CudaBackend {
+        /// `be` as the CUDA backend: never, in this build.
+        pub fn of(be: &dyn crate::Backend) -> Option<&CudaBackend> {
+            be.as_any().downcast_ref()
+        }
+
         /// Opens CUDA device `ordinal`.
         ///
         /// # Errors

@@ -191,30 +191,7 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
     let g = Graph::new(profile);
     let (antichains, edges) = state_graph(&g)?;
     let layers = &profile.layers;
-    let states: Vec<State> = antichains
-        .iter()
-        .map(|a| {
-            let downset = g.downset(a);
-            let (mut compute, mut params, mut activations) = (0.0, 0.0, 0.0);
-            for i in downset.ones() {
-                compute += layers[i].compute();
-                params += layers[i].param_bytes;
-                activations += layers[i].activation_bytes;
-            }
-            let output = g
-                .augment(a)
-                .iter()
-                .map(|&i| layers[i].activation_bytes)
-                .sum();
-            State {
-                downset,
-                compute,
-                params,
-                activations,
-                output,
-            }
-        })
-        .collect();
+    let states: Vec<State> = antichains.iter().map(|a| state_of(&g, layers, a)).collect();
     let s = states.len();
     let order = topological(&edges);
     let mut ancestors = vec![Bits::new(s); s];
@@ -244,14 +221,7 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
         }
         None => 0.0,
     };
-    if s.saturating_mul(w)
-        .saturating_mul(std::mem::size_of::<Cell>())
-        > 1 << 30
-    {
-        return Err(ScheduleError::Plan(format!(
-            "a table of {s} antichain states x {w} workers is over 1 GiB"
-        )));
-    }
+    super::check_table(s, "antichain states", w, std::mem::size_of::<Cell>())?;
     let mut a: Vec<Cell> = vec![(f64::INFINITY, None, 0); s * w];
     for &j in &order {
         let st = &states[j];
@@ -308,10 +278,61 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
         }
     }
     chain.reverse();
-    let mut layer_order = Vec::with_capacity(g.n);
+    let (stages, layer_order) = stages_of_chain(&chain, &states, g.n, w, b, &transfer);
+    let total: f64 = layers.iter().map(|l| l.compute()).sum();
+    let params: f64 = layers.iter().map(|l| l.param_bytes).sum();
+    Ok(PartitionPlan {
+        stages,
+        time_per_microbatch: top.0,
+        single_worker: total,
+        data_parallel: stage_time(total, params, w as f64),
+        cost_model: "pipedream",
+        policy: Policy::PipeDream,
+        microbatches: 1,
+        simulated: None,
+        order: layer_order,
+    })
+}
+
+/// The state an antichain stands for: its downset and the compute, parameter and activation
+/// totals of the layers in it, and the bytes its frontier sends on.
+fn state_of(g: &Graph, layers: &[crate::LayerProfile], antichain: &[usize]) -> State {
+    let downset = g.downset(antichain);
+    let (mut compute, mut params, mut activations) = (0.0, 0.0, 0.0);
+    for i in downset.ones() {
+        compute += layers[i].compute();
+        params += layers[i].param_bytes;
+        activations += layers[i].activation_bytes;
+    }
+    let output = g
+        .augment(antichain)
+        .iter()
+        .map(|&i| layers[i].activation_bytes)
+        .sum();
+    State {
+        downset,
+        compute,
+        params,
+        activations,
+        output,
+    }
+}
+
+/// The planned stages of a walked-back chain of (state before the stage or none, state ending
+/// it, replicas), and the order of the layers they hold, on `w` workers at bandwidth `b`;
+/// `transfer(k, j, r)` is the time to move a stage's boundary activations.
+fn stages_of_chain(
+    chain: &[(Option<usize>, usize, usize)],
+    states: &[State],
+    layers: usize,
+    w: usize,
+    b: f64,
+    transfer: &dyn Fn(usize, usize, usize) -> f64,
+) -> (Vec<PlannedStage>, Vec<usize>) {
+    let mut layer_order = Vec::with_capacity(layers);
     let mut upto = 0usize;
     let mut stages = Vec::with_capacity(chain.len());
-    for &(k, j, r) in &chain {
+    for &(k, j, r) in chain {
         let first = layer_order.len();
         let before = k.map(|k| &states[k]);
         layer_order.extend(
@@ -342,19 +363,7 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
             bound: Bound::of(compute, communication, moved),
         });
     }
-    let total: f64 = layers.iter().map(|l| l.compute()).sum();
-    let params: f64 = layers.iter().map(|l| l.param_bytes).sum();
-    Ok(PartitionPlan {
-        stages,
-        time_per_microbatch: top.0,
-        single_worker: total,
-        data_parallel: stage_time(total, params, w as f64),
-        cost_model: "pipedream",
-        policy: Policy::PipeDream,
-        microbatches: 1,
-        simulated: None,
-        order: layer_order,
-    })
+    (stages, layer_order)
 }
 
 /// PipeDream's antichain graph: breadth-first over next antichains from the first layer.

@@ -48,6 +48,53 @@ struct Cell {
     replicas: u32,
 }
 
+/// Refuses a dynamic program's table of `rows` (layers or antichain states) by `w` workers of
+/// `cell_bytes` each past 1 GiB.
+pub(crate) fn check_table(rows: usize, what: &str, w: usize, cell_bytes: usize) -> Result<()> {
+    if rows.saturating_mul(w).saturating_mul(cell_bytes) > 1 << 30 {
+        return Err(ScheduleError::Plan(format!(
+            "a table of {rows} {what} x {w} workers is over 1 GiB"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a chain plan for no workers or a bandwidth that is not positive.
+fn check_workers_and_bandwidth(opts: &PipeDreamOptions) -> Result<()> {
+    if opts.workers == 0 {
+        return Err(ScheduleError::Plan("need at least one worker".into()));
+    }
+    if opts.bandwidth.is_nan() || opts.bandwidth <= 0.0 {
+        return Err(ScheduleError::Plan(format!(
+            "bandwidth must be > 0 bytes/s, got {}",
+            opts.bandwidth
+        )));
+    }
+    Ok(())
+}
+
+/// The stages of the best plan of `n` layers on `w` workers in table `a`, first to last, as
+/// (first layer, last layer, replicas): the splits walked back from the last stage.
+fn walk_back(a: &[Cell], n: usize, w: usize) -> Vec<(usize, usize, u32)> {
+    let mut bounds = Vec::new();
+    let (mut j, mut cell) = (n - 1, a[(n - 1) * w + (w - 1)]);
+    loop {
+        match cell.split {
+            Some((k, rest)) => {
+                bounds.push((k + 1, j, cell.replicas));
+                j = k;
+                cell = a[k * w + rest];
+            }
+            None => {
+                bounds.push((0, j, cell.replicas));
+                break;
+            }
+        }
+    }
+    bounds.reverse();
+    bounds
+}
+
 /// PipeDream's optimizer (see the module docs).
 ///
 /// # Errors
@@ -65,15 +112,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
     if !profile.is_chain() {
         return antichain::plan(profile, opts);
     }
-    if opts.workers == 0 {
-        return Err(ScheduleError::Plan("need at least one worker".into()));
-    }
-    if opts.bandwidth.is_nan() || opts.bandwidth <= 0.0 {
-        return Err(ScheduleError::Plan(format!(
-            "bandwidth must be > 0 bytes/s, got {}",
-            opts.bandwidth
-        )));
-    }
+    check_workers_and_bandwidth(opts)?;
     let layers = &profile.layers;
     let crossing = profile.crossing_bytes();
     let n = layers.len();
@@ -105,14 +144,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
         split: None,
         replicas: 0,
     };
-    if n.saturating_mul(w)
-        .saturating_mul(std::mem::size_of::<Cell>())
-        > 1 << 30
-    {
-        return Err(ScheduleError::Plan(format!(
-            "a table of {n} layers x {w} workers is over 1 GiB"
-        )));
-    }
+    check_table(n, "layers", w, std::mem::size_of::<Cell>())?;
     let mut a = vec![none; n * w];
     for j in 0..n {
         let (c, p) = range(0, j);
@@ -165,23 +197,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
             "no plan of {n} layers on {w} workers fits the memory bound"
         )));
     }
-    // Walk the splits back from the last stage.
-    let mut bounds = Vec::new();
-    let (mut j, mut cell) = (n - 1, top);
-    loop {
-        match cell.split {
-            Some((k, rest)) => {
-                bounds.push((k + 1, j, cell.replicas));
-                j = k;
-                cell = a[k * w + rest];
-            }
-            None => {
-                bounds.push((0, j, cell.replicas));
-                break;
-            }
-        }
-    }
-    bounds.reverse();
+    let bounds = walk_back(&a, n, w);
     let mut upto = 0usize;
     let stages = bounds
         .iter()

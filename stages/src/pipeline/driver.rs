@@ -17,7 +17,8 @@ use pipe_transport::nccl::NcclComms;
 
 use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
 
-use super::{BucketedAllReduce, Setup, all_reduce_gradients, last_backwards};
+use super::allreduce::{BucketedAllReduce, all_reduce_gradients, last_backwards};
+use super::setup::Setup;
 use crate::error::{Result, StageError};
 
 /// Runs `state.worker`'s program of `setup.plan` over transport `t` with backend `be`,

@@ -13,7 +13,7 @@ use pipe_kernels::{Backend, Tensor};
 use pipe_scheduler::{Action, Layout, Span, VersionQuery, VersionRule, WorkerId};
 use pipe_transport::{Key, Kind, Message};
 
-use super::{Setup, mean_step};
+use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{GradientsReady, Params, place_params};
@@ -631,23 +631,13 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         }
         let minibatch = u64::from(setup.plan.schedule.resolved.minibatch.max(1));
         let first_mb = setup.microbatch_offset + u64::from(update) * u64::from(run.update_size);
-        crate::train::check_gradients(
-            be,
-            setup.model,
-            run.layers.start,
-            &run.grads,
-            first_mb / minibatch + 1,
-        )?;
+        setup
+            .model
+            .check_gradients(be, run.layers.start, &run.grads, first_mb / minibatch + 1)?;
         let lr = (setup.lr)(stage, update);
         let old = run.velocity.as_ref().map(|_| p.clone());
-        mean_step(
-            be,
-            &mut run.optimizer,
-            &mut p,
-            &mut run.grads,
-            run.update_size,
-            lr,
-        )?;
+        run.optimizer
+            .mean_step(be, &mut p, &mut run.grads, run.update_size, lr)?;
         run.current_version += 1;
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;

@@ -11,9 +11,9 @@ use std::time::Instant;
 use pipe_kernels::Backend;
 use pipe_transport::Transport;
 
-use super::Setup;
 use super::driver::run_worker;
 use super::exec::{WorkerOutcome, WorkerState};
+use super::setup::Setup;
 use crate::error::{Result, StageError};
 
 /// Runs every worker's program on its own thread (named `pipe-w{N}`) over `endpoints` (one per

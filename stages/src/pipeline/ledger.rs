@@ -6,7 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Pass, RunPlan, WorkerOutcome};
+use super::exec::{Pass, WorkerOutcome};
+use super::run_plan::RunPlan;
 
 /// One microbatch at one stage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 
 use pipe_kernels::{Backend, Tensor};
 
-use super::{Setup, mean_step};
+use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{Params, place_params};
@@ -399,7 +399,7 @@ impl Reference<'_, '_> {
             let mut p = self.versions[t][self.versions[t].len() - 1].clone();
             let size = setup.plan.schedule.resolved.update_size(t as u32);
             let lr = (setup.lr)(t as u32, k);
-            mean_step(be, &mut self.opts[t], &mut p, &mut g, size, lr)?;
+            self.opts[t].mean_step(be, &mut p, &mut g, size, lr)?;
             if let Some(vs) = self.velocities.get_mut(t) {
                 let old = &self.versions[t][self.versions[t].len() - 1];
                 let mut vel = vs[vs.len() - 1].clone();

@@ -7,9 +7,9 @@ use pipe_scheduler::{
     LowerOptions, Schedule, ScheduleSpec, VersionPlan, generate, lower, validate,
 };
 
-use super::Partition;
 use crate::error::{Result, StageError};
 use crate::model::Model;
+use crate::partition::Partition;
 
 /// A schedule that passed every check, its version plan, and the layers of each stage.
 #[derive(Clone, Debug)]

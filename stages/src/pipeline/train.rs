@@ -15,11 +15,11 @@ use pipe_transport::TransportKind;
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
 
+use super::exec::{StageState, WorkerOutcome, WorkerState};
 use super::launch::run_threads_reporting;
 use super::ledger::{LedgerEntry, segment_ledger};
-use super::{
-    LossReport, OrderedSource, Partition, RunPlan, Setup, StageState, WorkerOutcome, WorkerState,
-};
+use super::run_plan::RunPlan;
+use super::setup::{LossReport, OrderedSource, Setup};
 pub use crate::checkpoint::CheckpointPolicy;
 use crate::checkpoint::{Checkpoint, RunState};
 use crate::config::{PartitionChoice, RunConfig};
@@ -28,6 +28,7 @@ use crate::error::{Result, StageError};
 use crate::loss::SoftmaxCrossEntropy;
 use crate::model::{Model, Params};
 use crate::optim::{LrSchedule, Optimizer, OptimizerKind, OptimizerState};
+use crate::partition::Partition;
 use crate::planning::{MeasuredPartition, measured_partition};
 use crate::remedy::{LrScaling, stage_delays};
 use crate::train::{EpochStats, Observer, StageEpochStats, StepStats, TrainReport, evaluate};

@@ -38,14 +38,18 @@ use pipe_scheduler::Length;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
 use super::doctor::StopReport;
+use super::driver::run_worker_with;
+use super::exec::{WorkerOutcome, WorkerState};
+use super::run_plan::RunPlan;
+use super::setup::LossReport;
 use super::train::{EpochEnd, LiveSteps, Run, Segment, Start, run_partition};
-use super::{LossReport, Partition, RunPlan, WorkerOutcome, WorkerState, run_worker_with};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
 use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::model::Params;
 use crate::optim::{Optimizer, OptimizerState};
+use crate::partition::Partition;
 use crate::train::{Observer, TrainReport};
 
 /// Control topic: the chief's settings and partition, before the first epoch.

@@ -1,0 +1,93 @@
+//! What every worker of one run shares, read-only ([`Setup`]): the model, the checked plan,
+//! where microbatches come from, the loss and learning rates. It sits below the executor, the
+//! driver, the launchers and the reference trainer, which all take it.
+
+use pipe_kernels::Tensor;
+use pipe_scheduler::StageId;
+
+use super::RunPlan;
+use crate::data::Dataset;
+use crate::error::Result;
+use crate::loss::Loss;
+use crate::model::Model;
+
+/// Where microbatches come from: stage 0 asks for inputs, the last stage for targets.
+pub trait MicrobatchSource: Sync {
+    /// Samples per microbatch.
+    fn microbatch_size(&self) -> usize;
+    /// Inputs of microbatch `mb` (of this run), in host memory.
+    ///
+    /// # Errors
+    /// Data errors.
+    fn inputs(&self, mb: u32) -> Result<Tensor>;
+    /// Targets (class labels, or token ids) of microbatch `mb`, one per output row, in host
+    /// memory.
+    ///
+    /// # Errors
+    /// Data errors.
+    fn labels(&self, mb: u32) -> Result<Tensor<u32>>;
+}
+
+/// Microbatches cut in order from a list of sample indices (an epoch's shuffled order).
+#[derive(Debug)]
+pub struct OrderedSource<'a> {
+    /// The dataset.
+    pub data: &'a Dataset,
+    /// Sample indices; microbatch `mb` is `order[mb * size .. (mb + 1) * size]`.
+    pub order: Vec<u32>,
+    /// Samples per microbatch.
+    pub size: usize,
+}
+
+impl OrderedSource<'_> {
+    fn slice(&self, mb: u32) -> Result<&[u32]> {
+        let start = mb as usize * self.size;
+        self.order.get(start..start + self.size).ok_or_else(|| {
+            crate::StageError::Executor(format!("microbatch {mb} is beyond the data"))
+        })
+    }
+}
+
+impl MicrobatchSource for OrderedSource<'_> {
+    fn microbatch_size(&self) -> usize {
+        self.size
+    }
+
+    fn inputs(&self, mb: u32) -> Result<Tensor> {
+        Ok(self.data.gather(self.slice(mb)?).0)
+    }
+
+    fn labels(&self, mb: u32) -> Result<Tensor<u32>> {
+        Ok(self.data.gather(self.slice(mb)?).1)
+    }
+}
+
+/// Learning rate for update `k` of a stage.
+pub type LrFn<'a> = dyn Fn(StageId, u32) -> f32 + Sync + 'a;
+
+/// Everything the workers of one run share (read-only).
+pub struct Setup<'a> {
+    /// The model.
+    pub model: &'a Model,
+    /// The checked plan: schedule, version plan and partition.
+    pub plan: &'a RunPlan,
+    /// Microbatches.
+    pub data: &'a dyn MicrobatchSource,
+    /// The loss the last stage computes.
+    pub loss: &'a dyn Loss,
+    /// Run seed (dropout).
+    pub seed: u64,
+    /// Added to microbatch numbers for dropout seeds, so epochs differ.
+    pub microbatch_offset: u64,
+    /// Learning rate per stage and update.
+    pub lr: &'a LrFn<'a>,
+    /// Where the last stage reports each microbatch's loss as it is computed (microbatch,
+    /// loss sum, samples), so the trainer can report updates while the pipeline runs.
+    pub progress: Option<&'a crossbeam_channel::Sender<LossReport>>,
+    /// Weight prediction (a remedy for stale weights; none by default).
+    pub prediction: crate::remedy::Prediction,
+}
+
+/// One microbatch's loss as the last stage reports it: (microbatch of the schedule, loss
+/// sum, samples).
+pub type LossReport = (u32, f64, usize);
