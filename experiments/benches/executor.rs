@@ -8,7 +8,6 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec};
 use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{MicrobatchSource, RunPlan, Setup, WorkerState, run_threads};
@@ -67,17 +66,7 @@ fn bench(c: &mut Criterion) {
     ] {
         let spec = ScheduleSpec::new(policy, stages, 8).with_length(Length::Updates(1));
         let plan = RunPlan::new(&model, &spec, None).unwrap();
-        let setup = Setup {
-            model: &model,
-            plan: &plan,
-            data: &data,
-            loss: &SoftmaxCrossEntropy,
-            seed: 0,
-            microbatch_offset: 0,
-            lr: &lr,
-            progress: None,
-            prediction: Default::default(),
-        };
+        let setup = Setup::new(&model, &plan, &data, &lr);
         let init = model.init_params(0);
         let mut states: Vec<WorkerState> = (0..plan.schedule.workers())
             .map(|w| WorkerState::new(&setup, w, &init, opt))

@@ -36,7 +36,6 @@ use pipe_kernels::{CpuBackend, Tensor, Timed};
 use pipe_scheduler::{
     Action, CostModel, Length, Policy, ScheduleSpec, SimOptions, StageCost, simulate,
 };
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
@@ -321,17 +320,7 @@ fn pipelined_with<B: pipe_kernels::Backend>(
     let schedule = &plan.schedule;
     let pool = Pool::new(model, case.microbatch);
     let lr = |_: u32, _: u32| 1e-3f32;
-    let setup = Setup {
-        model,
-        plan: &plan,
-        data: &pool,
-        loss: &SoftmaxCrossEntropy,
-        seed: 0,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    };
+    let setup = Setup::new(model, &plan, &pool, &lr);
     if states.is_empty() {
         let init = model.init_params(0);
         *states = (0..schedule.workers())

@@ -13,12 +13,11 @@ use pipe_scheduler::{
 use pipe_transport::inproc::{InProcOptions, mesh};
 
 use crate::error::Result;
-use crate::loss::SoftmaxCrossEntropy;
 use crate::model::Model;
 use crate::optim::OptimizerConfig;
 use crate::partition::Partition;
 use crate::pipeline::{RunPlan, Setup, WorkerState, run_threads};
-use crate::profile::{ProfileOptions, Random, profile_model};
+use crate::profile::{ProfileOptions, RandomSource, profile_model};
 
 /// Workers that compute at once: one per worker, at most one per core.
 pub fn busy_workers(workers: u32) -> usize {
@@ -45,7 +44,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 /// # Errors
 /// A failure of the run.
 pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
-    let source = Random::for_model(model, microbatch, 0)?;
+    let source = RandomSource::for_model(model, microbatch, 0)?;
     let lr = |_: u32, _: u32| 1e-3f32;
     let init = model.init_params(0);
     let mut states: Vec<WorkerState> = Vec::new();
@@ -55,17 +54,7 @@ pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
             .with_replicas(vec![2])
             .with_length(Length::Updates(updates));
         let plan = RunPlan::new(model, &spec, None)?;
-        let setup = Setup {
-            model,
-            plan: &plan,
-            data: &source,
-            loss: &SoftmaxCrossEntropy,
-            seed: 0,
-            microbatch_offset: 0,
-            lr: &lr,
-            progress: None,
-            prediction: Default::default(),
-        };
+        let setup = Setup::new(model, &plan, &source, &lr);
         if states.is_empty() {
             states = (0..2)
                 .map(|w| WorkerState::new(&setup, w, &init, OptimizerConfig::default()))

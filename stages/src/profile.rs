@@ -32,7 +32,6 @@ use rand::Rng as _;
 
 use crate::error::{Result, StageError};
 use crate::layers::{ForwardCtx, LayerSpec};
-use crate::loss::SoftmaxCrossEntropy;
 use crate::model::{Model, place_params};
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::partition::Partition;
@@ -301,21 +300,26 @@ pub fn profile_preset(name: &str, opts: &ProfileOptions, be: &dyn Backend) -> Re
     profile_model(&model, name, be, opts)
 }
 
-/// Random inputs (a fixed pool) and labels for the calibration run.
-pub(crate) struct Random {
+/// Microbatches of random numbers for runs whose data does not matter (calibration, planning,
+/// benchmarks): one fixed input of the model's shape, and labels cycling over its outputs.
+#[derive(Debug)]
+pub struct RandomSource {
     x: Tensor,
     classes: u32,
     /// Targets (output rows) per sample.
     targets: usize,
 }
 
-impl Random {
+impl RandomSource {
     /// Random inputs for `model` at `microbatch_size` samples, labels cycling over its outputs.
-    pub(crate) fn for_model(model: &Model, microbatch_size: usize, seed: u64) -> Result<Self> {
+    ///
+    /// # Errors
+    /// A shape whose element count does not fit a tensor.
+    pub fn for_model(model: &Model, microbatch_size: usize, seed: u64) -> Result<Self> {
         let mut shape = vec![microbatch_size];
         shape.extend_from_slice(model.input_shape());
         let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
-        Ok(Random {
+        Ok(RandomSource {
             x: random_input(model, 0, &shape, seed, "calibrate-x")?,
             classes: classes.max(1) as u32,
             targets: rows.iter().product::<usize>().max(1),
@@ -323,7 +327,7 @@ impl Random {
     }
 }
 
-impl MicrobatchSource for Random {
+impl MicrobatchSource for RandomSource {
     fn microbatch_size(&self) -> usize {
         self.x.shape().first().copied().unwrap_or(0)
     }
@@ -360,19 +364,9 @@ fn calibrate(
         .with_length(Length::Updates(opts.calibration_minibatches));
     let partition = Partition::new((0..n).map(|i| i..i + 1).collect(), n)?;
     let plan = RunPlan::new(model, &spec, Some(partition))?;
-    let source = Random::for_model(model, b, opts.seed)?;
+    let source = RandomSource::for_model(model, b, opts.seed)?;
     let lr = |_: u32, _: u32| 1e-6f32;
-    let setup = Setup {
-        model,
-        plan: &plan,
-        data: &source,
-        loss: &SoftmaxCrossEntropy,
-        seed: opts.seed,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    };
+    let setup = Setup::new(model, &plan, &source, &lr).with_seed(opts.seed);
     let init = model.init_params(opts.seed);
     let copies = opts.concurrent.max(1);
     let barrier = std::sync::Barrier::new(copies);

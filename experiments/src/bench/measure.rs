@@ -14,15 +14,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
-use pipe_kernels::{CpuBackend, Tensor};
+use pipe_kernels::CpuBackend;
 use pipe_scheduler::{Action, Timeline};
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec};
 use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
-use pipe_stages::pipeline::{
-    MicrobatchSource, RunPlan, Setup, WorkerOutcome, WorkerState, run_worker,
-};
-use pipe_stages::profile::random_input;
+use pipe_stages::pipeline::{RunPlan, Setup, WorkerOutcome, WorkerState, run_worker};
+use pipe_stages::profile::RandomSource;
 use pipe_transport::Transport;
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
@@ -86,49 +83,6 @@ pub struct Measured {
     pub peak_rss_bytes: Option<u64>,
     /// Resident set before the first run, bytes (`VmRSS`).
     pub start_rss_bytes: Option<u64>,
-}
-
-/// Random inputs and labels from a pool of eight microbatches, cycled (the figures are about
-/// speed; the same pool serves every configuration of a model).
-struct RandomPool {
-    inputs: Vec<Tensor>,
-    labels: Vec<Tensor<u32>>,
-    size: usize,
-}
-
-impl RandomPool {
-    fn new(model: &Model, size: usize) -> Result<Self, ExperimentError> {
-        let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
-        let targets = size * rows.iter().product::<usize>();
-        let mut shape = vec![size];
-        shape.extend_from_slice(model.input_shape());
-        let mut inputs = Vec::new();
-        let mut labels = Vec::new();
-        for i in 0..8u64 {
-            inputs.push(random_input(model, 0, &shape, i, "bench-x")?);
-            let y = (0..targets)
-                .map(|j| ((j as u64 * 7 + i) % classes.max(1) as u64) as u32)
-                .collect();
-            labels.push(Tensor::from_vec(&[targets], y)?);
-        }
-        Ok(RandomPool {
-            inputs,
-            labels,
-            size,
-        })
-    }
-}
-
-impl MicrobatchSource for RandomPool {
-    fn microbatch_size(&self) -> usize {
-        self.size
-    }
-    fn inputs(&self, mb: u32) -> pipe_stages::Result<Tensor> {
-        Ok(self.inputs[mb as usize % self.inputs.len()].clone())
-    }
-    fn labels(&self, mb: u32) -> pipe_stages::Result<Tensor<u32>> {
-        Ok(self.labels[mb as usize % self.labels.len()].clone())
-    }
 }
 
 /// A field of `/proc/self/status` in bytes (`VmHWM`, `VmRSS`); `None` off Linux.
@@ -345,19 +299,9 @@ pub fn sgd() -> OptimizerConfig {
 pub fn measure(spec: &ConfigSpec, opts: &MeasureOptions) -> Result<Measured, ExperimentError> {
     let model = Model::new(&ModelSpec::preset(&spec.model)?)?;
     let plan = RunPlan::new(&model, &spec.schedule()?, None)?;
-    let pool = RandomPool::new(&model, spec.microbatch)?;
+    let pool = RandomSource::for_model(&model, spec.microbatch, 0)?;
     let lr = |_: u32, _: u32| 1e-3f32;
-    let setup = Setup {
-        model: &model,
-        plan: &plan,
-        data: &pool,
-        loss: &SoftmaxCrossEntropy,
-        seed: 0,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    };
+    let setup = Setup::new(&model, &plan, &pool, &lr);
     let init = model.init_params(0);
     let mut states: Vec<WorkerState> = (0..plan.schedule.workers())
         .map(|w| WorkerState::new(&setup, w, &init, sgd()))

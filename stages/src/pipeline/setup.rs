@@ -88,6 +88,61 @@ pub struct Setup<'a> {
     pub prediction: crate::remedy::Prediction,
 }
 
+impl<'a> Setup<'a> {
+    /// The setup of a run of `plan` over `model`, fed by `data`, at learning rates `lr`: the
+    /// classifier's loss ([`SoftmaxCrossEntropy`](crate::loss::SoftmaxCrossEntropy), also the
+    /// language model's), seed 0, microbatches numbered from 0, no loss reports, no weight
+    /// prediction. The `with_` methods change one of these.
+    pub fn new(
+        model: &'a Model,
+        plan: &'a RunPlan,
+        data: &'a dyn MicrobatchSource,
+        lr: &'a LrFn<'a>,
+    ) -> Self {
+        Setup {
+            model,
+            plan,
+            data,
+            loss: &crate::loss::SoftmaxCrossEntropy,
+            seed: 0,
+            microbatch_offset: 0,
+            lr,
+            progress: None,
+            prediction: crate::remedy::Prediction::None,
+        }
+    }
+
+    /// The run seed (dropout).
+    #[must_use]
+    pub fn with_seed(self, seed: u64) -> Self {
+        Setup { seed, ..self }
+    }
+
+    /// Where this segment's microbatch numbers start in the run (dropout seeds).
+    #[must_use]
+    pub fn with_microbatch_offset(self, microbatch_offset: u64) -> Self {
+        Setup {
+            microbatch_offset,
+            ..self
+        }
+    }
+
+    /// Where the last stage reports each microbatch's loss.
+    #[must_use]
+    pub fn with_progress(
+        self,
+        progress: Option<&'a crossbeam_channel::Sender<LossReport>>,
+    ) -> Self {
+        Setup { progress, ..self }
+    }
+
+    /// Weight prediction, a remedy for stale weights.
+    #[must_use]
+    pub fn with_prediction(self, prediction: crate::remedy::Prediction) -> Self {
+        Setup { prediction, ..self }
+    }
+}
+
 /// One microbatch's loss as the last stage reports it: (microbatch of the schedule, loss
 /// sum, samples).
 pub type LossReport = (u32, f64, usize);

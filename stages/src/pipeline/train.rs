@@ -25,7 +25,6 @@ use crate::checkpoint::{Checkpoint, RunState};
 use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
-use crate::loss::SoftmaxCrossEntropy;
 use crate::model::{Model, Params};
 use crate::optim::{LrSchedule, Optimizer, OptimizerKind, OptimizerState};
 use crate::partition::Partition;
@@ -680,17 +679,11 @@ impl<'c> Run<'c> {
                 None => base,
             }
         };
-        let setup = Setup {
-            model: &self.model,
-            plan,
-            data: &source,
-            loss: &SoftmaxCrossEntropy,
-            seed: cfg.seed,
-            microbatch_offset: done * self.minibatch,
-            lr: &lr,
-            progress,
-            prediction: cfg.remedies.prediction,
-        };
+        let setup = Setup::new(&self.model, plan, &source, &lr)
+            .with_seed(cfg.seed)
+            .with_microbatch_offset(done * self.minibatch)
+            .with_progress(progress)
+            .with_prediction(cfg.remedies.prediction);
         f(&setup)
     }
 
