@@ -151,8 +151,7 @@ fn partition_text(cfg: &RunConfig) -> String {
 /// Prints the pipeline line: schedule, layout, and where the workers run. Returns the number
 /// of workers.
 fn print_pipeline(cfg: &RunConfig, processes: bool) -> Result<u32> {
-    let spec = cfg.schedule_spec(pipe_scheduler::Length::Updates(1));
-    let resolved = spec.resolve().map_err(|e| bad_input(e.to_string()))?;
+    let resolved = cfg.resolved().map_err(|e| bad_input(e.to_string()))?;
     outln!(
         "pipeline: schedule {}, {} stages x replicas {:?}{}, {} workers ({}), minibatch {} microbatches",
         resolved.policy,

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::pipeline::train_worker;
-use pipe_stages::pipeline::worker::WorkerOptions;
+use pipe_stages::pipeline::worker::{WorkerOptions, check_cluster_size};
 use pipe_stages::train::{self, Observer, Quiet};
 use pipe_transport::TransportKind;
 use pipe_transport::cluster::{ClusterFile, resolve_rank};
@@ -78,21 +78,9 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     cfg.check_resources(Some(1), &pipe_stages::limits::Machine::detect())?;
     let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
     // Refused before connecting, so that no peer waits for a worker that cannot run.
-    let layout = cfg
-        .schedule_spec(pipe_scheduler::Length::Updates(1))
-        .resolve()
-        .map_err(|e| bad_input(e.to_string()))?
-        .layout;
-    if layout.workers() != cluster.size() {
-        return Err(bad_input(format!(
-            "this run needs {} workers ({} stages x replicas {:?}) but {} lists {}",
-            layout.workers(),
-            layout.stages(),
-            layout.replica_counts(),
-            args.cluster.display(),
-            cluster.size()
-        )));
-    }
+    check_cluster_size(&cfg, cluster.size())
+        .map_err(|e| bad_input(format!("{}: {e}", args.cluster.display())))?;
+    let layout = cfg.resolved().map_err(|e| bad_input(e.to_string()))?.layout;
     let rank =
         resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
     let mut opts = QuicOptions::new(cluster.run_id);

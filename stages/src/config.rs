@@ -850,12 +850,11 @@ impl RunConfig {
         crate::limits::check_threads(self.threads as u64, machine)?;
         let model = Model::new(&self.model)?;
         model.check_microbatch(self.microbatch_size)?;
-        let spec = if self.pipelined {
-            self.schedule_spec(Length::Updates(1))
+        let run = if self.pipelined {
+            self.resolved()?
         } else {
-            ScheduleSpec::new(Policy::Sequential, 1, 1)
+            ScheduleSpec::new(Policy::Sequential, 1, 1).resolve()?
         };
-        let run = spec.resolve()?;
         let workers = local_workers.unwrap_or(u64::from(run.layout.workers()));
         let per_worker = model.worker_memory_bytes(
             &run,
@@ -877,6 +876,15 @@ impl RunConfig {
     /// The schedule request this run implies, running for `length`.
     pub fn schedule_spec(&self, length: Length) -> ScheduleSpec {
         self.schedule_spec_of(self.schedule, length)
+    }
+
+    /// The run's schedule resolved (its layout, minibatch and policy), the one place a run's
+    /// settings become a [`pipe_scheduler::Resolved`] outside a plan.
+    ///
+    /// # Errors
+    /// [`StageError::Schedule`] for a layout the policy refuses.
+    pub fn resolved(&self) -> Result<pipe_scheduler::Resolved> {
+        Ok(self.schedule_spec(Length::Updates(1)).resolve()?)
     }
 
     /// [`RunConfig::schedule_spec`] with another policy on the same layout (a synchronous

@@ -469,8 +469,7 @@ pub fn run_partition(cfg: &RunConfig, model: &Model) -> Result<Option<Partition>
 /// # Errors
 /// As [`run_partition`].
 pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition> {
-    let spec = cfg.schedule_spec(Length::Updates(1));
-    let layout = spec.resolve()?.layout;
+    let layout = cfg.resolved()?.layout;
     let replicas: Vec<u32> = (0..layout.stages())
         .map(|s| layout.replicas_of(s))
         .collect();
@@ -483,7 +482,7 @@ impl<'c> Run<'c> {
         let model = Model::new(&cfg.model)?;
         let b = cfg.microbatch_size;
         // One minibatch: M per replica of the most replicated stage.
-        let probe = cfg.schedule_spec(Length::Updates(1)).resolve()?;
+        let probe = cfg.resolved()?;
         let minibatch = u64::from(probe.minibatch);
         let per_epoch = data.train.len() as u64 / b as u64 / minibatch;
         if per_epoch == 0 {

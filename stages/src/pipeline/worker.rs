@@ -159,9 +159,13 @@ impl Request {
     }
 }
 
-/// The run's layout must have one worker per rank of the cluster.
-fn check_cluster_size(cfg: &RunConfig, size: u32) -> Result<()> {
-    let layout = cfg.schedule_spec(Length::Updates(1)).resolve()?.layout;
+/// The run's layout must have one worker per rank of the cluster: checked by every worker
+/// before it connects (`pipe worker`), and again on the endpoint it connected.
+///
+/// # Errors
+/// [`StageError::Config`] naming both counts; a layout the schedule refuses.
+pub fn check_cluster_size(cfg: &RunConfig, size: u32) -> Result<()> {
+    let layout = cfg.resolved()?.layout;
     if layout.workers() != size {
         return Err(StageError::Config(format!(
             "this run needs {} workers ({} stages x replicas {:?}) but the cluster has {size}",
