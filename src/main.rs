@@ -1,10 +1,13 @@
-//! The `pipe` command line. It only parses arguments, turns them into a validated `RunConfig`
-//! once, wires observers (progress bar, JSON-lines log) and maps errors to exit codes: 2 for bad
-//! input, 1 for failures at run time.
+//! The `pipe` command line. It only parses arguments, has the library merge and check them into
+//! a validated `RunConfig` once, wires observers (progress bar, JSON-lines log, Prometheus
+//! metrics) and maps errors to exit codes: 2 for bad input, 130 for a run stopped by Ctrl-C, 1
+//! for failures at run time.
 //!
-//! This file owns the command tree and the exit status; each command lives in [`commands`],
-//! shared argument handling in [`args`], what `pipe train` and `pipe worker` share in
-//! [`training`], the worker-process launcher in [`launch`], output and errors in [`output`].
+//! This file owns the command tree, the exit status and the process allocator (mimalloc); each
+//! command lives in [`commands`], shared argument handling in [`args`], what `pipe train` and
+//! `pipe worker` share in [`training`], the worker-process launcher behind `pipe train
+//! --transport quic` in [`launch`], the merging of worker processes' trace parts in [`trace`],
+//! output and errors in [`output`].
 
 /// Prints to standard output like `print!`, except that a reader that has gone away (`pipe
 /// plan | head`) ends the program quietly instead of panicking; see [`output::write_out`].

@@ -58,7 +58,7 @@ pub fn default_momentum(run: &Resolved) -> f32 {
 pub const BASE_MOMENTUM: f32 = 0.9;
 
 /// What a `gpt-*` preset trains with when the run does not say: the settings under which
-/// `gpt-mini` on Tiny Shakespeare reaches its target (see the README's transformer section).
+/// `gpt-mini` on Tiny Shakespeare reaches its target (see `docs/benchmarks.md`, the transformer section).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LanguageDefaults {
     /// Optimizer.
