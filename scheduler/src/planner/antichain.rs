@@ -16,7 +16,7 @@ use std::collections::HashMap;
 
 use crate::error::{Result, ScheduleError};
 use crate::planner::types::{
-    Bound, PartitionPlan, PipeDreamOptions, PlannedStage, pipedream_stage_time,
+    Bound, PartitionPlan, PipeDreamOptions, PlannedStage, check_table, pipedream_stage_time,
 };
 use crate::profile::Profile;
 use crate::spec::Policy;
@@ -221,7 +221,7 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
         }
         None => 0.0,
     };
-    super::check_table(s, "antichain states", w, std::mem::size_of::<Cell>())?;
+    check_table(s, "antichain states", w, std::mem::size_of::<Cell>())?;
     let mut a: Vec<Cell> = vec![(f64::INFINITY, None, 0); s * w];
     for &j in &order {
         let st = &states[j];

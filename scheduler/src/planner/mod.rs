@@ -38,7 +38,7 @@ pub use model::{
 use crate::error::{Result, ScheduleError};
 use crate::profile::Profile;
 pub use types::{Bound, PartitionPlan, PipeDreamOptions, PlannedStage};
-pub(crate) use types::{PrefixIndex, pipedream_stage_time};
+pub(crate) use types::{PrefixIndex, check_table, pipedream_stage_time};
 
 #[derive(Clone, Copy)]
 struct Cell {
@@ -46,17 +46,6 @@ struct Cell {
     /// `(k, m_rest)`: the prefix `0..=k` on `m_rest + 1` workers; `None` for one stage.
     split: Option<(usize, usize)>,
     replicas: u32,
-}
-
-/// Refuses a dynamic program's table of `rows` (layers or antichain states) by `w` workers of
-/// `cell_bytes` each past 1 GiB.
-pub(crate) fn check_table(rows: usize, what: &str, w: usize, cell_bytes: usize) -> Result<()> {
-    if rows.saturating_mul(w).saturating_mul(cell_bytes) > 1 << 30 {
-        return Err(ScheduleError::Plan(format!(
-            "a table of {rows} {what} x {w} workers is over 1 GiB"
-        )));
-    }
-    Ok(())
 }
 
 /// Refuses a chain plan for no workers or a bandwidth that is not positive.

@@ -1,5 +1,6 @@
 //! The planner's shared vocabulary: options, planned stages and plans, what bounds a stage,
-//! PipeDream's stage formula, and the index over compute prefix sums that prunes cut searches.
+//! PipeDream's stage formula, the bound on a planning table's size, and the index over compute
+//! prefix sums that prunes cut searches.
 //! Its own file so that the planning programs (`mod.rs`, `model.rs`, `antichain.rs`) import
 //! it without importing each other.
 
@@ -210,4 +211,20 @@ impl<'a> PrefixIndex<'a> {
 /// bandwidth `b`: `(c + 4 (r-1) p / (b r)) / r`.
 pub(crate) fn pipedream_stage_time(c: f64, p: f64, r: f64, b: f64) -> f64 {
     (c + 4.0 * (r - 1.0) * p / (b * r)) / r
+}
+
+/// Refuses a dynamic program's table of `rows` (layers or antichain states) by `w` workers of
+/// `cell_bytes` each past 1 GiB.
+pub(crate) fn check_table(
+    rows: usize,
+    what: &str,
+    w: usize,
+    cell_bytes: usize,
+) -> crate::error::Result<()> {
+    if rows.saturating_mul(w).saturating_mul(cell_bytes) > 1 << 30 {
+        return Err(crate::error::ScheduleError::Plan(format!(
+            "a table of {rows} {what} x {w} workers is over 1 GiB"
+        )));
+    }
+    Ok(())
 }
