@@ -5,9 +5,9 @@
 //!
 //! This file owns the command tree, the exit status and the process allocator (mimalloc); each
 //! command lives in [`commands`], shared argument handling in [`args`], what `pipe train` and
-//! `pipe worker` share in [`training`], the worker-process launcher behind `pipe train
-//! --transport quic` in [`launch`], the merging of worker processes' trace parts in [`trace`],
-//! output and errors in [`output`].
+//! `pipe worker` share in [`training`], the merging of worker processes' trace parts in
+//! [`trace`], output and errors in [`output`]. The launchers (threads and worker processes)
+//! live in the library, in `pipe_stages::pipeline`.
 
 /// Prints to standard output like `print!`, except that a reader that has gone away (`pipe
 /// plan | head`) ends the program quietly instead of panicking; see [`output::write_out`].
@@ -38,7 +38,6 @@ const _: () = assert!(MI_OPTION_PURGE_DELAY + 1 == libmimalloc_sys::mi_option_us
 
 mod args;
 mod commands;
-mod launch;
 mod output;
 mod trace;
 mod training;

@@ -15,8 +15,8 @@ use pipe_transport::cluster::ClusterFile;
 use pipe_transport::quic::QuicOptions;
 
 use crate::args::parse_policy;
-use crate::launch::{LaunchOptions, RECORD, join, launch};
 use crate::output::{bad_input, schedule_error};
+use pipe_stages::pipeline::processes::{LaunchOptions, RECORD, join, launch};
 
 /// `pipe bench partition`: the profiled plan against the uniform split.
 #[derive(Args, Debug)]
@@ -230,8 +230,10 @@ fn allreduce_in_processes(
 ) -> Result<pipe_experiments::transport::AllReduce> {
     let n = args.allreduce_workers;
     let mut per_rank: Vec<Option<Vec<f64>>> = vec![None; n as usize];
-    let mut on_record = |rank: u32, json: &str| -> Result<()> {
-        let times: Vec<f64> = serde_json::from_str(json).context("a worker's all-reduce times")?;
+    let mut on_record = |rank: u32, json: &str| -> pipe_stages::Result<()> {
+        let times: Vec<f64> = serde_json::from_str(json).map_err(|e| {
+            pipe_stages::StageError::Executor(format!("a worker's all-reduce times: {e}"))
+        })?;
         if let Some(slot) = per_rank.get_mut(rank as usize) {
             *slot = Some(times);
         }

@@ -1,5 +1,5 @@
 //! One module per `pipe` command: its arguments and the code that runs it. A command uses
-//! [`crate::args`], [`crate::output`], [`crate::training`] and [`crate::launch`], never another
+//! [`crate::args`], [`crate::output`], [`crate::training`] and [`crate::trace`], never another
 //! command.
 
 pub mod bench;

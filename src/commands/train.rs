@@ -2,7 +2,7 @@
 //! ([`crate::training`]), with a progress bar, per-epoch summaries, the optional JSON-lines
 //! log and Chrome trace, checkpoints, resume, and a clean stop on Ctrl-C. Pipelined workers
 //! are threads of this process (`--transport inproc`) or `pipe worker` processes talking QUIC on loopback (`--transport quic`,
-//! [`crate::launch`]).
+//! [`pipe_stages::pipeline::processes`]).
 
 use anyhow::{Context, Result};
 use pipe_stages::config::RunConfig;
@@ -12,7 +12,6 @@ use pipe_stages::train::{self, TrainOptions};
 use pipe_transport::TransportKind;
 
 use crate::args::open_backend;
-use crate::launch::{LaunchOptions, run_processes};
 use crate::output::bad_input;
 use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
@@ -21,6 +20,7 @@ use crate::training::{
     print_header, print_resuming, resume_from, run_config, serve_metrics, settle_partition,
     stop_on_ctrl_c,
 };
+use pipe_stages::pipeline::processes::{LaunchOptions, run_processes};
 
 /// Runs `pipe train`.
 ///

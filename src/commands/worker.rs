@@ -3,7 +3,7 @@
 //! the same training flags; the rank comes from `--rank` or the environment of the engine
 //! that started it (Slurm, torchrun, a Kubernetes indexed Job). Rank 0, the chief, prints the
 //! run's progress and results. `pipe train --transport quic` starts one per worker on
-//! loopback ([`crate::launch`]), with the hidden `--launched` handshake.
+//! loopback ([`pipe_stages::pipeline::processes`]), with the hidden `--launched` handshake.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -19,13 +19,13 @@ use pipe_transport::TransportKind;
 use pipe_transport::cluster::{ClusterFile, resolve_rank};
 use pipe_transport::quic::QuicOptions;
 
-use crate::launch::{Record, RecordWriter, StopWriter, join};
 use crate::output::bad_input;
 use crate::trace::{PartRecorder, Traced, part_path, worker_names};
 use crate::training::{
     Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, print_header,
     print_resuming, resume_from, run_config, serve_metrics, serve_metrics_quietly, stop_on_ctrl_c,
 };
+use pipe_stages::pipeline::processes::{Record, RecordWriter, StopWriter, join};
 
 /// `pipe worker`.
 #[derive(Args, Debug)]

@@ -37,6 +37,15 @@ pub enum StageError {
     /// A configuration value is invalid.
     #[error("config: {0}")]
     Config(String),
+    /// Launching worker processes, or a worker process's exit: `bad_input` when the cause
+    /// is what the user gave (a worker that exited with status 2, a port past the range).
+    #[error("{why}")]
+    Launch {
+        /// What failed.
+        why: String,
+        /// Whether the user's input caused it.
+        bad_input: bool,
+    },
     /// A request past a resource limit ([`crate::limits`]): what was asked, the limit, why.
     #[error("limit: {0}")]
     Limit(String),
@@ -111,6 +120,7 @@ impl StageError {
             | StageError::Limit(_)
             | StageError::Checkpoint(_) => true,
             StageError::Schedule(e) => e.is_bad_input(),
+            StageError::Launch { bad_input, .. } => *bad_input,
             StageError::Worker { source, .. } => source.is_bad_input(),
             _ => false,
         }

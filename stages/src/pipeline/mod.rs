@@ -1,7 +1,8 @@
 //! The pipelined runtime: a checked plan ([`RunPlan`]), the worker core that runs one worker's
 //! program ([`exec`]), the worker driver that connects it to a backend and a transport
 //! ([`driver::run_worker`]), the in-process launcher that runs every worker as a thread
-//! ([`launch::run_threads`]), one worker of a run whose others are in other processes
+//! ([`launch::run_threads`]), the launcher that runs every worker as a process
+//! ([`processes::run_processes`]), one worker of a run whose others are in other processes
 //! ([`worker::train_worker`]), the sequential reference trainer that follows a version plan
 //! literally, and the pipelined training loop.
 //!
@@ -24,6 +25,7 @@ pub mod driver;
 pub mod exec;
 pub mod launch;
 pub mod ledger;
+pub mod processes;
 pub mod reference;
 pub mod run_plan;
 pub mod setup;

@@ -1,5 +1,9 @@
-//! The process launcher behind `pipe train --transport quic`: one `pipe worker` process per
-//! worker on loopback, with ephemeral cluster credentials, relayed to one place.
+//! The process launcher behind `pipe train --transport quic`, beside the thread launcher
+//! ([`super::launch`]): one worker process per worker on loopback (this executable's `worker`
+//! command), with ephemeral cluster credentials, relayed to one place; and the other side of
+//! it, a worker joining its cluster ([`join`]) and reporting to the launcher ([`RecordWriter`]).
+//! It lives in the library so that every launcher of a run is in one place; the command line
+//! keeps its flags, its progress display and its exit codes.
 //!
 //! It creates the credentials and the run's settings (with the partition already settled, so
 //! no worker profiles on its own) in a private temporary directory, starts the workers, and
@@ -23,16 +27,32 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow};
 use crossbeam_channel::{RecvTimeoutError, Sender, unbounded};
-use pipe_stages::config::TrainSettings;
-use pipe_stages::pipeline::doctor::{StopReport, diagnose};
-use pipe_stages::train::{EpochStats, Observer, StepStats};
 use pipe_transport::cluster::ClusterFile;
 use pipe_transport::quic::{Bound, Quic, QuicOptions};
 use serde::{Deserialize, Serialize};
 
-use crate::output::bad_input;
+use super::doctor::{StopReport, diagnose};
+use crate::config::TrainSettings;
+use crate::error::{Result, StageError};
+use crate::train::{EpochStats, Observer, StepStats};
+
+/// A failure of the launch or of a worker process, at run time.
+fn failed(why: String) -> StageError {
+    StageError::Launch {
+        why,
+        bad_input: false,
+    }
+}
+
+/// A failure caused by what the user gave (a worker that exited with status 2, an address
+/// line or port that cannot be).
+fn refused(why: String) -> StageError {
+    StageError::Launch {
+        why,
+        bad_input: true,
+    }
+}
 
 /// The line a launched worker prints once it has bound its port: this prefix, then the
 /// address.
@@ -53,7 +73,7 @@ pub enum Record {
     Done {
         /// Optimizer steps.
         steps: u64,
-        /// [`pipe_stages::model::params_digest`] of the final weights.
+        /// [`crate::model::params_digest`] of the final weights.
         weights: u64,
         /// Checkpoint directories written, oldest first.
         checkpoints: Vec<PathBuf>,
@@ -71,26 +91,28 @@ pub enum Record {
 pub struct RecordWriter;
 
 impl RecordWriter {
-    /// Writes one record line.
+    /// Writes one record line to standard output (the launcher's pipe).
     ///
     /// # Errors
-    /// A record that does not serialize.
-    pub fn write(record: &Record) -> pipe_stages::Result<()> {
+    /// A record that does not serialize; standard output gone.
+    pub fn write(record: &Record) -> Result<()> {
         let json = serde_json::to_string(record)
-            .map_err(|e| pipe_stages::StageError::Executor(format!("record: {e}")))?;
-        outln!("{RECORD}{json}");
-        Ok(())
+            .map_err(|e| StageError::Executor(format!("record: {e}")))?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{RECORD}{json}")
+            .and_then(|()| out.flush())
+            .map_err(|e| failed(format!("writing a record for the launcher: {e}")))
     }
 }
 
 impl Observer for RecordWriter {
-    fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+    fn on_step(&mut self, s: &StepStats) -> Result<()> {
         Self::write(&Record::Step(s.clone()))
     }
-    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+    fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
         Self::write(&Record::Epoch(e.clone()))
     }
-    fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
+    fn on_stop(&mut self, report: &StopReport) -> Result<()> {
         Self::write(&Record::Stop(report.clone()))
     }
 }
@@ -101,7 +123,7 @@ impl Observer for RecordWriter {
 pub struct StopWriter;
 
 impl Observer for StopWriter {
-    fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
+    fn on_stop(&mut self, report: &StopReport) -> Result<()> {
         RecordWriter::write(&Record::Stop(report.clone()))
     }
 }
@@ -149,12 +171,12 @@ impl LaunchDir {
         let path =
             std::env::temp_dir().join(format!("pipe-launch-{}-{nanos:09}", std::process::id()));
         std::fs::create_dir(&path)
-            .with_context(|| format!("creating launch directory {}", path.display()))?;
+            .map_err(|e| failed(format!("creating launch directory {}: {e}", path.display())))?;
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt as _;
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))
-                .with_context(|| format!("securing {}", path.display()))?;
+                .map_err(|e| failed(format!("securing {}: {e}", path.display())))?;
         }
         Ok(LaunchDir(path))
     }
@@ -266,7 +288,7 @@ fn spawn(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .with_context(|| format!("starting worker {rank} ({})", exe.display()))?;
+        .map_err(|e| failed(format!("starting worker {rank} ({}): {e}", exe.display())))?;
     if let Some(out) = child.stdout.take() {
         relay(rank, false, out, tx.clone());
     }
@@ -285,7 +307,7 @@ fn spawn(
 struct Relay<'r> {
     on_record: &'r mut dyn FnMut(u32, &str) -> Result<()>,
     listening: Vec<Option<String>>,
-    failure: Option<anyhow::Error>,
+    failure: Option<StageError>,
 }
 
 impl Relay<'_> {
@@ -306,7 +328,9 @@ impl Relay<'_> {
                 return;
             }
         }
-        eprintln!("worker {rank}: {text}");
+        // Standard error is where the launcher's user reads; if it is gone, there is no one
+        // to tell.
+        let _ = writeln!(std::io::stderr(), "worker {rank}: {text}");
     }
 }
 
@@ -335,12 +359,14 @@ pub fn run_processes(
     opts: &LaunchOptions,
     obs: &mut dyn Observer,
 ) -> Result<ProcessRunEnd> {
-    let toml = toml::to_string(settings).context("writing the run's settings")?;
+    let toml = toml::to_string(settings)
+        .map_err(|e| StageError::Executor(format!("writing the run's settings: {e}")))?;
     let mut last = None;
     let mut done = None;
     let mut stops = Vec::new();
     let mut on_record = |rank: u32, json: &str| -> Result<()> {
-        let record = serde_json::from_str::<Record>(json).context("a worker's record")?;
+        let record = serde_json::from_str::<Record>(json)
+            .map_err(|e| failed(format!("a worker's record: {e}")))?;
         if let Record::Stop(report) = record {
             stops.push(report);
             return Ok(());
@@ -375,12 +401,12 @@ pub fn run_processes(
     };
     if let Err(e) = launch(opts, &[("run.toml", &toml)], &command, &mut on_record) {
         return Err(match stall_report(settings, &stops, opts.workers) {
-            Some(report) => anyhow!("the run stalled: {report}"),
+            Some(report) => StageError::Stalled(report),
             None => e,
         });
     }
     let (steps, weights, checkpoints, stopped) =
-        done.ok_or_else(|| anyhow!("the chief ended without reporting the run's end"))?;
+        done.ok_or_else(|| failed("the chief ended without reporting the run's end".into()))?;
     Ok(ProcessRunEnd {
         last,
         steps,
@@ -399,8 +425,8 @@ fn stall_report(settings: &TrainSettings, stops: &[StopReport], workers: u32) ->
     let cfg = settings.clone().resolve().ok()?;
     let policy = stalled.policy.parse().ok()?;
     let spec = cfg.schedule_spec_of(policy, pipe_scheduler::Length::Updates(stalled.updates));
-    let model = pipe_stages::model::Model::new(&cfg.model).ok()?;
-    let plan = pipe_stages::pipeline::RunPlan::new(&model, &spec, None).ok()?;
+    let model = crate::model::Model::new(&cfg.model).ok()?;
+    let plan = super::RunPlan::new(&model, &spec, None).ok()?;
     let points: Vec<_> = (0..workers)
         .map(|w| {
             let program = plan.schedule.programs.get(w as usize)?;
@@ -444,9 +470,10 @@ pub fn launch(
     ClusterFile::init(&dir.0, &vec!["127.0.0.1:0".to_string(); n as usize], run_id)?;
     for (name, contents) in files {
         std::fs::write(dir.0.join(name), contents)
-            .with_context(|| format!("writing {name} for the workers"))?;
+            .map_err(|e| failed(format!("writing {name} for the workers: {e}")))?;
     }
-    let exe = std::env::current_exe().context("finding this executable")?;
+    let exe =
+        std::env::current_exe().map_err(|e| failed(format!("finding this executable: {e}")))?;
     let args = command(&dir.0);
     let (tx, rx) = unbounded();
     let mut workers = Workers::default();
@@ -455,7 +482,7 @@ pub fn launch(
         if let Some(base) = opts.metrics {
             let port = u32::from(base.port()) + rank;
             let port = u16::try_from(port).map_err(|_| {
-                bad_input(format!(
+                refused(format!(
                     "--metrics-addr {base}: worker {rank} would need port {port}"
                 ))
             })?;
@@ -508,10 +535,10 @@ pub fn launch(
             told = true;
         }
         if !told && Instant::now() > start_by && relay.failure.is_none() {
-            relay.failure = Some(anyhow!(
+            relay.failure = Some(failed(format!(
                 "the worker processes did not all bind a port within {:?}",
                 opts.connect_timeout
-            ));
+            )));
         }
         for (rank, status) in workers.reap() {
             if !status.success() && first_exit.is_none() {
@@ -539,9 +566,9 @@ pub fn launch(
     if let Some((rank, status)) = first_exit {
         let msg = format!("worker {rank} {}", describe(status));
         return Err(if status.code() == Some(2) {
-            bad_input(msg)
+            refused(msg)
         } else {
-            anyhow!(msg)
+            failed(msg)
         });
     }
     if let Some(e) = relay.failure {
@@ -568,16 +595,19 @@ pub fn join(
 ) -> Result<Quic> {
     let creds = cluster
         .credentials(rank)
-        .map_err(|e| bad_input(e.to_string()))?;
+        .map_err(|e| refused(e.to_string()))?;
     let deadline = Instant::now() + opts.connect_timeout;
     let bind_addr = match listen {
         Some(a) => a,
         None => resolve(cluster, rank, deadline)?,
     };
     let bound = Bound::bind(rank, bind_addr, &creds, opts)
-        .with_context(|| format!("worker {rank} binding {bind_addr}"))?;
+        .map_err(|e| failed(format!("worker {rank} binding {bind_addr}: {e}")))?;
     let addrs = if let Some(stop) = launched {
-        outln!("{LISTENING}{}", bound.local_addr()?);
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{LISTENING}{}", bound.local_addr()?)
+            .and_then(|()| out.flush())
+            .map_err(|e| failed(format!("telling the launcher this worker's address: {e}")))?;
         launcher_addrs(cluster.size(), stop)?
     } else {
         (0..cluster.size())
@@ -593,15 +623,15 @@ fn resolve(cluster: &ClusterFile, rank: u32, deadline: Instant) -> Result<Socket
         .workers
         .get(rank as usize)
         .map(|w| w.addr.clone())
-        .ok_or_else(|| bad_input(format!("rank {rank} is not in the cluster file")))?;
+        .ok_or_else(|| refused(format!("rank {rank} is not in the cluster file")))?;
     loop {
         if let Some(a) = name.to_socket_addrs().ok().and_then(|mut a| a.next()) {
             return Ok(a);
         }
         if Instant::now() >= deadline {
-            return Err(anyhow!(
+            return Err(failed(format!(
                 "rank {rank}'s address '{name}' did not resolve before the connect timeout"
-            ));
+            )));
         }
         std::thread::sleep(Duration::from_millis(500));
     }
@@ -612,18 +642,19 @@ fn resolve(cluster: &ClusterFile, rank: u32, deadline: Instant) -> Result<Socket
 /// end (the launcher went away) ends this process, so no worker outlives it.
 fn launcher_addrs(size: u32, stop: Arc<AtomicBool>) -> Result<Vec<SocketAddr>> {
     let mut line = String::new();
-    std::io::stdin()
-        .lock()
-        .read_line(&mut line)
-        .context("reading the workers' addresses from the launcher")?;
+    std::io::stdin().lock().read_line(&mut line).map_err(|e| {
+        failed(format!(
+            "reading the workers' addresses from the launcher: {e}"
+        ))
+    })?;
     let addrs = line
         .trim()
         .split(',')
         .map(str::parse::<SocketAddr>)
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| bad_input(format!("the launcher's address line: {e}")))?;
+        .map_err(|e| refused(format!("the launcher's address line: {e}")))?;
     if addrs.len() != size as usize {
-        return Err(bad_input(format!(
+        return Err(refused(format!(
             "the launcher named {} addresses for {size} workers",
             addrs.len()
         )));
