@@ -15,16 +15,13 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pipe_kernels::BackendKind;
 use pipe_stages::checkpoint::{Checkpoint, CheckpointPolicy};
-use pipe_stages::config::{
-    DatasetKind, ModelChoice, PartitionChoice, PlanFile, RunConfig, TrainSettings, layout_of,
-};
+use pipe_stages::config::{DatasetKind, ModelChoice, PlanFile, RunConfig, TrainSettings};
 use pipe_stages::data::Splits;
 use pipe_stages::log::JsonlLog;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
-use pipe_stages::pipeline::train::measured_cut;
 use pipe_stages::pipeline::worker::settings_fingerprint;
-use pipe_stages::planning::auto_plan;
+use pipe_stages::planning::{plan_workers, settle_measured_partition};
 use pipe_stages::train::{EpochStats, Observer, StepStats, TrainReport};
 
 use crate::args::BackendParser;
@@ -253,34 +250,19 @@ pub fn run_config(args: &TrainArgs) -> Result<Resolved> {
         let text = pipe_stages::limits::read_text_file(path, "plan")?;
         settings.apply_plan(&PlanFile::parse(&text, &source)?, &source)?;
     }
-    let cfg = settings.clone().resolve()?;
-    if let Some(w) = args.workers {
-        if w == 0 {
-            return Err(bad_input("--workers must be at least 1".into()));
-        }
-        let (_, plan) = auto_plan(
-            &cfg.model_name,
-            &Model::new(&cfg.model)?,
-            cfg.microbatch_size,
-            cfg.schedule,
-            cfg.microbatches as u32,
-            w,
-        )?;
-        let (partition, replicas) = layout_of(&plan)?;
-        let partition = partition.to_string();
-        outln!(
-            "auto plan for {w} workers: partition {partition}, replicas {replicas:?}, predicted {:.0} samples/s (simulated {:.0})",
-            cfg.microbatch_size as f64 / plan.time_per_microbatch,
-            plan.simulated
-                .map_or(f64::NAN, |t| cfg.microbatch_size as f64 / t)
-        );
-        settings.stages = Some(replicas.len());
-        settings.replicas = Some(replicas);
-        settings.partition = Some(partition);
-        settings.schedule = Some(cfg.schedule.name().into());
+    let Some(w) = args.workers else {
         let cfg = settings.clone().resolve()?;
         return Ok(Resolved { settings, cfg });
-    }
+    };
+    let (cfg, plan) = plan_workers(&mut settings, w)?;
+    outln!(
+        "auto plan for {w} workers: partition {}, replicas {:?}, predicted {:.0} samples/s (simulated {:.0})",
+        settings.partition.as_deref().unwrap_or("?"),
+        cfg.replicas,
+        cfg.microbatch_size as f64 / plan.time_per_microbatch,
+        plan.simulated
+            .map_or(f64::NAN, |t| cfg.microbatch_size as f64 / t)
+    );
     Ok(Resolved { settings, cfg })
 }
 
@@ -456,16 +438,15 @@ pub fn settle_partition(
     settings: &mut TrainSettings,
     model: &Model,
 ) -> Result<()> {
-    if cfg.partition != PartitionChoice::Measured {
+    let Some(cut) = settle_measured_partition(cfg, settings, model)? else {
         return Ok(());
-    }
-    let cut = measured_cut(cfg, model)?;
-    let ms: Vec<String> = cut
-        .stage_seconds
-        .iter()
-        .map(|s| format!("{:.2}", s * 1e3))
-        .collect();
+    };
     if cut.partition.stages() > 1 {
+        let ms: Vec<String> = cut
+            .stage_seconds
+            .iter()
+            .map(|s| format!("{:.2}", s * 1e3))
+            .collect();
         outln!(
             "partition {} by measured time (ms per microbatch per stage: {}; --partition {} repeats it)",
             cut.partition,
@@ -473,8 +454,6 @@ pub fn settle_partition(
             cut.partition
         );
     }
-    settings.partition = Some(cut.partition.to_string());
-    cfg.partition = PartitionChoice::Given(cut.partition);
     Ok(())
 }
 

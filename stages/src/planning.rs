@@ -12,7 +12,8 @@ use pipe_scheduler::{
 };
 use pipe_transport::inproc::{InProcOptions, mesh};
 
-use crate::error::Result;
+use crate::config::{ModelChoice, PartitionChoice, RunConfig, TrainSettings, layout_of};
+use crate::error::{Result, StageError};
 use crate::model::Model;
 use crate::optim::OptimizerConfig;
 use crate::partition::Partition;
@@ -174,4 +175,66 @@ pub fn auto_plan(
     };
     let plan = plan_checked(&profile, &opts)?;
     Ok((profile, plan))
+}
+
+/// Settles `--workers W`: plans the run `settings` describe for `workers` workers
+/// ([`auto_plan`]), writes the layout the plan picked into `settings` (stages, replicas,
+/// partition, and the schedule they were planned for) and resolves them again, since the
+/// layout sets defaults of its own (an asynchronous layout's SGD momentum). Returns the run
+/// and the plan. `settings` is then what every worker process is given.
+///
+/// # Errors
+/// [`StageError::Config`] for no workers or settings that describe no run; profiling and
+/// planning failures.
+pub fn plan_workers(
+    settings: &mut TrainSettings,
+    workers: u32,
+) -> Result<(RunConfig, PartitionPlan)> {
+    if workers == 0 {
+        return Err(StageError::Config("--workers must be at least 1".into()));
+    }
+    let cfg = settings.clone().resolve()?;
+    let model = Model::new(&cfg.model)?;
+    let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
+    let (_, plan) = auto_plan(
+        &cfg.model_name,
+        &model,
+        cfg.microbatch_size,
+        cfg.schedule,
+        m,
+        workers,
+    )?;
+    let (partition, replicas) = layout_of(&plan)?;
+    // The plan was made for this model: a default model must not change with the stage
+    // count the plan picked (a pipelined run's default model is another).
+    if settings.model.is_none() {
+        settings.model = Some(ModelChoice::Preset(cfg.model_name.clone()));
+    }
+    settings.stages = Some(replicas.len());
+    settings.replicas = Some(replicas);
+    settings.partition = Some(partition.to_string());
+    settings.schedule = Some(cfg.schedule.name().into());
+    Ok((settings.clone().resolve()?, plan))
+}
+
+/// Settles `--partition measured` (the default of a pipelined run): cuts `model` by the
+/// time its stages measure on this machine ([`crate::pipeline::train::measured_cut`]) and
+/// writes the cut into both `cfg` and `settings`, so that worker processes and checkpoints
+/// name the partition the run used. Returns the cut, or `None` when the run's partition was
+/// given.
+///
+/// # Errors
+/// Profiling failures.
+pub fn settle_measured_partition(
+    cfg: &mut RunConfig,
+    settings: &mut TrainSettings,
+    model: &Model,
+) -> Result<Option<MeasuredPartition>> {
+    if cfg.partition != PartitionChoice::Measured {
+        return Ok(None);
+    }
+    let cut = crate::pipeline::train::measured_cut(cfg, model)?;
+    settings.partition = Some(cut.partition.to_string());
+    cfg.partition = PartitionChoice::Given(cut.partition.clone());
+    Ok(Some(cut))
 }
