@@ -162,13 +162,9 @@ pub fn train_pipelined(
             let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
             if let Some(policy) = &opts.checkpoints {
                 if policy.due(done, done == first + epoch_len, stop) {
-                    let ckpt = run.checkpoint(&plan, &states, done, policy)?;
-                    written.push(crate::checkpoint::write(
-                        &policy.dir,
-                        &run.model,
-                        &ckpt,
-                        policy.keep,
-                    )?);
+                    let optimizer = Run::optimizer_of(&plan, &states)?;
+                    let params = assemble(&plan, &states)?;
+                    written.push(run.save(&plan, done, params, optimizer, policy)?);
                 }
             }
             if stop {
@@ -589,33 +585,39 @@ impl<'c> Run<'c> {
         })
     }
 
-    /// The checkpoint after `done` updates: the whole model's weights and optimizer state
-    /// from replica 0 of each stage, and where the run stands.
-    fn checkpoint(
-        &self,
-        plan: &RunPlan,
-        states: &[WorkerState],
-        done: u64,
-        policy: &CheckpointPolicy,
-    ) -> Result<Checkpoint> {
+    /// The whole model's optimizer state after a segment, from replica 0 of each stage, with
+    /// each layer's update count.
+    fn optimizer_of(plan: &RunPlan, states: &[WorkerState]) -> Result<(OptimizerState, Vec<u64>)> {
         let mut optimizer = Vec::new();
         let mut steps = Vec::new();
         for st in first_replicas(plan, states)? {
             steps.extend(st.params.iter().map(|_| st.opt.steps()));
             optimizer.extend(st.opt.state().iter().cloned());
         }
-        Ok(self.checkpoint_of(
-            plan,
-            done,
-            assemble(plan, states)?,
-            (optimizer, steps),
-            policy,
-        ))
+        Ok((optimizer, steps))
+    }
+
+    /// Writes the checkpoint of the whole model's `params` and `optimizer` state after `done`
+    /// updates of `plan`'s layout into `policy`'s directory (the one place both pipelined
+    /// trainers save): returns its directory.
+    ///
+    /// # Errors
+    /// As [`crate::checkpoint::write`].
+    pub(super) fn save(
+        &self,
+        plan: &RunPlan,
+        done: u64,
+        params: Params,
+        optimizer: (OptimizerState, Vec<u64>),
+        policy: &CheckpointPolicy,
+    ) -> Result<PathBuf> {
+        let ckpt = self.checkpoint_of(plan, done, params, optimizer, policy);
+        crate::checkpoint::write(&policy.dir, &self.model, &ckpt, policy.keep)
     }
 
     /// The checkpoint of the whole model's `params` and `optimizer` state (with each layer's
     /// update count) after `done` updates of `plan`'s layout.
-    pub(super) fn checkpoint_of(
+    fn checkpoint_of(
         &self,
         plan: &RunPlan,
         done: u64,

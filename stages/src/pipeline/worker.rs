@@ -308,13 +308,7 @@ fn run_segments<T: Transport + ?Sized>(
             }
             if let Some(policy) = save {
                 let optimizer = gather_optimizer(ep, &plan, mine, &init, cfg, index)?;
-                let ckpt = run.checkpoint_of(&plan, done, params.clone(), optimizer, policy);
-                written.push(crate::checkpoint::write(
-                    &policy.dir,
-                    &run.model,
-                    &ckpt,
-                    policy.keep,
-                )?);
+                written.push(run.save(&plan, done, params.clone(), optimizer, policy)?);
             }
             if stop {
                 stopped = Some(done);
