@@ -2,11 +2,13 @@
 //! asked for more often (the pipeline drains at the end of each, so a checkpoint needs no
 //! stashed weights; the model is evaluated at each epoch's end), workers launched as threads
 //! of this process that exchange tensors in process or over QUIC on loopback, worker state
-//! (weights, optimizer) carried from segment to segment, or from a checkpoint.
+//! (weights, optimizer) carried from segment to segment, or from a checkpoint. The segment loop
+//! itself is [`super::lifecycle`]'s; this file is its in-process side and what both sides
+//! share (the run's sizes, segment plans, learning rates, epoch reports, checkpoints).
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
@@ -18,6 +20,7 @@ use pipe_transport::quic::{QuicOptions, local_mesh};
 use super::exec::{StageState, WorkerOutcome, WorkerState};
 use super::launch::run_threads_reporting;
 use super::ledger::{LedgerEntry, segment_ledger};
+use super::lifecycle::{Coordinator, Drain, LoopStart, OptimizerOf, SegmentEnd, run_segments};
 use super::run_plan::RunPlan;
 use super::setup::{LossReport, OrderedSource, Setup};
 pub use crate::checkpoint::CheckpointPolicy;
@@ -115,81 +118,25 @@ pub fn train_pipelined(
     let run = Run::new(cfg, data)?;
     let partition = run_partition(cfg, &run.model)?;
     let start = Start::new(&run, opts.resume.as_ref())?;
-    let eval_be = CpuBackend::new(0)?;
-    let mut states: Vec<WorkerState> = Vec::new();
-    let mut epochs = Vec::new();
-    let mut done = start.done;
-    let mut spans: Vec<Span> = Vec::new();
-    let mut last = None;
-    let mut params: Params = start.params.clone();
-    let mut written = Vec::new();
-    let mut stopped = None;
-    let mut ledger = Vec::new();
-    for epoch in done / run.per_epoch + 1..=cfg.epochs {
-        let first = (epoch - 1) * run.per_epoch;
-        let epoch_len = run.total.saturating_sub(first).min(run.per_epoch);
-        if epoch_len == 0 {
-            break;
-        }
-        let mut acc: Vec<WorkerOutcome> = Vec::new();
-        let mut secs = 0.0;
-        while done < first + epoch_len && stopped.is_none() {
-            let before = done - first;
-            let left = epoch_len - before;
-            let every = opts.checkpoints.as_ref().and_then(|c| c.every);
-            let (plan, this) = run.segment_plan(every, done, left, &partition)?;
-            let t = Instant::now();
-            let at = Segment {
-                epoch,
-                done,
-                before,
-                epoch_len,
-            };
-            let outcomes = run.segment(&plan, data, &at, &start, &mut states, obs)?;
-            let seg_secs = t.elapsed().as_secs_f64();
-            secs += seg_secs;
-            done += this;
-            if opts.timeline {
-                let base = run.start.elapsed().as_secs_f64() - seg_secs;
-                for o in &outcomes {
-                    spans.extend(o.spans.iter().map(|sp| sp.shifted(base)));
-                }
-            }
-            if opts.ledger {
-                ledger.extend(segment_ledger(&plan, &outcomes, done - this, run.minibatch));
-            }
-            merge_outcomes(&mut acc, outcomes);
-            let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
-            if let Some(policy) = &opts.checkpoints {
-                if policy.due(done, done == first + epoch_len, stop) {
-                    let optimizer = Run::optimizer_of(&plan, &states)?;
-                    let params = assemble(&plan, &states)?;
-                    written.push(run.save(&plan, done, params, optimizer, policy)?);
-                }
-            }
-            if stop {
-                stopped = Some(done);
-            }
-            last = Some(plan);
-        }
-        let Some(plan) = last.as_ref() else { break };
-        params = assemble(plan, &states)?;
-        if stopped.is_some() && done < first + epoch_len {
-            break;
-        }
-        let ended = EpochEnd {
-            plan,
-            outcomes: &acc,
-            epoch,
-            done,
-            secs,
-        };
-        epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
-        if stopped.is_some() {
-            break;
-        }
-    }
-    let plan = last.ok_or_else(|| {
+    let mut threads = Threads {
+        run: &run,
+        data,
+        start: &start,
+        states: Vec::new(),
+        timeline: opts.timeline,
+        spans: Vec::new(),
+        ledger: opts.ledger.then(Vec::new),
+    };
+    let from = LoopStart {
+        done: start.done,
+        params: start.params.clone(),
+        partition: &partition,
+        every: opts.checkpoints.as_ref().and_then(|c| c.every),
+        checkpoints: opts.checkpoints.as_ref(),
+        stop: opts.stop.as_ref(),
+    };
+    let end = run_segments(&run, &mut threads, data, from, obs)?;
+    let plan = end.last.ok_or_else(|| {
         StageError::Config(format!(
             "nothing to train: the run has {} updates and starts at update {}",
             run.total, start.done
@@ -198,17 +145,74 @@ pub fn train_pipelined(
     let workers = plan.schedule.workers();
     Ok(PipelineReport {
         report: TrainReport {
-            epochs,
-            params,
-            steps: done,
+            epochs: end.epochs,
+            params: end.params,
+            steps: end.done,
         },
         partition: plan.partition,
         schedule: plan.schedule,
-        timeline: opts.timeline.then(|| Timeline::new(workers, spans)),
-        ledger,
-        checkpoints: written,
-        stopped,
+        timeline: opts.timeline.then(|| Timeline::new(workers, threads.spans)),
+        ledger: threads.ledger.unwrap_or_default(),
+        checkpoints: end.written,
+        stopped: end.stopped,
     })
+}
+
+/// The in-process launcher's side of the segment loop: every worker a thread, their states
+/// in this process's memory.
+struct Threads<'a> {
+    run: &'a Run<'a>,
+    data: &'a Splits,
+    start: &'a Start,
+    states: Vec<WorkerState>,
+    /// Record every action's interval (`--trace`) into `spans`, on the run's time axis.
+    timeline: bool,
+    spans: Vec<Span>,
+    /// The measured version ledger, when asked for.
+    ledger: Option<Vec<LedgerEntry>>,
+}
+
+impl Coordinator for Threads<'_> {
+    fn run_segment(
+        &mut self,
+        plan: &RunPlan,
+        at: &Segment,
+        _this: u64,
+        obs: &mut dyn Observer,
+    ) -> Result<SegmentEnd> {
+        let t = Instant::now();
+        let outcomes = self
+            .run
+            .segment(plan, self.data, at, self.start, &mut self.states, obs)?;
+        if self.timeline {
+            let base = self.run.start.elapsed().as_secs_f64() - t.elapsed().as_secs_f64();
+            for o in &outcomes {
+                self.spans.extend(o.spans.iter().map(|sp| sp.shifted(base)));
+            }
+        }
+        if let Some(ledger) = &mut self.ledger {
+            ledger.extend(segment_ledger(plan, &outcomes, at.done, self.run.minibatch));
+        }
+        Ok(SegmentEnd::Chief(outcomes))
+    }
+
+    fn drain(
+        &mut self,
+        plan: &RunPlan,
+        drain: Drain,
+    ) -> Result<(Option<Params>, Option<OptimizerOf>)> {
+        let weights = if drain.weights {
+            Some(assemble(plan, &self.states)?)
+        } else {
+            None
+        };
+        let optimizer = if drain.optimizer {
+            Some(Run::optimizer_of(plan, &self.states)?)
+        } else {
+            None
+        };
+        Ok((weights, optimizer))
+    }
 }
 
 /// The sequential reference trainer over a whole run of `cfg`, from fresh weights: the same

@@ -30,19 +30,20 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use pipe_kernels::{CpuBackend, Tensor};
+use pipe_kernels::Tensor;
 use pipe_scheduler::Length;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
 use super::doctor::StopReport;
 use super::driver::run_worker_with;
 use super::exec::{WorkerOutcome, WorkerState};
+use super::lifecycle::{Coordinator, Drain, LoopStart, OptimizerOf, SegmentEnd, run_segments};
 use super::run_plan::RunPlan;
 use super::setup::LossReport;
-use super::train::{EpochEnd, LiveSteps, Run, Segment, Start, run_partition};
+use super::train::{LiveSteps, Run, Segment, Start, run_partition};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
 use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
@@ -112,7 +113,7 @@ pub fn train_worker<T: Transport + ?Sized>(
     opts: &WorkerOptions,
 ) -> Result<Option<WorkerReport>> {
     let mut stop = None;
-    let result = run_segments(cfg, data, ep, obs, opts, &mut stop);
+    let result = run_process(cfg, data, ep, obs, opts, &mut stop);
     if let Err(e) = &result {
         if !e.is_abort_echo() {
             ep.abort();
@@ -127,35 +128,23 @@ pub fn train_worker<T: Transport + ?Sized>(
     result
 }
 
-/// The chief's word at the end of a segment: what it wants from every worker, and whether
-/// the run goes on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Request {
-    weights: bool,
-    optimizer: bool,
-    stop: bool,
+/// The chief's word at the end of a segment ([`Drain`]) as it travels: what it wants from
+/// every worker (weights, optimizer state), and whether the run stops, one byte each.
+fn drain_bytes(d: Drain) -> [u8; 3] {
+    [u8::from(d.weights), u8::from(d.optimizer), u8::from(d.stop)]
 }
 
-impl Request {
-    fn bytes(self) -> [u8; 3] {
-        [
-            u8::from(self.weights),
-            u8::from(self.optimizer),
-            u8::from(self.stop),
-        ]
-    }
-
-    fn parse(b: &[u8]) -> Result<Self> {
-        match b {
-            [w, o, s] if [w, o, s].iter().all(|&&x| x <= 1) => Ok(Request {
-                weights: *w == 1,
-                optimizer: *o == 1,
-                stop: *s == 1,
-            }),
-            _ => Err(protocol(format!(
-                "a malformed request from the chief: {b:?}"
-            ))),
-        }
+/// [`drain_bytes`] read back.
+fn parse_drain(b: &[u8]) -> Result<Drain> {
+    match b {
+        [w, o, s] if [w, o, s].iter().all(|&&x| x <= 1) => Ok(Drain {
+            weights: *w == 1,
+            optimizer: *o == 1,
+            stop: *s == 1,
+        }),
+        _ => Err(protocol(format!(
+            "a malformed request from the chief: {b:?}"
+        ))),
     }
 }
 
@@ -192,7 +181,7 @@ fn report_to_chief<T: Transport + ?Sized>(
         &encode_summary(outcome),
     ))?;
     let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, 0))?;
-    let req = Request::parse(&req.into_bytes()?)?;
+    let req = parse_drain(&req.into_bytes()?)?;
     if req.weights {
         send_weights(ep, plan, mine, index)?;
     }
@@ -202,7 +191,7 @@ fn report_to_chief<T: Transport + ?Sized>(
     Ok(req.stop)
 }
 
-fn run_segments<T: Transport + ?Sized>(
+fn run_process<T: Transport + ?Sized>(
     cfg: &RunConfig,
     data: &Splits,
     ep: &mut T,
@@ -220,125 +209,137 @@ fn run_segments<T: Transport + ?Sized>(
     let (partition, every) = (agreed.partition.clone(), agreed.every);
     let start = receive_start(&run, ep, agreed, cfg)?;
     let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), ep.rank())?;
-    let eval_be = CpuBackend::new(0)?;
     let init = run.model.init_params(cfg.seed);
-    let mut state: Option<WorkerState> = None;
-    let mut epochs = Vec::new();
-    let mut params = start.params.clone();
-    let mut done = start.done;
-    let mut index = 0u32;
-    let mut written = Vec::new();
-    let mut stopped = None;
-    for epoch in done / run.per_epoch + 1..=cfg.epochs {
-        let first = (epoch - 1) * run.per_epoch;
-        let epoch_len = run.total.saturating_sub(first).min(run.per_epoch);
-        if epoch_len == 0 || stopped.is_some() {
-            break;
-        }
-        let mut acc: Vec<WorkerOutcome> = Vec::new();
-        let mut secs = 0.0;
-        let mut last_plan = None;
-        while done < first + epoch_len && stopped.is_none() {
-            let before = done - first;
-            let (plan, this) = run.segment_plan(every, done, epoch_len - before, &partition)?;
-            let t = Instant::now();
-            index += 1;
-            let at = Segment {
-                epoch,
-                done,
-                before,
-                epoch_len,
-            };
-            let mut losses = LossRelay::new(&run, &plan, &at, index, rank);
-            let (tx, rx) = crossbeam_channel::unbounded();
-            let outcome = run.with_setup(&plan, data, (epoch, done), Some(&tx), |setup| {
-                if state.is_none() {
-                    state = Some(start.state_of(setup, cfg, rank)?);
-                }
-                let st = state
-                    .as_mut()
-                    .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
-                let mut between = |ep: &mut T| losses.poll(ep, &rx, obs);
-                run_worker_with(&be, ep, setup, st, t, &mut between)
-            });
-            if let Some(st) = &state {
-                let segment = (plan.schedule.resolved.policy.name(), this as u32);
-                let stall = outcome.as_ref().err().and_then(StageError::stall_key);
-                *stop = Some(StopReport::new(rank, segment, &st.progress, stall));
-            }
-            let outcome = outcome?;
-            let base = t.duration_since(origin.1).as_secs_f64();
-            let spans: Vec<_> = outcome.spans.iter().map(|sp| sp.shifted(base)).collect();
-            obs.on_spans(origin.0, &spans)?;
-            let seg_secs = t.elapsed().as_secs_f64();
-            secs += seg_secs;
-            done += this;
-            let mine = state
-                .as_ref()
-                .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
-            let epoch_end = done == first + epoch_len;
-            if !chief {
-                losses.poll(ep, &rx, obs)?;
-                if report_to_chief(ep, &outcome, (&plan, mine), index)? {
-                    return Ok(None);
-                }
-                continue;
-            }
-            let outcomes = gather_summaries(ep, outcome, index)?;
-            losses.finish(ep, &rx, &outcomes, obs)?;
-            super::train::merge_outcomes(&mut acc, outcomes);
-            let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
-            let save = opts
-                .checkpoints
-                .as_ref()
-                .filter(|p| p.due(done, epoch_end, stop));
-            let req = Request {
-                weights: epoch_end || save.is_some(),
-                optimizer: save.is_some(),
-                stop,
-            };
-            for w in (0..ep.size()).filter(|&w| w != CHIEF) {
-                ep.send(Message::from_bytes(
-                    control(CHIEF, w, TOPIC_GO, index, 0),
-                    &req.bytes(),
-                ))?;
-            }
-            if req.weights {
-                params = gather_weights(ep, &plan, mine, &init, index)?;
-            }
-            if let Some(policy) = save {
-                let optimizer = gather_optimizer(ep, &plan, mine, &init, cfg, index)?;
-                written.push(run.save(&plan, done, params.clone(), optimizer, policy)?);
-            }
-            if stop {
-                stopped = Some(done);
-            }
-            last_plan = Some(plan);
-        }
-        let Some(plan) = last_plan.as_ref().filter(|_| chief) else {
-            continue;
-        };
-        if done < first + epoch_len {
-            break;
-        }
-        let ended = EpochEnd {
-            plan,
-            outcomes: &acc,
-            epoch,
-            done,
-            secs,
-        };
-        epochs.push(run.finish_epoch(&ended, &params, data, &eval_be, obs)?);
-    }
+    let from = LoopStart {
+        done: start.done,
+        params: start.params.clone(),
+        partition: &partition,
+        every,
+        checkpoints: opts.checkpoints.as_ref(),
+        stop: opts.stop.as_ref(),
+    };
+    let mut me = Process {
+        run: &run,
+        data,
+        ep,
+        be,
+        start: &start,
+        init: &init,
+        state: None,
+        index: 0,
+        origin,
+        stop,
+    };
+    let end = run_segments(&run, &mut me, data, from, obs)?;
     Ok(chief.then_some(WorkerReport {
         report: TrainReport {
-            epochs,
-            params,
-            steps: done,
+            epochs: end.epochs,
+            params: end.params,
+            steps: end.done,
         },
-        checkpoints: written,
-        stopped,
+        checkpoints: end.written,
+        stopped: end.stopped,
     }))
+}
+
+/// A worker process's side of the segment loop: it runs its own worker; the chief gathers
+/// the others' summaries, weights and optimizer state as messages.
+struct Process<'a, T: Transport + ?Sized> {
+    run: &'a Run<'a>,
+    data: &'a Splits,
+    ep: &'a mut T,
+    be: Box<dyn pipe_kernels::Backend>,
+    start: &'a Start,
+    /// Fresh weights: the shapes gathered weights and optimizer state fill.
+    init: &'a Params,
+    state: Option<WorkerState>,
+    /// Segments run so far (the end-of-segment messages' key).
+    index: u32,
+    origin: (std::time::SystemTime, Instant),
+    /// Where this worker's program stood at the end of its last segment, for the hang doctor.
+    stop: &'a mut Option<StopReport>,
+}
+
+/// This worker's state, once its first segment has made it.
+fn mine(state: &Option<WorkerState>) -> Result<&WorkerState> {
+    state
+        .as_ref()
+        .ok_or_else(|| StageError::Executor("a worker without state".into()))
+}
+
+impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
+    fn run_segment(
+        &mut self,
+        plan: &RunPlan,
+        at: &Segment,
+        this: u64,
+        obs: &mut dyn Observer,
+    ) -> Result<SegmentEnd> {
+        let (run, cfg) = (self.run, self.run.cfg);
+        let rank = self.ep.rank();
+        let t = Instant::now();
+        self.index += 1;
+        let index = self.index;
+        let mut losses = LossRelay::new(run, plan, at, index, rank);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (ep, be, state, start) = (&mut *self.ep, &self.be, &mut self.state, self.start);
+        let outcome = run.with_setup(plan, self.data, (at.epoch, at.done), Some(&tx), |setup| {
+            if state.is_none() {
+                *state = Some(start.state_of(setup, cfg, rank)?);
+            }
+            let st = state
+                .as_mut()
+                .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
+            let mut between = |ep: &mut T| losses.poll(ep, &rx, obs);
+            run_worker_with(be, ep, setup, st, t, &mut between)
+        });
+        if let Some(st) = &self.state {
+            let segment = (plan.schedule.resolved.policy.name(), this as u32);
+            let stall = outcome.as_ref().err().and_then(StageError::stall_key);
+            *self.stop = Some(StopReport::new(rank, segment, &st.progress, stall));
+        }
+        let outcome = outcome?;
+        let base = t.duration_since(self.origin.1).as_secs_f64();
+        let spans: Vec<_> = outcome.spans.iter().map(|sp| sp.shifted(base)).collect();
+        obs.on_spans(self.origin.0, &spans)?;
+        if rank != CHIEF {
+            losses.poll(self.ep, &rx, obs)?;
+            let stop = report_to_chief(self.ep, &outcome, (plan, mine(&self.state)?), index)?;
+            return Ok(SegmentEnd::Follower { stop });
+        }
+        let outcomes = gather_summaries(self.ep, outcome, index)?;
+        losses.finish(self.ep, &rx, &outcomes, obs)?;
+        Ok(SegmentEnd::Chief(outcomes))
+    }
+
+    fn drain(
+        &mut self,
+        plan: &RunPlan,
+        drain: Drain,
+    ) -> Result<(Option<Params>, Option<OptimizerOf>)> {
+        let index = self.index;
+        for w in (0..self.ep.size()).filter(|&w| w != CHIEF) {
+            self.ep.send(Message::from_bytes(
+                control(CHIEF, w, TOPIC_GO, index, 0),
+                &drain_bytes(drain),
+            ))?;
+        }
+        let mine = mine(&self.state)?;
+        let weights = if drain.weights {
+            Some(gather_weights(self.ep, plan, mine, self.init, index)?)
+        } else {
+            None
+        };
+        let optimizer = if drain.optimizer {
+            let cfg = self.run.cfg;
+            Some(gather_optimizer(
+                self.ep, plan, mine, self.init, cfg, index,
+            )?)
+        } else {
+            None
+        };
+        Ok((weights, optimizer))
+    }
 }
 
 /// Losses as a segment computes them: a worker sends each of its own to the chief as it
