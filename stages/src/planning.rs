@@ -177,6 +177,19 @@ pub fn auto_plan(
     Ok((profile, plan))
 }
 
+/// The cut by measured time for `cfg`'s schedule (as many model stages as it has).
+///
+/// # Errors
+/// An impossible schedule; more stages than layers with parameters; profiling failures.
+pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition> {
+    let layout = cfg.resolved()?.layout;
+    let replicas: Vec<u32> = (0..layout.stages())
+        .map(|s| layout.replicas_of(s))
+        .collect();
+    let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
+    measured_partition(model, cfg.microbatch_size, m, &replicas)
+}
+
 /// Settles `--workers W`: plans the run `settings` describe for `workers` workers
 /// ([`auto_plan`]), writes the layout the plan picked into `settings` (stages, replicas,
 /// partition, and the schedule they were planned for) and resolves them again, since the
@@ -218,7 +231,7 @@ pub fn plan_workers(
 }
 
 /// Settles `--partition measured` (the default of a pipelined run): cuts `model` by the
-/// time its stages measure on this machine ([`crate::pipeline::train::measured_cut`]) and
+/// time its stages measure on this machine ([`measured_cut`]) and
 /// writes the cut into both `cfg` and `settings`, so that worker processes and checkpoints
 /// name the partition the run used. Returns the cut, or `None` when the run's partition was
 /// given.
@@ -233,7 +246,7 @@ pub fn settle_measured_partition(
     if cfg.partition != PartitionChoice::Measured {
         return Ok(None);
     }
-    let cut = crate::pipeline::train::measured_cut(cfg, model)?;
+    let cut = measured_cut(cfg, model)?;
     settings.partition = Some(cut.partition.to_string());
     cfg.partition = PartitionChoice::Given(cut.partition.clone());
     Ok(Some(cut))

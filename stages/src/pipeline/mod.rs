@@ -25,7 +25,6 @@ pub mod driver;
 pub mod exec;
 pub mod launch;
 pub mod ledger;
-mod lifecycle;
 pub mod processes;
 pub mod reference;
 pub mod run_plan;

@@ -2,13 +2,14 @@
 //! asked for more often (the pipeline drains at the end of each, so a checkpoint needs no
 //! stashed weights; the model is evaluated at each epoch's end), workers launched as threads
 //! of this process that exchange tensors in process or over QUIC on loopback, worker state
-//! (weights, optimizer) carried from segment to segment, or from a checkpoint. The segment loop
-//! itself is [`super::lifecycle`]'s; this file is its in-process side and what both sides
-//! share (the run's sizes, segment plans, learning rates, epoch reports, checkpoints).
+//! (weights, optimizer) carried from segment to segment, or from a checkpoint. This file also
+//! holds what the worker-process trainer shares with it: the segment loop (`run_segments`,
+//! over a `Coordinator`), the run's sizes, segment plans, learning rates, epoch reports and
+//! checkpoints.
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
@@ -20,7 +21,6 @@ use pipe_transport::quic::{QuicOptions, local_mesh};
 use super::exec::{StageState, WorkerOutcome, WorkerState};
 use super::launch::run_threads_reporting;
 use super::ledger::{LedgerEntry, segment_ledger};
-use super::lifecycle::{Coordinator, Drain, LoopStart, OptimizerOf, SegmentEnd, run_segments};
 use super::run_plan::RunPlan;
 use super::setup::{LossReport, OrderedSource, Setup};
 pub use crate::checkpoint::CheckpointPolicy;
@@ -31,7 +31,7 @@ use crate::error::{Result, StageError};
 use crate::model::{Model, Params};
 use crate::optim::{LrSchedule, Optimizer, OptimizerKind, OptimizerState};
 use crate::partition::Partition;
-use crate::planning::{MeasuredPartition, measured_partition};
+use crate::planning::measured_cut;
 use crate::remedy::{LrScaling, stage_delays};
 use crate::train::{EpochStats, Observer, StageEpochStats, StepStats, TrainReport, evaluate};
 
@@ -213,6 +213,198 @@ impl Coordinator for Threads<'_> {
         };
         Ok((weights, optimizer))
     }
+}
+
+// The segment loop, written once for both places a pipelined run's workers run: every worker
+// a thread of this process ([`train_pipelined`]) or a process of its own
+// ([`super::worker::train_worker`]). After each segment the loop decides what the drained
+// pipeline must give up (the whole model's weights at an epoch's end, a checkpoint or a stop;
+// its optimizer state at a checkpoint), writes the checkpoints, evaluates and reports each
+// epoch, and stops when asked. What differs between the launchers sits behind
+// [`Coordinator`]: how a segment runs and how weights and optimizer state reach the chief
+// (shared memory, or messages). A worker process other than the chief runs the same loop and
+// only follows the chief's requests. It lives here, beside `Run`, which it drives, so that
+// `worker.rs` imports one module and no file imports back.
+
+/// What the chief asks of the drained pipeline after a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Drain {
+    /// The whole model's weights (an epoch's end, a checkpoint or a stop).
+    pub weights: bool,
+    /// The whole model's optimizer state (a checkpoint).
+    pub optimizer: bool,
+    /// The run stops here.
+    pub stop: bool,
+}
+
+/// The whole model's optimizer state with each layer's update count.
+pub(super) type OptimizerOf = (OptimizerState, Vec<u64>);
+
+/// How a segment ended on this side.
+pub(super) enum SegmentEnd {
+    /// The chief (or the in-process launcher): every worker's outcome, in worker order.
+    Chief(Vec<WorkerOutcome>),
+    /// A worker process that is not the chief: it has reported and answered the chief, who
+    /// said whether the run stops.
+    Follower {
+        /// The run stops after this segment.
+        stop: bool,
+    },
+}
+
+/// One launcher's side of the loop.
+pub(super) trait Coordinator {
+    /// Runs segment `at` of `plan`, `this` updates long.
+    ///
+    /// # Errors
+    /// A worker's failure, naming it.
+    fn run_segment(
+        &mut self,
+        plan: &RunPlan,
+        at: &Segment,
+        this: u64,
+        obs: &mut dyn Observer,
+    ) -> Result<SegmentEnd>;
+
+    /// On the chief, after a segment: tells the other workers what `drain` asks, and returns
+    /// the whole model's weights if it asks for them and its optimizer state if it asks for
+    /// that.
+    ///
+    /// # Errors
+    /// A worker that does not answer.
+    fn drain(
+        &mut self,
+        plan: &RunPlan,
+        drain: Drain,
+    ) -> Result<(Option<Params>, Option<OptimizerOf>)>;
+}
+
+/// Where the loop starts and what it may do.
+pub(super) struct LoopStart<'a> {
+    /// Updates done before this run (a resumed checkpoint's).
+    pub done: u64,
+    /// The weights at the start.
+    pub params: Params,
+    /// The stages' layers (none: the plan's own cut).
+    pub partition: &'a Option<Partition>,
+    /// Updates per segment at most (the checkpoint interval).
+    pub every: Option<u64>,
+    /// Checkpoints to write (the chief's).
+    pub checkpoints: Option<&'a CheckpointPolicy>,
+    /// Set (Ctrl-C) to stop at the next drain point (watched by the chief).
+    pub stop: Option<&'a Arc<AtomicBool>>,
+}
+
+/// How the loop ended: on the chief, everything its report needs.
+pub(super) struct LoopEnd {
+    /// Every finished epoch's figures.
+    pub epochs: Vec<EpochStats>,
+    /// The weights at the end (the last drained ones).
+    pub params: Params,
+    /// Updates done, over the run.
+    pub done: u64,
+    /// Checkpoints written, oldest first.
+    pub written: Vec<PathBuf>,
+    /// Stopped early after this many updates.
+    pub stopped: Option<u64>,
+    /// The last segment's plan (none on a follower, or when nothing ran).
+    pub last: Option<RunPlan>,
+}
+
+/// Runs the segments of `run` from `start` through `coord`, reporting to `obs`.
+///
+/// # Errors
+/// As the coordinator's; a checkpoint that cannot be written; an observer's error.
+pub(super) fn run_segments(
+    run: &Run<'_>,
+    coord: &mut dyn Coordinator,
+    data: &Splits,
+    start: LoopStart<'_>,
+    obs: &mut dyn Observer,
+) -> Result<LoopEnd> {
+    let eval_be = CpuBackend::new(0)?;
+    let mut end = LoopEnd {
+        epochs: Vec::new(),
+        params: start.params,
+        done: start.done,
+        written: Vec::new(),
+        stopped: None,
+        last: None,
+    };
+    for epoch in end.done / run.per_epoch + 1..=run.cfg.epochs {
+        let first = (epoch - 1) * run.per_epoch;
+        let epoch_len = run.total.saturating_sub(first).min(run.per_epoch);
+        if epoch_len == 0 || end.stopped.is_some() {
+            break;
+        }
+        let mut acc: Vec<WorkerOutcome> = Vec::new();
+        let mut secs = 0.0;
+        let mut last = None;
+        while end.done < first + epoch_len && end.stopped.is_none() {
+            let done = end.done;
+            let before = done - first;
+            let (plan, this) =
+                run.segment_plan(start.every, done, epoch_len - before, start.partition)?;
+            let at = Segment {
+                epoch,
+                done,
+                before,
+                epoch_len,
+            };
+            let t = Instant::now();
+            let outcomes = match coord.run_segment(&plan, &at, this, obs)? {
+                SegmentEnd::Chief(outcomes) => outcomes,
+                SegmentEnd::Follower { stop } => {
+                    end.done += this;
+                    if stop {
+                        end.stopped = Some(end.done);
+                    }
+                    continue;
+                }
+            };
+            secs += t.elapsed().as_secs_f64();
+            end.done += this;
+            merge_outcomes(&mut acc, outcomes);
+            let epoch_end = end.done == first + epoch_len;
+            let stop = start.stop.is_some_and(|f| f.load(Ordering::SeqCst));
+            let save = start
+                .checkpoints
+                .filter(|p| p.due(end.done, epoch_end, stop));
+            let drain = Drain {
+                weights: epoch_end || save.is_some() || stop,
+                optimizer: save.is_some(),
+                stop,
+            };
+            let (weights, optimizer) = coord.drain(&plan, drain)?;
+            if let Some(weights) = weights {
+                end.params = weights;
+            }
+            if let (Some(policy), Some(optimizer)) = (save, optimizer) {
+                let saved = run.save(&plan, end.done, end.params.clone(), optimizer, policy)?;
+                end.written.push(saved);
+            }
+            if stop {
+                end.stopped = Some(end.done);
+            }
+            last = Some(plan);
+        }
+        let Some(plan) = last else { continue };
+        if end.done < first + epoch_len {
+            end.last = Some(plan);
+            break;
+        }
+        let ended = EpochEnd {
+            plan: &plan,
+            outcomes: &acc,
+            epoch,
+            done: end.done,
+            secs,
+        };
+        end.epochs
+            .push(run.finish_epoch(&ended, &end.params, data, &eval_be, obs)?);
+        end.last = Some(plan);
+    }
+    Ok(end)
 }
 
 /// The sequential reference trainer over a whole run of `cfg`, from fresh weights: the same
@@ -452,7 +644,7 @@ pub(super) fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerO
 
 /// The partition `cfg` asks for: given ranges, the FLOP-balanced split (`None`, which
 /// [`RunPlan::new`] fills in), or a cut by time measured now
-/// ([`crate::planning::measured_partition`]).
+/// ([`crate::planning::measured_cut`]).
 ///
 /// # Errors
 /// An impossible schedule; more stages than layers with parameters; profiling failures.
@@ -462,19 +654,6 @@ pub fn run_partition(cfg: &RunConfig, model: &Model) -> Result<Option<Partition>
         PartitionChoice::Flops => None,
         PartitionChoice::Measured => Some(measured_cut(cfg, model)?.partition),
     })
-}
-
-/// The cut by measured time for `cfg`'s schedule (as many model stages as it has).
-///
-/// # Errors
-/// As [`run_partition`].
-pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition> {
-    let layout = cfg.resolved()?.layout;
-    let replicas: Vec<u32> = (0..layout.stages())
-        .map(|s| layout.replicas_of(s))
-        .collect();
-    let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
-    measured_partition(model, cfg.microbatch_size, m, &replicas)
 }
 
 impl<'c> Run<'c> {

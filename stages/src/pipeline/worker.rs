@@ -40,10 +40,12 @@ use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use super::doctor::StopReport;
 use super::driver::run_worker_with;
 use super::exec::{WorkerOutcome, WorkerState};
-use super::lifecycle::{Coordinator, Drain, LoopStart, OptimizerOf, SegmentEnd, run_segments};
 use super::run_plan::RunPlan;
 use super::setup::LossReport;
-use super::train::{LiveSteps, Run, Segment, Start, run_partition};
+use super::train::{
+    Coordinator, Drain, LiveSteps, LoopStart, OptimizerOf, Run, Segment, SegmentEnd, Start,
+    run_partition, run_segments,
+};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
 use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
