@@ -123,8 +123,7 @@ pub fn train_pipelined(
         data,
         start: &start,
         states: Vec::new(),
-        timeline: opts.timeline,
-        spans: Vec::new(),
+        spans: opts.timeline.then(Vec::new),
         ledger: opts.ledger.then(Vec::new),
     };
     let from = LoopStart {
@@ -151,7 +150,7 @@ pub fn train_pipelined(
         },
         partition: plan.partition,
         schedule: plan.schedule,
-        timeline: opts.timeline.then(|| Timeline::new(workers, threads.spans)),
+        timeline: threads.spans.map(|spans| Timeline::new(workers, spans)),
         ledger: threads.ledger.unwrap_or_default(),
         checkpoints: end.written,
         stopped: end.stopped,
@@ -165,9 +164,8 @@ struct Threads<'a> {
     data: &'a Splits,
     start: &'a Start,
     states: Vec<WorkerState>,
-    /// Record every action's interval (`--trace`) into `spans`, on the run's time axis.
-    timeline: bool,
-    spans: Vec<Span>,
+    /// Every action's interval on the run's time axis, when asked for (`--trace`).
+    spans: Option<Vec<Span>>,
     /// The measured version ledger, when asked for.
     ledger: Option<Vec<LedgerEntry>>,
 }
@@ -184,10 +182,10 @@ impl Coordinator for Threads<'_> {
         let outcomes = self
             .run
             .segment(plan, self.data, at, self.start, &mut self.states, obs)?;
-        if self.timeline {
+        if let Some(spans) = &mut self.spans {
             let base = self.run.start.elapsed().as_secs_f64() - t.elapsed().as_secs_f64();
             for o in &outcomes {
-                self.spans.extend(o.spans.iter().map(|sp| sp.shifted(base)));
+                spans.extend(o.spans.iter().map(|sp| sp.shifted(base)));
             }
         }
         if let Some(ledger) = &mut self.ledger {
@@ -201,17 +199,11 @@ impl Coordinator for Threads<'_> {
         plan: &RunPlan,
         drain: Drain,
     ) -> Result<(Option<Params>, Option<OptimizerOf>)> {
-        let weights = if drain.weights {
-            Some(assemble(plan, &self.states)?)
-        } else {
-            None
-        };
-        let optimizer = if drain.optimizer {
-            Some(Run::optimizer_of(plan, &self.states)?)
-        } else {
-            None
-        };
-        Ok((weights, optimizer))
+        let weights = drain.weights.then(|| assemble(plan, &self.states));
+        let optimizer = drain
+            .optimizer
+            .then(|| Run::optimizer_of(plan, &self.states));
+        Ok((weights.transpose()?, optimizer.transpose()?))
     }
 }
 

@@ -326,17 +326,14 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
                 &drain_bytes(drain),
             ))?;
         }
-        let mine = mine(&self.state)?;
+        let (mine, init, cfg) = (mine(&self.state)?, self.init, self.run.cfg);
         let weights = if drain.weights {
-            Some(gather_weights(self.ep, plan, mine, self.init, index)?)
+            Some(gather_weights(self.ep, plan, mine, init, index)?)
         } else {
             None
         };
         let optimizer = if drain.optimizer {
-            let cfg = self.run.cfg;
-            Some(gather_optimizer(
-                self.ep, plan, mine, self.init, cfg, index,
-            )?)
+            Some(gather_optimizer(self.ep, plan, mine, init, cfg, index)?)
         } else {
             None
         };
