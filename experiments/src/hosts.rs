@@ -11,8 +11,12 @@
 //!
 //! The profile is calibrated on the executor, as `pipe plan --model` does, with as many copies
 //! at once as the workers have cores. The simulator shares the cores (`--cores`) among the
-//! workers and charges every transfer the link's bandwidth; what it does not see is the
-//! processor time QUIC spends per byte and per packet, which the report's ratios show.
+//! workers and charges every transfer the link's bandwidth and QUIC's processor time: per
+//! message and per byte at each end, measured before planning by a ping-pong between two QUIC
+//! endpoints on loopback with datagrams of the link's MTU ([`crate::link`]; the report shows
+//! the figures). The planner's
+//! search charges link time only; its simulator check, which picks among the plan, the best
+//! straight pipeline and data parallelism, charges both.
 //! Measured throughput is the chief's samples/s over `updates` minibatches (fill and drain
 //! included, connection setup not).
 
@@ -51,6 +55,9 @@ pub struct HostsBenchConfig {
     pub updates: u64,
     /// Cores the workers share, for the simulator (`None`: one each).
     pub cores: Option<u32>,
+    /// The link's MTU, bytes: QUIC's processor time is measured on loopback with datagrams
+    /// of that size, as the link carries them.
+    pub mtu: u16,
     /// The `pipe` binary the workers run.
     pub pipe: PathBuf,
     /// Where cluster files go.
@@ -87,6 +94,9 @@ pub struct HostsReport {
     pub workers: u32,
     /// Bandwidth the planner was told, bytes/s.
     pub bandwidth: f64,
+    /// QUIC's processor time, measured on loopback before planning and charged by the
+    /// simulator.
+    pub quic: crate::link::LinkCost,
     /// The layouts, each measured once: the plan (where it is neither of the others), the
     /// pipeline, data parallelism.
     pub layouts: Vec<LayoutRun>,
@@ -139,9 +149,13 @@ pub fn run(cfg: &HostsBenchConfig) -> Result<HostsReport, ExperimentError> {
     let profile_opts =
         crate::partition::plan_profile_options(cfg.microbatch, cfg.microbatches, cfg.workers);
     let profile = profile_model(&model, &cfg.model, &be, &profile_opts)?;
+    // The link's MTU less 20 bytes of IPv4 and 8 of UDP header.
+    let quic = crate::bench::quic_link_cost(cfg.mtu.saturating_sub(28))?;
     let opts = PlanOptions {
         microbatches: cfg.microbatches,
         cores: cfg.cores,
+        message_cpu: quic.cpu_s,
+        byte_cpu: quic.byte_cpu_s,
         ..PlanOptions::new(cfg.workers, cfg.bandwidth)
     };
     let picked = plan_checked(&profile, &opts)?;
@@ -178,6 +192,7 @@ pub fn run(cfg: &HostsBenchConfig) -> Result<HostsReport, ExperimentError> {
         microbatches: cfg.microbatches,
         workers: cfg.workers,
         bandwidth: cfg.bandwidth,
+        quic,
         layouts,
     })
 }
@@ -306,13 +321,17 @@ fn samples_per_s(out: &str, tokens: Option<usize>) -> Option<f64> {
 pub fn render(r: &HostsReport) -> String {
     let mut s = format!(
         "{} at {:.0} MB/s, {} workers, microbatch {}, M = {} (pipedream)\n\n\
+         QUIC's processor time on loopback, charged by the simulator: {:.1} us per message \
+         end, {:.2} ns per byte at each end\n\n\
          | layout | partition | replicas | simulated samples/s | measured samples/s | measured / simulated |\n\
          |---|---|---|---|---|---|\n",
         r.model,
         r.bandwidth / 1e6,
         r.workers,
         r.microbatch,
-        r.microbatches
+        r.microbatches,
+        r.quic.cpu_s * 1e6,
+        r.quic.byte_cpu_s * 1e9
     );
     for l in &r.layouts {
         s.push_str(&format!(

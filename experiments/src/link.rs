@@ -1,8 +1,14 @@
 //! What a message costs on a transport, measured by ping-pong between two threads: the one-way
 //! wall time of a small message (the simulator's link latency), the processor time each end
-//! spends on it (the simulator's `message_cpu`), and the one-way time of a large one, whose
-//! excess over the small one gives the link's bandwidth. Generic over [`Transport`], so the
-//! in-process channels and QUIC on loopback are measured by the same code.
+//! spends on it (the simulator's `message_cpu`), and the one-way time and processor time of a
+//! large one, whose excess over the small one gives the link's bandwidth and the processor
+//! time per byte (the simulator's `byte_cpu`). Generic over [`Transport`], so the in-process
+//! channels and QUIC on loopback are measured by the same code.
+//!
+//! Processor time is the whole process's (`CLOCK_PROCESS_CPUTIME_ID`): a QUIC endpoint does
+//! its packet and encryption work on its own runtime thread, not on the thread that calls
+//! `send` and `recv`, so the callers' time alone would miss most of it. Both ends run in this
+//! process, so its time over twice the messages is one end's share.
 
 use std::time::Instant;
 
@@ -22,16 +28,24 @@ pub struct LinkCost {
     /// Bytes per second beyond the small message's cost (`None` when large messages cost no
     /// more than small ones, as on the in-process transport, which moves owned buffers).
     pub bandwidth: Option<f64>,
+    /// Processor time per byte at each end beyond the small message's, seconds per byte
+    /// (0 where large messages cost no more processor time, as in process).
+    #[serde(default)]
+    pub byte_cpu_s: f64,
 }
 
-/// The calling thread's processor time in seconds (`CLOCK_THREAD_CPUTIME_ID`).
-pub fn thread_cpu_seconds() -> f64 {
+/// This process's processor time in seconds, every thread's (`CLOCK_PROCESS_CPUTIME_ID`).
+pub fn process_cpu_seconds() -> f64 {
+    cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+fn cpu_seconds(clock: libc::clockid_t) -> f64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec through a valid pointer.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
     if rc != 0 {
         return 0.0;
     }
@@ -64,8 +78,9 @@ fn ping_pong<T: Transport + Send + 'static>(
     first: u32,
 ) -> Result<(f64, f64, T), ExperimentError> {
     let mut b = b;
-    let echo = std::thread::spawn(move || -> Result<(f64, T), TransportError> {
-        let cpu0 = thread_cpu_seconds();
+    let cpu0 = process_cpu_seconds();
+    let t = Instant::now();
+    let echo = std::thread::spawn(move || -> Result<T, TransportError> {
         for i in first..first + rounds {
             let m = b.recv(&key(0, 1, i))?;
             b.send(Message {
@@ -74,10 +89,8 @@ fn ping_pong<T: Transport + Send + 'static>(
                 tensor: m.tensor,
             })?;
         }
-        Ok((thread_cpu_seconds() - cpu0, b))
+        Ok(b)
     });
-    let t = Instant::now();
-    let cpu0 = thread_cpu_seconds();
     let mut tensor = Tensor::zeros(&[values]);
     for i in first..first + rounds {
         a.send(Message {
@@ -89,14 +102,14 @@ fn ping_pong<T: Transport + Send + 'static>(
         tensor = a.recv(&key(1, 0, i)).map_err(transport_err)?.tensor;
     }
     let secs = t.elapsed().as_secs_f64();
-    let cpu = thread_cpu_seconds() - cpu0;
-    let (peer_cpu, b) = echo
+    let b = echo
         .join()
         .map_err(|_| ExperimentError::Config("ping-pong thread panicked".into()))?
         .map_err(transport_err)?;
+    let cpu = process_cpu_seconds() - cpu0;
     let messages = f64::from(2 * rounds);
-    // Every message has two ends: both threads' time over twice the messages.
-    Ok((secs / messages, (cpu + peer_cpu) / (2.0 * messages), b))
+    // Every message has two ends: the process's time over twice the messages.
+    Ok((secs / messages, cpu / (2.0 * messages), b))
 }
 
 /// Measures [`LinkCost`] between two endpoints of one transport (ranks 0 and 1): a warm-up,
@@ -114,7 +127,8 @@ pub fn measure<T: Transport + Send + 'static>(
     const LARGE: usize = 1 << 20;
     let (_, _, b) = ping_pong(&mut a, b, SMALL, 50, 0)?;
     let (small_s, cpu_s, b) = ping_pong(&mut a, b, SMALL, rounds.max(10), 50)?;
-    let (large_s, _, _) = ping_pong(&mut a, b, LARGE, (rounds / 10).max(5), 50 + rounds.max(10))?;
+    let large_rounds = (rounds / 10).max(5);
+    let (large_s, large_cpu_s, _) = ping_pong(&mut a, b, LARGE, large_rounds, 50 + rounds.max(10))?;
     let extra_bytes = ((LARGE - SMALL) * 4) as f64;
     let extra_s = large_s - small_s;
     // Under 10 us for 4 MiB more (over 400 GB/s) is no cost within the noise.
@@ -123,6 +137,7 @@ pub fn measure<T: Transport + Send + 'static>(
         latency_s: small_s,
         cpu_s,
         bandwidth,
+        byte_cpu_s: ((large_cpu_s - cpu_s) / extra_bytes).max(0.0),
     })
 }
 

@@ -197,6 +197,14 @@ pub struct CostModel {
     /// Threads on shared cores pay this; latency, by contrast, delays without occupying a core.
     #[serde(default)]
     pub message_cpu: f64,
+    /// Processor time a worker spends on each byte it sends or receives, in seconds per byte
+    /// (default 0): what an encrypted transport costs beyond a message's fixed part (packets,
+    /// encryption, copies). Charged like `message_cpu`, on the compute that produces or
+    /// consumes the bytes; a ring all-reduce among `r` replicas costs each member
+    /// `4(r-1)/r * P` bytes of it (it sends and receives `2(r-1)/r * P`), and takes the longer
+    /// of that and its link time.
+    #[serde(default)]
+    pub byte_cpu: f64,
 }
 
 impl CostModel {
@@ -209,6 +217,7 @@ impl CostModel {
             overlap: true,
             cores: None,
             message_cpu: 0.0,
+            byte_cpu: 0.0,
         }
     }
 
@@ -274,11 +283,15 @@ impl CostModel {
                 self.latency
             )));
         }
-        if !self.message_cpu.is_finite() || self.message_cpu < 0.0 {
-            return Err(ScheduleError::Cost(format!(
-                "message_cpu must be a finite number of seconds >= 0, got {}",
-                self.message_cpu
-            )));
+        for (name, v) in [
+            ("message_cpu", self.message_cpu),
+            ("byte_cpu", self.byte_cpu),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(ScheduleError::Cost(format!(
+                    "{name} must be a finite number of seconds >= 0, got {v}"
+                )));
+            }
         }
         Ok(())
     }
@@ -301,6 +314,7 @@ impl CostModel {
         }
         check_figure("latency", self.latency).map_err(cost)?;
         check_figure("message_cpu", self.message_cpu).map_err(cost)?;
+        check_figure("byte_cpu", self.byte_cpu).map_err(cost)?;
         let total: f64 = self
             .stages
             .iter()
@@ -1242,13 +1256,19 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
             // in, gradient out); none to a neighbour on the same position (one position
             // holding every stage, the turn of a V).
             let apart = |n: u32| layout.position_of(n) != layout.position_of(s);
-            let messages = f64::from(u8::from(s > 0 && apart(s - 1)))
-                + f64::from(u8::from(s + 1 < layout.stages() && apart(s + 1)));
-            let message_cpu = c.message_cpu * messages;
+            let after = s + 1 < layout.stages() && apart(s + 1);
+            let before = (s > 0 && apart(s - 1)).then(|| c.stage(s - 1));
+            let messages = f64::from(u8::from(before.is_some())) + f64::from(u8::from(after));
+            let own = |bytes: f64| if after { bytes } else { 0.0 };
+            let forward_bytes =
+                before.map_or(0.0, |p| p.activation_bytes) + own(st.activation_bytes);
+            let backward_bytes = own(st.gradient()) + before.map_or(0.0, StageCost::gradient);
+            let forward_cpu = c.message_cpu * messages + c.byte_cpu * forward_bytes;
+            let backward_cpu = c.message_cpu * messages + c.byte_cpu * backward_bytes;
             StageTimes {
-                forward: st.forward + message_cpu,
-                backward: st.whole_backward() + message_cpu,
-                backward_input: st.backward_input + message_cpu,
+                forward: st.forward + forward_cpu,
+                backward: st.whole_backward() + backward_cpu,
+                backward_input: st.backward_input + backward_cpu,
                 backward_weight: st.backward_weight,
                 update: st.update,
                 activation_transfer: c.transfer(st.activation_bytes),
@@ -1262,8 +1282,9 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
                     _ if r <= 1.0 => 0.0,
                     Some(measured) => measured,
                     None => {
-                        2.0 * (r - 1.0) / r * c.transfer(st.param_bytes)
-                            + 2.0 * (r - 1.0) * c.latency
+                        let moved = 2.0 * (r - 1.0) / r * st.param_bytes;
+                        let link = c.transfer(moved) + 2.0 * (r - 1.0) * c.latency;
+                        link.max(2.0 * moved * c.byte_cpu)
                     }
                 },
             }

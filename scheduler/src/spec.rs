@@ -168,6 +168,20 @@ impl fmt::Display for Policy {
     }
 }
 
+/// A policy is written by its CLI name in records and settings files.
+impl serde::Serialize for Policy {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Policy {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl FromStr for Policy {
     type Err = ScheduleError;
     fn from_str(s: &str) -> Result<Self> {

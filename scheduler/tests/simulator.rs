@@ -224,6 +224,62 @@ fn message_cpu_is_paid_at_both_ends_of_every_message() {
     assert!(bad.check(2).is_err());
 }
 
+/// Each byte sent or received costs its worker `byte_cpu` of compute: one microbatch of
+/// `a`-byte activations through `S` stages moves `2 (S - 1)` messages of `a` bytes, each paid
+/// at both ends, so the makespan grows by `4 (S - 1) a k` (with infinitely fast links).
+#[test]
+fn byte_cpu_is_paid_at_both_ends_of_every_byte() {
+    let (f, b, a, k) = (1.0, 2.0, 1000.0, 1.0e-4);
+    for stages in 1..=4u32 {
+        let costs = CostModel {
+            byte_cpu: k,
+            ..CostModel::uniform(StageCost {
+                activation_bytes: a,
+                ..StageCost::compute(f, b)
+            })
+        };
+        let s = f64::from(stages);
+        let spec = ScheduleSpec::new(Policy::Gpipe, stages, 1);
+        close(
+            run(&spec, &costs).makespan,
+            s * (f + b) + 4.0 * (s - 1.0) * a * k,
+            "one microbatch",
+        );
+    }
+    let bad = CostModel {
+        byte_cpu: f64::NAN,
+        ..CostModel::uniform(StageCost::compute(f, b))
+    };
+    assert!(bad.check(2).is_err());
+}
+
+/// A ring all-reduce costs each member `4 (r-1)/r P k` of processor time (it sends and
+/// receives `2 (r-1)/r P` bytes), and takes the longer of that and its link time.
+#[test]
+fn an_all_reduce_takes_the_longer_of_its_link_time_and_its_byte_cpu() {
+    let p = 6.0e6;
+    for r in [2u32, 4] {
+        for (bandwidth, k) in [(1.0e9, 1.0e-10), (1.0e9, 1.0e-9), (f64::INFINITY, 3.0e-10)] {
+            let costs = CostModel {
+                bandwidth,
+                byte_cpu: k,
+                ..CostModel::uniform(StageCost {
+                    param_bytes: p,
+                    ..StageCost::compute(0.0, 0.0)
+                })
+            };
+            let spec = ScheduleSpec::new(Policy::PipeDream, 1, 1)
+                .with_replicas(vec![r])
+                .with_length(Length::Updates(3));
+            let rf = f64::from(r);
+            let moved = 2.0 * (rf - 1.0) / rf * p;
+            let one = (moved / bandwidth).max(2.0 * moved * k);
+            let what = format!("r={r} bandwidth={bandwidth} k={k}");
+            close(run(&spec, &costs).makespan, 3.0 * one, &what);
+        }
+    }
+}
+
 #[test]
 fn peak_memory_counts_stash_and_versions_in_bytes() {
     let cost = StageCost {

@@ -52,6 +52,10 @@ pub struct SimulateArgs {
     /// woken), added to the action that sends or receives it.
     #[arg(long, default_value = "0", value_parser = parse_seconds)]
     message_cpu: f64,
+    /// Processor time each byte costs its sender and its receiver (encryption, packets,
+    /// copies), added as `--message-cpu` is, in seconds per byte.
+    #[arg(long, default_value = "0", value_parser = parse_seconds)]
+    byte_cpu: f64,
     /// Cores the workers share (default: one each); fewer cores than workers share them fairly.
     /// Overrides `cores` in a cost file.
     #[arg(long)]
@@ -93,6 +97,7 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
         overlap: !args.no_overlap,
         cores: args.cores,
         message_cpu: args.message_cpu,
+        byte_cpu: args.byte_cpu,
     })
 }
 

@@ -32,8 +32,9 @@ use std::time::Duration;
 use pipe_kernels::Tensor;
 use thiserror::Error;
 
-/// What a message carries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// What a message carries. Serialized by name (`"Activation"`, ...) where a record names
+/// one, as the hang doctor's stop reports do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Kind {
     /// A stage's output activation, going to the next stage.
     Activation,

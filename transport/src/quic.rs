@@ -194,6 +194,12 @@ pub struct QuicOptions {
     /// wait: readers never block on the worker's program, so two workers sending to each other
     /// cannot deadlock (see the module documentation).
     pub max_held_bytes: u64,
+    /// The largest UDP payload path MTU discovery tries, bytes (default 32,000, see
+    /// [`MTU_UPPER_BOUND`]). A link's MTU bounds discovery anyway; a smaller bound makes
+    /// loopback carry the datagrams of an ordinary link (a 1,500-byte MTU carries 1,472 over
+    /// IPv4), which is how a benchmark measures, on one machine, what QUIC's processor time per
+    /// byte will be on that link.
+    pub max_datagram: u16,
 }
 
 impl QuicOptions {
@@ -210,6 +216,7 @@ impl QuicOptions {
             frame_grace: Duration::from_secs(10),
             max_payload_bytes: FrameLimits::DEFAULT_MAX_PAYLOAD,
             max_held_bytes: DEFAULT_MAX_HELD_BYTES,
+            max_datagram: MTU_UPPER_BOUND,
         }
     }
 }
@@ -286,7 +293,7 @@ impl std::fmt::Debug for Bound {
 /// bytes, 1.3-1.7 at 6,500, 2.0-2.6 at 16,000 and 2.1-2.6 at 32,000 (`pipe bench transport`,
 /// 2026-11-26; above 6,500 only since [`BatchBounded`] cuts the GSO batches). Ordinary links
 /// stop at their own MTU, which discovery finds.
-const MTU_UPPER_BOUND: u16 = 32_000;
+pub const MTU_UPPER_BOUND: u16 = 32_000;
 
 /// The most bytes one GSO send may carry: a UDP datagram's 65,507 bytes, with room to spare.
 /// The kernel refuses a larger batch, and every packet in it is lost.
@@ -369,7 +376,7 @@ fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, T
         .send_window(64 << 20)
         .max_concurrent_uni_streams(quinn::VarInt::from_u32(8));
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(MTU_UPPER_BOUND);
+    mtu.upper_bound(opts.max_datagram.clamp(1200, MTU_UPPER_BOUND));
     t.mtu_discovery_config(Some(mtu));
     Ok(Arc::new(t))
 }

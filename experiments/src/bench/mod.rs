@@ -221,6 +221,18 @@ fn link_cost(transport: TransportName) -> Result<LinkCost, ExperimentError> {
     }
 }
 
+/// Message costs of QUIC between two endpoints on loopback whose datagrams stay within
+/// `max_datagram` bytes (a link's MTU less the IP and UDP headers), as on that link.
+pub(crate) fn quic_link_cost(max_datagram: u16) -> Result<LinkCost, ExperimentError> {
+    let opts = QuicOptions {
+        max_datagram,
+        ..QuicOptions::new(0x62656e6368)
+    };
+    let mesh =
+        local_mesh(2, &opts).map_err(|e| ExperimentError::Config(format!("QUIC mesh: {e}")))?;
+    crate::link::measure_mesh(mesh, 500)
+}
+
 fn quic_mesh(n: u32) -> Result<Vec<pipe_transport::quic::Quic>, ExperimentError> {
     local_mesh(n, &QuicOptions::new(0x62656e6368))
         .map_err(|e| ExperimentError::Config(format!("QUIC mesh: {e}")))

@@ -83,6 +83,7 @@ pub fn predict(
         cores: Some(inputs.cores),
         latency: inputs.link.latency_s,
         message_cpu: inputs.link.cpu_s,
+        byte_cpu: inputs.link.byte_cpu_s,
         bandwidth: inputs.link.bandwidth.unwrap_or(f64::INFINITY),
         ..CostModel::uniform(StageCost::compute(0.0, 0.0))
     };

@@ -118,6 +118,13 @@ pub struct PlanOptions {
     /// Cores the workers share when the simulator times a plan (`None`: one each); fewer cores
     /// than workers share them fairly ([`CostModel::cores`]).
     pub cores: Option<u32>,
+    /// Processor time the transport spends per message end, seconds, charged by the
+    /// simulator's check ([`CostModel::message_cpu`]; the partitioner's own search charges
+    /// link time only). Default 0.
+    pub message_cpu: f64,
+    /// Processor time the transport spends per byte at each end, seconds per byte
+    /// ([`CostModel::byte_cpu`], charged as `message_cpu` is). Default 0.
+    pub byte_cpu: f64,
 }
 
 impl PlanOptions {
@@ -137,6 +144,8 @@ impl PlanOptions {
             state_copies: 2.0,
             candidates: 4,
             cores: None,
+            message_cpu: 0.0,
+            byte_cpu: 0.0,
         }
     }
 
@@ -156,6 +165,14 @@ impl PlanOptions {
         }
         if !self.latency.is_finite() || self.latency < 0.0 {
             return bad(format!("latency must be >= 0 s, got {}", self.latency));
+        }
+        for (name, v) in [
+            ("message_cpu", self.message_cpu),
+            ("byte_cpu", self.byte_cpu),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return bad(format!("{name} must be >= 0 s, got {v}"));
+            }
         }
         if self.microbatches == 0 {
             return bad("need at least one microbatch per update".into());
@@ -1011,8 +1028,8 @@ pub fn simulate_plan_with_memory(
         latency: opts.latency,
         overlap: opts.overlap,
         cores: opts.cores,
-        // Messages cost link time only.
-        message_cpu: 0.0,
+        message_cpu: opts.message_cpu,
+        byte_cpu: opts.byte_cpu,
     };
     let report = simulate(&schedule, &costs, SimOptions::default())?;
     let layout = schedule.layout();

@@ -15,7 +15,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use pipe_scheduler::{Action, Schedule, WorkerId};
+use pipe_scheduler::{Action, Policy, Schedule, WorkerId};
 use pipe_transport::{Key, Kind};
 use serde::{Deserialize, Serialize};
 
@@ -40,8 +40,8 @@ pub struct StopPoint {
 pub struct StopReport {
     /// The worker.
     pub rank: u32,
-    /// The segment's policy, by name.
-    pub policy: String,
+    /// The segment's policy.
+    pub policy: Policy,
     /// The segment's length in updates.
     pub updates: u32,
     /// Actions completed.
@@ -50,9 +50,9 @@ pub struct StopReport {
     pub in_action: bool,
     /// It ran its whole program.
     pub finished: bool,
-    /// For the worker that stalled: the awaited message's key (from, kind as `Kind`'s debug
-    /// name, stage, index) and how long it waited.
-    pub stalled: Option<(u32, String, u32, u32, f64)>,
+    /// For the worker that stalled: the awaited message's key (from, kind, stage, index) and
+    /// how long it waited, in seconds.
+    pub stalled: Option<(u32, Kind, u32, u32, f64)>,
 }
 
 impl StopReport {
@@ -60,26 +60,19 @@ impl StopReport {
     /// when its own receive timed out.
     pub fn new(
         rank: u32,
-        (policy, updates): (&str, u32),
+        (policy, updates): (Policy, u32),
         stop: &StopPoint,
         stall: Option<(&Key, Duration)>,
     ) -> Self {
         StopReport {
             rank,
-            policy: policy.to_string(),
+            policy,
             updates,
             completed: stop.completed,
             in_action: stop.at.is_some(),
             finished: stop.finished,
-            stalled: stall.map(|(k, waited)| {
-                (
-                    k.from,
-                    format!("{:?}", k.kind),
-                    k.stage,
-                    k.index,
-                    waited.as_secs_f64(),
-                )
-            }),
+            stalled: stall
+                .map(|(k, waited)| (k.from, k.kind, k.stage, k.index, waited.as_secs_f64())),
         }
     }
 
@@ -102,13 +95,7 @@ impl StopReport {
 
     /// What the stalled worker waited for, and how long.
     pub fn awaited(&self) -> Option<(Key, Duration)> {
-        let (from, kind, stage, index, waited) = self.stalled.clone()?;
-        let kind = match kind.as_str() {
-            "Activation" => Kind::Activation,
-            "Gradient" => Kind::Gradient,
-            "Chunk" => Kind::Chunk,
-            _ => Kind::Control,
-        };
+        let (from, kind, stage, index, waited) = self.stalled?;
         let key = Key {
             from,
             to: self.rank,

@@ -423,8 +423,10 @@ fn stall_report(settings: &TrainSettings, stops: &[StopReport], workers: u32) ->
     let stalled = stops.iter().find(|r| r.stalled.is_some())?;
     let (awaited, waited) = stalled.awaited()?;
     let cfg = settings.clone().resolve().ok()?;
-    let policy = stalled.policy.parse().ok()?;
-    let spec = cfg.schedule_spec_of(policy, pipe_scheduler::Length::Updates(stalled.updates));
+    let spec = cfg.schedule_spec_of(
+        stalled.policy,
+        pipe_scheduler::Length::Updates(stalled.updates),
+    );
     let model = crate::model::Model::new(&cfg.model).ok()?;
     let plan = super::RunPlan::new(&model, &spec, None).ok()?;
     let points: Vec<_> = (0..workers)

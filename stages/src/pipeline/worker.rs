@@ -296,7 +296,7 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
             run_worker_with(be, ep, setup, st, t, &mut between)
         });
         if let Some(st) = &self.state {
-            let segment = (plan.schedule.resolved.policy.name(), this as u32);
+            let segment = (plan.schedule.resolved.policy, this as u32);
             let stall = outcome.as_ref().err().and_then(StageError::stall_key);
             *self.stop = Some(StopReport::new(rank, segment, &st.progress, stall));
         }
