@@ -1,14 +1,15 @@
-//! `pipe train`: a single-worker or pipelined run of the flags' configuration
-//! ([`crate::training`]), with a progress bar, per-epoch summaries, the optional JSON-lines
-//! log and Chrome trace, checkpoints, resume, and a clean stop on Ctrl-C. Pipelined workers
-//! are threads of this process (`--transport inproc`) or `pipe worker` processes talking QUIC on loopback (`--transport quic`,
-//! [`pipe_stages::pipeline::processes`]).
+//! `pipe train`: a run of the flags' configuration ([`crate::training`]), with a progress
+//! bar, per-epoch summaries, the optional JSON-lines log and Chrome trace, checkpoints,
+//! resume, and a clean stop on Ctrl-C. Every run goes through the pipelined executor's
+//! segment loop: its workers are threads of this process (one, running the whole model,
+//! when no pipeline flag is given; `--transport inproc`) or `pipe worker` processes talking
+//! QUIC on loopback (`--transport quic`, [`pipe_stages::pipeline::processes`]).
 
 use anyhow::{Context, Result};
 use pipe_stages::config::RunConfig;
 use pipe_stages::model::Model;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
-use pipe_stages::train::{self, TrainOptions};
+use pipe_stages::train;
 use pipe_transport::TransportKind;
 
 use crate::args::open_backend;
@@ -50,21 +51,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         print_resuming(&dir, &ckpt);
         ckpt
     });
-    if !cfg.pipelined {
-        let opts = TrainOptions {
-            checkpoints: policy,
-            resume,
-            stop: Some(stop_on_ctrl_c(true)),
-        };
-        let out = train::train_with(&cfg, &data, be.as_ref(), &mut fan, &opts)
-            .context("training failed")?;
-        finish_checkpoints(&out.checkpoints, out.stopped)?;
-        print_done(&out.report);
-        return Ok(());
-    }
     settle_partition(&mut cfg, &mut settings, &model)?;
-    let workers = print_pipeline(&cfg, processes)?;
     if processes {
+        let workers = print_pipeline(&cfg, processes)?;
         // The launcher logs what the chief reports; the workers write no log of their own.
         settings.log_jsonl = None;
         let mut opts = LaunchOptions::new(workers);
@@ -97,9 +86,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         stop: Some(stop_on_ctrl_c(true)),
         ..PipelineTrainOptions::default()
     };
+    if cfg.pipelined {
+        print_pipeline(&cfg, processes)?;
+    }
     let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;
-    outln!("partition: {}", out.partition);
+    if cfg.pipelined {
+        outln!("partition: {}", out.partition);
+    }
     if let (Some(path), Some(timeline)) = (&args.trace, &out.timeline) {
         let plan = pipe_scheduler::VersionPlan::derive(&out.schedule).ok();
         let mut tl = timeline.clone();

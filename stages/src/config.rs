@@ -696,10 +696,13 @@ impl TrainSettings {
             || self.sync_warmup.is_some()
             || self.lr_scaling.is_some()
             || self.weight_prediction.is_some();
+        // A run with no pipeline setting is one worker running the whole model: `sequential`
+        // on one stage, through the same executor and segment loop as every other run.
         let schedule: Policy = match &self.schedule {
             Some(name) => name
                 .parse()
                 .map_err(|e: pipe_scheduler::ScheduleError| StageError::Config(e.to_string()))?,
+            None if !pipelined => Policy::Sequential,
             None => lm.map_or(Policy::PipeDream, |d| d.schedule),
         };
         let layout_spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
@@ -871,6 +874,17 @@ impl RunConfig {
             }
         );
         crate::limits::check_memory(per_worker * workers as f64, workers, &holding, machine)
+    }
+
+    /// The policy a pipeline of this run uses: its own when it is pipelined; otherwise (one
+    /// worker, `sequential`) the one a pipeline flag would give it, a language model's
+    /// [`LanguageDefaults::schedule`] or pipedream. What `--workers` plans for.
+    pub fn pipeline_policy(&self) -> Policy {
+        match (self.pipelined, &self.vocab) {
+            (true, _) => self.schedule,
+            (false, Some(_)) => LanguageDefaults::default().schedule,
+            (false, None) => Policy::PipeDream,
+        }
     }
 
     /// The schedule request this run implies, running for `length`.

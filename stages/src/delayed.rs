@@ -28,7 +28,7 @@ use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params, place_params};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, UpdateMean};
 use crate::train::{EpochStats, Observer, StepStats, TrainReport, evaluate};
 
 /// How late gradients arrive.
@@ -196,7 +196,8 @@ pub fn train_delayed(
                     1.0
                 };
                 let lr = lr * scale;
-                opt.mean_step(be, &mut params, &mut grads, m as u32, lr)?;
+                let mean = (UpdateMean::new(m as u32), m as u32);
+                opt.mean_step(be, &mut params, &mut grads, mean, lr)?;
             }
             step += 1;
             loss_sum += loss;
@@ -249,7 +250,7 @@ struct Batch<'a> {
 }
 
 /// The gradients of one update's microbatches on `params`, summed into `grads` (each
-/// microbatch's loss scaled by its rows, as the reference trainer does). Returns the summed
+/// microbatch's loss scaled as the reference trainer scales it, [`UpdateMean`]). Returns the summed
 /// loss and rows.
 fn gradients(
     be: &dyn Backend,
@@ -267,7 +268,8 @@ fn gradients(
         let (x, y): (Tensor, Tensor<u32>) = (be.place(x)?, be.place_ids(y)?);
         let id = batch.first_mb + i as u64;
         let (logits, saved) = model.forward_range(be, 0..n, params, x, true, seed, id)?;
-        let scale = 1.0 / y.len().max(1) as f32;
+        let scale = UpdateMean::new(batch.samples.len().div_ceil(batch.size.max(1)) as u32)
+            .loss_scale(y.len());
         let mut dy = Tensor::default();
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, scale, Some(&mut dy))?;
         if !s.loss_sum.is_finite() {

@@ -6,9 +6,10 @@
 //! to the same code, and the sequential reference trainer can keep every version side by side.
 //!
 //! A run starts as [`config::TrainSettings`] (flags, a TOML file and a plan file merged) and is
-//! checked once into a [`config::RunConfig`]. It trains on one worker ([`train::train_with`]),
-//! pipelined with every worker a thread of this process ([`pipeline::train_pipelined`]), or as
-//! one worker of a run spread over processes or hosts ([`pipeline::train_worker`]); the
+//! checked once into a [`config::RunConfig`]. It trains with every worker a thread of this
+//! process ([`pipeline::train_pipelined`]; a run with no pipeline flag is one worker running
+//! the whole model under `sequential`), or as one worker of a run spread over processes or
+//! hosts ([`pipeline::train_worker`]); both go through one segment loop, and the
 //! staleness experiment's data-parallel baseline with delayed gradients is
 //! [`delayed::train_delayed`]. The executor, the sequential reference trainer
 //! ([`pipeline::reference`]) and the remedies for stale weights ([`remedy`]) build on the same

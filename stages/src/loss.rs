@@ -1,6 +1,6 @@
 //! Losses: what the last stage turns its output and the microbatch's targets into (a loss sum
 //! and the gradient that starts the backward pass). One trait, so the executor, the reference
-//! trainer and the single-worker loop are written once for classification today and next-token
+//! trainer and delayed SGD are written once for classification today and next-token
 //! prediction later (whose targets are token ids, the same `u32` per row, in an id tensor that
 //! lives where the backend computes).
 

@@ -113,6 +113,47 @@ impl OptimizerConfig {
     }
 }
 
+/// How an update's summed gradient becomes a mean, written once for every trainer: each
+/// microbatch's loss gradient is scaled by `1 / (targets x U)`, where `targets` counts the
+/// microbatch's loss terms and `U` the microbatches the loss stage's update sums, so that the
+/// sum over an update is already the mean; a stage whose update sums another number of
+/// microbatches (an asynchronous schedule with unequal replica counts) rescales its sum by
+/// `U / own` before its step.
+///
+/// Scaling at the loss once, rather than by `1 / targets` there and `1 / U` after summing,
+/// makes one worker and `--schedule sequential` the same arithmetic for every `U` (the two
+/// orders round differently unless `U` is a power of two, where they agree bit for bit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UpdateMean {
+    loss_update: u32,
+}
+
+impl UpdateMean {
+    /// The mean over updates of `loss_update` microbatches at the loss stage (at least 1).
+    pub fn new(loss_update: u32) -> Self {
+        UpdateMean {
+            loss_update: loss_update.max(1),
+        }
+    }
+
+    /// The mean of a schedule's updates: the loss stage's update size.
+    pub fn of(resolved: &pipe_scheduler::Resolved) -> Self {
+        let last = resolved.layout.stages().saturating_sub(1);
+        Self::new(resolved.update_size(last))
+    }
+
+    /// The factor a microbatch's loss gradient is scaled by, for `targets` loss terms.
+    pub fn loss_scale(self, targets: usize) -> f32 {
+        1.0 / (targets.max(1) as u64 * u64::from(self.loss_update)) as f32
+    }
+
+    /// What a stage whose updates sum `own` microbatches multiplies its summed gradient by:
+    /// `None` when `own` is the loss stage's (the sum is already the mean).
+    pub fn rescale(self, own: u32) -> Option<f32> {
+        (own.max(1) != self.loss_update).then(|| self.loss_update as f32 / own.max(1) as f32)
+    }
+}
+
 /// An optimizer over one set of parameters (a model, or one stage's layers).
 #[derive(Debug, Clone)]
 pub struct Optimizer {
@@ -232,9 +273,11 @@ impl Optimizer {
     }
 
     /// The update the executor, the reference trainer and delayed SGD all apply, with the
-    /// same operations so that their weights agree bit for bit: scale the summed gradients
-    /// (tied parameters' uses already summed, [`Model::sum_tied`](crate::model::Model::sum_tied))
-    /// to a mean over the update's `microbatches`, then one step on `params`.
+    /// same operations so that their weights agree bit for bit: the summed gradients (tied
+    /// parameters' uses already summed, [`Model::sum_tied`](crate::model::Model::sum_tied)),
+    /// whose losses `mean` scaled, rescaled to the mean over this stage's `own` microbatches
+    /// where their number differs from the loss stage's ([`UpdateMean::rescale`]), then one
+    /// step on `params`.
     ///
     /// # Errors
     /// Shape mismatches between parameters, gradients and state.
@@ -243,12 +286,13 @@ impl Optimizer {
         be: &dyn Backend,
         params: &mut Params,
         grads: &mut Params,
-        microbatches: u32,
+        (mean, own): (UpdateMean, u32),
         lr: f32,
     ) -> Result<()> {
-        let inv = 1.0 / microbatches as f32;
-        for g in grads.iter_mut().flatten() {
-            be.scale(inv, g)?;
+        if let Some(factor) = mean.rescale(own) {
+            for g in grads.iter_mut().flatten() {
+                be.scale(factor, g)?;
+            }
         }
         self.step(be, params, grads, lr)
     }

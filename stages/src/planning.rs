@@ -209,11 +209,12 @@ pub fn plan_workers(
     let cfg = settings.clone().resolve()?;
     let model = Model::new(&cfg.model)?;
     let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
+    let policy = cfg.pipeline_policy();
     let (_, plan) = auto_plan(
         &cfg.model_name,
         &model,
         cfg.microbatch_size,
-        cfg.schedule,
+        policy,
         m,
         workers,
     )?;
@@ -226,7 +227,7 @@ pub fn plan_workers(
     settings.stages = Some(replicas.len());
     settings.replicas = Some(replicas);
     settings.partition = Some(partition.to_string());
-    settings.schedule = Some(cfg.schedule.name().into());
+    settings.schedule = Some(policy.name().into());
     Ok((settings.clone().resolve()?, plan))
 }
 

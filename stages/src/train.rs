@@ -1,21 +1,19 @@
-//! The single-worker training loop: microbatches of a seeded epoch order, gradients summed over
-//! `microbatches` per update, one optimizer step per update, evaluation after each epoch.
-//! The pipeline executor (one per worker) replaces this loop when a run has several stages.
+//! What every trainer shares around its loop: the statistics of an update and of an epoch,
+//! the [`Observer`] that receives them, the run's data ([`load_data`]) and evaluation
+//! ([`evaluate`]). The loop itself is the pipelined executor's segment loop
+//! ([`crate::pipeline::train_pipelined`]), which also runs one worker over the whole model
+//! (`sequential` on one stage); delayed SGD ([`crate::delayed`]) has its own.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{Checkpoint, CheckpointPolicy, RunState};
 use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
-use crate::model::{Model, Params, host_params, place_params};
+use crate::model::{Model, Params};
 use crate::optim::Optimizer;
 
 /// One optimizer step, as reported to observers and logs.
@@ -269,9 +267,11 @@ pub struct StepState<'a> {
     pub opt: &'a mut Optimizer,
 }
 
-/// One update on one worker: forward and backward over each microbatch in `batches` (inputs
-/// and labels, moved to the backend here), summing gradients (each scaled by `grad_scale` at
-/// the loss), then one optimizer step at `lr`.
+/// One update of the whole model outside the executor: forward and backward over each
+/// microbatch in `batches` (inputs and labels, moved to the backend here), summing gradients
+/// (each scaled by `grad_scale` at the loss), then one optimizer step at `lr`. Training runs
+/// go through the executor; this is the bare step the benchmarks time as a worker's limit
+/// (`pipe bench pipeline`'s one-thread worker, the MFU report).
 /// Returns the summed loss. `microbatch_id` numbers microbatches for dropout seeds.
 ///
 /// # Errors
@@ -322,256 +322,4 @@ pub(crate) fn record_update(samples: usize, last: Option<&mut Instant>) {
         metrics::histogram!("pipe_update_seconds").record(last.elapsed().as_secs_f64());
         *last = Instant::now();
     }
-}
-
-/// Trains `cfg`'s model on `data` with one worker.
-///
-/// # Errors
-/// Kernel errors, a diverged loss, or an observer's error.
-pub fn train(
-    cfg: &RunConfig,
-    data: &Splits,
-    be: &dyn Backend,
-    obs: &mut dyn Observer,
-) -> Result<TrainReport> {
-    train_with(cfg, data, be, obs, &TrainOptions::default()).map(|o| o.report)
-}
-
-/// Checkpoints, resume and stopping for [`train_with`].
-#[derive(Clone, Debug, Default)]
-pub struct TrainOptions {
-    /// Write checkpoints (every update is a drain point here).
-    pub checkpoints: Option<CheckpointPolicy>,
-    /// Start from this checkpoint.
-    pub resume: Option<Checkpoint>,
-    /// Set (by a Ctrl-C handler) to stop after the current update, with a checkpoint.
-    pub stop: Option<Arc<AtomicBool>>,
-}
-
-/// What [`train_with`] ends with.
-#[derive(Debug)]
-pub struct TrainOutcome {
-    /// The report.
-    pub report: TrainReport,
-    /// Checkpoints written, oldest first.
-    pub checkpoints: Vec<PathBuf>,
-    /// The run stopped early, asked to, after this many updates.
-    pub stopped: Option<u64>,
-}
-
-/// [`train`] with checkpoints, resume and a stop flag.
-///
-/// # Errors
-/// As [`train`]; a checkpoint that does not fit this run; a checkpoint that cannot be
-/// written.
-pub fn train_with(
-    cfg: &RunConfig,
-    data: &Splits,
-    be: &dyn Backend,
-    obs: &mut dyn Observer,
-    opts: &TrainOptions,
-) -> Result<TrainOutcome> {
-    let model = Model::new(&cfg.model)?;
-    let b = cfg.microbatch_size;
-    let m = cfg.microbatches;
-    let steps_per_epoch = (data.train.len() / (b * m)) as u64;
-    let total = cfg.steps.map_or(steps_per_epoch * cfg.epochs, |s| {
-        s.min(steps_per_epoch * cfg.epochs)
-    });
-    let (mut params, mut opt, mut step) = start(
-        cfg,
-        &model,
-        be,
-        opts.resume.as_ref(),
-        (b * m) as u64,
-        steps_per_epoch,
-    )?;
-    let first_epoch = (step / steps_per_epoch.max(1)) + 1;
-    let skip = step % steps_per_epoch.max(1);
-    if step >= total {
-        return Err(StageError::Checkpoint(format!(
-            "is at update {step} of this run, which has {total} in all: nothing left to train"
-        )));
-    }
-    let mut grads = place_params(be, model.zero_grads(0..model.len()))?;
-    let sched = cfg.lr_schedule(total);
-    let targets = data.train.targets.max(1);
-    let grad_scale = 1.0 / (b * m * targets) as f32;
-    let start = Instant::now();
-    let mut report = Vec::new();
-    let mut microbatch_id = step * m as u64;
-    let mut written = Vec::new();
-    let mut stopped = None;
-    let mut last_update = Instant::now();
-    for epoch in first_epoch..=cfg.epochs {
-        if step >= total || stopped.is_some() {
-            break;
-        }
-        let order = data.train.epoch_order(cfg.seed, epoch);
-        let epoch_start = Instant::now();
-        let (mut epoch_loss, mut epoch_samples) = (0.0f64, 0usize);
-        let mut epoch_finished = false;
-        let skip = if epoch == first_epoch { skip } else { 0 };
-        for (k, update) in order.chunks_exact(b * m).enumerate().skip(skip as usize) {
-            if step >= total || stopped.is_some() {
-                // Stopped by --steps inside this epoch: it still gets its summary below.
-                break;
-            }
-            let lr = sched.at(step);
-            let batches: Vec<(Tensor, Tensor<u32>)> = update
-                .chunks_exact(b)
-                .map(|mb| data.train.gather(mb))
-                .collect();
-            let mut st = StepState {
-                params: &mut params,
-                grads: &mut grads,
-                opt: &mut opt,
-            };
-            let loss = train_step(
-                be,
-                &model,
-                &mut st,
-                batches,
-                grad_scale,
-                lr,
-                cfg.seed,
-                &mut microbatch_id,
-            )?;
-            step += 1;
-            let mean = loss / (b * m * targets) as f64;
-            if !mean.is_finite() {
-                return Err(StageError::Diverged { step, loss: mean });
-            }
-            epoch_loss += loss;
-            epoch_samples += b * m;
-            record_update(b * m, Some(&mut last_update));
-            obs.on_step(&StepStats {
-                step,
-                epoch,
-                loss: mean,
-                lr,
-                samples: b * m,
-                samples_per_sec: epoch_samples as f64
-                    / epoch_start.elapsed().as_secs_f64().max(1e-9),
-                tokens_per_sec: tokens_per_sec(
-                    epoch_samples as f64 / epoch_start.elapsed().as_secs_f64().max(1e-9),
-                    targets,
-                ),
-                elapsed_s: start.elapsed().as_secs_f64(),
-                steps_in_epoch: steps_per_epoch.min(total),
-                step_in_epoch: k as u64 + 1,
-            })?;
-            let stop = opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
-            let epoch_end = k as u64 + 1 == steps_per_epoch || step == total;
-            epoch_finished = epoch_end;
-            if let Some(policy) = opts
-                .checkpoints
-                .as_ref()
-                .filter(|p| p.due(step, epoch_end, stop))
-            {
-                let at = (step, steps_per_epoch, (b * m) as u64);
-                written.push(write_checkpoint(
-                    cfg,
-                    (be, &model),
-                    policy,
-                    (&params, &opt),
-                    at,
-                )?);
-            }
-            if stop {
-                stopped = Some(step);
-            }
-        }
-        if stopped.is_some() && !epoch_finished {
-            break;
-        }
-        let secs = epoch_start.elapsed().as_secs_f64();
-        let (test_loss, test_accuracy) = evaluate(be, &model, &params, &data.test, 1000)?;
-        let e = EpochStats {
-            epoch,
-            train_loss: epoch_loss / (epoch_samples * targets).max(1) as f64,
-            test_loss,
-            test_accuracy,
-            samples_per_sec: epoch_samples as f64 / secs.max(1e-9),
-            tokens_per_sec: tokens_per_sec(epoch_samples as f64 / secs.max(1e-9), targets),
-            elapsed_s: start.elapsed().as_secs_f64(),
-            steps: step,
-            stages: Vec::new(),
-        };
-        obs.on_epoch(&e)?;
-        report.push(e);
-    }
-    Ok(TrainOutcome {
-        report: TrainReport {
-            epochs: report,
-            params: host_params(be, params)?,
-            steps: step,
-        },
-        checkpoints: written,
-        stopped,
-    })
-}
-
-/// Writes the one-worker trainer's checkpoint after `step` updates (`at`: the step, updates per
-/// epoch, samples per update) under `policy`, in host memory whatever `be` computes on.
-///
-/// # Errors
-/// Device failures copying out; checkpoint write failures.
-fn write_checkpoint(
-    cfg: &RunConfig,
-    (be, model): (&dyn Backend, &Model),
-    policy: &CheckpointPolicy,
-    (params, opt): (&Params, &Optimizer),
-    (step, steps_per_epoch, per_update): (u64, u64, u64),
-) -> Result<PathBuf> {
-    let mut state = RunState::identity(cfg, policy.settings.clone());
-    state.updates = step;
-    state.epoch = step / steps_per_epoch.max(1) + 1;
-    state.samples_in_epoch = (step % steps_per_epoch.max(1)) * per_update;
-    state.optimizer_steps = vec![opt.steps(); model.len()];
-    state.partition = format!("0-{}", model.len().saturating_sub(1));
-    let ckpt = Checkpoint {
-        params: host_params(be, params.clone())?,
-        optimizer: opt.clone().on_host(be)?.state().to_vec(),
-        state,
-    };
-    crate::checkpoint::write(&policy.dir, model, &ckpt, policy.keep)
-}
-
-/// Fresh weights and optimizer, or a checkpoint's (whose data cursor must fall on a whole
-/// update of `per_update` samples), with the updates done.
-fn start(
-    cfg: &RunConfig,
-    model: &Model,
-    be: &dyn Backend,
-    resume: Option<&Checkpoint>,
-    per_update: u64,
-    per_epoch: u64,
-) -> Result<(Params, Optimizer, u64)> {
-    let Some(c) = resume else {
-        let params = place_params(be, model.init_params(cfg.seed))?;
-        let opt = Optimizer::new(cfg.optimizer, &params).placed(be)?;
-        return Ok((params, opt, 0));
-    };
-    let at = c.state.samples_in_epoch;
-    if at % per_update != 0 || at / per_update > per_epoch || c.state.epoch == 0 {
-        return Err(StageError::Checkpoint(format!(
-            "stopped {at} samples into epoch {}, not a whole number of this run's updates of {per_update} samples",
-            c.state.epoch
-        )));
-    }
-    let done = (c.state.epoch - 1) * per_epoch + at / per_update;
-    let steps = c.state.optimizer_steps.first().copied().unwrap_or(0);
-    if cfg.optimizer.kind != crate::optim::OptimizerKind::Sgd
-        && c.state.optimizer_steps.iter().any(|&s| s != steps)
-    {
-        return Err(StageError::Checkpoint(
-            "its layers were saved after different numbers of Adam updates; one worker cannot resume them"
-                .into(),
-        ));
-    }
-    let params = place_params(be, c.params.clone())?;
-    let opt =
-        Optimizer::with_state(cfg.optimizer, &params, c.optimizer.clone(), steps)?.placed(be)?;
-    Ok((params, opt, done))
 }

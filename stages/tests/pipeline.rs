@@ -466,6 +466,8 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
         (Policy::PipeDream, vec![2, 1, 1], 1, 4),
         (Policy::OneFOneBFlush, vec![1, 2, 1], 1, 4),
         (Policy::Interleaved, vec![1], 2, 6),
+        // One worker over the whole model, as a run with no pipeline flag is.
+        (Policy::Sequential, vec![1], 1, 3),
     ] {
         let spec = ScheduleSpec::new(policy, 3, m)
             .with_replicas(replicas.clone())

@@ -17,7 +17,7 @@ use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{GradientsReady, Params, place_params};
-use crate::optim::{Optimizer, OptimizerConfig};
+use crate::optim::{Optimizer, OptimizerConfig, UpdateMean};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
 /// One stage's persistent state on a worker: its current weights and optimizer state.
@@ -463,7 +463,8 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     /// The loss of microbatch `mb`'s output; returns the gradient that starts its backward.
     fn loss(&mut self, be: &dyn Backend, mb: u32, y: &Tensor) -> Result<Tensor> {
         let targets = be.place_ids(self.setup.data.labels(mb)?)?;
-        let scale = 1.0 / targets.len().max(1) as f32;
+        let mean = UpdateMean::of(&self.setup.plan.schedule.resolved);
+        let scale = mean.loss_scale(targets.len());
         let mut dy = Tensor::default();
         let stats = self
             .setup
@@ -636,8 +637,9 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .check_gradients(be, run.layers.start, &run.grads, first_mb / minibatch + 1)?;
         let lr = (setup.lr)(stage, update);
         let old = run.velocity.as_ref().map(|_| p.clone());
+        let mean = UpdateMean::of(&setup.plan.schedule.resolved);
         run.optimizer
-            .mean_step(be, &mut p, &mut run.grads, run.update_size, lr)?;
+            .mean_step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
         run.current_version += 1;
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;

@@ -26,7 +26,7 @@ use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{Params, place_params};
-use crate::optim::{Optimizer, OptimizerConfig};
+use crate::optim::{Optimizer, OptimizerConfig, UpdateMean};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
 /// Per computed microbatch of a stage: saved activations and each layer's output gradient.
@@ -307,7 +307,7 @@ impl Reference<'_, '_> {
         }
         let targets = be.place_ids(setup.data.labels(mb)?)?;
         let mut g = Tensor::default();
-        let scale = 1.0 / targets.len().max(1) as f32;
+        let scale = UpdateMean::of(&setup.plan.schedule.resolved).loss_scale(targets.len());
         let stats = setup.loss.evaluate(be, &h, &targets, scale, Some(&mut g))?;
         if let Some(loss) = self.losses.get_mut(mb as usize) {
             *loss = stats.loss_sum;
@@ -399,7 +399,8 @@ impl Reference<'_, '_> {
             let mut p = self.versions[t][self.versions[t].len() - 1].clone();
             let size = setup.plan.schedule.resolved.update_size(t as u32);
             let lr = (setup.lr)(t as u32, k);
-            self.opts[t].mean_step(be, &mut p, &mut g, size, lr)?;
+            let mean = UpdateMean::of(&setup.plan.schedule.resolved);
+            self.opts[t].mean_step(be, &mut p, &mut g, (mean, size), lr)?;
             if let Some(vs) = self.velocities.get_mut(t) {
                 let old = &self.versions[t][self.versions[t].len() - 1];
                 let mut vel = vs[vs.len() - 1].clone();

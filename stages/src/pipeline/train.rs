@@ -130,7 +130,7 @@ pub fn train_pipelined(
         done: start.done,
         params: start.params.clone(),
         partition: &partition,
-        every: opts.checkpoints.as_ref().and_then(|c| c.every),
+        every: segment_every(cfg, opts),
         checkpoints: opts.checkpoints.as_ref(),
         stop: opts.stop.as_ref(),
     };
@@ -634,6 +634,27 @@ pub(super) fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerO
     }
 }
 
+/// Updates per segment at most: the checkpoint interval, and for one worker over the whole
+/// model (no pipeline flag) one update. Such a run drains after every update anyway
+/// (`sequential`), so cutting it there changes no result, and a Ctrl-C stops it and writes its
+/// checkpoint after the update in progress rather than at the epoch's end, as the pipelines
+/// must.
+fn segment_every(cfg: &RunConfig, opts: &PipelineTrainOptions) -> Option<u64> {
+    let checkpoints = opts.checkpoints.as_ref().and_then(|c| c.every);
+    if cfg.pipelined { checkpoints } else { Some(1) }
+}
+
+/// Compute threads of each of `workers` workers of this process for `--threads requested`:
+/// what was asked, and for 0 ("one per core") every core when one worker has the machine to
+/// itself, one each when several share it.
+pub fn worker_threads(requested: usize, workers: u32) -> usize {
+    match (requested, workers) {
+        (0, 1) => 0,
+        (0, _) => 1,
+        (t, _) => t,
+    }
+}
+
 /// The partition `cfg` asks for: given ranges, the FLOP-balanced split (`None`, which
 /// [`RunPlan::new`] fills in), or a cut by time measured now
 /// ([`crate::planning::measured_cut`]).
@@ -729,8 +750,8 @@ impl<'c> Run<'c> {
         obs: &mut dyn Observer,
     ) -> Result<Vec<WorkerOutcome>> {
         let cfg = self.cfg;
-        let threads = if cfg.threads == 0 { 1 } else { cfg.threads };
         let workers = plan.schedule.workers();
+        let threads = worker_threads(cfg.threads, workers);
         let backend = |worker: u32| open_backend(cfg.backend, threads, worker);
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut live = LiveSteps::new(self, plan, seg);
@@ -898,7 +919,13 @@ impl<'c> Run<'c> {
             ),
             elapsed_s: self.start.elapsed().as_secs_f64(),
             steps: ended.done,
-            stages: stage_stats(&ended.plan.schedule, ended.outcomes, ended.secs),
+            // One worker over the whole model (no pipeline flag) reports no stages, as a
+            // pipeline of one has no utilisation or staleness to speak of.
+            stages: if self.cfg.pipelined {
+                stage_stats(&ended.plan.schedule, ended.outcomes, ended.secs)
+            } else {
+                Vec::new()
+            },
         };
         obs.on_epoch(&e)?;
         Ok(e)
