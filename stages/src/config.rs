@@ -612,6 +612,20 @@ impl TrainSettings {
         })
     }
 
+    /// The policy the run executes: `--schedule`, else for a run with no pipeline setting
+    /// `sequential` on one stage (one worker running the whole model, through the same
+    /// executor and segment loop as every other run), else a language model's default or
+    /// pipedream.
+    fn policy(&self, pipelined: bool, lm: Option<LanguageDefaults>) -> Result<Policy> {
+        Ok(match &self.schedule {
+            Some(name) => name
+                .parse()
+                .map_err(|e: pipe_scheduler::ScheduleError| StageError::Config(e.to_string()))?,
+            None if !pipelined => Policy::Sequential,
+            None => lm.map_or(Policy::PipeDream, |d| d.schedule),
+        })
+    }
+
     /// Applies defaults and checks every value.
     ///
     /// # Errors
@@ -696,15 +710,7 @@ impl TrainSettings {
             || self.sync_warmup.is_some()
             || self.lr_scaling.is_some()
             || self.weight_prediction.is_some();
-        // A run with no pipeline setting is one worker running the whole model: `sequential`
-        // on one stage, through the same executor and segment loop as every other run.
-        let schedule: Policy = match &self.schedule {
-            Some(name) => name
-                .parse()
-                .map_err(|e: pipe_scheduler::ScheduleError| StageError::Config(e.to_string()))?,
-            None if !pipelined => Policy::Sequential,
-            None => lm.map_or(Policy::PipeDream, |d| d.schedule),
-        };
+        let schedule = self.policy(pipelined, lm)?;
         let layout_spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
             .with_replicas(replicas.clone())
             .with_chunks(chunks);

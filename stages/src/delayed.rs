@@ -27,9 +27,13 @@ use crate::config::RunConfig;
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
-use crate::model::{Model, Params, place_params};
-use crate::optim::{Optimizer, UpdateMean};
-use crate::train::{EpochStats, Observer, StepStats, TrainReport, evaluate};
+use crate::model::{Model, Params, host_params, place_params};
+use crate::optim::{LrSchedule, Optimizer, UpdateMean};
+use crate::pipeline::train::{
+    Coordinator, Drain, LoopStart, OptimizerOf, Run, Segment, SegmentEnd, run_segments,
+};
+use crate::pipeline::{RunPlan, WorkerOutcome};
+use crate::train::{Observer, StepStats, TrainReport};
 
 /// How late gradients arrive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,7 +111,9 @@ fn delay_at(opts: &DelayedOptions, t: u64, rng: &mut ChaCha8Rng) -> u32 {
 
 /// Trains `cfg`'s model with delayed gradients (module docs). `cfg.microbatches` microbatches
 /// of `cfg.microbatch_size` make an update; the epoch order, learning-rate schedule, dropout
-/// seeds and evaluation are those of every other run of `cfg`.
+/// seeds and evaluation are those of every other run of `cfg`, and so is the loop: the
+/// segment loop of every `pipe train` run ([`crate::pipeline::train`]), with this trainer as
+/// its coordinator.
 ///
 /// # Errors
 /// Kernel errors, a diverged loss or gradient, or an observer's error.
@@ -118,120 +124,182 @@ pub fn train_delayed(
     opts: &DelayedOptions,
     obs: &mut dyn Observer,
 ) -> Result<DelayedReport> {
-    let model = Model::new(&cfg.model)?;
-    let (b, m) = (cfg.microbatch_size, cfg.microbatches);
-    let per_epoch = (data.train.len() / (b * m)) as u64;
-    if per_epoch == 0 {
+    let layout = cfg.resolved()?.layout;
+    if layout.workers() != 1 {
         return Err(StageError::Config(format!(
-            "one update needs {} samples but {} has {}",
-            b * m,
-            data.train.name,
-            data.train.len()
+            "delayed SGD trains one worker over the whole model, not {} stages on {} workers",
+            layout.stages(),
+            layout.workers()
         )));
     }
-    let total = cfg
-        .steps
-        .map_or(per_epoch * cfg.epochs, |s| s.min(per_epoch * cfg.epochs));
-    let sched = cfg.lr_schedule(total);
-    let mut params = place_params(be, model.init_params(cfg.seed))?;
-    let mut opt = Optimizer::new(cfg.optimizer, &params).placed(be)?;
-    let mut grads = place_params(be, model.zero_grads(0..model.len()))?;
-    // The weights of the last `max` updates, newest last: `history[len - 1 - d]` is `d` old.
-    let mut history: VecDeque<Params> = VecDeque::new();
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xde1a_7ed5_9d00_0001);
-    let (mut delays, mut dropped) = (Vec::new(), 0u64);
-    let mut epochs = Vec::new();
-    let start = Instant::now();
-    let mut step = 0u64;
-    for epoch in 1..=cfg.epochs {
-        let order = data.train.epoch_order(cfg.seed, epoch);
-        let epoch_start = Instant::now();
-        let (mut loss_sum, mut rows_sum) = (0.0f64, 0usize);
-        for (k, update) in order.chunks_exact(b * m).enumerate() {
-            if step >= total {
-                break;
-            }
-            let d = delay_at(opts, step, &mut rng);
-            let stale = match d.checked_sub(1) {
-                None => &params,
-                Some(back) => history
-                    .get(history.len().wrapping_sub(1 + back as usize))
-                    .unwrap_or(&params),
-            };
-            let batch = Batch {
-                samples: update,
-                size: b,
-                first_mb: step * m as u64,
-            };
-            let (loss, rows) = gradients(be, &model, cfg.seed, stale, &batch, data, &mut grads)?;
-            let lr = sched.at(step);
-            let stats = StepStats {
-                step: step + 1,
-                epoch,
-                loss: loss / rows.max(1) as f64,
-                lr,
-                samples: b * m,
-                samples_per_sec: ((k + 1) * b * m) as f64
-                    / epoch_start.elapsed().as_secs_f64().max(1e-9),
-                tokens_per_sec: None,
-                elapsed_s: start.elapsed().as_secs_f64(),
-                steps_in_epoch: per_epoch,
-                step_in_epoch: k as u64 + 1,
-            };
-            if opts.max_history() > 0 {
-                history.push_back(params.clone());
-                if history.len() > opts.max_history() {
-                    history.pop_front();
-                }
-            }
-            delays.push(d);
-            if opts.drop_older_than.is_some_and(|k| d > k) {
-                dropped += 1;
-            } else {
-                model.sum_tied(be, &mut [(0, &mut grads)])?;
-                model.check_gradients(be, 0, &grads, step + 1)?;
-                let scale = if opts.age_scaling {
-                    1.0 / (1.0 + d as f32)
-                } else {
-                    1.0
-                };
-                let lr = lr * scale;
-                let mean = (UpdateMean::new(m as u32), m as u32);
-                opt.mean_step(be, &mut params, &mut grads, mean, lr)?;
-            }
-            step += 1;
-            loss_sum += loss;
-            rows_sum += rows;
-            obs.on_step(&stats)?;
-        }
-        let (test_loss, test_accuracy) = evaluate(be, &model, &params, &data.test, 1000)?;
-        let secs = epoch_start.elapsed().as_secs_f64();
-        let e = EpochStats {
-            epoch,
-            train_loss: loss_sum / rows_sum.max(1) as f64,
-            test_loss,
-            test_accuracy,
-            samples_per_sec: (rows_sum / data.train.targets.max(1)) as f64 / secs.max(1e-9),
-            tokens_per_sec: None,
-            elapsed_s: start.elapsed().as_secs_f64(),
-            steps: step,
-            stages: Vec::new(),
-        };
-        obs.on_epoch(&e)?;
-        epochs.push(e);
-        if step >= total {
-            break;
-        }
-    }
+    let run = Run::new(cfg, data)?;
+    let params = place_params(be, run.model.init_params(cfg.seed))?;
+    let mut worker = DelayedWorker {
+        cfg,
+        data,
+        be,
+        opts,
+        lr: cfg.lr_schedule(run.total),
+        opt: Optimizer::new(cfg.optimizer, &params).placed(be)?,
+        grads: place_params(be, run.model.zero_grads(0..run.model.len()))?,
+        model: &run.model,
+        params,
+        history: VecDeque::new(),
+        rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xde1a_7ed5_9d00_0001),
+        delays: Vec::new(),
+        dropped: 0,
+        started: Instant::now(),
+        epoch: None,
+    };
+    let start = LoopStart {
+        done: 0,
+        params: run.model.init_params(cfg.seed),
+        partition: &None,
+        every: None,
+        pace: None,
+        checkpoints: None,
+        stop: None,
+    };
+    let end = run_segments(&run, &mut worker, data, start, obs)?;
     Ok(DelayedReport {
         report: TrainReport {
-            epochs,
-            params,
-            steps: step,
+            epochs: end.epochs,
+            params: end.params,
+            steps: end.done,
         },
-        delays,
-        dropped,
+        delays: worker.delays,
+        dropped: worker.dropped,
     })
+}
+
+/// Delayed SGD's side of the segment loop: one worker, its weights, optimizer and the
+/// weights of the last updates (the stale versions gradients are computed on).
+struct DelayedWorker<'a> {
+    cfg: &'a RunConfig,
+    data: &'a Splits,
+    be: &'a dyn Backend,
+    opts: &'a DelayedOptions,
+    model: &'a Model,
+    lr: LrSchedule,
+    params: Params,
+    opt: Optimizer,
+    grads: Params,
+    /// The weights of the last `max` updates, newest last: `history[len - 1 - d]` is `d` old.
+    history: VecDeque<Params>,
+    rng: ChaCha8Rng,
+    delays: Vec<u32>,
+    dropped: u64,
+    started: Instant,
+    /// The epoch in progress and when it began (for the steps' throughput).
+    epoch: Option<(u64, Instant)>,
+}
+
+impl Coordinator for DelayedWorker<'_> {
+    fn run_segment(
+        &mut self,
+        _plan: &RunPlan,
+        at: &Segment,
+        this: u64,
+        obs: &mut dyn Observer,
+    ) -> Result<SegmentEnd> {
+        let (b, m) = (self.cfg.microbatch_size, self.cfg.microbatches);
+        let began = match self.epoch {
+            Some((e, t)) if e == at.epoch => t,
+            _ => {
+                let now = Instant::now();
+                self.epoch = Some((at.epoch, now));
+                now
+            }
+        };
+        let order = self.data.train.epoch_order(self.cfg.seed, at.epoch);
+        let mut outcome = WorkerOutcome::default();
+        let updates = order.chunks_exact(b * m).enumerate();
+        for (k, update) in updates.skip(at.before as usize).take(this as usize) {
+            let step = at.done + (k as u64 - at.before);
+            let (loss, rows) = self.update(step, update)?;
+            outcome.loss_sum += loss;
+            outcome.samples += rows;
+            obs.on_step(&StepStats {
+                step: step + 1,
+                epoch: at.epoch,
+                loss: loss / rows.max(1) as f64,
+                lr: self.lr.at(step),
+                samples: b * m,
+                samples_per_sec: ((k + 1) * b * m) as f64 / began.elapsed().as_secs_f64().max(1e-9),
+                tokens_per_sec: None,
+                elapsed_s: self.started.elapsed().as_secs_f64(),
+                steps_in_epoch: at.epoch_len,
+                step_in_epoch: k as u64 + 1,
+            })?;
+        }
+        Ok(SegmentEnd::Chief(vec![outcome]))
+    }
+
+    fn drain(
+        &mut self,
+        _plan: &RunPlan,
+        drain: Drain,
+    ) -> Result<(Option<Params>, Option<OptimizerOf>)> {
+        let weights = drain
+            .weights
+            .then(|| host_params(self.be, self.params.clone()))
+            .transpose()?;
+        Ok((weights, None))
+    }
+}
+
+impl DelayedWorker<'_> {
+    /// Update `step` on the samples `update`: the gradient on the weights its delay names,
+    /// applied (or dropped) to the current weights. Returns the loss sum and its rows.
+    fn update(&mut self, step: u64, update: &[u32]) -> Result<(f64, usize)> {
+        let (b, m) = (self.cfg.microbatch_size, self.cfg.microbatches);
+        let d = delay_at(self.opts, step, &mut self.rng);
+        let stale = match d.checked_sub(1) {
+            None => &self.params,
+            Some(back) => self
+                .history
+                .get(self.history.len().wrapping_sub(1 + back as usize))
+                .unwrap_or(&self.params),
+        };
+        let batch = Batch {
+            samples: update,
+            size: b,
+            first_mb: step * m as u64,
+        };
+        let (be, model) = (self.be, self.model);
+        let (loss, rows) = gradients(
+            be,
+            model,
+            self.cfg.seed,
+            stale,
+            &batch,
+            self.data,
+            &mut self.grads,
+        )?;
+        if self.opts.max_history() > 0 {
+            self.history.push_back(self.params.clone());
+            if self.history.len() > self.opts.max_history() {
+                self.history.pop_front();
+            }
+        }
+        self.delays.push(d);
+        if self.opts.drop_older_than.is_some_and(|k| d > k) {
+            self.dropped += 1;
+            return Ok((loss, rows));
+        }
+        model.sum_tied(be, &mut [(0, &mut self.grads)])?;
+        model.check_gradients(be, 0, &self.grads, step + 1)?;
+        let scale = if self.opts.age_scaling {
+            1.0 / (1.0 + d as f32)
+        } else {
+            1.0
+        };
+        let mean = (UpdateMean::new(m as u32), m as u32);
+        let lr = self.lr.at(step) * scale;
+        self.opt
+            .mean_step(be, &mut self.params, &mut self.grads, mean, lr)?;
+        Ok((loss, rows))
+    }
 }
 
 impl DelayedOptions {

@@ -9,9 +9,9 @@
 //! checked once into a [`config::RunConfig`]. It trains with every worker a thread of this
 //! process ([`pipeline::train_pipelined`]; a run with no pipeline flag is one worker running
 //! the whole model under `sequential`), or as one worker of a run spread over processes or
-//! hosts ([`pipeline::train_worker`]); both go through one segment loop, and the
-//! staleness experiment's data-parallel baseline with delayed gradients is
-//! [`delayed::train_delayed`]. The executor, the sequential reference trainer
+//! hosts ([`pipeline::train_worker`]); both go through one segment loop, and so does the
+//! staleness experiment's data-parallel baseline with delayed gradients
+//! ([`delayed::train_delayed`]). The executor, the sequential reference trainer
 //! ([`pipeline::reference`]) and the remedies for stale weights ([`remedy`]) build on the same
 //! model and layer API, and so does the profiler ([`profile`]), which times layers alone and
 //! then on the executor itself, so the cuts of [`planning`] and [`partition`] are made from what

@@ -77,6 +77,10 @@ where
             }
         }
     };
+    // Every worker thread holds a sender of `done` and drops it when it ends, so the progress
+    // loop below learns at once that the last has ended (the channel disconnects) rather than
+    // by polling: a run cut into many short segments pays for every wait here.
+    let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
     let outcomes: Vec<Option<WorkerOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = states
             .iter_mut()
@@ -84,9 +88,11 @@ where
             .map(|(state, mut ep)| {
                 let worker = state.worker;
                 let (make, fail) = (&make_backend, &fail);
+                let done = done_tx.clone();
                 std::thread::Builder::new()
                     .name(format!("pipe-w{worker}"))
                     .spawn_scoped(scope, move || {
+                        let _done = done;
                         let result = catch_unwind(AssertUnwindSafe(|| {
                             let be = make(worker)?;
                             run_worker(&be, &mut ep, setup, state, t0)
@@ -116,6 +122,7 @@ where
                     })
             })
             .collect();
+        drop(done_tx);
         if let Some((rx, on_loss)) = progress.as_mut() {
             let mut report = |r| {
                 if let Err(e) = on_loss(r) {
@@ -123,13 +130,17 @@ where
                 }
             };
             loop {
-                let running = handles
-                    .iter()
-                    .any(|h| h.as_ref().is_ok_and(|h| !h.is_finished()));
-                match rx.recv_timeout(std::time::Duration::from_millis(20)) {
-                    Ok(r) => report(r),
-                    Err(_) if !running => break,
-                    Err(_) => {}
+                crossbeam_channel::select! {
+                    recv(rx) -> r => match r {
+                        Ok(r) => report(r),
+                        // No sender left: only the workers' end is still to come.
+                        Err(_) => {
+                            let _ = done_rx.recv();
+                            break;
+                        }
+                    },
+                    // Nothing is ever sent on `done`: this fires when the last worker ends.
+                    recv(done_rx) -> _ => break,
                 }
             }
             while let Ok(r) = rx.try_recv() {

@@ -84,17 +84,17 @@ pub(super) struct EpochEnd<'p> {
 }
 
 /// What every epoch of a run shares.
-pub(super) struct Run<'c> {
-    pub(super) cfg: &'c RunConfig,
-    pub(super) model: Model,
+pub(crate) struct Run<'c> {
+    pub(crate) cfg: &'c RunConfig,
+    pub(crate) model: Model,
     /// Targets (loss rows) per sample: 1, or a language model's window.
-    pub(super) targets: usize,
+    pub(crate) targets: usize,
     /// Microbatches per minibatch.
-    pub(super) minibatch: u64,
+    pub(crate) minibatch: u64,
     /// Minibatches per epoch.
-    pub(super) per_epoch: u64,
+    pub(crate) per_epoch: u64,
     /// Minibatches over the whole run.
-    pub(super) total: u64,
+    pub(crate) total: u64,
     lr: LrSchedule,
     start: Instant,
 }
@@ -130,7 +130,8 @@ pub fn train_pipelined(
         done: start.done,
         params: start.params.clone(),
         partition: &partition,
-        every: segment_every(cfg, opts),
+        every: opts.checkpoints.as_ref().and_then(|c| c.every),
+        pace: (!cfg.pipelined).then(Pace::default),
         checkpoints: opts.checkpoints.as_ref(),
         stop: opts.stop.as_ref(),
     };
@@ -207,9 +208,10 @@ impl Coordinator for Threads<'_> {
     }
 }
 
-// The segment loop, written once for both places a pipelined run's workers run: every worker
-// a thread of this process ([`train_pipelined`]) or a process of its own
-// ([`super::worker::train_worker`]). After each segment the loop decides what the drained
+// The segment loop, written once for every trainer: workers that are threads of this process
+// ([`train_pipelined`], one of them for a run with no pipeline flag), processes of their own
+// ([`super::worker::train_worker`]), or delayed SGD's one worker
+// ([`crate::delayed::train_delayed`]). After each segment the loop decides what the drained
 // pipeline must give up (the whole model's weights at an epoch's end, a checkpoint or a stop;
 // its optimizer state at a checkpoint), writes the checkpoints, evaluates and reports each
 // epoch, and stops when asked. What differs between the launchers sits behind
@@ -220,7 +222,7 @@ impl Coordinator for Threads<'_> {
 
 /// What the chief asks of the drained pipeline after a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Drain {
+pub(crate) struct Drain {
     /// The whole model's weights (an epoch's end, a checkpoint or a stop).
     pub weights: bool,
     /// The whole model's optimizer state (a checkpoint).
@@ -230,10 +232,10 @@ pub(super) struct Drain {
 }
 
 /// The whole model's optimizer state with each layer's update count.
-pub(super) type OptimizerOf = (OptimizerState, Vec<u64>);
+pub(crate) type OptimizerOf = (OptimizerState, Vec<u64>);
 
 /// How a segment ended on this side.
-pub(super) enum SegmentEnd {
+pub(crate) enum SegmentEnd {
     /// The chief (or the in-process launcher): every worker's outcome, in worker order.
     Chief(Vec<WorkerOutcome>),
     /// A worker process that is not the chief: it has reported and answered the chief, who
@@ -245,7 +247,7 @@ pub(super) enum SegmentEnd {
 }
 
 /// One launcher's side of the loop.
-pub(super) trait Coordinator {
+pub(crate) trait Coordinator {
     /// Runs segment `at` of `plan`, `this` updates long.
     ///
     /// # Errors
@@ -272,7 +274,7 @@ pub(super) trait Coordinator {
 }
 
 /// Where the loop starts and what it may do.
-pub(super) struct LoopStart<'a> {
+pub(crate) struct LoopStart<'a> {
     /// Updates done before this run (a resumed checkpoint's).
     pub done: u64,
     /// The weights at the start.
@@ -281,6 +283,9 @@ pub(super) struct LoopStart<'a> {
     pub partition: &'a Option<Partition>,
     /// Updates per segment at most (the checkpoint interval).
     pub every: Option<u64>,
+    /// Segments sized by time, for a run whose cuts change no result ([`Pace`]); `None`:
+    /// whole epochs, cut only at checkpoints.
+    pub pace: Option<Pace>,
     /// Checkpoints to write (the chief's).
     pub checkpoints: Option<&'a CheckpointPolicy>,
     /// Set (Ctrl-C) to stop at the next drain point (watched by the chief).
@@ -288,7 +293,7 @@ pub(super) struct LoopStart<'a> {
 }
 
 /// How the loop ended: on the chief, everything its report needs.
-pub(super) struct LoopEnd {
+pub(crate) struct LoopEnd {
     /// Every finished epoch's figures.
     pub epochs: Vec<EpochStats>,
     /// The weights at the end (the last drained ones).
@@ -307,7 +312,7 @@ pub(super) struct LoopEnd {
 ///
 /// # Errors
 /// As the coordinator's; a checkpoint that cannot be written; an observer's error.
-pub(super) fn run_segments(
+pub(crate) fn run_segments(
     run: &Run<'_>,
     coord: &mut dyn Coordinator,
     data: &Splits,
@@ -315,6 +320,7 @@ pub(super) fn run_segments(
     obs: &mut dyn Observer,
 ) -> Result<LoopEnd> {
     let eval_be = CpuBackend::new(0)?;
+    let mut pace = start.pace;
     let mut end = LoopEnd {
         epochs: Vec::new(),
         params: start.params,
@@ -335,8 +341,8 @@ pub(super) fn run_segments(
         while end.done < first + epoch_len && end.stopped.is_none() {
             let done = end.done;
             let before = done - first;
-            let (plan, this) =
-                run.segment_plan(start.every, done, epoch_len - before, start.partition)?;
+            let left = (epoch_len - before).min(pace.map_or(u64::MAX, |p| p.cap()));
+            let (plan, this) = run.segment_plan(start.every, done, left, start.partition)?;
             let at = Segment {
                 epoch,
                 done,
@@ -354,7 +360,11 @@ pub(super) fn run_segments(
                     continue;
                 }
             };
-            secs += t.elapsed().as_secs_f64();
+            let took = t.elapsed().as_secs_f64();
+            if let Some(p) = pace.as_mut() {
+                p.record(this, took);
+            }
+            secs += took;
             end.done += this;
             merge_outcomes(&mut acc, outcomes);
             let epoch_end = end.done == first + epoch_len;
@@ -540,11 +550,11 @@ pub(super) fn segment_length(every: Option<u64>, done: u64, left: u64) -> u64 {
 
 /// Where a segment sits: its epoch, the updates done before it over the run and within
 /// its epoch, and its epoch's length.
-pub(super) struct Segment {
-    pub(super) epoch: u64,
-    pub(super) done: u64,
-    pub(super) before: u64,
-    pub(super) epoch_len: u64,
+pub(crate) struct Segment {
+    pub(crate) epoch: u64,
+    pub(crate) done: u64,
+    pub(crate) before: u64,
+    pub(crate) epoch_len: u64,
 }
 
 /// Per-update loss sums of a running segment, reported in update order as each completes.
@@ -634,14 +644,37 @@ pub(super) fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerO
     }
 }
 
-/// Updates per segment at most: the checkpoint interval, and for one worker over the whole
-/// model (no pipeline flag) one update. Such a run drains after every update anyway
-/// (`sequential`), so cutting it there changes no result, and a Ctrl-C stops it and writes its
-/// checkpoint after the update in progress rather than at the epoch's end, as the pipelines
-/// must.
-fn segment_every(cfg: &RunConfig, opts: &PipelineTrainOptions) -> Option<u64> {
-    let checkpoints = opts.checkpoints.as_ref().and_then(|c| c.every);
-    if cfg.pipelined { checkpoints } else { Some(1) }
+/// How long a paced segment runs, about ([`Pace`]).
+const PACED_SEGMENT_SECONDS: f64 = 0.25;
+
+/// Sizes the segments of a run whose cuts change no result: one worker over the whole model
+/// (no pipeline flag), which runs `sequential` and so drains after every update. Cutting its
+/// epochs into segments of about [`PACED_SEGMENT_SECONDS`] lets a Ctrl-C stop it, with its
+/// checkpoint, a fraction of a second after the update in progress, as a pipeline can only at
+/// its segments' ends, while the cost of starting a segment (a worker thread and its backend,
+/// about a millisecond) stays under one percent. The first segment is one update; each next
+/// one is sized from the pace of the last. The lengths depend on timing, the weights do not.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Pace {
+    seconds_per_update: Option<f64>,
+}
+
+impl Pace {
+    /// Updates the next segment may run.
+    fn cap(&self) -> u64 {
+        match self.seconds_per_update {
+            None => 1,
+            Some(s) if s > 0.0 => (PACED_SEGMENT_SECONDS / s).clamp(1.0, 1e9) as u64,
+            Some(_) => 1 << 20,
+        }
+    }
+
+    /// A segment of `updates` took `secs`.
+    fn record(&mut self, updates: u64, secs: f64) {
+        if updates > 0 {
+            self.seconds_per_update = Some(secs / updates as f64);
+        }
+    }
 }
 
 /// Compute threads of each of `workers` workers of this process for `--threads requested`:
@@ -670,7 +703,7 @@ pub fn run_partition(cfg: &RunConfig, model: &Model) -> Result<Option<Partition>
 }
 
 impl<'c> Run<'c> {
-    pub(super) fn new(cfg: &'c RunConfig, data: &Splits) -> Result<Self> {
+    pub(crate) fn new(cfg: &'c RunConfig, data: &Splits) -> Result<Self> {
         let model = Model::new(&cfg.model)?;
         let b = cfg.microbatch_size;
         // One minibatch: M per replica of the most replicated stage.
@@ -1008,4 +1041,33 @@ pub fn open_backend(
         BackendKind::Cuda(_) => worker as usize % pipe_kernels::cuda::device_count()?,
     };
     kind.open(threads, ordinal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paced_segments_start_at_one_update_and_follow_the_last_pace() {
+        let mut pace = Pace::default();
+        assert_eq!(pace.cap(), 1);
+        pace.record(0, 5.0);
+        assert_eq!(pace.cap(), 1, "an empty segment says nothing");
+        pace.record(1, 0.001);
+        assert_eq!(pace.cap(), 250);
+        pace.record(250, 2.5);
+        assert_eq!(pace.cap(), 25);
+        pace.record(25, 50.0);
+        assert_eq!(pace.cap(), 1, "slow updates: one per segment");
+        pace.record(10, 0.0);
+        assert!(pace.cap() > 1000);
+    }
+
+    #[test]
+    fn one_worker_takes_every_core_and_shared_workers_one_each() {
+        assert_eq!(worker_threads(0, 1), 0);
+        assert_eq!(worker_threads(0, 8), 1);
+        assert_eq!(worker_threads(3, 1), 3);
+        assert_eq!(worker_threads(3, 8), 3);
+    }
 }

@@ -217,6 +217,8 @@ fn run_process<T: Transport + ?Sized>(
         params: start.params.clone(),
         partition: &partition,
         every,
+        // Worker processes run a pipeline, whose cuts are drains that change its numerics.
+        pace: None,
         checkpoints: opts.checkpoints.as_ref(),
         stop: opts.stop.as_ref(),
     };
