@@ -52,8 +52,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         ckpt
     });
     settle_partition(&mut cfg, &mut settings, &model)?;
+    // A run with no pipeline flag is one worker over the whole model: no pipeline to describe.
+    let workers = if cfg.pipelined {
+        print_pipeline(&cfg, processes)?
+    } else {
+        1
+    };
     if processes {
-        let workers = print_pipeline(&cfg, processes)?;
         // The launcher logs what the chief reports; the workers write no log of their own.
         settings.log_jsonl = None;
         let mut opts = LaunchOptions::new(workers);
@@ -86,9 +91,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         stop: Some(stop_on_ctrl_c(true)),
         ..PipelineTrainOptions::default()
     };
-    if cfg.pipelined {
-        print_pipeline(&cfg, processes)?;
-    }
     let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;
     if cfg.pipelined {

@@ -93,6 +93,12 @@ impl Default for LanguageDefaults {
     }
 }
 
+/// The policy of a pipeline whose run names none: a language model's
+/// [`LanguageDefaults::schedule`], else pipedream.
+fn default_pipeline_policy(lm: Option<LanguageDefaults>) -> Policy {
+    lm.map_or(Policy::PipeDream, |d| d.schedule)
+}
+
 /// How a pipelined run's layers are cut into stages.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum PartitionChoice {
@@ -622,7 +628,7 @@ impl TrainSettings {
                 .parse()
                 .map_err(|e: pipe_scheduler::ScheduleError| StageError::Config(e.to_string()))?,
             None if !pipelined => Policy::Sequential,
-            None => lm.map_or(Policy::PipeDream, |d| d.schedule),
+            None => default_pipeline_policy(lm),
         })
     }
 
@@ -886,10 +892,10 @@ impl RunConfig {
     /// worker, `sequential`) the one a pipeline flag would give it, a language model's
     /// [`LanguageDefaults::schedule`] or pipedream. What `--workers` plans for.
     pub fn pipeline_policy(&self) -> Policy {
-        match (self.pipelined, &self.vocab) {
-            (true, _) => self.schedule,
-            (false, Some(_)) => LanguageDefaults::default().schedule,
-            (false, None) => Policy::PipeDream,
+        if self.pipelined {
+            self.schedule
+        } else {
+            default_pipeline_policy(self.vocab.as_ref().map(|_| LanguageDefaults::default()))
         }
     }
 

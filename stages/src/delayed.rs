@@ -30,7 +30,7 @@ use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params, host_params, place_params};
 use crate::optim::{LrSchedule, Optimizer, UpdateMean};
 use crate::pipeline::train::{
-    Coordinator, Drain, LoopStart, OptimizerOf, Run, Segment, SegmentEnd, run_segments,
+    Coordinator, Drain, Drained, LoopStart, Run, Segment, SegmentEnd, run_segments,
 };
 use crate::pipeline::{RunPlan, WorkerOutcome};
 use crate::train::{Observer, StepStats, TrainReport};
@@ -133,7 +133,8 @@ pub fn train_delayed(
         )));
     }
     let run = Run::new(cfg, data)?;
-    let params = place_params(be, run.model.init_params(cfg.seed))?;
+    let init = run.model.init_params(cfg.seed);
+    let params = place_params(be, init.clone())?;
     let mut worker = DelayedWorker {
         cfg,
         data,
@@ -153,7 +154,7 @@ pub fn train_delayed(
     };
     let start = LoopStart {
         done: 0,
-        params: run.model.init_params(cfg.seed),
+        params: init,
         partition: &None,
         every: None,
         pace: None,
@@ -235,11 +236,7 @@ impl Coordinator for DelayedWorker<'_> {
         Ok(SegmentEnd::Chief(vec![outcome]))
     }
 
-    fn drain(
-        &mut self,
-        _plan: &RunPlan,
-        drain: Drain,
-    ) -> Result<(Option<Params>, Option<OptimizerOf>)> {
+    fn drain(&mut self, _plan: &RunPlan, drain: Drain) -> Result<Drained> {
         let weights = drain
             .weights
             .then(|| host_params(self.be, self.params.clone()))
@@ -265,6 +262,7 @@ impl DelayedWorker<'_> {
             samples: update,
             size: b,
             first_mb: step * m as u64,
+            mean: UpdateMean::new(m as u32),
         };
         let (be, model) = (self.be, self.model);
         let (loss, rows) = gradients(
@@ -294,8 +292,8 @@ impl DelayedWorker<'_> {
         } else {
             1.0
         };
-        let mean = (UpdateMean::new(m as u32), m as u32);
         let lr = self.lr.at(step) * scale;
+        let mean = (batch.mean, m as u32);
         self.opt
             .mean_step(be, &mut self.params, &mut self.grads, mean, lr)?;
         Ok((loss, rows))
@@ -315,6 +313,8 @@ struct Batch<'a> {
     samples: &'a [u32],
     size: usize,
     first_mb: u64,
+    /// How each microbatch's loss is scaled: a mean over the update's microbatches.
+    mean: UpdateMean,
 }
 
 /// The gradients of one update's microbatches on `params`, summed into `grads` (each
@@ -336,8 +336,7 @@ fn gradients(
         let (x, y): (Tensor, Tensor<u32>) = (be.place(x)?, be.place_ids(y)?);
         let id = batch.first_mb + i as u64;
         let (logits, saved) = model.forward_range(be, 0..n, params, x, true, seed, id)?;
-        let scale = UpdateMean::new(batch.samples.len().div_ceil(batch.size.max(1)) as u32)
-            .loss_scale(y.len());
+        let scale = batch.mean.loss_scale(y.len());
         let mut dy = Tensor::default();
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, scale, Some(&mut dy))?;
         if !s.loss_sum.is_finite() {

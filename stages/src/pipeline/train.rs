@@ -195,11 +195,7 @@ impl Coordinator for Threads<'_> {
         Ok(SegmentEnd::Chief(outcomes))
     }
 
-    fn drain(
-        &mut self,
-        plan: &RunPlan,
-        drain: Drain,
-    ) -> Result<(Option<Params>, Option<OptimizerOf>)> {
+    fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
         let weights = drain.weights.then(|| assemble(plan, &self.states));
         let optimizer = drain
             .optimizer
@@ -234,6 +230,9 @@ pub(crate) struct Drain {
 /// The whole model's optimizer state with each layer's update count.
 pub(crate) type OptimizerOf = (OptimizerState, Vec<u64>);
 
+/// What a drain gives up: the whole model's weights and its optimizer state, each when asked.
+pub(crate) type Drained = (Option<Params>, Option<OptimizerOf>);
+
 /// How a segment ended on this side.
 pub(crate) enum SegmentEnd {
     /// The chief (or the in-process launcher): every worker's outcome, in worker order.
@@ -266,11 +265,7 @@ pub(crate) trait Coordinator {
     ///
     /// # Errors
     /// A worker that does not answer.
-    fn drain(
-        &mut self,
-        plan: &RunPlan,
-        drain: Drain,
-    ) -> Result<(Option<Params>, Option<OptimizerOf>)>;
+    fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained>;
 }
 
 /// Where the loop starts and what it may do.

@@ -43,7 +43,7 @@ use super::exec::{WorkerOutcome, WorkerState};
 use super::run_plan::RunPlan;
 use super::setup::LossReport;
 use super::train::{
-    Coordinator, Drain, LiveSteps, LoopStart, OptimizerOf, Run, Segment, SegmentEnd, Start,
+    Coordinator, Drain, Drained, LiveSteps, LoopStart, Run, Segment, SegmentEnd, Start,
     run_partition, run_segments,
 };
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
@@ -316,11 +316,7 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
         Ok(SegmentEnd::Chief(outcomes))
     }
 
-    fn drain(
-        &mut self,
-        plan: &RunPlan,
-        drain: Drain,
-    ) -> Result<(Option<Params>, Option<OptimizerOf>)> {
+    fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
         let index = self.index;
         for w in (0..self.ep.size()).filter(|&w| w != CHIEF) {
             self.ep.send(Message::from_bytes(
