@@ -20,7 +20,6 @@ use pipe_stages::data::Splits;
 use pipe_stages::log::JsonlLog;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
-use pipe_stages::pipeline::worker::settings_fingerprint;
 use pipe_stages::planning::{plan_workers, settle_measured_partition};
 use pipe_stages::train::{EpochStats, Observer, StepStats, TrainReport};
 
@@ -223,22 +222,12 @@ impl TrainArgs {
     }
 }
 
-/// The run the flags describe, and the settings it was resolved from (what a launcher hands
-/// its worker processes).
-#[derive(Debug)]
-pub struct Resolved {
-    /// Config file, flags and plan, merged.
-    pub settings: TrainSettings,
-    /// The validated run.
-    pub cfg: RunConfig,
-}
-
 /// The run the flags describe: config file, then flags, then a plan file or an automatic
 /// plan, validated once.
 ///
 /// # Errors
 /// Bad input for unreadable or malformed files and settings that describe no run.
-pub fn run_config(args: &TrainArgs) -> Result<Resolved> {
+pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     let mut settings = TrainSettings::default();
     if let Some(path) = &args.config {
         let text = pipe_stages::limits::read_text_file(path, "config")?;
@@ -251,19 +240,18 @@ pub fn run_config(args: &TrainArgs) -> Result<Resolved> {
         settings.apply_plan(&PlanFile::parse(&text, &source)?, &source)?;
     }
     let Some(w) = args.workers else {
-        let cfg = settings.clone().resolve()?;
-        return Ok(Resolved { settings, cfg });
+        return Ok(settings.resolve()?);
     };
-    let (cfg, plan) = plan_workers(&mut settings, w)?;
+    let (cfg, plan) = plan_workers(settings, w)?;
     outln!(
         "auto plan for {w} workers: partition {}, replicas {:?}, predicted {:.0} samples/s (simulated {:.0})",
-        settings.partition.as_deref().unwrap_or("?"),
+        cfg.partition,
         cfg.replicas,
         cfg.microbatch_size as f64 / plan.time_per_microbatch,
         plan.simulated
             .map_or(f64::NAN, |t| cfg.microbatch_size as f64 / t)
     );
-    Ok(Resolved { settings, cfg })
+    Ok(cfg)
 }
 
 /// The momentum in the run header, for SGD.
@@ -302,13 +290,19 @@ pub fn serve_metrics_quietly(addr: std::net::SocketAddr) -> Result<()> {
 }
 
 /// The checkpoint policy the flags ask for, if any.
-pub fn checkpoint_policy(args: &TrainArgs, cfg: &RunConfig) -> Option<CheckpointPolicy> {
-    args.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
+///
+/// # Errors
+/// A run that does not serialize (never, for a resolved one).
+pub fn checkpoint_policy(args: &TrainArgs, cfg: &RunConfig) -> Result<Option<CheckpointPolicy>> {
+    let Some(dir) = &args.checkpoint_dir else {
+        return Ok(None);
+    };
+    Ok(Some(CheckpointPolicy {
         dir: dir.clone(),
         every: args.checkpoint_every,
         keep: usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX),
-        settings: settings_fingerprint(cfg),
-    })
+        settings: cfg.numerics().to_json()?,
+    }))
 }
 
 /// Reports the checkpoints a run wrote; a run stopped by Ctrl-C ends here (exit 130), naming
@@ -429,16 +423,12 @@ pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usiz
 }
 
 /// Settles a measured partition once, on this machine: profiles `model`, prints the cut, and
-/// fixes it in `cfg` and `settings` so that every worker (thread or process) runs the same.
+/// fixes it in `cfg` so that every worker (thread or process) runs the same.
 ///
 /// # Errors
 /// Profiling failures; more stages than layers with parameters.
-pub fn settle_partition(
-    cfg: &mut RunConfig,
-    settings: &mut TrainSettings,
-    model: &Model,
-) -> Result<()> {
-    let Some(cut) = settle_measured_partition(cfg, settings, model)? else {
+pub fn settle_partition(cfg: &mut RunConfig, model: &Model) -> Result<()> {
+    let Some(cut) = settle_measured_partition(cfg, model)? else {
         return Ok(());
     };
     if cut.partition.stages() > 1 {

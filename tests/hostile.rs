@@ -417,6 +417,17 @@ fn config_rows() -> Vec<Row> {
             "the number of layers is 20003, over the limit of 10000",
         ),
         config("this is not toml", "c.toml"),
+        // The resolved run a launcher hands its worker processes, read back and checked.
+        with(
+            "worker --cluster {d}/absent.toml --launched --run {d}/r.json",
+            text("r.json", "{\"model_name\": 3"),
+            "r.json",
+        ),
+        with(
+            "worker --cluster {d}/absent.toml --launched --run {d}/r.json",
+            text("r.json", "3"),
+            "r.json: invalid type",
+        ),
         config("colour = 3\n", "unknown field `colour`"),
         config("[synthetic]\nshade = 1\n", "unknown field `shade`"),
         config(

@@ -145,7 +145,7 @@ fn uniform(n: usize, s: usize) -> Vec<Range<usize>> {
 fn case_of(cfg: &PartitionBenchConfig, name: &str, plan: &PartitionPlan) -> Case {
     Case {
         name: name.into(),
-        policy: cfg.policy.name().into(),
+        policy: cfg.policy,
         stages: plan.stages.len() as u32,
         replicas: 1,
         microbatch: cfg.microbatch,

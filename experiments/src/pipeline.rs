@@ -117,7 +117,7 @@ pub struct Case {
     /// Short name.
     pub name: String,
     /// Policy.
-    pub policy: String,
+    pub policy: Policy,
     /// Stages.
     pub stages: u32,
     /// Replicas per stage.
@@ -303,7 +303,7 @@ fn pipelined_with<B: pipe_kernels::Backend>(
     states: &mut Vec<WorkerState>,
     make: impl Fn(u32) -> Result<B, pipe_kernels::KernelError> + Sync,
 ) -> Result<(f64, Vec<WorkerOutcome>, pipe_scheduler::Schedule), ExperimentError> {
-    let policy: Policy = case.policy.parse()?;
+    let policy = case.policy;
     let replicas = case
         .replica_counts
         .clone()
@@ -544,9 +544,9 @@ fn run_case(
 
 fn model_cases(preset: &str, batch: usize, m: u32) -> Vec<Case> {
     let micro = batch / m as usize;
-    let case = |name: &str, policy: &str, replicas: u32| Case {
+    let case = |name: &str, policy: Policy, replicas: u32| Case {
         name: format!("{preset} {name}"),
-        policy: policy.into(),
+        policy,
         stages: 4,
         replicas,
         microbatch: micro,
@@ -561,14 +561,14 @@ fn model_cases(preset: &str, batch: usize, m: u32) -> Vec<Case> {
         bucket_values: Some(usize::MAX),
         ..case(
             "--stages 4 --replicas 2 pipedream, one bucket",
-            "pipedream",
+            Policy::PipeDream,
             2,
         )
     };
     vec![
-        case("--stages 4 1f1b-flush", "1f1b-flush", 1),
-        case("--stages 4 pipedream", "pipedream", 1),
-        case("--stages 4 --replicas 2 pipedream", "pipedream", 2),
+        case("--stages 4 1f1b-flush", Policy::OneFOneBFlush, 1),
+        case("--stages 4 pipedream", Policy::PipeDream, 1),
+        case("--stages 4 --replicas 2 pipedream", Policy::PipeDream, 2),
         one_bucket,
     ]
 }
@@ -581,7 +581,7 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
     let micro = batch / m as usize;
     let case = Case {
         name: "sequential".into(),
-        policy: "sequential".into(),
+        policy: Policy::Sequential,
         stages: 4,
         replicas: 1,
         microbatch: micro,
@@ -625,7 +625,7 @@ fn model_round(
     let single = single_worker(model, batch, cfg.updates, cfg.warmup)?;
     let one = Case {
         name: "sequential".into(),
-        policy: "sequential".into(),
+        policy: Policy::Sequential,
         stages: 4,
         replicas: 1,
         microbatch: batch / m as usize,
@@ -811,7 +811,7 @@ mod tests {
             cases: vec![CaseResult {
                 case: Case {
                     name: "c".into(),
-                    policy: "pipedream".into(),
+                    policy: Policy::PipeDream,
                     stages: 2,
                     replicas: 1,
                     microbatch: 4,

@@ -29,8 +29,7 @@ use pipe_stages::pipeline::processes::{LaunchOptions, run_processes};
 /// Bad input for flags, config, plan or data files that describe no run; run-time failures of
 /// training or of writing its outputs.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let resolved = run_config(args)?;
-    let (mut settings, mut cfg) = (resolved.settings, resolved.cfg);
+    let mut cfg = run_config(args)?;
     if args.trace.is_some() && !cfg.pipelined {
         return Err(bad_input(
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
@@ -46,12 +45,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let data = train::load_data(&cfg, &model)?;
     print_header(&cfg, &model, &data, be.threads());
     let mut fan = Fan::new(&cfg)?;
-    let policy = checkpoint_policy(args, &cfg);
+    let policy = checkpoint_policy(args, &cfg)?;
     let resume = resume_from(args, &model)?.map(|(dir, ckpt)| {
         print_resuming(&dir, &ckpt);
         ckpt
     });
-    settle_partition(&mut cfg, &mut settings, &model)?;
+    settle_partition(&mut cfg, &model)?;
     // A run with no pipeline flag is one worker over the whole model: no pipeline to describe.
     let workers = if cfg.pipelined {
         print_pipeline(&cfg, processes)?
@@ -60,7 +59,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     if processes {
         // The launcher logs what the chief reports; the workers write no log of their own.
-        settings.log_jsonl = None;
+        let worker_run = RunConfig {
+            log_jsonl: None,
+            ..cfg.clone()
+        };
         let mut opts = LaunchOptions::new(workers);
         opts.extra = checkpoint_args(args);
         opts.stop = Some(stop_on_ctrl_c(true));
@@ -72,13 +74,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             opts.extra
                 .push(dir.join("worker-{rank}.json").into_os_string());
         }
-        let end = run_processes(&settings, &opts, &mut fan);
+        let end = run_processes(&worker_run, &opts, &mut fan);
         if let (Some(dir), Some(path)) = (&parts, &args.trace) {
             merge_trace_parts(dir, workers, path)?;
         }
         let end = end.context("training failed")?;
         finish_checkpoints(&end.checkpoints, end.stopped)?;
-        outln!("partition: {}", partition_text(&cfg));
+        outln!("partition: {}", cfg.partition);
         if let Some(last) = &end.last {
             print_done_line(end.steps, last, end.weights);
         }
@@ -134,14 +136,6 @@ fn merge_trace_parts(dir: &std::path::Path, workers: u32, out: &std::path::Path)
         parts.len()
     );
     Ok(())
-}
-
-/// The partition a run settled on, as `--partition` takes it.
-fn partition_text(cfg: &RunConfig) -> String {
-    match &cfg.partition {
-        pipe_stages::config::PartitionChoice::Given(p) => p.to_string(),
-        other => format!("{other:?}").to_lowercase(),
-    }
 }
 
 /// Prints the pipeline line: schedule, layout, and where the workers run. Returns the number

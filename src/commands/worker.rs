@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use pipe_stages::config::RunConfig;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::pipeline::train_worker;
 use pipe_stages::pipeline::worker::{WorkerOptions, check_cluster_size};
@@ -47,6 +48,10 @@ pub struct WorkerArgs {
     /// from standard input, report progress as records, exit when standard input closes.
     #[arg(long, hide = true)]
     launched: bool,
+    /// The resolved run, as `pipe train --transport quic` writes it for its workers (JSON):
+    /// taken instead of resolving the training flags again.
+    #[arg(long, hide = true, value_name = "FILE", requires = "launched")]
+    run: Option<PathBuf>,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -68,7 +73,13 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             args.connect_timeout
         )));
     }
-    let mut cfg = run_config(&args.train)?.cfg;
+    let mut cfg = match &args.run {
+        Some(path) => {
+            let text = pipe_stages::limits::read_text_file(path, "run")?;
+            RunConfig::from_json(&text, &path.display().to_string())?
+        }
+        None => run_config(&args.train)?,
+    };
     if !cfg.pipelined {
         return Err(bad_input(
             "pipe worker runs a pipelined schedule: give --stages, --replicas or --schedule".into(),
@@ -124,7 +135,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         (false, false) => Box::new(Quiet),
     };
     let opts = WorkerOptions {
-        checkpoints: checkpoint_policy(&args.train, &cfg).filter(|_| chief),
+        checkpoints: checkpoint_policy(&args.train, &cfg)?.filter(|_| chief),
         resume: resume.map(|(_, ckpt)| ckpt),
         stop: chief.then_some(stop),
     };

@@ -100,7 +100,8 @@ fn default_pipeline_policy(lm: Option<LanguageDefaults>) -> Policy {
 }
 
 /// How a pipelined run's layers are cut into stages.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PartitionChoice {
     /// Profile the model briefly on this machine and balance measured time (the default).
     #[default]
@@ -109,6 +110,17 @@ pub enum PartitionChoice {
     Flops,
     /// Explicit ranges (checked against the model).
     Given(Partition),
+}
+
+/// As `--partition` takes it: `measured`, `flops`, or the ranges.
+impl std::fmt::Display for PartitionChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PartitionChoice::Measured => f.write_str("measured"),
+            PartitionChoice::Flops => f.write_str("flops"),
+            PartitionChoice::Given(p) => p.fmt(f),
+        }
+    }
 }
 
 impl PartitionChoice {
@@ -123,6 +135,18 @@ impl PartitionChoice {
             ranges => PartitionChoice::Given(Partition::parse(ranges, layers)?),
         })
     }
+}
+
+/// A layout a plan settled (`pipe train --workers`), typed: it takes the place of the
+/// settings' stages, replicas, schedule and partition ([`TrainSettings::resolve_planned`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedLayout {
+    /// The policy the plan was made for.
+    pub policy: Policy,
+    /// Replicas per stage.
+    pub replicas: Vec<u32>,
+    /// The stages' layer ranges.
+    pub partition: Partition,
 }
 
 /// A model given by preset name or by layer list. Read by its form (a string is a preset, a
@@ -323,6 +347,9 @@ pub struct TrainSettings {
 /// under 10 s), short enough that a hang ends the run the same hour.
 pub const DEFAULT_STALL_TIMEOUT: f64 = 300.0;
 
+/// The longest stall timeout a run takes: a week, in seconds.
+pub const MAX_STALL_TIMEOUT: f64 = 86_400.0 * 7.0;
+
 /// A message on one line.
 fn one_line(msg: &str) -> String {
     msg.split_whitespace().collect::<Vec<_>>().join(" ")
@@ -343,7 +370,8 @@ macro_rules! merge_fields {
 
 impl TrainSettings {
     /// The remedies the settings `sync_warmup`, `lr_scaling` and `weight_prediction` ask for,
-    /// checked against the run's schedule (`spec`).
+    /// checked against the run's resolved layout (`layout`: the schedule's message when it
+    /// does not resolve).
     ///
     /// # Errors
     /// [`StageError::Config`] for unknown values, or remedies the schedule cannot use.
@@ -351,7 +379,7 @@ impl TrainSettings {
         sync_warmup: Option<u64>,
         lr_scaling: Option<&str>,
         weight_prediction: Option<&str>,
-        spec: &ScheduleSpec,
+        layout: std::result::Result<&Resolved, &str>,
     ) -> Result<Remedies> {
         let remedies = Remedies {
             sync_warmup: sync_warmup.unwrap_or(0),
@@ -365,10 +393,7 @@ impl TrainSettings {
             },
         };
         if !remedies.is_none() {
-            let run = spec
-                .resolve()
-                .map_err(|e| StageError::Config(e.to_string()))?;
-            remedies.check(&run)?;
+            remedies.check(layout.map_err(|e| StageError::Config(e.to_string()))?)?;
         }
         Ok(remedies)
     }
@@ -487,16 +512,14 @@ impl TrainSettings {
         &self,
         kind: OptimizerKind,
         lm: Option<LanguageDefaults>,
-        layout_spec: &ScheduleSpec,
+        layout: Option<&Resolved>,
     ) -> Result<OptimizerConfig> {
         let defaults = OptimizerConfig::default();
         let momentum = match (self.momentum, kind) {
             (Some(m), _) => m,
             (None, OptimizerKind::Sgd) => {
                 // An impossible layout is refused later, with the schedule's own message.
-                layout_spec
-                    .resolve()
-                    .map_or(BASE_MOMENTUM, |r| default_momentum(&r))
+                layout.map_or(BASE_MOMENTUM, default_momentum)
             }
             (None, _) => 0.0,
         };
@@ -632,11 +655,48 @@ impl TrainSettings {
         })
     }
 
+    /// The passes over the training set (the dataset's or a language model's default), with
+    /// `steps` checked beside them.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for zero; [`StageError::Limit`] past a run that would end.
+    fn epochs(&self, dataset: DatasetKind, lm: Option<LanguageDefaults>) -> Result<u64> {
+        use crate::limits::{MAX_EPOCHS, MAX_STEPS, check_count};
+        let epochs = self.epochs.unwrap_or(match (dataset, lm) {
+            (_, Some(d)) => d.epochs,
+            (DatasetKind::Mnist, None) => 6,
+            _ => 10,
+        });
+        if epochs == 0 {
+            return Err(StageError::Config("epochs must be at least 1".into()));
+        }
+        if self.steps == Some(0) {
+            return Err(StageError::Config("steps must be at least 1".into()));
+        }
+        let never = "a run that would not end this year";
+        check_count("--epochs", epochs, MAX_EPOCHS, never)?;
+        if let Some(steps) = self.steps {
+            check_count("--steps", steps, MAX_STEPS, never)?;
+        }
+        Ok(epochs)
+    }
+
     /// Applies defaults and checks every value.
     ///
     /// # Errors
     /// [`StageError::Config`] or [`StageError::Model`] naming the first bad value.
     pub fn resolve(self) -> Result<RunConfig> {
+        self.resolve_planned(None)
+    }
+
+    /// [`TrainSettings::resolve`] with the layout a plan settled (`--workers`) in place of the
+    /// settings' stages, replicas, schedule and partition. The model is chosen before the
+    /// layout is (a plan made for the default model keeps it, whatever stage count it picked);
+    /// the layout's own defaults (an asynchronous layout's SGD momentum) follow the plan.
+    ///
+    /// # Errors
+    /// As [`TrainSettings::resolve`].
+    pub fn resolve_planned(self, planned: Option<PlannedLayout>) -> Result<RunConfig> {
         let bad = |m: String| Err(StageError::Config(m));
         let ChosenModel {
             name: model_name,
@@ -650,32 +710,7 @@ impl TrainSettings {
             model.check_microbatch(size)?;
         }
         let lm = language.map(|_| LanguageDefaults::default());
-        let epochs = self.epochs.unwrap_or(match (dataset, lm) {
-            (_, Some(d)) => d.epochs,
-            (DatasetKind::Mnist, None) => 6,
-            _ => 10,
-        });
-        if epochs == 0 {
-            return bad("epochs must be at least 1".into());
-        }
-        if self.steps == Some(0) {
-            return bad("steps must be at least 1".into());
-        }
-        use crate::limits::{MAX_EPOCHS, MAX_STEPS, check_count};
-        check_count(
-            "--epochs",
-            epochs,
-            MAX_EPOCHS,
-            "a run that would not end this year",
-        )?;
-        if let Some(steps) = self.steps {
-            check_count(
-                "--steps",
-                steps,
-                MAX_STEPS,
-                "a run that would not end this year",
-            )?;
-        }
+        let epochs = self.epochs(dataset, lm)?;
         let microbatch_size = self
             .microbatch_size
             .unwrap_or(lm.map_or(64, |d| d.microbatch_size));
@@ -706,9 +741,13 @@ impl TrainSettings {
         if !(lr > 0.0 && lr.is_finite()) {
             return bad(format!("learning rate must be positive, got {lr}"));
         }
-        let (stages, replicas) = self.layout()?;
+        let (stages, replicas) = match &planned {
+            Some(p) => (p.replicas.len(), p.replicas.clone()),
+            None => self.layout()?,
+        };
         let chunks = self.chunks.unwrap_or(1);
-        let pipelined = stages > 1
+        let pipelined = planned.is_some()
+            || stages > 1
             || replicas.iter().any(|&r| r > 1)
             || chunks > 1
             || self.schedule.is_some()
@@ -716,14 +755,21 @@ impl TrainSettings {
             || self.sync_warmup.is_some()
             || self.lr_scaling.is_some()
             || self.weight_prediction.is_some();
-        let schedule = self.policy(pipelined, lm)?;
+        let schedule = match &planned {
+            Some(p) => p.policy,
+            None => self.policy(pipelined, lm)?,
+        };
         let layout_spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
             .with_replicas(replicas.clone())
             .with_chunks(chunks);
-        let optimizer = self.optimizer_config(kind, lm, &layout_spec)?;
-        let partition = match &self.partition {
-            Some(text) => PartitionChoice::parse(text, model.len())?,
-            None => PartitionChoice::Measured,
+        let layout = layout_spec.resolve().map_err(|e| e.to_string());
+        let optimizer = self.optimizer_config(kind, lm, layout.as_ref().ok())?;
+        let partition = match (planned, &self.partition) {
+            (Some(p), _) => {
+                PartitionChoice::Given(Partition::new(p.partition.ranges().to_vec(), model.len())?)
+            }
+            (None, Some(text)) => PartitionChoice::parse(text, model.len())?,
+            (None, None) => PartitionChoice::Measured,
         };
         let backend = self.backend_kind()?;
         let transport = match &self.transport {
@@ -735,14 +781,14 @@ impl TrainSettings {
             self.sync_warmup,
             self.lr_scaling.as_deref(),
             self.weight_prediction.as_deref(),
-            &layout_spec,
+            layout.as_ref().map_err(String::as_str),
         )?;
         let synthetic = self.synthetic.unwrap_or_default();
         synthetic.check()?;
         let stall = self.stall_timeout.unwrap_or(DEFAULT_STALL_TIMEOUT);
-        if !(stall.is_finite() && stall > 0.0 && stall <= 86_400.0 * 7.0) {
+        if !(stall.is_finite() && stall > 0.0 && stall <= MAX_STALL_TIMEOUT) {
             return bad(format!(
-                "stall timeout must be between 0 and 604800 seconds (a week), got {stall}"
+                "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds (a week), got {stall}"
             ));
         }
         let bucket_values = Self::bucket_values(self.allreduce_bucket_mb)?;
@@ -783,8 +829,12 @@ impl TrainSettings {
 }
 
 /// A validated run configuration: every choice typed (policy, partition, per-stage replica
-/// counts, backend, transport), built once by [`TrainSettings::resolve`].
-#[derive(Clone, Debug, PartialEq)]
+/// counts, backend, transport), built once by [`TrainSettings::resolve`]. It serializes (JSON,
+/// [`RunConfig::to_json`]) so that a launcher hands its worker processes the run it resolved
+/// and the chief hands its peers the run they must agree with; what is read back is checked
+/// again ([`RunConfig::from_json`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RunConfig {
     /// Preset name, or `custom`.
     pub model_name: String,
@@ -833,10 +883,13 @@ pub struct RunConfig {
     /// True when the run goes through the pipelined executor (any pipeline setting given).
     pub pipelined: bool,
     /// Compute backend.
+    #[serde(with = "backend_by_name")]
     pub backend: BackendKind,
     /// How workers exchange tensors.
+    #[serde(with = "by_name")]
     pub transport: TransportKind,
     /// Element type of activations and gradients between stages.
+    #[serde(with = "by_name")]
     pub wire: WireDType,
     /// Remedies for stale weights (asynchronous policies only).
     pub remedies: Remedies,
@@ -845,10 +898,166 @@ pub struct RunConfig {
     /// Gradient values per all-reduce bucket.
     pub bucket_values: usize,
     /// The precision the all-reduce sends in.
+    #[serde(with = "by_name")]
     pub allreduce_wire: WireDType,
 }
 
+/// A type written by its name (`Display`) and read back through `FromStr`, for the run's
+/// choices whose crates carry no serde of their own.
+mod by_name {
+    use serde::Deserialize;
+
+    pub fn serialize<T: std::fmt::Display, S: serde::Serializer>(
+        v: &T,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_str(v)
+    }
+
+    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    where
+        T: std::str::FromStr,
+        T::Err: std::fmt::Display,
+        D: serde::Deserializer<'de>,
+    {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// A backend written as its name and the precision of its products (`["cuda", "bf16"]`), read
+/// back through [`BackendKind::with_precision`].
+mod backend_by_name {
+    use pipe_kernels::{BackendKind, Precision};
+    use serde::Deserialize;
+
+    pub fn serialize<S: serde::Serializer>(b: &BackendKind, s: S) -> Result<S::Ok, S::Error> {
+        serde::Serialize::serialize(&(b.name(), b.precision().name()), s)
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BackendKind, D::Error> {
+        let (name, precision) = <(String, String)>::deserialize(d)?;
+        let backend: BackendKind = name.parse().map_err(serde::de::Error::custom)?;
+        let precision: Precision = precision.parse().map_err(serde::de::Error::custom)?;
+        backend
+            .with_precision(precision)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 impl RunConfig {
+    /// The run as JSON: what a launcher writes for its worker processes.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for a value JSON cannot hold (never, for a resolved run).
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string(self)
+            .map_err(|e| StageError::Config(format!("writing the resolved run: {e}")))
+    }
+
+    /// Reads a run [`RunConfig::to_json`] wrote and checks it ([`RunConfig::check`]);
+    /// `source` names it in errors.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming `source` and the field, for malformed text or a run that
+    /// does not hold together.
+    pub fn from_json(text: &str, source: &str) -> Result<Self> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let cfg: RunConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let at = match e.path().to_string() {
+                top if top == "." => String::new(),
+                path => format!("{path}: "),
+            };
+            StageError::Config(format!("{source}: {at}{}", e.inner()))
+        })?;
+        cfg.check()
+            .map_err(|e| StageError::Config(format!("{source}: {e}")))?;
+        Ok(cfg)
+    }
+
+    /// Checks what [`TrainSettings::resolve`] guarantees, for a run that was read rather than
+    /// resolved: the model builds and takes the microbatch, the counts are positive and within
+    /// [`crate::limits`], the layout resolves under its policy, the remedies suit it, the
+    /// partition tiles the model, and the optimizer's values are in range.
+    ///
+    /// # Errors
+    /// [`StageError::Config`], [`StageError::Model`] or [`StageError::Schedule`] naming the
+    /// first problem.
+    pub fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(StageError::Config(m));
+        let model = Model::new(&self.model)?;
+        if self.microbatch_size == 0 || self.microbatches == 0 || self.epochs == 0 {
+            return bad("epochs, microbatch size and microbatches must be at least 1".into());
+        }
+        model.check_microbatch(self.microbatch_size)?;
+        if self.steps == Some(0) || self.bucket_values == 0 || self.chunks == 0 {
+            return bad("steps, all-reduce bucket and chunks must be at least 1".into());
+        }
+        if self.replicas.len() != self.stages {
+            return bad(format!(
+                "{} replica counts for {} stages",
+                self.replicas.len(),
+                self.stages
+            ));
+        }
+        let workers: u64 = self.replicas.iter().map(|&r| u64::from(r)).sum();
+        pipe_scheduler::limits::check_layout(self.stages as u64, workers, u64::from(self.chunks))?;
+        pipe_scheduler::limits::check_microbatches(self.microbatches as u64)?;
+        let run = self.resolved()?;
+        if !self.remedies.is_none() {
+            self.remedies.check(&run)?;
+        }
+        if let PartitionChoice::Given(p) = &self.partition {
+            Partition::new(p.ranges().to_vec(), model.len())?;
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad(format!("learning rate must be positive, got {}", self.lr));
+        }
+        let stall = self.stall_timeout.as_secs_f64();
+        if !(stall > 0.0 && stall <= MAX_STALL_TIMEOUT) {
+            return bad(format!(
+                "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds, got {stall}"
+            ));
+        }
+        self.optimizer.validate()?;
+        self.synthetic.check()
+    }
+
+    /// The part of the run that decides its numerics, which every worker of a run must share:
+    /// what may differ between hosts (data paths, compute threads, logs) and the partition
+    /// (which the chief settles for all) are set to fixed values.
+    pub fn numerics(&self) -> RunConfig {
+        RunConfig {
+            data_dir: None,
+            threads: 0,
+            log_jsonl: None,
+            partition: PartitionChoice::Flops,
+            ..self.clone()
+        }
+    }
+
+    /// Where `self`'s numerics differ from `other`'s: the first differing field, with both
+    /// values. `None` when they agree.
+    pub fn numerics_difference(&self, other: &RunConfig) -> Option<String> {
+        let (mine, theirs) = (self.numerics(), other.numerics());
+        if mine == theirs {
+            return None;
+        }
+        let as_map = |c: &RunConfig| match serde_json::to_value(c) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => serde_json::Map::new(),
+        };
+        let (a, b) = (as_map(&mine), as_map(&theirs));
+        Some(a.iter().find(|(k, v)| b.get(*k) != Some(*v)).map_or(
+            "the run differs".to_string(),
+            |(k, v)| {
+                let there = b.get(k).map_or("nothing".to_string(), ToString::to_string);
+                format!("{k}: {v} here, {there} there")
+            },
+        ))
+    }
+
     /// Checks the run against this host ([`crate::limits`]): its compute threads, its
     /// microbatch's activations, and the planner's memory estimate of its workers that live
     /// here (`local_workers`: `None` for all of them, as `pipe train` runs them; `Some(1)` for

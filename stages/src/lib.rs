@@ -5,8 +5,13 @@
 //! keeps several weight versions (weight stashing) just hands the version its version plan names
 //! to the same code, and the sequential reference trainer can keep every version side by side.
 //!
+//! The source has one folder per layer: [`model`] (what is computed), [`pipeline`] (the runtime
+//! that runs it on workers) and [`planning`] (profiling and cutting), with the run's edge
+//! (settings, limits, errors, reports) at the top.
+//!
 //! A run starts as [`config::TrainSettings`] (flags, a TOML file and a plan file merged) and is
-//! checked once into a [`config::RunConfig`]. It trains with every worker a thread of this
+//! checked once into a [`config::RunConfig`], the typed run every layer below takes and worker
+//! processes are handed (as JSON, checked again when read). It trains with every worker a thread of this
 //! process ([`pipeline::train_pipelined`]; a run with no pipeline flag is one worker running
 //! the whole model under `sequential`), or as one worker of a run spread over processes or
 //! hosts ([`pipeline::train_worker`]); both go through one segment loop, and so does the
@@ -22,26 +27,25 @@
 
 #![warn(missing_docs)]
 
-pub mod checkpoint;
+// The run's edge: settings typed once, the limits every size is checked against, errors, and
+// what every trainer reports.
 pub mod config;
-pub mod data;
-pub mod delayed;
 mod error;
-pub mod layer;
-pub mod layers;
 pub mod limits;
 pub mod log;
-pub mod loss;
+pub mod remedy;
+pub mod train;
+
+// The three layers, one folder each: the model (what is computed), the runtime (how workers
+// run it), planning and profiling (how it is cut).
 pub mod model;
-pub mod optim;
-pub mod partition;
 pub mod pipeline;
 pub mod planning;
-pub mod profile;
-pub mod remedy;
-pub mod rng;
-pub mod sample;
-pub mod train;
-pub mod transformer;
+
+// Each layer's modules by their short paths, so that `crate::optim` and
+// `pipe_stages::checkpoint` name the same module as `model::optim` and `model::checkpoint`.
+pub use model::{checkpoint, data, layer, layers, loss, optim, rng, sample, transformer};
+pub use pipeline::delayed;
+pub use planning::{partition, profile};
 
 pub use error::{Result, StageError};

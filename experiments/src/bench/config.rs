@@ -176,8 +176,8 @@ pub struct ConfigSpec {
     pub model: String,
     /// Samples per microbatch.
     pub microbatch: usize,
-    /// Policy name.
-    pub policy: String,
+    /// Policy (written by name).
+    pub policy: Policy,
     /// Pipeline stages (positions).
     pub stages: u32,
     /// Replicas per stage.
@@ -199,7 +199,7 @@ impl ConfigSpec {
     /// An unknown policy name.
     pub fn schedule(&self) -> Result<pipe_scheduler::ScheduleSpec, ExperimentError> {
         let minibatches = self.minibatches;
-        let policy: Policy = self.policy.parse()?;
+        let policy = self.policy;
         let chunks = if policy == Policy::Interleaved {
             self.chunks
         } else {
@@ -385,7 +385,7 @@ fn config_spec(
         sweep: sweep.name.clone(),
         model: entry.name.clone(),
         microbatch: entry.microbatch,
-        policy: policy.name().to_string(),
+        policy,
         stages,
         replicas,
         m,

@@ -307,8 +307,8 @@ fn throughput_tables(md: &mut String, rows: &[Row<'_>]) {
         cols.dedup();
         let mut policies: Vec<&str> = Vec::new();
         for r in &mine {
-            if !policies.contains(&r.spec.policy.as_str()) {
-                policies.push(&r.spec.policy);
+            if !policies.contains(&r.spec.policy.name()) {
+                policies.push(r.spec.policy.name());
             }
         }
         let u = mine.first().map_or("samples/s", |r| unit(r.m));
@@ -327,7 +327,9 @@ fn throughput_tables(md: &mut String, rows: &[Row<'_>]) {
             for &(s, rep) in &cols {
                 let cell = mine
                     .iter()
-                    .filter(|r| r.spec.policy == p && r.spec.stages == s && r.spec.replicas == rep)
+                    .filter(|r| {
+                        r.spec.policy.name() == p && r.spec.stages == s && r.spec.replicas == rep
+                    })
                     .max_by_key(|r| r.spec.m);
                 match cell {
                     Some(r) => {
@@ -677,7 +679,7 @@ fn by_policy(
 ) -> LineChart {
     let mut by: BTreeMap<&str, BTreeMap<u32, (u32, f64)>> = BTreeMap::new();
     for r in rows {
-        let e = by.entry(r.spec.policy.as_str()).or_default();
+        let e = by.entry(r.spec.policy.name()).or_default();
         let v = (r.spec.m, y(r));
         e.entry(r.spec.stages)
             .and_modify(|old| {

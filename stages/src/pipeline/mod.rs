@@ -1,10 +1,11 @@
-//! The pipelined runtime: a checked plan ([`RunPlan`]), the worker core that runs one worker's
+//! The runtime layer (this folder). The pipelined runtime: a checked plan ([`RunPlan`]), the worker core that runs one worker's
 //! program ([`exec`]), the worker driver that connects it to a backend and a transport
 //! ([`driver::run_worker`]), the in-process launcher that runs every worker as a thread
 //! ([`launch::run_threads`]), the launcher that runs every worker as a process
 //! ([`processes::run_processes`]), one worker of a run whose others are in other processes
 //! ([`worker::train_worker`]), the sequential reference trainer that follows a version plan
-//! literally, and the pipelined training loop.
+//! literally, and the run's lifecycle: one segment loop ([`train`]) over three coordinators
+//! (threads, worker processes, and delayed SGD on one worker, [`delayed`]).
 //!
 //! The seams are shaped for every place a worker can run. The driver takes a rank, a backend,
 //! a transport endpoint and the checked plan, and nothing else; a launcher only starts
@@ -20,6 +21,7 @@
 //! compared with the plan, and the final weights with the reference trainer's.
 
 pub mod allreduce;
+pub mod delayed;
 pub mod doctor;
 pub mod driver;
 pub mod exec;

@@ -5,8 +5,8 @@
 //! It lives in the library so that every launcher of a run is in one place; the command line
 //! keeps its flags, its progress display and its exit codes.
 //!
-//! It creates the credentials and the run's settings (with the partition already settled, so
-//! no worker profiles on its own) in a private temporary directory, starts the workers, and
+//! It writes the credentials and the resolved run (with the partition already settled, so no
+//! worker profiles or resolves on its own) into a private temporary directory, starts the workers, and
 //! tells each the others' addresses once every one has bound a port (each binds port 0 and
 //! reports it, so no port is guessed). From then on it relays: the chief's step and epoch
 //! records (JSON lines on its standard output) go to this process's progress display and
@@ -33,7 +33,7 @@ use pipe_transport::quic::{Bound, Quic, QuicOptions};
 use serde::{Deserialize, Serialize};
 
 use super::doctor::{StopReport, diagnose};
-use crate::config::TrainSettings;
+use crate::config::RunConfig;
 use crate::error::{Result, StageError};
 use crate::train::{EpochStats, Observer, StepStats};
 
@@ -160,7 +160,7 @@ impl LaunchOptions {
     }
 }
 
-/// A private directory for the run's credentials and settings, removed when dropped.
+/// A private directory for the run's credentials and resolved run, removed when dropped.
 struct LaunchDir(PathBuf);
 
 impl LaunchDir {
@@ -349,18 +349,19 @@ pub struct ProcessRunEnd {
     pub stopped: Option<u64>,
 }
 
-/// Runs `settings` (a pipelined run with its partition settled) as `opts.workers` worker
-/// processes of this executable, reporting the chief's steps and epochs to `obs`.
+/// Runs `cfg` (a pipelined run with its partition settled) as `opts.workers` worker
+/// processes of this executable, reporting the chief's steps and epochs to `obs`. Each worker
+/// is handed the resolved run as JSON (`pipe worker --run FILE`, [`RunConfig::to_json`]): it
+/// reads it back and checks it, and resolves nothing again.
 ///
 /// # Errors
 /// As [`launch`]; a chief that ends without reporting the run's end.
 pub fn run_processes(
-    settings: &TrainSettings,
+    cfg: &RunConfig,
     opts: &LaunchOptions,
     obs: &mut dyn Observer,
 ) -> Result<ProcessRunEnd> {
-    let toml = toml::to_string(settings)
-        .map_err(|e| StageError::Executor(format!("writing the run's settings: {e}")))?;
+    let json = cfg.to_json()?;
     let mut last = None;
     let mut done = None;
     let mut stops = Vec::new();
@@ -391,16 +392,13 @@ pub fn run_processes(
         Ok(())
     };
     let command = |dir: &Path| -> Vec<OsString> {
-        let mut args: Vec<OsString> = vec![
-            "worker".into(),
-            "--config".into(),
-            dir.join("run.toml").into(),
-        ];
+        let mut args: Vec<OsString> =
+            vec!["worker".into(), "--run".into(), dir.join("run.json").into()];
         args.extend(opts.extra.iter().cloned());
         args
     };
-    if let Err(e) = launch(opts, &[("run.toml", &toml)], &command, &mut on_record) {
-        return Err(match stall_report(settings, &stops, opts.workers) {
+    if let Err(e) = launch(opts, &[("run.json", &json)], &command, &mut on_record) {
+        return Err(match stall_report(cfg, &stops, opts.workers) {
             Some(report) => StageError::Stalled(report),
             None => e,
         });
@@ -417,12 +415,11 @@ pub fn run_processes(
 }
 
 /// The hang doctor's report on a run of worker processes that stalled: the schedule of the
-/// segment the stalled worker was in, rebuilt from `settings`, and every worker's reported
-/// stop point (a worker that sent none is reported as such). `None` when no worker stalled.
-fn stall_report(settings: &TrainSettings, stops: &[StopReport], workers: u32) -> Option<String> {
+/// segment the stalled worker was in, rebuilt from `cfg`, and every worker's reported stop
+/// point (a worker that sent none is reported as such). `None` when no worker stalled.
+fn stall_report(cfg: &RunConfig, stops: &[StopReport], workers: u32) -> Option<String> {
     let stalled = stops.iter().find(|r| r.stalled.is_some())?;
     let (awaited, waited) = stalled.awaited()?;
-    let cfg = settings.clone().resolve().ok()?;
     let spec = cfg.schedule_spec_of(
         stalled.policy,
         pipe_scheduler::Length::Updates(stalled.updates),

@@ -11,7 +11,7 @@
 //!
 //! | topic | from -> to | index | carries |
 //! |---|---|---|---|
-//! | [`TOPIC_START`] | chief -> each | 0 | settings, partition, checkpoint interval, start |
+//! | [`TOPIC_START`] | chief -> each | 0 | the run's numerics, partition, checkpoint interval, start (JSON) |
 //! | [`TOPIC_RESUME`] | chief -> each | layer | a resumed run's weights and moments (step 0-2) |
 //! | [`TOPIC_LOSS`] | last stage -> chief | segment | one microbatch's loss, as computed (step: its number) |
 //! | [`TOPIC_SUMMARY`] | each -> chief | segment | losses, compute time, staleness |
@@ -19,7 +19,7 @@
 //! | [`TOPIC_WEIGHTS`] | replica 0 of a stage -> chief | segment | one layer's weights (step: layer) |
 //! | [`TOPIC_OPTIMIZER`] | replica 0 of a stage -> chief | segment | one layer's moments (step: 2 layer + k) |
 //!
-//! The start exchange refuses a worker whose settings differ from the chief's (flags and
+//! The start exchange refuses a worker whose resolved run differs from the chief's (flags and
 //! config must be the same everywhere, or the workers would run different programs), and
 //! hands every worker the chief's cut when the partition is measured, so one machine's
 //! profile decides it, and the chief's checkpoint interval, which decides where the pipeline
@@ -36,6 +36,7 @@ use std::time::Instant;
 use pipe_kernels::Tensor;
 use pipe_scheduler::Length;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
+use serde::{Deserialize, Serialize};
 
 use super::doctor::StopReport;
 use super::driver::run_worker_with;
@@ -455,18 +456,6 @@ fn control(from: u32, to: u32, topic: u32, index: u32, step: u32) -> Key {
     }
 }
 
-/// The run settings that decide the numerics, as text every worker compares with the
-/// chief's: what may differ between hosts (data paths, compute threads, logs) and the
-/// partition (settled separately) are left out.
-pub fn settings_fingerprint(cfg: &RunConfig) -> String {
-    let mut c = cfg.clone();
-    c.data_dir = None;
-    c.threads = 0;
-    c.log_jsonl = None;
-    c.partition = PartitionChoice::Flops;
-    format!("{c:#?}")
-}
-
 /// What the start exchange settles: the partition, the checkpoint interval (which decides
 /// where the pipeline drains, so it is the chief's for everyone), and where the run starts.
 struct Agreed {
@@ -479,9 +468,21 @@ struct Agreed {
     start: Option<Start>,
 }
 
+/// The chief's start message, as JSON: its run's numerics ([`RunConfig::numerics`]) for
+/// every worker to compare with its own, and what [`Agreed`] carries across.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartTerms {
+    run: RunConfig,
+    partition: Option<Partition>,
+    every: Option<u64>,
+    done: u64,
+    steps: Option<Vec<u64>>,
+}
+
 /// The start exchange: the chief settles the partition (measuring it if asked) and where the
-/// run starts, and sends them with its settings; every other worker checks the settings and
-/// takes the rest.
+/// run starts, and sends them with its run; every other worker checks the run against its own
+/// and takes the rest.
 fn agree<T: Transport + ?Sized>(
     cfg: &RunConfig,
     run: &Run<'_>,
@@ -489,91 +490,63 @@ fn agree<T: Transport + ?Sized>(
     opts: &WorkerOptions,
 ) -> Result<Agreed> {
     let rank = ep.rank();
-    let mine = settings_fingerprint(cfg);
     if rank == CHIEF {
         let partition = run_partition(cfg, &run.model)?;
         let start = Start::new(run, opts.resume.as_ref())?;
-        let every = opts.checkpoints.as_ref().and_then(|c| c.every);
-        let steps = start.optimizer.as_ref().map(|(_, s)| s.clone());
-        let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
-        let text = format!(
-            "{}\n{}\n{}\n{}\n{mine}",
-            partition
-                .as_ref()
-                .map_or("flops".to_string(), |p| p.to_string()),
-            every.map_or("-".to_string(), |n| n.to_string()),
-            start.done,
-            steps.as_deref().map_or("-".to_string(), list),
-        );
+        let terms = StartTerms {
+            run: cfg.numerics(),
+            partition,
+            every: opts.checkpoints.as_ref().and_then(|c| c.every),
+            done: start.done,
+            steps: start.optimizer.as_ref().map(|(_, s)| s.clone()),
+        };
+        let json = serde_json::to_vec(&terms)
+            .map_err(|e| StageError::Executor(format!("writing the start message: {e}")))?;
         for w in 1..ep.size() {
             ep.send(Message::from_bytes(
                 control(CHIEF, w, TOPIC_START, 0, 0),
-                text.as_bytes(),
+                &json,
             ))?;
         }
         return Ok(Agreed {
-            partition,
-            every,
-            done: start.done,
-            steps,
+            partition: terms.partition,
+            every: terms.every,
+            done: terms.done,
+            steps: terms.steps,
             start: Some(start),
         });
     }
     let bytes = ep
         .recv(&control(CHIEF, rank, TOPIC_START, 0, 0))?
         .into_bytes()?;
-    let text = String::from_utf8(bytes)
-        .map_err(|_| protocol("the chief's settings are not text".into()))?;
-    let mut parts = text.splitn(5, '\n');
-    let mut next = || parts.next().unwrap_or("");
-    let (cut, every, done, steps, theirs) = (next(), next(), next(), next(), next());
-    compare_settings(rank, &mine, theirs)?;
-    let chiefs = PartitionChoice::parse(cut, run.model.len())?;
-    let partition = match (&cfg.partition, chiefs) {
-        (PartitionChoice::Given(p), PartitionChoice::Given(q)) if *p != q => {
+    let terms: StartTerms = serde_json::from_slice(&bytes)
+        .map_err(|e| protocol(format!("the chief's start message: {e}")))?;
+    if let Some(diff) = cfg.numerics_difference(&terms.run) {
+        return Err(StageError::Config(format!(
+            "worker {rank}'s run settings differ from the chief's (worker 0): {diff}; give every worker the same flags and config"
+        )));
+    }
+    let layers = run.model.len();
+    let partition = match (&cfg.partition, terms.partition) {
+        (_, Some(q)) if q.layers() != layers => {
+            return Err(protocol(format!(
+                "the chief's partition {q} does not cover the model's {layers} layers"
+            )));
+        }
+        (PartitionChoice::Given(p), Some(q)) if *p != q => {
             return Err(StageError::Config(format!(
                 "worker {rank} was given partition {p} but the chief runs {q}"
             )));
         }
-        (_, PartitionChoice::Given(q)) => Some(q),
-        _ => None,
-    };
-    let number = |t: &str| {
-        t.parse::<u64>()
-            .map_err(|_| protocol(format!("the chief's start names '{t}', not a count")))
+        (_, q) => q,
     };
     Ok(Agreed {
         partition,
-        every: if every == "-" {
-            None
-        } else {
-            Some(number(every)?)
-        },
-        done: number(done)?,
-        steps: if steps == "-" {
-            None
-        } else {
-            Some(steps.split(',').map(number).collect::<Result<_>>()?)
-        },
+        every: terms.every,
+        done: terms.done,
+        steps: terms.steps,
         start: None,
     })
-}
-
-/// Refuses settings (line by line) that differ from the chief's.
-fn compare_settings(rank: u32, mine: &str, theirs: &str) -> Result<()> {
-    if let Some((a, b)) = mine.lines().zip(theirs.lines()).find(|(a, b)| a != b) {
-        return Err(StageError::Config(format!(
-            "worker {rank}'s run settings differ from the chief's (worker 0): `{}` here, `{}` there; give every worker the same flags and config",
-            a.trim(),
-            b.trim()
-        )));
-    }
-    if mine.lines().count() != theirs.lines().count() {
-        return Err(StageError::Config(format!(
-            "worker {rank}'s run settings differ from the chief's (worker 0)"
-        )));
-    }
-    Ok(())
 }
 
 /// Where this worker starts. A resumed run's chief sends every other worker the weights and

@@ -1,3 +1,8 @@
+//! The model layer (this folder): layers and their parameter shapes ([`layer`], [`layers`]),
+//! the GPT-style blocks ([`transformer`]), losses, optimizers, data, checkpoints, sampling and
+//! seeded randomness. Nothing here knows about stages, workers or transports; the runtime
+//! ([`crate::pipeline`]) and planning ([`crate::planning`]) build on it.
+//!
 //! Models: an ordered list of layers, and a **parameter table** that names every parameter
 //! (`layers.3.weight`) and says which layers use it.
 //!
@@ -9,6 +14,16 @@
 //! summed gradient, so the copies stay bit-identical and each use reads the version its stage's
 //! version plan names. Checkpoints and reports key parameters by their table name, which does
 //! not depend on the partition.
+
+pub mod checkpoint;
+pub mod data;
+pub mod layer;
+pub mod layers;
+pub mod loss;
+pub mod optim;
+pub mod rng;
+pub mod sample;
+pub mod transformer;
 
 use pipe_kernels::{Backend, Tensor};
 use serde::{Deserialize, Serialize};

@@ -5,12 +5,31 @@
 use std::ops::Range;
 
 use pipe_scheduler::{LayerProfile, Profile};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
 use crate::model::Model;
 
-/// Contiguous layer ranges, one per model stage, covering the whole model.
-#[derive(Clone, Debug, PartialEq, Eq)]
+impl From<Partition> for Vec<Range<usize>> {
+    fn from(p: Partition) -> Self {
+        p.ranges
+    }
+}
+
+impl TryFrom<Vec<Range<usize>>> for Partition {
+    type Error = StageError;
+    fn try_from(ranges: Vec<Range<usize>>) -> Result<Self> {
+        let layers = ranges.last().map_or(0, |r| r.end);
+        Partition::new(ranges, layers)
+    }
+}
+
+/// Contiguous layer ranges, one per model stage, covering the whole model. Written as its
+/// ranges (`[{"start":0,"end":3},...]`); read back through [`Partition::new`], so a partition
+/// that does not tile `0..end` is refused as it is read (the model's length is checked where
+/// the run is, [`crate::config::RunConfig::check`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Vec<Range<usize>>", into = "Vec<Range<usize>>")]
 pub struct Partition {
     ranges: Vec<Range<usize>>,
 }

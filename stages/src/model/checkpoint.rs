@@ -92,8 +92,7 @@ pub struct RunState {
     pub policy: String,
     /// Replicas per stage.
     pub replicas: Vec<u32>,
-    /// The numerics-deciding settings, as text (see
-    /// [`crate::pipeline::worker::settings_fingerprint`]).
+    /// The run's numerics ([`RunConfig::numerics`]) as JSON, for the record.
     pub settings: String,
 }
 

@@ -20,10 +20,10 @@ use crate::rng::rng_for;
 /// Largest decompressed IDX file accepted (MNIST's largest is 47 MB).
 pub const MAX_IDX_BYTES: usize = 512 << 20;
 
-const TRAIN_IMAGES: &[u8] = include_bytes!("../../data/mnist/train-images-idx3-ubyte.gz");
-const TRAIN_LABELS: &[u8] = include_bytes!("../../data/mnist/train-labels-idx1-ubyte.gz");
-const TEST_IMAGES: &[u8] = include_bytes!("../../data/mnist/t10k-images-idx3-ubyte.gz");
-const TEST_LABELS: &[u8] = include_bytes!("../../data/mnist/t10k-labels-idx1-ubyte.gz");
+const TRAIN_IMAGES: &[u8] = include_bytes!("../../../data/mnist/train-images-idx3-ubyte.gz");
+const TRAIN_LABELS: &[u8] = include_bytes!("../../../data/mnist/train-labels-idx1-ubyte.gz");
+const TEST_IMAGES: &[u8] = include_bytes!("../../../data/mnist/t10k-images-idx3-ubyte.gz");
+const TEST_LABELS: &[u8] = include_bytes!("../../../data/mnist/t10k-labels-idx1-ubyte.gz");
 
 /// MNIST pixel mean and standard deviation (of pixel / 255 over the training set).
 const MNIST_MEAN: f32 = 0.1307;
@@ -226,7 +226,7 @@ pub struct Splits {
 
 /// Tiny Shakespeare (1,115,394 characters of Shakespeare's plays, public domain; see
 /// `data/README.md`), embedded so that character models train anywhere.
-const TINYSHAKESPEARE: &str = include_str!("../../data/tinyshakespeare.txt");
+const TINYSHAKESPEARE: &str = include_str!("../../../data/tinyshakespeare.txt");
 
 /// Largest text corpus read from disk.
 pub const MAX_TEXT_BYTES: usize = 256 << 20;

@@ -1,3 +1,6 @@
+//! The planning layer (this folder): profiling a model's layers ([`profile`]), cutting it into
+//! stages ([`partition`]), and, here, planning a run on this machine.
+//!
 //! Planning a run on this machine: what `pipe train --stages S` (with no `--partition`),
 //! `pipe train --workers W` and `pipe plan --model` measure before they cut the model. The model
 //! is profiled at the run's microbatch size with one compute thread per worker
@@ -6,13 +9,16 @@
 //! as the executor's own all-reduce, and the planner ([`pipe_scheduler::plan_checked`]) picks the
 //! layout under the default cost model.
 
+pub mod partition;
+pub mod profile;
+
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{
     Action, Length, PartitionPlan, PlanOptions, Policy, Profile, ScheduleSpec, plan_checked,
 };
 use pipe_transport::inproc::{InProcOptions, mesh};
 
-use crate::config::{ModelChoice, PartitionChoice, RunConfig, TrainSettings, layout_of};
+use crate::config::{PartitionChoice, PlannedLayout, RunConfig, TrainSettings, layout_of};
 use crate::error::{Result, StageError};
 use crate::model::Model;
 use crate::optim::OptimizerConfig;
@@ -191,18 +197,14 @@ pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition>
 }
 
 /// Settles `--workers W`: plans the run `settings` describe for `workers` workers
-/// ([`auto_plan`]), writes the layout the plan picked into `settings` (stages, replicas,
-/// partition, and the schedule they were planned for) and resolves them again, since the
-/// layout sets defaults of its own (an asynchronous layout's SGD momentum). Returns the run
-/// and the plan. `settings` is then what every worker process is given.
+/// ([`auto_plan`]) and resolves them with the layout the plan picked
+/// ([`TrainSettings::resolve_planned`]), since the layout sets defaults of its own (an
+/// asynchronous layout's SGD momentum). Returns the run and the plan.
 ///
 /// # Errors
 /// [`StageError::Config`] for no workers or settings that describe no run; profiling and
 /// planning failures.
-pub fn plan_workers(
-    settings: &mut TrainSettings,
-    workers: u32,
-) -> Result<(RunConfig, PartitionPlan)> {
+pub fn plan_workers(settings: TrainSettings, workers: u32) -> Result<(RunConfig, PartitionPlan)> {
     if workers == 0 {
         return Err(StageError::Config("--workers must be at least 1".into()));
     }
@@ -219,36 +221,29 @@ pub fn plan_workers(
         workers,
     )?;
     let (partition, replicas) = layout_of(&plan)?;
-    // The plan was made for this model: a default model must not change with the stage
-    // count the plan picked (a pipelined run's default model is another).
-    if settings.model.is_none() {
-        settings.model = Some(ModelChoice::Preset(cfg.model_name.clone()));
-    }
-    settings.stages = Some(replicas.len());
-    settings.replicas = Some(replicas);
-    settings.partition = Some(partition.to_string());
-    settings.schedule = Some(policy.name().into());
-    Ok((settings.clone().resolve()?, plan))
+    let planned = PlannedLayout {
+        policy,
+        replicas,
+        partition,
+    };
+    Ok((settings.resolve_planned(Some(planned))?, plan))
 }
 
 /// Settles `--partition measured` (the default of a pipelined run): cuts `model` by the
-/// time its stages measure on this machine ([`measured_cut`]) and
-/// writes the cut into both `cfg` and `settings`, so that worker processes and checkpoints
-/// name the partition the run used. Returns the cut, or `None` when the run's partition was
-/// given.
+/// time its stages measure on this machine ([`measured_cut`]) and writes the cut into `cfg`,
+/// so that worker processes and checkpoints name the partition the run used. Returns the
+/// cut, or `None` when the run's partition was given.
 ///
 /// # Errors
 /// Profiling failures.
 pub fn settle_measured_partition(
     cfg: &mut RunConfig,
-    settings: &mut TrainSettings,
     model: &Model,
 ) -> Result<Option<MeasuredPartition>> {
     if cfg.partition != PartitionChoice::Measured {
         return Ok(None);
     }
     let cut = measured_cut(cfg, model)?;
-    settings.partition = Some(cut.partition.to_string());
     cfg.partition = PartitionChoice::Given(cut.partition.clone());
     Ok(Some(cut))
 }
