@@ -178,6 +178,18 @@ pub struct TrainArgs {
     /// newest), or `latest` (the newest in --checkpoint-dir).
     #[arg(long, value_name = "DIR|latest")]
     pub resume: Option<String>,
+    /// After a failure (a worker process killed or lost, a stall), start every worker again
+    /// from the newest checkpoint in --checkpoint-dir (from the start if there is none yet),
+    /// up to N times; the run then fails naming every cause.
+    #[arg(long, default_value_t = 0, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub max_restarts: u32,
+    /// Inject faults into worker processes, for drills and tests: `RANK:FAULT[/ATTEMPT]`,
+    /// comma-separated, where FAULT is exit@N (the process ends at its Nth data message, as
+    /// kill -9 would end it), panic@N, fail@N, reset@N, drop@N, duplicate@N or stall@N:SECONDS,
+    /// and ATTEMPT the start of the run it applies to (0, the default, then one per restart).
+    #[arg(long, value_name = "SCHEDULE", value_parser = pipe_transport::fault::parse_schedule)]
+    pub fault_schedule: Option<pipe_transport::fault::FaultSchedule>,
 }
 
 impl TrainArgs {
@@ -358,8 +370,13 @@ pub fn print_resuming(dir: &std::path::Path, ckpt: &Checkpoint) {
     );
 }
 
-/// The checkpoint flags, as a launcher passes them on to its workers.
-pub fn checkpoint_args(args: &TrainArgs) -> Vec<std::ffi::OsString> {
+/// The checkpoint flags, as a launcher passes them on to its workers, with the checkpoint the
+/// run resumes from (`resume`: the user's `--resume` on a first start, the newest checkpoint
+/// on a restart).
+pub fn checkpoint_args(
+    args: &TrainArgs,
+    resume: Option<&std::path::Path>,
+) -> Vec<std::ffi::OsString> {
     let mut out: Vec<std::ffi::OsString> = Vec::new();
     if let Some(d) = &args.checkpoint_dir {
         out.extend(["--checkpoint-dir".into(), d.clone().into_os_string()]);
@@ -371,8 +388,8 @@ pub fn checkpoint_args(args: &TrainArgs) -> Vec<std::ffi::OsString> {
         "--keep-checkpoints".into(),
         args.keep_checkpoints.to_string().into(),
     ]);
-    if let Some(r) = &args.resume {
-        out.extend(["--resume".into(), r.into()]);
+    if let Some(r) = resume {
+        out.extend(["--resume".into(), r.as_os_str().to_owned()]);
     }
     out
 }

@@ -417,6 +417,28 @@ fn config_rows() -> Vec<Row> {
             "the number of layers is 20003, over the limit of 10000",
         ),
         config("this is not toml", "c.toml"),
+        // Fault schedules: malformed, in process, past the run's workers.
+        row(
+            "train --stages 2 --transport quic --fault-schedule 1:explode@3",
+            "unknown fault 'explode@3'",
+        ),
+        row(
+            "train --stages 2 --transport quic --fault-schedule 1:exit@0",
+            "the send count must be at least 1",
+        ),
+        row(
+            "train --stages 2 --transport quic --fault-schedule 1:exit@3,1:drop@4",
+            "worker 1 already has a fault in attempt 0",
+        ),
+        row(
+            "train --stages 2 --fault-schedule 1:exit@3",
+            "--fault-schedule injects faults into worker processes",
+        ),
+        row(
+            "train --stages 2 --transport quic --partition 0-4,5-9 --fault-schedule 7:exit@3",
+            "names worker 7, but the run has 2 workers",
+        ),
+        row("train --max-restarts 1001", "--max-restarts"),
         // The resolved run a launcher hands its worker processes, read back and checked.
         with(
             "worker --cluster {d}/absent.toml --launched --run {d}/r.json",

@@ -320,6 +320,111 @@ fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
     eprintln!("the others stopped {stopped:?} after the kill");
 }
 
+/// A run restarted by itself: worker 1, the only worker of stage 1, killed with SIGKILL once
+/// the first checkpoint is written; with `--max-restarts 2` the launcher starts every worker
+/// again from the newest checkpoint, says how many updates that loses, and the run ends with
+/// the weights of an undisturbed run that drained at the same checkpoints (a restart resumes
+/// exactly as a run resumed by hand).
+#[test]
+fn a_killed_worker_is_restarted_from_the_newest_checkpoint_and_ends_undisturbed() {
+    if !std::path::Path::new("/proc/self/stat").exists() {
+        eprintln!("skipped: needs /proc to find the worker processes");
+        return;
+    }
+    let _one = serial();
+    let d = dir("restart");
+    let config = small_config(&d, 10_000);
+    let flags = |ck: &std::path::Path| -> Vec<String> {
+        [
+            "train",
+            "--config",
+            &config,
+            "--steps",
+            "600",
+            "--stages",
+            "2",
+            "--transport",
+            "quic",
+            "--checkpoint-every",
+            "50",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let undisturbed = done(&ok(&run(Command::new(PIPE).args(flags(&d.join("calm"))))));
+    let ck = d.join("ck");
+    let launcher = Command::new(PIPE)
+        .args(flags(&ck))
+        .args(["--max-restarts", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !ck.join("ckpt-00000050").exists() {
+        assert!(started.elapsed() < Duration::from_secs(60), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let workers = children_of(launcher.id());
+    signal(&workers, 1, "-9");
+    let out = launcher.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let text = ok(&out);
+    let restart = err
+        .lines()
+        .find(|l| l.starts_with("restart 1 of 2: worker 1 was killed by signal 9"))
+        .unwrap_or_else(|| panic!("no restart line: {err}"));
+    assert!(
+        restart.contains("starts again from") && restart.contains("updates lost"),
+        "{restart}"
+    );
+    assert!(!err.contains("restart 2 of 2"), "{err}");
+    assert_eq!(done(&text), undisturbed);
+}
+
+/// Three failures with `--max-restarts 2`, injected by the fault schedule (worker 1 at its
+/// 40th data message, then again in the first restart, then worker 0 in the second): the
+/// run exits 1 naming all three causes, in order.
+#[test]
+fn a_third_failure_past_max_restarts_exits_1_naming_every_cause() {
+    let _one = serial();
+    let d = dir("restarts-spent");
+    let config = small_config(&d, 3);
+    let ck = d.join("ck");
+    let out = run(Command::new(PIPE).args([
+        "train",
+        "--config",
+        &config,
+        "--stages",
+        "2",
+        "--transport",
+        "quic",
+        "--checkpoint-every",
+        "20",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--max-restarts",
+        "2",
+        "--fault-schedule",
+        "1:exit@40,1:exit@15/1,0:exit@5/2",
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("the run failed 3 times, past --max-restarts 2: (1) worker 1 was killed")
+            && last.contains("(2) worker 1 was killed")
+            && last.contains("(3) worker 0 was killed"),
+        "{last}"
+    );
+    assert!(
+        err.contains("restart 1 of 2") && err.contains("restart 2 of 2"),
+        "{err}"
+    );
+}
+
 /// Two "hosts": network namespaces joined by a veth pair when this process may create them
 /// (root with `ip`), else two loopback addresses. Dropping it removes the namespaces.
 struct Hosts {

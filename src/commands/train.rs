@@ -5,12 +5,17 @@
 //! when no pipeline flag is given; `--transport inproc`) or `pipe worker` processes talking
 //! QUIC on loopback (`--transport quic`, [`pipe_stages::pipeline::processes`]).
 
+use std::cell::Cell;
+
 use anyhow::{Context, Result};
 use pipe_stages::config::RunConfig;
 use pipe_stages::model::Model;
+use pipe_stages::pipeline::doctor::StopReport;
+use pipe_stages::pipeline::restart::{Restart, RestartPolicy, with_restarts};
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
-use pipe_stages::train;
+use pipe_stages::train::{self, EpochStats, Observer, StepStats};
 use pipe_transport::TransportKind;
+use pipe_transport::fault::FaultSchedule;
 
 use crate::args::open_backend;
 use crate::output::bad_input;
@@ -36,6 +41,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         ));
     }
     let processes = cfg.pipelined && cfg.transport == TransportKind::Quic;
+    if let Some(faults) = &args.fault_schedule {
+        check_faults(faults, &cfg, processes)?;
+    }
     if !processes {
         serve_metrics(args.metrics_addr)?;
     }
@@ -46,10 +54,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     print_header(&cfg, &model, &data, be.threads());
     let mut fan = Fan::new(&cfg)?;
     let policy = checkpoint_policy(args, &cfg)?;
-    let resume = resume_from(args, &model)?.map(|(dir, ckpt)| {
-        print_resuming(&dir, &ckpt);
-        ckpt
-    });
+    let resume = resume_from(args, &model)?;
+    if let Some((dir, ckpt)) = &resume {
+        print_resuming(dir, ckpt);
+    }
     settle_partition(&mut cfg, &model)?;
     // A run with no pipeline flag is one worker over the whole model: no pipeline to describe.
     let workers = if cfg.pipelined {
@@ -57,43 +65,48 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     } else {
         1
     };
+    let restarts = RestartPolicy {
+        max_restarts: args.max_restarts,
+        checkpoint_dir: args.checkpoint_dir.clone(),
+    };
+    let first = resume.as_ref().map(|(dir, _)| dir.clone());
+    let last_step = Cell::new(None);
+    let mut watched = LastStep {
+        inner: &mut fan,
+        last: &last_step,
+    };
+    let stop = stop_on_ctrl_c(true);
     if processes {
-        // The launcher logs what the chief reports; the workers write no log of their own.
-        let worker_run = RunConfig {
-            log_jsonl: None,
-            ..cfg.clone()
+        let launch = ProcessLaunch {
+            args,
+            cfg: &cfg,
+            workers,
+            stop,
         };
-        let mut opts = LaunchOptions::new(workers);
-        opts.extra = checkpoint_args(args);
-        opts.stop = Some(stop_on_ctrl_c(true));
-        opts.metrics = args.metrics_addr;
-        // Each worker writes its part of the trace; they are merged once all have exited.
-        let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
-        if let Some(dir) = &parts {
-            opts.extra.push("--trace".into());
-            opts.extra
-                .push(dir.join("worker-{rank}.json").into_os_string());
-        }
-        let end = run_processes(&worker_run, &opts, &mut fan);
-        if let (Some(dir), Some(path)) = (&parts, &args.trace) {
-            merge_trace_parts(dir, workers, path)?;
-        }
-        let end = end.context("training failed")?;
-        finish_checkpoints(&end.checkpoints, end.stopped)?;
-        outln!("partition: {}", cfg.partition);
-        if let Some(last) = &end.last {
-            print_done_line(end.steps, last, end.weights);
-        }
-        return Ok(());
+        return launch.run(&restarts, first.as_deref(), &mut watched, &last_step);
     }
-    let opts = PipelineTrainOptions {
+    let mut opts = PipelineTrainOptions {
         timeline: args.trace.is_some(),
         checkpoints: policy,
-        resume,
-        stop: Some(stop_on_ctrl_c(true)),
+        stop: Some(stop),
         ..PipelineTrainOptions::default()
     };
-    let out = train_pipelined(&cfg, &data, &mut fan, &opts).context("training failed")?;
+    let mut resume = resume.map(|(_, ckpt)| ckpt);
+    let out = with_restarts(
+        &restarts,
+        first.as_deref(),
+        |attempt, from| {
+            opts.resume = match (attempt, from) {
+                (0, _) => resume.take(),
+                (_, Some(dir)) => Some(pipe_stages::checkpoint::read(dir, &model)?.1),
+                (_, None) => None,
+            };
+            train_pipelined(&cfg, &data, &mut watched, &opts)
+        },
+        || last_step.get(),
+        print_restart,
+    )
+    .context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;
     if cfg.pipelined {
         outln!("partition: {}", out.partition);
@@ -108,6 +121,128 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     print_done(&out.report);
     Ok(())
+}
+
+/// A run of worker processes (`--transport quic`), restarted under `--max-restarts`.
+struct ProcessLaunch<'a> {
+    args: &'a TrainArgs,
+    cfg: &'a RunConfig,
+    workers: u32,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ProcessLaunch<'_> {
+    /// Launches the workers until the run ends, restarting them from the newest checkpoint
+    /// after a failure as `restarts` allows; merges their trace parts and prints the end.
+    fn run(
+        &self,
+        restarts: &RestartPolicy,
+        first: Option<&std::path::Path>,
+        obs: &mut dyn Observer,
+        last_step: &Cell<Option<u64>>,
+    ) -> Result<()> {
+        let args = self.args;
+        // The launcher logs what the chief reports; the workers write no log of their own.
+        let worker_run = RunConfig {
+            log_jsonl: None,
+            ..self.cfg.clone()
+        };
+        let mut opts = LaunchOptions::new(self.workers);
+        opts.stop = Some(self.stop.clone());
+        opts.metrics = args.metrics_addr;
+        opts.faults = args.fault_schedule.clone().unwrap_or_default();
+        // Each worker writes its part of the trace; they are merged once all have exited.
+        let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
+        let end = with_restarts(
+            restarts,
+            first,
+            |attempt, from| {
+                opts.attempt = attempt;
+                opts.extra = checkpoint_args(args, from);
+                if let Some(dir) = &parts {
+                    opts.extra.push("--trace".into());
+                    opts.extra
+                        .push(dir.join("worker-{rank}.json").into_os_string());
+                }
+                run_processes(&worker_run, &opts, obs)
+            },
+            || last_step.get(),
+            print_restart,
+        );
+        if let (Some(dir), Some(path)) = (&parts, &args.trace) {
+            merge_trace_parts(dir, self.workers, path)?;
+        }
+        let end = end.context("training failed")?;
+        finish_checkpoints(&end.checkpoints, end.stopped)?;
+        outln!("partition: {}", self.cfg.partition);
+        if let Some(last) = &end.last {
+            print_done_line(end.steps, last, end.weights);
+        }
+        Ok(())
+    }
+}
+
+/// Refuses a fault schedule for a run it cannot apply to: one in process (a fault ends a
+/// worker's process), or one that names a worker the run does not have.
+fn check_faults(faults: &FaultSchedule, cfg: &RunConfig, processes: bool) -> Result<()> {
+    if !processes {
+        return Err(bad_input(
+            "--fault-schedule injects faults into worker processes: give --transport quic and a pipeline flag".into(),
+        ));
+    }
+    let workers = cfg
+        .resolved()
+        .map_err(|e| bad_input(e.to_string()))?
+        .layout
+        .workers();
+    match faults.max_rank() {
+        Some(rank) if rank >= workers => Err(bad_input(format!(
+            "--fault-schedule names worker {rank}, but the run has {workers} workers"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Says that a failed run starts again, why, from where, and what it loses.
+fn print_restart(r: &Restart<'_>) {
+    let from = match &r.from {
+        Some((dir, updates)) => format!("from {} (update {updates})", dir.display()),
+        None => "from the start (no checkpoint yet)".to_string(),
+    };
+    let lost = r
+        .lost()
+        .map_or(String::new(), |n| format!("; {n} updates lost"));
+    eprintln!(
+        "restart {} of {}: {}; every worker starts again {from}{lost}",
+        r.number, r.of, r.cause
+    );
+}
+
+/// An observer that remembers the last update reported (what a restart loses is counted
+/// from it) and passes everything on.
+struct LastStep<'a> {
+    inner: &'a mut dyn Observer,
+    last: &'a Cell<Option<u64>>,
+}
+
+impl Observer for LastStep<'_> {
+    fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+        self.last.set(Some(s.step));
+        self.inner.on_step(s)
+    }
+    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+        self.inner.on_epoch(e)
+    }
+    fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
+        self.inner.on_stop(report)
+    }
+    fn on_spans(
+        &mut self,
+        origin: std::time::SystemTime,
+        spans: &[pipe_scheduler::Span],
+    ) -> pipe_stages::Result<()> {
+        self.inner.on_spans(origin, spans)
+    }
 }
 
 /// Merges the trace parts the `workers` wrote into `dir` (those that exist: a worker that

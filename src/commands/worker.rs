@@ -18,6 +18,7 @@ use pipe_stages::pipeline::worker::{WorkerOptions, check_cluster_size};
 use pipe_stages::train::{self, Observer, Quiet};
 use pipe_transport::TransportKind;
 use pipe_transport::cluster::{ClusterFile, resolve_rank};
+use pipe_transport::fault::{Fault, Faulty};
 use pipe_transport::quic::QuicOptions;
 
 use crate::output::bad_input;
@@ -52,6 +53,10 @@ pub struct WorkerArgs {
     /// taken instead of resolving the training flags again.
     #[arg(long, hide = true, value_name = "FILE", requires = "launched")]
     run: Option<PathBuf>,
+    /// A fault to inject into this worker (one entry of `pipe train --fault-schedule`, which
+    /// the launcher hands each worker it names).
+    #[arg(long, hide = true, value_name = "FAULT")]
+    fault: Option<Fault>,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -115,13 +120,14 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         None
     };
     let stop = stop_on_ctrl_c(chief && !args.launched);
-    let mut ep = join(
+    let joined = join(
         &cluster,
         rank,
         args.listen,
         opts,
         args.launched.then(|| stop.clone()),
     )?;
+    let mut ep = Faulty::new(joined, args.fault.unwrap_or(Fault::None));
     let mut obs: Box<dyn Observer> = match (chief, args.launched) {
         (true, true) => Box::new(RecordWriter),
         (true, false) => {

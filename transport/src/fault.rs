@@ -68,6 +68,177 @@ pub enum Fault {
         /// How long.
         pause: Duration,
     },
+    /// The worker's whole process ends at its `nth` data message, at once, as `kill -9` would
+    /// end it: no closing handshake, no destructors, no exit code of its own
+    /// (`std::process::abort`). For worker processes only: a thread would take its launcher
+    /// down with it.
+    Exit {
+        /// Which send.
+        nth: u64,
+    },
+}
+
+/// A fault as text: `none`, `exit@N`, `panic@N`, `fail@N`, `reset@N`, `drop@N`,
+/// `duplicate@N`, `stall@N:SECONDS`, `reorder:WINDOW` or `delay:MAX_SECONDS:SEED`.
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Fault::None => f.write_str("none"),
+            Fault::Delay { max, seed } => write!(f, "delay:{}:{seed}", max.as_secs_f64()),
+            Fault::Reorder { window } => write!(f, "reorder:{window}"),
+            Fault::Duplicate { nth } => write!(f, "duplicate@{nth}"),
+            Fault::Drop { nth } => write!(f, "drop@{nth}"),
+            Fault::Reset { nth } => write!(f, "reset@{nth}"),
+            Fault::Panic { nth } => write!(f, "panic@{nth}"),
+            Fault::Fail { nth } => write!(f, "fail@{nth}"),
+            Fault::Stall { nth, pause } => write!(f, "stall@{nth}:{}", pause.as_secs_f64()),
+            Fault::Exit { nth } => write!(f, "exit@{nth}"),
+        }
+    }
+}
+
+/// Seconds as a duration of at most a day.
+fn seconds(text: &str) -> Result<Duration, String> {
+    let s: f64 = text
+        .parse()
+        .map_err(|_| format!("'{text}' is not a number of seconds"))?;
+    if !(s.is_finite() && (0.0..=86_400.0).contains(&s)) {
+        return Err(format!("{s} seconds: give 0 to 86400"));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "unknown fault '{text}' (none, exit@N, panic@N, fail@N, reset@N, drop@N, \
+                 duplicate@N, stall@N:SECONDS, reorder:WINDOW, delay:MAX_SECONDS:SEED)"
+            )
+        };
+        if text == "none" {
+            return Ok(Fault::None);
+        }
+        if let Some((kind, rest)) = text.split_once('@') {
+            let (n, pause) = match rest.split_once(':') {
+                Some((n, p)) => (n, Some(p)),
+                None => (rest, None),
+            };
+            let nth: u64 = n
+                .parse()
+                .ok()
+                .filter(|&n| n >= 1)
+                .ok_or_else(|| format!("fault '{text}': the send count must be at least 1"))?;
+            return Ok(match (kind, pause) {
+                ("exit", None) => Fault::Exit { nth },
+                ("panic", None) => Fault::Panic { nth },
+                ("fail", None) => Fault::Fail { nth },
+                ("reset", None) => Fault::Reset { nth },
+                ("drop", None) => Fault::Drop { nth },
+                ("duplicate", None) => Fault::Duplicate { nth },
+                ("stall", Some(p)) => Fault::Stall {
+                    nth,
+                    pause: seconds(p)?,
+                },
+                _ => return Err(bad()),
+            });
+        }
+        let parts: Vec<&str> = text.split(':').collect();
+        match parts.as_slice() {
+            ["reorder", w] => w
+                .parse()
+                .ok()
+                .filter(|&w: &usize| (1..=1 << 20).contains(&w))
+                .map(|window| Fault::Reorder { window })
+                .ok_or_else(|| format!("fault '{text}': the window must be 1 to 1048576")),
+            ["delay", max, seed] => Ok(Fault::Delay {
+                max: seconds(max)?,
+                seed: seed
+                    .parse()
+                    .map_err(|_| format!("fault '{text}': '{seed}' is not a seed"))?,
+            }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// One entry of a fault schedule: `fault` on worker `rank` in the run's `attempt` (0 for the
+/// first run, 1 for the first restart, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledFault {
+    /// The worker.
+    pub rank: u32,
+    /// Which start of the run it applies to.
+    pub attempt: u32,
+    /// What goes wrong.
+    pub fault: Fault,
+}
+
+/// The most entries a fault schedule takes.
+pub const MAX_SCHEDULED_FAULTS: usize = 1024;
+
+/// Parses a fault schedule: entries `RANK:FAULT` or `RANK:FAULT/ATTEMPT`, separated by
+/// commas (`2:exit@400,1:stall@50:3/1`). An entry without an attempt applies to the first
+/// start of the run only; a worker has at most one fault per attempt.
+///
+/// # Errors
+/// A message naming the entry that is malformed, or a worker given two faults in one attempt.
+pub fn parse_schedule(text: &str) -> Result<FaultSchedule, String> {
+    let mut out: Vec<ScheduledFault> = Vec::new();
+    for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        if out.len() == MAX_SCHEDULED_FAULTS {
+            return Err(format!(
+                "more than {MAX_SCHEDULED_FAULTS} faults in one schedule"
+            ));
+        }
+        let (rank, rest) = entry
+            .split_once(':')
+            .ok_or_else(|| format!("fault entry '{entry}': give RANK:FAULT[/ATTEMPT]"))?;
+        let rank: u32 = rank
+            .parse()
+            .map_err(|_| format!("fault entry '{entry}': '{rank}' is not a rank"))?;
+        let (fault, attempt) = match rest.rsplit_once('/') {
+            Some((f, a)) => (
+                f,
+                a.parse()
+                    .map_err(|_| format!("fault entry '{entry}': '{a}' is not an attempt"))?,
+            ),
+            None => (rest, 0),
+        };
+        let fault: Fault = fault.parse()?;
+        if out.iter().any(|f| f.rank == rank && f.attempt == attempt) {
+            return Err(format!(
+                "fault entry '{entry}': worker {rank} already has a fault in attempt {attempt}"
+            ));
+        }
+        out.push(ScheduledFault {
+            rank,
+            attempt,
+            fault,
+        });
+    }
+    Ok(FaultSchedule(out))
+}
+
+/// A run's fault schedule ([`parse_schedule`]): which worker fails how, in which start of the
+/// run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FaultSchedule(pub Vec<ScheduledFault>);
+
+impl FaultSchedule {
+    /// The fault of worker `rank` in start `attempt` of the run ([`Fault::None`] if none).
+    pub fn of(&self, rank: u32, attempt: u32) -> Fault {
+        self.0
+            .iter()
+            .find(|f| f.rank == rank && f.attempt == attempt)
+            .map_or(Fault::None, |f| f.fault)
+    }
+
+    /// The highest rank the schedule names.
+    pub fn max_rank(&self) -> Option<u32> {
+        self.0.iter().map(|f| f.rank).max()
+    }
 }
 
 /// A transport endpoint with a [`Fault`].
@@ -196,6 +367,10 @@ impl<T: Transport> Transport for Faulty<T> {
                 std::thread::sleep(pause);
                 self.inner()?.send(message)
             }
+            Fault::Exit { nth } if n == nth => {
+                eprintln!("injected exit at data message {n} (fault schedule)");
+                std::process::abort()
+            }
             _ => self.inner()?.send(message),
         }
     }
@@ -224,5 +399,62 @@ impl<T: Transport> Transport for Faulty<T> {
     fn close(&mut self) -> Result<(), TransportError> {
         self.flush()?;
         self.inner()?.close()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_fault_reads_back_as_it_prints() {
+        let faults = [
+            Fault::None,
+            Fault::Delay {
+                max: Duration::from_millis(4),
+                seed: 7,
+            },
+            Fault::Reorder { window: 3 },
+            Fault::Duplicate { nth: 2 },
+            Fault::Drop { nth: 3 },
+            Fault::Reset { nth: 4 },
+            Fault::Panic { nth: 5 },
+            Fault::Fail { nth: 6 },
+            Fault::Stall {
+                nth: 7,
+                pause: Duration::from_millis(1500),
+            },
+            Fault::Exit { nth: 8 },
+        ];
+        for f in faults {
+            assert_eq!(f.to_string().parse::<Fault>(), Ok(f), "{f}");
+        }
+    }
+
+    #[test]
+    fn a_schedule_names_each_workers_fault_per_attempt() {
+        let s = parse_schedule("2:exit@400, 1:stall@50:3/1,2:panic@9/1").unwrap();
+        assert_eq!(s.of(2, 0), Fault::Exit { nth: 400 });
+        assert_eq!(
+            s.of(1, 1),
+            Fault::Stall {
+                nth: 50,
+                pause: Duration::from_secs(3)
+            }
+        );
+        assert_eq!(s.of(2, 1), Fault::Panic { nth: 9 });
+        assert_eq!(s.of(1, 0), Fault::None);
+        assert_eq!(s.max_rank(), Some(2));
+        for (bad, why) in [
+            ("x:exit@1", "not a rank"),
+            ("1:exit@1/x", "not an attempt"),
+            ("1", "RANK:FAULT"),
+            ("1:stall@2", "unknown fault"),
+            ("1:stall@2:1e9", "give 0 to 86400"),
+            ("1:reorder:0", "window"),
+        ] {
+            let err = parse_schedule(bad).unwrap_err();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
     }
 }

@@ -29,6 +29,7 @@ pub mod launch;
 pub mod ledger;
 pub mod processes;
 pub mod reference;
+pub mod restart;
 pub mod run_plan;
 pub mod setup;
 pub mod train;

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender, unbounded};
 use pipe_transport::cluster::ClusterFile;
+use pipe_transport::fault::{Fault, FaultSchedule};
 use pipe_transport::quic::{Bound, Quic, QuicOptions};
 use serde::{Deserialize, Serialize};
 
@@ -144,6 +145,10 @@ pub struct LaunchOptions {
     pub stop: Option<Arc<AtomicBool>>,
     /// Serve each worker's metrics for Prometheus: worker K at this address's port + K.
     pub metrics: Option<SocketAddr>,
+    /// Faults to inject into workers (`pipe worker --fault`), for drills and tests.
+    pub faults: FaultSchedule,
+    /// Which start of the run this is (0, then 1 for the first restart): picks the faults.
+    pub attempt: u32,
 }
 
 impl LaunchOptions {
@@ -156,6 +161,8 @@ impl LaunchOptions {
             extra: Vec::new(),
             stop: None,
             metrics: None,
+            faults: FaultSchedule::default(),
+            attempt: 0,
         }
     }
 }
@@ -489,6 +496,10 @@ pub fn launch(
                 "--metrics-addr".into(),
                 SocketAddr::new(base.ip(), port).to_string().into(),
             ]);
+        }
+        let fault = opts.faults.of(rank, opts.attempt);
+        if fault != Fault::None {
+            args.extend(["--fault".into(), fault.to_string().into()]);
         }
         workers.0.push(spawn(&exe, &args, &dir.0, rank, &tx)?);
     }

@@ -1,0 +1,226 @@
+//! Restarting a failed run by itself (`pipe train --max-restarts N`), as a scheduler would
+//! relaunch it, without a person: every worker starts again from the newest checkpoint in the
+//! run's checkpoint directory (or from where the run first started, when none has been written
+//! yet), up to `N` times. A run stops for good on its first failure caused by what the user
+//! gave (bad input: a restart would fail the same way) and after the `N`-th restart fails; it
+//! then names every cause, in order.
+//!
+//! A restarted run loses the updates since the checkpoint it resumes from, and says how many;
+//! it trains on from there exactly as a run resumed by hand would (checkpoints resume bit for
+//! bit), so its final weights are those of an undisturbed run.
+
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint;
+use crate::error::{Result, StageError};
+
+/// When a failed run starts again.
+#[derive(Clone, Debug, Default)]
+pub struct RestartPolicy {
+    /// Restarts after failures (0: a failure ends the run).
+    pub max_restarts: u32,
+    /// The run's checkpoint directory, where the newest checkpoint is looked for.
+    pub checkpoint_dir: Option<PathBuf>,
+}
+
+/// A restart about to happen, as reported before it starts.
+#[derive(Debug)]
+pub struct Restart<'a> {
+    /// The restart, from 1.
+    pub number: u32,
+    /// Restarts allowed.
+    pub of: u32,
+    /// Why the last attempt failed.
+    pub cause: &'a StageError,
+    /// The checkpoint it resumes from and its update count (`None`: from the run's start).
+    pub from: Option<(PathBuf, u64)>,
+    /// Updates the failed attempt had reported done, when it reported any.
+    pub reached: Option<u64>,
+}
+
+impl Restart<'_> {
+    /// Updates the restart loses: those past its checkpoint that the failed attempt reached.
+    pub fn lost(&self) -> Option<u64> {
+        let from = self.from.as_ref().map_or(0, |(_, u)| *u);
+        self.reached.map(|r| r.saturating_sub(from))
+    }
+}
+
+/// Where attempt `attempt` starts: the first from `first` (a `--resume` the user gave, or
+/// fresh), every later one from the newest checkpoint in the policy's directory, or `first`
+/// when none has been written.
+///
+/// # Errors
+/// A checkpoint directory whose newest checkpoint cannot be read.
+fn start_of(policy: &RestartPolicy, attempt: u32, first: Option<&Path>) -> Result<Option<PathBuf>> {
+    if attempt == 0 {
+        return Ok(first.map(Path::to_path_buf));
+    }
+    let newest = policy
+        .checkpoint_dir
+        .as_deref()
+        .and_then(|d| checkpoint::list(d).pop());
+    Ok(match newest {
+        Some((_, dir)) => Some(dir),
+        None => first.map(Path::to_path_buf),
+    })
+}
+
+/// The update count of the checkpoint at `dir`.
+fn updates_of(dir: &Path) -> Result<u64> {
+    Ok(checkpoint::read_state(dir)?.1.updates)
+}
+
+/// Runs `attempt` (given its number, from 0, and the checkpoint to resume from) until it
+/// succeeds, restarting it under `policy`. `first` is where the first attempt starts;
+/// `reached` says how many updates the attempt that just failed had reported; `on_restart`
+/// hears of each restart before it starts.
+///
+/// # Errors
+/// The first failure caused by bad input; otherwise, once no restart is left, a
+/// [`StageError::Launch`] naming every attempt's cause in order (the last failure alone when
+/// no restart was allowed).
+pub fn with_restarts<T>(
+    policy: &RestartPolicy,
+    first: Option<&Path>,
+    mut attempt: impl FnMut(u32, Option<&Path>) -> Result<T>,
+    mut reached: impl FnMut() -> Option<u64>,
+    mut on_restart: impl FnMut(&Restart<'_>),
+) -> Result<T> {
+    let mut causes: Vec<String> = Vec::new();
+    let mut number = 0;
+    loop {
+        let from = start_of(policy, number, first)?;
+        let err = match attempt(number, from.as_deref()) {
+            Ok(out) => return Ok(out),
+            Err(e) => e,
+        };
+        if err.is_bad_input() || policy.max_restarts == 0 {
+            return Err(err);
+        }
+        causes.push(err.to_string());
+        if number == policy.max_restarts {
+            let list: Vec<String> = causes
+                .iter()
+                .enumerate()
+                .map(|(i, c)| format!("({}) {c}", i + 1))
+                .collect();
+            return Err(StageError::Launch {
+                why: format!(
+                    "the run failed {} times, past --max-restarts {}: {}",
+                    causes.len(),
+                    policy.max_restarts,
+                    list.join("; ")
+                ),
+                bad_input: false,
+            });
+        }
+        let next = start_of(policy, number + 1, first)?;
+        let from = match next {
+            Some(dir) => {
+                let updates = updates_of(&dir)?;
+                Some((dir, updates))
+            }
+            None => None,
+        };
+        on_restart(&Restart {
+            number: number + 1,
+            of: policy.max_restarts,
+            cause: &err,
+            from,
+            reached: reached(),
+        });
+        number += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(bad_input: bool) -> StageError {
+        StageError::Launch {
+            why: "worker 1 was killed by signal 9".into(),
+            bad_input,
+        }
+    }
+
+    #[test]
+    fn a_run_restarts_up_to_its_limit_then_names_every_cause() {
+        let policy = RestartPolicy {
+            max_restarts: 2,
+            checkpoint_dir: None,
+        };
+        let mut seen = Vec::new();
+        let mut restarts = 0;
+        let err = with_restarts(
+            &policy,
+            None,
+            |n, from| -> Result<()> {
+                seen.push((n, from.map(Path::to_path_buf)));
+                Err(failure(false))
+            },
+            || Some(7),
+            |r| {
+                restarts += 1;
+                assert_eq!((r.number, r.of, r.lost()), (restarts, 2, Some(7)));
+            },
+        )
+        .unwrap_err();
+        assert_eq!(seen, vec![(0, None), (1, None), (2, None)]);
+        let msg = err.to_string();
+        assert!(
+            msg.contains("failed 3 times, past --max-restarts 2"),
+            "{msg}"
+        );
+        assert_eq!(msg.matches("killed by signal 9").count(), 3, "{msg}");
+        assert!(!err.is_bad_input());
+    }
+
+    #[test]
+    fn bad_input_and_success_end_the_loop_at_once() {
+        let policy = RestartPolicy {
+            max_restarts: 5,
+            checkpoint_dir: None,
+        };
+        let mut calls = 0;
+        let err = with_restarts(
+            &policy,
+            None,
+            |_, _| -> Result<()> {
+                calls += 1;
+                Err(failure(true))
+            },
+            || None,
+            |_| {},
+        )
+        .unwrap_err();
+        assert!(err.is_bad_input());
+        assert_eq!(calls, 1);
+        let mut calls = 0;
+        let out = with_restarts(
+            &policy,
+            None,
+            |n, _| {
+                calls += 1;
+                if n < 2 { Err(failure(false)) } else { Ok(n) }
+            },
+            || None,
+            |_| {},
+        );
+        assert_eq!((out.ok(), calls), (Some(2), 3));
+    }
+
+    #[test]
+    fn no_restarts_returns_the_failure_itself() {
+        let err = with_restarts(
+            &RestartPolicy::default(),
+            None,
+            |_, _| -> Result<()> { Err(failure(false)) },
+            || None,
+            |_| {},
+        )
+        .unwrap_err();
+        assert_eq!(err.to_string(), "worker 1 was killed by signal 9");
+    }
+}
