@@ -187,9 +187,10 @@ pub struct TrainArgs {
     /// Inject faults into worker processes, for drills and tests: `RANK:FAULT[/ATTEMPT]`,
     /// comma-separated, where FAULT is exit@N (the process ends at its Nth data message, as
     /// kill -9 would end it), panic@N, fail@N, reset@N, drop@N, duplicate@N or stall@N:SECONDS,
-    /// and ATTEMPT the start of the run it applies to (0, the default, then one per restart).
-    #[arg(long, value_name = "SCHEDULE", value_parser = pipe_transport::fault::parse_schedule)]
-    pub fault_schedule: Option<pipe_transport::fault::FaultSchedule>,
+    /// and ATTEMPT the start of the run it applies to (0, the default, then one per restart);
+    /// or `random:SEED:COUNT`, COUNT faults of those kinds drawn from SEED, one per start.
+    #[arg(long, value_name = "SCHEDULE", value_parser = pipe_transport::fault::parse_plan)]
+    pub fault_schedule: Option<pipe_transport::fault::FaultPlan>,
 }
 
 impl TrainArgs {

@@ -425,6 +425,64 @@ fn a_third_failure_past_max_restarts_exits_1_naming_every_cause() {
     );
 }
 
+/// Ten faults drawn from a seed (`--fault-schedule random:7:10`: process exits, panics,
+/// failed sends, reset connections, dropped messages and stalls, one per start of the run) on
+/// a run whose two stages are both replicated: every one is met and survived by a restart
+/// (nothing hangs: a stall is noticed within `--stall-timeout`), and the run ends with the
+/// weights of the undisturbed run, so no sample was lost or trained twice.
+#[test]
+fn a_run_survives_ten_seeded_faults_of_several_kinds_with_the_undisturbed_weights() {
+    let _one = serial();
+    let d = dir("seeded-faults");
+    let config = small_config(&d, 10_000);
+    let args = |ck: &str| -> Vec<String> {
+        [
+            "train",
+            "--config",
+            &config,
+            "--steps",
+            "300",
+            "--stages",
+            "2",
+            "--replicas",
+            "2",
+            "--transport",
+            "quic",
+            "--checkpoint-every",
+            "20",
+            "--stall-timeout",
+            "2",
+            "--checkpoint-dir",
+            d.join(ck).to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let undisturbed = done(&ok(&run(Command::new(PIPE).args(args("calm")))));
+    let out = run(Command::new(PIPE).args(args("ck")).args([
+        "--max-restarts",
+        "10",
+        "--fault-schedule",
+        "random:7:10",
+    ]));
+    let text = ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let schedule = text
+        .lines()
+        .find_map(|l| l.strip_prefix("fault schedule (seed 7): "))
+        .unwrap_or_else(|| panic!("no schedule line: {text}"));
+    let kinds: std::collections::HashSet<&str> = schedule
+        .split(',')
+        .map(|e| e.split(':').nth(1).unwrap().split('@').next().unwrap())
+        .collect();
+    assert_eq!(schedule.split(',').count(), 10, "{schedule}");
+    assert!(kinds.len() >= 4, "{schedule}");
+    for n in 1..=10 {
+        assert!(err.contains(&format!("restart {n} of 10: ")), "{err}");
+    }
+    assert_eq!(done(&text), undisturbed);
+}
+
 /// Two "hosts": network namespaces joined by a veth pair when this process may create them
 /// (root with `ip`), else two loopback addresses. Dropping it removes the namespaces.
 struct Hosts {

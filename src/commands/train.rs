@@ -15,7 +15,7 @@ use pipe_stages::pipeline::restart::{Restart, RestartPolicy, with_restarts};
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
 use pipe_transport::TransportKind;
-use pipe_transport::fault::FaultSchedule;
+use pipe_transport::fault::{FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
 use crate::output::bad_input;
@@ -41,9 +41,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         ));
     }
     let processes = cfg.pipelined && cfg.transport == TransportKind::Quic;
-    if let Some(faults) = &args.fault_schedule {
-        check_faults(faults, &cfg, processes)?;
-    }
+    let faults = match &args.fault_schedule {
+        Some(plan) => fault_schedule(plan, &cfg, processes)?,
+        None => FaultSchedule::default(),
+    };
     if !processes {
         serve_metrics(args.metrics_addr)?;
     }
@@ -81,6 +82,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             args,
             cfg: &cfg,
             workers,
+            faults,
             stop,
         };
         return launch.run(&restarts, first.as_deref(), &mut watched, &last_step);
@@ -128,6 +130,7 @@ struct ProcessLaunch<'a> {
     args: &'a TrainArgs,
     cfg: &'a RunConfig,
     workers: u32,
+    faults: FaultSchedule,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -150,7 +153,7 @@ impl ProcessLaunch<'_> {
         let mut opts = LaunchOptions::new(self.workers);
         opts.stop = Some(self.stop.clone());
         opts.metrics = args.metrics_addr;
-        opts.faults = args.fault_schedule.clone().unwrap_or_default();
+        opts.faults = self.faults.clone();
         // Each worker writes its part of the trace; they are merged once all have exited.
         let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
         let end = with_restarts(
@@ -182,9 +185,14 @@ impl ProcessLaunch<'_> {
     }
 }
 
-/// Refuses a fault schedule for a run it cannot apply to: one in process (a fault ends a
-/// worker's process), or one that names a worker the run does not have.
-fn check_faults(faults: &FaultSchedule, cfg: &RunConfig, processes: bool) -> Result<()> {
+/// Data messages of a worker within which a drawn fault fires (`--fault-schedule
+/// random:SEED:COUNT`): early enough that every start of a short run meets its fault.
+const DRAWN_FAULT_WITHIN: u64 = 100;
+
+/// The fault schedule `plan` gives this run, drawn for its workers when it is seeded and
+/// printed so that the run can be repeated; refused for a run it cannot apply to: one in
+/// process (a fault ends a worker's process), or one that names a worker the run lacks.
+fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig, processes: bool) -> Result<FaultSchedule> {
     if !processes {
         return Err(bad_input(
             "--fault-schedule injects faults into worker processes: give --transport quic and a pipeline flag".into(),
@@ -195,12 +203,16 @@ fn check_faults(faults: &FaultSchedule, cfg: &RunConfig, processes: bool) -> Res
         .map_err(|e| bad_input(e.to_string()))?
         .layout
         .workers();
-    match faults.max_rank() {
-        Some(rank) if rank >= workers => Err(bad_input(format!(
+    let faults = plan.schedule(workers, DRAWN_FAULT_WITHIN, cfg.stall_timeout);
+    if let Some(rank) = faults.max_rank().filter(|&r| r >= workers) {
+        return Err(bad_input(format!(
             "--fault-schedule names worker {rank}, but the run has {workers} workers"
-        ))),
-        _ => Ok(()),
+        )));
     }
+    if let FaultPlan::Random { seed, .. } = plan {
+        outln!("fault schedule (seed {seed}): {faults}");
+    }
+    Ok(faults)
 }
 
 /// Says that a failed run starts again, why, from where, and what it loses.

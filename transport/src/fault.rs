@@ -221,6 +221,103 @@ pub fn parse_schedule(text: &str) -> Result<FaultSchedule, String> {
     Ok(FaultSchedule(out))
 }
 
+/// A fault schedule as given: listed entries, or drawn from a seed once the run's worker
+/// count is known (`random:SEED:COUNT`: COUNT faults, one per start of the run, so a run with
+/// `--max-restarts COUNT` meets every one of them and then completes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FaultPlan {
+    /// The entries given.
+    Listed(FaultSchedule),
+    /// Drawn by [`FaultPlan::schedule`].
+    Random {
+        /// Seed of the draw.
+        seed: u64,
+        /// Faults drawn.
+        count: u32,
+    },
+}
+
+/// The most faults a drawn schedule takes (as many as restarts may be allowed).
+pub const MAX_RANDOM_FAULTS: u32 = 1000;
+
+/// Parses `--fault-schedule`: `random:SEED:COUNT`, or entries as [`parse_schedule`] reads.
+///
+/// # Errors
+/// A message naming what is malformed.
+pub fn parse_plan(text: &str) -> Result<FaultPlan, String> {
+    let Some(rest) = text.strip_prefix("random:") else {
+        return parse_schedule(text).map(FaultPlan::Listed);
+    };
+    let (seed, count) = rest
+        .split_once(':')
+        .ok_or_else(|| format!("'{text}': give random:SEED:COUNT"))?;
+    let seed = seed
+        .parse()
+        .map_err(|_| format!("'{text}': '{seed}' is not a seed"))?;
+    let count = count
+        .parse()
+        .ok()
+        .filter(|c| (1..=MAX_RANDOM_FAULTS).contains(c))
+        .ok_or_else(|| format!("'{text}': the count must be 1 to {MAX_RANDOM_FAULTS}"))?;
+    Ok(FaultPlan::Random { seed, count })
+}
+
+impl FaultPlan {
+    /// The schedule for a run of `workers` workers whose stalls are noticed after `stall`:
+    /// a listed one as given; a drawn one with fault `i` in start `i` of the run, on a worker,
+    /// at a data message (1 to `within`) and of a kind (process exit, panic, failed send,
+    /// reset connection, dropped message, or a stall past `stall`) drawn from the seed.
+    pub fn schedule(&self, workers: u32, within: u64, stall: Duration) -> FaultSchedule {
+        let (seed, count) = match self {
+            FaultPlan::Listed(s) => return s.clone(),
+            FaultPlan::Random { seed, count } => (*seed, *count),
+        };
+        let mut state = seed;
+        let mut draw = |n: u64| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) % n.max(1)
+        };
+        let faults = (0..count)
+            .map(|attempt| {
+                let rank = draw(u64::from(workers)) as u32;
+                let nth = 1 + draw(within);
+                let fault = match draw(6) {
+                    0 => Fault::Exit { nth },
+                    1 => Fault::Panic { nth },
+                    2 => Fault::Fail { nth },
+                    3 => Fault::Reset { nth },
+                    4 => Fault::Drop { nth },
+                    _ => Fault::Stall {
+                        nth,
+                        pause: stall + Duration::from_secs(1),
+                    },
+                };
+                ScheduledFault {
+                    rank,
+                    attempt,
+                    fault,
+                }
+            })
+            .collect();
+        FaultSchedule(faults)
+    }
+}
+
+/// Entries as [`parse_schedule`] reads them: `RANK:FAULT/ATTEMPT`, comma-separated.
+impl std::fmt::Display for FaultSchedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let entries: Vec<String> = self
+            .0
+            .iter()
+            .map(|e| format!("{}:{}/{}", e.rank, e.fault, e.attempt))
+            .collect();
+        f.write_str(&entries.join(","))
+    }
+}
+
 /// A run's fault schedule ([`parse_schedule`]): which worker fails how, in which start of the
 /// run.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -445,6 +542,7 @@ mod tests {
         assert_eq!(s.of(2, 1), Fault::Panic { nth: 9 });
         assert_eq!(s.of(1, 0), Fault::None);
         assert_eq!(s.max_rank(), Some(2));
+        assert_eq!(parse_schedule(&s.to_string()), Ok(s.clone()));
         for (bad, why) in [
             ("x:exit@1", "not a rank"),
             ("1:exit@1/x", "not an attempt"),
@@ -455,6 +553,29 @@ mod tests {
         ] {
             let err = parse_schedule(bad).unwrap_err();
             assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_drawn_schedule_is_seeded_one_fault_per_start_on_the_runs_workers() {
+        let plan = parse_plan("random:7:12").unwrap();
+        let stall = Duration::from_secs(2);
+        let s = plan.schedule(8, 40, stall);
+        assert_eq!(s, plan.schedule(8, 40, stall));
+        assert_ne!(s, parse_plan("random:8:12").unwrap().schedule(8, 40, stall));
+        assert_eq!(s.0.len(), 12);
+        for (i, f) in s.0.iter().enumerate() {
+            assert_eq!(f.attempt, i as u32);
+            assert!(f.rank < 8);
+        }
+        let kinds: std::collections::HashSet<_> =
+            s.0.iter()
+                .map(|f| std::mem::discriminant(&f.fault))
+                .collect();
+        assert!(kinds.len() >= 4, "{s}");
+        assert_eq!(parse_plan(&s.to_string()), Ok(FaultPlan::Listed(s)));
+        for bad in ["random:x:3", "random:1:0", "random:1", "random:1:1001"] {
+            assert!(parse_plan(bad).is_err(), "{bad}");
         }
     }
 }
