@@ -175,8 +175,10 @@ pub struct TrainArgs {
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Resume from a checkpoint: a checkpoint's directory, a checkpoint directory (its
-    /// newest), or `latest` (the newest in --checkpoint-dir).
-    #[arg(long, value_name = "DIR|latest")]
+    /// newest), `latest` (the newest in --checkpoint-dir), or `auto` (the newest in
+    /// --checkpoint-dir if there is one, else a fresh start: what a scheduler that restarts
+    /// failed workers passes on every start).
+    #[arg(long, value_name = "DIR|latest|auto")]
     pub resume: Option<String>,
     /// After a failure (a worker process killed or lost, a stall), start every worker again
     /// from the newest checkpoint in --checkpoint-dir (from the start if there is none yet),
@@ -350,13 +352,17 @@ pub fn resume_from(args: &TrainArgs, model: &Model) -> Result<Option<(PathBuf, C
     let Some(r) = &args.resume else {
         return Ok(None);
     };
-    let path = if r == "latest" {
-        args.checkpoint_dir
+    let path = match r.as_str() {
+        "latest" | "auto" => args
+            .checkpoint_dir
             .clone()
-            .ok_or_else(|| bad_input("--resume latest needs --checkpoint-dir".into()))?
-    } else {
-        PathBuf::from(r)
+            .ok_or_else(|| bad_input(format!("--resume {r} needs --checkpoint-dir")))?,
+        given => PathBuf::from(given),
     };
+    // What a scheduler passes on every start: the first finds nothing and starts fresh.
+    if r == "auto" && pipe_stages::checkpoint::list(&path).is_empty() {
+        return Ok(None);
+    }
     Ok(Some(pipe_stages::checkpoint::read(&path, model)?))
 }
 

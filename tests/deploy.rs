@@ -32,16 +32,12 @@ fn executable(path: &Path, text: &str) {
     }
 }
 
-#[test]
-fn the_sbatch_script_parses_and_trains_under_stand_in_slurm_tools() {
+/// Runs `deploy/slurm/pipe.sbatch` in `d` under stand-in `srun` and `scontrol` (every task a
+/// local process on 127.0.0.1) with `pipe_args` and `env`; returns its output. With
+/// `FAULT_ONCE` set in `env`, the first step gives task 1 that fault (`pipe worker --fault`).
+/// `slot` keeps the ports of jobs that may run at once apart.
+fn sbatch(d: &Path, slot: u32, pipe_args: &str, env: &[(&str, &str)]) -> std::process::Output {
     let script = root().join("deploy/slurm/pipe.sbatch");
-    let syntax = Command::new("bash")
-        .arg("-n")
-        .arg(&script)
-        .output()
-        .unwrap();
-    assert!(syntax.status.success(), "{syntax:?}");
-    let d = dir("slurm");
     let bin = d.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
     // scontrol: the allocation is this one machine.
@@ -51,18 +47,17 @@ fn the_sbatch_script_parses_and_trains_under_stand_in_slurm_tools() {
     executable(
         &bin.join("srun"),
         "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\npids=()\n\
+         fault=()\nif [[ -n $FAULT_ONCE && ! -e faulted ]]; then touch faulted; fault=(--fault \"$FAULT_ONCE\"); fi\n\
          for ((t = 0; t < SLURM_NTASKS; t++)); do\n\
-           SLURM_PROCID=$t SLURM_LOCALID=$t \"$@\" & pids+=($!)\ndone\n\
+           extra=(); if [[ $t -eq 1 ]]; then extra=(\"${fault[@]}\"); fi\n\
+           SLURM_PROCID=$t SLURM_LOCALID=$t \"$@\" \"${extra[@]}\" & pids+=($!)\ndone\n\
          rc=0\nfor p in \"${pids[@]}\"; do wait \"$p\" || rc=1; done\nexit $rc\n",
     );
-    if Command::new("sbatch").arg("--version").output().is_ok() {
-        eprintln!("sbatch is installed, but this test runs the script under stand-ins");
-    }
-    let port = 30_000 + std::process::id() % 20_000;
+    let port = 30_000 + std::process::id() % 8_000 * 2 + slot * 16_000;
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
-    let out = Command::new("bash")
-        .arg(&script)
-        .current_dir(&d)
+    let mut cmd = Command::new("bash");
+    cmd.arg(&script)
+        .current_dir(d)
         .env("PATH", path)
         .env("PIPE", PIPE)
         .env("PORT", port.to_string())
@@ -70,12 +65,32 @@ fn the_sbatch_script_parses_and_trains_under_stand_in_slurm_tools() {
         .env("SLURM_NTASKS", "2")
         .env("SLURM_NTASKS_PER_NODE", "2")
         .env("SLURM_JOB_NODELIST", "node1")
-        .env(
-            "PIPE_ARGS",
-            "--dataset synthetic --model mlp-784-32x4-10 --stages 2 --steps 4 --partition flops",
-        )
+        .env("PIPE_ARGS", pipe_args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn the_sbatch_script_parses_and_trains_under_stand_in_slurm_tools() {
+    let script = root().join("deploy/slurm/pipe.sbatch");
+    let syntax = Command::new("bash")
+        .arg("-n")
+        .arg(&script)
         .output()
         .unwrap();
+    assert!(syntax.status.success(), "{syntax:?}");
+    if Command::new("sbatch").arg("--version").output().is_ok() {
+        eprintln!("sbatch is installed, but this test runs the script under stand-ins");
+    }
+    let d = dir("slurm");
+    let out = sbatch(
+        &d,
+        0,
+        "--dataset synthetic --model mlp-784-32x4-10 --stages 2 --steps 4 --partition flops",
+        &[],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -87,6 +102,38 @@ fn the_sbatch_script_parses_and_trains_under_stand_in_slurm_tools() {
         !d.join("pipe-cluster-7").exists(),
         "the credentials outlived the job"
     );
+}
+
+/// The batch script reruns a failed step from the newest checkpoint (`--resume auto`): task 1
+/// is made to end at its 50th data message in the first step, the second step resumes, and
+/// the job ends with the weights of a job that never failed.
+#[test]
+fn the_sbatch_script_restarts_a_failed_step_from_the_newest_checkpoint() {
+    let args =
+        "--dataset synthetic --model mlp-784-32x4-10 --stages 2 --steps 120 --partition flops";
+    let every = [("CHECKPOINT_EVERY", "20")];
+    let calm = sbatch(&dir("slurm-calm"), 1, args, &every);
+    let calm_text = String::from_utf8_lossy(&calm.stdout);
+    assert!(calm.status.success(), "{calm_text}");
+    let d = dir("slurm-restart");
+    let out = sbatch(&d, 1, args, &[every[0], ("FAULT_ONCE", "exit@50")]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}{err}");
+    assert!(d.join("faulted").exists(), "the fault was never given");
+    assert!(
+        err.contains("restart 1 of 2 from the newest checkpoint"),
+        "{err}"
+    );
+    let done = |t: &str| {
+        t.lines()
+            .find(|l| l.starts_with("done:"))
+            .and_then(|l| l.rsplit_once(','))
+            .map(|(d, _)| d.to_string())
+            .unwrap_or_else(|| panic!("no done line: {t}"))
+    };
+    assert_eq!(done(&text), done(&calm_text));
+    assert!(text.contains("resuming from"), "{text}");
 }
 
 /// The value at `path` (mapping keys) in `doc`.
@@ -177,6 +224,21 @@ fn the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() {
         .parse()
         .unwrap();
     assert_eq!(stages * replicas, n, "completions must equal the workers");
+    // A replaced pod resumes from the newest checkpoint; bad input fails the Job at once.
+    let value = |flag: &str| args[args.iter().position(|a| a == flag).unwrap() + 1].clone();
+    assert_eq!(value("--resume"), "auto");
+    assert_eq!(value("--checkpoint-dir"), "/checkpoints");
+    assert!(spec["backoffLimit"].as_i64().unwrap() >= n);
+    assert_eq!(pod["restartPolicy"].as_str(), Some("Never"));
+    let rule = &at(spec, &["podFailurePolicy", "rules"])[0];
+    assert_eq!(rule["action"].as_str(), Some("FailJob"));
+    assert_eq!(rule["onExitCodes"]["values"][0].as_i64(), Some(2));
+    let mounts = container["volumeMounts"].as_vec().unwrap();
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m["mountPath"].as_str() == Some("/checkpoints"))
+    );
 }
 
 #[test]

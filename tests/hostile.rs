@@ -439,6 +439,14 @@ fn config_rows() -> Vec<Row> {
             "names worker 7, but the run has 2 workers",
         ),
         row("train --max-restarts 1001", "--max-restarts"),
+        row(
+            "train --resume auto",
+            "--resume auto needs --checkpoint-dir",
+        ),
+        row(
+            "train --stages 2 --transport quic --fault-schedule random:1:0",
+            "the count must be 1 to 1000",
+        ),
         // The resolved run a launcher hands its worker processes, read back and checked.
         with(
             "worker --cluster {d}/absent.toml --launched --run {d}/r.json",
