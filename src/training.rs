@@ -20,6 +20,7 @@ use pipe_stages::data::Splits;
 use pipe_stages::log::JsonlLog;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
+use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::planning::{plan_workers, settle_measured_partition};
 use pipe_stages::train::{EpochStats, Observer, StepStats, TrainReport};
 
@@ -522,6 +523,18 @@ impl Observer for Fan {
     fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
         self.first.on_epoch(e)?;
         self.rest.iter_mut().try_for_each(|o| o.on_epoch(e))
+    }
+    fn on_layout_change(&mut self, c: &LayoutChange) -> pipe_stages::Result<()> {
+        outln!(
+            "worker {} (stage {}) lost: {}; the run goes on with replicas {:?} and {} microbatches per update, from update {} (the segment runs again)",
+            c.lost,
+            c.stage,
+            c.cause,
+            c.replicas,
+            c.microbatches,
+            c.from
+        );
+        self.rest.iter_mut().try_for_each(|o| o.on_layout_change(c))
     }
 }
 

@@ -432,7 +432,11 @@ fn config_rows() -> Vec<Row> {
         ),
         row(
             "train --stages 2 --fault-schedule 1:exit@3",
-            "--fault-schedule injects faults into worker processes",
+            "exit@N ends a worker's process, and in process that is the whole run",
+        ),
+        row(
+            "train --fault-schedule 0:panic@3",
+            "--fault-schedule injects faults into a pipeline's workers",
         ),
         row(
             "train --stages 2 --transport quic --partition 0-4,5-9 --fault-schedule 7:exit@3",

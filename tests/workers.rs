@@ -384,6 +384,83 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint_and_ends_undisturbed(
     assert_eq!(done(&text), undisturbed);
 }
 
+/// A lost replica leaves its stage running: worker 3, stage 1's second replica, killed with
+/// SIGKILL once the first checkpoint is written. With no restart allowed, the launcher starts
+/// the workers again from the newest checkpoint with stage 1 on one replica (its other replica
+/// takes the lost one's microbatches), and the run ends with the weights of that checkpoint of
+/// an undisturbed run resumed by hand with `--replicas 2,1`.
+#[test]
+fn a_killed_replica_leaves_its_stage_running_on_the_other() {
+    if !std::path::Path::new("/proc/self/stat").exists() {
+        eprintln!("skipped: needs /proc to find the worker processes");
+        return;
+    }
+    let _one = serial();
+    let d = dir("replica-lost");
+    let config = small_config(&d, 10_000);
+    let flags = |ck: &std::path::Path, replicas: &str| -> Vec<String> {
+        [
+            "train",
+            "--config",
+            &config,
+            "--steps",
+            "600",
+            "--stages",
+            "2",
+            "--replicas",
+            replicas,
+            "--checkpoint-every",
+            "50",
+            "--keep-checkpoints",
+            "100",
+            // Given, since its default follows the layout and a run keeps its own.
+            "--momentum",
+            "0.5",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let ck = d.join("ck");
+    let launcher = Command::new(PIPE)
+        .args(flags(&ck, "2"))
+        .args(["--transport", "quic"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !ck.join("ckpt-00000050").exists() {
+        assert!(started.elapsed() < Duration::from_secs(60), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    signal(&children_of(launcher.id()), 3, "-9");
+    let text = ok(&launcher.wait_with_output().unwrap());
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 9"))
+        .unwrap_or_else(|| panic!("no loss reported: {text}"));
+    assert!(line.contains("replicas [2, 1]"), "{line}");
+    let from: u64 = line
+        .split("from update ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(from >= 50, "{line}");
+    assert!(done(&text).starts_with("done: 600 steps"), "{text}");
+    // The undisturbed run's checkpoint at that update, resumed by hand on the new layout.
+    let calm = d.join("calm");
+    ok(&run(Command::new(PIPE).args(flags(&calm, "2"))));
+    let at = calm.join(format!("ckpt-{from:08}"));
+    let resumed = ok(&run(Command::new(PIPE)
+        .args(flags(&d.join("resumed"), "2,1"))
+        .args(["--resume", at.to_str().unwrap()])));
+    assert_eq!(done(&text), done(&resumed));
+}
+
 /// Three failures with `--max-restarts 2`, injected by the fault schedule (worker 1 at its
 /// 40th data message, then again in the first restart, then worker 0 in the second): the
 /// run exits 1 naming all three causes, in order.
@@ -427,9 +504,11 @@ fn a_third_failure_past_max_restarts_exits_1_naming_every_cause() {
 
 /// Ten faults drawn from a seed (`--fault-schedule random:7:10`: process exits, panics,
 /// failed sends, reset connections, dropped messages and stalls, one per start of the run) on
-/// a run whose two stages are both replicated: every one is met and survived by a restart
-/// (nothing hangs: a stall is noticed within `--stall-timeout`), and the run ends with the
-/// weights of the undisturbed run, so no sample was lost or trained twice.
+/// a two-stage run: every one is met and survived by a restart (nothing hangs: a stall is
+/// noticed within `--stall-timeout`), and the run ends with the weights of the undisturbed
+/// run, so no sample was lost or trained twice. (With replicated stages some of them would be
+/// survived as lost replicas instead, changing the layout, so the weights would be another
+/// run's: `a_killed_replica_leaves_its_stage_running_on_the_other` checks those.)
 #[test]
 fn a_run_survives_ten_seeded_faults_of_several_kinds_with_the_undisturbed_weights() {
     let _one = serial();
@@ -440,11 +519,10 @@ fn a_run_survives_ten_seeded_faults_of_several_kinds_with_the_undisturbed_weight
             "train",
             "--config",
             &config,
+            // Long enough that every start, even the last, meets its fault.
             "--steps",
-            "300",
+            "2000",
             "--stages",
-            "2",
-            "--replicas",
             "2",
             "--transport",
             "quic",

@@ -5,17 +5,18 @@
 //! when no pipeline flag is given; `--transport inproc`) or `pipe worker` processes talking
 //! QUIC on loopback (`--transport quic`, [`pipe_stages::pipeline::processes`]).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 use anyhow::{Context, Result};
 use pipe_stages::config::RunConfig;
 use pipe_stages::model::Model;
 use pipe_stages::pipeline::doctor::StopReport;
 use pipe_stages::pipeline::restart::{Restart, RestartPolicy, with_restarts};
+use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
 use pipe_transport::TransportKind;
-use pipe_transport::fault::{FaultPlan, FaultSchedule};
+use pipe_transport::fault::{Fault, FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
 use crate::output::bad_input;
@@ -91,6 +92,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         timeline: args.trace.is_some(),
         checkpoints: policy,
         stop: Some(stop),
+        faults,
         ..PipelineTrainOptions::default()
     };
     let mut resume = resume.map(|(_, ckpt)| ckpt);
@@ -107,6 +109,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         },
         || last_step.get(),
         print_restart,
+        // A lost replica in process is survived inside the run (pipeline::survive).
+        |_, _| false,
     )
     .context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;
@@ -135,8 +139,10 @@ struct ProcessLaunch<'a> {
 }
 
 impl ProcessLaunch<'_> {
-    /// Launches the workers until the run ends, restarting them from the newest checkpoint
-    /// after a failure as `restarts` allows; merges their trace parts and prints the end.
+    /// Launches the workers until the run ends: after a lost replica of a replicated stage
+    /// (with checkpoints to go on from), again with one replica fewer from the newest
+    /// checkpoint, counting no restart; after another failure, restarting them from the newest
+    /// checkpoint as `restarts` allows. Merges their trace parts and prints the end.
     fn run(
         &self,
         restarts: &RestartPolicy,
@@ -146,10 +152,11 @@ impl ProcessLaunch<'_> {
     ) -> Result<()> {
         let args = self.args;
         // The launcher logs what the chief reports; the workers write no log of their own.
-        let worker_run = RunConfig {
+        let current = RefCell::new(RunConfig {
             log_jsonl: None,
             ..self.cfg.clone()
-        };
+        });
+        let pending: RefCell<Option<LayoutChange>> = RefCell::new(None);
         let mut opts = LaunchOptions::new(self.workers);
         opts.stop = Some(self.stop.clone());
         opts.metrics = args.metrics_addr;
@@ -160,6 +167,11 @@ impl ProcessLaunch<'_> {
             restarts,
             first,
             |attempt, from| {
+                if let Some(change) = pending.borrow_mut().take() {
+                    obs.on_layout_change(&change)?;
+                }
+                let run = current.borrow();
+                opts.workers = run.resolved()?.layout.workers();
                 opts.attempt = attempt;
                 opts.extra = checkpoint_args(args, from);
                 if let Some(dir) = &parts {
@@ -167,13 +179,30 @@ impl ProcessLaunch<'_> {
                     opts.extra
                         .push(dir.join("worker-{rank}.json").into_os_string());
                 }
-                run_processes(&worker_run, &opts, obs)
+                run_processes(&run, &opts, obs)
             },
             || last_step.get(),
             print_restart,
+            |err, from| {
+                if args.checkpoint_dir.is_none() {
+                    return false;
+                }
+                let change = LayoutChange::after_exit(&current.borrow(), err, from);
+                let Some(change) = change else {
+                    return false;
+                };
+                let next = change.apply(&current.borrow());
+                *current.borrow_mut() = next;
+                *pending.borrow_mut() = Some(change);
+                true
+            },
         );
+        let workers = current
+            .borrow()
+            .resolved()
+            .map_or(self.workers, |r| r.layout.workers());
         if let (Some(dir), Some(path)) = (&parts, &args.trace) {
-            merge_trace_parts(dir, self.workers, path)?;
+            merge_trace_parts(dir, workers, path)?;
         }
         let end = end.context("training failed")?;
         finish_checkpoints(&end.checkpoints, end.stopped)?;
@@ -190,12 +219,14 @@ impl ProcessLaunch<'_> {
 const DRAWN_FAULT_WITHIN: u64 = 100;
 
 /// The fault schedule `plan` gives this run, drawn for its workers when it is seeded and
-/// printed so that the run can be repeated; refused for a run it cannot apply to: one in
-/// process (a fault ends a worker's process), or one that names a worker the run lacks.
+/// printed so that the run can be repeated; refused for a run it cannot apply to: one with no
+/// pipeline, one in process that would end the process (`exit@N`), or one that names a
+/// worker the run lacks.
 fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig, processes: bool) -> Result<FaultSchedule> {
-    if !processes {
+    if !cfg.pipelined {
         return Err(bad_input(
-            "--fault-schedule injects faults into worker processes: give --transport quic and a pipeline flag".into(),
+            "--fault-schedule injects faults into a pipeline's workers: give a pipeline flag"
+                .into(),
         ));
     }
     let workers = cfg
@@ -208,6 +239,16 @@ fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig, processes: bool) -> Result<
         return Err(bad_input(format!(
             "--fault-schedule names worker {rank}, but the run has {workers} workers"
         )));
+    }
+    if !processes
+        && faults
+            .0
+            .iter()
+            .any(|f| matches!(f.fault, Fault::Exit { .. }))
+    {
+        return Err(bad_input(
+            "--fault-schedule: exit@N ends a worker's process, and in process that is the whole run: give --transport quic, or panic@N".into(),
+        ));
     }
     if let FaultPlan::Random { seed, .. } = plan {
         outln!("fault schedule (seed {seed}): {faults}");
@@ -247,6 +288,9 @@ impl Observer for LastStep<'_> {
     }
     fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
         self.inner.on_stop(report)
+    }
+    fn on_layout_change(&mut self, change: &LayoutChange) -> pipe_stages::Result<()> {
+        self.inner.on_layout_change(change)
     }
     fn on_spans(
         &mut self,

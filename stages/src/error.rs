@@ -46,6 +46,14 @@ pub enum StageError {
         /// Whether the user's input caused it.
         bad_input: bool,
     },
+    /// A worker process ended unsuccessfully (not with status 2): killed, crashed or failed.
+    #[error("worker {worker} {status}")]
+    Exited {
+        /// Its rank.
+        worker: u32,
+        /// How it ended (`was killed by signal 9`, `exited with status 1`).
+        status: String,
+    },
     /// A request past a resource limit ([`crate::limits`]): what was asked, the limit, why.
     #[error("limit: {0}")]
     Limit(String),

@@ -106,6 +106,15 @@ pub trait Observer {
         let _ = report;
         Ok(())
     }
+    /// When a replica was lost and the run goes on without it, before its segment runs again
+    /// under the new layout ([`crate::pipeline::survive`]).
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_layout_change(&mut self, change: &crate::pipeline::survive::LayoutChange) -> Result<()> {
+        let _ = change;
+        Ok(())
+    }
     /// After each segment of a worker that runs in a process of its own
     /// ([`crate::pipeline::train_worker`]): the actions it ran, with times in seconds since
     /// `origin`, the worker's start by the system clock (so that the parts of several

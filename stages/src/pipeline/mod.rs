@@ -32,6 +32,7 @@ pub mod reference;
 pub mod restart;
 pub mod run_plan;
 pub mod setup;
+pub mod survive;
 pub mod train;
 pub mod worker;
 

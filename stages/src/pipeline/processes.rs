@@ -574,11 +574,13 @@ pub fn launch(
     }
     drop(workers);
     if let Some((rank, status)) = first_exit {
-        let msg = format!("worker {rank} {}", describe(status));
         return Err(if status.code() == Some(2) {
-            refused(msg)
+            refused(format!("worker {rank} {}", describe(status)))
         } else {
-            failed(msg)
+            StageError::Exited {
+                worker: rank,
+                status: describe(status),
+            }
         });
     }
     if let Some(e) = relay.failure {

@@ -73,19 +73,22 @@ fn updates_of(dir: &Path) -> Result<u64> {
 
 /// Runs `attempt` (given its number, from 0, and the checkpoint to resume from) until it
 /// succeeds, restarting it under `policy`. `first` is where the first attempt starts;
-/// `reached` says how many updates the attempt that just failed had reported; `on_restart`
-/// hears of each restart before it starts.
+/// `reached` says how many updates the attempt that just failed had reported; `survive` is
+/// asked first about each failure, with the update the next attempt would start from, and
+/// returns true when the run goes on without counting a restart (a lost replica, after which
+/// the caller has changed the layout); `on_restart` hears of each restart before it starts.
 ///
 /// # Errors
 /// The first failure caused by bad input; otherwise, once no restart is left, a
-/// [`StageError::Launch`] naming every attempt's cause in order (the last failure alone when
-/// no restart was allowed).
+/// [`StageError::Launch`] naming every counted failure's cause in order (the last failure
+/// alone when no restart was allowed).
 pub fn with_restarts<T>(
     policy: &RestartPolicy,
     first: Option<&Path>,
     mut attempt: impl FnMut(u32, Option<&Path>) -> Result<T>,
     mut reached: impl FnMut() -> Option<u64>,
     mut on_restart: impl FnMut(&Restart<'_>),
+    mut survive: impl FnMut(&StageError, u64) -> bool,
 ) -> Result<T> {
     let mut causes: Vec<String> = Vec::new();
     let mut number = 0;
@@ -95,11 +98,25 @@ pub fn with_restarts<T>(
             Ok(out) => return Ok(out),
             Err(e) => e,
         };
-        if err.is_bad_input() || policy.max_restarts == 0 {
+        if err.is_bad_input() {
+            return Err(err);
+        }
+        let next = match start_of(policy, number + 1, first)? {
+            Some(dir) => {
+                let updates = updates_of(&dir)?;
+                Some((dir, updates))
+            }
+            None => None,
+        };
+        number += 1;
+        if survive(&err, next.as_ref().map_or(0, |(_, u)| *u)) {
+            continue;
+        }
+        if policy.max_restarts == 0 {
             return Err(err);
         }
         causes.push(err.to_string());
-        if number == policy.max_restarts {
+        if causes.len() as u32 > policy.max_restarts {
             let list: Vec<String> = causes
                 .iter()
                 .enumerate()
@@ -115,22 +132,13 @@ pub fn with_restarts<T>(
                 bad_input: false,
             });
         }
-        let next = start_of(policy, number + 1, first)?;
-        let from = match next {
-            Some(dir) => {
-                let updates = updates_of(&dir)?;
-                Some((dir, updates))
-            }
-            None => None,
-        };
         on_restart(&Restart {
-            number: number + 1,
+            number: causes.len() as u32,
             of: policy.max_restarts,
             cause: &err,
-            from,
+            from: next,
             reached: reached(),
         });
-        number += 1;
     }
 }
 
@@ -165,6 +173,7 @@ mod tests {
                 restarts += 1;
                 assert_eq!((r.number, r.of, r.lost()), (restarts, 2, Some(7)));
             },
+            |_, _| false,
         )
         .unwrap_err();
         assert_eq!(seen, vec![(0, None), (1, None), (2, None)]);
@@ -193,6 +202,7 @@ mod tests {
             },
             || None,
             |_| {},
+            |_, _| false,
         )
         .unwrap_err();
         assert!(err.is_bad_input());
@@ -207,8 +217,28 @@ mod tests {
             },
             || None,
             |_| {},
+            |_, _| false,
         );
         assert_eq!((out.ok(), calls), (Some(2), 3));
+    }
+
+    #[test]
+    fn a_survived_failure_counts_no_restart() {
+        let policy = RestartPolicy::default();
+        let mut survived = 0;
+        let out = with_restarts(
+            &policy,
+            None,
+            |n, _| if n < 2 { Err(failure(false)) } else { Ok(n) },
+            || None,
+            |_| panic!("no restart is counted"),
+            |_, from| {
+                assert_eq!(from, 0);
+                survived += 1;
+                true
+            },
+        );
+        assert_eq!((out.ok(), survived), (Some(2), 2));
     }
 
     #[test]
@@ -219,6 +249,7 @@ mod tests {
             |_, _| -> Result<()> { Err(failure(false)) },
             || None,
             |_| {},
+            |_, _| false,
         )
         .unwrap_err();
         assert_eq!(err.to_string(), "worker 1 was killed by signal 9");

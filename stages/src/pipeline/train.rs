@@ -15,6 +15,7 @@ use std::time::Instant;
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
 use pipe_scheduler::{Length, Policy, Schedule, Span, Timeline};
 use pipe_transport::TransportKind;
+use pipe_transport::fault::{FaultSchedule, Faulty};
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
 
@@ -23,6 +24,7 @@ use super::launch::run_threads_reporting;
 use super::ledger::{LedgerEntry, segment_ledger};
 use super::run_plan::RunPlan;
 use super::setup::{LossReport, OrderedSource, Setup};
+use super::survive::{self, LayoutChange};
 pub use crate::checkpoint::CheckpointPolicy;
 use crate::checkpoint::{Checkpoint, RunState};
 use crate::config::{PartitionChoice, RunConfig};
@@ -67,6 +69,11 @@ pub struct PipelineTrainOptions {
     pub resume: Option<Checkpoint>,
     /// Set (by a Ctrl-C handler) to stop at the next drain point, after a checkpoint.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Faults to inject into the workers' endpoints, for drills and tests. In process, an
+    /// entry's attempt is the segment it applies to, counting from 0 over every segment run
+    /// (one run again after a lost replica included); a fault that ends the process
+    /// ([`pipe_transport::fault::Fault::Exit`]) is not for threads.
+    pub faults: FaultSchedule,
 }
 
 /// An epoch that has ended, as the chief sees it.
@@ -121,8 +128,10 @@ pub fn train_pipelined(
     let mut threads = Threads {
         run: &run,
         data,
-        start: &start,
+        start: start.clone(),
         states: Vec::new(),
+        faults: opts.faults.clone(),
+        segments: 0,
         spans: opts.timeline.then(Vec::new),
         ledger: opts.ledger.then(Vec::new),
     };
@@ -163,8 +172,14 @@ pub fn train_pipelined(
 struct Threads<'a> {
     run: &'a Run<'a>,
     data: &'a Splits,
-    start: &'a Start,
+    /// Where the workers' states come from when there are none: the run's start, or the
+    /// state kept before a segment in which a replica was lost.
+    start: Start,
     states: Vec<WorkerState>,
+    /// Faults injected into the workers' endpoints, by segment run ([`PipelineTrainOptions::faults`]).
+    faults: FaultSchedule,
+    /// Segments run so far, runs again included.
+    segments: u32,
     /// Every action's interval on the run's time axis, when asked for (`--trace`).
     spans: Option<Vec<Span>>,
     /// The measured version ledger, when asked for.
@@ -180,9 +195,41 @@ impl Coordinator for Threads<'_> {
         obs: &mut dyn Observer,
     ) -> Result<SegmentEnd> {
         let t = Instant::now();
-        let outcomes = self
-            .run
-            .segment(plan, self.data, at, self.start, &mut self.states, obs)?;
+        // What the segment runs again from if a replica is lost in it.
+        let kept = match (survive::could_survive(plan), self.states.is_empty()) {
+            (false, _) => None,
+            (true, true) => Some(self.start.clone()),
+            (true, false) => Some(Start {
+                params: assemble(plan, &self.states)?,
+                optimizer: Some(Run::optimizer_of(plan, &self.states)?),
+                done: at.done,
+            }),
+        };
+        let faults = (!self.faults.0.is_empty()).then_some((&self.faults, self.segments));
+        self.segments += 1;
+        let run = self.run.segment(
+            plan,
+            self.data,
+            at,
+            &self.start,
+            &mut self.states,
+            obs,
+            faults,
+        );
+        let outcomes = match (run, kept) {
+            (Ok(outcomes), _) => outcomes,
+            (Err(e), Some(kept)) => {
+                match LayoutChange::after(self.run.cfg, plan, self.run.minibatch, &e, at.done) {
+                    Some(change) => {
+                        self.states.clear();
+                        self.start = kept;
+                        return Ok(SegmentEnd::Relayout(change));
+                    }
+                    None => return Err(e),
+                }
+            }
+            (Err(e), None) => return Err(e),
+        };
         if let Some(spans) = &mut self.spans {
             let base = self.run.start.elapsed().as_secs_f64() - t.elapsed().as_secs_f64();
             for o in &outcomes {
@@ -243,6 +290,9 @@ pub(crate) enum SegmentEnd {
         /// The run stops after this segment.
         stop: bool,
     },
+    /// A replica was lost and the run goes on without it: the segment runs again from its
+    /// start under this layout ([`super::survive`]).
+    Relayout(LayoutChange),
 }
 
 /// One launcher's side of the loop.
@@ -316,6 +366,8 @@ pub(crate) fn run_segments(
 ) -> Result<LoopEnd> {
     let eval_be = CpuBackend::new(0)?;
     let mut pace = start.pace;
+    // The layout after a lost replica (none: the run's own).
+    let mut layout: Option<LayoutChange> = None;
     let mut end = LoopEnd {
         epochs: Vec::new(),
         params: start.params,
@@ -337,7 +389,8 @@ pub(crate) fn run_segments(
             let done = end.done;
             let before = done - first;
             let left = (epoch_len - before).min(pace.map_or(u64::MAX, |p| p.cap()));
-            let (plan, this) = run.segment_plan(start.every, done, left, start.partition)?;
+            let (plan, this) =
+                run.segment_plan(start.every, done, left, start.partition, layout.as_ref())?;
             let at = Segment {
                 epoch,
                 done,
@@ -347,6 +400,12 @@ pub(crate) fn run_segments(
             let t = Instant::now();
             let outcomes = match coord.run_segment(&plan, &at, this, obs)? {
                 SegmentEnd::Chief(outcomes) => outcomes,
+                SegmentEnd::Relayout(change) => {
+                    // The segment runs again from its start under the new layout.
+                    obs.on_layout_change(&change)?;
+                    layout = Some(change);
+                    continue;
+                }
                 SegmentEnd::Follower { stop } => {
                     end.done += this;
                     if stop {
@@ -423,7 +482,7 @@ pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f6
     while done < run.total {
         let epoch = done / run.per_epoch + 1;
         let left = (epoch * run.per_epoch).min(run.total) - done;
-        let (plan, this) = run.segment_plan(None, done, left, &partition)?;
+        let (plan, this) = run.segment_plan(None, done, left, &partition, None)?;
         let carried = match opts.take() {
             Some(o) => o,
             None => (0..plan.schedule.stages() as usize)
@@ -448,6 +507,7 @@ pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f6
 
 /// Where a run starts: fresh weights, or a checkpoint's weights, optimizer state (with each
 /// layer's update count) and the updates done.
+#[derive(Clone)]
 pub(super) struct Start {
     pub(super) params: Params,
     pub(super) optimizer: Option<(OptimizerState, Vec<u64>)>,
@@ -741,6 +801,7 @@ impl<'c> Run<'c> {
         done: u64,
         left: u64,
         partition: &Option<Partition>,
+        layout: Option<&LayoutChange>,
     ) -> Result<(RunPlan, u64)> {
         let cfg = self.cfg;
         let mut this = segment_length(every, done, left);
@@ -751,7 +812,10 @@ impl<'c> Run<'c> {
         } else {
             cfg.schedule
         };
-        let spec = cfg.schedule_spec_of(policy, Length::Updates(this as u32));
+        let spec = match layout {
+            Some(change) => change.spec(cfg.chunks, policy, this as u32),
+            None => cfg.schedule_spec_of(policy, Length::Updates(this as u32)),
+        };
         let plan = RunPlan::new(&self.model, &spec, partition.clone())?
             .with_bucket_values(cfg.bucket_values)
             .with_allreduce_wire(cfg.allreduce_wire);
@@ -768,6 +832,7 @@ impl<'c> Run<'c> {
     /// Runs one segment's schedule (`plan`) of `seg.epoch` from minibatch `seg.done` on,
     /// creating the workers' state from `start` the first time, and reports each update to
     /// `obs` as soon as the last stage has computed all its losses.
+    #[allow(clippy::too_many_arguments)]
     fn segment(
         &self,
         plan: &RunPlan,
@@ -776,6 +841,7 @@ impl<'c> Run<'c> {
         start: &Start,
         states: &mut Vec<WorkerState>,
         obs: &mut dyn Observer,
+        faults: Option<(&FaultSchedule, u32)>,
     ) -> Result<Vec<WorkerOutcome>> {
         let cfg = self.cfg;
         let workers = plan.schedule.workers();
@@ -796,7 +862,18 @@ impl<'c> Run<'c> {
                         timeout: Some(cfg.stall_timeout),
                         ..InProcOptions::default()
                     };
-                    run_threads_reporting(setup, states, mesh(workers, &opts), backend, progress)
+                    let eps = mesh(workers, &opts);
+                    match faults {
+                        Some((faults, segment)) => {
+                            let eps = eps
+                                .into_iter()
+                                .enumerate()
+                                .map(|(w, ep)| Faulty::new(ep, faults.of(w as u32, segment)))
+                                .collect();
+                            run_threads_reporting(setup, states, eps, backend, progress)
+                        }
+                        None => run_threads_reporting(setup, states, eps, backend, progress),
+                    }
                 }
                 TransportKind::Quic => {
                     let mut opts = QuicOptions::new(run_id(cfg.seed, seg.done));
@@ -811,7 +888,10 @@ impl<'c> Run<'c> {
 
     /// The whole model's optimizer state after a segment, from replica 0 of each stage, with
     /// each layer's update count.
-    fn optimizer_of(plan: &RunPlan, states: &[WorkerState]) -> Result<(OptimizerState, Vec<u64>)> {
+    pub(super) fn optimizer_of(
+        plan: &RunPlan,
+        states: &[WorkerState],
+    ) -> Result<(OptimizerState, Vec<u64>)> {
         let mut optimizer = Vec::new();
         let mut steps = Vec::new();
         for st in first_replicas(plan, states)? {

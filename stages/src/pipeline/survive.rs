@@ -1,0 +1,141 @@
+//! Surviving the loss of a replica, in process: when one replica of a stage that has two or
+//! more fails (its thread panics, its action or its transport fails), the run goes on with
+//! the stage's other replicas, without a restart and without losing or repeating an update.
+//!
+//! The unit of recovery is the segment (the stretch between two drain points: an epoch's
+//! end or a checkpoint). Before a segment of a run that could survive a loss, the launcher
+//! keeps the drained pipeline's state (the whole model's weights and optimizer state, what a
+//! checkpoint holds). If a replica fails in the segment, every worker's partial
+//! work in it is dropped, and the segment runs again from that state under a new layout: the
+//! failed worker's stage has one replica fewer, and the stage's other replicas take its
+//! microbatches. The minibatch stays the same (M per replica of the widest stage is raised
+//! when the widest stage shrank), so the data order, the update count and the learning-rate
+//! schedule are unchanged. The weights are therefore those of a run that trained the
+//! segments before under the old layout and every later one under the new, which is also
+//! what resuming a checkpoint of the segment's start under the new replica counts gives.
+//!
+//! What cannot shrink this way ends the run as before: the last replica of a stage, a layout
+//! with several chunks per worker, a minibatch the new widest stage cannot divide, and the
+//! weight-prediction remedy (whose running averages a drained state does not hold).
+
+use pipe_scheduler::{Layout, Policy, ScheduleSpec};
+
+use super::run_plan::RunPlan;
+use crate::config::RunConfig;
+use crate::error::StageError;
+use crate::remedy::Prediction;
+
+/// A new layout after a lost replica: which worker was lost and why, and the replica counts
+/// and microbatches per update the run goes on with from update `from`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayoutChange {
+    /// The worker that failed (in the old layout's numbering).
+    pub lost: u32,
+    /// Its stage.
+    pub stage: u32,
+    /// Why it failed.
+    pub cause: String,
+    /// Replicas per stage from now on.
+    pub replicas: Vec<u32>,
+    /// Microbatches per update per replica of the widest stage from now on.
+    pub microbatches: u32,
+    /// The update the segment runs again from.
+    pub from: u64,
+}
+
+impl LayoutChange {
+    /// The layout after losing `worker` from `layout` (whose minibatch is `minibatch` under
+    /// `policy`), or `None` when the run cannot go on without it: the stage's last replica,
+    /// several chunks per worker, the weight-prediction remedy, or a minibatch the new widest
+    /// stage cannot divide.
+    fn shrink(
+        cfg: &RunConfig,
+        layout: &Layout,
+        policy: Policy,
+        minibatch: u64,
+        lost: (u32, String),
+        from: u64,
+    ) -> Option<Self> {
+        if layout.chunks() != 1 || cfg.remedies.prediction != Prediction::None {
+            return None;
+        }
+        let (worker, cause) = lost;
+        let (stage, _) = layout.placement(worker);
+        let mut replicas = layout.replica_counts().to_vec();
+        if replicas[stage as usize] < 2 {
+            return None;
+        }
+        replicas[stage as usize] -= 1;
+        let widest = u64::from(replicas.iter().copied().max().unwrap_or(1));
+        if minibatch % widest != 0 {
+            return None;
+        }
+        let change = LayoutChange {
+            lost: worker,
+            stage,
+            cause,
+            replicas,
+            microbatches: u32::try_from(minibatch / widest).ok()?,
+            from,
+        };
+        // The new layout must schedule, with the same minibatch.
+        let resolved = change.spec(cfg.chunks, policy, 1).resolve().ok()?;
+        (u64::from(resolved.minibatch) == minibatch).then_some(change)
+    }
+
+    /// In process: the layout after losing the worker that `err` names from `plan`'s layout,
+    /// whose minibatch is `minibatch` (`None` as [`LayoutChange::shrink`], or for an error
+    /// that names no worker).
+    pub(super) fn after(
+        cfg: &RunConfig,
+        plan: &RunPlan,
+        minibatch: u64,
+        err: &StageError,
+        from: u64,
+    ) -> Option<Self> {
+        let StageError::Worker { worker, source, .. } = err else {
+            return None;
+        };
+        let lost = (*worker, source.to_string());
+        let policy = plan.schedule.resolved.policy;
+        Self::shrink(cfg, plan.schedule.layout(), policy, minibatch, lost, from)
+    }
+
+    /// Worker processes: the layout of `cfg` after losing the worker process that `err` names
+    /// (a process that ended unsuccessfully), the run going on from update `from`.
+    pub fn after_exit(cfg: &RunConfig, err: &StageError, from: u64) -> Option<Self> {
+        let StageError::Exited { worker, status } = err else {
+            return None;
+        };
+        let resolved = cfg.resolved().ok()?;
+        let lost = (*worker, status.clone());
+        let minibatch = u64::from(resolved.minibatch);
+        Self::shrink(cfg, &resolved.layout, cfg.schedule, minibatch, lost, from)
+    }
+
+    /// The schedule request of a segment of `updates` under this layout and `policy`.
+    pub(super) fn spec(&self, chunks: u32, policy: Policy, updates: u32) -> ScheduleSpec {
+        ScheduleSpec::new(policy, self.replicas.len() as u32, self.microbatches)
+            .with_replicas(self.replicas.clone())
+            .with_chunks(chunks)
+            .with_length(pipe_scheduler::Length::Updates(updates))
+    }
+
+    /// `cfg` under this layout: the run a worker process is handed once the replica is lost.
+    pub fn apply(&self, cfg: &RunConfig) -> RunConfig {
+        RunConfig {
+            replicas: self.replicas.clone(),
+            microbatches: self.microbatches as usize,
+            ..cfg.clone()
+        }
+    }
+}
+
+/// Whether a segment of `plan` could survive a lost replica: some stage has two or more.
+pub(super) fn could_survive(plan: &RunPlan) -> bool {
+    plan.schedule
+        .layout()
+        .replica_counts()
+        .iter()
+        .any(|&r| r >= 2)
+}

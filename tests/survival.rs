@@ -1,0 +1,116 @@
+//! A lost replica leaves its stage running (in process): a replica thread that panics mid-run
+//! is dropped, its segment runs again from the last drain point with the stage's other
+//! replicas taking its microbatches, and the run ends with the weights of the new layout
+//! resumed by hand from that point; the last replica of a stage cannot be lost that way.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+use common::{done, ok};
+
+const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-survival-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small synthetic run: its config file.
+fn small_config(d: &Path) -> String {
+    let path = d.join("small.toml");
+    std::fs::write(
+        &path,
+        "dataset = \"synthetic\"\nmodel = \"mlp-64-32x8-10\"\nepochs = 100\nthreads = 1\n\
+         partition = \"flops\"\nsteps = 120\n\n[synthetic]\ninputs = 64\nclasses = 10\n\
+         hidden = 32\ntrain = 2048\ntest = 256\n",
+    )
+    .unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+fn train(config: &str, ck: &Path, flags: &[&str]) -> Output {
+    Command::new(PIPE)
+        .args(["train", "--config", config, "--stages", "2"])
+        .args(["--checkpoint-every", "20", "--keep-checkpoints", "100"])
+        // Given, since its default follows the layout and a run keeps its own.
+        .args(["--momentum", "0.5"])
+        .arg("--checkpoint-dir")
+        .arg(ck)
+        .args(flags)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_lost_replica_leaves_its_stage_running_with_the_new_layouts_weights() {
+    let d = dir("replica");
+    let config = small_config(&d);
+    // Worker 3 (stage 1, replica 1) panics at its 15th data message of the third segment.
+    let out = train(
+        &config,
+        &d.join("survived"),
+        &["--replicas", "2", "--fault-schedule", "3:panic@15/2"],
+    );
+    let text = ok(&out);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("worker 3 (stage 1) lost:"))
+        .unwrap_or_else(|| panic!("no loss reported: {text}"));
+    assert!(line.contains("injected panic"), "{line}");
+    assert!(line.contains("replicas [2, 1]"), "{line}");
+    let from: u64 = line
+        .split("from update ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        from > 0,
+        "the third segment starts after the first drain point: {line}"
+    );
+    assert!(done(&text).starts_with("done: 120 steps"), "{text}");
+    // The same run undisturbed, then resumed by hand from the segment's start with the
+    // stage's remaining replica.
+    let calm = d.join("calm");
+    let undisturbed = done(&ok(&train(&config, &calm, &["--replicas", "2"])));
+    let at = calm.join(format!("ckpt-{from:08}"));
+    let resumed = ok(&train(
+        &config,
+        &d.join("resumed"),
+        &["--replicas", "2,1", "--resume", at.to_str().unwrap()],
+    ));
+    assert_eq!(done(&text), done(&resumed));
+    assert_ne!(
+        done(&text),
+        undisturbed,
+        "the layout change should show in the weights"
+    );
+}
+
+#[test]
+fn the_last_replica_of_a_stage_cannot_be_lost() {
+    let d = dir("last");
+    let config = small_config(&d);
+    // Worker 2 is stage 1's only replica.
+    let out = train(
+        &config,
+        &d.join("ck"),
+        &["--replicas", "2,1", "--fault-schedule", "2:panic@5/1"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.lines()
+            .last()
+            .is_some_and(|l| l.contains("injected panic")),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("lost:"));
+}
