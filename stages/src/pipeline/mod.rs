@@ -1,11 +1,13 @@
-//! The runtime layer (this folder). The pipelined runtime: a checked plan ([`RunPlan`]), the worker core that runs one worker's
-//! program ([`exec`]), the worker driver that connects it to a backend and a transport
-//! ([`driver::run_worker`]), the in-process launcher that runs every worker as a thread
-//! ([`launch::run_threads`]), the launcher that runs every worker as a process
-//! ([`processes::run_processes`]), one worker of a run whose others are in other processes
-//! ([`worker::train_worker`]), the sequential reference trainer that follows a version plan
-//! literally, and the run's lifecycle: one segment loop ([`train`]) over three coordinators
-//! (threads, worker processes, and delayed SGD on one worker, [`delayed`]).
+//! The runtime layer (this folder). The pipelined runtime: a checked plan ([`RunPlan`]), the
+//! worker core that runs one worker's program ([`exec`]), the worker driver that connects it
+//! to a backend and a transport ([`driver::run_worker`]), the in-process launcher that runs
+//! every worker as a thread ([`launch::run_threads`]), the launcher that runs every worker as
+//! a process ([`processes::run_processes`]), one worker of a run whose others are in other
+//! processes ([`worker::train_worker`]), the sequential reference trainer that follows a
+//! version plan literally, and the run's lifecycle: one segment loop ([`train`]) over three
+//! coordinators (threads, worker processes, and delayed SGD on one worker, [`delayed`]), with
+//! what lets a run survive faults: a lost replica's stage going on with one replica fewer
+//! ([`survive`]) and a failed run starting again from its newest checkpoint ([`restart`]).
 //!
 //! The seams are shaped for every place a worker can run. The driver takes a rank, a backend,
 //! a transport endpoint and the checked plan, and nothing else; a launcher only starts
