@@ -400,23 +400,10 @@ fn cli_rows() -> Vec<Row> {
     ]
 }
 
-fn config_rows() -> Vec<Row> {
-    let many: String = (0..200_000)
-        .map(|_| "{ type = \"relu\" },")
-        .collect::<Vec<_>>()
-        .join(" ");
-    let nested: String = (0..20_000)
-        .map(|_| "{ type = \"relu\" },")
-        .collect::<Vec<_>>()
-        .join(" ");
+/// Fault schedules, restart and resume flags, and the resolved run a launcher hands its worker
+/// processes.
+fn fault_and_launch_rows() -> Vec<Row> {
     vec![
-        layers(
-            &format!(
-                "{{ type = \"flatten\" }}, {{ type = \"sequence\", layers = [ {nested} ] }}, {{ type = \"linear\", inputs = 784, outputs = 10 }}"
-            ),
-            "the number of layers is 20003, over the limit of 10000",
-        ),
-        config("this is not toml", "c.toml"),
         // Fault schedules: malformed, in process, past the run's workers.
         row(
             "train --stages 2 --transport quic --fault-schedule 1:explode@3",
@@ -462,6 +449,26 @@ fn config_rows() -> Vec<Row> {
             text("r.json", "3"),
             "r.json: invalid type",
         ),
+    ]
+}
+
+fn config_rows() -> Vec<Row> {
+    let many: String = (0..200_000)
+        .map(|_| "{ type = \"relu\" },")
+        .collect::<Vec<_>>()
+        .join(" ");
+    let nested: String = (0..20_000)
+        .map(|_| "{ type = \"relu\" },")
+        .collect::<Vec<_>>()
+        .join(" ");
+    vec![
+        layers(
+            &format!(
+                "{{ type = \"flatten\" }}, {{ type = \"sequence\", layers = [ {nested} ] }}, {{ type = \"linear\", inputs = 784, outputs = 10 }}"
+            ),
+            "the number of layers is 20003, over the limit of 10000",
+        ),
+        config("this is not toml", "c.toml"),
         config("colour = 3\n", "unknown field `colour`"),
         config("[synthetic]\nshade = 1\n", "unknown field `shade`"),
         config(
@@ -852,6 +859,7 @@ fn every_bad_input_is_refused_on_one_line_with_its_exit_code() {
     let tables = [
         ("cli", usable_here(cli_rows())),
         ("config", config_rows()),
+        ("faults", fault_and_launch_rows()),
         ("plan", plan_rows()),
         ("profile", profile_rows()),
         ("data", data_rows()),

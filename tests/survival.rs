@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::{done, ok};
+use common::{done, ok, resumed_from};
 
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
@@ -64,13 +64,7 @@ fn a_lost_replica_leaves_its_stage_running_with_the_new_layouts_weights() {
         .unwrap_or_else(|| panic!("no loss reported: {text}"));
     assert!(line.contains("injected panic"), "{line}");
     assert!(line.contains("replicas [2, 1]"), "{line}");
-    let from: u64 = line
-        .split("from update ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap()
-        .parse()
-        .unwrap();
+    let from = resumed_from(line);
     assert!(
         from > 0,
         "the third segment starts after the first drain point: {line}"

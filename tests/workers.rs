@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{done, ok};
+use common::{done, ok, resumed_from};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -442,13 +442,7 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
         .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 9"))
         .unwrap_or_else(|| panic!("no loss reported: {text}"));
     assert!(line.contains("replicas [2, 1]"), "{line}");
-    let from: u64 = line
-        .split("from update ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap()
-        .parse()
-        .unwrap();
+    let from = resumed_from(line);
     assert!(from >= 50, "{line}");
     assert!(done(&text).starts_with("done: 600 steps"), "{text}");
     // The undisturbed run's checkpoint at that update, resumed by hand on the new layout.

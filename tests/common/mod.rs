@@ -45,3 +45,14 @@ pub fn weights(text: &str) -> String {
         .unwrap()
         .to_string()
 }
+
+/// The update a run went on from, in a line that reports a lost replica (`... from update N
+/// (the segment runs again)`).
+#[track_caller]
+pub fn resumed_from(line: &str) -> u64 {
+    line.split("from update ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no update in {line}"))
+}

@@ -92,8 +92,8 @@ pub fn with_restarts<T>(
 ) -> Result<T> {
     let mut causes: Vec<String> = Vec::new();
     let mut number = 0;
+    let mut from = start_of(policy, 0, first)?;
     loop {
-        let from = start_of(policy, number, first)?;
         let err = match attempt(number, from.as_deref()) {
             Ok(out) => return Ok(out),
             Err(e) => e,
@@ -109,6 +109,7 @@ pub fn with_restarts<T>(
             None => None,
         };
         number += 1;
+        from = next.as_ref().map(|(dir, _)| dir.clone());
         if survive(&err, next.as_ref().map_or(0, |(_, u)| *u)) {
             continue;
         }
