@@ -187,10 +187,17 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0, value_name = "N",
           value_parser = clap::value_parser!(u32).range(0..=1000))]
     pub max_restarts: u32,
+    /// After a lost replica of a replicated stage (which the run survives on the stage's other
+    /// replicas), take it back at the next drain point: a replacement worker with the lost
+    /// rank joins and the stage's replica count is restored. Worker processes need
+    /// --checkpoint-dir (they go on from the drain point's checkpoint).
+    #[arg(long)]
+    pub rejoin: bool,
     /// Inject faults into worker processes, for drills and tests: `RANK:FAULT[/ATTEMPT]`,
     /// comma-separated, where FAULT is exit@N (the process ends at its Nth data message, as
     /// kill -9 would end it), panic@N, fail@N, reset@N, drop@N, duplicate@N or stall@N:SECONDS,
-    /// and ATTEMPT the start of the run it applies to (0, the default, then one per restart);
+    /// and ATTEMPT the start of the workers it applies to (0, the default, then one more per
+    /// restart, lost replica or rejoin);
     /// or `random:SEED:COUNT`, COUNT faults of those kinds drawn from SEED, one per start.
     #[arg(long, value_name = "SCHEDULE", value_parser = pipe_transport::fault::parse_plan)]
     pub fault_schedule: Option<pipe_transport::fault::FaultPlan>,
@@ -525,15 +532,7 @@ impl Observer for Fan {
         self.rest.iter_mut().try_for_each(|o| o.on_epoch(e))
     }
     fn on_layout_change(&mut self, c: &LayoutChange) -> pipe_stages::Result<()> {
-        outln!(
-            "worker {} (stage {}) lost: {}; the run goes on with replicas {:?} and {} microbatches per update, from update {} (the segment runs again)",
-            c.lost,
-            c.stage,
-            c.cause,
-            c.replicas,
-            c.microbatches,
-            c.from
-        );
+        outln!("{c}");
         self.rest.iter_mut().try_for_each(|o| o.on_layout_change(c))
     }
 }

@@ -438,6 +438,18 @@ fn fault_and_launch_rows() -> Vec<Row> {
             "train --stages 2 --transport quic --fault-schedule random:1:0",
             "the count must be 1 to 1000",
         ),
+        row(
+            "train --stages 2 --rejoin",
+            "--rejoin takes back a lost replica, but no stage of this run has two",
+        ),
+        row(
+            "train --stages 2 --replicas 2 --transport quic --rejoin",
+            "--rejoin with --transport quic needs --checkpoint-dir",
+        ),
+        row(
+            "worker --cluster {d}/absent.toml --stages 2 --max-restarts 1",
+            "--max-restarts, --rejoin and --fault-schedule are pipe train's",
+        ),
         // The resolved run a launcher hands its worker processes, read back and checked.
         with(
             "worker --cluster {d}/absent.toml --launched --run {d}/r.json",

@@ -1,7 +1,8 @@
 //! A lost replica leaves its stage running (in process): a replica thread that panics mid-run
 //! is dropped, its segment runs again from the last drain point with the stage's other
 //! replicas taking its microbatches, and the run ends with the weights of the new layout
-//! resumed by hand from that point; the last replica of a stage cannot be lost that way.
+//! resumed by hand from that point; the last replica of a stage cannot be lost that way; with
+//! `--rejoin` a replacement takes the lost replica's place back at the next drain point.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -107,4 +108,65 @@ fn the_last_replica_of_a_stage_cannot_be_lost() {
         "{err}"
     );
     assert!(!String::from_utf8_lossy(&out.stdout).contains("lost:"));
+}
+
+/// `--rejoin`: the lost replica is taken back at the next drain point (a replacement worker
+/// thread joins), and the run ends with the weights of the layout sequence it reports: the
+/// undisturbed run's checkpoint at the loss, resumed by hand on the shrunk layout up to the
+/// rejoin, then on the run's own layout to the end.
+#[test]
+fn a_lost_replica_rejoins_at_the_next_drain_point() {
+    let d = dir("rejoin");
+    let config = small_config(&d);
+    let out = train(
+        &config,
+        &d.join("rejoined"),
+        &[
+            "--replicas",
+            "2",
+            "--fault-schedule",
+            "3:panic@15/2",
+            "--rejoin",
+        ],
+    );
+    let text = ok(&out);
+    let lost = text
+        .lines()
+        .find(|l| l.starts_with("worker 3 (stage 1) lost:"))
+        .unwrap_or_else(|| panic!("no loss reported: {text}"));
+    let back = text
+        .lines()
+        .find(|l| l.starts_with("the lost replicas rejoin:"))
+        .unwrap_or_else(|| panic!("no rejoin reported: {text}"));
+    assert!(back.contains("replicas [2, 2]"), "{back}");
+    let (from, to) = (resumed_from(lost), resumed_from(back));
+    assert!(from < to, "{lost}\n{back}");
+    assert!(done(&text).starts_with("done: 120 steps"), "{text}");
+    let calm = d.join("calm");
+    ok(&train(&config, &calm, &["--replicas", "2"]));
+    let shrunk = d.join("shrunk");
+    let at = calm.join(format!("ckpt-{from:08}"));
+    ok(&train(
+        &config,
+        &shrunk,
+        &["--replicas", "2,1", "--resume", at.to_str().unwrap()],
+    ));
+    let at = shrunk.join(format!("ckpt-{to:08}"));
+    let resumed = ok(&train(
+        &config,
+        &d.join("resumed"),
+        &["--replicas", "2", "--resume", at.to_str().unwrap()],
+    ));
+    assert_eq!(done(&text), done(&resumed));
+}
+
+/// `--rejoin` where it could do nothing is refused: no stage with two replicas.
+#[test]
+fn rejoin_without_a_replicated_stage_is_refused() {
+    let d = dir("rejoin-refused");
+    let config = small_config(&d);
+    let out = train(&config, &d.join("ck"), &["--rejoin"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--rejoin takes back a lost replica"), "{err}");
 }

@@ -455,6 +455,70 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     assert_eq!(done(&text), done(&resumed));
 }
 
+/// `--rejoin` over QUIC: worker 3 (stage 1's second replica) ends at its 60th data message as
+/// kill -9 would end it (`exit@60`); the launcher goes on from the newest checkpoint on
+/// replicas [2, 1], asks the chief to stop at the next drain point, and starts the workers again
+/// on the run's own layout, a replacement `pipe worker` with rank 3 among them. The run ends
+/// with the replica count restored and the weights of that layout sequence, resumed by hand.
+#[test]
+fn a_replacement_worker_rejoins_at_the_next_drain_point() {
+    let _one = serial();
+    let d = dir("rejoin");
+    let config = small_config(&d, 10_000);
+    let flags = |ck: &std::path::Path, replicas: &str| -> Vec<String> {
+        [
+            "train",
+            "--config",
+            &config,
+            "--steps",
+            "200",
+            "--stages",
+            "2",
+            "--replicas",
+            replicas,
+            "--checkpoint-every",
+            "20",
+            "--keep-checkpoints",
+            "100",
+            "--momentum",
+            "0.5",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let out = run(Command::new(PIPE)
+        .args(flags(&d.join("ck"), "2"))
+        .args(["--transport", "quic", "--rejoin"])
+        .args(["--fault-schedule", "3:exit@60"]));
+    let text = ok(&out);
+    let lost = text
+        .lines()
+        .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 6"))
+        .unwrap_or_else(|| panic!("no loss reported: {text}"));
+    let back = text
+        .lines()
+        .find(|l| l.starts_with("the lost replicas rejoin:"))
+        .unwrap_or_else(|| panic!("no rejoin reported: {text}"));
+    assert!(back.contains("replicas [2, 2]"), "{back}");
+    let (from, to) = (resumed_from(lost), resumed_from(back));
+    assert!(from < to, "{lost}\n{back}");
+    assert!(done(&text).starts_with("done: 200 steps"), "{text}");
+    let calm = d.join("calm");
+    ok(&run(Command::new(PIPE).args(flags(&calm, "2"))));
+    let shrunk = d.join("shrunk");
+    let at = calm.join(format!("ckpt-{from:08}"));
+    ok(&run(Command::new(PIPE)
+        .args(flags(&shrunk, "2,1"))
+        .args(["--resume", at.to_str().unwrap()])));
+    let at = shrunk.join(format!("ckpt-{to:08}"));
+    let resumed = ok(&run(Command::new(PIPE)
+        .args(flags(&d.join("resumed"), "2"))
+        .args(["--resume", at.to_str().unwrap()])));
+    assert_eq!(done(&text), done(&resumed));
+}
+
 /// Three failures with `--max-restarts 2`, injected by the fault schedule (worker 1 at its
 /// 40th data message, then again in the first restart, then worker 0 in the second): the
 /// run exits 1 naming all three causes, in order.

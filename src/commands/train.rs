@@ -42,6 +42,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         ));
     }
     let processes = cfg.pipelined && cfg.transport == TransportKind::Quic;
+    if args.rejoin {
+        check_rejoin(args, &cfg, processes)?;
+    }
     let faults = match &args.fault_schedule {
         Some(plan) => fault_schedule(plan, &cfg, processes)?,
         None => FaultSchedule::default(),
@@ -93,6 +96,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         checkpoints: policy,
         stop: Some(stop),
         faults,
+        rejoin: args.rejoin,
         ..PipelineTrainOptions::default()
     };
     let mut resume = resume.map(|(_, ckpt)| ckpt);
@@ -141,7 +145,8 @@ struct ProcessLaunch<'a> {
 impl ProcessLaunch<'_> {
     /// Launches the workers until the run ends: after a lost replica of a replicated stage
     /// (with checkpoints to go on from), again with one replica fewer from the newest
-    /// checkpoint, counting no restart; after another failure, restarting them from the newest
+    /// checkpoint, counting no restart, and with `--rejoin`, once more at the next drain point
+    /// on the run's own layout; after another failure, restarting them from the newest
     /// checkpoint as `restarts` allows. Merges their trace parts and prints the end.
     fn run(
         &self,
@@ -152,10 +157,12 @@ impl ProcessLaunch<'_> {
     ) -> Result<()> {
         let args = self.args;
         // The launcher logs what the chief reports; the workers write no log of their own.
-        let current = RefCell::new(RunConfig {
+        let own = RunConfig {
             log_jsonl: None,
             ..self.cfg.clone()
-        });
+        };
+        let own_replicas = own.resolved()?.layout.replica_counts().to_vec();
+        let current = RefCell::new(own.clone());
         let pending: RefCell<Option<LayoutChange>> = RefCell::new(None);
         let mut opts = LaunchOptions::new(self.workers);
         opts.stop = Some(self.stop.clone());
@@ -163,23 +170,46 @@ impl ProcessLaunch<'_> {
         opts.faults = self.faults.clone();
         // Each worker writes its part of the trace; they are merged once all have exited.
         let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
+        let mut starts = 0;
         let end = with_restarts(
             restarts,
             first,
-            |attempt, from| {
-                if let Some(change) = pending.borrow_mut().take() {
-                    obs.on_layout_change(&change)?;
+            |_, from| {
+                let mut from = from.map(std::path::Path::to_path_buf);
+                loop {
+                    if let Some(change) = pending.borrow_mut().take() {
+                        obs.on_layout_change(&change)?;
+                    }
+                    let run = current.borrow().clone();
+                    let layout = run.resolved()?.layout;
+                    opts.workers = layout.workers();
+                    opts.attempt = starts;
+                    starts += 1;
+                    // A run short of a lost replica stops at its next drain point to take
+                    // it back.
+                    opts.stop_at_first_drain =
+                        args.rejoin && layout.replica_counts() != own_replicas.as_slice();
+                    opts.extra = checkpoint_args(args, from.as_deref());
+                    if let Some(dir) = &parts {
+                        opts.extra.push("--trace".into());
+                        opts.extra
+                            .push(dir.join("worker-{rank}.json").into_os_string());
+                    }
+                    let end = run_processes(&run, &opts, obs)?;
+                    let asked = self.stop.load(std::sync::atomic::Ordering::SeqCst);
+                    match end.stopped {
+                        Some(at) if opts.stop_at_first_drain && !asked => {
+                            *current.borrow_mut() = own.clone();
+                            *pending.borrow_mut() = Some(LayoutChange::restored(&own, at)?);
+                            from = args
+                                .checkpoint_dir
+                                .as_deref()
+                                .and_then(|d| pipe_stages::checkpoint::list(d).pop())
+                                .map(|(_, dir)| dir);
+                        }
+                        _ => return Ok(end),
+                    }
                 }
-                let run = current.borrow();
-                opts.workers = run.resolved()?.layout.workers();
-                opts.attempt = attempt;
-                opts.extra = checkpoint_args(args, from);
-                if let Some(dir) = &parts {
-                    opts.extra.push("--trace".into());
-                    opts.extra
-                        .push(dir.join("worker-{rank}.json").into_os_string());
-                }
-                run_processes(&run, &opts, obs)
             },
             || last_step.get(),
             print_restart,
@@ -212,6 +242,27 @@ impl ProcessLaunch<'_> {
         }
         Ok(())
     }
+}
+
+/// Refuses `--rejoin` where there is nothing it could do: no stage with two or more replicas
+/// (a stage's last replica is never survived, so never taken back), or worker processes
+/// without a checkpoint directory to go on from.
+fn check_rejoin(args: &TrainArgs, cfg: &RunConfig, processes: bool) -> Result<()> {
+    let replicated = cfg.pipelined
+        && cfg
+            .resolved()
+            .is_ok_and(|r| r.layout.replica_counts().iter().any(|&n| n >= 2));
+    if !replicated {
+        return Err(bad_input(
+            "--rejoin takes back a lost replica, but no stage of this run has two or more replicas: give --replicas".into(),
+        ));
+    }
+    if processes && args.checkpoint_dir.is_none() {
+        return Err(bad_input(
+            "--rejoin with --transport quic needs --checkpoint-dir: the workers go on from the checkpoint of the drain point where the replica rejoins".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Data messages of a worker within which a drawn fault fires (`--fault-schedule

@@ -72,6 +72,11 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             "--workers plans on one machine: run `pipe plan -o plan.toml` once and give every worker --plan plan.toml".into(),
         ));
     }
+    if args.train.max_restarts > 0 || args.train.rejoin || args.train.fault_schedule.is_some() {
+        return Err(bad_input(
+            "--max-restarts, --rejoin and --fault-schedule are pipe train's, which starts and restarts its workers: a scheduler restarts pipe worker (deploy/)".into(),
+        ));
+    }
     if !(args.connect_timeout.is_finite() && (0.0..=86_400.0).contains(&args.connect_timeout)) {
         return Err(bad_input(format!(
             "--connect-timeout {}: give 0 to 86400 seconds",

@@ -160,6 +160,7 @@ pub fn train_delayed(
         pace: None,
         checkpoints: None,
         stop: None,
+        rejoin: false,
     };
     let end = run_segments(&run, &mut worker, data, start, obs)?;
     Ok(DelayedReport {

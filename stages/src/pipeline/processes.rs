@@ -147,8 +147,12 @@ pub struct LaunchOptions {
     pub metrics: Option<SocketAddr>,
     /// Faults to inject into workers (`pipe worker --fault`), for drills and tests.
     pub faults: FaultSchedule,
-    /// Which start of the run this is (0, then 1 for the first restart): picks the faults.
+    /// Which start of the workers this is (0, then one more for each restart, lost replica
+    /// or rejoin): picks the faults.
     pub attempt: u32,
+    /// Ask the chief to stop at its first drain point (after a checkpoint), as a Ctrl-C
+    /// would: the launcher then starts the workers again on another layout (`--rejoin`).
+    pub stop_at_first_drain: bool,
 }
 
 impl LaunchOptions {
@@ -163,6 +167,7 @@ impl LaunchOptions {
             metrics: None,
             faults: FaultSchedule::default(),
             attempt: 0,
+            stop_at_first_drain: false,
         }
     }
 }
@@ -515,9 +520,11 @@ pub fn launch(
     let mut first_exit: Option<(u32, ExitStatus)> = None;
     let mut stop_sent = false;
     loop {
-        // Ctrl-C here: the chief stops at its next drain point, after a checkpoint, and tells
-        // the others.
-        if told && !stop_sent && opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
+        // Ctrl-C here (or a layout change to come): the chief stops at its next drain point,
+        // after a checkpoint, and tells the others.
+        let asked = opts.stop_at_first_drain
+            || opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+        if told && !stop_sent && asked {
             if let Some(stdin) = workers.0.first_mut().and_then(|w| w.stdin.as_mut()) {
                 let _ = writeln!(stdin, "stop").and_then(|()| stdin.flush());
             }

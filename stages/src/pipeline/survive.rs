@@ -22,25 +22,59 @@ use pipe_scheduler::{Layout, Policy, ScheduleSpec};
 
 use super::run_plan::RunPlan;
 use crate::config::RunConfig;
-use crate::error::StageError;
+use crate::error::{Result, StageError};
 use crate::remedy::Prediction;
 
-/// A new layout after a lost replica: which worker was lost and why, and the replica counts
-/// and microbatches per update the run goes on with from update `from`.
+/// Why the layout changed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LayoutEvent {
+    /// A replica was lost.
+    Lost {
+        /// The worker that failed (in the old layout's numbering).
+        worker: u32,
+        /// Its stage.
+        stage: u32,
+        /// Why it failed.
+        cause: String,
+    },
+    /// Replacement workers took back the places of the replicas lost before (`--rejoin`):
+    /// the run is on its own layout again.
+    Rejoined,
+}
+
+/// A new layout: why it changed, and the replica counts and microbatches per update the run
+/// goes on with from update `from`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayoutChange {
-    /// The worker that failed (in the old layout's numbering).
-    pub lost: u32,
-    /// Its stage.
-    pub stage: u32,
-    /// Why it failed.
-    pub cause: String,
+    /// Why.
+    pub event: LayoutEvent,
     /// Replicas per stage from now on.
     pub replicas: Vec<u32>,
     /// Microbatches per update per replica of the widest stage from now on.
     pub microbatches: u32,
-    /// The update the segment runs again from.
+    /// The update the new layout starts at.
     pub from: u64,
+}
+
+impl std::fmt::Display for LayoutChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.event {
+            LayoutEvent::Lost {
+                worker,
+                stage,
+                cause,
+            } => write!(
+                f,
+                "worker {worker} (stage {stage}) lost: {cause}; the run goes on with replicas {:?} and {} microbatches per update, from update {} (the segment runs again)",
+                self.replicas, self.microbatches, self.from
+            ),
+            LayoutEvent::Rejoined => write!(
+                f,
+                "the lost replicas rejoin: the run goes on with replicas {:?} and {} microbatches per update, from update {}",
+                self.replicas, self.microbatches, self.from
+            ),
+        }
+    }
 }
 
 impl LayoutChange {
@@ -71,9 +105,11 @@ impl LayoutChange {
             return None;
         }
         let change = LayoutChange {
-            lost: worker,
-            stage,
-            cause,
+            event: LayoutEvent::Lost {
+                worker,
+                stage,
+                cause,
+            },
             replicas,
             microbatches: u32::try_from(minibatch / widest).ok()?,
             from,
@@ -111,6 +147,21 @@ impl LayoutChange {
         let lost = (*worker, status.clone());
         let minibatch = u64::from(resolved.minibatch);
         Self::shrink(cfg, &resolved.layout, cfg.schedule, minibatch, lost, from)
+    }
+
+    /// The run's own layout again, from update `from`, once replacement workers have taken
+    /// back the lost replicas' places (`--rejoin`).
+    ///
+    /// # Errors
+    /// A run whose own layout does not resolve (it did when the run started).
+    pub fn restored(cfg: &RunConfig, from: u64) -> Result<Self> {
+        let resolved = cfg.resolved()?;
+        Ok(LayoutChange {
+            event: LayoutEvent::Rejoined,
+            replicas: resolved.layout.replica_counts().to_vec(),
+            microbatches: resolved.microbatches_per_update,
+            from,
+        })
     }
 
     /// The schedule request of a segment of `updates` under this layout and `policy`.

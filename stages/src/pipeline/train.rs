@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
-use pipe_scheduler::{Length, Policy, Schedule, Span, Timeline};
+use pipe_scheduler::{Layout, Length, Policy, Schedule, Span, Timeline};
 use pipe_transport::TransportKind;
 use pipe_transport::fault::{FaultSchedule, Faulty};
 use pipe_transport::inproc::{InProcOptions, mesh};
@@ -74,6 +74,9 @@ pub struct PipelineTrainOptions {
     /// (one run again after a lost replica included); a fault that ends the process
     /// ([`pipe_transport::fault::Fault::Exit`]) is not for threads.
     pub faults: FaultSchedule,
+    /// After a lost replica, take it back at the next drain point: a replacement worker
+    /// thread joins and the run is on its own layout again ([`super::survive`]).
+    pub rejoin: bool,
 }
 
 /// An epoch that has ended, as the chief sees it.
@@ -143,6 +146,7 @@ pub fn train_pipelined(
         pace: (!cfg.pipelined).then(Pace::default),
         checkpoints: opts.checkpoints.as_ref(),
         stop: opts.stop.as_ref(),
+        rejoin: opts.rejoin,
     };
     let end = run_segments(&run, &mut threads, data, from, obs)?;
     let plan = end.last.ok_or_else(|| {
@@ -249,6 +253,16 @@ impl Coordinator for Threads<'_> {
             .then(|| Run::optimizer_of(plan, &self.states));
         Ok((weights.transpose()?, optimizer.transpose()?))
     }
+
+    fn rejoin(&mut self, plan: &RunPlan, done: u64) -> Result<()> {
+        self.start = Start {
+            params: assemble(plan, &self.states)?,
+            optimizer: Some(Run::optimizer_of(plan, &self.states)?),
+            done,
+        };
+        self.states.clear();
+        Ok(())
+    }
 }
 
 // The segment loop, written once for every trainer: workers that are threads of this process
@@ -316,6 +330,20 @@ pub(crate) trait Coordinator {
     /// # Errors
     /// A worker that does not answer.
     fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained>;
+
+    /// After a drained segment of `plan` that ended `done` updates in: the workers' states
+    /// are to be built again for the run's own layout, which the next segment is on again
+    /// (`--rejoin`, [`super::survive`]). Only a launcher that can change its layout in the
+    /// middle of a run (threads) is asked.
+    ///
+    /// # Errors
+    /// A launcher that cannot; states that do not assemble.
+    fn rejoin(&mut self, plan: &RunPlan, done: u64) -> Result<()> {
+        let _ = (plan, done);
+        Err(StageError::Executor(
+            "this launcher cannot change its layout in the middle of a run".into(),
+        ))
+    }
 }
 
 /// Where the loop starts and what it may do.
@@ -335,6 +363,8 @@ pub(crate) struct LoopStart<'a> {
     pub checkpoints: Option<&'a CheckpointPolicy>,
     /// Set (Ctrl-C) to stop at the next drain point (watched by the chief).
     pub stop: Option<&'a Arc<AtomicBool>>,
+    /// Take lost replicas back at the next drain point after their loss.
+    pub rejoin: bool,
 }
 
 /// How the loop ended: on the chief, everything its report needs.
@@ -420,9 +450,11 @@ pub(crate) fn run_segments(
             }
             secs += took;
             end.done += this;
-            merge_outcomes(&mut acc, outcomes);
+            let acc_layout = last.as_ref().map(|p: &RunPlan| p.schedule.layout());
+            merge_outcomes(&mut acc, acc_layout, outcomes, plan.schedule.layout());
             let epoch_end = end.done == first + epoch_len;
-            let stop = start.stop.is_some_and(|f| f.load(Ordering::SeqCst));
+            // A stop asked for in the run's last segment changes nothing: the run has ended.
+            let stop = end.done < run.total && start.stop.is_some_and(|f| f.load(Ordering::SeqCst));
             let save = start
                 .checkpoints
                 .filter(|p| p.due(end.done, epoch_end, stop));
@@ -441,6 +473,10 @@ pub(crate) fn run_segments(
             }
             if stop {
                 end.stopped = Some(end.done);
+            } else if layout.is_some() && start.rejoin && end.done < run.total {
+                coord.rejoin(&plan, end.done)?;
+                obs.on_layout_change(&LayoutChange::restored(run.cfg, end.done)?)?;
+                layout = None;
             }
             last = Some(plan);
         }
@@ -681,22 +717,48 @@ impl<'r> LiveSteps<'r> {
 }
 
 /// Adds one segment's outcomes to an epoch's (per worker: sums, and the latest peak).
-pub(super) fn merge_outcomes(acc: &mut Vec<WorkerOutcome>, outcomes: Vec<WorkerOutcome>) {
-    if acc.is_empty() {
-        *acc = outcomes;
+pub(super) fn merge_outcomes(
+    acc: &mut Vec<WorkerOutcome>,
+    acc_layout: Option<&Layout>,
+    outcomes: Vec<WorkerOutcome>,
+    layout: &Layout,
+) {
+    let same = acc_layout.is_none_or(|l| l.replica_counts() == layout.replica_counts());
+    if acc.is_empty() || !same {
+        // The layout changed (a lost replica, one taken back): the epoch's figures so far go
+        // to the new layout's worker of the same stage and replica, or its last replica, so
+        // that every sample stays counted once.
+        let before = std::mem::replace(acc, outcomes);
+        if let Some(old) = acc_layout {
+            for (w, o) in before.iter().enumerate() {
+                let (position, replica) = old.placement(w as u32);
+                let Some(&r) = layout.replica_counts().get(position as usize) else {
+                    continue;
+                };
+                let to = layout.worker(position, replica.min(r.saturating_sub(1)));
+                if let Some(a) = acc.get_mut(to as usize) {
+                    add_outcome(a, o);
+                }
+            }
+        }
         return;
     }
-    for (a, o) in acc.iter_mut().zip(outcomes) {
-        a.loss_sum += o.loss_sum;
-        a.correct += o.correct;
-        a.samples += o.samples;
-        a.compute_s += o.compute_s;
-        a.staleness_sum += o.staleness_sum;
-        a.staleness_count += o.staleness_count;
-        a.peak_versions = a.peak_versions.max(o.peak_versions);
-        a.peak_stash_bytes = a.peak_stash_bytes.max(o.peak_stash_bytes);
-        a.bytes_sent += o.bytes_sent;
+    for (a, o) in acc.iter_mut().zip(&outcomes) {
+        add_outcome(a, o);
     }
+}
+
+/// Adds `o`'s counts to `a`'s.
+fn add_outcome(a: &mut WorkerOutcome, o: &WorkerOutcome) {
+    a.loss_sum += o.loss_sum;
+    a.correct += o.correct;
+    a.samples += o.samples;
+    a.compute_s += o.compute_s;
+    a.staleness_sum += o.staleness_sum;
+    a.staleness_count += o.staleness_count;
+    a.peak_versions = a.peak_versions.max(o.peak_versions);
+    a.peak_stash_bytes = a.peak_stash_bytes.max(o.peak_stash_bytes);
+    a.bytes_sent += o.bytes_sent;
 }
 
 /// How long a paced segment runs, about ([`Pace`]).

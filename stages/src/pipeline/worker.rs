@@ -222,6 +222,8 @@ fn run_process<T: Transport + ?Sized>(
         pace: None,
         checkpoints: opts.checkpoints.as_ref(),
         stop: opts.stop.as_ref(),
+        // A worker process's layout changes only when the launcher starts the workers again.
+        rejoin: false,
     };
     let mut me = Process {
         run: &run,

@@ -1,0 +1,132 @@
+//! Survival, counted: a run that loses a replica (and, with `rejoin`, takes it back at the
+//! next drain point) trains every microbatch of the run exactly once at every stage. The
+//! version ledger is built from what the workers measured in the segments that completed
+//! (a segment dropped for a lost replica adds nothing), so each (stage, microbatch) pair it
+//! holds was trained, and trained once.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pipe_scheduler::Policy;
+use pipe_stages::config::{DatasetKind, ModelChoice, TrainSettings};
+use pipe_stages::data::SyntheticConfig;
+use pipe_stages::pipeline::survive::{LayoutChange, LayoutEvent};
+use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
+use pipe_stages::train::{EpochStats, Observer, load_data};
+use pipe_transport::fault::{Fault, FaultSchedule, ScheduledFault};
+
+/// Three epochs of PipeDream on two stages of two replicas each.
+fn settings() -> TrainSettings {
+    TrainSettings {
+        model: Some(ModelChoice::Preset("mlp-32-48x3-4".into())),
+        dataset: Some(DatasetKind::Synthetic),
+        synthetic: Some(SyntheticConfig {
+            inputs: 32,
+            classes: 4,
+            hidden: 16,
+            train: 768,
+            test: 128,
+        }),
+        epochs: Some(3),
+        microbatch_size: Some(16),
+        microbatches: Some(2),
+        lr: Some(0.1),
+        momentum: Some(0.9),
+        seed: Some(3),
+        threads: Some(1),
+        stages: Some(2),
+        replicas: Some(vec![2, 2]),
+        schedule: Some(Policy::PipeDream.name().into()),
+        partition: Some("flops".into()),
+        ..TrainSettings::default()
+    }
+}
+
+/// Every layout change and epoch the run reports.
+#[derive(Default)]
+struct Seen {
+    changes: Vec<LayoutChange>,
+    epochs: Vec<EpochStats>,
+}
+
+impl Observer for Seen {
+    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+        self.epochs.push(e.clone());
+        Ok(())
+    }
+    fn on_layout_change(&mut self, c: &LayoutChange) -> pipe_stages::Result<()> {
+        self.changes.push(c.clone());
+        Ok(())
+    }
+}
+
+/// Runs the settings with worker 3 panicking in the second segment (the second epoch).
+fn run(rejoin: bool) -> (pipe_stages::pipeline::PipelineReport, Seen) {
+    let cfg = settings().resolve().unwrap();
+    let data = load_data(&cfg, &pipe_stages::model::Model::new(&cfg.model).unwrap()).unwrap();
+    let opts = PipelineTrainOptions {
+        ledger: true,
+        rejoin,
+        faults: FaultSchedule(vec![ScheduledFault {
+            rank: 3,
+            attempt: 1,
+            fault: Fault::Panic { nth: 7 },
+        }]),
+        ..PipelineTrainOptions::default()
+    };
+    let mut seen = Seen::default();
+    let out = train_pipelined(&cfg, &data, &mut seen, &opts).unwrap_or_else(|e| panic!("{e}"));
+    (out, seen)
+}
+
+/// Each stage's microbatches in the ledger, sorted: 0..n once each.
+fn assert_each_microbatch_once(out: &pipe_stages::pipeline::PipelineReport) {
+    // 768 samples / 16 per microbatch = 48 microbatches an epoch (12 updates of 4), 3 epochs.
+    let n = 48 * 3;
+    for stage in 0..2 {
+        let mut mbs: Vec<u64> = out
+            .ledger
+            .iter()
+            .filter(|e| e.stage == stage)
+            .map(|e| e.mb)
+            .collect();
+        mbs.sort_unstable();
+        assert_eq!(mbs, (0..n).collect::<Vec<u64>>(), "stage {stage}");
+    }
+}
+
+#[test]
+fn a_lost_replica_trains_every_microbatch_once() {
+    let (out, seen) = run(false);
+    assert_eq!(seen.changes.len(), 1, "{:?}", seen.changes);
+    let lost = &seen.changes[0];
+    assert!(
+        matches!(
+            lost.event,
+            LayoutEvent::Lost {
+                worker: 3,
+                stage: 1,
+                ..
+            }
+        ),
+        "{lost:?}"
+    );
+    assert_eq!((lost.replicas.clone(), lost.from), (vec![2, 1], 12));
+    assert_each_microbatch_once(&out);
+    assert_eq!(out.report.steps, 36);
+    assert_eq!(seen.epochs.len(), 3);
+}
+
+#[test]
+fn a_rejoined_replica_trains_every_microbatch_once_and_restores_the_layout() {
+    let (out, seen) = run(true);
+    let events: Vec<(Vec<u32>, u64)> = seen
+        .changes
+        .iter()
+        .map(|c| (c.replicas.clone(), c.from))
+        .collect();
+    assert_eq!(events, vec![(vec![2, 1], 12), (vec![2, 2], 24)]);
+    assert_eq!(seen.changes[1].event, LayoutEvent::Rejoined);
+    assert_each_microbatch_once(&out);
+    assert_eq!(out.schedule.layout().replica_counts(), &[2, 2]);
+    assert_eq!(seen.epochs.len(), 3);
+}
