@@ -195,7 +195,9 @@ pub struct TrainArgs {
     pub rejoin: bool,
     /// Inject faults into worker processes, for drills and tests: `RANK:FAULT[/ATTEMPT]`,
     /// comma-separated, where FAULT is exit@N (the process ends at its Nth data message, as
-    /// kill -9 would end it), panic@N, fail@N, reset@N, drop@N, duplicate@N or stall@N:SECONDS,
+    /// kill -9 would end it), panic@N, fail@N, reset@N, drop@N, duplicate@N, stall@N:SECONDS,
+    /// freeze@N:SECONDS (the whole process stops, as SIGSTOP stops it) or
+    /// partition@N:PEER:SECONDS (no datagram passes between the worker and PEER),
     /// and ATTEMPT the start of the workers it applies to (0, the default, then one more per
     /// restart, lost replica or rejoin);
     /// or `random:SEED:COUNT`, COUNT faults of those kinds drawn from SEED, one per start.

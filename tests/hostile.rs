@@ -419,7 +419,7 @@ fn fault_and_launch_rows() -> Vec<Row> {
         ),
         row(
             "train --stages 2 --fault-schedule 1:exit@3",
-            "exit@N ends a worker's process, and in process that is the whole run",
+            "exit@3 acts on a worker's process or its network, and in process that is the whole run",
         ),
         row(
             "train --fault-schedule 0:panic@3",
@@ -437,6 +437,18 @@ fn fault_and_launch_rows() -> Vec<Row> {
         row(
             "train --stages 2 --transport quic --fault-schedule random:1:0",
             "the count must be 1 to 1000",
+        ),
+        row(
+            "train --stages 2 --fault-schedule 0:freeze@3:1",
+            "freeze@3:1 acts on a worker's process or its network",
+        ),
+        row(
+            "train --stages 2 --transport quic --fault-schedule 0:partition@3:0:1",
+            "cuts a link to worker 0, which worker 0 does not have",
+        ),
+        row(
+            "train --stages 2 --transport quic --fault-schedule 0:partition@3:1",
+            "unknown fault 'partition@3:1'",
         ),
         row(
             "train --stages 2 --rejoin",

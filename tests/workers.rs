@@ -519,6 +519,52 @@ fn a_replacement_worker_rejoins_at_the_next_drain_point() {
     assert_eq!(done(&text), done(&resumed));
 }
 
+/// Frozen workers and cut links, over QUIC: a freeze or a partition shorter than the
+/// transport's idle timeout (5 s) is ridden out (QUIC sends again what the cut link lost);
+/// a longer one counts the worker lost on both ends, and the run restarts from its newest
+/// checkpoint. Each start meets one short and one long fault; the run ends with the weights
+/// of the undisturbed run.
+#[test]
+fn frozen_workers_and_cut_links_are_ridden_out_or_restarted() {
+    let _one = serial();
+    let d = dir("freeze-partition");
+    let config = small_config(&d, 10_000);
+    let args = |ck: &str| -> Vec<String> {
+        [
+            "train",
+            "--config",
+            &config,
+            "--steps",
+            "120",
+            "--stages",
+            "2",
+            "--transport",
+            "quic",
+            "--checkpoint-every",
+            "20",
+            "--checkpoint-dir",
+            d.join(ck).to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let undisturbed = done(&ok(&run(Command::new(PIPE).args(args("calm")))));
+    let out = run(Command::new(PIPE).args(args("ck")).args([
+        "--max-restarts",
+        "2",
+        "--fault-schedule",
+        "0:freeze@30:1,1:partition@60:0:7,0:partition@20:1:1/1,1:freeze@50:7/1",
+    ]));
+    let text = ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    for (n, lost) in [(1, "lost worker 0"), (2, "lost worker 1")] {
+        assert!(err.contains(&format!("restart {n} of 2: ")), "{err}");
+        assert!(err.contains(lost), "{err}");
+    }
+    assert!(!err.contains("restart 3"), "{err}");
+    assert_eq!(done(&text), undisturbed);
+}
+
 /// Three failures with `--max-restarts 2`, injected by the fault schedule (worker 1 at its
 /// 40th data message, then again in the first restart, then worker 0 in the second): the
 /// run exits 1 naming all three causes, in order.
@@ -561,7 +607,8 @@ fn a_third_failure_past_max_restarts_exits_1_naming_every_cause() {
 }
 
 /// Ten faults drawn from a seed (`--fault-schedule random:7:10`: process exits, panics,
-/// failed sends, reset connections, dropped messages and stalls, one per start of the run) on
+/// failed sends, reset connections, dropped messages, stalls, frozen processes and cut links,
+/// one per start of the run; seed 7 draws seven of those eight kinds) on
 /// a two-stage run: every one is met and survived by a restart (nothing hangs: a stall is
 /// noticed within `--stall-timeout`), and the run ends with the weights of the undisturbed
 /// run, so no sample was lost or trained twice. (With replicated stages some of them would be

@@ -291,15 +291,25 @@ fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig, processes: bool) -> Result<
             "--fault-schedule names worker {rank}, but the run has {workers} workers"
         )));
     }
-    if !processes
-        && faults
-            .0
-            .iter()
-            .any(|f| matches!(f.fault, Fault::Exit { .. }))
-    {
-        return Err(bad_input(
-            "--fault-schedule: exit@N ends a worker's process, and in process that is the whole run: give --transport quic, or panic@N".into(),
-        ));
+    for f in &faults.0 {
+        if let Fault::Partition { peer, .. } = f.fault {
+            if peer >= workers || peer == f.rank {
+                return Err(bad_input(format!(
+                    "--fault-schedule: {}:{} cuts a link to worker {peer}, which worker {} does not have ({workers} workers)",
+                    f.rank, f.fault, f.rank
+                )));
+            }
+        }
+        let whole_process = matches!(
+            f.fault,
+            Fault::Exit { .. } | Fault::Freeze { .. } | Fault::Partition { .. }
+        );
+        if !processes && whole_process {
+            return Err(bad_input(format!(
+                "--fault-schedule: {} acts on a worker's process or its network, and in process that is the whole run: give --transport quic, or panic@N or stall@N:SECONDS",
+                f.fault
+            )));
+        }
     }
     if let FaultPlan::Random { seed, .. } = plan {
         outln!("fault schedule (seed {seed}): {faults}");

@@ -76,6 +76,28 @@ pub enum Fault {
         /// Which send.
         nth: u64,
     },
+    /// The worker's whole process is frozen (SIGSTOP) for `pause` at its `nth` data message,
+    /// then goes on (SIGCONT): its transport's keep-alives stop too, so past the transport's
+    /// idle timeout its peers count it lost. For worker processes only.
+    Freeze {
+        /// Which send.
+        nth: u64,
+        /// How long.
+        pause: Duration,
+    },
+    /// The network link between this worker and `peer` is cut for `pause` at its `nth` data
+    /// message: no datagram passes either way (the transport's own packets included), then
+    /// the link is whole again. Shorter than the transport's idle timeout, the connection
+    /// rides it out (QUIC sends again what was lost); longer, both ends count the other lost.
+    /// Only a networked transport (QUIC) has a link to cut.
+    Partition {
+        /// Which send.
+        nth: u64,
+        /// The worker at the link's other end.
+        peer: u32,
+        /// How long.
+        pause: Duration,
+    },
 }
 
 /// A fault as text: `none`, `exit@N`, `panic@N`, `fail@N`, `reset@N`, `drop@N`,
@@ -93,6 +115,10 @@ impl std::fmt::Display for Fault {
             Fault::Fail { nth } => write!(f, "fail@{nth}"),
             Fault::Stall { nth, pause } => write!(f, "stall@{nth}:{}", pause.as_secs_f64()),
             Fault::Exit { nth } => write!(f, "exit@{nth}"),
+            Fault::Freeze { nth, pause } => write!(f, "freeze@{nth}:{}", pause.as_secs_f64()),
+            Fault::Partition { nth, peer, pause } => {
+                write!(f, "partition@{nth}:{peer}:{}", pause.as_secs_f64())
+            }
         }
     }
 }
@@ -114,7 +140,8 @@ impl std::str::FromStr for Fault {
         let bad = || {
             format!(
                 "unknown fault '{text}' (none, exit@N, panic@N, fail@N, reset@N, drop@N, \
-                 duplicate@N, stall@N:SECONDS, reorder:WINDOW, delay:MAX_SECONDS:SEED)"
+                 duplicate@N, stall@N:SECONDS, freeze@N:SECONDS, partition@N:PEER:SECONDS, \
+                 reorder:WINDOW, delay:MAX_SECONDS:SEED)"
             )
         };
         if text == "none" {
@@ -141,6 +168,20 @@ impl std::str::FromStr for Fault {
                     nth,
                     pause: seconds(p)?,
                 },
+                ("freeze", Some(p)) => Fault::Freeze {
+                    nth,
+                    pause: seconds(p)?,
+                },
+                ("partition", Some(rest)) => {
+                    let (peer, p) = rest.split_once(':').ok_or_else(bad)?;
+                    Fault::Partition {
+                        nth,
+                        peer: peer
+                            .parse()
+                            .map_err(|_| format!("fault '{text}': '{peer}' is not a rank"))?,
+                        pause: seconds(p)?,
+                    }
+                }
                 _ => return Err(bad()),
             });
         }
@@ -266,7 +307,8 @@ impl FaultPlan {
     /// The schedule for a run of `workers` workers whose stalls are noticed after `stall`:
     /// a listed one as given; a drawn one with fault `i` in start `i` of the run, on a worker,
     /// at a data message (1 to `within`) and of a kind (process exit, panic, failed send,
-    /// reset connection, dropped message, or a stall past `stall`) drawn from the seed.
+    /// reset connection, dropped message, or a stall, freeze or cut link to another worker
+    /// lasting past `stall`) drawn from the seed.
     pub fn schedule(&self, workers: u32, within: u64, stall: Duration) -> FaultSchedule {
         let (seed, count) = match self {
             FaultPlan::Listed(s) => return s.clone(),
@@ -284,16 +326,21 @@ impl FaultPlan {
             .map(|attempt| {
                 let rank = draw(u64::from(workers)) as u32;
                 let nth = 1 + draw(within);
-                let fault = match draw(6) {
+                // Long enough that a peer waiting on the worker notices it.
+                let pause = stall + Duration::from_secs(1);
+                let fault = match draw(8) {
                     0 => Fault::Exit { nth },
                     1 => Fault::Panic { nth },
                     2 => Fault::Fail { nth },
                     3 => Fault::Reset { nth },
                     4 => Fault::Drop { nth },
-                    _ => Fault::Stall {
+                    5 => Fault::Freeze { nth, pause },
+                    6 if workers > 1 => Fault::Partition {
                         nth,
-                        pause: stall + Duration::from_secs(1),
+                        peer: (rank + 1 + draw(u64::from(workers - 1)) as u32) % workers,
+                        pause,
                     },
+                    _ => Fault::Stall { nth, pause },
                 };
                 ScheduledFault {
                     rank,
@@ -398,6 +445,35 @@ impl<T: Transport> Faulty<T> {
     }
 }
 
+/// Freezes this whole process for `pause` ([`Fault::Freeze`]): a helper process is started to
+/// wake it (SIGCONT) once `pause` has passed, then the process stops itself (SIGSTOP), as a
+/// host that hangs or a debugger that halts it would. Through `sh` and `kill`, which every
+/// host a worker process runs on has.
+///
+/// # Errors
+/// [`TransportError::Protocol`] when the helper or the stop cannot be started.
+fn freeze_process(pause: Duration) -> Result<(), TransportError> {
+    let pid = std::process::id();
+    let fail = |e: std::io::Error| TransportError::Protocol(format!("injected freeze: {e}"));
+    let mut waker = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("sleep {}; kill -CONT {pid}", pause.as_secs_f64()))
+        .spawn()
+        .map_err(fail)?;
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .map_err(fail)?;
+    // Woken: the helper has done its part (or the stop failed and it is waited for).
+    let _ = waker.wait();
+    if !stopped.success() {
+        return Err(TransportError::Protocol(format!(
+            "injected freeze: kill -STOP {pid} {stopped}"
+        )));
+    }
+    Ok(())
+}
+
 /// A copy of a message (for [`Fault::Duplicate`]).
 fn copy_of(m: &Message) -> Result<Message, TransportError> {
     let data = m
@@ -468,6 +544,18 @@ impl<T: Transport> Transport for Faulty<T> {
                 eprintln!("injected exit at data message {n} (fault schedule)");
                 std::process::abort()
             }
+            Fault::Freeze { nth, pause } if n == nth => {
+                eprintln!("injected freeze for {pause:?} at data message {n} (fault schedule)");
+                freeze_process(pause)?;
+                self.inner()?.send(message)
+            }
+            Fault::Partition { nth, peer, pause } if n == nth => {
+                eprintln!(
+                    "injected partition from worker {peer} for {pause:?} at data message {n} (fault schedule)"
+                );
+                self.inner()?.cut_link(peer, pause)?;
+                self.inner()?.send(message)
+            }
             _ => self.inner()?.send(message),
         }
     }
@@ -497,6 +585,10 @@ impl<T: Transport> Transport for Faulty<T> {
         self.flush()?;
         self.inner()?.close()
     }
+
+    fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
+        self.inner()?.cut_link(peer, pause)
+    }
 }
 
 #[cfg(test)]
@@ -522,6 +614,15 @@ mod tests {
                 pause: Duration::from_millis(1500),
             },
             Fault::Exit { nth: 8 },
+            Fault::Freeze {
+                nth: 9,
+                pause: Duration::from_millis(250),
+            },
+            Fault::Partition {
+                nth: 10,
+                peer: 3,
+                pause: Duration::from_secs(7),
+            },
         ];
         for f in faults {
             assert_eq!(f.to_string().parse::<Fault>(), Ok(f), "{f}");
@@ -567,6 +668,9 @@ mod tests {
         for (i, f) in s.0.iter().enumerate() {
             assert_eq!(f.attempt, i as u32);
             assert!(f.rank < 8);
+            if let Fault::Partition { peer, .. } = f.fault {
+                assert!(peer < 8 && peer != f.rank, "{s}");
+            }
         }
         let kinds: std::collections::HashSet<_> =
             s.0.iter()

@@ -277,6 +277,20 @@ pub trait Transport: Send {
     /// # Errors
     /// Transport errors while finishing.
     fn close(&mut self) -> Result<(), TransportError>;
+
+    /// Cuts the network link to `peer` for `pause`, in both directions, as a network
+    /// partition would (for fault drills, [`fault::Fault::Partition`]). A transport with no
+    /// network between its workers has no link to cut.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] from a transport with no link to cut, or for a peer it does
+    /// not have.
+    fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
+        let _ = pause;
+        Err(TransportError::Setup(format!(
+            "no network link to worker {peer} to cut: a partition needs worker processes (--transport quic)"
+        )))
+    }
 }
 
 /// How the workers of a run exchange tensors: the typed form of a run's transport choice,
