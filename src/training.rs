@@ -193,6 +193,11 @@ pub struct TrainArgs {
     /// --checkpoint-dir (they go on from the drain point's checkpoint).
     #[arg(long)]
     pub rejoin: bool,
+    /// On each restart after a worker was lost (--max-restarts), profile and plan the run
+    /// again for the workers that remain (one fewer), as --workers plans: stages, replicas and
+    /// partition change; the optimizer, the schedule and the minibatch stay the run's.
+    #[arg(long, requires = "max_restarts")]
+    pub replan_on_restart: bool,
     /// Inject faults into worker processes, for drills and tests: `RANK:FAULT[/ATTEMPT]`,
     /// comma-separated, where FAULT is exit@N (the process ends at its Nth data message, as
     /// kill -9 would end it), panic@N, fail@N, reset@N, drop@N, duplicate@N, stall@N:SECONDS,

@@ -450,6 +450,7 @@ fn fault_and_launch_rows() -> Vec<Row> {
             "train --stages 2 --transport quic --fault-schedule 0:partition@3:1",
             "unknown fault 'partition@3:1'",
         ),
+        row("train --stages 2 --replan-on-restart", "--max-restarts"),
         row(
             "train --stages 2 --rejoin",
             "--rejoin takes back a lost replica, but no stage of this run has two",

@@ -565,6 +565,98 @@ fn frozen_workers_and_cut_links_are_ridden_out_or_restarted() {
     assert_eq!(done(&text), undisturbed);
 }
 
+/// `--replan-on-restart`: the only worker of stage 1 of three ends (`exit@100`, as kill -9
+/// would end it); the launcher restarts from the newest checkpoint with the run planned again
+/// for the two workers that remain, and says what the planner chose (it profiles this
+/// machine, so the test reads the choice). The run ends with the weights of that checkpoint
+/// resumed by hand on the chosen layout.
+#[test]
+fn a_restart_after_a_lost_stage_plans_again_for_the_workers_that_remain() {
+    let _one = serial();
+    let d = dir("replan");
+    let config = small_config(&d, 10_000);
+    let args = |ck: &std::path::Path| -> Vec<String> {
+        [
+            "train",
+            "--config",
+            &config,
+            "--steps",
+            "120",
+            "--checkpoint-every",
+            "20",
+            "--keep-checkpoints",
+            "100",
+            "--momentum",
+            "0.5",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let ck = d.join("ck");
+    let out = run(Command::new(PIPE).args(args(&ck)).args([
+        "--stages",
+        "3",
+        "--microbatches",
+        "2",
+        "--transport",
+        "quic",
+        "--max-restarts",
+        "1",
+        "--replan-on-restart",
+        "--fault-schedule",
+        "1:exit@100",
+    ]));
+    let text = ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let restart = err
+        .lines()
+        .find(|l| l.starts_with("restart 1 of 1: worker 1 was killed"))
+        .unwrap_or_else(|| panic!("no restart: {err}"));
+    let from: u64 = restart
+        .split("(update ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no checkpoint: {restart}"));
+    let planned = err
+        .lines()
+        .find_map(|l| l.strip_prefix("planned again for 2 workers: partition "))
+        .unwrap_or_else(|| panic!("no new plan: {err}"));
+    // "0-8,9-17, replicas [1, 1], 2 microbatches per update, ..."
+    let (partition, rest) = planned.split_once(", replicas [").unwrap();
+    let (replicas, rest) = rest.split_once("], ").unwrap();
+    let microbatches = rest.split_whitespace().next().unwrap();
+    let replicas = replicas.replace(", ", ",");
+    let stages = replicas.split(',').count().to_string();
+    assert_eq!(
+        replicas
+            .split(',')
+            .map(|r| r.parse::<u32>().unwrap())
+            .sum::<u32>(),
+        2,
+        "{planned}"
+    );
+    assert!(done(&text).starts_with("done: 120 steps"), "{text}");
+    let at = ck.join(format!("ckpt-{from:08}"));
+    let by_hand = ok(&run(Command::new(PIPE)
+        .args(args(&d.join("by-hand")))
+        .args([
+            "--stages",
+            &stages,
+            "--replicas",
+            &replicas,
+            "--partition",
+            partition,
+            "--microbatches",
+            microbatches,
+            "--resume",
+            at.to_str().unwrap(),
+        ])));
+    assert_eq!(done(&text), done(&by_hand));
+}
+
 /// Three failures with `--max-restarts 2`, injected by the fault schedule (worker 1 at its
 /// 40th data message, then again in the first restart, then worker 0 in the second): the
 /// run exits 1 naming all three causes, in order.

@@ -100,6 +100,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         ..PipelineTrainOptions::default()
     };
     let mut resume = resume.map(|(_, ckpt)| ckpt);
+    let current = RefCell::new(cfg.clone());
     let out = with_restarts(
         &restarts,
         first.as_deref(),
@@ -109,14 +110,20 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 (_, Some(dir)) => Some(pipe_stages::checkpoint::read(dir, &model)?.1),
                 (_, None) => None,
             };
-            train_pipelined(&cfg, &data, &mut watched, &opts)
+            train_pipelined(&current.borrow(), &data, &mut watched, &opts)
         },
         || last_step.get(),
-        print_restart,
+        |r| {
+            print_restart(r);
+            if args.replan_on_restart {
+                replan_after(&current, r.cause);
+            }
+        },
         // A lost replica in process is survived inside the run (pipeline::survive).
         |_, _| false,
     )
     .context("training failed")?;
+    let cfg = current.into_inner();
     finish_checkpoints(&out.checkpoints, out.stopped)?;
     if cfg.pipelined {
         outln!("partition: {}", out.partition);
@@ -157,12 +164,13 @@ impl ProcessLaunch<'_> {
     ) -> Result<()> {
         let args = self.args;
         // The launcher logs what the chief reports; the workers write no log of their own.
-        let own = RunConfig {
+        // The run's own layout (planned again after a lost worker, with --replan-on-restart),
+        // and the one it is on (short of lost replicas until they rejoin).
+        let own = RefCell::new(RunConfig {
             log_jsonl: None,
             ..self.cfg.clone()
-        };
-        let own_replicas = own.resolved()?.layout.replica_counts().to_vec();
-        let current = RefCell::new(own.clone());
+        });
+        let current = RefCell::new(own.borrow().clone());
         let pending: RefCell<Option<LayoutChange>> = RefCell::new(None);
         let mut opts = LaunchOptions::new(self.workers);
         opts.stop = Some(self.stop.clone());
@@ -187,8 +195,9 @@ impl ProcessLaunch<'_> {
                     starts += 1;
                     // A run short of a lost replica stops at its next drain point to take
                     // it back.
+                    let own_layout = own.borrow().resolved()?.layout;
                     opts.stop_at_first_drain =
-                        args.rejoin && layout.replica_counts() != own_replicas.as_slice();
+                        args.rejoin && layout.replica_counts() != own_layout.replica_counts();
                     opts.extra = checkpoint_args(args, from.as_deref());
                     if let Some(dir) = &parts {
                         opts.extra.push("--trace".into());
@@ -199,8 +208,9 @@ impl ProcessLaunch<'_> {
                     let asked = self.stop.load(std::sync::atomic::Ordering::SeqCst);
                     match end.stopped {
                         Some(at) if opts.stop_at_first_drain && !asked => {
-                            *current.borrow_mut() = own.clone();
-                            *pending.borrow_mut() = Some(LayoutChange::restored(&own, at)?);
+                            *current.borrow_mut() = own.borrow().clone();
+                            *pending.borrow_mut() =
+                                Some(LayoutChange::restored(&own.borrow(), at)?);
                             from = args
                                 .checkpoint_dir
                                 .as_deref()
@@ -212,7 +222,12 @@ impl ProcessLaunch<'_> {
                 }
             },
             || last_step.get(),
-            print_restart,
+            |r| {
+                print_restart(r);
+                if args.replan_on_restart && replan_after(&current, r.cause) {
+                    *own.borrow_mut() = current.borrow().clone();
+                }
+            },
             |err, from| {
                 if args.checkpoint_dir.is_none() {
                     return false;
@@ -236,7 +251,7 @@ impl ProcessLaunch<'_> {
         }
         let end = end.context("training failed")?;
         finish_checkpoints(&end.checkpoints, end.stopped)?;
-        outln!("partition: {}", self.cfg.partition);
+        outln!("partition: {}", current.borrow().partition);
         if let Some(last) = &end.last {
             print_done_line(end.steps, last, end.weights);
         }
@@ -315,6 +330,47 @@ fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig, processes: bool) -> Result<
         outln!("fault schedule (seed {seed}): {faults}");
     }
     Ok(faults)
+}
+
+/// `--replan-on-restart`: after a start that lost a worker (`cause` names it), plans the run
+/// in `current` again for the workers that remain ([`pipe_stages::planning::replan`]) and
+/// says what it chose. A run that cannot be planned for fewer workers (one worker left, no
+/// layout that keeps the minibatch) restarts on its layout as it was, saying why. Returns
+/// whether the layout changed.
+fn replan_after(current: &RefCell<RunConfig>, cause: &pipe_stages::StageError) -> bool {
+    use pipe_stages::StageError;
+    if !matches!(cause, StageError::Exited { .. } | StageError::Worker { .. }) {
+        return false;
+    }
+    let workers = match current.borrow().resolved() {
+        Ok(r) => r.layout.workers(),
+        Err(_) => return false,
+    };
+    if workers < 2 {
+        return false;
+    }
+    let planned = pipe_stages::planning::replan(&current.borrow(), workers - 1);
+    match planned {
+        Ok((next, plan)) => {
+            eprintln!(
+                "planned again for {} workers: partition {}, replicas {:?}, {} microbatches per update, predicted {:.0} samples/s",
+                workers - 1,
+                next.partition,
+                next.replicas,
+                next.microbatches,
+                next.microbatch_size as f64 / plan.time_per_microbatch
+            );
+            *current.borrow_mut() = next;
+            true
+        }
+        Err(e) => {
+            eprintln!(
+                "not planned again for {} workers ({e}); the run restarts on its layout as it was",
+                workers - 1
+            );
+            false
+        }
+    }
 }
 
 /// Says that a failed run starts again, why, from where, and what it loses.

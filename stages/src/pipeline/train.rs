@@ -74,6 +74,10 @@ pub struct PipelineTrainOptions {
     /// (one run again after a lost replica included); a fault that ends the process
     /// ([`pipe_transport::fault::Fault::Exit`]) is not for threads.
     pub faults: FaultSchedule,
+    /// Segments run so far, for [`PipelineTrainOptions::faults`]: shared by every call given
+    /// these options, so a run restarted by its caller goes on counting where the failed
+    /// one stopped (a fault fires once, not once per restart).
+    pub segments_run: Arc<std::sync::atomic::AtomicU32>,
     /// After a lost replica, take it back at the next drain point: a replacement worker
     /// thread joins and the run is on its own layout again ([`super::survive`]).
     pub rejoin: bool,
@@ -134,7 +138,7 @@ pub fn train_pipelined(
         start: start.clone(),
         states: Vec::new(),
         faults: opts.faults.clone(),
-        segments: 0,
+        segments: opts.segments_run.clone(),
         spans: opts.timeline.then(Vec::new),
         ledger: opts.ledger.then(Vec::new),
     };
@@ -182,8 +186,8 @@ struct Threads<'a> {
     states: Vec<WorkerState>,
     /// Faults injected into the workers' endpoints, by segment run ([`PipelineTrainOptions::faults`]).
     faults: FaultSchedule,
-    /// Segments run so far, runs again included.
-    segments: u32,
+    /// Segments run so far, runs again and earlier starts of the run included.
+    segments: Arc<std::sync::atomic::AtomicU32>,
     /// Every action's interval on the run's time axis, when asked for (`--trace`).
     spans: Option<Vec<Span>>,
     /// The measured version ledger, when asked for.
@@ -209,8 +213,8 @@ impl Coordinator for Threads<'_> {
                 done: at.done,
             }),
         };
-        let faults = (!self.faults.0.is_empty()).then_some((&self.faults, self.segments));
-        self.segments += 1;
+        let segment = self.segments.fetch_add(1, Ordering::SeqCst);
+        let faults = (!self.faults.0.is_empty()).then_some((&self.faults, segment));
         let run = self.run.segment(
             plan,
             self.data,

@@ -229,6 +229,51 @@ pub fn plan_workers(settings: TrainSettings, workers: u32) -> Result<(RunConfig,
     Ok((settings.resolve_planned(Some(planned))?, plan))
 }
 
+/// Plans `cfg`'s run again for `workers` workers (`pipe train --replan-on-restart`, after a
+/// start that lost one): profiles the model on this machine and lets the planner pick the
+/// stages, replicas and partition for the run's schedule, as `--workers` does. Everything
+/// else is the run's own (model, data, optimizer with its momentum, learning rate, schedule),
+/// and so is its minibatch wherever the new layout divides it: the microbatches per replica
+/// are chosen for it, so the data order and the update count stay those of the run.
+///
+/// # Errors
+/// No layout for that many workers; a new layout whose minibatch cannot be the run's (the
+/// message names both), profiling failures.
+pub fn replan(cfg: &RunConfig, workers: u32) -> Result<(RunConfig, PartitionPlan)> {
+    let model = Model::new(&cfg.model)?;
+    let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
+    let (_, plan) = auto_plan(
+        &cfg.model_name,
+        &model,
+        cfg.microbatch_size,
+        cfg.schedule,
+        m,
+        workers,
+    )?;
+    let (partition, replicas) = layout_of(&plan)?;
+    let minibatch = cfg.resolved()?.minibatch;
+    let mut next = RunConfig {
+        stages: replicas.len(),
+        replicas,
+        partition: PartitionChoice::Given(partition),
+        chunks: 1,
+        microbatches: 1,
+        pipelined: true,
+        ..cfg.clone()
+    };
+    // The minibatch of one microbatch per replica: the unit the run's must be a multiple of.
+    let unit = next.resolved()?.minibatch;
+    if minibatch % unit != 0 {
+        return Err(StageError::Config(format!(
+            "planned again for {workers} workers, replicas {:?} take minibatches of a multiple of {unit} microbatches, not the run's {minibatch}",
+            next.replicas
+        )));
+    }
+    next.microbatches = (minibatch / unit) as usize;
+    next.check()?;
+    Ok((next, plan))
+}
+
 /// Settles `--partition measured` (the default of a pipelined run): cuts `model` by the
 /// time its stages measure on this machine ([`measured_cut`]) and writes the cut into `cfg`,
 /// so that worker processes and checkpoints name the partition the run used. Returns the
