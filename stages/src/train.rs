@@ -106,8 +106,9 @@ pub trait Observer {
         let _ = report;
         Ok(())
     }
-    /// When a replica was lost and the run goes on without it, before its segment runs again
-    /// under the new layout ([`crate::pipeline::survive`]).
+    /// When the layout changes: a replica was lost and the run goes on without it (before its
+    /// segment runs again under the new layout), or lost replicas rejoin
+    /// ([`crate::pipeline::survive`]).
     ///
     /// # Errors
     /// As for `on_step`.

@@ -14,6 +14,11 @@
 //! segments before under the old layout and every later one under the new, which is also
 //! what resuming a checkpoint of the segment's start under the new replica counts gives.
 //!
+//! With `--rejoin` the lost replica is taken back at the next drain point: the loop
+//! assembles the drained state there and the next segment runs on the run's own layout again
+//! ([`LayoutEvent::Rejoined`]); worker processes do the same through their launcher, which
+//! starts them again from the drain point's checkpoint.
+//!
 //! What cannot shrink this way ends the run as before: the last replica of a stage, a layout
 //! with several chunks per worker, a minibatch the new widest stage cannot divide, and the
 //! weight-prediction remedy (whose running averages a drained state does not hold).
