@@ -35,6 +35,16 @@ fn dir(name: &str) -> std::path::PathBuf {
     d
 }
 
+/// `pipe train --config CONFIG --checkpoint-dir CK` with `flags`.
+fn train(config: &str, ck: &std::path::Path, flags: &[&str]) -> Command {
+    let mut cmd = Command::new(PIPE);
+    cmd.args(["train", "--config", config])
+        .arg("--checkpoint-dir")
+        .arg(ck)
+        .args(flags);
+    cmd
+}
+
 /// A small synthetic run (small enough that eight processes start quickly): its config file.
 fn small_config(d: &std::path::Path, epochs: u32) -> String {
     let path = d.join("small.toml");
@@ -334,29 +344,25 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint_and_ends_undisturbed(
     let _one = serial();
     let d = dir("restart");
     let config = small_config(&d, 10_000);
-    let flags = |ck: &std::path::Path| -> Vec<String> {
-        [
-            "train",
-            "--config",
+    let flags = |ck: &std::path::Path| -> Command {
+        train(
             &config,
-            "--steps",
-            "600",
-            "--stages",
-            "2",
-            "--transport",
-            "quic",
-            "--checkpoint-every",
-            "50",
-            "--checkpoint-dir",
-            ck.to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec()
+            ck,
+            &[
+                "--steps",
+                "600",
+                "--stages",
+                "2",
+                "--transport",
+                "quic",
+                "--checkpoint-every",
+                "50",
+            ],
+        )
     };
-    let undisturbed = done(&ok(&run(Command::new(PIPE).args(flags(&d.join("calm"))))));
+    let undisturbed = done(&ok(&run(&mut flags(&d.join("calm")))));
     let ck = d.join("ck");
-    let launcher = Command::new(PIPE)
-        .args(flags(&ck))
+    let launcher = flags(&ck)
         .args(["--max-restarts", "2"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -398,33 +404,29 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     let _one = serial();
     let d = dir("replica-lost");
     let config = small_config(&d, 10_000);
-    let flags = |ck: &std::path::Path, replicas: &str| -> Vec<String> {
-        [
-            "train",
-            "--config",
+    let flags = |ck: &std::path::Path, replicas: &str| -> Command {
+        train(
             &config,
-            "--steps",
-            "600",
-            "--stages",
-            "2",
-            "--replicas",
-            replicas,
-            "--checkpoint-every",
-            "50",
-            "--keep-checkpoints",
-            "100",
-            // Given, since its default follows the layout and a run keeps its own.
-            "--momentum",
-            "0.5",
-            "--checkpoint-dir",
-            ck.to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec()
+            ck,
+            &[
+                "--steps",
+                "600",
+                "--stages",
+                "2",
+                "--replicas",
+                replicas,
+                "--checkpoint-every",
+                "50",
+                "--keep-checkpoints",
+                "100",
+                // Given, since its default follows the layout and a run keeps its own.
+                "--momentum",
+                "0.5",
+            ],
+        )
     };
     let ck = d.join("ck");
-    let launcher = Command::new(PIPE)
-        .args(flags(&ck, "2"))
+    let launcher = flags(&ck, "2")
         .args(["--transport", "quic"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -447,11 +449,11 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     assert!(done(&text).starts_with("done: 600 steps"), "{text}");
     // The undisturbed run's checkpoint at that update, resumed by hand on the new layout.
     let calm = d.join("calm");
-    ok(&run(Command::new(PIPE).args(flags(&calm, "2"))));
+    ok(&run(&mut flags(&calm, "2")));
     let at = calm.join(format!("ckpt-{from:08}"));
-    let resumed = ok(&run(Command::new(PIPE)
-        .args(flags(&d.join("resumed"), "2,1"))
-        .args(["--resume", at.to_str().unwrap()])));
+    let resumed = ok(&run(
+        flags(&d.join("resumed"), "2,1").args(["--resume", at.to_str().unwrap()])
+    ));
     assert_eq!(done(&text), done(&resumed));
 }
 
@@ -465,31 +467,27 @@ fn a_replacement_worker_rejoins_at_the_next_drain_point() {
     let _one = serial();
     let d = dir("rejoin");
     let config = small_config(&d, 10_000);
-    let flags = |ck: &std::path::Path, replicas: &str| -> Vec<String> {
-        [
-            "train",
-            "--config",
+    let flags = |ck: &std::path::Path, replicas: &str| -> Command {
+        train(
             &config,
-            "--steps",
-            "200",
-            "--stages",
-            "2",
-            "--replicas",
-            replicas,
-            "--checkpoint-every",
-            "20",
-            "--keep-checkpoints",
-            "100",
-            "--momentum",
-            "0.5",
-            "--checkpoint-dir",
-            ck.to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec()
+            ck,
+            &[
+                "--steps",
+                "200",
+                "--stages",
+                "2",
+                "--replicas",
+                replicas,
+                "--checkpoint-every",
+                "20",
+                "--keep-checkpoints",
+                "100",
+                "--momentum",
+                "0.5",
+            ],
+        )
     };
-    let out = run(Command::new(PIPE)
-        .args(flags(&d.join("ck"), "2"))
+    let out = run(flags(&d.join("ck"), "2")
         .args(["--transport", "quic", "--rejoin"])
         .args(["--fault-schedule", "3:exit@60"]));
     let text = ok(&out);
@@ -506,16 +504,16 @@ fn a_replacement_worker_rejoins_at_the_next_drain_point() {
     assert!(from < to, "{lost}\n{back}");
     assert!(done(&text).starts_with("done: 200 steps"), "{text}");
     let calm = d.join("calm");
-    ok(&run(Command::new(PIPE).args(flags(&calm, "2"))));
+    ok(&run(&mut flags(&calm, "2")));
     let shrunk = d.join("shrunk");
     let at = calm.join(format!("ckpt-{from:08}"));
-    ok(&run(Command::new(PIPE)
-        .args(flags(&shrunk, "2,1"))
-        .args(["--resume", at.to_str().unwrap()])));
+    ok(&run(
+        flags(&shrunk, "2,1").args(["--resume", at.to_str().unwrap()])
+    ));
     let at = shrunk.join(format!("ckpt-{to:08}"));
-    let resumed = ok(&run(Command::new(PIPE)
-        .args(flags(&d.join("resumed"), "2"))
-        .args(["--resume", at.to_str().unwrap()])));
+    let resumed = ok(&run(
+        flags(&d.join("resumed"), "2").args(["--resume", at.to_str().unwrap()])
+    ));
     assert_eq!(done(&text), done(&resumed));
 }
 
@@ -529,27 +527,24 @@ fn frozen_workers_and_cut_links_are_ridden_out_or_restarted() {
     let _one = serial();
     let d = dir("freeze-partition");
     let config = small_config(&d, 10_000);
-    let args = |ck: &str| -> Vec<String> {
-        [
-            "train",
-            "--config",
+    let args = |ck: &str| -> Command {
+        train(
             &config,
-            "--steps",
-            "120",
-            "--stages",
-            "2",
-            "--transport",
-            "quic",
-            "--checkpoint-every",
-            "20",
-            "--checkpoint-dir",
-            d.join(ck).to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec()
+            &d.join(ck),
+            &[
+                "--steps",
+                "120",
+                "--stages",
+                "2",
+                "--transport",
+                "quic",
+                "--checkpoint-every",
+                "20",
+            ],
+        )
     };
-    let undisturbed = done(&ok(&run(Command::new(PIPE).args(args("calm")))));
-    let out = run(Command::new(PIPE).args(args("ck")).args([
+    let undisturbed = done(&ok(&run(&mut args("calm"))));
+    let out = run(args("ck").args([
         "--max-restarts",
         "2",
         "--fault-schedule",
@@ -575,27 +570,24 @@ fn a_restart_after_a_lost_stage_plans_again_for_the_workers_that_remain() {
     let _one = serial();
     let d = dir("replan");
     let config = small_config(&d, 10_000);
-    let args = |ck: &std::path::Path| -> Vec<String> {
-        [
-            "train",
-            "--config",
+    let args = |ck: &std::path::Path| -> Command {
+        train(
             &config,
-            "--steps",
-            "120",
-            "--checkpoint-every",
-            "20",
-            "--keep-checkpoints",
-            "100",
-            "--momentum",
-            "0.5",
-            "--checkpoint-dir",
-            ck.to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec()
+            ck,
+            &[
+                "--steps",
+                "120",
+                "--checkpoint-every",
+                "20",
+                "--keep-checkpoints",
+                "100",
+                "--momentum",
+                "0.5",
+            ],
+        )
     };
     let ck = d.join("ck");
-    let out = run(Command::new(PIPE).args(args(&ck)).args([
+    let out = run(args(&ck).args([
         "--stages",
         "3",
         "--microbatches",
@@ -640,20 +632,18 @@ fn a_restart_after_a_lost_stage_plans_again_for_the_workers_that_remain() {
     );
     assert!(done(&text).starts_with("done: 120 steps"), "{text}");
     let at = ck.join(format!("ckpt-{from:08}"));
-    let by_hand = ok(&run(Command::new(PIPE)
-        .args(args(&d.join("by-hand")))
-        .args([
-            "--stages",
-            &stages,
-            "--replicas",
-            &replicas,
-            "--partition",
-            partition,
-            "--microbatches",
-            microbatches,
-            "--resume",
-            at.to_str().unwrap(),
-        ])));
+    let by_hand = ok(&run(args(&d.join("by-hand")).args([
+        "--stages",
+        &stages,
+        "--replicas",
+        &replicas,
+        "--partition",
+        partition,
+        "--microbatches",
+        microbatches,
+        "--resume",
+        at.to_str().unwrap(),
+    ])));
     assert_eq!(done(&text), done(&by_hand));
 }
 
@@ -711,35 +701,27 @@ fn a_run_survives_ten_seeded_faults_of_several_kinds_with_the_undisturbed_weight
     let _one = serial();
     let d = dir("seeded-faults");
     let config = small_config(&d, 10_000);
-    let args = |ck: &str| -> Vec<String> {
-        [
-            "train",
-            "--config",
+    let args = |ck: &str| -> Command {
+        train(
             &config,
-            // Long enough that every start, even the last, meets its fault.
-            "--steps",
-            "2000",
-            "--stages",
-            "2",
-            "--transport",
-            "quic",
-            "--checkpoint-every",
-            "20",
-            "--stall-timeout",
-            "2",
-            "--checkpoint-dir",
-            d.join(ck).to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec()
+            &d.join(ck),
+            &[
+                // Long enough that every start, even the last, meets its fault.
+                "--steps",
+                "2000",
+                "--stages",
+                "2",
+                "--transport",
+                "quic",
+                "--checkpoint-every",
+                "20",
+                "--stall-timeout",
+                "2",
+            ],
+        )
     };
-    let undisturbed = done(&ok(&run(Command::new(PIPE).args(args("calm")))));
-    let out = run(Command::new(PIPE).args(args("ck")).args([
-        "--max-restarts",
-        "10",
-        "--fault-schedule",
-        "random:7:10",
-    ]));
+    let undisturbed = done(&ok(&run(&mut args("calm"))));
+    let out = run(args("ck").args(["--max-restarts", "10", "--fault-schedule", "random:7:10"]));
     let text = ok(&out);
     let err = String::from_utf8_lossy(&out.stderr);
     let schedule = text
