@@ -60,7 +60,8 @@ pub struct TrainArgs {
     /// Microbatches whose gradients one update sums.
     #[arg(long)]
     microbatches: Option<usize>,
-    /// Optimizer: sgd, adam or adamw.
+    /// Optimizer: sgd, adam, adamw, muon (orthogonalised momentum for hidden weight matrices,
+    /// AdamW for the rest) or lion.
     #[arg(long)]
     optimizer: Option<OptimizerKind>,
     /// Base learning rate.
@@ -284,9 +285,10 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// The momentum in the run header, for SGD.
+/// The momentum in the run header, for SGD and Muon.
 pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
-    if opt.kind == pipe_stages::optim::OptimizerKind::Sgd {
+    use pipe_stages::optim::OptimizerKind;
+    if matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon) {
         format!(" momentum {:.2}", opt.momentum)
     } else {
         String::new()

@@ -8,6 +8,36 @@ use pipe_experiments::staleness::config::Family;
 use pipe_experiments::staleness::{StalenessConfig, load, report, run_experiment, save};
 
 const COMMITTED: &str = include_str!("../staleness/mnist.toml");
+const OPTIMIZERS_LM: &str = include_str!("../staleness/optimizers-lm.toml");
+
+/// The language model's optimizer matrix: sequential, 2bw and pipedream at 4 stages, for each
+/// of AdamW, Muon, Lion and SGD and each of three seeds, every run on one minibatch.
+#[test]
+fn the_optimizers_configuration_expands_into_its_matrix() {
+    use pipe_stages::optim::OptimizerKind;
+    let cfg = StalenessConfig::parse(OPTIMIZERS_LM, "optimizers-lm.toml").unwrap();
+    let kinds: Vec<OptimizerKind> = cfg.optimizers.iter().map(|o| o.kind).collect();
+    for kind in [
+        OptimizerKind::Adamw,
+        OptimizerKind::Muon,
+        OptimizerKind::Lion,
+        OptimizerKind::Sgd,
+    ] {
+        assert!(kinds.contains(&kind), "{kind:?}");
+    }
+    let runs = cfg.matrix().unwrap();
+    assert_eq!(runs.len(), 3 * 4 * 3);
+    assert!(runs.iter().all(|r| r.family == Family::Pipeline));
+    for r in &runs {
+        assert_eq!(
+            r.microbatch_size * r.microbatches,
+            cfg.minibatch,
+            "{}",
+            r.id
+        );
+    }
+    assert_eq!(cfg.quick().matrix().unwrap().len(), 3 * 4);
+}
 
 #[test]
 fn the_committed_configuration_expands_into_the_full_matrix() {
@@ -166,6 +196,38 @@ fn a_small_experiment_runs_saves_and_regenerates_its_report() {
         let csv = std::fs::read_to_string(plots.join(format!("{name}.csv"))).unwrap();
         assert!(csv.lines().count() > 1, "{name}.csv has rows");
     }
+    // A second sitting reruns only what it has no record of: one record removed, one run.
+    let kept = dir.join("runs");
+    let mtime = |id: &str| {
+        std::fs::metadata(kept.join(format!("{id}.json")))
+            .and_then(|m| m.modified())
+            .unwrap()
+    };
+    let before: Vec<_> = results.runs.iter().map(|r| mtime(&r.spec.id)).collect();
+    let gone = &results.runs[1].spec.id;
+    std::fs::remove_file(kept.join(format!("{gone}.json"))).unwrap();
+    let resumed = run_experiment(&cfg, true, &dir, "pipe test", &mut |_, _, _| {}).unwrap();
+    for (i, r) in resumed.runs.iter().enumerate() {
+        assert_eq!(r.spec, results.runs[i].spec);
+        assert_eq!(r.losses, results.runs[i].losses, "{}", r.spec.id);
+        if &r.spec.id != gone {
+            assert_eq!(mtime(&r.spec.id), before[i], "{} was run again", r.spec.id);
+        }
+    }
+    assert!(kept.join(format!("{gone}.json")).exists());
+    // Another configuration runs everything again.
+    let mut other = cfg.clone();
+    other.target_window = 5;
+    let mut ran = 0;
+    run_experiment(&other, true, &dir, "pipe test", &mut |_, _, _| ran += 1).unwrap();
+    assert!(
+        results
+            .runs
+            .iter()
+            .all(|r| mtime(&r.spec.id) > before[0] || &r.spec.id == gone),
+        "records of another configuration are replaced"
+    );
+    assert_eq!(ran, results.runs.len());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -92,6 +92,33 @@ pub struct AdamStep {
     pub bias_correction2: f32,
 }
 
+/// Hyperparameters of one Lion step (Chen et al., "Symbolic Discovery of Optimization
+/// Algorithms", 2023): the update is the sign of an interpolation between the momentum and the
+/// gradient, and the momentum is then moved toward the gradient at a slower rate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LionStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// Interpolation of the update direction: `c = beta1 m + (1 - beta1) g`.
+    pub beta1: f32,
+    /// Momentum decay: `m = beta2 m + (1 - beta2) g`.
+    pub beta2: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+}
+
+/// `sign(x)` as Lion takes it: 0 at 0 (where `f32::signum` gives 1).
+#[inline]
+pub fn lion_sign(x: f32) -> f32 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        0.0
+    }
+}
+
 /// The compute interface every layer is written against.
 ///
 /// Operands are viewed as 2-D (`rows x cols`, see [`Tensor::rows`]). Outputs are resized by the
@@ -369,6 +396,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         hp: AdamStep,
     ) -> Result<()>;
 
+    /// One Lion update of `param` from `grad` with its momentum `m`:
+    /// `w -= lr (sign(beta1 m + (1 - beta1) g) + weight_decay w)`, then
+    /// `m = beta2 m + (1 - beta2) g`.
+    ///
+    /// # Errors
+    /// Length mismatch.
+    fn lion_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        hp: LionStep,
+    ) -> Result<()>;
+
     /// Sum of all elements, accumulated in `f64` in a fixed order.
     ///
     /// # Errors
@@ -602,6 +643,16 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         hp: AdamStep,
     ) -> Result<()> {
         (**self).adam_update(param, grad, m, v, hp)
+    }
+
+    fn lion_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        hp: LionStep,
+    ) -> Result<()> {
+        (**self).lion_update(param, grad, m, hp)
     }
 
     fn sum(&self, x: &Tensor) -> Result<f64> {

@@ -242,6 +242,18 @@ pub(crate) fn sgd(
 }
 
 /// An Adam update's operands.
+pub(crate) fn lion(param: &Tensor, grad: &Tensor, m: &Tensor) -> Result<()> {
+    let n = param.len();
+    if grad.len() != n || m.len() != n {
+        return Err(shape_err(
+            "lion_update",
+            format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
+        ));
+    }
+    Ok(())
+}
+
+/// Operand lengths of an Adam update.
 pub(crate) fn adam(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
     let n = param.len();
     if grad.len() != n || m.len() != n || v.len() != n {

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
-use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, SgdStep, Trans};
+use crate::backend::{
+    Activation, AdamStep, AttentionShape, Backend, LionStep, LossStats, SgdStep, Trans, lion_sign,
+};
 use crate::{Device, KernelError, Result, Tensor};
 
 /// One sequence's share of the attention backward pass: its packed `qkv` rows, its output rows,
@@ -1136,6 +1138,38 @@ impl Backend for CpuBackend {
                     .zip(g.par_chunks(chunk))
                     .zip(m.par_chunks_mut(chunk))
                     .zip(v.par_chunks_mut(chunk))
+                    .for_each(body)
+            });
+        }
+        Ok(())
+    }
+
+    fn lion_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        hp: LionStep,
+    ) -> Result<()> {
+        crate::check::lion(param, grad, m)?;
+        let n = param.len();
+        let chunk = self.update_chunk(n);
+        type Chunks<'a> = ((&'a mut [f32], &'a [f32]), &'a mut [f32]);
+        let body = |((w, g), m): Chunks<'_>| {
+            for ((w, &g), m) in w.iter_mut().zip(g).zip(m.iter_mut()) {
+                let c = hp.beta1 * *m + (1.0 - hp.beta1) * g;
+                *w -= hp.lr * (lion_sign(c) + hp.weight_decay * *w);
+                *m = hp.beta2 * *m + (1.0 - hp.beta2) * g;
+            }
+        };
+        let (w, g, m) = (param.host_mut()?, grad.host()?, m.host_mut()?);
+        if chunk >= n {
+            body(((w, g), m));
+        } else {
+            self.pool.install(|| {
+                w.par_chunks_mut(chunk)
+                    .zip(g.par_chunks(chunk))
+                    .zip(m.par_chunks_mut(chunk))
                     .for_each(body)
             });
         }

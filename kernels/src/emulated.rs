@@ -13,7 +13,9 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, SgdStep, Trans};
+use crate::backend::{
+    Activation, AdamStep, AttentionShape, Backend, LionStep, LossStats, SgdStep, Trans,
+};
 use crate::{CpuBackend, Device, DeviceMemory, Element, KernelError, Result, Storage, Tensor};
 
 /// Source of emulator identities: a buffer knows which emulator made it.
@@ -491,6 +493,22 @@ impl Backend for EmulatedDevice {
         *param = self.output(w)?;
         *m = self.output(mh)?;
         *v = self.output(vh)?;
+        Ok(())
+    }
+
+    fn lion_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        hp: LionStep,
+    ) -> Result<()> {
+        crate::check::lion(param, grad, m)?;
+        let g = self.input(grad, "lion_update")?;
+        let (mut w, mut mh) = (self.in_place(param)?, self.in_place(m)?);
+        self.cpu.lion_update(&mut w, &g, &mut mh, hp)?;
+        *param = self.output(w)?;
+        *m = self.output(mh)?;
         Ok(())
     }
 

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Activation, AdamStep, AttentionShape, Backend, LossStats, SgdStep, Trans};
+use crate::backend::{
+    Activation, AdamStep, AttentionShape, Backend, LionStep, LossStats, SgdStep, Trans,
+};
 use std::borrow::Cow;
 
 use crate::{Device, Result, Tensor};
@@ -254,6 +256,16 @@ impl<B: Backend> Backend for Timed<B> {
         hp: AdamStep,
     ) -> Result<()> {
         self.time(|| self.inner.adam_update(param, grad, m, v, hp))
+    }
+
+    fn lion_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        hp: LionStep,
+    ) -> Result<()> {
+        self.time(|| self.inner.lion_update(param, grad, m, hp))
     }
 
     fn sum(&self, x: &Tensor) -> Result<f64> {

@@ -459,7 +459,7 @@ fn elementwise_and_norms_agree_with_the_cpu_backend(be: &dyn Backend) {
 
 /// The optimizer updates and softmax cross-entropy against the CPU backend, as above.
 fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
-    use pipe_kernels::{AdamStep, SgdStep};
+    use pipe_kernels::{AdamStep, LionStep, SgdStep};
     let cpu = CpuBackend::new(1).unwrap();
     let same =
         |what: &str, got: &[f32], want: &[f32], tol: f32| same_as_cpu(be, what, got, want, tol);
@@ -510,6 +510,33 @@ fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
         &read(&cpu, &vvc),
         1e-5,
     );
+    let lion = LionStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.99,
+        weight_decay: 0.1,
+    };
+    let (mut lm, mut lmc) = (on(be, &Tensor::zeros(&[37, 29])), Tensor::zeros(&[37, 29]));
+    for _ in 0..3 {
+        be.lion_update(&mut w, &on(be, &dy), &mut lm, lion).unwrap();
+        cpu.lion_update(&mut wc, &dy, &mut lmc, lion).unwrap();
+    }
+    same("lion", &read(be, &w), &read(&cpu, &wc), 1e-5);
+    same("lion momentum", &read(be, &lm), &read(&cpu, &lmc), 1e-6);
+    // One Lion step in closed form: c = 0.1 g from a zero momentum, its sign (0 at 0), then
+    // w -= 0.1 (sign(c) + 0.5 w) and m = 0.01 g.
+    let mut w1 = on(be, &Tensor::full(&[3], 1.0));
+    let mut m1 = on(be, &Tensor::zeros(&[3]));
+    let g1 = on(be, &Tensor::from_vec(&[3], vec![0.5, -2.0, 0.0]).unwrap());
+    let step = LionStep {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.99,
+        weight_decay: 0.5,
+    };
+    be.lion_update(&mut w1, &g1, &mut m1, step).unwrap();
+    close(&read(be, &w1), &[0.85, 1.05, 0.95], 1e-6);
+    close(&read(be, &m1), &[0.005, -0.02, 0.0], 1e-6);
     // Softmax cross-entropy: loss, hits and gradient.
     let labels: Vec<u32> = (0..37).map(|i| (i * 7 % 29) as u32).collect();
     let (mut d, mut dc) = (Tensor::default(), Tensor::default());

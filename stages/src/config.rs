@@ -54,6 +54,17 @@ pub fn default_momentum(run: &Resolved) -> f32 {
     (1.0 - (1.0 - BASE_MOMENTUM) * (1 + tau) as f32).max(0.0)
 }
 
+/// Muon's momentum when none is given (its authors' default).
+pub const MUON_MOMENTUM: f32 = 0.95;
+
+/// Lion's momentum decay when none is given (its authors' default; its `beta1`, 0.9, is
+/// Adam's).
+pub const LION_BETA2: f32 = 0.99;
+
+/// Lion's default learning rate is AdamW's divided by this: a sign update has a larger norm
+/// than Adam's, and its authors advise a rate 3 to 10 times smaller.
+pub const LION_LR_DIVISOR: f32 = 3.0;
+
 /// SGD momentum of synchronous training when none is given.
 pub const BASE_MOMENTUM: f32 = 0.9;
 
@@ -521,17 +532,24 @@ impl TrainSettings {
                 // An impossible layout is refused later, with the schedule's own message.
                 layout.map_or(BASE_MOMENTUM, default_momentum)
             }
+            (None, OptimizerKind::Muon) => MUON_MOMENTUM,
             (None, _) => 0.0,
         };
         let optimizer = OptimizerConfig {
             kind,
             momentum,
-            nesterov: self.nesterov.unwrap_or(false),
+            // Muon's reference implementation takes Nesterov momentum.
+            nesterov: self
+                .nesterov
+                .unwrap_or(kind == OptimizerKind::Muon && momentum != 0.0),
             weight_decay: self
                 .weight_decay
                 .unwrap_or(lm.map_or(defaults.weight_decay, |d| d.weight_decay)),
             beta1: self.beta1.unwrap_or(defaults.beta1),
-            beta2: self.beta2.unwrap_or(defaults.beta2),
+            beta2: self.beta2.unwrap_or(match kind {
+                OptimizerKind::Lion => LION_BETA2,
+                _ => defaults.beta2,
+            }),
             eps: self.eps.unwrap_or(defaults.eps),
         };
         optimizer.validate()?;
@@ -735,6 +753,8 @@ impl TrainSettings {
             .unwrap_or(lm.map_or(OptimizerKind::Sgd, |d| d.optimizer));
         let lr = self.lr.unwrap_or(match (kind, lm) {
             (OptimizerKind::Sgd, _) => 0.05,
+            (OptimizerKind::Lion, Some(d)) => d.lr / LION_LR_DIVISOR,
+            (OptimizerKind::Lion, None) => 1e-3 / LION_LR_DIVISOR,
             (_, Some(d)) => d.lr,
             _ => 1e-3,
         });

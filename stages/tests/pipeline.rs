@@ -173,6 +173,7 @@ fn check_case(spec: &ScheduleSpec, model: &Model) {
                 Optimizer::new(
                     opt(),
                     &model.init_params(SEED)[run.partition.range(s)].to_vec(),
+                    &model.hidden_matrices()[run.partition.range(s)],
                 )
             })
             .collect(),
@@ -333,7 +334,9 @@ fn pipelined_runs_equal_the_reference_trainer() {
 }
 
 /// The oracle beyond SGD with momentum and deterministic layers: Adam, AdamW with decoupled
-/// weight decay and Nesterov momentum with L2 decay (their state is stashed with nothing but
+/// weight decay, Nesterov momentum with L2 decay, Muon (its hidden matrices' momentum
+/// orthogonalised by products, AdamW for the input and output layers and the biases) and
+/// Lion (their state is stashed with nothing but
 /// the weights, and a wrong version of it shows in every later update), and a model with
 /// dropout (each microbatch's masks are seeded by the run's seed, the microbatch and the
 /// layer, so the pipelined forward and backward and the reference must draw the same ones).
@@ -357,6 +360,19 @@ fn other_optimizers_and_dropout_equal_the_reference_trainer() {
             momentum: 0.9,
             nesterov: true,
             weight_decay: 1e-3,
+            ..base
+        },
+        OptimizerConfig {
+            kind: OptimizerKind::Muon,
+            momentum: 0.95,
+            nesterov: true,
+            weight_decay: 0.01,
+            ..base
+        },
+        OptimizerConfig {
+            kind: OptimizerKind::Lion,
+            beta2: 0.99,
+            weight_decay: 0.1,
             ..base
         },
     ];
@@ -865,7 +881,7 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
             }
             let mut params = init.clone();
             let mut opts: Vec<Optimizer> = (0..run.schedule.stages() as usize)
-                .map(|s| Optimizer::new(opt(), &init[run.partition.range(s)].to_vec()))
+                .map(|s| Optimizer::new(opt(), &init[run.partition.range(s)].to_vec(), &[]))
                 .collect();
             for s in &setups {
                 let (stages, carried) = reference_train_from(&be, s, &params, opts).unwrap();

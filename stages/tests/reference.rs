@@ -187,7 +187,7 @@ fn the_reference_trainer_equals_the_plain_loop_for_every_optimizer() {
         )
         .unwrap();
         let mut params = init.clone();
-        let mut opt = Optimizer::new(cfg, &params);
+        let mut opt = Optimizer::new(cfg, &params, &[]);
         plain_loop(&model, &mut params, &mut opt, &src, 0, updates);
         let bits = |p: &Params| -> Vec<u32> { flat(p).iter().map(|v| v.to_bits()).collect() };
         let gap = relative_gap(&flat(&params), &flat(&want[0]));
@@ -212,9 +212,9 @@ fn optimizer_state_carried_across_a_drain_is_the_single_loops_state() {
     let be = CpuBackend::new(1).unwrap();
     for (name, cfg) in optimizers().into_iter().skip(1) {
         let mut params = init.clone();
-        let mut opts = vec![Optimizer::new(cfg, &params).placed(&be).unwrap()];
+        let mut opts = vec![Optimizer::new(cfg, &params, &[]).placed(&be).unwrap()];
         let mut plain = init.clone();
-        let mut plain_opt = Optimizer::new(cfg, &plain);
+        let mut plain_opt = Optimizer::new(cfg, &plain, &[]);
         for epoch in 1..=2u64 {
             let src = source(epoch);
             let lr_from = move |s: u32, k: u32| lr(s, (epoch as u32 - 1) * updates + k);
@@ -237,9 +237,9 @@ fn optimizer_state_carried_across_a_drain_is_the_single_loops_state() {
         assert!(gap < 2e-5, "{name}: carried state differs by {gap}");
         // Restarting the optimizer at the drain is visibly different.
         let mut fresh = init.clone();
-        let mut fresh_opt = Optimizer::new(cfg, &fresh);
+        let mut fresh_opt = Optimizer::new(cfg, &fresh, &[]);
         plain_loop(&model, &mut fresh, &mut fresh_opt, &source(1), 0, updates);
-        let mut restarted = Optimizer::new(cfg, &fresh);
+        let mut restarted = Optimizer::new(cfg, &fresh, &[]);
         plain_loop(
             &model,
             &mut fresh,

@@ -158,7 +158,7 @@ fn optimizers_match_hand_computation() {
         ..Default::default()
     };
     let mut p = one_param(&[1.0, 2.0]);
-    let mut o = Optimizer::new(cfg, &p);
+    let mut o = Optimizer::new(cfg, &p, &[]);
     o.step(&be, &mut p, &g, 0.1).unwrap();
     o.step(&be, &mut p, &g, 0.1).unwrap();
     let (mut w, mut b) = ([1.0f32, 2.0], [0.0f32; 2]);
@@ -178,7 +178,7 @@ fn optimizers_match_hand_computation() {
         ..Default::default()
     };
     let mut p = one_param(&[1.0]);
-    let mut o = Optimizer::new(cfg, &p);
+    let mut o = Optimizer::new(cfg, &p, &[]);
     o.step(&be, &mut p, &one_param(&[2.0]), 0.1).unwrap();
     assert!((p[0][0].host().unwrap()[0] - (1.0 - 0.1 * (2.0 + 0.5 * 2.0))).abs() < 1e-7);
     // Adam's first step moves each weight by lr (sign of the gradient).
@@ -189,7 +189,7 @@ fn optimizers_match_hand_computation() {
             ..Default::default()
         };
         let mut p = one_param(&[1.0, 2.0]);
-        let mut o = Optimizer::new(cfg, &p);
+        let mut o = Optimizer::new(cfg, &p, &[]);
         o.step(&be, &mut p, &g, 0.01).unwrap();
         assert!((p[0][0].host().unwrap()[0] - 0.99).abs() < 1e-6);
         assert!((p[0][0].host().unwrap()[1] - 2.01).abs() < 1e-6);
@@ -202,9 +202,141 @@ fn optimizers_match_hand_computation() {
         weight_decay: 0.5,
         ..Default::default()
     };
-    Optimizer::new(cfg, &p)
+    Optimizer::new(cfg, &p, &[])
         .step(&be, &mut p, &one_param(&[0.0]), 0.1)
         .unwrap();
     assert!((p[0][0].host().unwrap()[0] - 0.95).abs() < 1e-6);
     assert_eq!(be.name(), "cpu");
+}
+
+/// An orthogonal `n x n` matrix: the product of plane rotations `(i, j, angle)`.
+fn rotations(n: usize, planes: &[(usize, usize, f64)]) -> Vec<Vec<f64>> {
+    let mut q: Vec<Vec<f64>> = (0..n)
+        .map(|i| (0..n).map(|j| f64::from(u8::from(i == j))).collect())
+        .collect();
+    for &(i, j, angle) in planes {
+        let (c, s) = (angle.cos(), angle.sin());
+        for row in q.iter_mut() {
+            let (a, b) = (row[i], row[j]);
+            row[i] = c * a - s * b;
+            row[j] = s * a + c * b;
+        }
+    }
+    q
+}
+
+/// `U [diag(s) 0] V^T` for `U` (`m x m`) and `V` (`n x n`), row-major.
+fn from_svd(u: &[Vec<f64>], s: &[f64], v: &[Vec<f64>]) -> Vec<f64> {
+    let (m, n) = (u.len(), v.len());
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..s.len()).map(|k| u[i][k] * s[k] * v[j][k]).sum();
+        }
+    }
+    out
+}
+
+/// Muon's orthogonalisation in closed form: for `g = U [diag(s) 0] V^T`, five Newton-Schulz
+/// rounds keep `U` and `V` and map each singular value of `g / |g|_F` through the quintic
+/// `f(x) = a x + b x^3 + c x^5` five times; a tall matrix (taken through its transpose) gives
+/// the transposed result, and a zero matrix stays zero.
+#[test]
+fn newton_schulz_maps_each_singular_value_through_its_quintic_and_keeps_the_vectors() {
+    use pipe_stages::optim::{NEWTON_SCHULZ, newton_schulz};
+    let be = CpuBackend::new(1).unwrap();
+    let u = rotations(3, &[(0, 1, 0.3), (1, 2, -1.1), (0, 2, 0.7)]);
+    let v = rotations(5, &[(0, 1, 0.5), (2, 3, 1.3), (1, 4, -0.4), (0, 3, 0.9)]);
+    let s = [3.0, 1.0, 0.25];
+    let norm = s.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let (a, b, c) = NEWTON_SCHULZ;
+    let (a, b, c) = (f64::from(a), f64::from(b), f64::from(c));
+    let mapped: Vec<f64> = s
+        .iter()
+        .map(|&x| (0..5).fold(x / norm, |x, _| a * x + b * x.powi(3) + c * x.powi(5)))
+        .collect();
+    let g = from_svd(&u, &s, &v);
+    let want = from_svd(&u, &mapped, &v);
+    let wide = Tensor::from_vec(&[3, 5], g.iter().map(|&x| x as f32).collect()).unwrap();
+    let got = newton_schulz(&be, &wide, 5).unwrap();
+    assert_eq!(got.shape(), &[3, 5]);
+    for (x, w) in got.host().unwrap().iter().zip(&want) {
+        assert!((f64::from(*x) - w).abs() < 1e-4, "{x} against {w}");
+    }
+    // The singular values land near 1, the update Muon wants, though they differ by 12x.
+    assert!(
+        mapped.iter().all(|&m| (0.6..1.25).contains(&m)),
+        "{mapped:?}"
+    );
+    // The transpose.
+    let tall_values: Vec<f32> = (0..5)
+        .flat_map(|j| (0..3).map(move |i| (i, j)))
+        .map(|(i, j)| g[i * 5 + j] as f32)
+        .collect();
+    let tall = Tensor::from_vec(&[5, 3], tall_values).unwrap();
+    let got = newton_schulz(&be, &tall, 5).unwrap();
+    assert_eq!(got.shape(), &[5, 3]);
+    let got = got.host().unwrap();
+    for i in 0..3 {
+        for j in 0..5 {
+            let (x, w) = (f64::from(got[j * 3 + i]), want[i * 5 + j]);
+            assert!((x - w).abs() < 1e-4, "({j}, {i}): {x} against {w}");
+        }
+    }
+    let zero = newton_schulz(&be, &Tensor::zeros(&[3, 5]), 5).unwrap();
+    assert!(zero.host().unwrap().iter().all(|&x| x == 0.0));
+}
+
+/// Muon on one hidden matrix and one bias, by hand: the matrix moves by the orthogonalised
+/// Nesterov momentum scaled to AdamW's size, the bias by AdamW's first step (the sign of its
+/// gradient times the rate), both after decoupled weight decay.
+#[test]
+fn muon_steps_hidden_matrices_by_their_orthogonalised_momentum_and_the_rest_by_adamw() {
+    use pipe_stages::optim::{MUON_RMS_SCALE, newton_schulz};
+    let be = CpuBackend::new(1).unwrap();
+    let w0: Vec<f32> = (0..6).map(|i| 0.1 * i as f32 - 0.2).collect();
+    let g0: Vec<f32> = vec![0.3, -0.1, 0.2, 0.05, -0.4, 0.15];
+    let mut p: Params = vec![vec![
+        Tensor::from_vec(&[2, 3], w0.clone()).unwrap(),
+        Tensor::from_vec(&[2], vec![1.0, -1.0]).unwrap(),
+    ]];
+    let g: Params = vec![vec![
+        Tensor::from_vec(&[2, 3], g0.clone()).unwrap(),
+        Tensor::from_vec(&[2], vec![0.5, -0.5]).unwrap(),
+    ]];
+    let cfg = OptimizerConfig {
+        kind: OptimizerKind::Muon,
+        momentum: 0.95,
+        nesterov: true,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut o = Optimizer::new(cfg, &p, &[vec![true, false]]);
+    // Muon keeps one buffer for the matrix, AdamW two for the bias.
+    assert!(o.state()[0][0].1.is_empty() && !o.state()[0][1].1.is_empty());
+    let lr = 0.02;
+    o.step(&be, &mut p, &g, lr).unwrap();
+    // From a zero momentum: buf = g, u = g + 0.95 g.
+    let u: Vec<f32> = g0.iter().map(|x| x + 0.95 * x).collect();
+    let o_u = newton_schulz(&be, &Tensor::from_vec(&[2, 3], u).unwrap(), 5).unwrap();
+    let scale = MUON_RMS_SCALE * 3f32.sqrt();
+    for ((got, w), o) in p[0][0]
+        .host()
+        .unwrap()
+        .iter()
+        .zip(&w0)
+        .zip(o_u.host().unwrap())
+    {
+        let want = w * (1.0 - lr * 0.1) - lr * scale * o;
+        assert!((got - want).abs() < 1e-6, "{got} against {want}");
+    }
+    let bias = p[0][1].host().unwrap();
+    assert!(
+        (bias[0] - (1.0 * (1.0 - lr * 0.1) - lr)).abs() < 1e-5,
+        "{bias:?}"
+    );
+    assert!(
+        (bias[1] - (-1.0 * (1.0 - lr * 0.1) + lr)).abs() < 1e-5,
+        "{bias:?}"
+    );
 }

@@ -68,11 +68,11 @@ fn one() -> usize {
 pub struct OptimizerChoice {
     /// Name in reports.
     pub name: String,
-    /// `sgd`, `adam` or `adamw`.
+    /// `sgd`, `adam`, `adamw`, `muon` or `lion`.
     pub kind: OptimizerKind,
     /// Base learning rate (cosine schedule with a 5% warm-up).
     pub lr: f32,
-    /// SGD momentum.
+    /// SGD's or Muon's momentum (0 when not given: give Muon its 0.95).
     #[serde(default)]
     pub momentum: f32,
     /// Weight decay.

@@ -44,8 +44,15 @@ pub struct StalenessResults {
 /// Runs every run of `cfg` (its `--quick` reduction when `quick`), writing ledgers under
 /// `out`, and calls `progress` after each with its position, the count and its record.
 ///
+/// An experiment is resumable run by run: each finished run's record is kept in
+/// `out/runs/ID.json` with the configuration it ran under, and a run whose record is there
+/// under the same configuration is not run again. So a matrix too long for one sitting is
+/// run in parts: stop it (Ctrl-C, or a machine's time limit) and give the same command again.
+/// `wall_s` then counts this sitting only; each run keeps its own time.
+///
 /// # Errors
-/// Configuration and data errors; a run failing other than by divergence.
+/// Configuration and data errors; a run failing other than by divergence; a record that
+/// cannot be written.
 pub fn run_experiment(
     cfg: &StalenessConfig,
     quick: bool,
@@ -62,7 +69,15 @@ pub fn run_experiment(
     let start = Instant::now();
     let mut runs = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
-        let r = run::run_one(&cfg, spec, &data, out)?;
+        let kept = out.join("runs").join(format!("{}.json", spec.id));
+        let r = match kept_run(&kept, &cfg, spec) {
+            Some(r) => r,
+            None => {
+                let r = run::run_one(&cfg, spec, &data, out)?;
+                keep_run(&kept, &cfg, &r)?;
+                r
+            }
+        };
         progress(i + 1, specs.len(), &r);
         runs.push(r);
     }
@@ -75,6 +90,41 @@ pub fn run_experiment(
         config: cfg,
         runs,
     })
+}
+
+/// A finished run as kept between sittings: the configuration it ran under and its record.
+#[derive(Serialize, Deserialize)]
+struct KeptRun {
+    config: StalenessConfig,
+    record: RunRecord,
+}
+
+/// The record kept at `path` for `spec`, if one is there and was made under `cfg` (anything
+/// else, unreadable files included, means the run is run again).
+fn kept_run(path: &Path, cfg: &StalenessConfig, spec: &config::RunSpec) -> Option<RunRecord> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let kept: KeptRun = serde_json::from_str(&text).ok()?;
+    (kept.config == *cfg && kept.record.spec == *spec).then_some(kept.record)
+}
+
+/// Keeps `record` at `path` (written whole, then renamed into place, so that a sitting
+/// stopped while writing leaves no half record).
+///
+/// # Errors
+/// An unwritable directory.
+fn keep_run(path: &Path, cfg: &StalenessConfig, record: &RunRecord) -> Result<(), ExperimentError> {
+    let io = |e: String| ExperimentError::Config(format!("{}: {e}", path.display()));
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| io(e.to_string()))?;
+    }
+    let kept = KeptRun {
+        config: cfg.clone(),
+        record: record.clone(),
+    };
+    let text = serde_json::to_string(&kept).map_err(|e| io(e.to_string()))?;
+    let partial = path.with_extension("json.partial");
+    std::fs::write(&partial, text).map_err(|e| io(e.to_string()))?;
+    std::fs::rename(&partial, path).map_err(|e| io(e.to_string()))
 }
 
 /// Writes `results.json` under `out`.

@@ -354,7 +354,16 @@ fn remedies_table(md: &mut String, r: &StalenessResults, cells: &Cells<'_>) {
     md.push('\n');
 }
 
+/// Whether the experiment ran the delayed data-parallel baseline (a configuration may leave
+/// it out, with no delays).
+fn has_delayed(r: &StalenessResults) -> bool {
+    r.runs.iter().any(|x| x.spec.family == Family::Delayed)
+}
+
 fn delayed_table(md: &mut String, r: &StalenessResults, cells: &Cells<'_>) {
+    if !has_delayed(r) {
+        return;
+    }
     let opts = optimizer_names(r);
     md.push_str("## Delayed data-parallel SGD (the parameter-server picture)\n\n");
     md.push_str(
@@ -649,7 +658,9 @@ fn write_plots(
         figures.push(figure(dir, name, caption, &LineChart::loss(title, series))?);
         figures.push(quality_plot(r, cells, dir, &opt)?);
         figures.extend(remedy_plots(r, cells, dir, &opt)?);
-        figures.push(delayed_plot(r, cells, dir, &opt)?);
+        if has_delayed(r) {
+            figures.push(delayed_plot(r, cells, dir, &opt)?);
+        }
     }
     figures.push(staleness_plot(r, dir)?);
     Ok(figures)
@@ -714,6 +725,10 @@ fn remedy_plots(
             if !remedies.contains(&run.spec.remedy) {
                 remedies.push(run.spec.remedy.clone());
             }
+        }
+        if remedies.len() < 2 {
+            // No remedy ran on this policy: nothing to set against "none".
+            continue;
         }
         let series = remedies
             .iter()

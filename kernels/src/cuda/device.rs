@@ -17,7 +17,7 @@ use cudarc::driver::{
 };
 
 use crate::backend::{
-    Activation, AdamStep, AttentionShape, Backend, LossStats, Precision, SgdStep, Trans,
+    Activation, AdamStep, AttentionShape, Backend, LionStep, LossStats, Precision, SgdStep, Trans,
 };
 use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
@@ -94,6 +94,7 @@ kernel_table!(
     to_bf16,
     sgd_f32,
     adam_f32,
+    lion_f32,
     partial_sums_f32,
 );
 
@@ -1552,6 +1553,33 @@ impl Backend for CudaBackend {
         b.arg(&hp.bias_correction1).arg(&hp.bias_correction2);
         // SAFETY: all four buffers hold n floats.
         unsafe { b.launch(grid(n)) }.map_err(driver_err("adam_update"))?;
+        Ok(())
+    }
+
+    fn lion_update(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        hp: LionStep,
+    ) -> Result<()> {
+        let n = param.len();
+        crate::check::lion(param, grad, m)?;
+        let gp = self.ptr(grad, "lion_update")?;
+        let mp = self.in_place(m, "lion_update")?;
+        let wp = self.in_place(param, "lion_update")?;
+        let n = as_u64(n);
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = self.stream.launch_builder(&self.kernels.lion_f32);
+        b.arg(&wp).arg(&gp).arg(&mp).arg(&n);
+        b.arg(&hp.lr)
+            .arg(&hp.beta1)
+            .arg(&hp.beta2)
+            .arg(&hp.weight_decay);
+        // SAFETY: all three buffers hold n floats.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("lion_update"))?;
         Ok(())
     }
 

@@ -753,6 +753,17 @@ extern "C" __global__ void adam_f32(float* w, const float* g, float* m, float* v
     }
 }
 
+extern "C" __global__ void lion_f32(float* w, const float* g, float* m, u64 n, float lr, float beta1,
+                                    float beta2, float weight_decay) {
+    for (u64 i = global_index(); i < n; i += global_stride()) {
+        float wi = w[i], gi = g[i], mi = m[i];
+        float c = beta1 * mi + (1.0f - beta1) * gi;
+        float sign = (float)(c > 0.0f) - (float)(c < 0.0f);
+        w[i] = wi - lr * (sign + weight_decay * wi);
+        m[i] = beta2 * mi + (1.0f - beta2) * gi;
+    }
+}
+
 // ---- reductions to f64: a fixed grid of partial sums, added in order on the host -----------
 //
 // Launched with exactly REDUCE_BLOCKS blocks of REDUCE_THREADS threads whatever n is, so the

@@ -586,7 +586,7 @@ mod tests {
             kind: OptimizerKind::Adam,
             ..OptimizerConfig::default()
         };
-        let opt = Optimizer::new(cfg, &params);
+        let opt = Optimizer::new(cfg, &params, &model.hidden_matrices());
         Checkpoint {
             optimizer: opt.state().to_vec(),
             params,

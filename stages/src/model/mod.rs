@@ -449,6 +449,35 @@ impl Model {
         self.slots[layer][slot]
     }
 
+    /// Per layer, per parameter: whether it is a hidden weight matrix, whose update Muon
+    /// orthogonalises ([`crate::optim::OptimizerKind::Muon`]): a 2-D parameter of any layer
+    /// but the token embedding, the language-model head, and the first and last layers that
+    /// have parameters (an MLP's input layer reads raw features and its last layer is the
+    /// classifier, the embedding and head of a language model). Every other parameter
+    /// (embeddings, heads, biases, norms) takes AdamW's step under Muon, as its authors
+    /// prescribe.
+    pub fn hidden_matrices(&self) -> Vec<Vec<bool>> {
+        let with_params: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| !self.slots[i].is_empty())
+            .collect();
+        let edges = [with_params.first().copied(), with_params.last().copied()];
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(i, slots)| {
+                let outer = edges.contains(&Some(i))
+                    || matches!(
+                        self.specs.get(i),
+                        Some(LayerSpec::Embedding { .. } | LayerSpec::LmHead { .. })
+                    );
+                slots
+                    .iter()
+                    .map(|&id| !outer && self.table[id].shape.len() == 2)
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Stable parameter names (the table's), `layers.{index}.{name}`, in model order.
     pub fn param_names(&self) -> Vec<String> {
         self.table.iter().map(|e| e.name.clone()).collect()

@@ -1,8 +1,13 @@
-//! Optimizers (SGD with momentum, Nesterov and weight decay; Adam; AdamW) and learning-rate
-//! schedules. The arithmetic runs as backend kernels; this module keeps the state and the step
-//! count and picks the hyperparameters of each step.
+//! Optimizers (SGD with momentum, Nesterov and weight decay; Adam; AdamW; Muon, which
+//! orthogonalises the momentum of each hidden weight matrix and steps the other parameters
+//! with AdamW; Lion, the sign of an interpolated momentum) and learning-rate schedules. The
+//! arithmetic runs as backend kernels and products (Muon's Newton-Schulz iteration is five
+//! rounds of matrix products through [`Backend::matmul`], so it runs wherever the model
+//! does); this module keeps the state and the step count and picks the hyperparameters of
+//! each step. Which parameters are hidden weight matrices is the model's to say
+//! ([`crate::model::Model::hidden_matrices`]); every optimizer is built with that mask.
 
-use pipe_kernels::{AdamStep, Backend, SgdStep, Tensor};
+use pipe_kernels::{AdamStep, Backend, LionStep, SgdStep, Tensor, Trans};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
@@ -22,15 +27,43 @@ pub enum OptimizerKind {
     Adam,
     /// AdamW (decoupled weight decay).
     Adamw,
+    /// Muon: SGD momentum whose update, for each hidden weight matrix, is orthogonalised by
+    /// five Newton-Schulz rounds; AdamW for every other parameter.
+    Muon,
+    /// Lion: the sign of an interpolation of momentum and gradient, one momentum buffer.
+    Lion,
 }
 
 impl OptimizerKind {
     /// Copies of the parameters this optimizer keeps besides the weights, for memory
-    /// estimates: the gradient, plus momentum (SGD) or both moments (Adam, AdamW).
+    /// estimates: the gradient, plus momentum (SGD, Lion; Muon's matrices) or both moments
+    /// (Adam, AdamW; Muon's other parameters, counted for all as the bound).
     pub fn state_copies(self) -> f64 {
         match self {
-            OptimizerKind::Sgd => 2.0,
+            OptimizerKind::Sgd | OptimizerKind::Lion => 2.0,
             _ => 3.0,
+        }
+    }
+
+    /// The name flags and configs use.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Adam => "adam",
+            OptimizerKind::Adamw => "adamw",
+            OptimizerKind::Muon => "muon",
+            OptimizerKind::Lion => "lion",
+        }
+    }
+
+    /// Whether it keeps a momentum buffer for a parameter (its first state tensor) given the
+    /// momentum setting and whether the parameter is a hidden matrix, and a second one.
+    fn buffers(self, momentum: f32, matrix: bool) -> (bool, bool) {
+        match self {
+            OptimizerKind::Sgd => (momentum != 0.0, false),
+            OptimizerKind::Adam | OptimizerKind::Adamw => (true, true),
+            OptimizerKind::Muon => (true, !matrix),
+            OptimizerKind::Lion => (true, false),
         }
     }
 }
@@ -42,7 +75,11 @@ impl std::str::FromStr for OptimizerKind {
             "sgd" => Ok(Self::Sgd),
             "adam" => Ok(Self::Adam),
             "adamw" => Ok(Self::Adamw),
-            _ => Err(format!("unknown optimizer '{s}' (sgd, adam, adamw)")),
+            "muon" => Ok(Self::Muon),
+            "lion" => Ok(Self::Lion),
+            _ => Err(format!(
+                "unknown optimizer '{s}' (sgd, adam, adamw, muon, lion)"
+            )),
         }
     }
 }
@@ -53,15 +90,15 @@ impl std::str::FromStr for OptimizerKind {
 pub struct OptimizerConfig {
     /// Which optimizer.
     pub kind: OptimizerKind,
-    /// SGD momentum.
+    /// SGD's and Muon's momentum.
     pub momentum: f32,
-    /// SGD Nesterov momentum.
+    /// Nesterov momentum (SGD, Muon).
     pub nesterov: bool,
     /// Weight decay (L2 for SGD and Adam, decoupled for AdamW).
     pub weight_decay: f32,
-    /// Adam first-moment decay.
+    /// Adam first-moment decay; Lion's interpolation of the update direction.
     pub beta1: f32,
-    /// Adam second-moment decay.
+    /// Adam second-moment decay; Lion's momentum decay.
     pub beta2: f32,
     /// Adam epsilon.
     pub eps: f32,
@@ -160,27 +197,60 @@ pub struct Optimizer {
     cfg: OptimizerConfig,
     /// Per layer, per parameter: (momentum or first moment, second moment).
     state: OptimizerState,
+    /// Per layer, per parameter: a hidden weight matrix (Muon orthogonalises its update).
+    matrices: Vec<Vec<bool>>,
     steps: u64,
 }
 
+/// The coefficients of Muon's quintic Newton-Schulz iteration, `X <- a X + (b A + c A^2) X`
+/// with `A = X X^T` (Jordan et al., 2024): chosen so that five rounds take every singular
+/// value of a matrix of norm at most 1 to roughly 1 (between about 0.7 and 1.2), which is
+/// what the update needs, faster than the cubic iteration that converges exactly.
+pub const NEWTON_SCHULZ: (f32, f32, f32) = (3.4445, -4.7750, 2.0315);
+
+/// Newton-Schulz rounds per Muon step.
+pub const NEWTON_SCHULZ_STEPS: usize = 5;
+
+/// Added to the Frobenius norm before Muon normalises the momentum (a zero matrix stays 0).
+const NEWTON_SCHULZ_EPS: f32 = 1e-7;
+
+/// Muon's update of an `m x n` matrix is scaled by this times `sqrt(max(m, n))`, which gives
+/// it about the root-mean-square size of an AdamW update (Liu et al., "Muon is Scalable for
+/// LLM Training", 2025), so one learning rate and one weight decay serve the matrices and the
+/// parameters AdamW steps.
+pub const MUON_RMS_SCALE: f32 = 0.2;
+
 impl Optimizer {
-    /// An optimizer with zeroed state shaped like `params`.
-    pub fn new(cfg: OptimizerConfig, params: &Params) -> Self {
+    /// An optimizer with zeroed state shaped like `params`; `matrices` marks, per layer and
+    /// parameter, the hidden weight matrices ([`crate::model::Model::hidden_matrices`] for
+    /// the same layers), which only Muon reads (a missing entry is not a matrix).
+    pub fn new(cfg: OptimizerConfig, params: &Params, matrices: &[Vec<bool>]) -> Self {
+        let matrices: Vec<Vec<bool>> = params
+            .iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                (0..layer.len())
+                    .map(|p| matrices.get(l).and_then(|m| m.get(p)).copied() == Some(true))
+                    .collect()
+            })
+            .collect();
         let state = params
             .iter()
-            .map(|layer| {
+            .zip(&matrices)
+            .map(|(layer, marks)| {
                 layer
                     .iter()
-                    .map(|p| {
-                        let first = match (cfg.kind, cfg.momentum != 0.0) {
-                            (OptimizerKind::Sgd, false) => Tensor::default(),
-                            _ => Tensor::zeros(p.shape()),
+                    .zip(marks)
+                    .map(|(p, &matrix)| {
+                        let (first, second) = cfg.kind.buffers(cfg.momentum, matrix);
+                        let zeros = |keep: bool| {
+                            if keep {
+                                Tensor::zeros(p.shape())
+                            } else {
+                                Tensor::default()
+                            }
                         };
-                        let second = match cfg.kind {
-                            OptimizerKind::Sgd => Tensor::default(),
-                            _ => Tensor::zeros(p.shape()),
-                        };
-                        (first, second)
+                        (zeros(first), zeros(second))
                     })
                     .collect()
             })
@@ -188,6 +258,7 @@ impl Optimizer {
         Self {
             cfg,
             state,
+            matrices,
             steps: 0,
         }
     }
@@ -228,10 +299,11 @@ impl Optimizer {
     pub fn with_state(
         cfg: OptimizerConfig,
         params: &Params,
+        matrices: &[Vec<bool>],
         state: OptimizerState,
         steps: u64,
     ) -> Result<Self> {
-        let fresh = Self::new(cfg, params);
+        let fresh = Self::new(cfg, params, matrices);
         let fits = |have: &Tensor, want: &Tensor| {
             have.shape() == want.shape() || (want.is_empty() && have.is_empty())
         };
@@ -253,7 +325,12 @@ impl Optimizer {
                 }
             )));
         }
-        Ok(Self { cfg, state, steps })
+        Ok(Self {
+            cfg,
+            state,
+            matrices: fresh.matrices,
+            steps,
+        })
     }
 
     /// The state per layer and parameter: (momentum or first moment, second moment); empty
@@ -311,8 +388,20 @@ impl Optimizer {
         self.steps += 1;
         let t = self.steps as i32;
         let c = self.cfg;
-        for ((layer, lgrads), lstate) in params.iter_mut().zip(grads).zip(&mut self.state) {
-            for ((p, g), (s1, s2)) in layer.iter_mut().zip(lgrads).zip(lstate.iter_mut()) {
+        let adam = |lr: f32| AdamStep {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            decoupled: matches!(c.kind, OptimizerKind::Adamw | OptimizerKind::Muon),
+            bias_correction1: 1.0 - c.beta1.powi(t),
+            bias_correction2: 1.0 - c.beta2.powi(t),
+        };
+        let layers = params.iter_mut().zip(grads).zip(&mut self.state);
+        for (((layer, lgrads), lstate), marks) in layers.zip(&self.matrices) {
+            let each = layer.iter_mut().zip(lgrads).zip(lstate.iter_mut());
+            for (((p, g), (s1, s2)), &matrix) in each.zip(marks) {
                 match c.kind {
                     OptimizerKind::Sgd => {
                         let hp = SgdStep {
@@ -324,24 +413,95 @@ impl Optimizer {
                         let buf = if c.momentum != 0.0 { Some(s1) } else { None };
                         be.sgd_update(p, g, buf, hp)?;
                     }
-                    OptimizerKind::Adam | OptimizerKind::Adamw => {
-                        let hp = AdamStep {
+                    OptimizerKind::Muon if matrix => muon_step(be, p, g, s1, &c, lr)?,
+                    OptimizerKind::Adam | OptimizerKind::Adamw | OptimizerKind::Muon => {
+                        be.adam_update(p, g, s1, s2, adam(lr))?;
+                    }
+                    OptimizerKind::Lion => {
+                        let hp = LionStep {
                             lr,
                             beta1: c.beta1,
                             beta2: c.beta2,
-                            eps: c.eps,
                             weight_decay: c.weight_decay,
-                            decoupled: c.kind == OptimizerKind::Adamw,
-                            bias_correction1: 1.0 - c.beta1.powi(t),
-                            bias_correction2: 1.0 - c.beta2.powi(t),
                         };
-                        be.adam_update(p, g, s1, s2, hp)?;
+                        be.lion_update(p, g, s1, hp)?;
                     }
                 }
             }
         }
         Ok(())
     }
+}
+
+/// One Muon step of the hidden weight matrix `p` (gradient `g`, momentum `buf`): the momentum
+/// `buf = mu buf + g`; the direction `u = g + mu buf` (Nesterov) or `buf`; its orthogonalised
+/// form `O` ([`newton_schulz`]); decoupled weight decay; then `p -= lr s O` with `s`
+/// [`MUON_RMS_SCALE`] times the square root of the larger side.
+///
+/// # Errors
+/// Shape mismatches; kernel errors.
+fn muon_step(
+    be: &dyn Backend,
+    p: &mut Tensor,
+    g: &Tensor,
+    buf: &mut Tensor,
+    c: &OptimizerConfig,
+    lr: f32,
+) -> Result<()> {
+    be.scale(c.momentum, buf)?;
+    be.axpy(1.0, g, buf)?;
+    let mut u = Tensor::default();
+    if c.nesterov {
+        be.copy(g, &mut u)?;
+        be.axpy(c.momentum, buf, &mut u)?;
+    } else {
+        be.copy(buf, &mut u)?;
+    }
+    let o = newton_schulz(be, &u, NEWTON_SCHULZ_STEPS)?;
+    let side = p.rows().max(p.cols()) as f32;
+    if c.weight_decay != 0.0 {
+        be.scale(1.0 - lr * c.weight_decay, p)?;
+    }
+    be.axpy(-lr * MUON_RMS_SCALE * side.sqrt(), &o, p)?;
+    Ok(())
+}
+
+/// Muon's orthogonalisation of the matrix `g` (viewed as `rows x cols`): `g` divided by its
+/// Frobenius norm, then `steps` rounds of `X <- a X + (b A + c A^2) X`, `A = X X^T`
+/// ([`NEWTON_SCHULZ`]), on the wide orientation (a tall matrix is transposed first and back
+/// after, so `A` is the smaller Gram matrix). Each singular value `s` of the normalised
+/// matrix becomes `f(f(...f(s)))`, with `f(x) = a x + b x^3 + c x^5`, and the singular
+/// vectors are kept: the result approximates the orthogonal factor `U V^T` of `g = U S V^T`.
+///
+/// # Errors
+/// Kernel errors.
+pub fn newton_schulz(be: &dyn Backend, g: &Tensor, steps: usize) -> Result<Tensor> {
+    let (a, b, c) = NEWTON_SCHULZ;
+    let norm = be.sum_squares(g)?.sqrt() as f32;
+    let tall = g.rows() > g.cols();
+    let mut x = Tensor::default();
+    if tall {
+        be.transpose(g, &mut x)?;
+    } else {
+        be.copy(g, &mut x)?;
+    }
+    be.scale(1.0 / (norm + NEWTON_SCHULZ_EPS), &mut x)?;
+    let (mut gram, mut poly, mut y) = (Tensor::default(), Tensor::default(), Tensor::default());
+    for _ in 0..steps {
+        be.matmul(&x, Trans::No, &x, Trans::Yes, &mut gram, false)?;
+        be.matmul(&gram, Trans::No, &gram, Trans::No, &mut poly, false)?;
+        be.scale(c, &mut poly)?;
+        be.axpy(b, &gram, &mut poly)?;
+        be.matmul(&poly, Trans::No, &x, Trans::No, &mut y, false)?;
+        be.scale(a, &mut x)?;
+        be.axpy(1.0, &y, &mut x)?;
+    }
+    if !tall {
+        return Ok(x);
+    }
+    let mut out = Tensor::default();
+    be.transpose(&x, &mut out)?;
+    Ok(out)
 }
 
 /// Learning-rate schedules.

@@ -47,13 +47,15 @@ impl WorkerState {
     /// hold, and zeroed optimizer state.
     pub fn new(setup: &Setup<'_>, worker: WorkerId, init: &Params, opt: OptimizerConfig) -> Self {
         let plan = setup.plan;
+        let matrices = setup.model.hidden_matrices();
         let stages = plan
             .schedule
             .layout()
             .stages_of(worker)
             .map(|stage| {
-                let params: Params = init[plan.partition.range(stage as usize)].to_vec();
-                let opt = Optimizer::new(opt, &params);
+                let range = plan.partition.range(stage as usize);
+                let params: Params = init[range.clone()].to_vec();
+                let opt = Optimizer::new(opt, &params, &matrices[range]);
                 StageState { stage, params, opt }
             })
             .collect();

@@ -63,8 +63,12 @@ pub fn reference_train(
     opt: OptimizerConfig,
 ) -> Result<Vec<Params>> {
     let plan = setup.plan;
+    let matrices = setup.model.hidden_matrices();
     let opts = (0..plan.schedule.stages() as usize)
-        .map(|s| Optimizer::new(opt, &init[plan.partition.range(s)].to_vec()).placed(be))
+        .map(|s| {
+            let range = plan.partition.range(s);
+            Optimizer::new(opt, &init[range.clone()].to_vec(), &matrices[range]).placed(be)
+        })
         .collect::<Result<_>>()?;
     reference_train_from(be, setup, init, opts).map(|(params, _)| params)
 }

@@ -526,7 +526,11 @@ pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f6
         let carried = match opts.take() {
             Some(o) => o,
             None => (0..plan.schedule.stages() as usize)
-                .map(|s| Optimizer::new(cfg.optimizer, &params[plan.partition.range(s)].to_vec()))
+                .map(|s| {
+                    let range = plan.partition.range(s);
+                    let matrices = &run.model.hidden_matrices()[range.clone()];
+                    Optimizer::new(cfg.optimizer, &params[range].to_vec(), matrices)
+                })
                 .collect(),
         };
         let r = run.with_setup(&plan, data, (epoch, done), None, |setup| {
@@ -628,6 +632,7 @@ impl Start {
                 stage.opt = Optimizer::with_state(
                     cfg.optimizer,
                     &stage.params,
+                    &setup.model.hidden_matrices()[range.clone()],
                     opt[range].to_vec(),
                     first,
                 )?;

@@ -334,7 +334,15 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
             None
         };
         let optimizer = if drain.optimizer {
-            Some(gather_optimizer(self.ep, plan, mine, init, cfg, index)?)
+            let like = (init, self.run.model.hidden_matrices());
+            Some(gather_optimizer(
+                self.ep,
+                plan,
+                mine,
+                (like.0, &like.1),
+                cfg,
+                index,
+            )?)
         } else {
             None
         };
@@ -600,7 +608,10 @@ fn receive_start<T: Transport + ?Sized>(
             params.len()
         )));
     }
-    let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, &params).state().to_vec();
+    let matrices = run.model.hidden_matrices();
+    let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, &params, &matrices)
+        .state()
+        .to_vec();
     for s in layout.stages_of(rank) {
         for layer in plan.partition.range(s as usize) {
             let l = layer as u32;
@@ -886,16 +897,19 @@ fn gather_weights<T: Transport + ?Sized>(
 }
 
 /// The whole model's optimizer state and per-layer update counts after segment `index`,
-/// gathered like [`gather_weights`].
+/// gathered like [`gather_weights`]; `like` is the whole model's parameters and its hidden
+/// matrices ([`crate::model::Model::hidden_matrices`]), which shape the state.
 fn gather_optimizer<T: Transport + ?Sized>(
     ep: &mut T,
     plan: &RunPlan,
     own: &WorkerState,
-    like: &Params,
+    (like, matrices): (&Params, &[Vec<bool>]),
     cfg: &RunConfig,
     index: u32,
 ) -> Result<(OptimizerState, Vec<u64>)> {
-    let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, like).state().to_vec();
+    let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, like, matrices)
+        .state()
+        .to_vec();
     let mut steps = vec![0u64; like.len()];
     for st in first_replica_stages(plan, own) {
         let first = plan.partition.range(st.stage as usize).start;

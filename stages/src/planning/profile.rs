@@ -184,6 +184,7 @@ pub fn profile_model(
     let b = opts.microbatch_size;
     let params = place_params(be, model.init_params(opts.seed))?;
     let mut layers = Vec::with_capacity(model.len());
+    let matrices = model.hidden_matrices();
     for (i, p) in params.iter().enumerate() {
         let layer = model.layer(i);
         let kernel = |op: &'static str| {
@@ -260,7 +261,8 @@ pub fn profile_model(
             })?;
             let mut own = vec![p.clone()];
             let grads = vec![grads];
-            let mut opt = Optimizer::new(opts.optimizer, &own).placed(be)?;
+            let mine = std::slice::from_ref(&matrices[i]);
+            let mut opt = Optimizer::new(opts.optimizer, &own, mine).placed(be)?;
             let up = time_median(opts.warmup, opts.repeats, || {
                 seconds(be, || opt.step(be, &mut own, &grads, 1e-6))
             })?;
