@@ -181,11 +181,18 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
     let mut md = String::new();
     header(&mut md, results);
     let figures = write_plots(results, &cells, &plots)?;
-    main_table(&mut md, results, &cells);
-    remedies_table(&mut md, results, &cells);
-    delayed_table(&mut md, results, &cells);
-    delays_table(&mut md, results);
-    expectations(&mut md, results, &cells);
+    // A synchronous sweep (one stage) has no remedies, delays or expectations to show.
+    if results.config.stages.iter().all(|&k| k == 1) {
+        sweep_table(&mut md, results, &cells);
+    } else {
+        main_table(&mut md, results, &cells);
+        if !results.config.remedies.policies.is_empty() {
+            remedies_table(&mut md, results, &cells);
+        }
+        delayed_table(&mut md, results, &cells);
+        delays_table(&mut md, results);
+        expectations(&mut md, results, &cells);
+    }
     md.push_str("\n## Figures\n\nEach SVG has the CSV of the points it draws beside it.\n\n");
     for (file, caption) in &figures {
         let _ = writeln!(
@@ -304,6 +311,44 @@ fn table_row(md: &mut String, first: &[String], cells: &Cells<'_>, per_opt: &[&[
         cols.extend(cell_text(cells, runs));
     }
     let _ = writeln!(md, "| {} |", cols.join(" | "));
+}
+
+/// A synchronous sweep, one row per optimizer setting: its rate and decay, then the final
+/// figures (test loss is a language model's validation loss per token).
+fn sweep_table(md: &mut String, r: &StalenessResults, cells: &Cells<'_>) {
+    md.push_str(
+        "## Sequential runs per optimizer setting
+
+",
+    );
+    md.push_str(
+        "Mean ± sd over seeds.
+
+",
+    );
+    md.push_str(
+        "| optimizer | kind | lr | weight decay | test loss | test acc % | final train loss | updates to target | s to target |\n",
+    );
+    md.push_str("|---|---|---|---|---|---|---|---|---|\n");
+    for o in &r.config.optimizers {
+        let runs = cells.get(Family::Pipeline, "sequential", 1, &o.name, "none");
+        if runs.is_empty() {
+            continue;
+        }
+        let test = Spread::of(runs.iter().map(|x| x.final_test_loss()));
+        let [acc, loss, updates, seconds] = cell_text(cells, runs);
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.4} ± {:.4} | {acc} | {loss} | {updates} | {seconds} |",
+            o.name,
+            o.kind.name(),
+            o.lr,
+            o.weight_decay,
+            test.mean,
+            test.sd
+        );
+    }
+    md.push('\n');
 }
 
 fn main_table(md: &mut String, r: &StalenessResults, cells: &Cells<'_>) {
@@ -631,6 +676,24 @@ fn write_plots(
     let mut figures = Vec::new();
     let s = r.config.stages.iter().copied().max().unwrap_or(1);
     let w = r.config.target_window;
+    if s == 1 {
+        // A synchronous sweep (one stage, `sequential` only): one chart of every optimizer.
+        let series = optimizer_names(r)
+            .into_iter()
+            .map(|opt| Series {
+                points: curve(
+                    cells.get(Family::Pipeline, "sequential", 1, &opt, "none"),
+                    w,
+                ),
+                name: opt,
+            })
+            .collect();
+        let title = format!("Training loss, sequential (mean over seeds, {w}-update average)");
+        let caption = "Loss against update per optimizer, sequential".to_string();
+        let chart = LineChart::loss(title, series);
+        figures.push(figure(dir, "loss-sequential".into(), caption, &chart)?);
+        return Ok(figures);
+    }
     for opt in optimizer_names(r) {
         // Loss against update per policy at the most stages.
         let mut series = vec![Series {
