@@ -182,6 +182,7 @@ fn a_small_experiment_runs_saves_and_regenerates_its_report() {
         "## Delayed data-parallel SGD",
         "## Measured delay per stage at 2 stages",
         "weight stashing tracks synchronous training",
+        "## Optimizers under delay",
         "Written by hand.",
     ] {
         assert!(text.contains(want), "{want}");

@@ -8,6 +8,7 @@
 //! `pipe report staleness --from DIR` regenerates it from saved results alone.
 
 pub mod config;
+mod delay_gap;
 pub mod report;
 pub mod run;
 

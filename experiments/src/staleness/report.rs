@@ -192,6 +192,7 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
         delayed_table(&mut md, results, &cells);
         delays_table(&mut md, results);
         expectations(&mut md, results, &cells);
+        super::delay_gap::optimizers_under_delay(&mut md, results);
     }
     md.push_str("\n## Figures\n\nEach SVG has the CSV of the points it draws beside it.\n\n");
     for (file, caption) in &figures {
