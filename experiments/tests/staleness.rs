@@ -207,7 +207,27 @@ fn a_small_experiment_runs_saves_and_regenerates_its_report() {
     let before: Vec<_> = results.runs.iter().map(|r| mtime(&r.spec.id)).collect();
     let gone = &results.runs[1].spec.id;
     std::fs::remove_file(kept.join(format!("{gone}.json"))).unwrap();
+    // One record says it ran on another machine: it is kept, and the report says so.
+    let moved = &results.runs[0].spec.id;
+    let path = kept.join(format!("{moved}.json"));
+    let mut record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    record["machine"]["cpu"] = "Another CPU".into();
+    std::fs::write(&path, record.to_string()).unwrap();
+    let before = {
+        let mut b = before;
+        b[0] = mtime(moved);
+        b
+    };
     let resumed = run_experiment(&cfg, true, &dir, "pipe test", &mut |_, _, _| {}).unwrap();
+    assert_eq!(resumed.kept_elsewhere.len(), 1);
+    assert_eq!(&resumed.kept_elsewhere[0].0, moved);
+    let path = report::write_report(&resumed, &dir).unwrap();
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(
+        text.contains("kept from earlier sittings on other machines (Another CPU"),
+        "{text}"
+    );
     for (i, r) in resumed.runs.iter().enumerate() {
         assert_eq!(r.spec, results.runs[i].spec);
         assert_eq!(r.losses, results.runs[i].losses, "{}", r.spec.id);

@@ -40,6 +40,10 @@ pub struct StalenessResults {
     pub config: StalenessConfig,
     /// Every run, in the order run.
     pub runs: Vec<RunRecord>,
+    /// Runs kept from earlier sittings on other machines: their ids and the machine of each
+    /// (their wall times are that machine's).
+    #[serde(default)]
+    pub kept_elsewhere: Vec<(String, Machine)>,
 }
 
 /// Runs every run of `cfg` (its `--quick` reduction when `quick`), writing ledgers under
@@ -69,13 +73,20 @@ pub fn run_experiment(
         .map_or(0, |d| d.as_secs());
     let start = Instant::now();
     let mut runs = Vec::with_capacity(specs.len());
+    let here = Machine::this();
+    let mut kept_elsewhere = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
         let kept = out.join("runs").join(format!("{}.json", spec.id));
         let r = match kept_run(&kept, &cfg, spec) {
-            Some(r) => r,
+            Some((r, machine)) => {
+                if machine != here {
+                    kept_elsewhere.push((spec.id.clone(), machine));
+                }
+                r
+            }
             None => {
                 let r = run::run_one(&cfg, spec, &data, out)?;
-                keep_run(&kept, &cfg, &r)?;
+                keep_run(&kept, &cfg, &r, &here)?;
                 r
             }
         };
@@ -84,7 +95,8 @@ pub fn run_experiment(
     }
     Ok(StalenessResults {
         command: command.to_string(),
-        machine: Machine::this(),
+        machine: here,
+        kept_elsewhere,
         started_unix,
         wall_s: start.elapsed().as_secs_f64(),
         quick,
@@ -93,19 +105,28 @@ pub fn run_experiment(
     })
 }
 
-/// A finished run as kept between sittings: the configuration it ran under and its record.
+/// A finished run as kept between sittings: the configuration it ran under, the machine it
+/// ran on, and its record.
 #[derive(Serialize, Deserialize)]
 struct KeptRun {
     config: StalenessConfig,
+    /// Absent in records kept before machines were noted (taken as this one).
+    #[serde(default)]
+    machine: Option<Machine>,
     record: RunRecord,
 }
 
-/// The record kept at `path` for `spec`, if one is there and was made under `cfg` (anything
-/// else, unreadable files included, means the run is run again).
-fn kept_run(path: &Path, cfg: &StalenessConfig, spec: &config::RunSpec) -> Option<RunRecord> {
+/// The record kept at `path` for `spec` and the machine it ran on, if one is there and was
+/// made under `cfg` (anything else, unreadable files included, means the run is run again).
+fn kept_run(
+    path: &Path,
+    cfg: &StalenessConfig,
+    spec: &config::RunSpec,
+) -> Option<(RunRecord, Machine)> {
     let text = std::fs::read_to_string(path).ok()?;
     let kept: KeptRun = serde_json::from_str(&text).ok()?;
-    (kept.config == *cfg && kept.record.spec == *spec).then_some(kept.record)
+    let machine = kept.machine.unwrap_or_else(Machine::this);
+    (kept.config == *cfg && kept.record.spec == *spec).then_some((kept.record, machine))
 }
 
 /// Keeps `record` at `path` (written whole, then renamed into place, so that a sitting
@@ -113,13 +134,19 @@ fn kept_run(path: &Path, cfg: &StalenessConfig, spec: &config::RunSpec) -> Optio
 ///
 /// # Errors
 /// An unwritable directory.
-fn keep_run(path: &Path, cfg: &StalenessConfig, record: &RunRecord) -> Result<(), ExperimentError> {
+fn keep_run(
+    path: &Path,
+    cfg: &StalenessConfig,
+    record: &RunRecord,
+    machine: &Machine,
+) -> Result<(), ExperimentError> {
     let io = |e: String| ExperimentError::Config(format!("{}: {e}", path.display()));
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| io(e.to_string()))?;
     }
     let kept = KeptRun {
         config: cfg.clone(),
+        machine: Some(machine.clone()),
         record: record.clone(),
     };
     let text = serde_json::to_string(&kept).map_err(|e| io(e.to_string()))?;

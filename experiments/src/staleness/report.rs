@@ -237,6 +237,22 @@ fn header(md: &mut String, r: &StalenessResults) {
             ""
         }
     );
+    if !r.kept_elsewhere.is_empty() {
+        let mut machines: Vec<String> = r
+            .kept_elsewhere
+            .iter()
+            .map(|(_, m)| format!("{} ({} logical cores)", m.cpu, m.cores))
+            .collect();
+        machines.sort();
+        machines.dedup();
+        let _ = writeln!(
+            md,
+            "- {} runs were kept from earlier sittings on other machines ({}): their seconds are \
+             those machines', so time comparisons across sittings are rough.",
+            r.kept_elsewhere.len(),
+            machines.join(", ")
+        );
+    }
     let samples = |n: usize| {
         if n == 0 {
             "all".to_string()
