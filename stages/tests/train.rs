@@ -336,7 +336,7 @@ fn muon_steps_hidden_matrices_by_their_orthogonalised_momentum_and_the_rest_by_a
         "{bias:?}"
     );
     assert!(
-        (bias[1] - (-1.0 * (1.0 - lr * 0.1) + lr)).abs() < 1e-5,
+        (bias[1] - (-(1.0 - lr * 0.1) + lr)).abs() < 1e-5,
         "{bias:?}"
     );
 }
