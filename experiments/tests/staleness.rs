@@ -236,6 +236,24 @@ fn a_small_experiment_runs_saves_and_regenerates_its_report() {
         }
     }
     assert!(kept.join(format!("{gone}.json")).exists());
+    // Another optimizer's rate leaves a run's record good; its own reruns it.
+    let mut retuned = cfg.clone();
+    retuned.optimizers[1].lr *= 2.0;
+    let mut ran = Vec::new();
+    let again = run_experiment(&retuned, true, &dir, "pipe test", &mut |_, _, r| {
+        ran.push(r.spec.optimizer.clone())
+    })
+    .unwrap();
+    let second = &cfg.optimizers[1].name;
+    for (r, old) in again.runs.iter().zip(&resumed.runs) {
+        assert_eq!(
+            r.losses == old.losses,
+            &r.spec.optimizer != second,
+            "{}",
+            r.spec.id
+        );
+    }
+    assert_eq!(ran.len(), again.runs.len());
     // Another configuration runs everything again.
     let mut other = cfg.clone();
     other.target_window = 5;

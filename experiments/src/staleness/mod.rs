@@ -50,8 +50,8 @@ pub struct StalenessResults {
 /// `out`, and calls `progress` after each with its position, the count and its record.
 ///
 /// An experiment is resumable run by run: each finished run's record is kept in
-/// `out/runs/ID.json` with the configuration it ran under, and a run whose record is there
-/// under the same configuration is not run again. So a matrix too long for one sitting is
+/// `out/runs/ID.json` with the configuration it ran under (its own optimizer's entry alone),
+/// and a run whose record is there under the same configuration is not run again. So a matrix too long for one sitting is
 /// run in parts: stop it (Ctrl-C, or a machine's time limit) and give the same command again.
 /// `wall_s` then counts this sitting only; each run keeps its own time.
 ///
@@ -105,8 +105,22 @@ pub fn run_experiment(
     })
 }
 
-/// A finished run as kept between sittings: the configuration it ran under, the machine it
-/// ran on, and its record.
+/// What a run's result depends on: the configuration with its own optimizer alone (another
+/// optimizer's rate, or one added to the matrix, leaves its record good).
+fn run_basis(cfg: &StalenessConfig, spec: &config::RunSpec) -> StalenessConfig {
+    StalenessConfig {
+        optimizers: cfg
+            .optimizers
+            .iter()
+            .filter(|o| o.name == spec.optimizer)
+            .cloned()
+            .collect(),
+        ..cfg.clone()
+    }
+}
+
+/// A finished run as kept between sittings: what it ran under ([`run_basis`]), the machine
+/// it ran on, and its record.
 #[derive(Serialize, Deserialize)]
 struct KeptRun {
     config: StalenessConfig,
@@ -126,7 +140,9 @@ fn kept_run(
     let text = std::fs::read_to_string(path).ok()?;
     let kept: KeptRun = serde_json::from_str(&text).ok()?;
     let machine = kept.machine.unwrap_or_else(Machine::this);
-    (kept.config == *cfg && kept.record.spec == *spec).then_some((kept.record, machine))
+    // Records kept whole-configuration (before `run_basis`) still count when it is the same.
+    let basis = kept.config == run_basis(cfg, spec) || kept.config == *cfg;
+    (basis && kept.record.spec == *spec).then_some((kept.record, machine))
 }
 
 /// Keeps `record` at `path` (written whole, then renamed into place, so that a sitting
@@ -145,7 +161,7 @@ fn keep_run(
         std::fs::create_dir_all(dir).map_err(|e| io(e.to_string()))?;
     }
     let kept = KeptRun {
-        config: cfg.clone(),
+        config: run_basis(cfg, &record.spec),
         machine: Some(machine.clone()),
         record: record.clone(),
     };
