@@ -140,8 +140,8 @@ fn kept_run(
     let text = std::fs::read_to_string(path).ok()?;
     let kept: KeptRun = serde_json::from_str(&text).ok()?;
     let machine = kept.machine.unwrap_or_else(Machine::this);
-    // Records kept whole-configuration (before `run_basis`) still count when it is the same.
-    let basis = kept.config == run_basis(cfg, spec) || kept.config == *cfg;
+    // A record kept with the whole configuration (before `run_basis`) is read the same way.
+    let basis = run_basis(&kept.config, spec) == run_basis(cfg, spec);
     (basis && kept.record.spec == *spec).then_some((kept.record, machine))
 }
 
