@@ -105,8 +105,8 @@ fn config_file_and_flag_override() {
 fn bad_input_exits_2_with_one_line() {
     assert_bad_input(&["train", "--dataset", "cifar"], "unknown dataset 'cifar'");
     assert_bad_input(
-        &["train", "--optimizer", "lion"],
-        "unknown optimizer 'lion'",
+        &["train", "--optimizer", "lamb"],
+        "unknown optimizer 'lamb'",
     );
     assert_bad_input(&["train", "--epochs", "-1"], "--epochs");
     assert_bad_input(&["train", "--epochs", "0"], "epochs must be at least 1");
