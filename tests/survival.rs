@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::{done, ok, resumed_from};
+use common::{done, lost_then_rejoined, ok, resumed_from};
 
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
@@ -130,17 +130,7 @@ fn a_lost_replica_rejoins_at_the_next_drain_point() {
         ],
     );
     let text = ok(&out);
-    let lost = text
-        .lines()
-        .find(|l| l.starts_with("worker 3 (stage 1) lost:"))
-        .unwrap_or_else(|| panic!("no loss reported: {text}"));
-    let back = text
-        .lines()
-        .find(|l| l.starts_with("the lost replicas rejoin:"))
-        .unwrap_or_else(|| panic!("no rejoin reported: {text}"));
-    assert!(back.contains("replicas [2, 2]"), "{back}");
-    let (from, to) = (resumed_from(lost), resumed_from(back));
-    assert!(from < to, "{lost}\n{back}");
+    let (from, to) = lost_then_rejoined(&text, "worker 3 (stage 1) lost:");
     assert!(done(&text).starts_with("done: 120 steps"), "{text}");
     let calm = d.join("calm");
     ok(&train(&config, &calm, &["--replicas", "2"]));

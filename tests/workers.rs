@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{done, ok, resumed_from};
+use common::{done, lost_then_rejoined, ok, resumed_from};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -491,17 +491,7 @@ fn a_replacement_worker_rejoins_at_the_next_drain_point() {
         .args(["--transport", "quic", "--rejoin"])
         .args(["--fault-schedule", "3:exit@60"]));
     let text = ok(&out);
-    let lost = text
-        .lines()
-        .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 6"))
-        .unwrap_or_else(|| panic!("no loss reported: {text}"));
-    let back = text
-        .lines()
-        .find(|l| l.starts_with("the lost replicas rejoin:"))
-        .unwrap_or_else(|| panic!("no rejoin reported: {text}"));
-    assert!(back.contains("replicas [2, 2]"), "{back}");
-    let (from, to) = (resumed_from(lost), resumed_from(back));
-    assert!(from < to, "{lost}\n{back}");
+    let (from, to) = lost_then_rejoined(&text, "worker 3 (stage 1) lost: was killed by signal 6");
     assert!(done(&text).starts_with("done: 200 steps"), "{text}");
     let calm = d.join("calm");
     ok(&run(&mut flags(&calm, "2")));

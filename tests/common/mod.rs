@@ -56,3 +56,20 @@ pub fn resumed_from(line: &str) -> u64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no update in {line}"))
 }
+
+/// From a run's output: the update a lost replica's run went on from (the line starting with
+/// `lost`) and the update the replica rejoined at, checking that it rejoined later and on
+/// two replicas per stage.
+#[track_caller]
+pub fn lost_then_rejoined(text: &str, lost: &str) -> (u64, u64) {
+    let line = |prefix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no line starting '{prefix}': {text}"))
+    };
+    let (lost, back) = (line(lost), line("the lost replicas rejoin:"));
+    assert!(back.contains("replicas [2, 2]"), "{back}");
+    let (from, to) = (resumed_from(lost), resumed_from(back));
+    assert!(from < to, "{lost}\n{back}");
+    (from, to)
+}
