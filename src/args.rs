@@ -20,6 +20,58 @@ pub fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
 }
 
+/// A `--dataset` value: a dataset's name, and for a tokenized corpus (`tokens:DIR`) its
+/// directory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DatasetArg {
+    /// Which dataset.
+    pub kind: pipe_stages::config::DatasetKind,
+    /// The directory `tokens:DIR` names.
+    pub dir: Option<std::path::PathBuf>,
+}
+
+/// Parses `--dataset`: `mnist`, `synthetic`, `tinyshakespeare` or `tokens:DIR`.
+pub fn parse_dataset(s: &str) -> Result<DatasetArg, String> {
+    match s.split_once(':') {
+        Some((kind, dir)) if kind.eq_ignore_ascii_case("tokens") => {
+            if dir.is_empty() {
+                return Err("tokens:DIR needs the corpus directory after the colon".into());
+            }
+            Ok(DatasetArg {
+                kind: pipe_stages::config::DatasetKind::Tokens,
+                dir: Some(dir.into()),
+            })
+        }
+        _ => Ok(DatasetArg {
+            kind: s.parse()?,
+            dir: None,
+        }),
+    }
+}
+
+/// The dataset and data directory a command's `--dataset` and `--data-dir` give together.
+///
+/// # Errors
+/// Bad input when `tokens:DIR` and `--data-dir` both name a directory.
+pub fn dataset_and_dir(
+    dataset: Option<&DatasetArg>,
+    data_dir: Option<&std::path::Path>,
+) -> Result<(
+    Option<pipe_stages::config::DatasetKind>,
+    Option<std::path::PathBuf>,
+)> {
+    let dir_of_dataset = dataset.and_then(|d| d.dir.clone());
+    if dir_of_dataset.is_some() && data_dir.is_some() {
+        return Err(bad_input(
+            "--dataset tokens:DIR and --data-dir both name the data's directory; give one".into(),
+        ));
+    }
+    Ok((
+        dataset.map(|d| d.kind),
+        dir_of_dataset.or_else(|| data_dir.map(std::path::Path::to_path_buf)),
+    ))
+}
+
 /// Opens the backend a run names for its first worker, with `threads` compute threads
 /// (through [`pipe_stages::pipeline::open_backend`], which places every worker), turning a
 /// device this machine lacks into bad input.

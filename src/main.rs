@@ -49,7 +49,7 @@ use clap::{Parser, Subcommand};
 
 use crate::commands::{
     bench, cluster, doctor, eval, experiment, plan, profile, sample, schedule, simulate, sweep,
-    train, worker,
+    tokenize, train, worker,
 };
 use crate::output::bad_input;
 
@@ -84,6 +84,8 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Generate text from a language model's checkpoint.
     Sample(sample::SampleArgs),
+    /// Tokenize text files into shards that training streams from disk (--dataset tokens:DIR).
+    Tokenize(tokenize::TokenizeArgs),
     /// Run a research experiment and write its report.
     #[command(subcommand)]
     Experiment(experiment::ExperimentCommand),
@@ -184,6 +186,7 @@ fn run() -> Result<()> {
         Command::Worker(args) => worker::run(&args),
         Command::Eval(args) => eval::run(&args),
         Command::Sample(args) => sample::run(&args),
+        Command::Tokenize(args) => tokenize::run(&args),
         Command::Experiment(cmd) => experiment::run(&cmd),
         Command::Report(ReportCommand::Staleness(args)) => experiment::run_report(&args),
         Command::Report(ReportCommand::Bench(args)) => sweep::run_report(&args),

@@ -41,13 +41,22 @@ pub struct TrainArgs {
     /// Share a gpt-* model's token embedding (first stage) with its LM head (last stage).
     #[arg(long)]
     tie_embeddings: bool,
-    /// Dataset: mnist, synthetic or tinyshakespeare (the default for gpt-* models).
-    #[arg(long)]
-    dataset: Option<DatasetKind>,
+    /// Dataset: mnist, synthetic, tinyshakespeare (the default for gpt-* models), or
+    /// tokens:DIR, a corpus `pipe tokenize` wrote, streamed from disk.
+    #[arg(long, value_parser = crate::args::parse_dataset)]
+    dataset: Option<crate::args::DatasetArg>,
     /// Directory holding MNIST IDX files or tinyshakespeare.txt (default: the copies embedded
     /// in the binary).
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,
+    /// The validation part of a tokenized corpus: tail:FRACTION (the default, tail:0.1) or
+    /// shards:COUNT (its last shards).
+    #[arg(long, value_name = "HOLDOUT")]
+    holdout: Option<String>,
+    /// Most validation windows of a tokenized corpus evaluated after each epoch, chosen evenly
+    /// over its held-out part (default 2048).
+    #[arg(long, value_name = "N")]
+    eval_windows: Option<u64>,
     /// Passes over the training data.
     #[arg(long)]
     epochs: Option<u64>,
@@ -213,12 +222,19 @@ pub struct TrainArgs {
 
 impl TrainArgs {
     /// The flags as settings to merge over a config file's.
-    fn settings(&self) -> TrainSettings {
-        TrainSettings {
+    ///
+    /// # Errors
+    /// Bad input when `--dataset tokens:DIR` and `--data-dir` both name a directory.
+    fn settings(&self) -> Result<TrainSettings> {
+        let (dataset, data_dir) =
+            crate::args::dataset_and_dir(self.dataset.as_ref(), self.data_dir.as_deref())?;
+        Ok(TrainSettings {
             model: self.model.clone().map(ModelChoice::Preset),
             tie_embeddings: self.tie_embeddings.then_some(true),
-            dataset: self.dataset,
-            data_dir: self.data_dir.clone(),
+            dataset,
+            data_dir,
+            holdout: self.holdout.clone(),
+            eval_windows: self.eval_windows,
             epochs: self.epochs,
             steps: self.steps,
             microbatch_size: self.microbatch_size,
@@ -249,7 +265,7 @@ impl TrainArgs {
             allreduce_bucket_mb: self.allreduce_bucket_mb,
             allreduce_dtype: self.allreduce_dtype.clone(),
             ..TrainSettings::default()
-        }
+        })
     }
 }
 
@@ -264,7 +280,7 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
         let text = pipe_stages::limits::read_text_file(path, "config")?;
         settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
     }
-    settings.merge(args.settings());
+    settings.merge(args.settings()?);
     if let Some(path) = &args.plan {
         let source = path.display().to_string();
         let text = pipe_stages::limits::read_text_file(path, "plan")?;
@@ -524,8 +540,15 @@ impl Fan {
         if let Some(path) = &cfg.log_jsonl {
             rest.push(Box::new(JsonlLog::create(path)?));
         }
+        // A tokenized corpus's tokens are whatever its tokenizer made; Tiny Shakespeare's are
+        // characters.
+        let unit = if cfg.dataset == DatasetKind::Tokens {
+            "nats/token"
+        } else {
+            "nats/char"
+        };
         Ok(Fan {
-            first: Progress::new(std::io::stderr().is_terminal()),
+            first: Progress::new(std::io::stderr().is_terminal(), unit),
             rest,
         })
     }
@@ -552,14 +575,17 @@ struct Progress {
     tty: bool,
     /// The latest validation loss of a language model, shown while the next epoch runs.
     last_val: Option<f64>,
+    /// A language model's loss unit.
+    unit: &'static str,
 }
 
 impl Progress {
-    fn new(tty: bool) -> Self {
+    fn new(tty: bool, unit: &'static str) -> Self {
         Self {
             bar: None,
             tty,
             last_val: None,
+            unit,
         }
     }
 }
@@ -608,10 +634,11 @@ impl Observer for Progress {
             Some(tokens) => {
                 self.last_val = Some(e.test_loss);
                 outln!(
-                    "epoch {:>3}  train loss {}  val loss {:.4} nats/char  val acc {:6.2}%  {:>8.0} tokens/s  {:>7.1} s",
+                    "epoch {:>3}  train loss {}  val loss {:.4} {}  val acc {:6.2}%  {:>8.0} tokens/s  {:>7.1} s",
                     e.epoch,
                     train_loss,
                     e.test_loss,
+                    self.unit,
                     100.0 * e.test_accuracy,
                     tokens,
                     e.elapsed_s

@@ -7,9 +7,10 @@ use anyhow::Result;
 use clap::Args;
 use pipe_kernels::CpuBackend;
 use pipe_stages::checkpoint::{read, read_state};
-use pipe_stages::config::DatasetKind;
-use pipe_stages::data::{mnist, synthetic, tinyshakespeare};
+use pipe_stages::config::{DEFAULT_EVAL_WINDOWS, DatasetKind, RunConfig};
+use pipe_stages::data::{mnist, synthetic, tinyshakespeare, token_corpus};
 use pipe_stages::model::{Model, params_digest};
+use pipe_stages::shards::Holdout;
 use pipe_stages::train::evaluate;
 
 use crate::output::bad_input;
@@ -20,9 +21,10 @@ pub struct EvalArgs {
     /// A checkpoint's directory, or a checkpoint directory (its newest checkpoint).
     #[arg(long, value_name = "DIR")]
     checkpoint: PathBuf,
-    /// Dataset to evaluate on (default: the one the run trained on).
-    #[arg(long)]
-    dataset: Option<DatasetKind>,
+    /// Dataset to evaluate on (default: the one the run trained on): mnist, synthetic,
+    /// tinyshakespeare or tokens:DIR.
+    #[arg(long, value_parser = crate::args::parse_dataset)]
+    dataset: Option<crate::args::DatasetArg>,
     /// Directory holding MNIST IDX files (default: the copy embedded in the binary).
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,
@@ -40,13 +42,27 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let (dir, state) = read_state(&args.checkpoint)?;
     let model = Model::new(&state.model_spec)?;
     let (_, ckpt) = read(&dir, &model)?;
-    let dataset = args.dataset.unwrap_or(state.dataset);
+    let (dataset, data_dir) =
+        crate::args::dataset_and_dir(args.dataset.as_ref(), args.data_dir.as_deref())?;
+    let dataset = dataset.unwrap_or(state.dataset);
+    let context = model.input_shape().first().copied().unwrap_or(1);
     let data = match dataset {
-        DatasetKind::Mnist => mnist(args.data_dir.as_deref())?,
+        DatasetKind::Mnist => mnist(data_dir.as_deref())?,
         DatasetKind::Synthetic => synthetic(&state.synthetic, state.seed)?,
-        DatasetKind::TinyShakespeare => {
-            let context = model.input_shape().first().copied().unwrap_or(1);
-            tinyshakespeare(args.data_dir.as_deref(), context)?
+        DatasetKind::TinyShakespeare => tinyshakespeare(data_dir.as_deref(), context)?,
+        DatasetKind::Tokens => {
+            let dir = data_dir.ok_or_else(|| {
+                bad_input("a tokenized corpus needs its directory: --dataset tokens:DIR".into())
+            })?;
+            // The run's own holdout when the checkpoint records it.
+            let corpus = RunConfig::from_json(&state.settings, "state.json")
+                .ok()
+                .and_then(|c| c.corpus);
+            let (holdout, windows) = corpus
+                .map_or((Holdout::default(), DEFAULT_EVAL_WINDOWS), |c| {
+                    (c.holdout, c.eval_windows)
+                });
+            token_corpus(&dir, context, holdout, windows)?
         }
     };
     if data.vocab.is_some() && data.vocab != state.vocab {

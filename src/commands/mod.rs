@@ -13,5 +13,6 @@ pub mod sample;
 pub mod schedule;
 pub mod simulate;
 pub mod sweep;
+pub mod tokenize;
 pub mod train;
 pub mod worker;

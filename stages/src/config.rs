@@ -246,6 +246,8 @@ pub enum DatasetKind {
     /// `data_dir/tinyshakespeare.txt`).
     #[serde(rename = "tinyshakespeare")]
     TinyShakespeare,
+    /// A tokenized corpus in `data_dir` (`pipe tokenize`'s shards), streamed from disk.
+    Tokens,
 }
 
 impl std::str::FromStr for DatasetKind {
@@ -255,8 +257,9 @@ impl std::str::FromStr for DatasetKind {
             "mnist" => Ok(Self::Mnist),
             "synthetic" => Ok(Self::Synthetic),
             "tinyshakespeare" => Ok(Self::TinyShakespeare),
+            "tokens" => Ok(Self::Tokens),
             _ => Err(format!(
-                "unknown dataset '{s}' (mnist, synthetic, tinyshakespeare)"
+                "unknown dataset '{s}' (mnist, synthetic, tinyshakespeare, tokens:DIR)"
             )),
         }
     }
@@ -273,8 +276,13 @@ pub struct TrainSettings {
     pub tie_embeddings: Option<bool>,
     /// Dataset.
     pub dataset: Option<DatasetKind>,
-    /// Directory with MNIST IDX files instead of the embedded copy.
+    /// Directory with MNIST IDX files or `tinyshakespeare.txt` instead of the embedded copy,
+    /// or a tokenized corpus's directory.
     pub data_dir: Option<PathBuf>,
+    /// The validation part of a tokenized corpus: `tail:FRACTION` or `shards:COUNT`.
+    pub holdout: Option<String>,
+    /// Most validation windows of a tokenized corpus evaluated (thinned evenly).
+    pub eval_windows: Option<u64>,
     /// Synthetic dataset shape.
     pub synthetic: Option<SyntheticConfig>,
     /// Passes over the training set.
@@ -372,6 +380,7 @@ struct ChosenModel {
     spec: ModelSpec,
     vocab: Option<Vocab>,
     dataset: DatasetKind,
+    corpus: Option<CorpusSettings>,
     language: Option<crate::transformer::GptShape>,
 }
 
@@ -471,7 +480,8 @@ impl TrainSettings {
     pub fn merge(&mut self, other: TrainSettings) {
         let dst = self;
         let src = other;
-        merge_fields!(dst, src; model, tie_embeddings, dataset, data_dir, synthetic, epochs, steps,
+        merge_fields!(dst, src; model, tie_embeddings, dataset, data_dir, holdout, eval_windows,
+            synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, wire_dtype, sync_warmup, lr_scaling,
@@ -617,20 +627,27 @@ impl TrainSettings {
             DatasetKind::Mnist
         });
         let tie = self.tie_embeddings.unwrap_or(false);
+        let corpus = self.corpus_settings(dataset)?;
         let mut vocab = None;
         let (name, spec) = match (choice, language) {
             (ModelChoice::Preset(name), Some(shape)) => {
-                if dataset != DatasetKind::TinyShakespeare {
-                    return bad(format!(
-                        "model {name} is a language model; it trains on a text dataset \
-                         (tinyshakespeare), not {dataset:?}"
-                    ));
-                }
-                let text = crate::data::tinyshakespeare_text(self.data_dir.as_deref())?;
-                let v = crate::data::corpus_vocab(&text);
-                let spec = ModelSpec::gpt(shape, v.len(), tie);
-                vocab = Some(v);
-                (name, spec)
+                let vocab_size = match (&corpus, dataset) {
+                    (Some(c), _) => usize::try_from(c.vocab_size).unwrap_or(usize::MAX),
+                    (None, DatasetKind::TinyShakespeare) => {
+                        let text = crate::data::tinyshakespeare_text(self.data_dir.as_deref())?;
+                        let v = crate::data::corpus_vocab(&text);
+                        let n = v.len();
+                        vocab = Some(v);
+                        n
+                    }
+                    _ => {
+                        return bad(format!(
+                            "model {name} is a language model; it trains on text \
+                             (tinyshakespeare, or a tokenized corpus: tokens:DIR), not {dataset:?}"
+                        ));
+                    }
+                };
+                (name, ModelSpec::gpt(shape, vocab_size, tie))
             }
             (ModelChoice::Preset(name), None) => {
                 let spec = ModelSpec::preset(&name)?;
@@ -655,8 +672,51 @@ impl TrainSettings {
             spec,
             vocab,
             dataset,
+            corpus,
             language,
         })
+    }
+
+    /// The corpus settings of a run on a tokenized corpus (`None` for other data): its
+    /// manifest read for the vocabulary size and fingerprint, the holdout and evaluation
+    /// budget checked.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for a corpus without its directory, or corpus settings given to
+    /// other data; the corpus's errors reading its manifest.
+    fn corpus_settings(&self, dataset: DatasetKind) -> Result<Option<CorpusSettings>> {
+        if dataset != DatasetKind::Tokens {
+            if self.holdout.is_some() || self.eval_windows.is_some() {
+                return Err(StageError::Config(
+                    "--holdout and --eval-windows apply to a tokenized corpus (--dataset \
+                     tokens:DIR)"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        }
+        let dir = self.data_dir.as_deref().ok_or_else(|| {
+            StageError::Config(
+                "a tokenized corpus needs its directory: --dataset tokens:DIR (or data_dir)".into(),
+            )
+        })?;
+        let manifest = crate::shards::read_manifest(dir)?;
+        let holdout = match &self.holdout {
+            Some(h) => h.parse().map_err(StageError::Config)?,
+            None => crate::shards::Holdout::default(),
+        };
+        let eval_windows = self.eval_windows.unwrap_or(DEFAULT_EVAL_WINDOWS);
+        if eval_windows == 0 {
+            return Err(StageError::Config(
+                "--eval-windows must be at least 1".into(),
+            ));
+        }
+        Ok(Some(CorpusSettings {
+            fingerprint: manifest.fingerprint(),
+            vocab_size: manifest.tokenizer.vocab_size,
+            holdout,
+            eval_windows,
+        }))
     }
 
     /// The policy the run executes: `--schedule`, else for a run with no pipeline setting
@@ -681,6 +741,7 @@ impl TrainSettings {
     fn epochs(&self, dataset: DatasetKind, lm: Option<LanguageDefaults>) -> Result<u64> {
         use crate::limits::{MAX_EPOCHS, MAX_STEPS, check_count};
         let epochs = self.epochs.unwrap_or(match (dataset, lm) {
+            (DatasetKind::Tokens, _) => 1,
             (_, Some(d)) => d.epochs,
             (DatasetKind::Mnist, None) => 6,
             _ => 10,
@@ -721,6 +782,7 @@ impl TrainSettings {
             spec: model_spec,
             vocab,
             dataset,
+            corpus,
             language,
         } = self.choose_model()?;
         let model = Model::new(&model_spec)?;
@@ -819,6 +881,7 @@ impl TrainSettings {
             vocab,
             dataset,
             data_dir: self.data_dir,
+            corpus,
             synthetic,
             epochs,
             steps: self.steps,
@@ -848,6 +911,25 @@ impl TrainSettings {
     }
 }
 
+/// Validation windows of a tokenized corpus evaluated unless `--eval-windows` says otherwise:
+/// enough for a loss to three decimals, few enough that evaluating is not a second run.
+pub const DEFAULT_EVAL_WINDOWS: u64 = 2048;
+
+/// How a run reads a tokenized corpus.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CorpusSettings {
+    /// The manifest's fingerprint ([`crate::shards::Manifest::fingerprint`]): a checkpoint
+    /// resumes only on the corpus it was written from.
+    pub fingerprint: String,
+    /// Its tokenizer's vocabulary size.
+    pub vocab_size: u64,
+    /// Which part validates.
+    pub holdout: crate::shards::Holdout,
+    /// Most validation windows evaluated.
+    pub eval_windows: u64,
+}
+
 /// A validated run configuration: every choice typed (policy, partition, per-stage replica
 /// counts, backend, transport), built once by [`TrainSettings::resolve`]. It serializes (JSON,
 /// [`RunConfig::to_json`]) so that a launcher hands its worker processes the run it resolved
@@ -864,8 +946,10 @@ pub struct RunConfig {
     pub vocab: Option<Vocab>,
     /// Dataset.
     pub dataset: DatasetKind,
-    /// MNIST directory (embedded copy when absent).
+    /// MNIST directory (embedded copy when absent), or the tokenized corpus's.
     pub data_dir: Option<PathBuf>,
+    /// A tokenized corpus's fingerprint, holdout and evaluation budget.
+    pub corpus: Option<CorpusSettings>,
     /// Synthetic dataset shape.
     pub synthetic: SyntheticConfig,
     /// Passes over the training set.

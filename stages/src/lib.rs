@@ -44,7 +44,10 @@ pub mod planning;
 
 // Each layer's modules by their short paths, so that `crate::optim` and
 // `pipe_stages::checkpoint` name the same module as `model::optim` and `model::checkpoint`.
-pub use model::{checkpoint, data, layer, layers, loss, optim, rng, sample, transformer};
+pub use model::{
+    checkpoint, data, layer, layers, loss, optim, rng, sample, shards, tokenize, tokenizer,
+    transformer,
+};
 pub use pipeline::delayed;
 pub use planning::{partition, profile};
 

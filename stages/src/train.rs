@@ -162,6 +162,26 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
             let context = model.input_shape().first().copied().unwrap_or(1);
             crate::data::tinyshakespeare(cfg.data_dir.as_deref(), context)?
         }
+        DatasetKind::Tokens => {
+            let (Some(dir), Some(corpus)) = (cfg.data_dir.as_deref(), &cfg.corpus) else {
+                return Err(StageError::Config(
+                    "a tokenized corpus needs its directory: --dataset tokens:DIR".into(),
+                ));
+            };
+            let context = model.input_shape().first().copied().unwrap_or(1);
+            let data =
+                crate::data::token_corpus(dir, context, corpus.holdout, corpus.eval_windows)?;
+            let found = data.train.corpus_fingerprint();
+            if found.as_deref() != Some(corpus.fingerprint.as_str()) {
+                return Err(StageError::Data {
+                    source_name: dir.display().to_string(),
+                    reason: "the corpus changed since the run was configured (its manifest's \
+                             fingerprint differs)"
+                        .into(),
+                });
+            }
+            data
+        }
     };
     if data.vocab != cfg.vocab && cfg.vocab.is_some() {
         return Err(StageError::Data {
@@ -254,7 +274,7 @@ pub fn evaluate(
         .max(MIN_EVAL_SAMPLES)
         .min(batch.max(1));
     for chunk in order.chunks(samples) {
-        let (x, y) = data.gather(chunk);
+        let (x, y) = data.gather(chunk)?;
         let (x, y) = (be.place(x)?, be.place_ids(y)?);
         let (logits, _) = model.forward_range(be, 0..model.len(), params, x, false, 0, 0)?;
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, 0.0, None)?;

@@ -96,7 +96,7 @@ fn plain_loop(
         let batches = (0..M as usize)
             .map(|i| {
                 let at = (k as usize * M as usize + i) * MB;
-                source.data.gather(&source.order[at..at + MB])
+                source.data.gather(&source.order[at..at + MB]).unwrap()
             })
             .collect();
         let mut st = StepState {
@@ -300,7 +300,7 @@ fn one_sgd_step_of_the_reference_trainer_is_the_handwritten_update() {
         .collect();
     let (inputs, classes) = (784, 10);
     let samples = M as usize * MB;
-    let (x, y) = src.data.gather(&src.order[..samples]);
+    let (x, y) = src.data.gather(&src.order[..samples]).unwrap();
     let (x, y) = (x.host().unwrap(), y.host().unwrap());
     let (mut gw, mut gb) = (vec![0.0f64; inputs * classes], vec![0.0f64; classes]);
     for i in 0..samples {

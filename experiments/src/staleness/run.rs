@@ -172,9 +172,7 @@ pub(crate) fn truncate(ds: &mut pipe_stages::data::Dataset, n: usize) {
     if n == 0 || n >= ds.len() {
         return;
     }
-    let per_sample: usize = ds.sample_size();
-    ds.features.truncate(n * per_sample);
-    ds.labels.truncate(n * ds.targets.max(1));
+    ds.truncate(n);
 }
 
 /// The `pipe train` configuration of one run.

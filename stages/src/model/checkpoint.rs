@@ -84,6 +84,10 @@ pub struct RunState {
     /// with).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocab: Option<crate::data::Vocab>,
+    /// The fingerprint of the tokenized corpus it trained on, whose windows the data cursor
+    /// counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub corpus: Option<String>,
     /// Its shape, for the synthetic dataset (whose samples the seed decides).
     pub synthetic: SyntheticConfig,
     /// The partition the run used (the weights do not depend on it).
@@ -111,6 +115,7 @@ impl RunState {
             model_spec: cfg.model.clone(),
             dataset: cfg.dataset,
             vocab: cfg.vocab.clone(),
+            corpus: cfg.corpus.as_ref().map(|c| c.fingerprint.clone()),
             synthetic: cfg.synthetic.clone(),
             partition: String::new(),
             policy: if cfg.pipelined {
@@ -601,6 +606,7 @@ mod tests {
                 model_spec: model_spec(),
                 dataset: DatasetKind::Synthetic,
                 vocab: None,
+                corpus: None,
                 synthetic: SyntheticConfig::default(),
                 partition: "0-1,2-3".into(),
                 policy: "pipedream".into(),

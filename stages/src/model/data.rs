@@ -152,17 +152,29 @@ pub fn read_idx(path: &Path) -> Result<Idx> {
     parse_idx(&bytes, &name)
 }
 
-/// An in-memory classification dataset.
+/// Where a dataset's samples are.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Samples {
+    /// In memory: features sample-major, and `targets` labels per sample.
+    Memory {
+        /// Features, sample-major.
+        features: Vec<f32>,
+        /// Labels in `0..classes`.
+        labels: Vec<u32>,
+    },
+    /// Windows of a tokenized corpus, read from its memory-mapped shards as they are needed.
+    Tokens(crate::shards::TokenWindows),
+}
+
+/// A dataset of classification samples or next-token windows.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dataset {
     /// Name for messages and logs.
     pub name: String,
     /// Per-sample feature shape.
     pub feature_shape: Vec<usize>,
-    /// Features, sample-major.
-    pub features: Vec<f32>,
-    /// Labels in `0..classes`.
-    pub labels: Vec<u32>,
+    /// The samples.
+    pub samples: Samples,
     /// Number of classes (the vocabulary size of a language-modelling set).
     pub classes: usize,
     /// Targets per sample: 1 for classification, the tokens of a window for next-token
@@ -173,12 +185,15 @@ pub struct Dataset {
 impl Dataset {
     /// Number of samples.
     pub fn len(&self) -> usize {
-        self.labels.len() / self.targets.max(1)
+        match &self.samples {
+            Samples::Memory { labels, .. } => labels.len() / self.targets.max(1),
+            Samples::Tokens(w) => usize::try_from(w.len()).unwrap_or(usize::MAX),
+        }
     }
 
     /// True when the dataset is empty.
     pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
+        self.len() == 0
     }
 
     /// Features per sample.
@@ -186,23 +201,70 @@ impl Dataset {
         self.feature_shape.iter().product()
     }
 
+    /// Keeps the first `n` samples.
+    pub fn truncate(&mut self, n: usize) {
+        let (d, k) = (self.sample_size(), self.targets.max(1));
+        match &mut self.samples {
+            Samples::Memory { features, labels } => {
+                features.truncate(n * d);
+                labels.truncate(n * k);
+            }
+            Samples::Tokens(w) => w.truncate(n as u64),
+        }
+    }
+
     /// Gathers the samples `indices` into a batch tensor `[len, feature_shape...]` and a label
-    /// tensor `[len]`, both in host memory.
-    pub fn gather(&self, indices: &[u32]) -> (Tensor, Tensor<u32>) {
+    /// tensor (`targets` per sample), both in host memory.
+    ///
+    /// # Errors
+    /// [`StageError::Data`] for an index past the end, or a token id outside a corpus's
+    /// vocabulary (naming its shard and offset).
+    pub fn gather(&self, indices: &[u32]) -> Result<(Tensor, Tensor<u32>)> {
         let d = self.sample_size();
-        let mut x = Vec::with_capacity(indices.len() * d);
         let k = self.targets.max(1);
+        let mut x = Vec::with_capacity(indices.len() * d);
         let mut y = Vec::with_capacity(indices.len() * k);
-        for &i in indices {
-            let i = i as usize;
-            x.extend_from_slice(&self.features[i * d..(i + 1) * d]);
-            y.extend_from_slice(&self.labels[i * k..(i + 1) * k]);
+        let past = |i: u32| {
+            data_err(
+                &self.name,
+                format!("sample {i} is past its {} samples", self.len()),
+            )
+        };
+        match &self.samples {
+            Samples::Memory { features, labels } => {
+                for &i in indices {
+                    let i = i as usize;
+                    x.extend_from_slice(
+                        features
+                            .get(i * d..(i + 1) * d)
+                            .ok_or_else(|| past(i as u32))?,
+                    );
+                    y.extend_from_slice(&labels[i * k..(i + 1) * k]);
+                }
+            }
+            Samples::Tokens(w) => {
+                let mut ids = Vec::with_capacity(w.context() + 1);
+                for &i in indices {
+                    if u64::from(i) >= w.len() {
+                        return Err(past(i));
+                    }
+                    w.gather_into(u64::from(i), &mut x, &mut y, &mut ids)?;
+                }
+            }
         }
         let mut shape = vec![indices.len()];
         shape.extend_from_slice(&self.feature_shape);
-        let t = Tensor::from_vec(&shape, x).unwrap_or_default();
         let n = y.len();
-        (t, Tensor::from_vec(&[n], y).unwrap_or_default())
+        Ok((Tensor::from_vec(&shape, x)?, Tensor::from_vec(&[n], y)?))
+    }
+
+    /// The fingerprint of the tokenized corpus the samples are read from (`None` for data in
+    /// memory).
+    pub fn corpus_fingerprint(&self) -> Option<String> {
+        match &self.samples {
+            Samples::Memory { .. } => None,
+            Samples::Tokens(w) => Some(w.corpus().manifest().fingerprint()),
+        }
     }
 
     /// The order of samples in epoch `epoch`: a seeded permutation, independent per epoch.
@@ -309,8 +371,10 @@ fn windows(ids: &[u32], context: usize, vocab: usize, name: &str) -> Result<Data
     Ok(Dataset {
         name: name.to_string(),
         feature_shape: vec![context],
-        features: ids[..used].iter().map(|&t| t as f32).collect(),
-        labels: ids[1..=used].to_vec(),
+        samples: Samples::Memory {
+            features: ids[..used].iter().map(|&t| t as f32).collect(),
+            labels: ids[1..=used].to_vec(),
+        },
         classes: vocab,
         targets: context,
     })
@@ -430,10 +494,41 @@ fn mnist_pair(images: Idx, labels: Idx, name: &str) -> Result<Dataset> {
     Ok(Dataset {
         name: name.to_string(),
         feature_shape: images.dims[1..].to_vec(),
-        features,
-        labels: labels.data.iter().map(|&l| u32::from(l)).collect(),
+        samples: Samples::Memory {
+            features,
+            labels: labels.data.iter().map(|&l| u32::from(l)).collect(),
+        },
         classes: 10,
         targets: 1,
+    })
+}
+
+/// A tokenized corpus ([`crate::shards`]) as next-token windows of `context` ids: its
+/// `holdout` part validates, thinned evenly to at most `max_eval` windows.
+///
+/// # Errors
+/// As [`crate::shards::token_splits`].
+pub fn token_corpus(
+    dir: &Path,
+    context: usize,
+    holdout: crate::shards::Holdout,
+    max_eval: u64,
+) -> Result<Splits> {
+    let (train, eval) = crate::shards::token_splits(dir, context, holdout, max_eval)?;
+    let vocab =
+        usize::try_from(train.corpus().manifest().tokenizer.vocab_size).unwrap_or(usize::MAX);
+    let name = dir.display().to_string();
+    let dataset = |w, part: &str| Dataset {
+        name: format!("{name}-{part}"),
+        feature_shape: vec![context],
+        samples: Samples::Tokens(w),
+        classes: vocab,
+        targets: context,
+    };
+    Ok(Splits {
+        train: dataset(train, "train"),
+        test: dataset(eval, "val"),
+        vocab: None,
     })
 }
 
@@ -587,8 +682,7 @@ pub fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Result<Splits> {
         Dataset {
             name: name.to_string(),
             feature_shape: vec![d],
-            features,
-            labels,
+            samples: Samples::Memory { features, labels },
             classes: c,
             targets: 1,
         }

@@ -23,6 +23,9 @@ pub mod loss;
 pub mod optim;
 pub mod rng;
 pub mod sample;
+pub mod shards;
+pub mod tokenize;
+pub mod tokenizer;
 pub mod transformer;
 
 use pipe_kernels::{Backend, Tensor};

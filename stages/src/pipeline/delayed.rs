@@ -333,7 +333,7 @@ fn gradients(
     let n = model.len();
     let (mut loss, mut rows) = (0.0f64, 0usize);
     for (i, mb) in batch.samples.chunks_exact(batch.size).enumerate() {
-        let (x, y) = data.train.gather(mb);
+        let (x, y) = data.train.gather(mb)?;
         let (x, y): (Tensor, Tensor<u32>) = (be.place(x)?, be.place_ids(y)?);
         let id = batch.first_mb + i as u64;
         let (logits, saved) = model.forward_range(be, 0..n, params, x, true, seed, id)?;

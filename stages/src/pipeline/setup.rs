@@ -54,11 +54,11 @@ impl MicrobatchSource for OrderedSource<'_> {
     }
 
     fn inputs(&self, mb: u32) -> Result<Tensor> {
-        Ok(self.data.gather(self.slice(mb)?).0)
+        Ok(self.data.gather(self.slice(mb)?)?.0)
     }
 
     fn labels(&self, mb: u32) -> Result<Tensor<u32>> {
-        Ok(self.data.gather(self.slice(mb)?).1)
+        Ok(self.data.gather(self.slice(mb)?)?.1)
     }
 }
 

@@ -567,6 +567,13 @@ impl Start {
                 done: 0,
             });
         };
+        let corpus = run.cfg.corpus.as_ref().map(|c| &c.fingerprint);
+        if c.state.corpus.as_ref() != corpus {
+            return Err(StageError::Checkpoint(
+                "was written by a run on another corpus: its data cursor does not apply here"
+                    .into(),
+            ));
+        }
         // The checkpoint's data position in this run's updates (its layout may differ).
         let per_update = run.minibatch * run.cfg.microbatch_size as u64;
         let at = c.state.samples_in_epoch;

@@ -1,0 +1,316 @@
+//! Tokenizers: text to token ids and back, for corpora tokenized once into shards
+//! ([`crate::shards`]) and for sampling from the models trained on them.
+//!
+//! Three kinds, one type ([`TextTokenizer`]), so the shard writer, the manifest and `pipe
+//! sample` never ask which kind they hold:
+//! - `bytes`: each UTF-8 byte is a token (256 ids); needs no vocabulary and loses nothing.
+//! - `chars`: each distinct character of the corpus is a token, ids in character order (the
+//!   vocabulary Tiny Shakespeare's character models use, [`crate::data::Vocab`]).
+//! - a Hugging Face `tokenizer.json` (GPT-2's byte-level BPE, or any other), through the
+//!   `tokenizers` crate, the library the Python package wraps, so ids agree with the Python
+//!   tokenizer's. It is used without its special-token post-processing: documents are joined by
+//!   the end-of-text token when the vocabulary has one ([`TextTokenizer::document_end`]).
+//!
+//! A tokenizer's **fingerprint** is the SHA-256 of what defines it (the kind and, for `chars`,
+//! the characters; for a `tokenizer.json`, the file's bytes). Shards record it, so a corpus
+//! tokenized by one tokenizer is never read as if another had made it.
+
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+use crate::data::Vocab;
+use crate::error::{Result, StageError};
+
+/// Largest `tokenizer.json` read (GPT-2's is 1.4 MB; the largest common ones are near 20 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 64 << 20;
+
+/// The end-of-text tokens looked for, in order, to separate documents.
+const DOCUMENT_END_TOKENS: [&str; 3] = ["<|endoftext|>", "</s>", "<eos>"];
+
+fn tokenizer_err(name: &str, reason: impl Into<String>) -> StageError {
+    StageError::Data {
+        source_name: name.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Which tokenizer a user asked for (`--tokenizer bytes|chars|PATH`), before it is built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizerChoice {
+    /// One token per byte.
+    Bytes,
+    /// One token per distinct character of the corpus.
+    Chars,
+    /// A Hugging Face `tokenizer.json`.
+    File(std::path::PathBuf),
+}
+
+impl std::str::FromStr for TokenizerChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "" => Err("empty tokenizer: give bytes, chars or a tokenizer.json path".into()),
+            "bytes" => Ok(Self::Bytes),
+            "chars" => Ok(Self::Chars),
+            path => Ok(Self::File(path.into())),
+        }
+    }
+}
+
+/// What a tokenizer is, as the shard manifest records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// One token per byte.
+    Bytes,
+    /// One token per character of a fixed vocabulary.
+    Chars,
+    /// A Hugging Face `tokenizer.json`.
+    Json,
+}
+
+#[derive(Clone, Debug)]
+enum Inner {
+    Bytes,
+    Chars(Vocab),
+    /// The tokenizer and the bytes of the `tokenizer.json` it was read from (saved as they
+    /// are, so the fingerprint of a saved copy is the original's).
+    Json(Box<tokenizers::Tokenizer>, std::sync::Arc<[u8]>),
+}
+
+/// A built tokenizer: encodes text to ids and decodes ids to text.
+#[derive(Clone, Debug)]
+pub struct TextTokenizer {
+    inner: Inner,
+    fingerprint: String,
+    vocab_size: usize,
+    document_end: Option<u32>,
+}
+
+fn sha256_hex(parts: &[&[u8]]) -> String {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update(p);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl TextTokenizer {
+    /// The byte tokenizer: ids `0..256`, no document separator (every byte is text).
+    pub fn bytes() -> Self {
+        Self {
+            inner: Inner::Bytes,
+            fingerprint: sha256_hex(&[b"bytes"]),
+            vocab_size: 256,
+            document_end: None,
+        }
+    }
+
+    /// The character tokenizer of `vocab`.
+    ///
+    /// # Errors
+    /// [`StageError::Data`] for an empty vocabulary.
+    pub fn chars(vocab: Vocab) -> Result<Self> {
+        if vocab.is_empty() {
+            return Err(tokenizer_err("chars", "the corpus has no characters"));
+        }
+        let text: String = vocab.chars.iter().collect();
+        Ok(Self {
+            fingerprint: sha256_hex(&[b"chars\0", text.as_bytes()]),
+            vocab_size: vocab.len(),
+            inner: Inner::Chars(vocab),
+            document_end: None,
+        })
+    }
+
+    /// A Hugging Face tokenizer from the bytes of its `tokenizer.json`; `name` is for
+    /// messages.
+    ///
+    /// # Errors
+    /// [`StageError::Data`] when the bytes are not a tokenizer the `tokenizers` library reads,
+    /// or its vocabulary is empty or wider than `u32` ids.
+    pub fn from_json(bytes: &[u8], name: &str) -> Result<Self> {
+        let tk = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| tokenizer_err(name, format!("not a tokenizer.json: {e}")))?;
+        let vocab_size = tk.get_vocab_size(true);
+        if vocab_size == 0 || vocab_size > u32::MAX as usize {
+            return Err(tokenizer_err(
+                name,
+                format!("vocabulary of {vocab_size} tokens (needs 1 to 2^32-1)"),
+            ));
+        }
+        let document_end = DOCUMENT_END_TOKENS.iter().find_map(|t| tk.token_to_id(t));
+        Ok(Self {
+            inner: Inner::Json(Box::new(tk), bytes.into()),
+            fingerprint: sha256_hex(&[b"json\0", bytes]),
+            vocab_size,
+            document_end,
+        })
+    }
+
+    /// A Hugging Face tokenizer read from `path` (a `tokenizer.json`).
+    ///
+    /// # Errors
+    /// As [`crate::limits::read_file`] and [`TextTokenizer::from_json`].
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let bytes = crate::limits::read_file(path, MAX_TOKENIZER_BYTES)?;
+        Self::from_json(&bytes, &path.display().to_string())
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> TokenizerKind {
+        match self.inner {
+            Inner::Bytes => TokenizerKind::Bytes,
+            Inner::Chars(_) => TokenizerKind::Chars,
+            Inner::Json(..) => TokenizerKind::Json,
+        }
+    }
+
+    /// The SHA-256 of what defines it, in hex.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Ids run `0..vocab_size()`.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The id that ends each document in a tokenized corpus, when the tokenizer has one.
+    pub fn document_end(&self) -> Option<u32> {
+        self.document_end
+    }
+
+    /// Whether text may be cut anywhere (between characters) and tokenized in pieces with
+    /// the ids of tokenizing it whole: true for `bytes` and `chars`, which never join
+    /// characters; a `tokenizer.json` is cut only at [`is_safe_cut`] points.
+    pub fn cuts_anywhere(&self) -> bool {
+        !matches!(self.inner, Inner::Json(..))
+    }
+
+    /// The character vocabulary of a `chars` tokenizer.
+    pub fn vocab(&self) -> Option<&Vocab> {
+        match &self.inner {
+            Inner::Chars(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The ids of `text`; `name` (a file and offset) is for messages.
+    ///
+    /// # Errors
+    /// [`StageError::Data`] for a character a `chars` vocabulary lacks, or the library's
+    /// failure.
+    pub fn encode(&self, text: &str, name: &str) -> Result<Vec<u32>> {
+        match &self.inner {
+            Inner::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            Inner::Chars(v) => v.encode(text, name),
+            Inner::Json(tk, _) => tk
+                .encode_fast(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| tokenizer_err(name, format!("cannot tokenize: {e}"))),
+        }
+    }
+
+    /// The text of `ids`: bytes that are not UTF-8 become U+FFFD, and so do ids outside a
+    /// character vocabulary; a byte id past 255 reads as `?` and a `tokenizer.json` id past
+    /// the vocabulary as its last token (a model's output never holds either).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match &self.inner {
+            Inner::Bytes => {
+                let bytes: Vec<u8> = ids
+                    .iter()
+                    .map(|&i| u8::try_from(i).unwrap_or(b'?'))
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            Inner::Chars(v) => v.decode(ids),
+            Inner::Json(tk, _) => {
+                let known: Vec<u32> = ids
+                    .iter()
+                    .map(|&i| i.min(self.vocab_size as u32 - 1))
+                    .collect();
+                tk.decode(&known, false)
+                    .unwrap_or_else(|_| "\u{fffd}".into())
+            }
+        }
+    }
+
+    /// Writes what rebuilds it into `dir`: `tokenizer.json` for a Hugging Face tokenizer,
+    /// `vocab.json` (the characters) for `chars`, nothing for `bytes`. Returns the file name.
+    ///
+    /// # Errors
+    /// [`StageError::Data`] when the file cannot be written.
+    pub fn save(&self, dir: &Path) -> Result<Option<String>> {
+        let (file, bytes) = match &self.inner {
+            Inner::Bytes => return Ok(None),
+            Inner::Chars(v) => (
+                "vocab.json",
+                serde_json::to_vec(v).map_err(|e| tokenizer_err("vocab.json", e.to_string()))?,
+            ),
+            Inner::Json(_, source) => ("tokenizer.json", source.to_vec()),
+        };
+        let path = dir.join(file);
+        std::fs::write(&path, bytes).map_err(|e| {
+            tokenizer_err(&path.display().to_string(), format!("cannot write: {e}"))
+        })?;
+        Ok(Some(file.to_string()))
+    }
+
+    /// Rebuilds the tokenizer a manifest names from `dir` (see [`TextTokenizer::save`]).
+    ///
+    /// # Errors
+    /// [`StageError::Data`] for a missing or unreadable file.
+    pub fn load(dir: &Path, kind: TokenizerKind, file: Option<&str>) -> Result<Self> {
+        let path = |default: &str| dir.join(file.unwrap_or(default));
+        match kind {
+            TokenizerKind::Bytes => Ok(Self::bytes()),
+            TokenizerKind::Chars => {
+                let p = path("vocab.json");
+                let bytes = crate::limits::read_file(&p, MAX_TOKENIZER_BYTES)?;
+                let vocab: Vocab = serde_json::from_slice(&bytes).map_err(|e| {
+                    tokenizer_err(&p.display().to_string(), format!("not a vocabulary: {e}"))
+                })?;
+                Self::chars(vocab)
+            }
+            TokenizerKind::Json => Self::from_file(&path("tokenizer.json")),
+        }
+    }
+}
+
+/// Whether `text[..at]` may be tokenized apart from `text[at..]` without changing any id:
+/// the cut follows a line break that sits between two characters that are not whitespace.
+/// Byte-level BPE pre-tokenizers (GPT-2's) never join a token across such a break, and the
+/// other kinds never join characters at all.
+pub fn is_safe_cut(text: &str, at: usize) -> bool {
+    let (Some(before), Some(after)) = (text.get(..at), text.get(at..)) else {
+        return false;
+    };
+    let mut back = before.chars().rev();
+    matches!(
+        (back.next(), back.next(), after.chars().next()),
+        (Some('\n'), Some(b), Some(a)) if !b.is_whitespace() && !a.is_whitespace()
+    )
+}
+
+/// Splits `text` into pieces of about `target` bytes at safe cuts ([`is_safe_cut`]), so that
+/// large files tokenize in parallel with the ids whole-file tokenizing would give. A text
+/// with no safe cut stays whole.
+pub fn split_at_safe_cuts(text: &str, target: usize) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    while text.len() - start > target {
+        let mut at = start + target;
+        while at < text.len() && !is_safe_cut(text, at) {
+            at += 1;
+        }
+        if at >= text.len() {
+            break;
+        }
+        pieces.push(&text[start..at]);
+        start = at;
+    }
+    pieces.push(&text[start..]);
+    pieces
+}

@@ -1,0 +1,344 @@
+//! Your own data from the command line: `pipe tokenize` turns text into shards with the ids
+//! the Python `tokenizers` package gives (the committed GPT-2-style BPE, checked against the
+//! digest its maker printed), a model trains on them streamed from disk, a checkpoint taken
+//! mid-epoch resumes to the bit-identical end of the run it interrupted and resumes under
+//! another layout at the same data cursor, and bad input and bad shards exit 2 with one line
+//! naming the file and byte.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use sha2::{Digest, Sha256};
+
+mod common;
+use common::{ok, weights};
+
+const BPE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/data/tokenizers/shakespeare-bpe-1024.json"
+);
+const SHAKESPEARE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/tinyshakespeare.txt");
+
+/// What `data/tokenizers/make_shakespeare_bpe.py` printed for the whole of Tiny Shakespeare,
+/// encoded by Python's `tokenizers` in one call.
+const PYTHON_IDS: usize = 459_913;
+const PYTHON_SHA256: &str = "2d79b3bd7ad312ec55b8e5e64e994a607d7d7db8000bd0216b0e89e967a0aa09";
+
+fn pipe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipe"))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .expect("run pipe")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-tokens-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let p = d.join(name);
+    let _ = std::fs::remove_dir_all(&p);
+    p
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[track_caller]
+fn refused(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    for n in needles {
+        assert!(lines[0].contains(n), "expected '{n}' in {err}");
+    }
+}
+
+/// Tiny Shakespeare through the BPE into shards of 50,000 ids (ten of them).
+fn bpe_corpus(name: &str) -> PathBuf {
+    let out = tmp(name);
+    ok(&pipe(&[
+        "tokenize",
+        "--tokenizer",
+        BPE,
+        "--input",
+        SHAKESPEARE,
+        "--out",
+        s(&out),
+        "--shard-tokens",
+        "50000",
+    ]));
+    out
+}
+
+/// Every id of a corpus, shard after shard.
+fn all_ids(dir: &Path) -> Vec<u32> {
+    let corpus = pipe_stages::shards::TokenCorpus::open(dir).unwrap();
+    let mut ids = Vec::new();
+    let counts: Vec<u64> = corpus.shard_tokens().collect();
+    for (i, n) in counts.into_iter().enumerate() {
+        corpus.read(i, 0, n as usize, &mut ids).unwrap();
+    }
+    ids
+}
+
+#[test]
+fn tokenize_gives_the_python_tokenizers_ids_in_shards() {
+    let dir = bpe_corpus("python");
+    let manifest = pipe_stages::shards::read_manifest(&dir).unwrap();
+    assert_eq!(manifest.shards.len(), 10, "{manifest:?}");
+    assert_eq!(manifest.tokenizer.vocab_size, 1024);
+    let mut ids = all_ids(&dir);
+    // The document ends with <|endoftext|>, id 0.
+    assert_eq!(ids.pop(), Some(0));
+    assert_eq!(ids.len(), PYTHON_IDS);
+    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    let digest: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(digest, PYTHON_SHA256);
+    let check = ok(&pipe(&["tokenize", "--check", s(&dir)]));
+    assert!(check.contains("every id below 1024"), "{check}");
+}
+
+/// A two-block GPT over the BPE's 1,024 ids, context 32.
+const TOKEN_GPT: &str = r#"
+optimizer = "adamw"
+lr = 3e-3
+microbatch_size = 4
+microbatches = 2
+epochs = 1
+steps = 12
+threads = 1
+eval_windows = 32
+[model]
+input = [32]
+layers = [
+  { type = "embedding", vocab = 1024, width = 16, context = 32 },
+  { type = "transformer_block", width = 16, heads = 2 },
+  { type = "transformer_block", width = 16, heads = 2 },
+  { type = "layer_norm", features = 16 },
+  { type = "lm_head", width = 16, vocab = 1024 },
+]
+"#;
+
+fn train(corpus: &Path, extra: &[&str]) -> Output {
+    let cfg = tmp("token-gpt.toml");
+    std::fs::write(&cfg, TOKEN_GPT).unwrap();
+    let dataset = format!("tokens:{}", s(corpus));
+    let mut args = vec!["train", "--config", s(&cfg), "--dataset", &dataset];
+    args.extend_from_slice(extra);
+    pipe(&args)
+}
+
+#[test]
+fn a_checkpoint_taken_mid_epoch_on_shards_resumes_to_the_same_weights_under_any_layout() {
+    let corpus = bpe_corpus("resume");
+    let ckpt = tmp("ckpt");
+    let whole = ok(&train(
+        &corpus,
+        &[
+            "--checkpoint-dir",
+            s(&ckpt),
+            "--checkpoint-every",
+            "4",
+            "--keep-checkpoints",
+            "5",
+        ],
+    ));
+    assert!(whole.contains("nats/token"), "{whole}");
+    // Resume from update 4 of the 12 (48 windows into an epoch of thousands).
+    let from = ckpt.join("ckpt-00000004");
+    assert!(from.exists(), "{whole}");
+    let resumed = ok(&train(&corpus, &["--resume", s(&from)]));
+    assert!(
+        resumed.contains("resuming from") && resumed.contains("32 samples into it"),
+        "{resumed}"
+    );
+    assert_eq!(weights(&resumed), weights(&whole));
+
+    // Another layout reads the data from the same cursor.
+    let piped = ok(&train(
+        &corpus,
+        &[
+            "--resume",
+            s(&from),
+            "--stages",
+            "2",
+            "--schedule",
+            "1f1b-flush",
+        ],
+    ));
+    assert!(piped.contains("32 samples into it"), "{piped}");
+
+    // A checkpoint of one corpus does not resume on another.
+    let other = tmp("other-corpus");
+    ok(&pipe(&[
+        "tokenize",
+        "--tokenizer",
+        BPE,
+        "--input",
+        SHAKESPEARE,
+        "--out",
+        s(&other),
+        "--shard-tokens",
+        "60000",
+    ]));
+    refused(&train(&other, &["--resume", s(&from)]), &["another corpus"]);
+}
+
+/// The bytes of a corpus's first shard, to damage.
+fn first_shard(dir: &Path) -> PathBuf {
+    dir.join("shard-00000.tok")
+}
+
+#[test]
+fn bad_input_and_bad_shards_exit_2_with_one_line_naming_file_and_byte() {
+    let out = tmp("bad-out");
+    // No such input; not UTF-8; a tokenizer that is not one.
+    refused(
+        &pipe(&[
+            "tokenize",
+            "--tokenizer",
+            "bytes",
+            "--input",
+            "/nonexistent/x",
+            "--out",
+            s(&out),
+        ]),
+        &["/nonexistent/x", "cannot read"],
+    );
+    let binary = tmp("binary.txt");
+    std::fs::write(&binary, b"good text\n\xff\xfe bad").unwrap();
+    refused(
+        &pipe(&[
+            "tokenize",
+            "--tokenizer",
+            "bytes",
+            "--input",
+            s(&binary),
+            "--out",
+            s(&out),
+        ]),
+        &["binary.txt", "not UTF-8", "byte 10"],
+    );
+    let not_json = tmp("not-a-tokenizer.json");
+    std::fs::write(&not_json, b"{\"model\": 3}").unwrap();
+    refused(
+        &pipe(&[
+            "tokenize",
+            "--tokenizer",
+            s(&not_json),
+            "--input",
+            SHAKESPEARE,
+            "--out",
+            s(&out),
+        ]),
+        &["not-a-tokenizer.json", "not a tokenizer.json"],
+    );
+
+    // A directory that already holds a corpus.
+    let dir = tmp("bad-shards");
+    ok(&pipe(&[
+        "tokenize",
+        "--tokenizer",
+        "chars",
+        "--input",
+        SHAKESPEARE,
+        "--out",
+        s(&dir),
+        "--shard-tokens",
+        "400000",
+    ]));
+    refused(
+        &pipe(&[
+            "tokenize",
+            "--tokenizer",
+            "chars",
+            "--input",
+            SHAKESPEARE,
+            "--out",
+            s(&dir),
+        ]),
+        &["already holds a tokenized corpus"],
+    );
+
+    // An id outside the vocabulary: --check names the shard, the token and the byte.
+    let shard = first_shard(&dir);
+    let good = std::fs::read(&shard).unwrap();
+    let mut bad = good.clone();
+    let body = bad.len() - 400_000 * 2;
+    bad[body + 2 * 1000..body + 2 * 1000 + 2].copy_from_slice(&500u16.to_le_bytes());
+    std::fs::write(&shard, &bad).unwrap();
+    refused(
+        &pipe(&["tokenize", "--check", s(&dir)]),
+        &[
+            "shard-00000.tok",
+            "token id 500 at token 1000",
+            &format!("byte {}", body + 2000),
+            "vocabulary of 65",
+        ],
+    );
+
+    // Truncated, and a bad magic: named when the corpus opens, by check and by train.
+    std::fs::write(&shard, &good[..good.len() - 7]).unwrap();
+    refused(
+        &pipe(&["tokenize", "--check", s(&dir)]),
+        &["shard-00000.tok", "truncated at byte"],
+    );
+    refused(
+        &pipe(&[
+            "train",
+            "--model",
+            "gpt-mini",
+            "--dataset",
+            &format!("tokens:{}", s(&dir)),
+            "--steps",
+            "1",
+        ]),
+        &["shard-00000.tok", "truncated at byte"],
+    );
+    let mut magic = good.clone();
+    magic[0] = b'X';
+    std::fs::write(&shard, &magic).unwrap();
+    refused(
+        &pipe(&["tokenize", "--check", s(&dir)]),
+        &["shard-00000.tok", "bad magic at byte 0"],
+    );
+    std::fs::write(&shard, &good).unwrap();
+
+    // A manifest naming a file outside its directory.
+    let manifest = dir.join("tokens.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(
+        &manifest,
+        text.replace("shard-00001.tok", "../../etc/passwd"),
+    )
+    .unwrap();
+    refused(
+        &pipe(&["tokenize", "--check", s(&dir)]),
+        &["tokens.json", "not a file name in the corpus directory"],
+    );
+    std::fs::write(&manifest, &text).unwrap();
+    ok(&pipe(&["tokenize", "--check", s(&dir)]));
+
+    // Both ways of naming the directory at once; a corpus without one.
+    refused(
+        &pipe(&[
+            "train",
+            "--dataset",
+            &format!("tokens:{}", s(&dir)),
+            "--data-dir",
+            s(&dir),
+        ]),
+        &["give one"],
+    );
+    refused(
+        &pipe(&["train", "--dataset", "tokens"]),
+        &["needs its directory"],
+    );
+}
