@@ -87,12 +87,14 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
     let manifest = writer.finish()?;
     let secs = started.elapsed().as_secs_f64();
     outln!(
-        "{}: {} tokens of {} documents ({} bytes) in {} shards, vocabulary {}, {:.1} s ({:.2} MB/s)",
+        "{}: {} tokens, {} {} ({} bytes), {} {}, vocabulary {}, {:.1} s ({:.2} MB/s)",
         out.display(),
         manifest.tokens,
         manifest.documents,
+        if manifest.documents == 1 { "document" } else { "documents" },
         bytes,
         manifest.shards.len(),
+        if manifest.shards.len() == 1 { "shard" } else { "shards" },
         manifest.tokenizer.vocab_size,
         secs,
         bytes as f64 / secs.max(1e-9) / 1e6
