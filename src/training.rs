@@ -38,9 +38,28 @@ pub struct TrainArgs {
     /// layer list goes in --config).
     #[arg(long)]
     model: Option<String>,
-    /// Share a gpt-* model's token embedding (first stage) with its LM head (last stage).
+    /// Share a gpt-* model's token embedding (first stage) with its LM head (last stage);
+    /// gpt2 models always do.
     #[arg(long)]
     tie_embeddings: bool,
+    /// A Hugging Face GPT-2 config.json giving --model gpt2 its shape and vocabulary size.
+    #[arg(long, value_name = "FILE")]
+    model_config: Option<PathBuf>,
+    /// Transformer blocks of a gpt2 model (over its preset's or config.json's).
+    #[arg(long, value_name = "N")]
+    n_layer: Option<usize>,
+    /// Attention heads of a gpt2 model.
+    #[arg(long, value_name = "N")]
+    n_head: Option<usize>,
+    /// Width of a gpt2 model.
+    #[arg(long, value_name = "N")]
+    n_embd: Option<usize>,
+    /// Positions of a gpt2 model: its training window.
+    #[arg(long, value_name = "N")]
+    n_positions: Option<usize>,
+    /// Vocabulary of a gpt2 model (default: the data's).
+    #[arg(long, value_name = "N")]
+    vocab_size: Option<usize>,
     /// Dataset: mnist, synthetic, tinyshakespeare (the default for gpt-* models), or
     /// tokens:DIR, a corpus `pipe tokenize` wrote, streamed from disk.
     #[arg(long, value_parser = crate::args::parse_dataset)]
@@ -221,6 +240,18 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The GPT-2 shape the `--n-*` flags give, if any.
+    fn gpt2_shape(&self) -> Option<pipe_stages::transformer::Gpt2Shape> {
+        let shape = pipe_stages::transformer::Gpt2Shape {
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            n_positions: self.n_positions,
+            vocab_size: self.vocab_size,
+        };
+        (shape != pipe_stages::transformer::Gpt2Shape::default()).then_some(shape)
+    }
+
     /// The flags as settings to merge over a config file's.
     ///
     /// # Errors
@@ -235,6 +266,8 @@ impl TrainArgs {
             data_dir,
             holdout: self.holdout.clone(),
             eval_windows: self.eval_windows,
+            model_config: self.model_config.clone(),
+            gpt2: self.gpt2_shape(),
             epochs: self.epochs,
             steps: self.steps,
             microbatch_size: self.microbatch_size,

@@ -91,10 +91,18 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         out.display(),
         manifest.tokens,
         manifest.documents,
-        if manifest.documents == 1 { "document" } else { "documents" },
+        if manifest.documents == 1 {
+            "document"
+        } else {
+            "documents"
+        },
         bytes,
         manifest.shards.len(),
-        if manifest.shards.len() == 1 { "shard" } else { "shards" },
+        if manifest.shards.len() == 1 {
+            "shard"
+        } else {
+            "shards"
+        },
         manifest.tokenizer.vocab_size,
         secs,
         bytes as f64 / secs.max(1e-9) / 1e6

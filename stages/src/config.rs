@@ -274,6 +274,10 @@ pub struct TrainSettings {
     pub model: Option<ModelChoice>,
     /// Tie a `gpt-*` preset's LM head to its token embedding.
     pub tie_embeddings: Option<bool>,
+    /// A Hugging Face GPT-2 `config.json` giving a `gpt2` model's shape.
+    pub model_config: Option<PathBuf>,
+    /// A `gpt2` model's shape, field by field (over `model_config` and the preset's).
+    pub gpt2: Option<crate::transformer::Gpt2Shape>,
     /// Dataset.
     pub dataset: Option<DatasetKind>,
     /// Directory with MNIST IDX files or `tinyshakespeare.txt` instead of the embedded copy,
@@ -480,6 +484,12 @@ impl TrainSettings {
     pub fn merge(&mut self, other: TrainSettings) {
         let dst = self;
         let src = other;
+        if let Some(g) = &src.gpt2 {
+            dst.gpt2 = Some(dst.gpt2.take().unwrap_or_default().merged(g));
+        }
+        if src.model_config.is_some() {
+            dst.model_config = src.model_config;
+        }
         merge_fields!(dst, src; model, tie_embeddings, dataset, data_dir, holdout, eval_windows,
             synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
@@ -617,23 +627,27 @@ impl TrainSettings {
             .model
             .clone()
             .unwrap_or(ModelChoice::Preset(default_model.into()));
-        let language = match &choice {
-            ModelChoice::Preset(name) => gpt_shape(name),
-            ModelChoice::Layers(_) => None,
+        let (language, vocab_override) = match &choice {
+            ModelChoice::Preset(name) => self.language_shape(name)?,
+            ModelChoice::Layers(_) => (None, None),
         };
         let dataset = self.dataset.unwrap_or(if language.is_some() {
             DatasetKind::TinyShakespeare
         } else {
             DatasetKind::Mnist
         });
-        let tie = self.tie_embeddings.unwrap_or(false);
+        let tie = self.tie_embeddings.unwrap_or(match &choice {
+            ModelChoice::Preset(name) => crate::transformer::is_gpt2(name),
+            ModelChoice::Layers(_) => false,
+        });
         let corpus = self.corpus_settings(dataset)?;
         let mut vocab = None;
         let (name, spec) = match (choice, language) {
             (ModelChoice::Preset(name), Some(shape)) => {
-                let vocab_size = match (&corpus, dataset) {
-                    (Some(c), _) => usize::try_from(c.vocab_size).unwrap_or(usize::MAX),
-                    (None, DatasetKind::TinyShakespeare) => {
+                let vocab_size = match (vocab_override, &corpus, dataset) {
+                    (Some(v), _, _) => v,
+                    (None, Some(c), _) => usize::try_from(c.vocab_size).unwrap_or(usize::MAX),
+                    (None, None, DatasetKind::TinyShakespeare) => {
                         let text = crate::data::tinyshakespeare_text(self.data_dir.as_deref())?;
                         let v = crate::data::corpus_vocab(&text);
                         let n = v.len();
@@ -675,6 +689,42 @@ impl TrainSettings {
             corpus,
             language,
         })
+    }
+
+    /// The shape of a language-model preset (`gpt-*`, `gpt2-*`, or `gpt2` shaped by
+    /// `model_config` and the `[gpt2]` settings), with the vocabulary size they set; `None`
+    /// for other presets.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for GPT-2 settings on another model, an incomplete `gpt2`
+    /// shape, or an unreadable or unsuitable `config.json`.
+    fn language_shape(
+        &self,
+        name: &str,
+    ) -> Result<(Option<crate::transformer::GptShape>, Option<usize>)> {
+        use crate::transformer::{Gpt2Shape, gpt2_from_hf_config, is_gpt2};
+        let shaped = self.gpt2.is_some() || self.model_config.is_some();
+        if !is_gpt2(name) {
+            if shaped {
+                return Err(StageError::Config(format!(
+                    "--model-config and the GPT-2 shape settings (--n-layer, ...) apply to gpt2 \
+                     models, not {name}"
+                )));
+            }
+            return Ok((gpt_shape(name), None));
+        }
+        let mut given = Gpt2Shape::default();
+        if let Some(path) = &self.model_config {
+            let bytes = crate::limits::read_file(path, 1 << 20)?;
+            let text = String::from_utf8_lossy(&bytes);
+            given = gpt2_from_hf_config(&text, &path.display().to_string())
+                .map_err(StageError::Config)?;
+        }
+        if let Some(g) = &self.gpt2 {
+            given = given.merged(g);
+        }
+        let shape = given.resolve(gpt_shape(name)).map_err(StageError::Config)?;
+        Ok((Some(shape), given.vocab_size))
     }
 
     /// The corpus settings of a run on a tokenized corpus (`None` for other data): its

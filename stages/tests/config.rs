@@ -139,3 +139,90 @@ fn a_planned_layout_resolves_as_the_same_layout_given_in_settings() {
     // The asynchronous layout's default momentum, not the one-worker run's.
     assert!(by_plan.optimizer.momentum < 0.9);
 }
+
+#[test]
+fn gpt2_models_take_their_shape_from_presets_tables_and_hugging_face_configs() {
+    use pipe_stages::layers::LayerSpec;
+    // The preset: two blocks of 64, tied, 64 positions, the embedded corpus's vocabulary.
+    let tiny = resolve("model = \"gpt2-tiny\"");
+    assert_eq!(tiny.model.input, vec![64]);
+    assert_eq!(tiny.model.layers.len(), 5);
+    assert_eq!(tiny.model.tied.len(), 1);
+    // A table overrides a preset field by field.
+    let wider = resolve("model = \"gpt2-tiny\"\n[gpt2]\nn_embd = 32\nn_layer = 3");
+    assert_eq!(wider.model.layers.len(), 6);
+    assert!(matches!(
+        wider.model.layers[0],
+        LayerSpec::Embedding {
+            width: 32,
+            context: 64,
+            ..
+        }
+    ));
+
+    // A Hugging Face config.json, with the table over it.
+    let dir = std::env::temp_dir().join(format!("pipe-gpt2-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("config.json");
+    std::fs::write(
+        &json,
+        r#"{"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 16,
+            "vocab_size": 65, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05,
+            "n_inner": null, "architectures": ["GPT2LMHeadModel"]}"#,
+    )
+    .unwrap();
+    let path = json.display();
+    let from_json = resolve(&format!("model = \"gpt2\"\nmodel_config = \"{path}\""));
+    assert_eq!(from_json.model.input, vec![16]);
+    assert!(matches!(
+        from_json.model.layers[1],
+        LayerSpec::TransformerBlock {
+            width: 32,
+            heads: 4,
+            ..
+        }
+    ));
+    let over = resolve(&format!(
+        "model = \"gpt2\"\nmodel_config = \"{path}\"\n[gpt2]\nn_positions = 8"
+    ));
+    assert_eq!(over.model.input, vec![8]);
+
+    // What pipe's block is not, and shapes that are not whole, are refused by name.
+    let refused = |toml: &str, needle: &str| {
+        let err = TrainSettings::from_toml(toml, "test")
+            .and_then(TrainSettings::resolve)
+            .unwrap_err();
+        assert!(matches!(err, StageError::Config(_)), "{err}");
+        assert!(err.to_string().contains(needle), "{err}");
+    };
+    for (field, value, needle) in [
+        ("activation_function", "\"relu\"", "activation_function"),
+        ("n_inner", "100", "n_inner 100"),
+        ("layer_norm_epsilon", "1e-6", "layer_norm_epsilon"),
+        ("tie_word_embeddings", "false", "untied"),
+        ("model_type", "\"llama\"", "model_type"),
+    ] {
+        let bad = dir.join(format!("{field}.json"));
+        std::fs::write(
+            &bad,
+            format!(
+                r#"{{"n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 16,
+                    "vocab_size": 65, "{field}": {value}}}"#
+            ),
+        )
+        .unwrap();
+        refused(
+            &format!("model = \"gpt2\"\nmodel_config = \"{}\"", bad.display()),
+            needle,
+        );
+    }
+    refused("model = \"gpt2\"", "n_layer");
+    refused(
+        "model = \"gpt2-tiny\"\n[gpt2]\nn_head = 3",
+        "not a multiple of n_head",
+    );
+    refused(
+        "model = \"gpt-mini\"\n[gpt2]\nn_layer = 3",
+        "apply to gpt2 models",
+    );
+}

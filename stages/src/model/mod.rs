@@ -305,7 +305,11 @@ impl ModelSpec {
     pub fn preset(name: &str) -> Result<Self> {
         if let Some(shape) = crate::transformer::gpt_shape(name) {
             let vocab = crate::data::corpus_vocab(&crate::data::tinyshakespeare_text(None)?);
-            return Ok(Self::gpt(shape, vocab.len(), false));
+            return Ok(Self::gpt(
+                shape,
+                vocab.len(),
+                crate::transformer::is_gpt2(name),
+            ));
         }
         let rest = name.strip_prefix("mlp-").ok_or_else(|| {
             StageError::Model(format!(

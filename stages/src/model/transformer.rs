@@ -447,10 +447,16 @@ pub struct GptShape {
     pub context: usize,
 }
 
-/// The named GPT presets: `gpt-mini` (trains to a useful character model on two cores in
-/// half an hour; eight blocks, so four stages hold two each) and `gpt-small` (for
-/// benchmarks: about four times the compute per token).
-pub const GPT_PRESETS: [(&str, GptShape); 2] = [
+/// The named GPT presets:
+/// - `gpt-mini`: trains to a useful character model on two cores in half an hour; eight
+///   blocks, so four stages hold two each.
+/// - `gpt-small`: for benchmarks, about four times the compute per token.
+/// - `gpt2-small`: GPT-2's 124 M shape (12 blocks of width 768, 12 heads, 1,024 positions;
+///   124 M parameters with GPT-2's 50,257-token vocabulary).
+/// - `gpt2-tiny`: the same family at test size.
+///
+/// The `gpt2*` presets and `gpt2` tie the head to the token embedding, as GPT-2 does.
+pub const GPT_PRESETS: [(&str, GptShape); 4] = [
     (
         "gpt-mini",
         GptShape {
@@ -469,7 +475,141 @@ pub const GPT_PRESETS: [(&str, GptShape); 2] = [
             context: 128,
         },
     ),
+    (
+        "gpt2-small",
+        GptShape {
+            blocks: 12,
+            width: 768,
+            heads: 12,
+            context: 1024,
+        },
+    ),
+    (
+        "gpt2-tiny",
+        GptShape {
+            blocks: 2,
+            width: 64,
+            heads: 2,
+            context: 64,
+        },
+    ),
 ];
+
+/// Whether preset `name` is of the GPT-2 family (`gpt2`, `gpt2-*`): its head is tied to its
+/// token embedding unless told otherwise.
+pub fn is_gpt2(name: &str) -> bool {
+    name == "gpt2" || name.starts_with("gpt2-")
+}
+
+/// A GPT-2 shape as Hugging Face's `config.json`, a TOML `[gpt2]` table or the `--n-*` flags
+/// give it: every field optional, so a later source overrides an earlier one field by field.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Gpt2Shape {
+    /// Transformer blocks.
+    pub n_layer: Option<usize>,
+    /// Attention heads.
+    pub n_head: Option<usize>,
+    /// Model width.
+    pub n_embd: Option<usize>,
+    /// Positions (the training window).
+    pub n_positions: Option<usize>,
+    /// Vocabulary size (default: the corpus's).
+    pub vocab_size: Option<usize>,
+}
+
+impl Gpt2Shape {
+    /// `self` with every field `other` sets taken from it.
+    #[must_use]
+    pub fn merged(self, other: &Gpt2Shape) -> Self {
+        Self {
+            n_layer: other.n_layer.or(self.n_layer),
+            n_head: other.n_head.or(self.n_head),
+            n_embd: other.n_embd.or(self.n_embd),
+            n_positions: other.n_positions.or(self.n_positions),
+            vocab_size: other.vocab_size.or(self.vocab_size),
+        }
+    }
+
+    /// The shape: `base`'s fields where `self` sets none.
+    ///
+    /// # Errors
+    /// A message naming the missing or zero field, or heads that do not divide the width.
+    pub fn resolve(&self, base: Option<GptShape>) -> Result<GptShape, String> {
+        let pick = |v: Option<usize>, b: Option<usize>, name: &str| {
+            v.or(b).filter(|&n| n > 0).ok_or_else(|| {
+                format!("gpt2 needs a positive {name} (a flag, [gpt2] or config.json)")
+            })
+        };
+        let shape = GptShape {
+            blocks: pick(self.n_layer, base.map(|b| b.blocks), "n_layer")?,
+            width: pick(self.n_embd, base.map(|b| b.width), "n_embd")?,
+            heads: pick(self.n_head, base.map(|b| b.heads), "n_head")?,
+            context: pick(self.n_positions, base.map(|b| b.context), "n_positions")?,
+        };
+        if shape.width % shape.heads != 0 {
+            return Err(format!(
+                "n_embd {} is not a multiple of n_head {}",
+                shape.width, shape.heads
+            ));
+        }
+        Ok(shape)
+    }
+}
+
+/// The part of a Hugging Face GPT-2 `config.json` pipe reads, with what it must say for the
+/// model to be the one pipe builds.
+#[derive(serde::Deserialize)]
+struct HfGpt2Config {
+    model_type: Option<String>,
+    n_layer: usize,
+    n_head: usize,
+    n_embd: usize,
+    n_positions: usize,
+    vocab_size: usize,
+    n_inner: Option<usize>,
+    activation_function: Option<String>,
+    layer_norm_epsilon: Option<f64>,
+    tie_word_embeddings: Option<bool>,
+}
+
+/// The GPT-2 shape of a Hugging Face `config.json`'s text (`name` for messages).
+///
+/// # Errors
+/// A message naming what pipe's GPT-2 block cannot be: another model type, an MLP width
+/// other than 4 × `n_embd`, an activation other than tanh-approximated GELU, a layer-norm
+/// epsilon other than 1e-5, or an untied head.
+pub fn gpt2_from_hf_config(text: &str, name: &str) -> Result<Gpt2Shape, String> {
+    let c: HfGpt2Config =
+        serde_json::from_str(text).map_err(|e| format!("{name}: not a GPT-2 config.json: {e}"))?;
+    let refuse = |what: String| Err(format!("{name}: {what}, which pipe's GPT-2 block is not"));
+    if let Some(t) = c.model_type.as_deref().filter(|t| *t != "gpt2") {
+        return refuse(format!("model_type {t:?}"));
+    }
+    if let Some(n) = c.n_inner.filter(|&n| n != 4 * c.n_embd) {
+        return refuse(format!("n_inner {n} (4 x n_embd is {})", 4 * c.n_embd));
+    }
+    if let Some(a) = c
+        .activation_function
+        .as_deref()
+        .filter(|a| !matches!(*a, "gelu_new" | "gelu_pytorch_tanh"))
+    {
+        return refuse(format!("activation_function {a:?} (tanh GELU is gelu_new)"));
+    }
+    if let Some(e) = c.layer_norm_epsilon.filter(|&e| (e - 1e-5).abs() > 1e-12) {
+        return refuse(format!("layer_norm_epsilon {e}"));
+    }
+    if c.tie_word_embeddings == Some(false) {
+        return refuse("an untied head (tie_word_embeddings false)".into());
+    }
+    Ok(Gpt2Shape {
+        n_layer: Some(c.n_layer),
+        n_head: Some(c.n_head),
+        n_embd: Some(c.n_embd),
+        n_positions: Some(c.n_positions),
+        vocab_size: Some(c.vocab_size),
+    })
+}
 
 /// The shape of GPT preset `name`, if it is one.
 pub fn gpt_shape(name: &str) -> Option<GptShape> {
