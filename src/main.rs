@@ -48,8 +48,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 use crate::commands::{
-    bench, cluster, doctor, eval, experiment, plan, profile, sample, schedule, simulate, sweep,
-    tokenize, train, worker,
+    bench, cluster, doctor, eval, experiment, export, logits, plan, profile, sample, schedule,
+    simulate, sweep, tokenize, train, worker,
 };
 use crate::output::bad_input;
 
@@ -84,6 +84,11 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Generate text from a language model's checkpoint.
     Sample(sample::SampleArgs),
+    /// A language model's logits for given ids, as JSON (from a checkpoint or a Hugging Face
+    /// GPT-2 directory).
+    Logits(logits::LogitsArgs),
+    /// Write a checkpoint's weights in another tool's layout (--format hf: transformers' GPT-2).
+    Export(export::ExportArgs),
     /// Tokenize text files into shards that training streams from disk (--dataset tokens:DIR).
     Tokenize(tokenize::TokenizeArgs),
     /// Run a research experiment and write its report.
@@ -187,6 +192,8 @@ fn run() -> Result<()> {
         Command::Eval(args) => eval::run(&args),
         Command::Sample(args) => sample::run(&args),
         Command::Tokenize(args) => tokenize::run(&args),
+        Command::Export(args) => export::run(&args),
+        Command::Logits(args) => logits::run(&args),
         Command::Experiment(cmd) => experiment::run(&cmd),
         Command::Report(ReportCommand::Staleness(args)) => experiment::run_report(&args),
         Command::Report(ReportCommand::Bench(args)) => sweep::run_report(&args),

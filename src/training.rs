@@ -42,6 +42,10 @@ pub struct TrainArgs {
     /// gpt2 models always do.
     #[arg(long)]
     tie_embeddings: bool,
+    /// Start from the weights of a Hugging Face GPT-2 directory (its model.safetensors, as
+    /// `pipe export --format hf` or transformers' save_pretrained writes it).
+    #[arg(long, value_name = "DIR")]
+    init_from: Option<PathBuf>,
     /// A Hugging Face GPT-2 config.json giving --model gpt2 its shape and vocabulary size.
     #[arg(long, value_name = "FILE")]
     model_config: Option<PathBuf>,
@@ -267,6 +271,7 @@ impl TrainArgs {
             holdout: self.holdout.clone(),
             eval_windows: self.eval_windows,
             model_config: self.model_config.clone(),
+            init_from: self.init_from.clone(),
             gpt2: self.gpt2_shape(),
             epochs: self.epochs,
             steps: self.steps,

@@ -7,6 +7,8 @@ pub mod cluster;
 pub mod doctor;
 pub mod eval;
 pub mod experiment;
+pub mod export;
+pub mod logits;
 pub mod plan;
 pub mod profile;
 pub mod sample;

@@ -278,6 +278,8 @@ pub struct TrainSettings {
     pub model_config: Option<PathBuf>,
     /// A `gpt2` model's shape, field by field (over `model_config` and the preset's).
     pub gpt2: Option<crate::transformer::Gpt2Shape>,
+    /// Start from the weights of a Hugging Face GPT-2 directory (`model.safetensors`).
+    pub init_from: Option<PathBuf>,
     /// Dataset.
     pub dataset: Option<DatasetKind>,
     /// Directory with MNIST IDX files or `tinyshakespeare.txt` instead of the embedded copy,
@@ -490,7 +492,7 @@ impl TrainSettings {
         if src.model_config.is_some() {
             dst.model_config = src.model_config;
         }
-        merge_fields!(dst, src; model, tie_embeddings, dataset, data_dir, holdout, eval_windows,
+        merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
             synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
@@ -931,6 +933,7 @@ impl TrainSettings {
             vocab,
             dataset,
             data_dir: self.data_dir,
+            init_from: self.init_from,
             corpus,
             synthetic,
             epochs,
@@ -998,6 +1001,8 @@ pub struct RunConfig {
     pub dataset: DatasetKind,
     /// MNIST directory (embedded copy when absent), or the tokenized corpus's.
     pub data_dir: Option<PathBuf>,
+    /// A Hugging Face GPT-2 directory whose weights the run starts from (fresh runs only).
+    pub init_from: Option<PathBuf>,
     /// A tokenized corpus's fingerprint, holdout and evaluation budget.
     pub corpus: Option<CorpusSettings>,
     /// Synthetic dataset shape.
@@ -1184,6 +1189,7 @@ impl RunConfig {
     pub fn numerics(&self) -> RunConfig {
         RunConfig {
             data_dir: None,
+            init_from: None,
             threads: 0,
             log_jsonl: None,
             partition: PartitionChoice::Flops,

@@ -45,7 +45,7 @@ pub mod planning;
 // Each layer's modules by their short paths, so that `crate::optim` and
 // `pipe_stages::checkpoint` name the same module as `model::optim` and `model::checkpoint`.
 pub use model::{
-    checkpoint, data, layer, layers, loss, optim, rng, sample, shards, tokenize, tokenizer,
+    checkpoint, data, hf, layer, layers, loss, optim, rng, sample, shards, tokenize, tokenizer,
     transformer,
 };
 pub use pipeline::delayed;

@@ -17,6 +17,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod hf;
 pub mod layer;
 pub mod layers;
 pub mod loss;

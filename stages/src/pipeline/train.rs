@@ -561,8 +561,12 @@ pub(super) struct Start {
 impl Start {
     pub(super) fn new(run: &Run<'_>, resume: Option<&Checkpoint>) -> Result<Self> {
         let Some(c) = resume else {
+            let params = match &run.cfg.init_from {
+                Some(dir) => crate::hf::import(&run.model, &run.cfg.model, dir)?,
+                None => run.model.init_params(run.cfg.seed),
+            };
             return Ok(Start {
-                params: run.model.init_params(run.cfg.seed),
+                params,
                 optimizer: None,
                 done: 0,
             });

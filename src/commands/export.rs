@@ -1,0 +1,74 @@
+//! `pipe export`: a checkpoint's weights in another tool's layout. `--format hf` writes a
+//! GPT-2-shaped model as Hugging Face `transformers` loads it (`model.safetensors` with its
+//! names, and `config.json`).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, ValueEnum};
+use pipe_stages::checkpoint::{read, read_state};
+use pipe_stages::model::Model;
+
+use crate::output::bad_input;
+
+/// Formats `pipe export` writes.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ExportFormat {
+    /// Hugging Face transformers' GPT-2 (GPT2LMHeadModel.from_pretrained reads it).
+    Hf,
+}
+
+/// `pipe export`.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// A checkpoint's directory, or a checkpoint directory (its newest checkpoint).
+    #[arg(long, value_name = "DIR")]
+    checkpoint: PathBuf,
+    /// The layout to write.
+    #[arg(long, value_enum)]
+    format: ExportFormat,
+    /// The directory to write (created).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// A tokenizer.json to copy beside the weights (a corpus directory's, say), so
+    /// transformers' AutoTokenizer loads with the model.
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<PathBuf>,
+}
+
+/// Runs `pipe export`.
+///
+/// # Errors
+/// Bad input for a missing or corrupted checkpoint, or a model that is not GPT-2-shaped;
+/// a failure to write.
+pub fn run(args: &ExportArgs) -> Result<()> {
+    let (dir, state) = read_state(&args.checkpoint)?;
+    let model = Model::new(&state.model_spec)?;
+    let (_, ckpt) = read(&dir, &model)?;
+    let ExportFormat::Hf = args.format;
+    let layout = pipe_stages::hf::export(&model, &state.model_spec, &ckpt.params, &args.out)?;
+    if let Some(t) = &args.tokenizer {
+        // Read through the tokenizer library first: a file it cannot read is refused here,
+        // not found broken by the tool that loads the export.
+        pipe_stages::tokenizer::TextTokenizer::from_file(t)?;
+        std::fs::copy(t, args.out.join("tokenizer.json"))
+            .map_err(|e| bad_input(format!("{}: cannot copy: {e}", t.display())))?;
+    }
+    outln!(
+        "{}: GPT-2 with {} blocks, width {}, {} heads, {} positions, vocabulary {} ({}), from {} at update {}",
+        args.out.display(),
+        layout.blocks,
+        layout.width,
+        layout.heads,
+        layout.context,
+        layout.vocab,
+        if layout.tied {
+            "tied head"
+        } else {
+            "untied head"
+        },
+        dir.display(),
+        state.updates
+    );
+    Ok(())
+}

@@ -1,0 +1,181 @@
+//! Weights in Hugging Face's GPT-2 layout from the command line: `pipe export --format hf`
+//! writes `transformers`' names and a `config.json`, the exported directory gives the
+//! checkpoint's logits bit for bit (`pipe logits --hf`), `--init-from` starts a run from it,
+//! and a model that is not GPT-2-shaped is refused. The comparison with `transformers` itself
+//! is `experiments/hf/interop.py` (it needs torch).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+use common::ok;
+
+fn pipe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipe"))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .expect("run pipe")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let p = d.join(name);
+    let _ = std::fs::remove_dir_all(&p);
+    p
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The tensor names in a safetensors file's header.
+fn tensor_names(path: &Path) -> Vec<String> {
+    let bytes = std::fs::read(path).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    let mut names: Vec<String> = header
+        .keys()
+        .filter(|k| *k != "__metadata__")
+        .cloned()
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn an_exported_gpt2_keeps_its_logits_names_its_tensors_as_transformers_does_and_trains_on() {
+    let ckpt = tmp("ckpt");
+    ok(&pipe(&[
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "3",
+        "--threads",
+        "1",
+        "--checkpoint-dir",
+        s(&ckpt),
+    ]));
+    let out = tmp("exported");
+    let text = ok(&pipe(&[
+        "export",
+        "--checkpoint",
+        s(&ckpt),
+        "--format",
+        "hf",
+        "--out",
+        s(&out),
+    ]));
+    assert!(
+        text.contains("2 blocks, width 64, 2 heads, 64 positions"),
+        "{text}"
+    );
+
+    let names = tensor_names(&out.join("model.safetensors"));
+    // Embeddings, 12 tensors per block, the final norm; the tied head is the embedding.
+    assert_eq!(names.len(), 2 + 2 * 12 + 2, "{names:?}");
+    for want in [
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.h.0.ln_1.weight",
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.1.attn.c_proj.bias",
+        "transformer.h.1.mlp.c_fc.weight",
+        "transformer.h.1.mlp.c_proj.weight",
+        "transformer.ln_f.bias",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} missing from {names:?}"
+        );
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["n_layer"], 2);
+    assert_eq!(config["activation_function"], "gelu_new");
+    assert_eq!(config["tie_word_embeddings"], true);
+
+    let ids = "3,14,15,9,26,5,35";
+    let from_ckpt = ok(&pipe(&["logits", "--checkpoint", s(&ckpt), "--ids", ids]));
+    let from_hf = ok(&pipe(&["logits", "--hf", s(&out), "--ids", ids]));
+    assert_eq!(from_ckpt, from_hf);
+    let rows: Vec<Vec<f32>> = serde_json::from_str(&from_hf).unwrap();
+    assert_eq!((rows.len(), rows[0].len()), (7, 65));
+
+    // A run starts from the exported weights: its first evaluation is of those weights.
+    let on = ok(&pipe(&[
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--init-from",
+        s(&out),
+    ]));
+    let fresh = ok(&pipe(&[
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+    ]));
+    assert_ne!(common::weights(&on), common::weights(&fresh));
+}
+
+#[test]
+fn models_outside_gpt2s_layout_and_bad_directories_are_refused() {
+    let ckpt = tmp("mlp");
+    ok(&pipe(&[
+        "train",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        s(&ckpt),
+    ]));
+    let out = pipe(&[
+        "export",
+        "--checkpoint",
+        s(&ckpt),
+        "--format",
+        "hf",
+        "--out",
+        s(&tmp("x")),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("GPT-2-shaped"),
+        "{out:?}"
+    );
+
+    let empty = tmp("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = pipe(&[
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--init-from",
+        s(&empty),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("model.safetensors"),
+        "{out:?}"
+    );
+    let out = pipe(&["logits", "--hf", s(&empty), "--ids", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("config.json"),
+        "{out:?}"
+    );
+}
