@@ -7,18 +7,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 mod common;
-use common::ok;
-
-fn pipe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pipe"))
-        .args(args)
-        .env_remove("RUST_BACKTRACE")
-        .output()
-        .expect("run pipe")
-}
+use common::{ok, pipe};
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("pipe-hf-{}", std::process::id()));

@@ -8,12 +8,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{ok, weights};
+use common::{ok, pipe, refused, weights};
 
 const BPE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -26,14 +26,6 @@ const SHAKESPEARE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/tinyshakesp
 const PYTHON_IDS: usize = 459_913;
 const PYTHON_SHA256: &str = "2d79b3bd7ad312ec55b8e5e64e994a607d7d7db8000bd0216b0e89e967a0aa09";
 
-fn pipe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pipe"))
-        .args(args)
-        .env_remove("RUST_BACKTRACE")
-        .output()
-        .expect("run pipe")
-}
-
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("pipe-tokens-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
@@ -44,17 +36,6 @@ fn tmp(name: &str) -> PathBuf {
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-#[track_caller]
-fn refused(out: &Output, needles: &[&str]) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "{err}");
-    for n in needles {
-        assert!(lines[0].contains(n), "expected '{n}' in {err}");
-    }
 }
 
 /// Tiny Shakespeare through the BPE into shards of 50,000 ids (ten of them).

@@ -1,9 +1,31 @@
-//! Helpers the binary's integration tests share: a run's output checked for success, and the
-//! `done:` line's parts.
+//! Helpers the binary's integration tests share: running `pipe`, a run's output checked for
+//! success or for a one-line refusal, and the `done:` line's parts.
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::process::Output;
+use std::process::{Command, Output};
+
+/// Runs the `pipe` binary with `args` (no backtraces, so an error is its one line).
+pub fn pipe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipe"))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .expect("run pipe")
+}
+
+/// Asserts that a run was refused as bad input: exit 2 and one line on standard error that
+/// holds every one of `needles`.
+#[track_caller]
+pub fn refused(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    for n in needles {
+        assert!(lines[0].contains(n), "expected '{n}' in {err}");
+    }
+}
 
 /// Asserts that a run succeeded and returns its standard output (both streams in the
 /// failure message).

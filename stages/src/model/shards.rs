@@ -746,7 +746,7 @@ fn open_shard(dir: &Path, entry: &ShardEntry, m: &Manifest) -> Result<Shard> {
 }
 
 /// Reads from `file` until `buf` is full or the file ends; returns the bytes read.
-fn read_up_to(mut file: &std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+pub(crate) fn read_up_to(mut file: &std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut got = 0;
     while got < buf.len() {
         match file.read(&mut buf[got..])? {

@@ -10,7 +10,6 @@
 //! (rayon), then pushed in order, so the ids are those of tokenizing each file whole and the
 //! memory held is a few blocks, whatever the corpus's size.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -112,7 +111,7 @@ impl TextBlocks {
             if !self.eof {
                 let have = self.carry.len();
                 self.carry.resize(have + BLOCK_BYTES, 0);
-                let n = read_full(&mut self.file, &mut self.carry[have..])
+                let n = crate::shards::read_up_to(&self.file, &mut self.carry[have..])
                     .map_err(|e| data_err(&self.name, format!("cannot read: {e}")))?;
                 self.carry.truncate(have + n);
                 self.eof = n < BLOCK_BYTES;
@@ -185,18 +184,6 @@ impl TextBlocks {
         }
         None
     }
-}
-
-/// Reads until `buf` is full or the file ends; returns the bytes read.
-fn read_full(file: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        match file.read(&mut buf[got..])? {
-            0 => break,
-            n => got += n,
-        }
-    }
-    Ok(got)
 }
 
 /// Pieces of `text` of about [`PIECE_BYTES`] that may be encoded apart.
