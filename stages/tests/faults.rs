@@ -57,11 +57,7 @@ fn plan(model: &Model) -> RunPlan {
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource {
-        data: &data().train,
-        order: data().train.epoch_order(SEED, 1),
-        size: 8,
-    }
+    OrderedSource::new(&data().train, data().train.epoch_order(SEED, 1), 8)
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {

@@ -53,11 +53,7 @@ fn lr(_stage: u32, k: u32) -> f32 {
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource {
-        data: &data().train,
-        order: data().train.epoch_order(SEED, 1),
-        size: MB,
-    }
+    OrderedSource::new(&data().train, data().train.epoch_order(SEED, 1), MB)
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
@@ -857,11 +853,7 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
             let source_at = |k: usize| {
                 let mut order = data().train.epoch_order(SEED, 1);
                 order.drain(..k * per_segment * MB);
-                OrderedSource {
-                    data: &data().train,
-                    order,
-                    size: MB,
-                }
+                OrderedSource::new(&data().train, order, MB)
             };
             let sources = [source_at(0), source_at(1)];
             let setups: Vec<Setup<'_>> = sources

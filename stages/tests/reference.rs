@@ -33,11 +33,7 @@ fn lr(_stage: u32, k: u32) -> f32 {
 }
 
 fn source(epoch: u64) -> OrderedSource<'static> {
-    OrderedSource {
-        data: &data().train,
-        order: data().train.epoch_order(SEED, epoch),
-        size: MB,
-    }
+    OrderedSource::new(&data().train, data().train.epoch_order(SEED, epoch), MB)
 }
 
 /// One stage, `sequential`, `updates` updates of `M` microbatches.

@@ -72,11 +72,11 @@ fn soak<T: Transport>(
     let mut samples = Vec::new();
     let start = Instant::now();
     for seg in 0..segments {
-        let source = OrderedSource {
-            data: &data.train,
-            order: data.train.epoch_order(1, u64::from(seg) + 1),
-            size: 4,
-        };
+        let source = OrderedSource::new(
+            &data.train,
+            data.train.epoch_order(1, u64::from(seg) + 1),
+            4,
+        );
         let setup = Setup {
             model: &model,
             plan: &run,

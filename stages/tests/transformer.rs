@@ -61,11 +61,7 @@ fn plan(model: &Model, spec: &ScheduleSpec) -> RunPlan {
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource {
-        data: &data().train,
-        order: data().train.epoch_order(SEED, 1),
-        size: 2,
-    }
+    OrderedSource::new(&data().train, data().train.epoch_order(SEED, 1), 2)
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {

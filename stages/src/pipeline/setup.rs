@@ -28,20 +28,34 @@ pub trait MicrobatchSource: Sync {
     fn labels(&self, mb: u32) -> Result<Tensor<u32>>;
 }
 
-/// Microbatches cut in order from a list of sample indices (an epoch's shuffled order).
+/// Microbatches cut in order from a list of sample indices (an epoch's shuffled order),
+/// from a position in it on (where a segment of the epoch starts).
 #[derive(Debug)]
 pub struct OrderedSource<'a> {
     /// The dataset.
     pub data: &'a Dataset,
-    /// Sample indices; microbatch `mb` is `order[mb * size .. (mb + 1) * size]`.
-    pub order: Vec<u32>,
+    /// Sample indices, shared by the epoch's segments.
+    pub order: std::sync::Arc<Vec<u32>>,
+    /// Where microbatch 0 starts in `order`: microbatch `mb` is
+    /// `order[first + mb * size .. first + (mb + 1) * size]`.
+    pub first: usize,
     /// Samples per microbatch.
     pub size: usize,
 }
 
-impl OrderedSource<'_> {
+impl<'a> OrderedSource<'a> {
+    /// The microbatches of `order` from its start.
+    pub fn new(data: &'a Dataset, order: Vec<u32>, size: usize) -> Self {
+        Self {
+            data,
+            order: std::sync::Arc::new(order),
+            first: 0,
+            size,
+        }
+    }
+
     fn slice(&self, mb: u32) -> Result<&[u32]> {
-        let start = mb as usize * self.size;
+        let start = self.first + mb as usize * self.size;
         self.order.get(start..start + self.size).ok_or_else(|| {
             crate::StageError::Executor(format!("microbatch {mb} is beyond the data"))
         })

@@ -111,6 +111,9 @@ pub(crate) struct Run<'c> {
     pub(crate) total: u64,
     lr: LrSchedule,
     start: Instant,
+    /// The sample order of the latest epoch asked for: computed once per epoch, not once per
+    /// segment (a token corpus's order is tens of millions of windows).
+    order: std::sync::Mutex<Option<(u64, Arc<Vec<u32>>)>>,
 }
 
 /// Trains `cfg`'s model with the pipelined executor.
@@ -867,6 +870,7 @@ impl<'c> Run<'c> {
             total,
             lr: cfg.lr_schedule(total),
             start: Instant::now(),
+            order: std::sync::Mutex::new(None),
         })
     }
 
@@ -1027,6 +1031,22 @@ impl<'c> Run<'c> {
         }
     }
 
+    /// Epoch `epoch`'s sample order, computed once and shared by its segments.
+    fn epoch_order(&self, data: &Splits, epoch: u64) -> Arc<Vec<u32>> {
+        let mut memo = self
+            .order
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*memo {
+            Some((e, order)) if *e == epoch => order.clone(),
+            _ => {
+                let order = Arc::new(data.train.epoch_order(self.cfg.seed, epoch));
+                *memo = Some((epoch, order.clone()));
+                order
+            }
+        }
+    }
+
     /// Calls `f` with the [`Setup`] of one epoch's schedule (`plan`) from minibatch `done` on:
     /// the epoch's sample order, the learning rate of each stage's updates, dropout offsets.
     pub(super) fn with_setup<R>(
@@ -1041,11 +1061,11 @@ impl<'c> Run<'c> {
         // The data cursor: the updates of this epoch already done (by earlier segments, or
         // before the checkpoint this run resumed from).
         let in_epoch = done - (epoch - 1) * self.per_epoch;
-        let mut order = data.train.epoch_order(cfg.seed, epoch);
+        let order = self.epoch_order(data, epoch);
         let skip = (in_epoch * self.minibatch) as usize * cfg.microbatch_size;
-        order.drain(..skip.min(order.len()));
         let source = OrderedSource {
             data: &data.train,
+            first: skip.min(order.len()),
             order,
             size: cfg.microbatch_size,
         };
