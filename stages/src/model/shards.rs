@@ -457,12 +457,17 @@ struct Shard {
     tokens: u64,
 }
 
+/// Windows read between two releases of the shards' mapped pages ([`TokenCorpus::read`]).
+const RELEASE_EVERY: u64 = 128;
+
 /// An open corpus: its manifest and every shard mapped.
 #[derive(Debug)]
 pub struct TokenCorpus {
     dir: PathBuf,
     manifest: Manifest,
     shards: Vec<Shard>,
+    /// Reads so far, for releasing the mapped pages every [`RELEASE_EVERY`].
+    reads: std::sync::atomic::AtomicU64,
 }
 
 /// Whether `file` is a plain file name (a manifest names files in its own directory only).
@@ -493,6 +498,7 @@ impl TokenCorpus {
             dir: dir.to_path_buf(),
             manifest,
             shards,
+            reads: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -567,7 +573,28 @@ impl TokenCorpus {
             }
             out.push(id);
         }
+        let reads = self
+            .reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        if reads % RELEASE_EVERY == 0 {
+            self.release_pages();
+        }
         Ok(())
+    }
+
+    /// Unmaps every page the shards' maps hold (they stay in the page cache, and the next
+    /// read of one faults it back in). A run reads windows all over the corpus, so without
+    /// this the resident set would grow toward the corpus's size over an epoch; with it, it
+    /// holds at most the pages of [`RELEASE_EVERY`] windows.
+    fn release_pages(&self) {
+        #[cfg(unix)]
+        for s in &self.shards {
+            // SAFETY: the maps are shared, read-only maps of files nobody writes (see
+            // `open_shard`): dropping their pages loses nothing, and a read racing with it
+            // faults the same bytes back in from the page cache.
+            let _ = unsafe { s.map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
     }
 
     /// Reads every id of every shard, in pieces, checking each against the vocabulary
@@ -737,6 +764,11 @@ fn open_shard(dir: &Path, entry: &ShardEntry, m: &Manifest) -> Result<Shard> {
     // SIGBUS), as with every memory-mapped reader.
     let map = unsafe { memmap2::Mmap::map(&file) }
         .map_err(|e| data_err(&name, format!("cannot map: {e}")))?;
+    // Windows are read in a random order: without this hint the kernel reads ahead (and maps,
+    // in large folios) up to megabytes around each window, and the resident set grows by
+    // that much per window read. A failure only loses the hint.
+    #[cfg(unix)]
+    let _ = map.advise(memmap2::Advice::Random);
     Ok(Shard {
         name,
         map,
