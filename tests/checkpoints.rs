@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{ok, weights};
+use common::{ok, refused, weights};
 
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
@@ -96,17 +96,6 @@ fn train(args: &[String], extra: &[&str]) -> Output {
         .env_remove("RUST_BACKTRACE")
         .output()
         .unwrap()
-}
-
-#[track_caller]
-fn refused(out: &Output, needles: &[&str]) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "{err}");
-    for n in needles {
-        assert!(lines[0].contains(n), "expected '{n}' in {err}");
-    }
 }
 
 fn s(p: &Path) -> &str {

@@ -38,8 +38,8 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// Tiny Shakespeare through the BPE into shards of 50,000 ids (ten of them).
-fn bpe_corpus(name: &str) -> PathBuf {
+/// Tiny Shakespeare through the BPE into shards of `shard_tokens` ids.
+fn bpe_corpus(name: &str, shard_tokens: &str) -> PathBuf {
     let out = tmp(name);
     ok(&pipe(&[
         "tokenize",
@@ -50,7 +50,7 @@ fn bpe_corpus(name: &str) -> PathBuf {
         "--out",
         s(&out),
         "--shard-tokens",
-        "50000",
+        shard_tokens,
     ]));
     out
 }
@@ -68,7 +68,7 @@ fn all_ids(dir: &Path) -> Vec<u32> {
 
 #[test]
 fn tokenize_gives_the_python_tokenizers_ids_in_shards() {
-    let dir = bpe_corpus("python");
+    let dir = bpe_corpus("python", "50000");
     let manifest = pipe_stages::shards::read_manifest(&dir).unwrap();
     assert_eq!(manifest.shards.len(), 10, "{manifest:?}");
     assert_eq!(manifest.tokenizer.vocab_size, 1024);
@@ -118,7 +118,7 @@ fn train(corpus: &Path, extra: &[&str]) -> Output {
 
 #[test]
 fn a_checkpoint_taken_mid_epoch_on_shards_resumes_to_the_same_weights_under_any_layout() {
-    let corpus = bpe_corpus("resume");
+    let corpus = bpe_corpus("resume", "50000");
     let ckpt = tmp("ckpt");
     let whole = ok(&train(
         &corpus,
@@ -157,18 +157,7 @@ fn a_checkpoint_taken_mid_epoch_on_shards_resumes_to_the_same_weights_under_any_
     assert!(piped.contains("32 samples into it"), "{piped}");
 
     // A checkpoint of one corpus does not resume on another.
-    let other = tmp("other-corpus");
-    ok(&pipe(&[
-        "tokenize",
-        "--tokenizer",
-        BPE,
-        "--input",
-        SHAKESPEARE,
-        "--out",
-        s(&other),
-        "--shard-tokens",
-        "60000",
-    ]));
+    let other = bpe_corpus("other-corpus", "60000");
     refused(&train(&other, &["--resume", s(&from)]), &["another corpus"]);
 }
 
