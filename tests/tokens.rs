@@ -2,7 +2,8 @@
 //! the Python `tokenizers` package gives (the committed GPT-2-style BPE, checked against the
 //! digest its maker printed), a model trains on them streamed from disk, a checkpoint taken
 //! mid-epoch resumes to the bit-identical end of the run it interrupted and resumes under
-//! another layout at the same data cursor, and bad input and bad shards exit 2 with one line
+//! another layout at the same data cursor, its checkpoint samples text through the corpus's
+//! tokenizer, and bad input and bad shards exit 2 with one line
 //! naming the file and byte.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -159,6 +160,48 @@ fn a_checkpoint_taken_mid_epoch_on_shards_resumes_to_the_same_weights_under_any_
     // A checkpoint of one corpus does not resume on another.
     let other = bpe_corpus("other-corpus", "60000");
     refused(&train(&other, &["--resume", s(&from)]), &["another corpus"]);
+}
+
+#[test]
+fn a_checkpoint_of_a_token_corpus_samples_text_through_the_corpus_tokenizer() {
+    let corpus = bpe_corpus("sample", "50000");
+    let ckpt = tmp("sample-ckpt");
+    ok(&train(
+        &corpus,
+        &["--steps", "2", "--checkpoint-dir", s(&ckpt)],
+    ));
+    let sample = |tokenizer: &Path| {
+        pipe(&[
+            "sample",
+            "--checkpoint",
+            s(&ckpt),
+            "--tokenizer",
+            s(tokenizer),
+            "--prompt",
+            "ROMEO:",
+            "--tokens",
+            "12",
+            "--seed",
+            "3",
+        ])
+    };
+    let text = ok(&sample(&corpus));
+    assert!(
+        text.starts_with("ROMEO:") && text.len() > "ROMEO:\n".len(),
+        "{text}"
+    );
+    // The same tokenizer as a file gives the same draws and the same text.
+    assert_eq!(ok(&sample(Path::new(BPE))), text);
+
+    refused(
+        &pipe(&["sample", "--checkpoint", s(&ckpt)]),
+        &["tokenized corpus", "--tokenizer"],
+    );
+    let other = bpe_corpus("sample-other", "60000");
+    refused(
+        &sample(&other),
+        &["not the corpus the checkpoint trained on"],
+    );
 }
 
 /// The bytes of a corpus's first shard, to damage.
