@@ -1,0 +1,92 @@
+"""The table of run.sh's runs: for each optimizer, the validation loss of sequential training
+after 2 epochs and the gap of 2bw and pipedream to it, seed by seed and on average.
+
+    python3 summary.py RUNS_DIR [RUNS_DIR ...] > results.md
+
+Reads every OPTIMIZER-sSEED.log in the directories (run.sh's lanes) and their device.txt.
+A run that failed (a loss or gradient that stopped being finite, a time limit) is named with
+its last line instead of a number.
+"""
+
+import pathlib
+import re
+import statistics
+import sys
+
+SCHEDULES = ["sequential", "2bw", "pipedream"]
+DONE = re.compile(r"^done: (\d+) steps, test accuracy [\d.]+%, test loss (\S+), "
+                  r"weights (\w+), ([\d.]+) s", re.M)
+LOG = re.compile(r"^(.+)-s(\d+)\.log$")
+
+
+def parse(path):
+    """Each schedule's result in one lane's log: its loss, or the line that says why not."""
+    runs = {}
+    for part in path.read_text().split("=== ")[1:]:
+        schedule, text = part.split("\n", 1)
+        m = DONE.search(text)
+        if m:
+            runs[schedule] = float(m[2])
+        else:
+            lines = [l for l in text.strip().splitlines() if not l.startswith("exit")]
+            runs[schedule] = lines[-1] if lines else "no output"
+    return runs
+
+
+def main():
+    dirs = [pathlib.Path(d) for d in sys.argv[1:]]
+    lanes = {}
+    for d in dirs:
+        for path in sorted(d.glob("*.log")):
+            m = LOG.match(path.name)
+            if m:
+                lanes.setdefault(m[1], {})[int(m[2])] = parse(path)
+    print("| optimizer | seed | sequential | 2bw | 2bw gap | pipedream | pipedream gap |")
+    print("|---|---|---|---|---|---|---|")
+    failures = []
+    means = []
+    for opt, seeds in lanes.items():
+        gaps = {"2bw": [], "pipedream": []}
+        for seed, runs in sorted(seeds.items()):
+            cells = []
+            base = runs.get("sequential")
+            for s in SCHEDULES:
+                r = runs.get(s)
+                if isinstance(r, float):
+                    cells.append(f"{r:.4f}")
+                    if s != "sequential" and isinstance(base, float):
+                        gaps[s].append(r - base)
+                        cells.append(f"{r - base:+.4f}")
+                    elif s != "sequential":
+                        cells.append("")
+                else:
+                    cells.append("failed" if r else "not run")
+                    if s != "sequential":
+                        cells.append("")
+                    if r:
+                        failures.append(f"{opt}, seed {seed}, {s}: {r}")
+            print(f"| {opt} | {seed} | " + " | ".join(cells) + " |")
+        means.append((opt, len(seeds), gaps))
+    print()
+    print("Mean gap over the seeds where both runs finished (nats/char):")
+    print()
+    for opt, n, gaps in means:
+        parts = [f"{s} {statistics.fmean(g):+.3f} ({len(g)} of {n})" if g else f"{s}: none"
+                 for s, g in gaps.items()]
+        print(f"- {opt}: " + ", ".join(parts))
+    if failures:
+        print()
+        print("Runs that did not finish:")
+        print()
+        for f in failures:
+            print(f"- {f}")
+    print()
+    print("Devices:")
+    print()
+    for d in dirs:
+        text = (d / "device.txt").read_text().split("\n")
+        print(f"- {d.name}: " + "; ".join(l for l in text if l and not l.startswith("name,")))
+
+
+if __name__ == "__main__":
+    main()
