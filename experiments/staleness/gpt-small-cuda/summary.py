@@ -14,6 +14,8 @@ import statistics
 import sys
 
 SCHEDULES = ["sequential", "2bw", "pipedream"]
+# Student's t at 97.5% for 1 to 9 degrees of freedom: the half-width of a 95% interval.
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262]
 DONE = re.compile(r"^done: (\d+) steps, test accuracy [\d.]+%, test loss (\S+), "
                   r"weights (\w+), ([\d.]+) s", re.M)
 LOG = re.compile(r"^(.+)-s(\d+)\.log$")
@@ -68,10 +70,18 @@ def main():
             print(f"| {opt} | {seed} | " + " | ".join(cells) + " |")
         means.append((opt, len(seeds), gaps))
     print()
-    print("Mean gap over the seeds where both runs finished (nats/char):")
+    print("Mean gap over the seeds where both runs finished (nats/char), with the half-width of")
+    print("its 95% interval (Student's t) where there are two seeds or more:")
     print()
+
+    def mean(g):
+        text = f"{statistics.fmean(g):+.3f}"
+        if 2 <= len(g) <= len(T975) + 1:
+            text += f" ± {T975[len(g) - 2] * statistics.stdev(g) / len(g) ** 0.5:.3f}"
+        return text
+
     for opt, n, gaps in means:
-        parts = [f"{s} {statistics.fmean(g):+.3f} ({len(g)} of {n})" if g else f"{s}: none"
+        parts = [f"{s} {mean(g)} ({len(g)} of {n})" if g else f"{s}: none"
                  for s, g in gaps.items()]
         print(f"- {opt}: " + ", ".join(parts))
     if failures:
