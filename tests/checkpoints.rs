@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{ok, refused, weights};
+use common::{ok, refused, s, weights};
 
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
@@ -96,10 +96,6 @@ fn train(args: &[String], extra: &[&str]) -> Output {
         .env_remove("RUST_BACKTRACE")
         .output()
         .unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 /// Stops a run with SIGINT once its first checkpoint exists; returns its output.

@@ -2,17 +2,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::{Command, Output};
-
 mod common;
-
-fn pipe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pipe"))
-        .args(args)
-        .env_remove("RUST_BACKTRACE")
-        .output()
-        .expect("run pipe")
-}
+use common::pipe;
 
 /// Runs pipe, asserts success and returns its standard output.
 #[track_caller]
@@ -778,7 +769,7 @@ fn plan_rejects_cyclic_and_unknown_profiles_and_impossible_requests() {
 fn a_reader_that_leaves_early_ends_the_output_quietly() {
     use std::io::Read as _;
     // Far more than a pipe buffer holds, so the writer is still writing when the reader leaves.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pipe"))
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_pipe"))
         .args([
             "schedule",
             "--stages",

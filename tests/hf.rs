@@ -9,18 +9,10 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{ok, pipe};
+use common::{ok, pipe, s};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-hf-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    let p = d.join(name);
-    let _ = std::fs::remove_dir_all(&p);
-    p
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
+    common::fresh_path("hf", name)
 }
 
 /// The tensor names in a safetensors file's header.
@@ -99,27 +91,20 @@ fn an_exported_gpt2_keeps_its_logits_names_its_tensors_as_transformers_does_and_
     assert_eq!((rows.len(), rows[0].len()), (7, 65));
 
     // A run starts from the exported weights: its first evaluation is of those weights.
-    let on = ok(&pipe(&[
-        "train",
-        "--model",
-        "gpt2-tiny",
-        "--steps",
-        "1",
-        "--threads",
-        "1",
-        "--init-from",
-        s(&out),
-    ]));
-    let fresh = ok(&pipe(&[
-        "train",
-        "--model",
-        "gpt2-tiny",
-        "--steps",
-        "1",
-        "--threads",
-        "1",
-    ]));
-    assert_ne!(common::weights(&on), common::weights(&fresh));
+    let one_update = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--model",
+            "gpt2-tiny",
+            "--steps",
+            "1",
+            "--threads",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        common::weights(&ok(&pipe(&args)))
+    };
+    assert_ne!(one_update(&["--init-from", s(&out)]), one_update(&[]));
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::process::Output;
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{ok, pipe, refused, weights};
+use common::{ok, pipe, refused, s, weights};
 
 const BPE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -28,15 +28,7 @@ const PYTHON_IDS: usize = 459_913;
 const PYTHON_SHA256: &str = "2d79b3bd7ad312ec55b8e5e64e994a607d7d7db8000bd0216b0e89e967a0aa09";
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-tokens-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    let p = d.join(name);
-    let _ = std::fs::remove_dir_all(&p);
-    p
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
+    common::fresh_path("tokens", name)
 }
 
 /// Tiny Shakespeare through the BPE into shards of `shard_tokens` ids.

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use pipe_kernels::CpuBackend;
-use pipe_stages::checkpoint::{read, read_state};
+use pipe_stages::checkpoint::read_with_model;
 use pipe_stages::config::{DEFAULT_EVAL_WINDOWS, DatasetKind, RunConfig};
 use pipe_stages::data::{mnist, synthetic, tinyshakespeare, token_corpus};
-use pipe_stages::model::{Model, params_digest};
+use pipe_stages::model::params_digest;
 use pipe_stages::shards::Holdout;
 use pipe_stages::train::evaluate;
 
@@ -39,9 +39,8 @@ pub struct EvalArgs {
 /// Bad input for a missing, corrupted or truncated checkpoint (the error names the file) or a
 /// dataset the model does not fit.
 pub fn run(args: &EvalArgs) -> Result<()> {
-    let (dir, state) = read_state(&args.checkpoint)?;
-    let model = Model::new(&state.model_spec)?;
-    let (_, ckpt) = read(&dir, &model)?;
+    let (dir, model, ckpt) = read_with_model(&args.checkpoint)?;
+    let state = &ckpt.state;
     let (dataset, data_dir) =
         crate::args::dataset_and_dir(args.dataset.as_ref(), args.data_dir.as_deref())?;
     let dataset = dataset.unwrap_or(state.dataset);

@@ -6,8 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
-use pipe_stages::checkpoint::{read, read_state};
-use pipe_stages::model::Model;
+use pipe_stages::checkpoint::read_with_model;
 
 use crate::output::bad_input;
 
@@ -42,11 +41,9 @@ pub struct ExportArgs {
 /// Bad input for a missing or corrupted checkpoint, or a model that is not GPT-2-shaped;
 /// a failure to write.
 pub fn run(args: &ExportArgs) -> Result<()> {
-    let (dir, state) = read_state(&args.checkpoint)?;
-    let model = Model::new(&state.model_spec)?;
-    let (_, ckpt) = read(&dir, &model)?;
+    let (dir, model, ckpt) = read_with_model(&args.checkpoint)?;
     let ExportFormat::Hf = args.format;
-    let layout = pipe_stages::hf::export(&model, &state.model_spec, &ckpt.params, &args.out)?;
+    let layout = pipe_stages::hf::export(&model, &ckpt.state.model_spec, &ckpt.params, &args.out)?;
     if let Some(t) = &args.tokenizer {
         // Read through the tokenizer library first: a file it cannot read is refused here,
         // not found broken by the tool that loads the export.
@@ -68,7 +65,7 @@ pub fn run(args: &ExportArgs) -> Result<()> {
             "untied head"
         },
         dir.display(),
-        state.updates
+        ckpt.state.updates
     );
     Ok(())
 }

@@ -8,7 +8,7 @@ use anyhow::Result;
 use clap::Args;
 use pipe_kernels::{Backend, CpuBackend, Tensor};
 
-use pipe_stages::checkpoint::{read, read_state};
+use pipe_stages::checkpoint::read_with_model;
 use pipe_stages::model::Model;
 
 use crate::output::bad_input;
@@ -39,9 +39,7 @@ pub struct LogitsArgs {
 pub fn run(args: &LogitsArgs) -> Result<()> {
     let (model, params) = match (&args.checkpoint, &args.hf) {
         (Some(c), _) => {
-            let (dir, state) = read_state(c)?;
-            let model = Model::new(&state.model_spec)?;
-            let (_, ckpt) = read(&dir, &model)?;
+            let (_, model, ckpt) = read_with_model(c)?;
             (model, ckpt.params)
         }
         (None, Some(dir)) => {

@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use clap::Args;
 use pipe_kernels::CpuBackend;
-use pipe_stages::checkpoint::{RunState, read, read_state};
-use pipe_stages::model::Model;
+use pipe_stages::checkpoint::{RunState, read_with_model};
 use pipe_stages::sample::{SampleOptions, generate};
 use pipe_stages::shards::TokenCorpus;
 use pipe_stages::tokenizer::TextTokenizer;
@@ -126,9 +125,8 @@ fn codec(args: &SampleArgs, dir: &Path, state: &RunState) -> Result<Codec> {
 /// vocabulary or tokenizer, a tokenizer of another corpus or vocabulary size, a prompt the
 /// vocabulary cannot encode, or bad sampling options.
 pub fn run(args: &SampleArgs) -> Result<()> {
-    let (dir, state) = read_state(&args.checkpoint)?;
-    let codec = codec(args, &dir, &state)?;
-    let model = Model::new(&state.model_spec)?;
+    let (dir, model, ckpt) = read_with_model(&args.checkpoint)?;
+    let codec = codec(args, &dir, &ckpt.state)?;
     if let Codec::Tokenizer(tk) = &codec {
         let outputs = model.output_shape().last().copied().unwrap_or(0);
         if tk.vocab_size() != outputs {
@@ -139,7 +137,6 @@ pub fn run(args: &SampleArgs) -> Result<()> {
             )));
         }
     }
-    let (_, ckpt) = read(&dir, &model)?;
     let prompt = codec.encode(&args.prompt)?;
     let opts = SampleOptions {
         tokens: args.tokens,

@@ -3,7 +3,23 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+/// An empty path `name` under this test binary's own scratch folder
+/// (`TMP/pipe-SUITE-PID`): whatever an earlier call left there is removed.
+pub fn fresh_path(suite: &str, name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-{suite}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let p = d.join(name);
+    let _ = std::fs::remove_dir_all(&p);
+    p
+}
+
+/// A path as the `&str` a command-line argument takes.
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
 
 /// Runs the `pipe` binary with `args` (no backtraces, so an error is its one line).
 pub fn pipe(args: &[&str]) -> Output {

@@ -509,6 +509,19 @@ fn parse_state(dir: &Path, bytes: &[u8]) -> Result<RunState> {
     Ok(state)
 }
 
+/// Reads and checks the checkpoint `path` names ([`resolve`]) with the model its state
+/// describes: where a command that uses a checkpoint on its own (`pipe eval`, `sample`,
+/// `export`, `logits`) starts.
+///
+/// # Errors
+/// As [`read_state`], [`Model::new`] and [`read`].
+pub fn read_with_model(path: &Path) -> Result<(PathBuf, Model, Checkpoint)> {
+    let (dir, state) = read_state(path)?;
+    let model = Model::new(&state.model_spec)?;
+    let (dir, ckpt) = read(&dir, &model)?;
+    Ok((dir, model, ckpt))
+}
+
 /// Reads and checks the checkpoint `path` names ([`resolve`]) for `model`.
 ///
 /// # Errors
