@@ -7,12 +7,26 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
+use std::process::Output;
 
 mod common;
 use common::{ok, pipe, s};
 
 fn tmp(name: &str) -> PathBuf {
     common::fresh_path("hf", name)
+}
+
+/// `pipe export --format hf` of checkpoint `ckpt` into `out`.
+fn export_hf(ckpt: &Path, out: &Path) -> Output {
+    pipe(&[
+        "export",
+        "--checkpoint",
+        s(ckpt),
+        "--format",
+        "hf",
+        "--out",
+        s(out),
+    ])
 }
 
 /// The tensor names in a safetensors file's header.
@@ -45,15 +59,7 @@ fn an_exported_gpt2_keeps_its_logits_names_its_tensors_as_transformers_does_and_
         s(&ckpt),
     ]));
     let out = tmp("exported");
-    let text = ok(&pipe(&[
-        "export",
-        "--checkpoint",
-        s(&ckpt),
-        "--format",
-        "hf",
-        "--out",
-        s(&out),
-    ]));
+    let text = ok(&export_hf(&ckpt, &out));
     assert!(
         text.contains("2 blocks, width 64, 2 heads, 64 positions"),
         "{text}"
@@ -117,15 +123,7 @@ fn models_outside_gpt2s_layout_and_bad_directories_are_refused() {
         "--checkpoint-dir",
         s(&ckpt),
     ]));
-    let out = pipe(&[
-        "export",
-        "--checkpoint",
-        s(&ckpt),
-        "--format",
-        "hf",
-        "--out",
-        s(&tmp("x")),
-    ]);
+    let out = export_hf(&ckpt, &tmp("x"));
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("GPT-2-shaped"),
