@@ -26,6 +26,7 @@ pub mod frame;
 pub mod inproc;
 pub mod nccl;
 pub mod quic;
+pub mod shm;
 
 use std::time::Duration;
 

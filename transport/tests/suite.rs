@@ -457,3 +457,11 @@ transport_suite!(quic, |n, timeout| {
     opts.linger = Duration::from_secs(2);
     pipe_transport::quic::local_mesh(n, &opts).unwrap()
 });
+
+transport_suite!(shm, |n, timeout| {
+    let mut opts = pipe_transport::shm::ShmOptions::new(0x5e9);
+    opts.timeout = timeout;
+    // Small rings, so that the cases also cover frames in pieces and full rings.
+    opts.ring_bytes = 4096;
+    pipe_transport::shm::local_mesh(n, &opts).unwrap()
+});

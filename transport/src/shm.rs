@@ -1,0 +1,1403 @@
+//! The shared-memory transport: worker processes on one host, one byte ring per directed link
+//! in a memory segment only the two ends of the link can reach.
+//!
+//! **Admission before memory.** Each worker listens on a Unix-domain socket in a directory
+//! only the run's user can enter (mode 0700). For every pair, the higher rank dials the lower
+//! one. Both ends read the other's credentials from the kernel (`SO_PEERCRED`) and refuse a
+//! process of another user; the dialler then sends a hello (magic, protocol version, run,
+//! both ranks, ring size and its host identity: the kernel's boot id and its network
+//! namespace) with two file descriptors (`SCM_RIGHTS`): the link's segment, a sealed `memfd`
+//! that no path names, and its wake-up `eventfd`. The acceptor checks every field, the
+//! segment's seals and size, and answers with its own `eventfd`, or with a refusal naming
+//! the problem. Two processes with different boot ids or network namespaces are two hosts,
+//! whatever their addresses: the link is refused and QUIC carries it. The socket stays open
+//! for the link's life and carries its control records (an abort, a clean close): when a
+//! peer's process ends, the kernel closes its end, and the survivor's wait returns at once
+//! naming it, with no timer on the ring.
+//!
+//! **Rings.** A segment holds one ring per direction. A ring is a byte stream: a producer
+//! position and a consumer position (64-bit, never wrapping) on separate cache lines, and a
+//! data area. Frames are [`crate::frame`]'s (prefix, header, payload), so a message is
+//! checked exactly as a QUIC frame is before anything is allocated from it. A sender copies
+//! the tensor into the ring once; the receiver copies it out once, straight into the new
+//! tensor's buffer. A frame larger than the free space goes in pieces, which is also how a
+//! tensor larger than the ring travels: the ring's size is the back-pressure. Positions are
+//! read from memory the peer can write, so each is checked (the consumer never ahead of the
+//! producer, never more than a ring's size between them) and a bad one is
+//! [`TransportError::Protocol`] naming the link, never a read out of bounds. The segment is
+//! sealed against shrinking and growing, so the peer cannot make a mapped page vanish.
+//!
+//! **Waiting.** A blocked call parks: it sets a flag in each ring it waits on, drains its
+//! `eventfd`, looks once more, and then sleeps in `poll` on the `eventfd` and every link's
+//! socket. A producer that commits bytes, or a consumer that frees space, writes the other
+//! end's `eventfd` only when that end is parked, so a busy pipeline makes no system call for
+//! its wake-ups. No call spins. A worker blocked on a full ring reads every ring coming to
+//! it while it waits, keeping what it reads by key, so two workers sending to each other
+//! cannot deadlock; what waits for the program is bounded per peer by
+//! [`ShmOptions::max_held_bytes`], as over QUIC.
+//!
+//! **Partial writes are never messages.** A producer publishes its position only after the
+//! bytes before it are written, and a receiver hands a message over only once its whole
+//! payload is read. A peer that dies in the middle of a frame leaves a frame that is never
+//! delivered; its socket's end makes every later call return [`TransportError::Lost`].
+
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, PollFd, PollFlags};
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+use crate::frame::{self, FrameLimits, Header, PREFIX_BYTES, PayloadBuffer, WireDType};
+use crate::{Early, Key, Kind, Message, Transport, TransportError};
+
+/// First bytes of a segment.
+const SEGMENT_MAGIC: [u8; 8] = *b"PIPESHM1";
+/// First bytes of a hello.
+const HELLO_MAGIC: [u8; 8] = *b"PIPESHMH";
+/// First bytes of a hello's answer.
+const ANSWER_MAGIC: [u8; 8] = *b"PIPESHMA";
+/// The handshake's and the ring layout's version.
+pub const SHM_PROTOCOL_VERSION: u16 = 1;
+/// Bytes before the first ring's data: the segment header and both ring headers.
+const DATA_START: usize = 4096;
+/// Where each ring's header starts.
+const RING_HEADERS: [usize; 2] = [512, 1024];
+/// Offsets inside a ring header, one cache line (or two) apart.
+const HEAD: usize = 0;
+const TAIL: usize = 128;
+const READER_PARKED: usize = 256;
+const WRITER_PARKED: usize = 320;
+/// Control records on a link's socket.
+const RECORD_ABORT: u8 = b'A';
+const RECORD_CLOSE: u8 = b'C';
+/// Smallest and largest ring a hello may ask for.
+const MIN_RING: u64 = 4096;
+const MAX_RING: u64 = 1 << 30;
+/// A hello or an answer is at most this long.
+const MAX_HANDSHAKE: usize = 512;
+
+/// Settings of a shared-memory endpoint.
+#[derive(Clone, Debug)]
+pub struct ShmOptions {
+    /// The run every peer and frame must belong to.
+    pub run_id: u64,
+    /// Bytes of each ring (one per direction of a link).
+    pub ring_bytes: u64,
+    /// Element type of activations and gradients (all-reduce chunks are f32, or bf16 where
+    /// they hold bf16 values, as over QUIC).
+    pub wire: WireDType,
+    /// How long a receive of data waits before [`TransportError::Timeout`], the stall bound
+    /// (None: until the message or a failure). Control records are waited for without bound.
+    pub timeout: Option<Duration>,
+    /// How long connecting waits for peers that start late.
+    pub connect_timeout: Duration,
+    /// Largest payload accepted from a peer.
+    pub max_payload_bytes: u64,
+    /// Bytes of one peer's messages that may wait for this worker's receives.
+    pub max_held_bytes: u64,
+}
+
+impl ShmOptions {
+    /// Defaults for run `run_id`: rings of 4 MiB.
+    pub fn new(run_id: u64) -> Self {
+        ShmOptions {
+            run_id,
+            ring_bytes: 4 << 20,
+            wire: WireDType::F32,
+            timeout: None,
+            connect_timeout: Duration::from_secs(30),
+            max_payload_bytes: FrameLimits::DEFAULT_MAX_PAYLOAD,
+            max_held_bytes: crate::quic::DEFAULT_MAX_HELD_BYTES,
+        }
+    }
+}
+
+/// What makes two processes one host: the kernel's boot id and the network namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HostId {
+    /// `/proc/sys/kernel/random/boot_id`, its 36 characters.
+    pub boot: [u8; 36],
+    /// Device and inode of `/proc/self/ns/net`.
+    pub netns: (u64, u64),
+}
+
+impl HostId {
+    /// This process's host identity.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] where `/proc` does not say.
+    pub fn current() -> Result<HostId, TransportError> {
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map_err(|e| setup(format!("reading the kernel's boot id: {e}")))?;
+        let mut boot = [0u8; 36];
+        let t = text.trim().as_bytes();
+        if t.len() != boot.len() {
+            return Err(setup(format!("boot id '{}' is not a UUID", text.trim())));
+        }
+        boot.copy_from_slice(t);
+        let ns = std::fs::metadata("/proc/self/ns/net")
+            .map_err(|e| setup(format!("reading the network namespace: {e}")))?;
+        Ok(HostId {
+            boot,
+            netns: (ns.dev(), ns.ino()),
+        })
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.boot);
+        out.extend_from_slice(&self.netns.0.to_le_bytes());
+        out.extend_from_slice(&self.netns.1.to_le_bytes());
+    }
+}
+
+fn setup(why: String) -> TransportError {
+    TransportError::Setup(why)
+}
+
+/// The directory a cluster's workers on one host meet in, for run `run_id`: under
+/// `$XDG_RUNTIME_DIR` where it is set, else the system's temporary directory, in a
+/// directory of this user's alone.
+pub fn rendezvous_dir(run_id: u64) -> PathBuf {
+    let base = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(std::env::temp_dir);
+    let uid = rustix::process::geteuid().as_raw();
+    base.join(format!("pipe-{uid}"))
+        .join(format!("{run_id:016x}"))
+}
+
+/// Creates `dir` (its parent must exist) for this user alone, or checks that an existing one is
+/// this user's and closed to others.
+///
+/// # Errors
+/// [`TransportError::Setup`] for a directory of another user or open to others.
+pub fn private_dir(dir: &Path) -> Result<(), TransportError> {
+    let uid = rustix::process::geteuid().as_raw();
+    for d in [dir] {
+        match std::fs::DirBuilder::new().mode(0o700).create(d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(setup(format!("creating {}: {e}", d.display()))),
+        }
+        let meta = std::fs::symlink_metadata(d)
+            .map_err(|e| setup(format!("reading {}: {e}", d.display())))?;
+        if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+            return Err(setup(format!(
+                "{} must be a directory of user {uid} closed to others (mode 0700)",
+                d.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The socket rank `rank` listens on in `dir`.
+pub fn socket_path(dir: &Path, rank: u32) -> PathBuf {
+    dir.join(format!("rank-{rank}.sock"))
+}
+
+/// One ring of a mapped segment. The pointers stay valid while the segment's mapping lives
+/// (the [`Link`] holds both).
+struct Ring {
+    header: *mut u8,
+    data: *mut u8,
+    cap: u64,
+}
+
+// The pointers point into a mapping the owning link keeps alive; the atomics in it are
+// shared with the peer process by design.
+unsafe impl Send for Ring {}
+
+impl Ring {
+    fn atomic64(&self, at: usize) -> &AtomicU64 {
+        // SAFETY: `header + at` is 8-aligned (the mapping is page-aligned, offsets are
+        // multiples of 64) and inside the mapping, which outlives `self`.
+        unsafe { &*self.header.add(at).cast::<AtomicU64>() }
+    }
+    fn atomic32(&self, at: usize) -> &AtomicU32 {
+        // SAFETY: as `atomic64`, 4-aligned.
+        unsafe { &*self.header.add(at).cast::<AtomicU32>() }
+    }
+    fn head(&self) -> &AtomicU64 {
+        self.atomic64(HEAD)
+    }
+    fn tail(&self) -> &AtomicU64 {
+        self.atomic64(TAIL)
+    }
+    fn reader_parked(&self) -> &AtomicU32 {
+        self.atomic32(READER_PARKED)
+    }
+    fn writer_parked(&self) -> &AtomicU32 {
+        self.atomic32(WRITER_PARKED)
+    }
+
+    /// The producer's and consumer's positions, checked against each other and the ring.
+    fn positions(&self) -> Result<(u64, u64), String> {
+        let head = self.head().load(Ordering::SeqCst);
+        let tail = self.tail().load(Ordering::SeqCst);
+        if tail > head || head - tail > self.cap {
+            return Err(format!(
+                "ring positions out of bounds (producer {head}, consumer {tail}, ring of {} bytes)",
+                self.cap
+            ));
+        }
+        Ok((head, tail))
+    }
+
+    /// Copies as much of `bytes` as fits, publishing the new producer position; returns
+    /// how many were written.
+    fn write_some(&self, bytes: &[u8]) -> Result<usize, String> {
+        let (head, tail) = self.positions()?;
+        let free = (self.cap - (head - tail)) as usize;
+        let n = free.min(bytes.len());
+        if n == 0 {
+            return Ok(0);
+        }
+        let at = (head % self.cap) as usize;
+        let first = n.min(self.cap as usize - at);
+        // SAFETY: `at + first <= cap` and `n - first <= cap`, both inside the data area;
+        // the consumer does not read these bytes until the position below is published.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data.add(at), first);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data, n - first);
+        }
+        self.head().store(head + n as u64, Ordering::SeqCst);
+        Ok(n)
+    }
+
+    /// Copies up to `out.len()` published bytes out, freeing their space; returns how many.
+    fn read_some(&self, out: &mut [u8]) -> Result<usize, String> {
+        let (head, tail) = self.positions()?;
+        let n = ((head - tail) as usize).min(out.len());
+        if n == 0 {
+            return Ok(0);
+        }
+        let at = (tail % self.cap) as usize;
+        let first = n.min(self.cap as usize - at);
+        // SAFETY: as `write_some`; these bytes were published by the producer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data.add(at), out.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data, out.as_mut_ptr().add(first), n - first);
+        }
+        self.tail().store(tail + n as u64, Ordering::SeqCst);
+        Ok(n)
+    }
+
+    fn readable(&self) -> bool {
+        self.head().load(Ordering::SeqCst) != self.tail().load(Ordering::SeqCst)
+    }
+}
+
+/// What a link's reader has of the frame in progress.
+enum Reading {
+    Prefix {
+        buf: [u8; PREFIX_BYTES],
+        got: usize,
+    },
+    Header {
+        buf: Vec<u8>,
+        got: usize,
+    },
+    Payload {
+        header: Header,
+        buf: PayloadBuffer,
+        got: usize,
+        len: usize,
+    },
+}
+
+impl Default for Reading {
+    fn default() -> Self {
+        Reading::Prefix {
+            buf: [0; PREFIX_BYTES],
+            got: 0,
+        }
+    }
+}
+
+/// How a link's peer stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum PeerState {
+    Running,
+    /// It said it sends nothing more.
+    Closed,
+    /// Its process ended (or it broke the protocol) without closing.
+    Lost(String),
+}
+
+/// This worker's end of the link to one peer.
+struct Link {
+    peer: u32,
+    socket: UnixStream,
+    /// The segment's mapping; the rings point into it.
+    _map: memmap2::MmapRaw,
+    out: Ring,
+    inp: Ring,
+    /// The peer's wake-up eventfd.
+    bell: OwnedFd,
+    reading: Reading,
+    /// Bytes of control records read from the socket, not yet a whole record.
+    control: Vec<u8>,
+    state: PeerState,
+    /// Bytes of this peer's messages held for receives.
+    held: u64,
+    /// Its socket has ended: nothing more to read from it.
+    eof: bool,
+}
+
+/// One worker's endpoint of a shared-memory mesh.
+pub struct Shm {
+    rank: u32,
+    size: u32,
+    links: Vec<Option<Link>>,
+    /// This worker's wake-up eventfd.
+    bell: OwnedFd,
+    early: Early,
+    aborted_by: Option<u32>,
+    /// This worker has said it sends nothing more.
+    closed: bool,
+    opts: ShmOptions,
+    limits: FrameLimits,
+}
+
+impl std::fmt::Debug for Shm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A worker listening on its socket, not yet connected to its peers (so a launcher can
+/// wait until every worker listens).
+pub struct ShmBound {
+    rank: u32,
+    size: u32,
+    dir: PathBuf,
+    listener: UnixListener,
+    opts: ShmOptions,
+}
+
+impl ShmBound {
+    /// Listens as rank `rank` of `size` in `dir` (created for this user alone if missing).
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`]: a directory open to others, a socket already there.
+    pub fn bind(
+        dir: &Path,
+        rank: u32,
+        size: u32,
+        opts: ShmOptions,
+    ) -> Result<ShmBound, TransportError> {
+        if rank >= size {
+            return Err(setup(format!("rank {rank} in a mesh of {size}")));
+        }
+        if !(MIN_RING..=MAX_RING).contains(&opts.ring_bytes) {
+            return Err(setup(format!(
+                "rings of {} bytes (give {MIN_RING} to {MAX_RING})",
+                opts.ring_bytes
+            )));
+        }
+        private_dir(dir)?;
+        let path = socket_path(dir, rank);
+        let listener = UnixListener::bind(&path).map_err(|e| {
+            setup(format!(
+                "worker {rank} listening on {}: {e}",
+                path.display()
+            ))
+        })?;
+        // The directory already keeps others out; the socket says the same.
+        let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+        Ok(ShmBound {
+            rank,
+            size,
+            dir: dir.to_path_buf(),
+            listener,
+            opts,
+        })
+    }
+
+    /// The socket this worker listens on.
+    pub fn path(&self) -> PathBuf {
+        socket_path(&self.dir, self.rank)
+    }
+
+    /// Connects to every other worker: dials each lower rank, then admits each higher one.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] naming the peer: one that never listened or answered, a
+    /// refused admission (another user, run, host or protocol).
+    pub fn connect(self) -> Result<Shm, TransportError> {
+        let all: Vec<u32> = (0..self.size).collect();
+        self.connect_to(&all)
+    }
+
+    /// Connects to the workers in `peers` only (the others are reached another way).
+    ///
+    /// # Errors
+    /// As [`ShmBound::connect`].
+    pub fn connect_to(self, peers: &[u32]) -> Result<Shm, TransportError> {
+        let deadline = Instant::now() + self.opts.connect_timeout;
+        let bell = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+            .map_err(|e| setup(format!("eventfd: {e}")))?;
+        let host = HostId::current()?;
+        let mut links: Vec<Option<Link>> = (0..self.size).map(|_| None).collect();
+        for &peer in peers.iter().filter(|&&p| p < self.rank) {
+            let link = self.dial(peer, &bell, &host, deadline)?;
+            links[peer as usize] = Some(link);
+        }
+        let mut waiting: Vec<u32> = peers
+            .iter()
+            .copied()
+            .filter(|&p| p > self.rank && p < self.size)
+            .collect();
+        self.listener
+            .set_nonblocking(true)
+            .map_err(|e| setup(format!("listener: {e}")))?;
+        while !waiting.is_empty() {
+            let stream = accept_by(&self.listener, deadline).map_err(|e| {
+                setup(format!(
+                    "worker {} waited for worker{} {waiting:?}: {e}",
+                    self.rank,
+                    if waiting.len() > 1 { "s" } else { "" }
+                ))
+            })?;
+            // A connection that fails admission is dropped; the run waits on for its peers.
+            match self.admit(stream, &bell, &host, &waiting, deadline) {
+                Ok(link) => {
+                    waiting.retain(|&p| p != link.peer);
+                    let p = link.peer as usize;
+                    links[p] = Some(link);
+                }
+                Err(why) => {
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "worker {}: refused a connection: {why}",
+                        self.rank
+                    );
+                }
+            }
+        }
+        let _ = std::fs::remove_file(self.path());
+        for link in links.iter().flatten() {
+            link.socket
+                .set_nonblocking(true)
+                .map_err(|e| setup(format!("socket of worker {}: {e}", link.peer)))?;
+        }
+        let mut limits = FrameLimits::new(self.opts.run_id);
+        limits.max_payload_bytes = self.opts.max_payload_bytes;
+        Ok(Shm {
+            rank: self.rank,
+            size: self.size,
+            links,
+            bell,
+            early: Early::default(),
+            aborted_by: None,
+            closed: false,
+            opts: self.opts,
+            limits,
+        })
+    }
+
+    /// Dials `peer` (lower than this rank): creates the link's segment, sends the hello with
+    /// the segment and this worker's eventfd, and reads the peer's answer.
+    fn dial(
+        &self,
+        peer: u32,
+        bell: &OwnedFd,
+        host: &HostId,
+        deadline: Instant,
+    ) -> Result<Link, TransportError> {
+        let path = socket_path(&self.dir, peer);
+        let socket = loop {
+            match UnixStream::connect(&path) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(setup(format!(
+                        "worker {} could not reach worker {peer} at {}: {e}",
+                        self.rank,
+                        path.display()
+                    )));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        let fail =
+            |why: String| setup(format!("worker {} joining worker {peer}: {why}", self.rank));
+        same_user(&socket).map_err(fail)?;
+        let cap = self.opts.ring_bytes;
+        let (memfd, map) = create_segment(self.opts.run_id, peer, self.rank, cap).map_err(fail)?;
+        let mut hello = Vec::with_capacity(128);
+        hello.extend_from_slice(&HELLO_MAGIC);
+        hello.extend_from_slice(&SHM_PROTOCOL_VERSION.to_le_bytes());
+        hello.extend_from_slice(&self.opts.run_id.to_le_bytes());
+        hello.extend_from_slice(&self.rank.to_le_bytes());
+        hello.extend_from_slice(&peer.to_le_bytes());
+        hello.extend_from_slice(&cap.to_le_bytes());
+        host.encode(&mut hello);
+        send_with_fds(&socket, &hello, &[memfd.as_fd(), bell.as_fd()]).map_err(fail)?;
+        set_timeout(&socket, deadline).map_err(fail)?;
+        let (answer, mut fds) = recv_with_fds(&socket, 1).map_err(fail)?;
+        let mut r = Fields::new(&answer);
+        if r.bytes(8).map_err(fail)? != ANSWER_MAGIC {
+            return Err(fail("its answer is not a pipe shared-memory answer".into()));
+        }
+        if r.u8().map_err(fail)? != 0 {
+            let why = String::from_utf8_lossy(r.rest()).into_owned();
+            return Err(fail(format!("refused: {why}")));
+        }
+        let bell_of_peer = fds
+            .pop()
+            .ok_or_else(|| fail("its answer carried no eventfd".into()))?;
+        // The dialler is the higher rank: ring 0 runs low to high, ring 1 high to low.
+        let (inp, out) = rings(&map, cap);
+        Ok(Link::new(peer, socket, map, out, inp, bell_of_peer))
+    }
+
+    /// Admits a dialling worker: checks its credentials, hello and segment, and answers.
+    fn admit(
+        &self,
+        socket: UnixStream,
+        bell: &OwnedFd,
+        host: &HostId,
+        waiting: &[u32],
+        deadline: Instant,
+    ) -> Result<Link, String> {
+        socket
+            .set_nonblocking(false)
+            .map_err(|e| format!("socket: {e}"))?;
+        same_user(&socket)?;
+        set_timeout(&socket, deadline)?;
+        let (hello, mut fds) = recv_with_fds(&socket, 2)?;
+        let checked = self.check_hello(&hello, host, waiting, &mut fds);
+        let (peer, cap, memfd, bell_of_peer) = match checked {
+            Ok(v) => v,
+            Err(why) => {
+                let mut answer = ANSWER_MAGIC.to_vec();
+                answer.push(1);
+                answer.extend_from_slice(why.as_bytes());
+                let _ = send_with_fds(&socket, &answer, &[]);
+                return Err(why);
+            }
+        };
+        let map = map_segment(&memfd, self.opts.run_id, self.rank, peer, cap)?;
+        let mut answer = ANSWER_MAGIC.to_vec();
+        answer.push(0);
+        send_with_fds(&socket, &answer, &[bell.as_fd()])?;
+        let (out, inp) = rings(&map, cap);
+        Ok(Link::new(peer, socket, map, out, inp, bell_of_peer))
+    }
+
+    /// A hello's fields, checked: the peer's rank, the ring size, the segment and its
+    /// eventfd.
+    fn check_hello(
+        &self,
+        hello: &[u8],
+        host: &HostId,
+        waiting: &[u32],
+        fds: &mut Vec<OwnedFd>,
+    ) -> Result<(u32, u64, OwnedFd, OwnedFd), String> {
+        let mut r = Fields::new(hello);
+        if r.bytes(8)? != HELLO_MAGIC {
+            return Err("not a pipe shared-memory hello".into());
+        }
+        let version = r.u16()?;
+        if version != SHM_PROTOCOL_VERSION {
+            return Err(format!(
+                "protocol version {version}, this build speaks {SHM_PROTOCOL_VERSION}"
+            ));
+        }
+        let run = r.u64()?;
+        if run != self.opts.run_id {
+            return Err(format!(
+                "a hello of run {run:#x}, this run is {:#x}",
+                self.opts.run_id
+            ));
+        }
+        let from = r.u32()?;
+        let to = r.u32()?;
+        if to != self.rank || !waiting.contains(&from) {
+            return Err(format!(
+                "worker {from} dialled worker {to}; worker {} waits for {waiting:?}",
+                self.rank
+            ));
+        }
+        let cap = r.u64()?;
+        if cap != self.opts.ring_bytes {
+            return Err(format!(
+                "worker {from} asks for rings of {cap} bytes, this worker's are {}",
+                self.opts.ring_bytes
+            ));
+        }
+        let mut boot = [0u8; 36];
+        boot.copy_from_slice(r.bytes(36)?);
+        let theirs = HostId {
+            boot,
+            netns: (r.u64()?, r.u64()?),
+        };
+        if theirs != *host {
+            return Err(format!(
+                "worker {from} is on another host (its boot id or network namespace differs)"
+            ));
+        }
+        if fds.len() != 2 {
+            return Err(format!(
+                "worker {from}'s hello carried {} descriptors, not 2",
+                fds.len()
+            ));
+        }
+        let bell = fds.pop().ok_or("no eventfd")?;
+        let memfd = fds.pop().ok_or("no segment")?;
+        Ok((from, cap, memfd, bell))
+    }
+}
+
+impl Link {
+    fn new(
+        peer: u32,
+        socket: UnixStream,
+        map: memmap2::MmapRaw,
+        out: Ring,
+        inp: Ring,
+        bell: OwnedFd,
+    ) -> Link {
+        Link {
+            peer,
+            socket,
+            _map: map,
+            out,
+            inp,
+            bell,
+            reading: Reading::default(),
+            control: Vec::new(),
+            state: PeerState::Running,
+            held: 0,
+            eof: false,
+        }
+    }
+
+    /// Wakes the peer (a write to its eventfd); a peer that is gone needs no waking.
+    fn ring_bell(&self) {
+        let _ = rustix::io::write(&self.bell, &1u64.to_ne_bytes());
+    }
+
+    /// Reads the control records that have arrived on the socket, without waiting.
+    /// Returns whether anything changed.
+    fn read_control(&mut self, aborted_by: &mut Option<u32>) -> bool {
+        let mut changed = false;
+        let mut ended: Option<String> = None;
+        let mut buf = [0u8; 64];
+        loop {
+            match (&self.socket).read(&mut buf) {
+                Ok(0) => {
+                    ended = Some(format!(
+                        "worker {}'s process ended without closing its link (its socket closed)",
+                        self.peer
+                    ));
+                    break;
+                }
+                Ok(n) => {
+                    self.control.extend_from_slice(&buf[..n]);
+                    changed = true;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    ended = Some(format!("worker {}'s socket failed: {e}", self.peer));
+                    break;
+                }
+            }
+        }
+        // Records before the end count: an abort, then the process ending, is an abort.
+        while let Some(&record) = self.control.first() {
+            match record {
+                RECORD_CLOSE => {
+                    self.control.remove(0);
+                    if self.state == PeerState::Running {
+                        self.state = PeerState::Closed;
+                    }
+                }
+                RECORD_ABORT if self.control.len() >= 5 => {
+                    let by = u32::from_le_bytes([
+                        self.control[1],
+                        self.control[2],
+                        self.control[3],
+                        self.control[4],
+                    ]);
+                    self.control.drain(..5);
+                    aborted_by.get_or_insert(by);
+                }
+                RECORD_ABORT => break,
+                other => {
+                    self.control.clear();
+                    self.state = PeerState::Lost(format!(
+                        "worker {} sent control record {other:#04x} on its link",
+                        self.peer
+                    ));
+                }
+            }
+        }
+        if let Some(why) = ended {
+            self.eof = true;
+            if self.state == PeerState::Running && aborted_by.is_none() {
+                self.state = PeerState::Lost(why);
+            }
+            changed = true;
+        }
+        changed
+    }
+}
+
+impl Shm {
+    /// The link to `peer`, or a protocol error for a worker this endpoint has no link to.
+    fn link_index(&self, peer: u32) -> Result<usize, TransportError> {
+        if peer == self.rank || peer >= self.size {
+            return Err(TransportError::Protocol(format!(
+                "no peer {peer} for worker {} in a mesh of {}",
+                self.rank, self.size
+            )));
+        }
+        match self.links.get(peer as usize) {
+            Some(Some(_)) => Ok(peer as usize),
+            _ => Err(TransportError::Protocol(format!(
+                "worker {} has no shared-memory link to worker {peer}",
+                self.rank
+            ))),
+        }
+    }
+
+    /// The error every call gives once a peer is lost or an abort has arrived.
+    fn failure(&self) -> Option<TransportError> {
+        if let Some(by) = self.aborted_by {
+            return Some(TransportError::Aborted { by });
+        }
+        self.links.iter().flatten().find_map(|l| match &l.state {
+            PeerState::Lost(why) => Some(TransportError::Lost {
+                peer: l.peer,
+                why: why.clone(),
+            }),
+            _ => None,
+        })
+    }
+
+    /// Reads every link's control records and every ring's frames as far as they have
+    /// arrived, keeping messages by key. Returns whether anything moved.
+    fn pump(&mut self) -> Result<bool, TransportError> {
+        let mut moved = false;
+        for i in 0..self.links.len() {
+            let Some(link) = self.links[i].as_mut() else {
+                continue;
+            };
+            if !link.eof {
+                moved |= link.read_control(&mut self.aborted_by);
+            }
+            moved |= self.read_link(i)?;
+        }
+        Ok(moved)
+    }
+
+    /// Reads link `i`'s ring as far as it has bytes. Returns whether it read any.
+    fn read_link(&mut self, i: usize) -> Result<bool, TransportError> {
+        let (rank, limits, max_held) = (self.rank, self.limits, self.opts.max_held_bytes);
+        let Some(link) = self.links[i].as_mut() else {
+            return Ok(false);
+        };
+        let peer = link.peer;
+        let broken = |why: String| {
+            TransportError::Protocol(format!("shared-memory link from worker {peer}: {why}"))
+        };
+        let mut moved = false;
+        loop {
+            let read = match &mut link.reading {
+                Reading::Prefix { buf, got } => {
+                    let n = link.inp.read_some(&mut buf[*got..]).map_err(broken)?;
+                    *got += n;
+                    if *got == PREFIX_BYTES {
+                        let len = frame::parse_prefix(buf).map_err(|e| broken(e.to_string()))?;
+                        link.reading = Reading::Header {
+                            buf: vec![0; len],
+                            got: 0,
+                        };
+                    }
+                    n
+                }
+                Reading::Header { buf, got } => {
+                    let n = link.inp.read_some(&mut buf[*got..]).map_err(broken)?;
+                    *got += n;
+                    if *got == buf.len() {
+                        let header =
+                            frame::parse_header(buf, &limits).map_err(|e| broken(e.to_string()))?;
+                        let key = header.key().map_err(|e| broken(e.to_string()))?;
+                        if key.from != peer || key.to != rank {
+                            return Err(broken(format!("a frame keyed {key:?}")));
+                        }
+                        let len = header.payload_bytes() as usize;
+                        if link.held + header.elements() * 4 > max_held {
+                            return Err(broken(format!(
+                                "more than {max_held} bytes wait for this worker's receives"
+                            )));
+                        }
+                        let buf = PayloadBuffer::for_header(&header);
+                        link.reading = Reading::Payload {
+                            header,
+                            buf,
+                            got: 0,
+                            len,
+                        };
+                    }
+                    n
+                }
+                Reading::Payload { buf, got, len, .. } => {
+                    let n = link
+                        .inp
+                        .read_some(&mut buf.bytes_mut()[*got..*len])
+                        .map_err(broken)?;
+                    *got += n;
+                    n
+                }
+            };
+            let complete = matches!(&link.reading, Reading::Payload { got, len, .. } if got == len);
+            if complete {
+                if let Reading::Payload { header, buf, .. } = std::mem::take(&mut link.reading) {
+                    let m = buf
+                        .into_message(&header)
+                        .map_err(|e| broken(e.to_string()))?;
+                    link.held += header.elements() * 4;
+                    self.early.keep(m)?;
+                    moved = true;
+                    continue;
+                }
+            }
+            if read == 0 {
+                break;
+            }
+            moved = true;
+            if link.inp.writer_parked().load(Ordering::SeqCst) != 0 {
+                link.ring_bell();
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Sleeps until a peer writes, frees space, sends a control record or goes, or until
+    /// `deadline`. Flags this worker as parked on every incoming ring (and on the outgoing
+    /// ring of `writing`), drains its eventfd, and returns at once if anything moved since.
+    fn park(
+        &mut self,
+        deadline: Option<Instant>,
+        writing: Option<usize>,
+    ) -> Result<(), TransportError> {
+        for link in self.links.iter().flatten() {
+            link.inp.reader_parked().store(1, Ordering::SeqCst);
+        }
+        if let Some(Some(link)) = writing.map(|i| &self.links[i]) {
+            link.out.writer_parked().store(1, Ordering::SeqCst);
+        }
+        let mut word = [0u8; 8];
+        let _ = rustix::io::read(&self.bell, &mut word);
+        let ready = self.links.iter().flatten().any(|l| l.inp.readable())
+            || writing.is_some_and(|i| {
+                self.links[i]
+                    .as_ref()
+                    .is_some_and(|l| l.out.positions().is_ok_and(|(h, t)| h - t < l.out.cap))
+            });
+        if !ready {
+            let timeout = deadline.map(|d| {
+                let left = d.saturating_duration_since(Instant::now());
+                rustix::event::Timespec {
+                    tv_sec: left.as_secs() as i64,
+                    tv_nsec: i64::from(left.subsec_nanos()),
+                }
+            });
+            let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(self.links.len() + 1);
+            fds.push(PollFd::new(&self.bell, PollFlags::IN));
+            for link in self.links.iter().flatten() {
+                if !link.eof {
+                    fds.push(PollFd::new(&link.socket, PollFlags::IN));
+                }
+            }
+            match rustix::event::poll(&mut fds, timeout.as_ref()) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(setup(format!("waiting on shared memory: {e}"))),
+            }
+        }
+        for link in self.links.iter().flatten() {
+            link.inp.reader_parked().store(0, Ordering::SeqCst);
+        }
+        if let Some(Some(link)) = writing.map(|i| &self.links[i]) {
+            link.out.writer_parked().store(0, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    /// Writes `bytes` into link `i`'s ring, in pieces as space frees, reading every
+    /// incoming ring while it waits.
+    fn write_all(&mut self, i: usize, bytes: &[u8]) -> Result<(), String> {
+        let mut off = 0;
+        while off < bytes.len() {
+            let link = self.links[i].as_ref().ok_or("no link")?;
+            let n = link
+                .out
+                .write_some(&bytes[off..])
+                .map_err(|why| format!("shared-memory link to worker {}: {why}", link.peer))?;
+            if n > 0 {
+                off += n;
+                if link.out.reader_parked().load(Ordering::SeqCst) != 0 {
+                    link.ring_bell();
+                }
+                continue;
+            }
+            let moved = self.pump().map_err(|e| e.to_string())?;
+            if let Some(e) = self.failure() {
+                return Err(e.to_string());
+            }
+            if let Some(Some(link)) = self.links.get(i) {
+                if link.state != PeerState::Running {
+                    return Err(format!("worker {} has closed its link", link.peer));
+                }
+            }
+            if !moved {
+                self.park(None, Some(i)).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands a held message to the program, counting it off its peer's bound.
+    fn handed(&mut self, m: Message) -> Message {
+        if let Some(Some(link)) = self.links.get_mut(m.key.from as usize) {
+            let bytes = m.tensor.len() as u64 * 4;
+            link.held = link.held.saturating_sub(bytes.min(link.held));
+        }
+        m
+    }
+
+    /// Sends `bytes` (one control record) on every link's socket, best effort.
+    fn tell_all(&self, record: &[u8]) {
+        for link in self.links.iter().flatten() {
+            let _ = (&link.socket).write_all(record);
+        }
+    }
+}
+
+impl Transport for Shm {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn send(&mut self, message: Message) -> Result<(), TransportError> {
+        let fail = |message: Message, reason: String| TransportError::Send {
+            message: Box::new(message),
+            reason,
+        };
+        let i = match self.link_index(message.key.to) {
+            Ok(i) => i,
+            Err(e) => return Err(fail(message, e.to_string())),
+        };
+        self.pump()?;
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        if self.links[i]
+            .as_ref()
+            .is_some_and(|l| l.state != PeerState::Running)
+        {
+            let reason = format!("worker {} is gone", message.key.to);
+            return Err(fail(message, reason));
+        }
+        if let Err(e) = message.tensor.host() {
+            let why = e.to_string();
+            return Err(fail(message, why));
+        }
+        let written = {
+            let values = message.tensor.host().unwrap_or_default();
+            let wire = match message.key.kind {
+                Kind::Chunk if frame::exact_in_bf16(values) => WireDType::Bf16,
+                kind => crate::inproc::wire_for(kind, self.opts.wire),
+            };
+            let header = frame::header_of(&message, self.opts.run_id, wire);
+            match frame::encode_header(&header) {
+                Err(e) => Err(e.to_string()),
+                Ok(head) if wire == WireDType::F32 && cfg!(target_endian = "little") => self
+                    .write_all(i, &head)
+                    .and_then(|()| self.write_all(i, bytemuck::cast_slice(values))),
+                Ok(head) => {
+                    let mut payload = Vec::with_capacity(values.len() * wire.size());
+                    frame::encode_payload(values, wire, &mut payload);
+                    self.write_all(i, &head)
+                        .and_then(|()| self.write_all(i, &payload))
+                }
+            }
+        };
+        match written {
+            Ok(()) => Ok(()),
+            Err(why) => match self.failure() {
+                Some(TransportError::Aborted { by }) => Err(TransportError::Aborted { by }),
+                _ => Err(fail(message, why)),
+            },
+        }
+    }
+
+    fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
+        if key.to != self.rank {
+            return Err(TransportError::Protocol(format!(
+                "worker {} asked for a message addressed to {}",
+                self.rank, key.to
+            )));
+        }
+        let i = self.link_index(key.from)?;
+        let start = Instant::now();
+        let deadline = crate::stall_deadline(self.opts.timeout, key, start);
+        loop {
+            if let Some(m) = self.early.take(key) {
+                return Ok(self.handed(m));
+            }
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            let moved = self.pump()?;
+            if let Some(m) = self.early.take(key) {
+                return Ok(self.handed(m));
+            }
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            if let Some(link) = self.links[i].as_ref() {
+                if link.state == PeerState::Closed && !link.inp.readable() {
+                    return Err(TransportError::Closed { peer: key.from });
+                }
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(TransportError::Timeout {
+                    key: *key,
+                    waited: start.elapsed(),
+                });
+            }
+            if !moved {
+                self.park(deadline, None)?;
+            }
+        }
+    }
+
+    fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
+        if key.to != self.rank {
+            return Err(TransportError::Protocol(format!(
+                "worker {} asked for a message addressed to {}",
+                self.rank, key.to
+            )));
+        }
+        self.link_index(key.from)?;
+        if let Some(m) = self.early.take(key) {
+            return Ok(Some(self.handed(m)));
+        }
+        self.pump()?;
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        Ok(self.early.take(key).map(|m| self.handed(m)))
+    }
+
+    fn buffered(&self) -> usize {
+        self.early.len()
+    }
+
+    fn abort(&mut self) {
+        let by = *self.aborted_by.get_or_insert(self.rank);
+        let mut record = vec![RECORD_ABORT];
+        record.extend_from_slice(&by.to_le_bytes());
+        self.tell_all(&record);
+    }
+
+    fn close(&mut self) -> Result<(), TransportError> {
+        // Every byte sent is in the rings, which the peers keep mapped: nothing to wait for.
+        if !self.closed && self.aborted_by.is_none() {
+            self.tell_all(&[RECORD_CLOSE]);
+        }
+        self.closed = true;
+        Ok(())
+    }
+}
+
+impl Drop for Shm {
+    /// Dropping an endpoint closes it, as over QUIC: what it sent stays readable.
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
+/// Accepts one connection on a non-blocking listener, waiting until `deadline`.
+fn accept_by(listener: &UnixListener, deadline: Instant) -> Result<UnixStream, String> {
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.to_string()),
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("no connection before the connect timeout".into());
+        }
+        let mut fds = [PollFd::new(listener, PollFlags::IN)];
+        let t = rustix::event::Timespec {
+            tv_sec: left.as_secs() as i64,
+            tv_nsec: i64::from(left.subsec_nanos()),
+        };
+        match rustix::event::poll(&mut fds, Some(&t)) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// Refuses a peer process of another user (its credentials come from the kernel).
+fn same_user(socket: &UnixStream) -> Result<(), String> {
+    let cred = rustix::net::sockopt::socket_peercred(socket)
+        .map_err(|e| format!("reading the peer's credentials: {e}"))?;
+    let own = rustix::process::geteuid();
+    if cred.uid != own {
+        return Err(format!(
+            "a process of user {} (pid {}) is not this run's user {}",
+            cred.uid.as_raw(),
+            cred.pid.as_raw_nonzero(),
+            own.as_raw()
+        ));
+    }
+    Ok(())
+}
+
+fn set_timeout(socket: &UnixStream, deadline: Instant) -> Result<(), String> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(10));
+    socket
+        .set_read_timeout(Some(left))
+        .map_err(|e| format!("socket: {e}"))
+}
+
+/// Sends one handshake message with `fds` attached.
+fn send_with_fds(socket: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), String> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err("descriptors do not fit the control buffer".into());
+    }
+    let len = (bytes.len() as u16).to_le_bytes();
+    let iov = [IoSlice::new(&len), IoSlice::new(bytes)];
+    let sent = rustix::net::sendmsg(socket, &iov, &mut control, SendFlags::NOSIGNAL)
+        .map_err(|e| format!("sending the handshake: {e}"))?;
+    if sent != bytes.len() + 2 {
+        return Err("the handshake was cut short".into());
+    }
+    Ok(())
+}
+
+/// Receives one handshake message and at most `max_fds` descriptors (more are closed and
+/// refused).
+fn recv_with_fds(socket: &UnixStream, max_fds: usize) -> Result<(Vec<u8>, Vec<OwnedFd>), String> {
+    let mut buf = vec![0u8; MAX_HANDSHAKE + 2];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        rustix::net::recvmsg(socket, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC)
+            .map_err(|e| format!("reading the handshake: {e}"))?
+    };
+    let mut fds = Vec::new();
+    for msg in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = msg {
+            fds.extend(rights);
+        }
+    }
+    if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) || fds.len() > max_fds {
+        return Err(format!(
+            "the handshake carried more than {max_fds} descriptors"
+        ));
+    }
+    if got.bytes < 2 {
+        return Err("the peer closed during the handshake".into());
+    }
+    let len = u16::from_le_bytes([buf[0], buf[1]]) as usize;
+    if len > MAX_HANDSHAKE || got.bytes != len + 2 {
+        return Err(format!(
+            "a handshake of {} bytes announcing {len}",
+            got.bytes.saturating_sub(2)
+        ));
+    }
+    buf.truncate(len + 2);
+    buf.drain(..2);
+    Ok((buf, fds))
+}
+
+/// Reads a handshake's fixed-width little-endian fields, refusing a short one.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Fields<'a> {
+    fn new(b: &'a [u8]) -> Self {
+        Fields(b)
+    }
+    fn bytes(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.0.len() < n {
+            return Err("the handshake is cut short".into());
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.bytes(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, String> {
+        let b = self.bytes(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        let mut w = [0u8; 4];
+        w.copy_from_slice(self.bytes(4)?);
+        Ok(u32::from_le_bytes(w))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(self.bytes(8)?);
+        Ok(u64::from_le_bytes(w))
+    }
+    fn rest(&self) -> &'a [u8] {
+        self.0
+    }
+}
+
+/// Bytes of a segment with two rings of `cap` bytes.
+fn segment_bytes(cap: u64) -> u64 {
+    DATA_START as u64 + 2 * cap
+}
+
+/// The segment header: magic, version, ring size, run and the link's two ranks.
+fn segment_header(run_id: u64, low: u32, high: u32, cap: u64) -> Vec<u8> {
+    let mut h = SEGMENT_MAGIC.to_vec();
+    h.extend_from_slice(&SHM_PROTOCOL_VERSION.to_le_bytes());
+    h.extend_from_slice(&cap.to_le_bytes());
+    h.extend_from_slice(&run_id.to_le_bytes());
+    h.extend_from_slice(&low.to_le_bytes());
+    h.extend_from_slice(&high.to_le_bytes());
+    h
+}
+
+/// Creates the sealed segment of the link between `low` and `high`, mapped.
+fn create_segment(
+    run_id: u64,
+    low: u32,
+    high: u32,
+    cap: u64,
+) -> Result<(OwnedFd, memmap2::MmapRaw), String> {
+    let fd = rustix::fs::memfd_create("pipe-shm", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+        .map_err(|e| format!("memfd_create: {e}"))?;
+    rustix::fs::ftruncate(&fd, segment_bytes(cap))
+        .map_err(|e| format!("sizing the segment: {e}"))?;
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+        .map_err(|e| format!("sealing the segment: {e}"))?;
+    let file = std::fs::File::from(fd.try_clone().map_err(|e| e.to_string())?);
+    let map = memmap2::MmapOptions::new()
+        .len(segment_bytes(cap) as usize)
+        .map_raw(&file)
+        .map_err(|e| format!("mapping the segment: {e}"))?;
+    let header = segment_header(run_id, low, high, cap);
+    // SAFETY: the mapping is at least DATA_START bytes and nobody else has it yet.
+    unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), map.as_mut_ptr(), header.len()) };
+    Ok((fd, map))
+}
+
+/// Maps a segment a peer sent, after checking its seals, size and header.
+fn map_segment(
+    fd: &OwnedFd,
+    run_id: u64,
+    low: u32,
+    high: u32,
+    cap: u64,
+) -> Result<memmap2::MmapRaw, String> {
+    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| format!("the segment: {e}"))?;
+    if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
+        return Err("the segment is not sealed against resizing".into());
+    }
+    let size = rustix::fs::fstat(fd)
+        .map_err(|e| format!("the segment: {e}"))?
+        .st_size as u64;
+    if size != segment_bytes(cap) {
+        return Err(format!(
+            "a segment of {size} bytes for rings of {cap} (expected {})",
+            segment_bytes(cap)
+        ));
+    }
+    let file = std::fs::File::from(fd.try_clone().map_err(|e| e.to_string())?);
+    let map = memmap2::MmapOptions::new()
+        .len(size as usize)
+        .map_raw(&file)
+        .map_err(|e| format!("mapping the segment: {e}"))?;
+    let expected = segment_header(run_id, low, high, cap);
+    // SAFETY: the mapping holds DATA_START bytes and more.
+    let got = unsafe { std::slice::from_raw_parts(map.as_ptr(), expected.len()) };
+    if got != expected.as_slice() {
+        return Err("the segment's header does not name this run and link".into());
+    }
+    Ok(map)
+}
+
+/// The segment's two rings: (low to high, high to low).
+fn rings(map: &memmap2::MmapRaw, cap: u64) -> (Ring, Ring) {
+    let base = map.as_mut_ptr();
+    let ring = |k: usize| Ring {
+        // SAFETY: offsets inside the mapping of `segment_bytes(cap)` bytes.
+        header: unsafe { base.add(RING_HEADERS[k]) },
+        data: unsafe { base.add(DATA_START + k * cap as usize) },
+        cap,
+    };
+    (ring(0), ring(1))
+}
+
+/// A full mesh of `workers` shared-memory endpoints in this process (threads; for tests and
+/// benchmarks), through the same sockets and handshake as worker processes, in a fresh
+/// private directory.
+///
+/// # Errors
+/// As [`ShmBound::bind`] and [`ShmBound::connect`].
+pub fn local_mesh(workers: u32, opts: &ShmOptions) -> Result<Vec<Shm>, TransportError> {
+    static MESHES: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "pipe-shm-{}-{}",
+        std::process::id(),
+        MESHES.fetch_add(1, Ordering::SeqCst)
+    ));
+    let bound = (0..workers)
+        .map(|r| ShmBound::bind(&dir, r, workers, opts.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let joined: Vec<Result<Shm, TransportError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = bound
+            .into_iter()
+            .map(|b| s.spawn(move || b.connect()))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(setup("a connecting thread panicked".into())))
+            })
+            .collect()
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    joined.into_iter().collect()
+}
