@@ -158,10 +158,16 @@ pub struct TrainArgs {
     /// accumulation and f32 master weights; cuda only).
     #[arg(long, value_parser = ["f32", "tf32", "bf16"])]
     precision: Option<String>,
-    /// How workers exchange tensors: inproc (channels) or quic (QUIC with mutual TLS on
-    /// loopback).
-    #[arg(long, value_parser = ["inproc", "quic"])]
+    /// What carries each link between workers: auto (channels between threads, shared
+    /// memory between processes of one host, QUIC between hosts), inproc, shm or quic (QUIC
+    /// with mutual TLS on every link). shm and quic run worker processes unless --placement
+    /// says otherwise.
+    #[arg(long, value_parser = ["auto", "inproc", "shm", "quic"])]
     transport: Option<String>,
+    /// Where the workers run: threads of this process, or one `pipe worker` process each on
+    /// this host.
+    #[arg(long, value_parser = ["threads", "processes"])]
+    placement: Option<String>,
     /// Element type of activations and gradients between stages: f32 or bf16 (half the
     /// bytes; all-reduces stay f32).
     #[arg(long, value_parser = ["f32", "bf16"])]
@@ -295,6 +301,7 @@ impl TrainArgs {
             backend: self.backend.map(|b| b.name().to_string()),
             precision: self.precision.clone(),
             transport: self.transport.clone(),
+            placement: self.placement.clone(),
             wire_dtype: self.wire_dtype.clone(),
             sync_warmup: self.sync_warmup,
             lr_scaling: self.lr_scaling.clone(),

@@ -22,6 +22,7 @@ use pipe_transport::collective::ring_all_reduce;
 use pipe_transport::frame::WireDType;
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
+use pipe_transport::shm::{self, ShmOptions};
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use serde::Serialize;
 
@@ -338,6 +339,15 @@ pub fn run(cfg: &TransportBenchConfig) -> Result<TransportReport, ExperimentErro
         || tcp_once(cfg.message_mib << 20, cfg.messages, warm),
     )?);
     let quic_over_tcp = streams[1].gbytes_per_s / streams[3].gbytes_per_s;
+    streams.push(stream_figure(
+        "shared memory, f32 (one copy each way)",
+        bytes,
+        cfg.rounds,
+        || {
+            let eps = shm::local_mesh(2, &ShmOptions::new(0xbe7c)).map_err(setup)?;
+            stream_once(eps, tensors(cfg)?, warm)
+        },
+    )?);
     let n = cfg.allreduce_workers;
     let allreduce = vec![
         allreduce_figure("in-process, threads", cfg, || {
@@ -345,6 +355,9 @@ pub fn run(cfg: &TransportBenchConfig) -> Result<TransportReport, ExperimentErro
         })?,
         allreduce_figure("QUIC, threads of one process", cfg, || {
             local_mesh(n, &quic_opts(WireDType::F32)).map_err(setup)
+        })?,
+        allreduce_figure("shared memory, threads of one process", cfg, || {
+            shm::local_mesh(n, &ShmOptions::new(0xbe7c)).map_err(setup)
         })?,
     ];
     Ok(TransportReport {
@@ -398,6 +411,21 @@ pub fn render(r: &TransportReport) -> String {
             a.seconds,
             a.algbw,
             a.busbw
+        );
+    }
+    let busbw = |name: &str| {
+        r.allreduce
+            .iter()
+            .find(|a| a.transport == name)
+            .map(|a| a.busbw)
+    };
+    if let (Some(shm), Some(threads)) = (
+        busbw("shared memory, one process per worker"),
+        busbw("in-process, threads"),
+    ) {
+        out += &format!(
+            "\nshared memory, one process per worker / in-process threads (busbw): {:.2}\n",
+            shm / threads
         );
     }
     out

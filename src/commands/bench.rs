@@ -11,12 +11,14 @@ use clap::Args;
 use pipe_experiments::ExperimentError;
 use pipe_kernels::{BackendKind, Precision};
 
+use pipe_transport::TransportKind;
 use pipe_transport::cluster::ClusterFile;
 use pipe_transport::quic::QuicOptions;
+use pipe_transport::shm::ShmOptions;
 
 use crate::args::parse_policy;
 use crate::output::{bad_input, schedule_error};
-use pipe_stages::pipeline::processes::{LaunchOptions, RECORD, join, launch};
+use pipe_stages::pipeline::processes::{JoinOptions, LaunchOptions, RECORD, join, launch};
 
 /// `pipe bench partition`: the profiled plan against the uniform split.
 #[derive(Args, Debug)]
@@ -223,15 +225,21 @@ pub fn run_transport(args: &TransportBenchArgs) -> Result<()> {
         rounds: args.rounds,
     };
     let mut report = pipe_experiments::transport::run(&cfg)?;
-    report.allreduce.push(allreduce_in_processes(args)?);
+    for transport in [TransportKind::Quic, TransportKind::Shm] {
+        report
+            .allreduce
+            .push(allreduce_in_processes(args, transport)?);
+    }
     out!("{}", pipe_experiments::transport::render(&report));
     write_json(args.json.as_ref(), &report)
 }
 
-/// The ring all-reduce with every worker its own process over QUIC on loopback: each
-/// process's seconds per round come back as a record; a round takes its slowest worker.
+/// The ring all-reduce with every worker its own process, over QUIC on loopback or shared
+/// memory: each process's seconds per round come back as a record; a round takes its
+/// slowest worker.
 fn allreduce_in_processes(
     args: &TransportBenchArgs,
+    transport: TransportKind,
 ) -> Result<pipe_experiments::transport::AllReduce> {
     let n = args.allreduce_workers;
     let mut per_rank: Vec<Option<Vec<f64>>> = vec![None; n as usize];
@@ -253,6 +261,8 @@ fn allreduce_in_processes(
             mb.clone().into(),
             "--rounds".into(),
             rounds.clone().into(),
+            "--transport".into(),
+            transport.name().into(),
         ]
     };
     launch(&LaunchOptions::new(n), &[], &command, &mut on_record)?;
@@ -266,7 +276,10 @@ fn allreduce_in_processes(
         })
         .collect::<Result<_>>()?;
     Ok(pipe_experiments::transport::allreduce_from_times(
-        "QUIC, one process per worker",
+        match transport {
+            TransportKind::Shm => "shared memory, one process per worker",
+            _ => "QUIC, one process per worker",
+        },
         n,
         args.allreduce_mb as usize * 1_000_000,
         &slowest,
@@ -292,6 +305,9 @@ pub struct AllreduceWorkerArgs {
     /// Started by a launcher.
     #[arg(long)]
     launched: bool,
+    /// What carries the ring: quic or shm.
+    #[arg(long, default_value = "quic", value_parser = ["quic", "shm"])]
+    transport: String,
 }
 
 /// Runs one all-reduce worker: joins the cluster, reports its seconds per round as a record.
@@ -300,7 +316,16 @@ pub struct AllreduceWorkerArgs {
 /// Bad cluster files; transport failures.
 pub fn run_allreduce_worker(args: &AllreduceWorkerArgs) -> Result<()> {
     let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
-    let opts = QuicOptions::new(cluster.run_id);
+    let transport: TransportKind = args.transport.parse().map_err(bad_input)?;
+    let opts = JoinOptions {
+        transport,
+        quic: QuicOptions::new(cluster.run_id),
+        shm: ShmOptions::new(cluster.run_id),
+        meet: match (args.launched, args.cluster.parent()) {
+            (true, Some(dir)) => dir.to_path_buf(),
+            _ => pipe_transport::shm::rendezvous_dir(cluster.run_id),
+        },
+    };
     let launched = args.launched.then(|| Arc::new(AtomicBool::new(false)));
     let mut ep = join(&cluster, args.rank, None, opts, launched)?;
     let times =

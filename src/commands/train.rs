@@ -8,14 +8,13 @@
 use std::cell::{Cell, RefCell};
 
 use anyhow::{Context, Result};
-use pipe_stages::config::RunConfig;
+use pipe_stages::config::{Placement, RunConfig};
 use pipe_stages::model::Model;
 use pipe_stages::pipeline::doctor::StopReport;
 use pipe_stages::pipeline::restart::{Restart, RestartPolicy, with_restarts};
 use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
-use pipe_transport::TransportKind;
 use pipe_transport::fault::{Fault, FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
@@ -41,7 +40,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
         ));
     }
-    let processes = cfg.pipelined && cfg.transport == TransportKind::Quic;
+    let processes = cfg.pipelined && cfg.placement == Placement::Processes;
     if args.rejoin {
         check_rejoin(args, &cfg, processes)?;
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use pipe_stages::config::RunConfig;
+use pipe_stages::config::{Placement, RunConfig};
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::pipeline::train_worker;
 use pipe_stages::pipeline::worker::{WorkerOptions, check_cluster_size};
@@ -20,6 +20,7 @@ use pipe_transport::TransportKind;
 use pipe_transport::cluster::{ClusterFile, resolve_rank};
 use pipe_transport::fault::{Fault, Faulty};
 use pipe_transport::quic::QuicOptions;
+use pipe_transport::shm::{ShmOptions, rendezvous_dir};
 
 use crate::output::bad_input;
 use crate::trace::{PartRecorder, Traced, part_path, worker_names};
@@ -27,7 +28,7 @@ use crate::training::{
     Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, print_header,
     print_resuming, resume_from, run_config, serve_metrics, serve_metrics_quietly, stop_on_ctrl_c,
 };
-use pipe_stages::pipeline::processes::{Record, RecordWriter, StopWriter, join};
+use pipe_stages::pipeline::processes::{JoinOptions, Record, RecordWriter, StopWriter, join};
 
 /// `pipe worker`.
 #[derive(Args, Debug)]
@@ -95,7 +96,12 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             "pipe worker runs a pipelined schedule: give --stages, --replicas or --schedule".into(),
         ));
     }
-    cfg.transport = TransportKind::Quic;
+    // This worker is a process; `auto` (or a run.json of threads) picks each link's
+    // transport from where its ends are.
+    cfg.placement = Placement::Processes;
+    if cfg.transport == TransportKind::InProcess {
+        cfg.transport = TransportKind::Auto;
+    }
     cfg.check_resources(Some(1), &pipe_stages::limits::Machine::detect())?;
     let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
     // Refused before connecting, so that no peer waits for a worker that cannot run.
@@ -104,10 +110,26 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     let layout = cfg.resolved().map_err(|e| bad_input(e.to_string()))?.layout;
     let rank =
         resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
-    let mut opts = QuicOptions::new(cluster.run_id);
-    opts.wire = cfg.wire;
-    opts.timeout = Some(cfg.stall_timeout);
-    opts.connect_timeout = Duration::from_secs_f64(args.connect_timeout);
+    let connect_timeout = Duration::from_secs_f64(args.connect_timeout);
+    let mut quic = QuicOptions::new(cluster.run_id);
+    quic.wire = cfg.wire;
+    quic.timeout = Some(cfg.stall_timeout);
+    quic.connect_timeout = connect_timeout;
+    let mut shm = ShmOptions::new(cluster.run_id);
+    shm.wire = cfg.wire;
+    shm.timeout = Some(cfg.stall_timeout);
+    shm.connect_timeout = connect_timeout;
+    let meet = match (args.launched, args.cluster.parent()) {
+        // The launcher's private directory, where the cluster file is.
+        (true, Some(dir)) => dir.to_path_buf(),
+        _ => rendezvous_dir(cluster.run_id),
+    };
+    let opts = JoinOptions {
+        transport: cfg.transport,
+        quic,
+        shm,
+        meet,
+    };
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
     let chief = rank == 0;

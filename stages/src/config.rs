@@ -345,8 +345,10 @@ pub struct TrainSettings {
     pub backend: Option<String>,
     /// Precision of the matrix products (`f32`, `tf32`, `bf16`; the last two need `cuda`).
     pub precision: Option<String>,
-    /// How workers exchange tensors (`inproc`, `quic`).
+    /// How workers exchange tensors (`auto`, `inproc`, `shm`, `quic`).
     pub transport: Option<String>,
+    /// Where the workers run (`threads`, `processes`).
+    pub placement: Option<String>,
     /// Element type of activations and gradients between stages (`f32`, `bf16`).
     pub wire_dtype: Option<String>,
     /// Updates run synchronously (`1f1b-flush`) before an asynchronous policy takes over.
@@ -496,7 +498,7 @@ impl TrainSettings {
             synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
-            schedule, chunks, partition, backend, precision, transport, wire_dtype, sync_warmup, lr_scaling,
+            schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
             weight_prediction, stall_timeout, allreduce_bucket_mb, allreduce_dtype);
     }
 
@@ -906,10 +908,8 @@ impl TrainSettings {
             (None, None) => PartitionChoice::Measured,
         };
         let backend = self.backend_kind()?;
-        let transport = match &self.transport {
-            Some(t) => t.parse().map_err(StageError::Config)?,
-            None => TransportKind::InProcess,
-        };
+        let (placement, transport) =
+            Placement::resolve(self.placement.as_deref(), self.transport.as_deref())?;
         let wire = wire_dtype(self.wire_dtype.as_deref())?;
         let remedies = Self::remedies(
             self.sync_warmup,
@@ -954,6 +954,7 @@ impl TrainSettings {
             partition,
             pipelined,
             backend,
+            placement,
             transport,
             wire,
             remedies,
@@ -961,6 +962,75 @@ impl TrainSettings {
             bucket_values,
             allreduce_wire,
         })
+    }
+}
+
+/// Where a run's workers run: the choice of launcher, apart from what carries their links
+/// ([`TransportKind`], chosen per link from where its ends are).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Placement {
+    /// Threads of this process.
+    #[default]
+    Threads,
+    /// One worker process each, on this host (`pipe worker`, started by `pipe train`).
+    Processes,
+}
+
+impl Placement {
+    /// The name a run's settings use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Threads => "threads",
+            Placement::Processes => "processes",
+        }
+    }
+
+    /// The placement and transport that `--placement` and `--transport` ask for. Without a
+    /// placement, `--transport shm` or `quic` means worker processes (what `--transport quic`
+    /// has always meant) and anything else threads; `auto` then picks channels between
+    /// threads and shared memory between processes of one host.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for unknown names, and for worker processes asked to talk over
+    /// channels, which only threads of one process share.
+    pub fn resolve(
+        placement: Option<&str>,
+        transport: Option<&str>,
+    ) -> Result<(Placement, TransportKind)> {
+        let transport: TransportKind = match transport {
+            Some(t) => t.parse().map_err(StageError::Config)?,
+            None => TransportKind::Auto,
+        };
+        let placement = match placement {
+            Some(p) => p.parse().map_err(StageError::Config)?,
+            None if matches!(transport, TransportKind::Shm | TransportKind::Quic) => {
+                Placement::Processes
+            }
+            None => Placement::Threads,
+        };
+        if placement == Placement::Processes && transport == TransportKind::InProcess {
+            return Err(StageError::Config(
+                "--transport inproc carries tensors between threads of one process, not between worker processes: give --transport auto, shm or quic".into(),
+            ));
+        }
+        Ok((placement, transport))
+    }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Placement {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "threads" => Ok(Placement::Threads),
+            "processes" => Ok(Placement::Processes),
+            other => Err(format!("unknown placement '{other}' (threads, processes)")),
+        }
     }
 }
 
@@ -1044,7 +1114,13 @@ pub struct RunConfig {
     /// Compute backend.
     #[serde(with = "backend_by_name")]
     pub backend: BackendKind,
-    /// How workers exchange tensors.
+    /// Where the workers run: threads of this process, or one process each on this host.
+    /// (A run.json written before placements existed reads as threads; its launcher set the
+    /// transport.)
+    #[serde(with = "by_name", default)]
+    pub placement: Placement,
+    /// What carries each link between workers (`auto`: chosen per link from where its ends
+    /// run).
     #[serde(with = "by_name")]
     pub transport: TransportKind,
     /// Element type of activations and gradients between stages.
@@ -1193,6 +1269,9 @@ impl RunConfig {
             threads: 0,
             log_jsonl: None,
             partition: PartitionChoice::Flops,
+            // Where workers run and what carries their links never changes a number.
+            placement: Placement::Threads,
+            transport: TransportKind::Auto,
             ..self.clone()
         }
     }

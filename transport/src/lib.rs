@@ -295,13 +295,20 @@ pub trait Transport: Send {
 }
 
 /// How the workers of a run exchange tensors: the typed form of a run's transport choice,
-/// parsed once at the edge.
+/// parsed once at the edge. Where the workers run is another choice (the run's placement);
+/// this one says what carries each link between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum TransportKind {
-    /// Threads of one process over crossbeam channels ([`inproc`]).
+    /// Chosen per link from where its two ends are: channels between threads of one
+    /// process, shared memory between processes on one host, QUIC between hosts.
     #[default]
+    Auto,
+    /// Threads of one process over crossbeam channels ([`inproc`]).
     InProcess,
-    /// QUIC with mutual TLS ([`quic`]): one connection per pair of workers.
+    /// Shared-memory rings between processes of one host ([`shm`]); a run that spans hosts
+    /// is refused.
+    Shm,
+    /// QUIC with mutual TLS on every link ([`quic`]): one connection per pair of workers.
     Quic,
 }
 
@@ -309,7 +316,9 @@ impl TransportKind {
     /// The name a run's settings use.
     pub fn name(self) -> &'static str {
         match self {
+            TransportKind::Auto => "auto",
             TransportKind::InProcess => "inproc",
+            TransportKind::Shm => "shm",
             TransportKind::Quic => "quic",
         }
     }
@@ -325,9 +334,48 @@ impl std::str::FromStr for TransportKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
+            "auto" => Ok(TransportKind::Auto),
             "inproc" => Ok(TransportKind::InProcess),
+            "shm" => Ok(TransportKind::Shm),
             "quic" => Ok(TransportKind::Quic),
-            other => Err(format!("unknown transport '{other}' (inproc, quic)")),
+            other => Err(format!(
+                "unknown transport '{other}' (auto, inproc, shm, quic)"
+            )),
         }
+    }
+}
+
+/// A boxed transport is a transport: what a worker holds when its links were chosen at run
+/// time.
+impl<T: Transport + ?Sized> Transport for Box<T> {
+    fn rank(&self) -> u32 {
+        (**self).rank()
+    }
+    fn carries_device_tensors(&self) -> bool {
+        (**self).carries_device_tensors()
+    }
+    fn size(&self) -> u32 {
+        (**self).size()
+    }
+    fn send(&mut self, message: Message) -> Result<(), TransportError> {
+        (**self).send(message)
+    }
+    fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
+        (**self).recv(key)
+    }
+    fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
+        (**self).try_recv(key)
+    }
+    fn buffered(&self) -> usize {
+        (**self).buffered()
+    }
+    fn abort(&mut self) {
+        (**self).abort()
+    }
+    fn close(&mut self) -> Result<(), TransportError> {
+        (**self).close()
+    }
+    fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
+        (**self).cut_link(peer, pause)
     }
 }

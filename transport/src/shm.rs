@@ -83,6 +83,8 @@ const RECORD_CLOSE: u8 = b'C';
 /// Smallest and largest ring a hello may ask for.
 const MIN_RING: u64 = 4096;
 const MAX_RING: u64 = 1 << 30;
+/// How often a worker that never waits looks at its links' sockets.
+const SOCKET_CHECK: Duration = Duration::from_millis(2);
 /// A hello or an answer is at most this long.
 const MAX_HANDSHAKE: usize = 512;
 
@@ -354,6 +356,8 @@ struct Link {
     held: u64,
     /// Its socket has ended: nothing more to read from it.
     eof: bool,
+    /// The last wait saw its socket readable: read it at the next pump.
+    control_ready: bool,
 }
 
 /// One worker's endpoint of a shared-memory mesh.
@@ -367,6 +371,8 @@ pub struct Shm {
     aborted_by: Option<u32>,
     /// This worker has said it sends nothing more.
     closed: bool,
+    /// When the sockets were last checked ([`Shm::check_sockets`]).
+    checked: Instant,
     opts: ShmOptions,
     limits: FrameLimits,
 }
@@ -412,6 +418,12 @@ impl ShmBound {
         }
         private_dir(dir)?;
         let path = socket_path(dir, rank);
+        // A socket left by a worker of this run that died before connecting answers no one.
+        if UnixStream::connect(&path)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            let _ = std::fs::remove_file(&path);
+        }
         let listener = UnixListener::bind(&path).map_err(|e| {
             setup(format!(
                 "worker {rank} listening on {}: {e}",
@@ -506,6 +518,7 @@ impl ShmBound {
             early: Early::default(),
             aborted_by: None,
             closed: false,
+            checked: Instant::now(),
             opts: self.opts,
             limits,
         })
@@ -685,6 +698,7 @@ impl Link {
             state: PeerState::Running,
             held: 0,
             eof: false,
+            control_ready: false,
         }
     }
 
@@ -792,20 +806,64 @@ impl Shm {
         })
     }
 
-    /// Reads every link's control records and every ring's frames as far as they have
-    /// arrived, keeping messages by key. Returns whether anything moved.
+    /// Reads every ring's frames as far as they have arrived, keeping messages by key, and
+    /// the control records of the links whose sockets have something. Returns whether
+    /// anything moved.
     fn pump(&mut self) -> Result<bool, TransportError> {
+        self.check_sockets();
         let mut moved = false;
         for i in 0..self.links.len() {
             let Some(link) = self.links[i].as_mut() else {
                 continue;
             };
-            if !link.eof {
+            if link.control_ready && !link.eof {
+                link.control_ready = false;
                 moved |= link.read_control(&mut self.aborted_by);
             }
             moved |= self.read_link(i)?;
         }
         Ok(moved)
+    }
+
+    /// Marks the links whose sockets have something to read, with one `poll` that does
+    /// not wait, at most every [`SOCKET_CHECK`]: a worker that never has to wait still sees
+    /// an abort or a peer's end that soon, without a system call per link per message.
+    fn check_sockets(&mut self) {
+        if self.checked.elapsed() < SOCKET_CHECK {
+            return;
+        }
+        self.checked = Instant::now();
+        let ready: Vec<bool> = {
+            let mut fds: Vec<PollFd<'_>> = self
+                .links
+                .iter()
+                .flatten()
+                .filter(|l| !l.eof)
+                .map(|l| PollFd::new(&l.socket, PollFlags::IN))
+                .collect();
+            if fds.is_empty() {
+                return;
+            }
+            let zero = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            if rustix::event::poll(&mut fds, Some(&zero)).is_err() {
+                // Read them all: a failed check must not hide an end.
+                fds.iter().map(|_| true).collect()
+            } else {
+                fds.iter().map(|f| !f.revents().is_empty()).collect()
+            }
+        };
+        for (link, r) in self
+            .links
+            .iter_mut()
+            .flatten()
+            .filter(|l| !l.eof)
+            .zip(ready)
+        {
+            link.control_ready |= r;
+        }
     }
 
     /// Reads link `i`'s ring as far as it has bytes. Returns whether it read any.
@@ -931,6 +989,17 @@ impl Shm {
             match rustix::event::poll(&mut fds, timeout.as_ref()) {
                 Ok(_) | Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(setup(format!("waiting on shared memory: {e}"))),
+            }
+            let ready: Vec<bool> = fds[1..].iter().map(|f| !f.revents().is_empty()).collect();
+            drop(fds);
+            for (link, r) in self
+                .links
+                .iter_mut()
+                .flatten()
+                .filter(|l| !l.eof)
+                .zip(ready)
+            {
+                link.control_ready |= r;
             }
         }
         for link in self.links.iter().flatten() {

@@ -31,6 +31,8 @@ use crossbeam_channel::{RecvTimeoutError, Sender, unbounded};
 use pipe_transport::cluster::ClusterFile;
 use pipe_transport::fault::{Fault, FaultSchedule};
 use pipe_transport::quic::{Bound, Quic, QuicOptions};
+use pipe_transport::shm::{ShmBound, ShmOptions};
+use pipe_transport::{Transport, TransportKind};
 use serde::{Deserialize, Serialize};
 
 use super::doctor::{StopReport, diagnose};
@@ -182,14 +184,10 @@ impl LaunchDir {
             .map_or(0, |d| d.subsec_nanos());
         let path =
             std::env::temp_dir().join(format!("pipe-launch-{}-{nanos:09}", std::process::id()));
-        std::fs::create_dir(&path)
-            .map_err(|e| failed(format!("creating launch directory {}: {e}", path.display())))?;
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt as _;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))
-                .map_err(|e| failed(format!("securing {}: {e}", path.display())))?;
-        }
+        // Created closed to others (0700), not opened then closed: the workers' sockets for
+        // shared memory live here too.
+        pipe_transport::shm::private_dir(&path)
+            .map_err(|e| failed(format!("creating launch directory: {e}")))?;
         Ok(LaunchDir(path))
     }
 }
@@ -596,16 +594,65 @@ pub fn launch(
     Ok(())
 }
 
-/// Joins a cluster as rank `rank`: binds `listen` (default: the rank's own address in the
-/// cluster file) and connects to every other rank. A launched worker ([`launch`]) reports its
-/// bound address and reads everyone's from the launcher, then exits when the launcher goes
-/// away; otherwise the addresses come from the cluster file, each resolved with retries until
-/// the connect timeout (under Kubernetes a peer's name resolves only once its pod exists).
+/// How a worker joins its cluster: what carries its links, and each transport's settings.
+#[derive(Clone, Debug)]
+pub struct JoinOptions {
+    /// The run's transport choice: `auto` is shared memory for a launched worker (every
+    /// worker of [`launch`] is on this host) and QUIC for a worker of a cluster file.
+    pub transport: TransportKind,
+    /// QUIC's settings.
+    pub quic: QuicOptions,
+    /// Shared memory's settings.
+    pub shm: ShmOptions,
+    /// Where workers on one host meet to set up shared memory: the launcher's private
+    /// directory, or [`pipe_transport::shm::rendezvous_dir`] for a cluster file's workers.
+    pub meet: PathBuf,
+}
+
+/// Joins a cluster as rank `rank`, over shared memory or QUIC as `opts.transport` says. A
+/// launched worker ([`launch`]) reports where it listens and reads everyone's from the
+/// launcher, then exits when the launcher goes away; otherwise QUIC's addresses come from
+/// the cluster file, each resolved with retries until the connect timeout (under
+/// Kubernetes a peer's name resolves only once its pod exists).
 ///
 /// # Errors
 /// Addresses that do not resolve in time, sockets that cannot be bound, peers that never
-/// connect (named), a launcher's malformed address line.
+/// connect or are refused (named), a launcher's malformed address line.
 pub fn join(
+    cluster: &ClusterFile,
+    rank: u32,
+    listen: Option<SocketAddr>,
+    opts: JoinOptions,
+    launched: Option<Arc<AtomicBool>>,
+) -> Result<Box<dyn Transport>> {
+    let shm = match opts.transport {
+        TransportKind::Shm => true,
+        TransportKind::Auto => launched.is_some(),
+        TransportKind::Quic | TransportKind::InProcess => false,
+    };
+    if !shm {
+        return Ok(Box::new(join_quic(
+            cluster, rank, listen, opts.quic, launched,
+        )?));
+    }
+    if launched.is_none() {
+        // The rendezvous directory's parent is this user's own too.
+        if let Some(parent) = opts.meet.parent() {
+            pipe_transport::shm::private_dir(parent)?;
+        }
+    }
+    let bound = ShmBound::bind(&opts.meet, rank, cluster.size(), opts.shm)
+        .map_err(|e| failed(format!("worker {rank}: {e}")))?;
+    if let Some(stop) = launched {
+        announce(&format!("unix:{}", bound.path().display()))?;
+        launcher_line(cluster.size(), stop)?;
+    }
+    Ok(Box::new(bound.connect()?))
+}
+
+/// Joins over QUIC: binds `listen` (default: the rank's own address in the cluster file)
+/// and connects to every other rank.
+fn join_quic(
     cluster: &ClusterFile,
     rank: u32,
     listen: Option<SocketAddr>,
@@ -623,17 +670,30 @@ pub fn join(
     let bound = Bound::bind(rank, bind_addr, &creds, opts)
         .map_err(|e| failed(format!("worker {rank} binding {bind_addr}: {e}")))?;
     let addrs = if let Some(stop) = launched {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{LISTENING}{}", bound.local_addr()?)
-            .and_then(|()| out.flush())
-            .map_err(|e| failed(format!("telling the launcher this worker's address: {e}")))?;
-        launcher_addrs(cluster.size(), stop)?
+        announce(&bound.local_addr()?.to_string())?;
+        launcher_line(cluster.size(), stop)?
+            .iter()
+            .map(|a| a.parse::<SocketAddr>())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| refused(format!("the launcher's address line: {e}")))?
     } else {
         (0..cluster.size())
             .map(|r| resolve(cluster, r, deadline))
             .collect::<Result<Vec<_>>>()?
     };
     Ok(bound.connect(&addrs)?)
+}
+
+/// Tells the launcher where this worker listens.
+fn announce(at: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{LISTENING}{at}")
+        .and_then(|()| out.flush())
+        .map_err(|e| {
+            failed(format!(
+                "telling the launcher where this worker listens: {e}"
+            ))
+        })
 }
 
 /// Rank `rank`'s address from the cluster file, retried until `deadline`.
@@ -656,22 +716,18 @@ fn resolve(cluster: &ClusterFile, rank: u32, deadline: Instant) -> Result<Socket
     }
 }
 
-/// The launcher's line of every worker's address (after this worker reported its own); then
-/// a watcher of standard input: a `stop` line sets `stop` (the launcher's Ctrl-C), and its
-/// end (the launcher went away) ends this process, so no worker outlives it.
-fn launcher_addrs(size: u32, stop: Arc<AtomicBool>) -> Result<Vec<SocketAddr>> {
+/// The launcher's line of where every worker listens (after this worker reported its own),
+/// one entry per worker; then a watcher of standard input: a `stop` line sets `stop` (the
+/// launcher's Ctrl-C), and its end (the launcher went away) ends this process, so no worker
+/// outlives it.
+fn launcher_line(size: u32, stop: Arc<AtomicBool>) -> Result<Vec<String>> {
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line).map_err(|e| {
         failed(format!(
-            "reading the workers' addresses from the launcher: {e}"
+            "reading where the workers listen from the launcher: {e}"
         ))
     })?;
-    let addrs = line
-        .trim()
-        .split(',')
-        .map(str::parse::<SocketAddr>)
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| refused(format!("the launcher's address line: {e}")))?;
+    let addrs: Vec<String> = line.trim().split(',').map(str::to_string).collect();
     if addrs.len() != size as usize {
         return Err(refused(format!(
             "the launcher named {} addresses for {size} workers",

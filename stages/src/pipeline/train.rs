@@ -18,6 +18,7 @@ use pipe_transport::TransportKind;
 use pipe_transport::fault::{FaultSchedule, Faulty};
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
+use pipe_transport::shm::ShmOptions;
 
 use super::exec::{StageState, WorkerOutcome, WorkerState};
 use super::launch::run_threads_reporting;
@@ -942,7 +943,7 @@ impl<'c> Run<'c> {
                 *states = start.states(setup, cfg)?;
             }
             match cfg.transport {
-                TransportKind::InProcess => {
+                TransportKind::InProcess | TransportKind::Auto => {
                     let opts = InProcOptions {
                         wire: cfg.wire,
                         timeout: Some(cfg.stall_timeout),
@@ -966,6 +967,13 @@ impl<'c> Run<'c> {
                     opts.wire = cfg.wire;
                     opts.timeout = Some(cfg.stall_timeout);
                     let eps = local_mesh(workers, &opts)?;
+                    run_threads_reporting(setup, states, eps, backend, progress)
+                }
+                TransportKind::Shm => {
+                    let mut opts = ShmOptions::new(run_id(cfg.seed, seg.done));
+                    opts.wire = cfg.wire;
+                    opts.timeout = Some(cfg.stall_timeout);
+                    let eps = pipe_transport::shm::local_mesh(workers, &opts)?;
                     run_threads_reporting(setup, states, eps, backend, progress)
                 }
             }
