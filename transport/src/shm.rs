@@ -1470,3 +1470,172 @@ pub fn local_mesh(workers: u32, opts: &ShmOptions) -> Result<Vec<Shm>, Transport
     let _ = std::fs::remove_dir_all(&dir);
     joined.into_iter().collect()
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    const RUN: u64 = 0x7e57;
+
+    fn fresh_dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("pipe-shm-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    /// Rank 0 of two, connecting in a thread (it waits for rank 1).
+    fn victim(
+        dir: &Path,
+        connect_timeout: Duration,
+    ) -> std::thread::JoinHandle<Result<Shm, TransportError>> {
+        let mut opts = ShmOptions::new(RUN);
+        opts.ring_bytes = 4096;
+        opts.connect_timeout = connect_timeout;
+        let bound = ShmBound::bind(dir, 0, 2, opts).unwrap();
+        std::thread::spawn(move || bound.connect())
+    }
+
+    fn hello(run: u64, cap: u64, host: &HostId) -> Vec<u8> {
+        let mut h = HELLO_MAGIC.to_vec();
+        h.extend_from_slice(&SHM_PROTOCOL_VERSION.to_le_bytes());
+        h.extend_from_slice(&run.to_le_bytes());
+        h.extend_from_slice(&1u32.to_le_bytes());
+        h.extend_from_slice(&0u32.to_le_bytes());
+        h.extend_from_slice(&cap.to_le_bytes());
+        host.encode(&mut h);
+        h
+    }
+
+    /// A peer written by hand that dials rank 0 in `dir` as rank 1 with `hello`; returns
+    /// its socket, its mapping of the segment and rank 0's answer.
+    fn hostile_peer(dir: &Path, hello: &[u8]) -> (UnixStream, memmap2::MmapRaw, Vec<u8>) {
+        let socket = UnixStream::connect(socket_path(dir, 0)).unwrap();
+        let (memfd, map) = create_segment(RUN, 0, 1, 4096).unwrap();
+        let bell = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
+        send_with_fds(&socket, hello, &[memfd.as_fd(), bell.as_fd()]).unwrap();
+        let (answer, _) = recv_with_fds(&socket, 1).unwrap();
+        (socket, map, answer)
+    }
+
+    fn activation_from_1() -> Key {
+        Key {
+            from: 1,
+            to: 0,
+            kind: Kind::Activation,
+            stage: 0,
+            index: 0,
+            step: 0,
+        }
+    }
+
+    #[test]
+    fn a_ring_position_out_of_bounds_is_refused_naming_the_link() {
+        let dir = fresh_dir("bounds");
+        let v = victim(&dir, Duration::from_secs(10));
+        let host = HostId::current().unwrap();
+        let (_socket, map, answer) = hostile_peer(&dir, &hello(RUN, 4096, &host));
+        assert_eq!(answer[8], 0, "admitted");
+        let mut ep = v.join().unwrap().unwrap();
+        // The peer claims to have written three rings' worth.
+        let (_, to_victim) = rings(&map, 4096);
+        to_victim.head().store(3 * 4096, Ordering::SeqCst);
+        let e = ep.recv(&activation_from_1()).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, TransportError::Protocol(_)), "{text}");
+        assert!(text.contains("from worker 1"), "{text}");
+        assert!(text.contains("out of bounds"), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_frame_with_a_corrupt_header_length_is_refused_naming_the_link() {
+        let dir = fresh_dir("length");
+        let v = victim(&dir, Duration::from_secs(10));
+        let host = HostId::current().unwrap();
+        let (_socket, map, _) = hostile_peer(&dir, &hello(RUN, 4096, &host));
+        let mut ep = v.join().unwrap().unwrap();
+        let (_, to_victim) = rings(&map, 4096);
+        let mut prefix = frame::MAGIC.to_vec();
+        prefix.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(to_victim.write_some(&prefix).unwrap(), prefix.len());
+        let e = ep.recv(&activation_from_1()).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, TransportError::Protocol(_)), "{text}");
+        assert!(text.contains("from worker 1"), "{text}");
+        assert!(text.contains("header of"), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn peers_of_another_host_or_run_are_refused() {
+        let host = HostId::current().unwrap();
+        let mut elsewhere = host;
+        elsewhere.netns.1 ^= 1;
+        for (name, hello, why) in [
+            ("host", hello(RUN, 4096, &elsewhere), "on another host"),
+            ("run", hello(RUN + 1, 4096, &host), "of run"),
+            ("ring", hello(RUN, 8192, &host), "rings of 8192 bytes"),
+        ] {
+            let dir = fresh_dir(name);
+            let v = victim(&dir, Duration::from_millis(800));
+            let (_socket, _map, answer) = hostile_peer(&dir, &hello);
+            assert_eq!(&answer[..8], &ANSWER_MAGIC);
+            assert_eq!(answer[8], 1, "{name}: refused");
+            let text = String::from_utf8_lossy(&answer[9..]).into_owned();
+            assert!(text.contains(why), "{name}: {text}");
+            // The refused peer is not rank 1: rank 0 still waits for one, then gives up.
+            let e = v.join().unwrap().unwrap_err();
+            assert!(e.to_string().contains("[1]"), "{e}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+
+    /// Another user can neither reach the socket nor open the segment: checked from a thread
+    /// that runs as `nobody` where the tests run as root (a thread's credentials are its own
+    /// on Linux), and by the modes otherwise.
+    #[test]
+    fn another_user_cannot_reach_the_socket_or_open_the_segment() {
+        let dir = fresh_dir("intruder");
+        let bound = ShmBound::bind(&dir, 0, 2, ShmOptions::new(RUN)).unwrap();
+        let (memfd, _map) = create_segment(RUN, 0, 1, 4096).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&bound.path()), 0o600);
+        let segment = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_raw_fd());
+        let socket = bound.path();
+        if rustix::process::geteuid().is_root() {
+            // The socket, from a thread of this process running as nobody.
+            let connect = std::thread::spawn(move || {
+                // Only this thread changes user, and it ends right after.
+                let nobody = rustix::process::Uid::from_raw(65534);
+                rustix::thread::set_thread_res_uid(nobody, nobody, nobody).unwrap();
+                UnixStream::connect(&socket).map(|_| ())
+            })
+            .join()
+            .unwrap();
+            assert_eq!(
+                connect.unwrap_err().kind(),
+                std::io::ErrorKind::PermissionDenied
+            );
+            // The segment, from a process of nobody's (a thread of this process would pass
+            // /proc's same-process check).
+            use std::os::unix::process::CommandExt as _;
+            let out = std::process::Command::new("cat")
+                .arg(&segment)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "nobody read the segment");
+            assert!(err.contains("Permission denied"), "{err}");
+        } else {
+            eprintln!("not root: checked the modes only");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

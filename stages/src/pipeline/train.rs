@@ -677,8 +677,10 @@ pub(super) struct LiveSteps<'r> {
     run: &'r Run<'r>,
     seg: &'r Segment,
     minibatch: u64,
-    /// Per update of the segment: (loss sum, samples, microbatches seen).
-    steps: Vec<(f64, usize, u64)>,
+    /// Per update of the segment: each microbatch's (number, loss sum, loss rows) as they
+    /// arrived, summed in microbatch order once all are in, so that the logged loss is the
+    /// same whatever order the workers' reports took (threads, shared memory or QUIC).
+    steps: Vec<Vec<LossReport>>,
     next: usize,
     samples: usize,
     start: Instant,
@@ -693,7 +695,7 @@ impl<'r> LiveSteps<'r> {
             run,
             seg,
             minibatch,
-            steps: vec![(0.0, 0, 0); updates as usize],
+            steps: vec![Vec::new(); updates as usize],
             next: 0,
             samples: 0,
             start: Instant::now(),
@@ -707,14 +709,16 @@ impl<'r> LiveSteps<'r> {
             .steps
             .get_mut((u64::from(mb) / self.minibatch) as usize)
         {
-            slot.0 += loss;
-            slot.1 += n;
-            slot.2 += 1;
+            slot.push((mb, loss, n));
         }
-        while let Some(&(l, n, seen)) = self.steps.get(self.next) {
-            if seen < self.minibatch {
+        while let Some(reports) = self.steps.get_mut(self.next) {
+            if (reports.len() as u64) < self.minibatch {
                 break;
             }
+            reports.sort_by_key(|r| r.0);
+            let (l, n) = reports
+                .iter()
+                .fold((0.0, 0), |(l, n), r| (l + r.1, n + r.2));
             // `n` counts loss rows: samples, or tokens of a language model.
             let targets = self.run.targets;
             self.samples += n / targets;
