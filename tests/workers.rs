@@ -92,11 +92,21 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
             let quic = ok(&run(Command::new(PIPE)
                 .args(args)
                 .args(["--transport", "quic"])));
-            assert!(quic.contains("one process each"), "{quic}");
+            assert!(quic.contains("one process each, QUIC"), "{quic}");
             assert_eq!(
                 done(&inproc),
                 done(&quic),
                 "{policy} --replicas {replicas}:\n{inproc}\n{quic}"
+            );
+            // The default transport of worker processes on one host: shared memory.
+            let shm = ok(&run(Command::new(PIPE)
+                .args(args)
+                .args(["--placement", "processes"])));
+            assert!(shm.contains("one process each, shared memory"), "{shm}");
+            assert_eq!(
+                done(&inproc),
+                done(&shm),
+                "{policy} --replicas {replicas}:\n{inproc}\n{shm}"
             );
         }
     }
@@ -286,48 +296,59 @@ fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
         return;
     }
     let _one = serial();
-    let d = dir("kill");
-    let flags = ["--stages", "2", "--replicas", "2,1", "--transport", "quic"];
-    let (launcher, workers) = launched_run(&flags, &d);
-    assert_eq!(workers.len(), 3, "{workers:?}");
-    let killed = Instant::now();
-    let victim = signal(&workers, 2, "-9");
-    let others: Vec<u32> = workers
-        .iter()
-        .map(|w| w.0)
-        .filter(|&p| p != victim)
-        .collect();
-    while others.iter().any(|&p| alive(p)) {
+    // QUIC notices a dead peer by its silence (idle timeout 5 s); shared memory by the
+    // socket the kernel closes with the process, at once.
+    for (transport, within) in [("quic", 10), ("shm", 5)] {
+        let d = dir(&format!("kill-{transport}"));
+        let flags = [
+            "--stages",
+            "2",
+            "--replicas",
+            "2,1",
+            "--transport",
+            transport,
+        ];
+        let (launcher, workers) = launched_run(&flags, &d);
+        assert_eq!(workers.len(), 3, "{workers:?}");
+        let killed = Instant::now();
+        let victim = signal(&workers, 2, "-9");
+        let others: Vec<u32> = workers
+            .iter()
+            .map(|w| w.0)
+            .filter(|&p| p != victim)
+            .collect();
+        while others.iter().any(|&p| alive(p)) {
+            assert!(
+                killed.elapsed() < Duration::from_secs(within),
+                "{transport}: workers still running {within} s after rank 2 was killed"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let stopped = killed.elapsed();
+        let out = launcher.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
         assert!(
-            killed.elapsed() < Duration::from_secs(10),
-            "workers still running 10 s after rank 2 was killed"
+            err.lines()
+                .last()
+                .is_some_and(|l| l.contains("worker 2 was killed by signal 9")),
+            "{err}"
         );
-        std::thread::sleep(Duration::from_millis(50));
+        for rank in [0, 1] {
+            let line = err
+                .lines()
+                .find(|l| l.starts_with(&format!("worker {rank}: error:")))
+                .unwrap_or_else(|| panic!("no error from worker {rank}: {err}"));
+            assert!(
+                line.contains("lost worker 2") || line.contains("because worker 2 failed"),
+                "{line}"
+            );
+        }
+        for (pid, _) in &workers {
+            assert!(!alive(*pid), "worker process {pid} outlived the launcher");
+        }
+        eprintln!("{transport}: the others stopped {stopped:?} after the kill");
     }
-    let stopped = killed.elapsed();
-    let out = launcher.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.lines()
-            .last()
-            .is_some_and(|l| l.contains("worker 2 was killed by signal 9")),
-        "{err}"
-    );
-    for rank in [0, 1] {
-        let line = err
-            .lines()
-            .find(|l| l.starts_with(&format!("worker {rank}: error:")))
-            .unwrap_or_else(|| panic!("no error from worker {rank}: {err}"));
-        assert!(
-            line.contains("lost worker 2") || line.contains("because worker 2 failed"),
-            "{line}"
-        );
-    }
-    for (pid, _) in &workers {
-        assert!(!alive(*pid), "worker process {pid} outlived the launcher");
-    }
-    eprintln!("the others stopped {stopped:?} after the kill");
 }
 
 /// A run restarted by itself: worker 1, the only worker of stage 1, killed with SIGKILL once
@@ -425,36 +446,37 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
             ],
         )
     };
-    let ck = d.join("ck");
-    let launcher = flags(&ck, "2")
-        .args(["--transport", "quic"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while !ck.join("ckpt-00000050").exists() {
-        assert!(started.elapsed() < Duration::from_secs(60), "no checkpoint");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    signal(&children_of(launcher.id()), 3, "-9");
-    let text = ok(&launcher.wait_with_output().unwrap());
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 9"))
-        .unwrap_or_else(|| panic!("no loss reported: {text}"));
-    assert!(line.contains("replicas [2, 1]"), "{line}");
-    let from = resumed_from(line);
-    assert!(from >= 50, "{line}");
-    assert!(done(&text).starts_with("done: 600 steps"), "{text}");
-    // The undisturbed run's checkpoint at that update, resumed by hand on the new layout.
     let calm = d.join("calm");
     ok(&run(&mut flags(&calm, "2")));
-    let at = calm.join(format!("ckpt-{from:08}"));
-    let resumed = ok(&run(
-        flags(&d.join("resumed"), "2,1").args(["--resume", at.to_str().unwrap()])
-    ));
-    assert_eq!(done(&text), done(&resumed));
+    for transport in ["quic", "shm"] {
+        let ck = d.join(format!("ck-{transport}"));
+        let launcher = flags(&ck, "2")
+            .args(["--transport", transport])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        while !ck.join("ckpt-00000050").exists() {
+            assert!(started.elapsed() < Duration::from_secs(60), "no checkpoint");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        signal(&children_of(launcher.id()), 3, "-9");
+        let text = ok(&launcher.wait_with_output().unwrap());
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 9"))
+            .unwrap_or_else(|| panic!("{transport}: no loss reported: {text}"));
+        assert!(line.contains("replicas [2, 1]"), "{line}");
+        let from = resumed_from(line);
+        assert!(from >= 50, "{line}");
+        assert!(done(&text).starts_with("done: 600 steps"), "{text}");
+        // The undisturbed run's checkpoint at that update, resumed by hand on the new layout.
+        let at = calm.join(format!("ckpt-{from:08}"));
+        let resumed = ok(&run(flags(&d.join(format!("resumed-{transport}")), "2,1")
+            .args(["--resume", at.to_str().unwrap()])));
+        assert_eq!(done(&text), done(&resumed), "{transport}");
+    }
 }
 
 /// `--rejoin` over QUIC: worker 3 (stage 1's second replica) ends at its 60th data message as
@@ -1028,5 +1050,148 @@ fn workers_exit_at_once_when_their_launcher_is_killed() {
             "workers outlived their launcher by 3 s"
         );
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The JSON-lines log of one run with `flags` and `extra`, each line's timings removed.
+fn log_without_timings(
+    d: &std::path::Path,
+    name: &str,
+    flags: &[&str],
+    extra: &[&str],
+) -> Vec<serde_json::Value> {
+    let log = d.join(format!("{name}.jsonl"));
+    ok(&run(Command::new(PIPE)
+        .args(flags)
+        .args(extra)
+        .arg("--log-jsonl")
+        .arg(&log)));
+    std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            strip_timings(&mut v);
+            v
+        })
+        .collect()
+}
+
+/// Removes the fields that measure time, wherever they are nested.
+fn strip_timings(v: &mut serde_json::Value) {
+    const TIMINGS: [&str; 4] = [
+        "samples_per_sec",
+        "tokens_per_sec",
+        "elapsed_s",
+        "utilisation",
+    ];
+    match v {
+        serde_json::Value::Object(map) => {
+            for t in TIMINGS {
+                map.remove(t);
+            }
+            map.values_mut().for_each(strip_timings);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(strip_timings),
+        _ => {}
+    }
+}
+
+/// Every number the log holds but timings is the same, bit for bit, whether the workers are
+/// threads, processes over shared memory or processes over QUIC: the losses of replicas are
+/// summed in microbatch order, not in the order they arrive.
+#[test]
+fn every_logged_number_but_timings_is_the_same_over_threads_shared_memory_and_quic() {
+    let _one = serial();
+    let d = dir("jsonl");
+    let config = small_config(&d, 1);
+    let cases: [&[&str]; 4] = [
+        &[
+            "--schedule",
+            "pipedream",
+            "--stages",
+            "4",
+            "--replicas",
+            "2",
+            "--steps",
+            "20",
+        ],
+        &[
+            "--schedule",
+            "2bw",
+            "--stages",
+            "4",
+            "--replicas",
+            "2",
+            "--microbatches",
+            "4",
+            "--steps",
+            "30",
+            "--seed",
+            "7",
+        ],
+        &[
+            "--schedule",
+            "1f1b-flush",
+            "--stages",
+            "4",
+            "--replicas",
+            "2",
+            "--microbatches",
+            "4",
+            "--steps",
+            "12",
+        ],
+        &[
+            "--schedule",
+            "pipedream",
+            "--stages",
+            "3",
+            "--replicas",
+            "2,1,1",
+            "--steps",
+            "20",
+        ],
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        let mut flags = vec!["train", "--config", &config];
+        flags.extend_from_slice(case);
+        let threads = log_without_timings(&d, &format!("{i}-threads"), &flags, &[]);
+        let shm = log_without_timings(&d, &format!("{i}-shm"), &flags, &["--transport", "shm"]);
+        let quic = log_without_timings(&d, &format!("{i}-quic"), &flags, &["--transport", "quic"]);
+        assert!(threads.len() > 2, "{case:?}: {threads:?}");
+        assert!(
+            threads.iter().any(|l| l.get("loss").is_some()),
+            "{threads:?}"
+        );
+        assert_eq!(threads, shm, "{case:?}: threads against shared memory");
+        assert_eq!(threads, quic, "{case:?}: threads against QUIC");
+    }
+}
+
+/// A cut link is QUIC's alone: asked of shared memory (or the default transport), it is
+/// refused before anything starts.
+#[test]
+fn a_cut_link_is_refused_over_shared_memory() {
+    let d = dir("cut-shm");
+    let config = small_config(&d, 1);
+    for extra in [
+        &["--transport", "shm"][..],
+        &["--placement", "processes"][..],
+    ] {
+        let out = run(Command::new(PIPE)
+            .args([
+                "train",
+                "--config",
+                &config,
+                "--stages",
+                "4",
+                "--fault-schedule",
+                "0:partition@30:3:8",
+            ])
+            .args(extra));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("only QUIC links are cut"), "{err}");
     }
 }

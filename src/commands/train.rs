@@ -15,6 +15,7 @@ use pipe_stages::pipeline::restart::{Restart, RestartPolicy, with_restarts};
 use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
+use pipe_transport::TransportKind;
 use pipe_transport::fault::{Fault, FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
@@ -320,7 +321,13 @@ fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig, processes: bool) -> Result<
         );
         if !processes && whole_process {
             return Err(bad_input(format!(
-                "--fault-schedule: {} acts on a worker's process or its network, and in process that is the whole run: give --transport quic, or panic@N or stall@N:SECONDS",
+                "--fault-schedule: {} acts on a worker's process or its network, and in process that is the whole run: give --placement processes, or panic@N or stall@N:SECONDS",
+                f.fault
+            )));
+        }
+        if matches!(f.fault, Fault::Partition { .. }) && cfg.transport != TransportKind::Quic {
+            return Err(bad_input(format!(
+                "--fault-schedule: {} cuts a network link, and only QUIC links are cut (workers on one host talk through shared memory): give --transport quic",
                 f.fault
             )));
         }
@@ -460,10 +467,10 @@ fn print_pipeline(cfg: &RunConfig, processes: bool) -> Result<u32> {
             String::new()
         },
         resolved.layout.workers(),
-        if processes {
-            "one process each, QUIC on loopback"
-        } else {
-            "one thread each"
+        match (processes, cfg.transport) {
+            (false, _) => "one thread each",
+            (true, TransportKind::Quic) => "one process each, QUIC on loopback",
+            (true, _) => "one process each, shared memory",
         },
         resolved.minibatch
     );

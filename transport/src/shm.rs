@@ -358,6 +358,8 @@ struct Link {
     eof: bool,
     /// The last wait saw its socket readable: read it at the next pump.
     control_ready: bool,
+    /// The peer has said it failed.
+    aborted: bool,
 }
 
 /// One worker's endpoint of a shared-memory mesh.
@@ -699,6 +701,7 @@ impl Link {
             held: 0,
             eof: false,
             control_ready: false,
+            aborted: false,
         }
     }
 
@@ -751,6 +754,7 @@ impl Link {
                         self.control[4],
                     ]);
                     self.control.drain(..5);
+                    self.aborted = true;
                     aborted_by.get_or_insert(by);
                 }
                 RECORD_ABORT => break,
@@ -765,7 +769,8 @@ impl Link {
         }
         if let Some(why) = ended {
             self.eof = true;
-            if self.state == PeerState::Running && aborted_by.is_none() {
+            // A peer that aborted ends next: its end is the abort's echo, not a loss.
+            if self.state == PeerState::Running && !self.aborted {
                 self.state = PeerState::Lost(why);
             }
             changed = true;
@@ -792,18 +797,18 @@ impl Shm {
         }
     }
 
-    /// The error every call gives once a peer is lost or an abort has arrived.
+    /// The error every call gives once a peer is lost or an abort has arrived. A lost peer
+    /// comes first: when a process dies, its neighbours' aborts follow its end, and the end
+    /// names the worker that was lost.
     fn failure(&self) -> Option<TransportError> {
-        if let Some(by) = self.aborted_by {
-            return Some(TransportError::Aborted { by });
-        }
-        self.links.iter().flatten().find_map(|l| match &l.state {
+        let lost = self.links.iter().flatten().find_map(|l| match &l.state {
             PeerState::Lost(why) => Some(TransportError::Lost {
                 peer: l.peer,
                 why: why.clone(),
             }),
             _ => None,
-        })
+        });
+        lost.or(self.aborted_by.map(|by| TransportError::Aborted { by }))
     }
 
     /// Reads every ring's frames as far as they have arrived, keeping messages by key, and

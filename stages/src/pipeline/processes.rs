@@ -516,6 +516,7 @@ pub fn launch(
     let mut told = false;
     let mut stop_by: Option<Instant> = None;
     let mut first_exit: Option<(u32, ExitStatus)> = None;
+    let mut first_at: Option<Instant> = None;
     let mut stop_sent = false;
     loop {
         // Ctrl-C here (or a layout change to come): the chief stops at its next drain point,
@@ -556,8 +557,9 @@ pub fn launch(
             )));
         }
         for (rank, status) in workers.reap() {
-            if !status.success() && first_exit.is_none() {
+            if !status.success() && cause_first(first_exit.as_ref(), status, first_at) {
                 first_exit = Some((rank, status));
+                first_at.get_or_insert_with(Instant::now);
             }
         }
         if (first_exit.is_some() || relay.failure.is_some()) && stop_by.is_none() {
@@ -607,6 +609,28 @@ pub struct JoinOptions {
     /// Where workers on one host meet to set up shared memory: the launcher's private
     /// directory, or [`pipe_transport::shm::rendezvous_dir`] for a cluster file's workers.
     pub meet: PathBuf,
+}
+
+/// How soon after a failure the worker that caused it is still looked for among the exits.
+const CAUSE_WINDOW: Duration = Duration::from_secs(1);
+
+/// Whether an unsuccessful exit `status` is the run's failure rather than `first`, the one
+/// taken so far: the first one, or a worker killed by a signal soon after another that only
+/// exited. A peer over shared memory sees a killed process's end at once and exits on its
+/// own, sometimes before the launcher has reaped the killed one; the signal names the cause.
+fn cause_first(
+    first: Option<&(u32, ExitStatus)>,
+    status: ExitStatus,
+    first_at: Option<Instant>,
+) -> bool {
+    use std::os::unix::process::ExitStatusExt as _;
+    match first {
+        None => true,
+        Some((_, taken)) => {
+            let soon = first_at.is_none_or(|t| t.elapsed() < CAUSE_WINDOW);
+            taken.signal().is_none() && status.signal().is_some() && soon
+        }
+    }
 }
 
 /// Joins a cluster as rank `rank`, over shared memory or QUIC as `opts.transport` says. A
