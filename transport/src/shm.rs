@@ -83,6 +83,10 @@ const RECORD_CLOSE: u8 = b'C';
 /// Smallest and largest ring a hello may ask for.
 const MIN_RING: u64 = 4096;
 const MAX_RING: u64 = 1 << 30;
+/// Times a blocked call gives its core away (`sched_yield`) and looks again before it
+/// sleeps: where workers outnumber cores, the peer it waits for often runs meanwhile, and
+/// a sleep and its wake-up cost more. Bounded, so a wait never spins.
+const YIELDS_BEFORE_PARKING: u32 = 4;
 /// How often a worker that never waits looks at its links' sockets.
 const SOCKET_CHECK: Duration = Duration::from_millis(2);
 /// A hello or an answer is at most this long.
@@ -280,17 +284,27 @@ impl Ring {
 
     /// Copies up to `out.len()` published bytes out, freeing their space; returns how many.
     fn read_some(&self, out: &mut [u8]) -> Result<usize, String> {
+        // SAFETY: `out` is valid for writes of its length.
+        unsafe { self.read_raw(out.as_mut_ptr(), out.len()) }
+    }
+
+    /// Copies up to `max` published bytes to `out`, freeing their space; returns how many.
+    ///
+    /// # Safety
+    /// `out` must be valid for writes of `max` bytes (it may be uninitialised).
+    unsafe fn read_raw(&self, out: *mut u8, max: usize) -> Result<usize, String> {
         let (head, tail) = self.positions()?;
-        let n = ((head - tail) as usize).min(out.len());
+        let n = ((head - tail) as usize).min(max);
         if n == 0 {
             return Ok(0);
         }
         let at = (tail % self.cap) as usize;
         let first = n.min(self.cap as usize - at);
-        // SAFETY: as `write_some`; these bytes were published by the producer.
+        // SAFETY: the source ranges are inside the data area (as `write_some`) and were
+        // published by the producer; `out` holds `max >= n` bytes (the caller's promise).
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data.add(at), out.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data, out.as_mut_ptr().add(first), n - first);
+            std::ptr::copy_nonoverlapping(self.data.add(at), out, first);
+            std::ptr::copy_nonoverlapping(self.data, out.add(first), n - first);
         }
         self.tail().store(tail + n as u64, Ordering::SeqCst);
         Ok(n)
@@ -313,10 +327,61 @@ enum Reading {
     },
     Payload {
         header: Header,
-        buf: PayloadBuffer,
+        buf: Payload,
         got: usize,
         len: usize,
     },
+}
+
+/// Where a payload is read to: an f32 payload straight into the new tensor's buffer, which
+/// is never zeroed first (every byte comes from the ring before the buffer is used); any
+/// other into [`PayloadBuffer`].
+enum Payload {
+    /// Capacity for the payload; its length is set once every byte has been read.
+    F32(Vec<f32>),
+    Other(PayloadBuffer),
+}
+
+impl Payload {
+    fn for_header(header: &Header) -> Payload {
+        if header.dtype == WireDType::F32 && cfg!(target_endian = "little") {
+            Payload::F32(Vec::with_capacity(header.elements() as usize))
+        } else {
+            Payload::Other(PayloadBuffer::for_header(header))
+        }
+    }
+
+    /// Reads bytes `got..len` of the payload from `ring`, as far as it has them.
+    fn fill(&mut self, ring: &Ring, got: usize, len: usize) -> Result<usize, String> {
+        match self {
+            Payload::F32(values) => {
+                debug_assert!(values.capacity() * 4 >= len);
+                // SAFETY: the capacity holds `len` bytes, so bytes `got..len` are inside it.
+                unsafe { ring.read_raw(values.as_mut_ptr().cast::<u8>().add(got), len - got) }
+            }
+            Payload::Other(buf) => ring.read_some(&mut buf.bytes_mut()[got..len]),
+        }
+    }
+
+    /// The message, once all `header.payload_bytes()` bytes have been read.
+    fn into_message(self, header: &Header) -> Result<Message, frame::FrameError> {
+        match self {
+            Payload::F32(mut values) => {
+                // SAFETY: `fill` wrote every byte of the `elements` values.
+                unsafe { values.set_len(header.elements() as usize) };
+                let shape: Vec<usize> = header.shape.iter().map(|&d| d as usize).collect();
+                let tensor = pipe_kernels::Tensor::from_vec(&shape, values).map_err(|e| {
+                    frame::FrameError::Header(format!("payload does not fit the shape: {e}"))
+                })?;
+                Ok(Message {
+                    key: header.key()?,
+                    version: header.version,
+                    tensor,
+                })
+            }
+            Payload::Other(buf) => buf.into_message(header),
+        }
+    }
 }
 
 impl Default for Reading {
@@ -912,7 +977,7 @@ impl Shm {
                                 "more than {max_held} bytes wait for this worker's receives"
                             )));
                         }
-                        let buf = PayloadBuffer::for_header(&header);
+                        let buf = Payload::for_header(&header);
                         link.reading = Reading::Payload {
                             header,
                             buf,
@@ -923,10 +988,7 @@ impl Shm {
                     n
                 }
                 Reading::Payload { buf, got, len, .. } => {
-                    let n = link
-                        .inp
-                        .read_some(&mut buf.bytes_mut()[*got..*len])
-                        .map_err(broken)?;
+                    let n = buf.fill(&link.inp, *got, *len).map_err(broken)?;
                     *got += n;
                     n
                 }
@@ -1020,6 +1082,7 @@ impl Shm {
     /// incoming ring while it waits.
     fn write_all(&mut self, i: usize, bytes: &[u8]) -> Result<(), String> {
         let mut off = 0;
+        let mut idle = 0;
         while off < bytes.len() {
             let link = self.links[i].as_ref().ok_or("no link")?;
             let n = link
@@ -1042,7 +1105,12 @@ impl Shm {
                     return Err(format!("worker {} has closed its link", link.peer));
                 }
             }
-            if !moved {
+            if moved {
+                idle = 0;
+            } else if idle < YIELDS_BEFORE_PARKING {
+                idle += 1;
+                std::thread::yield_now();
+            } else {
                 self.park(None, Some(i)).map_err(|e| e.to_string())?;
             }
         }
@@ -1138,6 +1206,7 @@ impl Transport for Shm {
         let i = self.link_index(key.from)?;
         let start = Instant::now();
         let deadline = crate::stall_deadline(self.opts.timeout, key, start);
+        let mut idle = 0;
         loop {
             if let Some(m) = self.early.take(key) {
                 return Ok(self.handed(m));
@@ -1163,7 +1232,12 @@ impl Transport for Shm {
                     waited: start.elapsed(),
                 });
             }
-            if !moved {
+            if moved {
+                idle = 0;
+            } else if idle < YIELDS_BEFORE_PARKING {
+                idle += 1;
+                std::thread::yield_now();
+            } else {
                 self.park(deadline, None)?;
             }
         }
