@@ -188,9 +188,16 @@ impl RingAllReduce {
                 "all-reduce of too many pieces".into(),
             ));
         }
-        ring.spares = CHUNK_BUFFERS.with(std::cell::Cell::take);
         let first = chunk(ring.len, r, ring.chunks(0).0);
         let count = pieces_of(first.len());
+        if ring.lends(t) {
+            for j in 0..count {
+                let at = piece(&first, count, j);
+                t.send_values(ring.key(ring.me, ring.next, 0, j), 0, &flat.slices(at))?;
+            }
+            return Ok(ring);
+        }
+        ring.spares = CHUNK_BUFFERS.with(std::cell::Cell::take);
         for j in 0..count {
             let mut buf = ring.spares.pop().unwrap_or_default();
             buf.clear();
@@ -230,6 +237,50 @@ impl RingAllReduce {
     ) -> Result<(), TransportError> {
         self.advance(t, segments, true)?;
         Ok(())
+    }
+
+    /// Whether pieces go by lending values to a transport that copies them anyway
+    /// ([`Transport::copies_payloads`]): written from the buffer straight into it and added
+    /// from it as they arrive, with no piece buffer between (f32 rings; a bf16 ring rounds
+    /// what it sends, so it keeps its buffers).
+    fn lends<T: Transport + ?Sized>(&self, t: &T) -> bool {
+        self.spec.wire == WireDType::F32 && t.copies_payloads()
+    }
+
+    /// Receives piece `at` (keyed `key`) by lending, adding it into `flat` (or copying it,
+    /// in the all-gather) block by block. `None` when not waiting and it has not arrived.
+    fn lend_in<T: Transport + ?Sized>(
+        t: &mut T,
+        key: &Key,
+        flat: &mut Segments<'_, '_>,
+        at: &std::ops::Range<usize>,
+        gather: bool,
+        wait: bool,
+    ) -> Result<Option<()>, TransportError> {
+        let mut overflow = false;
+        let mut take = |off: usize, block: &[f32]| {
+            if off + block.len() > at.len() {
+                overflow = true;
+                return;
+            }
+            let lo = at.start + off;
+            flat.merge_in(lo..lo + block.len(), block, gather);
+        };
+        let got = if wait {
+            t.recv_with(key, &mut take)?
+        } else {
+            match t.try_recv_with(key, &mut take)? {
+                Some(n) => n,
+                None => return Ok(None),
+            }
+        };
+        if overflow || got != at.len() {
+            return Err(TransportError::Protocol(format!(
+                "all-reduce piece of {got} values where {} were expected",
+                at.len()
+            )));
+        }
+        Ok(Some(()))
     }
 
     /// (chunk sent, chunk received) at ring step `step`: reduce-scatter, then all-gather.
@@ -284,6 +335,22 @@ impl RingAllReduce {
             let j = self.piece;
             let at = piece(&range, count, j);
             let key = self.key(self.prev, self.me, step, j);
+            if self.lends(t) {
+                if Self::lend_in(t, &key, &mut flat, &at, gather, wait)?.is_none() {
+                    return Ok(false);
+                }
+                if step + 1 < steps {
+                    // The merged piece (or the finished one, in the all-gather) goes on.
+                    let next = self.key(self.me, self.next, step + 1, j);
+                    t.send_values(next, 0, &flat.slices(at.clone()))?;
+                }
+                (self.step, self.piece) = if j + 1 < count {
+                    (step, j + 1)
+                } else {
+                    (step + 1, 0)
+                };
+                continue;
+            }
             let got = if wait {
                 t.recv(&key)?
             } else {
@@ -414,6 +481,13 @@ impl<'a, 'b> Segments<'a, 'b> {
                     )
                 })
             })
+    }
+
+    /// Flat range `range` as the slices of the parts it spans.
+    fn slices(&self, range: std::ops::Range<usize>) -> Vec<&[f32]> {
+        self.pieces(range)
+            .map(|(p, within, _)| &self.parts[p][within])
+            .collect()
     }
 
     /// Appends flat range `range` to `out`.

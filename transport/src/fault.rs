@@ -262,6 +262,24 @@ pub fn parse_schedule(text: &str) -> Result<FaultSchedule, String> {
     Ok(FaultSchedule(out))
 }
 
+impl Fault {
+    /// The data message a fault acts at, for the faults that act at one.
+    pub fn nth(&self) -> Option<u64> {
+        match *self {
+            Fault::None | Fault::Delay { .. } | Fault::Reorder { .. } => None,
+            Fault::Duplicate { nth }
+            | Fault::Drop { nth }
+            | Fault::Reset { nth }
+            | Fault::Panic { nth }
+            | Fault::Fail { nth }
+            | Fault::Stall { nth, .. }
+            | Fault::Exit { nth }
+            | Fault::Freeze { nth, .. }
+            | Fault::Partition { nth, .. } => Some(nth),
+        }
+    }
+}
+
 /// A fault schedule as given: listed entries, or drawn from a seed once the run's worker
 /// count is known (`random:SEED:COUNT`: COUNT faults, one per start of the run, so a run with
 /// `--max-restarts COUNT` meets every one of them and then completes).
@@ -563,6 +581,57 @@ impl<T: Transport> Transport for Faulty<T> {
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
         self.flush()?;
         self.inner()?.recv(key)
+    }
+
+    fn copies_payloads(&self) -> bool {
+        self.inner.as_ref().is_some_and(Transport::copies_payloads)
+    }
+
+    fn send_values(
+        &mut self,
+        key: Key,
+        version: u64,
+        parts: &[&[f32]],
+    ) -> Result<(), TransportError> {
+        // Counted as a data message either way; only a message a fault acts on is built.
+        let next = self.sent + 1;
+        let untouched = match self.fault {
+            Fault::None => true,
+            // Every message is delayed or held.
+            Fault::Delay { .. } | Fault::Reorder { .. } => false,
+            other => other.nth().is_none_or(|nth| nth != next),
+        };
+        if untouched && key.kind != Kind::Control && self.held.is_empty() {
+            self.sent = next;
+            return self.inner()?.send_values(key, version, parts);
+        }
+        let values: Vec<f32> = parts.concat();
+        let n = values.len();
+        let tensor = pipe_kernels::Tensor::from_vec(&[n], values)
+            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+        self.send(Message {
+            key,
+            version,
+            tensor,
+        })
+    }
+
+    fn recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<usize, TransportError> {
+        self.flush()?;
+        self.inner()?.recv_with(key, take)
+    }
+
+    fn try_recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Option<usize>, TransportError> {
+        // As try_recv: a poll never waits, so what is held stays held.
+        self.inner()?.try_recv_with(key, take)
     }
 
     fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {

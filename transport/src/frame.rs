@@ -249,7 +249,20 @@ fn bincode_config() -> impl bincode::config::Config {
 
 /// The header describing `message` in run `run_id`, with its payload as `dtype`.
 pub fn header_of(message: &Message, run_id: u64, dtype: WireDType) -> Header {
-    let k = message.key;
+    let shape: Vec<u64> = message.tensor.shape().iter().map(|&d| d as u64).collect();
+    header_for(message.key, message.version, shape, run_id, dtype)
+}
+
+/// The header of a message with `key`, `version` and a payload of `shape` as `dtype`, in
+/// run `run_id`: for a sender that writes values it does not hold as a tensor.
+pub fn header_for(
+    key: Key,
+    version: u64,
+    shape: Vec<u64>,
+    run_id: u64,
+    dtype: WireDType,
+) -> Header {
+    let k = key;
     Header {
         protocol: PROTOCOL_VERSION,
         run_id,
@@ -259,9 +272,9 @@ pub fn header_of(message: &Message, run_id: u64, dtype: WireDType) -> Header {
         stage: k.stage,
         index: k.index,
         step: k.step,
-        version: message.version,
+        version,
         dtype,
-        shape: message.tensor.shape().iter().map(|&d| d as u64).collect(),
+        shape,
     }
 }
 

@@ -239,6 +239,80 @@ pub trait Transport: Send {
     /// Number of workers in the mesh.
     fn size(&self) -> u32;
 
+    /// Whether this transport copies every payload anyway (shared memory writes it into a
+    /// ring and reads it out), so that a caller gains by lending it values where they lie
+    /// ([`Transport::send_values`], [`Transport::recv_with`]) rather than handing over owned
+    /// buffers, which the other transports move without a copy.
+    fn copies_payloads(&self) -> bool {
+        false
+    }
+
+    /// Sends the concatenation of `parts` as a message of one dimension with `key` and
+    /// `version`, without the caller building a tensor. By default it builds one.
+    ///
+    /// # Errors
+    /// As [`Transport::send`].
+    fn send_values(
+        &mut self,
+        key: Key,
+        version: u64,
+        parts: &[&[f32]],
+    ) -> Result<(), TransportError> {
+        let values: Vec<f32> = parts.concat();
+        let n = values.len();
+        let tensor = Tensor::from_vec(&[n], values)
+            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+        self.send(Message {
+            key,
+            version,
+            tensor,
+        })
+    }
+
+    /// Receives the message with `key` and hands its values to `take` in order, as
+    /// (offset, values) blocks that together cover the payload once; returns its element
+    /// count. By default in one block, from the received tensor; shared memory lends them
+    /// block by block from its ring as they arrive, so a payload is read once. A transport
+    /// that fails midway has handed over part of the payload: the caller treats the values
+    /// as lost with the error.
+    ///
+    /// # Errors
+    /// As [`Transport::recv`]; a payload not in host memory.
+    fn recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<usize, TransportError> {
+        let m = self.recv(key)?;
+        let values = m
+            .tensor
+            .host()
+            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+        take(0, values);
+        Ok(values.len())
+    }
+
+    /// [`Transport::recv_with`] without waiting: `None` when the message has not (wholly)
+    /// arrived, and then nothing was handed to `take`.
+    ///
+    /// # Errors
+    /// As [`Transport::try_recv`].
+    fn try_recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Option<usize>, TransportError> {
+        let Some(m) = self.try_recv(key)? else {
+            return Ok(None);
+        };
+        let values = m
+            .tensor
+            .host()
+            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+        take(0, values);
+        Ok(Some(values.len()))
+    }
+
     /// Sends a message to `message.key.to`. May block while the peer's queue is full.
     ///
     /// # Errors
@@ -356,6 +430,31 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn size(&self) -> u32 {
         (**self).size()
+    }
+    fn copies_payloads(&self) -> bool {
+        (**self).copies_payloads()
+    }
+    fn send_values(
+        &mut self,
+        key: Key,
+        version: u64,
+        parts: &[&[f32]],
+    ) -> Result<(), TransportError> {
+        (**self).send_values(key, version, parts)
+    }
+    fn recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<usize, TransportError> {
+        (**self).recv_with(key, take)
+    }
+    fn try_recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Option<usize>, TransportError> {
+        (**self).try_recv_with(key, take)
     }
     fn send(&mut self, message: Message) -> Result<(), TransportError> {
         (**self).send(message)

@@ -331,6 +331,12 @@ enum Reading {
         got: usize,
         len: usize,
     },
+    /// A frame a streaming receive waits for: its header is read, its f32 payload is lent
+    /// from the ring as it arrives ([`Shm::lend`]); `got` bytes of it are handed over.
+    Held {
+        header: Header,
+        got: usize,
+    },
 }
 
 /// Where a payload is read to: an f32 payload straight into the new tensor's buffer, which
@@ -427,6 +433,15 @@ struct Link {
     aborted: bool,
 }
 
+/// What a receive got: a whole message, or a payload lent to its taker (its elements).
+enum Received {
+    Whole(Message),
+    Lent(usize),
+}
+
+/// Values a lent payload passes through at a time (64 KiB: it stays in cache).
+const BOUNCE_VALUES: usize = 1 << 14;
+
 /// One worker's endpoint of a shared-memory mesh.
 pub struct Shm {
     rank: u32,
@@ -440,6 +455,8 @@ pub struct Shm {
     closed: bool,
     /// When the sockets were last checked ([`Shm::check_sockets`]).
     checked: Instant,
+    /// Where a lent payload passes through ([`Shm::lend`]).
+    bounce: Vec<f32>,
     opts: ShmOptions,
     limits: FrameLimits,
 }
@@ -586,6 +603,7 @@ impl ShmBound {
             aborted_by: None,
             closed: false,
             checked: Instant::now(),
+            bounce: vec![0.0; BOUNCE_VALUES],
             opts: self.opts,
             limits,
         })
@@ -772,7 +790,7 @@ impl Link {
 
     /// Wakes the peer (a write to its eventfd); a peer that is gone needs no waking.
     fn ring_bell(&self) {
-        let _ = rustix::io::write(&self.bell, &1u64.to_ne_bytes());
+        ring(&self.bell);
     }
 
     /// Reads the control records that have arrived on the socket, without waiting.
@@ -877,22 +895,41 @@ impl Shm {
     }
 
     /// Reads every ring's frames as far as they have arrived, keeping messages by key, and
-    /// the control records of the links whose sockets have something. Returns whether
-    /// anything moved.
-    fn pump(&mut self) -> Result<bool, TransportError> {
-        self.check_sockets();
+    /// the control records of the links whose sockets have something: what a blocked call
+    /// does, so that two workers sending to each other cannot deadlock. Link `want.0` stops
+    /// at the frame a streaming receive waits for (`want.1`). Returns whether anything moved.
+    fn pump(&mut self, want: Option<(usize, &Key)>) -> Result<bool, TransportError> {
         let mut moved = false;
         for i in 0..self.links.len() {
-            let Some(link) = self.links[i].as_mut() else {
-                continue;
-            };
-            if link.control_ready && !link.eof {
-                link.control_ready = false;
-                moved |= link.read_control(&mut self.aborted_by);
-            }
-            moved |= self.read_link(i)?;
+            let stop_at = want.filter(|(w, _)| *w == i).map(|(_, k)| k);
+            moved |= self.pump_one(i, stop_at)?;
         }
         Ok(moved)
+    }
+
+    /// [`Shm::pump`] of link `i` alone: what a call that has not had to wait does, leaving
+    /// the other rings to their receives.
+    fn pump_one(&mut self, i: usize, stop_at: Option<&Key>) -> Result<bool, TransportError> {
+        self.check_sockets();
+        let Some(link) = self.links[i].as_mut() else {
+            return Ok(false);
+        };
+        let mut moved = false;
+        if link.control_ready && !link.eof {
+            link.control_ready = false;
+            moved |= link.read_control(&mut self.aborted_by);
+        }
+        Ok(self.read_link(i, stop_at)? || moved)
+    }
+
+    /// Reads the control records of every link whose socket was seen readable.
+    fn read_ready_controls(&mut self) {
+        for link in self.links.iter_mut().flatten() {
+            if link.control_ready && !link.eof {
+                link.control_ready = false;
+                link.read_control(&mut self.aborted_by);
+            }
+        }
     }
 
     /// Marks the links whose sockets have something to read, with one `poll` that does
@@ -936,8 +973,10 @@ impl Shm {
         }
     }
 
-    /// Reads link `i`'s ring as far as it has bytes. Returns whether it read any.
-    fn read_link(&mut self, i: usize) -> Result<bool, TransportError> {
+    /// Reads link `i`'s ring as far as it has bytes, keeping whole messages by key; stops at
+    /// the header of the f32 frame keyed `stop_at`, held for a streaming receive. Returns
+    /// whether it read any.
+    fn read_link(&mut self, i: usize, stop_at: Option<&Key>) -> Result<bool, TransportError> {
         let (rank, limits, max_held) = (self.rank, self.limits, self.opts.max_held_bytes);
         let Some(link) = self.links[i].as_mut() else {
             return Ok(false);
@@ -972,11 +1011,16 @@ impl Shm {
                             return Err(broken(format!("a frame keyed {key:?}")));
                         }
                         let len = header.payload_bytes() as usize;
+                        if stop_at == Some(&key) && header.dtype == WireDType::F32 {
+                            link.reading = Reading::Held { header, got: 0 };
+                            return Ok(true);
+                        }
                         if link.held + header.elements() * 4 > max_held {
                             return Err(broken(format!(
                                 "more than {max_held} bytes wait for this worker's receives"
                             )));
                         }
+                        link.held += header.elements() * 4;
                         let buf = Payload::for_header(&header);
                         link.reading = Reading::Payload {
                             header,
@@ -992,6 +1036,29 @@ impl Shm {
                     *got += n;
                     n
                 }
+                Reading::Held { header, got } => {
+                    let held_key = header.key().map_err(|e| broken(e.to_string()))?;
+                    if stop_at == Some(&held_key) {
+                        return Ok(moved);
+                    }
+                    if *got > 0 {
+                        return Err(broken(format!(
+                            "{held_key:?} was cut short while it was being received"
+                        )));
+                    }
+                    // Another call needs what lies behind it: keep it as a message after all.
+                    let header = header.clone();
+                    let len = header.payload_bytes() as usize;
+                    link.held += header.elements() * 4;
+                    let buf = Payload::for_header(&header);
+                    link.reading = Reading::Payload {
+                        header,
+                        buf,
+                        got: 0,
+                        len,
+                    };
+                    continue;
+                }
             };
             let complete = matches!(&link.reading, Reading::Payload { got, len, .. } if got == len);
             if complete {
@@ -999,7 +1066,6 @@ impl Shm {
                     let m = buf
                         .into_message(&header)
                         .map_err(|e| broken(e.to_string()))?;
-                    link.held += header.elements() * 4;
                     self.early.keep(m)?;
                     moved = true;
                     continue;
@@ -1014,6 +1080,129 @@ impl Shm {
             }
         }
         Ok(moved)
+    }
+
+    /// Hands the held frame of link `i` to `take`, block by block, as far as its payload has
+    /// arrived: each block is copied from the ring into a small buffer that stays in cache
+    /// and lent from there. Returns the payload's element count once all of it is handed
+    /// over (the link then reads on), and whether any bytes moved.
+    fn lend(
+        &mut self,
+        i: usize,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<(Option<usize>, bool), TransportError> {
+        let Some(link) = self.links[i].as_mut() else {
+            return Ok((None, false));
+        };
+        let Reading::Held { header, got } = &mut link.reading else {
+            return Ok((None, false));
+        };
+        let peer = link.peer;
+        let broken = |why: String| {
+            TransportError::Protocol(format!("shared-memory link from worker {peer}: {why}"))
+        };
+        let len = header.payload_bytes() as usize;
+        let mut moved = false;
+        while *got < len {
+            let (head, tail) = link.inp.positions().map_err(broken)?;
+            let whole = ((head - tail) as usize / 4 * 4).min(len - *got);
+            let n = whole.min(self.bounce.len() * 4);
+            if n == 0 {
+                break;
+            }
+            // SAFETY: the bounce buffer holds at least `n` bytes.
+            let read = unsafe { link.inp.read_raw(self.bounce.as_mut_ptr().cast::<u8>(), n) }
+                .map_err(broken)?;
+            take(*got / 4, &self.bounce[..read / 4]);
+            *got += read;
+            moved = true;
+            if link.inp.writer_parked().load(Ordering::SeqCst) != 0 {
+                ring(&link.bell);
+            }
+        }
+        if *got < len {
+            return Ok((None, moved));
+        }
+        let elements = len / 4;
+        link.reading = Reading::default();
+        Ok((Some(elements), true))
+    }
+
+    /// Checks that `key` is addressed to this worker and returns its link.
+    fn link_for(&self, key: &Key) -> Result<usize, TransportError> {
+        if key.to != self.rank {
+            return Err(TransportError::Protocol(format!(
+                "worker {} asked for a message addressed to {}",
+                self.rank, key.to
+            )));
+        }
+        self.link_index(key.from)
+    }
+
+    /// Whether link `i`'s peer has closed and left nothing more to read.
+    fn drained_and_closed(&self, i: usize) -> bool {
+        self.links[i].as_ref().is_some_and(|l| {
+            l.state == PeerState::Closed
+                && !l.inp.readable()
+                && matches!(l.reading, Reading::Prefix { got: 0, .. })
+        })
+    }
+
+    /// The receive loop behind [`Transport::recv`] (`take` absent: the whole message) and
+    /// [`Transport::recv_with`] (`take` present: the payload lent as it arrives).
+    fn receive(
+        &mut self,
+        key: &Key,
+        mut take: Option<&mut dyn FnMut(usize, &[f32])>,
+    ) -> Result<Received, TransportError> {
+        let i = self.link_for(key)?;
+        let start = Instant::now();
+        let deadline = crate::stall_deadline(self.opts.timeout, key, start);
+        let stop_at = take.is_some().then_some(key);
+        let mut idle = 0;
+        loop {
+            if let Some(m) = self.early.take(key) {
+                return Ok(Received::Whole(self.handed(m)));
+            }
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            let mut moved = self.pump_one(i, stop_at)?;
+            if let Some(m) = self.early.take(key) {
+                return Ok(Received::Whole(self.handed(m)));
+            }
+            if let Some(take) = take.as_mut() {
+                let (done, lent) = self.lend(i, *take)?;
+                if let Some(n) = done {
+                    return Ok(Received::Lent(n));
+                }
+                moved |= lent;
+            }
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            if self.drained_and_closed(i) {
+                return Err(TransportError::Closed { peer: key.from });
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(TransportError::Timeout {
+                    key: *key,
+                    waited: start.elapsed(),
+                });
+            }
+            if !moved {
+                // Blocked: read every other ring too, so no cycle of full rings can form.
+                moved = self.pump(Some((i, key)).filter(|_| stop_at.is_some()))?;
+            }
+            if moved {
+                idle = 0;
+            } else if idle < YIELDS_BEFORE_PARKING {
+                idle += 1;
+                std::thread::yield_now();
+            } else {
+                self.park(deadline, None)?;
+            }
+        }
     }
 
     /// Sleeps until a peer writes, frees space, sends a control record or goes, or until
@@ -1096,7 +1285,7 @@ impl Shm {
                 }
                 continue;
             }
-            let moved = self.pump().map_err(|e| e.to_string())?;
+            let moved = self.pump(None).map_err(|e| e.to_string())?;
             if let Some(e) = self.failure() {
                 return Err(e.to_string());
             }
@@ -1152,7 +1341,8 @@ impl Transport for Shm {
             Ok(i) => i,
             Err(e) => return Err(fail(message, e.to_string())),
         };
-        self.pump()?;
+        self.check_sockets();
+        self.read_ready_controls();
         if let Some(e) = self.failure() {
             return Err(e);
         }
@@ -1197,68 +1387,127 @@ impl Transport for Shm {
     }
 
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
-        if key.to != self.rank {
-            return Err(TransportError::Protocol(format!(
-                "worker {} asked for a message addressed to {}",
-                self.rank, key.to
-            )));
-        }
-        let i = self.link_index(key.from)?;
-        let start = Instant::now();
-        let deadline = crate::stall_deadline(self.opts.timeout, key, start);
-        let mut idle = 0;
-        loop {
-            if let Some(m) = self.early.take(key) {
-                return Ok(self.handed(m));
-            }
-            if let Some(e) = self.failure() {
-                return Err(e);
-            }
-            let moved = self.pump()?;
-            if let Some(m) = self.early.take(key) {
-                return Ok(self.handed(m));
-            }
-            if let Some(e) = self.failure() {
-                return Err(e);
-            }
-            if let Some(link) = self.links[i].as_ref() {
-                if link.state == PeerState::Closed && !link.inp.readable() {
-                    return Err(TransportError::Closed { peer: key.from });
-                }
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(TransportError::Timeout {
-                    key: *key,
-                    waited: start.elapsed(),
-                });
-            }
-            if moved {
-                idle = 0;
-            } else if idle < YIELDS_BEFORE_PARKING {
-                idle += 1;
-                std::thread::yield_now();
-            } else {
-                self.park(deadline, None)?;
-            }
+        match self.receive(key, None)? {
+            Received::Whole(m) => Ok(m),
+            Received::Lent(_) => Err(TransportError::Protocol(format!(
+                "{key:?} was lent without a taker"
+            ))),
         }
     }
 
     fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
-        if key.to != self.rank {
-            return Err(TransportError::Protocol(format!(
-                "worker {} asked for a message addressed to {}",
-                self.rank, key.to
-            )));
-        }
-        self.link_index(key.from)?;
+        let i = self.link_for(key)?;
         if let Some(m) = self.early.take(key) {
             return Ok(Some(self.handed(m)));
         }
-        self.pump()?;
+        self.pump_one(i, None)?;
         if let Some(e) = self.failure() {
             return Err(e);
         }
         Ok(self.early.take(key).map(|m| self.handed(m)))
+    }
+
+    fn copies_payloads(&self) -> bool {
+        true
+    }
+
+    fn send_values(
+        &mut self,
+        key: Key,
+        version: u64,
+        parts: &[&[f32]],
+    ) -> Result<(), TransportError> {
+        let wire = crate::inproc::wire_for(key.kind, self.opts.wire);
+        let i = self.link_index(key.to)?;
+        if wire != WireDType::F32 || !cfg!(target_endian = "little") {
+            let values: Vec<f32> = parts.concat();
+            let n = values.len();
+            let tensor = pipe_kernels::Tensor::from_vec(&[n], values)
+                .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+            return self.send(Message {
+                key,
+                version,
+                tensor,
+            });
+        }
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        if self.links[i]
+            .as_ref()
+            .is_some_and(|l| l.state != PeerState::Running)
+        {
+            return Err(TransportError::Closed { peer: key.to });
+        }
+        let n: usize = parts.iter().map(|p| p.len()).sum();
+        let header = frame::header_for(key, version, vec![n as u64], self.opts.run_id, wire);
+        let head = frame::encode_header(&header)
+            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+        let mut written = self.write_all(i, &head);
+        for part in parts {
+            written = written.and_then(|()| self.write_all(i, bytemuck::cast_slice(part)));
+        }
+        written.map_err(|why| match self.failure() {
+            Some(e) => e,
+            None => TransportError::Protocol(why),
+        })
+    }
+
+    fn recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<usize, TransportError> {
+        match self.receive(key, Some(&mut *take))? {
+            Received::Lent(n) => Ok(n),
+            Received::Whole(m) => {
+                let values = m
+                    .tensor
+                    .host()
+                    .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+                take(0, values);
+                Ok(values.len())
+            }
+        }
+    }
+
+    fn try_recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Option<usize>, TransportError> {
+        let i = self.link_for(key)?;
+        if self.early.len() == 0
+            || !self.links[i]
+                .as_ref()
+                .is_some_and(|l| matches!(l.reading, Reading::Held { .. }))
+        {
+            self.pump_one(i, Some(key))?;
+        }
+        if let Some(m) = self.early.take(key) {
+            let m = self.handed(m);
+            let values = m
+                .tensor
+                .host()
+                .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+            take(0, values);
+            return Ok(Some(values.len()));
+        }
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        // Lent only once the whole payload is in the ring, so a poll never waits.
+        let whole = self.links[i].as_ref().is_some_and(|l| match &l.reading {
+            Reading::Held { header, got } => l
+                .inp
+                .positions()
+                .is_ok_and(|(h, t)| (h - t) as usize >= header.payload_bytes() as usize - got),
+            _ => false,
+        });
+        if !whole {
+            return Ok(None);
+        }
+        Ok(self.lend(i, take)?.0)
     }
 
     fn buffered(&self) -> usize {
@@ -1287,6 +1536,11 @@ impl Drop for Shm {
     fn drop(&mut self) {
         let _ = self.close();
     }
+}
+
+/// Writes to an eventfd: wakes the worker that waits on it.
+fn ring(bell: &OwnedFd) {
+    let _ = rustix::io::write(bell, &1u64.to_ne_bytes());
 }
 
 /// Accepts one connection on a non-blocking listener, waiting until `deadline`.
