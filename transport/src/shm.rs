@@ -1012,22 +1012,23 @@ impl Shm {
                         }
                         let len = header.payload_bytes() as usize;
                         if stop_at == Some(&key) && header.dtype == WireDType::F32 {
+                            // Held for the streaming receive: the next turn stops here.
                             link.reading = Reading::Held { header, got: 0 };
-                            return Ok(true);
+                        } else {
+                            if link.held + header.elements() * 4 > max_held {
+                                return Err(broken(format!(
+                                    "more than {max_held} bytes wait for this worker's receives"
+                                )));
+                            }
+                            link.held += header.elements() * 4;
+                            let buf = Payload::for_header(&header);
+                            link.reading = Reading::Payload {
+                                header,
+                                buf,
+                                got: 0,
+                                len,
+                            };
                         }
-                        if link.held + header.elements() * 4 > max_held {
-                            return Err(broken(format!(
-                                "more than {max_held} bytes wait for this worker's receives"
-                            )));
-                        }
-                        link.held += header.elements() * 4;
-                        let buf = Payload::for_header(&header);
-                        link.reading = Reading::Payload {
-                            header,
-                            buf,
-                            got: 0,
-                            len,
-                        };
                     }
                     n
                 }
@@ -1060,6 +1061,13 @@ impl Shm {
                     continue;
                 }
             };
+            if read > 0 {
+                moved = true;
+                // Space freed: a producer waiting for it must hear, whatever comes next.
+                if link.inp.writer_parked().load(Ordering::SeqCst) != 0 {
+                    link.ring_bell();
+                }
+            }
             let complete = matches!(&link.reading, Reading::Payload { got, len, .. } if got == len);
             if complete {
                 if let Reading::Payload { header, buf, .. } = std::mem::take(&mut link.reading) {
@@ -1073,10 +1081,6 @@ impl Shm {
             }
             if read == 0 {
                 break;
-            }
-            moved = true;
-            if link.inp.writer_parked().load(Ordering::SeqCst) != 0 {
-                link.ring_bell();
             }
         }
         Ok(moved)

@@ -171,6 +171,27 @@ macro_rules! transport_suite {
             }
 
             #[test]
+            fn a_stream_of_tensors_larger_than_a_ring_keeps_flowing() {
+                // Each tensor fills more than a small ring: the sender waits for space after
+                // every one, and the receiver must wake it whichever read frees the space.
+                let mut eps = make(2, None);
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                let h = thread::spawn(move || {
+                    for i in 0..64u32 {
+                        a.send(msg(key(0, 1, Kind::Activation, i), &[i as f32; 1100]))
+                            .unwrap();
+                    }
+                    a
+                });
+                for i in 0..64u32 {
+                    let m = b.recv(&key(0, 1, Kind::Activation, i)).unwrap();
+                    assert_eq!(m.tensor.host().unwrap()[1099], i as f32);
+                }
+                drop(h.join().unwrap());
+            }
+
+            #[test]
             fn a_peer_that_closes_mid_stream_loses_nothing_it_sent() {
                 let mut eps = make(2, None);
                 let mut b = eps.pop().unwrap();
