@@ -310,6 +310,61 @@ impl Ring {
         Ok(n)
     }
 
+    /// The next published byte, if any.
+    fn peek(&self) -> Result<Option<u8>, String> {
+        let (head, tail) = self.positions()?;
+        if head == tail {
+            return Ok(None);
+        }
+        // SAFETY: inside the data area; published.
+        Ok(Some(unsafe {
+            self.data.add((tail % self.cap) as usize).read()
+        }))
+    }
+
+    /// Skips up to `most` zero bytes, the padding that puts the next frame's payload onto a
+    /// boundary; returns how many.
+    fn skip_padding(&self, most: usize) -> Result<usize, String> {
+        let (head, tail) = self.positions()?;
+        let avail = ((head - tail) as usize).min(most);
+        let mut n = 0;
+        while n < avail {
+            let at = ((tail + n as u64) % self.cap) as usize;
+            // SAFETY: `at < cap`, inside the data area; the byte was published.
+            if unsafe { self.data.add(at).read() } != 0 {
+                break;
+            }
+            n += 1;
+        }
+        if n > 0 {
+            self.tail().store(tail + n as u64, Ordering::SeqCst);
+        }
+        Ok(n)
+    }
+
+    /// Lends up to `max` published bytes (a multiple of 4, starting 4-aligned in the ring)
+    /// to `take` as values where they lie, without crossing the ring's end; then frees them.
+    /// Returns how many bytes.
+    fn lend_some(&self, max: usize, take: &mut dyn FnMut(&[f32])) -> Result<usize, String> {
+        let (head, tail) = self.positions()?;
+        let at = (tail % self.cap) as usize;
+        let n = ((head - tail) as usize)
+            .min(max)
+            .min(self.cap as usize - at)
+            / 4
+            * 4;
+        if n == 0 || at % 4 != 0 {
+            return Ok(0);
+        }
+        // SAFETY: `at..at + n` is inside the data area, 4-aligned (the mapping is
+        // page-aligned), published by the producer, who does not write it again until the
+        // consumer position passes it below.
+        let values = unsafe { std::slice::from_raw_parts(self.data.add(at).cast::<f32>(), n / 4) };
+        take(values);
+        self.tail().store(tail + n as u64, Ordering::SeqCst);
+        Ok(n)
+    }
+
     fn readable(&self) -> bool {
         self.head().load(Ordering::SeqCst) != self.tail().load(Ordering::SeqCst)
     }
@@ -320,6 +375,8 @@ enum Reading {
     Prefix {
         buf: [u8; PREFIX_BYTES],
         got: usize,
+        /// Zero bytes skipped before it ([`ALIGN`]).
+        pad: usize,
     },
     Header {
         buf: Vec<u8>,
@@ -395,6 +452,7 @@ impl Default for Reading {
         Reading::Prefix {
             buf: [0; PREFIX_BYTES],
             got: 0,
+            pad: 0,
         }
     }
 }
@@ -438,6 +496,10 @@ enum Received {
     Whole(Message),
     Lent(usize),
 }
+
+/// Frames' payloads start on this boundary of the ring (zero bytes before a frame's prefix
+/// pad it there): a cache line, and whole f32 values.
+const ALIGN: usize = 64;
 
 /// Values a lent payload passes through at a time (64 KiB: it stays in cache).
 const BOUNCE_VALUES: usize = 1 << 14;
@@ -988,9 +1050,32 @@ impl Shm {
         let mut moved = false;
         loop {
             let read = match &mut link.reading {
-                Reading::Prefix { buf, got } => {
+                Reading::Prefix { buf, got, pad } => {
+                    let mut skipped = 0;
+                    if *got == 0 {
+                        // Padding first, and the prefix only from its first (non-zero) byte:
+                        // the padding may still be arriving.
+                        skipped = link.inp.skip_padding(ALIGN - 1 - *pad).map_err(broken)?;
+                        *pad += skipped;
+                        match link.inp.peek().map_err(broken)? {
+                            Some(0) if *pad >= ALIGN - 1 => {
+                                return Err(broken(format!(
+                                    "{ALIGN} or more zero bytes before a frame"
+                                )));
+                            }
+                            Some(0) | None => {
+                                if skipped == 0 {
+                                    break;
+                                }
+                                moved = true;
+                                continue;
+                            }
+                            Some(_) => {}
+                        }
+                    }
                     let n = link.inp.read_some(&mut buf[*got..]).map_err(broken)?;
                     *got += n;
+                    let n = n + skipped;
                     if *got == PREFIX_BYTES {
                         let len = frame::parse_prefix(buf).map_err(|e| broken(e.to_string()))?;
                         link.reading = Reading::Header {
@@ -1108,16 +1193,28 @@ impl Shm {
         let len = header.payload_bytes() as usize;
         let mut moved = false;
         while *got < len {
-            let (head, tail) = link.inp.positions().map_err(broken)?;
-            let whole = ((head - tail) as usize / 4 * 4).min(len - *got);
-            let n = whole.min(self.bounce.len() * 4);
-            if n == 0 {
-                break;
-            }
-            // SAFETY: the bounce buffer holds at least `n` bytes.
-            let read = unsafe { link.inp.read_raw(self.bounce.as_mut_ptr().cast::<u8>(), n) }
+            // In place where the payload lies aligned (a padded frame); through the small
+            // buffer otherwise.
+            let off = *got / 4;
+            let lent = link
+                .inp
+                .lend_some(len - *got, &mut |values| take(off, values))
                 .map_err(broken)?;
-            take(*got / 4, &self.bounce[..read / 4]);
+            let read = if lent > 0 {
+                lent
+            } else {
+                let (head, tail) = link.inp.positions().map_err(broken)?;
+                let whole = ((head - tail) as usize / 4 * 4).min(len - *got);
+                let n = whole.min(self.bounce.len() * 4);
+                if n == 0 {
+                    break;
+                }
+                // SAFETY: the bounce buffer holds at least `n` bytes.
+                let read = unsafe { link.inp.read_raw(self.bounce.as_mut_ptr().cast::<u8>(), n) }
+                    .map_err(broken)?;
+                take(off, &self.bounce[..read / 4]);
+                read
+            };
             *got += read;
             moved = true;
             if link.inp.writer_parked().load(Ordering::SeqCst) != 0 {
@@ -1271,6 +1368,20 @@ impl Shm {
         Ok(())
     }
 
+    /// Writes a frame's prefix and header (`head`) into link `i`'s ring, after as many zero
+    /// bytes as put its payload on a cache-line boundary of the ring, so that the receiver
+    /// can lend the payload's values where they lie.
+    fn write_head(&mut self, i: usize, head: &[u8]) -> Result<(), String> {
+        let link = self.links[i].as_ref().ok_or("no link")?;
+        let (at, _) = link
+            .out
+            .positions()
+            .map_err(|why| format!("shared-memory link to worker {}: {why}", link.peer))?;
+        let pad = (ALIGN - (at as usize + head.len()) % ALIGN) % ALIGN;
+        self.write_all(i, &[0u8; ALIGN][..pad])?;
+        self.write_all(i, head)
+    }
+
     /// Writes `bytes` into link `i`'s ring, in pieces as space frees, reading every
     /// incoming ring while it waits.
     fn write_all(&mut self, i: usize, bytes: &[u8]) -> Result<(), String> {
@@ -1371,12 +1482,12 @@ impl Transport for Shm {
             match frame::encode_header(&header) {
                 Err(e) => Err(e.to_string()),
                 Ok(head) if wire == WireDType::F32 && cfg!(target_endian = "little") => self
-                    .write_all(i, &head)
+                    .write_head(i, &head)
                     .and_then(|()| self.write_all(i, bytemuck::cast_slice(values))),
                 Ok(head) => {
                     let mut payload = Vec::with_capacity(values.len() * wire.size());
                     frame::encode_payload(values, wire, &mut payload);
-                    self.write_all(i, &head)
+                    self.write_head(i, &head)
                         .and_then(|()| self.write_all(i, &payload))
                 }
             }
@@ -1447,7 +1558,7 @@ impl Transport for Shm {
         let header = frame::header_for(key, version, vec![n as u64], self.opts.run_id, wire);
         let head = frame::encode_header(&header)
             .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
-        let mut written = self.write_all(i, &head);
+        let mut written = self.write_head(i, &head);
         for part in parts {
             written = written.and_then(|()| self.write_all(i, bytemuck::cast_slice(part)));
         }
