@@ -457,7 +457,7 @@ fn fault_and_launch_rows() -> Vec<Row> {
         ),
         row(
             "train --stages 2 --replicas 2 --transport quic --rejoin",
-            "--rejoin with --transport quic needs --checkpoint-dir",
+            "--rejoin with worker processes needs --checkpoint-dir",
         ),
         row(
             "worker --cluster {d}/absent.toml --stages 2 --max-restarts 1",

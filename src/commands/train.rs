@@ -2,8 +2,9 @@
 //! bar, per-epoch summaries, the optional JSON-lines log and Chrome trace, checkpoints,
 //! resume, and a clean stop on Ctrl-C. Every run goes through the pipelined executor's
 //! segment loop: its workers are threads of this process (one, running the whole model,
-//! when no pipeline flag is given; `--transport inproc`) or `pipe worker` processes talking
-//! QUIC on loopback (`--transport quic`, [`pipe_stages::pipeline::processes`]).
+//! when no pipeline flag is given) or `pipe worker` processes on this host (`--placement
+//! processes`, or `--transport shm|quic`; [`pipe_stages::pipeline::processes`]), whose links
+//! the run's transport choice carries.
 
 use std::cell::{Cell, RefCell};
 
@@ -11,12 +12,12 @@ use anyhow::{Context, Result};
 use pipe_stages::config::{Placement, RunConfig};
 use pipe_stages::model::Model;
 use pipe_stages::pipeline::doctor::StopReport;
+use pipe_stages::pipeline::restart::fault_schedule;
 use pipe_stages::pipeline::restart::{Restart, RestartPolicy, with_restarts};
 use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
-use pipe_transport::TransportKind;
-use pipe_transport::fault::{Fault, FaultPlan, FaultSchedule};
+use pipe_transport::fault::{FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
 use crate::output::bad_input;
@@ -46,7 +47,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         check_rejoin(args, &cfg, processes)?;
     }
     let faults = match &args.fault_schedule {
-        Some(plan) => fault_schedule(plan, &cfg, processes)?,
+        Some(plan) => {
+            let faults = fault_schedule(plan, &cfg)?;
+            if let FaultPlan::Random { seed, .. } = plan {
+                outln!("fault schedule (seed {seed}): {faults}");
+            }
+            faults
+        }
         None => FaultSchedule::default(),
     };
     if !processes {
@@ -66,7 +73,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     settle_partition(&mut cfg, &model)?;
     // A run with no pipeline flag is one worker over the whole model: no pipeline to describe.
     let workers = if cfg.pipelined {
-        print_pipeline(&cfg, processes)?
+        print_pipeline(&cfg)?
     } else {
         1
     };
@@ -140,7 +147,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// A run of worker processes (`--transport quic`), restarted under `--max-restarts`.
+/// A run of worker processes (`--placement processes`), restarted under `--max-restarts`.
 struct ProcessLaunch<'a> {
     args: &'a TrainArgs,
     cfg: &'a RunConfig,
@@ -274,68 +281,10 @@ fn check_rejoin(args: &TrainArgs, cfg: &RunConfig, processes: bool) -> Result<()
     }
     if processes && args.checkpoint_dir.is_none() {
         return Err(bad_input(
-            "--rejoin with --transport quic needs --checkpoint-dir: the workers go on from the checkpoint of the drain point where the replica rejoins".into(),
+            "--rejoin with worker processes needs --checkpoint-dir: the workers go on from the checkpoint of the drain point where the replica rejoins".into(),
         ));
     }
     Ok(())
-}
-
-/// Data messages of a worker within which a drawn fault fires (`--fault-schedule
-/// random:SEED:COUNT`): early enough that every start of a short run meets its fault.
-const DRAWN_FAULT_WITHIN: u64 = 100;
-
-/// The fault schedule `plan` gives this run, drawn for its workers when it is seeded and
-/// printed so that the run can be repeated; refused for a run it cannot apply to: one with no
-/// pipeline, one in process that would end the process (`exit@N`), or one that names a
-/// worker the run lacks.
-fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig, processes: bool) -> Result<FaultSchedule> {
-    if !cfg.pipelined {
-        return Err(bad_input(
-            "--fault-schedule injects faults into a pipeline's workers: give a pipeline flag"
-                .into(),
-        ));
-    }
-    let workers = cfg
-        .resolved()
-        .map_err(|e| bad_input(e.to_string()))?
-        .layout
-        .workers();
-    let faults = plan.schedule(workers, DRAWN_FAULT_WITHIN, cfg.stall_timeout);
-    if let Some(rank) = faults.max_rank().filter(|&r| r >= workers) {
-        return Err(bad_input(format!(
-            "--fault-schedule names worker {rank}, but the run has {workers} workers"
-        )));
-    }
-    for f in &faults.0 {
-        if let Fault::Partition { peer, .. } = f.fault {
-            if peer >= workers || peer == f.rank {
-                return Err(bad_input(format!(
-                    "--fault-schedule: {}:{} cuts a link to worker {peer}, which worker {} does not have ({workers} workers)",
-                    f.rank, f.fault, f.rank
-                )));
-            }
-        }
-        let whole_process = matches!(
-            f.fault,
-            Fault::Exit { .. } | Fault::Freeze { .. } | Fault::Partition { .. }
-        );
-        if !processes && whole_process {
-            return Err(bad_input(format!(
-                "--fault-schedule: {} acts on a worker's process or its network, and in process that is the whole run: give --placement processes, or panic@N or stall@N:SECONDS",
-                f.fault
-            )));
-        }
-        if matches!(f.fault, Fault::Partition { .. }) && cfg.transport != TransportKind::Quic {
-            return Err(bad_input(format!(
-                "--fault-schedule: {} cuts a network link, and only QUIC links are cut (workers on one host talk through shared memory): give --transport quic",
-                f.fault
-            )));
-        }
-    }
-    if let FaultPlan::Random { seed, .. } = plan {
-        outln!("fault schedule (seed {seed}): {faults}");
-    }
-    Ok(faults)
 }
 
 /// `--replan-on-restart`: after a start that lost a worker (`cause` names it), plans the run
@@ -454,7 +403,7 @@ fn merge_trace_parts(dir: &std::path::Path, workers: u32, out: &std::path::Path)
 
 /// Prints the pipeline line: schedule, layout, and where the workers run. Returns the number
 /// of workers.
-fn print_pipeline(cfg: &RunConfig, processes: bool) -> Result<u32> {
+fn print_pipeline(cfg: &RunConfig) -> Result<u32> {
     let resolved = cfg.resolved().map_err(|e| bad_input(e.to_string()))?;
     outln!(
         "pipeline: schedule {}, {} stages x replicas {:?}{}, {} workers ({}), minibatch {} microbatches",
@@ -467,11 +416,7 @@ fn print_pipeline(cfg: &RunConfig, processes: bool) -> Result<u32> {
             String::new()
         },
         resolved.layout.workers(),
-        match (processes, cfg.transport) {
-            (false, _) => "one thread each",
-            (true, TransportKind::Quic) => "one process each, QUIC on loopback",
-            (true, _) => "one process each, shared memory",
-        },
+        cfg.placement_description(),
         resolved.minibatch
     );
     Ok(resolved.layout.workers())

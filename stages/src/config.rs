@@ -1259,6 +1259,17 @@ impl RunConfig {
         self.synthetic.check()
     }
 
+    /// Where the workers run and what carries their links, as the pipeline line says it.
+    pub fn placement_description(&self) -> &'static str {
+        match (self.placement, self.transport) {
+            (Placement::Threads, TransportKind::Shm) => "one thread each, shared memory",
+            (Placement::Threads, TransportKind::Quic) => "one thread each, QUIC on loopback",
+            (Placement::Threads, _) => "one thread each",
+            (Placement::Processes, TransportKind::Quic) => "one process each, QUIC on loopback",
+            (Placement::Processes, _) => "one process each, shared memory",
+        }
+    }
+
     /// The part of the run that decides its numerics, which every worker of a run must share:
     /// what may differ between hosts (data paths, compute threads, logs) and the partition
     /// (which the chief settles for all) are set to fixed values.

@@ -11,8 +11,16 @@
 
 use std::path::{Path, PathBuf};
 
+use pipe_transport::TransportKind;
+use pipe_transport::fault::{Fault, FaultPlan, FaultSchedule};
+
 use crate::checkpoint;
+use crate::config::{Placement, RunConfig};
 use crate::error::{Result, StageError};
+
+fn bad(why: String) -> StageError {
+    StageError::Config(why)
+}
 
 /// When a failed run starts again.
 #[derive(Clone, Debug, Default)]
@@ -141,6 +149,61 @@ pub fn with_restarts<T>(
             reached: reached(),
         });
     }
+}
+
+/// Data messages of a worker within which a drawn fault fires (`--fault-schedule
+/// random:SEED:COUNT`): early enough that every start of a short run meets its fault.
+pub const DRAWN_FAULT_WITHIN: u64 = 100;
+
+/// The fault schedule `plan` gives this run, drawn for its workers when it is seeded (the
+/// caller prints a drawn one, so that the run can be repeated); refused for a run it cannot apply to: one with no
+/// pipeline, one in process that would end the process (`exit@N`), or one that names a
+/// worker the run lacks, or a cut link where links are not QUIC's.
+///
+/// # Errors
+/// [`StageError::Config`] naming the fault that cannot apply.
+pub fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig) -> Result<FaultSchedule> {
+    let processes = cfg.pipelined && cfg.placement == Placement::Processes;
+    if !cfg.pipelined {
+        return Err(bad(
+            "--fault-schedule injects faults into a pipeline's workers: give a pipeline flag"
+                .into(),
+        ));
+    }
+    let workers = cfg.resolved()?.layout.workers();
+    let faults = plan.schedule(workers, DRAWN_FAULT_WITHIN, cfg.stall_timeout);
+    if let Some(rank) = faults.max_rank().filter(|&r| r >= workers) {
+        return Err(bad(format!(
+            "--fault-schedule names worker {rank}, but the run has {workers} workers"
+        )));
+    }
+    for f in &faults.0 {
+        if let Fault::Partition { peer, .. } = f.fault {
+            if peer >= workers || peer == f.rank {
+                return Err(bad(format!(
+                    "--fault-schedule: {}:{} cuts a link to worker {peer}, which worker {} does not have ({workers} workers)",
+                    f.rank, f.fault, f.rank
+                )));
+            }
+        }
+        let whole_process = matches!(
+            f.fault,
+            Fault::Exit { .. } | Fault::Freeze { .. } | Fault::Partition { .. }
+        );
+        if !processes && whole_process {
+            return Err(bad(format!(
+                "--fault-schedule: {} acts on a worker's process or its network, and in process that is the whole run: give --placement processes, or panic@N or stall@N:SECONDS",
+                f.fault
+            )));
+        }
+        if matches!(f.fault, Fault::Partition { .. }) && cfg.transport != TransportKind::Quic {
+            return Err(bad(format!(
+                "--fault-schedule: {} cuts a network link, and only QUIC links are cut (workers on one host talk through shared memory): give --transport quic",
+                f.fault
+            )));
+        }
+    }
+    Ok(faults)
 }
 
 #[cfg(test)]
