@@ -190,20 +190,18 @@ pub fn rendezvous_dir(run_id: u64) -> PathBuf {
 /// [`TransportError::Setup`] for a directory of another user or open to others.
 pub fn private_dir(dir: &Path) -> Result<(), TransportError> {
     let uid = rustix::process::geteuid().as_raw();
-    for d in [dir] {
-        match std::fs::DirBuilder::new().mode(0o700).create(d) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(setup(format!("creating {}: {e}", d.display()))),
-        }
-        let meta = std::fs::symlink_metadata(d)
-            .map_err(|e| setup(format!("reading {}: {e}", d.display())))?;
-        if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
-            return Err(setup(format!(
-                "{} must be a directory of user {uid} closed to others (mode 0700)",
-                d.display()
-            )));
-        }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(setup(format!("creating {}: {e}", dir.display()))),
+    }
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| setup(format!("reading {}: {e}", dir.display())))?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(setup(format!(
+            "{} must be a directory of user {uid} closed to others (mode 0700)",
+            dir.display()
+        )));
     }
     Ok(())
 }
@@ -490,6 +488,9 @@ struct Link {
     /// The peer has said it failed.
     aborted: bool,
 }
+
+/// What a lent payload is handed to: (offset in values, values).
+type Taker<'a> = dyn FnMut(usize, &[f32]) + 'a;
 
 /// What a receive got: a whole message, or a payload lent to its taker (its elements).
 enum Received {
@@ -1254,7 +1255,7 @@ impl Shm {
     fn receive(
         &mut self,
         key: &Key,
-        mut take: Option<&mut dyn FnMut(usize, &[f32])>,
+        mut take: Option<&mut Taker<'_>>,
     ) -> Result<Received, TransportError> {
         let i = self.link_for(key)?;
         let start = Instant::now();
