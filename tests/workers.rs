@@ -89,25 +89,23 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
                 "4",
             ];
             let inproc = ok(&run(Command::new(PIPE).args(args)));
-            let quic = ok(&run(Command::new(PIPE)
-                .args(args)
-                .args(["--transport", "quic"])));
-            assert!(quic.contains("one process each, QUIC"), "{quic}");
-            assert_eq!(
-                done(&inproc),
-                done(&quic),
-                "{policy} --replicas {replicas}:\n{inproc}\n{quic}"
-            );
-            // The default transport of worker processes on one host: shared memory.
-            let shm = ok(&run(Command::new(PIPE)
-                .args(args)
-                .args(["--placement", "processes"])));
-            assert!(shm.contains("one process each, shared memory"), "{shm}");
-            assert_eq!(
-                done(&inproc),
-                done(&shm),
-                "{policy} --replicas {replicas}:\n{inproc}\n{shm}"
-            );
+            // QUIC on every link, and the default of worker processes on one host: shared
+            // memory.
+            for (flags, says) in [
+                (["--transport", "quic"], "one process each, QUIC"),
+                (
+                    ["--placement", "processes"],
+                    "one process each, shared memory",
+                ),
+            ] {
+                let processes = ok(&run(Command::new(PIPE).args(args).args(flags)));
+                assert!(processes.contains(says), "{processes}");
+                assert_eq!(
+                    done(&inproc),
+                    done(&processes),
+                    "{policy} --replicas {replicas} {flags:?}:\n{inproc}\n{processes}"
+                );
+            }
         }
     }
 }

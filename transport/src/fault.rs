@@ -605,15 +605,7 @@ impl<T: Transport> Transport for Faulty<T> {
             self.sent = next;
             return self.inner()?.send_values(key, version, parts);
         }
-        let values: Vec<f32> = parts.concat();
-        let n = values.len();
-        let tensor = pipe_kernels::Tensor::from_vec(&[n], values)
-            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
-        self.send(Message {
-            key,
-            version,
-            tensor,
-        })
+        self.send(Message::of_values(key, version, parts)?)
     }
 
     fn recv_with(

@@ -101,6 +101,37 @@ impl Message {
         }
     }
 
+    /// A one-dimensional message of the concatenation of `parts`: what
+    /// [`Transport::send_values`] sends where the transport takes owned tensors.
+    ///
+    /// # Errors
+    /// [`TransportError::Protocol`] if the tensor cannot be built.
+    pub fn of_values(key: Key, version: u64, parts: &[&[f32]]) -> Result<Message, TransportError> {
+        let values: Vec<f32> = parts.concat();
+        let n = values.len();
+        let tensor = Tensor::from_vec(&[n], values)
+            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+        Ok(Message {
+            key,
+            version,
+            tensor,
+        })
+    }
+
+    /// Hands this message's values to `take` as one block (offset 0), as
+    /// [`Transport::recv_with`] does by default; returns their count.
+    ///
+    /// # Errors
+    /// [`TransportError::Protocol`] for a payload not in host memory.
+    pub fn hand_to(&self, take: &mut dyn FnMut(usize, &[f32])) -> Result<usize, TransportError> {
+        let values = self
+            .tensor
+            .host()
+            .map_err(|e| TransportError::Protocol(format!("{:?}: {e}", self.key)))?;
+        take(0, values);
+        Ok(values.len())
+    }
+
     /// The bytes of a message made by [`Message::from_bytes`].
     ///
     /// # Errors
@@ -258,15 +289,7 @@ pub trait Transport: Send {
         version: u64,
         parts: &[&[f32]],
     ) -> Result<(), TransportError> {
-        let values: Vec<f32> = parts.concat();
-        let n = values.len();
-        let tensor = Tensor::from_vec(&[n], values)
-            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
-        self.send(Message {
-            key,
-            version,
-            tensor,
-        })
+        self.send(Message::of_values(key, version, parts)?)
     }
 
     /// Receives the message with `key` and hands its values to `take` in order, as
@@ -283,13 +306,7 @@ pub trait Transport: Send {
         key: &Key,
         take: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<usize, TransportError> {
-        let m = self.recv(key)?;
-        let values = m
-            .tensor
-            .host()
-            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
-        take(0, values);
-        Ok(values.len())
+        self.recv(key)?.hand_to(take)
     }
 
     /// [`Transport::recv_with`] without waiting: `None` when the message has not (wholly)
@@ -302,15 +319,7 @@ pub trait Transport: Send {
         key: &Key,
         take: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<Option<usize>, TransportError> {
-        let Some(m) = self.try_recv(key)? else {
-            return Ok(None);
-        };
-        let values = m
-            .tensor
-            .host()
-            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
-        take(0, values);
-        Ok(Some(values.len()))
+        self.try_recv(key)?.map(|m| m.hand_to(take)).transpose()
     }
 
     /// Sends a message to `message.key.to`. May block while the peer's queue is full.

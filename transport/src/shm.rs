@@ -985,6 +985,14 @@ impl Shm {
         Ok(self.read_link(i, stop_at)? || moved)
     }
 
+    /// Marks the open links (in order) whose sockets a `poll` saw readable.
+    fn mark_ready(&mut self, ready: Vec<bool>) {
+        let open = self.links.iter_mut().flatten().filter(|l| !l.eof);
+        for (link, r) in open.zip(ready) {
+            link.control_ready |= r;
+        }
+    }
+
     /// Reads the control records of every link whose socket was seen readable.
     fn read_ready_controls(&mut self) {
         for link in self.links.iter_mut().flatten() {
@@ -1025,15 +1033,7 @@ impl Shm {
                 fds.iter().map(|f| !f.revents().is_empty()).collect()
             }
         };
-        for (link, r) in self
-            .links
-            .iter_mut()
-            .flatten()
-            .filter(|l| !l.eof)
-            .zip(ready)
-        {
-            link.control_ready |= r;
-        }
+        self.mark_ready(ready);
     }
 
     /// Reads link `i`'s ring as far as it has bytes, keeping whole messages by key; stops at
@@ -1350,15 +1350,7 @@ impl Shm {
             }
             let ready: Vec<bool> = fds[1..].iter().map(|f| !f.revents().is_empty()).collect();
             drop(fds);
-            for (link, r) in self
-                .links
-                .iter_mut()
-                .flatten()
-                .filter(|l| !l.eof)
-                .zip(ready)
-            {
-                link.control_ready |= r;
-            }
+            self.mark_ready(ready);
         }
         for link in self.links.iter().flatten() {
             link.inp.reader_parked().store(0, Ordering::SeqCst);
@@ -1536,15 +1528,7 @@ impl Transport for Shm {
         let wire = crate::inproc::wire_for(key.kind, self.opts.wire);
         let i = self.link_index(key.to)?;
         if wire != WireDType::F32 || !cfg!(target_endian = "little") {
-            let values: Vec<f32> = parts.concat();
-            let n = values.len();
-            let tensor = pipe_kernels::Tensor::from_vec(&[n], values)
-                .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
-            return self.send(Message {
-                key,
-                version,
-                tensor,
-            });
+            return self.send(Message::of_values(key, version, parts)?);
         }
         if let Some(e) = self.failure() {
             return Err(e);
@@ -1576,14 +1560,7 @@ impl Transport for Shm {
     ) -> Result<usize, TransportError> {
         match self.receive(key, Some(&mut *take))? {
             Received::Lent(n) => Ok(n),
-            Received::Whole(m) => {
-                let values = m
-                    .tensor
-                    .host()
-                    .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
-                take(0, values);
-                Ok(values.len())
-            }
+            Received::Whole(m) => m.hand_to(take),
         }
     }
 
@@ -1593,21 +1570,10 @@ impl Transport for Shm {
         take: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<Option<usize>, TransportError> {
         let i = self.link_for(key)?;
-        if self.early.len() == 0
-            || !self.links[i]
-                .as_ref()
-                .is_some_and(|l| matches!(l.reading, Reading::Held { .. }))
-        {
-            self.pump_one(i, Some(key))?;
-        }
+        // Reads the link as far as the frame asked for, which it holds for lending.
+        self.pump_one(i, Some(key))?;
         if let Some(m) = self.early.take(key) {
-            let m = self.handed(m);
-            let values = m
-                .tensor
-                .host()
-                .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
-            take(0, values);
-            return Ok(Some(values.len()));
+            return self.handed(m).hand_to(take).map(Some);
         }
         if let Some(e) = self.failure() {
             return Err(e);
@@ -1981,6 +1947,16 @@ mod tests {
         }
     }
 
+    /// The error rank 0 gives receiving from a hostile rank 1: a protocol error naming the
+    /// link and saying `why`.
+    fn refused_naming_the_link(ep: &mut Shm, why: &str) {
+        let e = ep.recv(&activation_from_1()).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, TransportError::Protocol(_)), "{text}");
+        assert!(text.contains("from worker 1"), "{text}");
+        assert!(text.contains(why), "{text}");
+    }
+
     #[test]
     fn a_ring_position_out_of_bounds_is_refused_naming_the_link() {
         let dir = fresh_dir("bounds");
@@ -1992,11 +1968,7 @@ mod tests {
         // The peer claims to have written three rings' worth.
         let (_, to_victim) = rings(&map, 4096);
         to_victim.head().store(3 * 4096, Ordering::SeqCst);
-        let e = ep.recv(&activation_from_1()).unwrap_err();
-        let text = e.to_string();
-        assert!(matches!(e, TransportError::Protocol(_)), "{text}");
-        assert!(text.contains("from worker 1"), "{text}");
-        assert!(text.contains("out of bounds"), "{text}");
+        refused_naming_the_link(&mut ep, "out of bounds");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -2011,11 +1983,7 @@ mod tests {
         let mut prefix = frame::MAGIC.to_vec();
         prefix.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(to_victim.write_some(&prefix).unwrap(), prefix.len());
-        let e = ep.recv(&activation_from_1()).unwrap_err();
-        let text = e.to_string();
-        assert!(matches!(e, TransportError::Protocol(_)), "{text}");
-        assert!(text.contains("from worker 1"), "{text}");
-        assert!(text.contains("header of"), "{text}");
+        refused_naming_the_link(&mut ep, "header of");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
