@@ -6,16 +6,18 @@
 //! processes`, or `--transport shm|quic`; [`pipe_stages::pipeline::processes`]), whose links
 //! the run's transport choice carries.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 
 use anyhow::{Context, Result};
 use pipe_stages::config::{Placement, RunConfig};
 use pipe_stages::model::Model;
+use pipe_stages::pipeline::PipelineTrainOptions;
 use pipe_stages::pipeline::doctor::StopReport;
-use pipe_stages::pipeline::restart::fault_schedule;
-use pipe_stages::pipeline::restart::{Restart, RestartPolicy, with_restarts};
+use pipe_stages::pipeline::relaunch::{
+    Processes, Relaunch, RelaunchEvents, Replanned, Threads, drive,
+};
+use pipe_stages::pipeline::restart::{Restart, RestartPolicy, fault_schedule};
 use pipe_stages::pipeline::survive::LayoutChange;
-use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{self, EpochStats, Observer, StepStats};
 use pipe_transport::fault::{FaultPlan, FaultSchedule};
 
@@ -28,7 +30,7 @@ use crate::training::{
     print_header, print_resuming, resume_from, run_config, serve_metrics, settle_partition,
     stop_on_ctrl_c,
 };
-use pipe_stages::pipeline::processes::{LaunchOptions, run_processes};
+use pipe_stages::pipeline::processes::LaunchOptions;
 
 /// Runs `pipe train`.
 ///
@@ -77,60 +79,78 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     } else {
         1
     };
-    let restarts = RestartPolicy {
-        max_restarts: args.max_restarts,
-        checkpoint_dir: args.checkpoint_dir.clone(),
+    let stop = stop_on_ctrl_c(true);
+    let how = Relaunch {
+        restarts: RestartPolicy {
+            max_restarts: args.max_restarts,
+            checkpoint_dir: args.checkpoint_dir.clone(),
+        },
+        first: resume.as_ref().map(|(dir, _)| dir.clone()),
+        rejoin: args.rejoin,
+        replan_on_restart: args.replan_on_restart,
+        stop: Some(stop.clone()),
     };
-    let first = resume.as_ref().map(|(dir, _)| dir.clone());
     let last_step = Cell::new(None);
     let mut watched = LastStep {
         inner: &mut fan,
         last: &last_step,
     };
-    let stop = stop_on_ctrl_c(true);
+    let mut events = Printed { last: &last_step };
     if processes {
-        let launch = ProcessLaunch {
-            args,
-            cfg: &cfg,
-            workers,
-            faults,
-            stop,
+        let mut launch = LaunchOptions::new(workers);
+        launch.stop = Some(stop);
+        launch.metrics = args.metrics_addr;
+        launch.faults = faults;
+        // Each worker writes its part of the trace; they are merged once all have exited.
+        let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
+        let flags = |from: Option<&std::path::Path>| checkpoint_args(args, from);
+        let mut launcher = Processes {
+            launch,
+            checkpoint_flags: &flags,
+            trace_parts: parts.clone(),
         };
-        return launch.run(&restarts, first.as_deref(), &mut watched, &last_step);
+        let (end, last) = drive(
+            &mut launcher,
+            &cfg,
+            &how,
+            &mut watched,
+            &mut events,
+            &replan,
+        );
+        let workers = last.resolved().map_or(workers, |r| r.layout.workers());
+        if let (Some(dir), Some(path)) = (&parts, &args.trace) {
+            merge_trace_parts(dir, workers, path)?;
+        }
+        let end = end.context("training failed")?;
+        finish_checkpoints(&end.checkpoints, end.stopped)?;
+        outln!("partition: {}", last.partition);
+        if let Some(epoch) = &end.last {
+            print_done_line(end.steps, epoch, end.weights);
+        }
+        return Ok(());
     }
-    let mut opts = PipelineTrainOptions {
-        timeline: args.trace.is_some(),
-        checkpoints: policy,
-        stop: Some(stop),
-        faults,
-        rejoin: args.rejoin,
-        ..PipelineTrainOptions::default()
+    let mut launcher = Threads {
+        data: &data,
+        model: &model,
+        opts: PipelineTrainOptions {
+            timeline: args.trace.is_some(),
+            checkpoints: policy,
+            stop: Some(stop),
+            faults,
+            rejoin: args.rejoin,
+            ..PipelineTrainOptions::default()
+        },
+        first: resume.map(|(_, ckpt)| ckpt),
     };
-    let mut resume = resume.map(|(_, ckpt)| ckpt);
-    let current = RefCell::new(cfg.clone());
-    let out = with_restarts(
-        &restarts,
-        first.as_deref(),
-        |attempt, from| {
-            opts.resume = match (attempt, from) {
-                (0, _) => resume.take(),
-                (_, Some(dir)) => Some(pipe_stages::checkpoint::read(dir, &model)?.1),
-                (_, None) => None,
-            };
-            train_pipelined(&current.borrow(), &data, &mut watched, &opts)
-        },
-        || last_step.get(),
-        |r| {
-            print_restart(r);
-            if args.replan_on_restart {
-                replan_after(&current, r.cause);
-            }
-        },
-        // A lost replica in process is survived inside the run (pipeline::survive).
-        |_, _| false,
-    )
-    .context("training failed")?;
-    let cfg = current.into_inner();
+    let (out, cfg) = drive(
+        &mut launcher,
+        &cfg,
+        &how,
+        &mut watched,
+        &mut events,
+        &replan,
+    );
+    let out = out.context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;
     if cfg.pipelined {
         outln!("partition: {}", out.partition);
@@ -147,122 +167,40 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// A run of worker processes (`--placement processes`), restarted under `--max-restarts`.
-struct ProcessLaunch<'a> {
-    args: &'a TrainArgs,
-    cfg: &'a RunConfig,
-    workers: u32,
-    faults: FaultSchedule,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+/// `--replan-on-restart`'s planner: the layout for `workers` workers
+/// ([`pipe_stages::planning::replan`]) and its predicted samples/s.
+fn replan(cfg: &RunConfig, workers: u32) -> pipe_stages::Result<(RunConfig, f64)> {
+    let (next, plan) = pipe_stages::planning::replan(cfg, workers)?;
+    let rate = next.microbatch_size as f64 / plan.time_per_microbatch;
+    Ok((next, rate))
 }
 
-impl ProcessLaunch<'_> {
-    /// Launches the workers until the run ends: after a lost replica of a replicated stage
-    /// (with checkpoints to go on from), again with one replica fewer from the newest
-    /// checkpoint, counting no restart, and with `--rejoin`, once more at the next drain point
-    /// on the run's own layout; after another failure, restarting them from the newest
-    /// checkpoint as `restarts` allows. Merges their trace parts and prints the end.
-    fn run(
-        &self,
-        restarts: &RestartPolicy,
-        first: Option<&std::path::Path>,
-        obs: &mut dyn Observer,
-        last_step: &Cell<Option<u64>>,
-    ) -> Result<()> {
-        let args = self.args;
-        // The launcher logs what the chief reports; the workers write no log of their own.
-        // The run's own layout (planned again after a lost worker, with --replan-on-restart),
-        // and the one it is on (short of lost replicas until they rejoin).
-        let own = RefCell::new(RunConfig {
-            log_jsonl: None,
-            ..self.cfg.clone()
-        });
-        let current = RefCell::new(own.borrow().clone());
-        let pending: RefCell<Option<LayoutChange>> = RefCell::new(None);
-        let mut opts = LaunchOptions::new(self.workers);
-        opts.stop = Some(self.stop.clone());
-        opts.metrics = args.metrics_addr;
-        opts.faults = self.faults.clone();
-        // Each worker writes its part of the trace; they are merged once all have exited.
-        let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
-        let mut starts = 0;
-        let end = with_restarts(
-            restarts,
-            first,
-            |_, from| {
-                let mut from = from.map(std::path::Path::to_path_buf);
-                loop {
-                    if let Some(change) = pending.borrow_mut().take() {
-                        obs.on_layout_change(&change)?;
-                    }
-                    let run = current.borrow().clone();
-                    let layout = run.resolved()?.layout;
-                    opts.workers = layout.workers();
-                    opts.attempt = starts;
-                    starts += 1;
-                    // A run short of a lost replica stops at its next drain point to take
-                    // it back.
-                    let own_layout = own.borrow().resolved()?.layout;
-                    opts.stop_at_first_drain =
-                        args.rejoin && layout.replica_counts() != own_layout.replica_counts();
-                    opts.extra = checkpoint_args(args, from.as_deref());
-                    if let Some(dir) = &parts {
-                        opts.extra.push("--trace".into());
-                        opts.extra
-                            .push(dir.join("worker-{rank}.json").into_os_string());
-                    }
-                    let end = run_processes(&run, &opts, obs)?;
-                    let asked = self.stop.load(std::sync::atomic::Ordering::SeqCst);
-                    match end.stopped {
-                        Some(at) if opts.stop_at_first_drain && !asked => {
-                            *current.borrow_mut() = own.borrow().clone();
-                            *pending.borrow_mut() =
-                                Some(LayoutChange::restored(&own.borrow(), at)?);
-                            from = args
-                                .checkpoint_dir
-                                .as_deref()
-                                .and_then(|d| pipe_stages::checkpoint::list(d).pop())
-                                .map(|(_, dir)| dir);
-                        }
-                        _ => return Ok(end),
-                    }
-                }
-            },
-            || last_step.get(),
-            |r| {
-                print_restart(r);
-                if args.replan_on_restart && replan_after(&current, r.cause) {
-                    *own.borrow_mut() = current.borrow().clone();
-                }
-            },
-            |err, from| {
-                if args.checkpoint_dir.is_none() {
-                    return false;
-                }
-                let change = LayoutChange::after_exit(&current.borrow(), err, from);
-                let Some(change) = change else {
-                    return false;
-                };
-                let next = change.apply(&current.borrow());
-                *current.borrow_mut() = next;
-                *pending.borrow_mut() = Some(change);
-                true
-            },
-        );
-        let workers = current
-            .borrow()
-            .resolved()
-            .map_or(self.workers, |r| r.layout.workers());
-        if let (Some(dir), Some(path)) = (&parts, &args.trace) {
-            merge_trace_parts(dir, workers, path)?;
+/// Prints the driver's restarts and what planning again gave.
+struct Printed<'a> {
+    last: &'a Cell<Option<u64>>,
+}
+
+impl RelaunchEvents for Printed<'_> {
+    fn on_restart(&mut self, r: &Restart<'_>, replanned: Option<&Replanned>) {
+        print_restart(r);
+        match replanned {
+            Some(Replanned::Planned {
+                cfg,
+                workers,
+                samples_per_s,
+            }) => eprintln!(
+                "planned again for {workers} workers: partition {}, replicas {:?}, {} microbatches per update, predicted {samples_per_s:.0} samples/s",
+                cfg.partition, cfg.replicas, cfg.microbatches
+            ),
+            Some(Replanned::Kept { workers, why }) => eprintln!(
+                "not planned again for {workers} workers ({why}); the run restarts on its layout as it was"
+            ),
+            None => {}
         }
-        let end = end.context("training failed")?;
-        finish_checkpoints(&end.checkpoints, end.stopped)?;
-        outln!("partition: {}", current.borrow().partition);
-        if let Some(last) = &end.last {
-            print_done_line(end.steps, last, end.weights);
-        }
-        Ok(())
+    }
+
+    fn reached(&self) -> Option<u64> {
+        self.last.get()
     }
 }
 
@@ -285,47 +223,6 @@ fn check_rejoin(args: &TrainArgs, cfg: &RunConfig, processes: bool) -> Result<()
         ));
     }
     Ok(())
-}
-
-/// `--replan-on-restart`: after a start that lost a worker (`cause` names it), plans the run
-/// in `current` again for the workers that remain ([`pipe_stages::planning::replan`]) and
-/// says what it chose. A run that cannot be planned for fewer workers (one worker left, no
-/// layout that keeps the minibatch) restarts on its layout as it was, saying why. Returns
-/// whether the layout changed.
-fn replan_after(current: &RefCell<RunConfig>, cause: &pipe_stages::StageError) -> bool {
-    use pipe_stages::StageError;
-    if !matches!(cause, StageError::Exited { .. } | StageError::Worker { .. }) {
-        return false;
-    }
-    let workers = match current.borrow().resolved() {
-        Ok(r) => r.layout.workers(),
-        Err(_) => return false,
-    };
-    if workers < 2 {
-        return false;
-    }
-    let planned = pipe_stages::planning::replan(&current.borrow(), workers - 1);
-    match planned {
-        Ok((next, plan)) => {
-            eprintln!(
-                "planned again for {} workers: partition {}, replicas {:?}, {} microbatches per update, predicted {:.0} samples/s",
-                workers - 1,
-                next.partition,
-                next.replicas,
-                next.microbatches,
-                next.microbatch_size as f64 / plan.time_per_microbatch
-            );
-            *current.borrow_mut() = next;
-            true
-        }
-        Err(e) => {
-            eprintln!(
-                "not planned again for {} workers ({e}); the run restarts on its layout as it was",
-                workers - 1
-            );
-            false
-        }
-    }
 }
 
 /// Says that a failed run starts again, why, from where, and what it loses.

@@ -7,7 +7,8 @@
 //! version plan literally, and the run's lifecycle: one segment loop ([`train`]) over three
 //! coordinators (threads, worker processes, and delayed SGD on one worker, [`delayed`]), with
 //! what lets a run survive faults: a lost replica's stage going on with one replica fewer
-//! ([`survive`]) and a failed run starting again from its newest checkpoint ([`restart`]).
+//! ([`survive`]) and a failed run starting again from its newest checkpoint ([`restart`]),
+//! both driven for threads and processes alike by one driver ([`relaunch`]).
 //!
 //! The seams are shaped for every place a worker can run. The driver takes a rank, a backend,
 //! a transport endpoint and the checked plan, and nothing else; a launcher only starts
@@ -31,6 +32,7 @@ pub mod launch;
 pub mod ledger;
 pub mod processes;
 pub mod reference;
+pub mod relaunch;
 pub mod restart;
 pub mod run_plan;
 pub mod setup;

@@ -1,0 +1,295 @@
+//! The one driver that starts a run's workers and starts them again, whatever their placement:
+//! restarts under `--max-restarts` ([`super::restart::with_restarts`]), planning again for the
+//! workers that remain (`--replan-on-restart`), and, where a lost replica is survived by
+//! starting the workers again (worker processes), the run going on with one replica fewer and,
+//! with `--rejoin`, back on its own layout at the next drain point. Threads survive a lost
+//! replica inside the run ([`super::survive`]), so for them the driver only restarts.
+//!
+//! A placement is a [`Launcher`]: it starts the workers on a layout from a checkpoint and says
+//! how they ended. The binary chooses the launcher, prints what the driver reports, and
+//! nothing else.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::restart::{Restart, RestartPolicy, with_restarts};
+use super::survive::LayoutChange;
+use crate::checkpoint;
+use crate::config::RunConfig;
+use crate::error::{Result, StageError};
+use crate::train::Observer;
+
+/// Where a run's workers run: what starts them.
+pub trait Launcher {
+    /// How a start ended.
+    type End;
+
+    /// Starts the workers of `cfg` from checkpoint `from` (none: from the start, or from the
+    /// checkpoint the first start was given), and runs them to the end. With
+    /// `stop_at_first_drain`, the chief stops at its first drain point after a checkpoint.
+    /// `start` counts the starts, from 0.
+    ///
+    /// # Errors
+    /// The run's failure.
+    fn start(
+        &mut self,
+        cfg: &RunConfig,
+        from: Option<&Path>,
+        start: u32,
+        stop_at_first_drain: bool,
+        obs: &mut dyn Observer,
+    ) -> Result<Self::End>;
+
+    /// Where a start that stopped early stopped (updates done), if it did.
+    fn stopped(end: &Self::End) -> Option<u64>;
+
+    /// Whether a lost replica is survived by starting the workers again on one replica
+    /// fewer (worker processes) rather than inside the run (threads).
+    fn survives_by_starting_again(&self) -> bool;
+}
+
+/// What the driver is asked to do beyond starting the workers once.
+#[derive(Clone, Debug, Default)]
+pub struct Relaunch {
+    /// Restarts after failures, and where checkpoints are.
+    pub restarts: RestartPolicy,
+    /// The checkpoint the first start resumes from.
+    pub first: Option<PathBuf>,
+    /// Take a lost replica back at the next drain point (`--rejoin`).
+    pub rejoin: bool,
+    /// Plan again for the workers that remain after a start that lost one.
+    pub replan_on_restart: bool,
+    /// Set by Ctrl-C: the run is stopping, not shrinking.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+/// Plans a run again for fewer workers: the new run and its predicted samples/s (the binary
+/// passes `planning::replan`, which sits above this module).
+pub type Replan = dyn Fn(&RunConfig, u32) -> Result<(RunConfig, f64)>;
+
+/// A new layout planned for the workers that remain, or why none was.
+#[derive(Debug)]
+pub enum Replanned {
+    /// The run goes on with `cfg`, which the planner predicted to train `samples_per_s`.
+    Planned {
+        /// The new run.
+        cfg: Box<RunConfig>,
+        /// Workers it has.
+        workers: u32,
+        /// Predicted samples per second.
+        samples_per_s: f64,
+    },
+    /// The run goes on with its layout as it was.
+    Kept {
+        /// Workers it would have had.
+        workers: u32,
+        /// Why no new layout.
+        why: String,
+    },
+}
+
+/// What the driver tells its caller as the run goes.
+pub trait RelaunchEvents {
+    /// A restart about to happen, and what planning again gave (when asked for).
+    fn on_restart(&mut self, restart: &Restart<'_>, replanned: Option<&Replanned>);
+    /// Updates the run had reported done when a start failed.
+    fn reached(&self) -> Option<u64>;
+}
+
+/// Plans `cfg` again for the workers a start that failed with `cause` leaves (one fewer), with
+/// `replan` (`planning::replan`). `None` when the cause lost no worker or one worker is left.
+fn replan_after(cfg: &RunConfig, cause: &StageError, replan: &Replan) -> Option<Replanned> {
+    if !matches!(cause, StageError::Exited { .. } | StageError::Worker { .. }) {
+        return None;
+    }
+    let workers = cfg.resolved().ok()?.layout.workers();
+    if workers < 2 {
+        return None;
+    }
+    Some(match replan(cfg, workers - 1) {
+        Ok((next, samples_per_s)) => Replanned::Planned {
+            cfg: Box::new(next),
+            workers: workers - 1,
+            samples_per_s,
+        },
+        Err(e) => Replanned::Kept {
+            workers: workers - 1,
+            why: e.to_string(),
+        },
+    })
+}
+
+/// Runs `cfg` on `launcher` until it ends, as `how` asks: restarting it, planning it again
+/// (`replan`: the layout for fewer workers and its predicted samples/s), and going on after a
+/// lost replica. Returns how the last start ended and the layout the run ended on.
+///
+/// # Errors
+/// As [`with_restarts`]: the first failure caused by bad input, or every cause once no
+/// restart is left.
+pub fn drive<L: Launcher>(
+    launcher: &mut L,
+    cfg: &RunConfig,
+    how: &Relaunch,
+    obs: &mut dyn Observer,
+    events: &mut dyn RelaunchEvents,
+    replan: &Replan,
+) -> (Result<L::End>, RunConfig) {
+    // The run's own layout (planned again after a lost worker, with --replan-on-restart), and
+    // the one it is on (short of lost replicas until they rejoin).
+    let own = std::cell::RefCell::new(cfg.clone());
+    let current = std::cell::RefCell::new(cfg.clone());
+    let pending: std::cell::RefCell<Option<LayoutChange>> = std::cell::RefCell::new(None);
+    let survives = launcher.survives_by_starting_again();
+    let asked_to_stop = || how.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+    let mut starts = 0;
+    let events = std::cell::RefCell::new(events);
+    let end = with_restarts(
+        &how.restarts,
+        how.first.as_deref(),
+        |_, from| {
+            let mut from = from.map(Path::to_path_buf);
+            loop {
+                if let Some(change) = pending.borrow_mut().take() {
+                    obs.on_layout_change(&change)?;
+                }
+                let run = current.borrow().clone();
+                // A run short of a lost replica stops at its next drain point to take it back.
+                let short = run.resolved()?.layout.replica_counts()
+                    != own.borrow().resolved()?.layout.replica_counts();
+                let stop_at_first_drain = survives && how.rejoin && short;
+                // Counted whether the start succeeds or not: it picks the start's faults.
+                let this = starts;
+                starts += 1;
+                let end = launcher.start(&run, from.as_deref(), this, stop_at_first_drain, obs)?;
+                match L::stopped(&end) {
+                    Some(at) if stop_at_first_drain && !asked_to_stop() => {
+                        *current.borrow_mut() = own.borrow().clone();
+                        *pending.borrow_mut() = Some(LayoutChange::restored(&own.borrow(), at)?);
+                        from = how
+                            .restarts
+                            .checkpoint_dir
+                            .as_deref()
+                            .and_then(|d| checkpoint::list(d).pop())
+                            .map(|(_, dir)| dir);
+                    }
+                    _ => return Ok(end),
+                }
+            }
+        },
+        || events.borrow().reached(),
+        |r| {
+            let replanned = how
+                .replan_on_restart
+                .then(|| replan_after(&current.borrow(), r.cause, replan))
+                .flatten();
+            if let Some(Replanned::Planned { cfg, .. }) = &replanned {
+                *current.borrow_mut() = (**cfg).clone();
+                *own.borrow_mut() = (**cfg).clone();
+            }
+            events.borrow_mut().on_restart(r, replanned.as_ref());
+        },
+        |err, from| {
+            if !survives || how.restarts.checkpoint_dir.is_none() {
+                return false;
+            }
+            let Some(change) = LayoutChange::after_exit(&current.borrow(), err, from) else {
+                return false;
+            };
+            let next = change.apply(&current.borrow());
+            *current.borrow_mut() = next;
+            *pending.borrow_mut() = Some(change);
+            true
+        },
+    );
+    (end, current.into_inner())
+}
+
+/// Every worker a thread of this process ([`super::train_pipelined`]).
+pub struct Threads<'a> {
+    /// The run's data.
+    pub data: &'a crate::data::Splits,
+    /// The model, to read checkpoints with.
+    pub model: &'a crate::model::Model,
+    /// The pipelined trainer's options (checkpoints, stop, faults, rejoin, timeline).
+    pub opts: super::PipelineTrainOptions,
+    /// The checkpoint the first start resumes from, already read.
+    pub first: Option<checkpoint::Checkpoint>,
+}
+
+impl Launcher for Threads<'_> {
+    type End = super::PipelineReport;
+
+    fn start(
+        &mut self,
+        cfg: &RunConfig,
+        from: Option<&Path>,
+        start: u32,
+        _stop_at_first_drain: bool,
+        obs: &mut dyn Observer,
+    ) -> Result<Self::End> {
+        self.opts.resume = match (start, from) {
+            (0, _) => self.first.take(),
+            (_, Some(dir)) => Some(checkpoint::read(dir, self.model)?.1),
+            (_, None) => None,
+        };
+        super::train_pipelined(cfg, self.data, obs, &self.opts)
+    }
+
+    fn stopped(_: &Self::End) -> Option<u64> {
+        // A replica rejoins inside the run: no start stops early for it.
+        None
+    }
+
+    fn survives_by_starting_again(&self) -> bool {
+        false
+    }
+}
+
+/// One worker process each on this host ([`super::processes::run_processes`]).
+pub struct Processes<'a> {
+    /// How the workers are launched (metrics ports, faults, stop flag).
+    pub launch: super::processes::LaunchOptions,
+    /// The checkpoint flags a start's workers get, from where it resumes.
+    pub checkpoint_flags: &'a dyn Fn(Option<&Path>) -> Vec<std::ffi::OsString>,
+    /// Where each worker writes its part of a trace (`--trace`), merged by the caller.
+    pub trace_parts: Option<PathBuf>,
+}
+
+impl Launcher for Processes<'_> {
+    type End = super::processes::ProcessRunEnd;
+
+    fn start(
+        &mut self,
+        cfg: &RunConfig,
+        from: Option<&Path>,
+        start: u32,
+        stop_at_first_drain: bool,
+        obs: &mut dyn Observer,
+    ) -> Result<Self::End> {
+        // The launcher logs what the chief reports; the workers write no log of their own.
+        let run = RunConfig {
+            log_jsonl: None,
+            ..cfg.clone()
+        };
+        self.launch.workers = run.resolved()?.layout.workers();
+        self.launch.attempt = start;
+        self.launch.stop_at_first_drain = stop_at_first_drain;
+        self.launch.extra = (self.checkpoint_flags)(from);
+        if let Some(dir) = &self.trace_parts {
+            self.launch.extra.push("--trace".into());
+            self.launch
+                .extra
+                .push(dir.join("worker-{rank}.json").into_os_string());
+        }
+        super::processes::run_processes(&run, &self.launch, obs)
+    }
+
+    fn stopped(end: &Self::End) -> Option<u64> {
+        end.stopped
+    }
+
+    fn survives_by_starting_again(&self) -> bool {
+        true
+    }
+}
