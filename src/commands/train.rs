@@ -45,8 +45,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         ));
     }
     let processes = cfg.pipelined && cfg.placement == Placement::Processes;
+    // The run's layout, resolved once: a pipeline's (a run with no pipeline flag is one
+    // worker over the whole model, with no pipeline to describe).
+    let resolved = match cfg.pipelined {
+        true => Some(cfg.resolved().map_err(|e| bad_input(e.to_string()))?),
+        false => None,
+    };
     if args.rejoin {
-        check_rejoin(args, &cfg, processes)?;
+        check_rejoin(args, resolved.as_ref(), processes)?;
     }
     let faults = match &args.fault_schedule {
         Some(plan) => {
@@ -73,11 +79,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         print_resuming(dir, ckpt);
     }
     settle_partition(&mut cfg, &model)?;
-    // A run with no pipeline flag is one worker over the whole model: no pipeline to describe.
-    let workers = if cfg.pipelined {
-        print_pipeline(&cfg)?
-    } else {
-        1
+    let workers = match &resolved {
+        Some(r) => print_pipeline(&cfg, r),
+        None => 1,
     };
     let stop = stop_on_ctrl_c(true);
     let how = Relaunch {
@@ -207,11 +211,12 @@ impl RelaunchEvents for Printed<'_> {
 /// Refuses `--rejoin` where there is nothing it could do: no stage with two or more replicas
 /// (a stage's last replica is never survived, so never taken back), or worker processes
 /// without a checkpoint directory to go on from.
-fn check_rejoin(args: &TrainArgs, cfg: &RunConfig, processes: bool) -> Result<()> {
-    let replicated = cfg.pipelined
-        && cfg
-            .resolved()
-            .is_ok_and(|r| r.layout.replica_counts().iter().any(|&n| n >= 2));
+fn check_rejoin(
+    args: &TrainArgs,
+    resolved: Option<&pipe_scheduler::Resolved>,
+    processes: bool,
+) -> Result<()> {
+    let replicated = resolved.is_some_and(|r| r.layout.replica_counts().iter().any(|&n| n >= 2));
     if !replicated {
         return Err(bad_input(
             "--rejoin takes back a lost replica, but no stage of this run has two or more replicas: give --replicas".into(),
@@ -300,8 +305,7 @@ fn merge_trace_parts(dir: &std::path::Path, workers: u32, out: &std::path::Path)
 
 /// Prints the pipeline line: schedule, layout, and where the workers run. Returns the number
 /// of workers.
-fn print_pipeline(cfg: &RunConfig) -> Result<u32> {
-    let resolved = cfg.resolved().map_err(|e| bad_input(e.to_string()))?;
+fn print_pipeline(cfg: &RunConfig, resolved: &pipe_scheduler::Resolved) -> u32 {
     outln!(
         "pipeline: schedule {}, {} stages x replicas {:?}{}, {} workers ({}), minibatch {} microbatches",
         resolved.policy,
@@ -316,5 +320,5 @@ fn print_pipeline(cfg: &RunConfig) -> Result<u32> {
         cfg.placement_description(),
         resolved.minibatch
     );
-    Ok(resolved.layout.workers())
+    resolved.layout.workers()
 }
