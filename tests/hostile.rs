@@ -239,6 +239,19 @@ fn cli_rows() -> Vec<Row> {
         row("train --backend tpu", "tpu"),
         row("train --backend cuda", "CUDA"),
         row("train --transport pigeon", "pigeon"),
+        row("train --placement cloud", "cloud"),
+        row(
+            "train --stages 2 --placement processes --transport inproc",
+            "not between worker processes",
+        ),
+        row(
+            "train --stages 2 --transport shm --fault-schedule 0:partition@3:1:1",
+            "only QUIC links are cut",
+        ),
+        row(
+            "bench allreduce-worker --mb 1 --rounds 1 --cluster /nonexistent --rank 0 --transport carrier",
+            "carrier",
+        ),
         row("train --wire-dtype f8", "f8"),
         row("train --dataset imagenet", "imagenet"),
         row("train --model gpt-mini --dataset mnist", "language model"),
