@@ -1045,9 +1045,7 @@ impl Shm {
             return Ok(false);
         };
         let peer = link.peer;
-        let broken = |why: String| {
-            TransportError::Protocol(format!("shared-memory link from worker {peer}: {why}"))
-        };
+        let broken = |why: String| broken_link(peer, why);
         let mut moved = false;
         loop {
             let read = match &mut link.reading {
@@ -1188,9 +1186,7 @@ impl Shm {
             return Ok((None, false));
         };
         let peer = link.peer;
-        let broken = |why: String| {
-            TransportError::Protocol(format!("shared-memory link from worker {peer}: {why}"))
-        };
+        let broken = |why: String| broken_link(peer, why);
         let len = header.payload_bytes() as usize;
         let mut moved = false;
         while *got < len {
@@ -1618,6 +1614,11 @@ impl Drop for Shm {
     fn drop(&mut self) {
         let _ = self.close();
     }
+}
+
+/// What a peer's link did wrong, naming the link.
+fn broken_link(peer: u32, why: String) -> TransportError {
+    TransportError::Protocol(format!("shared-memory link from worker {peer}: {why}"))
 }
 
 /// Writes to an eventfd: wakes the worker that waits on it.
