@@ -40,9 +40,13 @@ pub fn ring_all_reduce<T: Transport + ?Sized>(
 }
 
 /// Values per piece of a ring chunk: chunks travel in pieces of at most this many values
-/// (1 MiB of f32), so that a piece received can be added and passed on while the next one is
-/// still arriving.
-pub const RING_PIECE_VALUES: usize = 1 << 18;
+/// (256 KiB of f32), so that a piece received can be added and passed on while the next one
+/// is still arriving. Over shared memory a piece is written into a ring and read from it, so
+/// its size sets how much memory the ring cycles through: 256 KiB pieces in 1 MiB rings ran
+/// 100 MB among 4 workers in 0.058-0.078 s against 0.077-0.083 s for 1 MiB pieces in 4 MiB
+/// rings (threads in process: 0.058-0.069 s; `cargo run --release -p pipe-transport
+/// --example ring_profile`, `docs/benchmarks.md`).
+pub const RING_PIECE_VALUES: usize = 1 << 16;
 
 /// The pieces of a chunk of `n` values: their count and the range of piece `j` within the
 /// chunk. From the length alone, so sender and receiver agree.
@@ -144,6 +148,14 @@ pub struct RingAllReduce {
     /// The next piece to receive: (ring step, piece).
     step: usize,
     piece: usize,
+    /// Lending rings only: the next piece to send, (ring step, piece), in key order; pieces
+    /// sent and received so far; and how many more pieces than it has received a worker
+    /// may have sent ([`RingAllReduce::window`]).
+    send_step: usize,
+    send_piece: usize,
+    sent: usize,
+    received: usize,
+    window: usize,
     /// Buffers taken from the thread's spares, returned when the ring ends.
     spares: Vec<Vec<f32>>,
 }
@@ -172,6 +184,11 @@ impl RingAllReduce {
             len: flat.len(),
             step: 0,
             piece: 0,
+            send_step: 0,
+            send_piece: 0,
+            sent: 0,
+            received: 0,
+            window: usize::MAX,
             spares: Vec::new(),
         };
         if r <= 1 {
@@ -191,10 +208,8 @@ impl RingAllReduce {
         let first = chunk(ring.len, r, ring.chunks(0).0);
         let count = pieces_of(first.len());
         if ring.lends(t) {
-            for j in 0..count {
-                let at = piece(&first, count, j);
-                t.send_values(ring.key(ring.me, ring.next, 0, j), 0, &flat.slices(at))?;
-            }
+            ring.window = Self::window(t, ring.len, r);
+            ring.send_ready(t, &flat)?;
             return Ok(ring);
         }
         ring.spares = CHUNK_BUFFERS.with(std::cell::Cell::take);
@@ -245,6 +260,53 @@ impl RingAllReduce {
     /// what it sends, so it keeps its buffers).
     fn lends<T: Transport + ?Sized>(&self, t: &T) -> bool {
         self.spec.wire == WireDType::F32 && t.copies_payloads()
+    }
+
+    /// How many pieces more than it has received a worker of a lending ring may have sent:
+    /// as many as keep every link's share of what the whole ring holds in flight within the
+    /// link's buffer ([`Transport::link_buffer_bytes`]), at least one. Each worker sends one
+    /// piece per piece received beyond its first `window`, so the ring holds `r * window`
+    /// pieces in flight at any time, however they are spread over its links: a send then
+    /// finds room in the ring and never waits, and the transport never has to take arrivals
+    /// aside to break a wait (a copy out of the ring and another into the buffer).
+    fn window<T: Transport + ?Sized>(t: &T, len: usize, r: usize) -> usize {
+        let Some(buffer) = t.link_buffer_bytes() else {
+            return usize::MAX;
+        };
+        // A piece's frame: its values and at most this much of header and padding.
+        const FRAME_BYTES: u64 = 256;
+        let widest = len.div_ceil(r);
+        let values = widest.div_ceil(pieces_of(widest)) as u64;
+        let per_piece = values * 4 + FRAME_BYTES;
+        ((buffer / per_piece / r as u64) as usize).max(1)
+    }
+
+    /// Sends, in key order, every piece that is ready (its chunk received and merged at the
+    /// step before) while the window allows ([`RingAllReduce::window`]).
+    fn send_ready<T: Transport + ?Sized>(
+        &mut self,
+        t: &mut T,
+        flat: &Segments<'_, '_>,
+    ) -> Result<(), TransportError> {
+        let steps = 2 * (self.r - 1);
+        while self.send_step < steps && self.sent < self.received.saturating_add(self.window) {
+            let (step, j) = (self.send_step, self.send_piece);
+            // Piece j of step s > 0 is piece j of the chunk received at step s - 1.
+            if step > 0 && (step - 1, j) >= (self.step, self.piece) {
+                break;
+            }
+            let range = chunk(self.len, self.r, self.chunks(step).0);
+            let count = pieces_of(range.len());
+            let at = piece(&range, count, j);
+            t.send_values(self.key(self.me, self.next, step, j), 0, &flat.slices(at))?;
+            self.sent += 1;
+            (self.send_step, self.send_piece) = if j + 1 < count {
+                (step, j + 1)
+            } else {
+                (step + 1, 0)
+            };
+        }
+        Ok(())
     }
 
     /// Receives piece `at` (keyed `key`) by lending, adding it into `flat` (or copying it,
@@ -339,16 +401,15 @@ impl RingAllReduce {
                 if Self::lend_in(t, &key, &mut flat, &at, gather, wait)?.is_none() {
                     return Ok(false);
                 }
-                if step + 1 < steps {
-                    // The merged piece (or the finished one, in the all-gather) goes on.
-                    let next = self.key(self.me, self.next, step + 1, j);
-                    t.send_values(next, 0, &flat.slices(at.clone()))?;
-                }
                 (self.step, self.piece) = if j + 1 < count {
                     (step, j + 1)
                 } else {
                     (step + 1, 0)
                 };
+                self.received += 1;
+                // The merged piece (or the finished one, in the all-gather) goes on, as the
+                // window allows.
+                self.send_ready(t, &flat)?;
                 continue;
             }
             let got = if wait {

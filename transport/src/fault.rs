@@ -587,6 +587,10 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.as_ref().is_some_and(Transport::copies_payloads)
     }
 
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        self.inner.as_ref().and_then(Transport::link_buffer_bytes)
+    }
+
     fn send_values(
         &mut self,
         key: Key,

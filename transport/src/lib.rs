@@ -278,6 +278,15 @@ pub trait Transport: Send {
         false
     }
 
+    /// Bytes a link to one peer holds before a send has to wait for the peer to read: the
+    /// ring's size over shared memory; `None` where sends never wait on the reader (channels
+    /// and QUIC streams buffer what is sent). A caller that keeps what it has in flight on a
+    /// link under this never blocks in a send, so the transport never has to take incoming
+    /// messages aside (copying them) to keep two senders from waiting on each other.
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        None
+    }
+
     /// Sends the concatenation of `parts` as a message of one dimension with `key` and
     /// `version`, without the caller building a tensor. By default it builds one.
     ///
@@ -442,6 +451,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn copies_payloads(&self) -> bool {
         (**self).copies_payloads()
+    }
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        (**self).link_buffer_bytes()
     }
     fn send_values(
         &mut self,

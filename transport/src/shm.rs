@@ -114,11 +114,11 @@ pub struct ShmOptions {
 }
 
 impl ShmOptions {
-    /// Defaults for run `run_id`: rings of 4 MiB.
+    /// Defaults for run `run_id`: rings of 1 MiB.
     pub fn new(run_id: u64) -> Self {
         ShmOptions {
             run_id,
-            ring_bytes: 4 << 20,
+            ring_bytes: 1 << 20,
             wire: WireDType::F32,
             timeout: None,
             connect_timeout: Duration::from_secs(30),
@@ -481,6 +481,9 @@ struct Link {
     state: PeerState,
     /// Bytes of this peer's messages held for receives.
     held: u64,
+    /// Frames of this peer copied out of the ring into a buffer of their own, rather than
+    /// lent where they lie ([`Shm::frames_copied_out`]).
+    copied_out: u64,
     /// Its socket has ended: nothing more to read from it.
     eof: bool,
     /// The last wait saw its socket readable: read it at the next pump.
@@ -845,6 +848,7 @@ impl Link {
             control: Vec::new(),
             state: PeerState::Running,
             held: 0,
+            copied_out: 0,
             eof: false,
             control_ready: false,
             aborted: false,
@@ -926,6 +930,14 @@ impl Link {
 }
 
 impl Shm {
+    /// Frames this endpoint has received by copying them out of a ring into a buffer of
+    /// their own: every plain [`Transport::recv`], and a frame that arrived ahead of the one
+    /// a receive waited for (or while a send waited for room). A lending ring all-reduce
+    /// whose window fits the rings copies none.
+    pub fn frames_copied_out(&self) -> u64 {
+        self.links.iter().flatten().map(|l| l.copied_out).sum()
+    }
+
     /// The link to `peer`, or a protocol error for a worker this endpoint has no link to.
     fn link_index(&self, peer: u32) -> Result<usize, TransportError> {
         if peer == self.rank || peer >= self.size {
@@ -1105,6 +1117,7 @@ impl Shm {
                                 )));
                             }
                             link.held += header.elements() * 4;
+                            link.copied_out += 1;
                             let buf = Payload::for_header(&header);
                             link.reading = Reading::Payload {
                                 header,
@@ -1135,6 +1148,7 @@ impl Shm {
                     let header = header.clone();
                     let len = header.payload_bytes() as usize;
                     link.held += header.elements() * 4;
+                    link.copied_out += 1;
                     let buf = Payload::for_header(&header);
                     link.reading = Reading::Payload {
                         header,
@@ -1513,6 +1527,10 @@ impl Transport for Shm {
 
     fn copies_payloads(&self) -> bool {
         true
+    }
+
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        Some(self.opts.ring_bytes)
     }
 
     fn send_values(

@@ -486,3 +486,52 @@ transport_suite!(shm, |n, timeout| {
     opts.ring_bytes = 4096;
     pipe_transport::shm::local_mesh(n, &opts).unwrap()
 });
+
+/// The ring all-reduce over shared memory keeps what it has in flight within the rings: with
+/// the default rings, 4 workers and chunks of many pieces (several rings' worth each), every
+/// piece is lent from the ring where it lies, none is copied out to break a wait, and the
+/// result is the ring sum.
+#[test]
+fn a_ring_all_reduce_over_shared_memory_copies_no_frame_out_of_a_ring() {
+    use pipe_transport::collective::{ring_all_reduce, ring_sum};
+    let n = 4u32;
+    let len = 3_000_001;
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|w| {
+            (0..len)
+                .map(|i| ((i * 7 + w as usize) % 13) as f32 * 0.25)
+                .collect()
+        })
+        .collect();
+    let expected = ring_sum(&inputs.iter().map(Vec::as_slice).collect::<Vec<_>>());
+    let eps =
+        pipe_transport::shm::local_mesh(n, &pipe_transport::shm::ShmOptions::new(0x1e4d)).unwrap();
+    let group: Vec<u32> = (0..n).collect();
+    let results: Vec<(Vec<f32>, u64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = eps
+            .into_iter()
+            .map(|mut ep| {
+                let (group, inputs) = (&group, &inputs);
+                s.spawn(move || {
+                    let mut data = Vec::new();
+                    for update in 0..2 {
+                        data.clone_from(&inputs[ep.rank() as usize]);
+                        ring_all_reduce(&mut ep, group, 0, update, &mut data).unwrap();
+                    }
+                    let copied = ep.frames_copied_out();
+                    ep.close().unwrap();
+                    (data, copied)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (data, copied) in results {
+        assert_eq!(copied, 0, "frames copied out of a ring");
+        assert!(
+            data.iter()
+                .zip(&expected)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+    }
+}
