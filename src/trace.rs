@@ -8,8 +8,9 @@ use std::time::SystemTime;
 
 use anyhow::{Context, Result, bail};
 use pipe_scheduler::{Layout, Span, Timeline};
+use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::doctor::StopReport;
-use pipe_stages::train::{EpochStats, Observer, StepStats};
+use pipe_stages::train::{EpochStats, StepStats};
 use serde_json::{Value, json};
 
 /// The key of a part's header: the worker's rank and its start in microseconds since the UNIX

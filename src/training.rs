@@ -20,9 +20,10 @@ use pipe_stages::data::Splits;
 use pipe_stages::log::JsonlLog;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
+use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::planning::{plan_workers, settle_measured_partition};
-use pipe_stages::train::{EpochStats, Observer, StepStats, TrainReport};
+use pipe_stages::train::{EpochStats, StepStats, TrainReport};
 
 use crate::args::BackendParser;
 use crate::output::{Interrupted, bad_input};
@@ -453,30 +454,6 @@ pub fn print_resuming(dir: &std::path::Path, ckpt: &Checkpoint) {
         ckpt.state.epoch,
         ckpt.state.samples_in_epoch
     );
-}
-
-/// The checkpoint flags, as a launcher passes them on to its workers, with the checkpoint the
-/// run resumes from (`resume`: the user's `--resume` on a first start, the newest checkpoint
-/// on a restart).
-pub fn checkpoint_args(
-    args: &TrainArgs,
-    resume: Option<&std::path::Path>,
-) -> Vec<std::ffi::OsString> {
-    let mut out: Vec<std::ffi::OsString> = Vec::new();
-    if let Some(d) = &args.checkpoint_dir {
-        out.extend(["--checkpoint-dir".into(), d.clone().into_os_string()]);
-    }
-    if let Some(n) = args.checkpoint_every {
-        out.extend(["--checkpoint-every".into(), n.to_string().into()]);
-    }
-    out.extend([
-        "--keep-checkpoints".into(),
-        args.keep_checkpoints.to_string().into(),
-    ]);
-    if let Some(r) = resume {
-        out.extend(["--resume".into(), r.as_os_str().to_owned()]);
-    }
-    out
 }
 
 /// A flag Ctrl-C sets: the run stops at its next drain point, after a checkpoint (saying so

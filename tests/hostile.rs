@@ -487,6 +487,18 @@ fn fault_and_launch_rows() -> Vec<Row> {
             text("r.json", "3"),
             "r.json: invalid type",
         ),
+        // A workers' run of another format is refused naming both; a field of the wrong type
+        // is named by its path.
+        with(
+            "worker --cluster {d}/absent.toml --launched --run {d}/r.json",
+            text("r.json", "{\"format\": 99, \"run\": {}}"),
+            "a workers' run of format 99, where this build reads format 1",
+        ),
+        with(
+            "worker --cluster {d}/absent.toml --launched --run {d}/r.json",
+            text("r.json", "{\"format\": 1, \"run\": 3}"),
+            "r.json: run: invalid type",
+        ),
     ]
 }
 

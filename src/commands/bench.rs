@@ -13,8 +13,7 @@ use pipe_kernels::{BackendKind, Precision};
 
 use pipe_transport::TransportKind;
 use pipe_transport::cluster::ClusterFile;
-use pipe_transport::quic::QuicOptions;
-use pipe_transport::shm::ShmOptions;
+use pipe_transport::kinds::MeshSettings;
 
 use crate::args::parse_policy;
 use crate::output::{bad_input, schedule_error};
@@ -319,8 +318,7 @@ pub fn run_allreduce_worker(args: &AllreduceWorkerArgs) -> Result<()> {
     let transport: TransportKind = args.transport.parse().map_err(bad_input)?;
     let opts = JoinOptions {
         transport,
-        quic: QuicOptions::new(cluster.run_id),
-        shm: ShmOptions::new(cluster.run_id),
+        settings: MeshSettings::new(cluster.run_id),
         meet: match (args.launched, args.cluster.parent()) {
             (true, Some(dir)) => dir.to_path_buf(),
             _ => pipe_transport::shm::rendezvous_dir(cluster.run_id),

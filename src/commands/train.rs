@@ -11,6 +11,7 @@ use std::cell::Cell;
 use anyhow::{Context, Result};
 use pipe_stages::config::{Placement, RunConfig};
 use pipe_stages::model::Model;
+use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::PipelineTrainOptions;
 use pipe_stages::pipeline::doctor::StopReport;
 use pipe_stages::pipeline::relaunch::{
@@ -18,7 +19,7 @@ use pipe_stages::pipeline::relaunch::{
 };
 use pipe_stages::pipeline::restart::{Restart, RestartPolicy, fault_schedule};
 use pipe_stages::pipeline::survive::LayoutChange;
-use pipe_stages::train::{self, EpochStats, Observer, StepStats};
+use pipe_stages::train::{self, EpochStats, StepStats};
 use pipe_transport::fault::{FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
@@ -26,9 +27,8 @@ use crate::output::bad_input;
 use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
-    Fan, checkpoint_args, checkpoint_policy, finish_checkpoints, print_done, print_done_line,
-    print_header, print_resuming, resume_from, run_config, serve_metrics, settle_partition,
-    stop_on_ctrl_c,
+    Fan, checkpoint_policy, finish_checkpoints, print_done, print_done_line, print_header,
+    print_resuming, resume_from, run_config, serve_metrics, settle_partition, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::LaunchOptions;
 
@@ -103,14 +103,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if processes {
         let mut launch = LaunchOptions::new(workers);
         launch.stop = Some(stop);
-        launch.metrics = args.metrics_addr;
-        launch.faults = faults;
         // Each worker writes its part of the trace; they are merged once all have exited.
         let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
-        let flags = |from: Option<&std::path::Path>| checkpoint_args(args, from);
         let mut launcher = Processes {
             launch,
-            checkpoint_flags: &flags,
+            checkpoints: policy,
+            metrics: args.metrics_addr,
+            faults,
             trace_parts: parts.clone(),
         };
         let (end, last) = drive(
@@ -121,9 +120,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             &mut events,
             &replan,
         );
-        let workers = last.resolved().map_or(workers, |r| r.layout.workers());
         if let (Some(dir), Some(path)) = (&parts, &args.trace) {
-            merge_trace_parts(dir, workers, path)?;
+            // The last start's workers (each start sets its own count).
+            merge_trace_parts(dir, launcher.launch.workers, path)?;
         }
         let end = end.context("training failed")?;
         finish_checkpoints(&end.checkpoints, end.stopped)?;

@@ -11,16 +11,17 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use pipe_stages::config::{Placement, RunConfig};
+use pipe_stages::config::Placement;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::pipeline::train_worker;
 use pipe_stages::pipeline::worker::{WorkerOptions, check_cluster_size};
-use pipe_stages::train::{self, Observer, Quiet};
+use pipe_stages::pipeline::{Observer, Quiet};
+use pipe_stages::train::{self};
 use pipe_transport::TransportKind;
 use pipe_transport::cluster::{ClusterFile, resolve_rank};
 use pipe_transport::fault::{Fault, Faulty};
-use pipe_transport::quic::QuicOptions;
-use pipe_transport::shm::{ShmOptions, rendezvous_dir};
+use pipe_transport::kinds::MeshSettings;
+use pipe_transport::shm::rendezvous_dir;
 
 use crate::output::bad_input;
 use crate::trace::{PartRecorder, Traced, part_path, worker_names};
@@ -28,7 +29,9 @@ use crate::training::{
     Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, print_header,
     print_resuming, resume_from, run_config, serve_metrics, serve_metrics_quietly, stop_on_ctrl_c,
 };
-use pipe_stages::pipeline::processes::{JoinOptions, Record, RecordWriter, StopWriter, join};
+use pipe_stages::pipeline::processes::{
+    JoinOptions, Record, RecordWriter, StopWriter, WorkerRun, join,
+};
 
 /// `pipe worker`.
 #[derive(Args, Debug)]
@@ -84,11 +87,17 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             args.connect_timeout
         )));
     }
-    let mut cfg = match &args.run {
+    // A launched worker is handed everything in the run's file; one started by hand takes
+    // its flags.
+    let handed = match &args.run {
         Some(path) => {
             let text = pipe_stages::limits::read_text_file(path, "run")?;
-            RunConfig::from_json(&text, &path.display().to_string())?
+            Some(WorkerRun::from_json(&text, &path.display().to_string())?)
         }
+        None => None,
+    };
+    let mut cfg = match &handed {
+        Some(h) => h.run.clone(),
         None => run_config(&args.train)?,
     };
     if !cfg.pipelined {
@@ -111,14 +120,12 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     let rank =
         resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
     let connect_timeout = Duration::from_secs_f64(args.connect_timeout);
-    let mut quic = QuicOptions::new(cluster.run_id);
-    quic.wire = cfg.wire;
-    quic.timeout = Some(cfg.stall_timeout);
-    quic.connect_timeout = connect_timeout;
-    let mut shm = ShmOptions::new(cluster.run_id);
-    shm.wire = cfg.wire;
-    shm.timeout = Some(cfg.stall_timeout);
-    shm.connect_timeout = connect_timeout;
+    let settings = MeshSettings {
+        wire: cfg.wire,
+        timeout: Some(cfg.stall_timeout),
+        connect_timeout,
+        ..MeshSettings::new(cluster.run_id)
+    };
     let meet = match (args.launched, args.cluster.parent()) {
         // The launcher's private directory, where the cluster file is.
         (true, Some(dir)) => dir.to_path_buf(),
@@ -126,25 +133,52 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     };
     let opts = JoinOptions {
         transport: cfg.transport,
-        quic,
-        shm,
+        settings,
         meet,
     };
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
     let chief = rank == 0;
+    // The chief settles a measured partition and sends the cut to the others with the run's
+    // terms (a launcher's workers find it settled in run.json already).
+    if chief {
+        if args.launched {
+            pipe_stages::planning::settle_measured_partition(&mut cfg, &model)?;
+        } else {
+            crate::training::settle_partition(&mut cfg, &model)?;
+        }
+    }
+    let metrics = match &handed {
+        Some(h) => h.metrics_of(rank)?,
+        None => args.train.metrics_addr,
+    };
     if !args.launched {
-        serve_metrics(args.train.metrics_addr)?;
-    } else if let Some(addr) = args.train.metrics_addr {
+        serve_metrics(metrics)?;
+    } else if let Some(addr) = metrics {
         // The launcher gave this worker its own port; its banner would break the records.
         serve_metrics_quietly(addr)?;
     }
     // Only the chief reads the checkpoint (it sends the others their part) and decides when
     // to stop; a launched worker also hears the launcher's Ctrl-C on standard input.
-    let resume = if chief {
-        resume_from(&args.train, &model)?
-    } else {
-        None
+    let resume = match (chief, &handed) {
+        (false, _) => None,
+        (true, Some(h)) => match &h.resume {
+            Some(dir) => Some(pipe_stages::checkpoint::read(dir, &model)?),
+            None => None,
+        },
+        (true, None) => resume_from(&args.train, &model)?,
+    };
+    let fault = match &handed {
+        Some(h) => h.fault_of(rank),
+        None => args.fault.unwrap_or(Fault::None),
+    };
+    let checkpoints = match &handed {
+        Some(h) => h.checkpoints.clone(),
+        None => checkpoint_policy(&args.train, &cfg)?,
+    };
+    let trace_part = match &handed {
+        Some(h) => h.trace_part_of(rank),
+        None => args.train.trace.as_ref().map(|t| part_path(t, rank)),
     };
     let stop = stop_on_ctrl_c(chief && !args.launched);
     let joined = join(
@@ -154,7 +188,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         opts,
         args.launched.then(|| stop.clone()),
     )?;
-    let mut ep = Faulty::new(joined, args.fault.unwrap_or(Fault::None));
+    let mut ep = Faulty::new(joined, fault);
     let mut obs: Box<dyn Observer> = match (chief, args.launched) {
         (true, true) => Box::new(RecordWriter),
         (true, false) => {
@@ -168,11 +202,11 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         (false, false) => Box::new(Quiet),
     };
     let opts = WorkerOptions {
-        checkpoints: checkpoint_policy(&args.train, &cfg)?.filter(|_| chief),
+        checkpoints: checkpoints.filter(|_| chief),
         resume: resume.map(|(_, ckpt)| ckpt),
         stop: chief.then_some(stop),
     };
-    let mut recorder = args.train.trace.as_ref().map(|_| PartRecorder::default());
+    let mut recorder = trace_part.as_ref().map(|_| PartRecorder::default());
     let result = match recorder.as_mut() {
         Some(part) => {
             let mut traced = Traced {
@@ -184,9 +218,9 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         None => train_worker(&cfg, &data, &mut ep, obs.as_mut(), &opts),
     };
     let closed = pipe_transport::Transport::close(&mut ep);
-    if let (Some(rec), Some(template)) = (&recorder, &args.train.trace) {
+    if let (Some(rec), Some(path)) = (&recorder, &trace_part) {
         // Written whether the run succeeded or not: a failed run's trace shows where it stood.
-        rec.write(&part_path(template, rank), rank, worker_names(&layout))?;
+        rec.write(path, rank, worker_names(&layout))?;
     }
     // The error names this worker, its stage and the action that failed.
     let report = result?;

@@ -32,6 +32,12 @@ pub const DEFAULT_PIPELINE_MODEL: &str = "mlp-784-1024x4-10";
 /// largest gradients is where they go wrong.
 pub const DEFAULT_WARMUP_FRACTION: u64 = 20;
 
+/// The default all-reduce bucket: 4 MiB of f32 gradients (`--allreduce-bucket-mb 4`). Small
+/// enough that a stage of a few large layers has several buckets to overlap with its backward
+/// pass, large enough that a bucket's ring is not dominated by per-message costs (each piece
+/// is at most 256 KiB anyway).
+pub const DEFAULT_BUCKET_VALUES: usize = 1 << 20;
+
 /// SGD momentum when none is given: [`BASE_MOMENTUM`] for synchronous training, less for an
 /// asynchronous pipeline. A gradient applied `tau` updates after the weights it was computed
 /// on acts like momentum of its own (asynchrony "begets momentum": Mitliagkas, Zhang, Hadjis
@@ -473,7 +479,7 @@ impl TrainSettings {
     /// [`StageError::Config`] for a size that is not positive or past 64 GiB.
     fn bucket_values(mb: Option<f64>) -> Result<usize> {
         let Some(mb) = mb else {
-            return Ok(crate::pipeline::DEFAULT_BUCKET_VALUES);
+            return Ok(DEFAULT_BUCKET_VALUES);
         };
         if !(mb.is_finite() && mb > 0.0 && mb <= 65_536.0) {
             return Err(StageError::Config(format!(
@@ -1003,12 +1009,12 @@ impl Placement {
         };
         let placement = match placement {
             Some(p) => p.parse().map_err(StageError::Config)?,
-            None if matches!(transport, TransportKind::Shm | TransportKind::Quic) => {
+            None if transport != TransportKind::Auto && transport.crosses_processes() => {
                 Placement::Processes
             }
             None => Placement::Threads,
         };
-        if placement == Placement::Processes && transport == TransportKind::InProcess {
+        if placement == Placement::Processes && !transport.crosses_processes() {
             return Err(StageError::Config(
                 "--transport inproc carries tensors between threads of one process, not between worker processes: give --transport auto, shm or quic".into(),
             ));
@@ -1260,13 +1266,15 @@ impl RunConfig {
     }
 
     /// Where the workers run and what carries their links, as the pipeline line says it.
-    pub fn placement_description(&self) -> &'static str {
-        match (self.placement, self.transport) {
-            (Placement::Threads, TransportKind::Shm) => "one thread each, shared memory",
-            (Placement::Threads, TransportKind::Quic) => "one thread each, QUIC on loopback",
-            (Placement::Threads, _) => "one thread each",
-            (Placement::Processes, TransportKind::Quic) => "one process each, QUIC on loopback",
-            (Placement::Processes, _) => "one process each, shared memory",
+    pub fn placement_description(&self) -> String {
+        let (each, links) = match self.placement {
+            Placement::Threads => ("one thread each", self.transport),
+            // The launcher's workers are on its host.
+            Placement::Processes => ("one process each", self.transport.for_processes(true)),
+        };
+        match links.link_description() {
+            Some(links) => format!("{each}, {links}"),
+            None => each.to_string(),
         }
     }
 

@@ -6,8 +6,10 @@
 //! to the same code, and the sequential reference trainer can keep every version side by side.
 //!
 //! The source has one folder per layer: [`model`] (what is computed), [`pipeline`] (the runtime
-//! that runs it on workers) and [`planning`] (profiling and cutting), with the run's edge
-//! (settings, limits, errors, reports) at the top.
+//! that runs it on workers) and [`planning`] (profiling and cutting), with the run's settings
+//! ([`config`]), its files ([`checkpoint`]) and its cut ([`partition`]) between them. Imports
+//! run one way: model below config, config below pipeline, pipeline below planning (the order
+//! of the `mod` lines below).
 //!
 //! A run starts as [`config::TrainSettings`] (flags, a TOML file and a plan file merged) and is
 //! checked once into a [`config::RunConfig`], the typed run every layer below takes and worker
@@ -29,26 +31,29 @@
 
 // The run's edge: settings typed once, the limits every size is checked against, errors, and
 // what every trainer reports.
+// Modules in layers, each importing only those listed before it:
+// error, limits; model (what is computed); partition (a model cut into stages); remedy;
+// config (the run, checked); checkpoint (a run saved); train (data, evaluation and what a run
+// reports); pipeline (how workers run it); planning (how it is cut, measured on the
+// pipeline); log (an observer for the binary). `docs/architecture.md` says why.
+pub mod checkpoint;
 pub mod config;
 mod error;
 pub mod limits;
 pub mod log;
+pub mod model;
+pub mod partition;
+pub mod pipeline;
+pub mod planning;
 pub mod remedy;
 pub mod train;
 
-// The three layers, one folder each: the model (what is computed), the runtime (how workers
-// run it), planning and profiling (how it is cut).
-pub mod model;
-pub mod pipeline;
-pub mod planning;
-
-// Each layer's modules by their short paths, so that `crate::optim` and
-// `pipe_stages::checkpoint` name the same module as `model::optim` and `model::checkpoint`.
+// Each layer's modules by their short paths, so that `crate::optim` names the same module as
+// `model::optim`.
 pub use model::{
-    checkpoint, data, hf, layer, layers, loss, optim, rng, sample, shards, tokenize, tokenizer,
-    transformer,
+    data, hf, layer, layers, loss, optim, rng, sample, shards, tokenize, tokenizer, transformer,
 };
 pub use pipeline::delayed;
-pub use planning::{partition, profile};
+pub use planning::profile;
 
 pub use error::{Result, StageError};

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::error::{Result, StageError};
-use crate::train::{EpochStats, Observer, StepStats};
+use crate::pipeline::Observer;
+use crate::train::{EpochStats, StepStats};
 
 /// Writes steps and epochs as JSON lines.
 #[derive(Debug)]

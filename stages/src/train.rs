@@ -1,6 +1,6 @@
-//! What every trainer shares around its loop: the statistics of an update and of an epoch,
-//! the [`Observer`] that receives them, the run's data ([`load_data`]) and evaluation
-//! ([`evaluate`]). The loop itself is the pipelined executor's segment loop
+//! What every trainer shares around its loop: the statistics of an update and of an epoch
+//! (which [`crate::pipeline::Observer`] receives), the run's data ([`load_data`]) and
+//! evaluation ([`evaluate`]). The loop itself is the pipelined executor's segment loop
 //! ([`crate::pipeline::train_pipelined`]), which also runs one worker over the whole model
 //! (`sequential` on one stage); delayed SGD ([`crate::delayed`]) has its own.
 
@@ -78,65 +78,6 @@ pub struct StageEpochStats {
     /// it was applied to.
     pub staleness: f64,
 }
-
-/// Receives progress while training runs.
-pub trait Observer {
-    /// After every optimizer step.
-    ///
-    /// # Errors
-    /// An observer may fail (a log that cannot be written), which stops training.
-    fn on_step(&mut self, s: &StepStats) -> Result<()> {
-        let _ = s;
-        Ok(())
-    }
-    /// After every epoch's evaluation.
-    ///
-    /// # Errors
-    /// As for `on_step`.
-    fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
-        let _ = e;
-        Ok(())
-    }
-    /// When a worker's part of a run failed: where its program stopped, for the hang doctor of
-    /// a launcher that cannot see into the worker's process.
-    ///
-    /// # Errors
-    /// As for `on_step` (the run has failed already; the error is dropped).
-    fn on_stop(&mut self, report: &crate::pipeline::doctor::StopReport) -> Result<()> {
-        let _ = report;
-        Ok(())
-    }
-    /// When the layout changes: a replica was lost and the run goes on without it (before its
-    /// segment runs again under the new layout), or lost replicas rejoin
-    /// ([`crate::pipeline::survive`]).
-    ///
-    /// # Errors
-    /// As for `on_step`.
-    fn on_layout_change(&mut self, change: &crate::pipeline::survive::LayoutChange) -> Result<()> {
-        let _ = change;
-        Ok(())
-    }
-    /// After each segment of a worker that runs in a process of its own
-    /// ([`crate::pipeline::train_worker`]): the actions it ran, with times in seconds since
-    /// `origin`, the worker's start by the system clock (so that the parts of several
-    /// processes can be put on one time axis for a trace).
-    ///
-    /// # Errors
-    /// As for `on_step`.
-    fn on_spans(
-        &mut self,
-        origin: std::time::SystemTime,
-        spans: &[pipe_scheduler::Span],
-    ) -> Result<()> {
-        let _ = (origin, spans);
-        Ok(())
-    }
-}
-
-/// An observer that ignores everything.
-#[derive(Debug, Default)]
-pub struct Quiet;
-impl Observer for Quiet {}
 
 /// The outcome of a training run.
 #[derive(Debug)]

@@ -11,8 +11,9 @@ use pipe_stages::data::{Splits, SyntheticConfig};
 use pipe_stages::delayed::{Delay, DelayedOptions, DelayedReport, train_delayed};
 use pipe_stages::model::{Model, Params};
 use pipe_stages::optim::OptimizerKind;
+use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::train_reference;
-use pipe_stages::train::{Quiet, load_data};
+use pipe_stages::train::load_data;
 
 fn cfg(policy: Option<Policy>, kind: OptimizerKind, microbatches: usize) -> RunConfig {
     TrainSettings {

@@ -11,8 +11,9 @@
 use pipe_stages::config::{DatasetKind, ModelChoice, TrainSettings};
 use pipe_stages::data::SyntheticConfig;
 use pipe_stages::model::{Model, Params};
+use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined, train_reference};
-use pipe_stages::train::{Quiet, load_data};
+use pipe_stages::train::load_data;
 
 fn bits(p: &Params) -> Vec<u32> {
     p.iter()

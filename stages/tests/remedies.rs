@@ -8,9 +8,10 @@ use pipe_scheduler::Policy;
 use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::data::SyntheticConfig;
 use pipe_stages::model::Params;
+use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined, train_reference};
 use pipe_stages::remedy::LrScaling;
-use pipe_stages::train::{Quiet, load_data};
+use pipe_stages::train::load_data;
 
 fn settings(policy: Policy, microbatches: usize) -> TrainSettings {
     TrainSettings {

@@ -9,9 +9,10 @@
 use pipe_scheduler::Policy;
 use pipe_stages::config::{DatasetKind, ModelChoice, TrainSettings};
 use pipe_stages::data::SyntheticConfig;
+use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::survive::{LayoutChange, LayoutEvent};
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
-use pipe_stages::train::{EpochStats, Observer, load_data};
+use pipe_stages::train::{EpochStats, load_data};
 use pipe_transport::fault::{Fault, FaultSchedule, ScheduledFault};
 
 /// Three epochs of PipeDream on two stages of two replicas each.

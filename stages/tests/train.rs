@@ -9,8 +9,9 @@ use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::data::{Splits, SyntheticConfig};
 use pipe_stages::model::{Model, Params};
 use pipe_stages::optim::{LrScheduleKind, Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
-use pipe_stages::train::{Quiet, TrainReport, load_data};
+use pipe_stages::train::{TrainReport, load_data};
 
 fn train(cfg: &RunConfig, data: &Splits) -> TrainReport {
     train_pipelined(cfg, data, &mut Quiet, &PipelineTrainOptions::default())

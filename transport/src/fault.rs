@@ -13,8 +13,10 @@ use std::time::Duration;
 
 use crate::{Key, Kind, Message, Transport, TransportError};
 
-/// What goes wrong.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What goes wrong. Serialized as its text (`exit:at=5`, as `--fault` takes it), so that a
+/// launcher hands it to a worker process in the run's file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(into = "String", try_from = "String")]
 pub enum Fault {
     /// Nothing: the wrapper only passes messages through.
     None,
@@ -132,6 +134,19 @@ fn seconds(text: &str) -> Result<Duration, String> {
         return Err(format!("{s} seconds: give 0 to 86400"));
     }
     Ok(Duration::from_secs_f64(s))
+}
+
+impl From<Fault> for String {
+    fn from(f: Fault) -> String {
+        f.to_string()
+    }
+}
+
+impl TryFrom<String> for Fault {
+    type Error = String;
+    fn try_from(text: String) -> Result<Fault, String> {
+        text.parse()
+    }
 }
 
 impl std::str::FromStr for Fault {

@@ -24,6 +24,7 @@ pub mod collective;
 pub mod fault;
 pub mod frame;
 pub mod inproc;
+pub mod kinds;
 pub mod nccl;
 pub mod quic;
 pub mod shm;

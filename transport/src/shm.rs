@@ -631,7 +631,7 @@ impl ShmBound {
         while !waiting.is_empty() {
             let stream = accept_by(&self.listener, deadline).map_err(|e| {
                 setup(format!(
-                    "worker {} waited for worker{} {waiting:?}: {e}",
+                    "worker {} waited for worker{} {waiting:?}: {e}{ONE_HOST}",
                     self.rank,
                     if waiting.len() > 1 { "s" } else { "" }
                 ))
@@ -690,7 +690,7 @@ impl ShmBound {
                 Ok(s) => break s,
                 Err(e) if Instant::now() >= deadline => {
                     return Err(setup(format!(
-                        "worker {} could not reach worker {peer} at {}: {e}",
+                        "worker {} could not reach worker {peer} at {}: {e}{ONE_HOST}",
                         self.rank,
                         path.display()
                     )));
@@ -1611,7 +1611,13 @@ impl Transport for Shm {
     }
 
     fn abort(&mut self) {
-        let by = *self.aborted_by.get_or_insert(self.rank);
+        // A worker stopping because a peer died names that peer, not itself (as over QUIC),
+        // so that every worker's error points at the rank that died, whichever saw it first.
+        let lost = self.links.iter().flatten().find_map(|l| match l.state {
+            PeerState::Lost(_) => Some(l.peer),
+            _ => None,
+        });
+        let by = *self.aborted_by.get_or_insert(lost.unwrap_or(self.rank));
         let mut record = vec![RECORD_ABORT];
         record.extend_from_slice(&by.to_le_bytes());
         self.tell_all(&record);
@@ -1643,6 +1649,10 @@ fn broken_link(peer: u32, why: String) -> TransportError {
 fn ring(bell: &OwnedFd) {
     let _ = rustix::io::write(bell, &1u64.to_ne_bytes());
 }
+
+/// What a peer that never joins over shared memory may mean.
+const ONE_HOST: &str = " (shared memory joins the workers of one host: a run on several hosts \
+                        needs --transport quic or auto)";
 
 /// Accepts one connection on a non-blocking listener, waiting until `deadline`.
 fn accept_by(listener: &UnixListener, deadline: Instant) -> Result<UnixStream, String> {

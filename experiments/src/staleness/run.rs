@@ -13,8 +13,9 @@ use pipe_kernels::CpuBackend;
 use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::data::Splits;
 use pipe_stages::delayed::train_delayed;
+use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::{LedgerEntry, PipelineTrainOptions, train_pipelined};
-use pipe_stages::train::{EpochStats, Observer, StepStats};
+use pipe_stages::train::{EpochStats, StepStats};
 use serde::{Deserialize, Serialize};
 
 use super::config::{Family, RunSpec, StalenessConfig};

@@ -15,7 +15,6 @@
 //! version plan names. Checkpoints and reports key parameters by their table name, which does
 //! not depend on the partition.
 
-pub mod checkpoint;
 pub mod data;
 pub mod hf;
 pub mod layer;

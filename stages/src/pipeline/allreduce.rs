@@ -23,11 +23,7 @@ use pipe_transport::frame::WireDType;
 use crate::error::{Result, StageError};
 use crate::model::Params;
 
-/// The default bucket: 4 MiB of f32 gradients (`--allreduce-bucket-mb 4`). Small enough that a
-/// stage of a few large layers has several buckets to overlap with its backward pass, large
-/// enough that a bucket's ring is not dominated by per-message costs (each piece is at most
-/// 1 MiB anyway).
-pub const DEFAULT_BUCKET_VALUES: usize = 1 << 20;
+pub use crate::config::DEFAULT_BUCKET_VALUES;
 
 /// One bucket of a stage's gradients.
 #[derive(Clone, Debug, PartialEq, Eq)]

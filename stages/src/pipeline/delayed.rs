@@ -29,11 +29,12 @@ use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params, host_params, place_params};
 use crate::optim::{LrSchedule, Optimizer, UpdateMean};
+use crate::pipeline::Observer;
 use crate::pipeline::train::{
     Coordinator, Drain, Drained, LoopStart, Run, Segment, SegmentEnd, run_segments,
 };
 use crate::pipeline::{RunPlan, WorkerOutcome};
-use crate::train::{Observer, StepStats, TrainReport};
+use crate::train::{StepStats, TrainReport};
 
 /// How late gradients arrive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -28,17 +28,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender, unbounded};
+use pipe_transport::TransportKind;
 use pipe_transport::cluster::ClusterFile;
-use pipe_transport::fault::{Fault, FaultSchedule};
-use pipe_transport::quic::{Bound, Quic, QuicOptions};
-use pipe_transport::shm::{ShmBound, ShmOptions};
-use pipe_transport::{Transport, TransportKind};
+use pipe_transport::fault::Fault;
+use pipe_transport::kinds::{self, Endpoint, Listen, MeshSettings};
 use serde::{Deserialize, Serialize};
 
 use super::doctor::{StopReport, diagnose};
+use crate::checkpoint::CheckpointPolicy;
 use crate::config::RunConfig;
 use crate::error::{Result, StageError};
-use crate::train::{EpochStats, Observer, StepStats};
+use crate::pipeline::Observer;
+use crate::train::{EpochStats, StepStats};
 
 /// A failure of the launch or of a worker process, at run time.
 fn failed(why: String) -> StageError {
@@ -141,17 +142,8 @@ pub struct LaunchOptions {
     /// After the first failure, how long the others may take to stop on their own before they
     /// are killed.
     pub grace: Duration,
-    /// Arguments every worker gets after its command (checkpoint flags).
-    pub extra: Vec<OsString>,
     /// Set (Ctrl-C) to ask the chief to stop at its next drain point.
     pub stop: Option<Arc<AtomicBool>>,
-    /// Serve each worker's metrics for Prometheus: worker K at this address's port + K.
-    pub metrics: Option<SocketAddr>,
-    /// Faults to inject into workers (`pipe worker --fault`), for drills and tests.
-    pub faults: FaultSchedule,
-    /// Which start of the workers this is (0, then one more for each restart, lost replica
-    /// or rejoin): picks the faults.
-    pub attempt: u32,
     /// Ask the chief to stop at its first drain point (after a checkpoint), as a Ctrl-C
     /// would: the launcher then starts the workers again on another layout (`--rejoin`).
     pub stop_at_first_drain: bool,
@@ -164,13 +156,122 @@ impl LaunchOptions {
             workers,
             connect_timeout: Duration::from_secs(30),
             grace: Duration::from_secs(15),
-            extra: Vec::new(),
             stop: None,
-            metrics: None,
-            faults: FaultSchedule::default(),
-            attempt: 0,
             stop_at_first_drain: false,
         }
+    }
+}
+
+/// The format of [`WorkerRun`], written into every `run.json`: raised whenever a field
+/// changes meaning, so that a worker of another build refuses the file naming it.
+pub const WORKER_RUN_FORMAT: u32 = 1;
+
+/// Everything a launched worker process is handed, in `run.json` (`pipe worker --launched
+/// --run FILE`): the resolved run, and the settings around it that are the launch's rather
+/// than the run's numerics. The worker reads and checks it and resolves nothing again; no
+/// setting reaches it as a flag rebuilt into text.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerRun {
+    /// [`WORKER_RUN_FORMAT`].
+    pub format: u32,
+    /// The run (its partition settled; no JSON-lines log, which the launcher writes).
+    pub run: RunConfig,
+    /// Checkpoints the chief writes.
+    pub checkpoints: Option<CheckpointPolicy>,
+    /// The checkpoint the run resumes from, which the chief reads.
+    pub resume: Option<PathBuf>,
+    /// Metrics for Prometheus: worker K serves them at this address's port + K.
+    pub metrics: Option<SocketAddr>,
+    /// The fault each worker injects in this start, by rank (drills and tests); empty for
+    /// none.
+    pub faults: Vec<Fault>,
+    /// Where each worker writes its part of a trace: `worker-K.json` in this directory.
+    pub trace_parts: Option<PathBuf>,
+}
+
+impl WorkerRun {
+    /// A start of `run` with nothing around it.
+    pub fn of(run: RunConfig) -> Self {
+        WorkerRun {
+            format: WORKER_RUN_FORMAT,
+            run,
+            checkpoints: None,
+            resume: None,
+            metrics: None,
+            faults: Vec::new(),
+            trace_parts: None,
+        }
+    }
+
+    /// The file's text.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for a value JSON cannot hold (never, for a resolved run).
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string(self)
+            .map_err(|e| StageError::Config(format!("writing the workers' run: {e}")))
+    }
+
+    /// Reads a file [`WorkerRun::to_json`] wrote and checks its run
+    /// ([`RunConfig::check`]); `source` names it in errors. A file of another format is
+    /// refused naming both formats; a bare run, as the release before this format wrote
+    /// it, is read as a start with nothing around it.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming `source`: malformed text, another format, a run that
+    /// does not hold together.
+    pub fn from_json(text: &str, source: &str) -> Result<Self> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| StageError::Config(format!("{source}: {e}")))?;
+        let Some(format) = value.get("format") else {
+            return Ok(WorkerRun::of(RunConfig::from_json(text, source)?));
+        };
+        if format.as_u64() != Some(u64::from(WORKER_RUN_FORMAT)) {
+            return Err(StageError::Config(format!(
+                "{source}: a workers' run of format {format}, where this build reads format \
+                 {WORKER_RUN_FORMAT}: start the workers with the same build as the launcher"
+            )));
+        }
+        let mut de = serde_json::Deserializer::from_str(text);
+        let read: WorkerRun = serde_path_to_error::deserialize(&mut de)
+            .map_err(|e| StageError::Config(format!("{source}: {}: {}", e.path(), e.inner())))?;
+        read.run
+            .check()
+            .map_err(|e| StageError::Config(format!("{source}: run: {e}")))?;
+        Ok(read)
+    }
+
+    /// Where worker `rank` serves its metrics.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] when the port would pass 65535.
+    pub fn metrics_of(&self, rank: u32) -> Result<Option<SocketAddr>> {
+        let Some(base) = self.metrics else {
+            return Ok(None);
+        };
+        let port = u32::from(base.port()) + rank;
+        let port = u16::try_from(port).map_err(|_| {
+            StageError::Config(format!(
+                "--metrics-addr {base}: worker {rank} would need port {port}"
+            ))
+        })?;
+        Ok(Some(SocketAddr::new(base.ip(), port)))
+    }
+
+    /// The fault worker `rank` injects.
+    pub fn fault_of(&self, rank: u32) -> Fault {
+        self.faults
+            .get(rank as usize)
+            .copied()
+            .unwrap_or(Fault::None)
+    }
+
+    /// The file worker `rank` writes its part of the trace to.
+    pub fn trace_part_of(&self, rank: u32) -> Option<PathBuf> {
+        self.trace_parts
+            .as_ref()
+            .map(|dir| dir.join(format!("worker-{rank}.json")))
     }
 }
 
@@ -359,19 +460,24 @@ pub struct ProcessRunEnd {
     pub stopped: Option<u64>,
 }
 
-/// Runs `cfg` (a pipelined run with its partition settled) as `opts.workers` worker
+/// Runs `start.run` (a pipelined run with its partition settled) as `opts.workers` worker
 /// processes of this executable, reporting the chief's steps and epochs to `obs`. Each worker
-/// is handed the resolved run as JSON (`pipe worker --run FILE`, [`RunConfig::to_json`]): it
-/// reads it back and checks it, and resolves nothing again.
+/// is handed `start` as JSON (`pipe worker --run FILE`, [`WorkerRun::to_json`]): it reads it
+/// back and checks it, and resolves nothing again.
 ///
 /// # Errors
-/// As [`launch`]; a chief that ends without reporting the run's end.
+/// As [`launch`]; a metrics port past 65535; a chief that ends without reporting the run's
+/// end.
 pub fn run_processes(
-    cfg: &RunConfig,
+    start: &WorkerRun,
     opts: &LaunchOptions,
     obs: &mut dyn Observer,
 ) -> Result<ProcessRunEnd> {
-    let json = cfg.to_json()?;
+    let cfg = &start.run;
+    for rank in 0..opts.workers {
+        start.metrics_of(rank)?;
+    }
+    let json = start.to_json()?;
     let mut last = None;
     let mut done = None;
     let mut stops = Vec::new();
@@ -402,10 +508,7 @@ pub fn run_processes(
         Ok(())
     };
     let command = |dir: &Path| -> Vec<OsString> {
-        let mut args: Vec<OsString> =
-            vec!["worker".into(), "--run".into(), dir.join("run.json").into()];
-        args.extend(opts.extra.iter().cloned());
-        args
+        vec!["worker".into(), "--run".into(), dir.join("run.json").into()]
     };
     if let Err(e) = launch(opts, &[("run.json", &json)], &command, &mut on_record) {
         return Err(match stall_report(cfg, &stops, opts.workers) {
@@ -487,23 +590,6 @@ pub fn launch(
     let (tx, rx) = unbounded();
     let mut workers = Workers::default();
     for rank in 0..n {
-        let mut args = args.clone();
-        if let Some(base) = opts.metrics {
-            let port = u32::from(base.port()) + rank;
-            let port = u16::try_from(port).map_err(|_| {
-                refused(format!(
-                    "--metrics-addr {base}: worker {rank} would need port {port}"
-                ))
-            })?;
-            args.extend([
-                "--metrics-addr".into(),
-                SocketAddr::new(base.ip(), port).to_string().into(),
-            ]);
-        }
-        let fault = opts.faults.of(rank, opts.attempt);
-        if fault != Fault::None {
-            args.extend(["--fault".into(), fault.to_string().into()]);
-        }
         workers.0.push(spawn(&exe, &args, &dir.0, rank, &tx)?);
     }
     drop(tx);
@@ -596,16 +682,15 @@ pub fn launch(
     Ok(())
 }
 
-/// How a worker joins its cluster: what carries its links, and each transport's settings.
+/// How a worker joins its cluster: what carries its links, and the settings every kind takes.
 #[derive(Clone, Debug)]
 pub struct JoinOptions {
     /// The run's transport choice: `auto` is shared memory for a launched worker (every
-    /// worker of [`launch`] is on this host) and QUIC for a worker of a cluster file.
+    /// worker of [`launch`] is on this host) and QUIC for a worker of a cluster file
+    /// ([`TransportKind::for_processes`]).
     pub transport: TransportKind,
-    /// QUIC's settings.
-    pub quic: QuicOptions,
-    /// Shared memory's settings.
-    pub shm: ShmOptions,
+    /// The run id, wire, stall bound and connect timeout.
+    pub settings: MeshSettings,
     /// Where workers on one host meet to set up shared memory: the launcher's private
     /// directory, or [`pipe_transport::shm::rendezvous_dir`] for a cluster file's workers.
     pub meet: PathBuf,
@@ -633,11 +718,12 @@ fn cause_first(
     }
 }
 
-/// Joins a cluster as rank `rank`, over shared memory or QUIC as `opts.transport` says. A
-/// launched worker ([`launch`]) reports where it listens and reads everyone's from the
-/// launcher, then exits when the launcher goes away; otherwise QUIC's addresses come from
-/// the cluster file, each resolved with retries until the connect timeout (under
-/// Kubernetes a peer's name resolves only once its pod exists).
+/// Joins a cluster as rank `rank`, over the kind `opts.transport` picks for a worker process
+/// (the transport crate's registry, [`pipe_transport::kinds`]). A launched worker ([`launch`])
+/// reports where it listens and reads everyone's from the launcher, then exits when the
+/// launcher goes away; otherwise network addresses come from the cluster file, each resolved
+/// with retries until the connect timeout (under Kubernetes a peer's name resolves only once
+/// its pod exists).
 ///
 /// # Errors
 /// Addresses that do not resolve in time, sockets that cannot be bound, peers that never
@@ -648,64 +734,37 @@ pub fn join(
     listen: Option<SocketAddr>,
     opts: JoinOptions,
     launched: Option<Arc<AtomicBool>>,
-) -> Result<Box<dyn Transport>> {
-    let shm = match opts.transport {
-        TransportKind::Shm => true,
-        TransportKind::Auto => launched.is_some(),
-        TransportKind::Quic | TransportKind::InProcess => false,
+) -> Result<Endpoint> {
+    let kind = opts.transport.for_processes(launched.is_some());
+    let deadline = Instant::now() + opts.settings.connect_timeout;
+    let addr = match (listen, kind.is_networked()) {
+        (Some(a), _) => a,
+        (None, true) => resolve(cluster, rank, deadline)?,
+        (None, false) => SocketAddr::from(([127, 0, 0, 1], 0)),
     };
-    if !shm {
-        return Ok(Box::new(join_quic(
-            cluster, rank, listen, opts.quic, launched,
-        )?));
-    }
     if launched.is_none() {
-        // The rendezvous directory's parent is this user's own too.
+        // The meeting directory's parent is this user's own too.
         if let Some(parent) = opts.meet.parent() {
             pipe_transport::shm::private_dir(parent)?;
         }
     }
-    let bound = ShmBound::bind(&opts.meet, rank, cluster.size(), opts.shm)
-        .map_err(|e| failed(format!("worker {rank}: {e}")))?;
-    if let Some(stop) = launched {
-        announce(&format!("unix:{}", bound.path().display()))?;
-        launcher_line(cluster.size(), stop)?;
-    }
-    Ok(Box::new(bound.connect()?))
-}
-
-/// Joins over QUIC: binds `listen` (default: the rank's own address in the cluster file)
-/// and connects to every other rank.
-fn join_quic(
-    cluster: &ClusterFile,
-    rank: u32,
-    listen: Option<SocketAddr>,
-    opts: QuicOptions,
-    launched: Option<Arc<AtomicBool>>,
-) -> Result<Quic> {
-    let creds = cluster
-        .credentials(rank)
-        .map_err(|e| refused(e.to_string()))?;
-    let deadline = Instant::now() + opts.connect_timeout;
-    let bind_addr = match listen {
-        Some(a) => a,
-        None => resolve(cluster, rank, deadline)?,
+    let at = Listen {
+        addr,
+        meet: opts.meet,
     };
-    let bound = Bound::bind(rank, bind_addr, &creds, opts)
-        .map_err(|e| failed(format!("worker {rank} binding {bind_addr}: {e}")))?;
-    let addrs = if let Some(stop) = launched {
-        announce(&bound.local_addr()?.to_string())?;
-        launcher_line(cluster.size(), stop)?
-            .iter()
-            .map(|a| a.parse::<SocketAddr>())
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| refused(format!("the launcher's address line: {e}")))?
-    } else {
-        (0..cluster.size())
-            .map(|r| resolve(cluster, r, deadline))
-            .collect::<Result<Vec<_>>>()?
+    let bound = kinds::bind(kind, cluster, rank, &at, &opts.settings)
+        .map_err(|e| failed(format!("worker {rank} binding {kind} at {addr}: {e}")))?;
+    let peers = match launched {
+        Some(stop) => {
+            announce(&bound.address()?)?;
+            launcher_line(cluster.size(), stop)?
+        }
+        None if bound.needs_addresses() => (0..cluster.size())
+            .map(|r| resolve(cluster, r, deadline).map(|a| a.to_string()))
+            .collect::<Result<Vec<_>>>()?,
+        None => Vec::new(),
     };
-    Ok(bound.connect(&addrs)?)
+    Ok(bound.connect(&peers)?)
 }
 
 /// Tells the launcher where this worker listens.
@@ -772,4 +831,81 @@ fn launcher_line(size: u32, stop: Arc<AtomicBool>) -> Result<Vec<String>> {
         std::process::exit(1);
     });
     Ok(addrs)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use pipe_transport::fault::Fault;
+
+    fn a_run() -> RunConfig {
+        let settings = crate::config::TrainSettings {
+            stages: Some(2),
+            ..crate::config::TrainSettings::default()
+        };
+        settings.resolve().unwrap()
+    }
+
+    #[test]
+    fn a_workers_run_reads_back_as_written() {
+        let handed = WorkerRun {
+            checkpoints: Some(CheckpointPolicy {
+                dir: "/tmp/ckpt".into(),
+                every: Some(7),
+                keep: 3,
+                settings: "{}".into(),
+            }),
+            resume: Some("/tmp/ckpt/ckpt-14".into()),
+            metrics: Some("127.0.0.1:9100".parse().unwrap()),
+            faults: vec![Fault::None, "exit@5".parse().unwrap()],
+            trace_parts: Some("/tmp/trace.parts".into()),
+            ..WorkerRun::of(a_run())
+        };
+        let back = WorkerRun::from_json(&handed.to_json().unwrap(), "run.json").unwrap();
+        assert_eq!(back, handed);
+        assert_eq!(back.fault_of(1), "exit@5".parse().unwrap());
+        assert_eq!(back.fault_of(9), Fault::None);
+        assert_eq!(
+            back.metrics_of(2).unwrap(),
+            Some("127.0.0.1:9102".parse().unwrap())
+        );
+        assert_eq!(
+            back.trace_part_of(1),
+            Some("/tmp/trace.parts/worker-1.json".into())
+        );
+    }
+
+    #[test]
+    fn a_bare_run_of_the_release_before_reads_as_a_start_with_nothing_around_it() {
+        let text = a_run().to_json().unwrap();
+        assert_eq!(
+            WorkerRun::from_json(&text, "run.json").unwrap(),
+            WorkerRun::of(a_run())
+        );
+    }
+
+    #[test]
+    fn another_format_or_a_port_past_the_last_is_refused() {
+        let text = WorkerRun::of(a_run())
+            .to_json()
+            .unwrap()
+            .replace("\"format\":1", "\"format\":2");
+        let e = WorkerRun::from_json(&text, "run.json").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("format 2, where this build reads format 1")
+        );
+        let high = WorkerRun {
+            metrics: Some("127.0.0.1:65535".parse().unwrap()),
+            ..WorkerRun::of(a_run())
+        };
+        assert!(high.metrics_of(0).is_ok());
+        assert!(
+            high.metrics_of(1)
+                .unwrap_err()
+                .to_string()
+                .contains("port 65536")
+        );
+    }
 }

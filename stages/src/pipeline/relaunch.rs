@@ -18,7 +18,7 @@ use super::survive::LayoutChange;
 use crate::checkpoint;
 use crate::config::RunConfig;
 use crate::error::{Result, StageError};
-use crate::train::Observer;
+use crate::pipeline::Observer;
 
 /// Where a run's workers run: what starts them.
 pub trait Launcher {
@@ -247,16 +247,21 @@ impl Launcher for Threads<'_> {
 }
 
 /// One worker process each on this host ([`super::processes::run_processes`]).
-pub struct Processes<'a> {
-    /// How the workers are launched (metrics ports, faults, stop flag).
+pub struct Processes {
+    /// How the workers are launched (time limits, the stop flag).
     pub launch: super::processes::LaunchOptions,
-    /// The checkpoint flags a start's workers get, from where it resumes.
-    pub checkpoint_flags: &'a dyn Fn(Option<&Path>) -> Vec<std::ffi::OsString>,
+    /// Checkpoints the chief writes (`dir`, `every`, `keep`; each start records its own
+    /// run's numerics in them).
+    pub checkpoints: Option<crate::checkpoint::CheckpointPolicy>,
+    /// Metrics for Prometheus: worker K at this address's port + K.
+    pub metrics: Option<std::net::SocketAddr>,
+    /// Faults to inject, by worker and start (drills and tests).
+    pub faults: pipe_transport::fault::FaultSchedule,
     /// Where each worker writes its part of a trace (`--trace`), merged by the caller.
     pub trace_parts: Option<PathBuf>,
 }
 
-impl Launcher for Processes<'_> {
+impl Launcher for Processes {
     type End = super::processes::ProcessRunEnd;
 
     fn start(
@@ -272,17 +277,26 @@ impl Launcher for Processes<'_> {
             log_jsonl: None,
             ..cfg.clone()
         };
-        self.launch.workers = run.resolved()?.layout.workers();
-        self.launch.attempt = start;
+        let workers = run.resolved()?.layout.workers();
+        self.launch.workers = workers;
         self.launch.stop_at_first_drain = stop_at_first_drain;
-        self.launch.extra = (self.checkpoint_flags)(from);
-        if let Some(dir) = &self.trace_parts {
-            self.launch.extra.push("--trace".into());
-            self.launch
-                .extra
-                .push(dir.join("worker-{rank}.json").into_os_string());
-        }
-        super::processes::run_processes(&run, &self.launch, obs)
+        let checkpoints = match &self.checkpoints {
+            Some(policy) => Some(crate::checkpoint::CheckpointPolicy {
+                settings: run.numerics().to_json()?,
+                ..policy.clone()
+            }),
+            None => None,
+        };
+        let faults = (0..workers).map(|rank| self.faults.of(rank, start));
+        let handed = super::processes::WorkerRun {
+            checkpoints,
+            resume: from.map(Path::to_path_buf),
+            metrics: self.metrics,
+            faults: faults.collect(),
+            trace_parts: self.trace_parts.clone(),
+            ..super::processes::WorkerRun::of(run)
+        };
+        super::processes::run_processes(&handed, &self.launch, obs)
     }
 
     fn stopped(end: &Self::End) -> Option<u64> {

@@ -11,7 +11,6 @@
 
 use std::path::{Path, PathBuf};
 
-use pipe_transport::TransportKind;
 use pipe_transport::fault::{Fault, FaultPlan, FaultSchedule};
 
 use crate::checkpoint;
@@ -196,7 +195,9 @@ pub fn fault_schedule(plan: &FaultPlan, cfg: &RunConfig) -> Result<FaultSchedule
                 f.fault
             )));
         }
-        if matches!(f.fault, Fault::Partition { .. }) && cfg.transport != TransportKind::Quic {
+        // The launcher's workers run on this host: `auto` is shared memory there.
+        let cuts = cfg.transport.for_processes(true).cuts_links();
+        if matches!(f.fault, Fault::Partition { .. }) && !cuts {
             return Err(bad(format!(
                 "--fault-schedule: {} cuts a network link, and only QUIC links are cut (workers on one host talk through shared memory): give --transport quic",
                 f.fault

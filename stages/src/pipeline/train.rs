@@ -14,11 +14,8 @@ use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
 use pipe_scheduler::{Layout, Length, Policy, Schedule, Span, Timeline};
-use pipe_transport::TransportKind;
 use pipe_transport::fault::{FaultSchedule, Faulty};
-use pipe_transport::inproc::{InProcOptions, mesh};
-use pipe_transport::quic::{QuicOptions, local_mesh};
-use pipe_transport::shm::ShmOptions;
+use pipe_transport::kinds::{MeshSettings, thread_mesh};
 
 use super::exec::{StageState, WorkerOutcome, WorkerState};
 use super::launch::run_threads_reporting;
@@ -34,9 +31,9 @@ use crate::error::{Result, StageError};
 use crate::model::{Model, Params};
 use crate::optim::{LrSchedule, Optimizer, OptimizerKind, OptimizerState};
 use crate::partition::Partition;
-use crate::planning::measured_cut;
+use crate::pipeline::Observer;
 use crate::remedy::{LrScaling, stage_delays};
-use crate::train::{EpochStats, Observer, StageEpochStats, StepStats, TrainReport, evaluate};
+use crate::train::{EpochStats, StageEpochStats, StepStats, TrainReport, evaluate};
 
 /// Extra outputs of a pipelined run.
 #[derive(Debug)]
@@ -134,7 +131,7 @@ pub fn train_pipelined(
         pipe_kernels::cuda::device_count()?;
     }
     let run = Run::new(cfg, data)?;
-    let partition = run_partition(cfg, &run.model)?;
+    let partition = run_partition(cfg)?;
     let start = Start::new(&run, opts.resume.as_ref())?;
     let mut threads = Threads {
         run: &run,
@@ -517,7 +514,7 @@ pub(crate) fn run_segments(
 /// As [`train_pipelined`].
 pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f64>)> {
     let run = Run::new(cfg, data)?;
-    let partition = run_partition(cfg, &run.model)?;
+    let partition = run_partition(cfg)?;
     let be = CpuBackend::new(1)?;
     let mut params = run.model.init_params(cfg.seed);
     let mut opts: Option<Vec<Optimizer>> = None;
@@ -833,18 +830,25 @@ pub fn worker_threads(requested: usize, workers: u32) -> usize {
     }
 }
 
-/// The partition `cfg` asks for: given ranges, the FLOP-balanced split (`None`, which
-/// [`RunPlan::new`] fills in), or a cut by time measured now
-/// ([`crate::planning::measured_cut`]).
+/// The partition `cfg` asks for: given ranges, or the FLOP-balanced split (`None`, which
+/// [`RunPlan::new`] fills in). A cut by measured time is made before the run, above the
+/// pipeline ([`crate::planning::settle_measured_partition`], which runs the pipeline to
+/// measure and writes the cut into the run): the pipeline runs cuts, it does not make them.
 ///
 /// # Errors
-/// An impossible schedule; more stages than layers with parameters; profiling failures.
-pub fn run_partition(cfg: &RunConfig, model: &Model) -> Result<Option<Partition>> {
-    Ok(match &cfg.partition {
-        PartitionChoice::Given(p) => Some(p.clone()),
-        PartitionChoice::Flops => None,
-        PartitionChoice::Measured => Some(measured_cut(cfg, model)?.partition),
-    })
+/// [`StageError::Config`] for a partition still to be measured.
+pub fn run_partition(cfg: &RunConfig) -> Result<Option<Partition>> {
+    match &cfg.partition {
+        PartitionChoice::Given(p) => Ok(Some(p.clone())),
+        PartitionChoice::Flops => Ok(None),
+        // One stage holds the whole model, however it would be measured.
+        PartitionChoice::Measured if cfg.stages <= 1 => Ok(None),
+        PartitionChoice::Measured => Err(StageError::Config(
+            "the partition is to be measured, which is settled before the run starts \
+             (planning::settle_measured_partition)"
+                .into(),
+        )),
+    }
 }
 
 impl<'c> Run<'c> {
@@ -946,40 +950,22 @@ impl<'c> Run<'c> {
             if states.is_empty() {
                 *states = start.states(setup, cfg)?;
             }
-            match cfg.transport {
-                TransportKind::InProcess | TransportKind::Auto => {
-                    let opts = InProcOptions {
-                        wire: cfg.wire,
-                        timeout: Some(cfg.stall_timeout),
-                        ..InProcOptions::default()
-                    };
-                    let eps = mesh(workers, &opts);
-                    match faults {
-                        Some((faults, segment)) => {
-                            let eps = eps
-                                .into_iter()
-                                .enumerate()
-                                .map(|(w, ep)| Faulty::new(ep, faults.of(w as u32, segment)))
-                                .collect();
-                            run_threads_reporting(setup, states, eps, backend, progress)
-                        }
-                        None => run_threads_reporting(setup, states, eps, backend, progress),
-                    }
-                }
-                TransportKind::Quic => {
-                    let mut opts = QuicOptions::new(run_id(cfg.seed, seg.done));
-                    opts.wire = cfg.wire;
-                    opts.timeout = Some(cfg.stall_timeout);
-                    let eps = local_mesh(workers, &opts)?;
+            let settings = MeshSettings {
+                wire: cfg.wire,
+                timeout: Some(cfg.stall_timeout),
+                ..MeshSettings::new(run_id(cfg.seed, seg.done))
+            };
+            let eps = thread_mesh(cfg.transport, workers, &settings)?;
+            match faults {
+                Some((faults, segment)) => {
+                    let eps = eps
+                        .into_iter()
+                        .enumerate()
+                        .map(|(w, ep)| Faulty::new(ep, faults.of(w as u32, segment)))
+                        .collect();
                     run_threads_reporting(setup, states, eps, backend, progress)
                 }
-                TransportKind::Shm => {
-                    let mut opts = ShmOptions::new(run_id(cfg.seed, seg.done));
-                    opts.wire = cfg.wire;
-                    opts.timeout = Some(cfg.stall_timeout);
-                    let eps = pipe_transport::shm::local_mesh(workers, &opts)?;
-                    run_threads_reporting(setup, states, eps, backend, progress)
-                }
+                None => run_threads_reporting(setup, states, eps, backend, progress),
             }
         })
     }

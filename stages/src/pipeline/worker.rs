@@ -54,7 +54,8 @@ use crate::error::{Result, StageError};
 use crate::model::Params;
 use crate::optim::{Optimizer, OptimizerState};
 use crate::partition::Partition;
-use crate::train::{Observer, TrainReport};
+use crate::pipeline::Observer;
+use crate::train::TrainReport;
 
 /// Control topic: the chief's settings and partition, before the first epoch.
 pub const TOPIC_START: u32 = 0;
@@ -501,7 +502,7 @@ fn agree<T: Transport + ?Sized>(
 ) -> Result<Agreed> {
     let rank = ep.rank();
     if rank == CHIEF {
-        let partition = run_partition(cfg, &run.model)?;
+        let partition = run_partition(cfg)?;
         let start = Start::new(run, opts.resume.as_ref())?;
         let terms = StartTerms {
             run: cfg.numerics(),

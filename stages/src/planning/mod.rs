@@ -9,7 +9,6 @@
 //! as the executor's own all-reduce, and the planner ([`pipe_scheduler::plan_checked`]) picks the
 //! layout under the default cost model.
 
-pub mod partition;
 pub mod profile;
 
 use pipe_kernels::CpuBackend;

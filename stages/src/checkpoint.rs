@@ -130,7 +130,8 @@ impl RunState {
 }
 
 /// When and where a run writes checkpoints.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CheckpointPolicy {
     /// The checkpoint directory (`DIR/ckpt-N`, `DIR/latest`).
     pub dir: PathBuf,

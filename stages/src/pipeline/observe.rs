@@ -1,0 +1,68 @@
+//! What a run reports as it goes: the [`Observer`] every trainer calls after each update and
+//! epoch, when a worker stops, when the layout changes, and with a worker process's timeline.
+//! It lives with the pipeline because two of its reports are the pipeline's own (a worker's
+//! stop, a layout change); the statistics it carries are the trainers' ([`crate::train`]).
+
+use crate::error::Result;
+use crate::pipeline::doctor::StopReport;
+use crate::pipeline::survive::LayoutChange;
+use crate::train::{EpochStats, StepStats};
+
+/// Receives progress while training runs.
+pub trait Observer {
+    /// After every optimizer step.
+    ///
+    /// # Errors
+    /// An observer may fail (a log that cannot be written), which stops training.
+    fn on_step(&mut self, s: &StepStats) -> Result<()> {
+        let _ = s;
+        Ok(())
+    }
+    /// After every epoch's evaluation.
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
+        let _ = e;
+        Ok(())
+    }
+    /// When a worker's part of a run failed: where its program stopped, for the hang doctor of
+    /// a launcher that cannot see into the worker's process.
+    ///
+    /// # Errors
+    /// As for `on_step` (the run has failed already; the error is dropped).
+    fn on_stop(&mut self, report: &StopReport) -> Result<()> {
+        let _ = report;
+        Ok(())
+    }
+    /// When the layout changes: a replica was lost and the run goes on without it (before its
+    /// segment runs again under the new layout), or lost replicas rejoin
+    /// ([`super::survive`]).
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_layout_change(&mut self, change: &LayoutChange) -> Result<()> {
+        let _ = change;
+        Ok(())
+    }
+    /// After each segment of a worker that runs in a process of its own
+    /// ([`super::train_worker`]): the actions it ran, with times in seconds since
+    /// `origin`, the worker's start by the system clock (so that the parts of several
+    /// processes can be put on one time axis for a trace).
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_spans(
+        &mut self,
+        origin: std::time::SystemTime,
+        spans: &[pipe_scheduler::Span],
+    ) -> Result<()> {
+        let _ = (origin, spans);
+        Ok(())
+    }
+}
+
+/// An observer that ignores everything.
+#[derive(Debug, Default)]
+pub struct Quiet;
+impl Observer for Quiet {}
