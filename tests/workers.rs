@@ -913,6 +913,15 @@ fn two_hosts_train_like_one_process_for_every_policy_and_wait_for_late_workers()
             panic!("{policy} --replicas {replicas}:\n{}", all.join("\n"));
         }
         let texts: Vec<String> = outs.iter().map(ok).collect();
+        // `auto` gives the workers of one host shared memory between them, QUIC across.
+        let links = match hosts.namespaces {
+            Some(_) => {
+                let local: Vec<usize> = (2..workers).step_by(2).collect();
+                format!("links: shared memory to workers {local:?} (this host), QUIC to the others")
+            }
+            None => "links: shared memory to every worker (all on this host)".to_string(),
+        };
+        assert!(texts[0].contains(&links), "{links}:\n{}", texts[0]);
         let inproc = ok(&run(Command::new(PIPE).arg("train").args(flags)));
         assert_eq!(
             done(&inproc),

@@ -325,7 +325,7 @@ pub fn run_allreduce_worker(args: &AllreduceWorkerArgs) -> Result<()> {
         },
     };
     let launched = args.launched.then(|| Arc::new(AtomicBool::new(false)));
-    let mut ep = join(&cluster, args.rank, None, opts, launched)?;
+    let mut ep = join(&cluster, args.rank, None, opts, launched)?.endpoint;
     let times =
         pipe_experiments::transport::allreduce_rounds(&mut ep, args.mb as usize, args.rounds);
     pipe_transport::Transport::close(&mut ep)?;

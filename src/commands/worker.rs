@@ -188,7 +188,18 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         opts,
         args.launched.then(|| stop.clone()),
     )?;
-    let mut ep = Faulty::new(joined, fault);
+    if chief && !args.launched {
+        // Which links the run's transport choice gave this worker.
+        let local = &joined.shared_memory;
+        if local.is_empty() {
+            outln!("links: QUIC to every worker");
+        } else if local.len() + 1 == cluster.size() as usize {
+            outln!("links: shared memory to every worker (all on this host)");
+        } else {
+            outln!("links: shared memory to workers {local:?} (this host), QUIC to the others");
+        }
+    }
+    let mut ep = Faulty::new(joined.endpoint, fault);
     let mut obs: Box<dyn Observer> = match (chief, args.launched) {
         (true, true) => Box::new(RecordWriter),
         (true, false) => {

@@ -1,7 +1,9 @@
 //! The one place a transport is registered: what each [`TransportKind`] builds for the
 //! threads of one process ([`thread_mesh`]) and for a worker process joining its cluster
 //! ([`bind`], then [`Bound::connect`]), what `auto` means for each placement, and what a
-//! kind can do ([`TransportKind::cuts_links`]). The runtime above names no kind: it asks
+//! kind can do ([`TransportKind::cuts_links`]). For a cluster file's workers `auto` is
+//! chosen per link: QUIC to every peer first, whose hellos say which peers share this host,
+//! then shared memory to those ([`crate::mixed`]). The runtime above names no kind: it asks
 //! here. Adding a transport is its module, a `TransportKind` variant with its name
 //! (`lib.rs`), and an arm in each match of this file.
 
@@ -12,6 +14,7 @@ use std::time::Duration;
 use crate::cluster::ClusterFile;
 use crate::frame::WireDType;
 use crate::inproc::{InProcOptions, mesh};
+use crate::mixed::Mixed;
 use crate::quic::{self, QuicOptions};
 use crate::shm::{self, ShmBound, ShmOptions};
 use crate::{Transport, TransportError, TransportKind};
@@ -87,8 +90,8 @@ impl TransportKind {
     /// directory instead.
     pub fn is_networked(self) -> bool {
         match self {
-            TransportKind::Quic => true,
-            TransportKind::Auto | TransportKind::InProcess | TransportKind::Shm => false,
+            TransportKind::Auto | TransportKind::Quic => true,
+            TransportKind::InProcess | TransportKind::Shm => false,
         }
     }
 
@@ -112,12 +115,12 @@ impl TransportKind {
     }
 
     /// What carries the links of a worker process: `auto` is shared memory for the workers
-    /// a launcher started on its own host (`launched`), QUIC for a cluster file's workers,
-    /// which may be on several hosts. Any other kind is itself.
+    /// a launcher started on its own host (`launched`); for a cluster file's workers, which
+    /// may be on several hosts, it stays `auto`, chosen per link when they connect
+    /// ([`Bound::connect`]). Any other kind is itself.
     pub fn for_processes(self, launched: bool) -> TransportKind {
         match self {
             TransportKind::Auto if launched => TransportKind::Shm,
-            TransportKind::Auto => TransportKind::Quic,
             kind => kind,
         }
     }
@@ -142,6 +145,15 @@ pub fn thread_mesh(
     })
 }
 
+/// A worker process's connected endpoint, and the peers it reaches over shared memory (the
+/// others over QUIC).
+pub struct Joined {
+    /// The endpoint.
+    pub endpoint: Endpoint,
+    /// Peers on this host, reached over shared memory.
+    pub shared_memory: Vec<u32>,
+}
+
 /// Where a worker process listens before it knows its peers.
 #[derive(Clone, Debug)]
 pub struct Listen {
@@ -158,6 +170,8 @@ pub enum Bound {
     Quic(Box<quic::Bound>),
     /// Shared memory, listening on a Unix socket in the meeting directory.
     Shm(ShmBound),
+    /// Both, for links chosen when connecting: shared memory to the peers of this host.
+    PerLink(Box<quic::Bound>, ShmBound),
 }
 
 /// Binds rank `rank` of `cluster` over `kind` (a concrete kind: see
@@ -189,7 +203,13 @@ pub fn bind(
             cluster.size(),
             settings.shm(),
         )?)),
-        TransportKind::Auto | TransportKind::InProcess => Err(TransportError::Setup(format!(
+        TransportKind::Auto => {
+            let creds = cluster.credentials(rank)?;
+            let quic = quic::Bound::bind(rank, at.addr, &creds, settings.quic())?;
+            let shm = ShmBound::bind(&at.meet, rank, cluster.size(), settings.shm())?;
+            Ok(Bound::PerLink(Box::new(quic), shm))
+        }
+        TransportKind::InProcess => Err(TransportError::Setup(format!(
             "{kind} does not join worker processes"
         ))),
     }
@@ -202,7 +222,7 @@ impl Bound {
     /// [`TransportError::Setup`] if the socket has no address.
     pub fn address(&self) -> Result<String, TransportError> {
         match self {
-            Bound::Quic(b) => Ok(b.local_addr()?.to_string()),
+            Bound::Quic(b) | Bound::PerLink(b, _) => Ok(b.local_addr()?.to_string()),
             Bound::Shm(b) => Ok(format!("unix:{}", b.path().display())),
         }
     }
@@ -210,7 +230,7 @@ impl Bound {
     /// Whether connecting needs every peer's network address ([`Bound::connect`]'s
     /// `peers`); shared memory finds its peers in the meeting directory.
     pub fn needs_addresses(&self) -> bool {
-        matches!(self, Bound::Quic(_))
+        matches!(self, Bound::Quic(_) | Bound::PerLink(..))
     }
 
     /// Connects to every other worker; `peers[r]` is rank r's address where
@@ -219,19 +239,36 @@ impl Bound {
     /// # Errors
     /// [`TransportError::Setup`] naming a peer that never connected or was refused, or an
     /// address that is not a socket address.
-    pub fn connect(self, peers: &[String]) -> Result<Endpoint, TransportError> {
+    pub fn connect(self, peers: &[String]) -> Result<Joined, TransportError> {
+        let addrs = || {
+            peers
+                .iter()
+                .map(|a| {
+                    a.parse::<SocketAddr>()
+                        .map_err(|e| TransportError::Setup(format!("peer address '{a}': {e}")))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let joined = |endpoint: Endpoint, shared_memory: Vec<u32>| Joined {
+            endpoint,
+            shared_memory,
+        };
         match self {
-            Bound::Quic(b) => {
-                let addrs = peers
-                    .iter()
-                    .map(|a| {
-                        a.parse::<SocketAddr>()
-                            .map_err(|e| TransportError::Setup(format!("peer address '{a}': {e}")))
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                Ok(Box::new(b.connect(&addrs)?))
+            Bound::Quic(b) => Ok(joined(Box::new(b.connect(&addrs()?)?), Vec::new())),
+            Bound::Shm(b) => {
+                let shm = b.connect()?;
+                let all = (0..shm.size()).filter(|&p| p != shm.rank()).collect();
+                Ok(joined(Box::new(shm), all))
             }
-            Bound::Shm(b) => Ok(Box::new(b.connect()?)),
+            Bound::PerLink(quic, shm) => {
+                let quic = quic.connect(&addrs()?)?;
+                let local = quic.peers_on_this_host();
+                if local.is_empty() {
+                    return Ok(joined(Box::new(quic), local));
+                }
+                let shm = shm.connect_to(&local)?;
+                Ok(joined(Box::new(Mixed::new(quic, shm, &local)?), local))
+            }
         }
     }
 }

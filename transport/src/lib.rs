@@ -25,6 +25,7 @@ pub mod fault;
 pub mod frame;
 pub mod inproc;
 pub mod kinds;
+pub mod mixed;
 pub mod nccl;
 pub mod quic;
 pub mod shm;

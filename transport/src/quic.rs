@@ -42,10 +42,13 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use crate::frame::{self, FrameLimits, PREFIX_BYTES, WireDType};
+use crate::shm::HostId;
 use crate::{Early, Key, Kind, Message, Transport, TransportError};
 
 /// Application protocol name on the TLS handshake.
-const ALPN: &[u8] = b"pipe/1";
+/// The hello changed at 2 (it carries the worker's host identity): a worker of a build with
+/// another protocol is refused in the TLS handshake, before any byte of it is read.
+const ALPN: &[u8] = b"pipe/2";
 /// First bytes of a hello.
 const HELLO_MAGIC: [u8; 4] = *b"PIPH";
 /// Stream tags: the first byte of every unidirectional stream.
@@ -586,9 +589,16 @@ impl Bound {
                 "rank {rank} in a mesh of {size}"
             )));
         }
-        let (events_tx, events) = unbounded();
-        let peers = runtime.block_on(connect_all(
-            rank, addrs, &endpoint, &client, &opts, &events_tx,
+        let (tx, events) = unbounded();
+        let alarm = Alarm::default();
+        let events_tx = Events {
+            tx,
+            alarm: alarm.clone(),
+        };
+        let host = HostId::current()?;
+        let me = Me { rank, host };
+        let (peers, hosts) = runtime.block_on(connect_all(
+            me, addrs, &endpoint, &client, &opts, &events_tx,
         ))?;
         Ok(Quic {
             rank,
@@ -607,22 +617,30 @@ impl Bound {
             opts,
             closed: false,
             cuts,
+            host,
+            hosts,
+            alarm,
         })
     }
 }
 
-/// The hello a side sends first on its control stream.
-fn hello(rank: u32, run_id: u64) -> Vec<u8> {
+/// The hello a side sends first on its control stream: its run, its rank and its host
+/// identity (so that a cluster's workers on one host can also talk through shared memory).
+fn hello(rank: u32, run_id: u64, host: &HostId) -> Vec<u8> {
     let mut out = vec![TAG_CONTROL];
     out.extend_from_slice(&HELLO_MAGIC);
     out.extend_from_slice(&run_id.to_le_bytes());
     out.extend_from_slice(&rank.to_le_bytes());
+    host.encode(&mut out);
     out
 }
 
-/// Reads a peer's hello from its first stream: returns its rank.
-async fn read_hello(stream: &mut quinn::RecvStream, run_id: u64) -> Result<u32, String> {
-    let mut buf = [0u8; 17];
+/// Bytes of a hello.
+const HELLO_BYTES: usize = 17 + HostId::BYTES;
+
+/// Reads a peer's hello from its first stream: returns its rank and host.
+async fn read_hello(stream: &mut quinn::RecvStream, run_id: u64) -> Result<(u32, HostId), String> {
+    let mut buf = [0u8; HELLO_BYTES];
     stream
         .read_exact(&mut buf)
         .await
@@ -636,7 +654,8 @@ async fn read_hello(stream: &mut quinn::RecvStream, run_id: u64) -> Result<u32, 
     if run != run_id {
         return Err(format!("peer of run {run:#x}, this run is {run_id:#x}"));
     }
-    Ok(u32::from_le_bytes([buf[13], buf[14], buf[15], buf[16]]))
+    let rank = u32::from_le_bytes([buf[13], buf[14], buf[15], buf[16]]);
+    Ok((rank, HostId::decode(&buf[17..])))
 }
 
 /// Why a hello exchange failed, and whether trying again could help: a peer of another run,
@@ -647,13 +666,14 @@ struct GreetError {
     why: String,
 }
 
-/// Hello exchange on a fresh connection: returns the peer's rank, this side's control stream
-/// and the peer's control stream (past the hello).
+/// Hello exchange on a fresh connection: returns the peer's rank, this side's control stream,
+/// the peer's control stream (past the hello) and the peer's host.
 async fn greet(
     conn: &quinn::Connection,
     rank: u32,
     run_id: u64,
-) -> Result<(u32, quinn::SendStream, quinn::RecvStream), GreetError> {
+    host: &HostId,
+) -> Result<(u32, quinn::SendStream, quinn::RecvStream, HostId), GreetError> {
     // A transport failure is worth retrying unless the peer closed the connection to refuse.
     let transient = |e: String| GreetError {
         definitive: matches!(conn.close_reason(),
@@ -665,23 +685,36 @@ async fn greet(
         .await
         .map_err(|e| transient(e.to_string()))?;
     control
-        .write_all(&hello(rank, run_id))
+        .write_all(&hello(rank, run_id, host))
         .await
         .map_err(|e| transient(e.to_string()))?;
     let mut theirs = conn
         .accept_uni()
         .await
         .map_err(|e| transient(e.to_string()))?;
-    let peer = read_hello(&mut theirs, run_id)
+    let (peer, their_host) = read_hello(&mut theirs, run_id)
         .await
         .map_err(|why| GreetError {
             definitive: !why.starts_with("reading the hello"),
             why,
         })?;
-    Ok((peer, control, theirs))
+    Ok((peer, control, theirs, their_host))
 }
 
-type Greeted = (u32, quinn::Connection, quinn::SendStream, quinn::RecvStream);
+/// This worker, as its hellos name it.
+#[derive(Clone, Copy, Debug)]
+struct Me {
+    rank: u32,
+    host: HostId,
+}
+
+type Greeted = (
+    u32,
+    quinn::Connection,
+    quinn::SendStream,
+    quinn::RecvStream,
+    HostId,
+);
 
 /// Dials `to` until it answers or the deadline passes. Only the QUIC handshake of an attempt
 /// is bounded by a short timer (a peer that has not bound its socket yet answers nothing):
@@ -692,12 +725,13 @@ type Greeted = (u32, quinn::Connection, quinn::SendStream, quinn::RecvStream);
 async fn dial(
     endpoint: &quinn::Endpoint,
     client: &quinn::ClientConfig,
-    rank: u32,
+    me: Me,
     to: u32,
     addr: SocketAddr,
     opts: &QuicOptions,
     deadline: Instant,
 ) -> Result<Greeted, TransportError> {
+    let Me { rank, host } = me;
     let give_up = |why: &str| {
         TransportError::Setup(format!(
             "rank {rank} could not connect to rank {to} at {addr}: {why}"
@@ -720,10 +754,10 @@ async fn dial(
                 continue;
             }
         };
-        let greeting = greet(&conn, rank, opts.run_id);
+        let greeting = greet(&conn, rank, opts.run_id, &host);
         match tokio::time::timeout_at(deadline.into(), greeting).await {
-            Ok(Ok((peer, control, theirs))) if peer == to => {
-                return Ok((peer, conn, control, theirs));
+            Ok(Ok((peer, control, theirs, their_host))) if peer == to => {
+                return Ok((peer, conn, control, theirs, their_host));
             }
             Ok(Ok((peer, ..))) => {
                 conn.close(CLOSE_REFUSED.into(), b"wrong rank");
@@ -747,10 +781,11 @@ async fn dial(
 /// accepted).
 async fn accept_lower(
     endpoint: quinn::Endpoint,
-    rank: u32,
+    me: Me,
     opts: QuicOptions,
     found: tokio::sync::mpsc::UnboundedSender<Result<Greeted, TransportError>>,
 ) {
+    let Me { rank, host } = me;
     let mut have = HashSet::new();
     let mut greeting = tokio::task::JoinSet::new();
     while (have.len() as u32) < rank {
@@ -761,15 +796,15 @@ async fn accept_lower(
                 greeting.spawn(async move {
                     // A failed handshake (a peer without a valid certificate) is dropped.
                     let conn = incoming.await.ok()?;
-                    let greeted = greet(&conn, rank, run_id).await;
+                    let greeted = greet(&conn, rank, run_id, &host).await;
                     Some((conn, greeted))
                 });
             }
             Some(done) = greeting.join_next() => {
                 let Ok(Some((conn, greeted))) = done else { continue };
                 match greeted {
-                    Ok((peer, control, theirs)) if peer < rank && have.insert(peer) => {
-                        if found.send(Ok((peer, conn, control, theirs))).is_err() {
+                    Ok((peer, control, theirs, their_host)) if peer < rank && have.insert(peer) => {
+                        if found.send(Ok((peer, conn, control, theirs, their_host))).is_err() {
                             return;
                         }
                     }
@@ -803,13 +838,14 @@ async fn closed_while_connecting(peer: u32, conn: quinn::Connection) -> (u32, St
 /// connection it has made with [`CLOSE_FAILED`] and the reason, so that its peers stop at
 /// once too, and each of theirs in turn.
 async fn connect_all(
-    rank: u32,
+    me: Me,
     addrs: &[SocketAddr],
     endpoint: &quinn::Endpoint,
     client: &quinn::ClientConfig,
     opts: &QuicOptions,
-    events: &Sender<Event>,
-) -> Result<Vec<Option<Peer>>, TransportError> {
+    events: &Events,
+) -> Result<(Vec<Option<Peer>>, Vec<Option<HostId>>), TransportError> {
+    let rank = me.rank;
     // Every task ends by itself: a dial at the deadline (after its last attempt), the accepts
     // at the connect timeout; the channel then closes.
     let deadline = Instant::now() + opts.connect_timeout;
@@ -819,10 +855,10 @@ async fn connect_all(
         let (endpoint, client, opts) = (endpoint.clone(), client.clone(), opts.clone());
         let (addr, found) = (addrs[to as usize], found.clone());
         tasks.spawn(async move {
-            let _ = found.send(dial(&endpoint, &client, rank, to, addr, &opts, deadline).await);
+            let _ = found.send(dial(&endpoint, &client, me, to, addr, &opts, deadline).await);
         });
     }
-    let accepting = accept_lower(endpoint.clone(), rank, opts.clone(), found);
+    let accepting = accept_lower(endpoint.clone(), me, opts.clone(), found);
     let wait = opts.connect_timeout;
     tasks.spawn(async move {
         let _ = tokio::time::timeout(wait, accepting).await;
@@ -874,7 +910,9 @@ async fn connect_all(
         return Err(e);
     }
     let mut peers: Vec<Option<Peer>> = (0..addrs.len()).map(|_| None).collect();
-    for (peer, conn, control, theirs) in greeted {
+    let mut hosts: Vec<Option<HostId>> = vec![None; addrs.len()];
+    for (peer, conn, control, theirs, host) in greeted {
+        hosts[peer as usize] = Some(host);
         peers[peer as usize] =
             Some(start_peer(rank, peer, conn, control, theirs, opts, events).await?);
     }
@@ -885,7 +923,7 @@ async fn connect_all(
             incoming.refuse();
         }
     });
-    Ok(peers)
+    Ok((peers, hosts))
 }
 
 /// Opens this side's data streams to `peer`, starts their writers, and starts the readers of
@@ -897,7 +935,7 @@ async fn start_peer(
     control: quinn::SendStream,
     theirs: quinn::RecvStream,
     opts: &QuicOptions,
-    events: &Sender<Event>,
+    events: &Events,
 ) -> Result<Peer, TransportError> {
     let mut data: [Option<tokio::sync::mpsc::Sender<Frame>>; 4] = [None, None, None, None];
     let mut writers = Vec::new();
@@ -953,7 +991,7 @@ async fn start_peer(
     })
 }
 
-async fn read_control(peer: u32, mut stream: quinn::RecvStream, events: Sender<Event>) {
+async fn read_control(peer: u32, mut stream: quinn::RecvStream, events: Events) {
     let mut record = [0u8; 5];
     while stream.read_exact(&mut record).await.is_ok() {
         let by = u32::from_le_bytes([record[1], record[2], record[3], record[4]]);
@@ -979,7 +1017,7 @@ async fn read_data_streams(
     peer: u32,
     conn: quinn::Connection,
     reading: Reading,
-    events: Sender<Event>,
+    events: Events,
     control: Arc<tokio::sync::Mutex<quinn::SendStream>>,
 ) {
     let mut readers = Vec::new();
@@ -1043,7 +1081,7 @@ async fn read_frames(
     (rank, peer, kind): (u32, u32, Kind),
     stream: &mut quinn::RecvStream,
     reading: &Reading,
-    events: &Sender<Event>,
+    events: &Events,
 ) -> Result<(), String> {
     let (limits, grace) = (&reading.limits, reading.grace);
     loop {
@@ -1102,7 +1140,7 @@ async fn read_frames(
     }
 }
 
-async fn watch_connection(peer: u32, conn: quinn::Connection, events: Sender<Event>) {
+async fn watch_connection(peer: u32, conn: quinn::Connection, events: Events) {
     let event = match conn.closed().await {
         quinn::ConnectionError::ApplicationClosed(c) if c.error_code == CLOSE_ABORT.into() => {
             let by = c
@@ -1154,6 +1192,68 @@ pub struct Quic {
     closed: bool,
     /// Links cut for fault drills ([`Transport::cut_link`]).
     cuts: Cuts,
+    /// This worker's host, and each peer's as its hello said.
+    host: HostId,
+    hosts: Vec<Option<HostId>>,
+    /// Called when a failure is heard ([`Quic::on_failure`]).
+    alarm: Alarm,
+}
+
+/// What a worker calls when its QUIC endpoint hears of a failure, set once.
+type Alarm = Arc<std::sync::OnceLock<Box<dyn Fn(u32) + Send + Sync>>>;
+
+/// Where the connection tasks report: the endpoint's event queue, and the alarm, rung as a
+/// failure is queued (a peer's abort, a lost connection) rather than when the endpoint next
+/// looks.
+#[derive(Clone)]
+struct Events {
+    tx: Sender<Event>,
+    alarm: Alarm,
+}
+
+impl Events {
+    fn send(&self, event: Event) -> Result<(), crossbeam_channel::SendError<Event>> {
+        let cause = match &event {
+            Event::Aborted { by } => Some(*by),
+            Event::Failed { peer, .. } => Some(*peer),
+            _ => None,
+        };
+        if let (Some(by), Some(alarm)) = (cause, self.alarm.get()) {
+            alarm(by);
+        }
+        self.tx.send(event)
+    }
+}
+
+impl Quic {
+    /// Calls `hook` with the rank a failure names as soon as this endpoint hears of it (a
+    /// peer's abort, a connection lost), from the connection's task: what lets a worker that
+    /// waits on another transport ([`crate::mixed::Mixed`]) stop at once. Set once; a second
+    /// hook is ignored.
+    pub fn on_failure(&self, hook: Box<dyn Fn(u32) + Send + Sync>) {
+        let _ = self.alarm.set(hook);
+    }
+
+    /// The peers whose hellos named this worker's host (boot id and network namespace).
+    pub fn peers_on_this_host(&self) -> Vec<u32> {
+        (0..self.size)
+            .filter(|&p| self.hosts.get(p as usize) == Some(&Some(self.host)))
+            .collect()
+    }
+
+    /// The rank a failure of this endpoint names: the peer lost first, or the worker whose
+    /// abort stopped this one.
+    pub fn cause(&self) -> Option<u32> {
+        self.failed.or(self.aborted_by)
+    }
+
+    /// [`Transport::abort`] naming `by` as the failure's cause: what an endpoint that holds
+    /// this one among others ([`crate::mixed::Mixed`]) tells every peer.
+    pub fn abort_as(&mut self, by: u32) {
+        self.aborted_by.get_or_insert(by);
+        self.told_abort = true;
+        self.tell_all(RECORD_ABORT, by, false);
+    }
 }
 
 impl std::fmt::Debug for Quic {
@@ -1503,10 +1603,7 @@ impl Transport for Quic {
 
     fn abort(&mut self) {
         // A worker stopping because a peer died names that peer, not itself.
-        let by = self.failed.unwrap_or(self.rank);
-        self.aborted_by.get_or_insert(by);
-        self.told_abort = true;
-        self.tell_all(RECORD_ABORT, by, false);
+        self.abort_as(self.failed.unwrap_or(self.rank));
     }
 
     fn close(&mut self) -> Result<(), TransportError> {
@@ -1609,6 +1706,9 @@ impl Drop for Quic {
             opts: self.opts.clone(),
             closed: false,
             cuts: self.cuts.clone(),
+            host: self.host,
+            hosts: std::mem::take(&mut self.hosts),
+            alarm: self.alarm.clone(),
         };
         self.closed = true;
         if me.runtime.is_none() {
@@ -1847,7 +1947,8 @@ mod tests {
             late.runtime.block_on(async {
                 let conn = late.endpoint.accept().await.unwrap().await.unwrap();
                 tokio::time::sleep(DIAL_HANDSHAKE_TIMEOUT + Duration::from_secs(1)).await;
-                let greeted = greet(&conn, 1, 12).await.map(|g| g.0);
+                let host = HostId::current().unwrap();
+                let greeted = greet(&conn, 1, 12, &host).await.map(|g| g.0);
                 // Keep the connection open until the dialler is done, and count the others.
                 let _ = tokio::task::spawn_blocking(move || done_rx.recv()).await;
                 let again =

@@ -47,6 +47,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -159,10 +160,33 @@ impl HostId {
         })
     }
 
-    fn encode(&self, out: &mut Vec<u8>) {
+    /// Bytes of an encoded host identity.
+    pub const BYTES: usize = 36 + 16;
+
+    /// Appends the identity's [`HostId::BYTES`] bytes to `out`.
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.boot);
         out.extend_from_slice(&self.netns.0.to_le_bytes());
         out.extend_from_slice(&self.netns.1.to_le_bytes());
+    }
+
+    /// Reads what [`HostId::encode`] wrote from `bytes` (at least [`HostId::BYTES`] long;
+    /// missing bytes read as zeros, an identity no host has).
+    pub(crate) fn decode(bytes: &[u8]) -> HostId {
+        let mut all = [0u8; HostId::BYTES];
+        let n = bytes.len().min(HostId::BYTES);
+        all[..n].copy_from_slice(&bytes[..n]);
+        let mut boot = [0u8; 36];
+        boot.copy_from_slice(&all[..36]);
+        let word = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&all[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        HostId {
+            boot,
+            netns: (word(36), word(44)),
+        }
     }
 }
 
@@ -515,6 +539,8 @@ pub struct Shm {
     links: Vec<Option<Link>>,
     /// This worker's wake-up eventfd.
     bell: OwnedFd,
+    /// A failure heard elsewhere ([`Shm::alarm`]): the rank it names, or [`NO_ALARM`].
+    raised: Arc<AtomicU64>,
     early: Early,
     aborted_by: Option<u32>,
     /// This worker has said it sends nothing more.
@@ -665,6 +691,7 @@ impl ShmBound {
             size: self.size,
             links,
             bell,
+            raised: Arc::new(AtomicU64::new(NO_ALARM)),
             early: Early::default(),
             aborted_by: None,
             closed: false,
@@ -929,7 +956,65 @@ impl Link {
     }
 }
 
+/// No failure heard elsewhere.
+const NO_ALARM: u64 = u64::MAX;
+
+/// Tells a shared-memory endpoint of a failure heard by another transport of the same worker
+/// ([`Shm::alarm`]), waking it if it is parked.
+pub struct ShmAlarm {
+    raised: Arc<AtomicU64>,
+    bell: OwnedFd,
+}
+
+impl ShmAlarm {
+    /// The run failed, naming `by`: the endpoint's calls return [`TransportError::Aborted`]
+    /// naming it (the first alarm stands).
+    pub fn raise(&self, by: u32) {
+        let _ = self.raised.compare_exchange(
+            NO_ALARM,
+            u64::from(by),
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+        ring(&self.bell);
+    }
+}
+
 impl Shm {
+    /// A handle another transport of this worker raises when it hears of a failure, so that a
+    /// call blocked here returns at once rather than when a peer of this host stops
+    /// ([`crate::mixed::Mixed`]).
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] when the wake-up descriptor cannot be duplicated.
+    pub fn alarm(&self) -> Result<ShmAlarm, TransportError> {
+        let bell = rustix::io::dup(&self.bell).map_err(|e| setup(format!("eventfd: {e}")))?;
+        Ok(ShmAlarm {
+            raised: self.raised.clone(),
+            bell,
+        })
+    }
+
+    /// The rank a failure of this endpoint names: the worker whose abort stopped this one,
+    /// or the peer lost first.
+    pub fn cause(&self) -> Option<u32> {
+        self.aborted_by.or_else(|| {
+            self.links.iter().flatten().find_map(|l| match l.state {
+                PeerState::Lost(_) => Some(l.peer),
+                _ => None,
+            })
+        })
+    }
+
+    /// [`Transport::abort`] naming `by` as the failure's cause: what an endpoint that holds
+    /// this one among others ([`crate::mixed::Mixed`]) tells every peer.
+    pub fn abort_as(&mut self, by: u32) {
+        let by = *self.aborted_by.get_or_insert(by);
+        let mut record = vec![RECORD_ABORT];
+        record.extend_from_slice(&by.to_le_bytes());
+        self.tell_all(&record);
+    }
+
     /// Frames this endpoint has received by copying them out of a ring into a buffer of
     /// their own: every plain [`Transport::recv`], and a frame that arrived ahead of the one
     /// a receive waited for (or while a send waited for room). A lending ring all-reduce
@@ -966,7 +1051,12 @@ impl Shm {
             }),
             _ => None,
         });
-        lost.or(self.aborted_by.map(|by| TransportError::Aborted { by }))
+        let raised = self.raised.load(Ordering::SeqCst);
+        let heard = (raised != NO_ALARM).then_some(raised as u32);
+        lost.or(self
+            .aborted_by
+            .or(heard)
+            .map(|by| TransportError::Aborted { by }))
     }
 
     /// Reads every ring's frames as far as they have arrived, keeping messages by key, and
@@ -1333,7 +1423,8 @@ impl Shm {
         }
         let mut word = [0u8; 8];
         let _ = rustix::io::read(&self.bell, &mut word);
-        let ready = self.links.iter().flatten().any(|l| l.inp.readable())
+        let ready = self.raised.load(Ordering::SeqCst) != NO_ALARM
+            || self.links.iter().flatten().any(|l| l.inp.readable())
             || writing.is_some_and(|i| {
                 self.links[i]
                     .as_ref()
@@ -1613,14 +1704,8 @@ impl Transport for Shm {
     fn abort(&mut self) {
         // A worker stopping because a peer died names that peer, not itself (as over QUIC),
         // so that every worker's error points at the rank that died, whichever saw it first.
-        let lost = self.links.iter().flatten().find_map(|l| match l.state {
-            PeerState::Lost(_) => Some(l.peer),
-            _ => None,
-        });
-        let by = *self.aborted_by.get_or_insert(lost.unwrap_or(self.rank));
-        let mut record = vec![RECORD_ABORT];
-        record.extend_from_slice(&by.to_le_bytes());
-        self.tell_all(&record);
+        let by = self.cause().unwrap_or(self.rank);
+        self.abort_as(by);
     }
 
     fn close(&mut self) -> Result<(), TransportError> {

@@ -479,6 +479,55 @@ transport_suite!(quic, |n, timeout| {
     pipe_transport::quic::local_mesh(n, &opts).unwrap()
 });
 
+// Shared memory between ranks of equal parity, QUIC between the others: the endpoint of a
+// cluster file's workers on two hosts under `--transport auto`.
+transport_suite!(mixed, |n, timeout| {
+    let mut quic_opts = pipe_transport::quic::QuicOptions::new(0x313d);
+    quic_opts.timeout = timeout;
+    quic_opts.queue = 4;
+    quic_opts.linger = Duration::from_secs(2);
+    let mut shm_opts = pipe_transport::shm::ShmOptions::new(0x313d);
+    shm_opts.timeout = timeout;
+    shm_opts.ring_bytes = 4096;
+    mixed_mesh(n, &quic_opts, &shm_opts)
+});
+
+fn mixed_mesh(
+    n: u32,
+    quic_opts: &pipe_transport::quic::QuicOptions,
+    shm_opts: &pipe_transport::shm::ShmOptions,
+) -> Vec<pipe_transport::mixed::Mixed> {
+    use pipe_transport::shm::ShmBound;
+    static MESHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "pipe-mixed-{}-{}",
+        std::process::id(),
+        MESHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    ));
+    let quic = pipe_transport::quic::local_mesh(n, quic_opts).unwrap();
+    let bound: Vec<ShmBound> = (0..n)
+        .map(|r| ShmBound::bind(&dir, r, n, shm_opts.clone()).unwrap())
+        .collect();
+    let same = |r: u32| -> Vec<u32> { (0..n).filter(|&p| p != r && p % 2 == r % 2).collect() };
+    let shm: Vec<_> = thread::scope(|s| {
+        let hs: Vec<_> = bound
+            .into_iter()
+            .enumerate()
+            .map(|(r, b)| {
+                let peers = same(r as u32);
+                s.spawn(move || b.connect_to(&peers).unwrap())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    quic.into_iter()
+        .zip(shm)
+        .enumerate()
+        .map(|(r, (q, m))| pipe_transport::mixed::Mixed::new(q, m, &same(r as u32)).unwrap())
+        .collect()
+}
+
 transport_suite!(shm, |n, timeout| {
     let mut opts = pipe_transport::shm::ShmOptions::new(0x5e9);
     opts.timeout = timeout;

@@ -31,7 +31,7 @@ use crossbeam_channel::{RecvTimeoutError, Sender, unbounded};
 use pipe_transport::TransportKind;
 use pipe_transport::cluster::ClusterFile;
 use pipe_transport::fault::Fault;
-use pipe_transport::kinds::{self, Endpoint, Listen, MeshSettings};
+use pipe_transport::kinds::{self, Joined, Listen, MeshSettings};
 use serde::{Deserialize, Serialize};
 
 use super::doctor::{StopReport, diagnose};
@@ -734,7 +734,7 @@ pub fn join(
     listen: Option<SocketAddr>,
     opts: JoinOptions,
     launched: Option<Arc<AtomicBool>>,
-) -> Result<Endpoint> {
+) -> Result<Joined> {
     let kind = opts.transport.for_processes(launched.is_some());
     let deadline = Instant::now() + opts.settings.connect_timeout;
     let addr = match (listen, kind.is_networked()) {
