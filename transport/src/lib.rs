@@ -23,6 +23,7 @@ pub mod cluster;
 pub mod collective;
 pub mod fault;
 pub mod frame;
+pub mod host;
 pub mod inproc;
 pub mod kinds;
 pub mod mixed;

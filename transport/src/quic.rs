@@ -42,7 +42,7 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use crate::frame::{self, FrameLimits, PREFIX_BYTES, WireDType};
-use crate::shm::HostId;
+use crate::host::HostId;
 use crate::{Early, Key, Kind, Message, Transport, TransportError};
 
 /// Application protocol name on the TLS handshake.

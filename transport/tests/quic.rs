@@ -60,7 +60,7 @@ fn a_client_without_a_certificate_is_refused() {
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    tls.alpn_protocols = vec![b"pipe/1".to_vec()];
+    tls.alpn_protocols = vec![b"pipe/2".to_vec()];
     let client = quinn::ClientConfig::new(Arc::new(
         quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap(),
     ));
@@ -196,7 +196,7 @@ fn hostile_peer(data: Vec<u8>, keep_open: Duration) -> (TransportError, Duration
         .with_root_certificates(roots)
         .with_client_auth_cert(creds.chain.clone(), creds.key.clone_key())
         .unwrap();
-    tls.alpn_protocols = vec![b"pipe/1".to_vec()];
+    tls.alpn_protocols = vec![b"pipe/2".to_vec()];
     let client = quinn::ClientConfig::new(Arc::new(
         quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap(),
     ));
@@ -210,6 +210,8 @@ fn hostile_peer(data: Vec<u8>, keep_open: Duration) -> (TransportError, Duration
         hello.extend_from_slice(b"PIPH");
         hello.extend_from_slice(&7u64.to_le_bytes());
         hello.extend_from_slice(&0u32.to_le_bytes());
+        // A host identity no host has (zeros): rank 0 is on another host.
+        hello.extend_from_slice(&[0u8; pipe_transport::host::HostId::BYTES]);
         control.write_all(&hello).await.unwrap();
         let mut stream = conn.open_uni().await.unwrap();
         stream.write_all(&[0]).await.unwrap();
