@@ -42,8 +42,8 @@ pub fn ring_all_reduce<T: Transport + ?Sized>(
 /// Values per piece of a ring chunk: chunks travel in pieces of at most this many values
 /// (256 KiB of f32), so that a piece received can be added and passed on while the next one
 /// is still arriving. Over shared memory a piece is written into a ring and read from it, so
-/// its size sets how much memory the ring cycles through: 256 KiB pieces in 1 MiB rings ran
-/// 100 MB among 4 workers in 0.058-0.078 s against 0.077-0.083 s for 1 MiB pieces in 4 MiB
+/// its size sets how much memory the ring cycles through: 256 KiB pieces in 1-2 MiB rings ran
+/// 100 MB among 4 workers in 0.057-0.078 s against 0.077-0.083 s for 1 MiB pieces in 4 MiB
 /// rings (threads in process: 0.058-0.069 s; `cargo run --release -p pipe-transport
 /// --example ring_profile`, `docs/benchmarks.md`).
 pub const RING_PIECE_VALUES: usize = 1 << 16;

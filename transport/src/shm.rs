@@ -115,11 +115,11 @@ pub struct ShmOptions {
 }
 
 impl ShmOptions {
-    /// Defaults for run `run_id`: rings of 1 MiB.
+    /// Defaults for run `run_id`: rings of 2 MiB.
     pub fn new(run_id: u64) -> Self {
         ShmOptions {
             run_id,
-            ring_bytes: 1 << 20,
+            ring_bytes: 2 << 20,
             wire: WireDType::F32,
             timeout: None,
             connect_timeout: Duration::from_secs(30),
