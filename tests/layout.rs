@@ -1,4 +1,5 @@
-//! The source layout: no file-level import circles in any crate of the workspace.
+//! The source layout: no file-level import circles in any crate of the workspace, and inside
+//! `pipe-stages` no import that runs back up its layers.
 //!
 //! Each source file is a module; an edge `a -> b` means file `a` refers to an item of file `b`
 //! (`crate::...` or `super::...` paths, or a child module's items used in the parent's own
@@ -203,5 +204,90 @@ fn the_checker_finds_a_circle() {
             vec!["x".to_string(), "Y".to_string()],
             vec!["z".to_string()]
         ]
+    );
+}
+
+/// `pipe-stages`'s layers, lowest first (the order of its `lib.rs`'s `mod` lines, argued in
+/// `docs/architecture.md`). Modules of one layer may use each other.
+const STAGES_LAYERS: &[&[&str]] = &[
+    &["error", "limits"],
+    &["model"],
+    &["partition"],
+    &["remedy"],
+    &["config"],
+    &["checkpoint"],
+    &["train"],
+    &["pipeline"],
+    &["planning"],
+    &["log"],
+];
+
+/// `pipe-stages`'s short paths (`lib.rs`'s re-exports): the top-level module each names.
+const STAGES_SHORT_PATHS: &[(&str, &str)] = &[
+    ("data", "model"),
+    ("hf", "model"),
+    ("layer", "model"),
+    ("layers", "model"),
+    ("loss", "model"),
+    ("optim", "model"),
+    ("rng", "model"),
+    ("sample", "model"),
+    ("shards", "model"),
+    ("tokenize", "model"),
+    ("tokenizer", "model"),
+    ("transformer", "model"),
+    ("delayed", "pipeline"),
+    ("profile", "planning"),
+    ("Result", "error"),
+    ("StageError", "error"),
+];
+
+fn stages_layer(module: &str) -> Option<usize> {
+    let module = STAGES_SHORT_PATHS
+        .iter()
+        .find(|(short, _)| *short == module)
+        .map_or(module, |(_, m)| m);
+    STAGES_LAYERS.iter().position(|l| l.contains(&module))
+}
+
+/// Inside `stages/src`, imports run one way: each top-level module uses only those of the
+/// layers below it. Fails naming every reference that runs back up.
+#[test]
+fn no_import_inside_stages_runs_back_up() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("stages/src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut upward = Vec::new();
+    let mut checked = 0;
+    for file in &files {
+        let rel = file.strip_prefix(&src).unwrap();
+        let module = module_of(rel);
+        let Some(top) = module.first() else {
+            continue; // lib.rs
+        };
+        let own = stages_layer(top)
+            .unwrap_or_else(|| panic!("{} is in no layer of this test", rel.display()));
+        let text = std::fs::read_to_string(file).unwrap();
+        let text = &text[..text.find("#[cfg(test)]").unwrap_or(text.len())];
+        let code: String = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for path in paths_after(&code, "crate::") {
+            let Some(theirs) = path.first().and_then(|m| stages_layer(m)) else {
+                continue;
+            };
+            checked += 1;
+            if theirs > own {
+                upward.push(format!("{} uses crate::{}", rel.display(), path.join("::")));
+            }
+        }
+    }
+    assert!(checked > 100, "the scan found only {checked} references");
+    assert!(
+        upward.is_empty(),
+        "imports running back up:\n{}",
+        upward.join("\n")
     );
 }
