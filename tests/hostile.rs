@@ -499,6 +499,22 @@ fn fault_and_launch_rows() -> Vec<Row> {
             text("r.json", "{\"format\": 1, \"run\": 3}"),
             "r.json: run: invalid type",
         ),
+        // A workers' run that is a directory, cut short, or past the size limit.
+        with(
+            "worker --cluster {d}/absent.toml --launched --run {d}/rdir",
+            vec![File::Dir("rdir")],
+            "cannot read run",
+        ),
+        with(
+            "worker --cluster {d}/absent.toml --launched --run {d}/r.json",
+            text("r.json", "{\"format\": 1, \"run\": {"),
+            "r.json: EOF while parsing",
+        ),
+        with(
+            "worker --cluster {d}/absent.toml --launched --run {d}/r.json",
+            vec![File::Bytes("r.json", vec![b' '; (16 << 20) + 1])],
+            "larger than the limit",
+        ),
     ]
 }
 

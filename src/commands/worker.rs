@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use pipe_stages::config::Placement;
+use pipe_stages::checkpoint::{Checkpoint, CheckpointPolicy};
+use pipe_stages::config::{Placement, RunConfig};
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::pipeline::train_worker;
 use pipe_stages::pipeline::worker::{WorkerOptions, check_cluster_size};
@@ -63,6 +64,68 @@ pub struct WorkerArgs {
     fault: Option<Fault>,
     #[command(flatten)]
     train: TrainArgs,
+}
+
+/// Prints which links the run's transport choice gave this worker: shared memory to
+/// `local` (the peers on its host), QUIC to the rest of `size` workers.
+fn print_links(local: &[u32], size: u32) {
+    if local.is_empty() {
+        outln!("links: QUIC to every worker");
+    } else if local.len() + 1 == size as usize {
+        outln!("links: shared memory to every worker (all on this host)");
+    } else {
+        outln!("links: shared memory to workers {local:?} (this host), QUIC to the others");
+    }
+}
+
+/// What this worker takes beside the run: from the launcher's `run.json` when it was
+/// launched, from its own flags when started by hand.
+struct OwnSettings {
+    /// Where it serves its metrics.
+    metrics: Option<SocketAddr>,
+    /// The checkpoint it resumes from (the chief only: it sends the others their part).
+    resume: Option<(PathBuf, Checkpoint)>,
+    /// The fault it injects.
+    fault: Fault,
+    /// The checkpoints it writes (the chief's are used).
+    checkpoints: Option<CheckpointPolicy>,
+    /// Where it writes its part of a trace.
+    trace_part: Option<PathBuf>,
+}
+
+impl OwnSettings {
+    fn of(
+        handed: Option<&WorkerRun>,
+        args: &WorkerArgs,
+        cfg: &RunConfig,
+        rank: u32,
+        model: &Model,
+    ) -> Result<Self> {
+        let chief = rank == 0;
+        Ok(match handed {
+            Some(h) => OwnSettings {
+                metrics: h.metrics_of(rank)?,
+                resume: match (&h.resume, chief) {
+                    (Some(dir), true) => Some(pipe_stages::checkpoint::read(dir, model)?),
+                    _ => None,
+                },
+                fault: h.fault_of(rank),
+                checkpoints: h.checkpoints.clone(),
+                trace_part: h.trace_part_of(rank),
+            },
+            None => OwnSettings {
+                metrics: args.train.metrics_addr,
+                resume: if chief {
+                    resume_from(&args.train, model)?
+                } else {
+                    None
+                },
+                fault: args.fault.unwrap_or(Fault::None),
+                checkpoints: checkpoint_policy(&args.train, cfg)?,
+                trace_part: args.train.trace.as_ref().map(|t| part_path(t, rank)),
+            },
+        })
+    }
 }
 
 /// Runs `pipe worker`.
@@ -148,38 +211,13 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             crate::training::settle_partition(&mut cfg, &model)?;
         }
     }
-    let metrics = match &handed {
-        Some(h) => h.metrics_of(rank)?,
-        None => args.train.metrics_addr,
-    };
+    let own = OwnSettings::of(handed.as_ref(), args, &cfg, rank, &model)?;
     if !args.launched {
-        serve_metrics(metrics)?;
-    } else if let Some(addr) = metrics {
+        serve_metrics(own.metrics)?;
+    } else if let Some(addr) = own.metrics {
         // The launcher gave this worker its own port; its banner would break the records.
         serve_metrics_quietly(addr)?;
     }
-    // Only the chief reads the checkpoint (it sends the others their part) and decides when
-    // to stop; a launched worker also hears the launcher's Ctrl-C on standard input.
-    let resume = match (chief, &handed) {
-        (false, _) => None,
-        (true, Some(h)) => match &h.resume {
-            Some(dir) => Some(pipe_stages::checkpoint::read(dir, &model)?),
-            None => None,
-        },
-        (true, None) => resume_from(&args.train, &model)?,
-    };
-    let fault = match &handed {
-        Some(h) => h.fault_of(rank),
-        None => args.fault.unwrap_or(Fault::None),
-    };
-    let checkpoints = match &handed {
-        Some(h) => h.checkpoints.clone(),
-        None => checkpoint_policy(&args.train, &cfg)?,
-    };
-    let trace_part = match &handed {
-        Some(h) => h.trace_part_of(rank),
-        None => args.train.trace.as_ref().map(|t| part_path(t, rank)),
-    };
     let stop = stop_on_ctrl_c(chief && !args.launched);
     let joined = join(
         &cluster,
@@ -189,22 +227,14 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         args.launched.then(|| stop.clone()),
     )?;
     if chief && !args.launched {
-        // Which links the run's transport choice gave this worker.
-        let local = &joined.shared_memory;
-        if local.is_empty() {
-            outln!("links: QUIC to every worker");
-        } else if local.len() + 1 == cluster.size() as usize {
-            outln!("links: shared memory to every worker (all on this host)");
-        } else {
-            outln!("links: shared memory to workers {local:?} (this host), QUIC to the others");
-        }
+        print_links(&joined.shared_memory, cluster.size());
     }
-    let mut ep = Faulty::new(joined.endpoint, fault);
+    let mut ep = Faulty::new(joined.endpoint, own.fault);
     let mut obs: Box<dyn Observer> = match (chief, args.launched) {
         (true, true) => Box::new(RecordWriter),
         (true, false) => {
             print_header(&cfg, &model, &data, cfg.threads.max(1));
-            if let Some((dir, ckpt)) = &resume {
+            if let Some((dir, ckpt)) = &own.resume {
                 print_resuming(dir, ckpt);
             }
             Box::new(Fan::new(&cfg)?)
@@ -213,11 +243,11 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         (false, false) => Box::new(Quiet),
     };
     let opts = WorkerOptions {
-        checkpoints: checkpoints.filter(|_| chief),
-        resume: resume.map(|(_, ckpt)| ckpt),
+        checkpoints: own.checkpoints.filter(|_| chief),
+        resume: own.resume.map(|(_, ckpt)| ckpt),
         stop: chief.then_some(stop),
     };
-    let mut recorder = trace_part.as_ref().map(|_| PartRecorder::default());
+    let mut recorder = own.trace_part.as_ref().map(|_| PartRecorder::default());
     let result = match recorder.as_mut() {
         Some(part) => {
             let mut traced = Traced {
@@ -229,7 +259,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         None => train_worker(&cfg, &data, &mut ep, obs.as_mut(), &opts),
     };
     let closed = pipe_transport::Transport::close(&mut ep);
-    if let (Some(rec), Some(path)) = (&recorder, &trace_part) {
+    if let (Some(rec), Some(path)) = (&recorder, &own.trace_part) {
         // Written whether the run succeeded or not: a failed run's trace shows where it stood.
         rec.write(path, rank, worker_names(&layout))?;
     }
