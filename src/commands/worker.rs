@@ -177,9 +177,8 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     cfg.check_resources(Some(1), &pipe_stages::limits::Machine::detect())?;
     let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
     // Refused before connecting, so that no peer waits for a worker that cannot run.
-    check_cluster_size(&cfg, cluster.size())
+    let layout = check_cluster_size(&cfg, cluster.size())
         .map_err(|e| bad_input(format!("{}: {e}", args.cluster.display())))?;
-    let layout = cfg.resolved().map_err(|e| bad_input(e.to_string()))?.layout;
     let rank =
         resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
     let connect_timeout = Duration::from_secs_f64(args.connect_timeout);

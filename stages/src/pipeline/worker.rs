@@ -152,12 +152,12 @@ fn parse_drain(b: &[u8]) -> Result<Drain> {
     }
 }
 
-/// The run's layout must have one worker per rank of the cluster: checked by every worker
-/// before it connects (`pipe worker`), and again on the endpoint it connected.
+/// The run's layout, which must have one worker per rank of the cluster: checked by every
+/// worker before it connects (`pipe worker`), and again on the endpoint it connected.
 ///
 /// # Errors
 /// [`StageError::Config`] naming both counts; a layout the schedule refuses.
-pub fn check_cluster_size(cfg: &RunConfig, size: u32) -> Result<()> {
+pub fn check_cluster_size(cfg: &RunConfig, size: u32) -> Result<pipe_scheduler::Layout> {
     let layout = cfg.resolved()?.layout;
     if layout.workers() != size {
         return Err(StageError::Config(format!(
@@ -167,7 +167,7 @@ pub fn check_cluster_size(cfg: &RunConfig, size: u32) -> Result<()> {
             layout.replica_counts(),
         )));
     }
-    Ok(())
+    Ok(layout)
 }
 
 /// A worker other than the chief at the end of segment `index`: sends its summary, waits for
