@@ -344,6 +344,35 @@ fn a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole() {
 }
 
 #[test]
+fn a_checkpoint_renamed_into_place_before_latest_was_written_is_resumed_by_auto() {
+    // A writer killed between the rename and `latest` leaves a whole checkpoint and no
+    // pointer: the first checkpoint of a run, here.
+    let d = dir("no-latest");
+    let args = flags("pipedream");
+    ok(&train(&args, &["--checkpoint-dir", s(&d), "--steps", "8"]));
+    std::fs::remove_file(d.join("latest")).unwrap();
+    let resumed = ok(&train(
+        &args,
+        &[
+            "--checkpoint-dir",
+            s(&d),
+            "--resume",
+            "auto",
+            "--steps",
+            "16",
+        ],
+    ));
+    assert!(resumed.contains("resuming from"), "{resumed}");
+    assert!(resumed.contains("ckpt-00000008"), "{resumed}");
+    // The same as naming the checkpoint by hand.
+    let by_hand = ok(&train(
+        &args,
+        &["--resume", s(&d.join("ckpt-00000008")), "--steps", "16"],
+    ));
+    assert_eq!(weights(&resumed), weights(&by_hand));
+}
+
+#[test]
 fn a_non_finite_loss_stops_the_run_naming_it_and_keeps_the_last_good_checkpoint() {
     let d = dir("guard");
     let out = train(

@@ -141,9 +141,10 @@ fn models_outside_gpt2s_layout_and_bad_directories_are_refused() {
         "--init-from",
         s(&empty),
     ]);
+    // A directory is read from its config.json, which says what model it holds.
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("model.safetensors"),
+        String::from_utf8_lossy(&out.stderr).contains("config.json"),
         "{out:?}"
     );
     let out = pipe(&["logits", "--hf", s(&empty), "--ids", "1"]);
@@ -151,5 +152,102 @@ fn models_outside_gpt2s_layout_and_bad_directories_are_refused() {
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("config.json"),
         "{out:?}"
+    );
+}
+
+#[test]
+fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
+    // A gpt2-tiny exported in shards of at most 100 kB.
+    let ckpt = tmp("tied");
+    ok(&pipe(&[
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--checkpoint-dir",
+        s(&ckpt),
+    ]));
+    let sharded = tmp("sharded");
+    let text = ok(&pipe(&[
+        "export",
+        "--checkpoint",
+        s(&ckpt),
+        "--format",
+        "hf",
+        "--out",
+        s(&sharded),
+        "--max-shard-size",
+        "100KB",
+    ]));
+    assert!(text.contains("in 6 shards"), "{text}");
+    assert!(!sharded.join("model.safetensors").exists());
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(sharded.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(map.len(), 2 + 2 * 12 + 2);
+    for file in map.values() {
+        let bytes = std::fs::metadata(sharded.join(file.as_str().unwrap()))
+            .unwrap()
+            .len();
+        // 100 kB of tensors and the shard's header.
+        assert!(bytes < 100_000 + 4096, "{file}: {bytes} bytes");
+    }
+    let ids = "1,4,9,16,25";
+    let from_ckpt = ok(&pipe(&["logits", "--checkpoint", s(&ckpt), "--ids", ids]));
+    assert_eq!(
+        ok(&pipe(&["logits", "--hf", s(&sharded), "--ids", ids])),
+        from_ckpt
+    );
+
+    // GPT-2's attention buffers, as older saves hold them, are not weights: skipped.
+    let whole = tmp("whole");
+    ok(&export_hf(&ckpt, &whole));
+    let path = whole.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mask = vec![0u8; 4 * 64 * 64];
+    let mut views: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        file.tensors().into_iter().collect();
+    for b in 0..2 {
+        views.push((
+            format!("transformer.h.{b}.attn.bias"),
+            safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                vec![1, 1, 64, 64],
+                &mask,
+            )
+            .unwrap(),
+        ));
+    }
+    let with_buffers = safetensors::tensor::serialize(views, None).unwrap();
+    std::fs::write(&path, with_buffers).unwrap();
+    assert_eq!(
+        ok(&pipe(&["logits", "--hf", s(&whole), "--ids", ids])),
+        from_ckpt
+    );
+
+    // An untied model's export names its head lm_head.weight and reads back untied.
+    let untied = tmp("untied-ckpt");
+    ok(&pipe(&[
+        "train",
+        "--model",
+        "gpt-mini",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        s(&untied),
+    ]));
+    let out = tmp("untied-out");
+    assert!(ok(&export_hf(&untied, &out)).contains("untied head"));
+    assert!(tensor_names(&out.join("model.safetensors")).contains(&"lm_head.weight".to_string()));
+    let ids = "3,1,4,1,5";
+    assert_eq!(
+        ok(&pipe(&["logits", "--hf", s(&out), "--ids", ids])),
+        ok(&pipe(&["logits", "--checkpoint", s(&untied), "--ids", ids]))
     );
 }

@@ -16,13 +16,17 @@ enum File {
     Text(&'static str, String),
     Bytes(&'static str, Vec<u8>),
     Dir(&'static str),
+    /// A FIFO in place of whatever the row's setup left there: made after the setup runs.
+    Fifo(&'static str),
 }
 
-/// One bad input: the command (`{d}` is the row's directory), the files it needs, a needle
-/// its one error line must contain, and its exit code.
+/// One bad input: the command (`{d}` is the row's directory), the files it needs, the `pipe`
+/// commands that prepare it (a checkpoint, a corpus), a needle its one error line must
+/// contain, and its exit code.
 struct Row {
     args: String,
     files: Vec<File>,
+    setup: Vec<&'static str>,
     want: &'static str,
     code: i32,
 }
@@ -31,8 +35,17 @@ fn row(args: &str, want: &'static str) -> Row {
     Row {
         args: args.to_string(),
         files: Vec::new(),
+        setup: Vec::new(),
         want,
         code: 2,
+    }
+}
+
+/// A row whose `setup` commands run first (after its files are written).
+fn after(setup: &[&'static str], args: &str, files: Vec<File>, want: &'static str) -> Row {
+    Row {
+        setup: setup.to_vec(),
+        ..with(args, files, want)
     }
 }
 
@@ -283,10 +296,7 @@ fn cli_rows() -> Vec<Row> {
         row("train --config {d}/missing.toml", "missing.toml"),
         row("train --plan {d}/missing.toml", "missing.toml"),
         row("train --data-dir {d}/nowhere --steps 1", "nowhere"),
-        row(
-            "train --config /dev/zero",
-            "larger than the limit of 16777216 bytes",
-        ),
+        row("train --config /dev/zero", "a device, not a regular file"),
         row("train --config {d}", "cannot read"),
         row("eval --checkpoint {d}/nowhere", "nowhere"),
         // Other commands.
@@ -861,13 +871,287 @@ fn checkpoint_rows() -> Vec<Row> {
     ]
 }
 
+/// `gpt2-tiny` on Tiny Shakespeare, as a Hugging Face directory would hold it: every tensor's
+/// name and shape (2 blocks, width 64, 64 positions, 65 characters, tied head).
+fn gpt2_tiny_tensors() -> Vec<(String, Vec<usize>)> {
+    let (c, v, t) = (64, 65, 64);
+    let mut out = vec![
+        ("transformer.wte.weight".to_string(), vec![v, c]),
+        ("transformer.wpe.weight".to_string(), vec![t, c]),
+    ];
+    for b in 0..2 {
+        for (part, shape) in [
+            ("ln_1.weight", vec![c]),
+            ("ln_1.bias", vec![c]),
+            ("attn.c_attn.weight", vec![c, 3 * c]),
+            ("attn.c_attn.bias", vec![3 * c]),
+            ("attn.c_proj.weight", vec![c, c]),
+            ("attn.c_proj.bias", vec![c]),
+            ("ln_2.weight", vec![c]),
+            ("ln_2.bias", vec![c]),
+            ("mlp.c_fc.weight", vec![c, 4 * c]),
+            ("mlp.c_fc.bias", vec![4 * c]),
+            ("mlp.c_proj.weight", vec![4 * c, c]),
+            ("mlp.c_proj.bias", vec![c]),
+        ] {
+            out.push((format!("transformer.h.{b}.{part}"), shape));
+        }
+    }
+    out.push(("transformer.ln_f.weight".into(), vec![c]));
+    out.push(("transformer.ln_f.bias".into(), vec![c]));
+    out
+}
+
+/// A safetensors file of f32 `tensors`, each filled with 0.01 except where `value` says.
+fn safetensors_of(tensors: &[(String, Vec<usize>)], value: impl Fn(&str) -> f32) -> Vec<u8> {
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(n, shape)| {
+            let v = value(n);
+            std::iter::repeat_n(v.to_le_bytes(), shape.iter().product())
+                .flatten()
+                .collect()
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((n, shape), d)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), d)
+                    .unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::tensor::serialize(views, None).unwrap()
+}
+
+/// gpt2-tiny's `config.json`, with `edit` applied to its text.
+fn hf_config(edit: impl Fn(String) -> String) -> String {
+    edit(
+        r#"{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 64,
+            "vocab_size": 65, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05,
+            "tie_word_embeddings": true}"#
+            .to_string(),
+    )
+}
+
+/// `pipe train --model gpt2-tiny --init-from {d}/hf` from a directory of `config` and a
+/// `model.safetensors` of `tensors` (values by `value`).
+fn init_from(
+    config: String,
+    tensors: &[(String, Vec<usize>)],
+    value: impl Fn(&str) -> f32,
+    want: &'static str,
+) -> Row {
+    with(
+        "train --model gpt2-tiny --steps 1 --threads 1 --init-from {d}/hf",
+        vec![
+            File::Text("hf/config.json", config),
+            File::Bytes("hf/model.safetensors", safetensors_of(tensors, value)),
+        ],
+        want,
+    )
+}
+
+/// The surfaces added with token corpora and GPT-2 weights: shards, sizes of a GPT-2,
+/// Hugging Face directories, exports, logits and the optimizer.
+fn newer_surface_rows() -> Vec<Row> {
+    let tiny = gpt2_tiny_tensors();
+    let plus = |extra: &[(&str, Vec<usize>)]| {
+        let mut t = tiny.clone();
+        t.extend(extra.iter().map(|(n, s)| (n.to_string(), s.clone())));
+        t
+    };
+    let same = |_: &str| 0.01;
+    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
+    let corpus = "tokenize --tokenizer bytes --input {d}/text --out {d}/c --shard-tokens 2048";
+    let text = || File::Text("text/a.txt", "the corpus of one document. ".repeat(200));
+    vec![
+        // A shard or an input that is a FIFO would block forever.
+        after(
+            &[corpus],
+            "tokenize --check {d}/c",
+            vec![text(), File::Fifo("c/shard-00000.tok")],
+            "a FIFO, not a regular file",
+        ),
+        after(
+            &[corpus],
+            "train --model gpt-mini --dataset tokens:{d}/c --steps 1",
+            vec![text(), File::Fifo("c/shard-00001.tok")],
+            "shard-00001.tok: cannot read: a FIFO",
+        ),
+        with(
+            "tokenize --tokenizer bytes --input {d}/text --out {d}/c",
+            vec![text(), File::Fifo("text/b.txt")],
+            "b.txt: is not a regular file",
+        ),
+        init_from(hf_config(|c| c), &tiny, same, "")
+            .fifo_weights("model.safetensors: cannot read: a FIFO"),
+        // Sizes of a GPT-2, checked before the layer list is built.
+        row(
+            "train --model gpt2-tiny --n-layer 4611686018427387904 --steps 1",
+            "n_layer 4611686018427387904 is past the limit",
+        ),
+        row(
+            "train --model gpt2-tiny --n-layer 1000000000 --steps 1",
+            "n_layer 1000000000 is past the limit",
+        ),
+        row(
+            "train --model gpt2-tiny --n-embd 4611686018427387904 --n-head 1 --steps 1",
+            "n_embd 4611686018427387904 is past the limit",
+        ),
+        with(
+            "train --model gpt2 --model-config {d}/config.json --steps 1",
+            text_file(
+                "config.json",
+                hf_config(|c| c.replace("\"n_layer\": 2", "\"n_layer\": 4611686018427387904")),
+            ),
+            "n_layer 4611686018427387904 is past the limit",
+        ),
+        with(
+            "train --model gpt2 --model-config {d}/config.json --steps 1",
+            text_file(
+                "config.json",
+                hf_config(|c| c.replace("\"n_embd\": 64", "\"n_embd\": 18446744073709551615")),
+            ),
+            "n_embd 18446744073709551615 is past the limit",
+        ),
+        // Hugging Face weights that describe or hold another model.
+        init_from(
+            hf_config(|c| c.replace("\"n_head\": 2", "\"n_head\": 4")),
+            &tiny,
+            same,
+            "n_head is 4, but the model this run builds has 2",
+        ),
+        init_from(
+            hf_config(|c| c.replace("\"n_layer\": 2", "\"n_layer\": 3")),
+            &tiny,
+            same,
+            "n_layer is 3, but the model this run builds has 2",
+        ),
+        init_from(
+            hf_config(|c| c.replace("true}", "false}")),
+            &tiny,
+            same,
+            "tie_word_embeddings is false, but the model this run builds has true",
+        ),
+        init_from(
+            hf_config(|c| c),
+            &plus(&[
+                ("transformer.h.2.ln_1.weight", vec![64]),
+                ("transformer.h.2.ln_1.bias", vec![64]),
+            ]),
+            same,
+            "holds transformer.h.2.ln_1.bias and 1 more tensors, which the model this run builds has no place for",
+        ),
+        init_from(
+            hf_config(|c| c),
+            &plus(&[("transformer.extra", vec![3])]),
+            same,
+            "holds transformer.extra, which the model this run builds has no place for",
+        ),
+        init_from(
+            hf_config(|c| c),
+            &plus(&[("lm_head.weight", vec![65, 64])]),
+            |n| if n == "lm_head.weight" { 0.5 } else { 0.01 },
+            "lm_head.weight that differs from transformer.wte.weight",
+        ),
+        init_from(
+            hf_config(|c| c),
+            &tiny,
+            |n| {
+                if n == "transformer.h.1.ln_2.bias" {
+                    f32::NAN
+                } else {
+                    0.01
+                }
+            },
+            "transformer.h.1.ln_2.bias holds NaN at element 0: weights must be finite",
+        ),
+        init_from(
+            hf_config(|c| c),
+            &tiny[..tiny.len() - 1],
+            same,
+            "has no transformer.ln_f.bias",
+        ),
+        with(
+            "train --model gpt2-tiny --steps 1 --init-from {d}/hf",
+            vec![
+                File::Text("hf/config.json", hf_config(|c| c)),
+                File::Text(
+                    "hf/model.safetensors.index.json",
+                    r#"{"weight_map": {"transformer.wte.weight": "../../x.safetensors"}}"#.into(),
+                ),
+            ],
+            "names shard \"../../x.safetensors\"",
+        ),
+        // An export owns its directory; logits take ids of a language model's vocabulary.
+        after(
+            &[gpt2_ckpt],
+            "export --checkpoint {d}/ck --format hf --out {d}/out",
+            text_file("out/tokenizer.json", "{}".into()),
+            "already holds files (tokenizer.json, ...)",
+        ),
+        after(
+            &[gpt2_ckpt],
+            "logits --checkpoint {d}/ck --ids 1,2,999",
+            Vec::new(),
+            "id 999 (position 2) is outside the vocabulary of 65 tokens",
+        ),
+        after(
+            &["train --steps 1 --checkpoint-dir {d}/ck"],
+            "logits --checkpoint {d}/ck --ids 1,2",
+            Vec::new(),
+            "not a language model",
+        ),
+        // A setting that would do nothing.
+        row(
+            "train --model mlp-784-10 --optimizer muon --steps 1",
+            "this model has none",
+        ),
+    ]
+}
+
+fn text_file(name: &'static str, body: String) -> Vec<File> {
+    vec![File::Text(name, body)]
+}
+
+impl Row {
+    /// This row with its `model.safetensors` a FIFO, refused with `want`.
+    fn fifo_weights(mut self, want: &'static str) -> Self {
+        self.files
+            .retain(|f| !matches!(f, File::Bytes("hf/model.safetensors", _)));
+        self.files.push(File::Fifo("hf/model.safetensors"));
+        self.want = want;
+        self
+    }
+}
+
 fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).unwrap();
     for f in &r.files {
         match f {
-            File::Text(n, body) => std::fs::write(dir.join(n), body).unwrap(),
-            File::Bytes(n, body) => std::fs::write(dir.join(n), body).unwrap(),
+            File::Text(n, body) => write_under(dir, n, body.as_bytes()),
+            File::Bytes(n, body) => write_under(dir, n, body),
             File::Dir(n) => std::fs::create_dir_all(dir.join(n)).unwrap(),
+            File::Fifo(_) => {}
+        }
+    }
+    for cmd in &r.setup {
+        let args = cmd.replace("{d}", &dir.display().to_string());
+        let out = Command::new(env!("CARGO_BIN_EXE_pipe"))
+            .args(args.split_whitespace())
+            .output()
+            .expect("run pipe");
+        assert!(out.status.success(), "setup `pipe {args}`: {out:?}");
+    }
+    for f in &r.files {
+        if let File::Fifo(n) = f {
+            let path = dir.join(n);
+            let _ = std::fs::remove_file(&path);
+            let made = Command::new("mkfifo").arg(&path).status().expect("mkfifo");
+            assert!(made.success(), "mkfifo {}", path.display());
         }
     }
     let args = r.args.replace("{d}", &dir.display().to_string());
@@ -907,6 +1191,15 @@ fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
     }
 }
 
+/// Writes `body` at `name` under `dir`, creating the folders between.
+fn write_under(dir: &Path, name: &str, body: &[u8]) {
+    let path = dir.join(name);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).unwrap();
+    }
+    std::fs::write(path, body).unwrap();
+}
+
 /// The rows that are bad input on this machine: `--backend cuda` is not where a CUDA build
 /// finds a GPU.
 fn usable_here(mut rows: Vec<Row>) -> Vec<Row> {
@@ -930,6 +1223,7 @@ fn every_bad_input_is_refused_on_one_line_with_its_exit_code() {
         ("profile", profile_rows()),
         ("data", data_rows()),
         ("checkpoint", checkpoint_rows()),
+        ("newer-surfaces", newer_surface_rows()),
     ];
     let total: usize = tables.iter().map(|(_, rows)| rows.len()).sum();
     let mut failures = Vec::new();

@@ -9,6 +9,7 @@ use clap::Args;
 use pipe_kernels::{Backend, CpuBackend, Tensor};
 
 use pipe_stages::checkpoint::read_with_model;
+use pipe_stages::layers::LayerSpec;
 use pipe_stages::model::Model;
 
 use crate::output::bad_input;
@@ -37,24 +38,41 @@ pub struct LogitsArgs {
 /// Bad input for unreadable weights, ids outside the vocabulary or more ids than the
 /// model's context.
 pub fn run(args: &LogitsArgs) -> Result<()> {
-    let (model, params) = match (&args.checkpoint, &args.hf) {
+    let (model, spec, params) = match (&args.checkpoint, &args.hf) {
         (Some(c), _) => {
             let (_, model, ckpt) = read_with_model(c)?;
-            (model, ckpt.params)
+            (model, ckpt.state.model_spec, ckpt.params)
         }
         (None, Some(dir)) => {
             let spec = pipe_stages::hf::spec_from_dir(dir)?;
             let model = Model::new(&spec)?;
             let params = pipe_stages::hf::import(&model, &spec, dir)?;
-            (model, params)
+            (model, spec, params)
         }
         (None, None) => return Err(bad_input("give --checkpoint or --hf".into())),
     };
-    let context = model.input_shape().first().copied().unwrap_or(0);
+    // Only a language model takes token ids: its first layer is a token embedding.
+    let Some(&LayerSpec::Embedding { vocab, context, .. }) = spec.layers.first() else {
+        return Err(bad_input(
+            "the model is not a language model (its first layer is not a token embedding), \
+             so it has no logits over tokens"
+                .into(),
+        ));
+    };
     if args.ids.is_empty() || args.ids.len() > context {
         return Err(bad_input(format!(
             "{} ids; the model takes 1 to {context}",
             args.ids.len()
+        )));
+    }
+    if let Some((at, id)) = args
+        .ids
+        .iter()
+        .enumerate()
+        .find(|(_, id)| **id as usize >= vocab)
+    {
+        return Err(bad_input(format!(
+            "--ids: id {id} (position {at}) is outside the vocabulary of {vocab} tokens"
         )));
     }
     let be = CpuBackend::new(args.threads)?;

@@ -378,7 +378,7 @@ fn prune(root: &Path, keep: usize, current: &str) {
 }
 
 /// The checkpoint directory `path` names: a checkpoint itself, or a checkpoint root whose
-/// `latest` is followed.
+/// `latest` is followed (without one, its newest `ckpt-*` that has a manifest).
 ///
 /// # Errors
 /// [`StageError::Checkpoint`]: no such directory, or a `latest` that names nothing.
@@ -406,6 +406,15 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         }
         return Ok(dir);
     }
+    // A writer stopped between renaming a checkpoint into place and writing `latest` leaves
+    // a whole checkpoint (only a finished one is renamed in) and no pointer: take the newest.
+    if let Some((_, dir)) = list(path)
+        .into_iter()
+        .rev()
+        .find(|(_, d)| d.join(MANIFEST).is_file())
+    {
+        return Ok(dir);
+    }
     Err(io_err(
         path,
         "neither a checkpoint (no manifest.json) nor a checkpoint directory (no latest)",
@@ -415,7 +424,7 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
 /// Reads a small file, bounded.
 fn read_small(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read as _;
-    let file = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+    let file = crate::limits::open_regular(path).map_err(|e| io_err(path, e))?;
     let mut bytes = Vec::new();
     file.take(MAX_SMALL_FILE + 1)
         .read_to_end(&mut bytes)
@@ -457,7 +466,13 @@ fn verified_files(dir: &Path) -> Result<HashMap<String, Vec<u8>>> {
                 ),
             ));
         }
-        let bytes = std::fs::read(&path).map_err(|e| io_err(&path, e))?;
+        let mut bytes = Vec::new();
+        crate::limits::open_regular(&path)
+            .and_then(|f| {
+                use std::io::Read as _;
+                f.take(entry.bytes).read_to_end(&mut bytes)
+            })
+            .map_err(|e| io_err(&path, e))?;
         if sha256_hex(&bytes) != entry.sha256 {
             return Err(io_err(
                 &path,

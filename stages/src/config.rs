@@ -1332,6 +1332,18 @@ impl RunConfig {
         crate::limits::check_threads(self.threads as u64, machine)?;
         let model = Model::new(&self.model)?;
         model.check_microbatch(self.microbatch_size)?;
+        if self.optimizer.kind == crate::optim::OptimizerKind::Muon
+            && !model.hidden_matrices().iter().flatten().any(|&h| h)
+        {
+            // Muon would step every parameter as AdamW does while the header said Muon.
+            return Err(StageError::Config(
+                "--optimizer muon orthogonalises the updates of hidden weight matrices, and \
+                 this model has none (its only matrices are its first and last layers, \
+                 embeddings or heads): it would train as AdamW; use --optimizer adamw, or a \
+                 model with hidden layers"
+                    .into(),
+            ));
+        }
         let run = if self.pipelined {
             self.resolved()?
         } else {

@@ -150,10 +150,42 @@ fn too_long(path: &std::path::Path, max: u64) -> StageError {
     ))
 }
 
+/// Opens `path` for reading if it is a regular file (after symbolic links). A FIFO, a device
+/// or a socket would block or never end, so the file is opened without waiting
+/// (`O_NONBLOCK`, which a regular file ignores) and refused unless it is a regular file:
+/// every file a user names is read through here.
+///
+/// # Errors
+/// The open's error, or [`std::io::ErrorKind::InvalidInput`] naming what the path is instead.
+pub fn open_regular(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() {
+        return Ok(file);
+    }
+    let what = if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "a device"
+    };
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("{what}, not a regular file"),
+    ))
+}
+
 /// At most `max` bytes of `path`.
 fn read_bounded(path: &std::path::Path, max: u64) -> std::result::Result<Vec<u8>, Bounded> {
     use std::io::Read as _;
-    let file = std::fs::File::open(path).map_err(Bounded::Io)?;
+    let file = open_regular(path).map_err(Bounded::Io)?;
     let mut bytes = Vec::new();
     file.take(max.saturating_add(1))
         .read_to_end(&mut bytes)

@@ -410,8 +410,8 @@ pub fn tinyshakespeare_text(dir: Option<&Path>) -> Result<std::borrow::Cow<'stat
     };
     let path = d.join("tinyshakespeare.txt");
     let name = path.display().to_string();
-    let file =
-        std::fs::File::open(&path).map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
+    let file = crate::limits::open_regular(&path)
+        .map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
     let mut bytes = Vec::new();
     file.take(MAX_TEXT_BYTES as u64 + 1)
         .read_to_end(&mut bytes)

@@ -10,8 +10,8 @@
 //! `transformer.wte.weight` (what `save_pretrained` writes for a tied GPT-2); an untied one as
 //! `lm_head.weight`.
 
-use std::collections::HashMap;
-use std::path::Path;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 
 use pipe_kernels::Tensor;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
@@ -25,6 +25,19 @@ pub const WEIGHTS: &str = "model.safetensors";
 
 /// The config's name.
 pub const CONFIG: &str = "config.json";
+
+/// The index of a sharded save (`save_pretrained(max_shard_size=...)`).
+pub const INDEX: &str = "model.safetensors.index.json";
+
+/// Largest `config.json` or index read.
+const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// Shards one save may have.
+const MAX_SHARDS: usize = 100_000;
+
+/// Tensors GPT-2's `transformers` class keeps as buffers (the causal mask), written by some
+/// saves and never weights: the only names a directory may hold that the model does not take.
+const BUFFER_SUFFIXES: [&str; 2] = [".attn.bias", ".attn.masked_bias"];
 
 /// Largest `model.safetensors` read (GPT-2 XL's f32 weights are 6.2 GB).
 pub const MAX_WEIGHTS_BYTES: u64 = 16 << 30;
@@ -180,20 +193,44 @@ impl Gpt2Layout {
     }
 }
 
-/// The model a Hugging Face GPT-2 directory's `config.json` describes.
+/// The GPT-2 shape a Hugging Face directory's `config.json` gives: the model's layout, as
+/// [`gpt2_layout`] would give it for the model the directory holds.
 ///
 /// # Errors
 /// [`StageError::Data`] for a missing or unreadable file; [`StageError::Config`] for a
-/// config pipe's GPT-2 block cannot be ([`crate::transformer::gpt2_from_hf_config`]).
-pub fn spec_from_dir(dir: &Path) -> Result<ModelSpec> {
+/// config pipe's GPT-2 block cannot be ([`crate::transformer::hf_gpt2_config`]).
+pub fn config_of_dir(dir: &Path) -> Result<Gpt2Layout> {
     let path = dir.join(CONFIG);
-    let bytes = crate::limits::read_file(&path, 1 << 20)?;
+    let bytes = crate::limits::read_file(&path, MAX_CONFIG_BYTES)?;
     let name = path.display().to_string();
-    let shape = crate::transformer::gpt2_from_hf_config(&String::from_utf8_lossy(&bytes), &name)
+    let (shape, tied) = crate::transformer::hf_gpt2_config(&String::from_utf8_lossy(&bytes), &name)
         .map_err(StageError::Config)?;
-    let vocab = shape.vocab_size.unwrap_or_default();
-    let gpt = shape.resolve(None).map_err(StageError::Config)?;
-    Ok(ModelSpec::gpt(gpt, vocab, true))
+    let gpt = shape
+        .resolve(None)
+        .map_err(|e| StageError::Config(format!("{name}: {e}")))?;
+    Ok(Gpt2Layout {
+        blocks: gpt.blocks,
+        width: gpt.width,
+        heads: gpt.heads,
+        context: gpt.context,
+        vocab: shape.vocab_size.unwrap_or_default(),
+        tied,
+    })
+}
+
+/// The model a Hugging Face GPT-2 directory's `config.json` describes.
+///
+/// # Errors
+/// As [`config_of_dir`].
+pub fn spec_from_dir(dir: &Path) -> Result<ModelSpec> {
+    let c = config_of_dir(dir)?;
+    let gpt = crate::transformer::GptShape {
+        blocks: c.blocks,
+        width: c.width,
+        heads: c.heads,
+        context: c.context,
+    };
+    Ok(ModelSpec::gpt(gpt, c.vocab, c.tied))
 }
 
 /// The layout of `model`, or an error naming why it is not GPT-2's.
@@ -216,13 +253,22 @@ fn layout_of(model: &Model, spec: &ModelSpec) -> Result<Gpt2Layout> {
     Ok(layout)
 }
 
-/// Writes `params` of `model` (built from `spec`) into `out` as `model.safetensors` with
-/// `transformers`' names and `config.json`; returns the layout.
+/// Writes `params` of `model` (built from `spec`) into `out`, a directory that must not exist
+/// yet or be empty, as `transformers` saves it: `config.json`, and `model.safetensors` with
+/// `transformers`' names, or, with `max_shard_bytes`, shards of at most that many bytes of
+/// tensors each (a tensor larger than that alone in its shard, as `save_pretrained` does)
+/// with their index. Returns the layout and the files written.
 ///
 /// # Errors
-/// [`StageError::Model`] for a model that is not GPT-2-shaped; [`StageError::Data`] when a
-/// file cannot be written.
-pub fn export(model: &Model, spec: &ModelSpec, params: &Params, out: &Path) -> Result<Gpt2Layout> {
+/// [`StageError::Model`] for a model that is not GPT-2-shaped; [`StageError::Data`] for an
+/// output directory that holds files, or when a file cannot be written.
+pub fn export(
+    model: &Model,
+    spec: &ModelSpec,
+    params: &Params,
+    out: &Path,
+    max_shard_bytes: Option<u64>,
+) -> Result<(Gpt2Layout, Vec<PathBuf>)> {
     let layout = layout_of(model, spec)?;
     let mut named: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
     for e in model.param_table() {
@@ -235,71 +281,288 @@ pub fn export(model: &Model, spec: &ModelSpec, params: &Params, out: &Path) -> R
             t.shape().to_vec(),
         ));
     }
-    let views = named
-        .iter()
-        .map(|(n, b, shape)| {
-            TensorView::new(Dtype::F32, shape.clone(), b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| hf_err(n, e.to_string()))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    let bytes = safetensors::tensor::serialize(views, Some(meta))
-        .map_err(|e| hf_err(WEIGHTS, e.to_string()))?;
-    std::fs::create_dir_all(out)
-        .map_err(|e| hf_err(out.display(), format!("cannot create: {e}")))?;
-    let write = |name: &str, data: &[u8]| {
+    claim_empty_dir(out)?;
+    let shards = shard_plan(&named, max_shard_bytes);
+    let mut written = Vec::new();
+    let mut write = |name: &str, data: &[u8]| {
         let path = out.join(name);
         std::fs::write(&path, data)
-            .map_err(|e| hf_err(path.display(), format!("cannot write: {e}")))
+            .map_err(|e| hf_err(path.display(), format!("cannot write: {e}")))?;
+        written.push(path);
+        Ok::<(), StageError>(())
     };
-    write(WEIGHTS, &bytes)?;
+    let mut weight_map = BTreeMap::new();
+    for (k, range) in shards.iter().enumerate() {
+        let file = if shards.len() == 1 {
+            WEIGHTS.to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", k + 1, shards.len())
+        };
+        let views = named[range.clone()]
+            .iter()
+            .map(|(n, b, shape)| {
+                weight_map.insert(n.clone(), file.clone());
+                TensorView::new(Dtype::F32, shape.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| hf_err(n, e.to_string()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        let bytes = safetensors::tensor::serialize(views, Some(meta))
+            .map_err(|e| hf_err(&file, e.to_string()))?;
+        write(&file, &bytes)?;
+    }
+    if shards.len() > 1 {
+        let total: usize = named.iter().map(|(_, b, _)| b.len()).sum();
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let text = serde_json::to_vec_pretty(&index).map_err(|e| hf_err(INDEX, e.to_string()))?;
+        write(INDEX, &text)?;
+    }
     let config = serde_json::to_vec_pretty(&layout.config_json())
         .map_err(|e| hf_err(CONFIG, e.to_string()))?;
     write(CONFIG, &config)?;
-    Ok(layout)
+    Ok((layout, written))
 }
 
-/// Reads the weights of `model` (built from `spec`) from a Hugging Face directory's
-/// `model.safetensors` (names with or without the `transformer.` prefix, f32, f16 or bf16),
-/// every use of a tied parameter given the same tensor.
+/// Creates `out`, or takes it if it exists and is empty: an export owns its whole directory,
+/// so no file of an earlier export (a tokenizer, a shard) is left beside the new model.
+fn claim_empty_dir(out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out)
+        .map_err(|e| hf_err(out.display(), format!("cannot create: {e}")))?;
+    let mut entries =
+        std::fs::read_dir(out).map_err(|e| hf_err(out.display(), format!("cannot read: {e}")))?;
+    if let Some(entry) = entries.next() {
+        let first: String =
+            entry.map_or_else(|_| "?".into(), |e| e.file_name().to_string_lossy().into());
+        return Err(hf_err(
+            out.display(),
+            format!(
+                "already holds files ({first}, ...): export into a new or empty directory, so \
+                 that no file of another model is left beside this one"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The tensors of each shard, in order: consecutive runs of at most `max` bytes each (one
+/// tensor alone where it is larger), or one shard of all without a limit.
+fn shard_plan(
+    named: &[(String, Vec<u8>, Vec<usize>)],
+    max: Option<u64>,
+) -> Vec<std::ops::Range<usize>> {
+    let Some(max) = max else {
+        return std::iter::once(0..named.len()).collect();
+    };
+    let mut shards = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, (_, b, _)) in named.iter().enumerate() {
+        let size = b.len() as u64;
+        if i > start && bytes + size > max {
+            shards.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    shards.push(start..named.len());
+    shards
+}
+
+/// The safetensors files of a Hugging Face directory: `model.safetensors`, or the shards its
+/// index names (each once, in the index's order), with the index's map from tensor to file.
+fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
+    let single = dir.join(WEIGHTS);
+    let index = dir.join(INDEX);
+    if single.exists() || !index.exists() {
+        return Ok((vec![single], None));
+    }
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: WeightMap,
+    }
+    let bytes = crate::limits::read_file(&index, MAX_CONFIG_BYTES)?;
+    let parsed: Index = serde_json::from_slice(&bytes)
+        .map_err(|e| hf_err(index.display(), format!("not a safetensors index: {e}")))?;
+    let mut files: Vec<String> = Vec::new();
+    for file in parsed.weight_map.values() {
+        let plain = !file.is_empty()
+            && file.ends_with(".safetensors")
+            && !file.contains(['/', '\\'])
+            && !file.starts_with('.');
+        if !plain {
+            return Err(hf_err(
+                index.display(),
+                format!("names shard {file:?}, which is not a .safetensors file beside it"),
+            ));
+        }
+        if !files.contains(file) {
+            if files.len() == MAX_SHARDS {
+                return Err(hf_err(
+                    index.display(),
+                    format!("names more than {MAX_SHARDS} shards"),
+                ));
+            }
+            files.push(file.clone());
+        }
+    }
+    let paths = files.iter().map(|f| dir.join(f)).collect();
+    Ok((paths, Some(parsed.weight_map)))
+}
+
+/// An index's map from tensor name to shard file.
+type WeightMap = BTreeMap<String, String>;
+
+/// Whether `name` is one of GPT-2's attention buffers, which are not weights.
+fn is_buffer(name: &str) -> bool {
+    name.starts_with("transformer.h.") && BUFFER_SUFFIXES.iter().any(|s| name.ends_with(s))
+}
+
+/// Refuses a directory whose `config.json` describes another model than `layout`, naming
+/// the first field that differs.
+fn check_config(dir: &Path, layout: &Gpt2Layout) -> Result<()> {
+    let given = config_of_dir(dir)?;
+    let fields = [
+        ("n_layer", given.blocks, layout.blocks),
+        ("n_head", given.heads, layout.heads),
+        ("n_embd", given.width, layout.width),
+        ("n_positions", given.context, layout.context),
+        ("vocab_size", given.vocab, layout.vocab),
+        (
+            "tie_word_embeddings",
+            usize::from(given.tied),
+            usize::from(layout.tied),
+        ),
+    ];
+    for (field, got, want) in fields {
+        if got != want {
+            let shown = |v: usize| match field {
+                "tie_word_embeddings" => (v == 1).to_string(),
+                _ => v.to_string(),
+            };
+            return Err(StageError::Config(format!(
+                "{}: {field} is {}, but the model this run builds has {}",
+                dir.join(CONFIG).display(),
+                shown(got),
+                shown(want)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the weights of `model` (built from `spec`) from a Hugging Face directory: its
+/// `config.json` must describe this model, and its `model.safetensors` (or the shards of
+/// `model.safetensors.index.json`) must hold every parameter, of its shape, in f32, f16 or
+/// bf16, finite, and nothing else but GPT-2's attention buffers. Names are read with or
+/// without the `transformer.` prefix; every use of a tied parameter gets the same tensor, and
+/// a tied model takes an `lm_head.weight` only where it equals the token embedding.
 ///
 /// # Errors
-/// [`StageError::Model`] for a model that is not GPT-2-shaped; [`StageError::Data`] naming
-/// the file and tensor for a missing file, a missing tensor, or one of another shape or type.
+/// [`StageError::Model`] for a model that is not GPT-2-shaped; [`StageError::Config`] for a
+/// config that describes another model; [`StageError::Data`] naming the file and tensor for
+/// a missing file, a missing or unknown tensor, or one of another shape or type, or holding a
+/// value that is not finite; [`StageError::Limit`] for files past the size limit.
 pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
     let layout = layout_of(model, spec)?;
-    let path = dir.join(WEIGHTS);
-    let bytes = crate::limits::read_file(&path, MAX_WEIGHTS_BYTES)?;
-    let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| hf_err(path.display(), format!("not a safetensors file: {e}")))?;
+    check_config(dir, &layout)?;
+    let (files, index) = weight_files(dir)?;
+    // Every tensor of every file, under its full name, with the file it came from.
+    let mut found: BTreeMap<String, (Tensor, PathBuf)> = BTreeMap::new();
+    let mut budget = MAX_WEIGHTS_BYTES;
+    for path in &files {
+        let bytes = crate::limits::read_file(path, budget)?;
+        budget -= bytes.len() as u64;
+        let file = SafeTensors::deserialize(&bytes)
+            .map_err(|e| hf_err(path.display(), format!("not a safetensors file: {e}")))?;
+        for (name, view) in file.tensors() {
+            let full = if name.starts_with("transformer.") || name == "lm_head.weight" {
+                name.clone()
+            } else {
+                format!("transformer.{name}")
+            };
+            if is_buffer(&full) {
+                continue;
+            }
+            if let Some(map) = &index {
+                let listed = map.get(&name).or_else(|| map.get(&full));
+                let here = path.file_name().map(|f| f.to_string_lossy().into_owned());
+                if listed.map(String::as_str) != here.as_deref() {
+                    return Err(hf_err(
+                        path.display(),
+                        format!("holds {name}, which the index does not place in this shard"),
+                    ));
+                }
+            }
+            let t = tensor_of(&view, &name, path)?;
+            if found.insert(full.clone(), (t, path.clone())).is_some() {
+                return Err(hf_err(
+                    path.display(),
+                    format!("holds {full} a second time"),
+                ));
+            }
+        }
+    }
     let mut params = model.init_params(0);
     for e in model.param_table() {
         let name = layout.hf_name(&e.name).unwrap_or_default();
-        let short = name
-            .strip_prefix("transformer.")
-            .unwrap_or(&name)
-            .to_string();
-        let view = file
-            .tensor(&name)
-            .or_else(|_| file.tensor(&short))
-            .map_err(|_| hf_err(path.display(), format!("has no {name} (for {})", e.name)))?;
-        let t = tensor_of(&view, &e.shape, &name, &path)?;
+        let (t, path) = found
+            .remove(&name)
+            .ok_or_else(|| hf_err(dir.display(), format!("has no {name} (for {})", e.name)))?;
+        if t.shape() != e.shape.as_slice() {
+            return Err(hf_err(
+                path.display(),
+                format!("{name} is {:?}, the model has {:?}", t.shape(), e.shape),
+            ));
+        }
         for &(l, s) in &e.uses {
             params[l][s] = t.clone();
         }
     }
+    if layout.tied {
+        if let Some((head, path)) = found.remove("lm_head.weight") {
+            let wte = found_wte(model, &layout, &params)?;
+            if head.host()? != wte.as_slice() {
+                return Err(hf_err(
+                    path.display(),
+                    "holds an lm_head.weight that differs from transformer.wte.weight: an \
+                     untied head, which this model (tied) would drop; train an untied model \
+                     (--tie-embeddings false) to load it",
+                ));
+            }
+        }
+    }
+    if let Some((name, (_, path))) = found.iter().next() {
+        return Err(hf_err(
+            path.display(),
+            format!(
+                "holds {name}{}, which the model this run builds has no place for (a \
+                 different model: compare its config.json)",
+                match found.len() {
+                    1 => String::new(),
+                    n => format!(" and {} more tensors", n - 1),
+                }
+            ),
+        ));
+    }
     Ok(params)
 }
 
-/// An f32 tensor of `shape` from a view in f32, f16 or bf16.
-fn tensor_of(view: &TensorView<'_>, shape: &[usize], name: &str, path: &Path) -> Result<Tensor> {
-    if view.shape() != shape {
-        return Err(hf_err(
-            path.display(),
-            format!("{name} is {:?}, the model has {shape:?}", view.shape()),
-        ));
+/// The token embedding's values as imported.
+fn found_wte(model: &Model, layout: &Gpt2Layout, params: &Params) -> Result<Vec<f32>> {
+    for e in model.param_table() {
+        if layout.hf_name(&e.name).as_deref() == Some("transformer.wte.weight") {
+            let (l, s) = e.uses[0];
+            return Ok(params[l][s].host()?.to_vec());
+        }
     }
+    Err(StageError::Model("the model has no token embedding".into()))
+}
+
+/// An f32 tensor from a view in f32, f16 or bf16, every value finite.
+fn tensor_of(view: &TensorView<'_>, name: &str, path: &Path) -> Result<Tensor> {
     let data = view.data();
     let values: Vec<f32> = match view.dtype() {
         Dtype::F32 => data
@@ -321,5 +584,14 @@ fn tensor_of(view: &TensorView<'_>, shape: &[usize], name: &str, path: &Path) ->
             ));
         }
     };
-    Ok(Tensor::from_vec(shape, values)?)
+    if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+        return Err(hf_err(
+            path.display(),
+            format!(
+                "{name} holds {} at element {at}: weights must be finite",
+                values[at]
+            ),
+        ));
+    }
+    Ok(Tensor::from_vec(view.shape(), values)?)
 }

@@ -703,8 +703,8 @@ fn check_manifest(m: &Manifest, path: &Path) -> Result<()> {
 fn open_shard(dir: &Path, entry: &ShardEntry, m: &Manifest) -> Result<Shard> {
     let path = dir.join(&entry.file);
     let name = path.display().to_string();
-    let file =
-        std::fs::File::open(&path).map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
+    let file = crate::limits::open_regular(&path)
+        .map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
     let mut head = vec![0u8; 12 + MAX_HEADER_BYTES as usize];
     let got =
         read_up_to(&file, &mut head).map_err(|e| data_err(&name, format!("cannot read: {e}")))?;

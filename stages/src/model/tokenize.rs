@@ -67,6 +67,13 @@ pub fn input_files(input: &Path) -> Result<Vec<(PathBuf, u64)>> {
                 dirs.push(path);
             } else if meta.is_file() {
                 out.push((path, meta.len()));
+            } else {
+                // A FIFO or a device would block or never end; skipping it would lose a
+                // document without a word.
+                return Err(data_err(
+                    path.display(),
+                    "is not a regular file (a FIFO, socket or device): move it out of the input",
+                ));
             }
         }
     }
@@ -92,8 +99,8 @@ struct TextBlocks {
 impl TextBlocks {
     fn open(path: &Path, cut_anywhere: bool) -> Result<Self> {
         let name = path.display().to_string();
-        let file =
-            std::fs::File::open(path).map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
+        let file = crate::limits::open_regular(path)
+            .map_err(|e| data_err(&name, format!("cannot read: {e}")))?;
         Ok(Self {
             file,
             name,

@@ -547,6 +547,29 @@ impl Gpt2Shape {
             heads: pick(self.n_head, base.map(|b| b.heads), "n_head")?,
             context: pick(self.n_positions, base.map(|b| b.context), "n_positions")?,
         };
+        // Every size is bounded before anything is built from it: the layer list has one
+        // entry a block, and every tensor is a product of these.
+        let blocks_limit = crate::limits::MAX_LAYERS - 3;
+        if shape.blocks as u64 > blocks_limit {
+            return Err(format!(
+                "n_layer {} is past the limit of {blocks_limit} blocks (no model this system \
+                 builds comes close)",
+                shape.blocks
+            ));
+        }
+        let tensor_limit = crate::limits::MAX_TENSOR_ELEMENTS;
+        for (name, v) in [
+            ("n_embd", Some(shape.width)),
+            ("n_head", Some(shape.heads)),
+            ("n_positions", Some(shape.context)),
+            ("vocab_size", self.vocab_size),
+        ] {
+            if let Some(v) = v.filter(|&v| v as u64 > tensor_limit) {
+                return Err(format!(
+                    "{name} {v} is past the limit of {tensor_limit} (elements of one tensor)"
+                ));
+            }
+        }
         if shape.width % shape.heads != 0 {
             return Err(format!(
                 "n_embd {} is not a multiple of n_head {}",
@@ -573,21 +596,41 @@ struct HfGpt2Config {
     tie_word_embeddings: Option<bool>,
 }
 
-/// The GPT-2 shape of a Hugging Face `config.json`'s text (`name` for messages).
+/// The GPT-2 shape of a Hugging Face `config.json`'s text (`name` for messages), for a run
+/// whose head is tied as GPT-2's is.
+///
+/// # Errors
+/// As [`hf_gpt2_config`], and an untied head.
+pub fn gpt2_from_hf_config(text: &str, name: &str) -> Result<Gpt2Shape, String> {
+    let (shape, tied) = hf_gpt2_config(text, name)?;
+    if !tied {
+        return Err(format!(
+            "{name}: an untied head (tie_word_embeddings false), which pipe's GPT-2 presets \
+             are not"
+        ));
+    }
+    Ok(shape)
+}
+
+/// The GPT-2 shape of a Hugging Face `config.json`'s text (`name` for messages), and whether
+/// its head is tied to the token embedding (`tie_word_embeddings`, true when absent).
 ///
 /// # Errors
 /// A message naming what pipe's GPT-2 block cannot be: another model type, an MLP width
-/// other than 4 × `n_embd`, an activation other than tanh-approximated GELU, a layer-norm
-/// epsilon other than 1e-5, or an untied head.
-pub fn gpt2_from_hf_config(text: &str, name: &str) -> Result<Gpt2Shape, String> {
+/// other than 4 × `n_embd`, an activation other than tanh-approximated GELU, or a layer-norm
+/// epsilon other than 1e-5.
+pub fn hf_gpt2_config(text: &str, name: &str) -> Result<(Gpt2Shape, bool), String> {
     let c: HfGpt2Config =
         serde_json::from_str(text).map_err(|e| format!("{name}: not a GPT-2 config.json: {e}"))?;
     let refuse = |what: String| Err(format!("{name}: {what}, which pipe's GPT-2 block is not"));
     if let Some(t) = c.model_type.as_deref().filter(|t| *t != "gpt2") {
         return refuse(format!("model_type {t:?}"));
     }
-    if let Some(n) = c.n_inner.filter(|&n| n != 4 * c.n_embd) {
-        return refuse(format!("n_inner {n} (4 x n_embd is {})", 4 * c.n_embd));
+    if let Some(n) = c.n_inner.filter(|&n| Some(n) != c.n_embd.checked_mul(4)) {
+        return refuse(format!(
+            "n_inner {n} (4 x n_embd is {})",
+            c.n_embd.saturating_mul(4)
+        ));
     }
     if let Some(a) = c
         .activation_function
@@ -599,16 +642,14 @@ pub fn gpt2_from_hf_config(text: &str, name: &str) -> Result<Gpt2Shape, String> 
     if let Some(e) = c.layer_norm_epsilon.filter(|&e| (e - 1e-5).abs() > 1e-12) {
         return refuse(format!("layer_norm_epsilon {e}"));
     }
-    if c.tie_word_embeddings == Some(false) {
-        return refuse("an untied head (tie_word_embeddings false)".into());
-    }
-    Ok(Gpt2Shape {
+    let shape = Gpt2Shape {
         n_layer: Some(c.n_layer),
         n_head: Some(c.n_head),
         n_embd: Some(c.n_embd),
         n_positions: Some(c.n_positions),
         vocab_size: Some(c.vocab_size),
-    })
+    };
+    Ok((shape, c.tie_word_embeddings.unwrap_or(true)))
 }
 
 /// The shape of GPT preset `name`, if it is one.
