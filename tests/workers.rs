@@ -10,7 +10,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::BufRead;
+use std::io::{BufRead, Read as _};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -475,6 +475,122 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
             .args(["--resume", at.to_str().unwrap()])));
         assert_eq!(done(&text), done(&resumed), "{transport}");
     }
+}
+
+/// Starts `pipe train --config CONFIG` with `flags` as worker processes, waits for its first
+/// epoch line (so that the launcher holds a drained state), kills rank `rank` with SIGKILL,
+/// and returns the launcher's output to the end.
+fn kill_after_first_epoch(config: &str, flags: &[&str], rank: u32) -> Output {
+    let mut launcher: Child = Command::new(PIPE)
+        .args(["train", "--config", config])
+        .args(flags)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = launcher.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut lines = Vec::new();
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the run never reached its first epoch");
+        let epoch = line.starts_with("epoch");
+        lines.push(line);
+        if epoch {
+            break;
+        }
+    }
+    signal(&children_of(launcher.id()), rank, "-9");
+    let status = launcher.wait().unwrap();
+    reader.join().unwrap();
+    lines.extend(rx.try_iter());
+    let mut stderr = Vec::new();
+    launcher
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_end(&mut stderr)
+        .unwrap();
+    let mut stdout = lines.join("\n").into_bytes();
+    stdout.push(b'\n');
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
+}
+
+/// A replica killed with kill -9 in a run without `--checkpoint-dir`, over QUIC and over
+/// shared memory: the launcher kept the whole model's state at the last drain point (an
+/// epoch's end, gathered from the surviving replicas), so the run goes on from there on
+/// replicas [2, 1] and ends with exit 0, with the weights of the undisturbed run's checkpoint
+/// at that update resumed by hand on [2, 1]. A run whose lost worker was the last of its
+/// stage ends with exit 1, naming the flags that would have saved it.
+#[test]
+fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
+    if !std::path::Path::new("/proc/self/stat").exists() {
+        eprintln!("skipped: needs /proc to find the worker processes");
+        return;
+    }
+    let _one = serial();
+    let d = dir("replica-lost-no-ck");
+    let config = small_config(&d, 10_000);
+    let base = ["--steps", "600", "--stages", "2", "--momentum", "0.5"];
+    // Undisturbed, with a checkpoint at every epoch's end to resume by hand from.
+    let calm = d.join("calm");
+    ok(&run(train(&config, &calm, &base).args([
+        "--replicas",
+        "2",
+        "--keep-checkpoints",
+        "1000",
+    ])));
+    for transport in ["quic", "shm"] {
+        let mut flags = base.to_vec();
+        flags.extend(["--replicas", "2", "--transport", transport]);
+        let text = ok(&kill_after_first_epoch(&config, &flags, 3));
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 9"))
+            .unwrap_or_else(|| panic!("{transport}: no loss reported: {text}"));
+        assert!(line.contains("replicas [2, 1]"), "{line}");
+        let from = resumed_from(line);
+        assert!(
+            from > 0,
+            "{transport}: went on from the start, not a drain point: {line}"
+        );
+        assert!(done(&text).starts_with("done: 600 steps"), "{text}");
+        assert!(!text.contains("checkpoints:"), "{text}");
+        let at = calm.join(format!("ckpt-{from:08}"));
+        let resumed = ok(&run(train(
+            &config,
+            &d.join(format!("by-hand-{transport}")),
+            &base,
+        )
+        .args(["--replicas", "2,1", "--resume", at.to_str().unwrap()])));
+        assert_eq!(done(&text), done(&resumed), "{transport}");
+    }
+    let out = kill_after_first_epoch(
+        &config,
+        &["--steps", "600", "--stages", "2", "--transport", "shm"],
+        1,
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("worker 1")
+            && err.contains("--max-restarts")
+            && err.contains("--checkpoint-dir"),
+        "{err}"
+    );
 }
 
 /// `--rejoin` over QUIC: worker 3 (stage 1's second replica) ends at its 60th data message as

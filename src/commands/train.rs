@@ -111,7 +111,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             metrics: args.metrics_addr,
             faults,
             trace_parts: parts.clone(),
+            kept: None,
         };
+        launcher.keep_drained_states()?;
         let (end, last) = drive(
             &mut launcher,
             &cfg,

@@ -475,17 +475,7 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
     for path in &files {
         let bytes = crate::limits::read_file(path, budget)?;
         budget -= bytes.len() as u64;
-        let file = SafeTensors::deserialize(&bytes)
-            .map_err(|e| hf_err(path.display(), format!("not a safetensors file: {e}")))?;
-        for (name, view) in file.tensors() {
-            let full = if name.starts_with("transformer.") || name == "lm_head.weight" {
-                name.clone()
-            } else {
-                format!("transformer.{name}")
-            };
-            if is_buffer(&full) {
-                continue;
-            }
+        for (name, full, t) in read_weights(&bytes, &path.display().to_string())? {
             if let Some(map) = &index {
                 let listed = map.get(&name).or_else(|| map.get(&full));
                 let here = path.file_name().map(|f| f.to_string_lossy().into_owned());
@@ -496,7 +486,6 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
                     ));
                 }
             }
-            let t = tensor_of(&view, &name, path)?;
             if found.insert(full.clone(), (t, path.clone())).is_some() {
                 return Err(hf_err(
                     path.display(),
@@ -550,6 +539,33 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
     Ok(params)
 }
 
+/// The tensors of one safetensors file's bytes (`name` for messages), as the name in the
+/// file, the full `transformers` name (with its `transformer.` prefix), and the values in
+/// f32; GPT-2's attention buffers left out. Every tensor must be f32, f16 or bf16 and finite;
+/// the header's offsets and shapes are checked against the bytes by the safetensors crate
+/// before any value is read.
+///
+/// # Errors
+/// [`StageError::Data`] naming the file and the tensor.
+pub fn read_weights(bytes: &[u8], name: &str) -> Result<Vec<(String, String, Tensor)>> {
+    let file = SafeTensors::deserialize(bytes)
+        .map_err(|e| hf_err(name, format!("not a safetensors file: {e}")))?;
+    let mut out = Vec::new();
+    for (tensor, view) in file.tensors() {
+        let full = if tensor.starts_with("transformer.") || tensor == "lm_head.weight" {
+            tensor.clone()
+        } else {
+            format!("transformer.{tensor}")
+        };
+        if is_buffer(&full) {
+            continue;
+        }
+        let t = tensor_of(&view, &tensor, name)?;
+        out.push((tensor, full, t));
+    }
+    Ok(out)
+}
+
 /// The token embedding's values as imported.
 fn found_wte(model: &Model, layout: &Gpt2Layout, params: &Params) -> Result<Vec<f32>> {
     for e in model.param_table() {
@@ -562,7 +578,7 @@ fn found_wte(model: &Model, layout: &Gpt2Layout, params: &Params) -> Result<Vec<
 }
 
 /// An f32 tensor from a view in f32, f16 or bf16, every value finite.
-fn tensor_of(view: &TensorView<'_>, name: &str, path: &Path) -> Result<Tensor> {
+fn tensor_of(view: &TensorView<'_>, name: &str, path: &str) -> Result<Tensor> {
     let data = view.data();
     let values: Vec<f32> = match view.dtype() {
         Dtype::F32 => data
@@ -579,14 +595,14 @@ fn tensor_of(view: &TensorView<'_>, name: &str, path: &Path) -> Result<Tensor> {
             .collect(),
         other => {
             return Err(hf_err(
-                path.display(),
+                path,
                 format!("{name} is {other:?}; f32, f16 or bf16 are read"),
             ));
         }
     };
     if let Some(at) = values.iter().position(|v| !v.is_finite()) {
         return Err(hf_err(
-            path.display(),
+            path,
             format!(
                 "{name} holds {} at element {at}: weights must be finite",
                 values[at]

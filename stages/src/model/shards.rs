@@ -554,25 +554,13 @@ impl TokenCorpus {
         let width = self.manifest.dtype.width();
         let from = s.body + start as usize * width;
         let bytes = &s.map[from..from + n * width];
-        let vocab = self.manifest.tokenizer.vocab_size;
-        for (i, b) in bytes.chunks_exact(width).enumerate() {
-            let id = match self.manifest.dtype {
-                TokenDtype::U16 => u32::from(u16::from_le_bytes([b[0], b[1]])),
-                TokenDtype::U32 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-            };
-            if u64::from(id) >= vocab {
-                let at = start + i as u64;
-                return Err(data_err(
-                    &s.name,
-                    format!(
-                        "token id {id} at token {at} (byte {}) is outside the vocabulary of \
-                         {vocab}",
-                        s.body as u64 + at * width as u64
-                    ),
-                ));
-            }
-            out.push(id);
-        }
+        let ids = IdRun {
+            dtype: self.manifest.dtype,
+            vocab: self.manifest.tokenizer.vocab_size,
+            body: s.body,
+            start,
+        };
+        ids.decode(bytes, &s.name, out)?;
         let reads = self
             .reads
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -633,15 +621,24 @@ impl TokenCorpus {
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
     let bytes = crate::limits::read_file(&path, MAX_MANIFEST_BYTES)?;
-    let manifest: Manifest = serde_json::from_slice(&bytes)
-        .map_err(|e| data_err(path.display(), format!("not a token manifest: {e}")))?;
-    check_manifest(&manifest, &path)?;
+    parse_manifest(&bytes, &path.display().to_string())
+}
+
+/// A manifest's bytes (`name` for messages), parsed and checked before any file it names is
+/// opened: its format, shard count, vocabulary against its id type, file names, and that its
+/// shards' counts add up to its total.
+///
+/// # Errors
+/// [`StageError::Data`] naming what is wrong.
+pub fn parse_manifest(bytes: &[u8], name: &str) -> Result<Manifest> {
+    let manifest: Manifest = serde_json::from_slice(bytes)
+        .map_err(|e| data_err(name, format!("not a token manifest: {e}")))?;
+    check_manifest(&manifest, name)?;
     Ok(manifest)
 }
 
 /// Checks what a manifest says before any file it names is opened.
-fn check_manifest(m: &Manifest, path: &Path) -> Result<()> {
-    let name = path.display();
+fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
     if m.format != FORMAT {
         return Err(data_err(
             &name,
@@ -747,17 +744,7 @@ fn open_shard(dir: &Path, entry: &ShardEntry, m: &Manifest) -> Result<Shard> {
         .metadata()
         .map_err(|e| data_err(&name, format!("cannot read: {e}")))?
         .len();
-    let want = (body as u64).saturating_add(header.tokens.saturating_mul(m.dtype.width() as u64));
-    if len != want {
-        let what = if len < want { "truncated" } else { "too long" };
-        return Err(data_err(
-            &name,
-            format!(
-                "{what} at byte {len}: {} tokens need {want} bytes",
-                header.tokens
-            ),
-        ));
-    }
+    check_shard_len(&header, body, len, &name)?;
     // SAFETY: the map is read-only and lives as long as the corpus; the shard files are
     // written once (to a temporary name, then renamed) and never modified in place. A file
     // truncated under a running job is the one case this cannot guard (the process would get
@@ -775,6 +762,79 @@ fn open_shard(dir: &Path, entry: &ShardEntry, m: &Manifest) -> Result<Shard> {
         body,
         tokens: header.tokens,
     })
+}
+
+/// A shard file's length against what its header says its ids need.
+fn check_shard_len(header: &ShardHeader, body: usize, len: u64, name: &str) -> Result<()> {
+    let want =
+        (body as u64).saturating_add(header.tokens.saturating_mul(header.dtype.width() as u64));
+    if len != want {
+        let what = if len < want { "truncated" } else { "too long" };
+        return Err(data_err(
+            name,
+            format!(
+                "{what} at byte {len}: {} tokens need {want} bytes",
+                header.tokens
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A run of ids in a shard: their type, the vocabulary they must fall in, where the shard's
+/// body starts and the index of the first.
+struct IdRun {
+    dtype: TokenDtype,
+    vocab: u64,
+    body: usize,
+    start: u64,
+}
+
+impl IdRun {
+    /// Decodes `bytes` (whole ids) into `out`, each checked against the vocabulary.
+    fn decode(&self, bytes: &[u8], name: &str, out: &mut Vec<u32>) -> Result<()> {
+        let width = self.dtype.width();
+        for (i, b) in bytes.chunks_exact(width).enumerate() {
+            let id = match self.dtype {
+                TokenDtype::U16 => u32::from(u16::from_le_bytes([b[0], b[1]])),
+                TokenDtype::U32 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            };
+            if u64::from(id) >= self.vocab {
+                let at = self.start + i as u64;
+                return Err(data_err(
+                    name,
+                    format!(
+                        "token id {id} at token {at} (byte {}) is outside the vocabulary of {}",
+                        self.body as u64 + at * width as u64,
+                        self.vocab
+                    ),
+                ));
+            }
+            out.push(id);
+        }
+        Ok(())
+    }
+}
+
+/// A whole shard file's bytes read as the corpus reader reads a mapped shard: its header,
+/// its length against the header's token count, and every id against the header's
+/// vocabulary (`name` for messages). What `pipe tokenize --check` does to one shard, without
+/// the manifest's cross-checks; the fuzz target's entry.
+///
+/// # Errors
+/// [`StageError::Data`] naming the byte where the shard goes wrong.
+pub fn parse_shard(bytes: &[u8], name: &str) -> Result<(ShardHeader, Vec<u32>)> {
+    let (header, body) = parse_shard_header(bytes, name)?;
+    check_shard_len(&header, body, bytes.len() as u64, name)?;
+    let ids = IdRun {
+        dtype: header.dtype,
+        vocab: header.vocab_size,
+        body,
+        start: 0,
+    };
+    let mut out = Vec::new();
+    ids.decode(&bytes[body..], name, &mut out)?;
+    Ok((header, out))
 }
 
 /// Reads from `file` until `buf` is full or the file ends; returns the bytes read.

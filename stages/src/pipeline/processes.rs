@@ -275,20 +275,22 @@ impl WorkerRun {
     }
 }
 
-/// A private directory for the run's credentials and resolved run, removed when dropped.
-struct LaunchDir(PathBuf);
+/// A private directory (mode 0700) of this process, removed when dropped: a start's
+/// credentials, resolved run and shared-memory sockets, or the drained states a launcher
+/// keeps across starts.
+pub(crate) struct LaunchDir(pub(crate) PathBuf);
 
 impl LaunchDir {
-    fn create() -> Result<Self> {
+    pub(crate) fn create(what: &str) -> Result<Self> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
         let path =
-            std::env::temp_dir().join(format!("pipe-launch-{}-{nanos:09}", std::process::id()));
+            std::env::temp_dir().join(format!("pipe-{what}-{}-{nanos:09}", std::process::id()));
         // Created closed to others (0700), not opened then closed: the workers' sockets for
         // shared memory live here too.
         pipe_transport::shm::private_dir(&path)
-            .map_err(|e| failed(format!("creating launch directory: {e}")))?;
+            .map_err(|e| failed(format!("creating {what} directory: {e}")))?;
         Ok(LaunchDir(path))
     }
 }
@@ -574,7 +576,7 @@ pub fn launch(
     on_record: &mut dyn FnMut(u32, &str) -> Result<()>,
 ) -> Result<()> {
     let n = opts.workers;
-    let dir = LaunchDir::create()?;
+    let dir = LaunchDir::create("launch")?;
     let run_id = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)

@@ -47,6 +47,13 @@ pub trait Launcher {
     /// Whether a lost replica is survived by starting the workers again on one replica
     /// fewer (worker processes) rather than inside the run (threads).
     fn survives_by_starting_again(&self) -> bool;
+
+    /// Where this launcher keeps the state of the run's last drain point when the run names
+    /// no checkpoint directory, so that a start after a lost replica or a failure goes on
+    /// from there. Threads keep it in memory inside the run, so have none.
+    fn kept_states(&self) -> Option<&Path> {
+        None
+    }
 }
 
 /// What the driver is asked to do beyond starting the workers once.
@@ -137,6 +144,13 @@ pub fn drive<L: Launcher>(
 ) -> (Result<L::End>, RunConfig) {
     // The run's own layout (planned again after a lost worker, with --replan-on-restart), and
     // the one it is on (short of lost replicas until they rejoin).
+    // Restarts and survival go on from the newest drained state: the run's checkpoints, or
+    // where the launcher keeps them when the run has none.
+    let mut how = how.clone();
+    if how.restarts.checkpoint_dir.is_none() {
+        how.restarts.checkpoint_dir = launcher.kept_states().map(Path::to_path_buf);
+    }
+    let how = &how;
     let own = std::cell::RefCell::new(cfg.clone());
     let current = std::cell::RefCell::new(cfg.clone());
     let pending: std::cell::RefCell<Option<LayoutChange>> = std::cell::RefCell::new(None);
@@ -202,7 +216,23 @@ pub fn drive<L: Launcher>(
             true
         },
     );
-    (end, current.into_inner())
+    (end.map_err(|e| with_way_out(e, how)), current.into_inner())
+}
+
+/// A run that lost a worker it could not go on without, with the flags that would have
+/// saved it: restarts, and checkpoints that outlive the launcher.
+fn with_way_out(err: StageError, how: &Relaunch) -> StageError {
+    if !matches!(err, StageError::Exited { .. }) || how.restarts.max_restarts > 0 {
+        return err;
+    }
+    StageError::Launch {
+        why: format!(
+            "{err} (no replica of its stage was left to go on without it: --max-restarts N \
+             starts the run again from its last drain point, and --checkpoint-dir DIR keeps \
+             those states on disk, so that a run can also be resumed by hand)"
+        ),
+        bad_input: false,
+    }
 }
 
 /// Every worker a thread of this process ([`super::train_pipelined`]).
@@ -246,7 +276,11 @@ impl Launcher for Threads<'_> {
     }
 }
 
-/// One worker process each on this host ([`super::processes::run_processes`]).
+/// One worker process each on this host ([`super::processes::run_processes`]). Without a
+/// checkpoint policy, the chief still writes the whole model's state at each drain point (an
+/// epoch's end), gathered from one replica of each stage, into a private directory of this
+/// launcher ([`Processes::keep_drained_states`]): a start after a lost replica or a failure
+/// goes on from it as from a checkpoint, and it is removed with the launcher.
 pub struct Processes {
     /// How the workers are launched (time limits, the stop flag).
     pub launch: super::processes::LaunchOptions,
@@ -259,6 +293,25 @@ pub struct Processes {
     pub faults: pipe_transport::fault::FaultSchedule,
     /// Where each worker writes its part of a trace (`--trace`), merged by the caller.
     pub trace_parts: Option<PathBuf>,
+    /// The private directory of drained states, when there is no checkpoint policy.
+    pub kept: Option<KeptStates>,
+}
+
+/// A launcher's private directory of drained states ([`Processes`]).
+pub struct KeptStates(super::processes::LaunchDir);
+
+impl Processes {
+    /// Keeps the drained state of each drain point in a private directory when the run has
+    /// no checkpoint policy of its own (with one, its checkpoints serve).
+    ///
+    /// # Errors
+    /// The directory cannot be created.
+    pub fn keep_drained_states(&mut self) -> Result<()> {
+        if self.checkpoints.is_none() && self.kept.is_none() {
+            self.kept = Some(KeptStates(super::processes::LaunchDir::create("drained")?));
+        }
+        Ok(())
+    }
 }
 
 impl Launcher for Processes {
@@ -280,7 +333,16 @@ impl Launcher for Processes {
         let workers = run.resolved()?.layout.workers();
         self.launch.workers = workers;
         self.launch.stop_at_first_drain = stop_at_first_drain;
-        let checkpoints = match &self.checkpoints {
+        let kept = self
+            .kept
+            .as_ref()
+            .map(|k| crate::checkpoint::CheckpointPolicy {
+                dir: k.0.0.clone(),
+                every: None,
+                keep: 1,
+                settings: String::new(),
+            });
+        let checkpoints = match self.checkpoints.as_ref().or(kept.as_ref()) {
             Some(policy) => Some(crate::checkpoint::CheckpointPolicy {
                 settings: run.numerics().to_json()?,
                 ..policy.clone()
@@ -296,7 +358,12 @@ impl Launcher for Processes {
             trace_parts: self.trace_parts.clone(),
             ..super::processes::WorkerRun::of(run)
         };
-        super::processes::run_processes(&handed, &self.launch, obs)
+        let mut end = super::processes::run_processes(&handed, &self.launch, obs)?;
+        if self.checkpoints.is_none() {
+            // Drained states are the launcher's own, not the user's checkpoints.
+            end.checkpoints.clear();
+        }
+        Ok(end)
     }
 
     fn stopped(end: &Self::End) -> Option<u64> {
@@ -305,5 +372,9 @@ impl Launcher for Processes {
 
     fn survives_by_starting_again(&self) -> bool {
         true
+    }
+
+    fn kept_states(&self) -> Option<&Path> {
+        self.kept.as_ref().map(|k| k.0.0.as_path())
     }
 }
