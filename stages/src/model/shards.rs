@@ -641,20 +641,20 @@ pub fn parse_manifest(bytes: &[u8], name: &str) -> Result<Manifest> {
 fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
     if m.format != FORMAT {
         return Err(data_err(
-            &name,
+            name,
             format!("corpus format {} (this build reads {FORMAT})", m.format),
         ));
     }
     if m.shards.is_empty() || m.shards.len() > MAX_SHARDS {
         return Err(data_err(
-            &name,
+            name,
             format!("{} shards (a corpus has 1 to {MAX_SHARDS})", m.shards.len()),
         ));
     }
     let vocab = m.tokenizer.vocab_size;
     if vocab == 0 || (m.dtype == TokenDtype::U16 && vocab > 1 << 16) || vocab > 1 << 32 {
         return Err(data_err(
-            &name,
+            name,
             format!(
                 "vocabulary of {vocab} tokens does not fit {:?} ids",
                 m.dtype
@@ -664,7 +664,7 @@ fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
     for e in &m.shards {
         if !is_plain_name(&e.file) {
             return Err(data_err(
-                &name,
+                name,
                 format!(
                     "shard {:?} is not a file name in the corpus directory",
                     e.file
@@ -676,7 +676,7 @@ fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
         && !is_plain_name(f)
     {
         return Err(data_err(
-            &name,
+            name,
             format!("tokenizer file {f:?} is not a file name in the corpus directory"),
         ));
     }
@@ -686,7 +686,7 @@ fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
         .try_fold(0u64, |acc, s| acc.checked_add(s.tokens));
     if sum != Some(m.tokens) {
         return Err(data_err(
-            &name,
+            name,
             format!(
                 "its shards' token counts do not add up to its total {}",
                 m.tokens
