@@ -6,6 +6,10 @@
    4 stages x 2 replicas) and exported (`pipe export --format hf`) is loaded by
    GPT2LMHeadModel.from_pretrained: same logits within 1e-4, and `generate` runs.
 3. The exported directory trains on in pipe (`--init-from`).
+4. Sharded saves both ways: transformers' `save_pretrained(max_shard_size=...)` read by pipe,
+   and `pipe export --max-shard-size` loaded by transformers, within 1e-4.
+5. A random GPT-2 of gpt2-small's shape (124 M parameters, GPT-2's vocabulary, 1,024
+   positions) made by transformers and read by pipe, compared at 256 tokens within 1e-4.
 
 Needs torch and transformers (pip install torch transformers) and a built `pipe`:
 
@@ -103,6 +107,41 @@ def main():
         out = pipe(binary, "train", "--model", "gpt2-tiny", "--dataset", f"tokens:{shards}",
                    "--init-from", str(exported), "--steps", "4")
         print(out.strip().splitlines()[-1])
+
+        # 4. Sharded saves, both ways.
+        made.save_pretrained(tmp / "made-sharded", max_shard_size="40KB")
+        shard_files = sorted(p.name for p in (tmp / "made-sharded").glob("*.safetensors"))
+        print(f"transformers saved {len(shard_files)} shards")
+        ok &= len(shard_files) > 1
+        ok &= compare(
+            "a sharded transformers save read by pipe",
+            pipe_logits(binary, "--hf", tmp / "made-sharded", ids),
+            hf_logits(made, ids),
+        )
+        exported_sharded = tmp / "exported-sharded"
+        print(pipe(binary, "export", "--checkpoint", str(trained), "--format", "hf",
+                   "--out", str(exported_sharded), "--max-shard-size", "100KB").strip())
+        loaded = GPT2LMHeadModel.from_pretrained(exported_sharded).eval()
+        ok &= compare(
+            "a sharded pipe export loaded by transformers",
+            pipe_logits(binary, "--checkpoint", trained, ids),
+            hf_logits(loaded, ids),
+        )
+
+        # 5. GPT-2 124M's shape at 256 tokens.
+        small = GPT2Config(
+            vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+        big = GPT2LMHeadModel(small).eval()
+        count = sum(p.numel() for p in big.parameters())
+        big.save_pretrained(tmp / "small")
+        long_ids = torch.randint(0, 50257, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+        ok &= compare(
+            f"a random transformers GPT-2 of gpt2-small's shape ({count:,} parameters) read by pipe, 256 tokens",
+            pipe_logits(binary, "--hf", tmp / "small", long_ids),
+            hf_logits(big, long_ids),
+        )
     print("interop: all checks passed" if ok else "interop: FAILED")
     sys.exit(0 if ok else 1)
 
