@@ -115,6 +115,13 @@ pub struct TrainArgs {
     /// Weight decay.
     #[arg(long, value_parser = parse_f32)]
     weight_decay: Option<f32>,
+    /// Correct each update for the pipeline's delay: none, or error-feedback (the weights move
+    /// by u_t + c (u_t - u_{t-1}), u the optimizer's update); asynchronous policies only.
+    #[arg(long, value_name = "KIND")]
+    delay_correction: Option<pipe_stages::optim::DelayCorrection>,
+    /// The delay correction's strength (error feedback's c) [default: 1].
+    #[arg(long, value_name = "C", value_parser = parse_f32)]
+    delay_correction_strength: Option<f32>,
     /// Run seed.
     #[arg(long)]
     seed: Option<u64>,
@@ -291,6 +298,8 @@ impl TrainArgs {
             momentum: self.momentum,
             nesterov: self.nesterov.then_some(true),
             weight_decay: self.weight_decay,
+            delay_correction: self.delay_correction,
+            delay_correction_strength: self.delay_correction_strength,
             seed: self.seed,
             threads: self.threads,
             log_jsonl: self.log_jsonl.clone(),
@@ -349,11 +358,19 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
 
 /// The momentum in the run header, for SGD and Muon.
 pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
-    use pipe_stages::optim::OptimizerKind;
-    if matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon) {
+    use pipe_stages::optim::{DelayCorrection, OptimizerKind};
+    let momentum = if matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon) {
         format!(" momentum {:.2}", opt.momentum)
     } else {
         String::new()
+    };
+    match opt.delay_correction {
+        DelayCorrection::None => momentum,
+        c => format!(
+            "{momentum}, delay correction {} (strength {})",
+            c.name(),
+            opt.correction_strength
+        ),
     }
 }
 

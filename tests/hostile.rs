@@ -1110,6 +1110,18 @@ fn newer_surface_rows() -> Vec<Row> {
             "train --model mlp-784-10 --optimizer muon --steps 1",
             "this model has none",
         ),
+        row(
+            "train --delay-correction error-feedback --steps 1",
+            "sequential has none",
+        ),
+        row(
+            "train --stages 2 --schedule 1f1b-flush --delay-correction error-feedback --steps 1",
+            "1f1b-flush has none",
+        ),
+        row(
+            "train --stages 2 --delay-correction error-feedback --delay-correction-strength -1 --steps 1",
+            "strength must be finite and >= 0",
+        ),
     ]
 }
 

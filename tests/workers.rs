@@ -110,6 +110,44 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
     }
 }
 
+/// A delay correction's state lives in each worker's optimizer and moves with its stage at
+/// drain points: a run with error feedback ends with the same weights in process, over QUIC
+/// and over shared memory, for 2bw with replicas and for pipedream-nostash.
+#[test]
+fn error_feedback_ends_with_the_same_weights_in_process_and_over_worker_processes() {
+    let _one = serial();
+    let d = dir("feedback");
+    let config = small_config(&d, 2);
+    for (policy, replicas) in [("2bw", "2,1"), ("pipedream-nostash", "1")] {
+        let args = [
+            "train",
+            "--config",
+            &config,
+            "--steps",
+            "40",
+            "--stages",
+            "2",
+            "--replicas",
+            replicas,
+            "--schedule",
+            policy,
+            "--delay-correction",
+            "error-feedback",
+            "--delay-correction-strength",
+            "0.5",
+        ];
+        let inproc = ok(&run(Command::new(PIPE).args(args)));
+        assert!(
+            inproc.contains("delay correction error-feedback (strength 0.5)"),
+            "{inproc}"
+        );
+        for flags in [["--transport", "quic"], ["--placement", "processes"]] {
+            let processes = ok(&run(Command::new(PIPE).args(args).args(flags)));
+            assert_eq!(done(&inproc), done(&processes), "{policy} {flags:?}");
+        }
+    }
+}
+
 /// `--trace` with worker processes: each worker writes its part, the launcher merges them into
 /// one Chrome trace with every worker's track (named) and the same actions an in-process trace
 /// records, and removes the parts.

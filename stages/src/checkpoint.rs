@@ -5,7 +5,8 @@
 //! - `weights.safetensors`: every parameter by the model's parameter name (`layers.3.weight`),
 //!   so the file is independent of the partition and loads in other tools;
 //! - `optimizer.safetensors`: the optimizer's state per parameter (`layers.3.weight.first`,
-//!   `.second`: momentum, or Adam's two moments), present only where the optimizer keeps it;
+//!   `.second`: momentum, or Adam's two moments; `.correction`: a delay correction's memory),
+//!   present only where the optimizer keeps it;
 //! - `state.json`: the run's position and identity ([`RunState`]);
 //! - `manifest.json`: the SHA-256 and size of each of those files.
 //!
@@ -37,7 +38,7 @@ use crate::config::{DatasetKind, RunConfig};
 use crate::data::SyntheticConfig;
 use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec, Params};
-use crate::optim::OptimizerState;
+use crate::optim::{OptimizerState, ParamState};
 
 /// The checkpoint format this build writes and reads.
 pub const FORMAT: u32 = 1;
@@ -280,12 +281,10 @@ fn write_into(
     for entry in model.param_table() {
         let (l, s) = entry.uses[0];
         weights.push((entry.name.clone(), &ckpt.params[l][s]));
-        let (first, second) = &ckpt.optimizer[l][s];
-        if !first.is_empty() {
-            moments.push((format!("{}.first", entry.name), first));
-        }
-        if !second.is_empty() {
-            moments.push((format!("{}.second", entry.name), second));
+        for (part, t) in ckpt.optimizer[l][s].parts() {
+            if !t.is_empty() {
+                moments.push((format!("{}.{part}", entry.name), t));
+            }
         }
     }
     let state = serde_json::to_vec_pretty(&ckpt.state)
@@ -573,11 +572,12 @@ pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
             .tensor(&entry.name)
             .map_err(|_| io_err(&wpath, format!("has no {} (another model?)", entry.name)))?;
         let t = tensor_from(&view, &entry.shape, &entry.name, &wpath)?;
-        let first = optional(&moments, &format!("{}.first", entry.name), entry, &opath)?;
-        let second = optional(&moments, &format!("{}.second", entry.name), entry, &opath)?;
+        let read =
+            |part: &str| optional(&moments, &format!("{}.{part}", entry.name), entry, &opath);
+        let state = ParamState::from_parts([read("first")?, read("second")?, read("correction")?]);
         for &(l, s) in &entry.uses {
             params[l][s] = t.clone();
-            optimizer[l][s] = (first.clone(), second.clone());
+            optimizer[l][s] = state.clone();
         }
     }
     Ok((

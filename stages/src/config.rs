@@ -331,6 +331,11 @@ pub struct TrainSettings {
     /// Adam epsilon.
     #[serde(default, deserialize_with = "finite_f32")]
     pub eps: Option<f32>,
+    /// The delay correction around every optimizer step (none by default).
+    pub delay_correction: Option<crate::optim::DelayCorrection>,
+    /// Its strength (error feedback's `c`; 1 by default).
+    #[serde(default, deserialize_with = "finite_f32")]
+    pub delay_correction_strength: Option<f32>,
     /// Run seed.
     pub seed: Option<u64>,
     /// Compute threads (0: one per core).
@@ -503,7 +508,7 @@ impl TrainSettings {
         merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
             synthetic, epochs, steps,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
-            nesterov, weight_decay, beta1, beta2, eps, seed, threads, log_jsonl, stages, replicas,
+            nesterov, weight_decay, beta1, beta2, eps, delay_correction, delay_correction_strength, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
             weight_prediction, stall_timeout, allreduce_bucket_mb, allreduce_dtype);
     }
@@ -581,6 +586,10 @@ impl TrainSettings {
                 _ => defaults.beta2,
             }),
             eps: self.eps.unwrap_or(defaults.eps),
+            delay_correction: self.delay_correction.unwrap_or_default(),
+            correction_strength: self
+                .delay_correction_strength
+                .unwrap_or(defaults.correction_strength),
         };
         optimizer.validate()?;
         Ok(optimizer)
@@ -906,6 +915,7 @@ impl TrainSettings {
             .with_chunks(chunks);
         let layout = layout_spec.resolve().map_err(|e| e.to_string());
         let optimizer = self.optimizer_config(kind, lm, layout.as_ref().ok())?;
+        check_delay_correction(&optimizer, schedule)?;
         let partition = match (planned, &self.partition) {
             (Some(p), _) => {
                 PartitionChoice::Given(Partition::new(p.partition.ranges().to_vec(), model.len())?)
@@ -1249,6 +1259,7 @@ impl RunConfig {
         if !self.remedies.is_none() {
             self.remedies.check(&run)?;
         }
+        check_delay_correction(&self.optimizer, run.policy)?;
         if let PartitionChoice::Given(p) = &self.partition {
             Partition::new(p.ranges().to_vec(), model.len())?;
         }
@@ -1411,6 +1422,26 @@ impl RunConfig {
             min_ratio: 0.0,
         }
     }
+}
+
+/// A delay correction needs a delay: refused (exit 2) on a sequential run and on flush
+/// schedules, where every gradient meets the weights it was computed at.
+///
+/// # Errors
+/// [`StageError::Config`] naming the correction and the policy.
+fn check_delay_correction(optimizer: &OptimizerConfig, policy: Policy) -> Result<()> {
+    let correction = optimizer.delay_correction;
+    if correction == crate::optim::DelayCorrection::None
+        || !(policy == Policy::Sequential || policy.is_flush())
+    {
+        return Ok(());
+    }
+    Err(StageError::Config(format!(
+        "--delay-correction {} corrects the delay of an asynchronous pipeline, and {policy} has \
+         none (every gradient meets the weights it was computed at): use it with pipedream, \
+         pipedream-nostash, vertical-sync or 2bw",
+        correction.name()
+    )))
 }
 
 /// A plan as `pipe plan -o` writes it and `pipe train --plan` reads it (TOML).

@@ -422,6 +422,82 @@ fn other_optimizers_and_dropout_equal_the_reference_trainer() {
     }
 }
 
+/// Error feedback, the delay correction, on every asynchronous policy and every optimizer
+/// kind: the pipelined run equals the reference trainer bit for bit (the correction wraps the
+/// optimizer's step, so both apply it to the same version plan with the same operations), and
+/// it changes the weights (a correction that did nothing would pass the first check).
+#[test]
+fn error_feedback_equals_the_reference_trainer_on_every_asynchronous_policy() {
+    use pipe_stages::optim::DelayCorrection;
+    let base = OptimizerConfig::default();
+    let kinds = [
+        OptimizerConfig {
+            kind: OptimizerKind::Sgd,
+            momentum: 0.9,
+            ..base
+        },
+        OptimizerConfig {
+            kind: OptimizerKind::Adamw,
+            weight_decay: 0.05,
+            ..base
+        },
+        OptimizerConfig {
+            kind: OptimizerKind::Muon,
+            momentum: 0.95,
+            nesterov: true,
+            ..base
+        },
+        OptimizerConfig {
+            kind: OptimizerKind::Lion,
+            beta2: 0.99,
+            ..base
+        },
+    ];
+    let model = model();
+    for plain in kinds {
+        let corrected = OptimizerConfig {
+            delay_correction: DelayCorrection::ErrorFeedback,
+            correction_strength: 0.5,
+            ..plain
+        };
+        for policy in [
+            Policy::PipeDream,
+            Policy::PipeDreamNoStash,
+            Policy::VerticalSync,
+            Policy::TwoBw,
+        ] {
+            for (stages, replicas) in [(4, vec![1]), (3, vec![1, 3, 1])] {
+                let m = if policy == Policy::TwoBw { 4 } else { 2 };
+                let spec = ScheduleSpec::new(policy, stages, m)
+                    .with_replicas(replicas.clone())
+                    .with_length(Length::Updates(12));
+                let run = prepare(&spec, &model);
+                let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+                let (states, _) = pipelined_with(&run, &model, eps, corrected);
+                let want = reference_with(&run, &model, corrected);
+                let uncorrected = reference_with(&run, &model, plain);
+                for state in &states {
+                    for st in &state.stages {
+                        let stage = st.stage as usize;
+                        assert!(
+                            bits(&st.params) == bits(&want[stage]),
+                            "{policy} {replicas:?} {:?}: worker {} stage {} differs",
+                            plain.kind,
+                            state.worker,
+                            st.stage
+                        );
+                        assert!(
+                            bits(&st.params) != bits(&uncorrected[stage]),
+                            "{policy} {:?}: the correction changed nothing",
+                            plain.kind
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Over QUIC (loopback, mutual TLS, f32 on the wire), every policy ends with the same weights
 /// on every worker as in-process, bit for bit: `--stages 4 --replicas 2` and `--replicas 2,1,1`.
 #[test]

@@ -314,7 +314,7 @@ fn muon_steps_hidden_matrices_by_their_orthogonalised_momentum_and_the_rest_by_a
     };
     let mut o = Optimizer::new(cfg, &p, &[vec![true, false]]);
     // Muon keeps one buffer for the matrix, AdamW two for the bias.
-    assert!(o.state()[0][0].1.is_empty() && !o.state()[0][1].1.is_empty());
+    assert!(o.state()[0][0].second.is_empty() && !o.state()[0][1].second.is_empty());
     let lr = 0.02;
     o.step(&be, &mut p, &g, lr).unwrap();
     // From a zero momentum: buf = g, u = g + 0.95 g.
@@ -340,4 +340,78 @@ fn muon_steps_hidden_matrices_by_their_orthogonalised_momentum_and_the_rest_by_a
         (bias[1] - (-(1.0 - lr * 0.1) + lr)).abs() < 1e-5,
         "{bias:?}"
     );
+}
+
+/// Error feedback in closed form on a quadratic `f(w) = a w^2 / 2` with the one-step delay of
+/// 2bw (each gradient is taken at the weights before the last update, `g_t = a w_{t-1}`):
+/// with `u_t` the optimizer's update from `g_t`, the weights follow
+/// `w_{t+1} = w_t - u_t - c (u_t - u_{t-1})` (the first step plain). Checked in f64 against
+/// the optimizer's f32 trajectory for SGD (`u_t = lr g_t`), SGD with momentum
+/// (`b_t = mu b_{t-1} + g_t`, `u_t = lr b_t`) and AdamW (bias-corrected moments, decoupled
+/// decay: `u_t = lr (m_hat / (sqrt(v_hat) + eps) + wd w_t)`).
+#[test]
+fn error_feedback_follows_its_closed_form_on_a_delayed_quadratic() {
+    use pipe_stages::optim::DelayCorrection;
+    let be = CpuBackend::new(1).unwrap();
+    let (a, lr, c, w0) = (0.8f64, 0.1f64, 0.7f64, 1.5f64);
+    let (mu, wd, b1, b2, eps) = (0.9f64, 0.01f64, 0.9f64, 0.999f64, 1e-8f64);
+    for kind in ["sgd", "momentum", "adamw"] {
+        let cfg = OptimizerConfig {
+            kind: if kind == "adamw" {
+                OptimizerKind::Adamw
+            } else {
+                OptimizerKind::Sgd
+            },
+            momentum: if kind == "momentum" { mu as f32 } else { 0.0 },
+            weight_decay: if kind == "adamw" { wd as f32 } else { 0.0 },
+            delay_correction: DelayCorrection::ErrorFeedback,
+            correction_strength: c as f32,
+            ..Default::default()
+        };
+        let mut p: Params = vec![vec![Tensor::from_vec(&[1], vec![w0 as f32]).unwrap()]];
+        let mut opt = Optimizer::new(cfg, &p, &[vec![false]]);
+        // The formula, in f64.
+        let (mut w, mut prev_w, mut last_u) = (w0, w0, 0.0f64);
+        let (mut b, mut m, mut v) = (0.0f64, 0.0f64, 0.0f64);
+        let mut stale = w0 as f32;
+        for t in 1..=40 {
+            let g = a * prev_w;
+            let u = match kind {
+                "sgd" => lr * g,
+                "momentum" => {
+                    b = mu * b + g;
+                    lr * b
+                }
+                _ => {
+                    m = b1 * m + (1.0 - b1) * g;
+                    v = b2 * v + (1.0 - b2) * g * g;
+                    let (mh, vh) = (m / (1.0 - b1.powi(t)), v / (1.0 - b2.powi(t)));
+                    lr * (mh / (vh.sqrt() + eps) + wd * w)
+                }
+            };
+            let next = if t == 1 {
+                w - u
+            } else {
+                w - u - c * (u - last_u)
+            };
+            (prev_w, w, last_u) = (w, next, u);
+            // The optimizer, given the gradient at the weights before its last update.
+            let now = p[0][0].host().unwrap()[0];
+            let grad: Params = vec![vec![
+                Tensor::from_vec(&[1], vec![a as f32 * stale]).unwrap(),
+            ]];
+            opt.step(&be, &mut p, &grad, lr as f32).unwrap();
+            stale = now;
+            let got = f64::from(p[0][0].host().unwrap()[0]);
+            // f32 against f64, absolute: Adam's m / sqrt(v) amplifies rounding where the
+            // gradient changes sign, so its trajectory is held to 5e-5 and SGD's to 1e-6; the
+            // correction's terms are of the update's size (about 0.1 here), so a wrong
+            // formula is far outside either.
+            let tolerance = if kind == "adamw" { 5e-5 } else { 1e-6 };
+            assert!(
+                (got - w).abs() <= tolerance,
+                "{kind}, step {t}: {got} against the formula's {w}"
+            );
+        }
+    }
 }

@@ -6,6 +6,10 @@
 //! does); this module keeps the state and the step count and picks the hyperparameters of
 //! each step. Which parameters are hidden weight matrices is the model's to say
 //! ([`crate::model::Model::hidden_matrices`]); every optimizer is built with that mask.
+//!
+//! A delay correction ([`DelayCorrection`]) wraps every optimizer's step, so every trainer
+//! (the executor, the reference trainer, delayed SGD) applies it with the same operations:
+//! error feedback keeps the last update and moves the weights by `u_t + c (u_t - u_{t-1})`.
 
 use pipe_kernels::{AdamStep, Backend, LionStep, SgdStep, Tensor, Trans};
 use serde::{Deserialize, Serialize};
@@ -13,9 +17,91 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, StageError};
 use crate::model::Params;
 
-/// An optimizer's state per layer and parameter: (momentum or first moment, second moment),
-/// empty tensors where the optimizer keeps none.
-pub type OptimizerState = Vec<Vec<(Tensor, Tensor)>>;
+/// An optimizer's state per layer and parameter ([`ParamState`]).
+pub type OptimizerState = Vec<Vec<ParamState>>;
+
+/// What an optimizer keeps for one parameter; an empty tensor where it keeps nothing.
+#[derive(Clone, Debug, Default)]
+pub struct ParamState {
+    /// Momentum, or Adam's first moment.
+    pub first: Tensor,
+    /// Adam's second moment.
+    pub second: Tensor,
+    /// The delay correction's memory: error feedback's last update `u_{t-1}`.
+    pub correction: Tensor,
+}
+
+impl ParamState {
+    /// The state's tensors in a fixed order (first, second, correction), for transfers and
+    /// checkpoints, with the names checkpoints give them.
+    pub fn parts(&self) -> [(&'static str, &Tensor); 3] {
+        [
+            ("first", &self.first),
+            ("second", &self.second),
+            ("correction", &self.correction),
+        ]
+    }
+
+    /// The state from [`ParamState::parts`]' order.
+    pub fn from_parts([first, second, correction]: [Tensor; 3]) -> Self {
+        Self {
+            first,
+            second,
+            correction,
+        }
+    }
+
+    /// Part `k` of [`ParamState::parts`] (0, 1 or 2; any other is the correction's), to fill.
+    pub fn part_mut(&mut self, k: usize) -> &mut Tensor {
+        match k {
+            0 => &mut self.first,
+            1 => &mut self.second,
+            _ => &mut self.correction,
+        }
+    }
+
+    /// The state's tensors in [`ParamState::parts`]' order, to fill.
+    pub fn parts_mut(&mut self) -> [&mut Tensor; 3] {
+        [&mut self.first, &mut self.second, &mut self.correction]
+    }
+}
+
+/// A correction of each update for the delay between the weights a gradient was computed at
+/// and the weights it is applied to (an asynchronous pipeline's staleness).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DelayCorrection {
+    /// The optimizer's own step.
+    #[default]
+    None,
+    /// Error feedback on the update: with `u_t` the optimizer's whole update at step `t`
+    /// (learning rate and decoupled weight decay included), the weights move by
+    /// `u_t + c (u_t - u_{t-1})` (the first step by `u_1` alone). One parameter-sized buffer.
+    ErrorFeedback,
+}
+
+impl DelayCorrection {
+    /// The name flags and configs use.
+    pub fn name(self) -> &'static str {
+        match self {
+            DelayCorrection::None => "none",
+            DelayCorrection::ErrorFeedback => "error-feedback",
+        }
+    }
+}
+
+impl std::str::FromStr for DelayCorrection {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" => Ok(Self::None),
+            "error-feedback" => Ok(Self::ErrorFeedback),
+            _ => Err(format!(
+                "unknown delay correction '{s}' (none, error-feedback)"
+            )),
+        }
+    }
+}
 
 /// Which optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,6 +188,10 @@ pub struct OptimizerConfig {
     pub beta2: f32,
     /// Adam epsilon.
     pub eps: f32,
+    /// The delay correction around every step.
+    pub delay_correction: DelayCorrection,
+    /// Its strength: error feedback's `c`.
+    pub correction_strength: f32,
 }
 
 impl Default for OptimizerConfig {
@@ -114,6 +204,8 @@ impl Default for OptimizerConfig {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
+            delay_correction: DelayCorrection::None,
+            correction_strength: 1.0,
         }
     }
 }
@@ -145,6 +237,12 @@ impl OptimizerConfig {
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
             return bad(format!("eps must be positive, got {}", self.eps));
+        }
+        if !(self.correction_strength.is_finite() && self.correction_strength >= 0.0) {
+            return bad(format!(
+                "the delay correction's strength must be finite and >= 0, got {}",
+                self.correction_strength
+            ));
         }
         Ok(())
     }
@@ -200,6 +298,9 @@ pub struct Optimizer {
     /// Per layer, per parameter: a hidden weight matrix (Muon orthogonalises its update).
     matrices: Vec<Vec<bool>>,
     steps: u64,
+    /// Workspace of a delay correction: each parameter's weights before the step (filled on
+    /// the first corrected step, where the parameters live).
+    before: Vec<Vec<Tensor>>,
 }
 
 /// The coefficients of Muon's quintic Newton-Schulz iteration, `X <- a X + (b A + c A^2) X`
@@ -243,6 +344,7 @@ impl Optimizer {
                     .zip(marks)
                     .map(|(p, &matrix)| {
                         let (first, second) = cfg.kind.buffers(cfg.momentum, matrix);
+                        let correction = cfg.delay_correction != DelayCorrection::None;
                         let zeros = |keep: bool| {
                             if keep {
                                 Tensor::zeros(p.shape())
@@ -250,7 +352,11 @@ impl Optimizer {
                                 Tensor::default()
                             }
                         };
-                        (zeros(first), zeros(second))
+                        ParamState {
+                            first: zeros(first),
+                            second: zeros(second),
+                            correction: zeros(correction),
+                        }
                     })
                     .collect()
             })
@@ -260,6 +366,7 @@ impl Optimizer {
             state,
             matrices,
             steps: 0,
+            before: Vec::new(),
         }
     }
 
@@ -268,9 +375,13 @@ impl Optimizer {
     /// # Errors
     /// Kernel errors (device allocation).
     pub fn placed(mut self, be: &dyn Backend) -> Result<Self> {
-        for pair in self.state.iter_mut().flatten() {
-            let (first, second) = std::mem::take(pair);
-            *pair = (be.place(first)?, be.place(second)?);
+        for t in self
+            .state
+            .iter_mut()
+            .flatten()
+            .flat_map(ParamState::parts_mut)
+        {
+            *t = be.place(std::mem::take(t))?;
         }
         Ok(self)
     }
@@ -280,18 +391,20 @@ impl Optimizer {
     /// # Errors
     /// Device failures.
     pub fn on_host(mut self, be: &dyn Backend) -> Result<Self> {
-        for pair in self.state.iter_mut().flatten() {
-            let (first, second) = std::mem::take(pair);
-            *pair = (
-                crate::model::host_tensor(be, first)?,
-                crate::model::host_tensor(be, second)?,
-            );
+        for t in self
+            .state
+            .iter_mut()
+            .flatten()
+            .flat_map(ParamState::parts_mut)
+        {
+            *t = crate::model::host_tensor(be, std::mem::take(t))?;
         }
+        self.before.clear();
         Ok(self)
     }
 
-    /// An optimizer resuming from saved `state` (per layer and parameter: first, second;
-    /// host tensors shaped like `params`) after `steps` updates.
+    /// An optimizer resuming from saved `state` (per layer and parameter; host tensors shaped
+    /// like `params`) after `steps` updates.
     ///
     /// # Errors
     /// [`StageError::Checkpoint`] when `state` lacks what this optimizer keeps (momentum for
@@ -310,9 +423,12 @@ impl Optimizer {
         let ok = state.len() == fresh.state.len()
             && state.iter().zip(&fresh.state).all(|(a, b)| {
                 a.len() == b.len()
-                    && a.iter()
-                        .zip(b)
-                        .all(|((a1, a2), (b1, b2))| fits(a1, b1) && fits(a2, b2))
+                    && a.iter().zip(b).all(|(a, b)| {
+                        a.parts()
+                            .iter()
+                            .zip(b.parts())
+                            .all(|((_, a), (_, b))| fits(a, b))
+                    })
             });
         if !ok {
             return Err(StageError::Checkpoint(format!(
@@ -330,12 +446,12 @@ impl Optimizer {
             state,
             matrices: fresh.matrices,
             steps,
+            before: Vec::new(),
         })
     }
 
-    /// The state per layer and parameter: (momentum or first moment, second moment); empty
-    /// tensors where this optimizer keeps none.
-    pub fn state(&self) -> &[Vec<(Tensor, Tensor)>] {
+    /// The state per layer and parameter; empty tensors where this optimizer keeps none.
+    pub fn state(&self) -> &[Vec<ParamState>] {
         &self.state
     }
 
@@ -374,11 +490,51 @@ impl Optimizer {
         self.step(be, params, grads, lr)
     }
 
-    /// Applies one update with learning rate `lr`.
+    /// Applies one update with learning rate `lr`, corrected for delay as configured.
     ///
     /// # Errors
     /// Shape mismatches between parameters, gradients and state.
     pub fn step(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut Params,
+        grads: &Params,
+        lr: f32,
+    ) -> Result<()> {
+        let feedback = self.cfg.delay_correction == DelayCorrection::ErrorFeedback;
+        if feedback {
+            if self.before.len() != params.len() {
+                self.before = params
+                    .iter()
+                    .map(|l| l.iter().map(|_| Tensor::default()).collect())
+                    .collect();
+            }
+            for (b, p) in self
+                .before
+                .iter_mut()
+                .flatten()
+                .zip(params.iter().flatten())
+            {
+                be.copy(p, b)?;
+            }
+        }
+        self.base_step(be, params, grads, lr)?;
+        if feedback {
+            let c = self.cfg.correction_strength;
+            let first = self.steps == 1;
+            let each = params
+                .iter_mut()
+                .flatten()
+                .zip(self.before.iter_mut().flatten());
+            for ((p, before), st) in each.zip(self.state.iter_mut().flatten()) {
+                error_feedback(be, p, before, &mut st.correction, c, first)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The optimizer's own step with learning rate `lr`.
+    fn base_step(
         &mut self,
         be: &dyn Backend,
         params: &mut Params,
@@ -401,7 +557,8 @@ impl Optimizer {
         let layers = params.iter_mut().zip(grads).zip(&mut self.state);
         for (((layer, lgrads), lstate), marks) in layers.zip(&self.matrices) {
             let each = layer.iter_mut().zip(lgrads).zip(lstate.iter_mut());
-            for (((p, g), (s1, s2)), &matrix) in each.zip(marks) {
+            for (((p, g), st), &matrix) in each.zip(marks) {
+                let (s1, s2) = (&mut st.first, &mut st.second);
                 match c.kind {
                     OptimizerKind::Sgd => {
                         let hp = SgdStep {
@@ -431,6 +588,30 @@ impl Optimizer {
         }
         Ok(())
     }
+}
+
+/// Error feedback on one parameter after the optimizer's step: `before` holds the weights
+/// before it and `p` after, so the update is `u_t = before - p`; the weights become
+/// `p - c u_t + c u_{t-1}` (the first step keeps the plain update), and `last` becomes
+/// `u_t`. `before` is left holding the old `u_{t-1}` (it is only workspace).
+///
+/// # Errors
+/// Shape mismatches; kernel errors.
+fn error_feedback(
+    be: &dyn Backend,
+    p: &mut Tensor,
+    before: &mut Tensor,
+    last: &mut Tensor,
+    c: f32,
+    first: bool,
+) -> Result<()> {
+    be.axpy(-1.0, p, before)?;
+    if !first {
+        be.axpy(-c, before, p)?;
+        be.axpy(c, last, p)?;
+    }
+    std::mem::swap(before, last);
+    Ok(())
 }
 
 /// One Muon step of the hidden weight matrix `p` (gradient `g`, momentum `buf`): the momentum

@@ -12,12 +12,12 @@
 //! | topic | from -> to | index | carries |
 //! |---|---|---|---|
 //! | [`TOPIC_START`] | chief -> each | 0 | the run's numerics, partition, checkpoint interval, start (JSON) |
-//! | [`TOPIC_RESUME`] | chief -> each | layer | a resumed run's weights and moments (step 0-2) |
+//! | [`TOPIC_RESUME`] | chief -> each | layer | a resumed run's weights and optimizer state (step 0-3) |
 //! | [`TOPIC_LOSS`] | last stage -> chief | segment | one microbatch's loss, as computed (step: its number) |
 //! | [`TOPIC_SUMMARY`] | each -> chief | segment | losses, compute time, staleness |
 //! | [`TOPIC_GO`] | chief -> each | segment | the request: weights? optimizer? stop? |
 //! | [`TOPIC_WEIGHTS`] | replica 0 of a stage -> chief | segment | one layer's weights (step: layer) |
-//! | [`TOPIC_OPTIMIZER`] | replica 0 of a stage -> chief | segment | one layer's moments (step: 2 layer + k) |
+//! | [`TOPIC_OPTIMIZER`] | replica 0 of a stage -> chief | segment | one layer's optimizer state, part k of 3 (step: 3 layer + k) |
 //!
 //! The start exchange refuses a worker whose resolved run differs from the chief's (flags and
 //! config must be the same everywhere, or the workers would run different programs), and
@@ -68,6 +68,10 @@ pub const TOPIC_WEIGHTS: u32 = 2;
 pub const TOPIC_GO: u32 = 3;
 /// Control topic: a replica 0's optimizer state for a checkpoint.
 pub const TOPIC_OPTIMIZER: u32 = 4;
+
+/// Tensors of an optimizer's state per parameter ([`crate::optim::ParamState::parts`]), each sent as one
+/// message per layer.
+const STATE_PARTS: usize = 3;
 /// Control topic: a resumed run's weights and optimizer state, from the chief.
 pub const TOPIC_RESUME: u32 = 5;
 /// Control topic: one microbatch's loss, from the worker that computed it.
@@ -579,11 +583,10 @@ fn receive_start<T: Transport + ?Sized>(
                 for s in layout.stages_of(w) {
                     for layer in plan.partition.range(s as usize) {
                         let l = layer as u32;
-                        let parts = [
-                            flatten(start.params[layer].iter())?,
-                            flatten(opt[layer].iter().map(|p| &p.0))?,
-                            flatten(opt[layer].iter().map(|p| &p.1))?,
-                        ];
+                        let mut parts = vec![flatten(start.params[layer].iter())?];
+                        for k in 0..STATE_PARTS {
+                            parts.push(flatten(opt[layer].iter().map(|p| p.parts()[k].1))?);
+                        }
                         for (k, flat) in parts.into_iter().enumerate() {
                             let key = control(CHIEF, w, TOPIC_RESUME, l, k as u32);
                             send_flat(ep, key, 0, flat)?;
@@ -620,10 +623,11 @@ fn receive_start<T: Transport + ?Sized>(
                 let m = ep.recv(&control(CHIEF, rank, TOPIC_RESUME, l, k))?;
                 Ok(m.tensor.host()?.to_vec())
             };
-            let (p, first, second) = (take(0)?, take(1)?, take(2)?);
-            fill(params[layer].iter_mut(), &p, layer)?;
-            fill(opt[layer].iter_mut().map(|x| &mut x.0), &first, layer)?;
-            fill(opt[layer].iter_mut().map(|x| &mut x.1), &second, layer)?;
+            fill(params[layer].iter_mut(), &take(0)?, layer)?;
+            for k in 0..STATE_PARTS {
+                let values = take(1 + k as u32)?;
+                fill(opt[layer].iter_mut().map(|x| x.part_mut(k)), &values, layer)?;
+            }
         }
     }
     Ok(Start {
@@ -848,17 +852,14 @@ fn send_optimizer<T: Transport + ?Sized>(
         let first = plan.partition.range(st.stage as usize).start;
         for (i, layer) in st.opt.state().iter().enumerate() {
             let l = (first + i) as u32;
-            let parts = [
-                flatten(layer.iter().map(|p| &p.0))?,
-                flatten(layer.iter().map(|p| &p.1))?,
-            ];
-            for (k, flat) in parts.into_iter().enumerate() {
+            for k in 0..STATE_PARTS {
+                let flat = flatten(layer.iter().map(|p| p.parts()[k].1))?;
                 let key = control(
                     state.worker,
                     CHIEF,
                     TOPIC_OPTIMIZER,
                     index,
-                    2 * l + k as u32,
+                    STATE_PARTS as u32 * l + k as u32,
                 );
                 send_flat(ep, key, st.opt.steps(), flat)?;
             }
@@ -927,19 +928,16 @@ fn gather_optimizer<T: Transport + ?Sized>(
         }
         for layer in plan.partition.range(s as usize) {
             let l = layer as u32;
-            let m = ep.recv(&control(w, CHIEF, TOPIC_OPTIMIZER, index, 2 * l))?;
-            steps[layer] = m.version;
-            fill(
-                opt[layer].iter_mut().map(|x| &mut x.0),
-                m.tensor.host()?,
-                layer,
-            )?;
-            let m = ep.recv(&control(w, CHIEF, TOPIC_OPTIMIZER, index, 2 * l + 1))?;
-            fill(
-                opt[layer].iter_mut().map(|x| &mut x.1),
-                m.tensor.host()?,
-                layer,
-            )?;
+            for k in 0..STATE_PARTS {
+                let step = STATE_PARTS as u32 * l + k as u32;
+                let m = ep.recv(&control(w, CHIEF, TOPIC_OPTIMIZER, index, step))?;
+                steps[layer] = m.version;
+                fill(
+                    opt[layer].iter_mut().map(|x| x.part_mut(k)),
+                    m.tensor.host()?,
+                    layer,
+                )?;
+            }
         }
     }
     Ok((opt, steps))
