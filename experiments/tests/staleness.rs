@@ -26,7 +26,14 @@ fn the_optimizers_configuration_expands_into_its_matrix() {
         assert!(kinds.contains(&kind), "{kind:?}");
     }
     let runs = cfg.matrix().unwrap();
-    assert_eq!(runs.len(), 3 * 4 * 3);
+    // Sequential, 2bw and pipedream, and 2bw with error feedback, for 4 optimizers, 3 seeds.
+    assert_eq!(runs.len(), 4 * 4 * 3);
+    assert_eq!(
+        runs.iter()
+            .filter(|r| r.delay_correction.as_deref() == Some("error-feedback") && r.policy == "2bw")
+            .count(),
+        4 * 3
+    );
     assert!(runs.iter().all(|r| r.family == Family::Pipeline));
     for r in &runs {
         assert_eq!(
@@ -36,7 +43,7 @@ fn the_optimizers_configuration_expands_into_its_matrix() {
             r.id
         );
     }
-    assert_eq!(cfg.quick().matrix().unwrap().len(), 3 * 4);
+    assert_eq!(cfg.quick().matrix().unwrap().len(), 4 * 4);
 }
 
 #[test]
@@ -254,6 +261,28 @@ fn a_small_experiment_runs_saves_and_regenerates_its_report() {
         );
     }
     assert_eq!(ran.len(), again.runs.len());
+    // A remedy variant added to the matrix (a delay correction) runs its own runs alone.
+    let stamps: Vec<_> = again.runs.iter().map(|r| mtime(&r.spec.id)).collect();
+    let mut grown = retuned.clone();
+    grown
+        .remedies
+        .variants
+        .push(pipe_experiments::staleness::config::RemedyVariant {
+            delay_correction: Some("error-feedback".into()),
+            ..Default::default()
+        });
+    let more = run_experiment(&grown, true, &dir, "pipe test", &mut |_, _, _| {}).unwrap();
+    let added: Vec<&str> = more
+        .runs
+        .iter()
+        .filter(|r| r.spec.delay_correction.is_some())
+        .map(|r| r.spec.id.as_str())
+        .collect();
+    assert!(!added.is_empty());
+    assert_eq!(more.runs.len(), again.runs.len() + added.len());
+    for (r, stamp) in again.runs.iter().zip(&stamps) {
+        assert_eq!(mtime(&r.spec.id), *stamp, "{} was run again", r.spec.id);
+    }
     // Another configuration runs everything again.
     let mut other = cfg.clone();
     other.target_window = 5;

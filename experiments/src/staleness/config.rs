@@ -118,6 +118,13 @@ pub struct RemedyVariant {
     /// The precision the replicas' all-reduce sends in (`bf16`; default f32).
     #[serde(default)]
     pub allreduce_dtype: Option<String>,
+    /// A delay correction around the optimizer's step (`error-feedback`), with its strength
+    /// (`pipe train --delay-correction`, `--delay-correction-strength`).
+    #[serde(default)]
+    pub delay_correction: Option<String>,
+    /// The correction's strength (its default when absent).
+    #[serde(default)]
+    pub delay_correction_strength: Option<f32>,
 }
 
 fn one_replica() -> u32 {
@@ -218,6 +225,12 @@ pub struct RunSpec {
     /// The precision of the replicas' all-reduce (`bf16`), when not f32.
     #[serde(default)]
     pub allreduce_dtype: Option<String>,
+    /// The delay correction (`error-feedback`), when there is one.
+    #[serde(default)]
+    pub delay_correction: Option<String>,
+    /// Its strength, when not the default.
+    #[serde(default)]
+    pub delay_correction_strength: Option<f32>,
     /// Learning-rate factor (delayed baseline's lower-rate remedy).
     #[serde(default = "unit")]
     pub lr_factor: f32,
@@ -374,6 +387,14 @@ impl StalenessConfig {
         if let Some(d) = &v.allreduce_dtype {
             extra.push(format!("allreduce:{d}"));
         }
+        if let Some(c) = &v.delay_correction {
+            c.parse::<pipe_stages::optim::DelayCorrection>()
+                .map_err(ExperimentError::Config)?;
+            extra.push(match v.delay_correction_strength {
+                Some(k) => format!("{c}:{k}"),
+                None => c.clone(),
+            });
+        }
         if !extra.is_empty() {
             let extra = extra.join("+");
             label = if remedies.is_none() {
@@ -397,6 +418,8 @@ impl StalenessConfig {
             delayed: None,
             replicas: r as u32,
             allreduce_dtype: v.allreduce_dtype.clone(),
+            delay_correction: v.delay_correction.clone(),
+            delay_correction_strength: v.delay_correction_strength,
             lr_factor: 1.0,
         })
     }
@@ -449,6 +472,8 @@ impl StalenessConfig {
                 lr_factor: r.lr_factor.unwrap_or(1.0),
                 replicas: 1,
                 allreduce_dtype: None,
+                delay_correction: None,
+                delay_correction_strength: None,
             });
         }
         Ok(())

@@ -105,8 +105,11 @@ pub fn run_experiment(
     })
 }
 
-/// What a run's result depends on: the configuration with its own optimizer alone (another
-/// optimizer's rate, or one added to the matrix, leaves its record good).
+/// What a run's result depends on besides its spec: the configuration with its own
+/// optimizer alone (another optimizer's rate, or one added to the matrix, leaves its record
+/// good), and without the lists that only say which runs the matrix holds (seeds, stage
+/// counts, policies, remedy variants, delays): each spec names its own, so a variant added to
+/// the matrix reruns nothing else.
 fn run_basis(cfg: &StalenessConfig, spec: &config::RunSpec) -> StalenessConfig {
     StalenessConfig {
         optimizers: cfg
@@ -115,6 +118,19 @@ fn run_basis(cfg: &StalenessConfig, spec: &config::RunSpec) -> StalenessConfig {
             .filter(|o| o.name == spec.optimizer)
             .cloned()
             .collect(),
+        seeds: Vec::new(),
+        stages: Vec::new(),
+        policies: Vec::new(),
+        remedies: config::RemedyMatrix {
+            stages: 0,
+            policies: Vec::new(),
+            variants: Vec::new(),
+        },
+        delayed: config::DelayedMatrix {
+            delays: Vec::new(),
+            remedy_delay: String::new(),
+            remedies: Vec::new(),
+        },
         ..cfg.clone()
     }
 }

@@ -203,6 +203,13 @@ pub fn run_config(cfg: &StalenessConfig, spec: &RunSpec) -> Result<RunConfig, Ex
         stages: pipeline.then_some(spec.stages as usize),
         replicas: (pipeline && spec.replicas > 1).then(|| vec![spec.replicas]),
         allreduce_dtype: spec.allreduce_dtype.clone(),
+        delay_correction: spec
+            .delay_correction
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(ExperimentError::Config)?,
+        delay_correction_strength: spec.delay_correction_strength,
         schedule: pipeline.then(|| spec.policy.clone()),
         partition: pipeline.then(|| "flops".to_string()),
         sync_warmup: (spec.remedies.sync_warmup > 0).then_some(spec.remedies.sync_warmup),
