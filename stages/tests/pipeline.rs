@@ -329,6 +329,22 @@ fn pipelined_runs_equal_the_reference_trainer() {
     }
 }
 
+/// The cases of the optimizer oracles: each policy at 4 stages and at 3 with replicas
+/// `[1, 3, 1]`, for 12 updates of 2 microbatches (4 for 2bw, which needs one per stage).
+fn oracle_specs(policies: &[Policy]) -> Vec<(Policy, Vec<u32>, ScheduleSpec)> {
+    let mut out = Vec::new();
+    for &policy in policies {
+        for (stages, replicas) in [(4, vec![1]), (3, vec![1, 3, 1])] {
+            let m = if policy == Policy::TwoBw { 4 } else { 2 };
+            let spec = ScheduleSpec::new(policy, stages, m)
+                .with_replicas(replicas.clone())
+                .with_length(Length::Updates(12));
+            out.push((policy, replicas, spec));
+        }
+    }
+    out
+}
+
 /// The oracle beyond SGD with momentum and deterministic layers: Adam, AdamW with decoupled
 /// weight decay, Nesterov momentum with L2 decay, Muon (its hidden matrices' momentum
 /// orthogonalised by products, AdamW for the input and output layers and the biases) and
@@ -388,34 +404,29 @@ fn other_optimizers_and_dropout_equal_the_reference_trainer() {
         .map(|&cfg| (&plain, cfg))
         .chain(std::iter::once((&dropout, opt())));
     for (model, cfg) in cases {
-        for policy in [
+        let policies = [
             Policy::PipeDream,
             Policy::PipeDreamNoStash,
             Policy::VerticalSync,
             Policy::TwoBw,
             Policy::OneFOneBFlush,
             Policy::Gpipe,
-        ] {
-            for (stages, replicas) in [(4, vec![1]), (3, vec![1, 3, 1])] {
-                let m = if policy == Policy::TwoBw { 4 } else { 2 };
-                let spec = ScheduleSpec::new(policy, stages, m)
-                    .with_replicas(replicas.clone())
-                    .with_length(Length::Updates(12));
-                let run = prepare(&spec, model);
-                let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-                let (states, _) = pipelined_with(&run, model, eps, cfg);
-                let want = reference_with(&run, model, cfg);
-                for state in &states {
-                    for st in &state.stages {
-                        assert!(
-                            bits(&st.params) == bits(&want[st.stage as usize]),
-                            "{policy} {replicas:?} {:?} (dropout: {}): worker {} stage {} differs",
-                            cfg.kind,
-                            model.len() > plain.len(),
-                            state.worker,
-                            st.stage
-                        );
-                    }
+        ];
+        for (policy, replicas, spec) in oracle_specs(&policies) {
+            let run = prepare(&spec, model);
+            let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+            let (states, _) = pipelined_with(&run, model, eps, cfg);
+            let want = reference_with(&run, model, cfg);
+            for state in &states {
+                for st in &state.stages {
+                    assert!(
+                        bits(&st.params) == bits(&want[st.stage as usize]),
+                        "{policy} {replicas:?} {:?} (dropout: {}): worker {} stage {} differs",
+                        cfg.kind,
+                        model.len() > plain.len(),
+                        state.worker,
+                        st.stage
+                    );
                 }
             }
         }
@@ -460,38 +471,33 @@ fn error_feedback_equals_the_reference_trainer_on_every_asynchronous_policy() {
             correction_strength: 0.5,
             ..plain
         };
-        for policy in [
+        let policies = [
             Policy::PipeDream,
             Policy::PipeDreamNoStash,
             Policy::VerticalSync,
             Policy::TwoBw,
-        ] {
-            for (stages, replicas) in [(4, vec![1]), (3, vec![1, 3, 1])] {
-                let m = if policy == Policy::TwoBw { 4 } else { 2 };
-                let spec = ScheduleSpec::new(policy, stages, m)
-                    .with_replicas(replicas.clone())
-                    .with_length(Length::Updates(12));
-                let run = prepare(&spec, &model);
-                let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-                let (states, _) = pipelined_with(&run, &model, eps, corrected);
-                let want = reference_with(&run, &model, corrected);
-                let uncorrected = reference_with(&run, &model, plain);
-                for state in &states {
-                    for st in &state.stages {
-                        let stage = st.stage as usize;
-                        assert!(
-                            bits(&st.params) == bits(&want[stage]),
-                            "{policy} {replicas:?} {:?}: worker {} stage {} differs",
-                            plain.kind,
-                            state.worker,
-                            st.stage
-                        );
-                        assert!(
-                            bits(&st.params) != bits(&uncorrected[stage]),
-                            "{policy} {:?}: the correction changed nothing",
-                            plain.kind
-                        );
-                    }
+        ];
+        for (policy, replicas, spec) in oracle_specs(&policies) {
+            let run = prepare(&spec, &model);
+            let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+            let (states, _) = pipelined_with(&run, &model, eps, corrected);
+            let want = reference_with(&run, &model, corrected);
+            let uncorrected = reference_with(&run, &model, plain);
+            for state in &states {
+                for st in &state.stages {
+                    let stage = st.stage as usize;
+                    assert!(
+                        bits(&st.params) == bits(&want[stage]),
+                        "{policy} {replicas:?} {:?}: worker {} stage {} differs",
+                        plain.kind,
+                        state.worker,
+                        st.stage
+                    );
+                    assert!(
+                        bits(&st.params) != bits(&uncorrected[stage]),
+                        "{policy} {:?}: the correction changed nothing",
+                        plain.kind
+                    );
                 }
             }
         }
