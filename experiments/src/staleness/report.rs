@@ -810,13 +810,19 @@ fn remedy_plots(
             // No remedy ran on this policy: nothing to set against "none".
             continue;
         }
-        let series = remedies
+        let series: Vec<Series> = remedies
             .iter()
             .map(|m| Series {
                 name: m.clone(),
                 points: curve(cells.get(Family::Pipeline, policy, s, opt, m), w),
             })
             .collect();
+        let finite = |s: &Series| s.points.iter().any(|(x, y)| x.is_finite() && y.is_finite());
+        if !series.iter().any(finite) {
+            // Every run diverged before a full window: the tables say so, and a chart would
+            // have nothing to draw.
+            continue;
+        }
         let name = format!("remedies-{policy}-{s}-stages-{opt}");
         let title = format!("{policy} at {s} stages, {opt}: remedies against none");
         let caption = format!("Remedies against no remedy, {policy} at {s} stages, {opt}");
