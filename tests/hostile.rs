@@ -151,6 +151,14 @@ fn checkpoint(files: Vec<(&'static str, Vec<u8>)>, want: &'static str) -> Row {
 }
 
 fn cli_rows() -> Vec<Row> {
+    let mut rows = cli_size_rows();
+    rows.extend(cli_value_rows());
+    rows.extend(cli_file_and_command_rows());
+    rows
+}
+
+/// Counts and sizes on the command line, and requests past this machine.
+fn cli_size_rows() -> Vec<Row> {
     vec![
         // Counts and sizes on the command line.
         row("train --stages 0", "stages must be at least 1"),
@@ -215,6 +223,12 @@ fn cli_rows() -> Vec<Row> {
             "train --stages 4 --microbatches 65536 --steps 1",
             "one update needs 4194304 samples",
         ),
+    ]
+}
+
+/// Numbers out of range, names nothing knows, and layouts the schedules refuse.
+fn cli_value_rows() -> Vec<Row> {
+    vec![
         // Numbers that are not numbers, or not in range.
         row("train --lr 0", "learning rate must be positive"),
         row("train --lr -1", "learning rate must be positive"),
@@ -292,6 +306,12 @@ fn cli_rows() -> Vec<Row> {
         row("train --stages 2 --partition 0-100", "partition"),
         row("train --stages 2 --partition banana", "partition"),
         row("train --stages 20 --model mlp-784-10-10", "stages"),
+    ]
+}
+
+/// Files that are not there or not files, and the other commands' flags.
+fn cli_file_and_command_rows() -> Vec<Row> {
+    vec![
         // Files that are not there or not files.
         row("train --config {d}/missing.toml", "missing.toml"),
         row("train --plan {d}/missing.toml", "missing.toml"),
@@ -957,14 +977,17 @@ fn init_from(
 /// The surfaces added with token corpora and GPT-2 weights: shards, sizes of a GPT-2,
 /// Hugging Face directories, exports, logits and the optimizer.
 fn newer_surface_rows() -> Vec<Row> {
+    let mut rows = file_and_size_rows();
+    rows.extend(hugging_face_rows());
+    rows.extend(export_logits_and_optimizer_rows());
+    rows
+}
+
+/// Shards, inputs and weights that are FIFOs (which would block forever), and GPT-2 sizes
+/// checked before anything is built from them.
+fn file_and_size_rows() -> Vec<Row> {
     let tiny = gpt2_tiny_tensors();
-    let plus = |extra: &[(&str, Vec<usize>)]| {
-        let mut t = tiny.clone();
-        t.extend(extra.iter().map(|(n, s)| (n.to_string(), s.clone())));
-        t
-    };
     let same = |_: &str| 0.01;
-    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
     let corpus = "tokenize --tokenizer bytes --input {d}/text --out {d}/c --shard-tokens 2048";
     let text = || File::Text("text/a.txt", "the corpus of one document. ".repeat(200));
     vec![
@@ -1017,6 +1040,20 @@ fn newer_surface_rows() -> Vec<Row> {
             ),
             "n_embd 18446744073709551615 is past the limit",
         ),
+    ]
+}
+
+/// Hugging Face directories whose `config.json` or tensors describe another model, or hold
+/// a value that is not finite.
+fn hugging_face_rows() -> Vec<Row> {
+    let tiny = gpt2_tiny_tensors();
+    let plus = |extra: &[(&str, Vec<usize>)]| {
+        let mut t = tiny.clone();
+        t.extend(extra.iter().map(|(n, s)| (n.to_string(), s.clone())));
+        t
+    };
+    let same = |_: &str| 0.01;
+    vec![
         // Hugging Face weights that describe or hold another model.
         init_from(
             hf_config(|c| c.replace("\"n_head\": 2", "\"n_head\": 4")),
@@ -1086,6 +1123,14 @@ fn newer_surface_rows() -> Vec<Row> {
             ],
             "names shard \"../../x.safetensors\"",
         ),
+    ]
+}
+
+/// Exports into a used directory, logits outside a language model's vocabulary, and
+/// optimizer settings that would do nothing.
+fn export_logits_and_optimizer_rows() -> Vec<Row> {
+    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
+    vec![
         // An export owns its directory; logits take ids of a language model's vocabulary.
         after(
             &[gpt2_ckpt],
