@@ -1116,6 +1116,37 @@ fn hugging_face_rows() -> Vec<Row> {
             "train --model gpt2-tiny --steps 1 --init-from {d}/hf",
             vec![
                 File::Text("hf/config.json", hf_config(|c| c)),
+                File::Bytes(
+                    "hf/model.safetensors",
+                    safetensors_of(&tiny, same)[..5000].to_vec(),
+                ),
+            ],
+            "model.safetensors: not a safetensors file",
+        ),
+        with(
+            "logits --hf {d}/hf --ids 1",
+            vec![
+                File::Text("hf/config.json", hf_config(|c| c)),
+                File::Text("hf/model.safetensors.index.json", "{\"weight_map\": [1".into()),
+            ],
+            "not a safetensors index",
+        ),
+        with(
+            "logits --hf {d}/hf --ids 1",
+            vec![
+                File::Text("hf/config.json", hf_config(|c| c)),
+                File::Text(
+                    "hf/model.safetensors.index.json",
+                    r#"{"weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors"}}"#
+                        .into(),
+                ),
+            ],
+            "model-00001-of-00002.safetensors: cannot read",
+        ),
+        with(
+            "train --model gpt2-tiny --steps 1 --init-from {d}/hf",
+            vec![
+                File::Text("hf/config.json", hf_config(|c| c)),
                 File::Text(
                     "hf/model.safetensors.index.json",
                     r#"{"weight_map": {"transformer.wte.weight": "../../x.safetensors"}}"#.into(),
@@ -1150,6 +1181,24 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             Vec::new(),
             "not a language model",
         ),
+        after(
+            &[gpt2_ckpt],
+            "export --checkpoint {d}/ck --format hf --out {d}/out --max-shard-size 0",
+            Vec::new(),
+            "a shard must hold at least one byte",
+        ),
+        after(
+            &[gpt2_ckpt],
+            "export --checkpoint {d}/ck --format hf --out {d}/out --max-shard-size 99999999999GB",
+            Vec::new(),
+            "past 2^64 bytes",
+        ),
+        after(
+            &[gpt2_ckpt],
+            "export --checkpoint {d}/ck --format hf --out {d}/out --max-shard-size 5XB",
+            Vec::new(),
+            "unknown unit",
+        ),
         // A setting that would do nothing.
         row(
             "train --model mlp-784-10 --optimizer muon --steps 1",
@@ -1166,6 +1215,10 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
         row(
             "train --stages 2 --delay-correction error-feedback --delay-correction-strength -1 --steps 1",
             "strength must be finite and >= 0",
+        ),
+        row(
+            "train --stages 2 --delay-correction error-feedback --delay-correction-strength NaN --steps 1",
+            "NaN is not a finite number",
         ),
     ]
 }
