@@ -115,11 +115,15 @@ pub struct TrainArgs {
     /// Weight decay.
     #[arg(long, value_parser = parse_f32)]
     weight_decay: Option<f32>,
-    /// Correct each update for the pipeline's delay: none, or error-feedback (the weights move
-    /// by u_t + c (u_t - u_{t-1}), u the optimizer's update); asynchronous policies only.
+    /// Correct each update for the pipeline's delay: none; error-feedback (the weights move
+    /// by u_t + c (u_t - u_{t-1}), u the optimizer's update); dc-asgd (the gradient g, computed
+    /// at stale weights w_s, becomes g + lambda g*g*(w - w_s)); dc-asgd-adaptive (lambda per
+    /// element lambda_0 / sqrt(MS + 1e-7), MS a running mean of g^2). Asynchronous policies
+    /// only; dc-asgd needs stashed weights (not pipedream-nostash).
     #[arg(long, value_name = "KIND")]
     delay_correction: Option<pipe_stages::optim::DelayCorrection>,
-    /// The delay correction's strength (error feedback's c) [default: 1].
+    /// The delay correction's strength: error feedback's c [default: 1], DC-ASGD's lambda
+    /// [default: 0.04], the adaptive form's lambda_0 [default: 2].
     #[arg(long, value_name = "C", value_parser = parse_f32)]
     delay_correction_strength: Option<f32>,
     /// Run seed.

@@ -343,38 +343,12 @@ fn a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole() {
     assert!(!partial.exists());
 }
 
-/// A run with a delay correction resumed from a checkpoint taken mid-run ends with the
-/// uninterrupted run's weights: the correction's memory (error feedback's last update) is
-/// checkpointed with the optimizer's state. Without it, the first resumed step would be a
-/// plain one and the weights would differ.
+/// A run with each delay correction resumed from a checkpoint taken mid-run ends with the
+/// uninterrupted run's weights: the correction's memory (error feedback's last update, the
+/// adaptive DC-ASGD's mean square) is checkpointed with the optimizer's state. Without it, the
+/// first resumed step would be a plain one and the weights would differ.
 #[test]
-fn a_run_with_error_feedback_resumes_to_the_uninterrupted_weights() {
-    let d = dir("feedback");
-    let mut args = flags("2bw");
-    args.extend(
-        [
-            "--delay-correction",
-            "error-feedback",
-            "--checkpoint-every",
-            "8",
-        ]
-        .map(String::from),
-    );
-    let whole = ok(&train(&args, &["--checkpoint-dir", s(&d), "--steps", "24"]));
-    let again = dir("feedback-resumed");
-    let resumed = ok(&train(
-        &args,
-        &[
-            "--checkpoint-dir",
-            s(&again),
-            "--resume",
-            s(&d.join("ckpt-00000008")),
-            "--steps",
-            "24",
-        ],
-    ));
-    assert!(resumed.contains("resuming from"), "{resumed}");
-    assert_eq!(weights(&resumed), weights(&whole));
+fn a_run_with_each_delay_correction_resumes_to_the_uninterrupted_weights() {
     let mut plain = flags("2bw");
     plain.extend(["--checkpoint-every", "8"].map(String::from));
     let plain = ok(&train(
@@ -386,7 +360,41 @@ fn a_run_with_error_feedback_resumes_to_the_uninterrupted_weights() {
             "24",
         ],
     ));
-    assert_ne!(weights(&plain), weights(&whole));
+    for (correction, policy) in [
+        ("error-feedback", "2bw"),
+        ("dc-asgd", "pipedream"),
+        ("dc-asgd-adaptive", "2bw"),
+    ] {
+        let d = dir(correction);
+        let mut args = flags(policy);
+        args.extend(
+            [
+                "--delay-correction",
+                correction,
+                "--delay-correction-strength",
+                "0.5",
+                "--checkpoint-every",
+                "8",
+            ]
+            .map(String::from),
+        );
+        let whole = ok(&train(&args, &["--checkpoint-dir", s(&d), "--steps", "24"]));
+        let again = dir(&format!("{correction}-resumed"));
+        let resumed = ok(&train(
+            &args,
+            &[
+                "--checkpoint-dir",
+                s(&again),
+                "--resume",
+                s(&d.join("ckpt-00000008")),
+                "--steps",
+                "24",
+            ],
+        ));
+        assert!(resumed.contains("resuming from"), "{resumed}");
+        assert_eq!(weights(&resumed), weights(&whole), "{correction}");
+        assert_ne!(weights(&plain), weights(&whole), "{correction}");
+    }
 }
 
 #[test]

@@ -1220,6 +1220,30 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "train --stages 2 --delay-correction error-feedback --delay-correction-strength NaN --steps 1",
             "NaN is not a finite number",
         ),
+        row(
+            "train --stages 2 --schedule pipedream-nostash --delay-correction dc-asgd --steps 1",
+            "pipedream-nostash stashes none",
+        ),
+        row(
+            "train --stages 2 --schedule gpipe --delay-correction dc-asgd-adaptive --steps 1",
+            "gpipe has none",
+        ),
+        row(
+            "train --delay-correction dc-asgd --steps 1",
+            "sequential has none",
+        ),
+        row(
+            "train --stages 2 --delay-correction dc-asgd --weight-prediction lookahead --steps 1",
+            "both correct the same delay",
+        ),
+        row(
+            "train --stages 2 --delay-correction dc-asgd --delay-correction-strength inf --steps 1",
+            "inf is not a finite number",
+        ),
+        row(
+            "train --stages 2 --delay-correction dc-asgd-fast --steps 1",
+            "unknown delay correction",
+        ),
     ]
 }
 

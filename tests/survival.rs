@@ -53,13 +53,18 @@ fn a_lost_replica_leaves_its_stage_running_with_the_new_layouts_weights() {
     lost_replica_case("replica", &[]);
 }
 
-/// The same with error feedback: the correction's memory is part of the drained state the
-/// segment runs again from, so the weights are still the by-hand resume's.
+/// The same with error feedback and with the adaptive DC-ASGD: the correction's memory is
+/// part of the drained state the segment runs again from, so the weights are still the by-hand
+/// resume's.
 #[test]
 fn a_lost_replica_is_survived_with_a_delay_correction() {
     lost_replica_case(
         "replica-feedback",
         &["--delay-correction", "error-feedback"],
+    );
+    lost_replica_case(
+        "replica-dc-asgd",
+        &["--delay-correction", "dc-asgd-adaptive"],
     );
 }
 

@@ -111,14 +111,20 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
 }
 
 /// A delay correction's state lives in each worker's optimizer and moves with its stage at
-/// drain points: a run with error feedback ends with the same weights in process, over QUIC
-/// and over shared memory, for 2bw with replicas and for pipedream-nostash.
+/// drain points: a run with each correction ends with the same weights in process, over QUIC
+/// and over shared memory (error feedback for 2bw with replicas and for pipedream-nostash,
+/// DC-ASGD for pipedream with replicas, its adaptive form for 2bw with replicas).
 #[test]
-fn error_feedback_ends_with_the_same_weights_in_process_and_over_worker_processes() {
+fn delay_corrections_end_with_the_same_weights_in_process_and_over_worker_processes() {
     let _one = serial();
     let d = dir("feedback");
     let config = small_config(&d, 2);
-    for (policy, replicas) in [("2bw", "2,1"), ("pipedream-nostash", "1")] {
+    for (correction, policy, replicas) in [
+        ("error-feedback", "2bw", "2,1"),
+        ("error-feedback", "pipedream-nostash", "1"),
+        ("dc-asgd", "pipedream", "2,1"),
+        ("dc-asgd-adaptive", "2bw", "2,1"),
+    ] {
         let args = [
             "train",
             "--config",
@@ -132,18 +138,17 @@ fn error_feedback_ends_with_the_same_weights_in_process_and_over_worker_processe
             "--schedule",
             policy,
             "--delay-correction",
-            "error-feedback",
+            correction,
             "--delay-correction-strength",
             "0.5",
         ];
         let inproc = ok(&run(Command::new(PIPE).args(args)));
-        assert!(
-            inproc.contains("delay correction error-feedback (strength 0.5)"),
-            "{inproc}"
-        );
+        let header = format!("delay correction {correction} (strength 0.5)");
+        assert!(inproc.contains(&header), "{inproc}");
         for flags in [["--transport", "quic"], ["--placement", "processes"]] {
             let processes = ok(&run(Command::new(PIPE).args(args).args(flags)));
-            assert_eq!(done(&inproc), done(&processes), "{policy} {flags:?}");
+            let what = format!("{correction} {policy} {flags:?}");
+            assert_eq!(done(&inproc), done(&processes), "{what}");
         }
     }
 }

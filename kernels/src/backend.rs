@@ -107,6 +107,22 @@ pub struct LionStep {
     pub weight_decay: f32,
 }
 
+/// Hyperparameters of one delay compensation (Zheng et al., "Asynchronous Stochastic Gradient
+/// Descent with Delay Compensation", ICML 2017): a gradient `g` computed at stale weights `w_s`
+/// and applied at `w` becomes `g + lambda g (.) g (.) (w - w_s)`, the product elementwise (the
+/// outer product `g g^T`'s diagonal standing in for the Hessian).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DelayCompensation {
+    /// `lambda`, or `lambda_0` of the adaptive form.
+    pub lambda: f32,
+    /// The adaptive form's decay `m` of the mean square `MS = m MS + (1 - m) g^2` (updated with
+    /// this gradient first), whose `lambda` per element is `lambda_0 / sqrt(MS + eps)`; `None`
+    /// for the plain form.
+    pub adaptive: Option<f32>,
+    /// The adaptive form's `eps` under the square root.
+    pub eps: f32,
+}
+
 /// `sign(x)` as Lion takes it: 0 at 0 (where `f32::signum` gives 1).
 #[inline]
 pub fn lion_sign(x: f32) -> f32 {
@@ -410,6 +426,21 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         hp: LionStep,
     ) -> Result<()>;
 
+    /// One delay compensation of `grad` ([`DelayCompensation`]) for the weights `current` it
+    /// is applied to and the `stale` ones it was computed at; `mean_square` is the adaptive
+    /// form's `MS` (required by it, ignored otherwise).
+    ///
+    /// # Errors
+    /// Length mismatch, or the adaptive form without its buffer.
+    fn delay_compensate(
+        &self,
+        grad: &mut Tensor,
+        current: &Tensor,
+        stale: &Tensor,
+        mean_square: Option<&mut Tensor>,
+        hp: DelayCompensation,
+    ) -> Result<()>;
+
     /// Sum of all elements, accumulated in `f64` in a fixed order.
     ///
     /// # Errors
@@ -653,6 +684,17 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         hp: LionStep,
     ) -> Result<()> {
         (**self).lion_update(param, grad, m, hp)
+    }
+
+    fn delay_compensate(
+        &self,
+        grad: &mut Tensor,
+        current: &Tensor,
+        stale: &Tensor,
+        mean_square: Option<&mut Tensor>,
+        hp: DelayCompensation,
+    ) -> Result<()> {
+        (**self).delay_compensate(grad, current, stale, mean_square, hp)
     }
 
     fn sum(&self, x: &Tensor) -> Result<f64> {

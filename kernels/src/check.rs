@@ -253,6 +253,39 @@ pub(crate) fn lion(param: &Tensor, grad: &Tensor, m: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// A delay compensation's operands.
+pub(crate) fn delay_compensation(
+    grad: &Tensor,
+    current: &Tensor,
+    stale: &Tensor,
+    mean_square: Option<&Tensor>,
+    adaptive: bool,
+) -> Result<()> {
+    let n = grad.len();
+    if current.len() != n || stale.len() != n {
+        return Err(shape_err(
+            "delay_compensate",
+            format!(
+                "grad {:?}, weights {:?}, stale weights {:?}",
+                grad.shape(),
+                current.shape(),
+                stale.shape()
+            ),
+        ));
+    }
+    match mean_square {
+        Some(ms) if adaptive && ms.len() != n => Err(shape_err(
+            "delay_compensate",
+            "mean-square buffer length differs",
+        )),
+        None if adaptive => Err(shape_err(
+            "delay_compensate",
+            "the adaptive form needs its mean-square buffer",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Operand lengths of an Adam update.
 pub(crate) fn adam(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
     let n = param.len();

@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use crate::backend::{
-    Activation, AdamStep, AttentionShape, Backend, LionStep, LossStats, SgdStep, Trans, lion_sign,
+    Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats, SgdStep,
+    Trans, lion_sign,
 };
 use crate::{Device, KernelError, Result, Tensor};
 
@@ -1172,6 +1173,40 @@ impl Backend for CpuBackend {
                     .zip(m.par_chunks_mut(chunk))
                     .for_each(body)
             });
+        }
+        Ok(())
+    }
+
+    fn delay_compensate(
+        &self,
+        grad: &mut Tensor,
+        current: &Tensor,
+        stale: &Tensor,
+        mean_square: Option<&mut Tensor>,
+        hp: DelayCompensation,
+    ) -> Result<()> {
+        crate::check::delay_compensation(
+            grad,
+            current,
+            stale,
+            mean_square.as_deref(),
+            hp.adaptive.is_some(),
+        )?;
+        let (g, w, ws) = (grad.host_mut()?, current.host()?, stale.host()?);
+        match (hp.adaptive, mean_square) {
+            (Some(m), Some(ms)) => {
+                let ms = ms.host_mut()?;
+                for (((g, &w), &ws), ms) in g.iter_mut().zip(w).zip(ws).zip(ms.iter_mut()) {
+                    *ms = m * *ms + (1.0 - m) * *g * *g;
+                    let lambda = hp.lambda / (*ms + hp.eps).sqrt();
+                    *g += lambda * *g * *g * (w - ws);
+                }
+            }
+            _ => {
+                for ((g, &w), &ws) in g.iter_mut().zip(w).zip(ws) {
+                    *g += hp.lambda * *g * *g * (w - ws);
+                }
+            }
         }
         Ok(())
     }

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backend::{
-    Activation, AdamStep, AttentionShape, Backend, LionStep, LossStats, SgdStep, Trans,
+    Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats, SgdStep,
+    Trans,
 };
 use crate::{CpuBackend, Device, DeviceMemory, Element, KernelError, Result, Storage, Tensor};
 
@@ -509,6 +510,32 @@ impl Backend for EmulatedDevice {
         self.cpu.lion_update(&mut w, &g, &mut mh, hp)?;
         *param = self.output(w)?;
         *m = self.output(mh)?;
+        Ok(())
+    }
+
+    fn delay_compensate(
+        &self,
+        grad: &mut Tensor,
+        current: &Tensor,
+        stale: &Tensor,
+        mean_square: Option<&mut Tensor>,
+        hp: DelayCompensation,
+    ) -> Result<()> {
+        let adaptive = hp.adaptive.is_some();
+        crate::check::delay_compensation(grad, current, stale, mean_square.as_deref(), adaptive)?;
+        let w = self.input(current, "delay_compensate")?;
+        let ws = self.input(stale, "delay_compensate")?;
+        let mut g = self.in_place(grad)?;
+        match mean_square {
+            Some(ms) if adaptive => {
+                let mut msh = self.in_place(ms)?;
+                self.cpu
+                    .delay_compensate(&mut g, &w, &ws, Some(&mut msh), hp)?;
+                *ms = self.output(msh)?;
+            }
+            _ => self.cpu.delay_compensate(&mut g, &w, &ws, None, hp)?,
+        }
+        *grad = self.output(g)?;
         Ok(())
     }
 

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::backend::{
-    Activation, AdamStep, AttentionShape, Backend, LionStep, LossStats, SgdStep, Trans,
+    Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats, SgdStep,
+    Trans,
 };
 use std::borrow::Cow;
 
@@ -266,6 +267,20 @@ impl<B: Backend> Backend for Timed<B> {
         hp: LionStep,
     ) -> Result<()> {
         self.time(|| self.inner.lion_update(param, grad, m, hp))
+    }
+
+    fn delay_compensate(
+        &self,
+        grad: &mut Tensor,
+        current: &Tensor,
+        stale: &Tensor,
+        mean_square: Option<&mut Tensor>,
+        hp: DelayCompensation,
+    ) -> Result<()> {
+        self.time(|| {
+            self.inner
+                .delay_compensate(grad, current, stale, mean_square, hp)
+        })
     }
 
     fn sum(&self, x: &Tensor) -> Result<f64> {

@@ -9,8 +9,8 @@ use std::any::Any;
 use std::sync::Arc;
 
 use pipe_kernels::{
-    Activation, AttentionShape, Backend, CpuBackend, DType, Device, DeviceMemory, KernelError,
-    Tensor, Trans,
+    Activation, AttentionShape, Backend, CpuBackend, DType, DelayCompensation, Device,
+    DeviceMemory, KernelError, Tensor, Trans,
 };
 
 fn lcg(n: usize, seed: u64) -> Vec<f32> {
@@ -537,6 +537,53 @@ fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
     be.lion_update(&mut w1, &g1, &mut m1, step).unwrap();
     close(&read(be, &w1), &[0.85, 1.05, 0.95], 1e-6);
     close(&read(be, &m1), &[0.005, -0.02, 0.0], 1e-6);
+    // Delay compensation, plain and adaptive, against the CPU; then each in closed form.
+    let stale = x.clone();
+    let (mut ms, mut msc) = (on(be, &Tensor::zeros(&[37, 29])), Tensor::zeros(&[37, 29]));
+    for adaptive in [None, Some(0.95)] {
+        let hp = DelayCompensation {
+            lambda: 0.5,
+            adaptive,
+            eps: 1e-7,
+        };
+        let (mut g, mut gc) = (on(be, &dy), dy.clone());
+        be.delay_compensate(&mut g, &w, &on(be, &stale), Some(&mut ms), hp)
+            .unwrap();
+        cpu.delay_compensate(&mut gc, &wc, &stale, Some(&mut msc), hp)
+            .unwrap();
+        same("delay compensation", &read(be, &g), &read(&cpu, &gc), 1e-5);
+    }
+    same("its mean square", &read(be, &ms), &read(&cpu, &msc), 1e-6);
+    // g = (2, -1, 0.5), w - w_s = (1, 2, -4): plain with lambda 0.25 adds 0.25 g^2 (w - w_s);
+    // adaptive from MS = 0 with m = 0.75 has MS = 0.25 g^2 and lambda = 1 / sqrt(MS + 0).
+    let g0 = Tensor::from_vec(&[3], vec![2.0, -1.0, 0.5]).unwrap();
+    let w0 = on(be, &Tensor::from_vec(&[3], vec![1.0, 2.0, -4.0]).unwrap());
+    let s0 = on(be, &Tensor::zeros(&[3]));
+    let mut g = on(be, &g0);
+    let plain = DelayCompensation {
+        lambda: 0.25,
+        adaptive: None,
+        eps: 0.0,
+    };
+    be.delay_compensate(&mut g, &w0, &s0, None, plain).unwrap();
+    close(&read(be, &g), &[3.0, -0.5, 0.25], 1e-6);
+    let mut g = on(be, &g0);
+    let mut ms1 = on(be, &Tensor::zeros(&[3]));
+    let adaptive = DelayCompensation {
+        lambda: 1.0,
+        adaptive: Some(0.75),
+        eps: 0.0,
+    };
+    be.delay_compensate(&mut g, &w0, &s0, Some(&mut ms1), adaptive)
+        .unwrap();
+    // lambda g^2 = |g| / 0.5 = 2 |g|: g + 2 |g| (w - w_s).
+    close(&read(be, &g), &[6.0, 3.0, -3.5], 1e-6);
+    close(&read(be, &ms1), &[1.0, 0.25, 0.0625], 1e-6);
+    assert!(
+        be.delay_compensate(&mut g, &w0, &s0, None, adaptive)
+            .is_err(),
+        "the adaptive form without its buffer"
+    );
     // Softmax cross-entropy: loss, hits and gradient.
     let labels: Vec<u32> = (0..37).map(|i| (i * 7 % 29) as u32).collect();
     let (mut d, mut dc) = (Tensor::default(), Tensor::default());

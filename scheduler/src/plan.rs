@@ -190,6 +190,45 @@ impl VersionPlan {
         UpdateSums { per_replica }
     }
 
+    /// The weight versions the gradients of update `k` of `stage` were computed at (the
+    /// backward version of each microbatch it sums, over every replica), ascending, each with
+    /// how many of those microbatches used it: the stale weights a delay compensation measures
+    /// the update's distance from.
+    ///
+    /// # Panics
+    /// If `stage` or `k` is out of range.
+    pub fn gradient_versions(&self, stage: StageId, k: u32) -> Vec<(u32, u32)> {
+        let mut counts = std::collections::BTreeMap::new();
+        for mb in self.update(stage, k).microbatches() {
+            *counts
+                .entry(self.backward_version(stage, mb))
+                .or_insert(0u32) += 1;
+        }
+        counts.into_iter().collect()
+    }
+
+    /// [`VersionPlan::last_uses`] when every update also reads the versions its gradients were
+    /// computed at ([`VersionPlan::gradient_versions`]), as a delay compensation does: those
+    /// versions are held until the update, not freed after their last pass.
+    pub fn last_uses_through_updates(
+        &self,
+        schedule: &Schedule,
+        worker: WorkerId,
+    ) -> Vec<Vec<usize>> {
+        let layout = schedule.layout();
+        let mut last = self.last_uses(schedule, worker);
+        for (pc, a) in schedule.programs[worker as usize].iter().enumerate() {
+            if let Action::Update { stage, update } = *a
+                && let Some(uses) = last.get_mut(layout.chunk_of(stage) as usize)
+            {
+                for (v, _) in self.gradient_versions(stage, update) {
+                    note_use(uses, v, pc);
+                }
+            }
+        }
+        last
+    }
+
     /// Number of stages.
     pub fn stages(&self) -> u32 {
         self.stages

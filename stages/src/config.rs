@@ -589,7 +589,7 @@ impl TrainSettings {
             delay_correction: self.delay_correction.unwrap_or_default(),
             correction_strength: self
                 .delay_correction_strength
-                .unwrap_or(defaults.correction_strength),
+                .unwrap_or(self.delay_correction.unwrap_or_default().default_strength()),
         };
         optimizer.validate()?;
         Ok(optimizer)
@@ -915,7 +915,6 @@ impl TrainSettings {
             .with_chunks(chunks);
         let layout = layout_spec.resolve().map_err(|e| e.to_string());
         let optimizer = self.optimizer_config(kind, lm, layout.as_ref().ok())?;
-        check_delay_correction(&optimizer, schedule)?;
         let partition = match (planned, &self.partition) {
             (Some(p), _) => {
                 PartitionChoice::Given(Partition::new(p.partition.ranges().to_vec(), model.len())?)
@@ -933,6 +932,7 @@ impl TrainSettings {
             self.weight_prediction.as_deref(),
             layout.as_ref().map_err(String::as_str),
         )?;
+        check_delay_correction(&optimizer, schedule, Some(remedies.prediction))?;
         let synthetic = self.synthetic.unwrap_or_default();
         synthetic.check()?;
         let stall = self.stall_timeout.unwrap_or(DEFAULT_STALL_TIMEOUT);
@@ -1259,7 +1259,7 @@ impl RunConfig {
         if !self.remedies.is_none() {
             self.remedies.check(&run)?;
         }
-        check_delay_correction(&self.optimizer, run.policy)?;
+        check_delay_correction(&self.optimizer, run.policy, Some(self.remedies.prediction))?;
         if let PartitionChoice::Given(p) = &self.partition {
             Partition::new(p.ranges().to_vec(), model.len())?;
         }
@@ -1429,19 +1429,40 @@ impl RunConfig {
 ///
 /// # Errors
 /// [`StageError::Config`] naming the correction and the policy.
-fn check_delay_correction(optimizer: &OptimizerConfig, policy: Policy) -> Result<()> {
+fn check_delay_correction(
+    optimizer: &OptimizerConfig,
+    policy: Policy,
+    prediction: Option<crate::remedy::Prediction>,
+) -> Result<()> {
     let correction = optimizer.delay_correction;
-    if correction == crate::optim::DelayCorrection::None
-        || !(policy == Policy::Sequential || policy.is_flush())
-    {
+    let name = correction.name();
+    if correction == crate::optim::DelayCorrection::None {
         return Ok(());
     }
-    Err(StageError::Config(format!(
-        "--delay-correction {} corrects the delay of an asynchronous pipeline, and {policy} has \
-         none (every gradient meets the weights it was computed at): use it with pipedream, \
-         pipedream-nostash, vertical-sync or 2bw",
-        correction.name()
-    )))
+    if policy == Policy::Sequential || policy.is_flush() {
+        return Err(StageError::Config(format!(
+            "--delay-correction {name} corrects the delay of an asynchronous pipeline, and \
+             {policy} has none (every gradient meets the weights it was computed at): use it \
+             with pipedream, pipedream-nostash, vertical-sync or 2bw"
+        )));
+    }
+    if !correction.needs_stale_weights() {
+        return Ok(());
+    }
+    if policy == Policy::PipeDreamNoStash {
+        return Err(StageError::Config(format!(
+            "--delay-correction {name} needs the weights each gradient was computed at, and \
+             pipedream-nostash stashes none: use pipedream, vertical-sync or 2bw, or \
+             error-feedback"
+        )));
+    }
+    if prediction.is_some_and(|p| p != crate::remedy::Prediction::None) {
+        return Err(StageError::Config(format!(
+            "--delay-correction {name} and --weight-prediction both correct the same delay \
+             (the prediction changes the weights a gradient is computed at): pick one"
+        )));
+    }
+    Ok(())
 }
 
 /// A plan as `pipe plan -o` writes it and `pipe train --plan` reads it (TOML).

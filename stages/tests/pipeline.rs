@@ -433,12 +433,15 @@ fn other_optimizers_and_dropout_equal_the_reference_trainer() {
     }
 }
 
-/// Error feedback, the delay correction, on every asynchronous policy and every optimizer
-/// kind: the pipelined run equals the reference trainer bit for bit (the correction wraps the
-/// optimizer's step, so both apply it to the same version plan with the same operations), and
-/// it changes the weights (a correction that did nothing would pass the first check).
+/// Every delay correction, on every asynchronous policy it allows and every optimizer kind:
+/// the pipelined run equals the reference trainer bit for bit (error feedback wraps the
+/// optimizer's step; DC-ASGD compensates each update against the stale weights the version
+/// plan names, which under pipedream with two microbatches per update and under vertical sync
+/// are often several versions, averaged), and it changes the weights (a correction that did
+/// nothing would pass the first check). DC-ASGD is refused on pipedream-nostash, which keeps no
+/// stale weights.
 #[test]
-fn error_feedback_equals_the_reference_trainer_on_every_asynchronous_policy() {
+fn delay_corrections_equal_the_reference_trainer_on_every_asynchronous_policy() {
     use pipe_stages::optim::DelayCorrection;
     let base = OptimizerConfig::default();
     let kinds = [
@@ -464,39 +467,45 @@ fn error_feedback_equals_the_reference_trainer_on_every_asynchronous_policy() {
             ..base
         },
     ];
+    let corrections = [
+        (DelayCorrection::ErrorFeedback, 0.5),
+        (DelayCorrection::DcAsgd, 2.0),
+        (DelayCorrection::DcAsgdAdaptive, 0.5),
+    ];
     let model = model();
     for plain in kinds {
-        let corrected = OptimizerConfig {
-            delay_correction: DelayCorrection::ErrorFeedback,
-            correction_strength: 0.5,
-            ..plain
-        };
-        let policies = [
-            Policy::PipeDream,
-            Policy::PipeDreamNoStash,
-            Policy::VerticalSync,
-            Policy::TwoBw,
-        ];
-        for (policy, replicas, spec) in oracle_specs(&policies) {
-            let run = prepare(&spec, &model);
-            let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-            let (states, _) = pipelined_with(&run, &model, eps, corrected);
-            let want = reference_with(&run, &model, corrected);
-            let uncorrected = reference_with(&run, &model, plain);
-            for state in &states {
-                for st in &state.stages {
-                    let stage = st.stage as usize;
+        for (correction, strength) in corrections {
+            let corrected = OptimizerConfig {
+                delay_correction: correction,
+                correction_strength: strength,
+                ..plain
+            };
+            let mut policies = vec![Policy::PipeDream, Policy::VerticalSync, Policy::TwoBw];
+            if !correction.needs_stale_weights() {
+                policies.push(Policy::PipeDreamNoStash);
+            }
+            for (policy, replicas, spec) in oracle_specs(&policies) {
+                let run = prepare(&spec, &model);
+                let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+                let (states, _) = pipelined_with(&run, &model, eps, corrected);
+                let want = reference_with(&run, &model, corrected);
+                let uncorrected = reference_with(&run, &model, plain);
+                let what = format!("{policy} {replicas:?} {:?} {correction:?}", plain.kind);
+                for state in &states {
+                    for st in &state.stages {
+                        let stage = st.stage as usize;
+                        assert!(
+                            bits(&st.params) == bits(&want[stage]),
+                            "{what}: worker {} stage {} differs",
+                            state.worker,
+                            st.stage
+                        );
+                    }
+                }
+                for (s, (w, u)) in want.iter().zip(&uncorrected).enumerate() {
                     assert!(
-                        bits(&st.params) == bits(&want[stage]),
-                        "{policy} {replicas:?} {:?}: worker {} stage {} differs",
-                        plain.kind,
-                        state.worker,
-                        st.stage
-                    );
-                    assert!(
-                        bits(&st.params) != bits(&uncorrected[stage]),
-                        "{policy} {:?}: the correction changed nothing",
-                        plain.kind
+                        bits(w) != bits(u),
+                        "{what}: the correction left stage {s} alone"
                     );
                 }
             }

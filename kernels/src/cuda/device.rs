@@ -17,7 +17,8 @@ use cudarc::driver::{
 };
 
 use crate::backend::{
-    Activation, AdamStep, AttentionShape, Backend, LionStep, LossStats, Precision, SgdStep, Trans,
+    Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats,
+    Precision, SgdStep, Trans,
 };
 use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
@@ -95,6 +96,7 @@ kernel_table!(
     sgd_f32,
     adam_f32,
     lion_f32,
+    delay_compensate_f32,
     partial_sums_f32,
 );
 
@@ -1580,6 +1582,49 @@ impl Backend for CudaBackend {
             .arg(&hp.weight_decay);
         // SAFETY: all three buffers hold n floats.
         unsafe { b.launch(grid(n)) }.map_err(driver_err("lion_update"))?;
+        Ok(())
+    }
+
+    fn delay_compensate(
+        &self,
+        grad: &mut Tensor,
+        current: &Tensor,
+        stale: &Tensor,
+        mean_square: Option<&mut Tensor>,
+        hp: DelayCompensation,
+    ) -> Result<()> {
+        let n = grad.len();
+        let adaptive = hp.adaptive.is_some();
+        crate::check::delay_compensation(grad, current, stale, mean_square.as_deref(), adaptive)?;
+        let wp = self.ptr(current, "delay_compensate")?;
+        let sp = self.ptr(stale, "delay_compensate")?;
+        // The plain form never reads the mean square; it is handed the gradient's pointer.
+        let msp = match mean_square {
+            Some(ms) if adaptive => Some(self.in_place(ms, "delay_compensate")?),
+            _ => None,
+        };
+        let gp = self.in_place(grad, "delay_compensate")?;
+        let n = as_u64(n);
+        if n == 0 {
+            return Ok(());
+        }
+        let flag = i32::from(adaptive);
+        let decay = hp.adaptive.unwrap_or(0.0);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.delay_compensate_f32);
+        b.arg(&gp).arg(&wp).arg(&sp);
+        match &msp {
+            Some(p) => b.arg(p),
+            None => b.arg(&gp),
+        };
+        b.arg(&n)
+            .arg(&hp.lambda)
+            .arg(&flag)
+            .arg(&decay)
+            .arg(&hp.eps);
+        // SAFETY: every buffer holds n floats; the plain form never touches its fourth.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err("delay_compensate"))?;
         Ok(())
     }
 

@@ -764,6 +764,22 @@ extern "C" __global__ void lion_f32(float* w, const float* g, float* m, u64 n, f
     }
 }
 
+// Delay compensation (DC-ASGD): g += lambda g g (w - ws); the adaptive form first moves the
+// mean square ms toward g^2 and divides lambda by sqrt(ms + eps) per element.
+extern "C" __global__ void delay_compensate_f32(float* g, const float* w, const float* ws, float* ms, u64 n,
+                                                float lambda, int adaptive, float decay, float eps) {
+    for (u64 i = global_index(); i < n; i += global_stride()) {
+        float gi = g[i];
+        float l = lambda;
+        if (adaptive) {
+            float msi = decay * ms[i] + (1.0f - decay) * gi * gi;
+            ms[i] = msi;
+            l = lambda / sqrtf(msi + eps);
+        }
+        g[i] = gi + l * gi * gi * (w[i] - ws[i]);
+    }
+}
+
 // ---- reductions to f64: a fixed grid of partial sums, added in order on the host -----------
 //
 // Launched with exactly REDUCE_BLOCKS blocks of REDUCE_THREADS threads whatever n is, so the

@@ -9,9 +9,12 @@
 //!
 //! A delay correction ([`DelayCorrection`]) wraps every optimizer's step, so every trainer
 //! (the executor, the reference trainer, delayed SGD) applies it with the same operations:
-//! error feedback keeps the last update and moves the weights by `u_t + c (u_t - u_{t-1})`.
+//! error feedback keeps the last update and moves the weights by `u_t + c (u_t - u_{t-1})`;
+//! DC-ASGD compensates the gradient for the distance between the weights it is applied to and
+//! the stale ones it was computed at, before the optimizer sees it
+//! ([`Optimizer::mean_step`]'s `stale`).
 
-use pipe_kernels::{AdamStep, Backend, LionStep, SgdStep, Tensor, Trans};
+use pipe_kernels::{AdamStep, Backend, DelayCompensation, LionStep, SgdStep, Tensor, Trans};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
@@ -27,7 +30,8 @@ pub struct ParamState {
     pub first: Tensor,
     /// Adam's second moment.
     pub second: Tensor,
-    /// The delay correction's memory: error feedback's last update `u_{t-1}`.
+    /// The delay correction's memory: error feedback's last update `u_{t-1}`, or the
+    /// adaptive DC-ASGD's mean square of the gradient `MS_t`.
     pub correction: Tensor,
 }
 
@@ -78,6 +82,13 @@ pub enum DelayCorrection {
     /// (learning rate and decoupled weight decay included), the weights move by
     /// `u_t + c (u_t - u_{t-1})` (the first step by `u_1` alone). One parameter-sized buffer.
     ErrorFeedback,
+    /// DC-ASGD (Zheng et al., 2017): the gradient `g`, computed at stale weights `w_s`, is
+    /// replaced by `g + lambda g (.) g (.) (w - w_s)` before the optimizer's step. No buffer;
+    /// it needs the stale weights, which weight stashing keeps.
+    DcAsgd,
+    /// DC-ASGD with `lambda` per element `lambda_0 / sqrt(MS_t + 1e-7)`,
+    /// `MS_t = 0.95 MS_{t-1} + 0.05 g^2`. One parameter-sized buffer.
+    DcAsgdAdaptive,
 }
 
 impl DelayCorrection {
@@ -86,9 +97,44 @@ impl DelayCorrection {
         match self {
             DelayCorrection::None => "none",
             DelayCorrection::ErrorFeedback => "error-feedback",
+            DelayCorrection::DcAsgd => "dc-asgd",
+            DelayCorrection::DcAsgdAdaptive => "dc-asgd-adaptive",
         }
     }
+
+    /// The strength `--delay-correction-strength` defaults to: error feedback's `c = 1`,
+    /// DC-ASGD's `lambda = 0.04` (MXNet's `dcasgd`), the adaptive form's `lambda_0 = 2`.
+    pub fn default_strength(self) -> f32 {
+        match self {
+            DelayCorrection::None | DelayCorrection::ErrorFeedback => 1.0,
+            DelayCorrection::DcAsgd => 0.04,
+            DelayCorrection::DcAsgdAdaptive => 2.0,
+        }
+    }
+
+    /// True when the correction reads the weights a gradient was computed at (DC-ASGD), which
+    /// a policy without weight stashing does not keep.
+    pub fn needs_stale_weights(self) -> bool {
+        matches!(
+            self,
+            DelayCorrection::DcAsgd | DelayCorrection::DcAsgdAdaptive
+        )
+    }
+
+    /// True when the correction keeps a parameter-sized buffer ([`ParamState::correction`]).
+    pub fn keeps_buffer(self) -> bool {
+        matches!(
+            self,
+            DelayCorrection::ErrorFeedback | DelayCorrection::DcAsgdAdaptive
+        )
+    }
 }
+
+/// The adaptive DC-ASGD's decay of the gradient's mean square.
+pub const DC_ASGD_MEAN_SQUARE_DECAY: f32 = 0.95;
+
+/// The adaptive DC-ASGD's `eps` under the square root.
+pub const DC_ASGD_EPS: f32 = 1e-7;
 
 impl std::str::FromStr for DelayCorrection {
     type Err = String;
@@ -96,8 +142,10 @@ impl std::str::FromStr for DelayCorrection {
         match s.to_ascii_lowercase().as_str() {
             "none" => Ok(Self::None),
             "error-feedback" => Ok(Self::ErrorFeedback),
+            "dc-asgd" => Ok(Self::DcAsgd),
+            "dc-asgd-adaptive" => Ok(Self::DcAsgdAdaptive),
             _ => Err(format!(
-                "unknown delay correction '{s}' (none, error-feedback)"
+                "unknown delay correction '{s}' (none, error-feedback, dc-asgd, dc-asgd-adaptive)"
             )),
         }
     }
@@ -190,7 +238,8 @@ pub struct OptimizerConfig {
     pub eps: f32,
     /// The delay correction around every step.
     pub delay_correction: DelayCorrection,
-    /// Its strength: error feedback's `c`.
+    /// Its strength: error feedback's `c`, DC-ASGD's `lambda` (`lambda_0` of the adaptive
+    /// form); see [`DelayCorrection::default_strength`].
     pub correction_strength: f32,
 }
 
@@ -344,7 +393,7 @@ impl Optimizer {
                     .zip(marks)
                     .map(|(p, &matrix)| {
                         let (first, second) = cfg.kind.buffers(cfg.momentum, matrix);
-                        let correction = cfg.delay_correction != DelayCorrection::None;
+                        let correction = cfg.delay_correction.keeps_buffer();
                         let zeros = |keep: bool| {
                             if keep {
                                 Tensor::zeros(p.shape())
@@ -472,8 +521,11 @@ impl Optimizer {
     /// where their number differs from the loss stage's ([`UpdateMean::rescale`]), then one
     /// step on `params`.
     ///
+    /// DC-ASGD goes through [`Optimizer::compensated_mean`] and [`Optimizer::step`] instead,
+    /// because it compensates each stage's own gradient before tied uses are summed.
+    ///
     /// # Errors
-    /// Shape mismatches between parameters, gradients and state.
+    /// Shape mismatches between parameters, gradients and state; DC-ASGD configured.
     pub fn mean_step(
         &mut self,
         be: &dyn Backend,
@@ -482,12 +534,69 @@ impl Optimizer {
         (mean, own): (UpdateMean, u32),
         lr: f32,
     ) -> Result<()> {
-        if let Some(factor) = mean.rescale(own) {
-            for g in grads.iter_mut().flatten() {
-                be.scale(factor, g)?;
-            }
+        if self.cfg.delay_correction.needs_stale_weights() {
+            return Err(StageError::Config(format!(
+                "--delay-correction {} needs the weights each gradient was computed at, which \
+                 this trainer does not keep",
+                self.cfg.delay_correction.name()
+            )));
         }
+        rescale(be, grads, mean, own)?;
         self.step(be, params, grads, lr)
+    }
+
+    /// DC-ASGD's half of [`Optimizer::mean_step`], on one stage's own gradients of an update
+    /// before its tied uses are summed (each use is compensated against its own stage's stale
+    /// weights, and every copy then steps with the same sum): the rescale to the mean, then
+    /// [`Optimizer::compensate`] against `stale` at `current`. [`Optimizer::step`] follows.
+    ///
+    /// # Errors
+    /// Shape mismatches; kernel errors.
+    pub fn compensated_mean(
+        &mut self,
+        be: &dyn Backend,
+        grads: &mut Params,
+        (mean, own): (UpdateMean, u32),
+        current: &Params,
+        stale: &Params,
+    ) -> Result<()> {
+        rescale(be, grads, mean, own)?;
+        self.compensate(be, grads, current, stale)
+    }
+
+    /// DC-ASGD's compensation of `grads` (computed at `stale`, applied at `current`):
+    /// `g + lambda g (.) g (.) (current - stale)`, the adaptive form's `lambda` per element
+    /// from the mean square it keeps. Nothing for the other corrections.
+    ///
+    /// # Errors
+    /// Shape mismatches; kernel errors.
+    pub fn compensate(
+        &mut self,
+        be: &dyn Backend,
+        grads: &mut Params,
+        current: &Params,
+        stale: &Params,
+    ) -> Result<()> {
+        let adaptive = match self.cfg.delay_correction {
+            DelayCorrection::DcAsgd => None,
+            DelayCorrection::DcAsgdAdaptive => Some(DC_ASGD_MEAN_SQUARE_DECAY),
+            _ => return Ok(()),
+        };
+        let hp = DelayCompensation {
+            lambda: self.cfg.correction_strength,
+            adaptive,
+            eps: DC_ASGD_EPS,
+        };
+        let each = grads
+            .iter_mut()
+            .flatten()
+            .zip(current.iter().flatten())
+            .zip(stale.iter().flatten());
+        for (((g, w), ws), st) in each.zip(self.state.iter_mut().flatten()) {
+            let mean_square = adaptive.map(|_| &mut st.correction);
+            be.delay_compensate(g, w, ws, mean_square, hp)?;
+        }
+        Ok(())
     }
 
     /// Applies one update with learning rate `lr`, corrected for delay as configured.
@@ -588,6 +697,17 @@ impl Optimizer {
         }
         Ok(())
     }
+}
+
+/// Rescales an update's summed gradients to the mean over this stage's `own` microbatches
+/// ([`UpdateMean::rescale`]).
+fn rescale(be: &dyn Backend, grads: &mut Params, mean: UpdateMean, own: u32) -> Result<()> {
+    if let Some(factor) = mean.rescale(own) {
+        for g in grads.iter_mut().flatten() {
+            be.scale(factor, g)?;
+        }
+    }
+    Ok(())
 }
 
 /// Error feedback on one parameter after the optimizer's step: `before` holds the weights

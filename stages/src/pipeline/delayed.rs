@@ -267,6 +267,14 @@ impl DelayedWorker<'_> {
             mean: UpdateMean::new(m as u32),
         };
         let (be, model) = (self.be, self.model);
+        // DC-ASGD compensates against the weights the gradient is computed at; the history
+        // moves on before the step, so it keeps its own copy.
+        let anchor = self
+            .opt
+            .config()
+            .delay_correction
+            .needs_stale_weights()
+            .then(|| stale.clone());
         let (loss, rows) = gradients(
             be,
             model,
@@ -287,6 +295,11 @@ impl DelayedWorker<'_> {
             self.dropped += 1;
             return Ok((loss, rows));
         }
+        let mean = (batch.mean, m as u32);
+        if let Some(stale) = &anchor {
+            self.opt
+                .compensated_mean(be, &mut self.grads, mean, &self.params, stale)?;
+        }
         model.sum_tied(be, &mut [(0, &mut self.grads)])?;
         model.check_gradients(be, 0, &self.grads, step + 1)?;
         let scale = if self.opts.age_scaling {
@@ -295,9 +308,12 @@ impl DelayedWorker<'_> {
             1.0
         };
         let lr = self.lr.at(step) * scale;
-        let mean = (batch.mean, m as u32);
-        self.opt
-            .mean_step(be, &mut self.params, &mut self.grads, mean, lr)?;
+        match anchor {
+            Some(_) => self.opt.step(be, &mut self.params, &self.grads, lr)?,
+            None => self
+                .opt
+                .mean_step(be, &mut self.params, &mut self.grads, mean, lr)?,
+        }
         Ok((loss, rows))
     }
 }

@@ -153,6 +153,9 @@ struct StageRun {
     grads: Params,
     /// No gradient accumulated since the last update (the next one writes, not adds).
     grads_fresh: bool,
+    /// DC-ASGD: the gradients of the coming update are already compensated (done before a
+    /// tie exchange sends them, [`WorkerCore::compensate`]).
+    compensated: bool,
     optimizer: Optimizer,
     /// Per version, the program counter of its last use.
     last_use: Vec<usize>,
@@ -246,7 +249,17 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let schedule = &plan.schedule;
         let layout = schedule.layout();
         let ranges = plan.partition.ranges();
-        let last_uses = plan.versions.last_uses(schedule, state.worker);
+        // DC-ASGD reads each update's stale versions at the update: they are held until then.
+        let compensating = state
+            .stages
+            .iter()
+            .any(|st| st.opt.config().delay_correction.needs_stale_weights());
+        let last_uses = if compensating {
+            plan.versions
+                .last_uses_through_updates(schedule, state.worker)
+        } else {
+            plan.versions.last_uses(schedule, state.worker)
+        };
         let delays = match setup.prediction {
             Prediction::LookAhead { .. } => stage_delays(&schedule.resolved, &plan.versions),
             _ => Vec::new(),
@@ -295,6 +308,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 versions: BTreeMap::from([(0, weights)]),
                 current_version: 0,
                 grads_fresh: true,
+                compensated: false,
                 optimizer: st.opt.clone().placed(be)?,
                 last_use,
                 forward_saved: HashMap::new(),
@@ -617,7 +631,10 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         }
         if run.grads_fresh {
             zero(be, &mut run.grads)?;
+            run.grads_fresh = false;
         }
+        self.compensate(be, c, update)?;
+        let run = &mut self.stages[c];
         let mut p = run
             .versions
             .remove(&cur)
@@ -640,8 +657,13 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let lr = (setup.lr)(stage, update);
         let old = run.velocity.as_ref().map(|_| p.clone());
         let mean = UpdateMean::of(&setup.plan.schedule.resolved);
-        run.optimizer
-            .mean_step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
+        if run.compensated {
+            run.optimizer.step(be, &mut p, &run.grads, lr)?;
+            run.compensated = false;
+        } else {
+            run.optimizer
+                .mean_step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
+        }
         run.current_version += 1;
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;
@@ -662,6 +684,41 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             metrics::gauge!("pipe_staleness", "stage" => stage.to_string()).set(sum / f64::from(n));
         }
         run.free_after(pc);
+        Ok(())
+    }
+
+    /// DC-ASGD's compensation of chunk `c`'s gradients of `update`, once, before its tied uses
+    /// leave or are summed: against the stale weights of [`super::stale::stale_weights`] at
+    /// the current version ([`crate::optim::Optimizer::compensated_mean`]). Nothing for the
+    /// other corrections.
+    fn compensate(&mut self, be: &dyn Backend, c: usize, update: u32) -> Result<()> {
+        let setup = self.setup;
+        let run = &mut self.stages[c];
+        let needed = run
+            .optimizer
+            .config()
+            .delay_correction
+            .needs_stale_weights();
+        if !needed || run.compensated {
+            return Ok(());
+        }
+        let (stage, versions) = (run.stage, &run.versions);
+        let held = |v: u32| {
+            versions
+                .get(&v)
+                .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))
+        };
+        let stale = super::stale::stale_weights(be, &setup.plan.versions, (stage, update), held)?;
+        let current = held(run.current_version)?;
+        let mean = UpdateMean::of(&setup.plan.schedule.resolved);
+        run.optimizer.compensated_mean(
+            be,
+            &mut run.grads,
+            (mean, run.update_size),
+            current,
+            &stale,
+        )?;
+        run.compensated = true;
         Ok(())
     }
 
@@ -814,6 +871,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             zero(be, &mut self.stages[c].grads)?;
             self.stages[c].grads_fresh = false;
         }
+        self.compensate(be, c, update)?;
         let run = &self.stages[c];
         let ranges = self.setup.plan.partition.ranges();
         let me = self.worker;

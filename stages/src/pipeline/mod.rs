@@ -37,6 +37,7 @@ pub mod relaunch;
 pub mod restart;
 pub mod run_plan;
 pub mod setup;
+pub mod stale;
 pub mod survive;
 pub mod train;
 pub mod worker;

@@ -389,9 +389,26 @@ impl Reference<'_, '_> {
         let setup = self.setup;
         let group = self.tie_group[s].clone();
         let k = self.next_update[s];
+        let compensating = self.opts[s].config().delay_correction.needs_stale_weights();
+        let mean = UpdateMean::of(&setup.plan.schedule.resolved);
         let mut grads = Vec::with_capacity(group.len());
         for &t in &group {
-            grads.push(self.gradients(be, t)?);
+            let mut g = self.gradients(be, t)?;
+            if compensating {
+                let held = &self.versions[t];
+                let stale =
+                    super::stale::stale_weights(be, &setup.plan.versions, (t as u32, k), |v| {
+                        held.get(v as usize).ok_or_else(|| {
+                            StageError::Executor(format!(
+                                "version {v} of stage {t} does not exist yet"
+                            ))
+                        })
+                    })?;
+                let size = setup.plan.schedule.resolved.update_size(t as u32);
+                let current = &held[held.len() - 1];
+                self.opts[t].compensated_mean(be, &mut g, (mean, size), current, &stale)?;
+            }
+            grads.push(g);
         }
         let mut parts: Vec<(usize, &mut Params)> = group
             .iter()
@@ -403,8 +420,11 @@ impl Reference<'_, '_> {
             let mut p = self.versions[t][self.versions[t].len() - 1].clone();
             let size = setup.plan.schedule.resolved.update_size(t as u32);
             let lr = (setup.lr)(t as u32, k);
-            let mean = UpdateMean::of(&setup.plan.schedule.resolved);
-            self.opts[t].mean_step(be, &mut p, &mut g, (mean, size), lr)?;
+            if compensating {
+                self.opts[t].step(be, &mut p, &g, lr)?;
+            } else {
+                self.opts[t].mean_step(be, &mut p, &mut g, (mean, size), lr)?;
+            }
             if let Some(vs) = self.velocities.get_mut(t) {
                 let old = &self.versions[t][self.versions[t].len() - 1];
                 let mut vel = vs[vs.len() - 1].clone();
