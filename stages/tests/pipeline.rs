@@ -487,10 +487,27 @@ fn delay_corrections_equal_the_reference_trainer_on_every_asynchronous_policy() 
             for (policy, replicas, spec) in oracle_specs(&policies) {
                 let run = prepare(&spec, &model);
                 let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-                let (states, _) = pipelined_with(&run, &model, eps, corrected);
+                let (states, outcomes) = pipelined_with(&run, &model, eps, corrected);
                 let want = reference_with(&run, &model, corrected);
                 let uncorrected = reference_with(&run, &model, plain);
                 let what = format!("{policy} {replicas:?} {:?} {correction:?}", plain.kind);
+                if correction.needs_stale_weights() {
+                    // Holding each update's stale versions until the update costs at most one
+                    // more version per worker than freeing them after their last pass (as the
+                    // driver counts them, after each action): none here under 2bw and
+                    // pipedream, one on one worker of vertical sync at [1, 3, 1].
+                    let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+                    let (_, base) = pipelined_with(&run, &model, eps, plain);
+                    for (c, b) in outcomes.iter().zip(&base) {
+                        assert!(
+                            c.peak_versions <= b.peak_versions + 1,
+                            "{what}: worker {} holds {} versions at most, {} without",
+                            c.worker,
+                            c.peak_versions,
+                            b.peak_versions
+                        );
+                    }
+                }
                 for state in &states {
                     for st in &state.stages {
                         let stage = st.stage as usize;

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# What a delay correction costs in time: gpt-mini under 2bw at 2 stages, one thread per
+# worker, 40 updates, with each correction and without, in alternating rounds on one machine:
+#
+#   pipe train --model gpt-mini --stages 2 --schedule 2bw --microbatches 2 --steps 40 \
+#        --threads 1 --delay-correction KIND
+#
+# Prints each run's tokens/s (the epoch line) and weights digest, then per correction the
+# median and its ratio to the uncorrected median.
+#
+#   experiments/staleness/correction-cost.sh [ROUNDS]        # default 2
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rounds=${1:-2}
+cargo build --release --locked --bin pipe >&2
+pipe=$PWD/target/release/pipe
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+args=(train --model gpt-mini --stages 2 --schedule 2bw --microbatches 2 --steps 40 --threads 1)
+echo "| round | correction | tokens/s | weights |"
+echo "|---|---|---|---|"
+for r in $(seq 1 "$rounds"); do
+  for kind in none error-feedback dc-asgd dc-asgd-adaptive; do
+    "$pipe" "${args[@]}" --delay-correction "$kind" > "$out/$kind-$r.txt" 2>&1
+    rate=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$out/$kind-$r.txt")
+    digest=$(sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$out/$kind-$r.txt" | tail -1)
+    echo "$kind $rate" >> "$out/rates"
+    echo "| $r | $kind | $rate | $digest |"
+  done
+done
+python3 - "$out/rates" <<'PY'
+import statistics, sys
+rates = {}
+for line in open(sys.argv[1]):
+    kind, rate = line.split()
+    rates.setdefault(kind, []).append(float(rate))
+med = {k: statistics.median(v) for k, v in rates.items()}
+print()
+print("| correction | median tokens/s | against none |")
+print("|---|---|---|")
+for k, v in med.items():
+    print(f"| {k} | {v:.0f} | {v / med['none']:.2f} |")
+PY
