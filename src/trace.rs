@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use pipe_scheduler::{Layout, Span, Timeline};
 use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::doctor::StopReport;
-use pipe_stages::train::{EpochStats, StepStats};
+use pipe_stages::train::{EpochStats, EvalStats, StepStats};
 use serde_json::{Value, json};
 
 /// The key of a part's header: the worker's rank and its start in microseconds since the UNIX
@@ -92,6 +92,10 @@ impl Observer for Traced<'_> {
 
     fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
         self.run.on_epoch(e)
+    }
+
+    fn on_eval(&mut self, e: &EvalStats) -> pipe_stages::Result<()> {
+        self.run.on_eval(e)
     }
 
     fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {

@@ -23,7 +23,7 @@ use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
 use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::planning::{plan_workers, settle_measured_partition};
-use pipe_stages::train::{EpochStats, StepStats, TrainReport};
+use pipe_stages::train::{EpochStats, EvalStats, StepStats, TrainReport};
 
 use crate::args::BackendParser;
 use crate::output::{Interrupted, bad_input};
@@ -87,6 +87,11 @@ pub struct TrainArgs {
     /// Stop after this many optimizer steps.
     #[arg(long)]
     steps: Option<u64>,
+    /// Evaluate on the validation set every N updates as well as at each epoch's end (a drain
+    /// point, like a checkpoint: under an asynchronous schedule it changes the run's numerics,
+    /// as --checkpoint-every does). Records go to the progress output and the JSON-lines log.
+    #[arg(long, value_name = "N")]
+    eval_every: Option<u64>,
     /// Samples per microbatch.
     #[arg(long)]
     microbatch_size: Option<usize>,
@@ -293,6 +298,7 @@ impl TrainArgs {
             gpt2: self.gpt2_shape(),
             epochs: self.epochs,
             steps: self.steps,
+            eval_every: self.eval_every,
             microbatch_size: self.microbatch_size,
             microbatches: self.microbatches,
             optimizer: self.optimizer,
@@ -590,8 +596,12 @@ impl Fan {
         } else {
             "nats/char"
         };
+        let language = matches!(
+            cfg.dataset,
+            DatasetKind::Tokens | DatasetKind::TinyShakespeare
+        );
         Ok(Fan {
-            first: Progress::new(std::io::stderr().is_terminal(), unit),
+            first: Progress::new(std::io::stderr().is_terminal(), unit, language),
             rest,
         })
     }
@@ -605,6 +615,10 @@ impl Observer for Fan {
     fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
         self.first.on_epoch(e)?;
         self.rest.iter_mut().try_for_each(|o| o.on_epoch(e))
+    }
+    fn on_eval(&mut self, e: &EvalStats) -> pipe_stages::Result<()> {
+        self.first.on_eval(e)?;
+        self.rest.iter_mut().try_for_each(|o| o.on_eval(e))
     }
     fn on_layout_change(&mut self, c: &LayoutChange) -> pipe_stages::Result<()> {
         outln!("{c}");
@@ -620,15 +634,18 @@ struct Progress {
     last_val: Option<f64>,
     /// A language model's loss unit.
     unit: &'static str,
+    /// A language model (validation loss) rather than a classifier (test loss).
+    language: bool,
 }
 
 impl Progress {
-    fn new(tty: bool, unit: &'static str) -> Self {
+    fn new(tty: bool, unit: &'static str, language: bool) -> Self {
         Self {
             bar: None,
             tty,
             last_val: None,
             unit,
+            language,
         }
     }
 }
@@ -660,6 +677,28 @@ impl Observer for Progress {
                 .map(|v| format!(", val loss {v:.4}"))
                 .unwrap_or_default();
             bar.set_message(format!("loss {:.4}{val}, {rate}", s.loss));
+        }
+        Ok(())
+    }
+
+    fn on_eval(&mut self, e: &EvalStats) -> pipe_stages::Result<()> {
+        let (what, unit) = if self.language {
+            self.last_val = Some(e.test_loss);
+            ("val", format!(" {}", self.unit))
+        } else {
+            ("test", String::new())
+        };
+        let line = format!(
+            "eval at update {:>6}  {what} loss {:.4}{unit}  {what} acc {:6.2}%  {:>7.1} s",
+            e.steps,
+            e.test_loss,
+            100.0 * e.test_accuracy,
+            e.elapsed_s
+        );
+        // Standard output, as the epoch lines; the bar steps aside while it is written.
+        match &self.bar {
+            Some(bar) => bar.suspend(|| outln!("{line}")),
+            None => outln!("{line}"),
         }
         Ok(())
     }

@@ -1244,6 +1244,14 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "train --stages 2 --delay-correction dc-asgd-fast --steps 1",
             "unknown delay correction",
         ),
+        row(
+            "train --eval-every 0 --steps 1",
+            "--eval-every must be at least 1",
+        ),
+        row(
+            "train --eval-every 99999999999999 --steps 1",
+            "--eval-every",
+        ),
     ]
 }
 

@@ -347,3 +347,67 @@ fn bad_input_and_bad_shards_exit_2_with_one_line_naming_file_and_byte() {
         &["needs its directory"],
     );
 }
+
+/// The `(steps, test loss)` of each validation record between epochs in a JSON-lines log.
+fn evaluations(log: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "eval")
+        .map(|v| {
+            (
+                v["steps"].as_u64().unwrap(),
+                v["test_loss"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// `--eval-every 4` on shards, 12 updates at 2 stages: validation records after updates 4 and
+/// 8 in the log (the epoch's end evaluates on its own), a line for each in the output; and a
+/// resume from the checkpoint at update 6, between the two, logs the same record at 8, bit for
+/// bit, and ends with the uninterrupted run's weights.
+#[test]
+fn evaluations_on_a_cadence_are_logged_and_a_resume_between_two_is_exact() {
+    let corpus = bpe_corpus("eval", "50000");
+    let ckpt = tmp("eval-ckpt");
+    let log = tmp("eval.jsonl");
+    let whole = ok(&train(
+        &corpus,
+        &[
+            "--stages",
+            "2",
+            "--eval-every",
+            "4",
+            "--checkpoint-dir",
+            s(&ckpt),
+            "--checkpoint-every",
+            "6",
+            "--log-jsonl",
+            s(&log),
+        ],
+    ));
+    let logged = evaluations(&log);
+    let steps: Vec<u64> = logged.iter().map(|e| e.0).collect();
+    assert_eq!(steps, [4, 8], "{whole}");
+    assert!(logged.iter().all(|e| e.1.is_finite() && e.1 > 0.0));
+    assert!(whole.contains("eval at update      4  val loss"), "{whole}");
+    let again = tmp("eval-resumed.jsonl");
+    let resumed = ok(&train(
+        &corpus,
+        &[
+            "--stages",
+            "2",
+            "--eval-every",
+            "4",
+            "--resume",
+            s(&ckpt.join("ckpt-00000006")),
+            "--log-jsonl",
+            s(&again),
+        ],
+    ));
+    assert!(resumed.contains("resuming from"), "{resumed}");
+    assert_eq!(evaluations(&again), logged[1..]);
+    assert_eq!(weights(&resumed), weights(&whole));
+}

@@ -113,7 +113,8 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
 /// A delay correction's state lives in each worker's optimizer and moves with its stage at
 /// drain points: a run with each correction ends with the same weights in process, over QUIC
 /// and over shared memory (error feedback for 2bw with replicas and for pipedream-nostash,
-/// DC-ASGD for pipedream with replicas, its adaptive form for 2bw with replicas).
+/// DC-ASGD for pipedream with replicas, its adaptive form for 2bw with replicas), with a
+/// validation pass at update 25 reported from the worker processes too.
 #[test]
 fn delay_corrections_end_with_the_same_weights_in_process_and_over_worker_processes() {
     let _one = serial();
@@ -141,6 +142,9 @@ fn delay_corrections_end_with_the_same_weights_in_process_and_over_worker_proces
             correction,
             "--delay-correction-strength",
             "0.5",
+            // A validation pass between epochs is a drain point of its own.
+            "--eval-every",
+            "25",
         ];
         let inproc = ok(&run(Command::new(PIPE).args(args)));
         let header = format!("delay correction {correction} (strength 0.5)");
@@ -149,6 +153,10 @@ fn delay_corrections_end_with_the_same_weights_in_process_and_over_worker_proces
             let processes = ok(&run(Command::new(PIPE).args(args).args(flags)));
             let what = format!("{correction} {policy} {flags:?}");
             assert_eq!(done(&inproc), done(&processes), "{what}");
+            assert!(
+                processes.contains("eval at update     25"),
+                "{what}: {processes}"
+            );
         }
     }
 }

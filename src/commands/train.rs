@@ -19,7 +19,7 @@ use pipe_stages::pipeline::relaunch::{
 };
 use pipe_stages::pipeline::restart::{Restart, RestartPolicy, fault_schedule};
 use pipe_stages::pipeline::survive::LayoutChange;
-use pipe_stages::train::{self, EpochStats, StepStats};
+use pipe_stages::train::{self, EpochStats, EvalStats, StepStats};
 use pipe_transport::fault::{FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
@@ -260,6 +260,9 @@ impl Observer for LastStep<'_> {
     }
     fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
         self.inner.on_epoch(e)
+    }
+    fn on_eval(&mut self, e: &EvalStats) -> pipe_stages::Result<()> {
+        self.inner.on_eval(e)
     }
     fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
         self.inner.on_stop(report)

@@ -301,6 +301,9 @@ pub struct TrainSettings {
     pub epochs: Option<u64>,
     /// Stop after this many optimizer steps (overrides the epoch count when smaller).
     pub steps: Option<u64>,
+    /// Evaluate on the validation windows every this many updates (besides each epoch's end),
+    /// at a drain point.
+    pub eval_every: Option<u64>,
     /// Samples per microbatch.
     pub microbatch_size: Option<usize>,
     /// Microbatches whose gradients one update sums.
@@ -506,7 +509,7 @@ impl TrainSettings {
             dst.model_config = src.model_config;
         }
         merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
-            synthetic, epochs, steps,
+            synthetic, epochs, steps, eval_every,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, beta1, beta2, eps, delay_correction, delay_correction_strength, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
@@ -826,6 +829,12 @@ impl TrainSettings {
         if let Some(steps) = self.steps {
             check_count("--steps", steps, MAX_STEPS, never)?;
         }
+        if self.eval_every == Some(0) {
+            return Err(StageError::Config("--eval-every must be at least 1".into()));
+        }
+        if let Some(every) = self.eval_every {
+            check_count("--eval-every", every, MAX_STEPS, never)?;
+        }
         Ok(epochs)
     }
 
@@ -954,6 +963,7 @@ impl TrainSettings {
             synthetic,
             epochs,
             steps: self.steps,
+            eval_every: self.eval_every,
             microbatch_size,
             microbatches,
             optimizer,
@@ -1097,6 +1107,8 @@ pub struct RunConfig {
     pub epochs: u64,
     /// Optional cap on optimizer steps.
     pub steps: Option<u64>,
+    /// Evaluate every this many updates too, at a drain point (besides each epoch's end).
+    pub eval_every: Option<u64>,
     /// Samples per microbatch.
     pub microbatch_size: usize,
     /// Microbatches per update.

@@ -1,6 +1,6 @@
-//! Run logs: JSON lines, one object per optimizer step and one per epoch, each tagged with
-//! `"kind"`, so a log can be read back with any JSON tool; each line is flushed as it is
-//! written (`docs/training.md` has the schema).
+//! Run logs: JSON lines, one object per optimizer step, per epoch and per validation pass
+//! between epochs, each tagged with `"kind"`, so a log can be read back with any JSON tool;
+//! each line is flushed as it is written (`docs/training.md` has the schema).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::error::{Result, StageError};
 use crate::pipeline::Observer;
-use crate::train::{EpochStats, StepStats};
+use crate::train::{EpochStats, EvalStats, StepStats};
 
 /// Writes steps and epochs as JSON lines.
 #[derive(Debug)]
@@ -62,5 +62,8 @@ impl Observer for JsonlLog {
     }
     fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
         self.write("epoch", e)
+    }
+    fn on_eval(&mut self, e: &EvalStats) -> Result<()> {
+        self.write("eval", e)
     }
 }

@@ -67,6 +67,22 @@ pub struct EpochStats {
     pub stages: Vec<StageEpochStats>,
 }
 
+/// A validation pass at a drain point inside an epoch (`--eval-every`), on the same windows
+/// as each epoch's end evaluates.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct EvalStats {
+    /// The epoch it falls in, from 1.
+    pub epoch: u64,
+    /// Optimizer steps so far (the weights evaluated are these steps' result).
+    pub steps: u64,
+    /// Mean test loss per target (a language model's validation loss, nats per token).
+    pub test_loss: f64,
+    /// Test accuracy in `[0, 1]`.
+    pub test_accuracy: f64,
+    /// Seconds since training began.
+    pub elapsed_s: f64,
+}
+
 /// One pipeline stage's figures over an epoch.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct StageEpochStats {

@@ -6,7 +6,7 @@
 use crate::error::Result;
 use crate::pipeline::doctor::StopReport;
 use crate::pipeline::survive::LayoutChange;
-use crate::train::{EpochStats, StepStats};
+use crate::train::{EpochStats, EvalStats, StepStats};
 
 /// Receives progress while training runs.
 pub trait Observer {
@@ -23,6 +23,14 @@ pub trait Observer {
     /// # Errors
     /// As for `on_step`.
     fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
+        let _ = e;
+        Ok(())
+    }
+    /// After a validation pass inside an epoch (`--eval-every`).
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_eval(&mut self, e: &EvalStats) -> Result<()> {
         let _ = e;
         Ok(())
     }

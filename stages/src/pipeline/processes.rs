@@ -39,7 +39,7 @@ use crate::checkpoint::CheckpointPolicy;
 use crate::config::RunConfig;
 use crate::error::{Result, StageError};
 use crate::pipeline::Observer;
-use crate::train::{EpochStats, StepStats};
+use crate::train::{EpochStats, EvalStats, StepStats};
 
 /// A failure of the launch or of a worker process, at run time.
 fn failed(why: String) -> StageError {
@@ -72,6 +72,8 @@ pub enum Record {
     Step(StepStats),
     /// An epoch, after evaluation.
     Epoch(EpochStats),
+    /// A validation pass inside an epoch.
+    Eval(EvalStats),
     /// The end of the run: steps done, the final weights' digest, the checkpoints written,
     /// and whether it stopped early (Ctrl-C).
     Done {
@@ -115,6 +117,9 @@ impl Observer for RecordWriter {
     }
     fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
         Self::write(&Record::Epoch(e.clone()))
+    }
+    fn on_eval(&mut self, e: &EvalStats) -> Result<()> {
+        Self::write(&Record::Eval(e.clone()))
     }
     fn on_stop(&mut self, report: &StopReport) -> Result<()> {
         Self::write(&Record::Stop(report.clone()))
@@ -496,6 +501,7 @@ pub fn run_processes(
         match record {
             Record::Stop(_) => {}
             Record::Step(s) => obs.on_step(&s)?,
+            Record::Eval(e) => obs.on_eval(&e)?,
             Record::Epoch(e) => {
                 obs.on_epoch(&e)?;
                 last = Some(e);

@@ -33,7 +33,7 @@ use crate::optim::{LrSchedule, Optimizer, OptimizerKind, OptimizerState};
 use crate::partition::Partition;
 use crate::pipeline::Observer;
 use crate::remedy::{LrScaling, stage_delays};
-use crate::train::{EpochStats, StageEpochStats, StepStats, TrainReport, evaluate};
+use crate::train::{EpochStats, EvalStats, StageEpochStats, StepStats, TrainReport, evaluate};
 
 /// Extra outputs of a pipelined run.
 #[derive(Debug)]
@@ -463,14 +463,24 @@ pub(crate) fn run_segments(
             let save = start
                 .checkpoints
                 .filter(|p| p.due(end.done, epoch_end, stop));
+            // The epoch's end evaluates anyway.
+            let eval = !epoch_end && run.cfg.eval_every.is_some_and(|n| end.done % n == 0);
             let drain = Drain {
-                weights: epoch_end || save.is_some() || stop,
+                weights: epoch_end || save.is_some() || stop || eval,
                 optimizer: save.is_some(),
                 stop,
             };
             let (weights, optimizer) = coord.drain(&plan, drain)?;
             if let Some(weights) = weights {
                 end.params = weights;
+            }
+            if eval {
+                obs.on_eval(&run.evaluate_between(
+                    &end.params,
+                    data,
+                    &eval_be,
+                    (epoch, end.done),
+                )?)?;
             }
             if let (Some(policy), Some(optimizer)) = (save, optimizer) {
                 let saved = run.save(&plan, end.done, end.params.clone(), optimizer, policy)?;
@@ -899,7 +909,9 @@ impl<'c> Run<'c> {
         layout: Option<&LayoutChange>,
     ) -> Result<(RunPlan, u64)> {
         let cfg = self.cfg;
-        let mut this = segment_length(every, done, left);
+        // Evaluations between epochs are drain points too, cut wherever the run runs.
+        let mut this =
+            segment_length(every, done, left).min(segment_length(cfg.eval_every, done, left));
         let warmup = cfg.remedies.sync_warmup;
         let policy = if done < warmup {
             this = this.min(warmup - done);
@@ -1094,6 +1106,36 @@ impl<'c> Run<'c> {
 
     /// The end of an epoch on the chief: reports its steps, evaluates the assembled `params`
     /// on the test split, and reports the epoch.
+    /// The validation pass of `--eval-every` after `steps` updates of `epoch`: the epoch end's
+    /// evaluation of `params`, between epochs.
+    fn evaluate_between(
+        &self,
+        params: &Params,
+        data: &Splits,
+        eval_be: &CpuBackend,
+        (epoch, steps): (u64, u64),
+    ) -> Result<EvalStats> {
+        let (test_loss, test_accuracy) = self.evaluate(params, data, eval_be)?;
+        Ok(EvalStats {
+            epoch,
+            steps,
+            test_loss,
+            test_accuracy,
+            elapsed_s: self.start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The test (validation) loss and accuracy of `params`.
+    fn evaluate(&self, params: &Params, data: &Splits, eval_be: &CpuBackend) -> Result<(f64, f64)> {
+        evaluate(
+            eval_be as &dyn Backend,
+            &self.model,
+            params,
+            &data.test,
+            1000,
+        )
+    }
+
     pub(super) fn finish_epoch(
         &self,
         ended: &EpochEnd<'_>,
@@ -1108,13 +1150,7 @@ impl<'c> Run<'c> {
         let train_loss = loss / samples.max(1) as f64;
         // Loss rows: samples, or tokens of a language model.
         let samples = samples / self.targets;
-        let (test_loss, test_accuracy) = evaluate(
-            eval_be as &dyn Backend,
-            &self.model,
-            params,
-            &data.test,
-            1000,
-        )?;
+        let (test_loss, test_accuracy) = self.evaluate(params, data, eval_be)?;
         let e = EpochStats {
             epoch: ended.epoch,
             train_loss,
