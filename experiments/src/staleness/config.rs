@@ -312,9 +312,10 @@ impl StalenessConfig {
                     }
                     for v in &self.remedies.variants {
                         // Only SGD has a momentum to lower; each prediction fits one kind
-                        // of policy.
+                        // of policy; DC-ASGD needs stashed weights.
                         if v.compensate_momentum && o.kind != OptimizerKind::Sgd
                             || !prediction_fits(v, policy)?
+                            || !correction_fits(v, policy)?
                         {
                             continue;
                         }
@@ -517,6 +518,16 @@ fn prediction_fits(v: &RemedyVariant, policy: Policy) -> Result<bool, Experiment
         Prediction::Discrepancy { .. } => nostash,
         Prediction::LookAhead { .. } => !nostash,
     })
+}
+
+/// Whether a variant's delay correction applies to `policy`: DC-ASGD needs the stashed
+/// weights that pipedream-nostash does not keep (`pipe train` refuses it there).
+fn correction_fits(v: &RemedyVariant, policy: Policy) -> Result<bool, ExperimentError> {
+    let Some(text) = &v.delay_correction else {
+        return Ok(true);
+    };
+    let c: pipe_stages::optim::DelayCorrection = text.parse().map_err(ExperimentError::Config)?;
+    Ok(!(c.needs_stale_weights() && policy == Policy::PipeDreamNoStash))
 }
 
 fn parse_policy(name: &str) -> Result<Policy, ExperimentError> {

@@ -28,10 +28,15 @@ declare -A flags=(
   [sgd-momentum]="--optimizer sgd --lr 0.3 --momentum 0.9"
   [sgd-momentum-0.1]="--optimizer sgd --lr 0.1 --momentum 0.9"
 )
+# SCHEDULES picks each lane's runs (default: sequential 2bw pipedream); POLICY+CORRECTION
+# runs POLICY with --delay-correction CORRECTION at its default strength, e.g.
+#   SCHEDULES="sequential 2bw 2bw+error-feedback 2bw+dc-asgd 2bw+dc-asgd-adaptive"
 lane() {
   local opt=$1 seed=$2 log="$out/$1-s$2.log"
-  for schedule in sequential 2bw pipedream; do
-    local layout=(--stages 4 --schedule "$schedule" --partition flops)
+  for schedule in ${SCHEDULES:-sequential 2bw pipedream}; do
+    local policy=${schedule%%+*} correction=()
+    [ "$policy" != "$schedule" ] && correction=(--delay-correction "${schedule#*+}")
+    local layout=(--stages 4 --schedule "$policy" --partition flops "${correction[@]}")
     [ "$schedule" = sequential ] && layout=(--schedule sequential)
     echo "=== $schedule" >> "$log"
     # shellcheck disable=SC2086

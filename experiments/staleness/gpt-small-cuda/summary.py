@@ -1,5 +1,7 @@
 """The table of run.sh's runs: for each optimizer, the validation loss of sequential training
-after 2 epochs and the gap of 2bw and pipedream to it, seed by seed and on average.
+after 2 epochs and the gap of every other schedule the lanes ran (2bw and pipedream by
+default; POLICY+CORRECTION for a delay correction) to it, seed by seed and on average, and
+for each correction the share of its policy's gap it recovered.
 
     python3 summary.py RUNS_DIR [RUNS_DIR ...] > results.md
 
@@ -13,7 +15,6 @@ import re
 import statistics
 import sys
 
-SCHEDULES = ["sequential", "2bw", "pipedream"]
 # Student's t at 97.5% for 1 to 9 degrees of freedom: the half-width of a 95% interval.
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262]
 DONE = re.compile(r"^done: (\d+) steps, test accuracy [\d.]+%, test loss (\S+), "
@@ -43,16 +44,24 @@ def main():
             m = LOG.match(path.name)
             if m:
                 lanes.setdefault(m[1], {})[int(m[2])] = parse(path)
-    print("| optimizer | seed | sequential | 2bw | 2bw gap | pipedream | pipedream gap |")
-    print("|---|---|---|---|---|---|---|")
+    # Every schedule the lanes ran, sequential first, the rest in the order first met.
+    schedules = ["sequential"]
+    for seeds in lanes.values():
+        for runs in seeds.values():
+            schedules += [s for s in runs if s not in schedules]
+    late = schedules[1:]
+    print("| optimizer | seed | sequential | " + " | ".join(f"{s} | {s} gap" for s in late) + " |")
+    print("|---|---|---|" + "---|---|" * len(late))
     failures = []
     means = []
+    recovered = []
     for opt, seeds in lanes.items():
-        gaps = {"2bw": [], "pipedream": []}
+        gaps = {s: [] for s in late}
+        shares = {s: [] for s in late if "+" in s}
         for seed, runs in sorted(seeds.items()):
             cells = []
             base = runs.get("sequential")
-            for s in SCHEDULES:
+            for s in schedules:
                 r = runs.get(s)
                 if isinstance(r, float):
                     cells.append(f"{r:.4f}")
@@ -68,7 +77,12 @@ def main():
                     if r:
                         failures.append(f"{opt}, seed {seed}, {s}: {r}")
             print(f"| {opt} | {seed} | " + " | ".join(cells) + " |")
+            for s in shares:
+                plain, fixed = runs.get(s.split("+")[0]), runs.get(s)
+                if all(isinstance(r, float) for r in (base, plain, fixed)) and plain != base:
+                    shares[s].append(((plain - base) - (fixed - base)) / (plain - base))
         means.append((opt, len(seeds), gaps))
+        recovered.append((opt, shares))
     print()
     print("Mean gap over the seeds where both runs finished (nats/char), with the half-width of")
     print("its 95% interval (Student's t) where there are two seeds or more:")
@@ -84,6 +98,14 @@ def main():
         parts = [f"{s} {mean(g)} ({len(g)} of {n})" if g else f"{s}: none"
                  for s, g in gaps.items()]
         print(f"- {opt}: " + ", ".join(parts))
+    if any(shares for _, shares in recovered):
+        print()
+        print("Share of the policy's gap each correction recovered, (gap_plain - gap_corrected) /")
+        print("gap_plain, over the seeds where all three runs finished:")
+        print()
+        for opt, shares in recovered:
+            parts = [f"{s} {mean(g)} ({len(g)})" if g else f"{s}: none" for s, g in shares.items()]
+            print(f"- {opt}: " + ", ".join(parts))
     if failures:
         print()
         print("Runs that did not finish:")
