@@ -1244,6 +1244,18 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "train --stages 2 --delay-correction dc-asgd-fast --steps 1",
             "unknown delay correction",
         ),
+        // A checkpoint's correction memory read as another correction's.
+        after(
+            &[
+                "train --model mlp-784-32-10 --stages 2 --schedule 2bw --microbatches 2 --steps 2 \
+               --threads 1 --delay-correction error-feedback --checkpoint-dir {d}/ck \
+               --checkpoint-every 1",
+            ],
+            "train --model mlp-784-32-10 --stages 2 --schedule 2bw --microbatches 2 --steps 4 \
+             --threads 1 --delay-correction dc-asgd-adaptive --resume {d}/ck",
+            Vec::new(),
+            "does not carry over to --delay-correction dc-asgd-adaptive",
+        ),
         row(
             "train --eval-every 0 --steps 1",
             "--eval-every must be at least 1",

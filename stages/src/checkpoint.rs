@@ -99,6 +99,10 @@ pub struct RunState {
     pub replicas: Vec<u32>,
     /// The run's numerics ([`RunConfig::numerics`]) as JSON, for the record.
     pub settings: String,
+    /// The delay correction whose memory the optimizer state holds (absent in checkpoints
+    /// written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delay_correction: Option<crate::optim::DelayCorrection>,
 }
 
 impl RunState {
@@ -126,6 +130,7 @@ impl RunState {
             },
             replicas: vec![1],
             settings,
+            delay_correction: Some(cfg.optimizer.delay_correction),
         }
     }
 }
@@ -641,6 +646,7 @@ mod tests {
                 policy: "pipedream".into(),
                 replicas: vec![1, 1],
                 settings: String::new(),
+                delay_correction: None,
             },
         }
     }

@@ -569,6 +569,30 @@ pub(super) struct Start {
     pub(super) done: u64,
 }
 
+/// Refuses a resume whose delay correction would misread the checkpoint's correction memory
+/// (error feedback's last update is not the adaptive DC-ASGD's mean square), or find none, or
+/// leave one unread. Checkpoints that do not record their correction are not checked.
+fn check_correction_memory(
+    saved: Option<crate::optim::DelayCorrection>,
+    now: crate::optim::DelayCorrection,
+) -> Result<()> {
+    let Some(saved) = saved else {
+        return Ok(());
+    };
+    let carries =
+        saved.keeps_buffer() == now.keeps_buffer() && (!now.keeps_buffer() || saved == now);
+    if carries {
+        return Ok(());
+    }
+    Err(StageError::Checkpoint(format!(
+        "holds the optimizer state of --delay-correction {}, whose memory does not carry over to \
+         --delay-correction {}: resume with {}",
+        saved.name(),
+        now.name(),
+        saved.name()
+    )))
+}
+
 impl Start {
     pub(super) fn new(run: &Run<'_>, resume: Option<&Checkpoint>) -> Result<Self> {
         let Some(c) = resume else {
@@ -607,6 +631,7 @@ impl Start {
                 run.total
             )));
         }
+        check_correction_memory(c.state.delay_correction, run.cfg.optimizer.delay_correction)?;
         if c.state.optimizer_steps.len() != c.params.len() {
             return Err(StageError::Checkpoint(format!(
                 "state.json has optimizer steps for {} layers, the model has {}",
