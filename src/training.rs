@@ -120,6 +120,11 @@ pub struct TrainArgs {
     /// Weight decay.
     #[arg(long, value_parser = parse_f32)]
     weight_decay: Option<f32>,
+    /// The parameters weight decay applies to: all (default), or matrices (the weights of
+    /// linear maps: not biases, layer-norm gains or embeddings, as nanoGPT and Megatron group
+    /// a GPT's parameters).
+    #[arg(long, value_name = "all|matrices")]
+    weight_decay_groups: Option<pipe_stages::optim::DecayGroups>,
     /// Correct each update for the pipeline's delay: none; error-feedback (the weights move
     /// by u_t + c (u_t - u_{t-1}), u the optimizer's update); dc-asgd (the gradient g, computed
     /// at stale weights w_s, becomes g + lambda g*g*(w - w_s)); dc-asgd-adaptive (lambda per
@@ -308,6 +313,7 @@ impl TrainArgs {
             momentum: self.momentum,
             nesterov: self.nesterov.then_some(true),
             weight_decay: self.weight_decay,
+            weight_decay_groups: self.weight_decay_groups,
             delay_correction: self.delay_correction,
             delay_correction_strength: self.delay_correction_strength,
             seed: self.seed,
@@ -366,14 +372,22 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// The momentum in the run header, for SGD and Muon.
+/// The momentum in the run header, for SGD and Muon; weight decay where it applies only to
+/// some parameters; the delay correction.
 pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
-    use pipe_stages::optim::{DelayCorrection, OptimizerKind};
-    let momentum = if matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon) {
+    use pipe_stages::optim::{DecayGroups, DelayCorrection, OptimizerKind};
+    let mut momentum = if matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon) {
         format!(" momentum {:.2}", opt.momentum)
     } else {
         String::new()
     };
+    if opt.decay_groups != DecayGroups::All && opt.weight_decay != 0.0 {
+        momentum.push_str(&format!(
+            ", weight decay {} on {} only",
+            opt.weight_decay,
+            opt.decay_groups.name()
+        ));
+    }
     match opt.delay_correction {
         DelayCorrection::None => momentum,
         c => format!(

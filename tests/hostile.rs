@@ -1257,6 +1257,10 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "does not carry over to --delay-correction dc-asgd-adaptive",
         ),
         row(
+            "train --weight-decay-groups biases --steps 1",
+            "unknown weight-decay groups 'biases'",
+        ),
+        row(
             "train --eval-every 0 --steps 1",
             "--eval-every must be at least 1",
         ),

@@ -273,7 +273,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         momentum: cfg.momentum,
         ..OptimizerConfig::default()
     };
-    let mut opt = Optimizer::new(ocfg, &params, &model.hidden_matrices()).placed(be)?;
+    let mut opt = Optimizer::new(ocfg, &params, &model.optimizer_roles()).placed(be)?;
     let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
     let targets = cfg.batch * rows.iter().product::<usize>();
     let mut x_shape = vec![cfg.batch];

@@ -258,7 +258,7 @@ fn single_worker(
     let pool = Pool::new(model, batch);
     let mut params = model.init_params(0);
     let mut grads = model.zero_grads(0..model.len());
-    let mut opt = Optimizer::new(sgd(), &params, &model.hidden_matrices());
+    let mut opt = Optimizer::new(sgd(), &params, &model.optimizer_roles());
     let mut times = Vec::new();
     let mut id = 0u64;
     for i in 0..warmup + steps {

@@ -625,7 +625,7 @@ mod tests {
             kind: OptimizerKind::Adam,
             ..OptimizerConfig::default()
         };
-        let opt = Optimizer::new(cfg, &params, &model.hidden_matrices());
+        let opt = Optimizer::new(cfg, &params, &model.optimizer_roles());
         Checkpoint {
             optimizer: opt.state().to_vec(),
             params,

@@ -325,6 +325,8 @@ pub struct TrainSettings {
     /// Weight decay.
     #[serde(default, deserialize_with = "finite_f32")]
     pub weight_decay: Option<f32>,
+    /// The parameters weight decay applies to (`all`, `matrices`).
+    pub weight_decay_groups: Option<crate::optim::DecayGroups>,
     /// Adam betas.
     #[serde(default, deserialize_with = "finite_f32")]
     pub beta1: Option<f32>,
@@ -511,7 +513,7 @@ impl TrainSettings {
         merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
             synthetic, epochs, steps, eval_every,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
-            nesterov, weight_decay, beta1, beta2, eps, delay_correction, delay_correction_strength, seed, threads, log_jsonl, stages, replicas,
+            nesterov, weight_decay, weight_decay_groups, beta1, beta2, eps, delay_correction, delay_correction_strength, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
             weight_prediction, stall_timeout, allreduce_bucket_mb, allreduce_dtype);
     }
@@ -583,6 +585,7 @@ impl TrainSettings {
             weight_decay: self
                 .weight_decay
                 .unwrap_or(lm.map_or(defaults.weight_decay, |d| d.weight_decay)),
+            decay_groups: self.weight_decay_groups.unwrap_or_default(),
             beta1: self.beta1.unwrap_or(defaults.beta1),
             beta2: self.beta2.unwrap_or(match kind {
                 OptimizerKind::Lion => LION_BETA2,

@@ -11,7 +11,7 @@ use pipe_stages::data::{Splits, mnist};
 use pipe_stages::layers::LayerSpec;
 use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
-use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::optim::{NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
     OrderedSource, Partition, Pass, RunPlan, Setup, WorkerOutcome, WorkerState, reference_run,
     reference_train, reference_train_from, run_threads,
@@ -365,6 +365,13 @@ fn other_optimizers_and_dropout_equal_the_reference_trainer() {
         OptimizerConfig {
             kind: OptimizerKind::Adamw,
             weight_decay: 0.05,
+            ..base
+        },
+        // Decay on the linear maps' matrices only, not the biases.
+        OptimizerConfig {
+            kind: OptimizerKind::Adamw,
+            weight_decay: 0.05,
+            decay_groups: pipe_stages::optim::DecayGroups::Matrices,
             ..base
         },
         OptimizerConfig {
@@ -981,7 +988,7 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
             }
             let mut params = init.clone();
             let mut opts: Vec<Optimizer> = (0..run.schedule.stages() as usize)
-                .map(|s| Optimizer::new(opt(), &init[run.partition.range(s)].to_vec(), &[]))
+                .map(|s| Optimizer::new(opt(), &init[run.partition.range(s)].to_vec(), NO_ROLES))
                 .collect();
             for s in &setups {
                 let (stages, carried) = reference_train_from(&be, s, &params, opts).unwrap();

@@ -13,7 +13,7 @@ use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::data::{Splits, mnist};
 use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
-use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::optim::{NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{OrderedSource, RunPlan, Setup, reference_train, reference_train_from};
 use pipe_stages::train::{StepState, train_step};
 
@@ -183,7 +183,7 @@ fn the_reference_trainer_equals_the_plain_loop_for_every_optimizer() {
         )
         .unwrap();
         let mut params = init.clone();
-        let mut opt = Optimizer::new(cfg, &params, &[]);
+        let mut opt = Optimizer::new(cfg, &params, NO_ROLES);
         plain_loop(&model, &mut params, &mut opt, &src, 0, updates);
         let bits = |p: &Params| -> Vec<u32> { flat(p).iter().map(|v| v.to_bits()).collect() };
         let gap = relative_gap(&flat(&params), &flat(&want[0]));
@@ -208,9 +208,9 @@ fn optimizer_state_carried_across_a_drain_is_the_single_loops_state() {
     let be = CpuBackend::new(1).unwrap();
     for (name, cfg) in optimizers().into_iter().skip(1) {
         let mut params = init.clone();
-        let mut opts = vec![Optimizer::new(cfg, &params, &[]).placed(&be).unwrap()];
+        let mut opts = vec![Optimizer::new(cfg, &params, NO_ROLES).placed(&be).unwrap()];
         let mut plain = init.clone();
-        let mut plain_opt = Optimizer::new(cfg, &plain, &[]);
+        let mut plain_opt = Optimizer::new(cfg, &plain, NO_ROLES);
         for epoch in 1..=2u64 {
             let src = source(epoch);
             let lr_from = move |s: u32, k: u32| lr(s, (epoch as u32 - 1) * updates + k);
@@ -233,9 +233,9 @@ fn optimizer_state_carried_across_a_drain_is_the_single_loops_state() {
         assert!(gap < 2e-5, "{name}: carried state differs by {gap}");
         // Restarting the optimizer at the drain is visibly different.
         let mut fresh = init.clone();
-        let mut fresh_opt = Optimizer::new(cfg, &fresh, &[]);
+        let mut fresh_opt = Optimizer::new(cfg, &fresh, NO_ROLES);
         plain_loop(&model, &mut fresh, &mut fresh_opt, &source(1), 0, updates);
-        let mut restarted = Optimizer::new(cfg, &fresh, &[]);
+        let mut restarted = Optimizer::new(cfg, &fresh, NO_ROLES);
         plain_loop(
             &model,
             &mut fresh,

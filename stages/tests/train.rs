@@ -8,7 +8,7 @@ use pipe_kernels::{Backend, CpuBackend, Tensor};
 use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::data::{Splits, SyntheticConfig};
 use pipe_stages::model::{Model, Params};
-use pipe_stages::optim::{LrScheduleKind, Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::optim::{LrScheduleKind, NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{TrainReport, load_data};
@@ -159,7 +159,7 @@ fn optimizers_match_hand_computation() {
         ..Default::default()
     };
     let mut p = one_param(&[1.0, 2.0]);
-    let mut o = Optimizer::new(cfg, &p, &[]);
+    let mut o = Optimizer::new(cfg, &p, NO_ROLES);
     o.step(&be, &mut p, &g, 0.1).unwrap();
     o.step(&be, &mut p, &g, 0.1).unwrap();
     let (mut w, mut b) = ([1.0f32, 2.0], [0.0f32; 2]);
@@ -179,7 +179,7 @@ fn optimizers_match_hand_computation() {
         ..Default::default()
     };
     let mut p = one_param(&[1.0]);
-    let mut o = Optimizer::new(cfg, &p, &[]);
+    let mut o = Optimizer::new(cfg, &p, NO_ROLES);
     o.step(&be, &mut p, &one_param(&[2.0]), 0.1).unwrap();
     assert!((p[0][0].host().unwrap()[0] - (1.0 - 0.1 * (2.0 + 0.5 * 2.0))).abs() < 1e-7);
     // Adam's first step moves each weight by lr (sign of the gradient).
@@ -190,7 +190,7 @@ fn optimizers_match_hand_computation() {
             ..Default::default()
         };
         let mut p = one_param(&[1.0, 2.0]);
-        let mut o = Optimizer::new(cfg, &p, &[]);
+        let mut o = Optimizer::new(cfg, &p, NO_ROLES);
         o.step(&be, &mut p, &g, 0.01).unwrap();
         assert!((p[0][0].host().unwrap()[0] - 0.99).abs() < 1e-6);
         assert!((p[0][0].host().unwrap()[1] - 2.01).abs() < 1e-6);
@@ -203,7 +203,7 @@ fn optimizers_match_hand_computation() {
         weight_decay: 0.5,
         ..Default::default()
     };
-    Optimizer::new(cfg, &p, &[])
+    Optimizer::new(cfg, &p, NO_ROLES)
         .step(&be, &mut p, &one_param(&[0.0]), 0.1)
         .unwrap();
     assert!((p[0][0].host().unwrap()[0] - 0.95).abs() < 1e-6);

@@ -243,3 +243,68 @@ fn dc_asgd_keeps_tied_copies_equal_and_equals_the_reference() {
         );
     }
 }
+
+/// `--weight-decay-groups matrices` on a GPT: the linear maps' matrices (attention's, the
+/// MLP's, the head's) decay; embeddings, biases and layer-norm gains do not; a token table tied
+/// to the head is the head's matrix and decays. One AdamW step from a zero gradient moves
+/// exactly the decayed parameters, by the factor `1 - lr wd`.
+#[test]
+fn matrices_decay_and_embeddings_biases_and_gains_do_not() {
+    use pipe_stages::optim::{DecayGroups, Optimizer};
+    let be = CpuBackend::new(1).unwrap();
+    for tie in [false, true] {
+        let model = model(tie);
+        let roles = model.optimizer_roles();
+        let names = model.param_names();
+        let table = model.param_table();
+        let mut decayed = Vec::new();
+        for (layer, slots) in roles.iter().enumerate() {
+            for (slot, role) in slots.iter().enumerate() {
+                let entry = &table[model.param_id(layer, slot)];
+                if role.linear_matrix {
+                    decayed.push(entry.name.clone());
+                }
+                assert!(
+                    !role.linear_matrix || entry.shape.len() == 2,
+                    "{}",
+                    entry.name
+                );
+            }
+        }
+        // Per block: attention's input and output projections and the MLP's two matrices.
+        let blocks = 3;
+        let want = blocks * 4 + if tie { 2 } else { 1 };
+        assert_eq!(decayed.len(), want, "tie {tie}: {decayed:?} of {names:?}");
+        assert!(
+            decayed.iter().all(|n| !n.starts_with("layers.0.") || tie),
+            "{decayed:?}"
+        );
+        let cfg = OptimizerConfig {
+            kind: OptimizerKind::Adamw,
+            weight_decay: 0.5,
+            decay_groups: DecayGroups::Matrices,
+            ..OptimizerConfig::default()
+        };
+        let mut params = model.init_params(SEED);
+        let before = params.clone();
+        let zeros = model.zero_grads(0..model.len());
+        let mut opt = Optimizer::new(cfg, &params, &roles);
+        opt.step(&be, &mut params, &zeros, 0.1).unwrap();
+        for (layer, slots) in roles.iter().enumerate() {
+            for (slot, role) in slots.iter().enumerate() {
+                let (a, b) = (&before[layer][slot], &params[layer][slot]);
+                let scale = if role.linear_matrix {
+                    1.0 - 0.1 * 0.5
+                } else {
+                    1.0
+                };
+                for (x, y) in a.host().unwrap().iter().zip(b.host().unwrap()) {
+                    assert!(
+                        (x * scale - y).abs() <= 1e-7 * x.abs().max(1.0),
+                        "{layer}.{slot}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -485,6 +485,36 @@ impl Model {
             .collect()
     }
 
+    /// Per layer and parameter, what the optimizer needs to know of it
+    /// ([`crate::optim::ParamRole`]): a hidden weight matrix ([`Model::hidden_matrices`]), and
+    /// the matrix of a linear map (2-D, and used by some layer other than an embedding: the
+    /// linear layers', attention's and the MLP's weights and the head; a token table tied to
+    /// the head is one). Embeddings, biases and layer-norm gains are neither.
+    pub fn optimizer_roles(&self) -> Vec<Vec<crate::optim::ParamRole>> {
+        let hidden = self.hidden_matrices();
+        let linear = |id: ParamId| {
+            let e = &self.table[id];
+            e.shape.len() == 2
+                && e.uses.iter().any(|&(layer, _)| {
+                    !matches!(self.specs.get(layer), Some(LayerSpec::Embedding { .. }))
+                })
+        };
+        self.slots
+            .iter()
+            .zip(hidden)
+            .map(|(slots, hidden)| {
+                slots
+                    .iter()
+                    .zip(hidden)
+                    .map(|(&id, hidden_matrix)| crate::optim::ParamRole {
+                        hidden_matrix,
+                        linear_matrix: linear(id),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Stable parameter names (the table's), `layers.{index}.{name}`, in model order.
     pub fn param_names(&self) -> Vec<String> {
         self.table.iter().map(|e| e.name.clone()).collect()

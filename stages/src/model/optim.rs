@@ -4,8 +4,9 @@
 //! arithmetic runs as backend kernels and products (Muon's Newton-Schulz iteration is five
 //! rounds of matrix products through [`Backend::matmul`], so it runs wherever the model
 //! does); this module keeps the state and the step count and picks the hyperparameters of
-//! each step. Which parameters are hidden weight matrices is the model's to say
-//! ([`crate::model::Model::hidden_matrices`]); every optimizer is built with that mask.
+//! each step. Which parameters are hidden weight matrices, and which are matrices of linear
+//! maps (the decay groups), is the model's to say ([`crate::model::Model::optimizer_roles`]);
+//! every optimizer is built with those roles.
 //!
 //! A delay correction ([`DelayCorrection`]) wraps every optimizer's step, so every trainer
 //! (the executor, the reference trainer, delayed SGD) applies it with the same operations:
@@ -151,6 +152,71 @@ impl std::str::FromStr for DelayCorrection {
     }
 }
 
+/// What an optimizer needs to know of one parameter beyond its shape
+/// ([`crate::model::Model::optimizer_roles`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ParamRole {
+    /// A hidden weight matrix: Muon orthogonalises its update.
+    pub hidden_matrix: bool,
+    /// The matrix of a linear map: what [`DecayGroups::Matrices`] decays.
+    pub linear_matrix: bool,
+}
+
+impl From<bool> for ParamRole {
+    /// A hidden weight matrix (`true`) or not; a hidden matrix is a linear map's.
+    fn from(hidden_matrix: bool) -> Self {
+        ParamRole {
+            hidden_matrix,
+            linear_matrix: hidden_matrix,
+        }
+    }
+}
+
+/// No roles: every parameter is neither kind of matrix ([`Optimizer::new`] for parameters
+/// without a model, as in a bare optimizer test).
+pub const NO_ROLES: &[Vec<ParamRole>] = &[];
+
+/// Which parameters weight decay applies to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DecayGroups {
+    /// Every parameter.
+    #[default]
+    All,
+    /// Only the matrices of linear maps ([`ParamRole::linear_matrix`]): not biases, layer-norm
+    /// gains or embeddings, as nanoGPT and Megatron group a GPT's parameters.
+    Matrices,
+}
+
+impl DecayGroups {
+    /// The name flags and configs use.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecayGroups::All => "all",
+            DecayGroups::Matrices => "matrices",
+        }
+    }
+
+    /// Whether a parameter of `role` decays.
+    pub fn decays(self, role: ParamRole) -> bool {
+        match self {
+            DecayGroups::All => true,
+            DecayGroups::Matrices => role.linear_matrix,
+        }
+    }
+}
+
+impl std::str::FromStr for DecayGroups {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "all" => Ok(Self::All),
+            "matrices" => Ok(Self::Matrices),
+            _ => Err(format!("unknown weight-decay groups '{s}' (all, matrices)")),
+        }
+    }
+}
+
 /// Which optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -230,6 +296,8 @@ pub struct OptimizerConfig {
     pub nesterov: bool,
     /// Weight decay (L2 for SGD and Adam, decoupled for AdamW).
     pub weight_decay: f32,
+    /// The parameters it applies to.
+    pub decay_groups: DecayGroups,
     /// Adam first-moment decay; Lion's interpolation of the update direction.
     pub beta1: f32,
     /// Adam second-moment decay; Lion's momentum decay.
@@ -250,6 +318,7 @@ impl Default for OptimizerConfig {
             momentum: 0.9,
             nesterov: false,
             weight_decay: 0.0,
+            decay_groups: DecayGroups::All,
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
@@ -344,8 +413,9 @@ pub struct Optimizer {
     cfg: OptimizerConfig,
     /// Per layer, per parameter: (momentum or first moment, second moment).
     state: OptimizerState,
-    /// Per layer, per parameter: a hidden weight matrix (Muon orthogonalises its update).
-    matrices: Vec<Vec<bool>>,
+    /// Per layer, per parameter: its role (Muon orthogonalises a hidden matrix's update; the
+    /// decay groups pick by it).
+    roles: Vec<Vec<ParamRole>>,
     steps: u64,
     /// Workspace of a delay correction: each parameter's weights before the step (filled on
     /// the first corrected step, where the parameters live).
@@ -371,28 +441,37 @@ const NEWTON_SCHULZ_EPS: f32 = 1e-7;
 pub const MUON_RMS_SCALE: f32 = 0.2;
 
 impl Optimizer {
-    /// An optimizer with zeroed state shaped like `params`; `matrices` marks, per layer and
-    /// parameter, the hidden weight matrices ([`crate::model::Model::hidden_matrices`] for
-    /// the same layers), which only Muon reads (a missing entry is not a matrix).
-    pub fn new(cfg: OptimizerConfig, params: &Params, matrices: &[Vec<bool>]) -> Self {
-        let matrices: Vec<Vec<bool>> = params
+    /// An optimizer with zeroed state shaped like `params`; `roles` gives, per layer and
+    /// parameter, its role ([`crate::model::Model::optimizer_roles`] for the same layers; a
+    /// `bool` marks a hidden matrix alone; a missing entry is neither kind of matrix).
+    pub fn new<R: Copy + Into<ParamRole>>(
+        cfg: OptimizerConfig,
+        params: &Params,
+        roles: &[Vec<R>],
+    ) -> Self {
+        let roles: Vec<Vec<ParamRole>> = params
             .iter()
             .enumerate()
             .map(|(l, layer)| {
                 (0..layer.len())
-                    .map(|p| matrices.get(l).and_then(|m| m.get(p)).copied() == Some(true))
+                    .map(|p| {
+                        roles
+                            .get(l)
+                            .and_then(|m| m.get(p))
+                            .map_or_else(ParamRole::default, |&r| r.into())
+                    })
                     .collect()
             })
             .collect();
         let state = params
             .iter()
-            .zip(&matrices)
+            .zip(&roles)
             .map(|(layer, marks)| {
                 layer
                     .iter()
                     .zip(marks)
-                    .map(|(p, &matrix)| {
-                        let (first, second) = cfg.kind.buffers(cfg.momentum, matrix);
+                    .map(|(p, role)| {
+                        let (first, second) = cfg.kind.buffers(cfg.momentum, role.hidden_matrix);
                         let correction = cfg.delay_correction.keeps_buffer();
                         let zeros = |keep: bool| {
                             if keep {
@@ -413,7 +492,7 @@ impl Optimizer {
         Self {
             cfg,
             state,
-            matrices,
+            roles,
             steps: 0,
             before: Vec::new(),
         }
@@ -461,11 +540,11 @@ impl Optimizer {
     pub fn with_state(
         cfg: OptimizerConfig,
         params: &Params,
-        matrices: &[Vec<bool>],
+        roles: &[Vec<impl Copy + Into<ParamRole>>],
         state: OptimizerState,
         steps: u64,
     ) -> Result<Self> {
-        let fresh = Self::new(cfg, params, matrices);
+        let fresh = Self::new(cfg, params, roles);
         let fits = |have: &Tensor, want: &Tensor| {
             have.shape() == want.shape() || (want.is_empty() && have.is_empty())
         };
@@ -493,7 +572,7 @@ impl Optimizer {
         Ok(Self {
             cfg,
             state,
-            matrices: fresh.matrices,
+            roles: fresh.roles,
             steps,
             before: Vec::new(),
         })
@@ -652,21 +731,29 @@ impl Optimizer {
     ) -> Result<()> {
         self.steps += 1;
         let t = self.steps as i32;
-        let c = self.cfg;
-        let adam = |lr: f32| AdamStep {
-            lr,
-            beta1: c.beta1,
-            beta2: c.beta2,
-            eps: c.eps,
-            weight_decay: c.weight_decay,
-            decoupled: matches!(c.kind, OptimizerKind::Adamw | OptimizerKind::Muon),
-            bias_correction1: 1.0 - c.beta1.powi(t),
-            bias_correction2: 1.0 - c.beta2.powi(t),
-        };
         let layers = params.iter_mut().zip(grads).zip(&mut self.state);
-        for (((layer, lgrads), lstate), marks) in layers.zip(&self.matrices) {
+        for (((layer, lgrads), lstate), marks) in layers.zip(&self.roles) {
             let each = layer.iter_mut().zip(lgrads).zip(lstate.iter_mut());
-            for (((p, g), st), &matrix) in each.zip(marks) {
+            for (((p, g), st), &role) in each.zip(marks) {
+                // This parameter's hyperparameters: its group's weight decay.
+                let c = OptimizerConfig {
+                    weight_decay: if self.cfg.decay_groups.decays(role) {
+                        self.cfg.weight_decay
+                    } else {
+                        0.0
+                    },
+                    ..self.cfg
+                };
+                let adam = |lr: f32| AdamStep {
+                    lr,
+                    beta1: c.beta1,
+                    beta2: c.beta2,
+                    eps: c.eps,
+                    weight_decay: c.weight_decay,
+                    decoupled: matches!(c.kind, OptimizerKind::Adamw | OptimizerKind::Muon),
+                    bias_correction1: 1.0 - c.beta1.powi(t),
+                    bias_correction2: 1.0 - c.beta2.powi(t),
+                };
                 let (s1, s2) = (&mut st.first, &mut st.second);
                 match c.kind {
                     OptimizerKind::Sgd => {
@@ -679,7 +766,7 @@ impl Optimizer {
                         let buf = if c.momentum != 0.0 { Some(s1) } else { None };
                         be.sgd_update(p, g, buf, hp)?;
                     }
-                    OptimizerKind::Muon if matrix => muon_step(be, p, g, s1, &c, lr)?,
+                    OptimizerKind::Muon if role.hidden_matrix => muon_step(be, p, g, s1, &c, lr)?,
                     OptimizerKind::Adam | OptimizerKind::Adamw | OptimizerKind::Muon => {
                         be.adam_update(p, g, s1, s2, adam(lr))?;
                     }

@@ -142,7 +142,7 @@ pub fn train_delayed(
         be,
         opts,
         lr: cfg.lr_schedule(run.total),
-        opt: Optimizer::new(cfg.optimizer, &params, &run.model.hidden_matrices()).placed(be)?,
+        opt: Optimizer::new(cfg.optimizer, &params, &run.model.optimizer_roles()).placed(be)?,
         grads: place_params(be, run.model.zero_grads(0..run.model.len()))?,
         model: &run.model,
         params,

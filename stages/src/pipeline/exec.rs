@@ -47,7 +47,7 @@ impl WorkerState {
     /// hold, and zeroed optimizer state.
     pub fn new(setup: &Setup<'_>, worker: WorkerId, init: &Params, opt: OptimizerConfig) -> Self {
         let plan = setup.plan;
-        let matrices = setup.model.hidden_matrices();
+        let matrices = setup.model.optimizer_roles();
         let stages = plan
             .schedule
             .layout()

@@ -63,7 +63,7 @@ pub fn reference_train(
     opt: OptimizerConfig,
 ) -> Result<Vec<Params>> {
     let plan = setup.plan;
-    let matrices = setup.model.hidden_matrices();
+    let matrices = setup.model.optimizer_roles();
     let opts = (0..plan.schedule.stages() as usize)
         .map(|s| {
             let range = plan.partition.range(s);

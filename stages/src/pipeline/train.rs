@@ -539,7 +539,7 @@ pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f6
             None => (0..plan.schedule.stages() as usize)
                 .map(|s| {
                     let range = plan.partition.range(s);
-                    let matrices = &run.model.hidden_matrices()[range.clone()];
+                    let matrices = &run.model.optimizer_roles()[range.clone()];
                     Optimizer::new(cfg.optimizer, &params[range].to_vec(), matrices)
                 })
                 .collect(),
@@ -679,7 +679,7 @@ impl Start {
                 stage.opt = Optimizer::with_state(
                     cfg.optimizer,
                     &stage.params,
-                    &setup.model.hidden_matrices()[range.clone()],
+                    &setup.model.optimizer_roles()[range.clone()],
                     opt[range].to_vec(),
                     first,
                 )?;

@@ -339,7 +339,7 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
             None
         };
         let optimizer = if drain.optimizer {
-            let like = (init, self.run.model.hidden_matrices());
+            let like = (init, self.run.model.optimizer_roles());
             Some(gather_optimizer(
                 self.ep,
                 plan,
@@ -612,7 +612,7 @@ fn receive_start<T: Transport + ?Sized>(
             params.len()
         )));
     }
-    let matrices = run.model.hidden_matrices();
+    let matrices = run.model.optimizer_roles();
     let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, &params, &matrices)
         .state()
         .to_vec();
@@ -905,7 +905,7 @@ fn gather_optimizer<T: Transport + ?Sized>(
     ep: &mut T,
     plan: &RunPlan,
     own: &WorkerState,
-    (like, matrices): (&Params, &[Vec<bool>]),
+    (like, matrices): (&Params, &[Vec<crate::optim::ParamRole>]),
     cfg: &RunConfig,
     index: u32,
 ) -> Result<(OptimizerState, Vec<u64>)> {

@@ -184,7 +184,7 @@ pub fn profile_model(
     let b = opts.microbatch_size;
     let params = place_params(be, model.init_params(opts.seed))?;
     let mut layers = Vec::with_capacity(model.len());
-    let matrices = model.hidden_matrices();
+    let matrices = model.optimizer_roles();
     for (i, p) in params.iter().enumerate() {
         let layer = model.layer(i);
         let kernel = |op: &'static str| {
