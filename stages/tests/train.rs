@@ -342,53 +342,119 @@ fn muon_steps_hidden_matrices_by_their_orthogonalised_momentum_and_the_rest_by_a
     );
 }
 
-/// Error feedback in closed form on a quadratic `f(w) = a w^2 / 2` with the one-step delay of
-/// 2bw (each gradient is taken at the weights before the last update, `g_t = a w_{t-1}`):
-/// with `u_t` the optimizer's update from `g_t`, the weights follow
-/// `w_{t+1} = w_t - u_t - c (u_t - u_{t-1})` (the first step plain). Checked in f64 against
-/// the optimizer's f32 trajectory for SGD (`u_t = lr g_t`), SGD with momentum
-/// (`b_t = mu b_{t-1} + g_t`, `u_t = lr b_t`) and AdamW (bias-corrected moments, decoupled
-/// decay: `u_t = lr (m_hat / (sqrt(v_hat) + eps) + wd w_t)`).
-#[test]
-fn error_feedback_follows_its_closed_form_on_a_delayed_quadratic() {
-    use pipe_stages::optim::DelayCorrection;
-    let be = CpuBackend::new(1).unwrap();
-    let (a, lr, c, w0) = (0.8f64, 0.1f64, 0.7f64, 1.5f64);
-    let (mu, wd, b1, b2, eps) = (0.9f64, 0.01f64, 0.9f64, 0.999f64, 1e-8f64);
-    for kind in ["sgd", "momentum", "adamw"] {
-        let cfg = OptimizerConfig {
-            kind: if kind == "adamw" {
+/// The base optimizers of the delayed-quadratic closed forms below, in f64: SGD
+/// (`u_t = lr g_t`), SGD with momentum (`b_t = mu b_{t-1} + g_t`, `u_t = lr b_t`) and AdamW
+/// (bias-corrected moments, decoupled decay: `u_t = lr (m_hat / (sqrt(v_hat) + eps) + wd w_t)`),
+/// with the f32 optimizer each stands for.
+struct ClosedForm {
+    kind: &'static str,
+    b: f64,
+    m: f64,
+    v: f64,
+}
+
+impl ClosedForm {
+    const LR: f64 = 0.1;
+    const MU: f64 = 0.9;
+    const WD: f64 = 0.01;
+    const BETAS: (f64, f64) = (0.9, 0.999);
+    const EPS: f64 = 1e-8;
+    /// The quadratic `f(w) = A w^2 / 2` and where it starts.
+    const A: f64 = 0.8;
+    const W0: f64 = 1.5;
+    const KINDS: [&'static str; 3] = ["sgd", "momentum", "adamw"];
+
+    fn new(kind: &'static str) -> Self {
+        ClosedForm {
+            kind,
+            b: 0.0,
+            m: 0.0,
+            v: 0.0,
+        }
+    }
+
+    /// The optimizer this form describes, with `correction` at `strength`.
+    fn config(
+        &self,
+        correction: pipe_stages::optim::DelayCorrection,
+        strength: f64,
+    ) -> OptimizerConfig {
+        OptimizerConfig {
+            kind: if self.kind == "adamw" {
                 OptimizerKind::Adamw
             } else {
                 OptimizerKind::Sgd
             },
-            momentum: if kind == "momentum" { mu as f32 } else { 0.0 },
-            weight_decay: if kind == "adamw" { wd as f32 } else { 0.0 },
-            delay_correction: DelayCorrection::ErrorFeedback,
-            correction_strength: c as f32,
+            momentum: if self.kind == "momentum" {
+                Self::MU as f32
+            } else {
+                0.0
+            },
+            weight_decay: if self.kind == "adamw" {
+                Self::WD as f32
+            } else {
+                0.0
+            },
+            delay_correction: correction,
+            correction_strength: strength as f32,
             ..Default::default()
-        };
-        let mut p: Params = vec![vec![Tensor::from_vec(&[1], vec![w0 as f32]).unwrap()]];
-        let mut opt = Optimizer::new(cfg, &p, &[vec![false]]);
-        // The formula, in f64.
+        }
+    }
+
+    /// Update `t` (from 1) from gradient `g` at weights `w`.
+    fn update(&mut self, g: f64, w: f64, t: i32) -> f64 {
+        let (b1, b2) = Self::BETAS;
+        match self.kind {
+            "sgd" => Self::LR * g,
+            "momentum" => {
+                self.b = Self::MU * self.b + g;
+                Self::LR * self.b
+            }
+            _ => {
+                self.m = b1 * self.m + (1.0 - b1) * g;
+                self.v = b2 * self.v + (1.0 - b2) * g * g;
+                let (mh, vh) = (self.m / (1.0 - b1.powi(t)), self.v / (1.0 - b2.powi(t)));
+                Self::LR * (mh / (vh.sqrt() + Self::EPS) + Self::WD * w)
+            }
+        }
+    }
+
+    /// f32 against f64, absolute: Adam's m / sqrt(v) amplifies rounding where the gradient
+    /// changes sign, so its trajectory is held to 5e-5 and SGD's to 1e-6; a correction's
+    /// terms are of the update's size (about 0.1 here), so a wrong formula is far outside
+    /// either.
+    fn tolerance(&self) -> f64 {
+        if self.kind == "adamw" { 5e-5 } else { 1e-6 }
+    }
+}
+
+/// One weight as the optimizer's parameters.
+fn scalar(w: f64) -> Params {
+    vec![vec![Tensor::from_vec(&[1], vec![w as f32]).unwrap()]]
+}
+
+/// Error feedback in closed form on a quadratic `f(w) = a w^2 / 2` with the one-step delay of
+/// 2bw (each gradient is taken at the weights before the last update, `g_t = a w_{t-1}`):
+/// with `u_t` the optimizer's update from `g_t` ([`ClosedForm`]), the weights follow
+/// `w_{t+1} = w_t - u_t - c (u_t - u_{t-1})` (the first step plain). Checked in f64 against
+/// the optimizer's f32 trajectory for SGD, SGD with momentum and AdamW.
+#[test]
+fn error_feedback_follows_its_closed_form_on_a_delayed_quadratic() {
+    use pipe_stages::optim::DelayCorrection;
+    let be = CpuBackend::new(1).unwrap();
+    let (a, c, w0) = (ClosedForm::A, 0.7f64, ClosedForm::W0);
+    for kind in ClosedForm::KINDS {
+        let mut form = ClosedForm::new(kind);
+        let mut p = scalar(w0);
+        let mut opt = Optimizer::new(
+            form.config(DelayCorrection::ErrorFeedback, c),
+            &p,
+            &[vec![false]],
+        );
         let (mut w, mut prev_w, mut last_u) = (w0, w0, 0.0f64);
-        let (mut b, mut m, mut v) = (0.0f64, 0.0f64, 0.0f64);
         let mut stale = w0 as f32;
         for t in 1..=40 {
-            let g = a * prev_w;
-            let u = match kind {
-                "sgd" => lr * g,
-                "momentum" => {
-                    b = mu * b + g;
-                    lr * b
-                }
-                _ => {
-                    m = b1 * m + (1.0 - b1) * g;
-                    v = b2 * v + (1.0 - b2) * g * g;
-                    let (mh, vh) = (m / (1.0 - b1.powi(t)), v / (1.0 - b2.powi(t)));
-                    lr * (mh / (vh.sqrt() + eps) + wd * w)
-                }
-            };
+            let u = form.update(a * prev_w, w, t);
             let next = if t == 1 {
                 w - u
             } else {
@@ -397,19 +463,12 @@ fn error_feedback_follows_its_closed_form_on_a_delayed_quadratic() {
             (prev_w, w, last_u) = (w, next, u);
             // The optimizer, given the gradient at the weights before its last update.
             let now = p[0][0].host().unwrap()[0];
-            let grad: Params = vec![vec![
-                Tensor::from_vec(&[1], vec![a as f32 * stale]).unwrap(),
-            ]];
-            opt.step(&be, &mut p, &grad, lr as f32).unwrap();
+            let grad = scalar(a * f64::from(stale));
+            opt.step(&be, &mut p, &grad, ClosedForm::LR as f32).unwrap();
             stale = now;
             let got = f64::from(p[0][0].host().unwrap()[0]);
-            // f32 against f64, absolute: Adam's m / sqrt(v) amplifies rounding where the
-            // gradient changes sign, so its trajectory is held to 5e-5 and SGD's to 1e-6; the
-            // correction's terms are of the update's size (about 0.1 here), so a wrong
-            // formula is far outside either.
-            let tolerance = if kind == "adamw" { 5e-5 } else { 1e-6 };
             assert!(
-                (got - w).abs() <= tolerance,
+                (got - w).abs() <= form.tolerance(),
                 "{kind}, step {t}: {got} against the formula's {w}"
             );
         }
@@ -426,30 +485,16 @@ fn error_feedback_follows_its_closed_form_on_a_delayed_quadratic() {
 fn dc_asgd_follows_its_closed_form_on_a_delayed_quadratic() {
     use pipe_stages::optim::{DelayCorrection, UpdateMean};
     let be = CpuBackend::new(1).unwrap();
-    let (a, lr, w0) = (0.8f64, 0.1f64, 1.5f64);
-    let (mu, wd, b1, b2, eps) = (0.9f64, 0.01f64, 0.9f64, 0.999f64, 1e-8f64);
+    let (a, w0) = (ClosedForm::A, ClosedForm::W0);
     for (correction, lambda) in [
         (DelayCorrection::DcAsgd, 2.0f64),
         (DelayCorrection::DcAsgdAdaptive, 0.5f64),
     ] {
-        for kind in ["sgd", "momentum", "adamw"] {
-            let cfg = OptimizerConfig {
-                kind: if kind == "adamw" {
-                    OptimizerKind::Adamw
-                } else {
-                    OptimizerKind::Sgd
-                },
-                momentum: if kind == "momentum" { mu as f32 } else { 0.0 },
-                weight_decay: if kind == "adamw" { wd as f32 } else { 0.0 },
-                delay_correction: correction,
-                correction_strength: lambda as f32,
-                ..Default::default()
-            };
-            let mut p: Params = vec![vec![Tensor::from_vec(&[1], vec![w0 as f32]).unwrap()]];
-            let mut opt = Optimizer::new(cfg, &p, &[vec![false]]);
-            // The formula, in f64.
-            let (mut w, mut prev_w) = (w0, w0);
-            let (mut b, mut m, mut v, mut ms) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+        for kind in ClosedForm::KINDS {
+            let mut form = ClosedForm::new(kind);
+            let mut p = scalar(w0);
+            let mut opt = Optimizer::new(form.config(correction, lambda), &p, &[vec![false]]);
+            let (mut w, mut prev_w, mut ms) = (w0, w0, 0.0f64);
             let mut largest_share = 0.0f64;
             let mut before = p.clone();
             for t in 1..=40 {
@@ -462,36 +507,20 @@ fn dc_asgd_follows_its_closed_form_on_a_delayed_quadratic() {
                 };
                 let compensation = l * g * g * (w - prev_w);
                 largest_share = largest_share.max((compensation / g).abs());
-                let g = g + compensation;
-                let u = match kind {
-                    "sgd" => lr * g,
-                    "momentum" => {
-                        b = mu * b + g;
-                        lr * b
-                    }
-                    _ => {
-                        m = b1 * m + (1.0 - b1) * g;
-                        v = b2 * v + (1.0 - b2) * g * g;
-                        let (mh, vh) = (m / (1.0 - b1.powi(t)), v / (1.0 - b2.powi(t)));
-                        lr * (mh / (vh.sqrt() + eps) + wd * w)
-                    }
-                };
+                let u = form.update(g + compensation, w, t);
                 // The optimizer: the gradient at the weights before its last update.
                 let current = p.clone();
                 let stale_w = before[0][0].host().unwrap()[0];
-                let mut grad: Params = vec![vec![
-                    Tensor::from_vec(&[1], vec![a as f32 * stale_w]).unwrap(),
-                ]];
+                let mut grad = scalar(a * f64::from(stale_w));
                 let mean = (UpdateMean::new(1), 1);
                 opt.compensated_mean(&be, &mut grad, mean, &current, &before)
                     .unwrap();
-                opt.step(&be, &mut p, &grad, lr as f32).unwrap();
+                opt.step(&be, &mut p, &grad, ClosedForm::LR as f32).unwrap();
                 before = current;
                 (prev_w, w) = (w, w - u);
                 let got = f64::from(p[0][0].host().unwrap()[0]);
-                let tolerance = if kind == "adamw" { 5e-5 } else { 1e-6 };
                 assert!(
-                    (got - w).abs() <= tolerance,
+                    (got - w).abs() <= form.tolerance(),
                     "{correction:?} {kind}, step {t}: {got} against the formula's {w}"
                 );
             }

@@ -96,6 +96,26 @@ pub struct ParamEntry {
     pub uses: Vec<(usize, usize)>,
 }
 
+/// What an optimizer needs to know of one parameter beyond its shape
+/// ([`Model::optimizer_roles`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ParamRole {
+    /// A hidden weight matrix: Muon orthogonalises its update.
+    pub hidden_matrix: bool,
+    /// The matrix of a linear map: what [`crate::optim::DecayGroups::Matrices`] decays.
+    pub linear_matrix: bool,
+}
+
+impl From<bool> for ParamRole {
+    /// A hidden weight matrix (`true`) or not; a hidden matrix is a linear map's.
+    fn from(hidden_matrix: bool) -> Self {
+        ParamRole {
+            hidden_matrix,
+            linear_matrix: hidden_matrix,
+        }
+    }
+}
+
 /// A sequential model with a parameter table.
 #[derive(Debug)]
 pub struct Model {
@@ -486,11 +506,11 @@ impl Model {
     }
 
     /// Per layer and parameter, what the optimizer needs to know of it
-    /// ([`crate::optim::ParamRole`]): a hidden weight matrix ([`Model::hidden_matrices`]), and
+    /// ([`ParamRole`]): a hidden weight matrix ([`Model::hidden_matrices`]), and
     /// the matrix of a linear map (2-D, and used by some layer other than an embedding: the
     /// linear layers', attention's and the MLP's weights and the head; a token table tied to
     /// the head is one). Embeddings, biases and layer-norm gains are neither.
-    pub fn optimizer_roles(&self) -> Vec<Vec<crate::optim::ParamRole>> {
+    pub fn optimizer_roles(&self) -> Vec<Vec<ParamRole>> {
         let hidden = self.hidden_matrices();
         let linear = |id: ParamId| {
             let e = &self.table[id];
@@ -506,7 +526,7 @@ impl Model {
                 slots
                     .iter()
                     .zip(hidden)
-                    .map(|(&id, hidden_matrix)| crate::optim::ParamRole {
+                    .map(|(&id, hidden_matrix)| ParamRole {
                         hidden_matrix,
                         linear_matrix: linear(id),
                     })

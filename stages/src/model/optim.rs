@@ -19,6 +19,7 @@ use pipe_kernels::{AdamStep, Backend, DelayCompensation, LionStep, SgdStep, Tens
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
+pub use crate::model::ParamRole;
 use crate::model::Params;
 
 /// An optimizer's state per layer and parameter ([`ParamState`]).
@@ -148,26 +149,6 @@ impl std::str::FromStr for DelayCorrection {
             _ => Err(format!(
                 "unknown delay correction '{s}' (none, error-feedback, dc-asgd, dc-asgd-adaptive)"
             )),
-        }
-    }
-}
-
-/// What an optimizer needs to know of one parameter beyond its shape
-/// ([`crate::model::Model::optimizer_roles`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ParamRole {
-    /// A hidden weight matrix: Muon orthogonalises its update.
-    pub hidden_matrix: bool,
-    /// The matrix of a linear map: what [`DecayGroups::Matrices`] decays.
-    pub linear_matrix: bool,
-}
-
-impl From<bool> for ParamRole {
-    /// A hidden weight matrix (`true`) or not; a hidden matrix is a linear map's.
-    fn from(hidden_matrix: bool) -> Self {
-        ParamRole {
-            hidden_matrix,
-            linear_matrix: hidden_matrix,
         }
     }
 }
