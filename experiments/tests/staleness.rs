@@ -26,14 +26,18 @@ fn the_optimizers_configuration_expands_into_its_matrix() {
         assert!(kinds.contains(&kind), "{kind:?}");
     }
     let runs = cfg.matrix().unwrap();
-    // Sequential, 2bw and pipedream, and 2bw with error feedback, for 4 optimizers, 3 seeds.
-    assert_eq!(runs.len(), 4 * 4 * 3);
-    assert_eq!(
-        runs.iter()
-            .filter(|r| r.delay_correction.as_deref() == Some("error-feedback") && r.policy == "2bw")
-            .count(),
-        4 * 3
-    );
+    // Sequential, 2bw and pipedream, and 2bw with each of three delay corrections, for 4
+    // optimizers, 3 seeds.
+    assert_eq!(runs.len(), 6 * 4 * 3);
+    for correction in ["error-feedback", "dc-asgd", "dc-asgd-adaptive"] {
+        assert_eq!(
+            runs.iter()
+                .filter(|r| r.delay_correction.as_deref() == Some(correction) && r.policy == "2bw")
+                .count(),
+            4 * 3,
+            "{correction}"
+        );
+    }
     assert!(runs.iter().all(|r| r.family == Family::Pipeline));
     for r in &runs {
         assert_eq!(
@@ -43,7 +47,8 @@ fn the_optimizers_configuration_expands_into_its_matrix() {
             r.id
         );
     }
-    assert_eq!(cfg.quick().matrix().unwrap().len(), 4 * 4);
+    // Quick: one seed, the same six runs per optimizer.
+    assert_eq!(cfg.quick().matrix().unwrap().len(), 6 * 4);
 }
 
 #[test]
@@ -305,4 +310,25 @@ fn an_experiment_of_too_many_runs_is_refused() {
     cfg.seeds = (0..5000).collect();
     let err = cfg.matrix().unwrap_err().to_string();
     assert!(err.contains("over the limit of 1000"), "{err}");
+}
+
+/// The deep-stages supplement's remedies: every delay correction under pipedream at 8
+/// stages; under pipedream-nostash error feedback only, as DC-ASGD needs the stashed weights
+/// that policy does not keep (skipped, as `pipe train` would refuse it).
+#[test]
+fn dc_asgd_variants_skip_the_policy_without_a_stash() {
+    let text = include_str!("../staleness/deep-stages.toml");
+    let cfg = StalenessConfig::parse(text, "deep-stages.toml").unwrap();
+    let runs = cfg.matrix().unwrap();
+    let count = |policy: &str, correction: &str| {
+        runs.iter()
+            .filter(|r| r.policy == policy && r.delay_correction.as_deref() == Some(correction))
+            .count()
+    };
+    for correction in ["error-feedback", "dc-asgd", "dc-asgd-adaptive"] {
+        assert_eq!(count("pipedream", correction), 2 * 3, "{correction}");
+    }
+    assert_eq!(count("pipedream-nostash", "error-feedback"), 2 * 3);
+    assert_eq!(count("pipedream-nostash", "dc-asgd"), 0);
+    assert_eq!(count("pipedream-nostash", "dc-asgd-adaptive"), 0);
 }
