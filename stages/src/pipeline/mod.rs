@@ -8,7 +8,8 @@
 //! coordinators (threads, worker processes, and delayed SGD on one worker, [`delayed`]), with
 //! what lets a run survive faults: a lost replica's stage going on with one replica fewer
 //! ([`survive`]) and a failed run starting again from its newest checkpoint ([`restart`]),
-//! both driven for threads and processes alike by one driver ([`relaunch`]).
+//! both driven for threads and processes alike by one driver ([`relaunch`]). The stale weights
+//! a delay compensation measures an update against are worked out in one place ([`stale`]).
 //!
 //! The seams are shaped for every place a worker can run. The driver takes a rank, a backend,
 //! a transport endpoint and the checked plan, and nothing else; a launcher only starts
