@@ -515,7 +515,8 @@ fn dc_asgd_follows_its_closed_form_on_a_delayed_quadratic() {
                 let mean = (UpdateMean::new(1), 1);
                 opt.compensated_mean(&be, &mut grad, mean, &current, &before)
                     .unwrap();
-                opt.step(&be, &mut p, &grad, ClosedForm::LR as f32).unwrap();
+                opt.mean_step(&be, &mut p, &mut grad, mean, ClosedForm::LR as f32)
+                    .unwrap();
                 before = current;
                 (prev_w, w) = (w, w - u);
                 let got = f64::from(p[0][0].host().unwrap()[0]);

@@ -401,6 +401,9 @@ pub struct Optimizer {
     /// Workspace of a delay correction: each parameter's weights before the step (filled on
     /// the first corrected step, where the parameters live).
     before: Vec<Vec<Tensor>>,
+    /// The coming update's gradients are already scaled to the mean and compensated
+    /// ([`Optimizer::compensated_mean`]); [`Optimizer::mean_step`] takes them as they are.
+    compensated: bool,
 }
 
 /// The coefficients of Muon's quintic Newton-Schulz iteration, `X <- a X + (b A + c A^2) X`
@@ -476,6 +479,7 @@ impl Optimizer {
             roles,
             steps: 0,
             before: Vec::new(),
+            compensated: false,
         }
     }
 
@@ -556,6 +560,7 @@ impl Optimizer {
             roles: fresh.roles,
             steps,
             before: Vec::new(),
+            compensated: false,
         })
     }
 
@@ -581,11 +586,13 @@ impl Optimizer {
     /// where their number differs from the loss stage's ([`UpdateMean::rescale`]), then one
     /// step on `params`.
     ///
-    /// DC-ASGD goes through [`Optimizer::compensated_mean`] and [`Optimizer::step`] instead,
-    /// because it compensates each stage's own gradient before tied uses are summed.
+    /// Under DC-ASGD each stage's own gradients are rescaled and compensated first, before tied
+    /// uses are summed ([`Optimizer::compensated_mean`]); this step then takes them as they
+    /// are.
     ///
     /// # Errors
-    /// Shape mismatches between parameters, gradients and state; DC-ASGD configured.
+    /// Shape mismatches between parameters, gradients and state; DC-ASGD whose gradients
+    /// were not compensated.
     pub fn mean_step(
         &mut self,
         be: &dyn Backend,
@@ -594,6 +601,9 @@ impl Optimizer {
         (mean, own): (UpdateMean, u32),
         lr: f32,
     ) -> Result<()> {
+        if std::mem::take(&mut self.compensated) {
+            return self.step(be, params, grads, lr);
+        }
         if self.cfg.delay_correction.needs_stale_weights() {
             return Err(StageError::Config(format!(
                 "--delay-correction {} needs the weights each gradient was computed at, which \
@@ -608,7 +618,9 @@ impl Optimizer {
     /// DC-ASGD's half of [`Optimizer::mean_step`], on one stage's own gradients of an update
     /// before its tied uses are summed (each use is compensated against its own stage's stale
     /// weights, and every copy then steps with the same sum): the rescale to the mean, then
-    /// [`Optimizer::compensate`] against `stale` at `current`. [`Optimizer::step`] follows.
+    /// [`Optimizer::compensate`] against `stale` at `current`. [`Optimizer::mean_step`]
+    /// follows and takes the gradients as they are; a second call before it does nothing (the
+    /// executor compensates before a tie exchange or at the update, whichever comes first).
     ///
     /// # Errors
     /// Shape mismatches; kernel errors.
@@ -620,8 +632,19 @@ impl Optimizer {
         current: &Params,
         stale: &Params,
     ) -> Result<()> {
+        if self.compensated {
+            return Ok(());
+        }
         rescale(be, grads, mean, own)?;
-        self.compensate(be, grads, current, stale)
+        self.compensate(be, grads, current, stale)?;
+        self.compensated = true;
+        Ok(())
+    }
+
+    /// Whether the coming update's gradients were compensated already
+    /// ([`Optimizer::compensated_mean`]).
+    pub fn compensated(&self) -> bool {
+        self.compensated
     }
 
     /// DC-ASGD's compensation of `grads` (computed at `stale`, applied at `current`):

@@ -308,12 +308,8 @@ impl DelayedWorker<'_> {
             1.0
         };
         let lr = self.lr.at(step) * scale;
-        match anchor {
-            Some(_) => self.opt.step(be, &mut self.params, &self.grads, lr)?,
-            None => self
-                .opt
-                .mean_step(be, &mut self.params, &mut self.grads, mean, lr)?,
-        }
+        self.opt
+            .mean_step(be, &mut self.params, &mut self.grads, mean, lr)?;
         Ok((loss, rows))
     }
 }

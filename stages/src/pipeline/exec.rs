@@ -153,9 +153,6 @@ struct StageRun {
     grads: Params,
     /// No gradient accumulated since the last update (the next one writes, not adds).
     grads_fresh: bool,
-    /// DC-ASGD: the gradients of the coming update are already compensated (done before a
-    /// tie exchange sends them, [`WorkerCore::compensate`]).
-    compensated: bool,
     optimizer: Optimizer,
     /// Per version, the program counter of its last use.
     last_use: Vec<usize>,
@@ -308,7 +305,6 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 versions: BTreeMap::from([(0, weights)]),
                 current_version: 0,
                 grads_fresh: true,
-                compensated: false,
                 optimizer: st.opt.clone().placed(be)?,
                 last_use,
                 forward_saved: HashMap::new(),
@@ -657,13 +653,8 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let lr = (setup.lr)(stage, update);
         let old = run.velocity.as_ref().map(|_| p.clone());
         let mean = UpdateMean::of(&setup.plan.schedule.resolved);
-        if run.compensated {
-            run.optimizer.step(be, &mut p, &run.grads, lr)?;
-            run.compensated = false;
-        } else {
-            run.optimizer
-                .mean_step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
-        }
+        run.optimizer
+            .mean_step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
         run.current_version += 1;
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;
@@ -699,7 +690,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .config()
             .delay_correction
             .needs_stale_weights();
-        if !needed || run.compensated {
+        if !needed || run.optimizer.compensated() {
             return Ok(());
         }
         let (stage, versions) = (run.stage, &run.versions);
@@ -718,7 +709,6 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             current,
             &stale,
         )?;
-        run.compensated = true;
         Ok(())
     }
 

@@ -420,11 +420,7 @@ impl Reference<'_, '_> {
             let mut p = self.versions[t][self.versions[t].len() - 1].clone();
             let size = setup.plan.schedule.resolved.update_size(t as u32);
             let lr = (setup.lr)(t as u32, k);
-            if compensating {
-                self.opts[t].step(be, &mut p, &g, lr)?;
-            } else {
-                self.opts[t].mean_step(be, &mut p, &mut g, (mean, size), lr)?;
-            }
+            self.opts[t].mean_step(be, &mut p, &mut g, (mean, size), lr)?;
             if let Some(vs) = self.velocities.get_mut(t) {
                 let old = &self.versions[t][self.versions[t].len() - 1];
                 let mut vel = vs[vs.len() - 1].clone();
