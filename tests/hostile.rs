@@ -582,6 +582,17 @@ fn config_rows() -> Vec<Row> {
         config("stages = \"two\"\n", "stages"),
         config("replicas = []\n", "replicas must be at least 1"),
         config("schedule = 7\n", "schedule"),
+        config("eval_every = 0\n", "--eval-every must be at least 1"),
+        config("eval_every = -3\n", "eval_every (line 1)"),
+        config("weight_decay_groups = \"bias\"\n", "unknown variant `bias`"),
+        config(
+            "delay_correction = \"dc-asgd\"\nschedule = \"pipedream-nostash\"\nstages = 2\n",
+            "pipedream-nostash stashes none",
+        ),
+        config(
+            "delay_correction = \"dc-asgd\"\nstages = 2\ndelay_correction_strength = nan\n",
+            "NaN is not a finite number",
+        ),
         layers(
             r#"{ type = "flatten", foo = 1 }, { type = "linear", inputs = 784, outputs = 10 }"#,
             "layer 0: unknown key `foo` = 1",
