@@ -37,6 +37,7 @@ mod generate;
 pub mod grid;
 pub mod limits;
 mod lower;
+pub mod norms;
 pub mod plan;
 pub mod planner;
 pub mod profile;
@@ -49,6 +50,7 @@ pub use action::{Action, ActionKind, Microbatch, StageId, WorkerId};
 pub use error::{Result, ScheduleError};
 pub use generate::generate;
 pub use lower::{LowerOptions, lower};
+pub use norms::NormPlan;
 pub use plan::{MemoryPeak, UpdateSums, VersionPlan};
 pub use planner::{
     Bound, PartitionPlan, PipeDreamOptions, PlanOptions, PlannedStage, WireDtype, balanced,
