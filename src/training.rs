@@ -136,6 +136,11 @@ pub struct TrainArgs {
     /// [default: 0.04], the adaptive form's lambda_0 [default: 2].
     #[arg(long, value_name = "C", value_parser = parse_f32)]
     delay_correction_strength: Option<f32>,
+    /// Clip every update's gradient to this global L2 norm (over every stage and replica;
+    /// docs/training.md says which stages' norms an asynchronous pipeline adds). 0 turns it
+    /// off [default: 1.0 for the gpt2 models, off otherwise].
+    #[arg(long, value_name = "NORM", value_parser = parse_f32)]
+    grad_clip: Option<f32>,
     /// Run seed.
     #[arg(long)]
     seed: Option<u64>,
@@ -316,6 +321,7 @@ impl TrainArgs {
             weight_decay_groups: self.weight_decay_groups,
             delay_correction: self.delay_correction,
             delay_correction_strength: self.delay_correction_strength,
+            grad_clip: self.grad_clip,
             seed: self.seed,
             threads: self.threads,
             log_jsonl: self.log_jsonl.clone(),
@@ -373,7 +379,7 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
 }
 
 /// The momentum in the run header, for SGD and Muon; weight decay where it applies only to
-/// some parameters; the delay correction.
+/// some parameters; gradient clipping; the delay correction.
 pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
     use pipe_stages::optim::{DecayGroups, DelayCorrection, OptimizerKind};
     let mut momentum = if matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon) {
@@ -387,6 +393,9 @@ pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
             opt.weight_decay,
             opt.decay_groups.name()
         ));
+    }
+    if let Some(c) = opt.grad_clip {
+        momentum.push_str(&format!(", gradient clipping at norm {c}"));
     }
     match opt.delay_correction {
         DelayCorrection::None => momentum,
@@ -690,7 +699,11 @@ impl Observer for Progress {
                 .last_val
                 .map(|v| format!(", val loss {v:.4}"))
                 .unwrap_or_default();
-            bar.set_message(format!("loss {:.4}{val}, {rate}", s.loss));
+            let norm = s
+                .grad_norm
+                .map(|n| format!(", grad norm {n:.3}"))
+                .unwrap_or_default();
+            bar.set_message(format!("loss {:.4}{norm}{val}, {rate}", s.loss));
         }
         Ok(())
     }

@@ -586,6 +586,11 @@ fn config_rows() -> Vec<Row> {
         config("eval_every = -3\n", "eval_every (line 1)"),
         config("weight_decay_groups = \"bias\"\n", "unknown variant `bias`"),
         config(
+            "grad_clip = -0.5\n",
+            "the gradient clipping norm must be finite and > 0",
+        ),
+        config("grad_clip = \"on\"\n", "grad_clip (line 1)"),
+        config(
             "delay_correction = \"dc-asgd\"\nschedule = \"pipedream-nostash\"\nstages = 2\n",
             "pipedream-nostash stashes none",
         ),
@@ -1278,6 +1283,18 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
         row(
             "train --eval-every 99999999999999 --steps 1",
             "--eval-every",
+        ),
+        row(
+            "train --grad-clip -1 --steps 1",
+            "the gradient clipping norm must be finite and > 0",
+        ),
+        row(
+            "train --grad-clip NaN --steps 1",
+            "NaN is not a finite number",
+        ),
+        row(
+            "train --grad-clip inf --steps 1",
+            "inf is not a finite number",
         ),
     ]
 }

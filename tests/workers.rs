@@ -161,6 +161,65 @@ fn delay_corrections_end_with_the_same_weights_in_process_and_over_worker_proces
     }
 }
 
+/// Gradient clipping exchanges one small message per stage and update between workers: a
+/// clipped run ends with the same weights and logs the same pre-clip norms in process, over
+/// QUIC and over shared memory, under an asynchronous policy with replicas, a flush policy with
+/// replicas and a V schedule (whose workers hold two stages each).
+#[test]
+fn gradient_clipping_is_the_same_in_process_and_over_worker_processes() {
+    let _one = serial();
+    let d = dir("clip");
+    let config = small_config(&d, 1);
+    let norms = |log: &std::path::Path| -> Vec<String> {
+        std::fs::read_to_string(log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(r#""kind":"step""#))
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["grad_norm"].to_string()
+            })
+            .collect()
+    };
+    for (policy, stages, replicas) in [
+        ("pipedream", "3", "2,1,1"),
+        ("1f1b-flush", "2", "2,1"),
+        ("zb-v", "2", "1"),
+    ] {
+        let args = |log: &std::path::Path| {
+            let mut cmd = Command::new(PIPE);
+            cmd.args(["train", "--config", &config, "--steps", "12"])
+                .args([
+                    "--stages",
+                    stages,
+                    "--replicas",
+                    replicas,
+                    "--schedule",
+                    policy,
+                ])
+                .args(["--microbatches", "4", "--grad-clip", "0.5", "--log-jsonl"])
+                .arg(log);
+            cmd
+        };
+        let base = d.join(format!("{policy}-threads.jsonl"));
+        let inproc = ok(&run(&mut args(&base)));
+        assert!(inproc.contains("gradient clipping at norm 0.5"), "{inproc}");
+        let want = norms(&base);
+        assert_eq!(want.len(), 12, "{policy}: {want:?}");
+        assert!(
+            want.iter().any(|n| n.parse::<f64>().unwrap() > 0.5),
+            "{policy}: nothing clipped: {want:?}"
+        );
+        for flags in [["--transport", "quic"], ["--placement", "processes"]] {
+            let log = d.join(format!("{policy}-{}.jsonl", flags[1]));
+            let processes = ok(&run(args(&log).args(flags)));
+            let what = format!("{policy} {flags:?}");
+            assert_eq!(done(&inproc), done(&processes), "{what}");
+            assert_eq!(norms(&log), want, "{what}");
+        }
+    }
+}
+
 /// `--trace` with worker processes: each worker writes its part, the launcher merges them into
 /// one Chrome trace with every worker's track (named) and the same actions an in-process trace
 /// records, and removes the parts.

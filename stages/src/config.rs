@@ -110,6 +110,10 @@ impl Default for LanguageDefaults {
     }
 }
 
+/// The global gradient norm the `gpt2` models clip to unless told otherwise (GPT-2's, nanoGPT's
+/// and Megatron's default).
+pub const GPT2_GRAD_CLIP: f32 = 1.0;
+
 /// The policy of a pipeline whose run names none: a language model's
 /// [`LanguageDefaults::schedule`], else pipedream.
 fn default_pipeline_policy(lm: Option<LanguageDefaults>) -> Policy {
@@ -338,6 +342,10 @@ pub struct TrainSettings {
     pub eps: Option<f32>,
     /// The delay correction around every optimizer step (none by default).
     pub delay_correction: Option<crate::optim::DelayCorrection>,
+    /// Clip every update's gradient to this global norm; 0 turns clipping off. Default: 1.0
+    /// for the `gpt2` models, off otherwise.
+    #[serde(default, deserialize_with = "finite_f32")]
+    pub grad_clip: Option<f32>,
     /// Its strength (error feedback's `c`; 1 by default).
     #[serde(default, deserialize_with = "finite_f32")]
     pub delay_correction_strength: Option<f32>,
@@ -513,7 +521,7 @@ impl TrainSettings {
         merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
             synthetic, epochs, steps, eval_every,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
-            nesterov, weight_decay, weight_decay_groups, beta1, beta2, eps, delay_correction, delay_correction_strength, seed, threads, log_jsonl, stages, replicas,
+            nesterov, weight_decay, weight_decay_groups, beta1, beta2, eps, delay_correction, delay_correction_strength, grad_clip, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
             weight_prediction, stall_timeout, allreduce_bucket_mb, allreduce_dtype);
     }
@@ -564,6 +572,7 @@ impl TrainSettings {
         kind: OptimizerKind,
         lm: Option<LanguageDefaults>,
         layout: Option<&Resolved>,
+        clip_default: Option<f32>,
     ) -> Result<OptimizerConfig> {
         let defaults = OptimizerConfig::default();
         let momentum = match (self.momentum, kind) {
@@ -596,6 +605,11 @@ impl TrainSettings {
             correction_strength: self
                 .delay_correction_strength
                 .unwrap_or(self.delay_correction.unwrap_or_default().default_strength()),
+            grad_clip: match self.grad_clip {
+                Some(c) if c == 0.0 => None,
+                Some(c) => Some(c),
+                None => clip_default,
+            },
         };
         optimizer.validate()?;
         Ok(optimizer)
@@ -926,7 +940,9 @@ impl TrainSettings {
             .with_replicas(replicas.clone())
             .with_chunks(chunks);
         let layout = layout_spec.resolve().map_err(|e| e.to_string());
-        let optimizer = self.optimizer_config(kind, lm, layout.as_ref().ok())?;
+        // GPT-2 trainers clip the global gradient norm to 1.0.
+        let clip_default = crate::transformer::is_gpt2(&model_name).then_some(GPT2_GRAD_CLIP);
+        let optimizer = self.optimizer_config(kind, lm, layout.as_ref().ok(), clip_default)?;
         let partition = match (planned, &self.partition) {
             (Some(p), _) => {
                 PartitionChoice::Given(Partition::new(p.partition.ranges().to_vec(), model.len())?)

@@ -41,6 +41,10 @@ pub struct StepStats {
     pub steps_in_epoch: u64,
     /// Step within this epoch, from 1.
     pub step_in_epoch: u64,
+    /// The global gradient norm before clipping (when clipping; the loss stage's, see
+    /// `docs/training.md` for which norm an asynchronous pipeline's stages add).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
 }
 
 /// One epoch's summary.

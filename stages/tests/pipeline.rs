@@ -1007,3 +1007,88 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
         }
     }
 }
+
+/// Gradient clipping by the global norm, on every policy: the pipelined run equals the
+/// reference trainer bit for bit, the loss stage's logged norms before clipping are the
+/// reference's, and clipping changed the weights. Under a flush policy every update adds every
+/// stage's norm of the same update (a worker holding several stages, as `sequential`,
+/// `interleaved` and the V schedules do, readies all of them at its first update); under the
+/// asynchronous ones, the newest norms the schedule's causal order delivers
+/// ([`pipe_scheduler::NormPlan`]). Replicated layouts add each stage's all-reduced norm once.
+#[test]
+fn gradient_clipping_equals_the_reference_trainer_on_every_policy() {
+    let model = model();
+    let clipped = |kind| OptimizerConfig {
+        kind,
+        grad_clip: Some(0.25),
+        ..opt()
+    };
+    for policy in Policy::ALL {
+        let (chunks, m) = match policy {
+            Policy::Interleaved => (2, 4),
+            Policy::ZbV | Policy::DualPipeV => (1, 8),
+            Policy::TwoBw => (1, 4),
+            _ => (1, 2),
+        };
+        let mut layouts = vec![(4, vec![1])];
+        if !(policy == Policy::Interleaved || policy.is_v_shaped()) {
+            layouts.push((3, vec![1, 3, 1]));
+        }
+        for (stages, replicas) in layouts {
+            let spec = ScheduleSpec::new(policy, stages, m)
+                .with_replicas(replicas.clone())
+                .with_chunks(chunks)
+                .with_length(Length::Updates(8));
+            let run = prepare(&spec, &model);
+            for kind in [OptimizerKind::Sgd, OptimizerKind::Adamw] {
+                let cfg = clipped(kind);
+                let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+                let (states, outs) = pipelined_with(&run, &model, eps, cfg);
+                let source = source();
+                let setup = setup(&run, &model, &source);
+                let init = model.init_params(SEED);
+                let be = CpuBackend::new(1).unwrap();
+                let opts = (0..run.schedule.stages() as usize)
+                    .map(|s| {
+                        let range = run.partition.range(s);
+                        Optimizer::new(cfg, &init[range.clone()].to_vec(), NO_ROLES)
+                    })
+                    .collect();
+                let want = reference_run(&be, &setup, &init, opts).unwrap();
+                let case = format!("{policy} {replicas:?} {kind:?}");
+                for state in &states {
+                    for st in &state.stages {
+                        assert!(
+                            bits(&st.params) == bits(&want.params[st.stage as usize]),
+                            "{case}: worker {} stage {} differs",
+                            state.worker,
+                            st.stage
+                        );
+                    }
+                }
+                let logged: Vec<f64> = outs
+                    .iter()
+                    .flat_map(|o| o.grad_norms.iter().map(|&(_, n)| n))
+                    .collect();
+                assert_eq!(logged, want.grad_norms, "{case}: logged norms");
+                assert!(
+                    logged.iter().any(|&n| n > 0.25),
+                    "{case}: nothing clipped ({logged:?})"
+                );
+                let plain = reference_with(
+                    &run,
+                    &model,
+                    OptimizerConfig {
+                        grad_clip: None,
+                        ..cfg
+                    },
+                );
+                assert_ne!(
+                    bits(&plain[0]),
+                    bits(&want.params[0]),
+                    "{case}: clipping did nothing"
+                );
+            }
+        }
+    }
+}

@@ -701,6 +701,36 @@ impl Model {
             .collect()
     }
 
+    /// The squared L2 norm of `grads` (the gradients of layers `first..`), each parameter
+    /// counted once: of a parameter several layers use (tied), only the first use in the table
+    /// counts, because once the uses are summed ([`Model::sum_tied`]) every copy holds the
+    /// same gradient. Summed in `f64`, layer by layer and slot by slot, so every trainer that
+    /// holds the same gradients gets the same bits.
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn gradient_square_norm(
+        &self,
+        be: &dyn Backend,
+        first: usize,
+        grads: &Params,
+    ) -> Result<f64> {
+        let repeated: std::collections::HashSet<(usize, usize)> = self
+            .table
+            .iter()
+            .flat_map(|e| e.uses.iter().skip(1).copied())
+            .collect();
+        let mut sum = 0.0;
+        for (i, layer) in grads.iter().enumerate() {
+            for (slot, g) in layer.iter().enumerate() {
+                if !repeated.contains(&(first + i, slot)) {
+                    sum += be.sum_squares(g)?;
+                }
+            }
+        }
+        Ok(sum)
+    }
+
     /// The guard on gradients: every value of `grads` (the gradients of layers `first..`)
     /// must be finite before an update applies them.
     ///

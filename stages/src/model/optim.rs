@@ -290,6 +290,10 @@ pub struct OptimizerConfig {
     /// Its strength: error feedback's `c`, DC-ASGD's `lambda` (`lambda_0` of the adaptive
     /// form); see [`DelayCorrection::default_strength`].
     pub correction_strength: f32,
+    /// Clip every update's gradient to this global norm (the whole model's, over every stage:
+    /// [`pipe_scheduler::NormPlan`] says which stages' norms an update adds); `None`: no
+    /// clipping.
+    pub grad_clip: Option<f32>,
 }
 
 impl Default for OptimizerConfig {
@@ -305,6 +309,7 @@ impl Default for OptimizerConfig {
             eps: 1e-8,
             delay_correction: DelayCorrection::None,
             correction_strength: 1.0,
+            grad_clip: None,
         }
     }
 }
@@ -343,8 +348,38 @@ impl OptimizerConfig {
                 self.correction_strength
             ));
         }
+        if let Some(c) = self.grad_clip
+            && !(c.is_finite() && c > 0.0)
+        {
+            return bad(format!(
+                "the gradient clipping norm must be finite and > 0 (0 turns clipping off), got {c}"
+            ));
+        }
         Ok(())
     }
+}
+
+/// Added to the global norm before clipping divides by it, as PyTorch's `clip_grad_norm_` does
+/// (so a zero gradient stays finite).
+pub const CLIP_EPS: f64 = 1e-6;
+
+/// The factor an update's gradients are multiplied by when clipping to `max_norm` a gradient
+/// whose global norm is `norm`: `max_norm / (norm + 1e-6)`, or `None` when that is at least 1
+/// (the gradients stay as they are).
+pub fn clip_coefficient(max_norm: f32, norm: f64) -> Option<f32> {
+    let c = f64::from(max_norm) / (norm + CLIP_EPS);
+    (c < 1.0).then_some(c as f32)
+}
+
+/// Multiplies every gradient of `grads` by `factor`.
+///
+/// # Errors
+/// Kernel errors.
+pub fn scale_gradients(be: &dyn Backend, grads: &mut Params, factor: f32) -> Result<()> {
+    for g in grads.iter_mut().flatten() {
+        be.scale(factor, g)?;
+    }
+    Ok(())
 }
 
 /// How an update's summed gradient becomes a mean, written once for every trainer: each
@@ -401,8 +436,9 @@ pub struct Optimizer {
     /// Workspace of a delay correction: each parameter's weights before the step (filled on
     /// the first corrected step, where the parameters live).
     before: Vec<Vec<Tensor>>,
-    /// The coming update's gradients are already scaled to the mean and compensated
-    /// ([`Optimizer::compensated_mean`]); [`Optimizer::mean_step`] takes them as they are.
+    /// The coming update's gradients are already scaled to the mean (and compensated, under
+    /// DC-ASGD: [`Optimizer::compensated_mean`], [`Optimizer::to_mean`]);
+    /// [`Optimizer::mean_step`] takes them as they are.
     compensated: bool,
 }
 
@@ -637,6 +673,34 @@ impl Optimizer {
         }
         rescale(be, grads, mean, own)?;
         self.compensate(be, grads, current, stale)?;
+        self.compensated = true;
+        Ok(())
+    }
+
+    /// Brings the coming update's gradients to the mean ([`UpdateMean::rescale`]) unless a
+    /// delay compensation did already ([`Optimizer::compensated_mean`]), and marks them so
+    /// [`Optimizer::mean_step`] takes them as they are: where clipping must see the mean
+    /// gradient before the step.
+    ///
+    /// # Errors
+    /// A DC-ASGD optimizer whose gradients were not compensated (as [`Optimizer::mean_step`]);
+    /// kernel errors.
+    pub fn to_mean(
+        &mut self,
+        be: &dyn Backend,
+        grads: &mut Params,
+        (mean, own): (UpdateMean, u32),
+    ) -> Result<()> {
+        if self.compensated {
+            return Ok(());
+        }
+        if self.cfg.delay_correction.needs_stale_weights() {
+            return Err(StageError::Config(format!(
+                "--delay-correction {} compensates before the mean is taken; it was not",
+                self.cfg.delay_correction.name()
+            )));
+        }
+        rescale(be, grads, mean, own)?;
         self.compensated = true;
         Ok(())
     }

@@ -28,7 +28,7 @@ use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params, host_params, place_params};
-use crate::optim::{LrSchedule, Optimizer, UpdateMean};
+use crate::optim::{LrSchedule, Optimizer, UpdateMean, clip_coefficient, scale_gradients};
 use crate::pipeline::Observer;
 use crate::pipeline::train::{
     Coordinator, Drain, Drained, LoopStart, Run, Segment, SegmentEnd, run_segments,
@@ -219,7 +219,7 @@ impl Coordinator for DelayedWorker<'_> {
         let updates = order.chunks_exact(b * m).enumerate();
         for (k, update) in updates.skip(at.before as usize).take(this as usize) {
             let step = at.done + (k as u64 - at.before);
-            let (loss, rows) = self.update(step, update)?;
+            let (loss, rows, grad_norm) = self.update(step, update)?;
             outcome.loss_sum += loss;
             outcome.samples += rows;
             obs.on_step(&StepStats {
@@ -233,6 +233,7 @@ impl Coordinator for DelayedWorker<'_> {
                 elapsed_s: self.started.elapsed().as_secs_f64(),
                 steps_in_epoch: at.epoch_len,
                 step_in_epoch: k as u64 + 1,
+                grad_norm,
             })?;
         }
         Ok(SegmentEnd::Chief(vec![outcome]))
@@ -249,8 +250,9 @@ impl Coordinator for DelayedWorker<'_> {
 
 impl DelayedWorker<'_> {
     /// Update `step` on the samples `update`: the gradient on the weights its delay names,
-    /// applied (or dropped) to the current weights. Returns the loss sum and its rows.
-    fn update(&mut self, step: u64, update: &[u32]) -> Result<(f64, usize)> {
+    /// applied (or dropped) to the current weights. Returns the loss sum, its rows, and the
+    /// gradient's norm before clipping (when clipping and not dropped).
+    fn update(&mut self, step: u64, update: &[u32]) -> Result<(f64, usize, Option<f64>)> {
         let (b, m) = (self.cfg.microbatch_size, self.cfg.microbatches);
         let d = delay_at(self.opts, step, &mut self.rng);
         let stale = match d.checked_sub(1) {
@@ -293,7 +295,7 @@ impl DelayedWorker<'_> {
         self.delays.push(d);
         if self.opts.drop_older_than.is_some_and(|k| d > k) {
             self.dropped += 1;
-            return Ok((loss, rows));
+            return Ok((loss, rows, None));
         }
         let mean = (batch.mean, m as u32);
         if let Some(stale) = &anchor {
@@ -302,6 +304,18 @@ impl DelayedWorker<'_> {
         }
         model.sum_tied(be, &mut [(0, &mut self.grads)])?;
         model.check_gradients(be, 0, &self.grads, step + 1)?;
+        // Clipping by the whole model's norm, as the reference trainer's one stage does.
+        let grad_norm = match self.opt.config().grad_clip {
+            Some(max_norm) => {
+                self.opt.to_mean(be, &mut self.grads, mean)?;
+                let norm = model.gradient_square_norm(be, 0, &self.grads)?.sqrt();
+                if let Some(factor) = clip_coefficient(max_norm, norm) {
+                    scale_gradients(be, &mut self.grads, factor)?;
+                }
+                Some(norm)
+            }
+            None => None,
+        };
         let scale = if self.opts.age_scaling {
             1.0 / (1.0 + d as f32)
         } else {
@@ -310,7 +324,7 @@ impl DelayedWorker<'_> {
         let lr = self.lr.at(step) * scale;
         self.opt
             .mean_step(be, &mut self.params, &mut self.grads, mean, lr)?;
-        Ok((loss, rows))
+        Ok((loss, rows, grad_norm))
     }
 }
 

@@ -313,17 +313,33 @@ fn step<B: Backend, T: Transport + ?Sized>(
             return Ok((moved, moved));
         }
         Action::Update { stage, update } => {
-            // Stages sharing a tied parameter swap their raw gradients of it first.
-            let (sends, recvs) = core.tie_exchange(be, stage, update)?;
             let (mut sent, mut received) = (0, 0);
-            for m in sends {
+            let mut norms = Vec::new();
+            // The stage's gradients are readied for the step (with, under a flush policy
+            // with clipping, every other stage of this worker): stages sharing a tied
+            // parameter swap their raw gradients of it first.
+            for ready in core.stages_to_prepare(stage, update) {
+                let (sends, recvs) = core.tie_exchange(be, ready, update)?;
+                for m in sends {
+                    sent += m.tensor.bytes() as u64;
+                    t.send(m)?;
+                }
+                for (key, from) in recvs {
+                    let m = t.recv(&key)?;
+                    received += m.tensor.bytes() as u64;
+                    core.deliver_tied(ready, from, m.tensor)?;
+                }
+                norms.extend(core.prepare_stage(be, pc, ready, update)?);
+            }
+            // Gradient clipping: this worker's norms out, the other stages' in.
+            for m in norms {
                 sent += m.tensor.bytes() as u64;
                 t.send(m)?;
             }
-            for (key, from) in recvs {
+            for key in core.norm_keys(stage, update)? {
                 let m = t.recv(&key)?;
                 received += m.tensor.bytes() as u64;
-                core.deliver_tied(stage, from, m.tensor)?;
+                core.deliver_norm(m)?;
             }
             core.compute(be, pc, a)?;
             return Ok((sent, received));

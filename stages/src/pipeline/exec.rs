@@ -20,6 +20,9 @@ use crate::model::{GradientsReady, Params, place_params};
 use crate::optim::{Optimizer, OptimizerConfig, UpdateMean};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
+mod clip;
+pub use clip::GRADIENT_NORM_STEP;
+
 /// One stage's persistent state on a worker: its current weights and optimizer state.
 #[derive(Debug, Clone)]
 pub struct StageState {
@@ -119,6 +122,9 @@ pub struct WorkerOutcome {
     pub bytes_sent: u64,
     /// Per microbatch whose loss this worker computed: (microbatch, loss sum, samples).
     pub losses: Vec<(u32, f64, usize)>,
+    /// Per update of the loss stage, on its first replica when clipping: (update, the global
+    /// gradient norm before clipping).
+    pub grad_norms: Vec<(u32, f64)>,
 }
 
 /// A forward's saved activations, kept until the backward.
@@ -168,6 +174,8 @@ struct StageRun {
     outbox_gradients: HashMap<u32, Tensor>,
     /// Versions of the gradients accumulated since the last update (for staleness).
     gradient_versions: Vec<u32>,
+    /// The coming update's gradients are ready for the step ([`WorkerCore::prepare`]).
+    prepared: bool,
     /// Stages sharing a tied parameter with this one ([`Model::tie_partners`]), ascending.
     tie_partners: Vec<u32>,
     /// Per partner stage, its raw tied-use gradients of the coming update (received).
@@ -231,6 +239,8 @@ pub struct WorkerCore<'s, 'a> {
     rule: VersionRule,
     stages: Vec<StageRun>,
     last_stage: u32,
+    /// Gradient clipping's squared norms held and where this worker's stages are ready.
+    clip: clip::ClipState,
     /// What the run reports (versions used, losses, staleness; the driver adds times).
     pub outcome: WorkerOutcome,
 }
@@ -314,13 +324,16 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 outbox_activations: HashMap::new(),
                 outbox_gradients: HashMap::new(),
                 gradient_versions: Vec::new(),
+                prepared: false,
             });
         }
+        let clip = clip::ClipState::new(setup, state);
         Ok(WorkerCore {
             setup,
             worker: state.worker,
             layout,
             rule: schedule.resolved.policy.version_rule(),
+            clip,
             stages,
             last_stage: schedule.stages() - 1,
             outcome: WorkerOutcome {
@@ -493,7 +506,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         if let Some(tx) = self.setup.progress {
             // The trainer's thread reports each update as its losses arrive; if it has gone,
             // nothing is lost (the outcome keeps them too).
-            let _ = tx.send((mb, stats.loss_sum, stats.rows));
+            let _ = tx.send(super::setup::Report::Loss(mb, stats.loss_sum, stats.rows));
         }
         let out = &mut self.outcome;
         out.loss_sum += stats.loss_sum;
@@ -618,32 +631,22 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     fn update(&mut self, be: &dyn Backend, pc: usize, stage: u32, update: u32) -> Result<()> {
         let setup = self.setup;
         let c = self.chunk(stage)?;
-        let run = &mut self.stages[c];
-        let cur = run.current_version;
+        let cur = self.stages[c].current_version;
         if update != cur {
             return Err(exec_err(format!(
                 "update {update} but the stage is at version {cur}"
             )));
         }
-        if run.grads_fresh {
-            zero(be, &mut run.grads)?;
-            run.grads_fresh = false;
-        }
-        self.compensate(be, c, update)?;
+        self.prepare(be, c, update)?;
+        self.clip(be, c, update)?;
         let run = &mut self.stages[c];
+        run.prepared = false;
         let mut p = run
             .versions
             .remove(&cur)
             .ok_or_else(|| exec_err(format!("current version {cur} is not held")))?;
         if run.last_use.get(cur as usize).is_some_and(|&u| u > pc) {
             run.versions.insert(cur, p.clone());
-        }
-        if run.tie_partners.is_empty() {
-            setup
-                .model
-                .sum_tied(be, &mut [(run.layers.start, &mut run.grads)])?;
-        } else {
-            sum_tied_across(setup, be, run)?;
         }
         let minibatch = u64::from(setup.plan.schedule.resolved.minibatch.max(1));
         let first_mb = setup.microbatch_offset + u64::from(update) * u64::from(run.update_size);
@@ -675,7 +678,35 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             metrics::gauge!("pipe_staleness", "stage" => stage.to_string()).set(sum / f64::from(n));
         }
         run.free_after(pc);
+        self.forget_norms();
         Ok(())
+    }
+
+    /// Brings chunk `c`'s gradients of `update` to what its step applies, once: zeroed if no
+    /// microbatch contributed, compensated (DC-ASGD), its tied uses summed with its partners'
+    /// (received before), and, when clipping, scaled to the mean with its squared norm noted
+    /// ([`clip`]).
+    fn prepare(&mut self, be: &dyn Backend, c: usize, update: u32) -> Result<()> {
+        if self.stages[c].prepared {
+            return Ok(());
+        }
+        let setup = self.setup;
+        let run = &mut self.stages[c];
+        if run.grads_fresh {
+            zero(be, &mut run.grads)?;
+            run.grads_fresh = false;
+        }
+        self.compensate(be, c, update)?;
+        let run = &mut self.stages[c];
+        if run.tie_partners.is_empty() {
+            setup
+                .model
+                .sum_tied(be, &mut [(run.layers.start, &mut run.grads)])?;
+        } else {
+            sum_tied_across(setup, be, run)?;
+        }
+        run.prepared = true;
+        self.note_norm(be, c, update)
     }
 
     /// DC-ASGD's compensation of chunk `c`'s gradients of `update`, once, before its tied uses

@@ -36,11 +36,11 @@ where
     run_threads_reporting(setup, states, endpoints, make_backend, None)
 }
 
-/// What the launching thread does while the workers run: receive the losses the last stage
-/// reports ([`Setup::progress`]) and hand each to the function.
+/// What the launching thread does while the workers run: receive what the loss stage reports
+/// ([`Setup::progress`]) and hand each to the function.
 pub type Progress<'p> = (
-    crossbeam_channel::Receiver<super::LossReport>,
-    &'p mut dyn FnMut(super::LossReport) -> Result<()>,
+    crossbeam_channel::Receiver<super::Report>,
+    &'p mut dyn FnMut(super::Report) -> Result<()>,
 );
 
 /// [`run_threads`], with this thread handling `progress` while the workers run. An error of

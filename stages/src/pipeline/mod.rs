@@ -55,7 +55,7 @@ pub use ledger::LedgerEntry;
 pub use observe::{Observer, Quiet};
 pub use reference::{ReferenceRun, reference_run, reference_train, reference_train_from};
 pub use run_plan::RunPlan;
-pub use setup::{LossReport, LrFn, MicrobatchSource, OrderedSource, Setup};
+pub use setup::{LrFn, MicrobatchSource, OrderedSource, Report, Setup};
 pub use train::{
     PipelineReport, PipelineTrainOptions, open_backend, train_pipelined, train_reference,
 };

@@ -44,6 +44,13 @@ struct Reference<'s, 'a> {
     tie_group: Vec<Vec<usize>>,
     /// Per microbatch, its summed loss.
     losses: Vec<f64>,
+    /// Per stage, the gradients of its next update once readied (summed, compensated, tied
+    /// uses summed; at the mean when clipping), waiting for the norms it adds.
+    ready: Vec<Option<Params>>,
+    /// Gradient clipping: every squared norm, by (stage, update).
+    norms: HashMap<(usize, u32), f64>,
+    /// The loss stage's global norm of each update before clipping.
+    grad_norms: Vec<f64>,
     /// Weight prediction: per stage, the velocity estimate of every version (empty without
     /// prediction), and the look-ahead distance (each stage's delay; empty unless look-ahead).
     velocities: Vec<Vec<Velocity>>,
@@ -101,6 +108,9 @@ pub struct ReferenceRun {
     /// Per microbatch of the run, in order: the sum of its samples' losses, as the last stage
     /// of a pipelined run reports it (`WorkerOutcome::losses`).
     pub losses: Vec<f64>,
+    /// When clipping: per update of the loss stage, the global gradient norm before clipping
+    /// (`WorkerOutcome::grad_norms`).
+    pub grad_norms: Vec<f64>,
 }
 
 /// [`reference_train_from`], also returning every microbatch's loss.
@@ -154,6 +164,9 @@ pub fn reference_run(
         next_update: vec![0; stages],
         tie_group: tie_groups(setup)?,
         losses: vec![0.0; n as usize],
+        ready: vec![None; stages],
+        norms: HashMap::new(),
+        grad_norms: Vec::new(),
     };
     let mut done = vec![false; n as usize];
     loop {
@@ -166,8 +179,14 @@ pub fn reference_run(
             }
         }
         for s in 0..stages {
-            while r.update_ready(s) {
-                r.update(be, s)?;
+            loop {
+                if r.update_ready(s) {
+                    r.prepare(be, s)?;
+                } else if r.step_ready(s) {
+                    r.step(be, s)?;
+                } else {
+                    break;
+                }
                 progress = true;
             }
         }
@@ -191,6 +210,7 @@ pub fn reference_run(
         params,
         opts: r.opts,
         losses: r.losses,
+        grad_norms: r.grad_norms,
     })
 }
 
@@ -333,13 +353,14 @@ impl Reference<'_, '_> {
     }
 
     /// True when the next update of `s`, and of every stage it updates together with, has
-    /// all its gradients.
+    /// all its gradients and none of them is readied yet.
     fn update_ready(&self, s: usize) -> bool {
         let plan = &self.setup.plan.versions;
         let k = self.next_update[s];
         k < plan.updates_at(s as u32)
             && self.tie_group[s].iter().all(|&t| {
                 self.next_update[t] == k
+                    && self.ready[t].is_none()
                     && plan
                         .update(t as u32, k)
                         .microbatches()
@@ -384,8 +405,25 @@ impl Reference<'_, '_> {
         Ok(partials.pop().unwrap_or_default())
     }
 
-    /// Applies the next update of `s` and of every stage it updates together with.
-    fn update(&mut self, be: &dyn Backend, s: usize) -> Result<()> {
+    /// True when the next update of `s` is readied and every norm it adds is known.
+    fn step_ready(&self, s: usize) -> bool {
+        let k = self.next_update[s];
+        self.ready[s].is_some()
+            && (self.opts[s].config().grad_clip.is_none()
+                || self
+                    .setup
+                    .plan
+                    .norms
+                    .sources(s as u32, k)
+                    .iter()
+                    .enumerate()
+                    .all(|(t, j)| j.is_none_or(|j| self.norms.contains_key(&(t, j)))))
+    }
+
+    /// Readies the next update of `s` and of every stage it updates together with: each
+    /// stage's gradients, compensated, the tied uses summed, and when clipping scaled to the
+    /// mean with their squared norm noted.
+    fn prepare(&mut self, be: &dyn Backend, s: usize) -> Result<()> {
         let setup = self.setup;
         let group = self.tie_group[s].clone();
         let k = self.next_update[s];
@@ -417,19 +455,54 @@ impl Reference<'_, '_> {
             .collect();
         setup.model.sum_tied(be, &mut parts)?;
         for (&t, mut g) in group.iter().zip(grads) {
-            let mut p = self.versions[t][self.versions[t].len() - 1].clone();
-            let size = setup.plan.schedule.resolved.update_size(t as u32);
-            let lr = (setup.lr)(t as u32, k);
-            self.opts[t].mean_step(be, &mut p, &mut g, (mean, size), lr)?;
-            if let Some(vs) = self.velocities.get_mut(t) {
-                let old = &self.versions[t][self.versions[t].len() - 1];
-                let mut vel = vs[vs.len() - 1].clone();
-                vel.advance(be, old, &p)?;
-                vs.push(vel);
+            if self.opts[t].config().grad_clip.is_some() {
+                let size = setup.plan.schedule.resolved.update_size(t as u32);
+                self.opts[t].to_mean(be, &mut g, (mean, size))?;
+                let start = setup.plan.partition.range(t).start;
+                let squared = setup.model.gradient_square_norm(be, start, &g)?;
+                self.norms.insert((t, k), squared);
             }
-            self.versions[t].push(p);
-            self.next_update[t] += 1;
+            self.ready[t] = Some(g);
         }
+        Ok(())
+    }
+
+    /// Applies the readied next update of `s`, clipped by the global norm of the norm plan
+    /// (the stages' norms added in ascending order, as the executor adds them).
+    fn step(&mut self, be: &dyn Backend, t: usize) -> Result<()> {
+        let setup = self.setup;
+        let k = self.next_update[t];
+        let mean = UpdateMean::of(&setup.plan.schedule.resolved);
+        let mut g = self.ready[t]
+            .take()
+            .ok_or_else(|| StageError::Executor(format!("stage {t} steps unreadied")))?;
+        if let Some(max_norm) = self.opts[t].config().grad_clip {
+            let mut squared = 0.0;
+            for (u, j) in setup.plan.norms.sources(t as u32, k).iter().enumerate() {
+                if let Some(j) = j {
+                    squared += self.norms.get(&(u, *j)).copied().unwrap_or_default();
+                }
+            }
+            let norm = squared.sqrt();
+            if let Some(factor) = crate::optim::clip_coefficient(max_norm, norm) {
+                crate::optim::scale_gradients(be, &mut g, factor)?;
+            }
+            if t + 1 == self.versions.len() {
+                self.grad_norms.push(norm);
+            }
+        }
+        let mut p = self.versions[t][self.versions[t].len() - 1].clone();
+        let size = setup.plan.schedule.resolved.update_size(t as u32);
+        let lr = (setup.lr)(t as u32, k);
+        self.opts[t].mean_step(be, &mut p, &mut g, (mean, size), lr)?;
+        if let Some(vs) = self.velocities.get_mut(t) {
+            let old = &self.versions[t][self.versions[t].len() - 1];
+            let mut vel = vs[vs.len() - 1].clone();
+            vel.advance(be, old, &p)?;
+            vs.push(vel);
+        }
+        self.versions[t].push(p);
+        self.next_update[t] += 1;
         Ok(())
     }
 }

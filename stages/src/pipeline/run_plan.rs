@@ -1,10 +1,10 @@
 //! The one path from a request to a checked plan: generate the policy's schedule, lower it
-//! (sends and receives), validate it and dry-run it for deadlock, derive its version plan, and
-//! fix the partition. Training, profiling, benchmarks and tests all build a [`RunPlan`] this
+//! (sends and receives), validate it and dry-run it for deadlock, derive its version and norm
+//! plans, and fix the partition. Training, profiling, benchmarks and tests all build a [`RunPlan`] this
 //! way, so nothing runs a schedule that skipped a check.
 
 use pipe_scheduler::{
-    LowerOptions, Schedule, ScheduleSpec, VersionPlan, generate, lower, validate,
+    LowerOptions, NormPlan, Schedule, ScheduleSpec, VersionPlan, generate, lower, validate,
 };
 
 use crate::error::{Result, StageError};
@@ -18,6 +18,8 @@ pub struct RunPlan {
     pub schedule: Schedule,
     /// Its version plan.
     pub versions: VersionPlan,
+    /// Which stages' gradient norms each update's global norm adds (gradient clipping).
+    pub norms: NormPlan,
     /// Layers of each model stage.
     pub partition: Partition,
     /// Gradient values per all-reduce bucket ([`super::gradient_buckets`]): part of the plan
@@ -40,6 +42,7 @@ impl RunPlan {
         let schedule = lower(&generate(spec)?, LowerOptions::default());
         validate::check(&schedule)?;
         let versions = VersionPlan::derive(&schedule)?;
+        let norms = NormPlan::derive(&schedule)?;
         let stages = schedule.stages() as usize;
         let partition = match partition {
             Some(p) => p,
@@ -87,6 +90,7 @@ impl RunPlan {
         Ok(RunPlan {
             schedule,
             versions,
+            norms,
             partition,
             bucket_values: super::DEFAULT_BUCKET_VALUES,
             allreduce_wire: pipe_transport::frame::WireDType::F32,

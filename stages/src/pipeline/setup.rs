@@ -95,9 +95,10 @@ pub struct Setup<'a> {
     pub microbatch_offset: u64,
     /// Learning rate per stage and update.
     pub lr: &'a LrFn<'a>,
-    /// Where the last stage reports each microbatch's loss as it is computed (microbatch,
-    /// loss sum, samples), so the trainer can report updates while the pipeline runs.
-    pub progress: Option<&'a crossbeam_channel::Sender<LossReport>>,
+    /// Where the last stage reports each microbatch's loss as it is computed, and each
+    /// update's gradient norm when clipping, so the trainer can report updates while the
+    /// pipeline runs.
+    pub progress: Option<&'a crossbeam_channel::Sender<Report>>,
     /// Weight prediction (a remedy for stale weights; none by default).
     pub prediction: crate::remedy::Prediction,
 }
@@ -143,10 +144,7 @@ impl<'a> Setup<'a> {
 
     /// Where the last stage reports each microbatch's loss.
     #[must_use]
-    pub fn with_progress(
-        self,
-        progress: Option<&'a crossbeam_channel::Sender<LossReport>>,
-    ) -> Self {
+    pub fn with_progress(self, progress: Option<&'a crossbeam_channel::Sender<Report>>) -> Self {
         Setup { progress, ..self }
     }
 
@@ -157,6 +155,12 @@ impl<'a> Setup<'a> {
     }
 }
 
-/// One microbatch's loss as the last stage reports it: (microbatch of the schedule, loss
-/// sum, samples).
-pub type LossReport = (u32, f64, usize);
+/// What the loss stage reports while the pipeline runs, for the trainer's step records.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Report {
+    /// One microbatch's loss: (microbatch of the schedule, loss sum, samples).
+    Loss(u32, f64, usize),
+    /// One update's global gradient norm before clipping, from the loss stage's first
+    /// replica: (update of the loss stage in the schedule, norm).
+    GradNorm(u32, f64),
+}

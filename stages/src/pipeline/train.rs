@@ -21,7 +21,7 @@ use super::exec::{StageState, WorkerOutcome, WorkerState};
 use super::launch::run_threads_reporting;
 use super::ledger::{LedgerEntry, segment_ledger};
 use super::run_plan::RunPlan;
-use super::setup::{LossReport, OrderedSource, Setup};
+use super::setup::{OrderedSource, Report, Setup};
 use super::survive::{self, LayoutChange};
 pub use crate::checkpoint::CheckpointPolicy;
 use crate::checkpoint::{Checkpoint, RunState};
@@ -712,7 +712,13 @@ pub(super) struct LiveSteps<'r> {
     /// Per update of the segment: each microbatch's (number, loss sum, loss rows) as they
     /// arrived, summed in microbatch order once all are in, so that the logged loss is the
     /// same whatever order the workers' reports took (threads, shared memory or QUIC).
-    steps: Vec<Vec<LossReport>>,
+    steps: Vec<Vec<(u32, f64, usize)>>,
+    /// When clipping: per update of the segment, the global gradient norm before clipping of
+    /// its last update of the loss stage (a step waits for it).
+    norms: Option<Vec<Option<f64>>>,
+    /// Updates of the loss stage per step (more than one when the loss stage has fewer
+    /// replicas than the widest stage of an asynchronous layout).
+    loss_updates_per_step: u32,
     next: usize,
     samples: usize,
     start: Instant,
@@ -723,11 +729,16 @@ impl<'r> LiveSteps<'r> {
     pub(super) fn new(run: &'r Run<'r>, plan: &RunPlan, seg: &'r Segment) -> Self {
         let minibatch = u64::from(plan.schedule.resolved.minibatch.max(1));
         let updates = plan.schedule.total_microbatches() as u64 / minibatch;
+        let resolved = &plan.schedule.resolved;
+        let loss_update = resolved.update_size(resolved.layout.stages().saturating_sub(1));
+        let clipping = run.cfg.optimizer.grad_clip.is_some();
         LiveSteps {
             run,
             seg,
             minibatch,
             steps: vec![Vec::new(); updates as usize],
+            norms: clipping.then(|| vec![None; updates as usize]),
+            loss_updates_per_step: (resolved.minibatch / loss_update.max(1)).max(1),
             next: 0,
             samples: 0,
             start: Instant::now(),
@@ -735,18 +746,39 @@ impl<'r> LiveSteps<'r> {
         }
     }
 
-    /// Adds microbatch `mb`'s loss; reports every update that is now complete.
-    pub(super) fn add(&mut self, (mb, loss, n): LossReport, obs: &mut dyn Observer) -> Result<()> {
-        if let Some(slot) = self
-            .steps
-            .get_mut((u64::from(mb) / self.minibatch) as usize)
-        {
-            slot.push((mb, loss, n));
+    /// Adds a microbatch's loss or an update's gradient norm; reports every update that is now
+    /// complete.
+    pub(super) fn add(&mut self, report: Report, obs: &mut dyn Observer) -> Result<()> {
+        match report {
+            Report::Loss(mb, loss, n) => {
+                let step = (u64::from(mb) / self.minibatch) as usize;
+                if let Some(slot) = self.steps.get_mut(step) {
+                    slot.push((mb, loss, n));
+                }
+            }
+            Report::GradNorm(update, norm) => {
+                let per = self.loss_updates_per_step;
+                let slot = self
+                    .norms
+                    .as_mut()
+                    .and_then(|n| n.get_mut((update / per) as usize));
+                if let Some(slot) = slot.filter(|_| update % per == per - 1) {
+                    *slot = Some(norm);
+                }
+            }
         }
         while let Some(reports) = self.steps.get_mut(self.next) {
             if (reports.len() as u64) < self.minibatch {
                 break;
             }
+            let grad_norm = match &self.norms {
+                Some(norms) => match norms.get(self.next).copied().flatten() {
+                    Some(n) => Some(n),
+                    None => break,
+                },
+                None => None,
+            };
+            let reports = &mut self.steps[self.next];
             reports.sort_by_key(|r| r.0);
             let (l, n) = reports
                 .iter()
@@ -769,6 +801,7 @@ impl<'r> LiveSteps<'r> {
                 elapsed_s: self.run.start.elapsed().as_secs_f64(),
                 steps_in_epoch: self.seg.epoch_len,
                 step_in_epoch: self.seg.before + t + 1,
+                grad_norm,
             })?;
             self.next += 1;
         }
@@ -981,8 +1014,8 @@ impl<'c> Run<'c> {
         let backend = |worker: u32| open_backend(cfg.backend, threads, worker);
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut live = LiveSteps::new(self, plan, seg);
-        let mut on_loss = |r: LossReport| live.add(r, obs);
-        let progress = Some((rx, &mut on_loss as &mut dyn FnMut(LossReport) -> Result<()>));
+        let mut on_loss = |r: Report| live.add(r, obs);
+        let progress = Some((rx, &mut on_loss as &mut dyn FnMut(Report) -> Result<()>));
         self.with_setup(plan, data, (seg.epoch, seg.done), Some(&tx), |setup| {
             if states.is_empty() {
                 *states = start.states(setup, cfg)?;
@@ -1089,7 +1122,7 @@ impl<'c> Run<'c> {
         plan: &RunPlan,
         data: &Splits,
         (epoch, done): (u64, u64),
-        progress: Option<&crossbeam_channel::Sender<LossReport>>,
+        progress: Option<&crossbeam_channel::Sender<Report>>,
         f: impl FnOnce(&Setup<'_>) -> R,
     ) -> R {
         let cfg = self.cfg;

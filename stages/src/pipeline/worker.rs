@@ -42,7 +42,7 @@ use super::doctor::StopReport;
 use super::driver::run_worker_with;
 use super::exec::{WorkerOutcome, WorkerState};
 use super::run_plan::RunPlan;
-use super::setup::LossReport;
+use super::setup::Report;
 use super::train::{
     Coordinator, Drain, Drained, LiveSteps, LoopStart, Run, Segment, SegmentEnd, Start,
     run_partition, run_segments,
@@ -392,18 +392,15 @@ impl<'r> LossRelay<'r> {
     fn poll<T: Transport + ?Sized>(
         &mut self,
         ep: &mut T,
-        rx: &crossbeam_channel::Receiver<LossReport>,
+        rx: &crossbeam_channel::Receiver<Report>,
         obs: &mut dyn Observer,
     ) -> Result<()> {
-        while let Ok((mb, loss, n)) = rx.try_recv() {
+        while let Ok(report) = rx.try_recv() {
             if self.rank == CHIEF {
-                self.live.add((mb, loss, n), obs)?;
+                self.live.add(report, obs)?;
                 continue;
             }
-            let mut b = Vec::with_capacity(20);
-            b.extend_from_slice(&mb.to_le_bytes());
-            b.extend_from_slice(&loss.to_le_bytes());
-            b.extend_from_slice(&(n as u64).to_le_bytes());
+            let b = encode_report(report);
             let key = control(self.rank, CHIEF, TOPIC_LOSS, self.index, self.sent);
             ep.send(Message::from_bytes(key, &b))?;
             self.sent += 1;
@@ -427,14 +424,16 @@ impl<'r> LossRelay<'r> {
     fn finish<T: Transport + ?Sized>(
         &mut self,
         ep: &mut T,
-        rx: &crossbeam_channel::Receiver<LossReport>,
+        rx: &crossbeam_channel::Receiver<Report>,
         outcomes: &[WorkerOutcome],
         obs: &mut dyn Observer,
     ) -> Result<()> {
         self.poll(ep, rx, obs)?;
         for i in 0..self.reporters.len() {
             let (w, mut next) = self.reporters[i];
-            let total = outcomes.get(w as usize).map_or(0, |o| o.losses.len());
+            let total = outcomes
+                .get(w as usize)
+                .map_or(0, |o| o.losses.len() + o.grad_norms.len());
             while (next as usize) < total {
                 let m = ep.recv(&control(w, CHIEF, TOPIC_LOSS, self.index, next))?;
                 self.take(m, obs)?;
@@ -449,11 +448,17 @@ impl<'r> LossRelay<'r> {
         let from = m.key.from;
         let bytes = m.into_bytes()?;
         let mut f = Fields(&bytes);
-        let report = (f.u32()?, f.f64()?, f.usize()?);
+        let report = match f.take::<1>()? {
+            [0] => Report::Loss(f.u32()?, f.f64()?, f.usize()?),
+            [1] => Report::GradNorm(f.u32()?, f.f64()?),
+            _ => {
+                return Err(protocol(format!(
+                    "worker {from}'s report has an unknown kind"
+                )));
+            }
+        };
         if !f.0.is_empty() {
-            return Err(protocol(format!(
-                "worker {from}'s loss report is malformed"
-            )));
+            return Err(protocol(format!("worker {from}'s report is malformed")));
         }
         self.live.add(report, obs)
     }
@@ -693,6 +698,26 @@ fn protocol(why: String) -> StageError {
     StageError::Transport(TransportError::Protocol(why))
 }
 
+/// A loss or gradient-norm report as a worker sends it to the chief: a kind byte, then the
+/// fields little-endian.
+fn encode_report(report: Report) -> Vec<u8> {
+    let mut b = Vec::with_capacity(21);
+    match report {
+        Report::Loss(mb, loss, n) => {
+            b.push(0);
+            b.extend_from_slice(&mb.to_le_bytes());
+            b.extend_from_slice(&loss.to_le_bytes());
+            b.extend_from_slice(&(n as u64).to_le_bytes());
+        }
+        Report::GradNorm(update, norm) => {
+            b.push(1);
+            b.extend_from_slice(&update.to_le_bytes());
+            b.extend_from_slice(&norm.to_le_bytes());
+        }
+    }
+    b
+}
+
 /// A worker's epoch summary as bytes: what the chief's reports need (not the per-action
 /// records, which stay with the worker).
 fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
@@ -712,6 +737,11 @@ fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
         b.extend_from_slice(&mb.to_le_bytes());
         b.extend_from_slice(&loss.to_le_bytes());
         b.extend_from_slice(&(n as u64).to_le_bytes());
+    }
+    b.extend_from_slice(&(o.grad_norms.len() as u64).to_le_bytes());
+    for &(update, norm) in &o.grad_norms {
+        b.extend_from_slice(&update.to_le_bytes());
+        b.extend_from_slice(&norm.to_le_bytes());
     }
     b
 }
@@ -772,6 +802,17 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
     let losses = (0..n)
         .map(|_| Ok((f.u32()?, f.f64()?, f.usize()?)))
         .collect::<Result<Vec<_>>>()?;
+    let n = f.usize()?;
+    // 12 bytes each, refused as above.
+    if n > f.0.len() / 12 {
+        return Err(protocol(format!(
+            "worker {from}'s summary claims {n} gradient norms in {} bytes",
+            f.0.len()
+        )));
+    }
+    let grad_norms = (0..n)
+        .map(|_| Ok((f.u32()?, f.f64()?)))
+        .collect::<Result<Vec<_>>>()?;
     Ok(WorkerOutcome {
         worker,
         versions: Vec::new(),
@@ -786,6 +827,7 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
         peak_stash_bytes,
         bytes_sent,
         losses,
+        grad_norms,
     })
 }
 
@@ -962,6 +1004,7 @@ mod tests {
             peak_stash_bytes: 1 << 33,
             bytes_sent: 12_345,
             losses: vec![(0, 0.75, 32), (5, 0.5, 32)],
+            grad_norms: vec![(0, 1.5), (1, f64::from_bits(0x3ff0_0000_0000_0003))],
         }
     }
 
@@ -970,6 +1013,13 @@ mod tests {
         let o = outcome();
         let back = decode_summary(&encode_summary(&o), 3).unwrap();
         assert_eq!(back.losses, o.losses);
+        let norm_bits = |o: &WorkerOutcome| -> Vec<(u32, u64)> {
+            o.grad_norms
+                .iter()
+                .map(|&(k, n)| (k, n.to_bits()))
+                .collect()
+        };
+        assert_eq!(norm_bits(&back), norm_bits(&o));
         assert_eq!(back.staleness_sum.to_bits(), o.staleness_sum.to_bits());
         assert_eq!((back.correct, back.samples, back.peak_versions), (7, 64, 4));
         assert_eq!((back.peak_stash_bytes, back.bytes_sent), (1 << 33, 12_345));
@@ -986,6 +1036,11 @@ mod tests {
         // The loss count says far more records than the bytes hold.
         let at = 4 + 8 * 6 + 4 + 8 * 2;
         lie[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(decode_summary(&lie, 3).is_err());
+        // So does the gradient-norm count, after the two loss records.
+        let mut lie = bytes.clone();
+        let at = at + 8 + 2 * 20;
+        lie[at..at + 8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
         assert!(decode_summary(&lie, 3).is_err());
     }
 }
