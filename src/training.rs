@@ -136,6 +136,11 @@ pub struct TrainArgs {
     /// [default: 0.04], the adaptive form's lambda_0 [default: 2].
     #[arg(long, value_name = "C", value_parser = parse_f32)]
     delay_correction_strength: Option<f32>,
+    /// The order each epoch visits the training samples in: shuffled (a seeded permutation
+    /// per epoch, the default) or sequential (sample 0, 1, 2, ...: for a run another trainer
+    /// must follow window by window).
+    #[arg(long, value_name = "shuffled|sequential")]
+    data_order: Option<pipe_stages::data::DataOrder>,
     /// Clip every update's gradient to this global L2 norm (over every stage and replica;
     /// docs/training.md says which stages' norms an asynchronous pipeline adds). 0 turns it
     /// off [default: 1.0 for the gpt2 models, off otherwise].
@@ -234,6 +239,11 @@ pub struct TrainArgs {
     #[arg(long, value_name = "N", requires = "checkpoint_dir",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub checkpoint_every: Option<u64>,
+    /// Write the run's starting point (update 0: the seed's weights, or --init-from's, and a
+    /// fresh optimizer) as a checkpoint in --checkpoint-dir and stop without training: a seed
+    /// checkpoint that runs of any layout, and exports, start from.
+    #[arg(long, requires = "checkpoint_dir", conflicts_with = "resume")]
+    pub seed_checkpoint: bool,
     /// Checkpoints kept, newest first.
     #[arg(long, default_value_t = 3, value_name = "K",
           value_parser = clap::value_parser!(u64).range(1..=10_000))]
@@ -309,6 +319,7 @@ impl TrainArgs {
             epochs: self.epochs,
             steps: self.steps,
             eval_every: self.eval_every,
+            data_order: self.data_order,
             microbatch_size: self.microbatch_size,
             microbatches: self.microbatches,
             optimizer: self.optimizer,

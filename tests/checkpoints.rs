@@ -596,3 +596,58 @@ fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
         std::panic::resume_unwind(panic);
     }
 }
+
+/// `--seed-checkpoint` writes a run's starting point (update 0) and stops: resuming from it is
+/// the fresh run bit for bit, on one worker and on a pipeline of another layout, and `pipe
+/// export` writes its weights (how `experiments/parity/` hands pipe's initial weights to
+/// PyTorch). With `--data-order sequential` the run differs from the shuffled one.
+#[test]
+fn a_seed_checkpoint_resumes_as_the_fresh_run_on_any_layout_and_exports() {
+    let d = dir("seed");
+    let ck = d.join("ck");
+    let base = [
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "5",
+        "--threads",
+        "1",
+    ];
+    let seeded = ok(&Command::new(PIPE)
+        .args(base)
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .arg("--seed-checkpoint")
+        .output()
+        .unwrap());
+    assert!(seeded.contains("seed checkpoint (update 0)"), "{seeded}");
+    assert!(!seeded.contains("done:"), "{seeded}");
+    for layout in [&[][..], &["--stages", "2"][..]] {
+        let fresh = ok(&Command::new(PIPE).args(base).args(layout).output().unwrap());
+        let resumed = ok(&Command::new(PIPE)
+            .args(base)
+            .args(layout)
+            .arg("--resume")
+            .arg(&ck)
+            .output()
+            .unwrap());
+        assert_eq!(weights(&fresh), weights(&resumed), "{layout:?}");
+    }
+    let hf = d.join("hf");
+    let exported = ok(&Command::new(PIPE)
+        .args(["export", "--format", "hf", "--checkpoint"])
+        .arg(&ck)
+        .arg("--out")
+        .arg(&hf)
+        .output()
+        .unwrap());
+    assert!(exported.contains("at update 0"), "{exported}");
+    let sequential = ok(&Command::new(PIPE)
+        .args(base)
+        .args(["--data-order", "sequential"])
+        .output()
+        .unwrap());
+    let shuffled = ok(&Command::new(PIPE).args(base).output().unwrap());
+    assert_ne!(weights(&sequential), weights(&shuffled));
+}

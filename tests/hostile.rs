@@ -590,6 +590,7 @@ fn config_rows() -> Vec<Row> {
             "the gradient clipping norm must be finite and > 0",
         ),
         config("grad_clip = \"on\"\n", "grad_clip (line 1)"),
+        config("data_order = \"random\"\n", "unknown variant `random`"),
         config(
             "delay_correction = \"dc-asgd\"\nschedule = \"pipedream-nostash\"\nstages = 2\n",
             "pipedream-nostash stashes none",
@@ -1295,6 +1296,14 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
         row(
             "train --grad-clip inf --steps 1",
             "inf is not a finite number",
+        ),
+        row(
+            "train --data-order random --steps 1",
+            "unknown data order 'random'",
+        ),
+        row(
+            "train --seed-checkpoint --steps 1",
+            "--checkpoint-dir <DIR>",
         ),
     ]
 }

@@ -197,7 +197,8 @@ fn gradient_clipping_is_the_same_in_process_and_over_worker_processes() {
                     "--schedule",
                     policy,
                 ])
-                .args(["--microbatches", "4", "--grad-clip", "0.5", "--log-jsonl"])
+                .args(["--microbatches", "4", "--microbatch-size", "16"])
+                .args(["--grad-clip", "0.5", "--log-jsonl"])
                 .arg(log);
             cmd
         };

@@ -5,6 +5,7 @@
 # sends them over the wire):
 #
 #   pipe train --model gpt-mini --stages 4 --schedule pipedream --microbatches 4 --steps 60 \
+#        --partition flops \
 #        --threads 1 --grad-clip NORM
 #
 # Prints each run's tokens/s (the epoch line), the last logged gradient norm and the weights
@@ -18,7 +19,7 @@ cargo build --release --locked --bin pipe >&2
 pipe=$PWD/target/release/pipe
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-args=(train --model gpt-mini --stages 4 --schedule pipedream --microbatches 4 --steps 60
+args=(train --model gpt-mini --stages 4 --schedule pipedream --microbatches 4 --steps 60 --partition flops
       --threads 1)
 [ -n "${TRANSPORT:-}" ] && args+=(--transport "$TRANSPORT")
 [ -n "${PLACEMENT:-}" ] && args+=(--placement "$PLACEMENT")

@@ -78,6 +78,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some((dir, ckpt)) = &resume {
         print_resuming(dir, ckpt);
     }
+    if args.seed_checkpoint {
+        let policy = policy.context("--seed-checkpoint needs --checkpoint-dir")?;
+        let dir = pipe_stages::pipeline::write_seed_checkpoint(&cfg, &model, &policy)?;
+        outln!("seed checkpoint (update 0): {}", dir.display());
+        return Ok(());
+    }
     settle_partition(&mut cfg, &model)?;
     let workers = match &resolved {
         Some(r) => print_pipeline(&cfg, r),

@@ -308,6 +308,8 @@ pub struct TrainSettings {
     /// Evaluate on the validation windows every this many updates (besides each epoch's end),
     /// at a drain point.
     pub eval_every: Option<u64>,
+    /// The order each epoch visits the training samples in (shuffled by default).
+    pub data_order: Option<crate::data::DataOrder>,
     /// Samples per microbatch.
     pub microbatch_size: Option<usize>,
     /// Microbatches whose gradients one update sums.
@@ -519,7 +521,7 @@ impl TrainSettings {
             dst.model_config = src.model_config;
         }
         merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
-            synthetic, epochs, steps, eval_every,
+            synthetic, epochs, steps, eval_every, data_order,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, weight_decay_groups, beta1, beta2, eps, delay_correction, delay_correction_strength, grad_clip, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
@@ -983,6 +985,7 @@ impl TrainSettings {
             epochs,
             steps: self.steps,
             eval_every: self.eval_every,
+            data_order: self.data_order.unwrap_or_default(),
             microbatch_size,
             microbatches,
             optimizer,
@@ -1128,6 +1131,9 @@ pub struct RunConfig {
     pub steps: Option<u64>,
     /// Evaluate every this many updates too, at a drain point (besides each epoch's end).
     pub eval_every: Option<u64>,
+    /// The order each epoch visits the training samples in.
+    #[serde(default)]
+    pub data_order: crate::data::DataOrder,
     /// Samples per microbatch.
     pub microbatch_size: usize,
     /// Microbatches per update.

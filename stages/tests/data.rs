@@ -131,9 +131,29 @@ fn shuffling_and_synthetic_data_are_seeded() {
     for k in 0..4 {
         assert!(labels.host().unwrap().contains(&k), "class {k} missing");
     }
-    let o1 = a.train.epoch_order(1, 1);
-    assert_eq!(o1, a.train.epoch_order(1, 1));
-    assert_ne!(o1, a.train.epoch_order(1, 2));
+    let o1 = a
+        .train
+        .epoch_order(1, 1, pipe_stages::data::DataOrder::Shuffled);
+    assert_eq!(
+        o1,
+        a.train
+            .epoch_order(1, 1, pipe_stages::data::DataOrder::Shuffled)
+    );
+    assert_ne!(
+        o1,
+        a.train
+            .epoch_order(1, 2, pipe_stages::data::DataOrder::Shuffled)
+    );
+    // The stored order, every epoch alike.
+    let stored = a
+        .train
+        .epoch_order(1, 2, pipe_stages::data::DataOrder::Sequential);
+    assert!(stored.iter().enumerate().all(|(i, &s)| s as usize == i));
+    assert_eq!(
+        stored,
+        a.train
+            .epoch_order(5, 3, pipe_stages::data::DataOrder::Sequential)
+    );
     let mut sorted = o1.clone();
     sorted.sort();
     assert_eq!(sorted, (0..256).collect::<Vec<u32>>());

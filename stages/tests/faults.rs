@@ -57,7 +57,13 @@ fn plan(model: &Model) -> RunPlan {
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource::new(&data().train, data().train.epoch_order(SEED, 1), 8)
+    OrderedSource::new(
+        &data().train,
+        data()
+            .train
+            .epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled),
+        8,
+    )
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {

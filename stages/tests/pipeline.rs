@@ -53,7 +53,13 @@ fn lr(_stage: u32, k: u32) -> f32 {
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource::new(&data().train, data().train.epoch_order(SEED, 1), MB)
+    OrderedSource::new(
+        &data().train,
+        data()
+            .train
+            .epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled),
+        MB,
+    )
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
@@ -966,7 +972,10 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
             let init = model.init_params(SEED);
             // Segment k reads the epoch's order from its first unused sample on.
             let source_at = |k: usize| {
-                let mut order = data().train.epoch_order(SEED, 1);
+                let mut order =
+                    data()
+                        .train
+                        .epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled);
                 order.drain(..k * per_segment * MB);
                 OrderedSource::new(&data().train, order, MB)
             };

@@ -33,7 +33,13 @@ fn lr(_stage: u32, k: u32) -> f32 {
 }
 
 fn source(epoch: u64) -> OrderedSource<'static> {
-    OrderedSource::new(&data().train, data().train.epoch_order(SEED, epoch), MB)
+    OrderedSource::new(
+        &data().train,
+        data()
+            .train
+            .epoch_order(SEED, epoch, pipe_stages::data::DataOrder::Shuffled),
+        MB,
+    )
 }
 
 /// One stage, `sequential`, `updates` updates of `M` microbatches.

@@ -74,7 +74,11 @@ fn soak<T: Transport>(
     for seg in 0..segments {
         let source = OrderedSource::new(
             &data.train,
-            data.train.epoch_order(1, u64::from(seg) + 1),
+            data.train.epoch_order(
+                1,
+                u64::from(seg) + 1,
+                pipe_stages::data::DataOrder::Shuffled,
+            ),
             4,
         );
         let setup = Setup {

@@ -61,7 +61,13 @@ fn plan(model: &Model, spec: &ScheduleSpec) -> RunPlan {
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource::new(&data().train, data().train.epoch_order(SEED, 1), 2)
+    OrderedSource::new(
+        &data().train,
+        data()
+            .train
+            .epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled),
+        2,
+    )
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {

@@ -267,11 +267,49 @@ impl Dataset {
         }
     }
 
-    /// The order of samples in epoch `epoch`: a seeded permutation, independent per epoch.
-    pub fn epoch_order(&self, seed: u64, epoch: u64) -> Vec<u32> {
+    /// The order of samples in epoch `epoch`: a seeded permutation, independent per epoch, or
+    /// the stored order.
+    pub fn epoch_order(&self, seed: u64, epoch: u64, how: DataOrder) -> Vec<u32> {
         let mut order: Vec<u32> = (0..self.len() as u32).collect();
-        order.shuffle(&mut rng_for(seed, "shuffle", epoch));
+        if how == DataOrder::Shuffled {
+            order.shuffle(&mut rng_for(seed, "shuffle", epoch));
+        }
         order
+    }
+}
+
+/// The order an epoch visits the training samples in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataOrder {
+    /// A seeded permutation per epoch (`derive_seed(seed, "shuffle", epoch)`).
+    #[default]
+    Shuffled,
+    /// Sample 0, 1, 2, ... every epoch: for a run another trainer must follow window by
+    /// window (`experiments/parity/`).
+    Sequential,
+}
+
+impl DataOrder {
+    /// The name flags and configs use.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataOrder::Shuffled => "shuffled",
+            DataOrder::Sequential => "sequential",
+        }
+    }
+}
+
+impl std::str::FromStr for DataOrder {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "shuffled" => Ok(DataOrder::Shuffled),
+            "sequential" => Ok(DataOrder::Sequential),
+            _ => Err(format!(
+                "unknown data order '{s}' (expected shuffled or sequential)"
+            )),
+        }
     }
 }
 

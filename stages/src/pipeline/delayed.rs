@@ -214,7 +214,10 @@ impl Coordinator for DelayedWorker<'_> {
                 now
             }
         };
-        let order = self.data.train.epoch_order(self.cfg.seed, at.epoch);
+        let order = self
+            .data
+            .train
+            .epoch_order(self.cfg.seed, at.epoch, self.cfg.data_order);
         let mut outcome = WorkerOutcome::default();
         let updates = order.chunks_exact(b * m).enumerate();
         for (k, update) in updates.skip(at.before as usize).take(this as usize) {

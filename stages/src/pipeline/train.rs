@@ -593,13 +593,45 @@ fn check_correction_memory(
     )))
 }
 
+/// A fresh run's weights: `--init-from`'s, or the model's initialisation from the run's seed.
+///
+/// # Errors
+/// A Hugging Face directory that does not hold this model ([`crate::hf::import`]).
+pub fn initial_params(cfg: &RunConfig, model: &Model) -> Result<Params> {
+    match &cfg.init_from {
+        Some(dir) => crate::hf::import(model, &cfg.model, dir),
+        None => Ok(model.init_params(cfg.seed)),
+    }
+}
+
+/// Writes the seed checkpoint of `cfg` into `policy`'s directory: its starting point before
+/// any update (the initial weights and a fresh optimizer state, updates 0), which runs of any
+/// layout resume from alike and `pipe export` writes as they are. Returns its directory.
+///
+/// # Errors
+/// As [`initial_params`] and [`crate::checkpoint::write`].
+pub fn write_seed_checkpoint(
+    cfg: &RunConfig,
+    model: &Model,
+    policy: &CheckpointPolicy,
+) -> Result<PathBuf> {
+    let params = initial_params(cfg, model)?;
+    let optimizer = Optimizer::new(cfg.optimizer, &params, &model.optimizer_roles());
+    let mut state = RunState::identity(cfg, policy.settings.clone());
+    state.optimizer_steps = vec![0; params.len()];
+    state.partition = Partition::new(vec![0..model.len()], model.len())?.to_string();
+    let ckpt = Checkpoint {
+        optimizer: optimizer.state().to_vec(),
+        params,
+        state,
+    };
+    crate::checkpoint::write(&policy.dir, model, &ckpt, policy.keep)
+}
+
 impl Start {
     pub(super) fn new(run: &Run<'_>, resume: Option<&Checkpoint>) -> Result<Self> {
         let Some(c) = resume else {
-            let params = match &run.cfg.init_from {
-                Some(dir) => crate::hf::import(&run.model, &run.cfg.model, dir)?,
-                None => run.model.init_params(run.cfg.seed),
-            };
+            let params = initial_params(run.cfg, &run.model)?;
             return Ok(Start {
                 params,
                 optimizer: None,
@@ -1108,7 +1140,11 @@ impl<'c> Run<'c> {
         match &*memo {
             Some((e, order)) if *e == epoch => order.clone(),
             _ => {
-                let order = Arc::new(data.train.epoch_order(self.cfg.seed, epoch));
+                let order = Arc::new(data.train.epoch_order(
+                    self.cfg.seed,
+                    epoch,
+                    self.cfg.data_order,
+                ));
                 *memo = Some((epoch, order.clone()));
                 order
             }
