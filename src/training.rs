@@ -136,6 +136,12 @@ pub struct TrainArgs {
     /// [default: 0.04], the adaptive form's lambda_0 [default: 2].
     #[arg(long, value_name = "C", value_parser = parse_f32)]
     delay_correction_strength: Option<f32>,
+    /// Recompute activations in the backward pass instead of keeping them: none; full (each
+    /// layer keeps its input, a transformer block instead of its attention and MLP
+    /// activations, and runs its forward again in the backward); selective (only the
+    /// attention layers' activations are recomputed). Same bits, less memory, more compute.
+    #[arg(long, value_name = "none|full|selective")]
+    recompute: Option<pipe_stages::layer::Recompute>,
     /// The order each epoch visits the training samples in: shuffled (a seeded permutation
     /// per epoch, the default) or sequential (sample 0, 1, 2, ...: for a run another trainer
     /// must follow window by window).
@@ -320,6 +326,7 @@ impl TrainArgs {
             steps: self.steps,
             eval_every: self.eval_every,
             data_order: self.data_order,
+            recompute: self.recompute,
             microbatch_size: self.microbatch_size,
             microbatches: self.microbatches,
             optimizer: self.optimizer,

@@ -408,6 +408,7 @@ fn transformer_components(
     let ctx = ForwardCtx {
         train: true,
         seed: 0,
+        recompute_attention: false,
     };
     // Each round's input is copied before the clock starts: the forward consumes it, and a
     // 16 MiB copy is no part of the block's step.

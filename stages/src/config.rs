@@ -310,6 +310,8 @@ pub struct TrainSettings {
     pub eval_every: Option<u64>,
     /// The order each epoch visits the training samples in (shuffled by default).
     pub data_order: Option<crate::data::DataOrder>,
+    /// What the backward recomputes instead of keeping (none by default).
+    pub recompute: Option<crate::layer::Recompute>,
     /// Samples per microbatch.
     pub microbatch_size: Option<usize>,
     /// Microbatches whose gradients one update sums.
@@ -521,7 +523,7 @@ impl TrainSettings {
             dst.model_config = src.model_config;
         }
         merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
-            synthetic, epochs, steps, eval_every, data_order,
+            synthetic, epochs, steps, eval_every, data_order, recompute,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, weight_decay_groups, beta1, beta2, eps, delay_correction, delay_correction_strength, grad_clip, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
@@ -986,6 +988,7 @@ impl TrainSettings {
             steps: self.steps,
             eval_every: self.eval_every,
             data_order: self.data_order.unwrap_or_default(),
+            recompute: self.recompute.unwrap_or_default(),
             microbatch_size,
             microbatches,
             optimizer,
@@ -1134,6 +1137,9 @@ pub struct RunConfig {
     /// The order each epoch visits the training samples in.
     #[serde(default)]
     pub data_order: crate::data::DataOrder,
+    /// What the backward recomputes instead of keeping from the forward.
+    #[serde(default)]
+    pub recompute: crate::layer::Recompute,
     /// Samples per microbatch.
     pub microbatch_size: usize,
     /// Microbatches per update.

@@ -70,6 +70,7 @@ fn grad_check_at(spec: LayerSpec, x: Tensor, input_grad: bool) {
     let ctx = ForwardCtx {
         train: true,
         seed: 42,
+        recompute_attention: false,
     };
     let (y, saved) = layer.forward(&be, &params, x.clone(), ctx).unwrap();
     let r = rand_t(y.shape(), 3, false);
@@ -192,7 +193,11 @@ fn dropout_is_seeded_and_checks() {
     let x = Tensor::full(&[8, 64], 1.0);
     let run = |seed| {
         layer
-            .forward(&be, &[], x.clone(), ForwardCtx { train: true, seed })
+            .forward(&be, &[], x.clone(), ForwardCtx {
+                train: true,
+                seed,
+                recompute_attention: false,
+            })
             .unwrap()
             .0
     };
@@ -211,6 +216,7 @@ fn dropout_is_seeded_and_checks() {
             ForwardCtx {
                 train: false,
                 seed: 7,
+                recompute_attention: false,
             },
         )
         .unwrap()

@@ -20,6 +20,10 @@ pub struct Saved {
     pub shape: Vec<usize>,
     /// What the inner layers of a block saved, in order.
     pub inner: Vec<Saved>,
+    /// A stand-in for what the layer would have saved: `tensors` holds its input only, and
+    /// the backward runs its forward again from it with this context ([`Saved::recompute`],
+    /// [`materialize`]).
+    pub recompute: Option<ForwardCtx>,
 }
 
 impl Saved {
@@ -27,8 +31,18 @@ impl Saved {
     pub fn tensors(tensors: Vec<Tensor>) -> Self {
         Self {
             tensors,
-            shape: Vec::new(),
-            inner: Vec::new(),
+            ..Self::default()
+        }
+    }
+
+    /// The stand-in of a layer whose activations the backward recomputes: its `input` and the
+    /// context its forward ran with (the same dropout seed, so the recomputation gives the
+    /// same bits).
+    pub fn recompute(input: Tensor, ctx: ForwardCtx) -> Self {
+        Self {
+            tensors: vec![input],
+            recompute: Some(ctx),
+            ..Self::default()
         }
     }
 
@@ -47,6 +61,78 @@ pub struct ForwardCtx {
     /// Seed for this layer and microbatch (dropout masks); derived by the model from the run
     /// seed, the layer index and the microbatch id, so it is the same on any partition.
     pub seed: u64,
+    /// Selective recomputation: a block keeps only the input of its attention layers, whose
+    /// activations the backward recomputes (`--recompute selective`).
+    pub recompute_attention: bool,
+}
+
+/// Which activations the backward pass recomputes instead of keeping them from the forward
+/// (`--recompute`): a trade of compute for the memory of activations in flight, which weight
+/// stashing makes the largest term at a pipeline's first stages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Recompute {
+    /// Keep everything the forward saves.
+    #[default]
+    None,
+    /// Keep each layer's input only, where the layer would save more (a transformer block
+    /// keeps its input instead of its attention and MLP activations), and run the layer's
+    /// forward again in the backward.
+    Full,
+    /// Keep everything but the attention layers' activations (their query-key-value
+    /// projection and output), recomputed from their input in the backward.
+    Selective,
+}
+
+impl Recompute {
+    /// The name flags and configs use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Full => "full",
+            Recompute::Selective => "selective",
+        }
+    }
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(Recompute::None),
+            "full" => Ok(Recompute::Full),
+            "selective" => Ok(Recompute::Selective),
+            _ => Err(format!(
+                "unknown recomputation '{s}' (expected none, full or selective)"
+            )),
+        }
+    }
+}
+
+/// What `layer` saved in its forward, as its backward reads it: `saved` itself, or for a
+/// stand-in ([`Saved::recompute`]) the layer's forward run again from the stashed input with
+/// the same parameters and context.
+///
+/// # Errors
+/// The layer's forward errors; a stand-in without its input.
+pub fn materialize<'s>(
+    layer: &dyn Layer,
+    be: &dyn Backend,
+    params: &[Tensor],
+    saved: &'s Saved,
+) -> KResult<std::borrow::Cow<'s, Saved>> {
+    let Some(ctx) = saved.recompute else {
+        return Ok(std::borrow::Cow::Borrowed(saved));
+    };
+    let input = saved
+        .tensors
+        .first()
+        .ok_or_else(|| pipe_kernels::KernelError::Shape {
+            op: "recompute",
+            detail: "the stashed input is missing".into(),
+        })?;
+    let (_, full) = layer.forward(be, params, input.clone(), ctx)?;
+    Ok(std::borrow::Cow::Owned(full))
 }
 
 /// A layer: shape logic, initialisation, forward and the two halves of backward.

@@ -12,7 +12,7 @@ use rand_distr::{Distribution, Normal, Uniform};
 use serde::{Deserialize, Serialize};
 
 pub use crate::layer::{ForwardCtx, Layer, Saved};
-use crate::layer::{INIT_STD, normal};
+use crate::layer::{INIT_STD, materialize, normal};
 use crate::rng::{Rng, derive_seed, rng_for};
 
 /// How a linear layer's weights are initialised.
@@ -782,8 +782,15 @@ impl Layer for Residual {
         let mut h = x;
         let mut inner = Vec::with_capacity(self.inner.len());
         for (j, (l, p)) in self.inner.iter().zip(self.split(params)).enumerate() {
-            let (y, s) = l.forward(be, p, h, Self::inner_ctx(ctx, j))?;
-            inner.push(s);
+            let ictx = Self::inner_ctx(ctx, j);
+            // Selective recomputation keeps an attention layer's input only.
+            let stand_in = (ctx.train && ctx.recompute_attention && l.kind() == "attention")
+                .then(|| h.clone());
+            let (y, s) = l.forward(be, p, h, ictx)?;
+            inner.push(match stand_in {
+                Some(input) => Saved::recompute(input, ictx),
+                None => s,
+            });
             h = y;
         }
         if self.skip {
@@ -810,7 +817,9 @@ impl Layer for Residual {
         let mut g: Option<Tensor> = None;
         for j in (0..self.inner.len()).rev() {
             let at = g.as_ref().unwrap_or(dy);
-            g = Some(self.inner[j].backward_input(be, parts[j], Self::saved_of(saved, j)?, at)?);
+            let l = self.inner[j].as_ref();
+            let s = materialize(l, be, parts[j], Self::saved_of(saved, j)?)?;
+            g = Some(l.backward_input(be, parts[j], &s, at)?);
         }
         let mut g = g.unwrap_or_else(|| dy.clone());
         if self.skip {
@@ -856,12 +865,12 @@ impl Layer for Residual {
         // The gradient reaching the current inner layer's output: `dy` itself for the last.
         let mut g: Option<Tensor> = None;
         for j in (0..self.inner.len()).rev() {
-            let s = Self::saved_of(saved, j)?;
+            let s = materialize(self.inner[j].as_ref(), be, parts[j], Self::saved_of(saved, j)?)?;
             let need = j > 0 || need_input_grad;
             let next = self.inner[j].backward(
                 be,
                 parts[j],
-                s,
+                &s,
                 g.as_ref().unwrap_or(dy),
                 &mut *grad_parts[j],
                 accumulate,

@@ -32,6 +32,7 @@ use pipe_kernels::{Backend, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
+use crate::layer::{Recompute, materialize};
 use crate::layers::{ForwardCtx, Layer, LayerSpec, Saved};
 use crate::rng::{derive_seed, rng_for};
 
@@ -129,6 +130,8 @@ pub struct Model {
     slots: Vec<Vec<ParamId>>,
     /// Some parameter has more than one use.
     tied: bool,
+    /// What the backward recomputes instead of keeping ([`Model::with_recompute`]).
+    recompute: Recompute,
 }
 
 /// A model description as written in a config file. Parsing is strict: every layer is read on
@@ -421,6 +424,7 @@ impl Model {
         let tied = table.iter().any(|e| e.uses.len() > 1);
         let model = Self {
             tied,
+            recompute: Recompute::None,
             specs: spec.layers.clone(),
             layers,
             shapes,
@@ -429,6 +433,21 @@ impl Model {
         };
         model.check_sizes()?;
         Ok(model)
+    }
+
+    /// This model with the backward recomputing `what` instead of keeping it from the forward
+    /// ([`Recompute`]). Only memory changes: the recomputed forward runs with the same weights
+    /// (the stashed version the forward used) and the same dropout seeds, so every gradient has
+    /// the same bits.
+    #[must_use]
+    pub fn with_recompute(mut self, what: Recompute) -> Self {
+        self.recompute = what;
+        self
+    }
+
+    /// What the backward recomputes.
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
     }
 
     /// Number of layers.
@@ -862,7 +881,10 @@ impl Model {
             let ctx = ForwardCtx {
                 train,
                 seed: derive_seed(seed, "layer", ((i as u64) << 40) ^ microbatch),
+                recompute_attention: train && self.recompute == Recompute::Selective,
             };
+            // Full recomputation keeps a layer's input where it would save more.
+            let input = (train && self.recompute == Recompute::Full).then(|| h.clone());
             let (y, s) =
                 layer
                     .forward(be, &params[j], h, ctx)
@@ -872,7 +894,10 @@ impl Model {
                         op: "forward",
                         source,
                     })?;
-            saved.push(s);
+            saved.push(match input {
+                Some(x) if s.bytes() > x.len() * 4 => Saved::recompute(x, ctx),
+                _ => s,
+            });
             h = y;
         }
         Ok((h, saved))
@@ -888,8 +913,8 @@ impl Model {
         g: &Tensor,
     ) -> Result<Tensor> {
         let layer = &self.layers[i];
-        layer
-            .backward_input(be, params, saved, g)
+        materialize(layer.as_ref(), be, params, saved)
+            .and_then(|saved| layer.backward_input(be, params, &saved, g))
             .map_err(|source| StageError::Kernel {
                 layer: i,
                 kind: layer.kind(),
@@ -954,16 +979,18 @@ impl Model {
             let j = i - start;
             let layer = &self.layers[i];
             let need = i > start || need_input_grad;
-            let next = layer
-                .backward(
-                    be,
-                    &params[j],
-                    &saved[j],
-                    &g,
-                    &mut grads[j],
-                    accumulate,
-                    need,
-                )
+            let next = materialize(layer.as_ref(), be, &params[j], &saved[j])
+                .and_then(|saved| {
+                    layer.backward(
+                        be,
+                        &params[j],
+                        &saved,
+                        &g,
+                        &mut grads[j],
+                        accumulate,
+                        need,
+                    )
+                })
                 .map_err(|source| StageError::Kernel {
                     layer: i,
                     kind: layer.kind(),
@@ -1036,15 +1063,17 @@ impl Model {
         for i in range.rev() {
             let j = i - start;
             let layer = &self.layers[i];
-            layer
-                .backward_params(
-                    be,
-                    &params[j],
-                    &saved[j],
-                    &dys[j],
-                    &mut grads[j],
-                    accumulate,
-                )
+            materialize(layer.as_ref(), be, &params[j], &saved[j])
+                .and_then(|saved| {
+                    layer.backward_params(
+                        be,
+                        &params[j],
+                        &saved,
+                        &dys[j],
+                        &mut grads[j],
+                        accumulate,
+                    )
+                })
                 .map_err(|source| StageError::Kernel {
                     layer: i,
                     kind: layer.kind(),

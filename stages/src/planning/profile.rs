@@ -216,6 +216,7 @@ pub fn profile_model(
         let ctx = ForwardCtx {
             train: true,
             seed: opts.seed,
+            recompute_attention: false,
         };
         let forward = time_median(opts.warmup, opts.repeats, || {
             // The forward consumes its input: copy it outside the timed call.

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# What --recompute saves: each worker process's peak resident memory (VmHWM) and the run's
+# throughput, for a GPT-2 of 8 blocks, width 128, 4 heads, 128 positions on the 1,024-token
+# BPE of Tiny Shakespeare, at 4 stages under pipedream with worker processes (one thread each):
+#
+#   pipe train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128 \
+#     --dataset tokens:CORPUS --stages 4 --schedule pipedream --placement processes \
+#     --threads 1 --partition flops --steps 40 --recompute KIND
+#
+# Each `pipe worker` process's VmHWM is read from /proc every 0.1 s while the run lasts (it
+# only grows, so the last reading is its peak up to the last 0.1 s). Rounds alternate the
+# kinds; the table gives per worker the median over rounds, and the median tokens/s.
+#
+#   experiments/memory/recompute.sh [ROUNDS]        # default 2
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rounds=${1:-2}
+cargo build --release --locked --quiet --bin pipe
+pipe=$PWD/target/release/pipe
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$pipe" tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json \
+  --input data/tinyshakespeare.txt --out "$work/corpus" > /dev/null
+args=(train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128
+      --dataset "tokens:$work/corpus" --stages 4 --schedule pipedream --placement processes
+      --threads 1 --partition flops --steps 40)
+for r in $(seq 1 "$rounds"); do
+  for kind in none full selective; do
+    "$pipe" "${args[@]}" --recompute "$kind" > "$work/$kind-$r.txt" 2>&1 &
+    launcher=$!
+    declare -A peak=()
+    while kill -0 "$launcher" 2>/dev/null; do
+      for pid in $(pgrep -P "$launcher" -f "pipe worker" || true); do
+        rank=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | sed -n 's/.*--rank \([0-9]*\).*/\1/p')
+        kb=$(awk '/^VmHWM:/{print $2}' "/proc/$pid/status" 2>/dev/null || true)
+        [ -n "$rank" ] && [ -n "$kb" ] && peak[$rank]=$kb
+      done
+      sleep 0.1
+    done
+    wait "$launcher"
+    rate=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$work/$kind-$r.txt")
+    digest=$(sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$work/$kind-$r.txt" | tail -1)
+    for w in "${!peak[@]}"; do echo "$kind $w ${peak[$w]}" >> "$work/peaks"; done
+    echo "$kind $rate $digest" >> "$work/rates"
+    unset peak
+  done
+done
+python3 - "$work/peaks" "$work/rates" <<'PY'
+import statistics, sys
+peaks, rates, digests = {}, {}, {}
+for line in open(sys.argv[1]):
+    kind, w, kb = line.split()
+    peaks.setdefault((kind, int(w)), []).append(int(kb) / 1024)
+for line in open(sys.argv[2]):
+    kind, rate, digest = line.split()
+    rates.setdefault(kind, []).append(float(rate))
+    digests.setdefault(kind, set()).add(digest)
+kinds = ["none", "full", "selective"]
+workers = sorted({w for _, w in peaks})
+print("| worker | " + " | ".join(f"VmHWM MiB, {k}" for k in kinds) + " | full against none | selective against none |")
+print("|---" * (len(kinds) + 3) + "|")
+for w in workers:
+    med = {k: statistics.median(peaks[(k, w)]) for k in kinds if (k, w) in peaks}
+    cells = " | ".join(f"{med[k]:.1f}" for k in kinds)
+    print(f"| {w} | {cells} | {med['full'] / med['none']:.2f} | {med['selective'] / med['none']:.2f} |")
+print()
+print("| recompute | median tokens/s | time against none | weights |")
+print("|---|---|---|---|")
+base = statistics.median(rates["none"])
+for k in kinds:
+    m = statistics.median(rates[k])
+    print(f"| {k} | {m:.0f} | {base / m:.2f}x | {', '.join(sorted(digests[k]))} |")
+PY
