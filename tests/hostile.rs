@@ -591,6 +591,7 @@ fn config_rows() -> Vec<Row> {
         ),
         config("grad_clip = \"on\"\n", "grad_clip (line 1)"),
         config("data_order = \"random\"\n", "unknown variant `random`"),
+        config("recompute = true\n", "recompute (line 1)"),
         config(
             "delay_correction = \"dc-asgd\"\nschedule = \"pipedream-nostash\"\nstages = 2\n",
             "pipedream-nostash stashes none",
@@ -1304,6 +1305,10 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
         row(
             "train --seed-checkpoint --steps 1",
             "--checkpoint-dir <DIR>",
+        ),
+        row(
+            "train --recompute some --steps 1",
+            "unknown recomputation 'some'",
         ),
     ]
 }

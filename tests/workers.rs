@@ -221,6 +221,65 @@ fn gradient_clipping_is_the_same_in_process_and_over_worker_processes() {
     }
 }
 
+/// `--init-from` reaches every worker process, not the chief's stages only: a run started from
+/// exported weights ends with the same weights over worker processes as in process, and not
+/// with those of the seed's own initialisation.
+#[test]
+fn init_from_weights_reach_every_worker_process() {
+    let _one = serial();
+    let d = dir("init-from");
+    let seeded = ok(&run(Command::new(PIPE)
+        .args([
+            "train",
+            "--model",
+            "gpt2-tiny",
+            "--seed",
+            "1",
+            "--seed-checkpoint",
+        ])
+        .arg("--checkpoint-dir")
+        .arg(d.join("ck"))));
+    assert!(seeded.contains("seed checkpoint"), "{seeded}");
+    ok(&run(Command::new(PIPE)
+        .args(["export", "--format", "hf", "--checkpoint"])
+        .arg(d.join("ck"))
+        .arg("--out")
+        .arg(d.join("hf"))));
+    let train = |extra: &[&str]| {
+        let mut cmd = Command::new(PIPE);
+        cmd.args([
+            "train",
+            "--model",
+            "gpt2-tiny",
+            "--seed",
+            "5",
+            "--stages",
+            "2",
+        ])
+        .args(["--steps", "3", "--threads", "1", "--init-from"])
+        .arg(d.join("hf"))
+        .args(extra);
+        ok(&run(&mut cmd))
+    };
+    let threads = train(&[]);
+    let processes = train(&["--placement", "processes"]);
+    assert_eq!(done(&threads), done(&processes));
+    let own = ok(&run(Command::new(PIPE).args([
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--seed",
+        "5",
+        "--stages",
+        "2",
+        "--steps",
+        "3",
+        "--threads",
+        "1",
+    ])));
+    assert_ne!(done(&own), done(&threads));
+}
+
 /// `--trace` with worker processes: each worker writes its part, the launcher merges them into
 /// one Chrome trace with every worker's track (named) and the same actions an in-process trace
 /// records, and removes the parts.

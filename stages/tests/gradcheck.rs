@@ -193,11 +193,16 @@ fn dropout_is_seeded_and_checks() {
     let x = Tensor::full(&[8, 64], 1.0);
     let run = |seed| {
         layer
-            .forward(&be, &[], x.clone(), ForwardCtx {
-                train: true,
-                seed,
-                recompute_attention: false,
-            })
+            .forward(
+                &be,
+                &[],
+                x.clone(),
+                ForwardCtx {
+                    train: true,
+                    seed,
+                    recompute_attention: false,
+                },
+            )
             .unwrap()
             .0
     };

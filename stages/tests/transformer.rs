@@ -2,7 +2,7 @@
 //! layer norm, head) on a character corpus at four stages, pipelined on threads, must equal the
 //! sequential reference trainer bit for bit, with and without the token embedding (stage 0)
 //! tied to the head (stage 3), under the asynchronous, 2BW and flush schedules and with
-//! replicated stages.
+//! replicated stages, and with activations recomputed in the backward.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::OnceLock;
@@ -10,6 +10,8 @@ use std::sync::OnceLock;
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::data::{Splits, char_corpus};
+use pipe_stages::layer::{Recompute, Saved};
+use pipe_stages::layers::LayerSpec;
 use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
@@ -308,6 +310,93 @@ fn matrices_decay_and_embeddings_biases_and_gains_do_not() {
                     assert!(
                         (x * scale - y).abs() <= 1e-7 * x.abs().max(1.0),
                         "{layer}.{slot}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Recomputation changes memory, never bits: with every block keeping only its input (`full`)
+/// or only its attention layers recomputed (`selective`), the pipelined run's weights equal the
+/// reference trainer's (which keeps everything) bit for bit, under stashing (the recomputed
+/// forward uses the stashed version), 2BW, a flush with replicas, and zero-bubble's split
+/// backward (whose weight half recomputes again). Dropout is on, so the recomputed forward must
+/// draw the same masks.
+#[test]
+fn recomputed_activations_give_the_reference_weights() {
+    let shape = GptShape {
+        blocks: 3,
+        width: 8,
+        heads: 2,
+        context: CONTEXT,
+    };
+    let vocab = data().vocab.as_ref().unwrap().len();
+    // Untied: the dropout layers move the head, which a tie names by index.
+    let mut spec_with_dropout = ModelSpec::gpt(shape, vocab, false);
+    spec_with_dropout.layers = spec_with_dropout
+        .layers
+        .into_iter()
+        .flat_map(|l| {
+            let block = matches!(l, LayerSpec::TransformerBlock { .. });
+            let after = block.then_some(LayerSpec::Dropout { p: 0.1 });
+            std::iter::once(l).chain(after)
+        })
+        .collect();
+    let plain = Model::new(&spec_with_dropout).unwrap();
+    let be = CpuBackend::new(1).unwrap();
+    let init = plain.init_params(SEED);
+    for what in [Recompute::Full, Recompute::Selective] {
+        let recomputing = Model::new(&spec_with_dropout).unwrap().with_recompute(what);
+        // Stand-ins, not activations: a block keeps its input (full) or its attention layers
+        // keep theirs (selective), and less is held either way.
+        let x = data().train.gather(&[0, 1]).unwrap().0;
+        let range = 0..plain.len();
+        let (_, kept) = plain
+            .forward_range(&be, range.clone(), &init, x.clone(), true, SEED, 0)
+            .unwrap();
+        let (_, stand_ins) = recomputing
+            .forward_range(&be, range, &init, x, true, SEED, 0)
+            .unwrap();
+        let bytes = |s: &[Saved]| s.iter().map(|s| s.bytes()).sum::<usize>();
+        let (held, all) = (bytes(&stand_ins), bytes(&kept));
+        match what {
+            Recompute::Full => assert!(held < all / 2, "{what:?}: {held} of {all} bytes"),
+            _ => assert!(held < all, "{what:?}: {held} of {all} bytes"),
+        }
+        let marked = |s: &Saved| {
+            s.recompute.is_some()
+                || s.inner
+                    .iter()
+                    .flat_map(|i| &i.inner)
+                    .any(|i| i.recompute.is_some())
+        };
+        assert!(stand_ins.iter().any(marked), "{what:?}: nothing recomputed");
+        for case in [
+            ScheduleSpec::new(Policy::PipeDream, 4, 1).with_length(Length::Microbatches(24)),
+            ScheduleSpec::new(Policy::TwoBw, 4, 4).with_length(Length::Microbatches(24)),
+            ScheduleSpec::new(Policy::ZbH1, 4, 4).with_length(Length::Microbatches(24)),
+            ScheduleSpec::new(Policy::OneFOneBFlush, 4, 2)
+                .with_replicas(vec![1, 1, 2, 3])
+                .with_length(Length::Microbatches(24)),
+        ] {
+            let partition = Partition::new(vec![0..1, 1..3, 3..5, 5..plain.len()], plain.len());
+            let run = RunPlan::new(&plain, &case, Some(partition.unwrap())).unwrap();
+            let source = source();
+            let pipelined = setup(&run, &recomputing, &source);
+            let mut states: Vec<WorkerState> = (0..run.schedule.workers())
+                .map(|w| WorkerState::new(&pipelined, w, &init, opt()))
+                .collect();
+            let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+            run_threads(&pipelined, &mut states, eps, |_| CpuBackend::new(1)).unwrap();
+            let want = reference_train(&be, &setup(&run, &plain, &source), &init, opt()).unwrap();
+            for state in &states {
+                for st in &state.stages {
+                    assert!(
+                        bits(&st.params) == bits(&want[st.stage as usize]),
+                        "{what:?} {case:?}: worker {} stage {} differs",
+                        state.worker,
+                        st.stage
                     );
                 }
             }

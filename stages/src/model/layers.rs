@@ -865,7 +865,12 @@ impl Layer for Residual {
         // The gradient reaching the current inner layer's output: `dy` itself for the last.
         let mut g: Option<Tensor> = None;
         for j in (0..self.inner.len()).rev() {
-            let s = materialize(self.inner[j].as_ref(), be, parts[j], Self::saved_of(saved, j)?)?;
+            let s = materialize(
+                self.inner[j].as_ref(),
+                be,
+                parts[j],
+                Self::saved_of(saved, j)?,
+            )?;
             let need = j > 0 || need_input_grad;
             let next = self.inner[j].backward(
                 be,

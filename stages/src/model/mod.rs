@@ -859,7 +859,9 @@ impl Model {
     }
 
     /// Runs layers `range` forward on `x` (a batch), with `params` holding exactly those
-    /// layers' parameters. `microbatch` identifies the batch for dropout seeds.
+    /// layers' parameters. `microbatch` identifies the batch for dropout seeds. In training
+    /// each layer's [`Saved`] is returned for the backward (a stand-in where the model
+    /// recomputes, [`Model::with_recompute`]); in evaluation (`train` false) nothing is kept.
     ///
     /// # Errors
     /// [`StageError::Kernel`] naming the layer that failed.
@@ -896,6 +898,9 @@ impl Model {
                     })?;
             saved.push(match input {
                 Some(x) if s.bytes() > x.len() * 4 => Saved::recompute(x, ctx),
+                // Evaluation has no backward: each layer's activations go as soon as the next
+                // layer has its input.
+                _ if !train => Saved::default(),
                 _ => s,
             });
             h = y;
@@ -981,15 +986,7 @@ impl Model {
             let need = i > start || need_input_grad;
             let next = materialize(layer.as_ref(), be, &params[j], &saved[j])
                 .and_then(|saved| {
-                    layer.backward(
-                        be,
-                        &params[j],
-                        &saved,
-                        &g,
-                        &mut grads[j],
-                        accumulate,
-                        need,
-                    )
+                    layer.backward(be, &params[j], &saved, &g, &mut grads[j], accumulate, need)
                 })
                 .map_err(|source| StageError::Kernel {
                     layer: i,

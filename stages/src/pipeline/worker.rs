@@ -217,10 +217,15 @@ fn run_process<T: Transport + ?Sized>(
     let (partition, every) = (agreed.partition.clone(), agreed.every);
     let start = receive_start(&run, ep, agreed, cfg)?;
     let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), ep.rank())?;
-    let init = run.model.init_params(cfg.seed);
     let from = LoopStart {
         done: start.done,
-        params: start.params.clone(),
+        // The latest weights are the chief's to keep (it evaluates and checkpoints them); a
+        // follower holds its own stages' only, in its state.
+        params: if chief {
+            start.params.clone()
+        } else {
+            Params::new()
+        },
         partition: &partition,
         every,
         // Worker processes run a pipeline, whose cuts are drains that change its numerics.
@@ -236,7 +241,6 @@ fn run_process<T: Transport + ?Sized>(
         ep,
         be,
         start: &start,
-        init: &init,
         state: None,
         index: 0,
         origin,
@@ -261,9 +265,8 @@ struct Process<'a, T: Transport + ?Sized> {
     data: &'a Splits,
     ep: &'a mut T,
     be: Box<dyn pipe_kernels::Backend>,
+    /// Where the run starts; its weights also shape what the chief gathers.
     start: &'a Start,
-    /// Fresh weights: the shapes gathered weights and optimizer state fill.
-    init: &'a Params,
     state: Option<WorkerState>,
     /// Segments run so far (the end-of-segment messages' key).
     index: u32,
@@ -332,7 +335,7 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
                 &drain_bytes(drain),
             ))?;
         }
-        let (mine, init, cfg) = (mine(&self.state)?, self.init, self.run.cfg);
+        let (mine, init, cfg) = (mine(&self.state)?, &self.start.params, self.run.cfg);
         let weights = if drain.weights {
             Some(gather_weights(self.ep, plan, mine, init, index)?)
         } else {
@@ -602,7 +605,8 @@ fn receive_start<T: Transport + ?Sized>(
         }
         return Ok(start);
     }
-    let mut params = run.model.init_params(cfg.seed);
+    // A fresh run's weights: the seed's, or every worker reads --init-from's directory.
+    let mut params = super::train::initial_params(cfg, &run.model)?;
     let Some(steps) = agreed.steps else {
         return Ok(Start {
             params,
