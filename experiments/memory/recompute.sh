@@ -5,11 +5,13 @@
 #
 #   pipe train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128 \
 #     --dataset tokens:CORPUS --stages 4 --schedule pipedream --placement processes \
-#     --threads 1 --partition flops --steps 40 --recompute KIND
+#     --threads 1 --partition flops --steps 40 --microbatch-size 4 --recompute KIND
 #
 # Each `pipe worker` process's VmHWM is read from /proc every 0.1 s while the run lasts (it
 # only grows, so the last reading is its peak up to the last 0.1 s). Rounds alternate the
 # kinds; the table gives per worker the median over rounds, and the median tokens/s.
+#
+# MICROBATCH sets the sequences per microbatch (default 4, the gpt2 models' default).
 #
 #   experiments/memory/recompute.sh [ROUNDS]        # default 2
 set -euo pipefail
@@ -23,7 +25,7 @@ trap 'rm -rf "$work"' EXIT
   --input data/tinyshakespeare.txt --out "$work/corpus" > /dev/null
 args=(train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128
       --dataset "tokens:$work/corpus" --stages 4 --schedule pipedream --placement processes
-      --threads 1 --partition flops --steps 40)
+      --threads 1 --partition flops --steps 40 --microbatch-size "${MICROBATCH:-4}")
 for r in $(seq 1 "$rounds"); do
   for kind in none full selective; do
     "$pipe" "${args[@]}" --recompute "$kind" > "$work/$kind-$r.txt" 2>&1 &
