@@ -245,26 +245,7 @@ fn init_from_weights_reach_every_worker_process() {
         .arg(d.join("ck"))
         .arg("--out")
         .arg(d.join("hf"))));
-    let train = |extra: &[&str]| {
-        let mut cmd = Command::new(PIPE);
-        cmd.args([
-            "train",
-            "--model",
-            "gpt2-tiny",
-            "--seed",
-            "5",
-            "--stages",
-            "2",
-        ])
-        .args(["--steps", "3", "--threads", "1", "--init-from"])
-        .arg(d.join("hf"))
-        .args(extra);
-        ok(&run(&mut cmd))
-    };
-    let threads = train(&[]);
-    let processes = train(&["--placement", "processes"]);
-    assert_eq!(done(&threads), done(&processes));
-    let own = ok(&run(Command::new(PIPE).args([
+    let base = [
         "train",
         "--model",
         "gpt2-tiny",
@@ -276,7 +257,19 @@ fn init_from_weights_reach_every_worker_process() {
         "3",
         "--threads",
         "1",
-    ])));
+    ];
+    let train = |extra: &[&str]| {
+        let mut cmd = Command::new(PIPE);
+        cmd.args(base)
+            .arg("--init-from")
+            .arg(d.join("hf"))
+            .args(extra);
+        ok(&run(&mut cmd))
+    };
+    let threads = train(&[]);
+    let processes = train(&["--placement", "processes"]);
+    assert_eq!(done(&threads), done(&processes));
+    let own = ok(&run(Command::new(PIPE).args(base)));
     assert_ne!(done(&own), done(&threads));
 }
 

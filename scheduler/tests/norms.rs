@@ -1,4 +1,5 @@
 //! Norm plans: exact under flush policies, causal under asynchronous ones.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pipe_scheduler::{
     Length, LowerOptions, NormPlan, Policy, ScheduleSpec, generate, lower, validate,

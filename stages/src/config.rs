@@ -609,9 +609,9 @@ impl TrainSettings {
             correction_strength: self
                 .delay_correction_strength
                 .unwrap_or(self.delay_correction.unwrap_or_default().default_strength()),
+            // 0 turns clipping off.
             grad_clip: match self.grad_clip {
-                Some(c) if c == 0.0 => None,
-                Some(c) => Some(c),
+                Some(c) => (c != 0.0).then_some(c),
                 None => clip_default,
             },
         };

@@ -33,7 +33,8 @@ fn data() -> &'static Splits {
     })
 }
 
-fn model(tie: bool) -> Model {
+/// The small GPT of these tests: three blocks of width 8, two heads.
+fn gpt_spec(tie: bool) -> ModelSpec {
     let shape = GptShape {
         blocks: 3,
         width: 8,
@@ -41,7 +42,11 @@ fn model(tie: bool) -> Model {
         context: CONTEXT,
     };
     let vocab = data().vocab.as_ref().unwrap().len();
-    Model::new(&ModelSpec::gpt(shape, vocab, tie)).unwrap()
+    ModelSpec::gpt(shape, vocab, tie)
+}
+
+fn model(tie: bool) -> Model {
+    Model::new(&gpt_spec(tie)).unwrap()
 }
 
 fn opt() -> OptimizerConfig {
@@ -325,15 +330,8 @@ fn matrices_decay_and_embeddings_biases_and_gains_do_not() {
 /// draw the same masks.
 #[test]
 fn recomputed_activations_give_the_reference_weights() {
-    let shape = GptShape {
-        blocks: 3,
-        width: 8,
-        heads: 2,
-        context: CONTEXT,
-    };
-    let vocab = data().vocab.as_ref().unwrap().len();
     // Untied: the dropout layers move the head, which a tie names by index.
-    let mut spec_with_dropout = ModelSpec::gpt(shape, vocab, false);
+    let mut spec_with_dropout = gpt_spec(false);
     spec_with_dropout.layers = spec_with_dropout
         .layers
         .into_iter()

@@ -13,15 +13,13 @@ use pipe_kernels::{Backend, Tensor};
 use pipe_scheduler::{Action, Layout, Span, VersionQuery, VersionRule, WorkerId};
 use pipe_transport::{Key, Kind, Message};
 
+use super::clip::ClipState;
 use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{GradientsReady, Params, place_params};
 use crate::optim::{Optimizer, OptimizerConfig, UpdateMean};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
-
-mod clip;
-pub use clip::GRADIENT_NORM_STEP;
 
 /// One stage's persistent state on a worker: its current weights and optimizer state.
 #[derive(Debug, Clone)]
@@ -240,7 +238,7 @@ pub struct WorkerCore<'s, 'a> {
     stages: Vec<StageRun>,
     last_stage: u32,
     /// Gradient clipping's squared norms held and where this worker's stages are ready.
-    clip: clip::ClipState,
+    clip: ClipState,
     /// What the run reports (versions used, losses, staleness; the driver adds times).
     pub outcome: WorkerOutcome,
 }
@@ -327,7 +325,11 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 prepared: false,
             });
         }
-        let clip = clip::ClipState::new(setup, state);
+        let max_norm = state
+            .stages
+            .first()
+            .and_then(|st| st.opt.config().grad_clip);
+        let clip = ClipState::new(schedule, plan.norms.is_exact(), state.worker, max_norm);
         Ok(WorkerCore {
             setup,
             worker: state.worker,
@@ -678,7 +680,8 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             metrics::gauge!("pipe_staleness", "stage" => stage.to_string()).set(sum / f64::from(n));
         }
         run.free_after(pc);
-        self.forget_norms();
+        let next = self.stages.iter().map(|r| (r.stage, r.current_version));
+        self.clip.forget(self.setup, next);
         Ok(())
     }
 
@@ -706,7 +709,98 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             sum_tied_across(setup, be, run)?;
         }
         run.prepared = true;
-        self.note_norm(be, c, update)
+        Ok(())
+    }
+
+    /// The stages to ready at `Update` of `stage` and `update`, in chunk order, before the norms
+    /// are exchanged: that stage, and under a flush policy with clipping every other stage of
+    /// this worker not readied yet ([`super::clip`]).
+    pub fn stages_to_prepare(&self, stage: u32, update: u32) -> Vec<u32> {
+        if self.clip.max_norm().is_none() || !self.setup.plan.norms.is_exact() {
+            return vec![stage];
+        }
+        self.stages
+            .iter()
+            .filter(|run| run.current_version == update && !run.prepared)
+            .map(|run| run.stage)
+            .collect()
+    }
+
+    /// Readies `stage`'s gradients of `update` for the step (after its tied gradients were
+    /// delivered), and returns the messages carrying its squared norm to the workers whose
+    /// updates add it (none without clipping).
+    ///
+    /// # Errors
+    /// A stage this worker does not hold or that is at another version; gradients the program
+    /// has not completed by `pc`; kernel errors.
+    pub fn prepare_stage(
+        &mut self,
+        be: &dyn Backend,
+        pc: usize,
+        stage: u32,
+        update: u32,
+    ) -> Result<Vec<Message>> {
+        let c = self.chunk(stage)?;
+        if self.stages[c].current_version != update {
+            return Err(exec_err(format!(
+                "stage {stage} readied for update {update} at version {}",
+                self.stages[c].current_version
+            )));
+        }
+        self.clip.check_complete(pc, stage, update)?;
+        self.prepare(be, c, update)?;
+        if self.clip.max_norm().is_none() {
+            return Ok(Vec::new());
+        }
+        // Clipping sees the mean gradient: scaled to it here unless a compensation did.
+        let setup = self.setup;
+        let run = &mut self.stages[c];
+        let mean = UpdateMean::of(&setup.plan.schedule.resolved);
+        run.optimizer
+            .to_mean(be, &mut run.grads, (mean, run.update_size))?;
+        let squared = setup
+            .model
+            .gradient_square_norm(be, run.layers.start, &run.grads)?;
+        Ok(self.clip.publish(setup, (stage, update), squared))
+    }
+
+    /// The keys of the norms `Update` of `stage` and `update` adds that this worker has not
+    /// received yet.
+    ///
+    /// # Errors
+    /// As [`ClipState::keys`].
+    pub fn norm_keys(&self, stage: u32, update: u32) -> Result<Vec<Key>> {
+        self.clip.keys(self.setup, stage, update)
+    }
+
+    /// Takes a squared norm another worker sent.
+    ///
+    /// # Errors
+    /// As [`ClipState::deliver`].
+    pub fn deliver_norm(&mut self, m: Message) -> Result<()> {
+        self.clip.deliver(m)
+    }
+
+    /// When clipping: the global norm of chunk `c`'s update `update`, and its gradients scaled
+    /// down to the clipping norm where that is larger. The loss stage's first replica records
+    /// the norm.
+    fn clip(&mut self, be: &dyn Backend, c: usize, update: u32) -> Result<()> {
+        let Some(max_norm) = self.clip.max_norm() else {
+            return Ok(());
+        };
+        let stage = self.stages[c].stage;
+        let norm = self.clip.global_norm(self.setup, stage, update)?;
+        if let Some(factor) = crate::optim::clip_coefficient(max_norm, norm) {
+            crate::optim::scale_gradients(be, &mut self.stages[c].grads, factor)?;
+        }
+        if stage == self.last_stage && self.layout.placement(self.worker).1 == 0 {
+            self.outcome.grad_norms.push((update, norm));
+            if let Some(tx) = self.setup.progress {
+                // As for losses: the outcome keeps the norm if the trainer's thread has gone.
+                let _ = tx.send(super::setup::Report::GradNorm(update, norm));
+            }
+        }
+        Ok(())
     }
 
     /// DC-ASGD's compensation of chunk `c`'s gradients of `update`, once, before its tied uses

@@ -9,7 +9,8 @@
 //! what lets a run survive faults: a lost replica's stage going on with one replica fewer
 //! ([`survive`]) and a failed run starting again from its newest checkpoint ([`restart`]),
 //! both driven for threads and processes alike by one driver ([`relaunch`]). The stale weights
-//! a delay compensation measures an update against are worked out in one place ([`stale`]).
+//! a delay compensation measures an update against are worked out in one place ([`stale`]),
+//! and the gradient norms that clipping adds across stages in another ([`clip`]).
 //!
 //! The seams are shaped for every place a worker can run. The driver takes a rank, a backend,
 //! a transport endpoint and the checked plan, and nothing else; a launcher only starts
@@ -25,6 +26,7 @@
 //! compared with the plan, and the final weights with the reference trainer's.
 
 pub mod allreduce;
+pub mod clip;
 pub mod delayed;
 pub mod doctor;
 pub mod driver;

@@ -619,7 +619,8 @@ pub fn write_seed_checkpoint(
     let optimizer = Optimizer::new(cfg.optimizer, &params, &model.optimizer_roles());
     let mut state = RunState::identity(cfg, policy.settings.clone());
     state.optimizer_steps = vec![0; params.len()];
-    state.partition = Partition::new(vec![0..model.len()], model.len())?.to_string();
+    let whole = std::iter::once(0..model.len()).collect();
+    state.partition = Partition::new(whole, model.len())?.to_string();
     let ckpt = Checkpoint {
         optimizer: optimizer.state().to_vec(),
         params,
