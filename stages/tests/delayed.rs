@@ -65,14 +65,24 @@ fn delayed(cfg: &RunConfig, opts: DelayedOptions) -> DelayedReport {
 
 #[test]
 fn no_delay_is_the_sequential_reference_and_a_delay_of_one_is_one_stage_2bw() {
-    for kind in [OptimizerKind::Sgd, OptimizerKind::Adamw] {
+    // Unclipped, and clipped to a norm the gradients exceed (the whole model's norm).
+    for (kind, clip) in [
+        (OptimizerKind::Sgd, None),
+        (OptimizerKind::Adamw, None),
+        (OptimizerKind::Adamw, Some(0.05)),
+    ] {
+        let cfg = |policy, kind, m| {
+            let mut c = cfg(policy, kind, m);
+            c.optimizer.grad_clip = clip;
+            c
+        };
         for m in [1, 3] {
             let seq = cfg(Some(Policy::Sequential), kind, m);
             let (want, _) = train_reference(&seq, &data(&seq)).unwrap();
             let got = delayed(&seq, DelayedOptions::new(Delay::Fixed { updates: 0 }));
             assert!(
                 bits(&got.report.params) == bits(&want),
-                "{kind:?} M={m}: no delay"
+                "{kind:?} M={m} clip {clip:?}: no delay"
             );
             // One epoch: a pipelined run drains at each epoch's end, so 2BW's first minibatch
             // of an epoch uses the newest weights, where delayed SGD keeps its delay.
@@ -82,7 +92,7 @@ fn no_delay_is_the_sequential_reference_and_a_delay_of_one_is_one_stage_2bw() {
             let got = delayed(&two, DelayedOptions::new(Delay::Fixed { updates: 1 }));
             assert!(
                 bits(&got.report.params) == bits(&want),
-                "{kind:?} M={m}: delay 1"
+                "{kind:?} M={m} clip {clip:?}: delay 1"
             );
             assert_eq!(
                 got.delays[..3],
