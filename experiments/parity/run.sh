@@ -10,6 +10,9 @@
 #   3. parity.py trains the same in PyTorch and compares update by update.
 #
 # Needs python with torch and transformers (PYTHON, default python3); not part of CI.
+# PIPELINE adds layout flags to pipe's run (a flush schedule computes the same update as one
+# worker: PIPELINE="--stages 4 --schedule 1f1b-flush --partition flops" clips by the global norm
+# its stages exchange), and NAME names the results file (default results.md).
 #
 #   experiments/parity/run.sh [OUT]        # writes OUT/results.md (default experiments/parity)
 set -euo pipefail
@@ -27,11 +30,14 @@ model=(--model gpt2 --n-layer 4 --n-embd 128 --n-head 4 --n-positions 128
 train=(--steps "$steps" --microbatch-size 4 --microbatches 3 --optimizer adamw --lr 2e-3
        --lr-schedule cosine --warmup-steps 10 --weight-decay 0.1 --weight-decay-groups matrices
        --grad-clip 1.0 --data-order sequential --threads 2)
+# shellcheck disable=SC2206 # the layout flags split on spaces
+layout=(${PIPELINE:-})
+name=${NAME:-results.md}
 "$pipe" train "${model[@]}" "${train[@]}" --checkpoint-dir "$work/seed" --seed-checkpoint \
   > "$work/seed.txt"
 "$pipe" export --checkpoint "$work/seed" --format hf --out "$work/hf0" > "$work/export.txt"
-"$pipe" train "${model[@]}" "${train[@]}" --init-from "$work/hf0" --log-jsonl "$work/pipe.jsonl" \
-  > "$work/train.txt"
+"$pipe" train "${model[@]}" "${train[@]}" ${layout[@]+"${layout[@]}"} --init-from "$work/hf0" \
+  --log-jsonl "$work/pipe.jsonl" > "$work/train.txt"
 {
   echo "# Training-step parity with PyTorch"
   echo
@@ -40,16 +46,20 @@ train=(--steps "$steps" --microbatch-size 4 --microbatches 3 --optimizer adamw -
   echo "$("$python" -c 'import transformers; print(transformers.__version__)'), by"
   echo "\`experiments/parity/run.sh\`:"
   echo
-  echo "- \`pipe train ${model[*]} ${train[*]}\`"
+  echo "- \`pipe train ${model[*]} ${train[*]}${layout[*]:+ ${layout[*]}}\`"
   echo "  from \`--init-from\` the update-0 weights of \`--seed-checkpoint\`, exported by \`pipe export --format hf\`"
   echo "  ($(sed 's|'"$work"'/||g' "$work/export.txt"));"
   echo "- \`experiments/parity/parity.py\`: GPT2LMHeadModel from the same directory, the same windows,"
   echo "  torch.optim.AdamW with the same two groups, clip_grad_norm_(1.0), the same schedule."
   echo
   echo "pipe's header: \`$(head -1 "$work/train.txt" | sed 's|'"$work"'/||g')\`"
+  if grep -q '^pipeline:' "$work/train.txt"; then
+    echo
+    echo "pipe's layout: \`$(grep -m1 '^pipeline:' "$work/train.txt")\`"
+  fi
   echo
   "$python" experiments/parity/parity.py --hf "$work/hf0" --text data/tinyshakespeare.txt \
     --log "$work/pipe.jsonl" --steps "$steps" --context 128 --microbatch 4 --microbatches 3 \
     --lr 2e-3 --warmup 10 --weight-decay 0.1 --clip 1.0 --threads 2
 } | tee "$work/results.md"
-cp "$work/results.md" "$out/results.md"
+cp "$work/results.md" "$out/$name"
