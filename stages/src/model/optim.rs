@@ -371,13 +371,21 @@ pub fn clip_coefficient(max_norm: f32, norm: f64) -> Option<f32> {
     (c < 1.0).then_some(c as f32)
 }
 
-/// Multiplies every gradient of `grads` by `factor`.
+/// Clips `grads`, part of a gradient whose global norm is `norm`, to `max_norm`: multiplies
+/// them by [`clip_coefficient`] where it applies. Every trainer clips through here.
 ///
 /// # Errors
 /// Kernel errors.
-pub fn scale_gradients(be: &dyn Backend, grads: &mut Params, factor: f32) -> Result<()> {
-    for g in grads.iter_mut().flatten() {
-        be.scale(factor, g)?;
+pub fn clip_gradients(
+    be: &dyn Backend,
+    grads: &mut Params,
+    max_norm: f32,
+    norm: f64,
+) -> Result<()> {
+    if let Some(factor) = clip_coefficient(max_norm, norm) {
+        for g in grads.iter_mut().flatten() {
+            be.scale(factor, g)?;
+        }
     }
     Ok(())
 }

@@ -16,8 +16,30 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use pipe_scheduler::{Action, Layout, Schedule, WorkerId};
 use pipe_transport::{Key, Kind, Message};
 
+use pipe_kernels::Backend;
+
 use super::setup::Setup;
 use crate::error::{Result, StageError};
+use crate::model::{Model, Params};
+use crate::optim::{Optimizer, UpdateMean};
+
+/// The squared norm a stage's gradients add to an update's global norm: `grads` (the layers
+/// from `first` on, readied for the step) scaled to the update's mean unless a compensation
+/// did ([`Optimizer::to_mean`]), then summed by [`Model::gradient_square_norm`]. Every trainer
+/// takes a stage's norm through here.
+///
+/// # Errors
+/// As [`Optimizer::to_mean`]; kernel errors.
+pub fn squared_norm_at_mean(
+    be: &dyn Backend,
+    (model, first): (&Model, usize),
+    opt: &mut Optimizer,
+    grads: &mut Params,
+    mean: (UpdateMean, u32),
+) -> Result<f64> {
+    opt.to_mean(be, grads, mean)?;
+    model.gradient_square_norm(be, first, grads)
+}
 
 /// The [`Key::step`] of a gradient-norm message (below the tied gradients' step, far above
 /// any ring step).
@@ -180,22 +202,9 @@ impl ClipState {
     /// # Errors
     /// An update the plan lacks, or a norm not held.
     pub fn global_norm(&self, setup: &Setup<'_>, stage: u32, update: u32) -> Result<f64> {
-        let sources = setup.plan.norms.sources(stage, update);
-        if sources.is_empty() {
-            return Err(clip_err(format!(
-                "stage {stage} has no update {update} in the norm plan"
-            )));
-        }
-        let mut squared = 0.0;
-        for (t, j) in sources.iter().enumerate() {
-            let Some(j) = *j else { continue };
-            squared += self.norms.get(&(t as u32, j)).ok_or_else(|| {
-                clip_err(format!(
-                    "update {update} of stage {stage} lacks stage {t}'s norm of update {j}"
-                ))
-            })?;
-        }
-        Ok(squared.sqrt())
+        global_norm(setup, (stage, update), |t, j| {
+            self.norms.get(&(t, j)).copied()
+        })
     }
 
     /// Drops the norms no coming update adds, given each of this worker's stages and its next
@@ -218,6 +227,35 @@ impl ClipState {
     }
 }
 
+/// The global norm update `update` of `stage` clips by: the square root of the squared norms
+/// the norm plan names (`squared(t, j)`: stage `t`'s of update `j`), added in ascending stage
+/// order. The executor and the reference trainer both add them here.
+///
+/// # Errors
+/// An update the plan lacks, or a norm `squared` does not have.
+pub fn global_norm(
+    setup: &Setup<'_>,
+    (stage, update): (u32, u32),
+    squared: impl Fn(u32, u32) -> Option<f64>,
+) -> Result<f64> {
+    let sources = setup.plan.norms.sources(stage, update);
+    if sources.is_empty() {
+        return Err(clip_err(format!(
+            "stage {stage} has no update {update} in the norm plan"
+        )));
+    }
+    let mut sum = 0.0;
+    for (t, j) in sources.iter().enumerate() {
+        let Some(j) = *j else { continue };
+        sum += squared(t as u32, j).ok_or_else(|| {
+            clip_err(format!(
+                "update {update} of stage {stage} lacks stage {t}'s norm of update {j}"
+            ))
+        })?;
+    }
+    Ok(sum.sqrt())
+}
+
 fn norm_key(from: u32, to: u32, stage: u32, update: u32) -> Key {
     Key {
         from,
@@ -226,5 +264,39 @@ fn norm_key(from: u32, to: u32, stage: u32, update: u32) -> Key {
         stage,
         index: update,
         step: GRADIENT_NORM_STEP,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(bytes: &[u8]) -> Message {
+        Message::from_bytes(norm_key(1, 0, 2, 5), bytes)
+    }
+
+    /// A peer's norm is one finite, non-negative `f64`: anything else is refused, and a good
+    /// one is held under its stage and update.
+    #[test]
+    fn a_peers_norm_is_checked_before_it_is_held() {
+        let mut state = ClipState {
+            max_norm: Some(1.0),
+            worker: 0,
+            norms: BTreeMap::new(),
+            complete_at: HashMap::new(),
+        };
+        for bad in [
+            &[][..],
+            &2.0f64.to_le_bytes()[..7],
+            &[0; 9][..],
+            &f64::NAN.to_le_bytes()[..],
+            &f64::INFINITY.to_le_bytes()[..],
+            &(-1.0f64).to_le_bytes()[..],
+        ] {
+            assert!(state.deliver(message(bad)).is_err(), "{bad:?}");
+        }
+        assert!(state.norms.is_empty());
+        state.deliver(message(&2.5f64.to_le_bytes())).unwrap();
+        assert_eq!(state.norms.get(&(2, 5)), Some(&2.5));
     }
 }

@@ -28,7 +28,7 @@ use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params, host_params, place_params};
-use crate::optim::{LrSchedule, Optimizer, UpdateMean, clip_coefficient, scale_gradients};
+use crate::optim::{LrSchedule, Optimizer, UpdateMean, clip_gradients};
 use crate::pipeline::Observer;
 use crate::pipeline::train::{
     Coordinator, Drain, Drained, LoopStart, Run, Segment, SegmentEnd, run_segments,
@@ -310,11 +310,16 @@ impl DelayedWorker<'_> {
         // Clipping by the whole model's norm, as the reference trainer's one stage does.
         let grad_norm = match self.opt.config().grad_clip {
             Some(max_norm) => {
-                self.opt.to_mean(be, &mut self.grads, mean)?;
-                let norm = model.gradient_square_norm(be, 0, &self.grads)?.sqrt();
-                if let Some(factor) = clip_coefficient(max_norm, norm) {
-                    scale_gradients(be, &mut self.grads, factor)?;
-                }
+                let model_at = (model, 0);
+                let squared = super::clip::squared_norm_at_mean(
+                    be,
+                    model_at,
+                    &mut self.opt,
+                    &mut self.grads,
+                    mean,
+                )?;
+                let norm = squared.sqrt();
+                clip_gradients(be, &mut self.grads, max_norm, norm)?;
                 Some(norm)
             }
             None => None,

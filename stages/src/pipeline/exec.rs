@@ -687,8 +687,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
 
     /// Brings chunk `c`'s gradients of `update` to what its step applies, once: zeroed if no
     /// microbatch contributed, compensated (DC-ASGD), its tied uses summed with its partners'
-    /// (received before), and, when clipping, scaled to the mean with its squared norm noted
-    /// ([`clip`]).
+    /// (received before). Clipping's norm is taken after, in [`WorkerCore::prepare_stage`].
     fn prepare(&mut self, be: &dyn Backend, c: usize, update: u32) -> Result<()> {
         if self.stages[c].prepared {
             return Ok(());
@@ -752,15 +751,19 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         if self.clip.max_norm().is_none() {
             return Ok(Vec::new());
         }
-        // Clipping sees the mean gradient: scaled to it here unless a compensation did.
         let setup = self.setup;
         let run = &mut self.stages[c];
-        let mean = UpdateMean::of(&setup.plan.schedule.resolved);
-        run.optimizer
-            .to_mean(be, &mut run.grads, (mean, run.update_size))?;
-        let squared = setup
-            .model
-            .gradient_square_norm(be, run.layers.start, &run.grads)?;
+        let mean = (
+            UpdateMean::of(&setup.plan.schedule.resolved),
+            run.update_size,
+        );
+        let squared = super::clip::squared_norm_at_mean(
+            be,
+            (setup.model, run.layers.start),
+            &mut run.optimizer,
+            &mut run.grads,
+            mean,
+        )?;
         Ok(self.clip.publish(setup, (stage, update), squared))
     }
 
@@ -790,9 +793,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         };
         let stage = self.stages[c].stage;
         let norm = self.clip.global_norm(self.setup, stage, update)?;
-        if let Some(factor) = crate::optim::clip_coefficient(max_norm, norm) {
-            crate::optim::scale_gradients(be, &mut self.stages[c].grads, factor)?;
-        }
+        crate::optim::clip_gradients(be, &mut self.stages[c].grads, max_norm, norm)?;
         if stage == self.last_stage && self.layout.placement(self.worker).1 == 0 {
             self.outcome.grad_norms.push((update, norm));
             if let Some(tx) = self.setup.progress {

@@ -457,9 +457,14 @@ impl Reference<'_, '_> {
         for (&t, mut g) in group.iter().zip(grads) {
             if self.opts[t].config().grad_clip.is_some() {
                 let size = setup.plan.schedule.resolved.update_size(t as u32);
-                self.opts[t].to_mean(be, &mut g, (mean, size))?;
                 let start = setup.plan.partition.range(t).start;
-                let squared = setup.model.gradient_square_norm(be, start, &g)?;
+                let squared = super::clip::squared_norm_at_mean(
+                    be,
+                    (setup.model, start),
+                    &mut self.opts[t],
+                    &mut g,
+                    (mean, size),
+                )?;
                 self.norms.insert((t, k), squared);
             }
             self.ready[t] = Some(g);
@@ -477,16 +482,11 @@ impl Reference<'_, '_> {
             .take()
             .ok_or_else(|| StageError::Executor(format!("stage {t} steps unreadied")))?;
         if let Some(max_norm) = self.opts[t].config().grad_clip {
-            let mut squared = 0.0;
-            for (u, j) in setup.plan.norms.sources(t as u32, k).iter().enumerate() {
-                if let Some(j) = j {
-                    squared += self.norms.get(&(u, *j)).copied().unwrap_or_default();
-                }
-            }
-            let norm = squared.sqrt();
-            if let Some(factor) = crate::optim::clip_coefficient(max_norm, norm) {
-                crate::optim::scale_gradients(be, &mut g, factor)?;
-            }
+            let norms = &self.norms;
+            let norm = super::clip::global_norm(setup, (t as u32, k), |u, j| {
+                norms.get(&(u as usize, j)).copied()
+            })?;
+            crate::optim::clip_gradients(be, &mut g, max_norm, norm)?;
             if t + 1 == self.versions.len() {
                 self.grad_norms.push(norm);
             }

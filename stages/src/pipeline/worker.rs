@@ -449,20 +449,7 @@ impl<'r> LossRelay<'r> {
 
     fn take(&mut self, m: Message, obs: &mut dyn Observer) -> Result<()> {
         let from = m.key.from;
-        let bytes = m.into_bytes()?;
-        let mut f = Fields(&bytes);
-        let report = match f.take::<1>()? {
-            [0] => Report::Loss(f.u32()?, f.f64()?, f.usize()?),
-            [1] => Report::GradNorm(f.u32()?, f.f64()?),
-            _ => {
-                return Err(protocol(format!(
-                    "worker {from}'s report has an unknown kind"
-                )));
-            }
-        };
-        if !f.0.is_empty() {
-            return Err(protocol(format!("worker {from}'s report is malformed")));
-        }
+        let report = decode_report(&m.into_bytes()?, from)?;
         self.live.add(report, obs)
     }
 }
@@ -720,6 +707,24 @@ fn encode_report(report: Report) -> Vec<u8> {
         }
     }
     b
+}
+
+/// The inverse of [`encode_report`], for a report from worker `from`.
+fn decode_report(bytes: &[u8], from: u32) -> Result<Report> {
+    let mut f = Fields(bytes);
+    let report = match f.take::<1>()? {
+        [0] => Report::Loss(f.u32()?, f.f64()?, f.usize()?),
+        [1] => Report::GradNorm(f.u32()?, f.f64()?),
+        _ => {
+            return Err(protocol(format!(
+                "worker {from}'s report has an unknown kind"
+            )));
+        }
+    };
+    if !f.0.is_empty() {
+        return Err(protocol(format!("worker {from}'s report is malformed")));
+    }
+    Ok(report)
 }
 
 /// A worker's epoch summary as bytes: what the chief's reports need (not the per-action
@@ -1027,6 +1032,23 @@ mod tests {
         assert_eq!(back.staleness_sum.to_bits(), o.staleness_sum.to_bits());
         assert_eq!((back.correct, back.samples, back.peak_versions), (7, 64, 4));
         assert_eq!((back.peak_stash_bytes, back.bytes_sent), (1 << 33, 12_345));
+    }
+
+    #[test]
+    fn reports_round_trip_and_hostile_ones_are_refused() {
+        for r in [Report::Loss(7, 1.25, 512), Report::GradNorm(3, 0.75)] {
+            let bytes = encode_report(r);
+            assert_eq!(decode_report(&bytes, 1).unwrap(), r);
+            for cut in 0..bytes.len() {
+                assert!(decode_report(&bytes[..cut], 1).is_err(), "{r:?} cut {cut}");
+            }
+            let mut long = bytes.clone();
+            long.push(0);
+            assert!(decode_report(&long, 1).is_err(), "{r:?} with a byte more");
+        }
+        let mut unknown = encode_report(Report::GradNorm(3, 0.75));
+        unknown[0] = 9;
+        assert!(decode_report(&unknown, 1).is_err());
     }
 
     #[test]
