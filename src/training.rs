@@ -120,9 +120,9 @@ pub struct TrainArgs {
     /// Weight decay.
     #[arg(long, value_parser = parse_f32)]
     weight_decay: Option<f32>,
-    /// The parameters weight decay applies to: all (default), or matrices (the weights of
-    /// linear maps: not biases, layer-norm gains or embeddings, as nanoGPT and Megatron group
-    /// a GPT's parameters).
+    /// The parameters weight decay applies to: all, or matrices (the weights of linear maps:
+    /// not biases, layer-norm gains or embeddings, as nanoGPT and Megatron group a GPT's
+    /// parameters). Default: matrices for AdamW on a language model, else all.
     #[arg(long, value_name = "all|matrices")]
     weight_decay_groups: Option<pipe_stages::optim::DecayGroups>,
     /// Correct each update for the pipeline's delay: none; error-feedback (the weights move
@@ -142,6 +142,11 @@ pub struct TrainArgs {
     /// attention layers' activations are recomputed). Same bits, less memory, more compute.
     #[arg(long, value_name = "none|full|selective")]
     recompute: Option<pipe_stages::layer::Recompute>,
+    /// Read a tokenized corpus's windows as packed documents: attention stops at each
+    /// document's start (after an end-of-text id), positions restart there, and a document's
+    /// first token is not a loss term.
+    #[arg(long)]
+    pack_documents: bool,
     /// The order each epoch visits the training samples in: shuffled (a seeded permutation
     /// per epoch, the default) or sequential (sample 0, 1, 2, ...: for a run another trainer
     /// must follow window by window).
@@ -327,6 +332,7 @@ impl TrainArgs {
             eval_every: self.eval_every,
             data_order: self.data_order,
             recompute: self.recompute,
+            pack_documents: self.pack_documents.then_some(true),
             microbatch_size: self.microbatch_size,
             microbatches: self.microbatches,
             optimizer: self.optimizer,
@@ -396,8 +402,8 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// The momentum in the run header, for SGD and Muon; weight decay where it applies only to
-/// some parameters; gradient clipping; the delay correction.
+/// The momentum in the run header, for SGD and Muon; weight decay and the parameters it applies
+/// to; gradient clipping; the delay correction.
 pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
     use pipe_stages::optim::{DecayGroups, DelayCorrection, OptimizerKind};
     let mut momentum = if matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon) {
@@ -405,12 +411,12 @@ pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
     } else {
         String::new()
     };
-    if opt.decay_groups != DecayGroups::All && opt.weight_decay != 0.0 {
-        momentum.push_str(&format!(
-            ", weight decay {} on {} only",
-            opt.weight_decay,
-            opt.decay_groups.name()
-        ));
+    if opt.weight_decay != 0.0 {
+        let on = match opt.decay_groups {
+            DecayGroups::All => "every parameter",
+            DecayGroups::Matrices => "matrices only",
+        };
+        momentum.push_str(&format!(", weight decay {} on {on}", opt.weight_decay));
     }
     if let Some(c) = opt.grad_clip {
         momentum.push_str(&format!(", gradient clipping at norm {c}"));
@@ -547,12 +553,16 @@ pub fn stop_on_ctrl_c(announce: bool) -> Arc<AtomicBool> {
 /// the precision of the products.
 pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usize) {
     outln!(
-        "pipe train: model {} ({} parameters), {} ({} train / {} test), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
+        "pipe train: model {} ({} parameters), {} ({} train / {} test{}), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
         cfg.model_name,
         model.param_count(),
         data.train.name.trim_end_matches("-train"),
         data.train.len(),
         data.test.len(),
+        match cfg.corpus.as_ref().and_then(|c| c.pack_documents) {
+            Some(end) => format!(", packed documents ending with id {end}"),
+            None => String::new(),
+        },
         cfg.epochs,
         cfg.microbatch_size,
         cfg.microbatches,

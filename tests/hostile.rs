@@ -1027,6 +1027,13 @@ fn file_and_size_rows() -> Vec<Row> {
             vec![text(), File::Fifo("text/b.txt")],
             "b.txt: is not a regular file",
         ),
+        // Bytes have no end-of-text id, so there are no documents to pack.
+        after(
+            &[corpus],
+            "train --model gpt-mini --dataset tokens:{d}/c --steps 1 --pack-documents",
+            vec![text()],
+            "--pack-documents needs documents that end with an end-of-text id",
+        ),
         init_from(hf_config(|c| c), &tiny, same, "")
             .fifo_weights("model.safetensors: cannot read: a FIFO"),
         // Sizes of a GPT-2, checked before the layer list is built.
@@ -1309,6 +1316,14 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
         row(
             "train --recompute some --steps 1",
             "unknown recomputation 'some'",
+        ),
+        row(
+            "train --model gpt-mini --pack-documents --steps 1",
+            "--pack-documents apply to a tokenized corpus",
+        ),
+        config(
+            "pack_documents = \"yes\"\n",
+            "invalid type: string \"yes\", expected a boolean",
         ),
     ]
 }

@@ -411,3 +411,83 @@ fn evaluations_on_a_cadence_are_logged_and_a_resume_between_two_is_exact() {
     assert_eq!(evaluations(&again), logged[1..]);
     assert_eq!(weights(&resumed), weights(&whole));
 }
+
+/// Tiny Shakespeare as a directory of documents (runs of 200 lines), through the BPE: each
+/// document ends with `<|endoftext|>` (id 0), so windows hold several.
+fn document_corpus(name: &str) -> PathBuf {
+    let text = std::fs::read_to_string(SHAKESPEARE).unwrap();
+    let docs = tmp(&format!("{name}-docs"));
+    std::fs::create_dir_all(&docs).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, chunk) in lines.chunks(200).enumerate() {
+        std::fs::write(docs.join(format!("doc-{i:04}.txt")), chunk.join("\n")).unwrap();
+    }
+    let out = tmp(name);
+    ok(&pipe(&[
+        "tokenize",
+        "--tokenizer",
+        BPE,
+        "--input",
+        s(&docs),
+        "--out",
+        s(&out),
+    ]));
+    out
+}
+
+/// `--pack-documents`: the header says so; the run differs from the same windows unpacked;
+/// worker processes (which derive the documents from the corpus themselves) end with the
+/// threads' weights; and a resume from a checkpoint in the middle is exact.
+#[test]
+fn packed_documents_train_alike_on_threads_and_processes_and_resume_exactly() {
+    let corpus = document_corpus("packed");
+    let ckpt = tmp("packed-ckpt");
+    let packed = [
+        "--pack-documents",
+        "--stages",
+        "2",
+        "--schedule",
+        "pipedream",
+        "--partition",
+        "0-1,2-4",
+    ];
+    let with = |extra: &[&str]| {
+        let mut args = packed.to_vec();
+        args.extend_from_slice(extra);
+        ok(&train(&corpus, &args))
+    };
+    // A checkpoint is a drain point, which changes an asynchronous run: every run here takes
+    // them at the same updates.
+    let threads = with(&["--checkpoint-dir", s(&ckpt), "--checkpoint-every", "6"]);
+    assert!(
+        threads.contains("packed documents ending with id 0"),
+        "{threads}"
+    );
+    let other = tmp("packed-ckpt-processes");
+    let processes = with(&[
+        "--placement",
+        "processes",
+        "--checkpoint-dir",
+        s(&other),
+        "--checkpoint-every",
+        "6",
+    ]);
+    assert_eq!(weights(&processes), weights(&threads));
+    let unpacked = ok(&train(
+        &corpus,
+        &[
+            &packed[1..],
+            &[
+                "--checkpoint-every",
+                "6",
+                "--checkpoint-dir",
+                s(&tmp("unpacked-ckpt")),
+            ],
+        ]
+        .concat(),
+    ));
+    assert_ne!(weights(&unpacked), weights(&threads));
+    let resumed = with(&["--resume", s(&ckpt.join("ckpt-00000006"))]);
+    assert!(resumed.contains("resuming from"), "{resumed}");
+    assert_eq!(weights(&resumed), weights(&threads));
+}

@@ -6,7 +6,7 @@
 #
 #   pipe train --model gpt-mini --stages 4 --schedule pipedream --microbatches 4 --steps 60 \
 #        --partition flops \
-#        --threads 1 --grad-clip NORM
+#        --threads 1 --weight-decay-groups all --grad-clip NORM
 #
 # Prints each run's tokens/s (the epoch line), the last logged gradient norm and the weights
 # digest, then the medians and their ratio.
@@ -20,7 +20,7 @@ pipe=$PWD/target/release/pipe
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 args=(train --model gpt-mini --stages 4 --schedule pipedream --microbatches 4 --steps 60 --partition flops
-      --threads 1)
+      --threads 1 --weight-decay-groups all)
 [ -n "${TRANSPORT:-}" ] && args+=(--transport "$TRANSPORT")
 [ -n "${PLACEMENT:-}" ] && args+=(--placement "$PLACEMENT")
 echo "| round | clip | tokens/s | last grad norm | weights |"

@@ -3,7 +3,7 @@
 Trains transformers' GPT2LMHeadModel at pipe's GPT-2 shape with the step pipe takes: batch of
 `--batch` windows, mean cross-entropy, global-norm clipping at 1.0 (the gpt2 models' default in
 pipe), AdamW (lr 2e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.1 on every parameter, as pipe's
-default decay group `all`), f32, dropout off. `--compile` runs the model under torch.compile.
+side is told with `--weight-decay-groups all`), f32, dropout off. `--compile` runs the model under torch.compile.
 Windows are read in order from a token file written by run.sh (uint16 ids). Prints one line:
 tokens/s over the timed steps.
 """

@@ -5,7 +5,8 @@
 # f32, 2 threads, in alternating rounds: one call, one machine.
 #
 #   pipe train --model gpt2 --n-layer 8 --n-embd W --n-head W/32 --n-positions 128 \
-#     --dataset tokens:CORPUS --microbatch-size 16 --microbatches 1 --threads 2 --steps S+5
+#     --dataset tokens:CORPUS --microbatch-size 16 --microbatches 1 --threads 2 \
+#     --weight-decay-groups all --steps S+5
 #
 # with S = 40 x 128 / W steps. pipe's figure is its epoch line's tokens/s (its first updates
 # included); PyTorch's times S steps after 5 of warm-up (and compilation). Needs python with torch, transformers and numpy
@@ -41,7 +42,7 @@ for w in $widths; do
   for r in $(seq 1 "$rounds"); do
     "$pipe" train --model gpt2 --n-layer 8 --n-embd "$w" --n-head "$heads" --n-positions 128 \
       --dataset "tokens:$work/corpus" --microbatch-size 16 --microbatches 1 --threads 2 \
-      --steps $((steps + 5)) > "$work/pipe.txt" 2>&1
+      --weight-decay-groups all --steps $((steps + 5)) > "$work/pipe.txt" 2>&1
     p=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$work/pipe.txt")
     peer=("$python" experiments/cpu-step/peer.py --tokens "$work/tokens.u16" --width "$w"
           --heads "$heads" --steps "$steps")

@@ -36,7 +36,8 @@ for p in f32 bf16; do
   step 60 "$here/pipe" train --backend cuda --precision "$p"
 done
 for p in f32 bf16; do
-  step 100 "$here/pipe" train --backend cuda --precision "$p" --model gpt-mini --epochs 4
+  step 100 "$here/pipe" train --backend cuda --precision "$p" --model gpt-mini --epochs 4 \
+    --weight-decay-groups all
 done
 # One GPU shared by the workers of a pipeline, against one worker on the same model.
 m=mlp-784-1024x4-10

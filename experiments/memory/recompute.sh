@@ -5,7 +5,8 @@
 #
 #   pipe train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128 \
 #     --dataset tokens:CORPUS --stages 4 --schedule pipedream --placement processes \
-#     --threads 1 --partition flops --steps 40 --microbatch-size 4 --recompute KIND
+#     --threads 1 --partition flops --steps 40 --microbatch-size 4 --recompute KIND \
+#     --weight-decay-groups all
 #
 # Each `pipe worker` process's VmHWM is read from /proc every 0.1 s while the run lasts (it
 # only grows, so the last reading is its peak up to the last 0.1 s). Rounds alternate the
@@ -25,7 +26,8 @@ trap 'rm -rf "$work"' EXIT
   --input data/tinyshakespeare.txt --out "$work/corpus" > /dev/null
 args=(train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128
       --dataset "tokens:$work/corpus" --stages 4 --schedule pipedream --placement processes
-      --threads 1 --partition flops --steps 40 --microbatch-size "${MICROBATCH:-4}")
+      --threads 1 --partition flops --steps 40 --microbatch-size "${MICROBATCH:-4}"
+      --weight-decay-groups all)
 for r in $(seq 1 "$rounds"); do
   for kind in none full selective; do
     "$pipe" "${args[@]}" --recompute "$kind" > "$work/$kind-$r.txt" 2>&1 &

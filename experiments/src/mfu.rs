@@ -396,8 +396,8 @@ fn transformer_components(
     let tile = (batch * seq * seq * width) as f64;
     let mut probe = GemmProbe::new(be)?;
     let attention_s = time_beside_gemm(be, &mut probe, || {
-        be.attention(&qkv, attention, &mut out, &mut lse)?;
-        be.attention_backward(&qkv, &out, &lse, &out, attention, &mut dqkv)?;
+        be.attention(&qkv, None, attention, &mut out, &mut lse)?;
+        be.attention_backward(&qkv, None, &out, &lse, &out, attention, &mut dqkv)?;
         Ok(())
     })?;
     let layer = model.layer(i);
@@ -409,13 +409,14 @@ fn transformer_components(
         train: true,
         seed: 0,
         recompute_attention: false,
+        documents: None,
     };
     // Each round's input is copied before the clock starts: the forward consumes it, and a
     // 16 MiB copy is no part of the block's step.
     let mut inputs: Vec<Tensor> = (0..TIMED_ROUNDS + 2).map(|_| x.clone()).collect();
     let block_s = time_beside_gemm(be, &mut probe, || {
         let input = inputs.pop().unwrap_or_else(|| x.clone());
-        let (y, saved) = layer.forward(be, &params[i], input, ctx)?;
+        let (y, saved) = layer.forward(be, &params[i], input, ctx.clone())?;
         layer.backward(be, &params[i], &saved, &y, &mut grads, false, true)?;
         Ok(())
     })?;

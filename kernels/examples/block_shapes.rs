@@ -107,11 +107,11 @@ fn main() {
     let qkv = filled(&[rows, 3 * c], 7);
     let (mut o, mut lse, mut d) = (Tensor::default(), Tensor::default(), Tensor::default());
     let fwd = median_seconds(&mut || {
-        be.attention(&qkv, shape, &mut o, &mut lse)
+        be.attention(&qkv, None, shape, &mut o, &mut lse)
             .expect("attention")
     });
     let back = median_seconds(&mut || {
-        be.attention_backward(&qkv, &o, &lse, &o, shape, &mut d)
+        be.attention_backward(&qkv, None, &o, &lse, &o, shape, &mut d)
             .expect("attention backward")
     });
     let tile = 2.0 * (batch * SEQ * SEQ * c) as f64;

@@ -31,8 +31,17 @@ pub struct LossStats {
     pub loss_sum: f64,
     /// Rows whose arg-max equals the label (first maximum wins ties).
     pub correct: usize,
-    /// Rows evaluated.
+    /// Rows evaluated: those not labelled [`IGNORED_LABEL`].
     pub rows: usize,
+}
+
+/// The label of a row that is not a loss term (the first token of a packed document, which
+/// is not predicted from the document before it).
+pub const IGNORED_LABEL: u32 = u32::MAX;
+
+/// The labels that are loss terms: not [`IGNORED_LABEL`].
+pub fn counted_labels(labels: &[u32]) -> usize {
+    labels.iter().filter(|&&l| l != IGNORED_LABEL).count()
 }
 
 /// The geometry of a causal self-attention call: `batch` sequences of `seq` tokens, `heads`
@@ -311,7 +320,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Result<()>;
 
     /// Softmax cross-entropy of `logits` (rows x classes) against `labels` (one id per row).
-    /// When `dlogits` is given it receives `(softmax - onehot) * grad_scale`.
+    /// When `dlogits` is given it receives `(softmax - onehot) * grad_scale`. A row labelled
+    /// [`IGNORED_LABEL`] is not a loss term: it adds nothing, is not counted, and its gradient
+    /// row is zero (the CPU backend; the CUDA backend refuses it as a label out of range).
     ///
     /// # Errors
     /// A label outside `0..classes` or a label count different from the row count.
@@ -349,25 +360,34 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// from the packed `qkv` (see [`AttentionShape`]). `lse` receives each row's log-sum-exp
     /// of scaled scores (`[batch, heads, seq]`), all the backward needs besides the inputs.
     ///
+    /// `documents` masks packed documents: per token (`[batch * seq]`, whole numbers in
+    /// `f32`, as token ids are), the index in its sequence where its document starts. Token
+    /// `t` then attends over positions `starts[t]..=t` only. `None` is one document per
+    /// sequence.
+    ///
     /// # Errors
-    /// Operand sizes that do not match `shape`.
+    /// Operand sizes that do not match `shape`; a document start that is not a whole number
+    /// in `0..=t`; [`KernelError::Unsupported`](crate::KernelError::Unsupported) for
+    /// documents on a backend that does not mask them.
     fn attention(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         shape: AttentionShape,
         out: &mut Tensor,
         lse: &mut Tensor,
     ) -> Result<()>;
 
     /// The gradient of [`Backend::attention`] with respect to `qkv`, from the forward's
-    /// inputs and outputs and `dout`.
+    /// inputs (the same `documents`) and outputs and `dout`.
     ///
     /// # Errors
-    /// Operand sizes that do not match `shape`.
+    /// As [`Backend::attention`].
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         out: &Tensor,
         lse: &Tensor,
         dout: &Tensor,
@@ -628,23 +648,25 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn attention(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         shape: AttentionShape,
         out: &mut Tensor,
         lse: &mut Tensor,
     ) -> Result<()> {
-        (**self).attention(qkv, shape, out, lse)
+        (**self).attention(qkv, documents, shape, out, lse)
     }
 
     fn attention_backward(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         out: &Tensor,
         lse: &Tensor,
         dout: &Tensor,
         shape: AttentionShape,
         dqkv: &mut Tensor,
     ) -> Result<()> {
-        (**self).attention_backward(qkv, out, lse, dout, shape, dqkv)
+        (**self).attention_backward(qkv, documents, out, lse, dout, shape, dqkv)
     }
 
     fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {

@@ -11,23 +11,45 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use crate::backend::{
-    Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats, SgdStep,
-    Trans, lion_sign,
+    Activation, AdamStep, AttentionShape, Backend, DelayCompensation, IGNORED_LABEL, LionStep,
+    LossStats, SgdStep, Trans, counted_labels, lion_sign,
 };
 use crate::{Device, KernelError, Result, Tensor};
 
 /// One sequence's share of the attention backward pass: its packed `qkv` rows, its output rows,
-/// its log-sum-exp row per head, the output's gradient rows, and the `dqkv` rows it fills.
+/// its log-sum-exp row per head, the output's gradient rows, the `dqkv` rows it fills, and
+/// its index in the batch (for its document starts).
 type AttentionBackwardTask<'a> = (
-    (((&'a [f32], &'a [f32]), &'a [f32]), &'a [f32]),
-    &'a mut [MaybeUninit<f32>],
+    (
+        (((&'a [f32], &'a [f32]), &'a [f32]), &'a [f32]),
+        &'a mut [MaybeUninit<f32>],
+    ),
+    usize,
 );
 /// One sequence's share of the attention forward: its `qkv` rows, the output rows and the
-/// log-sum-exp row per head it fills.
+/// log-sum-exp row per head it fills, and its index in the batch.
 type AttentionTask<'a> = (
-    (&'a [f32], &'a mut [MaybeUninit<f32>]),
-    &'a mut [MaybeUninit<f32>],
+    (
+        (&'a [f32], &'a mut [MaybeUninit<f32>]),
+        &'a mut [MaybeUninit<f32>],
+    ),
+    usize,
 );
+
+/// The host values of an attention call's document starts, checked
+/// ([`crate::sequence::check_documents`]).
+fn host_documents<'a>(
+    op: &'static str,
+    documents: Option<&'a Tensor>,
+    shape: AttentionShape,
+) -> Result<Option<&'a [f32]>> {
+    let Some(d) = documents else {
+        return Ok(None);
+    };
+    let starts = d.host()?;
+    crate::sequence::check_documents(op, shape, starts)?;
+    Ok(Some(starts))
+}
 
 /// Elementwise work below this many elements runs on the calling thread.
 const PAR_MIN: usize = 1 << 16;
@@ -879,10 +901,14 @@ impl Backend for CpuBackend {
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats> {
-        let (rows, n) = (logits.rows(), logits.cols());
+        let n = logits.cols();
         crate::check::label_count(logits, labels)?;
         let labels = labels.host()?;
-        if let Some((row, &label)) = labels.iter().enumerate().find(|(_, l)| **l as usize >= n) {
+        if let Some((row, &label)) = labels
+            .iter()
+            .enumerate()
+            .find(|(_, l)| **l as usize >= n && **l != IGNORED_LABEL)
+        {
             return Err(KernelError::Label {
                 row,
                 label,
@@ -890,7 +916,7 @@ impl Backend for CpuBackend {
             });
         }
         let mut stats = LossStats {
-            rows,
+            rows: counted_labels(labels),
             ..LossStats::default()
         };
         if n == 0 {
@@ -901,6 +927,12 @@ impl Backend for CpuBackend {
             d.resize_host(logits.shape());
         }
         for (i, (row, &label)) in logits.host()?.chunks_exact(n).zip(labels).enumerate() {
+            if label == IGNORED_LABEL {
+                if let Some(d) = grad.as_deref_mut() {
+                    d.host_mut()?[i * n..(i + 1) * n].fill(0.0);
+                }
+                continue;
+            }
             let label = label as usize;
             let (mut arg, mut max) = (0usize, f32::NEG_INFINITY);
             for (j, &v) in row.iter().enumerate() {
@@ -955,22 +987,26 @@ impl Backend for CpuBackend {
     fn attention(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         shape: AttentionShape,
         out: &mut Tensor,
         lse: &mut Tensor,
     ) -> Result<()> {
         crate::sequence::check("attention", shape, qkv.len())?;
+        let starts = host_documents("attention", documents, shape)?;
         let (t, c, h) = (shape.seq, shape.width, shape.heads);
         let rows = shape.batch * t;
         let src = qkv.host()?;
         let run = |out: &mut [MaybeUninit<f32>], lse: &mut [MaybeUninit<f32>]| {
-            let one = |((q, o), l): AttentionTask<'_>| {
-                crate::sequence::attention_one(shape, q, o, l);
+            let one = |(((q, o), l), b): AttentionTask<'_>| {
+                let starts = starts.map(|s| &s[b * t..(b + 1) * t]);
+                crate::sequence::attention_one(shape, q, starts, o, l);
             };
             let tasks = src
                 .chunks(t * 3 * c)
                 .zip(out.chunks_mut(t * c))
-                .zip(lse.chunks_mut(h * t));
+                .zip(lse.chunks_mut(h * t))
+                .zip(0..shape.batch);
             if self.threads > 1 && shape.batch > 1 {
                 let tasks: Vec<_> = tasks.collect();
                 self.pool.install(|| tasks.into_par_iter().for_each(one));
@@ -991,6 +1027,7 @@ impl Backend for CpuBackend {
     fn attention_backward(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         out: &Tensor,
         lse: &Tensor,
         dout: &Tensor,
@@ -998,19 +1035,22 @@ impl Backend for CpuBackend {
         dqkv: &mut Tensor,
     ) -> Result<()> {
         crate::check::attention_backward(qkv, (out, lse, dout), shape)?;
+        let starts = host_documents("attention backward", documents, shape)?;
         let (t, c, h) = (shape.seq, shape.width, shape.heads);
         let rows = shape.batch * t;
         let (src, o, l, go) = (qkv.host()?, out.host()?, lse.host()?, dout.host()?);
         let run = |dst: &mut [MaybeUninit<f32>]| {
-            let one = |((((q, o), l), go), d): AttentionBackwardTask<'_>| {
-                crate::sequence::attention_backward_one(shape, q, o, l, go, d);
+            let one = |(((((q, o), l), go), d), b): AttentionBackwardTask<'_>| {
+                let starts = starts.map(|s| &s[b * t..(b + 1) * t]);
+                crate::sequence::attention_backward_one(shape, q, starts, o, l, go, d);
             };
             let tasks = src
                 .chunks(t * 3 * c)
                 .zip(o.chunks(t * c))
                 .zip(l.chunks(h * t))
                 .zip(go.chunks(t * c))
-                .zip(dst.chunks_mut(t * 3 * c));
+                .zip(dst.chunks_mut(t * 3 * c))
+                .zip(0..shape.batch);
             if self.threads > 1 && shape.batch > 1 {
                 let tasks: Vec<_> = tasks.collect();
                 self.pool.install(|| tasks.into_par_iter().for_each(one));

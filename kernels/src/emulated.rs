@@ -412,13 +412,16 @@ impl Backend for EmulatedDevice {
     fn attention(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         shape: AttentionShape,
         out: &mut Tensor,
         lse: &mut Tensor,
     ) -> Result<()> {
         let qkv = self.input(qkv, "attention")?;
+        let documents = documents.map(|d| self.input(d, "attention")).transpose()?;
         let (mut o, mut l) = (Tensor::default(), Tensor::default());
-        self.cpu.attention(&qkv, shape, &mut o, &mut l)?;
+        self.cpu
+            .attention(&qkv, documents.as_ref(), shape, &mut o, &mut l)?;
         *out = self.output(o)?;
         *lse = self.output(l)?;
         Ok(())
@@ -427,6 +430,7 @@ impl Backend for EmulatedDevice {
     fn attention_backward(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         out: &Tensor,
         lse: &Tensor,
         dout: &Tensor,
@@ -437,7 +441,11 @@ impl Backend for EmulatedDevice {
         let op = "attention backward";
         let (q, o) = (self.input(qkv, op)?, self.input(out, op)?);
         let (l, d) = (self.input(lse, op)?, self.input(dout, op)?);
-        *dqkv = self.produce(|g| self.cpu.attention_backward(&q, &o, &l, &d, shape, g))?;
+        let starts = documents.map(|d| self.input(d, op)).transpose()?;
+        *dqkv = self.produce(|g| {
+            self.cpu
+                .attention_backward(&q, starts.as_ref(), &o, &l, &d, shape, g)
+        })?;
         Ok(())
     }
 

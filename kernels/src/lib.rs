@@ -37,8 +37,8 @@ mod timed;
 mod vector;
 
 pub use backend::{
-    Activation, AdamStep, AttentionShape, Backend, BackendKind, DelayCompensation, LionStep,
-    LossStats, Precision, SgdStep, Trans, lion_sign,
+    Activation, AdamStep, AttentionShape, Backend, BackendKind, DelayCompensation, IGNORED_LABEL,
+    LionStep, LossStats, Precision, SgdStep, Trans, counted_labels, lion_sign,
 };
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;

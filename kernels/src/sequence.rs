@@ -82,6 +82,44 @@ pub(crate) fn check(op: &'static str, s: AttentionShape, qkv: usize) -> Result<(
     Ok(())
 }
 
+/// Checks the document starts of an attention call ([`Backend::attention`]): one per token,
+/// each a whole number no later than its own token's index in its sequence.
+///
+/// [`Backend::attention`]: crate::Backend::attention
+pub(crate) fn check_documents(op: &'static str, s: AttentionShape, starts: &[f32]) -> Result<()> {
+    if starts.len() != s.batch * s.seq {
+        return Err(shape_err(
+            op,
+            format!(
+                "{} document starts for {} sequences of {} tokens",
+                starts.len(),
+                s.batch,
+                s.seq
+            ),
+        ));
+    }
+    let seq = s.seq.max(1);
+    for (k, &v) in starts.iter().enumerate() {
+        let t = k % seq;
+        if !(v >= 0.0 && v.fract() == 0.0 && v as usize <= t) {
+            return Err(shape_err(
+                op,
+                format!(
+                    "token {t} of sequence {} starts its document at {v}",
+                    k / seq
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Where row `i`'s document starts in its sequence: 0 without documents.
+#[inline(always)]
+fn document_start(starts: Option<&[f32]>, i: usize) -> usize {
+    starts.map_or(0, |s| s[i] as usize)
+}
+
 /// The geometry of one sequence's slice of the packed tensors.
 #[derive(Clone, Copy)]
 struct Heads {
@@ -172,10 +210,12 @@ fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// Causal attention of one sequence: `out` (`T x C`) and `lse` (`heads x T`) from `qkv`
-/// (`T x 3C`).
+/// (`T x 3C`); with `starts` (`T`, checked by [`check_documents`]), row `i` attends over
+/// `starts[i]..=i` only.
 pub(crate) fn attention_one(
     s: AttentionShape,
     qkv: &[f32],
+    starts: Option<&[f32]>,
     out: &mut [MaybeUninit<f32>],
     lse: &mut [MaybeUninit<f32>],
 ) {
@@ -184,6 +224,7 @@ pub(crate) fn attention_one(
         crate::vector::arch().dispatch(Forward {
             s,
             qkv,
+            starts,
             out,
             lse,
             scratch,
@@ -195,6 +236,8 @@ pub(crate) fn attention_one(
 struct Forward<'a> {
     s: AttentionShape,
     qkv: &'a [f32],
+    /// Where each row's document starts (`None`: at 0).
+    starts: Option<&'a [f32]>,
     /// Written whole (every head's columns of every row), never read.
     out: &'a mut [MaybeUninit<f32>],
     /// Written whole, never read.
@@ -211,6 +254,7 @@ impl pulp::WithSimd for Forward<'_> {
         let Forward {
             s,
             qkv,
+            starts,
             out,
             lse,
             scratch,
@@ -231,7 +275,9 @@ impl pulp::WithSimd for Forward<'_> {
                 run(g.scores(qkv, k_t, h, (r0, r1), scores.as_mut_ptr()));
                 for i in r0..r1 {
                     let row = &mut scores[(i - r0) * t..(i - r0) * t + r1];
-                    let live = &mut row[..=i];
+                    let first = document_start(starts, i);
+                    row[..first].fill(0.0);
+                    let live = &mut row[first..=i];
                     // The scale is positive, so it commutes with the maximum.
                     let max = crate::fastmath::max(live) * g.scale;
                     for v in live.iter_mut() {
@@ -272,6 +318,7 @@ impl pulp::WithSimd for Forward<'_> {
 pub(crate) fn attention_backward_one(
     s: AttentionShape,
     qkv: &[f32],
+    starts: Option<&[f32]>,
     out: &[f32],
     lse: &[f32],
     dout: &[f32],
@@ -282,6 +329,7 @@ pub(crate) fn attention_backward_one(
         crate::vector::arch().dispatch(Backward {
             s,
             qkv,
+            starts,
             out,
             lse,
             dout,
@@ -295,6 +343,8 @@ pub(crate) fn attention_backward_one(
 struct Backward<'a> {
     s: AttentionShape,
     qkv: &'a [f32],
+    /// Where each row's document starts (`None`: at 0).
+    starts: Option<&'a [f32]>,
     out: &'a [f32],
     lse: &'a [f32],
     dout: &'a [f32],
@@ -312,6 +362,7 @@ impl pulp::WithSimd for Backward<'_> {
         let Backward {
             s,
             qkv,
+            starts,
             out,
             lse,
             dout,
@@ -342,7 +393,9 @@ impl pulp::WithSimd for Backward<'_> {
                 for i in r0..r1 {
                     let l = lse[h * t + i];
                     let row = &mut probs[i * t..i * t + r1];
-                    row[..=i]
+                    let first = document_start(starts, i);
+                    row[..first].fill(0.0);
+                    row[first..=i]
                         .iter_mut()
                         .for_each(|v| *v = crate::fastmath::exp(*v * g.scale - l));
                     row[i + 1..].fill(0.0);
@@ -370,6 +423,7 @@ impl pulp::WithSimd for Backward<'_> {
                     for (dp, &p) in dp.iter_mut().zip(p) {
                         *dp = p * (*dp - dot) * g.scale;
                     }
+                    dp[..document_start(starts, i)].fill(0.0);
                     dp[i + 1..].fill(0.0);
                 }
                 // dQ = dS K, head h's columns of rows r0..r1 written whole.

@@ -208,16 +208,18 @@ impl<B: Backend> Backend for Timed<B> {
     fn attention(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         shape: AttentionShape,
         out: &mut Tensor,
         lse: &mut Tensor,
     ) -> Result<()> {
-        self.time(|| self.inner.attention(qkv, shape, out, lse))
+        self.time(|| self.inner.attention(qkv, documents, shape, out, lse))
     }
 
     fn attention_backward(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         out: &Tensor,
         lse: &Tensor,
         dout: &Tensor,
@@ -226,7 +228,7 @@ impl<B: Backend> Backend for Timed<B> {
     ) -> Result<()> {
         self.time(|| {
             self.inner
-                .attention_backward(qkv, out, lse, dout, shape, dqkv)
+                .attention_backward(qkv, documents, out, lse, dout, shape, dqkv)
         })
     }
 

@@ -272,6 +272,140 @@ fn data_movement_and_products(be: &dyn Backend) {
     assert_eq!((labels.dtype(), labels.shape()), (DType::U32, &[3][..]));
 }
 
+/// Rows labelled `IGNORED_LABEL` add no loss, are not counted and get a zero gradient row;
+/// the other rows are exactly what they are without them.
+fn ignored_labels_are_not_loss_terms(be: &dyn Backend) {
+    use pipe_kernels::IGNORED_LABEL;
+    let lh = rand_t(&[5, 4], 9);
+    let logits = on(be, &lh);
+    let kept = [0u32, 3, 2, 1, 3];
+    let some = [0u32, IGNORED_LABEL, 2, IGNORED_LABEL, 3];
+    let (mut all_d, mut some_d) = (Tensor::default(), Tensor::default());
+    let all = be
+        .softmax_cross_entropy(&logits, &ids(be, &kept), 0.5, Some(&mut all_d))
+        .unwrap();
+    let s = be
+        .softmax_cross_entropy(&logits, &ids(be, &some), 0.5, Some(&mut some_d))
+        .unwrap();
+    assert_eq!(s.rows, 3);
+    let (all_d, some_d) = (read(be, &all_d), read(be, &some_d));
+    let mut want = 0.0f64;
+    for (i, &l) in some.iter().enumerate() {
+        let row = &some_d[i * 4..i * 4 + 4];
+        if l == IGNORED_LABEL {
+            assert!(row.iter().all(|&v| v == 0.0), "row {i}: {row:?}");
+        } else {
+            assert_eq!(row, &all_d[i * 4..i * 4 + 4], "row {i}");
+            let one = be
+                .softmax_cross_entropy(&on(be, &row_of(&lh, i)), &ids(be, &[l]), 1.0, None)
+                .unwrap();
+            want += one.loss_sum;
+        }
+    }
+    assert!(
+        (s.loss_sum - want).abs() < 1e-9,
+        "{} against {want}",
+        s.loss_sum
+    );
+    assert!(s.loss_sum < all.loss_sum);
+}
+
+/// Row `i` of a host matrix, as a one-row matrix.
+fn row_of(t: &Tensor, i: usize) -> Tensor {
+    let n = t.cols();
+    Tensor::from_vec(&[1, n], t.host().unwrap()[i * n..(i + 1) * n].to_vec()).unwrap()
+}
+
+/// Packed documents: each row attends within its own document only, so the output, the
+/// log-sum-exp and the gradient of a packed batch are those of each document run alone as
+/// its own sequence. Documents cross the CPU kernel's 32-row blocks; a start past a token's
+/// own index is refused.
+fn attention_masks_packed_documents(be: &dyn Backend) {
+    let shape = AttentionShape {
+        batch: 2,
+        seq: 70,
+        heads: 2,
+        width: 32,
+    };
+    let (t, c, h) = (shape.seq, shape.width, shape.heads);
+    // Documents as [start, end) in each sequence.
+    let docs: [&[(usize, usize)]; 2] = [&[(0, 20), (20, 53), (53, 70)], &[(0, 5), (5, 70)]];
+    let mut starts = vec![0f32; 2 * t];
+    for (b, ds) in docs.iter().enumerate() {
+        for &(s, e) in *ds {
+            starts[b * t + s..b * t + e].fill(s as f32);
+        }
+    }
+    let starts = Tensor::from_vec(&[2 * t], starts).unwrap();
+    let qkv = rand_t(&[2 * t, 3 * c], 31);
+    let dout = rand_t(&[2 * t, c], 32);
+    let (mut out, mut lse, mut dqkv) = (Tensor::default(), Tensor::default(), Tensor::default());
+    let placed = (on(be, &qkv), on(be, &starts), on(be, &dout));
+    be.attention(&placed.0, Some(&placed.1), shape, &mut out, &mut lse)
+        .unwrap();
+    be.attention_backward(
+        &placed.0,
+        Some(&placed.1),
+        &out,
+        &lse,
+        &placed.2,
+        shape,
+        &mut dqkv,
+    )
+    .unwrap();
+    let (out, lse, dqkv) = (read(be, &out), read(be, &lse), read(be, &dqkv));
+    let rows = |x: &Tensor, b: usize, (s, e): (usize, usize), w: usize| {
+        Tensor::from_vec(
+            &[e - s, w],
+            x.host().unwrap()[(b * t + s) * w..(b * t + e) * w].to_vec(),
+        )
+        .unwrap()
+    };
+    for (b, ds) in docs.iter().enumerate() {
+        for &(s, e) in *ds {
+            let alone = AttentionShape {
+                batch: 1,
+                seq: e - s,
+                ..shape
+            };
+            let q = on(be, &rows(&qkv, b, (s, e), 3 * c));
+            let (mut o, mut l, mut d) = (Tensor::default(), Tensor::default(), Tensor::default());
+            be.attention(&q, None, alone, &mut o, &mut l).unwrap();
+            let g = on(be, &rows(&dout, b, (s, e), c));
+            be.attention_backward(&q, None, &o, &l, &g, alone, &mut d)
+                .unwrap();
+            let f64s = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+            close(
+                &out[(b * t + s) * c..(b * t + e) * c],
+                &f64s(read(be, &o)),
+                1e-6,
+            );
+            close(
+                &dqkv[(b * t + s) * 3 * c..(b * t + e) * 3 * c],
+                &f64s(read(be, &d)),
+                1e-6,
+            );
+            let l = read(be, &l);
+            for hd in 0..h {
+                let packed = &lse[(b * h + hd) * t + s..(b * h + hd) * t + e];
+                close(
+                    packed,
+                    &f64s(l[hd * (e - s)..(hd + 1) * (e - s)].to_vec()),
+                    1e-6,
+                );
+            }
+        }
+    }
+    let mut late = starts.host().unwrap().to_vec();
+    late[3] = 4.0;
+    let late = on(be, &Tensor::from_vec(&[2 * t], late).unwrap());
+    let (mut o, mut l) = (Tensor::default(), Tensor::default());
+    let e = be
+        .attention(&placed.0, Some(&late), shape, &mut o, &mut l)
+        .unwrap_err();
+    assert!(e.to_string().contains("starts its document at 4"), "{e}");
+}
+
 fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
     let lh = rand_t(&[5, 4], 9);
     let logits = on(be, &lh);
@@ -740,19 +874,19 @@ fn attention_forward_case(be: &dyn Backend, shape: AttentionShape, tol: f64) {
     qkv.host_mut().unwrap().iter_mut().for_each(|v| *v *= 6.0);
     let (want, want_lse) = naive_attention(qkv.host().unwrap(), shape);
     let (mut out, mut lse) = (Tensor::default(), Tensor::default());
-    be.attention(&on(be, &qkv), shape, &mut out, &mut lse)
+    be.attention(&on(be, &qkv), None, shape, &mut out, &mut lse)
         .unwrap();
     assert_eq!(out.shape(), [rows, shape.width]);
     close(&read(be, &out), &want, tol);
     close(&read(be, &lse), &want_lse, tol);
     let short = rand_t(&[rows - 1, 3 * shape.width], 1);
     assert!(
-        be.attention(&on(be, &short), shape, &mut out, &mut lse)
+        be.attention(&on(be, &short), None, shape, &mut out, &mut lse)
             .is_err()
     );
     let odd = AttentionShape { heads: 5, ..shape };
     assert!(
-        be.attention(&on(be, &qkv), odd, &mut out, &mut lse)
+        be.attention(&on(be, &qkv), None, odd, &mut out, &mut lse)
             .is_err()
     );
 }
@@ -780,12 +914,20 @@ fn attention_backward_case(be: &dyn Backend, shape: AttentionShape, every: usize
     let qkv = rand_t(&[rows, 3 * shape.width], 22);
     let g = lcg(rows * shape.width, 23);
     let (mut out, mut lse) = (Tensor::default(), Tensor::default());
-    be.attention(&on(be, &qkv), shape, &mut out, &mut lse)
+    be.attention(&on(be, &qkv), None, shape, &mut out, &mut lse)
         .unwrap();
     let dout = Tensor::from_vec(&[rows, shape.width], g.clone()).unwrap();
     let mut dqkv = Tensor::default();
-    be.attention_backward(&on(be, &qkv), &out, &lse, &on(be, &dout), shape, &mut dqkv)
-        .unwrap();
+    be.attention_backward(
+        &on(be, &qkv),
+        None,
+        &out,
+        &lse,
+        &on(be, &dout),
+        shape,
+        &mut dqkv,
+    )
+    .unwrap();
     let objective = |x: &[f32]| -> f64 {
         let (o, _) = naive_attention(x, shape);
         o.iter().zip(&g).map(|(o, g)| o * f64::from(*g)).sum()
@@ -823,6 +965,8 @@ backend_tests!(
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,
+        attention_masks_packed_documents,
+        ignored_labels_are_not_loss_terms,
         non_finite_values_are_found_by_tensor,
     ]
 );
@@ -843,6 +987,8 @@ backend_tests!(
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,
+        attention_masks_packed_documents,
+        ignored_labels_are_not_loss_terms,
         non_finite_values_are_found_by_tensor,
     ]
 );
@@ -967,8 +1113,8 @@ fn cpu_results_do_not_depend_on_thread_count() {
             let qkv = rand_t(&[256, 192], 9);
             let dout = rand_t(&[256, 64], 10);
             let (mut o, mut l, mut d) = (Tensor::default(), Tensor::default(), Tensor::default());
-            be.attention(&qkv, shape, &mut o, &mut l).unwrap();
-            be.attention_backward(&qkv, &o, &l, &dout, shape, &mut d)
+            be.attention(&qkv, None, shape, &mut o, &mut l).unwrap();
+            be.attention_backward(&qkv, None, &o, &l, &dout, shape, &mut d)
                 .unwrap();
             for r in [&o, &l, &d] {
                 out.extend(r.host().unwrap().iter().map(|v| v.to_bits()));

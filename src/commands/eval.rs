@@ -45,6 +45,8 @@ pub fn run(args: &EvalArgs) -> Result<()> {
         crate::args::dataset_and_dir(args.dataset.as_ref(), args.data_dir.as_deref())?;
     let dataset = dataset.unwrap_or(state.dataset);
     let context = model.input_shape().first().copied().unwrap_or(1);
+    // A run on packed documents is evaluated on packed documents.
+    let mut pack = None;
     let data = match dataset {
         DatasetKind::Mnist => mnist(data_dir.as_deref())?,
         DatasetKind::Synthetic => synthetic(&state.synthetic, state.seed)?,
@@ -58,12 +60,15 @@ pub fn run(args: &EvalArgs) -> Result<()> {
                 .ok()
                 .and_then(|c| c.corpus);
             let (holdout, windows) = corpus
+                .as_ref()
                 .map_or((Holdout::default(), DEFAULT_EVAL_WINDOWS), |c| {
                     (c.holdout, c.eval_windows)
                 });
-            token_corpus(&dir, context, holdout, windows)?
+            pack = corpus.and_then(|c| c.pack_documents);
+            token_corpus(&dir, context, holdout, windows, pack)?
         }
     };
+    let model = model.with_documents(pack);
     if data.vocab.is_some() && data.vocab != state.vocab {
         return Err(bad_input(format!(
             "{}'s vocabulary differs from the checkpoint's",

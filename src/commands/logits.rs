@@ -80,8 +80,16 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         &[1, args.ids.len()],
         args.ids.iter().map(|&i| i as f32).collect(),
     )?;
-    let (logits, _) =
-        model.forward_range(&be, 0..model.len(), &params, be.place(x)?, false, 0, 0)?;
+    let (logits, _) = model.forward_range(
+        &be,
+        0..model.len(),
+        &params,
+        be.place(x)?,
+        false,
+        0,
+        0,
+        None,
+    )?;
     let vocab = model.output_shape().last().copied().unwrap_or(1);
     let values = be.read(&logits)?;
     let rows: Vec<&[f32]> = values.chunks(vocab).collect();

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::{SyntheticConfig, Vocab};
 use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec};
-use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
+use crate::optim::{DecayGroups, LrSchedule, LrScheduleKind, OptimizerConfig, OptimizerKind};
 use crate::partition::Partition;
 use crate::remedy::{LrScaling, Prediction, Remedies};
 use crate::transformer::gpt_shape;
@@ -113,6 +113,16 @@ impl Default for LanguageDefaults {
 /// The global gradient norm the `gpt2` models clip to unless told otherwise (GPT-2's, nanoGPT's
 /// and Megatron's default).
 pub const GPT2_GRAD_CLIP: f32 = 1.0;
+
+/// Which parameters weight decay applies to when not given: for AdamW on a language model,
+/// only the linear maps' matrices, as nanoGPT and Megatron group a GPT; every parameter
+/// otherwise (an MLP's biases are few, and SGD's L2 decay is the textbook one).
+fn default_decay_groups(kind: OptimizerKind, lm: Option<LanguageDefaults>) -> DecayGroups {
+    match (kind, lm) {
+        (OptimizerKind::Adamw, Some(_)) => DecayGroups::Matrices,
+        _ => DecayGroups::All,
+    }
+}
 
 /// The policy of a pipeline whose run names none: a language model's
 /// [`LanguageDefaults::schedule`], else pipedream.
@@ -312,6 +322,10 @@ pub struct TrainSettings {
     pub data_order: Option<crate::data::DataOrder>,
     /// What the backward recomputes instead of keeping (none by default).
     pub recompute: Option<crate::layer::Recompute>,
+    /// Read a tokenized corpus's windows as packed documents ([`crate::documents`]): attention
+    /// stops at each document's start, positions restart there, and a document's first token
+    /// is not predicted from the document before it.
+    pub pack_documents: Option<bool>,
     /// Samples per microbatch.
     pub microbatch_size: Option<usize>,
     /// Microbatches whose gradients one update sums.
@@ -523,7 +537,7 @@ impl TrainSettings {
             dst.model_config = src.model_config;
         }
         merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
-            synthetic, epochs, steps, eval_every, data_order, recompute,
+            synthetic, epochs, steps, eval_every, data_order, recompute, pack_documents,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, weight_decay_groups, beta1, beta2, eps, delay_correction, delay_correction_strength, grad_clip, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
@@ -598,7 +612,9 @@ impl TrainSettings {
             weight_decay: self
                 .weight_decay
                 .unwrap_or(lm.map_or(defaults.weight_decay, |d| d.weight_decay)),
-            decay_groups: self.weight_decay_groups.unwrap_or_default(),
+            decay_groups: self
+                .weight_decay_groups
+                .unwrap_or(default_decay_groups(kind, lm)),
             beta1: self.beta1.unwrap_or(defaults.beta1),
             beta2: self.beta2.unwrap_or(match kind {
                 OptimizerKind::Lion => LION_BETA2,
@@ -779,10 +795,13 @@ impl TrainSettings {
     /// other data; the corpus's errors reading its manifest.
     fn corpus_settings(&self, dataset: DatasetKind) -> Result<Option<CorpusSettings>> {
         if dataset != DatasetKind::Tokens {
-            if self.holdout.is_some() || self.eval_windows.is_some() {
+            if self.holdout.is_some()
+                || self.eval_windows.is_some()
+                || self.pack_documents == Some(true)
+            {
                 return Err(StageError::Config(
-                    "--holdout and --eval-windows apply to a tokenized corpus (--dataset \
-                     tokens:DIR)"
+                    "--holdout, --eval-windows and --pack-documents apply to a tokenized corpus \
+                     (--dataset tokens:DIR)"
                         .into(),
                 ));
             }
@@ -804,11 +823,23 @@ impl TrainSettings {
                 "--eval-windows must be at least 1".into(),
             ));
         }
+        let pack_documents = match (self.pack_documents, manifest.tokenizer.document_end) {
+            (Some(true), Some(end)) => Some(end),
+            (Some(true), None) => {
+                return Err(StageError::Config(format!(
+                    "--pack-documents needs documents that end with an end-of-text id, and the \
+                     tokenizer of {} has none",
+                    dir.display()
+                )));
+            }
+            _ => None,
+        };
         Ok(Some(CorpusSettings {
             fingerprint: manifest.fingerprint(),
             vocab_size: manifest.tokenizer.vocab_size,
             holdout,
             eval_windows,
+            pack_documents,
         }))
     }
 
@@ -955,6 +986,15 @@ impl TrainSettings {
             (None, None) => PartitionChoice::Measured,
         };
         let backend = self.backend_kind()?;
+        if matches!(backend, BackendKind::Cuda(_))
+            && corpus.as_ref().is_some_and(|c| c.pack_documents.is_some())
+        {
+            return bad(
+                "--pack-documents is not built on the cuda backend yet (its attention kernels \
+                 take no document mask); use --backend cpu"
+                    .into(),
+            );
+        }
         let (placement, transport) =
             Placement::resolve(self.placement.as_deref(), self.transport.as_deref())?;
         let wire = wire_dtype(self.wire_dtype.as_deref())?;
@@ -1102,6 +1142,10 @@ pub struct CorpusSettings {
     pub holdout: crate::shards::Holdout,
     /// Most validation windows evaluated.
     pub eval_windows: u64,
+    /// The end-of-text id the windows' documents end with, when they are read as packed
+    /// documents (`--pack-documents`); `None` reads each window as one sequence.
+    #[serde(default)]
+    pub pack_documents: Option<u32>,
 }
 
 /// A validated run configuration: every choice typed (policy, partition, per-stage replica

@@ -51,7 +51,8 @@ pub mod train;
 // Each layer's modules by their short paths, so that `crate::optim` names the same module as
 // `model::optim`.
 pub use model::{
-    data, hf, layer, layers, loss, optim, rng, sample, shards, tokenize, tokenizer, transformer,
+    data, documents, hf, layer, layers, loss, optim, rng, sample, shards, tokenize, tokenizer,
+    transformer,
 };
 pub use pipeline::delayed;
 pub use planning::profile;

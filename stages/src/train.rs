@@ -130,8 +130,13 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
                 ));
             };
             let context = model.input_shape().first().copied().unwrap_or(1);
-            let data =
-                crate::data::token_corpus(dir, context, corpus.holdout, corpus.eval_windows)?;
+            let data = crate::data::token_corpus(
+                dir,
+                context,
+                corpus.holdout,
+                corpus.eval_windows,
+                corpus.pack_documents,
+            )?;
             let found = data.train.corpus_fingerprint();
             if found.as_deref() != Some(corpus.fingerprint.as_str()) {
                 return Err(StageError::Data {
@@ -236,8 +241,18 @@ pub fn evaluate(
         .min(batch.max(1));
     for chunk in order.chunks(samples) {
         let (x, y) = data.gather(chunk)?;
+        let documents = model.documents(be, &x)?;
         let (x, y) = (be.place(x)?, be.place_ids(y)?);
-        let (logits, _) = model.forward_range(be, 0..model.len(), params, x, false, 0, 0)?;
+        let (logits, _) = model.forward_range(
+            be,
+            0..model.len(),
+            params,
+            x,
+            false,
+            0,
+            0,
+            documents.as_ref(),
+        )?;
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, 0.0, None)?;
         loss += s.loss_sum;
         correct += s.correct;
@@ -282,9 +297,18 @@ pub fn train_step(
     let n = model.len();
     let batches_len = batches.len().max(1);
     for (i, (x, y)) in batches.into_iter().enumerate() {
+        let documents = model.documents(be, &x)?;
         let (x, y) = (be.place(x)?, be.place_ids(y)?);
-        let (logits, saved) =
-            model.forward_range(be, 0..n, st.params, x, true, seed, *microbatch_id)?;
+        let (logits, saved) = model.forward_range(
+            be,
+            0..n,
+            st.params,
+            x,
+            true,
+            seed,
+            *microbatch_id,
+            documents.as_ref(),
+        )?;
         *microbatch_id += 1;
         let mut dlogits = Tensor::default();
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, grad_scale, Some(&mut dlogits))?;

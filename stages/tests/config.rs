@@ -226,3 +226,26 @@ fn gpt2_models_take_their_shape_from_presets_tables_and_hugging_face_configs() {
         "apply to gpt2 models",
     );
 }
+
+/// AdamW on a language model decays only the linear maps' matrices unless told otherwise;
+/// an MLP, or a language model under another optimizer, decays every parameter.
+#[test]
+fn weight_decay_groups_default_to_matrices_for_adamw_language_models() {
+    use pipe_stages::optim::DecayGroups;
+    let groups = |toml: &str| resolve(toml).optimizer.decay_groups;
+    assert_eq!(groups("model = \"gpt-mini\""), DecayGroups::Matrices);
+    assert_eq!(
+        groups("model = \"gpt-mini\"\nweight_decay_groups = \"all\""),
+        DecayGroups::All
+    );
+    assert_eq!(
+        groups("model = \"gpt-mini\"\noptimizer = \"lion\""),
+        DecayGroups::All
+    );
+    assert_eq!(groups(""), DecayGroups::All);
+    assert_eq!(groups("optimizer = \"adamw\""), DecayGroups::All);
+    assert_eq!(
+        groups("optimizer = \"adamw\"\nweight_decay_groups = \"matrices\""),
+        DecayGroups::Matrices
+    );
+}

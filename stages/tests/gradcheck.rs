@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pipe_kernels::{Backend, CpuBackend, Tensor};
+use pipe_stages::documents::Documents;
 use pipe_stages::layers::{ForwardCtx, Layer, LayerSpec};
 use pipe_stages::model::{Model, ModelSpec};
 use pipe_stages::rng::rng_for;
@@ -57,6 +58,16 @@ fn grad_check_layer(spec: LayerSpec, x_shape: &[usize], away_from_zero: bool) {
 /// Checks one layer's parameter gradients, and its input gradient when `input_grad`, at `x`;
 /// and that the fused backward gives the bits of its two halves.
 fn grad_check_at(spec: LayerSpec, x: Tensor, input_grad: bool) {
+    grad_check_in(spec, x, input_grad, None);
+}
+
+/// [`grad_check_at`] on a microbatch of packed `documents`.
+fn grad_check_in(
+    spec: LayerSpec,
+    x: Tensor,
+    input_grad: bool,
+    documents: Option<std::sync::Arc<Documents>>,
+) {
     let be = CpuBackend::new(1).unwrap();
     let layer: Box<dyn Layer> = spec.build(false).unwrap();
     let mut params = layer.init_params(&mut rng_for(1, "init", 0));
@@ -71,8 +82,9 @@ fn grad_check_at(spec: LayerSpec, x: Tensor, input_grad: bool) {
         train: true,
         seed: 42,
         recompute_attention: false,
+        documents,
     };
-    let (y, saved) = layer.forward(&be, &params, x.clone(), ctx).unwrap();
+    let (y, saved) = layer.forward(&be, &params, x.clone(), ctx.clone()).unwrap();
     let r = rand_t(y.shape(), 3, false);
     let dx = layer.backward_input(&be, &params, &saved, &r).unwrap();
     assert_eq!(
@@ -86,7 +98,7 @@ fn grad_check_at(spec: LayerSpec, x: Tensor, input_grad: bool) {
         .backward_params(&be, &params, &saved, &r, &mut grads, false)
         .unwrap();
     let eval = |params: &[Tensor], x: &Tensor| {
-        let (y, _) = layer.forward(&be, params, x.clone(), ctx).unwrap();
+        let (y, _) = layer.forward(&be, params, x.clone(), ctx.clone()).unwrap();
         objective(&y, &r)
     };
     if input_grad {
@@ -201,6 +213,7 @@ fn dropout_is_seeded_and_checks() {
                     train: true,
                     seed,
                     recompute_attention: false,
+                    documents: None,
                 },
             )
             .unwrap()
@@ -222,6 +235,7 @@ fn dropout_is_seeded_and_checks() {
                 train: false,
                 seed: 7,
                 recompute_attention: false,
+                documents: None,
             },
         )
         .unwrap()
@@ -280,6 +294,43 @@ fn attention() {
         &[2, 5, 8],
         false,
     );
+}
+
+/// Two windows of 6 tokens holding packed documents (end id 9): the embedding's positions
+/// restart after each end id, and attention stops at each document's start.
+fn packed_documents() -> (Tensor, std::sync::Arc<Documents>) {
+    let ids = Tensor::from_vec(
+        &[2, 6],
+        vec![1., 9., 2., 3., 9., 4., 5., 6., 9., 9., 0., 2.],
+    )
+    .unwrap();
+    let be = CpuBackend::new(1).unwrap();
+    let docs = Documents::of(&be, &ids, 9).unwrap();
+    (ids, std::sync::Arc::new(docs))
+}
+
+#[test]
+fn embedding_attention_and_block_on_packed_documents() {
+    let (ids, docs) = packed_documents();
+    let spec = LayerSpec::Embedding {
+        vocab: 10,
+        width: 5,
+        context: 6,
+    };
+    grad_check_in(spec, ids, false, Some(docs.clone()));
+    let attention = LayerSpec::Attention { width: 8, heads: 2 };
+    grad_check_in(
+        attention,
+        rand_t(&[2, 6, 8], 2, false),
+        true,
+        Some(docs.clone()),
+    );
+    let block = LayerSpec::TransformerBlock {
+        width: 8,
+        heads: 2,
+        hidden: Some(12),
+    };
+    grad_check_in(block, rand_t(&[2, 6, 8], 2, false), true, Some(docs));
 }
 
 #[test]
@@ -378,14 +429,14 @@ fn whole_model() {
     let labels = Tensor::from_vec(&[3], vec![3u32, 0, 2]).unwrap();
     let loss = |params: &Vec<Vec<Tensor>>, x: &Tensor| {
         let (logits, _) = model
-            .forward_range(&be, 0..model.len(), params, x.clone(), true, 9, 4)
+            .forward_range(&be, 0..model.len(), params, x.clone(), true, 9, 4, None)
             .unwrap();
         be.softmax_cross_entropy(&logits, &labels, 1.0, None)
             .unwrap()
             .loss_sum
     };
     let (logits, saved) = model
-        .forward_range(&be, 0..model.len(), &params, x.clone(), true, 9, 4)
+        .forward_range(&be, 0..model.len(), &params, x.clone(), true, 9, 4, None)
         .unwrap();
     let mut dl = Tensor::default();
     be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut dl))

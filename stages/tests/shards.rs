@@ -69,7 +69,7 @@ fn the_tail_holdout_and_the_evaluation_budget_split_where_they_say() {
     thin.gather_into(1, &mut x, &mut y, &mut ids).unwrap();
     assert_eq!(x[0], ((225 + 3) * 4 % 256) as f32);
 
-    let splits = token_corpus(&dir, 4, Holdout::Tail(0.1), 1000).unwrap();
+    let splits = token_corpus(&dir, 4, Holdout::Tail(0.1), 1000, None).unwrap();
     assert_eq!((splits.train.len(), splits.test.len()), (225, 25));
     assert_eq!(splits.train.classes, 256);
     assert!(matches!(splits.train.samples, Samples::Tokens(_)));
@@ -115,4 +115,21 @@ fn a_text_cut_at_safe_points_tokenizes_as_it_would_whole() {
     assert_eq!(cut, whole);
     assert_eq!(bpe.decode(&whole), text);
     assert_eq!(bpe.document_end(), Some(0));
+}
+
+/// Packed, a window's label whose input ends a document (the next document's first token) is
+/// ignored; the inputs and every other label are as unpacked.
+#[test]
+fn packed_windows_ignore_the_label_after_each_document_end() {
+    let dir = counting_corpus("packed", 100, 1 << 20);
+    let (train, _) = token_splits(&dir, 3, Holdout::Tail(0.1), 1000).unwrap();
+    let packed = train.clone().packed(Some(5));
+    let (mut x, mut y, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+    packed.gather_into(1, &mut x, &mut y, &mut ids).unwrap();
+    assert_eq!(x, vec![3.0, 4.0, 5.0]);
+    assert_eq!(y, vec![4, 5, pipe_kernels::IGNORED_LABEL]);
+    let (mut ux, mut uy) = (Vec::new(), Vec::new());
+    train.gather_into(1, &mut ux, &mut uy, &mut ids).unwrap();
+    assert_eq!((ux, uy), (x, vec![4, 5, 6]));
+    assert_ne!(packed, train);
 }

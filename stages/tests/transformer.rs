@@ -351,10 +351,10 @@ fn recomputed_activations_give_the_reference_weights() {
         let x = data().train.gather(&[0, 1]).unwrap().0;
         let range = 0..plain.len();
         let (_, kept) = plain
-            .forward_range(&be, range.clone(), &init, x.clone(), true, SEED, 0)
+            .forward_range(&be, range.clone(), &init, x.clone(), true, SEED, 0, None)
             .unwrap();
         let (_, stand_ins) = recomputing
-            .forward_range(&be, range, &init, x, true, SEED, 0)
+            .forward_range(&be, range, &init, x, true, SEED, 0, None)
             .unwrap();
         let bytes = |s: &[Saved]| s.iter().map(|s| s.bytes()).sum::<usize>();
         let (held, all) = (bytes(&stand_ins), bytes(&kept));
@@ -400,4 +400,184 @@ fn recomputed_activations_give_the_reference_weights() {
             }
         }
     }
+}
+
+/// The verse read as packed documents: each sentence (up to and including its '.', ':' or
+/// ',') is a document, those characters its end id; the windows are the verse's, their
+/// labels ignored where the input is an end (the next document's first token).
+fn packed_data(end: char) -> (pipe_stages::data::Dataset, u32) {
+    let train = &data().train;
+    let end = data()
+        .vocab
+        .as_ref()
+        .unwrap()
+        .chars
+        .iter()
+        .position(|&c| c == end)
+        .unwrap() as u32;
+    let all: Vec<u32> = (0..train.len() as u32).collect();
+    let (x, y) = train.gather(&all).unwrap();
+    let labels = x
+        .host()
+        .unwrap()
+        .iter()
+        .zip(y.host().unwrap())
+        .map(|(&input, &label)| {
+            if input == end as f32 {
+                pipe_kernels::IGNORED_LABEL
+            } else {
+                label
+            }
+        })
+        .collect();
+    let features = x.host().unwrap().to_vec();
+    let packed = pipe_stages::data::Dataset {
+        name: "verse-packed".into(),
+        samples: pipe_stages::data::Samples::Memory { features, labels },
+        ..train.clone()
+    };
+    (packed, end)
+}
+
+/// Packed documents through the pipeline oracle: every stage derives the microbatch's
+/// documents from its token ids, so the pipelined run equals the reference trainer bit for bit
+/// under stashing, 2BW, a replicated flush and zero-bubble's split backward, with the embedding
+/// tied to the head and with full recomputation (the recomputed attention masks again).
+#[test]
+fn packed_documents_give_the_reference_weights() {
+    let (packed, end) = packed_data(' ');
+    let packed: &'static pipe_stages::data::Dataset = Box::leak(Box::new(packed));
+    for recompute in [Recompute::None, Recompute::Full] {
+        let model = self::model(true)
+            .with_documents(Some(end))
+            .with_recompute(recompute);
+        let plain = self::model(true);
+        let init = model.init_params(SEED);
+        for case in [
+            spec(Policy::PipeDream, 1),
+            spec(Policy::TwoBw, 4),
+            spec(Policy::OneFOneBFlush, 2).with_replicas(vec![1, 1, 2, 2]),
+            spec(Policy::ZbH1, 4),
+        ] {
+            let run = plan(&model, &case);
+            let order = packed.epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled);
+            let source = OrderedSource::new(packed, order, 2);
+            let pipelined = setup(&run, &model, &source);
+            let mut states: Vec<WorkerState> = (0..run.schedule.workers())
+                .map(|w| WorkerState::new(&pipelined, w, &init, opt()))
+                .collect();
+            let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+            run_threads(&pipelined, &mut states, eps, |_| CpuBackend::new(1)).unwrap();
+            let be = CpuBackend::new(1).unwrap();
+            let reference = self::model(true).with_documents(Some(end));
+            let want =
+                reference_train(&be, &setup(&run, &reference, &source), &init, opt()).unwrap();
+            for state in &states {
+                for st in &state.stages {
+                    assert!(
+                        bits(&st.params) == bits(&want[st.stage as usize]),
+                        "{recompute:?} {case:?}: worker {} stage {} differs",
+                        state.worker,
+                        st.stage
+                    );
+                }
+            }
+            // Packing changes the training: the same windows unpacked give other weights.
+            if recompute == Recompute::None && case == spec(Policy::PipeDream, 1) {
+                let unpacked =
+                    reference_train(&be, &setup(&run, &plain, &source), &init, opt()).unwrap();
+                assert_ne!(bits(&unpacked[3]), bits(&want[3]));
+            }
+        }
+    }
+}
+
+/// A document's loss is its own: the loss of each document packed into one window with
+/// others (the last one cut by the window's end) equals, within 1e-6, its loss run alone as
+/// its own sequence. Weights are perturbed away from the initialisation (whose attention
+/// output projections are zero) so that attention across a document's start would show, and
+/// does: unpacked, the later documents' losses differ.
+#[test]
+fn a_packed_documents_loss_equals_its_loss_alone() {
+    use pipe_kernels::{Backend, IGNORED_LABEL, Tensor};
+    use rand::Rng;
+    let vocab = data().vocab.as_ref().unwrap();
+    let end = vocab.chars.iter().position(|&c| c == '.').unwrap() as u32;
+    let shape = GptShape {
+        blocks: 2,
+        width: 16,
+        heads: 2,
+        context: 32,
+    };
+    let spec = ModelSpec::gpt(shape, vocab.len(), true);
+    let packing = Model::new(&spec).unwrap().with_documents(Some(end));
+    let unpacked = Model::new(&spec).unwrap();
+    let mut params = packing.init_params(SEED);
+    let mut rng = pipe_stages::rng::rng_for(SEED, "perturb", 0);
+    for t in params.iter_mut().flatten() {
+        for v in t.host_mut().unwrap() {
+            *v += rng.random_range(-0.1..0.1);
+        }
+    }
+    let be = CpuBackend::new(1).unwrap();
+    let docs = ["to be.", "or not to be.", "that is the question."];
+    let ids: Vec<u32> = docs
+        .iter()
+        .flat_map(|d| vocab.encode(d, "doc").unwrap())
+        .collect();
+    // One window of 32 inputs and their next tokens; the third document is cut.
+    let window = &ids[..33];
+    // Labels: the next token, ignored where the input ends a document.
+    let labels_of = |inputs: &[u32], next: &[u32]| -> Vec<u32> {
+        inputs
+            .iter()
+            .zip(next)
+            .map(|(&i, &n)| if i == end { IGNORED_LABEL } else { n })
+            .collect()
+    };
+    // Each row's loss (0 where ignored).
+    let losses = |model: &Model, inputs: &[u32], labels: &[u32]| -> Vec<f64> {
+        let x = inputs.iter().map(|&i| i as f32).collect();
+        let x = Tensor::from_vec(&[1, inputs.len()], x).unwrap();
+        let documents = model.documents(&be, &x).unwrap();
+        let range = 0..model.len();
+        let (logits, _) = model
+            .forward_range(&be, range, &params, x, false, 0, 0, documents.as_ref())
+            .unwrap();
+        let n = logits.cols();
+        (0..labels.len())
+            .map(|r| {
+                let row = logits.host().unwrap()[r * n..(r + 1) * n].to_vec();
+                let row = Tensor::from_vec(&[1, n], row).unwrap();
+                let label = Tensor::from_vec(&[1], vec![labels[r]]).unwrap();
+                be.softmax_cross_entropy(&row, &label, 1.0, None)
+                    .unwrap()
+                    .loss_sum
+            })
+            .collect()
+    };
+    let labels = labels_of(&window[..32], &window[1..]);
+    let packed = losses(&packing, &window[..32], &labels);
+    let crossing = losses(&unpacked, &window[..32], &labels);
+    let mut start = 0;
+    for (k, d) in docs.iter().enumerate() {
+        let len = d.chars().count().min(32 - start);
+        let doc = &window[start..start + len];
+        let next = &window[start + 1..start + len + 1];
+        let alone: f64 = losses(&packing, doc, &labels_of(doc, next)).iter().sum();
+        let within: f64 = packed[start..start + len].iter().sum();
+        assert!(
+            (alone - within).abs() <= 1e-6 * alone.abs(),
+            "'{d}': alone {alone}, packed {within}"
+        );
+        let across: f64 = crossing[start..start + len].iter().sum();
+        if k > 0 {
+            assert!(
+                (alone - across).abs() > 1e-3 * alone.abs(),
+                "'{d}': {alone} {across}"
+            );
+        }
+        start += len;
+    }
+    assert_eq!(start, 32);
 }

@@ -5,7 +5,7 @@
 
 use pipe_scheduler::Policy;
 use pipe_stages::delayed::{Delay, DelayedOptions};
-use pipe_stages::optim::OptimizerKind;
+use pipe_stages::optim::{DecayGroups, OptimizerKind};
 use pipe_stages::remedy::{LrScaling, Prediction, Remedies};
 use serde::{Deserialize, Serialize};
 
@@ -78,6 +78,10 @@ pub struct OptimizerChoice {
     /// Weight decay.
     #[serde(default)]
     pub weight_decay: f32,
+    /// The parameters it applies to: `all` when not given (every committed study was run
+    /// that way, before `pipe train`'s language models defaulted to `matrices`).
+    #[serde(default)]
+    pub weight_decay_groups: DecayGroups,
 }
 
 /// The remedies part of the matrix: each variant on each of `policies` at `stages`, for every

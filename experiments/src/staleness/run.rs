@@ -198,6 +198,7 @@ pub fn run_config(cfg: &StalenessConfig, spec: &RunSpec) -> Result<RunConfig, Ex
         lr: Some(opt.lr * spec.lr_factor),
         momentum: (!spec.compensate_momentum).then_some(opt.momentum),
         weight_decay: Some(opt.weight_decay),
+        weight_decay_groups: Some(opt.weight_decay_groups),
         seed: Some(spec.seed),
         threads: Some(cfg.threads),
         stages: pipeline.then_some(spec.stages as usize),

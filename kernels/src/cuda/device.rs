@@ -243,6 +243,18 @@ struct TiledAttention<'a> {
 const ATTENTION_TILE: u64 = 64;
 
 /// The tiled attention kernels' grid: row tiles along x, (sequence, head) pairs along y.
+/// The CUDA attention kernels take no document mask yet (`--pack-documents` is refused with
+/// `--backend cuda` before a run starts); a call with one is refused here too.
+fn refuse_documents(op: &'static str, documents: Option<&Tensor>) -> Result<()> {
+    match documents {
+        Some(_) => Err(crate::KernelError::Unsupported {
+            op,
+            what: "a document mask",
+        }),
+        None => Ok(()),
+    }
+}
+
 fn attention_tiles(seq: u64, pairs: u64) -> Result<LaunchConfig> {
     let too_many = |_| shape_err("attention", "too many sequences or heads for one launch");
     Ok(LaunchConfig {
@@ -1370,11 +1382,13 @@ impl Backend for CudaBackend {
     fn attention(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         shape: AttentionShape,
         out: &mut Tensor,
         lse: &mut Tensor,
     ) -> Result<()> {
         crate::sequence::check("attention", shape, qkv.len())?;
+        refuse_documents("attention", documents)?;
         let [batch, seq, heads, width] = Self::attention_dims(shape, "attention")?;
         let qp = self.ptr(qkv, "attention")?;
         let op = self.output(out, &[shape.batch * shape.seq, shape.width])?;
@@ -1404,6 +1418,7 @@ impl Backend for CudaBackend {
     fn attention_backward(
         &self,
         qkv: &Tensor,
+        documents: Option<&Tensor>,
         out: &Tensor,
         lse: &Tensor,
         dout: &Tensor,
@@ -1412,7 +1427,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let op = "attention backward";
         crate::check::attention_backward(qkv, (out, lse, dout), shape)?;
-
+        refuse_documents(op, documents)?;
         let [batch, seq, heads, width] = Self::attention_dims(shape, op)?;
         let (qp, outp, lp, dop) = (
             self.ptr(qkv, op)?,

@@ -542,7 +542,8 @@ fn mnist_pair(images: Idx, labels: Idx, name: &str) -> Result<Dataset> {
 }
 
 /// A tokenized corpus ([`crate::shards`]) as next-token windows of `context` ids: its
-/// `holdout` part validates, thinned evenly to at most `max_eval` windows.
+/// `holdout` part validates, thinned evenly to at most `max_eval` windows; read as packed
+/// documents ending with the id `pack` when given ([`crate::shards::TokenWindows::packed`]).
 ///
 /// # Errors
 /// As [`crate::shards::token_splits`].
@@ -551,8 +552,10 @@ pub fn token_corpus(
     context: usize,
     holdout: crate::shards::Holdout,
     max_eval: u64,
+    pack: Option<u32>,
 ) -> Result<Splits> {
     let (train, eval) = crate::shards::token_splits(dir, context, holdout, max_eval)?;
+    let (train, eval) = (train.packed(pack), eval.packed(pack));
     let vocab =
         usize::try_from(train.corpus().manifest().tokenizer.vocab_size).unwrap_or(usize::MAX);
     let name = dir.display().to_string();

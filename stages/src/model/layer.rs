@@ -54,7 +54,7 @@ impl Saved {
 }
 
 /// Per-call context of a forward pass.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ForwardCtx {
     /// Training mode (dropout active) or evaluation.
     pub train: bool,
@@ -64,6 +64,9 @@ pub struct ForwardCtx {
     /// Selective recomputation: a block keeps only the input of its attention layers, whose
     /// activations the backward recomputes (`--recompute selective`).
     pub recompute_attention: bool,
+    /// The microbatch's packed documents (`--pack-documents`): the attention layers mask by
+    /// them and the position embedding restarts at each; `None` when windows are not packed.
+    pub documents: Option<std::sync::Arc<crate::documents::Documents>>,
 }
 
 /// Which activations the backward pass recomputes instead of keeping them from the forward
@@ -121,7 +124,7 @@ pub fn materialize<'s>(
     params: &[Tensor],
     saved: &'s Saved,
 ) -> KResult<std::borrow::Cow<'s, Saved>> {
-    let Some(ctx) = saved.recompute else {
+    let Some(ctx) = saved.recompute.clone() else {
         return Ok(std::borrow::Cow::Borrowed(saved));
     };
     let input = saved

@@ -782,11 +782,11 @@ impl Layer for Residual {
         let mut h = x;
         let mut inner = Vec::with_capacity(self.inner.len());
         for (j, (l, p)) in self.inner.iter().zip(self.split(params)).enumerate() {
-            let ictx = Self::inner_ctx(ctx, j);
+            let ictx = Self::inner_ctx(ctx.clone(), j);
             // Selective recomputation keeps an attention layer's input only.
             let stand_in = (ctx.train && ctx.recompute_attention && l.kind() == "attention")
                 .then(|| h.clone());
-            let (y, s) = l.forward(be, p, h, ictx)?;
+            let (y, s) = l.forward(be, p, h, ictx.clone())?;
             inner.push(match stand_in {
                 Some(input) => Saved::recompute(input, ictx),
                 None => s,

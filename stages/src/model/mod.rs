@@ -16,6 +16,7 @@
 //! not depend on the partition.
 
 pub mod data;
+pub mod documents;
 pub mod hf;
 pub mod layer;
 pub mod layers;
@@ -132,6 +133,8 @@ pub struct Model {
     tied: bool,
     /// What the backward recomputes instead of keeping ([`Model::with_recompute`]).
     recompute: Recompute,
+    /// The end-of-text id of packed documents ([`Model::with_documents`]).
+    document_end: Option<u32>,
 }
 
 /// A model description as written in a config file. Parsing is strict: every layer is read on
@@ -425,6 +428,7 @@ impl Model {
         let model = Self {
             tied,
             recompute: Recompute::None,
+            document_end: None,
             specs: spec.layers.clone(),
             layers,
             shapes,
@@ -448,6 +452,43 @@ impl Model {
     /// What the backward recomputes.
     pub fn recompute(&self) -> Recompute {
         self.recompute
+    }
+
+    /// This model reading its token windows as packed documents ending with the id `end`
+    /// (`--pack-documents`, [`crate::documents`]); `None` reads each window as one sequence.
+    #[must_use]
+    pub fn with_documents(mut self, end: Option<u32>) -> Self {
+        self.document_end = end;
+        self
+    }
+
+    /// The end-of-text id packed documents end with, when the model packs them.
+    pub fn document_end(&self) -> Option<u32> {
+        self.document_end
+    }
+
+    /// The documents of a microbatch whose token ids are `ids` (host memory, `[batch, seq]`),
+    /// placed on `be`, for [`Model::forward_range`]; `None` when the model does not pack
+    /// documents.
+    ///
+    /// # Errors
+    /// Ids not shaped `[batch, seq]`; a failed placement.
+    pub fn documents(
+        &self,
+        be: &dyn Backend,
+        ids: &Tensor,
+    ) -> Result<Option<std::sync::Arc<crate::documents::Documents>>> {
+        let Some(end) = self.document_end else {
+            return Ok(None);
+        };
+        let docs =
+            crate::documents::Documents::of(be, ids, end).map_err(|source| StageError::Kernel {
+                layer: 0,
+                kind: "embedding",
+                op: "documents",
+                source,
+            })?;
+        Ok(Some(std::sync::Arc::new(docs)))
     }
 
     /// Number of layers.
@@ -859,8 +900,9 @@ impl Model {
     }
 
     /// Runs layers `range` forward on `x` (a batch), with `params` holding exactly those
-    /// layers' parameters. `microbatch` identifies the batch for dropout seeds. In training
-    /// each layer's [`Saved`] is returned for the backward (a stand-in where the model
+    /// layers' parameters. `microbatch` identifies the batch for dropout seeds, and
+    /// `documents` its packed documents ([`Model::documents`]; `None` when not packed). In
+    /// training each layer's [`Saved`] is returned for the backward (a stand-in where the model
     /// recomputes, [`Model::with_recompute`]); in evaluation (`train` false) nothing is kept.
     ///
     /// # Errors
@@ -875,6 +917,7 @@ impl Model {
         train: bool,
         seed: u64,
         microbatch: u64,
+        documents: Option<&std::sync::Arc<crate::documents::Documents>>,
     ) -> Result<(Tensor, Vec<Saved>)> {
         let mut saved = Vec::with_capacity(range.len());
         let mut h = x;
@@ -884,18 +927,18 @@ impl Model {
                 train,
                 seed: derive_seed(seed, "layer", ((i as u64) << 40) ^ microbatch),
                 recompute_attention: train && self.recompute == Recompute::Selective,
+                documents: documents.cloned(),
             };
             // Full recomputation keeps a layer's input where it would save more.
             let input = (train && self.recompute == Recompute::Full).then(|| h.clone());
-            let (y, s) =
-                layer
-                    .forward(be, &params[j], h, ctx)
-                    .map_err(|source| StageError::Kernel {
-                        layer: i,
-                        kind: layer.kind(),
-                        op: "forward",
-                        source,
-                    })?;
+            let (y, s) = layer
+                .forward(be, &params[j], h, ctx.clone())
+                .map_err(|source| StageError::Kernel {
+                    layer: i,
+                    kind: layer.kind(),
+                    op: "forward",
+                    source,
+                })?;
             saved.push(match input {
                 Some(x) if s.bytes() > x.len() * 4 => Saved::recompute(x, ctx),
                 // Evaluation has no backward: each layer's activations go as soon as the next

@@ -82,7 +82,7 @@ pub fn generate(
             window.iter().map(|&t| t as f32).collect(),
         )?;
         let (logits, _) =
-            model.forward_range(be, 0..model.len(), params, be.place(x)?, false, 0, 0)?;
+            model.forward_range(be, 0..model.len(), params, be.place(x)?, false, 0, 0, None)?;
         let logits = be.read(&logits)?;
         let vocab = model.output_shape().last().copied().unwrap_or(0);
         let last = &logits[logits.len().saturating_sub(vocab)..];

@@ -902,13 +902,21 @@ pub struct TokenWindows {
     first: u64,
     count: u64,
     stride: u64,
+    /// The end-of-text id of packed documents ([`TokenWindows::packed`]).
+    pack: Option<u32>,
 }
 
 impl PartialEq for TokenWindows {
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.corpus, &other.corpus)
-            && (self.context, self.first, self.count, self.stride)
-                == (other.context, other.first, other.count, other.stride)
+            && (self.context, self.first, self.count, self.stride, self.pack)
+                == (
+                    other.context,
+                    other.first,
+                    other.count,
+                    other.stride,
+                    other.pack,
+                )
     }
 }
 
@@ -921,6 +929,16 @@ impl TokenWindows {
     /// True when the split is empty.
     pub fn is_empty(&self) -> bool {
         self.count == 0
+    }
+
+    /// These windows read as packed documents ending with the id `end`
+    /// ([`crate::documents`]): a label whose input is `end` (the first token of the next
+    /// document, predicted from the one before) becomes
+    /// [`IGNORED_LABEL`](pipe_kernels::IGNORED_LABEL). `None` counts every label.
+    #[must_use]
+    pub fn packed(mut self, end: Option<u32>) -> Self {
+        self.pack = end;
+        self
     }
 
     /// The corpus the windows are read from.
@@ -956,7 +974,18 @@ impl TokenWindows {
         self.corpus
             .read(shard, w * self.context as u64, self.context + 1, ids)?;
         x.extend(ids[..self.context].iter().map(|&t| t as f32));
-        y.extend_from_slice(&ids[1..]);
+        match self.pack {
+            Some(end) => y.extend(ids[..self.context].iter().zip(&ids[1..]).map(
+                |(&input, &label)| {
+                    if input == end {
+                        pipe_kernels::IGNORED_LABEL
+                    } else {
+                        label
+                    }
+                },
+            )),
+            None => y.extend_from_slice(&ids[1..]),
+        }
         Ok(())
     }
 }
@@ -1014,6 +1043,7 @@ pub fn token_splits(
         first: 0,
         count: train_n,
         stride: 1,
+        pack: None,
     };
     let eval = TokenWindows {
         corpus,
@@ -1022,6 +1052,7 @@ pub fn token_splits(
         first: cut,
         count: eval_n.div_ceil(stride),
         stride,
+        pack: None,
     };
     Ok((train, eval))
 }

@@ -38,7 +38,8 @@ fn positions(be: &dyn Backend, n: usize) -> KResult<Tensor> {
 
 /// Token embedding plus learned position embedding: `[tokens]` ids to `[tokens, width]`.
 /// Parameters `token` (`[vocab, width]`) and `position` (`[context, width]`); a batch may be
-/// shorter than `context` (sampling from a short prompt).
+/// shorter than `context` (sampling from a short prompt). With packed documents
+/// ([`ForwardCtx::documents`]) a token's position is its place in its own document.
 #[derive(Debug, Clone, Copy)]
 pub struct Embedding {
     /// Vocabulary size.
@@ -48,6 +49,10 @@ pub struct Embedding {
     /// Longest sequence.
     pub context: usize,
 }
+
+/// Where the embedding's saved tensors keep the per-token positions of packed documents
+/// (after the ids).
+const SAVED_POSITIONS: usize = 1;
 
 impl Layer for Embedding {
     fn kind(&self) -> &'static str {
@@ -88,7 +93,7 @@ impl Layer for Embedding {
         be: &dyn Backend,
         params: &[Tensor],
         x: Tensor,
-        _ctx: ForwardCtx,
+        ctx: ForwardCtx,
     ) -> KResult<(Tensor, Saved)> {
         let (b, t) = batch_and_tokens(&x, "embedding forward")?;
         if t > self.context || x.len() != b * t {
@@ -99,6 +104,13 @@ impl Layer for Embedding {
         }
         let (mut y, mut pos) = (Tensor::default(), Tensor::default());
         be.embedding(&x, &params[0], &mut y)?;
+        if let Some(docs) = &ctx.documents {
+            // Packed documents: each token's position in its own document, row by row.
+            be.embedding(&docs.positions, &params[1], &mut pos)?;
+            be.axpy(1.0, &pos, &mut y)?;
+            let saved = Saved::tensors(vec![x.clone(), docs.positions.clone()]);
+            return Ok((y.reshape(&[b, t, self.width])?, saved));
+        }
         be.embedding(&positions(be, t)?, &params[1], &mut pos)?;
         let pos = pos.reshape(&[t * self.width])?;
         let mut y = y.reshape(&[b, t * self.width])?;
@@ -130,6 +142,9 @@ impl Layer for Embedding {
         let (b, t) = batch_and_tokens(ids, "embedding backward")?;
         let (dtok, dpos) = grads.split_at_mut(1);
         be.embedding_backward(ids, dy, &mut dtok[0], accumulate)?;
+        if let Some(positions) = saved.tensors.get(SAVED_POSITIONS) {
+            return be.embedding_backward(positions, dy, &mut dpos[0], accumulate);
+        }
         let flat = dy.clone().reshape(&[b, t * self.width])?;
         let mut per_position = Tensor::default();
         be.sum_rows(&flat, &mut per_position, false)?;
@@ -149,11 +164,13 @@ pub struct Attention {
 }
 
 /// What the attention forward keeps: its input, the packed query-key-value rows, the
-/// attention output before projection and each row's log-sum-exp (no `T x T` tensor).
+/// attention output before projection and each row's log-sum-exp (no `T x T` tensor), and
+/// with packed documents each token's document start.
 const SAVED_X: usize = 0;
 const SAVED_QKV: usize = 1;
 const SAVED_OUT: usize = 2;
 const SAVED_LSE: usize = 3;
+const SAVED_STARTS: usize = 4;
 
 impl Attention {
     fn shape(&self, x_shape: &[usize]) -> KResult<AttentionShape> {
@@ -187,6 +204,7 @@ impl Attention {
         let mut dqkv = Tensor::default();
         be.attention_backward(
             &s[SAVED_QKV],
+            s.get(SAVED_STARTS),
             &s[SAVED_OUT],
             &s[SAVED_LSE],
             &dout,
@@ -280,19 +298,22 @@ impl Layer for Attention {
         be: &dyn Backend,
         params: &[Tensor],
         x: Tensor,
-        _ctx: ForwardCtx,
+        ctx: ForwardCtx,
     ) -> KResult<(Tensor, Saved)> {
         let shape = self.shape(x.shape())?;
         let mut qkv = Tensor::default();
         be.matmul(&x, Trans::No, &params[0], Trans::No, &mut qkv, false)?;
         be.add_bias(&mut qkv, &params[1])?;
         let (mut out, mut lse) = (Tensor::default(), Tensor::default());
-        be.attention(&qkv, shape, &mut out, &mut lse)?;
+        let starts = ctx.documents.as_ref().map(|d| &d.starts);
+        be.attention(&qkv, starts, shape, &mut out, &mut lse)?;
         let mut y = Tensor::default();
         be.matmul(&out, Trans::No, &params[2], Trans::No, &mut y, false)?;
         be.add_bias(&mut y, &params[3])?;
         let y = y.reshape(x.shape())?;
-        Ok((y, Saved::tensors(vec![x, qkv, out, lse])))
+        let mut saved = vec![x, qkv, out, lse];
+        saved.extend(starts.cloned());
+        Ok((y, Saved::tensors(saved)))
     }
 
     fn backward_input(

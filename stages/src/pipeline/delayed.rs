@@ -369,10 +369,14 @@ fn gradients(
     let (mut loss, mut rows) = (0.0f64, 0usize);
     for (i, mb) in batch.samples.chunks_exact(batch.size).enumerate() {
         let (x, y) = data.train.gather(mb)?;
+        let documents = model.documents(be, &x)?;
+        let scale = batch
+            .mean
+            .loss_scale(pipe_kernels::counted_labels(y.host()?));
         let (x, y): (Tensor, Tensor<u32>) = (be.place(x)?, be.place_ids(y)?);
         let id = batch.first_mb + i as u64;
-        let (logits, saved) = model.forward_range(be, 0..n, params, x, true, seed, id)?;
-        let scale = batch.mean.loss_scale(y.len());
+        let (logits, saved) =
+            model.forward_range(be, 0..n, params, x, true, seed, id, documents.as_ref())?;
         let mut dy = Tensor::default();
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, scale, Some(&mut dy))?;
         if !s.loss_sum.is_finite() {

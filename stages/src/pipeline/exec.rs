@@ -451,6 +451,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             entry_tag: input.tag,
             update_size: run.update_size,
         });
+        let documents = setup.documents(be, mb)?;
         let (y, saved) = setup.model.forward_range(
             be,
             run.layers.clone(),
@@ -459,6 +460,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             true,
             setup.seed,
             setup.microbatch_offset + u64::from(mb),
+            documents.as_ref(),
         )?;
         run.forward_saved
             .insert(mb, ForwardSaved { saved, version: v });
@@ -489,9 +491,10 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
 
     /// The loss of microbatch `mb`'s output; returns the gradient that starts its backward.
     fn loss(&mut self, be: &dyn Backend, mb: u32, y: &Tensor) -> Result<Tensor> {
-        let targets = be.place_ids(self.setup.data.labels(mb)?)?;
+        let labels = self.setup.data.labels(mb)?;
         let mean = UpdateMean::of(&self.setup.plan.schedule.resolved);
-        let scale = mean.loss_scale(targets.len());
+        let scale = mean.loss_scale(pipe_kernels::counted_labels(labels.host()?));
+        let targets = be.place_ids(labels)?;
         let mut dy = Tensor::default();
         let stats = self
             .setup

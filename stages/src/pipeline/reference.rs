@@ -314,6 +314,7 @@ impl Reference<'_, '_> {
         let plan = setup.plan;
         let model = setup.model;
         let mut h = be.place(setup.data.inputs(mb)?)?;
+        let documents = setup.documents(be, mb)?;
         let mut saved_all = Vec::with_capacity(self.versions.len());
         for s in 0..self.versions.len() {
             let v = plan.versions.forward_version(s as u32, mb) as usize;
@@ -325,13 +326,16 @@ impl Reference<'_, '_> {
                 true,
                 setup.seed,
                 setup.microbatch_offset + u64::from(mb),
+                documents.as_ref(),
             )?;
             saved_all.push(saved);
             h = y;
         }
-        let targets = be.place_ids(setup.data.labels(mb)?)?;
+        let labels = setup.data.labels(mb)?;
         let mut g = Tensor::default();
-        let scale = UpdateMean::of(&setup.plan.schedule.resolved).loss_scale(targets.len());
+        let scale = UpdateMean::of(&setup.plan.schedule.resolved)
+            .loss_scale(pipe_kernels::counted_labels(labels.host()?));
+        let targets = be.place_ids(labels)?;
         let stats = setup.loss.evaluate(be, &h, &targets, scale, Some(&mut g))?;
         if let Some(loss) = self.losses.get_mut(mb as usize) {
             *loss = stats.loss_sum;

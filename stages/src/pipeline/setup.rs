@@ -153,6 +153,22 @@ impl<'a> Setup<'a> {
     pub fn with_prediction(self, prediction: crate::remedy::Prediction) -> Self {
         Setup { prediction, ..self }
     }
+
+    /// The packed documents of microbatch `mb` ([`Model::documents`]), derived by every stage
+    /// from the microbatch's token ids; `None` when the model does not pack documents.
+    ///
+    /// # Errors
+    /// Data errors; a failed placement.
+    pub fn documents(
+        &self,
+        be: &dyn pipe_kernels::Backend,
+        mb: u32,
+    ) -> Result<Option<std::sync::Arc<crate::documents::Documents>>> {
+        if self.model.document_end().is_none() {
+            return Ok(None);
+        }
+        self.model.documents(be, &self.data.inputs(mb)?)
+    }
 }
 
 /// What the loss stage reports while the pipeline runs, for the trainer's step records.

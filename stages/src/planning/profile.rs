@@ -217,12 +217,15 @@ pub fn profile_model(
             train: true,
             seed: opts.seed,
             recompute_attention: false,
+            documents: None,
         };
         let forward = time_median(opts.warmup, opts.repeats, || {
             // The forward consumes its input: copy it outside the timed call.
             let input = x.clone();
             seconds(be, || {
-                layer.forward(be, p, input, ctx).map_err(kernel("forward"))
+                layer
+                    .forward(be, p, input, ctx.clone())
+                    .map_err(kernel("forward"))
             })
         })?;
         let (y, saved) = layer.forward(be, p, x, ctx).map_err(kernel("forward"))?;
