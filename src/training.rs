@@ -579,6 +579,29 @@ pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usiz
     );
 }
 
+/// Prints each worker process's estimated peak resident memory (pipe's memory model,
+/// [`pipe_stages::planning::memory`]) for a pipelined run whose partition is settled; the
+/// process term is `process`, the resident bytes of this process before it built its run.
+///
+/// # Errors
+/// A layout or model the estimate cannot build.
+pub fn print_memory_estimate(cfg: &RunConfig, process: u64) -> Result<()> {
+    if !cfg.pipelined {
+        return Ok(());
+    }
+    let workers = pipe_stages::planning::memory::estimate_run(cfg, process)?;
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let each: Vec<String> = workers
+        .iter()
+        .map(|w| format!("w{} {:.1}", w.worker, mib(w.total())))
+        .collect();
+    outln!(
+        "memory estimate per worker (MiB, peak resident): {}",
+        each.join(", ")
+    );
+    Ok(())
+}
+
 /// Settles a measured partition once, on this machine: profiles `model`, prints the cut, and
 /// fixes it in `cfg` so that every worker (thread or process) runs the same.
 ///
@@ -796,8 +819,11 @@ impl Observer for Progress {
                 .stages
                 .iter()
                 .map(|s| {
+                    let peak = s.peak_resident_bytes.map_or(String::new(), |b| {
+                        format!(" peak {:.1} MiB", b as f64 / (1024.0 * 1024.0))
+                    });
                     format!(
-                        "s{} util {:3.0}% staleness {:.2}",
+                        "s{} util {:3.0}% staleness {:.2}{peak}",
                         s.stage,
                         100.0 * s.utilisation,
                         s.staleness

@@ -1366,13 +1366,15 @@ fn log_without_timings(
         .collect()
 }
 
-/// Removes the fields that measure time, wherever they are nested.
+/// Removes the fields that measure time, and the resident memory a worker process measures,
+/// wherever they are nested.
 fn strip_timings(v: &mut serde_json::Value) {
-    const TIMINGS: [&str; 4] = [
+    const TIMINGS: [&str; 5] = [
         "samples_per_sec",
         "tokens_per_sec",
         "elapsed_s",
         "utilisation",
+        "peak_resident_bytes",
     ];
     match v {
         serde_json::Value::Object(map) => {

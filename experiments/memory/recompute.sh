@@ -28,25 +28,13 @@ args=(train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128
       --dataset "tokens:$work/corpus" --stages 4 --schedule pipedream --placement processes
       --threads 1 --partition flops --steps 40 --microbatch-size "${MICROBATCH:-4}"
       --weight-decay-groups all)
+. experiments/memory/lib.sh
 for r in $(seq 1 "$rounds"); do
   for kind in none full selective; do
-    "$pipe" "${args[@]}" --recompute "$kind" > "$work/$kind-$r.txt" 2>&1 &
-    launcher=$!
-    declare -A peak=()
-    while kill -0 "$launcher" 2>/dev/null; do
-      for pid in $(pgrep -P "$launcher" -f "pipe worker" || true); do
-        rank=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | sed -n 's/.*--rank \([0-9]*\).*/\1/p')
-        kb=$(awk '/^VmHWM:/{print $2}' "/proc/$pid/status" 2>/dev/null || true)
-        [ -n "$rank" ] && [ -n "$kb" ] && peak[$rank]=$kb
-      done
-      sleep 0.1
-    done
-    wait "$launcher"
+    run_and_poll "$work/$kind-$r.txt" "$work/peaks" "$kind" "${args[@]}" --recompute "$kind"
     rate=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$work/$kind-$r.txt")
     digest=$(sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$work/$kind-$r.txt" | tail -1)
-    for w in "${!peak[@]}"; do echo "$kind $w ${peak[$w]}" >> "$work/peaks"; done
     echo "$kind $rate $digest" >> "$work/rates"
-    unset peak
   done
 done
 python3 - "$work/peaks" "$work/rates" <<'PY'

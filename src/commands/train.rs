@@ -28,7 +28,8 @@ use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
     Fan, checkpoint_policy, finish_checkpoints, print_done, print_done_line, print_header,
-    print_resuming, resume_from, run_config, serve_metrics, settle_partition, stop_on_ctrl_c,
+    print_memory_estimate, print_resuming, resume_from, run_config, serve_metrics,
+    settle_partition, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::LaunchOptions;
 
@@ -68,6 +69,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         serve_metrics(args.metrics_addr)?;
     }
     cfg.check_resources(None, &pipe_stages::limits::Machine::detect())?;
+    let process = pipe_stages::limits::process_resident_bytes().unwrap_or(0);
     let be = open_backend(cfg.backend, cfg.threads)?;
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
@@ -85,6 +87,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         return Ok(());
     }
     settle_partition(&mut cfg, &model)?;
+    // The model is checked per worker process; threads share one process.
+    if processes {
+        print_memory_estimate(&cfg, process)?;
+    }
     let workers = match &resolved {
         Some(r) => print_pipeline(&cfg, r),
         None => 1,

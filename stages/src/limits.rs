@@ -315,6 +315,32 @@ fn gib(bytes: f64) -> String {
     }
 }
 
+/// This process's resident bytes now (`VmRSS`), the memory model's measured `process` term;
+/// `None` where `/proc/self/status` cannot be read.
+pub fn process_resident_bytes() -> Option<u64> {
+    status_bytes("VmRSS:")
+}
+
+/// This process's peak resident bytes so far (`VmHWM`), what the memory model's estimate is
+/// checked against; `None` where `/proc/self/status` cannot be read.
+pub fn process_peak_bytes() -> Option<u64> {
+    status_bytes("VmHWM:")
+}
+
+/// A `kB` field of `/proc/self/status`, in bytes.
+fn status_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

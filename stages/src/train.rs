@@ -97,6 +97,10 @@ pub struct StageEpochStats {
     /// Mean number of updates between the weights a gradient was computed on and the weights
     /// it was applied to.
     pub staleness: f64,
+    /// The most resident memory a worker of the stage's held at once (`VmHWM`), where each
+    /// worker is its own process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_resident_bytes: Option<u64>,
 }
 
 /// The outcome of a training run.
@@ -220,6 +224,14 @@ pub fn tokens_per_sec(samples_per_sec: f64, targets: usize) -> Option<f64> {
 /// Fewest samples per evaluation batch.
 const MIN_EVAL_SAMPLES: usize = 16;
 
+/// Targets an evaluation batch holds (a classifier's samples; a language model's tokens).
+pub const EVAL_BATCH: usize = 1000;
+
+/// Samples of one evaluation batch of a dataset with `targets` targets per sample.
+pub fn eval_samples(targets: usize) -> usize {
+    (EVAL_BATCH / targets.max(1)).clamp(MIN_EVAL_SAMPLES, EVAL_BATCH)
+}
+
 /// Mean loss and accuracy per target (per sample for classification, per token for a
 /// language model) of `params` on `data`, in batches of about `batch` targets, evaluation
 /// mode.
@@ -239,6 +251,7 @@ pub fn evaluate(
     let samples = (batch / data.targets.max(1))
         .max(MIN_EVAL_SAMPLES)
         .min(batch.max(1));
+    debug_assert!(batch != EVAL_BATCH || samples == eval_samples(data.targets));
     for chunk in order.chunks(samples) {
         let (x, y) = data.gather(chunk)?;
         let documents = model.documents(be, &x)?;

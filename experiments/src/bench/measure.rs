@@ -85,20 +85,6 @@ pub struct Measured {
     pub start_rss_bytes: Option<u64>,
 }
 
-/// A field of `/proc/self/status` in bytes (`VmHWM`, `VmRSS`); `None` off Linux.
-pub fn proc_status_bytes(field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))?
-        .trim_start_matches(':')
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    Some(kib * 1024)
-}
-
 /// Mean of `xs` without its smallest and largest value (MLPerf's rule; all of them when fewer
 /// than three).
 pub fn trimmed_mean(xs: &[f64]) -> f64 {
@@ -314,7 +300,7 @@ pub fn measure(spec: &ConfigSpec, opts: &MeasureOptions) -> Result<Measured, Exp
         .map(|r| [r.start, r.end])
         .collect();
     let samples_per_run = u64::from(plan.schedule.total_microbatches()) * spec.microbatch as u64;
-    let start_rss_bytes = proc_status_bytes("VmRSS");
+    let start_rss_bytes = pipe_stages::limits::process_resident_bytes();
     let workers = plan.schedule.workers();
     let runs = opts.warmup + opts.repeats.max(1);
     let (times, last) = match spec.transport {
@@ -359,7 +345,7 @@ pub fn measure(spec: &ConfigSpec, opts: &MeasureOptions) -> Result<Measured, Exp
         per_worker,
         bubble,
         bytes_sent_per_sample: sent as f64 / samples_per_run as f64,
-        peak_rss_bytes: proc_status_bytes("VmHWM"),
+        peak_rss_bytes: pipe_stages::limits::process_peak_bytes(),
         start_rss_bytes,
     })
 }

@@ -130,6 +130,8 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
             end,
         });
     }
+    // Read once the program has run: its activations and transients have come and gone.
+    core.outcome.peak_resident_bytes = crate::limits::process_peak_bytes().unwrap_or(0);
     Ok(core)
 }
 

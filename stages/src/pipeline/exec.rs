@@ -123,6 +123,9 @@ pub struct WorkerOutcome {
     /// Per update of the loss stage, on its first replica when clipping: (update, the global
     /// gradient norm before clipping).
     pub grad_norms: Vec<(u32, f64)>,
+    /// The peak resident memory of the worker's process when its program ended (`VmHWM`;
+    /// shared by the workers of one process; 0 where it cannot be read).
+    pub peak_resident_bytes: u64,
 }
 
 /// A forward's saved activations, kept until the backward.

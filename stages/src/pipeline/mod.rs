@@ -59,7 +59,7 @@ pub use reference::{ReferenceRun, reference_run, reference_train, reference_trai
 pub use run_plan::RunPlan;
 pub use setup::{LrFn, MicrobatchSource, OrderedSource, Report, Setup};
 pub use train::{
-    PipelineReport, PipelineTrainOptions, initial_params, open_backend, train_pipelined,
-    train_reference, write_seed_checkpoint,
+    PipelineReport, PipelineTrainOptions, initial_params, open_backend, run_partition,
+    train_pipelined, train_reference, write_seed_checkpoint,
 };
 pub use worker::train_worker;

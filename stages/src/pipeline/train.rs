@@ -883,6 +883,7 @@ fn add_outcome(a: &mut WorkerOutcome, o: &WorkerOutcome) {
     a.staleness_sum += o.staleness_sum;
     a.staleness_count += o.staleness_count;
     a.peak_versions = a.peak_versions.max(o.peak_versions);
+    a.peak_resident_bytes = a.peak_resident_bytes.max(o.peak_resident_bytes);
     a.peak_stash_bytes = a.peak_stash_bytes.max(o.peak_stash_bytes);
     a.bytes_sent += o.bytes_sent;
 }
@@ -1229,7 +1230,7 @@ impl<'c> Run<'c> {
             &self.model,
             params,
             &data.test,
-            1000,
+            crate::train::EVAL_BATCH,
         )
     }
 
@@ -1263,7 +1264,13 @@ impl<'c> Run<'c> {
             // One worker over the whole model (no pipeline flag) reports no stages, as a
             // pipeline of one has no utilisation or staleness to speak of.
             stages: if self.cfg.pipelined {
-                stage_stats(&ended.plan.schedule, ended.outcomes, ended.secs)
+                let per_process = self.cfg.placement == crate::config::Placement::Processes;
+                stage_stats(
+                    &ended.plan.schedule,
+                    ended.outcomes,
+                    ended.secs,
+                    per_process,
+                )
             } else {
                 Vec::new()
             },
@@ -1283,8 +1290,14 @@ fn run_id(seed: u64, epoch: u64) -> u64 {
     seed.rotate_left(17) ^ epoch.rotate_left(41) ^ u64::from(std::process::id()) ^ now
 }
 
-/// Each stage's utilisation and measured staleness over an epoch of `secs`.
-fn stage_stats(schedule: &Schedule, outcomes: &[WorkerOutcome], secs: f64) -> Vec<StageEpochStats> {
+/// Each stage's utilisation and measured staleness over an epoch of `secs`, and where each
+/// worker is its own process (`per_process`), its workers' peak resident memory.
+fn stage_stats(
+    schedule: &Schedule,
+    outcomes: &[WorkerOutcome],
+    secs: f64,
+    per_process: bool,
+) -> Vec<StageEpochStats> {
     let layout = schedule.layout();
     (0..schedule.stages())
         .map(|s| {
@@ -1304,6 +1317,14 @@ fn stage_stats(schedule: &Schedule, outcomes: &[WorkerOutcome], secs: f64) -> Ve
                     / (group.len() as f64 * secs.max(1e-9))
                     / f64::from(layout.chunks()),
                 staleness: st_sum / st_n.max(1) as f64,
+                peak_resident_bytes: per_process
+                    .then(|| {
+                        let peaks = group
+                            .iter()
+                            .map(|&w| outcomes[w as usize].peak_resident_bytes);
+                        peaks.max().unwrap_or(0)
+                    })
+                    .filter(|&b| b > 0),
             }
         })
         .collect()

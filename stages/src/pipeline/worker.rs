@@ -741,6 +741,7 @@ fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
     b.extend_from_slice(&o.peak_versions.to_le_bytes());
     b.extend_from_slice(&o.peak_stash_bytes.to_le_bytes());
     b.extend_from_slice(&o.bytes_sent.to_le_bytes());
+    b.extend_from_slice(&o.peak_resident_bytes.to_le_bytes());
     b.extend_from_slice(&(o.losses.len() as u64).to_le_bytes());
     for &(mb, loss, n) in &o.losses {
         b.extend_from_slice(&mb.to_le_bytes());
@@ -799,6 +800,7 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
     let peak_versions = f.u32()?;
     let peak_stash_bytes = f.u64()?;
     let bytes_sent = f.u64()?;
+    let peak_resident_bytes = f.u64()?;
     let n = f.usize()?;
     // Each record is 20 bytes: a count beyond what is left is a lie, refused before any
     // allocation.
@@ -837,6 +839,7 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
         bytes_sent,
         losses,
         grad_norms,
+        peak_resident_bytes,
     })
 }
 
@@ -1014,6 +1017,7 @@ mod tests {
             bytes_sent: 12_345,
             losses: vec![(0, 0.75, 32), (5, 0.5, 32)],
             grad_norms: vec![(0, 1.5), (1, f64::from_bits(0x3ff0_0000_0000_0003))],
+            peak_resident_bytes: 3 << 30,
         }
     }
 
@@ -1032,6 +1036,7 @@ mod tests {
         assert_eq!(back.staleness_sum.to_bits(), o.staleness_sum.to_bits());
         assert_eq!((back.correct, back.samples, back.peak_versions), (7, 64, 4));
         assert_eq!((back.peak_stash_bytes, back.bytes_sent), (1 << 33, 12_345));
+        assert_eq!(back.peak_resident_bytes, 3 << 30);
     }
 
     #[test]
@@ -1059,8 +1064,9 @@ mod tests {
         }
         assert!(decode_summary(&bytes, 2).is_err());
         let mut lie = bytes.clone();
-        // The loss count says far more records than the bytes hold.
-        let at = 4 + 8 * 6 + 4 + 8 * 2;
+        // The loss count says far more records than the bytes hold (after the worker, six
+        // 8-byte fields, the version count, the stash and sent bytes and the peak resident).
+        let at = 4 + 8 * 6 + 4 + 8 * 3;
         lie[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode_summary(&lie, 3).is_err());
         // So does the gradient-norm count, after the two loss records.

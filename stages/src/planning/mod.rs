@@ -9,6 +9,7 @@
 //! as the executor's own all-reduce, and the planner ([`pipe_scheduler::plan_checked`]) picks the
 //! layout under the default cost model.
 
+pub mod memory;
 pub mod profile;
 
 use pipe_kernels::CpuBackend;

@@ -1,0 +1,476 @@
+//! pipe's memory model: what one worker holds at its peak, term by term, from the run's
+//! model, layout, schedule, optimizer and recomputation, before the run starts.
+//!
+//! The terms follow where a worker's resident memory goes, traced action by action on the
+//! recomputation experiment (`docs/training.md`, "The memory model"):
+//! - **process**: the `pipe` process before it builds its run (code, libraries, data maps),
+//!   measured, not modelled: the process that estimates reads its own;
+//! - **runtime**: what every worker adds besides its tensors (message buffers, the kernels'
+//!   scratch, thread stacks, the allocator's own pages): a constant of this build, measured;
+//! - **start**: the whole model's starting weights, which every worker builds or reads to
+//!   slice its stages from (the chief keeps a second copy to evaluate and checkpoint);
+//! - **state**: its stages' weights and optimizer moments kept across segments (the drained
+//!   state a checkpoint and survival read);
+//! - **core**: the same placed for the run, with the gradient buffers;
+//! - **versions**: the older weight versions weight stashing keeps (one per microbatch in
+//!   flight beyond the first under PipeDream, one under 2BW);
+//! - **activations**: what each microbatch in flight keeps from its forward to its backward,
+//!   at the peak count its program reaches, measured per layer by running the layer on a
+//!   probe (so recomputation's stand-ins count as what they are);
+//! - **working**: one pass's working set: the largest layer's full activations (rebuilt in
+//!   the backward under recomputation), their gradients, its input and output, and the
+//!   allocator's blocks between them ([`WORKING_FACTOR`] times the layer's activations);
+//! - **loss**: at the last stage, the logits, their gradient and the softmax;
+//! - **evaluation**: at the chief, what the end of an epoch needs beyond training's peak: the
+//!   gathered weights and a validation batch's working set (the allocator reuses the training
+//!   activations' freed blocks for it only in part).
+//!
+//! Other features add their terms here (a delay correction's stale weights, the GPU's
+//! activation precision). The model's constants were measured with mimalloc holding freed
+//! memory for reuse (`pipe`'s setting), on the CPU backend; `experiments/memory/model.sh`
+//! measures it again.
+
+use pipe_kernels::{CpuBackend, Tensor};
+use pipe_scheduler::{Action, Policy, WorkerId};
+
+use crate::config::RunConfig;
+use crate::error::Result;
+use crate::layers::ForwardCtx;
+use crate::model::Model;
+use crate::pipeline::RunPlan;
+
+/// Bytes of an `f32` element.
+const F32: u64 = 4;
+
+/// What a worker adds besides its tensors: message buffers, the kernels' per-thread scratch,
+/// thread stacks and the allocator's own pages (30 MiB, measured on the recomputation
+/// experiment's followers with one compute thread each).
+pub const RUNTIME_BYTES: u64 = 30 << 20;
+
+/// One pass's working set as a multiple of the largest layer's activations (with its input
+/// and output): the forward's activations, the backward's gradients of them, and the freed
+/// blocks the allocator keeps between them, measured (2.7 on the recomputation experiment).
+pub const WORKING_FACTOR: f64 = 2.7;
+
+/// The logits' share of the last stage's loss: the logits, their gradient and the softmax.
+const LOSS_COPIES: f64 = 3.0;
+
+/// The most tokens of a sequence the layer probe runs: activations grow with the token count
+/// and are scaled from it.
+const PROBE_TOKENS: usize = 16;
+
+/// One term of a worker's estimate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemoryTerm {
+    /// What it counts (the names in the module's documentation).
+    pub name: &'static str,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// One worker's estimated peak resident memory, by term.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerMemory {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its terms, in the module documentation's order; zero terms are kept.
+    pub terms: Vec<MemoryTerm>,
+}
+
+impl WorkerMemory {
+    /// The estimate: every term added.
+    pub fn total(&self) -> u64 {
+        self.terms.iter().map(|t| t.bytes).sum()
+    }
+}
+
+/// What a layer keeps and works on per sample, in bytes, measured by a probe.
+#[derive(Clone, Copy, Debug, Default)]
+struct LayerBytes {
+    /// What its forward keeps for the backward under the model's recomputation.
+    kept: f64,
+    /// What its forward computes and would keep without recomputation.
+    full: f64,
+    /// Its output.
+    output: f64,
+    /// Its input.
+    input: f64,
+}
+
+impl LayerBytes {
+    /// One pass through the layer: its full activations, input and output.
+    fn working(&self) -> f64 {
+        self.full + self.input + self.output
+    }
+}
+
+/// What the run's workers hold, besides the facts in its plan.
+#[derive(Clone, Copy, Debug)]
+pub struct MemoryInputs {
+    /// Samples per microbatch.
+    pub microbatch_size: usize,
+    /// Copies of the parameters the optimizer keeps beyond the weights
+    /// ([`crate::optim::OptimizerKind::state_copies`]: the gradient and its moments).
+    pub state_copies: f64,
+    /// The process's own resident bytes before the run
+    /// ([`crate::limits::process_resident_bytes`]).
+    pub process: u64,
+    /// Samples of one validation batch at the chief (0: no evaluation).
+    pub eval_samples: usize,
+}
+
+/// The estimate for every worker of the pipelined run `cfg`, whose partition is settled
+/// (given, or by FLOPs), with `process` the resident bytes of a `pipe` process before it
+/// builds its run ([`crate::limits::process_resident_bytes`] where the caller has built
+/// nothing yet).
+///
+/// # Errors
+/// A partition still to be measured; an impossible layout; a layer the probe cannot run.
+pub fn estimate_run(cfg: &RunConfig, process: u64) -> Result<Vec<WorkerMemory>> {
+    let model = Model::new(&cfg.model)?.with_recompute(cfg.recompute);
+    let partition = crate::pipeline::run_partition(cfg)?;
+    // Enough updates for every stage to reach its steady count in flight.
+    let updates = cfg.stages as u32 + 2;
+    let spec = cfg.schedule_spec(pipe_scheduler::Length::Updates(updates));
+    let plan = RunPlan::new(&model, &spec, partition)?;
+    let targets = model.output_shape().first().copied().unwrap_or(1).max(1);
+    let sequence = reads_tokens(&model);
+    let inputs = MemoryInputs {
+        microbatch_size: cfg.microbatch_size,
+        state_copies: cfg.optimizer.kind.state_copies(),
+        process,
+        eval_samples: crate::train::eval_samples(if sequence { targets } else { 1 }),
+    };
+    estimate(&model, &plan, inputs)
+}
+
+/// The estimate for every worker of `plan`.
+///
+/// # Errors
+/// A layer the probe cannot run.
+pub fn estimate(model: &Model, plan: &RunPlan, inputs: MemoryInputs) -> Result<Vec<WorkerMemory>> {
+    let layers = probe_layers(model)?;
+    let b = inputs.microbatch_size as f64;
+    let param_bytes: Vec<u64> = (0..model.len())
+        .map(|i| {
+            let shapes = model.layer(i).param_shapes();
+            shapes.iter().map(|(_, s)| elements(s)).sum::<u64>() * F32
+        })
+        .collect();
+    let total_params: u64 = param_bytes.iter().sum();
+    let moments = (inputs.state_copies - 1.0).max(0.0);
+    let schedule = &plan.schedule;
+    let stages = schedule.stages();
+    let mut out = Vec::new();
+    for w in 0..schedule.workers() {
+        let own: Vec<u32> = schedule.layout().stages_of(w).collect();
+        let params: u64 = own
+            .iter()
+            .flat_map(|&s| plan.partition.range(s as usize))
+            .map(|l| param_bytes[l])
+            .sum();
+        let held = peak_in_flight(&schedule.programs[w as usize], &own);
+        let kept: f64 = own
+            .iter()
+            .zip(&held.per_stage)
+            .map(|(&s, &n)| n as f64 * stage_sum(&layers, plan, s, |l| l.kept))
+            .sum::<f64>()
+            * b;
+        let working = WORKING_FACTOR
+            * own
+                .iter()
+                .flat_map(|&s| plan.partition.range(s as usize))
+                .map(|l| layers[l].working())
+                .fold(0.0, f64::max)
+            * b;
+        let logits = layers.last().map_or(0.0, |l| l.output);
+        let last = own.contains(&(stages - 1));
+        let loss = if last { LOSS_COPIES * logits * b } else { 0.0 };
+        let chief = w == 0;
+        let versions = extra_versions(schedule.resolved.policy, held.total) as f64 * params as f64;
+        // The chief's end of an epoch: the gathered weights and one validation batch through
+        // the whole model, beyond what training's activations left free.
+        let evaluation = if chief && inputs.eval_samples > 0 {
+            let n = inputs.eval_samples as f64;
+            let widest = layers.iter().map(LayerBytes::working).fold(0.0, f64::max);
+            let end = total_params as f64 + WORKING_FACTOR * widest * n + LOSS_COPIES * logits * n;
+            (end - (kept + working + loss)).max(0.0)
+        } else {
+            0.0
+        };
+        let start = if chief { 2 } else { 1 } * total_params;
+        let terms = [
+            ("process", inputs.process as f64),
+            ("runtime", RUNTIME_BYTES as f64),
+            ("start", start as f64),
+            ("state", (1.0 + moments) * params as f64),
+            ("core", (1.0 + inputs.state_copies) * params as f64),
+            ("versions", versions),
+            ("activations", kept),
+            ("working", working),
+            ("loss", loss),
+            ("evaluation", evaluation),
+        ];
+        out.push(WorkerMemory {
+            worker: w,
+            terms: terms
+                .into_iter()
+                .map(|(name, bytes)| MemoryTerm {
+                    name,
+                    bytes: bytes.round() as u64,
+                })
+                .collect(),
+        });
+    }
+    Ok(out)
+}
+
+/// A model whose samples are token sequences (its first layer embeds them): its activations
+/// grow with the token count, and a sample's targets are its tokens.
+fn reads_tokens(model: &Model) -> bool {
+    !model.is_empty() && model.layer(0).kind() == "embedding"
+}
+
+/// `f` summed over the layers of stage `s`.
+fn stage_sum(layers: &[LayerBytes], plan: &RunPlan, s: u32, f: impl Fn(&LayerBytes) -> f64) -> f64 {
+    plan.partition
+        .range(s as usize)
+        .map(|l| f(&layers[l]))
+        .sum()
+}
+
+fn elements(shape: &[usize]) -> u64 {
+    shape.iter().map(|&d| d as u64).product()
+}
+
+/// Weight versions beyond the newest a stage keeps with `in_flight` microbatches between
+/// their forward and backward (as the planner counts them,
+/// [`pipe_scheduler::planner::worker_memory_bytes`]).
+fn extra_versions(policy: Policy, in_flight: u32) -> u32 {
+    match policy {
+        Policy::PipeDream | Policy::VerticalSync => in_flight.saturating_sub(1),
+        Policy::TwoBw => 1,
+        _ => 0,
+    }
+}
+
+/// The most microbatches a worker's program holds between forward and backward.
+struct InFlight {
+    /// Per own stage (in the order given), the most at once.
+    per_stage: Vec<u32>,
+    /// Over all its stages at once.
+    total: u32,
+}
+
+/// Reads a worker's program: a microbatch is held from its forward to its last backward
+/// action (the weight half of a split backward, where there is one).
+fn peak_in_flight(program: &[Action], own: &[u32]) -> InFlight {
+    use std::collections::HashMap;
+    let mut last_backward: HashMap<(u32, u32), usize> = HashMap::new();
+    for (pc, a) in program.iter().enumerate() {
+        if let Action::Backward { stage, mb }
+        | Action::BackwardInput { stage, mb }
+        | Action::BackwardWeight { stage, mb } = *a
+        {
+            last_backward.insert((stage, mb), pc);
+        }
+    }
+    let mut held = vec![0u32; own.len()];
+    let (mut per_stage, mut total) = (vec![0u32; own.len()], 0u32);
+    let index = |stage: u32| own.iter().position(|&s| s == stage);
+    for (pc, a) in program.iter().enumerate() {
+        match *a {
+            Action::Forward { stage, .. } => {
+                if let Some(i) = index(stage) {
+                    held[i] += 1;
+                }
+            }
+            Action::Backward { stage, mb }
+            | Action::BackwardInput { stage, mb }
+            | Action::BackwardWeight { stage, mb }
+                if last_backward.get(&(stage, mb)) == Some(&pc) =>
+            {
+                if let Some(i) = index(stage) {
+                    held[i] = held[i].saturating_sub(1);
+                }
+            }
+            _ => {}
+        }
+        for (p, &h) in per_stage.iter_mut().zip(&held) {
+            *p = (*p).max(h);
+        }
+        total = total.max(held.iter().sum());
+    }
+    InFlight { per_stage, total }
+}
+
+/// Per layer, per sample: what it keeps, computes, takes and gives, from one forward of each
+/// layer on a one-sample probe of zeros with zero parameters. A sequence model's probe is
+/// [`PROBE_TOKENS`] long and its bytes are scaled to the full length: every activation of a
+/// token model grows with its token count (attention keeps no `T x T` tensor).
+fn probe_layers(model: &Model) -> Result<Vec<LayerBytes>> {
+    let be = CpuBackend::new(1)?;
+    let sequence = reads_tokens(model);
+    let full_tokens = model.input_shape().first().copied().unwrap_or(1).max(1);
+    let tokens = if sequence {
+        full_tokens.min(PROBE_TOKENS)
+    } else {
+        full_tokens
+    };
+    let scale = if sequence {
+        full_tokens as f64 / tokens as f64
+    } else {
+        1.0
+    };
+    let probe_shape = |i: usize| -> Vec<usize> {
+        let mut s = vec![1];
+        s.extend_from_slice(model.shape_before(i));
+        if sequence {
+            s[1] = tokens;
+        }
+        s
+    };
+    (0..model.len())
+        .map(|i| {
+            let x = Tensor::zeros(&probe_shape(i));
+            let params = model.zero_grads(i..i + 1);
+            let input = x.len() as f64 * 4.0;
+            let ctx = ForwardCtx {
+                train: true,
+                seed: 0,
+                recompute_attention: false,
+                documents: None,
+            };
+            let kernel = |source| crate::StageError::Kernel {
+                layer: i,
+                kind: model.layer(i).kind(),
+                op: "memory probe",
+                source,
+            };
+            let (y, full) = model
+                .layer(i)
+                .forward(&be, &params[0], x.clone(), ctx)
+                .map_err(kernel)?;
+            let (_, kept) = model.forward_range(&be, i..i + 1, &params, x, true, 0, 0, None)?;
+            let kept: usize = kept.iter().map(|s| s.bytes()).sum();
+            Ok(LayerBytes {
+                kept: kept as f64 * scale,
+                full: full.bytes() as f64 * scale,
+                output: y.len() as f64 * 4.0 * scale,
+                input: input * scale,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipe_scheduler::Action as A;
+
+    #[test]
+    fn a_microbatch_is_held_from_its_forward_to_its_last_backward() {
+        let program = [
+            A::Forward { stage: 0, mb: 0 },
+            A::Forward { stage: 0, mb: 1 },
+            A::BackwardInput { stage: 0, mb: 0 },
+            A::Forward { stage: 0, mb: 2 },
+            A::BackwardWeight { stage: 0, mb: 0 },
+            A::Backward { stage: 0, mb: 1 },
+            A::Backward { stage: 0, mb: 2 },
+        ];
+        let held = peak_in_flight(&program, &[0]);
+        assert_eq!((held.per_stage, held.total), (vec![3], 3));
+    }
+}
+
+#[cfg(test)]
+mod model_tests {
+    use super::*;
+    use crate::layer::Recompute;
+    use crate::model::ModelSpec;
+    use crate::transformer::GptShape;
+    use pipe_scheduler::{Length, ScheduleSpec};
+
+    fn gpt(recompute: Recompute) -> Model {
+        let shape = GptShape {
+            blocks: 4,
+            width: 32,
+            heads: 2,
+            context: 64,
+        };
+        Model::new(&ModelSpec::gpt(shape, 50, true))
+            .unwrap()
+            .with_recompute(recompute)
+    }
+
+    /// The probe runs 16 tokens and scales: what it gives is what a forward of the whole
+    /// length keeps, layer by layer.
+    #[test]
+    fn the_scaled_probe_is_what_a_full_length_forward_keeps() {
+        let be = CpuBackend::new(1).unwrap();
+        for recompute in [Recompute::None, Recompute::Full, Recompute::Selective] {
+            let model = gpt(recompute);
+            let probed = probe_layers(&model).unwrap();
+            let params = model.init_params(1);
+            let x = Tensor::zeros(&[1, 64]);
+            let (_, saved) = model
+                .forward_range(&be, 0..model.len(), &params, x, true, 0, 0, None)
+                .unwrap();
+            for (i, (p, s)) in probed.iter().zip(&saved).enumerate() {
+                assert_eq!(p.kept, s.bytes() as f64, "{recompute:?} layer {i}");
+            }
+        }
+    }
+
+    fn workers(model: &Model, policy: Policy) -> Vec<WorkerMemory> {
+        let spec = ScheduleSpec::new(policy, 4, 4).with_length(Length::Updates(6));
+        let plan = RunPlan::new(model, &spec, None).unwrap();
+        let inputs = MemoryInputs {
+            microbatch_size: 8,
+            state_copies: 3.0,
+            process: 0,
+            eval_samples: 16,
+        };
+        estimate(model, &plan, inputs).unwrap()
+    }
+
+    fn term(w: &WorkerMemory, name: &str) -> u64 {
+        w.terms.iter().find(|t| t.name == name).unwrap().bytes
+    }
+
+    /// PipeDream keeps 4, 3, 2 and 1 microbatches in flight and as many weight versions at
+    /// its four stages; recomputation lowers what they keep, and a flush keeps one version.
+    #[test]
+    fn in_flight_counts_versions_and_recomputation_shape_the_terms() {
+        let (none, full) = (gpt(Recompute::None), gpt(Recompute::Full));
+        let kept = workers(&none, Policy::PipeDream);
+        let probed = probe_layers(&none).unwrap();
+        let spec = ScheduleSpec::new(Policy::PipeDream, 4, 4).with_length(Length::Updates(6));
+        let plan = RunPlan::new(&none, &spec, None).unwrap();
+        for (s, w) in kept.iter().enumerate() {
+            let per_mb: f64 = plan.partition.range(s).map(|l| probed[l].kept).sum::<f64>() * 8.0;
+            let in_flight = 4 - s as u64;
+            assert_eq!(
+                term(w, "activations"),
+                (in_flight as f64 * per_mb).round() as u64
+            );
+            let params = term(w, "core") / 4;
+            assert_eq!(term(w, "versions"), (in_flight - 1) * params, "stage {s}");
+        }
+        let recomputing = workers(&full, Policy::PipeDream);
+        for (a, b) in kept.iter().zip(&recomputing) {
+            assert!(term(b, "activations") < term(a, "activations") / 2);
+            assert_eq!(term(b, "working"), term(a, "working"));
+        }
+        for w in workers(&none, Policy::OneFOneBFlush) {
+            assert_eq!(term(&w, "versions"), 0);
+        }
+        // Only the chief evaluates (where its end of an epoch needs more than training left),
+        // only the chief keeps a second copy of the starting weights, and only the last stage
+        // computes the loss.
+        assert!(kept[1..].iter().all(|w| term(w, "evaluation") == 0));
+        assert_eq!(term(&kept[0], "start"), 2 * term(&kept[1], "start"));
+        assert!(term(&kept[3], "loss") > 0 && term(&kept[2], "loss") == 0);
+    }
+}
