@@ -33,13 +33,19 @@ fn tmp(name: &str) -> PathBuf {
 
 /// Tiny Shakespeare through the BPE into shards of `shard_tokens` ids.
 fn bpe_corpus(name: &str, shard_tokens: &str) -> PathBuf {
+    tokenized(Path::new(SHAKESPEARE), name, shard_tokens)
+}
+
+/// `input` (a file, or a directory of documents) through the BPE into shards of
+/// `shard_tokens` ids, in a corpus named `name`.
+fn tokenized(input: &Path, name: &str, shard_tokens: &str) -> PathBuf {
     let out = tmp(name);
     ok(&pipe(&[
         "tokenize",
         "--tokenizer",
         BPE,
         "--input",
-        SHAKESPEARE,
+        s(input),
         "--out",
         s(&out),
         "--shard-tokens",
@@ -422,17 +428,7 @@ fn document_corpus(name: &str) -> PathBuf {
     for (i, chunk) in lines.chunks(200).enumerate() {
         std::fs::write(docs.join(format!("doc-{i:04}.txt")), chunk.join("\n")).unwrap();
     }
-    let out = tmp(name);
-    ok(&pipe(&[
-        "tokenize",
-        "--tokenizer",
-        BPE,
-        "--input",
-        s(&docs),
-        "--out",
-        s(&out),
-    ]));
-    out
+    tokenized(&docs, name, "1000000")
 }
 
 /// `--pack-documents`: the header says so; the run differs from the same windows unpacked;

@@ -227,9 +227,18 @@ const MIN_EVAL_SAMPLES: usize = 16;
 /// Targets an evaluation batch holds (a classifier's samples; a language model's tokens).
 pub const EVAL_BATCH: usize = 1000;
 
-/// Samples of one evaluation batch of a dataset with `targets` targets per sample.
+/// Samples of one evaluation batch of `EVAL_BATCH` targets, for a dataset with `targets`
+/// targets per sample (what the chief's end of an epoch holds at once).
 pub fn eval_samples(targets: usize) -> usize {
-    (EVAL_BATCH / targets.max(1)).clamp(MIN_EVAL_SAMPLES, EVAL_BATCH)
+    samples_per_batch(EVAL_BATCH, targets)
+}
+
+/// Samples in a batch of `batch` targets, `targets` per sample: at least
+/// `MIN_EVAL_SAMPLES` windows of a language model, at most `batch` samples.
+fn samples_per_batch(batch: usize, targets: usize) -> usize {
+    (batch / targets.max(1))
+        .max(MIN_EVAL_SAMPLES)
+        .min(batch.max(1))
 }
 
 /// Mean loss and accuracy per target (per sample for classification, per token for a
@@ -248,10 +257,7 @@ pub fn evaluate(
     let order: Vec<u32> = (0..data.len() as u32).collect();
     let (mut loss, mut correct, mut rows) = (0.0f64, 0usize, 0usize);
     // `batch` counts targets: a language model's sample holds a window of them.
-    let samples = (batch / data.targets.max(1))
-        .max(MIN_EVAL_SAMPLES)
-        .min(batch.max(1));
-    debug_assert!(batch != EVAL_BATCH || samples == eval_samples(data.targets));
+    let samples = samples_per_batch(batch, data.targets);
     for chunk in order.chunks(samples) {
         let (x, y) = data.gather(chunk)?;
         let documents = model.documents(be, &x)?;
