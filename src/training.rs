@@ -140,8 +140,9 @@ pub struct TrainArgs {
     /// layer keeps its input, a transformer block instead of its attention and MLP
     /// activations, and runs its forward again in the backward); selective (only the
     /// attention layers' activations are recomputed). Same bits, less memory, more compute.
-    #[arg(long, value_name = "none|full|selective")]
-    recompute: Option<pipe_stages::layer::Recompute>,
+    /// One kind for every stage, or one per stage (`full,full,none,none`).
+    #[arg(long, value_name = "none|full|selective[,...]")]
+    recompute: Option<pipe_stages::layer::StageRecompute>,
     /// Read a tokenized corpus's windows as packed documents: attention stops at each
     /// document's start (after an end-of-text id), positions restart there, and a document's
     /// first token is not a loss term.
@@ -331,7 +332,7 @@ impl TrainArgs {
             steps: self.steps,
             eval_every: self.eval_every,
             data_order: self.data_order,
-            recompute: self.recompute,
+            recompute: self.recompute.clone(),
             pack_documents: self.pack_documents.then_some(true),
             microbatch_size: self.microbatch_size,
             microbatches: self.microbatches,
@@ -553,7 +554,7 @@ pub fn stop_on_ctrl_c(announce: bool) -> Arc<AtomicBool> {
 /// the precision of the products.
 pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usize) {
     outln!(
-        "pipe train: model {} ({} parameters), {} ({} train / {} test{}), {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
+        "pipe train: model {} ({} parameters), {} ({} train / {} test{}){}, {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
         cfg.model_name,
         model.param_count(),
         data.train.name.trim_end_matches("-train"),
@@ -563,6 +564,7 @@ pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usiz
             Some(end) => format!(", packed documents ending with id {end}"),
             None => String::new(),
         },
+        recompute_note(&cfg.recompute),
         cfg.epochs,
         cfg.microbatch_size,
         cfg.microbatches,
@@ -577,6 +579,15 @@ pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usiz
             pipe_kernels::BackendKind::Cuda(p) => format!(", cuda ({p} products)"),
         }
     );
+}
+
+/// The header's note on recomputation: nothing when no stage recomputes.
+fn recompute_note(recompute: &pipe_stages::layer::StageRecompute) -> String {
+    match recompute.kinds() {
+        _ if !recompute.any() => String::new(),
+        [one] => format!(", recompute {}", one.name()),
+        _ => format!(", recompute per stage {recompute}"),
+    }
 }
 
 /// Prints each worker process's estimated peak resident memory (pipe's memory model,

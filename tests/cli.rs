@@ -694,6 +694,48 @@ fn profile_plan_and_train_the_plan() {
     );
 }
 
+/// `pipe plan --memory` recomputes where keeping activations does not fit, writes it into
+/// the plan file, and `pipe train --plan` runs it: a profile of gpt-mini's 11 layers whose
+/// blocks keep 64 MB per microbatch, or 1 MB recomputing.
+#[test]
+fn a_plan_under_a_memory_bound_recomputes_and_trains_so() {
+    let layer = |name: &str, stash: f64, recomputed: f64| {
+        format!(
+            r#"{{"name": "{name}", "forward": 0.001, "backward_input": 0.002, "activation_bytes": 1e6, "param_bytes": 1e5, "stash_bytes": {stash}, "recompute_stash_bytes": {recomputed}}}"#
+        )
+    };
+    let mut layers = vec![layer("embedding", 1e6, 1e6)];
+    layers.extend((0..8).map(|_| layer("block", 64e6, 1e6)));
+    layers.extend([layer("norm", 1e6, 1e6), layer("head", 1e6, 1e6)]);
+    let profile = tmp("recompute-profile.json");
+    std::fs::write(
+        &profile,
+        format!(
+            r#"{{"model": "gpt-mini", "microbatch_size": 4, "layers": [{}]}}"#,
+            layers.join(", ")
+        ),
+    )
+    .unwrap();
+    let plan = tmp("recompute-plan.toml");
+    let text = pipe_ok(&[
+        "plan",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--stages",
+        "2",
+        "--memory",
+        "600MB",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(text.contains("recompute full on stage(s) 0:"), "{text}");
+    let written = std::fs::read_to_string(&plan).unwrap();
+    assert!(written.contains("recompute = \"full,none\""), "{written}");
+    let text = pipe_ok(&["train", "--plan", plan.to_str().unwrap(), "--steps", "1"]);
+    assert!(text.contains("recompute per stage full,none"), "{text}");
+    assert!(text.contains("done: 1 steps"), "{text}");
+}
+
 #[test]
 fn train_with_workers_plans_automatically() {
     let text = pipe_ok(&[

@@ -745,6 +745,14 @@ fn plan_rows() -> Vec<Row> {
             "names no model",
         ),
         plan("not a plan", "p.toml"),
+        plan(
+            &format!("{PLAN_OK}recompute = \"full,none,full\"\n"),
+            "names 3 stages, but the run has 2",
+        ),
+        plan(
+            &format!("{PLAN_OK}recompute = \"full,sometimes\"\n"),
+            "unknown recomputation 'sometimes'",
+        ),
         with(
             "train --plan {d}/p.toml --model mlp-784-32-10 --steps 1",
             text("p.toml", PLAN_OK),
@@ -1326,6 +1334,14 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
         row(
             "train --recompute some --steps 1",
             "unknown recomputation 'some'",
+        ),
+        row(
+            "train --stages 2 --recompute full,none,full --steps 1",
+            "names 3 stages, but the run has 2",
+        ),
+        config(
+            "recompute = \"full,,none\"\n",
+            "unknown recomputation ''",
         ),
         row(
             "train --model gpt-mini --pack-documents --steps 1",

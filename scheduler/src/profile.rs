@@ -43,6 +43,12 @@ pub struct LayerProfile {
     /// output activation, as PipeDream's files assume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stash_bytes: Option<f64>,
+    /// Bytes the layer keeps per microbatch when its backward recomputes its activations
+    /// (its input, where that is less than what it keeps otherwise; default: the same as
+    /// without recomputation, so a planner never picks it for nothing). Recomputing costs
+    /// one more forward in the backward.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_stash_bytes: Option<f64>,
 }
 
 impl LayerProfile {
@@ -59,11 +65,12 @@ impl LayerProfile {
             activation_bytes: 0.0,
             param_bytes: 0.0,
             stash_bytes: None,
+            recompute_stash_bytes: None,
         }
     }
 
     /// Every figure of the layer by name, as checks and messages name them.
-    pub fn fields(&self) -> [(&'static str, f64); 8] {
+    pub fn fields(&self) -> [(&'static str, f64); 9] {
         [
             ("forward", self.forward),
             ("backward_input", self.backward_input),
@@ -73,6 +80,7 @@ impl LayerProfile {
             ("activation_bytes", self.activation_bytes),
             ("param_bytes", self.param_bytes),
             ("stash_bytes", self.stash()),
+            ("recompute_stash_bytes", self.recompute_stash()),
         ]
     }
 
@@ -90,6 +98,11 @@ impl LayerProfile {
     /// Bytes kept per in-flight microbatch for the backward.
     pub fn stash(&self) -> f64 {
         self.stash_bytes.unwrap_or(self.activation_bytes)
+    }
+
+    /// Bytes kept per in-flight microbatch for the backward when it recomputes.
+    pub fn recompute_stash(&self) -> f64 {
+        self.recompute_stash_bytes.unwrap_or_else(|| self.stash())
     }
 }
 
@@ -222,6 +235,7 @@ impl Profile {
                 activation_bytes: get("activation_size")?,
                 param_bytes: get("parameter_size")?,
                 stash_bytes: None,
+                recompute_stash_bytes: None,
             });
         }
         let mut edges = Vec::with_capacity(raw_edges.len());

@@ -142,17 +142,26 @@ fn compositions(w: u32, k: usize) -> Vec<Vec<u32>> {
 }
 
 fn layer() -> impl Strategy<Value = LayerProfile> {
-    (0.0f64..10.0, 0.0f64..20.0, 0.0f64..1e4, 0.0f64..1e4).prop_map(|(f, bw, a, p)| LayerProfile {
-        name: "l".into(),
-        forward: f,
-        backward_input: bw,
-        backward_weight: 0.0,
-        backward: None,
-        update: 0.0,
-        activation_bytes: a,
-        param_bytes: p,
-        stash_bytes: None,
-    })
+    (
+        0.0f64..10.0,
+        0.0f64..20.0,
+        0.0f64..1e4,
+        0.0f64..1e4,
+        prop::option::of(0.0f64..1.0),
+    )
+        .prop_map(|(f, bw, a, p, kept)| LayerProfile {
+            name: "l".into(),
+            forward: f,
+            backward_input: bw,
+            backward_weight: 0.0,
+            backward: None,
+            update: 0.0,
+            activation_bytes: a,
+            param_bytes: p,
+            stash_bytes: None,
+            // Some layers keep a share of their activations when they recompute.
+            recompute_stash_bytes: kept.map(|k| k * a),
+        })
 }
 
 proptest! {
@@ -222,10 +231,10 @@ fn default_stage(
     let ls = &p.layers[s.clone()];
     let rf = f64::from(r);
     let m = f64::from(o.microbatches);
-    let c: f64 = ls.iter().map(LayerProfile::compute).sum();
+    let (mem, again) = default_stage_memory(p, o, s, r, after);
+    let c: f64 = ls.iter().map(LayerProfile::compute).sum::<f64>() + again;
     let u: f64 = ls.iter().map(|l| l.update).sum();
     let pb: f64 = ls.iter().map(|l| l.param_bytes).sum();
-    let stash: f64 = ls.iter().map(|l| l.activation_bytes).sum();
     let work = (c + u / m) / rf
         + if r > 1 {
             (2.0 * (rf - 1.0) / rf * pb / o.bandwidth + 2.0 * (rf - 1.0) * o.latency) / (m * rf)
@@ -249,6 +258,22 @@ fn default_stage(
             .sum::<f64>()
             / rf
     };
+    (time, mem)
+}
+
+/// The memory model's bytes for one worker of stage `s` (written out here, term by term, as
+/// `docs/planning.md` gives them), and the forward time recomputation adds: the stage keeps
+/// its activations when they fit the bound, else recomputes where that fits.
+fn default_stage_memory(
+    p: &Profile,
+    o: &PlanOptions,
+    s: &std::ops::Range<usize>,
+    r: u32,
+    after: u32,
+) -> (f64, f64) {
+    let ls = &p.layers[s.clone()];
+    let m = f64::from(o.microbatches);
+    let pb: f64 = ls.iter().map(|l| l.param_bytes).sum();
     let in_flight = f64::from(after.div_ceil(r));
     let (versions, acts) = match o.policy {
         Policy::PipeDream | Policy::VerticalSync => (in_flight, in_flight),
@@ -257,7 +282,42 @@ fn default_stage(
         Policy::Gpipe => (1.0, m),
         _ => (1.0, in_flight.min(m)),
     };
-    (time, (versions + o.state_copies) * pb + acts * stash)
+    let stash = |l: &LayerProfile| l.stash_bytes.unwrap_or(l.activation_bytes);
+    let pass = s
+        .clone()
+        .map(|i| {
+            let input = if i > 0 {
+                p.layers[i - 1].activation_bytes
+            } else {
+                0.0
+            };
+            stash(&p.layers[i]) + input + p.layers[i].activation_bytes
+        })
+        .fold(0.0, f64::max);
+    let loss = if s.end == p.layers.len() {
+        3.0 * p.layers[s.end - 1].activation_bytes
+    } else {
+        0.0
+    };
+    let bytes = |kept: f64| {
+        o.worker_base + (versions + 2.0 * o.state_copies) * pb + acts * kept + 2.7 * pass + loss
+    };
+    let kept: f64 = ls.iter().map(stash).sum();
+    let recomputed: f64 = ls
+        .iter()
+        .map(|l| l.recompute_stash_bytes.unwrap_or(stash(l)))
+        .sum();
+    let again: f64 = ls
+        .iter()
+        .filter(|l| l.recompute_stash_bytes.is_some_and(|b| b < stash(l)))
+        .map(|l| l.forward)
+        .sum();
+    match o.memory {
+        Some(limit) if bytes(kept) > limit && bytes(recomputed) <= limit => {
+            (bytes(recomputed), again)
+        }
+        _ => (bytes(kept), 0.0),
+    }
 }
 
 /// Brute force under the default model: the best slowest stage for every stage count (index
@@ -552,6 +612,7 @@ fn checked_plans_charge_the_memory_the_simulated_schedule_holds() {
         activation_bytes: 1000.0,
         param_bytes: 1e4,
         stash_bytes: Some(1e6),
+        recompute_stash_bytes: None,
     };
     // Stashed activations dominate (the model counts `ceil(a / r)` weight versions, which
     // overstates them when M > 1, and as many activations, which understates a deepened
@@ -591,4 +652,59 @@ fn checked_plans_charge_the_memory_the_simulated_schedule_holds() {
         let (_, held) = pipe_scheduler::simulate_plan_with_memory(&profile, &p, &bounded).unwrap();
         assert!(held.iter().all(|&h| h <= bound), "{held:?} over {bound}");
     }
+}
+
+/// Under a memory bound, a stage whose activations do not fit recomputes them where that
+/// fits, and pays one more forward in its backward; stages that fit keep theirs. Without a
+/// recomputed stash in the profile, nothing fits and no plan is made.
+#[test]
+fn a_memory_bound_makes_the_first_stages_recompute() {
+    let block = LayerProfile {
+        name: "block".into(),
+        forward: 1.0,
+        backward_input: 2.0,
+        backward_weight: 0.0,
+        backward: None,
+        update: 0.0,
+        activation_bytes: 10.0,
+        param_bytes: 100.0,
+        stash_bytes: Some(200.0),
+        recompute_stash_bytes: Some(10.0),
+    };
+    let profile = Profile::chain(vec![block.clone(); 4]);
+    let opts = PlanOptions {
+        straight: true,
+        ..PlanOptions::new(4, f64::INFINITY)
+    };
+    let free = plan_partition(&profile, &opts).unwrap();
+    assert!(free.stages.iter().all(|s| !s.recompute));
+    // PipeDream holds 4, 3, 2 and 1 microbatches at the four stages: a bound between the
+    // second and third stage's keeping everything makes the first two recompute.
+    let kept: Vec<f64> = free.stages.iter().map(|s| s.memory).collect();
+    let bound = (kept[1] + kept[2]) / 2.0;
+    let bounded = PlanOptions {
+        memory: Some(bound),
+        ..opts.clone()
+    };
+    let plan = plan_partition(&profile, &bounded).unwrap();
+    let recomputes: Vec<bool> = plan.stages.iter().map(|s| s.recompute).collect();
+    assert_eq!(recomputes, [true, true, false, false]);
+    for (s, k) in plan.stages.iter().zip(&kept) {
+        assert!(s.memory <= bound, "{} over {bound}", s.memory);
+        if s.recompute {
+            // 190 bytes less per microbatch in flight, one more forward of 1 s.
+            assert!(s.memory < *k);
+            assert_eq!(s.compute, 4.0);
+        } else {
+            assert_eq!(s.compute, 3.0);
+        }
+    }
+    let unable = Profile::chain(vec![
+        LayerProfile {
+            recompute_stash_bytes: None,
+            ..block
+        };
+        4
+    ]);
+    assert!(plan_partition(&unable, &bounded).is_err());
 }

@@ -85,7 +85,7 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         0..model.len(),
         &params,
         be.place(x)?,
-        false,
+        pipe_stages::layer::Keep::Nothing,
         0,
         0,
         None,

@@ -93,9 +93,12 @@ fn load_profile(path: &Path) -> Result<Profile> {
     .map_err(|e| bad_input(format!("{}: {e}", path.display())))
 }
 
-/// Default-model options from the flags.
-fn plan_options(args: &PlanArgs, workers: u32) -> PlanOptions {
+/// Default-model options from the flags; each worker's base memory is `process` (this
+/// process's resident bytes before it profiled) and the starting weights.
+fn plan_options(args: &PlanArgs, workers: u32, profile: &Profile, process: u64) -> PlanOptions {
+    let params: f64 = profile.layers.iter().map(|l| l.param_bytes).sum();
     PlanOptions {
+        worker_base: pipe_stages::planning::memory::worker_base(process, params),
         latency: args.latency,
         memory: args.memory,
         wire: args.wire_dtype,
@@ -135,6 +138,8 @@ fn check_counts(args: &PlanArgs) -> Result<()> {
 /// Bad input for unreadable profiles, an unknown model and requests no plan meets; failures
 /// while profiling, planning or writing.
 pub fn run(args: &PlanArgs) -> Result<()> {
+    // A worker process's own bytes, read before profiling allocates anything.
+    let process = pipe_stages::limits::process_resident_bytes().unwrap_or(0);
     check_counts(args)?;
     let profile = match (&args.profile, &args.model) {
         (Some(path), _) => load_profile(path)?,
@@ -180,7 +185,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                         .into(),
                 ));
             }
-            let opts = plan_options(args, workers);
+            let opts = plan_options(args, workers, &profile, process);
             pipe_scheduler::plan_checked(&profile, &opts).map_err(schedule_error)?
         }
     };
@@ -251,6 +256,20 @@ pub fn render_plan(profile: &Profile, plan: &PartitionPlan, memory: Option<f64>)
             mem,
             s.bound.describe(),
             if slowest { " (slowest stage)" } else { "" }
+        ));
+    }
+    let recomputing: Vec<String> = plan
+        .stages
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.recompute)
+        .map(|(i, _)| i.to_string())
+        .collect();
+    if !recomputing.is_empty() {
+        out.push_str(&format!(
+            "recompute full on stage(s) {}: keeping their activations does not fit the memory \
+             bound (their backward runs the forward again)\n",
+            recomputing.join(", ")
         ));
     }
     let name = |at: usize| {

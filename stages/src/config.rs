@@ -320,8 +320,9 @@ pub struct TrainSettings {
     pub eval_every: Option<u64>,
     /// The order each epoch visits the training samples in (shuffled by default).
     pub data_order: Option<crate::data::DataOrder>,
-    /// What the backward recomputes instead of keeping (none by default).
-    pub recompute: Option<crate::layer::Recompute>,
+    /// What the backward recomputes instead of keeping, on every stage or per stage (none by
+    /// default).
+    pub recompute: Option<crate::layer::StageRecompute>,
     /// Read a tokenized corpus's windows as packed documents ([`crate::documents`]): attention
     /// stops at each document's start, positions restart there, and a document's first token
     /// is not predicted from the document before it.
@@ -576,6 +577,10 @@ impl TrainSettings {
         self.schedule = Some(plan.schedule.clone());
         if self.microbatches.is_none() {
             self.microbatches = Some(plan.microbatches as usize);
+        }
+        // The plan's recomputation is what made its stages fit; a flag still overrides it.
+        if self.recompute.is_none() {
+            self.recompute = plan.recompute.clone();
         }
         Ok(())
     }
@@ -985,6 +990,12 @@ impl TrainSettings {
             (None, Some(text)) => PartitionChoice::parse(text, model.len())?,
             (None, None) => PartitionChoice::Measured,
         };
+        let recompute = self.recompute.clone().unwrap_or_default();
+        if let Ok(layout) = &layout {
+            recompute
+                .check_stages(layout.layout.stages())
+                .map_err(StageError::Config)?;
+        }
         let backend = self.backend_kind()?;
         if matches!(backend, BackendKind::Cuda(_))
             && corpus.as_ref().is_some_and(|c| c.pack_documents.is_some())
@@ -1028,7 +1039,7 @@ impl TrainSettings {
             steps: self.steps,
             eval_every: self.eval_every,
             data_order: self.data_order.unwrap_or_default(),
-            recompute: self.recompute.unwrap_or_default(),
+            recompute,
             microbatch_size,
             microbatches,
             optimizer,
@@ -1181,9 +1192,9 @@ pub struct RunConfig {
     /// The order each epoch visits the training samples in.
     #[serde(default)]
     pub data_order: crate::data::DataOrder,
-    /// What the backward recomputes instead of keeping from the forward.
+    /// What the backward recomputes instead of keeping from the forward, per stage.
     #[serde(default)]
-    pub recompute: crate::layer::Recompute,
+    pub recompute: crate::layer::StageRecompute,
     /// Samples per microbatch.
     pub microbatch_size: usize,
     /// Microbatches per update.
@@ -1343,6 +1354,9 @@ impl RunConfig {
         pipe_scheduler::limits::check_layout(self.stages as u64, workers, u64::from(self.chunks))?;
         pipe_scheduler::limits::check_microbatches(self.microbatches as u64)?;
         let run = self.resolved()?;
+        self.recompute
+            .check_stages(run.layout.stages())
+            .map_err(StageError::Config)?;
         if !self.remedies.is_none() {
             self.remedies.check(&run)?;
         }
@@ -1579,6 +1593,28 @@ pub struct PlanFile {
     /// The simulator's seconds per microbatch, when simulated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub simulated_time_per_microbatch: Option<f64>,
+    /// Recomputation per stage, where the planner chose it to fit the memory bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute: Option<crate::layer::StageRecompute>,
+}
+
+/// The recomputation `plan` chose per stage (`None` where no stage recomputes).
+fn plan_recompute(plan: &pipe_scheduler::PartitionPlan) -> Option<crate::layer::StageRecompute> {
+    use crate::layer::{Recompute, StageRecompute};
+    plan.stages.iter().any(|s| s.recompute).then(|| {
+        let kinds = plan
+            .stages
+            .iter()
+            .map(|s| {
+                if s.recompute {
+                    Recompute::Full
+                } else {
+                    Recompute::None
+                }
+            })
+            .collect();
+        StageRecompute::per_stage(kinds).unwrap_or_default()
+    })
 }
 
 impl PlanFile {
@@ -1601,6 +1637,7 @@ impl PlanFile {
             cost_model: plan.cost_model.into(),
             time_per_microbatch: plan.time_per_microbatch,
             simulated_time_per_microbatch: plan.simulated,
+            recompute: plan_recompute(plan),
         })
     }
 
@@ -1657,6 +1694,9 @@ impl PlanFile {
             return Err(format!(
                 "a predicted time must be a finite number >= 0, got {t}"
             ));
+        }
+        if let Some(r) = &self.recompute {
+            r.check_stages(self.replicas.len() as u32)?;
         }
         Ok(())
     }

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
+use crate::layer::Keep;
 use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params};
 use crate::optim::Optimizer;
@@ -267,7 +268,7 @@ pub fn evaluate(
             0..model.len(),
             params,
             x,
-            false,
+            Keep::Nothing,
             0,
             0,
             documents.as_ref(),
@@ -323,7 +324,7 @@ pub fn train_step(
             0..n,
             st.params,
             x,
-            true,
+            model.training(0),
             seed,
             *microbatch_id,
             documents.as_ref(),

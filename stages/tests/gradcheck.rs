@@ -429,14 +429,32 @@ fn whole_model() {
     let labels = Tensor::from_vec(&[3], vec![3u32, 0, 2]).unwrap();
     let loss = |params: &Vec<Vec<Tensor>>, x: &Tensor| {
         let (logits, _) = model
-            .forward_range(&be, 0..model.len(), params, x.clone(), true, 9, 4, None)
+            .forward_range(
+                &be,
+                0..model.len(),
+                params,
+                x.clone(),
+                model.training(0),
+                9,
+                4,
+                None,
+            )
             .unwrap();
         be.softmax_cross_entropy(&logits, &labels, 1.0, None)
             .unwrap()
             .loss_sum
     };
     let (logits, saved) = model
-        .forward_range(&be, 0..model.len(), &params, x.clone(), true, 9, 4, None)
+        .forward_range(
+            &be,
+            0..model.len(),
+            &params,
+            x.clone(),
+            model.training(0),
+            9,
+            4,
+            None,
+        )
         .unwrap();
     let mut dl = Tensor::default();
     be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut dl))

@@ -7,10 +7,10 @@
 
 use std::sync::OnceLock;
 
-use pipe_kernels::CpuBackend;
+use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::data::{Splits, char_corpus};
-use pipe_stages::layer::{Recompute, Saved};
+use pipe_stages::layer::{Keep, Recompute, Saved, StageRecompute};
 use pipe_stages::layers::LayerSpec;
 use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
@@ -327,7 +327,8 @@ fn matrices_decay_and_embeddings_biases_and_gains_do_not() {
 /// reference trainer's (which keeps everything) bit for bit, under stashing (the recomputed
 /// forward uses the stashed version), 2BW, a flush with replicas, and zero-bubble's split
 /// backward (whose weight half recomputes again). Dropout is on, so the recomputed forward must
-/// draw the same masks.
+/// draw the same masks. Per stage, each stage recomputes its own kind, and the bits are the
+/// same again.
 #[test]
 fn recomputed_activations_give_the_reference_weights() {
     // Untied: the dropout layers move the head, which a tie names by index.
@@ -344,32 +345,14 @@ fn recomputed_activations_give_the_reference_weights() {
     let plain = Model::new(&spec_with_dropout).unwrap();
     let be = CpuBackend::new(1).unwrap();
     let init = plain.init_params(SEED);
-    for what in [Recompute::Full, Recompute::Selective] {
-        let recomputing = Model::new(&spec_with_dropout).unwrap().with_recompute(what);
-        // Stand-ins, not activations: a block keeps its input (full) or its attention layers
-        // keep theirs (selective), and less is held either way.
-        let x = data().train.gather(&[0, 1]).unwrap().0;
-        let range = 0..plain.len();
-        let (_, kept) = plain
-            .forward_range(&be, range.clone(), &init, x.clone(), true, SEED, 0, None)
-            .unwrap();
-        let (_, stand_ins) = recomputing
-            .forward_range(&be, range, &init, x, true, SEED, 0, None)
-            .unwrap();
-        let bytes = |s: &[Saved]| s.iter().map(|s| s.bytes()).sum::<usize>();
-        let (held, all) = (bytes(&stand_ins), bytes(&kept));
-        match what {
-            Recompute::Full => assert!(held < all / 2, "{what:?}: {held} of {all} bytes"),
-            _ => assert!(held < all, "{what:?}: {held} of {all} bytes"),
+    for what in ["full", "selective", "full,selective,none,full"] {
+        let what: StageRecompute = what.parse().unwrap();
+        let recomputing = Model::new(&spec_with_dropout)
+            .unwrap()
+            .with_stage_recompute(what.clone());
+        if let [uniform] = *what.kinds() {
+            check_stand_ins(&plain, &init, uniform);
         }
-        let marked = |s: &Saved| {
-            s.recompute.is_some()
-                || s.inner
-                    .iter()
-                    .flat_map(|i| &i.inner)
-                    .any(|i| i.recompute.is_some())
-        };
-        assert!(stand_ins.iter().any(marked), "{what:?}: nothing recomputed");
         for case in [
             ScheduleSpec::new(Policy::PipeDream, 4, 1).with_length(Length::Microbatches(24)),
             ScheduleSpec::new(Policy::TwoBw, 4, 4).with_length(Length::Microbatches(24)),
@@ -392,7 +375,7 @@ fn recomputed_activations_give_the_reference_weights() {
                 for st in &state.stages {
                     assert!(
                         bits(&st.params) == bits(&want[st.stage as usize]),
-                        "{what:?} {case:?}: worker {} stage {} differs",
+                        "{what} {case:?}: worker {} stage {} differs",
                         state.worker,
                         st.stage
                     );
@@ -400,6 +383,43 @@ fn recomputed_activations_give_the_reference_weights() {
             }
         }
     }
+}
+
+/// Stand-ins, not activations: with `what` on every layer, a block keeps its input (full) or
+/// its attention layers keep theirs (selective), and less is held either way.
+fn check_stand_ins(plain: &Model, init: &[Vec<Tensor>], what: Recompute) {
+    let be = CpuBackend::new(1).unwrap();
+    let x = data().train.gather(&[0, 1]).unwrap().0;
+    let range = 0..plain.len();
+    let (_, kept) = plain
+        .forward_range(
+            &be,
+            range.clone(),
+            init,
+            x.clone(),
+            plain.training(0),
+            SEED,
+            0,
+            None,
+        )
+        .unwrap();
+    let (_, stand_ins) = plain
+        .forward_range(&be, range, init, x, Keep::Train(what), SEED, 0, None)
+        .unwrap();
+    let bytes = |s: &[Saved]| s.iter().map(|s| s.bytes()).sum::<usize>();
+    let (held, all) = (bytes(&stand_ins), bytes(&kept));
+    match what {
+        Recompute::Full => assert!(held < all / 2, "{what:?}: {held} of {all} bytes"),
+        _ => assert!(held < all, "{what:?}: {held} of {all} bytes"),
+    }
+    let marked = |s: &Saved| {
+        s.recompute.is_some()
+            || s.inner
+                .iter()
+                .flat_map(|i| &i.inner)
+                .any(|i| i.recompute.is_some())
+    };
+    assert!(stand_ins.iter().any(marked), "{what:?}: nothing recomputed");
 }
 
 /// The verse read as packed documents: each sentence (up to and including its '.', ':' or
@@ -542,7 +562,16 @@ fn a_packed_documents_loss_equals_its_loss_alone() {
         let documents = model.documents(&be, &x).unwrap();
         let range = 0..model.len();
         let (logits, _) = model
-            .forward_range(&be, range, &params, x, false, 0, 0, documents.as_ref())
+            .forward_range(
+                &be,
+                range,
+                &params,
+                x,
+                Keep::Nothing,
+                0,
+                0,
+                documents.as_ref(),
+            )
             .unwrap();
         let n = logits.cols();
         (0..labels.len())

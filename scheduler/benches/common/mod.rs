@@ -32,6 +32,7 @@ pub fn profile(layers: usize) -> Profile {
                     activation_bytes: a * noise(),
                     param_bytes: p,
                     stash_bytes: None,
+                    recompute_stash_bytes: None,
                 }
             })
             .collect(),

@@ -360,6 +360,7 @@ fn stages_of_chain(
             time: (compute + communication).max(moved),
             param_bytes: p,
             memory: (w - upto).div_ceil(r) as f64 * (st.activations - a0 + p),
+            recompute: false,
             bound: Bound::of(compute, communication, moved),
         });
     }

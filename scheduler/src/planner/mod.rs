@@ -27,12 +27,13 @@
 //! is cut, exactly, to the cuts whose compute bounds can still beat the best time found.
 
 pub mod antichain;
+pub mod memory;
 mod model;
 mod types;
 
 pub use model::{
     PlanOptions, WireDtype, check_plannable, explain, frontier, plan, plan_checked, range_costs,
-    simulate_plan, simulate_plan_with_memory, stage_costs, worker_memory_bytes,
+    simulate_plan, simulate_plan_with_memory, stage_costs,
 };
 
 use crate::error::{Result, ScheduleError};
@@ -214,6 +215,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
                 time: (compute + communication).max(transfer),
                 param_bytes: p,
                 memory: copies * (pa[to + 1] - pa[from] + p),
+                recompute: false,
                 bound,
             }
         })

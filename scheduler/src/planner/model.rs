@@ -17,12 +17,13 @@
 //! their sum when they do not. The plan minimises the slowest stage, over contiguous stages and
 //! per-stage replica counts that use exactly `W` workers.
 //!
-//! Memory per worker follows the schedule's version plan: `versions * P + state * P +
-//! in_flight * stash`, where `in_flight = ceil(a / r)` microbatches are between forward and
-//! backward on each replica in 1F1B's steady state, `versions` is that many for weight
-//! stashing (PipeDream, vertical sync), 2 for 2BW and 1 otherwise, GPipe holds all `M`
-//! activations, and `state` counts the gradient and optimizer buffers (default 2). A plan whose
-//! stage exceeds `--memory` is not considered.
+//! Memory per worker is pipe's memory model ([`super::memory`]): the worker's base, its
+//! stage's weights, drained and placed optimizer state and stashed versions, the activations
+//! of `ceil(a / r)` microbatches in flight on each replica in 1F1B's steady state (GPipe holds
+//! all `M`), one pass's working set and, at the last stage, the logits. A stage whose
+//! activations do not fit `--memory` recomputes them where that fits (the layers' recomputed
+//! stash, charging their forward once more in the backward); a plan whose stage exceeds
+//! `--memory` either way is not considered.
 //!
 //! Flush schedules pay a bubble at every update, more with more stages, so for them the
 //! program also tracks the number of stages: it finds the best plan for 1, 2, ... stages until
@@ -54,6 +55,7 @@
 use crate::error::{Result, ScheduleError};
 use crate::generate::generate;
 use crate::lower::{LowerOptions, lower};
+use crate::planner::memory::{StageHeld, planned_in_flight, worker_bytes};
 use crate::planner::types::{Bound, PartitionPlan, PlannedStage, PrefixIndex};
 use crate::profile::Profile;
 use crate::sim::{CostModel, SimOptions, StageCost, simulate};
@@ -125,6 +127,9 @@ pub struct PlanOptions {
     /// Processor time the transport spends per byte at each end, seconds per byte
     /// ([`CostModel::byte_cpu`], charged as `message_cpu` is). Default 0.
     pub byte_cpu: f64,
+    /// Bytes every worker process holds besides its stages ([`super::memory`]'s `base`: the
+    /// program, its runtime, the starting weights). Default 0.
+    pub worker_base: f64,
 }
 
 impl PlanOptions {
@@ -146,6 +151,7 @@ impl PlanOptions {
             cores: None,
             message_cpu: 0.0,
             byte_cpu: 0.0,
+            worker_base: 0.0,
         }
     }
 
@@ -186,6 +192,9 @@ impl PlanOptions {
         if matches!(self.memory, Some(m) if m.is_nan() || m <= 0.0) {
             return bad("the memory bound must be > 0 bytes".into());
         }
+        if !(self.worker_base.is_finite() && self.worker_base >= 0.0) {
+            return bad("a worker's base memory must be a finite number of bytes >= 0".into());
+        }
         check_plannable(self.policy)
     }
 }
@@ -198,6 +207,9 @@ struct Eval {
     transfer: f64,
     time: f64,
     memory: f64,
+    /// The backward recomputes the stage's activations (chosen where keeping them does not
+    /// fit the memory bound).
+    recompute: bool,
 }
 
 /// Prefix sums of a profile and the options: evaluates any stage in O(1).
@@ -210,12 +222,49 @@ struct Costs<'a> {
     pu: Vec<f64>,
     pp: Vec<f64>,
     ps: Vec<f64>,
+    /// Stash bytes under recomputation, and the forward time recomputation runs again.
+    pr: Vec<f64>,
+    pf: Vec<f64>,
+    /// Range maxima of each layer's one pass ([`super::memory::StageHeld::pass`]).
+    pass: RangeMax,
+    /// The last layer's output bytes: the logits a last stage computes its loss on.
+    last_output: f64,
     crossing: Vec<f64>,
     /// Factors per replica count (index `r`).
     per_r: Vec<PerReplicas>,
     inv_m: f64,
     /// Seconds per profiled byte on the wire.
     wire_per_byte: f64,
+}
+
+/// Maxima of any range of a list in O(1) after O(n log n): a sparse table.
+struct RangeMax {
+    /// `levels[k][i]`: the maximum of `2^k` values from `i`.
+    levels: Vec<Vec<f64>>,
+}
+
+impl RangeMax {
+    fn new(values: &[f64]) -> Self {
+        let mut levels = vec![values.to_vec()];
+        let mut width = 1;
+        while 2 * width <= values.len() {
+            let prev = &levels[levels.len() - 1];
+            let next = (0..=values.len() - 2 * width)
+                .map(|i| prev[i].max(prev[i + width]))
+                .collect();
+            levels.push(next);
+            width *= 2;
+        }
+        RangeMax { levels }
+    }
+
+    /// The maximum of values `from..=to`.
+    fn max(&self, from: usize, to: usize) -> f64 {
+        let len = to + 1 - from;
+        let k = (usize::BITS - 1 - len.leading_zeros()) as usize;
+        let level = &self.levels[k];
+        level[from].max(level[to + 1 - (1 << k)])
+    }
 }
 
 /// Factors of the stage formulas that depend only on the replica count.
@@ -236,11 +285,31 @@ impl<'a> Costs<'a> {
         let mut pu = vec![0.0f64; n + 1];
         let mut pp = vec![0.0f64; n + 1];
         let mut ps = vec![0.0f64; n + 1];
+        let mut pr = vec![0.0f64; n + 1];
+        let mut pf = vec![0.0f64; n + 1];
+        let crossing = profile.crossing_bytes();
+        let mut pass = Vec::with_capacity(n);
         for (i, l) in profile.layers.iter().enumerate() {
             pc[i + 1] = pc[i] + l.compute();
             pu[i + 1] = pu[i] + l.update;
             pp[i + 1] = pp[i] + l.param_bytes;
             ps[i + 1] = ps[i] + l.stash();
+            pr[i + 1] = pr[i] + l.recompute_stash();
+            // A layer that keeps less under recomputation runs its forward again in the
+            // backward (and again in a split backward's weight half).
+            let again = if l.recompute_stash() < l.stash() {
+                l.forward
+                    * if opts.policy == Policy::ZbH1 {
+                        2.0
+                    } else {
+                        1.0
+                    }
+            } else {
+                0.0
+            };
+            pf[i + 1] = pf[i] + again;
+            let input = if i > 0 { crossing[i - 1] } else { 0.0 };
+            pass.push(l.stash() + input + l.activation_bytes);
         }
         let m = f64::from(opts.microbatches);
         let per_r = (0..=opts.workers as usize)
@@ -261,7 +330,11 @@ impl<'a> Costs<'a> {
             pu,
             pp,
             ps,
-            crossing: profile.crossing_bytes(),
+            pr,
+            pf,
+            pass: RangeMax::new(&pass),
+            last_output: profile.layers.last().map_or(0.0, |l| l.activation_bytes),
+            crossing,
             per_r,
             inv_m: 1.0 / m,
             wire_per_byte: opts.wire.factor() / opts.bandwidth,
@@ -271,9 +344,12 @@ impl<'a> Costs<'a> {
     /// Compute, all-reduce, transfer and time of layers `from..=to` on `r` replicas: the
     /// formulas of the module docs with the per-replica factors precomputed (the program
     /// evaluates this for every cut it cannot prune).
-    fn parts(&self, from: usize, to: usize, r: usize) -> (f64, f64, f64, f64) {
+    fn parts(&self, from: usize, to: usize, r: usize, recompute: bool) -> (f64, f64, f64, f64) {
         let f = &self.per_r[r];
-        let (compute, all_reduce) = self.work(from, to, r);
+        let (mut compute, all_reduce) = self.work(from, to, r);
+        if recompute {
+            compute += (self.pf[to + 1] - self.pf[from]) * f.inv;
+        }
         let mut bytes = 0.0;
         let mut messages = 0.0;
         if from > 0 {
@@ -381,39 +457,76 @@ impl<'a> Costs<'a> {
     }
 
     /// Bytes per worker of layers `from..=to` on `r` replicas with `after` workers at or after
-    /// the stage.
-    fn memory(&self, from: usize, to: usize, r: usize, after: usize) -> f64 {
+    /// the stage, keeping its activations or recomputing them ([`super::memory`]).
+    fn memory(&self, from: usize, to: usize, r: usize, after: usize, recompute: bool) -> f64 {
         let o = self.opts;
-        worker_memory_bytes(
-            o.policy,
-            o.microbatches,
-            after.div_ceil(r) as u64,
-            self.pp[to + 1] - self.pp[from],
-            self.ps[to + 1] - self.ps[from],
-            o.state_copies,
-        )
+        let kept = if recompute { &self.pr } else { &self.ps };
+        let stage = StageHeld {
+            params: self.pp[to + 1] - self.pp[from],
+            kept: kept[to + 1] - kept[from],
+            in_flight: planned_in_flight(o.policy, o.microbatches, after as u64, r as u64),
+            pass: self.pass.max(from, to),
+            logits: if to + 1 == self.n {
+                self.last_output
+            } else {
+                0.0
+            },
+        };
+        o.worker_base + worker_bytes(o.policy, &[stage], 1.0, o.state_copies).total()
+    }
+
+    /// The bytes of a worker of layers `from..=to` that do not depend on the schedule's
+    /// counts in flight: its base, drained state, working set and loss ([`super::memory`]);
+    /// the simulator holds the rest.
+    fn beside_schedule(&self, from: usize, to: usize) -> f64 {
+        let o = self.opts;
+        let stage = StageHeld {
+            params: self.pp[to + 1] - self.pp[from],
+            pass: self.pass.max(from, to),
+            logits: if to + 1 == self.n {
+                self.last_output
+            } else {
+                0.0
+            },
+            ..StageHeld::default()
+        };
+        let w = worker_bytes(o.policy, &[stage], 1.0, o.state_copies);
+        o.worker_base + w.state + w.working + w.loss
+    }
+
+    /// Whether the stage recomputes: only where keeping its activations does not fit the
+    /// memory bound and recomputing them does.
+    fn recomputes(&self, from: usize, to: usize, r: usize, after: usize) -> bool {
+        match self.opts.memory {
+            Some(limit) => {
+                self.memory(from, to, r, after, false) > limit
+                    && self.memory(from, to, r, after, true) <= limit
+            }
+            None => false,
+        }
     }
 
     /// Everything about layers `from..=to` on `r` replicas with `after` workers at or after.
     fn eval(&self, from: usize, to: usize, r: usize, after: usize) -> Eval {
-        let (compute, all_reduce, transfer, time) = self.parts(from, to, r);
+        let recompute = self.recomputes(from, to, r, after);
+        let (compute, all_reduce, transfer, time) = self.parts(from, to, r, recompute);
         Eval {
             compute,
             all_reduce,
             transfer,
             time,
-            memory: self.memory(from, to, r, after),
+            memory: self.memory(from, to, r, after, recompute),
+            recompute,
         }
     }
 
-    /// The stage's time if it fits the memory bound.
+    /// The stage's time if it fits the memory bound (recomputing where it must).
     fn time_if_fits(&self, from: usize, to: usize, r: usize, after: usize) -> Option<f64> {
-        if let Some(limit) = self.opts.memory {
-            if self.memory(from, to, r, after) > limit {
-                return None;
-            }
+        if self.opts.memory.is_none() {
+            return Some(self.parts(from, to, r, false).3);
         }
-        Some(self.parts(from, to, r).3)
+        let e = self.eval(from, to, r, after);
+        self.fits(&e).then_some(e.time)
     }
 
     fn fits(&self, e: &Eval) -> bool {
@@ -438,35 +551,6 @@ pub fn check_plannable(policy: Policy) -> Result<()> {
         }
         _ => Ok(()),
     }
-}
-
-/// Bytes one worker holds under `policy` (the memory model in this module's documentation):
-/// `versions * params + state_copies * params + activations * stash`, with `in_flight`
-/// microbatches between forward and backward on it (`ceil(a / r)` for a stage with `a` workers
-/// at or after it on `r` replicas), weight versions for stashing policies, all `microbatches`
-/// activations under GPipe. `params` and `stash` are the stage's parameter bytes and its
-/// activation bytes per microbatch. The partitioner and `pipe_stages::limits` both use it.
-pub fn worker_memory_bytes(
-    policy: Policy,
-    microbatches: u32,
-    in_flight: u64,
-    params: f64,
-    stash: f64,
-    state_copies: f64,
-) -> f64 {
-    let m = f64::from(microbatches);
-    let in_flight = in_flight as f64;
-    let versions = match policy {
-        Policy::PipeDream | Policy::VerticalSync => in_flight,
-        Policy::TwoBw => 2.0,
-        _ => 1.0,
-    };
-    let activations = match policy {
-        Policy::Gpipe => m,
-        Policy::OneFOneBFlush | Policy::ZbH1 => in_flight.min(m),
-        _ => in_flight,
-    };
-    (versions + state_copies) * params + activations * stash
 }
 
 #[derive(Clone, Copy)]
@@ -677,6 +761,7 @@ fn make_plan(costs: &Costs, profile: &Profile, bounds: &[(usize, usize, usize)])
                 time: e.time,
                 param_bytes: costs.pp[to + 1] - costs.pp[from],
                 memory: e.memory,
+                recompute: e.recompute,
                 bound,
             }
         })
@@ -943,6 +1028,21 @@ pub fn stage_costs(profile: &Profile, plan: &PartitionPlan, wire: WireDtype) -> 
     let mut costs = range_costs(profile, &ranges, wire);
     for (c, s) in costs.iter_mut().zip(&plan.stages) {
         c.param_bytes = s.param_bytes;
+        if s.recompute {
+            // The backward runs the recomputing layers' forward again first; a split
+            // backward's weight half runs it once more.
+            let layers = &profile.layers[s.layers.clone()];
+            let again: f64 = layers
+                .iter()
+                .filter(|l| l.recompute_stash() < l.stash())
+                .map(|l| l.forward)
+                .sum();
+            let whole = c.whole_backward();
+            c.backward_input += again;
+            c.backward_weight += again;
+            c.backward = Some(whole + again);
+            c.stash_bytes = Some(layers.iter().map(|l| l.recompute_stash()).sum());
+        }
     }
     costs
 }
@@ -998,8 +1098,9 @@ pub fn simulate_plan(profile: &Profile, plan: &PartitionPlan, opts: &PlanOptions
 /// [`simulate_plan`], and each stage's bytes per worker as the simulated schedule holds them:
 /// the most any of its workers holds at once of stashed activations and weight versions (the
 /// version plan of the real schedule, with the in-flight depths it actually uses), plus the
-/// gradient and optimizer copies the cost model counts (`state_copies` parameter copies).
-/// Where the generator deepens unequal layouts ([`crate::ScheduleSpec::resolve`]) this is
+/// gradient and optimizer copies the cost model counts (`state_copies` parameter copies), and
+/// the memory model's terms beside the schedule (the worker's base, drained state, working set
+/// and loss: [`super::memory`]). Where the generator deepens unequal layouts ([`crate::ScheduleSpec::resolve`]) this is
 /// more than the planner's own `ceil(a / r)` model.
 ///
 /// # Errors
@@ -1033,6 +1134,12 @@ pub fn simulate_plan_with_memory(
     };
     let report = simulate(&schedule, &costs, SimOptions::default())?;
     let layout = schedule.layout();
+    let model = Costs::new(profile, opts);
+    let beside: Vec<f64> = plan
+        .stages
+        .iter()
+        .map(|st| model.beside_schedule(st.layers.start, st.layers.end - 1))
+        .collect();
     let memory = plan
         .stages
         .iter()
@@ -1042,7 +1149,7 @@ pub fn simulate_plan_with_memory(
                 .group(s as u32)
                 .map(|w| report.workers[w as usize].memory.total)
                 .fold(0.0, f64::max);
-            held + opts.state_copies * st.param_bytes
+            held + opts.state_copies * st.param_bytes + beside[s]
         })
         .collect();
     Ok((report.makespan / f64::from(report.microbatches), memory))
@@ -1074,6 +1181,7 @@ mod tests {
                     activation_bytes,
                     param_bytes,
                     stash_bytes: None,
+                    recompute_stash_bytes: None,
                 },
             )
     }

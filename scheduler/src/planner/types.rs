@@ -52,6 +52,9 @@ pub struct PlannedStage {
     pub param_bytes: f64,
     /// Bytes per worker the cost model charges the stage against the memory bound.
     pub memory: f64,
+    /// The stage's backward recomputes its activations (the default cost model's choice
+    /// where keeping them does not fit the memory bound).
+    pub recompute: bool,
     /// Which part of the stage's time sets it.
     pub bound: Bound,
 }

@@ -112,6 +112,117 @@ impl std::str::FromStr for Recompute {
     }
 }
 
+/// What a forward pass keeps for a backward ([`crate::model::Model::forward_range`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keep {
+    /// Evaluation: nothing; each layer's activations go once the next layer has its input.
+    Nothing,
+    /// Training: what the backward reads, with this kind of recomputation.
+    Train(Recompute),
+}
+
+/// `--recompute`: one [`Recompute`] for every stage, or one per stage (`full,full,none,none`),
+/// as the flag, a config file and a plan file write it. Per stage, a pipeline keeps
+/// recomputation where memory is short (the first stages, which hold the most microbatches in
+/// flight) and spends no compute on it elsewhere.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageRecompute(Vec<Recompute>);
+
+impl Default for StageRecompute {
+    fn default() -> Self {
+        StageRecompute::every(Recompute::None)
+    }
+}
+
+impl StageRecompute {
+    /// The same kind on every stage.
+    pub fn every(kind: Recompute) -> Self {
+        StageRecompute(vec![kind])
+    }
+
+    /// One kind per stage, in stage order (one entry: every stage).
+    ///
+    /// # Errors
+    /// An empty list.
+    pub fn per_stage(kinds: Vec<Recompute>) -> Result<Self, String> {
+        if kinds.is_empty() {
+            return Err("--recompute needs at least one kind".into());
+        }
+        Ok(StageRecompute(kinds))
+    }
+
+    /// The kind stage `stage` runs with.
+    pub fn at(&self, stage: usize) -> Recompute {
+        match self.0.as_slice() {
+            [one] => *one,
+            kinds => kinds.get(stage).copied().unwrap_or_default(),
+        }
+    }
+
+    /// The kinds as given: one (every stage) or one per stage.
+    pub fn kinds(&self) -> &[Recompute] {
+        &self.0
+    }
+
+    /// True when some stage recomputes.
+    pub fn any(&self) -> bool {
+        self.0.iter().any(|&k| k != Recompute::None)
+    }
+
+    /// Checks a per-stage list against a run of `stages` stages.
+    ///
+    /// # Errors
+    /// A list whose length is neither one nor the stage count.
+    pub fn check_stages(&self, stages: u32) -> Result<(), String> {
+        let n = self.0.len();
+        if n == 1 || n == stages as usize {
+            return Ok(());
+        }
+        Err(format!(
+            "--recompute {self} names {n} stages, but the run has {stages}: give one kind for \
+             every stage or one per stage"
+        ))
+    }
+}
+
+impl std::fmt::Display for StageRecompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.0.iter().map(|k| k.name()).collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+impl std::str::FromStr for StageRecompute {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let kinds = s
+            .split(',')
+            .map(|k| k.trim().parse())
+            .collect::<Result<Vec<Recompute>, String>>()?;
+        crate::limits::check_count(
+            "recompute kinds",
+            kinds.len() as u64,
+            pipe_scheduler::limits::MAX_STAGES,
+            "one per stage",
+        )
+        .map_err(|e| e.to_string())?;
+        StageRecompute::per_stage(kinds)
+    }
+}
+
+impl serde::Serialize for StageRecompute {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for StageRecompute {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// What `layer` saved in its forward, as its backward reads it: `saved` itself, or for a
 /// stand-in ([`Saved::recompute`]) the layer's forward run again from the stashed input with
 /// the same parameters and context.

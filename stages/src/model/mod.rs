@@ -33,7 +33,7 @@ use pipe_kernels::{Backend, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
-use crate::layer::{Recompute, materialize};
+use crate::layer::{Keep, Recompute, StageRecompute, materialize};
 use crate::layers::{ForwardCtx, Layer, LayerSpec, Saved};
 use crate::rng::{derive_seed, rng_for};
 
@@ -131,8 +131,8 @@ pub struct Model {
     slots: Vec<Vec<ParamId>>,
     /// Some parameter has more than one use.
     tied: bool,
-    /// What the backward recomputes instead of keeping ([`Model::with_recompute`]).
-    recompute: Recompute,
+    /// What the backward recomputes instead of keeping, per stage ([`Model::with_recompute`]).
+    recompute: StageRecompute,
     /// The end-of-text id of packed documents ([`Model::with_documents`]).
     document_end: Option<u32>,
 }
@@ -427,7 +427,7 @@ impl Model {
         let tied = table.iter().any(|e| e.uses.len() > 1);
         let model = Self {
             tied,
-            recompute: Recompute::None,
+            recompute: StageRecompute::default(),
             document_end: None,
             specs: spec.layers.clone(),
             layers,
@@ -444,14 +444,25 @@ impl Model {
     /// (the stashed version the forward used) and the same dropout seeds, so every gradient has
     /// the same bits.
     #[must_use]
-    pub fn with_recompute(mut self, what: Recompute) -> Self {
+    pub fn with_recompute(self, what: Recompute) -> Self {
+        self.with_stage_recompute(StageRecompute::every(what))
+    }
+
+    /// This model with each pipeline stage recomputing its own kind ([`StageRecompute`]).
+    #[must_use]
+    pub fn with_stage_recompute(mut self, what: StageRecompute) -> Self {
         self.recompute = what;
         self
     }
 
-    /// What the backward recomputes.
-    pub fn recompute(&self) -> Recompute {
-        self.recompute
+    /// What the backward recomputes, per stage.
+    pub fn recompute(&self) -> &StageRecompute {
+        &self.recompute
+    }
+
+    /// What a training forward of stage `stage` keeps ([`Keep::Train`] with its kind).
+    pub fn training(&self, stage: usize) -> Keep {
+        Keep::Train(self.recompute.at(stage))
     }
 
     /// This model reading its token windows as packed documents ending with the id `end`
@@ -658,12 +669,12 @@ impl Model {
         Ok(())
     }
 
-    /// The planner's memory estimate of one worker of `run` in bytes
-    /// ([`pipe_scheduler::planner::worker_memory_bytes`]): its stage's parameters times the
-    /// weight versions it keeps plus `state_copies` (gradient and optimizer state), and its
-    /// in-flight microbatches' stashed activations (every layer's input and output). Layers are
-    /// shared out evenly by count, the ranges a balanced cut gives, and the largest stage's
-    /// share is charged, so that the estimate bounds any worker of a balanced run.
+    /// A coarse memory estimate of one worker of `run` in bytes, before any partition is
+    /// settled: pipe's memory model ([`pipe_scheduler::planner::memory`]) on a stage of the
+    /// largest parameters and the largest activations (every layer's input and output) of an
+    /// even cut by layer count, with the deepest count in flight, so that it bounds any worker
+    /// of a balanced run. The start-up checks read it; a settled run's estimate per worker is
+    /// [`crate::planning::memory`].
     pub fn worker_memory_bytes(
         &self,
         run: &pipe_scheduler::Resolved,
@@ -694,15 +705,20 @@ impl Model {
             params = params.max(p * 4.0);
             stash = stash.max(a * 4.0);
         }
+        use pipe_scheduler::planner::memory::{StageHeld, planned_in_flight, worker_bytes};
         let deepest = run.depths.iter().copied().max().unwrap_or(1);
-        pipe_scheduler::planner::worker_memory_bytes(
-            run.policy,
-            run.microbatches_per_update,
-            u64::from(deepest),
+        let stage = StageHeld {
             params,
-            stash,
-            state_copies,
-        )
+            kept: stash,
+            in_flight: planned_in_flight(
+                run.policy,
+                run.microbatches_per_update,
+                u64::from(deepest),
+                1,
+            ),
+            ..StageHeld::default()
+        };
+        worker_bytes(run.policy, &[stage], 1.0, state_copies).total()
     }
 
     /// Total number of parameters (a tied parameter counts once).
@@ -903,7 +919,7 @@ impl Model {
     /// layers' parameters. `microbatch` identifies the batch for dropout seeds, and
     /// `documents` its packed documents ([`Model::documents`]; `None` when not packed). In
     /// training each layer's [`Saved`] is returned for the backward (a stand-in where the model
-    /// recomputes, [`Model::with_recompute`]); in evaluation (`train` false) nothing is kept.
+    /// recomputes, [`Keep::Train`]); in evaluation ([`Keep::Nothing`]) nothing is kept.
     ///
     /// # Errors
     /// [`StageError::Kernel`] naming the layer that failed.
@@ -914,11 +930,15 @@ impl Model {
         range: std::ops::Range<usize>,
         params: &[Vec<Tensor>],
         x: Tensor,
-        train: bool,
+        keep: Keep,
         seed: u64,
         microbatch: u64,
         documents: Option<&std::sync::Arc<crate::documents::Documents>>,
     ) -> Result<(Tensor, Vec<Saved>)> {
+        let (train, recompute) = match keep {
+            Keep::Nothing => (false, Recompute::None),
+            Keep::Train(kind) => (true, kind),
+        };
         let mut saved = Vec::with_capacity(range.len());
         let mut h = x;
         for (j, i) in range.enumerate() {
@@ -926,11 +946,11 @@ impl Model {
             let ctx = ForwardCtx {
                 train,
                 seed: derive_seed(seed, "layer", ((i as u64) << 40) ^ microbatch),
-                recompute_attention: train && self.recompute == Recompute::Selective,
+                recompute_attention: recompute == Recompute::Selective,
                 documents: documents.cloned(),
             };
             // Full recomputation keeps a layer's input where it would save more.
-            let input = (train && self.recompute == Recompute::Full).then(|| h.clone());
+            let input = (recompute == Recompute::Full).then(|| h.clone());
             let (y, s) = layer
                 .forward(be, &params[j], h, ctx.clone())
                 .map_err(|source| StageError::Kernel {

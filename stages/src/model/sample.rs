@@ -7,6 +7,7 @@ use pipe_kernels::Backend;
 use rand::Rng as _;
 
 use crate::error::{Result, StageError};
+use crate::layer::Keep;
 use crate::model::{Model, Params};
 use crate::rng::rng_for;
 
@@ -81,8 +82,16 @@ pub fn generate(
             &[1, window.len()],
             window.iter().map(|&t| t as f32).collect(),
         )?;
-        let (logits, _) =
-            model.forward_range(be, 0..model.len(), params, be.place(x)?, false, 0, 0, None)?;
+        let (logits, _) = model.forward_range(
+            be,
+            0..model.len(),
+            params,
+            be.place(x)?,
+            Keep::Nothing,
+            0,
+            0,
+            None,
+        )?;
         let logits = be.read(&logits)?;
         let vocab = model.output_shape().last().copied().unwrap_or(0);
         let last = &logits[logits.len().saturating_sub(vocab)..];

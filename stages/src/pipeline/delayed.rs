@@ -375,8 +375,16 @@ fn gradients(
             .loss_scale(pipe_kernels::counted_labels(y.host()?));
         let (x, y): (Tensor, Tensor<u32>) = (be.place(x)?, be.place_ids(y)?);
         let id = batch.first_mb + i as u64;
-        let (logits, saved) =
-            model.forward_range(be, 0..n, params, x, true, seed, id, documents.as_ref())?;
+        let (logits, saved) = model.forward_range(
+            be,
+            0..n,
+            params,
+            x,
+            model.training(0),
+            seed,
+            id,
+            documents.as_ref(),
+        )?;
         let mut dy = Tensor::default();
         let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, scale, Some(&mut dy))?;
         if !s.loss_sum.is_finite() {

@@ -460,7 +460,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             run.layers.clone(),
             run.pass_params(v)?,
             input.tensor,
-            true,
+            setup.model.training(stage as usize),
             setup.seed,
             setup.microbatch_offset + u64::from(mb),
             documents.as_ref(),

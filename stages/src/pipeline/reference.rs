@@ -323,7 +323,7 @@ impl Reference<'_, '_> {
                 plan.partition.range(s),
                 &self.forward_weights(be, s, v)?,
                 h,
-                true,
+                model.training(s),
                 setup.seed,
                 setup.microbatch_offset + u64::from(mb),
                 documents.as_ref(),

@@ -956,7 +956,7 @@ pub fn run_partition(cfg: &RunConfig) -> Result<Option<Partition>> {
 impl<'c> Run<'c> {
     pub(crate) fn new(cfg: &'c RunConfig, data: &Splits) -> Result<Self> {
         let model = Model::new(&cfg.model)?
-            .with_recompute(cfg.recompute)
+            .with_stage_recompute(cfg.recompute.clone())
             .with_documents(cfg.corpus.as_ref().and_then(|c| c.pack_documents));
         let b = cfg.microbatch_size;
         // One minibatch: M per replica of the most replicated stage.

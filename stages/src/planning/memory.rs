@@ -1,5 +1,9 @@
-//! pipe's memory model: what one worker holds at its peak, term by term, from the run's
-//! model, layout, schedule, optimizer and recomputation, before the run starts.
+//! pipe's memory model applied to a run: what each worker process holds at its peak, term by
+//! term, from the run's model, layout, schedule, optimizer and recomputation, before the run
+//! starts. The terms of a worker's stages are the partitioner's formulas
+//! ([`pipe_scheduler::planner::memory`], one model for `pipe plan --memory` and for this), fed
+//! with what the run will hold: each layer probed, the count in flight read from each worker's
+//! program. This module adds what a process holds besides.
 //!
 //! The terms follow where a worker's resident memory goes, traced action by action on the
 //! recomputation experiment (`docs/training.md`, "The memory model"):
@@ -31,10 +35,12 @@
 //! measures it again.
 
 use pipe_kernels::{CpuBackend, Tensor};
-use pipe_scheduler::{Action, Policy, WorkerId};
+use pipe_scheduler::planner::memory::{LOSS_COPIES, StageHeld, WORKING_FACTOR, worker_bytes};
+use pipe_scheduler::{Action, WorkerId};
 
 use crate::config::RunConfig;
 use crate::error::Result;
+use crate::layer::{Keep, Recompute};
 use crate::layers::ForwardCtx;
 use crate::model::Model;
 use crate::pipeline::RunPlan;
@@ -46,14 +52,6 @@ const F32: u64 = 4;
 /// thread stacks and the allocator's own pages (30 MiB, measured on the recomputation
 /// experiment's followers with one compute thread each).
 pub const RUNTIME_BYTES: u64 = 30 << 20;
-
-/// One pass's working set as a multiple of the largest layer's activations (with its input
-/// and output): the forward's activations, the backward's gradients of them, and the freed
-/// blocks the allocator keeps between them, measured (2.7 on the recomputation experiment).
-pub const WORKING_FACTOR: f64 = 2.7;
-
-/// The logits' share of the last stage's loss: the logits, their gradient and the softmax.
-const LOSS_COPIES: f64 = 3.0;
 
 /// The most tokens of a sequence the layer probe runs: activations grow with the token count
 /// and are scaled from it.
@@ -127,7 +125,7 @@ pub struct MemoryInputs {
 /// # Errors
 /// A partition still to be measured; an impossible layout; a layer the probe cannot run.
 pub fn estimate_run(cfg: &RunConfig, process: u64) -> Result<Vec<WorkerMemory>> {
-    let model = Model::new(&cfg.model)?.with_recompute(cfg.recompute);
+    let model = Model::new(&cfg.model)?.with_stage_recompute(cfg.recompute.clone());
     let partition = crate::pipeline::run_partition(cfg)?;
     // Enough updates for every stage to reach its steady count in flight.
     let updates = cfg.stages as u32 + 2;
@@ -144,13 +142,21 @@ pub fn estimate_run(cfg: &RunConfig, process: u64) -> Result<Vec<WorkerMemory>> 
     estimate(&model, &plan, inputs)
 }
 
+/// What every worker process holds besides its stages, for the partitioner
+/// ([`pipe_scheduler::PlanOptions::worker_base`]): `process` (a `pipe` process's resident
+/// bytes before it builds anything, [`crate::limits::process_resident_bytes`]), the runtime
+/// constant, and the starting weights of a model of `param_bytes`. The chief's second copy of
+/// them and its evaluation are not charged.
+pub fn worker_base(process: u64, param_bytes: f64) -> f64 {
+    process as f64 + RUNTIME_BYTES as f64 + param_bytes
+}
+
 /// The estimate for every worker of `plan`.
 ///
 /// # Errors
 /// A layer the probe cannot run.
 pub fn estimate(model: &Model, plan: &RunPlan, inputs: MemoryInputs) -> Result<Vec<WorkerMemory>> {
-    let layers = probe_layers(model)?;
-    let b = inputs.microbatch_size as f64;
+    let layers = probe_layers(model, &layer_recompute(model, plan))?;
     let param_bytes: Vec<u64> = (0..model.len())
         .map(|i| {
             let shapes = model.layer(i).param_shapes();
@@ -158,43 +164,42 @@ pub fn estimate(model: &Model, plan: &RunPlan, inputs: MemoryInputs) -> Result<V
         })
         .collect();
     let total_params: u64 = param_bytes.iter().sum();
-    let moments = (inputs.state_copies - 1.0).max(0.0);
     let schedule = &plan.schedule;
     let stages = schedule.stages();
     let mut out = Vec::new();
     for w in 0..schedule.workers() {
         let own: Vec<u32> = schedule.layout().stages_of(w).collect();
-        let params: u64 = own
-            .iter()
-            .flat_map(|&s| plan.partition.range(s as usize))
-            .map(|l| param_bytes[l])
-            .sum();
         let held = peak_in_flight(&schedule.programs[w as usize], &own);
-        let kept: f64 = own
+        let logits = layers.last().map_or(0.0, |l| l.output);
+        let stage_held: Vec<StageHeld> = own
             .iter()
             .zip(&held.per_stage)
-            .map(|(&s, &n)| n as f64 * stage_sum(&layers, plan, s, |l| l.kept))
-            .sum::<f64>()
-            * b;
-        let working = WORKING_FACTOR
-            * own
-                .iter()
-                .flat_map(|&s| plan.partition.range(s as usize))
-                .map(|l| layers[l].working())
-                .fold(0.0, f64::max)
-            * b;
-        let logits = layers.last().map_or(0.0, |l| l.output);
-        let last = own.contains(&(stages - 1));
-        let loss = if last { LOSS_COPIES * logits * b } else { 0.0 };
+            .map(|(&s, &n)| {
+                let range = plan.partition.range(s as usize);
+                StageHeld {
+                    params: range.clone().map(|l| param_bytes[l] as f64).sum(),
+                    kept: stage_sum(&layers, plan, s, |l| l.kept),
+                    in_flight: f64::from(n),
+                    pass: range.map(|l| layers[l].working()).fold(0.0, f64::max),
+                    logits: if s == stages - 1 { logits } else { 0.0 },
+                }
+            })
+            .collect();
+        let b = inputs.microbatch_size as f64;
+        let bytes = worker_bytes(
+            schedule.resolved.policy,
+            &stage_held,
+            b,
+            inputs.state_copies,
+        );
         let chief = w == 0;
-        let versions = extra_versions(schedule.resolved.policy, held.total) as f64 * params as f64;
         // The chief's end of an epoch: the gathered weights and one validation batch through
         // the whole model, beyond what training's activations left free.
         let evaluation = if chief && inputs.eval_samples > 0 {
             let n = inputs.eval_samples as f64;
             let widest = layers.iter().map(LayerBytes::working).fold(0.0, f64::max);
             let end = total_params as f64 + WORKING_FACTOR * widest * n + LOSS_COPIES * logits * n;
-            (end - (kept + working + loss)).max(0.0)
+            (end - (bytes.activations + bytes.working + bytes.loss)).max(0.0)
         } else {
             0.0
         };
@@ -203,14 +208,10 @@ pub fn estimate(model: &Model, plan: &RunPlan, inputs: MemoryInputs) -> Result<V
             ("process", inputs.process as f64),
             ("runtime", RUNTIME_BYTES as f64),
             ("start", start as f64),
-            ("state", (1.0 + moments) * params as f64),
-            ("core", (1.0 + inputs.state_copies) * params as f64),
-            ("versions", versions),
-            ("activations", kept),
-            ("working", working),
-            ("loss", loss),
-            ("evaluation", evaluation),
-        ];
+        ]
+        .into_iter()
+        .chain(bytes.terms())
+        .chain([("evaluation", evaluation)]);
         out.push(WorkerMemory {
             worker: w,
             terms: terms
@@ -223,6 +224,17 @@ pub fn estimate(model: &Model, plan: &RunPlan, inputs: MemoryInputs) -> Result<V
         });
     }
     Ok(out)
+}
+
+/// Per layer, the recomputation its stage runs with ([`Model::recompute`]).
+fn layer_recompute(model: &Model, plan: &RunPlan) -> Vec<Recompute> {
+    let mut kinds = vec![Recompute::None; model.len()];
+    for s in 0..plan.partition.stages() {
+        for l in plan.partition.range(s) {
+            kinds[l] = model.recompute().at(s);
+        }
+    }
+    kinds
 }
 
 /// A model whose samples are token sequences (its first layer embeds them): its activations
@@ -243,23 +255,10 @@ fn elements(shape: &[usize]) -> u64 {
     shape.iter().map(|&d| d as u64).product()
 }
 
-/// Weight versions beyond the newest a stage keeps with `in_flight` microbatches between
-/// their forward and backward (as the planner counts them,
-/// [`pipe_scheduler::planner::worker_memory_bytes`]).
-fn extra_versions(policy: Policy, in_flight: u32) -> u32 {
-    match policy {
-        Policy::PipeDream | Policy::VerticalSync => in_flight.saturating_sub(1),
-        Policy::TwoBw => 1,
-        _ => 0,
-    }
-}
-
 /// The most microbatches a worker's program holds between forward and backward.
 struct InFlight {
     /// Per own stage (in the order given), the most at once.
     per_stage: Vec<u32>,
-    /// Over all its stages at once.
-    total: u32,
 }
 
 /// Reads a worker's program: a microbatch is held from its forward to its last backward
@@ -276,7 +275,7 @@ fn peak_in_flight(program: &[Action], own: &[u32]) -> InFlight {
         }
     }
     let mut held = vec![0u32; own.len()];
-    let (mut per_stage, mut total) = (vec![0u32; own.len()], 0u32);
+    let mut per_stage = vec![0u32; own.len()];
     let index = |stage: u32| own.iter().position(|&s| s == stage);
     for (pc, a) in program.iter().enumerate() {
         match *a {
@@ -299,16 +298,15 @@ fn peak_in_flight(program: &[Action], own: &[u32]) -> InFlight {
         for (p, &h) in per_stage.iter_mut().zip(&held) {
             *p = (*p).max(h);
         }
-        total = total.max(held.iter().sum());
     }
-    InFlight { per_stage, total }
+    InFlight { per_stage }
 }
 
 /// Per layer, per sample: what it keeps, computes, takes and gives, from one forward of each
 /// layer on a one-sample probe of zeros with zero parameters. A sequence model's probe is
 /// [`PROBE_TOKENS`] long and its bytes are scaled to the full length: every activation of a
 /// token model grows with its token count (attention keeps no `T x T` tensor).
-fn probe_layers(model: &Model) -> Result<Vec<LayerBytes>> {
+fn probe_layers(model: &Model, recompute: &[Recompute]) -> Result<Vec<LayerBytes>> {
     let be = CpuBackend::new(1)?;
     let sequence = reads_tokens(model);
     let full_tokens = model.input_shape().first().copied().unwrap_or(1).max(1);
@@ -351,7 +349,8 @@ fn probe_layers(model: &Model) -> Result<Vec<LayerBytes>> {
                 .layer(i)
                 .forward(&be, &params[0], x.clone(), ctx)
                 .map_err(kernel)?;
-            let (_, kept) = model.forward_range(&be, i..i + 1, &params, x, true, 0, 0, None)?;
+            let keep = Keep::Train(recompute.get(i).copied().unwrap_or_default());
+            let (_, kept) = model.forward_range(&be, i..i + 1, &params, x, keep, 0, 0, None)?;
             let kept: usize = kept.iter().map(|s| s.bytes()).sum();
             Ok(LayerBytes {
                 kept: kept as f64 * scale,
@@ -380,17 +379,16 @@ mod tests {
             A::Backward { stage: 0, mb: 2 },
         ];
         let held = peak_in_flight(&program, &[0]);
-        assert_eq!((held.per_stage, held.total), (vec![3], 3));
+        assert_eq!(held.per_stage, vec![3]);
     }
 }
 
 #[cfg(test)]
 mod model_tests {
     use super::*;
-    use crate::layer::Recompute;
     use crate::model::ModelSpec;
     use crate::transformer::GptShape;
-    use pipe_scheduler::{Length, ScheduleSpec};
+    use pipe_scheduler::{Length, Policy, ScheduleSpec};
 
     fn gpt(recompute: Recompute) -> Model {
         let shape = GptShape {
@@ -411,11 +409,20 @@ mod model_tests {
         let be = CpuBackend::new(1).unwrap();
         for recompute in [Recompute::None, Recompute::Full, Recompute::Selective] {
             let model = gpt(recompute);
-            let probed = probe_layers(&model).unwrap();
+            let probed = probe_layers(&model, &vec![recompute; model.len()]).unwrap();
             let params = model.init_params(1);
             let x = Tensor::zeros(&[1, 64]);
             let (_, saved) = model
-                .forward_range(&be, 0..model.len(), &params, x, true, 0, 0, None)
+                .forward_range(
+                    &be,
+                    0..model.len(),
+                    &params,
+                    x,
+                    model.training(0),
+                    0,
+                    0,
+                    None,
+                )
                 .unwrap();
             for (i, (p, s)) in probed.iter().zip(&saved).enumerate() {
                 assert_eq!(p.kept, s.bytes() as f64, "{recompute:?} layer {i}");
@@ -445,7 +452,7 @@ mod model_tests {
     fn in_flight_counts_versions_and_recomputation_shape_the_terms() {
         let (none, full) = (gpt(Recompute::None), gpt(Recompute::Full));
         let kept = workers(&none, Policy::PipeDream);
-        let probed = probe_layers(&none).unwrap();
+        let probed = probe_layers(&none, &vec![Recompute::None; none.len()]).unwrap();
         let spec = ScheduleSpec::new(Policy::PipeDream, 4, 4).with_length(Length::Updates(6));
         let plan = RunPlan::new(&none, &spec, None).unwrap();
         for (s, w) in kept.iter().enumerate() {

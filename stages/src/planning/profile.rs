@@ -228,6 +228,7 @@ pub fn profile_model(
                     .map_err(kernel("forward"))
             })
         })?;
+        let input_bytes = x.len() * 4;
         let (y, saved) = layer.forward(be, p, x, ctx).map_err(kernel("forward"))?;
         let backward_input = if i == 0 {
             // The model's first layer never needs its input gradient.
@@ -283,6 +284,9 @@ pub fn profile_model(
             activation_bytes: (y.len() * 4) as f64,
             param_bytes: (param_elems * 4) as f64,
             stash_bytes: Some(saved.bytes() as f64),
+            // Full recomputation keeps the layer's input where it would keep more
+            // (`Model::forward_range`).
+            recompute_stash_bytes: Some(saved.bytes().min(input_bytes) as f64),
         });
     }
     let mut profile = Profile {
