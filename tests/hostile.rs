@@ -1339,10 +1339,7 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "train --stages 2 --recompute full,none,full --steps 1",
             "names 3 stages, but the run has 2",
         ),
-        config(
-            "recompute = \"full,,none\"\n",
-            "unknown recomputation ''",
-        ),
+        config("recompute = \"full,,none\"\n", "unknown recomputation ''"),
         row(
             "train --model gpt-mini --pack-documents --steps 1",
             "--pack-documents apply to a tokenized corpus",

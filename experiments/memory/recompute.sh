@@ -12,7 +12,9 @@
 # only grows, so the last reading is its peak up to the last 0.1 s). Rounds alternate the
 # kinds; the table gives per worker the median over rounds, and the median tokens/s.
 #
-# MICROBATCH sets the sequences per microbatch (default 4, the gpt2 models' default).
+# MICROBATCH sets the sequences per microbatch (default 4, the gpt2 models' default). The
+# kinds are none, full, selective, and full on the first two stages only (full,full,none,none:
+# per stage, where the first stages hold the most microbatches in flight).
 #
 #   experiments/memory/recompute.sh [ROUNDS]        # default 2
 set -euo pipefail
@@ -30,7 +32,7 @@ args=(train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128
       --weight-decay-groups all)
 . experiments/memory/lib.sh
 for r in $(seq 1 "$rounds"); do
-  for kind in none full selective; do
+  for kind in none full selective full,full,none,none; do
     run_and_poll "$work/$kind-$r.txt" "$work/peaks" "$kind" "${args[@]}" --recompute "$kind"
     rate=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$work/$kind-$r.txt")
     digest=$(sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$work/$kind-$r.txt" | tail -1)
@@ -47,14 +49,15 @@ for line in open(sys.argv[2]):
     kind, rate, digest = line.split()
     rates.setdefault(kind, []).append(float(rate))
     digests.setdefault(kind, set()).add(digest)
-kinds = ["none", "full", "selective"]
+kinds = ["none", "full", "selective", "full,full,none,none"]
 workers = sorted({w for _, w in peaks})
-print("| worker | " + " | ".join(f"VmHWM MiB, {k}" for k in kinds) + " | full against none | selective against none |")
-print("|---" * (len(kinds) + 3) + "|")
+print("| worker | " + " | ".join(f"VmHWM MiB, {k}" for k in kinds) + " | " + " | ".join(f"{k} against none" for k in kinds[1:]) + " |")
+print("|---" * (2 * len(kinds)) + "|")
 for w in workers:
     med = {k: statistics.median(peaks[(k, w)]) for k in kinds if (k, w) in peaks}
     cells = " | ".join(f"{med[k]:.1f}" for k in kinds)
-    print(f"| {w} | {cells} | {med['full'] / med['none']:.2f} | {med['selective'] / med['none']:.2f} |")
+    ratios = " | ".join(f"{med[k] / med['none']:.2f}" for k in kinds[1:])
+    print(f"| {w} | {cells} | {ratios} |")
 print()
 print("| recompute | median tokens/s | time against none | weights |")
 print("|---|---|---|---|")
