@@ -235,12 +235,6 @@ fn default_stage(
     let c: f64 = ls.iter().map(LayerProfile::compute).sum::<f64>() + again;
     let u: f64 = ls.iter().map(|l| l.update).sum();
     let pb: f64 = ls.iter().map(|l| l.param_bytes).sum();
-    let work = (c + u / m) / rf
-        + if r > 1 {
-            (2.0 * (rf - 1.0) / rf * pb / o.bandwidth + 2.0 * (rf - 1.0) * o.latency) / (m * rf)
-        } else {
-            0.0
-        };
     let mut sends = Vec::new();
     if s.start > 0 {
         sends.push(p.layers[s.start - 1].activation_bytes);
@@ -249,6 +243,20 @@ fn default_stage(
         sends.push(p.layers[s.end - 1].activation_bytes);
     }
     let wire = o.wire.factor();
+    // Each activation in or out, and its gradient, costs the transport's processor time at
+    // this end: per message and per byte on the wire.
+    let transport: f64 = sends
+        .iter()
+        .map(|b| 2.0 * (o.message_cpu + b * wire * o.byte_cpu))
+        .sum();
+    let all_reduce = if r > 1 {
+        let link = 2.0 * (rf - 1.0) / rf * pb / o.bandwidth + 2.0 * (rf - 1.0) * o.latency;
+        let cpu = 4.0 * (rf - 1.0) / rf * pb * o.byte_cpu;
+        link.max(cpu) / (m * rf)
+    } else {
+        0.0
+    };
+    let work = (c + u / m + transport) / rf + all_reduce;
     let time = if o.overlap {
         work.max(sends.iter().map(|b| b * wire / o.bandwidth).sum::<f64>() / rf)
     } else {
@@ -381,6 +389,8 @@ proptest! {
         memory in prop::option::of(prop::sample::select(vec![2e4, 6e4, 2e5])),
         policy in policy(),
         microbatches in 1u32..=4,
+        message_cpu in prop::sample::select(vec![0.0, 0.3]),
+        byte_cpu in prop::sample::select(vec![0.0, 1e-4]),
     ) {
         let p = Profile::chain(layers);
         let o = PlanOptions {
@@ -391,6 +401,8 @@ proptest! {
             memory,
             policy,
             microbatches,
+            message_cpu,
+            byte_cpu,
             ..PlanOptions::new(w, b)
         };
         let brute = brute_force_default(&p, &o);

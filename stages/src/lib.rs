@@ -36,6 +36,7 @@
 // config (the run, checked); checkpoint (a run saved); train (data, evaluation and what a run
 // reports); pipeline (how workers run it); planning (how it is cut, measured on the
 // pipeline); log (an observer for the binary). `docs/architecture.md` says why.
+pub mod cache;
 pub mod checkpoint;
 pub mod config;
 mod error;

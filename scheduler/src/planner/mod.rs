@@ -29,6 +29,7 @@
 pub mod antichain;
 pub mod memory;
 mod model;
+pub mod transport;
 mod types;
 
 pub use model::{

@@ -5,9 +5,13 @@
 //! is charged per pipeline microbatch (each replica handles one in `r`, and updates once per
 //! `M` of its own microbatches):
 //!
-//! - compute `(F + B + U / M) / r`: forward, both backward halves, the optimizer step;
-//! - all-reduce `(2 (r-1)/r * P / bw + 2 (r-1) * latency) / (M r)`: one ring all-reduce of the
-//!   gradients per update, as the runtime and the simulator do it;
+//! - compute `(F + B + U / M + 2 (m c_m + x c_b)) / r`: forward, both backward halves, the
+//!   optimizer step, and the transport's processor time for the stage's `m` links (each
+//!   activation in or out and its gradient, `c_m` per message end and `c_b` per byte of the
+//!   `x` bytes crossing its cuts; [`super::transport`]);
+//! - all-reduce `max(2 (r-1)/r * P / bw + 2 (r-1) * latency, 4 (r-1)/r * P * c_b) / (M r)`:
+//!   one ring all-reduce of the gradients per update, as the runtime and the simulator do it,
+//!   bounded by its link or by the processor time its bytes cost;
 //! - transfer `(x_in + x_out) * wire / bw / r`: the activation the stage sends forward plus the
 //!   gradient it sends back, each the size of the tensor crossing the cut (every activation
 //!   crossing it, for branching graphs), halved on a bf16 wire. A worker's sends share its one
@@ -120,9 +124,10 @@ pub struct PlanOptions {
     /// Cores the workers share when the simulator times a plan (`None`: one each); fewer cores
     /// than workers share them fairly ([`CostModel::cores`]).
     pub cores: Option<u32>,
-    /// Processor time the transport spends per message end, seconds, charged by the
-    /// simulator's check ([`CostModel::message_cpu`]; the partitioner's own search charges
-    /// link time only). Default 0.
+    /// Processor time the transport spends per message end, seconds: charged as compute, by
+    /// the partition search on each stage's activations and gradients and by the simulator's
+    /// check ([`CostModel::message_cpu`]). Set from the measured transport costs
+    /// ([`super::transport`], [`PlanOptions::with_transport`]). Default 0.
     pub message_cpu: f64,
     /// Processor time the transport spends per byte at each end, seconds per byte
     /// ([`CostModel::byte_cpu`], charged as `message_cpu` is). Default 0.
@@ -133,6 +138,15 @@ pub struct PlanOptions {
 }
 
 impl PlanOptions {
+    /// These options charging the processor costs measured for `cost`'s transport (medians):
+    /// per message end and per byte, on every stage-to-stage link and all-reduce.
+    #[must_use]
+    pub fn with_transport(mut self, cost: &super::transport::TransportCost) -> Self {
+        self.message_cpu = cost.message_cpu_s.median;
+        self.byte_cpu = cost.byte_cpu_s.median;
+        self
+    }
+
     /// `workers` at `bandwidth` bytes/s: PipeDream's schedule, 8 microbatches per update, f32
     /// on the wire, overlapped sends, no latency, no memory bound, replication allowed.
     pub fn new(workers: u32, bandwidth: f64) -> Self {
@@ -276,6 +290,9 @@ struct PerReplicas {
     ring: f64,
     /// All-reduce latency per pipeline microbatch: `2 (r-1) latency / (M r)`.
     ring_latency: f64,
+    /// All-reduce processor seconds per parameter byte per pipeline microbatch: each member
+    /// sends and receives `2 (r-1)/r` of the bytes, `4 (r-1)/r * byte_cpu / (M r)`.
+    ring_cpu: f64,
 }
 
 impl<'a> Costs<'a> {
@@ -319,6 +336,7 @@ impl<'a> Costs<'a> {
                     inv: 1.0 / rf,
                     ring: 2.0 * (rf - 1.0) / rf / opts.bandwidth / (m * rf),
                     ring_latency: 2.0 * (rf - 1.0) * opts.latency / (m * rf),
+                    ring_cpu: 4.0 * (rf - 1.0) / rf * opts.byte_cpu / (m * rf),
                 }
             })
             .collect();
@@ -360,6 +378,10 @@ impl<'a> Costs<'a> {
             bytes += self.crossing[to];
             messages += 1.0;
         }
+        // The transport's processor time for the stage's messages: the activations it
+        // receives and sends, and as many gradients back.
+        let o = self.opts;
+        compute += 2.0 * (messages * o.message_cpu + bytes * o.wire.factor() * o.byte_cpu) * f.inv;
         if self.opts.overlap {
             let t = bytes * self.wire_per_byte * f.inv;
             (compute, all_reduce, t, (compute + all_reduce).max(t))
@@ -378,7 +400,8 @@ impl<'a> Costs<'a> {
         let c = self.pc[to + 1] - self.pc[from];
         let u = self.pu[to + 1] - self.pu[from];
         let p = self.pp[to + 1] - self.pp[from];
-        ((c + u * self.inv_m) * f.inv, p * f.ring + f.ring_latency)
+        let all_reduce = (p * f.ring + f.ring_latency).max(p * f.ring_cpu);
+        ((c + u * self.inv_m) * f.inv, all_reduce)
     }
 
     /// The first cut `k` in `cuts` whose stage `k+1..=j` on `r` replicas has compute plus
