@@ -5,7 +5,8 @@
 //!
 //! This file owns the command tree, the exit status and the process allocator (mimalloc); each
 //! command lives in [`commands`], shared argument handling in [`args`], what `pipe train` and
-//! `pipe worker` share in [`training`], the merging of worker processes' trace parts in
+//! `pipe worker` share in [`training`], what `pipe plan`, `pipe simulate` and `pipe train
+//! --workers` charge a pipeline's links in [`links`], the merging of worker processes' trace parts in
 //! [`trace`], output and errors in [`output`]. The launchers (threads and worker processes)
 //! live in the library, in `pipe_stages::pipeline`.
 
@@ -38,6 +39,7 @@ const _: () = assert!(MI_OPTION_PURGE_DELAY + 1 == libmimalloc_sys::mi_option_us
 
 mod args;
 mod commands;
+mod links;
 mod output;
 mod trace;
 mod training;

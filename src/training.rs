@@ -391,7 +391,11 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
     let Some(w) = args.workers else {
         return Ok(settings.resolve()?);
     };
-    let (cfg, plan) = plan_workers(settings, w)?;
+    let (costs, source) = crate::links::all_measured()?;
+    let (cfg, plan) = plan_workers(settings, w, Some(&costs))?;
+    if let Some(cost) = costs.get(cfg.link_transport().name()) {
+        outln!("{}", crate::links::describe(cost, &source));
+    }
     outln!(
         "auto plan for {w} workers: partition {}, replicas {:?}, predicted {:.0} samples/s (simulated {:.0})",
         cfg.partition,

@@ -736,6 +736,84 @@ fn a_plan_under_a_memory_bound_recomputes_and_trains_so() {
     assert!(text.contains("done: 1 steps"), "{text}");
 }
 
+/// Transport costs are measured once and cached: `pipe bench transport --costs-only` keeps
+/// them, `pipe plan --transport` reuses them, and a corrupt entry is measured again, saying
+/// why. A cost file's processor time per message end is charged: at a second per message, a
+/// pipeline's links cost more than data parallelism's all-reduce, and the plan changes.
+#[test]
+fn transport_costs_are_cached_and_change_the_plan() {
+    let cache = tmp("transport-cache");
+    let _ = std::fs::remove_dir_all(&cache);
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipe"))
+            .args(args)
+            .env("PIPE_CACHE_DIR", &cache)
+            .output()
+            .unwrap();
+        common::ok(&out)
+    };
+    let layer = r#"{"name": "l", "forward": 0.001, "backward_input": 0.002, "activation_bytes": 4096, "param_bytes": 1e8}"#;
+    let profile = tmp("transport-profile.json");
+    std::fs::write(
+        &profile,
+        format!(r#"{{"layers": [{}]}}"#, [layer; 4].join(", ")),
+    )
+    .unwrap();
+    let profile = profile.to_str().unwrap();
+    let plan = ["plan", "--profile", profile, "--workers", "2"];
+    let measured = run(&["bench", "transport", "--costs-only"]);
+    assert!(
+        measured.contains("shm ") && measured.contains("kept in"),
+        "{measured}"
+    );
+    let reused = run(&[&plan[..], &["--transport", "shm"]].concat());
+    assert!(
+        reused.contains("links charged as shm") && reused.contains("reused from"),
+        "{reused}"
+    );
+    let entry = std::fs::read_dir(&cache)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::write(&entry, "{ half an entry").unwrap();
+    let again = run(&[&plan[..], &["--transport", "shm"]].concat());
+    assert!(
+        again.contains("measured now (the cached entry was not used: not a cache entry"),
+        "{again}"
+    );
+    let free = run(&plan);
+    assert!(free.starts_with("2 stage(s)"), "{free}");
+    let costs = tmp("transport-costs.json");
+    let s = |v: &str| format!(r#"{{"median": {v}, "min": {v}, "max": {v}}}"#);
+    std::fs::write(
+        &costs,
+        format!(
+            r#"{{"transports": [{{"transport": "quic", "rounds": 1, "latency_s": {}, "message_cpu_s": {}, "byte_cpu_s": {}, "bandwidth": null}}]}}"#,
+            s("0"),
+            s("1"),
+            s("0")
+        ),
+    )
+    .unwrap();
+    let dear = run(&[
+        &plan[..],
+        &[
+            "--transport",
+            "quic",
+            "--transport-costs",
+            costs.to_str().unwrap(),
+        ],
+    ]
+    .concat());
+    assert!(
+        dear.contains("links charged as quic: 1000000.000"),
+        "{dear}"
+    );
+    assert!(dear.contains("1 stage(s) on 2 worker(s)"), "{dear}");
+}
+
 #[test]
 fn train_with_workers_plans_automatically() {
     let text = pipe_ok(&[

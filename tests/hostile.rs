@@ -761,6 +761,62 @@ fn plan_rows() -> Vec<Row> {
     ]
 }
 
+/// A transport cost file `c.json` holding `body`, read by `pipe plan --transport shm`.
+fn cost_file(body: &str, want: &'static str) -> Row {
+    with(
+        "plan --profile {d}/p.json --workers 2 --transport shm --transport-costs {d}/c.json",
+        [text("p.json", many_layers(4)), text("c.json", body)]
+            .into_iter()
+            .flatten()
+            .collect(),
+        want,
+    )
+}
+
+/// A cost file of one transport, `name`, whose per-message processor time is `cpu`.
+fn costs_of(name: &str, cpu: &str) -> String {
+    let s = |v: &str| format!(r#"{{"median": {v}, "min": {v}, "max": {v}}}"#);
+    format!(
+        r#"{{"transports": [{{"transport": "{name}", "rounds": 1, "latency_s": {}, "message_cpu_s": {}, "byte_cpu_s": {}, "bandwidth": null}}]}}"#,
+        s("1e-5"),
+        s(cpu),
+        s("0")
+    )
+}
+
+/// Transport costs: the cost file and the flags that read it.
+fn transport_cost_rows() -> Vec<Row> {
+    vec![
+        cost_file("not json", "transport cost file"),
+        cost_file(
+            &costs_of("shm", "-1"),
+            "message_cpu_s must be a finite number >= 0, got -1",
+        ),
+        cost_file(
+            &costs_of("inproc", "1e-6"),
+            "holds no costs for transport shm",
+        ),
+        cost_file(
+            &costs_of("shm", "1e-6").replace("\"rounds\"", "\"colour\": 1, \"rounds\""),
+            "unknown field `colour`",
+        ),
+        with(
+            "plan --profile {d}/p.json --workers 2 --transport auto",
+            text("p.json", many_layers(4)),
+            "--transport auto names no one transport",
+        ),
+        with(
+            "plan --profile {d}/p.json --workers 2 --cost-model pipedream --transport shm",
+            text("p.json", many_layers(4)),
+            "--transport belongs to --cost-model default",
+        ),
+        row(
+            "simulate --stages 2 --transport pigeon",
+            "unknown transport 'pigeon'",
+        ),
+    ]
+}
+
 /// A JSON profile of `n` equal layers.
 fn many_layers(n: usize) -> String {
     let layer = r#"{"name": "l", "forward": 0.001, "backward_input": 0.002, "activation_bytes": 4096, "param_bytes": 1024}"#;
@@ -1368,6 +1424,8 @@ impl Row {
 
 fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).unwrap();
+    // Measured transport costs go to a scratch cache, one for the whole table.
+    let cache = std::env::temp_dir().join(format!("pipe-hostile-cache-{}", std::process::id()));
     for f in &r.files {
         match f {
             File::Text(n, body) => write_under(dir, n, body.as_bytes()),
@@ -1380,6 +1438,7 @@ fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
         let args = cmd.replace("{d}", &dir.display().to_string());
         let out = Command::new(env!("CARGO_BIN_EXE_pipe"))
             .args(args.split_whitespace())
+            .env("PIPE_CACHE_DIR", &cache)
             .output()
             .expect("run pipe");
         assert!(out.status.success(), "setup `pipe {args}`: {out:?}");
@@ -1400,6 +1459,7 @@ fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
         .arg(format!("ulimit -v 8388608; exec timeout 60 \"$0\" {args}"))
         .arg(env!("CARGO_BIN_EXE_pipe"))
         .env_remove("RUST_BACKTRACE")
+        .env("PIPE_CACHE_DIR", &cache)
         .output()
         .expect("run pipe");
     let took = start.elapsed();
@@ -1458,6 +1518,7 @@ fn every_bad_input_is_refused_on_one_line_with_its_exit_code() {
         ("config", config_rows()),
         ("faults", fault_and_launch_rows()),
         ("plan", plan_rows()),
+        ("transport-costs", transport_cost_rows()),
         ("profile", profile_rows()),
         ("data", data_rows()),
         ("checkpoint", checkpoint_rows()),

@@ -61,7 +61,10 @@ fn small_config(d: &std::path::Path, epochs: u32) -> String {
 }
 
 fn run(cmd: &mut Command) -> Output {
-    cmd.env_remove("RUST_BACKTRACE").output().expect("run pipe")
+    cmd.env_remove("RUST_BACKTRACE")
+        .env("PIPE_CACHE_DIR", common::cache_dir())
+        .output()
+        .expect("run pipe")
 }
 
 #[test]

@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod costs;
 pub mod hosts;
 pub mod link;
 pub mod machine;

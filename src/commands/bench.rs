@@ -16,7 +16,7 @@ use pipe_transport::cluster::ClusterFile;
 use pipe_transport::kinds::MeshSettings;
 
 use crate::args::parse_policy;
-use crate::output::{bad_input, schedule_error};
+use crate::output::{bad_input, experiment_error, schedule_error};
 use pipe_stages::pipeline::processes::{JoinOptions, LaunchOptions, RECORD, join, launch};
 
 /// `pipe bench partition`: the profiled plan against the uniform split.
@@ -208,6 +208,39 @@ pub struct TransportBenchArgs {
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Measure only the link costs the planner charges (each transport's latency and
+    /// processor time per message and per byte, over 5 rounds), cache them, and skip the
+    /// streaming and all-reduce figures.
+    #[arg(long)]
+    costs_only: bool,
+    /// Also write the link costs as JSON to FILE (what `pipe plan --transport-costs` reads).
+    #[arg(long, value_name = "FILE")]
+    costs_out: Option<PathBuf>,
+}
+
+/// Measures the link costs, caches them (pipe's cache, where the planner reads them) and
+/// prints them; writes them to `out` too when given.
+fn measure_link_costs(out: Option<&PathBuf>) -> Result<()> {
+    use pipe_experiments::costs;
+    let measured = costs::measure(costs::ROUNDS).map_err(experiment_error)?;
+    outln!(
+        "link costs (median over {} rounds, least-most):",
+        costs::ROUNDS
+    );
+    out!("{}", costs::render(&measured));
+    match pipe_stages::cache::Cache::open() {
+        Some(cache) => {
+            let path = cache.put(&costs::key(), &measured)?;
+            outln!("kept in {}", path.display());
+        }
+        None => outln!("not kept: no cache directory (set PIPE_CACHE_DIR)"),
+    }
+    if let Some(path) = out {
+        let text = serde_json::to_string_pretty(&measured)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        outln!("written to {}", path.display());
+    }
+    Ok(())
 }
 
 /// Runs `pipe bench transport`.
@@ -215,6 +248,10 @@ pub struct TransportBenchArgs {
 /// # Errors
 /// Run-time failures of the benchmark (the flags are range-checked by the parser).
 pub fn run_transport(args: &TransportBenchArgs) -> Result<()> {
+    measure_link_costs(args.costs_out.as_ref())?;
+    if args.costs_only {
+        return Ok(());
+    }
     // Sizes, workers and rounds are bounded by their flags' ranges.
     let cfg = pipe_experiments::transport::TransportBenchConfig {
         message_mib: args.message_mib as usize,

@@ -1,6 +1,6 @@
 //! One module per `pipe` command: its arguments and the code that runs it. A command uses
-//! [`crate::args`], [`crate::output`], [`crate::training`] and [`crate::trace`], never another
-//! command.
+//! [`crate::args`], [`crate::output`], [`crate::training`], [`crate::links`] and
+//! [`crate::trace`], never another command.
 
 pub mod bench;
 pub mod cluster;

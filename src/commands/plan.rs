@@ -80,6 +80,8 @@ pub struct PlanArgs {
     /// Write the plan as TOML to FILE (for `pipe train --plan`).
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
+    #[command(flatten)]
+    link: crate::links::LinkArgs,
 }
 
 /// Reads a profile: pipe's JSON, or PipeDream's graph format.
@@ -161,6 +163,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let workers = args.stages.or(args.workers).unwrap_or(0);
     let plan = match args.cost_model {
         PlanCostModel::Pipedream => {
+            if args.link.transport.is_some() {
+                return Err(bad_input(
+                    "--transport belongs to --cost-model default (PipeDream's model charges \
+                     no processor time for messages)"
+                        .into(),
+                ));
+            }
             if let Some(r) = args.activation_compression {
                 if !r.is_finite() || r <= 0.0 {
                     return Err(schedule_error(ScheduleError::Plan(format!(
@@ -185,7 +194,11 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                         .into(),
                 ));
             }
-            let opts = plan_options(args, workers, &profile, process);
+            let mut opts = plan_options(args, workers, &profile, process);
+            if let Some((cost, source)) = args.link.load()? {
+                outln!("{}", crate::links::describe(&cost, &source));
+                opts = opts.with_transport(&cost);
+            }
             pipe_scheduler::plan_checked(&profile, &opts).map_err(schedule_error)?
         }
     };

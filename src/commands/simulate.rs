@@ -66,10 +66,26 @@ pub struct SimulateArgs {
     /// Write the simulated timeline as CSV to FILE.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
+    /// With `--transport`: the measured costs of that transport's messages replace
+    /// `--message-cpu` and `--byte-cpu` (and a cost file's).
+    #[command(flatten)]
+    link: crate::links::LinkArgs,
+}
+
+/// The cost model ([`flag_or_file_costs`]), its message costs those of `--transport` where it
+/// is given.
+fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
+    let mut costs = flag_or_file_costs(args)?;
+    if let Some((cost, source)) = args.link.load()? {
+        outln!("{}", crate::links::describe(&cost, &source));
+        costs.message_cpu = cost.message_cpu_s.median;
+        costs.byte_cpu = cost.byte_cpu_s.median;
+    }
+    Ok(costs)
 }
 
 /// The cost model: the cost file when given (with `--cores` over its own), else the flags.
-fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
+fn flag_or_file_costs(args: &SimulateArgs) -> Result<CostModel> {
     if let Some(path) = &args.costs {
         let text = pipe_stages::limits::read_text_file(path, "cost file")?;
         let parsed: Result<CostModel, String> = if path

@@ -187,7 +187,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 /// `--replan-on-restart`'s planner: the layout for `workers` workers
 /// ([`pipe_stages::planning::replan`]) and its predicted samples/s.
 fn replan(cfg: &RunConfig, workers: u32) -> pipe_stages::Result<(RunConfig, f64)> {
-    let (next, plan) = pipe_stages::planning::replan(cfg, workers)?;
+    // The costs were measured or read when the run was planned; a failure to read them now
+    // plans without them rather than not at all.
+    let costs = crate::links::all_measured().ok().map(|(c, _)| c);
+    let (next, plan) = pipe_stages::planning::replan(cfg, workers, costs.as_ref())?;
     let rate = next.microbatch_size as f64 / plan.time_per_microbatch;
     Ok((next, rate))
 }

@@ -1490,6 +1490,17 @@ impl RunConfig {
         }
     }
 
+    /// The transport that carries this run's stage-to-stage links on one host: the one asked
+    /// for, else what `auto` picks (channels between threads, shared memory between worker
+    /// processes). The planner charges its measured costs.
+    pub fn link_transport(&self) -> TransportKind {
+        match (self.transport, self.placement) {
+            (TransportKind::Auto, Placement::Threads) => TransportKind::InProcess,
+            (TransportKind::Auto, Placement::Processes) => TransportKind::Shm,
+            (kind, _) => kind,
+        }
+    }
+
     /// The schedule request this run implies, running for `length`.
     pub fn schedule_spec(&self, length: Length) -> ScheduleSpec {
         self.schedule_spec_of(self.schedule, length)

@@ -26,8 +26,15 @@ pub fn pipe(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_pipe"))
         .args(args)
         .env_remove("RUST_BACKTRACE")
+        .env("PIPE_CACHE_DIR", cache_dir())
         .output()
         .expect("run pipe")
+}
+
+/// The cache directory the tests' runs use (`PIPE_CACHE_DIR`): one per test binary, so that
+/// measured transport costs land in a scratch directory, not the user's cache.
+pub fn cache_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("pipe-test-cache-{}", std::process::id()))
 }
 
 /// Asserts that a run was refused as bad input: exit 2 and one line on standard error that

@@ -46,10 +46,10 @@ impl Spread {
         }
     }
 
-    /// The spread as `median (min-max)` in `unit`s of `scale`.
+    /// The spread as `median (min-max)`, each times `scale`, the median followed by `unit`.
     pub fn describe(&self, scale: f64, unit: &str) -> String {
         format!(
-            "{:.3} {unit} ({:.3}-{:.3})",
+            "{:.3}{unit} ({:.3}-{:.3})",
             self.median * scale,
             self.min * scale,
             self.max * scale

@@ -13,6 +13,7 @@ pub mod memory;
 pub mod profile;
 
 use pipe_kernels::CpuBackend;
+use pipe_scheduler::planner::transport::{TransportCost, TransportCosts};
 use pipe_scheduler::{
     Action, Length, PartitionPlan, PlanOptions, Policy, Profile, ScheduleSpec, plan_checked,
 };
@@ -152,7 +153,9 @@ pub fn measured_partition(
 /// What `pipe train --workers W` plans with: the model profiled at the run's microbatch size
 /// with one thread (calibrated on the executor, as many copies at once as there are busy
 /// workers), planned under the default cost model for the run's schedule. In-process
-/// activations move for free; the all-reduce's measured cost sets the bandwidth.
+/// activations move for free; the all-reduce's measured cost sets the bandwidth; `link`, the
+/// measured costs of the transport that will carry the run's links, charges each stage its
+/// messages' processor time.
 ///
 /// # Errors
 /// Profiling or planning failures (an unplannable schedule is bad input).
@@ -163,6 +166,7 @@ pub fn auto_plan(
     policy: Policy,
     microbatches: u32,
     workers: u32,
+    link: Option<&TransportCost>,
 ) -> Result<(Profile, PartitionPlan)> {
     let be = CpuBackend::new(1)?;
     let opts = ProfileOptions {
@@ -174,11 +178,14 @@ pub fn auto_plan(
     };
     let profile = profile_model(model, name, &be, &opts)?;
     let bandwidth = in_process_bandwidth(model, microbatch_size)?;
-    let opts = PlanOptions {
+    let mut opts = PlanOptions {
         policy,
         microbatches,
         ..PlanOptions::new(workers, bandwidth)
     };
+    if let Some(link) = link {
+        opts = opts.with_transport(link);
+    }
     let plan = plan_checked(&profile, &opts)?;
     Ok((profile, plan))
 }
@@ -204,7 +211,11 @@ pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition>
 /// # Errors
 /// [`StageError::Config`] for no workers or settings that describe no run; profiling and
 /// planning failures.
-pub fn plan_workers(settings: TrainSettings, workers: u32) -> Result<(RunConfig, PartitionPlan)> {
+pub fn plan_workers(
+    settings: TrainSettings,
+    workers: u32,
+    costs: Option<&TransportCosts>,
+) -> Result<(RunConfig, PartitionPlan)> {
     if workers == 0 {
         return Err(StageError::Config("--workers must be at least 1".into()));
     }
@@ -219,6 +230,7 @@ pub fn plan_workers(settings: TrainSettings, workers: u32) -> Result<(RunConfig,
         policy,
         m,
         workers,
+        costs.and_then(|c| c.get(cfg.link_transport().name())),
     )?;
     let (partition, replicas) = layout_of(&plan)?;
     let planned = PlannedLayout {
@@ -239,7 +251,11 @@ pub fn plan_workers(settings: TrainSettings, workers: u32) -> Result<(RunConfig,
 /// # Errors
 /// No layout for that many workers; a new layout whose minibatch cannot be the run's (the
 /// message names both), profiling failures.
-pub fn replan(cfg: &RunConfig, workers: u32) -> Result<(RunConfig, PartitionPlan)> {
+pub fn replan(
+    cfg: &RunConfig,
+    workers: u32,
+    costs: Option<&TransportCosts>,
+) -> Result<(RunConfig, PartitionPlan)> {
     let model = Model::new(&cfg.model)?;
     let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
     let (_, plan) = auto_plan(
@@ -249,6 +265,7 @@ pub fn replan(cfg: &RunConfig, workers: u32) -> Result<(RunConfig, PartitionPlan
         cfg.schedule,
         m,
         workers,
+        costs.and_then(|c| c.get(cfg.link_transport().name())),
     )?;
     let (partition, replicas) = layout_of(&plan)?;
     let minibatch = cfg.resolved()?.minibatch;
