@@ -108,9 +108,14 @@ pub fn all_measured() -> Result<(TransportCosts, String)> {
 /// One line naming a transport's charged costs and their source.
 pub fn describe(cost: &TransportCost, source: &str) -> String {
     format!(
-        "links charged as {}: {} us per message end, {} ns per byte ({source})",
+        "links charged as {}: {} us per message end, {} ns per byte, one way {} us, {} ({source})",
         cost.transport,
         cost.message_cpu_s.describe(1e6, ""),
         cost.byte_cpu_s.describe(1e9, ""),
+        cost.latency_s.describe(1e6, ""),
+        cost.bandwidth.map_or_else(
+            || "no cost per byte moved".into(),
+            |b| b.describe(1e-9, " GB/s")
+        ),
     )
 }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use pipe_kernels::CpuBackend;
+use pipe_scheduler::planner::transport::TransportCost;
 use pipe_scheduler::{
     PartitionPlan, PipeDreamOptions, PlanOptions, Policy, Profile, ScheduleError, WireDtype,
 };
@@ -45,12 +46,13 @@ pub struct PlanArgs {
     /// Exactly S stages, one worker each: the exact min-max split by time.
     #[arg(long, conflicts_with_all = ["workers", "straight"])]
     stages: Option<u32>,
-    /// Link bandwidth (GB means 10^9 bytes).
-    #[arg(long, default_value = "10GB/s", value_parser = parse_bandwidth)]
-    bandwidth: f64,
-    /// Link latency per message.
-    #[arg(long, default_value = "0", value_parser = parse_seconds)]
-    latency: f64,
+    /// Link bandwidth (GB means 10^9 bytes) [default: the measured rate of `--transport`'s
+    /// links, else 10GB/s].
+    #[arg(long, value_parser = parse_bandwidth)]
+    bandwidth: Option<f64>,
+    /// Link latency per message [default: `--transport`'s measured one-way time, else 0].
+    #[arg(long, value_parser = parse_seconds)]
+    latency: Option<f64>,
     /// Per-worker memory bound.
     #[arg(long, value_parser = parse_bytes)]
     memory: Option<f64>,
@@ -95,20 +97,43 @@ fn load_profile(path: &Path) -> Result<Profile> {
     .map_err(|e| bad_input(format!("{}: {e}", path.display())))
 }
 
+/// The link bandwidth when `--bandwidth` is not given and no transport's rate is charged.
+const DEFAULT_BANDWIDTH: f64 = 10e9;
+
 /// Default-model options from the flags; each worker's base memory is `process` (this
-/// process's resident bytes before it profiled) and the starting weights.
-fn plan_options(args: &PlanArgs, workers: u32, profile: &Profile, process: u64) -> PlanOptions {
+/// process's resident bytes before it profiled) and the starting weights. With `link`, the
+/// measured costs of the links' transport: its processor time per message and per byte, and
+/// its rate and latency where the flags give none.
+fn plan_options(
+    args: &PlanArgs,
+    workers: u32,
+    profile: &Profile,
+    process: u64,
+    link: Option<&TransportCost>,
+) -> PlanOptions {
     let params: f64 = profile.layers.iter().map(|l| l.param_bytes).sum();
-    PlanOptions {
+    let bandwidth = args.bandwidth.unwrap_or_else(|| match link {
+        // Large messages cost that transport no more than small ones: no link time.
+        Some(cost) => cost.bandwidth.map_or(f64::INFINITY, |b| b.median),
+        None => DEFAULT_BANDWIDTH,
+    });
+    let latency = args
+        .latency
+        .unwrap_or_else(|| link.map_or(0.0, |c| c.latency_s.median));
+    let opts = PlanOptions {
         worker_base: pipe_stages::planning::memory::worker_base(process, params),
-        latency: args.latency,
+        latency,
         memory: args.memory,
         wire: args.wire_dtype,
         overlap: !args.no_overlap,
         policy: args.schedule,
         microbatches: args.microbatches,
         straight: args.straight || args.stages.is_some(),
-        ..PlanOptions::new(workers, args.bandwidth)
+        ..PlanOptions::new(workers, bandwidth)
+    };
+    match link {
+        Some(cost) => opts.with_transport(cost),
+        None => opts,
     }
 }
 
@@ -179,7 +204,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             }
             let opts = PipeDreamOptions {
                 workers,
-                bandwidth: args.bandwidth,
+                bandwidth: args.bandwidth.unwrap_or(DEFAULT_BANDWIDTH),
                 memory: args.memory,
                 straight: args.straight || args.stages.is_some(),
                 activation_compression: args.activation_compression,
@@ -194,11 +219,17 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                         .into(),
                 ));
             }
-            let mut opts = plan_options(args, workers, &profile, process);
-            if let Some((cost, source)) = args.link.load()? {
-                outln!("{}", crate::links::describe(&cost, &source));
-                opts = opts.with_transport(&cost);
+            let link = args.link.load()?;
+            if let Some((cost, source)) = &link {
+                outln!("{}", crate::links::describe(cost, source));
             }
+            let opts = plan_options(
+                args,
+                workers,
+                &profile,
+                process,
+                link.as_ref().map(|l| &l.0),
+            );
             pipe_scheduler::plan_checked(&profile, &opts).map_err(schedule_error)?
         }
     };
