@@ -101,17 +101,15 @@ fn load_profile(path: &Path) -> Result<Profile> {
 const DEFAULT_BANDWIDTH: f64 = 10e9;
 
 /// Default-model options from the flags; each worker's base memory is `process` (this
-/// process's resident bytes before it profiled) and the starting weights. With `link`, the
+/// process's resident bytes before it profiled) and the runtime. With `link`, the
 /// measured costs of the links' transport: its processor time per message and per byte, and
 /// its rate and latency where the flags give none.
 fn plan_options(
     args: &PlanArgs,
     workers: u32,
-    profile: &Profile,
     process: u64,
     link: Option<&TransportCost>,
 ) -> PlanOptions {
-    let params: f64 = profile.layers.iter().map(|l| l.param_bytes).sum();
     let bandwidth = args.bandwidth.unwrap_or_else(|| match link {
         // Large messages cost that transport no more than small ones: no link time.
         Some(cost) => cost.bandwidth.map_or(f64::INFINITY, |b| b.median),
@@ -121,7 +119,7 @@ fn plan_options(
         .latency
         .unwrap_or_else(|| link.map_or(0.0, |c| c.latency_s.median));
     let opts = PlanOptions {
-        worker_base: pipe_stages::planning::memory::worker_base(process, params),
+        worker_base: pipe_stages::planning::memory::worker_base(process),
         latency,
         memory: args.memory,
         wire: args.wire_dtype,
@@ -223,13 +221,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             if let Some((cost, source)) = &link {
                 outln!("{}", crate::links::describe(cost, source));
             }
-            let opts = plan_options(
-                args,
-                workers,
-                &profile,
-                process,
-                link.as_ref().map(|l| &l.0),
-            );
+            let opts = plan_options(args, workers, process, link.as_ref().map(|l| &l.0));
             pipe_scheduler::plan_checked(&profile, &opts).map_err(schedule_error)?
         }
     };

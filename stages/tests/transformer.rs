@@ -91,7 +91,7 @@ fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'stat
     }
 }
 
-fn bits(p: &Params) -> Vec<u32> {
+fn bits(p: &[Vec<Tensor>]) -> Vec<u32> {
     p.iter()
         .flatten()
         .flat_map(|t| t.host().unwrap().iter().map(|x| x.to_bits()))
@@ -609,4 +609,23 @@ fn a_packed_documents_loss_equals_its_loss_alone() {
         start += len;
     }
     assert_eq!(start, 32);
+}
+
+/// A worker process draws only its own stages' weights, each as the whole model draws it:
+/// the tied head (whose weight is the embedding's) and a block, with the rest left empty.
+#[test]
+fn a_worker_draws_its_own_layers_as_the_whole_model_does() {
+    let model = Model::new(&gpt_spec(true)).unwrap();
+    let whole = model.init_params(SEED);
+    let n = model.len();
+    let keep: Vec<bool> = (0..n).map(|l| l == n - 1 || l == 2).collect();
+    let part = model.init_params_of(SEED, &keep);
+    for l in 0..n {
+        if keep[l] {
+            assert!(!part[l].is_empty(), "layer {l}");
+            assert!(bits(&part[l..=l]) == bits(&whole[l..=l]), "layer {l}");
+        } else {
+            assert!(part[l].is_empty(), "layer {l}");
+        }
+    }
 }

@@ -886,17 +886,48 @@ impl Model {
     /// layer's initial weights do not depend on the rest of the model or on the partition.
     /// Every use of a tied parameter starts as a copy of its first use.
     pub fn init_params(&self, seed: u64) -> Params {
+        self.init_params_of(seed, &vec![true; self.len()])
+    }
+
+    /// [`Model::init_params`] for the layers `keep` marks only, each with the same values as
+    /// in the whole model's (every layer draws from its own seeded stream, and a tied
+    /// parameter is its first use's); the other layers hold no tensors. A worker process
+    /// builds its own stages' weights this way, not the whole model's.
+    pub fn init_params_of(&self, seed: u64, keep: &[bool]) -> Params {
+        let kept = |l: usize| keep.get(l).copied().unwrap_or(false);
+        // A kept layer's tied parameter is drawn by its first use's layer.
+        let mut draw: Vec<bool> = (0..self.len()).map(kept).collect();
+        for entry in self.table.iter().filter(|e| e.uses.len() > 1) {
+            if entry.uses.iter().any(|&(l, _)| kept(l)) {
+                draw[entry.uses[0].0] = true;
+            }
+        }
         let mut params: Params = self
             .layers
             .iter()
             .enumerate()
-            .map(|(i, l)| l.init_params(&mut rng_for(seed, "init", i as u64)))
+            .map(|(i, l)| {
+                if draw[i] {
+                    l.init_params(&mut rng_for(seed, "init", i as u64))
+                } else {
+                    Vec::new()
+                }
+            })
             .collect();
         for entry in self.table.iter().filter(|e| e.uses.len() > 1) {
             let (l0, s0) = entry.uses[0];
-            let first = params[l0][s0].clone();
+            let Some(first) = params[l0].get(s0).cloned() else {
+                continue;
+            };
             for &(l, s) in &entry.uses[1..] {
-                params[l][s] = first.clone();
+                if let Some(p) = params[l].get_mut(s) {
+                    *p = first.clone();
+                }
+            }
+        }
+        for (i, p) in params.iter_mut().enumerate() {
+            if !kept(i) {
+                *p = Vec::new();
             }
         }
         params

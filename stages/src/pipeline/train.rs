@@ -598,9 +598,27 @@ fn check_correction_memory(
 /// # Errors
 /// A Hugging Face directory that does not hold this model ([`crate::hf::import`]).
 pub fn initial_params(cfg: &RunConfig, model: &Model) -> Result<Params> {
+    initial_params_of(cfg, model, &vec![true; model.len()])
+}
+
+/// [`initial_params`] of the layers `keep` marks only; the others hold no tensors (a worker
+/// process keeps its own stages' weights, not the whole model's). `--init-from` reads the
+/// whole directory and keeps those layers.
+///
+/// # Errors
+/// As [`initial_params`].
+pub fn initial_params_of(cfg: &RunConfig, model: &Model, keep: &[bool]) -> Result<Params> {
     match &cfg.init_from {
-        Some(dir) => crate::hf::import(model, &cfg.model, dir),
-        None => Ok(model.init_params(cfg.seed)),
+        Some(dir) => {
+            let mut params = crate::hf::import(model, &cfg.model, dir)?;
+            for (p, &k) in params.iter_mut().zip(keep) {
+                if !k {
+                    *p = Vec::new();
+                }
+            }
+            Ok(params)
+        }
+        None => Ok(model.init_params_of(cfg.seed, keep)),
     }
 }
 

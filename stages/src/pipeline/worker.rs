@@ -240,7 +240,7 @@ fn run_process<T: Transport + ?Sized>(
         data,
         ep,
         be,
-        start: &start,
+        start: Some(start),
         state: None,
         index: 0,
         origin,
@@ -265,8 +265,9 @@ struct Process<'a, T: Transport + ?Sized> {
     data: &'a Splits,
     ep: &'a mut T,
     be: Box<dyn pipe_kernels::Backend>,
-    /// Where the run starts; its weights also shape what the chief gathers.
-    start: &'a Start,
+    /// Where the run starts; its weights also shape what the chief gathers. A follower lets
+    /// it go once its state holds its stages (the weights live on there).
+    start: Option<Start>,
     state: Option<WorkerState>,
     /// Segments run so far (the end-of-segment messages' key).
     index: u32,
@@ -297,10 +298,16 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
         let index = self.index;
         let mut losses = LossRelay::new(run, plan, at, index, rank);
         let (tx, rx) = crossbeam_channel::unbounded();
-        let (ep, be, state, start) = (&mut *self.ep, &self.be, &mut self.state, self.start);
+        let (ep, be, state, start) = (&mut *self.ep, &self.be, &mut self.state, &mut self.start);
         let outcome = run.with_setup(plan, self.data, (at.epoch, at.done), Some(&tx), |setup| {
             if state.is_none() {
-                *state = Some(start.state_of(setup, cfg, rank)?);
+                let from = start
+                    .as_ref()
+                    .ok_or_else(|| StageError::Executor("a worker without its start".into()))?;
+                *state = Some(from.state_of(setup, cfg, rank)?);
+                if rank != CHIEF {
+                    *start = None;
+                }
             }
             let st = state
                 .as_mut()
@@ -335,7 +342,12 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
                 &drain_bytes(drain),
             ))?;
         }
-        let (mine, init, cfg) = (mine(&self.state)?, &self.start.params, self.run.cfg);
+        let init = &self
+            .start
+            .as_ref()
+            .ok_or_else(|| StageError::Executor("the chief without its start".into()))?
+            .params;
+        let (mine, cfg) = (mine(&self.state)?, self.run.cfg);
         let weights = if drain.weights {
             Some(gather_weights(self.ep, plan, mine, init, index)?)
         } else {
@@ -592,8 +604,14 @@ fn receive_start<T: Transport + ?Sized>(
         }
         return Ok(start);
     }
-    // A fresh run's weights: the seed's, or every worker reads --init-from's directory.
-    let mut params = super::train::initial_params(cfg, &run.model)?;
+    // A fresh run's weights of this worker's stages: the seed's, or --init-from's directory.
+    let mut own = vec![false; run.model.len()];
+    for s in layout.stages_of(rank) {
+        for layer in plan.partition.range(s as usize) {
+            own[layer] = true;
+        }
+    }
+    let mut params = super::train::initial_params_of(cfg, &run.model, &own)?;
     let Some(steps) = agreed.steps else {
         return Ok(Start {
             params,

@@ -11,8 +11,9 @@
 //!   measured, not modelled: the process that estimates reads its own;
 //! - **runtime**: what every worker adds besides its tensors (message buffers, the kernels'
 //!   scratch, thread stacks, the allocator's own pages): a constant of this build, measured;
-//! - **start**: the whole model's starting weights, which every worker builds or reads to
-//!   slice its stages from (the chief keeps a second copy to evaluate and checkpoint);
+//! - **start**: at the chief, the whole model's starting weights and a second copy, the latest
+//!   weights it evaluates and checkpoints (a follower builds only its own stages' starting
+//!   weights and lets them go once its state holds them);
 //! - **state**: its stages' weights and optimizer moments kept across segments (the drained
 //!   state a checkpoint and survival read);
 //! - **core**: the same placed for the run, with the gradient buffers;
@@ -144,11 +145,11 @@ pub fn estimate_run(cfg: &RunConfig, process: u64) -> Result<Vec<WorkerMemory>> 
 
 /// What every worker process holds besides its stages, for the partitioner
 /// ([`pipe_scheduler::PlanOptions::worker_base`]): `process` (a `pipe` process's resident
-/// bytes before it builds anything, [`crate::limits::process_resident_bytes`]), the runtime
-/// constant, and the starting weights of a model of `param_bytes`. The chief's second copy of
-/// them and its evaluation are not charged.
-pub fn worker_base(process: u64, param_bytes: f64) -> f64 {
-    process as f64 + RUNTIME_BYTES as f64 + param_bytes
+/// bytes before it builds anything, [`crate::limits::process_resident_bytes`]) and the
+/// runtime constant. The chief's copies of the whole model's weights and its evaluation are
+/// not charged.
+pub fn worker_base(process: u64) -> f64 {
+    process as f64 + RUNTIME_BYTES as f64
 }
 
 /// The estimate for every worker of `plan`.
@@ -203,7 +204,10 @@ pub fn estimate(model: &Model, plan: &RunPlan, inputs: MemoryInputs) -> Result<V
         } else {
             0.0
         };
-        let start = if chief { 2 } else { 1 } * total_params;
+        // Only the chief keeps the whole model's starting weights (and a second copy, the
+        // latest weights it evaluates and checkpoints); a follower builds its own stages'
+        // and lets them go once its state holds them.
+        let start = if chief { 2 * total_params } else { 0 };
         let terms = [
             ("process", inputs.process as f64),
             ("runtime", RUNTIME_BYTES as f64),
@@ -474,10 +478,16 @@ mod model_tests {
             assert_eq!(term(&w, "versions"), 0);
         }
         // Only the chief evaluates (where its end of an epoch needs more than training left),
-        // only the chief keeps a second copy of the starting weights, and only the last stage
-        // computes the loss.
+        // only the chief keeps the whole model's weights (twice: the start and the latest),
+        // and only the last stage computes the loss.
         assert!(kept[1..].iter().all(|w| term(w, "evaluation") == 0));
-        assert_eq!(term(&kept[0], "start"), 2 * term(&kept[1], "start"));
+        assert!(kept[1..].iter().all(|w| term(w, "start") == 0));
+        // Every use of a tied parameter holds its own copy.
+        let per_use: u64 = (0..none.len())
+            .flat_map(|i| none.layer(i).param_shapes())
+            .map(|(_, s)| elements(&s) * 4)
+            .sum();
+        assert_eq!(term(&kept[0], "start"), 2 * per_use);
         assert!(term(&kept[3], "loss") > 0 && term(&kept[2], "loss") == 0);
     }
 }
