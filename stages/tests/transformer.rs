@@ -194,8 +194,8 @@ fn tied_copies_stay_equal_under_every_policy_and_replication() {
         let want = check(&case, true);
         // The embedding's token table (stage 0) and the head (stage 3) are one parameter.
         assert_eq!(
-            bits(&vec![vec![want[0][0][0].clone()]]),
-            bits(&vec![vec![want[3][head - 4][0].clone()]]),
+            bits(&[vec![want[0][0][0].clone()]]),
+            bits(&[vec![want[3][head - 4][0].clone()]]),
             "{case:?}: tied copies differ"
         );
     }
@@ -244,8 +244,8 @@ fn dc_asgd_keeps_tied_copies_equal_and_equals_the_reference() {
         let case = spec(Policy::PipeDream, 2).with_replicas(vec![2, 1, 1, 2]);
         let want = check_with(&case, true, true, cfg);
         assert_eq!(
-            bits(&vec![vec![want[0][0][0].clone()]]),
-            bits(&vec![vec![want[3][head - 4][0].clone()]]),
+            bits(&[vec![want[0][0][0].clone()]]),
+            bits(&[vec![want[3][head - 4][0].clone()]]),
             "{correction:?}: tied copies differ"
         );
         let plain = check(&case, true);
