@@ -39,12 +39,13 @@ pub struct SimulateArgs {
     /// Bytes of each stage's parameters (one weight version; what an all-reduce moves).
     #[arg(long, default_value = "0", value_parser = parse_bytes)]
     param_bytes: f64,
-    /// Link bandwidth, e.g. 10GB/s (GB = 1e9 bytes, GiB = 2^30); default infinite.
+    /// Link bandwidth, e.g. 10GB/s (GB = 1e9 bytes, GiB = 2^30) [default: `--transport`'s
+    /// measured rate, else infinite].
     #[arg(long, value_parser = parse_bandwidth)]
     bandwidth: Option<f64>,
-    /// Link latency per message.
-    #[arg(long, default_value = "0", value_parser = parse_seconds)]
-    latency: f64,
+    /// Link latency per message [default: `--transport`'s measured one-way time, else 0].
+    #[arg(long, value_parser = parse_seconds)]
+    latency: Option<f64>,
     /// Senders wait until their messages land (no compute/communication overlap).
     #[arg(long)]
     no_overlap: bool,
@@ -67,7 +68,8 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
     /// With `--transport`: the measured costs of that transport's messages replace
-    /// `--message-cpu` and `--byte-cpu` (and a cost file's).
+    /// `--message-cpu` and `--byte-cpu` (and a cost file's), and its rate and one-way time
+    /// stand for `--bandwidth` and `--latency` where those are not given.
     #[command(flatten)]
     link: crate::links::LinkArgs,
 }
@@ -80,6 +82,14 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
         outln!("{}", crate::links::describe(&cost, &source));
         costs.message_cpu = cost.message_cpu_s.median;
         costs.byte_cpu = cost.byte_cpu_s.median;
+        if args.costs.is_none() {
+            if args.bandwidth.is_none() {
+                costs.bandwidth = cost.bandwidth.map_or(f64::INFINITY, |b| b.median);
+            }
+            if args.latency.is_none() {
+                costs.latency = cost.latency_s.median;
+            }
+        }
     }
     Ok(costs)
 }
@@ -109,7 +119,7 @@ fn flag_or_file_costs(args: &SimulateArgs) -> Result<CostModel> {
             ..StageCost::compute(args.forward, args.backward)
         }],
         bandwidth: args.bandwidth.unwrap_or(f64::INFINITY),
-        latency: args.latency,
+        latency: args.latency.unwrap_or(0.0),
         overlap: !args.no_overlap,
         cores: args.cores,
         message_cpu: args.message_cpu,
