@@ -89,10 +89,8 @@ pub fn read_cost_file(path: &Path) -> Result<TransportCosts> {
 /// # Errors
 /// Measurement failures.
 pub fn measured(kind: TransportKind) -> Result<(TransportCost, String)> {
-    let (costs, origin) =
-        pipe_experiments::costs::load_or_measure(false).map_err(experiment_error)?;
-    let cost = pick(&costs, kind, "the measured costs")?;
-    Ok((cost, origin.describe()))
+    let (costs, origin) = all_measured()?;
+    Ok((pick(&costs, kind, "the measured costs")?, origin))
 }
 
 /// This machine's costs of every transport, cached or measured now, and where they came from.

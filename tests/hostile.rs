@@ -797,6 +797,20 @@ fn transport_cost_rows() -> Vec<Row> {
             "holds no costs for transport shm",
         ),
         cost_file(
+            &costs_of("shm", "1e300"),
+            "message_cpu_s is 1e300, over the limit",
+        ),
+        // A cost file that is a FIFO would block forever.
+        with(
+            "plan --profile {d}/p.json --workers 2 --transport shm --transport-costs {d}/c.json",
+            vec![File::Text("p.json", many_layers(4)), File::Fifo("c.json")],
+            "a FIFO, not a regular file",
+        ),
+        row(
+            &format!("train --recompute {}full --steps 1", "none,".repeat(1100)),
+            "recompute kinds is 1101, over the limit of 1024",
+        ),
+        cost_file(
             &costs_of("shm", "1e-6").replace("\"rounds\"", "\"colour\": 1, \"rounds\""),
             "unknown field `colour`",
         ),

@@ -104,6 +104,16 @@ impl LayerProfile {
     pub fn recompute_stash(&self) -> f64 {
         self.recompute_stash_bytes.unwrap_or_else(|| self.stash())
     }
+
+    /// The forward time a recomputing backward runs again: the layer's forward where it keeps
+    /// less when recomputing, else none (it keeps what it kept).
+    pub fn recompute_forward(&self) -> f64 {
+        if self.recompute_stash() < self.stash() {
+            self.forward
+        } else {
+            0.0
+        }
+    }
 }
 
 /// A model's profile: layers in a topological order and the edges between them.

@@ -997,15 +997,7 @@ impl TrainSettings {
                 .map_err(StageError::Config)?;
         }
         let backend = self.backend_kind()?;
-        if matches!(backend, BackendKind::Cuda(_))
-            && corpus.as_ref().is_some_and(|c| c.pack_documents.is_some())
-        {
-            return bad(
-                "--pack-documents is not built on the cuda backend yet (its attention kernels \
-                 take no document mask); use --backend cpu"
-                    .into(),
-            );
-        }
+        check_backend_takes(backend, corpus.as_ref())?;
         let (placement, transport) =
             Placement::resolve(self.placement.as_deref(), self.transport.as_deref())?;
         let wire = wire_dtype(self.wire_dtype.as_deref())?;
@@ -1065,6 +1057,20 @@ impl TrainSettings {
             allreduce_wire,
         })
     }
+}
+
+/// Refuses what a backend cannot run yet: packed documents on CUDA, whose attention kernels
+/// take no document mask.
+fn check_backend_takes(backend: BackendKind, corpus: Option<&CorpusSettings>) -> Result<()> {
+    if matches!(backend, BackendKind::Cuda(_)) && corpus.is_some_and(|c| c.pack_documents.is_some())
+    {
+        return Err(StageError::Config(
+            "--pack-documents is not built on the cuda backend yet (its attention kernels take \
+             no document mask); use --backend cpu"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Where a run's workers run: the choice of launcher, apart from what carries their links

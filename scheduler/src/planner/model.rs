@@ -314,17 +314,12 @@ impl<'a> Costs<'a> {
             pr[i + 1] = pr[i] + l.recompute_stash();
             // A layer that keeps less under recomputation runs its forward again in the
             // backward (and again in a split backward's weight half).
-            let again = if l.recompute_stash() < l.stash() {
-                l.forward
-                    * if opts.policy == Policy::ZbH1 {
-                        2.0
-                    } else {
-                        1.0
-                    }
+            let again = if opts.policy == Policy::ZbH1 {
+                2.0
             } else {
-                0.0
+                1.0
             };
-            pf[i + 1] = pf[i] + again;
+            pf[i + 1] = pf[i] + again * l.recompute_forward();
             let input = if i > 0 { crossing[i - 1] } else { 0.0 };
             pass.push(l.stash() + input + l.activation_bytes);
         }
@@ -1057,8 +1052,7 @@ pub fn stage_costs(profile: &Profile, plan: &PartitionPlan, wire: WireDtype) -> 
             let layers = &profile.layers[s.layers.clone()];
             let again: f64 = layers
                 .iter()
-                .filter(|l| l.recompute_stash() < l.stash())
-                .map(|l| l.forward)
+                .map(crate::profile::LayerProfile::recompute_forward)
                 .sum();
             let whole = c.whole_backward();
             c.backward_input += again;

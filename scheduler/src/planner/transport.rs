@@ -77,7 +77,9 @@ pub struct TransportCost {
 }
 
 impl TransportCost {
-    /// Checks that every figure is finite and not negative.
+    /// Checks that every figure is finite, not negative, and within the bounds of any figure
+    /// pipe plans with ([`crate::limits::check_figure`]: a time of 11 days; a rate, counted
+    /// as bytes, of 1 PiB per second).
     ///
     /// # Errors
     /// A message naming the transport and the figure.
@@ -96,6 +98,14 @@ impl TransportCost {
                         self.transport
                     ));
                 }
+                // A rate is bounded as a count of bytes.
+                let bounded_as = if name == "bandwidth" {
+                    "bandwidth bytes"
+                } else {
+                    name
+                };
+                crate::limits::check_figure(bounded_as, v)
+                    .map_err(|why| format!("transport {}: {why}", self.transport))?;
             }
         }
         Ok(())
