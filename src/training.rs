@@ -583,6 +583,28 @@ pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usiz
             pipe_kernels::BackendKind::Cuda(p) => format!(", cuda ({p} products)"),
         }
     );
+    if !cfg.hosts.is_empty() {
+        outln!("placed by the plan: {}", hosts_note(&cfg.hosts));
+    }
+}
+
+/// Each host of a plan's placement with its workers: `a (workers 0, 1), b (workers 2, 3)`.
+pub fn hosts_note(hosts: &[String]) -> String {
+    let mut order: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (w, h) in hosts.iter().enumerate() {
+        match order.iter_mut().find(|(name, _)| name == h) {
+            Some((_, workers)) => workers.push(w),
+            None => order.push((h, vec![w])),
+        }
+    }
+    order
+        .iter()
+        .map(|(name, workers)| {
+            let list: Vec<String> = workers.iter().map(usize::to_string).collect();
+            format!("{name} (workers {})", list.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The header's note on recomputation: nothing when no stage recomputes.

@@ -205,9 +205,108 @@ pub struct CostModel {
     /// of that and its link time.
     #[serde(default)]
     pub byte_cpu: f64,
+    /// The host of each worker, in worker order, where the workers are on more than one host
+    /// (default, empty: every worker on one). A message between workers of two hosts, and a
+    /// ring all-reduce among replicas on more than one, take [`CostModel::between`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<u32>,
+    /// The link between hosts: their network's rate and one-way time, and the processor time
+    /// its transport costs each end (default: the same as within a host, the fields above).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub between: Option<Link>,
+}
+
+/// One kind of link's costs: its rate, its one-way time, and the processor time its transport
+/// spends at each end per message and per byte (as [`CostModel`]'s own fields, which are the
+/// link within a host).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    /// Bytes per second.
+    pub bandwidth: f64,
+    /// Seconds per message.
+    #[serde(default)]
+    pub latency: f64,
+    /// Processor seconds per message end.
+    #[serde(default)]
+    pub message_cpu: f64,
+    /// Processor seconds per byte at each end.
+    #[serde(default)]
+    pub byte_cpu: f64,
+}
+
+impl Link {
+    /// Checks that the rate is positive and every time finite and not negative.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Cost`] naming `what` and the figure.
+    pub fn check(&self, what: &str) -> Result<()> {
+        if self.bandwidth.is_nan() || self.bandwidth <= 0.0 {
+            return Err(ScheduleError::Cost(format!(
+                "{what}: bandwidth must be > 0 bytes/s, got {}",
+                self.bandwidth
+            )));
+        }
+        for (name, v) in [
+            ("latency", self.latency),
+            ("message_cpu", self.message_cpu),
+            ("byte_cpu", self.byte_cpu),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(ScheduleError::Cost(format!(
+                    "{what}: {name} must be a finite number of seconds >= 0, got {v}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Seconds `bytes` keep the link busy.
+    pub fn transfer(&self, bytes: f64) -> f64 {
+        bytes / self.bandwidth
+    }
 }
 
 impl CostModel {
+    /// The link within a host: the model's own rate, latency and processor costs.
+    pub fn within(&self) -> Link {
+        Link {
+            bandwidth: self.bandwidth,
+            latency: self.latency,
+            message_cpu: self.message_cpu,
+            byte_cpu: self.byte_cpu,
+        }
+    }
+
+    /// The link the messages between workers `a` and workers `b` take (the same range twice:
+    /// a ring among them): [`CostModel::between`] where any two of them are on different
+    /// hosts, else the link within a host. A stage's replicas exchange with every replica of
+    /// the next stage over the schedule's microbatches, so one pair apart puts the whole
+    /// stage boundary on the slower link.
+    pub fn link(&self, a: std::ops::Range<WorkerId>, b: std::ops::Range<WorkerId>) -> Link {
+        let host = |w: WorkerId| self.hosts.get(w as usize).copied();
+        let first = host(a.start);
+        let apart = a.chain(b).any(|w| host(w) != first);
+        match (apart, self.between) {
+            (true, Some(link)) => link,
+            _ => self.within(),
+        }
+    }
+
+    /// Checks that `hosts`, where given, names a host for each of `workers` workers.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Cost`] for another count.
+    pub fn check_hosts(&self, workers: u32) -> Result<()> {
+        if !self.hosts.is_empty() && self.hosts.len() != workers as usize {
+            return Err(ScheduleError::Cost(format!(
+                "{} hosts given for {workers} workers (give one per worker, or none)",
+                self.hosts.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Every stage costs the same; infinitely fast links.
     pub fn uniform(stage: StageCost) -> Self {
         CostModel {
@@ -218,6 +317,8 @@ impl CostModel {
             cores: None,
             message_cpu: 0.0,
             byte_cpu: 0.0,
+            hosts: Vec::new(),
+            between: None,
         }
     }
 
@@ -293,6 +394,9 @@ impl CostModel {
                 )));
             }
         }
+        if let Some(link) = &self.between {
+            link.check("the link between hosts")?;
+        }
         Ok(())
     }
 
@@ -315,6 +419,21 @@ impl CostModel {
         check_figure("latency", self.latency).map_err(cost)?;
         check_figure("message_cpu", self.message_cpu).map_err(cost)?;
         check_figure("byte_cpu", self.byte_cpu).map_err(cost)?;
+        if let Some(link) = &self.between {
+            for (name, v) in [
+                ("between.latency", link.latency),
+                ("between.message_cpu", link.message_cpu),
+                ("between.byte_cpu", link.byte_cpu),
+            ] {
+                check_figure(name, v).map_err(cost)?;
+            }
+            if link.bandwidth < 1.0 {
+                return Err(cost(format!(
+                    "the link between hosts: bandwidth must be at least 1 byte/s, got {}",
+                    number(link.bandwidth)
+                )));
+            }
+        }
         let total: f64 = self
             .stages
             .iter()
@@ -334,10 +453,6 @@ impl CostModel {
             )));
         }
         Ok(())
-    }
-
-    fn transfer(&self, bytes: f64) -> f64 {
-        bytes / self.bandwidth
     }
 }
 
@@ -390,6 +505,7 @@ pub struct SimReport {
 /// plan, [`ScheduleError::Deadlock`] if the programs cannot finish.
 pub fn simulate(schedule: &Schedule, costs: &CostModel, opts: SimOptions) -> Result<SimReport> {
     costs.check(schedule.stages())?;
+    costs.check_hosts(schedule.workers())?;
     let lowered;
     let schedule = if schedule.lowered {
         schedule
@@ -435,6 +551,7 @@ pub fn simulate_spec(
 ) -> Result<SimReport> {
     let resolved = spec.resolve()?;
     costs.check(resolved.layout.stages())?;
+    costs.check_hosts(resolved.layout.workers())?;
     let shared = costs.cores.is_some_and(|c| c < resolved.layout.workers());
     if opts.timeline || shared {
         return simulate(&crate::generate(spec)?, costs, opts);
@@ -891,14 +1008,13 @@ impl<'a, P: Programs> Engine<'a, P> {
         to: WorkerId,
         t: &StageTimes,
         clock: f64,
-        latency: f64,
     ) -> (MessageId, f64) {
         let wi = w as usize;
         let id = self.message(w, a);
-        let busy = match a {
-            Action::SendActivation { .. } => t.activation_transfer,
-            Action::SendGradient { .. } => t.gradient_transfer,
-            _ => t.chunk_transfer,
+        let (busy, latency) = match a {
+            Action::SendActivation { .. } => (t.activation_transfer, t.activation_latency),
+            Action::SendGradient { .. } => (t.gradient_transfer, t.gradient_latency),
+            _ => (t.chunk_transfer, t.chunk_latency),
         };
         let link = match self.links[wi].iter().position(|&(p, _)| p == to) {
             Some(i) => i,
@@ -1026,7 +1142,7 @@ impl<'a, P: Programs> Engine<'a, P> {
         group_left: &mut [u32],
     ) {
         let layout: &'a Layout = &self.resolved.layout;
-        let (latency, overlap) = self.costs.map_or((0.0, true), |c| (c.latency, c.overlap));
+        let overlap = self.costs.is_none_or(|c| c.overlap);
         loop {
             let Some(a) = self.programs.current(w) else {
                 state[w] = Busy::Done;
@@ -1053,7 +1169,7 @@ impl<'a, P: Programs> Engine<'a, P> {
                 Action::SendActivation { to, .. }
                 | Action::SendGradient { to, .. }
                 | Action::SendChunk { to, .. } => {
-                    let (id, arrive) = self.post(w as WorkerId, &a, to, t, now, latency);
+                    let (id, arrive) = self.post(w as WorkerId, &a, to, t, now);
                     if self.wait[to as usize] == Wait::Message(id) {
                         self.wait[to as usize] = Wait::Nothing;
                         state[to as usize] = Busy::Ready;
@@ -1133,7 +1249,7 @@ impl<'a, P: Programs> Engine<'a, P> {
     fn advance(&mut self, w: WorkerId, ready: &mut Vec<WorkerId>, times: &[StageTimes]) {
         let wi = w as usize;
         let layout: &'a Layout = &self.resolved.layout;
-        let (latency, overlap) = self.costs.map_or((0.0, true), |c| (c.latency, c.overlap));
+        let overlap = self.costs.is_none_or(|c| c.overlap);
         let mut clock = self.clock[wi];
         let mut compute = 0.0;
         let mut comm = 0.0;
@@ -1153,7 +1269,7 @@ impl<'a, P: Programs> Engine<'a, P> {
                 Action::SendActivation { to, .. }
                 | Action::SendGradient { to, .. }
                 | Action::SendChunk { to, .. } => {
-                    let (id, arrive) = self.post(w, &a, to, t, clock, latency);
+                    let (id, arrive) = self.post(w, &a, to, t, clock);
                     let start = clock;
                     if !overlap {
                         comm += arrive - clock;
@@ -1221,10 +1337,16 @@ struct StageTimes {
     update: f64,
     /// Link time of this stage's output activation.
     activation_transfer: f64,
+    /// One-way time of the link it takes.
+    activation_latency: f64,
     /// Link time of the gradient this stage sends back (sized by the previous stage).
     gradient_transfer: f64,
+    /// One-way time of the link it takes.
+    gradient_latency: f64,
     /// Link time of one ring all-reduce chunk (`P / r`).
     chunk_transfer: f64,
+    /// One-way time of the ring's link.
+    chunk_latency: f64,
     /// Whole collective all-reduce: `2(r-1)/r * P / bandwidth + 2(r-1) * latency`.
     all_reduce: f64,
 }
@@ -1254,37 +1376,62 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
             let r = f64::from(layout.replicas_of(s));
             // Messages per forward (activation in, activation out) and per backward (gradient
             // in, gradient out); none to a neighbour on the same position (one position
-            // holding every stage, the turn of a V).
+            // holding every stage, the turn of a V). Each boundary and the ring take their
+            // own link (within a host or between hosts).
             let apart = |n: u32| layout.position_of(n) != layout.position_of(s);
             let after = s + 1 < layout.stages() && apart(s + 1);
             let before = (s > 0 && apart(s - 1)).then(|| c.stage(s - 1));
-            let messages = f64::from(u8::from(before.is_some())) + f64::from(u8::from(after));
-            let own = |bytes: f64| if after { bytes } else { 0.0 };
-            let forward_bytes =
-                before.map_or(0.0, |p| p.activation_bytes) + own(st.activation_bytes);
-            let backward_bytes = own(st.gradient()) + before.map_or(0.0, StageCost::gradient);
-            let forward_cpu = c.message_cpu * messages + c.byte_cpu * forward_bytes;
-            let backward_cpu = c.message_cpu * messages + c.byte_cpu * backward_bytes;
+            let out_link = if s + 1 < layout.stages() {
+                c.link(layout.group(s), layout.group(s + 1))
+            } else {
+                c.within()
+            };
+            let in_link = if s > 0 {
+                c.link(layout.group(s - 1), layout.group(s))
+            } else {
+                c.within()
+            };
+            let ring = c.link(layout.group(s), layout.group(s));
+            // Processor time of a pass's messages: `bytes` over the link in and over the
+            // link out.
+            let cpu = |bytes_in: f64, bytes_out: f64| {
+                let mut t = 0.0;
+                if before.is_some() {
+                    t += in_link.message_cpu + in_link.byte_cpu * bytes_in;
+                }
+                if after {
+                    t += out_link.message_cpu + out_link.byte_cpu * bytes_out;
+                }
+                t
+            };
+            let forward_cpu = cpu(
+                before.map_or(0.0, |p| p.activation_bytes),
+                st.activation_bytes,
+            );
+            let backward_cpu = cpu(before.map_or(0.0, StageCost::gradient), st.gradient());
             StageTimes {
                 forward: st.forward + forward_cpu,
                 backward: st.whole_backward() + backward_cpu,
                 backward_input: st.backward_input + backward_cpu,
                 backward_weight: st.backward_weight,
                 update: st.update,
-                activation_transfer: c.transfer(st.activation_bytes),
+                activation_transfer: out_link.transfer(st.activation_bytes),
+                activation_latency: out_link.latency,
                 gradient_transfer: if s > 0 {
-                    c.transfer(c.stage(s - 1).gradient())
+                    in_link.transfer(c.stage(s - 1).gradient())
                 } else {
                     0.0
                 },
-                chunk_transfer: c.transfer(st.param_bytes / r),
+                gradient_latency: in_link.latency,
+                chunk_transfer: ring.transfer(st.param_bytes / r),
+                chunk_latency: ring.latency,
                 all_reduce: match st.all_reduce {
                     _ if r <= 1.0 => 0.0,
                     Some(measured) => measured,
                     None => {
                         let moved = 2.0 * (r - 1.0) / r * st.param_bytes;
-                        let link = c.transfer(moved) + 2.0 * (r - 1.0) * c.latency;
-                        link.max(2.0 * moved * c.byte_cpu)
+                        let link = ring.transfer(moved) + 2.0 * (r - 1.0) * ring.latency;
+                        link.max(2.0 * moved * ring.byte_cpu)
                     }
                 },
             }

@@ -1,6 +1,8 @@
 //! The partitioner against PipeDream's published optimizer and against brute force.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use pipe_scheduler::planner::placement::Hosts;
+use pipe_scheduler::sim::Link;
 use pipe_scheduler::{
     LayerProfile, PipeDreamOptions, PlanOptions, Policy, Profile, WireDtype, frontier, pipedream,
     plan_partition,
@@ -235,34 +237,58 @@ fn default_stage(
     let c: f64 = ls.iter().map(LayerProfile::compute).sum::<f64>() + again;
     let u: f64 = ls.iter().map(|l| l.update).sum();
     let pb: f64 = ls.iter().map(|l| l.param_bytes).sum();
+    // The stage's workers are positions `first..=last` in pipeline order; a link crosses hosts
+    // where the positions it joins are not all on one host.
+    let w = o.workers as usize;
+    let first = w - after as usize;
+    let last = first + r as usize - 1;
+    let host = |q: usize| o.hosts.as_ref().map(|h| h.of_worker[q]);
+    let spans = |a: usize, b: usize| (a..=b).any(|q| host(q) != host(a));
+    let link = |remote: bool| match (&o.hosts, remote) {
+        (Some(h), true) => h.between,
+        _ => o.within(),
+    };
     let mut sends = Vec::new();
     if s.start > 0 {
-        sends.push(p.layers[s.start - 1].activation_bytes);
+        sends.push((
+            p.layers[s.start - 1].activation_bytes,
+            link(spans(first - 1, last)),
+        ));
     }
     if s.end < n {
-        sends.push(p.layers[s.end - 1].activation_bytes);
+        sends.push((
+            p.layers[s.end - 1].activation_bytes,
+            link(spans(first, last + 1)),
+        ));
     }
+    let ring = link(spans(first, last));
     let wire = o.wire.factor();
     // Each activation in or out, and its gradient, costs the transport's processor time at
     // this end: per message and per byte on the wire.
     let transport: f64 = sends
         .iter()
-        .map(|b| 2.0 * (o.message_cpu + b * wire * o.byte_cpu))
+        .map(|(b, l)| 2.0 * (l.message_cpu + b * wire * l.byte_cpu))
         .sum();
     let all_reduce = if r > 1 {
-        let link = 2.0 * (rf - 1.0) / rf * pb / o.bandwidth + 2.0 * (rf - 1.0) * o.latency;
-        let cpu = 4.0 * (rf - 1.0) / rf * pb * o.byte_cpu;
+        let link = 2.0 * (rf - 1.0) / rf * pb / ring.bandwidth + 2.0 * (rf - 1.0) * ring.latency;
+        let cpu = 4.0 * (rf - 1.0) / rf * pb * ring.byte_cpu;
         link.max(cpu) / (m * rf)
     } else {
         0.0
     };
     let work = (c + u / m + transport) / rf + all_reduce;
     let time = if o.overlap {
-        work.max(sends.iter().map(|b| b * wire / o.bandwidth).sum::<f64>() / rf)
+        work.max(
+            sends
+                .iter()
+                .map(|(b, l)| b * wire / l.bandwidth)
+                .sum::<f64>()
+                / rf,
+        )
     } else {
         work + sends
             .iter()
-            .map(|b| b * wire / o.bandwidth + o.latency)
+            .map(|(b, l)| b * wire / l.bandwidth + l.latency)
             .sum::<f64>()
             / rf
     };
@@ -391,9 +417,18 @@ proptest! {
         microbatches in 1u32..=4,
         message_cpu in prop::sample::select(vec![0.0, 0.3]),
         byte_cpu in prop::sample::select(vec![0.0, 1e-4]),
+        split in prop::option::of(1u32..=5),
     ) {
         let p = Profile::chain(layers);
+        // Two hosts, the first taking `split` workers, joined by a slower, dearer link.
+        let hosts = split.map(|k| {
+            Hosts::filled(
+                &[("a".to_string(), k), ("b".to_string(), w)],
+                Link { bandwidth: b / 10.0, latency: latency + 0.2, message_cpu: message_cpu + 0.1, byte_cpu: byte_cpu + 2e-4 },
+            )
+        });
         let o = PlanOptions {
+            hosts,
             latency,
             overlap,
             wire: if bf16 { WireDtype::Bf16 } else { WireDtype::F32 },
@@ -719,4 +754,52 @@ fn a_memory_bound_makes_the_first_stages_recompute() {
         4
     ]);
     assert!(plan_partition(&unable, &bounded).is_err());
+}
+
+/// Four equal layers whose activations are heavy except between the second and the third, on
+/// two hosts joined by a slow network: the host boundary falls on the light activation, and
+/// the plan says so. The first host takes one worker, so its stage must hold two layers.
+#[test]
+fn the_heavy_links_stay_inside_a_host() {
+    let layer = |activation_bytes: f64| LayerProfile {
+        forward: 0.5,
+        backward_input: 0.5,
+        activation_bytes,
+        ..LayerProfile::compute_only("l".into(), 0.0)
+    };
+    let p = Profile::chain(vec![layer(1e9), layer(1e3), layer(1e9), layer(0.0)]);
+    let within = PlanOptions {
+        straight: true,
+        ..PlanOptions::new(3, 1e12)
+    };
+    let network = Link {
+        bandwidth: 1e6,
+        latency: 0.0,
+        message_cpu: 0.0,
+        byte_cpu: 0.0,
+    };
+    let placed = PlanOptions {
+        hosts: Some(Hosts::filled(
+            &[("a".to_string(), 1), ("b".to_string(), 2)],
+            network,
+        )),
+        ..within.clone()
+    };
+    // On one host, the first stage may be any size; across hosts, it takes layers 0-1, so
+    // that the 1 KB activation crosses instead of a 1 GB one.
+    let plan = plan_partition(&p, &placed).unwrap();
+    assert_eq!(plan.stages[0].layers, 0..2, "{plan:?}");
+    assert_eq!(plan.stages[0].hosts, vec![0]);
+    assert!(plan.stages[1..].iter().all(|s| s.hosts == vec![1]));
+    assert!(plan.time_per_microbatch < 10.0, "{plan:?}");
+    // The same cut as the first without the placement costs 1,000 s per microbatch on the
+    // network.
+    let cut_first =
+        pipe_scheduler::explain(&p, &placed, &[(0..1, 1), (1..2, 1), (2..4, 1)]).unwrap();
+    assert!(cut_first.time_per_microbatch >= 1000.0, "{cut_first:?}");
+    // The simulator charges the network on the crossing boundary as the plan does.
+    let sim = pipe_scheduler::simulate_plan(&p, &cut_first, &placed).unwrap();
+    assert!(sim >= 1000.0, "{sim}");
+    let sim_planned = pipe_scheduler::simulate_plan(&p, &plan, &placed).unwrap();
+    assert!(sim_planned < 10.0, "{sim_planned}");
 }

@@ -187,6 +187,78 @@ fn activation_transfers_cost_latency_plus_bytes_over_bandwidth() {
     }
 }
 
+/// Hosts: a boundary between workers of two hosts takes the link between hosts (its rate,
+/// one-way time and processor costs), one inside a host the model's own; a ring among
+/// replicas on two hosts takes the link between them. Three stages, one microbatch, no
+/// compute: four hops, the two over the host boundary at its own cost.
+#[test]
+fn links_between_hosts_take_their_own_costs() {
+    let cost = StageCost {
+        activation_bytes: 2.0e6,
+        ..StageCost::compute(0.0, 0.0)
+    };
+    let between = pipe_scheduler::sim::Link {
+        bandwidth: 1.0e8,
+        latency: 1.0e-3,
+        message_cpu: 0.5,
+        byte_cpu: 0.0,
+    };
+    let costs = CostModel {
+        bandwidth: 1.0e9,
+        latency: 5.0e-6,
+        hosts: vec![0, 0, 1],
+        between: Some(between),
+        ..CostModel::uniform(cost.clone())
+    };
+    let rep = run(&ScheduleSpec::new(Policy::Gpipe, 3, 1), &costs);
+    // Within: 2 ms + 5 us each way. Between: 20 ms + 1 ms each way, and half a second of
+    // processor time at each end of each of its two messages.
+    let within = 2.0 * (5.0e-6 + 2.0e-3);
+    let crossing = 2.0 * (1.0e-3 + 2.0e-2) + 4.0 * 0.5;
+    close(
+        rep.makespan,
+        within + crossing,
+        "two hops within, two between",
+    );
+    // No hosts: the four hops alike.
+    let one_host = CostModel {
+        hosts: Vec::new(),
+        ..costs.clone()
+    };
+    close(
+        run(&ScheduleSpec::new(Policy::Gpipe, 3, 1), &one_host).makespan,
+        2.0 * within,
+        "one host",
+    );
+    // A ring of two replicas on two hosts: 2 (r-1)/r * P over the network, 2 (r-1) latencies.
+    let ring = CostModel {
+        hosts: vec![0, 1],
+        between: Some(between),
+        ..CostModel::uniform(StageCost {
+            param_bytes: 4.0e6,
+            ..StageCost::compute(0.0, 0.0)
+        })
+    };
+    let spec = ScheduleSpec::new(Policy::Gpipe, 1, 1).with_replicas(vec![2]);
+    close(
+        run(&spec, &ring).makespan,
+        4.0e6 / 1.0e8 + 2.0 * 1.0e-3,
+        "ring between hosts",
+    );
+    // A host list of the wrong length is refused.
+    let wrong = CostModel {
+        hosts: vec![0, 1, 0, 1],
+        ..costs
+    };
+    let e = simulate(
+        &generate(&ScheduleSpec::new(Policy::Gpipe, 3, 1)).unwrap(),
+        &wrong,
+        SimOptions::default(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("4 hosts given for 3 workers"), "{e}");
+}
+
 /// Each message costs its sender and its receiver `message_cpu` of compute: one microbatch
 /// through `S` stages sends `S - 1` activations and `S - 1` gradients, each paid at both ends,
 /// so the makespan grows by `4 (S - 1) c`; on one worker there are no messages. On shared

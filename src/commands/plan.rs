@@ -8,11 +8,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use pipe_kernels::CpuBackend;
+use pipe_scheduler::planner::placement::Hosts;
 use pipe_scheduler::planner::transport::TransportCost;
+use pipe_scheduler::sim::Link;
 use pipe_scheduler::{
     PartitionPlan, PipeDreamOptions, PlanOptions, Policy, Profile, ScheduleError, WireDtype,
 };
 use pipe_stages::profile::ProfileOptions;
+use pipe_transport::TransportKind;
 
 use crate::args::{bytes, parse_bandwidth, parse_bytes, parse_policy, parse_seconds, secs};
 use crate::output::{bad_input, schedule_error};
@@ -47,10 +50,12 @@ pub struct PlanArgs {
     #[arg(long, conflicts_with_all = ["workers", "straight"])]
     stages: Option<u32>,
     /// Link bandwidth (GB means 10^9 bytes) [default: the measured rate of `--transport`'s
-    /// links, else 10GB/s].
+    /// links, else 10GB/s]. With `--hosts` or `--cluster`: the network's between hosts.
     #[arg(long, value_parser = parse_bandwidth)]
     bandwidth: Option<f64>,
     /// Link latency per message [default: `--transport`'s measured one-way time, else 0].
+    /// With `--hosts` or `--cluster`: the network's between hosts [default: QUIC's measured
+    /// one-way time].
     #[arg(long, value_parser = parse_seconds)]
     latency: Option<f64>,
     /// Per-worker memory bound.
@@ -84,6 +89,8 @@ pub struct PlanArgs {
     output: Option<PathBuf>,
     #[command(flatten)]
     link: crate::links::LinkArgs,
+    #[command(flatten)]
+    placement: crate::links::HostArgs,
 }
 
 /// Reads a profile: pipe's JSON, or PipeDream's graph format.
@@ -109,15 +116,22 @@ fn plan_options(
     workers: u32,
     process: u64,
     link: Option<&TransportCost>,
+    hosts: Option<Hosts>,
 ) -> PlanOptions {
-    let bandwidth = args.bandwidth.unwrap_or_else(|| match link {
-        // Large messages cost that transport no more than small ones: no link time.
-        Some(cost) => cost.bandwidth.map_or(f64::INFINITY, |b| b.median),
-        None => DEFAULT_BANDWIDTH,
-    });
-    let latency = args
-        .latency
-        .unwrap_or_else(|| link.map_or(0.0, |c| c.latency_s.median));
+    // Large messages cost a transport without a measured rate no more than small ones: no
+    // link time.
+    let rate = |c: &TransportCost| c.bandwidth.map_or(f64::INFINITY, |b| b.median);
+    // With hosts, the flags describe the network between them; the links inside a host are
+    // the transport's own.
+    let (bandwidth, latency) = match (&hosts, link) {
+        (Some(_), Some(cost)) => (rate(cost), cost.latency_s.median),
+        _ => (
+            args.bandwidth
+                .unwrap_or_else(|| link.map_or(DEFAULT_BANDWIDTH, rate)),
+            args.latency
+                .unwrap_or_else(|| link.map_or(0.0, |c| c.latency_s.median)),
+        ),
+    };
     let opts = PlanOptions {
         worker_base: pipe_stages::planning::memory::worker_base(process),
         latency,
@@ -127,12 +141,101 @@ fn plan_options(
         policy: args.schedule,
         microbatches: args.microbatches,
         straight: args.straight || args.stages.is_some(),
+        hosts,
         ..PlanOptions::new(workers, bandwidth)
     };
     match link {
         Some(cost) => opts.with_transport(cost),
         None => opts,
     }
+}
+
+/// A transport's measured costs and where they came from.
+type ChargedLink = (TransportCost, String);
+
+/// The links' measured costs (`--transport`, or shared memory inside hosts where a placement
+/// is asked for) and the hosts with the network between them: `--bandwidth` and `--latency`
+/// (default 10 GB/s and QUIC's one-way time), charged QUIC's processor time.
+fn links_and_hosts(args: &PlanArgs) -> Result<(Option<ChargedLink>, Option<Hosts>)> {
+    if !args.placement.given() {
+        return Ok((args.link.load()?, None));
+    }
+    let within = args.link.load_or(TransportKind::Shm)?;
+    let (quic, source) = args.link.load_kind(TransportKind::Quic)?;
+    let between = Link {
+        bandwidth: args.bandwidth.unwrap_or(DEFAULT_BANDWIDTH),
+        latency: args.latency.unwrap_or(quic.latency_s.median),
+        message_cpu: quic.message_cpu_s.median,
+        byte_cpu: quic.byte_cpu_s.median,
+    };
+    outln!(
+        "between hosts: {}/s, one way {}, QUIC's processor time {} us per message end and {} \
+         ns per byte ({source})",
+        bytes(between.bandwidth),
+        secs(between.latency),
+        quic.message_cpu_s.describe(1e6, ""),
+        quic.byte_cpu_s.describe(1e9, ""),
+    );
+    Ok((Some(within), args.placement.load(between)?))
+}
+
+/// Which workers each host runs, and which links cross hosts: each boundary between stages
+/// whose workers are not all on one host, with the bytes it carries per microbatch, and each
+/// replicated stage whose ring spans hosts.
+pub fn render_placement(profile: &Profile, plan: &PartitionPlan, hosts: &Hosts) -> String {
+    let mut out = String::from("placement:\n");
+    let mut worker = 0usize;
+    let mut per_host: Vec<Vec<String>> = vec![Vec::new(); hosts.names.len()];
+    for (i, s) in plan.stages.iter().enumerate() {
+        for &h in &s.hosts {
+            if let Some(list) = per_host.get_mut(h as usize) {
+                list.push(format!("worker {worker} (stage {i})"));
+            }
+            worker += 1;
+        }
+    }
+    for (h, list) in per_host.iter().enumerate() {
+        if !list.is_empty() {
+            out.push_str(&format!(
+                "  host {}: {}\n",
+                hosts.name(h as u32),
+                list.join(", ")
+            ));
+        }
+    }
+    let crossing = profile.crossing_bytes();
+    let mut crossings = Vec::new();
+    for (i, pair) in plan.stages.windows(2).enumerate() {
+        let first = pair[0].hosts.first();
+        if pair[0]
+            .hosts
+            .iter()
+            .chain(&pair[1].hosts)
+            .any(|h| Some(h) != first)
+        {
+            let at = plan.order.get(pair[0].layers.end - 1).copied();
+            let moved = at.and_then(|l| crossing.get(l)).copied().unwrap_or(0.0);
+            crossings.push(format!(
+                "stage {i} -> {} ({} per microbatch each way)",
+                i + 1,
+                bytes(moved)
+            ));
+        }
+    }
+    for (i, s) in plan.stages.iter().enumerate() {
+        if s.hosts.iter().any(|h| Some(h) != s.hosts.first()) {
+            crossings.push(format!(
+                "stage {i}'s all-reduce ({} of gradients per update)",
+                bytes(s.param_bytes)
+            ));
+        }
+    }
+    if crossings.is_empty() {
+        out.push_str("links crossing hosts: none\n");
+    } else {
+        out.push_str(&format!("links crossing hosts: {}\n", crossings.join("; ")));
+    }
+    out
 }
 
 /// Refuses zero or over-limit stage, worker and microbatch counts before anything is profiled
@@ -184,12 +287,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         (None, None) => return Err(bad_input("give --profile FILE or --model M".into())),
     };
     let workers = args.stages.or(args.workers).unwrap_or(0);
+    let mut placement = None;
     let plan = match args.cost_model {
         PlanCostModel::Pipedream => {
-            if args.link.transport.is_some() {
+            if args.link.transport.is_some() || args.placement.given() {
                 return Err(bad_input(
-                    "--transport belongs to --cost-model default (PipeDream's model charges \
-                     no processor time for messages)"
+                    "--transport, --hosts and --cluster belong to --cost-model default \
+                     (PipeDream's model charges every link alike and no processor time for \
+                     messages)"
                         .into(),
                 ));
             }
@@ -217,17 +322,29 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                         .into(),
                 ));
             }
-            let link = args.link.load()?;
+            let (link, hosts) = links_and_hosts(args)?;
             if let Some((cost, source)) = &link {
                 outln!("{}", crate::links::describe(cost, source));
             }
-            let opts = plan_options(args, workers, process, link.as_ref().map(|l| &l.0));
+            let opts = plan_options(args, workers, process, link.as_ref().map(|l| &l.0), hosts);
+            placement = opts.hosts.clone();
             pipe_scheduler::plan_checked(&profile, &opts).map_err(schedule_error)?
         }
     };
     out!("{}", render_plan(&profile, &plan, args.memory));
+    if let Some(hosts) = &placement {
+        out!("{}", render_placement(&profile, &plan, hosts));
+    }
     if let Some(path) = &args.output {
-        let file = PlanFile::from_plan(&profile, &plan)?;
+        let mut file = PlanFile::from_plan(&profile, &plan)?;
+        if let Some(hosts) = &placement {
+            file.hosts = Some(
+                plan.stages
+                    .iter()
+                    .flat_map(|s| s.hosts.iter().map(|&h| hosts.name(h).to_string()))
+                    .collect(),
+            );
+        }
         let text = toml::to_string(&file)?;
         std::fs::write(
             path,

@@ -124,6 +124,8 @@ fn flag_or_file_costs(args: &SimulateArgs) -> Result<CostModel> {
         cores: args.cores,
         message_cpu: args.message_cpu,
         byte_cpu: args.byte_cpu,
+        hosts: Vec::new(),
+        between: None,
     })
 }
 

@@ -78,6 +78,25 @@ fn print_links(local: &[u32], size: u32) {
     }
 }
 
+/// Where the plan's placement (`hosts`, one per rank) and the run's differ for `rank`: the
+/// peers the plan put on its host against those shared memory reaches (`local`). The plan's
+/// predictions assumed its placement; a run placed otherwise still trains, with other links.
+fn placement_differs(hosts: &[String], rank: u32, local: &[u32]) -> Option<String> {
+    let mine = hosts.get(rank as usize)?;
+    let planned: Vec<u32> = (0..hosts.len() as u32)
+        .filter(|&p| p != rank && hosts.get(p as usize) == Some(mine))
+        .collect();
+    let mut found = local.to_vec();
+    found.sort_unstable();
+    (planned != found).then(|| {
+        format!(
+            "the plan placed workers {planned:?} on worker {rank}'s host ({mine}), but it shares \
+             its host with {found:?}: links are not where the plan put them, and its predicted \
+             speed does not hold"
+        )
+    })
+}
+
 /// What this worker takes beside the run: from the launcher's `run.json` when it was
 /// launched, from its own flags when started by hand.
 struct OwnSettings {
@@ -227,6 +246,11 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     )?;
     if chief && !args.launched {
         print_links(&joined.shared_memory, cluster.size());
+    }
+    if cfg.transport == TransportKind::Auto {
+        if let Some(why) = placement_differs(&cfg.hosts, rank, &joined.shared_memory) {
+            eprintln!("warning: {why}");
+        }
     }
     let mut ep = Faulty::new(joined.endpoint, own.fault);
     let mut obs: Box<dyn Observer> = match (chief, args.launched) {

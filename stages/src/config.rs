@@ -323,6 +323,8 @@ pub struct TrainSettings {
     /// What the backward recomputes instead of keeping, on every stage or per stage (none by
     /// default).
     pub recompute: Option<crate::layer::StageRecompute>,
+    /// The host of each worker in rank order, as a plan placed them (`pipe plan --hosts`).
+    pub hosts: Option<Vec<String>>,
     /// Read a tokenized corpus's windows as packed documents ([`crate::documents`]): attention
     /// stops at each document's start, positions restart there, and a document's first token
     /// is not predicted from the document before it.
@@ -538,7 +540,7 @@ impl TrainSettings {
             dst.model_config = src.model_config;
         }
         merge_fields!(dst, src; model, tie_embeddings, init_from, dataset, data_dir, holdout, eval_windows,
-            synthetic, epochs, steps, eval_every, data_order, recompute, pack_documents,
+            synthetic, epochs, steps, eval_every, data_order, recompute, hosts, pack_documents,
             microbatch_size, microbatches, optimizer, lr, lr_schedule, warmup_steps, momentum,
             nesterov, weight_decay, weight_decay_groups, beta1, beta2, eps, delay_correction, delay_correction_strength, grad_clip, seed, threads, log_jsonl, stages, replicas,
             schedule, chunks, partition, backend, precision, transport, placement, wire_dtype, sync_warmup, lr_scaling,
@@ -582,6 +584,7 @@ impl TrainSettings {
         if self.recompute.is_none() {
             self.recompute = plan.recompute.clone();
         }
+        self.hosts.clone_from(&plan.hosts);
         Ok(())
     }
 
@@ -1032,6 +1035,7 @@ impl TrainSettings {
             eval_every: self.eval_every,
             data_order: self.data_order.unwrap_or_default(),
             recompute,
+            hosts: self.hosts.unwrap_or_default(),
             microbatch_size,
             microbatches,
             optimizer,
@@ -1201,6 +1205,11 @@ pub struct RunConfig {
     /// What the backward recomputes instead of keeping from the forward, per stage.
     #[serde(default)]
     pub recompute: crate::layer::StageRecompute,
+    /// The host each worker was placed on, in rank order, where a plan placed them
+    /// (`pipe plan --hosts` or `--cluster`); empty otherwise. Each worker compares it with
+    /// the peers it finds on its own host.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
     /// Samples per microbatch.
     pub microbatch_size: usize,
     /// Microbatches per update.
@@ -1359,6 +1368,12 @@ impl RunConfig {
         let workers: u64 = self.replicas.iter().map(|&r| u64::from(r)).sum();
         pipe_scheduler::limits::check_layout(self.stages as u64, workers, u64::from(self.chunks))?;
         pipe_scheduler::limits::check_microbatches(self.microbatches as u64)?;
+        if !self.hosts.is_empty() && self.hosts.len() as u64 != workers {
+            return bad(format!(
+                "the plan places {} workers on hosts, the run has {workers}",
+                self.hosts.len()
+            ));
+        }
         let run = self.resolved()?;
         self.recompute
             .check_stages(run.layout.stages())
@@ -1613,6 +1628,10 @@ pub struct PlanFile {
     /// Recomputation per stage, where the planner chose it to fit the memory bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recompute: Option<crate::layer::StageRecompute>,
+    /// The host of each worker in rank order, where the plan placed its workers on hosts
+    /// (`pipe plan --hosts` or `--cluster`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hosts: Option<Vec<String>>,
 }
 
 /// The recomputation `plan` chose per stage (`None` where no stage recomputes).
@@ -1655,6 +1674,7 @@ impl PlanFile {
             time_per_microbatch: plan.time_per_microbatch,
             simulated_time_per_microbatch: plan.simulated,
             recompute: plan_recompute(plan),
+            hosts: None,
         })
     }
 
@@ -1714,6 +1734,17 @@ impl PlanFile {
         }
         if let Some(r) = &self.recompute {
             r.check_stages(self.replicas.len() as u32)?;
+        }
+        if let Some(hosts) = &self.hosts {
+            if hosts.len() as u64 != workers {
+                return Err(format!(
+                    "hosts names {} workers' hosts, the plan has {workers} workers",
+                    hosts.len()
+                ));
+            }
+            if hosts.iter().any(|h| h.is_empty() || h.len() > 255) {
+                return Err("a host name must have 1 to 255 characters".into());
+            }
         }
         Ok(())
     }

@@ -362,6 +362,7 @@ fn stages_of_chain(
             memory: (w - upto).div_ceil(r) as f64 * (st.activations - a0 + p),
             recompute: false,
             bound: Bound::of(compute, communication, moved),
+            hosts: Vec::new(),
         });
     }
     (stages, layer_order)

@@ -29,6 +29,7 @@
 pub mod antichain;
 pub mod memory;
 mod model;
+pub mod placement;
 pub mod transport;
 mod types;
 
@@ -218,6 +219,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
                 memory: copies * (pa[to + 1] - pa[from] + p),
                 recompute: false,
                 bound,
+                hosts: Vec::new(),
             }
         })
         .collect();

@@ -62,7 +62,7 @@ use crate::lower::{LowerOptions, lower};
 use crate::planner::memory::{StageHeld, planned_in_flight, worker_bytes};
 use crate::planner::types::{Bound, PartitionPlan, PlannedStage, PrefixIndex};
 use crate::profile::Profile;
-use crate::sim::{CostModel, SimOptions, StageCost, simulate};
+use crate::sim::{CostModel, Link, SimOptions, StageCost, simulate};
 use crate::spec::{Length, Policy, ScheduleSpec};
 
 /// Element type of activations and gradients on the wire.
@@ -135,6 +135,10 @@ pub struct PlanOptions {
     /// Bytes every worker process holds besides its stages ([`super::memory`]'s `base`: the
     /// program, its runtime, the starting weights). Default 0.
     pub worker_base: f64,
+    /// The hosts the workers are placed on and the network between them
+    /// ([`super::placement`]); `None` (the default): every worker on one host, every link
+    /// the one above.
+    pub hosts: Option<super::placement::Hosts>,
 }
 
 impl PlanOptions {
@@ -166,6 +170,7 @@ impl PlanOptions {
             message_cpu: 0.0,
             byte_cpu: 0.0,
             worker_base: 0.0,
+            hosts: None,
         }
     }
 
@@ -209,7 +214,20 @@ impl PlanOptions {
         if !(self.worker_base.is_finite() && self.worker_base >= 0.0) {
             return bad("a worker's base memory must be a finite number of bytes >= 0".into());
         }
+        if let Some(hosts) = &self.hosts {
+            hosts.check(self.workers)?;
+        }
         check_plannable(self.policy)
+    }
+
+    /// The link within a host: these options' rate, latency and processor costs.
+    pub fn within(&self) -> Link {
+        Link {
+            bandwidth: self.bandwidth,
+            latency: self.latency,
+            message_cpu: self.message_cpu,
+            byte_cpu: self.byte_cpu,
+        }
     }
 }
 
@@ -244,11 +262,17 @@ struct Costs<'a> {
     /// The last layer's output bytes: the logits a last stage computes its loss on.
     last_output: f64,
     crossing: Vec<f64>,
-    /// Factors per replica count (index `r`).
+    /// Factors per replica count (index `r`), for a ring within a host and one between hosts.
     per_r: Vec<PerReplicas>,
+    per_r_between: Vec<PerReplicas>,
     inv_m: f64,
-    /// Seconds per profiled byte on the wire.
-    wire_per_byte: f64,
+    /// The link within a host and the one between hosts (the same without hosts).
+    within: Link,
+    between: Link,
+    /// The host of each worker position in pipeline order (empty: one host).
+    host_at: Vec<u32>,
+    /// `same_until[p]`: the last position from `p` on whose workers are all on `p`'s host.
+    same_until: Vec<usize>,
 }
 
 /// Maxima of any range of a list in O(1) after O(n log n): a sparse table.
@@ -324,17 +348,25 @@ impl<'a> Costs<'a> {
             pass.push(l.stash() + input + l.activation_bytes);
         }
         let m = f64::from(opts.microbatches);
-        let per_r = (0..=opts.workers as usize)
-            .map(|r| {
-                let rf = (r as f64).max(1.0);
-                PerReplicas {
-                    inv: 1.0 / rf,
-                    ring: 2.0 * (rf - 1.0) / rf / opts.bandwidth / (m * rf),
-                    ring_latency: 2.0 * (rf - 1.0) * opts.latency / (m * rf),
-                    ring_cpu: 4.0 * (rf - 1.0) / rf * opts.byte_cpu / (m * rf),
-                }
-            })
-            .collect();
+        let within = opts.within();
+        let between = opts.hosts.as_ref().map_or(within, |h| h.between);
+        let host_at = opts
+            .hosts
+            .as_ref()
+            .map_or_else(Vec::new, |h| h.of_positions(opts.workers as usize));
+        let per_r = |link: &Link| -> Vec<PerReplicas> {
+            (0..=opts.workers as usize)
+                .map(|r| {
+                    let rf = (r as f64).max(1.0);
+                    PerReplicas {
+                        inv: 1.0 / rf,
+                        ring: 2.0 * (rf - 1.0) / rf / link.bandwidth / (m * rf),
+                        ring_latency: 2.0 * (rf - 1.0) * link.latency / (m * rf),
+                        ring_cpu: 4.0 * (rf - 1.0) / rf * link.byte_cpu / (m * rf),
+                    }
+                })
+                .collect()
+        };
         Costs {
             opts,
             n,
@@ -348,64 +380,124 @@ impl<'a> Costs<'a> {
             pass: RangeMax::new(&pass),
             last_output: profile.layers.last().map_or(0.0, |l| l.activation_bytes),
             crossing,
-            per_r,
+            per_r: per_r(&within),
+            per_r_between: per_r(&between),
             inv_m: 1.0 / m,
-            wire_per_byte: opts.wire.factor() / opts.bandwidth,
+            within,
+            between,
+            same_until: {
+                let at = &host_at;
+                let mut until: Vec<usize> = (0..at.len()).collect();
+                for p in (0..at.len().saturating_sub(1)).rev() {
+                    if at[p] == at[p + 1] {
+                        until[p] = until[p + 1];
+                    }
+                }
+                until
+            },
+            host_at,
         }
     }
 
-    /// Compute, all-reduce, transfer and time of layers `from..=to` on `r` replicas: the
-    /// formulas of the module docs with the per-replica factors precomputed (the program
+    /// Whether the workers at positions `a..=b` are on more than one host.
+    fn apart(&self, a: usize, b: usize) -> bool {
+        self.same_until.get(a).is_some_and(|&u| u < b)
+    }
+
+    /// The links of a stage on `r` replicas with `after` workers at or after it (positions
+    /// `w - after ..` in pipeline order): the one its input comes in on, the one its output
+    /// goes out on, and its ring's. A boundary crosses hosts when the stage's workers and the
+    /// neighbouring position are not all on one host; the ring, when its replicas are not.
+    /// (The simulator, which times the plans the search picks from, counts a boundary as
+    /// crossing when any worker of either stage is on another host: the same where the
+    /// neighbouring stage has one replica.)
+    fn links(&self, r: usize, after: usize) -> (&Link, &Link, &PerReplicas) {
+        let first = self.w - after.min(self.w);
+        let last = first + r.max(1) - 1;
+        let pick = |apart: bool| if apart { &self.between } else { &self.within };
+        let input = pick(first > 0 && self.apart(first - 1, last));
+        let output = pick(last + 1 < self.w && self.apart(first, last + 1));
+        let ring = if self.apart(first, last) {
+            &self.per_r_between[r]
+        } else {
+            &self.per_r[r]
+        };
+        (input, output, ring)
+    }
+
+    /// Compute, all-reduce, transfer and time of layers `from..=to` on `r` replicas with
+    /// `after` workers at or after the stage: the formulas of the module docs with the
+    /// per-replica factors precomputed, each link charged its own costs (the program
     /// evaluates this for every cut it cannot prune).
-    fn parts(&self, from: usize, to: usize, r: usize, recompute: bool) -> (f64, f64, f64, f64) {
+    fn parts(
+        &self,
+        from: usize,
+        to: usize,
+        r: usize,
+        after: usize,
+        recompute: bool,
+    ) -> (f64, f64, f64, f64) {
         let f = &self.per_r[r];
-        let (mut compute, all_reduce) = self.work(from, to, r);
+        let (mut compute, all_reduce) = self.work(from, to, r, after);
         if recompute {
             compute += (self.pf[to + 1] - self.pf[from]) * f.inv;
         }
-        let mut bytes = 0.0;
-        let mut messages = 0.0;
+        let (input, output, _) = self.links(r, after);
+        let wire = self.opts.wire.factor();
+        // Each link's messages: the activation it carries and as many gradients back. The
+        // transport's processor time is compute; the link time is the transfer.
+        let mut cpu = 0.0;
+        let mut link_time = 0.0;
+        let mut waits = 0.0;
+        let mut charge = |bytes: f64, link: &Link| {
+            cpu += 2.0 * (link.message_cpu + bytes * wire * link.byte_cpu);
+            link_time += bytes * wire / link.bandwidth;
+            waits += link.latency;
+        };
         if from > 0 {
-            bytes += self.crossing[from - 1];
-            messages += 1.0;
+            charge(self.crossing[from - 1], input);
         }
         if to + 1 < self.n {
-            bytes += self.crossing[to];
-            messages += 1.0;
+            charge(self.crossing[to], output);
         }
-        // The transport's processor time for the stage's messages: the activations it
-        // receives and sends, and as many gradients back.
-        let o = self.opts;
-        compute += 2.0 * (messages * o.message_cpu + bytes * o.wire.factor() * o.byte_cpu) * f.inv;
+        compute += cpu * f.inv;
         if self.opts.overlap {
-            let t = bytes * self.wire_per_byte * f.inv;
+            let t = link_time * f.inv;
             (compute, all_reduce, t, (compute + all_reduce).max(t))
         } else {
-            let t = (bytes * self.wire_per_byte + messages * self.opts.latency) * f.inv;
+            let t = (link_time + waits) * f.inv;
             (compute, all_reduce, t, compute + all_reduce + t)
         }
     }
 
-    /// Compute and all-reduce of layers `from..=to` on `r` replicas: their sum is a lower bound
-    /// on the stage's time (the transfer can only add to it), never decreasing as the stage
-    /// grows, which is what lets [`Costs::first_cut_within`] prune cuts.
+    /// Compute and all-reduce of layers `from..=to` on `r` replicas with `after` workers at or
+    /// after it: their sum is a lower bound on the stage's time (the transfer can only add to
+    /// it), never decreasing as the stage grows (its position fixed), which is what lets
+    /// [`Costs::first_cut_within`] prune cuts.
     #[inline]
-    fn work(&self, from: usize, to: usize, r: usize) -> (f64, f64) {
+    fn work(&self, from: usize, to: usize, r: usize, after: usize) -> (f64, f64) {
         let f = &self.per_r[r];
+        let ring = self.links(r, after).2;
         let c = self.pc[to + 1] - self.pc[from];
         let u = self.pu[to + 1] - self.pu[from];
         let p = self.pp[to + 1] - self.pp[from];
-        let all_reduce = (p * f.ring + f.ring_latency).max(p * f.ring_cpu);
+        let all_reduce = (p * ring.ring + ring.ring_latency).max(p * ring.ring_cpu);
         ((c + u * self.inv_m) * f.inv, all_reduce)
     }
 
-    /// The first cut `k` in `cuts` whose stage `k+1..=j` on `r` replicas has compute plus
-    /// all-reduce at most `t` (`cuts.end` if none): cuts before it give a stage slower than
-    /// `t` whatever its transfer. The compute-only range of [`PrefixIndex`] ignores the
-    /// all-reduce, which at low bandwidth leaves most cuts in; this binary search removes them.
-    fn first_cut_within(&self, cuts: std::ops::Range<usize>, j: usize, r: usize, t: f64) -> usize {
+    /// The first cut `k` in `cuts` whose stage `k+1..=j` on `r` replicas (with `after` workers
+    /// at or after it) has compute plus all-reduce at most `t` (`cuts.end` if none): cuts
+    /// before it give a stage slower than `t` whatever its transfer. The compute-only range of
+    /// [`PrefixIndex`] ignores the all-reduce, which at low bandwidth leaves most cuts in; this
+    /// binary search removes them.
+    fn first_cut_within(
+        &self,
+        cuts: std::ops::Range<usize>,
+        (j, r, after): (usize, usize, usize),
+        t: f64,
+    ) -> usize {
         let slower = |k: usize| {
-            let (compute, all_reduce) = self.work(k + 1, j, r);
+            let (compute, all_reduce) = self.work(k + 1, j, r, after);
             compute + all_reduce > t
         };
         let (mut lo, mut hi) = (cuts.start, cuts.end);
@@ -435,9 +527,13 @@ impl<'a> Costs<'a> {
         }
         // A replicated stage pays at least `P / (bw M) + 2 latency / M` per replica-microbatch
         // on its parameters `P`; at most `stages - 1` unreplicated stages, each of work at most
-        // `T`, can hold parameters without paying it.
-        let per_byte = self.per_r[2].ring * 2.0;
-        let latency = self.per_r[2].ring_latency * 2.0;
+        // `T`, can hold parameters without paying it. (The cheaper of the two rings, where
+        // hosts differ: a bound for either.)
+        let per_byte = self.per_r[2].ring.min(self.per_r_between[2].ring) * 2.0;
+        let latency = self.per_r[2]
+            .ring_latency
+            .min(self.per_r_between[2].ring_latency)
+            * 2.0;
         let params = self.pp[n];
         let widest = |t: f64| {
             // Most parameter bytes in a run of layers whose work is at most `t` (two pointers).
@@ -527,7 +623,7 @@ impl<'a> Costs<'a> {
     /// Everything about layers `from..=to` on `r` replicas with `after` workers at or after.
     fn eval(&self, from: usize, to: usize, r: usize, after: usize) -> Eval {
         let recompute = self.recomputes(from, to, r, after);
-        let (compute, all_reduce, transfer, time) = self.parts(from, to, r, recompute);
+        let (compute, all_reduce, transfer, time) = self.parts(from, to, r, after, recompute);
         Eval {
             compute,
             all_reduce,
@@ -541,7 +637,7 @@ impl<'a> Costs<'a> {
     /// The stage's time if it fits the memory bound (recomputing where it must).
     fn time_if_fits(&self, from: usize, to: usize, r: usize, after: usize) -> Option<f64> {
         if self.opts.memory.is_none() {
-            return Some(self.parts(from, to, r, false).3);
+            return Some(self.parts(from, to, r, after, false).3);
         }
         let e = self.eval(from, to, r, after);
         self.fits(&e).then_some(e.time)
@@ -660,7 +756,8 @@ fn fill(costs: &Costs, prev: Option<&Table>) -> Table {
                 for r in 1..=max_r {
                     let cuts = index.cuts_that_can_win(j, m, r, best.time);
                     let (first, end) = if best.time.is_finite() {
-                        let first = costs.first_cut_within(cuts.clone(), j, r, best.time);
+                        let first =
+                            costs.first_cut_within(cuts.clone(), (j, r, r + after_base), best.time);
                         let end = if fastest_from.is_empty() {
                             cuts.end
                         } else {
@@ -781,6 +878,10 @@ fn make_plan(costs: &Costs, profile: &Profile, bounds: &[(usize, usize, usize)])
                 memory: e.memory,
                 recompute: e.recompute,
                 bound,
+                hosts: costs
+                    .host_at
+                    .get(used - r..used)
+                    .map_or_else(Vec::new, <[u32]>::to_vec),
             }
         })
         .collect();
@@ -1148,6 +1249,10 @@ pub fn simulate_plan_with_memory(
         cores: opts.cores,
         message_cpu: opts.message_cpu,
         byte_cpu: opts.byte_cpu,
+        hosts: opts.hosts.as_ref().map_or_else(Vec::new, |h| {
+            h.of_positions(plan.stages.iter().map(|s| s.replicas as usize).sum())
+        }),
+        between: opts.hosts.as_ref().map(|h| h.between),
     };
     let report = simulate(&schedule, &costs, SimOptions::default())?;
     let layout = schedule.layout();

@@ -57,6 +57,9 @@ pub struct PlannedStage {
     pub recompute: bool,
     /// Which part of the stage's time sets it.
     pub bound: Bound,
+    /// The host of each of its replicas, where the plan places workers on hosts
+    /// ([`super::placement`]); empty otherwise.
+    pub hosts: Vec<u32>,
 }
 
 /// The part of a stage's time that sets it.
