@@ -146,24 +146,45 @@ impl HostArgs {
         self.hosts.is_some() || self.cluster.is_some()
     }
 
-    /// The hosts asked for, joined by `between`; `None` when no placement was asked for.
+    /// The hosts asked for, read and checked before anything is measured; `None` when no
+    /// placement was asked for.
     ///
     /// # Errors
     /// Bad input for a malformed host list or cluster file.
-    pub fn load(&self, between: Link) -> Result<Option<Hosts>> {
+    pub fn parse(&self) -> Result<Option<HostList>> {
         if let Some(list) = &self.hosts {
-            return Ok(Some(Hosts::filled(&parse_hosts(list)?, between)));
+            return Ok(Some(HostList::Filled(parse_hosts(list)?)));
         }
         let Some(path) = &self.cluster else {
             return Ok(None);
         };
         let cluster = ClusterFile::load(path).map_err(|e| bad_input(e.to_string()))?;
-        let ranks: Vec<String> = cluster
-            .workers
-            .iter()
-            .map(|w| host_of_address(&w.addr))
-            .collect();
-        Ok(Some(Hosts::of_ranks(&ranks, between)))
+        Ok(Some(HostList::Ranks(
+            cluster
+                .workers
+                .iter()
+                .map(|w| host_of_address(&w.addr))
+                .collect(),
+        )))
+    }
+}
+
+/// Hosts as the flags give them, before the link between them is known.
+#[derive(Clone, Debug)]
+pub enum HostList {
+    /// `--hosts`: each host's name and how many workers it takes.
+    Filled(Vec<(String, u32)>),
+    /// `--cluster`: the host of each rank.
+    Ranks(Vec<String>),
+}
+
+impl HostList {
+    /// These hosts, joined by `between`.
+    pub fn joined_by(&self, between: Link) -> Hosts {
+        match self {
+            HostList::Filled(hosts) => Hosts::filled(hosts, between),
+            HostList::Ranks(ranks) => Hosts::of_ranks(ranks, between),
+        }
     }
 }
 

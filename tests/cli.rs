@@ -1029,3 +1029,74 @@ fn experiment_and_report_refuse_bad_input() {
         "unknown lr scaling",
     );
 }
+
+/// `pipe plan --hosts`: on two hosts joined by a slow network, the plan says which workers each
+/// host runs and which links cross, writes the hosts into its file, and `pipe train --plan`
+/// names the placement in its header.
+#[test]
+fn a_plan_on_hosts_places_its_workers_and_the_run_carries_it() {
+    let s = |v: &str| format!(r#"{{"median": {v}, "min": {v}, "max": {v}}}"#);
+    let cost = |name: &str, cpu: &str| {
+        format!(
+            r#"{{"transport": "{name}", "rounds": 1, "latency_s": {}, "message_cpu_s": {}, "byte_cpu_s": {}, "bandwidth": null}}"#,
+            s("1e-5"),
+            s(cpu),
+            s("0")
+        )
+    };
+    let costs = tmp("hosts-costs.json");
+    std::fs::write(
+        &costs,
+        format!(
+            r#"{{"transports": [{}, {}]}}"#,
+            cost("shm", "3e-6"),
+            cost("quic", "3e-5")
+        ),
+    )
+    .unwrap();
+    let plan_file = tmp("hosts-plan.toml");
+    let text = pipe_ok(&[
+        "plan",
+        "--model",
+        "mlp-784-64-64-10",
+        "--microbatch-size",
+        "16",
+        "--workers",
+        "3",
+        "--straight",
+        "--hosts",
+        "a:1,b:2",
+        "--bandwidth",
+        "1MB/s",
+        "--transport-costs",
+        costs.to_str().unwrap(),
+        "-o",
+        plan_file.to_str().unwrap(),
+    ]);
+    assert!(text.contains("between hosts: 976.56 KiB/s"), "{text}");
+    assert!(text.contains("links charged as shm"), "{text}");
+    assert!(
+        text.contains("host a: worker 0 (stage 0)")
+            && text.contains("host b: worker 1 (stage 1), worker 2 (stage 2)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("links crossing hosts: stage 0 -> 1 ("),
+        "{text}"
+    );
+    let written = std::fs::read_to_string(&plan_file).unwrap();
+    assert!(written.contains(r#"hosts = ["a", "b", "b"]"#), "{written}");
+    let run = pipe_ok(&[
+        "train",
+        "--plan",
+        plan_file.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--epochs",
+        "1",
+    ]);
+    assert!(
+        run.contains("placed by the plan: a (workers 0), b (workers 1, 2)"),
+        "{run}"
+    );
+}

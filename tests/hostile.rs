@@ -753,6 +753,14 @@ fn plan_rows() -> Vec<Row> {
             &format!("{PLAN_OK}recompute = \"full,sometimes\"\n"),
             "unknown recomputation 'sometimes'",
         ),
+        plan(
+            &format!("{PLAN_OK}hosts = [\"a\"]\n"),
+            "hosts names 1 workers' hosts, the plan has 2 workers",
+        ),
+        plan(
+            &format!("{PLAN_OK}hosts = [\"a\", \"\"]\n"),
+            "a host name must have 1 to 255 characters",
+        ),
         with(
             "train --plan {d}/p.toml --model mlp-784-32-10 --steps 1",
             text("p.toml", PLAN_OK),
@@ -781,6 +789,28 @@ fn costs_of(name: &str, cpu: &str) -> String {
         s("1e-5"),
         s(cpu),
         s("0")
+    )
+}
+
+/// `pipe plan` of a 4-layer profile on 2 workers with the placement flags `flags`, its link
+/// costs read from a file (shared memory and QUIC).
+fn hosts_row(flags: &str, want: &'static str) -> Row {
+    let both = costs_of("shm", "1e-6").replace(
+        "]}",
+        &format!(
+            ", {}]}}",
+            costs_of("quic", "3e-5")
+                .trim_start_matches(r#"{"transports": ["#)
+                .trim_end_matches("]}")
+        ),
+    );
+    with(
+        &format!("plan --profile {{d}}/p.json --workers 2 --transport-costs {{d}}/c.json {flags}"),
+        [text("p.json", many_layers(4)), text("c.json", &both)]
+            .into_iter()
+            .flatten()
+            .collect(),
+        want,
     )
 }
 
@@ -822,11 +852,57 @@ fn transport_cost_rows() -> Vec<Row> {
         with(
             "plan --profile {d}/p.json --workers 2 --cost-model pipedream --transport shm",
             text("p.json", many_layers(4)),
-            "--transport belongs to --cost-model default",
+            "belong to --cost-model default",
         ),
         row(
             "simulate --stages 2 --transport pigeon",
             "unknown transport 'pigeon'",
+        ),
+        hosts_row("--hosts a:2,b", "--hosts entry 'b' is not NAME:WORKERS"),
+        hosts_row("--hosts a:0,b:2", "--hosts entry 'a:0' is not NAME:WORKERS"),
+        hosts_row(
+            "--hosts a:5000",
+            "--hosts entry 'a:5000' is not NAME:WORKERS",
+        ),
+        hosts_row("--hosts a:1,a:1", "host 'a' is unnamed or named twice"),
+        hosts_row(
+            "--hosts a:1",
+            "the hosts take 1 workers in all, fewer than the 2",
+        ),
+        hosts_row(
+            &format!(
+                "--hosts {}",
+                (0..4097)
+                    .map(|i| format!("h{i}:1"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+            "--hosts lists 4097 hosts, more than 4096",
+        ),
+        hosts_row(
+            "--hosts a:4000,b:4000",
+            "--hosts places 8000 workers, more than 4096",
+        ),
+        hosts_row("--cluster {d}/none.toml", "none.toml"),
+        hosts_row(
+            "--hosts a:1,b:1 --cluster {d}/c.toml",
+            "cannot be used with",
+        ),
+        with(
+            "plan --profile {d}/p.json --workers 2 --cost-model pipedream --hosts a:1,b:1",
+            text("p.json", many_layers(4)),
+            "belong to --cost-model default",
+        ),
+        with(
+            "plan --profile {d}/p.json --workers 2 --transport-costs {d}/c.json",
+            [
+                text("p.json", many_layers(4)),
+                text("c.json", &costs_of("shm", "1e-6")),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
+            "--transport-costs needs --transport",
         ),
     ]
 }

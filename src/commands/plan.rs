@@ -157,9 +157,9 @@ type ChargedLink = (TransportCost, String);
 /// is asked for) and the hosts with the network between them: `--bandwidth` and `--latency`
 /// (default 10 GB/s and QUIC's one-way time), charged QUIC's processor time.
 fn links_and_hosts(args: &PlanArgs) -> Result<(Option<ChargedLink>, Option<Hosts>)> {
-    if !args.placement.given() {
+    let Some(list) = args.placement.parse()? else {
         return Ok((args.link.load()?, None));
-    }
+    };
     let within = args.link.load_or(TransportKind::Shm)?;
     let (quic, source) = args.link.load_kind(TransportKind::Quic)?;
     let between = Link {
@@ -176,7 +176,7 @@ fn links_and_hosts(args: &PlanArgs) -> Result<(Option<ChargedLink>, Option<Hosts
         quic.message_cpu_s.describe(1e6, ""),
         quic.byte_cpu_s.describe(1e9, ""),
     );
-    Ok((Some(within), args.placement.load(between)?))
+    Ok((Some(within), Some(list.joined_by(between))))
 }
 
 /// Which workers each host runs, and which links cross hosts: each boundary between stages

@@ -304,3 +304,23 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::placement_differs;
+
+    #[test]
+    fn a_placement_other_than_the_plans_is_named() {
+        let hosts: Vec<String> = ["a", "a", "b", "b"].map(String::from).to_vec();
+        // As planned: worker 1 shares its host with worker 0 only.
+        assert_eq!(placement_differs(&hosts, 1, &[0]), None);
+        // All four on one host.
+        let why = placement_differs(&hosts, 1, &[2, 3, 0]).unwrap();
+        assert!(
+            why.contains("placed workers [0]") && why.contains("[0, 2, 3]"),
+            "{why}"
+        );
+        // No plan, nothing to compare.
+        assert_eq!(placement_differs(&[], 0, &[1]), None);
+    }
+}
