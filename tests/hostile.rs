@@ -806,7 +806,7 @@ fn hosts_row(flags: &str, want: &'static str) -> Row {
     );
     with(
         &format!("plan --profile {{d}}/p.json --workers 2 --transport-costs {{d}}/c.json {flags}"),
-        [text("p.json", many_layers(4)), text("c.json", &both)]
+        [text("p.json", many_layers(4)), text("c.json", both)]
             .into_iter()
             .flatten()
             .collect(),
@@ -897,7 +897,7 @@ fn transport_cost_rows() -> Vec<Row> {
             "plan --profile {d}/p.json --workers 2 --transport-costs {d}/c.json",
             [
                 text("p.json", many_layers(4)),
-                text("c.json", &costs_of("shm", "1e-6")),
+                text("c.json", costs_of("shm", "1e-6")),
             ]
             .into_iter()
             .flatten()
