@@ -74,6 +74,64 @@ pub struct StageCost {
     /// in-process all-reduce moves buffers for free but spends time adding them.
     #[serde(default)]
     pub all_reduce: Option<f64>,
+    /// The all-reduce's buckets, in the order the backward pass completes them (default,
+    /// none: one bucket of every gradient, its ring started when the backward has finished).
+    /// Ignored where `all_reduce` gives a measured time. See [`bucketed_all_reduce`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buckets: Option<Vec<Bucket>>,
+}
+
+/// One bucket of a stage's gradients: its bytes, and how far into the stage's backward pass
+/// its last layer's gradients are final (seconds from the pass's start).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bucket {
+    /// Gradient bytes.
+    pub bytes: f64,
+    /// Seconds into the backward pass at which they are final.
+    pub ready: f64,
+}
+
+/// What a bucketed ring all-reduce costs each of `r` replicas after a backward pass of
+/// `backward` seconds, over `link`: `(during, after)`, the processor time the rings started
+/// during the pass add to it, and the time from the pass's end until every ring is done.
+///
+/// Each bucket's ring moves `2 (r-1)/r` of its bytes in `2 (r-1)` steps: it holds the link
+/// `2 (r-1)/r * bytes / bandwidth + 2 (r-1) * latency` and each member's processor
+/// `4 (r-1) * message_cpu + 4 (r-1)/r * bytes * byte_cpu` (a send and a receive per step), and
+/// takes the longer of the two. The rings run one after another, each from when its bucket
+/// is ready (and the one before is done). A worker moves its rings on between the layers of
+/// its backward pass, so the processor time of every ring but the last lengthens the pass;
+/// the link time overlaps it. One bucket is the unbucketed ring: nothing during, the whole
+/// ring after. More buckets hide more of the link behind the pass and cost more messages.
+pub fn bucketed_all_reduce(buckets: &[Bucket], backward: f64, r: f64, link: &Link) -> (f64, f64) {
+    if r <= 1.0 || buckets.is_empty() {
+        return (0.0, 0.0);
+    }
+    let steps = 2.0 * (r - 1.0);
+    let ring = |bytes: f64| {
+        let moved = steps / r * bytes;
+        let on_link = link.transfer(moved) + steps * link.latency;
+        let cpu = 2.0 * steps * link.message_cpu + 2.0 * moved * link.byte_cpu;
+        (on_link.max(cpu), cpu)
+    };
+    let last = buckets.len() - 1;
+    let mut during = 0.0;
+    let mut done = 0.0f64;
+    for (i, b) in buckets.iter().enumerate() {
+        let (time, cpu) = ring(b.bytes);
+        // The pass has been lengthened by the rings moved on so far.
+        let ready = if i == last {
+            backward + during
+        } else {
+            b.ready.min(backward) + during
+        };
+        done = done.max(ready) + time;
+        if i < last {
+            during += cpu;
+        }
+    }
+    (during, (done - (backward + during)).max(0.0))
 }
 
 impl StageCost {
@@ -91,6 +149,7 @@ impl StageCost {
             param_bytes: 0.0,
             stash_bytes: None,
             all_reduce: None,
+            buckets: None,
         }
     }
 
@@ -132,7 +191,12 @@ impl StageCost {
     }
 
     fn check(&self, which: usize) -> Result<()> {
-        for (name, v) in self.fields() {
+        let buckets = self.buckets.iter().flatten();
+        for (name, v) in self
+            .fields()
+            .into_iter()
+            .chain(buckets.flat_map(|b| [("bucket bytes", b.bytes), ("bucket ready", b.ready)]))
+        {
             if !v.is_finite() || v < 0.0 {
                 return Err(ScheduleError::Cost(format!(
                     "stage {which}: {name} must be a finite number >= 0, got {v}"
@@ -1409,11 +1473,28 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
                 st.activation_bytes,
             );
             let backward_cpu = cpu(before.map_or(0.0, StageCost::gradient), st.gradient());
+            // The all-reduce: measured, or the (bucketed) ring over its link. The processor
+            // time of rings moved on during the update's last backward is spread over the
+            // update's backward passes.
+            let (ring_during, all_reduce) = match st.all_reduce {
+                _ if r <= 1.0 => (0.0, 0.0),
+                Some(measured) => (0.0, measured),
+                None => {
+                    let whole = [Bucket {
+                        bytes: st.param_bytes,
+                        ready: st.whole_backward(),
+                    }];
+                    let buckets = st.buckets.as_deref().unwrap_or(&whole);
+                    bucketed_all_reduce(buckets, st.whole_backward(), r, &ring)
+                }
+            };
+            let passes = f64::from(resolved.update_size(s).max(1)) / r;
+            let ring_cpu = ring_during / passes.max(1.0);
             StageTimes {
                 forward: st.forward + forward_cpu,
-                backward: st.whole_backward() + backward_cpu,
+                backward: st.whole_backward() + backward_cpu + ring_cpu,
                 backward_input: st.backward_input + backward_cpu,
-                backward_weight: st.backward_weight,
+                backward_weight: st.backward_weight + ring_cpu,
                 update: st.update,
                 activation_transfer: out_link.transfer(st.activation_bytes),
                 activation_latency: out_link.latency,
@@ -1425,15 +1506,7 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
                 gradient_latency: in_link.latency,
                 chunk_transfer: ring.transfer(st.param_bytes / r),
                 chunk_latency: ring.latency,
-                all_reduce: match st.all_reduce {
-                    _ if r <= 1.0 => 0.0,
-                    Some(measured) => measured,
-                    None => {
-                        let moved = 2.0 * (r - 1.0) / r * st.param_bytes;
-                        let link = ring.transfer(moved) + 2.0 * (r - 1.0) * ring.latency;
-                        link.max(2.0 * moved * ring.byte_cpu)
-                    }
-                },
+                all_reduce,
             }
         })
         .collect()

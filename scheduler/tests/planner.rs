@@ -271,7 +271,7 @@ fn default_stage(
         .sum();
     let all_reduce = if r > 1 {
         let link = 2.0 * (rf - 1.0) / rf * pb / ring.bandwidth + 2.0 * (rf - 1.0) * ring.latency;
-        let cpu = 4.0 * (rf - 1.0) / rf * pb * ring.byte_cpu;
+        let cpu = 4.0 * (rf - 1.0) / rf * pb * ring.byte_cpu + 4.0 * (rf - 1.0) * ring.message_cpu;
         link.max(cpu) / (m * rf)
     } else {
         0.0

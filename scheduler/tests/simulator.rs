@@ -230,10 +230,15 @@ fn links_between_hosts_take_their_own_costs() {
         2.0 * within,
         "one host",
     );
-    // A ring of two replicas on two hosts: 2 (r-1)/r * P over the network, 2 (r-1) latencies.
+    // A ring of two replicas on two hosts: 2 (r-1)/r * P over the network, 2 (r-1) latencies
+    // (the processor time of its 4 (r-1) message ends, here, is 2 s: the link's time is
+    // compared without it).
     let ring = CostModel {
         hosts: vec![0, 1],
-        between: Some(between),
+        between: Some(pipe_scheduler::sim::Link {
+            message_cpu: 0.0,
+            ..between
+        }),
         ..CostModel::uniform(StageCost {
             param_bytes: 4.0e6,
             ..StageCost::compute(0.0, 0.0)
@@ -572,4 +577,66 @@ fn unequal_replicas_on_balanced_stages_run_near_the_bound() {
             }
         }
     }
+}
+
+/// The bucketed ring against its closed form: one bucket is the unbucketed ring, after the
+/// pass; two halves on a slow link hide the first half's ring behind the pass when it fits,
+/// and the first half's processor time lengthens the pass.
+#[test]
+fn bucketed_rings_hide_the_link_behind_the_backward_pass() {
+    use pipe_scheduler::sim::{Bucket, Link, bucketed_all_reduce};
+    let link = Link {
+        bandwidth: 1.0e6,
+        latency: 0.01,
+        message_cpu: 0.001,
+        byte_cpu: 0.0,
+    };
+    // Two replicas: each ring moves its bytes once in two steps: bytes / 1e6 + 0.02 s of link,
+    // 4 ms of processor.
+    let one = [Bucket {
+        bytes: 2.0e6,
+        ready: 3.0,
+    }];
+    let (during, after) = bucketed_all_reduce(&one, 3.0, 2.0, &link);
+    close(during, 0.0, "one bucket: nothing during");
+    close(after, 2.0 + 0.02, "one bucket: the whole ring after");
+    let halves = [
+        Bucket {
+            bytes: 1.0e6,
+            ready: 1.0,
+        },
+        Bucket {
+            bytes: 1.0e6,
+            ready: 3.0,
+        },
+    ];
+    let (during, after) = bucketed_all_reduce(&halves, 3.0, 2.0, &link);
+    close(during, 0.004, "the first ring's messages");
+    // The first ring runs from 1 s to 2.02 s, inside the pass (now 3.004 s); the second
+    // from its end.
+    close(after, 1.0 + 0.02, "the second half after the pass");
+    // A pass too short to hide the first ring: the second waits for it.
+    let (during, after) = bucketed_all_reduce(&halves, 1.5, 2.0, &link);
+    close(during, 0.004, "short pass: the first ring's messages");
+    close(
+        after,
+        (1.0 + 2.0 * 1.02) - 1.504,
+        "short pass: both rings end to end",
+    );
+    // In a schedule: a replicated stage's all-reduce is what its buckets leave after the pass.
+    let costs = CostModel {
+        bandwidth: 1.0e6,
+        latency: 0.01,
+        ..CostModel::uniform(StageCost {
+            param_bytes: 2.0e6,
+            buckets: Some(halves.to_vec()),
+            ..StageCost::compute(0.0, 3.0)
+        })
+    };
+    let spec = ScheduleSpec::new(Policy::Gpipe, 1, 1).with_replicas(vec![2]);
+    close(
+        run(&spec, &costs).makespan,
+        3.0 + 1.02,
+        "pass and the second half",
+    );
 }

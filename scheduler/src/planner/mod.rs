@@ -27,6 +27,7 @@
 //! is cut, exactly, to the cuts whose compute bounds can still beat the best time found.
 
 pub mod antichain;
+pub mod buckets;
 pub mod memory;
 mod model;
 pub mod placement;

@@ -9,9 +9,10 @@
 //!   optimizer step, and the transport's processor time for the stage's `m` links (each
 //!   activation in or out and its gradient, `c_m` per message end and `c_b` per byte of the
 //!   `x` bytes crossing its cuts; [`super::transport`]);
-//! - all-reduce `max(2 (r-1)/r * P / bw + 2 (r-1) * latency, 4 (r-1)/r * P * c_b) / (M r)`:
-//!   one ring all-reduce of the gradients per update, as the runtime and the simulator do it,
-//!   bounded by its link or by the processor time its bytes cost;
+//! - all-reduce `max(2 (r-1)/r * P / bw + 2 (r-1) * latency, 4 (r-1) c_m + 4 (r-1)/r * P *
+//!   c_b) / (M r)`: one ring all-reduce of the gradients per update, as the simulator charges
+//!   one bucket ([`crate::sim::bucketed_all_reduce`]), bounded by its link or by the
+//!   processor time its messages and bytes cost;
 //! - transfer `(x_in + x_out) * wire / bw / r`: the activation the stage sends forward plus the
 //!   gradient it sends back, each the size of the tensor crossing the cut (every activation
 //!   crossing it, for branching graphs), halved on a bf16 wire. A worker's sends share its one
@@ -317,6 +318,9 @@ struct PerReplicas {
     /// All-reduce processor seconds per parameter byte per pipeline microbatch: each member
     /// sends and receives `2 (r-1)/r` of the bytes, `4 (r-1)/r * byte_cpu / (M r)`.
     ring_cpu: f64,
+    /// All-reduce processor seconds of its messages per pipeline microbatch: a send and a
+    /// receive in each of `2 (r-1)` steps, `4 (r-1) * message_cpu / (M r)`.
+    ring_messages: f64,
 }
 
 impl<'a> Costs<'a> {
@@ -363,6 +367,7 @@ impl<'a> Costs<'a> {
                         ring: 2.0 * (rf - 1.0) / rf / link.bandwidth / (m * rf),
                         ring_latency: 2.0 * (rf - 1.0) * link.latency / (m * rf),
                         ring_cpu: 4.0 * (rf - 1.0) / rf * link.byte_cpu / (m * rf),
+                        ring_messages: 4.0 * (rf - 1.0) * link.message_cpu / (m * rf),
                     }
                 })
                 .collect()
@@ -481,7 +486,8 @@ impl<'a> Costs<'a> {
         let c = self.pc[to + 1] - self.pc[from];
         let u = self.pu[to + 1] - self.pu[from];
         let p = self.pp[to + 1] - self.pp[from];
-        let all_reduce = (p * ring.ring + ring.ring_latency).max(p * ring.ring_cpu);
+        let all_reduce =
+            (p * ring.ring + ring.ring_latency).max(p * ring.ring_cpu + ring.ring_messages);
         ((c + u * self.inv_m) * f.inv, all_reduce)
     }
 
@@ -1196,6 +1202,7 @@ pub fn range_costs(
                 param_bytes: sum(|l| l.param_bytes),
                 stash_bytes: Some(sum(|l| l.stash())),
                 all_reduce: None,
+                buckets: None,
             }
         })
         .collect()

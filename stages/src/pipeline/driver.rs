@@ -186,9 +186,10 @@ struct Comms {
 struct Overlap {
     /// Program counter of a stage's last backward pass before an all-reduce: that update.
     starts: std::collections::HashMap<usize, u32>,
-    /// Bucket size and wire precision ([`super::RunPlan::bucket_values`] and
-    /// [`super::RunPlan::allreduce_wire`]).
-    ring: (usize, pipe_transport::frame::WireDType),
+    /// Bucket size of each stage and the wire precision ([`super::RunPlan::bucket_values_of`]
+    /// and [`super::RunPlan::allreduce_wire`]).
+    buckets: Vec<usize>,
+    wire: pipe_transport::frame::WireDType,
     in_flight: Vec<BucketedAllReduce>,
 }
 
@@ -201,9 +202,22 @@ impl Overlap {
         };
         Overlap {
             starts,
-            ring: (plan.bucket_values, plan.allreduce_wire),
+            buckets: (0..plan.schedule.stages())
+                .map(|s| plan.bucket_values_of(s))
+                .collect(),
+            wire: plan.allreduce_wire,
             in_flight: Vec::new(),
         }
+    }
+
+    /// The ring settings of `stage`'s all-reduce: its bucket size and the wire precision.
+    fn ring(&self, stage: u32) -> (usize, pipe_transport::frame::WireDType) {
+        let values = self
+            .buckets
+            .get(stage as usize)
+            .copied()
+            .unwrap_or(super::DEFAULT_BUCKET_VALUES);
+        (values, self.wire)
     }
 
     /// Runs backward pass `a` at `pc`, starting its stage's all-reduce of `update` bucket by
@@ -218,7 +232,7 @@ impl Overlap {
     ) -> Result<()> {
         let group = core.replica_group(stage)?;
         let mut started: Option<BucketedAllReduce> = None;
-        let ring = self.ring;
+        let ring = self.ring(stage);
         core.compute_notify(be, pc, a, &mut |j, grads| {
             let ar = started.get_or_insert_with(|| {
                 BucketedAllReduce::new(&group, (stage, update), grads, ring)
@@ -295,7 +309,7 @@ fn step<B: Backend, T: Transport + ?Sized>(
             if let Some(ar) = in_flight {
                 ar.finish(t, grads)?;
             } else {
-                let ring = comms.overlap.ring;
+                let ring = comms.overlap.ring(stage);
                 // NCCL sums in f32 only.
                 let on_gpus = ring.1 == pipe_transport::frame::WireDType::F32
                     && comms.nccl.all_reduce(

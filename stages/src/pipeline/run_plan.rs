@@ -24,8 +24,11 @@ pub struct RunPlan {
     pub partition: Partition,
     /// Gradient values per all-reduce bucket ([`super::gradient_buckets`]): part of the plan
     /// because the buckets fix the order of the replicas' additions, which the reference
-    /// trainer must follow.
+    /// trainer must follow. Every stage's unless [`RunPlan::stage_bucket_values`] gives its own.
     pub bucket_values: usize,
+    /// Gradient values per bucket of each stage, where chosen per stage (the simulator's
+    /// choice, [`crate::planning::buckets`]); empty: `bucket_values` for every stage.
+    pub stage_bucket_values: Vec<usize>,
     /// The precision all-reduce rings send in (f32, or bf16 with f32 sums): part of the
     /// numerics, like the buckets.
     pub allreduce_wire: pipe_transport::frame::WireDType,
@@ -93,6 +96,7 @@ impl RunPlan {
             norms,
             partition,
             bucket_values: super::DEFAULT_BUCKET_VALUES,
+            stage_bucket_values: Vec::new(),
             allreduce_wire: pipe_transport::frame::WireDType::F32,
         })
     }
@@ -108,6 +112,25 @@ impl RunPlan {
     #[must_use]
     pub fn with_bucket_values(mut self, values: usize) -> Self {
         self.bucket_values = values.max(1);
+        self.stage_bucket_values.clear();
         self
+    }
+
+    /// This plan with each stage's own bucket size (`values[s]` gradient values, at least one;
+    /// a list of another length than the stages is ignored).
+    #[must_use]
+    pub fn with_stage_bucket_values(mut self, values: &[usize]) -> Self {
+        if values.len() == self.schedule.stages() as usize {
+            self.stage_bucket_values = values.iter().map(|&v| v.max(1)).collect();
+        }
+        self
+    }
+
+    /// Gradient values per all-reduce bucket of `stage`.
+    pub fn bucket_values_of(&self, stage: u32) -> usize {
+        self.stage_bucket_values
+            .get(stage as usize)
+            .copied()
+            .unwrap_or(self.bucket_values)
     }
 }
