@@ -216,10 +216,12 @@ pub struct TrainArgs {
     /// bytes; all-reduces stay f32).
     #[arg(long, value_parser = ["f32", "bf16"])]
     wire_dtype: Option<String>,
-    /// MiB of f32 gradients per all-reduce bucket (default 4): each bucket of a stage's last
-    /// layers starts its ring all-reduce while the backward pass computes the earlier ones.
-    #[arg(long, value_name = "MIB")]
-    allreduce_bucket_mb: Option<f64>,
+    /// MiB of f32 gradients per all-reduce bucket, one size or one per stage (`4,1,one`; `one`:
+    /// a stage's gradients in one bucket). Each bucket of a stage's last layers starts its
+    /// ring all-reduce while the backward pass computes the earlier ones. Default: chosen per
+    /// stage by the simulator on the run's link where the partition is measured, else 4.
+    #[arg(long, value_name = "MIB[,MIB...]")]
+    allreduce_bucket_mb: Option<pipe_stages::config::BucketSizes>,
     /// Precision of the gradients the replicas' all-reduce sends: f32, or bf16 (half the
     /// bytes; sums stay f32, every replica ends with the same bits).
     #[arg(long, value_parser = ["f32", "bf16"])]
@@ -364,7 +366,7 @@ impl TrainArgs {
             lr_scaling: self.lr_scaling.clone(),
             weight_prediction: self.weight_prediction.clone(),
             stall_timeout: self.stall_timeout,
-            allreduce_bucket_mb: self.allreduce_bucket_mb,
+            allreduce_bucket_mb: self.allreduce_bucket_mb.clone(),
             allreduce_dtype: self.allreduce_dtype.clone(),
             ..TrainSettings::default()
         })
@@ -392,9 +394,10 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
         return Ok(settings.resolve()?);
     };
     let (costs, source) = crate::links::all_measured()?;
-    let (cfg, plan) = plan_workers(settings, w, Some(&costs))?;
+    let (mut cfg, plan, profile) = plan_workers(settings, w, Some(&costs))?;
     if let Some(cost) = costs.get(cfg.link_transport().name()) {
         outln!("{}", crate::links::describe(cost, &source));
+        choose_buckets(&mut cfg, &profile, cost, &source);
     }
     outln!(
         "auto plan for {w} workers: partition {}, replicas {:?}, predicted {:.0} samples/s (simulated {:.0})",
@@ -648,6 +651,14 @@ pub fn settle_partition(cfg: &mut RunConfig, model: &Model) -> Result<()> {
     let Some(cut) = settle_measured_partition(cfg, model)? else {
         return Ok(());
     };
+    if let Some(profile) = &cut.profile {
+        if cfg.bucket_origin == pipe_stages::config::BucketOrigin::Default
+            && cfg.replicas.iter().any(|&r| r > 1)
+        {
+            let (link, source) = crate::links::measured(cfg.link_transport())?;
+            choose_buckets(cfg, profile, &link, &source);
+        }
+    }
     if cut.partition.stages() > 1 {
         let ms: Vec<String> = cut
             .stage_seconds
@@ -662,6 +673,46 @@ pub fn settle_partition(cfg: &mut RunConfig, model: &Model) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Chooses the replicated stages' all-reduce bucket sizes from the run's measured `profile`
+/// and `link`, the measured costs of its links' transport (from `source`), where no size was
+/// given ([`pipe_stages::planning::buckets`]), and says what was chosen.
+fn choose_buckets(
+    cfg: &mut RunConfig,
+    profile: &pipe_scheduler::Profile,
+    link: &pipe_scheduler::planner::transport::TransportCost,
+    source: &str,
+) {
+    let Some(choices) = pipe_stages::planning::buckets::choose_for_run(cfg, profile, link) else {
+        return;
+    };
+    let mib = |v: usize| {
+        if v == usize::MAX {
+            "one".to_string()
+        } else {
+            format!("{}", v as f64 * 4.0 / (1024.0 * 1024.0))
+        }
+    };
+    let per_stage: Vec<String> = choices
+        .iter()
+        .map(|c| match c {
+            Some(c) => format!(
+                "{} ({:.2} ms per update, one bucket {:.2} ms)",
+                mib(c.values),
+                c.seconds * 1e3,
+                c.one_bucket * 1e3
+            ),
+            None => "-".into(),
+        })
+        .collect();
+    outln!(
+        "all-reduce buckets chosen per stage on {}'s measured link ({source}): {}; \
+         --allreduce-bucket-mb {} repeats them",
+        link.transport,
+        per_stage.join(", "),
+        pipe_stages::config::BucketSizes::of_values(&cfg.stage_bucket_values)
+    );
 }
 
 /// Prints the closing line of a run.

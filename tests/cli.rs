@@ -1100,3 +1100,56 @@ fn a_plan_on_hosts_places_its_workers_and_the_run_carries_it() {
         "{run}"
     );
 }
+
+/// Replicated stages without a bucket size: each stage's is chosen on the run's measured link
+/// and printed with the flag that repeats it; the repeat trains to the same weights, bit for
+/// bit, and a list of sizes for another stage count is refused.
+#[test]
+fn bucket_sizes_are_chosen_per_stage_and_repeat() {
+    let base = [
+        "train",
+        "--stages",
+        "2",
+        "--replicas",
+        "3",
+        "--steps",
+        "6",
+        "--epochs",
+        "1",
+    ];
+    let chosen = pipe_ok(&base);
+    let line = chosen
+        .lines()
+        .find(|l| l.starts_with("all-reduce buckets chosen per stage on inproc's measured link"))
+        .unwrap_or_else(|| panic!("{chosen}"));
+    let flag = line
+        .rsplit_once("--allreduce-bucket-mb ")
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .unwrap();
+    assert_eq!(flag.split(',').count(), 2, "{line}");
+    let digest = |text: &str| {
+        text.lines()
+            .find_map(|l| l.split("weights ").nth(1))
+            .map(|w| w[..16].to_string())
+            .unwrap_or_else(|| panic!("{text}"))
+    };
+    // The partition is measured too: the repeat takes the printed one.
+    let partition = chosen
+        .lines()
+        .find_map(|l| l.split("--partition ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{chosen}"));
+    let repeated = pipe_ok(
+        &[
+            &base[..],
+            &["--allreduce-bucket-mb", flag, "--partition", partition],
+        ]
+        .concat(),
+    );
+    assert!(!repeated.contains("buckets chosen"), "{repeated}");
+    assert_eq!(digest(&chosen), digest(&repeated));
+    assert_bad_input(
+        &[&base[..], &["--allreduce-bucket-mb", "1,2,3"]].concat(),
+        "gives 3 sizes for 2 stages",
+    );
+}

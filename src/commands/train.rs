@@ -75,7 +75,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let data = train::load_data(&cfg, &model)?;
     print_header(&cfg, &model, &data, be.threads());
     let mut fan = Fan::new(&cfg)?;
-    let policy = checkpoint_policy(args, &cfg)?;
+    let mut policy = checkpoint_policy(args, &cfg)?;
     let resume = resume_from(args, &model)?;
     if let Some((dir, ckpt)) = &resume {
         print_resuming(dir, ckpt);
@@ -86,7 +86,21 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         outln!("seed checkpoint (update 0): {}", dir.display());
         return Ok(());
     }
+    if let Some((_, ckpt)) = &resume {
+        if let Some(values) =
+            pipe_stages::planning::buckets::adopt_recorded(&mut cfg, &ckpt.state.settings)
+        {
+            outln!(
+                "all-reduce buckets as the checkpoint's run chose them: --allreduce-bucket-mb {}",
+                pipe_stages::config::BucketSizes::of_values(&values)
+            );
+        }
+    }
     settle_partition(&mut cfg, &model)?;
+    // The checkpoints record the run's numerics as settled (its chosen bucket sizes).
+    if let Some(p) = policy.as_mut() {
+        p.settings = cfg.numerics().to_json()?;
+    }
     // The model is checked per worker process; threads share one process.
     if processes {
         print_memory_estimate(&cfg, process)?;

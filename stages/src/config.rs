@@ -406,9 +406,10 @@ pub struct TrainSettings {
     /// Seconds a worker may wait for an activation, gradient or all-reduce chunk before the
     /// run is stopped and the hang doctor reports (default [`DEFAULT_STALL_TIMEOUT`]).
     pub stall_timeout: Option<f64>,
-    /// MiB of f32 gradients per all-reduce bucket (default 4): replicas start summing a bucket
-    /// as soon as the backward pass has finished its layers.
-    pub allreduce_bucket_mb: Option<f64>,
+    /// MiB of f32 gradients per all-reduce bucket, for every stage or per stage (default:
+    /// chosen per stage where the run is profiled, else 4): replicas start summing a bucket as
+    /// soon as the backward pass has finished its layers.
+    pub allreduce_bucket_mb: Option<BucketSizes>,
     /// Precision of the values the replicas' all-reduce sends (`f32`, `bf16`; the sums stay
     /// f32).
     pub allreduce_dtype: Option<String>,
@@ -510,23 +511,6 @@ impl TrainSettings {
                 .map_err(StageError::Config),
             None => Ok(backend),
         }
-    }
-
-    /// Gradient values per all-reduce bucket from `--allreduce-bucket-mb` (MiB of f32).
-    ///
-    /// # Errors
-    /// [`StageError::Config`] for a size that is not positive or past 64 GiB.
-    fn bucket_values(mb: Option<f64>) -> Result<usize> {
-        let Some(mb) = mb else {
-            return Ok(DEFAULT_BUCKET_VALUES);
-        };
-        if !(mb.is_finite() && mb > 0.0 && mb <= 65_536.0) {
-            return Err(StageError::Config(format!(
-                "all-reduce bucket must be between 0 and 65536 MiB, got {mb}"
-            )));
-        }
-        // At least one value; whole values of 4 bytes.
-        Ok(((mb * 1024.0 * 1024.0 / 4.0) as usize).max(1))
     }
 
     /// Overrides every field that `other` sets.
@@ -1019,7 +1003,27 @@ impl TrainSettings {
                 "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds (a week), got {stall}"
             ));
         }
-        let bucket_values = Self::bucket_values(self.allreduce_bucket_mb)?;
+        let (bucket_values, stage_bucket_values, bucket_origin) = match &self.allreduce_bucket_mb {
+            None => (DEFAULT_BUCKET_VALUES, Vec::new(), BucketOrigin::Default),
+            Some(sizes) => {
+                let values = sizes.values();
+                if values.len() > 1 {
+                    if let Ok(layout) = &layout {
+                        if values.len() != layout.layout.stages() as usize {
+                            return bad(format!(
+                                "--allreduce-bucket-mb gives {} sizes for {} stages (give one, \
+                                 or one per stage)",
+                                values.len(),
+                                layout.layout.stages()
+                            ));
+                        }
+                    }
+                    (DEFAULT_BUCKET_VALUES, values, BucketOrigin::Given)
+                } else {
+                    (values[0], Vec::new(), BucketOrigin::Given)
+                }
+            }
+        };
         let allreduce_wire = wire_dtype(self.allreduce_dtype.as_deref())?;
         Ok(RunConfig {
             model_name,
@@ -1058,6 +1062,8 @@ impl TrainSettings {
             remedies,
             stall_timeout: std::time::Duration::from_secs_f64(stall),
             bucket_values,
+            stage_bucket_values,
+            bucket_origin,
             allreduce_wire,
         })
     }
@@ -1259,8 +1265,16 @@ pub struct RunConfig {
     pub remedies: Remedies,
     /// How long a worker waits for data before the run is stopped as stalled.
     pub stall_timeout: std::time::Duration,
-    /// Gradient values per all-reduce bucket.
+    /// Gradient values per all-reduce bucket (every stage's, unless `stage_bucket_values`
+    /// gives each its own).
     pub bucket_values: usize,
+    /// Gradient values per all-reduce bucket of each stage, where given per stage or chosen
+    /// ([`crate::planning::buckets`]); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_bucket_values: Vec<usize>,
+    /// Where the bucket sizes came from.
+    #[serde(default)]
+    pub bucket_origin: BucketOrigin,
     /// The precision the all-reduce sends in.
     #[serde(with = "by_name")]
     pub allreduce_wire: WireDType,
@@ -1355,7 +1369,11 @@ impl RunConfig {
             return bad("epochs, microbatch size and microbatches must be at least 1".into());
         }
         model.check_microbatch(self.microbatch_size)?;
-        if self.steps == Some(0) || self.bucket_values == 0 || self.chunks == 0 {
+        if self.steps == Some(0)
+            || self.bucket_values == 0
+            || self.stage_bucket_values.contains(&0)
+            || self.chunks == 0
+        {
             return bad("steps, all-reduce bucket and chunks must be at least 1".into());
         }
         if self.replicas.len() != self.stages {
@@ -1375,6 +1393,15 @@ impl RunConfig {
             ));
         }
         let run = self.resolved()?;
+        if !self.stage_bucket_values.is_empty()
+            && self.stage_bucket_values.len() != run.layout.stages() as usize
+        {
+            return bad(format!(
+                "{} all-reduce bucket sizes for {} stages",
+                self.stage_bucket_values.len(),
+                run.layout.stages()
+            ));
+        }
         self.recompute
             .check_stages(run.layout.stages())
             .map_err(StageError::Config)?;
@@ -1424,6 +1451,7 @@ impl RunConfig {
             // Where workers run and what carries their links never changes a number.
             placement: Placement::Threads,
             transport: TransportKind::Auto,
+            hosts: Vec::new(),
             ..self.clone()
         }
     }
@@ -1596,6 +1624,113 @@ fn check_delay_correction(
         )));
     }
     Ok(())
+}
+
+/// `--allreduce-bucket-mb`: MiB of f32 gradients per all-reduce bucket, one size for every
+/// stage (`4`) or one per stage (`4,1,one`); `one` puts a stage's gradients in one bucket,
+/// summed once its backward pass is done. A config file gives a number or that text.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BucketSizes(Vec<Option<f64>>);
+
+/// Largest bucket in MiB (64 GiB).
+const MAX_BUCKET_MB: f64 = 65_536.0;
+
+impl BucketSizes {
+    /// Gradient values per bucket of each size given (`usize::MAX` for `one`).
+    pub fn values(&self) -> Vec<usize> {
+        self.0
+            .iter()
+            .map(|mb| match mb {
+                // At least one value; whole values of 4 bytes.
+                Some(mb) => ((mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
+                None => usize::MAX,
+            })
+            .collect()
+    }
+
+    /// The sizes of `values` per stage, as `--allreduce-bucket-mb` takes them back.
+    pub fn of_values(values: &[usize]) -> Self {
+        BucketSizes(
+            values
+                .iter()
+                .map(|&v| (v != usize::MAX).then(|| v as f64 * 4.0 / (1024.0 * 1024.0)))
+                .collect(),
+        )
+    }
+}
+
+impl std::str::FromStr for BucketSizes {
+    type Err = String;
+    fn from_str(text: &str) -> std::result::Result<Self, String> {
+        let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+        crate::limits::check_count(
+            "all-reduce bucket sizes",
+            parts.len() as u64,
+            pipe_scheduler::limits::MAX_STAGES,
+            "one per stage",
+        )
+        .map_err(|e| e.to_string())?;
+        let sizes = parts
+            .iter()
+            .map(|p| match *p {
+                "one" => Ok(None),
+                _ => match p.parse::<f64>() {
+                    Ok(mb) if mb.is_finite() && mb > 0.0 && mb <= MAX_BUCKET_MB => Ok(Some(mb)),
+                    _ => Err(format!(
+                        "all-reduce bucket must be between 0 and {MAX_BUCKET_MB} MiB, or one, got \
+                         '{p}'"
+                    )),
+                },
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(BucketSizes(sizes))
+    }
+}
+
+impl std::fmt::Display for BucketSizes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text: Vec<String> = self
+            .0
+            .iter()
+            .map(|mb| mb.map_or_else(|| "one".to_string(), |mb| format!("{mb}")))
+            .collect();
+        f.write_str(&text.join(","))
+    }
+}
+
+impl Serialize for BucketSizes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for BucketSizes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(f64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(mb) => mb.to_string().parse(),
+            Raw::Text(text) => text.parse(),
+        }
+        .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Where a run's all-reduce bucket sizes came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BucketOrigin {
+    /// The default size, for every stage.
+    #[default]
+    Default,
+    /// `--allreduce-bucket-mb`.
+    Given,
+    /// Chosen per stage by the simulator's cost of the bucketed ring on the run's link.
+    Chosen,
 }
 
 /// A plan as `pipe plan -o` writes it and `pipe train --plan` reads it (TOML).

@@ -730,6 +730,33 @@ fn gradient_buckets_reduced_during_the_backward_pass_equal_the_reference() {
     }
 }
 
+/// Bucket sizes per stage (as the simulator chooses them): two replicated stages, one in
+/// buckets of 300 values and one in a single bucket, equal the reference trainer's weights in
+/// process and over QUIC, bit for bit; and the sizes are real: with the first stage summed
+/// in one bucket too, its weights differ.
+#[test]
+fn bucket_sizes_per_stage_equal_the_reference() {
+    let model = model();
+    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 3)
+        .with_replicas(vec![3, 3, 1])
+        .with_length(Length::Updates(6));
+    let run = prepare(&spec, &model).with_stage_bucket_values(&[300, usize::MAX, 300]);
+    assert_eq!(run.bucket_values_of(0), 300);
+    assert_eq!(run.bucket_values_of(1), usize::MAX);
+    let grads = model.zero_grads(run.partition.range(0));
+    assert!(pipe_stages::pipeline::gradient_buckets(&grads, 300, 3).len() >= 2);
+    let want = equal_to_the_reference_in_process_and_over_quic(&run, &model, &"per stage");
+    let all_one = reference_with(
+        &run.clone().with_stage_bucket_values(&[usize::MAX; 3]),
+        &model,
+        opt(),
+    );
+    assert!(
+        bits(&all_one[0]) != bits(&want[0]),
+        "stage 0's buckets made no difference"
+    );
+}
+
 /// `--allreduce-dtype bf16`: the replicas send bf16 and sum in f32. In process and over QUIC
 /// (where the chunks travel in two bytes a value) the weights equal the reference trainer's,
 /// which rounds the same sums, bit for bit; against the f32 all-reduce they differ by rounding

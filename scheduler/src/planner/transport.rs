@@ -77,6 +77,17 @@ pub struct TransportCost {
 }
 
 impl TransportCost {
+    /// The link these costs describe (medians): its rate (unbounded where large messages
+    /// cost no more), one-way time, and processor time per message end and per byte.
+    pub fn link(&self) -> crate::sim::Link {
+        crate::sim::Link {
+            bandwidth: self.bandwidth.map_or(f64::INFINITY, |b| b.median),
+            latency: self.latency_s.median,
+            message_cpu: self.message_cpu_s.median,
+            byte_cpu: self.byte_cpu_s.median,
+        }
+    }
+
     /// Checks that every figure is finite, not negative, and within the bounds of any figure
     /// pipe plans with ([`crate::limits::check_figure`]: a time of 11 days; a rate, counted
     /// as bytes, of 1 PiB per second).

@@ -107,6 +107,9 @@ pub(crate) struct Run<'c> {
     pub(crate) per_epoch: u64,
     /// Minibatches over the whole run.
     pub(crate) total: u64,
+    /// Gradient values per all-reduce bucket of each stage, where not every stage's is
+    /// `cfg.bucket_values`: the run's own, or (a worker process's) the chief's choice.
+    pub(crate) stage_bucket_values: Vec<usize>,
     lr: LrSchedule,
     start: Instant,
     /// The sample order of the latest epoch asked for: computed once per epoch, not once per
@@ -999,6 +1002,7 @@ impl<'c> Run<'c> {
             minibatch,
             per_epoch,
             total,
+            stage_bucket_values: cfg.stage_bucket_values.clone(),
             lr: cfg.lr_schedule(total),
             start: Instant::now(),
             order: std::sync::Mutex::new(None),
@@ -1037,6 +1041,7 @@ impl<'c> Run<'c> {
         };
         let plan = RunPlan::new(&self.model, &spec, partition.clone())?
             .with_bucket_values(cfg.bucket_values)
+            .with_stage_bucket_values(&self.stage_bucket_values)
             .with_allreduce_wire(cfg.allreduce_wire);
         if u64::from(plan.schedule.resolved.minibatch) != self.minibatch {
             return Err(StageError::Config(format!(

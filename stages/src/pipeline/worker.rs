@@ -48,7 +48,7 @@ use super::train::{
     run_partition, run_segments,
 };
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
-use crate::config::{PartitionChoice, RunConfig};
+use crate::config::{BucketOrigin, PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::model::Params;
@@ -211,9 +211,10 @@ fn run_process<T: Transport + ?Sized>(
     let chief = rank == CHIEF;
     // The worker's start, by the system clock and by the monotonic one, for its spans.
     let origin = (std::time::SystemTime::now(), Instant::now());
-    let run = Run::new(cfg, data)?;
+    let mut run = Run::new(cfg, data)?;
     check_cluster_size(cfg, ep.size())?;
     let agreed = agree(cfg, &run, ep, opts)?;
+    run.stage_bucket_values.clone_from(&agreed.buckets);
     let (partition, every) = (agreed.partition.clone(), agreed.every);
     let start = receive_start(&run, ep, agreed, cfg)?;
     let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), ep.rank())?;
@@ -482,6 +483,9 @@ fn control(from: u32, to: u32, topic: u32, index: u32, step: u32) -> Key {
 /// where the pipeline drains, so it is the chief's for everyone), and where the run starts.
 struct Agreed {
     partition: Option<Partition>,
+    /// Gradient values per all-reduce bucket of each stage (empty: the run's one size): the
+    /// chief's, which chose them where no worker was given any.
+    buckets: Vec<usize>,
     every: Option<u64>,
     done: u64,
     /// Per layer, the optimizer updates a resumed run starts after.
@@ -532,6 +536,7 @@ fn agree<T: Transport + ?Sized>(
         }
         return Ok(Agreed {
             partition: terms.partition,
+            buckets: cfg.stage_bucket_values.clone(),
             every: terms.every,
             done: terms.done,
             steps: terms.steps,
@@ -543,7 +548,15 @@ fn agree<T: Transport + ?Sized>(
         .into_bytes()?;
     let terms: StartTerms = serde_json::from_slice(&bytes)
         .map_err(|e| protocol(format!("the chief's start message: {e}")))?;
-    if let Some(diff) = cfg.numerics_difference(&terms.run) {
+    // Bucket sizes the chief chose (from its measured profile) are the run's.
+    let mut mine = cfg.clone();
+    if mine.bucket_origin == BucketOrigin::Default
+        && terms.run.bucket_origin == BucketOrigin::Chosen
+    {
+        mine.stage_bucket_values = terms.run.stage_bucket_values.clone();
+        mine.bucket_origin = BucketOrigin::Chosen;
+    }
+    if let Some(diff) = mine.numerics_difference(&terms.run) {
         return Err(StageError::Config(format!(
             "worker {rank}'s run settings differ from the chief's (worker 0): {diff}; give every worker the same flags and config"
         )));
@@ -564,6 +577,7 @@ fn agree<T: Transport + ?Sized>(
     };
     Ok(Agreed {
         partition,
+        buckets: mine.stage_bucket_values,
         every: terms.every,
         done: terms.done,
         steps: terms.steps,

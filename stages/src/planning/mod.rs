@@ -9,6 +9,7 @@
 //! as the executor's own all-reduce, and the planner ([`pipe_scheduler::plan_checked`]) picks the
 //! layout under the default cost model.
 
+pub mod buckets;
 pub mod memory;
 pub mod profile;
 
@@ -94,6 +95,8 @@ pub fn in_process_bandwidth(model: &Model, microbatch: usize) -> Result<f64> {
 pub struct MeasuredPartition {
     /// The cut.
     pub partition: Partition,
+    /// The layer profile it was cut by (none for one stage, which is not profiled).
+    pub profile: Option<Profile>,
     /// Seconds per pipeline microbatch of each stage: its layers' forward and backward, plus
     /// its update spread over the microbatches of an update, over its replicas.
     pub stage_seconds: Vec<f64>,
@@ -120,6 +123,7 @@ pub fn measured_partition(
     if replicas.len() == 1 {
         return Ok(MeasuredPartition {
             partition: Partition::new(std::iter::once(0..model.len()).collect(), model.len())?,
+            profile: None,
             stage_seconds: vec![f64::NAN],
         });
     }
@@ -146,6 +150,7 @@ pub fn measured_partition(
         .collect();
     Ok(MeasuredPartition {
         partition,
+        profile: Some(profile),
         stage_seconds,
     })
 }
@@ -206,7 +211,8 @@ pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition>
 /// Settles `--workers W`: plans the run `settings` describe for `workers` workers
 /// ([`auto_plan`]) and resolves them with the layout the plan picked
 /// ([`TrainSettings::resolve_planned`]), since the layout sets defaults of its own (an
-/// asynchronous layout's SGD momentum). Returns the run and the plan.
+/// asynchronous layout's SGD momentum). Returns the run, the plan and the profile it was
+/// planned from.
 ///
 /// # Errors
 /// [`StageError::Config`] for no workers or settings that describe no run; profiling and
@@ -215,7 +221,7 @@ pub fn plan_workers(
     settings: TrainSettings,
     workers: u32,
     costs: Option<&TransportCosts>,
-) -> Result<(RunConfig, PartitionPlan)> {
+) -> Result<(RunConfig, PartitionPlan, Profile)> {
     if workers == 0 {
         return Err(StageError::Config("--workers must be at least 1".into()));
     }
@@ -223,7 +229,7 @@ pub fn plan_workers(
     let model = Model::new(&cfg.model)?;
     let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
     let policy = cfg.pipeline_policy();
-    let (_, plan) = auto_plan(
+    let (profile, plan) = auto_plan(
         &cfg.model_name,
         &model,
         cfg.microbatch_size,
@@ -238,7 +244,7 @@ pub fn plan_workers(
         replicas,
         partition,
     };
-    Ok((settings.resolve_planned(Some(planned))?, plan))
+    Ok((settings.resolve_planned(Some(planned))?, plan, profile))
 }
 
 /// Plans `cfg`'s run again for `workers` workers (`pipe train --replan-on-restart`, after a
