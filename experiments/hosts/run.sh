@@ -5,8 +5,8 @@
 #
 #   sudo experiments/hosts/run.sh [OUT_DIR]      # default experiments/hosts/results/DATE
 #
-# Needs root (ip netns, tc) and a release build (cargo build --release). Ranks alternate
-# between the hosts. The namespaces are removed on exit.
+# Needs root (ip netns, tc) and a release build (cargo build --release). Ranks fill
+# the hosts in pipeline order (shared memory inside one, QUIC between). The namespaces are removed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 pipe=${PIPE:-$PWD/target/release/pipe}
@@ -45,7 +45,7 @@ hosts_at() {
   echo "Command: \`sudo experiments/hosts/run.sh\` ($(date -u '+%F %H:%M UTC'), $(nproc) cores of"
   echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' with uncommitted changes'))."
   echo "Two network namespaces joined by a veth pair, each end shaped with"
-  echo "\`tc qdisc ... tbf rate R\`; ranks alternate between them; $updates timed minibatches per run."
+  echo "\`tc qdisc ... tbf rate R\`; ranks fill them in pipeline order, two per namespace (shared memory inside one, QUIC between); $updates timed minibatches per run."
   echo
 } > "$out/REPORT.md"
 

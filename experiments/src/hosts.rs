@@ -9,14 +9,18 @@
 //! 2. **a pipeline**: `workers` stages, one worker each, split by time (the best straight plan);
 //! 3. **data parallelism**: one stage, `workers` replicas.
 //!
+//! Workers fill the hosts in pipeline order, as the plan places them
+//! ([`pipe_scheduler::planner::placement`]): with 4 workers on 2 hosts, ranks 0 and 1 on the
+//! first, 2 and 3 on the second, each pair talking over shared memory (`--transport auto`) and
+//! the pairs over QUIC on the shaped link.
+//!
 //! The profile is calibrated on the executor, as `pipe plan --model` does, with as many copies
-//! at once as the workers have cores. The simulator shares the cores (`--cores`) among the
-//! workers and charges every transfer the link's bandwidth and QUIC's processor time: per
-//! message and per byte at each end, measured before planning by a ping-pong between two QUIC
-//! endpoints on loopback with datagrams of the link's MTU ([`crate::link`]; the report shows
-//! the figures). The planner's
-//! search charges link time only; its simulator check, which picks among the plan, the best
-//! straight pipeline and data parallelism, charges both.
+//! at once as the workers have cores. The planner and the simulator share the cores
+//! (`--cores`) among the workers and charge each link its own transport: inside a host,
+//! shared memory's measured costs (pipe's cached transport costs, [`crate::costs`]); between
+//! hosts, the link's bandwidth and QUIC's processor time per message and per byte at each end,
+//! measured before planning by a ping-pong between two QUIC endpoints on loopback with
+//! datagrams of the link's MTU ([`crate::link`]; the report shows the figures).
 //! Measured throughput is the chief's samples/s over `updates` minibatches (fill and drain
 //! included, connection setup not).
 
@@ -25,6 +29,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use pipe_kernels::CpuBackend;
+use pipe_scheduler::planner::placement::Hosts;
 use pipe_scheduler::{
     PartitionPlan, PlanOptions, Profile, explain, plan_checked, plan_partition, simulate_plan,
 };
@@ -47,7 +52,7 @@ pub struct HostsBenchConfig {
     pub workers: u32,
     /// The link's bandwidth, bytes per second, as the planner and the simulator are told.
     pub bandwidth: f64,
-    /// Host addresses; rank `r` runs on host `r mod hosts`.
+    /// Host addresses; the workers fill them in rank order, `ceil(workers / hosts)` each.
     pub hosts: Vec<String>,
     /// The network namespace of each host (`ip netns exec`); empty: run on this host directly.
     pub netns: Vec<String>,
@@ -95,8 +100,12 @@ pub struct HostsReport {
     /// Bandwidth the planner was told, bytes/s.
     pub bandwidth: f64,
     /// QUIC's processor time, measured on loopback before planning and charged by the
-    /// simulator.
+    /// simulator on links between hosts.
     pub quic: crate::link::LinkCost,
+    /// Shared memory's costs, charged on links inside a host.
+    pub shm: pipe_scheduler::sim::Link,
+    /// The host of each rank.
+    pub placement: Vec<String>,
     /// The layouts, each measured once: the plan (where it is neither of the others), the
     /// pipeline, data parallelism.
     pub layouts: Vec<LayoutRun>,
@@ -151,12 +160,28 @@ pub fn run(cfg: &HostsBenchConfig) -> Result<HostsReport, ExperimentError> {
     let profile = profile_model(&model, &cfg.model, &be, &profile_opts)?;
     // The link's MTU less 20 bytes of IPv4 and 8 of UDP header.
     let quic = crate::bench::quic_link_cost(cfg.mtu.saturating_sub(28))?;
+    let (costs, _) = crate::costs::load_or_measure(false)?;
+    let shm = costs
+        .get("shm")
+        .map(pipe_scheduler::planner::transport::TransportCost::link)
+        .ok_or_else(|| ExperimentError::Config("no shared-memory costs were measured".into()))?;
+    let per_host = per_host(cfg);
+    let hosts: Vec<(String, u32)> = cfg.hosts.iter().map(|h| (h.clone(), per_host)).collect();
+    let between = pipe_scheduler::sim::Link {
+        bandwidth: cfg.bandwidth,
+        latency: quic.latency_s,
+        message_cpu: quic.cpu_s,
+        byte_cpu: quic.byte_cpu_s,
+    };
+    let placement = Hosts::filled(&hosts, between);
     let opts = PlanOptions {
         microbatches: cfg.microbatches,
         cores: cfg.cores,
-        message_cpu: quic.cpu_s,
-        byte_cpu: quic.byte_cpu_s,
-        ..PlanOptions::new(cfg.workers, cfg.bandwidth)
+        latency: shm.latency,
+        message_cpu: shm.message_cpu,
+        byte_cpu: shm.byte_cpu,
+        hosts: Some(placement.clone()),
+        ..PlanOptions::new(cfg.workers, shm.bandwidth)
     };
     let picked = plan_checked(&profile, &opts)?;
     let straight = plan_partition(
@@ -193,8 +218,21 @@ pub fn run(cfg: &HostsBenchConfig) -> Result<HostsReport, ExperimentError> {
         workers: cfg.workers,
         bandwidth: cfg.bandwidth,
         quic,
+        shm,
+        placement: placement
+            .of_positions(cfg.workers as usize)
+            .iter()
+            .map(|&h| placement.name(h).to_string())
+            .collect(),
         layouts,
     })
+}
+
+/// Workers per host: the workers spread over the hosts, the first hosts taking one more
+/// where they do not divide evenly.
+fn per_host(cfg: &HostsBenchConfig) -> u32 {
+    let hosts = u32::try_from(cfg.hosts.len()).unwrap_or(u32::MAX).max(1);
+    cfg.workers.div_ceil(hosts)
 }
 
 fn predict_and_measure(
@@ -231,8 +269,10 @@ fn measure(
     let fail = |m: String| ExperimentError::Config(format!("{name}: {m}"));
     let io = |what: &str, e: std::io::Error| fail(format!("{what}: {e}"));
     let cluster = cfg.dir.join(name.replace(' ', "-"));
+    // Ranks fill the hosts in order, as the plan placed them.
+    let host_of = |r: usize| (r / per_host(cfg) as usize).min(cfg.hosts.len() - 1);
     let addrs: Vec<String> = (0..workers)
-        .map(|r| format!("{}:{}", cfg.hosts[r % cfg.hosts.len()], 29_500 + r))
+        .map(|r| format!("{}:{}", cfg.hosts[host_of(r)], 29_500 + r))
         .collect();
     let init = Command::new(&cfg.pipe)
         .args(["cluster", "init", "--workers", &workers.to_string()])
@@ -255,7 +295,7 @@ fn measure(
             Command::new(&cfg.pipe)
         } else {
             let mut c = Command::new("ip");
-            c.args(["netns", "exec", &cfg.netns[r % cfg.netns.len()]])
+            c.args(["netns", "exec", &cfg.netns[host_of(r)]])
                 .arg(&cfg.pipe);
             c
         };
@@ -268,6 +308,7 @@ fn measure(
             .args(["--microbatch-size", &cfg.microbatch.to_string()])
             .args(["--microbatches", &cfg.microbatches.to_string()])
             .args(["--steps", &cfg.updates.to_string(), "--threads", "1"])
+            .args(["--transport", "auto"])
             .stdout(if r == 0 {
                 Stdio::piped()
             } else {
@@ -301,7 +342,7 @@ fn measure(
 
 /// The samples/s of the chief's last epoch line (its tokens/s over `tokens` per sample for a
 /// language model).
-fn samples_per_s(out: &str, tokens: Option<usize>) -> Option<f64> {
+pub(crate) fn samples_per_s(out: &str, tokens: Option<usize>) -> Option<f64> {
     let (unit, per) = match tokens {
         Some(t) => ("tokens/s", t.max(1) as f64),
         None => ("samples/s", 1.0),
@@ -321,8 +362,9 @@ fn samples_per_s(out: &str, tokens: Option<usize>) -> Option<f64> {
 pub fn render(r: &HostsReport) -> String {
     let mut s = format!(
         "{} at {:.0} MB/s, {} workers, microbatch {}, M = {} (pipedream)\n\n\
-         QUIC's processor time on loopback, charged by the simulator: {:.1} us per message \
-         end, {:.2} ns per byte at each end\n\n\
+         ranks on hosts {}: shared memory inside a host ({:.1} us per message end, {:.3} ns per \
+         byte), QUIC between ({:.1} us per message end, {:.2} ns per byte at each end, measured \
+         on loopback at the link's MTU)\n\n\
          | layout | partition | replicas | simulated samples/s | measured samples/s | measured / simulated |\n\
          |---|---|---|---|---|---|\n",
         r.model,
@@ -330,6 +372,9 @@ pub fn render(r: &HostsReport) -> String {
         r.workers,
         r.microbatch,
         r.microbatches,
+        r.placement.join(", "),
+        r.shm.message_cpu * 1e6,
+        r.shm.byte_cpu * 1e9,
         r.quic.cpu_s * 1e6,
         r.quic.byte_cpu_s * 1e9
     );

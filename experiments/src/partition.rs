@@ -153,6 +153,8 @@ fn case_of(cfg: &PartitionBenchConfig, name: &str, plan: &PartitionPlan) -> Case
         replica_counts: Some(plan.stages.iter().map(|s| s.replicas).collect()),
         partition: Some(plan.stages.iter().map(|s| s.layers.clone()).collect()),
         bucket_values: None,
+        stage_bucket_values: None,
+        processes: false,
     }
 }
 

@@ -33,6 +33,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{CpuBackend, Tensor, Timed};
+use pipe_scheduler::planner::buckets::{LayerGradients, buckets_of, choose_bucket_values};
+use pipe_scheduler::sim::Link;
 use pipe_scheduler::{
     Action, CostModel, Length, Policy, ScheduleSpec, SimOptions, StageCost, simulate,
 };
@@ -135,6 +137,14 @@ pub struct Case {
     /// started when the stage's last backward pass has finished).
     #[serde(default)]
     pub bucket_values: Option<usize>,
+    /// Gradient values per bucket of each stage, where chosen per stage
+    /// ([`pipe_scheduler::planner::buckets`], on the link of the case's transport).
+    #[serde(default)]
+    pub stage_bucket_values: Option<Vec<usize>>,
+    /// Run as worker processes over shared memory (`pipe train --placement processes`), not
+    /// threads of this process.
+    #[serde(default)]
+    pub processes: bool,
 }
 
 /// Results of one case.
@@ -227,6 +237,9 @@ pub struct PipelineBenchConfig {
     /// Rounds of every measurement; the report gives the median of each figure and of each
     /// ratio over the rounds, each round's ratios taken within the round.
     pub rounds: u32,
+    /// The `pipe` binary that runs the worker-process cases (`pipe train --placement
+    /// processes`); none: in-process cases only.
+    pub pipe: Option<std::path::PathBuf>,
 }
 
 impl Default for PipelineBenchConfig {
@@ -236,6 +249,7 @@ impl Default for PipelineBenchConfig {
             warmup: 6,
             small_only: false,
             rounds: 3,
+            pipe: None,
         }
     }
 }
@@ -315,8 +329,11 @@ fn pipelined_with<B: pipe_kernels::Backend>(
         Some(ranges) => Some(Partition::new(ranges.clone(), model.len())?),
         None => None,
     };
-    let plan = RunPlan::new(model, &spec, partition)?
+    let mut plan = RunPlan::new(model, &spec, partition)?
         .with_bucket_values(case.bucket_values.unwrap_or(DEFAULT_BUCKET_VALUES));
+    if let Some(values) = &case.stage_bucket_values {
+        plan = plan.with_stage_bucket_values(values);
+    }
     let schedule = &plan.schedule;
     let pool = Pool::new(model, case.microbatch);
     let lr = |_: u32, _: u32| 1e-3f32;
@@ -376,9 +393,16 @@ fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
     }
 }
 
-/// Seconds one ring all-reduce of `len` values takes among `r` in-process workers, each on its
-/// own thread ([`crate::link::all_reduce_seconds`]).
-fn all_reduce_cost(len: usize, r: u32) -> Result<f64, ExperimentError> {
+/// Seconds one ring all-reduce of `len` values takes among `r` workers, each on its own
+/// thread ([`crate::link::all_reduce_seconds`]): over channels, or over shared memory as
+/// worker processes sum theirs.
+fn all_reduce_cost(len: usize, r: u32, processes: bool) -> Result<f64, ExperimentError> {
+    if processes {
+        let opts = pipe_transport::shm::ShmOptions::new(0x5eed);
+        let eps = pipe_transport::shm::local_mesh(r, &opts)
+            .map_err(|e| ExperimentError::Config(format!("shared-memory mesh: {e}")))?;
+        return crate::link::all_reduce_seconds(eps, len, 7);
+    }
     crate::link::all_reduce_seconds(mesh(r, &InProcOptions::default()), len, 7)
 }
 
@@ -490,50 +514,133 @@ fn all_reduce_against_ring(
     })
 }
 
-/// The simulator's costs for `case`: the per-stage times of the one-thread sequential run
-/// (`base`), a measured all-reduce per replicated stage, and the machine's two cores shared by
-/// every worker.
-fn case_costs(
-    model: &Model,
-    case: &Case,
-    base: &CostModel,
-    stages: u32,
-) -> Result<CostModel, ExperimentError> {
-    let mut costs = CostModel {
-        cores: Some(2),
-        ..base.clone()
-    };
-    if case.replicas > 1 {
-        let partition = Partition::balanced(model, &vec![case.replicas; stages as usize])?;
+/// What the cases of one model share: the per-stage times of the one-thread sequential run,
+/// the model's layer profile (what a run chooses its bucket sizes from), and the measured
+/// links of threads and of worker processes.
+struct ModelContext<'a> {
+    model: &'a Model,
+    preset: &'a str,
+    base: CostModel,
+    profile: pipe_scheduler::Profile,
+    inproc: Link,
+    shm: Link,
+}
+
+impl ModelContext<'_> {
+    /// The link a case's stages talk over.
+    fn link(&self, case: &Case) -> Link {
+        if case.processes {
+            self.shm
+        } else {
+            self.inproc
+        }
+    }
+
+    /// Each replicated stage's bucket size, chosen as a run chooses it: the layers' measured
+    /// backward times and parameters, on the case's link.
+    fn chosen_buckets(&self, case: &Case) -> Result<Vec<usize>, ExperimentError> {
+        let partition =
+            Partition::balanced(self.model, &vec![case.replicas; case.stages as usize])?;
+        let link = self.link(case);
+        Ok(partition
+            .ranges()
+            .iter()
+            .map(|range| {
+                let layers = self.layers(range.clone());
+                choose_bucket_values(&layers, case.replicas, &link, 4.0)
+                    .map_or(DEFAULT_BUCKET_VALUES, |c| c.values)
+            })
+            .collect())
+    }
+
+    fn layers(&self, range: std::ops::Range<usize>) -> Vec<LayerGradients> {
+        self.profile.layers[range]
+            .iter()
+            .map(|l| LayerGradients {
+                values: (l.param_bytes / 4.0) as usize,
+                backward: l.whole_backward(),
+            })
+            .collect()
+    }
+
+    /// The simulator's costs for `case`: the per-stage times of the one-thread sequential
+    /// run, the case's link (latency and processor time per message end and per byte), a
+    /// measured all-reduce per replicated stage on the case's transport, its buckets where the
+    /// case has several (their ready times the profile's, scaled to the stage's measured
+    /// backward), and the machine's two cores shared by every worker.
+    fn case_costs(&self, case: &Case) -> Result<CostModel, ExperimentError> {
+        let link = self.link(case);
+        let mut costs = CostModel {
+            cores: Some(2),
+            bandwidth: link.bandwidth,
+            latency: link.latency,
+            message_cpu: link.message_cpu,
+            byte_cpu: link.byte_cpu,
+            ..self.base.clone()
+        };
+        if case.replicas <= 1 {
+            return Ok(costs);
+        }
+        let partition =
+            Partition::balanced(self.model, &vec![case.replicas; case.stages as usize])?;
         for (s, st) in costs.stages.iter_mut().enumerate() {
-            let len: usize = model
-                .zero_grads(partition.range(s))
+            let range = partition.range(s);
+            let len: usize = self
+                .model
+                .zero_grads(range.clone())
                 .iter()
                 .flatten()
                 .map(Tensor::len)
                 .sum();
-            st.all_reduce = Some(all_reduce_cost(len, case.replicas)?);
+            st.all_reduce = Some(all_reduce_cost(len, case.replicas, case.processes)?);
+            let values = match (&case.stage_bucket_values, case.bucket_values) {
+                (Some(v), _) => v.get(s).copied().unwrap_or(DEFAULT_BUCKET_VALUES),
+                (None, Some(v)) => v,
+                (None, None) => DEFAULT_BUCKET_VALUES,
+            };
+            let layers = self.layers(range);
+            let profiled: f64 = layers.iter().map(|l| l.backward).sum();
+            let scale = if profiled > 0.0 {
+                st.whole_backward() / profiled
+            } else {
+                1.0
+            };
+            let mut buckets = buckets_of(&layers, values, 4.0);
+            for b in &mut buckets {
+                b.ready *= scale;
+            }
+            st.buckets = (buckets.len() > 1).then_some(buckets);
         }
+        Ok(costs)
     }
-    Ok(costs)
 }
 
 fn run_case(
-    model: &Model,
+    ctx: &ModelContext<'_>,
     case: &Case,
     cfg: &PipelineBenchConfig,
-    single: f64,
-    one_core: f64,
-    base: &CostModel,
+    (single, one_core): (f64, f64),
 ) -> Result<CaseResult, ExperimentError> {
-    let mut states = Vec::new();
-    pipelined(model, case, cfg.warmup.max(1), &mut states)?;
-    let (measured, _, schedule) = pipelined(model, case, cfg.updates, &mut states)?;
-    let costs = case_costs(model, case, base, schedule.stages())?;
+    let mut case = case.clone();
+    if case.replicas > 1 && case.bucket_values.is_none() {
+        case.stage_bucket_values = Some(ctx.chosen_buckets(&case)?);
+    }
+    let (measured, schedule) = if case.processes {
+        let pipe = cfg.pipe.as_ref().ok_or_else(|| {
+            ExperimentError::Config("worker-process cases need the pipe binary".into())
+        })?;
+        in_processes(pipe, ctx, &case, cfg.updates)?
+    } else {
+        let mut states = Vec::new();
+        pipelined(ctx.model, &case, cfg.warmup.max(1), &mut states)?;
+        let (measured, _, schedule) = pipelined(ctx.model, &case, cfg.updates, &mut states)?;
+        (measured, schedule)
+    };
+    let costs = ctx.case_costs(&case)?;
     let sim = simulate(&schedule, &costs, SimOptions::default())?;
     let simulated = sim.throughput * case.microbatch as f64;
     Ok(CaseResult {
-        case: case.clone(),
+        case,
         samples_per_s: measured,
         ratio_to_single: measured / single,
         core_scaling: measured / (2.0 * one_core),
@@ -542,7 +649,68 @@ fn run_case(
     })
 }
 
-fn model_cases(preset: &str, batch: usize, m: u32) -> Vec<Case> {
+/// `case` run as worker processes over shared memory: `pipe train --placement processes` on
+/// the model's MNIST data, `updates` minibatches, the FLOP-balanced partition the in-process
+/// cases run; the chief's samples/s (connection set-up excluded, fill and drain included), and
+/// the schedule it ran.
+fn in_processes(
+    pipe: &std::path::Path,
+    ctx: &ModelContext<'_>,
+    case: &Case,
+    updates: u32,
+) -> Result<(f64, pipe_scheduler::Schedule), ExperimentError> {
+    let replicas = vec![case.replicas; case.stages as usize];
+    let partition = Partition::balanced(ctx.model, &replicas)?;
+    let buckets = match (&case.stage_bucket_values, case.bucket_values) {
+        (Some(v), _) => pipe_stages::config::BucketSizes::of_values(v).to_string(),
+        (None, Some(v)) => pipe_stages::config::BucketSizes::of_values(&[v]).to_string(),
+        (None, None) => "4".into(),
+    };
+    let out = std::process::Command::new(pipe)
+        .args(["train", "--model", ctx.preset, "--epochs", "1"])
+        .args(["--stages", &case.stages.to_string()])
+        .args(["--replicas", &case.replicas.to_string()])
+        .args(["--schedule", case.policy.name()])
+        .args(["--partition", &partition.to_string()])
+        .args(["--microbatch-size", &case.microbatch.to_string()])
+        .args(["--microbatches", &case.m.to_string()])
+        .args([
+            "--steps",
+            &updates.to_string(),
+            "--threads",
+            "1",
+            "--lr",
+            "0.001",
+        ])
+        .args(["--placement", "processes", "--transport", "shm"])
+        .args(["--allreduce-bucket-mb", &buckets])
+        .output()
+        .map_err(|e| ExperimentError::Config(format!("starting pipe train: {e}")))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(ExperimentError::Config(format!(
+            "{}: pipe train failed: {}",
+            case.name,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let measured = crate::hosts::samples_per_s(&text, None).ok_or_else(|| {
+        ExperimentError::Config(format!(
+            "{}: no samples/s in pipe train's output",
+            case.name
+        ))
+    })?;
+    let spec = ScheduleSpec::new(case.policy, case.stages, case.m)
+        .with_replicas(replicas)
+        .with_length(Length::Updates(updates));
+    let schedule = pipe_scheduler::lower(
+        &pipe_scheduler::generate(&spec)?,
+        pipe_scheduler::LowerOptions::default(),
+    );
+    Ok((measured, schedule))
+}
+
+fn model_cases(preset: &str, batch: usize, m: u32, processes: bool) -> Vec<Case> {
     let micro = batch / m as usize;
     let case = |name: &str, policy: Policy, replicas: u32| Case {
         name: format!("{preset} {name}"),
@@ -554,9 +722,11 @@ fn model_cases(preset: &str, batch: usize, m: u32) -> Vec<Case> {
         replica_counts: None,
         partition: None,
         bucket_values: None,
+        stage_bucket_values: None,
+        processes: false,
     };
     // The same replicated run with each stage's gradients in one bucket: what overlapping
-    // the all-reduce with the backward pass gains.
+    // the all-reduce with the backward pass gains, against the sizes chosen per stage.
     let one_bucket = Case {
         bucket_values: Some(usize::MAX),
         ..case(
@@ -565,12 +735,29 @@ fn model_cases(preset: &str, batch: usize, m: u32) -> Vec<Case> {
             2,
         )
     };
-    vec![
+    let threads = vec![
         case("--stages 4 1f1b-flush", Policy::OneFOneBFlush, 1),
         case("--stages 4 pipedream", Policy::PipeDream, 1),
-        case("--stages 4 --replicas 2 pipedream", Policy::PipeDream, 2),
+        case(
+            "--stages 4 --replicas 2 pipedream, chosen buckets",
+            Policy::PipeDream,
+            2,
+        ),
         one_bucket,
-    ]
+    ];
+    let in_processes: Vec<Case> = threads
+        .iter()
+        .map(|c| Case {
+            name: format!("{}, worker processes", c.name),
+            processes: true,
+            ..c.clone()
+        })
+        .collect();
+    let mut all = threads;
+    if processes {
+        all.extend(in_processes);
+    }
+    all
 }
 
 /// Executor overhead per action: the executor runs `sequential` on one worker with a backend
@@ -589,6 +776,8 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
         replica_counts: None,
         partition: None,
         bucket_values: None,
+        stage_bucket_values: None,
+        processes: false,
     };
     let mut states = Vec::new();
     pipelined(model, &case, updates, &mut states)?;
@@ -620,7 +809,7 @@ fn model_round(
     batch: usize,
     m: u32,
     cfg: &PipelineBenchConfig,
-    message: &LinkCost,
+    (message, shm): (&LinkCost, &Link),
 ) -> Result<ModelResult, ExperimentError> {
     let single = single_worker(model, batch, cfg.updates, cfg.warmup)?;
     let one = Case {
@@ -633,18 +822,43 @@ fn model_round(
         replica_counts: None,
         partition: None,
         bucket_values: None,
+        stage_bucket_values: None,
+        processes: false,
     };
     let mut states = Vec::new();
     pipelined(model, &one, cfg.warmup.max(1), &mut states)?;
     let (one_core, _, _) = pipelined(model, &one, cfg.updates, &mut states)?;
-    let mut base = contended_costs(model, &one, cfg.updates, &mut states)?;
-    // Every in-process message is delayed by the measured one-way ping-pong time and costs
-    // its sender and its receiver the ping-pong's measured processor time per message end.
-    base.latency = message.latency_s;
-    base.message_cpu = message.cpu_s;
+    let base = contended_costs(model, &one, cfg.updates, &mut states)?;
+    let profile_opts = pipe_stages::profile::ProfileOptions {
+        warmup: 2,
+        repeats: 5,
+        calibrate: None,
+        ..pipe_stages::profile::ProfileOptions::new(one.microbatch)
+    };
+    let ctx = ModelContext {
+        model,
+        preset,
+        base,
+        profile: pipe_stages::profile::profile_model(
+            model,
+            preset,
+            &CpuBackend::new(1)?,
+            &profile_opts,
+        )?,
+        // Every in-process message is delayed by the measured one-way ping-pong time and
+        // costs its sender and its receiver the ping-pong's measured processor time per
+        // message end; worker processes' messages, shared memory's measured costs.
+        inproc: Link {
+            bandwidth: f64::INFINITY,
+            latency: message.latency_s,
+            message_cpu: message.cpu_s,
+            byte_cpu: 0.0,
+        },
+        shm: *shm,
+    };
     let mut cases = Vec::new();
-    for case in model_cases(preset, batch, m) {
-        cases.push(run_case(model, &case, cfg, single, one_core, &base)?);
+    for case in model_cases(preset, batch, m, cfg.pipe.is_some()) {
+        cases.push(run_case(&ctx, &case, cfg, (single, one_core))?);
     }
     Ok(ModelResult {
         model: preset.into(),
@@ -687,6 +901,11 @@ fn combine(rounds: &[ModelResult]) -> ModelResult {
 /// Model, schedule or worker failures.
 pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError> {
     let message = transport_cost()?;
+    let (costs, _) = crate::costs::load_or_measure(false)?;
+    let shm = costs
+        .get("shm")
+        .map(pipe_scheduler::planner::transport::TransportCost::link)
+        .ok_or_else(|| ExperimentError::Config("no shared-memory costs were measured".into()))?;
     let mut models = Vec::new();
     let mut list = vec![("mlp-256-256x8-10", 64usize, 8u32)];
     if !cfg.small_only {
@@ -695,7 +914,7 @@ pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError>
     for &(preset, batch, m) in &list {
         let model = Model::new(&ModelSpec::preset(preset)?)?;
         let rounds = (0..cfg.rounds.max(1))
-            .map(|_| model_round(&model, preset, batch, m, cfg, &message))
+            .map(|_| model_round(&model, preset, batch, m, cfg, (&message, &shm)))
             .collect::<Result<Vec<_>, _>>()?;
         models.push(combine(&rounds));
     }
@@ -783,6 +1002,7 @@ mod tests {
             warmup: 1,
             small_only: true,
             rounds: 1,
+            pipe: None,
         })
         .unwrap();
         assert_eq!(r.models.len(), 1);
@@ -819,6 +1039,8 @@ mod tests {
                     replica_counts: None,
                     partition: None,
                     bucket_values: None,
+                    stage_bucket_values: None,
+                    processes: false,
                 },
                 samples_per_s: measured,
                 ratio_to_single: measured / single,

@@ -76,7 +76,8 @@ pub struct StageCost {
     pub all_reduce: Option<f64>,
     /// The all-reduce's buckets, in the order the backward pass completes them (default,
     /// none: one bucket of every gradient, its ring started when the backward has finished).
-    /// Ignored where `all_reduce` gives a measured time. See [`bucketed_all_reduce`].
+    /// With a measured `all_reduce`, the measurement sets the rings' processor time per byte
+    /// (so that one bucket takes the measured time). See [`bucketed_all_reduce`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub buckets: Option<Vec<Bucket>>,
 }
@@ -1476,10 +1477,26 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
             // The all-reduce: measured, or the (bucketed) ring over its link. The processor
             // time of rings moved on during the update's last backward is spread over the
             // update's backward passes.
-            let (ring_during, all_reduce) = match st.all_reduce {
+            let (ring_during, all_reduce) = match (st.all_reduce, &st.buckets) {
                 _ if r <= 1.0 => (0.0, 0.0),
-                Some(measured) => (0.0, measured),
-                None => {
+                // A measured whole all-reduce in buckets: the measurement sets the ring's
+                // processor time per byte (an in-process ring's additions), so that one bucket
+                // takes exactly the measured time.
+                (Some(measured), Some(buckets)) => {
+                    let moved = 4.0 * (r - 1.0) / r * st.param_bytes;
+                    let messages = 4.0 * (r - 1.0) * ring.message_cpu;
+                    let calibrated = Link {
+                        byte_cpu: if moved > 0.0 {
+                            (measured - messages).max(0.0) / moved
+                        } else {
+                            0.0
+                        },
+                        ..ring
+                    };
+                    bucketed_all_reduce(buckets, st.whole_backward(), r, &calibrated)
+                }
+                (Some(measured), None) => (0.0, measured),
+                (None, _) => {
                     let whole = [Bucket {
                         bytes: st.param_bytes,
                         ready: st.whole_backward(),

@@ -67,7 +67,7 @@ pub struct HostsBenchArgs {
     /// The link's bandwidth, as the planner and the simulator are told (GB means 10^9 bytes).
     #[arg(long, value_parser = crate::args::parse_bandwidth)]
     bandwidth: f64,
-    /// Host addresses, comma-separated; rank r runs on host r mod hosts.
+    /// Host addresses, comma-separated; ranks fill them in order, as the plan places them.
     #[arg(long, value_delimiter = ',', default_value = "127.0.0.1")]
     hosts: Vec<String>,
     /// The network namespace of each host, comma-separated (workers start with `ip netns
@@ -182,6 +182,9 @@ pub struct PipelineBenchArgs {
     /// Rounds of every measurement (figures are medians over rounds).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: u32,
+    /// Only the cases on threads of this process (no worker-process cases).
+    #[arg(long)]
+    threads_only: bool,
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -460,6 +463,11 @@ pub fn run_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         warmup: args.warmup,
         small_only: args.small_only,
         rounds: args.rounds,
+        pipe: if args.threads_only {
+            None
+        } else {
+            Some(std::env::current_exe().map_err(|e| anyhow::anyhow!("finding pipe: {e}"))?)
+        },
     };
     let report = pipe_experiments::pipeline::run(&cfg)?;
     out!("{}", pipe_experiments::pipeline::render(&report));
