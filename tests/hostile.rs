@@ -401,6 +401,50 @@ fn cli_file_and_command_rows() -> Vec<Row> {
             text("c.toml", "[[stages]]\nforward = 1\n"),
             "unknown field `stages`",
         ),
+        with(
+            "simulate --costs {d}/c.toml --stages 2",
+            text("c.toml", "hosts = [0, 1, 0]\n[[stage]]\nforward = 1\n"),
+            "3 hosts given for 2 workers",
+        ),
+        with(
+            "simulate --costs {d}/c.toml --stages 2",
+            text(
+                "c.toml",
+                "hosts = [0, 1]\n[between]\nbandwidth = 0\n[[stage]]\nforward = 1\n",
+            ),
+            "the link between hosts: bandwidth must be > 0",
+        ),
+        with(
+            "simulate --costs {d}/c.toml --stages 2",
+            text(
+                "c.toml",
+                "hosts = [0, 1]\n[between]\nbandwidth = 1e-300\n[[stage]]\nforward = 1\n",
+            ),
+            "the link between hosts: bandwidth must be at least 1 byte/s",
+        ),
+        with(
+            "simulate --costs {d}/c.toml --stages 1 --replicas 2",
+            text(
+                "c.toml",
+                "[[stage]]\nforward = 1\nparam_bytes = 8\nbuckets = [{ bytes = -1, ready = 0 }]\n",
+            ),
+            "bucket bytes must be a finite number >= 0, got -1",
+        ),
+        row(
+            "train --stages 2 --replicas 2 --allreduce-bucket-mb 1,0 --steps 1",
+            "all-reduce bucket must be between 0 and 65536 MiB, or one, got '0'",
+        ),
+        row(
+            "train --stages 2 --replicas 2 --allreduce-bucket-mb one,many --steps 1",
+            "got 'many'",
+        ),
+        row(
+            &format!(
+                "train --allreduce-bucket-mb {}one --steps 1",
+                "1,".repeat(1100)
+            ),
+            "all-reduce bucket sizes is 1101, over the limit",
+        ),
         row("frobnicate", "frobnicate"),
         row(
             "train --microbatches 4611686018427387904",

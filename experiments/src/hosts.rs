@@ -181,6 +181,8 @@ pub fn run(cfg: &HostsBenchConfig) -> Result<HostsReport, ExperimentError> {
         message_cpu: shm.message_cpu,
         byte_cpu: shm.byte_cpu,
         hosts: Some(placement.clone()),
+        // The workers sum their gradients in buckets of the default size.
+        bucket_values: Some(pipe_stages::pipeline::DEFAULT_BUCKET_VALUES),
         ..PlanOptions::new(cfg.workers, shm.bandwidth)
     };
     let picked = plan_checked(&profile, &opts)?;

@@ -142,6 +142,8 @@ fn plan_options(
         microbatches: args.microbatches,
         straight: args.straight || args.stages.is_some(),
         hosts,
+        // `pipe train --plan` sums the replicas' gradients in buckets of the default size.
+        bucket_values: Some(pipe_stages::pipeline::DEFAULT_BUCKET_VALUES),
         ..PlanOptions::new(workers, bandwidth)
     };
     match link {

@@ -140,6 +140,10 @@ pub struct PlanOptions {
     /// ([`super::placement`]); `None` (the default): every worker on one host, every link
     /// the one above.
     pub hosts: Option<super::placement::Hosts>,
+    /// Gradient values per all-reduce bucket the run will sum each stage's gradients in, for
+    /// the simulator's check ([`crate::sim::bucketed_all_reduce`]); `None` (the default): one
+    /// bucket. The partition search charges one bucket either way.
+    pub bucket_values: Option<usize>,
 }
 
 impl PlanOptions {
@@ -172,6 +176,7 @@ impl PlanOptions {
             byte_cpu: 0.0,
             worker_base: 0.0,
             hosts: None,
+            bucket_values: None,
         }
     }
 
@@ -1248,8 +1253,23 @@ pub fn simulate_plan_with_memory(
         &generate(&spec.with_length(Length::Updates(updates)))?,
         LowerOptions::default(),
     );
+    let mut stages = stage_costs(profile, plan, opts.wire);
+    if let Some(values) = opts.bucket_values {
+        for (c, s) in stages.iter_mut().zip(&plan.stages) {
+            let layers: Vec<super::buckets::LayerGradients> = plan.order[s.layers.clone()]
+                .iter()
+                .filter_map(|&l| profile.layers.get(l))
+                .map(|l| super::buckets::LayerGradients {
+                    values: (l.param_bytes / 4.0) as usize,
+                    backward: l.whole_backward(),
+                })
+                .collect();
+            let buckets = super::buckets::buckets_of(&layers, values, 4.0);
+            c.buckets = (buckets.len() > 1).then_some(buckets);
+        }
+    }
     let costs = CostModel {
-        stages: stage_costs(profile, plan, opts.wire),
+        stages,
         bandwidth: opts.bandwidth,
         latency: opts.latency,
         overlap: opts.overlap,
