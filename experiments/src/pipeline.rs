@@ -8,17 +8,26 @@
 //!    2 compute threads; samples/s is the median over timed steps after warm-up.
 //! 2. **Each pipelined case**: the executor on in-process threads, one compute thread per worker;
 //!    a warm-up run, then a timed run of `updates` minibatches; samples/s = samples / wall time
-//!    of the timed run (thread start, fill and drain included).
+//!    of the timed run (thread start, fill and drain included). The worker-process cases run
+//!    the same layout as `pipe train --placement processes --transport shm` for `updates`
+//!    minibatches and read the chief's samples/s (connection set-up excluded, fill and drain
+//!    included). The replicated case runs with each stage's bucket size chosen as a run
+//!    chooses it ([`pipe_scheduler::planner::buckets`], on the case's measured link, from the
+//!    model's layer profile) and again with one bucket per stage.
 //! 3. **Simulated**: per-stage costs come from a quick per-stage timing, the one-thread
 //!    sequential run of the same partition and microbatch size, two copies at once so that
 //!    both cores are busy as in the pipelined runs (mean forward, backward and update time of
 //!    each stage; means, since the first forward of each weight version also builds its
 //!    transposed copy); a replicated stage's all-reduce is timed alone among its
-//!    replicas' threads. The timed run's schedule is simulated with those costs on the machine's
-//!    two cores shared by all workers (`CostModel::cores`), each in-process message delayed by
-//!    the one-way ping-pong time of step 4 (link latency) and costing its sender and receiver
-//!    the ping-pong's processor time per message end (`CostModel::message_cpu`), and the
-//!    predicted samples/s compared with the measured one.
+//!    replicas' threads (over shared memory for the worker-process cases), and with several
+//!    buckets the simulator sums them as the executor does, the measured time setting the
+//!    ring's processor time per byte (`sim::bucketed_all_reduce`). The timed run's schedule
+//!    is simulated with those costs on the machine's two cores shared by all workers
+//!    (`CostModel::cores`), each in-process message delayed by the one-way ping-pong time of
+//!    step 4 (link latency) and costing its sender and receiver the ping-pong's processor time
+//!    per message end (`CostModel::message_cpu`); worker processes' messages, shared memory's
+//!    measured costs (pipe's cached transport costs); and the predicted samples/s compared
+//!    with the measured one.
 //! 4. **Executor overhead per action**: the executor runs `sequential` (small model) on one
 //!    worker with a backend wrapper that times every kernel call; wall time minus kernel time,
 //!    over the actions, is what interpreting a schedule costs (version maps, hand-offs, data
@@ -625,20 +634,39 @@ fn run_case(
     if case.replicas > 1 && case.bucket_values.is_none() {
         case.stage_bucket_values = Some(ctx.chosen_buckets(&case)?);
     }
-    let (measured, schedule) = if case.processes {
+    let costs = ctx.case_costs(&case)?;
+    let (measured, simulated) = if case.processes {
         let pipe = cfg.pipe.as_ref().ok_or_else(|| {
             ExperimentError::Config("worker-process cases need the pipe binary".into())
         })?;
-        in_processes(pipe, ctx, &case, cfg.updates)?
+        // Runs of `warmup` and of `warmup + updates` minibatches: the timed minibatches' rate
+        // is the difference of the two, measured and simulated alike, so that neither the
+        // processes' start nor their first minibatches' page faults count.
+        let warmup = cfg.warmup.max(1);
+        let short = in_processes(pipe, ctx, &case, warmup)?;
+        let long = in_processes(pipe, ctx, &case, warmup + cfg.updates)?;
+        let simulate_for = |updates: u32| -> Result<(f64, f64), ExperimentError> {
+            let spec = ScheduleSpec::new(case.policy, case.stages, case.m)
+                .with_replicas(vec![case.replicas; case.stages as usize])
+                .with_length(Length::Updates(updates));
+            let schedule = pipe_scheduler::lower(
+                &pipe_scheduler::generate(&spec)?,
+                pipe_scheduler::LowerOptions::default(),
+            );
+            let sim = simulate(&schedule, &costs, SimOptions::default())?;
+            let samples = f64::from(schedule.total_microbatches()) * case.microbatch as f64;
+            Ok((samples, sim.makespan))
+        };
+        let (a, b) = (simulate_for(warmup)?, simulate_for(warmup + cfg.updates)?);
+        let rate = |(s1, t1): (f64, f64), (s2, t2): (f64, f64)| (s2 - s1) / (t2 - t1);
+        (rate(short, long), rate(a, b))
     } else {
         let mut states = Vec::new();
         pipelined(ctx.model, &case, cfg.warmup.max(1), &mut states)?;
         let (measured, _, schedule) = pipelined(ctx.model, &case, cfg.updates, &mut states)?;
-        (measured, schedule)
+        let sim = simulate(&schedule, &costs, SimOptions::default())?;
+        (measured, sim.throughput * case.microbatch as f64)
     };
-    let costs = ctx.case_costs(&case)?;
-    let sim = simulate(&schedule, &costs, SimOptions::default())?;
-    let simulated = sim.throughput * case.microbatch as f64;
     Ok(CaseResult {
         case,
         samples_per_s: measured,
@@ -650,15 +678,15 @@ fn run_case(
 }
 
 /// `case` run as worker processes over shared memory: `pipe train --placement processes` on
-/// the model's MNIST data, `updates` minibatches, the FLOP-balanced partition the in-process
-/// cases run; the chief's samples/s (connection set-up excluded, fill and drain included), and
-/// the schedule it ran.
+/// synthetic samples of the model's input size, `updates` minibatches, the FLOP-balanced
+/// partition the in-process cases run: the samples trained and the seconds they took (from
+/// the chief's samples/s, connection set-up excluded).
 fn in_processes(
     pipe: &std::path::Path,
     ctx: &ModelContext<'_>,
     case: &Case,
     updates: u32,
-) -> Result<(f64, pipe_scheduler::Schedule), ExperimentError> {
+) -> Result<(f64, f64), ExperimentError> {
     let replicas = vec![case.replicas; case.stages as usize];
     let partition = Partition::balanced(ctx.model, &replicas)?;
     let buckets = match (&case.stage_bucket_values, case.bucket_values) {
@@ -666,8 +694,25 @@ fn in_processes(
         (None, Some(v)) => pipe_stages::config::BucketSizes::of_values(&[v]).to_string(),
         (None, None) => "4".into(),
     };
+    // Synthetic samples of the model's input size, as the threads' random pool.
+    let inputs: usize = ctx.model.input_shape().iter().product();
+    let config = std::env::temp_dir().join(format!(
+        "pipe-bench-pipeline-{}-{inputs}.toml",
+        std::process::id()
+    ));
+    std::fs::write(
+        &config,
+        format!(
+            "dataset = \"synthetic\"\n[synthetic]\ninputs = {inputs}\nclasses = 10\n\
+             hidden = 64\ntrain = 65536\ntest = 256\n"
+        ),
+    )
+    .map_err(|e| ExperimentError::Config(format!("writing {}: {e}", config.display())))?;
     let out = std::process::Command::new(pipe)
-        .args(["train", "--model", ctx.preset, "--epochs", "1"])
+        .arg("train")
+        .arg("--config")
+        .arg(&config)
+        .args(["--model", ctx.preset, "--epochs", "1"])
         .args(["--stages", &case.stages.to_string()])
         .args(["--replicas", &case.replicas.to_string()])
         .args(["--schedule", case.policy.name()])
@@ -694,20 +739,15 @@ fn in_processes(
             String::from_utf8_lossy(&out.stderr).trim()
         )));
     }
-    let measured = crate::hosts::samples_per_s(&text, None).ok_or_else(|| {
+    let rate = crate::hosts::samples_per_s(&text, None).ok_or_else(|| {
         ExperimentError::Config(format!(
             "{}: no samples/s in pipe train's output",
             case.name
         ))
     })?;
-    let spec = ScheduleSpec::new(case.policy, case.stages, case.m)
-        .with_replicas(replicas)
-        .with_length(Length::Updates(updates));
-    let schedule = pipe_scheduler::lower(
-        &pipe_scheduler::generate(&spec)?,
-        pipe_scheduler::LowerOptions::default(),
-    );
-    Ok((measured, schedule))
+    let minibatch = u64::from(case.m) * u64::from(case.replicas) * case.microbatch as u64;
+    let samples = (u64::from(updates) * minibatch) as f64;
+    Ok((samples, samples / rate))
 }
 
 fn model_cases(preset: &str, batch: usize, m: u32, processes: bool) -> Vec<Case> {

@@ -1179,6 +1179,7 @@ impl<'a, P: Programs> Engine<'a, P> {
                             Action::SendActivation { .. }
                                 | Action::SendGradient { .. }
                                 | Action::SendChunk { .. }
+                                | Action::AllReduce { .. }
                         ) {
                             self.comm[w] += now - start;
                         }
@@ -1278,6 +1279,17 @@ impl<'a, P: Programs> Engine<'a, P> {
                     if self.group_count[gid] < group.end - group.start {
                         self.wait[w] = Wait::Group(gid);
                         state[w] = Busy::Blocked;
+                        return;
+                    }
+                    if t.all_reduce > 0.0 && !t.all_reduce_on_cores {
+                        // A ring bound by its link: every member waits on it, off the cores.
+                        for m in group {
+                            self.wait[m as usize] = Wait::Nothing;
+                            state[m as usize] = Busy::Sleep {
+                                until: now + t.all_reduce,
+                                start: now,
+                            };
+                        }
                         return;
                     }
                     if t.all_reduce > 0.0 {
@@ -1414,6 +1426,10 @@ struct StageTimes {
     chunk_latency: f64,
     /// Whole collective all-reduce: `2(r-1)/r * P / bandwidth + 2(r-1) * latency`.
     all_reduce: f64,
+    /// Whether the all-reduce occupies its members' cores (a measured one, or a ring whose
+    /// processor time outlasts its link time); a ring bound by its link waits on it instead,
+    /// leaving the cores to other workers.
+    all_reduce_on_cores: bool,
 }
 
 impl StageTimes {
@@ -1505,6 +1521,12 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
                     bucketed_all_reduce(buckets, st.whole_backward(), r, &ring)
                 }
             };
+            let all_reduce_on_cores = st.all_reduce.is_some() || {
+                let moved = 2.0 * (r - 1.0) / r * st.param_bytes;
+                let on_link = ring.transfer(moved) + 2.0 * (r - 1.0) * ring.latency;
+                let cpu = 4.0 * (r - 1.0) * ring.message_cpu + 2.0 * moved * ring.byte_cpu;
+                cpu >= on_link
+            };
             let passes = f64::from(resolved.update_size(s).max(1)) / r;
             let ring_cpu = ring_during / passes.max(1.0);
             StageTimes {
@@ -1524,6 +1546,7 @@ fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes
                 chunk_transfer: ring.transfer(st.param_bytes / r),
                 chunk_latency: ring.latency,
                 all_reduce,
+                all_reduce_on_cores,
             }
         })
         .collect()

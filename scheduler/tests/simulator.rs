@@ -640,3 +640,48 @@ fn bucketed_rings_hide_the_link_behind_the_backward_pass() {
         "pass and the second half",
     );
 }
+
+/// On shared cores, a ring bound by its link waits on the link and leaves the cores to others:
+/// four replicas of one stage on two cores take the ring's link time, as on four; a ring
+/// bound by its processor time shares the cores and takes twice as long on two.
+#[test]
+fn a_link_bound_ring_leaves_the_cores_free() {
+    let spec = ScheduleSpec::new(Policy::Gpipe, 1, 1).with_replicas(vec![4]);
+    let stage = StageCost {
+        param_bytes: 4.0e6,
+        ..StageCost::compute(0.0, 0.0)
+    };
+    let link_bound = CostModel {
+        bandwidth: 1.0e6,
+        ..CostModel::uniform(stage.clone())
+    };
+    let ring = 2.0 * 3.0 / 4.0 * 4.0e6 / 1.0e6;
+    for cores in [Some(2), Some(4), None] {
+        let costs = CostModel {
+            cores,
+            ..link_bound.clone()
+        };
+        close(run(&spec, &costs).makespan, ring, "link-bound ring");
+    }
+    let cpu_bound = CostModel {
+        byte_cpu: 1.0e-6,
+        ..CostModel::uniform(stage)
+    };
+    let cpu = 2.0 * (2.0 * 3.0 / 4.0 * 4.0e6) * 1.0e-6;
+    let on = |cores| {
+        run(
+            &spec,
+            &CostModel {
+                cores,
+                ..cpu_bound.clone()
+            },
+        )
+        .makespan
+    };
+    close(on(Some(4)), cpu, "processor-bound ring, a core each");
+    close(
+        on(Some(2)),
+        2.0 * cpu,
+        "processor-bound ring, two cores for four",
+    );
+}
