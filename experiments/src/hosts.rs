@@ -338,26 +338,8 @@ fn measure(
     if !errors.is_empty() {
         return Err(fail(errors.join("; ")));
     }
-    samples_per_s(&chief_out, tokens)
+    crate::chief_samples_per_s(&chief_out, tokens)
         .ok_or_else(|| fail(format!("no throughput in the chief's output:\n{chief_out}")))
-}
-
-/// The samples/s of the chief's last epoch line (its tokens/s over `tokens` per sample for a
-/// language model).
-pub(crate) fn samples_per_s(out: &str, tokens: Option<usize>) -> Option<f64> {
-    let (unit, per) = match tokens {
-        Some(t) => ("tokens/s", t.max(1) as f64),
-        None => ("samples/s", 1.0),
-    };
-    out.lines()
-        .filter(|l| l.starts_with("epoch"))
-        .filter_map(|l| {
-            let words: Vec<&str> = l.split_whitespace().collect();
-            let at = words.iter().position(|w| *w == unit)?;
-            let v: f64 = words.get(at.checked_sub(1)?)?.parse().ok()?;
-            Some(v / per)
-        })
-        .next_back()
 }
 
 /// The report as text.
@@ -412,9 +394,9 @@ mod tests {
     fn the_chiefs_last_epoch_figure_is_read() {
         let out = "pipeline: ...\nepoch   1  train loss 0.3  test acc 96.44%      4702 samples/s     13.2 s\n\
                    epoch   2  train loss 0.2  test acc 97.00%      4800 samples/s     13.0 s\ndone: 2";
-        assert_eq!(samples_per_s(out, None), Some(4800.0));
-        assert_eq!(samples_per_s("done", None), None);
+        assert_eq!(crate::chief_samples_per_s(out, None), Some(4800.0));
+        assert_eq!(crate::chief_samples_per_s("done", None), None);
         let lm = "epoch   1  train loss 3.2  val loss 2.9 nats/char  val acc  23.13%     13076 tokens/s     53.6 s";
-        assert_eq!(samples_per_s(lm, Some(4)), Some(3269.0));
+        assert_eq!(crate::chief_samples_per_s(lm, Some(4)), Some(3269.0));
     }
 }

@@ -53,3 +53,21 @@ pub fn median(xs: &[f64]) -> f64 {
         0.5 * (v[n / 2 - 1] + v[n / 2])
     }
 }
+
+/// The samples/s of a `pipe train` or `pipe worker` chief's last epoch line, from its output
+/// (its tokens/s over `tokens` per sample for a language model).
+pub fn chief_samples_per_s(out: &str, tokens: Option<usize>) -> Option<f64> {
+    let (unit, per) = match tokens {
+        Some(t) => ("tokens/s", t.max(1) as f64),
+        None => ("samples/s", 1.0),
+    };
+    out.lines()
+        .filter(|l| l.starts_with("epoch"))
+        .filter_map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let at = words.iter().position(|w| *w == unit)?;
+            let v: f64 = words.get(at.checked_sub(1)?)?.parse().ok()?;
+            Some(v / per)
+        })
+        .next_back()
+}

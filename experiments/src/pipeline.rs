@@ -739,7 +739,7 @@ fn in_processes(
             String::from_utf8_lossy(&out.stderr).trim()
         )));
     }
-    let rate = crate::hosts::samples_per_s(&text, None).ok_or_else(|| {
+    let rate = crate::chief_samples_per_s(&text, None).ok_or_else(|| {
         ExperimentError::Config(format!(
             "{}: no samples/s in pipe train's output",
             case.name
