@@ -675,6 +675,18 @@ pub fn settle_partition(cfg: &mut RunConfig, model: &Model) -> Result<()> {
     Ok(())
 }
 
+/// Takes the bucket sizes the run a checkpoint continues chose, where none are given, and
+/// says so ([`pipe_stages::planning::buckets::adopt_recorded`]).
+pub fn adopt_checkpoint_buckets(cfg: &mut RunConfig, ckpt: &Checkpoint) {
+    if let Some(values) = pipe_stages::planning::buckets::adopt_recorded(cfg, &ckpt.state.settings)
+    {
+        outln!(
+            "all-reduce buckets as the checkpoint's run chose them: --allreduce-bucket-mb {}",
+            pipe_stages::config::BucketSizes::of_values(&values)
+        );
+    }
+}
+
 /// Chooses the replicated stages' all-reduce bucket sizes from the run's measured `profile`
 /// and `link`, the measured costs of its links' transport (from `source`), where no size was
 /// given ([`pipe_stages::planning::buckets`]), and says what was chosen.

@@ -565,10 +565,7 @@ impl ModelContext<'_> {
     fn layers(&self, range: std::ops::Range<usize>) -> Vec<LayerGradients> {
         self.profile.layers[range]
             .iter()
-            .map(|l| LayerGradients {
-                values: (l.param_bytes / 4.0) as usize,
-                backward: l.whole_backward(),
-            })
+            .map(LayerGradients::of)
             .collect()
     }
 

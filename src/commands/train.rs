@@ -27,9 +27,9 @@ use crate::output::bad_input;
 use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
-    Fan, checkpoint_policy, finish_checkpoints, print_done, print_done_line, print_header,
-    print_memory_estimate, print_resuming, resume_from, run_config, serve_metrics,
-    settle_partition, stop_on_ctrl_c,
+    Fan, adopt_checkpoint_buckets, checkpoint_policy, finish_checkpoints, print_done,
+    print_done_line, print_header, print_memory_estimate, print_resuming, resume_from, run_config,
+    serve_metrics, settle_partition, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::LaunchOptions;
 
@@ -87,14 +87,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         return Ok(());
     }
     if let Some((_, ckpt)) = &resume {
-        if let Some(values) =
-            pipe_stages::planning::buckets::adopt_recorded(&mut cfg, &ckpt.state.settings)
-        {
-            outln!(
-                "all-reduce buckets as the checkpoint's run chose them: --allreduce-bucket-mb {}",
-                pipe_stages::config::BucketSizes::of_values(&values)
-            );
-        }
+        adopt_checkpoint_buckets(&mut cfg, ckpt);
     }
     settle_partition(&mut cfg, &model)?;
     // The checkpoints record the run's numerics as settled (its chosen bucket sizes).

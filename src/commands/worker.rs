@@ -78,6 +78,16 @@ fn print_links(local: &[u32], size: u32) {
     }
 }
 
+/// Warns where shared memory (`--transport auto`) finds other peers on this worker's host
+/// than the plan placed there ([`placement_differs`]).
+fn warn_if_placed_otherwise(cfg: &RunConfig, rank: u32, local: &[u32]) {
+    if cfg.transport == TransportKind::Auto {
+        if let Some(why) = placement_differs(&cfg.hosts, rank, local) {
+            eprintln!("warning: {why}");
+        }
+    }
+}
+
 /// Where the plan's placement (`hosts`, one per rank) and the run's differ for `rank`: the
 /// peers the plan put on its host against those shared memory reaches (`local`). The plan's
 /// predictions assumed its placement; a run placed otherwise still trains, with other links.
@@ -247,11 +257,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     if chief && !args.launched {
         print_links(&joined.shared_memory, cluster.size());
     }
-    if cfg.transport == TransportKind::Auto {
-        if let Some(why) = placement_differs(&cfg.hosts, rank, &joined.shared_memory) {
-            eprintln!("warning: {why}");
-        }
-    }
+    warn_if_placed_otherwise(&cfg, rank, &joined.shared_memory);
     let mut ep = Faulty::new(joined.endpoint, own.fault);
     let mut obs: Box<dyn Observer> = match (chief, args.launched) {
         (true, true) => Box::new(RecordWriter),

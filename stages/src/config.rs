@@ -1003,27 +1003,10 @@ impl TrainSettings {
                 "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds (a week), got {stall}"
             ));
         }
-        let (bucket_values, stage_bucket_values, bucket_origin) = match &self.allreduce_bucket_mb {
-            None => (DEFAULT_BUCKET_VALUES, Vec::new(), BucketOrigin::Default),
-            Some(sizes) => {
-                let values = sizes.values();
-                if values.len() > 1 {
-                    if let Ok(layout) = &layout {
-                        if values.len() != layout.layout.stages() as usize {
-                            return bad(format!(
-                                "--allreduce-bucket-mb gives {} sizes for {} stages (give one, \
-                                 or one per stage)",
-                                values.len(),
-                                layout.layout.stages()
-                            ));
-                        }
-                    }
-                    (DEFAULT_BUCKET_VALUES, values, BucketOrigin::Given)
-                } else {
-                    (values[0], Vec::new(), BucketOrigin::Given)
-                }
-            }
-        };
+        let (bucket_values, stage_bucket_values, bucket_origin) = bucket_settings(
+            self.allreduce_bucket_mb.as_ref(),
+            layout.as_ref().ok().map(|l| l.layout.stages() as usize),
+        )?;
         let allreduce_wire = wire_dtype(self.allreduce_dtype.as_deref())?;
         Ok(RunConfig {
             model_name,
@@ -1067,6 +1050,31 @@ impl TrainSettings {
             allreduce_wire,
         })
     }
+}
+
+/// The run's bucket sizes from `--allreduce-bucket-mb`: one size for every stage, one per
+/// stage (checked against the run's `stages` where its layout resolved), or the default.
+///
+/// # Errors
+/// [`StageError::Config`] for a list of another length than the stages.
+fn bucket_settings(
+    given: Option<&BucketSizes>,
+    stages: Option<usize>,
+) -> Result<(usize, Vec<usize>, BucketOrigin)> {
+    let Some(sizes) = given else {
+        return Ok((DEFAULT_BUCKET_VALUES, Vec::new(), BucketOrigin::Default));
+    };
+    let values = sizes.values();
+    if values.len() == 1 {
+        return Ok((values[0], Vec::new(), BucketOrigin::Given));
+    }
+    if let Some(stages) = stages.filter(|&s| s != values.len()) {
+        return Err(StageError::Config(format!(
+            "--allreduce-bucket-mb gives {} sizes for {stages} stages (give one, or one per stage)",
+            values.len()
+        )));
+    }
+    Ok((DEFAULT_BUCKET_VALUES, values, BucketOrigin::Given))
 }
 
 /// Refuses what a backend cannot run yet: packed documents on CUDA, whose attention kernels

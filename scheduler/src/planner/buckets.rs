@@ -25,6 +25,16 @@ pub struct LayerGradients {
     pub backward: f64,
 }
 
+impl LayerGradients {
+    /// A profiled layer's gradient values (its f32 parameter bytes over 4) and backward time.
+    pub fn of(layer: &crate::profile::LayerProfile) -> Self {
+        LayerGradients {
+            values: (layer.param_bytes / 4.0) as usize,
+            backward: layer.whole_backward(),
+        }
+    }
+}
+
 /// The buckets of `layers` (the stage's, first to last) at `values` gradient values each,
 /// `bytes_per_value` bytes on the wire: walking from the last layer to the first, a bucket
 /// closes as soon as it holds at least `values`, and is ready once the backward pass, which

@@ -1259,10 +1259,7 @@ pub fn simulate_plan_with_memory(
             let layers: Vec<super::buckets::LayerGradients> = plan.order[s.layers.clone()]
                 .iter()
                 .filter_map(|&l| profile.layers.get(l))
-                .map(|l| super::buckets::LayerGradients {
-                    values: (l.param_bytes / 4.0) as usize,
-                    backward: l.whole_backward(),
-                })
+                .map(super::buckets::LayerGradients::of)
                 .collect();
             let buckets = super::buckets::buckets_of(&layers, values, 4.0);
             c.buckets = (buckets.len() > 1).then_some(buckets);

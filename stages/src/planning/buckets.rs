@@ -42,10 +42,7 @@ pub fn choose_for_run(
                 .layers
                 .get(range.clone())?
                 .iter()
-                .map(|l| LayerGradients {
-                    values: (l.param_bytes / 4.0) as usize,
-                    backward: l.whole_backward(),
-                })
+                .map(LayerGradients::of)
                 .collect();
             choose_bucket_values(&layers, r, &link, bytes_per_value)
         })
