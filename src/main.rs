@@ -41,6 +41,7 @@ mod args;
 mod commands;
 mod links;
 mod output;
+mod phases;
 mod trace;
 mod training;
 

@@ -102,6 +102,13 @@ impl Observer for Traced<'_> {
         self.run.on_stop(report)
     }
 
+    fn on_start_phase(
+        &mut self,
+        phase: pipe_stages::pipeline::StartPhase,
+    ) -> pipe_stages::Result<()> {
+        self.run.on_start_phase(phase)
+    }
+
     fn on_spans(&mut self, origin: SystemTime, spans: &[Span]) -> pipe_stages::Result<()> {
         self.part.record(origin, spans);
         self.run.on_spans(origin, spans)

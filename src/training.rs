@@ -22,11 +22,13 @@ use pipe_stages::model::{Model, params_digest};
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
 use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::survive::LayoutChange;
-use pipe_stages::planning::{plan_workers, settle_measured_partition};
+use pipe_stages::pipeline::{PhaseRecord, StartPhase};
+use pipe_stages::planning::{Profiling, plan_workers, settle_measured_partition};
 use pipe_stages::train::{EpochStats, EvalStats, StepStats, TrainReport};
 
 use crate::args::BackendParser;
 use crate::output::{Interrupted, bad_input};
+use crate::phases::Phases;
 
 /// The training flags of `pipe train` and `pipe worker`: they override the config file's values.
 #[derive(Args, Debug)]
@@ -283,6 +285,15 @@ pub struct TrainArgs {
     /// --checkpoint-dir (they go on from the drain point's checkpoint).
     #[arg(long)]
     pub rejoin: bool,
+    /// Measure the layer profile of a measured partition or --workers' plan again, even
+    /// where pipe's cache holds it for this model, machine and run shape (the new one
+    /// replaces it). The cache is PIPE_CACHE_DIR, else the platform's (~/.cache/pipe).
+    #[arg(long)]
+    pub reprofile: bool,
+    /// Run even where the memory estimate of this host's workers is over the memory this
+    /// host has available (MemAvailable, or the cgroup's memory.max where lower).
+    #[arg(long)]
+    pub force: bool,
     /// On each restart after a worker was lost (--max-restarts), profile and plan the run
     /// again for the workers that remain (one fewer), as --workers plans: stages, replicas and
     /// partition change; the optimizer, the schedule and the minibatch stay the run's.
@@ -378,7 +389,7 @@ impl TrainArgs {
 ///
 /// # Errors
 /// Bad input for unreadable or malformed files and settings that describe no run.
-pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
+pub fn run_config(args: &TrainArgs, phases: &Phases) -> Result<RunConfig> {
     let mut settings = TrainSettings::default();
     if let Some(path) = &args.config {
         let text = pipe_stages::limits::read_text_file(path, "config")?;
@@ -394,7 +405,13 @@ pub fn run_config(args: &TrainArgs) -> Result<RunConfig> {
         return Ok(settings.resolve()?);
     };
     let (costs, source) = crate::links::all_measured()?;
-    let (mut cfg, plan, profile) = plan_workers(settings, w, Some(&costs))?;
+    phases.begin(
+        "profiling and planning",
+        &format!("the layouts of {w} workers"),
+    );
+    let profiling = Profiling::cached(args.reprofile).reporting(phases.profile_report());
+    let (mut cfg, plan, profile) = plan_workers(settings, w, Some(&costs), &profiling)?;
+    phases.end();
     if let Some(cost) = costs.get(cfg.link_transport().name()) {
         outln!("{}", crate::links::describe(cost, &source));
         choose_buckets(&mut cfg, &profile, cost, &source);
@@ -647,10 +664,28 @@ pub fn print_memory_estimate(cfg: &RunConfig, process: u64) -> Result<()> {
 ///
 /// # Errors
 /// Profiling failures; more stages than layers with parameters.
-pub fn settle_partition(cfg: &mut RunConfig, model: &Model) -> Result<()> {
-    let Some(cut) = settle_measured_partition(cfg, model)? else {
+pub fn settle_partition(
+    cfg: &mut RunConfig,
+    model: &Model,
+    phases: &Phases,
+    reprofile: bool,
+) -> Result<()> {
+    if cfg.partition == pipe_stages::config::PartitionChoice::Measured && cfg.stages > 1 {
+        phases.begin(
+            "profiling",
+            &format!(
+                "each layer shape of {} at microbatch {}, one thread",
+                cfg.model_name, cfg.microbatch_size
+            ),
+        );
+    }
+    let profiling = Profiling::cached(reprofile).reporting(phases.profile_report());
+    let Some(cut) = settle_measured_partition(cfg, model, &profiling)? else {
         return Ok(());
     };
+    if cut.partition.stages() > 1 {
+        phases.begin("planning", "the cut by measured time");
+    }
     if let Some(profile) = &cut.profile {
         if cfg.bucket_origin == pipe_stages::config::BucketOrigin::Default
             && cfg.replicas.iter().any(|&r| r > 1)
@@ -665,6 +700,7 @@ pub fn settle_partition(cfg: &mut RunConfig, model: &Model) -> Result<()> {
             .iter()
             .map(|s| format!("{:.2}", s * 1e3))
             .collect();
+        phases.end();
         outln!(
             "partition {} by measured time (ms per microbatch per stage: {}; --partition {} repeats it)",
             cut.partition,
@@ -747,10 +783,22 @@ pub fn print_done_line(steps: u64, last: &EpochStats, digest: u64) {
 }
 
 /// Hands every step and epoch to the progress display first, then to the other observers
-/// (the JSON-lines log).
+/// (the JSON-lines log); shows the phases of the run's start on `phases` and logs them once
+/// ended.
 pub struct Fan {
     first: Progress,
     rest: Vec<Box<dyn Observer>>,
+    phases: Phases,
+}
+
+impl Fan {
+    /// Hands the ended phases of the run's start to the log.
+    fn log_phases(&mut self) -> pipe_stages::Result<()> {
+        for record in self.phases.take_ended() {
+            self.rest.iter_mut().try_for_each(|o| o.on_phase(&record))?;
+        }
+        Ok(())
+    }
 }
 
 impl Fan {
@@ -758,7 +806,7 @@ impl Fan {
     ///
     /// # Errors
     /// A log file that cannot be created.
-    pub fn new(cfg: &RunConfig) -> Result<Self> {
+    pub fn new(cfg: &RunConfig, phases: Phases) -> Result<Self> {
         let mut rest: Vec<Box<dyn Observer>> = Vec::new();
         if let Some(path) = &cfg.log_jsonl {
             rest.push(Box::new(JsonlLog::create(path)?));
@@ -777,12 +825,28 @@ impl Fan {
         Ok(Fan {
             first: Progress::new(std::io::stderr().is_terminal(), unit, language),
             rest,
+            phases,
         })
     }
 }
 
 impl Observer for Fan {
+    fn on_start_phase(&mut self, phase: StartPhase) -> pipe_stages::Result<()> {
+        let detail = match phase {
+            StartPhase::FirstUpdate => "every worker is up",
+            StartPhase::Weights | StartPhase::Workers => "",
+        };
+        self.phases.begin(phase.describe(), detail);
+        self.log_phases()
+    }
+    fn on_phase(&mut self, record: &PhaseRecord) -> pipe_stages::Result<()> {
+        self.rest.iter_mut().try_for_each(|o| o.on_phase(record))
+    }
     fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+        if self.phases.running().is_some() {
+            self.phases.end();
+            self.log_phases()?;
+        }
         self.first.on_step(s)?;
         self.rest.iter_mut().try_for_each(|o| o.on_step(s))
     }

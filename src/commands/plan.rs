@@ -20,7 +20,6 @@ use pipe_transport::TransportKind;
 use crate::args::{bytes, parse_bandwidth, parse_bytes, parse_policy, parse_seconds, secs};
 use crate::output::{bad_input, schedule_error};
 use pipe_stages::config::PlanFile;
-use pipe_stages::profile::profile_preset;
 
 /// Cost models `pipe plan` knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -68,6 +67,10 @@ pub struct PlanArgs {
     /// Microbatches per update per replica.
     #[arg(long, default_value_t = 8)]
     microbatches: u32,
+    /// Measure --model's profile again even where pipe's cache holds it (the new one
+    /// replaces it).
+    #[arg(long)]
+    reprofile: bool,
     /// Cost model.
     #[arg(long, value_enum, default_value = "default")]
     cost_model: PlanCostModel,
@@ -284,7 +287,19 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                 ),
                 ..ProfileOptions::new(args.microbatch_size)
             };
-            profile_preset(model, &opts, &CpuBackend::new(1)?)?
+            let phases = crate::phases::Phases::new();
+            phases.begin(
+                "profiling",
+                &format!("{model} at microbatch {}", args.microbatch_size),
+            );
+            let profiling = pipe_stages::planning::Profiling::cached(args.reprofile)
+                .reporting(phases.profile_report());
+            let spec = pipe_stages::model::ModelSpec::preset(model)?;
+            let built = pipe_stages::model::Model::new(&spec)?;
+            let be = CpuBackend::new(1)?;
+            let profile = profiling.profile(&built, model, &be, &opts, args.microbatches)?;
+            phases.end();
+            profile
         }
         (None, None) => return Err(bad_input("give --profile FILE or --model M".into())),
     };

@@ -13,7 +13,7 @@ use pipe_stages::profile::ProfileOptions;
 use crate::args::{BackendParser, bytes, open_backend, secs};
 use crate::output::bad_input;
 use pipe_kernels::BackendKind;
-use pipe_stages::profile::profile_preset;
+use pipe_stages::model::{Model, ModelSpec};
 
 /// `pipe profile`: time every layer of a model.
 #[derive(Args, Debug)]
@@ -48,6 +48,9 @@ pub struct ProfileArgs {
     /// Write the profile as JSON to FILE.
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
+    /// Measure again even where pipe's cache holds this profile (the new one replaces it).
+    #[arg(long)]
+    reprofile: bool,
 }
 
 /// Runs `pipe profile`.
@@ -77,7 +80,16 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
         ..ProfileOptions::new(args.microbatch_size)
     };
     let be = open_backend(args.backend, args.threads)?;
-    let profile = profile_preset(&args.model, &opts, be.as_ref())?;
+    let phases = crate::phases::Phases::new();
+    phases.begin(
+        "profiling",
+        &format!("{} at microbatch {}", args.model, args.microbatch_size),
+    );
+    let profiling =
+        pipe_stages::planning::Profiling::cached(args.reprofile).reporting(phases.profile_report());
+    let model = Model::new(&ModelSpec::preset(&args.model)?)?;
+    let profile = profiling.profile(&model, &args.model, be.as_ref(), &opts, args.microbatches)?;
+    phases.end();
     out!("{}", render_profile(&profile));
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&profile)?;

@@ -24,6 +24,7 @@ use pipe_transport::fault::{FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
 use crate::output::bad_input;
+use crate::phases::Phases;
 use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
@@ -39,7 +40,8 @@ use pipe_stages::pipeline::processes::LaunchOptions;
 /// Bad input for flags, config, plan or data files that describe no run; run-time failures of
 /// training or of writing its outputs.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let mut cfg = run_config(args)?;
+    let phases = Phases::new();
+    let mut cfg = run_config(args, &phases)?;
     if args.trace.is_some() && !cfg.pipelined {
         return Err(bad_input(
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
@@ -72,9 +74,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let process = pipe_stages::limits::process_resident_bytes().unwrap_or(0);
     let be = open_backend(cfg.backend, cfg.threads)?;
     let model = Model::new(&cfg.model)?;
+    let kind = format!("{:?}", cfg.dataset).to_lowercase();
+    let source = match &cfg.data_dir {
+        Some(dir) => format!("{kind} at {}", dir.display()),
+        None => kind,
+    };
+    phases.begin("reading and checking the data", &source);
     let data = train::load_data(&cfg, &model)?;
+    phases.end();
     print_header(&cfg, &model, &data, be.threads());
-    let mut fan = Fan::new(&cfg)?;
+    let mut fan = Fan::new(&cfg, phases.clone())?;
     let mut policy = checkpoint_policy(args, &cfg)?;
     let resume = resume_from(args, &model)?;
     if let Some((dir, ckpt)) = &resume {
@@ -89,7 +98,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some((_, ckpt)) = &resume {
         adopt_checkpoint_buckets(&mut cfg, ckpt);
     }
-    settle_partition(&mut cfg, &model)?;
+    settle_partition(&mut cfg, &model, &phases, args.reprofile)?;
     // The checkpoints record the run's numerics as settled (its chosen bucket sizes).
     if let Some(p) = policy.as_mut() {
         p.settings = cfg.numerics().to_json()?;
@@ -120,6 +129,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let mut events = Printed { last: &last_step };
     if processes {
+        phases.begin(
+            pipe_stages::pipeline::StartPhase::Workers.describe(),
+            &format!("{workers} worker processes"),
+        );
         let mut launch = LaunchOptions::new(workers);
         launch.stop = Some(stop);
         // Each worker writes its part of the trace; they are merged once all have exited.
@@ -197,7 +210,9 @@ fn replan(cfg: &RunConfig, workers: u32) -> pipe_stages::Result<(RunConfig, f64)
     // The costs were measured or read when the run was planned; a failure to read them now
     // plans without them rather than not at all.
     let costs = crate::links::all_measured().ok().map(|(c, _)| c);
-    let (next, plan) = pipe_stages::planning::replan(cfg, workers, costs.as_ref())?;
+    // The run's profile, kept when it was planned, serves again.
+    let profiling = pipe_stages::planning::Profiling::cached(false);
+    let (next, plan) = pipe_stages::planning::replan(cfg, workers, costs.as_ref(), &profiling)?;
     let rate = next.microbatch_size as f64 / plan.time_per_microbatch;
     Ok((next, rate))
 }
@@ -291,6 +306,15 @@ impl Observer for LastStep<'_> {
     }
     fn on_layout_change(&mut self, change: &LayoutChange) -> pipe_stages::Result<()> {
         self.inner.on_layout_change(change)
+    }
+    fn on_start_phase(
+        &mut self,
+        phase: pipe_stages::pipeline::StartPhase,
+    ) -> pipe_stages::Result<()> {
+        self.inner.on_start_phase(phase)
+    }
+    fn on_phase(&mut self, record: &pipe_stages::pipeline::PhaseRecord) -> pipe_stages::Result<()> {
+        self.inner.on_phase(record)
     }
     fn on_spans(
         &mut self,

@@ -181,6 +181,13 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     }
     // A launched worker is handed everything in the run's file; one started by hand takes
     // its flags.
+    // A launched worker's lines go to its launcher's log: no bars there.
+    let phases = crate::phases::Phases::with_terminal(
+        args.run.is_none() && {
+            use std::io::IsTerminal as _;
+            std::io::stderr().is_terminal()
+        },
+    );
     let handed = match &args.run {
         Some(path) => {
             let text = pipe_stages::limits::read_text_file(path, "run")?;
@@ -190,7 +197,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     };
     let mut cfg = match &handed {
         Some(h) => h.run.clone(),
-        None => run_config(&args.train)?,
+        None => run_config(&args.train, &phases)?,
     };
     if !cfg.pipelined {
         return Err(bad_input(
@@ -234,9 +241,10 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     // terms (a launcher's workers find it settled in run.json already).
     if chief {
         if args.launched {
-            pipe_stages::planning::settle_measured_partition(&mut cfg, &model)?;
+            let profiling = pipe_stages::planning::Profiling::cached(args.train.reprofile);
+            pipe_stages::planning::settle_measured_partition(&mut cfg, &model, &profiling)?;
         } else {
-            crate::training::settle_partition(&mut cfg, &model)?;
+            crate::training::settle_partition(&mut cfg, &model, &phases, args.train.reprofile)?;
         }
     }
     let own = OwnSettings::of(handed.as_ref(), args, &cfg, rank, &model)?;
@@ -266,7 +274,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             if let Some((dir, ckpt)) = &own.resume {
                 print_resuming(dir, ckpt);
             }
-            Box::new(Fan::new(&cfg)?)
+            Box::new(Fan::new(&cfg, phases.clone())?)
         }
         (false, true) => Box::new(StopWriter),
         (false, false) => Box::new(Quiet),

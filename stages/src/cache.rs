@@ -9,9 +9,12 @@
 //!   another key's name (a collision, a copy, an edit) is seen and ignored. Every key names
 //!   the machine and the build ([`CacheKey::for_this_machine`]): figures measured by another
 //!   CPU or another binary are another key, measured again.
-//! - **Trust**: an entry is JSON read within a size bound. One that does not parse, names
-//!   another key or another format, or is older than its kind's age bound is never used: the
-//!   caller measures again and overwrites it, and says why ([`Lookup`]).
+//! - **Trust**: an entry is JSON read within a size bound, and carries the SHA-256 of its
+//!   value. One that does not parse, names another key or another format, whose value does
+//!   not match its digest (cut short, edited by hand, damaged), or that is older than its
+//!   kind's age bound is never used: the caller measures again and overwrites it, and says
+//!   why ([`Lookup`]). The digest guards against accidents, not against an attacker who can
+//!   write the user's cache directory.
 //! - **Writes** go to a temporary file renamed over the entry, so a reader never sees half of
 //!   one and two writers leave one whole entry.
 
@@ -25,8 +28,8 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Result, StageError};
 
-/// The entry format this build reads and writes.
-const FORMAT: u32 = 1;
+/// The entry format this build reads and writes (2: with the value's digest).
+const FORMAT: u32 = 2;
 
 /// The largest entry read: far above any figure file's size, far below memory.
 const MAX_ENTRY_BYTES: u64 = 16 << 20;
@@ -120,7 +123,19 @@ struct Entry<T> {
     key: CacheKey,
     /// Seconds since the Unix epoch when it was written.
     written: u64,
+    /// The SHA-256 of the value's compact JSON, in hex ([`digest_of`]).
+    digest: String,
     value: T,
+}
+
+/// The SHA-256, in hex, of `value` written as compact JSON (object keys sorted, numbers in
+/// their shortest form: the same text for the same value, as written or as read back).
+fn digest_of(value: &serde_json::Value) -> String {
+    let text = value.to_string();
+    Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// What looking a key up found.
@@ -186,7 +201,7 @@ impl Cache {
             Ok(b) => b,
             Err(e) => return ignored(e.to_string()),
         };
-        let entry: Entry<T> = match serde_json::from_slice(&bytes) {
+        let entry: Entry<serde_json::Value> = match serde_json::from_slice(&bytes) {
             Ok(e) => e,
             Err(e) => return ignored(format!("not a cache entry of this build ({e})")),
         };
@@ -196,6 +211,9 @@ impl Cache {
         if entry.key != *key {
             return ignored("it was written for another key".into());
         }
+        if digest_of(&entry.value) != entry.digest {
+            return ignored("its value does not match its digest (edited or damaged)".into());
+        }
         let now = unix_seconds(SystemTime::now());
         let age = now.saturating_sub(entry.written);
         if entry.written > now || age > max_age.as_secs() {
@@ -204,9 +222,9 @@ impl Cache {
                 max_age.as_secs()
             ));
         }
-        Lookup::Hit {
-            value: entry.value,
-            path,
+        match serde_json::from_value(entry.value) {
+            Ok(value) => Lookup::Hit { value, path },
+            Err(e) => ignored(format!("not a cache entry of this build ({e})")),
         }
     }
 
@@ -222,10 +240,12 @@ impl Cache {
         };
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
         let path = self.dir.join(key.file_name());
+        let value = serde_json::to_value(value).map_err(|e| io(&path, e.into()))?;
         let entry = Entry {
             format: FORMAT,
             key: key.clone(),
             written: unix_seconds(SystemTime::now()),
+            digest: digest_of(&value),
             value,
         };
         let text = serde_json::to_string_pretty(&entry).map_err(|e| io(&path, e.into()))?;
@@ -297,10 +317,12 @@ mod tests {
         let cases = [
             ("{\"format\": 1, \"key\"".to_string(), "not a cache entry"),
             (
-                text.replace("\"format\": 1", "\"format\": 9"),
+                text.replace("\"format\": 2", "\"format\": 9"),
                 "entry format 9",
             ),
-            (text.replace("1.0", "\"one\""), "not a cache entry"),
+            (text.replace("1.0", "\"one\""), "does not match its digest"),
+            (text.replace("1.0", "1.5"), "does not match its digest"),
+            (text[..text.len() / 2].to_string(), "not a cache entry"),
             (text.replace("\"figures\"", "\"other\""), "another key"),
         ];
         for (body, want) in cases {

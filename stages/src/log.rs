@@ -66,4 +66,7 @@ impl Observer for JsonlLog {
     fn on_eval(&mut self, e: &EvalStats) -> Result<()> {
         self.write("eval", e)
     }
+    fn on_phase(&mut self, record: &crate::pipeline::PhaseRecord) -> Result<()> {
+        self.write("phase", record)
+    }
 }

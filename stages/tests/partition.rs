@@ -68,7 +68,8 @@ fn the_default_pipeline_model_splits_evenly_into_four_stages() {
     assert_eq!(Partition::balanced(&m, &[1; 4]).unwrap().to_string(), even);
     // The measured cut: same rules, times from this machine (how even they are is a benchmark
     // figure, not a test).
-    let cut = measured_partition(&m, 64, 1, &[1; 4]).unwrap();
+    let cut =
+        measured_partition(&m, 64, 1, &[1; 4], Default::default(), &Default::default()).unwrap();
     assert_eq!(cut.partition.stages(), 4);
     assert_eq!(cut.stage_seconds.len(), 4);
     for (s, r) in cut.partition.ranges().iter().enumerate() {
@@ -76,7 +77,8 @@ fn the_default_pipeline_model_splits_evenly_into_four_stages() {
         let t = cut.stage_seconds[s];
         assert!(t.is_finite() && t > 0.0, "stage {s}: {t}");
     }
-    let one = measured_partition(&m, 64, 1, &[1; 1]).unwrap();
+    let one =
+        measured_partition(&m, 64, 1, &[1; 1], Default::default(), &Default::default()).unwrap();
     assert_eq!(one.partition.to_string(), format!("0-{}", m.len() - 1));
 }
 

@@ -54,7 +54,7 @@ pub use driver::{run_worker, run_worker_with};
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
 pub use launch::run_threads;
 pub use ledger::LedgerEntry;
-pub use observe::{Observer, Quiet};
+pub use observe::{Observer, PhaseRecord, Quiet, StartPhase};
 pub use reference::{ReferenceRun, reference_run, reference_train, reference_train_from};
 pub use run_plan::RunPlan;
 pub use setup::{LrFn, MicrobatchSource, OrderedSource, Report, Setup};

@@ -1,15 +1,72 @@
-//! What a run reports as it goes: the [`Observer`] every trainer calls after each update and
-//! epoch, when a worker stops, when the layout changes, and with a worker process's timeline.
+//! What a run reports as it goes: the [`Observer`] every trainer calls as its start moves on
+//! to the next phase, after each update and epoch, when a worker stops, when the layout
+//! changes, and with a worker process's timeline.
 //! It lives with the pipeline because two of its reports are the pipeline's own (a worker's
 //! stop, a layout change); the statistics it carries are the trainers' ([`crate::train`]).
+
+use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 use crate::pipeline::doctor::StopReport;
 use crate::pipeline::survive::LayoutChange;
 use crate::train::{EpochStats, EvalStats, StepStats};
 
+/// A phase of a run's start that only the launcher sees begin; the first update follows the
+/// last. (The phases before them, reading the data, profiling and planning, are the caller's.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StartPhase {
+    /// The starting weights are built, or read from a checkpoint.
+    Weights,
+    /// The workers start (threads or processes) and connect to each other.
+    Workers,
+    /// Every worker is up: the first update runs.
+    FirstUpdate,
+}
+
+impl StartPhase {
+    /// What the phase does, for a line that announces it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            StartPhase::Weights => "building the starting weights",
+            StartPhase::Workers => "starting workers and connecting them",
+            StartPhase::FirstUpdate => "the first update",
+        }
+    }
+}
+
+/// A phase of a run's start, once it has ended: what it was and how long it took, for a log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PhaseRecord {
+    /// What it did (`reading and checking the corpus`, `profiling`, ...).
+    pub phase: String,
+    /// Seconds from the command's start to the phase's.
+    pub began_s: f64,
+    /// Seconds it took.
+    pub seconds: f64,
+    /// What it found or decided, where it says (`reused /path`), else empty.
+    pub note: String,
+}
+
 /// Receives progress while training runs.
 pub trait Observer {
+    /// When the launcher begins a phase of the run's start (each start of the run: a restart
+    /// reports them again).
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_start_phase(&mut self, phase: StartPhase) -> Result<()> {
+        let _ = phase;
+        Ok(())
+    }
+    /// After a phase of the run's start has ended, for a log.
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_phase(&mut self, record: &PhaseRecord) -> Result<()> {
+        let _ = record;
+        Ok(())
+    }
     /// After every optimizer step.
     ///
     /// # Errors

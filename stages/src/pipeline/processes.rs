@@ -89,6 +89,8 @@ pub enum Record {
     /// Where a worker's program stopped when its part of the run failed (any rank), for the
     /// hang doctor.
     Stop(StopReport),
+    /// The chief began a phase of its start (its first update, once it is up and connected).
+    Phase(super::StartPhase),
 }
 
 /// The chief's observer in a launched run: every step and epoch as a [`Record`] line on
@@ -123,6 +125,9 @@ impl Observer for RecordWriter {
     }
     fn on_stop(&mut self, report: &StopReport) -> Result<()> {
         Self::write(&Record::Stop(report.clone()))
+    }
+    fn on_start_phase(&mut self, phase: super::StartPhase) -> Result<()> {
+        Self::write(&Record::Phase(phase))
     }
 }
 
@@ -500,6 +505,7 @@ pub fn run_processes(
         }
         match record {
             Record::Stop(_) => {}
+            Record::Phase(p) => obs.on_start_phase(p)?,
             Record::Step(s) => obs.on_step(&s)?,
             Record::Eval(e) => obs.on_eval(&e)?,
             Record::Epoch(e) => {

@@ -135,7 +135,9 @@ pub fn train_pipelined(
     }
     let run = Run::new(cfg, data)?;
     let partition = run_partition(cfg)?;
+    obs.on_start_phase(super::StartPhase::Weights)?;
     let start = Start::new(&run, opts.resume.as_ref())?;
+    obs.on_start_phase(super::StartPhase::Workers)?;
     let mut threads = Threads {
         run: &run,
         data,
@@ -1072,13 +1074,14 @@ impl<'c> Run<'c> {
         let threads = worker_threads(cfg.threads, workers);
         let backend = |worker: u32| open_backend(cfg.backend, threads, worker);
         let (tx, rx) = crossbeam_channel::unbounded();
-        let mut live = LiveSteps::new(self, plan, seg);
-        let mut on_loss = |r: Report| live.add(r, obs);
-        let progress = Some((rx, &mut on_loss as &mut dyn FnMut(Report) -> Result<()>));
         self.with_setup(plan, data, (seg.epoch, seg.done), Some(&tx), |setup| {
             if states.is_empty() {
                 *states = start.states(setup, cfg)?;
+                obs.on_start_phase(super::StartPhase::FirstUpdate)?;
             }
+            let mut live = LiveSteps::new(self, plan, seg);
+            let mut on_loss = |r: Report| live.add(r, obs);
+            let progress = Some((rx, &mut on_loss as &mut dyn FnMut(Report) -> Result<()>));
             let settings = MeshSettings {
                 wire: cfg.wire,
                 timeout: Some(cfg.stall_timeout),

@@ -308,6 +308,8 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
                 *state = Some(from.state_of(setup, cfg, rank)?);
                 if rank != CHIEF {
                     *start = None;
+                } else {
+                    obs.on_start_phase(super::StartPhase::FirstUpdate)?;
                 }
             }
             let st = state

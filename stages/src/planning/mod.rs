@@ -12,6 +12,7 @@
 pub mod buckets;
 pub mod memory;
 pub mod profile;
+pub mod reuse;
 
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::planner::transport::{TransportCost, TransportCosts};
@@ -26,7 +27,13 @@ use crate::model::Model;
 use crate::optim::OptimizerConfig;
 use crate::partition::Partition;
 use crate::pipeline::{RunPlan, Setup, WorkerState, run_threads};
-use crate::profile::{ProfileOptions, RandomSource, profile_model};
+use crate::profile::{ProfileOptions, RandomSource};
+pub use reuse::{ProfileEvent, Profiling};
+
+/// Seconds of timed runs after which the planning profiles stop repeating an operation
+/// ([`ProfileOptions::budget_seconds`]): short operations get their five repeats, a GPT-2
+/// block's forward (0.3-0.7 s at 2 x 1,024 tokens on one core) one.
+pub const PLANNING_BUDGET_SECONDS: f64 = 0.5;
 
 /// Workers that compute at once: one per worker, at most one per core.
 pub fn busy_workers(workers: u32) -> usize {
@@ -103,7 +110,8 @@ pub struct MeasuredPartition {
 }
 
 /// The cut `pipe train --stages S` makes when no partition is given: `model` profiled briefly
-/// at `microbatch_size` samples with one thread (isolated layer timings, no calibration run),
+/// at `microbatch_size` samples with one thread (isolated layer timings, no calibration run,
+/// each layer shape once, `optimizer`'s step; found in or kept in `profiling`'s cache),
 /// each layer costing its forward and backward time plus its update over `microbatches`, split
 /// into one stage per entry of `replicas` by [`Partition::by_cost`] (a stage's time is over its
 /// replicas; no stage is only parameter-free layers, whose memory traffic the times include
@@ -119,6 +127,8 @@ pub fn measured_partition(
     microbatch_size: usize,
     microbatches: u32,
     replicas: &[u32],
+    optimizer: OptimizerConfig,
+    profiling: &Profiling,
 ) -> Result<MeasuredPartition> {
     if replicas.len() == 1 {
         return Ok(MeasuredPartition {
@@ -129,12 +139,14 @@ pub fn measured_partition(
     }
     let be = CpuBackend::new(1)?;
     let opts = ProfileOptions {
-        warmup: 2,
+        warmup: 1,
         repeats: 5,
         calibrate: None,
+        optimizer,
+        budget_seconds: Some(PLANNING_BUDGET_SECONDS),
         ..ProfileOptions::new(microbatch_size)
     };
-    let profile = profile_model(model, "", &be, &opts)?;
+    let profile = profiling.profile(model, "", &be, &opts, microbatches)?;
     let per_update = f64::from(microbatches.max(1));
     let costs: Vec<f64> = profile
         .layers
@@ -157,7 +169,7 @@ pub fn measured_partition(
 
 /// What `pipe train --workers W` plans with: the model profiled at the run's microbatch size
 /// with one thread (calibrated on the executor, as many copies at once as there are busy
-/// workers), planned under the default cost model for the run's schedule. In-process
+/// workers; found in or kept in `profiling`'s cache), planned under the default cost model for the run's schedule. In-process
 /// activations move for free; the all-reduce's measured cost sets the bandwidth; `link`, the
 /// measured costs of the transport that will carry the run's links, charges each stage its
 /// messages' processor time.
@@ -172,6 +184,7 @@ pub fn auto_plan(
     microbatches: u32,
     workers: u32,
     link: Option<&TransportCost>,
+    profiling: &Profiling,
 ) -> Result<(Profile, PartitionPlan)> {
     let be = CpuBackend::new(1)?;
     let opts = ProfileOptions {
@@ -179,9 +192,10 @@ pub fn auto_plan(
         repeats: 5,
         calibrate: Some(microbatches),
         concurrent: busy_workers(workers),
+        budget_seconds: Some(PLANNING_BUDGET_SECONDS),
         ..ProfileOptions::new(microbatch_size)
     };
-    let profile = profile_model(model, name, &be, &opts)?;
+    let profile = profiling.profile(model, name, &be, &opts, microbatches)?;
     let bandwidth = in_process_bandwidth(model, microbatch_size)?;
     let mut opts = PlanOptions {
         policy,
@@ -199,13 +213,24 @@ pub fn auto_plan(
 ///
 /// # Errors
 /// An impossible schedule; more stages than layers with parameters; profiling failures.
-pub fn measured_cut(cfg: &RunConfig, model: &Model) -> Result<MeasuredPartition> {
+pub fn measured_cut(
+    cfg: &RunConfig,
+    model: &Model,
+    profiling: &Profiling,
+) -> Result<MeasuredPartition> {
     let layout = cfg.resolved()?.layout;
     let replicas: Vec<u32> = (0..layout.stages())
         .map(|s| layout.replicas_of(s))
         .collect();
     let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
-    measured_partition(model, cfg.microbatch_size, m, &replicas)
+    measured_partition(
+        model,
+        cfg.microbatch_size,
+        m,
+        &replicas,
+        cfg.optimizer,
+        profiling,
+    )
 }
 
 /// Settles `--workers W`: plans the run `settings` describe for `workers` workers
@@ -221,6 +246,7 @@ pub fn plan_workers(
     settings: TrainSettings,
     workers: u32,
     costs: Option<&TransportCosts>,
+    profiling: &Profiling,
 ) -> Result<(RunConfig, PartitionPlan, Profile)> {
     if workers == 0 {
         return Err(StageError::Config("--workers must be at least 1".into()));
@@ -237,6 +263,7 @@ pub fn plan_workers(
         m,
         workers,
         costs.and_then(|c| c.get(cfg.link_transport().name())),
+        profiling,
     )?;
     let (partition, replicas) = layout_of(&plan)?;
     let planned = PlannedLayout {
@@ -261,6 +288,7 @@ pub fn replan(
     cfg: &RunConfig,
     workers: u32,
     costs: Option<&TransportCosts>,
+    profiling: &Profiling,
 ) -> Result<(RunConfig, PartitionPlan)> {
     let model = Model::new(&cfg.model)?;
     let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
@@ -272,6 +300,7 @@ pub fn replan(
         m,
         workers,
         costs.and_then(|c| c.get(cfg.link_transport().name())),
+        profiling,
     )?;
     let (partition, replicas) = layout_of(&plan)?;
     let minibatch = cfg.resolved()?.minibatch;
@@ -307,11 +336,12 @@ pub fn replan(
 pub fn settle_measured_partition(
     cfg: &mut RunConfig,
     model: &Model,
+    profiling: &Profiling,
 ) -> Result<Option<MeasuredPartition>> {
     if cfg.partition != PartitionChoice::Measured {
         return Ok(None);
     }
-    let cut = measured_cut(cfg, model)?;
+    let cut = measured_cut(cfg, model, profiling)?;
     cfg.partition = PartitionChoice::Given(cut.partition.clone());
     Ok(Some(cut))
 }

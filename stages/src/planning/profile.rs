@@ -4,7 +4,10 @@
 //!
 //! Every layer is run on its own, on random inputs of the shape it receives in the model:
 //! forward, backward-input, backward-weight and the optimizer step, each repeated after a
-//! warm-up, and each figure is the median of the repeats. Sizes are counted, not timed: the
+//! warm-up, and each figure is the median of the repeats. Layers of one shape (the same spec,
+//! input shape and optimizer role, such as a GPT's identical blocks) are timed once and share
+//! the figures, and [`ProfileOptions::budget_seconds`] stops repeating an operation once its
+//! timed runs add up to a stable median: one slow run is already one. Sizes are counted, not timed: the
 //! output activation, the parameters and what the forward saves for the backward. The result is
 //! a [`pipe_scheduler::Profile`], the form the planner reads (and `pipe profile` writes as JSON).
 //!
@@ -61,6 +64,24 @@ pub struct ProfileOptions {
     /// core), so the times include what they cost each other in shared caches and memory
     /// bandwidth.
     pub concurrent: usize,
+    /// Stop repeating an operation once its timed runs add up to this many seconds (at least
+    /// one timed run); `None` runs every repeat. A run of a second is its own stable median;
+    /// repeats matter for short operations, whose times the clock and the cache move.
+    pub budget_seconds: Option<f64>,
+}
+
+/// How far profiling has got, for a caller that shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProfileProgress {
+    /// `done` of the model's `of` distinct layer shapes are timed.
+    Layers {
+        /// Shapes timed.
+        done: usize,
+        /// Distinct shapes in the model.
+        of: usize,
+    },
+    /// The layer timings are being calibrated on the executor (one run of the whole model).
+    Calibrating,
 }
 
 impl ProfileOptions {
@@ -76,6 +97,7 @@ impl ProfileOptions {
             calibrate: Some(4),
             calibration_minibatches: 6,
             concurrent: 1,
+            budget_seconds: None,
         }
     }
 }
@@ -93,17 +115,32 @@ fn median(xs: &mut [f64]) -> f64 {
     }
 }
 
-/// Runs `f` `warmup` times, then `repeats` times; the median of the seconds the timed runs
-/// report (each run times its own operation, leaving out its set-up).
-fn time_median(warmup: usize, repeats: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
-    for _ in 0..warmup {
-        f()?;
+/// How often each operation runs: untimed, then timed at most, and the timed seconds after
+/// which it stops ([`ProfileOptions::budget_seconds`]).
+#[derive(Clone, Copy, Debug)]
+struct Repeats {
+    warmup: usize,
+    most: usize,
+    budget: Option<f64>,
+}
+
+impl Repeats {
+    /// Runs `f` `warmup` times, then up to `most` times (stopping once the timed runs add up
+    /// to the budget, after at least one); the median of the seconds the timed runs report
+    /// (each run times its own operation, leaving out its set-up).
+    fn median(self, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
+        for _ in 0..self.warmup {
+            f()?;
+        }
+        let mut times = Vec::with_capacity(self.most);
+        let mut spent = 0.0;
+        while times.len() < self.most.max(1) && self.budget.is_none_or(|b| spent < b) {
+            let t = f()?;
+            spent += t;
+            times.push(t);
+        }
+        Ok(median(&mut times))
     }
-    let mut times = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        times.push(f()?);
-    }
-    Ok(median(&mut times))
 }
 
 /// Seconds `f` takes on `be`, from an idle device to the end of the work `f` queued.
@@ -175,130 +212,207 @@ pub fn profile_model(
     be: &dyn Backend,
     opts: &ProfileOptions,
 ) -> Result<Profile> {
+    profile_model_with(model, name, be, opts, &mut |_| {})
+}
+
+/// What makes two layers cost the same: their spec, the shape they receive, whether they are
+/// the model's first (which computes no input gradient) and their optimizer role.
+fn shape_key(model: &Model, roles: &[Vec<crate::model::ParamRole>], i: usize) -> String {
+    format!(
+        "{:?}|{:?}|{}|{:?}",
+        model.specs().get(i),
+        model.shape_before(i),
+        i == 0,
+        roles.get(i)
+    )
+}
+
+/// [`profile_model`], telling `progress` after each distinct layer shape and before the
+/// calibration run.
+///
+/// # Errors
+/// As [`profile_model`].
+pub fn profile_model_with(
+    model: &Model,
+    name: &str,
+    be: &dyn Backend,
+    opts: &ProfileOptions,
+    progress: &mut dyn FnMut(ProfileProgress),
+) -> Result<Profile> {
     if opts.microbatch_size == 0 || opts.repeats == 0 {
         return Err(StageError::Config(
             "profiling needs a microbatch size and a repeat count of at least 1".into(),
         ));
     }
     check_profile_request(model, opts)?;
-    let b = opts.microbatch_size;
     let params = place_params(be, model.init_params(opts.seed))?;
-    let mut layers = Vec::with_capacity(model.len());
-    let matrices = model.optimizer_roles();
+    let roles = model.optimizer_roles();
+    let keys: Vec<String> = (0..model.len())
+        .map(|i| shape_key(model, &roles, i))
+        .collect();
+    let of = {
+        let mut distinct = keys.clone();
+        distinct.sort();
+        distinct.dedup();
+        distinct.len()
+    };
+    progress(ProfileProgress::Layers { done: 0, of });
+    let mut layers: Vec<LayerProfile> = Vec::with_capacity(model.len());
     for (i, p) in params.iter().enumerate() {
-        let layer = model.layer(i);
-        let kernel = |op: &'static str| {
-            move |source| StageError::Kernel {
-                layer: i,
-                kind: layer.kind(),
-                op,
-                source,
-            }
+        let kind = model.layer(i).kind();
+        // A layer of a shape already timed takes that one's figures.
+        if let Some(same) = keys[..i].iter().position(|k| *k == keys[i]) {
+            let timed = layers[same].clone();
+            layers.push(LayerProfile {
+                name: format!("{i}:{kind}"),
+                ..timed
+            });
+            continue;
+        }
+        layers.push(time_layer(model, i, p, &roles[i], be, opts)?);
+        let done = {
+            let mut seen = keys[..=i].to_vec();
+            seen.sort();
+            seen.dedup();
+            seen.len()
         };
-        let batch = |shape: &[usize]| {
-            let mut s = vec![b];
-            s.extend_from_slice(shape);
-            s
-        };
-        let x = be.place(random_input(
-            model,
-            i,
-            &batch(model.shape_before(i)),
-            opts.seed,
-            "profile-x",
-        )?)?;
-        let dy = be.place(random(
-            &batch(model.shape_before(i + 1)),
-            opts.seed,
-            "profile-dy",
-            i as u64,
-        )?)?;
-        let ctx = ForwardCtx {
-            train: true,
-            seed: opts.seed,
-            recompute_attention: false,
-            documents: None,
-        };
-        let forward = time_median(opts.warmup, opts.repeats, || {
-            // The forward consumes its input: copy it outside the timed call.
-            let input = x.clone();
-            seconds(be, || {
-                layer
-                    .forward(be, p, input, ctx.clone())
-                    .map_err(kernel("forward"))
-            })
-        })?;
-        let input_bytes = x.len() * 4;
-        let (y, saved) = layer.forward(be, p, x, ctx).map_err(kernel("forward"))?;
-        let backward_input = if i == 0 {
-            // The model's first layer never needs its input gradient.
-            0.0
-        } else {
-            time_median(opts.warmup, opts.repeats, || {
-                seconds(be, || {
-                    layer
-                        .backward_input(be, p, &saved, &dy)
-                        .map_err(kernel("backward_input"))
-                })
-            })?
-        };
-        let (backward_weight, whole, update) = if p.is_empty() {
-            (0.0, backward_input, 0.0)
-        } else {
-            let mut grads: Vec<Tensor> = p
-                .iter()
-                .map(|t| be.place(Tensor::zeros(t.shape())))
-                .collect::<std::result::Result<_, _>>()?;
-            let bw = time_median(opts.warmup, opts.repeats, || {
-                seconds(be, || {
-                    layer
-                        .backward_params(be, p, &saved, &dy, &mut grads, false)
-                        .map_err(kernel("backward_params"))
-                })
-            })?;
-            // Both halves at once: a layer whose halves share work does it once here.
-            let whole = time_median(opts.warmup, opts.repeats, || {
-                seconds(be, || {
-                    layer
-                        .backward(be, p, &saved, &dy, &mut grads, false, i != 0)
-                        .map_err(kernel("backward"))
-                })
-            })?;
-            let mut own = vec![p.clone()];
-            let grads = vec![grads];
-            let mine = std::slice::from_ref(&matrices[i]);
-            let mut opt = Optimizer::new(opts.optimizer, &own, mine).placed(be)?;
-            let up = time_median(opts.warmup, opts.repeats, || {
-                seconds(be, || opt.step(be, &mut own, &grads, 1e-6))
-            })?;
-            (bw, whole, up)
-        };
-        let param_elems: usize = p.iter().map(Tensor::len).sum();
-        layers.push(LayerProfile {
-            name: format!("{i}:{}", layer.kind()),
-            forward,
-            backward_input,
-            backward_weight,
-            backward: Some(whole),
-            update,
-            activation_bytes: (y.len() * 4) as f64,
-            param_bytes: (param_elems * 4) as f64,
-            stash_bytes: Some(saved.bytes() as f64),
-            // Full recomputation keeps the layer's input where it would keep more
-            // (`Model::forward_range`).
-            recompute_stash_bytes: Some(saved.bytes().min(input_bytes) as f64),
-        });
+        progress(ProfileProgress::Layers { done, of });
     }
     let mut profile = Profile {
         model: name.to_string(),
-        microbatch_size: b,
+        microbatch_size: opts.microbatch_size,
         ..Profile::chain(layers)
     };
     if let Some(m) = opts.calibrate {
+        progress(ProfileProgress::Calibrating);
         calibrate(model, &mut profile, opts, m, be.name())?;
         profile.calibrated_microbatches = Some(m);
     }
     Ok(profile)
+}
+
+/// Times layer `i` of `model` with its parameters `p` on random inputs: forward, the whole
+/// backward and its two halves, and the optimizer step, and counts its sizes.
+fn time_layer(
+    model: &Model,
+    i: usize,
+    p: &[Tensor],
+    role: &[crate::model::ParamRole],
+    be: &dyn Backend,
+    opts: &ProfileOptions,
+) -> Result<LayerProfile> {
+    let layer = model.layer(i);
+    let b = opts.microbatch_size;
+    let kernel = |op: &'static str| {
+        move |source| StageError::Kernel {
+            layer: i,
+            kind: layer.kind(),
+            op,
+            source,
+        }
+    };
+    let batch = |shape: &[usize]| {
+        let mut s = vec![b];
+        s.extend_from_slice(shape);
+        s
+    };
+    let x = be.place(random_input(
+        model,
+        i,
+        &batch(model.shape_before(i)),
+        opts.seed,
+        "profile-x",
+    )?)?;
+    let dy = be.place(random(
+        &batch(model.shape_before(i + 1)),
+        opts.seed,
+        "profile-dy",
+        i as u64,
+    )?)?;
+    let ctx = ForwardCtx {
+        train: true,
+        seed: opts.seed,
+        recompute_attention: false,
+        documents: None,
+    };
+    let repeats = Repeats {
+        warmup: opts.warmup,
+        most: opts.repeats,
+        budget: opts.budget_seconds,
+    };
+    // Every operation is warmed up on its own: a first run pays for touching its memory for
+    // the first time (a GPT-2 block's first backward at 2 x 1,024 tokens takes 1.4-1.7x its
+    // later ones), which a run that reuses its freed blocks does not.
+    let forward = repeats.median(|| {
+        // The forward consumes its input: copy it outside the timed call.
+        let input = x.clone();
+        seconds(be, || {
+            layer
+                .forward(be, p, input, ctx.clone())
+                .map_err(kernel("forward"))
+        })
+    })?;
+    let input_bytes = x.len() * 4;
+    let (y, saved) = layer.forward(be, p, x, ctx).map_err(kernel("forward"))?;
+    let backward_input = |repeats: Repeats| {
+        if i == 0 {
+            // The model's first layer never needs its input gradient.
+            return Ok(0.0);
+        }
+        repeats.median(|| {
+            seconds(be, || {
+                layer
+                    .backward_input(be, p, &saved, &dy)
+                    .map_err(kernel("backward_input"))
+            })
+        })
+    };
+    let (backward_input, backward_weight, whole, update) = if p.is_empty() {
+        let bi = backward_input(repeats)?;
+        (bi, 0.0, bi, 0.0)
+    } else {
+        let mut grads: Vec<Tensor> = p
+            .iter()
+            .map(|t| be.place(Tensor::zeros(t.shape())))
+            .collect::<std::result::Result<_, _>>()?;
+        // Both halves at once: a layer whose halves share work does it once here.
+        let whole = repeats.median(|| {
+            seconds(be, || {
+                layer
+                    .backward(be, p, &saved, &dy, &mut grads, false, i != 0)
+                    .map_err(kernel("backward"))
+            })
+        })?;
+        let bi = backward_input(repeats)?;
+        let bw = repeats.median(|| {
+            seconds(be, || {
+                layer
+                    .backward_params(be, p, &saved, &dy, &mut grads, false)
+                    .map_err(kernel("backward_params"))
+            })
+        })?;
+        let mut own = vec![p.to_vec()];
+        let grads = vec![grads];
+        let mine = [role.to_vec()];
+        let mut opt = Optimizer::new(opts.optimizer, &own, &mine).placed(be)?;
+        let up = repeats.median(|| seconds(be, || opt.step(be, &mut own, &grads, 1e-6)))?;
+        (bi, bw, whole, up)
+    };
+    let param_elems: usize = p.iter().map(Tensor::len).sum();
+    Ok(LayerProfile {
+        name: format!("{i}:{}", layer.kind()),
+        forward,
+        backward_input,
+        backward_weight,
+        backward: Some(whole),
+        update,
+        activation_bytes: (y.len() * 4) as f64,
+        param_bytes: (param_elems * 4) as f64,
+        stash_bytes: Some(saved.bytes() as f64),
+        // Full recomputation keeps the layer's input where it would keep more
+        // (`Model::forward_range`).
+        recompute_stash_bytes: Some(saved.bytes().min(input_bytes) as f64),
+    })
 }
 
 /// Profiles the model preset `name` on `be` (see [`profile_model`]).
