@@ -143,7 +143,7 @@ impl Phases {
 
     /// A profiler's report that moves this display: the layer shapes timed as a bar, the
     /// calibration run and where the profile came from as notes and lines.
-    pub fn profile_report(&self) -> Arc<dyn Fn(&ProfileEvent) + Send + Sync> {
+    pub fn profile_report(&self) -> pipe_stages::planning::ProfileReport {
         let phases = self.clone();
         Arc::new(move |event: &ProfileEvent| match event {
             ProfileEvent::Progress(ProfileProgress::Layers { done, of }) => {

@@ -636,27 +636,70 @@ fn recompute_note(recompute: &pipe_stages::layer::StageRecompute) -> String {
     }
 }
 
-/// Prints each worker process's estimated peak resident memory (pipe's memory model,
-/// [`pipe_stages::planning::memory`]) for a pipelined run whose partition is settled; the
-/// process term is `process`, the resident bytes of this process before it built its run.
+/// Prints the estimated peak resident memory (pipe's memory model,
+/// [`pipe_stages::planning::memory`]) of a pipelined run whose partition is settled: each
+/// worker process's, or, for workers that are threads of this process (`processes` false),
+/// the process's and each worker's own share. `process` is the resident bytes of this
+/// process before it built its run. Then refuses the run where its workers together (all on
+/// this host) need more than the host has available, unless `force`.
 ///
 /// # Errors
-/// A layout or model the estimate cannot build.
-pub fn print_memory_estimate(cfg: &RunConfig, process: u64) -> Result<()> {
+/// A layout or model the estimate cannot build; bad input (exit 2) for a run over the
+/// memory available.
+pub fn check_memory_estimate(
+    cfg: &RunConfig,
+    process: u64,
+    processes: bool,
+    force: bool,
+) -> Result<()> {
+    use pipe_stages::planning::memory::{estimate_run, in_one_process};
     if !cfg.pipelined {
         return Ok(());
     }
-    let workers = pipe_stages::planning::memory::estimate_run(cfg, process)?;
+    let workers = estimate_run(cfg, process)?;
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-    let each: Vec<String> = workers
-        .iter()
-        .map(|w| format!("w{} {:.1}", w.worker, mib(w.total())))
-        .collect();
-    outln!(
-        "memory estimate per worker (MiB, peak resident): {}",
-        each.join(", ")
-    );
-    Ok(())
+    let need = if processes {
+        let each: Vec<String> = workers
+            .iter()
+            .map(|w| format!("w{} {:.1}", w.worker, mib(w.total())))
+            .collect();
+        outln!(
+            "memory estimate per worker (MiB, peak resident): {}",
+            each.join(", ")
+        );
+        workers.iter().map(|w| w.total()).sum()
+    } else {
+        let total = in_one_process(&workers);
+        let own: Vec<String> = workers
+            .iter()
+            .map(|w| {
+                format!(
+                    "w{} {:.1}",
+                    w.worker,
+                    mib(w.total().saturating_sub(process))
+                )
+            })
+            .collect();
+        outln!(
+            "memory estimate (MiB, peak resident): this process {:.1} (the process {:.1}, each worker thread as alone: {})",
+            mib(total),
+            mib(process),
+            own.join(", ")
+        );
+        total
+    };
+    let Some((available, source)) = pipe_stages::limits::available_memory() else {
+        return Ok(());
+    };
+    let lower = "lower it with a smaller --microbatch-size, --recompute full, more --stages, fewer --replicas or a schedule that keeps fewer weight versions (1f1b-flush)";
+    match pipe_stages::limits::check_available(need, available, source, lower) {
+        Ok(()) => Ok(()),
+        Err(e) if force => {
+            eprintln!("warning: {e}; running it (--force)");
+            Ok(())
+        }
+        Err(e) => Err(bad_input(e.to_string())),
+    }
 }
 
 /// Settles a measured partition once, on this machine: profiles `model`, prints the cut, and

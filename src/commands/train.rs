@@ -28,8 +28,8 @@ use crate::phases::Phases;
 use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
-    Fan, adopt_checkpoint_buckets, checkpoint_policy, finish_checkpoints, print_done,
-    print_done_line, print_header, print_memory_estimate, print_resuming, resume_from, run_config,
+    Fan, adopt_checkpoint_buckets, check_memory_estimate, checkpoint_policy, finish_checkpoints,
+    print_done, print_done_line, print_header, print_resuming, resume_from, run_config,
     serve_metrics, settle_partition, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::LaunchOptions;
@@ -103,10 +103,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(p) = policy.as_mut() {
         p.settings = cfg.numerics().to_json()?;
     }
-    // The model is checked per worker process; threads share one process.
-    if processes {
-        print_memory_estimate(&cfg, process)?;
-    }
+    check_memory_estimate(&cfg, process, processes, args.force)?;
     let workers = match &resolved {
         Some(r) => print_pipeline(&cfg, r),
         None => 1,

@@ -72,6 +72,24 @@ impl CacheKey {
         self
     }
 
+    /// Where `self` differs from `wanted`, field by field (`cpu: Intel Xeon, not AMD EPYC`).
+    fn differences(&self, wanted: &CacheKey) -> String {
+        let mut out = Vec::new();
+        if self.kind != wanted.kind {
+            out.push(format!("kind {}, not {}", self.kind, wanted.kind));
+        }
+        let names: std::collections::BTreeSet<&String> =
+            self.fields.keys().chain(wanted.fields.keys()).collect();
+        for name in names {
+            let (has, want) = (self.fields.get(name), wanted.fields.get(name));
+            if has != want {
+                let show = |v: Option<&String>| v.map_or("none".to_string(), Clone::clone);
+                out.push(format!("{name} {}, not {}", show(has), show(want)));
+            }
+        }
+        out.join("; ")
+    }
+
     /// The entry's file name: the kind and the first 16 hex digits of the fields' SHA-256.
     fn file_name(&self) -> String {
         let mut hash = Sha256::new();
@@ -209,7 +227,10 @@ impl Cache {
             return ignored(format!("entry format {}, not {FORMAT}", entry.format));
         }
         if entry.key != *key {
-            return ignored("it was written for another key".into());
+            return ignored(format!(
+                "it was written for another key ({})",
+                entry.key.differences(key)
+            ));
         }
         if digest_of(&entry.value) != entry.digest {
             return ignored("its value does not match its digest (edited or damaged)".into());

@@ -327,6 +327,63 @@ pub fn process_peak_bytes() -> Option<u64> {
     status_bytes("VmHWM:")
 }
 
+/// The environment variable that sets the memory [`available_memory`] reports, in bytes,
+/// instead of this host's: a dry run of the refusal for a smaller machine, and the tests'.
+pub const AVAILABLE_MEMORY_VAR: &str = "PIPE_AVAILABLE_MEMORY";
+
+/// Memory this host has available now, and what says so: the kernel's `MemAvailable` (what
+/// can be allocated without swapping, page cache that can be dropped included), or what the
+/// process's cgroup has left (`memory.max` less `memory.current`) where that is lower;
+/// [`AVAILABLE_MEMORY_VAR`] where set to a number. `None` where none can be read (not Linux).
+pub fn available_memory() -> Option<(u64, &'static str)> {
+    if let Some(bytes) = std::env::var(AVAILABLE_MEMORY_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        return Some((bytes, AVAILABLE_MEMORY_VAR));
+    }
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let available = meminfo.as_deref().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))?
+            .split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+            .map(|kib| kib.saturating_mul(1024))
+    });
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/sys/fs/cgroup/{name}"))
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let cgroup =
+        read("memory.max").map(|max| max.saturating_sub(read("memory.current").unwrap_or(0)));
+    match (available, cgroup) {
+        (Some(a), Some(c)) if c < a => Some((c, "the cgroup's memory.max less its memory.current")),
+        (Some(a), _) => Some((a, "MemAvailable")),
+        (None, Some(c)) => Some((c, "the cgroup's memory.max less its memory.current")),
+        (None, None) => None,
+    }
+}
+
+/// Refuses a run whose workers on this host are estimated to need `need` bytes at their
+/// peak, over `available` (from [`available_memory`], named by `source`). `lower` names the
+/// flags that would lower the estimate.
+///
+/// # Errors
+/// [`StageError::Limit`] naming both figures, the flags, and `--force`.
+pub fn check_available(need: u64, available: u64, source: &str, lower: &str) -> Result<()> {
+    if need <= available {
+        return Ok(());
+    }
+    Err(StageError::Limit(format!(
+        "the run's workers on this host are estimated to need {} at their peak, over the {} this host has available ({source}); {lower}, or give --force to run it anyway",
+        gib(need as f64),
+        gib(available as f64),
+    )))
+}
+
 /// A `kB` field of `/proc/self/status`, in bytes.
 fn status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -368,6 +425,18 @@ mod tests {
             .to_string();
         assert!(
             e.contains("needs at least 27.9 GiB") && e.contains("19.2 GiB"),
+            "{e}"
+        );
+        assert!(check_available(1 << 30, 2 << 30, "MemAvailable", "x").is_ok());
+        let e = check_available(3 << 30, 2 << 30, "MemAvailable", "use fewer replicas")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("3.0 GiB")
+                && e.contains("2.0 GiB")
+                && e.contains("(MemAvailable)")
+                && e.contains("use fewer replicas")
+                && e.contains("--force"),
             "{e}"
         );
         assert!(check_shape("input", &[usize::MAX, 2]).is_err());

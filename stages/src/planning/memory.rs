@@ -83,6 +83,39 @@ impl WorkerMemory {
     }
 }
 
+impl WorkerMemory {
+    /// The bytes of the terms named `names`.
+    fn of(&self, names: &[&str]) -> u64 {
+        self.terms
+            .iter()
+            .filter(|t| names.contains(&t.name))
+            .map(|t| t.bytes)
+            .sum()
+    }
+}
+
+/// What a training pass holds and frees by the epoch's end: the terms an evaluation reuses.
+const TRAINING_PASS: [&str; 3] = ["activations", "working", "loss"];
+
+/// The peak of workers that are threads of one process (`pipe train` without
+/// `--placement processes`): every worker's terms (each thread has its runtime: scratch,
+/// stack, its allocator heap, its message buffers), with two changes. The process term is
+/// counted once. The chief's evaluation needs only what exceeds every worker's freed
+/// training activations, not its own alone: the worker threads have ended by then, and the
+/// allocator hands their freed blocks to the evaluating thread. Checked against VmHWM on
+/// `gpt2-small` and the recomputation experiment's GPT-2 (`docs/training.md`).
+pub fn in_one_process(workers: &[WorkerMemory]) -> u64 {
+    let Some(chief) = workers.first() else {
+        return 0;
+    };
+    let process = chief.of(&["process"]);
+    let evaluation = chief.of(&["evaluation"]);
+    let others_freed: u64 = workers[1..].iter().map(|w| w.of(&TRAINING_PASS)).sum();
+    let all: u64 = workers.iter().map(WorkerMemory::total).sum();
+    all.saturating_sub(process * (workers.len() as u64 - 1))
+        .saturating_sub(evaluation.min(others_freed))
+}
+
 /// What a layer keeps and works on per sample, in bytes, measured by a probe.
 #[derive(Clone, Copy, Debug, Default)]
 struct LayerBytes {

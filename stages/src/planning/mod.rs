@@ -28,7 +28,7 @@ use crate::optim::OptimizerConfig;
 use crate::partition::Partition;
 use crate::pipeline::{RunPlan, Setup, WorkerState, run_threads};
 use crate::profile::{ProfileOptions, RandomSource};
-pub use reuse::{ProfileEvent, Profiling};
+pub use reuse::{ProfileEvent, ProfileReport, Profiling};
 
 /// Seconds of timed runs after which the planning profiles stop repeating an operation
 /// ([`ProfileOptions::budget_seconds`]): short operations get their five repeats, a GPT-2
@@ -177,15 +177,15 @@ pub fn measured_partition(
 /// # Errors
 /// Profiling or planning failures (an unplannable schedule is bad input).
 pub fn auto_plan(
-    name: &str,
+    cfg: &RunConfig,
     model: &Model,
-    microbatch_size: usize,
     policy: Policy,
-    microbatches: u32,
     workers: u32,
     link: Option<&TransportCost>,
     profiling: &Profiling,
 ) -> Result<(Profile, PartitionPlan)> {
+    let (name, microbatch_size) = (cfg.model_name.as_str(), cfg.microbatch_size);
+    let microbatches = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
     let be = CpuBackend::new(1)?;
     let opts = ProfileOptions {
         warmup: 2,
@@ -253,14 +253,11 @@ pub fn plan_workers(
     }
     let cfg = settings.clone().resolve()?;
     let model = Model::new(&cfg.model)?;
-    let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
     let policy = cfg.pipeline_policy();
     let (profile, plan) = auto_plan(
-        &cfg.model_name,
+        &cfg,
         &model,
-        cfg.microbatch_size,
         policy,
-        m,
         workers,
         costs.and_then(|c| c.get(cfg.link_transport().name())),
         profiling,
@@ -291,13 +288,10 @@ pub fn replan(
     profiling: &Profiling,
 ) -> Result<(RunConfig, PartitionPlan)> {
     let model = Model::new(&cfg.model)?;
-    let m = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
     let (_, plan) = auto_plan(
-        &cfg.model_name,
+        cfg,
         &model,
-        cfg.microbatch_size,
         cfg.schedule,
-        m,
         workers,
         costs.and_then(|c| c.get(cfg.link_transport().name())),
         profiling,

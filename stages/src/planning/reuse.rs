@@ -60,6 +60,10 @@ pub enum ProfileEvent {
     },
 }
 
+/// What is told of a profile's events ([`Profiling::report`]); called from the profiling
+/// thread.
+pub type ProfileReport = Arc<dyn Fn(&ProfileEvent) + Send + Sync>;
+
 /// Where a run's profile comes from: pipe's cache, or a measurement kept there.
 #[derive(Clone, Default)]
 pub struct Profiling {
@@ -69,7 +73,7 @@ pub struct Profiling {
     /// measurement replaces the entry.
     pub reprofile: bool,
     /// Told of progress and of where the profile came from.
-    pub report: Option<Arc<dyn Fn(&ProfileEvent) + Send + Sync>>,
+    pub report: Option<ProfileReport>,
 }
 
 impl std::fmt::Debug for Profiling {
@@ -94,7 +98,7 @@ impl Profiling {
 
     /// This with `report` told of every event.
     #[must_use]
-    pub fn reporting(mut self, report: Arc<dyn Fn(&ProfileEvent) + Send + Sync>) -> Self {
+    pub fn reporting(mut self, report: ProfileReport) -> Self {
         self.report = Some(report);
         self
     }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# pipe's memory model for workers that are threads of one process (pipe train's default
+# placement): the header's "memory estimate ... this process" beside the process's measured
+# peak (VmHWM, from /usr/bin/time), for two GPT-2s at 4 stages on the 1,024-token BPE of Tiny
+# Shakespeare:
+#   - the recomputation experiment's (8 blocks of width 128, 128 positions, 4 sequences per
+#     microbatch, --partition flops, 40 updates);
+#   - gpt2-small's shape (86.6 M parameters with this vocabulary, 1,024 positions, 2 sequences
+#     per microbatch, --partition 0-3,4-6,7-9,10-14, 3 updates, 8 evaluation windows).
+#
+#   experiments/memory/threads.sh > experiments/memory/threads.md
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cargo build --release --locked --quiet --bin pipe
+pipe=$PWD/target/release/pipe
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$pipe" tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json \
+  --input data/tinyshakespeare.txt --out "$work/corpus" > /dev/null
+cases=(
+  "gpt2-8x128|--model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128 --threads 1 --partition flops --steps 40 --microbatch-size 4"
+  "gpt2-small|--model gpt2-small --partition 0-3,4-6,7-9,10-14 --steps 3 --microbatch-size 2 --eval-windows 8"
+)
+echo "# pipe's memory model for worker threads"
+echo
+echo "\`experiments/memory/threads.sh\`: the run header's estimate for the whole process beside its"
+echo "measured VmHWM, $(date -u +%Y-%m-%d), commit $(git rev-parse --short HEAD), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores."
+echo "Every run: --dataset tokens (the 1,024-token BPE of Tiny Shakespeare), --stages 4, threads."
+echo
+echo "| model | estimate MiB | VmHWM MiB | estimate / measured |"
+echo "|---|---|---|---|"
+for c in "${cases[@]}"; do
+  label=${c%%|*}
+  read -r -a flags <<< "${c#*|}"
+  /usr/bin/time -f "maxrss_kb %M" "$pipe" train --dataset "tokens:$work/corpus" --stages 4 \
+    "${flags[@]}" > "$work/$label.txt" 2>&1
+  est=$(sed -n 's/^memory estimate (MiB, peak resident): this process \([0-9.]*\).*/\1/p' "$work/$label.txt")
+  kb=$(sed -n 's/^maxrss_kb //p' "$work/$label.txt")
+  python3 -c "e=$est; m=$kb/1024; print(f'| $label | {e:.1f} | {m:.1f} | {e/m:.2f} |')"
+done
