@@ -11,7 +11,7 @@ use std::io::IsTerminal as _;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 use pipe_stages::pipeline::PhaseRecord;
 use pipe_stages::planning::ProfileEvent;
 use pipe_stages::profile::ProfileProgress;
@@ -73,7 +73,9 @@ impl Phases {
         };
         outln!("{line}");
         let bar = st.tty.then(|| {
-            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+            // A run that fails mid-phase leaves no bar above its error.
+            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+                .with_finish(ProgressFinish::AndClear);
             if let Ok(style) = ProgressStyle::with_template("  {spinner} {msg} {elapsed}") {
                 bar.set_style(style);
             }

@@ -69,7 +69,10 @@ fn trains_on_synthetic_data_and_logs_jsonl() {
     assert_eq!(steps, 20);
     let epoch = lines.iter().find(|v| v["kind"] == "epoch").unwrap();
     assert!(epoch["test_accuracy"].as_f64().unwrap() > 0.0);
-    assert!(lines[0]["loss"].as_f64().unwrap().is_finite());
+    let first = lines.iter().find(|v| v["kind"] == "step").unwrap();
+    assert!(first["loss"].as_f64().unwrap().is_finite());
+    // The phases of the start come first, as records.
+    assert_eq!(lines[0]["kind"], "phase", "{text}");
 }
 
 #[test]

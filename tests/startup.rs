@@ -136,7 +136,7 @@ fn every_phase_before_the_first_update_is_announced_and_logged() {
         "reading and checking the data",
         "profiling",
         "planning",
-        "building the starting weights",
+        "building the model",
         "starting workers and connecting them",
         "the first update",
     ];

@@ -1366,6 +1366,8 @@ fn log_without_timings(
             strip_timings(&mut v);
             v
         })
+        // The phases of the start are timings, and differ by launcher.
+        .filter(|v| v["kind"] != "phase")
         .collect()
 }
 

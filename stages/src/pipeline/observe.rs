@@ -28,7 +28,7 @@ impl StartPhase {
     /// What the phase does, for a line that announces it.
     pub fn describe(self) -> &'static str {
         match self {
-            StartPhase::Weights => "building the starting weights",
+            StartPhase::Weights => "building the model",
             StartPhase::Workers => "starting workers and connecting them",
             StartPhase::FirstUpdate => "the first update",
         }
