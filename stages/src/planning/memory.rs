@@ -54,6 +54,12 @@ const F32: u64 = 4;
 /// experiment's followers with one compute thread each).
 pub const RUNTIME_BYTES: u64 = 30 << 20;
 
+/// What a worker that is a thread of a process shared with other workers adds besides its
+/// tensors: its stack, the kernels' scratch and its allocator heap, without a process's own
+/// pages and with in-process links that hand buffers over instead of copying them (20 MiB,
+/// measured with `experiments/memory/threads.sh`).
+pub const THREAD_RUNTIME_BYTES: u64 = 20 << 20;
+
 /// The most tokens of a sequence the layer probe runs: activations grow with the token count
 /// and are scaled from it.
 const PROBE_TOKENS: usize = 16;
@@ -98,9 +104,9 @@ impl WorkerMemory {
 const TRAINING_PASS: [&str; 3] = ["activations", "working", "loss"];
 
 /// The peak of workers that are threads of one process (`pipe train` without
-/// `--placement processes`): every worker's terms (each thread has its runtime: scratch,
-/// stack, its allocator heap, its message buffers), with two changes. The process term is
-/// counted once. The chief's evaluation needs only what exceeds every worker's freed
+/// `--placement processes`): every worker's terms, with three changes. The process term is
+/// counted once, and the process's runtime once: every other worker thread adds
+/// [`THREAD_RUNTIME_BYTES`]. The chief's evaluation needs only what exceeds every worker's freed
 /// training activations, not its own alone: the worker threads have ended by then, and the
 /// allocator hands their freed blocks to the evaluating thread. Checked against VmHWM on
 /// `gpt2-small` and the recomputation experiment's GPT-2 (`docs/training.md`).
@@ -112,7 +118,8 @@ pub fn in_one_process(workers: &[WorkerMemory]) -> u64 {
     let evaluation = chief.of(&["evaluation"]);
     let others_freed: u64 = workers[1..].iter().map(|w| w.of(&TRAINING_PASS)).sum();
     let all: u64 = workers.iter().map(WorkerMemory::total).sum();
-    all.saturating_sub(process * (workers.len() as u64 - 1))
+    let others = workers.len() as u64 - 1;
+    all.saturating_sub((process + RUNTIME_BYTES - THREAD_RUNTIME_BYTES) * others)
         .saturating_sub(evaluation.min(others_freed))
 }
 
