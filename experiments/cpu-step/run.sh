@@ -18,12 +18,7 @@ cd "$(dirname "$0")/../.."
 rounds=${1:-3}
 python=${PYTHON:-python3}
 widths=${WIDTHS:-128 256 512}
-cargo build --release --locked --quiet --bin pipe
-pipe=$PWD/target/release/pipe
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-"$pipe" tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json \
-  --input data/tinyshakespeare.txt --out "$work/corpus" > /dev/null
+. experiments/corpus.sh
 # The same ids for PyTorch, as uint16, in corpus order (one document: the whole text).
 "$python" - "$work" <<'PY'
 import json, sys

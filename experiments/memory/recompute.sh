@@ -20,12 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rounds=${1:-2}
-cargo build --release --locked --quiet --bin pipe
-pipe=$PWD/target/release/pipe
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-"$pipe" tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json \
-  --input data/tinyshakespeare.txt --out "$work/corpus" > /dev/null
+. experiments/corpus.sh
 args=(train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128
       --dataset "tokens:$work/corpus" --stages 4 --schedule pipedream --placement processes
       --threads 1 --partition flops --steps 40 --microbatch-size "${MICROBATCH:-4}"

@@ -14,12 +14,7 @@
 set -euo pipefail
 rounds=${1:-1}
 cd "$(dirname "$0")/../.."
-cargo build --release --locked --quiet --bin pipe
-pipe=$PWD/target/release/pipe
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-"$pipe" tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json \
-  --input data/tinyshakespeare.txt --out "$work/corpus" > /dev/null
+. experiments/corpus.sh
 cases=(
   "gpt2-8x128|--model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128 --threads 1 --partition flops --steps 40 --microbatch-size 4"
   "gpt2-small|--model gpt2-small --partition 0-3,4-6,7-9,10-14 --steps 3 --microbatch-size 2 --eval-windows 8"

@@ -11,12 +11,7 @@
 #   experiments/startup/run.sh > experiments/startup/results.md
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cargo build --release --locked --quiet --bin pipe
-pipe=$PWD/target/release/pipe
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-"$pipe" tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json \
-  --input data/tinyshakespeare.txt --out "$work/corpus" > /dev/null
+. experiments/corpus.sh
 export PIPE_CACHE_DIR=$work/cache
 run=(train --model gpt2-small --dataset "tokens:$work/corpus" --stages 4 --microbatch-size 2
      --steps 3 --eval-windows 8)
