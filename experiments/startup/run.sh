@@ -8,7 +8,10 @@
 #   pipe train --model gpt2-small --dataset tokens:CORPUS --stages 4 --microbatch-size 2 \
 #     --steps 3 --eval-windows 8
 #
-#   experiments/startup/run.sh > experiments/startup/results.md
+#   [BASELINE=OTHER/pipe] experiments/startup/run.sh > experiments/startup/results.md
+#
+# BASELINE names another build of pipe (an earlier release) that is run the same way until it
+# prints its measured partition, for the time it took and the cut it chose.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . experiments/corpus.sh
@@ -30,6 +33,15 @@ for start in first second; do
     -- "$pipe" "${run[@]}"
   echo '```'
 done
+if [ -n "${BASELINE:-}" ]; then
+  echo
+  echo "## The baseline: $BASELINE ($("$BASELINE" --version 2>/dev/null || echo pipe))"
+  echo
+  echo '```'
+  python3 experiments/startup/silence.py --label baseline --until '^partition .* by measured time' \
+    -- "$BASELINE" "${run[@]}"
+  echo '```'
+fi
 echo
 python3 - "$work/figures.jsonl" <<'PY'
 import json, sys
@@ -37,6 +49,8 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 print("| start | first update began | first update ended | longest silence before it ended |")
 print("|---|---|---|---|")
 for r in rows:
+    if r.get("until_s") is not None:
+        continue
     fmt = lambda v: "never" if v is None else f"{v:.1f} s"
     print(f"| {r['label']} | {fmt(r['first_update_began_s'])} | {fmt(r['first_update_ended_s'])} | {r['longest_silence_s']:.2f} s |")
 PY

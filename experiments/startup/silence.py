@@ -4,9 +4,10 @@ how its start went: when each phase line appeared, when the first update began a
 and the longest stretch before the first update ended in which nothing was drawn (no phase
 line, no moving bar). Stops the run once its first update has ended (or at --limit).
 
-    silence.py [--label TEXT] [--limit SECONDS] [--json FILE] -- pipe train ...
+    silence.py [--label TEXT] [--limit SECONDS] [--until REGEX] [--json FILE] -- pipe train ...
 
-Prints one summary line; --json appends the figures as one JSON line to FILE.
+--until stops at the first line matching REGEX instead (a build that prints no phase lines: its
+partition line). Prints one summary line; --json appends the figures as one JSON line to FILE.
 """
 import argparse
 import json
@@ -27,6 +28,7 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--limit", type=float, default=600.0)
     ap.add_argument("--json")
+    ap.add_argument("--until")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -37,7 +39,8 @@ def main():
     last = t0
     longest, longest_after = 0.0, ""
     lines, pending = [], b""
-    begun = ended = None
+    begun = ended = until = None
+    stop = re.compile(a.until) if a.until else None
     while time.monotonic() - t0 < a.limit:
         ready, _, _ = select.select([fd], [], [], 0.05)
         if not ready:
@@ -65,7 +68,9 @@ def main():
                 begun = now - t0
             if ended is None and line.startswith("the first update:"):
                 ended = now - t0
-        if ended is not None:
+            if stop and until is None and stop.search(line):
+                until = now - t0
+        if ended is not None or until is not None:
             break
     try:
         os.kill(pid, signal.SIGKILL)
@@ -78,12 +83,19 @@ def main():
         print(f"  {t:7.2f} s  {l[:150]}")
     result = {
         "label": a.label,
+        "until_s": until,
         "first_update_began_s": begun,
         "first_update_ended_s": ended,
         "longest_silence_s": round(longest, 3),
         "longest_silence_after": longest_after[:120],
     }
     fmt = lambda v: "never" if v is None else f"{v:.1f} s"
+    if stop:
+        print(f"{a.label}: '{a.until}' at {fmt(until)}")
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        return 0 if until is not None else 1
     print(
         f"{a.label}: first update began at {fmt(begun)}, ended at {fmt(ended)}; "
         f"longest silence before it ended {longest:.2f} s (after: {longest_after[:80]})"

@@ -14,7 +14,6 @@ use pipe_scheduler::sim::Link;
 use pipe_scheduler::{
     PartitionPlan, PipeDreamOptions, PlanOptions, Policy, Profile, ScheduleError, WireDtype,
 };
-use pipe_stages::profile::ProfileOptions;
 use pipe_transport::TransportKind;
 
 use crate::args::{bytes, parse_bandwidth, parse_bytes, parse_policy, parse_seconds, secs};
@@ -280,13 +279,12 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             if args.microbatch_size == 0 {
                 return Err(bad_input("--microbatch-size must be at least 1".into()));
             }
-            let opts = ProfileOptions {
-                calibrate: Some(args.microbatches),
-                concurrent: pipe_stages::planning::busy_workers(
-                    args.stages.or(args.workers).unwrap_or(1),
-                ),
-                ..ProfileOptions::new(args.microbatch_size)
-            };
+            // As `pipe train --workers` profiles: either finds the other's in the cache.
+            let opts = pipe_stages::planning::planning_profile(
+                args.microbatch_size,
+                Some(args.microbatches),
+                pipe_stages::planning::busy_workers(args.stages.or(args.workers).unwrap_or(1)),
+            );
             let phases = crate::phases::Phases::new();
             phases.begin(
                 "profiling",

@@ -35,6 +35,25 @@ pub use reuse::{ProfileEvent, ProfileReport, Profiling};
 /// block's forward (0.3-0.7 s at 2 x 1,024 tokens on one core) one.
 pub const PLANNING_BUDGET_SECONDS: f64 = 0.5;
 
+/// How every plan profiles (a measured partition, `pipe train --workers`, `pipe plan
+/// --model`), so that they find each other's profile in the cache: one warm-up and up to 5
+/// timed runs per operation within [`PLANNING_BUDGET_SECONDS`], at `microbatch_size` samples,
+/// calibrated at `calibrate` microbatches per update (or not), `concurrent` copies at once.
+pub fn planning_profile(
+    microbatch_size: usize,
+    calibrate: Option<u32>,
+    concurrent: usize,
+) -> ProfileOptions {
+    ProfileOptions {
+        warmup: 1,
+        repeats: 5,
+        calibrate,
+        concurrent,
+        budget_seconds: Some(PLANNING_BUDGET_SECONDS),
+        ..ProfileOptions::new(microbatch_size)
+    }
+}
+
 /// Workers that compute at once: one per worker, at most one per core.
 pub fn busy_workers(workers: u32) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
@@ -139,12 +158,8 @@ pub fn measured_partition(
     }
     let be = CpuBackend::new(1)?;
     let opts = ProfileOptions {
-        warmup: 1,
-        repeats: 5,
-        calibrate: None,
         optimizer,
-        budget_seconds: Some(PLANNING_BUDGET_SECONDS),
-        ..ProfileOptions::new(microbatch_size)
+        ..planning_profile(microbatch_size, None, 1)
     };
     let profile = profiling.profile(model, "", &be, &opts, microbatches)?;
     let per_update = f64::from(microbatches.max(1));
@@ -187,14 +202,7 @@ pub fn auto_plan(
     let (name, microbatch_size) = (cfg.model_name.as_str(), cfg.microbatch_size);
     let microbatches = u32::try_from(cfg.microbatches).unwrap_or(u32::MAX);
     let be = CpuBackend::new(1)?;
-    let opts = ProfileOptions {
-        warmup: 2,
-        repeats: 5,
-        calibrate: Some(microbatches),
-        concurrent: busy_workers(workers),
-        budget_seconds: Some(PLANNING_BUDGET_SECONDS),
-        ..ProfileOptions::new(microbatch_size)
-    };
+    let opts = planning_profile(microbatch_size, Some(microbatches), busy_workers(workers));
     let profile = profiling.profile(model, name, &be, &opts, microbatches)?;
     let bandwidth = in_process_bandwidth(model, microbatch_size)?;
     let mut opts = PlanOptions {
