@@ -179,8 +179,6 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             args.connect_timeout
         )));
     }
-    // A launched worker is handed everything in the run's file; one started by hand takes
-    // its flags.
     // A launched worker's lines go to its launcher's log: no bars there.
     let phases = crate::phases::Phases::with_terminal(
         args.run.is_none() && {
@@ -188,6 +186,8 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             std::io::stderr().is_terminal()
         },
     );
+    // A launched worker is handed everything in the run's file; one started by hand takes
+    // its flags.
     let handed = match &args.run {
         Some(path) => {
             let text = pipe_stages::limits::read_text_file(path, "run")?;
