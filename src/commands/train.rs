@@ -74,14 +74,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let process = pipe_stages::limits::process_resident_bytes().unwrap_or(0);
     let be = open_backend(cfg.backend, cfg.threads)?;
     let model = Model::new(&cfg.model)?;
-    let kind = format!("{:?}", cfg.dataset).to_lowercase();
-    let source = match &cfg.data_dir {
-        Some(dir) => format!("{kind} at {}", dir.display()),
-        None => kind,
-    };
-    phases.begin("reading and checking the data", &source);
-    let data = train::load_data(&cfg, &model)?;
-    phases.end();
+    let data = read_data(&cfg, &model, &phases)?;
     print_header(&cfg, &model, &data, be.threads());
     let mut fan = Fan::new(&cfg, phases.clone())?;
     let mut policy = checkpoint_policy(args, &cfg)?;
@@ -199,6 +192,26 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     print_done(&out.report);
     Ok(())
+}
+
+/// Reads and checks the run's data as a phase of its start.
+///
+/// # Errors
+/// Data that cannot be read or does not fit the model (bad input).
+fn read_data(
+    cfg: &RunConfig,
+    model: &Model,
+    phases: &Phases,
+) -> pipe_stages::Result<pipe_stages::data::Splits> {
+    let kind = format!("{:?}", cfg.dataset).to_lowercase();
+    let source = match &cfg.data_dir {
+        Some(dir) => format!("{kind} at {}", dir.display()),
+        None => kind,
+    };
+    phases.begin("reading and checking the data", &source);
+    let data = train::load_data(cfg, model)?;
+    phases.end();
+    Ok(data)
 }
 
 /// `--replan-on-restart`'s planner: the layout for `workers` workers

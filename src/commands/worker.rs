@@ -180,12 +180,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         )));
     }
     // A launched worker's lines go to its launcher's log: no bars there.
-    let phases = crate::phases::Phases::with_terminal(
-        args.run.is_none() && {
-            use std::io::IsTerminal as _;
-            std::io::stderr().is_terminal()
-        },
-    );
+    let phases = crate::phases::Phases::with_terminal(args.run.is_none() && stderr_is_terminal());
     // A launched worker is handed everything in the run's file; one started by hand takes
     // its flags.
     let handed = match &args.run {
@@ -317,6 +312,12 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         (None, _) => {}
     }
     Ok(())
+}
+
+/// Whether standard error is a terminal (bars are drawn there).
+fn stderr_is_terminal() -> bool {
+    use std::io::IsTerminal as _;
+    std::io::stderr().is_terminal()
 }
 
 #[cfg(test)]
