@@ -21,5 +21,11 @@ for line in sys.stdin:
 cp "$(test_binary -p pipe-kernels --test backend)" "$out/backend-tests"
 cp "$(test_binary -p pipe-stages --test layouts)" "$out/layout-tests"
 strip "$out"/pipe "$out"/backend-tests "$out"/layout-tests
-cp experiments/gpu/run.sh experiments/gpu/compare.sh experiments/gpu/peer.py experiments/gpu/table.py "$out/"
+cp experiments/gpu/run.sh experiments/gpu/gpt2.sh experiments/gpu/compare.sh experiments/gpu/peer.py \
+  experiments/gpu/table.py experiments/gpu/loss_check.sh experiments/gpu/loss_peer.py \
+  experiments/gpu/wide_vocab.py "$out/"
+# The token corpus gpt2.sh trains on, made here: Tiny Shakespeare in the repository's BPE of
+# 1,024 tokens padded to GPT-2's 50,257 (wide_vocab.py), so gpt2-small is GPT-2 124M.
+python3 experiments/gpu/wide_vocab.py data/tokenizers/shakespeare-bpe-1024.json > "$out/wide.json"
+"$out/pipe" tokenize --tokenizer "$out/wide.json" --input data/tinyshakespeare.txt --out "$out/corpus"
 du -sh "$out"/*

@@ -7,6 +7,10 @@
 //! `6 * parameters * samples/s / gemm_rate`: the FLOPs a dense model needs per sample
 //! (2 forward + 4 backward per parameter) over what the GEMM reaches. The two are interleaved
 //! (GEMM, train, GEMM) so a noisy neighbour hurts both alike.
+//!
+//! The optimizer is plain SGD (with optional momentum) or AdamW at the settings of GPT-2
+//! training runs ([`MfuOptimizer::Adamw`]); the PyTorch peer (`experiments/gpu/peer.py`) uses
+//! the same. GPT-2 presets are measured at GPT-2's 50,257-token vocabulary.
 
 use std::time::Instant;
 
@@ -19,6 +23,78 @@ use pipe_stages::train::{StepState, train_step};
 use serde::Serialize;
 
 use crate::{ExperimentError, median};
+
+/// The optimizer a measured step runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MfuOptimizer {
+    /// SGD at learning rate 1e-3, with [`MfuConfig::momentum`].
+    #[default]
+    Sgd,
+    /// AdamW as GPT-2 runs train it: learning rate 6e-4, betas (0.9, 0.95), epsilon 1e-8,
+    /// decoupled weight decay 0.1 on every parameter.
+    Adamw,
+}
+
+impl MfuOptimizer {
+    /// The optimizer's configuration and learning rate.
+    fn config(self, momentum: f32) -> (OptimizerConfig, f32) {
+        match self {
+            MfuOptimizer::Sgd => (
+                OptimizerConfig {
+                    kind: OptimizerKind::Sgd,
+                    momentum,
+                    ..OptimizerConfig::default()
+                },
+                1e-3,
+            ),
+            MfuOptimizer::Adamw => (
+                OptimizerConfig {
+                    kind: OptimizerKind::Adamw,
+                    momentum: 0.0,
+                    beta1: 0.9,
+                    beta2: 0.95,
+                    eps: 1e-8,
+                    weight_decay: 0.1,
+                    ..OptimizerConfig::default()
+                },
+                6e-4,
+            ),
+        }
+    }
+
+    /// `sgd` or `adamw`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MfuOptimizer::Sgd => "sgd",
+            MfuOptimizer::Adamw => "adamw",
+        }
+    }
+}
+
+impl std::str::FromStr for MfuOptimizer {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sgd" => Ok(MfuOptimizer::Sgd),
+            "adamw" => Ok(MfuOptimizer::Adamw),
+            other => Err(format!("unknown optimizer '{other}' (sgd or adamw)")),
+        }
+    }
+}
+
+/// GPT-2's BPE vocabulary, at which the `gpt2*` presets are measured.
+pub const GPT2_VOCAB: usize = 50_257;
+
+/// The model measured: a GPT-2 preset at GPT-2's vocabulary, any other preset as named.
+fn measured_spec(name: &str) -> Result<ModelSpec, ExperimentError> {
+    match pipe_stages::transformer::gpt_shape(name) {
+        Some(shape) if pipe_stages::transformer::is_gpt2(name) => {
+            Ok(ModelSpec::gpt(shape, GPT2_VOCAB, true))
+        }
+        _ => Ok(ModelSpec::preset(name)?),
+    }
+}
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -35,6 +111,8 @@ pub struct MfuConfig {
     pub warmup: usize,
     /// SGD momentum (0 for plain SGD).
     pub momentum: f32,
+    /// The optimizer.
+    pub optimizer: MfuOptimizer,
     /// The backend measured (CUDA: device 0).
     pub backend: BackendKind,
 }
@@ -48,6 +126,7 @@ impl Default for MfuConfig {
             steps: 20,
             warmup: 3,
             momentum: 0.0,
+            optimizer: MfuOptimizer::Sgd,
             backend: BackendKind::Cpu,
         }
     }
@@ -68,6 +147,15 @@ pub struct MfuReport {
     pub backend: String,
     /// The precision of its matrix products (`f32`, `tf32`, `bf16`).
     pub precision: String,
+    /// The optimizer (`sgd`, `adamw`).
+    pub optimizer: String,
+    /// Tokens per sample (a language model's context; 1 otherwise).
+    pub tokens_per_sample: usize,
+    /// Tokens per second from the median step (samples per second for other models).
+    pub tokens_per_s: f64,
+    /// The device's peak memory held by the backend's pool over the run, in bytes, where
+    /// the backend keeps one (CUDA).
+    pub peak_device_bytes: Option<u64>,
     /// Median seconds per training step.
     pub step_s_median: f64,
     /// Samples per second from the median step.
@@ -252,6 +340,144 @@ pub(crate) fn training_flops_per_sample(model: &Model) -> f64 {
     }
 }
 
+/// A model, its state and one batch resident on a backend, ready to train step by step.
+struct StepBench {
+    model: Model,
+    params: Params,
+    grads: Params,
+    opt: Optimizer,
+    x: Tensor,
+    y: Tensor<u32>,
+    lr: f32,
+    targets: usize,
+    microbatches: u64,
+}
+
+impl StepBench {
+    fn new(be: &dyn Backend, cfg: &MfuConfig) -> Result<Self, ExperimentError> {
+        let spec = measured_spec(&cfg.model)?;
+        let model = Model::new(&spec)?;
+        let params = place_params(be, model.init_params(0))?;
+        let grads = place_params(be, model.zero_grads(0..model.len()))?;
+        let (ocfg, lr) = cfg.optimizer.config(cfg.momentum);
+        let opt = Optimizer::new(ocfg, &params, &model.optimizer_roles()).placed(be)?;
+        let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
+        let targets = cfg.batch * rows.iter().product::<usize>();
+        let mut x_shape = vec![cfg.batch];
+        x_shape.extend_from_slice(model.input_shape());
+        // The batch lives on the device for the whole measurement, as in the PyTorch peer
+        // (experiments/gpu/peer.py): the step is timed, not a data loader's copy.
+        let x = be.place(random_input(&model, 0, &x_shape, 0, "mfu-x")?)?;
+        let y = be.place_ids(Tensor::from_vec(
+            &[targets],
+            (0..targets).map(|i| (i % classes.max(1)) as u32).collect(),
+        )?)?;
+        Ok(Self {
+            model,
+            params,
+            grads,
+            opt,
+            x,
+            y,
+            lr,
+            targets,
+            microbatches: 0,
+        })
+    }
+
+    /// One training step: forward, loss, backward, update (queued; the caller waits).
+    fn step(&mut self, be: &dyn Backend) -> Result<(), ExperimentError> {
+        let mut st = StepState {
+            params: &mut self.params,
+            grads: &mut self.grads,
+            opt: &mut self.opt,
+        };
+        train_step(
+            be,
+            &self.model,
+            &mut st,
+            vec![(self.x.clone(), self.y.clone())],
+            1.0 / self.targets as f32,
+            self.lr,
+            0,
+            &mut self.microbatches,
+        )?;
+        Ok(())
+    }
+}
+
+/// Where a step's time goes, operation by operation: `steps` steps (after one untimed) on a
+/// fresh backend of the same kind, the device waited for after every operation, so each
+/// figure is that operation's own time plus one wait (a lower bound on the launch gaps a
+/// whole step hides). Seconds per step, largest first.
+///
+/// # Errors
+/// As [`run`].
+pub fn operation_breakdown(
+    cfg: &MfuConfig,
+    steps: usize,
+) -> Result<Vec<OperationShare>, ExperimentError> {
+    let be = pipe_kernels::Timed::by_operation(cfg.backend.open(cfg.threads, 0)?);
+    let mut bench = StepBench::new(&be, cfg)?;
+    bench.step(&be)?;
+    be.synchronize()?;
+    let before = be.operations();
+    for _ in 0..steps {
+        bench.step(&be)?;
+    }
+    be.synchronize()?;
+    let per_step = steps.max(1) as f64;
+    let mut out: Vec<OperationShare> = be
+        .operations()
+        .into_iter()
+        .map(|(name, after)| {
+            let earlier = before
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, t)| *t)
+                .unwrap_or_default();
+            OperationShare {
+                operation: name.into(),
+                calls_per_step: (after.calls - earlier.calls) as f64 / per_step,
+                seconds_per_step: (after.seconds - earlier.seconds) / per_step,
+            }
+        })
+        .filter(|o| o.calls_per_step > 0.0)
+        .collect();
+    out.sort_by(|a, b| b.seconds_per_step.total_cmp(&a.seconds_per_step));
+    Ok(out)
+}
+
+/// One backend operation's share of a step ([`operation_breakdown`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct OperationShare {
+    /// The backend operation (`matmul`, `attention`, ...).
+    pub operation: String,
+    /// Calls per step.
+    pub calls_per_step: f64,
+    /// Seconds per step, the device waited for after each call.
+    pub seconds_per_step: f64,
+}
+
+/// Renders a breakdown as a table.
+pub fn render_breakdown(ops: &[OperationShare]) -> String {
+    let total: f64 = ops.iter().map(|o| o.seconds_per_step).sum();
+    let mut out = format!(
+        "by operation (each waited for; {:.2} ms per step in all):\n",
+        total * 1e3
+    );
+    for o in ops {
+        out.push_str(&format!(
+            "  {:<28} {:>6.1} calls {:>9.3} ms {:>5.1}%\n",
+            o.operation,
+            o.calls_per_step,
+            o.seconds_per_step * 1e3,
+            100.0 * o.seconds_per_step / total.max(1e-30)
+        ));
+    }
+    out
+}
+
 /// Runs the measurement.
 ///
 /// # Errors
@@ -264,55 +490,26 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     }
     let be = cfg.backend.open(cfg.threads, 0)?;
     let be = be.as_ref();
-    let spec = ModelSpec::preset(&cfg.model)?;
-    let model = Model::new(&spec)?;
-    let mut params = place_params(be, model.init_params(0))?;
-    let mut grads = place_params(be, model.zero_grads(0..model.len()))?;
-    let ocfg = OptimizerConfig {
-        kind: OptimizerKind::Sgd,
-        momentum: cfg.momentum,
-        ..OptimizerConfig::default()
-    };
-    let mut opt = Optimizer::new(ocfg, &params, &model.optimizer_roles()).placed(be)?;
-    let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
-    let targets = cfg.batch * rows.iter().product::<usize>();
-    let mut x_shape = vec![cfg.batch];
-    x_shape.extend_from_slice(model.input_shape());
-    // The batch lives on the device for the whole measurement, as in the PyTorch peer
-    // (experiments/gpu/peer.py): the step is timed, not a data loader's copy.
-    let x = be.place(random_input(&model, 0, &x_shape, 0, "mfu-x")?)?;
-    let y = be.place_ids(Tensor::from_vec(
-        &[targets],
-        (0..targets).map(|i| (i % classes.max(1)) as u32).collect(),
-    )?)?;
-    let language = is_language_model(&model);
+    let mut bench = StepBench::new(be, cfg)?;
+    let language = is_language_model(&bench.model);
 
     let gemm_before = gemm_rate(be, 15)?;
     let mut times = Vec::with_capacity(cfg.steps);
-    let mut mb = 0u64;
     for i in 0..cfg.warmup + cfg.steps {
         be.synchronize()?;
         let t = Instant::now();
-        let mut st = StepState {
-            params: &mut params,
-            grads: &mut grads,
-            opt: &mut opt,
-        };
-        train_step(
-            be,
-            &model,
-            &mut st,
-            vec![(x.clone(), y.clone())],
-            1.0 / targets as f32,
-            1e-3,
-            0,
-            &mut mb,
-        )?;
+        bench.step(be)?;
         be.synchronize()?;
         if i >= cfg.warmup {
             times.push(t.elapsed().as_secs_f64());
         }
     }
+    let StepBench {
+        model,
+        params,
+        grads,
+        ..
+    } = bench;
     let gemm_after = gemm_rate(be, 15)?;
     let weights: Vec<Vec<usize>> = grads
         .iter()
@@ -324,7 +521,13 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     let gemm_s_per_step = passes.iter().map(|p| p.seconds).sum();
     let gemm = median(&[gemm_before, gemm_after]);
     let step = median(&times);
+    let peak_device_bytes = be.peak_memory();
     let parameters = model.param_count();
+    let tokens_per_sample = if language {
+        model.input_shape().first().copied().unwrap_or(1)
+    } else {
+        1
+    };
     let samples_per_s = cfg.batch as f64 / step;
     let flops_per_sample = training_flops_per_sample(&model);
     let components = if language {
@@ -340,6 +543,10 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         threads: be.threads(),
         backend: be.name().into(),
         precision: cfg.backend.precision().to_string(),
+        optimizer: cfg.optimizer.name().into(),
+        tokens_per_sample,
+        tokens_per_s: samples_per_s * tokens_per_sample as f64,
+        peak_device_bytes,
         step_s_median: step,
         samples_per_s,
         flops_per_sample,
@@ -469,9 +676,9 @@ pub fn render(r: &MfuReport) -> String {
         "6 x params x samples/s"
     };
     let mut out = format!(
-        "model {} ({} parameters), batch {}, {} ({} products) on {} threads\n\
+        "model {} ({} parameters), batch {}, {} ({} products, {}) on {} threads\n\
          step (median)        {:.2} ms\n\
-         throughput           {:.0} samples/s\n\
+         throughput           {:.0} samples/s, {:.0} tokens/s\n\
          model FLOP rate      {:.1} GFLOP/s ({flop_rule})\n\
          GEMM 256x1024x1024   {:.1} GFLOP/s (same run)\n\
          MFU                  {:.3}\n",
@@ -480,13 +687,21 @@ pub fn render(r: &MfuReport) -> String {
         r.batch,
         r.backend,
         r.precision,
+        r.optimizer,
         r.threads,
         r.step_s_median * 1e3,
         r.samples_per_s,
+        r.tokens_per_s,
         r.model_gflops,
         r.gemm_gflops,
         r.mfu,
     );
+    if let Some(bytes) = r.peak_device_bytes {
+        out.push_str(&format!(
+            "peak device memory   {:.2} GiB (the backend's pool)\n",
+            bytes as f64 / f64::from(1u32 << 30)
+        ));
+    }
     // The pass timing covers the model's top-level linear layers; a transformer's live inside
     // its blocks, which the parts below time instead.
     if !transformer {

@@ -175,6 +175,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// The most device memory this backend has held for tensors at once, in bytes, where it
+    /// keeps its own pool (CUDA); `None` for host backends.
+    fn peak_memory(&self) -> Option<u64> {
+        None
+    }
+
     /// Makes `t` resident where this backend computes: a host tensor is copied to the device,
     /// a tensor already there is returned as it is (the CPU backend returns every host tensor
     /// as it is).
@@ -515,6 +521,10 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn synchronize(&self) -> Result<()> {
         (**self).synchronize()
+    }
+
+    fn peak_memory(&self) -> Option<u64> {
+        (**self).peak_memory()
     }
 
     fn place(&self, t: Tensor) -> Result<Tensor> {

@@ -48,7 +48,7 @@ pub use denormals::{flush_denormals, flushes_denormals};
 pub use emulated::EmulatedDevice;
 pub use error::KernelError;
 pub use tensor::{DType, Device, DeviceMemory, Element, Storage, Tensor};
-pub use timed::Timed;
+pub use timed::{OperationTime, Timed};
 
 /// Result type of this crate.
 pub type Result<T, E = KernelError> = std::result::Result<T, E>;

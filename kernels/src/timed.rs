@@ -2,8 +2,9 @@
 //! run is *not* kernel time (executor overhead). Behaviour is added by wrapping: any backend
 //! can be timed without changing it.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::backend::{
@@ -14,11 +15,23 @@ use std::borrow::Cow;
 
 use crate::{Device, Result, Tensor};
 
-/// Wraps a backend and adds every kernel call's wall time to a shared counter.
+/// Wraps a backend and adds every kernel call's wall time to a shared counter, and, when asked
+/// for, to a per-operation table.
 #[derive(Debug)]
 pub struct Timed<B> {
     inner: B,
     nanos: Arc<AtomicU64>,
+    by_operation: Option<Mutex<BTreeMap<&'static str, OperationTime>>>,
+}
+
+/// The calls to one backend operation and the wall time they took, the device waited for
+/// after each.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OperationTime {
+    /// Calls.
+    pub calls: u64,
+    /// Seconds, in total.
+    pub seconds: f64,
 }
 
 impl<B: Backend> Timed<B> {
@@ -27,7 +40,26 @@ impl<B: Backend> Timed<B> {
         Self {
             inner,
             nanos: counter,
+            by_operation: None,
         }
+    }
+
+    /// Times `inner`'s kernels operation by operation ([`Timed::operations`]).
+    pub fn by_operation(inner: B) -> Self {
+        Self {
+            inner,
+            nanos: Arc::default(),
+            by_operation: Some(Mutex::default()),
+        }
+    }
+
+    /// Each operation's calls and time so far, by name (empty unless made by
+    /// [`Timed::by_operation`]).
+    pub fn operations(&self) -> Vec<(&'static str, OperationTime)> {
+        self.by_operation.as_ref().map_or_else(Vec::new, |table| {
+            let table = table.lock().unwrap_or_else(PoisonError::into_inner);
+            table.iter().map(|(k, v)| (*k, *v)).collect()
+        })
     }
 
     /// Time spent in kernels so far (all backends sharing the counter).
@@ -35,7 +67,7 @@ impl<B: Backend> Timed<B> {
         Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
     }
 
-    fn time<T>(&self, f: impl FnOnce() -> T) -> T {
+    fn time<T>(&self, op: &'static str, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let out = f();
         // A device backend only queues work: wait for it before reading the clock. A device
@@ -43,6 +75,12 @@ impl<B: Backend> Timed<B> {
         let _ = self.inner.synchronize();
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.nanos.fetch_add(ns, Ordering::Relaxed);
+        if let Some(table) = &self.by_operation {
+            let mut table = table.lock().unwrap_or_else(PoisonError::into_inner);
+            let entry = table.entry(op).or_default();
+            entry.calls += 1;
+            entry.seconds += ns as f64 * 1e-9;
+        }
         out
     }
 }
@@ -64,36 +102,40 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.synchronize()
     }
 
+    fn peak_memory(&self) -> Option<u64> {
+        self.inner.peak_memory()
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self.inner.as_any()
     }
 
     fn place(&self, t: Tensor) -> Result<Tensor> {
-        self.time(|| self.inner.place(t))
+        self.time("place", || self.inner.place(t))
     }
 
     fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>> {
-        self.time(|| self.inner.place_ids(t))
+        self.time("place_ids", || self.inner.place_ids(t))
     }
 
     fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>> {
-        self.time(|| self.inner.read(t))
+        self.time("read", || self.inner.read(t))
     }
 
     fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.write(src, t))
+        self.time("write", || self.inner.write(src, t))
     }
 
     fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.copy(src, dst))
+        self.time("copy", || self.inner.copy(src, dst))
     }
 
     fn fill(&self, value: f32, x: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.fill(value, x))
+        self.time("fill", || self.inner.fill(value, x))
     }
 
     fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.mul(a, b, out))
+        self.time("mul", || self.inner.mul(a, b, out))
     }
 
     fn matmul(
@@ -105,23 +147,23 @@ impl<B: Backend> Backend for Timed<B> {
         c: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
-        self.time(|| self.inner.matmul(a, ta, b, tb, c, accumulate))
+        self.time("matmul", || self.inner.matmul(a, ta, b, tb, c, accumulate))
     }
 
     fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.transpose(a, out))
+        self.time("transpose", || self.inner.transpose(a, out))
     }
 
     fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
-        self.time(|| self.inner.add_bias(y, bias))
+        self.time("add_bias", || self.inner.add_bias(y, bias))
     }
 
     fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
-        self.time(|| self.inner.sum_rows(x, out, accumulate))
+        self.time("sum_rows", || self.inner.sum_rows(x, out, accumulate))
     }
 
     fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.activation(act, x, y))
+        self.time("activation", || self.inner.activation(act, x, y))
     }
 
     fn activation_backward(
@@ -131,7 +173,9 @@ impl<B: Backend> Backend for Timed<B> {
         dy: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
-        self.time(|| self.inner.activation_backward(act, x, dy, dx))
+        self.time("activation_backward", || {
+            self.inner.activation_backward(act, x, dy, dx)
+        })
     }
 
     fn layer_norm(
@@ -144,7 +188,9 @@ impl<B: Backend> Backend for Timed<B> {
         mean: &mut Tensor,
         rstd: &mut Tensor,
     ) -> Result<()> {
-        self.time(|| self.inner.layer_norm(x, gamma, beta, eps, y, mean, rstd))
+        self.time("layer_norm", || {
+            self.inner.layer_norm(x, gamma, beta, eps, y, mean, rstd)
+        })
     }
 
     fn layer_norm_backward_input(
@@ -156,7 +202,7 @@ impl<B: Backend> Backend for Timed<B> {
         dy: &Tensor,
         dx: &mut Tensor,
     ) -> Result<()> {
-        self.time(|| {
+        self.time("layer_norm_backward_input", || {
             self.inner
                 .layer_norm_backward_input(x, gamma, mean, rstd, dy, dx)
         })
@@ -172,7 +218,7 @@ impl<B: Backend> Backend for Timed<B> {
         dbeta: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
-        self.time(|| {
+        self.time("layer_norm_backward_params", || {
             self.inner
                 .layer_norm_backward_params(x, mean, rstd, dy, dgamma, dbeta, accumulate)
         })
@@ -185,14 +231,14 @@ impl<B: Backend> Backend for Timed<B> {
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats> {
-        self.time(|| {
+        self.time("softmax_cross_entropy", || {
             self.inner
                 .softmax_cross_entropy(logits, labels, grad_scale, dlogits)
         })
     }
 
     fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.embedding(ids, table, out))
+        self.time("embedding", || self.inner.embedding(ids, table, out))
     }
 
     fn embedding_backward(
@@ -202,7 +248,9 @@ impl<B: Backend> Backend for Timed<B> {
         dtable: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
-        self.time(|| self.inner.embedding_backward(ids, dy, dtable, accumulate))
+        self.time("embedding_backward", || {
+            self.inner.embedding_backward(ids, dy, dtable, accumulate)
+        })
     }
 
     fn attention(
@@ -213,7 +261,9 @@ impl<B: Backend> Backend for Timed<B> {
         out: &mut Tensor,
         lse: &mut Tensor,
     ) -> Result<()> {
-        self.time(|| self.inner.attention(qkv, documents, shape, out, lse))
+        self.time("attention", || {
+            self.inner.attention(qkv, documents, shape, out, lse)
+        })
     }
 
     fn attention_backward(
@@ -226,18 +276,18 @@ impl<B: Backend> Backend for Timed<B> {
         shape: AttentionShape,
         dqkv: &mut Tensor,
     ) -> Result<()> {
-        self.time(|| {
+        self.time("attention_backward", || {
             self.inner
                 .attention_backward(qkv, documents, out, lse, dout, shape, dqkv)
         })
     }
 
     fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.axpy(alpha, x, y))
+        self.time("axpy", || self.inner.axpy(alpha, x, y))
     }
 
     fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
-        self.time(|| self.inner.scale(alpha, x))
+        self.time("scale", || self.inner.scale(alpha, x))
     }
 
     fn sgd_update(
@@ -247,7 +297,7 @@ impl<B: Backend> Backend for Timed<B> {
         buf: Option<&mut Tensor>,
         hp: SgdStep,
     ) -> Result<()> {
-        self.time(|| self.inner.sgd_update(param, grad, buf, hp))
+        self.time("sgd_update", || self.inner.sgd_update(param, grad, buf, hp))
     }
 
     fn adam_update(
@@ -258,7 +308,9 @@ impl<B: Backend> Backend for Timed<B> {
         v: &mut Tensor,
         hp: AdamStep,
     ) -> Result<()> {
-        self.time(|| self.inner.adam_update(param, grad, m, v, hp))
+        self.time("adam_update", || {
+            self.inner.adam_update(param, grad, m, v, hp)
+        })
     }
 
     fn lion_update(
@@ -268,7 +320,7 @@ impl<B: Backend> Backend for Timed<B> {
         m: &mut Tensor,
         hp: LionStep,
     ) -> Result<()> {
-        self.time(|| self.inner.lion_update(param, grad, m, hp))
+        self.time("lion_update", || self.inner.lion_update(param, grad, m, hp))
     }
 
     fn delay_compensate(
@@ -279,21 +331,21 @@ impl<B: Backend> Backend for Timed<B> {
         mean_square: Option<&mut Tensor>,
         hp: DelayCompensation,
     ) -> Result<()> {
-        self.time(|| {
+        self.time("delay_compensate", || {
             self.inner
                 .delay_compensate(grad, current, stale, mean_square, hp)
         })
     }
 
     fn sum(&self, x: &Tensor) -> Result<f64> {
-        self.time(|| self.inner.sum(x))
+        self.time("sum", || self.inner.sum(x))
     }
 
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
-        self.time(|| self.inner.sum_squares(x))
+        self.time("sum_squares", || self.inner.sum_squares(x))
     }
 
     fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
-        self.time(|| self.inner.first_non_finite(xs))
+        self.time("first_non_finite", || self.inner.first_non_finite(xs))
     }
 }

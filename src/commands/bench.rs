@@ -156,6 +156,14 @@ pub struct MfuArgs {
     /// SGD momentum (0: plain SGD).
     #[arg(long, default_value_t = 0.0)]
     momentum: f32,
+    /// Optimizer: sgd (learning rate 1e-3, --momentum), or adamw as GPT-2 trains (learning
+    /// rate 6e-4, betas 0.9 and 0.95, weight decay 0.1).
+    #[arg(long, default_value = "sgd")]
+    optimizer: pipe_experiments::mfu::MfuOptimizer,
+    /// Also time this many steps operation by operation (the device waited for after each),
+    /// on a fresh backend after the measurement: where a step's time goes.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    breakdown: u64,
     /// Compute backend: cpu, or cuda (device 0; builds with `--features cuda`).
     #[arg(long, default_value = "cpu", value_parser = crate::args::BackendParser)]
     backend: BackendKind,
@@ -432,6 +440,7 @@ pub fn run_mfu(args: &MfuArgs) -> Result<()> {
         steps: args.steps,
         warmup: 3,
         momentum: args.momentum,
+        optimizer: args.optimizer,
         backend,
     };
     let report = pipe_experiments::mfu::run(&cfg).map_err(|e| match e {
@@ -439,7 +448,12 @@ pub fn run_mfu(args: &MfuArgs) -> Result<()> {
         other => anyhow::Error::from(other),
     })?;
     out!("{}", pipe_experiments::mfu::render(&report));
-    write_json(args.json.as_ref(), &report)
+    write_json(args.json.as_ref(), &report)?;
+    if args.breakdown > 0 {
+        let ops = pipe_experiments::mfu::operation_breakdown(&cfg, args.breakdown as usize)?;
+        out!("{}", pipe_experiments::mfu::render_breakdown(&ops));
+    }
+    Ok(())
 }
 
 /// Runs `pipe bench pipeline`.

@@ -92,6 +92,9 @@ kernel_table!(
     attention_backward_keys_tiled_16,
     attention_backward_keys_tiled_32,
     attention_backward_keys_tiled_64,
+    attention_mma_64,
+    attention_backward_queries_mma_64,
+    attention_backward_keys_mma_64,
     to_bf16,
     sgd_f32,
     adam_f32,
@@ -103,6 +106,8 @@ kernel_table!(
 /// A compute backend on one CUDA device (see the module docs).
 pub struct CudaBackend {
     ordinal: usize,
+    /// Compute capability as `10 * major + minor`.
+    arch: u32,
     precision: Precision,
     name: String,
     ctx: Arc<CudaContext>,
@@ -232,17 +237,26 @@ struct GemmDims {
     lds: (i32, i32, i32),
 }
 
-/// The tiled attention kernels of one head width.
+/// The tiled attention kernels of one head width and their blocks.
 struct TiledAttention<'a> {
     forward: &'a CudaFunction,
     queries: &'a CudaFunction,
     keys: &'a CudaFunction,
+    /// Query rows and threads per block of the forward kernel.
+    forward_block: (u64, u32),
+    /// Rows and threads per block of the two backward kernels.
+    backward_block: (u64, u32),
 }
 
-/// Rows per block of the tiled attention kernels (`ATT_TILE` in `kernels.cu`).
+/// Rows per block of the SIMT tiled attention kernels, one thread each (`ATT_TILE` in
+/// `kernels.cu`).
 const ATTENTION_TILE: u64 = 64;
 
-/// The tiled attention kernels' grid: row tiles along x, (sequence, head) pairs along y.
+/// Warps per block of the tensor-core attention kernels, 16 rows each (`FA_FORWARD_WARPS`,
+/// `FA_BACKWARD_WARPS` in `kernels.cu`).
+const FLASH_FORWARD_WARPS: u64 = 8;
+const FLASH_BACKWARD_WARPS: u64 = 4;
+
 /// The CUDA attention kernels take no document mask yet (`--pack-documents` is refused with
 /// `--backend cuda` before a run starts); a call with one is refused here too.
 fn refuse_documents(op: &'static str, documents: Option<&Tensor>) -> Result<()> {
@@ -255,15 +269,17 @@ fn refuse_documents(op: &'static str, documents: Option<&Tensor>) -> Result<()> 
     }
 }
 
-fn attention_tiles(seq: u64, pairs: u64) -> Result<LaunchConfig> {
+/// The tiled attention kernels' grid: blocks of `rows` rows of a sequence along x, (sequence,
+/// head) pairs along y, `threads` threads a block.
+fn attention_tiles(seq: u64, pairs: u64, (rows, threads): (u64, u32)) -> Result<LaunchConfig> {
     let too_many = |_| shape_err("attention", "too many sequences or heads for one launch");
     Ok(LaunchConfig {
         grid_dim: (
-            u32::try_from(seq.div_ceil(ATTENTION_TILE)).map_err(too_many)?,
+            u32::try_from(seq.div_ceil(rows)).map_err(too_many)?,
             u32::try_from(pairs).map_err(too_many)?,
             1,
         ),
-        block_dim: (ATTENTION_TILE as u32, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     })
 }
@@ -351,6 +367,7 @@ impl CudaBackend {
         let pool = Pool::new(Arc::clone(&stream));
         Ok(Self {
             ordinal,
+            arch,
             precision,
             name,
             ctx,
@@ -822,12 +839,24 @@ impl CudaBackend {
     }
 
     /// The tiled attention kernels for this shape's head width, where there are some (16, 32
-    /// and 64 features); other widths take the one-warp-per-row kernels.
+    /// and 64 features); other widths take the one-warp-per-row kernels. In bf16 precision on
+    /// sm_80 or newer, 64 features take the tensor-core kernels (see `kernels.cu`).
     fn tiled_attention(&self, shape: AttentionShape) -> Option<TiledAttention<'_>> {
         if shape.batch * shape.heads > 65_535 {
             return None;
         }
         let k = &self.kernels;
+        let head = shape.width / shape.heads.max(1);
+        if head == 64 && self.precision == Precision::Bf16 && self.arch >= 80 {
+            return Some(TiledAttention {
+                forward: &k.attention_mma_64,
+                queries: &k.attention_backward_queries_mma_64,
+                keys: &k.attention_backward_keys_mma_64,
+                forward_block: (16 * FLASH_FORWARD_WARPS, 32 * FLASH_FORWARD_WARPS as u32),
+                backward_block: (16 * FLASH_BACKWARD_WARPS, 32 * FLASH_BACKWARD_WARPS as u32),
+            });
+        }
+        let simt = (ATTENTION_TILE, ATTENTION_TILE as u32);
         let (forward, queries, keys) = match shape.width / shape.heads.max(1) {
             16 => (
                 &k.attention_tiled_16,
@@ -850,6 +879,8 @@ impl CudaBackend {
             forward,
             queries,
             keys,
+            forward_block: simt,
+            backward_block: simt,
         })
     }
 
@@ -893,6 +924,10 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self) -> Result<()> {
         self.sync()
+    }
+
+    fn peak_memory(&self) -> Option<u64> {
+        Some(self.pool.stats().peak_in_use_bytes as u64)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -1403,7 +1438,7 @@ impl Backend for CudaBackend {
             b.arg(&qp).arg(&op).arg(&lp);
             b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
             // SAFETY: sizes checked against the shape above; one thread per query row.
-            unsafe { b.launch(attention_tiles(seq, batch * heads)?) }
+            unsafe { b.launch(attention_tiles(seq, batch * heads, tiled.forward_block)?) }
                 .map_err(driver_err("attention"))?;
             return Ok(());
         }
@@ -1444,7 +1479,7 @@ impl Backend for CudaBackend {
         }
         let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
         if let Some(tiled) = self.tiled_attention(shape) {
-            let cfg = attention_tiles(seq, batch * heads)?;
+            let cfg = attention_tiles(seq, batch * heads, tiled.backward_block)?;
             let mut b = self.stream.launch_builder(tiled.queries);
             b.arg(&qp)
                 .arg(&outp)

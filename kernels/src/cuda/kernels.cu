@@ -721,6 +721,367 @@ extern "C" __global__ void to_bf16(const float* x, unsigned short* out, u64 n) {
     for (u64 i = global_index(); i < n; i += global_stride()) out[i] = f32_to_bf16(x[i]);
 }
 
+// ---- causal attention on tensor cores: head width 64, bf16 products, f32 softmax -----------
+//
+// Flash attention (`--precision bf16`): Q K^T, P V and the backward's products run as bf16
+// `mma.sync.m16n8k16` on tensor cores with f32 accumulation; the softmax statistics, the
+// running maximum and sum, delta and every output stay f32, and no T x T matrix is written.
+// Tensors stay f32 in memory: a tile is rounded to bf16 (round to nearest even, as `to_bf16`)
+// as it is staged in shared memory. Each warp owns 16 rows of its block (queries in the forward
+// and the dq pass, keys in the dk/dv pass); the other side streams through shared memory
+// FA_TILE rows at a time. Shared rows are FA_PAD bf16 wide (144 bytes) so that the eight rows
+// a fragment load touches fall in distinct banks. The backward is two passes, as the tiled
+// kernels': dq and delta per query block, then dk and dv per key block, so no value is summed
+// with atomics and the result depends only on the shape. Needs sm_80 or newer (the host picks
+// these kernels only there); older targets compile empty bodies.
+//
+// Fragment layout of m16n8k16 (g = lane / 4, c = lane % 4): A (16 x 16, row-major) registers
+// hold rows g and g + 8 at columns 2c, 2c + 1 (a0, a1) and 2c + 8, 2c + 9 (a2, a3); B (16 x 8)
+// holds rows 2c, 2c + 1 (b0) and 2c + 8, 2c + 9 (b1) of column g; the f32 accumulator holds
+// rows g (d0, d1) and g + 8 (d2, d3) at columns 2c, 2c + 1.
+
+#define FA_D 64
+#define FA_TILE 64
+#define FA_PAD 72
+#define FA_FORWARD_WARPS 8
+#define FA_BACKWARD_WARPS 4
+#define LOG2_E 1.4426950408889634f
+#define LN_2 0.6931471805599453f
+
+typedef unsigned short bf16_bits;
+
+#if __CUDA_ARCH__ >= 800
+// Two f32 rounded to bf16 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// c += a b on tensor cores: a 16 x 16 bf16 (row-major), b 16 x 8 bf16, c 16 x 8 f32.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 shared_pair(const bf16_bits* p) {
+    return *(const u32*)p;
+}
+
+// Rows [r0, r0 + rows) of the FA_D-wide slice at `column` of a row-major f32 [.., stride]
+// tensor, rows at or past `seq` as zeros, into `tile` as bf16, row-major.
+__device__ __forceinline__ void fa_stage_rows(bf16_bits (*tile)[FA_PAD], int rows, const float* base, u64 r0,
+                                              u64 seq, u64 stride, u64 column) {
+    for (int e = threadIdx.x; e < rows * (FA_D / 4); e += blockDim.x) {
+        int r = e / (FA_D / 4), f = (e % (FA_D / 4)) * 4;
+        u64 row = r0 + r;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (row < seq) v = *(const float4*)(base + row * stride + column + f);
+        *(uint2*)&tile[r][f] = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+    }
+}
+
+// The same slice transposed: `tile[f][r]` holds row r's feature f.
+__device__ __forceinline__ void fa_stage_columns(bf16_bits (*tile)[FA_PAD], const float* base, u64 r0, u64 seq,
+                                                 u64 stride, u64 column) {
+    for (int e = threadIdx.x; e < FA_TILE * (FA_D / 4); e += blockDim.x) {
+        int r = e / (FA_D / 4), f = (e % (FA_D / 4)) * 4;
+        u64 row = r0 + r;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (row < seq) v = *(const float4*)(base + row * stride + column + f);
+        tile[f][r] = f32_to_bf16(v.x);
+        tile[f + 1][r] = f32_to_bf16(v.y);
+        tile[f + 2][r] = f32_to_bf16(v.z);
+        tile[f + 3][r] = f32_to_bf16(v.w);
+    }
+}
+
+// A warp's A fragments of its 16 rows (from `first`) of a staged FA_D-wide tile.
+__device__ __forceinline__ void fa_row_fragments(u32 (*frag)[4], const bf16_bits (*tile)[FA_PAD], int first) {
+    int g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+    for (int kk = 0; kk < FA_D / 16; ++kk) {
+        frag[kk][0] = shared_pair(&tile[first + g][kk * 16 + 2 * c]);
+        frag[kk][1] = shared_pair(&tile[first + g + 8][kk * 16 + 2 * c]);
+        frag[kk][2] = shared_pair(&tile[first + g][kk * 16 + 8 + 2 * c]);
+        frag[kk][3] = shared_pair(&tile[first + g + 8][kk * 16 + 8 + 2 * c]);
+    }
+}
+
+// acc[n] (16 x 8 f32, n over FA_TILE / 8 column blocks) = a (16 x FA_D) times the transpose of
+// `tile` (FA_TILE x FA_D rows): row r of the result against tile row n * 8 + column.
+__device__ __forceinline__ void fa_times_rows(float (*acc)[4], const u32 (*a)[4], const bf16_bits (*tile)[FA_PAD]) {
+    int g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+    for (int n = 0; n < FA_TILE / 8; ++n) {
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < FA_D / 16; ++kk)
+            mma_bf16(acc[n], a[kk], shared_pair(&tile[n * 8 + g][kk * 16 + 2 * c]),
+                     shared_pair(&tile[n * 8 + g][kk * 16 + 8 + 2 * c]));
+    }
+}
+
+// acc[n] (16 x 8, n over FA_D / 8 feature blocks) += p (16 x FA_TILE, f32 accumulator layout,
+// rounded to bf16 here) times the tile whose transpose is `tile_t` ([feature][row]).
+__device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const bf16_bits (*tile_t)[FA_PAD]) {
+    int g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+    for (int kk = 0; kk < FA_TILE / 16; ++kk) {
+        u32 a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                    pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int n = 0; n < FA_D / 8; ++n)
+            mma_bf16(acc[n], a, shared_pair(&tile_t[n * 8 + g][kk * 16 + 2 * c]),
+                     shared_pair(&tile_t[n * 8 + g][kk * 16 + 8 + 2 * c]));
+    }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
+    attention_mma_64(const float* qkv, float* out, float* lse, u64 seq, u64 heads, u64 width, float scale) {
+#if __CUDA_ARCH__ >= 800
+    __shared__ __align__(16) bf16_bits qs[FA_FORWARD_WARPS * 16][FA_PAD];
+    __shared__ __align__(16) bf16_bits ks[FA_TILE][FA_PAD];
+    __shared__ __align__(16) bf16_bits vt[FA_D][FA_PAD];
+    const int rows = FA_FORWARD_WARPS * 16;
+    u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    // The longest rows (most keys) start first.
+    u64 q0 = (u64)(gridDim.x - 1 - blockIdx.x) * rows;
+    u64 stride = 3 * width;
+    const float* base = qkv + b * seq * stride;
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+    int first = warp * 16;
+    fa_stage_rows(qs, rows, base, q0, seq, stride, h * FA_D);
+    __syncthreads();
+    u32 qf[FA_D / 16][4];
+    fa_row_fragments(qf, qs, first);
+    float o[FA_D / 8][4];
+#pragma unroll
+    for (int n = 0; n < FA_D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {neg_infinity(), neg_infinity()}, l[2] = {0.0f, 0.0f};
+    u64 row[2] = {q0 + first + g, q0 + first + g + 8};
+    float to_log2 = scale * LOG2_E;
+    u64 last = q0 + rows - 1 < seq - 1 ? q0 + rows - 1 : seq - 1;
+    for (u64 k0 = 0; k0 <= last; k0 += FA_TILE) {
+        __syncthreads();
+        fa_stage_rows(ks, FA_TILE, base, k0, seq, stride, width + h * FA_D);
+        fa_stage_columns(vt, base, k0, seq, stride, 2 * width + h * FA_D);
+        __syncthreads();
+        // Every key of this tile comes after every row of this warp.
+        if (k0 > q0 + first + 15) continue;
+        float s[FA_TILE / 8][4];
+        fa_times_rows(s, qf, ks);
+        float top[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < FA_TILE / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u64 key = k0 + n * 8 + 2 * c + (i & 1);
+                float v = key > row[i >> 1] ? neg_infinity() : s[n][i] * to_log2;
+                s[n][i] = v;
+                top[i >> 1] = fmaxf(top[i >> 1], v);
+            }
+        float correction[2], partial[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            top[r] = fmaxf(top[r], __shfl_xor_sync(FULL_MASK, top[r], 1));
+            top[r] = fmaxf(top[r], __shfl_xor_sync(FULL_MASK, top[r], 2));
+            correction[r] = exp2f(m[r] - top[r]);
+            m[r] = top[r];
+        }
+#pragma unroll
+        for (int n = 0; n < FA_TILE / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float p = exp2f(s[n][i] - m[i >> 1]);
+                s[n][i] = p;
+                partial[i >> 1] += p;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * correction[r] + partial[r];
+#pragma unroll
+        for (int n = 0; n < FA_D / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[n][i] *= correction[i >> 1];
+        fa_accumulate(o, s, vt);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+    }
+#pragma unroll
+    for (int n = 0; n < FA_D / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u64 t = row[i >> 1];
+            if (t < seq) out[(b * seq + t) * width + h * FA_D + n * 8 + 2 * c + (i & 1)] = o[n][i] / l[i >> 1];
+        }
+    if (c == 0)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (row[r] < seq) lse[bh * seq + row[r]] = (m[r] + log2f(l[r])) * LN_2;
+#endif
+}
+
+// Per query row t: delta_t = dout_t . out_t (f32) and dq_t = scale * sum_{s<=t} P_ts (dP_ts - delta_t) k_s.
+extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
+    attention_backward_queries_mma_64(const float* qkv, const float* out, const float* lse, const float* dout,
+                                      float* dqkv, float* delta, u64 seq, u64 heads, u64 width, float scale) {
+#if __CUDA_ARCH__ >= 800
+    __shared__ __align__(16) bf16_bits ks[FA_TILE][FA_PAD];
+    __shared__ __align__(16) bf16_bits kt[FA_D][FA_PAD];
+    __shared__ __align__(16) bf16_bits vs[FA_TILE][FA_PAD];
+    __shared__ float row_lse[FA_BACKWARD_WARPS * 16];
+    __shared__ float row_delta[FA_BACKWARD_WARPS * 16];
+    const int rows = FA_BACKWARD_WARPS * 16;
+    u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    u64 q0 = (u64)(gridDim.x - 1 - blockIdx.x) * rows;
+    u64 stride = 3 * width;
+    const float* base = qkv + b * seq * stride;
+    const float* dbase = dout + b * seq * width;
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+    int first = warp * 16;
+    // delta in f32 from the f32 tensors, features in order; lse into base-2 units.
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        u64 t = q0 + r;
+        float d = 0.0f;
+        if (t < seq) {
+            const float* go = dbase + t * width + h * FA_D;
+            const float* o = out + (b * seq + t) * width + h * FA_D;
+            for (int f = 0; f < FA_D; ++f) d += go[f] * o[f];
+            delta[bh * seq + t] = d;
+        }
+        row_delta[r] = d;
+        row_lse[r] = t < seq ? lse[bh * seq + t] * LOG2_E : 0.0f;
+    }
+    // Q and dO fragments, staged through the key tiles' memory.
+    fa_stage_rows(ks, rows, base, q0, seq, stride, h * FA_D);
+    fa_stage_rows(vs, rows, dbase, q0, seq, width, h * FA_D);
+    __syncthreads();
+    u32 qf[FA_D / 16][4], gf[FA_D / 16][4];
+    fa_row_fragments(qf, ks, first);
+    fa_row_fragments(gf, vs, first);
+    u64 row[2] = {q0 + first + g, q0 + first + g + 8};
+    float lse2[2] = {row_lse[first + g], row_lse[first + g + 8]};
+    float dt[2] = {row_delta[first + g], row_delta[first + g + 8]};
+    float dq[FA_D / 8][4];
+#pragma unroll
+    for (int n = 0; n < FA_D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+    float to_log2 = scale * LOG2_E;
+    u64 last = q0 + rows - 1 < seq - 1 ? q0 + rows - 1 : seq - 1;
+    for (u64 k0 = 0; k0 <= last; k0 += FA_TILE) {
+        __syncthreads();
+        fa_stage_rows(ks, FA_TILE, base, k0, seq, stride, width + h * FA_D);
+        fa_stage_columns(kt, base, k0, seq, stride, width + h * FA_D);
+        fa_stage_rows(vs, FA_TILE, base, k0, seq, stride, 2 * width + h * FA_D);
+        __syncthreads();
+        if (k0 > q0 + first + 15) continue;
+        float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
+        fa_times_rows(s, qf, ks);
+        fa_times_rows(dp, gf, vs);
+#pragma unroll
+        for (int n = 0; n < FA_TILE / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u64 key = k0 + n * 8 + 2 * c + (i & 1);
+                int r = i >> 1;
+                float p = key > row[r] ? 0.0f : exp2f(s[n][i] * to_log2 - lse2[r]);
+                s[n][i] = p * (dp[n][i] - dt[r]) * scale;
+            }
+        fa_accumulate(dq, s, kt);
+    }
+#pragma unroll
+    for (int n = 0; n < FA_D / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u64 t = row[i >> 1];
+            if (t < seq) dqkv[(b * seq + t) * stride + h * FA_D + n * 8 + 2 * c + (i & 1)] = dq[n][i];
+        }
+#endif
+}
+
+// Per key row s: dk_s = scale * sum_{t>=s} P_ts (dP_ts - delta_t) q_t and dv_s = sum_{t>=s} P_ts dout_t.
+extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
+    attention_backward_keys_mma_64(const float* qkv, const float* lse, const float* dout, const float* delta,
+                                   float* dqkv, u64 seq, u64 heads, u64 width, float scale) {
+#if __CUDA_ARCH__ >= 800
+    __shared__ __align__(16) bf16_bits qs[FA_TILE][FA_PAD];
+    __shared__ __align__(16) bf16_bits qt[FA_D][FA_PAD];
+    __shared__ __align__(16) bf16_bits gs[FA_TILE][FA_PAD];
+    __shared__ __align__(16) bf16_bits gt[FA_D][FA_PAD];
+    __shared__ float col_lse[FA_TILE];
+    __shared__ float col_delta[FA_TILE];
+    const int rows = FA_BACKWARD_WARPS * 16;
+    u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
+    // The first keys see the most queries and start first.
+    u64 k0 = (u64)blockIdx.x * rows;
+    u64 stride = 3 * width;
+    const float* base = qkv + b * seq * stride;
+    const float* dbase = dout + b * seq * width;
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+    int first = warp * 16;
+    fa_stage_rows(qs, rows, base, k0, seq, stride, width + h * FA_D);
+    fa_stage_rows(gs, rows, base, k0, seq, stride, 2 * width + h * FA_D);
+    __syncthreads();
+    u32 kf[FA_D / 16][4], vf[FA_D / 16][4];
+    fa_row_fragments(kf, qs, first);
+    fa_row_fragments(vf, gs, first);
+    u64 key[2] = {k0 + first + g, k0 + first + g + 8};
+    float dk[FA_D / 8][4], dv[FA_D / 8][4];
+#pragma unroll
+    for (int n = 0; n < FA_D / 8; ++n) {
+        dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
+        dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+    }
+    float to_log2 = scale * LOG2_E;
+    for (u64 t0 = k0; t0 < seq; t0 += FA_TILE) {
+        __syncthreads();
+        fa_stage_rows(qs, FA_TILE, base, t0, seq, stride, h * FA_D);
+        fa_stage_columns(qt, base, t0, seq, stride, h * FA_D);
+        fa_stage_rows(gs, FA_TILE, dbase, t0, seq, width, h * FA_D);
+        fa_stage_columns(gt, dbase, t0, seq, width, h * FA_D);
+        for (int j = threadIdx.x; j < FA_TILE; j += blockDim.x) {
+            u64 t = t0 + j;
+            // A query past the end contributes nothing: its probability is exp2(-inf) = 0.
+            col_lse[j] = t < seq ? lse[bh * seq + t] * LOG2_E : __int_as_float(0x7f800000);
+            col_delta[j] = t < seq ? delta[bh * seq + t] : 0.0f;
+        }
+        __syncthreads();
+        float p[FA_TILE / 8][4], ds[FA_TILE / 8][4];
+        fa_times_rows(p, kf, qs);
+        fa_times_rows(ds, vf, gs);
+#pragma unroll
+        for (int n = 0; n < FA_TILE / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int j = n * 8 + 2 * c + (i & 1);
+                u64 t = t0 + j;
+                float pv = t < key[i >> 1] ? 0.0f : exp2f(p[n][i] * to_log2 - col_lse[j]);
+                p[n][i] = pv;
+                ds[n][i] = pv * (ds[n][i] - col_delta[j]) * scale;
+            }
+        fa_accumulate(dv, p, gt);
+        fa_accumulate(dk, ds, qt);
+    }
+#pragma unroll
+    for (int n = 0; n < FA_D / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u64 s = key[i >> 1];
+            if (s < seq) {
+                u64 at = (b * seq + s) * stride + h * FA_D + n * 8 + 2 * c + (i & 1);
+                dqkv[at + width] = dk[n][i];
+                dqkv[at + 2 * width] = dv[n][i];
+            }
+        }
+#endif
+}
+
 // ---- optimizer updates (PyTorch semantics, as the CPU backend) -----------------------------
 
 extern "C" __global__ void sgd_f32(float* w, const float* g, float* buf, u64 n, float lr, float momentum,

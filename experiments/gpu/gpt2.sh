@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPT-2 124M on one GPU: the checks of docs/gpu.md ("GPT-2 124M") in one prepared call, from the
+# binaries and corpus that experiments/gpu/stage.sh put in .gpu/ (nothing is built here). Run
+# from the repository root: `bash .gpu/gpt2.sh`. Each step has its own time limit; the log goes
+# to $OUT/gpt2.log (or ./gpt2.log), the comparison to $OUT/compare/, the loss check to
+# $OUT/loss-check/. CHECKS picks steps by name (default: all, in this order):
+#   attention  the bf16 tensor-core attention against the f64 definition
+#   bench      pipe bench mfu, gpt2-small, batch 16 x 1,024, bf16, AdamW, with a breakdown
+#   peer       the same step in PyTorch, eager and under torch.compile (compare.sh, CASES=gpt2)
+#   loss       20 updates of pipe and PyTorch from the same weights on the same windows
+#   train      200 updates of gpt2-small on the token corpus: the loss falls
+#   stages     one worker against --stages 4 on the one GPU, and --stages 2 as two worker
+#              processes against two stages in one process
+#   suite      the whole backend suite; oracle  the reference-trainer oracle (f32, tf32, bf16)
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-.}"
+log="$out/gpt2.log"
+pipe="$here/pipe"
+corpus="$here/corpus"
+export PIPE_REQUIRE_GPU=1
+checks="${CHECKS:-attention bench peer loss train stages suite oracle}"
+step() {
+  local limit=$1
+  shift
+  echo "== $* (limit ${limit}s)" | tee -a "$log"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$log"
+  echo "-- exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$log"
+}
+wants() { [[ " $checks " == *" $1 "* ]]; }
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } 2>&1 | tee "$log"
+LD_LIBRARY_PATH="$("$pipe" doctor gpu --library-path)" && export LD_LIBRARY_PATH
+# Throughput of a training run: the mean tokens/s of its epoch lines.
+train_run() {
+  local name=$1
+  shift
+  step "$limit" "$pipe" train --backend cuda --precision bf16 --model gpt2-small \
+    --dataset "tokens:$corpus" --seed 0 --optimizer adamw --lr 6e-4 --eval-windows 8 \
+    --log-jsonl "$out/$name.jsonl" "$@"
+}
+if wants attention; then
+  step 90 "$here/backend-tests" --test-threads 1 --nocapture cuda_bf16_attention
+fi
+if wants bench; then
+  step 150 "$pipe" bench mfu --backend cuda --model gpt2-small --batch 16 --precision bf16 \
+    --optimizer adamw --steps 10 --breakdown 2 --json "$out/bench-gpt2.json"
+fi
+if wants peer; then
+  CASES=gpt2 step 200 bash "$here/compare.sh"
+fi
+if wants loss; then
+  step 200 bash "$here/loss_check.sh" "$pipe" "$corpus" "$out/loss-check"
+fi
+if wants train; then
+  limit=200 train_run train200 --steps 200 --epochs 100 --microbatch-size 4 --microbatches 4
+fi
+if wants stages; then
+  limit=120
+  train_run one-worker --steps 40 --epochs 100 --microbatch-size 4 --microbatches 8
+  train_run four-stages --steps 40 --epochs 100 --microbatch-size 4 --microbatches 8 --stages 4
+  train_run two-stages --steps 40 --epochs 100 --microbatch-size 4 --microbatches 8 --stages 2
+  train_run two-processes --steps 40 --epochs 100 --microbatch-size 4 --microbatches 8 \
+    --stages 2 --transport shm
+fi
+if wants suite; then
+  step 150 "$here/backend-tests" --test-threads 1
+fi
+if wants oracle; then
+  step 150 "$here/layout-tests" --nocapture layouts_on_gpus
+fi
