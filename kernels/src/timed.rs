@@ -2,9 +2,9 @@
 //! run is *not* kernel time (executor overhead). Behaviour is added by wrapping: any backend
 //! can be timed without changing it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::backend::{
@@ -147,7 +147,12 @@ impl<B: Backend> Backend for Timed<B> {
         c: &mut Tensor,
         accumulate: bool,
     ) -> Result<()> {
-        self.time("matmul", || self.inner.matmul(a, ta, b, tb, c, accumulate))
+        let op = if self.by_operation.is_some() {
+            product_name(a, ta, b, tb)
+        } else {
+            "matmul"
+        };
+        self.time(op, || self.inner.matmul(a, ta, b, tb, c, accumulate))
     }
 
     fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -348,4 +353,28 @@ impl<B: Backend> Backend for Timed<B> {
     fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
         self.time("first_non_finite", || self.inner.first_non_finite(xs))
     }
+}
+
+/// `matmul MxKxN XY` for a product of `op(a)` (`M x K`) and `op(b)` (`K x N`), X and Y `N` or
+/// `T` for the transposes: the per-operation table tells products apart by shape. Each name is
+/// made once per process (a run has a handful of shapes).
+fn product_name(a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> &'static str {
+    static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
+    let (m, k) = match ta {
+        Trans::No => (a.rows(), a.cols()),
+        Trans::Yes => (a.cols(), a.rows()),
+    };
+    let n = match tb {
+        Trans::No => b.cols(),
+        Trans::Yes => b.rows(),
+    };
+    let flag = |t: Trans| if t == Trans::Yes { 'T' } else { 'N' };
+    let name = format!("matmul {m}x{k}x{n} {}{}", flag(ta), flag(tb));
+    let mut names = NAMES
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    names
+        .entry(name)
+        .or_insert_with_key(|k| Box::leak(k.clone().into_boxed_str()))
 }

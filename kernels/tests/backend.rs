@@ -759,6 +759,29 @@ fn embedding_gathers_and_scatters_rows(be: &dyn Backend) {
     assert_eq!(read(be, &d), [4., 5., 8., 9., 1., 1., 7., 9.]);
     be.embedding_backward(&ids_t, &dy, &mut d, false).unwrap();
     assert_eq!(read(be, &d), [3., 4., 7., 8., 0., 0., 6., 8.]);
+    // A table large enough (rows x ids over 2^22) for the CUDA backend's grouped kernels, with
+    // ids repeated up to hundreds of times and rows never hit: every element adds its terms in
+    // position order, so the CPU backend's bits, accumulated and not.
+    let (rows, width, n) = (5_000, 130, 1_500);
+    let ids: Vec<f32> = (0..n)
+        .map(|i: usize| ((i * i * 7 + i / 3) % 1_009 * (i % 5)) as f32)
+        .collect();
+    let ids_t = Tensor::from_vec(&[n], ids).unwrap();
+    let dy = rand_t(&[n, width], 41);
+    let cpu = CpuBackend::new(1).unwrap();
+    for accumulate in [false, true] {
+        let start = rand_t(&[rows, width], 42);
+        let (mut got, mut want) = (on(be, &start), start.clone());
+        be.embedding_backward(&on(be, &ids_t), &on(be, &dy), &mut got, accumulate)
+            .unwrap();
+        cpu.embedding_backward(&ids_t, &dy, &mut want, accumulate)
+            .unwrap();
+        let (got, want) = (read(be, &got), read(&cpu, &want));
+        assert!(
+            got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()),
+            "large-table embedding gradient (accumulate {accumulate})"
+        );
+    }
     for bad in [4.0, -1.0, 1.5, f32::NAN] {
         let ids_t = on(be, &Tensor::from_vec(&[2], vec![0.0, bad]).unwrap());
         let e = be.embedding(&ids_t, &table, &mut out).unwrap_err();

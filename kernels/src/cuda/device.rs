@@ -78,8 +78,11 @@ kernel_table!(
     check_ids_f32,
     softmax_xent_f32,
     embedding_f32,
-    embedding_backward_f32,
     embedding_backward_rows_f32,
+    embedding_rank_ids_f32,
+    exclusive_scan_u32,
+    embedding_group_ids_f32,
+    embedding_backward_grouped_f32,
     attention_f32,
     attention_backward_queries_f32,
     attention_backward_keys_f32,
@@ -246,6 +249,8 @@ struct TiledAttention<'a> {
     forward_block: (u64, u32),
     /// Rows and threads per block of the two backward kernels.
     backward_block: (u64, u32),
+    /// Whether the kernels read bf16 copies of qkv and dout (the tensor-core kernels).
+    bf16_inputs: bool,
 }
 
 /// Rows per block of the SIMT tiled attention kernels, one thread each (`ATT_TILE` in
@@ -784,10 +789,68 @@ impl CudaBackend {
         if n > 0 {
             let mut b = self.stream.launch_builder(&self.kernels.to_bf16);
             b.arg(&from).arg(&to).arg(&n);
-            // SAFETY: `from` holds n floats, `to` room for n bf16 values.
-            unsafe { b.launch(grid(n)) }.map_err(driver_err(op))?;
+            // SAFETY: `from` holds n floats, `to` room for n bf16 values; four a thread.
+            unsafe { b.launch(grid(n.div_ceil(4))) }.map_err(driver_err(op))?;
         }
         Ok((scratch, to))
+    }
+
+    /// Large tables' embedding gradient (`embedding_backward_grouped_f32` and its passes in
+    /// `kernels.cu`): the `n` ids at `ip` grouped by id, then each table row of the `rows x w`
+    /// table at `tp` adds its gradient rows of `dyp` in position order.
+    fn embedding_backward_grouped(
+        &self,
+        (ip, n): (u64, u64),
+        dyp: u64,
+        (tp, rows, w): (u64, u64, u64),
+    ) -> Result<()> {
+        let op = "embedding_backward";
+        let too_many = |_| shape_err(op, "too many ids or table rows for one launch");
+        let slots = |k: u64| usize::try_from(k).map_err(too_many);
+        // u32 scratch in f32 slots: counts (zeroed), offsets, ranks and grouped positions.
+        let (mut count, countp) = self.scratch(slots(rows)?)?;
+        self.fill(0.0, &mut count)?;
+        let (_offset, offsetp) = self.scratch(slots(rows + 1)?)?;
+        let (_rank, rankp) = self.scratch(slots(n)?)?;
+        let (_positions, positionsp) = self.scratch(slots(n)?)?;
+        let ranks = LaunchConfig {
+            grid_dim: (u32::try_from(n.div_ceil(256)).map_err(too_many)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.kernels.embedding_rank_ids_f32);
+        b.arg(&ip).arg(&n).arg(&rankp).arg(&countp);
+        // SAFETY: n ids (checked against the table), n ranks, rows counts.
+        unsafe { b.launch(ranks) }.map_err(driver_err(op))?;
+        let scan = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.kernels.exclusive_scan_u32);
+        b.arg(&countp).arg(&offsetp).arg(&rows);
+        // SAFETY: rows counts, rows + 1 offsets.
+        unsafe { b.launch(scan) }.map_err(driver_err(op))?;
+        let mut b = self.stream.launch_builder(&self.kernels.embedding_group_ids_f32);
+        b.arg(&ip).arg(&rankp).arg(&offsetp).arg(&n).arg(&positionsp);
+        // SAFETY: every id's offset plus rank is below n.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err(op))?;
+        let rows_cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(w.div_ceil(EMBED_THREADS)).map_err(|_| shape_err(op, "too wide"))?,
+                rows.clamp(1, 65_535) as u32,
+                1,
+            ),
+            block_dim: (EMBED_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.embedding_backward_grouped_f32);
+        b.arg(&offsetp).arg(&positionsp).arg(&dyp).arg(&tp).arg(&w).arg(&rows);
+        // SAFETY: positions index dy's n rows; the table holds rows x w floats.
+        unsafe { b.launch(rows_cfg) }.map_err(driver_err(op))?;
+        Ok(())
     }
 
     /// A scratch buffer of this backend's holding `len` floats, returned to the pool when
@@ -854,6 +917,7 @@ impl CudaBackend {
                 keys: &k.attention_backward_keys_mma_64,
                 forward_block: (16 * FLASH_FORWARD_WARPS, 32 * FLASH_FORWARD_WARPS as u32),
                 backward_block: (16 * FLASH_BACKWARD_WARPS, 32 * FLASH_BACKWARD_WARPS as u32),
+                bf16_inputs: true,
             });
         }
         let simt = (ATTENTION_TILE, ATTENTION_TILE as u32);
@@ -881,6 +945,7 @@ impl CudaBackend {
             keys,
             forward_block: simt,
             backward_block: simt,
+            bf16_inputs: false,
         })
     }
 
@@ -1405,13 +1470,7 @@ impl Backend for CudaBackend {
             unsafe { b.launch(cfg) }.map_err(driver_err("embedding_backward"))?;
             return Ok(());
         }
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.embedding_backward_f32);
-        b.arg(&ip).arg(&dyp).arg(&tp).arg(&n).arg(&w);
-        // SAFETY: ids checked; one thread per table column.
-        unsafe { b.launch(grid(w)) }.map_err(driver_err("embedding_backward"))?;
-        Ok(())
+        self.embedding_backward_grouped((ip, n), dyp, (tp, rows, w))
     }
 
     fn attention(
@@ -1434,6 +1493,12 @@ impl Backend for CudaBackend {
         }
         let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
         if let Some(tiled) = self.tiled_attention(shape) {
+            // The tensor-core kernels read qkv rounded to bf16 (a scratch copy).
+            let (_q16, qp) = if tiled.bf16_inputs {
+                self.to_bf16(qkv, "attention")?
+            } else {
+                (Tensor::default(), qp)
+            };
             let mut b = self.stream.launch_builder(tiled.forward);
             b.arg(&qp).arg(&op).arg(&lp);
             b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
@@ -1480,6 +1545,25 @@ impl Backend for CudaBackend {
         let scale = 1.0 / ((shape.width / shape.heads) as f32).sqrt();
         if let Some(tiled) = self.tiled_attention(shape) {
             let cfg = attention_tiles(seq, batch * heads, tiled.backward_block)?;
+            if tiled.bf16_inputs {
+                // The tensor-core kernels read qkv and dout rounded to bf16 (scratch copies),
+                // and dout and out in f32 for delta.
+                let (_q16, q16p) = self.to_bf16(qkv, op)?;
+                let (_d16, d16p) = self.to_bf16(dout, op)?;
+                let mut b = self.stream.launch_builder(tiled.queries);
+                b.arg(&q16p).arg(&outp).arg(&lp).arg(&dop).arg(&d16p);
+                b.arg(&dp).arg(&deltap);
+                b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
+                // SAFETY: as the forward; writes the query third of dqkv and delta.
+                unsafe { b.launch(cfg) }.map_err(driver_err(op))?;
+                let mut b = self.stream.launch_builder(tiled.keys);
+                b.arg(&q16p).arg(&lp).arg(&d16p).arg(&deltap).arg(&dp);
+                b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
+                // SAFETY: as above; writes the key and value thirds of dqkv after the
+                // queries' kernel (same stream) has written delta.
+                unsafe { b.launch(cfg) }.map_err(driver_err(op))?;
+                return Ok(());
+            }
             let mut b = self.stream.launch_builder(tiled.queries);
             b.arg(&qp)
                 .arg(&outp)

@@ -346,19 +346,10 @@ extern "C" __global__ void embedding_f32(const float* ids, const float* table, f
     }
 }
 
-// One thread per column of the table: the ids are visited in order, so repeated ids add their
-// rows in order and no two threads write one element.
-extern "C" __global__ void embedding_backward_f32(const float* ids, const float* dy, float* dtable, u64 n, u64 width) {
-    for (u64 col = global_index(); col < width; col += global_stride()) {
-        for (u64 i = 0; i < n; ++i) dtable[(u64)ids[i] * width + col] += dy[i * width + col];
-    }
-}
-
-// The same sums by table row, for small tables: a block of EMBED_THREADS threads takes one row
-// and EMBED_THREADS of its columns, reads the ids through shared memory in order and adds the
-// gradient rows whose id is its row. Each element adds the same terms in the same order as the
-// kernel above, so both give the same bits; this one runs vocab x (width / EMBED_THREADS)
-// blocks in parallel instead of width threads over every id.
+// The embedding's gradient: each table element adds the gradient rows of the positions holding
+// its row's id, in position order (as the CPU backend does, so the same bits). Small tables: a
+// block of EMBED_THREADS threads takes one row and EMBED_THREADS of its columns, reads the ids
+// through shared memory in order and adds the gradient rows whose id is its row.
 #define EMBED_THREADS 128
 #define EMBED_ID_TILE 1024
 
@@ -381,6 +372,88 @@ extern "C" __global__ void embedding_backward_rows_f32(const float* ids, const f
             }
         }
         if (col < width) dtable[row * width + col] = acc;
+    }
+}
+
+// The same sums for large tables, grouped by id first (three small passes, integers only, so
+// the grouping is the same on every run), then a block per table row and EMBED_THREADS
+// columns that adds its row's gradient rows in position order: the same terms in the same
+// order as the kernels above, so the same bits, with work proportional to the ids rather than
+// to vocab x ids.
+//
+// Pass 1: per position i, its rank among the earlier positions with the same id (ids read
+// through shared memory), and the count of each id (integer atomics: the final counts do not
+// depend on the order).
+extern "C" __global__ void embedding_rank_ids_f32(const float* ids, u64 n, u32* rank, u32* count) {
+    __shared__ float tile[EMBED_ID_TILE];
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    float mine = i < n ? ids[i] : -1.0f;
+    u32 r = 0;
+    u64 last = (u64)blockIdx.x * blockDim.x + blockDim.x;
+    if (last > n) last = n;
+    for (u64 t0 = 0; t0 < last; t0 += EMBED_ID_TILE) {
+        __syncthreads();
+        for (u64 j = threadIdx.x; j < EMBED_ID_TILE; j += blockDim.x)
+            tile[j] = t0 + j < n ? ids[t0 + j] : -1.0f;
+        __syncthreads();
+        if (i < n) {
+            u64 end = i - t0 < EMBED_ID_TILE ? i - t0 : EMBED_ID_TILE;
+            if (i < t0) end = 0;
+            for (u64 j = 0; j < end; ++j) r += tile[j] == mine ? 1u : 0u;
+        }
+    }
+    if (i < n) {
+        rank[i] = r;
+        atomicAdd(&count[(u64)mine], 1u);
+    }
+}
+
+// Pass 2: the exclusive prefix sums of `count` (rows values) into `offset` (rows + 1 values),
+// by one block: each thread sums a contiguous chunk, the chunk sums are scanned in order, then
+// each thread writes its chunk's prefixes.
+#define SCAN_THREADS 1024
+extern "C" __global__ void exclusive_scan_u32(const u32* count, u32* offset, u64 rows) {
+    __shared__ u32 chunk_total[SCAN_THREADS];
+    u64 per = (rows + SCAN_THREADS - 1) / SCAN_THREADS;
+    u64 start = threadIdx.x * per, end = start + per < rows ? start + per : rows;
+    u32 s = 0;
+    for (u64 r = start; r < end; ++r) s += count[r];
+    chunk_total[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 running = 0;
+        for (int t = 0; t < SCAN_THREADS; ++t) {
+            u32 v = chunk_total[t];
+            chunk_total[t] = running;
+            running += v;
+        }
+        offset[rows] = running;
+    }
+    __syncthreads();
+    u32 running = chunk_total[threadIdx.x];
+    for (u64 r = start; r < end; ++r) {
+        offset[r] = running;
+        running += count[r];
+    }
+}
+
+// Pass 3: the positions grouped by id, each group in position order.
+extern "C" __global__ void embedding_group_ids_f32(const float* ids, const u32* rank, const u32* offset, u64 n,
+                                                   u32* positions) {
+    for (u64 i = global_index(); i < n; i += global_stride()) positions[offset[(u64)ids[i]] + rank[i]] = (u32)i;
+}
+
+// Pass 4: per table row and EMBED_THREADS columns, the row's gradient rows added in position
+// order to what the table holds.
+extern "C" __global__ void embedding_backward_grouped_f32(const u32* offset, const u32* positions, const float* dy,
+                                                          float* dtable, u64 width, u64 rows) {
+    u64 col = (u64)blockIdx.x * EMBED_THREADS + threadIdx.x;
+    for (u64 row = blockIdx.y; row < rows; row += gridDim.y) {
+        u32 start = offset[row], end = offset[row + 1];
+        if (start == end || col >= width) continue;
+        float acc = dtable[row * width + col];
+        for (u32 k = start; k < end; ++k) acc += dy[(u64)positions[k] * width + col];
+        dtable[row * width + col] = acc;
     }
 }
 
@@ -717,8 +790,19 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float x) {
     return (unsigned short)((bits + rounding) >> 16);
 }
 
+// Four values a thread (16-byte loads, 8-byte stores; both buffers come from the pool, whose
+// blocks are aligned far beyond that), the last n mod 4 one by one.
 extern "C" __global__ void to_bf16(const float* x, unsigned short* out, u64 n) {
-    for (u64 i = global_index(); i < n; i += global_stride()) out[i] = f32_to_bf16(x[i]);
+    u64 quads = n / 4;
+    const float4* x4 = (const float4*)x;
+    uint2* out4 = (uint2*)out;
+    for (u64 i = global_index(); i < quads; i += global_stride()) {
+        float4 v = x4[i];
+        u32 lo = (u32)f32_to_bf16(v.x) | ((u32)f32_to_bf16(v.y) << 16);
+        u32 hi = (u32)f32_to_bf16(v.z) | ((u32)f32_to_bf16(v.w) << 16);
+        out4[i] = make_uint2(lo, hi);
+    }
+    for (u64 i = 4 * quads + global_index(); i < n; i += global_stride()) out[i] = f32_to_bf16(x[i]);
 }
 
 // ---- causal attention on tensor cores: head width 64, bf16 products, f32 softmax -----------
@@ -726,14 +810,15 @@ extern "C" __global__ void to_bf16(const float* x, unsigned short* out, u64 n) {
 // Flash attention (`--precision bf16`): Q K^T, P V and the backward's products run as bf16
 // `mma.sync.m16n8k16` on tensor cores with f32 accumulation; the softmax statistics, the
 // running maximum and sum, delta and every output stay f32, and no T x T matrix is written.
-// Tensors stay f32 in memory: a tile is rounded to bf16 (round to nearest even, as `to_bf16`)
-// as it is staged in shared memory. Each warp owns 16 rows of its block (queries in the forward
-// and the dq pass, keys in the dk/dv pass); the other side streams through shared memory
-// FA_TILE rows at a time. Shared rows are FA_PAD bf16 wide (144 bytes) so that the eight rows
-// a fragment load touches fall in distinct banks. The backward is two passes, as the tiled
-// kernels': dq and delta per query block, then dk and dv per key block, so no value is summed
-// with atomics and the result depends only on the shape. Needs sm_80 or newer (the host picks
-// these kernels only there); older targets compile empty bodies.
+// The kernels read bf16 copies of qkv and dout (rounded to nearest even by `to_bf16` before the
+// launch), staged in shared memory 16 bytes a thread, FA_TILE rows at a time. Each warp owns 16
+// rows of its block (queries in the forward and the dq pass, keys in the dk/dv pass); the other
+// side streams through shared memory. Shared rows are FA_PAD bf16 wide (144 bytes), so the
+// eight rows that a fragment load or an `ldmatrix` touches fall in distinct banks; operands
+// needed transposed are read with `ldmatrix.trans`, never stored twice. The backward is two
+// passes, as the SIMT kernels': dq and delta per query block, then dk and dv per key block, so
+// no value is summed with atomics and the result depends only on the shape. Needs sm_80 or
+// newer (the host picks these kernels only there); older targets compile empty bodies.
 //
 // Fragment layout of m16n8k16 (g = lane / 4, c = lane % 4): A (16 x 16, row-major) registers
 // hold rows g and g + 8 at columns 2c, 2c + 1 (a0, a1) and 2c + 8, 2c + 9 (a2, a3); B (16 x 8)
@@ -771,31 +856,25 @@ __device__ __forceinline__ u32 shared_pair(const bf16_bits* p) {
     return *(const u32*)p;
 }
 
-// Rows [r0, r0 + rows) of the FA_D-wide slice at `column` of a row-major f32 [.., stride]
-// tensor, rows at or past `seq` as zeros, into `tile` as bf16, row-major.
-__device__ __forceinline__ void fa_stage_rows(bf16_bits (*tile)[FA_PAD], int rows, const float* base, u64 r0,
-                                              u64 seq, u64 stride, u64 column) {
-    for (int e = threadIdx.x; e < rows * (FA_D / 4); e += blockDim.x) {
-        int r = e / (FA_D / 4), f = (e % (FA_D / 4)) * 4;
-        u64 row = r0 + r;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (row < seq) v = *(const float4*)(base + row * stride + column + f);
-        *(uint2*)&tile[r][f] = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
-    }
+// Four 8 x 8 bf16 matrices from shared memory, transposed: lane l gives the address of row
+// l % 8 of matrix l / 8; r[m] receives matrix m in the B-fragment layout.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16_bits* row) {
+    u32 address = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
 }
 
-// The same slice transposed: `tile[f][r]` holds row r's feature f.
-__device__ __forceinline__ void fa_stage_columns(bf16_bits (*tile)[FA_PAD], const float* base, u64 r0, u64 seq,
-                                                 u64 stride, u64 column) {
-    for (int e = threadIdx.x; e < FA_TILE * (FA_D / 4); e += blockDim.x) {
-        int r = e / (FA_D / 4), f = (e % (FA_D / 4)) * 4;
+// Rows [r0, r0 + rows) of the FA_D-wide slice at `column` of a row-major bf16 [.., stride]
+// tensor, rows at or past `seq` as zeros, into `tile`: 16 bytes a load.
+__device__ __forceinline__ void fa_stage(bf16_bits (*tile)[FA_PAD], int rows, const bf16_bits* base, u64 r0, u64 seq,
+                                         u64 stride, u64 column) {
+    for (int e = threadIdx.x; e < rows * (FA_D / 8); e += blockDim.x) {
+        int r = e / (FA_D / 8), f = (e % (FA_D / 8)) * 8;
         u64 row = r0 + r;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (row < seq) v = *(const float4*)(base + row * stride + column + f);
-        tile[f][r] = f32_to_bf16(v.x);
-        tile[f + 1][r] = f32_to_bf16(v.y);
-        tile[f + 2][r] = f32_to_bf16(v.z);
-        tile[f + 3][r] = f32_to_bf16(v.w);
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (row < seq) v = *(const uint4*)(base + row * stride + column + f);
+        *(uint4*)&tile[r][f] = v;
     }
 }
 
@@ -811,51 +890,62 @@ __device__ __forceinline__ void fa_row_fragments(u32 (*frag)[4], const bf16_bits
     }
 }
 
-// acc[n] (16 x 8 f32, n over FA_TILE / 8 column blocks) = a (16 x FA_D) times the transpose of
-// `tile` (FA_TILE x FA_D rows): row r of the result against tile row n * 8 + column.
-__device__ __forceinline__ void fa_times_rows(float (*acc)[4], const u32 (*a)[4], const bf16_bits (*tile)[FA_PAD]) {
+// acc[n] (16 x 8 f32, n < NB) = a (16 x FA_D) times the transpose of tile rows
+// [row0, row0 + 8 NB): column n * 8 + j of the result is tile row row0 + n * 8 + j.
+template <int NB>
+__device__ __forceinline__ void fa_times_rows(float (*acc)[4], const u32 (*a)[4], const bf16_bits (*tile)[FA_PAD],
+                                              int row0) {
     int g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
 #pragma unroll
-    for (int n = 0; n < FA_TILE / 8; ++n) {
+    for (int n = 0; n < NB; ++n) {
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        const bf16_bits* row = tile[row0 + n * 8 + g];
 #pragma unroll
         for (int kk = 0; kk < FA_D / 16; ++kk)
-            mma_bf16(acc[n], a[kk], shared_pair(&tile[n * 8 + g][kk * 16 + 2 * c]),
-                     shared_pair(&tile[n * 8 + g][kk * 16 + 8 + 2 * c]));
+            mma_bf16(acc[n], a[kk], shared_pair(row + kk * 16 + 2 * c), shared_pair(row + kk * 16 + 8 + 2 * c));
     }
 }
 
-// acc[n] (16 x 8, n over FA_D / 8 feature blocks) += p (16 x FA_TILE, f32 accumulator layout,
-// rounded to bf16 here) times the tile whose transpose is `tile_t` ([feature][row]).
-__device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const bf16_bits (*tile_t)[FA_PAD]) {
-    int g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+// acc[n] (16 x 8, n < FA_D / 8 feature blocks) += p (16 x 16 KB, f32 accumulator layout of
+// 2 KB column blocks, rounded to bf16 here) times tile rows [row0, row0 + 16 KB) (row-major,
+// read transposed by ldmatrix).
+template <int KB>
+__device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const bf16_bits (*tile)[FA_PAD],
+                                              int row0) {
+    int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int kk = 0; kk < FA_TILE / 16; ++kk) {
+    for (int kk = 0; kk < KB; ++kk) {
         u32 a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
                     pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        // Lanes 0-15 address rows row0 + 16 kk + 0..15 at feature block n, lanes 16-31 the
+        // same rows at block n + 1: b0, b1 of block n, then of block n + 1.
+        const bf16_bits* row = tile[row0 + kk * 16 + (lane & 15)] + (lane >> 4) * 8;
 #pragma unroll
-        for (int n = 0; n < FA_D / 8; ++n)
-            mma_bf16(acc[n], a, shared_pair(&tile_t[n * 8 + g][kk * 16 + 2 * c]),
-                     shared_pair(&tile_t[n * 8 + g][kk * 16 + 8 + 2 * c]));
+        for (int n = 0; n < FA_D / 8; n += 2) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, row + n * 8);
+            mma_bf16(acc[n], a, b[0], b[1]);
+            mma_bf16(acc[n + 1], a, b[2], b[3]);
+        }
     }
 }
 #endif
 
 extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
-    attention_mma_64(const float* qkv, float* out, float* lse, u64 seq, u64 heads, u64 width, float scale) {
+    attention_mma_64(const bf16_bits* qkv, float* out, float* lse, u64 seq, u64 heads, u64 width, float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) bf16_bits qs[FA_FORWARD_WARPS * 16][FA_PAD];
     __shared__ __align__(16) bf16_bits ks[FA_TILE][FA_PAD];
-    __shared__ __align__(16) bf16_bits vt[FA_D][FA_PAD];
+    __shared__ __align__(16) bf16_bits vs[FA_TILE][FA_PAD];
     const int rows = FA_FORWARD_WARPS * 16;
     u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
     // The longest rows (most keys) start first.
     u64 q0 = (u64)(gridDim.x - 1 - blockIdx.x) * rows;
     u64 stride = 3 * width;
-    const float* base = qkv + b * seq * stride;
+    const bf16_bits* base = qkv + b * seq * stride;
     int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
     int first = warp * 16;
-    fa_stage_rows(qs, rows, base, q0, seq, stride, h * FA_D);
+    fa_stage(qs, rows, base, q0, seq, stride, h * FA_D);
     __syncthreads();
     u32 qf[FA_D / 16][4];
     fa_row_fragments(qf, qs, first);
@@ -868,13 +958,13 @@ extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
     u64 last = q0 + rows - 1 < seq - 1 ? q0 + rows - 1 : seq - 1;
     for (u64 k0 = 0; k0 <= last; k0 += FA_TILE) {
         __syncthreads();
-        fa_stage_rows(ks, FA_TILE, base, k0, seq, stride, width + h * FA_D);
-        fa_stage_columns(vt, base, k0, seq, stride, 2 * width + h * FA_D);
+        fa_stage(ks, FA_TILE, base, k0, seq, stride, width + h * FA_D);
+        fa_stage(vs, FA_TILE, base, k0, seq, stride, 2 * width + h * FA_D);
         __syncthreads();
         // Every key of this tile comes after every row of this warp.
         if (k0 > q0 + first + 15) continue;
         float s[FA_TILE / 8][4];
-        fa_times_rows(s, qf, ks);
+        fa_times_rows<FA_TILE / 8>(s, qf, ks, 0);
         float top[2] = {m[0], m[1]};
 #pragma unroll
         for (int n = 0; n < FA_TILE / 8; ++n)
@@ -907,7 +997,7 @@ extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
         for (int n = 0; n < FA_D / 8; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) o[n][i] *= correction[i >> 1];
-        fa_accumulate(o, s, vt);
+        fa_accumulate<FA_TILE / 16>(o, s, vs, 0);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -917,9 +1007,11 @@ extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
 #pragma unroll
     for (int n = 0; n < FA_D / 8; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u64 t = row[i >> 1];
-            if (t < seq) out[(b * seq + t) * width + h * FA_D + n * 8 + 2 * c + (i & 1)] = o[n][i] / l[i >> 1];
+        for (int r = 0; r < 2; ++r) {
+            u64 t = row[r];
+            if (t < seq)
+                *(float2*)&out[(b * seq + t) * width + h * FA_D + n * 8 + 2 * c] =
+                    make_float2(o[n][2 * r] / l[r], o[n][2 * r + 1] / l[r]);
         }
     if (c == 0)
 #pragma unroll
@@ -930,45 +1022,44 @@ extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
 
 // Per query row t: delta_t = dout_t . out_t (f32) and dq_t = scale * sum_{s<=t} P_ts (dP_ts - delta_t) k_s.
 extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
-    attention_backward_queries_mma_64(const float* qkv, const float* out, const float* lse, const float* dout,
-                                      float* dqkv, float* delta, u64 seq, u64 heads, u64 width, float scale) {
+    attention_backward_queries_mma_64(const bf16_bits* qkv, const float* out, const float* lse, const float* dout,
+                                      const bf16_bits* dout16, float* dqkv, float* delta, u64 seq, u64 heads,
+                                      u64 width, float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) bf16_bits ks[FA_TILE][FA_PAD];
-    __shared__ __align__(16) bf16_bits kt[FA_D][FA_PAD];
     __shared__ __align__(16) bf16_bits vs[FA_TILE][FA_PAD];
-    __shared__ float row_lse[FA_BACKWARD_WARPS * 16];
-    __shared__ float row_delta[FA_BACKWARD_WARPS * 16];
     const int rows = FA_BACKWARD_WARPS * 16;
     u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
     u64 q0 = (u64)(gridDim.x - 1 - blockIdx.x) * rows;
     u64 stride = 3 * width;
-    const float* base = qkv + b * seq * stride;
-    const float* dbase = dout + b * seq * width;
-    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+    const bf16_bits* base = qkv + b * seq * stride;
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, c = lane & 3;
     int first = warp * 16;
-    // delta in f32 from the f32 tensors, features in order; lse into base-2 units.
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-        u64 t = q0 + r;
-        float d = 0.0f;
-        if (t < seq) {
-            const float* go = dbase + t * width + h * FA_D;
-            const float* o = out + (b * seq + t) * width + h * FA_D;
-            for (int f = 0; f < FA_D; ++f) d += go[f] * o[f];
-            delta[bh * seq + t] = d;
-        }
-        row_delta[r] = d;
-        row_lse[r] = t < seq ? lse[bh * seq + t] * LOG2_E : 0.0f;
-    }
     // Q and dO fragments, staged through the key tiles' memory.
-    fa_stage_rows(ks, rows, base, q0, seq, stride, h * FA_D);
-    fa_stage_rows(vs, rows, dbase, q0, seq, width, h * FA_D);
+    fa_stage(ks, rows, base, q0, seq, stride, h * FA_D);
+    fa_stage(vs, rows, dout16 + b * seq * width, q0, seq, width, h * FA_D);
     __syncthreads();
     u32 qf[FA_D / 16][4], gf[FA_D / 16][4];
     fa_row_fragments(qf, ks, first);
     fa_row_fragments(gf, vs, first);
+    // delta of the warp's 16 rows in f32 from the f32 tensors: a row's 64 products, two a
+    // lane, summed by the warp's butterfly; then each lane keeps its two rows' values.
+    float dt[2] = {0.0f, 0.0f}, lse2[2] = {0.0f, 0.0f};
     u64 row[2] = {q0 + first + g, q0 + first + g + 8};
-    float lse2[2] = {row_lse[first + g], row_lse[first + g + 8]};
-    float dt[2] = {row_delta[first + g], row_delta[first + g + 8]};
+    for (int r = 0; r < 16; ++r) {
+        u64 t = q0 + first + r;
+        float d = 0.0f;
+        if (t < seq) {
+            u64 at = (b * seq + t) * width + h * FA_D + 2 * lane;
+            d = dout[at] * out[at] + dout[at + 1] * out[at + 1];
+        }
+        d = warp_sum(d);
+        if (t < seq && lane == 0) delta[bh * seq + t] = d;
+        if (r == g) dt[0] = d;
+        if (r == g + 8) dt[1] = d;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) lse2[r] = row[r] < seq ? lse[bh * seq + row[r]] * LOG2_E : 0.0f;
     float dq[FA_D / 8][4];
 #pragma unroll
     for (int n = 0; n < FA_D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
@@ -976,14 +1067,13 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
     u64 last = q0 + rows - 1 < seq - 1 ? q0 + rows - 1 : seq - 1;
     for (u64 k0 = 0; k0 <= last; k0 += FA_TILE) {
         __syncthreads();
-        fa_stage_rows(ks, FA_TILE, base, k0, seq, stride, width + h * FA_D);
-        fa_stage_columns(kt, base, k0, seq, stride, width + h * FA_D);
-        fa_stage_rows(vs, FA_TILE, base, k0, seq, stride, 2 * width + h * FA_D);
+        fa_stage(ks, FA_TILE, base, k0, seq, stride, width + h * FA_D);
+        fa_stage(vs, FA_TILE, base, k0, seq, stride, 2 * width + h * FA_D);
         __syncthreads();
         if (k0 > q0 + first + 15) continue;
         float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
-        fa_times_rows(s, qf, ks);
-        fa_times_rows(dp, gf, vs);
+        fa_times_rows<FA_TILE / 8>(s, qf, ks, 0);
+        fa_times_rows<FA_TILE / 8>(dp, gf, vs, 0);
 #pragma unroll
         for (int n = 0; n < FA_TILE / 8; ++n)
 #pragma unroll
@@ -993,40 +1083,42 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
                 float p = key > row[r] ? 0.0f : exp2f(s[n][i] * to_log2 - lse2[r]);
                 s[n][i] = p * (dp[n][i] - dt[r]) * scale;
             }
-        fa_accumulate(dq, s, kt);
+        fa_accumulate<FA_TILE / 16>(dq, s, ks, 0);
     }
 #pragma unroll
     for (int n = 0; n < FA_D / 8; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u64 t = row[i >> 1];
-            if (t < seq) dqkv[(b * seq + t) * stride + h * FA_D + n * 8 + 2 * c + (i & 1)] = dq[n][i];
+        for (int r = 0; r < 2; ++r) {
+            u64 t = row[r];
+            if (t < seq)
+                *(float2*)&dqkv[(b * seq + t) * stride + h * FA_D + n * 8 + 2 * c] =
+                    make_float2(dq[n][2 * r], dq[n][2 * r + 1]);
         }
 #endif
 }
 
-// Per key row s: dk_s = scale * sum_{t>=s} P_ts (dP_ts - delta_t) q_t and dv_s = sum_{t>=s} P_ts dout_t.
-extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
-    attention_backward_keys_mma_64(const float* qkv, const float* lse, const float* dout, const float* delta,
-                                   float* dqkv, u64 seq, u64 heads, u64 width, float scale) {
+// Per key row s: dk_s = scale * sum_{t>=s} P_ts (dP_ts - delta_t) q_t and dv_s = sum_{t>=s} P_ts dout_t,
+// each query tile taken in two halves of FA_TILE / 2 queries (fewer live registers).
+extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32, 3)
+    attention_backward_keys_mma_64(const bf16_bits* qkv, const float* lse, const bf16_bits* dout16,
+                                   const float* delta, float* dqkv, u64 seq, u64 heads, u64 width, float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) bf16_bits qs[FA_TILE][FA_PAD];
-    __shared__ __align__(16) bf16_bits qt[FA_D][FA_PAD];
     __shared__ __align__(16) bf16_bits gs[FA_TILE][FA_PAD];
-    __shared__ __align__(16) bf16_bits gt[FA_D][FA_PAD];
     __shared__ float col_lse[FA_TILE];
     __shared__ float col_delta[FA_TILE];
     const int rows = FA_BACKWARD_WARPS * 16;
+    const int half = FA_TILE / 2;
     u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
     // The first keys see the most queries and start first.
     u64 k0 = (u64)blockIdx.x * rows;
     u64 stride = 3 * width;
-    const float* base = qkv + b * seq * stride;
-    const float* dbase = dout + b * seq * width;
+    const bf16_bits* base = qkv + b * seq * stride;
+    const bf16_bits* dbase = dout16 + b * seq * width;
     int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
     int first = warp * 16;
-    fa_stage_rows(qs, rows, base, k0, seq, stride, width + h * FA_D);
-    fa_stage_rows(gs, rows, base, k0, seq, stride, 2 * width + h * FA_D);
+    fa_stage(qs, rows, base, k0, seq, stride, width + h * FA_D);
+    fa_stage(gs, rows, base, k0, seq, stride, 2 * width + h * FA_D);
     __syncthreads();
     u32 kf[FA_D / 16][4], vf[FA_D / 16][4];
     fa_row_fragments(kf, qs, first);
@@ -1041,10 +1133,8 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
     float to_log2 = scale * LOG2_E;
     for (u64 t0 = k0; t0 < seq; t0 += FA_TILE) {
         __syncthreads();
-        fa_stage_rows(qs, FA_TILE, base, t0, seq, stride, h * FA_D);
-        fa_stage_columns(qt, base, t0, seq, stride, h * FA_D);
-        fa_stage_rows(gs, FA_TILE, dbase, t0, seq, width, h * FA_D);
-        fa_stage_columns(gt, dbase, t0, seq, width, h * FA_D);
+        fa_stage(qs, FA_TILE, base, t0, seq, stride, h * FA_D);
+        fa_stage(gs, FA_TILE, dbase, t0, seq, width, h * FA_D);
         for (int j = threadIdx.x; j < FA_TILE; j += blockDim.x) {
             u64 t = t0 + j;
             // A query past the end contributes nothing: its probability is exp2(-inf) = 0.
@@ -1052,31 +1142,34 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
             col_delta[j] = t < seq ? delta[bh * seq + t] : 0.0f;
         }
         __syncthreads();
-        float p[FA_TILE / 8][4], ds[FA_TILE / 8][4];
-        fa_times_rows(p, kf, qs);
-        fa_times_rows(ds, vf, gs);
+#pragma unroll 1
+        for (int part = 0; part < FA_TILE; part += half) {
+            float p[half / 8][4], ds[half / 8][4];
+            fa_times_rows<half / 8>(p, kf, qs, part);
+            fa_times_rows<half / 8>(ds, vf, gs, part);
 #pragma unroll
-        for (int n = 0; n < FA_TILE / 8; ++n)
+            for (int n = 0; n < half / 8; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                int j = n * 8 + 2 * c + (i & 1);
-                u64 t = t0 + j;
-                float pv = t < key[i >> 1] ? 0.0f : exp2f(p[n][i] * to_log2 - col_lse[j]);
-                p[n][i] = pv;
-                ds[n][i] = pv * (ds[n][i] - col_delta[j]) * scale;
-            }
-        fa_accumulate(dv, p, gt);
-        fa_accumulate(dk, ds, qt);
+                for (int i = 0; i < 4; ++i) {
+                    int j = part + n * 8 + 2 * c + (i & 1);
+                    u64 t = t0 + j;
+                    float pv = t < key[i >> 1] ? 0.0f : exp2f(p[n][i] * to_log2 - col_lse[j]);
+                    p[n][i] = pv;
+                    ds[n][i] = pv * (ds[n][i] - col_delta[j]) * scale;
+                }
+            fa_accumulate<half / 16>(dv, p, gs, part);
+            fa_accumulate<half / 16>(dk, ds, qs, part);
+        }
     }
 #pragma unroll
     for (int n = 0; n < FA_D / 8; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u64 s = key[i >> 1];
+        for (int r = 0; r < 2; ++r) {
+            u64 s = key[r];
             if (s < seq) {
-                u64 at = (b * seq + s) * stride + h * FA_D + n * 8 + 2 * c + (i & 1);
-                dqkv[at + width] = dk[n][i];
-                dqkv[at + 2 * width] = dv[n][i];
+                u64 at = (b * seq + s) * stride + h * FA_D + n * 8 + 2 * c;
+                *(float2*)&dqkv[at + width] = make_float2(dk[n][2 * r], dk[n][2 * r + 1]);
+                *(float2*)&dqkv[at + 2 * width] = make_float2(dv[n][2 * r], dv[n][2 * r + 1]);
             }
         }
 #endif
