@@ -778,7 +778,9 @@ fn embedding_gathers_and_scatters_rows(be: &dyn Backend) {
             .unwrap();
         let (got, want) = (read(be, &got), read(&cpu, &want));
         assert!(
-            got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()),
+            got.iter()
+                .zip(&want)
+                .all(|(g, w)| g.to_bits() == w.to_bits()),
             "large-table embedding gradient (accumulate {accumulate})"
         );
     }
@@ -1398,12 +1400,16 @@ fn close_to_scale(what: &str, got: &[f32], want: &[f64], tol: f64) {
 
 /// In bf16 precision the CUDA backend computes attention of head width 64 on tensor cores
 /// (flash attention: bf16 products, f32 softmax). Forward, log-sum-exp and the whole
-/// query-key-value gradient against the f64 definitions, over shapes that leave partial tiles
-/// (sequences of 1, 70 and 200 against blocks of 64 and 128 rows) and scores up to a few
-/// units: the output within 3e-2 and the gradient within 6e-2 of each tensor's root mean square
-/// (bf16 keeps 8 significant bits; the softmax weights and their gradients are rounded to bf16
-/// before they meet the values, keys and queries; on the H200 the worst cases were 1.9e-2 and
-/// 3.1e-2), the log-sum-exp within 2e-2 absolute. A second call gives the same bits.
+/// query-key-value gradient against the f64 definitions evaluated at the inputs the kernels
+/// compute from (qkv and the output gradient rounded to bf16), over shapes that leave partial
+/// tiles (sequences of 1, 70, 200 and 256 against blocks of 64 and 128 rows) and scores up to
+/// a few units. What remains is the rounding of the softmax weights and their gradients to
+/// bf16 before they meet the values, keys and queries: the output within 3e-2 and the gradient
+/// within 8e-2 of each tensor's root mean square, the log-sum-exp within 1e-4.
+/// `experiments/gpu/attention_numerics.py` emulates the kernels' roundings in numpy: worst
+/// 1.2e-2 (output) and 4.4e-2 (gradient) on these shapes, and against the unrounded inputs
+/// it gives the errors the H200 printed for this test's first version to three digits
+/// (3.34e-3, 5.47e-3, 1.89e-2, 3.12e-2, 3.82e-2). A second call gives the same bits.
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_bf16_attention_matches_the_f64_definition() {
@@ -1439,8 +1445,16 @@ fn cuda_bf16_attention_matches_the_f64_definition() {
             .iter_mut()
             .for_each(|v| *v *= spread);
         let dout = rand_t(&[rows, width], 32);
-        let (want, want_lse) = naive_attention(qkv.host().unwrap(), shape);
-        let want_grad = naive_attention_backward(qkv.host().unwrap(), dout.host().unwrap(), shape);
+        let bf16 = |t: &Tensor| -> Vec<f32> {
+            t.host()
+                .unwrap()
+                .iter()
+                .map(|&x| round_mantissa(x, 7))
+                .collect()
+        };
+        let (qkv16, dout16) = (bf16(&qkv), bf16(&dout));
+        let (want, want_lse) = naive_attention(&qkv16, shape);
+        let want_grad = naive_attention_backward(&qkv16, &dout16, shape);
         let run = || {
             let (mut out, mut lse, mut dqkv) =
                 (Tensor::default(), Tensor::default(), Tensor::default());
@@ -1455,11 +1469,11 @@ fn cuda_bf16_attention_matches_the_f64_definition() {
         close_to_scale(&format!("out {what}"), &out, &want, 3e-2);
         for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
             assert!(
-                (f64::from(*g) - w).abs() <= 2e-2,
+                (f64::from(*g) - w).abs() <= 1e-4,
                 "lse {what} row {i}: got {g}, want {w}"
             );
         }
-        close_to_scale(&format!("dqkv {what}"), &dqkv, &want_grad, 6e-2);
+        close_to_scale(&format!("dqkv {what}"), &dqkv, &want_grad, 8e-2);
         let again = run();
         assert!(
             again.0 == out && again.1 == lse && again.2 == dqkv,

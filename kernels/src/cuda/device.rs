@@ -818,7 +818,9 @@ impl CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.kernels.embedding_rank_ids_f32);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.embedding_rank_ids_f32);
         b.arg(&ip).arg(&n).arg(&rankp).arg(&countp);
         // SAFETY: n ids (checked against the table), n ranks, rows counts.
         unsafe { b.launch(ranks) }.map_err(driver_err(op))?;
@@ -831,8 +833,14 @@ impl CudaBackend {
         b.arg(&countp).arg(&offsetp).arg(&rows);
         // SAFETY: rows counts, rows + 1 offsets.
         unsafe { b.launch(scan) }.map_err(driver_err(op))?;
-        let mut b = self.stream.launch_builder(&self.kernels.embedding_group_ids_f32);
-        b.arg(&ip).arg(&rankp).arg(&offsetp).arg(&n).arg(&positionsp);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.embedding_group_ids_f32);
+        b.arg(&ip)
+            .arg(&rankp)
+            .arg(&offsetp)
+            .arg(&n)
+            .arg(&positionsp);
         // SAFETY: every id's offset plus rank is below n.
         unsafe { b.launch(grid(n)) }.map_err(driver_err(op))?;
         let rows_cfg = LaunchConfig {
@@ -847,7 +855,12 @@ impl CudaBackend {
         let mut b = self
             .stream
             .launch_builder(&self.kernels.embedding_backward_grouped_f32);
-        b.arg(&offsetp).arg(&positionsp).arg(&dyp).arg(&tp).arg(&w).arg(&rows);
+        b.arg(&offsetp)
+            .arg(&positionsp)
+            .arg(&dyp)
+            .arg(&tp)
+            .arg(&w)
+            .arg(&rows);
         // SAFETY: positions index dy's n rows; the table holds rows x w floats.
         unsafe { b.launch(rows_cfg) }.map_err(driver_err(op))?;
         Ok(())
