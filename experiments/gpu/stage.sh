@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Builds what the GPU checks of docs/gpu.md run, on this (GPU-less) machine, into .gpu/: the
-# `pipe` binary and the two test binaries with the `cuda` feature, stripped, plus run.sh. A GPU
-# machine with no Rust toolchain runs them from there: `bash .gpu/run.sh` (see run.sh).
+# `pipe` binary and the two test binaries with the `cuda` feature, stripped, the scripts and a
+# token corpus. A GPU machine with no Rust toolchain runs them from there: `bash .gpu/run.sh`,
+# `bash .gpu/gpt2.sh`. For a device call whose working tree may not pass 64 MiB, it also packs
+# them: .gpu-pack/gpu.tar.xz (everything but the layout tests) and .gpu-oracle/layouts.tar.xz
+# (the layout tests), each for its own call (`tar -xJf .gpu-pack/gpu.tar.xz`, carrying
+# .gpu-pack).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.gpu
@@ -29,3 +33,10 @@ cp experiments/gpu/run.sh experiments/gpu/gpt2.sh experiments/gpu/compare.sh exp
 python3 experiments/gpu/wide_vocab.py data/tokenizers/shakespeare-bpe-1024.json > "$out/wide.json"
 "$out/pipe" tokenize --tokenizer "$out/wide.json" --input data/tinyshakespeare.txt --out "$out/corpus"
 du -sh "$out"/*
+for d in .gpu-pack .gpu-oracle; do
+  grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
+  rm -rf "$d" && mkdir -p "$d"
+done
+tar -cf - --exclude="$out/layout-tests" "$out" | xz -T0 -6 > .gpu-pack/gpu.tar.xz
+tar -cf - "$out/layout-tests" | xz -T0 -6 > .gpu-oracle/layouts.tar.xz
+du -sh .gpu-pack/* .gpu-oracle/*

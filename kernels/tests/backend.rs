@@ -1266,7 +1266,8 @@ fn round_mantissa(x: f32, mantissa: u32) -> f32 {
     f32::from_bits((bits + half) & !((1u32 << drop) - 1))
 }
 
-/// The reduced precisions on CUDA, for every transpose and with accumulation: bf16 products
+/// The reduced precisions on CUDA, for every transpose and with accumulation, with rows that
+/// are and are not multiples of 8 values: bf16 products
 /// equal the f64 product of the inputs rounded to bf16 up to f32 accumulation (1e-4); TF32
 /// products are within 5e-3 of the product of inputs rounded to TF32 (cuBLAS may truncate
 /// rather than round the inputs, so looser); the same call twice gives the same bits.
@@ -1287,7 +1288,15 @@ fn cuda_reduced_precision_products_round_their_inputs() {
             }
         };
         assert_eq!(be.precision(), precision);
-        for (m, k, n) in [(64, 256, 96), (5, 33, 7), (256, 1024, 512)] {
+        // Rows of 33, 7 and 1,001 values: operands and outputs the bf16 path pads to aligned
+        // rows (GPT-2's head is 50,257 wide).
+        for (m, k, n) in [
+            (64, 256, 96),
+            (5, 33, 7),
+            (256, 1024, 512),
+            (300, 64, 1001),
+            (130, 1001, 24),
+        ] {
             for ta in [Trans::No, Trans::Yes] {
                 for tb in [Trans::No, Trans::Yes] {
                     let (a, b) = operands(m, k, n, ta, tb, 3);
