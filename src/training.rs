@@ -1029,8 +1029,11 @@ impl Observer for Progress {
                     let peak = s.peak_resident_bytes.map_or(String::new(), |b| {
                         format!(" peak {:.1} MiB", b as f64 / (1024.0 * 1024.0))
                     });
+                    let device = s.peak_device_bytes.map_or(String::new(), |b| {
+                        format!(" device {:.2} GiB", b as f64 / f64::from(1u32 << 30))
+                    });
                     format!(
-                        "s{} util {:3.0}% staleness {:.2}{peak}",
+                        "s{} util {:3.0}% staleness {:.2}{peak}{device}",
                         s.stage,
                         100.0 * s.utilisation,
                         s.staleness

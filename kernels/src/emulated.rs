@@ -22,12 +22,37 @@ use crate::{CpuBackend, Device, DeviceMemory, Element, KernelError, Result, Stor
 /// Source of emulator identities: a buffer knows which emulator made it.
 static EMULATORS: AtomicU64 = AtomicU64::new(1);
 
-/// A buffer of the emulated device: the elements' bits.
+/// A buffer of the emulated device: the elements' bits, counted in its device's usage while
+/// it lives.
 #[derive(Debug)]
 struct EmulatedMemory {
     owner: u64,
     ordinal: usize,
     bits: Vec<u32>,
+    usage: Arc<Usage>,
+}
+
+/// The bytes an emulated device's buffers hold now and at most, as a device backend's pool
+/// reports them ([`Backend::peak_memory`]).
+#[derive(Debug, Default)]
+struct Usage {
+    live: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl Usage {
+    fn add(&self, bytes: u64) {
+        let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
+impl Drop for EmulatedMemory {
+    fn drop(&mut self) {
+        self.usage
+            .live
+            .fetch_sub(self.bits.len() as u64 * 4, Ordering::Relaxed);
+    }
 }
 
 impl DeviceMemory for EmulatedMemory {
@@ -76,6 +101,7 @@ pub struct EmulatedDevice {
     id: u64,
     ordinal: usize,
     cpu: CpuBackend,
+    usage: Arc<Usage>,
 }
 
 impl EmulatedDevice {
@@ -88,6 +114,7 @@ impl EmulatedDevice {
             id: EMULATORS.fetch_add(1, Ordering::Relaxed),
             ordinal,
             cpu: CpuBackend::new(1)?,
+            usage: Arc::default(),
         })
     }
 
@@ -122,11 +149,13 @@ impl EmulatedDevice {
     /// `t` (a host tensor) as one of this emulator's.
     fn output<E: Bits>(&self, t: Tensor<E>) -> Result<Tensor<E>> {
         let shape = t.shape().to_vec();
-        let bits = t.into_host_vec()?.into_iter().map(Bits::to_bits).collect();
+        let bits: Vec<u32> = t.into_host_vec()?.into_iter().map(Bits::to_bits).collect();
+        self.usage.add(bits.len() as u64 * 4);
         let memory: Arc<dyn DeviceMemory> = Arc::new(EmulatedMemory {
             owner: self.id,
             ordinal: self.ordinal,
             bits,
+            usage: Arc::clone(&self.usage),
         });
         Tensor::from_device(&shape, memory)
     }
@@ -170,6 +199,10 @@ impl Backend for EmulatedDevice {
 
     fn device(&self) -> Device {
         Device::Cuda(self.ordinal)
+    }
+
+    fn peak_memory(&self) -> Option<u64> {
+        Some(self.usage.peak.load(Ordering::Relaxed))
     }
 
     fn place(&self, t: Tensor) -> Result<Tensor> {

@@ -102,6 +102,10 @@ pub struct StageEpochStats {
     /// worker is its own process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_resident_bytes: Option<u64>,
+    /// The most device memory a worker of the stage's backend held for tensors at once (its
+    /// pool's peak; GPU workers only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
 }
 
 /// The outcome of a training run.

@@ -128,8 +128,29 @@ fn check_with(spec: &ScheduleSpec, tie: bool, devices: bool, opt: OptimizerConfi
             Box::new(CpuBackend::new(1)?)
         })
     };
-    run_threads(&setup, &mut states, eps, backend)
+    let outcomes = run_threads(&setup, &mut states, eps, backend)
         .unwrap_or_else(|e| panic!("{spec:?} tie {tie} devices {devices}: {e}"));
+    // A device worker reports its pool's peak (at least its stages' weights and gradients); a
+    // CPU worker has none to report.
+    for o in &outcomes {
+        let st = &states[o.worker as usize];
+        let floor: usize = st
+            .stages
+            .iter()
+            .flat_map(|s| s.params.iter().flatten())
+            .map(|t| 2 * 4 * t.len())
+            .sum();
+        if devices {
+            assert!(
+                o.peak_device_bytes as usize >= floor,
+                "worker {}: peak device memory {} under its weights and gradients {floor}",
+                o.worker,
+                o.peak_device_bytes
+            );
+        } else {
+            assert_eq!(o.peak_device_bytes, 0, "worker {} on the CPU", o.worker);
+        }
+    }
     let want = reference_train(&CpuBackend::new(1).unwrap(), &setup, &init, opt).unwrap();
     for state in &states {
         for st in &state.stages {

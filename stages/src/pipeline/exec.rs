@@ -126,6 +126,9 @@ pub struct WorkerOutcome {
     /// The peak resident memory of the worker's process when its program ended (`VmHWM`;
     /// shared by the workers of one process; 0 where it cannot be read).
     pub peak_resident_bytes: u64,
+    /// The most device memory the worker's backend held for tensors at once, where it keeps a
+    /// pool of its own (the CUDA backend; 0 for host backends).
+    pub peak_device_bytes: u64,
 }
 
 /// A forward's saved activations, kept until the backward.

@@ -907,6 +907,7 @@ fn add_outcome(a: &mut WorkerOutcome, o: &WorkerOutcome) {
     a.staleness_count += o.staleness_count;
     a.peak_versions = a.peak_versions.max(o.peak_versions);
     a.peak_resident_bytes = a.peak_resident_bytes.max(o.peak_resident_bytes);
+    a.peak_device_bytes = a.peak_device_bytes.max(o.peak_device_bytes);
     a.peak_stash_bytes = a.peak_stash_bytes.max(o.peak_stash_bytes);
     a.bytes_sent += o.bytes_sent;
 }
@@ -1350,6 +1351,11 @@ fn stage_stats(
                             .map(|&w| outcomes[w as usize].peak_resident_bytes);
                         peaks.max().unwrap_or(0)
                     })
+                    .filter(|&b| b > 0),
+                peak_device_bytes: group
+                    .iter()
+                    .map(|&w| outcomes[w as usize].peak_device_bytes)
+                    .max()
                     .filter(|&b| b > 0),
             }
         })

@@ -776,6 +776,7 @@ fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
     b.extend_from_slice(&o.peak_stash_bytes.to_le_bytes());
     b.extend_from_slice(&o.bytes_sent.to_le_bytes());
     b.extend_from_slice(&o.peak_resident_bytes.to_le_bytes());
+    b.extend_from_slice(&o.peak_device_bytes.to_le_bytes());
     b.extend_from_slice(&(o.losses.len() as u64).to_le_bytes());
     for &(mb, loss, n) in &o.losses {
         b.extend_from_slice(&mb.to_le_bytes());
@@ -835,6 +836,7 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
     let peak_stash_bytes = f.u64()?;
     let bytes_sent = f.u64()?;
     let peak_resident_bytes = f.u64()?;
+    let peak_device_bytes = f.u64()?;
     let n = f.usize()?;
     // Each record is 20 bytes: a count beyond what is left is a lie, refused before any
     // allocation.
@@ -874,6 +876,7 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
         losses,
         grad_norms,
         peak_resident_bytes,
+        peak_device_bytes,
     })
 }
 
@@ -1052,6 +1055,7 @@ mod tests {
             losses: vec![(0, 0.75, 32), (5, 0.5, 32)],
             grad_norms: vec![(0, 1.5), (1, f64::from_bits(0x3ff0_0000_0000_0003))],
             peak_resident_bytes: 3 << 30,
+            peak_device_bytes: 21 << 30,
         }
     }
 
@@ -1071,6 +1075,7 @@ mod tests {
         assert_eq!((back.correct, back.samples, back.peak_versions), (7, 64, 4));
         assert_eq!((back.peak_stash_bytes, back.bytes_sent), (1 << 33, 12_345));
         assert_eq!(back.peak_resident_bytes, 3 << 30);
+        assert_eq!(back.peak_device_bytes, 21 << 30);
     }
 
     #[test]
