@@ -456,7 +456,8 @@ pub(crate) fn run_segments(
             };
             let took = t.elapsed().as_secs_f64();
             if let Some(p) = pace.as_mut() {
-                p.record(this, took);
+                let busy = outcomes.iter().map(|o| o.compute_s).fold(0.0, f64::max);
+                p.record(this, took, busy);
             }
             secs += took;
             end.done += this;
@@ -912,35 +913,49 @@ fn add_outcome(a: &mut WorkerOutcome, o: &WorkerOutcome) {
     a.bytes_sent += o.bytes_sent;
 }
 
-/// How long a paced segment runs, about ([`Pace`]).
+/// How long a paced segment runs, about ([`Pace`]), where starting one costs little.
 const PACED_SEGMENT_SECONDS: f64 = 0.25;
+
+/// A paced segment runs at least this many times what starting and ending it costs
+/// ([`Pace`]): that cost stays under one percent of the run.
+const SEGMENT_START_SHARE: f64 = 100.0;
 
 /// Sizes the segments of a run whose cuts change no result: one worker over the whole model
 /// (no pipeline flag), which runs `sequential` and so drains after every update. Cutting its
 /// epochs into segments of about [`PACED_SEGMENT_SECONDS`] lets a Ctrl-C stop it, with its
 /// checkpoint, a fraction of a second after the update in progress, as a pipeline can only at
-/// its segments' ends, while the cost of starting a segment (a worker thread and its backend,
-/// about a millisecond) stays under one percent. The first segment is one update; each next
-/// one is sized from the pace of the last. The lengths depend on timing, the weights do not.
+/// its segments' ends. The first segment is one update; each next one is sized from the last:
+/// its time per update (the worker's time in its actions) and what the segment cost besides
+/// (starting the worker and its backend, placing its state and taking it back). On the CPU
+/// that cost is about a millisecond and the segments stay near a quarter of a second. A GPU
+/// backend's start (a stream, a cuBLAS handle, an empty memory pool, GPT-2's weights and
+/// moments copied in and out) took about a second on an H200; sized by time alone, every
+/// update was a segment and `pipe train` ran at a twentieth of the step's speed. So a segment
+/// runs at least [`SEGMENT_START_SHARE`] times its start, and a Ctrl-C waits for that. The
+/// lengths depend on timing, the weights do not.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Pace {
     seconds_per_update: Option<f64>,
+    start_seconds: f64,
 }
 
 impl Pace {
     /// Updates the next segment may run.
     fn cap(&self) -> u64 {
+        let target = PACED_SEGMENT_SECONDS.max(SEGMENT_START_SHARE * self.start_seconds);
         match self.seconds_per_update {
             None => 1,
-            Some(s) if s > 0.0 => (PACED_SEGMENT_SECONDS / s).clamp(1.0, 1e9) as u64,
+            Some(s) if s > 0.0 => (target / s).clamp(1.0, 1e9) as u64,
             Some(_) => 1 << 20,
         }
     }
 
-    /// A segment of `updates` took `secs`.
-    fn record(&mut self, updates: u64, secs: f64) {
+    /// A segment of `updates` took `secs`, `busy` of them in its worker's actions.
+    fn record(&mut self, updates: u64, secs: f64, busy: f64) {
         if updates > 0 {
-            self.seconds_per_update = Some(secs / updates as f64);
+            let busy = if busy > 0.0 { busy.min(secs) } else { secs };
+            self.seconds_per_update = Some(busy / updates as f64);
+            self.start_seconds = secs - busy;
         }
     }
 }
@@ -1412,16 +1427,32 @@ mod tests {
     fn paced_segments_start_at_one_update_and_follow_the_last_pace() {
         let mut pace = Pace::default();
         assert_eq!(pace.cap(), 1);
-        pace.record(0, 5.0);
+        pace.record(0, 5.0, 5.0);
         assert_eq!(pace.cap(), 1, "an empty segment says nothing");
-        pace.record(1, 0.001);
+        pace.record(1, 0.001, 0.001);
         assert_eq!(pace.cap(), 250);
-        pace.record(250, 2.5);
+        pace.record(250, 2.5, 2.5);
         assert_eq!(pace.cap(), 25);
-        pace.record(25, 50.0);
+        pace.record(25, 50.0, 50.0);
         assert_eq!(pace.cap(), 1, "slow updates: one per segment");
-        pace.record(10, 0.0);
+        pace.record(10, 0.0, 0.0);
         assert!(pace.cap() > 1000);
+        // Without the workers' figures, the whole segment counts as updates.
+        pace.record(250, 2.5, 0.0);
+        assert_eq!(pace.cap(), 25);
+    }
+
+    /// A start costing a second (GPT-2 on a GPU backend: 1.2 s a segment of one 30 ms
+    /// update) grows the next segment to a hundred times that, not to a quarter of a second.
+    #[test]
+    fn a_costly_segment_start_lengthens_the_segments() {
+        let mut pace = Pace::default();
+        pace.record(1, 1.2, 0.03);
+        let cap = pace.cap();
+        assert!((3_000..=4_000).contains(&cap), "{cap}");
+        // A start that costs a millisecond keeps the quarter-second segments.
+        pace.record(1, 0.011, 0.010);
+        assert_eq!(pace.cap(), 25);
     }
 
     #[test]
