@@ -168,6 +168,11 @@ fn bad_input_exits_2_with_one_line() {
         &["bench", "mfu", "--precision", "tf32"],
         "--precision tf32 needs --backend cuda",
     );
+    assert_bad_input(
+        &["bench", "mfu", "--optimizer", "adam"],
+        "unknown optimizer 'adam' (sgd or adamw)",
+    );
+    assert_bad_input(&["bench", "mfu", "--breakdown", "1001"], "--breakdown");
     if pipe_kernels::cuda::device_count().is_err() {
         // Without a usable GPU, `pipe doctor gpu` still reports the library search on stdout,
         // then fails as --backend cuda does.
@@ -1155,4 +1160,48 @@ fn bucket_sizes_are_chosen_per_stage_and_repeat() {
         &[&base[..], &["--allreduce-bucket-mb", "1,2,3"]].concat(),
         "gives 3 sizes for 2 stages",
     );
+}
+
+/// `pipe bench mfu` as GPT-2 runs train: AdamW, the GPT-2 preset at GPT-2's 50,257-token
+/// vocabulary, tokens per second, and the step's time by operation with products by shape.
+#[test]
+fn bench_mfu_measures_a_gpt2_step_with_adamw_and_breaks_it_down() {
+    let json = tmp("mfu-gpt2.json");
+    let out = pipe_ok(&[
+        "bench",
+        "mfu",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "1",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--optimizer",
+        "adamw",
+        "--breakdown",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.contains("adamw") && out.contains("tokens/s"), "{out}");
+    assert!(out.contains("by operation"), "{out}");
+    assert!(
+        out.contains("adam_update") && out.contains("softmax_cross_entropy"),
+        "{out}"
+    );
+    // The head: 64 positions by 64 features into the 50,257 classes.
+    assert!(out.contains("matmul 64x64x50257 NT"), "{out}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["optimizer"], "adamw");
+    assert_eq!(report["tokens_per_sample"], 64);
+    // Token and tied head 50,257 x 64, positions 64 x 64, two blocks of width 64, final norm.
+    let blocks = 2 * (12 * 64 * 64 + 13 * 64);
+    assert_eq!(
+        report["parameters"],
+        50_257 * 64 + 64 * 64 + blocks + 2 * 64
+    );
+    assert!(report["peak_device_bytes"].is_null(), "{report}");
 }

@@ -472,7 +472,15 @@ macro_rules! backend_tests {
 /// as a skip).
 #[cfg(feature = "cuda")]
 fn cuda_or_skip() -> Option<pipe_kernels::CudaBackend> {
-    match pipe_kernels::CudaBackend::new(0) {
+    cuda_with_precision_or_skip(pipe_kernels::Precision::F32)
+}
+
+/// [`cuda_or_skip`] with the products in `precision`.
+#[cfg(feature = "cuda")]
+fn cuda_with_precision_or_skip(
+    precision: pipe_kernels::Precision,
+) -> Option<pipe_kernels::CudaBackend> {
+    match pipe_kernels::CudaBackend::with_precision(0, precision) {
         Ok(be) => Some(be),
         Err(e) => {
             assert!(
@@ -1276,16 +1284,8 @@ fn round_mantissa(x: f32, mantissa: u32) -> f32 {
 fn cuda_reduced_precision_products_round_their_inputs() {
     use pipe_kernels::Precision;
     for (precision, mantissa, tol) in [(Precision::Bf16, 7, 1e-4), (Precision::Tf32, 10, 5e-3)] {
-        let be = match pipe_kernels::CudaBackend::with_precision(0, precision) {
-            Ok(be) => be,
-            Err(e) => {
-                assert!(
-                    std::env::var_os("PIPE_REQUIRE_GPU").is_none_or(|v| v != "1"),
-                    "PIPE_REQUIRE_GPU=1 but the CUDA backend did not open: {e}"
-                );
-                eprintln!("skipped on the cuda backend: {e}");
-                return;
-            }
+        let Some(be) = cuda_with_precision_or_skip(precision) else {
+            return;
         };
         assert_eq!(be.precision(), precision);
         // Rows of 33, 7 and 1,001 values: operands and outputs the bf16 path pads to aligned
@@ -1423,16 +1423,8 @@ fn close_to_scale(what: &str, got: &[f32], want: &[f64], tol: f64) {
 #[test]
 fn cuda_bf16_attention_matches_the_f64_definition() {
     use pipe_kernels::Precision;
-    let be = match pipe_kernels::CudaBackend::with_precision(0, Precision::Bf16) {
-        Ok(be) => be,
-        Err(e) => {
-            assert!(
-                std::env::var_os("PIPE_REQUIRE_GPU").is_none_or(|v| v != "1"),
-                "PIPE_REQUIRE_GPU=1 but the CUDA backend did not open: {e}"
-            );
-            eprintln!("skipped on the cuda backend: {e}");
-            return;
-        }
+    let Some(be) = cuda_with_precision_or_skip(Precision::Bf16) else {
+        return;
     };
     let shapes = [
         (1, 1, 1, 64, 1.0),

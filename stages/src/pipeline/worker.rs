@@ -1104,8 +1104,9 @@ mod tests {
         assert!(decode_summary(&bytes, 2).is_err());
         let mut lie = bytes.clone();
         // The loss count says far more records than the bytes hold (after the worker, six
-        // 8-byte fields, the version count, the stash and sent bytes and the peak resident).
-        let at = 4 + 8 * 6 + 4 + 8 * 3;
+        // 8-byte fields, the version count, the stash and sent bytes, the peak resident and
+        // the peak device memory).
+        let at = 4 + 8 * 6 + 4 + 8 * 4;
         lie[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode_summary(&lie, 3).is_err());
         // So does the gradient-norm count, after the two loss records.
