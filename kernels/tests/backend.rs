@@ -1275,7 +1275,7 @@ fn round_mantissa(x: f32, mantissa: u32) -> f32 {
 }
 
 /// The reduced precisions on CUDA, for every transpose and with accumulation, with rows that
-/// are and are not multiples of 8 values: bf16 products
+/// are and are not multiples of 8 values (cuBLAS's aligned and unaligned kernels): bf16 products
 /// equal the f64 product of the inputs rounded to bf16 up to f32 accumulation (1e-4); TF32
 /// products are within 5e-3 of the product of inputs rounded to TF32 (cuBLAS may truncate
 /// rather than round the inputs, so looser); the same call twice gives the same bits.
@@ -1288,8 +1288,7 @@ fn cuda_reduced_precision_products_round_their_inputs() {
             return;
         };
         assert_eq!(be.precision(), precision);
-        // Rows of 33, 7 and 1,001 values: operands and outputs the bf16 path pads to aligned
-        // rows (GPT-2's head is 50,257 wide).
+        // Rows of 33, 7 and 1,001 values, not multiples of 8 (GPT-2's head is 50,257 wide).
         for (m, k, n) in [
             (64, 256, 96),
             (5, 33, 7),

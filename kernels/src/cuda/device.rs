@@ -99,8 +99,6 @@ kernel_table!(
     attention_backward_queries_mma_64,
     attention_backward_keys_mma_64,
     to_bf16,
-    to_bf16_rows,
-    copy_rows_f32,
     sgd_f32,
     adam_f32,
     lion_f32,
@@ -213,20 +211,6 @@ fn grid(n: u64) -> LaunchConfig {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-/// Rows along y (up to 65,535 blocks, looped past), `THREADS`-wide column blocks along x.
-fn row_grid(rows: u64, cols: u64) -> Result<LaunchConfig> {
-    Ok(LaunchConfig {
-        grid_dim: (
-            u32::try_from(cols.div_ceil(u64::from(THREADS)))
-                .map_err(|_| shape_err("matmul", "too wide"))?,
-            rows.clamp(1, 65_535) as u32,
-            1,
-        ),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    })
 }
 
 /// One warp per row; rows beyond the grid's x limit are refused by the caller's shape checks
@@ -796,90 +780,6 @@ impl CudaBackend {
         .map_err(cublas_err)
     }
 
-    /// A product of bf16 operands with f32 accumulation into the row-major `m x n` f32 matrix
-    /// at `cp`. Both operands are rounded to bf16 in scratch buffers (freed to the pool when
-    /// this returns; the stream orders their reuse after the product). cuBLAS's tensor-core
-    /// kernels want every row 16 bytes aligned: an operand whose row is not a multiple of 8
-    /// values is rounded into rows padded to one, and an output whose row is not a multiple
-    /// of 4 floats is made in a padded scratch and copied out (read in first when
-    /// accumulating). GPT-2's head, 50,257 wide, ran at a third of the aligned products' rate
-    /// without this (`docs/gpu.md`, "Where the step's time goes").
-    fn bf16_product(
-        &self,
-        dims: GemmDims,
-        (a, b): (&Tensor, &Tensor),
-        (cp, m, n): (u64, usize, usize),
-        (alpha, beta): (f32, f32),
-    ) -> Result<()> {
-        let (_b16, b16p, ldb) = self.to_bf16_aligned(b)?;
-        let (_a16, a16p, lda) = self.to_bf16_aligned(a)?;
-        let bf16_type = blas_sys::cudaDataType::CUDA_R_16BF;
-        let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        let mut dims = GemmDims {
-            lds: (ldb, lda, dims.lds.2),
-            ..dims
-        };
-        if n % 4 == 0 {
-            return self.gemm_ex(dims, (alpha, beta), (b16p, a16p, cp), bf16_type, compute);
-        }
-        let ldc = n.next_multiple_of(8);
-        let (_padded, pp) = self.scratch(m * ldc)?;
-        let (rows, cols, wide) = (as_u64(m), as_u64(n), as_u64(ldc));
-        if beta != 0.0 {
-            self.copy_rows((cp, cols), (pp, wide), rows, cols)?;
-        }
-        dims.lds.2 = gemm_dim("matmul", ldc)?;
-        self.gemm_ex(dims, (alpha, beta), (b16p, a16p, pp), bf16_type, compute)?;
-        self.copy_rows((pp, wide), (cp, cols), rows, cols)
-    }
-
-    /// `t` (row-major, `rows x cols`) rounded to bf16 in a scratch buffer whose rows are a
-    /// multiple of 8 values apart: the buffer, its pointer and that row stride for cuBLAS.
-    fn to_bf16_aligned(&self, t: &Tensor) -> Result<(Tensor, u64, i32)> {
-        let cols = t.cols();
-        if cols % 8 == 0 {
-            let (buffer, ptr) = self.to_bf16(t, "matmul")?;
-            return Ok((buffer, ptr, gemm_dim("matmul", cols)?));
-        }
-        let ld = cols.next_multiple_of(8);
-        let rows = t.len() / cols.max(1);
-        let from = self.ptr(t, "matmul")?;
-        // Two bf16 values per f32 slot of the scratch buffer.
-        let (buffer, to) = self.scratch((rows * ld).div_ceil(2))?;
-        let (r, c, l) = (as_u64(rows), as_u64(cols), as_u64(ld));
-        if r * c > 0 {
-            let mut b = self.stream.launch_builder(&self.kernels.to_bf16_rows);
-            b.arg(&from).arg(&to).arg(&r).arg(&c).arg(&l);
-            // SAFETY: `from` holds rows x cols floats, `to` room for rows x ld bf16 values.
-            unsafe { b.launch(row_grid(r, c)?) }.map_err(driver_err("matmul"))?;
-        }
-        Ok((buffer, to, gemm_dim("matmul", ld)?))
-    }
-
-    /// Copies `rows` rows of `cols` floats from `src` (rows `src_ld` apart) to `dst` (rows
-    /// `dst_ld` apart).
-    fn copy_rows(
-        &self,
-        (src, src_ld): (u64, u64),
-        (dst, dst_ld): (u64, u64),
-        rows: u64,
-        cols: u64,
-    ) -> Result<()> {
-        if rows * cols == 0 {
-            return Ok(());
-        }
-        let mut b = self.stream.launch_builder(&self.kernels.copy_rows_f32);
-        b.arg(&src)
-            .arg(&src_ld)
-            .arg(&dst)
-            .arg(&dst_ld)
-            .arg(&rows)
-            .arg(&cols);
-        // SAFETY: both buffers hold `rows` rows of at least `cols` floats at their strides.
-        unsafe { b.launch(row_grid(rows, cols)?) }.map_err(driver_err("matmul"))?;
-        Ok(())
-    }
-
     /// `t` rounded to bf16 (nearest even) in a scratch buffer, and the buffer's pointer.
     fn to_bf16(&self, t: &Tensor, op: &'static str) -> Result<(Tensor, u64)> {
         let from = self.ptr(t, op)?;
@@ -1224,7 +1124,15 @@ impl Backend for CudaBackend {
                 let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;
                 self.gemm_ex(dims, (alpha, beta), (bp, ap, cp), f32_type, compute)
             }
-            Precision::Bf16 => self.bf16_product(dims, (a, b), (cp, m, n), (alpha, beta)),
+            Precision::Bf16 => {
+                // Both operands rounded to bf16 in scratch buffers (freed to the pool when
+                // this returns; the stream orders their reuse after the product).
+                let (_b16, b16p) = self.to_bf16(b, "matmul")?;
+                let (_a16, a16p) = self.to_bf16(a, "matmul")?;
+                let bf16_type = blas_sys::cudaDataType::CUDA_R_16BF;
+                let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+                self.gemm_ex(dims, (alpha, beta), (b16p, a16p, cp), bf16_type, compute)
+            }
         }
     }
 

@@ -805,21 +805,6 @@ extern "C" __global__ void to_bf16(const float* x, unsigned short* out, u64 n) {
     for (u64 i = 4 * quads + global_index(); i < n; i += global_stride()) out[i] = f32_to_bf16(x[i]);
 }
 
-// A row-major rows x cols f32 matrix rounded to bf16 into rows of `ld` values (ld >= cols; the
-// columns past cols are left as they are): an operand whose rows are 16-byte aligned for
-// cuBLAS's tensor-core kernels when cols is not a multiple of 8. Rows along y (looped past
-// the grid), columns along x.
-extern "C" __global__ void to_bf16_rows(const float* x, unsigned short* out, u64 rows, u64 cols, u64 ld) {
-    for (u64 r = blockIdx.y; r < rows; r += gridDim.y)
-        for (u64 c = global_index(); c < cols; c += global_stride()) out[r * ld + c] = f32_to_bf16(x[r * cols + c]);
-}
-
-// Rows of `cols` f32 values from rows `src_ld` apart to rows `dst_ld` apart; the same grid.
-extern "C" __global__ void copy_rows_f32(const float* src, u64 src_ld, float* dst, u64 dst_ld, u64 rows, u64 cols) {
-    for (u64 r = blockIdx.y; r < rows; r += gridDim.y)
-        for (u64 c = global_index(); c < cols; c += global_stride()) dst[r * dst_ld + c] = src[r * src_ld + c];
-}
-
 // ---- causal attention on tensor cores: head width 64, bf16 products, f32 softmax -----------
 //
 // Flash attention (`--precision bf16`): Q K^T, P V and the backward's products run as bf16
