@@ -20,16 +20,10 @@ pipe="$here/pipe"
 corpus="$here/corpus"
 export PIPE_REQUIRE_GPU=1
 checks="${CHECKS:-attention bench peer loss train stages suite oracle}"
-step() {
-  local limit=$1
-  shift
-  echo "== $* (limit ${limit}s)" | tee -a "$log"
-  local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$log"
-  echo "-- exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$log"
-}
+# shellcheck source=step.sh
+source "$here/step.sh"
 wants() { [[ " $checks " == *" $1 "* ]]; }
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } 2>&1 | tee "$log"
+log_header
 LD_LIBRARY_PATH="$("$pipe" doctor gpu --library-path)" && export LD_LIBRARY_PATH
 # Throughput of a training run: the mean tokens/s of its epoch lines.
 train_run() {

@@ -8,15 +8,9 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 log="${OUT:-.}/gpu-checks.log"
 export PIPE_REQUIRE_GPU=1
-step() {
-  local limit=$1
-  shift
-  echo "== $* (limit ${limit}s)" | tee -a "$log"
-  local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$log"
-  echo "-- exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$log"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } 2>&1 | tee "$log"
+# shellcheck source=step.sh
+source "$here/step.sh"
+log_header
 # pipe finds CUDA's libraries itself (docs/gpu.md, "Finding the libraries"): in the plain
 # environment, and with a toolkit's stubs first on the loader's path, it must name the real
 # driver and open the GPU.

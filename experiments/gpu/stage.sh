@@ -25,7 +25,7 @@ for line in sys.stdin:
 cp "$(test_binary -p pipe-kernels --test backend)" "$out/backend-tests"
 cp "$(test_binary -p pipe-stages --test layouts)" "$out/layout-tests"
 strip "$out"/pipe "$out"/backend-tests "$out"/layout-tests
-cp experiments/gpu/run.sh experiments/gpu/gpt2.sh experiments/gpu/compare.sh experiments/gpu/peer.py \
+cp experiments/gpu/run.sh experiments/gpu/step.sh experiments/gpu/gpt2.sh experiments/gpu/compare.sh experiments/gpu/peer.py \
   experiments/gpu/table.py experiments/gpu/loss_check.sh experiments/gpu/loss_peer.py \
   experiments/gpu/wide_vocab.py "$out/"
 # The token corpus gpt2.sh trains on, made here: Tiny Shakespeare in the repository's BPE of

@@ -37,6 +37,14 @@ pub(crate) fn same_len(
     Ok(())
 }
 
+/// The rows and columns of `op(t)`: `t` as stored, or transposed.
+pub(crate) fn operand_dims(t: &Tensor, tr: Trans) -> (usize, usize) {
+    match tr {
+        Trans::No => (t.rows(), t.cols()),
+        Trans::Yes => (t.cols(), t.rows()),
+    }
+}
+
 /// The product's `(m, k, n)`: `op(a)` is `m x k`, `op(b)` is `k x n`; with `accumulate`, `c`
 /// must already be `m x n`.
 pub(crate) fn matmul(
@@ -45,11 +53,7 @@ pub(crate) fn matmul(
     c: &Tensor,
     accumulate: bool,
 ) -> Result<(usize, usize, usize)> {
-    let dims = |t: &Tensor, tr: Trans| match tr {
-        Trans::No => (t.rows(), t.cols()),
-        Trans::Yes => (t.cols(), t.rows()),
-    };
-    let ((m, k), (k2, n)) = (dims(a, ta), dims(b, tb));
+    let ((m, k), (k2, n)) = (operand_dims(a, ta), operand_dims(b, tb));
     if k != k2 {
         return Err(shape_err(
             "matmul",
