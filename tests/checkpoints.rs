@@ -18,10 +18,7 @@ use common::{ok, refused, s, weights};
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
 fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-ckpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::fresh_dir("ckpt", name)
 }
 
 /// A small single-worker run: two epochs of 128 updates.

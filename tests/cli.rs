@@ -12,9 +12,7 @@ fn pipe_ok(args: &[&str]) -> String {
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    common::fresh_path("cli", name)
 }
 
 const SMALL: &[&str] = &[

@@ -10,6 +10,8 @@ use std::process::Command;
 
 use yaml_rust2::{Yaml, YamlLoader};
 
+mod common;
+
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
 fn root() -> PathBuf {
@@ -17,10 +19,7 @@ fn root() -> PathBuf {
 }
 
 fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-deploy-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::fresh_dir("deploy", name)
 }
 
 fn executable(path: &Path, text: &str) {

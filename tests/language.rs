@@ -19,9 +19,7 @@ fn pipe(args: &[&str]) -> Output {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-language-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    common::fresh_path("language", name)
 }
 
 /// Two blocks of width 16 over the 65 characters, context 32, the head tied to the embedding.

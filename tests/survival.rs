@@ -15,10 +15,7 @@ use common::{done, lost_then_rejoined, ok, resumed_from};
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
 fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-survival-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::fresh_dir("survival", name)
 }
 
 /// A small synthetic run: its config file.

@@ -29,10 +29,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
 fn dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-workers-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::fresh_dir("workers", name)
 }
 
 /// `pipe train --config CONFIG --checkpoint-dir CK` with `flags`.

@@ -6,13 +6,32 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// An empty path `name` under this test binary's own scratch folder
-/// (`TMP/pipe-SUITE-PID`): whatever an earlier call left there is removed.
+/// A path `name` that no other call has returned: under this test binary's scratch folder
+/// (`TMP/pipe-SUITE-PID`), in a numbered folder of its own, so that tests running side by
+/// side never write or delete each other's files, and a file one run reads is never rewritten
+/// under it by another test. Nothing is at the path yet; its parent exists.
 pub fn fresh_path(suite: &str, name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-{suite}-{}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir()
+        .join(format!("pipe-{suite}-{}", std::process::id()))
+        .join(n.to_string());
+    let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    let p = d.join(name);
-    let _ = std::fs::remove_dir_all(&p);
+    d.join(name)
+}
+
+/// A new empty folder `name` of this test's own ([`fresh_path`]).
+pub fn fresh_dir(suite: &str, name: &str) -> PathBuf {
+    let d = fresh_path(suite, name);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Writes `text` to a file `name` of this call's own ([`fresh_path`]) and returns its path.
+pub fn fresh_file(suite: &str, name: &str, text: &str) -> PathBuf {
+    let p = fresh_path(suite, name);
+    std::fs::write(&p, text).unwrap();
     p
 }
 
