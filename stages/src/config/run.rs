@@ -1,0 +1,561 @@
+//! The checked run ([`RunConfig`]): its fields, what it answers (its resolved layout, its
+//! numerics, its schedule), how it travels to worker processes (JSON), and the checks that
+//! need the machine it runs on.
+
+use std::path::PathBuf;
+
+use pipe_kernels::BackendKind;
+use pipe_scheduler::{Length, Policy, ScheduleSpec};
+use pipe_transport::TransportKind;
+use pipe_transport::frame::WireDType;
+use serde::{Deserialize, Serialize};
+
+use crate::data::{SyntheticConfig, Vocab};
+use crate::error::{Result, StageError};
+use crate::model::{Model, ModelSpec};
+use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig};
+use crate::partition::Partition;
+use crate::remedy::Remedies;
+
+use super::resolve::check_delay_correction;
+use super::*;
+
+/// How a pipelined run's layers are cut into stages.
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PartitionChoice {
+    /// Profile the model briefly on this machine and balance measured time (the default).
+    #[default]
+    Measured,
+    /// Balance forward FLOPs per sample (no measurement: the same cut on every machine).
+    Flops,
+    /// Explicit ranges (checked against the model).
+    Given(Partition),
+}
+
+/// As `--partition` takes it: `measured`, `flops`, or the ranges.
+impl std::fmt::Display for PartitionChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PartitionChoice::Measured => f.write_str("measured"),
+            PartitionChoice::Flops => f.write_str("flops"),
+            PartitionChoice::Given(p) => p.fmt(f),
+        }
+    }
+}
+
+impl PartitionChoice {
+    /// Parses `--partition`: `measured`, `flops`, or inclusive ranges such as `0-2,3-5`.
+    ///
+    /// # Errors
+    /// Ranges that do not tile a model of `layers` layers.
+    pub fn parse(text: &str, layers: usize) -> Result<Self> {
+        Ok(match text.trim() {
+            "measured" => PartitionChoice::Measured,
+            "flops" => PartitionChoice::Flops,
+            ranges => PartitionChoice::Given(Partition::parse(ranges, layers)?),
+        })
+    }
+}
+
+/// Where a run's workers run: the choice of launcher, apart from what carries their links
+/// ([`TransportKind`], chosen per link from where its ends are).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Placement {
+    /// Threads of this process.
+    #[default]
+    Threads,
+    /// One worker process each, on this host (`pipe worker`, started by `pipe train`).
+    Processes,
+}
+
+impl Placement {
+    /// The name a run's settings use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Threads => "threads",
+            Placement::Processes => "processes",
+        }
+    }
+
+    /// The placement and transport that `--placement` and `--transport` ask for. Without a
+    /// placement, `--transport shm` or `quic` means worker processes (what `--transport quic`
+    /// has always meant) and anything else threads; `auto` then picks channels between
+    /// threads and shared memory between processes of one host.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for unknown names, and for worker processes asked to talk over
+    /// channels, which only threads of one process share.
+    pub fn resolve(
+        placement: Option<&str>,
+        transport: Option<&str>,
+    ) -> Result<(Placement, TransportKind)> {
+        let transport: TransportKind = match transport {
+            Some(t) => t.parse().map_err(StageError::Config)?,
+            None => TransportKind::Auto,
+        };
+        let placement = match placement {
+            Some(p) => p.parse().map_err(StageError::Config)?,
+            None if transport != TransportKind::Auto && transport.crosses_processes() => {
+                Placement::Processes
+            }
+            None => Placement::Threads,
+        };
+        if placement == Placement::Processes && !transport.crosses_processes() {
+            return Err(StageError::Config(
+                "--transport inproc carries tensors between threads of one process, not between worker processes: give --transport auto, shm or quic".into(),
+            ));
+        }
+        Ok((placement, transport))
+    }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Placement {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "threads" => Ok(Placement::Threads),
+            "processes" => Ok(Placement::Processes),
+            other => Err(format!("unknown placement '{other}' (threads, processes)")),
+        }
+    }
+}
+
+/// Validation windows of a tokenized corpus evaluated unless `--eval-windows` says otherwise:
+/// enough for a loss to three decimals, few enough that evaluating is not a second run.
+pub const DEFAULT_EVAL_WINDOWS: u64 = 2048;
+
+/// How a run reads a tokenized corpus.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CorpusSettings {
+    /// The manifest's fingerprint ([`crate::shards::Manifest::fingerprint`]): a checkpoint
+    /// resumes only on the corpus it was written from.
+    pub fingerprint: String,
+    /// Its tokenizer's vocabulary size.
+    pub vocab_size: u64,
+    /// Which part validates.
+    pub holdout: crate::shards::Holdout,
+    /// Most validation windows evaluated.
+    pub eval_windows: u64,
+    /// The end-of-text id the windows' documents end with, when they are read as packed
+    /// documents (`--pack-documents`); `None` reads each window as one sequence.
+    #[serde(default)]
+    pub pack_documents: Option<u32>,
+}
+
+/// A validated run configuration: every choice typed (policy, partition, per-stage replica
+/// counts, backend, transport), built once by [`TrainSettings::resolve`]. It serializes (JSON,
+/// [`RunConfig::to_json`]) so that a launcher hands its worker processes the run it resolved
+/// and the chief hands its peers the run they must agree with; what is read back is checked
+/// again ([`RunConfig::from_json`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Preset name, or `custom`.
+    pub model_name: String,
+    /// The model.
+    pub model: ModelSpec,
+    /// The character vocabulary of a language model (from its corpus's training text).
+    pub vocab: Option<Vocab>,
+    /// Dataset.
+    pub dataset: DatasetKind,
+    /// MNIST directory (embedded copy when absent), or the tokenized corpus's.
+    pub data_dir: Option<PathBuf>,
+    /// A Hugging Face GPT-2 directory whose weights the run starts from (fresh runs only).
+    pub init_from: Option<PathBuf>,
+    /// A tokenized corpus's fingerprint, holdout and evaluation budget.
+    pub corpus: Option<CorpusSettings>,
+    /// Synthetic dataset shape.
+    pub synthetic: SyntheticConfig,
+    /// Passes over the training set.
+    pub epochs: u64,
+    /// Optional cap on optimizer steps.
+    pub steps: Option<u64>,
+    /// Evaluate every this many updates too, at a drain point (besides each epoch's end).
+    pub eval_every: Option<u64>,
+    /// The order each epoch visits the training samples in.
+    #[serde(default)]
+    pub data_order: crate::data::DataOrder,
+    /// What the backward recomputes instead of keeping from the forward, per stage.
+    #[serde(default)]
+    pub recompute: crate::layer::StageRecompute,
+    /// The host each worker was placed on, in rank order, where a plan placed them
+    /// (`pipe plan --hosts` or `--cluster`); empty otherwise. Each worker compares it with
+    /// the peers it finds on its own host.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
+    /// Samples per microbatch.
+    pub microbatch_size: usize,
+    /// Microbatches per update.
+    pub microbatches: usize,
+    /// Optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Base learning rate.
+    pub lr: f32,
+    /// Learning-rate schedule.
+    pub lr_schedule: LrScheduleKind,
+    /// Warmup steps (`None`: 5% of the run, [`DEFAULT_WARMUP_FRACTION`]).
+    pub warmup_steps: Option<u64>,
+    /// Run seed.
+    pub seed: u64,
+    /// Compute threads (0: one per core).
+    pub threads: usize,
+    /// JSON-lines log path.
+    pub log_jsonl: Option<PathBuf>,
+    /// Pipeline stages.
+    pub stages: usize,
+    /// Replicas of each stage (one value per stage).
+    pub replicas: Vec<u32>,
+    /// Schedule policy.
+    pub schedule: Policy,
+    /// Model chunks per worker.
+    pub chunks: u32,
+    /// How the layers are cut into stages.
+    pub partition: PartitionChoice,
+    /// True when the run goes through the pipelined executor (any pipeline setting given).
+    pub pipelined: bool,
+    /// Compute backend.
+    #[serde(with = "backend_by_name")]
+    pub backend: BackendKind,
+    /// Where the workers run: threads of this process, or one process each on this host.
+    /// (A run.json written before placements existed reads as threads; its launcher set the
+    /// transport.)
+    #[serde(with = "by_name", default)]
+    pub placement: Placement,
+    /// What carries each link between workers (`auto`: chosen per link from where its ends
+    /// run).
+    #[serde(with = "by_name")]
+    pub transport: TransportKind,
+    /// Element type of activations and gradients between stages.
+    #[serde(with = "by_name")]
+    pub wire: WireDType,
+    /// Remedies for stale weights (asynchronous policies only).
+    pub remedies: Remedies,
+    /// How long a worker waits for data before the run is stopped as stalled.
+    pub stall_timeout: std::time::Duration,
+    /// Gradient values per all-reduce bucket (every stage's, unless `stage_bucket_values`
+    /// gives each its own).
+    pub bucket_values: usize,
+    /// Gradient values per all-reduce bucket of each stage, where given per stage or chosen
+    /// ([`crate::planning::buckets`]); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_bucket_values: Vec<usize>,
+    /// Where the bucket sizes came from.
+    #[serde(default)]
+    pub bucket_origin: BucketOrigin,
+    /// The precision the all-reduce sends in.
+    #[serde(with = "by_name")]
+    pub allreduce_wire: WireDType,
+}
+
+/// A type written by its name (`Display`) and read back through `FromStr`, for the run's
+/// choices whose crates carry no serde of their own.
+mod by_name {
+    use serde::Deserialize;
+
+    pub fn serialize<T: std::fmt::Display, S: serde::Serializer>(
+        v: &T,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_str(v)
+    }
+
+    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    where
+        T: std::str::FromStr,
+        T::Err: std::fmt::Display,
+        D: serde::Deserializer<'de>,
+    {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// A backend written as its name and the precision of its products (`["cuda", "bf16"]`), read
+/// back through [`BackendKind::with_precision`].
+mod backend_by_name {
+    use pipe_kernels::{BackendKind, Precision};
+    use serde::Deserialize;
+
+    pub fn serialize<S: serde::Serializer>(b: &BackendKind, s: S) -> Result<S::Ok, S::Error> {
+        serde::Serialize::serialize(&(b.name(), b.precision().name()), s)
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BackendKind, D::Error> {
+        let (name, precision) = <(String, String)>::deserialize(d)?;
+        let backend: BackendKind = name.parse().map_err(serde::de::Error::custom)?;
+        let precision: Precision = precision.parse().map_err(serde::de::Error::custom)?;
+        backend
+            .with_precision(precision)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl RunConfig {
+    /// The run as JSON: what a launcher writes for its worker processes.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for a value JSON cannot hold (never, for a resolved run).
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string(self)
+            .map_err(|e| StageError::Config(format!("writing the resolved run: {e}")))
+    }
+
+    /// Reads a run [`RunConfig::to_json`] wrote and checks it ([`RunConfig::check`]);
+    /// `source` names it in errors.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming `source` and the field, for malformed text or a run that
+    /// does not hold together.
+    pub fn from_json(text: &str, source: &str) -> Result<Self> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let cfg: RunConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let at = match e.path().to_string() {
+                top if top == "." => String::new(),
+                path => format!("{path}: "),
+            };
+            StageError::Config(format!("{source}: {at}{}", e.inner()))
+        })?;
+        cfg.check()
+            .map_err(|e| StageError::Config(format!("{source}: {e}")))?;
+        Ok(cfg)
+    }
+
+    /// Checks what [`TrainSettings::resolve`] guarantees, for a run that was read rather than
+    /// resolved: the model builds and takes the microbatch, the counts are positive and within
+    /// [`crate::limits`], the layout resolves under its policy, the remedies suit it, the
+    /// partition tiles the model, and the optimizer's values are in range.
+    ///
+    /// # Errors
+    /// [`StageError::Config`], [`StageError::Model`] or [`StageError::Schedule`] naming the
+    /// first problem.
+    pub fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(StageError::Config(m));
+        let model = Model::new(&self.model)?;
+        if self.microbatch_size == 0 || self.microbatches == 0 || self.epochs == 0 {
+            return bad("epochs, microbatch size and microbatches must be at least 1".into());
+        }
+        model.check_microbatch(self.microbatch_size)?;
+        if self.steps == Some(0)
+            || self.bucket_values == 0
+            || self.stage_bucket_values.contains(&0)
+            || self.chunks == 0
+        {
+            return bad("steps, all-reduce bucket and chunks must be at least 1".into());
+        }
+        if self.replicas.len() != self.stages {
+            return bad(format!(
+                "{} replica counts for {} stages",
+                self.replicas.len(),
+                self.stages
+            ));
+        }
+        let workers: u64 = self.replicas.iter().map(|&r| u64::from(r)).sum();
+        pipe_scheduler::limits::check_layout(self.stages as u64, workers, u64::from(self.chunks))?;
+        pipe_scheduler::limits::check_microbatches(self.microbatches as u64)?;
+        if !self.hosts.is_empty() && self.hosts.len() as u64 != workers {
+            return bad(format!(
+                "the plan places {} workers on hosts, the run has {workers}",
+                self.hosts.len()
+            ));
+        }
+        let run = self.resolved()?;
+        if !self.stage_bucket_values.is_empty()
+            && self.stage_bucket_values.len() != run.layout.stages() as usize
+        {
+            return bad(format!(
+                "{} all-reduce bucket sizes for {} stages",
+                self.stage_bucket_values.len(),
+                run.layout.stages()
+            ));
+        }
+        self.recompute
+            .check_stages(run.layout.stages())
+            .map_err(StageError::Config)?;
+        if !self.remedies.is_none() {
+            self.remedies.check(&run)?;
+        }
+        check_delay_correction(&self.optimizer, run.policy, Some(self.remedies.prediction))?;
+        if let PartitionChoice::Given(p) = &self.partition {
+            Partition::new(p.ranges().to_vec(), model.len())?;
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad(format!("learning rate must be positive, got {}", self.lr));
+        }
+        let stall = self.stall_timeout.as_secs_f64();
+        if !(stall > 0.0 && stall <= MAX_STALL_TIMEOUT) {
+            return bad(format!(
+                "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds, got {stall}"
+            ));
+        }
+        self.optimizer.validate()?;
+        self.synthetic.check()
+    }
+
+    /// Where the workers run and what carries their links, as the pipeline line says it.
+    pub fn placement_description(&self) -> String {
+        let (each, links) = match self.placement {
+            Placement::Threads => ("one thread each", self.transport),
+            // The launcher's workers are on its host.
+            Placement::Processes => ("one process each", self.transport.for_processes(true)),
+        };
+        match links.link_description() {
+            Some(links) => format!("{each}, {links}"),
+            None => each.to_string(),
+        }
+    }
+
+    /// The part of the run that decides its numerics, which every worker of a run must share:
+    /// what may differ between hosts (data paths, compute threads, logs) and the partition
+    /// (which the chief settles for all) are set to fixed values.
+    pub fn numerics(&self) -> RunConfig {
+        RunConfig {
+            data_dir: None,
+            init_from: None,
+            threads: 0,
+            log_jsonl: None,
+            partition: PartitionChoice::Flops,
+            // Where workers run and what carries their links never changes a number.
+            placement: Placement::Threads,
+            transport: TransportKind::Auto,
+            hosts: Vec::new(),
+            ..self.clone()
+        }
+    }
+
+    /// Where `self`'s numerics differ from `other`'s: the first differing field, with both
+    /// values. `None` when they agree.
+    pub fn numerics_difference(&self, other: &RunConfig) -> Option<String> {
+        let (mine, theirs) = (self.numerics(), other.numerics());
+        if mine == theirs {
+            return None;
+        }
+        let as_map = |c: &RunConfig| match serde_json::to_value(c) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => serde_json::Map::new(),
+        };
+        let (a, b) = (as_map(&mine), as_map(&theirs));
+        Some(a.iter().find(|(k, v)| b.get(*k) != Some(*v)).map_or(
+            "the run differs".to_string(),
+            |(k, v)| {
+                let there = b.get(k).map_or("nothing".to_string(), ToString::to_string);
+                format!("{k}: {v} here, {there} there")
+            },
+        ))
+    }
+
+    /// Checks the run against this host ([`crate::limits`]): its compute threads, its
+    /// microbatch's activations, and the planner's memory estimate of its workers that live
+    /// here (`local_workers`: `None` for all of them, as `pipe train` runs them; `Some(1)` for
+    /// `pipe worker`).
+    ///
+    /// # Errors
+    /// [`StageError::Limit`] for the first bound exceeded; [`StageError::Schedule`] or
+    /// [`StageError::Model`] when the run's layout or model cannot be built.
+    pub fn check_resources(
+        &self,
+        local_workers: Option<u64>,
+        machine: &crate::limits::Machine,
+    ) -> Result<()> {
+        crate::limits::check_threads(self.threads as u64, machine)?;
+        let model = Model::new(&self.model)?;
+        model.check_microbatch(self.microbatch_size)?;
+        if self.optimizer.kind == crate::optim::OptimizerKind::Muon
+            && !model.hidden_matrices().iter().flatten().any(|&h| h)
+        {
+            // Muon would step every parameter as AdamW does while the header said Muon.
+            return Err(StageError::Config(
+                "--optimizer muon orthogonalises the updates of hidden weight matrices, and \
+                 this model has none (its only matrices are its first and last layers, \
+                 embeddings or heads): it would train as AdamW; use --optimizer adamw, or a \
+                 model with hidden layers"
+                    .into(),
+            ));
+        }
+        let run = if self.pipelined {
+            self.resolved()?
+        } else {
+            ScheduleSpec::new(Policy::Sequential, 1, 1).resolve()?
+        };
+        let workers = local_workers.unwrap_or(u64::from(run.layout.workers()));
+        let per_worker = model.worker_memory_bytes(
+            &run,
+            self.microbatch_size,
+            self.optimizer.kind.state_copies(),
+        );
+        let holding = format!(
+            "{} parameters' weights{}, optimizer state and stashed activations",
+            model.param_count(),
+            if matches!(run.policy, Policy::PipeDream | Policy::VerticalSync) {
+                " in every version stashed"
+            } else {
+                ""
+            }
+        );
+        crate::limits::check_memory(per_worker * workers as f64, workers, &holding, machine)
+    }
+
+    /// The policy a pipeline of this run uses: its own when it is pipelined; otherwise (one
+    /// worker, `sequential`) the one a pipeline flag would give it, a language model's
+    /// [`LanguageDefaults::schedule`] or pipedream. What `--workers` plans for.
+    pub fn pipeline_policy(&self) -> Policy {
+        if self.pipelined {
+            self.schedule
+        } else {
+            default_pipeline_policy(self.vocab.as_ref().map(|_| LanguageDefaults::default()))
+        }
+    }
+
+    /// The transport that carries this run's stage-to-stage links on one host: the one asked
+    /// for, else what `auto` picks (channels between threads, shared memory between worker
+    /// processes). The planner charges its measured costs.
+    pub fn link_transport(&self) -> TransportKind {
+        match (self.transport, self.placement) {
+            (TransportKind::Auto, Placement::Threads) => TransportKind::InProcess,
+            (TransportKind::Auto, Placement::Processes) => TransportKind::Shm,
+            (kind, _) => kind,
+        }
+    }
+
+    /// The schedule request this run implies, running for `length`.
+    pub fn schedule_spec(&self, length: Length) -> ScheduleSpec {
+        self.schedule_spec_of(self.schedule, length)
+    }
+
+    /// The run's schedule resolved (its layout, minibatch and policy), the one place a run's
+    /// settings become a [`pipe_scheduler::Resolved`] outside a plan.
+    ///
+    /// # Errors
+    /// [`StageError::Schedule`] for a layout the policy refuses.
+    pub fn resolved(&self) -> Result<pipe_scheduler::Resolved> {
+        Ok(self.schedule_spec(Length::Updates(1)).resolve()?)
+    }
+
+    /// [`RunConfig::schedule_spec`] with another policy on the same layout (a synchronous
+    /// warm-up's).
+    pub fn schedule_spec_of(&self, policy: Policy, length: Length) -> ScheduleSpec {
+        ScheduleSpec::new(policy, self.stages as u32, self.microbatches as u32)
+            .with_replicas(self.replicas.clone())
+            .with_chunks(self.chunks)
+            .with_length(length)
+    }
+
+    /// The learning-rate schedule of a run of `total` updates (the one place it is built).
+    pub fn lr_schedule(&self, total: u64) -> LrSchedule {
+        LrSchedule {
+            kind: self.lr_schedule,
+            base: self.lr,
+            warmup: self.warmup_steps.unwrap_or(total / DEFAULT_WARMUP_FRACTION),
+            total,
+            min_ratio: 0.0,
+        }
+    }
+}
