@@ -1,3 +1,12 @@
+//! The [`Backend`] trait, its operand types and the typed backend choice ([`BackendKind`]).
+//!
+//! Every method of the trait is written once, in [`backend_ops`]: its documentation, its
+//! signature and any default body. That list declares the trait and generates the methods of
+//! every wrapper that forwards to another backend (a `Box`, [`Timed`](crate::Timed),
+//! [`EmulatedDevice`](crate::EmulatedDevice)): each wrapper hands it a macro that writes one
+//! method from one signature. A new operation is therefore written in the list and in the
+//! backends that compute (the CPU's, CUDA's), and nowhere else; a wrapper writes out by hand
+//! only the methods whose logic is its own, and says why beside them.
 use std::borrow::Cow;
 
 use crate::{Device, Result, Tensor};
@@ -144,602 +153,458 @@ pub fn lion_sign(x: f32) -> f32 {
     }
 }
 
+/// Calls `$op!` once for each method of [`Backend`], in the trait's order, with its
+/// documentation and attributes, a kind, its signature and, where the trait provides one, its
+/// default body. The kind is `about` for a method that asks about the backend itself (its name,
+/// its device, waiting for it) and computes nothing, `op` for an operation on tensors.
+///
+/// This is the one place a method's signature is written: the trait below and every forwarding
+/// wrapper are generated from it, so a wrapper cannot miss a method or forward one with the
+/// wrong signature.
+macro_rules! backend_ops {
+    ($op:ident) => {
+        $op! {
+            /// Short name (`cpu`, `cuda`).
+            about fn name(&self) -> &'static str;
+        }
+        $op! {
+            /// Number of compute threads this backend uses.
+            about fn threads(&self) -> usize;
+        }
+        $op! {
+            /// Where this backend keeps the tensors it computes on.
+            about fn device(&self) -> Device;
+        }
+        $op! {
+            /// The backend that computes, as [`Any`](std::any::Any), for the downcast a device's
+            /// own code makes when a library must compute on its buffers in its stream's order
+            /// ([`CudaBackend::of`](crate::CudaBackend::of), for NCCL). A wrapper that only
+            /// observes another backend (timing) returns the one it wraps.
+            about fn as_any(&self) -> &dyn std::any::Any;
+        }
+        $op! {
+            /// Waits until every operation queued so far has finished: call it before reading a
+            /// clock. Backends that compute synchronously (the CPU) return at once.
+            ///
+            /// # Errors
+            /// Device failures reported by queued work.
+            about fn synchronize(&self) -> Result<()> {
+                Ok(())
+            }
+        }
+        $op! {
+            /// The most device memory this backend has held for tensors at once, in bytes, where it
+            /// keeps its own pool (CUDA); `None` for host backends.
+            about fn peak_memory(&self) -> Option<u64> {
+                None
+            }
+        }
+        $op! {
+            /// Makes `t` resident where this backend computes: a host tensor is copied to the
+            /// device, a tensor already there is returned as it is (the CPU backend returns every
+            /// host tensor as it is).
+            ///
+            /// # Errors
+            /// A tensor held by a device this backend cannot reach; device allocation failures.
+            op fn place(&self, t: Tensor) -> Result<Tensor>;
+        }
+        $op! {
+            /// [`Backend::place`] for id tensors (labels, token ids).
+            ///
+            /// # Errors
+            /// As [`Backend::place`].
+            op fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>>;
+        }
+        $op! {
+            /// The elements of `t` in host memory: borrowed where they already are, copied from the
+            /// device otherwise (after the device has finished writing them).
+            ///
+            /// # Errors
+            /// A tensor held by a device this backend cannot reach; device failures.
+            op fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>>;
+        }
+        $op! {
+            /// Overwrites the elements of `t` with host values `src` (as many as `t` has).
+            ///
+            /// # Errors
+            /// Length mismatch; device failures.
+            op fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// `dst = src` (`dst` takes `src`'s shape).
+            ///
+            /// # Errors
+            /// None today; reserved for device failures.
+            op fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// Sets every element of `x` to `value`.
+            ///
+            /// # Errors
+            /// None today; reserved for device failures.
+            op fn fill(&self, value: f32, x: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// `out = a * b`, elementwise; `out` takes `a`'s shape.
+            ///
+            /// # Errors
+            /// `a` and `b` differ in length.
+            op fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// `c = op(a) op(b)`, or `c += op(a) op(b)` when `accumulate`. `c` is resized to
+            /// `rows(op(a)) x cols(op(b))` unless accumulating.
+            ///
+            /// # Errors
+            /// Shape mismatch between the inner dimensions, or an accumulating `c` of the wrong
+            /// shape.
+            op fn matmul(
+                &self,
+                a: &Tensor,
+                ta: Trans,
+                b: &Tensor,
+                tb: Trans,
+                c: &mut Tensor,
+                accumulate: bool,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// `out = a^T` for a 2-D view of `a`.
+            ///
+            /// # Errors
+            /// None today; reserved for device failures.
+            op fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// Adds `bias` (length `cols`) to every row of `y`.
+            ///
+            /// # Errors
+            /// `bias` length differs from `y.cols()`.
+            op fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()>;
+        }
+        $op! {
+            /// Column sums: `out[j] (+)= sum_i x[i, j]`, rows summed in order.
+            ///
+            /// # Errors
+            /// `out` length differs from `x.cols()` when accumulating.
+            op fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()>;
+        }
+        $op! {
+            /// `y = act(x)`, elementwise; `y` takes `x`'s shape.
+            ///
+            /// # Errors
+            /// None today; reserved for device failures.
+            op fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// `dx = act'(x) * dy`, elementwise.
+            ///
+            /// # Errors
+            /// `x` and `dy` differ in shape.
+            op fn activation_backward(
+                &self,
+                act: Activation,
+                x: &Tensor,
+                dy: &Tensor,
+                dx: &mut Tensor,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// Row-wise layer normalisation: `y = (x - mean) * rstd * gamma + beta`, also writing
+            /// each row's `mean` and `rstd = 1 / sqrt(var + eps)` for the backward pass.
+            ///
+            /// # Errors
+            /// `gamma`/`beta` length differs from `x.cols()`.
+            #[allow(clippy::too_many_arguments)]
+            op fn layer_norm(
+                &self,
+                x: &Tensor,
+                gamma: &Tensor,
+                beta: &Tensor,
+                eps: f32,
+                y: &mut Tensor,
+                mean: &mut Tensor,
+                rstd: &mut Tensor,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// Gradient of layer normalisation with respect to its input.
+            ///
+            /// # Errors
+            /// Operand shapes disagree.
+            op fn layer_norm_backward_input(
+                &self,
+                x: &Tensor,
+                gamma: &Tensor,
+                mean: &Tensor,
+                rstd: &Tensor,
+                dy: &Tensor,
+                dx: &mut Tensor,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// Gradient of layer normalisation with respect to `gamma` and `beta`, accumulated into
+            /// `dgamma` and `dbeta` when `accumulate`.
+            ///
+            /// # Errors
+            /// Operand shapes disagree.
+            #[allow(clippy::too_many_arguments)]
+            op fn layer_norm_backward_params(
+                &self,
+                x: &Tensor,
+                mean: &Tensor,
+                rstd: &Tensor,
+                dy: &Tensor,
+                dgamma: &mut Tensor,
+                dbeta: &mut Tensor,
+                accumulate: bool,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// Softmax cross-entropy of `logits` (rows x classes) against `labels` (one id per
+            /// row). When `dlogits` is given it receives `(softmax - onehot) * grad_scale`. A row
+            /// labelled [`IGNORED_LABEL`] is not a loss term: it adds nothing, is not counted, and
+            /// its gradient row is zero (the CPU backend; the CUDA backend refuses it as a label
+            /// out of range).
+            ///
+            /// # Errors
+            /// A label outside `0..classes` or a label count different from the row count.
+            op fn softmax_cross_entropy(
+                &self,
+                logits: &Tensor,
+                labels: &Tensor<u32>,
+                grad_scale: f32,
+                dlogits: Option<&mut Tensor>,
+            ) -> Result<LossStats>;
+        }
+        $op! {
+            /// Token-embedding lookup: row `i` of `out` (`[ids, C]`) is row `ids[i]` of `table`
+            /// (`[vocab, C]`). Token ids travel as exact whole numbers in an `f32` tensor (a
+            /// pipeline's first stage receives them as its input activation).
+            ///
+            /// # Errors
+            /// [`crate::KernelError::Token`] for an id that is not a whole number below `vocab`.
+            op fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// The embedding's weight gradient: `dtable[ids[i]] += dy[i]`, rows summed in order;
+            /// `dtable` is zeroed first unless `accumulate`.
+            ///
+            /// # Errors
+            /// As [`Backend::embedding`]; `dy` rows differing from the id count.
+            op fn embedding_backward(
+                &self,
+                ids: &Tensor,
+                dy: &Tensor,
+                dtable: &mut Tensor,
+                accumulate: bool,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// Causal multi-head self-attention: `out[b, t]` (`[batch * seq, C]`) attends over
+            /// positions `0..=t` of sequence `b` with `softmax(q k^T / sqrt(C / heads)) v`, per
+            /// head, from the packed `qkv` (see [`AttentionShape`]). `lse` receives each row's
+            /// log-sum-exp of scaled scores (`[batch, heads, seq]`), all the backward needs besides
+            /// the inputs.
+            ///
+            /// `documents` masks packed documents: per token (`[batch * seq]`, whole numbers in
+            /// `f32`, as token ids are), the index in its sequence where its document starts. Token
+            /// `t` then attends over positions `starts[t]..=t` only. `None` is one document per
+            /// sequence.
+            ///
+            /// # Errors
+            /// Operand sizes that do not match `shape`; a document start that is not a whole number
+            /// in `0..=t`; [`KernelError::Unsupported`](crate::KernelError::Unsupported) for
+            /// documents on a backend that does not mask them.
+            op fn attention(
+                &self,
+                qkv: &Tensor,
+                documents: Option<&Tensor>,
+                shape: AttentionShape,
+                out: &mut Tensor,
+                lse: &mut Tensor,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// The gradient of [`Backend::attention`] with respect to `qkv`, from the forward's
+            /// inputs (the same `documents`) and outputs and `dout`.
+            ///
+            /// # Errors
+            /// As [`Backend::attention`].
+            #[allow(clippy::too_many_arguments)]
+            op fn attention_backward(
+                &self,
+                qkv: &Tensor,
+                documents: Option<&Tensor>,
+                out: &Tensor,
+                lse: &Tensor,
+                dout: &Tensor,
+                shape: AttentionShape,
+                dqkv: &mut Tensor,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// `y += alpha * x`, elementwise.
+            ///
+            /// # Errors
+            /// Length mismatch.
+            op fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// `x *= alpha`, elementwise.
+            ///
+            /// # Errors
+            /// None today; reserved for device failures.
+            op fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()>;
+        }
+        $op! {
+            /// One SGD update of `param` from `grad`, with the momentum buffer `buf` when momentum
+            /// is on.
+            ///
+            /// # Errors
+            /// Length mismatch, or momentum requested without a buffer.
+            op fn sgd_update(
+                &self,
+                param: &mut Tensor,
+                grad: &Tensor,
+                buf: Option<&mut Tensor>,
+                hp: SgdStep,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// One Adam/AdamW update of `param` from `grad` with moment buffers `m` and `v`.
+            ///
+            /// # Errors
+            /// Length mismatch.
+            op fn adam_update(
+                &self,
+                param: &mut Tensor,
+                grad: &Tensor,
+                m: &mut Tensor,
+                v: &mut Tensor,
+                hp: AdamStep,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// One Lion update of `param` from `grad` with its momentum `m`: `w -= lr (sign(beta1 m
+            /// + (1 - beta1) g) + weight_decay w)`, then `m = beta2 m + (1 - beta2) g`.
+            ///
+            /// # Errors
+            /// Length mismatch.
+            op fn lion_update(
+                &self,
+                param: &mut Tensor,
+                grad: &Tensor,
+                m: &mut Tensor,
+                hp: LionStep,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// One delay compensation of `grad` ([`DelayCompensation`]) for the weights `current`
+            /// it is applied to and the `stale` ones it was computed at; `mean_square` is the
+            /// adaptive form's `MS` (required by it, ignored otherwise).
+            ///
+            /// # Errors
+            /// Length mismatch, or the adaptive form without its buffer.
+            op fn delay_compensate(
+                &self,
+                grad: &mut Tensor,
+                current: &Tensor,
+                stale: &Tensor,
+                mean_square: Option<&mut Tensor>,
+                hp: DelayCompensation,
+            ) -> Result<()>;
+        }
+        $op! {
+            /// Sum of all elements, accumulated in `f64` in a fixed order.
+            ///
+            /// # Errors
+            /// None today; reserved for device failures.
+            op fn sum(&self, x: &Tensor) -> Result<f64>;
+        }
+        $op! {
+            /// Sum of squares of all elements, accumulated in `f64` in a fixed order.
+            ///
+            /// # Errors
+            /// None today; reserved for device failures.
+            op fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+        }
+        $op! {
+            /// The index of the first tensor of `xs` that holds a value that is not finite (NaN or
+            /// an infinity), or `None`. A device backend answers for the whole list with one wait,
+            /// so a guard over every gradient of an update costs one round trip, not one per
+            /// tensor.
+            ///
+            /// # Errors
+            /// Device failures.
+            op fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
+                for (i, x) in xs.iter().enumerate() {
+                    // A sum of f32 values in f64 is finite exactly when every value is.
+                    let finite = match x.host() {
+                        Ok(values) => values.iter().all(|v| v.is_finite()),
+                        Err(_) => self.sum(x)?.is_finite(),
+                    };
+                    if !finite {
+                        return Ok(Some(i));
+                    }
+                }
+                Ok(None)
+            }
+        }
+    };
+}
+pub(crate) use backend_ops;
+
+/// Declares one method of [`Backend`] from [`backend_ops`] (`self` is taken from the list, where
+/// the default bodies that use it are written).
+macro_rules! declare_method {
+    (
+        $(#[$meta:meta])* $kind:ident fn $name:ident $(<$lt:lifetime>)?
+        (&$self:ident $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty;
+    ) => {
+        $(#[$meta])*
+        fn $name $(<$lt>)? (&$self $(, $arg: $ty)*) -> $ret;
+    };
+    (
+        $(#[$meta:meta])* $kind:ident fn $name:ident $(<$lt:lifetime>)?
+        (&$self:ident $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $default:block
+    ) => {
+        $(#[$meta])*
+        fn $name $(<$lt>)? (&$self $(, $arg: $ty)*) -> $ret $default
+    };
+}
+
 /// The compute interface every layer is written against.
 ///
 /// Operands are viewed as 2-D (`rows x cols`, see [`Tensor::rows`]). Outputs are resized by the
 /// callee when `resize` applies, so callers may pass reusable scratch tensors. Every
 /// implementation must be deterministic: the same inputs give the same bits on every call,
 /// whatever the thread count.
+///
+/// The methods are declared from the one list in `backend_ops!`, which also writes the
+/// forwarding methods of the wrappers: `Box`, [`Timed`](crate::Timed) and
+/// [`EmulatedDevice`](crate::EmulatedDevice).
 pub trait Backend: Send + Sync + std::fmt::Debug {
-    /// Short name (`cpu`, `cuda`).
-    fn name(&self) -> &'static str;
+    backend_ops!(declare_method);
+}
 
-    /// Number of compute threads this backend uses.
-    fn threads(&self) -> usize;
-
-    /// Where this backend keeps the tensors it computes on.
-    fn device(&self) -> Device;
-
-    /// The backend that computes, as [`Any`](std::any::Any), for the downcast a device's own
-    /// code makes when a library must compute on its buffers in its stream's order
-    /// ([`CudaBackend::of`](crate::CudaBackend::of), for NCCL). A wrapper that only observes
-    /// another backend (timing) returns the one it wraps.
-    fn as_any(&self) -> &dyn std::any::Any;
-
-    /// Waits until every operation queued so far has finished: call it before reading a clock.
-    /// Backends that compute synchronously (the CPU) return at once.
-    ///
-    /// # Errors
-    /// Device failures reported by queued work.
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
-    }
-
-    /// The most device memory this backend has held for tensors at once, in bytes, where it
-    /// keeps its own pool (CUDA); `None` for host backends.
-    fn peak_memory(&self) -> Option<u64> {
-        None
-    }
-
-    /// Makes `t` resident where this backend computes: a host tensor is copied to the device,
-    /// a tensor already there is returned as it is (the CPU backend returns every host tensor
-    /// as it is).
-    ///
-    /// # Errors
-    /// A tensor held by a device this backend cannot reach; device allocation failures.
-    fn place(&self, t: Tensor) -> Result<Tensor>;
-
-    /// [`Backend::place`] for id tensors (labels, token ids).
-    ///
-    /// # Errors
-    /// As [`Backend::place`].
-    fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>>;
-
-    /// The elements of `t` in host memory: borrowed where they already are, copied from the
-    /// device otherwise (after the device has finished writing them).
-    ///
-    /// # Errors
-    /// A tensor held by a device this backend cannot reach; device failures.
-    fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>>;
-
-    /// Overwrites the elements of `t` with host values `src` (as many as `t` has).
-    ///
-    /// # Errors
-    /// Length mismatch; device failures.
-    fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()>;
-
-    /// `dst = src` (`dst` takes `src`'s shape).
-    ///
-    /// # Errors
-    /// None today; reserved for device failures.
-    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;
-
-    /// Sets every element of `x` to `value`.
-    ///
-    /// # Errors
-    /// None today; reserved for device failures.
-    fn fill(&self, value: f32, x: &mut Tensor) -> Result<()>;
-
-    /// `out = a * b`, elementwise; `out` takes `a`'s shape.
-    ///
-    /// # Errors
-    /// `a` and `b` differ in length.
-    fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()>;
-
-    /// `c = op(a) op(b)`, or `c += op(a) op(b)` when `accumulate`. `c` is resized to
-    /// `rows(op(a)) x cols(op(b))` unless accumulating.
-    ///
-    /// # Errors
-    /// Shape mismatch between the inner dimensions, or an accumulating `c` of the wrong shape.
-    fn matmul(
-        &self,
-        a: &Tensor,
-        ta: Trans,
-        b: &Tensor,
-        tb: Trans,
-        c: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()>;
-
-    /// `out = a^T` for a 2-D view of `a`.
-    ///
-    /// # Errors
-    /// None today; reserved for device failures.
-    fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()>;
-
-    /// Adds `bias` (length `cols`) to every row of `y`.
-    ///
-    /// # Errors
-    /// `bias` length differs from `y.cols()`.
-    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()>;
-
-    /// Column sums: `out[j] (+)= sum_i x[i, j]`, rows summed in order.
-    ///
-    /// # Errors
-    /// `out` length differs from `x.cols()` when accumulating.
-    fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()>;
-
-    /// `y = act(x)`, elementwise; `y` takes `x`'s shape.
-    ///
-    /// # Errors
-    /// None today; reserved for device failures.
-    fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()>;
-
-    /// `dx = act'(x) * dy`, elementwise.
-    ///
-    /// # Errors
-    /// `x` and `dy` differ in shape.
-    fn activation_backward(
-        &self,
-        act: Activation,
-        x: &Tensor,
-        dy: &Tensor,
-        dx: &mut Tensor,
-    ) -> Result<()>;
-
-    /// Row-wise layer normalisation: `y = (x - mean) * rstd * gamma + beta`, also writing each
-    /// row's `mean` and `rstd = 1 / sqrt(var + eps)` for the backward pass.
-    ///
-    /// # Errors
-    /// `gamma`/`beta` length differs from `x.cols()`.
-    #[allow(clippy::too_many_arguments)]
-    fn layer_norm(
-        &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        beta: &Tensor,
-        eps: f32,
-        y: &mut Tensor,
-        mean: &mut Tensor,
-        rstd: &mut Tensor,
-    ) -> Result<()>;
-
-    /// Gradient of layer normalisation with respect to its input.
-    ///
-    /// # Errors
-    /// Operand shapes disagree.
-    fn layer_norm_backward_input(
-        &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        dy: &Tensor,
-        dx: &mut Tensor,
-    ) -> Result<()>;
-
-    /// Gradient of layer normalisation with respect to `gamma` and `beta`, accumulated into
-    /// `dgamma` and `dbeta` when `accumulate`.
-    ///
-    /// # Errors
-    /// Operand shapes disagree.
-    #[allow(clippy::too_many_arguments)]
-    fn layer_norm_backward_params(
-        &self,
-        x: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        dy: &Tensor,
-        dgamma: &mut Tensor,
-        dbeta: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()>;
-
-    /// Softmax cross-entropy of `logits` (rows x classes) against `labels` (one id per row).
-    /// When `dlogits` is given it receives `(softmax - onehot) * grad_scale`. A row labelled
-    /// [`IGNORED_LABEL`] is not a loss term: it adds nothing, is not counted, and its gradient
-    /// row is zero (the CPU backend; the CUDA backend refuses it as a label out of range).
-    ///
-    /// # Errors
-    /// A label outside `0..classes` or a label count different from the row count.
-    fn softmax_cross_entropy(
-        &self,
-        logits: &Tensor,
-        labels: &Tensor<u32>,
-        grad_scale: f32,
-        dlogits: Option<&mut Tensor>,
-    ) -> Result<LossStats>;
-
-    /// Token-embedding lookup: row `i` of `out` (`[ids, C]`) is row `ids[i]` of `table`
-    /// (`[vocab, C]`). Token ids travel as exact whole numbers in an `f32` tensor (a pipeline's
-    /// first stage receives them as its input activation).
-    ///
-    /// # Errors
-    /// [`crate::KernelError::Token`] for an id that is not a whole number below `vocab`.
-    fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()>;
-
-    /// The embedding's weight gradient: `dtable[ids[i]] += dy[i]`, rows summed in order;
-    /// `dtable` is zeroed first unless `accumulate`.
-    ///
-    /// # Errors
-    /// As [`Backend::embedding`]; `dy` rows differing from the id count.
-    fn embedding_backward(
-        &self,
-        ids: &Tensor,
-        dy: &Tensor,
-        dtable: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()>;
-
-    /// Causal multi-head self-attention: `out[b, t]` (`[batch * seq, C]`) attends over
-    /// positions `0..=t` of sequence `b` with `softmax(q k^T / sqrt(C / heads)) v`, per head,
-    /// from the packed `qkv` (see [`AttentionShape`]). `lse` receives each row's log-sum-exp
-    /// of scaled scores (`[batch, heads, seq]`), all the backward needs besides the inputs.
-    ///
-    /// `documents` masks packed documents: per token (`[batch * seq]`, whole numbers in
-    /// `f32`, as token ids are), the index in its sequence where its document starts. Token
-    /// `t` then attends over positions `starts[t]..=t` only. `None` is one document per
-    /// sequence.
-    ///
-    /// # Errors
-    /// Operand sizes that do not match `shape`; a document start that is not a whole number
-    /// in `0..=t`; [`KernelError::Unsupported`](crate::KernelError::Unsupported) for
-    /// documents on a backend that does not mask them.
-    fn attention(
-        &self,
-        qkv: &Tensor,
-        documents: Option<&Tensor>,
-        shape: AttentionShape,
-        out: &mut Tensor,
-        lse: &mut Tensor,
-    ) -> Result<()>;
-
-    /// The gradient of [`Backend::attention`] with respect to `qkv`, from the forward's
-    /// inputs (the same `documents`) and outputs and `dout`.
-    ///
-    /// # Errors
-    /// As [`Backend::attention`].
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        qkv: &Tensor,
-        documents: Option<&Tensor>,
-        out: &Tensor,
-        lse: &Tensor,
-        dout: &Tensor,
-        shape: AttentionShape,
-        dqkv: &mut Tensor,
-    ) -> Result<()>;
-
-    /// `y += alpha * x`, elementwise.
-    ///
-    /// # Errors
-    /// Length mismatch.
-    fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()>;
-
-    /// `x *= alpha`, elementwise.
-    ///
-    /// # Errors
-    /// None today; reserved for device failures.
-    fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()>;
-
-    /// One SGD update of `param` from `grad`, with the momentum buffer `buf` when momentum is on.
-    ///
-    /// # Errors
-    /// Length mismatch, or momentum requested without a buffer.
-    fn sgd_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        buf: Option<&mut Tensor>,
-        hp: SgdStep,
-    ) -> Result<()>;
-
-    /// One Adam/AdamW update of `param` from `grad` with moment buffers `m` and `v`.
-    ///
-    /// # Errors
-    /// Length mismatch.
-    fn adam_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: AdamStep,
-    ) -> Result<()>;
-
-    /// One Lion update of `param` from `grad` with its momentum `m`:
-    /// `w -= lr (sign(beta1 m + (1 - beta1) g) + weight_decay w)`, then
-    /// `m = beta2 m + (1 - beta2) g`.
-    ///
-    /// # Errors
-    /// Length mismatch.
-    fn lion_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        hp: LionStep,
-    ) -> Result<()>;
-
-    /// One delay compensation of `grad` ([`DelayCompensation`]) for the weights `current` it
-    /// is applied to and the `stale` ones it was computed at; `mean_square` is the adaptive
-    /// form's `MS` (required by it, ignored otherwise).
-    ///
-    /// # Errors
-    /// Length mismatch, or the adaptive form without its buffer.
-    fn delay_compensate(
-        &self,
-        grad: &mut Tensor,
-        current: &Tensor,
-        stale: &Tensor,
-        mean_square: Option<&mut Tensor>,
-        hp: DelayCompensation,
-    ) -> Result<()>;
-
-    /// Sum of all elements, accumulated in `f64` in a fixed order.
-    ///
-    /// # Errors
-    /// None today; reserved for device failures.
-    fn sum(&self, x: &Tensor) -> Result<f64>;
-
-    /// Sum of squares of all elements, accumulated in `f64` in a fixed order.
-    ///
-    /// # Errors
-    /// None today; reserved for device failures.
-    fn sum_squares(&self, x: &Tensor) -> Result<f64>;
-
-    /// The index of the first tensor of `xs` that holds a value that is not finite (NaN or an
-    /// infinity), or `None`. A device backend answers for the whole list with one wait, so a
-    /// guard over every gradient of an update costs one round trip, not one per tensor.
-    ///
-    /// # Errors
-    /// Device failures.
-    fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
-        for (i, x) in xs.iter().enumerate() {
-            // A sum of f32 values in f64 is finite exactly when every value is.
-            let finite = match x.host() {
-                Ok(values) => values.iter().all(|v| v.is_finite()),
-                Err(_) => self.sum(x)?.is_finite(),
-            };
-            if !finite {
-                return Ok(Some(i));
-            }
+/// Forwards one method of [`Backend`] from a box to the backend in it.
+macro_rules! boxed_method {
+    (
+        $(#[$meta:meta])* $kind:ident fn $name:ident $(<$lt:lifetime>)?
+        (&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $(;)? $($default:block)?
+    ) => {
+        fn $name $(<$lt>)? (&self $(, $arg: $ty)*) -> $ret {
+            (**self).$name($($arg),*)
         }
-        Ok(None)
-    }
+    };
 }
 
 /// A boxed backend is a backend: runs choose theirs at run time (`--backend`) and hand the box
-/// to code written for any `B: Backend`.
+/// to code written for any `B: Backend`. Every method, the provided ones too, goes to the boxed
+/// backend, so its own overrides are the ones that run.
 impl<B: Backend + ?Sized> Backend for Box<B> {
-    fn as_any(&self) -> &dyn std::any::Any {
-        (**self).as_any()
-    }
-
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-
-    fn threads(&self) -> usize {
-        (**self).threads()
-    }
-
-    fn device(&self) -> Device {
-        (**self).device()
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        (**self).synchronize()
-    }
-
-    fn peak_memory(&self) -> Option<u64> {
-        (**self).peak_memory()
-    }
-
-    fn place(&self, t: Tensor) -> Result<Tensor> {
-        (**self).place(t)
-    }
-
-    fn place_ids(&self, t: Tensor<u32>) -> Result<Tensor<u32>> {
-        (**self).place_ids(t)
-    }
-
-    fn read<'a>(&self, t: &'a Tensor) -> Result<Cow<'a, [f32]>> {
-        (**self).read(t)
-    }
-
-    fn write(&self, src: &[f32], t: &mut Tensor) -> Result<()> {
-        (**self).write(src, t)
-    }
-
-    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
-        (**self).copy(src, dst)
-    }
-
-    fn fill(&self, value: f32, x: &mut Tensor) -> Result<()> {
-        (**self).fill(value, x)
-    }
-
-    fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
-        (**self).mul(a, b, out)
-    }
-
-    fn matmul(
-        &self,
-        a: &Tensor,
-        ta: Trans,
-        b: &Tensor,
-        tb: Trans,
-        c: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        (**self).matmul(a, ta, b, tb, c, accumulate)
-    }
-
-    fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
-        (**self).transpose(a, out)
-    }
-
-    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
-        (**self).add_bias(y, bias)
-    }
-
-    fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
-        (**self).sum_rows(x, out, accumulate)
-    }
-
-    fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        (**self).activation(act, x, y)
-    }
-
-    fn activation_backward(
-        &self,
-        act: Activation,
-        x: &Tensor,
-        dy: &Tensor,
-        dx: &mut Tensor,
-    ) -> Result<()> {
-        (**self).activation_backward(act, x, dy, dx)
-    }
-
-    fn layer_norm(
-        &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        beta: &Tensor,
-        eps: f32,
-        y: &mut Tensor,
-        mean: &mut Tensor,
-        rstd: &mut Tensor,
-    ) -> Result<()> {
-        (**self).layer_norm(x, gamma, beta, eps, y, mean, rstd)
-    }
-
-    fn layer_norm_backward_input(
-        &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        dy: &Tensor,
-        dx: &mut Tensor,
-    ) -> Result<()> {
-        (**self).layer_norm_backward_input(x, gamma, mean, rstd, dy, dx)
-    }
-
-    fn layer_norm_backward_params(
-        &self,
-        x: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        dy: &Tensor,
-        dgamma: &mut Tensor,
-        dbeta: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        (**self).layer_norm_backward_params(x, mean, rstd, dy, dgamma, dbeta, accumulate)
-    }
-
-    fn softmax_cross_entropy(
-        &self,
-        logits: &Tensor,
-        labels: &Tensor<u32>,
-        grad_scale: f32,
-        dlogits: Option<&mut Tensor>,
-    ) -> Result<LossStats> {
-        (**self).softmax_cross_entropy(logits, labels, grad_scale, dlogits)
-    }
-
-    fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {
-        (**self).embedding(ids, table, out)
-    }
-
-    fn embedding_backward(
-        &self,
-        ids: &Tensor,
-        dy: &Tensor,
-        dtable: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        (**self).embedding_backward(ids, dy, dtable, accumulate)
-    }
-
-    fn attention(
-        &self,
-        qkv: &Tensor,
-        documents: Option<&Tensor>,
-        shape: AttentionShape,
-        out: &mut Tensor,
-        lse: &mut Tensor,
-    ) -> Result<()> {
-        (**self).attention(qkv, documents, shape, out, lse)
-    }
-
-    fn attention_backward(
-        &self,
-        qkv: &Tensor,
-        documents: Option<&Tensor>,
-        out: &Tensor,
-        lse: &Tensor,
-        dout: &Tensor,
-        shape: AttentionShape,
-        dqkv: &mut Tensor,
-    ) -> Result<()> {
-        (**self).attention_backward(qkv, documents, out, lse, dout, shape, dqkv)
-    }
-
-    fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        (**self).axpy(alpha, x, y)
-    }
-
-    fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
-        (**self).scale(alpha, x)
-    }
-
-    fn sgd_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        buf: Option<&mut Tensor>,
-        hp: SgdStep,
-    ) -> Result<()> {
-        (**self).sgd_update(param, grad, buf, hp)
-    }
-
-    fn adam_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: AdamStep,
-    ) -> Result<()> {
-        (**self).adam_update(param, grad, m, v, hp)
-    }
-
-    fn lion_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        hp: LionStep,
-    ) -> Result<()> {
-        (**self).lion_update(param, grad, m, hp)
-    }
-
-    fn delay_compensate(
-        &self,
-        grad: &mut Tensor,
-        current: &Tensor,
-        stale: &Tensor,
-        mean_square: Option<&mut Tensor>,
-        hp: DelayCompensation,
-    ) -> Result<()> {
-        (**self).delay_compensate(grad, current, stale, mean_square, hp)
-    }
-
-    fn sum(&self, x: &Tensor) -> Result<f64> {
-        (**self).sum(x)
-    }
-
-    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
-        (**self).sum_squares(x)
-    }
-
-    fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
-        (**self).first_non_finite(xs)
-    }
+    backend_ops!(boxed_method);
 }
 
 /// The arithmetic of a backend's matrix products: the typed form of `--precision`.

@@ -7,6 +7,16 @@
 //! buffers between workers) runs and is checked against the reference trainer on machines with
 //! no GPU. It is as strict as the CUDA backend: an input that was not placed, or that another
 //! backend holds, is an error, never a silent host read.
+//!
+//! Its operations are generated from the one list of the trait's methods (`backend_ops!` in
+//! `backend.rs`), all in the same way: each operand is staged to the host by its type
+//! ([`Stage`]: a tensor it reads must be this device's, one it writes is copied in first where
+//! it lives elsewhere, other values pass as they are), the CPU backend computes, and each
+//! tensor it wrote becomes one of this device's buffers. A new operation needs no line here
+//! (an operand of a new type that is not a tensor, one word in `by_value!`).
+//! Written out by hand are only the methods with logic of their own: what the device is, and
+//! the transfers (`place`, `read`, `write`, `fill`) that make its buffers from host values or
+//! read them back.
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -15,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backend::{
     Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats, SgdStep,
-    Trans,
+    Trans, backend_ops,
 };
 use crate::{CpuBackend, Device, DeviceMemory, Element, KernelError, Result, Storage, Tensor};
 
@@ -175,16 +185,190 @@ impl EmulatedDevice {
             },
         }
     }
+}
 
-    /// Runs `f` on a fresh host output and makes the result this emulator's.
-    fn produce(&self, f: impl FnOnce(&mut Tensor) -> Result<()>) -> Result<Tensor> {
-        let mut out = Tensor::default();
-        f(&mut out)?;
-        self.output(out)
+/// Writes one method of [`Backend`] from the list in `backend_ops!`: each operand is staged to
+/// the host ([`Stage`]), the CPU backend computes on the copies, and each operand it wrote
+/// becomes one of this device's buffers again. A written operand is staged whether the
+/// operation reads it (an accumulation, an update) or only overwrites it (an output), since
+/// the CPU backend decides which. An operation that fails writes nothing back.
+macro_rules! emulated_method {
+    // Written out in the impl: the device's own description (`synchronize` is the trait's
+    // default: the CPU computes synchronously).
+    ($(#[$meta:meta])* about fn $($rest:tt)*) => {};
+    // Written out in the impl: they move host values into this device's buffers or out of them
+    // (`fill` makes a buffer from a shape alone, reading nothing), where staging has nothing
+    // to copy.
+    ($(#[$meta:meta])* op fn place $($rest:tt)*) => {};
+    ($(#[$meta:meta])* op fn place_ids $($rest:tt)*) => {};
+    ($(#[$meta:meta])* op fn read $($rest:tt)*) => {};
+    ($(#[$meta:meta])* op fn write $($rest:tt)*) => {};
+    ($(#[$meta:meta])* op fn fill $($rest:tt)*) => {};
+    // The trait's default: it reads each device tensor through `sum`, which is staged (a list
+    // of tensors has no host copy to lend).
+    ($(#[$meta:meta])* op fn first_non_finite $($rest:tt)*) => {};
+    (
+        $(#[$meta:meta])* op fn $name:ident $(<$lt:lifetime>)?
+        (&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $(;)? $($default:block)?
+    ) => {
+        fn $name $(<$lt>)? (&self $(, $arg: $ty)*) -> $ret {
+            let op = stringify!($name);
+            $(let mut $arg = Stage::stage($arg, self, op)?;)*
+            self.cpu.$name($(Staged::lend(&mut $arg)),*).and_then(|out| {
+                $(Staged::finish($arg, self)?;)*
+                Ok(out)
+            })
+        }
+    };
+}
+
+/// An operand of an operation as the CPU backend takes it, copied from this device.
+trait Stage: Sized {
+    /// The host copy (or the value itself).
+    type Staged: Staged;
+
+    /// Copies the operand to the host for `op`: a tensor read with [`EmulatedDevice::input`]
+    /// (only this device's buffers), a tensor written with [`EmulatedDevice::in_place`] (copied
+    /// in first where it lives elsewhere, as a device backend does); other values as they are.
+    fn stage(self, device: &EmulatedDevice, op: &'static str) -> Result<Self::Staged>;
+}
+
+/// A staged operand: lent to the CPU backend, then made this device's again if it was written.
+trait Staged {
+    /// The operand as the CPU backend's method takes it.
+    type Lent<'s>
+    where
+        Self: 's;
+
+    /// The operand for the CPU backend's call.
+    fn lend(&mut self) -> Self::Lent<'_>;
+
+    /// Makes a written operand this device's buffer again (nothing for the others).
+    fn finish(self, device: &EmulatedDevice) -> Result<()>;
+}
+
+/// A tensor operand that an operation writes (an output, or one it updates in place): its host
+/// copy, and where the result goes.
+struct Written<'a> {
+    to: &'a mut Tensor,
+    host: Tensor,
+}
+
+impl<E: Bits> Stage for &Tensor<E> {
+    type Staged = Tensor<E>;
+    fn stage(self, device: &EmulatedDevice, op: &'static str) -> Result<Tensor<E>> {
+        device.input(self, op)
     }
 }
 
+impl<E: Bits> Staged for Tensor<E> {
+    type Lent<'s> = &'s Tensor<E>;
+    fn lend(&mut self) -> &Tensor<E> {
+        self
+    }
+    fn finish(self, _: &EmulatedDevice) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Stage for Option<&Tensor> {
+    type Staged = Option<Tensor>;
+    fn stage(self, device: &EmulatedDevice, op: &'static str) -> Result<Option<Tensor>> {
+        self.map(|t| device.input(t, op)).transpose()
+    }
+}
+
+impl Staged for Option<Tensor> {
+    type Lent<'s> = Option<&'s Tensor>;
+    fn lend(&mut self) -> Option<&Tensor> {
+        self.as_ref()
+    }
+    fn finish(self, _: &EmulatedDevice) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> Stage for &'a mut Tensor {
+    type Staged = Written<'a>;
+    fn stage(self, device: &EmulatedDevice, _: &'static str) -> Result<Written<'a>> {
+        let host = device.in_place(self)?;
+        Ok(Written { to: self, host })
+    }
+}
+
+impl Staged for Written<'_> {
+    type Lent<'s>
+        = &'s mut Tensor
+    where
+        Self: 's;
+    fn lend(&mut self) -> &mut Tensor {
+        &mut self.host
+    }
+    fn finish(self, device: &EmulatedDevice) -> Result<()> {
+        *self.to = device.output(self.host)?;
+        Ok(())
+    }
+}
+
+impl<'a> Stage for Option<&'a mut Tensor> {
+    type Staged = Option<Written<'a>>;
+    fn stage(self, device: &EmulatedDevice, op: &'static str) -> Result<Option<Written<'a>>> {
+        self.map(|t| t.stage(device, op)).transpose()
+    }
+}
+
+impl Staged for Option<Written<'_>> {
+    type Lent<'s>
+        = Option<&'s mut Tensor>
+    where
+        Self: 's;
+    fn lend(&mut self) -> Option<&mut Tensor> {
+        self.as_mut().map(|w| &mut w.host)
+    }
+    fn finish(self, device: &EmulatedDevice) -> Result<()> {
+        self.map_or(Ok(()), |w| w.finish(device))
+    }
+}
+
+/// Operands that are not tensors: passed to the CPU backend as they are. An operation with a
+/// new type of such operand names it in the list below.
+macro_rules! by_value {
+    ($($t:ty),*) => {$(
+        impl Stage for $t {
+            type Staged = Self;
+            fn stage(self, _: &EmulatedDevice, _: &'static str) -> Result<Self> {
+                Ok(self)
+            }
+        }
+
+        impl Staged for $t {
+            type Lent<'s> = Self;
+            fn lend(&mut self) -> Self {
+                *self
+            }
+            fn finish(self, _: &EmulatedDevice) -> Result<()> {
+                Ok(())
+            }
+        }
+    )*};
+}
+
+by_value!(
+    f32,
+    bool,
+    Trans,
+    Activation,
+    AttentionShape,
+    SgdStep,
+    AdamStep,
+    LionStep,
+    DelayCompensation
+);
+
 impl Backend for EmulatedDevice {
+    backend_ops!(emulated_method);
+
+    // Written out (see `emulated_method` for why): what the device is, and its transfers.
     fn name(&self) -> &'static str {
         "emulated"
     }
@@ -229,362 +413,8 @@ impl Backend for EmulatedDevice {
         Ok(())
     }
 
-    fn copy(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
-        let s = self.input(src, "copy")?;
-        *dst = self.produce(|o| self.cpu.copy(&s, o))?;
-        Ok(())
-    }
-
     fn fill(&self, value: f32, x: &mut Tensor) -> Result<()> {
         *x = self.output(Tensor::full(x.shape(), value))?;
         Ok(())
-    }
-
-    fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
-        crate::check::same_len("mul", (a, b), ("a", "b"))?;
-        let (a, b) = (self.input(a, "mul")?, self.input(b, "mul")?);
-        *out = self.produce(|o| self.cpu.mul(&a, &b, o))?;
-        Ok(())
-    }
-
-    fn matmul(
-        &self,
-        a: &Tensor,
-        ta: Trans,
-        b: &Tensor,
-        tb: Trans,
-        c: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        crate::check::matmul((a, ta), (b, tb), c, accumulate)?;
-        let (a, b) = (self.input(a, "matmul")?, self.input(b, "matmul")?);
-        let mut host = if accumulate {
-            self.in_place(c)?
-        } else {
-            Tensor::default()
-        };
-        self.cpu.matmul(&a, ta, &b, tb, &mut host, accumulate)?;
-        *c = self.output(host)?;
-        Ok(())
-    }
-
-    fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {
-        let a = self.input(a, "transpose")?;
-        *out = self.produce(|o| self.cpu.transpose(&a, o))?;
-        Ok(())
-    }
-
-    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
-        crate::check::bias(y, bias)?;
-        let bias = self.input(bias, "add_bias")?;
-        let mut host = self.in_place(y)?;
-        self.cpu.add_bias(&mut host, &bias)?;
-        *y = self.output(host)?;
-        Ok(())
-    }
-
-    fn sum_rows(&self, x: &Tensor, out: &mut Tensor, accumulate: bool) -> Result<()> {
-        if accumulate {
-            crate::check::sum_rows_into(x, out)?;
-        }
-        let x = self.input(x, "sum_rows")?;
-        let mut host = if accumulate {
-            self.in_place(out)?
-        } else {
-            Tensor::default()
-        };
-        self.cpu.sum_rows(&x, &mut host, accumulate)?;
-        *out = self.output(host)?;
-        Ok(())
-    }
-
-    fn activation(&self, act: Activation, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        let x = self.input(x, "activation")?;
-        *y = self.produce(|o| self.cpu.activation(act, &x, o))?;
-        Ok(())
-    }
-
-    fn activation_backward(
-        &self,
-        act: Activation,
-        x: &Tensor,
-        dy: &Tensor,
-        dx: &mut Tensor,
-    ) -> Result<()> {
-        crate::check::activation_backward(x, dy)?;
-        let (x, dy) = (
-            self.input(x, "activation_backward")?,
-            self.input(dy, "activation_backward")?,
-        );
-        *dx = self.produce(|o| self.cpu.activation_backward(act, &x, &dy, o))?;
-        Ok(())
-    }
-
-    fn layer_norm(
-        &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        beta: &Tensor,
-        eps: f32,
-        y: &mut Tensor,
-        mean: &mut Tensor,
-        rstd: &mut Tensor,
-    ) -> Result<()> {
-        crate::check::layer_norm(x, gamma, beta)?;
-        let op = "layer_norm";
-        let (x, g, b) = (
-            self.input(x, op)?,
-            self.input(gamma, op)?,
-            self.input(beta, op)?,
-        );
-        let (mut yh, mut mh, mut rh) = (Tensor::default(), Tensor::default(), Tensor::default());
-        self.cpu
-            .layer_norm(&x, &g, &b, eps, &mut yh, &mut mh, &mut rh)?;
-        *y = self.output(yh)?;
-        *mean = self.output(mh)?;
-        *rstd = self.output(rh)?;
-        Ok(())
-    }
-
-    fn layer_norm_backward_input(
-        &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        dy: &Tensor,
-        dx: &mut Tensor,
-    ) -> Result<()> {
-        crate::check::layer_norm_backward_input(x, gamma, (mean, rstd), dy)?;
-        let op = "layer_norm_backward_input";
-        let (x, g) = (self.input(x, op)?, self.input(gamma, op)?);
-        let (m, r, dy) = (
-            self.input(mean, op)?,
-            self.input(rstd, op)?,
-            self.input(dy, op)?,
-        );
-        *dx = self.produce(|o| self.cpu.layer_norm_backward_input(&x, &g, &m, &r, &dy, o))?;
-        Ok(())
-    }
-
-    fn layer_norm_backward_params(
-        &self,
-        x: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        dy: &Tensor,
-        dgamma: &mut Tensor,
-        dbeta: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        crate::check::layer_norm_backward_params(x, (mean, rstd), dy, (dgamma, dbeta), accumulate)?;
-        let op = "layer_norm_backward_params";
-        let (x, m) = (self.input(x, op)?, self.input(mean, op)?);
-        let (r, dy) = (self.input(rstd, op)?, self.input(dy, op)?);
-        let (mut g, mut b) = if accumulate {
-            (self.in_place(dgamma)?, self.in_place(dbeta)?)
-        } else {
-            (Tensor::default(), Tensor::default())
-        };
-        self.cpu
-            .layer_norm_backward_params(&x, &m, &r, &dy, &mut g, &mut b, accumulate)?;
-        *dgamma = self.output(g)?;
-        *dbeta = self.output(b)?;
-        Ok(())
-    }
-
-    fn softmax_cross_entropy(
-        &self,
-        logits: &Tensor,
-        labels: &Tensor<u32>,
-        grad_scale: f32,
-        dlogits: Option<&mut Tensor>,
-    ) -> Result<LossStats> {
-        crate::check::label_count(logits, labels)?;
-        let op = "softmax_cross_entropy";
-        let (l, y) = (self.input(logits, op)?, self.input(labels, op)?);
-        match dlogits {
-            Some(d) => {
-                let mut host = Tensor::default();
-                let stats = self
-                    .cpu
-                    .softmax_cross_entropy(&l, &y, grad_scale, Some(&mut host))?;
-                *d = self.output(host)?;
-                Ok(stats)
-            }
-            None => self.cpu.softmax_cross_entropy(&l, &y, grad_scale, None),
-        }
-    }
-
-    fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {
-        let (ids, table) = (
-            self.input(ids, "embedding")?,
-            self.input(table, "embedding")?,
-        );
-        *out = self.produce(|o| self.cpu.embedding(&ids, &table, o))?;
-        Ok(())
-    }
-
-    fn embedding_backward(
-        &self,
-        ids: &Tensor,
-        dy: &Tensor,
-        dtable: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        crate::check::embedding_backward(ids, dy, dtable.cols())?;
-        let op = "embedding_backward";
-        let (ids, dy) = (self.input(ids, op)?, self.input(dy, op)?);
-        let mut host = self.in_place(dtable)?;
-        self.cpu
-            .embedding_backward(&ids, &dy, &mut host, accumulate)?;
-        *dtable = self.output(host)?;
-        Ok(())
-    }
-
-    fn attention(
-        &self,
-        qkv: &Tensor,
-        documents: Option<&Tensor>,
-        shape: AttentionShape,
-        out: &mut Tensor,
-        lse: &mut Tensor,
-    ) -> Result<()> {
-        let qkv = self.input(qkv, "attention")?;
-        let documents = documents.map(|d| self.input(d, "attention")).transpose()?;
-        let (mut o, mut l) = (Tensor::default(), Tensor::default());
-        self.cpu
-            .attention(&qkv, documents.as_ref(), shape, &mut o, &mut l)?;
-        *out = self.output(o)?;
-        *lse = self.output(l)?;
-        Ok(())
-    }
-
-    fn attention_backward(
-        &self,
-        qkv: &Tensor,
-        documents: Option<&Tensor>,
-        out: &Tensor,
-        lse: &Tensor,
-        dout: &Tensor,
-        shape: AttentionShape,
-        dqkv: &mut Tensor,
-    ) -> Result<()> {
-        crate::check::attention_backward(qkv, (out, lse, dout), shape)?;
-        let op = "attention backward";
-        let (q, o) = (self.input(qkv, op)?, self.input(out, op)?);
-        let (l, d) = (self.input(lse, op)?, self.input(dout, op)?);
-        let starts = documents.map(|d| self.input(d, op)).transpose()?;
-        *dqkv = self.produce(|g| {
-            self.cpu
-                .attention_backward(&q, starts.as_ref(), &o, &l, &d, shape, g)
-        })?;
-        Ok(())
-    }
-
-    fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        crate::check::same_len("axpy", (x, y), ("x", "y"))?;
-        let x = self.input(x, "axpy")?;
-        let mut host = self.in_place(y)?;
-        self.cpu.axpy(alpha, &x, &mut host)?;
-        *y = self.output(host)?;
-        Ok(())
-    }
-
-    fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
-        let mut host = self.in_place(x)?;
-        self.cpu.scale(alpha, &mut host)?;
-        *x = self.output(host)?;
-        Ok(())
-    }
-
-    fn sgd_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        buf: Option<&mut Tensor>,
-        hp: SgdStep,
-    ) -> Result<()> {
-        crate::check::sgd(param, grad, buf.as_deref(), hp.momentum)?;
-        let g = self.input(grad, "sgd_update")?;
-        let mut w = self.in_place(param)?;
-        match buf {
-            Some(b) => {
-                let mut bh = self.in_place(b)?;
-                self.cpu.sgd_update(&mut w, &g, Some(&mut bh), hp)?;
-                *b = self.output(bh)?;
-            }
-            None => self.cpu.sgd_update(&mut w, &g, None, hp)?,
-        }
-        *param = self.output(w)?;
-        Ok(())
-    }
-
-    fn adam_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: AdamStep,
-    ) -> Result<()> {
-        crate::check::adam(param, grad, m, v)?;
-        let g = self.input(grad, "adam_update")?;
-        let (mut w, mut mh, mut vh) = (self.in_place(param)?, self.in_place(m)?, self.in_place(v)?);
-        self.cpu.adam_update(&mut w, &g, &mut mh, &mut vh, hp)?;
-        *param = self.output(w)?;
-        *m = self.output(mh)?;
-        *v = self.output(vh)?;
-        Ok(())
-    }
-
-    fn lion_update(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        hp: LionStep,
-    ) -> Result<()> {
-        crate::check::lion(param, grad, m)?;
-        let g = self.input(grad, "lion_update")?;
-        let (mut w, mut mh) = (self.in_place(param)?, self.in_place(m)?);
-        self.cpu.lion_update(&mut w, &g, &mut mh, hp)?;
-        *param = self.output(w)?;
-        *m = self.output(mh)?;
-        Ok(())
-    }
-
-    fn delay_compensate(
-        &self,
-        grad: &mut Tensor,
-        current: &Tensor,
-        stale: &Tensor,
-        mean_square: Option<&mut Tensor>,
-        hp: DelayCompensation,
-    ) -> Result<()> {
-        let adaptive = hp.adaptive.is_some();
-        crate::check::delay_compensation(grad, current, stale, mean_square.as_deref(), adaptive)?;
-        let w = self.input(current, "delay_compensate")?;
-        let ws = self.input(stale, "delay_compensate")?;
-        let mut g = self.in_place(grad)?;
-        match mean_square {
-            Some(ms) if adaptive => {
-                let mut msh = self.in_place(ms)?;
-                self.cpu
-                    .delay_compensate(&mut g, &w, &ws, Some(&mut msh), hp)?;
-                *ms = self.output(msh)?;
-            }
-            _ => self.cpu.delay_compensate(&mut g, &w, &ws, None, hp)?,
-        }
-        *grad = self.output(g)?;
-        Ok(())
-    }
-
-    fn sum(&self, x: &Tensor) -> Result<f64> {
-        self.cpu.sum(&self.input(x, "sum")?)
-    }
-
-    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
-        self.cpu.sum_squares(&self.input(x, "sum_squares")?)
     }
 }
