@@ -1,5 +1,5 @@
 //! What a command charges a pipeline's links: the measured costs of the transport that will
-//! carry them ([`pipe_experiments::costs`]), read from pipe's cache or from a cost file, or
+//! carry them ([`pipe_stages::startup::link_costs`]), read from pipe's cache or from a cost file, or
 //! measured now and cached. `pipe plan`, `pipe simulate` and `pipe train --workers` share it.
 
 use std::path::{Path, PathBuf};
@@ -12,7 +12,7 @@ use pipe_scheduler::sim::Link;
 use pipe_transport::TransportKind;
 use pipe_transport::cluster::ClusterFile;
 
-use crate::output::{bad_input, experiment_error};
+use crate::output::bad_input;
 
 /// The flags that choose a link's transport costs.
 #[derive(Args, Debug, Clone, Default)]
@@ -106,8 +106,7 @@ pub fn measured(kind: TransportKind) -> Result<(TransportCost, String)> {
 /// # Errors
 /// Measurement failures.
 pub fn all_measured() -> Result<(TransportCosts, String)> {
-    let (costs, origin) =
-        pipe_experiments::costs::load_or_measure(false).map_err(experiment_error)?;
+    let (costs, origin) = pipe_stages::startup::link_costs::load_or_measure(false)?;
     Ok((costs, origin.describe()))
 }
 

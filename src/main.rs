@@ -42,6 +42,7 @@ mod commands;
 mod links;
 mod output;
 mod phases;
+mod startup_view;
 mod trace;
 mod training;
 

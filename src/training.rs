@@ -14,16 +14,15 @@ use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pipe_kernels::BackendKind;
-use pipe_stages::checkpoint::{Checkpoint, CheckpointPolicy};
-use pipe_stages::config::{DatasetKind, ModelChoice, PlanFile, RunConfig, TrainSettings};
-use pipe_stages::data::Splits;
+use pipe_stages::checkpoint::CheckpointPolicy;
+use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::log::JsonlLog;
-use pipe_stages::model::{Model, params_digest};
+use pipe_stages::model::params_digest;
 use pipe_stages::optim::{LrScheduleKind, OptimizerKind};
 use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::pipeline::{PhaseRecord, StartPhase};
-use pipe_stages::planning::{Profiling, plan_workers, settle_measured_partition};
+use pipe_stages::startup;
 use pipe_stages::train::{EpochStats, EvalStats, StepStats, TrainReport};
 
 use crate::args::BackendParser;
@@ -324,6 +323,21 @@ impl TrainArgs {
         (shape != pipe_stages::transformer::Gpt2Shape::default()).then_some(shape)
     }
 
+    /// Where the run's settings come from: the config file, these flags, a plan file or
+    /// `--workers`.
+    ///
+    /// # Errors
+    /// As [`TrainArgs::settings`].
+    pub fn sources(&self) -> Result<startup::RunSources> {
+        Ok(startup::RunSources {
+            config_file: self.config.clone(),
+            flags: self.settings()?,
+            plan_file: self.plan.clone(),
+            workers: self.workers,
+            reprofile: self.reprofile,
+        })
+    }
+
     /// The flags as settings to merge over a config file's.
     ///
     /// # Errors
@@ -385,75 +399,12 @@ impl TrainArgs {
 }
 
 /// The run the flags describe: config file, then flags, then a plan file or an automatic
-/// plan, validated once.
+/// plan, validated once ([`startup::resolve`]).
 ///
 /// # Errors
 /// Bad input for unreadable or malformed files and settings that describe no run.
-pub fn run_config(args: &TrainArgs, phases: &Phases) -> Result<RunConfig> {
-    let mut settings = TrainSettings::default();
-    if let Some(path) = &args.config {
-        let text = pipe_stages::limits::read_text_file(path, "config")?;
-        settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
-    }
-    settings.merge(args.settings()?);
-    if let Some(path) = &args.plan {
-        let source = path.display().to_string();
-        let text = pipe_stages::limits::read_text_file(path, "plan")?;
-        settings.apply_plan(&PlanFile::parse(&text, &source)?, &source)?;
-    }
-    let Some(w) = args.workers else {
-        return Ok(settings.resolve()?);
-    };
-    let (costs, source) = crate::links::all_measured()?;
-    phases.begin(
-        "profiling and planning",
-        &format!("the layouts of {w} workers"),
-    );
-    let profiling = Profiling::cached(args.reprofile).reporting(phases.profile_report());
-    let (mut cfg, plan, profile) = plan_workers(settings, w, Some(&costs), &profiling)?;
-    phases.end();
-    if let Some(cost) = costs.get(cfg.link_transport().name()) {
-        outln!("{}", crate::links::describe(cost, &source));
-        choose_buckets(&mut cfg, &profile, cost, &source);
-    }
-    outln!(
-        "auto plan for {w} workers: partition {}, replicas {:?}, predicted {:.0} samples/s (simulated {:.0})",
-        cfg.partition,
-        cfg.replicas,
-        cfg.microbatch_size as f64 / plan.time_per_microbatch,
-        plan.simulated
-            .map_or(f64::NAN, |t| cfg.microbatch_size as f64 / t)
-    );
-    Ok(cfg)
-}
-
-/// The momentum in the run header, for SGD and Muon; weight decay and the parameters it applies
-/// to; gradient clipping; the delay correction.
-pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
-    use pipe_stages::optim::{DecayGroups, DelayCorrection, OptimizerKind};
-    let mut momentum = if matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon) {
-        format!(" momentum {:.2}", opt.momentum)
-    } else {
-        String::new()
-    };
-    if opt.weight_decay != 0.0 {
-        let on = match opt.decay_groups {
-            DecayGroups::All => "every parameter",
-            DecayGroups::Matrices => "matrices only",
-        };
-        momentum.push_str(&format!(", weight decay {} on {on}", opt.weight_decay));
-    }
-    if let Some(c) = opt.grad_clip {
-        momentum.push_str(&format!(", gradient clipping at norm {c}"));
-    }
-    match opt.delay_correction {
-        DelayCorrection::None => momentum,
-        c => format!(
-            "{momentum}, delay correction {} (strength {})",
-            c.name(),
-            opt.correction_strength
-        ),
-    }
+pub fn run_config(args: &TrainArgs, watcher: &dyn startup::StartupWatcher) -> Result<RunConfig> {
+    Ok(startup::resolve(&args.sources()?, watcher)?)
 }
 
 /// Serves the `metrics` crate's metrics for Prometheus at `addr`, when given.
@@ -521,40 +472,6 @@ pub fn finish_checkpoints(written: &[PathBuf], stopped: Option<u64>) -> Result<(
     Ok(())
 }
 
-/// The checkpoint `--resume` names, read and checked against `model`, with its directory.
-///
-/// # Errors
-/// Bad input: `latest` without `--checkpoint-dir`; a checkpoint that is missing, corrupted,
-/// truncated or made for another model (the error names the file).
-pub fn resume_from(args: &TrainArgs, model: &Model) -> Result<Option<(PathBuf, Checkpoint)>> {
-    let Some(r) = &args.resume else {
-        return Ok(None);
-    };
-    let path = match r.as_str() {
-        "latest" | "auto" => args
-            .checkpoint_dir
-            .clone()
-            .ok_or_else(|| bad_input(format!("--resume {r} needs --checkpoint-dir")))?,
-        given => PathBuf::from(given),
-    };
-    // What a scheduler passes on every start: the first finds nothing and starts fresh.
-    if r == "auto" && pipe_stages::checkpoint::list(&path).is_empty() {
-        return Ok(None);
-    }
-    Ok(Some(pipe_stages::checkpoint::read(&path, model)?))
-}
-
-/// Prints where a run resumes from.
-pub fn print_resuming(dir: &std::path::Path, ckpt: &Checkpoint) {
-    outln!(
-        "resuming from {} (update {}, epoch {}, {} samples into it)",
-        dir.display(),
-        ckpt.state.updates,
-        ckpt.state.epoch,
-        ckpt.state.samples_in_epoch
-    );
-}
-
 /// A flag Ctrl-C sets: the run stops at its next drain point, after a checkpoint (saying so
 /// when `announce`). A second Ctrl-C ends the process at once (exit 130).
 pub fn stop_on_ctrl_c(announce: bool) -> Arc<AtomicBool> {
@@ -572,238 +489,6 @@ pub fn stop_on_ctrl_c(announce: bool) -> Arc<AtomicBool> {
         eprintln!("warning: Ctrl-C will end the run without a checkpoint: {e}");
     }
     stop
-}
-
-/// Prints the run's header line: model, data, optimizer, seed, compute threads, and on CUDA
-/// the precision of the products.
-pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usize) {
-    outln!(
-        "pipe train: model {} ({} parameters), {} ({} train / {} test{}){}, {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
-        cfg.model_name,
-        model.param_count(),
-        data.train.name.trim_end_matches("-train"),
-        data.train.len(),
-        data.test.len(),
-        match cfg.corpus.as_ref().and_then(|c| c.pack_documents) {
-            Some(end) => format!(", packed documents ending with id {end}"),
-            None => String::new(),
-        },
-        recompute_note(&cfg.recompute),
-        cfg.epochs,
-        cfg.microbatch_size,
-        cfg.microbatches,
-        cfg.optimizer.kind,
-        cfg.lr,
-        cfg.lr_schedule,
-        momentum_note(&cfg.optimizer),
-        cfg.seed,
-        threads,
-        match cfg.backend {
-            pipe_kernels::BackendKind::Cpu => String::new(),
-            pipe_kernels::BackendKind::Cuda(p) => format!(", cuda ({p} products)"),
-        }
-    );
-    if !cfg.hosts.is_empty() {
-        outln!("placed by the plan: {}", hosts_note(&cfg.hosts));
-    }
-}
-
-/// Each host of a plan's placement with its workers: `a (workers 0, 1), b (workers 2, 3)`.
-pub fn hosts_note(hosts: &[String]) -> String {
-    let mut order: Vec<(&str, Vec<usize>)> = Vec::new();
-    for (w, h) in hosts.iter().enumerate() {
-        match order.iter_mut().find(|(name, _)| name == h) {
-            Some((_, workers)) => workers.push(w),
-            None => order.push((h, vec![w])),
-        }
-    }
-    order
-        .iter()
-        .map(|(name, workers)| {
-            let list: Vec<String> = workers.iter().map(usize::to_string).collect();
-            format!("{name} (workers {})", list.join(", "))
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// The header's note on recomputation: nothing when no stage recomputes.
-fn recompute_note(recompute: &pipe_stages::layer::StageRecompute) -> String {
-    match recompute.kinds() {
-        _ if !recompute.any() => String::new(),
-        [one] => format!(", recompute {}", one.name()),
-        _ => format!(", recompute per stage {recompute}"),
-    }
-}
-
-/// Prints the estimated peak resident memory (pipe's memory model,
-/// [`pipe_stages::planning::memory`]) of a pipelined run whose partition is settled: each
-/// worker process's, or, for workers that are threads of this process (`processes` false),
-/// the process's and each worker's own share. `process` is the resident bytes of this
-/// process before it built its run. Then refuses the run where its workers together (all on
-/// this host) need more than the host has available, unless `force`.
-///
-/// # Errors
-/// A layout or model the estimate cannot build; bad input (exit 2) for a run over the
-/// memory available.
-pub fn check_memory_estimate(
-    cfg: &RunConfig,
-    process: u64,
-    processes: bool,
-    force: bool,
-) -> Result<()> {
-    use pipe_stages::planning::memory::{estimate_run, in_one_process};
-    if !cfg.pipelined {
-        return Ok(());
-    }
-    let workers = estimate_run(cfg, process)?;
-    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-    let need = if processes {
-        let each: Vec<String> = workers
-            .iter()
-            .map(|w| format!("w{} {:.1}", w.worker, mib(w.total())))
-            .collect();
-        outln!(
-            "memory estimate per worker (MiB, peak resident): {}",
-            each.join(", ")
-        );
-        workers.iter().map(|w| w.total()).sum()
-    } else {
-        let total = in_one_process(&workers);
-        let own: Vec<String> = workers
-            .iter()
-            .map(|w| {
-                format!(
-                    "w{} {:.1}",
-                    w.worker,
-                    mib(w.total().saturating_sub(process))
-                )
-            })
-            .collect();
-        outln!(
-            "memory estimate (MiB, peak resident): this process {:.1} (the process {:.1}, each worker thread as alone: {})",
-            mib(total),
-            mib(process),
-            own.join(", ")
-        );
-        total
-    };
-    let Some((available, source)) = pipe_stages::limits::available_memory() else {
-        return Ok(());
-    };
-    let lower = "lower it with a smaller --microbatch-size, --recompute full, more --stages, fewer --replicas or a schedule that keeps fewer weight versions (1f1b-flush)";
-    match pipe_stages::limits::check_available(need, available, source, lower) {
-        Ok(()) => Ok(()),
-        Err(e) if force => {
-            eprintln!("warning: {e}; running it (--force)");
-            Ok(())
-        }
-        Err(e) => Err(bad_input(e.to_string())),
-    }
-}
-
-/// Settles a measured partition once, on this machine: profiles `model`, prints the cut, and
-/// fixes it in `cfg` so that every worker (thread or process) runs the same.
-///
-/// # Errors
-/// Profiling failures; more stages than layers with parameters.
-pub fn settle_partition(
-    cfg: &mut RunConfig,
-    model: &Model,
-    phases: &Phases,
-    reprofile: bool,
-) -> Result<()> {
-    if cfg.partition == pipe_stages::config::PartitionChoice::Measured && cfg.stages > 1 {
-        phases.begin(
-            "profiling",
-            &format!(
-                "each layer shape of {} at microbatch {}, one thread",
-                cfg.model_name, cfg.microbatch_size
-            ),
-        );
-    }
-    let profiling = Profiling::cached(reprofile).reporting(phases.profile_report());
-    let Some(cut) = settle_measured_partition(cfg, model, &profiling)? else {
-        return Ok(());
-    };
-    if cut.partition.stages() > 1 {
-        phases.begin("planning", "the cut by measured time");
-    }
-    if let Some(profile) = &cut.profile {
-        if cfg.bucket_origin == pipe_stages::config::BucketOrigin::Default
-            && cfg.replicas.iter().any(|&r| r > 1)
-        {
-            let (link, source) = crate::links::measured(cfg.link_transport())?;
-            choose_buckets(cfg, profile, &link, &source);
-        }
-    }
-    if cut.partition.stages() > 1 {
-        let ms: Vec<String> = cut
-            .stage_seconds
-            .iter()
-            .map(|s| format!("{:.2}", s * 1e3))
-            .collect();
-        phases.end();
-        outln!(
-            "partition {} by measured time (ms per microbatch per stage: {}; --partition {} repeats it)",
-            cut.partition,
-            ms.join(", "),
-            cut.partition
-        );
-    }
-    Ok(())
-}
-
-/// Takes the bucket sizes the run a checkpoint continues chose, where none are given, and
-/// says so ([`pipe_stages::planning::buckets::adopt_recorded`]).
-pub fn adopt_checkpoint_buckets(cfg: &mut RunConfig, ckpt: &Checkpoint) {
-    if let Some(values) = pipe_stages::planning::buckets::adopt_recorded(cfg, &ckpt.state.settings)
-    {
-        outln!(
-            "all-reduce buckets as the checkpoint's run chose them: --allreduce-bucket-mb {}",
-            pipe_stages::config::BucketSizes::of_values(&values)
-        );
-    }
-}
-
-/// Chooses the replicated stages' all-reduce bucket sizes from the run's measured `profile`
-/// and `link`, the measured costs of its links' transport (from `source`), where no size was
-/// given ([`pipe_stages::planning::buckets`]), and says what was chosen.
-fn choose_buckets(
-    cfg: &mut RunConfig,
-    profile: &pipe_scheduler::Profile,
-    link: &pipe_scheduler::planner::transport::TransportCost,
-    source: &str,
-) {
-    let Some(choices) = pipe_stages::planning::buckets::choose_for_run(cfg, profile, link) else {
-        return;
-    };
-    let mib = |v: usize| {
-        if v == usize::MAX {
-            "one".to_string()
-        } else {
-            format!("{}", v as f64 * 4.0 / (1024.0 * 1024.0))
-        }
-    };
-    let per_stage: Vec<String> = choices
-        .iter()
-        .map(|c| match c {
-            Some(c) => format!(
-                "{} ({:.2} ms per update, one bucket {:.2} ms)",
-                mib(c.values),
-                c.seconds * 1e3,
-                c.one_bucket * 1e3
-            ),
-            None => "-".into(),
-        })
-        .collect();
-    outln!(
-        "all-reduce buckets chosen per stage on {}'s measured link ({source}): {}; \
-         --allreduce-bucket-mb {} repeats them",
-        link.transport,
-        per_stage.join(", "),
-        pipe_stages::config::BucketSizes::of_values(&cfg.stage_bucket_values)
-    );
 }
 
 /// Prints the closing line of a run.

@@ -11,9 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
-pub mod costs;
 pub mod hosts;
-pub mod link;
 pub mod machine;
 pub mod mfu;
 pub mod partition;
@@ -31,6 +29,9 @@ pub enum ExperimentError {
     /// A kernel failed.
     #[error(transparent)]
     Kernel(#[from] pipe_kernels::KernelError),
+    /// A transport failed while a link or an all-reduce was measured.
+    #[error("transport: {0}")]
+    Transport(#[from] pipe_transport::TransportError),
     /// A schedule could not be built or simulated.
     #[error(transparent)]
     Schedule(#[from] pipe_scheduler::ScheduleError),

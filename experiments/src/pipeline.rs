@@ -58,8 +58,8 @@ use pipe_transport::collective::ring_all_reduce;
 use pipe_transport::inproc::{InProcOptions, mesh};
 use serde::Serialize;
 
-use crate::link::LinkCost;
 use crate::{ExperimentError, median};
+use pipe_transport::measure::LinkCost;
 
 /// Random samples from a fixed pool; microbatch `mb` takes consecutive rows, wrapping around.
 struct Pool {
@@ -403,16 +403,18 @@ fn costs_from(outs: &[WorkerOutcome], stages: u32) -> CostModel {
 }
 
 /// Seconds one ring all-reduce of `len` values takes among `r` workers, each on its own
-/// thread ([`crate::link::all_reduce_seconds`]): over channels, or over shared memory as
+/// thread ([`pipe_transport::measure::all_reduce_seconds`]): over channels, or over shared memory as
 /// worker processes sum theirs.
 fn all_reduce_cost(len: usize, r: u32, processes: bool) -> Result<f64, ExperimentError> {
     if processes {
         let opts = pipe_transport::shm::ShmOptions::new(0x5eed);
         let eps = pipe_transport::shm::local_mesh(r, &opts)
             .map_err(|e| ExperimentError::Config(format!("shared-memory mesh: {e}")))?;
-        return crate::link::all_reduce_seconds(eps, len, 7);
+        return pipe_transport::measure::all_reduce_seconds(eps, len, 7)
+            .map_err(ExperimentError::from);
     }
-    crate::link::all_reduce_seconds(mesh(r, &InProcOptions::default()), len, 7)
+    pipe_transport::measure::all_reduce_seconds(mesh(r, &InProcOptions::default()), len, 7)
+        .map_err(ExperimentError::from)
 }
 
 /// Per-stage costs of `one` (the one-thread sequential run) timed with two copies running at
@@ -835,7 +837,8 @@ fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, Ex
 
 /// Ping-pong between two threads over the in-process transport ([`crate::link`]).
 fn transport_cost() -> Result<LinkCost, ExperimentError> {
-    crate::link::measure_mesh(mesh(2, &InProcOptions::default()), 2000)
+    pipe_transport::measure::measure_mesh(mesh(2, &InProcOptions::default()), 2000)
+        .map_err(ExperimentError::from)
 }
 
 /// One round of one model: the single worker, the one-thread sequential run (which also gives
@@ -938,7 +941,7 @@ fn combine(rounds: &[ModelResult]) -> ModelResult {
 /// Model, schedule or worker failures.
 pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError> {
     let message = transport_cost()?;
-    let (costs, _) = crate::costs::load_or_measure(false)?;
+    let (costs, _) = pipe_stages::startup::link_costs::load_or_measure(false)?;
     let shm = costs
         .get("shm")
         .map(pipe_scheduler::planner::transport::TransportCost::link)

@@ -16,7 +16,7 @@ use pipe_transport::cluster::ClusterFile;
 use pipe_transport::kinds::MeshSettings;
 
 use crate::args::parse_policy;
-use crate::output::{bad_input, experiment_error, schedule_error};
+use crate::output::{bad_input, schedule_error};
 use pipe_stages::pipeline::processes::{JoinOptions, LaunchOptions, RECORD, join, launch};
 
 /// `pipe bench partition`: the profiled plan against the uniform split.
@@ -232,8 +232,8 @@ pub struct TransportBenchArgs {
 /// Measures the link costs, caches them (pipe's cache, where the planner reads them) and
 /// prints them; writes them to `out` too when given.
 fn measure_link_costs(out: Option<&PathBuf>) -> Result<()> {
-    use pipe_experiments::costs;
-    let measured = costs::measure(costs::ROUNDS).map_err(experiment_error)?;
+    use pipe_stages::startup::link_costs as costs;
+    let measured = costs::measure(costs::ROUNDS)?;
     outln!(
         "link costs (median over {} rounds, least-most):",
         costs::ROUNDS

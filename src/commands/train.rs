@@ -10,7 +10,6 @@ use std::cell::Cell;
 
 use anyhow::{Context, Result};
 use pipe_stages::config::{Placement, RunConfig};
-use pipe_stages::model::Model;
 use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::PipelineTrainOptions;
 use pipe_stages::pipeline::doctor::StopReport;
@@ -19,20 +18,21 @@ use pipe_stages::pipeline::relaunch::{
 };
 use pipe_stages::pipeline::restart::{Restart, RestartPolicy, fault_schedule};
 use pipe_stages::pipeline::survive::LayoutChange;
-use pipe_stages::train::{self, EpochStats, EvalStats, StepStats};
+use pipe_stages::train::{EpochStats, EvalStats, StepStats};
 use pipe_transport::fault::{FaultPlan, FaultSchedule};
 
 use crate::args::open_backend;
 use crate::output::bad_input;
 use crate::phases::Phases;
+use crate::startup_view::StartView;
 use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
-    Fan, adopt_checkpoint_buckets, check_memory_estimate, checkpoint_policy, finish_checkpoints,
-    print_done, print_done_line, print_header, print_resuming, resume_from, run_config,
-    serve_metrics, settle_partition, stop_on_ctrl_c,
+    Fan, checkpoint_policy, finish_checkpoints, print_done, print_done_line, run_config,
+    serve_metrics, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::LaunchOptions;
+use pipe_stages::startup::{self, PrepareOptions, PreparedRun, prepare};
 
 /// Runs `pipe train`.
 ///
@@ -41,22 +41,13 @@ use pipe_stages::pipeline::processes::LaunchOptions;
 /// training or of writing its outputs.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let phases = Phases::new();
-    let mut cfg = run_config(args, &phases)?;
+    let cfg = run_config(args, &phases)?;
     if args.trace.is_some() && !cfg.pipelined {
         return Err(bad_input(
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
         ));
     }
     let processes = cfg.pipelined && cfg.placement == Placement::Processes;
-    // The run's layout, resolved once: a pipeline's (a run with no pipeline flag is one
-    // worker over the whole model, with no pipeline to describe).
-    let resolved = match cfg.pipelined {
-        true => Some(cfg.resolved().map_err(|e| bad_input(e.to_string()))?),
-        false => None,
-    };
-    if args.rejoin {
-        check_rejoin(args, resolved.as_ref(), processes)?;
-    }
     let faults = match &args.fault_schedule {
         Some(plan) => {
             let faults = fault_schedule(plan, &cfg)?;
@@ -73,30 +64,32 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     cfg.check_resources(None, &pipe_stages::limits::Machine::detect())?;
     let process = pipe_stages::limits::process_resident_bytes().unwrap_or(0);
     let be = open_backend(cfg.backend, cfg.threads)?;
-    let model = Model::new(&cfg.model)?;
-    let data = read_data(&cfg, &model, &phases)?;
-    print_header(&cfg, &model, &data, be.threads());
+    let view = StartView {
+        phases: phases.clone(),
+        header_threads: Some(be.threads()),
+    };
+    let options = PrepareOptions {
+        resume: args.resume.clone(),
+        checkpoint_dir: args.checkpoint_dir.clone(),
+        force: args.force,
+        rejoin: args.rejoin,
+        seed_only: args.seed_checkpoint,
+    };
+    let PreparedRun {
+        cfg,
+        resolved,
+        model,
+        data,
+        resume,
+    } = prepare(cfg, &options, args.reprofile, process, &view)?;
     let mut fan = Fan::new(&cfg, phases.clone())?;
-    let mut policy = checkpoint_policy(args, &cfg)?;
-    let resume = resume_from(args, &model)?;
-    if let Some((dir, ckpt)) = &resume {
-        print_resuming(dir, ckpt);
-    }
+    let policy = checkpoint_policy(args, &cfg)?;
     if args.seed_checkpoint {
         let policy = policy.context("--seed-checkpoint needs --checkpoint-dir")?;
         let dir = pipe_stages::pipeline::write_seed_checkpoint(&cfg, &model, &policy)?;
         outln!("seed checkpoint (update 0): {}", dir.display());
         return Ok(());
     }
-    if let Some((_, ckpt)) = &resume {
-        adopt_checkpoint_buckets(&mut cfg, ckpt);
-    }
-    settle_partition(&mut cfg, &model, &phases, args.reprofile)?;
-    // The checkpoints record the run's numerics as settled (its chosen bucket sizes).
-    if let Some(p) = policy.as_mut() {
-        p.settings = cfg.numerics().to_json()?;
-    }
-    check_memory_estimate(&cfg, process, processes, args.force)?;
     let workers = match &resolved {
         Some(r) => print_pipeline(&cfg, r),
         None => 1,
@@ -142,7 +135,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             &how,
             &mut watched,
             &mut events,
-            &replan,
+            &startup::replan,
         );
         if let (Some(dir), Some(path)) = (&parts, &args.trace) {
             // The last start's workers (each start sets its own count).
@@ -175,7 +168,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         &how,
         &mut watched,
         &mut events,
-        &replan,
+        &startup::replan,
     );
     let out = out.context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;
@@ -192,39 +185,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     print_done(&out.report);
     Ok(())
-}
-
-/// Reads and checks the run's data as a phase of its start.
-///
-/// # Errors
-/// Data that cannot be read or does not fit the model (bad input).
-fn read_data(
-    cfg: &RunConfig,
-    model: &Model,
-    phases: &Phases,
-) -> pipe_stages::Result<pipe_stages::data::Splits> {
-    let kind = format!("{:?}", cfg.dataset).to_lowercase();
-    let source = match &cfg.data_dir {
-        Some(dir) => format!("{kind} at {}", dir.display()),
-        None => kind,
-    };
-    phases.begin("reading and checking the data", &source);
-    let data = train::load_data(cfg, model)?;
-    phases.end();
-    Ok(data)
-}
-
-/// `--replan-on-restart`'s planner: the layout for `workers` workers
-/// ([`pipe_stages::planning::replan`]) and its predicted samples/s.
-fn replan(cfg: &RunConfig, workers: u32) -> pipe_stages::Result<(RunConfig, f64)> {
-    // The costs were measured or read when the run was planned; a failure to read them now
-    // plans without them rather than not at all.
-    let costs = crate::links::all_measured().ok().map(|(c, _)| c);
-    // The run's profile, kept when it was planned, serves again.
-    let profiling = pipe_stages::planning::Profiling::cached(false);
-    let (next, plan) = pipe_stages::planning::replan(cfg, workers, costs.as_ref(), &profiling)?;
-    let rate = next.microbatch_size as f64 / plan.time_per_microbatch;
-    Ok((next, rate))
 }
 
 /// Prints the driver's restarts and what planning again gave.
@@ -254,28 +214,6 @@ impl RelaunchEvents for Printed<'_> {
     fn reached(&self) -> Option<u64> {
         self.last.get()
     }
-}
-
-/// Refuses `--rejoin` where there is nothing it could do: no stage with two or more replicas
-/// (a stage's last replica is never survived, so never taken back), or worker processes
-/// without a checkpoint directory to go on from.
-fn check_rejoin(
-    args: &TrainArgs,
-    resolved: Option<&pipe_scheduler::Resolved>,
-    processes: bool,
-) -> Result<()> {
-    let replicated = resolved.is_some_and(|r| r.layout.replica_counts().iter().any(|&n| n >= 2));
-    if !replicated {
-        return Err(bad_input(
-            "--rejoin takes back a lost replica, but no stage of this run has two or more replicas: give --replicas".into(),
-        ));
-    }
-    if processes && args.checkpoint_dir.is_none() {
-        return Err(bad_input(
-            "--rejoin with worker processes needs --checkpoint-dir: the workers go on from the checkpoint of the drain point where the replica rejoins".into(),
-        ));
-    }
-    Ok(())
 }
 
 /// Says that a failed run starts again, why, from where, and what it loses.

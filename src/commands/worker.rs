@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use pipe_stages::checkpoint::{Checkpoint, CheckpointPolicy};
-use pipe_stages::config::{Placement, RunConfig};
+use pipe_stages::config::RunConfig;
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::pipeline::train_worker;
 use pipe_stages::pipeline::worker::{WorkerOptions, check_cluster_size};
@@ -25,14 +25,16 @@ use pipe_transport::kinds::MeshSettings;
 use pipe_transport::shm::rendezvous_dir;
 
 use crate::output::bad_input;
+use crate::startup_view::{print_header, print_resuming};
 use crate::trace::{PartRecorder, Traced, part_path, worker_names};
 use crate::training::{
-    Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, print_header,
-    print_resuming, resume_from, run_config, serve_metrics, serve_metrics_quietly, stop_on_ctrl_c,
+    Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, run_config, serve_metrics,
+    serve_metrics_quietly, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::{
     JoinOptions, Record, RecordWriter, StopWriter, WorkerRun, join,
 };
+use pipe_stages::startup::{self, Unwatched};
 
 /// `pipe worker`.
 #[derive(Args, Debug)]
@@ -145,7 +147,11 @@ impl OwnSettings {
             None => OwnSettings {
                 metrics: args.train.metrics_addr,
                 resume: if chief {
-                    resume_from(&args.train, model)?
+                    startup::resume_from(
+                        args.train.resume.as_deref(),
+                        args.train.checkpoint_dir.as_deref(),
+                        model,
+                    )?
                 } else {
                     None
                 },
@@ -190,7 +196,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         }
         None => None,
     };
-    let mut cfg = match &handed {
+    let cfg = match &handed {
         Some(h) => h.run.clone(),
         None => run_config(&args.train, &phases)?,
     };
@@ -199,12 +205,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             "pipe worker runs a pipelined schedule: give --stages, --replicas or --schedule".into(),
         ));
     }
-    // This worker is a process; `auto` (or a run.json of threads) picks each link's
-    // transport from where its ends are.
-    cfg.placement = Placement::Processes;
-    if cfg.transport == TransportKind::InProcess {
-        cfg.transport = TransportKind::Auto;
-    }
+    let cfg = cfg.as_worker_process();
     cfg.check_resources(Some(1), &pipe_stages::limits::Machine::detect())?;
     let cluster = ClusterFile::load(&args.cluster).map_err(|e| bad_input(e.to_string()))?;
     // Refused before connecting, so that no peer waits for a worker that cannot run.
@@ -234,14 +235,11 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     let chief = rank == 0;
     // The chief settles a measured partition and sends the cut to the others with the run's
     // terms (a launcher's workers find it settled in run.json already).
-    if chief {
-        if args.launched {
-            let profiling = pipe_stages::planning::Profiling::cached(args.train.reprofile);
-            pipe_stages::planning::settle_measured_partition(&mut cfg, &model, &profiling)?;
-        } else {
-            crate::training::settle_partition(&mut cfg, &model, &phases, args.train.reprofile)?;
-        }
-    }
+    let cfg = match (chief, args.launched) {
+        (true, true) => startup::settle_partition(cfg, &model, args.train.reprofile, &Unwatched)?,
+        (true, false) => startup::settle_partition(cfg, &model, args.train.reprofile, &phases)?,
+        (false, _) => cfg,
+    };
     let own = OwnSettings::of(handed.as_ref(), args, &cfg, rank, &model)?;
     if !args.launched {
         serve_metrics(own.metrics)?;

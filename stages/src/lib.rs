@@ -47,6 +47,7 @@ pub mod partition;
 pub mod pipeline;
 pub mod planning;
 pub mod remedy;
+pub mod startup;
 pub mod train;
 
 // Each layer's modules by their short paths, so that `crate::optim` names the same module as

@@ -26,6 +26,7 @@ pub mod frame;
 pub mod host;
 pub mod inproc;
 pub mod kinds;
+pub mod measure;
 pub mod mixed;
 pub mod nccl;
 pub mod quic;

@@ -32,8 +32,8 @@ use measure::{MeasureOptions, Measured};
 use predict::{Inputs, Predicted};
 
 use crate::ExperimentError;
-use crate::link::LinkCost;
 use crate::machine::Machine;
+use pipe_transport::measure::LinkCost;
 
 /// How one configuration ended.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -215,9 +215,12 @@ fn attempt_in_child(runner: &Path, spec: &ConfigSpec, opts: &MeasureOptions) -> 
 fn link_cost(transport: TransportName) -> Result<LinkCost, ExperimentError> {
     match transport {
         TransportName::InProc => {
-            crate::link::measure_mesh(mesh(2, &InProcOptions::default()), 2000)
+            pipe_transport::measure::measure_mesh(mesh(2, &InProcOptions::default()), 2000)
+                .map_err(ExperimentError::from)
         }
-        TransportName::Quic => crate::link::measure_mesh(quic_mesh(2)?, 500),
+        TransportName::Quic => {
+            pipe_transport::measure::measure_mesh(quic_mesh(2)?, 500).map_err(ExperimentError::from)
+        }
     }
 }
 
@@ -230,7 +233,7 @@ pub(crate) fn quic_link_cost(max_datagram: u16) -> Result<LinkCost, ExperimentEr
     };
     let mesh =
         local_mesh(2, &opts).map_err(|e| ExperimentError::Config(format!("QUIC mesh: {e}")))?;
-    crate::link::measure_mesh(mesh, 500)
+    pipe_transport::measure::measure_mesh(mesh, 500).map_err(ExperimentError::from)
 }
 
 fn quic_mesh(n: u32) -> Result<Vec<pipe_transport::quic::Quic>, ExperimentError> {
@@ -241,10 +244,16 @@ fn quic_mesh(n: u32) -> Result<Vec<pipe_transport::quic::Quic>, ExperimentError>
 /// Seconds of an all-reduce of `values` floats among `r` workers on `transport`.
 fn all_reduce_on(transport: TransportName, values: usize, r: u32) -> Result<f64, ExperimentError> {
     match transport {
-        TransportName::InProc => {
-            crate::link::all_reduce_seconds(mesh(r, &InProcOptions::default()), values, 5)
+        TransportName::InProc => pipe_transport::measure::all_reduce_seconds(
+            mesh(r, &InProcOptions::default()),
+            values,
+            5,
+        )
+        .map_err(ExperimentError::from),
+        TransportName::Quic => {
+            pipe_transport::measure::all_reduce_seconds(quic_mesh(r)?, values, 5)
+                .map_err(ExperimentError::from)
         }
-        TransportName::Quic => crate::link::all_reduce_seconds(quic_mesh(r)?, values, 5),
     }
 }
 

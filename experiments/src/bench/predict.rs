@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use super::config::ConfigSpec;
 use super::measure::Measured;
 use crate::ExperimentError;
-use crate::link::LinkCost;
+use pipe_transport::measure::LinkCost;
 
 /// What the simulator predicts for one configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -54,8 +54,6 @@ impl TrainSettings {
         }
         Ok(remedies)
     }
-    /// Parses a TOML config file's text.
-    ///
 
     /// The optimizer's settings: those given, else the defaults (a language model's, and an
     /// SGD momentum lowered for an asynchronous layout, [`default_momentum`]), checked.

@@ -452,6 +452,57 @@ impl RunConfig {
         ))
     }
 
+    /// This run with the partition start-up settled (the measured cut) in place of
+    /// `measured`: what its workers and checkpoints name. The one place a settled partition
+    /// enters a run.
+    pub fn with_partition(self, partition: Partition) -> Self {
+        RunConfig {
+            partition: PartitionChoice::Given(partition),
+            ..self
+        }
+    }
+
+    /// This run with each stage's all-reduce bucket size settled: chosen by the simulator on
+    /// the measured link, or adopted from the run a checkpoint continues or the chief's
+    /// terms. The one place settled bucket sizes enter a run.
+    pub fn with_stage_buckets(self, values: Vec<usize>) -> Self {
+        RunConfig {
+            stage_bucket_values: values,
+            bucket_origin: BucketOrigin::Chosen,
+            ..self
+        }
+    }
+
+    /// This run as one `pipe worker` process of it runs it: placed as processes, and with
+    /// `inproc` (or a launcher's run of threads) read as `auto`, which picks each link's
+    /// transport from where its ends are.
+    pub fn as_worker_process(self) -> Self {
+        let transport = match self.transport {
+            TransportKind::InProcess => TransportKind::Auto,
+            other => other,
+        };
+        RunConfig {
+            placement: Placement::Processes,
+            transport,
+            ..self
+        }
+    }
+
+    /// The adoption rule of bucket sizes, for checkpoints and the chief's terms alike: the
+    /// sizes `other` (the run a checkpoint continues, or the chief's) chose, where this run
+    /// gives none, they were chosen, and they are one nonzero size per stage of this run.
+    /// The replicas' sums then add in the buckets of the run they follow.
+    pub fn buckets_to_adopt(&self, other: &RunConfig) -> Option<Vec<usize>> {
+        if self.bucket_origin != BucketOrigin::Default
+            || other.bucket_origin != BucketOrigin::Chosen
+        {
+            return None;
+        }
+        let stages = self.resolved().ok()?.layout.stages() as usize;
+        let values = &other.stage_bucket_values;
+        (values.len() == stages && !values.contains(&0)).then(|| values.clone())
+    }
+
     /// Checks the run against this host ([`crate::limits`]): its compute threads, its
     /// microbatch's activations, and the planner's memory estimate of its workers that live
     /// here (`local_workers`: `None` for all of them, as `pipe train` runs them; `Some(1)` for

@@ -283,6 +283,8 @@ macro_rules! merge_fields {
 }
 
 impl TrainSettings {
+    /// Parses a TOML config file's text.
+    ///
     /// # Errors
     /// [`StageError::Config`] with the parser's message (line and key).
     pub fn from_toml(text: &str, name: &str) -> Result<Self> {

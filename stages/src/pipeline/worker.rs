@@ -48,7 +48,7 @@ use super::train::{
     run_partition, run_segments,
 };
 use crate::checkpoint::{Checkpoint, CheckpointPolicy};
-use crate::config::{BucketOrigin, PartitionChoice, RunConfig};
+use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::model::Params;
@@ -551,13 +551,10 @@ fn agree<T: Transport + ?Sized>(
     let terms: StartTerms = serde_json::from_slice(&bytes)
         .map_err(|e| protocol(format!("the chief's start message: {e}")))?;
     // Bucket sizes the chief chose (from its measured profile) are the run's.
-    let mut mine = cfg.clone();
-    if mine.bucket_origin == BucketOrigin::Default
-        && terms.run.bucket_origin == BucketOrigin::Chosen
-    {
-        mine.stage_bucket_values = terms.run.stage_bucket_values.clone();
-        mine.bucket_origin = BucketOrigin::Chosen;
-    }
+    let mine = match cfg.buckets_to_adopt(&terms.run) {
+        Some(values) => cfg.clone().with_stage_buckets(values),
+        None => cfg.clone(),
+    };
     if let Some(diff) = mine.numerics_difference(&terms.run) {
         return Err(StageError::Config(format!(
             "worker {rank}'s run settings differ from the chief's (worker 0): {diff}; give every worker the same flags and config"

@@ -13,14 +13,15 @@ use crate::config::{BucketOrigin, RunConfig};
 
 /// Chooses each stage's bucket size for `cfg` (whose partition is settled) from `profile`
 /// (the model's layers, measured at the run's microbatch size) and `link`, the costs of the
-/// transport that carries the run's rings, and records them in `cfg`. Returns each stage's
-/// choice (`None` for a stage of one replica, which keeps the default), or nothing where
-/// the sizes were given or no stage is replicated.
+/// transport that carries the run's rings. Returns each stage's size (the run's default for a
+/// stage of one replica) and each stage's choice (`None` for a stage of one replica), or
+/// nothing where the sizes were given or no stage is replicated; the run takes the sizes
+/// through [`RunConfig::with_stage_buckets`].
 pub fn choose_for_run(
-    cfg: &mut RunConfig,
+    cfg: &RunConfig,
     profile: &Profile,
     link: &TransportCost,
-) -> Option<Vec<Option<BucketChoice>>> {
+) -> Option<(Vec<usize>, Vec<Option<BucketChoice>>)> {
     let partition = match &cfg.partition {
         crate::config::PartitionChoice::Given(p) => p.clone(),
         _ => return None,
@@ -47,31 +48,18 @@ pub fn choose_for_run(
             choose_bucket_values(&layers, r, &link, bytes_per_value)
         })
         .collect();
-    cfg.stage_bucket_values = choices
+    let values = choices
         .iter()
         .map(|c| c.map_or(cfg.bucket_values, |c| c.values))
         .collect();
-    cfg.bucket_origin = BucketOrigin::Chosen;
-    Some(choices)
+    Some((values, choices))
 }
 
 /// Takes the bucket sizes a checkpoint's run chose where `cfg` gives none: `settings` is the
 /// run's numerics as the checkpoint records them (JSON). A resumed run then sums its
 /// replicas' gradients in the same buckets as the run it continues, whatever a new
 /// measurement would choose. Returns the sizes taken, if any.
-pub fn adopt_recorded(cfg: &mut RunConfig, settings: &str) -> Option<Vec<usize>> {
-    if cfg.bucket_origin != BucketOrigin::Default {
-        return None;
-    }
+pub fn adopt_recorded(cfg: &RunConfig, settings: &str) -> Option<Vec<usize>> {
     let recorded = RunConfig::from_json(settings, "the checkpoint's settings").ok()?;
-    let stages = cfg.resolved().ok()?.layout.stages() as usize;
-    if recorded.bucket_origin != BucketOrigin::Chosen
-        || recorded.stage_bucket_values.len() != stages
-        || recorded.stage_bucket_values.contains(&0)
-    {
-        return None;
-    }
-    cfg.stage_bucket_values = recorded.stage_bucket_values;
-    cfg.bucket_origin = BucketOrigin::Chosen;
-    Some(cfg.stage_bucket_values.clone())
+    cfg.buckets_to_adopt(&recorded)
 }

@@ -329,21 +329,21 @@ pub fn replan(
 }
 
 /// Settles `--partition measured` (the default of a pipelined run): cuts `model` by the
-/// time its stages measure on this machine ([`measured_cut`]) and writes the cut into `cfg`,
-/// so that worker processes and checkpoints name the partition the run used. Returns the
-/// cut, or `None` when the run's partition was given.
+/// time its stages measure on this machine ([`measured_cut`]) and returns the run with that
+/// cut ([`RunConfig::with_partition`]), so that worker processes and checkpoints name the
+/// partition the run used, and the cut; the run as it was and `None` when its partition was
+/// given.
 ///
 /// # Errors
 /// Profiling failures.
 pub fn settle_measured_partition(
-    cfg: &mut RunConfig,
+    cfg: RunConfig,
     model: &Model,
     profiling: &Profiling,
-) -> Result<Option<MeasuredPartition>> {
+) -> Result<(RunConfig, Option<MeasuredPartition>)> {
     if cfg.partition != PartitionChoice::Measured {
-        return Ok(None);
+        return Ok((cfg, None));
     }
-    let cut = measured_cut(cfg, model, profiling)?;
-    cfg.partition = PartitionChoice::Given(cut.partition.clone());
-    Ok(Some(cut))
+    let cut = measured_cut(&cfg, model, profiling)?;
+    Ok((cfg.with_partition(cut.partition.clone()), Some(cut)))
 }

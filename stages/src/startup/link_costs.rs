@@ -1,5 +1,5 @@
 //! Each transport's link costs on this machine: measured by ping-pong between two endpoints
-//! ([`crate::link`]) over several rounds, kept as medians with their spread
+//! ([`pipe_transport::measure`]) over several rounds, kept as medians with their spread
 //! ([`pipe_scheduler::planner::transport`]), and cached (`pipe_stages::cache`, kind
 //! [`KIND`], keyed by the machine and the build) so that `pipe plan`, `pipe simulate` and
 //! `pipe train`'s automatic plan read them without measuring again. An entry older than
@@ -9,14 +9,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use pipe_scheduler::planner::transport::{Spread, TransportCost, TransportCosts};
-use pipe_stages::cache::{Cache, CacheKey, Lookup};
 use pipe_transport::TransportKind;
 use pipe_transport::inproc::{InProcOptions, mesh};
+use pipe_transport::measure::{LinkCost, measure_mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
 use pipe_transport::shm::{self, ShmOptions};
 
-use crate::ExperimentError;
-use crate::link::LinkCost;
+use crate::cache::{Cache, CacheKey, Lookup};
+use crate::error::{Result, StageError};
 
 /// The cache kind of transport costs.
 pub const KIND: &str = "transport-costs";
@@ -43,7 +43,7 @@ pub enum Origin {
     /// written, with the reason); `replaced` says why an entry there was not used.
     Measured {
         /// The entry written.
-        written: Result<PathBuf, String>,
+        written: std::result::Result<PathBuf, String>,
         /// Why an existing entry was not trusted.
         replaced: Option<String>,
     },
@@ -77,27 +77,25 @@ pub fn key() -> CacheKey {
 ///
 /// # Errors
 /// Zero rounds; transport failures.
-pub fn measure(rounds: u32) -> Result<TransportCosts, ExperimentError> {
+pub fn measure(rounds: u32) -> Result<TransportCosts> {
     if rounds == 0 {
-        return Err(ExperimentError::Config("rounds must be at least 1".into()));
+        return Err(StageError::Config("rounds must be at least 1".into()));
     }
-    let setup = |e: pipe_transport::TransportError| {
-        ExperimentError::Config(format!("transport setup: {e}"))
-    };
+    let setup = StageError::Transport;
     let mut transports = Vec::new();
     for kind in TRANSPORTS {
         let mut figures = Vec::with_capacity(rounds as usize);
         for _ in 0..rounds {
             figures.push(match kind {
-                TransportKind::Shm => crate::link::measure_mesh(
+                TransportKind::Shm => measure_mesh(
                     shm::local_mesh(2, &ShmOptions::new(0xc057)).map_err(setup)?,
                     1000,
                 )?,
-                TransportKind::Quic => crate::link::measure_mesh(
+                TransportKind::Quic => measure_mesh(
                     local_mesh(2, &QuicOptions::new(0xc057)).map_err(setup)?,
                     300,
                 )?,
-                _ => crate::link::measure_mesh(mesh(2, &InProcOptions::default()), 1000)?,
+                _ => measure_mesh(mesh(2, &InProcOptions::default()), 1000)?,
             });
         }
         transports.push(cost_of(kind, &figures));
@@ -125,7 +123,7 @@ fn cost_of(kind: TransportKind, figures: &[LinkCost]) -> TransportCost {
 ///
 /// # Errors
 /// Measurement failures.
-pub fn load_or_measure(refresh: bool) -> Result<(TransportCosts, Origin), ExperimentError> {
+pub fn load_or_measure(refresh: bool) -> Result<(TransportCosts, Origin)> {
     let cache = Cache::open();
     let key = key();
     let mut replaced = None;

@@ -5,6 +5,9 @@
 //! time per byte (the simulator's `byte_cpu`). Generic over [`Transport`], so the in-process
 //! channels and QUIC on loopback are measured by the same code.
 //!
+//! The planner charges links these figures (`pipe_stages::startup::link_costs` caches them per
+//! machine); `pipe bench transport` prints them.
+//!
 //! Processor time is the whole process's (`CLOCK_PROCESS_CPUTIME_ID`): a QUIC endpoint does
 //! its packet and encryption work on its own runtime thread, not on the thread that calls
 //! `send` and `recv`, so the callers' time alone would miss most of it. Both ends run in this
@@ -13,10 +16,9 @@
 use std::time::Instant;
 
 use pipe_kernels::Tensor;
-use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use serde::{Deserialize, Serialize};
 
-use crate::ExperimentError;
+use crate::{Key, Kind, Message, Transport, TransportError};
 
 /// What a message costs on one transport.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -36,19 +38,7 @@ pub struct LinkCost {
 
 /// This process's processor time in seconds, every thread's (`CLOCK_PROCESS_CPUTIME_ID`).
 pub fn process_cpu_seconds() -> f64 {
-    cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID)
-}
-
-fn cpu_seconds(clock: libc::clockid_t) -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec through a valid pointer.
-    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
-    if rc != 0 {
-        return 0.0;
-    }
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
@@ -63,10 +53,6 @@ fn key(from: u32, to: u32, index: u32) -> Key {
     }
 }
 
-fn transport_err(e: TransportError) -> ExperimentError {
-    ExperimentError::Config(format!("transport: {e}"))
-}
-
 /// One ping-pong series of `rounds` round trips of a tensor of `values` floats starting at
 /// message index `first`: (wall seconds per message one way, processor seconds per message
 /// end).
@@ -76,7 +62,7 @@ fn ping_pong<T: Transport + Send + 'static>(
     values: usize,
     rounds: u32,
     first: u32,
-) -> Result<(f64, f64, T), ExperimentError> {
+) -> Result<(f64, f64, T), TransportError> {
     let mut b = b;
     let cpu0 = process_cpu_seconds();
     let t = Instant::now();
@@ -97,15 +83,13 @@ fn ping_pong<T: Transport + Send + 'static>(
             key: key(0, 1, i),
             version: 0,
             tensor,
-        })
-        .map_err(transport_err)?;
-        tensor = a.recv(&key(1, 0, i)).map_err(transport_err)?.tensor;
+        })?;
+        tensor = a.recv(&key(1, 0, i))?.tensor;
     }
     let secs = t.elapsed().as_secs_f64();
     let b = echo
         .join()
-        .map_err(|_| ExperimentError::Config("ping-pong thread panicked".into()))?
-        .map_err(transport_err)?;
+        .map_err(|_| TransportError::Setup("ping-pong thread panicked".into()))??;
     let cpu = process_cpu_seconds() - cpu0;
     let messages = f64::from(2 * rounds);
     // Every message has two ends: the process's time over twice the messages.
@@ -122,7 +106,7 @@ pub fn measure<T: Transport + Send + 'static>(
     mut a: T,
     b: T,
     rounds: u32,
-) -> Result<LinkCost, ExperimentError> {
+) -> Result<LinkCost, TransportError> {
     const SMALL: usize = 2048;
     const LARGE: usize = 1 << 20;
     let (_, _, b) = ping_pong(&mut a, b, SMALL, 50, 0)?;
@@ -151,7 +135,7 @@ pub fn all_reduce_seconds<T: Transport + Send + 'static>(
     endpoints: Vec<T>,
     values: usize,
     rounds: u32,
-) -> Result<f64, ExperimentError> {
+) -> Result<f64, TransportError> {
     let group: Vec<u32> = (0..endpoints.len() as u32).collect();
     let handles: Vec<_> = endpoints
         .into_iter()
@@ -162,9 +146,7 @@ pub fn all_reduce_seconds<T: Transport + Send + 'static>(
                 let mut times = Vec::with_capacity(rounds as usize);
                 for update in 0..=rounds {
                     let t = Instant::now();
-                    pipe_transport::collective::ring_all_reduce(
-                        &mut ep, &group, 0, update, &mut data,
-                    )?;
+                    crate::collective::ring_all_reduce(&mut ep, &group, 0, update, &mut data)?;
                     if update > 0 {
                         times.push(t.elapsed().as_secs_f64());
                     }
@@ -177,11 +159,10 @@ pub fn all_reduce_seconds<T: Transport + Send + 'static>(
     for h in handles {
         let mine = h
             .join()
-            .map_err(|_| ExperimentError::Config("all-reduce thread panicked".into()))?
-            .map_err(transport_err)?;
+            .map_err(|_| TransportError::Setup("all-reduce thread panicked".into()))??;
         times.extend(mine);
     }
-    Ok(crate::median(&times))
+    Ok(median(&times))
 }
 
 /// [`measure`] between the two endpoints of a two-worker mesh.
@@ -191,9 +172,25 @@ pub fn all_reduce_seconds<T: Transport + Send + 'static>(
 pub fn measure_mesh<T: Transport + Send + 'static>(
     mut endpoints: Vec<T>,
     rounds: u32,
-) -> Result<LinkCost, ExperimentError> {
-    let missing = || ExperimentError::Config("a link needs a mesh of two endpoints".into());
+) -> Result<LinkCost, TransportError> {
+    let missing = || TransportError::Setup("a link needs a mesh of two endpoints".into());
     let b = endpoints.pop().ok_or_else(missing)?;
     let a = endpoints.pop().ok_or_else(missing)?;
     measure(a, b, rounds)
+}
+
+/// Median of the finite values of a sample (mean of the two middle values for even sizes;
+/// NaN for none).
+fn median(xs: &[f64]) -> f64 {
+    let mut v: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }

@@ -1,0 +1,256 @@
+//! A run's start-up, in the library: everything between the settings a user gave and the
+//! first update. [`prepare`] takes where the settings come from and a [`StartupWatcher`] and
+//! returns a [`PreparedRun`], in this order, each step producing the value the next takes:
+//!
+//! 1. merge: config file, then flags, then a plan file ([`TrainSettings`]);
+//! 2. resolve, or plan for `--workers` ([`RunConfig`], checked once);
+//! 3. the model ([`Model`]) and, for the chief, the data ([`Splits`]);
+//! 4. the checkpoint a run resumes from, and the bucket sizes it recorded;
+//! 5. the partition: given, by FLOPs, or measured (a cached profile where one fits);
+//! 6. link costs ([`link_costs`]) and each replicated stage's all-reduce buckets;
+//! 7. the memory estimate and its refusal;
+//! 8. the checks of `--rejoin`.
+//!
+//! The watcher is told what each step found as typed [`StartupEvent`]s: the command line
+//! formats them; nothing here prints.
+
+pub mod link_costs;
+mod steps;
+
+use std::path::PathBuf;
+
+use pipe_scheduler::Resolved;
+use pipe_scheduler::planner::buckets::BucketChoice;
+use pipe_scheduler::planner::transport::TransportCost;
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{BucketSizes, RunConfig, TrainSettings};
+use crate::data::Splits;
+use crate::error::Result;
+use crate::model::Model;
+use crate::partition::Partition;
+use crate::planning::ProfileReport;
+use crate::planning::memory::WorkerMemory;
+
+pub use steps::{
+    adopt_checkpoint_buckets, check_memory, check_rejoin, read_data, replan, resolve, resume_from,
+    settle_partition,
+};
+
+/// Where a run's settings come from, as the command line names them: each later source
+/// overrides the earlier ones field by field.
+#[derive(Clone, Debug, Default)]
+pub struct RunSources {
+    /// A TOML config file.
+    pub config_file: Option<PathBuf>,
+    /// The command line's settings.
+    pub flags: TrainSettings,
+    /// A plan `pipe plan -o` wrote: its layout and model.
+    pub plan_file: Option<PathBuf>,
+    /// Plan the layout for this many workers (`--workers`) instead.
+    pub workers: Option<u32>,
+    /// Profile again even where the cache holds a profile for this run (`--reprofile`).
+    pub reprofile: bool,
+}
+
+/// What start-up found, step by step, for a command to show. Every value a line needs is
+/// here; the wording is the command's.
+#[derive(Debug)]
+pub enum StartupEvent<'a> {
+    /// A phase of the start began (`detail` says over what); it ends when the next begins
+    /// or at [`StartupEvent::PhaseEnded`].
+    PhaseBegan {
+        /// What the phase does.
+        name: &'a str,
+        /// Over what.
+        detail: String,
+    },
+    /// The running phase ended.
+    PhaseEnded,
+    /// The run's data was read and checked: what a run's header names.
+    DataRead {
+        /// The run.
+        run: &'a RunConfig,
+        /// Its model.
+        model: &'a Model,
+        /// Its data.
+        data: &'a Splits,
+    },
+    /// The run resumes from this checkpoint.
+    Resuming {
+        /// Its directory.
+        dir: &'a std::path::Path,
+        /// The checkpoint.
+        checkpoint: &'a Checkpoint,
+    },
+    /// The links of a plan are charged these measured costs, from `source`.
+    LinksCharged {
+        /// The transport's costs.
+        cost: &'a TransportCost,
+        /// Where they came from.
+        source: &'a str,
+    },
+    /// `--workers` planned this run.
+    AutoPlan {
+        /// The workers planned for.
+        workers: u32,
+        /// The run as planned.
+        run: &'a RunConfig,
+        /// The planner's predicted samples per second.
+        samples_per_s: f64,
+        /// The simulator's, where it ran (else NaN).
+        simulated_samples_per_s: f64,
+    },
+    /// The partition was cut by measured time.
+    MeasuredCut {
+        /// The cut.
+        partition: &'a Partition,
+        /// Seconds per microbatch of each stage.
+        stage_seconds: &'a [f64],
+    },
+    /// Each replicated stage's all-reduce bucket size was chosen on the run's measured link.
+    BucketsChosen {
+        /// The link's transport costs.
+        link: &'a TransportCost,
+        /// Where they came from.
+        source: &'a str,
+        /// Each stage's choice (`None`: one replica, the default size).
+        choices: &'a [Option<BucketChoice>],
+        /// The flag value that repeats them.
+        flag: BucketSizes,
+    },
+    /// The bucket sizes the run a checkpoint continues chose were taken.
+    BucketsAdopted {
+        /// The flag value that repeats them.
+        flag: BucketSizes,
+    },
+    /// The memory estimate of the run's workers on this host.
+    MemoryEstimate {
+        /// Each worker's estimate.
+        workers: &'a [WorkerMemory],
+        /// This process's resident bytes before it built the run.
+        process: u64,
+        /// The workers are processes (else threads of this process).
+        processes: bool,
+        /// What the host must have for all of them.
+        need: u64,
+    },
+    /// The run is over the memory available and runs anyway (`--force`): why.
+    MemoryForced(String),
+}
+
+/// Watches a run's start: takes its [`StartupEvent`]s and may give the profiler a report of
+/// its own progress.
+pub trait StartupWatcher {
+    /// One event of the start.
+    fn on_event(&self, event: &StartupEvent<'_>);
+    /// The profiler's progress report, where the watcher shows it.
+    fn profile_report(&self) -> Option<ProfileReport> {
+        None
+    }
+}
+
+/// A watcher that shows nothing (a launched worker, whose launcher shows the start).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Unwatched;
+
+impl StartupWatcher for Unwatched {
+    fn on_event(&self, _: &StartupEvent<'_>) {}
+}
+
+/// A run ready to launch: its settings checked and settled, its model and data built.
+pub struct PreparedRun {
+    /// The run, its partition and bucket sizes settled.
+    pub cfg: RunConfig,
+    /// Its pipeline's layout, resolved once (`None` for one worker over the whole model).
+    pub resolved: Option<Resolved>,
+    /// The model.
+    pub model: Model,
+    /// The data.
+    pub data: Splits,
+    /// The checkpoint it resumes from, with its directory.
+    pub resume: Option<(PathBuf, Checkpoint)>,
+}
+
+/// What [`prepare`] takes beside the settings: the run-level choices of the command line.
+#[derive(Clone, Debug, Default)]
+pub struct PrepareOptions {
+    /// `--resume`: a checkpoint's directory, a checkpoint directory, `latest` or `auto`.
+    pub resume: Option<String>,
+    /// The checkpoint directory (`latest` and `auto` look there).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Run over the memory available (`--force`).
+    pub force: bool,
+    /// Take back a lost replica (`--rejoin`): refused where there is nothing it could do.
+    pub rejoin: bool,
+    /// Stop once the run's starting point is known (`--seed-checkpoint`): no partition is
+    /// settled and no memory is estimated.
+    pub seed_only: bool,
+}
+
+/// Prepares the run `cfg` (resolved by [`resolve`]) to launch from this process, which runs
+/// every worker (as threads, or as the launcher of worker processes): rejoin checks, the
+/// model, the data, the checkpoint it resumes from and the bucket sizes it recorded, the
+/// partition with its buckets, and the memory gate. `process` is this process's resident
+/// bytes before it built anything.
+///
+/// # Errors
+/// Bad input ([`crate::StageError::Config`] and kin) for anything that describes no run here;
+/// profiling and measurement failures.
+pub fn prepare(
+    cfg: RunConfig,
+    options: &PrepareOptions,
+    reprofile: bool,
+    process: u64,
+    watcher: &dyn StartupWatcher,
+) -> Result<PreparedRun> {
+    let processes = cfg.pipelined && cfg.placement == crate::config::Placement::Processes;
+    let resolved = cfg.pipelined.then(|| cfg.resolved()).transpose()?;
+    if options.rejoin {
+        check_rejoin(
+            resolved.as_ref(),
+            processes,
+            options.checkpoint_dir.is_some(),
+        )?;
+    }
+    let model = Model::new(&cfg.model)?;
+    let data = read_data(&cfg, &model, watcher)?;
+    watcher.on_event(&StartupEvent::DataRead {
+        run: &cfg,
+        model: &model,
+        data: &data,
+    });
+    let resume = resume_from(
+        options.resume.as_deref(),
+        options.checkpoint_dir.as_deref(),
+        &model,
+    )?;
+    if let Some((dir, ckpt)) = &resume {
+        watcher.on_event(&StartupEvent::Resuming {
+            dir,
+            checkpoint: ckpt,
+        });
+    }
+    if options.seed_only {
+        return Ok(PreparedRun {
+            cfg,
+            resolved,
+            model,
+            data,
+            resume,
+        });
+    }
+    let cfg = match &resume {
+        Some((_, ckpt)) => adopt_checkpoint_buckets(cfg, ckpt, watcher),
+        None => cfg,
+    };
+    let cfg = settle_partition(cfg, &model, reprofile, watcher)?;
+    check_memory(&cfg, process, processes, options.force, watcher)?;
+    Ok(PreparedRun {
+        cfg,
+        resolved,
+        model,
+        data,
+        resume,
+    })
+}

@@ -1,0 +1,318 @@
+//! The steps of a run's start, each a function from the value the step before produced to
+//! the next: [`resolve`] (merge and plan), [`read_data`], [`resume_from`],
+//! [`adopt_checkpoint_buckets`], [`settle_partition`] (with its buckets), [`check_memory`],
+//! [`check_rejoin`]; and [`replan`], the planner a restart on fewer workers calls. A step
+//! never changes a checked [`RunConfig`]: what it settles comes back as a new one, built by
+//! the constructor in [`crate::config`] that names what was settled.
+
+use std::path::{Path, PathBuf};
+
+use pipe_scheduler::Resolved;
+
+use super::{RunSources, StartupEvent, StartupWatcher, link_costs};
+use crate::checkpoint::Checkpoint;
+use crate::config::{
+    BucketOrigin, BucketSizes, PartitionChoice, PlanFile, RunConfig, TrainSettings,
+};
+use crate::data::Splits;
+use crate::error::{Result, StageError};
+use crate::model::Model;
+use crate::planning::{Profiling, buckets, memory, plan_workers, settle_measured_partition};
+
+/// A profiler that reuses the cache (unless `reprofile`) and reports to `watcher`.
+fn profiling(reprofile: bool, watcher: &dyn StartupWatcher) -> Profiling {
+    let profiling = Profiling::cached(reprofile);
+    match watcher.profile_report() {
+        Some(report) => profiling.reporting(report),
+        None => profiling,
+    }
+}
+
+/// Begins a phase of the start.
+fn begin(watcher: &dyn StartupWatcher, name: &str, detail: String) {
+    watcher.on_event(&StartupEvent::PhaseBegan { name, detail });
+}
+
+/// The settings `sources` give: the config file, then the flags, then a plan file.
+///
+/// # Errors
+/// Bad input for unreadable or malformed files, and a plan made for another model.
+pub fn merge(sources: &RunSources) -> Result<TrainSettings> {
+    let mut settings = TrainSettings::default();
+    if let Some(path) = &sources.config_file {
+        let text = crate::limits::read_text_file(path, "config")?;
+        settings = TrainSettings::from_toml(&text, &path.display().to_string())?;
+    }
+    settings.merge(sources.flags.clone());
+    if let Some(path) = &sources.plan_file {
+        let source = path.display().to_string();
+        let text = crate::limits::read_text_file(path, "plan")?;
+        settings.apply_plan(&PlanFile::parse(&text, &source)?, &source)?;
+    }
+    Ok(settings)
+}
+
+/// The run `sources` describe, merged ([`merge`]) and checked once; for `--workers`, planned
+/// first on this machine's measured profile and link costs, with its buckets chosen.
+///
+/// # Errors
+/// Bad input for settings that describe no run; profiling, measurement and planning
+/// failures.
+pub fn resolve(sources: &RunSources, watcher: &dyn StartupWatcher) -> Result<RunConfig> {
+    let settings = merge(sources)?;
+    let Some(w) = sources.workers else {
+        return settings.resolve();
+    };
+    let (costs, origin) = link_costs::load_or_measure(false)?;
+    let source = origin.describe();
+    begin(
+        watcher,
+        "profiling and planning",
+        format!("the layouts of {w} workers"),
+    );
+    let profiling = profiling(sources.reprofile, watcher);
+    let (cfg, plan, profile) = plan_workers(settings, w, Some(&costs), &profiling)?;
+    watcher.on_event(&StartupEvent::PhaseEnded);
+    let cfg = match costs.get(cfg.link_transport().name()) {
+        Some(cost) => {
+            watcher.on_event(&StartupEvent::LinksCharged {
+                cost,
+                source: &source,
+            });
+            choose_buckets(cfg, &profile, cost, &source, watcher)
+        }
+        None => cfg,
+    };
+    let per_sample = cfg.microbatch_size as f64;
+    watcher.on_event(&StartupEvent::AutoPlan {
+        workers: w,
+        run: &cfg,
+        samples_per_s: per_sample / plan.time_per_microbatch,
+        simulated_samples_per_s: plan.simulated.map_or(f64::NAN, |t| per_sample / t),
+    });
+    Ok(cfg)
+}
+
+/// Reads and checks the run's data, as a phase of its start.
+///
+/// # Errors
+/// Data that cannot be read or does not fit the model (bad input).
+pub fn read_data(cfg: &RunConfig, model: &Model, watcher: &dyn StartupWatcher) -> Result<Splits> {
+    let kind = format!("{:?}", cfg.dataset).to_lowercase();
+    let source = match &cfg.data_dir {
+        Some(dir) => format!("{kind} at {}", dir.display()),
+        None => kind,
+    };
+    begin(watcher, "reading and checking the data", source);
+    let data = crate::train::load_data(cfg, model)?;
+    watcher.on_event(&StartupEvent::PhaseEnded);
+    Ok(data)
+}
+
+/// The checkpoint `resume` names (`--resume`: a checkpoint's directory, a checkpoint
+/// directory, `latest` or `auto` in `checkpoint_dir`), read and checked against `model`,
+/// with its directory. `auto` with no checkpoint yet is a fresh start.
+///
+/// # Errors
+/// Bad input: `latest` or `auto` without a checkpoint directory; a checkpoint that is
+/// missing, corrupted, truncated or made for another model (the error names the file).
+pub fn resume_from(
+    resume: Option<&str>,
+    checkpoint_dir: Option<&Path>,
+    model: &Model,
+) -> Result<Option<(PathBuf, Checkpoint)>> {
+    let Some(r) = resume else {
+        return Ok(None);
+    };
+    let path = match r {
+        "latest" | "auto" => checkpoint_dir
+            .map(Path::to_path_buf)
+            .ok_or_else(|| StageError::Config(format!("--resume {r} needs --checkpoint-dir")))?,
+        given => PathBuf::from(given),
+    };
+    // What a scheduler passes on every start: the first finds nothing and starts fresh.
+    if r == "auto" && crate::checkpoint::list(&path).is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(crate::checkpoint::read(&path, model)?))
+}
+
+/// Takes the bucket sizes the run a checkpoint continues chose, where `cfg` gives none
+/// ([`buckets::adopt_recorded`]).
+pub fn adopt_checkpoint_buckets(
+    cfg: RunConfig,
+    ckpt: &Checkpoint,
+    watcher: &dyn StartupWatcher,
+) -> RunConfig {
+    let Some(values) = buckets::adopt_recorded(&cfg, &ckpt.state.settings) else {
+        return cfg;
+    };
+    watcher.on_event(&StartupEvent::BucketsAdopted {
+        flag: BucketSizes::of_values(&values),
+    });
+    cfg.with_stage_buckets(values)
+}
+
+/// Settles a measured partition once, on this machine: profiles `model`, cuts it by time,
+/// and chooses each replicated stage's buckets on the run's measured link where none were
+/// given, so that every worker (thread or process) and every checkpoint runs the same.
+/// A partition given (or settled already, as a launched worker's is) is kept.
+///
+/// # Errors
+/// Profiling and measurement failures; more stages than layers with parameters.
+pub fn settle_partition(
+    cfg: RunConfig,
+    model: &Model,
+    reprofile: bool,
+    watcher: &dyn StartupWatcher,
+) -> Result<RunConfig> {
+    if cfg.partition == PartitionChoice::Measured && cfg.stages > 1 {
+        begin(
+            watcher,
+            "profiling",
+            format!(
+                "each layer shape of {} at microbatch {}, one thread",
+                cfg.model_name, cfg.microbatch_size
+            ),
+        );
+    }
+    let profiling = profiling(reprofile, watcher);
+    let (cfg, cut) = settle_measured_partition(cfg, model, &profiling)?;
+    let Some(cut) = cut else {
+        return Ok(cfg);
+    };
+    let stages = cut.partition.stages();
+    if stages > 1 {
+        begin(watcher, "planning", "the cut by measured time".into());
+    }
+    let cfg = match &cut.profile {
+        Some(profile)
+            if cfg.bucket_origin == BucketOrigin::Default
+                && cfg.replicas.iter().any(|&r| r > 1) =>
+        {
+            let (costs, origin) = link_costs::load_or_measure(false)?;
+            let kind = cfg.link_transport();
+            let cost = costs.get(kind.name()).ok_or_else(|| {
+                StageError::Config(format!(
+                    "the measured costs hold no costs for transport {}",
+                    kind.name()
+                ))
+            })?;
+            choose_buckets(cfg, profile, cost, &origin.describe(), watcher)
+        }
+        _ => cfg,
+    };
+    if stages > 1 {
+        watcher.on_event(&StartupEvent::PhaseEnded);
+        watcher.on_event(&StartupEvent::MeasuredCut {
+            partition: &cut.partition,
+            stage_seconds: &cut.stage_seconds,
+        });
+    }
+    Ok(cfg)
+}
+
+/// Chooses the replicated stages' bucket sizes from the run's measured `profile` and `link`
+/// (whose costs came from `source`) where none were given, and says what was chosen.
+fn choose_buckets(
+    cfg: RunConfig,
+    profile: &pipe_scheduler::Profile,
+    link: &pipe_scheduler::planner::transport::TransportCost,
+    source: &str,
+    watcher: &dyn StartupWatcher,
+) -> RunConfig {
+    let Some((values, choices)) = buckets::choose_for_run(&cfg, profile, link) else {
+        return cfg;
+    };
+    watcher.on_event(&StartupEvent::BucketsChosen {
+        link,
+        source,
+        choices: &choices,
+        flag: BucketSizes::of_values(&values),
+    });
+    cfg.with_stage_buckets(values)
+}
+
+/// The memory gate: estimates the peak resident memory of a pipelined run's workers on this
+/// host (pipe's memory model, [`memory`]) and refuses the run where together they need more
+/// than the host has available, unless `force`. `process` is this process's resident bytes
+/// before it built the run; `processes` says the workers are processes, not threads of it.
+///
+/// # Errors
+/// A layout or model the estimate cannot build; [`StageError::Limit`] for a run over the
+/// memory available.
+pub fn check_memory(
+    cfg: &RunConfig,
+    process: u64,
+    processes: bool,
+    force: bool,
+    watcher: &dyn StartupWatcher,
+) -> Result<()> {
+    if !cfg.pipelined {
+        return Ok(());
+    }
+    let workers = memory::estimate_run(cfg, process)?;
+    let need = if processes {
+        workers.iter().map(memory::WorkerMemory::total).sum()
+    } else {
+        memory::in_one_process(&workers)
+    };
+    watcher.on_event(&StartupEvent::MemoryEstimate {
+        workers: &workers,
+        process,
+        processes,
+        need,
+    });
+    let Some((available, source)) = crate::limits::available_memory() else {
+        return Ok(());
+    };
+    let lower = "lower it with a smaller --microbatch-size, --recompute full, more --stages, fewer --replicas or a schedule that keeps fewer weight versions (1f1b-flush)";
+    match crate::limits::check_available(need, available, source, lower) {
+        Err(e) if force => {
+            watcher.on_event(&StartupEvent::MemoryForced(e.to_string()));
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// Refuses `--rejoin` where there is nothing it could do: no stage with two or more replicas
+/// (a stage's last replica is never survived, so never taken back), or worker processes
+/// without a checkpoint directory to go on from.
+///
+/// # Errors
+/// [`StageError::Config`] naming what is missing.
+pub fn check_rejoin(
+    resolved: Option<&Resolved>,
+    processes: bool,
+    checkpoint_dir: bool,
+) -> Result<()> {
+    let replicated = resolved.is_some_and(|r| r.layout.replica_counts().iter().any(|&n| n >= 2));
+    if !replicated {
+        return Err(StageError::Config(
+            "--rejoin takes back a lost replica, but no stage of this run has two or more replicas: give --replicas".into(),
+        ));
+    }
+    if processes && !checkpoint_dir {
+        return Err(StageError::Config(
+            "--rejoin with worker processes needs --checkpoint-dir: the workers go on from the checkpoint of the drain point where the replica rejoins".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// `--replan-on-restart`'s planner: the layout of `cfg` for `workers` workers
+/// ([`crate::planning::replan`]) and its predicted samples/s.
+///
+/// # Errors
+/// As [`crate::planning::replan`].
+pub fn replan(cfg: &RunConfig, workers: u32) -> Result<(RunConfig, f64)> {
+    // The costs were measured or read when the run was planned; a failure to read them now
+    // plans without them rather than not at all.
+    let costs = link_costs::load_or_measure(false).ok().map(|(c, _)| c);
+    // The run's profile, kept when it was planned, serves again.
+    let profiling = Profiling::cached(false);
+    let (next, plan) = crate::planning::replan(cfg, workers, costs.as_ref(), &profiling)?;
+    let rate = next.microbatch_size as f64 / plan.time_per_microbatch;
+    Ok((next, rate))
+}
