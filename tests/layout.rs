@@ -219,6 +219,7 @@ const STAGES_LAYERS: &[&[&str]] = &[
     &["train"],
     &["pipeline"],
     &["planning"],
+    &["startup"],
     &["log"],
 ];
 
