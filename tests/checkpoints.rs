@@ -9,17 +9,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{ok, refused, s, weights};
+use common::{fresh_dir, ok, pipe_command, refused, s, wait_for, weights};
 
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
-
-fn dir(name: &str) -> PathBuf {
-    common::fresh_dir("ckpt", name)
-}
 
 /// A small single-worker run: two epochs of 128 updates.
 fn single_flags() -> Vec<String> {
@@ -33,30 +29,17 @@ fn single_flags() -> Vec<String> {
 
 #[test]
 fn a_single_worker_run_stops_on_ctrl_c_and_resumes_like_the_uninterrupted_run() {
-    let d = dir("single");
+    let d = fresh_dir("single");
     let args = single_flags();
-    let whole = ok(&train(
+    let whole = ok(&train_into(
         &args,
-        &[
-            "--checkpoint-dir",
-            s(&d.join("whole")),
-            "--checkpoint-every",
-            "8",
-        ],
+        &d.join("whole"),
+        &["--checkpoint-every", "8"],
     ));
     let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"));
     assert_eq!(stopped.status.code(), Some(130), "{stopped:?}");
-    let resumed = ok(&train(
-        &args,
-        &[
-            "--checkpoint-dir",
-            s(&d.join("run")),
-            "--checkpoint-every",
-            "8",
-            "--resume",
-            "latest",
-        ],
-    ));
+    let every_and_latest = ["--checkpoint-every", "8", "--resume", "latest"];
+    let resumed = ok(&train_into(&args, &d.join("run"), &every_and_latest));
     assert_eq!(weights(&whole), weights(&resumed));
 }
 
@@ -86,46 +69,51 @@ fn flags(schedule: &str) -> Vec<String> {
 }
 
 fn train(args: &[String], extra: &[&str]) -> Output {
-    Command::new(PIPE)
-        .arg("train")
+    pipe_command(&["train"])
         .args(args)
         .args(extra)
-        .env_remove("RUST_BACKTRACE")
         .output()
         .unwrap()
 }
 
-/// Stops a run with SIGINT once its first checkpoint exists; returns its output.
-fn interrupt_after_first_checkpoint(args: &[String], ckpt: &Path) -> Output {
-    let child = Command::new(PIPE)
+/// [`train`] with its checkpoints in `ckpt`.
+fn train_into(args: &[String], ckpt: &Path, extra: &[&str]) -> Output {
+    train(args, &[&["--checkpoint-dir", s(ckpt)], extra].concat())
+}
+
+/// `pipe train` with `args` launched by `launch` (the `pipe` binary, or a command that runs
+/// it), a checkpoint into `ckpt` every 8 updates, each slowed by `pause_ms` milliseconds so
+/// that the run is still going when the test acts on it; not yet started.
+fn checkpointing(mut launch: Command, args: &[String], ckpt: &Path, pause_ms: &str) -> Command {
+    launch
         .arg("train")
         .args(args)
         .args(["--checkpoint-dir", s(ckpt), "--checkpoint-every", "8"])
-        // Slow each checkpoint down so the run is still going when the signal comes.
-        .env("PIPE_FAULT_CHECKPOINT_PAUSE_MS", "150")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while !ckpt.join("latest").exists() {
-        assert!(t.elapsed() < Duration::from_secs(60), "no checkpoint");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(
-        Command::new("kill")
-            .args(["-INT", &child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+        .env("PIPE_FAULT_CHECKPOINT_PAUSE_MS", pause_ms)
+        .env_remove("RUST_BACKTRACE");
+    launch
+}
+
+/// Sends `signal` (`-INT`, `-9`) to `child`.
+fn signal(child: &Child, signal: &str) {
+    let kill = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status();
+    assert!(kill.unwrap().success());
+}
+
+/// Stops a run with SIGINT once its first checkpoint exists; returns its output.
+fn interrupt_after_first_checkpoint(args: &[String], ckpt: &Path) -> Output {
+    let child = common::spawn_piped(&mut checkpointing(pipe_command(&[]), args, ckpt, "150"));
+    wait_for(&ckpt.join("latest"));
+    signal(&child, "-INT");
     child.wait_with_output().unwrap()
 }
 
 #[test]
 fn a_run_stopped_with_ctrl_c_and_resumed_ends_like_the_uninterrupted_run() {
     for schedule in ["1f1b-flush", "pipedream"] {
-        let d = dir(&format!("resume-{schedule}"));
+        let d = fresh_dir(&format!("resume-{schedule}"));
         let args = flags(schedule);
         let every = ["--checkpoint-every", "8"];
         let whole = ok(&train(
@@ -137,14 +125,8 @@ fn a_run_stopped_with_ctrl_c_and_resumed_ends_like_the_uninterrupted_run() {
         assert_eq!(stopped.status.code(), Some(130), "{err}");
         assert!(err.contains("stopped after update"), "{err}");
         assert!(err.contains("resume with --resume"), "{err}");
-        let resumed = ok(&train(
-            &args,
-            &[
-                &["--checkpoint-dir", s(&d.join("run")), "--resume", "latest"],
-                &every[..],
-            ]
-            .concat(),
-        ));
+        let latest = [&["--resume", "latest"], &every[..]].concat();
+        let resumed = ok(&train_into(&args, &d.join("run"), &latest));
         assert!(resumed.contains("resuming from"), "{resumed}");
         assert_eq!(weights(&whole), weights(&resumed), "{schedule}");
 
@@ -160,14 +142,8 @@ fn a_run_stopped_with_ctrl_c_and_resumed_ends_like_the_uninterrupted_run() {
         // The last is the run's end: nothing left to resume.
         assert!(kept[2].ends_with("ckpt-00000128"), "{kept:?}");
         for c in &kept[..2] {
-            let again = ok(&train(
-                &args,
-                &[
-                    &["--checkpoint-dir", s(&d.join("again")), "--resume", s(c)],
-                    &every[..],
-                ]
-                .concat(),
-            ));
+            let from_c = [&["--resume", s(c)], &every[..]].concat();
+            let again = ok(&train_into(&args, &d.join("again"), &from_c));
             assert_eq!(weights(&whole), weights(&again), "{schedule} from {c:?}");
         }
     }
@@ -175,7 +151,7 @@ fn a_run_stopped_with_ctrl_c_and_resumed_ends_like_the_uninterrupted_run() {
 
 #[test]
 fn a_checkpoint_resumes_under_another_layout_and_evaluates() {
-    let d = dir("layout");
+    let d = fresh_dir("layout");
     let args = flags("pipedream");
     ok(&train(&args, &["--checkpoint-dir", s(&d), "--steps", "64"]));
     // Another policy, stage count and replica layout.
@@ -189,18 +165,14 @@ fn a_checkpoint_resumes_under_another_layout_and_evaluates() {
     let text = ok(&train(&other, &["--resume", s(&d)]));
     assert!(text.contains("resuming from"), "{text}");
     assert!(text.contains("epoch   2"), "{text}");
-    let eval = Command::new(PIPE)
-        .args(["eval", "--checkpoint", s(&d)])
-        .output()
-        .unwrap();
-    let out = ok(&eval);
+    let out = ok(&eval(&d));
     assert!(out.contains("test accuracy"), "{out}");
     assert!(out.contains("update 64"), "{out}");
 }
 
 /// A fresh checkpoint directory with one checkpoint; returns the checkpoint's directory.
 fn one_checkpoint(name: &str) -> (PathBuf, PathBuf) {
-    let d = dir(name);
+    let d = fresh_dir(name);
     ok(&train(
         &flags("pipedream"),
         &["--checkpoint-dir", s(&d), "--steps", "64"],
@@ -211,11 +183,7 @@ fn one_checkpoint(name: &str) -> (PathBuf, PathBuf) {
 }
 
 fn eval(path: &Path) -> Output {
-    Command::new(PIPE)
-        .args(["eval", "--checkpoint", s(path)])
-        .env_remove("RUST_BACKTRACE")
-        .output()
-        .unwrap()
+    common::pipe(&["eval", "--checkpoint", s(path)])
 }
 
 #[test]
@@ -278,12 +246,8 @@ fn corrupted_truncated_missing_and_foreign_checkpoints_are_refused() {
 
 #[test]
 fn a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole() {
-    let d = dir("kill");
-    let child = Command::new(PIPE)
-        .arg("train")
-        .args(flags("pipedream"))
-        .args(["--checkpoint-dir", s(&d), "--checkpoint-every", "8"])
-        .env("PIPE_FAULT_CHECKPOINT_PAUSE_MS", "400")
+    let d = fresh_dir("kill");
+    let mut child = checkpointing(pipe_command(&[]), &flags("pipedream"), &d, "400")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -310,14 +274,7 @@ fn a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole() {
         }
         std::thread::sleep(Duration::from_millis(10));
     };
-    assert!(
-        Command::new("kill")
-            .args(["-9", &child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let mut child = child;
+    signal(&child, "-9");
     child.wait().unwrap();
     let latest = std::fs::read_to_string(d.join("latest")).unwrap();
     assert_eq!(
@@ -352,7 +309,7 @@ fn a_run_with_each_delay_correction_resumes_to_the_uninterrupted_weights() {
         &plain,
         &[
             "--checkpoint-dir",
-            s(&dir("feedback-plain")),
+            s(&fresh_dir("feedback-plain")),
             "--steps",
             "24",
         ],
@@ -362,7 +319,7 @@ fn a_run_with_each_delay_correction_resumes_to_the_uninterrupted_weights() {
         ("dc-asgd", "pipedream"),
         ("dc-asgd-adaptive", "2bw"),
     ] {
-        let d = dir(correction);
+        let d = fresh_dir(correction);
         let mut args = flags(policy);
         args.extend(
             [
@@ -375,18 +332,13 @@ fn a_run_with_each_delay_correction_resumes_to_the_uninterrupted_weights() {
             ]
             .map(String::from),
         );
-        let whole = ok(&train(&args, &["--checkpoint-dir", s(&d), "--steps", "24"]));
-        let again = dir(&format!("{correction}-resumed"));
-        let resumed = ok(&train(
+        let whole = ok(&train_into(&args, &d, &["--steps", "24"]));
+        let again = fresh_dir(&format!("{correction}-resumed"));
+        let from = d.join("ckpt-00000008");
+        let resumed = ok(&train_into(
             &args,
-            &[
-                "--checkpoint-dir",
-                s(&again),
-                "--resume",
-                s(&d.join("ckpt-00000008")),
-                "--steps",
-                "24",
-            ],
+            &again,
+            &["--resume", s(&from), "--steps", "24"],
         ));
         assert!(resumed.contains("resuming from"), "{resumed}");
         assert_eq!(weights(&resumed), weights(&whole), "{correction}");
@@ -398,20 +350,14 @@ fn a_run_with_each_delay_correction_resumes_to_the_uninterrupted_weights() {
 fn a_checkpoint_renamed_into_place_before_latest_was_written_is_resumed_by_auto() {
     // A writer killed between the rename and `latest` leaves a whole checkpoint and no
     // pointer: the first checkpoint of a run, here.
-    let d = dir("no-latest");
+    let d = fresh_dir("no-latest");
     let args = flags("pipedream");
-    ok(&train(&args, &["--checkpoint-dir", s(&d), "--steps", "8"]));
+    ok(&train_into(&args, &d, &["--steps", "8"]));
     std::fs::remove_file(d.join("latest")).unwrap();
-    let resumed = ok(&train(
+    let resumed = ok(&train_into(
         &args,
-        &[
-            "--checkpoint-dir",
-            s(&d),
-            "--resume",
-            "auto",
-            "--steps",
-            "16",
-        ],
+        &d,
+        &["--resume", "auto", "--steps", "16"],
     ));
     assert!(resumed.contains("resuming from"), "{resumed}");
     assert!(resumed.contains("ckpt-00000008"), "{resumed}");
@@ -425,7 +371,7 @@ fn a_checkpoint_renamed_into_place_before_latest_was_written_is_resumed_by_auto(
 
 #[test]
 fn a_non_finite_loss_stops_the_run_naming_it_and_keeps_the_last_good_checkpoint() {
-    let d = dir("guard");
+    let d = fresh_dir("guard");
     let out = train(
         &flags("pipedream"),
         &[
@@ -451,7 +397,7 @@ fn a_non_finite_loss_stops_the_run_naming_it_and_keeps_the_last_good_checkpoint(
 
 #[test]
 fn worker_processes_checkpoint_through_the_chief_and_resume_like_one_process() {
-    let d = dir("processes");
+    let d = fresh_dir("processes");
     let mut args = flags("pipedream");
     let i = args.iter().position(|a| a == "--stages").unwrap();
     args.drain(i..i + 2);
@@ -509,23 +455,9 @@ fn worker_processes_checkpoint_through_the_chief_and_resume_like_one_process() {
 /// `cause`, and leave the first checkpoint whole and `latest` on it. `spoil` spoils the
 /// directory once the first checkpoint exists.
 fn storage_fault(d: &Path, launch: Command, spoil: impl FnOnce(), cause: &str) {
-    let mut launch = launch;
-    let child = launch
-        .arg("train")
-        .args(flags("pipedream"))
-        .args(["--checkpoint-dir", s(d), "--checkpoint-every", "8"])
-        // Slow each checkpoint down so the directory is spoiled before the second.
-        .env("PIPE_FAULT_CHECKPOINT_PAUSE_MS", "200")
-        .env_remove("RUST_BACKTRACE")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while !d.join("latest").exists() {
-        assert!(t.elapsed() < Duration::from_secs(60), "no checkpoint");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    // Each checkpoint slowed down so the directory is spoiled before the second.
+    let child = common::spawn_piped(&mut checkpointing(launch, &flags("pipedream"), d, "200"));
+    wait_for(&d.join("latest"));
     spoil();
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -557,7 +489,7 @@ fn a_checkpoint_directory_made_read_only_stops_the_run_and_keeps_the_last_checkp
         eprintln!("skipped: needs root and setpriv to run pipe as another user");
         return;
     }
-    let d = dir("readonly");
+    let d = fresh_dir("readonly");
     std::os::unix::fs::chown(&d, Some(65534), Some(65534)).unwrap();
     let mut launch = Command::new("setpriv");
     launch.args(["--reuid=65534", "--regid=65534", "--clear-groups", PIPE]);
@@ -571,7 +503,7 @@ fn a_checkpoint_directory_made_read_only_stops_the_run_and_keeps_the_last_checkp
 #[test]
 fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
     // A 400 KiB file system holds one checkpoint of this model (about 230 KiB), not two.
-    let d = dir("full");
+    let d = fresh_dir("full");
     let mounted = Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=400k", "tmpfs", s(&d)])
         .output();
@@ -600,7 +532,7 @@ fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
 /// PyTorch). With `--data-order sequential` the run differs from the shuffled one.
 #[test]
 fn a_seed_checkpoint_resumes_as_the_fresh_run_on_any_layout_and_exports() {
-    let d = dir("seed");
+    let d = fresh_dir("seed");
     let ck = d.join("ck");
     let base = [
         "train",

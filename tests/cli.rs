@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::pipe;
+use common::{assert_bad_input, assert_bad_inputs, fresh_path, pipe, words};
 
 /// Runs pipe, asserts success and returns its standard output.
 #[track_caller]
@@ -11,52 +11,33 @@ fn pipe_ok(args: &[&str]) -> String {
     common::ok(&pipe(args))
 }
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    common::fresh_path("cli", name)
+/// A short run of a small MLP on the synthetic set.
+fn small() -> Vec<&'static str> {
+    words("train --dataset synthetic --model mlp-784-32-10 --epochs 1 --steps 20 --threads 1")
 }
 
-const SMALL: &[&str] = &[
-    "train",
-    "--dataset",
-    "synthetic",
-    "--model",
-    "mlp-784-32-10",
-    "--epochs",
-    "1",
-    "--steps",
-    "20",
-    "--threads",
-    "1",
-];
-
+/// `pipe plan --profile PROFILE` with `more` arguments, writing the plan to `out`: its
+/// standard output and the plan file it wrote.
 #[track_caller]
-fn assert_bad_input(args: &[&str], needle: &str) {
-    let out = pipe(args);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "args {args:?}: stderr {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "one line expected, got {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    assert!(lines[0].contains(needle), "expected '{needle}' in '{err}'");
-    assert!(
-        !err.contains("panicked") && !err.contains("backtrace"),
-        "{err}"
-    );
+fn plan_to(profile: &std::path::Path, more: &str, out: &std::path::Path) -> (String, String) {
+    let profile = ["plan", "--profile", common::s(profile)];
+    let text = pipe_ok(&[&profile[..], &words(more), &["-o", common::s(out)]].concat());
+    (text, std::fs::read_to_string(out).unwrap())
+}
+
+/// `pipe train --plan PLAN` with `more` arguments; its standard output.
+#[track_caller]
+fn train_plan(plan: &std::path::Path, more: &str) -> String {
+    pipe_ok(&[&["train", "--plan", common::s(plan)][..], &words(more)].concat())
 }
 
 #[test]
 fn trains_on_synthetic_data_and_logs_jsonl() {
-    let log = tmp("run.jsonl");
+    let log = fresh_path("run.jsonl");
     let log_s = log.to_str().unwrap();
-    let mut args = SMALL.to_vec();
+    let mut args = small();
     args.extend(["--log-jsonl", log_s]);
-    let out = pipe(&args);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout} {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = pipe_ok(&args);
     assert!(stdout.contains("test acc"), "{stdout}");
     let text = std::fs::read_to_string(&log).unwrap();
     let lines: Vec<serde_json::Value> = text
@@ -75,7 +56,7 @@ fn trains_on_synthetic_data_and_logs_jsonl() {
 
 #[test]
 fn config_file_and_flag_override() {
-    let cfg = tmp("run.toml");
+    let cfg = fresh_path("run.toml");
     std::fs::write(
         &cfg,
         "dataset = \"synthetic\"\nepochs = 1\nsteps = 3\nthreads = 1\n\n[model]\ninput = [784]\n\
@@ -83,94 +64,67 @@ fn config_file_and_flag_override() {
          { type = \"layer_norm\", features = 16 }, { type = \"linear\", inputs = 16, outputs = 10 }]\n",
     )
     .unwrap();
-    let out = pipe(&["train", "--config", cfg.to_str().unwrap(), "--steps", "2"]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout} {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = pipe_ok(&["train", "--config", cfg.to_str().unwrap(), "--steps", "2"]);
     assert!(stdout.contains("done: 2 steps"), "{stdout}");
 }
 
 #[test]
 fn bad_input_exits_2_with_one_line() {
-    assert_bad_input(&["train", "--dataset", "cifar"], "unknown dataset 'cifar'");
-    assert_bad_input(
-        &["train", "--optimizer", "lamb"],
-        "unknown optimizer 'lamb'",
-    );
-    assert_bad_input(&["train", "--epochs", "-1"], "--epochs");
-    assert_bad_input(&["train", "--epochs", "0"], "epochs must be at least 1");
-    assert_bad_input(&["train", "--microbatch-size", "0"], "microbatch size");
-    assert_bad_input(&["train", "--lr", "0"], "learning rate");
-    assert_bad_input(
-        &["train", "--model", "mlp-784-0-10"],
-        "not a positive width",
-    );
-    assert_bad_input(&["train", "--model", "transformer"], "unknown model preset");
-    assert_bad_input(
-        &["train", "--model", "mlp-100-32-10"],
-        "takes 100 input features",
-    );
-    assert_bad_input(&["train", "--model", "mlp-784-32-7"], "has 7 outputs");
-    assert_bad_input(
-        &["train", "--stages", "4", "--replicas", "2,1"],
-        "lists 2 values for 4 stages",
-    );
-    assert_bad_input(
-        &["train", "--stages", "2", "--schedule", "nope"],
-        "unknown schedule",
-    );
-    assert_bad_input(
-        &[
-            "train",
-            "--stages",
-            "4",
-            "--schedule",
-            "interleaved",
-            "--chunks",
-            "2",
-            "--microbatches",
-            "3",
-        ],
-        "multiple of the stage count",
-    );
-    assert_bad_input(
-        &["train", "--stages", "2", "--partition", "0-2,4-5"],
-        "starts at layer 4",
-    );
-    assert_bad_input(
-        &["train", "--stages", "40"],
-        "cannot cut the model into 40 stages that each hold parameters: it has 5 layers",
-    );
-    assert_bad_input(&["train", "--replicas", "0"], "replicas must be at least 1");
-    assert_bad_input(
-        &["train", "--trace", "t.json"],
-        "--trace records a pipelined run",
-    );
-    assert_bad_input(&["train", "--stages", "0"], "stages must be at least 1");
+    // (arguments, what the error line says)
+    let cases = [
+        ("train --dataset cifar", "unknown dataset 'cifar'"),
+        ("train --optimizer lamb", "unknown optimizer 'lamb'"),
+        ("train --epochs -1", "--epochs"),
+        ("train --epochs 0", "epochs must be at least 1"),
+        ("train --microbatch-size 0", "microbatch size"),
+        ("train --lr 0", "learning rate"),
+        ("train --model mlp-784-0-10", "not a positive width"),
+        ("train --model transformer", "unknown model preset"),
+        ("train --model mlp-100-32-10", "takes 100 input features"),
+        ("train --model mlp-784-32-7", "has 7 outputs"),
+        (
+            "train --stages 4 --replicas 2,1",
+            "lists 2 values for 4 stages",
+        ),
+        ("train --stages 2 --schedule nope", "unknown schedule"),
+        (
+            "train --stages 4 --schedule interleaved --chunks 2 --microbatches 3",
+            "multiple of the stage count",
+        ),
+        ("train --stages 2 --partition 0-2,4-5", "starts at layer 4"),
+        (
+            "train --stages 40",
+            "cannot cut the model into 40 stages that each hold parameters: it has 5 layers",
+        ),
+        ("train --replicas 0", "replicas must be at least 1"),
+        ("train --trace t.json", "--trace records a pipelined run"),
+        ("train --stages 0", "stages must be at least 1"),
+    ];
+    assert_bad_inputs(&cases);
     if !cfg!(feature = "cuda") {
         assert_bad_input(&["train", "--backend", "cuda"], "built without CUDA");
     } else if pipe_kernels::cuda::device_count().is_err() {
         // A CUDA build on a machine without a driver or GPU.
         assert_bad_input(&["train", "--backend", "cuda"], "CUDA is not available");
     }
-    assert_bad_input(&["train", "--backend", "tpu"], "unknown backend");
-    assert_bad_input(
-        &["train", "--precision", "bf16"],
-        "the cpu backend computes in f32 only; --precision bf16 needs --backend cuda",
-    );
-    assert_bad_input(&["train", "--precision", "fp8"], "fp8");
-    assert_bad_input(
-        &["bench", "mfu", "--precision", "tf32"],
-        "--precision tf32 needs --backend cuda",
-    );
-    assert_bad_input(
-        &["bench", "mfu", "--optimizer", "adam"],
-        "unknown optimizer 'adam' (sgd or adamw)",
-    );
-    assert_bad_input(&["bench", "mfu", "--breakdown", "1001"], "--breakdown");
+    let backends = [
+        ("train --backend tpu", "unknown backend"),
+        (
+            "train --precision bf16",
+            "the cpu backend computes in f32 only; --precision bf16 needs --backend cuda",
+        ),
+        ("train --precision fp8", "fp8"),
+        (
+            "bench mfu --precision tf32",
+            "--precision tf32 needs --backend cuda",
+        ),
+        (
+            "bench mfu --optimizer adam",
+            "unknown optimizer 'adam' (sgd or adamw)",
+        ),
+        ("bench mfu --breakdown 1001", "--breakdown"),
+    ];
+    assert_bad_inputs(&backends);
     if pipe_kernels::cuda::device_count().is_err() {
         // Without a usable GPU, `pipe doctor gpu` still reports the library search on stdout,
         // then fails as --backend cuda does.
@@ -200,40 +154,34 @@ fn bad_input_exits_2_with_one_line() {
         &["train", "--config", "/nonexistent/pipe.toml"],
         "cannot read config",
     );
-    let bad = tmp("bad.toml");
-    std::fs::write(&bad, "epochs = [1,\n").unwrap();
-    assert_bad_input(&["train", "--config", bad.to_str().unwrap()], "bad.toml");
-    std::fs::write(&bad, "epoch = 3\n").unwrap();
-    assert_bad_input(
-        &["train", "--config", bad.to_str().unwrap()],
-        "unknown field",
-    );
-    std::fs::write(&bad, "[model]\ninput = [784]\nlayers = [{ type = \"linear\", inputs = 784, outputs = 5 }, { type = \"linear\", inputs = 6, outputs = 10 }]\n").unwrap();
-    assert_bad_input(
-        &["train", "--config", bad.to_str().unwrap()],
-        "layer 1 (linear)",
-    );
+    for (text, needle) in [
+        ("epochs = [1,\n", "bad.toml"),
+        ("epoch = 3\n", "unknown field"),
+        (
+            "[model]\ninput = [784]\nlayers = [{ type = \"linear\", inputs = 784, outputs = 5 }, \
+             { type = \"linear\", inputs = 6, outputs = 10 }]\n",
+            "layer 1 (linear)",
+        ),
+    ] {
+        let bad = common::fresh_file("bad.toml", text);
+        assert_bad_input(&["train", "--config", common::s(&bad)], needle);
+    }
 }
 
 #[test]
 fn missing_and_corrupt_data_files_exit_2() {
-    let dir = tmp("mnist-missing");
+    let dir = fresh_path("mnist-missing");
     std::fs::create_dir_all(&dir).unwrap();
     assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "missing");
-    let dir = tmp("mnist-corrupt");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("train-images-idx3-ubyte"),
-        [0u8, 0, 8, 3, 0, 0, 0, 9],
-    )
-    .unwrap();
-    assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "truncated");
-    std::fs::write(
-        dir.join("train-images-idx3-ubyte"),
-        b"PK\x03\x04 this is a zip",
-    )
-    .unwrap();
-    assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], "bad magic");
+    let images: [(&[u8], &str); 2] = [
+        (&[0, 0, 8, 3, 0, 0, 0, 9], "truncated"),
+        (b"PK\x03\x04 this is a zip", "bad magic"),
+    ];
+    for (bytes, needle) in images {
+        let dir = common::fresh_dir("mnist-corrupt");
+        std::fs::write(dir.join("train-images-idx3-ubyte"), bytes).unwrap();
+        assert_bad_input(&["train", "--data-dir", dir.to_str().unwrap()], needle);
+    }
 }
 
 #[test]
@@ -246,13 +194,7 @@ fn help_works() {
 /// The quick start's promise: the default run (MLP on the embedded MNIST) reaches 97.5%.
 #[test]
 fn default_run_reaches_97_5_percent_on_mnist() {
-    let out = pipe(&["train"]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout} {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = pipe_ok(&["train"]);
     let done = stdout
         .lines()
         .find(|l| l.starts_with("done:"))
@@ -269,8 +211,8 @@ fn default_run_reaches_97_5_percent_on_mnist() {
 
 #[test]
 fn pipelined_training_reports_stages_and_writes_a_trace() {
-    let trace = tmp("train-trace.json");
-    let mut args: Vec<&str> = SMALL.to_vec();
+    let trace = fresh_path("train-trace.json");
+    let mut args = small();
     args.extend([
         "--stages",
         "2",
@@ -312,35 +254,18 @@ fn pipelined_training_reports_stages_and_writes_a_trace() {
 
 #[test]
 fn schedule_prints_grid_text_csv_and_trace() {
-    let out = pipe(&[
-        "schedule",
-        "--schedule",
-        "1f1b-flush",
-        "--stages",
-        "4",
-        "--microbatches",
-        "8",
-        "--unlowered",
-    ]);
+    let out = pipe(&words(
+        "schedule --schedule 1f1b-flush --stages 4 --microbatches 8 --unlowered",
+    ));
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     let w0 = text.lines().find(|l| l.starts_with("w0 ")).unwrap();
     let cells: Vec<&str> = w0.split_whitespace().skip(1).collect();
     assert_eq!(cells[..6], ["s0F0", "s0F1", "s0F2", "s0F3", "s0B0", "s0F4"]);
 
-    let out = pipe(&[
-        "schedule",
-        "--schedule",
-        "pipedream",
-        "--stages",
-        "3",
-        "--replicas",
-        "2,1,1",
-        "--microbatches",
-        "1",
-        "--format",
-        "text",
-    ]);
+    let out = pipe(&words(
+        "schedule --schedule pipedream --stages 3 --replicas 2,1,1 --microbatches 1 --format text",
+    ));
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(text.lines().count(), 4, "{text}");
@@ -349,34 +274,15 @@ fn schedule_prints_grid_text_csv_and_trace() {
         "replicated stage all-reduces: {text}"
     );
 
-    let out = pipe(&[
-        "schedule",
-        "--schedule",
-        "vsync",
-        "--stages",
-        "3",
-        "--format",
-        "csv",
-    ]);
+    let out = pipe(&words("schedule --schedule vsync --stages 3 --format csv"));
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("worker,step,action,kind,stage,microbatch,update,forward_version"));
     assert!(text.lines().count() > 20);
 
-    let path = tmp("schedule-trace.json");
-    let out = pipe(&[
-        "schedule",
-        "--schedule",
-        "zb-h1",
-        "--stages",
-        "2",
-        "--microbatches",
-        "2",
-        "--format",
-        "trace",
-        "-o",
-        path.to_str().unwrap(),
-    ]);
+    let path = fresh_path("schedule-trace.json");
+    let schedule = words("schedule --schedule zb-h1 --stages 2 --microbatches 2 --format trace");
+    let out = pipe(&[&schedule[..], &["-o", path.to_str().unwrap()]].concat());
     assert!(out.status.success());
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -384,24 +290,25 @@ fn schedule_prints_grid_text_csv_and_trace() {
     assert!(events.iter().any(|e| e["name"] == "s1W0" && e["ph"] == "X"));
 }
 
+/// Four stages of gpipe on four microbatches, forwards of 1 ms and backwards of 2 ms.
+const GPIPE_4X4: [&str; 11] = [
+    "simulate",
+    "--schedule",
+    "gpipe",
+    "--stages",
+    "4",
+    "--microbatches",
+    "4",
+    "--forward",
+    "1ms",
+    "--backward",
+    "2ms",
+];
+
 #[test]
 fn simulate_prints_the_summary_and_writes_a_trace() {
-    let path = tmp("sim-trace.json");
-    let out = pipe(&[
-        "simulate",
-        "--schedule",
-        "gpipe",
-        "--stages",
-        "4",
-        "--microbatches",
-        "4",
-        "--forward",
-        "1ms",
-        "--backward",
-        "2ms",
-        "--trace",
-        path.to_str().unwrap(),
-    ]);
+    let path = fresh_path("sim-trace.json");
+    let out = pipe(&[&GPIPE_4X4[..], &["--trace", path.to_str().unwrap()]].concat());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     // (m + p - 1)(f + b) = 7 * 3 ms, bubble (p - 1)/(m + p - 1) = 3/7.
@@ -422,24 +329,15 @@ fn simulate_prints_the_summary_and_writes_a_trace() {
     );
     assert_eq!(first_fwd["args"]["version"], 0);
 
-    let costs = tmp("costs.toml");
+    let costs = fresh_path("costs.toml");
     std::fs::write(
         &costs,
         "bandwidth = 1e9\nlatency = 0.0\n[[stage]]\nforward = 1.0\nbackward_input = 1.0\n\
          backward_weight = 1.0\nactivation_bytes = 0\n",
     )
     .unwrap();
-    let out = pipe(&[
-        "simulate",
-        "--schedule",
-        "zb-h1",
-        "--stages",
-        "3",
-        "--microbatches",
-        "6",
-        "--costs",
-        costs.to_str().unwrap(),
-    ]);
+    let zb = words("simulate --schedule zb-h1 --stages 3 --microbatches 6 --costs");
+    let out = pipe(&[&zb[..], &[costs.to_str().unwrap()]].concat());
     let text = String::from_utf8_lossy(&out.stdout);
     // 3m + (p - 1) = 20 s.
     assert!(text.contains("makespan 20.0000 s"), "{text}");
@@ -448,21 +346,7 @@ fn simulate_prints_the_summary_and_writes_a_trace() {
 #[test]
 fn simulate_shares_fewer_cores_than_workers() {
     // On one core, the 4 x 4 gpipe run is all its work back to back: 16 x (1 + 2) ms.
-    let out = pipe(&[
-        "simulate",
-        "--schedule",
-        "gpipe",
-        "--stages",
-        "4",
-        "--microbatches",
-        "4",
-        "--forward",
-        "1ms",
-        "--backward",
-        "2ms",
-        "--cores",
-        "1",
-    ]);
+    let out = pipe(&[&GPIPE_4X4[..], &["--cores", "1"]].concat());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("makespan 48.0000 ms"), "{text}");
@@ -474,83 +358,53 @@ fn simulate_shares_fewer_cores_than_workers() {
 
 #[test]
 fn schedule_and_simulate_reject_bad_input_with_exit_2() {
-    assert_bad_input(
-        &["schedule", "--stages", "0"],
-        "--stages must be at least 1",
-    );
-    assert_bad_input(
-        &["schedule", "--stages", "4", "--replicas", "2,1"],
-        "lists 2 values for 4 stages",
-    );
-    assert_bad_input(&["schedule", "--replicas", "0"], "0 replicas");
-    assert_bad_input(&["schedule", "--schedule", "nope"], "unknown schedule");
-    assert_bad_input(
-        &[
-            "schedule",
-            "--schedule",
-            "interleaved",
-            "--stages",
-            "4",
-            "--microbatches",
-            "6",
-        ],
-        "multiple of the stage count",
-    );
-    assert_bad_input(
-        &[
-            "schedule",
-            "--schedule",
-            "2bw",
-            "--stages",
-            "4",
-            "--microbatches",
-            "1",
-        ],
-        "2bw needs at least 3 microbatches",
-    );
-    assert_bad_input(
-        &["schedule", "--chunks", "2"],
-        "needs --schedule interleaved",
-    );
-    assert_bad_input(
-        &["schedule", "--total-microbatches", "7"],
-        "not a whole number of minibatches",
-    );
-    assert_bad_input(
-        &["simulate", "--forward", "-1"],
-        "must be a finite number >= 0",
-    );
-    assert_bad_input(&["simulate", "--bandwidth", "0GB/s"], "must be > 0");
-    let costs = tmp("bad-costs.toml");
-    std::fs::write(&costs, "[[stage]]\nforward = 1.0\nbogus = 2\n").unwrap();
-    assert_bad_input(
-        &["simulate", "--costs", costs.to_str().unwrap()],
-        "unknown field",
-    );
-    std::fs::write(&costs, "[[stage]]\nforward = -1.0\n").unwrap();
-    assert_bad_input(
-        &["simulate", "--costs", costs.to_str().unwrap()],
-        "forward must be",
-    );
-    std::fs::write(
-        &costs,
-        "[[stage]]\nforward = 1.0\n[[stage]]\nforward = 1.0\n",
-    )
-    .unwrap();
-    assert_bad_input(
-        &[
-            "simulate",
-            "--stages",
-            "3",
-            "--costs",
-            costs.to_str().unwrap(),
-        ],
-        "2 stage entries for 3 stages",
-    );
-    assert_bad_input(
-        &["simulate", "--costs", "/nonexistent/costs.toml"],
-        "cost file",
-    );
+    // (arguments, what the error line says)
+    let cases = [
+        ("schedule --stages 0", "--stages must be at least 1"),
+        (
+            "schedule --stages 4 --replicas 2,1",
+            "lists 2 values for 4 stages",
+        ),
+        ("schedule --replicas 0", "0 replicas"),
+        ("schedule --schedule nope", "unknown schedule"),
+        (
+            "schedule --schedule interleaved --stages 4 --microbatches 6",
+            "multiple of the stage count",
+        ),
+        (
+            "schedule --schedule 2bw --stages 4 --microbatches 1",
+            "2bw needs at least 3 microbatches",
+        ),
+        ("schedule --chunks 2", "needs --schedule interleaved"),
+        (
+            "schedule --total-microbatches 7",
+            "not a whole number of minibatches",
+        ),
+        ("simulate --forward -1", "must be a finite number >= 0"),
+        ("simulate --bandwidth 0GB/s", "must be > 0"),
+        ("simulate --costs /nonexistent/costs.toml", "cost file"),
+    ];
+    assert_bad_inputs(&cases);
+    // (the cost file, more arguments, what the error line says)
+    let files = [
+        ("[[stage]]\nforward = 1.0\nbogus = 2\n", "", "unknown field"),
+        ("[[stage]]\nforward = -1.0\n", "", "forward must be"),
+        (
+            "[[stage]]\nforward = 1.0\n[[stage]]\nforward = 1.0\n",
+            "--stages 3",
+            "2 stage entries for 3 stages",
+        ),
+    ];
+    for (text, more, needle) in files {
+        let costs = common::fresh_file("bad-costs.toml", text);
+        let args = [
+            &["simulate"],
+            &words(more)[..],
+            &["--costs", common::s(&costs)],
+        ]
+        .concat();
+        assert_bad_input(&args, needle);
+    }
 }
 
 #[test]
@@ -605,29 +459,22 @@ fn plan_reproduces_pipedreams_vgg16_plan_and_rejects_bad_profiles() {
     assert!(text.contains("175.7326 ms per microbatch"), "{text}");
     assert!(text.contains("3.32x data parallelism"), "{text}");
     assert!(text.contains("0-14        3"), "{text}");
-    let bad = tmp("bad-profile.txt");
+    let bad = fresh_path("bad-profile.txt");
     std::fs::write(
         &bad,
         "node1 -- Linear -- forward_compute_time=-1, backward_compute_time=1, activation_size=1, parameter_size=1\n",
     )
     .unwrap();
+    let flags = words("--workers 2 --cost-model pipedream");
     assert_bad_input(
-        &[
-            "plan",
-            "--profile",
-            bad.to_str().unwrap(),
-            "--workers",
-            "2",
-            "--cost-model",
-            "pipedream",
-        ],
+        &[&["plan", "--profile", common::s(&bad)][..], &flags].concat(),
         "forward must be a finite number >= 0",
     );
 }
 
 #[test]
 fn profile_plan_and_train_the_plan() {
-    let profile = tmp("profile-mlp.json");
+    let profile = fresh_path("profile-mlp.json");
     let profile_path = profile.to_str().unwrap();
     let text = pipe_ok(&[
         "profile",
@@ -648,35 +495,22 @@ fn profile_plan_and_train_the_plan() {
     assert_eq!(json["layers"].as_array().unwrap().len(), 6);
     assert_eq!(json["microbatch_size"], 16);
 
-    let plan = tmp("plan-mlp.toml");
+    let plan = fresh_path("plan-mlp.toml");
     let plan_path = plan.to_str().unwrap();
-    let text = pipe_ok(&[
-        "plan",
-        "--profile",
-        profile_path,
-        "--stages",
-        "2",
-        "--microbatches",
-        "2",
-        "-o",
-        plan_path,
-    ]);
+    let (text, written) = plan_to(&profile, "--stages 2 --microbatches 2", &plan);
     assert!(
         text.contains("2 stage(s) on 2 worker(s), cost model default"),
         "{text}"
     );
     assert!(text.contains("simulated:"), "{text}");
-    let written = std::fs::read_to_string(&plan).unwrap();
     assert!(written.contains("replicas = [1, 1]"), "{written}");
 
-    let text = pipe_ok(&[
-        "train", "--plan", plan_path, "--steps", "20", "--epochs", "1",
-    ]);
+    let text = train_plan(&plan, "--steps 20 --epochs 1");
     assert!(text.contains("2 stages x replicas [1, 1]"), "{text}");
     assert!(text.contains("done: 20 steps"), "{text}");
 
     // A plan file with an unknown field, and one for another model.
-    let bad = tmp("bad-plan.toml");
+    let bad = fresh_path("bad-plan.toml");
     std::fs::write(
         &bad,
         written.replace("schedule =", "colour = 1\nschedule ="),
@@ -686,16 +520,9 @@ fn profile_plan_and_train_the_plan() {
         &["train", "--plan", bad.to_str().unwrap(), "--steps", "1"],
         "colour",
     );
+    let other = words("--model mlp-784-32-10 --steps 1");
     assert_bad_input(
-        &[
-            "train",
-            "--plan",
-            plan_path,
-            "--model",
-            "mlp-784-32-10",
-            "--steps",
-            "1",
-        ],
+        &[&["train", "--plan", plan_path][..], &other].concat(),
         "was made for model",
     );
 }
@@ -713,7 +540,7 @@ fn a_plan_under_a_memory_bound_recomputes_and_trains_so() {
     let mut layers = vec![layer("embedding", 1e6, 1e6)];
     layers.extend((0..8).map(|_| layer("block", 64e6, 1e6)));
     layers.extend([layer("norm", 1e6, 1e6), layer("head", 1e6, 1e6)]);
-    let profile = tmp("recompute-profile.json");
+    let profile = fresh_path("recompute-profile.json");
     std::fs::write(
         &profile,
         format!(
@@ -722,22 +549,11 @@ fn a_plan_under_a_memory_bound_recomputes_and_trains_so() {
         ),
     )
     .unwrap();
-    let plan = tmp("recompute-plan.toml");
-    let text = pipe_ok(&[
-        "plan",
-        "--profile",
-        profile.to_str().unwrap(),
-        "--stages",
-        "2",
-        "--memory",
-        "600MB",
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
+    let plan = fresh_path("recompute-plan.toml");
+    let (text, written) = plan_to(&profile, "--stages 2 --memory 600MB", &plan);
     assert!(text.contains("recompute full on stage(s) 0:"), "{text}");
-    let written = std::fs::read_to_string(&plan).unwrap();
     assert!(written.contains("recompute = \"full,none\""), "{written}");
-    let text = pipe_ok(&["train", "--plan", plan.to_str().unwrap(), "--steps", "1"]);
+    let text = train_plan(&plan, "--steps 1");
     assert!(text.contains("recompute per stage full,none"), "{text}");
     assert!(text.contains("done: 1 steps"), "{text}");
 }
@@ -748,18 +564,11 @@ fn a_plan_under_a_memory_bound_recomputes_and_trains_so() {
 /// pipeline's links cost more than data parallelism's all-reduce, and the plan changes.
 #[test]
 fn transport_costs_are_cached_and_change_the_plan() {
-    let cache = tmp("transport-cache");
+    let cache = fresh_path("transport-cache");
     let _ = std::fs::remove_dir_all(&cache);
-    let run = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipe"))
-            .args(args)
-            .env("PIPE_CACHE_DIR", &cache)
-            .output()
-            .unwrap();
-        common::ok(&out)
-    };
+    let run = |args: &[&str]| common::ok(&common::pipe_cached(&cache, args));
     let layer = r#"{"name": "l", "forward": 0.001, "backward_input": 0.002, "activation_bytes": 4096, "param_bytes": 1e8}"#;
-    let profile = tmp("transport-profile.json");
+    let profile = fresh_path("transport-profile.json");
     std::fs::write(
         &profile,
         format!(r#"{{"layers": [{}]}}"#, [layer; 4].join(", ")),
@@ -791,7 +600,7 @@ fn transport_costs_are_cached_and_change_the_plan() {
     );
     let free = run(&plan);
     assert!(free.starts_with("2 stage(s)"), "{free}");
-    let costs = tmp("transport-costs.json");
+    let costs = fresh_path("transport-costs.json");
     let s = |v: &str| format!(r#"{{"median": {v}, "min": {v}, "max": {v}}}"#);
     std::fs::write(
         &costs,
@@ -822,19 +631,9 @@ fn transport_costs_are_cached_and_change_the_plan() {
 
 #[test]
 fn train_with_workers_plans_automatically() {
-    let text = pipe_ok(&[
-        "train",
-        "--model",
-        "mlp-784-64-64-10",
-        "--workers",
-        "2",
-        "--microbatch-size",
-        "16",
-        "--steps",
-        "10",
-        "--epochs",
-        "1",
-    ]);
+    let text = pipe_ok(&words(
+        "train --model mlp-784-64-64-10 --workers 2 --microbatch-size 16 --steps 10 --epochs 1",
+    ));
     assert!(text.contains("auto plan for 2 workers"), "{text}");
     assert!(text.contains("done: 10 steps"), "{text}");
     assert_bad_input(
@@ -853,7 +652,7 @@ fn train_with_workers_plans_automatically() {
 
 #[test]
 fn plan_rejects_cyclic_and_unknown_profiles_and_impossible_requests() {
-    let cyc = tmp("cyclic.json");
+    let cyc = fresh_path("cyclic.json");
     std::fs::write(
         &cyc,
         r#"{"layers": [{"name": "a", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1},
@@ -865,7 +664,7 @@ fn plan_rejects_cyclic_and_unknown_profiles_and_impossible_requests() {
         &["plan", "--profile", cyc.to_str().unwrap(), "--workers", "2"],
         "does not go from an earlier layer",
     );
-    let two = tmp("two-layers.json");
+    let two = fresh_path("two-layers.json");
     std::fs::write(
         &two,
         r#"{"layers": [{"name": "a", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1e9},
@@ -921,7 +720,7 @@ fn a_reader_that_leaves_early_ends_the_output_quietly() {
 
 #[test]
 fn quic_training_matches_in_process_training_and_cluster_init_writes_credentials() {
-    let mut args: Vec<&str> = SMALL.to_vec();
+    let mut args = small();
     args.extend(["--stages", "2", "--replicas", "2,1"]);
     let inproc = pipe_ok(&args);
     args.extend(["--transport", "quic"]);
@@ -935,7 +734,7 @@ fn quic_training_matches_in_process_training_and_cluster_init_writes_credentials
     };
     assert_eq!(summary(&inproc), summary(&quic), "{inproc}\n{quic}");
     assert!(summary(&quic).is_some(), "{quic}");
-    let dir = tmp("cluster");
+    let dir = fresh_path("cluster");
     let d = dir.to_str().unwrap();
     let text = pipe_ok(&["cluster", "init", "--workers", "2", "-o", d]);
     assert!(text.contains("cluster of 2 workers"), "{text}");
@@ -964,76 +763,54 @@ fn quic_training_matches_in_process_training_and_cluster_init_writes_credentials
 
 #[test]
 fn experiment_and_report_refuse_bad_input() {
-    let bad = tmp("staleness-bad.toml");
-    std::fs::write(&bad, "model = \"mlp-784-10\"\nepochs = 1\n").unwrap();
-    assert_bad_input(
-        &["experiment", "staleness", "--config", bad.to_str().unwrap()],
-        "missing field",
-    );
-    assert_bad_input(
-        &[
-            "experiment",
+    // The staleness experiment and the benchmark sweep: (the command before `--config`, a
+    // config missing a field, `report`'s name for it, a results file it refuses and why).
+    let sweeps = [
+        (
+            "experiment staleness",
+            "model = \"mlp-784-10\"\nepochs = 1\n",
             "staleness",
-            "--config",
-            "/nonexistent/staleness.toml",
-        ],
-        "cannot read",
-    );
-    let empty = tmp("staleness-empty");
-    std::fs::create_dir_all(&empty).unwrap();
-    assert_bad_input(
-        &["report", "staleness", "--from", empty.to_str().unwrap()],
-        "results.json",
-    );
-    std::fs::write(empty.join("results.json"), "{\"runs\": 3").unwrap();
-    assert_bad_input(
-        &["report", "staleness", "--from", empty.to_str().unwrap()],
-        "results.json",
-    );
-    // The benchmark sweep and its report.
-    let bench_bad = tmp("bench-bad.toml");
-    std::fs::write(&bench_bad, "repeats = 5\n").unwrap();
-    assert_bad_input(
-        &["bench", "--config", bench_bad.to_str().unwrap()],
-        "missing field",
-    );
-    assert_bad_input(
-        &["bench", "--config", "/nonexistent/bench.toml"],
-        "cannot read",
-    );
-    let bench_empty = tmp("bench-empty");
-    std::fs::create_dir_all(&bench_empty).unwrap();
-    assert_bad_input(
-        &["report", "bench", "--from", bench_empty.to_str().unwrap()],
-        "results.json",
-    );
-    std::fs::write(bench_empty.join("results.json"), "{\"configs\": 3").unwrap();
-    assert_bad_input(
-        &["report", "bench", "--from", bench_empty.to_str().unwrap()],
-        "not a bench results file",
-    );
-    assert_bad_input(
-        &["bench", "measure-config", "--spec", "{", "--options", "{}"],
-        "--spec",
-    );
-    assert_bad_input(&["bench", "--quick", "mfu"], "cannot be used");
-    // Bad remedies on `pipe train` too.
-    assert_bad_input(
-        &[
-            "train",
-            "--stages",
-            "2",
-            "--schedule",
-            "gpipe",
-            "--sync-warmup",
-            "5",
-        ],
-        "asynchronous",
-    );
-    assert_bad_input(
-        &["train", "--stages", "2", "--lr-scaling", "quick"],
-        "unknown lr scaling",
-    );
+            "{\"runs\": 3",
+            "results.json",
+        ),
+        (
+            "bench",
+            "repeats = 5\n",
+            "bench",
+            "{\"configs\": 3",
+            "not a bench results file",
+        ),
+    ];
+    for (command, config, report, results, why) in sweeps {
+        let bad = common::fresh_file("sweep-bad.toml", config);
+        let refused = |config: &str, needle: &str| {
+            assert_bad_input(
+                &[&words(command)[..], &["--config", config]].concat(),
+                needle,
+            );
+        };
+        refused(common::s(&bad), "missing field");
+        refused("/nonexistent/sweep.toml", "cannot read");
+        let empty = common::fresh_dir("sweep-empty");
+        assert_bad_input(
+            &["report", report, "--from", common::s(&empty)],
+            "results.json",
+        );
+        let bad = common::fresh_dir("sweep-results");
+        std::fs::write(bad.join("results.json"), results).unwrap();
+        assert_bad_input(&["report", report, "--from", common::s(&bad)], why);
+    }
+    let cases = [
+        ("bench measure-config --spec { --options {}", "--spec"),
+        ("bench --quick mfu", "cannot be used"),
+        // Bad remedies on `pipe train` too.
+        (
+            "train --stages 2 --schedule gpipe --sync-warmup 5",
+            "asynchronous",
+        ),
+        ("train --stages 2 --lr-scaling quick", "unknown lr scaling"),
+    ];
+    assert_bad_inputs(&cases);
 }
 
 /// `pipe plan --hosts`: on two hosts joined by a slow network, the plan says which workers each
@@ -1050,7 +827,7 @@ fn a_plan_on_hosts_places_its_workers_and_the_run_carries_it() {
             s("0")
         )
     };
-    let costs = tmp("hosts-costs.json");
+    let costs = fresh_path("hosts-costs.json");
     std::fs::write(
         &costs,
         format!(
@@ -1060,7 +837,7 @@ fn a_plan_on_hosts_places_its_workers_and_the_run_carries_it() {
         ),
     )
     .unwrap();
-    let plan_file = tmp("hosts-plan.toml");
+    let plan_file = fresh_path("hosts-plan.toml");
     let text = pipe_ok(&[
         "plan",
         "--model",
@@ -1092,15 +869,7 @@ fn a_plan_on_hosts_places_its_workers_and_the_run_carries_it() {
     );
     let written = std::fs::read_to_string(&plan_file).unwrap();
     assert!(written.contains(r#"hosts = ["a", "b", "b"]"#), "{written}");
-    let run = pipe_ok(&[
-        "train",
-        "--plan",
-        plan_file.to_str().unwrap(),
-        "--steps",
-        "2",
-        "--epochs",
-        "1",
-    ]);
+    let run = train_plan(&plan_file, "--steps 2 --epochs 1");
     assert!(
         run.contains("placed by the plan: a (workers 0), b (workers 1, 2)"),
         "{run}"
@@ -1164,7 +933,7 @@ fn bucket_sizes_are_chosen_per_stage_and_repeat() {
 /// vocabulary, tokens per second, and the step's time by operation with products by shape.
 #[test]
 fn bench_mfu_measures_a_gpt2_step_with_adamw_and_breaks_it_down() {
-    let json = tmp("mfu-gpt2.json");
+    let json = fresh_path("mfu-gpt2.json");
     let out = pipe_ok(&[
         "bench",
         "mfu",

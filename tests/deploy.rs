@@ -11,15 +11,12 @@ use std::process::Command;
 use yaml_rust2::{Yaml, YamlLoader};
 
 mod common;
+use common::fresh_dir;
 
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn dir(name: &str) -> PathBuf {
-    common::fresh_dir("deploy", name)
 }
 
 fn executable(path: &Path, text: &str) {
@@ -83,19 +80,14 @@ fn the_sbatch_script_parses_and_trains_under_stand_in_slurm_tools() {
     if Command::new("sbatch").arg("--version").output().is_ok() {
         eprintln!("sbatch is installed, but this test runs the script under stand-ins");
     }
-    let d = dir("slurm");
+    let d = fresh_dir("slurm");
     let out = sbatch(
         &d,
         0,
         "--dataset synthetic --model mlp-784-32x4-10 --stages 2 --steps 4 --partition flops",
         &[],
     );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = common::ok(&out);
     assert!(text.contains("done: 4 steps"), "{text}");
     assert!(
         !d.join("pipe-cluster-7").exists(),
@@ -111,10 +103,9 @@ fn the_sbatch_script_restarts_a_failed_step_from_the_newest_checkpoint() {
     let args =
         "--dataset synthetic --model mlp-784-32x4-10 --stages 2 --steps 120 --partition flops";
     let every = [("CHECKPOINT_EVERY", "20")];
-    let calm = sbatch(&dir("slurm-calm"), 1, args, &every);
-    let calm_text = String::from_utf8_lossy(&calm.stdout);
-    assert!(calm.status.success(), "{calm_text}");
-    let d = dir("slurm-restart");
+    let calm = sbatch(&fresh_dir("slurm-calm"), 1, args, &every);
+    let calm_text = common::ok(&calm);
+    let d = fresh_dir("slurm-restart");
     let out = sbatch(&d, 1, args, &[every[0], ("FAULT_ONCE", "exit@50")]);
     let text = String::from_utf8_lossy(&out.stdout);
     let err = String::from_utf8_lossy(&out.stderr);
@@ -124,14 +115,7 @@ fn the_sbatch_script_restarts_a_failed_step_from_the_newest_checkpoint() {
         err.contains("restart 1 of 2 from the newest checkpoint"),
         "{err}"
     );
-    let done = |t: &str| {
-        t.lines()
-            .find(|l| l.starts_with("done:"))
-            .and_then(|l| l.rsplit_once(','))
-            .map(|(d, _)| d.to_string())
-            .unwrap_or_else(|| panic!("no done line: {t}"))
-    };
-    assert_eq!(done(&text), done(&calm_text));
+    assert_eq!(common::done(&text), common::done(&calm_text));
     assert!(text.contains("resuming from"), "{text}");
 }
 
@@ -185,7 +169,7 @@ fn the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() {
         .map(|a| a.as_str().unwrap().to_string())
         .collect();
     // The cluster the header's commands make, with the pods' DNS names.
-    let d = dir("k8s");
+    let d = fresh_dir("k8s");
     let addrs: Vec<String> = (0..n)
         .map(|i| format!("{job_name}-{i}.{service_name}:29400"))
         .collect();
@@ -243,7 +227,7 @@ fn the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() {
 #[test]
 fn the_two_host_cluster_file_is_what_cluster_init_writes() {
     let shipped = std::fs::read_to_string(root().join("deploy/two-hosts/cluster.toml")).unwrap();
-    let d = dir("two-hosts");
+    let d = fresh_dir("two-hosts");
     let addrs = shipped
         .lines()
         .filter_map(|l| l.strip_prefix("addr = "))

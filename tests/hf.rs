@@ -6,15 +6,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
 mod common;
-use common::{ok, pipe, s};
-
-fn tmp(name: &str) -> PathBuf {
-    common::fresh_path("hf", name)
-}
+use common::{fresh_path, ok, pipe, s};
 
 /// `pipe export --format hf` of checkpoint `ckpt` into `out`.
 fn export_hf(ckpt: &Path, out: &Path) -> Output {
@@ -46,7 +42,7 @@ fn tensor_names(path: &Path) -> Vec<String> {
 
 #[test]
 fn an_exported_gpt2_keeps_its_logits_names_its_tensors_as_transformers_does_and_trains_on() {
-    let ckpt = tmp("ckpt");
+    let ckpt = fresh_path("ckpt");
     ok(&pipe(&[
         "train",
         "--model",
@@ -58,7 +54,7 @@ fn an_exported_gpt2_keeps_its_logits_names_its_tensors_as_transformers_does_and_
         "--checkpoint-dir",
         s(&ckpt),
     ]));
-    let out = tmp("exported");
+    let out = fresh_path("exported");
     let text = ok(&export_hf(&ckpt, &out));
     assert!(
         text.contains("2 blocks, width 64, 2 heads, 64 positions"),
@@ -115,7 +111,7 @@ fn an_exported_gpt2_keeps_its_logits_names_its_tensors_as_transformers_does_and_
 
 #[test]
 fn models_outside_gpt2s_layout_and_bad_directories_are_refused() {
-    let ckpt = tmp("mlp");
+    let ckpt = fresh_path("mlp");
     ok(&pipe(&[
         "train",
         "--steps",
@@ -123,14 +119,14 @@ fn models_outside_gpt2s_layout_and_bad_directories_are_refused() {
         "--checkpoint-dir",
         s(&ckpt),
     ]));
-    let out = export_hf(&ckpt, &tmp("x"));
+    let out = export_hf(&ckpt, &fresh_path("x"));
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("GPT-2-shaped"),
         "{out:?}"
     );
 
-    let empty = tmp("empty");
+    let empty = fresh_path("empty");
     std::fs::create_dir_all(&empty).unwrap();
     let out = pipe(&[
         "train",
@@ -158,7 +154,7 @@ fn models_outside_gpt2s_layout_and_bad_directories_are_refused() {
 #[test]
 fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
     // A gpt2-tiny exported in shards of at most 100 kB.
-    let ckpt = tmp("tied");
+    let ckpt = fresh_path("tied");
     ok(&pipe(&[
         "train",
         "--model",
@@ -170,7 +166,7 @@ fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
         "--checkpoint-dir",
         s(&ckpt),
     ]));
-    let sharded = tmp("sharded");
+    let sharded = fresh_path("sharded");
     let text = ok(&pipe(&[
         "export",
         "--checkpoint",
@@ -205,7 +201,7 @@ fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
     );
 
     // GPT-2's attention buffers, as older saves hold them, are not weights: skipped.
-    let whole = tmp("whole");
+    let whole = fresh_path("whole");
     ok(&export_hf(&ckpt, &whole));
     let path = whole.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
@@ -232,7 +228,7 @@ fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
     );
 
     // An untied model's export names its head lm_head.weight and reads back untied.
-    let untied = tmp("untied-ckpt");
+    let untied = fresh_path("untied-ckpt");
     ok(&pipe(&[
         "train",
         "--model",
@@ -242,7 +238,7 @@ fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
         "--checkpoint-dir",
         s(&untied),
     ]));
-    let out = tmp("untied-out");
+    let out = fresh_path("untied-out");
     assert!(ok(&export_hf(&untied, &out)).contains("untied head"));
     assert!(tensor_names(&out.join("model.safetensors")).contains(&"lm_head.weight".to_string()));
     let ids = "3,1,4,1,5";

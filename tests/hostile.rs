@@ -7,9 +7,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+mod common;
 
 /// A file a row writes before it runs, under the row's directory.
 enum File {
@@ -1556,10 +1558,9 @@ impl Row {
     }
 }
 
-fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
+/// Runs row `r` in `dir` (the row's own), with measured transport costs in `cache`.
+fn run_row(r: &Row, dir: &Path, cache: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).unwrap();
-    // Measured transport costs go to a scratch cache, one for the whole table.
-    let cache = std::env::temp_dir().join(format!("pipe-hostile-cache-{}", std::process::id()));
     for f in &r.files {
         match f {
             File::Text(n, body) => write_under(dir, n, body.as_bytes()),
@@ -1572,7 +1573,7 @@ fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
         let args = cmd.replace("{d}", &dir.display().to_string());
         let out = Command::new(env!("CARGO_BIN_EXE_pipe"))
             .args(args.split_whitespace())
-            .env("PIPE_CACHE_DIR", &cache)
+            .env("PIPE_CACHE_DIR", cache)
             .output()
             .expect("run pipe");
         assert!(out.status.success(), "setup `pipe {args}`: {out:?}");
@@ -1593,7 +1594,7 @@ fn run_row(r: &Row, dir: &Path) -> Result<(), String> {
         .arg(format!("ulimit -v 8388608; exec timeout 60 \"$0\" {args}"))
         .arg(env!("CARGO_BIN_EXE_pipe"))
         .env_remove("RUST_BACKTRACE")
-        .env("PIPE_CACHE_DIR", &cache)
+        .env("PIPE_CACHE_DIR", cache)
         .output()
         .expect("run pipe");
     let took = start.elapsed();
@@ -1641,10 +1642,6 @@ fn usable_here(mut rows: Vec<Row>) -> Vec<Row> {
     rows
 }
 
-fn scratch() -> PathBuf {
-    std::env::temp_dir().join(format!("pipe-hostile-{}", std::process::id()))
-}
-
 #[test]
 fn every_bad_input_is_refused_on_one_line_with_its_exit_code() {
     let tables = [
@@ -1660,14 +1657,16 @@ fn every_bad_input_is_refused_on_one_line_with_its_exit_code() {
     ];
     let total: usize = tables.iter().map(|(_, rows)| rows.len()).sum();
     let mut failures = Vec::new();
+    // Every row in a folder of its own; measured transport costs in one cache for the table.
+    let (rows_dir, cache) = (common::fresh_dir("rows"), common::fresh_dir("cache"));
     for (name, rows) in &tables {
         for (i, r) in rows.iter().enumerate() {
-            if let Err(e) = run_row(r, &scratch().join(format!("{name}-{i}"))) {
+            if let Err(e) = run_row(r, &rows_dir.join(format!("{name}-{i}")), &cache) {
                 failures.push(e);
             }
         }
     }
-    let _ = std::fs::remove_dir_all(scratch());
+    let _ = std::fs::remove_dir_all(&rows_dir);
     eprintln!(
         "{total} bad inputs, {} not refused as expected",
         failures.len()

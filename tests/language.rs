@@ -6,47 +6,17 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 mod common;
-
-fn pipe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pipe"))
-        .args(args)
-        .env_remove("RUST_BACKTRACE")
-        .output()
-        .expect("run pipe")
-}
-
-fn tmp(name: &str) -> PathBuf {
-    common::fresh_path("language", name)
-}
+use common::{fresh_path, pipe};
 
 /// Two blocks of width 16 over the 65 characters, context 32, the head tied to the embedding.
-const TINY_GPT: &str = r#"
-dataset = "tinyshakespeare"
-optimizer = "adamw"
-lr = 3e-3
-microbatch_size = 8
-epochs = 1
-steps = 12
-threads = 1
-[model]
-input = [32]
-layers = [
-  { type = "embedding", vocab = 65, width = 16, context = 32 },
-  { type = "transformer_block", width = 16, heads = 2 },
-  { type = "transformer_block", width = 16, heads = 2 },
-  { type = "layer_norm", features = 16 },
-  { type = "lm_head", width = 16, vocab = 65 },
-]
-tied = [{ param = "layers.4.weight", to = "layers.0.token" }]
-"#;
-
 fn config() -> PathBuf {
-    let path = tmp("tiny-gpt.toml");
-    std::fs::write(&path, TINY_GPT).unwrap();
-    path
+    let settings = "dataset = \"tinyshakespeare\"\noptimizer = \"adamw\"\nlr = 3e-3\n\
+                    microbatch_size = 8\nepochs = 1\nsteps = 12\nthreads = 1\n";
+    let tie = "tied = [{ param = \"layers.4.weight\", to = \"layers.0.token\" }]\n";
+    let text = format!("{settings}{}{tie}", common::small_gpt(65));
+    common::fresh_file("tiny-gpt.toml", &text)
 }
 
 fn train(extra: &[&str], checkpoints: Option<&Path>) -> String {
@@ -63,7 +33,7 @@ fn train(extra: &[&str], checkpoints: Option<&Path>) -> String {
 
 #[test]
 fn a_tied_gpt_trains_pipelined_reproducibly_and_samples_from_its_checkpoint() {
-    let ckpt = tmp("ckpt");
+    let ckpt = fresh_path("ckpt");
     let pipelined = [
         "--stages",
         "2",
@@ -140,19 +110,15 @@ fn a_tied_gpt_trains_pipelined_reproducibly_and_samples_from_its_checkpoint() {
     );
 }
 
+/// Asserts that `pipe` refuses `args` as bad input on one line that holds `needle`.
 #[track_caller]
 fn assert_bad_input(args: &[&str], needle: &str) {
-    let out = pipe(args);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "args {args:?}: stderr {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "one line expected, got {err}");
-    assert!(lines[0].contains(needle), "expected '{needle}' in '{err}'");
+    common::refused(&pipe(args), &[needle]);
 }
 
 #[test]
 fn bad_language_model_input_exits_2() {
-    let ckpt = tmp("bad-ckpt");
+    let ckpt = fresh_path("bad-ckpt");
     train(&[], Some(&ckpt));
     let c = ckpt.to_str().unwrap();
     assert_bad_input(
@@ -169,11 +135,15 @@ fn bad_language_model_input_exits_2() {
     );
     assert_bad_input(&["sample", "--checkpoint", c, "--top-k", "0"], "top-k");
     assert_bad_input(
-        &["sample", "--checkpoint", tmp("nothing").to_str().unwrap()],
+        &[
+            "sample",
+            "--checkpoint",
+            fresh_path("nothing").to_str().unwrap(),
+        ],
         "nothing",
     );
     // A classifier's checkpoint has no vocabulary.
-    let mlp = tmp("mlp-ckpt");
+    let mlp = fresh_path("mlp-ckpt");
     common::ok(&pipe(&[
         "train",
         "--dataset",

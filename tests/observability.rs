@@ -5,10 +5,25 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{Read, Write};
-use std::process::{Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
+mod common;
+
+/// Starts `pipe train` of `mlp-784-256x4-10` on the synthetic set over two stages (a flops
+/// partition, one thread a worker) with `more` arguments, its output discarded.
+fn start_training(more: &[&str]) -> Child {
+    let mut args = common::words(
+        "train --dataset synthetic --model mlp-784-256x4-10 --stages 2 --threads 1 \
+         --partition flops",
+    );
+    args.extend_from_slice(more);
+    common::pipe_command(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
 
 #[test]
 fn the_jsonl_log_grows_during_a_pipelined_epoch() {
@@ -21,34 +36,17 @@ fn the_jsonl_log_grows_during_an_epoch_of_worker_processes() {
 }
 
 fn log_grows_during_an_epoch(transport: &str) {
-    let d = std::env::temp_dir().join(format!("pipe-obs-{}-{transport}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    let log = d.join("run.jsonl");
-    let mut child = Command::new(PIPE)
-        .args([
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            "mlp-784-256x4-10",
-        ])
-        .args([
-            "--epochs",
-            "1",
-            "--stages",
-            "2",
-            "--replicas",
-            "2",
-            "--threads",
-            "1",
-        ])
-        .args(["--partition", "flops", "--log-jsonl", log.to_str().unwrap()])
-        .args(["--transport", transport])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let log = common::fresh_path("run.jsonl");
+    let mut child = start_training(&[
+        "--epochs",
+        "1",
+        "--replicas",
+        "2",
+        "--log-jsonl",
+        common::s(&log),
+        "--transport",
+        transport,
+    ]);
     // Line counts seen while the epoch runs (before its epoch record).
     let mut seen: Vec<usize> = Vec::new();
     let t = Instant::now();
@@ -111,29 +109,7 @@ fn prometheus_scrapes_live_metrics_during_a_pipelined_run() {
         l.local_addr().unwrap().port()
     };
     let addr = format!("127.0.0.1:{port}");
-    let mut child = Command::new(PIPE)
-        .args([
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            "mlp-784-256x4-10",
-        ])
-        .args([
-            "--epochs",
-            "3",
-            "--stages",
-            "2",
-            "--replicas",
-            "2",
-            "--threads",
-            "1",
-        ])
-        .args(["--partition", "flops", "--metrics-addr", &addr])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = start_training(&["--epochs", "3", "--replicas", "2", "--metrics-addr", &addr]);
     let t = Instant::now();
     let mut samples = Vec::new();
     let mut last = None;
@@ -188,21 +164,15 @@ fn launched_worker_processes_each_serve_their_metrics() {
             Some(p)
         })
         .unwrap();
-    let mut child = Command::new(PIPE)
-        .args([
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            "mlp-784-256x4-10",
-        ])
-        .args(["--epochs", "50", "--stages", "2", "--threads", "1"])
-        .args(["--partition", "flops", "--transport", "quic"])
-        .args(["--metrics-addr", &format!("127.0.0.1:{base}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let chief_addr = format!("127.0.0.1:{base}");
+    let mut child = start_training(&[
+        "--epochs",
+        "50",
+        "--transport",
+        "quic",
+        "--metrics-addr",
+        &chief_addr,
+    ]);
     let t = Instant::now();
     let (mut chief, mut other) = (None, None);
     while (chief.is_none() || other.is_none()) && t.elapsed() < Duration::from_secs(60) {

@@ -5,9 +5,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+use common::pipe_cached;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 /// A two-stage run of a small MLP whose partition is measured.
 const MEASURED: &[&str] = &[
@@ -23,16 +23,6 @@ const MEASURED: &[&str] = &[
     "--threads",
     "1",
 ];
-
-/// Runs `pipe` with `args` and its cache in `cache`.
-fn pipe_cached(cache: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pipe"))
-        .args(args)
-        .env_remove("RUST_BACKTRACE")
-        .env("PIPE_CACHE_DIR", cache)
-        .output()
-        .expect("run pipe")
-}
 
 /// The layer-profile entries in `cache`.
 fn entries(cache: &Path) -> Vec<PathBuf> {
@@ -60,7 +50,7 @@ fn cut(out: &str) -> String {
 
 #[test]
 fn a_measured_profile_is_kept_and_reused() {
-    let cache = common::fresh_path("startup", "reuse-cache");
+    let cache = common::fresh_path("reuse-cache");
     let first = common::ok(&pipe_cached(&cache, MEASURED));
     assert!(
         first.contains("(profile measured in") && first.contains("kept in"),
@@ -91,7 +81,7 @@ fn a_measured_profile_is_kept_and_reused() {
 
 #[test]
 fn a_cut_short_edited_or_foreign_entry_is_not_used() {
-    let cache = common::fresh_path("startup", "hostile-cache");
+    let cache = common::fresh_path("hostile-cache");
     common::ok(&pipe_cached(&cache, MEASURED));
     let entry = entries(&cache).pop().unwrap();
     let whole = std::fs::read_to_string(&entry).unwrap();
@@ -127,8 +117,8 @@ fn a_cut_short_edited_or_foreign_entry_is_not_used() {
 
 #[test]
 fn every_phase_before_the_first_update_is_announced_and_logged() {
-    let cache = common::fresh_path("startup", "phases-cache");
-    let log = common::fresh_path("startup", "phases.jsonl");
+    let cache = common::fresh_path("phases-cache");
+    let log = common::fresh_path("phases.jsonl");
     let mut args = MEASURED.to_vec();
     args.extend(["--log-jsonl", common::s(&log)]);
     let out = common::ok(&pipe_cached(&cache, &args));
@@ -171,14 +161,12 @@ fn every_phase_before_the_first_update_is_announced_and_logged() {
 
 #[test]
 fn a_run_over_the_memory_available_is_refused_unless_forced() {
-    let cache = common::fresh_path("startup", "memory-cache");
+    let cache = common::fresh_path("memory-cache");
     let run = |extra: &[&str]| {
         let mut args = MEASURED.to_vec();
         args.extend(["--partition", "0-1,2-3"]);
         args.extend(extra);
-        Command::new(env!("CARGO_BIN_EXE_pipe"))
-            .args(&args)
-            .env_remove("RUST_BACKTRACE")
+        common::pipe_command(&args)
             .env("PIPE_CACHE_DIR", &cache)
             // This host as if it had 1 MiB available.
             .env("PIPE_AVAILABLE_MEMORY", "1048576")

@@ -6,41 +6,25 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Output;
 
 mod common;
-use common::{done, lost_then_rejoined, ok, resumed_from};
+use common::{done, fresh_dir, lost_replica, lost_then_rejoined, ok};
 
-const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
-
-fn dir(name: &str) -> PathBuf {
-    common::fresh_dir("survival", name)
-}
-
-/// A small synthetic run: its config file.
+/// A small synthetic run of 120 updates ([`common::small_config`]): its config file.
 fn small_config(d: &Path) -> String {
-    let path = d.join("small.toml");
-    std::fs::write(
-        &path,
-        "dataset = \"synthetic\"\nmodel = \"mlp-64-32x8-10\"\nepochs = 100\nthreads = 1\n\
-         partition = \"flops\"\nsteps = 120\n\n[synthetic]\ninputs = 64\nclasses = 10\n\
-         hidden = 32\ntrain = 2048\ntest = 256\n",
-    )
-    .unwrap();
-    path.to_str().unwrap().to_string()
+    common::small_config(d, "epochs = 100\nsteps = 120\n")
 }
 
 fn train(config: &str, ck: &Path, flags: &[impl AsRef<std::ffi::OsStr>]) -> Output {
-    Command::new(PIPE)
-        .args(["train", "--config", config, "--stages", "2"])
+    common::pipe_command(&["train", "--config", config, "--stages", "2"])
         .args(["--checkpoint-every", "20", "--keep-checkpoints", "100"])
         // Given, since its default follows the layout and a run keeps its own.
         .args(["--momentum", "0.5"])
         .arg("--checkpoint-dir")
         .arg(ck)
         .args(flags)
-        .env_remove("RUST_BACKTRACE")
         .output()
         .unwrap()
 }
@@ -69,7 +53,7 @@ fn a_lost_replica_is_survived_with_a_delay_correction() {
 /// segment's start on [2, 1] and ends with the weights of the undisturbed run's checkpoint
 /// there, resumed by hand on [2, 1]; `extra` flags go to every run.
 fn lost_replica_case(name: &str, extra: &[&str]) {
-    let d = dir(name);
+    let d = fresh_dir(name);
     let config = small_config(&d);
     let with = |flags: &[&str]| -> Vec<String> {
         flags.iter().chain(extra).map(|f| f.to_string()).collect()
@@ -81,13 +65,8 @@ fn lost_replica_case(name: &str, extra: &[&str]) {
         &with(&["--replicas", "2", "--fault-schedule", "3:panic@15/2"]),
     );
     let text = ok(&out);
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("worker 3 (stage 1) lost:"))
-        .unwrap_or_else(|| panic!("no loss reported: {text}"));
+    let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost:");
     assert!(line.contains("injected panic"), "{line}");
-    assert!(line.contains("replicas [2, 1]"), "{line}");
-    let from = resumed_from(line);
     assert!(
         from > 0,
         "the third segment starts after the first drain point: {line}"
@@ -113,22 +92,12 @@ fn lost_replica_case(name: &str, extra: &[&str]) {
 
 #[test]
 fn the_last_replica_of_a_stage_cannot_be_lost() {
-    let d = dir("last");
+    let d = fresh_dir("last");
     let config = small_config(&d);
     // Worker 2 is stage 1's only replica.
-    let out = train(
-        &config,
-        &d.join("ck"),
-        &["--replicas", "2,1", "--fault-schedule", "2:panic@5/1"],
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.lines()
-            .last()
-            .is_some_and(|l| l.contains("injected panic")),
-        "{err}"
-    );
+    let flags = ["--replicas", "2,1", "--fault-schedule", "2:panic@5/1"];
+    let out = train(&config, &d.join("ck"), &flags);
+    common::failed(&out, "injected panic");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("lost:"));
 }
 
@@ -138,7 +107,7 @@ fn the_last_replica_of_a_stage_cannot_be_lost() {
 /// rejoin, then on the run's own layout to the end.
 #[test]
 fn a_lost_replica_rejoins_at_the_next_drain_point() {
-    let d = dir("rejoin");
+    let d = fresh_dir("rejoin");
     let config = small_config(&d);
     let out = train(
         &config,
@@ -175,7 +144,7 @@ fn a_lost_replica_rejoins_at_the_next_drain_point() {
 /// `--rejoin` where it could do nothing is refused: no stage with two replicas.
 #[test]
 fn rejoin_without_a_replicated_stage_is_refused() {
-    let d = dir("rejoin-refused");
+    let d = fresh_dir("rejoin-refused");
     let config = small_config(&d);
     let out = train(&config, &d.join("ck"), &["--rejoin"]);
     let err = String::from_utf8_lossy(&out.stderr);

@@ -14,7 +14,7 @@ use std::process::Output;
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{ok, pipe, refused, s, weights};
+use common::{fresh_path, ok, pipe, refused, s, weights};
 
 const BPE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -27,10 +27,6 @@ const SHAKESPEARE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/tinyshakesp
 const PYTHON_IDS: usize = 459_913;
 const PYTHON_SHA256: &str = "2d79b3bd7ad312ec55b8e5e64e994a607d7d7db8000bd0216b0e89e967a0aa09";
 
-fn tmp(name: &str) -> PathBuf {
-    common::fresh_path("tokens", name)
-}
-
 /// Tiny Shakespeare through the BPE into shards of `shard_tokens` ids.
 fn bpe_corpus(name: &str, shard_tokens: &str) -> PathBuf {
     tokenized(Path::new(SHAKESPEARE), name, shard_tokens)
@@ -39,19 +35,20 @@ fn bpe_corpus(name: &str, shard_tokens: &str) -> PathBuf {
 /// `input` (a file, or a directory of documents) through the BPE into shards of
 /// `shard_tokens` ids, in a corpus named `name`.
 fn tokenized(input: &Path, name: &str, shard_tokens: &str) -> PathBuf {
-    let out = tmp(name);
-    ok(&pipe(&[
-        "tokenize",
-        "--tokenizer",
+    let out = fresh_path(name);
+    ok(&tokenize(
         BPE,
-        "--input",
         s(input),
-        "--out",
-        s(&out),
-        "--shard-tokens",
-        shard_tokens,
-    ]));
+        &out,
+        &["--shard-tokens", shard_tokens],
+    ));
     out
+}
+
+/// `pipe tokenize` of `input` through `tokenizer` into `out`, with `more` arguments.
+fn tokenize(tokenizer: &str, input: &str, out: &Path, more: &[&str]) -> Output {
+    let args = ["tokenize", "--tokenizer", tokenizer, "--input", input];
+    pipe(&[&args[..], &["--out", s(out)], more].concat())
 }
 
 /// Every id of a corpus, shard after shard.
@@ -86,29 +83,14 @@ fn tokenize_gives_the_python_tokenizers_ids_in_shards() {
 }
 
 /// A two-block GPT over the BPE's 1,024 ids, context 32.
-const TOKEN_GPT: &str = r#"
-optimizer = "adamw"
-lr = 3e-3
-microbatch_size = 4
-microbatches = 2
-epochs = 1
-steps = 12
-threads = 1
-eval_windows = 32
-[model]
-input = [32]
-layers = [
-  { type = "embedding", vocab = 1024, width = 16, context = 32 },
-  { type = "transformer_block", width = 16, heads = 2 },
-  { type = "transformer_block", width = 16, heads = 2 },
-  { type = "layer_norm", features = 16 },
-  { type = "lm_head", width = 16, vocab = 1024 },
-]
-"#;
+fn token_gpt() -> String {
+    let settings = "optimizer = \"adamw\"\nlr = 3e-3\nmicrobatch_size = 4\nmicrobatches = 2\n\
+                    epochs = 1\nsteps = 12\nthreads = 1\neval_windows = 32\n";
+    format!("{settings}{}", common::small_gpt(1024))
+}
 
 fn train(corpus: &Path, extra: &[&str]) -> Output {
-    let cfg = tmp("token-gpt.toml");
-    std::fs::write(&cfg, TOKEN_GPT).unwrap();
+    let cfg = common::fresh_file("token-gpt.toml", &token_gpt());
     let dataset = format!("tokens:{}", s(corpus));
     let mut args = vec!["train", "--config", s(&cfg), "--dataset", &dataset];
     args.extend_from_slice(extra);
@@ -118,7 +100,7 @@ fn train(corpus: &Path, extra: &[&str]) -> Output {
 #[test]
 fn a_checkpoint_taken_mid_epoch_on_shards_resumes_to_the_same_weights_under_any_layout() {
     let corpus = bpe_corpus("resume", "50000");
-    let ckpt = tmp("ckpt");
+    let ckpt = fresh_path("ckpt");
     let whole = ok(&train(
         &corpus,
         &[
@@ -163,7 +145,7 @@ fn a_checkpoint_taken_mid_epoch_on_shards_resumes_to_the_same_weights_under_any_
 #[test]
 fn a_checkpoint_of_a_token_corpus_samples_text_through_the_corpus_tokenizer() {
     let corpus = bpe_corpus("sample", "50000");
-    let ckpt = tmp("sample-ckpt");
+    let ckpt = fresh_path("sample-ckpt");
     ok(&train(
         &corpus,
         &["--steps", "2", "--checkpoint-dir", s(&ckpt)],
@@ -209,72 +191,35 @@ fn first_shard(dir: &Path) -> PathBuf {
 
 #[test]
 fn bad_input_and_bad_shards_exit_2_with_one_line_naming_file_and_byte() {
-    let out = tmp("bad-out");
+    let out = fresh_path("bad-out");
     // No such input; not UTF-8; a tokenizer that is not one.
     refused(
-        &pipe(&[
-            "tokenize",
-            "--tokenizer",
-            "bytes",
-            "--input",
-            "/nonexistent/x",
-            "--out",
-            s(&out),
-        ]),
+        &tokenize("bytes", "/nonexistent/x", &out, &[]),
         &["/nonexistent/x", "cannot read"],
     );
-    let binary = tmp("binary.txt");
+    let binary = fresh_path("binary.txt");
     std::fs::write(&binary, b"good text\n\xff\xfe bad").unwrap();
     refused(
-        &pipe(&[
-            "tokenize",
-            "--tokenizer",
-            "bytes",
-            "--input",
-            s(&binary),
-            "--out",
-            s(&out),
-        ]),
+        &tokenize("bytes", s(&binary), &out, &[]),
         &["binary.txt", "not UTF-8", "byte 10"],
     );
-    let not_json = tmp("not-a-tokenizer.json");
+    let not_json = fresh_path("not-a-tokenizer.json");
     std::fs::write(&not_json, b"{\"model\": 3}").unwrap();
     refused(
-        &pipe(&[
-            "tokenize",
-            "--tokenizer",
-            s(&not_json),
-            "--input",
-            SHAKESPEARE,
-            "--out",
-            s(&out),
-        ]),
+        &tokenize(s(&not_json), SHAKESPEARE, &out, &[]),
         &["not-a-tokenizer.json", "not a tokenizer.json"],
     );
 
     // A directory that already holds a corpus.
-    let dir = tmp("bad-shards");
-    ok(&pipe(&[
-        "tokenize",
-        "--tokenizer",
+    let dir = fresh_path("bad-shards");
+    ok(&tokenize(
         "chars",
-        "--input",
         SHAKESPEARE,
-        "--out",
-        s(&dir),
-        "--shard-tokens",
-        "400000",
-    ]));
+        &dir,
+        &["--shard-tokens", "400000"],
+    ));
     refused(
-        &pipe(&[
-            "tokenize",
-            "--tokenizer",
-            "chars",
-            "--input",
-            SHAKESPEARE,
-            "--out",
-            s(&dir),
-        ]),
+        &tokenize("chars", SHAKESPEARE, &dir, &[]),
         &["already holds a tokenized corpus"],
     );
 
@@ -377,41 +322,28 @@ fn evaluations(log: &Path) -> Vec<(u64, f64)> {
 #[test]
 fn evaluations_on_a_cadence_are_logged_and_a_resume_between_two_is_exact() {
     let corpus = bpe_corpus("eval", "50000");
-    let ckpt = tmp("eval-ckpt");
-    let log = tmp("eval.jsonl");
+    let ckpt = fresh_path("eval-ckpt");
+    let log = fresh_path("eval.jsonl");
+    let cadence = ["--stages", "2", "--eval-every", "4"];
+    let every = ["--checkpoint-dir", s(&ckpt), "--checkpoint-every", "6"];
     let whole = ok(&train(
         &corpus,
-        &[
-            "--stages",
-            "2",
-            "--eval-every",
-            "4",
-            "--checkpoint-dir",
-            s(&ckpt),
-            "--checkpoint-every",
-            "6",
-            "--log-jsonl",
-            s(&log),
-        ],
+        &[&cadence[..], &every, &["--log-jsonl", s(&log)]].concat(),
     ));
     let logged = evaluations(&log);
     let steps: Vec<u64> = logged.iter().map(|e| e.0).collect();
     assert_eq!(steps, [4, 8], "{whole}");
     assert!(logged.iter().all(|e| e.1.is_finite() && e.1 > 0.0));
     assert!(whole.contains("eval at update      4  val loss"), "{whole}");
-    let again = tmp("eval-resumed.jsonl");
+    let again = fresh_path("eval-resumed.jsonl");
+    let from = ckpt.join("ckpt-00000006");
     let resumed = ok(&train(
         &corpus,
         &[
-            "--stages",
-            "2",
-            "--eval-every",
-            "4",
-            "--resume",
-            s(&ckpt.join("ckpt-00000006")),
-            "--log-jsonl",
-            s(&again),
-        ],
+            &cadence[..],
+            &["--resume", s(&from), "--log-jsonl", s(&again)],
+        ]
+        .concat(),
     ));
     assert!(resumed.contains("resuming from"), "{resumed}");
     assert_eq!(evaluations(&again), logged[1..]);
@@ -422,7 +354,7 @@ fn evaluations_on_a_cadence_are_logged_and_a_resume_between_two_is_exact() {
 /// document ends with `<|endoftext|>` (id 0), so windows hold several.
 fn document_corpus(name: &str) -> PathBuf {
     let text = std::fs::read_to_string(SHAKESPEARE).unwrap();
-    let docs = tmp(&format!("{name}-docs"));
+    let docs = fresh_path(&format!("{name}-docs"));
     std::fs::create_dir_all(&docs).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     for (i, chunk) in lines.chunks(200).enumerate() {
@@ -437,7 +369,7 @@ fn document_corpus(name: &str) -> PathBuf {
 #[test]
 fn packed_documents_train_alike_on_threads_and_processes_and_resume_exactly() {
     let corpus = document_corpus("packed");
-    let ckpt = tmp("packed-ckpt");
+    let ckpt = fresh_path("packed-ckpt");
     let packed = [
         "--pack-documents",
         "--stages",
@@ -459,7 +391,7 @@ fn packed_documents_train_alike_on_threads_and_processes_and_resume_exactly() {
         threads.contains("packed documents ending with id 0"),
         "{threads}"
     );
-    let other = tmp("packed-ckpt-processes");
+    let other = fresh_path("packed-ckpt-processes");
     let processes = with(&[
         "--placement",
         "processes",
@@ -477,7 +409,7 @@ fn packed_documents_train_alike_on_threads_and_processes_and_resume_exactly() {
                 "--checkpoint-every",
                 "6",
                 "--checkpoint-dir",
-                s(&tmp("unpacked-ckpt")),
+                s(&fresh_path("unpacked-ckpt")),
             ],
         ]
         .concat(),

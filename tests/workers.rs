@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{done, lost_then_rejoined, ok, resumed_from};
+use common::{done, fresh_dir, lost_replica, lost_then_rejoined, ok, spawn_piped, wait_for};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -28,10 +28,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
-fn dir(name: &str) -> std::path::PathBuf {
-    common::fresh_dir("workers", name)
-}
-
 /// `pipe train --config CONFIG --checkpoint-dir CK` with `flags`.
 fn train(config: &str, ck: &std::path::Path, flags: &[&str]) -> Command {
     let mut cmd = Command::new(PIPE);
@@ -42,19 +38,10 @@ fn train(config: &str, ck: &std::path::Path, flags: &[&str]) -> Command {
     cmd
 }
 
-/// A small synthetic run (small enough that eight processes start quickly): its config file.
+/// A small synthetic run of `epochs` epochs (small enough that eight processes start quickly,
+/// [`common::small_config`]): its config file.
 fn small_config(d: &std::path::Path, epochs: u32) -> String {
-    let path = d.join("small.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "dataset = \"synthetic\"\nmodel = \"mlp-64-32x8-10\"\nepochs = {epochs}\nthreads = 1\n\
-             partition = \"flops\"\n\n[synthetic]\ninputs = 64\nclasses = 10\nhidden = 32\n\
-             train = 2048\ntest = 256\n"
-        ),
-    )
-    .unwrap();
-    path.to_str().unwrap().to_string()
+    common::small_config(d, &format!("epochs = {epochs}\n"))
 }
 
 fn run(cmd: &mut Command) -> Output {
@@ -67,7 +54,7 @@ fn run(cmd: &mut Command) -> Output {
 #[test]
 fn processes_end_with_the_in_process_weights_for_every_policy() {
     let _one = serial();
-    let d = dir("policies");
+    let d = fresh_dir("policies");
     let config = small_config(&d, 1);
     for (policy, stages, replicas, chunks) in cases() {
         {
@@ -118,7 +105,7 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
 #[test]
 fn delay_corrections_end_with_the_same_weights_in_process_and_over_worker_processes() {
     let _one = serial();
-    let d = dir("feedback");
+    let d = fresh_dir("feedback");
     let config = small_config(&d, 2);
     for (correction, policy, replicas) in [
         ("error-feedback", "2bw", "2,1"),
@@ -168,7 +155,7 @@ fn delay_corrections_end_with_the_same_weights_in_process_and_over_worker_proces
 #[test]
 fn gradient_clipping_is_the_same_in_process_and_over_worker_processes() {
     let _one = serial();
-    let d = dir("clip");
+    let d = fresh_dir("clip");
     let config = small_config(&d, 1);
     let norms = |log: &std::path::Path| -> Vec<String> {
         std::fs::read_to_string(log)
@@ -227,7 +214,7 @@ fn gradient_clipping_is_the_same_in_process_and_over_worker_processes() {
 #[test]
 fn init_from_weights_reach_every_worker_process() {
     let _one = serial();
-    let d = dir("init-from");
+    let d = fresh_dir("init-from");
     let seeded = ok(&run(Command::new(PIPE)
         .args([
             "train",
@@ -279,7 +266,7 @@ fn init_from_weights_reach_every_worker_process() {
 #[test]
 fn a_trace_across_worker_processes_has_every_workers_actions() {
     let _one = serial();
-    let d = dir("trace");
+    let d = fresh_dir("trace");
     let config = small_config(&d, 1);
     let args = [
         "train",
@@ -447,7 +434,7 @@ fn a_frozen_worker_process_is_found_by_the_hang_doctor() {
         return;
     }
     let _one = serial();
-    let d = dir("freeze");
+    let d = fresh_dir("freeze");
     // A stall bound under QUIC's idle limit (5 s), so the others report a stall rather than a
     // lost connection.
     let flags = [
@@ -489,7 +476,7 @@ fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
     // QUIC notices a dead peer by its silence (idle timeout 5 s); shared memory by the
     // socket the kernel closes with the process, at once.
     for (transport, within) in [("quic", 10), ("shm", 5)] {
-        let d = dir(&format!("kill-{transport}"));
+        let d = fresh_dir(&format!("kill-{transport}"));
         let flags = [
             "--stages",
             "2",
@@ -516,14 +503,7 @@ fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
         }
         let stopped = killed.elapsed();
         let out = launcher.wait_with_output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(
-            err.lines()
-                .last()
-                .is_some_and(|l| l.contains("worker 2 was killed by signal 9")),
-            "{err}"
-        );
+        let err = common::failed(&out, "worker 2 was killed by signal 9");
         for rank in [0, 1] {
             let line = err
                 .lines()
@@ -552,7 +532,7 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint_and_ends_undisturbed(
         return;
     }
     let _one = serial();
-    let d = dir("restart");
+    let d = fresh_dir("restart");
     let config = small_config(&d, 10_000);
     let flags = |ck: &std::path::Path| -> Command {
         train(
@@ -572,17 +552,8 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint_and_ends_undisturbed(
     };
     let undisturbed = done(&ok(&run(&mut flags(&d.join("calm")))));
     let ck = d.join("ck");
-    let launcher = flags(&ck)
-        .args(["--max-restarts", "2"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while !ck.join("ckpt-00000050").exists() {
-        assert!(started.elapsed() < Duration::from_secs(60), "no checkpoint");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let launcher = spawn_piped(flags(&ck).args(["--max-restarts", "2"]));
+    wait_for(&ck.join("ckpt-00000050"));
     let workers = children_of(launcher.id());
     signal(&workers, 1, "-9");
     let out = launcher.wait_with_output().unwrap();
@@ -611,7 +582,7 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
         return;
     }
     let _one = serial();
-    let d = dir("replica-lost");
+    let d = fresh_dir("replica-lost");
     let config = small_config(&d, 10_000);
     let flags = |ck: &std::path::Path, replicas: &str| -> Command {
         train(
@@ -638,26 +609,12 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     ok(&run(&mut flags(&calm, "2")));
     for transport in ["quic", "shm"] {
         let ck = d.join(format!("ck-{transport}"));
-        let launcher = flags(&ck, "2")
-            .args(["--transport", transport])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let started = Instant::now();
-        while !ck.join("ckpt-00000050").exists() {
-            assert!(started.elapsed() < Duration::from_secs(60), "no checkpoint");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let launcher = spawn_piped(flags(&ck, "2").args(["--transport", transport]));
+        wait_for(&ck.join("ckpt-00000050"));
         signal(&children_of(launcher.id()), 3, "-9");
         let text = ok(&launcher.wait_with_output().unwrap());
-        let line = text
-            .lines()
-            .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 9"))
-            .unwrap_or_else(|| panic!("{transport}: no loss reported: {text}"));
-        assert!(line.contains("replicas [2, 1]"), "{line}");
-        let from = resumed_from(line);
-        assert!(from >= 50, "{line}");
+        let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
+        assert!(from >= 50, "{transport}: {line}");
         assert!(done(&text).starts_with("done: 600 steps"), "{text}");
         // The undisturbed run's checkpoint at that update, resumed by hand on the new layout.
         let at = calm.join(format!("ckpt-{from:08}"));
@@ -709,7 +666,7 @@ fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
         return;
     }
     let _one = serial();
-    let d = dir("replica-lost-no-ck");
+    let d = fresh_dir("replica-lost-no-ck");
     let config = small_config(&d, 10_000);
     let base = ["--steps", "600", "--stages", "2", "--momentum", "0.5"];
     // Undisturbed, with a checkpoint at every epoch's end to resume by hand from.
@@ -724,12 +681,7 @@ fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
         let mut flags = base.to_vec();
         flags.extend(["--replicas", "2", "--transport", transport]);
         let text = ok(&kill_after_first_epoch(&config, &flags, 3));
-        let line = text
-            .lines()
-            .find(|l| l.starts_with("worker 3 (stage 1) lost: was killed by signal 9"))
-            .unwrap_or_else(|| panic!("{transport}: no loss reported: {text}"));
-        assert!(line.contains("replicas [2, 1]"), "{line}");
-        let from = resumed_from(line);
+        let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
         assert!(
             from > 0,
             "{transport}: went on from the start, not a drain point: {line}"
@@ -768,7 +720,7 @@ fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
 #[test]
 fn a_replacement_worker_rejoins_at_the_next_drain_point() {
     let _one = serial();
-    let d = dir("rejoin");
+    let d = fresh_dir("rejoin");
     let config = small_config(&d, 10_000);
     let flags = |ck: &std::path::Path, replicas: &str| -> Command {
         train(
@@ -818,7 +770,7 @@ fn a_replacement_worker_rejoins_at_the_next_drain_point() {
 #[test]
 fn frozen_workers_and_cut_links_are_ridden_out_or_restarted() {
     let _one = serial();
-    let d = dir("freeze-partition");
+    let d = fresh_dir("freeze-partition");
     let config = small_config(&d, 10_000);
     let args = |ck: &str| -> Command {
         train(
@@ -861,7 +813,7 @@ fn frozen_workers_and_cut_links_are_ridden_out_or_restarted() {
 #[test]
 fn a_restart_after_a_lost_stage_plans_again_for_the_workers_that_remain() {
     let _one = serial();
-    let d = dir("replan");
+    let d = fresh_dir("replan");
     let config = small_config(&d, 10_000);
     let args = |ck: &std::path::Path| -> Command {
         train(
@@ -946,7 +898,7 @@ fn a_restart_after_a_lost_stage_plans_again_for_the_workers_that_remain() {
 #[test]
 fn a_third_failure_past_max_restarts_exits_1_naming_every_cause() {
     let _one = serial();
-    let d = dir("restarts-spent");
+    let d = fresh_dir("restarts-spent");
     let config = small_config(&d, 3);
     let ck = d.join("ck");
     let out = run(Command::new(PIPE).args([
@@ -992,7 +944,7 @@ fn a_third_failure_past_max_restarts_exits_1_naming_every_cause() {
 #[test]
 fn a_run_survives_ten_seeded_faults_of_several_kinds_with_the_undisturbed_weights() {
     let _one = serial();
-    let d = dir("seeded-faults");
+    let d = fresh_dir("seeded-faults");
     let config = small_config(&d, 10_000);
     let args = |ck: &str| -> Command {
         train(
@@ -1132,7 +1084,7 @@ impl Drop for Hosts {
 #[test]
 fn two_hosts_train_like_one_process_for_every_policy_and_wait_for_late_workers() {
     let _one = serial();
-    let d = dir("hosts");
+    let d = fresh_dir("hosts");
     let config = small_config(&d, 1);
     let hosts = Hosts::new();
     eprintln!("hosts: {}", hosts.describe());
@@ -1244,7 +1196,7 @@ fn cases() -> Vec<(&'static str, &'static str, &'static str, &'static str)> {
 #[test]
 fn workers_refuse_other_settings_and_wait_no_longer_than_the_connect_timeout() {
     let _one = serial();
-    let d = dir("refuse");
+    let d = fresh_dir("refuse");
     let config = small_config(&d, 1);
     let cluster = d.join("cluster");
     let free = || {
@@ -1315,7 +1267,7 @@ fn workers_exit_at_once_when_their_launcher_is_killed() {
         return;
     }
     let _one = serial();
-    let d = dir("launcher");
+    let d = fresh_dir("launcher");
     let config = small_config(&d, 10_000);
     let mut launcher: Child = Command::new(PIPE)
         .args(["train", "--config", &config])
@@ -1396,7 +1348,7 @@ fn strip_timings(v: &mut serde_json::Value) {
 #[test]
 fn every_logged_number_but_timings_is_the_same_over_threads_shared_memory_and_quic() {
     let _one = serial();
-    let d = dir("jsonl");
+    let d = fresh_dir("jsonl");
     let config = small_config(&d, 1);
     let cases: [&[&str]; 4] = [
         &[
@@ -1466,7 +1418,7 @@ fn every_logged_number_but_timings_is_the_same_over_threads_shared_memory_and_qu
 /// refused before anything starts.
 #[test]
 fn a_cut_link_is_refused_over_shared_memory() {
-    let d = dir("cut-shm");
+    let d = fresh_dir("cut-shm");
     let config = small_config(&d, 1);
     for extra in [
         &["--transport", "shm"][..],

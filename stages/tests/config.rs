@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use pipe_stages::StageError;
 use pipe_stages::config::{PartitionChoice, PlannedLayout, RunConfig, TrainSettings};
 use pipe_stages::partition::Partition;
@@ -161,8 +163,7 @@ fn gpt2_models_take_their_shape_from_presets_tables_and_hugging_face_configs() {
     ));
 
     // A Hugging Face config.json, with the table over it.
-    let dir = std::env::temp_dir().join(format!("pipe-gpt2-config-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::fresh_dir("gpt2");
     let json = dir.join("config.json");
     std::fs::write(
         &json,

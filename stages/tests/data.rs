@@ -4,6 +4,8 @@
 
 use std::io::Write;
 
+mod common;
+
 use pipe_stages::StageError;
 use pipe_stages::data::{SyntheticConfig, mnist, parse_idx, read_idx, synthetic};
 
@@ -75,8 +77,7 @@ fn rejects_malformed_files() {
 
 #[test]
 fn missing_files_and_dirs_are_errors() {
-    let dir = std::env::temp_dir().join(format!("pipe-data-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::fresh_dir("mnist");
     let e = mnist(Some(&dir)).unwrap_err();
     assert!(reason(e).contains("missing"));
     let f = dir.join("x.idx");

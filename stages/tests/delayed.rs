@@ -4,28 +4,19 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{bits, load};
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::Policy;
-use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
-use pipe_stages::data::{Splits, SyntheticConfig};
+use pipe_stages::config::{RunConfig, TrainSettings};
 use pipe_stages::delayed::{Delay, DelayedOptions, DelayedReport, train_delayed};
-use pipe_stages::model::{Model, Params};
 use pipe_stages::optim::OptimizerKind;
 use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::train_reference;
-use pipe_stages::train::load_data;
 
 fn cfg(policy: Option<Policy>, kind: OptimizerKind, microbatches: usize) -> RunConfig {
     TrainSettings {
-        model: Some(ModelChoice::Preset("mlp-32-48x2-4".into())),
-        dataset: Some(DatasetKind::Synthetic),
-        synthetic: Some(SyntheticConfig {
-            inputs: 32,
-            classes: 4,
-            hidden: 16,
-            train: 640,
-            test: 128,
-        }),
         epochs: Some(2),
         microbatch_size: Some(16),
         microbatches: Some(microbatches),
@@ -41,26 +32,15 @@ fn cfg(policy: Option<Policy>, kind: OptimizerKind, microbatches: usize) -> RunC
         threads: Some(1),
         schedule: policy.map(|p| p.name().to_string()),
         partition: Some("flops".into()),
-        ..TrainSettings::default()
+        ..common::on_teacher("mlp-32-48x2-4", [32, 4, 16, 640, 128])
     }
     .resolve()
     .unwrap()
 }
 
-fn data(cfg: &RunConfig) -> Splits {
-    load_data(cfg, &Model::new(&cfg.model).unwrap()).unwrap()
-}
-
-fn bits(p: &Params) -> Vec<u32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().map(|v| v.to_bits()))
-        .collect()
-}
-
 fn delayed(cfg: &RunConfig, opts: DelayedOptions) -> DelayedReport {
     let be = CpuBackend::new(1).unwrap();
-    train_delayed(cfg, &data(cfg), &be, &opts, &mut Quiet).unwrap_or_else(|e| panic!("{e}"))
+    train_delayed(cfg, &load(cfg), &be, &opts, &mut Quiet).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]
@@ -78,7 +58,7 @@ fn no_delay_is_the_sequential_reference_and_a_delay_of_one_is_one_stage_2bw() {
         };
         for m in [1, 3] {
             let seq = cfg(Some(Policy::Sequential), kind, m);
-            let (want, _) = train_reference(&seq, &data(&seq)).unwrap();
+            let (want, _) = train_reference(&seq, &load(&seq)).unwrap();
             let got = delayed(&seq, DelayedOptions::new(Delay::Fixed { updates: 0 }));
             assert!(
                 bits(&got.report.params) == bits(&want),
@@ -88,7 +68,7 @@ fn no_delay_is_the_sequential_reference_and_a_delay_of_one_is_one_stage_2bw() {
             // of an epoch uses the newest weights, where delayed SGD keeps its delay.
             let mut two = cfg(Some(Policy::TwoBw), kind, m);
             two.epochs = 1;
-            let (want, _) = train_reference(&two, &data(&two)).unwrap();
+            let (want, _) = train_reference(&two, &load(&two)).unwrap();
             let got = delayed(&two, DelayedOptions::new(Delay::Fixed { updates: 1 }));
             assert!(
                 bits(&got.report.params) == bits(&want),

@@ -4,19 +4,16 @@
 //! stall bound of 2 s and a test-wide deadline.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{bits, even, first_replicas, opt};
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::StageError;
-use pipe_stages::data::{Splits, mnist};
-use pipe_stages::loss::SoftmaxCrossEntropy;
-use pipe_stages::model::{Model, ModelSpec, Params};
-use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
-use pipe_stages::pipeline::{
-    OrderedSource, Partition, RunPlan, Setup, WorkerState, reference_train, run_threads,
-};
+use pipe_stages::model::{Model, ModelSpec};
+use pipe_stages::pipeline::{OrderedSource, RunPlan, Setup, run_threads};
 use pipe_transport::fault::{Fault, Faulty};
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
@@ -24,21 +21,8 @@ use pipe_transport::quic::{QuicOptions, local_mesh};
 const SEED: u64 = 5;
 const STALL: Duration = Duration::from_secs(2);
 
-fn data() -> &'static Splits {
-    static DATA: OnceLock<Splits> = OnceLock::new();
-    DATA.get_or_init(|| mnist(None).unwrap())
-}
-
 fn model() -> Model {
     Model::new(&ModelSpec::preset("mlp-784-16x4-10").unwrap()).unwrap()
-}
-
-fn opt() -> OptimizerConfig {
-    OptimizerConfig {
-        kind: OptimizerKind::Sgd,
-        momentum: 0.9,
-        ..OptimizerConfig::default()
-    }
 }
 
 fn lr(_stage: u32, _k: u32) -> f32 {
@@ -51,53 +35,22 @@ fn plan(model: &Model) -> RunPlan {
     let spec = ScheduleSpec::new(Policy::PipeDream, 3, 4)
         .with_replicas(vec![1, 2, 1])
         .with_length(Length::Updates(2));
-    let n = model.len();
-    let ranges = (0..3).map(|i| i * n / 3..(i + 1) * n / 3).collect();
-    RunPlan::new(model, &spec, Some(Partition::new(ranges, n).unwrap())).unwrap()
+    RunPlan::new(model, &spec, Some(even(model.len(), 3))).unwrap()
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource::new(
-        &data().train,
-        data()
-            .train
-            .epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled),
-        8,
-    )
+    common::source(SEED, 8)
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
-    Setup {
-        model,
-        plan: run,
-        data: source,
-        loss: &SoftmaxCrossEntropy,
-        seed: SEED,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    }
-}
-
-fn flat(p: &Params) -> Vec<u32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().map(|x| x.to_bits()))
-        .collect()
+    common::setup(model, run, source, SEED, &lr)
 }
 
 /// The reference trainer's weights, per stage.
 fn reference(run: &RunPlan, model: &Model) -> Vec<Vec<u32>> {
     let source = source();
-    let params = reference_train(
-        &CpuBackend::new(1).unwrap(),
-        &setup(run, model, &source),
-        &model.init_params(SEED),
-        opt(),
-    )
-    .unwrap();
-    params.iter().map(flat).collect()
+    let params = common::reference(&setup(run, model, &source), &model.init_params(SEED), opt());
+    params.iter().map(|p| bits(p)).collect()
 }
 
 /// Runs the plan over `endpoints`, each wrapped with the fault `fault_of` gives its rank.
@@ -109,10 +62,7 @@ fn run_with<T: pipe_transport::Transport>(
 ) -> (Result<Vec<Vec<u32>>, StageError>, Duration) {
     let source = source();
     let setup = setup(run, model, &source);
-    let init = model.init_params(SEED);
-    let mut states: Vec<WorkerState> = (0..run.schedule.workers())
-        .map(|w| WorkerState::new(&setup, w, &init, opt()))
-        .collect();
+    let mut states = common::worker_states(&setup, &model.init_params(SEED), opt());
     let eps: Vec<Faulty<T>> = endpoints
         .into_iter()
         .enumerate()
@@ -122,17 +72,9 @@ fn run_with<T: pipe_transport::Transport>(
     let result = run_threads(&setup, &mut states, eps, |_| CpuBackend::new(1));
     let took = start.elapsed();
     let weights = result.map(|_| {
-        let layout = run.schedule.layout();
-        (0..run.schedule.stages())
-            .map(|s| {
-                let w = layout.worker_for(s, 0);
-                let st = states[w as usize]
-                    .stages
-                    .iter()
-                    .find(|x| x.stage == s)
-                    .unwrap();
-                flat(&st.params)
-            })
+        first_replicas(run, &states)
+            .into_iter()
+            .map(|p| bits(p))
             .collect()
     });
     (weights, took)
@@ -168,23 +110,18 @@ fn delayed_and_reordered_messages_leave_the_weights_bit_identical() {
         max: Duration::from_millis(4),
         seed: u64::from(w) + 1,
     };
-    let (got, _) = run_with(&run, &model, inproc(&run), delay);
-    assert_eq!(
-        got.unwrap(),
-        want,
-        "delays changed the weights (in process)"
-    );
-    let (got, _) = run_with(&run, &model, quic(&run), delay);
-    assert_eq!(got.unwrap(), want, "delays changed the weights (QUIC)");
-    let reorder = |_| Fault::Reorder { window: 3 };
-    let (got, _) = run_with(&run, &model, inproc(&run), reorder);
-    assert_eq!(
-        got.unwrap(),
-        want,
-        "reordering changed the weights (in process)"
-    );
-    let (got, _) = run_with(&run, &model, quic(&run), reorder);
-    assert_eq!(got.unwrap(), want, "reordering changed the weights (QUIC)");
+    let reorder = |_: u32| Fault::Reorder { window: 3 };
+    let faults: [(&str, &dyn Fn(u32) -> Fault); 2] = [("delays", &delay), ("reordering", &reorder)];
+    for (what, fault) in faults {
+        let (got, _) = run_with(&run, &model, inproc(&run), fault);
+        assert_eq!(
+            got.unwrap(),
+            want,
+            "{what} changed the weights (in process)"
+        );
+        let (got, _) = run_with(&run, &model, quic(&run), fault);
+        assert_eq!(got.unwrap(), want, "{what} changed the weights (QUIC)");
+    }
 }
 
 #[test]

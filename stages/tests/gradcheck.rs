@@ -39,6 +39,21 @@ fn objective(y: &Tensor, r: &Tensor) -> f64 {
 
 const H: f32 = 1e-2;
 
+/// Central differences of an objective in each of `n` values: `(f(i, H) - f(i, -H)) / 2H`,
+/// where `f(i, d)` is the objective with value `i` moved by `d`.
+fn central(n: usize, f: impl Fn(usize, f32) -> f64) -> Vec<f64> {
+    (0..n)
+        .map(|i| (f(i, H) - f(i, -H)) / (2.0 * H as f64))
+        .collect()
+}
+
+/// `t` with value `i` moved by `d`.
+fn moved(t: &Tensor, i: usize, d: f32) -> Tensor {
+    let mut t = t.clone();
+    t.host_mut().unwrap()[i] += d;
+    t
+}
+
 fn check(name: &str, analytic: &[f32], numeric: &[f64]) {
     let scale = numeric.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
     for (i, (a, n)) in analytic.iter().zip(numeric).enumerate() {
@@ -102,14 +117,7 @@ fn grad_check_in(
         objective(&y, &r)
     };
     if input_grad {
-        let numeric_x: Vec<f64> = (0..x.len())
-            .map(|i| {
-                let (mut xp, mut xm) = (x.clone(), x.clone());
-                xp.host_mut().unwrap()[i] += H;
-                xm.host_mut().unwrap()[i] -= H;
-                (eval(&params, &xp) - eval(&params, &xm)) / (2.0 * H as f64)
-            })
-            .collect();
+        let numeric_x = central(x.len(), |i, d| eval(&params, &moved(&x, i, d)));
         check(
             &format!("{} dx", layer.kind()),
             dx.host().unwrap(),
@@ -123,14 +131,11 @@ fn grad_check_in(
     assert_eq!(fused_dx.as_ref(), Some(&dx), "{}: fused dx", layer.kind());
     assert_eq!(fused, grads, "{}: fused parameter gradients", layer.kind());
     for (k, g) in grads.iter().enumerate() {
-        let numeric: Vec<f64> = (0..params[k].len())
-            .map(|i| {
-                let (mut pp, mut pm) = (params.clone(), params.clone());
-                pp[k].host_mut().unwrap()[i] += H;
-                pm[k].host_mut().unwrap()[i] -= H;
-                (eval(&pp, &x) - eval(&pm, &x)) / (2.0 * H as f64)
-            })
-            .collect();
+        let numeric = central(params[k].len(), |i, d| {
+            let mut p = params.clone();
+            p[k] = moved(&params[k], i, d);
+            eval(&p, &x)
+        });
         check(
             &format!("{} param {k}", layer.kind()),
             g.host().unwrap(),
@@ -377,14 +382,7 @@ fn softmax_cross_entropy_loss() {
             .unwrap()
             .loss_sum
     };
-    let numeric: Vec<f64> = (0..logits.len())
-        .map(|i| {
-            let (mut p, mut m) = (logits.clone(), logits.clone());
-            p.host_mut().unwrap()[i] += H;
-            m.host_mut().unwrap()[i] -= H;
-            (loss(&p) - loss(&m)) / (2.0 * H as f64)
-        })
-        .collect();
+    let numeric = central(logits.len(), |i, d| loss(&moved(&logits, i, d)));
     check("softmax_cross_entropy", d.host().unwrap(), &numeric);
 }
 
@@ -473,25 +471,15 @@ fn whole_model() {
         )
         .unwrap()
         .unwrap();
-    let numeric_x: Vec<f64> = (0..x.len())
-        .map(|i| {
-            let (mut p, mut m) = (x.clone(), x.clone());
-            p.host_mut().unwrap()[i] += H;
-            m.host_mut().unwrap()[i] -= H;
-            (loss(&params, &p) - loss(&params, &m)) / (2.0 * H as f64)
-        })
-        .collect();
+    let numeric_x = central(x.len(), |i, d| loss(&params, &moved(&x, i, d)));
     check("model dx", dx.host().unwrap(), &numeric_x);
     for (li, layer_grads) in grads.iter().enumerate() {
         for (k, g) in layer_grads.iter().enumerate() {
-            let numeric: Vec<f64> = (0..g.len())
-                .map(|i| {
-                    let (mut pp, mut pm) = (params.clone(), params.clone());
-                    pp[li][k].host_mut().unwrap()[i] += H;
-                    pm[li][k].host_mut().unwrap()[i] -= H;
-                    (loss(&pp, &x) - loss(&pm, &x)) / (2.0 * H as f64)
-                })
-                .collect();
+            let numeric = central(g.len(), |i, d| {
+                let mut p = params.clone();
+                p[li][k] = moved(&params[li][k], i, d);
+                loss(&p, &x)
+            });
             check(
                 &format!("model layers.{li} param {k}"),
                 g.host().unwrap(),

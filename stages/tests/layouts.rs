@@ -8,19 +8,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pipe_stages::config::{DatasetKind, ModelChoice, TrainSettings};
-use pipe_stages::data::SyntheticConfig;
-use pipe_stages::model::{Model, Params};
+mod common;
+
+use common::{bits, flat, load};
+use pipe_stages::config::TrainSettings;
 use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined, train_reference};
-use pipe_stages::train::load_data;
-
-fn bits(p: &Params) -> Vec<u32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().map(|v| v.to_bits()))
-        .collect()
-}
 
 /// A two-epoch run of `policy` on a small synthetic problem.
 fn settings(
@@ -31,15 +24,6 @@ fn settings(
     microbatches: usize,
 ) -> TrainSettings {
     TrainSettings {
-        model: Some(ModelChoice::Preset("mlp-16-24x3-4".into())),
-        dataset: Some(DatasetKind::Synthetic),
-        synthetic: Some(SyntheticConfig {
-            inputs: 16,
-            classes: 4,
-            hidden: 8,
-            train: 576,
-            test: 64,
-        }),
         epochs: Some(2),
         microbatch_size: Some(8),
         microbatches: Some(microbatches),
@@ -52,7 +36,7 @@ fn settings(
         chunks: Some(chunks),
         schedule: Some(policy.into()),
         partition: Some("flops".into()),
-        ..TrainSettings::default()
+        ..common::on_teacher("mlp-16-24x3-4", [16, 4, 8, 576, 64])
     }
 }
 
@@ -73,7 +57,7 @@ fn special_layouts_equal_the_reference_trainer() {
         let cfg = settings(policy, stages, &replicas, chunks, m)
             .resolve()
             .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
-        let data = load_data(&cfg, &Model::new(&cfg.model).unwrap()).unwrap();
+        let data = load(&cfg);
         let got = train_pipelined(&cfg, &data, &mut Quiet, &PipelineTrainOptions::default())
             .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
         let (want, _) = train_reference(&cfg, &data).unwrap();
@@ -116,12 +100,6 @@ fn layouts_on_gpus_end_near_the_cpu_reference_trainer() {
         eprintln!("skipped: {e}");
         return;
     }
-    let values = |p: &Params| -> Vec<f32> {
-        p.iter()
-            .flatten()
-            .flat_map(|t| t.host().unwrap().to_vec())
-            .collect()
-    };
     let cases: [(&str, usize, Vec<u32>, u32, usize); 5] = [
         ("pipedream", 2, vec![2], 1, 1),
         ("1f1b-flush", 3, vec![2, 1, 1], 1, 2),
@@ -145,17 +123,13 @@ fn layouts_on_gpus_end_near_the_cpu_reference_trainer() {
             }
             .resolve()
             .unwrap();
-            let data = load_data(&cpu, &Model::new(&cpu.model).unwrap()).unwrap();
+            let data = load(&cpu);
             let got = train_pipelined(&gpu, &data, &mut Quiet, &PipelineTrainOptions::default())
                 .unwrap_or_else(|e| panic!("{policy} {replicas:?} {precision}: {e}"));
             let (want, _) = train_reference(&cpu, &data).unwrap();
-            let (got, want) = (values(&got.report.params), values(&want));
+            let (got, want) = (flat(&got.report.params), flat(&want));
             assert_eq!(got.len(), want.len());
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
-                .fold(0.0f32, f32::max);
+            let worst = common::worst_gap(&got, &want);
             eprintln!(
                 "{precision} {policy} {stages} stages {replicas:?} x{chunks}: worst relative gap \
                  {worst:e} (tolerance {tolerance:e})"

@@ -3,49 +3,39 @@
 //! equals the plan, and flush policies match `sequential` with the same effective batch.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::OnceLock;
+mod common;
 
+use common::{assert_reference_weights, bits, data, even, first_replicas, flat, opt};
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
-use pipe_stages::data::{Splits, mnist};
 use pipe_stages::layers::LayerSpec;
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
-    OrderedSource, Partition, Pass, RunPlan, Setup, WorkerOutcome, WorkerState, reference_run,
-    reference_train, reference_train_from, run_threads,
+    OrderedSource, Pass, RunPlan, Setup, WorkerOutcome, WorkerState, reference_run,
+    reference_train_from, run_threads,
 };
 use pipe_transport::inproc::{InProcOptions, mesh};
 
 const SEED: u64 = 11;
 const MB: usize = 8;
 
-fn data() -> &'static Splits {
-    static DATA: OnceLock<Splits> = OnceLock::new();
-    DATA.get_or_init(|| mnist(None).unwrap())
-}
-
 fn model() -> Model {
     Model::new(&ModelSpec::preset("mlp-784-16x8-10").unwrap()).unwrap()
-}
-
-fn opt() -> OptimizerConfig {
-    OptimizerConfig {
-        kind: OptimizerKind::Sgd,
-        momentum: 0.9,
-        ..OptimizerConfig::default()
-    }
 }
 
 fn prepare(spec: &ScheduleSpec, model: &Model) -> RunPlan {
     // Layers split evenly by count: every stage of this model then holds a linear layer, so a
     // wrong version anywhere changes some weights.
     let k = spec.resolve().unwrap().layout.stages() as usize;
-    let n = model.len();
-    let ranges = (0..k).map(|i| i * n / k..(i + 1) * n / k).collect();
-    let partition = Partition::new(ranges, n).unwrap();
-    RunPlan::new(model, spec, Some(partition)).unwrap()
+    RunPlan::new(model, spec, Some(even(model.len(), k))).unwrap()
+}
+
+/// `policy` on three stages with `replicas`, `m` microbatches an update, for `updates` updates.
+fn on_three(policy: Policy, m: u32, replicas: &[u32], updates: u32) -> ScheduleSpec {
+    ScheduleSpec::new(policy, 3, m)
+        .with_replicas(replicas.to_vec())
+        .with_length(Length::Updates(updates))
 }
 
 fn lr(_stage: u32, k: u32) -> f32 {
@@ -53,27 +43,11 @@ fn lr(_stage: u32, k: u32) -> f32 {
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource::new(
-        &data().train,
-        data()
-            .train
-            .epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled),
-        MB,
-    )
+    common::source(SEED, MB)
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
-    Setup {
-        model,
-        plan: run,
-        data: source,
-        loss: &SoftmaxCrossEntropy,
-        seed: SEED,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    }
+    common::setup(model, run, source, SEED, &lr)
 }
 
 /// Runs the pipeline and returns the final weights per worker and the outcomes.
@@ -111,55 +85,56 @@ fn pipelined_on<T: pipe_transport::Transport, B: pipe_kernels::Backend>(
 ) -> (Vec<WorkerState>, Vec<WorkerOutcome>) {
     let source = source();
     let setup = setup(run, model, &source);
-    let init = model.init_params(SEED);
-    let mut states: Vec<WorkerState> = (0..run.schedule.workers())
-        .map(|w| WorkerState::new(&setup, w, &init, cfg))
-        .collect();
+    let mut states = common::worker_states(&setup, &model.init_params(SEED), cfg);
     let outs = run_threads(&setup, &mut states, eps, make).unwrap_or_else(|e| panic!("{e}"));
     (states, outs)
 }
 
-/// [`reference`] with optimizer `cfg`.
+/// [`pipelined_over`] with every worker on its own emulated device: the final weights.
+fn on_emulated_devices<T: pipe_transport::Transport>(
+    run: &RunPlan,
+    model: &Model,
+    eps: Vec<T>,
+) -> Vec<WorkerState> {
+    let on_devices = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
+    pipelined_on(run, model, eps, opt(), on_devices).0
+}
+
+/// Endpoints of `workers` workers over QUIC on this host.
+fn quic(workers: u32) -> Vec<pipe_transport::quic::Quic> {
+    pipe_transport::quic::local_mesh(workers, &pipe_transport::quic::QuicOptions::new(SEED))
+        .unwrap()
+}
+
+/// Asserts that the workers of two runs of one plan hold the same weights, stage by stage, bit
+/// for bit; `what` names the case.
+#[track_caller]
+fn assert_same_weights(a: &[WorkerState], b: &[WorkerState], what: &str) {
+    for (a, b) in a.iter().zip(b) {
+        for (sa, sb) in a.stages.iter().zip(&b.stages) {
+            assert_eq!(
+                bits(&sa.params),
+                bits(&sb.params),
+                "{what}: worker {} stage {}",
+                a.worker,
+                sa.stage
+            );
+        }
+    }
+}
+
+/// The reference trainer's weights per stage under optimizer `cfg`.
 fn reference_with(run: &RunPlan, model: &Model, cfg: OptimizerConfig) -> Vec<Params> {
     let source = source();
-    let setup = setup(run, model, &source);
-    reference_train(
-        &CpuBackend::new(1).unwrap(),
-        &setup,
-        &model.init_params(SEED),
-        cfg,
-    )
-    .unwrap()
-}
-
-fn bits(p: &Params) -> Vec<u32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().map(|x| x.to_bits()))
-        .collect()
-}
-
-fn flat(p: &Params) -> Vec<f32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().copied())
-        .collect()
+    common::reference(&setup(run, model, &source), &model.init_params(SEED), cfg)
 }
 
 /// Whole-model weights from replica 0 of each stage.
 fn assemble(run: &RunPlan, states: &[WorkerState]) -> Vec<f32> {
-    let layout = run.schedule.layout();
-    let mut out = Vec::new();
-    for s in 0..run.schedule.stages() {
-        let w = layout.worker_for(s, 0);
-        let st = states[w as usize]
-            .stages
-            .iter()
-            .find(|x| x.stage == s)
-            .unwrap();
-        out.extend(flat(&st.params));
-    }
-    out
+    first_replicas(run, states)
+        .into_iter()
+        .flat_map(|p| flat(p))
+        .collect()
 }
 
 fn check_case(spec: &ScheduleSpec, model: &Model) {
@@ -211,16 +186,7 @@ fn check_case(spec: &ScheduleSpec, model: &Model) {
     }
     let layout = run.schedule.layout();
     // Weights: every replica of every stage equals the reference, bit for bit.
-    for state in &states {
-        for st in &state.stages {
-            assert!(
-                bits(&st.params) == bits(&want[st.stage as usize]),
-                "{spec:?}: worker {} stage {} differs from the reference",
-                state.worker,
-                st.stage
-            );
-        }
-    }
+    assert_reference_weights(&states, &want, &format!("{spec:?}"));
     // Version logs equal the plan, and stashes hold no more versions than the plan needs.
     for out in &outs {
         assert_eq!(
@@ -335,6 +301,34 @@ fn pipelined_runs_equal_the_reference_trainer() {
     }
 }
 
+/// AdamW with decoupled weight decay 0.05.
+fn adamw() -> OptimizerConfig {
+    OptimizerConfig {
+        kind: OptimizerKind::Adamw,
+        weight_decay: 0.05,
+        ..OptimizerConfig::default()
+    }
+}
+
+/// Muon with Nesterov momentum 0.95 (AdamW for what is not a hidden matrix).
+fn muon() -> OptimizerConfig {
+    OptimizerConfig {
+        kind: OptimizerKind::Muon,
+        momentum: 0.95,
+        nesterov: true,
+        ..OptimizerConfig::default()
+    }
+}
+
+/// Lion with `beta2` 0.99.
+fn lion() -> OptimizerConfig {
+    OptimizerConfig {
+        kind: OptimizerKind::Lion,
+        beta2: 0.99,
+        ..OptimizerConfig::default()
+    }
+}
+
 /// The cases of the optimizer oracles: each policy at 4 stages and at 3 with replicas
 /// `[1, 3, 1]`, for 12 updates of 2 microbatches (4 for 2bw, which needs one per stage).
 fn oracle_specs(policies: &[Policy]) -> Vec<(Policy, Vec<u32>, ScheduleSpec)> {
@@ -362,44 +356,27 @@ fn oracle_specs(policies: &[Policy]) -> Vec<(Policy, Vec<u32>, ScheduleSpec)> {
 /// `[1, 3, 1]` (three replicas summed in ring order).
 #[test]
 fn other_optimizers_and_dropout_equal_the_reference_trainer() {
-    let base = OptimizerConfig::default();
+    let decayed = |weight_decay, cfg| OptimizerConfig {
+        weight_decay,
+        ..cfg
+    };
     let optimizers = [
         OptimizerConfig {
             kind: OptimizerKind::Adam,
-            ..base
+            ..OptimizerConfig::default()
         },
-        OptimizerConfig {
-            kind: OptimizerKind::Adamw,
-            weight_decay: 0.05,
-            ..base
-        },
+        adamw(),
         // Decay on the linear maps' matrices only, not the biases.
         OptimizerConfig {
-            kind: OptimizerKind::Adamw,
-            weight_decay: 0.05,
             decay_groups: pipe_stages::optim::DecayGroups::Matrices,
-            ..base
+            ..adamw()
         },
         OptimizerConfig {
-            kind: OptimizerKind::Sgd,
-            momentum: 0.9,
             nesterov: true,
-            weight_decay: 1e-3,
-            ..base
+            ..decayed(1e-3, opt())
         },
-        OptimizerConfig {
-            kind: OptimizerKind::Muon,
-            momentum: 0.95,
-            nesterov: true,
-            weight_decay: 0.01,
-            ..base
-        },
-        OptimizerConfig {
-            kind: OptimizerKind::Lion,
-            beta2: 0.99,
-            weight_decay: 0.1,
-            ..base
-        },
+        decayed(0.01, muon()),
+        decayed(0.1, lion()),
     ];
     let mut dropout = ModelSpec::preset("mlp-784-16x8-10").unwrap();
     dropout.layers = dropout
@@ -430,18 +407,9 @@ fn other_optimizers_and_dropout_equal_the_reference_trainer() {
             let eps = mesh(run.schedule.workers(), &InProcOptions::default());
             let (states, _) = pipelined_with(&run, model, eps, cfg);
             let want = reference_with(&run, model, cfg);
-            for state in &states {
-                for st in &state.stages {
-                    assert!(
-                        bits(&st.params) == bits(&want[st.stage as usize]),
-                        "{policy} {replicas:?} {:?} (dropout: {}): worker {} stage {} differs",
-                        cfg.kind,
-                        model.len() > plain.len(),
-                        state.worker,
-                        st.stage
-                    );
-                }
-            }
+            let dropout = model.len() > plain.len();
+            let case = format!("{policy} {replicas:?} {:?} (dropout: {dropout})", cfg.kind);
+            assert_reference_weights(&states, &want, &case);
         }
     }
 }
@@ -456,30 +424,7 @@ fn other_optimizers_and_dropout_equal_the_reference_trainer() {
 #[test]
 fn delay_corrections_equal_the_reference_trainer_on_every_asynchronous_policy() {
     use pipe_stages::optim::DelayCorrection;
-    let base = OptimizerConfig::default();
-    let kinds = [
-        OptimizerConfig {
-            kind: OptimizerKind::Sgd,
-            momentum: 0.9,
-            ..base
-        },
-        OptimizerConfig {
-            kind: OptimizerKind::Adamw,
-            weight_decay: 0.05,
-            ..base
-        },
-        OptimizerConfig {
-            kind: OptimizerKind::Muon,
-            momentum: 0.95,
-            nesterov: true,
-            ..base
-        },
-        OptimizerConfig {
-            kind: OptimizerKind::Lion,
-            beta2: 0.99,
-            ..base
-        },
-    ];
+    let kinds = [opt(), adamw(), muon(), lion()];
     let corrections = [
         (DelayCorrection::ErrorFeedback, 0.5),
         (DelayCorrection::DcAsgd, 2.0),
@@ -565,23 +510,8 @@ fn quic_runs_equal_in_process_runs() {
                 .with_length(Length::Updates(6));
             let run = prepare(&spec, &model);
             let (inproc, _) = pipelined(&run, &model);
-            let eps = pipe_transport::quic::local_mesh(
-                run.schedule.workers(),
-                &pipe_transport::quic::QuicOptions::new(SEED),
-            )
-            .unwrap();
-            let (quic, _) = pipelined_over(&run, &model, eps);
-            for (a, b) in inproc.iter().zip(&quic) {
-                for (sa, sb) in a.stages.iter().zip(&b.stages) {
-                    assert_eq!(
-                        bits(&sa.params),
-                        bits(&sb.params),
-                        "{policy} {replicas:?}: worker {} stage {}",
-                        a.worker,
-                        sa.stage
-                    );
-                }
-            }
+            let (quic, _) = pipelined_over(&run, &model, quic(run.schedule.workers()));
+            assert_same_weights(&inproc, &quic, &format!("{policy} {replicas:?}"));
         }
     }
 }
@@ -602,34 +532,17 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
         // One worker over the whole model, as a run with no pipeline flag is.
         (Policy::Sequential, vec![1], 1, 3),
     ] {
-        let spec = ScheduleSpec::new(policy, 3, m)
-            .with_replicas(replicas.clone())
-            .with_chunks(chunks)
-            .with_length(Length::Updates(4));
-        let run = prepare(&spec, &model);
+        let run = prepare(
+            &on_three(policy, m, &replicas, 4).with_chunks(chunks),
+            &model,
+        );
         let (cpu, _) = pipelined(&run, &model);
         let workers = run.schedule.workers();
-        let on_devices = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
         let inproc = mesh(workers, &InProcOptions::default());
-        let (in_process, _) = pipelined_on(&run, &model, inproc, opt(), on_devices);
-        let quic = pipe_transport::quic::local_mesh(
-            workers,
-            &pipe_transport::quic::QuicOptions::new(SEED),
-        )
-        .unwrap();
-        let (over_quic, _) = pipelined_on(&run, &model, quic, opt(), on_devices);
+        let in_process = on_emulated_devices(&run, &model, inproc);
+        let over_quic = on_emulated_devices(&run, &model, quic(workers));
         for (path, states) in [("in process", &in_process), ("over QUIC", &over_quic)] {
-            for (a, b) in cpu.iter().zip(states) {
-                for (sa, sb) in a.stages.iter().zip(&b.stages) {
-                    assert_eq!(
-                        bits(&sa.params),
-                        bits(&sb.params),
-                        "{policy} {replicas:?} {path}: worker {} stage {}",
-                        a.worker,
-                        sa.stage
-                    );
-                }
-            }
+            assert_same_weights(&cpu, states, &format!("{policy} {replicas:?} {path}"));
         }
     }
 }
@@ -640,25 +553,14 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
 #[test]
 fn three_replicas_on_devices_sum_on_the_devices_within_rounding_of_the_ring() {
     let model = model();
-    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 3)
-        .with_replicas(vec![3, 1, 1])
-        .with_length(Length::Updates(4));
-    let run = prepare(&spec, &model);
+    let run = prepare(&on_three(Policy::PipeDream, 3, &[3, 1, 1], 4), &model);
     let (cpu, _) = pipelined(&run, &model);
-    let workers = run.schedule.workers();
-    let on_devices = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
-    let inproc = mesh(workers, &InProcOptions::default());
-    let (devices, _) = pipelined_on(&run, &model, inproc, opt(), on_devices);
-    let values = |bits: Vec<u32>| -> Vec<f32> { bits.into_iter().map(f32::from_bits).collect() };
+    let inproc = mesh(run.schedule.workers(), &InProcOptions::default());
+    let devices = on_emulated_devices(&run, &model, inproc);
     let mut stage0 = Vec::new();
     for (a, b) in cpu.iter().zip(&devices) {
         for (sa, sb) in a.stages.iter().zip(&b.stages) {
-            let (want, got) = (values(bits(&sa.params)), values(bits(&sb.params)));
-            let worst = want
-                .iter()
-                .zip(&got)
-                .map(|(w, g)| (w - g).abs() / (1.0 + w.abs()))
-                .fold(0.0f32, f32::max);
+            let worst = common::worst_gap(&flat(&sb.params), &flat(&sa.params));
             assert!(
                 worst <= 1e-5,
                 "worker {} stage {}: {worst:e}",
@@ -682,26 +584,34 @@ fn equal_to_the_reference_in_process_and_over_quic(
     what: &dyn std::fmt::Display,
 ) -> Vec<Params> {
     let (inproc, _) = pipelined(run, model);
-    let eps = pipe_transport::quic::local_mesh(
-        run.schedule.workers(),
-        &pipe_transport::quic::QuicOptions::new(SEED),
-    )
-    .unwrap();
-    let (quic, _) = pipelined_over(run, model, eps);
+    let (quic, _) = pipelined_over(run, model, quic(run.schedule.workers()));
     let want = reference_with(run, model, opt());
     for states in [&inproc, &quic] {
-        for state in states {
-            for st in &state.stages {
-                assert!(
-                    bits(&st.params) == bits(&want[st.stage as usize]),
-                    "{what}: worker {} stage {} differs from the reference",
-                    state.worker,
-                    st.stage
-                );
-            }
-        }
+        assert_reference_weights(states, &want, &what.to_string());
     }
     want
+}
+
+/// Checks a run whose replicas of `stage` sum their gradients in buckets of 300 values: that
+/// stage's gradients make several buckets, the run equals the reference trainer in process and
+/// over QUIC, and `one_bucket` (the run with that stage summed in one bucket) ends the stage
+/// with other weights; `what` names the case.
+fn buckets_matter(
+    model: &Model,
+    run: &RunPlan,
+    one_bucket: &RunPlan,
+    stage: usize,
+    what: &dyn std::fmt::Display,
+) {
+    let grads = model.zero_grads(run.partition.range(stage));
+    let buckets = pipe_stages::pipeline::gradient_buckets(&grads, 300, 3);
+    assert!(buckets.len() >= 2, "{what}: {buckets:?}");
+    let want = equal_to_the_reference_in_process_and_over_quic(run, model, what);
+    let one = reference_with(one_bucket, model, opt());
+    assert!(
+        bits(&one[stage]) != bits(&want[stage]),
+        "{what}: stage {stage} summed in one bucket ends as in several"
+    );
 }
 
 /// All-reduce buckets of a few hundred values (a bucket per layer, each started during the
@@ -714,19 +624,9 @@ fn gradient_buckets_reduced_during_the_backward_pass_equal_the_reference() {
     let model = model();
     for policy in [Policy::PipeDream, Policy::TwoBw, Policy::OneFOneBFlush] {
         let m = if policy == Policy::TwoBw { 4 } else { 3 };
-        let spec = ScheduleSpec::new(policy, 3, m)
-            .with_replicas(vec![1, 3, 1])
-            .with_length(Length::Updates(6));
-        let run = prepare(&spec, &model).with_bucket_values(300);
-        let grads = model.zero_grads(run.partition.range(1));
-        let buckets = pipe_stages::pipeline::gradient_buckets(&grads, 300, 3);
-        assert!(buckets.len() >= 2, "{policy}: {buckets:?}");
-        let want = equal_to_the_reference_in_process_and_over_quic(&run, &model, &policy);
-        let one_bucket = reference_with(&run.clone().with_bucket_values(usize::MAX), &model, opt());
-        assert!(
-            bits(&one_bucket[1]) != bits(&want[1]),
-            "{policy}: one bucket summed like several"
-        );
+        let run = prepare(&on_three(policy, m, &[1, 3, 1], 6), &model).with_bucket_values(300);
+        let one_bucket = run.clone().with_bucket_values(usize::MAX);
+        buckets_matter(&model, &run, &one_bucket, 1, &policy);
     }
 }
 
@@ -737,24 +637,12 @@ fn gradient_buckets_reduced_during_the_backward_pass_equal_the_reference() {
 #[test]
 fn bucket_sizes_per_stage_equal_the_reference() {
     let model = model();
-    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 3)
-        .with_replicas(vec![3, 3, 1])
-        .with_length(Length::Updates(6));
+    let spec = on_three(Policy::PipeDream, 3, &[3, 3, 1], 6);
     let run = prepare(&spec, &model).with_stage_bucket_values(&[300, usize::MAX, 300]);
     assert_eq!(run.bucket_values_of(0), 300);
     assert_eq!(run.bucket_values_of(1), usize::MAX);
-    let grads = model.zero_grads(run.partition.range(0));
-    assert!(pipe_stages::pipeline::gradient_buckets(&grads, 300, 3).len() >= 2);
-    let want = equal_to_the_reference_in_process_and_over_quic(&run, &model, &"per stage");
-    let all_one = reference_with(
-        &run.clone().with_stage_bucket_values(&[usize::MAX; 3]),
-        &model,
-        opt(),
-    );
-    assert!(
-        bits(&all_one[0]) != bits(&want[0]),
-        "stage 0's buckets made no difference"
-    );
+    let all_one = run.clone().with_stage_bucket_values(&[usize::MAX; 3]);
+    buckets_matter(&model, &run, &all_one, 0, &"per stage");
 }
 
 /// `--allreduce-dtype bf16`: the replicas send bf16 and sum in f32. In process and over QUIC
@@ -765,9 +653,7 @@ fn bucket_sizes_per_stage_equal_the_reference() {
 fn a_bf16_all_reduce_equals_the_reference_and_stays_near_f32() {
     use pipe_transport::frame::WireDType;
     let model = model();
-    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 3)
-        .with_replicas(vec![1, 3, 1])
-        .with_length(Length::Updates(6));
+    let spec = on_three(Policy::PipeDream, 3, &[1, 3, 1], 6);
     let f32_run = prepare(&spec, &model).with_bucket_values(300);
     let run = f32_run.clone().with_allreduce_wire(WireDType::Bf16);
     let want = equal_to_the_reference_in_process_and_over_quic(&run, &model, &"bf16");
@@ -784,10 +670,7 @@ fn a_bf16_all_reduce_equals_the_reference_and_stays_near_f32() {
 fn a_bf16_wire_has_the_same_numerics_in_process_and_over_quic() {
     use pipe_transport::frame::WireDType;
     let model = model();
-    let spec = ScheduleSpec::new(Policy::PipeDream, 3, 4)
-        .with_replicas(vec![2, 1, 1])
-        .with_length(Length::Updates(6));
-    let run = prepare(&spec, &model);
+    let run = prepare(&on_three(Policy::PipeDream, 4, &[2, 1, 1], 6), &model);
     let workers = run.schedule.workers();
     let inproc = InProcOptions {
         wire: WireDType::Bf16,
@@ -889,21 +772,8 @@ fn small_setup_run(
     let model = Model::new(&ModelSpec::preset("mlp-4-4-4-2").unwrap()).unwrap();
     let plan = prepare(spec, &model);
     let schedule = &plan.schedule;
-    let setup = Setup {
-        model: &model,
-        plan: &plan,
-        data: source,
-        loss: &SoftmaxCrossEntropy,
-        seed: 1,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    };
-    let init = model.init_params(1);
-    let mut states: Vec<WorkerState> = (0..schedule.workers())
-        .map(|w| WorkerState::new(&setup, w, &init, opt()))
-        .collect();
+    let setup = common::setup(&model, &plan, source, 1, &lr);
+    let mut states = common::worker_states(&setup, &model.init_params(1), opt());
     let eps: Vec<Faulty<_>> = mesh(schedule.workers(), &InProcOptions::default())
         .into_iter()
         .enumerate()
@@ -991,18 +861,12 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
         Policy::VerticalSync,
     ] {
         for replicas in [vec![1, 1, 1], vec![2, 1, 1]] {
-            let spec = ScheduleSpec::new(policy, 3, 2)
-                .with_replicas(replicas.clone())
-                .with_length(Length::Updates(3));
-            let run = prepare(&spec, &model);
+            let run = prepare(&on_three(policy, 2, &replicas, 3), &model);
             let per_segment = run.schedule.total_microbatches() as usize;
             let init = model.init_params(SEED);
             // Segment k reads the epoch's order from its first unused sample on.
             let source_at = |k: usize| {
-                let mut order =
-                    data()
-                        .train
-                        .epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled);
+                let mut order = source().order.to_vec();
                 order.drain(..k * per_segment * MB);
                 OrderedSource::new(&data().train, order, MB)
             };
@@ -1010,17 +874,13 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
             let setups: Vec<Setup<'_>> = sources
                 .iter()
                 .enumerate()
-                .map(|(k, src)| Setup {
-                    microbatch_offset: (k * per_segment) as u64,
-                    ..setup(&run, &model, src)
+                .map(|(k, src)| {
+                    setup(&run, &model, src).with_microbatch_offset((k * per_segment) as u64)
                 })
                 .collect();
-            let mut states: Vec<WorkerState> = (0..run.schedule.workers())
-                .map(|w| WorkerState::new(&setups[0], w, &init, opt()))
-                .collect();
+            let mut states = common::worker_states(&setups[0], &init, opt());
             for s in &setups {
-                let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-                run_threads(s, &mut states, eps, |_| CpuBackend::new(1)).unwrap();
+                common::run_in_process(s, &mut states).unwrap();
             }
             let mut params = init.clone();
             let mut opts: Vec<Optimizer> = (0..run.schedule.stages() as usize)
@@ -1092,16 +952,7 @@ fn gradient_clipping_equals_the_reference_trainer_on_every_policy() {
                     .collect();
                 let want = reference_run(&be, &setup, &init, opts).unwrap();
                 let case = format!("{policy} {replicas:?} {kind:?}");
-                for state in &states {
-                    for st in &state.stages {
-                        assert!(
-                            bits(&st.params) == bits(&want.params[st.stage as usize]),
-                            "{case}: worker {} stage {} differs",
-                            state.worker,
-                            st.stage
-                        );
-                    }
-                }
+                assert_reference_weights(&states, &want.params, &case);
                 let logged: Vec<f64> = outs
                     .iter()
                     .flat_map(|o| o.grad_norms.iter().map(|&(_, n)| n))

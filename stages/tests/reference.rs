@@ -6,15 +6,14 @@
 //! and that optimizer state carried across drain points is the state a single loop keeps.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::OnceLock;
+mod common;
 
+use common::{bits, data, flat, opt, reference, sgd};
 use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
-use pipe_stages::data::{Splits, mnist};
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
-use pipe_stages::pipeline::{OrderedSource, RunPlan, Setup, reference_train, reference_train_from};
+use pipe_stages::pipeline::{OrderedSource, RunPlan, Setup, reference_train_from};
 use pipe_stages::train::{StepState, train_step};
 
 const SEED: u64 = 5;
@@ -23,23 +22,12 @@ const MB: usize = 8;
 /// Microbatches per update.
 const M: u32 = 3;
 
-fn data() -> &'static Splits {
-    static DATA: OnceLock<Splits> = OnceLock::new();
-    DATA.get_or_init(|| mnist(None).unwrap())
-}
-
 fn lr(_stage: u32, k: u32) -> f32 {
     0.05 / (1.0 + 0.1 * k as f32)
 }
 
 fn source(epoch: u64) -> OrderedSource<'static> {
-    OrderedSource::new(
-        &data().train,
-        data()
-            .train
-            .epoch_order(SEED, epoch, pipe_stages::data::DataOrder::Shuffled),
-        MB,
-    )
+    common::shuffled(&data().train, SEED, epoch, MB)
 }
 
 /// One stage, `sequential`, `updates` updates of `M` microbatches.
@@ -51,24 +39,7 @@ fn plan(model: &Model, updates: u32) -> RunPlan {
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
-    Setup {
-        model,
-        plan: run,
-        data: source,
-        loss: &SoftmaxCrossEntropy,
-        seed: SEED,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    }
-}
-
-fn flat(p: &Params) -> Vec<f32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().copied())
-        .collect()
+    common::setup(model, run, source, SEED, &lr)
 }
 
 /// The largest difference between `a` and `b` over the largest magnitude in `b`.
@@ -124,30 +95,14 @@ fn plain_loop(
 fn optimizers() -> Vec<(&'static str, OptimizerConfig)> {
     let base = OptimizerConfig::default();
     vec![
-        (
-            "sgd",
-            OptimizerConfig {
-                kind: OptimizerKind::Sgd,
-                momentum: 0.0,
-                ..base
-            },
-        ),
-        (
-            "momentum",
-            OptimizerConfig {
-                kind: OptimizerKind::Sgd,
-                momentum: 0.9,
-                ..base
-            },
-        ),
+        ("sgd", sgd(0.0)),
+        ("momentum", opt()),
         (
             "nesterov",
             OptimizerConfig {
-                kind: OptimizerKind::Sgd,
-                momentum: 0.9,
                 nesterov: true,
                 weight_decay: 1e-3,
-                ..base
+                ..opt()
             },
         ),
         (
@@ -181,17 +136,10 @@ fn the_reference_trainer_equals_the_plain_loop_for_every_optimizer() {
     let src = source(1);
     let init = model.init_params(SEED);
     for (name, cfg) in optimizers() {
-        let want = reference_train(
-            &CpuBackend::new(1).unwrap(),
-            &setup(&run, &model, &src),
-            &init,
-            cfg,
-        )
-        .unwrap();
+        let want = reference(&setup(&run, &model, &src), &init, cfg);
         let mut params = init.clone();
         let mut opt = Optimizer::new(cfg, &params, NO_ROLES);
         plain_loop(&model, &mut params, &mut opt, &src, 0, updates);
-        let bits = |p: &Params| -> Vec<u32> { flat(p).iter().map(|v| v.to_bits()).collect() };
         let gap = relative_gap(&flat(&params), &flat(&want[0]));
         assert!(
             bits(&params) == bits(&want[0]),
@@ -276,30 +224,9 @@ fn one_sgd_step_of_the_reference_trainer_is_the_handwritten_update() {
     );
     // A bias that is not zero, so its gradient and update show.
     init[layer][1] = Tensor::from_vec(&[10], (0..10).map(|j| 0.01 * j as f32).collect()).unwrap();
-    let cfg = OptimizerConfig {
-        kind: OptimizerKind::Sgd,
-        momentum: 0.0,
-        ..OptimizerConfig::default()
-    };
-    let got = reference_train(
-        &CpuBackend::new(1).unwrap(),
-        &setup(&run, &model, &src),
-        &init,
-        cfg,
-    )
-    .unwrap();
-    let w: Vec<f64> = init[layer][0]
-        .host()
-        .unwrap()
-        .iter()
-        .map(|&v| v.into())
-        .collect();
-    let b: Vec<f64> = init[layer][1]
-        .host()
-        .unwrap()
-        .iter()
-        .map(|&v| v.into())
-        .collect();
+    let got = reference(&setup(&run, &model, &src), &init, sgd(0.0));
+    let wide = |t: &Tensor| -> Vec<f64> { t.host().unwrap().iter().map(|&v| v.into()).collect() };
+    let (w, b) = (wide(&init[layer][0]), wide(&init[layer][1]));
     let (inputs, classes) = (784, 10);
     let samples = M as usize * MB;
     let (x, y) = src.data.gather(&src.order[..samples]).unwrap();

@@ -4,49 +4,23 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{bits, load};
 use pipe_scheduler::Policy;
-use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
-use pipe_stages::data::SyntheticConfig;
+use pipe_stages::config::{RunConfig, TrainSettings};
 use pipe_stages::model::Params;
 use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined, train_reference};
 use pipe_stages::remedy::LrScaling;
-use pipe_stages::train::load_data;
 
+/// Two epochs of `policy` on four stages ([`common::small_pipeline`]).
 fn settings(policy: Policy, microbatches: usize) -> TrainSettings {
-    TrainSettings {
-        model: Some(ModelChoice::Preset("mlp-32-48x3-4".into())),
-        dataset: Some(DatasetKind::Synthetic),
-        synthetic: Some(SyntheticConfig {
-            inputs: 32,
-            classes: 4,
-            hidden: 16,
-            train: 768,
-            test: 128,
-        }),
-        epochs: Some(2),
-        microbatch_size: Some(16),
-        microbatches: Some(microbatches),
-        lr: Some(0.1),
-        momentum: Some(0.9),
-        seed: Some(3),
-        threads: Some(1),
-        stages: Some(4),
-        schedule: Some(policy.name().into()),
-        partition: Some("flops".into()),
-        ..TrainSettings::default()
-    }
-}
-
-fn bits(p: &Params) -> Vec<u32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().map(|v| v.to_bits()))
-        .collect()
+    common::small_pipeline(policy, 4, microbatches)
 }
 
 fn pipelined(cfg: &RunConfig, ledger: bool) -> pipe_stages::pipeline::PipelineReport {
-    let data = load_data(cfg, &pipe_stages::model::Model::new(&cfg.model).unwrap()).unwrap();
+    let data = load(cfg);
     let opts = PipelineTrainOptions {
         ledger,
         ..PipelineTrainOptions::default()
@@ -55,8 +29,7 @@ fn pipelined(cfg: &RunConfig, ledger: bool) -> pipe_stages::pipeline::PipelineRe
 }
 
 fn reference(cfg: &RunConfig) -> (Params, Vec<f64>) {
-    let data = load_data(cfg, &pipe_stages::model::Model::new(&cfg.model).unwrap()).unwrap();
-    train_reference(cfg, &data).unwrap_or_else(|e| panic!("{e}"))
+    train_reference(cfg, &load(cfg)).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]

@@ -6,19 +6,15 @@
 
 use std::path::PathBuf;
 
+mod common;
+
 use pipe_stages::data::{Samples, token_corpus};
 use pipe_stages::shards::{Holdout, ShardWriter, read_manifest, token_splits};
 use pipe_stages::tokenizer::{TextTokenizer, is_safe_cut, split_at_safe_cuts};
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-shards-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 /// A corpus of the ids `0..n` (as bytes) in shards of `per_shard`.
 fn counting_corpus(name: &str, n: u32, per_shard: u64) -> PathBuf {
-    let dir = tmp(name);
+    let dir = common::fresh_path(name);
     let mut w = ShardWriter::create(&dir, &TextTokenizer::bytes(), per_shard).unwrap();
     let ids: Vec<u32> = (0..n).map(|i| i % 256).collect();
     w.push(&ids).unwrap();

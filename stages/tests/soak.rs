@@ -13,13 +13,13 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{data, even, opt};
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
-use pipe_stages::data::mnist;
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec};
-use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
-use pipe_stages::pipeline::{OrderedSource, Partition, RunPlan, Setup, WorkerState, run_threads};
+use pipe_stages::pipeline::{RunPlan, WorkerState, run_threads};
 use pipe_transport::Transport;
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::quic::{QuicOptions, local_mesh};
@@ -54,49 +54,20 @@ fn soak<T: Transport>(
     let _serial = SERIAL
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let data = mnist(None).unwrap();
     let model = Model::new(&ModelSpec::preset("mlp-784-32x3-10").unwrap()).unwrap();
     let spec = ScheduleSpec::new(Policy::PipeDream, 3, 4)
         .with_replicas(vec![1, 2, 1])
         .with_length(Length::Updates(updates));
-    let n = model.len();
-    let ranges = (0..3).map(|i| i * n / 3..(i + 1) * n / 3).collect();
-    let run = RunPlan::new(&model, &spec, Some(Partition::new(ranges, n).unwrap())).unwrap();
+    let run = RunPlan::new(&model, &spec, Some(even(model.len(), 3))).unwrap();
     let per_segment = u64::from(run.schedule.resolved.total);
-    let opt = OptimizerConfig {
-        kind: OptimizerKind::Sgd,
-        momentum: 0.9,
-        ..OptimizerConfig::default()
-    };
     let mut states: Vec<WorkerState> = Vec::new();
     let mut samples = Vec::new();
     let start = Instant::now();
     for seg in 0..segments {
-        let source = OrderedSource::new(
-            &data.train,
-            data.train.epoch_order(
-                1,
-                u64::from(seg) + 1,
-                pipe_stages::data::DataOrder::Shuffled,
-            ),
-            4,
-        );
-        let setup = Setup {
-            model: &model,
-            plan: &run,
-            data: &source,
-            loss: &SoftmaxCrossEntropy,
-            seed: 1,
-            microbatch_offset: 0,
-            lr: &lr,
-            progress: None,
-            prediction: Default::default(),
-        };
+        let source = common::shuffled(&data().train, 1, u64::from(seg) + 1, 4);
+        let setup = common::setup(&model, &run, &source, 1, &lr);
         if states.is_empty() {
-            let init = model.init_params(1);
-            states = (0..run.schedule.workers())
-                .map(|w| WorkerState::new(&setup, w, &init, opt))
-                .collect();
+            states = common::worker_states(&setup, &model.init_params(1), opt());
         }
         let outs = run_threads(&setup, &mut states, mesh_for(seg), |_| CpuBackend::new(1))
             .unwrap_or_else(|e| panic!("{name}, segment {seg}: {e}"));

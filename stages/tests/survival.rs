@@ -6,39 +6,22 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use pipe_scheduler::Policy;
-use pipe_stages::config::{DatasetKind, ModelChoice, TrainSettings};
-use pipe_stages::data::SyntheticConfig;
+use pipe_stages::config::TrainSettings;
 use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::survive::{LayoutChange, LayoutEvent};
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
-use pipe_stages::train::{EpochStats, load_data};
+use pipe_stages::train::EpochStats;
 use pipe_transport::fault::{Fault, FaultSchedule, ScheduledFault};
 
-/// Three epochs of PipeDream on two stages of two replicas each.
+/// Three epochs of PipeDream on two stages of two replicas each ([`common::small_pipeline`]).
 fn settings() -> TrainSettings {
     TrainSettings {
-        model: Some(ModelChoice::Preset("mlp-32-48x3-4".into())),
-        dataset: Some(DatasetKind::Synthetic),
-        synthetic: Some(SyntheticConfig {
-            inputs: 32,
-            classes: 4,
-            hidden: 16,
-            train: 768,
-            test: 128,
-        }),
         epochs: Some(3),
-        microbatch_size: Some(16),
-        microbatches: Some(2),
-        lr: Some(0.1),
-        momentum: Some(0.9),
-        seed: Some(3),
-        threads: Some(1),
-        stages: Some(2),
         replicas: Some(vec![2, 2]),
-        schedule: Some(Policy::PipeDream.name().into()),
-        partition: Some("flops".into()),
-        ..TrainSettings::default()
+        ..common::small_pipeline(Policy::PipeDream, 2, 2)
     }
 }
 
@@ -63,7 +46,7 @@ impl Observer for Seen {
 /// Runs the settings with worker 3 panicking in the second segment (the second epoch).
 fn run(rejoin: bool) -> (pipe_stages::pipeline::PipelineReport, Seen) {
     let cfg = settings().resolve().unwrap();
-    let data = load_data(&cfg, &pipe_stages::model::Model::new(&cfg.model).unwrap()).unwrap();
+    let data = common::load(&cfg);
     let opts = PipelineTrainOptions {
         ledger: true,
         rejoin,

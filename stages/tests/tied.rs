@@ -7,16 +7,15 @@
     clippy::single_range_in_vec_init
 )]
 
-use pipe_kernels::{CpuBackend, Tensor};
+mod common;
+
+use common::{reference, run_in_process, worker_states};
+use pipe_kernels::Tensor;
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::layers::LayerSpec;
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Tie};
-use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
-use pipe_stages::pipeline::{
-    MicrobatchSource, Partition, RunPlan, Setup, WorkerState, reference_train, run_threads,
-};
-use pipe_transport::inproc::{InProcOptions, mesh};
+use pipe_stages::optim::OptimizerConfig;
+use pipe_stages::pipeline::{MicrobatchSource, Partition, RunPlan, Setup};
 
 const LR: f32 = 0.1;
 
@@ -58,11 +57,7 @@ impl MicrobatchSource for Fixed {
 }
 
 fn plain_sgd() -> OptimizerConfig {
-    OptimizerConfig {
-        kind: OptimizerKind::Sgd,
-        momentum: 0.0,
-        ..OptimizerConfig::default()
-    }
+    common::sgd(0.0)
 }
 
 fn lr(_: u32, _: u32) -> f32 {
@@ -80,17 +75,7 @@ fn plan(model: &Model, policy: Policy, stages: u32, updates: u32) -> RunPlan {
 }
 
 fn setup<'a>(model: &'a Model, plan: &'a RunPlan) -> Setup<'a> {
-    Setup {
-        model,
-        plan,
-        data: &Fixed,
-        loss: &SoftmaxCrossEntropy,
-        seed: 3,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    }
+    common::setup(model, plan, &Fixed, 3, &lr)
 }
 
 /// `W - lr * dL/dW` for `y = (x W) W`, mean cross-entropy, computed in f64 by hand.
@@ -183,9 +168,11 @@ fn bad_ties_are_refused() {
 fn reference_trainer_sums_both_uses_across_stages_as_computed_by_hand() {
     let model = tied_model();
     let init = model.init_params(3);
-    let plan = plan(&model, Policy::Gpipe, 2, 1);
-    let be = CpuBackend::new(1).unwrap();
-    let out = reference_train(&be, &setup(&model, &plan), &init, plain_sgd()).unwrap();
+    let out = reference(
+        &setup(&model, &plan(&model, Policy::Gpipe, 2, 1)),
+        &init,
+        plain_sgd(),
+    );
     let want = hand_update(init[0][0].host().unwrap());
     for stage in &out {
         let got = stage[0][0].host().unwrap();
@@ -203,33 +190,24 @@ fn reference_trainer_sums_both_uses_across_stages_as_computed_by_hand() {
 fn stashing_keeps_the_copies_equal_and_the_executor_matches_on_one_and_two_stages() {
     let model = tied_model();
     let init = model.init_params(3);
-    let be = CpuBackend::new(1).unwrap();
     // Two stages under PipeDream: each stage reads its own planned version; copies stay equal.
     let two = plan(&model, Policy::PipeDream, 2, 12);
-    let out = reference_train(&be, &setup(&model, &two), &init, plain_sgd()).unwrap();
+    let out = reference(&setup(&model, &two), &init, plain_sgd());
     assert_eq!(out[0][0][0], out[1][0][0]);
     assert_ne!(out[0][0][0], init[0][0], "it trained");
     // The executor exchanges the tied gradients between the two stages: bit for bit the
     // reference, both copies equal.
     let s = setup(&model, &two);
-    let mut states: Vec<WorkerState> = (0..2)
-        .map(|w| WorkerState::new(&s, w, &init, plain_sgd()))
-        .collect();
-    run_threads(&s, &mut states, mesh(2, &InProcOptions::default()), |_| {
-        CpuBackend::new(1)
-    })
-    .unwrap();
+    let mut states = worker_states(&s, &init, plain_sgd());
+    run_in_process(&s, &mut states).unwrap();
     assert_eq!(states[0].stages[0].params, out[0]);
     assert_eq!(states[1].stages[0].params, out[1]);
     // On one stage the executor sums both uses itself, bit for bit like the reference.
     let one = plan(&model, Policy::Sequential, 1, 12);
     let s = setup(&model, &one);
-    let want = reference_train(&be, &s, &init, plain_sgd()).unwrap();
-    let mut states = vec![WorkerState::new(&s, 0, &init, plain_sgd())];
-    run_threads(&s, &mut states, mesh(1, &InProcOptions::default()), |_| {
-        CpuBackend::new(1)
-    })
-    .unwrap();
+    let want = reference(&s, &init, plain_sgd());
+    let mut states = worker_states(&s, &init, plain_sgd());
+    run_in_process(&s, &mut states).unwrap();
     assert_eq!(states[0].stages[0].params, want[0]);
     assert_eq!(want[0][0][0], want[0][1][0]);
 }
@@ -240,7 +218,6 @@ fn stashing_keeps_the_copies_equal_and_the_executor_matches_on_one_and_two_stage
 fn tied_stages_with_replicas_match_the_reference() {
     let model = tied_model();
     let init = model.init_params(3);
-    let be = CpuBackend::new(1).unwrap();
     for (policy, replicas) in [
         (Policy::OneFOneBFlush, vec![2, 1]),
         (Policy::OneFOneBFlush, vec![1, 3]),
@@ -256,18 +233,9 @@ fn tied_stages_with_replicas_match_the_reference() {
         )
         .unwrap();
         let s = setup(&model, &run);
-        let want = reference_train(&be, &s, &init, plain_sgd()).unwrap();
-        let workers = run.schedule.workers();
-        let mut states: Vec<WorkerState> = (0..workers)
-            .map(|w| WorkerState::new(&s, w, &init, plain_sgd()))
-            .collect();
-        run_threads(
-            &s,
-            &mut states,
-            mesh(workers, &InProcOptions::default()),
-            |_| CpuBackend::new(1),
-        )
-        .unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
+        let want = reference(&s, &init, plain_sgd());
+        let mut states = worker_states(&s, &init, plain_sgd());
+        run_in_process(&s, &mut states).unwrap_or_else(|e| panic!("{policy} {replicas:?}: {e}"));
         for st in &states {
             let stage = st.stages[0].stage as usize;
             assert_eq!(

@@ -4,9 +4,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{bits, load};
 use pipe_kernels::{Backend, CpuBackend, Tensor};
-use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
-use pipe_stages::data::{Splits, SyntheticConfig};
+use pipe_stages::config::{ModelChoice, RunConfig, TrainSettings};
+use pipe_stages::data::Splits;
 use pipe_stages::model::{Model, Params};
 use pipe_stages::optim::{LrScheduleKind, NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::Quiet;
@@ -21,37 +24,20 @@ fn train(cfg: &RunConfig, data: &Splits) -> TrainReport {
 
 fn settings() -> TrainSettings {
     TrainSettings {
-        model: Some(ModelChoice::Preset("mlp-32-64-64-4".into())),
-        dataset: Some(DatasetKind::Synthetic),
-        synthetic: Some(SyntheticConfig {
-            inputs: 32,
-            classes: 4,
-            hidden: 16,
-            train: 2048,
-            test: 512,
-        }),
         epochs: Some(8),
         microbatch_size: Some(32),
         microbatches: Some(2),
         lr: Some(0.05),
         seed: Some(7),
-        ..TrainSettings::default()
+        ..common::on_teacher("mlp-32-64-64-4", [32, 4, 16, 2048, 512])
     }
-}
-
-fn bits(p: &Params) -> Vec<u32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().map(|v| v.to_bits()))
-        .collect()
 }
 
 #[test]
 fn learns_the_synthetic_teacher() {
     let cfg = settings().resolve().unwrap();
     assert!(!cfg.pipelined);
-    let model = Model::new(&cfg.model).unwrap();
-    let data = load_data(&cfg, &model).unwrap();
+    let data = load(&cfg);
     let r = train(&cfg, &data);
     let last = r.epochs.last().unwrap();
     assert!(last.test_accuracy > 0.8, "accuracy {}", last.test_accuracy);
@@ -62,18 +48,11 @@ fn learns_the_synthetic_teacher() {
 fn reproducible_and_thread_count_independent() {
     let mut s = settings();
     s.epochs = Some(1);
-    s.model = Some(ModelChoice::Preset("mlp-32-512-300-4".into()));
-    s.synthetic = Some(SyntheticConfig {
-        inputs: 32,
-        classes: 4,
-        hidden: 16,
-        train: 1024,
-        test: 64,
-    });
+    let wide = common::on_teacher("mlp-32-512-300-4", [32, 4, 16, 1024, 64]);
+    (s.model, s.synthetic) = (wide.model, wide.synthetic);
     s.microbatch_size = Some(256);
     let cfg = s.resolve().unwrap();
-    let model = Model::new(&cfg.model).unwrap();
-    let data = load_data(&cfg, &model).unwrap();
+    let data = load(&cfg);
     let runs: Vec<Vec<u32>> = [1usize, 2, 2, 3]
         .iter()
         .map(|&threads| {
@@ -102,8 +81,7 @@ fn steps_cap_and_config_errors() {
     let mut s = settings();
     s.steps = Some(5);
     let cfg = s.resolve().unwrap();
-    let model = Model::new(&cfg.model).unwrap();
-    let data = load_data(&cfg, &model).unwrap();
+    let data = load(&cfg);
     let r = train(&cfg, &data);
     assert_eq!(r.steps, 5);
     for bad in [

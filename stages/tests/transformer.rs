@@ -7,17 +7,17 @@
 
 use std::sync::OnceLock;
 
+mod common;
+
+use common::{assert_reference_weights, bits, reference, run_in_process, worker_states};
 use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::data::{Splits, char_corpus};
 use pipe_stages::layer::{Keep, Recompute, Saved, StageRecompute};
 use pipe_stages::layers::LayerSpec;
-use pipe_stages::loss::SoftmaxCrossEntropy;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{OptimizerConfig, OptimizerKind};
-use pipe_stages::pipeline::{
-    OrderedSource, Partition, RunPlan, Setup, WorkerState, reference_train, run_threads,
-};
+use pipe_stages::pipeline::{OrderedSource, Partition, RunPlan, Setup, run_threads};
 use pipe_stages::transformer::GptShape;
 use pipe_transport::inproc::{InProcOptions, mesh};
 
@@ -68,34 +68,11 @@ fn plan(model: &Model, spec: &ScheduleSpec) -> RunPlan {
 }
 
 fn source() -> OrderedSource<'static> {
-    OrderedSource::new(
-        &data().train,
-        data()
-            .train
-            .epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled),
-        2,
-    )
+    common::shuffled(&data().train, SEED, 1, 2)
 }
 
 fn setup<'a>(run: &'a RunPlan, model: &'a Model, source: &'a OrderedSource<'static>) -> Setup<'a> {
-    Setup {
-        model,
-        plan: run,
-        data: source,
-        loss: &SoftmaxCrossEntropy,
-        seed: SEED,
-        microbatch_offset: 0,
-        lr: &lr,
-        progress: None,
-        prediction: Default::default(),
-    }
-}
-
-fn bits(p: &[Vec<Tensor>]) -> Vec<u32> {
-    p.iter()
-        .flatten()
-        .flat_map(|t| t.host().unwrap().iter().map(|x| x.to_bits()))
-        .collect()
+    common::setup(model, run, source, SEED, &lr)
 }
 
 /// Runs `spec` pipelined on CPU workers and by the reference; every replica of every stage must
@@ -117,9 +94,7 @@ fn check_with(spec: &ScheduleSpec, tie: bool, devices: bool, opt: OptimizerConfi
     let source = source();
     let setup = setup(&run, &model, &source);
     let init = model.init_params(SEED);
-    let mut states: Vec<WorkerState> = (0..run.schedule.workers())
-        .map(|w| WorkerState::new(&setup, w, &init, opt))
-        .collect();
+    let mut states = worker_states(&setup, &init, opt);
     let eps = mesh(run.schedule.workers(), &InProcOptions::default());
     let backend = |w: u32| -> Result<Box<dyn pipe_kernels::Backend>, pipe_kernels::KernelError> {
         Ok(if devices {
@@ -151,17 +126,8 @@ fn check_with(spec: &ScheduleSpec, tie: bool, devices: bool, opt: OptimizerConfi
             assert_eq!(o.peak_device_bytes, 0, "worker {} on the CPU", o.worker);
         }
     }
-    let want = reference_train(&CpuBackend::new(1).unwrap(), &setup, &init, opt).unwrap();
-    for state in &states {
-        for st in &state.stages {
-            assert!(
-                bits(&st.params) == bits(&want[st.stage as usize]),
-                "{spec:?} tie {tie}: worker {} stage {} differs from the reference",
-                state.worker,
-                st.stage
-            );
-        }
-    }
+    let want = reference(&setup, &init, opt);
+    assert_reference_weights(&states, &want, &format!("{spec:?} tie {tie}"));
     for s in 0..run.schedule.stages() {
         assert!(run.versions.updates_at(s) >= 8, "{spec:?}: stage {s}");
     }
@@ -364,7 +330,6 @@ fn recomputed_activations_give_the_reference_weights() {
         })
         .collect();
     let plain = Model::new(&spec_with_dropout).unwrap();
-    let be = CpuBackend::new(1).unwrap();
     let init = plain.init_params(SEED);
     for what in ["full", "selective", "full,selective,none,full"] {
         let what: StageRecompute = what.parse().unwrap();
@@ -386,22 +351,10 @@ fn recomputed_activations_give_the_reference_weights() {
             let run = RunPlan::new(&plain, &case, Some(partition.unwrap())).unwrap();
             let source = source();
             let pipelined = setup(&run, &recomputing, &source);
-            let mut states: Vec<WorkerState> = (0..run.schedule.workers())
-                .map(|w| WorkerState::new(&pipelined, w, &init, opt()))
-                .collect();
-            let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-            run_threads(&pipelined, &mut states, eps, |_| CpuBackend::new(1)).unwrap();
-            let want = reference_train(&be, &setup(&run, &plain, &source), &init, opt()).unwrap();
-            for state in &states {
-                for st in &state.stages {
-                    assert!(
-                        bits(&st.params) == bits(&want[st.stage as usize]),
-                        "{what} {case:?}: worker {} stage {} differs",
-                        state.worker,
-                        st.stage
-                    );
-                }
-            }
+            let mut states = worker_states(&pipelined, &init, opt());
+            run_in_process(&pipelined, &mut states).unwrap();
+            let want = reference(&setup(&run, &plain, &source), &init, opt());
+            assert_reference_weights(&states, &want, &format!("{what} {case:?}"));
         }
     }
 }
@@ -501,32 +454,16 @@ fn packed_documents_give_the_reference_weights() {
             spec(Policy::ZbH1, 4),
         ] {
             let run = plan(&model, &case);
-            let order = packed.epoch_order(SEED, 1, pipe_stages::data::DataOrder::Shuffled);
-            let source = OrderedSource::new(packed, order, 2);
+            let source = common::shuffled(packed, SEED, 1, 2);
             let pipelined = setup(&run, &model, &source);
-            let mut states: Vec<WorkerState> = (0..run.schedule.workers())
-                .map(|w| WorkerState::new(&pipelined, w, &init, opt()))
-                .collect();
-            let eps = mesh(run.schedule.workers(), &InProcOptions::default());
-            run_threads(&pipelined, &mut states, eps, |_| CpuBackend::new(1)).unwrap();
-            let be = CpuBackend::new(1).unwrap();
-            let reference = self::model(true).with_documents(Some(end));
-            let want =
-                reference_train(&be, &setup(&run, &reference, &source), &init, opt()).unwrap();
-            for state in &states {
-                for st in &state.stages {
-                    assert!(
-                        bits(&st.params) == bits(&want[st.stage as usize]),
-                        "{recompute:?} {case:?}: worker {} stage {} differs",
-                        state.worker,
-                        st.stage
-                    );
-                }
-            }
+            let mut states = worker_states(&pipelined, &init, opt());
+            run_in_process(&pipelined, &mut states).unwrap();
+            let documents = self::model(true).with_documents(Some(end));
+            let want = reference(&setup(&run, &documents, &source), &init, opt());
+            assert_reference_weights(&states, &want, &format!("{recompute:?} {case:?}"));
             // Packing changes the training: the same windows unpacked give other weights.
             if recompute == Recompute::None && case == spec(Policy::PipeDream, 1) {
-                let unpacked =
-                    reference_train(&be, &setup(&run, &plain, &source), &init, opt()).unwrap();
+                let unpacked = reference(&setup(&run, &plain, &source), &init, opt());
                 assert_ne!(bits(&unpacked[3]), bits(&want[3]));
             }
         }

@@ -1,38 +1,55 @@
-//! Helpers the binary's integration tests share: running `pipe`, a run's output checked for
-//! success or for a one-line refusal, and the `done:` line's parts.
+//! Helpers the binary's integration tests share: scratch paths of a test's own, running `pipe`
+//! (to the end or in the background), a run's output checked for success, for a one-line
+//! refusal or for a failure, and the parts of its lines (`done:`, a lost replica's).
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
-/// A path `name` that no other call has returned: under this test binary's scratch folder
-/// (`TMP/pipe-SUITE-PID`), in a numbered folder of its own, so that tests running side by
-/// side never write or delete each other's files, and a file one run reads is never rewritten
-/// under it by another test. Nothing is at the path yet; its parent exists.
-pub fn fresh_path(suite: &str, name: &str) -> PathBuf {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir()
-        .join(format!("pipe-{suite}-{}", std::process::id()))
-        .join(n.to_string());
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+mod scratch;
+#[allow(unused_imports)] // Not every suite writes files.
+pub use scratch::{fresh_dir, fresh_file, fresh_path};
+
+/// The words of `line`, split at whitespace, as a command line's arguments (no quoting: a
+/// path goes on as an argument of its own).
+pub fn words(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
 }
 
-/// A new empty folder `name` of this test's own ([`fresh_path`]).
-pub fn fresh_dir(suite: &str, name: &str) -> PathBuf {
-    let d = fresh_path(suite, name);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// Writes the config file of a small synthetic run into `d` (`mlp-64-32x8-10` on 2,048
+/// samples of 64 features and 10 classes, one thread a worker, a flops partition) with the
+/// settings `more` (TOML lines) first; returns its path.
+pub fn small_config(d: &Path, more: &str) -> String {
+    let path = d.join("small.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "{more}dataset = \"synthetic\"\nmodel = \"mlp-64-32x8-10\"\nthreads = 1\n\
+             partition = \"flops\"\n\n[synthetic]\ninputs = 64\nclasses = 10\nhidden = 32\n\
+             train = 2048\ntest = 256\n"
+        ),
+    )
+    .unwrap();
+    path.to_str().unwrap().to_string()
 }
 
-/// Writes `text` to a file `name` of this call's own ([`fresh_path`]) and returns its path.
-pub fn fresh_file(suite: &str, name: &str, text: &str) -> PathBuf {
-    let p = fresh_path(suite, name);
-    std::fs::write(&p, text).unwrap();
-    p
+/// The `[model]` table of a small GPT over `vocab` token ids, context 32: an embedding of
+/// width 16, two blocks of two heads, a layer norm and the head.
+pub fn small_gpt(vocab: usize) -> String {
+    format!(
+        r#"[model]
+input = [32]
+layers = [
+  {{ type = "embedding", vocab = {vocab}, width = 16, context = 32 }},
+  {{ type = "transformer_block", width = 16, heads = 2 }},
+  {{ type = "transformer_block", width = 16, heads = 2 }},
+  {{ type = "layer_norm", features = 16 }},
+  {{ type = "lm_head", width = 16, vocab = {vocab} }},
+]
+"#
+    )
 }
 
 /// A path as the `&str` a command-line argument takes.
@@ -40,14 +57,50 @@ pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// Runs the `pipe` binary with `args` (no backtraces, so an error is its one line).
-pub fn pipe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pipe"))
-        .args(args)
+/// The `pipe` binary as a command with `args`, not yet run: no backtraces (so an error is its
+/// one line) and this test binary's cache directory ([`cache_dir`]).
+pub fn pipe_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pipe"));
+    cmd.args(args)
         .env_remove("RUST_BACKTRACE")
-        .env("PIPE_CACHE_DIR", cache_dir())
+        .env("PIPE_CACHE_DIR", cache_dir());
+    cmd
+}
+
+/// Runs the `pipe` binary with `args` ([`pipe_command`]) to its end.
+pub fn pipe(args: &[&str]) -> Output {
+    pipe_command(args).output().expect("run pipe")
+}
+
+/// Runs the `pipe` binary with `args` and its cache in `cache`, a directory of the caller's
+/// own.
+pub fn pipe_cached(cache: &Path, args: &[&str]) -> Output {
+    pipe_command(args)
+        .env("PIPE_CACHE_DIR", cache)
         .output()
         .expect("run pipe")
+}
+
+/// Starts `cmd` in the background with its standard output and error piped.
+pub fn spawn_piped(cmd: &mut Command) -> Child {
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start pipe")
+}
+
+/// Waits until `path` exists (a checkpoint a running run writes), failing after 60 s.
+#[track_caller]
+pub fn wait_for(path: &Path) {
+    let started = Instant::now();
+    while !path.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no checkpoint: {} did not appear",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// The cache directory the tests' runs use (`PIPE_CACHE_DIR`): one per test binary, so that
@@ -67,6 +120,45 @@ pub fn refused(out: &Output, needles: &[&str]) {
     for n in needles {
         assert!(lines[0].contains(n), "expected '{n}' in {err}");
     }
+}
+
+/// Asserts that a run was refused as bad input ([`refused`] with `needle`), on a line that
+/// starts `error: `, with no panic or backtrace.
+#[track_caller]
+pub fn assert_bad_input(args: &[&str], needle: &str) {
+    let out = pipe(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "args {args:?}: stderr {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line expected, got {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(lines[0].contains(needle), "expected '{needle}' in '{err}'");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{err}"
+    );
+}
+
+/// [`assert_bad_input`] for each of `cases`: the arguments as one line ([`words`]) and what
+/// the error line says.
+#[track_caller]
+pub fn assert_bad_inputs(cases: &[(&str, &str)]) {
+    for (args, needle) in cases {
+        assert_bad_input(&words(args), needle);
+    }
+}
+
+/// Asserts that a run failed (exit 1) with the last line of its standard error holding
+/// `needle`; returns its standard error.
+#[track_caller]
+pub fn failed(out: &Output, needle: &str) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.lines().last().is_some_and(|l| l.contains(needle)),
+        "{err}"
+    );
+    err
 }
 
 /// Asserts that a run succeeded and returns its standard output (both streams in the
@@ -121,17 +213,32 @@ pub fn resumed_from(line: &str) -> u64 {
         .unwrap_or_else(|| panic!("no update in {line}"))
 }
 
+/// The first line of `text` (a run's output) that starts with `prefix`.
+#[track_caller]
+pub fn line_starting<'t>(text: &'t str, prefix: &str) -> &'t str {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line starting '{prefix}': {text}"))
+}
+
+/// From a run's output: the line that reports a lost replica (starting with `lost`), checked
+/// to go on with replicas [2, 1], and the update the run went on from.
+#[track_caller]
+pub fn lost_replica<'t>(text: &'t str, lost: &str) -> (&'t str, u64) {
+    let line = line_starting(text, lost);
+    assert!(line.contains("replicas [2, 1]"), "{line}");
+    (line, resumed_from(line))
+}
+
 /// From a run's output: the update a lost replica's run went on from (the line starting with
 /// `lost`) and the update the replica rejoined at, checking that it rejoined later and on
 /// two replicas per stage.
 #[track_caller]
 pub fn lost_then_rejoined(text: &str, lost: &str) -> (u64, u64) {
-    let line = |prefix: &str| {
-        text.lines()
-            .find(|l| l.starts_with(prefix))
-            .unwrap_or_else(|| panic!("no line starting '{prefix}': {text}"))
-    };
-    let (lost, back) = (line(lost), line("the lost replicas rejoin:"));
+    let (lost, back) = (
+        line_starting(text, lost),
+        line_starting(text, "the lost replicas rejoin:"),
+    );
     assert!(back.contains("replicas [2, 2]"), "{back}");
     let (from, to) = (resumed_from(lost), resumed_from(back));
     assert!(from < to, "{lost}\n{back}");

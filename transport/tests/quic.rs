@@ -7,13 +7,25 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use pipe_transport::TransportError;
 use pipe_transport::quic::{Bound, Cluster, QuicOptions, server_name};
+use pipe_transport::{Key, Kind, TransportError};
 
 fn opts(run_id: u64) -> QuicOptions {
     let mut o = QuicOptions::new(run_id);
     o.connect_timeout = Duration::from_secs(2);
     o
+}
+
+/// The key of message `index` of `kind` from rank 0 to rank 1, at stage 0 of step 0.
+fn from_0_to_1(kind: Kind, index: u32) -> Key {
+    Key {
+        from: 0,
+        to: 1,
+        kind,
+        stage: 0,
+        index,
+        step: 0,
+    }
 }
 
 fn loopback() -> SocketAddr {
@@ -119,21 +131,14 @@ fn a_late_worker_is_waited_for() {
 fn a_bf16_wire_rounds_activations_and_gradients_and_keeps_chunks_exact() {
     use pipe_kernels::Tensor;
     use pipe_transport::frame::{WireDType, round_to_wire};
-    use pipe_transport::{Key, Kind, Message, Transport};
+    use pipe_transport::{Message, Transport};
     let mut o = opts(9);
     o.wire = WireDType::Bf16;
     let mut eps = pipe_transport::quic::local_mesh(2, &o).unwrap();
     let mut b = eps.pop().unwrap();
     let mut a = eps.pop().unwrap();
     let values: Vec<f32> = (0..300).map(|i| 1.0 + i as f32 * 1e-3).collect();
-    let key = |kind, index| Key {
-        from: 0,
-        to: 1,
-        kind,
-        stage: 0,
-        index,
-        step: 0,
-    };
+    let key = from_0_to_1;
     for (i, kind) in [Kind::Activation, Kind::Chunk, Kind::Gradient]
         .into_iter()
         .enumerate()
@@ -165,7 +170,7 @@ fn a_bf16_wire_rounds_activations_and_gradients_and_keeps_chunks_exact() {
 /// A peer with a valid certificate that breaks the protocol on its data stream: what the
 /// honest worker (rank 1) reports, and how long it takes.
 fn hostile_peer(data: Vec<u8>, keep_open: Duration) -> (TransportError, Duration) {
-    use pipe_transport::{Key, Kind, Transport};
+    use pipe_transport::Transport;
     let cluster = Cluster::generate(2).unwrap();
     let mut o = opts(7);
     o.frame_grace = Duration::from_millis(500);
@@ -174,15 +179,7 @@ fn hostile_peer(data: Vec<u8>, keep_open: Duration) -> (TransportError, Duration
     let h = thread::spawn(move || {
         let mut ep = worker.connect(&[loopback(), addr]).unwrap();
         let t = std::time::Instant::now();
-        let key = Key {
-            from: 0,
-            to: 1,
-            kind: Kind::Activation,
-            stage: 0,
-            index: 0,
-            step: 0,
-        };
-        let e = ep.recv(&key).unwrap_err();
+        let e = ep.recv(&from_0_to_1(Kind::Activation, 0)).unwrap_err();
         (e, t.elapsed())
     });
     // Rank 0, played by hand: a valid certificate and hello, then `data` on an activation stream.
@@ -235,17 +232,10 @@ fn a_peer_sending_garbage_is_refused_by_name() {
 #[test]
 fn a_peer_that_stops_mid_payload_is_an_error_not_a_hang() {
     use pipe_kernels::Tensor;
+    use pipe_transport::Message;
     use pipe_transport::frame::{self, WireDType};
-    use pipe_transport::{Key, Kind, Message};
     let m = Message {
-        key: Key {
-            from: 0,
-            to: 1,
-            kind: Kind::Activation,
-            stage: 0,
-            index: 0,
-            step: 0,
-        },
+        key: from_0_to_1(Kind::Activation, 0),
         version: 0,
         tensor: Tensor::from_vec(&[1000], vec![1.0; 1000]).unwrap(),
     };
