@@ -18,9 +18,9 @@ use crate::output::bad_input;
 #[derive(Args, Debug, Clone, Default)]
 pub struct LinkArgs {
     /// Charge each link the processor time this transport's messages take on this machine
-    /// (inproc, shm or quic): measured once and cached (`pipe bench transport` measures
+    /// (any registered transport: inproc, shm, quic): measured once and cached (`pipe bench transport` measures
     /// again).
-    #[arg(long, value_name = "inproc|shm|quic")]
+    #[arg(long, value_name = "TRANSPORT")]
     pub transport: Option<String>,
     /// Read the transport costs from FILE (JSON, as `pipe bench transport --costs-out`
     /// writes it) instead of the cache.
@@ -61,9 +61,11 @@ impl LinkArgs {
 fn transport_kind(name: &str) -> Result<TransportKind> {
     let kind: TransportKind = name.parse().map_err(bad_input)?;
     if kind == TransportKind::Auto {
-        return Err(bad_input(
-            "--transport auto names no one transport to charge: give inproc, shm or quic".into(),
-        ));
+        let names = pipe_transport::kinds::names();
+        return Err(bad_input(format!(
+            "--transport auto names no one transport to charge: give one of {}",
+            names[1..].join(", ")
+        )));
     }
     Ok(kind)
 }

@@ -204,10 +204,10 @@ pub struct TrainArgs {
     #[arg(long, value_parser = ["f32", "tf32", "bf16"])]
     precision: Option<String>,
     /// What carries each link between workers: auto (channels between threads, shared
-    /// memory between processes of one host, QUIC between hosts), inproc, shm or quic (QUIC
-    /// with mutual TLS on every link). shm and quic run worker processes unless --placement
-    /// says otherwise.
-    #[arg(long, value_parser = ["auto", "inproc", "shm", "quic"])]
+    /// memory between processes of one host, QUIC between hosts), or one transport for every
+    /// link: inproc, shm or quic (QUIC with mutual TLS on every link). A transport that crosses processes runs worker processes unless
+    /// --placement says otherwise.
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(pipe_transport::kinds::names()))]
     transport: Option<String>,
     /// Where the workers run: threads of this process, or one `pipe worker` process each on
     /// this host.

@@ -1,5 +1,6 @@
-//! `pipe bench transport`: how fast tensors move between workers, per transport, next to a
-//! plain TCP socket on the same loopback; and the ring all-reduce over QUIC.
+//! `pipe bench transport`: how fast tensors move between workers over every registered
+//! transport ([`pipe_transport::kinds::TRANSPORTS`]), next to a plain TCP socket on the same
+//! loopback; and the ring all-reduce over each.
 //!
 //! Method. *Streaming*: one worker sends `messages` tensors of `message_mib` MiB to another
 //! through the [`Transport`] trait, which receives each by key, after a quarter as many again
@@ -20,9 +21,7 @@ use std::time::Instant;
 use pipe_kernels::Tensor;
 use pipe_transport::collective::ring_all_reduce;
 use pipe_transport::frame::WireDType;
-use pipe_transport::inproc::{InProcOptions, mesh};
-use pipe_transport::quic::{QuicOptions, local_mesh};
-use pipe_transport::shm::{self, ShmOptions};
+use pipe_transport::kinds::{MeshSettings, TRANSPORTS};
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use serde::Serialize;
 
@@ -90,7 +89,8 @@ pub struct TransportReport {
     pub message_mib: usize,
     /// Tensors per round.
     pub messages: u32,
-    /// Streaming figures: in-process, QUIC (f32 and bf16 wire), TCP.
+    /// Streaming figures: every registered transport in f32 (the networked ones in bf16
+    /// too), then a raw TCP socket.
     pub streams: Vec<Stream>,
     /// QUIC (f32) over TCP.
     pub quic_over_tcp: f64,
@@ -98,10 +98,12 @@ pub struct TransportReport {
     pub allreduce: Vec<AllReduce>,
 }
 
-fn quic_opts(wire: WireDType) -> QuicOptions {
-    let mut o = QuicOptions::new(0xbe7c);
-    o.wire = wire;
-    o
+/// The settings every transport's mesh is built with: `wire` on the wire.
+fn settings(wire: WireDType) -> MeshSettings {
+    MeshSettings {
+        wire,
+        ..MeshSettings::new(0xbe7c)
+    }
 }
 
 fn key(i: u32) -> Key {
@@ -317,49 +319,46 @@ pub fn run(cfg: &TransportBenchConfig) -> Result<TransportReport, ExperimentErro
         ));
     }
     let bytes = (cfg.message_mib << 20) as f64 * f64::from(cfg.messages);
-    let setup = |e: TransportError| ExperimentError::Config(format!("transport setup: {e}"));
     let warm = warm_up(cfg);
-    let mut streams = vec![stream_figure(
-        "in-process (moves the buffer)",
-        bytes,
-        cfg.rounds,
-        || stream_once(mesh(2, &InProcOptions::default()), tensors(cfg)?, warm),
-    )?];
-    for wire in [WireDType::F32, WireDType::Bf16] {
-        let name = format!("QUIC, {wire} on the wire");
-        streams.push(stream_figure(&name, bytes, cfg.rounds, || {
-            let eps = local_mesh(2, &quic_opts(wire)).map_err(setup)?;
-            stream_once(eps, tensors(cfg)?, warm)
-        })?);
+    // Every registered transport streams f32; those with a wire encoding (networked) bf16 too.
+    let mut streams = Vec::new();
+    for registration in TRANSPORTS {
+        let wires: &[WireDType] = if registration.networked {
+            &[WireDType::F32, WireDType::Bf16]
+        } else {
+            &[WireDType::F32]
+        };
+        for &wire in wires {
+            let name = format!("{}, {wire}", registration.about);
+            streams.push(stream_figure(&name, bytes, cfg.rounds, || {
+                let eps = (registration.thread_mesh)(2, &settings(wire))?;
+                stream_once(eps, tensors(cfg)?, warm)
+            })?);
+        }
     }
-    streams.push(stream_figure(
-        "TCP socket (raw bytes)",
-        bytes,
-        cfg.rounds,
-        || tcp_once(cfg.message_mib << 20, cfg.messages, warm),
-    )?);
-    let quic_over_tcp = streams[1].gbytes_per_s / streams[3].gbytes_per_s;
-    streams.push(stream_figure(
-        "shared memory, f32 (one copy each way)",
-        bytes,
-        cfg.rounds,
-        || {
-            let eps = shm::local_mesh(2, &ShmOptions::new(0xbe7c)).map_err(setup)?;
-            stream_once(eps, tensors(cfg)?, warm)
-        },
-    )?);
+    let socket = stream_figure("TCP socket (raw bytes)", bytes, cfg.rounds, || {
+        tcp_once(cfg.message_mib << 20, cfg.messages, warm)
+    })?;
+    let quic = format!(
+        "{}, {}",
+        pipe_transport::quic::REGISTRATION.about,
+        WireDType::F32
+    );
+    let quic_over_tcp = streams
+        .iter()
+        .find(|s| s.transport == quic)
+        .map_or(f64::NAN, |q| q.gbytes_per_s / socket.gbytes_per_s);
+    streams.push(socket);
     let n = cfg.allreduce_workers;
-    let allreduce = vec![
-        allreduce_figure("in-process, threads", cfg, || {
-            Ok(mesh(n, &InProcOptions::default()))
-        })?,
-        allreduce_figure("QUIC, threads of one process", cfg, || {
-            local_mesh(n, &quic_opts(WireDType::F32)).map_err(setup)
-        })?,
-        allreduce_figure("shared memory, threads of one process", cfg, || {
-            shm::local_mesh(n, &ShmOptions::new(0xbe7c)).map_err(setup)
-        })?,
-    ];
+    let allreduce = TRANSPORTS
+        .iter()
+        .map(|registration| {
+            let name = format!("{}, threads of one process", registration.about);
+            allreduce_figure(&name, cfg, || {
+                Ok((registration.thread_mesh)(n, &settings(WireDType::F32))?)
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(TransportReport {
         message_mib: cfg.message_mib,
         messages: cfg.messages,
@@ -386,23 +385,22 @@ pub fn render(r: &TransportReport) -> String {
         );
     }
     out += &format!("\nQUIC (f32) / TCP: {:.2}\n\n", r.quic_over_tcp);
-    // The link a QUIC ring runs over is the QUIC stream measured above; in process the
-    // stream moves buffers without copying them, which no ring can match, so no ratio.
-    let quic_stream = r
-        .streams
-        .iter()
-        .find(|s| s.transport.starts_with("QUIC, f32"))
-        .map(|s| s.gbytes_per_s);
-    out += "ring all-reduce (busbw against the QUIC f32 stream for QUIC rings)\n\n\
+    // A ring's links are its transport's f32 stream measured above; in process the stream
+    // moves buffers without copying them, which no ring can match, so no ratio there.
+    let inproc = pipe_transport::inproc::REGISTRATION.about;
+    let stream_of = |ring: &str| {
+        r.streams
+            .iter()
+            .filter_map(|s| Some((s.transport.strip_suffix(", f32")?, s.gbytes_per_s)))
+            .find(|(about, rate)| *about != inproc && *rate > 0.0 && ring.starts_with(about))
+            .map(|(_, rate)| rate)
+    };
+    out += "ring all-reduce (busbw against its transport's f32 stream)\n\n\
             | transport | workers | MB | seconds | algbw GB/s | busbw GB/s | busbw / stream |\n\
             |---|---|---|---|---|---|---|\n";
     for a in &r.allreduce {
-        let of_stream = match quic_stream {
-            Some(q) if a.transport.starts_with("QUIC") && q > 0.0 => {
-                format!("{:.2}", a.busbw / q)
-            }
-            _ => "-".into(),
-        };
+        let of_stream = stream_of(&a.transport)
+            .map_or_else(|| "-".to_string(), |q| format!("{:.2}", a.busbw / q));
         out += &format!(
             "| {} | {} | {:.0} | {:.3} | {:.2} | {:.2} | {of_stream} |\n",
             a.transport,
@@ -413,19 +411,20 @@ pub fn render(r: &TransportReport) -> String {
             a.busbw
         );
     }
-    let busbw = |name: &str| {
+    let busbw = |name: String| {
         r.allreduce
             .iter()
             .find(|a| a.transport == name)
             .map(|a| a.busbw)
     };
-    if let (Some(shm), Some(threads)) = (
-        busbw("shared memory, one process per worker"),
-        busbw("in-process, threads"),
+    let shm = pipe_transport::shm::REGISTRATION.about;
+    if let (Some(processes), Some(threads)) = (
+        busbw(format!("{shm}, one process per worker")),
+        busbw(format!("{inproc}, threads of one process")),
     ) {
         out += &format!(
             "\nshared memory, one process per worker / in-process threads (busbw): {:.2}\n",
-            shm / threads
+            processes / threads
         );
     }
     out

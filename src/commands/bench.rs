@@ -272,17 +272,20 @@ pub fn run_transport(args: &TransportBenchArgs) -> Result<()> {
         rounds: args.rounds,
     };
     let mut report = pipe_experiments::transport::run(&cfg)?;
-    for transport in [TransportKind::Quic, TransportKind::Shm] {
-        report
-            .allreduce
-            .push(allreduce_in_processes(args, transport)?);
+    for registration in pipe_transport::kinds::TRANSPORTS {
+        if registration.crosses_processes {
+            let transport = TransportKind::Registered(registration);
+            report
+                .allreduce
+                .push(allreduce_in_processes(args, transport)?);
+        }
     }
     out!("{}", pipe_experiments::transport::render(&report));
     write_json(args.json.as_ref(), &report)
 }
 
-/// The ring all-reduce with every worker its own process, over QUIC on loopback or shared
-/// memory: each process's seconds per round come back as a record; a round takes its
+/// The ring all-reduce with every worker its own process, over a transport that crosses
+/// processes (on loopback, or shared memory): each process's seconds per round come back as a record; a round takes its
 /// slowest worker.
 fn allreduce_in_processes(
     args: &TransportBenchArgs,
@@ -323,10 +326,10 @@ fn allreduce_in_processes(
         })
         .collect::<Result<_>>()?;
     Ok(pipe_experiments::transport::allreduce_from_times(
-        match transport {
-            TransportKind::Shm => "shared memory, one process per worker",
-            _ => "QUIC, one process per worker",
-        },
+        &format!(
+            "{}, one process per worker",
+            transport.registration().map_or("auto", |r| r.about)
+        ),
         n,
         args.allreduce_mb as usize * 1_000_000,
         &slowest,
@@ -352,8 +355,8 @@ pub struct AllreduceWorkerArgs {
     /// Started by a launcher.
     #[arg(long)]
     launched: bool,
-    /// What carries the ring: quic or shm.
-    #[arg(long, default_value = "quic", value_parser = ["quic", "shm"])]
+    /// What carries the ring: a registered transport that crosses processes.
+    #[arg(long, default_value = "quic", value_parser = clap::builder::PossibleValuesParser::new(pipe_transport::kinds::names()))]
     transport: String,
 }
 

@@ -164,8 +164,8 @@ fn links_and_hosts(args: &PlanArgs) -> Result<(Option<ChargedLink>, Option<Hosts
     let Some(list) = args.placement.parse()? else {
         return Ok((args.link.load()?, None));
     };
-    let within = args.link.load_or(TransportKind::Shm)?;
-    let (quic, source) = args.link.load_kind(TransportKind::Quic)?;
+    let within = args.link.load_or(TransportKind::SHM)?;
+    let (quic, source) = args.link.load_kind(TransportKind::QUIC)?;
     let between = Link {
         bandwidth: args.bandwidth.unwrap_or(DEFAULT_BANDWIDTH),
         latency: args.latency.unwrap_or(quic.latency_s.median),

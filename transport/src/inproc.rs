@@ -13,7 +13,24 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, bounded, never, select, unbounded};
 
 use crate::frame::{WireDType, round_to_wire};
+use crate::kinds::{Endpoint, Registration};
 use crate::{Early, Key, Kind, Message, Transport, TransportError};
+
+/// The registration of the in-process channels ([`crate::kinds::TRANSPORTS`]).
+pub const REGISTRATION: Registration = Registration {
+    name: "inproc",
+    about: "in-process channels (move the buffer)",
+    link_description: None,
+    cuts_links: false,
+    networked: false,
+    crosses_processes: false,
+    measured_messages: 1000,
+    thread_mesh: |workers, settings| {
+        let eps = mesh(workers, &settings.inproc());
+        Ok(eps.into_iter().map(|e| Box::new(e) as Endpoint).collect())
+    },
+    bind: None,
+};
 
 /// Options of an in-process mesh.
 #[derive(Clone, Debug)]

@@ -1,11 +1,14 @@
-//! The one place a transport is registered: what each [`TransportKind`] builds for the
-//! threads of one process ([`thread_mesh`]) and for a worker process joining its cluster
-//! ([`bind`], then [`Bound::connect`]), what `auto` means for each placement, and what a
-//! kind can do ([`TransportKind::cuts_links`]). For a cluster file's workers `auto` is
-//! chosen per link: QUIC to every peer first, whose hellos say which peers share this host,
-//! then shared memory to those ([`crate::mixed`]). The runtime above names no kind: it asks
-//! here. Adding a transport is its module, a `TransportKind` variant with its name
-//! (`lib.rs`), and an arm in each match of this file.
+//! The registry of transports: [`TRANSPORTS`] lists every transport's [`Registration`] (its
+//! name, what it can do, how its endpoints are built for the threads of one process and for
+//! a worker process joining its cluster), and everything that offers a choice of transport
+//! iterates it: parsing `--transport` and its value list, the link costs the planner charges,
+//! `pipe bench transport`, and the transport tests. The rule of `auto` is written here once:
+//! channels between threads, shared memory between the processes a launcher started on one
+//! host, and for a cluster file's workers a choice per link (QUIC to every peer first, whose
+//! hellos say which peers share this host, then shared memory to those, [`crate::mixed`]).
+//!
+//! Adding a transport is its module, which defines its `REGISTRATION`, and one line in
+//! [`TRANSPORTS`].
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,11 +16,78 @@ use std::time::Duration;
 
 use crate::cluster::ClusterFile;
 use crate::frame::WireDType;
-use crate::inproc::{InProcOptions, mesh};
+use crate::inproc::InProcOptions;
 use crate::mixed::Mixed;
 use crate::quic::{self, QuicOptions};
 use crate::shm::{self, ShmBound, ShmOptions};
 use crate::{Transport, TransportError, TransportKind};
+
+/// Every transport, in the order choices list them and costs are measured.
+pub const TRANSPORTS: &[&Registration] = &[
+    &crate::inproc::REGISTRATION,
+    &shm::REGISTRATION,
+    &quic::REGISTRATION,
+];
+
+/// A transport as the runtime knows it.
+pub struct Registration {
+    /// The name a run's settings use (`--transport NAME`).
+    pub name: &'static str,
+    /// What it is, in a few words (reports name it so).
+    pub about: &'static str,
+    /// How a run's pipeline line names its links; `None` for channels between threads,
+    /// which need no word.
+    pub link_description: Option<&'static str>,
+    /// Whether a fault schedule can cut one of its links and leave the others
+    /// (`partition@...`).
+    pub cuts_links: bool,
+    /// Whether its workers reach each other at network addresses (their own from the
+    /// cluster file, the others' from it or from a launcher).
+    pub networked: bool,
+    /// Whether it carries links between processes.
+    pub crosses_processes: bool,
+    /// Round trips of a small message in one round of measuring its link costs.
+    pub measured_messages: u32,
+    /// Endpoints for `workers` threads of one process.
+    pub thread_mesh: fn(u32, &MeshSettings) -> Result<Vec<Endpoint>, TransportError>,
+    /// Binds a worker process of a cluster (`None`: it does not join processes).
+    pub bind: Option<BindFn>,
+}
+
+/// How a transport binds rank `rank` of a cluster, listening where [`Listen`] says.
+pub type BindFn = fn(&ClusterFile, u32, &Listen, &MeshSettings) -> Result<Bound, TransportError>;
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+/// The registered transport named `name`.
+pub fn registration(name: &str) -> Option<&'static Registration> {
+    TRANSPORTS.iter().copied().find(|r| r.name == name)
+}
+
+/// Every name `--transport` takes: `auto`, then each registered transport's.
+pub fn names() -> Vec<&'static str> {
+    std::iter::once("auto")
+        .chain(TRANSPORTS.iter().map(|r| r.name))
+        .collect()
+}
+
+/// Peer addresses as a launcher or cluster file gives them, parsed.
+///
+/// # Errors
+/// [`TransportError::Setup`] naming an address that is not a socket address.
+pub fn socket_addresses(peers: &[String]) -> Result<Vec<SocketAddr>, TransportError> {
+    peers
+        .iter()
+        .map(|a| {
+            a.parse::<SocketAddr>()
+                .map_err(|e| TransportError::Setup(format!("peer address '{a}': {e}")))
+        })
+        .collect()
+}
 
 /// An endpoint of whichever kind, as the runtime holds it.
 pub type Endpoint = Box<dyn Transport + Send>;
@@ -77,50 +147,36 @@ impl MeshSettings {
 
 impl TransportKind {
     /// Whether a fault schedule can cut one link of this kind and leave the others
-    /// (`partition@...`): QUIC's links are connections that can be dropped one at a time.
+    /// (`partition@...`).
     pub fn cuts_links(self) -> bool {
-        match self {
-            TransportKind::Quic => true,
-            TransportKind::Auto | TransportKind::InProcess | TransportKind::Shm => false,
-        }
+        self.registration().is_some_and(|r| r.cuts_links)
     }
 
-    /// Whether this kind's workers reach each other at network addresses (their own from
-    /// the cluster file, the others' from it or from a launcher); shared memory meets in a
-    /// directory instead.
+    /// Whether this kind's workers reach each other at network addresses (`auto` among a
+    /// cluster's workers starts with QUIC); shared memory meets in a directory instead.
     pub fn is_networked(self) -> bool {
-        match self {
-            TransportKind::Auto | TransportKind::Quic => true,
-            TransportKind::InProcess | TransportKind::Shm => false,
-        }
+        self.registration().is_none_or(|r| r.networked)
     }
 
     /// Whether this kind can carry links between processes (`auto` picks one that can).
     /// Naming such a kind without `--placement` asks for worker processes.
     pub fn crosses_processes(self) -> bool {
-        match self {
-            TransportKind::Auto | TransportKind::Shm | TransportKind::Quic => true,
-            TransportKind::InProcess => false,
-        }
+        self.registration().is_none_or(|r| r.crosses_processes)
     }
 
     /// How a run's pipeline line names this kind's links; `None` for channels between
     /// threads, which need no word (`auto` is named by what it picks).
     pub fn link_description(self) -> Option<&'static str> {
-        match self {
-            TransportKind::Shm => Some("shared memory"),
-            TransportKind::Quic => Some("QUIC on loopback"),
-            TransportKind::Auto | TransportKind::InProcess => None,
-        }
+        self.registration().and_then(|r| r.link_description)
     }
 
     /// What carries the links of a worker process: `auto` is shared memory for the workers
     /// a launcher started on its own host (`launched`); for a cluster file's workers, which
     /// may be on several hosts, it stays `auto`, chosen per link when they connect
-    /// ([`Bound::connect`]). Any other kind is itself.
+    /// ([`BoundEndpoint::connect`]). Any other kind is itself.
     pub fn for_processes(self, launched: bool) -> TransportKind {
         match self {
-            TransportKind::Auto if launched => TransportKind::Shm,
+            TransportKind::Auto if launched => TransportKind::SHM,
             kind => kind,
         }
     }
@@ -135,18 +191,12 @@ pub fn thread_mesh(
     workers: u32,
     settings: &MeshSettings,
 ) -> Result<Vec<Endpoint>, TransportError> {
-    fn boxed<T: Transport + Send + 'static>(eps: Vec<T>) -> Vec<Endpoint> {
-        eps.into_iter().map(|ep| Box::new(ep) as Endpoint).collect()
-    }
-    Ok(match kind {
-        TransportKind::Auto | TransportKind::InProcess => boxed(mesh(workers, &settings.inproc())),
-        TransportKind::Quic => boxed(quic::local_mesh(workers, &settings.quic())?),
-        TransportKind::Shm => boxed(shm::local_mesh(workers, &settings.shm())?),
-    })
+    let registration = kind.registration().unwrap_or(&crate::inproc::REGISTRATION);
+    (registration.thread_mesh)(workers, settings)
 }
 
 /// A worker process's connected endpoint, and the peers it reaches over shared memory (the
-/// others over QUIC).
+/// others over its network transport).
 pub struct Joined {
     /// The endpoint.
     pub endpoint: Endpoint,
@@ -165,17 +215,31 @@ pub struct Listen {
 }
 
 /// A worker process's endpoint, listening but not yet connected.
-pub enum Bound {
-    /// QUIC, bound to a UDP port.
-    Quic(Box<quic::Bound>),
-    /// Shared memory, listening on a Unix socket in the meeting directory.
-    Shm(ShmBound),
-    /// Both, for links chosen when connecting: shared memory to the peers of this host.
-    PerLink(Box<quic::Bound>, ShmBound),
+pub trait BoundEndpoint: Send {
+    /// What a launcher is told this worker listens at: a socket address, or `unix:PATH`.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] if the socket has no address.
+    fn address(&self) -> Result<String, TransportError>;
+
+    /// Whether connecting needs every peer's network address ([`BoundEndpoint::connect`]'s
+    /// `peers`); shared memory finds its peers in the meeting directory.
+    fn needs_addresses(&self) -> bool;
+
+    /// Connects to every other worker; `peers[r]` is rank r's address where
+    /// [`BoundEndpoint::needs_addresses`] (ignored otherwise).
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] naming a peer that never connected or was refused, or an
+    /// address that is not a socket address.
+    fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError>;
 }
 
-/// Binds rank `rank` of `cluster` over `kind` (a concrete kind: see
-/// [`TransportKind::for_processes`]).
+/// A bound endpoint of whichever kind.
+pub type Bound = Box<dyn BoundEndpoint>;
+
+/// Binds rank `rank` of `cluster` over `kind` (a concrete kind, or `auto` chosen per link:
+/// see [`TransportKind::for_processes`]).
 ///
 /// # Errors
 /// [`TransportError::Setup`]: credentials missing from the cluster file, a socket that cannot
@@ -187,88 +251,48 @@ pub fn bind(
     at: &Listen,
     settings: &MeshSettings,
 ) -> Result<Bound, TransportError> {
-    match kind {
-        TransportKind::Quic => {
-            let creds = cluster.credentials(rank)?;
-            Ok(Bound::Quic(Box::new(quic::Bound::bind(
-                rank,
-                at.addr,
-                &creds,
-                settings.quic(),
-            )?)))
-        }
-        TransportKind::Shm => Ok(Bound::Shm(ShmBound::bind(
-            &at.meet,
-            rank,
-            cluster.size(),
-            settings.shm(),
-        )?)),
-        TransportKind::Auto => {
-            let creds = cluster.credentials(rank)?;
-            let quic = quic::Bound::bind(rank, at.addr, &creds, settings.quic())?;
-            let shm = ShmBound::bind(&at.meet, rank, cluster.size(), settings.shm())?;
-            Ok(Bound::PerLink(Box::new(quic), shm))
-        }
-        TransportKind::InProcess => Err(TransportError::Setup(format!(
-            "{kind} does not join worker processes"
-        ))),
-    }
+    let Some(registration) = kind.registration() else {
+        let creds = cluster.credentials(rank)?;
+        let quic = quic::Bound::bind(rank, at.addr, &creds, settings.quic())?;
+        let shm = ShmBound::bind(&at.meet, rank, cluster.size(), settings.shm())?;
+        return Ok(Box::new(PerLink { quic, shm }));
+    };
+    let bind = registration
+        .bind
+        .ok_or_else(|| TransportError::Setup(format!("{kind} does not join worker processes")))?;
+    bind(cluster, rank, at, settings)
 }
 
-impl Bound {
-    /// What a launcher is told this worker listens at: a socket address, or `unix:PATH`.
-    ///
-    /// # Errors
-    /// [`TransportError::Setup`] if the socket has no address.
-    pub fn address(&self) -> Result<String, TransportError> {
-        match self {
-            Bound::Quic(b) | Bound::PerLink(b, _) => Ok(b.local_addr()?.to_string()),
-            Bound::Shm(b) => Ok(format!("unix:{}", b.path().display())),
-        }
+/// `auto` among a cluster's workers: QUIC and shared memory both bound, the links chosen
+/// when connecting (shared memory to the peers of this host).
+struct PerLink {
+    quic: quic::Bound,
+    shm: ShmBound,
+}
+
+impl BoundEndpoint for PerLink {
+    fn address(&self) -> Result<String, TransportError> {
+        Ok(self.quic.local_addr()?.to_string())
     }
 
-    /// Whether connecting needs every peer's network address ([`Bound::connect`]'s
-    /// `peers`); shared memory finds its peers in the meeting directory.
-    pub fn needs_addresses(&self) -> bool {
-        matches!(self, Bound::Quic(_) | Bound::PerLink(..))
+    fn needs_addresses(&self) -> bool {
+        true
     }
 
-    /// Connects to every other worker; `peers[r]` is rank r's address where
-    /// [`Bound::needs_addresses`] (ignored otherwise).
-    ///
-    /// # Errors
-    /// [`TransportError::Setup`] naming a peer that never connected or was refused, or an
-    /// address that is not a socket address.
-    pub fn connect(self, peers: &[String]) -> Result<Joined, TransportError> {
-        let addrs = || {
-            peers
-                .iter()
-                .map(|a| {
-                    a.parse::<SocketAddr>()
-                        .map_err(|e| TransportError::Setup(format!("peer address '{a}': {e}")))
-                })
-                .collect::<Result<Vec<_>, _>>()
-        };
-        let joined = |endpoint: Endpoint, shared_memory: Vec<u32>| Joined {
-            endpoint,
-            shared_memory,
-        };
-        match self {
-            Bound::Quic(b) => Ok(joined(Box::new(b.connect(&addrs()?)?), Vec::new())),
-            Bound::Shm(b) => {
-                let shm = b.connect()?;
-                let all = (0..shm.size()).filter(|&p| p != shm.rank()).collect();
-                Ok(joined(Box::new(shm), all))
-            }
-            Bound::PerLink(quic, shm) => {
-                let quic = quic.connect(&addrs()?)?;
-                let local = quic.peers_on_this_host();
-                if local.is_empty() {
-                    return Ok(joined(Box::new(quic), local));
-                }
-                let shm = shm.connect_to(&local)?;
-                Ok(joined(Box::new(Mixed::new(quic, shm, &local)?), local))
-            }
+    fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
+        let PerLink { quic, shm } = *self;
+        let quic = quic.connect(&socket_addresses(peers)?)?;
+        let local = quic.peers_on_this_host();
+        if local.is_empty() {
+            return Ok(Joined {
+                endpoint: Box::new(quic),
+                shared_memory: local,
+            });
         }
+        let shm = shm.connect_to(&local)?;
+        Ok(Joined {
+            endpoint: Box::new(Mixed::new(quic, shm, &local)?),
+            shared_memory: local,
+        })
     }
 }

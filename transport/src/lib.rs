@@ -392,31 +392,61 @@ pub trait Transport: Send {
 
 /// How the workers of a run exchange tensors: the typed form of a run's transport choice,
 /// parsed once at the edge. Where the workers run is another choice (the run's placement);
-/// this one says what carries each link between them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+/// this one says what carries each link between them. A kind is `auto` or one of the
+/// registered transports ([`kinds::TRANSPORTS`]); two kinds are equal when their names are.
+#[derive(Clone, Copy, Default)]
 pub enum TransportKind {
     /// Chosen per link from where its two ends are: channels between threads of one
     /// process, shared memory between processes on one host, QUIC between hosts.
     #[default]
     Auto,
-    /// Threads of one process over crossbeam channels ([`inproc`]).
-    InProcess,
-    /// Shared-memory rings between processes of one host ([`shm`]); a run that spans hosts
-    /// is refused.
-    Shm,
-    /// QUIC with mutual TLS on every link ([`quic`]): one connection per pair of workers.
-    Quic,
+    /// A registered transport.
+    Registered(&'static kinds::Registration),
 }
 
 impl TransportKind {
+    /// Threads of one process over crossbeam channels ([`inproc`]).
+    pub const INPROC: TransportKind = TransportKind::Registered(&inproc::REGISTRATION);
+    /// Shared-memory rings between processes of one host ([`shm`]); a run that spans hosts
+    /// is refused.
+    pub const SHM: TransportKind = TransportKind::Registered(&shm::REGISTRATION);
+    /// QUIC with mutual TLS on every link ([`quic`]): one connection per pair of workers.
+    pub const QUIC: TransportKind = TransportKind::Registered(&quic::REGISTRATION);
+
     /// The name a run's settings use.
     pub fn name(self) -> &'static str {
         match self {
             TransportKind::Auto => "auto",
-            TransportKind::InProcess => "inproc",
-            TransportKind::Shm => "shm",
-            TransportKind::Quic => "quic",
+            TransportKind::Registered(r) => r.name,
         }
+    }
+
+    /// Its registration; `None` for `auto`.
+    pub fn registration(self) -> Option<&'static kinds::Registration> {
+        match self {
+            TransportKind::Auto => None,
+            TransportKind::Registered(r) => Some(r),
+        }
+    }
+}
+
+impl PartialEq for TransportKind {
+    fn eq(&self, other: &Self) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl Eq for TransportKind {}
+
+impl std::hash::Hash for TransportKind {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name().hash(state);
+    }
+}
+
+impl std::fmt::Debug for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -429,15 +459,12 @@ impl std::fmt::Display for TransportKind {
 impl std::str::FromStr for TransportKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(TransportKind::Auto),
-            "inproc" => Ok(TransportKind::InProcess),
-            "shm" => Ok(TransportKind::Shm),
-            "quic" => Ok(TransportKind::Quic),
-            other => Err(format!(
-                "unknown transport '{other}' (auto, inproc, shm, quic)"
-            )),
+        if s == "auto" {
+            return Ok(TransportKind::Auto);
         }
+        kinds::registration(s)
+            .map(TransportKind::Registered)
+            .ok_or_else(|| format!("unknown transport '{s}' ({})", kinds::names().join(", ")))
     }
 }
 

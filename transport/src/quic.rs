@@ -43,7 +43,46 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use crate::frame::{self, FrameLimits, PREFIX_BYTES, WireDType};
 use crate::host::HostId;
+use crate::kinds::{BoundEndpoint, Endpoint, Joined, Registration};
 use crate::{Early, Key, Kind, Message, Transport, TransportError};
+
+/// The registration of QUIC ([`crate::kinds::TRANSPORTS`]).
+pub const REGISTRATION: Registration = Registration {
+    name: "quic",
+    about: "QUIC with mutual TLS",
+    link_description: Some("QUIC on loopback"),
+    cuts_links: true,
+    networked: true,
+    crosses_processes: true,
+    measured_messages: 300,
+    thread_mesh: |workers, settings| {
+        let eps = local_mesh(workers, &settings.quic())?;
+        Ok(eps.into_iter().map(|e| Box::new(e) as Endpoint).collect())
+    },
+    bind: Some(|cluster, rank, at, settings| {
+        let creds = cluster.credentials(rank)?;
+        let bound = Bound::bind(rank, at.addr, &creds, settings.quic())?;
+        Ok(Box::new(bound))
+    }),
+};
+
+impl BoundEndpoint for Bound {
+    fn address(&self) -> Result<String, TransportError> {
+        Ok(self.local_addr()?.to_string())
+    }
+
+    fn needs_addresses(&self) -> bool {
+        true
+    }
+
+    fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
+        let addrs = crate::kinds::socket_addresses(peers)?;
+        Ok(Joined {
+            endpoint: Box::new((*self).connect(&addrs)?),
+            shared_memory: Vec::new(),
+        })
+    }
+}
 
 /// Application protocol name on the TLS handshake.
 /// The hello changed at 2 (it carries the worker's host identity): a worker of a build with

@@ -59,7 +59,46 @@ use rustix::net::{
 };
 
 use crate::frame::{self, FrameLimits, Header, PREFIX_BYTES, PayloadBuffer, WireDType};
+use crate::kinds::{BoundEndpoint, Endpoint, Joined, Registration};
 use crate::{Early, Key, Kind, Message, Transport, TransportError};
+
+/// The registration of shared memory ([`crate::kinds::TRANSPORTS`]).
+pub const REGISTRATION: Registration = Registration {
+    name: "shm",
+    about: "shared memory, one copy each way",
+    link_description: Some("shared memory"),
+    cuts_links: false,
+    networked: false,
+    crosses_processes: true,
+    measured_messages: 1000,
+    thread_mesh: |workers, settings| {
+        let eps = local_mesh(workers, &settings.shm())?;
+        Ok(eps.into_iter().map(|e| Box::new(e) as Endpoint).collect())
+    },
+    bind: Some(|cluster, rank, at, settings| {
+        let bound = ShmBound::bind(&at.meet, rank, cluster.size(), settings.shm())?;
+        Ok(Box::new(bound))
+    }),
+};
+
+impl BoundEndpoint for ShmBound {
+    fn address(&self) -> Result<String, TransportError> {
+        Ok(format!("unix:{}", self.path().display()))
+    }
+
+    fn needs_addresses(&self) -> bool {
+        false
+    }
+
+    fn connect(self: Box<Self>, _peers: &[String]) -> Result<Joined, TransportError> {
+        let shm = (*self).connect()?;
+        let all = (0..shm.size()).filter(|&p| p != shm.rank()).collect();
+        Ok(Joined {
+            endpoint: Box::new(shm),
+            shared_memory: all,
+        })
+    }
+}
 
 /// First bytes of a segment.
 const SEGMENT_MAGIC: [u8; 8] = *b"PIPESHM1";

@@ -528,6 +528,67 @@ fn mixed_mesh(
         .collect()
 }
 
+/// Every registered transport as a run reaches it ([`pipe_transport::kinds::TRANSPORTS`]): its
+/// name parses back to its kind, and the mesh of threads it registers delivers by key, in any
+/// order, and gives every worker the ring all-reduce's exact bits. A transport added to the
+/// registry is tested here with no other change.
+#[test]
+fn every_registered_transport_delivers_by_key_and_sums_to_the_ring_bits() {
+    use pipe_transport::TransportKind;
+    use pipe_transport::kinds::{MeshSettings, TRANSPORTS};
+    let n = 3u32;
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|w| {
+            (0..1001)
+                .map(|i| (i as f32 + 0.1) * (w as f32 + 0.7))
+                .collect()
+        })
+        .collect();
+    let expected = ring_sum(&inputs.iter().map(Vec::as_slice).collect::<Vec<_>>());
+    for registration in TRANSPORTS {
+        let kind: TransportKind = registration.name.parse().unwrap();
+        assert_eq!(kind.name(), registration.name);
+        let eps = (registration.thread_mesh)(n, &MeshSettings::new(0x9e6)).unwrap();
+        let group: Vec<u32> = (0..n).collect();
+        let results: Vec<Vec<f32>> = thread::scope(|s| {
+            let handles: Vec<_> = eps
+                .into_iter()
+                .map(|mut ep| {
+                    let (group, inputs) = (&group, &inputs);
+                    s.spawn(move || {
+                        let me = ep.rank();
+                        let next = (me + 1) % n;
+                        let prev = (me + n - 1) % n;
+                        // Two messages to the next worker, taken in the other order.
+                        for i in 0..2 {
+                            ep.send(msg(key(me, next, Kind::Activation, i), &[i as f32; 3]))
+                                .unwrap();
+                        }
+                        for i in [1, 0] {
+                            let m = ep.recv(&key(prev, me, Kind::Activation, i)).unwrap();
+                            assert_eq!(m.tensor.host().unwrap(), &[i as f32; 3]);
+                        }
+                        let mut data = inputs[me as usize].clone();
+                        ring_all_reduce(&mut ep, group, 0, 0, &mut data).unwrap();
+                        ep.close().unwrap();
+                        data
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for data in results {
+            assert!(
+                data.iter()
+                    .zip(&expected)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{}",
+                registration.name
+            );
+        }
+    }
+}
+
 transport_suite!(shm, |n, timeout| {
     let mut opts = pipe_transport::shm::ShmOptions::new(0x5e9);
     opts.timeout = timeout;

@@ -478,7 +478,7 @@ impl RunConfig {
     /// transport from where its ends are.
     pub fn as_worker_process(self) -> Self {
         let transport = match self.transport {
-            TransportKind::InProcess => TransportKind::Auto,
+            kind if kind == TransportKind::INPROC => TransportKind::Auto,
             other => other,
         };
         RunConfig {
@@ -570,8 +570,8 @@ impl RunConfig {
     /// processes). The planner charges its measured costs.
     pub fn link_transport(&self) -> TransportKind {
         match (self.transport, self.placement) {
-            (TransportKind::Auto, Placement::Threads) => TransportKind::InProcess,
-            (TransportKind::Auto, Placement::Processes) => TransportKind::Shm,
+            (TransportKind::Auto, Placement::Threads) => TransportKind::INPROC,
+            (TransportKind::Auto, Placement::Processes) => TransportKind::SHM,
             (kind, _) => kind,
         }
     }

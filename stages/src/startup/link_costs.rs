@@ -9,11 +9,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use pipe_scheduler::planner::transport::{Spread, TransportCost, TransportCosts};
-use pipe_transport::TransportKind;
-use pipe_transport::inproc::{InProcOptions, mesh};
+use pipe_transport::kinds::{MeshSettings, TRANSPORTS};
 use pipe_transport::measure::{LinkCost, measure_mesh};
-use pipe_transport::quic::{QuicOptions, local_mesh};
-use pipe_transport::shm::{self, ShmOptions};
 
 use crate::cache::{Cache, CacheKey, Lookup};
 use crate::error::{Result, StageError};
@@ -26,13 +23,6 @@ pub const MAX_AGE: Duration = Duration::from_secs(7 * 86_400);
 
 /// Rounds measured per transport when the costs are measured for a plan.
 pub const ROUNDS: u32 = 5;
-
-/// The transports measured, in order.
-pub const TRANSPORTS: [TransportKind; 3] = [
-    TransportKind::InProcess,
-    TransportKind::Shm,
-    TransportKind::Quic,
-];
 
 /// Where costs came from.
 #[derive(Clone, Debug)]
@@ -81,34 +71,25 @@ pub fn measure(rounds: u32) -> Result<TransportCosts> {
     if rounds == 0 {
         return Err(StageError::Config("rounds must be at least 1".into()));
     }
-    let setup = StageError::Transport;
+    let settings = MeshSettings::new(0xc057);
     let mut transports = Vec::new();
-    for kind in TRANSPORTS {
+    for registration in TRANSPORTS {
         let mut figures = Vec::with_capacity(rounds as usize);
         for _ in 0..rounds {
-            figures.push(match kind {
-                TransportKind::Shm => measure_mesh(
-                    shm::local_mesh(2, &ShmOptions::new(0xc057)).map_err(setup)?,
-                    1000,
-                )?,
-                TransportKind::Quic => measure_mesh(
-                    local_mesh(2, &QuicOptions::new(0xc057)).map_err(setup)?,
-                    300,
-                )?,
-                _ => measure_mesh(mesh(2, &InProcOptions::default()), 1000)?,
-            });
+            let mesh = (registration.thread_mesh)(2, &settings)?;
+            figures.push(measure_mesh(mesh, registration.measured_messages)?);
         }
-        transports.push(cost_of(kind, &figures));
+        transports.push(cost_of(registration.name, &figures));
     }
     Ok(TransportCosts { transports })
 }
 
-/// The spread of `figures`, one per round, for `kind`.
-fn cost_of(kind: TransportKind, figures: &[LinkCost]) -> TransportCost {
+/// The spread of `figures`, one per round, for the transport `name`.
+fn cost_of(name: &str, figures: &[LinkCost]) -> TransportCost {
     let field = |f: fn(&LinkCost) -> f64| Spread::of(&figures.iter().map(f).collect::<Vec<_>>());
     let rates: Vec<f64> = figures.iter().filter_map(|l| l.bandwidth).collect();
     TransportCost {
-        transport: kind.name().into(),
+        transport: name.into(),
         rounds: figures.len() as u32,
         latency_s: field(|l| l.latency_s),
         message_cpu_s: field(|l| l.cpu_s),
@@ -129,7 +110,7 @@ pub fn load_or_measure(refresh: bool) -> Result<(TransportCosts, Origin)> {
     let mut replaced = None;
     if let (Some(cache), false) = (&cache, refresh) {
         match cache.get::<TransportCosts>(&key, MAX_AGE) {
-            Lookup::Hit { value, path } => match value.check() {
+            Lookup::Hit { value, path } => match covers_every_transport(&value) {
                 Ok(()) => return Ok((value, Origin::Reused(path))),
                 Err(e) => replaced = Some(e),
             },
@@ -143,6 +124,16 @@ pub fn load_or_measure(refresh: bool) -> Result<(TransportCosts, Origin)> {
         None => Err("no cache directory (set PIPE_CACHE_DIR)".into()),
     };
     Ok((costs, Origin::Measured { written, replaced }))
+}
+
+/// Checks cached costs, and that they hold every registered transport's (an entry
+/// measured before a transport was added is measured again).
+fn covers_every_transport(costs: &TransportCosts) -> std::result::Result<(), String> {
+    costs.check()?;
+    match TRANSPORTS.iter().find(|r| costs.get(r.name).is_none()) {
+        Some(r) => Err(format!("it holds no costs for transport {}", r.name)),
+        None => Ok(()),
+    }
 }
 
 /// The costs as text: per transport, each figure's median and spread.
