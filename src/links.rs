@@ -18,7 +18,7 @@ use crate::output::bad_input;
 #[derive(Args, Debug, Clone, Default)]
 pub struct LinkArgs {
     /// Charge each link the processor time this transport's messages take on this machine
-    /// (any registered transport: inproc, shm, quic): measured once and cached (`pipe bench transport` measures
+    /// (any registered transport: inproc, shm, quic, tcp): measured once and cached (`pipe bench transport` measures
     /// again).
     #[arg(long, value_name = "TRANSPORT")]
     pub transport: Option<String>,

@@ -205,7 +205,8 @@ pub struct TrainArgs {
     precision: Option<String>,
     /// What carries each link between workers: auto (channels between threads, shared
     /// memory between processes of one host, QUIC between hosts), or one transport for every
-    /// link: inproc, shm or quic (QUIC with mutual TLS on every link). A transport that crosses processes runs worker processes unless
+    /// link: inproc, shm, quic (QUIC with mutual TLS on every link) or tcp (plain TCP, for
+    /// trusted networks). A transport that crosses processes runs worker processes unless
     /// --placement says otherwise.
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(pipe_transport::kinds::names()))]
     transport: Option<String>,

@@ -80,6 +80,7 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
             // memory.
             for (flags, says) in [
                 (["--transport", "quic"], "one process each, QUIC"),
+                (["--transport", "tcp"], "one process each, TCP"),
                 (
                     ["--placement", "processes"],
                     "one process each, shared memory",

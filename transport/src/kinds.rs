@@ -27,6 +27,7 @@ pub const TRANSPORTS: &[&Registration] = &[
     &crate::inproc::REGISTRATION,
     &shm::REGISTRATION,
     &quic::REGISTRATION,
+    &crate::tcp::REGISTRATION,
 ];
 
 /// A transport as the runtime knows it.

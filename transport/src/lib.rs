@@ -31,6 +31,7 @@ pub mod mixed;
 pub mod nccl;
 pub mod quic;
 pub mod shm;
+pub mod tcp;
 
 use std::time::Duration;
 

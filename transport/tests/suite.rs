@@ -528,6 +528,13 @@ fn mixed_mesh(
         .collect()
 }
 
+transport_suite!(tcp, |n, timeout| {
+    let mut opts = pipe_transport::tcp::TcpOptions::new(0x7c9);
+    opts.timeout = timeout;
+    opts.linger = Duration::from_secs(2);
+    pipe_transport::tcp::local_mesh(n, &opts).unwrap()
+});
+
 /// Every registered transport as a run reaches it ([`pipe_transport::kinds::TRANSPORTS`]): its
 /// name parses back to its kind, and the mesh of threads it registers delivers by key, in any
 /// order, and gives every worker the ring all-reduce's exact bits. A transport added to the

@@ -1,0 +1,789 @@
+//! Plain TCP between workers, for trusted networks: one connection per pair of workers, no
+//! encryption (gloo's default between hosts), so a link costs the socket's copies and no TLS
+//! processor time. Messages travel in QUIC's frame format ([`crate::frame`]): the same
+//! header, the same payload encoding and the same checks on what a peer sends, so a run's
+//! bits are those of every other transport.
+//!
+//! Each connection is read by a thread of its own that decodes frames into a channel, so a
+//! peer's socket is always drained (a ring all-reduce sends a whole chunk's pieces before it
+//! receives, as QUIC's receiving side takes them); a receive waits on that channel, the control
+//! channel (aborts) and the stall timer at once and keeps early messages by key. A send
+//! writes its frame on the caller's thread: a peer that reads slowly holds the sender back.
+//! On the stream each frame is preceded by a tag byte: a message, or an abort naming the
+//! worker that failed. An abort also shuts every link's writing side, so a send blocked on a
+//! full socket returns at once.
+//!
+//! Connecting: every worker listens; rank `i` connects to every rank below it and accepts
+//! every rank above it. A connection opens with a hello (magic, run id, the two ranks) that
+//! the acceptor checks and answers; a connection from another run, or naming a rank that is
+//! not its peer, is closed and the wait goes on.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, never, select, unbounded};
+
+use crate::frame::{self, FrameLimits, PREFIX_BYTES, PayloadBuffer, WireDType};
+use crate::inproc::wire_for;
+use crate::kinds::{BoundEndpoint, Endpoint, Joined, MeshSettings, Registration};
+use crate::{Early, Key, Message, Transport, TransportError};
+
+/// The registration of plain TCP ([`crate::kinds::TRANSPORTS`]).
+pub const REGISTRATION: Registration = Registration {
+    name: "tcp",
+    about: "plain TCP, no encryption (trusted networks)",
+    link_description: Some("TCP on loopback"),
+    cuts_links: false,
+    networked: true,
+    crosses_processes: true,
+    measured_messages: 1000,
+    thread_mesh: |workers, settings| {
+        let eps = local_mesh(workers, &TcpOptions::from(settings))?;
+        Ok(eps.into_iter().map(|e| Box::new(e) as Endpoint).collect())
+    },
+    bind: Some(|cluster, rank, at, settings| {
+        let bound = TcpBound::bind(rank, cluster.size(), at.addr, TcpOptions::from(settings))?;
+        Ok(Box::new(bound))
+    }),
+};
+
+/// The first bytes of a connection's hello.
+const HELLO_MAGIC: [u8; 4] = *b"PTCP";
+
+/// The hello's length: magic, run id, from, to.
+const HELLO_BYTES: usize = 4 + 8 + 4 + 4;
+
+/// The tag before a frame.
+const TAG_MESSAGE: u8 = 0;
+
+/// The tag before an abort (then the failed worker's rank, u32 LE).
+const TAG_ABORT: u8 = 1;
+
+/// How long a hello may take once a connection is open.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Options of a TCP endpoint.
+#[derive(Clone, Debug)]
+pub struct TcpOptions {
+    /// The run every peer and frame must belong to.
+    pub run_id: u64,
+    /// Element type of activations and gradients on the wire.
+    pub wire: WireDType,
+    /// How long a receive of data waits (the stall bound); `None`: without bound.
+    pub timeout: Option<Duration>,
+    /// How long connecting waits for peers that start late.
+    pub connect_timeout: Duration,
+    /// How long [`Transport::close`] waits for peers to close their ends.
+    pub linger: Duration,
+}
+
+impl TcpOptions {
+    /// Options of run `run_id`: f32 on the wire, no stall bound, 30 s to connect.
+    pub fn new(run_id: u64) -> Self {
+        TcpOptions {
+            run_id,
+            wire: WireDType::F32,
+            timeout: None,
+            connect_timeout: Duration::from_secs(30),
+            linger: Duration::from_secs(10),
+        }
+    }
+}
+
+impl From<&MeshSettings> for TcpOptions {
+    fn from(s: &MeshSettings) -> Self {
+        TcpOptions {
+            wire: s.wire,
+            timeout: s.timeout,
+            connect_timeout: s.connect_timeout,
+            ..TcpOptions::new(s.run_id)
+        }
+    }
+}
+
+fn setup(what: impl std::fmt::Display) -> TransportError {
+    TransportError::Setup(format!("tcp: {what}"))
+}
+
+/// A worker's listening socket, before it knows its peers.
+pub struct TcpBound {
+    rank: u32,
+    size: u32,
+    listener: TcpListener,
+    opts: TcpOptions,
+}
+
+impl TcpBound {
+    /// Listens at `addr` as rank `rank` of `size` workers.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] when the address cannot be bound.
+    pub fn bind(
+        rank: u32,
+        size: u32,
+        addr: SocketAddr,
+        opts: TcpOptions,
+    ) -> Result<Self, TransportError> {
+        if rank >= size {
+            return Err(setup(format!("rank {rank} in a run of {size} workers")));
+        }
+        let listener =
+            TcpListener::bind(addr).map_err(|e| setup(format!("binding {addr}: {e}")))?;
+        Ok(TcpBound {
+            rank,
+            size,
+            listener,
+            opts,
+        })
+    }
+
+    /// The address it listens at.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] if the socket has no address.
+    pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
+        self.listener.local_addr().map_err(setup)
+    }
+
+    /// Connects to every other worker (`addrs[r]`: rank r's address): to those below this
+    /// rank, and accepting those above it.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] naming a peer that never connected in time.
+    pub fn connect(self, addrs: &[SocketAddr]) -> Result<Tcp, TransportError> {
+        if addrs.len() != self.size as usize {
+            return Err(setup(format!(
+                "{} addresses for {} workers",
+                addrs.len(),
+                self.size
+            )));
+        }
+        let deadline = Instant::now() + self.opts.connect_timeout;
+        let mut streams: Vec<Option<TcpStream>> = (0..self.size).map(|_| None).collect();
+        for peer in 0..self.rank {
+            streams[peer as usize] = Some(self.dial(peer, addrs[peer as usize], deadline)?);
+        }
+        self.accept_above(&mut streams, deadline)?;
+        let streams = streams
+            .into_iter()
+            .enumerate()
+            .map(|(p, s)| match s {
+                Some(s) => Ok(Some(s)),
+                None if p as u32 == self.rank => Ok(None),
+                None => Err(setup(format!("worker {p} never connected"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Tcp::start(self.rank, streams, &self.opts)
+    }
+
+    /// Connects to `peer` at `addr`, retrying until `deadline` (it may start late).
+    fn dial(
+        &self,
+        peer: u32,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> Result<TcpStream, TransportError> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+                .map_err(|e| e.to_string())
+                .and_then(|s| {
+                    self.greet(&s, peer).map_err(|e| e.to_string())?;
+                    Ok(s)
+                });
+            match attempt {
+                Ok(s) => return Ok(s),
+                Err(why) if Instant::now() >= deadline => {
+                    return Err(setup(format!("worker {peer} at {addr}: {why}")));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    /// Sends this side's hello to `peer` on `s` and checks its answer.
+    fn greet(&self, s: &TcpStream, peer: u32) -> Result<(), TransportError> {
+        s.set_read_timeout(Some(HELLO_TIMEOUT)).map_err(setup)?;
+        (&*s)
+            .write_all(&hello(self.opts.run_id, self.rank, peer))
+            .map_err(setup)?;
+        let (from, to) = read_hello(s, self.opts.run_id)?;
+        if (from, to) != (peer, self.rank) {
+            return Err(setup(format!("worker {peer} answered as {from} to {to}")));
+        }
+        s.set_read_timeout(None).map_err(setup)?;
+        Ok(())
+    }
+
+    /// Accepts every rank above this one until `deadline`; connections that are not a
+    /// missing peer of this run are closed.
+    fn accept_above(
+        &self,
+        streams: &mut [Option<TcpStream>],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        self.listener.set_nonblocking(true).map_err(setup)?;
+        let missing = |streams: &[Option<TcpStream>]| {
+            (self.rank + 1..self.size).find(|&p| streams[p as usize].is_none())
+        };
+        while let Some(waiting) = missing(streams) {
+            match self.listener.accept() {
+                Ok((s, _)) => {
+                    if let Some(peer) = self.welcome(&s, streams) {
+                        streams[peer as usize] = Some(s);
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(setup(format!(
+                            "worker {waiting} never connected to worker {}",
+                            self.rank
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(setup(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks an accepted connection's hello and answers it: the peer it is, or `None` for a
+    /// connection to close (another run, a rank that is not a missing peer above this one).
+    fn welcome(&self, s: &TcpStream, streams: &[Option<TcpStream>]) -> Option<u32> {
+        s.set_nonblocking(false).ok()?;
+        s.set_read_timeout(Some(HELLO_TIMEOUT)).ok()?;
+        let (from, to) = read_hello(s, self.opts.run_id).ok()?;
+        let wanted = to == self.rank
+            && from > self.rank
+            && from < self.size
+            && streams[from as usize].is_none();
+        if !wanted {
+            return None;
+        }
+        (&*s)
+            .write_all(&hello(self.opts.run_id, self.rank, from))
+            .ok()?;
+        s.set_read_timeout(None).ok()?;
+        Some(from)
+    }
+}
+
+impl BoundEndpoint for TcpBound {
+    fn address(&self) -> Result<String, TransportError> {
+        Ok(self.local_addr()?.to_string())
+    }
+
+    fn needs_addresses(&self) -> bool {
+        true
+    }
+
+    fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
+        let addrs = crate::kinds::socket_addresses(peers)?;
+        Ok(Joined {
+            endpoint: Box::new((*self).connect(&addrs)?),
+            shared_memory: Vec::new(),
+        })
+    }
+}
+
+/// A hello from `from` to `to` in run `run_id`.
+fn hello(run_id: u64, from: u32, to: u32) -> [u8; HELLO_BYTES] {
+    let mut out = [0u8; HELLO_BYTES];
+    out[..4].copy_from_slice(&HELLO_MAGIC);
+    out[4..12].copy_from_slice(&run_id.to_le_bytes());
+    out[12..16].copy_from_slice(&from.to_le_bytes());
+    out[16..].copy_from_slice(&to.to_le_bytes());
+    out
+}
+
+/// Reads a hello of run `run_id` from `s`: its (from, to).
+fn read_hello(mut s: &TcpStream, run_id: u64) -> Result<(u32, u32), TransportError> {
+    let mut b = [0u8; HELLO_BYTES];
+    s.read_exact(&mut b).map_err(setup)?;
+    let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&b[4..12]);
+    if b[..4] != HELLO_MAGIC || u64::from_le_bytes(id) != run_id {
+        return Err(setup("a connection from another run or program"));
+    }
+    Ok((word(12), word(16)))
+}
+
+/// Builds a full mesh of `workers` endpoints on loopback, for threads of one process.
+///
+/// # Errors
+/// [`TransportError::Setup`] when a socket cannot be bound or a connection fails.
+pub fn local_mesh(workers: u32, opts: &TcpOptions) -> Result<Vec<Tcp>, TransportError> {
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let bound = (0..workers)
+        .map(|r| TcpBound::bind(r, workers, loopback, opts.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let addrs = bound
+        .iter()
+        .map(TcpBound::local_addr)
+        .collect::<Result<Vec<_>, _>>()?;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = bound
+            .into_iter()
+            .map(|b| {
+                let addrs = &addrs;
+                s.spawn(move || b.connect(addrs))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(setup("a connecting thread panicked")))
+            })
+            .collect()
+    })
+}
+
+/// One link's state shared with its reader thread.
+#[derive(Default)]
+struct LinkState {
+    /// Why the reader stopped, where it was not the peer closing its end.
+    broken: Mutex<Option<String>>,
+    /// The reader stopped: the peer closed its end, or the link broke. Set before the
+    /// reader's channel closes, so a send after a receive saw the end fails too.
+    ended: std::sync::atomic::AtomicBool,
+}
+
+/// One worker's endpoint of a TCP mesh.
+pub struct Tcp {
+    rank: u32,
+    size: u32,
+    /// The write side of each link (`None` for this worker itself).
+    out: Vec<Option<BufWriter<TcpStream>>>,
+    /// Each link's socket, as the readers and abort shut it.
+    sockets: Arc<Vec<Option<TcpStream>>>,
+    from: Vec<Receiver<Message>>,
+    links: Vec<Arc<LinkState>>,
+    control: Receiver<u32>,
+    /// Keeps the control channel open when every reader has ended (a closed channel would
+    /// read as an abort).
+    _control_open: Sender<u32>,
+    aborted_by: Option<u32>,
+    early: Early,
+    readers: Vec<JoinHandle<()>>,
+    run_id: u64,
+    wire: WireDType,
+    timeout: Option<Duration>,
+    linger: Duration,
+}
+
+impl std::fmt::Debug for Tcp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tcp")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tcp {
+    /// Starts an endpoint over connected `streams` (one per peer, `None` for itself): a
+    /// reader thread per link.
+    fn start(
+        rank: u32,
+        streams: Vec<Option<TcpStream>>,
+        opts: &TcpOptions,
+    ) -> Result<Tcp, TransportError> {
+        let size = streams.len() as u32;
+        let (control_tx, control) = unbounded();
+        let mut out = Vec::with_capacity(streams.len());
+        let mut from = Vec::with_capacity(streams.len());
+        let mut links = Vec::with_capacity(streams.len());
+        let mut readers = Vec::new();
+        for s in &streams {
+            let _ = s.as_ref().map(|s| s.set_nodelay(true));
+        }
+        let sockets: Arc<Vec<Option<TcpStream>>> = Arc::new(
+            streams
+                .iter()
+                .map(|s| s.as_ref().map(TcpStream::try_clone).transpose())
+                .collect::<Result<_, _>>()
+                .map_err(setup)?,
+        );
+        for (peer, s) in streams.into_iter().enumerate() {
+            let (tx, rx) = unbounded();
+            let link = Arc::new(LinkState::default());
+            if let Some(s) = s {
+                let reader = Reader {
+                    rank,
+                    peer: peer as u32,
+                    limits: FrameLimits::new(opts.run_id),
+                    data: tx,
+                    control: control_tx.clone(),
+                    link: link.clone(),
+                    sockets: sockets.clone(),
+                };
+                let read_side = s.try_clone().map_err(setup)?;
+                readers.push(
+                    std::thread::Builder::new()
+                        .name(format!("tcp-{rank}-from-{peer}"))
+                        .spawn(move || reader.run(read_side))
+                        .map_err(setup)?,
+                );
+                out.push(Some(BufWriter::with_capacity(1 << 16, s)));
+            } else {
+                out.push(None);
+            }
+            from.push(rx);
+            links.push(link);
+        }
+        Ok(Tcp {
+            rank,
+            size,
+            out,
+            sockets,
+            from,
+            links,
+            control,
+            _control_open: control_tx,
+            aborted_by: None,
+            early: Early::default(),
+            readers,
+            run_id: opts.run_id,
+            wire: opts.wire,
+            timeout: opts.timeout,
+            linger: opts.linger,
+        })
+    }
+
+    /// Records an abort from `by` and returns the error every later call gives.
+    fn aborted(&mut self, by: u32) -> TransportError {
+        let by = *self.aborted_by.get_or_insert(by);
+        TransportError::Aborted { by }
+    }
+
+    /// The error for a link that failed: `Aborted` when an abort reached this endpoint (a
+    /// peer stops after an abort, so its link closing is the abort's echo; the abort may
+    /// trail the closing a moment), else `gone`.
+    fn abort_or(&mut self, gone: TransportError) -> TransportError {
+        if let Some(by) = self.aborted_by {
+            return TransportError::Aborted { by };
+        }
+        match self.control.recv_timeout(Duration::from_millis(200)) {
+            Ok(by) => self.aborted(by),
+            Err(_) => gone,
+        }
+    }
+
+    /// Checks that `key` is addressed to this worker from a peer.
+    fn check_key(&self, key: &Key) -> Result<(), TransportError> {
+        if key.to != self.rank || key.from >= self.size || key.from == self.rank {
+            return Err(TransportError::Protocol(format!(
+                "worker {} of {} asked for {key:?}",
+                self.rank, self.size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Why the link from `peer` ended: its reader's reason, or the peer closing.
+    fn link_ended(&mut self, peer: u32) -> TransportError {
+        let broken = self.links[peer as usize]
+            .broken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        match broken {
+            Some(why) => TransportError::Lost { peer, why },
+            None => self.abort_or(TransportError::Closed { peer }),
+        }
+    }
+
+    /// Keeps a message that arrived before it was asked for.
+    fn keep_early(&mut self, m: Message) -> Result<(), TransportError> {
+        self.early.keep(m)
+    }
+
+    /// Shuts every link's writing side (peers see the end of the stream after what was
+    /// written) and, with `read`, its reading side too.
+    fn shut(&self, read: bool) {
+        let how = if read {
+            Shutdown::Both
+        } else {
+            Shutdown::Write
+        };
+        for s in self.sockets.iter().flatten() {
+            let _ = s.shutdown(how);
+        }
+    }
+}
+
+/// A link's reader: decodes frames from the peer into the endpoint's channel.
+struct Reader {
+    rank: u32,
+    peer: u32,
+    limits: FrameLimits,
+    data: Sender<Message>,
+    control: Sender<u32>,
+    link: Arc<LinkState>,
+    sockets: Arc<Vec<Option<TcpStream>>>,
+}
+
+impl Reader {
+    /// Reads until the peer closes, the endpoint goes away, or a frame is bad (the reason
+    /// is kept for the next receive from this peer).
+    fn run(self, stream: TcpStream) {
+        let mut r = BufReader::with_capacity(1 << 16, stream);
+        if let Err(why) = self.read_all(&mut r) {
+            *self
+                .link
+                .broken
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(why);
+        }
+        self.link
+            .ended
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn read_all(&self, r: &mut impl Read) -> Result<(), String> {
+        loop {
+            let mut tag = [0u8; 1];
+            match r.read(&mut tag) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // A socket shut by this endpoint (an abort, a close) or reset by the peer.
+                Err(_) => return Ok(()),
+            }
+            match tag[0] {
+                TAG_MESSAGE => {
+                    let m = self.read_frame(r)?;
+                    if self.data.send(m).is_err() {
+                        return Ok(()); // the endpoint is gone
+                    }
+                }
+                TAG_ABORT => {
+                    let mut by = [0u8; 4];
+                    r.read_exact(&mut by).map_err(|e| format!("abort: {e}"))?;
+                    let _ = self.control.send(u32::from_le_bytes(by));
+                    // Every blocked send of this endpoint returns.
+                    for s in self.sockets.iter().flatten() {
+                        let _ = s.shutdown(Shutdown::Write);
+                    }
+                }
+                other => return Err(format!("tag {other} is no message")),
+            }
+        }
+    }
+
+    /// One frame, checked: its run, its size, and that it comes from this link's peer to
+    /// this worker.
+    fn read_frame(&self, r: &mut impl Read) -> Result<Message, String> {
+        let mut prefix = [0u8; PREFIX_BYTES];
+        r.read_exact(&mut prefix).map_err(|e| e.to_string())?;
+        let len = frame::parse_prefix(&prefix).map_err(|e| e.to_string())?;
+        let mut header = vec![0u8; len];
+        r.read_exact(&mut header).map_err(|e| e.to_string())?;
+        let header = frame::parse_header(&header, &self.limits).map_err(|e| e.to_string())?;
+        let mut payload = PayloadBuffer::for_header(&header);
+        r.read_exact(payload.bytes_mut())
+            .map_err(|e| e.to_string())?;
+        let m = payload.into_message(&header).map_err(|e| e.to_string())?;
+        if m.key.from != self.peer || m.key.to != self.rank {
+            return Err(format!(
+                "worker {} sent {:?} on its link to worker {}",
+                self.peer, m.key, self.rank
+            ));
+        }
+        Ok(m)
+    }
+}
+
+impl Transport for Tcp {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn copies_payloads(&self) -> bool {
+        true
+    }
+
+    fn send(&mut self, message: Message) -> Result<(), TransportError> {
+        if let Ok(by) = self.control.try_recv() {
+            return Err(self.aborted(by));
+        }
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        let to = message.key.to;
+        let wire = wire_for(message.key.kind, self.wire);
+        let head = frame::encode_header(&frame::header_of(&message, self.run_id, wire));
+        let values = message.tensor.host();
+        let (head, values) = match (head, values) {
+            (Ok(h), Ok(v)) => (h, v),
+            (Err(e), _) => {
+                let reason = e.to_string();
+                return Err(TransportError::Send {
+                    reason,
+                    message: Box::new(message),
+                });
+            }
+            (_, Err(e)) => {
+                let reason = format!("payload not on the host: {e}");
+                return Err(TransportError::Send {
+                    reason,
+                    message: Box::new(message),
+                });
+            }
+        };
+        let ended = self
+            .links
+            .get(to as usize)
+            .is_some_and(|l| l.ended.load(std::sync::atomic::Ordering::SeqCst));
+        let writer = match self.out.get_mut(to as usize) {
+            Some(Some(w)) if !ended => Some(w),
+            _ => None,
+        };
+        let written = match writer {
+            // An f32 payload on a little-endian machine is written from the tensor's own
+            // buffer; bf16 is converted first.
+            Some(w) => w
+                .write_all(&[TAG_MESSAGE])
+                .and_then(|()| w.write_all(&head))
+                .and_then(|()| match wire {
+                    WireDType::F32 if cfg!(target_endian = "little") => {
+                        w.write_all(bytemuck::cast_slice(values))
+                    }
+                    _ => {
+                        let mut payload = Vec::with_capacity(values.len() * wire.size());
+                        frame::encode_payload(values, wire, &mut payload);
+                        w.write_all(&payload)
+                    }
+                })
+                .and_then(|()| w.flush()),
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                "no link",
+            )),
+        };
+        match written {
+            Ok(()) => Ok(()),
+            Err(_) if to >= self.size || to == self.rank => Err(TransportError::Send {
+                reason: format!("no worker {to} of {} to send to", self.size),
+                message: Box::new(message),
+            }),
+            Err(e) => Err(self.abort_or(TransportError::Send {
+                reason: format!("worker {to} is gone: {e}"),
+                message: Box::new(message),
+            })),
+        }
+    }
+
+    fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
+        self.check_key(key)?;
+        if let Some(m) = self.early.take(key) {
+            return Ok(m);
+        }
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        let rx = self.from[key.from as usize].clone();
+        let control = self.control.clone();
+        let start = Instant::now();
+        let deadline = crate::stall_deadline(self.timeout, key, start);
+        loop {
+            let timer = match deadline {
+                Some(d) => crossbeam_channel::at(d),
+                None => never(),
+            };
+            select! {
+                recv(rx) -> m => match m {
+                    Ok(m) if m.key == *key => return Ok(m),
+                    Ok(m) => self.keep_early(m)?,
+                    Err(_) => return Err(self.link_ended(key.from)),
+                },
+                recv(control) -> by => return Err(self.aborted(by.unwrap_or(self.rank))),
+                recv(timer) -> _ => {
+                    return Err(TransportError::Timeout {
+                        key: *key,
+                        waited: start.elapsed(),
+                    })
+                }
+            }
+        }
+    }
+
+    fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
+        self.check_key(key)?;
+        if let Some(m) = self.early.take(key) {
+            return Ok(Some(m));
+        }
+        if let Ok(by) = self.control.try_recv() {
+            return Err(self.aborted(by));
+        }
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        let rx = self.from[key.from as usize].clone();
+        loop {
+            match rx.try_recv() {
+                Ok(m) if m.key == *key => return Ok(Some(m)),
+                Ok(m) => self.keep_early(m)?,
+                Err(crossbeam_channel::TryRecvError::Empty) => return Ok(None),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    return Err(self.link_ended(key.from));
+                }
+            }
+        }
+    }
+
+    fn buffered(&self) -> usize {
+        self.early.len()
+    }
+
+    fn abort(&mut self) {
+        self.aborted_by.get_or_insert(self.rank);
+        let mut note = vec![TAG_ABORT];
+        note.extend_from_slice(&self.rank.to_le_bytes());
+        for w in self.out.iter_mut().flatten() {
+            // A peer that stopped reading must not hold the abort up.
+            let _ = w.get_ref().set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = w.write_all(&note).and_then(|()| w.flush());
+        }
+        self.shut(false);
+    }
+
+    fn close(&mut self) -> Result<(), TransportError> {
+        for w in self.out.iter_mut().flatten() {
+            let _ = w.flush();
+        }
+        // Peers read what was written before the end of the stream; this end keeps
+        // reading until they close theirs, so nothing they sent is cut off.
+        self.shut(false);
+        let deadline = Instant::now() + self.linger;
+        while self.readers.iter().any(|h| !h.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.shut(true);
+        for h in self.readers.drain(..) {
+            let _ = h.join();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Tcp {
+    fn drop(&mut self) {
+        for w in self.out.iter_mut().flatten() {
+            let _ = w.flush();
+        }
+        // Both sides: the readers end, and every peer sees this end close after what was
+        // written.
+        self.shut(true);
+    }
+}
