@@ -106,65 +106,119 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         stop: Some(stop.clone()),
     };
     let last_step = Cell::new(None);
-    let mut watched = LastStep {
-        inner: &mut fan,
-        last: &last_step,
+    let launch = Launch {
+        how,
+        watched: LastStep {
+            inner: &mut fan,
+            last: &last_step,
+        },
+        events: Printed { last: &last_step },
+        policy,
+        faults,
+        stop,
     };
-    let mut events = Printed { last: &last_step };
     if processes {
         phases.begin(
             pipe_stages::pipeline::StartPhase::Workers.describe(),
             &format!("{workers} worker processes"),
         );
-        let mut launch = LaunchOptions::new(workers);
-        launch.stop = Some(stop);
-        // Each worker writes its part of the trace; they are merged once all have exited.
-        let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
-        let mut launcher = Processes {
-            launch,
-            checkpoints: policy,
-            metrics: args.metrics_addr,
-            faults,
-            trace_parts: parts.clone(),
-            kept: None,
-        };
-        launcher.keep_drained_states()?;
-        let (end, last) = drive(
-            &mut launcher,
-            &cfg,
-            &how,
-            &mut watched,
-            &mut events,
-            &startup::replan,
-        );
-        if let (Some(dir), Some(path)) = (&parts, &args.trace) {
-            // The last start's workers (each start sets its own count).
-            merge_trace_parts(dir, launcher.launch.workers, path)?;
-        }
-        let end = end.context("training failed")?;
-        finish_checkpoints(&end.checkpoints, end.stopped)?;
-        outln!("partition: {}", last.partition);
-        if let Some(epoch) = &end.last {
-            print_done_line(end.steps, epoch, end.weights);
-        }
-        return Ok(());
+        return on_processes(args, &cfg, workers, launch);
     }
-    let mut launcher = Threads {
+    let threads = Threads {
         data: &data,
         model: &model,
         opts: PipelineTrainOptions {
             timeline: args.trace.is_some(),
-            checkpoints: policy,
-            stop: Some(stop),
-            faults,
             rejoin: args.rejoin,
             ..PipelineTrainOptions::default()
         },
         first: resume.map(|(_, ckpt)| ckpt),
     };
+    on_threads(args, &cfg, threads, launch)
+}
+
+/// What either launcher takes from the run's start: how it restarts, what watches it, its
+/// checkpoints, its faults and the Ctrl-C flag.
+struct Launch<'a> {
+    how: Relaunch,
+    watched: LastStep<'a>,
+    events: Printed<'a>,
+    policy: Option<pipe_stages::checkpoint::CheckpointPolicy>,
+    faults: FaultSchedule,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Runs `cfg` on `workers` worker processes of this host and reports how it ended.
+///
+/// # Errors
+/// The run's failure past its restarts; a trace that cannot be merged; Ctrl-C.
+fn on_processes(args: &TrainArgs, cfg: &RunConfig, workers: u32, launch: Launch<'_>) -> Result<()> {
+    let Launch {
+        how,
+        mut watched,
+        mut events,
+        policy,
+        faults,
+        stop,
+    } = launch;
+    let mut options = LaunchOptions::new(workers);
+    options.stop = Some(stop);
+    // Each worker writes its part of the trace; they are merged once all have exited.
+    let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
+    let mut launcher = Processes {
+        launch: options,
+        checkpoints: policy,
+        metrics: args.metrics_addr,
+        faults,
+        trace_parts: parts.clone(),
+        kept: None,
+    };
+    launcher.keep_drained_states()?;
+    let (end, last) = drive(
+        &mut launcher,
+        cfg,
+        &how,
+        &mut watched,
+        &mut events,
+        &startup::replan,
+    );
+    if let (Some(dir), Some(path)) = (&parts, &args.trace) {
+        // The last start's workers (each start sets its own count).
+        merge_trace_parts(dir, launcher.launch.workers, path)?;
+    }
+    let end = end.context("training failed")?;
+    finish_checkpoints(&end.checkpoints, end.stopped)?;
+    outln!("partition: {}", last.partition);
+    if let Some(epoch) = &end.last {
+        print_done_line(end.steps, epoch, end.weights);
+    }
+    Ok(())
+}
+
+/// Runs `cfg` on threads of this process and reports how it ended, with its trace.
+///
+/// # Errors
+/// The run's failure past its restarts; a trace that cannot be written; Ctrl-C.
+fn on_threads(
+    args: &TrainArgs,
+    cfg: &RunConfig,
+    mut launcher: Threads<'_>,
+    launch: Launch<'_>,
+) -> Result<()> {
+    let Launch {
+        how,
+        mut watched,
+        mut events,
+        policy,
+        faults,
+        stop,
+    } = launch;
+    launcher.opts.checkpoints = policy;
+    launcher.opts.stop = Some(stop);
+    launcher.opts.faults = faults;
     let (out, cfg) = drive(
         &mut launcher,
-        &cfg,
+        cfg,
         &how,
         &mut watched,
         &mut events,

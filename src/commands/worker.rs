@@ -169,22 +169,7 @@ impl OwnSettings {
 /// Bad input for flags, cluster files and ranks; run-time failures of the run (a lost peer is
 /// named).
 pub fn run(args: &WorkerArgs) -> Result<()> {
-    if args.train.workers.is_some() {
-        return Err(bad_input(
-            "--workers plans on one machine: run `pipe plan -o plan.toml` once and give every worker --plan plan.toml".into(),
-        ));
-    }
-    if args.train.max_restarts > 0 || args.train.rejoin || args.train.fault_schedule.is_some() {
-        return Err(bad_input(
-            "--max-restarts, --rejoin and --fault-schedule are pipe train's, which starts and restarts its workers: a scheduler restarts pipe worker (deploy/)".into(),
-        ));
-    }
-    if !(args.connect_timeout.is_finite() && (0.0..=86_400.0).contains(&args.connect_timeout)) {
-        return Err(bad_input(format!(
-            "--connect-timeout {}: give 0 to 86400 seconds",
-            args.connect_timeout
-        )));
-    }
+    check_flags(args)?;
     // A launched worker's lines go to its launcher's log: no bars there.
     let phases = crate::phases::Phases::with_terminal(args.run.is_none() && stderr_is_terminal());
     // A launched worker is handed everything in the run's file; one started by hand takes
@@ -213,23 +198,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         .map_err(|e| bad_input(format!("{}: {e}", args.cluster.display())))?;
     let rank =
         resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
-    let connect_timeout = Duration::from_secs_f64(args.connect_timeout);
-    let settings = MeshSettings {
-        wire: cfg.wire,
-        timeout: Some(cfg.stall_timeout),
-        connect_timeout,
-        ..MeshSettings::new(cluster.run_id)
-    };
-    let meet = match (args.launched, args.cluster.parent()) {
-        // The launcher's private directory, where the cluster file is.
-        (true, Some(dir)) => dir.to_path_buf(),
-        _ => rendezvous_dir(cluster.run_id),
-    };
-    let opts = JoinOptions {
-        transport: cfg.transport,
-        settings,
-        meet,
-    };
+    let opts = join_options(args, &cfg, &cluster);
     let model = Model::new(&cfg.model)?;
     let data = train::load_data(&cfg, &model)?;
     let chief = rank == 0;
@@ -310,6 +279,54 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         (None, _) => {}
     }
     Ok(())
+}
+
+/// Refuses what `pipe worker` does not take: `pipe train`'s planning and restart flags, and a
+/// connect timeout out of range.
+///
+/// # Errors
+/// Bad input naming the flag.
+fn check_flags(args: &WorkerArgs) -> Result<()> {
+    if args.train.workers.is_some() {
+        return Err(bad_input(
+            "--workers plans on one machine: run `pipe plan -o plan.toml` once and give every worker --plan plan.toml".into(),
+        ));
+    }
+    if args.train.max_restarts > 0 || args.train.rejoin || args.train.fault_schedule.is_some() {
+        return Err(bad_input(
+            "--max-restarts, --rejoin and --fault-schedule are pipe train's, which starts and restarts its workers: a scheduler restarts pipe worker (deploy/)".into(),
+        ));
+    }
+    if !(args.connect_timeout.is_finite() && (0.0..=86_400.0).contains(&args.connect_timeout)) {
+        return Err(bad_input(format!(
+            "--connect-timeout {}: give 0 to 86400 seconds",
+            args.connect_timeout
+        )));
+    }
+    Ok(())
+}
+
+/// How this worker joins its cluster: the run's wire and stall bound, the connect timeout,
+/// and where the workers of one host meet (a launcher's private directory, where the cluster
+/// file is, or the run's rendezvous directory).
+fn join_options(args: &WorkerArgs, cfg: &RunConfig, cluster: &ClusterFile) -> JoinOptions {
+    let connect_timeout = Duration::from_secs_f64(args.connect_timeout);
+    let settings = MeshSettings {
+        wire: cfg.wire,
+        timeout: Some(cfg.stall_timeout),
+        connect_timeout,
+        ..MeshSettings::new(cluster.run_id)
+    };
+    let meet = match (args.launched, args.cluster.parent()) {
+        // The launcher's private directory, where the cluster file is.
+        (true, Some(dir)) => dir.to_path_buf(),
+        _ => rendezvous_dir(cluster.run_id),
+    };
+    JoinOptions {
+        transport: cfg.transport,
+        settings,
+        meet,
+    }
 }
 
 /// Whether standard error is a terminal (bars are drawn there).
