@@ -758,7 +758,7 @@ fn quic_training_matches_in_process_training_and_cluster_init_writes_credentials
         ],
         "1 addresses for 2 workers",
     );
-    assert_bad_input(&["train", "--transport", "tcp"], "tcp");
+    assert_bad_input(&["train", "--transport", "udp"], "udp");
 }
 
 #[test]
