@@ -341,7 +341,7 @@ pub fn run(cfg: &TransportBenchConfig) -> Result<TransportReport, ExperimentErro
     })?;
     let quic = format!(
         "{}, {}",
-        pipe_transport::quic::REGISTRATION.about,
+        pipe_transport::kinds::QUIC_REGISTRATION.about,
         WireDType::F32
     );
     let quic_over_tcp = streams

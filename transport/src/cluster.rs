@@ -20,11 +20,10 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use serde::{Deserialize, Serialize};
 
 use crate::TransportError;
-use crate::quic::{Cluster, Credentials};
 
 /// Largest cluster file or PEM file read.
 const MAX_FILE_BYTES: u64 = 1 << 20;
@@ -272,4 +271,93 @@ pub fn resolve_rank(
         ));
     }
     Ok(rank)
+}
+
+/// The DNS name on rank `rank`'s certificate, which a dialling peer verifies.
+pub fn server_name(rank: u32) -> String {
+    format!("rank-{rank}.pipe")
+}
+
+/// `what` failed, as a setup error.
+fn setup_err(what: &str, e: impl std::fmt::Display) -> TransportError {
+    TransportError::Setup(format!("{what}: {e}"))
+}
+
+/// A worker's TLS identity: the cluster CA it trusts and its own certificate and key.
+#[derive(Debug)]
+pub struct Credentials {
+    /// The cluster CA certificate (DER).
+    pub ca: CertificateDer<'static>,
+    /// This worker's certificate chain (DER), leaf first.
+    pub chain: Vec<CertificateDer<'static>>,
+    /// This worker's private key.
+    pub key: PrivateKeyDer<'static>,
+}
+
+impl Clone for Credentials {
+    fn clone(&self) -> Self {
+        Credentials {
+            ca: self.ca.clone(),
+            chain: self.chain.clone(),
+            key: self.key.clone_key(),
+        }
+    }
+}
+
+/// A cluster CA and one certificate per rank, as `pipe cluster init` writes them and local
+/// launches make for themselves.
+#[derive(Debug)]
+pub struct Cluster {
+    /// The CA certificate in PEM.
+    pub ca_pem: String,
+    /// Per rank: certificate PEM, key PEM, and the same as [`Credentials`].
+    pub ranks: Vec<(String, String, Credentials)>,
+}
+
+impl Cluster {
+    /// A fresh CA (its key is discarded: nobody can add a rank later) and `workers`
+    /// certificates, each valid for [`server_name`] of its rank, for client and server use.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] when certificate generation fails.
+    pub fn generate(workers: u32) -> Result<Self, TransportError> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair, KeyUsagePurpose,
+        };
+        let err = |e: rcgen::Error| setup_err("certificate generation", e);
+        let ca_key = KeyPair::generate().map_err(err)?;
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "pipe cluster CA");
+        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_cert = ca_params.self_signed(&ca_key).map_err(err)?;
+        let issuer = Issuer::new(ca_params, ca_key);
+        let ranks = (0..workers)
+            .map(|rank| {
+                let key = KeyPair::generate().map_err(err)?;
+                let mut params = CertificateParams::new(vec![server_name(rank)]).map_err(err)?;
+                params
+                    .distinguished_name
+                    .push(DnType::CommonName, format!("pipe rank {rank}"));
+                params.extended_key_usages = vec![
+                    ExtendedKeyUsagePurpose::ServerAuth,
+                    ExtendedKeyUsagePurpose::ClientAuth,
+                ];
+                let cert = params.signed_by(&key, &issuer).map_err(err)?;
+                let creds = Credentials {
+                    ca: ca_cert.der().clone(),
+                    chain: vec![cert.der().clone()],
+                    key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+                };
+                Ok((cert.pem(), key.serialize_pem(), creds))
+            })
+            .collect::<Result<Vec<_>, TransportError>>()?;
+        Ok(Cluster {
+            ca_pem: ca_cert.pem(),
+            ranks,
+        })
+    }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, bounded, never, select, unbounded};
 
 use crate::frame::{WireDType, round_to_wire};
-use crate::kinds::{Endpoint, Registration};
+use crate::registration::{Endpoint, MeshSettings, Registration};
 use crate::{Early, Key, Kind, Message, Transport, TransportError};
 
 /// The registration of the in-process channels ([`crate::kinds::TRANSPORTS`]).
@@ -26,7 +26,7 @@ pub const REGISTRATION: Registration = Registration {
     crosses_processes: false,
     measured_messages: 1000,
     thread_mesh: |workers, settings| {
-        let eps = mesh(workers, &settings.inproc());
+        let eps = mesh(workers, &InProcOptions::from(settings));
         Ok(eps.into_iter().map(|e| Box::new(e) as Endpoint).collect())
     },
     bind: None,
@@ -52,6 +52,16 @@ impl Default for InProcOptions {
             capacity: 1024,
             timeout: None,
             wire: WireDType::F32,
+        }
+    }
+}
+
+impl From<&MeshSettings> for InProcOptions {
+    fn from(s: &MeshSettings) -> Self {
+        InProcOptions {
+            wire: s.wire,
+            timeout: s.timeout,
+            ..InProcOptions::default()
         }
     }
 }

@@ -10,57 +10,149 @@
 //! Adding a transport is its module, which defines its `REGISTRATION`, and one line in
 //! [`TRANSPORTS`].
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::time::Duration;
-
+use crate::TransportError;
 use crate::cluster::ClusterFile;
-use crate::frame::WireDType;
-use crate::inproc::InProcOptions;
 use crate::mixed::Mixed;
 use crate::quic::{self, QuicOptions};
 use crate::shm::{self, ShmBound, ShmOptions};
-use crate::{Transport, TransportError, TransportKind};
+
+pub use crate::registration::{
+    BindFn, Bound, BoundEndpoint, Endpoint, Joined, Listen, MeshSettings, Registration,
+    socket_addresses,
+};
 
 /// Every transport, in the order choices list them and costs are measured.
 pub const TRANSPORTS: &[&Registration] = &[
     &crate::inproc::REGISTRATION,
     &shm::REGISTRATION,
-    &quic::REGISTRATION,
+    &QUIC_REGISTRATION,
     &crate::tcp::REGISTRATION,
 ];
 
-/// A transport as the runtime knows it.
-pub struct Registration {
-    /// The name a run's settings use (`--transport NAME`).
-    pub name: &'static str,
-    /// What it is, in a few words (reports name it so).
-    pub about: &'static str,
-    /// How a run's pipeline line names its links; `None` for channels between threads,
-    /// which need no word.
-    pub link_description: Option<&'static str>,
-    /// Whether a fault schedule can cut one of its links and leave the others
-    /// (`partition@...`).
-    pub cuts_links: bool,
-    /// Whether its workers reach each other at network addresses (their own from the
-    /// cluster file, the others' from it or from a launcher).
-    pub networked: bool,
-    /// Whether it carries links between processes.
-    pub crosses_processes: bool,
-    /// Round trips of a small message in one round of measuring its link costs.
-    pub measured_messages: u32,
-    /// Endpoints for `workers` threads of one process.
-    pub thread_mesh: fn(u32, &MeshSettings) -> Result<Vec<Endpoint>, TransportError>,
-    /// Binds a worker process of a cluster (`None`: it does not join processes).
-    pub bind: Option<BindFn>,
+/// How the workers of a run exchange tensors: the typed form of a run's transport choice,
+/// parsed once at the edge. Where the workers run is another choice (the run's placement);
+/// this one says what carries each link between them. A kind is `auto` or one of the
+/// registered transports ([`TRANSPORTS`]); two kinds are equal when their names are.
+#[derive(Clone, Copy, Default)]
+pub enum TransportKind {
+    /// Chosen per link from where its two ends are: channels between threads of one
+    /// process, shared memory between processes on one host, QUIC between hosts.
+    #[default]
+    Auto,
+    /// A registered transport.
+    Registered(&'static Registration),
 }
 
-/// How a transport binds rank `rank` of a cluster, listening where [`Listen`] says.
-pub type BindFn = fn(&ClusterFile, u32, &Listen, &MeshSettings) -> Result<Bound, TransportError>;
+impl TransportKind {
+    /// Threads of one process over crossbeam channels ([`crate::inproc`]).
+    pub const INPROC: TransportKind = TransportKind::Registered(&crate::inproc::REGISTRATION);
+    /// Shared-memory rings between processes of one host ([`crate::shm`]); a run that spans hosts
+    /// is refused.
+    pub const SHM: TransportKind = TransportKind::Registered(&shm::REGISTRATION);
+    /// QUIC with mutual TLS on every link ([`crate::quic`]): one connection per pair of workers.
+    pub const QUIC: TransportKind = TransportKind::Registered(&QUIC_REGISTRATION);
 
-impl std::fmt::Debug for Registration {
+    /// The name a run's settings use.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Registered(r) => r.name,
+        }
+    }
+
+    /// Its registration; `None` for `auto`.
+    pub fn registration(self) -> Option<&'static Registration> {
+        match self {
+            TransportKind::Auto => None,
+            TransportKind::Registered(r) => Some(r),
+        }
+    }
+}
+
+impl PartialEq for TransportKind {
+    fn eq(&self, other: &Self) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl Eq for TransportKind {}
+
+impl std::hash::Hash for TransportKind {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name().hash(state);
+    }
+}
+
+impl std::fmt::Debug for TransportKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name)
+        f.write_str(self.name())
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(TransportKind::Auto);
+        }
+        registration(s)
+            .map(TransportKind::Registered)
+            .ok_or_else(|| format!("unknown transport '{s}' ({})", names().join(", ")))
+    }
+}
+
+/// The registration of QUIC. It sits here rather than in [`crate::quic`] because a cluster
+/// file, which binding takes, is built on QUIC's credentials ([`crate::cluster`] uses
+/// [`crate::quic`]); the other transports' registrations live in their own modules.
+pub const QUIC_REGISTRATION: Registration = Registration {
+    name: "quic",
+    about: "QUIC with mutual TLS",
+    link_description: Some("QUIC on loopback"),
+    cuts_links: true,
+    networked: true,
+    crosses_processes: true,
+    measured_messages: 300,
+    thread_mesh: |workers, settings| {
+        let eps = quic::local_mesh(workers, &quic_options(settings))?;
+        Ok(eps.into_iter().map(|e| Box::new(e) as Endpoint).collect())
+    },
+    bind: Some(|cluster, rank, at, settings| {
+        let creds = cluster.credentials(rank)?;
+        let bound = quic::Bound::bind(rank, at.addr, &creds, quic_options(settings))?;
+        Ok(Box::new(bound))
+    }),
+};
+
+/// QUIC's options under `settings`.
+pub fn quic_options(settings: &MeshSettings) -> QuicOptions {
+    let mut opts = QuicOptions::new(settings.run_id);
+    opts.wire = settings.wire;
+    opts.timeout = settings.timeout;
+    opts.connect_timeout = settings.connect_timeout;
+    opts
+}
+
+impl BoundEndpoint for quic::Bound {
+    fn address(&self) -> Result<String, TransportError> {
+        Ok(self.local_addr()?.to_string())
+    }
+
+    fn needs_addresses(&self) -> bool {
+        true
+    }
+
+    fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
+        let addrs = socket_addresses(peers)?;
+        Ok(Joined {
+            endpoint: Box::new((*self).connect(&addrs)?),
+            shared_memory: Vec::new(),
+        })
     }
 }
 
@@ -74,76 +166,6 @@ pub fn names() -> Vec<&'static str> {
     std::iter::once("auto")
         .chain(TRANSPORTS.iter().map(|r| r.name))
         .collect()
-}
-
-/// Peer addresses as a launcher or cluster file gives them, parsed.
-///
-/// # Errors
-/// [`TransportError::Setup`] naming an address that is not a socket address.
-pub fn socket_addresses(peers: &[String]) -> Result<Vec<SocketAddr>, TransportError> {
-    peers
-        .iter()
-        .map(|a| {
-            a.parse::<SocketAddr>()
-                .map_err(|e| TransportError::Setup(format!("peer address '{a}': {e}")))
-        })
-        .collect()
-}
-
-/// An endpoint of whichever kind, as the runtime holds it.
-pub type Endpoint = Box<dyn Transport + Send>;
-
-/// What every kind is told: the run, the wire precision, the stall bound and how long to
-/// wait for peers. Each kind's own options start from its defaults and take these.
-#[derive(Clone, Debug)]
-pub struct MeshSettings {
-    /// The run every peer and frame must belong to.
-    pub run_id: u64,
-    /// Element type of activations and gradients on the wire.
-    pub wire: WireDType,
-    /// How long a receive of data waits (the stall bound); `None`: without bound.
-    pub timeout: Option<Duration>,
-    /// How long connecting waits for peers that start late.
-    pub connect_timeout: Duration,
-}
-
-impl MeshSettings {
-    /// Settings of run `run_id`: f32 on the wire, no stall bound, 30 s to connect.
-    pub fn new(run_id: u64) -> Self {
-        MeshSettings {
-            run_id,
-            wire: WireDType::F32,
-            timeout: None,
-            connect_timeout: Duration::from_secs(30),
-        }
-    }
-
-    /// QUIC's options under these settings.
-    pub fn quic(&self) -> QuicOptions {
-        let mut opts = QuicOptions::new(self.run_id);
-        opts.wire = self.wire;
-        opts.timeout = self.timeout;
-        opts.connect_timeout = self.connect_timeout;
-        opts
-    }
-
-    /// Shared memory's options under these settings.
-    pub fn shm(&self) -> ShmOptions {
-        let mut opts = ShmOptions::new(self.run_id);
-        opts.wire = self.wire;
-        opts.timeout = self.timeout;
-        opts.connect_timeout = self.connect_timeout;
-        opts
-    }
-
-    /// The in-process channels' options under these settings.
-    pub fn inproc(&self) -> InProcOptions {
-        InProcOptions {
-            wire: self.wire,
-            timeout: self.timeout,
-            ..InProcOptions::default()
-        }
-    }
 }
 
 impl TransportKind {
@@ -196,49 +218,6 @@ pub fn thread_mesh(
     (registration.thread_mesh)(workers, settings)
 }
 
-/// A worker process's connected endpoint, and the peers it reaches over shared memory (the
-/// others over its network transport).
-pub struct Joined {
-    /// The endpoint.
-    pub endpoint: Endpoint,
-    /// Peers on this host, reached over shared memory.
-    pub shared_memory: Vec<u32>,
-}
-
-/// Where a worker process listens before it knows its peers.
-#[derive(Clone, Debug)]
-pub struct Listen {
-    /// The address to bind for a networked kind (default: the rank's own address in the
-    /// cluster file, resolved by the caller).
-    pub addr: SocketAddr,
-    /// The directory where the workers of one host meet to set up shared memory.
-    pub meet: PathBuf,
-}
-
-/// A worker process's endpoint, listening but not yet connected.
-pub trait BoundEndpoint: Send {
-    /// What a launcher is told this worker listens at: a socket address, or `unix:PATH`.
-    ///
-    /// # Errors
-    /// [`TransportError::Setup`] if the socket has no address.
-    fn address(&self) -> Result<String, TransportError>;
-
-    /// Whether connecting needs every peer's network address ([`BoundEndpoint::connect`]'s
-    /// `peers`); shared memory finds its peers in the meeting directory.
-    fn needs_addresses(&self) -> bool;
-
-    /// Connects to every other worker; `peers[r]` is rank r's address where
-    /// [`BoundEndpoint::needs_addresses`] (ignored otherwise).
-    ///
-    /// # Errors
-    /// [`TransportError::Setup`] naming a peer that never connected or was refused, or an
-    /// address that is not a socket address.
-    fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError>;
-}
-
-/// A bound endpoint of whichever kind.
-pub type Bound = Box<dyn BoundEndpoint>;
-
 /// Binds rank `rank` of `cluster` over `kind` (a concrete kind, or `auto` chosen per link:
 /// see [`TransportKind::for_processes`]).
 ///
@@ -254,8 +233,8 @@ pub fn bind(
 ) -> Result<Bound, TransportError> {
     let Some(registration) = kind.registration() else {
         let creds = cluster.credentials(rank)?;
-        let quic = quic::Bound::bind(rank, at.addr, &creds, settings.quic())?;
-        let shm = ShmBound::bind(&at.meet, rank, cluster.size(), settings.shm())?;
+        let quic = quic::Bound::bind(rank, at.addr, &creds, quic_options(settings))?;
+        let shm = ShmBound::bind(&at.meet, rank, cluster.size(), ShmOptions::from(settings))?;
         return Ok(Box::new(PerLink { quic, shm }));
     };
     let bind = registration

@@ -30,10 +30,13 @@ pub mod measure;
 pub mod mixed;
 pub mod nccl;
 pub mod quic;
+pub mod registration;
 pub mod shm;
 pub mod tcp;
 
 use std::time::Duration;
+
+pub use kinds::TransportKind;
 
 use pipe_kernels::Tensor;
 use thiserror::Error;
@@ -388,84 +391,6 @@ pub trait Transport: Send {
         Err(TransportError::Setup(format!(
             "no network link to worker {peer} to cut: a partition needs worker processes (--transport quic)"
         )))
-    }
-}
-
-/// How the workers of a run exchange tensors: the typed form of a run's transport choice,
-/// parsed once at the edge. Where the workers run is another choice (the run's placement);
-/// this one says what carries each link between them. A kind is `auto` or one of the
-/// registered transports ([`kinds::TRANSPORTS`]); two kinds are equal when their names are.
-#[derive(Clone, Copy, Default)]
-pub enum TransportKind {
-    /// Chosen per link from where its two ends are: channels between threads of one
-    /// process, shared memory between processes on one host, QUIC between hosts.
-    #[default]
-    Auto,
-    /// A registered transport.
-    Registered(&'static kinds::Registration),
-}
-
-impl TransportKind {
-    /// Threads of one process over crossbeam channels ([`inproc`]).
-    pub const INPROC: TransportKind = TransportKind::Registered(&inproc::REGISTRATION);
-    /// Shared-memory rings between processes of one host ([`shm`]); a run that spans hosts
-    /// is refused.
-    pub const SHM: TransportKind = TransportKind::Registered(&shm::REGISTRATION);
-    /// QUIC with mutual TLS on every link ([`quic`]): one connection per pair of workers.
-    pub const QUIC: TransportKind = TransportKind::Registered(&quic::REGISTRATION);
-
-    /// The name a run's settings use.
-    pub fn name(self) -> &'static str {
-        match self {
-            TransportKind::Auto => "auto",
-            TransportKind::Registered(r) => r.name,
-        }
-    }
-
-    /// Its registration; `None` for `auto`.
-    pub fn registration(self) -> Option<&'static kinds::Registration> {
-        match self {
-            TransportKind::Auto => None,
-            TransportKind::Registered(r) => Some(r),
-        }
-    }
-}
-
-impl PartialEq for TransportKind {
-    fn eq(&self, other: &Self) -> bool {
-        self.name() == other.name()
-    }
-}
-
-impl Eq for TransportKind {}
-
-impl std::hash::Hash for TransportKind {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.name().hash(state);
-    }
-}
-
-impl std::fmt::Debug for TransportKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::fmt::Display for TransportKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for TransportKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s == "auto" {
-            return Ok(TransportKind::Auto);
-        }
-        kinds::registration(s)
-            .map(TransportKind::Registered)
-            .ok_or_else(|| format!("unknown transport '{s}' ({})", kinds::names().join(", ")))
     }
 }
 

@@ -59,7 +59,7 @@ use rustix::net::{
 };
 
 use crate::frame::{self, FrameLimits, Header, PREFIX_BYTES, PayloadBuffer, WireDType};
-use crate::kinds::{BoundEndpoint, Endpoint, Joined, Registration};
+use crate::registration::{BoundEndpoint, Endpoint, Joined, MeshSettings, Registration};
 use crate::{Early, Key, Kind, Message, Transport, TransportError};
 
 /// The registration of shared memory ([`crate::kinds::TRANSPORTS`]).
@@ -72,14 +72,24 @@ pub const REGISTRATION: Registration = Registration {
     crosses_processes: true,
     measured_messages: 1000,
     thread_mesh: |workers, settings| {
-        let eps = local_mesh(workers, &settings.shm())?;
+        let eps = local_mesh(workers, &ShmOptions::from(settings))?;
         Ok(eps.into_iter().map(|e| Box::new(e) as Endpoint).collect())
     },
     bind: Some(|cluster, rank, at, settings| {
-        let bound = ShmBound::bind(&at.meet, rank, cluster.size(), settings.shm())?;
+        let bound = ShmBound::bind(&at.meet, rank, cluster.size(), ShmOptions::from(settings))?;
         Ok(Box::new(bound))
     }),
 };
+
+impl From<&MeshSettings> for ShmOptions {
+    fn from(s: &MeshSettings) -> Self {
+        let mut opts = ShmOptions::new(s.run_id);
+        opts.wire = s.wire;
+        opts.timeout = s.timeout;
+        opts.connect_timeout = s.connect_timeout;
+        opts
+    }
+}
 
 impl BoundEndpoint for ShmBound {
     fn address(&self) -> Result<String, TransportError> {

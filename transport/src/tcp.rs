@@ -28,7 +28,7 @@ use crossbeam_channel::{Receiver, Sender, never, select, unbounded};
 
 use crate::frame::{self, FrameLimits, PREFIX_BYTES, PayloadBuffer, WireDType};
 use crate::inproc::wire_for;
-use crate::kinds::{BoundEndpoint, Endpoint, Joined, MeshSettings, Registration};
+use crate::registration::{BoundEndpoint, Endpoint, Joined, MeshSettings, Registration};
 use crate::{Early, Key, Message, Transport, TransportError};
 
 /// The registration of plain TCP ([`crate::kinds::TRANSPORTS`]).
@@ -282,7 +282,7 @@ impl BoundEndpoint for TcpBound {
     }
 
     fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
-        let addrs = crate::kinds::socket_addresses(peers)?;
+        let addrs = crate::registration::socket_addresses(peers)?;
         Ok(Joined {
             endpoint: Box::new((*self).connect(&addrs)?),
             shared_memory: Vec::new(),
