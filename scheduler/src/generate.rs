@@ -400,47 +400,30 @@ impl Sequenced {
 /// on chunk `(k / P) mod v` and local microbatch `(k / (P v)) P + k mod P`; backward `k` on
 /// chunk `v - 1 - (k / P) mod v` and the same microbatch formula.
 struct Interleaved {
-    big_p: usize,
+    at: ChunkedWorker,
     v: usize,
-    p: usize,
-    j: u32,
-    reps: u32,
-    minibatch: u32,
-    minibatches: u32,
-    next: u32,
 }
 
 impl Interleaved {
     fn new(r: &Resolved, w: u32) -> Self {
-        let layout = &r.layout;
-        let (p, j) = layout.placement(w);
         Interleaved {
-            big_p: layout.positions() as usize,
-            v: layout.chunks() as usize,
-            p: p as usize,
-            j,
-            reps: layout.replica_counts()[0],
-            minibatch: r.minibatch,
-            minibatches: r.total / r.minibatch,
-            next: 0,
+            at: ChunkedWorker::new(r, w),
+            v: r.layout.chunks() as usize,
         }
     }
 
     /// Appends the next minibatch's actions; false after the last.
     fn minibatch(&mut self, out: &mut std::collections::VecDeque<Action>) -> bool {
-        let t = self.next;
-        if t >= self.minibatches {
+        let Some(t) = self.at.next_minibatch() else {
             return false;
-        }
-        self.next += 1;
-        let (big_p, v, p) = (self.big_p, self.v, self.p);
-        let m = (self.minibatch / self.reps) as usize;
-        let total = m * v;
+        };
+        let at = &self.at;
+        let (big_p, v, p) = (at.big_p, self.v, at.p);
+        let total = at.local_microbatches() * v;
         let warmup = ((big_p - p - 1) * 2 + (v - 1) * big_p).min(total);
-        let (j, reps, minibatch) = (self.j, self.reps, self.minibatch);
         let local = |k: usize| -> Microbatch {
             let i = (k / (big_p * v)) * big_p + k % big_p;
-            t * minibatch + j + reps * i as u32
+            at.microbatch(t, i)
         };
         let stage_of = |chunk: usize| (chunk * big_p + p) as StageId;
         let fwd = |k: usize| Action::Forward {
@@ -458,9 +441,65 @@ impl Interleaved {
         }
         out.extend((total - warmup..total).map(bwd));
         for c in 0..v {
-            push_sync(out, stage_of(c), reps, t);
+            push_sync(out, stage_of(c), at.reps, t);
         }
         true
+    }
+}
+
+/// A worker's place in a layout of one replica count at every position, and its way through
+/// the run's minibatches: what the chunked generators ([`Interleaved`], [`VShaped`]) share.
+struct ChunkedWorker {
+    /// Positions (`P`).
+    big_p: usize,
+    /// The worker's position.
+    p: usize,
+    /// The worker's replica index.
+    j: u32,
+    /// Replicas per stage.
+    reps: u32,
+    /// Microbatches per minibatch, over every replica.
+    minibatch: u32,
+    /// Minibatches the run has.
+    minibatches: u32,
+    /// The next minibatch to generate.
+    next: u32,
+}
+
+impl ChunkedWorker {
+    /// Worker `w` of `r`'s layout, before its first minibatch.
+    fn new(r: &Resolved, w: u32) -> Self {
+        let layout = &r.layout;
+        let (p, j) = layout.placement(w);
+        ChunkedWorker {
+            big_p: layout.positions() as usize,
+            p: p as usize,
+            j,
+            reps: layout.replica_counts()[0],
+            minibatch: r.minibatch,
+            minibatches: r.total / r.minibatch,
+            next: 0,
+        }
+    }
+
+    /// The next minibatch, now counted as generated; `None` after the last.
+    fn next_minibatch(&mut self) -> Option<u32> {
+        let t = self.next;
+        if t >= self.minibatches {
+            return None;
+        }
+        self.next += 1;
+        Some(t)
+    }
+
+    /// The worker's microbatches per minibatch (`m`).
+    fn local_microbatches(&self) -> usize {
+        (self.minibatch / self.reps) as usize
+    }
+
+    /// The microbatch the worker runs as its local microbatch `i` of minibatch `t`.
+    fn microbatch(&self, t: u32, i: usize) -> Microbatch {
+        t * self.minibatch + self.j + self.reps * i as u32
     }
 }
 
@@ -488,47 +527,31 @@ enum VStep {
 /// still queued, then both chunks' all-reduce and update.
 struct VShaped {
     dual: bool,
-    big_p: usize,
-    p: usize,
-    j: u32,
-    reps: u32,
-    minibatch: u32,
-    minibatches: u32,
-    next: u32,
+    at: ChunkedWorker,
 }
 
 impl VShaped {
     fn new(r: &Resolved, w: u32) -> Self {
-        let layout = &r.layout;
-        let (p, j) = layout.placement(w);
         VShaped {
             dual: r.policy == Policy::DualPipeV,
-            big_p: layout.positions() as usize,
-            p: p as usize,
-            j,
-            reps: layout.replica_counts()[0],
-            minibatch: r.minibatch,
-            minibatches: r.total / r.minibatch,
-            next: 0,
+            at: ChunkedWorker::new(r, w),
         }
     }
 
     /// Appends the next minibatch's actions; false after the last.
     fn minibatch(&mut self, out: &mut std::collections::VecDeque<Action>) -> bool {
-        let t = self.next;
-        if t >= self.minibatches {
+        let Some(t) = self.at.next_minibatch() else {
             return false;
-        }
-        self.next += 1;
-        let m = (self.minibatch / self.reps) as usize;
-        let steps = if self.dual {
-            dualpipe_v_order(self.big_p, self.p, m)
-        } else {
-            zb_v_order(self.big_p, self.p, m)
         };
-        let (j, reps, minibatch) = (self.j, self.reps, self.minibatch);
-        let mb = |i: usize| t * minibatch + j + reps * i as u32;
-        let stage = [self.p as StageId, (2 * self.big_p - 1 - self.p) as StageId];
+        let at = &self.at;
+        let m = at.local_microbatches();
+        let steps = if self.dual {
+            dualpipe_v_order(at.big_p, at.p, m)
+        } else {
+            zb_v_order(at.big_p, at.p, m)
+        };
+        let mb = |i: usize| at.microbatch(t, i);
+        let stage = [at.p as StageId, (2 * at.big_p - 1 - at.p) as StageId];
         let mut forwards = [0usize; 2];
         let mut backwards = [0usize; 2];
         let mut queued: std::collections::VecDeque<(usize, usize)> = Default::default();
@@ -576,7 +599,7 @@ impl VShaped {
         }
         out.extend(queued.drain(..).map(|(c, i)| weight(c, i)));
         for s in stage {
-            push_sync(out, s, reps, t);
+            push_sync(out, s, at.reps, t);
         }
         true
     }

@@ -87,29 +87,32 @@ pub fn exceeded(what: &str, asked: u64, limit: u64, why: &str) -> ScheduleError 
     ))
 }
 
+/// `Ok` when `asked` is at most `limit`, else [`exceeded`]'s error for `what`, `why`.
+fn at_most(what: &str, asked: u64, limit: u64, why: &str) -> Result<()> {
+    if asked > limit {
+        return Err(exceeded(what, asked, limit, why));
+    }
+    Ok(())
+}
+
 /// Checks a layout's size: `positions` pipeline positions of `workers` workers in all, each
 /// holding `chunks` model stages.
 ///
 /// # Errors
 /// [`ScheduleError::Spec`] naming the first size over its limit.
 pub fn check_layout(positions: u64, workers: u64, chunks: u64) -> Result<()> {
-    if positions.saturating_mul(chunks) > MAX_STAGES {
-        return Err(exceeded(
-            "the number of model stages (stages x chunks)",
-            positions.saturating_mul(chunks),
-            MAX_STAGES,
-            "a stage holds at least one layer, and models have at most 10000",
-        ));
-    }
-    if workers > MAX_WORKERS {
-        return Err(exceeded(
-            "the number of workers (replicas summed over stages)",
-            workers,
-            MAX_WORKERS,
-            "the largest mesh the transport admits",
-        ));
-    }
-    Ok(())
+    at_most(
+        "the number of model stages (stages x chunks)",
+        positions.saturating_mul(chunks),
+        MAX_STAGES,
+        "a stage holds at least one layer, and models have at most 10000",
+    )?;
+    at_most(
+        "the number of workers (replicas summed over stages)",
+        workers,
+        MAX_WORKERS,
+        "the largest mesh the transport admits",
+    )
 }
 
 /// Checks microbatches per update per replica.
@@ -117,15 +120,12 @@ pub fn check_layout(positions: u64, workers: u64, chunks: u64) -> Result<()> {
 /// # Errors
 /// [`ScheduleError::Spec`] past [`MAX_MICROBATCHES`].
 pub fn check_microbatches(microbatches: u64) -> Result<()> {
-    if microbatches > MAX_MICROBATCHES {
-        return Err(exceeded(
-            "microbatches per update",
-            microbatches,
-            MAX_MICROBATCHES,
-            "each one is a schedule slot on every worker; use larger microbatches instead",
-        ));
-    }
-    Ok(())
+    at_most(
+        "microbatches per update",
+        microbatches,
+        MAX_MICROBATCHES,
+        "each one is a schedule slot on every worker; use larger microbatches instead",
+    )
 }
 
 /// Checks the size of one schedule: `total` microbatches through `stages` model stages.
@@ -133,17 +133,13 @@ pub fn check_microbatches(microbatches: u64) -> Result<()> {
 /// # Errors
 /// [`ScheduleError::Spec`] past [`MAX_SCHEDULE_PASSES`].
 pub fn check_schedule(total: u64, stages: u64) -> Result<()> {
-    let passes = total.saturating_mul(stages);
-    if passes > MAX_SCHEDULE_PASSES {
-        return Err(exceeded(
-            "one schedule's microbatch passes (microbatches x stages)",
-            passes,
-            MAX_SCHEDULE_PASSES,
-            "about 400 bytes each once lowered; ask for fewer updates, or checkpoint more often \
-             so that a run builds shorter schedules",
-        ));
-    }
-    Ok(())
+    at_most(
+        "one schedule's microbatch passes (microbatches x stages)",
+        total.saturating_mul(stages),
+        MAX_SCHEDULE_PASSES,
+        "about 400 bytes each once lowered; ask for fewer updates, or checkpoint more often \
+         so that a run builds shorter schedules",
+    )
 }
 
 /// Checks the size of a planning problem: `layers` layers on `workers` workers.
@@ -154,23 +150,20 @@ pub fn check_plan(layers: u64, workers: u64) -> Result<()> {
     let cells = layers.saturating_mul(workers);
     let work = cells.saturating_mul(workers);
     let plan_err = |e: ScheduleError| ScheduleError::Plan(e.to_string());
-    if cells > MAX_PLAN_CELLS {
-        return Err(plan_err(exceeded(
-            "a plan's table (layers x workers)",
-            cells,
-            MAX_PLAN_CELLS,
-            "about 1 KB a cell; plan fewer workers, or merge layers into blocks",
-        )));
-    }
-    if work > MAX_PLAN_WORK {
-        return Err(plan_err(exceeded(
-            "a plan's work (layers x workers^2)",
-            work,
-            MAX_PLAN_WORK,
-            "10 s at the limit; plan fewer workers, or merge layers into blocks",
-        )));
-    }
-    Ok(())
+    at_most(
+        "a plan's table (layers x workers)",
+        cells,
+        MAX_PLAN_CELLS,
+        "about 1 KB a cell; plan fewer workers, or merge layers into blocks",
+    )
+    .map_err(plan_err)?;
+    at_most(
+        "a plan's work (layers x workers^2)",
+        work,
+        MAX_PLAN_WORK,
+        "10 s at the limit; plan fewer workers, or merge layers into blocks",
+    )
+    .map_err(plan_err)
 }
 
 /// Checks a model's layer count.
@@ -178,15 +171,12 @@ pub fn check_plan(layers: u64, workers: u64) -> Result<()> {
 /// # Errors
 /// [`ScheduleError::Spec`] past [`MAX_LAYERS`].
 pub fn check_layers(layers: u64) -> Result<()> {
-    if layers > MAX_LAYERS {
-        return Err(exceeded(
-            "the number of layers",
-            layers,
-            MAX_LAYERS,
-            "no model this system builds comes close",
-        ));
-    }
-    Ok(())
+    at_most(
+        "the number of layers",
+        layers,
+        MAX_LAYERS,
+        "no model this system builds comes close",
+    )
 }
 
 #[cfg(test)]

@@ -132,110 +132,17 @@ fn causal_sources(schedule: &Schedule, updates: &[u32]) -> Result<Vec<Vec<Vec<Op
             "a norm plan needs a lowered schedule (sends and receives placed)".into(),
         ));
     }
-    let layout = schedule.layout();
-    let stages = updates.len();
-    let mut offsets = Vec::with_capacity(stages + 1);
-    offsets.push(0usize);
-    for s in 0..stages as u32 {
-        offsets.push(offsets[s as usize] + layout.replicas_of(s) as usize);
-    }
-    let source = |t: usize, q: u32| offsets[t] + (q % layout.replicas_of(t as StageId)) as usize;
+    let mut run = CausalRun::new(schedule, updates);
     let workers = schedule.programs.len();
-    let mut clocks: Vec<Clock> = vec![vec![None; offsets[stages]]; workers];
     let mut pcs = vec![0usize; workers];
-    let mut sent: HashMap<Link, Clock> = HashMap::new();
-    // Per (stage, update) all-reduce: the replicas arrived so far and their merged clock.
-    let mut reduce: HashMap<(StageId, u32), (Vec<WorkerId>, Clock)> = HashMap::new();
-    let mut sources: Vec<Vec<Vec<Option<u32>>>> = updates
-        .iter()
-        .map(|&n| vec![Vec::new(); n as usize])
-        .collect();
     loop {
         let mut progress = false;
-        for w in 0..workers {
-            while let Some(&a) = schedule.programs[w].get(pcs[w]) {
-                let me = w as WorkerId;
-                let replica = layout.placement(me).1;
-                match a {
-                    Action::SendActivation { stage, mb, to } => {
-                        sent.insert(Link::Activation(stage, mb, me, to), clocks[w].clone());
-                    }
-                    Action::SendGradient { stage, mb, to } => {
-                        sent.insert(Link::Gradient(stage, mb, me, to), clocks[w].clone());
-                    }
-                    Action::SendChunk {
-                        stage,
-                        update,
-                        step,
-                        to,
-                    } => {
-                        let link = Link::Chunk(stage, update, step, me, to);
-                        sent.insert(link, clocks[w].clone());
-                    }
-                    Action::RecvActivation { stage, mb, from } => {
-                        let link = Link::Activation(stage.wrapping_sub(1), mb, from, me);
-                        let Some(c) = sent.remove(&link) else { break };
-                        merge(&mut clocks[w], &c);
-                    }
-                    Action::RecvGradient { stage, mb, from } => {
-                        let Some(c) = sent.remove(&Link::Gradient(stage + 1, mb, from, me)) else {
-                            break;
-                        };
-                        merge(&mut clocks[w], &c);
-                    }
-                    Action::RecvChunk {
-                        stage,
-                        update,
-                        step,
-                        from,
-                    } => {
-                        let link = Link::Chunk(stage, update, step, from, me);
-                        let Some(c) = sent.remove(&link) else { break };
-                        merge(&mut clocks[w], &c);
-                    }
-                    Action::AllReduce { stage, update } => {
-                        let group = layout.replicas_of(stage) as usize;
-                        let entry = reduce
-                            .entry((stage, update))
-                            .or_insert_with(|| (Vec::new(), vec![None; offsets[stages]]));
-                        if !entry.0.contains(&me) {
-                            entry.0.push(me);
-                            merge(&mut entry.1, &clocks[w]);
-                        }
-                        if entry.0.len() < group {
-                            break;
-                        }
-                        let merged = entry.1.clone();
-                        merge(&mut clocks[w], &merged);
-                    }
-                    Action::Update { stage, update } => {
-                        let s = stage as usize;
-                        let seen: Vec<Option<u32>> = (0..stages)
-                            .map(|t| {
-                                if t == s {
-                                    Some(update)
-                                } else {
-                                    clocks[w][source(t, replica)]
-                                }
-                            })
-                            .collect();
-                        let Some(row) = sources[s].get_mut(update as usize) else {
-                            let why = format!("stage {stage} has {} updates", updates[s]);
-                            return Err(invalid(schedule, me, pcs[w], why));
-                        };
-                        if row.is_empty() {
-                            *row = seen;
-                        } else {
-                            // The oldest any replica has seen, so all replicas add the same.
-                            for (have, new) in row.iter_mut().zip(seen) {
-                                *have = (*have).zip(new).map(|(a, b)| a.min(b));
-                            }
-                        }
-                        clocks[w][source(s, replica)] = Some(update);
-                    }
-                    _ => {}
+        for (w, (program, pc)) in schedule.programs.iter().zip(&mut pcs).enumerate() {
+            while let Some(&a) = program.get(*pc) {
+                if !run.step(w, *pc, a)? {
+                    break;
                 }
-                pcs[w] += 1;
+                *pc += 1;
                 progress = true;
             }
         }
@@ -250,5 +157,176 @@ fn causal_sources(schedule: &Schedule, updates: &[u32]) -> Result<Vec<Vec<Vec<Op
             return Err(invalid(schedule, w as WorkerId, pcs[w], why));
         }
     }
-    Ok(sources)
+    Ok(run.sources)
+}
+
+/// The state of [`causal_sources`]' run: every worker's clock, the messages in flight, the
+/// all-reduces under way and the sources recorded so far.
+struct CausalRun<'a> {
+    schedule: &'a Schedule,
+    updates: &'a [u32],
+    /// `offsets[t]`: the clock entry of replica 0 of stage `t`; `offsets[stages]`: the length
+    /// of a clock.
+    offsets: Vec<usize>,
+    clocks: Vec<Clock>,
+    sent: HashMap<Link, Clock>,
+    /// Per (stage, update) all-reduce: the replicas arrived so far and their merged clock.
+    reduce: HashMap<(StageId, u32), (Vec<WorkerId>, Clock)>,
+    sources: Vec<Vec<Vec<Option<u32>>>>,
+}
+
+impl<'a> CausalRun<'a> {
+    /// The run before any action, with `updates[s]` updates of stage `s`.
+    fn new(schedule: &'a Schedule, updates: &'a [u32]) -> Self {
+        let layout = schedule.layout();
+        let stages = updates.len();
+        let mut offsets = Vec::with_capacity(stages + 1);
+        offsets.push(0usize);
+        for s in 0..stages as u32 {
+            offsets.push(offsets[s as usize] + layout.replicas_of(s) as usize);
+        }
+        let clocks = vec![vec![None; offsets[stages]]; schedule.programs.len()];
+        let sources = updates
+            .iter()
+            .map(|&n| vec![Vec::new(); n as usize])
+            .collect();
+        CausalRun {
+            schedule,
+            updates,
+            offsets,
+            clocks,
+            sent: HashMap::new(),
+            reduce: HashMap::new(),
+            sources,
+        }
+    }
+
+    /// The clock entry replica `q` of any stage reads stage `t`'s norms from: that of replica
+    /// `q mod R` of `t`.
+    fn source(&self, t: usize, q: u32) -> usize {
+        self.offsets[t] + (q % self.schedule.layout().replicas_of(t as StageId)) as usize
+    }
+
+    /// Runs action `a`, step `pc` of worker `w`: true when it ran, false when it waits (for a
+    /// message not yet sent or replicas not yet at the all-reduce).
+    ///
+    /// # Errors
+    /// [`ScheduleError::Invalid`] for an update the schedule does not have.
+    fn step(&mut self, w: usize, pc: usize, a: Action) -> Result<bool> {
+        let me = w as WorkerId;
+        let replica = self.schedule.layout().placement(me).1;
+        let ran = match a {
+            Action::SendActivation { stage, mb, to } => {
+                self.send(w, Link::Activation(stage, mb, me, to));
+                true
+            }
+            Action::SendGradient { stage, mb, to } => {
+                self.send(w, Link::Gradient(stage, mb, me, to));
+                true
+            }
+            Action::SendChunk {
+                stage,
+                update,
+                step,
+                to,
+            } => {
+                self.send(w, Link::Chunk(stage, update, step, me, to));
+                true
+            }
+            Action::RecvActivation { stage, mb, from } => {
+                self.receive(w, Link::Activation(stage.wrapping_sub(1), mb, from, me))
+            }
+            Action::RecvGradient { stage, mb, from } => {
+                self.receive(w, Link::Gradient(stage + 1, mb, from, me))
+            }
+            Action::RecvChunk {
+                stage,
+                update,
+                step,
+                from,
+            } => self.receive(w, Link::Chunk(stage, update, step, from, me)),
+            Action::AllReduce { stage, update } => self.all_reduce(w, stage, update),
+            Action::Update { stage, update } => {
+                self.update(w, pc, stage, update, replica)?;
+                true
+            }
+            _ => true,
+        };
+        Ok(ran)
+    }
+
+    /// Worker `w` sends `link`'s message, carrying its clock.
+    fn send(&mut self, w: usize, link: Link) {
+        self.sent.insert(link, self.clocks[w].clone());
+    }
+
+    /// Worker `w` receives `link`'s message and merges its clock: false while it is not sent.
+    fn receive(&mut self, w: usize, link: Link) -> bool {
+        let Some(c) = self.sent.remove(&link) else {
+            return false;
+        };
+        merge(&mut self.clocks[w], &c);
+        true
+    }
+
+    /// Worker `w` reaches the all-reduce of `stage`'s update `update`: false until every
+    /// replica has, then it merges all their clocks.
+    fn all_reduce(&mut self, w: usize, stage: StageId, update: u32) -> bool {
+        let me = w as WorkerId;
+        let group = self.schedule.layout().replicas_of(stage) as usize;
+        let len = self.offsets[self.updates.len()];
+        let entry = self
+            .reduce
+            .entry((stage, update))
+            .or_insert_with(|| (Vec::new(), vec![None; len]));
+        if !entry.0.contains(&me) {
+            entry.0.push(me);
+            merge(&mut entry.1, &self.clocks[w]);
+        }
+        if entry.0.len() < group {
+            return false;
+        }
+        merge(&mut self.clocks[w], &entry.1);
+        true
+    }
+
+    /// Worker `w`, replica `replica` of `stage`, runs its update `update` at step `pc`: records
+    /// the update of every stage its norm adds and publishes its own.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Invalid`] for an update the schedule does not have.
+    fn update(
+        &mut self,
+        w: usize,
+        pc: usize,
+        stage: StageId,
+        update: u32,
+        replica: u32,
+    ) -> Result<()> {
+        let s = stage as usize;
+        let seen: Vec<Option<u32>> = (0..self.updates.len())
+            .map(|t| {
+                if t == s {
+                    Some(update)
+                } else {
+                    self.clocks[w][self.source(t, replica)]
+                }
+            })
+            .collect();
+        let Some(row) = self.sources[s].get_mut(update as usize) else {
+            let why = format!("stage {stage} has {} updates", self.updates[s]);
+            return Err(invalid(self.schedule, w as WorkerId, pc, why));
+        };
+        if row.is_empty() {
+            *row = seen;
+        } else {
+            // The oldest any replica has seen, so all replicas add the same.
+            for (have, new) in row.iter_mut().zip(seen) {
+                *have = (*have).zip(new).map(|(a, b)| a.min(b));
+            }
+        }
+        let own = self.source(s, replica);
+        self.clocks[w][own] = Some(update);
+        Ok(())
+    }
 }

@@ -144,6 +144,63 @@ fn bad(msg: impl Into<String>) -> ScheduleError {
     ScheduleError::Profile(msg.into())
 }
 
+/// The `key=value, ...` fields of line `no` of a PipeDream graph file, a list of sizes
+/// (`[a; b; c]`, a layer with several outputs) summed.
+///
+/// # Errors
+/// [`ScheduleError::Profile`] for a pair that is not `key=value`, a value that is not a
+/// number, or a listed size that is negative or not finite.
+fn pipedream_fields(no: usize, kv: &str) -> Result<HashMap<&str, f64>> {
+    let mut fields: HashMap<&str, f64> = HashMap::new();
+    for pair in kv.split(", ") {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| bad(format!("line {no}: {pair:?} is not key=value")))?;
+        let number = |t: &str| {
+            t.trim()
+                .parse::<f64>()
+                .map_err(|_| bad(format!("line {no}: {k} = {v:?} is not a number")))
+        };
+        // A layer with several outputs lists their sizes, `[a; b; c]`: their sum. Each
+        // part is checked on its own, so that a negative one is not summed away.
+        let parts = match v.trim().strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            Some(list) => list.split(';').map(number).collect::<Result<Vec<f64>>>()?,
+            None => vec![number(v)?],
+        };
+        // A single value is checked with the layer's other fields, by name.
+        if let Some(p) = parts
+            .iter()
+            .find(|p| parts.len() > 1 && (!p.is_finite() || **p < 0.0))
+        {
+            return Err(bad(format!(
+                "line {no}: {k} must be a finite number >= 0, got {p}"
+            )));
+        }
+        let v: f64 = parts.iter().sum();
+        fields.insert(k.trim(), v);
+    }
+    Ok(fields)
+}
+
+/// Which layers of a PipeDream graph PipeDream's optimizer keeps: all but `Input` sources and
+/// unused `__getitem__` sinks.
+fn pipedream_keep(layers: &[LayerProfile], edges: &[(usize, usize)]) -> Vec<bool> {
+    let n = layers.len();
+    let mut indeg = vec![0usize; n];
+    let mut outdeg = vec![0usize; n];
+    for &(a, b) in edges {
+        outdeg[a] += 1;
+        indeg[b] += 1;
+    }
+    (0..n)
+        .map(|i| {
+            let input = indeg[i] == 0 && layers[i].name.starts_with("Input");
+            let unused = outdeg[i] == 0 && layers[i].name.starts_with("__getitem__");
+            !(input || unused)
+        })
+        .collect()
+}
+
 impl Profile {
     /// A chain of layers.
     pub fn chain(layers: Vec<LayerProfile>) -> Self {
@@ -198,34 +255,7 @@ impl Profile {
                     "line {no}: node is not `nodeK -- description -- key=value, ...`"
                 )));
             };
-            let mut fields: HashMap<&str, f64> = HashMap::new();
-            for pair in kv.split(", ") {
-                let (k, v) = pair
-                    .split_once('=')
-                    .ok_or_else(|| bad(format!("line {no}: {pair:?} is not key=value")))?;
-                let number = |t: &str| {
-                    t.trim()
-                        .parse::<f64>()
-                        .map_err(|_| bad(format!("line {no}: {k} = {v:?} is not a number")))
-                };
-                // A layer with several outputs lists their sizes, `[a; b; c]`: their sum. Each
-                // part is checked on its own, so that a negative one is not summed away.
-                let parts = match v.trim().strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
-                    Some(list) => list.split(';').map(number).collect::<Result<Vec<f64>>>()?,
-                    None => vec![number(v)?],
-                };
-                // A single value is checked with the layer's other fields, by name.
-                if let Some(p) = parts
-                    .iter()
-                    .find(|p| parts.len() > 1 && (!p.is_finite() || **p < 0.0))
-                {
-                    return Err(bad(format!(
-                        "line {no}: {k} must be a finite number >= 0, got {p}"
-                    )));
-                }
-                let v: f64 = parts.iter().sum();
-                fields.insert(k.trim(), v);
-            }
+            let fields = pipedream_fields(no, kv)?;
             let get = |k: &str| {
                 fields
                     .get(k)
@@ -257,20 +287,7 @@ impl Profile {
             };
             edges.push((find(&a)?, find(&b)?));
         }
-        let n = layers.len();
-        let mut indeg = vec![0usize; n];
-        let mut outdeg = vec![0usize; n];
-        for &(a, b) in &edges {
-            outdeg[a] += 1;
-            indeg[b] += 1;
-        }
-        let keep: Vec<bool> = (0..n)
-            .map(|i| {
-                let input = indeg[i] == 0 && layers[i].name.starts_with("Input");
-                let unused = outdeg[i] == 0 && layers[i].name.starts_with("__getitem__");
-                !(input || unused)
-            })
-            .collect();
+        let keep = pipedream_keep(&layers, &edges);
         let profile = Profile {
             edges,
             ..Profile::chain(layers)
@@ -519,18 +536,10 @@ node3 -- ReLU -- forward_compute_time=1.000, backward_compute_time=1.000, activa
             assert!(e.contains(want), "{e}");
         }
         let json = r#"{"layers": [{"name": "a", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1, "colour": 3}]}"#;
-        assert!(
-            Profile::from_json(json)
-                .unwrap_err()
-                .to_string()
-                .contains("colour")
-        );
         let dangling = r#"{"layers": [{"name": "a", "forward": 1, "backward_input": 1, "activation_bytes": 1, "param_bytes": 1}], "edges": [[0, 4]]}"#;
-        assert!(
-            Profile::from_json(dangling)
-                .unwrap_err()
-                .to_string()
-                .contains("past the last")
-        );
+        for (text, want) in [(json, "colour"), (dangling, "past the last")] {
+            let e = Profile::from_json(text).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
     }
 }

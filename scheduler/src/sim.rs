@@ -300,30 +300,47 @@ pub struct Link {
     pub byte_cpu: f64,
 }
 
+/// Checks that a link's `bandwidth` is positive.
+///
+/// # Errors
+/// The message naming the bandwidth.
+fn check_bandwidth(bandwidth: f64) -> std::result::Result<(), String> {
+    if bandwidth.is_nan() || bandwidth <= 0.0 {
+        return Err(format!("bandwidth must be > 0 bytes/s, got {bandwidth}"));
+    }
+    Ok(())
+}
+
+/// Checks that every named figure of seconds is finite and not negative.
+///
+/// # Errors
+/// The message naming the first figure that is not.
+fn check_seconds(figures: &[(&str, f64)]) -> std::result::Result<(), String> {
+    for &(name, v) in figures {
+        if !v.is_finite() || v < 0.0 {
+            return Err(format!(
+                "{name} must be a finite number of seconds >= 0, got {v}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Link {
     /// Checks that the rate is positive and every time finite and not negative.
     ///
     /// # Errors
     /// [`ScheduleError::Cost`] naming `what` and the figure.
     pub fn check(&self, what: &str) -> Result<()> {
-        if self.bandwidth.is_nan() || self.bandwidth <= 0.0 {
-            return Err(ScheduleError::Cost(format!(
-                "{what}: bandwidth must be > 0 bytes/s, got {}",
-                self.bandwidth
-            )));
-        }
-        for (name, v) in [
-            ("latency", self.latency),
-            ("message_cpu", self.message_cpu),
-            ("byte_cpu", self.byte_cpu),
-        ] {
-            if !v.is_finite() || v < 0.0 {
-                return Err(ScheduleError::Cost(format!(
-                    "{what}: {name} must be a finite number of seconds >= 0, got {v}"
-                )));
-            }
-        }
-        Ok(())
+        check_bandwidth(self.bandwidth)
+            .and_then(|()| {
+                check_seconds(&[
+                    ("latency", self.latency),
+                    ("message_cpu", self.message_cpu),
+                    ("byte_cpu", self.byte_cpu),
+                ])
+            })
+            .map_err(|why| ScheduleError::Cost(format!("{what}: {why}")))
     }
 
     /// Seconds `bytes` keep the link busy.
@@ -434,12 +451,7 @@ impl CostModel {
         for (i, s) in self.stages.iter().enumerate() {
             s.check(i)?;
         }
-        if self.bandwidth.is_nan() || self.bandwidth <= 0.0 {
-            return Err(ScheduleError::Cost(format!(
-                "bandwidth must be > 0 bytes/s, got {}",
-                self.bandwidth
-            )));
-        }
+        check_bandwidth(self.bandwidth).map_err(ScheduleError::Cost)?;
         if self.cores == Some(0) {
             return Err(ScheduleError::Cost("cores must be at least 1".into()));
         }
@@ -449,16 +461,11 @@ impl CostModel {
                 self.latency
             )));
         }
-        for (name, v) in [
+        check_seconds(&[
             ("message_cpu", self.message_cpu),
             ("byte_cpu", self.byte_cpu),
-        ] {
-            if !v.is_finite() || v < 0.0 {
-                return Err(ScheduleError::Cost(format!(
-                    "{name} must be a finite number of seconds >= 0, got {v}"
-                )));
-            }
-        }
+        ])
+        .map_err(ScheduleError::Cost)?;
         if let Some(link) = &self.between {
             link.check("the link between hosts")?;
         }
@@ -1155,19 +1162,13 @@ impl<'a, P: Programs> Engine<'a, P> {
                                     let mi = m as usize;
                                     self.record(m, a, begin, now);
                                     self.comm[mi] += now - begin;
-                                    self.programs.step(mi);
-                                    self.clock[mi] = now;
-                                    state[mi] = Busy::Ready;
-                                    ready.push(mi);
+                                    self.resume_shared(mi, now, &mut state, &mut ready);
                                 }
                             }
                         } else {
                             self.record(w as WorkerId, a, start, now);
                             self.compute[w] += now - start;
-                            self.programs.step(w);
-                            self.clock[w] = now;
-                            state[w] = Busy::Ready;
-                            ready.push(w);
+                            self.resume_shared(w, now, &mut state, &mut ready);
                         }
                     }
                     Busy::Sleep { until, start } if until <= now => {
@@ -1184,10 +1185,7 @@ impl<'a, P: Programs> Engine<'a, P> {
                             self.comm[w] += now - start;
                         }
                         self.record(w as WorkerId, a, start, now);
-                        self.programs.step(w);
-                        self.clock[w] = now;
-                        state[w] = Busy::Ready;
-                        ready.push(w);
+                        self.resume_shared(w, now, &mut state, &mut ready);
                     }
                     _ => {}
                 }
@@ -1207,7 +1205,6 @@ impl<'a, P: Programs> Engine<'a, P> {
         times: &[StageTimes],
         group_left: &mut [u32],
     ) {
-        let layout: &'a Layout = &self.resolved.layout;
         let overlap = self.costs.is_none_or(|c| c.overlap);
         loop {
             let Some(a) = self.programs.current(w) else {
@@ -1272,47 +1269,20 @@ impl<'a, P: Programs> Engine<'a, P> {
                     self.record(w as WorkerId, a, reached, now);
                 }
                 Action::AllReduce { stage, update } => {
-                    let gid = self.group_offset[stage as usize] + update as usize;
-                    self.group_count[gid] += 1;
-                    self.group_start[gid] = self.group_start[gid].max(now);
-                    let group = layout.group(stage);
-                    if self.group_count[gid] < group.end - group.start {
-                        self.wait[w] = Wait::Group(gid);
+                    let Some(gid) = self.join_group(w, now, stage, update) else {
                         state[w] = Busy::Blocked;
                         return;
-                    }
-                    if t.all_reduce > 0.0 && !t.all_reduce_on_cores {
-                        // A ring bound by its link: every member waits on it, off the cores.
-                        for m in group {
-                            self.wait[m as usize] = Wait::Nothing;
-                            state[m as usize] = Busy::Sleep {
-                                until: now + t.all_reduce,
-                                start: now,
-                            };
-                        }
-                        return;
-                    }
+                    };
                     if t.all_reduce > 0.0 {
-                        // Every member now works on its share of the reduction.
-                        group_left[gid] = group.end - group.start;
-                        for m in group {
-                            self.wait[m as usize] = Wait::Nothing;
-                            state[m as usize] = Busy::Work {
-                                left: t.all_reduce,
-                                start: now,
-                            };
-                        }
+                        self.start_all_reduce_shared(stage, gid, now, t, state, group_left);
                         return;
                     }
-                    for m in group {
+                    for m in self.resolved.layout.group(stage) {
                         let mi = m as usize;
                         self.record(m, a, now, now);
                         if mi != w {
                             self.wait[mi] = Wait::Nothing;
-                            self.programs.step(mi);
-                            self.clock[mi] = now;
-                            state[mi] = Busy::Ready;
-                            ready.push(mi);
+                            self.resume_shared(mi, now, state, ready);
                         }
                     }
                 }
@@ -1320,6 +1290,62 @@ impl<'a, P: Programs> Engine<'a, P> {
             self.programs.step(w);
             self.clock[w] = now;
         }
+    }
+
+    /// Counts worker `w` in at the all-reduce of `stage`'s update `update`, reached at `at`:
+    /// the all-reduce's group index once every replica is in, else `None` (and `w` waits on
+    /// the group).
+    fn join_group(&mut self, w: usize, at: f64, stage: u32, update: u32) -> Option<usize> {
+        let gid = self.group_offset[stage as usize] + update as usize;
+        self.group_count[gid] += 1;
+        self.group_start[gid] = self.group_start[gid].max(at);
+        let group = self.resolved.layout.group(stage);
+        if self.group_count[gid] < group.end - group.start {
+            self.wait[w] = Wait::Group(gid);
+            return None;
+        }
+        Some(gid)
+    }
+
+    /// Starts the costed all-reduce `gid` of `stage`'s replicas at `now` in the shared engine:
+    /// a ring bound by its link puts every member to sleep for its time, off the cores; one on
+    /// the cores sets every member to work on its share.
+    fn start_all_reduce_shared(
+        &mut self,
+        stage: u32,
+        gid: usize,
+        now: f64,
+        t: &StageTimes,
+        state: &mut [Busy],
+        group_left: &mut [u32],
+    ) {
+        let group = self.resolved.layout.group(stage);
+        if t.all_reduce_on_cores {
+            group_left[gid] = group.end - group.start;
+        }
+        for m in group {
+            self.wait[m as usize] = Wait::Nothing;
+            state[m as usize] = if t.all_reduce_on_cores {
+                Busy::Work {
+                    left: t.all_reduce,
+                    start: now,
+                }
+            } else {
+                Busy::Sleep {
+                    until: now + t.all_reduce,
+                    start: now,
+                }
+            };
+        }
+    }
+
+    /// Steps worker `w` past its current action, ended at `now`, and readies it for its next
+    /// in the shared engine.
+    fn resume_shared(&mut self, w: usize, now: f64, state: &mut [Busy], ready: &mut Vec<usize>) {
+        self.programs.step(w);
+        self.clock[w] = now;
+        state[w] = Busy::Ready;
+        ready.push(w);
     }
 
     /// Runs worker `w` until it blocks or finishes; wakes the workers it unblocks.
@@ -1371,14 +1397,10 @@ impl<'a, P: Programs> Engine<'a, P> {
                     self.record(w, a, start, clock);
                 }
                 Action::AllReduce { stage, update } => {
-                    let gid = self.group_offset[stage as usize] + update as usize;
-                    self.group_count[gid] += 1;
-                    self.group_start[gid] = self.group_start[gid].max(clock);
-                    let group = layout.group(stage);
-                    if self.group_count[gid] < group.end - group.start {
-                        self.wait[wi] = Wait::Group(gid);
+                    let Some(gid) = self.join_group(wi, clock, stage, update) else {
                         break;
-                    }
+                    };
+                    let group = layout.group(stage);
                     let begin = self.group_start[gid];
                     let end = begin + t.all_reduce;
                     for m in group {
@@ -1446,110 +1468,121 @@ impl StageTimes {
     }
 }
 
+/// Per-stage times the engine reads: from `costs`, or all zero for the dry run.
 fn stage_times(resolved: &Resolved, costs: Option<&CostModel>) -> Vec<StageTimes> {
+    (0..resolved.layout.stages())
+        .map(|s| costs.map_or_else(StageTimes::default, |c| stage_times_of(resolved, c, s)))
+        .collect()
+}
+
+/// The times the engine reads for stage `s` under cost model `c`.
+fn stage_times_of(resolved: &Resolved, c: &CostModel, s: u32) -> StageTimes {
     let layout = &resolved.layout;
-    (0..layout.stages())
-        .map(|s| {
-            let Some(c) = costs else {
-                return StageTimes::default();
-            };
-            let st = c.stage(s);
-            let r = f64::from(layout.replicas_of(s));
-            // Messages per forward (activation in, activation out) and per backward (gradient
-            // in, gradient out); none to a neighbour on the same position (one position
-            // holding every stage, the turn of a V). Each boundary and the ring take their
-            // own link (within a host or between hosts).
-            let apart = |n: u32| layout.position_of(n) != layout.position_of(s);
-            let after = s + 1 < layout.stages() && apart(s + 1);
-            let before = (s > 0 && apart(s - 1)).then(|| c.stage(s - 1));
-            let out_link = if s + 1 < layout.stages() {
-                c.link(layout.group(s), layout.group(s + 1))
-            } else {
-                c.within()
-            };
-            let in_link = if s > 0 {
-                c.link(layout.group(s - 1), layout.group(s))
-            } else {
-                c.within()
-            };
-            let ring = c.link(layout.group(s), layout.group(s));
-            // Processor time of a pass's messages: `bytes` over the link in and over the
-            // link out.
-            let cpu = |bytes_in: f64, bytes_out: f64| {
-                let mut t = 0.0;
-                if before.is_some() {
-                    t += in_link.message_cpu + in_link.byte_cpu * bytes_in;
-                }
-                if after {
-                    t += out_link.message_cpu + out_link.byte_cpu * bytes_out;
-                }
-                t
-            };
-            let forward_cpu = cpu(
-                before.map_or(0.0, |p| p.activation_bytes),
-                st.activation_bytes,
-            );
-            let backward_cpu = cpu(before.map_or(0.0, StageCost::gradient), st.gradient());
-            // The all-reduce: measured, or the (bucketed) ring over its link. The processor
-            // time of rings moved on during the update's last backward is spread over the
-            // update's backward passes.
-            let (ring_during, all_reduce) = match (st.all_reduce, &st.buckets) {
-                _ if r <= 1.0 => (0.0, 0.0),
-                // A measured whole all-reduce in buckets: the measurement sets the ring's
-                // processor time per byte (an in-process ring's additions), so that one bucket
-                // takes exactly the measured time.
-                (Some(measured), Some(buckets)) => {
-                    let moved = 4.0 * (r - 1.0) / r * st.param_bytes;
-                    let messages = 4.0 * (r - 1.0) * ring.message_cpu;
-                    let calibrated = Link {
-                        byte_cpu: if moved > 0.0 {
-                            (measured - messages).max(0.0) / moved
-                        } else {
-                            0.0
-                        },
-                        ..ring
-                    };
-                    bucketed_all_reduce(buckets, st.whole_backward(), r, &calibrated)
-                }
-                (Some(measured), None) => (0.0, measured),
-                (None, _) => {
-                    let whole = [Bucket {
-                        bytes: st.param_bytes,
-                        ready: st.whole_backward(),
-                    }];
-                    let buckets = st.buckets.as_deref().unwrap_or(&whole);
-                    bucketed_all_reduce(buckets, st.whole_backward(), r, &ring)
-                }
-            };
-            let all_reduce_on_cores = st.all_reduce.is_some() || {
-                let moved = 2.0 * (r - 1.0) / r * st.param_bytes;
-                let on_link = ring.transfer(moved) + 2.0 * (r - 1.0) * ring.latency;
-                let cpu = 4.0 * (r - 1.0) * ring.message_cpu + 2.0 * moved * ring.byte_cpu;
-                cpu >= on_link
-            };
-            let passes = f64::from(resolved.update_size(s).max(1)) / r;
-            let ring_cpu = ring_during / passes.max(1.0);
-            StageTimes {
-                forward: st.forward + forward_cpu,
-                backward: st.whole_backward() + backward_cpu + ring_cpu,
-                backward_input: st.backward_input + backward_cpu,
-                backward_weight: st.backward_weight + ring_cpu,
-                update: st.update,
-                activation_transfer: out_link.transfer(st.activation_bytes),
-                activation_latency: out_link.latency,
-                gradient_transfer: if s > 0 {
-                    in_link.transfer(c.stage(s - 1).gradient())
+    let st = c.stage(s);
+    let r = f64::from(layout.replicas_of(s));
+    // Messages per forward (activation in, activation out) and per backward (gradient
+    // in, gradient out); none to a neighbour on the same position (one position
+    // holding every stage, the turn of a V). Each boundary and the ring take their
+    // own link (within a host or between hosts).
+    let apart = |n: u32| layout.position_of(n) != layout.position_of(s);
+    let after = s + 1 < layout.stages() && apart(s + 1);
+    let before = (s > 0 && apart(s - 1)).then(|| c.stage(s - 1));
+    let out_link = if s + 1 < layout.stages() {
+        c.link(layout.group(s), layout.group(s + 1))
+    } else {
+        c.within()
+    };
+    let in_link = if s > 0 {
+        c.link(layout.group(s - 1), layout.group(s))
+    } else {
+        c.within()
+    };
+    let ring = c.link(layout.group(s), layout.group(s));
+    // Processor time of a pass's messages: `bytes` over the link in and over the
+    // link out.
+    let cpu = |bytes_in: f64, bytes_out: f64| {
+        let mut t = 0.0;
+        if before.is_some() {
+            t += in_link.message_cpu + in_link.byte_cpu * bytes_in;
+        }
+        if after {
+            t += out_link.message_cpu + out_link.byte_cpu * bytes_out;
+        }
+        t
+    };
+    let forward_cpu = cpu(
+        before.map_or(0.0, |p| p.activation_bytes),
+        st.activation_bytes,
+    );
+    let backward_cpu = cpu(before.map_or(0.0, StageCost::gradient), st.gradient());
+    // The all-reduce. The processor time of rings moved on during the update's last backward
+    // is spread over the update's backward passes.
+    let (ring_during, all_reduce) = stage_all_reduce(st, r, &ring);
+    let passes = f64::from(resolved.update_size(s).max(1)) / r;
+    let ring_cpu = ring_during / passes.max(1.0);
+    StageTimes {
+        forward: st.forward + forward_cpu,
+        backward: st.whole_backward() + backward_cpu + ring_cpu,
+        backward_input: st.backward_input + backward_cpu,
+        backward_weight: st.backward_weight + ring_cpu,
+        update: st.update,
+        activation_transfer: out_link.transfer(st.activation_bytes),
+        activation_latency: out_link.latency,
+        gradient_transfer: if s > 0 {
+            in_link.transfer(c.stage(s - 1).gradient())
+        } else {
+            0.0
+        },
+        gradient_latency: in_link.latency,
+        chunk_transfer: ring.transfer(st.param_bytes / r),
+        chunk_latency: ring.latency,
+        all_reduce,
+        all_reduce_on_cores: all_reduce_on_cores(st, r, &ring),
+    }
+}
+
+/// The all-reduce of stage `st` among `r` replicas over `ring`, as [`bucketed_all_reduce`]'s
+/// `(during, after)`: measured, or the (bucketed) ring over its link.
+fn stage_all_reduce(st: &StageCost, r: f64, ring: &Link) -> (f64, f64) {
+    match (st.all_reduce, &st.buckets) {
+        _ if r <= 1.0 => (0.0, 0.0),
+        // A measured whole all-reduce in buckets: the measurement sets the ring's
+        // processor time per byte (an in-process ring's additions), so that one bucket
+        // takes exactly the measured time.
+        (Some(measured), Some(buckets)) => {
+            let moved = 4.0 * (r - 1.0) / r * st.param_bytes;
+            let messages = 4.0 * (r - 1.0) * ring.message_cpu;
+            let calibrated = Link {
+                byte_cpu: if moved > 0.0 {
+                    (measured - messages).max(0.0) / moved
                 } else {
                     0.0
                 },
-                gradient_latency: in_link.latency,
-                chunk_transfer: ring.transfer(st.param_bytes / r),
-                chunk_latency: ring.latency,
-                all_reduce,
-                all_reduce_on_cores,
-            }
-        })
-        .collect()
+                ..*ring
+            };
+            bucketed_all_reduce(buckets, st.whole_backward(), r, &calibrated)
+        }
+        (Some(measured), None) => (0.0, measured),
+        (None, _) => {
+            let whole = [Bucket {
+                bytes: st.param_bytes,
+                ready: st.whole_backward(),
+            }];
+            let buckets = st.buckets.as_deref().unwrap_or(&whole);
+            bucketed_all_reduce(buckets, st.whole_backward(), r, ring)
+        }
+    }
+}
+
+/// Whether the all-reduce of stage `st` among `r` replicas over `ring` occupies their cores
+/// (see [`StageTimes::all_reduce_on_cores`]).
+fn all_reduce_on_cores(st: &StageCost, r: f64, ring: &Link) -> bool {
+    st.all_reduce.is_some() || {
+        let moved = 2.0 * (r - 1.0) / r * st.param_bytes;
+        let on_link = ring.transfer(moved) + 2.0 * (r - 1.0) * ring.latency;
+        let cpu = 4.0 * (r - 1.0) * ring.message_cpu + 2.0 * moved * ring.byte_cpu;
+        cpu >= on_link
+    }
 }
 
 #[cfg(test)]

@@ -509,36 +509,9 @@ impl ScheduleSpec {
             self.chunks
         };
         crate::limits::check_layout(u64::from(self.stages), workers, u64::from(chunks))?;
-        let replicas = match self.replicas.len() {
-            1 => vec![self.replicas[0]; self.stages as usize],
-            n if n == self.stages as usize => self.replicas.clone(),
-            n => {
-                return spec_err(format!(
-                    "--replicas lists {n} values for {} stages (give one value, or one per stage)",
-                    self.stages
-                ));
-            }
-        };
-        if let Some(p) = replicas.iter().position(|&r| r == 0) {
-            return spec_err(format!("stage {p} has 0 replicas"));
-        }
-        if self.chunks == 0 {
-            return spec_err("--chunks must be at least 1".into());
-        }
-        let v_shaped = self.policy.is_v_shaped();
-        if v_shaped && self.chunks > 2 {
-            return spec_err(format!(
-                "--chunks {}: {} holds exactly 2 chunks per worker (placed in a V)",
-                self.chunks, self.policy
-            ));
-        }
-        if self.chunks > 1 && self.policy != Policy::Interleaved && !v_shaped {
-            return spec_err(format!(
-                "--chunks {} needs --schedule interleaved ({} runs one chunk per worker)",
-                self.chunks, self.policy
-            ));
-        }
-        let pipeline = if v_shaped {
+        let replicas = self.stage_replicas()?;
+        self.check_chunks()?;
+        let pipeline = if self.policy.is_v_shaped() {
             Layout::v_shape(replicas)?
         } else {
             Layout::new(replicas, self.chunks)?
@@ -557,22 +530,7 @@ impl ScheduleSpec {
         }
         let minibatch = minibatch as u32;
         self.check_policy_layout(&pipeline)?;
-        let total = match self.length {
-            Length::Updates(0) | Length::Microbatches(0) => {
-                return spec_err("the schedule must run at least one update".into());
-            }
-            Length::Updates(k) => u64::from(k) * u64::from(minibatch),
-            Length::Microbatches(n) => {
-                if n % minibatch != 0 {
-                    return spec_err(format!(
-                        "{n} microbatches is not a whole number of minibatches of {minibatch} \
-                         ({} per replica times {unit} for the replica layout)",
-                        self.microbatches
-                    ));
-                }
-                u64::from(n)
-            }
-        };
+        let total = self.total_microbatches(minibatch, unit)?;
         crate::limits::check_schedule(
             total,
             u64::from(self.stages) * u64::from(pipeline.chunks()),
@@ -593,6 +551,80 @@ impl ScheduleSpec {
             total,
             depths,
         })
+    }
+
+    /// The replicas of every stage: the one value given for all, or the list of one per stage.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Spec`] for a list of neither length, or a stage of 0 replicas.
+    fn stage_replicas(&self) -> Result<Vec<u32>> {
+        let spec_err = |m: String| Err(ScheduleError::Spec(m));
+        let replicas = match self.replicas.len() {
+            1 => vec![self.replicas[0]; self.stages as usize],
+            n if n == self.stages as usize => self.replicas.clone(),
+            n => {
+                return spec_err(format!(
+                    "--replicas lists {n} values for {} stages (give one value, or one per stage)",
+                    self.stages
+                ));
+            }
+        };
+        if let Some(p) = replicas.iter().position(|&r| r == 0) {
+            return spec_err(format!("stage {p} has 0 replicas"));
+        }
+        Ok(replicas)
+    }
+
+    /// Checks the chunks per worker: at least 1, at most 2 for the V-shaped policies, and more
+    /// than 1 only for them and `interleaved`.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Spec`] naming the rule broken.
+    fn check_chunks(&self) -> Result<()> {
+        let spec_err = |m: String| Err(ScheduleError::Spec(m));
+        if self.chunks == 0 {
+            return spec_err("--chunks must be at least 1".into());
+        }
+        let v_shaped = self.policy.is_v_shaped();
+        if v_shaped && self.chunks > 2 {
+            return spec_err(format!(
+                "--chunks {}: {} holds exactly 2 chunks per worker (placed in a V)",
+                self.chunks, self.policy
+            ));
+        }
+        if self.chunks > 1 && self.policy != Policy::Interleaved && !v_shaped {
+            return spec_err(format!(
+                "--chunks {} needs --schedule interleaved ({} runs one chunk per worker)",
+                self.chunks, self.policy
+            ));
+        }
+        Ok(())
+    }
+
+    /// The microbatches the schedule runs in all, with minibatches of `minibatch` (`unit`
+    /// times the microbatches per replica).
+    ///
+    /// # Errors
+    /// [`ScheduleError::Spec`] for a length of nothing, or microbatches that are not a whole
+    /// number of minibatches.
+    fn total_microbatches(&self, minibatch: u32, unit: u32) -> Result<u64> {
+        let spec_err = |m: String| Err(ScheduleError::Spec(m));
+        match self.length {
+            Length::Updates(0) | Length::Microbatches(0) => {
+                spec_err("the schedule must run at least one update".into())
+            }
+            Length::Updates(k) => Ok(u64::from(k) * u64::from(minibatch)),
+            Length::Microbatches(n) => {
+                if n % minibatch != 0 {
+                    return spec_err(format!(
+                        "{n} microbatches is not a whole number of minibatches of {minibatch} \
+                         ({} per replica times {unit} for the replica layout)",
+                        self.microbatches
+                    ));
+                }
+                Ok(u64::from(n))
+            }
+        }
     }
 
     /// The layout rules of particular policies: interleaved and the V-shaped ones need one

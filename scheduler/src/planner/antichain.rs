@@ -194,14 +194,7 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
     let states: Vec<State> = antichains.iter().map(|a| state_of(&g, layers, a)).collect();
     let s = states.len();
     let order = topological(&edges);
-    let mut ancestors = vec![Bits::new(s); s];
-    for &v in &order {
-        for &t in &edges[v] {
-            let av = ancestors[v].clone();
-            ancestors[t].union(&av);
-            ancestors[t].set(v);
-        }
-    }
+    let ancestors = state_ancestors(&edges, &order);
     // The final state: the one whose downset holds every layer.
     let all = g.downset(&(0..g.n).collect::<Vec<_>>());
     let last = (0..s)
@@ -263,21 +256,7 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
             g.n
         )));
     }
-    // Walk back: (state before the stage or None, state ending it, replicas).
-    let mut chain = Vec::new();
-    let (mut j, mut m) = (last, w - 1);
-    loop {
-        let (_, split, r) = a[j * w + m];
-        chain.push((split.map(|(k, _)| k), j, r));
-        match split {
-            Some((k, rest)) => {
-                j = k;
-                m = rest;
-            }
-            None => break,
-        }
-    }
-    chain.reverse();
+    let chain = walk_back(&a, last, w);
     let (stages, layer_order) = stages_of_chain(&chain, &states, g.n, w, b, &transfer);
     let total: f64 = layers.iter().map(|l| l.compute()).sum();
     let params: f64 = layers.iter().map(|l| l.param_bytes).sum();
@@ -292,6 +271,42 @@ pub fn plan(profile: &Profile, opts: &PipeDreamOptions) -> Result<PartitionPlan>
         simulated: None,
         order: layer_order,
     })
+}
+
+/// The strict ancestors of every state of the graph given by out-edges `edges`, whose
+/// topological order is `order`.
+fn state_ancestors(edges: &[Vec<usize>], order: &[usize]) -> Vec<Bits> {
+    let s = edges.len();
+    let mut ancestors = vec![Bits::new(s); s];
+    for &v in order {
+        for &t in &edges[v] {
+            let av = ancestors[v].clone();
+            ancestors[t].union(&av);
+            ancestors[t].set(v);
+        }
+    }
+    ancestors
+}
+
+/// The stages of the best plan ending at state `last` on `w` workers in table `a`, first to
+/// last, as (state before the stage or `None`, state ending it, replicas): the splits walked
+/// back from the last stage.
+fn walk_back(a: &[Cell], last: usize, w: usize) -> Vec<(Option<usize>, usize, usize)> {
+    let mut chain = Vec::new();
+    let (mut j, mut m) = (last, w - 1);
+    loop {
+        let (_, split, r) = a[j * w + m];
+        chain.push((split.map(|(k, _)| k), j, r));
+        match split {
+            Some((k, rest)) => {
+                j = k;
+                m = rest;
+            }
+            None => break,
+        }
+    }
+    chain.reverse();
+    chain
 }
 
 /// The state an antichain stands for: its downset and the compute, parameter and activation

@@ -88,6 +88,62 @@ fn walk_back(a: &[Cell], n: usize, w: usize) -> Vec<(usize, usize, u32)> {
     bounds
 }
 
+/// Prefix sums over a chain's layers: entry `i` of each is the total of layers `0..i`.
+struct ChainSums {
+    /// Compute time (forward plus backward).
+    compute: Vec<f64>,
+    /// Activation bytes.
+    activations: Vec<f64>,
+    /// Parameter bytes.
+    params: Vec<f64>,
+}
+
+impl ChainSums {
+    /// The prefix sums of `layers`.
+    fn new(layers: &[crate::LayerProfile]) -> Self {
+        let n = layers.len();
+        let mut pc = vec![0.0f64; n + 1];
+        let mut pa = vec![0.0f64; n + 1];
+        let mut pp = vec![0.0f64; n + 1];
+        for (i, l) in layers.iter().enumerate() {
+            pc[i + 1] = pc[i] + l.compute();
+            pa[i + 1] = pa[i] + l.activation_bytes;
+            pp[i + 1] = pp[i] + l.param_bytes;
+        }
+        ChainSums {
+            compute: pc,
+            activations: pa,
+            params: pp,
+        }
+    }
+
+    /// Compute time and parameter bytes of layers `from..=to`.
+    fn range(&self, from: usize, to: usize) -> (f64, f64) {
+        (
+            self.compute[to + 1] - self.compute[from],
+            self.params[to + 1] - self.params[from],
+        )
+    }
+
+    /// Activation bytes of layers `from..=to`.
+    fn activations(&self, from: usize, to: usize) -> f64 {
+        self.activations[to + 1] - self.activations[from]
+    }
+
+    /// Whether `copies` stashed copies of the activations and parameters of layers
+    /// `from..=to` stay under the memory bound `memory` (always, without one).
+    fn fits(&self, memory: Option<f64>, from: usize, to: usize, copies: usize) -> bool {
+        match memory {
+            None => true,
+            Some(limit) => {
+                let act = self.activations(from, to);
+                let par = self.params[to + 1] - self.params[from];
+                copies as f64 * (act + par) <= limit
+            }
+        }
+    }
+}
+
 /// PipeDream's optimizer (see the module docs).
 ///
 /// # Errors
@@ -110,28 +166,44 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
     let crossing = profile.crossing_bytes();
     let n = layers.len();
     let w = opts.workers as usize;
-    let b = opts.bandwidth;
-    // Prefix sums: compute, activation and parameter bytes of layers 0..i.
-    let mut pc = vec![0.0f64; n + 1];
-    let mut pa = vec![0.0f64; n + 1];
-    let mut pp = vec![0.0f64; n + 1];
-    for (i, l) in layers.iter().enumerate() {
-        pc[i + 1] = pc[i] + l.compute();
-        pa[i + 1] = pa[i] + l.activation_bytes;
-        pp[i + 1] = pp[i] + l.param_bytes;
+    let sums = ChainSums::new(layers);
+    let a = chain_table(&sums, &crossing, opts)?;
+    let top = a[(n - 1) * w + (w - 1)];
+    if !top.time.is_finite() {
+        return Err(ScheduleError::Plan(format!(
+            "no plan of {n} layers on {w} workers fits the memory bound"
+        )));
     }
-    let range = |from: usize, to: usize| (pc[to + 1] - pc[from], pp[to + 1] - pp[from]);
-    let index = PrefixIndex::new(&pc);
+    let bounds = walk_back(&a, n, w);
+    let stages = chain_stages(&bounds, &sums, &crossing, opts);
+    let total = sums.compute[n];
+    let wf = w as f64;
+    Ok(PartitionPlan {
+        stages,
+        time_per_microbatch: top.time,
+        single_worker: total,
+        data_parallel: pipedream_stage_time(total, sums.params[n], wf, opts.bandwidth),
+        cost_model: "pipedream",
+        policy: crate::spec::Policy::PipeDream,
+        microbatches: 1,
+        simulated: None,
+        order: (0..n).collect(),
+    })
+}
+
+/// PipeDream's table over a chain (see the module docs): `a[j * w + m]` is the best time for
+/// layers `0..=j` on `m + 1` workers, infinite where no plan fits the memory bound.
+/// `crossing[i]` is the activation bytes a cut after layer `i` sends.
+///
+/// # Errors
+/// [`ScheduleError::Plan`] for a table too large to hold.
+fn chain_table(sums: &ChainSums, crossing: &[f64], opts: &PipeDreamOptions) -> Result<Vec<Cell>> {
+    let n = sums.compute.len() - 1;
+    let w = opts.workers as usize;
+    let b = opts.bandwidth;
+    let index = PrefixIndex::new(&sums.compute);
     let stage_time = |c: f64, p: f64, r: f64| pipedream_stage_time(c, p, r, b);
-    let fits = |from: usize, to: usize, copies: usize| match opts.memory {
-        None => true,
-        Some(limit) => {
-            let act = pa[to + 1] - pa[from];
-            let par = pp[to + 1] - pp[from];
-            copies as f64 * (act + par) <= limit
-        }
-    };
-    let out_act = |i: usize| crossing[i];
+    let fits = |from: usize, to: usize, copies: usize| sums.fits(opts.memory, from, to, copies);
     let none = Cell {
         time: f64::INFINITY,
         split: None,
@@ -140,7 +212,7 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
     check_table(n, "layers", w, std::mem::size_of::<Cell>())?;
     let mut a = vec![none; n * w];
     for j in 0..n {
-        let (c, p) = range(0, j);
+        let (c, p) = sums.range(0, j);
         let max_m = if opts.straight { 1 } else { w };
         for m in 0..max_m {
             if fits(0, j, (w - (m + 1)).div_ceil(m + 1)) {
@@ -163,13 +235,13 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
                     if !fits(k + 1, j, (w - (m + 1)).div_ceil(r)) {
                         continue;
                     }
-                    let (c, p) = range(k + 1, j);
+                    let (c, p) = sums.range(k + 1, j);
                     let mut t = prev.max(stage_time(c, p, r as f64));
                     if let Some(ratio) = opts.activation_compression {
                         let rf = r as f64;
-                        t = t.max(2.0 * out_act(k) / (b * rf) / ratio);
+                        t = t.max(2.0 * crossing[k] / (b * rf) / ratio);
                         if j + 1 < n {
-                            t = t.max(2.0 * out_act(j) / (b * rf) / ratio);
+                            t = t.max(2.0 * crossing[j] / (b * rf) / ratio);
                         }
                     }
                     if t < best.time {
@@ -184,26 +256,33 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
             a[j * w + m] = best;
         }
     }
-    let top = a[(n - 1) * w + (w - 1)];
-    if !top.time.is_finite() {
-        return Err(ScheduleError::Plan(format!(
-            "no plan of {n} layers on {w} workers fits the memory bound"
-        )));
-    }
-    let bounds = walk_back(&a, n, w);
+    Ok(a)
+}
+
+/// The planned stages of a chain plan's `bounds` (first layer, last layer, replicas), first to
+/// last, with their times and memory as PipeDream's optimizer charges them.
+fn chain_stages(
+    bounds: &[(usize, usize, u32)],
+    sums: &ChainSums,
+    crossing: &[f64],
+    opts: &PipeDreamOptions,
+) -> Vec<PlannedStage> {
+    let n = sums.compute.len() - 1;
+    let w = opts.workers as usize;
+    let b = opts.bandwidth;
     let mut upto = 0usize;
-    let stages = bounds
+    bounds
         .iter()
         .map(|&(from, to, r)| {
             upto += r as usize;
-            let (c, p) = range(from, to);
+            let (c, p) = sums.range(from, to);
             let rf = f64::from(r);
             let compute = c / rf;
             let communication = 4.0 * (rf - 1.0) * p / (b * rf) / rf;
             let transfer = match opts.activation_compression {
                 Some(ratio) if from > 0 => {
-                    let output = if to + 1 < n { out_act(to) } else { 0.0 };
-                    2.0 * out_act(from - 1).max(output) / (b * rf) / ratio
+                    let output = if to + 1 < n { crossing[to] } else { 0.0 };
+                    2.0 * crossing[from - 1].max(output) / (b * rf) / ratio
                 }
                 _ => 0.0,
             };
@@ -217,26 +296,13 @@ pub fn pipedream(profile: &Profile, opts: &PipeDreamOptions) -> Result<Partition
                 transfer,
                 time: (compute + communication).max(transfer),
                 param_bytes: p,
-                memory: copies * (pa[to + 1] - pa[from] + p),
+                memory: copies * (sums.activations(from, to) + p),
                 recompute: false,
                 bound,
                 hosts: Vec::new(),
             }
         })
-        .collect();
-    let total = pc[n];
-    let wf = w as f64;
-    Ok(PartitionPlan {
-        stages,
-        time_per_microbatch: top.time,
-        single_worker: total,
-        data_parallel: stage_time(total, pp[n], wf),
-        cost_model: "pipedream",
-        policy: crate::spec::Policy::PipeDream,
-        microbatches: 1,
-        simulated: None,
-        order: (0..n).collect(),
-    })
+        .collect()
 }
 
 /// The exact min-max split of a chain's layers into `stages` contiguous, non-empty stages by
