@@ -580,3 +580,55 @@ fn a_seed_checkpoint_resumes_as_the_fresh_run_on_any_layout_and_exports() {
     let shuffled = ok(&Command::new(PIPE).args(base).output().unwrap());
     assert_ne!(weights(&sequential), weights(&shuffled));
 }
+
+/// The launch's settings are config-file keys as every other setting is: a run whose file
+/// gives the checkpoint directory, interval and count writes what the same flags write, and
+/// a value the flags would refuse is refused from the file too.
+#[test]
+fn checkpoint_settings_from_a_config_file_act_as_the_flags() {
+    let d = fresh_dir("config-keys");
+    let args = single_flags();
+    let by_flags = ok(&train(
+        &args,
+        &[
+            "--checkpoint-dir",
+            s(&d.join("flags")),
+            "--checkpoint-every",
+            "64",
+            "--keep-checkpoints",
+            "1",
+        ],
+    ));
+    let config = d.join("run.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "checkpoint_dir = \"{}\"\ncheckpoint_every = 64\nkeep_checkpoints = 1\n",
+            d.join("file").display()
+        ),
+    )
+    .unwrap();
+    let by_file = ok(&train(&args, &["--config", s(&config)]));
+    assert_eq!(weights(&by_flags), weights(&by_file));
+    let listed = |dir: &str| {
+        let mut names: Vec<String> = std::fs::read_dir(d.join(dir))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("ckpt-"))
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(listed("flags"), listed("file"));
+    assert_eq!(listed("file").len(), 1, "keep_checkpoints = 1 keeps one");
+    std::fs::write(&config, "checkpoint_every = 8\n").unwrap();
+    refused(
+        &train(&args, &["--config", s(&config)]),
+        &["--checkpoint-every needs --checkpoint-dir"],
+    );
+    std::fs::write(&config, "keep_checkpoints = 0\ncheckpoint_dir = \"x\"\n").unwrap();
+    refused(
+        &train(&args, &["--config", s(&config)]),
+        &["--keep-checkpoints 0"],
+    );
+}

@@ -9,7 +9,8 @@
 use std::cell::Cell;
 
 use anyhow::{Context, Result};
-use pipe_stages::config::{Placement, RunConfig};
+use pipe_stages::checkpoint::CheckpointPolicy;
+use pipe_stages::config::{LaunchSettings, Placement, RunConfig};
 use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::PipelineTrainOptions;
 use pipe_stages::pipeline::doctor::StopReport;
@@ -28,11 +29,10 @@ use crate::startup_view::StartView;
 use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
-    Fan, checkpoint_policy, finish_checkpoints, print_done, print_done_line, run_config,
-    serve_metrics, stop_on_ctrl_c,
+    Fan, finish_checkpoints, print_done, print_done_line, run_config, serve_metrics, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::LaunchOptions;
-use pipe_stages::startup::{self, PrepareOptions, PreparedRun, prepare};
+use pipe_stages::startup::{self, PreparedRun, prepare};
 
 /// Runs `pipe train`.
 ///
@@ -41,14 +41,14 @@ use pipe_stages::startup::{self, PrepareOptions, PreparedRun, prepare};
 /// training or of writing its outputs.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let phases = Phases::new();
-    let cfg = run_config(args, &phases)?;
-    if args.trace.is_some() && !cfg.pipelined {
+    let (cfg, launch) = run_config(args, &phases)?;
+    if launch.trace.is_some() && !cfg.pipelined {
         return Err(bad_input(
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
         ));
     }
     let processes = cfg.pipelined && cfg.placement == Placement::Processes;
-    let faults = match &args.fault_schedule {
+    let faults = match &launch.faults {
         Some(plan) => {
             let faults = fault_schedule(plan, &cfg)?;
             if let FaultPlan::Random { seed, .. } = plan {
@@ -59,7 +59,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         None => FaultSchedule::default(),
     };
     if !processes {
-        serve_metrics(args.metrics_addr)?;
+        serve_metrics(launch.metrics_addr)?;
     }
     cfg.check_resources(None, &pipe_stages::limits::Machine::detect())?;
     let process = pipe_stages::limits::process_resident_bytes().unwrap_or(0);
@@ -68,23 +68,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         phases: phases.clone(),
         header_threads: Some(be.threads()),
     };
-    let options = PrepareOptions {
-        resume: args.resume.clone(),
-        checkpoint_dir: args.checkpoint_dir.clone(),
-        force: args.force,
-        rejoin: args.rejoin,
-        seed_only: args.seed_checkpoint,
-    };
     let PreparedRun {
         cfg,
         resolved,
         model,
         data,
         resume,
-    } = prepare(cfg, &options, args.reprofile, process, &view)?;
+    } = prepare(cfg, &launch, process, &view)?;
     let mut fan = Fan::new(&cfg, phases.clone())?;
-    let policy = checkpoint_policy(args, &cfg)?;
-    if args.seed_checkpoint {
+    let policy = CheckpointPolicy::of_launch(&launch, &cfg)?;
+    if launch.seed_checkpoint {
         let policy = policy.context("--seed-checkpoint needs --checkpoint-dir")?;
         let dir = pipe_stages::pipeline::write_seed_checkpoint(&cfg, &model, &policy)?;
         outln!("seed checkpoint (update 0): {}", dir.display());
@@ -97,16 +90,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let stop = stop_on_ctrl_c(true);
     let how = Relaunch {
         restarts: RestartPolicy {
-            max_restarts: args.max_restarts,
-            checkpoint_dir: args.checkpoint_dir.clone(),
+            max_restarts: launch.max_restarts,
+            checkpoint_dir: launch.checkpoint_dir.clone(),
         },
         first: resume.as_ref().map(|(dir, _)| dir.clone()),
-        rejoin: args.rejoin,
-        replan_on_restart: args.replan_on_restart,
+        rejoin: launch.rejoin,
+        replan_on_restart: launch.replan_on_restart,
         stop: Some(stop.clone()),
     };
     let last_step = Cell::new(None);
-    let launch = Launch {
+    let started = Launch {
         how,
         watched: LastStep {
             inner: &mut fan,
@@ -122,19 +115,19 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             pipe_stages::pipeline::StartPhase::Workers.describe(),
             &format!("{workers} worker processes"),
         );
-        return on_processes(args, &cfg, workers, launch);
+        return on_processes(&launch, &cfg, workers, started);
     }
     let threads = Threads {
         data: &data,
         model: &model,
         opts: PipelineTrainOptions {
-            timeline: args.trace.is_some(),
-            rejoin: args.rejoin,
+            timeline: launch.trace.is_some(),
+            rejoin: launch.rejoin,
             ..PipelineTrainOptions::default()
         },
         first: resume.map(|(_, ckpt)| ckpt),
     };
-    on_threads(args, &cfg, threads, launch)
+    on_threads(&launch, &cfg, threads, started)
 }
 
 /// What either launcher takes from the run's start: how it restarts, what watches it, its
@@ -152,7 +145,12 @@ struct Launch<'a> {
 ///
 /// # Errors
 /// The run's failure past its restarts; a trace that cannot be merged; Ctrl-C.
-fn on_processes(args: &TrainArgs, cfg: &RunConfig, workers: u32, launch: Launch<'_>) -> Result<()> {
+fn on_processes(
+    settings: &LaunchSettings,
+    cfg: &RunConfig,
+    workers: u32,
+    launch: Launch<'_>,
+) -> Result<()> {
     let Launch {
         how,
         mut watched,
@@ -164,11 +162,14 @@ fn on_processes(args: &TrainArgs, cfg: &RunConfig, workers: u32, launch: Launch<
     let mut options = LaunchOptions::new(workers);
     options.stop = Some(stop);
     // Each worker writes its part of the trace; they are merged once all have exited.
-    let parts = args.trace.as_ref().map(|path| path.with_extension("parts"));
+    let parts = settings
+        .trace
+        .as_ref()
+        .map(|path| path.with_extension("parts"));
     let mut launcher = Processes {
         launch: options,
         checkpoints: policy,
-        metrics: args.metrics_addr,
+        metrics: settings.metrics_addr,
         faults,
         trace_parts: parts.clone(),
         kept: None,
@@ -182,7 +183,7 @@ fn on_processes(args: &TrainArgs, cfg: &RunConfig, workers: u32, launch: Launch<
         &mut events,
         &startup::replan,
     );
-    if let (Some(dir), Some(path)) = (&parts, &args.trace) {
+    if let (Some(dir), Some(path)) = (&parts, &settings.trace) {
         // The last start's workers (each start sets its own count).
         merge_trace_parts(dir, launcher.launch.workers, path)?;
     }
@@ -200,7 +201,7 @@ fn on_processes(args: &TrainArgs, cfg: &RunConfig, workers: u32, launch: Launch<
 /// # Errors
 /// The run's failure past its restarts; a trace that cannot be written; Ctrl-C.
 fn on_threads(
-    args: &TrainArgs,
+    settings: &LaunchSettings,
     cfg: &RunConfig,
     mut launcher: Threads<'_>,
     launch: Launch<'_>,
@@ -229,7 +230,7 @@ fn on_threads(
     if cfg.pipelined {
         outln!("partition: {}", out.partition);
     }
-    if let (Some(path), Some(timeline)) = (&args.trace, &out.timeline) {
+    if let (Some(path), Some(timeline)) = (&settings.trace, &out.timeline) {
         let plan = pipe_scheduler::VersionPlan::derive(&out.schedule).ok();
         let mut tl = timeline.clone();
         tl.names = worker_names(out.schedule.layout());

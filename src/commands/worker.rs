@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use pipe_stages::checkpoint::{Checkpoint, CheckpointPolicy};
-use pipe_stages::config::RunConfig;
+use pipe_stages::config::{LaunchSettings, RunConfig};
 use pipe_stages::model::{Model, params_digest};
 use pipe_stages::pipeline::train_worker;
 use pipe_stages::pipeline::worker::{WorkerOptions, check_cluster_size};
@@ -28,7 +28,7 @@ use crate::output::bad_input;
 use crate::startup_view::{print_header, print_resuming};
 use crate::trace::{PartRecorder, Traced, part_path, worker_names};
 use crate::training::{
-    Fan, TrainArgs, checkpoint_policy, finish_checkpoints, print_done, run_config, serve_metrics,
+    Fan, TrainArgs, finish_checkpoints, print_done, run_config, serve_metrics,
     serve_metrics_quietly, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::{
@@ -128,6 +128,7 @@ impl OwnSettings {
     fn of(
         handed: Option<&WorkerRun>,
         args: &WorkerArgs,
+        launch: &LaunchSettings,
         cfg: &RunConfig,
         rank: u32,
         model: &Model,
@@ -145,19 +146,19 @@ impl OwnSettings {
                 trace_part: h.trace_part_of(rank),
             },
             None => OwnSettings {
-                metrics: args.train.metrics_addr,
+                metrics: launch.metrics_addr,
                 resume: if chief {
                     startup::resume_from(
-                        args.train.resume.as_deref(),
-                        args.train.checkpoint_dir.as_deref(),
+                        launch.resume.as_deref(),
+                        launch.checkpoint_dir.as_deref(),
                         model,
                     )?
                 } else {
                     None
                 },
                 fault: args.fault.unwrap_or(Fault::None),
-                checkpoints: checkpoint_policy(&args.train, cfg)?,
-                trace_part: args.train.trace.as_ref().map(|t| part_path(t, rank)),
+                checkpoints: CheckpointPolicy::of_launch(launch, cfg)?,
+                trace_part: launch.trace.as_ref().map(|t| part_path(t, rank)),
             },
         })
     }
@@ -181,10 +182,15 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         }
         None => None,
     };
-    let cfg = match &handed {
-        Some(h) => h.run.clone(),
+    let (cfg, launch) = match &handed {
+        Some(h) => (h.run.clone(), LaunchSettings::default()),
         None => run_config(&args.train, &phases)?,
     };
+    if launch.max_restarts > 0 || launch.rejoin || launch.faults.is_some() {
+        return Err(bad_input(
+            "--max-restarts, --rejoin and --fault-schedule are pipe train's, which starts and restarts its workers: a scheduler restarts pipe worker (deploy/)".into(),
+        ));
+    }
     if !cfg.pipelined {
         return Err(bad_input(
             "pipe worker runs a pipelined schedule: give --stages, --replicas or --schedule".into(),
@@ -205,11 +211,11 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     // The chief settles a measured partition and sends the cut to the others with the run's
     // terms (a launcher's workers find it settled in run.json already).
     let cfg = match (chief, args.launched) {
-        (true, true) => startup::settle_partition(cfg, &model, args.train.reprofile, &Unwatched)?,
-        (true, false) => startup::settle_partition(cfg, &model, args.train.reprofile, &phases)?,
+        (true, true) => startup::settle_partition(cfg, &model, launch.reprofile, &Unwatched)?,
+        (true, false) => startup::settle_partition(cfg, &model, launch.reprofile, &phases)?,
         (false, _) => cfg,
     };
-    let own = OwnSettings::of(handed.as_ref(), args, &cfg, rank, &model)?;
+    let own = OwnSettings::of(handed.as_ref(), args, &launch, &cfg, rank, &model)?;
     if !args.launched {
         serve_metrics(own.metrics)?;
     } else if let Some(addr) = own.metrics {
@@ -281,8 +287,8 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     Ok(())
 }
 
-/// Refuses what `pipe worker` does not take: `pipe train`'s planning and restart flags, and a
-/// connect timeout out of range.
+/// Refuses what `pipe worker` does not take: `pipe train`'s planning flag, and a connect
+/// timeout out of range (its restart flags are refused once the settings merge).
 ///
 /// # Errors
 /// Bad input naming the flag.
@@ -290,11 +296,6 @@ fn check_flags(args: &WorkerArgs) -> Result<()> {
     if args.train.workers.is_some() {
         return Err(bad_input(
             "--workers plans on one machine: run `pipe plan -o plan.toml` once and give every worker --plan plan.toml".into(),
-        ));
-    }
-    if args.train.max_restarts > 0 || args.train.rejoin || args.train.fault_schedule.is_some() {
-        return Err(bad_input(
-            "--max-restarts, --rejoin and --fault-schedule are pipe train's, which starts and restarts its workers: a scheduler restarts pipe worker (deploy/)".into(),
         ));
     }
     if !(args.connect_timeout.is_finite() && (0.0..=86_400.0).contains(&args.connect_timeout)) {

@@ -34,7 +34,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::config::{DatasetKind, RunConfig};
+use crate::config::{DatasetKind, LaunchSettings, RunConfig};
 use crate::data::SyntheticConfig;
 use crate::error::{Result, StageError};
 use crate::model::{Model, ModelSpec, Params};
@@ -151,6 +151,23 @@ pub struct CheckpointPolicy {
 }
 
 impl CheckpointPolicy {
+    /// The checkpoints a launch asks for, of the run `cfg` (whose numerics each records);
+    /// `None` without a checkpoint directory.
+    ///
+    /// # Errors
+    /// A run that does not serialize (never, for a resolved one).
+    pub fn of_launch(launch: &LaunchSettings, cfg: &RunConfig) -> Result<Option<Self>> {
+        let Some(dir) = &launch.checkpoint_dir else {
+            return Ok(None);
+        };
+        Ok(Some(CheckpointPolicy {
+            dir: dir.clone(),
+            every: launch.checkpoint_every,
+            keep: usize::try_from(launch.keep_checkpoints).unwrap_or(usize::MAX),
+            settings: cfg.numerics().to_json()?,
+        }))
+    }
+
     /// Whether a checkpoint is due after `done` updates (`epoch_end`: the epoch just ended;
     /// `stop`: the run is stopping).
     pub fn due(&self, done: u64, epoch_end: bool, stop: bool) -> bool {

@@ -51,21 +51,13 @@ fn reproducible_and_thread_count_independent() {
     let wide = common::on_teacher("mlp-32-512-300-4", [32, 4, 16, 1024, 64]);
     (s.model, s.synthetic) = (wide.model, wide.synthetic);
     s.microbatch_size = Some(256);
-    let cfg = s.resolve().unwrap();
-    let data = load(&cfg);
+    let data = load(&s.clone().resolve().unwrap());
     let runs: Vec<Vec<u32>> = [1usize, 2, 2, 3]
         .iter()
         .map(|&threads| {
-            bits(
-                &train(
-                    &RunConfig {
-                        threads,
-                        ..cfg.clone()
-                    },
-                    &data,
-                )
-                .params,
-            )
+            let mut each = s.clone();
+            each.threads = Some(threads);
+            bits(&train(&each.resolve().unwrap(), &data).params)
         })
         .collect();
     for r in &runs[1..] {

@@ -5,24 +5,26 @@
 //! of a config file and of the command line, merged field by field); [`resolve`] turns them
 //! into a run, applying defaults and checking every value once; [`run`] is the checked run
 //! itself and what it answers; [`buckets`] the all-reduce bucket sizes; [`plan_file`] the
-//! layout `pipe plan -o` writes. This file keeps the defaults every part shares.
+//! layout `pipe plan -o` writes; [`launch`] the settings of a run's launch around it. This file keeps the defaults every part shares.
 
 use pipe_scheduler::{Policy, Resolved};
 
 use crate::optim::{DecayGroups, OptimizerKind};
 
 mod buckets;
+mod launch;
 mod plan_file;
 mod resolve;
 mod run;
 mod settings;
 
 pub use buckets::{BucketOrigin, BucketSizes};
+pub use launch::{DEFAULT_KEEP_CHECKPOINTS, LaunchSettings, MAX_KEEP_CHECKPOINTS, MAX_RESTARTS};
 pub use plan_file::{PlanFile, layout_of};
 pub use run::{CorpusSettings, DEFAULT_EVAL_WINDOWS, PartitionChoice, Placement, RunConfig};
 pub use settings::{
     DEFAULT_STALL_TIMEOUT, DatasetKind, MAX_STALL_TIMEOUT, ModelChoice, PlannedLayout,
-    TrainSettings, to_f32,
+    TrainSettings, parse_f32, to_f32,
 };
 
 /// The model preset used when none is given.

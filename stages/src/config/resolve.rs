@@ -449,10 +449,11 @@ impl TrainSettings {
         let layout_spec = ScheduleSpec::new(schedule, stages as u32, microbatches as u32)
             .with_replicas(replicas.clone())
             .with_chunks(chunks);
-        let layout = layout_spec.resolve().map_err(|e| e.to_string());
+        let resolved = layout_spec.resolve();
+        let layout = resolved.as_ref().map_err(ToString::to_string);
         // GPT-2 trainers clip the global gradient norm to 1.0.
         let clip_default = crate::transformer::is_gpt2(&model_name).then_some(GPT2_GRAD_CLIP);
-        let optimizer = self.optimizer_config(kind, lm, layout.as_ref().ok(), clip_default)?;
+        let optimizer = self.optimizer_config(kind, lm, resolved.as_ref().ok(), clip_default)?;
         let partition = match (planned, &self.partition) {
             (Some(p), _) => {
                 PartitionChoice::Given(Partition::new(p.partition.ranges().to_vec(), model.len())?)
@@ -461,7 +462,7 @@ impl TrainSettings {
             (None, None) => PartitionChoice::Measured,
         };
         let recompute = self.recompute.clone().unwrap_or_default();
-        if let Ok(layout) = &layout {
+        if let Ok(layout) = &resolved {
             recompute
                 .check_stages(layout.layout.stages())
                 .map_err(StageError::Config)?;
@@ -475,7 +476,7 @@ impl TrainSettings {
             self.sync_warmup,
             self.lr_scaling.as_deref(),
             self.weight_prediction.as_deref(),
-            layout.as_ref().map_err(String::as_str),
+            layout.as_ref().copied().map_err(String::as_str),
         )?;
         check_delay_correction(&optimizer, schedule, Some(remedies.prediction))?;
         let synthetic = self.synthetic.unwrap_or_default();
@@ -488,7 +489,7 @@ impl TrainSettings {
         }
         let (bucket_values, stage_bucket_values, bucket_origin) = bucket_settings(
             self.allreduce_bucket_mb.as_ref(),
-            layout.as_ref().ok().map(|l| l.layout.stages() as usize),
+            resolved.as_ref().ok().map(|l| l.layout.stages() as usize),
         )?;
         let allreduce_wire = wire_dtype(self.allreduce_dtype.as_deref())?;
         Ok(RunConfig {
@@ -531,6 +532,7 @@ impl TrainSettings {
             stage_bucket_values,
             bucket_origin,
             allreduce_wire,
+            resolved,
         })
     }
 }

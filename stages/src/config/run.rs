@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use pipe_kernels::BackendKind;
-use pipe_scheduler::{Length, Policy, ScheduleSpec};
+use pipe_scheduler::{Length, Policy, Resolved, ScheduleError, ScheduleSpec};
 use pipe_transport::TransportKind;
 use pipe_transport::frame::WireDType;
 use serde::{Deserialize, Serialize};
@@ -253,6 +253,19 @@ pub struct RunConfig {
     /// The precision the all-reduce sends in.
     #[serde(with = "by_name")]
     pub allreduce_wire: WireDType,
+    /// The layout resolved under the run's policy, or the scheduler's refusal: derived once,
+    /// where the run is built ([`TrainSettings::resolve`]) or checked
+    /// ([`RunConfig::checked`]), and carried ([`RunConfig::resolved`]). Not serialized: a run
+    /// read back is checked again.
+    #[serde(skip, default = "not_checked")]
+    pub(super) resolved: std::result::Result<Resolved, ScheduleError>,
+}
+
+/// What a run deserialized and not yet checked carries in place of its layout.
+fn not_checked() -> std::result::Result<Resolved, ScheduleError> {
+    Err(ScheduleError::Spec(
+        "the run was read but not checked (RunConfig::checked)".into(),
+    ))
 }
 
 /// A type written by its name (`Display`) and read back through `FromStr`, for the run's
@@ -324,9 +337,21 @@ impl RunConfig {
             };
             StageError::Config(format!("{source}: {at}{}", e.inner()))
         })?;
-        cfg.check()
-            .map_err(|e| StageError::Config(format!("{source}: {e}")))?;
-        Ok(cfg)
+        cfg.checked()
+            .map_err(|e| StageError::Config(format!("{source}: {e}")))
+    }
+
+    /// This run checked ([`RunConfig::check`]), carrying the layout it resolves to: what a run
+    /// read back or laid out anew goes through.
+    ///
+    /// # Errors
+    /// As [`RunConfig::check`].
+    pub fn checked(self) -> Result<Self> {
+        let resolved = self.check()?;
+        Ok(RunConfig {
+            resolved: Ok(resolved),
+            ..self
+        })
     }
 
     /// Checks what [`TrainSettings::resolve`] guarantees, for a run that was read rather than
@@ -334,10 +359,12 @@ impl RunConfig {
     /// [`crate::limits`], the layout resolves under its policy, the remedies suit it, the
     /// partition tiles the model, and the optimizer's values are in range.
     ///
+    /// Returns the layout the run resolves to.
+    ///
     /// # Errors
     /// [`StageError::Config`], [`StageError::Model`] or [`StageError::Schedule`] naming the
     /// first problem.
-    pub fn check(&self) -> Result<()> {
+    pub fn check(&self) -> Result<Resolved> {
         let bad = |m: String| Err(StageError::Config(m));
         let model = Model::new(&self.model)?;
         if self.microbatch_size == 0 || self.microbatches == 0 || self.epochs == 0 {
@@ -367,7 +394,7 @@ impl RunConfig {
                 self.hosts.len()
             ));
         }
-        let run = self.resolved()?;
+        let run = self.schedule_spec(Length::Updates(1)).resolve()?;
         if !self.stage_bucket_values.is_empty()
             && self.stage_bucket_values.len() != run.layout.stages() as usize
         {
@@ -397,7 +424,8 @@ impl RunConfig {
             ));
         }
         self.optimizer.validate()?;
-        self.synthetic.check()
+        self.synthetic.check()?;
+        Ok(run)
     }
 
     /// Where the workers run and what carries their links, as the pipeline line says it.
@@ -459,6 +487,52 @@ impl RunConfig {
         RunConfig {
             partition: PartitionChoice::Given(partition),
             ..self
+        }
+    }
+
+    /// This run on another layout (a plan for fewer workers after a restart): `replicas` per
+    /// stage, `partition`, and `microbatches` per update, one chunk per worker; checked.
+    ///
+    /// # Errors
+    /// A layout that does not hold together ([`RunConfig::check`]).
+    pub fn with_layout(
+        &self,
+        replicas: Vec<u32>,
+        partition: Partition,
+        microbatches: usize,
+    ) -> Result<Self> {
+        RunConfig {
+            stages: replicas.len(),
+            replicas,
+            partition: PartitionChoice::Given(partition),
+            chunks: 1,
+            microbatches,
+            pipelined: true,
+            ..self.clone()
+        }
+        .checked()
+    }
+
+    /// This run on the same stages with other replica counts and `microbatches` per update
+    /// (a lost replica's stage one fewer, or restored); checked.
+    ///
+    /// # Errors
+    /// A layout that does not hold together ([`RunConfig::check`]).
+    pub fn with_replica_counts(&self, replicas: Vec<u32>, microbatches: usize) -> Result<Self> {
+        RunConfig {
+            replicas,
+            microbatches,
+            ..self.clone()
+        }
+        .checked()
+    }
+
+    /// This run with no JSON-lines log of its own (a launcher's workers, whose launcher logs
+    /// what the chief reports).
+    pub fn without_log(&self) -> Self {
+        RunConfig {
+            log_jsonl: None,
+            ..self.clone()
         }
     }
 
@@ -532,7 +606,7 @@ impl RunConfig {
             ));
         }
         let run = if self.pipelined {
-            self.resolved()?
+            self.resolved()?.clone()
         } else {
             ScheduleSpec::new(Policy::Sequential, 1, 1).resolve()?
         };
@@ -581,13 +655,15 @@ impl RunConfig {
         self.schedule_spec_of(self.schedule, length)
     }
 
-    /// The run's schedule resolved (its layout, minibatch and policy), the one place a run's
-    /// settings become a [`pipe_scheduler::Resolved`] outside a plan.
+    /// The run's schedule resolved (its layout, minibatch and policy), as it was derived when
+    /// the run was built or checked.
     ///
     /// # Errors
     /// [`StageError::Schedule`] for a layout the policy refuses.
-    pub fn resolved(&self) -> Result<pipe_scheduler::Resolved> {
-        Ok(self.schedule_spec(Length::Updates(1)).resolve()?)
+    pub fn resolved(&self) -> Result<&Resolved> {
+        self.resolved
+            .as_ref()
+            .map_err(|e| StageError::Schedule(e.clone()))
     }
 
     /// [`RunConfig::schedule_spec`] with another policy on the same layout (a synchronous

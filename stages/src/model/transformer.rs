@@ -524,18 +524,25 @@ pub fn is_gpt2(name: &str) -> bool {
 
 /// A GPT-2 shape as Hugging Face's `config.json`, a TOML `[gpt2]` table or the `--n-*` flags
 /// give it: every field optional, so a later source overrides an earlier one field by field.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::Args,
+)]
 #[serde(deny_unknown_fields)]
 pub struct Gpt2Shape {
-    /// Transformer blocks.
+    /// Transformer blocks of a gpt2 model (over its preset's or config.json's).
+    #[arg(long, value_name = "N")]
     pub n_layer: Option<usize>,
-    /// Attention heads.
+    /// Attention heads of a gpt2 model.
+    #[arg(long, value_name = "N")]
     pub n_head: Option<usize>,
-    /// Model width.
+    /// Width of a gpt2 model.
+    #[arg(long, value_name = "N")]
     pub n_embd: Option<usize>,
-    /// Positions (the training window).
+    /// Positions of a gpt2 model: its training window.
+    #[arg(long, value_name = "N")]
     pub n_positions: Option<usize>,
-    /// Vocabulary size (default: the corpus's).
+    /// Vocabulary of a gpt2 model (default: the data's).
+    #[arg(long, value_name = "N")]
     pub vocab_size: Option<usize>,
 }
 

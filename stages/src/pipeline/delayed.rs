@@ -125,7 +125,7 @@ pub fn train_delayed(
     opts: &DelayedOptions,
     obs: &mut dyn Observer,
 ) -> Result<DelayedReport> {
-    let layout = cfg.resolved()?.layout;
+    let layout = cfg.resolved()?.layout.clone();
     if layout.workers() != 1 {
         return Err(StageError::Config(format!(
             "delayed SGD trains one worker over the whole model, not {} stages on {} workers",

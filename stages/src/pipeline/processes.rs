@@ -246,10 +246,11 @@ impl WorkerRun {
         let mut de = serde_json::Deserializer::from_str(text);
         let read: WorkerRun = serde_path_to_error::deserialize(&mut de)
             .map_err(|e| StageError::Config(format!("{source}: {}: {}", e.path(), e.inner())))?;
-        read.run
-            .check()
+        let run = read
+            .run
+            .checked()
             .map_err(|e| StageError::Config(format!("{source}: run: {e}")))?;
-        Ok(read)
+        Ok(WorkerRun { run, ..read })
     }
 
     /// Where worker `rank` serves its metrics.

@@ -210,7 +210,10 @@ pub fn drive<L: Launcher>(
             let Some(change) = LayoutChange::after_exit(&current.borrow(), err, from) else {
                 return false;
             };
-            let next = change.apply(&current.borrow());
+            // A layout that does not check is not one to go on in: the loss stands.
+            let Ok(next) = change.apply(&current.borrow()) else {
+                return false;
+            };
             *current.borrow_mut() = next;
             *pending.borrow_mut() = Some(change);
             true
@@ -326,10 +329,7 @@ impl Launcher for Processes {
         obs: &mut dyn Observer,
     ) -> Result<Self::End> {
         // The launcher logs what the chief reports; the workers write no log of their own.
-        let run = RunConfig {
-            log_jsonl: None,
-            ..cfg.clone()
-        };
+        let run = cfg.without_log();
         let workers = run.resolved()?.layout.workers();
         self.launch.workers = workers;
         self.launch.stop_at_first_drain = stop_at_first_drain;

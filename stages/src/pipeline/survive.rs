@@ -178,12 +178,11 @@ impl LayoutChange {
     }
 
     /// `cfg` under this layout: the run a worker process is handed once the replica is lost.
-    pub fn apply(&self, cfg: &RunConfig) -> RunConfig {
-        RunConfig {
-            replicas: self.replicas.clone(),
-            microbatches: self.microbatches as usize,
-            ..cfg.clone()
-        }
+    ///
+    /// # Errors
+    /// A layout the run's policy refuses (it resolved when the layout was chosen).
+    pub fn apply(&self, cfg: &RunConfig) -> Result<RunConfig> {
+        cfg.with_replica_counts(self.replicas.clone(), self.microbatches as usize)
     }
 }
 

@@ -162,7 +162,7 @@ fn parse_drain(b: &[u8]) -> Result<Drain> {
 /// # Errors
 /// [`StageError::Config`] naming both counts; a layout the schedule refuses.
 pub fn check_cluster_size(cfg: &RunConfig, size: u32) -> Result<pipe_scheduler::Layout> {
-    let layout = cfg.resolved()?.layout;
+    let layout = cfg.resolved()?.layout.clone();
     if layout.workers() != size {
         return Err(StageError::Config(format!(
             "this run needs {} workers ({} stages x replicas {:?}) but the cluster has {size}",

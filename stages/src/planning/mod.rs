@@ -226,7 +226,7 @@ pub fn measured_cut(
     model: &Model,
     profiling: &Profiling,
 ) -> Result<MeasuredPartition> {
-    let layout = cfg.resolved()?.layout;
+    let layout = cfg.resolved()?.layout.clone();
     let replicas: Vec<u32> = (0..layout.stages())
         .map(|s| layout.replicas_of(s))
         .collect();
@@ -306,25 +306,17 @@ pub fn replan(
     )?;
     let (partition, replicas) = layout_of(&plan)?;
     let minibatch = cfg.resolved()?.minibatch;
-    let mut next = RunConfig {
-        stages: replicas.len(),
-        replicas,
-        partition: PartitionChoice::Given(partition),
-        chunks: 1,
-        microbatches: 1,
-        pipelined: true,
-        ..cfg.clone()
-    };
     // The minibatch of one microbatch per replica: the unit the run's must be a multiple of.
-    let unit = next.resolved()?.minibatch;
+    let unit = pipe_scheduler::ScheduleSpec::new(cfg.schedule, replicas.len() as u32, 1)
+        .with_replicas(replicas.clone())
+        .resolve()?
+        .minibatch;
     if minibatch % unit != 0 {
         return Err(StageError::Config(format!(
-            "planned again for {workers} workers, replicas {:?} take minibatches of a multiple of {unit} microbatches, not the run's {minibatch}",
-            next.replicas
+            "planned again for {workers} workers, replicas {replicas:?} take minibatches of a multiple of {unit} microbatches, not the run's {minibatch}"
         )));
     }
-    next.microbatches = (minibatch / unit) as usize;
-    next.check()?;
+    let next = cfg.with_layout(replicas, partition, (minibatch / unit) as usize)?;
     Ok((next, plan))
 }
 

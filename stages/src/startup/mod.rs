@@ -24,7 +24,7 @@ use pipe_scheduler::planner::buckets::BucketChoice;
 use pipe_scheduler::planner::transport::TransportCost;
 
 use crate::checkpoint::Checkpoint;
-use crate::config::{BucketSizes, RunConfig, TrainSettings};
+use crate::config::{BucketSizes, LaunchSettings, RunConfig, TrainSettings};
 use crate::data::Splits;
 use crate::error::Result;
 use crate::model::Model;
@@ -49,8 +49,6 @@ pub struct RunSources {
     pub plan_file: Option<PathBuf>,
     /// Plan the layout for this many workers (`--workers`) instead.
     pub workers: Option<u32>,
-    /// Profile again even where the cache holds a profile for this run (`--reprofile`).
-    pub reprofile: bool,
 }
 
 /// What start-up found, step by step, for a command to show. Every value a line needs is
@@ -172,23 +170,8 @@ pub struct PreparedRun {
     pub resume: Option<(PathBuf, Checkpoint)>,
 }
 
-/// What [`prepare`] takes beside the settings: the run-level choices of the command line.
-#[derive(Clone, Debug, Default)]
-pub struct PrepareOptions {
-    /// `--resume`: a checkpoint's directory, a checkpoint directory, `latest` or `auto`.
-    pub resume: Option<String>,
-    /// The checkpoint directory (`latest` and `auto` look there).
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Run over the memory available (`--force`).
-    pub force: bool,
-    /// Take back a lost replica (`--rejoin`): refused where there is nothing it could do.
-    pub rejoin: bool,
-    /// Stop once the run's starting point is known (`--seed-checkpoint`): no partition is
-    /// settled and no memory is estimated.
-    pub seed_only: bool,
-}
-
-/// Prepares the run `cfg` (resolved by [`resolve`]) to launch from this process, which runs
+/// Prepares the run `cfg` (resolved by [`resolve`], with the launch `options` around it) to
+/// launch from this process, which runs
 /// every worker (as threads, or as the launcher of worker processes): rejoin checks, the
 /// model, the data, the checkpoint it resumes from and the bucket sizes it recorded, the
 /// partition with its buckets, and the memory gate. `process` is this process's resident
@@ -199,13 +182,12 @@ pub struct PrepareOptions {
 /// profiling and measurement failures.
 pub fn prepare(
     cfg: RunConfig,
-    options: &PrepareOptions,
-    reprofile: bool,
+    options: &LaunchSettings,
     process: u64,
     watcher: &dyn StartupWatcher,
 ) -> Result<PreparedRun> {
     let processes = cfg.pipelined && cfg.placement == crate::config::Placement::Processes;
-    let resolved = cfg.pipelined.then(|| cfg.resolved()).transpose()?;
+    let resolved = cfg.pipelined.then(|| cfg.resolved()).transpose()?.cloned();
     if options.rejoin {
         check_rejoin(
             resolved.as_ref(),
@@ -231,7 +213,7 @@ pub fn prepare(
             checkpoint: ckpt,
         });
     }
-    if options.seed_only {
+    if options.seed_checkpoint {
         return Ok(PreparedRun {
             cfg,
             resolved,
@@ -244,7 +226,7 @@ pub fn prepare(
         Some((_, ckpt)) => adopt_checkpoint_buckets(cfg, ckpt, watcher),
         None => cfg,
     };
-    let cfg = settle_partition(cfg, &model, reprofile, watcher)?;
+    let cfg = settle_partition(cfg, &model, options.reprofile, watcher)?;
     check_memory(&cfg, process, processes, options.force, watcher)?;
     Ok(PreparedRun {
         cfg,

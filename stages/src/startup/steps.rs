@@ -12,7 +12,7 @@ use pipe_scheduler::Resolved;
 use super::{RunSources, StartupEvent, StartupWatcher, link_costs};
 use crate::checkpoint::Checkpoint;
 use crate::config::{
-    BucketOrigin, BucketSizes, PartitionChoice, PlanFile, RunConfig, TrainSettings,
+    BucketOrigin, BucketSizes, LaunchSettings, PartitionChoice, PlanFile, RunConfig, TrainSettings,
 };
 use crate::data::Splits;
 use crate::error::{Result, StageError};
@@ -52,16 +52,21 @@ pub fn merge(sources: &RunSources) -> Result<TrainSettings> {
     Ok(settings)
 }
 
-/// The run `sources` describe, merged ([`merge`]) and checked once; for `--workers`, planned
-/// first on this machine's measured profile and link costs, with its buckets chosen.
+/// The run `sources` describe, merged ([`merge`]) and checked once, and its launch's
+/// settings ([`TrainSettings::launch`]); for `--workers`, planned first on this machine's
+/// measured profile and link costs, with its buckets chosen.
 ///
 /// # Errors
 /// Bad input for settings that describe no run; profiling, measurement and planning
 /// failures.
-pub fn resolve(sources: &RunSources, watcher: &dyn StartupWatcher) -> Result<RunConfig> {
+pub fn resolve(
+    sources: &RunSources,
+    watcher: &dyn StartupWatcher,
+) -> Result<(RunConfig, LaunchSettings)> {
     let settings = merge(sources)?;
+    let launch = settings.launch()?;
     let Some(w) = sources.workers else {
-        return settings.resolve();
+        return Ok((settings.resolve()?, launch));
     };
     let (costs, origin) = link_costs::load_or_measure(false)?;
     let source = origin.describe();
@@ -70,7 +75,7 @@ pub fn resolve(sources: &RunSources, watcher: &dyn StartupWatcher) -> Result<Run
         "profiling and planning",
         format!("the layouts of {w} workers"),
     );
-    let profiling = profiling(sources.reprofile, watcher);
+    let profiling = profiling(launch.reprofile, watcher);
     let (cfg, plan, profile) = plan_workers(settings, w, Some(&costs), &profiling)?;
     watcher.on_event(&StartupEvent::PhaseEnded);
     let cfg = match costs.get(cfg.link_transport().name()) {
@@ -90,7 +95,7 @@ pub fn resolve(sources: &RunSources, watcher: &dyn StartupWatcher) -> Result<Run
         samples_per_s: per_sample / plan.time_per_microbatch,
         simulated_samples_per_s: plan.simulated.map_or(f64::NAN, |t| per_sample / t),
     });
-    Ok(cfg)
+    Ok((cfg, launch))
 }
 
 /// Reads and checks the run's data, as a phase of its start.
