@@ -264,6 +264,68 @@ fn check_counts(args: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// Profiles the preset `model` as `pipe train --workers` does (either finds the other's
+/// profile in the cache), showing the phase.
+///
+/// # Errors
+/// Bad input for a zero microbatch size or an unknown preset; profiling failures.
+fn profile_preset(args: &PlanArgs, model: &str) -> Result<Profile> {
+    if args.microbatch_size == 0 {
+        return Err(bad_input("--microbatch-size must be at least 1".into()));
+    }
+    // As `pipe train --workers` profiles: either finds the other's in the cache.
+    let opts = pipe_stages::planning::planning_profile(
+        args.microbatch_size,
+        Some(args.microbatches),
+        pipe_stages::planning::busy_workers(args.stages.or(args.workers).unwrap_or(1)),
+    );
+    let phases = crate::phases::Phases::new();
+    phases.begin(
+        "profiling",
+        &format!("{model} at microbatch {}", args.microbatch_size),
+    );
+    let profiling =
+        pipe_stages::planning::Profiling::cached(args.reprofile).reporting(phases.profile_report());
+    let spec = pipe_stages::model::ModelSpec::preset(model)?;
+    let built = pipe_stages::model::Model::new(&spec)?;
+    let be = CpuBackend::new(1)?;
+    let profile = profiling.profile(&built, model, &be, &opts, args.microbatches)?;
+    phases.end();
+    Ok(profile)
+}
+
+/// The plan under PipeDream's cost model, which charges every link alike and no processor
+/// time for messages.
+///
+/// # Errors
+/// Bad input for the default model's flags or a compression ratio that is not positive;
+/// the planner's refusals.
+fn pipedream_plan(args: &PlanArgs, profile: &Profile, workers: u32) -> Result<PartitionPlan> {
+    if args.link.transport.is_some() || args.placement.given() {
+        return Err(bad_input(
+            "--transport, --hosts and --cluster belong to --cost-model default \
+             (PipeDream's model charges every link alike and no processor time for \
+             messages)"
+                .into(),
+        ));
+    }
+    if let Some(r) = args.activation_compression {
+        if !r.is_finite() || r <= 0.0 {
+            return Err(schedule_error(ScheduleError::Plan(format!(
+                "activation compression ratio must be > 0, got {r}"
+            ))));
+        }
+    }
+    let opts = PipeDreamOptions {
+        workers,
+        bandwidth: args.bandwidth.unwrap_or(DEFAULT_BANDWIDTH),
+        memory: args.memory,
+        straight: args.straight || args.stages.is_some(),
+        activation_compression: args.activation_compression,
+    };
+    pipe_scheduler::pipedream(profile, &opts).map_err(schedule_error)
+}
+
 /// Runs `pipe plan`.
 ///
 /// # Errors
@@ -275,60 +337,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     check_counts(args)?;
     let profile = match (&args.profile, &args.model) {
         (Some(path), _) => load_profile(path)?,
-        (None, Some(model)) => {
-            if args.microbatch_size == 0 {
-                return Err(bad_input("--microbatch-size must be at least 1".into()));
-            }
-            // As `pipe train --workers` profiles: either finds the other's in the cache.
-            let opts = pipe_stages::planning::planning_profile(
-                args.microbatch_size,
-                Some(args.microbatches),
-                pipe_stages::planning::busy_workers(args.stages.or(args.workers).unwrap_or(1)),
-            );
-            let phases = crate::phases::Phases::new();
-            phases.begin(
-                "profiling",
-                &format!("{model} at microbatch {}", args.microbatch_size),
-            );
-            let profiling = pipe_stages::planning::Profiling::cached(args.reprofile)
-                .reporting(phases.profile_report());
-            let spec = pipe_stages::model::ModelSpec::preset(model)?;
-            let built = pipe_stages::model::Model::new(&spec)?;
-            let be = CpuBackend::new(1)?;
-            let profile = profiling.profile(&built, model, &be, &opts, args.microbatches)?;
-            phases.end();
-            profile
-        }
+        (None, Some(model)) => profile_preset(args, model)?,
         (None, None) => return Err(bad_input("give --profile FILE or --model M".into())),
     };
     let workers = args.stages.or(args.workers).unwrap_or(0);
     let mut placement = None;
     let plan = match args.cost_model {
-        PlanCostModel::Pipedream => {
-            if args.link.transport.is_some() || args.placement.given() {
-                return Err(bad_input(
-                    "--transport, --hosts and --cluster belong to --cost-model default \
-                     (PipeDream's model charges every link alike and no processor time for \
-                     messages)"
-                        .into(),
-                ));
-            }
-            if let Some(r) = args.activation_compression {
-                if !r.is_finite() || r <= 0.0 {
-                    return Err(schedule_error(ScheduleError::Plan(format!(
-                        "activation compression ratio must be > 0, got {r}"
-                    ))));
-                }
-            }
-            let opts = PipeDreamOptions {
-                workers,
-                bandwidth: args.bandwidth.unwrap_or(DEFAULT_BANDWIDTH),
-                memory: args.memory,
-                straight: args.straight || args.stages.is_some(),
-                activation_compression: args.activation_compression,
-            };
-            pipe_scheduler::pipedream(&profile, &opts).map_err(schedule_error)?
-        }
+        PlanCostModel::Pipedream => pipedream_plan(args, &profile, workers)?,
         PlanCostModel::Default => {
             if args.activation_compression.is_some() {
                 return Err(bad_input(

@@ -845,7 +845,36 @@ impl ShmBound {
     }
 }
 
+/// Whether a frame's prefix begins in `ring` now, after `pad` bytes of padding were skipped:
+/// its next byte is there and not padding.
+///
+/// # Errors
+/// A message naming a ring that holds [`ALIGN`] or more zero bytes before a frame, which no
+/// sender writes; the ring's own failures.
+fn prefix_begins(ring: &Ring, pad: usize) -> Result<bool, String> {
+    match ring.peek()? {
+        Some(0) if pad >= ALIGN - 1 => Err(format!("{ALIGN} or more zero bytes before a frame")),
+        Some(0) | None => Ok(false),
+        Some(_) => Ok(true),
+    }
+}
+
 impl Link {
+    /// Reads the payload of `header` next, into a buffer of its own: a message kept by key
+    /// until a receive takes it (counted against the bytes held).
+    fn read_payload(&mut self, header: Header) {
+        let len = header.payload_bytes() as usize;
+        self.held += header.elements() * 4;
+        self.copied_out += 1;
+        let buf = Payload::for_header(&header);
+        self.reading = Reading::Payload {
+            header,
+            buf,
+            got: 0,
+            len,
+        };
+    }
+
     fn new(
         peer: u32,
         socket: UnixStream,
@@ -1148,20 +1177,12 @@ impl Shm {
                         // the padding may still be arriving.
                         skipped = link.inp.skip_padding(ALIGN - 1 - *pad).map_err(broken)?;
                         *pad += skipped;
-                        match link.inp.peek().map_err(broken)? {
-                            Some(0) if *pad >= ALIGN - 1 => {
-                                return Err(broken(format!(
-                                    "{ALIGN} or more zero bytes before a frame"
-                                )));
+                        if !prefix_begins(&link.inp, *pad).map_err(broken)? {
+                            if skipped == 0 {
+                                break;
                             }
-                            Some(0) | None => {
-                                if skipped == 0 {
-                                    break;
-                                }
-                                moved = true;
-                                continue;
-                            }
-                            Some(_) => {}
+                            moved = true;
+                            continue;
                         }
                     }
                     let n = link.inp.read_some(&mut buf[*got..]).map_err(broken)?;
@@ -1186,7 +1207,6 @@ impl Shm {
                         if key.from != peer || key.to != rank {
                             return Err(broken(format!("a frame keyed {key:?}")));
                         }
-                        let len = header.payload_bytes() as usize;
                         if stop_at == Some(&key) && header.dtype == WireDType::F32 {
                             // Held for the streaming receive: the next turn stops here.
                             link.reading = Reading::Held { header, got: 0 };
@@ -1196,15 +1216,7 @@ impl Shm {
                                     "more than {max_held} bytes wait for this worker's receives"
                                 )));
                             }
-                            link.held += header.elements() * 4;
-                            link.copied_out += 1;
-                            let buf = Payload::for_header(&header);
-                            link.reading = Reading::Payload {
-                                header,
-                                buf,
-                                got: 0,
-                                len,
-                            };
+                            link.read_payload(header);
                         }
                     }
                     n
@@ -1226,16 +1238,7 @@ impl Shm {
                     }
                     // Another call needs what lies behind it: keep it as a message after all.
                     let header = header.clone();
-                    let len = header.payload_bytes() as usize;
-                    link.held += header.elements() * 4;
-                    link.copied_out += 1;
-                    let buf = Payload::for_header(&header);
-                    link.reading = Reading::Payload {
-                        header,
-                        buf,
-                        got: 0,
-                        len,
-                    };
+                    link.read_payload(header);
                     continue;
                 }
             };

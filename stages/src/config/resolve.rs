@@ -373,6 +373,86 @@ impl TrainSettings {
         self.resolve_planned(None)
     }
 
+    /// The samples per microbatch and microbatches per update (a language model's defaults
+    /// where not given), each at least 1 and within the limits.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] or a limit naming the value.
+    fn batch_shape(&self, lm: Option<LanguageDefaults>) -> Result<(usize, usize)> {
+        let microbatch_size = self
+            .microbatch_size
+            .unwrap_or(lm.map_or(64, |d| d.microbatch_size));
+        if microbatch_size == 0 {
+            return Err(StageError::Config(
+                "microbatch size must be at least 1".into(),
+            ));
+        }
+        crate::limits::check_count(
+            "--microbatch-size",
+            microbatch_size as u64,
+            crate::limits::MAX_TENSOR_ELEMENTS,
+            "a microbatch is one tensor",
+        )?;
+        let microbatches = self
+            .microbatches
+            .unwrap_or(lm.map_or(1, |d| d.microbatches));
+        if microbatches == 0 {
+            return Err(StageError::Config(
+                "microbatches per update must be at least 1".into(),
+            ));
+        }
+        pipe_scheduler::limits::check_microbatches(microbatches as u64)?;
+        Ok((microbatch_size, microbatches))
+    }
+
+    /// The base learning rate: given, or the optimizer's default (a language model's, Lion's
+    /// a tenth of it); positive and finite.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] for a rate that is not.
+    fn learning_rate(&self, kind: OptimizerKind, lm: Option<LanguageDefaults>) -> Result<f32> {
+        let lr = self.lr.unwrap_or(match (kind, lm) {
+            (OptimizerKind::Sgd, _) => 0.05,
+            (OptimizerKind::Lion, Some(d)) => d.lr / LION_LR_DIVISOR,
+            (OptimizerKind::Lion, None) => 1e-3 / LION_LR_DIVISOR,
+            (_, Some(d)) => d.lr,
+            _ => 1e-3,
+        });
+        if !(lr > 0.0 && lr.is_finite()) {
+            return Err(StageError::Config(format!(
+                "learning rate must be positive, got {lr}"
+            )));
+        }
+        Ok(lr)
+    }
+
+    /// Whether these settings ask for a pipeline: more than one stage, replica or chunk, or
+    /// any setting only a pipeline has (a schedule, a partition, a staleness remedy).
+    fn asks_for_pipeline(&self, stages: usize, replicas: &[u32], chunks: u32) -> bool {
+        stages > 1
+            || replicas.iter().any(|&r| r > 1)
+            || chunks > 1
+            || self.schedule.is_some()
+            || self.partition.is_some()
+            || self.sync_warmup.is_some()
+            || self.lr_scaling.is_some()
+            || self.weight_prediction.is_some()
+    }
+
+    /// The stall timeout: given or [`DEFAULT_STALL_TIMEOUT`], above 0 and at most a week.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming the value.
+    fn checked_stall_timeout(&self) -> Result<std::time::Duration> {
+        let stall = self.stall_timeout.unwrap_or(DEFAULT_STALL_TIMEOUT);
+        if !(stall.is_finite() && stall > 0.0 && stall <= MAX_STALL_TIMEOUT) {
+            return Err(StageError::Config(format!(
+                "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds (a week), got {stall}"
+            )));
+        }
+        Ok(std::time::Duration::from_secs_f64(stall))
+    }
+
     /// [`TrainSettings::resolve`] with the layout a plan settled (`--workers`) in place of the
     /// settings' stages, replicas, schedule and partition. The model is chosen before the
     /// layout is (a plan made for the default model keeps it, whatever stage count it picked);
@@ -381,7 +461,6 @@ impl TrainSettings {
     /// # Errors
     /// As [`TrainSettings::resolve`].
     pub fn resolve_planned(self, planned: Option<PlannedLayout>) -> Result<RunConfig> {
-        let bad = |m: String| Err(StageError::Config(m));
         let ChosenModel {
             name: model_name,
             spec: model_spec,
@@ -396,52 +475,17 @@ impl TrainSettings {
         }
         let lm = language.map(|_| LanguageDefaults::default());
         let epochs = self.epochs(dataset, lm)?;
-        let microbatch_size = self
-            .microbatch_size
-            .unwrap_or(lm.map_or(64, |d| d.microbatch_size));
-        if microbatch_size == 0 {
-            return bad("microbatch size must be at least 1".into());
-        }
-        crate::limits::check_count(
-            "--microbatch-size",
-            microbatch_size as u64,
-            crate::limits::MAX_TENSOR_ELEMENTS,
-            "a microbatch is one tensor",
-        )?;
-        let microbatches = self
-            .microbatches
-            .unwrap_or(lm.map_or(1, |d| d.microbatches));
-        if microbatches == 0 {
-            return bad("microbatches per update must be at least 1".into());
-        }
-        pipe_scheduler::limits::check_microbatches(microbatches as u64)?;
+        let (microbatch_size, microbatches) = self.batch_shape(lm)?;
         let kind = self
             .optimizer
             .unwrap_or(lm.map_or(OptimizerKind::Sgd, |d| d.optimizer));
-        let lr = self.lr.unwrap_or(match (kind, lm) {
-            (OptimizerKind::Sgd, _) => 0.05,
-            (OptimizerKind::Lion, Some(d)) => d.lr / LION_LR_DIVISOR,
-            (OptimizerKind::Lion, None) => 1e-3 / LION_LR_DIVISOR,
-            (_, Some(d)) => d.lr,
-            _ => 1e-3,
-        });
-        if !(lr > 0.0 && lr.is_finite()) {
-            return bad(format!("learning rate must be positive, got {lr}"));
-        }
+        let lr = self.learning_rate(kind, lm)?;
         let (stages, replicas) = match &planned {
             Some(p) => (p.replicas.len(), p.replicas.clone()),
             None => self.layout()?,
         };
         let chunks = self.chunks.unwrap_or(1);
-        let pipelined = planned.is_some()
-            || stages > 1
-            || replicas.iter().any(|&r| r > 1)
-            || chunks > 1
-            || self.schedule.is_some()
-            || self.partition.is_some()
-            || self.sync_warmup.is_some()
-            || self.lr_scaling.is_some()
-            || self.weight_prediction.is_some();
+        let pipelined = planned.is_some() || self.asks_for_pipeline(stages, &replicas, chunks);
         let schedule = match &planned {
             Some(p) => p.policy,
             None => self.policy(pipelined, lm)?,
@@ -479,14 +523,9 @@ impl TrainSettings {
             layout.as_ref().copied().map_err(String::as_str),
         )?;
         check_delay_correction(&optimizer, schedule, Some(remedies.prediction))?;
-        let synthetic = self.synthetic.unwrap_or_default();
+        let synthetic = self.synthetic.clone().unwrap_or_default();
         synthetic.check()?;
-        let stall = self.stall_timeout.unwrap_or(DEFAULT_STALL_TIMEOUT);
-        if !(stall.is_finite() && stall > 0.0 && stall <= MAX_STALL_TIMEOUT) {
-            return bad(format!(
-                "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds (a week), got {stall}"
-            ));
-        }
+        let stall_timeout = self.checked_stall_timeout()?;
         let (bucket_values, stage_bucket_values, bucket_origin) = bucket_settings(
             self.allreduce_bucket_mb.as_ref(),
             resolved.as_ref().ok().map(|l| l.layout.stages() as usize),
@@ -527,7 +566,7 @@ impl TrainSettings {
             transport,
             wire,
             remedies,
-            stall_timeout: std::time::Duration::from_secs_f64(stall),
+            stall_timeout,
             bucket_values,
             stage_bucket_values,
             bucket_origin,

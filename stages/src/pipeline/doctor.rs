@@ -225,6 +225,49 @@ pub fn diagnose(
     out
 }
 
+/// Why `waiter` still waits for `k` if its sender has sent it already (it was lost on the
+/// way); `None` where the sender has not, or `k` is no message a program sends.
+fn lost_message(
+    schedule: &Schedule,
+    stops: &[Option<StopPoint>],
+    waiter: WorkerId,
+    k: &Key,
+) -> Option<String> {
+    let send = match k.kind {
+        Kind::Activation => Action::SendActivation {
+            stage: k.stage,
+            mb: k.index,
+            to: waiter,
+        },
+        Kind::Gradient => Action::SendGradient {
+            stage: k.stage,
+            mb: k.index,
+            to: waiter,
+        },
+        _ => return None,
+    };
+    let program = schedule.programs.get(k.from as usize)?;
+    let at = program.iter().position(|&a| a == send)?;
+    let done = stops.get(k.from as usize)?.as_ref()?;
+    (done.finished || at < done.completed).then(|| {
+        format!(
+            "worker {} sent {} ({send}, action {at} of its program) but worker {waiter} \
+             never received it: the message was lost in transport",
+            k.from,
+            describe(k).replace(&format!(" from worker {}", k.from), "")
+        )
+    })
+}
+
+/// The first replica of `group` not in the same all-reduce `a`: the one that holds the group
+/// up (`None` when all are in it).
+fn held_up(waits: &[Option<Wait>], group: &[WorkerId], a: &Action) -> Option<WorkerId> {
+    group
+        .iter()
+        .copied()
+        .find(|&g| !matches!(&waits[g as usize], Some(Wait::Group(_, b)) if b == a))
+}
+
 /// Follows the waits from `stalled`, which waits for `awaited`.
 fn cause(
     schedule: &Schedule,
@@ -235,32 +278,7 @@ fn cause(
 ) -> String {
     // A message its sender has already sent, but its receiver still waits for, was lost on
     // the way; the first such wait along the graph is the cause.
-    let lost = |waiter: WorkerId, k: &Key| {
-        let send = match k.kind {
-            Kind::Activation => Action::SendActivation {
-                stage: k.stage,
-                mb: k.index,
-                to: waiter,
-            },
-            Kind::Gradient => Action::SendGradient {
-                stage: k.stage,
-                mb: k.index,
-                to: waiter,
-            },
-            _ => return None,
-        };
-        let program = schedule.programs.get(k.from as usize)?;
-        let at = program.iter().position(|&a| a == send)?;
-        let done = stops.get(k.from as usize)?.as_ref()?;
-        (done.finished || at < done.completed).then(|| {
-            format!(
-                "worker {} sent {} ({send}, action {at} of its program) but worker {waiter} \
-                 never received it: the message was lost in transport",
-                k.from,
-                describe(k).replace(&format!(" from worker {}", k.from), "")
-            )
-        })
-    };
+    let lost = |waiter: WorkerId, k: &Key| lost_message(schedule, stops, waiter, k);
     if let Some(why) = lost(stalled, awaited) {
         return why;
     }
@@ -320,25 +338,18 @@ fn cause(
                 path.push(next);
                 next = *to;
             }
-            Some(Wait::Group(group, a)) => {
-                // The first replica not in the same all-reduce holds the group up.
-                let held_up = group
-                    .iter()
-                    .copied()
-                    .find(|&g| !matches!(&waits[g as usize], Some(Wait::Group(_, b)) if b == a));
-                match held_up {
-                    Some(g) => {
-                        wanted = format!("its part of {a}");
-                        path.push(next);
-                        next = g;
-                    }
-                    None => {
-                        return format!(
-                            "workers {next} and {group:?} are all in {a} and none completes it"
-                        );
-                    }
+            Some(Wait::Group(group, a)) => match held_up(waits, group, a) {
+                Some(g) => {
+                    wanted = format!("its part of {a}");
+                    path.push(next);
+                    next = g;
                 }
-            }
+                None => {
+                    return format!(
+                        "workers {next} and {group:?} are all in {a} and none completes it"
+                    );
+                }
+            },
             Some(Wait::Nobody(a)) => {
                 return format!(
                     "worker {next} waits for nobody: it stalled inside {a}, and worker {waiter} \

@@ -93,59 +93,13 @@ where
                     .name(format!("pipe-w{worker}"))
                     .spawn_scoped(scope, move || {
                         let _done = done;
-                        let result = catch_unwind(AssertUnwindSafe(|| {
-                            let be = make(worker)?;
-                            run_worker(&be, &mut ep, setup, state, t0)
-                        }));
-                        let outcome = match result {
-                            Ok(Ok(out)) => Some(out),
-                            Ok(Err(e)) => {
-                                // The driver has told its peers; a backend that failed to
-                                // start never reached it.
-                                if !e.is_abort_echo() {
-                                    ep.abort();
-                                }
-                                fail(e);
-                                None
-                            }
-                            Err(panic) => {
-                                ep.abort();
-                                fail(panicked(setup, worker, panic.as_ref()));
-                                None
-                            }
-                        };
-                        // Everything this worker sent reaches its peers before it lets go.
-                        if let Err(e) = ep.close() {
-                            fail(StageError::Transport(e));
-                        }
-                        outcome
+                        worker_thread(setup, state, &mut ep, || make(worker), t0, fail)
                     })
             })
             .collect();
         drop(done_tx);
         if let Some((rx, on_loss)) = progress.as_mut() {
-            let mut report = |r| {
-                if let Err(e) = on_loss(r) {
-                    fail(e);
-                }
-            };
-            loop {
-                crossbeam_channel::select! {
-                    recv(rx) -> r => match r {
-                        Ok(r) => report(r),
-                        // No sender left: only the workers' end is still to come.
-                        Err(_) => {
-                            let _ = done_rx.recv();
-                            break;
-                        }
-                    },
-                    // Nothing is ever sent on `done`: this fires when the last worker ends.
-                    recv(done_rx) -> _ => break,
-                }
-            }
-            while let Ok(r) = rx.try_recv() {
-                report(r);
-            }
+            relay_progress(rx, &mut **on_loss, &done_rx, &fail);
         }
         handles
             .into_iter()
@@ -161,22 +115,98 @@ where
             .collect()
     });
     if let Some(e) = first.into_inner().ok().flatten() {
-        if let Some((worker, key, waited)) = e.stall() {
-            let stops: Vec<_> = states.iter().map(|s| Some(s.progress)).collect();
-            return Err(StageError::Stalled(super::doctor::diagnose(
-                &setup.plan.schedule,
-                &stops,
-                worker,
-                &key,
-                waited,
-            )));
-        }
-        return Err(e);
+        return Err(diagnosed(setup, states, e));
     }
     outcomes
         .into_iter()
         .map(|o| o.ok_or_else(|| StageError::Executor("a worker stopped without an error".into())))
         .collect()
+}
+
+/// One worker thread's life: its backend made, its worker run, a failure or panic told to
+/// its peers and to `fail`, and its endpoint closed once all it sent has arrived.
+fn worker_thread<T: Transport, B: Backend>(
+    setup: &Setup<'_>,
+    state: &mut WorkerState,
+    ep: &mut T,
+    make: impl FnOnce() -> std::result::Result<B, pipe_kernels::KernelError>,
+    t0: Instant,
+    fail: &dyn Fn(StageError),
+) -> Option<WorkerOutcome> {
+    let worker = state.worker;
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let be = make()?;
+        run_worker(&be, ep, setup, state, t0)
+    }));
+    let outcome = match result {
+        Ok(Ok(out)) => Some(out),
+        Ok(Err(e)) => {
+            // The driver has told its peers; a backend that failed to start never reached it.
+            if !e.is_abort_echo() {
+                ep.abort();
+            }
+            fail(e);
+            None
+        }
+        Err(panic) => {
+            ep.abort();
+            fail(panicked(setup, worker, panic.as_ref()));
+            None
+        }
+    };
+    // Everything this worker sent reaches its peers before it lets go.
+    if let Err(e) = ep.close() {
+        fail(StageError::Transport(e));
+    }
+    outcome
+}
+
+/// Hands each report of the loss stage to `on_loss` until the last worker ends (`done`
+/// disconnects), then those still queued; an error of `on_loss` goes to `fail`.
+fn relay_progress(
+    rx: &crossbeam_channel::Receiver<super::Report>,
+    on_loss: &mut dyn FnMut(super::Report) -> Result<()>,
+    done_rx: &crossbeam_channel::Receiver<()>,
+    fail: &dyn Fn(StageError),
+) {
+    let mut report = |r| {
+        if let Err(e) = on_loss(r) {
+            fail(e);
+        }
+    };
+    loop {
+        crossbeam_channel::select! {
+            recv(rx) -> r => match r {
+                Ok(r) => report(r),
+                // No sender left: only the workers' end is still to come.
+                Err(_) => {
+                    let _ = done_rx.recv();
+                    break;
+                }
+            },
+            // Nothing is ever sent on `done`: this fires when the last worker ends.
+            recv(done_rx) -> _ => break,
+        }
+    }
+    while let Ok(r) = rx.try_recv() {
+        report(r);
+    }
+}
+
+/// The run's error: a stall diagnosed by the hang doctor from every worker's progress, any
+/// other error as it is.
+fn diagnosed(setup: &Setup<'_>, states: &[WorkerState], e: StageError) -> StageError {
+    let Some((worker, key, waited)) = e.stall() else {
+        return e;
+    };
+    let stops: Vec<_> = states.iter().map(|s| Some(s.progress)).collect();
+    StageError::Stalled(super::doctor::diagnose(
+        &setup.plan.schedule,
+        &stops,
+        worker,
+        &key,
+        waited,
+    ))
 }
 
 /// The error for a worker thread that panicked.

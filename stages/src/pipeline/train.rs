@@ -393,6 +393,80 @@ pub(crate) struct LoopEnd {
     pub last: Option<RunPlan>,
 }
 
+impl LoopEnd {
+    /// Where a loop starts from: `params` after `done` updates, nothing written yet.
+    fn starting(params: Params, done: u64) -> Self {
+        LoopEnd {
+            epochs: Vec::new(),
+            params,
+            done,
+            written: Vec::new(),
+            stopped: None,
+            last: None,
+        }
+    }
+}
+
+/// The compute seconds of a segment's busiest worker.
+fn slowest_compute(outcomes: &[WorkerOutcome]) -> f64 {
+    outcomes.iter().map(|o| o.compute_s).fold(0.0, f64::max)
+}
+
+/// Where a segment ended, as the drain after it needs to know.
+struct DrainPoint<'p> {
+    /// The segment's plan.
+    plan: &'p RunPlan,
+    /// The run's checkpoints.
+    checkpoints: Option<&'p CheckpointPolicy>,
+    /// Set (Ctrl-C) to stop here.
+    stop: Option<&'p Arc<AtomicBool>>,
+    /// Its epoch.
+    epoch: u64,
+    /// Whether the epoch ends with it.
+    epoch_end: bool,
+}
+
+/// The drain after a segment: the weights gathered where the epoch ends, a checkpoint is due,
+/// the run stops (Ctrl-C) or evaluates; the evaluation reported and the checkpoint written.
+/// Returns whether the run stops here.
+///
+/// # Errors
+/// As the coordinator's drain; evaluation, observer and checkpoint failures.
+fn drain_after_segment(
+    run: &Run<'_>,
+    coord: &mut dyn Coordinator,
+    data: &Splits,
+    eval_be: &CpuBackend,
+    at: &DrainPoint<'_>,
+    end: &mut LoopEnd,
+    obs: &mut dyn Observer,
+) -> Result<bool> {
+    // A stop asked for in the run's last segment changes nothing: the run has ended.
+    let stop = end.done < run.total && at.stop.is_some_and(|f| f.load(Ordering::SeqCst));
+    let save = at
+        .checkpoints
+        .filter(|p| p.due(end.done, at.epoch_end, stop));
+    // The epoch's end evaluates anyway.
+    let eval = !at.epoch_end && run.cfg.eval_every.is_some_and(|n| end.done % n == 0);
+    let drain = Drain {
+        weights: at.epoch_end || save.is_some() || stop || eval,
+        optimizer: save.is_some(),
+        stop,
+    };
+    let (weights, optimizer) = coord.drain(at.plan, drain)?;
+    if let Some(weights) = weights {
+        end.params = weights;
+    }
+    if eval {
+        obs.on_eval(&run.evaluate_between(&end.params, data, eval_be, (at.epoch, end.done))?)?;
+    }
+    if let (Some(policy), Some(optimizer)) = (save, optimizer) {
+        let saved = run.save(at.plan, end.done, end.params.clone(), optimizer, policy)?;
+        end.written.push(saved);
+    }
+    Ok(stop)
+}
+
 /// Runs the segments of `run` from `start` through `coord`, reporting to `obs`.
 ///
 /// # Errors
@@ -408,14 +482,7 @@ pub(crate) fn run_segments(
     let mut pace = start.pace;
     // The layout after a lost replica (none: the run's own).
     let mut layout: Option<LayoutChange> = None;
-    let mut end = LoopEnd {
-        epochs: Vec::new(),
-        params: start.params,
-        done: start.done,
-        written: Vec::new(),
-        stopped: None,
-        last: None,
-    };
+    let mut end = LoopEnd::starting(start.params, start.done);
     for epoch in end.done / run.per_epoch + 1..=run.cfg.epochs {
         let first = (epoch - 1) * run.per_epoch;
         let epoch_len = run.total.saturating_sub(first).min(run.per_epoch);
@@ -456,42 +523,21 @@ pub(crate) fn run_segments(
             };
             let took = t.elapsed().as_secs_f64();
             if let Some(p) = pace.as_mut() {
-                let busy = outcomes.iter().map(|o| o.compute_s).fold(0.0, f64::max);
-                p.record(this, took, busy);
+                p.record(this, took, slowest_compute(&outcomes));
             }
             secs += took;
             end.done += this;
             let acc_layout = last.as_ref().map(|p: &RunPlan| p.schedule.layout());
             merge_outcomes(&mut acc, acc_layout, outcomes, plan.schedule.layout());
             let epoch_end = end.done == first + epoch_len;
-            // A stop asked for in the run's last segment changes nothing: the run has ended.
-            let stop = end.done < run.total && start.stop.is_some_and(|f| f.load(Ordering::SeqCst));
-            let save = start
-                .checkpoints
-                .filter(|p| p.due(end.done, epoch_end, stop));
-            // The epoch's end evaluates anyway.
-            let eval = !epoch_end && run.cfg.eval_every.is_some_and(|n| end.done % n == 0);
-            let drain = Drain {
-                weights: epoch_end || save.is_some() || stop || eval,
-                optimizer: save.is_some(),
-                stop,
+            let point = DrainPoint {
+                plan: &plan,
+                checkpoints: start.checkpoints,
+                stop: start.stop,
+                epoch,
+                epoch_end,
             };
-            let (weights, optimizer) = coord.drain(&plan, drain)?;
-            if let Some(weights) = weights {
-                end.params = weights;
-            }
-            if eval {
-                obs.on_eval(&run.evaluate_between(
-                    &end.params,
-                    data,
-                    &eval_be,
-                    (epoch, end.done),
-                )?)?;
-            }
-            if let (Some(policy), Some(optimizer)) = (save, optimizer) {
-                let saved = run.save(&plan, end.done, end.params.clone(), optimizer, policy)?;
-                end.written.push(saved);
-            }
+            let stop = drain_after_segment(run, coord, data, &eval_be, &point, &mut end, obs)?;
             if stop {
                 end.stopped = Some(end.done);
             } else if layout.is_some() && start.rejoin && end.done < run.total {
@@ -513,8 +559,8 @@ pub(crate) fn run_segments(
             done: end.done,
             secs,
         };
-        end.epochs
-            .push(run.finish_epoch(&ended, &end.params, data, &eval_be, obs)?);
+        let stats = run.finish_epoch(&ended, &end.params, data, &eval_be, obs)?;
+        end.epochs.push(stats);
         end.last = Some(plan);
     }
     Ok(end)

@@ -291,28 +291,19 @@ pub fn profile_model_with(
     Ok(profile)
 }
 
-/// Times layer `i` of `model` with its parameters `p` on random inputs: forward, the whole
-/// backward and its two halves, and the optimizer step, and counts its sizes.
-fn time_layer(
+/// Random inputs of layer `i` at the profile's microbatch, placed on `be`: its input `x`
+/// and the gradient `dy` of its output.
+///
+/// # Errors
+/// Shapes past the limits; device allocation.
+fn layer_inputs(
     model: &Model,
     i: usize,
-    p: &[Tensor],
-    role: &[crate::model::ParamRole],
     be: &dyn Backend,
     opts: &ProfileOptions,
-) -> Result<LayerProfile> {
-    let layer = model.layer(i);
-    let b = opts.microbatch_size;
-    let kernel = |op: &'static str| {
-        move |source| StageError::Kernel {
-            layer: i,
-            kind: layer.kind(),
-            op,
-            source,
-        }
-    };
+) -> Result<(Tensor, Tensor)> {
     let batch = |shape: &[usize]| {
-        let mut s = vec![b];
+        let mut s = vec![opts.microbatch_size];
         s.extend_from_slice(shape);
         s
     };
@@ -329,6 +320,49 @@ fn time_layer(
         "profile-dy",
         i as u64,
     )?)?;
+    Ok((x, dy))
+}
+
+/// The median time of one optimizer step over a layer's parameters `p` (roles `role`) with
+/// gradients `grads`.
+///
+/// # Errors
+/// Kernel errors.
+fn time_update(
+    p: &[Tensor],
+    role: &[crate::model::ParamRole],
+    grads: Vec<Tensor>,
+    be: &dyn Backend,
+    opts: &ProfileOptions,
+    repeats: Repeats,
+) -> Result<f64> {
+    let mut own = vec![p.to_vec()];
+    let grads = vec![grads];
+    let mine = [role.to_vec()];
+    let mut opt = Optimizer::new(opts.optimizer, &own, &mine).placed(be)?;
+    repeats.median(|| seconds(be, || opt.step(be, &mut own, &grads, 1e-6)))
+}
+
+/// Times layer `i` of `model` with its parameters `p` on random inputs: forward, the whole
+/// backward and its two halves, and the optimizer step, and counts its sizes.
+fn time_layer(
+    model: &Model,
+    i: usize,
+    p: &[Tensor],
+    role: &[crate::model::ParamRole],
+    be: &dyn Backend,
+    opts: &ProfileOptions,
+) -> Result<LayerProfile> {
+    let layer = model.layer(i);
+    let kernel = |op: &'static str| {
+        move |source| StageError::Kernel {
+            layer: i,
+            kind: layer.kind(),
+            op,
+            source,
+        }
+    };
+    let (x, dy) = layer_inputs(model, i, be, opts)?;
     let ctx = ForwardCtx {
         train: true,
         seed: opts.seed,
@@ -391,11 +425,7 @@ fn time_layer(
                     .map_err(kernel("backward_params"))
             })
         })?;
-        let mut own = vec![p.to_vec()];
-        let grads = vec![grads];
-        let mine = [role.to_vec()];
-        let mut opt = Optimizer::new(opts.optimizer, &own, &mine).placed(be)?;
-        let up = repeats.median(|| seconds(be, || opt.step(be, &mut own, &grads, 1e-6)))?;
+        let up = time_update(p, role, grads, be, opts, repeats)?;
         (bi, bw, whole, up)
     };
     let param_elems: usize = p.iter().map(Tensor::len).sum();
