@@ -5,9 +5,9 @@
 //!
 //! This file owns the command tree, the exit status and the process allocator (mimalloc); each
 //! command lives in [`commands`], shared argument handling in [`args`], what `pipe train` and
-//! `pipe worker` share in [`training`], what `pipe plan`, `pipe simulate` and `pipe train
-//! --workers` charge a pipeline's links in [`links`], the merging of worker processes' trace parts in
-//! [`trace`], output and errors in [`output`]. The launchers (threads and worker processes)
+//! `pipe worker` share in [`training`],
+//! output and errors in [`output`]. The
+//! launchers (threads and worker processes) and the merging of worker processes' trace parts
 //! live in the library, in `pipe_stages::pipeline`.
 
 /// Prints to standard output like `print!`, except that a reader that has gone away (`pipe
@@ -39,11 +39,9 @@ const _: () = assert!(MI_OPTION_PURGE_DELAY + 1 == libmimalloc_sys::mi_option_us
 
 mod args;
 mod commands;
-mod links;
 mod output;
 mod phases;
 mod startup_view;
-mod trace;
 mod training;
 
 use std::process::ExitCode;

@@ -48,7 +48,10 @@ impl StartupWatcher for Phases {
             StartupEvent::PhaseBegan { name, detail } => self.begin(name, detail),
             StartupEvent::PhaseEnded => self.end(),
             StartupEvent::LinksCharged { cost, source } => {
-                outln!("{}", crate::links::describe(cost, source));
+                outln!(
+                    "{}",
+                    pipe_stages::startup::link_costs::describe(cost, source)
+                );
             }
             StartupEvent::AutoPlan {
                 workers,

@@ -1,6 +1,5 @@
 //! One module per `pipe` command: its arguments and the code that runs it. A command uses
-//! [`crate::args`], [`crate::output`], [`crate::training`], [`crate::links`] and
-//! [`crate::trace`], never another command.
+//! [`crate::args`], [`crate::output`] and [`crate::training`], never another command.
 
 pub mod bench;
 pub mod cluster;

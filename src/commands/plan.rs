@@ -90,9 +90,9 @@ pub struct PlanArgs {
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
     #[command(flatten)]
-    link: crate::links::LinkArgs,
+    link: pipe_stages::startup::link_costs::LinkChoice,
     #[command(flatten)]
-    placement: crate::links::HostArgs,
+    placement: pipe_stages::planning::hosts::HostChoice,
 }
 
 /// Reads a profile: pipe's JSON, or PipeDream's graph format.
@@ -354,7 +354,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             }
             let (link, hosts) = links_and_hosts(args)?;
             if let Some((cost, source)) = &link {
-                outln!("{}", crate::links::describe(cost, source));
+                outln!(
+                    "{}",
+                    pipe_stages::startup::link_costs::describe(cost, source)
+                );
             }
             let opts = plan_options(args, workers, process, link.as_ref().map(|l| &l.0), hosts);
             placement = opts.hosts.clone();

@@ -71,7 +71,7 @@ pub struct SimulateArgs {
     /// `--message-cpu` and `--byte-cpu` (and a cost file's), and its rate and one-way time
     /// stand for `--bandwidth` and `--latency` where those are not given.
     #[command(flatten)]
-    link: crate::links::LinkArgs,
+    link: pipe_stages::startup::link_costs::LinkChoice,
 }
 
 /// The cost model ([`flag_or_file_costs`]), its message costs those of `--transport` where it
@@ -79,7 +79,10 @@ pub struct SimulateArgs {
 fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
     let mut costs = flag_or_file_costs(args)?;
     if let Some((cost, source)) = args.link.load()? {
-        outln!("{}", crate::links::describe(&cost, &source));
+        outln!(
+            "{}",
+            pipe_stages::startup::link_costs::describe(&cost, &source)
+        );
         costs.message_cpu = cost.message_cpu_s.median;
         costs.byte_cpu = cost.byte_cpu_s.median;
         if args.costs.is_none() {

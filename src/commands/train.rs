@@ -26,12 +26,12 @@ use crate::args::open_backend;
 use crate::output::bad_input;
 use crate::phases::Phases;
 use crate::startup_view::StartView;
-use crate::trace::{merge_parts, part_path, worker_names};
 pub use crate::training::TrainArgs;
 use crate::training::{
     Fan, finish_checkpoints, print_done, print_done_line, run_config, serve_metrics, stop_on_ctrl_c,
 };
 use pipe_stages::pipeline::processes::LaunchOptions;
+use pipe_stages::pipeline::trace_parts::{merge_parts, part_path, worker_names};
 use pipe_stages::startup::{self, PreparedRun, prepare};
 
 /// Runs `pipe train`.

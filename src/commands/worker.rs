@@ -26,7 +26,6 @@ use pipe_transport::shm::rendezvous_dir;
 
 use crate::output::bad_input;
 use crate::startup_view::{print_header, print_resuming};
-use crate::trace::{PartRecorder, Traced, part_path, worker_names};
 use crate::training::{
     Fan, TrainArgs, finish_checkpoints, print_done, run_config, serve_metrics,
     serve_metrics_quietly, stop_on_ctrl_c,
@@ -34,6 +33,7 @@ use crate::training::{
 use pipe_stages::pipeline::processes::{
     JoinOptions, Record, RecordWriter, StopWriter, WorkerRun, join,
 };
+use pipe_stages::pipeline::trace_parts::{PartRecorder, Traced, part_path, worker_names};
 use pipe_stages::startup::{self, Unwatched};
 
 /// `pipe worker`.

@@ -10,6 +10,7 @@
 //! layout under the default cost model.
 
 pub mod buckets;
+pub mod hosts;
 pub mod memory;
 pub mod profile;
 pub mod reuse;

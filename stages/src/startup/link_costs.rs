@@ -4,11 +4,17 @@
 //! [`KIND`], keyed by the machine and the build) so that `pipe plan`, `pipe simulate` and
 //! `pipe train`'s automatic plan read them without measuring again. An entry older than
 //! [`MAX_AGE`], or one that is corrupt or written for another key, is measured again.
+//!
+//! [`LinkChoice`] is what a command charges a pipeline's links: the costs of the transport
+//! that will carry them, read from the cache or a cost file, or measured now and cached.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use std::path::Path;
+
 use pipe_scheduler::planner::transport::{Spread, TransportCost, TransportCosts};
+use pipe_transport::TransportKind;
 use pipe_transport::kinds::{MeshSettings, TRANSPORTS};
 use pipe_transport::measure::{LinkCost, measure_mesh};
 
@@ -155,4 +161,146 @@ pub fn render(costs: &TransportCosts) -> String {
         ));
     }
     out
+}
+
+/// The flags that choose a link's transport costs.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct LinkChoice {
+    /// Charge each link the processor time this transport's messages take on this machine
+    /// (any registered transport: inproc, shm, quic, tcp): measured once and cached (`pipe bench transport` measures
+    /// again).
+    #[arg(long, value_name = "TRANSPORT")]
+    pub transport: Option<String>,
+    /// Read the transport costs from FILE (JSON, as `pipe bench transport --costs-out`
+    /// writes it) instead of the cache.
+    #[arg(long, value_name = "FILE")]
+    pub transport_costs: Option<PathBuf>,
+}
+
+impl LinkChoice {
+    /// The costs of the transport asked for (`None` when none is), and where they came from.
+    ///
+    /// # Errors
+    /// Bad input for an unknown transport or a bad cost file; measurement failures.
+    pub fn load(&self) -> Result<Option<(TransportCost, String)>> {
+        let Some(name) = &self.transport else {
+            if self.transport_costs.is_some() {
+                return Err(StageError::Config(
+                    "--transport-costs needs --transport (or a placement on hosts)".into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let kind = transport_kind(name)?;
+        match &self.transport_costs {
+            Some(path) => {
+                let costs = read_cost_file(path)?;
+                let cost = pick(&costs, kind, &path.display().to_string())?;
+                Ok(Some((cost, format!("read from {}", path.display()))))
+            }
+            None => {
+                let (cost, origin) = measured(kind)?;
+                Ok(Some((cost, origin)))
+            }
+        }
+    }
+}
+
+/// The kinds whose costs are measured.
+fn transport_kind(name: &str) -> Result<TransportKind> {
+    let kind: TransportKind = name.parse().map_err(StageError::Config)?;
+    if kind == TransportKind::Auto {
+        let names = pipe_transport::kinds::names();
+        return Err(StageError::Config(format!(
+            "--transport auto names no one transport to charge: give one of {}",
+            names[1..].join(", ")
+        )));
+    }
+    Ok(kind)
+}
+
+/// `kind`'s costs in `costs`, which came from `source`.
+fn pick(costs: &TransportCosts, kind: TransportKind, source: &str) -> Result<TransportCost> {
+    costs.get(kind.name()).cloned().ok_or_else(|| {
+        StageError::Config(format!(
+            "{source} holds no costs for transport {}",
+            kind.name()
+        ))
+    })
+}
+
+/// Reads and checks a cost file.
+///
+/// # Errors
+/// Bad input naming the file and the problem.
+pub fn read_cost_file(path: &Path) -> Result<TransportCosts> {
+    let text = crate::limits::read_text_file(path, "transport cost file")?;
+    let costs: TransportCosts = serde_json::from_str(&text)
+        .map_err(|e| StageError::Config(format!("transport cost file {}: {e}", path.display())))?;
+    costs
+        .check()
+        .map_err(|e| StageError::Config(format!("transport cost file {}: {e}", path.display())))?;
+    Ok(costs)
+}
+
+/// This machine's costs for `kind`, cached or measured now, and where they came from.
+///
+/// # Errors
+/// Measurement failures.
+pub fn measured(kind: TransportKind) -> Result<(TransportCost, String)> {
+    let (costs, origin) = all_measured()?;
+    Ok((pick(&costs, kind, "the measured costs")?, origin))
+}
+
+/// This machine's costs of every transport, cached or measured now, and where they came from.
+///
+/// # Errors
+/// Measurement failures.
+pub fn all_measured() -> Result<(TransportCosts, String)> {
+    let (costs, origin) = load_or_measure(false)?;
+    Ok((costs, origin.describe()))
+}
+
+/// One line naming a transport's charged costs and their source.
+pub fn describe(cost: &TransportCost, source: &str) -> String {
+    format!(
+        "links charged as {}: {} us per message end, {} ns per byte, one way {} us, {} ({source})",
+        cost.transport,
+        cost.message_cpu_s.describe(1e6, ""),
+        cost.byte_cpu_s.describe(1e9, ""),
+        cost.latency_s.describe(1e6, ""),
+        cost.bandwidth.map_or_else(
+            || "no cost per byte moved".into(),
+            |b| b.describe(1e-9, " GB/s")
+        ),
+    )
+}
+
+impl LinkChoice {
+    /// The costs of `--transport`, or of `default` where it is not given, and where they
+    /// came from.
+    ///
+    /// # Errors
+    /// As [`LinkChoice::load`].
+    pub fn load_or(&self, default: TransportKind) -> Result<(TransportCost, String)> {
+        match &self.transport {
+            Some(name) => self.load_kind(transport_kind(name)?),
+            None => self.load_kind(default),
+        }
+    }
+
+    /// The costs of `kind`, from `--transport-costs` where given, else measured or cached.
+    ///
+    /// # Errors
+    /// As [`LinkChoice::load`].
+    pub fn load_kind(&self, kind: TransportKind) -> Result<(TransportCost, String)> {
+        match &self.transport_costs {
+            Some(path) => {
+                let costs = read_cost_file(path)?;
+                let cost = pick(&costs, kind, &path.display().to_string())?;
+                Ok((cost, format!("read from {}", path.display())))
+            }
+            None => measured(kind),
+        }
+    }
 }

@@ -6,12 +6,26 @@
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
-use anyhow::{Context, Result, bail};
 use pipe_scheduler::{Layout, Span, Timeline};
-use pipe_stages::pipeline::Observer;
-use pipe_stages::pipeline::doctor::StopReport;
-use pipe_stages::train::{EpochStats, EvalStats, StepStats};
 use serde_json::{Value, json};
+
+use super::Observer;
+use super::doctor::StopReport;
+use crate::error::{Result, StageError};
+use crate::train::{EpochStats, EvalStats, StepStats};
+
+/// An I/O failure on `path`.
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StageError + '_ {
+    move |source| StageError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// A trace part that is not one (bad input: a file the launcher's workers did not write).
+fn not_a_part(path: &Path, why: &str) -> StageError {
+    StageError::Config(format!("trace part {}: {why}", path.display()))
+}
 
 /// The key of a part's header: the worker's rank and its start in microseconds since the UNIX
 /// epoch.
@@ -63,17 +77,17 @@ impl PartRecorder {
         let workers = names.len() as u32;
         let mut timeline = Timeline::new(workers, self.spans.clone());
         timeline.names = names;
-        let mut trace: Value = serde_json::from_str(&timeline.to_chrome_trace(None))?;
+        let mut trace: Value = serde_json::from_str(&timeline.to_chrome_trace(None))
+            .map_err(|e| StageError::Executor(format!("a trace part's events: {e}")))?;
         // Only this worker's track name: the other workers' parts name theirs.
         if let Some(events) = trace["traceEvents"].as_array_mut() {
             events.retain(|e| e["ph"] != "M" || e["tid"] == rank);
         }
         trace[PART_KEY] = json!({ "rank": rank, "start_us": start_us });
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(dir).map_err(io(dir))?;
         }
-        std::fs::write(path, trace.to_string())
-            .with_context(|| format!("writing trace part {}", path.display()))
+        std::fs::write(path, trace.to_string()).map_err(io(path))
     }
 }
 
@@ -86,30 +100,27 @@ pub struct Traced<'a> {
 }
 
 impl Observer for Traced<'_> {
-    fn on_step(&mut self, s: &StepStats) -> pipe_stages::Result<()> {
+    fn on_step(&mut self, s: &StepStats) -> Result<()> {
         self.run.on_step(s)
     }
 
-    fn on_epoch(&mut self, e: &EpochStats) -> pipe_stages::Result<()> {
+    fn on_epoch(&mut self, e: &EpochStats) -> Result<()> {
         self.run.on_epoch(e)
     }
 
-    fn on_eval(&mut self, e: &EvalStats) -> pipe_stages::Result<()> {
+    fn on_eval(&mut self, e: &EvalStats) -> Result<()> {
         self.run.on_eval(e)
     }
 
-    fn on_stop(&mut self, report: &StopReport) -> pipe_stages::Result<()> {
+    fn on_stop(&mut self, report: &StopReport) -> Result<()> {
         self.run.on_stop(report)
     }
 
-    fn on_start_phase(
-        &mut self,
-        phase: pipe_stages::pipeline::StartPhase,
-    ) -> pipe_stages::Result<()> {
+    fn on_start_phase(&mut self, phase: super::StartPhase) -> Result<()> {
         self.run.on_start_phase(phase)
     }
 
-    fn on_spans(&mut self, origin: SystemTime, spans: &[Span]) -> pipe_stages::Result<()> {
+    fn on_spans(&mut self, origin: SystemTime, spans: &[Span]) -> Result<()> {
         self.part.record(origin, spans);
         self.run.on_spans(origin, spans)
     }
@@ -123,12 +134,13 @@ impl Observer for Traced<'_> {
 pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<usize> {
     let mut loaded = Vec::with_capacity(parts.len());
     for path in parts {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading trace part {}", path.display()))?;
-        let part: Value = serde_json::from_str(&text)
-            .with_context(|| format!("trace part {} is not JSON", path.display()))?;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            StageError::Executor(format!("reading trace part {}: {e}", path.display()))
+        })?;
+        let part: Value =
+            serde_json::from_str(&text).map_err(|e| not_a_part(path, &format!("not JSON: {e}")))?;
         let Some(start) = part[PART_KEY]["start_us"].as_f64() else {
-            bail!("{} is not a worker's trace part", path.display());
+            return Err(not_a_part(path, "not a worker's trace part"));
         };
         loaded.push((start, part));
     }
@@ -147,7 +159,7 @@ pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<usize> {
     }
     let n = events.len();
     let trace = json!({ "traceEvents": events, "displayTimeUnit": "ms" });
-    std::fs::write(out, trace.to_string()).with_context(|| format!("writing {}", out.display()))?;
+    std::fs::write(out, trace.to_string()).map_err(io(out))?;
     Ok(n)
 }
 
