@@ -250,3 +250,18 @@ fn weight_decay_groups_default_to_matrices_for_adamw_language_models() {
         DecayGroups::Matrices
     );
 }
+
+/// A run carries the layout it resolved to: the same whether it was resolved from settings or
+/// read back and checked; a peer's run read only to compare with compares by its settings.
+#[test]
+fn the_resolved_layout_travels_with_the_run_and_is_derived_again_when_read() {
+    for run in runs() {
+        let json = run.to_json().unwrap();
+        let read = RunConfig::from_json(&json, "test").unwrap();
+        assert_eq!(read.resolved().unwrap(), run.resolved().unwrap());
+        let unchecked: RunConfig = serde_json::from_str(&json).unwrap();
+        assert!(unchecked.resolved().is_err(), "an unchecked run has no layout");
+        assert_eq!(run.numerics_difference(&unchecked), None);
+        assert_eq!(unchecked, run);
+    }
+}

@@ -571,7 +571,7 @@ impl TrainSettings {
             stage_bucket_values,
             bucket_origin,
             allreduce_wire,
-            resolved,
+            resolved: super::run::Derived(resolved),
         })
     }
 }
