@@ -260,7 +260,10 @@ fn the_resolved_layout_travels_with_the_run_and_is_derived_again_when_read() {
         let read = RunConfig::from_json(&json, "test").unwrap();
         assert_eq!(read.resolved().unwrap(), run.resolved().unwrap());
         let unchecked: RunConfig = serde_json::from_str(&json).unwrap();
-        assert!(unchecked.resolved().is_err(), "an unchecked run has no layout");
+        assert!(
+            unchecked.resolved().is_err(),
+            "an unchecked run has no layout"
+        );
         assert_eq!(run.numerics_difference(&unchecked), None);
         assert_eq!(unchecked, run);
     }

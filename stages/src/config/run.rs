@@ -17,7 +17,6 @@ use crate::optim::{LrSchedule, LrScheduleKind, OptimizerConfig};
 use crate::partition::Partition;
 use crate::remedy::Remedies;
 
-use super::resolve::check_delay_correction;
 use super::*;
 
 /// How a pipelined run's layers are cut into stages.
@@ -699,4 +698,45 @@ impl RunConfig {
             min_ratio: 0.0,
         }
     }
+}
+
+/// A delay correction needs a delay: refused (exit 2) on a sequential run and on flush
+/// schedules, where every gradient meets the weights it was computed at.
+///
+/// # Errors
+/// [`StageError::Config`] naming the correction and the policy.
+pub(super) fn check_delay_correction(
+    optimizer: &OptimizerConfig,
+    policy: Policy,
+    prediction: Option<crate::remedy::Prediction>,
+) -> Result<()> {
+    let correction = optimizer.delay_correction;
+    let name = correction.name();
+    if correction == crate::optim::DelayCorrection::None {
+        return Ok(());
+    }
+    if policy == Policy::Sequential || policy.is_flush() {
+        return Err(StageError::Config(format!(
+            "--delay-correction {name} corrects the delay of an asynchronous pipeline, and \
+             {policy} has none (every gradient meets the weights it was computed at): use it \
+             with pipedream, pipedream-nostash, vertical-sync or 2bw"
+        )));
+    }
+    if !correction.needs_stale_weights() {
+        return Ok(());
+    }
+    if policy == Policy::PipeDreamNoStash {
+        return Err(StageError::Config(format!(
+            "--delay-correction {name} needs the weights each gradient was computed at, and \
+             pipedream-nostash stashes none: use pipedream, vertical-sync or 2bw, or \
+             error-feedback"
+        )));
+    }
+    if prediction.is_some_and(|p| p != crate::remedy::Prediction::None) {
+        return Err(StageError::Config(format!(
+            "--delay-correction {name} and --weight-prediction both correct the same delay \
+             (the prediction changes the weights a gradient is computed at): pick one"
+        )));
+    }
+    Ok(())
 }
