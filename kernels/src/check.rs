@@ -5,15 +5,21 @@ use crate::backend::{AttentionShape, Trans};
 use crate::error::shape_err;
 use crate::{Element, Result, Tensor};
 
+/// `Ok` when the operands `fit`, else `op`'s shape error with the detail `detail` writes (only
+/// then).
+fn ensure(fit: bool, op: &'static str, detail: impl FnOnce() -> String) -> Result<()> {
+    if fit {
+        Ok(())
+    } else {
+        Err(shape_err(op, detail()))
+    }
+}
+
 /// `values` host values for the elements of `t` (`write`).
 pub(crate) fn write(values: usize, t: &Tensor) -> Result<()> {
-    if values != t.len() {
-        return Err(shape_err(
-            "write",
-            format!("{values} values for a tensor of {:?}", t.shape()),
-        ));
-    }
-    Ok(())
+    ensure(values == t.len(), "write", || {
+        format!("{values} values for a tensor of {:?}", t.shape())
+    })
 }
 
 /// Two operands of one elementwise operation, named `names` in the message.
@@ -22,19 +28,15 @@ pub(crate) fn same_len(
     (a, b): (&Tensor, &Tensor),
     names: (&str, &str),
 ) -> Result<()> {
-    if a.len() != b.len() {
-        return Err(shape_err(
-            op,
-            format!(
-                "{} {:?} and {} {:?}",
-                names.0,
-                a.shape(),
-                names.1,
-                b.shape()
-            ),
-        ));
-    }
-    Ok(())
+    ensure(a.len() == b.len(), op, || {
+        format!(
+            "{} {:?} and {} {:?}",
+            names.0,
+            a.shape(),
+            names.1,
+            b.shape()
+        )
+    })
 }
 
 /// The rows and columns of `op(t)`: `t` as stored, or transposed.
@@ -54,74 +56,57 @@ pub(crate) fn matmul(
     accumulate: bool,
 ) -> Result<(usize, usize, usize)> {
     let ((m, k), (k2, n)) = (operand_dims(a, ta), operand_dims(b, tb));
-    if k != k2 {
-        return Err(shape_err(
-            "matmul",
-            format!(
-                "op(a) is {m}x{k} ({:?}, {ta:?}) but op(b) is {k2}x{n} ({:?}, {tb:?})",
-                a.shape(),
-                b.shape()
-            ),
-        ));
-    }
-    if accumulate && (c.rows() != m || c.cols() != n || c.len() != m * n) {
-        return Err(shape_err(
-            "matmul",
-            format!("accumulating into {:?}, product is {m}x{n}", c.shape()),
-        ));
-    }
+    ensure(k == k2, "matmul", || {
+        format!(
+            "op(a) is {m}x{k} ({:?}, {ta:?}) but op(b) is {k2}x{n} ({:?}, {tb:?})",
+            a.shape(),
+            b.shape()
+        )
+    })?;
+    ensure(
+        !accumulate || (c.rows() == m && c.cols() == n && c.len() == m * n),
+        "matmul",
+        || format!("accumulating into {:?}, product is {m}x{n}", c.shape()),
+    )?;
     Ok((m, k, n))
+}
+
+/// A vector `v` of one element per column of `x` for `op`, described in its message as
+/// `what` followed by its length.
+fn row_width(op: &'static str, x: &Tensor, v: &Tensor, what: &str) -> Result<()> {
+    let n = x.cols();
+    ensure(v.len() == n, op, || {
+        format!("{what} {} elements, rows have {n}", v.len())
+    })
 }
 
 /// A bias for every row of `y`.
 pub(crate) fn bias(y: &Tensor, bias: &Tensor) -> Result<()> {
-    let n = y.cols();
-    if bias.len() != n {
-        return Err(shape_err(
-            "add_bias",
-            format!("bias has {} elements, rows have {n}", bias.len()),
-        ));
-    }
-    Ok(())
+    row_width("add_bias", y, bias, "bias has")
 }
 
 /// Column sums of `x` accumulated into `out`.
 pub(crate) fn sum_rows_into(x: &Tensor, out: &Tensor) -> Result<()> {
-    let n = x.cols();
-    if out.len() != n {
-        return Err(shape_err(
-            "sum_rows",
-            format!("accumulating into {} elements, rows have {n}", out.len()),
-        ));
-    }
-    Ok(())
+    row_width("sum_rows", x, out, "accumulating into")
 }
 
 /// An activation's input and the gradient of its output.
 pub(crate) fn activation_backward(x: &Tensor, dy: &Tensor) -> Result<()> {
-    if x.len() != dy.len() {
-        return Err(shape_err(
-            "activation_backward",
-            format!("input {:?} but gradient {:?}", x.shape(), dy.shape()),
-        ));
-    }
-    Ok(())
+    ensure(x.len() == dy.len(), "activation_backward", || {
+        format!("input {:?} but gradient {:?}", x.shape(), dy.shape())
+    })
 }
 
 /// LayerNorm's parameters for the rows of `x`.
 pub(crate) fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor) -> Result<()> {
     let n = x.cols();
-    if gamma.len() != n || beta.len() != n {
-        return Err(shape_err(
-            "layer_norm",
-            format!(
-                "rows have {n} features, gamma {} and beta {}",
-                gamma.len(),
-                beta.len()
-            ),
-        ));
-    }
-    Ok(())
+    ensure(gamma.len() == n && beta.len() == n, "layer_norm", || {
+        format!(
+            "rows have {n} features, gamma {} and beta {}",
+            gamma.len(),
+            beta.len()
+        )
+    })
 }
 
 /// LayerNorm's input gradient operands.
@@ -132,18 +117,18 @@ pub(crate) fn layer_norm_backward_input(
     dy: &Tensor,
 ) -> Result<()> {
     let rows = x.rows();
-    if gamma.len() != x.cols() || dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
-        return Err(shape_err(
-            "layer_norm_backward_input",
+    ensure(
+        gamma.len() == x.cols() && dy.len() == x.len() && mean.len() == rows && rstd.len() == rows,
+        "layer_norm_backward_input",
+        || {
             format!(
                 "x {:?}, dy {:?}, gamma {}",
                 x.shape(),
                 dy.shape(),
                 gamma.len()
-            ),
-        ));
-    }
-    Ok(())
+            )
+        },
+    )
 }
 
 /// LayerNorm's parameter gradient operands; with `accumulate`, the accumulators too.
@@ -154,47 +139,39 @@ pub(crate) fn layer_norm_backward_params(
     (dgamma, dbeta): (&Tensor, &Tensor),
     accumulate: bool,
 ) -> Result<()> {
+    let op = "layer_norm_backward_params";
     let (n, rows) = (x.cols(), x.rows());
-    if dy.len() != x.len() || mean.len() != rows || rstd.len() != rows {
-        return Err(shape_err(
-            "layer_norm_backward_params",
-            format!("x {:?}, dy {:?}", x.shape(), dy.shape()),
-        ));
-    }
-    if accumulate && (dgamma.len() != n || dbeta.len() != n) {
-        return Err(shape_err(
-            "layer_norm_backward_params",
+    ensure(
+        dy.len() == x.len() && mean.len() == rows && rstd.len() == rows,
+        op,
+        || format!("x {:?}, dy {:?}", x.shape(), dy.shape()),
+    )?;
+    ensure(
+        !accumulate || (dgamma.len() == n && dbeta.len() == n),
+        op,
+        || {
             format!(
                 "accumulators have {} and {}, rows {n}",
                 dgamma.len(),
                 dbeta.len()
-            ),
-        ));
-    }
-    Ok(())
+            )
+        },
+    )
 }
 
 /// One label per row of the logits.
 pub(crate) fn label_count<E: Element>(logits: &Tensor, labels: &Tensor<E>) -> Result<()> {
     let rows = logits.rows();
-    if labels.len() != rows {
-        return Err(shape_err(
-            "softmax_cross_entropy",
-            format!("{rows} rows of logits but {} labels", labels.len()),
-        ));
-    }
-    Ok(())
+    ensure(labels.len() == rows, "softmax_cross_entropy", || {
+        format!("{rows} rows of logits but {} labels", labels.len())
+    })
 }
 
 /// One gradient row of `width` per id.
 pub(crate) fn embedding_backward(ids: &Tensor, dy: &Tensor, width: usize) -> Result<()> {
-    if dy.len() != ids.len() * width {
-        return Err(shape_err(
-            "embedding backward",
-            format!("{} ids but gradient {:?}", ids.len(), dy.shape()),
-        ));
-    }
-    Ok(())
+    ensure(dy.len() == ids.len() * width, "embedding backward", || {
+        format!("{} ids but gradient {:?}", ids.len(), dy.shape())
+    })
 }
 
 /// Attention's backward operands against `shape`.
@@ -206,21 +183,20 @@ pub(crate) fn attention_backward(
     crate::sequence::check("attention backward", shape, qkv.len())?;
     let rows = shape.batch * shape.seq;
     let c = shape.width;
-    if out.len() != rows * c
-        || dout.len() != rows * c
-        || lse.len() != shape.batch * shape.heads * shape.seq
-    {
-        return Err(shape_err(
-            "attention backward",
+    ensure(
+        out.len() == rows * c
+            && dout.len() == rows * c
+            && lse.len() == shape.batch * shape.heads * shape.seq,
+        "attention backward",
+        || {
             format!(
                 "output {:?}, its gradient {:?} and log-sum-exp {:?} do not fit {shape:?}",
                 out.shape(),
                 dout.shape(),
                 lse.shape()
-            ),
-        ));
-    }
-    Ok(())
+            )
+        },
+    )
 }
 
 /// An SGD update's operands: the gradient, and the momentum buffer when momentum is on.
@@ -230,12 +206,9 @@ pub(crate) fn sgd(
     buf: Option<&Tensor>,
     momentum: f32,
 ) -> Result<()> {
-    if param.len() != grad.len() {
-        return Err(shape_err(
-            "sgd_update",
-            format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
-        ));
-    }
+    ensure(param.len() == grad.len(), "sgd_update", || {
+        format!("param {:?}, grad {:?}", param.shape(), grad.shape())
+    })?;
     match buf {
         Some(b) if momentum != 0.0 && b.len() != param.len() => {
             Err(shape_err("sgd_update", "momentum buffer length differs"))
@@ -248,13 +221,9 @@ pub(crate) fn sgd(
 /// An Adam update's operands.
 pub(crate) fn lion(param: &Tensor, grad: &Tensor, m: &Tensor) -> Result<()> {
     let n = param.len();
-    if grad.len() != n || m.len() != n {
-        return Err(shape_err(
-            "lion_update",
-            format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
-        ));
-    }
-    Ok(())
+    ensure(grad.len() == n && m.len() == n, "lion_update", || {
+        format!("param {:?}, grad {:?}", param.shape(), grad.shape())
+    })
 }
 
 /// A delay compensation's operands.
@@ -266,17 +235,18 @@ pub(crate) fn delay_compensation(
     adaptive: bool,
 ) -> Result<()> {
     let n = grad.len();
-    if current.len() != n || stale.len() != n {
-        return Err(shape_err(
-            "delay_compensate",
+    ensure(
+        current.len() == n && stale.len() == n,
+        "delay_compensate",
+        || {
             format!(
                 "grad {:?}, weights {:?}, stale weights {:?}",
                 grad.shape(),
                 current.shape(),
                 stale.shape()
-            ),
-        ));
-    }
+            )
+        },
+    )?;
     match mean_square {
         Some(ms) if adaptive && ms.len() != n => Err(shape_err(
             "delay_compensate",
@@ -293,11 +263,9 @@ pub(crate) fn delay_compensation(
 /// Operand lengths of an Adam update.
 pub(crate) fn adam(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
     let n = param.len();
-    if grad.len() != n || m.len() != n || v.len() != n {
-        return Err(shape_err(
-            "adam_update",
-            format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
-        ));
-    }
-    Ok(())
+    ensure(
+        grad.len() == n && m.len() == n && v.len() == n,
+        "adam_update",
+        || format!("param {:?}, grad {:?}", param.shape(), grad.shape()),
+    )
 }

@@ -44,42 +44,46 @@ pub(crate) struct Product {
 pub(crate) unsafe fn product<S: Simd>(simd: S, p: &Product) {
     let lanes = S::F32_LANES;
     let mut j0 = 0;
-    // SAFETY (all tile calls): the tiles cover rows i0..i0+MR <= m and columns
-    // j0..j0+NV*lanes <= n, inside what the caller guarantees.
+    // SAFETY (all `tile_rows` calls): the tiles cover columns j0..j0+NV*lanes <= n, inside
+    // what the caller guarantees.
     while j0 + 2 * lanes <= p.n {
         let mut i0 = 0;
         if lanes >= 16 {
-            while i0 + 8 <= p.m {
-                unsafe { tile::<S, 8, 2>(simd, p, i0, j0) };
-                i0 += 8;
-            }
+            i0 = unsafe { tile_rows::<S, 8, 2>(simd, p, i0, j0) };
         }
-        while i0 + 4 <= p.m {
-            unsafe { tile::<S, 4, 2>(simd, p, i0, j0) };
-            i0 += 4;
-        }
-        while i0 < p.m {
-            unsafe { tile::<S, 1, 2>(simd, p, i0, j0) };
-            i0 += 1;
-        }
+        i0 = unsafe { tile_rows::<S, 4, 2>(simd, p, i0, j0) };
+        unsafe { tile_rows::<S, 1, 2>(simd, p, i0, j0) };
         j0 += 2 * lanes;
     }
     if j0 + lanes <= p.n {
-        let mut i0 = 0;
-        while i0 + 4 <= p.m {
-            unsafe { tile::<S, 4, 1>(simd, p, i0, j0) };
-            i0 += 4;
-        }
-        while i0 < p.m {
-            unsafe { tile::<S, 1, 1>(simd, p, i0, j0) };
-            i0 += 1;
-        }
+        let i0 = unsafe { tile_rows::<S, 4, 1>(simd, p, 0, j0) };
+        unsafe { tile_rows::<S, 1, 1>(simd, p, i0, j0) };
         j0 += lanes;
     }
     if j0 < p.n {
         // SAFETY: columns j0..n of the same product.
         unsafe { columns_left(p, j0) };
     }
+}
+
+/// The `MR x NV`-vector tiles at column `j0` from row `i0` down, while `MR` rows are left;
+/// returns the first row they leave.
+///
+/// # Safety
+/// As [`product`], with `j0 + NV * lanes <= n`.
+#[inline(always)]
+unsafe fn tile_rows<S: Simd, const MR: usize, const NV: usize>(
+    simd: S,
+    p: &Product,
+    mut i0: usize,
+    j0: usize,
+) -> usize {
+    while i0 + MR <= p.m {
+        // SAFETY: rows i0..i0+MR <= m; the columns as the caller guarantees.
+        unsafe { tile::<S, MR, NV>(simd, p, i0, j0) };
+        i0 += MR;
+    }
+    i0
 }
 
 /// One `MR x NV`-vector tile of the output at row `i0`, column `j0`.

@@ -5,8 +5,8 @@
 //! The forwarding methods are generated from the one list of the trait's methods
 //! (`backend_ops!` in `backend.rs`): every operation is timed under its method's name, and the
 //! methods that only ask about the backend (its name, its device, waiting for it) are passed on
-//! untimed. A new operation is timed without a line here. Only `matmul` is written out, because
-//! the per-operation table names each product by its shape.
+//! untimed. A new operation is timed without a line here. Only `matmul` has a rule of its own,
+//! because the per-operation table names each product by its shape.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -94,8 +94,23 @@ impl<B: Backend> Timed<B> {
 /// Forwards one method of [`Backend`] from the list in `backend_ops!`: a method that asks about
 /// the backend goes to the inner backend untimed; an operation is timed under its own name.
 macro_rules! timed_method {
-    // Written out in the impl: the per-operation table names each product by its shape.
-    ($(#[$meta:meta])* op fn matmul $($rest:tt)*) => {};
+    // The per-operation table names each product by its shape (`product_name`).
+    (
+        $(#[$meta:meta])* op fn matmul
+        (
+            &self, $a:ident: $a_ty:ty, $ta:ident: $ta_ty:ty, $b:ident: $b_ty:ty,
+            $tb:ident: $tb_ty:ty $(, $arg:ident: $ty:ty)* $(,)?
+        ) -> $ret:ty;
+    ) => {
+        fn matmul(&self, $a: $a_ty, $ta: $ta_ty, $b: $b_ty, $tb: $tb_ty $(, $arg: $ty)*) -> $ret {
+            let op = if self.by_operation.is_some() {
+                product_name($a, $ta, $b, $tb)
+            } else {
+                "matmul"
+            };
+            self.time(op, || self.inner.matmul($a, $ta, $b, $tb $(, $arg)*))
+        }
+    };
     (
         $(#[$meta:meta])* about fn $name:ident $(<$lt:lifetime>)?
         (&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $(;)? $($default:block)?
@@ -116,24 +131,6 @@ macro_rules! timed_method {
 
 impl<B: Backend> Backend for Timed<B> {
     backend_ops!(timed_method);
-
-    // Written out: the per-operation table names each product by its shape.
-    fn matmul(
-        &self,
-        a: &Tensor,
-        ta: Trans,
-        b: &Tensor,
-        tb: Trans,
-        c: &mut Tensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        let op = if self.by_operation.is_some() {
-            product_name(a, ta, b, tb)
-        } else {
-            "matmul"
-        };
-        self.time(op, || self.inner.matmul(a, ta, b, tb, c, accumulate))
-    }
 }
 
 /// `matmul MxKxN XY` for a product of `op(a)` (`M x K`) and `op(b)` (`K x N`), X and Y `N` or

@@ -565,10 +565,10 @@ impl<T: Transport> Transport for Faulty<T> {
             Fault::Panic { nth } if n == nth => {
                 panic!("injected panic at data message {n} of worker {}", self.rank)
             }
-            Fault::Fail { nth } if n == nth => Err(TransportError::Send {
-                message: Box::new(message),
-                reason: format!("injected failure at data message {n}"),
-            }),
+            Fault::Fail { nth } if n == nth => Err(TransportError::unsent(
+                message,
+                format!("injected failure at data message {n}"),
+            )),
             Fault::Stall { nth, pause } if n == nth => {
                 std::thread::sleep(pause);
                 self.inner()?.send(message)

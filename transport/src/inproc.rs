@@ -8,13 +8,14 @@
 //! receives wait on their data channel and the control channel at once (`select!`), so an abort
 //! wakes them immediately and nothing polls.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender, bounded, never, select, unbounded};
+use crossbeam_channel::{Receiver, Sender, bounded, select, unbounded};
 
 use crate::frame::{WireDType, round_to_wire};
+use crate::inbox::Inbox;
 use crate::registration::{Endpoint, MeshSettings, Registration};
-use crate::{Early, Key, Kind, Message, Transport, TransportError};
+use crate::{Key, Kind, Message, Transport, TransportError};
 
 /// The registration of the in-process channels ([`crate::kinds::TRANSPORTS`]).
 pub const REGISTRATION: Registration = Registration {
@@ -74,11 +75,8 @@ pub struct InProc {
     from: Vec<Receiver<Message>>,
     /// Control channels of every worker (aborts), this one's included.
     control_to: Vec<Sender<u32>>,
-    control: Receiver<u32>,
-    /// The worker whose abort this endpoint has seen.
-    aborted_by: Option<u32>,
-    early: Early,
-    timeout: Option<Duration>,
+    /// Aborts from peers and messages that arrived early.
+    inbox: Inbox,
     wire: WireDType,
 }
 
@@ -108,37 +106,13 @@ pub fn mesh(workers: u32, opts: &InProcOptions) -> Vec<InProc> {
             to,
             from: from.into_iter().flatten().collect(),
             control_to: control_to.clone(),
-            control,
-            aborted_by: None,
-            early: Early::default(),
-            timeout: opts.timeout,
+            inbox: Inbox::new(rank as u32, control, opts.timeout),
             wire: opts.wire,
         })
         .collect()
 }
 
 impl InProc {
-    /// Records an abort from `by` and returns the error every later call gives.
-    fn aborted(&mut self, by: u32) -> TransportError {
-        let by = *self.aborted_by.get_or_insert(by);
-        TransportError::Aborted { by }
-    }
-
-    /// The error for a peer whose channel closed: `Aborted` when an abort reached this
-    /// endpoint, else `gone`. A peer stops after an abort (its own or one it received), and
-    /// the abort that stopped it was sent to every endpoint as it began, so a closed channel
-    /// during a failure is the echo of that abort, not a second failure. The abort may trail
-    /// the closing by the time its sender takes to tell the other peers: wait a moment for it.
-    fn abort_or(&mut self, gone: TransportError) -> TransportError {
-        if let Some(by) = self.aborted_by {
-            return TransportError::Aborted { by };
-        }
-        match self.control.recv_timeout(Duration::from_millis(200)) {
-            Ok(by) => self.aborted(by),
-            Err(_) => gone,
-        }
-    }
-
     fn check_key(&self, key: &Key) -> Result<(), TransportError> {
         if key.to != self.rank {
             return Err(TransportError::Protocol(format!(
@@ -154,17 +128,6 @@ impl InProc {
             )));
         }
         Ok(())
-    }
-
-    /// Keeps a message that arrived before it was asked for.
-    fn keep_early(&mut self, m: Message, from: u32) -> Result<(), TransportError> {
-        if m.key.to != self.rank || m.key.from != from {
-            return Err(TransportError::Protocol(format!(
-                "worker {} received {:?} on its channel from {from}",
-                self.rank, m.key
-            )));
-        }
-        self.early.keep(m)
     }
 }
 
@@ -192,9 +155,7 @@ impl Transport for InProc {
     }
 
     fn send(&mut self, mut message: Message) -> Result<(), TransportError> {
-        if let Some(by) = self.aborted_by {
-            return Err(TransportError::Aborted { by });
-        }
+        self.inbox.check_aborted()?;
         let wire = wire_for(message.key.kind, self.wire);
         if wire != WireDType::F32 {
             if let Ok(values) = message.tensor.host_mut() {
@@ -203,58 +164,28 @@ impl Transport for InProc {
         }
         let to = message.key.to as usize;
         let Some(tx) = self.to.get(to).cloned() else {
-            return Err(TransportError::Send {
-                reason: format!("no worker {to} in a mesh of {}", self.to.len()),
-                message: Box::new(message),
-            });
+            let reason = format!("no worker {to} in a mesh of {}", self.to.len());
+            return Err(TransportError::unsent(message, reason));
         };
-        let control = self.control.clone();
+        let control = self.inbox.control().clone();
         select! {
             send(tx, message) -> sent => match sent {
                 Ok(()) => Ok(()),
-                Err(e) => Err(self.abort_or(TransportError::Send {
-                    reason: format!("worker {to} is gone"),
-                    message: Box::new(e.into_inner()),
-                })),
+                Err(e) => Err(self.inbox.abort_or(TransportError::unsent(
+                    e.into_inner(),
+                    format!("worker {to} is gone"),
+                ))),
             },
-            recv(control) -> by => Err(self.aborted(by.unwrap_or(self.rank))),
+            recv(control) -> by => Err(self.inbox.aborted(by.unwrap_or(self.rank))),
         }
     }
 
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
         self.check_key(key)?;
-        if let Some(m) = self.early.take(key) {
-            return Ok(m);
-        }
-        if let Some(by) = self.aborted_by {
-            return Err(TransportError::Aborted { by });
-        }
-        let rx = self.from[key.from as usize].clone();
-        let control = self.control.clone();
-        let start = Instant::now();
-        let deadline = crate::stall_deadline(self.timeout, key, start);
-        loop {
-            let timer = match deadline {
-                Some(d) => crossbeam_channel::at(d),
-                None => never(),
-            };
-            select! {
-                recv(rx) -> m => match m {
-                    Ok(m) if m.key == *key => return Ok(m),
-                    Ok(m) => self.keep_early(m, key.from)?,
-                    Err(_) => {
-                        return Err(self.abort_or(TransportError::Closed { peer: key.from }));
-                    }
-                },
-                recv(control) -> by => return Err(self.aborted(by.unwrap_or(self.rank))),
-                recv(timer) -> _ => {
-                    return Err(TransportError::Timeout {
-                        key: *key,
-                        waited: start.elapsed(),
-                    })
-                }
-            }
-        }
+        let peer = key.from;
+        self.inbox.recv(key, &self.from[peer as usize], |inbox| {
+            inbox.abort_or(TransportError::Closed { peer })
+        })
     }
 
     fn close(&mut self) -> Result<(), TransportError> {
@@ -264,31 +195,17 @@ impl Transport for InProc {
 
     fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
         self.check_key(key)?;
-        if let Some(m) = self.early.take(key) {
-            return Ok(Some(m));
-        }
-        if let Ok(by) = self.control.try_recv() {
-            return Err(self.aborted(by));
-        }
-        if let Some(by) = self.aborted_by {
-            return Err(TransportError::Aborted { by });
-        }
-        let rx = self.from[key.from as usize].clone();
-        while let Ok(m) = rx.try_recv() {
-            if m.key == *key {
-                return Ok(Some(m));
-            }
-            self.keep_early(m, key.from)?;
-        }
-        Ok(None)
+        // A closed channel has been drained: what was asked for has not arrived.
+        self.inbox
+            .try_recv(key, &self.from[key.from as usize], |_| Ok(None))
     }
 
     fn buffered(&self) -> usize {
-        self.early.len()
+        self.inbox.buffered()
     }
 
     fn abort(&mut self) {
-        self.aborted_by.get_or_insert(self.rank);
+        self.inbox.abort_here();
         for (peer, tx) in self.control_to.iter().enumerate() {
             if peer as u32 != self.rank {
                 // An unbounded channel never blocks; a peer that is gone needs no word.

@@ -24,6 +24,7 @@ pub mod collective;
 pub mod fault;
 pub mod frame;
 pub mod host;
+mod inbox;
 pub mod inproc;
 pub mod kinds;
 pub mod measure;
@@ -214,6 +215,16 @@ pub enum TransportError {
         /// Why.
         reason: String,
     },
+}
+
+impl TransportError {
+    /// [`TransportError::Send`]: `message`, handed back unsent, and why.
+    pub(crate) fn unsent(message: Message, reason: impl Into<String>) -> Self {
+        TransportError::Send {
+            message: Box::new(message),
+            reason: reason.into(),
+        }
+    }
 }
 
 /// Messages that arrived before they were asked for, by key: what lets a receive take keys

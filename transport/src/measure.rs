@@ -42,7 +42,9 @@ pub fn process_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
-fn key(from: u32, to: u32, index: u32) -> Key {
+/// The key of activation `index` from `from` to `to`, stage 0: the messages a measurement
+/// sends (and the tests' plain data messages).
+pub(crate) fn key(from: u32, to: u32, index: u32) -> Key {
     Key {
         from,
         to,

@@ -1382,10 +1382,6 @@ impl Transport for Quic {
     }
 
     fn send(&mut self, message: Message) -> Result<(), TransportError> {
-        let fail = |message: Message, reason: String| TransportError::Send {
-            message: Box::new(message),
-            reason,
-        };
         self.drain()?;
         if let Some(by) = self.aborted_by {
             return Err(TransportError::Aborted { by });
@@ -1396,20 +1392,20 @@ impl Transport for Quic {
                 "no peer {to} for worker {} in a mesh of {}",
                 self.rank, self.size
             );
-            return Err(fail(message, reason));
+            return Err(TransportError::unsent(message, reason));
         }
         if let Some(e) = self.gone(to, None) {
-            return Err(fail(message, e.to_string()));
+            return Err(TransportError::unsent(message, e.to_string()));
         }
         let slot = kind_slot(message.key.kind);
         let Some(tx) = self.peers[to as usize]
             .as_ref()
             .and_then(|p| p.data[slot].clone())
         else {
-            return Err(fail(message, "endpoint closed".into()));
+            return Err(TransportError::unsent(message, "endpoint closed"));
         };
         if let Err(e) = message.tensor.host() {
-            return Err(fail(message, e.to_string()));
+            return Err(TransportError::unsent(message, e.to_string()));
         }
         let wire = match message.key.kind {
             // A chunk of a bf16 all-reduce holds bf16 values: two bytes each, losslessly.
@@ -1419,7 +1415,7 @@ impl Transport for Quic {
         let header = frame::header_of(&message, self.opts.run_id, wire);
         let head = match frame::encode_header(&header) {
             Ok(h) => h,
-            Err(e) => return Err(fail(message, e.to_string())),
+            Err(e) => return Err(TransportError::unsent(message, e.to_string())),
         };
         let values = message.tensor.into_host_vec().unwrap_or_default();
         let frame = [bytes::Bytes::from(head), frame::payload(values, wire)];
@@ -1590,10 +1586,7 @@ impl Quic {
 /// tensor was handed to the frame without a copy; a bf16 wire hands back rounded values).
 fn send_failed(header: &frame::Header, frame: &Frame, reason: String) -> TransportError {
     match frame::payload_into_message(header, &frame[1]) {
-        Ok(message) => TransportError::Send {
-            message: Box::new(message),
-            reason,
-        },
+        Ok(message) => TransportError::unsent(message, reason),
         Err(e) => TransportError::Protocol(format!("{reason}; the message is lost: {e}")),
     }
 }
@@ -1790,14 +1783,7 @@ mod tests {
 
     fn message(from: u32, to: u32, index: u32, values: usize) -> Message {
         Message {
-            key: Key {
-                from,
-                to,
-                kind: Kind::Activation,
-                stage: 0,
-                index,
-                step: 0,
-            },
+            key: crate::measure::key(from, to, index),
             version: 0,
             tensor: pipe_kernels::Tensor::zeros(&[values]),
         }

@@ -1389,15 +1389,30 @@ impl Shm {
                 // Blocked: read every other ring too, so no cycle of full rings can form.
                 moved = self.pump(Some((i, key)).filter(|_| stop_at.is_some()))?;
             }
-            if moved {
-                idle = 0;
-            } else if idle < YIELDS_BEFORE_PARKING {
-                idle += 1;
-                std::thread::yield_now();
-            } else {
-                self.park(deadline, None)?;
-            }
+            self.back_off(moved, &mut idle, deadline, None)?;
         }
+    }
+
+    /// The wait at the end of a round of a blocked loop: none after a round that `moved`
+    /// (which starts the count in `idle` again), else the core given away for the first
+    /// [`YIELDS_BEFORE_PARKING`] rounds in a row, then [`Shm::park`] with `deadline` and
+    /// `writing`.
+    fn back_off(
+        &mut self,
+        moved: bool,
+        idle: &mut u32,
+        deadline: Option<Instant>,
+        writing: Option<usize>,
+    ) -> Result<(), TransportError> {
+        if moved {
+            *idle = 0;
+        } else if *idle < YIELDS_BEFORE_PARKING {
+            *idle += 1;
+            std::thread::yield_now();
+        } else {
+            self.park(deadline, writing)?;
+        }
+        Ok(())
     }
 
     /// Sleeps until a peer writes, frees space, sends a control record or goes, or until
@@ -1496,14 +1511,8 @@ impl Shm {
                     return Err(format!("worker {} has closed its link", link.peer));
                 }
             }
-            if moved {
-                idle = 0;
-            } else if idle < YIELDS_BEFORE_PARKING {
-                idle += 1;
-                std::thread::yield_now();
-            } else {
-                self.park(None, Some(i)).map_err(|e| e.to_string())?;
-            }
+            self.back_off(moved, &mut idle, None, Some(i))
+                .map_err(|e| e.to_string())?;
         }
         Ok(())
     }
@@ -1535,13 +1544,9 @@ impl Transport for Shm {
     }
 
     fn send(&mut self, message: Message) -> Result<(), TransportError> {
-        let fail = |message: Message, reason: String| TransportError::Send {
-            message: Box::new(message),
-            reason,
-        };
         let i = match self.link_index(message.key.to) {
             Ok(i) => i,
-            Err(e) => return Err(fail(message, e.to_string())),
+            Err(e) => return Err(TransportError::unsent(message, e.to_string())),
         };
         self.check_sockets();
         self.read_ready_controls();
@@ -1553,11 +1558,11 @@ impl Transport for Shm {
             .is_some_and(|l| l.state != PeerState::Running)
         {
             let reason = format!("worker {} is gone", message.key.to);
-            return Err(fail(message, reason));
+            return Err(TransportError::unsent(message, reason));
         }
         if let Err(e) = message.tensor.host() {
             let why = e.to_string();
-            return Err(fail(message, why));
+            return Err(TransportError::unsent(message, why));
         }
         let written = {
             let values = message.tensor.host().unwrap_or_default();
@@ -1583,7 +1588,7 @@ impl Transport for Shm {
             Ok(()) => Ok(()),
             Err(why) => match self.failure() {
                 Some(TransportError::Aborted { by }) => Err(TransportError::Aborted { by }),
-                _ => Err(fail(message, why)),
+                _ => Err(TransportError::unsent(message, why)),
             },
         }
     }
@@ -2043,15 +2048,21 @@ mod tests {
         (socket, map, answer)
     }
 
+    /// Rank 0 in a fresh directory for `name`, connected to a hostile rank 1 it admitted;
+    /// returns the directory, rank 0's endpoint, and the peer's socket (kept open) and
+    /// mapping of the segment.
+    fn admitted_hostile_peer(name: &str) -> (PathBuf, Shm, UnixStream, memmap2::MmapRaw) {
+        let dir = fresh_dir(name);
+        let v = victim(&dir, Duration::from_secs(10));
+        let host = HostId::current().unwrap();
+        let (socket, map, answer) = hostile_peer(&dir, &hello(RUN, 4096, &host));
+        assert_eq!(answer[8], 0, "admitted");
+        let ep = v.join().unwrap().unwrap();
+        (dir, ep, socket, map)
+    }
+
     fn activation_from_1() -> Key {
-        Key {
-            from: 1,
-            to: 0,
-            kind: Kind::Activation,
-            stage: 0,
-            index: 0,
-            step: 0,
-        }
+        crate::measure::key(1, 0, 0)
     }
 
     /// The error rank 0 gives receiving from a hostile rank 1: a protocol error naming the
@@ -2066,12 +2077,7 @@ mod tests {
 
     #[test]
     fn a_ring_position_out_of_bounds_is_refused_naming_the_link() {
-        let dir = fresh_dir("bounds");
-        let v = victim(&dir, Duration::from_secs(10));
-        let host = HostId::current().unwrap();
-        let (_socket, map, answer) = hostile_peer(&dir, &hello(RUN, 4096, &host));
-        assert_eq!(answer[8], 0, "admitted");
-        let mut ep = v.join().unwrap().unwrap();
+        let (dir, mut ep, _socket, map) = admitted_hostile_peer("bounds");
         // The peer claims to have written three rings' worth.
         let (_, to_victim) = rings(&map, 4096);
         to_victim.head().store(3 * 4096, Ordering::SeqCst);
@@ -2081,11 +2087,7 @@ mod tests {
 
     #[test]
     fn a_frame_with_a_corrupt_header_length_is_refused_naming_the_link() {
-        let dir = fresh_dir("length");
-        let v = victim(&dir, Duration::from_secs(10));
-        let host = HostId::current().unwrap();
-        let (_socket, map, _) = hostile_peer(&dir, &hello(RUN, 4096, &host));
-        let mut ep = v.join().unwrap().unwrap();
+        let (dir, mut ep, _socket, map) = admitted_hostile_peer("length");
         let (_, to_victim) = rings(&map, 4096);
         let mut prefix = frame::MAGIC.to_vec();
         prefix.extend_from_slice(&u32::MAX.to_le_bytes());

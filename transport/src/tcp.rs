@@ -24,12 +24,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, never, select, unbounded};
+use crossbeam_channel::{Receiver, Sender, unbounded};
 
 use crate::frame::{self, FrameLimits, PREFIX_BYTES, PayloadBuffer, WireDType};
+use crate::inbox::Inbox;
 use crate::inproc::wire_for;
 use crate::registration::{BoundEndpoint, Endpoint, Joined, MeshSettings, Registration};
-use crate::{Early, Key, Message, Transport, TransportError};
+use crate::{Key, Message, Transport, TransportError};
 
 /// The registration of plain TCP ([`crate::kinds::TRANSPORTS`]).
 pub const REGISTRATION: Registration = Registration {
@@ -364,16 +365,15 @@ pub struct Tcp {
     sockets: Arc<Vec<Option<TcpStream>>>,
     from: Vec<Receiver<Message>>,
     links: Vec<Arc<LinkState>>,
-    control: Receiver<u32>,
+    /// Aborts from peers (their readers put them on its control channel) and messages that
+    /// arrived early.
+    inbox: Inbox,
     /// Keeps the control channel open when every reader has ended (a closed channel would
     /// read as an abort).
     _control_open: Sender<u32>,
-    aborted_by: Option<u32>,
-    early: Early,
     readers: Vec<JoinHandle<()>>,
     run_id: u64,
     wire: WireDType,
-    timeout: Option<Duration>,
     linger: Duration,
 }
 
@@ -444,35 +444,13 @@ impl Tcp {
             sockets,
             from,
             links,
-            control,
+            inbox: Inbox::new(rank, control, opts.timeout),
             _control_open: control_tx,
-            aborted_by: None,
-            early: Early::default(),
             readers,
             run_id: opts.run_id,
             wire: opts.wire,
-            timeout: opts.timeout,
             linger: opts.linger,
         })
-    }
-
-    /// Records an abort from `by` and returns the error every later call gives.
-    fn aborted(&mut self, by: u32) -> TransportError {
-        let by = *self.aborted_by.get_or_insert(by);
-        TransportError::Aborted { by }
-    }
-
-    /// The error for a link that failed: `Aborted` when an abort reached this endpoint (a
-    /// peer stops after an abort, so its link closing is the abort's echo; the abort may
-    /// trail the closing a moment), else `gone`.
-    fn abort_or(&mut self, gone: TransportError) -> TransportError {
-        if let Some(by) = self.aborted_by {
-            return TransportError::Aborted { by };
-        }
-        match self.control.recv_timeout(Duration::from_millis(200)) {
-            Ok(by) => self.aborted(by),
-            Err(_) => gone,
-        }
     }
 
     /// Checks that `key` is addressed to this worker from a peer.
@@ -486,24 +464,6 @@ impl Tcp {
         Ok(())
     }
 
-    /// Why the link from `peer` ended: its reader's reason, or the peer closing.
-    fn link_ended(&mut self, peer: u32) -> TransportError {
-        let broken = self.links[peer as usize]
-            .broken
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        match broken {
-            Some(why) => TransportError::Lost { peer, why },
-            None => self.abort_or(TransportError::Closed { peer }),
-        }
-    }
-
-    /// Keeps a message that arrived before it was asked for.
-    fn keep_early(&mut self, m: Message) -> Result<(), TransportError> {
-        self.early.keep(m)
-    }
-
     /// Shuts every link's writing side (peers see the end of the stream after what was
     /// written) and, with `read`, its reading side too.
     fn shut(&self, read: bool) {
@@ -515,6 +475,19 @@ impl Tcp {
         for s in self.sockets.iter().flatten() {
             let _ = s.shutdown(how);
         }
+    }
+}
+
+/// Why the link from `peer` ended: its reader's reason (in `links`), or the peer closing.
+fn link_ended(links: &[Arc<LinkState>], inbox: &mut Inbox, peer: u32) -> TransportError {
+    let broken = links[peer as usize]
+        .broken
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    match broken {
+        Some(why) => TransportError::Lost { peer, why },
+        None => inbox.abort_or(TransportError::Closed { peer }),
     }
 }
 
@@ -614,12 +587,7 @@ impl Transport for Tcp {
     }
 
     fn send(&mut self, message: Message) -> Result<(), TransportError> {
-        if let Ok(by) = self.control.try_recv() {
-            return Err(self.aborted(by));
-        }
-        if let Some(by) = self.aborted_by {
-            return Err(TransportError::Aborted { by });
-        }
+        self.inbox.poll_aborted()?;
         let to = message.key.to;
         let wire = wire_for(message.key.kind, self.wire);
         let head = frame::encode_header(&frame::header_of(&message, self.run_id, wire));
@@ -628,17 +596,11 @@ impl Transport for Tcp {
             (Ok(h), Ok(v)) => (h, v),
             (Err(e), _) => {
                 let reason = e.to_string();
-                return Err(TransportError::Send {
-                    reason,
-                    message: Box::new(message),
-                });
+                return Err(TransportError::unsent(message, reason));
             }
             (_, Err(e)) => {
                 let reason = format!("payload not on the host: {e}");
-                return Err(TransportError::Send {
-                    reason,
-                    message: Box::new(message),
-                });
+                return Err(TransportError::unsent(message, reason));
             }
         };
         let ended = self
@@ -673,81 +635,40 @@ impl Transport for Tcp {
         };
         match written {
             Ok(()) => Ok(()),
-            Err(_) if to >= self.size || to == self.rank => Err(TransportError::Send {
-                reason: format!("no worker {to} of {} to send to", self.size),
-                message: Box::new(message),
-            }),
-            Err(e) => Err(self.abort_or(TransportError::Send {
-                reason: format!("worker {to} is gone: {e}"),
-                message: Box::new(message),
-            })),
+            Err(_) if to >= self.size || to == self.rank => Err(TransportError::unsent(
+                message,
+                format!("no worker {to} of {} to send to", self.size),
+            )),
+            Err(e) => Err(self.inbox.abort_or(TransportError::unsent(
+                message,
+                format!("worker {to} is gone: {e}"),
+            ))),
         }
     }
 
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
         self.check_key(key)?;
-        if let Some(m) = self.early.take(key) {
-            return Ok(m);
-        }
-        if let Some(by) = self.aborted_by {
-            return Err(TransportError::Aborted { by });
-        }
-        let rx = self.from[key.from as usize].clone();
-        let control = self.control.clone();
-        let start = Instant::now();
-        let deadline = crate::stall_deadline(self.timeout, key, start);
-        loop {
-            let timer = match deadline {
-                Some(d) => crossbeam_channel::at(d),
-                None => never(),
-            };
-            select! {
-                recv(rx) -> m => match m {
-                    Ok(m) if m.key == *key => return Ok(m),
-                    Ok(m) => self.keep_early(m)?,
-                    Err(_) => return Err(self.link_ended(key.from)),
-                },
-                recv(control) -> by => return Err(self.aborted(by.unwrap_or(self.rank))),
-                recv(timer) -> _ => {
-                    return Err(TransportError::Timeout {
-                        key: *key,
-                        waited: start.elapsed(),
-                    })
-                }
-            }
-        }
+        let (links, peer) = (&self.links, key.from);
+        self.inbox.recv(key, &self.from[peer as usize], |inbox| {
+            link_ended(links, inbox, peer)
+        })
     }
 
     fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
         self.check_key(key)?;
-        if let Some(m) = self.early.take(key) {
-            return Ok(Some(m));
-        }
-        if let Ok(by) = self.control.try_recv() {
-            return Err(self.aborted(by));
-        }
-        if let Some(by) = self.aborted_by {
-            return Err(TransportError::Aborted { by });
-        }
-        let rx = self.from[key.from as usize].clone();
-        loop {
-            match rx.try_recv() {
-                Ok(m) if m.key == *key => return Ok(Some(m)),
-                Ok(m) => self.keep_early(m)?,
-                Err(crossbeam_channel::TryRecvError::Empty) => return Ok(None),
-                Err(crossbeam_channel::TryRecvError::Disconnected) => {
-                    return Err(self.link_ended(key.from));
-                }
-            }
-        }
+        let (links, peer) = (&self.links, key.from);
+        self.inbox
+            .try_recv(key, &self.from[peer as usize], |inbox| {
+                Err(link_ended(links, inbox, peer))
+            })
     }
 
     fn buffered(&self) -> usize {
-        self.early.len()
+        self.inbox.buffered()
     }
 
     fn abort(&mut self) {
-        self.aborted_by.get_or_insert(self.rank);
+        self.inbox.abort_here();
         let mut note = vec![TAG_ABORT];
         note.extend_from_slice(&self.rank.to_le_bytes());
         for w in self.out.iter_mut().flatten() {
