@@ -14,6 +14,7 @@
 #   experiments/clip/cost.sh [ROUNDS]        # default 3
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. experiments/lib.sh
 rounds=${1:-3}
 cargo build --release --locked --bin pipe >&2
 pipe=$PWD/target/release/pipe
@@ -29,8 +30,8 @@ for r in $(seq 1 "$rounds"); do
   for clip in 0 1; do
     log="$out/$clip-$r.jsonl"
     "$pipe" "${args[@]}" --grad-clip "$clip" --log-jsonl "$log" > "$out/$clip-$r.txt" 2>&1
-    rate=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$out/$clip-$r.txt")
-    digest=$(sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$out/$clip-$r.txt" | tail -1)
+    rate=$(epoch_rate "$out/$clip-$r.txt" tokens/s)
+    digest=$(final_digest "$out/$clip-$r.txt")
     norm=$(python3 -c 'import json,sys
 steps=[json.loads(l) for l in open(sys.argv[1]) if "\"step\"" in l]
 n=steps[-1].get("grad_norm") if steps else None
@@ -39,16 +40,4 @@ print("-" if n is None else f"{n:.3f}")' "$log")
     echo "| $r | $clip | $rate | $norm | $digest |"
   done
 done
-python3 - "$out/rates" <<'PY'
-import statistics, sys
-rates = {}
-for line in open(sys.argv[1]):
-    clip, rate = line.split()
-    rates.setdefault(clip, []).append(float(rate))
-med = {k: statistics.median(v) for k, v in rates.items()}
-print()
-print("| clip | median tokens/s | against no clipping |")
-print("|---|---|---|")
-for k, v in med.items():
-    print(f"| {'off' if k == '0' else 'at ' + k} | {v:.0f} | {v / med['0']:.3f} |")
-PY
+median_table "$out/rates" 0 "clip (0: off), tokens/s"

@@ -19,6 +19,7 @@ rounds=${1:-3}
 python=${PYTHON:-python3}
 widths=${WIDTHS:-128 256 512}
 . experiments/corpus.sh
+. experiments/lib.sh
 # The same ids for PyTorch, as uint16, in corpus order (one document: the whole text).
 "$python" - "$work" <<'PY'
 import json, sys
@@ -38,7 +39,7 @@ for w in $widths; do
     "$pipe" train --model gpt2 --n-layer 8 --n-embd "$w" --n-head "$heads" --n-positions 128 \
       --dataset "tokens:$work/corpus" --microbatch-size 16 --microbatches 1 --threads 2 \
       --weight-decay-groups all --steps $((steps + 5)) > "$work/pipe.txt" 2>&1
-    p=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$work/pipe.txt")
+    p=$(epoch_rate "$work/pipe.txt" tokens/s)
     peer=("$python" experiments/cpu-step/peer.py --tokens "$work/tokens.u16" --width "$w"
           --heads "$heads" --steps "$steps")
     e=$("${peer[@]}" | awk '{print $1}')

@@ -21,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 rounds=${1:-2}
 . experiments/corpus.sh
+. experiments/lib.sh
 args=(train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128
       --dataset "tokens:$work/corpus" --stages 4 --schedule pipedream --placement processes
       --threads 1 --partition flops --steps 40 --microbatch-size "${MICROBATCH:-4}"
@@ -29,8 +30,8 @@ args=(train --model gpt2 --n-layer 8 --n-embd 128 --n-head 4 --n-positions 128
 for r in $(seq 1 "$rounds"); do
   for kind in none full selective full,full,none,none; do
     run_and_poll "$work/$kind-$r.txt" "$work/peaks" "$kind" "${args[@]}" --recompute "$kind"
-    rate=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$work/$kind-$r.txt")
-    digest=$(sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$work/$kind-$r.txt" | tail -1)
+    rate=$(epoch_rate "$work/$kind-$r.txt" tokens/s)
+    digest=$(final_digest "$work/$kind-$r.txt")
     echo "$kind $rate $digest" >> "$work/rates"
   done
 done

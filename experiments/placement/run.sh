@@ -13,6 +13,7 @@
 #   experiments/placement/run.sh [ROUNDS [BASELINE]]        # defaults: 2 f3d3aaa
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. experiments/lib.sh
 rounds=${1:-2}
 baseline=${2:-f3d3aaa}
 cargo build --release --locked --bin pipe >&2
@@ -43,23 +44,15 @@ for r in $(seq 1 "$rounds"); do
     start=$(date +%s.%N)
     "${cmd[@]}" > "$out/$run-$r.txt" 2>&1
     end=$(date +%s.%N)
-    rate=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="samples/s") print $(i-1)}' "$out/$run-$r.txt")
-    digest=$(sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$out/$run-$r.txt" | tail -1)
+    rate=$(epoch_rate "$out/$run-$r.txt" samples/s)
+    digest=$(final_digest "$out/$run-$r.txt")
     echo "$run $rate" >> "$out/rates"
     printf '| %s | %s | %s | %s | %.1f |\n' "$r" "$run" "$rate" "$digest" "$(echo "$end - $start" | bc)"
   done
 done
-python3 - "$out/rates" <<'PY'
-import statistics, sys
-rates = {}
-for line in open(sys.argv[1]):
-    run, rate = line.split()
-    rates.setdefault(run, []).append(float(rate))
-med = {k: statistics.median(v) for k, v in rates.items()}
-print()
-for k, v in med.items():
-    print(f"median {k}: {v:.0f} samples/s")
-print(f"shared memory / threads: {med['shm'] / med['threads']:.2f}")
-print(f"QUIC / threads: {med['quic'] / med['threads']:.2f}")
-print(f"QUIC now / QUIC at the baseline: {med['quic'] / med['quic-baseline']:.2f}")
-PY
+medians "$out/rates" | awk '{ med[$1] = $2; printf "median %s: %.0f samples/s\n", $1, $2 }
+  END {
+    printf "shared memory / threads: %.2f\n", med["shm"] / med["threads"]
+    printf "QUIC / threads: %.2f\n", med["quic"] / med["threads"]
+    printf "QUIC now / QUIC at the baseline: %.2f\n", med["quic"] / med["quic-baseline"]
+  }'

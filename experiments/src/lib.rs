@@ -40,20 +40,7 @@ pub enum ExperimentError {
     Config(String),
 }
 
-/// Median of a non-empty sample (mean of the two middle values for even sizes).
-pub fn median(xs: &[f64]) -> f64 {
-    let mut v: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
-    }
-}
+pub use pipe_transport::measure::median;
 
 /// The samples/s of a `pipe train` or `pipe worker` chief's last epoch line, from its output
 /// (its tokens/s over `tokens` per sample for a language model).

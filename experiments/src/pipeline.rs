@@ -156,6 +156,26 @@ pub struct Case {
     pub processes: bool,
 }
 
+impl Case {
+    /// The whole model's four stages run one after another on one thread: the sequential
+    /// reference the pipelined cases are compared with.
+    fn sequential(microbatch: usize, m: u32) -> Self {
+        Case {
+            name: "sequential".into(),
+            policy: Policy::Sequential,
+            stages: 4,
+            replicas: 1,
+            microbatch,
+            m,
+            replica_counts: None,
+            partition: None,
+            bucket_values: None,
+            stage_bucket_values: None,
+            processes: false,
+        }
+    }
+}
+
 /// Results of one case.
 #[derive(Clone, Debug, Serialize)]
 pub struct CaseResult {
@@ -805,19 +825,7 @@ fn model_cases(preset: &str, batch: usize, m: u32, processes: bool) -> Vec<Case>
 /// thread start). Median of five runs.
 fn overhead(model: &Model, batch: usize, m: u32, updates: u32) -> Result<f64, ExperimentError> {
     let micro = batch / m as usize;
-    let case = Case {
-        name: "sequential".into(),
-        policy: Policy::Sequential,
-        stages: 4,
-        replicas: 1,
-        microbatch: micro,
-        m,
-        replica_counts: None,
-        partition: None,
-        bucket_values: None,
-        stage_bucket_values: None,
-        processes: false,
-    };
+    let case = Case::sequential(micro, m);
     let mut states = Vec::new();
     pipelined(model, &case, updates, &mut states)?;
     let mut per_action = Vec::new();
@@ -852,19 +860,7 @@ fn model_round(
     (message, shm): (&LinkCost, &Link),
 ) -> Result<ModelResult, ExperimentError> {
     let single = single_worker(model, batch, cfg.updates, cfg.warmup)?;
-    let one = Case {
-        name: "sequential".into(),
-        policy: Policy::Sequential,
-        stages: 4,
-        replicas: 1,
-        microbatch: batch / m as usize,
-        m,
-        replica_counts: None,
-        partition: None,
-        bucket_values: None,
-        stage_bucket_values: None,
-        processes: false,
-    };
+    let one = Case::sequential(batch / m as usize, m);
     let mut states = Vec::new();
     pipelined(model, &one, cfg.warmup.max(1), &mut states)?;
     let (one_core, _, _) = pipelined(model, &one, cfg.updates, &mut states)?;

@@ -38,6 +38,19 @@ pub struct LineChart {
 }
 
 impl LineChart {
+    /// Lines on linear axes with a marker at every point (few points per line).
+    pub fn marked(title: String, x_label: &str, y_label: &str, series: Vec<Series>) -> Self {
+        LineChart {
+            title,
+            x_label: x_label.into(),
+            y_label: y_label.into(),
+            log_y: false,
+            markers: true,
+            scatter: false,
+            series,
+        }
+    }
+
     /// Training loss against update on a log axis, no markers.
     pub fn loss(title: String, series: Vec<Series>) -> Self {
         LineChart {

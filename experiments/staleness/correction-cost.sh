@@ -11,6 +11,7 @@
 #   experiments/staleness/correction-cost.sh [ROUNDS]        # default 2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. experiments/lib.sh
 rounds=${1:-2}
 cargo build --release --locked --bin pipe >&2
 pipe=$PWD/target/release/pipe
@@ -22,22 +23,10 @@ echo "|---|---|---|---|"
 for r in $(seq 1 "$rounds"); do
   for kind in none error-feedback dc-asgd dc-asgd-adaptive; do
     "$pipe" "${args[@]}" --delay-correction "$kind" > "$out/$kind-$r.txt" 2>&1
-    rate=$(awk '/^epoch +1 /{for(i=1;i<=NF;i++) if($i=="tokens/s") print $(i-1)}' "$out/$kind-$r.txt")
-    digest=$(sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$out/$kind-$r.txt" | tail -1)
+    rate=$(epoch_rate "$out/$kind-$r.txt" tokens/s)
+    digest=$(final_digest "$out/$kind-$r.txt")
     echo "$kind $rate" >> "$out/rates"
     echo "| $r | $kind | $rate | $digest |"
   done
 done
-python3 - "$out/rates" <<'PY'
-import statistics, sys
-rates = {}
-for line in open(sys.argv[1]):
-    kind, rate = line.split()
-    rates.setdefault(kind, []).append(float(rate))
-med = {k: statistics.median(v) for k, v in rates.items()}
-print()
-print("| correction | median tokens/s | against none |")
-print("|---|---|---|")
-for k, v in med.items():
-    print(f"| {k} | {v:.0f} | {v / med['none']:.2f} |")
-PY
+median_table "$out/rates" none "correction, tokens/s"

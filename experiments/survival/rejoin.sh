@@ -7,11 +7,7 @@
 #   bash experiments/survival/rejoin.sh OUTDIR
 set -euo pipefail
 OUT=${1:?usage: rejoin.sh OUTDIR}
-PIPE=${PIPE:-target/release/pipe}
-mkdir -p "$OUT"
-# The momentum is given: its default follows the layout, and a run keeps its own.
-F=(--stages 4 --epochs 1 --partition 0-2,3-4,5-6,7-9 --checkpoint-every 100 --keep-checkpoints 20
-   --momentum 0.6)
+. "$(dirname "$0")/common.sh"
 /usr/bin/time -f "%e s wall" "$PIPE" train "${F[@]}" --replicas 2 --transport quic \
   --checkpoint-dir "$OUT/calm" > "$OUT/calm.txt" 2>&1
 # Worker 3 (stage 1, replica 1) killed once the update-200 checkpoint exists.

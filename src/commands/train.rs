@@ -15,7 +15,7 @@ use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::PipelineTrainOptions;
 use pipe_stages::pipeline::doctor::StopReport;
 use pipe_stages::pipeline::relaunch::{
-    Processes, Relaunch, RelaunchEvents, Replanned, Threads, drive,
+    Launcher, Processes, Relaunch, RelaunchEvents, Replanned, Threads, drive,
 };
 use pipe_stages::pipeline::restart::{Restart, RestartPolicy, fault_schedule};
 use pipe_stages::pipeline::survive::LayoutChange;
@@ -141,6 +141,25 @@ struct Launch<'a> {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
+impl Launch<'_> {
+    /// Drives `launcher` through the run's starts, with this launch's restart rules and
+    /// observers; returns how it ended and the run's last layout.
+    fn drive<L: Launcher>(
+        &mut self,
+        launcher: &mut L,
+        cfg: &RunConfig,
+    ) -> (pipe_stages::Result<L::End>, RunConfig) {
+        drive(
+            launcher,
+            cfg,
+            &self.how,
+            &mut self.watched,
+            &mut self.events,
+            &startup::replan,
+        )
+    }
+}
+
 /// Runs `cfg` on `workers` worker processes of this host and reports how it ended.
 ///
 /// # Errors
@@ -149,18 +168,10 @@ fn on_processes(
     settings: &LaunchSettings,
     cfg: &RunConfig,
     workers: u32,
-    launch: Launch<'_>,
+    mut launch: Launch<'_>,
 ) -> Result<()> {
-    let Launch {
-        how,
-        mut watched,
-        mut events,
-        policy,
-        faults,
-        stop,
-    } = launch;
     let mut options = LaunchOptions::new(workers);
-    options.stop = Some(stop);
+    options.stop = Some(launch.stop.clone());
     // Each worker writes its part of the trace; they are merged once all have exited.
     let parts = settings
         .trace
@@ -168,21 +179,14 @@ fn on_processes(
         .map(|path| path.with_extension("parts"));
     let mut launcher = Processes {
         launch: options,
-        checkpoints: policy,
+        checkpoints: launch.policy.take(),
         metrics: settings.metrics_addr,
-        faults,
+        faults: std::mem::take(&mut launch.faults),
         trace_parts: parts.clone(),
         kept: None,
     };
     launcher.keep_drained_states()?;
-    let (end, last) = drive(
-        &mut launcher,
-        cfg,
-        &how,
-        &mut watched,
-        &mut events,
-        &startup::replan,
-    );
+    let (end, last) = launch.drive(&mut launcher, cfg);
     if let (Some(dir), Some(path)) = (&parts, &settings.trace) {
         // The last start's workers (each start sets its own count).
         merge_trace_parts(dir, launcher.launch.workers, path)?;
@@ -204,27 +208,12 @@ fn on_threads(
     settings: &LaunchSettings,
     cfg: &RunConfig,
     mut launcher: Threads<'_>,
-    launch: Launch<'_>,
+    mut launch: Launch<'_>,
 ) -> Result<()> {
-    let Launch {
-        how,
-        mut watched,
-        mut events,
-        policy,
-        faults,
-        stop,
-    } = launch;
-    launcher.opts.checkpoints = policy;
-    launcher.opts.stop = Some(stop);
-    launcher.opts.faults = faults;
-    let (out, cfg) = drive(
-        &mut launcher,
-        cfg,
-        &how,
-        &mut watched,
-        &mut events,
-        &startup::replan,
-    );
+    launcher.opts.checkpoints = launch.policy.take();
+    launcher.opts.stop = Some(launch.stop.clone());
+    launcher.opts.faults = std::mem::take(&mut launch.faults);
+    let (out, cfg) = launch.drive(&mut launcher, cfg);
     let out = out.context("training failed")?;
     finish_checkpoints(&out.checkpoints, out.stopped)?;
     if cfg.pipelined {

@@ -182,8 +182,8 @@ pub fn measure_mesh<T: Transport + Send + 'static>(
 }
 
 /// Median of the finite values of a sample (mean of the two middle values for even sizes;
-/// NaN for none).
-fn median(xs: &[f64]) -> f64 {
+/// NaN for none): what every measurement of this project reports.
+pub fn median(xs: &[f64]) -> f64 {
     let mut v: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return f64::NAN;

@@ -689,22 +689,15 @@ fn by_policy(
             })
             .or_insert(v);
     }
-    LineChart {
-        title: title.into(),
-        x_label: x.into(),
-        y_label: y_label.into(),
-        log_y: false,
-        markers: true,
-        scatter: false,
-        series: by
-            .into_iter()
-            .map(|(name, pts)| Series {
-                name: name.into(),
-                points: pts
-                    .into_iter()
-                    .map(|(s, (_, v))| (f64::from(s), v))
-                    .collect(),
-            })
-            .collect(),
-    }
+    let series = by
+        .into_iter()
+        .map(|(name, pts)| Series {
+            name: name.into(),
+            points: pts
+                .into_iter()
+                .map(|(s, (_, v))| (f64::from(s), v))
+                .collect(),
+        })
+        .collect();
+    LineChart::marked(title.into(), x, y_label, series)
 }

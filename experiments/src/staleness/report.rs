@@ -771,15 +771,12 @@ fn quality_plot(
         })
         .collect();
     let name = format!("quality-vs-stages-{opt}");
-    let chart = LineChart {
-        title: format!("Final test accuracy against stages, {opt} (1 stage: sequential)"),
-        x_label: "stages".into(),
-        y_label: "test accuracy %".into(),
-        log_y: false,
-        markers: true,
-        scatter: false,
+    let chart = LineChart::marked(
+        format!("Final test accuracy against stages, {opt} (1 stage: sequential)"),
+        "stages",
+        "test accuracy %",
         series,
-    };
+    );
     figure(
         dir,
         name,
@@ -890,15 +887,12 @@ fn staleness_plot(r: &StalenessResults, dir: &Path) -> Result<(String, String), 
         }
     }
     let name = format!("staleness-per-stage-{s}");
-    let chart = LineChart {
-        title: format!("Measured delay per stage at {s} stages (updates)"),
-        x_label: "stage".into(),
-        y_label: "mean delay (updates)".into(),
-        log_y: false,
-        markers: true,
-        scatter: false,
+    let chart = LineChart::marked(
+        format!("Measured delay per stage at {s} stages (updates)"),
+        "stage",
+        "mean delay (updates)",
         series,
-    };
+    );
     figure(
         dir,
         name,

@@ -1,0 +1,36 @@
+# What the experiment scripts share: reading a run's output and summarising repeated rounds.
+# Source it: `. experiments/lib.sh` (from the repository root).
+
+# epoch_rate FILE UNIT: the first epoch's rate in a run's output (UNIT: tokens/s or samples/s).
+epoch_rate() {
+  awk -v unit="$2" '/^epoch +1 /{for(i=1;i<=NF;i++) if($i==unit) print $(i-1)}' "$1"
+}
+
+# final_digest FILE: the last weights digest a run printed.
+final_digest() {
+  sed -n 's/.*weights \([0-9a-f]*\).*/\1/p' "$1" | tail -1
+}
+
+# medians FILE: for a file of "NAME RATE" lines, one "NAME MEDIAN" line per name, in the order
+# the names first appear.
+medians() {
+  python3 - "$1" <<'PY'
+import statistics, sys
+rates = {}
+for line in open(sys.argv[1]):
+    name, rate = line.split()
+    rates.setdefault(name, []).append(float(rate))
+for name, values in rates.items():
+    print(name, statistics.median(values))
+PY
+}
+
+# median_table FILE BASE LABEL: the medians of FILE as Markdown rows "| NAME | MEDIAN |
+# MEDIAN / BASE's |", with LABEL naming the first column and BASE the name divided by.
+median_table() {
+  echo
+  echo "| $3 | median | against $2 |"
+  echo "|---|---|---|"
+  medians "$1" | awk -v base="$2" '{ name[NR] = $1; med[NR] = $2; if ($1 == base) b = $2 }
+    END { for (i = 1; i <= NR; i++) printf "| %s | %.0f | %.3f |\n", name[i], med[i], med[i] / b }'
+}
