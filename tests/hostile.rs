@@ -195,11 +195,11 @@ fn cli_size_rows() -> Vec<Row> {
         ),
         row(
             "train --model mlp-784-40000x40-10",
-            "the run needs at least",
+            "the run needs an estimated",
         ),
         row(
             "profile --model mlp-784-40000x40-10",
-            "the run needs at least",
+            "the run needs an estimated",
         ),
         row(
             "train --stages 9999999999",

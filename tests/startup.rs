@@ -177,7 +177,7 @@ fn a_run_over_the_memory_available_is_refused_unless_forced() {
     common::refused(
         &out,
         &[
-            "estimated to need",
+            "the run needs an estimated",
             "over the 1.0 MiB this host has available (PIPE_AVAILABLE_MEMORY)",
             "--microbatch-size",
             "--force",

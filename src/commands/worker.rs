@@ -206,6 +206,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         resolve_rank(args.rank, |v| std::env::var(v).ok(), cluster.size()).map_err(bad_input)?;
     let opts = join_options(args, &cfg, &cluster);
     let model = Model::new(&cfg.model)?;
+    startup::check_memory_floor(&cfg, &model, Some(1), launch.force, &phases)?;
     let data = train::load_data(&cfg, &model)?;
     let chief = rank == 0;
     // The chief settles a measured partition and sends the cut to the others with the run's

@@ -7,10 +7,11 @@
 //! cluster files) are constants of `pipe_transport::frame` and `pipe_transport::cluster`,
 //! re-exported here so that this module lists every bound. The rest depend on the machine
 //! ([`Machine`]: memory and cores) and are checked here: a run's memory against the machine's
-//! ([`check_memory`]; the estimate is the planner's memory model,
-//! [`pipe_scheduler::planner::worker_memory_bytes`], on the model's exact parameter and
-//! activation sizes, [`crate::model::Model::worker_memory_bytes`]); tensors; threads; workers
-//! on one host; profiling repeats; the run's length; file sizes.
+//! share and what the host has available, the one memory gate ([`admit_memory`]; its
+//! estimates are the planner's closed-form model,
+//! [`crate::model::Model::worker_memory_bytes`], and the probed one of
+//! `crate::planning::memory`); tensors; threads; workers on one host; profiling repeats; the
+//! run's length; file sizes.
 //!
 //! This module imports nothing else of the crate: the model, the config and the data check
 //! their own values with its functions and bounds (`Model::check_microbatch`,
@@ -274,14 +275,12 @@ pub fn check_shape(what: &str, shape: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// Checks what a run asks of this host: `workers` of its workers here, together needing at
-/// least `need` bytes (the planner's estimate, [`crate::model::Model::worker_memory_bytes`]
-/// per worker), against [`Machine::max_local_workers`] and [`Machine::memory_budget`].
-/// `holding` says what the bytes hold, for the message.
+/// Checks how many of a run's workers live on this host against
+/// [`Machine::max_local_workers`].
 ///
 /// # Errors
-/// [`StageError::Limit`] saying what the run needs and what the machine has.
-pub fn check_memory(need: f64, workers: u64, holding: &str, machine: &Machine) -> Result<()> {
+/// [`StageError::Limit`] naming the count and the bound.
+pub fn check_local_workers(workers: u64, machine: &Machine) -> Result<()> {
     check_count(
         "the number of workers on this host",
         workers,
@@ -290,21 +289,61 @@ pub fn check_memory(need: f64, workers: u64, holding: &str, machine: &Machine) -
             "16 per core on this machine's {} cores; spread them over hosts with `pipe worker`",
             machine.cores
         ),
-    )?;
+    )
+}
+
+/// What a run (or a profile) needs of this host's memory, for [`admit_memory`].
+#[derive(Clone, Copy, Debug)]
+pub struct MemoryNeed<'a> {
+    /// Bytes its workers on this host need together.
+    pub bytes: f64,
+    /// How many workers that is.
+    pub workers: u64,
+    /// What the bytes hold, for the message.
+    pub holding: &'a str,
+    /// What would lower it (and whether `--force` runs it anyway), for the message.
+    pub lower: &'a str,
+}
+
+/// The memory gate, the one rule every run and profile passes: `need` is refused over the
+/// share of this machine's memory a run may take ([`Machine::memory_budget`]), and over the
+/// memory this host has available now where that is known ([`available_memory`]). The caller
+/// decides whether `--force` runs it anyway.
+///
+/// # Errors
+/// [`StageError::Limit`] naming what the run needs, the limit it is over and why, the flags
+/// that would lower it, and `--force`.
+pub fn admit_memory(need: &MemoryNeed<'_>, machine: &Machine) -> Result<()> {
     let budget = machine.memory_budget();
-    if need > budget as f64 {
-        return Err(StageError::Limit(format!(
-            "the run needs at least {} of memory ({workers} worker{} on this host holding \
-             {holding}), over the limit of {} ({:.0}% of this machine's {}); use fewer \
-             replicas, more stages or smaller microbatches",
-            gib(need),
+    let workers = need.workers;
+    let over = |limit: f64, what: String| {
+        StageError::Limit(format!(
+            "the run needs an estimated {} on this host ({workers} worker{}, holding {}), over \
+             the {} {what}; {}",
+            gib(need.bytes),
             if workers == 1 { "" } else { "s" },
-            gib(budget as f64),
-            MEMORY_SHARE * 100.0,
-            gib(machine.memory_bytes as f64),
-        )));
+            need.holding,
+            gib(limit),
+            need.lower,
+        ))
+    };
+    if need.bytes > budget as f64 {
+        return Err(over(
+            budget as f64,
+            format!(
+                "a run may take ({:.0}% of this machine's {})",
+                MEMORY_SHARE * 100.0,
+                gib(machine.memory_bytes as f64)
+            ),
+        ));
     }
-    Ok(())
+    match available_memory() {
+        Some((available, source)) if need.bytes > available as f64 => Err(over(
+            available as f64,
+            format!("this host has available ({source})"),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn gib(bytes: f64) -> String {
@@ -367,23 +406,6 @@ pub fn available_memory() -> Option<(u64, &'static str)> {
     }
 }
 
-/// Refuses a run whose workers on this host are estimated to need `need` bytes at their
-/// peak, over `available` (from [`available_memory`], named by `source`). `lower` names the
-/// flags that would lower the estimate.
-///
-/// # Errors
-/// [`StageError::Limit`] naming both figures, the flags, and `--force`.
-pub fn check_available(need: u64, available: u64, source: &str, lower: &str) -> Result<()> {
-    if need <= available {
-        return Ok(());
-    }
-    Err(StageError::Limit(format!(
-        "the run's workers on this host are estimated to need {} at their peak, over the {} this host has available ({source}); {lower}, or give --force to run it anyway",
-        gib(need as f64),
-        gib(available as f64),
-    )))
-}
-
 /// A `kB` field of `/proc/self/status`, in bytes.
 fn status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -415,28 +437,25 @@ mod tests {
         assert!(check_threads(100_000, &machine(1)).is_err());
         assert!(check_profile_repeats(u64::MAX, 1).is_err());
         assert!(check_profile_repeats(3, 10).is_ok());
-        assert!(check_memory(1e9, 4, "weights", &machine(24)).is_ok());
-        let e = check_memory(1e9, 3000, "weights", &machine(24))
+        let need = |bytes: f64| MemoryNeed {
+            bytes,
+            workers: 4,
+            holding: "weights",
+            lower: "use fewer replicas",
+        };
+        assert!(admit_memory(&need(1e6), &machine(24)).is_ok());
+        assert!(check_local_workers(4, &machine(24)).is_ok());
+        let e = check_local_workers(3000, &machine(24))
             .unwrap_err()
             .to_string();
         assert!(e.contains("workers on this host is 3000"), "{e}");
-        let e = check_memory(30e9, 4, "weights", &machine(24))
+        let e = admit_memory(&need(30e9), &machine(24))
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("needs at least 27.9 GiB") && e.contains("19.2 GiB"),
-            "{e}"
-        );
-        assert!(check_available(1 << 30, 2 << 30, "MemAvailable", "x").is_ok());
-        let e = check_available(3 << 30, 2 << 30, "MemAvailable", "use fewer replicas")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("3.0 GiB")
-                && e.contains("2.0 GiB")
-                && e.contains("(MemAvailable)")
-                && e.contains("use fewer replicas")
-                && e.contains("--force"),
+            e.contains("needs an estimated 27.9 GiB")
+                && e.contains("19.2 GiB a run may take")
+                && e.contains("use fewer replicas"),
             "{e}"
         );
         assert!(check_shape("input", &[usize::MAX, 2]).is_err());

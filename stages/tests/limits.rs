@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pipe_scheduler::{Policy, ScheduleSpec};
-use pipe_stages::limits::{Machine, check_memory};
+use pipe_stages::limits::{Machine, MemoryNeed, admit_memory, check_local_workers};
 use pipe_stages::model::{Model, ModelSpec};
 use pipe_stages::optim::OptimizerKind;
 
@@ -78,9 +78,14 @@ fn the_memory_estimate_is_the_planners_formula_on_exact_sizes() {
         .unwrap();
     let per_worker = model.worker_memory_bytes(&pd, 64, sgd);
     assert!(per_worker > model.worker_memory_bytes(&flush, 64, sgd));
-    let need = per_worker * 3000.0;
-    assert!(check_memory(per_worker * 8.0, 8, "w", &machine(24)).is_ok());
-    let e = check_memory(need, 3000, "w", &machine(24))
+    let eight = MemoryNeed {
+        bytes: per_worker * 8.0,
+        workers: 8,
+        holding: "w",
+        lower: "fewer",
+    };
+    assert!(admit_memory(&eight, &machine(24)).is_ok());
+    let e = check_local_workers(3000, &machine(24))
         .unwrap_err()
         .to_string();
     assert!(e.contains("workers on this host is 3000"), "{e}");

@@ -590,9 +590,9 @@ impl RunConfig {
     }
 
     /// Checks the run against this host ([`crate::limits`]): its compute threads, its
-    /// microbatch's activations, and the planner's memory estimate of its workers that live
-    /// here (`local_workers`: `None` for all of them, as `pipe train` runs them; `Some(1)` for
-    /// `pipe worker`).
+    /// microbatch's activations, and how many of its workers live here (`local_workers`:
+    /// `None` for all of them, as `pipe train` runs them; `Some(1)` for `pipe worker`). Its
+    /// memory is the start-up's memory gate's (`crate::startup::check_memory`).
     ///
     /// # Errors
     /// [`StageError::Limit`] for the first bound exceeded; [`StageError::Schedule`] or
@@ -617,27 +617,12 @@ impl RunConfig {
                     .into(),
             ));
         }
-        let run = if self.pipelined {
-            self.resolved()?.clone()
-        } else {
-            ScheduleSpec::new(Policy::Sequential, 1, 1).resolve()?
+        let workers = match local_workers {
+            Some(n) => n,
+            None if self.pipelined => u64::from(self.resolved()?.layout.workers()),
+            None => 1,
         };
-        let workers = local_workers.unwrap_or(u64::from(run.layout.workers()));
-        let per_worker = model.worker_memory_bytes(
-            &run,
-            self.microbatch_size,
-            self.optimizer.kind.state_copies(),
-        );
-        let holding = format!(
-            "{} parameters' weights{}, optimizer state and stashed activations",
-            model.param_count(),
-            if matches!(run.policy, Policy::PipeDream | Policy::VerticalSync) {
-                " in every version stashed"
-            } else {
-                ""
-            }
-        );
-        crate::limits::check_memory(per_worker * workers as f64, workers, &holding, machine)
+        crate::limits::check_local_workers(workers, machine)
     }
 
     /// The policy a pipeline of this run uses: its own when it is pipelined; otherwise (one

@@ -197,7 +197,15 @@ fn check_profile_request(model: &Model, opts: &ProfileOptions) -> Result<()> {
         "{} parameters and a microbatch's activations",
         model.param_count()
     );
-    limits::check_memory(need, copies, &holding, &Machine::detect())
+    let machine = Machine::detect();
+    limits::check_local_workers(copies, &machine)?;
+    let need = limits::MemoryNeed {
+        bytes: need,
+        workers: copies,
+        holding: &holding,
+        lower: "profile a smaller --microbatch-size",
+    };
+    limits::admit_memory(&need, &machine)
 }
 
 /// Profiles every layer of `model` on `be` (see the module docs). The forward runs in

@@ -4,11 +4,13 @@
 //!
 //! 1. merge: config file, then flags, then a plan file ([`TrainSettings`]);
 //! 2. resolve, or plan for `--workers` ([`RunConfig`], checked once);
-//! 3. the model ([`Model`]) and, for the chief, the data ([`Splits`]);
+//! 3. the model ([`Model`]), the memory gate's first look (the closed-form estimate, before
+//!    anything is read or allocated), and, for the chief, the data ([`Splits`]);
 //! 4. the checkpoint a run resumes from, and the bucket sizes it recorded;
 //! 5. the partition: given, by FLOPs, or measured (a cached profile where one fits);
 //! 6. link costs ([`link_costs`]) and each replicated stage's all-reduce buckets;
-//! 7. the memory estimate and its refusal;
+//! 7. the measured memory estimate and the gate's refusal ([`crate::limits::admit_memory`],
+//!    the one rule; `--force` runs anyway);
 //! 8. the checks of `--rejoin`.
 //!
 //! The watcher is told what each step found as typed [`StartupEvent`]s: the command line
@@ -33,8 +35,8 @@ use crate::planning::ProfileReport;
 use crate::planning::memory::WorkerMemory;
 
 pub use steps::{
-    adopt_checkpoint_buckets, check_memory, check_rejoin, read_data, replan, resolve, resume_from,
-    settle_partition,
+    adopt_checkpoint_buckets, check_memory, check_memory_floor, check_rejoin, read_data, replan,
+    resolve, resume_from, settle_partition,
 };
 
 /// Where a run's settings come from, as the command line names them: each later source
@@ -196,6 +198,7 @@ pub fn prepare(
         )?;
     }
     let model = Model::new(&cfg.model)?;
+    check_memory_floor(&cfg, &model, None, options.force, watcher)?;
     let data = read_data(&cfg, &model, watcher)?;
     watcher.on_event(&StartupEvent::DataRead {
         run: &cfg,

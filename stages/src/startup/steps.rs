@@ -238,14 +238,84 @@ fn choose_buckets(
     cfg.with_stage_buckets(values)
 }
 
-/// The memory gate: estimates the peak resident memory of a pipelined run's workers on this
-/// host (pipe's memory model, [`memory`]) and refuses the run where together they need more
-/// than the host has available, unless `force`. `process` is this process's resident bytes
-/// before it built the run; `processes` says the workers are processes, not threads of it.
+/// How to lower a run's memory, as the memory gate's refusal says it.
+const LOWER_MEMORY: &str = "lower it with a smaller --microbatch-size, --recompute full, more --stages, fewer --replicas or a schedule that keeps fewer weight versions (1f1b-flush), or give --force to run it anyway";
+
+/// Passes `need` through the memory gate ([`crate::limits::admit_memory`]); over it, `force`
+/// runs it anyway, and the watcher is told why.
+fn admit(
+    need: &crate::limits::MemoryNeed<'_>,
+    force: bool,
+    watcher: &dyn StartupWatcher,
+) -> Result<()> {
+    match crate::limits::admit_memory(need, &crate::limits::Machine::detect()) {
+        Err(e) if force => {
+            watcher.on_event(&StartupEvent::MemoryForced(e.to_string()));
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// The memory gate's first look, before anything is read, profiled or allocated: the
+/// planner's closed-form estimate of the run's workers on this host
+/// ([`Model::worker_memory_bytes`]; `local_workers`: `None` for all of them, as `pipe train`
+/// runs them, `Some(1)` for `pipe worker`). Where it is over and `force` is given, a pipelined
+/// run goes on to the measured estimate ([`check_memory`]), which says so.
+///
+/// # Errors
+/// A layout the estimate cannot resolve; [`StageError::Limit`] for a run over the gate.
+pub fn check_memory_floor(
+    cfg: &RunConfig,
+    model: &Model,
+    local_workers: Option<u64>,
+    force: bool,
+    watcher: &dyn StartupWatcher,
+) -> Result<()> {
+    let run = if cfg.pipelined {
+        cfg.resolved()?.clone()
+    } else {
+        pipe_scheduler::ScheduleSpec::new(pipe_scheduler::Policy::Sequential, 1, 1).resolve()?
+    };
+    let workers = local_workers.unwrap_or(u64::from(run.layout.workers()));
+    let per_worker =
+        model.worker_memory_bytes(&run, cfg.microbatch_size, cfg.optimizer.kind.state_copies());
+    let holding = format!(
+        "{} parameters' weights{}, optimizer state and stashed activations",
+        model.param_count(),
+        if matches!(
+            run.policy,
+            pipe_scheduler::Policy::PipeDream | pipe_scheduler::Policy::VerticalSync
+        ) {
+            " in every version stashed"
+        } else {
+            ""
+        }
+    );
+    let need = crate::limits::MemoryNeed {
+        bytes: per_worker * workers as f64,
+        workers,
+        holding: &holding,
+        lower: LOWER_MEMORY,
+    };
+    // A forced pipelined run is reported once, by the measured estimate.
+    let quiet = cfg.pipelined && local_workers.is_none();
+    admit(
+        &need,
+        force,
+        if quiet { &super::Unwatched } else { watcher },
+    )
+}
+
+/// The memory gate on the measured estimate: the peak resident memory of a pipelined run's
+/// workers on this host (pipe's memory model, [`memory`]), refused where together they need
+/// more than the gate admits ([`crate::limits::admit_memory`]), unless `force`. `process` is
+/// this process's resident bytes before it built the run; `processes` says the workers are
+/// processes, not threads of it.
 ///
 /// # Errors
 /// A layout or model the estimate cannot build; [`StageError::Limit`] for a run over the
-/// memory available.
+/// gate.
 pub fn check_memory(
     cfg: &RunConfig,
     process: u64,
@@ -268,17 +338,13 @@ pub fn check_memory(
         processes,
         need,
     });
-    let Some((available, source)) = crate::limits::available_memory() else {
-        return Ok(());
+    let need = crate::limits::MemoryNeed {
+        bytes: need as f64,
+        workers: workers.len() as u64,
+        holding: "weights, optimizer state, activations and buffers, measured per layer",
+        lower: LOWER_MEMORY,
     };
-    let lower = "lower it with a smaller --microbatch-size, --recompute full, more --stages, fewer --replicas or a schedule that keeps fewer weight versions (1f1b-flush)";
-    match crate::limits::check_available(need, available, source, lower) {
-        Err(e) if force => {
-            watcher.on_event(&StartupEvent::MemoryForced(e.to_string()));
-            Ok(())
-        }
-        other => other,
-    }
+    admit(&need, force, watcher)
 }
 
 /// Refuses `--rejoin` where there is nothing it could do: no stage with two or more replicas
