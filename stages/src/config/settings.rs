@@ -128,20 +128,12 @@ pub enum DatasetKind {
     Tokens,
 }
 
-impl std::str::FromStr for DatasetKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "mnist" => Ok(Self::Mnist),
-            "synthetic" => Ok(Self::Synthetic),
-            "tinyshakespeare" => Ok(Self::TinyShakespeare),
-            "tokens" => Ok(Self::Tokens),
-            _ => Err(format!(
-                "unknown dataset '{s}' (mnist, synthetic, tinyshakespeare, tokens:DIR)"
-            )),
-        }
-    }
-}
+crate::model::names::from_str_by_name!(DatasetKind, "dataset", {
+    "mnist" => Mnist,
+    "synthetic" => Synthetic,
+    "tinyshakespeare" => TinyShakespeare,
+    "tokens" => Tokens,
+}, expected "mnist, synthetic, tinyshakespeare, tokens:DIR");
 
 /// Raw settings, every one optional: the shape of a TOML config file and of the command line
 /// (`pipe train` and `pipe worker` flatten it into their flags, so a setting's flag, its

@@ -1,12 +1,13 @@
 //! The layer interface: what every layer implements ([`Layer`]), what its forward saves for
-//! its backward ([`Saved`]), the per-call context ([`ForwardCtx`]), and the normal
-//! initialisation shared by the dense and the transformer layers.
+//! its backward ([`Saved`]), the per-call context ([`ForwardCtx`]), and what the dense and
+//! the transformer layers share: the normal initialisation and the feature-shape and matrix
+//! product helpers.
 //!
 //! It is a module of its own so that the layer implementations (`layers`, `transformer`) and
 //! the layer descriptions that build them (`layers::LayerSpec`) depend on it and not on each
 //! other.
 
-use pipe_kernels::{Backend, Result as KResult, Tensor};
+use pipe_kernels::{Backend, Result as KResult, Tensor, Trans};
 use rand_distr::{Distribution, Normal};
 
 use crate::rng::Rng;
@@ -357,4 +358,65 @@ pub(crate) fn normal(rng: &mut Rng, shape: &[usize], std: f64) -> Tensor {
         Err(_) => vec![0.0; n],
     };
     Tensor::from_vec(shape, data).unwrap_or_default()
+}
+
+/// Checks that `x` has `want` features (columns), for op `op`'s error.
+pub(crate) fn features_of(x: &Tensor, op: &'static str, want: usize) -> KResult<()> {
+    if x.cols() != want {
+        return Err(pipe_kernels::KernelError::Shape {
+            op,
+            detail: format!("expected {want} features, got {:?}", x.shape()),
+        });
+    }
+    Ok(())
+}
+
+/// `shape` with its last dimension set to `last` (an empty shape stays empty).
+pub(crate) fn with_last(shape: &[usize], last: usize) -> Vec<usize> {
+    let mut out = shape.to_vec();
+    if let Some(l) = out.last_mut() {
+        *l = last;
+    }
+    out
+}
+
+/// The per-sample output shape of a layer that maps the last dimension of `input` from
+/// `inputs` to `outputs` features, or an error `{layer} expects {inputs} {features}, gets
+/// shape {input:?}`.
+pub(crate) fn map_features(
+    input: &[usize],
+    inputs: usize,
+    outputs: usize,
+    (layer, features): (&str, &str),
+) -> Result<Vec<usize>, String> {
+    match input.last() {
+        Some(&f) if f == inputs => Ok(with_last(input, outputs)),
+        _ => Err(format!(
+            "{layer} expects {inputs} {features}, gets shape {input:?}"
+        )),
+    }
+}
+
+/// Forward FLOPs per sample of multiplying every row of `input` (all dimensions but the
+/// last) by a `k x n` matrix.
+pub(crate) fn matmul_flops(input: &[usize], k: usize, n: usize) -> u64 {
+    let rows: usize = input[..input.len().saturating_sub(1)].iter().product();
+    (2 * rows * k * n) as u64
+}
+
+/// The input gradient of a product by the weight `w` (`dy w`, or `dy w^T` with
+/// `Trans::Yes`), shaped like the saved input `x`.
+///
+/// # Errors
+/// Kernel shape errors.
+pub(crate) fn matmul_input_grad(
+    be: &dyn Backend,
+    dy: &Tensor,
+    w: &Tensor,
+    trans_w: Trans,
+    x: &Tensor,
+) -> KResult<Tensor> {
+    let mut dx = Tensor::default();
+    be.matmul(dy, Trans::No, w, trans_w, &mut dx, false)?;
+    dx.reshape(x.shape())
 }

@@ -12,7 +12,10 @@ use rand_distr::{Distribution, Normal, Uniform};
 use serde::{Deserialize, Serialize};
 
 pub use crate::layer::{ForwardCtx, Layer, Saved};
-use crate::layer::{INIT_STD, materialize, normal};
+use crate::layer::{
+    INIT_STD, features_of, map_features, materialize, matmul_flops, matmul_input_grad, normal,
+    with_last,
+};
 use crate::rng::{Rng, derive_seed, rng_for};
 
 /// How a linear layer's weights are initialised.
@@ -289,16 +292,6 @@ pub struct Linear {
     init: Init,
 }
 
-fn features_of(x: &Tensor, op: &'static str, want: usize) -> KResult<()> {
-    if x.cols() != want {
-        return Err(pipe_kernels::KernelError::Shape {
-            op,
-            detail: format!("expected {want} features, got {:?}", x.shape()),
-        });
-    }
-    Ok(())
-}
-
 impl Layer for Linear {
     fn kind(&self) -> &'static str {
         "linear"
@@ -342,24 +335,12 @@ impl Layer for Linear {
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
-        match input.last() {
-            Some(&f) if f == self.inputs => {
-                let mut o = input.to_vec();
-                if let Some(last) = o.last_mut() {
-                    *last = self.outputs;
-                }
-                Ok(o)
-            }
-            _ => Err(format!(
-                "linear layer expects {} input features, gets shape {input:?}",
-                self.inputs
-            )),
-        }
+        let what = ("linear layer", "input features");
+        map_features(input, self.inputs, self.outputs, what)
     }
 
     fn flops_per_sample(&self, input: &[usize]) -> u64 {
-        let rows: usize = input[..input.len().saturating_sub(1)].iter().product();
-        (2 * rows * self.inputs * self.outputs) as u64
+        matmul_flops(input, self.inputs, self.outputs)
     }
 
     fn forward(
@@ -375,11 +356,7 @@ impl Layer for Linear {
         if self.bias {
             be.add_bias(&mut y, &params[1])?;
         }
-        let mut shape = x.shape().to_vec();
-        if let Some(l) = shape.last_mut() {
-            *l = self.outputs;
-        }
-        let y = y.reshape(&shape)?;
+        let y = y.reshape(&with_last(x.shape(), self.outputs))?;
         Ok((y, Saved::tensors(vec![x])))
     }
 
@@ -391,9 +368,7 @@ impl Layer for Linear {
         dy: &Tensor,
     ) -> KResult<Tensor> {
         features_of(dy, "linear backward_input", self.outputs)?;
-        let mut dx = Tensor::default();
-        be.matmul(dy, Trans::No, &params[0], Trans::Yes, &mut dx, false)?;
-        dx.reshape(saved.tensors[0].shape())
+        matmul_input_grad(be, dy, &params[0], Trans::Yes, &saved.tensors[0])
     }
 
     fn backward_params(
@@ -486,13 +461,8 @@ impl Layer for LayerNorm {
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
-        match input.last() {
-            Some(&f) if f == self.features => Ok(input.to_vec()),
-            _ => Err(format!(
-                "layer_norm expects {} features, gets shape {input:?}",
-                self.features
-            )),
-        }
+        let what = ("layer_norm", "features");
+        map_features(input, self.features, self.features, what)
     }
 
     fn flops_per_sample(&self, input: &[usize]) -> u64 {

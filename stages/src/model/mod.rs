@@ -21,6 +21,7 @@ pub mod hf;
 pub mod layer;
 pub mod layers;
 pub mod loss;
+pub(crate) mod names;
 pub mod optim;
 pub mod rng;
 pub mod sample;
@@ -984,12 +985,7 @@ impl Model {
             let input = (recompute == Recompute::Full).then(|| h.clone());
             let (y, s) = layer
                 .forward(be, &params[j], h, ctx.clone())
-                .map_err(|source| StageError::Kernel {
-                    layer: i,
-                    kind: layer.kind(),
-                    op: "forward",
-                    source,
-                })?;
+                .map_err(self.kernel_error(i, "forward"))?;
             saved.push(match input {
                 Some(x) if s.bytes() > x.len() * 4 => Saved::recompute(x, ctx),
                 // Evaluation has no backward: each layer's activations go as soon as the next
@@ -1014,12 +1010,21 @@ impl Model {
         let layer = &self.layers[i];
         materialize(layer.as_ref(), be, params, saved)
             .and_then(|saved| layer.backward_input(be, params, &saved, g))
-            .map_err(|source| StageError::Kernel {
-                layer: i,
-                kind: layer.kind(),
-                op: "backward_input",
-                source,
-            })
+            .map_err(self.kernel_error(i, "backward_input"))
+    }
+
+    /// The error of layer `i`'s kernel failing in `op`, naming the layer.
+    fn kernel_error(
+        &self,
+        i: usize,
+        op: &'static str,
+    ) -> impl FnOnce(pipe_kernels::KernelError) -> StageError + '_ {
+        move |source| StageError::Kernel {
+            layer: i,
+            kind: self.layers[i].kind(),
+            op,
+            source,
+        }
     }
 
     /// Runs layers `range` backward from `dy`: for each layer, last first, the input gradient
@@ -1082,12 +1087,7 @@ impl Model {
                 .and_then(|saved| {
                     layer.backward(be, &params[j], &saved, &g, &mut grads[j], accumulate, need)
                 })
-                .map_err(|source| StageError::Kernel {
-                    layer: i,
-                    kind: layer.kind(),
-                    op: "backward",
-                    source,
-                })?;
+                .map_err(self.kernel_error(i, "backward"))?;
             ready(j, grads)?;
             match next {
                 Some(next) => g = next,
@@ -1165,12 +1165,7 @@ impl Model {
                         accumulate,
                     )
                 })
-                .map_err(|source| StageError::Kernel {
-                    layer: i,
-                    kind: layer.kind(),
-                    op: "backward_params",
-                    source,
-                })?;
+                .map_err(self.kernel_error(i, "backward_params"))?;
             ready(j, grads)?;
         }
         Ok(())

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, StageError};
 pub use crate::model::ParamRole;
 use crate::model::Params;
+use crate::model::names::from_str_by_name;
 
 /// An optimizer's state per layer and parameter ([`ParamState`]).
 pub type OptimizerState = Vec<Vec<ParamState>>;
@@ -138,20 +139,12 @@ pub const DC_ASGD_MEAN_SQUARE_DECAY: f32 = 0.95;
 /// The adaptive DC-ASGD's `eps` under the square root.
 pub const DC_ASGD_EPS: f32 = 1e-7;
 
-impl std::str::FromStr for DelayCorrection {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "none" => Ok(Self::None),
-            "error-feedback" => Ok(Self::ErrorFeedback),
-            "dc-asgd" => Ok(Self::DcAsgd),
-            "dc-asgd-adaptive" => Ok(Self::DcAsgdAdaptive),
-            _ => Err(format!(
-                "unknown delay correction '{s}' (none, error-feedback, dc-asgd, dc-asgd-adaptive)"
-            )),
-        }
-    }
-}
+from_str_by_name!(DelayCorrection, "delay correction", {
+    "none" => None,
+    "error-feedback" => ErrorFeedback,
+    "dc-asgd" => DcAsgd,
+    "dc-asgd-adaptive" => DcAsgdAdaptive,
+});
 
 /// No roles: every parameter is neither kind of matrix ([`Optimizer::new`] for parameters
 /// without a model, as in a bare optimizer test).
@@ -187,16 +180,10 @@ impl DecayGroups {
     }
 }
 
-impl std::str::FromStr for DecayGroups {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "all" => Ok(Self::All),
-            "matrices" => Ok(Self::Matrices),
-            _ => Err(format!("unknown weight-decay groups '{s}' (all, matrices)")),
-        }
-    }
-}
+from_str_by_name!(DecayGroups, "weight-decay groups", {
+    "all" => All,
+    "matrices" => Matrices,
+});
 
 /// Which optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -249,21 +236,13 @@ impl OptimizerKind {
     }
 }
 
-impl std::str::FromStr for OptimizerKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "sgd" => Ok(Self::Sgd),
-            "adam" => Ok(Self::Adam),
-            "adamw" => Ok(Self::Adamw),
-            "muon" => Ok(Self::Muon),
-            "lion" => Ok(Self::Lion),
-            _ => Err(format!(
-                "unknown optimizer '{s}' (sgd, adam, adamw, muon, lion)"
-            )),
-        }
-    }
-}
+from_str_by_name!(OptimizerKind, "optimizer", {
+    "sgd" => Sgd,
+    "adam" => Adam,
+    "adamw" => Adamw,
+    "muon" => Muon,
+    "lion" => Lion,
+});
 
 /// Optimizer hyperparameters.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -532,14 +511,7 @@ impl Optimizer {
     /// # Errors
     /// Kernel errors (device allocation).
     pub fn placed(mut self, be: &dyn Backend) -> Result<Self> {
-        for t in self
-            .state
-            .iter_mut()
-            .flatten()
-            .flat_map(ParamState::parts_mut)
-        {
-            *t = be.place(std::mem::take(t))?;
-        }
+        self.move_state(|t| Ok(be.place(t)?))?;
         Ok(self)
     }
 
@@ -548,16 +520,22 @@ impl Optimizer {
     /// # Errors
     /// Device failures.
     pub fn on_host(mut self, be: &dyn Backend) -> Result<Self> {
+        self.move_state(|t| crate::model::host_tensor(be, t))?;
+        self.before.clear();
+        Ok(self)
+    }
+
+    /// Replaces every state tensor by `to` of it (the tensor moved elsewhere).
+    fn move_state(&mut self, mut to: impl FnMut(Tensor) -> Result<Tensor>) -> Result<()> {
         for t in self
             .state
             .iter_mut()
             .flatten()
             .flat_map(ParamState::parts_mut)
         {
-            *t = crate::model::host_tensor(be, std::mem::take(t))?;
+            *t = to(std::mem::take(t))?;
         }
-        self.before.clear();
-        Ok(self)
+        Ok(())
     }
 
     /// An optimizer resuming from saved `state` (per layer and parameter; host tensors shaped
@@ -782,7 +760,16 @@ impl Optimizer {
                 be.copy(p, b)?;
             }
         }
-        self.base_step(be, params, grads, lr)?;
+        // The optimizer's own step.
+        self.steps += 1;
+        let t = self.steps as i32;
+        let layers = params.iter_mut().zip(grads).zip(&mut self.state);
+        for (((layer, lgrads), lstate), marks) in layers.zip(&self.roles) {
+            let each = layer.iter_mut().zip(lgrads).zip(lstate.iter_mut());
+            for (((p, g), st), &role) in each.zip(marks) {
+                param_step(be, &self.cfg, (role, t, lr), p, g, st)?;
+            }
+        }
         if feedback {
             let c = self.cfg.correction_strength;
             let first = self.steps == 1;
@@ -796,70 +783,67 @@ impl Optimizer {
         }
         Ok(())
     }
+}
 
-    /// The optimizer's own step with learning rate `lr`.
-    fn base_step(
-        &mut self,
-        be: &dyn Backend,
-        params: &mut Params,
-        grads: &Params,
-        lr: f32,
-    ) -> Result<()> {
-        self.steps += 1;
-        let t = self.steps as i32;
-        let layers = params.iter_mut().zip(grads).zip(&mut self.state);
-        for (((layer, lgrads), lstate), marks) in layers.zip(&self.roles) {
-            let each = layer.iter_mut().zip(lgrads).zip(lstate.iter_mut());
-            for (((p, g), st), &role) in each.zip(marks) {
-                // This parameter's hyperparameters: its group's weight decay.
-                let c = OptimizerConfig {
-                    weight_decay: if self.cfg.decay_groups.decays(role) {
-                        self.cfg.weight_decay
-                    } else {
-                        0.0
-                    },
-                    ..self.cfg
-                };
-                let adam = |lr: f32| AdamStep {
-                    lr,
-                    beta1: c.beta1,
-                    beta2: c.beta2,
-                    eps: c.eps,
-                    weight_decay: c.weight_decay,
-                    decoupled: matches!(c.kind, OptimizerKind::Adamw | OptimizerKind::Muon),
-                    bias_correction1: 1.0 - c.beta1.powi(t),
-                    bias_correction2: 1.0 - c.beta2.powi(t),
-                };
-                let (s1, s2) = (&mut st.first, &mut st.second);
-                match c.kind {
-                    OptimizerKind::Sgd => {
-                        let hp = SgdStep {
-                            lr,
-                            momentum: c.momentum,
-                            nesterov: c.nesterov,
-                            weight_decay: c.weight_decay,
-                        };
-                        let buf = if c.momentum != 0.0 { Some(s1) } else { None };
-                        be.sgd_update(p, g, buf, hp)?;
-                    }
-                    OptimizerKind::Muon if role.hidden_matrix => muon_step(be, p, g, s1, &c, lr)?,
-                    OptimizerKind::Adam | OptimizerKind::Adamw | OptimizerKind::Muon => {
-                        be.adam_update(p, g, s1, s2, adam(lr))?;
-                    }
-                    OptimizerKind::Lion => {
-                        let hp = LionStep {
-                            lr,
-                            beta1: c.beta1,
-                            beta2: c.beta2,
-                            weight_decay: c.weight_decay,
-                        };
-                        be.lion_update(p, g, s1, hp)?;
-                    }
-                }
-            }
+/// One parameter's update by `cfg`'s optimizer at step `t` with learning rate `lr`, with the
+/// weight decay of the group of a parameter of `role`.
+///
+/// # Errors
+/// Shape mismatches between the parameter, its gradient and its state.
+fn param_step(
+    be: &dyn Backend,
+    cfg: &OptimizerConfig,
+    (role, t, lr): (ParamRole, i32, f32),
+    p: &mut Tensor,
+    g: &Tensor,
+    st: &mut ParamState,
+) -> Result<()> {
+    // This parameter's hyperparameters: its group's weight decay.
+    let c = OptimizerConfig {
+        weight_decay: if cfg.decay_groups.decays(role) {
+            cfg.weight_decay
+        } else {
+            0.0
+        },
+        ..*cfg
+    };
+    let adam = |lr: f32| AdamStep {
+        lr,
+        beta1: c.beta1,
+        beta2: c.beta2,
+        eps: c.eps,
+        weight_decay: c.weight_decay,
+        decoupled: matches!(c.kind, OptimizerKind::Adamw | OptimizerKind::Muon),
+        bias_correction1: 1.0 - c.beta1.powi(t),
+        bias_correction2: 1.0 - c.beta2.powi(t),
+    };
+    let (s1, s2) = (&mut st.first, &mut st.second);
+    match c.kind {
+        OptimizerKind::Sgd => {
+            let hp = SgdStep {
+                lr,
+                momentum: c.momentum,
+                nesterov: c.nesterov,
+                weight_decay: c.weight_decay,
+            };
+            let buf = if c.momentum != 0.0 { Some(s1) } else { None };
+            be.sgd_update(p, g, buf, hp)?;
         }
-        Ok(())
+        OptimizerKind::Muon if role.hidden_matrix => muon_step(be, p, g, s1, &c, lr)?,
+        OptimizerKind::Adam | OptimizerKind::Adamw | OptimizerKind::Muon => {
+            be.adam_update(p, g, s1, s2, adam(lr))?;
+        }
+        OptimizerKind::Lion => {
+            let hp = LionStep {
+                lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                weight_decay: c.weight_decay,
+            };
+            be.lion_update(p, g, s1, hp)?;
+        }
     }
+    Ok(())
 }
 
 /// Rescales an update's summed gradients to the mean over this stage's `own` microbatches
@@ -981,19 +965,11 @@ pub enum LrScheduleKind {
     Cosine,
 }
 
-impl std::str::FromStr for LrScheduleKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "constant" => Ok(Self::Constant),
-            "warmup" => Ok(Self::Warmup),
-            "cosine" => Ok(Self::Cosine),
-            _ => Err(format!(
-                "unknown lr schedule '{s}' (constant, warmup, cosine)"
-            )),
-        }
-    }
-}
+from_str_by_name!(LrScheduleKind, "lr schedule", {
+    "constant" => Constant,
+    "warmup" => Warmup,
+    "cosine" => Cosine,
+});
 
 /// A learning-rate schedule over a known number of steps.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -13,7 +13,10 @@
 
 use pipe_kernels::{AttentionShape, Backend, Result as KResult, Tensor, Trans};
 
-use crate::layer::{ForwardCtx, INIT_STD, Layer, Saved, normal};
+use crate::layer::{
+    ForwardCtx, INIT_STD, Layer, Saved, features_of, map_features, matmul_flops, matmul_input_grad,
+    normal, with_last,
+};
 use crate::rng::Rng;
 
 fn shape_err(op: &'static str, detail: String) -> pipe_kernels::KernelError {
@@ -243,9 +246,7 @@ impl Attention {
         saved: &Saved,
         dqkv: &Tensor,
     ) -> KResult<Tensor> {
-        let mut dx = Tensor::default();
-        be.matmul(dqkv, Trans::No, &params[0], Trans::Yes, &mut dx, false)?;
-        dx.reshape(saved.tensors[SAVED_X].shape())
+        matmul_input_grad(be, dqkv, &params[0], Trans::Yes, &saved.tensors[SAVED_X])
     }
 }
 
@@ -383,22 +384,11 @@ impl Layer for LmHead {
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
-        match input.split_last() {
-            Some((&c, rest)) if c == self.width => {
-                let mut o = rest.to_vec();
-                o.push(self.vocab);
-                Ok(o)
-            }
-            _ => Err(format!(
-                "lm_head expects {} features, gets shape {input:?}",
-                self.width
-            )),
-        }
+        map_features(input, self.width, self.vocab, ("lm_head", "features"))
     }
 
     fn flops_per_sample(&self, input: &[usize]) -> u64 {
-        let rows: usize = input[..input.len().saturating_sub(1)].iter().product();
-        (2 * rows * self.width * self.vocab) as u64
+        matmul_flops(input, self.width, self.vocab)
     }
 
     fn forward(
@@ -408,19 +398,11 @@ impl Layer for LmHead {
         x: Tensor,
         _ctx: ForwardCtx,
     ) -> KResult<(Tensor, Saved)> {
-        if x.cols() != self.width {
-            return Err(shape_err(
-                "lm_head forward",
-                format!("expected {} features, got {:?}", self.width, x.shape()),
-            ));
-        }
+        features_of(&x, "lm_head forward", self.width)?;
         let mut y = Tensor::default();
         be.matmul(&x, Trans::No, &params[0], Trans::Yes, &mut y, false)?;
-        let mut shape = x.shape().to_vec();
-        if let Some(l) = shape.last_mut() {
-            *l = self.vocab;
-        }
-        Ok((y.reshape(&shape)?, Saved::tensors(vec![x])))
+        let y = y.reshape(&with_last(x.shape(), self.vocab))?;
+        Ok((y, Saved::tensors(vec![x])))
     }
 
     fn backward_input(
@@ -430,9 +412,7 @@ impl Layer for LmHead {
         saved: &Saved,
         dy: &Tensor,
     ) -> KResult<Tensor> {
-        let mut dx = Tensor::default();
-        be.matmul(dy, Trans::No, &params[0], Trans::No, &mut dx, false)?;
-        dx.reshape(saved.tensors[0].shape())
+        matmul_input_grad(be, dy, &params[0], Trans::No, &saved.tensors[0])
     }
 
     fn backward_params(

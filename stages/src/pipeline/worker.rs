@@ -812,6 +812,26 @@ impl Fields<'_> {
     fn f64(&mut self) -> Result<f64> {
         Ok(f64::from_le_bytes(self.take()?))
     }
+
+    /// A count, then that many records of `size` bytes, each read by `read`. A count beyond
+    /// what is left is a lie, refused before any allocation (naming worker `from`'s summary
+    /// and `what` the records are).
+    fn records<R>(
+        &mut self,
+        from: u32,
+        what: &str,
+        size: usize,
+        mut read: impl FnMut(&mut Self) -> Result<R>,
+    ) -> Result<Vec<R>> {
+        let n = self.usize()?;
+        if n > self.0.len() / size {
+            return Err(protocol(format!(
+                "worker {from}'s summary claims {n} {what} in {} bytes",
+                self.0.len()
+            )));
+        }
+        (0..n).map(|_| read(self)).collect()
+    }
 }
 
 /// The inverse of [`encode_summary`]; `from` must be the worker the summary names.
@@ -834,29 +854,9 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
     let bytes_sent = f.u64()?;
     let peak_resident_bytes = f.u64()?;
     let peak_device_bytes = f.u64()?;
-    let n = f.usize()?;
-    // Each record is 20 bytes: a count beyond what is left is a lie, refused before any
-    // allocation.
-    if n > f.0.len() / 20 {
-        return Err(protocol(format!(
-            "worker {from}'s summary claims {n} losses in {} bytes",
-            f.0.len()
-        )));
-    }
-    let losses = (0..n)
-        .map(|_| Ok((f.u32()?, f.f64()?, f.usize()?)))
-        .collect::<Result<Vec<_>>>()?;
-    let n = f.usize()?;
-    // 12 bytes each, refused as above.
-    if n > f.0.len() / 12 {
-        return Err(protocol(format!(
-            "worker {from}'s summary claims {n} gradient norms in {} bytes",
-            f.0.len()
-        )));
-    }
-    let grad_norms = (0..n)
-        .map(|_| Ok((f.u32()?, f.f64()?)))
-        .collect::<Result<Vec<_>>>()?;
+    // A loss record is 20 bytes, a gradient norm 12.
+    let losses = f.records(from, "losses", 20, |f| Ok((f.u32()?, f.f64()?, f.usize()?)))?;
+    let grad_norms = f.records(from, "gradient norms", 12, |f| Ok((f.u32()?, f.f64()?)))?;
     Ok(WorkerOutcome {
         worker,
         versions: Vec::new(),
@@ -893,16 +893,32 @@ fn gather_summaries<T: Transport + ?Sized>(
     Ok(out)
 }
 
-/// The stages whose replica 0 `state`'s worker is.
+/// The stages whose replica 0 `state`'s worker is, each with the model index of its first
+/// layer.
 fn first_replica_stages<'s>(
     plan: &'s RunPlan,
     state: &'s WorkerState,
-) -> impl Iterator<Item = &'s super::StageState> + 's {
+) -> impl Iterator<Item = (usize, &'s super::StageState)> + 's {
     let layout = plan.schedule.layout();
     state
         .stages
         .iter()
         .filter(move |st| layout.worker_for(st.stage, 0) == state.worker)
+        .map(|st| (plan.partition.range(st.stage as usize).start, st))
+}
+
+/// The layers the chief receives from other workers: each with the worker that is replica 0
+/// of its stage, in stage and layer order.
+fn layers_from_other_workers(plan: &RunPlan) -> impl Iterator<Item = (u32, usize)> + '_ {
+    let layout = plan.schedule.layout();
+    (0..plan.schedule.stages())
+        .map(move |s| (layout.worker_for(s, 0), s))
+        .filter(|&(w, _)| w != CHIEF)
+        .flat_map(|(w, s)| {
+            plan.partition
+                .range(s as usize)
+                .map(move |layer| (w, layer))
+        })
 }
 
 /// Sends the weights of every stage this worker is replica 0 of, one message per layer.
@@ -912,8 +928,7 @@ fn send_weights<T: Transport + ?Sized>(
     state: &WorkerState,
     index: u32,
 ) -> Result<()> {
-    for st in first_replica_stages(plan, state) {
-        let first = plan.partition.range(st.stage as usize).start;
+    for (first, st) in first_replica_stages(plan, state) {
         for (i, layer) in st.params.iter().enumerate() {
             let key = control(
                 state.worker,
@@ -936,8 +951,7 @@ fn send_optimizer<T: Transport + ?Sized>(
     state: &WorkerState,
     index: u32,
 ) -> Result<()> {
-    for st in first_replica_stages(plan, state) {
-        let first = plan.partition.range(st.stage as usize).start;
+    for (first, st) in first_replica_stages(plan, state) {
         for (i, layer) in st.opt.state().iter().enumerate() {
             let l = (first + i) as u32;
             for k in 0..STATE_PARTS {
@@ -966,22 +980,14 @@ fn gather_weights<T: Transport + ?Sized>(
     index: u32,
 ) -> Result<Params> {
     let mut params: Params = like.clone();
-    for st in first_replica_stages(plan, own) {
-        let first = plan.partition.range(st.stage as usize).start;
+    for (first, st) in first_replica_stages(plan, own) {
         for (i, layer) in st.params.iter().enumerate() {
             params[first + i] = layer.clone();
         }
     }
-    let layout = plan.schedule.layout();
-    for s in 0..plan.schedule.stages() {
-        let w = layout.worker_for(s, 0);
-        if w == CHIEF {
-            continue;
-        }
-        for layer in plan.partition.range(s as usize) {
-            let m = ep.recv(&control(w, CHIEF, TOPIC_WEIGHTS, index, layer as u32))?;
-            fill(params[layer].iter_mut(), m.tensor.host()?, layer)?;
-        }
+    for (w, layer) in layers_from_other_workers(plan) {
+        let m = ep.recv(&control(w, CHIEF, TOPIC_WEIGHTS, index, layer as u32))?;
+        fill(params[layer].iter_mut(), m.tensor.host()?, layer)?;
     }
     Ok(params)
 }
@@ -1001,31 +1007,23 @@ fn gather_optimizer<T: Transport + ?Sized>(
         .state()
         .to_vec();
     let mut steps = vec![0u64; like.len()];
-    for st in first_replica_stages(plan, own) {
-        let first = plan.partition.range(st.stage as usize).start;
+    for (first, st) in first_replica_stages(plan, own) {
         for (i, layer) in st.opt.state().iter().enumerate() {
             opt[first + i] = layer.clone();
             steps[first + i] = st.opt.steps();
         }
     }
-    let layout = plan.schedule.layout();
-    for s in 0..plan.schedule.stages() {
-        let w = layout.worker_for(s, 0);
-        if w == CHIEF {
-            continue;
-        }
-        for layer in plan.partition.range(s as usize) {
-            let l = layer as u32;
-            for k in 0..STATE_PARTS {
-                let step = STATE_PARTS as u32 * l + k as u32;
-                let m = ep.recv(&control(w, CHIEF, TOPIC_OPTIMIZER, index, step))?;
-                steps[layer] = m.version;
-                fill(
-                    opt[layer].iter_mut().map(|x| x.part_mut(k)),
-                    m.tensor.host()?,
-                    layer,
-                )?;
-            }
+    for (w, layer) in layers_from_other_workers(plan) {
+        let l = layer as u32;
+        for k in 0..STATE_PARTS {
+            let step = STATE_PARTS as u32 * l + k as u32;
+            let m = ep.recv(&control(w, CHIEF, TOPIC_OPTIMIZER, index, step))?;
+            steps[layer] = m.version;
+            fill(
+                opt[layer].iter_mut().map(|x| x.part_mut(k)),
+                m.tensor.host()?,
+                layer,
+            )?;
         }
     }
     Ok((opt, steps))
