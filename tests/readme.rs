@@ -22,7 +22,7 @@ fn help_flags() -> Vec<String> {
         let long = trimmed
             .split([' ', ','])
             .find(|word| word.starts_with("--"))
-            .and_then(|word| word.split(['=', '<']).next());
+            .and_then(|word| word.split(['=', '<', '[']).next());
         if let Some(flag) = long.filter(|f| *f != "--help") {
             flags.push(flag.to_string());
         }

@@ -32,7 +32,8 @@ fn the_optimizers_configuration_expands_into_its_matrix() {
     for correction in ["error-feedback", "dc-asgd", "dc-asgd-adaptive"] {
         assert_eq!(
             runs.iter()
-                .filter(|r| r.delay_correction.as_deref() == Some(correction) && r.policy == "2bw")
+                .filter(|r| r.delay_correction.map(|c| c.name()) == Some(correction)
+                    && r.policy == "2bw")
                 .count(),
             4 * 3,
             "{correction}"
@@ -273,7 +274,7 @@ fn a_small_experiment_runs_saves_and_regenerates_its_report() {
         .remedies
         .variants
         .push(pipe_experiments::staleness::config::RemedyVariant {
-            delay_correction: Some("error-feedback".into()),
+            delay_correction: Some(pipe_stages::optim::DelayCorrection::ErrorFeedback),
             ..Default::default()
         });
     let more = run_experiment(&grown, true, &dir, "pipe test", &mut |_, _, _| {}).unwrap();
@@ -322,7 +323,9 @@ fn dc_asgd_variants_skip_the_policy_without_a_stash() {
     let runs = cfg.matrix().unwrap();
     let count = |policy: &str, correction: &str| {
         runs.iter()
-            .filter(|r| r.policy == policy && r.delay_correction.as_deref() == Some(correction))
+            .filter(|r| {
+                r.policy == policy && r.delay_correction.map(|c| c.name()) == Some(correction)
+            })
             .count()
     };
     for correction in ["error-feedback", "dc-asgd", "dc-asgd-adaptive"] {

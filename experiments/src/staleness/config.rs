@@ -125,7 +125,7 @@ pub struct RemedyVariant {
     /// A delay correction around the optimizer's step (`error-feedback`), with its strength
     /// (`pipe train --delay-correction`, `--delay-correction-strength`).
     #[serde(default)]
-    pub delay_correction: Option<String>,
+    pub delay_correction: Option<pipe_stages::optim::DelayCorrection>,
     /// The correction's strength (its default when absent).
     #[serde(default)]
     pub delay_correction_strength: Option<f32>,
@@ -231,7 +231,7 @@ pub struct RunSpec {
     pub allreduce_dtype: Option<String>,
     /// The delay correction (`error-feedback`), when there is one.
     #[serde(default)]
-    pub delay_correction: Option<String>,
+    pub delay_correction: Option<pipe_stages::optim::DelayCorrection>,
     /// Its strength, when not the default.
     #[serde(default)]
     pub delay_correction_strength: Option<f32>,
@@ -319,7 +319,7 @@ impl StalenessConfig {
                         // of policy; DC-ASGD needs stashed weights.
                         if v.compensate_momentum && o.kind != OptimizerKind::Sgd
                             || !prediction_fits(v, policy)?
-                            || !correction_fits(v, policy)?
+                            || !correction_fits(v, policy)
                         {
                             continue;
                         }
@@ -392,12 +392,11 @@ impl StalenessConfig {
         if let Some(d) = &v.allreduce_dtype {
             extra.push(format!("allreduce:{d}"));
         }
-        if let Some(c) = &v.delay_correction {
-            c.parse::<pipe_stages::optim::DelayCorrection>()
-                .map_err(ExperimentError::Config)?;
+        if let Some(c) = v.delay_correction {
+            let c = c.name();
             extra.push(match v.delay_correction_strength {
                 Some(k) => format!("{c}:{k}"),
-                None => c.clone(),
+                None => c.to_string(),
             });
         }
         if !extra.is_empty() {
@@ -423,7 +422,7 @@ impl StalenessConfig {
             delayed: None,
             replicas: r as u32,
             allreduce_dtype: v.allreduce_dtype.clone(),
-            delay_correction: v.delay_correction.clone(),
+            delay_correction: v.delay_correction,
             delay_correction_strength: v.delay_correction_strength,
             lr_factor: 1.0,
         })
@@ -524,14 +523,11 @@ fn prediction_fits(v: &RemedyVariant, policy: Policy) -> Result<bool, Experiment
     })
 }
 
-/// Whether a variant's delay correction applies to `policy`: DC-ASGD needs the stashed
-/// weights that pipedream-nostash does not keep (`pipe train` refuses it there).
-fn correction_fits(v: &RemedyVariant, policy: Policy) -> Result<bool, ExperimentError> {
-    let Some(text) = &v.delay_correction else {
-        return Ok(true);
-    };
-    let c: pipe_stages::optim::DelayCorrection = text.parse().map_err(ExperimentError::Config)?;
-    Ok(!(c.needs_stale_weights() && policy == Policy::PipeDreamNoStash))
+/// Whether a variant's delay correction applies to `policy`, by the correction's own rules
+/// ([`pipe_stages::optim::DelayCorrection::check_fits`]; a variant predicts no weights).
+fn correction_fits(v: &RemedyVariant, policy: Policy) -> bool {
+    v.delay_correction
+        .is_none_or(|c| c.check_fits(policy, v.weight_prediction.is_some()).is_ok())
 }
 
 fn parse_policy(name: &str) -> Result<Policy, ExperimentError> {

@@ -204,12 +204,7 @@ pub fn run_config(cfg: &StalenessConfig, spec: &RunSpec) -> Result<RunConfig, Ex
         stages: pipeline.then_some(spec.stages as usize),
         replicas: (pipeline && spec.replicas > 1).then(|| vec![spec.replicas]),
         allreduce_dtype: spec.allreduce_dtype.clone(),
-        delay_correction: spec
-            .delay_correction
-            .as_deref()
-            .map(str::parse)
-            .transpose()
-            .map_err(ExperimentError::Config)?,
+        delay_correction: spec.delay_correction,
         delay_correction_strength: spec.delay_correction_strength,
         schedule: pipeline.then(|| spec.policy.clone()),
         partition: pipeline.then(|| "flops".to_string()),

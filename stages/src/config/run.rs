@@ -685,8 +685,8 @@ impl RunConfig {
     }
 }
 
-/// A delay correction needs a delay: refused (exit 2) on a sequential run and on flush
-/// schedules, where every gradient meets the weights it was computed at.
+/// [`crate::optim::DelayCorrection::check_fits`] for a run's optimizer and policy, as a
+/// configuration error (exit 2).
 ///
 /// # Errors
 /// [`StageError::Config`] naming the correction and the policy.
@@ -695,33 +695,9 @@ pub(super) fn check_delay_correction(
     policy: Policy,
     prediction: Option<crate::remedy::Prediction>,
 ) -> Result<()> {
-    let correction = optimizer.delay_correction;
-    let name = correction.name();
-    if correction == crate::optim::DelayCorrection::None {
-        return Ok(());
-    }
-    if policy == Policy::Sequential || policy.is_flush() {
-        return Err(StageError::Config(format!(
-            "--delay-correction {name} corrects the delay of an asynchronous pipeline, and \
-             {policy} has none (every gradient meets the weights it was computed at): use it \
-             with pipedream, pipedream-nostash, vertical-sync or 2bw"
-        )));
-    }
-    if !correction.needs_stale_weights() {
-        return Ok(());
-    }
-    if policy == Policy::PipeDreamNoStash {
-        return Err(StageError::Config(format!(
-            "--delay-correction {name} needs the weights each gradient was computed at, and \
-             pipedream-nostash stashes none: use pipedream, vertical-sync or 2bw, or \
-             error-feedback"
-        )));
-    }
-    if prediction.is_some_and(|p| p != crate::remedy::Prediction::None) {
-        return Err(StageError::Config(format!(
-            "--delay-correction {name} and --weight-prediction both correct the same delay \
-             (the prediction changes the weights a gradient is computed at): pick one"
-        )));
-    }
-    Ok(())
+    let predicts = prediction.is_some_and(|p| p != crate::remedy::Prediction::None);
+    optimizer
+        .delay_correction
+        .check_fits(policy, predicts)
+        .map_err(StageError::Config)
 }

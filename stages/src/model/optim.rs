@@ -124,6 +124,50 @@ impl DelayCorrection {
         )
     }
 
+    /// The rules of where a correction runs, the one place they are written (`pipe train`
+    /// and the experiments ask here): a correction needs a delay, so no sequential run or
+    /// flush schedule; DC-ASGD needs the weights each gradient was computed at, which
+    /// pipedream-nostash does not stash; and it corrects the same delay a weight prediction
+    /// does (`predicts`), so not both.
+    ///
+    /// # Errors
+    /// A message naming the correction, the policy and what would fit.
+    pub fn check_fits(
+        self,
+        policy: pipe_scheduler::Policy,
+        predicts: bool,
+    ) -> std::result::Result<(), String> {
+        use pipe_scheduler::Policy;
+        let name = self.name();
+        if self == DelayCorrection::None {
+            return Ok(());
+        }
+        if policy == Policy::Sequential || policy.is_flush() {
+            return Err(format!(
+                "--delay-correction {name} corrects the delay of an asynchronous pipeline, and \
+                 {policy} has none (every gradient meets the weights it was computed at): use it \
+                 with pipedream, pipedream-nostash, vertical-sync or 2bw"
+            ));
+        }
+        if !self.needs_stale_weights() {
+            return Ok(());
+        }
+        if policy == Policy::PipeDreamNoStash {
+            return Err(format!(
+                "--delay-correction {name} needs the weights each gradient was computed at, and \
+                 pipedream-nostash stashes none: use pipedream, vertical-sync or 2bw, or \
+                 error-feedback"
+            ));
+        }
+        if predicts {
+            return Err(format!(
+                "--delay-correction {name} and --weight-prediction both correct the same delay \
+                 (the prediction changes the weights a gradient is computed at): pick one"
+            ));
+        }
+        Ok(())
+    }
+
     /// True when the correction keeps a parameter-sized buffer ([`ParamState::correction`]).
     pub fn keeps_buffer(self) -> bool {
         matches!(
