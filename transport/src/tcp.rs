@@ -66,6 +66,9 @@ const TAG_ABORT: u8 = 1;
 /// How long a hello may take once a connection is open.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Accepted connections whose hellos are read at once; more are closed unread.
+const MAX_PENDING_HELLOS: usize = 64;
+
 /// Options of a TCP endpoint.
 #[derive(Clone, Debug)]
 pub struct TcpOptions {
@@ -220,7 +223,10 @@ impl TcpBound {
     }
 
     /// Accepts every rank above this one until `deadline`; connections that are not a
-    /// missing peer of this run are closed.
+    /// missing peer of this run are closed. Each accepted connection's hello is read on a
+    /// thread of its own, so a stranger that connects and says nothing holds up only itself
+    /// (until [`HELLO_TIMEOUT`]), never the peers behind it; at most [`MAX_PENDING_HELLOS`]
+    /// wait at once, and connections beyond them are closed at once.
     fn accept_above(
         &self,
         streams: &mut [Option<TcpStream>],
@@ -230,13 +236,16 @@ impl TcpBound {
         let missing = |streams: &[Option<TcpStream>]| {
             (self.rank + 1..self.size).find(|&p| streams[p as usize].is_none())
         };
+        let (greeted_tx, greeted) = unbounded::<(TcpStream, (u32, u32))>();
+        let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         while let Some(waiting) = missing(streams) {
-            match self.listener.accept() {
-                Ok((s, _)) => {
-                    if let Some(peer) = self.welcome(&s, streams) {
-                        streams[peer as usize] = Some(s);
-                    }
+            while let Ok((s, (from, to))) = greeted.try_recv() {
+                if self.welcome(&s, from, to, streams) {
+                    streams[from as usize] = Some(s);
                 }
+            }
+            match self.listener.accept() {
+                Ok((s, _)) => self.read_hello_apart(s, &greeted_tx, &pending),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
                         return Err(setup(format!(
@@ -252,24 +261,49 @@ impl TcpBound {
         Ok(())
     }
 
-    /// Checks an accepted connection's hello and answers it: the peer it is, or `None` for a
-    /// connection to close (another run, a rank that is not a missing peer above this one).
-    fn welcome(&self, s: &TcpStream, streams: &[Option<TcpStream>]) -> Option<u32> {
-        s.set_nonblocking(false).ok()?;
-        s.set_read_timeout(Some(HELLO_TIMEOUT)).ok()?;
-        let (from, to) = read_hello(s, self.opts.run_id).ok()?;
+    /// Reads the hello of accepted connection `s` on a thread of its own and hands the
+    /// connection with its (from, to) to `greeted`; a connection that sends no hello of this
+    /// run in [`HELLO_TIMEOUT`] is dropped (closed).
+    fn read_hello_apart(
+        &self,
+        s: TcpStream,
+        greeted: &Sender<(TcpStream, (u32, u32))>,
+        pending: &Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        use std::sync::atomic::Ordering;
+        if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_HELLOS {
+            pending.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        let (greeted, waiting, run_id) = (greeted.clone(), pending.clone(), self.opts.run_id);
+        let spawned = std::thread::Builder::new()
+            .name("tcp-hello".into())
+            .spawn(move || {
+                let ready = s.set_nonblocking(false).is_ok()
+                    && s.set_read_timeout(Some(HELLO_TIMEOUT)).is_ok();
+                if let Some(hello) = ready.then(|| read_hello(&s, run_id).ok()).flatten() {
+                    let _ = greeted.send((s, hello));
+                }
+                waiting.fetch_sub(1, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            // No thread for it: the connection was dropped with the closure.
+            pending.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Takes a greeted connection from `from` to `to` if it is a missing peer above this rank
+    /// of this run, answering its hello; `false` closes it.
+    fn welcome(&self, s: &TcpStream, from: u32, to: u32, streams: &[Option<TcpStream>]) -> bool {
         let wanted = to == self.rank
             && from > self.rank
             && from < self.size
             && streams[from as usize].is_none();
-        if !wanted {
-            return None;
-        }
-        (&*s)
-            .write_all(&hello(self.opts.run_id, self.rank, from))
-            .ok()?;
-        s.set_read_timeout(None).ok()?;
-        Some(from)
+        wanted
+            && (&*s)
+                .write_all(&hello(self.opts.run_id, self.rank, from))
+                .is_ok()
+            && s.set_read_timeout(None).is_ok()
     }
 }
 
