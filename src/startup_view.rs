@@ -50,7 +50,7 @@ impl StartupWatcher for Phases {
             StartupEvent::LinksCharged { cost, source } => {
                 outln!(
                     "{}",
-                    pipe_stages::startup::link_costs::describe(cost, source)
+                    pipe_stages::planning::link_costs::describe(cost, source)
                 );
             }
             StartupEvent::AutoPlan {

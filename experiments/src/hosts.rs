@@ -160,7 +160,7 @@ pub fn run(cfg: &HostsBenchConfig) -> Result<HostsReport, ExperimentError> {
     let profile = profile_model(&model, &cfg.model, &be, &profile_opts)?;
     // The link's MTU less 20 bytes of IPv4 and 8 of UDP header.
     let quic = crate::bench::quic_link_cost(cfg.mtu.saturating_sub(28))?;
-    let (costs, _) = pipe_stages::startup::link_costs::load_or_measure(false)?;
+    let (costs, _) = pipe_stages::planning::link_costs::load_or_measure(false)?;
     let shm = costs
         .get("shm")
         .map(pipe_scheduler::planner::transport::TransportCost::link)

@@ -937,7 +937,7 @@ fn combine(rounds: &[ModelResult]) -> ModelResult {
 /// Model, schedule or worker failures.
 pub fn run(cfg: &PipelineBenchConfig) -> Result<PipelineReport, ExperimentError> {
     let message = transport_cost()?;
-    let (costs, _) = pipe_stages::startup::link_costs::load_or_measure(false)?;
+    let (costs, _) = pipe_stages::planning::link_costs::load_or_measure(false)?;
     let shm = costs
         .get("shm")
         .map(pipe_scheduler::planner::transport::TransportCost::link)

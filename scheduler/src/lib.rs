@@ -44,6 +44,7 @@ pub mod profile;
 pub mod sim;
 pub mod spec;
 pub mod timeline;
+pub mod units;
 pub mod validate;
 
 pub use action::{Action, ActionKind, Microbatch, StageId, WorkerId};

@@ -232,7 +232,7 @@ pub struct TransportBenchArgs {
 /// Measures the link costs, caches them (pipe's cache, where the planner reads them) and
 /// prints them; writes them to `out` too when given.
 fn measure_link_costs(out: Option<&PathBuf>) -> Result<()> {
-    use pipe_stages::startup::link_costs as costs;
+    use pipe_stages::planning::link_costs as costs;
     let measured = costs::measure(costs::ROUNDS)?;
     outln!(
         "link costs (median over {} rounds, least-most):",

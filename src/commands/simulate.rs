@@ -71,7 +71,7 @@ pub struct SimulateArgs {
     /// `--message-cpu` and `--byte-cpu` (and a cost file's), and its rate and one-way time
     /// stand for `--bandwidth` and `--latency` where those are not given.
     #[command(flatten)]
-    link: pipe_stages::startup::link_costs::LinkChoice,
+    link: pipe_stages::planning::link_costs::LinkChoice,
 }
 
 /// The cost model ([`flag_or_file_costs`]), its message costs those of `--transport` where it
@@ -81,7 +81,7 @@ fn load_costs(args: &SimulateArgs) -> Result<CostModel> {
     if let Some((cost, source)) = args.link.load()? {
         outln!(
             "{}",
-            pipe_stages::startup::link_costs::describe(&cost, &source)
+            pipe_stages::planning::link_costs::describe(&cost, &source)
         );
         costs.message_cpu = cost.message_cpu_s.median;
         costs.byte_cpu = cost.byte_cpu_s.median;

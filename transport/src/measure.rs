@@ -5,7 +5,7 @@
 //! time per byte (the simulator's `byte_cpu`). Generic over [`Transport`], so the in-process
 //! channels and QUIC on loopback are measured by the same code.
 //!
-//! The planner charges links these figures (`pipe_stages::startup::link_costs` caches them per
+//! The planner charges links these figures (`pipe_stages::planning::link_costs` caches them per
 //! machine); `pipe bench transport` prints them.
 //!
 //! Processor time is the whole process's (`CLOCK_PROCESS_CPUTIME_ID`): a QUIC endpoint does

@@ -11,8 +11,10 @@
 
 pub mod buckets;
 pub mod hosts;
+pub mod link_costs;
 pub mod memory;
 pub mod profile;
+pub mod request;
 pub mod reuse;
 
 use pipe_kernels::CpuBackend;

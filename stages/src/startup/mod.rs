@@ -8,7 +8,8 @@
 //!    anything is read or allocated), and, for the chief, the data ([`Splits`]);
 //! 4. the checkpoint a run resumes from, and the bucket sizes it recorded;
 //! 5. the partition: given, by FLOPs, or measured (a cached profile where one fits);
-//! 6. link costs ([`link_costs`]) and each replicated stage's all-reduce buckets;
+//! 6. link costs ([`crate::planning::link_costs`]) and each replicated stage's all-reduce
+//!    buckets;
 //! 7. the measured memory estimate and the gate's refusal ([`crate::limits::admit_memory`],
 //!    the one rule; `--force` runs anyway);
 //! 8. the checks of `--rejoin`.
@@ -16,7 +17,6 @@
 //! The watcher is told what each step found as typed [`StartupEvent`]s: the command line
 //! formats them; nothing here prints.
 
-pub mod link_costs;
 mod steps;
 
 use std::path::PathBuf;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use pipe_scheduler::Resolved;
 
-use super::{RunSources, StartupEvent, StartupWatcher, link_costs};
+use super::{RunSources, StartupEvent, StartupWatcher};
 use crate::checkpoint::Checkpoint;
 use crate::config::{
     BucketOrigin, BucketSizes, LaunchSettings, PartitionChoice, PlanFile, RunConfig, TrainSettings,
@@ -17,6 +17,7 @@ use crate::config::{
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::model::Model;
+use crate::planning::link_costs;
 use crate::planning::{Profiling, buckets, memory, plan_workers, settle_measured_partition};
 
 /// A profiler that reuses the cache (unless `reprofile`) and reports to `watcher`.
