@@ -45,6 +45,7 @@ pub fn experiment_error(e: pipe_experiments::ExperimentError) -> anyhow::Error {
     match e {
         ExperimentError::Config(m) => bad_input(m),
         ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
+        ExperimentError::Schedule(s) => schedule_error(s),
         other => anyhow::Error::from(other),
     }
 }

@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod flags;
 pub mod hosts;
 pub mod machine;
 pub mod mfu;

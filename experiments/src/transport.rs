@@ -429,3 +429,63 @@ pub fn render(r: &TransportReport) -> String {
     }
     out
 }
+
+/// The ring all-reduce of `cfg` with every worker its own `pipe bench allreduce-worker`
+/// process, over a transport that crosses processes (loopback or shared memory): each
+/// process's seconds per round come back as a record, and a round takes its slowest worker.
+///
+/// # Errors
+/// A worker that fails or does not report its times.
+pub fn allreduce_in_processes(
+    cfg: &TransportBenchConfig,
+    transport: pipe_transport::TransportKind,
+) -> Result<AllReduce, ExperimentError> {
+    use pipe_stages::pipeline::processes::{LaunchOptions, launch};
+    let n = cfg.allreduce_workers;
+    let mut per_rank: Vec<Option<Vec<f64>>> = vec![None; n as usize];
+    let mut on_record = |rank: u32, json: &str| -> pipe_stages::Result<()> {
+        let times: Vec<f64> = serde_json::from_str(json).map_err(|e| {
+            pipe_stages::StageError::Executor(format!("a worker's all-reduce times: {e}"))
+        })?;
+        if let Some(slot) = per_rank.get_mut(rank as usize) {
+            *slot = Some(times);
+        }
+        Ok(())
+    };
+    let (mb, rounds) = (cfg.allreduce_mb.to_string(), cfg.rounds.to_string());
+    let command = |_: &std::path::Path| -> Vec<std::ffi::OsString> {
+        vec![
+            "bench".into(),
+            "allreduce-worker".into(),
+            "--mb".into(),
+            mb.clone().into(),
+            "--rounds".into(),
+            rounds.clone().into(),
+            "--transport".into(),
+            transport.name().into(),
+        ]
+    };
+    launch(&LaunchOptions::new(n), &[], &command, &mut on_record)?;
+    let slowest: Vec<f64> = (0..cfg.rounds as usize)
+        .map(|r| {
+            per_rank
+                .iter()
+                .map(|t| t.as_ref().and_then(|t| t.get(r)).copied())
+                .try_fold(0.0f64, |m, t| t.map(|t| m.max(t)))
+                .ok_or_else(|| {
+                    ExperimentError::Stage(pipe_stages::StageError::Executor(
+                        "a worker did not report its all-reduce times".into(),
+                    ))
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(allreduce_from_times(
+        &format!(
+            "{}, one process per worker",
+            transport.registration().map_or("auto", |r| r.about)
+        ),
+        n,
+        cfg.allreduce_mb * 1_000_000,
+        &slowest,
+    ))
+}
