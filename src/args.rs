@@ -17,7 +17,7 @@ use crate::output::{bad_input, schedule_error};
 
 /// A schedule policy by name, for `value_parser`.
 pub fn parse_policy(s: &str) -> Result<Policy, String> {
-    s.parse::<Policy>().map_err(|e| e.to_string())
+    Policy::parse_flag(s)
 }
 
 /// A `--dataset` value: a dataset's name, and for a tokenized corpus (`tokens:DIR`) its

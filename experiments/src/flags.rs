@@ -8,11 +8,6 @@ use pipe_scheduler::Policy;
 
 use crate::ExperimentError;
 
-/// `--schedule`'s policy by name.
-fn parse_policy(s: &str) -> Result<Policy, String> {
-    s.parse::<Policy>().map_err(|e| e.to_string())
-}
-
 /// Checks a benchmark's counts (flag, value) against
 /// [`pipe_stages::limits::MAX_BENCH_ITERATIONS`].
 ///
@@ -67,7 +62,7 @@ pub struct PartitionBenchArgs {
     #[arg(long, default_value_t = 2)]
     pub workers: u32,
     /// Schedule.
-    #[arg(long, default_value = "pipedream", value_parser = parse_policy)]
+    #[arg(long, default_value = "pipedream", value_parser = Policy::parse_flag)]
     pub schedule: pipe_scheduler::Policy,
     /// Timed minibatches per measurement.
     #[arg(long, default_value_t = 24)]

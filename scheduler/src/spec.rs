@@ -182,6 +182,16 @@ impl<'de> serde::Deserialize<'de> for Policy {
     }
 }
 
+impl Policy {
+    /// A policy by name with the message as text: what a command-line flag's parser takes.
+    ///
+    /// # Errors
+    /// The message naming the known policies.
+    pub fn parse_flag(s: &str) -> std::result::Result<Policy, String> {
+        s.parse::<Policy>().map_err(|e| e.to_string())
+    }
+}
+
 impl FromStr for Policy {
     type Err = ScheduleError;
     fn from_str(s: &str) -> Result<Self> {

@@ -61,7 +61,7 @@ pub struct PlanRequest {
     pub memory: Option<f64>,
     /// The schedule the plan is for: pipedream, pipedream-nostash, vsync, 2bw, gpipe,
     /// 1f1b-flush or zb-h1.
-    #[arg(long, default_value = "pipedream", value_parser = parse_policy)]
+    #[arg(long, default_value = "pipedream", value_parser = Policy::parse_flag)]
     pub schedule: Policy,
     /// Microbatches per update per replica.
     #[arg(long, default_value_t = 8)]
@@ -334,11 +334,6 @@ fn pipedream_plan(args: &PlanRequest, profile: &Profile, workers: u32) -> Result
         activation_compression: args.activation_compression,
     };
     pipe_scheduler::pipedream(profile, &opts).map_err(StageError::from)
-}
-
-/// `--schedule`'s policy by name.
-fn parse_policy(s: &str) -> std::result::Result<Policy, String> {
-    s.parse::<Policy>().map_err(|e| e.to_string())
 }
 
 /// A plan as the request asked for it, with what the command shows beside it.
