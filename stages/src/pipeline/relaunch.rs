@@ -9,6 +9,7 @@
 //! how they ended. The binary chooses the launcher, prints what the driver reports, and
 //! nothing else.
 
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -96,12 +97,12 @@ pub enum Replanned {
     },
 }
 
-/// What the driver tells its caller as the run goes.
+/// What the driver and its launcher tell their caller as the run goes.
 pub trait RelaunchEvents {
     /// A restart about to happen, and what planning again gave (when asked for).
     fn on_restart(&mut self, restart: &Restart<'_>, replanned: Option<&Replanned>);
-    /// Updates the run had reported done when a start failed.
-    fn reached(&self) -> Option<u64>;
+    /// The run's trace, written (or why not) once its workers ended.
+    fn on_trace(&mut self, _written: &super::trace_parts::TraceWritten) {}
 }
 
 /// Plans `cfg` again for the workers a start that failed with `cause` leaves (one fewer), with
@@ -151,6 +152,12 @@ pub fn drive<L: Launcher>(
         how.restarts.checkpoint_dir = launcher.kept_states().map(Path::to_path_buf);
     }
     let how = &how;
+    // What a restart loses is counted from the last update reported.
+    let last_step = Cell::new(None);
+    let obs = &mut LastStep {
+        inner: obs,
+        last: &last_step,
+    };
     let own = std::cell::RefCell::new(cfg.clone());
     let current = std::cell::RefCell::new(cfg.clone());
     let pending: std::cell::RefCell<Option<LayoutChange>> = std::cell::RefCell::new(None);
@@ -191,7 +198,7 @@ pub fn drive<L: Launcher>(
                 }
             }
         },
-        || events.borrow().reached(),
+        || last_step.get(),
         |r| {
             let replanned = how
                 .replan_on_restart
@@ -376,5 +383,44 @@ impl Launcher for Processes {
 
     fn kept_states(&self) -> Option<&Path> {
         self.kept.as_ref().map(|k| k.0.0.as_path())
+    }
+}
+
+/// An observer that remembers the last update reported (what a restart loses is counted
+/// from it) and passes everything on.
+struct LastStep<'a> {
+    inner: &'a mut dyn Observer,
+    last: &'a Cell<Option<u64>>,
+}
+
+impl Observer for LastStep<'_> {
+    fn on_step(&mut self, s: &crate::train::StepStats) -> Result<()> {
+        self.last.set(Some(s.step));
+        self.inner.on_step(s)
+    }
+    fn on_epoch(&mut self, e: &crate::train::EpochStats) -> Result<()> {
+        self.inner.on_epoch(e)
+    }
+    fn on_eval(&mut self, e: &crate::train::EvalStats) -> Result<()> {
+        self.inner.on_eval(e)
+    }
+    fn on_stop(&mut self, report: &super::doctor::StopReport) -> Result<()> {
+        self.inner.on_stop(report)
+    }
+    fn on_layout_change(&mut self, change: &LayoutChange) -> Result<()> {
+        self.inner.on_layout_change(change)
+    }
+    fn on_start_phase(&mut self, phase: super::StartPhase) -> Result<()> {
+        self.inner.on_start_phase(phase)
+    }
+    fn on_phase(&mut self, record: &super::PhaseRecord) -> Result<()> {
+        self.inner.on_phase(record)
+    }
+    fn on_spans(
+        &mut self,
+        origin: std::time::SystemTime,
+        spans: &[pipe_scheduler::Span],
+    ) -> Result<()> {
+        self.inner.on_spans(origin, spans)
     }
 }

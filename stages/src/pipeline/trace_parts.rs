@@ -31,6 +31,55 @@ fn not_a_part(path: &Path, why: &str) -> StageError {
 /// epoch.
 const PART_KEY: &str = "pipeWorker";
 
+/// A trace a run wrote, for its launcher to report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TraceWritten {
+    /// Written in one piece (every worker a thread of one process).
+    Whole {
+        /// Where.
+        path: PathBuf,
+    },
+    /// Merged from the parts the worker processes wrote.
+    Merged {
+        /// Where.
+        path: PathBuf,
+        /// Parts found.
+        parts: usize,
+        /// Workers of the last start.
+        workers: u32,
+        /// Events in the merged trace.
+        events: usize,
+    },
+    /// No worker wrote a part, so nothing was written.
+    NoParts {
+        /// Where it would have been.
+        path: PathBuf,
+    },
+}
+
+impl std::fmt::Display for TraceWritten {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TraceWritten::Whole { path } => write!(f, "trace written to {}", path.display()),
+            TraceWritten::Merged {
+                path,
+                parts,
+                workers,
+                events,
+            } => write!(
+                f,
+                "trace written to {} ({parts} of {workers} workers, {events} events)",
+                path.display()
+            ),
+            TraceWritten::NoParts { path } => write!(
+                f,
+                "no worker wrote a trace part; {} not written",
+                path.display()
+            ),
+        }
+    }
+}
+
 /// Track names: `worker W (stage P, replica R)`.
 pub fn worker_names(layout: &Layout) -> Vec<String> {
     (0..layout.workers())

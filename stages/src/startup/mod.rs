@@ -17,7 +17,9 @@
 //! The watcher is told what each step found as typed [`StartupEvent`]s: the command line
 //! formats them; nothing here prints.
 
+mod launch;
 mod steps;
+mod worker;
 
 use std::path::PathBuf;
 
@@ -34,10 +36,12 @@ use crate::partition::Partition;
 use crate::planning::ProfileReport;
 use crate::planning::memory::WorkerMemory;
 
+pub use launch::{LaunchControls, RunEnd, launch};
 pub use steps::{
     adopt_checkpoint_buckets, check_memory, check_memory_floor, check_rejoin, read_data, replan,
     resolve, resume_from, settle_partition,
 };
+pub use worker::{OwnSettings, PreparedWorker, WorkerSources, prepare_worker};
 
 /// Where a run's settings come from, as the command line names them: each later source
 /// overrides the earlier ones field by field.

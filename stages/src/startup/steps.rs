@@ -66,9 +66,26 @@ pub fn resolve(
 ) -> Result<(RunConfig, LaunchSettings)> {
     let settings = merge(sources)?;
     let launch = settings.launch()?;
-    let Some(w) = sources.workers else {
-        return Ok((settings.resolve()?, launch));
+    let cfg = match sources.workers {
+        Some(w) => plan_for_workers(settings, w, &launch, watcher)?,
+        None => settings.resolve()?,
     };
+    if launch.trace.is_some() && !cfg.pipelined {
+        return Err(StageError::Config(
+            "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
+        ));
+    }
+    Ok((cfg, launch))
+}
+
+/// The run `settings` describe planned for `w` workers on this machine's measured profile
+/// and link costs, with its buckets chosen.
+fn plan_for_workers(
+    settings: TrainSettings,
+    w: u32,
+    launch: &LaunchSettings,
+    watcher: &dyn StartupWatcher,
+) -> Result<RunConfig> {
     let (costs, origin) = link_costs::load_or_measure(false)?;
     let source = origin.describe();
     begin(
@@ -96,7 +113,7 @@ pub fn resolve(
         samples_per_s: per_sample / plan.time_per_microbatch,
         simulated_samples_per_s: plan.simulated.map_or(f64::NAN, |t| per_sample / t),
     });
-    Ok((cfg, launch))
+    Ok(cfg)
 }
 
 /// Reads and checks the run's data, as a phase of its start.
