@@ -217,6 +217,7 @@ const STAGES_LAYERS: &[&[&str]] = &[
     &["config"],
     &["checkpoint"],
     &["train"],
+    &["inspect"],
     &["pipeline"],
     &["planning"],
     &["startup"],

@@ -1,10 +1,20 @@
-//! The flags of `pipe bench partition`, `hosts`, `pipeline` and `transport` (and the
+//! The flags that describe a schedule (`pipe schedule`, `pipe simulate`), and those of
+//! `pipe bench partition`, `hosts`, `pipeline` and `transport` (and the
 //! all-reduce worker `transport` starts), checked and typed into each benchmark's config
 //! here, beside the benchmarks: the command line parses them and prints the reports.
 
+use std::ffi::OsStr;
 use std::path::PathBuf;
 
-use pipe_scheduler::Policy;
+use clap::builder::TypedValueParser;
+use clap::error::ErrorKind;
+use pipe_kernels::{BackendKind, Precision};
+
+use pipe_scheduler::units::{parse_bandwidth, parse_bytes, parse_seconds};
+use pipe_scheduler::{
+    CostModel, Length, LowerOptions, Policy, Schedule, ScheduleError, ScheduleSpec, StageCost,
+    generate, lower, validate,
+};
 
 use crate::ExperimentError;
 
@@ -313,4 +323,319 @@ pub struct AllreduceWorkerArgs {
     /// What carries the ring: a registered transport that crosses processes.
     #[arg(long, default_value = "quic", value_parser = clap::builder::PossibleValuesParser::new(pipe_transport::kinds::names()))]
     pub transport: String,
+}
+
+/// What describes a schedule on the command line (shared by `pipe schedule` and `pipe
+/// simulate`).
+#[derive(clap::Args, Debug)]
+pub struct ScheduleOpts {
+    /// Policy: sequential, gpipe, 1f1b-flush, interleaved, zb-h1, zb-v, dualpipev, pipedream,
+    /// pipedream-nostash, vsync or 2bw.
+    #[arg(long, default_value = "1f1b-flush", value_parser = Policy::parse_flag)]
+    schedule: Policy,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 4)]
+    stages: u32,
+    /// Microbatches per update, per replica (M).
+    #[arg(long, default_value_t = 8)]
+    microbatches: u32,
+    /// Replicas per stage: one value for all, or a comma-separated list (2,1,1,1).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    replicas: Vec<u32>,
+    /// Model chunks per worker (interleaved; zb-v and dualpipev always hold 2).
+    #[arg(long, default_value_t = 1)]
+    chunks: u32,
+    /// Minibatches to run (default: 1 for flush policies, 2 x stages for asynchronous ones, so
+    /// the steady state shows).
+    #[arg(long, conflicts_with = "total_microbatches")]
+    updates: Option<u32>,
+    /// Microbatches to run in total (a whole number of minibatches).
+    #[arg(long)]
+    total_microbatches: Option<u32>,
+    /// Expand each all-reduce into its ring send and receive steps.
+    #[arg(long)]
+    expand_all_reduce: bool,
+}
+
+impl ScheduleOpts {
+    /// The schedule the flags describe, before generation.
+    pub fn spec(&self) -> ScheduleSpec {
+        let length = match (self.updates, self.total_microbatches) {
+            (_, Some(n)) => Length::Microbatches(n),
+            (Some(k), None) => Length::Updates(k),
+            (None, None) if self.schedule.is_flush() => Length::Updates(1),
+            (None, None) => Length::Updates(2 * self.stages.max(1)),
+        };
+        ScheduleSpec::new(self.schedule, self.stages, self.microbatches)
+            .with_replicas(self.replicas.clone())
+            .with_chunks(self.chunks)
+            .with_length(length)
+    }
+
+    /// True when each all-reduce is to be expanded into its ring steps.
+    pub fn expands_all_reduce(&self) -> bool {
+        self.expand_all_reduce
+    }
+
+    /// Generates, lowers and checks the schedule.
+    ///
+    /// # Errors
+    /// Bad input ([`ScheduleError::is_bad_input`]) when the flags describe no schedule; a
+    /// run-time failure when the generated schedule fails its checks.
+    pub fn build(&self) -> Result<Schedule, ScheduleError> {
+        let generated = generate(&self.spec())?;
+        let lowered = lower(
+            &generated,
+            LowerOptions {
+                expand_all_reduce: self.expand_all_reduce,
+            },
+        );
+        validate::check(&lowered)?;
+        Ok(lowered)
+    }
+}
+
+/// The cost model of `pipe simulate`: a cost file, or inline flags, with the measured costs
+/// of a transport's messages where one is named.
+#[derive(clap::Args, Debug)]
+pub struct CostFlags {
+    /// Cost model file (TOML, or JSON if it ends in .json): `bandwidth`, `latency`, `overlap`,
+    /// `cores`, `message_cpu` and `[[stage]]` tables with forward, backward_input, backward_weight, update,
+    /// activation_bytes, param_bytes, stash_bytes. Overrides the inline cost flags.
+    #[arg(long, value_name = "FILE")]
+    pub costs: Option<PathBuf>,
+    /// Forward time per microbatch and stage (seconds, or with a unit: 2ms, 150us).
+    #[arg(long, default_value = "1", value_parser = parse_seconds)]
+    pub forward: f64,
+    /// Fused backward time (split evenly into input and weight halves).
+    #[arg(long, default_value = "2", value_parser = parse_seconds)]
+    pub backward: f64,
+    /// Optimizer step time.
+    #[arg(long, default_value = "0", value_parser = parse_seconds)]
+    pub update: f64,
+    /// Bytes of each stage's output activation per microbatch (also its gradient).
+    #[arg(long, default_value = "0", value_parser = parse_bytes)]
+    pub activation_bytes: f64,
+    /// Bytes of each stage's parameters (one weight version; what an all-reduce moves).
+    #[arg(long, default_value = "0", value_parser = parse_bytes)]
+    pub param_bytes: f64,
+    /// Link bandwidth, e.g. 10GB/s (GB = 1e9 bytes, GiB = 2^30) [default: `--transport`'s
+    /// measured rate, else infinite].
+    #[arg(long, value_parser = parse_bandwidth)]
+    pub bandwidth: Option<f64>,
+    /// Link latency per message [default: `--transport`'s measured one-way time, else 0].
+    #[arg(long, value_parser = parse_seconds)]
+    pub latency: Option<f64>,
+    /// Senders wait until their messages land (no compute/communication overlap).
+    #[arg(long)]
+    pub no_overlap: bool,
+    /// Processor time each message costs its sender and its receiver (waking a peer, being
+    /// woken), added to the action that sends or receives it.
+    #[arg(long, default_value = "0", value_parser = parse_seconds)]
+    pub message_cpu: f64,
+    /// Processor time each byte costs its sender and its receiver (encryption, packets,
+    /// copies), added as `--message-cpu` is, in seconds per byte.
+    #[arg(long, default_value = "0", value_parser = parse_seconds)]
+    pub byte_cpu: f64,
+    /// Cores the workers share (default: one each); fewer cores than workers share them fairly.
+    /// Overrides `cores` in a cost file.
+    #[arg(long)]
+    pub cores: Option<u32>,
+    /// With `--transport`: the measured costs of that transport's messages replace
+    /// `--message-cpu` and `--byte-cpu` (and a cost file's), and its rate and one-way time
+    /// stand for `--bandwidth` and `--latency` where those are not given.
+    #[command(flatten)]
+    pub link: pipe_stages::planning::link_costs::LinkChoice,
+}
+
+impl CostFlags {
+    /// The cost model ([`CostFlags::flag_or_file_costs`]), its message costs those of
+    /// `--transport` where it is given; `say` is handed the line describing those costs.
+    ///
+    /// # Errors
+    /// Bad input for an unreadable or malformed cost file, or link costs that cannot be
+    /// read or measured.
+    pub fn load(&self, say: impl Fn(&str)) -> Result<CostModel, ExperimentError> {
+        let mut costs = self.flag_or_file_costs()?;
+        if let Some((cost, source)) = self.link.load()? {
+            say(&pipe_stages::planning::link_costs::describe(&cost, &source));
+            costs.message_cpu = cost.message_cpu_s.median;
+            costs.byte_cpu = cost.byte_cpu_s.median;
+            if self.costs.is_none() {
+                if self.bandwidth.is_none() {
+                    costs.bandwidth = cost.bandwidth.map_or(f64::INFINITY, |b| b.median);
+                }
+                if self.latency.is_none() {
+                    costs.latency = cost.latency_s.median;
+                }
+            }
+        }
+        Ok(costs)
+    }
+
+    /// The cost model: the cost file when given (with `--cores` over its own), else the flags.
+    fn flag_or_file_costs(&self) -> Result<CostModel, ExperimentError> {
+        if let Some(path) = &self.costs {
+            let text = pipe_stages::limits::read_text_file(path, "cost file")?;
+            let parsed: Result<CostModel, String> = if path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+            {
+                serde_json::from_str(&text).map_err(|e| e.to_string())
+            } else {
+                toml::from_str(&text).map_err(|e| e.message().to_string())
+            };
+            let mut costs = parsed.map_err(|e| {
+                ExperimentError::Config(format!("cost file {}: {e}", path.display()))
+            })?;
+            costs.cores = self.cores.or(costs.cores);
+            return Ok(costs);
+        }
+        Ok(CostModel {
+            stages: vec![StageCost {
+                update: self.update,
+                activation_bytes: self.activation_bytes,
+                param_bytes: self.param_bytes,
+                ..StageCost::compute(self.forward, self.backward)
+            }],
+            bandwidth: self.bandwidth.unwrap_or(f64::INFINITY),
+            latency: self.latency.unwrap_or(0.0),
+            overlap: !self.no_overlap,
+            cores: self.cores,
+            message_cpu: self.message_cpu,
+            byte_cpu: self.byte_cpu,
+            hosts: Vec::new(),
+            between: None,
+        })
+    }
+}
+
+/// `pipe bench mfu`: single-worker throughput and model FLOP utilisation.
+#[derive(clap::Args, Debug)]
+pub struct MfuArgs {
+    /// Model preset.
+    #[arg(long, default_value = "mlp-784-1024x16-10")]
+    pub model: String,
+    /// Samples per step.
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Compute threads.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// SGD momentum (0: plain SGD).
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f32,
+    /// Optimizer: sgd (learning rate 1e-3, --momentum), or adamw as GPT-2 trains (learning
+    /// rate 6e-4, betas 0.9 and 0.95, weight decay 0.1).
+    #[arg(long, default_value = "sgd")]
+    pub optimizer: crate::mfu::MfuOptimizer,
+    /// Also time this many steps operation by operation (the device waited for after each),
+    /// on a fresh backend after the measurement: where a step's time goes.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    pub breakdown: u64,
+    /// Compute backend: cpu, or cuda (device 0; builds with `--features cuda`).
+    #[arg(long, default_value = "cpu", value_parser = BackendParser)]
+    pub backend: BackendKind,
+    /// Precision of the matrix products: f32, tf32 or bf16 (the last two on cuda only).
+    #[arg(long, default_value = "f32", value_parser = |s: &str| s.parse::<Precision>())]
+    pub precision: Precision,
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+impl MfuArgs {
+    /// The benchmark the flags describe, checked: positive sizes, counts within
+    /// [`pipe_stages::limits::MAX_BENCH_ITERATIONS`], threads this machine has, a model the
+    /// batch fits, and a precision the backend takes.
+    ///
+    /// # Errors
+    /// Bad input naming the flag.
+    pub fn config(&self) -> Result<crate::mfu::MfuConfig, ExperimentError> {
+        use pipe_stages::limits::{Machine, check_threads};
+        if self.threads == 0 || self.batch == 0 || self.steps == 0 {
+            return Err(ExperimentError::Config(
+                "--threads, --batch and --steps must be positive".into(),
+            ));
+        }
+        check_counts(&[("--steps", self.steps as u64)])?;
+        check_threads(self.threads as u64, &Machine::detect())?;
+        check_model_batch(&self.model, self.batch)?;
+        let backend = self
+            .backend
+            .with_precision(self.precision)
+            .map_err(ExperimentError::Config)?;
+        Ok(crate::mfu::MfuConfig {
+            model: self.model.clone(),
+            batch: self.batch,
+            threads: self.threads,
+            steps: self.steps,
+            warmup: 3,
+            momentum: self.momentum,
+            optimizer: self.optimizer,
+            backend,
+        })
+    }
+}
+
+/// Parses `--backend`. An unknown name is reported as `unknown backend 'NAME' (cpu, cuda)`, on
+/// its own rather than inside clap's "invalid value" sentence.
+#[derive(Clone, Copy, Debug)]
+pub struct BackendParser;
+
+impl TypedValueParser for BackendParser {
+    type Value = BackendKind;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> Result<BackendKind, clap::Error> {
+        let name = value.to_string_lossy();
+        name.parse::<BackendKind>().map_err(|_| {
+            clap::Error::raw(
+                ErrorKind::InvalidValue,
+                format!("unknown backend '{name}' (cpu, cuda)\n"),
+            )
+            .with_cmd(cmd)
+        })
+    }
+}
+
+/// Parses `--precision` (`f32`, `tf32`, `bf16`).
+///
+/// # Errors
+/// The one-line message naming the choices.
+pub fn parse_precision(s: &str) -> Result<Precision, String> {
+    s.parse()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::builder::TypedValueParser;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn backends_parse_by_name() {
+        let cmd = clap::Command::new("t");
+        let parse = |s: &str| BackendParser.parse_ref(&cmd, None, OsStr::new(s));
+        assert_eq!(parse("cpu").ok(), Some(BackendKind::Cpu));
+        assert_eq!(
+            parse("cuda").ok(),
+            Some(BackendKind::Cuda(pipe_kernels::Precision::F32))
+        );
+        let err = parse("tpu")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.starts_with("error: unknown backend 'tpu' (cpu, cuda)"),
+            "{err}"
+        );
+    }
 }

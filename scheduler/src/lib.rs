@@ -42,6 +42,7 @@ pub mod plan;
 pub mod planner;
 pub mod profile;
 pub mod sim;
+mod sim_render;
 pub mod spec;
 pub mod timeline;
 pub mod units;

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, ScheduleError};
 use crate::limits::{MIN_TOTAL_SECONDS, number};
+use crate::units::{bytes, secs};
 
 /// One layer's costs. Times are seconds per microbatch, sizes bytes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -487,6 +488,50 @@ impl Profile {
             }
         }
         Ok(())
+    }
+}
+
+impl Profile {
+    /// The profile as `pipe profile` prints it: one row per layer and the total per
+    /// microbatch.
+    pub fn render(&self) -> String {
+        let p = self;
+        let how = match p.calibrated_microbatches {
+            Some(m) => format!("calibrated on the executor at {m} microbatches per update"),
+            None => "medians, one layer at a time".into(),
+        };
+        let mut out = format!(
+            "profile of {} at microbatch {} ({how})\n{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+            p.model,
+            p.microbatch_size,
+            "layer",
+            "kind",
+            "forward",
+            "backward",
+            "bwd-input",
+            "bwd-weight",
+            "update",
+            "activation",
+            "params"
+        );
+        for (i, l) in p.layers.iter().enumerate() {
+            let kind = l.name.split_once(':').map_or(l.name.as_str(), |(_, k)| k);
+            out.push_str(&format!(
+                "{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+                i,
+                kind,
+                secs(l.forward),
+                secs(l.whole_backward()),
+                secs(l.backward_input),
+                secs(l.backward_weight),
+                secs(l.update),
+                bytes(l.activation_bytes),
+                bytes(l.param_bytes)
+            ));
+        }
+        let total: f64 = p.layers.iter().map(|l| l.compute() + l.update).sum();
+        out.push_str(&format!("total per microbatch: {}\n", secs(total)));
+        out
     }
 }
 

@@ -104,6 +104,39 @@ pub fn parse_bandwidth(text: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// A size as `transformers` writes it: bytes, or a number with KB, MB, GB (powers of 1,000)
+/// or KiB, MiB, GiB (powers of 1,024).
+///
+/// # Errors
+/// The one-line message naming what is wrong.
+pub fn parse_shard_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?}: use B, KB, MB, GB, KiB, MiB or GiB"
+            ));
+        }
+    };
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (a whole number, then a unit: 500MB)"))?;
+    match n.checked_mul(scale) {
+        Some(0) => Err("a shard must hold at least one byte".into()),
+        Some(v) => Ok(v),
+        None => Err(format!("{text} is past 2^64 bytes")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

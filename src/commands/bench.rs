@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result};
-use clap::Args;
 use pipe_experiments::ExperimentError;
-use pipe_kernels::{BackendKind, Precision};
 
 use pipe_transport::TransportKind;
 use pipe_transport::cluster::ClusterFile;
@@ -17,67 +15,27 @@ use pipe_transport::kinds::MeshSettings;
 
 use crate::output::{bad_input, experiment_error};
 pub use pipe_experiments::flags::{
-    AllreduceWorkerArgs, HostsBenchArgs, PartitionBenchArgs, PipelineBenchArgs, TransportBenchArgs,
+    AllreduceWorkerArgs, HostsBenchArgs, MfuArgs, PartitionBenchArgs, PipelineBenchArgs,
+    TransportBenchArgs,
 };
 use pipe_stages::pipeline::processes::{JoinOptions, RECORD, join};
-
-/// `pipe bench mfu`: single-worker throughput and model FLOP utilisation.
-#[derive(Args, Debug)]
-pub struct MfuArgs {
-    /// Model preset.
-    #[arg(long, default_value = "mlp-784-1024x16-10")]
-    model: String,
-    /// Samples per step.
-    #[arg(long, default_value_t = 256)]
-    batch: usize,
-    /// Compute threads.
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
-    /// Timed steps.
-    #[arg(long, default_value_t = 20)]
-    steps: usize,
-    /// SGD momentum (0: plain SGD).
-    #[arg(long, default_value_t = 0.0)]
-    momentum: f32,
-    /// Optimizer: sgd (learning rate 1e-3, --momentum), or adamw as GPT-2 trains (learning
-    /// rate 6e-4, betas 0.9 and 0.95, weight decay 0.1).
-    #[arg(long, default_value = "sgd")]
-    optimizer: pipe_experiments::mfu::MfuOptimizer,
-    /// Also time this many steps operation by operation (the device waited for after each),
-    /// on a fresh backend after the measurement: where a step's time goes.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
-    breakdown: u64,
-    /// Compute backend: cpu, or cuda (device 0; builds with `--features cuda`).
-    #[arg(long, default_value = "cpu", value_parser = crate::args::BackendParser)]
-    backend: BackendKind,
-    /// Precision of the matrix products: f32, tf32 or bf16 (the last two on cuda only).
-    #[arg(long, default_value = "f32", value_parser = crate::args::parse_precision)]
-    precision: Precision,
-    /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
-}
 
 /// Measures the link costs, caches them (pipe's cache, where the planner reads them) and
 /// prints them; writes them to `out` too when given.
 fn measure_link_costs(out: Option<&PathBuf>) -> Result<()> {
     use pipe_stages::planning::link_costs as costs;
-    let measured = costs::measure(costs::ROUNDS)?;
+    let (measured, kept) = costs::measure_and_keep()?;
     outln!(
         "link costs (median over {} rounds, least-most):",
         costs::ROUNDS
     );
     out!("{}", costs::render(&measured));
-    match pipe_stages::cache::Cache::open() {
-        Some(cache) => {
-            let path = cache.put(&costs::key(), &measured)?;
-            outln!("kept in {}", path.display());
-        }
+    match kept {
+        Some(path) => outln!("kept in {}", path.display()),
         None => outln!("not kept: no cache directory (set PIPE_CACHE_DIR)"),
     }
+    write_json(out, &measured)?;
     if let Some(path) = out {
-        let text = serde_json::to_string_pretty(&measured)?;
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
         outln!("written to {}", path.display());
     }
     Ok(())
@@ -130,20 +88,6 @@ pub fn run_allreduce_worker(args: &AllreduceWorkerArgs) -> Result<()> {
     Ok(())
 }
 
-/// Checks `pipe bench mfu`'s step count against
-/// [`pipe_stages::limits::MAX_BENCH_ITERATIONS`] and its threads against the machine.
-fn check_mfu_counts(steps: u64, threads: usize) -> Result<()> {
-    use pipe_stages::limits::{MAX_BENCH_ITERATIONS, Machine, check_count, check_threads};
-    check_count(
-        "--steps",
-        steps,
-        MAX_BENCH_ITERATIONS,
-        "far past what a median needs",
-    )?;
-    check_threads(threads as u64, &Machine::detect())?;
-    Ok(())
-}
-
 /// Writes a report as pretty JSON, with a final newline, when `path` is given.
 fn write_json<T: serde::Serialize>(path: Option<&PathBuf>, report: &T) -> Result<()> {
     if let Some(path) = path {
@@ -158,30 +102,9 @@ fn write_json<T: serde::Serialize>(path: Option<&PathBuf>, report: &T) -> Result
 /// # Errors
 /// Bad input for non-positive sizes or an unusable model; run-time failures of the benchmark.
 pub fn run_mfu(args: &MfuArgs) -> Result<()> {
-    if args.threads == 0 || args.batch == 0 || args.steps == 0 {
-        return Err(bad_input(
-            "--threads, --batch and --steps must be positive".into(),
-        ));
-    }
-    check_mfu_counts(args.steps as u64, args.threads)?;
-    pipe_experiments::flags::check_model_batch(&args.model, args.batch)
-        .map_err(experiment_error)?;
-    let backend = args
-        .backend
-        .with_precision(args.precision)
-        .map_err(bad_input)?;
+    let cfg = args.config().map_err(experiment_error)?;
     // A backend that cannot run here is bad input, said before any measuring.
-    drop(crate::args::open_backend(backend, 1)?);
-    let cfg = pipe_experiments::mfu::MfuConfig {
-        model: args.model.clone(),
-        batch: args.batch,
-        threads: args.threads,
-        steps: args.steps,
-        warmup: 3,
-        momentum: args.momentum,
-        optimizer: args.optimizer,
-        backend,
-    };
+    drop(crate::args::open_backend(cfg.backend, 1)?);
     let report = pipe_experiments::mfu::run(&cfg).map_err(|e| match e {
         ExperimentError::Stage(s) if s.is_bad_input() => anyhow::Error::from(s),
         other => anyhow::Error::from(other),

@@ -5,15 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use pipe_kernels::CpuBackend;
-use pipe_stages::checkpoint::read_with_model;
-use pipe_stages::config::{DEFAULT_EVAL_WINDOWS, DatasetKind, RunConfig};
-use pipe_stages::data::{mnist, synthetic, tinyshakespeare, token_corpus};
-use pipe_stages::model::params_digest;
-use pipe_stages::shards::Holdout;
-use pipe_stages::train::evaluate;
-
-use crate::output::bad_input;
+use pipe_stages::inspect::evaluate_checkpoint;
 
 /// `pipe eval`.
 #[derive(Args, Debug)]
@@ -39,64 +31,10 @@ pub struct EvalArgs {
 /// Bad input for a missing, corrupted or truncated checkpoint (the error names the file) or a
 /// dataset the model does not fit.
 pub fn run(args: &EvalArgs) -> Result<()> {
-    let (dir, model, ckpt) = read_with_model(&args.checkpoint)?;
-    let state = &ckpt.state;
     let (dataset, data_dir) =
         crate::args::dataset_and_dir(args.dataset.as_ref(), args.data_dir.as_deref())?;
-    let dataset = dataset.unwrap_or(state.dataset);
-    let context = model.input_shape().first().copied().unwrap_or(1);
-    // A run on packed documents is evaluated on packed documents.
-    let mut pack = None;
-    let data = match dataset {
-        DatasetKind::Mnist => mnist(data_dir.as_deref())?,
-        DatasetKind::Synthetic => synthetic(&state.synthetic, state.seed)?,
-        DatasetKind::TinyShakespeare => tinyshakespeare(data_dir.as_deref(), context)?,
-        DatasetKind::Tokens => {
-            let dir = data_dir.ok_or_else(|| {
-                bad_input("a tokenized corpus needs its directory: --dataset tokens:DIR".into())
-            })?;
-            // The run's own holdout when the checkpoint records it.
-            let corpus = RunConfig::from_json(&state.settings, "state.json")
-                .ok()
-                .and_then(|c| c.corpus);
-            let (holdout, windows) = corpus
-                .as_ref()
-                .map_or((Holdout::default(), DEFAULT_EVAL_WINDOWS), |c| {
-                    (c.holdout, c.eval_windows)
-                });
-            pack = corpus.and_then(|c| c.pack_documents);
-            token_corpus(&dir, context, holdout, windows, pack)?
-        }
-    };
-    let model = model.with_documents(pack);
-    if data.vocab.is_some() && data.vocab != state.vocab {
-        return Err(bad_input(format!(
-            "{}'s vocabulary differs from the checkpoint's",
-            data.test.name
-        )));
-    }
-    let inputs: usize = model.input_shape().iter().product();
-    let outputs: usize = model.output_shape().last().copied().unwrap_or(0);
-    if inputs != data.test.sample_size() || outputs != data.test.classes {
-        return Err(bad_input(format!(
-            "model {} takes {inputs} features and has {outputs} outputs; {} has {} and {} classes",
-            state.model,
-            data.test.name,
-            data.test.sample_size(),
-            data.test.classes
-        )));
-    }
-    let be = CpuBackend::new(args.threads)?;
-    let (loss, accuracy) = evaluate(&be, &model, &ckpt.params, &data.test, 1000)?;
-    outln!(
-        "{} (model {}, update {}, weights {:016x}): {} ({} samples): test loss {loss:.4}, test accuracy {:.2}%",
-        dir.display(),
-        state.model,
-        state.updates,
-        params_digest(&ckpt.params),
-        data.test.name,
-        data.test.len(),
-        100.0 * accuracy
-    );
+    let evaluation =
+        evaluate_checkpoint(&args.checkpoint, dataset, data_dir.as_deref(), args.threads)?;
+    outln!("{evaluation}");
     Ok(())
 }

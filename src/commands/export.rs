@@ -35,38 +35,8 @@ pub struct ExportArgs {
     tokenizer: Option<PathBuf>,
     /// Write the weights in shards of at most this size, with their index, as
     /// `save_pretrained(max_shard_size=...)` does: bytes, or with a unit (500MB, 2GB, 1GiB).
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = pipe_scheduler::units::parse_shard_size)]
     max_shard_size: Option<u64>,
-}
-
-/// A size as `transformers` writes it: bytes, or a number with KB, MB, GB (powers of 1,000)
-/// or KiB, MiB, GiB (powers of 1,024).
-fn parse_size(text: &str) -> std::result::Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let scale: u64 = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "KIB" => 1 << 10,
-        "MIB" => 1 << 20,
-        "GIB" => 1 << 30,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?}: use B, KB, MB, GB, KiB, MiB or GiB"
-            ));
-        }
-    };
-    let n: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size (a whole number, then a unit: 500MB)"))?;
-    match n.checked_mul(scale) {
-        Some(0) => Err("a shard must hold at least one byte".into()),
-        Some(v) => Ok(v),
-        None => Err(format!("{text} is past 2^64 bytes")),
-    }
 }
 
 /// Runs `pipe export`.

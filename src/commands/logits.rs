@@ -6,11 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use pipe_kernels::{Backend, CpuBackend, Tensor};
-
-use pipe_stages::checkpoint::read_with_model;
-use pipe_stages::layers::LayerSpec;
-use pipe_stages::model::Model;
+use pipe_stages::inspect::{WeightsSource, logits};
 
 use crate::output::bad_input;
 
@@ -38,61 +34,12 @@ pub struct LogitsArgs {
 /// Bad input for unreadable weights, ids outside the vocabulary or more ids than the
 /// model's context.
 pub fn run(args: &LogitsArgs) -> Result<()> {
-    let (model, spec, params) = match (&args.checkpoint, &args.hf) {
-        (Some(c), _) => {
-            let (_, model, ckpt) = read_with_model(c)?;
-            (model, ckpt.state.model_spec, ckpt.params)
-        }
-        (None, Some(dir)) => {
-            let spec = pipe_stages::hf::spec_from_dir(dir)?;
-            let model = Model::new(&spec)?;
-            let params = pipe_stages::hf::import(&model, &spec, dir)?;
-            (model, spec, params)
-        }
+    let weights = match (&args.checkpoint, &args.hf) {
+        (Some(c), _) => WeightsSource::Checkpoint(c),
+        (None, Some(dir)) => WeightsSource::HuggingFace(dir),
         (None, None) => return Err(bad_input("give --checkpoint or --hf".into())),
     };
-    // Only a language model takes token ids: its first layer is a token embedding.
-    let Some(&LayerSpec::Embedding { vocab, context, .. }) = spec.layers.first() else {
-        return Err(bad_input(
-            "the model is not a language model (its first layer is not a token embedding), \
-             so it has no logits over tokens"
-                .into(),
-        ));
-    };
-    if args.ids.is_empty() || args.ids.len() > context {
-        return Err(bad_input(format!(
-            "{} ids; the model takes 1 to {context}",
-            args.ids.len()
-        )));
-    }
-    if let Some((at, id)) = args
-        .ids
-        .iter()
-        .enumerate()
-        .find(|(_, id)| **id as usize >= vocab)
-    {
-        return Err(bad_input(format!(
-            "--ids: id {id} (position {at}) is outside the vocabulary of {vocab} tokens"
-        )));
-    }
-    let be = CpuBackend::new(args.threads)?;
-    let x = Tensor::from_vec(
-        &[1, args.ids.len()],
-        args.ids.iter().map(|&i| i as f32).collect(),
-    )?;
-    let (logits, _) = model.forward_range(
-        &be,
-        0..model.len(),
-        &params,
-        be.place(x)?,
-        pipe_stages::layer::Keep::Nothing,
-        0,
-        0,
-        None,
-    )?;
-    let vocab = model.output_shape().last().copied().unwrap_or(1);
-    let values = be.read(&logits)?;
-    let rows: Vec<&[f32]> = values.chunks(vocab).collect();
+    let rows = logits(weights, &args.ids, args.threads)?;
     outln!("{}", serde_json::to_string(&rows)?);
     Ok(())
 }

@@ -6,11 +6,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use pipe_scheduler::Profile;
 use pipe_stages::config::DEFAULT_MODEL;
 use pipe_stages::profile::ProfileOptions;
 
-use crate::args::{BackendParser, bytes, open_backend, secs};
+use crate::args::{BackendParser, open_backend};
 use crate::output::bad_input;
 use pipe_kernels::BackendKind;
 use pipe_stages::model::{Model, ModelSpec};
@@ -90,51 +89,11 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
     let model = Model::new(&ModelSpec::preset(&args.model)?)?;
     let profile = profiling.profile(&model, &args.model, be.as_ref(), &opts, args.microbatches)?;
     phases.end();
-    out!("{}", render_profile(&profile));
+    out!("{}", profile.render());
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&profile)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
         outln!("profile written to {}", path.display());
     }
     Ok(())
-}
-
-/// A profile as text: one row per layer and the total per microbatch.
-fn render_profile(p: &Profile) -> String {
-    let how = match p.calibrated_microbatches {
-        Some(m) => format!("calibrated on the executor at {m} microbatches per update"),
-        None => "medians, one layer at a time".into(),
-    };
-    let mut out = format!(
-        "profile of {} at microbatch {} ({how})\n{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
-        p.model,
-        p.microbatch_size,
-        "layer",
-        "kind",
-        "forward",
-        "backward",
-        "bwd-input",
-        "bwd-weight",
-        "update",
-        "activation",
-        "params"
-    );
-    for (i, l) in p.layers.iter().enumerate() {
-        let kind = l.name.split_once(':').map_or(l.name.as_str(), |(_, k)| k);
-        out.push_str(&format!(
-            "{:<5} {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
-            i,
-            kind,
-            secs(l.forward),
-            secs(l.whole_backward()),
-            secs(l.backward_input),
-            secs(l.backward_weight),
-            secs(l.update),
-            bytes(l.activation_bytes),
-            bytes(l.param_bytes)
-        ));
-    }
-    let total: f64 = p.layers.iter().map(|l| l.compute() + l.update).sum();
-    out.push_str(&format!("total per microbatch: {}\n", secs(total)));
-    out
 }

@@ -55,7 +55,7 @@ fn write_text(path: Option<&Path>, text: &str) -> Result<()> {
 /// # Errors
 /// Bad input when the flags describe no schedule; failures of the checks or of writing.
 pub fn run(args: &ScheduleArgs) -> Result<()> {
-    let lowered = args.opts.build()?;
+    let lowered = args.opts.build().map_err(schedule_error)?;
     let shown = if args.unlowered {
         generate(&args.opts.spec()).map_err(schedule_error)?
     } else {

@@ -37,6 +37,9 @@ pub enum StageError {
     /// A configuration value is invalid.
     #[error("config: {0}")]
     Config(String),
+    /// Bad input that names itself (the flag, file or value, and what is wrong with it).
+    #[error("{0}")]
+    Input(String),
     /// Launching worker processes, or a worker process's exit: `bad_input` when the cause
     /// is what the user gave (a worker that exited with status 2, a port past the range).
     #[error("{why}")]
@@ -125,6 +128,7 @@ impl StageError {
             StageError::Model(_)
             | StageError::Data { .. }
             | StageError::Config(_)
+            | StageError::Input(_)
             | StageError::Limit(_)
             | StageError::Checkpoint(_) => true,
             StageError::Schedule(e) => e.is_bad_input(),

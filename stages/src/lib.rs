@@ -40,6 +40,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod config;
 mod error;
+pub mod inspect;
 pub mod limits;
 pub mod log;
 pub mod model;

@@ -69,6 +69,21 @@ pub fn key() -> CacheKey {
     CacheKey::for_this_machine(KIND).with("rounds", ROUNDS)
 }
 
+/// Measures every transport's link costs over [`ROUNDS`] rounds and keeps them in pipe's
+/// cache, where the planner reads them. Returns them, with the cache file (none: no cache
+/// directory).
+///
+/// # Errors
+/// As [`measure`]; the cache entry cannot be written.
+pub fn measure_and_keep() -> Result<(TransportCosts, Option<std::path::PathBuf>)> {
+    let measured = measure(ROUNDS)?;
+    let kept = match crate::cache::Cache::open() {
+        Some(cache) => Some(cache.put(&key(), &measured)?),
+        None => None,
+    };
+    Ok((measured, kept))
+}
+
 /// Measures every transport's link costs over `rounds` rounds.
 ///
 /// # Errors

@@ -134,10 +134,7 @@ pub fn prepare_worker(
 
 /// Bad input, in the words given (a cluster file, a rank or a run the worker refuses).
 fn refused(why: String) -> StageError {
-    StageError::Launch {
-        why,
-        bad_input: true,
-    }
+    StageError::Input(why)
 }
 
 /// Refuses a run that is not one worker process runs: `pipe train`'s restart, rejoin and
