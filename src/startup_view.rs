@@ -107,21 +107,14 @@ fn print_buckets_chosen(
     link: &pipe_scheduler::planner::transport::TransportCost,
     source: &str,
     choices: &[Option<pipe_scheduler::planner::buckets::BucketChoice>],
-    flag: &pipe_stages::config::BucketSizes,
+    flag: &pipe_scheduler::planner::buckets::StageBuckets,
 ) {
-    let mib = |v: usize| {
-        if v == usize::MAX {
-            "one".to_string()
-        } else {
-            format!("{}", v as f64 * 4.0 / (1024.0 * 1024.0))
-        }
-    };
     let per_stage: Vec<String> = choices
         .iter()
         .map(|c| match c {
             Some(c) => format!(
                 "{} ({:.2} ms per update, one bucket {:.2} ms)",
-                mib(c.values),
+                c.size,
                 c.seconds * 1e3,
                 c.one_bucket * 1e3
             ),

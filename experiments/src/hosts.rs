@@ -182,7 +182,7 @@ pub fn run(cfg: &HostsBenchConfig) -> Result<HostsReport, ExperimentError> {
         byte_cpu: shm.byte_cpu,
         hosts: Some(placement.clone()),
         // The workers sum their gradients in buckets of the default size.
-        bucket_values: Some(pipe_stages::pipeline::DEFAULT_BUCKET_VALUES),
+        bucket_size: pipe_stages::pipeline::DEFAULT_BUCKET_SIZE,
         ..PlanOptions::new(cfg.workers, shm.bandwidth)
     };
     let picked = plan_checked(&profile, &opts)?;

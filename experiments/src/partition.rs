@@ -152,8 +152,8 @@ fn case_of(cfg: &PartitionBenchConfig, name: &str, plan: &PartitionPlan) -> Case
         m: cfg.microbatches,
         replica_counts: Some(plan.stages.iter().map(|s| s.replicas).collect()),
         partition: Some(plan.stages.iter().map(|s| s.layers.clone()).collect()),
-        bucket_values: None,
-        stage_bucket_values: None,
+        bucket_size: None,
+        stage_buckets: None,
         processes: false,
     }
 }

@@ -42,7 +42,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{CpuBackend, Tensor, Timed};
-use pipe_scheduler::planner::buckets::{LayerGradients, buckets_of, choose_bucket_values};
+use pipe_scheduler::planner::buckets::{
+    BucketSize, LayerGradients, StageBuckets, buckets_of, choose_bucket_size,
+};
 use pipe_scheduler::sim::Link;
 use pipe_scheduler::{
     Action, CostModel, Length, Policy, ScheduleSpec, SimOptions, StageCost, simulate,
@@ -50,7 +52,7 @@ use pipe_scheduler::{
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
-    DEFAULT_BUCKET_VALUES, MicrobatchSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState,
+    DEFAULT_BUCKET_SIZE, MicrobatchSource, Partition, RunPlan, Setup, WorkerOutcome, WorkerState,
     all_reduce_gradients, run_threads,
 };
 use pipe_stages::train::{StepState, train_step};
@@ -141,15 +143,16 @@ pub struct Case {
     pub replica_counts: Option<Vec<u32>>,
     /// Layers of each stage (default: balanced by FLOPs).
     pub partition: Option<Vec<std::ops::Range<usize>>>,
-    /// Gradient values per all-reduce bucket (default
-    /// [`pipe_stages::pipeline::DEFAULT_BUCKET_VALUES`]; `usize::MAX`: one bucket per stage,
-    /// started when the stage's last backward pass has finished).
-    #[serde(default)]
-    pub bucket_values: Option<usize>,
-    /// Gradient values per bucket of each stage, where chosen per stage
-    /// ([`pipe_scheduler::planner::buckets`], on the link of the case's transport).
-    #[serde(default)]
-    pub stage_bucket_values: Option<Vec<usize>>,
+    /// The all-reduce bucket size (default [`pipe_stages::pipeline::DEFAULT_BUCKET_SIZE`];
+    /// [`BucketSize::Whole`]: one bucket per stage, started when the stage's last backward
+    /// pass has finished). Reported as `bucket_values`, its count of values.
+    #[serde(default, rename = "bucket_values")]
+    pub bucket_size: Option<BucketSize>,
+    /// The bucket size of each stage, where chosen per stage
+    /// ([`pipe_scheduler::planner::buckets`], on the link of the case's transport). Reported
+    /// as `stage_bucket_values`.
+    #[serde(default, rename = "stage_bucket_values")]
+    pub stage_buckets: Option<StageBuckets>,
     /// Run as worker processes over shared memory (`pipe train --placement processes`), not
     /// threads of this process.
     #[serde(default)]
@@ -169,8 +172,8 @@ impl Case {
             m,
             replica_counts: None,
             partition: None,
-            bucket_values: None,
-            stage_bucket_values: None,
+            bucket_size: None,
+            stage_buckets: None,
             processes: false,
         }
     }
@@ -359,9 +362,9 @@ fn pipelined_with<B: pipe_kernels::Backend>(
         None => None,
     };
     let mut plan = RunPlan::new(model, &spec, partition)?
-        .with_bucket_values(case.bucket_values.unwrap_or(DEFAULT_BUCKET_VALUES));
-    if let Some(values) = &case.stage_bucket_values {
-        plan = plan.with_stage_bucket_values(values);
+        .with_bucket_size(case.bucket_size.unwrap_or(DEFAULT_BUCKET_SIZE));
+    if let Some(sizes) = &case.stage_buckets {
+        plan = plan.with_stage_buckets(sizes);
     }
     let schedule = &plan.schedule;
     let pool = Pool::new(model, case.microbatch);
@@ -490,7 +493,7 @@ fn all_reduce_against_ring(
                         &group,
                         (0, update),
                         &mut tensors,
-                        (DEFAULT_BUCKET_VALUES, pipe_transport::frame::WireDType::F32),
+                        (DEFAULT_BUCKET_SIZE, pipe_transport::frame::WireDType::F32),
                     )?;
                     let executor = t.elapsed().as_secs_f64();
                     let t = Instant::now();
@@ -569,7 +572,7 @@ impl ModelContext<'_> {
 
     /// Each replicated stage's bucket size, chosen as a run chooses it: the layers' measured
     /// backward times and parameters, on the case's link.
-    fn chosen_buckets(&self, case: &Case) -> Result<Vec<usize>, ExperimentError> {
+    fn chosen_buckets(&self, case: &Case) -> Result<StageBuckets, ExperimentError> {
         let partition =
             Partition::balanced(self.model, &vec![case.replicas; case.stages as usize])?;
         let link = self.link(case);
@@ -578,8 +581,8 @@ impl ModelContext<'_> {
             .iter()
             .map(|range| {
                 let layers = self.layers(range.clone());
-                choose_bucket_values(&layers, case.replicas, &link, 4.0)
-                    .map_or(DEFAULT_BUCKET_VALUES, |c| c.values)
+                choose_bucket_size(&layers, case.replicas, &link, 4.0)
+                    .map_or(DEFAULT_BUCKET_SIZE, |c| c.size)
             })
             .collect())
     }
@@ -621,10 +624,10 @@ impl ModelContext<'_> {
                 .map(Tensor::len)
                 .sum();
             st.all_reduce = Some(all_reduce_cost(len, case.replicas, case.processes)?);
-            let values = match (&case.stage_bucket_values, case.bucket_values) {
-                (Some(v), _) => v.get(s).copied().unwrap_or(DEFAULT_BUCKET_VALUES),
-                (None, Some(v)) => v,
-                (None, None) => DEFAULT_BUCKET_VALUES,
+            let size = match (&case.stage_buckets, case.bucket_size) {
+                (Some(sizes), _) => sizes.get(s).unwrap_or(DEFAULT_BUCKET_SIZE),
+                (None, Some(size)) => size,
+                (None, None) => DEFAULT_BUCKET_SIZE,
             };
             let layers = self.layers(range);
             let profiled: f64 = layers.iter().map(|l| l.backward).sum();
@@ -633,7 +636,7 @@ impl ModelContext<'_> {
             } else {
                 1.0
             };
-            let mut buckets = buckets_of(&layers, values, 4.0);
+            let mut buckets = buckets_of(&layers, size, 4.0);
             for b in &mut buckets {
                 b.ready *= scale;
             }
@@ -650,8 +653,8 @@ fn run_case(
     (single, one_core): (f64, f64),
 ) -> Result<CaseResult, ExperimentError> {
     let mut case = case.clone();
-    if case.replicas > 1 && case.bucket_values.is_none() {
-        case.stage_bucket_values = Some(ctx.chosen_buckets(&case)?);
+    if case.replicas > 1 && case.bucket_size.is_none() {
+        case.stage_buckets = Some(ctx.chosen_buckets(&case)?);
     }
     let costs = ctx.case_costs(&case)?;
     let (measured, simulated) = if case.processes {
@@ -708,9 +711,9 @@ fn in_processes(
 ) -> Result<(f64, f64), ExperimentError> {
     let replicas = vec![case.replicas; case.stages as usize];
     let partition = Partition::balanced(ctx.model, &replicas)?;
-    let buckets = match (&case.stage_bucket_values, case.bucket_values) {
-        (Some(v), _) => pipe_stages::config::BucketSizes::of_values(v).to_string(),
-        (None, Some(v)) => pipe_stages::config::BucketSizes::of_values(&[v]).to_string(),
+    let buckets = match (&case.stage_buckets, case.bucket_size) {
+        (Some(sizes), _) => sizes.to_string(),
+        (None, Some(size)) => size.to_string(),
         (None, None) => "4".into(),
     };
     // Synthetic samples of the model's input size, as the threads' random pool.
@@ -780,14 +783,14 @@ fn model_cases(preset: &str, batch: usize, m: u32, processes: bool) -> Vec<Case>
         m: m / replicas,
         replica_counts: None,
         partition: None,
-        bucket_values: None,
-        stage_bucket_values: None,
+        bucket_size: None,
+        stage_buckets: None,
         processes: false,
     };
     // The same replicated run with each stage's gradients in one bucket: what overlapping
     // the all-reduce with the backward pass gains, against the sizes chosen per stage.
     let one_bucket = Case {
-        bucket_values: Some(usize::MAX),
+        bucket_size: Some(BucketSize::Whole),
         ..case(
             "--stages 4 --replicas 2 pipedream, one bucket",
             Policy::PipeDream,
@@ -1074,8 +1077,8 @@ mod tests {
                     m: 2,
                     replica_counts: None,
                     partition: None,
-                    bucket_values: None,
-                    stage_bucket_values: None,
+                    bucket_size: None,
+                    stage_buckets: None,
                     processes: false,
                 },
                 samples_per_s: measured,

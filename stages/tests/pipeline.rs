@@ -7,6 +7,7 @@ mod common;
 
 use common::{assert_reference_weights, bits, data, even, first_replicas, flat, opt};
 use pipe_kernels::CpuBackend;
+use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::layers::LayerSpec;
 use pipe_stages::model::{Model, ModelSpec, Params};
@@ -592,6 +593,11 @@ fn equal_to_the_reference_in_process_and_over_quic(
     want
 }
 
+/// Buckets of 300 gradient values.
+fn three_hundred() -> BucketSize {
+    BucketSize::of_values(300).unwrap()
+}
+
 /// Checks a run whose replicas of `stage` sum their gradients in buckets of 300 values: that
 /// stage's gradients make several buckets, the run equals the reference trainer in process and
 /// over QUIC, and `one_bucket` (the run with that stage summed in one bucket) ends the stage
@@ -604,7 +610,7 @@ fn buckets_matter(
     what: &dyn std::fmt::Display,
 ) {
     let grads = model.zero_grads(run.partition.range(stage));
-    let buckets = pipe_stages::pipeline::gradient_buckets(&grads, 300, 3);
+    let buckets = pipe_stages::pipeline::gradient_buckets(&grads, three_hundred(), 3);
     assert!(buckets.len() >= 2, "{what}: {buckets:?}");
     let want = equal_to_the_reference_in_process_and_over_quic(run, model, what);
     let one = reference_with(one_bucket, model, opt());
@@ -624,8 +630,9 @@ fn gradient_buckets_reduced_during_the_backward_pass_equal_the_reference() {
     let model = model();
     for policy in [Policy::PipeDream, Policy::TwoBw, Policy::OneFOneBFlush] {
         let m = if policy == Policy::TwoBw { 4 } else { 3 };
-        let run = prepare(&on_three(policy, m, &[1, 3, 1], 6), &model).with_bucket_values(300);
-        let one_bucket = run.clone().with_bucket_values(usize::MAX);
+        let run =
+            prepare(&on_three(policy, m, &[1, 3, 1], 6), &model).with_bucket_size(three_hundred());
+        let one_bucket = run.clone().with_bucket_size(BucketSize::Whole);
         buckets_matter(&model, &run, &one_bucket, 1, &policy);
     }
 }
@@ -638,10 +645,13 @@ fn gradient_buckets_reduced_during_the_backward_pass_equal_the_reference() {
 fn bucket_sizes_per_stage_equal_the_reference() {
     let model = model();
     let spec = on_three(Policy::PipeDream, 3, &[3, 3, 1], 6);
-    let run = prepare(&spec, &model).with_stage_bucket_values(&[300, usize::MAX, 300]);
-    assert_eq!(run.bucket_values_of(0), 300);
-    assert_eq!(run.bucket_values_of(1), usize::MAX);
-    let all_one = run.clone().with_stage_bucket_values(&[usize::MAX; 3]);
+    let sizes = StageBuckets::new(vec![three_hundred(), BucketSize::Whole, three_hundred()]);
+    let run = prepare(&spec, &model).with_stage_buckets(&sizes);
+    assert_eq!(run.bucket_size_of(0), three_hundred());
+    assert_eq!(run.bucket_size_of(1), BucketSize::Whole);
+    let all_one = run
+        .clone()
+        .with_stage_buckets(&StageBuckets::uniform(BucketSize::Whole, 3));
     buckets_matter(&model, &run, &all_one, 0, &"per stage");
 }
 
@@ -654,7 +664,7 @@ fn a_bf16_all_reduce_equals_the_reference_and_stays_near_f32() {
     use pipe_transport::frame::WireDType;
     let model = model();
     let spec = on_three(Policy::PipeDream, 3, &[1, 3, 1], 6);
-    let f32_run = prepare(&spec, &model).with_bucket_values(300);
+    let f32_run = prepare(&spec, &model).with_bucket_size(three_hundred());
     let run = f32_run.clone().with_allreduce_wire(WireDType::Bf16);
     let want = equal_to_the_reference_in_process_and_over_quic(&run, &model, &"bf16");
     let exact = reference_with(&f32_run, &model, opt());

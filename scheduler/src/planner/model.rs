@@ -140,10 +140,11 @@ pub struct PlanOptions {
     /// ([`super::placement`]); `None` (the default): every worker on one host, every link
     /// the one above.
     pub hosts: Option<super::placement::Hosts>,
-    /// Gradient values per all-reduce bucket the run will sum each stage's gradients in, for
-    /// the simulator's check ([`crate::sim::bucketed_all_reduce`]); `None` (the default): one
-    /// bucket. The partition search charges one bucket either way.
-    pub bucket_values: Option<usize>,
+    /// The all-reduce bucket size the run will sum each stage's gradients in, for the
+    /// simulator's check ([`crate::sim::bucketed_all_reduce`]); default one bucket
+    /// ([`super::buckets::BucketSize::Whole`]). The partition search charges one bucket
+    /// either way.
+    pub bucket_size: super::buckets::BucketSize,
 }
 
 impl PlanOptions {
@@ -176,7 +177,7 @@ impl PlanOptions {
             byte_cpu: 0.0,
             worker_base: 0.0,
             hosts: None,
-            bucket_values: None,
+            bucket_size: super::buckets::BucketSize::Whole,
         }
     }
 
@@ -1254,14 +1255,14 @@ pub fn simulate_plan_with_memory(
         LowerOptions::default(),
     );
     let mut stages = stage_costs(profile, plan, opts.wire);
-    if let Some(values) = opts.bucket_values {
+    if opts.bucket_size != super::buckets::BucketSize::Whole {
         for (c, s) in stages.iter_mut().zip(&plan.stages) {
             let layers: Vec<super::buckets::LayerGradients> = plan.order[s.layers.clone()]
                 .iter()
                 .filter_map(|&l| profile.layers.get(l))
                 .map(super::buckets::LayerGradients::of)
                 .collect();
-            let buckets = super::buckets::buckets_of(&layers, values, 4.0);
+            let buckets = super::buckets::buckets_of(&layers, opts.bucket_size, 4.0);
             c.buckets = (buckets.len() > 1).then_some(buckets);
         }
     }

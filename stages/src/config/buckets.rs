@@ -1,37 +1,26 @@
-//! All-reduce bucket sizes as a run is given them: one size for every stage, or one per stage.
+//! All-reduce bucket sizes as a run is given them (one size for every stage, or one per
+//! stage), where they came from, and the one rule by which a run takes sizes settled
+//! elsewhere ([`RunConfig::adopt_buckets_of`]).
+//!
+//! A size is [`pipe_scheduler::planner::buckets::BucketSize`] (one bucket for a whole stage
+//! is a variant of it), a run's per-stage sizes a
+//! [`pipe_scheduler::planner::buckets::StageBuckets`].
 
+use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use serde::{Deserialize, Serialize};
+
+use super::RunConfig;
 
 /// `--allreduce-bucket-mb`: MiB of f32 gradients per all-reduce bucket, one size for every
 /// stage (`4`) or one per stage (`4,1,one`); `one` puts a stage's gradients in one bucket,
 /// summed once its backward pass is done. A config file gives a number or that text.
 #[derive(Clone, Debug, PartialEq)]
-pub struct BucketSizes(Vec<Option<f64>>);
-
-/// Largest bucket in MiB (64 GiB).
-const MAX_BUCKET_MB: f64 = 65_536.0;
+pub struct BucketSizes(Vec<BucketSize>);
 
 impl BucketSizes {
-    /// Gradient values per bucket of each size given (`usize::MAX` for `one`).
-    pub fn values(&self) -> Vec<usize> {
-        self.0
-            .iter()
-            .map(|mb| match mb {
-                // At least one value; whole values of 4 bytes.
-                Some(mb) => ((mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
-                None => usize::MAX,
-            })
-            .collect()
-    }
-
-    /// The sizes of `values` per stage, as `--allreduce-bucket-mb` takes them back.
-    pub fn of_values(values: &[usize]) -> Self {
-        BucketSizes(
-            values
-                .iter()
-                .map(|&v| (v != usize::MAX).then(|| v as f64 * 4.0 / (1024.0 * 1024.0)))
-                .collect(),
-        )
+    /// The sizes given: one for every stage, or one per stage.
+    pub fn sizes(&self) -> &[BucketSize] {
+        &self.0
     }
 }
 
@@ -48,29 +37,16 @@ impl std::str::FromStr for BucketSizes {
         .map_err(|e| e.to_string())?;
         let sizes = parts
             .iter()
-            .map(|p| match *p {
-                "one" => Ok(None),
-                _ => match p.parse::<f64>() {
-                    Ok(mb) if mb.is_finite() && mb > 0.0 && mb <= MAX_BUCKET_MB => Ok(Some(mb)),
-                    _ => Err(format!(
-                        "all-reduce bucket must be between 0 and {MAX_BUCKET_MB} MiB, or one, got \
-                         '{p}'"
-                    )),
-                },
-            })
+            .map(|p| p.parse::<BucketSize>().map_err(|e| e.to_string()))
             .collect::<std::result::Result<_, _>>()?;
         Ok(BucketSizes(sizes))
     }
 }
 
+/// As `--allreduce-bucket-mb` takes it: the sizes, comma-separated.
 impl std::fmt::Display for BucketSizes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let text: Vec<String> = self
-            .0
-            .iter()
-            .map(|mb| mb.map_or_else(|| "one".to_string(), |mb| format!("{mb}")))
-            .collect();
-        f.write_str(&text.join(","))
+        StageBuckets::new(self.0.clone()).fmt(f)
     }
 }
 
@@ -107,4 +83,96 @@ pub enum BucketOrigin {
     Given,
     /// Chosen per stage by the simulator's cost of the bucketed ring on the run's link.
     Chosen,
+}
+
+impl RunConfig {
+    /// Whether this run's bucket sizes are open to being settled for it: it was given none
+    /// (`--allreduce-bucket-mb`), so sizes chosen on its measured link
+    /// ([`crate::planning::buckets`]) or by the run it continues or follows are its own. The
+    /// guard of the choice and of [`RunConfig::adopt_buckets_of`] alike.
+    pub fn takes_settled_buckets(&self) -> bool {
+        self.bucket_origin == BucketOrigin::Default
+    }
+
+    /// The one adoption rule of bucket sizes, for checkpoints and the chief's terms alike:
+    /// this run with the sizes `other` (the run a checkpoint continues, or the chief's)
+    /// chose, where this run takes settled sizes ([`RunConfig::takes_settled_buckets`]),
+    /// `other` chose its own, and they are one size per stage of this run. The replicas' sums
+    /// then add in the buckets of the run they follow. `None`: this run keeps its own.
+    pub fn adopt_buckets_of(&self, other: &RunConfig) -> Option<RunConfig> {
+        if !self.takes_settled_buckets() || other.bucket_origin != BucketOrigin::Chosen {
+            return None;
+        }
+        let stages = self.resolved().ok()?.layout.stages() as usize;
+        (other.stage_buckets.len() == stages)
+            .then(|| self.clone().with_stage_buckets(other.stage_buckets.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::config::TrainSettings;
+
+    fn run(toml: &str) -> RunConfig {
+        TrainSettings::from_toml(toml, "test")
+            .and_then(TrainSettings::resolve)
+            .unwrap()
+    }
+
+    #[test]
+    fn the_flag_reads_and_prints_its_sizes() {
+        let given: BucketSizes = "4, 1,one".parse().unwrap();
+        assert_eq!(given.to_string(), "4,1,one");
+        assert_eq!(given.sizes()[2], BucketSize::Whole);
+        let e = "4,many".parse::<BucketSizes>().unwrap_err();
+        assert_eq!(
+            e,
+            "all-reduce bucket must be between 0 and 65536 MiB, or one, got 'many'"
+        );
+        let cfg = run("stages = 2\nallreduce_bucket_mb = 0.25");
+        assert_eq!(cfg.bucket_size, BucketSize::of_values(1 << 16).unwrap());
+        assert_eq!(cfg.bucket_origin, BucketOrigin::Given);
+        let cfg = run("stages = 2\nallreduce_bucket_mb = \"one,2\"");
+        assert_eq!(cfg.stage_buckets.to_string(), "one,2");
+    }
+
+    /// One rule for checkpoints and the chief's terms: chosen sizes of as many stages are
+    /// taken where none were given, and nothing else is.
+    #[test]
+    fn a_run_adopts_chosen_sizes_only_where_it_was_given_none() {
+        let base = run("stages = 2\nreplicas = [2]");
+        let sizes = StageBuckets::new(vec![BucketSize::Whole, "0.25".parse().unwrap()]);
+        let chosen = base.clone().with_stage_buckets(sizes.clone());
+        let adopted = base.adopt_buckets_of(&chosen).unwrap();
+        assert_eq!(adopted.stage_buckets, sizes);
+        assert_eq!(adopted.bucket_origin, BucketOrigin::Chosen);
+        assert_eq!(adopted.numerics_difference(&chosen), None);
+        let given = run("stages = 2\nreplicas = [2]\nallreduce_bucket_mb = 1");
+        assert!(!given.takes_settled_buckets());
+        assert!(given.adopt_buckets_of(&chosen).is_none());
+        assert!(base.adopt_buckets_of(&given).is_none());
+        assert!(base.adopt_buckets_of(&base).is_none());
+        let three =
+            run("stages = 3").with_stage_buckets(StageBuckets::uniform(BucketSize::Whole, 3));
+        assert!(base.adopt_buckets_of(&three).is_none());
+    }
+
+    /// Run files and checkpoints hold the counts of values they always held, one bucket as
+    /// the largest count, and read back to the same sizes.
+    #[test]
+    fn sizes_travel_as_the_counts_written_before() {
+        let sizes = StageBuckets::new(vec![BucketSize::Whole, "0.25".parse().unwrap()]);
+        let cfg = run("stages = 2\nreplicas = [2]").with_stage_buckets(sizes);
+        let json = cfg.to_json().unwrap();
+        assert!(json.contains("\"bucket_values\":1048576"), "{json}");
+        assert!(
+            json.contains("\"stage_bucket_values\":[18446744073709551615,65536]"),
+            "{json}"
+        );
+        assert_eq!(RunConfig::from_json(&json, "run.json").unwrap(), cfg);
+        let plain = run("stages = 2").to_json().unwrap();
+        assert!(!plain.contains("stage_bucket_values"), "{plain}");
+    }
 }

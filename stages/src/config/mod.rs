@@ -4,9 +4,12 @@
 //! Split by concern: [`settings`] holds what a user gives (every setting optional, the shape
 //! of a config file and of the command line, merged field by field); [`resolve`] turns them
 //! into a run, applying defaults and checking every value once; [`run`] is the checked run
-//! itself and what it answers; [`buckets`] the all-reduce bucket sizes; [`plan_file`] the
-//! layout `pipe plan -o` writes; [`launch`] the settings of a run's launch around it. This file keeps the defaults every part shares.
+//! itself and what it answers; [`buckets`] the all-reduce bucket sizes as given and the rule
+//! by which a run adopts sizes settled elsewhere; [`plan_file`] the layout `pipe plan -o`
+//! writes; [`launch`] the settings of a run's launch around it. This file keeps the defaults
+//! every part shares.
 
+use pipe_scheduler::planner::buckets::BucketSize;
 use pipe_scheduler::{Policy, Resolved};
 
 use crate::optim::{DecayGroups, OptimizerKind};
@@ -46,7 +49,9 @@ pub const DEFAULT_WARMUP_FRACTION: u64 = 20;
 /// enough that a stage of a few large layers has several buckets to overlap with its backward
 /// pass, large enough that a bucket's ring is not dominated by per-message costs (each piece
 /// is at most 256 KiB anyway).
-pub const DEFAULT_BUCKET_VALUES: usize = 1 << 20;
+pub const DEFAULT_BUCKET_SIZE: BucketSize = BucketSize::Values(
+    std::num::NonZeroUsize::new(1 << 20).expect("the default bucket holds values"),
+);
 
 /// SGD momentum when none is given: [`BASE_MOMENTUM`] for synchronous training, less for an
 /// asynchronous pipeline. A gradient applied `tau` updates after the weights it was computed

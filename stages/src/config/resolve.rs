@@ -2,6 +2,7 @@
 //! one [`RunConfig`]. Each check names the setting it refuses.
 
 use pipe_kernels::BackendKind;
+use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use pipe_scheduler::{Policy, Resolved, ScheduleSpec};
 
 use crate::data::Vocab;
@@ -527,7 +528,7 @@ impl TrainSettings {
         let synthetic = self.synthetic.clone().unwrap_or_default();
         synthetic.check()?;
         let stall_timeout = self.checked_stall_timeout()?;
-        let (bucket_values, stage_bucket_values, bucket_origin) = bucket_settings(
+        let (bucket_size, stage_buckets, bucket_origin) = bucket_settings(
             self.allreduce_bucket_mb.as_ref(),
             resolved.as_ref().ok().map(|l| l.layout.stages() as usize),
         )?;
@@ -568,8 +569,8 @@ impl TrainSettings {
             wire,
             remedies,
             stall_timeout,
-            bucket_values,
-            stage_bucket_values,
+            bucket_size,
+            stage_buckets,
             bucket_origin,
             allreduce_wire,
             resolved: Derived(resolved),
@@ -585,21 +586,29 @@ impl TrainSettings {
 fn bucket_settings(
     given: Option<&BucketSizes>,
     stages: Option<usize>,
-) -> Result<(usize, Vec<usize>, BucketOrigin)> {
+) -> Result<(BucketSize, StageBuckets, BucketOrigin)> {
     let Some(sizes) = given else {
-        return Ok((DEFAULT_BUCKET_VALUES, Vec::new(), BucketOrigin::Default));
+        return Ok((
+            DEFAULT_BUCKET_SIZE,
+            StageBuckets::default(),
+            BucketOrigin::Default,
+        ));
     };
-    let values = sizes.values();
-    if values.len() == 1 {
-        return Ok((values[0], Vec::new(), BucketOrigin::Given));
+    if let [size] = sizes.sizes() {
+        return Ok((*size, StageBuckets::default(), BucketOrigin::Given));
     }
-    if let Some(stages) = stages.filter(|&s| s != values.len()) {
+    let sizes = sizes.sizes();
+    if let Some(stages) = stages.filter(|&s| s != sizes.len()) {
         return Err(StageError::Config(format!(
             "--allreduce-bucket-mb gives {} sizes for {stages} stages (give one, or one per stage)",
-            values.len()
+            sizes.len()
         )));
     }
-    Ok((DEFAULT_BUCKET_VALUES, values, BucketOrigin::Given))
+    Ok((
+        DEFAULT_BUCKET_SIZE,
+        StageBuckets::new(sizes.to_vec()),
+        BucketOrigin::Given,
+    ))
 }
 
 /// Refuses what a backend cannot run yet: packed documents on CUDA, whose attention kernels

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use pipe_kernels::BackendKind;
+use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use pipe_scheduler::{Length, Policy, Resolved, ScheduleError, ScheduleSpec};
 use pipe_transport::TransportKind;
 use pipe_transport::frame::WireDType;
@@ -239,13 +240,19 @@ pub struct RunConfig {
     pub remedies: Remedies,
     /// How long a worker waits for data before the run is stopped as stalled.
     pub stall_timeout: std::time::Duration,
-    /// Gradient values per all-reduce bucket (every stage's, unless `stage_bucket_values`
-    /// gives each its own).
-    pub bucket_values: usize,
-    /// Gradient values per all-reduce bucket of each stage, where given per stage or chosen
-    /// ([`crate::planning::buckets`]); empty otherwise.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub stage_bucket_values: Vec<usize>,
+    /// The all-reduce bucket size (every stage's, unless `stage_buckets` gives each its
+    /// own). Serialized as `bucket_values`, the count of values it always was.
+    #[serde(rename = "bucket_values")]
+    pub bucket_size: BucketSize,
+    /// The all-reduce bucket size of each stage, where given per stage or chosen
+    /// ([`crate::planning::buckets`]); empty otherwise. Serialized as
+    /// `stage_bucket_values`.
+    #[serde(
+        rename = "stage_bucket_values",
+        default,
+        skip_serializing_if = "StageBuckets::is_empty"
+    )]
+    pub stage_buckets: StageBuckets,
     /// Where the bucket sizes came from.
     #[serde(default)]
     pub bucket_origin: BucketOrigin,
@@ -383,11 +390,7 @@ impl RunConfig {
             return bad("epochs, microbatch size and microbatches must be at least 1".into());
         }
         model.check_microbatch(self.microbatch_size)?;
-        if self.steps == Some(0)
-            || self.bucket_values == 0
-            || self.stage_bucket_values.contains(&0)
-            || self.chunks == 0
-        {
+        if self.steps == Some(0) || self.chunks == 0 {
             return bad("steps, all-reduce bucket and chunks must be at least 1".into());
         }
         if self.replicas.len() != self.stages {
@@ -407,12 +410,12 @@ impl RunConfig {
             ));
         }
         let run = self.schedule_spec(Length::Updates(1)).resolve()?;
-        if !self.stage_bucket_values.is_empty()
-            && self.stage_bucket_values.len() != run.layout.stages() as usize
+        if !self.stage_buckets.is_empty()
+            && self.stage_buckets.len() != run.layout.stages() as usize
         {
             return bad(format!(
                 "{} all-reduce bucket sizes for {} stages",
-                self.stage_bucket_values.len(),
+                self.stage_buckets.len(),
                 run.layout.stages()
             ));
         }
@@ -551,9 +554,9 @@ impl RunConfig {
     /// This run with each stage's all-reduce bucket size settled: chosen by the simulator on
     /// the measured link, or adopted from the run a checkpoint continues or the chief's
     /// terms. The one place settled bucket sizes enter a run.
-    pub fn with_stage_buckets(self, values: Vec<usize>) -> Self {
+    pub fn with_stage_buckets(self, sizes: StageBuckets) -> Self {
         RunConfig {
-            stage_bucket_values: values,
+            stage_buckets: sizes,
             bucket_origin: BucketOrigin::Chosen,
             ..self
         }
@@ -572,21 +575,6 @@ impl RunConfig {
             transport,
             ..self
         }
-    }
-
-    /// The adoption rule of bucket sizes, for checkpoints and the chief's terms alike: the
-    /// sizes `other` (the run a checkpoint continues, or the chief's) chose, where this run
-    /// gives none, they were chosen, and they are one nonzero size per stage of this run.
-    /// The replicas' sums then add in the buckets of the run they follow.
-    pub fn buckets_to_adopt(&self, other: &RunConfig) -> Option<Vec<usize>> {
-        if self.bucket_origin != BucketOrigin::Default
-            || other.bucket_origin != BucketOrigin::Chosen
-        {
-            return None;
-        }
-        let stages = self.resolved().ok()?.layout.stages() as usize;
-        let values = &other.stage_bucket_values;
-        (values.len() == stages && !values.contains(&0)).then(|| values.clone())
     }
 
     /// Checks the run against this host ([`crate::limits`]): its compute threads, its

@@ -16,6 +16,7 @@ use std::ops::Range;
 
 use pipe_kernels::{Backend, Tensor};
 use pipe_scheduler::Action;
+use pipe_scheduler::planner::buckets::BucketSize;
 use pipe_transport::Transport;
 use pipe_transport::collective::{RingAllReduce, RingSpec, ring_step_count, ring_sum_as};
 use pipe_transport::frame::WireDType;
@@ -23,7 +24,7 @@ use pipe_transport::frame::WireDType;
 use crate::error::{Result, StageError};
 use crate::model::Params;
 
-pub use crate::config::DEFAULT_BUCKET_VALUES;
+pub use crate::config::DEFAULT_BUCKET_SIZE;
 
 /// One bucket of a stage's gradients.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,15 +37,15 @@ pub struct GradientBucket {
     pub first_step: u32,
 }
 
-/// The buckets of gradients `grads` (per layer, per parameter) at `bucket_values` values
-/// each, for a ring of `replicas`: walking from the last layer to the first, a bucket closes
-/// as soon as it holds at least `bucket_values` values, so a layer is never split. Buckets
+/// The buckets of gradients `grads` (per layer, per parameter) at `size`, for a ring of
+/// `replicas`: walking from the last layer to the first, a bucket closes as soon as it is
+/// full ([`BucketSize::is_full`]; one bucket never is), so a layer is never split. Buckets
 /// come in the order the backward pass completes them (the last layers first); one with no
 /// values (layers without parameters at the stage's start) is left out. From the shapes
 /// alone, so every replica and the reference trainer cut the same buckets.
 pub fn gradient_buckets(
     grads: &[Vec<Tensor>],
-    bucket_values: usize,
+    size: BucketSize,
     replicas: usize,
 ) -> Vec<GradientBucket> {
     let mut buckets = Vec::new();
@@ -53,7 +54,7 @@ pub fn gradient_buckets(
     let mut first_step = 0usize;
     for j in (0..grads.len()).rev() {
         values += grads[j].iter().map(Tensor::len).sum::<usize>();
-        if values >= bucket_values.max(1) || j == 0 {
+        if size.is_full(values) || j == 0 {
             if values > 0 {
                 buckets.push(GradientBucket {
                     layers: j..end,
@@ -130,18 +131,18 @@ pub struct BucketedAllReduce {
 
 impl BucketedAllReduce {
     /// The all-reduce of update `update` of `stage` among `group` (ring order), with the
-    /// buckets of `grads` at `bucket_values` values, sending in `wire`'s precision.
+    /// buckets of `grads` at `size`, sending in `wire`'s precision.
     pub fn new(
         group: &[u32],
         (stage, update): (u32, u32),
         grads: &[Vec<Tensor>],
-        (bucket_values, wire): (usize, WireDType),
+        (size, wire): (BucketSize, WireDType),
     ) -> Self {
         BucketedAllReduce {
             group: group.to_vec(),
             stage,
             update,
-            buckets: gradient_buckets(grads, bucket_values, group.len()),
+            buckets: gradient_buckets(grads, size, group.len()),
             wire,
             rings: Vec::new(),
         }
@@ -228,12 +229,12 @@ impl BucketedAllReduce {
 pub(crate) fn bucketed_ring_sum(
     be: &dyn Backend,
     mut partials: Vec<Params>,
-    (bucket_values, wire): (usize, WireDType),
+    (size, wire): (BucketSize, WireDType),
 ) -> Result<Params> {
     let Some(first) = partials.first() else {
         return Ok(Params::new());
     };
-    let buckets = gradient_buckets(first, bucket_values, partials.len());
+    let buckets = gradient_buckets(first, size, partials.len());
     for b in &buckets {
         let flats: Vec<Vec<f32>> = partials
             .iter()
@@ -272,7 +273,7 @@ pub fn all_reduce_gradients<T: Transport + ?Sized>(
     group: &[u32],
     (stage, update): (u32, u32),
     grads: &mut Params,
-    (bucket_values, wire): (usize, WireDType),
+    (size, wire): (BucketSize, WireDType),
 ) -> Result<()> {
     if grads
         .iter()
@@ -284,20 +285,13 @@ pub fn all_reduce_gradients<T: Transport + ?Sized>(
         }
         // Device gradients go through the host: copied out, summed by the ring, written back.
         let mut staged = crate::model::host_params(be, grads.clone())?;
-        all_reduce_gradients(
-            be,
-            t,
-            group,
-            (stage, update),
-            &mut staged,
-            (bucket_values, wire),
-        )?;
+        all_reduce_gradients(be, t, group, (stage, update), &mut staged, (size, wire))?;
         for (g, s) in grads.iter_mut().flatten().zip(staged.iter().flatten()) {
             be.write(s.host()?, g)?;
         }
         return Ok(());
     }
-    BucketedAllReduce::new(group, (stage, update), grads, (bucket_values, wire)).finish(t, grads)
+    BucketedAllReduce::new(group, (stage, update), grads, (size, wire)).finish(t, grads)
 }
 
 /// The `step` of the messages of [`all_reduce_on_devices`]: this plus the gradient tensor's
@@ -376,6 +370,10 @@ mod tests {
     use pipe_scheduler::{LowerOptions, Policy, ScheduleSpec, generate, lower};
     use pipe_transport::inproc::{InProcOptions, mesh};
 
+    fn values(n: usize) -> BucketSize {
+        BucketSize::of_values(n).unwrap()
+    }
+
     fn layer(sizes: &[usize], fill: impl Fn(usize) -> f32) -> Vec<Tensor> {
         sizes
             .iter()
@@ -393,7 +391,7 @@ mod tests {
             vec![],
             layer(&[5], |_| 0.0),
         ];
-        let buckets = gradient_buckets(&grads, 7, 3);
+        let buckets = gradient_buckets(&grads, values(7), 3);
         let layers: Vec<_> = buckets.iter().map(|b| b.layers.clone()).collect();
         assert_eq!(layers, vec![2..5, 0..2]);
         assert_eq!(buckets[0].values, 13);
@@ -402,7 +400,7 @@ mod tests {
         assert_eq!(buckets[1].first_step as usize, ring_step_count(13, 3));
         // Leading layers without parameters make no empty bucket.
         let tail = vec![vec![], layer(&[4], |_| 0.0)];
-        let b = gradient_buckets(&tail, 1, 2);
+        let b = gradient_buckets(&tail, values(1), 2);
         assert_eq!(b.len(), 1);
         assert_eq!(b[0].layers, 1..2);
     }
@@ -462,14 +460,14 @@ mod tests {
         let want = bucketed_ring_sum(
             &pipe_kernels::CpuBackend::new(1).unwrap(),
             grads.to_vec(),
-            (1_000, WireDType::F32),
+            (values(1_000), WireDType::F32),
         )
         .unwrap();
         let mut eps = mesh(2, &InProcOptions::default());
         let group = [0, 1];
         let mut ars: Vec<BucketedAllReduce> = grads
             .iter()
-            .map(|g| BucketedAllReduce::new(&group, (1, 7), g, (1_000, WireDType::F32)))
+            .map(|g| BucketedAllReduce::new(&group, (1, 7), g, (values(1_000), WireDType::F32)))
             .collect();
         assert_eq!(ars[0].buckets.len(), 3);
         for ready in (0..sizes.len()).rev() {

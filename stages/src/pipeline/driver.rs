@@ -11,6 +11,7 @@
 use std::time::Instant;
 
 use pipe_kernels::Backend;
+use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use pipe_scheduler::{Action, Span};
 use pipe_transport::Transport;
 use pipe_transport::nccl::NcclComms;
@@ -187,9 +188,9 @@ struct Comms {
 struct Overlap {
     /// Program counter of a stage's last backward pass before an all-reduce: that update.
     starts: std::collections::HashMap<usize, u32>,
-    /// Bucket size of each stage and the wire precision ([`super::RunPlan::bucket_values_of`]
-    /// and [`super::RunPlan::allreduce_wire`]).
-    buckets: Vec<usize>,
+    /// Bucket size of each stage and the wire precision ([`super::RunPlan::buckets`] and
+    /// [`super::RunPlan::allreduce_wire`]).
+    buckets: StageBuckets,
     wire: pipe_transport::frame::WireDType,
     in_flight: Vec<BucketedAllReduce>,
 }
@@ -204,7 +205,7 @@ impl Overlap {
         Overlap {
             starts,
             buckets: (0..plan.schedule.stages())
-                .map(|s| plan.bucket_values_of(s))
+                .map(|s| plan.bucket_size_of(s))
                 .collect(),
             wire: plan.allreduce_wire,
             in_flight: Vec::new(),
@@ -212,13 +213,12 @@ impl Overlap {
     }
 
     /// The ring settings of `stage`'s all-reduce: its bucket size and the wire precision.
-    fn ring(&self, stage: u32) -> (usize, pipe_transport::frame::WireDType) {
-        let values = self
+    fn ring(&self, stage: u32) -> (BucketSize, pipe_transport::frame::WireDType) {
+        let size = self
             .buckets
             .get(stage as usize)
-            .copied()
-            .unwrap_or(super::DEFAULT_BUCKET_VALUES);
-        (values, self.wire)
+            .unwrap_or(super::DEFAULT_BUCKET_SIZE);
+        (size, self.wire)
     }
 
     /// Runs backward pass `a` at `pc`, starting its stage's all-reduce of `update` bucket by

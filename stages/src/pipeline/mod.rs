@@ -48,8 +48,8 @@ pub mod worker;
 
 pub use crate::partition::Partition;
 pub use allreduce::{
-    BucketedAllReduce, DEFAULT_BUCKET_VALUES, DEVICE_SUM_STEP, GradientBucket,
-    all_reduce_gradients, all_reduce_on_devices, gradient_buckets, last_backwards,
+    BucketedAllReduce, DEFAULT_BUCKET_SIZE, DEVICE_SUM_STEP, GradientBucket, all_reduce_gradients,
+    all_reduce_on_devices, gradient_buckets, last_backwards,
 };
 pub use driver::{run_worker, run_worker_with};
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};

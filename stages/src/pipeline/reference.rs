@@ -403,7 +403,7 @@ impl Reference<'_, '_> {
         if partials.len() > 1 {
             // The executor's all-reduce: bucket by bucket, summed over the replicas in ring
             // order.
-            let ring = (plan.bucket_values_of(s as u32), plan.allreduce_wire);
+            let ring = (plan.bucket_size_of(s as u32), plan.allreduce_wire);
             return super::allreduce::bucketed_ring_sum(be, partials, ring);
         }
         Ok(partials.pop().unwrap_or_default())

@@ -3,6 +3,7 @@
 //! plans, and fix the partition. Training, profiling, benchmarks and tests all build a [`RunPlan`] this
 //! way, so nothing runs a schedule that skipped a check.
 
+use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use pipe_scheduler::{
     LowerOptions, NormPlan, Schedule, ScheduleSpec, VersionPlan, generate, lower, validate,
 };
@@ -22,13 +23,10 @@ pub struct RunPlan {
     pub norms: NormPlan,
     /// Layers of each model stage.
     pub partition: Partition,
-    /// Gradient values per all-reduce bucket ([`super::gradient_buckets`]): part of the plan
-    /// because the buckets fix the order of the replicas' additions, which the reference
-    /// trainer must follow. Every stage's unless [`RunPlan::stage_bucket_values`] gives its own.
-    pub bucket_values: usize,
-    /// Gradient values per bucket of each stage, where chosen per stage (the simulator's
-    /// choice, [`crate::planning::buckets`]); empty: `bucket_values` for every stage.
-    pub stage_bucket_values: Vec<usize>,
+    /// Each stage's all-reduce bucket size ([`super::gradient_buckets`]), one per stage:
+    /// part of the plan because the buckets fix the order of the replicas' additions, which
+    /// the reference trainer must follow.
+    pub buckets: StageBuckets,
     /// The precision all-reduce rings send in (f32, or bf16 with f32 sums): part of the
     /// numerics, like the buckets.
     pub allreduce_wire: pipe_transport::frame::WireDType,
@@ -95,8 +93,7 @@ impl RunPlan {
             versions,
             norms,
             partition,
-            bucket_values: super::DEFAULT_BUCKET_VALUES,
-            stage_bucket_values: Vec::new(),
+            buckets: StageBuckets::uniform(super::DEFAULT_BUCKET_SIZE, stages),
             allreduce_wire: pipe_transport::frame::WireDType::F32,
         })
     }
@@ -108,29 +105,27 @@ impl RunPlan {
         self
     }
 
-    /// This plan with all-reduce buckets of `values` gradient values (at least one).
+    /// This plan with every stage's all-reduce buckets of `size`.
     #[must_use]
-    pub fn with_bucket_values(mut self, values: usize) -> Self {
-        self.bucket_values = values.max(1);
-        self.stage_bucket_values.clear();
+    pub fn with_bucket_size(mut self, size: BucketSize) -> Self {
+        self.buckets = StageBuckets::uniform(size, self.schedule.stages() as usize);
         self
     }
 
-    /// This plan with each stage's own bucket size (`values[s]` gradient values, at least one;
-    /// a list of another length than the stages is ignored).
+    /// This plan with each stage's own bucket size (`sizes`, the first stage's first; a list
+    /// of another length than the stages is ignored).
     #[must_use]
-    pub fn with_stage_bucket_values(mut self, values: &[usize]) -> Self {
-        if values.len() == self.schedule.stages() as usize {
-            self.stage_bucket_values = values.iter().map(|&v| v.max(1)).collect();
+    pub fn with_stage_buckets(mut self, sizes: &StageBuckets) -> Self {
+        if sizes.len() == self.schedule.stages() as usize {
+            self.buckets = sizes.clone();
         }
         self
     }
 
-    /// Gradient values per all-reduce bucket of `stage`.
-    pub fn bucket_values_of(&self, stage: u32) -> usize {
-        self.stage_bucket_values
+    /// The all-reduce bucket size of `stage`.
+    pub fn bucket_size_of(&self, stage: u32) -> BucketSize {
+        self.buckets
             .get(stage as usize)
-            .copied()
-            .unwrap_or(self.bucket_values)
+            .unwrap_or(super::DEFAULT_BUCKET_SIZE)
     }
 }

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
+use pipe_scheduler::planner::buckets::StageBuckets;
 use pipe_scheduler::{Layout, Length, Policy, Schedule, Span, Timeline};
 use pipe_transport::fault::{FaultSchedule, Faulty};
 use pipe_transport::kinds::{MeshSettings, thread_mesh};
@@ -107,9 +108,9 @@ pub(crate) struct Run<'c> {
     pub(crate) per_epoch: u64,
     /// Minibatches over the whole run.
     pub(crate) total: u64,
-    /// Gradient values per all-reduce bucket of each stage, where not every stage's is
-    /// `cfg.bucket_values`: the run's own, or (a worker process's) the chief's choice.
-    pub(crate) stage_bucket_values: Vec<usize>,
+    /// The all-reduce bucket size of each stage, where not every stage's is
+    /// `cfg.bucket_size`: the run's own, or (a worker process's) the chief's choice.
+    pub(crate) stage_buckets: StageBuckets,
     lr: LrSchedule,
     start: Instant,
     /// The sample order of the latest epoch asked for: computed once per epoch, not once per
@@ -1066,7 +1067,7 @@ impl<'c> Run<'c> {
             minibatch,
             per_epoch,
             total,
-            stage_bucket_values: cfg.stage_bucket_values.clone(),
+            stage_buckets: cfg.stage_buckets.clone(),
             lr: cfg.lr_schedule(total),
             start: Instant::now(),
             order: std::sync::Mutex::new(None),
@@ -1104,8 +1105,8 @@ impl<'c> Run<'c> {
             None => cfg.schedule_spec_of(policy, Length::Updates(this as u32)),
         };
         let plan = RunPlan::new(&self.model, &spec, partition.clone())?
-            .with_bucket_values(cfg.bucket_values)
-            .with_stage_bucket_values(&self.stage_bucket_values)
+            .with_bucket_size(cfg.bucket_size)
+            .with_stage_buckets(&self.stage_buckets)
             .with_allreduce_wire(cfg.allreduce_wire);
         if u64::from(plan.schedule.resolved.minibatch) != self.minibatch {
             return Err(StageError::Config(format!(

@@ -35,6 +35,7 @@ use std::time::Instant;
 
 use pipe_kernels::Tensor;
 use pipe_scheduler::Length;
+use pipe_scheduler::planner::buckets::StageBuckets;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use serde::{Deserialize, Serialize};
 
@@ -214,7 +215,7 @@ fn run_process<T: Transport + ?Sized>(
     let mut run = Run::new(cfg, data)?;
     check_cluster_size(cfg, ep.size())?;
     let agreed = agree(cfg, &run, ep, opts)?;
-    run.stage_bucket_values.clone_from(&agreed.buckets);
+    run.stage_buckets.clone_from(&agreed.buckets);
     let (partition, every) = (agreed.partition.clone(), agreed.every);
     let start = receive_start(&run, ep, agreed, cfg)?;
     let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), ep.rank())?;
@@ -485,9 +486,9 @@ fn control(from: u32, to: u32, topic: u32, index: u32, step: u32) -> Key {
 /// where the pipeline drains, so it is the chief's for everyone), and where the run starts.
 struct Agreed {
     partition: Option<Partition>,
-    /// Gradient values per all-reduce bucket of each stage (empty: the run's one size): the
-    /// chief's, which chose them where no worker was given any.
-    buckets: Vec<usize>,
+    /// The all-reduce bucket size of each stage (empty: the run's one size): the chief's,
+    /// which chose them where no worker was given any.
+    buckets: StageBuckets,
     every: Option<u64>,
     done: u64,
     /// Per layer, the optimizer updates a resumed run starts after.
@@ -538,7 +539,7 @@ fn agree<T: Transport + ?Sized>(
         }
         return Ok(Agreed {
             partition: terms.partition,
-            buckets: cfg.stage_bucket_values.clone(),
+            buckets: cfg.stage_buckets.clone(),
             every: terms.every,
             done: terms.done,
             steps: terms.steps,
@@ -550,11 +551,11 @@ fn agree<T: Transport + ?Sized>(
         .into_bytes()?;
     let terms: StartTerms = serde_json::from_slice(&bytes)
         .map_err(|e| protocol(format!("the chief's start message: {e}")))?;
-    // Bucket sizes the chief chose (from its measured profile) are the run's.
-    let mine = match cfg.buckets_to_adopt(&terms.run) {
-        Some(values) => cfg.clone().with_stage_buckets(values),
-        None => cfg.clone(),
-    };
+    // Bucket sizes the chief chose (from its measured profile) are the run's, by the rule a
+    // resumed run adopts a checkpoint's by.
+    let mine = cfg
+        .adopt_buckets_of(&terms.run)
+        .unwrap_or_else(|| cfg.clone());
     if let Some(diff) = mine.numerics_difference(&terms.run) {
         return Err(StageError::Config(format!(
             "worker {rank}'s run settings differ from the chief's (worker 0): {diff}; give every worker the same flags and config"
@@ -576,7 +577,7 @@ fn agree<T: Transport + ?Sized>(
     };
     Ok(Agreed {
         partition,
-        buckets: mine.stage_bucket_values,
+        buckets: mine.stage_buckets,
         every: terms.every,
         done: terms.done,
         steps: terms.steps,

@@ -147,7 +147,7 @@ fn plan_options(
         straight: args.straight || args.stages.is_some(),
         hosts,
         // `pipe train --plan` sums the replicas' gradients in buckets of the default size.
-        bucket_values: Some(crate::pipeline::DEFAULT_BUCKET_VALUES),
+        bucket_size: crate::pipeline::DEFAULT_BUCKET_SIZE,
         ..PlanOptions::new(workers, bandwidth)
     };
     match link {

@@ -24,11 +24,11 @@ mod worker;
 use std::path::PathBuf;
 
 use pipe_scheduler::Resolved;
-use pipe_scheduler::planner::buckets::BucketChoice;
+use pipe_scheduler::planner::buckets::{BucketChoice, StageBuckets};
 use pipe_scheduler::planner::transport::TransportCost;
 
 use crate::checkpoint::Checkpoint;
-use crate::config::{BucketSizes, LaunchSettings, RunConfig, TrainSettings};
+use crate::config::{LaunchSettings, RunConfig, TrainSettings};
 use crate::data::Splits;
 use crate::error::Result;
 use crate::model::Model;
@@ -120,13 +120,13 @@ pub enum StartupEvent<'a> {
         source: &'a str,
         /// Each stage's choice (`None`: one replica, the default size).
         choices: &'a [Option<BucketChoice>],
-        /// The flag value that repeats them.
-        flag: BucketSizes,
+        /// The sizes, as the flag value that repeats them (`--allreduce-bucket-mb`).
+        flag: StageBuckets,
     },
     /// The bucket sizes the run a checkpoint continues chose were taken.
     BucketsAdopted {
-        /// The flag value that repeats them.
-        flag: BucketSizes,
+        /// The sizes, as the flag value that repeats them (`--allreduce-bucket-mb`).
+        flag: StageBuckets,
     },
     /// The memory estimate of the run's workers on this host.
     MemoryEstimate {

@@ -11,9 +11,7 @@ use pipe_scheduler::Resolved;
 
 use super::{RunSources, StartupEvent, StartupWatcher};
 use crate::checkpoint::Checkpoint;
-use crate::config::{
-    BucketOrigin, BucketSizes, LaunchSettings, PartitionChoice, PlanFile, RunConfig, TrainSettings,
-};
+use crate::config::{LaunchSettings, PartitionChoice, PlanFile, RunConfig, TrainSettings};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::model::Model;
@@ -160,20 +158,20 @@ pub fn resume_from(
     Ok(Some(crate::checkpoint::read(&path, model)?))
 }
 
-/// Takes the bucket sizes the run a checkpoint continues chose, where `cfg` gives none
-/// ([`buckets::adopt_recorded`]).
+/// Takes the bucket sizes the run a checkpoint continues chose, by the adoption rule
+/// ([`buckets::adopt_recorded`], [`RunConfig::adopt_buckets_of`]).
 pub fn adopt_checkpoint_buckets(
     cfg: RunConfig,
     ckpt: &Checkpoint,
     watcher: &dyn StartupWatcher,
 ) -> RunConfig {
-    let Some(values) = buckets::adopt_recorded(&cfg, &ckpt.state.settings) else {
+    let Some(adopted) = buckets::adopt_recorded(&cfg, &ckpt.state.settings) else {
         return cfg;
     };
     watcher.on_event(&StartupEvent::BucketsAdopted {
-        flag: BucketSizes::of_values(&values),
+        flag: adopted.stage_buckets.clone(),
     });
-    cfg.with_stage_buckets(values)
+    adopted
 }
 
 /// Settles a measured partition once, on this machine: profiles `model`, cuts it by time,
@@ -209,10 +207,7 @@ pub fn settle_partition(
         begin(watcher, "planning", "the cut by measured time".into());
     }
     let cfg = match &cut.profile {
-        Some(profile)
-            if cfg.bucket_origin == BucketOrigin::Default
-                && cfg.replicas.iter().any(|&r| r > 1) =>
-        {
+        Some(profile) if buckets::to_choose(&cfg) => {
             let (costs, origin) = link_costs::load_or_measure(false)?;
             let kind = cfg.link_transport();
             let cost = costs.get(kind.name()).ok_or_else(|| {
@@ -244,16 +239,16 @@ fn choose_buckets(
     source: &str,
     watcher: &dyn StartupWatcher,
 ) -> RunConfig {
-    let Some((values, choices)) = buckets::choose_for_run(&cfg, profile, link) else {
+    let Some((sizes, choices)) = buckets::choose_for_run(&cfg, profile, link) else {
         return cfg;
     };
     watcher.on_event(&StartupEvent::BucketsChosen {
         link,
         source,
         choices: &choices,
-        flag: BucketSizes::of_values(&values),
+        flag: sizes.clone(),
     });
-    cfg.with_stage_buckets(values)
+    cfg.with_stage_buckets(sizes)
 }
 
 /// How to lower a run's memory, as the memory gate's refusal says it.
