@@ -181,8 +181,8 @@ impl CheckpointPolicy {
 pub struct Checkpoint {
     /// Weights, per layer.
     pub params: Params,
-    /// Optimizer state per layer and parameter: (first, second); an empty tensor where the
-    /// optimizer keeps none.
+    /// Optimizer state per layer and parameter ([`ParamState`]: first, second, and the delay
+    /// correction's memory); an empty tensor where the optimizer keeps none.
     pub optimizer: OptimizerState,
     /// Position and identity.
     pub state: RunState,
@@ -630,7 +630,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+    use crate::optim::{Corrected, OptimizerConfig, OptimizerKind};
 
     fn model() -> Model {
         Model::new(&model_spec()).unwrap()
@@ -642,9 +642,9 @@ mod tests {
             kind: OptimizerKind::Adam,
             ..OptimizerConfig::default()
         };
-        let opt = Optimizer::new(cfg, &params, &model.optimizer_roles());
+        let opt = Corrected::new(cfg, &params, &model.optimizer_roles());
         Checkpoint {
-            optimizer: opt.state().to_vec(),
+            optimizer: opt.into_state(),
             params,
             state: RunState {
                 format: FORMAT,

@@ -293,13 +293,14 @@ pub struct StepState<'a> {
     pub params: &'a mut Params,
     /// Gradient buffers (overwritten).
     pub grads: &'a mut Params,
-    /// Optimizer.
+    /// Optimizer: its plain step (one worker over the whole model has no delay to correct).
     pub opt: &'a mut Optimizer,
 }
 
 /// One update of the whole model outside the executor: forward and backward over each
 /// microbatch in `batches` (inputs and labels, moved to the backend here), summing gradients
-/// (each scaled by `grad_scale` at the loss), then one optimizer step at `lr`. Training runs
+/// (each scaled by `grad_scale` at the loss), then one plain optimizer step at `lr` (no delay
+/// correction: every gradient meets the weights it was computed at). Training runs
 /// go through the executor; this is the bare step the benchmarks time as a worker's limit
 /// (`pipe bench pipeline`'s one-thread worker, the MFU report).
 /// Returns the summed loss. `microbatch_id` numbers microbatches for dropout seeds.

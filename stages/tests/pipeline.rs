@@ -11,7 +11,7 @@ use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::layers::LayerSpec;
 use pipe_stages::model::{Model, ModelSpec, Params};
-use pipe_stages::optim::{NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::optim::{Corrected, NO_ROLES, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
     OrderedSource, Pass, RunPlan, Setup, WorkerOutcome, WorkerState, reference_run,
     reference_train_from, run_threads,
@@ -148,7 +148,7 @@ fn check_case(spec: &ScheduleSpec, model: &Model) {
         &model.init_params(SEED),
         (0..run.schedule.stages() as usize)
             .map(|s| {
-                Optimizer::new(
+                Corrected::new(
                     opt(),
                     &model.init_params(SEED)[run.partition.range(s)].to_vec(),
                     &model.hidden_matrices()[run.partition.range(s)],
@@ -893,8 +893,8 @@ fn segments_with_carried_state_equal_the_reference_over_the_same_drains() {
                 common::run_in_process(s, &mut states).unwrap();
             }
             let mut params = init.clone();
-            let mut opts: Vec<Optimizer> = (0..run.schedule.stages() as usize)
-                .map(|s| Optimizer::new(opt(), &init[run.partition.range(s)].to_vec(), NO_ROLES))
+            let mut opts: Vec<Corrected> = (0..run.schedule.stages() as usize)
+                .map(|s| Corrected::new(opt(), &init[run.partition.range(s)].to_vec(), NO_ROLES))
                 .collect();
             for s in &setups {
                 let (stages, carried) = reference_train_from(&be, s, &params, opts).unwrap();
@@ -957,7 +957,7 @@ fn gradient_clipping_equals_the_reference_trainer_on_every_policy() {
                 let opts = (0..run.schedule.stages() as usize)
                     .map(|s| {
                         let range = run.partition.range(s);
-                        Optimizer::new(cfg, &init[range.clone()].to_vec(), NO_ROLES)
+                        Corrected::new(cfg, &init[range.clone()].to_vec(), NO_ROLES)
                     })
                     .collect();
                 let want = reference_run(&be, &setup, &init, opts).unwrap();

@@ -12,7 +12,7 @@ use common::{bits, data, flat, opt, reference, sgd};
 use pipe_kernels::{CpuBackend, Tensor};
 use pipe_scheduler::{Length, Policy, ScheduleSpec};
 use pipe_stages::model::{Model, ModelSpec, Params};
-use pipe_stages::optim::{NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::optim::{Corrected, NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{OrderedSource, RunPlan, Setup, reference_train_from};
 use pipe_stages::train::{StepState, train_step};
 
@@ -162,7 +162,7 @@ fn optimizer_state_carried_across_a_drain_is_the_single_loops_state() {
     let be = CpuBackend::new(1).unwrap();
     for (name, cfg) in optimizers().into_iter().skip(1) {
         let mut params = init.clone();
-        let mut opts = vec![Optimizer::new(cfg, &params, NO_ROLES).placed(&be).unwrap()];
+        let mut opts = vec![Corrected::new(cfg, &params, NO_ROLES).placed(&be).unwrap()];
         let mut plain = init.clone();
         let mut plain_opt = Optimizer::new(cfg, &plain, NO_ROLES);
         for epoch in 1..=2u64 {

@@ -410,13 +410,13 @@ fn scalar(w: f64) -> Params {
 /// the optimizer's f32 trajectory for SGD, SGD with momentum and AdamW.
 #[test]
 fn error_feedback_follows_its_closed_form_on_a_delayed_quadratic() {
-    use pipe_stages::optim::DelayCorrection;
+    use pipe_stages::optim::{Corrected, DelayCorrection, UpdateMean};
     let be = CpuBackend::new(1).unwrap();
     let (a, c, w0) = (ClosedForm::A, 0.7f64, ClosedForm::W0);
     for kind in ClosedForm::KINDS {
         let mut form = ClosedForm::new(kind);
         let mut p = scalar(w0);
-        let mut opt = Optimizer::new(
+        let mut opt = Corrected::new(
             form.config(DelayCorrection::ErrorFeedback, c),
             &p,
             &[vec![false]],
@@ -433,8 +433,10 @@ fn error_feedback_follows_its_closed_form_on_a_delayed_quadratic() {
             (prev_w, w, last_u) = (w, next, u);
             // The optimizer, given the gradient at the weights before its last update.
             let now = p[0][0].host().unwrap()[0];
-            let grad = scalar(a * f64::from(stale));
-            opt.step(&be, &mut p, &grad, ClosedForm::LR as f32).unwrap();
+            let mut grad = scalar(a * f64::from(stale));
+            let mean = (UpdateMean::new(1), 1);
+            opt.step(&be, &mut p, &mut grad, mean, ClosedForm::LR as f32)
+                .unwrap();
             stale = now;
             let got = f64::from(p[0][0].host().unwrap()[0]);
             assert!(
@@ -453,7 +455,7 @@ fn error_feedback_follows_its_closed_form_on_a_delayed_quadratic() {
 /// strengths are large enough that the compensation moves each step by a tenth or more.
 #[test]
 fn dc_asgd_follows_its_closed_form_on_a_delayed_quadratic() {
-    use pipe_stages::optim::{DelayCorrection, UpdateMean};
+    use pipe_stages::optim::{Corrected, DelayCorrection, UpdateMean};
     let be = CpuBackend::new(1).unwrap();
     let (a, w0) = (ClosedForm::A, ClosedForm::W0);
     for (correction, lambda) in [
@@ -463,7 +465,7 @@ fn dc_asgd_follows_its_closed_form_on_a_delayed_quadratic() {
         for kind in ClosedForm::KINDS {
             let mut form = ClosedForm::new(kind);
             let mut p = scalar(w0);
-            let mut opt = Optimizer::new(form.config(correction, lambda), &p, &[vec![false]]);
+            let mut opt = Corrected::new(form.config(correction, lambda), &p, &[vec![false]]);
             let (mut w, mut prev_w, mut ms) = (w0, w0, 0.0f64);
             let mut largest_share = 0.0f64;
             let mut before = p.clone();
@@ -483,9 +485,11 @@ fn dc_asgd_follows_its_closed_form_on_a_delayed_quadratic() {
                 let stale_w = before[0][0].host().unwrap()[0];
                 let mut grad = scalar(a * f64::from(stale_w));
                 let mean = (UpdateMean::new(1), 1);
-                opt.compensated_mean(&be, &mut grad, mean, &current, &before)
-                    .unwrap();
-                opt.mean_step(&be, &mut p, &mut grad, mean, ClosedForm::LR as f32)
+                opt.compensate(&be, &mut grad, mean, || {
+                    Ok((&current, std::borrow::Cow::Borrowed(&before)))
+                })
+                .unwrap();
+                opt.step(&be, &mut p, &mut grad, mean, ClosedForm::LR as f32)
                     .unwrap();
                 before = current;
                 (prev_w, w) = (w, w - u);

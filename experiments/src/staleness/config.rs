@@ -316,10 +316,14 @@ impl StalenessConfig {
                     }
                     for v in &self.remedies.variants {
                         // Only SGD has a momentum to lower; each prediction fits one kind
-                        // of policy; DC-ASGD needs stashed weights.
+                        // of policy; a delay correction runs where its own rules let it
+                        // (`pipe train` refuses the rest).
+                        let prediction = prediction_of(v)?;
+                        let correction = v.delay_correction.unwrap_or_default();
+                        let predicts = prediction != Prediction::None;
                         if v.compensate_momentum && o.kind != OptimizerKind::Sgd
-                            || !prediction_fits(v, policy)?
-                            || !correction_fits(v, policy)
+                            || !prediction_fits(prediction, policy)
+                            || correction.check_fits(policy, predicts).is_err()
                         {
                             continue;
                         }
@@ -376,10 +380,7 @@ impl StalenessConfig {
                 Some(t) => t.parse().map_err(ExperimentError::Config)?,
                 None => LrScaling::None,
             },
-            prediction: match &v.weight_prediction {
-                Some(t) => t.parse().map_err(ExperimentError::Config)?,
-                None => Prediction::None,
-            },
+            prediction: prediction_of(&v)?,
         };
         let mut label = remedies.label();
         let mut extra = Vec::new();
@@ -509,25 +510,22 @@ fn delayed_label(r: &DelayedRemedy, minibatch: bool) -> String {
     }
 }
 
-/// True when `v`'s weight prediction (if any) applies to `policy`.
-fn prediction_fits(v: &RemedyVariant, policy: Policy) -> Result<bool, ExperimentError> {
-    let Some(text) = &v.weight_prediction else {
-        return Ok(true);
-    };
-    let p: Prediction = text.parse().map_err(ExperimentError::Config)?;
+/// `v`'s weight prediction, parsed (none when it names none).
+fn prediction_of(v: &RemedyVariant) -> Result<Prediction, ExperimentError> {
+    match &v.weight_prediction {
+        Some(text) => text.parse().map_err(ExperimentError::Config),
+        None => Ok(Prediction::None),
+    }
+}
+
+/// True when the weight prediction `p` applies to `policy`.
+fn prediction_fits(p: Prediction, policy: Policy) -> bool {
     let nostash = policy == Policy::PipeDreamNoStash;
-    Ok(match p {
+    match p {
         Prediction::None => true,
         Prediction::Discrepancy { .. } => nostash,
         Prediction::LookAhead { .. } => !nostash,
-    })
-}
-
-/// Whether a variant's delay correction applies to `policy`, by the correction's own rules
-/// ([`pipe_stages::optim::DelayCorrection::check_fits`]; a variant predicts no weights).
-fn correction_fits(v: &RemedyVariant, policy: Policy) -> bool {
-    v.delay_correction
-        .is_none_or(|c| c.check_fits(policy, v.weight_prediction.is_some()).is_ok())
+    }
 }
 
 fn parse_policy(name: &str) -> Result<Policy, ExperimentError> {

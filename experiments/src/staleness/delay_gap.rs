@@ -16,7 +16,7 @@
 
 use std::fmt::Write as _;
 
-use pipe_stages::optim::OptimizerKind;
+use pipe_stages::optim::{DelayCorrection, OptimizerKind};
 
 use super::StalenessResults;
 use super::config::Family;
@@ -296,7 +296,8 @@ fn delay_correction(
                 fixed.len()
             );
             // The claim is about 2BW's one-step delay.
-            if *policy == "2bw" && label == "error-feedback" && RANKED.contains(&o.kind) {
+            let feedback_alone = label == DelayCorrection::ErrorFeedback.name();
+            if *policy == "2bw" && feedback_alone && RANKED.contains(&o.kind) {
                 feedback.push((o.kind, o.name.clone(), share));
             }
         }

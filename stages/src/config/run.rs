@@ -673,8 +673,8 @@ impl RunConfig {
     }
 }
 
-/// [`crate::optim::DelayCorrection::check_fits`] for a run's optimizer and policy, as a
-/// configuration error (exit 2).
+/// [`crate::optim::DelayCorrection::check_fits`] for a run's optimizer, policy and weight
+/// prediction, a configuration error (exit 2).
 ///
 /// # Errors
 /// [`StageError::Config`] naming the correction and the policy.
@@ -684,8 +684,5 @@ pub(super) fn check_delay_correction(
     prediction: Option<crate::remedy::Prediction>,
 ) -> Result<()> {
     let predicts = prediction.is_some_and(|p| p != crate::remedy::Prediction::None);
-    optimizer
-        .delay_correction
-        .check_fits(policy, predicts)
-        .map_err(StageError::Config)
+    optimizer.delay_correction.check_fits(policy, predicts)
 }

@@ -8,12 +8,16 @@
 //! maps (the decay groups), is the model's to say ([`crate::model::Model::optimizer_roles`]);
 //! every optimizer is built with those roles.
 //!
-//! A delay correction ([`DelayCorrection`]) wraps every optimizer's step, so every trainer
-//! (the executor, the reference trainer, delayed SGD) applies it with the same operations:
-//! error feedback keeps the last update and moves the weights by `u_t + c (u_t - u_{t-1})`;
-//! DC-ASGD compensates the gradient for the distance between the weights it is applied to and
-//! the stale ones it was computed at, before the optimizer sees it
-//! ([`Optimizer::mean_step`]'s `stale`).
+//! A delay correction is added by wrapping, not by a flag: [`Optimizer`] is the plain step and
+//! knows nothing of delays, and [`Corrected`] wraps it with the correction a run asks for
+//! ([`DelayCorrection`], whose names and rules live beside it), its strength and its memory.
+//! Every trainer (the executor, the reference trainer, delayed SGD) steps through the wrapper,
+//! so they apply a correction with the same operations: error feedback keeps the last update
+//! and moves the weights by `u_t + c (u_t - u_{t-1})`; DC-ASGD compensates the gradient for
+//! the distance between the weights it is applied to and the stale ones it was computed at,
+//! before the optimizer sees it ([`Corrected::compensate`]).
+
+use std::borrow::Cow;
 
 use pipe_kernels::{AdamStep, Backend, DelayCompensation, LionStep, SgdStep, Tensor, Trans};
 use serde::{Deserialize, Serialize};
@@ -23,10 +27,22 @@ pub use crate::model::ParamRole;
 use crate::model::Params;
 use crate::model::names::from_str_by_name;
 
-/// An optimizer's state per layer and parameter ([`ParamState`]).
+/// A [`Corrected`] optimizer's state per layer and parameter ([`ParamState`]).
 pub type OptimizerState = Vec<Vec<ParamState>>;
 
-/// What an optimizer keeps for one parameter; an empty tensor where it keeps nothing.
+/// What the plain [`Optimizer`] keeps for one parameter; an empty tensor where it keeps
+/// nothing.
+#[derive(Clone, Debug, Default)]
+pub struct Moments {
+    /// Momentum, or Adam's first moment.
+    pub first: Tensor,
+    /// Adam's second moment.
+    pub second: Tensor,
+}
+
+/// What a [`Corrected`] optimizer keeps for one parameter, as transfers and checkpoints carry
+/// it: the optimizer's [`Moments`] and the delay correction's memory; an empty tensor where it
+/// keeps nothing.
 #[derive(Clone, Debug, Default)]
 pub struct ParamState {
     /// Momentum, or Adam's first moment.
@@ -74,7 +90,9 @@ impl ParamState {
 }
 
 /// A correction of each update for the delay between the weights a gradient was computed at
-/// and the weights it is applied to (an asynchronous pipeline's staleness).
+/// and the weights it is applied to (an asynchronous pipeline's staleness): each correction's
+/// name, default strength and rules (where it may run, what it needs kept, what a resume may
+/// read) are written here, once; [`Corrected`] applies it around an optimizer's step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum DelayCorrection {
@@ -131,19 +149,16 @@ impl DelayCorrection {
     /// does (`predicts`), so not both.
     ///
     /// # Errors
-    /// A message naming the correction, the policy and what would fit.
-    pub fn check_fits(
-        self,
-        policy: pipe_scheduler::Policy,
-        predicts: bool,
-    ) -> std::result::Result<(), String> {
+    /// [`StageError::Config`] naming the correction, the policy and what would fit.
+    pub fn check_fits(self, policy: pipe_scheduler::Policy, predicts: bool) -> Result<()> {
         use pipe_scheduler::Policy;
         let name = self.name();
+        let refuse = |m: String| Err(StageError::Config(m));
         if self == DelayCorrection::None {
             return Ok(());
         }
         if policy == Policy::Sequential || policy.is_flush() {
-            return Err(format!(
+            return refuse(format!(
                 "--delay-correction {name} corrects the delay of an asynchronous pipeline, and \
                  {policy} has none (every gradient meets the weights it was computed at): use it \
                  with pipedream, pipedream-nostash, vertical-sync or 2bw"
@@ -153,14 +168,14 @@ impl DelayCorrection {
             return Ok(());
         }
         if policy == Policy::PipeDreamNoStash {
-            return Err(format!(
+            return refuse(format!(
                 "--delay-correction {name} needs the weights each gradient was computed at, and \
                  pipedream-nostash stashes none: use pipedream, vertical-sync or 2bw, or \
                  error-feedback"
             ));
         }
         if predicts {
-            return Err(format!(
+            return refuse(format!(
                 "--delay-correction {name} and --weight-prediction both correct the same delay \
                  (the prediction changes the weights a gradient is computed at): pick one"
             ));
@@ -174,6 +189,29 @@ impl DelayCorrection {
             self,
             DelayCorrection::ErrorFeedback | DelayCorrection::DcAsgdAdaptive
         )
+    }
+
+    /// The rule of resuming with this correction from a checkpoint whose optimizer state
+    /// `saved`'s kept: its memory must read as this correction's (error feedback's last
+    /// update is not the adaptive DC-ASGD's mean square), and be there where this one keeps
+    /// one and absent where it keeps none. None and plain DC-ASGD, which keep nothing, resume
+    /// into each other.
+    ///
+    /// # Errors
+    /// [`StageError::Checkpoint`] naming both corrections and the one to resume with.
+    pub fn check_resumes_from(self, saved: DelayCorrection) -> Result<()> {
+        let carries =
+            saved.keeps_buffer() == self.keeps_buffer() && (!self.keeps_buffer() || saved == self);
+        if carries {
+            return Ok(());
+        }
+        Err(StageError::Checkpoint(format!(
+            "holds the optimizer state of --delay-correction {}, whose memory does not carry \
+             over to --delay-correction {}: resume with {}",
+            saved.name(),
+            self.name(),
+            saved.name()
+        )))
     }
 }
 
@@ -308,7 +346,8 @@ pub struct OptimizerConfig {
     pub beta2: f32,
     /// Adam epsilon.
     pub eps: f32,
-    /// The delay correction around every step.
+    /// The delay correction around every step ([`Corrected`] applies it; the plain
+    /// [`Optimizer`] does not read it).
     pub delay_correction: DelayCorrection,
     /// Its strength: error feedback's `c`, DC-ASGD's `lambda` (`lambda_0` of the adaptive
     /// form); see [`DelayCorrection::default_strength`].
@@ -454,23 +493,18 @@ impl UpdateMean {
     }
 }
 
-/// An optimizer over one set of parameters (a model, or one stage's layers).
+/// An optimizer over one set of parameters (a model, or one stage's layers): the plain step
+/// of [`OptimizerConfig::kind`]. It knows nothing of delay corrections (their fields of the
+/// config are [`Corrected`]'s to read); a trainer steps through [`Corrected`].
 #[derive(Debug, Clone)]
 pub struct Optimizer {
     cfg: OptimizerConfig,
-    /// Per layer, per parameter: (momentum or first moment, second moment).
-    state: OptimizerState,
+    /// Per layer, per parameter: momentum or first moment, and second moment.
+    state: Vec<Vec<Moments>>,
     /// Per layer, per parameter: its role (Muon orthogonalises a hidden matrix's update; the
     /// decay groups pick by it).
     roles: Vec<Vec<ParamRole>>,
     steps: u64,
-    /// Workspace of a delay correction: each parameter's weights before the step (filled on
-    /// the first corrected step, where the parameters live).
-    before: Vec<Vec<Tensor>>,
-    /// The coming update's gradients are already scaled to the mean (and compensated, under
-    /// DC-ASGD: [`Optimizer::compensated_mean`], [`Optimizer::to_mean`]);
-    /// [`Optimizer::mean_step`] takes them as they are.
-    compensated: bool,
 }
 
 /// The coefficients of Muon's quintic Newton-Schulz iteration, `X <- a X + (b A + c A^2) X`
@@ -523,18 +557,9 @@ impl Optimizer {
                     .zip(marks)
                     .map(|(p, role)| {
                         let (first, second) = cfg.kind.buffers(cfg.momentum, role.hidden_matrix);
-                        let correction = cfg.delay_correction.keeps_buffer();
-                        let zeros = |keep: bool| {
-                            if keep {
-                                Tensor::zeros(p.shape())
-                            } else {
-                                Tensor::default()
-                            }
-                        };
-                        ParamState {
-                            first: zeros(first),
-                            second: zeros(second),
-                            correction: zeros(correction),
+                        Moments {
+                            first: zeros_if(first, p),
+                            second: zeros_if(second, p),
                         }
                     })
                     .collect()
@@ -545,8 +570,6 @@ impl Optimizer {
             state,
             roles,
             steps: 0,
-            before: Vec::new(),
-            compensated: false,
         }
     }
 
@@ -565,19 +588,15 @@ impl Optimizer {
     /// Device failures.
     pub fn on_host(mut self, be: &dyn Backend) -> Result<Self> {
         self.move_state(|t| crate::model::host_tensor(be, t))?;
-        self.before.clear();
         Ok(self)
     }
 
     /// Replaces every state tensor by `to` of it (the tensor moved elsewhere).
     fn move_state(&mut self, mut to: impl FnMut(Tensor) -> Result<Tensor>) -> Result<()> {
-        for t in self
-            .state
-            .iter_mut()
-            .flatten()
-            .flat_map(ParamState::parts_mut)
-        {
-            *t = to(std::mem::take(t))?;
+        for m in self.state.iter_mut().flatten() {
+            for t in [&mut m.first, &mut m.second] {
+                *t = to(std::mem::take(t))?;
+            }
         }
         Ok(())
     }
@@ -592,46 +611,30 @@ impl Optimizer {
         cfg: OptimizerConfig,
         params: &Params,
         roles: &[Vec<impl Copy + Into<ParamRole>>],
-        state: OptimizerState,
+        state: Vec<Vec<Moments>>,
         steps: u64,
     ) -> Result<Self> {
         let fresh = Self::new(cfg, params, roles);
-        let fits = |have: &Tensor, want: &Tensor| {
-            have.shape() == want.shape() || (want.is_empty() && have.is_empty())
-        };
         let ok = state.len() == fresh.state.len()
             && state.iter().zip(&fresh.state).all(|(a, b)| {
                 a.len() == b.len()
-                    && a.iter().zip(b).all(|(a, b)| {
-                        a.parts()
-                            .iter()
-                            .zip(b.parts())
-                            .all(|((_, a), (_, b))| fits(a, b))
-                    })
+                    && a.iter()
+                        .zip(b)
+                        .all(|(a, b)| fits(&a.first, &b.first) && fits(&a.second, &b.second))
             });
         if !ok {
-            return Err(StageError::Checkpoint(format!(
-                "its optimizer state does not fit a {:?} optimizer{} on this model (saved by another optimizer?)",
-                cfg.kind,
-                if cfg.kind == OptimizerKind::Sgd && cfg.momentum != 0.0 {
-                    " with momentum"
-                } else {
-                    ""
-                }
-            )));
+            return Err(state_misfit(&cfg));
         }
         Ok(Self {
             cfg,
             state,
             roles: fresh.roles,
             steps,
-            before: Vec::new(),
-            compensated: false,
         })
     }
 
     /// The state per layer and parameter; empty tensors where this optimizer keeps none.
-    pub fn state(&self) -> &[Vec<ParamState>] {
+    pub fn state(&self) -> &[Vec<Moments>] {
         &self.state
     }
 
@@ -645,138 +648,8 @@ impl Optimizer {
         &self.cfg
     }
 
-    /// The update the executor, the reference trainer and delayed SGD all apply, with the
-    /// same operations so that their weights agree bit for bit: the summed gradients (tied
-    /// parameters' uses already summed, [`Model::sum_tied`](crate::model::Model::sum_tied)),
-    /// whose losses `mean` scaled, rescaled to the mean over this stage's `own` microbatches
-    /// where their number differs from the loss stage's ([`UpdateMean::rescale`]), then one
-    /// step on `params`.
-    ///
-    /// Under DC-ASGD each stage's own gradients are rescaled and compensated first, before tied
-    /// uses are summed ([`Optimizer::compensated_mean`]); this step then takes them as they
-    /// are.
-    ///
-    /// # Errors
-    /// Shape mismatches between parameters, gradients and state; DC-ASGD whose gradients
-    /// were not compensated.
-    pub fn mean_step(
-        &mut self,
-        be: &dyn Backend,
-        params: &mut Params,
-        grads: &mut Params,
-        (mean, own): (UpdateMean, u32),
-        lr: f32,
-    ) -> Result<()> {
-        if std::mem::take(&mut self.compensated) {
-            return self.step(be, params, grads, lr);
-        }
-        if self.cfg.delay_correction.needs_stale_weights() {
-            return Err(StageError::Config(format!(
-                "--delay-correction {} needs the weights each gradient was computed at, which \
-                 this trainer does not keep",
-                self.cfg.delay_correction.name()
-            )));
-        }
-        rescale(be, grads, mean, own)?;
-        self.step(be, params, grads, lr)
-    }
-
-    /// DC-ASGD's half of [`Optimizer::mean_step`], on one stage's own gradients of an update
-    /// before its tied uses are summed (each use is compensated against its own stage's stale
-    /// weights, and every copy then steps with the same sum): the rescale to the mean, then
-    /// [`Optimizer::compensate`] against `stale` at `current`. [`Optimizer::mean_step`]
-    /// follows and takes the gradients as they are; a second call before it does nothing (the
-    /// executor compensates before a tie exchange or at the update, whichever comes first).
-    ///
-    /// # Errors
-    /// Shape mismatches; kernel errors.
-    pub fn compensated_mean(
-        &mut self,
-        be: &dyn Backend,
-        grads: &mut Params,
-        (mean, own): (UpdateMean, u32),
-        current: &Params,
-        stale: &Params,
-    ) -> Result<()> {
-        if self.compensated {
-            return Ok(());
-        }
-        rescale(be, grads, mean, own)?;
-        self.compensate(be, grads, current, stale)?;
-        self.compensated = true;
-        Ok(())
-    }
-
-    /// Brings the coming update's gradients to the mean ([`UpdateMean::rescale`]) unless a
-    /// delay compensation did already ([`Optimizer::compensated_mean`]), and marks them so
-    /// [`Optimizer::mean_step`] takes them as they are: where clipping must see the mean
-    /// gradient before the step.
-    ///
-    /// # Errors
-    /// A DC-ASGD optimizer whose gradients were not compensated (as [`Optimizer::mean_step`]);
-    /// kernel errors.
-    pub fn to_mean(
-        &mut self,
-        be: &dyn Backend,
-        grads: &mut Params,
-        (mean, own): (UpdateMean, u32),
-    ) -> Result<()> {
-        if self.compensated {
-            return Ok(());
-        }
-        if self.cfg.delay_correction.needs_stale_weights() {
-            return Err(StageError::Config(format!(
-                "--delay-correction {} compensates before the mean is taken; it was not",
-                self.cfg.delay_correction.name()
-            )));
-        }
-        rescale(be, grads, mean, own)?;
-        self.compensated = true;
-        Ok(())
-    }
-
-    /// Whether the coming update's gradients were compensated already
-    /// ([`Optimizer::compensated_mean`]).
-    pub fn compensated(&self) -> bool {
-        self.compensated
-    }
-
-    /// DC-ASGD's compensation of `grads` (computed at `stale`, applied at `current`):
-    /// `g + lambda g (.) g (.) (current - stale)`, the adaptive form's `lambda` per element
-    /// from the mean square it keeps. Nothing for the other corrections.
-    ///
-    /// # Errors
-    /// Shape mismatches; kernel errors.
-    pub fn compensate(
-        &mut self,
-        be: &dyn Backend,
-        grads: &mut Params,
-        current: &Params,
-        stale: &Params,
-    ) -> Result<()> {
-        let adaptive = match self.cfg.delay_correction {
-            DelayCorrection::DcAsgd => None,
-            DelayCorrection::DcAsgdAdaptive => Some(DC_ASGD_MEAN_SQUARE_DECAY),
-            _ => return Ok(()),
-        };
-        let hp = DelayCompensation {
-            lambda: self.cfg.correction_strength,
-            adaptive,
-            eps: DC_ASGD_EPS,
-        };
-        let each = grads
-            .iter_mut()
-            .flatten()
-            .zip(current.iter().flatten())
-            .zip(stale.iter().flatten());
-        for (((g, w), ws), st) in each.zip(self.state.iter_mut().flatten()) {
-            let mean_square = adaptive.map(|_| &mut st.correction);
-            be.delay_compensate(g, w, ws, mean_square, hp)?;
-        }
-        Ok(())
-    }
-
-    /// Applies one update with learning rate `lr`, corrected for delay as configured.
+    /// Applies one update with learning rate `lr`: the optimizer's own step, nothing around
+    /// it.
     ///
     /// # Errors
     /// Shape mismatches between parameters, gradients and state.
@@ -787,24 +660,6 @@ impl Optimizer {
         grads: &Params,
         lr: f32,
     ) -> Result<()> {
-        let feedback = self.cfg.delay_correction == DelayCorrection::ErrorFeedback;
-        if feedback {
-            if self.before.len() != params.len() {
-                self.before = params
-                    .iter()
-                    .map(|l| l.iter().map(|_| Tensor::default()).collect())
-                    .collect();
-            }
-            for (b, p) in self
-                .before
-                .iter_mut()
-                .flatten()
-                .zip(params.iter().flatten())
-            {
-                be.copy(p, b)?;
-            }
-        }
-        // The optimizer's own step.
         self.steps += 1;
         let t = self.steps as i32;
         let layers = params.iter_mut().zip(grads).zip(&mut self.state);
@@ -814,16 +669,364 @@ impl Optimizer {
                 param_step(be, &self.cfg, (role, t, lr), p, g, st)?;
             }
         }
-        if feedback {
-            let c = self.cfg.correction_strength;
-            let first = self.steps == 1;
-            let each = params
-                .iter_mut()
-                .flatten()
-                .zip(self.before.iter_mut().flatten());
-            for ((p, before), st) in each.zip(self.state.iter_mut().flatten()) {
-                error_feedback(be, p, before, &mut st.correction, c, first)?;
-            }
+        Ok(())
+    }
+}
+
+/// A zeroed tensor shaped like `p` when `keep`, else an empty one (state a step keeps none
+/// of).
+fn zeros_if(keep: bool, p: &Tensor) -> Tensor {
+    if keep {
+        Tensor::zeros(p.shape())
+    } else {
+        Tensor::default()
+    }
+}
+
+/// Whether a saved state tensor `have` fits where a fresh optimizer holds `want`.
+fn fits(have: &Tensor, want: &Tensor) -> bool {
+    have.shape() == want.shape() || (want.is_empty() && have.is_empty())
+}
+
+/// The error of saved optimizer state that does not fit `cfg`'s optimizer on this model.
+fn state_misfit(cfg: &OptimizerConfig) -> StageError {
+    StageError::Checkpoint(format!(
+        "its optimizer state does not fit a {:?} optimizer{} on this model (saved by another optimizer?)",
+        cfg.kind,
+        if cfg.kind == OptimizerKind::Sgd && cfg.momentum != 0.0 {
+            " with momentum"
+        } else {
+            ""
+        }
+    ))
+}
+
+/// The weights a delay compensation reads ([`Corrected::compensate`]): the current ones the
+/// step applies to, and the stale ones the gradients were computed at.
+pub type CompensationWeights<'w> = (&'w Params, Cow<'w, Params>);
+
+/// An optimizer with a delay correction around its step: the one place a correction is
+/// applied, for any [`OptimizerKind`], by every trainer (the executor, the reference trainer,
+/// delayed SGD), so that their weights agree bit for bit. It owns the correction
+/// ([`OptimizerConfig::delay_correction`]), its strength, its memory per parameter
+/// ([`ParamState::correction`]) and whether the coming update's gradients are already at the
+/// mean; the wrapped [`Optimizer`] steps as if there were no delay.
+///
+/// An update passes through it in up to three calls, each where the arithmetic needs it:
+///
+/// 1. [`Corrected::compensate`], on a stage's own gradients before the uses of a tied
+///    parameter are summed (DC-ASGD compensates each use against its own stage's stale
+///    weights, and every copy then steps with the same sum). It takes the mean first.
+///    Nothing for a correction that compensates no gradient.
+/// 2. [`Corrected::to_mean`], where gradient clipping needs the mean gradient's norm before
+///    the step.
+/// 3. [`Corrected::step`]: the mean where neither call took it, the optimizer's step, and
+///    error feedback around it.
+#[derive(Debug, Clone)]
+pub struct Corrected {
+    opt: Optimizer,
+    correction: DelayCorrection,
+    /// Error feedback's `c`, DC-ASGD's `lambda` (`lambda_0` of the adaptive form).
+    strength: f32,
+    /// Per layer, per parameter: error feedback's last update `u_{t-1}`, or the adaptive
+    /// DC-ASGD's mean square `MS_t`; empty tensors where the correction keeps none.
+    memory: Vec<Vec<Tensor>>,
+    /// Error feedback's workspace: each parameter's weights before the step (filled on the
+    /// first step, where the parameters live).
+    before: Vec<Vec<Tensor>>,
+    /// The coming update's gradients are at the mean (and compensated, under DC-ASGD).
+    at_mean: bool,
+}
+
+impl Corrected {
+    /// `cfg`'s optimizer with `cfg`'s delay correction around it, their state zeroed and
+    /// shaped like `params` (`roles` as [`Optimizer::new`]).
+    pub fn new<R: Copy + Into<ParamRole>>(
+        cfg: OptimizerConfig,
+        params: &Params,
+        roles: &[Vec<R>],
+    ) -> Self {
+        let keep = cfg.delay_correction.keeps_buffer();
+        let memory = params
+            .iter()
+            .map(|layer| layer.iter().map(|p| zeros_if(keep, p)).collect())
+            .collect();
+        Self::around(Optimizer::new(cfg, params, roles), memory)
+    }
+
+    /// `opt` with its config's correction around it and `memory` as that correction's.
+    fn around(opt: Optimizer, memory: Vec<Vec<Tensor>>) -> Self {
+        Self {
+            correction: opt.cfg.delay_correction,
+            strength: opt.cfg.correction_strength,
+            opt,
+            memory,
+            before: Vec::new(),
+            at_mean: false,
+        }
+    }
+
+    /// A corrected optimizer resuming from saved `state` (per layer and parameter; host
+    /// tensors shaped like `params`, as [`Corrected::state`] gives it) after `steps` updates.
+    ///
+    /// # Errors
+    /// As [`Optimizer::with_state`], also when the correction's memory does not fit.
+    pub fn with_state(
+        cfg: OptimizerConfig,
+        params: &Params,
+        roles: &[Vec<impl Copy + Into<ParamRole>>],
+        state: OptimizerState,
+        steps: u64,
+    ) -> Result<Self> {
+        let (moments, memory): (Vec<Vec<Moments>>, Vec<Vec<Tensor>>) = state
+            .into_iter()
+            .map(|layer| {
+                layer
+                    .into_iter()
+                    .map(|p| {
+                        let m = Moments {
+                            first: p.first,
+                            second: p.second,
+                        };
+                        (m, p.correction)
+                    })
+                    .unzip()
+            })
+            .unzip();
+        let opt = Optimizer::with_state(cfg, params, roles, moments, steps)?;
+        let keep = cfg.delay_correction.keeps_buffer();
+        let ok = memory.iter().zip(params).all(|(have, like)| {
+            have.len() == like.len()
+                && have
+                    .iter()
+                    .zip(like)
+                    .all(|(h, p)| fits(h, &zeros_if(keep, p)))
+        });
+        if !ok {
+            return Err(state_misfit(&cfg));
+        }
+        Ok(Self::around(opt, memory))
+    }
+
+    /// This optimizer with its state made resident where `be` computes.
+    ///
+    /// # Errors
+    /// Kernel errors (device allocation).
+    pub fn placed(mut self, be: &dyn Backend) -> Result<Self> {
+        self.opt = self.opt.placed(be)?;
+        for t in self.memory.iter_mut().flatten() {
+            *t = be.place(std::mem::take(t))?;
+        }
+        Ok(self)
+    }
+
+    /// This optimizer with its state in host memory (see [`crate::model::host_tensor`]).
+    ///
+    /// # Errors
+    /// Device failures.
+    pub fn on_host(mut self, be: &dyn Backend) -> Result<Self> {
+        self.opt = self.opt.on_host(be)?;
+        for t in self.memory.iter_mut().flatten() {
+            *t = crate::model::host_tensor(be, std::mem::take(t))?;
+        }
+        self.before.clear();
+        Ok(self)
+    }
+
+    /// The wrapped optimizer (its hyperparameters, its step count).
+    pub fn optimizer(&self) -> &Optimizer {
+        &self.opt
+    }
+
+    /// Updates applied so far.
+    pub fn steps(&self) -> u64 {
+        self.opt.steps()
+    }
+
+    /// The correction around the step.
+    pub fn correction(&self) -> DelayCorrection {
+        self.correction
+    }
+
+    /// Whether its compensation reads the weights each update's gradients were computed at
+    /// ([`DelayCorrection::needs_stale_weights`]): a trainer keeps them until the update.
+    pub fn needs_stale_weights(&self) -> bool {
+        self.correction.needs_stale_weights()
+    }
+
+    /// Per layer and parameter, the state's tensors in [`ParamState::parts`]' order (first,
+    /// second, correction), borrowed: what transfers send.
+    pub fn parts(&self) -> impl Iterator<Item = Vec<[&Tensor; 3]>> {
+        self.opt
+            .state
+            .iter()
+            .zip(&self.memory)
+            .map(|(layer, memory)| {
+                layer
+                    .iter()
+                    .zip(memory)
+                    .map(|(m, c)| [&m.first, &m.second, c])
+                    .collect()
+            })
+    }
+
+    /// The state per layer and parameter, as checkpoints and transfers carry it; empty tensors
+    /// where it keeps none.
+    pub fn state(&self) -> OptimizerState {
+        self.parts()
+            .map(|layer| {
+                layer
+                    .into_iter()
+                    .map(|[first, second, correction]| ParamState {
+                        first: first.clone(),
+                        second: second.clone(),
+                        correction: correction.clone(),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// [`Corrected::state`], taking it rather than copying it.
+    pub fn into_state(self) -> OptimizerState {
+        self.opt
+            .state
+            .into_iter()
+            .zip(self.memory)
+            .map(|(layer, memory)| {
+                layer
+                    .into_iter()
+                    .zip(memory)
+                    .map(|(m, correction)| ParamState {
+                        first: m.first,
+                        second: m.second,
+                        correction,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// DC-ASGD's compensation of one stage's own gradients of the coming update, before the
+    /// uses of a tied parameter are summed: the rescale to the mean over this stage's `own`
+    /// microbatches ([`UpdateMean::rescale`]), then `g + lambda g (.) g (.) (current -
+    /// stale)`, the adaptive form's `lambda` per element from the mean square it keeps.
+    /// `weights` hands out the current and stale weights ([`CompensationWeights`]) and is
+    /// called only when they are read: under DC-ASGD, once per update (a second call before
+    /// the step does nothing: the executor compensates before a tie exchange or at the update,
+    /// whichever comes first). Nothing for the other corrections.
+    ///
+    /// # Errors
+    /// `weights`' errors; shape mismatches; kernel errors.
+    pub fn compensate<'w>(
+        &mut self,
+        be: &dyn Backend,
+        grads: &mut Params,
+        (mean, own): (UpdateMean, u32),
+        weights: impl FnOnce() -> Result<CompensationWeights<'w>>,
+    ) -> Result<()> {
+        let adaptive = match self.correction {
+            DelayCorrection::DcAsgd => None,
+            DelayCorrection::DcAsgdAdaptive => Some(DC_ASGD_MEAN_SQUARE_DECAY),
+            DelayCorrection::None | DelayCorrection::ErrorFeedback => return Ok(()),
+        };
+        if self.at_mean {
+            return Ok(());
+        }
+        let (current, stale) = weights()?;
+        rescale(be, grads, mean, own)?;
+        let hp = DelayCompensation {
+            lambda: self.strength,
+            adaptive,
+            eps: DC_ASGD_EPS,
+        };
+        let each = grads
+            .iter_mut()
+            .flatten()
+            .zip(current.iter().flatten())
+            .zip(stale.iter().flatten());
+        for (((g, w), ws), ms) in each.zip(self.memory.iter_mut().flatten()) {
+            let mean_square = adaptive.map(|_| ms);
+            be.delay_compensate(g, w, ws, mean_square, hp)?;
+        }
+        self.at_mean = true;
+        Ok(())
+    }
+
+    /// Brings the coming update's gradients (tied uses summed) to the mean over this stage's
+    /// `own` microbatches ([`UpdateMean::rescale`]) unless [`Corrected::compensate`] did
+    /// already, where clipping must see the mean gradient before the step; a second call does
+    /// nothing.
+    ///
+    /// # Errors
+    /// [`StageError::Config`] under DC-ASGD when the gradients were not compensated (the
+    /// trainer kept no stale weights); kernel errors.
+    pub fn to_mean(
+        &mut self,
+        be: &dyn Backend,
+        grads: &mut Params,
+        (mean, own): (UpdateMean, u32),
+    ) -> Result<()> {
+        if self.at_mean {
+            return Ok(());
+        }
+        if self.needs_stale_weights() {
+            return Err(StageError::Config(format!(
+                "--delay-correction {} compensates each update's gradients against the weights \
+                 they were computed at before the step, and this update's were not",
+                self.correction.name()
+            )));
+        }
+        rescale(be, grads, mean, own)?;
+        self.at_mean = true;
+        Ok(())
+    }
+
+    /// The update the executor, the reference trainer and delayed SGD all apply, with the
+    /// same operations so that their weights agree bit for bit: the summed gradients (tied
+    /// parameters' uses already summed, [`Model::sum_tied`](crate::model::Model::sum_tied)),
+    /// whose losses `mean` scaled, brought to the mean over this stage's `own` microbatches
+    /// ([`Corrected::to_mean`], unless an earlier call did), then the optimizer's step on
+    /// `params` with learning rate `lr`, and error feedback around it: with `u_t` the step's
+    /// whole update, the weights move by `u_t + c (u_t - u_{t-1})` (the first step by `u_1`).
+    ///
+    /// # Errors
+    /// As [`Corrected::to_mean`]; shape mismatches between parameters, gradients and state.
+    pub fn step(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut Params,
+        grads: &mut Params,
+        mean: (UpdateMean, u32),
+        lr: f32,
+    ) -> Result<()> {
+        self.to_mean(be, grads, mean)?;
+        self.at_mean = false;
+        if self.correction != DelayCorrection::ErrorFeedback {
+            return self.opt.step(be, params, grads, lr);
+        }
+        if self.before.len() != params.len() {
+            self.before = params
+                .iter()
+                .map(|l| l.iter().map(|_| Tensor::default()).collect())
+                .collect();
+        }
+        for (b, p) in self
+            .before
+            .iter_mut()
+            .flatten()
+            .zip(params.iter().flatten())
+        {
+            be.copy(p, b)?;
+        }
+        self.opt.step(be, params, grads, lr)?;
+        let first = self.opt.steps() == 1;
+        let each = params
+            .iter_mut()
+            .flatten()
+            .zip(self.before.iter_mut().flatten());
+        for ((p, before), last) in each.zip(self.memory.iter_mut().flatten()) {
+            error_feedback(be, p, before, last, self.strength, first)?;
         }
         Ok(())
     }
@@ -840,7 +1043,7 @@ fn param_step(
     (role, t, lr): (ParamRole, i32, f32),
     p: &mut Tensor,
     g: &Tensor,
-    st: &mut ParamState,
+    st: &mut Moments,
 ) -> Result<()> {
     // This parameter's hyperparameters: its group's weight decay.
     let c = OptimizerConfig {

@@ -21,19 +21,19 @@ use pipe_kernels::Backend;
 use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::model::{Model, Params};
-use crate::optim::{Optimizer, UpdateMean};
+use crate::optim::{Corrected, UpdateMean};
 
 /// The squared norm a stage's gradients add to an update's global norm: `grads` (the layers
 /// from `first` on, readied for the step) scaled to the update's mean unless a compensation
-/// did ([`Optimizer::to_mean`]), then summed by [`Model::gradient_square_norm`]. Every trainer
+/// did ([`Corrected::to_mean`]), then summed by [`Model::gradient_square_norm`]. Every trainer
 /// takes a stage's norm through here.
 ///
 /// # Errors
-/// As [`Optimizer::to_mean`]; kernel errors.
+/// As [`Corrected::to_mean`]; kernel errors.
 pub fn squared_norm_at_mean(
     be: &dyn Backend,
     (model, first): (&Model, usize),
-    opt: &mut Optimizer,
+    opt: &mut Corrected,
     grads: &mut Params,
     mean: (UpdateMean, u32),
 ) -> Result<f64> {

@@ -11,9 +11,9 @@
 //!
 //! An update computes what the reference trainer computes for one stage
 //! ([`crate::pipeline::reference_run`]): each microbatch's loss scaled by its rows, gradients
-//! accumulated, tied uses summed, one [`Optimizer::mean_step`](crate::optim::Optimizer::mean_step) over the update. With no
-//! delay it is the reference trainer's sequential run, and with a fixed delay of one it is its
-//! one-stage 2BW run, bit for bit (`stages/tests/delayed.rs`).
+//! accumulated, tied uses summed, one [`Corrected::step`](crate::optim::Corrected::step) over
+//! the update. With no delay it is the reference trainer's sequential run, and with a fixed
+//! delay of one it is its one-stage 2BW run, bit for bit (`stages/tests/delayed.rs`).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -28,7 +28,7 @@ use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params, host_params, place_params};
-use crate::optim::{LrSchedule, Optimizer, UpdateMean, clip_gradients};
+use crate::optim::{Corrected, LrSchedule, UpdateMean, clip_gradients};
 use crate::pipeline::Observer;
 use crate::pipeline::train::{
     Coordinator, Drain, Drained, LoopStart, Run, Segment, SegmentEnd, run_segments,
@@ -142,7 +142,7 @@ pub fn train_delayed(
         be,
         opts,
         lr: cfg.lr_schedule(run.total),
-        opt: Optimizer::new(cfg.optimizer, &params, &run.model.optimizer_roles()).placed(be)?,
+        opt: Corrected::new(cfg.optimizer, &params, &run.model.optimizer_roles()).placed(be)?,
         grads: place_params(be, run.model.zero_grads(0..run.model.len()))?,
         model: &run.model,
         params,
@@ -185,7 +185,7 @@ struct DelayedWorker<'a> {
     model: &'a Model,
     lr: LrSchedule,
     params: Params,
-    opt: Optimizer,
+    opt: Corrected,
     grads: Params,
     /// The weights of the last `max` updates, newest last: `history[len - 1 - d]` is `d` old.
     history: VecDeque<Params>,
@@ -274,12 +274,7 @@ impl DelayedWorker<'_> {
         let (be, model) = (self.be, self.model);
         // DC-ASGD compensates against the weights the gradient is computed at; the history
         // moves on before the step, so it keeps its own copy.
-        let anchor = self
-            .opt
-            .config()
-            .delay_correction
-            .needs_stale_weights()
-            .then(|| stale.clone());
+        let anchor = self.opt.needs_stale_weights().then(|| stale.clone());
         let (loss, rows) = gradients(
             be,
             model,
@@ -301,14 +296,16 @@ impl DelayedWorker<'_> {
             return Ok((loss, rows, None));
         }
         let mean = (batch.mean, m as u32);
-        if let Some(stale) = &anchor {
-            self.opt
-                .compensated_mean(be, &mut self.grads, mean, &self.params, stale)?;
+        if let Some(stale) = anchor {
+            let current = &self.params;
+            self.opt.compensate(be, &mut self.grads, mean, || {
+                Ok((current, std::borrow::Cow::Owned(stale)))
+            })?;
         }
         model.sum_tied(be, &mut [(0, &mut self.grads)])?;
         model.check_gradients(be, 0, &self.grads, step + 1)?;
         // Clipping by the whole model's norm, as the reference trainer's one stage does.
-        let grad_norm = match self.opt.config().grad_clip {
+        let grad_norm = match self.opt.optimizer().config().grad_clip {
             Some(max_norm) => {
                 let model_at = (model, 0);
                 let squared = super::clip::squared_norm_at_mean(
@@ -331,7 +328,7 @@ impl DelayedWorker<'_> {
         };
         let lr = self.lr.at(step) * scale;
         self.opt
-            .mean_step(be, &mut self.params, &mut self.grads, mean, lr)?;
+            .step(be, &mut self.params, &mut self.grads, mean, lr)?;
         Ok((loss, rows, grad_norm))
     }
 }

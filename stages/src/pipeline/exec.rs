@@ -18,7 +18,7 @@ use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{GradientsReady, Params, place_params};
-use crate::optim::{Optimizer, OptimizerConfig, UpdateMean};
+use crate::optim::{Corrected, OptimizerConfig, UpdateMean};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
 /// One stage's persistent state on a worker: its current weights and optimizer state.
@@ -28,8 +28,8 @@ pub struct StageState {
     pub stage: u32,
     /// Current weights.
     pub params: Params,
-    /// Optimizer state.
-    pub opt: Optimizer,
+    /// Optimizer state, its delay correction's included.
+    pub opt: Corrected,
 }
 
 /// A worker's persistent state across runs (epochs): its stages, in chunk order.
@@ -56,7 +56,7 @@ impl WorkerState {
             .map(|stage| {
                 let range = plan.partition.range(stage as usize);
                 let params: Params = init[range.clone()].to_vec();
-                let opt = Optimizer::new(opt, &params, &matrices[range]);
+                let opt = Corrected::new(opt, &params, &matrices[range]);
                 StageState { stage, params, opt }
             })
             .collect();
@@ -163,7 +163,7 @@ struct StageRun {
     grads: Params,
     /// No gradient accumulated since the last update (the next one writes, not adds).
     grads_fresh: bool,
-    optimizer: Optimizer,
+    optimizer: Corrected,
     /// Per version, the program counter of its last use.
     last_use: Vec<usize>,
     forward_saved: HashMap<u32, ForwardSaved>,
@@ -261,10 +261,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let layout = schedule.layout();
         let ranges = plan.partition.ranges();
         // DC-ASGD reads each update's stale versions at the update: they are held until then.
-        let compensating = state
-            .stages
-            .iter()
-            .any(|st| st.opt.config().delay_correction.needs_stale_weights());
+        let compensating = state.stages.iter().any(|st| st.opt.needs_stale_weights());
         let last_uses = if compensating {
             plan.versions
                 .last_uses_through_updates(schedule, state.worker)
@@ -334,7 +331,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let max_norm = state
             .stages
             .first()
-            .and_then(|st| st.opt.config().grad_clip);
+            .and_then(|st| st.opt.optimizer().config().grad_clip);
         let clip = ClipState::new(schedule, plan.norms.is_exact(), state.worker, max_norm);
         Ok(WorkerCore {
             setup,
@@ -668,7 +665,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let old = run.velocity.as_ref().map(|_| p.clone());
         let mean = UpdateMean::of(&setup.plan.schedule.resolved);
         run.optimizer
-            .mean_step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
+            .step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
         run.current_version += 1;
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;
@@ -813,38 +810,29 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         Ok(())
     }
 
-    /// DC-ASGD's compensation of chunk `c`'s gradients of `update`, once, before its tied uses
-    /// leave or are summed: against the stale weights of [`super::stale::stale_weights`] at
-    /// the current version ([`crate::optim::Optimizer::compensated_mean`]). Nothing for the
-    /// other corrections.
+    /// The delay correction's compensation of chunk `c`'s gradients of `update`
+    /// ([`Corrected::compensate`]), before its tied uses leave or are summed: against the
+    /// stale weights of [`super::stale::stale_weights`] at the current version, which the
+    /// correction reads only where it compensates, once per update.
     fn compensate(&mut self, be: &dyn Backend, c: usize, update: u32) -> Result<()> {
         let setup = self.setup;
         let run = &mut self.stages[c];
-        let needed = run
-            .optimizer
-            .config()
-            .delay_correction
-            .needs_stale_weights();
-        if !needed || run.optimizer.compensated() {
-            return Ok(());
-        }
         let (stage, versions) = (run.stage, &run.versions);
         let held = |v: u32| {
             versions
                 .get(&v)
                 .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))
         };
-        let stale = super::stale::stale_weights(be, &setup.plan.versions, (stage, update), held)?;
-        let current = held(run.current_version)?;
-        let mean = UpdateMean::of(&setup.plan.schedule.resolved);
-        run.optimizer.compensated_mean(
-            be,
-            &mut run.grads,
-            (mean, run.update_size),
-            current,
-            &stale,
-        )?;
-        Ok(())
+        let current = run.current_version;
+        let mean = (
+            UpdateMean::of(&setup.plan.schedule.resolved),
+            run.update_size,
+        );
+        run.optimizer.compensate(be, &mut run.grads, mean, || {
+            let stale =
+                super::stale::stale_weights(be, &setup.plan.versions, (stage, update), held)?;
+            Ok((held(current)?, stale))
+        })
     }
 
     /// The message a send action sends.

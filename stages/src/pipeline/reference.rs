@@ -26,7 +26,7 @@ use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
 use crate::model::{Params, place_params};
-use crate::optim::{Optimizer, OptimizerConfig, UpdateMean};
+use crate::optim::{Corrected, OptimizerConfig, UpdateMean};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
 /// Per computed microbatch of a stage: saved activations and each layer's output gradient.
@@ -37,7 +37,7 @@ struct Reference<'s, 'a> {
     setup: &'s Setup<'a>,
     /// Per stage, every version so far.
     versions: Vec<Vec<Params>>,
-    opts: Vec<Optimizer>,
+    opts: Vec<Corrected>,
     pending: Vec<Pending>,
     next_update: Vec<u32>,
     /// Per stage, the stages it updates together with (itself included, ascending).
@@ -74,7 +74,7 @@ pub fn reference_train(
     let opts = (0..plan.schedule.stages() as usize)
         .map(|s| {
             let range = plan.partition.range(s);
-            Optimizer::new(opt, &init[range.clone()].to_vec(), &matrices[range]).placed(be)
+            Corrected::new(opt, &init[range.clone()].to_vec(), &matrices[range]).placed(be)
         })
         .collect::<Result<_>>()?;
     reference_train_from(be, setup, init, opts).map(|(params, _)| params)
@@ -93,8 +93,8 @@ pub fn reference_train_from(
     be: &dyn Backend,
     setup: &Setup<'_>,
     init: &Params,
-    opts: Vec<Optimizer>,
-) -> Result<(Vec<Params>, Vec<Optimizer>)> {
+    opts: Vec<Corrected>,
+) -> Result<(Vec<Params>, Vec<Corrected>)> {
     reference_run(be, setup, init, opts).map(|r| (r.params, r.opts))
 }
 
@@ -104,7 +104,7 @@ pub struct ReferenceRun {
     /// Each stage's final weights.
     pub params: Vec<Params>,
     /// Each stage's optimizer, to carry into a next run.
-    pub opts: Vec<Optimizer>,
+    pub opts: Vec<Corrected>,
     /// Per microbatch of the run, in order: the sum of its samples' losses, as the last stage
     /// of a pipelined run reports it (`WorkerOutcome::losses`).
     pub losses: Vec<f64>,
@@ -121,7 +121,7 @@ pub fn reference_run(
     be: &dyn Backend,
     setup: &Setup<'_>,
     init: &Params,
-    opts: Vec<Optimizer>,
+    opts: Vec<Corrected>,
 ) -> Result<ReferenceRun> {
     let plan = setup.plan;
     let stages = plan.schedule.stages() as usize;
@@ -413,7 +413,7 @@ impl Reference<'_, '_> {
     fn step_ready(&self, s: usize) -> bool {
         let k = self.next_update[s];
         self.ready[s].is_some()
-            && (self.opts[s].config().grad_clip.is_none()
+            && (self.opts[s].optimizer().config().grad_clip.is_none()
                 || self
                     .setup
                     .plan
@@ -431,13 +431,13 @@ impl Reference<'_, '_> {
         let setup = self.setup;
         let group = self.tie_group[s].clone();
         let k = self.next_update[s];
-        let compensating = self.opts[s].config().delay_correction.needs_stale_weights();
         let mean = UpdateMean::of(&setup.plan.schedule.resolved);
         let mut grads = Vec::with_capacity(group.len());
         for &t in &group {
             let mut g = self.gradients(be, t)?;
-            if compensating {
-                let held = &self.versions[t];
+            let held = &self.versions[t];
+            let size = setup.plan.schedule.resolved.update_size(t as u32);
+            self.opts[t].compensate(be, &mut g, (mean, size), || {
                 let stale =
                     super::stale::stale_weights(be, &setup.plan.versions, (t as u32, k), |v| {
                         held.get(v as usize).ok_or_else(|| {
@@ -446,10 +446,8 @@ impl Reference<'_, '_> {
                             ))
                         })
                     })?;
-                let size = setup.plan.schedule.resolved.update_size(t as u32);
-                let current = &held[held.len() - 1];
-                self.opts[t].compensated_mean(be, &mut g, (mean, size), current, &stale)?;
-            }
+                Ok((&held[held.len() - 1], stale))
+            })?;
             grads.push(g);
         }
         let mut parts: Vec<(usize, &mut Params)> = group
@@ -459,7 +457,7 @@ impl Reference<'_, '_> {
             .collect();
         setup.model.sum_tied(be, &mut parts)?;
         for (&t, mut g) in group.iter().zip(grads) {
-            if self.opts[t].config().grad_clip.is_some() {
+            if self.opts[t].optimizer().config().grad_clip.is_some() {
                 let size = setup.plan.schedule.resolved.update_size(t as u32);
                 let start = setup.plan.partition.range(t).start;
                 let squared = super::clip::squared_norm_at_mean(
@@ -485,7 +483,7 @@ impl Reference<'_, '_> {
         let mut g = self.ready[t]
             .take()
             .ok_or_else(|| StageError::Executor(format!("stage {t} steps unreadied")))?;
-        if let Some(max_norm) = self.opts[t].config().grad_clip {
+        if let Some(max_norm) = self.opts[t].optimizer().config().grad_clip {
             let norms = &self.norms;
             let norm = super::clip::global_norm(setup, (t as u32, k), |u, j| {
                 norms.get(&(u as usize, j)).copied()
@@ -498,7 +496,7 @@ impl Reference<'_, '_> {
         let mut p = self.versions[t][self.versions[t].len() - 1].clone();
         let size = setup.plan.schedule.resolved.update_size(t as u32);
         let lr = (setup.lr)(t as u32, k);
-        self.opts[t].mean_step(be, &mut p, &mut g, (mean, size), lr)?;
+        self.opts[t].step(be, &mut p, &mut g, (mean, size), lr)?;
         if let Some(vs) = self.velocities.get_mut(t) {
             let old = &self.versions[t][self.versions[t].len() - 1];
             let mut vel = vs[vs.len() - 1].clone();

@@ -30,7 +30,7 @@ use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::model::{Model, Params};
-use crate::optim::{LrSchedule, Optimizer, OptimizerKind, OptimizerState};
+use crate::optim::{Corrected, LrSchedule, OptimizerKind, OptimizerState};
 use crate::partition::Partition;
 use crate::pipeline::Observer;
 use crate::remedy::{LrScaling, stage_delays};
@@ -580,7 +580,7 @@ pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f6
     let partition = run_partition(cfg)?;
     let be = CpuBackend::new(1)?;
     let mut params = run.model.init_params(cfg.seed);
-    let mut opts: Option<Vec<Optimizer>> = None;
+    let mut opts: Option<Vec<Corrected>> = None;
     let mut losses = Vec::new();
     let mut done = 0;
     while done < run.total {
@@ -593,7 +593,7 @@ pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f6
                 .map(|s| {
                     let range = plan.partition.range(s);
                     let matrices = &run.model.optimizer_roles()[range.clone()];
-                    Optimizer::new(cfg.optimizer, &params[range].to_vec(), matrices)
+                    Corrected::new(cfg.optimizer, &params[range].to_vec(), matrices)
                 })
                 .collect(),
         };
@@ -620,30 +620,6 @@ pub(super) struct Start {
     pub(super) params: Params,
     pub(super) optimizer: Option<(OptimizerState, Vec<u64>)>,
     pub(super) done: u64,
-}
-
-/// Refuses a resume whose delay correction would misread the checkpoint's correction memory
-/// (error feedback's last update is not the adaptive DC-ASGD's mean square), or find none, or
-/// leave one unread. Checkpoints that do not record their correction are not checked.
-fn check_correction_memory(
-    saved: Option<crate::optim::DelayCorrection>,
-    now: crate::optim::DelayCorrection,
-) -> Result<()> {
-    let Some(saved) = saved else {
-        return Ok(());
-    };
-    let carries =
-        saved.keeps_buffer() == now.keeps_buffer() && (!now.keeps_buffer() || saved == now);
-    if carries {
-        return Ok(());
-    }
-    Err(StageError::Checkpoint(format!(
-        "holds the optimizer state of --delay-correction {}, whose memory does not carry over to \
-         --delay-correction {}: resume with {}",
-        saved.name(),
-        now.name(),
-        saved.name()
-    )))
 }
 
 /// A fresh run's weights: `--init-from`'s, or the model's initialisation from the run's seed.
@@ -687,13 +663,13 @@ pub fn write_seed_checkpoint(
     policy: &CheckpointPolicy,
 ) -> Result<PathBuf> {
     let params = initial_params(cfg, model)?;
-    let optimizer = Optimizer::new(cfg.optimizer, &params, &model.optimizer_roles());
+    let optimizer = Corrected::new(cfg.optimizer, &params, &model.optimizer_roles());
     let mut state = RunState::identity(cfg, policy.settings.clone());
     state.optimizer_steps = vec![0; params.len()];
     let whole = std::iter::once(0..model.len()).collect();
     state.partition = Partition::new(whole, model.len())?.to_string();
     let ckpt = Checkpoint {
-        optimizer: optimizer.state().to_vec(),
+        optimizer: optimizer.into_state(),
         params,
         state,
     };
@@ -735,7 +711,13 @@ impl Start {
                 run.total
             )));
         }
-        check_correction_memory(c.state.delay_correction, run.cfg.optimizer.delay_correction)?;
+        // Checkpoints that do not record their correction are not checked.
+        if let Some(saved) = c.state.delay_correction {
+            run.cfg
+                .optimizer
+                .delay_correction
+                .check_resumes_from(saved)?;
+        }
         if c.state.optimizer_steps.len() != c.params.len() {
             return Err(StageError::Checkpoint(format!(
                 "state.json has optimizer steps for {} layers, the model has {}",
@@ -780,7 +762,7 @@ impl Start {
                         range.end - 1
                     )));
                 }
-                stage.opt = Optimizer::with_state(
+                stage.opt = Corrected::with_state(
                     cfg.optimizer,
                     &stage.params,
                     &setup.model.optimizer_roles()[range.clone()],
@@ -1175,7 +1157,7 @@ impl<'c> Run<'c> {
         let mut steps = Vec::new();
         for st in first_replicas(plan, states)? {
             steps.extend(st.params.iter().map(|_| st.opt.steps()));
-            optimizer.extend(st.opt.state().iter().cloned());
+            optimizer.extend(st.opt.state());
         }
         Ok((optimizer, steps))
     }

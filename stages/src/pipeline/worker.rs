@@ -53,7 +53,7 @@ use crate::config::{PartitionChoice, RunConfig};
 use crate::data::Splits;
 use crate::error::{Result, StageError};
 use crate::model::Params;
-use crate::optim::{Optimizer, OptimizerState};
+use crate::optim::{Corrected, OptimizerState};
 use crate::partition::Partition;
 use crate::pipeline::Observer;
 use crate::train::TrainReport;
@@ -641,9 +641,7 @@ fn receive_start<T: Transport + ?Sized>(
         )));
     }
     let matrices = run.model.optimizer_roles();
-    let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, &params, &matrices)
-        .state()
-        .to_vec();
+    let mut opt: OptimizerState = Corrected::new(cfg.optimizer, &params, &matrices).into_state();
     for s in layout.stages_of(rank) {
         for layer in plan.partition.range(s as usize) {
             let l = layer as u32;
@@ -953,10 +951,10 @@ fn send_optimizer<T: Transport + ?Sized>(
     index: u32,
 ) -> Result<()> {
     for (first, st) in first_replica_stages(plan, state) {
-        for (i, layer) in st.opt.state().iter().enumerate() {
+        for (i, layer) in st.opt.parts().enumerate() {
             let l = (first + i) as u32;
             for k in 0..STATE_PARTS {
-                let flat = flatten(layer.iter().map(|p| p.parts()[k].1))?;
+                let flat = flatten(layer.iter().map(|p| p[k]))?;
                 let key = control(
                     state.worker,
                     CHIEF,
@@ -1004,13 +1002,11 @@ fn gather_optimizer<T: Transport + ?Sized>(
     cfg: &RunConfig,
     index: u32,
 ) -> Result<(OptimizerState, Vec<u64>)> {
-    let mut opt: OptimizerState = Optimizer::new(cfg.optimizer, like, matrices)
-        .state()
-        .to_vec();
+    let mut opt: OptimizerState = Corrected::new(cfg.optimizer, like, matrices).into_state();
     let mut steps = vec![0u64; like.len()];
     for (first, st) in first_replica_stages(plan, own) {
-        for (i, layer) in st.opt.state().iter().enumerate() {
-            opt[first + i] = layer.clone();
+        for (i, layer) in st.opt.state().into_iter().enumerate() {
+            opt[first + i] = layer;
             steps[first + i] = st.opt.steps();
         }
     }

@@ -36,7 +36,7 @@ use rand::Rng as _;
 use crate::error::{Result, StageError};
 use crate::layers::{ForwardCtx, LayerSpec};
 use crate::model::{Model, place_params};
-use crate::optim::{Optimizer, OptimizerConfig};
+use crate::optim::{Corrected, OptimizerConfig, UpdateMean};
 use crate::partition::Partition;
 use crate::pipeline::{MicrobatchSource, RunPlan, Setup, WorkerState, open_backend, run_threads};
 use crate::rng::rng_for;
@@ -331,8 +331,9 @@ fn layer_inputs(
     Ok((x, dy))
 }
 
-/// The median time of one optimizer step over a layer's parameters `p` (roles `role`) with
-/// gradients `grads`.
+/// The median time of one update over a layer's parameters `p` (roles `role`) with
+/// gradients `grads`, as a run applies it: the optimizer's step with its delay correction
+/// around it (a compensation reads the current weights as the stale ones).
 ///
 /// # Errors
 /// Kernel errors.
@@ -345,10 +346,19 @@ fn time_update(
     repeats: Repeats,
 ) -> Result<f64> {
     let mut own = vec![p.to_vec()];
-    let grads = vec![grads];
+    let mut grads = vec![grads];
     let mine = [role.to_vec()];
-    let mut opt = Optimizer::new(opts.optimizer, &own, &mine).placed(be)?;
-    repeats.median(|| seconds(be, || opt.step(be, &mut own, &grads, 1e-6)))
+    let mut opt = Corrected::new(opts.optimizer, &own, &mine).placed(be)?;
+    let mean = (UpdateMean::new(1), 1);
+    repeats.median(|| {
+        seconds(be, || {
+            let current = &own;
+            opt.compensate(be, &mut grads, mean, || {
+                Ok((current, std::borrow::Cow::Borrowed(current)))
+            })?;
+            opt.step(be, &mut own, &mut grads, mean, 1e-6)
+        })
+    })
 }
 
 /// Times layer `i` of `model` with its parameters `p` on random inputs: forward, the whole
