@@ -1,6 +1,6 @@
 //! All-reduce bucket sizes as a run is given them (one size for every stage, or one per
 //! stage), where they came from, and the one rule by which a run takes sizes settled
-//! elsewhere ([`RunConfig::adopt_buckets_of`]).
+//! elsewhere ([`crate::config::RunConfig::adopt_buckets_of`], beside the run it changes).
 //!
 //! A size is [`pipe_scheduler::planner::buckets::BucketSize`] (one bucket for a whole stage
 //! is a variant of it), a run's per-stage sizes a
@@ -8,8 +8,6 @@
 
 use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use serde::{Deserialize, Serialize};
-
-use super::RunConfig;
 
 /// `--allreduce-bucket-mb`: MiB of f32 gradients per all-reduce bucket, one size for every
 /// stage (`4`) or one per stage (`4,1,one`); `one` puts a stage's gradients in one bucket,
@@ -85,35 +83,11 @@ pub enum BucketOrigin {
     Chosen,
 }
 
-impl RunConfig {
-    /// Whether this run's bucket sizes are open to being settled for it: it was given none
-    /// (`--allreduce-bucket-mb`), so sizes chosen on its measured link
-    /// ([`crate::planning::buckets`]) or by the run it continues or follows are its own. The
-    /// guard of the choice and of [`RunConfig::adopt_buckets_of`] alike.
-    pub fn takes_settled_buckets(&self) -> bool {
-        self.bucket_origin == BucketOrigin::Default
-    }
-
-    /// The one adoption rule of bucket sizes, for checkpoints and the chief's terms alike:
-    /// this run with the sizes `other` (the run a checkpoint continues, or the chief's)
-    /// chose, where this run takes settled sizes ([`RunConfig::takes_settled_buckets`]),
-    /// `other` chose its own, and they are one size per stage of this run. The replicas' sums
-    /// then add in the buckets of the run they follow. `None`: this run keeps its own.
-    pub fn adopt_buckets_of(&self, other: &RunConfig) -> Option<RunConfig> {
-        if !self.takes_settled_buckets() || other.bucket_origin != BucketOrigin::Chosen {
-            return None;
-        }
-        let stages = self.resolved().ok()?.layout.stages() as usize;
-        (other.stage_buckets.len() == stages)
-            .then(|| self.clone().with_stage_buckets(other.stage_buckets.clone()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::config::TrainSettings;
+    use crate::config::{RunConfig, TrainSettings};
 
     fn run(toml: &str) -> RunConfig {
         TrainSettings::from_toml(toml, "test")

@@ -686,3 +686,27 @@ pub(super) fn check_delay_correction(
     let predicts = prediction.is_some_and(|p| p != crate::remedy::Prediction::None);
     optimizer.delay_correction.check_fits(policy, predicts)
 }
+
+impl RunConfig {
+    /// Whether this run's bucket sizes are open to being settled for it: it was given none
+    /// (`--allreduce-bucket-mb`), so sizes chosen on its measured link
+    /// ([`crate::planning::buckets`]) or by the run it continues or follows are its own. The
+    /// guard of the choice and of [`RunConfig::adopt_buckets_of`] alike.
+    pub fn takes_settled_buckets(&self) -> bool {
+        self.bucket_origin == BucketOrigin::Default
+    }
+
+    /// The one adoption rule of bucket sizes, for checkpoints and the chief's terms alike:
+    /// this run with the sizes `other` (the run a checkpoint continues, or the chief's)
+    /// chose, where this run takes settled sizes ([`RunConfig::takes_settled_buckets`]),
+    /// `other` chose its own, and they are one size per stage of this run. The replicas' sums
+    /// then add in the buckets of the run they follow. `None`: this run keeps its own.
+    pub fn adopt_buckets_of(&self, other: &RunConfig) -> Option<RunConfig> {
+        if !self.takes_settled_buckets() || other.bucket_origin != BucketOrigin::Chosen {
+            return None;
+        }
+        let stages = self.resolved().ok()?.layout.stages() as usize;
+        (other.stage_buckets.len() == stages)
+            .then(|| self.clone().with_stage_buckets(other.stage_buckets.clone()))
+    }
+}
