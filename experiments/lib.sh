@@ -1,6 +1,18 @@
 # What the experiment scripts share: reading a run's output and summarising repeated rounds.
 # Source it: `. experiments/lib.sh` (from the repository root).
 
+# build_pipe: builds the release binary (its output on stderr) and sets `pipe` to its path.
+build_pipe() {
+  cargo build --release --locked --bin pipe >&2
+  pipe=$PWD/target/release/pipe
+}
+
+# scratch_dir: sets `out` to a fresh directory, removed when the script exits.
+scratch_dir() {
+  out=$(mktemp -d)
+  trap 'rm -rf "$out"' EXIT
+}
+
 # epoch_rate FILE UNIT: the first epoch's rate in a run's output (UNIT: tokens/s or samples/s).
 epoch_rate() {
   awk -v unit="$2" '/^epoch +1 /{for(i=1;i<=NF;i++) if($i==unit) print $(i-1)}' "$1"

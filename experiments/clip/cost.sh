@@ -16,10 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . experiments/lib.sh
 rounds=${1:-3}
-cargo build --release --locked --bin pipe >&2
-pipe=$PWD/target/release/pipe
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+build_pipe
+scratch_dir
 args=(train --model gpt-mini --stages 4 --schedule pipedream --microbatches 4 --steps 60 --partition flops
       --threads 1 --weight-decay-groups all)
 [ -n "${TRANSPORT:-}" ] && args+=(--transport "$TRANSPORT")

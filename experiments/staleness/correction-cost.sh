@@ -13,10 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . experiments/lib.sh
 rounds=${1:-2}
-cargo build --release --locked --bin pipe >&2
-pipe=$PWD/target/release/pipe
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+build_pipe
+scratch_dir
 args=(train --model gpt-mini --stages 2 --schedule 2bw --microbatches 2 --steps 40 --threads 1)
 echo "| round | correction | tokens/s | weights |"
 echo "|---|---|---|---|"

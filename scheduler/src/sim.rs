@@ -712,6 +712,18 @@ struct Lowered {
     phase: u8,
 }
 
+/// The pattern of the actions a worker does by itself for their compute time (passes and
+/// the optimizer step), as both engines interpret them.
+macro_rules! local_work {
+    () => {
+        Action::Forward { .. }
+            | Action::Backward { .. }
+            | Action::BackwardInput { .. }
+            | Action::BackwardWeight { .. }
+            | Action::Update { .. }
+    };
+}
+
 const NONE: WorkerId = WorkerId::MAX;
 
 impl<'a> Streamed<'a> {
@@ -1214,11 +1226,7 @@ impl<'a, P: Programs> Engine<'a, P> {
             };
             let t = &times[a.stage() as usize];
             match a {
-                Action::Forward { .. }
-                | Action::Backward { .. }
-                | Action::BackwardInput { .. }
-                | Action::BackwardWeight { .. }
-                | Action::Update { .. } => {
+                local_work!() => {
                     let d = t.compute(&a);
                     if d > 0.0 {
                         state[w] = Busy::Work {
@@ -1359,11 +1367,7 @@ impl<'a, P: Programs> Engine<'a, P> {
         while let Some(a) = self.programs.current(wi) {
             let t = &times[a.stage() as usize];
             match a {
-                Action::Forward { .. }
-                | Action::Backward { .. }
-                | Action::BackwardInput { .. }
-                | Action::BackwardWeight { .. }
-                | Action::Update { .. } => {
+                local_work!() => {
                     let d = t.compute(&a);
                     self.record(w, a, clock, clock + d);
                     clock += d;

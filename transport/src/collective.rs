@@ -12,7 +12,7 @@
 use pipe_kernels::Tensor;
 
 use crate::frame::{WireDType, round_to_wire};
-use crate::{Key, Kind, Message, Transport, TransportError};
+use crate::{Key, Kind, Message, Transport, TransportError, Values};
 
 /// Start of chunk `c` of `r` over a buffer of `len` values.
 fn chunk_start(len: usize, r: usize, c: usize) -> usize {
@@ -298,7 +298,11 @@ impl RingAllReduce {
             let range = chunk(self.len, self.r, self.chunks(step).0);
             let count = pieces_of(range.len());
             let at = piece(&range, count, j);
-            t.send_values(self.key(self.me, self.next, step, j), 0, &flat.slices(at))?;
+            t.send_values(Values {
+                key: self.key(self.me, self.next, step, j),
+                version: 0,
+                parts: &flat.slices(at),
+            })?;
             self.sent += 1;
             (self.send_step, self.send_piece) = if j + 1 < count {
                 (step, j + 1)

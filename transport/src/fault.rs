@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use crate::{Key, Kind, Message, Transport, TransportError};
+use crate::{Key, Kind, Message, Transport, TransportError, ValueSink, Values};
 
 /// What goes wrong. Serialized as its text (`exit:at=5`, as `--fault` takes it), so that a
 /// launcher hands it to a worker process in the run's file.
@@ -606,12 +606,7 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner.as_ref().and_then(Transport::link_buffer_bytes)
     }
 
-    fn send_values(
-        &mut self,
-        key: Key,
-        version: u64,
-        parts: &[&[f32]],
-    ) -> Result<(), TransportError> {
+    fn send_values(&mut self, values: Values<'_>) -> Result<(), TransportError> {
         // Counted as a data message either way; only a message a fault acts on is built.
         let next = self.sent + 1;
         let untouched = match self.fault {
@@ -620,18 +615,14 @@ impl<T: Transport> Transport for Faulty<T> {
             Fault::Delay { .. } | Fault::Reorder { .. } => false,
             other => other.nth().is_none_or(|nth| nth != next),
         };
-        if untouched && key.kind != Kind::Control && self.held.is_empty() {
+        if untouched && values.key.kind != Kind::Control && self.held.is_empty() {
             self.sent = next;
-            return self.inner()?.send_values(key, version, parts);
+            return self.inner()?.send_values(values);
         }
-        self.send(Message::of_values(key, version, parts)?)
+        self.send(Message::of_values(values)?)
     }
 
-    fn recv_with(
-        &mut self,
-        key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
-    ) -> Result<usize, TransportError> {
+    fn recv_with(&mut self, key: &Key, take: &mut ValueSink<'_>) -> Result<usize, TransportError> {
         self.flush()?;
         self.inner()?.recv_with(key, take)
     }
@@ -639,7 +630,7 @@ impl<T: Transport> Transport for Faulty<T> {
     fn try_recv_with(
         &mut self,
         key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
+        take: &mut ValueSink<'_>,
     ) -> Result<Option<usize>, TransportError> {
         // As try_recv: a poll never waits, so what is held stays held.
         self.inner()?.try_recv_with(key, take)

@@ -76,6 +76,22 @@ pub struct Key {
     pub step: u32,
 }
 
+/// A message to send whose payload is the concatenation of `parts`, a tensor of one
+/// dimension, not yet built: what [`Transport::send_values`] takes.
+#[derive(Debug, Clone, Copy)]
+pub struct Values<'a> {
+    /// Where the message goes and what it is.
+    pub key: Key,
+    /// As [`Message::version`].
+    pub version: u64,
+    /// The payload's values, in order.
+    pub parts: &'a [&'a [f32]],
+}
+
+/// What takes a received payload's values as (offset, values) blocks that together cover
+/// the payload once: [`Transport::recv_with`] hands them over as they arrive.
+pub type ValueSink<'a> = dyn FnMut(usize, &[f32]) + 'a;
+
 /// A message: its key, the weight version it was computed with (or another small tag the
 /// schedule defines), and the tensor, moved rather than copied where the transport allows.
 #[derive(Debug)]
@@ -115,7 +131,12 @@ impl Message {
     ///
     /// # Errors
     /// [`TransportError::Protocol`] if the tensor cannot be built.
-    pub fn of_values(key: Key, version: u64, parts: &[&[f32]]) -> Result<Message, TransportError> {
+    pub fn of_values(values: Values<'_>) -> Result<Message, TransportError> {
+        let Values {
+            key,
+            version,
+            parts,
+        } = values;
         let values: Vec<f32> = parts.concat();
         let n = values.len();
         let tensor = Tensor::from_vec(&[n], values)
@@ -132,7 +153,7 @@ impl Message {
     ///
     /// # Errors
     /// [`TransportError::Protocol`] for a payload not in host memory.
-    pub fn hand_to(&self, take: &mut dyn FnMut(usize, &[f32])) -> Result<usize, TransportError> {
+    pub fn hand_to(&self, take: &mut ValueSink<'_>) -> Result<usize, TransportError> {
         let values = self
             .tensor
             .host()
@@ -311,13 +332,8 @@ pub trait Transport: Send {
     ///
     /// # Errors
     /// As [`Transport::send`].
-    fn send_values(
-        &mut self,
-        key: Key,
-        version: u64,
-        parts: &[&[f32]],
-    ) -> Result<(), TransportError> {
-        self.send(Message::of_values(key, version, parts)?)
+    fn send_values(&mut self, values: Values<'_>) -> Result<(), TransportError> {
+        self.send(Message::of_values(values)?)
     }
 
     /// Receives the message with `key` and hands its values to `take` in order, as
@@ -329,11 +345,7 @@ pub trait Transport: Send {
     ///
     /// # Errors
     /// As [`Transport::recv`]; a payload not in host memory.
-    fn recv_with(
-        &mut self,
-        key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
-    ) -> Result<usize, TransportError> {
+    fn recv_with(&mut self, key: &Key, take: &mut ValueSink<'_>) -> Result<usize, TransportError> {
         self.recv(key)?.hand_to(take)
     }
 
@@ -345,7 +357,7 @@ pub trait Transport: Send {
     fn try_recv_with(
         &mut self,
         key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
+        take: &mut ValueSink<'_>,
     ) -> Result<Option<usize>, TransportError> {
         self.try_recv(key)?.map(|m| m.hand_to(take)).transpose()
     }
@@ -423,25 +435,16 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     fn link_buffer_bytes(&self) -> Option<u64> {
         (**self).link_buffer_bytes()
     }
-    fn send_values(
-        &mut self,
-        key: Key,
-        version: u64,
-        parts: &[&[f32]],
-    ) -> Result<(), TransportError> {
-        (**self).send_values(key, version, parts)
+    fn send_values(&mut self, values: Values<'_>) -> Result<(), TransportError> {
+        (**self).send_values(values)
     }
-    fn recv_with(
-        &mut self,
-        key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
-    ) -> Result<usize, TransportError> {
+    fn recv_with(&mut self, key: &Key, take: &mut ValueSink<'_>) -> Result<usize, TransportError> {
         (**self).recv_with(key, take)
     }
     fn try_recv_with(
         &mut self,
         key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
+        take: &mut ValueSink<'_>,
     ) -> Result<Option<usize>, TransportError> {
         (**self).try_recv_with(key, take)
     }

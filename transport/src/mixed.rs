@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use crate::quic::Quic;
 use crate::shm::Shm;
-use crate::{Key, Message, Transport, TransportError};
+use crate::{Key, Message, Transport, TransportError, ValueSink, Values};
 
 /// Shared memory to some peers, QUIC to the rest.
 pub struct Mixed {
@@ -95,27 +95,18 @@ impl Transport for Mixed {
         self.shm.link_buffer_bytes()
     }
 
-    fn send_values(
-        &mut self,
-        key: Key,
-        version: u64,
-        parts: &[&[f32]],
-    ) -> Result<(), TransportError> {
-        self.to(key.to).send_values(key, version, parts)
+    fn send_values(&mut self, values: Values<'_>) -> Result<(), TransportError> {
+        self.to(values.key.to).send_values(values)
     }
 
-    fn recv_with(
-        &mut self,
-        key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
-    ) -> Result<usize, TransportError> {
+    fn recv_with(&mut self, key: &Key, take: &mut ValueSink<'_>) -> Result<usize, TransportError> {
         self.to(key.from).recv_with(key, take)
     }
 
     fn try_recv_with(
         &mut self,
         key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
+        take: &mut ValueSink<'_>,
     ) -> Result<Option<usize>, TransportError> {
         self.to(key.from).try_recv_with(key, take)
     }

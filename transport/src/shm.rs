@@ -60,7 +60,7 @@ use rustix::net::{
 
 use crate::frame::{self, FrameLimits, Header, PREFIX_BYTES, PayloadBuffer, WireDType};
 use crate::registration::{BoundEndpoint, Endpoint, Joined, MeshSettings, Registration};
-use crate::{Early, Key, Kind, Message, Transport, TransportError};
+use crate::{Early, Key, Kind, Message, Transport, TransportError, ValueSink, Values};
 
 /// The registration of shared memory ([`crate::kinds::TRANSPORTS`]).
 pub const REGISTRATION: Registration = Registration {
@@ -1622,16 +1622,16 @@ impl Transport for Shm {
         Some(self.opts.ring_bytes)
     }
 
-    fn send_values(
-        &mut self,
-        key: Key,
-        version: u64,
-        parts: &[&[f32]],
-    ) -> Result<(), TransportError> {
+    fn send_values(&mut self, values: Values<'_>) -> Result<(), TransportError> {
+        let Values {
+            key,
+            version,
+            parts,
+        } = values;
         let wire = crate::inproc::wire_for(key.kind, self.opts.wire);
         let i = self.link_index(key.to)?;
         if wire != WireDType::F32 || !cfg!(target_endian = "little") {
-            return self.send(Message::of_values(key, version, parts)?);
+            return self.send(Message::of_values(values)?);
         }
         if let Some(e) = self.failure() {
             return Err(e);
@@ -1656,11 +1656,7 @@ impl Transport for Shm {
         })
     }
 
-    fn recv_with(
-        &mut self,
-        key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
-    ) -> Result<usize, TransportError> {
+    fn recv_with(&mut self, key: &Key, take: &mut ValueSink<'_>) -> Result<usize, TransportError> {
         match self.receive(key, Some(&mut *take))? {
             Received::Lent(n) => Ok(n),
             Received::Whole(m) => m.hand_to(take),
@@ -1670,7 +1666,7 @@ impl Transport for Shm {
     fn try_recv_with(
         &mut self,
         key: &Key,
-        take: &mut dyn FnMut(usize, &[f32]),
+        take: &mut ValueSink<'_>,
     ) -> Result<Option<usize>, TransportError> {
         let i = self.link_for(key)?;
         // Reads the link as far as the frame asked for, which it holds for lending.

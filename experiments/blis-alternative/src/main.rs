@@ -2,8 +2,6 @@
 //! in x out) through BLIS's CBLAS interface, on the shapes that
 //! `pipe-kernels`' `gemm_alternatives` example times. Threads: `T` (default 1).
 
-use std::time::Instant;
-
 use cblas_sys::{CBLAS_LAYOUT, CBLAS_TRANSPOSE, cblas_sgemm};
 
 // Links the static BLIS library the crate builds.
@@ -13,20 +11,39 @@ unsafe extern "C" {
     fn bli_thread_set_num_threads(n: i64);
 }
 
-/// Median seconds of `f` over 31 calls after 5 warm-up calls.
-fn median_seconds(f: &mut dyn FnMut()) -> f64 {
-    for _ in 0..5 {
-        f();
+// The kernel examples' timing rule, so both sides of the comparison time alike.
+#[path = "../../../kernels/examples/common/mod.rs"]
+mod common;
+
+use common::median_seconds;
+
+/// `C = A B` (`m x k` by `k x n`, either operand transposed as `trans` says) in row-major
+/// buffers with the leading dimensions `ld` (of A, B and C).
+fn sgemm(
+    trans: (CBLAS_TRANSPOSE, CBLAS_TRANSPOSE),
+    (m, n, k): (i32, i32, i32),
+    (a, b, c): (&[f32], &[f32], &mut [f32]),
+    ld: (i32, i32, i32),
+) {
+    // SAFETY: row-major buffers of the sizes the dimensions and leading dimensions describe.
+    unsafe {
+        cblas_sgemm(
+            CBLAS_LAYOUT::CblasRowMajor,
+            trans.0,
+            trans.1,
+            m,
+            n,
+            k,
+            1.0,
+            a.as_ptr(),
+            ld.0,
+            b.as_ptr(),
+            ld.1,
+            0.0,
+            c.as_mut_ptr(),
+            ld.2,
+        )
     }
-    let mut times: Vec<f64> = (0..31)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 fn main() {
@@ -48,65 +65,12 @@ fn main() {
         let mut y = vec![0.0f32; m * n];
         let mut dw = vec![0.0f32; k * n];
         let (mi, ki, ni) = (m as i32, k as i32, n as i32);
-        let row = CBLAS_LAYOUT::CblasRowMajor;
-        // SAFETY (each call): row-major buffers of the sizes the dimensions and leading
-        // dimensions describe.
-        let s = median_seconds(&mut || unsafe {
-            cblas_sgemm(
-                row,
-                N,
-                N,
-                mi,
-                ni,
-                ki,
-                1.0,
-                x.as_ptr(),
-                ki,
-                w.as_ptr(),
-                ni,
-                0.0,
-                y.as_mut_ptr(),
-                ni,
-            )
-        });
+        let s = median_seconds(&mut || sgemm((N, N), (mi, ni, ki), (&x, &w, &mut y), (ki, ni, ni)));
         println!("| Y = X W | {m}x{k}x{n} | {:.1} |", flops / s / 1e9);
-        let s = median_seconds(&mut || unsafe {
-            cblas_sgemm(
-                row,
-                N,
-                T,
-                mi,
-                ni,
-                ki,
-                1.0,
-                x.as_ptr(),
-                ki,
-                w.as_ptr(),
-                ki,
-                0.0,
-                y.as_mut_ptr(),
-                ni,
-            )
-        });
+        let s = median_seconds(&mut || sgemm((N, T), (mi, ni, ki), (&x, &w, &mut y), (ki, ki, ni)));
         println!("| dX = dY W^T | {m}x{k}x{n} | {:.1} |", flops / s / 1e9);
-        let s = median_seconds(&mut || unsafe {
-            cblas_sgemm(
-                row,
-                T,
-                N,
-                ki,
-                ni,
-                mi,
-                1.0,
-                x.as_ptr(),
-                ki,
-                y.as_ptr(),
-                ni,
-                0.0,
-                dw.as_mut_ptr(),
-                ni,
-            )
-        });
+        let s =
+            median_seconds(&mut || sgemm((T, N), (ki, ni, mi), (&x, &y, &mut dw), (ki, ni, ni)));
         println!("| dW = X^T dY | {k}x{m}x{n} | {:.1} |", flops / s / 1e9);
     }
 }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg,
     result as driver, sys as driver_sys,
 };
 
@@ -456,6 +456,29 @@ impl CudaBackend {
             },
             Storage::Host(_) => Err(wrong()),
         }
+    }
+
+    /// Launches `kernel` with a thread per element of `n` ([`grid`]) and the arguments `push`
+    /// gives it; nothing where `n` is 0. `op` names the kernel in errors.
+    ///
+    /// # Safety
+    /// `push` gives the arguments of the kernel's signature, and every buffer among them
+    /// holds the `n` elements the kernel reaches.
+    unsafe fn launch_elementwise<'a>(
+        &'a self,
+        kernel: &'a CudaFunction,
+        n: u64,
+        op: &'static str,
+        push: impl FnOnce(&mut LaunchArgs<'a>),
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = self.stream.launch_builder(kernel);
+        push(&mut b);
+        // SAFETY: the caller's promise: the arguments match and the buffers hold n elements.
+        unsafe { b.launch(grid(n)) }.map_err(driver_err(op))?;
+        Ok(())
     }
 
     fn ptr<E: Element>(&self, t: &Tensor<E>, op: &'static str) -> Result<u64> {
@@ -1049,14 +1072,12 @@ impl Backend for CudaBackend {
         let shape = x.shape().to_vec();
         let p = self.output(x, &shape)?;
         let n = as_u64(x.len());
-        if n == 0 {
-            return Ok(());
-        }
-        let mut b = self.stream.launch_builder(&self.kernels.fill_f32);
-        b.arg(&p).arg(&n).arg(&value);
         // SAFETY: `x` holds n floats.
-        unsafe { b.launch(grid(n)) }.map_err(driver_err("fill"))?;
-        Ok(())
+        unsafe {
+            self.launch_elementwise(&self.kernels.fill_f32, n, "fill", |b| {
+                b.arg(&p).arg(&n).arg(&value);
+            })
+        }
     }
 
     fn mul(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -1064,14 +1085,12 @@ impl Backend for CudaBackend {
         let (ap, bp) = (self.ptr(a, "mul")?, self.ptr(b, "mul")?);
         let op = self.output(out, a.shape())?;
         let n = as_u64(a.len());
-        if n == 0 {
-            return Ok(());
-        }
-        let mut b = self.stream.launch_builder(&self.kernels.mul_f32);
-        b.arg(&ap).arg(&bp).arg(&op).arg(&n);
         // SAFETY: the three buffers hold n floats.
-        unsafe { b.launch(grid(n)) }.map_err(driver_err("mul"))?;
-        Ok(())
+        unsafe {
+            self.launch_elementwise(&self.kernels.mul_f32, n, "mul", |b| {
+                b.arg(&ap).arg(&bp).arg(&op).arg(&n);
+            })
+        }
     }
 
     fn matmul(
@@ -1200,14 +1219,12 @@ impl Backend for CudaBackend {
         let yp = self.output(y, x.shape())?;
         let code = activation_code(act);
         let n = as_u64(x.len());
-        if n == 0 {
-            return Ok(());
-        }
-        let mut b = self.stream.launch_builder(&self.kernels.activation_f32);
-        b.arg(&code).arg(&xp).arg(&yp).arg(&n);
         // SAFETY: both buffers hold n floats.
-        unsafe { b.launch(grid(n)) }.map_err(driver_err("activation"))?;
-        Ok(())
+        unsafe {
+            self.launch_elementwise(&self.kernels.activation_f32, n, "activation", |b| {
+                b.arg(&code).arg(&xp).arg(&yp).arg(&n);
+            })
+        }
     }
 
     fn activation_backward(
@@ -1225,16 +1242,17 @@ impl Backend for CudaBackend {
         let dxp = self.output(dx, x.shape())?;
         let code = activation_code(act);
         let n = as_u64(x.len());
-        if n == 0 {
-            return Ok(());
-        }
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.activation_backward_f32);
-        b.arg(&code).arg(&xp).arg(&dyp).arg(&dxp).arg(&n);
         // SAFETY: all three buffers hold n floats.
-        unsafe { b.launch(grid(n)) }.map_err(driver_err("activation_backward"))?;
-        Ok(())
+        unsafe {
+            self.launch_elementwise(
+                &self.kernels.activation_backward_f32,
+                n,
+                "activation_backward",
+                |b| {
+                    b.arg(&code).arg(&xp).arg(&dyp).arg(&dxp).arg(&n);
+                },
+            )
+        }
     }
 
     fn layer_norm(
@@ -1623,27 +1641,23 @@ impl Backend for CudaBackend {
         let xp = self.ptr(x, "axpy")?;
         let yp = self.in_place(y, "axpy")?;
         let n = as_u64(x.len());
-        if n == 0 {
-            return Ok(());
-        }
-        let mut b = self.stream.launch_builder(&self.kernels.axpy_f32);
-        b.arg(&alpha).arg(&xp).arg(&yp).arg(&n);
         // SAFETY: both buffers hold n floats.
-        unsafe { b.launch(grid(n)) }.map_err(driver_err("axpy"))?;
-        Ok(())
+        unsafe {
+            self.launch_elementwise(&self.kernels.axpy_f32, n, "axpy", |b| {
+                b.arg(&alpha).arg(&xp).arg(&yp).arg(&n);
+            })
+        }
     }
 
     fn scale(&self, alpha: f32, x: &mut Tensor) -> Result<()> {
         let xp = self.in_place(x, "scale")?;
         let n = as_u64(x.len());
-        if n == 0 {
-            return Ok(());
-        }
-        let mut b = self.stream.launch_builder(&self.kernels.scale_f32);
-        b.arg(&alpha).arg(&xp).arg(&n);
         // SAFETY: x holds n floats.
-        unsafe { b.launch(grid(n)) }.map_err(driver_err("scale"))?;
-        Ok(())
+        unsafe {
+            self.launch_elementwise(&self.kernels.scale_f32, n, "scale", |b| {
+                b.arg(&alpha).arg(&xp).arg(&n);
+            })
+        }
     }
 
     fn sgd_update(
