@@ -458,9 +458,10 @@ impl Relay<'_> {
     }
 }
 
-/// How a run of worker processes ended, as the chief reported it.
+/// How a run ended, one type for every placement: worker processes as the chief reported it,
+/// threads as the launch gathers it.
 #[derive(Debug)]
-pub struct ProcessRunEnd {
+pub struct RunEnd {
     /// The last epoch's figures (none if it stopped before one ended).
     pub last: Option<EpochStats>,
     /// Updates done.
@@ -471,6 +472,9 @@ pub struct ProcessRunEnd {
     pub checkpoints: Vec<PathBuf>,
     /// Stopped early after this many updates.
     pub stopped: Option<u64>,
+    /// The partition the run ended on (none for one worker over the whole model; the launch
+    /// sets it from the layout the run ended on).
+    pub partition: Option<crate::config::PartitionChoice>,
 }
 
 /// Runs `start.run` (a pipelined run with its partition settled) as `opts.workers` worker
@@ -485,7 +489,7 @@ pub fn run_processes(
     start: &WorkerRun,
     opts: &LaunchOptions,
     obs: &mut dyn Observer,
-) -> Result<ProcessRunEnd> {
+) -> Result<RunEnd> {
     let cfg = &start.run;
     for rank in 0..opts.workers {
         start.metrics_of(rank)?;
@@ -533,12 +537,13 @@ pub fn run_processes(
     }
     let (steps, weights, checkpoints, stopped) =
         done.ok_or_else(|| failed("the chief ended without reporting the run's end".into()))?;
-    Ok(ProcessRunEnd {
+    Ok(RunEnd {
         last,
         steps,
         weights,
         checkpoints,
         stopped,
+        partition: None,
     })
 }
 

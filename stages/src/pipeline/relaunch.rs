@@ -325,7 +325,7 @@ impl Processes {
 }
 
 impl Launcher for Processes {
-    type End = super::processes::ProcessRunEnd;
+    type End = super::processes::RunEnd;
 
     fn start(
         &mut self,

@@ -5,7 +5,7 @@
 //! [`RunEnd`] for both. The caller prints what the driver and the end report; nothing here
 //! prints.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
@@ -21,7 +21,6 @@ use crate::pipeline::relaunch::{self, Launcher, Processes, Relaunch, RelaunchEve
 use crate::pipeline::restart::RestartPolicy;
 use crate::pipeline::trace_parts::{TraceWritten, merge_parts, part_path, worker_names};
 use crate::pipeline::{Observer, PipelineTrainOptions};
-use crate::train::EpochStats;
 
 /// What a run is launched with beside its settings: the faults to inject (drills and tests)
 /// and the flag that stops it at its next drain point (Ctrl-C).
@@ -33,21 +32,7 @@ pub struct LaunchControls {
 }
 
 /// How a launched run ended, on threads and on worker processes alike.
-#[derive(Debug)]
-pub struct RunEnd {
-    /// Updates done.
-    pub steps: u64,
-    /// The last epoch's figures (none when it stopped before an epoch ended).
-    pub last: Option<EpochStats>,
-    /// The final weights' digest ([`params_digest`]).
-    pub weights: u64,
-    /// Checkpoints written, oldest first.
-    pub checkpoints: Vec<PathBuf>,
-    /// Stopped early (Ctrl-C, at a drain point) after this many updates.
-    pub stopped: Option<u64>,
-    /// The partition the run ended on (none for one worker over the whole model).
-    pub partition: Option<PartitionChoice>,
-}
+pub use crate::pipeline::processes::RunEnd;
 
 /// Launches `run` on the placement its settings name and drives it to its end under
 /// `settings`' restart, rejoin and replan rules, reporting steps and epochs to `obs` and the
@@ -100,14 +85,9 @@ pub fn launch(
             // The last start's workers (each start sets its own count).
             events.on_trace(&merge_trace_parts(dir, launcher.launch.workers, path)?);
         }
-        let end = end?;
         return Ok(RunEnd {
-            steps: end.steps,
-            last: end.last,
-            weights: end.weights,
-            checkpoints: end.checkpoints,
-            stopped: end.stopped,
             partition: Some(last.partition),
+            ..end?
         });
     }
     let mut launcher = Threads {
