@@ -75,16 +75,17 @@ pub fn open_backend(kind: BackendKind, threads: usize) -> Result<Box<dyn Backend
 
 pub use pipe_experiments::flags::{BackendParser, ScheduleOpts};
 
+/// A built-in experiment file: its text, and the path it is committed at.
+pub type BuiltInConfig = (&'static str, &'static str);
+
 /// An experiment file's text and the name messages give it: the file at `path`, or the
-/// built-in `default` (committed as `default_name`) when none is given. The command line
-/// (`pipe experiment staleness --config`, `pipe bench --config`) and the command run after.
+/// built-in `default` (named by its committed path) when none is given.
 ///
 /// # Errors
 /// Bad input for an unreadable file.
 pub fn config_text(
     path: Option<&std::path::Path>,
-    default: &str,
-    default_name: &str,
+    (default, default_name): BuiltInConfig,
 ) -> Result<(String, String)> {
     match path {
         Some(p) => Ok((

@@ -38,6 +38,27 @@ pub fn bad_input(msg: String) -> anyhow::Error {
     BadInput(msg).into()
 }
 
+/// What an experiment's results are read with and its report written with.
+type ResultsIo<R> = (
+    fn(&std::path::Path) -> Result<R, pipe_experiments::ExperimentError>,
+    fn(&R, &std::path::Path) -> Result<std::path::PathBuf, pipe_experiments::ExperimentError>,
+);
+
+/// Regenerates an experiment's report from the results saved in `dir` (`pipe report`),
+/// reading them and writing the report with `io`, and prints where the report went.
+///
+/// # Errors
+/// Bad input for a missing or malformed results file.
+pub fn regenerate_report<R>(
+    dir: &std::path::Path,
+    (load, write): ResultsIo<R>,
+) -> anyhow::Result<()> {
+    let results = load(dir).map_err(experiment_error)?;
+    let path = write(&results, dir).map_err(experiment_error)?;
+    outln!("report: {}", path.display());
+    Ok(())
+}
+
 /// An experiment's error as the command line reports it: bad input (exit 2) for a malformed
 /// configuration or results file and for settings `pipe train` would refuse.
 pub fn experiment_error(e: pipe_experiments::ExperimentError) -> anyhow::Error {

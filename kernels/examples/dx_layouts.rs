@@ -13,17 +13,16 @@ mod common;
 
 use common::median_seconds;
 
-/// `gemm::gemm` with the crate's argument order (column stride before row stride), overwriting
-/// `dst`. The pointers must hold the strided matrices the arguments describe.
-#[allow(clippy::too_many_arguments)]
+/// A matrix operand: where it starts, then its column and row strides (the crate's order).
+type Operand<P> = (P, isize, isize);
+
+/// `gemm::gemm` overwriting `dst`. The pointers must hold the strided matrices the operands
+/// describe.
 unsafe fn product(
     (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    (dst_cs, dst_rs): (isize, isize),
-    lhs: *const f32,
-    (lhs_cs, lhs_rs): (isize, isize),
-    rhs: *const f32,
-    (rhs_cs, rhs_rs): (isize, isize),
+    (dst, dst_cs, dst_rs): Operand<*mut f32>,
+    (lhs, lhs_cs, lhs_rs): Operand<*const f32>,
+    (rhs, rhs_cs, rhs_rs): Operand<*const f32>,
     par: gemm::Parallelism,
 ) {
     // SAFETY: forwarded from the caller.
@@ -67,65 +66,46 @@ fn main() {
     };
     let (ik, im, i1) = (k as isize, m as isize, 1isize);
     println!("dX = dY W^T, {m} x {k} x {n}, {threads} threads");
+    // SAFETY (every call below): the buffers hold the matrices the operands name.
+    let timed =
+        |dims, dst, lhs, rhs| median_seconds(&mut || unsafe { product(dims, dst, lhs, rhs, par) });
     pool.install(|| {
-        // SAFETY (every `product` call below): the buffers hold the matrices the strides name.
-        let s = median_seconds(&mut || unsafe {
-            product(
-                (m, n, k),
-                dx.as_mut_ptr(),
-                (1, n as isize),
-                dy.as_ptr(),
-                (1, ik),
-                w.as_ptr(),
-                (ik, 1),
-                par,
-            )
-        });
+        let s = timed(
+            (m, n, k),
+            (dx.as_mut_ptr(), 1, n as isize),
+            (dy.as_ptr(), 1, ik),
+            (w.as_ptr(), ik, 1),
+        );
         report("dY W^T, right operand column-major", s);
         let s = median_seconds(&mut || {
             transpose::transpose(&dy, &mut dy_t, k, m);
             unsafe {
                 product(
                     (n, m, k),
-                    dx_t.as_mut_ptr(),
-                    (1, im),
-                    w.as_ptr(),
-                    (1, ik),
-                    dy_t.as_ptr(),
-                    (1, im),
+                    (dx_t.as_mut_ptr(), 1, im),
+                    (w.as_ptr(), 1, ik),
+                    (dy_t.as_ptr(), 1, im),
                     par,
                 )
             }
             transpose::transpose(&dx_t, &mut dx, m, n);
         });
         report("W dY^T row-major, both transposes included", s);
-        let s = median_seconds(&mut || unsafe {
-            product(
-                (n, m, k),
-                dx_t.as_mut_ptr(),
-                (1, im),
-                w.as_ptr(),
-                (1, ik),
-                dy.as_ptr(),
-                (ik, i1),
-                par,
-            )
-        });
+        let s = timed(
+            (n, m, k),
+            (dx_t.as_mut_ptr(), 1, im),
+            (w.as_ptr(), 1, ik),
+            (dy.as_ptr(), ik, i1),
+        );
         report("W dY^T, right operand column-major", s);
         let s = median_seconds(&mut || transpose::transpose(&w, &mut w_t, k, n));
         report("transposed copy of W alone", s);
-        let s = median_seconds(&mut || unsafe {
-            product(
-                (m, n, k),
-                dx.as_mut_ptr(),
-                (1, n as isize),
-                dy.as_ptr(),
-                (1, ik),
-                w_t.as_ptr(),
-                (1, n as isize),
-                par,
-            )
-        });
+        let s = timed(
+            (m, n, k),
+            (dx.as_mut_ptr(), 1, n as isize),
+            (dy.as_ptr(), 1, ik),
+            (w_t.as_ptr(), 1, n as isize),
+        );
         report("dY (W^T copy), both row-major", s);
     });
 }

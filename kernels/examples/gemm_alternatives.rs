@@ -53,14 +53,7 @@ fn main() {
             ("dW = X^T dY", &x, Trans::Yes, &dy, Trans::No),
         ];
         for (name, a, ta, b, tb) in cases {
-            let (m, k) = match ta {
-                Trans::No => (a.rows(), a.cols()),
-                Trans::Yes => (a.cols(), a.rows()),
-            };
-            let n = match tb {
-                Trans::No => b.cols(),
-                Trans::Yes => b.rows(),
-            };
+            let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
             let flops = 2.0 * (m * k * n) as f64;
             let mut c = Tensor::default();
             let ours = median_seconds(&mut || {

@@ -20,6 +20,16 @@ pub enum Trans {
     Yes,
 }
 
+impl Trans {
+    /// The rows and columns of the operand `t` used this way: as stored, or transposed.
+    pub fn dims(self, t: &Tensor) -> (usize, usize) {
+        match self {
+            Trans::No => (t.rows(), t.cols()),
+            Trans::Yes => (t.cols(), t.rows()),
+        }
+    }
+}
+
 /// Elementwise activation functions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Activation {

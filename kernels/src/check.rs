@@ -39,14 +39,6 @@ pub(crate) fn same_len(
     })
 }
 
-/// The rows and columns of `op(t)`: `t` as stored, or transposed.
-pub(crate) fn operand_dims(t: &Tensor, tr: Trans) -> (usize, usize) {
-    match tr {
-        Trans::No => (t.rows(), t.cols()),
-        Trans::Yes => (t.cols(), t.rows()),
-    }
-}
-
 /// The product's `(m, k, n)`: `op(a)` is `m x k`, `op(b)` is `k x n`; with `accumulate`, `c`
 /// must already be `m x n`.
 pub(crate) fn matmul(
@@ -55,7 +47,7 @@ pub(crate) fn matmul(
     c: &Tensor,
     accumulate: bool,
 ) -> Result<(usize, usize, usize)> {
-    let ((m, k), (k2, n)) = (operand_dims(a, ta), operand_dims(b, tb));
+    let ((m, k), (k2, n)) = (ta.dims(a), tb.dims(b));
     ensure(k == k2, "matmul", || {
         format!(
             "op(a) is {m}x{k} ({:?}, {ta:?}) but op(b) is {k2}x{n} ({:?}, {tb:?})",

@@ -138,10 +138,7 @@ impl<B: Backend> Backend for Timed<B> {
 /// made once per process (a run has a handful of shapes).
 fn product_name(a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> &'static str {
     static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
-    let ((m, k), (_, n)) = (
-        crate::check::operand_dims(a, ta),
-        crate::check::operand_dims(b, tb),
-    );
+    let ((m, k), (_, n)) = (ta.dims(a), tb.dims(b));
     let flag = |t: Trans| if t == Trans::Yes { 'T' } else { 'N' };
     let name = format!("matmul {m}x{k}x{n} {}{}", flag(ta), flag(tb));
     let mut names = NAMES

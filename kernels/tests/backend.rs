@@ -69,14 +69,7 @@ fn naive(a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> Vec<f64> {
         Trans::No => b.host().unwrap()[i * b.cols() + j],
         Trans::Yes => b.host().unwrap()[j * b.cols() + i],
     };
-    let (m, k) = match ta {
-        Trans::No => (a.rows(), a.cols()),
-        Trans::Yes => (a.cols(), a.rows()),
-    };
-    let n = match tb {
-        Trans::No => b.cols(),
-        Trans::Yes => b.rows(),
-    };
+    let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
     let mut c = vec![0.0f64; m * n];
     for i in 0..m {
         for j in 0..n {

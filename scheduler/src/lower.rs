@@ -81,25 +81,20 @@ pub(crate) fn peers(
     }
 }
 
-/// The receive that brings the input of compute action `a` from `from`: the activation of a
-/// forward, the output gradient of anything else.
+/// The receive that brings the input of compute action `a` from `from`, and the send that
+/// carries its output to `to`: activations for a forward, gradients for anything else.
 #[inline]
-pub(crate) fn receive(a: Action, from: WorkerId) -> Action {
+pub(crate) fn transfers(a: Action, from: WorkerId, to: WorkerId) -> (Action, Action) {
     let (stage, mb) = stage_and_microbatch(a);
     match a {
-        Action::Forward { .. } => Action::RecvActivation { stage, mb, from },
-        _ => Action::RecvGradient { stage, mb, from },
-    }
-}
-
-/// The send that carries the output of compute action `a` to `to`: the activation of a
-/// forward, the input gradient of anything else.
-#[inline]
-pub(crate) fn send(a: Action, to: WorkerId) -> Action {
-    let (stage, mb) = stage_and_microbatch(a);
-    match a {
-        Action::Forward { .. } => Action::SendActivation { stage, mb, to },
-        _ => Action::SendGradient { stage, mb, to },
+        Action::Forward { .. } => (
+            Action::RecvActivation { stage, mb, from },
+            Action::SendActivation { stage, mb, to },
+        ),
+        _ => (
+            Action::RecvGradient { stage, mb, from },
+            Action::SendGradient { stage, mb, to },
+        ),
     }
 }
 
@@ -113,7 +108,8 @@ fn stage_and_microbatch(a: Action) -> (u32, u32) {
 /// waits for, the action, the send it makes.
 fn lower_action(layout: &Layout, w: WorkerId, a: Action) -> [Option<Action>; 3] {
     let (from, to) = peers(layout, w, a);
-    [from.map(|f| receive(a, f)), Some(a), to.map(|t| send(a, t))]
+    let (recv, send) = transfers(a, from.unwrap_or_default(), to.unwrap_or_default());
+    [from.map(|_| recv), Some(a), to.map(|_| send)]
 }
 
 /// Worker `w`'s ring steps of an all-reduce: `2(r-1)` sends to the next replica, each followed

@@ -28,7 +28,7 @@ use crate::action::{Action, WorkerId};
 use crate::error::{Result, ScheduleError};
 use crate::generate::WorkerProgram;
 use crate::grid;
-use crate::lower::{LowerOptions, lower, peers, receive, send};
+use crate::lower::{LowerOptions, lower, peers, transfers};
 use crate::plan::{MemoryPeak, VersionPlan, WorkerPeaks, streamed_peaks};
 use crate::spec::{Layout, Resolved, Schedule, ScheduleSpec};
 use crate::timeline::{Span, Timeline};
@@ -753,9 +753,9 @@ impl Programs for Streamed<'_> {
         let l = &mut self.lowered[w];
         loop {
             match l.phase {
-                0 if l.from != NONE => return Some(receive(l.action, l.from)),
+                0 if l.from != NONE => return Some(transfers(l.action, l.from, l.to).0),
                 1 => return Some(l.action),
-                2 if l.to != NONE => return Some(send(l.action, l.to)),
+                2 if l.to != NONE => return Some(transfers(l.action, l.from, l.to).1),
                 0 | 2 => l.phase += 1,
                 _ => {
                     let a = self.programs[w].next()?;
@@ -1600,16 +1600,7 @@ mod tests {
     /// per-worker engine does (links, latency, overlap off, collectives and ring steps).
     #[test]
     fn shared_engine_with_a_core_each_matches_the_per_worker_engine() {
-        let policies = [
-            Policy::Gpipe,
-            Policy::OneFOneBFlush,
-            Policy::ZbH1,
-            Policy::PipeDream,
-            Policy::PipeDreamNoStash,
-            Policy::VerticalSync,
-            Policy::TwoBw,
-        ];
-        for policy in policies {
+        for policy in Policy::ONE_CHUNK_PIPELINES {
             for replicas in [vec![1], vec![2], vec![2, 1, 1]] {
                 for (overlap, expand) in [(true, false), (false, false), (true, true)] {
                     let spec = ScheduleSpec::new(policy, 3, 4)

@@ -115,6 +115,18 @@ impl Policy {
         Policy::DualPipeV,
     ];
 
+    /// The policies that pipeline one stage per worker (one chunk): [`Policy::ALL`] less the
+    /// sequential reference, the interleaved schedule and the V shapes.
+    pub const ONE_CHUNK_PIPELINES: [Policy; 7] = [
+        Policy::Gpipe,
+        Policy::OneFOneBFlush,
+        Policy::ZbH1,
+        Policy::PipeDream,
+        Policy::PipeDreamNoStash,
+        Policy::VerticalSync,
+        Policy::TwoBw,
+    ];
+
     /// The CLI name.
     pub fn name(self) -> &'static str {
         match self {

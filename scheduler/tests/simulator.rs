@@ -396,27 +396,19 @@ fn bad_cost_models_are_rejected() {
 }
 
 fn all_policies() -> Vec<(Policy, ScheduleSpec)> {
-    [
-        Policy::Gpipe,
-        Policy::OneFOneBFlush,
-        Policy::ZbH1,
-        Policy::PipeDream,
-        Policy::PipeDreamNoStash,
-        Policy::VerticalSync,
-        Policy::TwoBw,
-    ]
-    .into_iter()
-    .map(|p| {
-        (
-            p,
-            ScheduleSpec::new(p, 4, 4).with_length(Length::Updates(3)),
-        )
-    })
-    .chain([(
-        Policy::Interleaved,
-        ScheduleSpec::new(Policy::Interleaved, 2, 4).with_chunks(2),
-    )])
-    .collect()
+    Policy::ONE_CHUNK_PIPELINES
+        .into_iter()
+        .map(|p| {
+            (
+                p,
+                ScheduleSpec::new(p, 4, 4).with_length(Length::Updates(3)),
+            )
+        })
+        .chain([(
+            Policy::Interleaved,
+            ScheduleSpec::new(Policy::Interleaved, 2, 4).with_chunks(2),
+        )])
+        .collect()
 }
 
 #[test]

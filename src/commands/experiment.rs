@@ -7,11 +7,14 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 use pipe_experiments::staleness::{StalenessConfig, load, report, run_experiment, save};
 
-use crate::args::{command_line, config_text};
+use crate::args::{BuiltInConfig, command_line, config_text};
 use crate::output::experiment_error;
 
-/// The default configuration, also committed as `experiments/staleness/mnist.toml`.
-const DEFAULT_CONFIG: &str = include_str!("../../experiments/staleness/mnist.toml");
+/// The default configuration and the path it is committed at.
+const DEFAULT_CONFIG: BuiltInConfig = (
+    include_str!("../../experiments/staleness/mnist.toml"),
+    "experiments/staleness/mnist.toml",
+);
 
 /// `pipe experiment`.
 #[derive(Subcommand, Debug)]
@@ -49,11 +52,7 @@ pub struct ReportArgs {
 /// Bad input for an unreadable or malformed file; run-time failures of a run.
 pub fn run(cmd: &ExperimentCommand) -> Result<()> {
     let ExperimentCommand::Staleness(args) = cmd;
-    let (text, name) = config_text(
-        args.config.as_deref(),
-        DEFAULT_CONFIG,
-        "experiments/staleness/mnist.toml",
-    )?;
+    let (text, name) = config_text(args.config.as_deref(), DEFAULT_CONFIG)?;
     let cfg = StalenessConfig::parse(&text, &name).map_err(experiment_error)?;
     let command = command_line();
     let mut progress = |i: usize, n: usize, r: &pipe_experiments::staleness::RunRecord| {
@@ -92,8 +91,5 @@ pub fn run(cmd: &ExperimentCommand) -> Result<()> {
 /// # Errors
 /// Bad input for a missing or malformed results file.
 pub fn run_report(args: &ReportArgs) -> Result<()> {
-    let results = load(&args.from).map_err(experiment_error)?;
-    let path = report::write_report(&results, &args.from).map_err(experiment_error)?;
-    outln!("report: {}", path.display());
-    Ok(())
+    crate::output::regenerate_report(&args.from, (load, report::write_report))
 }

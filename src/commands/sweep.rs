@@ -10,11 +10,14 @@ use pipe_experiments::bench::config::ConfigSpec;
 use pipe_experiments::bench::measure::MeasureOptions;
 use pipe_experiments::bench::{BenchConfig, SweepOptions, attempt, load, report, run_sweep, save};
 
-use crate::args::{command_line, config_text};
+use crate::args::{BuiltInConfig, command_line, config_text};
 use crate::output::{bad_input, experiment_error};
 
-/// The default sweep, also committed as `experiments/bench/default.toml`.
-const DEFAULT_CONFIG: &str = include_str!("../../experiments/bench/default.toml");
+/// The default sweep and the path it is committed at.
+const DEFAULT_CONFIG: BuiltInConfig = (
+    include_str!("../../experiments/bench/default.toml"),
+    "experiments/bench/default.toml",
+);
 
 /// `pipe bench` without a subcommand.
 #[derive(Args, Debug)]
@@ -65,11 +68,7 @@ pub struct ReportBenchArgs {
 /// # Errors
 /// Bad input for an unreadable or malformed sweep file; failures outside a configuration.
 pub fn run(args: &SweepArgs) -> Result<()> {
-    let (text, name) = config_text(
-        args.config.as_deref(),
-        DEFAULT_CONFIG,
-        "experiments/bench/default.toml",
-    )?;
+    let (text, name) = config_text(args.config.as_deref(), DEFAULT_CONFIG)?;
     let cfg = BenchConfig::parse(&text, &name).map_err(experiment_error)?;
     let cfg = if args.quick { cfg.quick() } else { cfg };
     let out = args.out.clone().unwrap_or_else(|| {
@@ -121,8 +120,5 @@ pub fn run_measure_config(args: &MeasureConfigArgs) -> Result<()> {
 /// # Errors
 /// Bad input for a missing or malformed results file.
 pub fn run_report(args: &ReportBenchArgs) -> Result<()> {
-    let results = load(&args.from).map_err(experiment_error)?;
-    let path = report::write_report(&results, &args.from).map_err(experiment_error)?;
-    outln!("report: {}", path.display());
-    Ok(())
+    crate::output::regenerate_report(&args.from, (load, report::write_report))
 }

@@ -14,7 +14,7 @@ use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
 use crate::layer::Keep;
 use crate::loss::{Loss, SoftmaxCrossEntropy};
-use crate::model::{Model, Params};
+use crate::model::{Model, Params, no_notice};
 use crate::optim::Optimizer;
 
 /// One optimizer step, as reported to observers and logs.
@@ -296,6 +296,66 @@ pub struct StepState<'a> {
     /// Optimizer: its plain step (one worker over the whole model has no delay to correct).
     pub opt: &'a mut Optimizer,
 }
+/// One microbatch of [`whole_model_pass`]: its inputs and targets as the data gives them
+/// (on the host), its number in the run and its update's, its loss gradient's scale, and the
+/// run's seed (dropout).
+pub(crate) struct WholeMicrobatch {
+    pub(crate) x: Tensor,
+    pub(crate) y: Tensor<u32>,
+    pub(crate) id: u64,
+    pub(crate) update: u64,
+    pub(crate) grad_scale: f32,
+    pub(crate) seed: u64,
+}
+
+/// One microbatch through the whole model on one worker: the forward, the loss (its gradient
+/// scaled by `mb.grad_scale`), and the backward into `grads`, added into them when
+/// `accumulate`. What the reference trainer and delayed SGD share.
+///
+/// # Errors
+/// Kernel errors, or [`StageError::NonFinite`] naming the microbatch whose loss is not finite.
+pub(crate) fn whole_model_pass(
+    be: &dyn Backend,
+    model: &Model,
+    params: &Params,
+    (grads, accumulate): (&mut Params, bool),
+    mb: WholeMicrobatch,
+) -> Result<pipe_kernels::LossStats> {
+    let n = model.len();
+    let documents = model.documents(be, &mb.x)?;
+    let (x, y) = (be.place(mb.x)?, be.place_ids(mb.y)?);
+    let keep = model.training(0);
+    let (logits, saved) = model.forward_range(
+        be,
+        0..n,
+        params,
+        x,
+        keep,
+        mb.seed,
+        mb.id,
+        documents.as_ref(),
+    )?;
+    let mut dy = Tensor::default();
+    let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, mb.grad_scale, Some(&mut dy))?;
+    if !s.loss_sum.is_finite() {
+        return Err(StageError::NonFinite {
+            what: format!("the loss of microbatch {}", mb.id),
+            update: mb.update,
+        });
+    }
+    let dy = (dy, false);
+    model.backward_range(
+        be,
+        0..n,
+        params,
+        &saved,
+        dy,
+        grads,
+        accumulate,
+        &mut no_notice,
+    )?;
+    Ok(s)
+}
 
 /// One update of the whole model outside the executor: forward and backward over each
 /// microbatch in `batches` (inputs and labels, moved to the backend here), summing gradients
@@ -319,32 +379,19 @@ pub fn train_step(
     microbatch_id: &mut u64,
 ) -> Result<f64> {
     let mut loss = 0.0;
-    let n = model.len();
     let batches_len = batches.len().max(1);
     for (i, (x, y)) in batches.into_iter().enumerate() {
-        let documents = model.documents(be, &x)?;
-        let (x, y) = (be.place(x)?, be.place_ids(y)?);
-        let (logits, saved) = model.forward_range(
-            be,
-            0..n,
-            st.params,
+        let mb = WholeMicrobatch {
             x,
-            model.training(0),
+            y,
+            id: *microbatch_id,
+            update: *microbatch_id / batches_len as u64 + 1,
+            grad_scale,
             seed,
-            *microbatch_id,
-            documents.as_ref(),
-        )?;
+        };
         *microbatch_id += 1;
-        let mut dlogits = Tensor::default();
-        let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, grad_scale, Some(&mut dlogits))?;
-        if !s.loss_sum.is_finite() {
-            return Err(StageError::NonFinite {
-                what: format!("the loss of microbatch {}", *microbatch_id - 1),
-                update: (*microbatch_id - 1) / batches_len as u64 + 1,
-            });
-        }
+        let s = whole_model_pass(be, model, st.params, (&mut *st.grads, i > 0), mb)?;
         loss += s.loss_sum;
-        model.backward_range(be, 0..n, st.params, &saved, dlogits, st.grads, i > 0, false)?;
     }
     model.sum_tied(be, &mut [(0, &mut *st.grads)])?;
     model.check_gradients(be, 0, st.grads, *microbatch_id / batches_len as u64)?;

@@ -464,10 +464,10 @@ fn whole_model() {
             0..model.len(),
             &params,
             &saved,
-            dl,
+            (dl, true),
             &mut grads,
             false,
-            true,
+            &mut pipe_stages::model::no_notice,
         )
         .unwrap()
         .unwrap();

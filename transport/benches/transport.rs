@@ -23,14 +23,7 @@ use pipe_transport::{Key, Kind, Message, Transport};
 const STOP: u64 = u64::MAX;
 
 fn key(from: u32, to: u32, index: u32) -> Key {
-    Key {
-        from,
-        to,
-        kind: Kind::Activation,
-        stage: 0,
-        index,
-        step: 0,
-    }
+    Key::data(from, to, Kind::Activation, index)
 }
 
 /// Round trips of `values` floats between rank 0 (this thread) and an echo thread at rank 1.

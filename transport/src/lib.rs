@@ -76,6 +76,21 @@ pub struct Key {
     pub step: u32,
 }
 
+impl Key {
+    /// The key of message `index` of `kind` from `from` to `to` at stage 0, ring step 0: the
+    /// plain data messages that measurements and tests send.
+    pub fn data(from: u32, to: u32, kind: Kind, index: u32) -> Key {
+        Key {
+            from,
+            to,
+            kind,
+            stage: 0,
+            index,
+            step: 0,
+        }
+    }
+}
+
 /// A message to send whose payload is the concatenation of `parts`, a tensor of one
 /// dimension, not yet built: what [`Transport::send_values`] takes.
 #[derive(Debug, Clone, Copy)]

@@ -42,17 +42,9 @@ pub fn process_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
-/// The key of activation `index` from `from` to `to`, stage 0: the messages a measurement
-/// sends (and the tests' plain data messages).
+/// The key of activation `index` from `from` to `to`: the messages a measurement sends.
 pub(crate) fn key(from: u32, to: u32, index: u32) -> Key {
-    Key {
-        from,
-        to,
-        kind: Kind::Activation,
-        stage: 0,
-        index,
-        step: 0,
-    }
+    Key::data(from, to, Kind::Activation, index)
 }
 
 /// One ping-pong series of `rounds` round trips of a tensor of `values` floats starting at

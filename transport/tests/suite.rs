@@ -11,14 +11,7 @@ use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
 fn key(from: u32, to: u32, kind: Kind, index: u32) -> Key {
-    Key {
-        from,
-        to,
-        kind,
-        stage: 0,
-        index,
-        step: 0,
-    }
+    Key::data(from, to, kind, index)
 }
 
 fn msg(k: Key, values: &[f32]) -> Message {

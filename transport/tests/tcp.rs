@@ -34,14 +34,7 @@ fn hello(run: u64, from: u32, to: u32) -> Vec<u8> {
 }
 
 fn key(from: u32, to: u32) -> Key {
-    Key {
-        from,
-        to,
-        kind: Kind::Activation,
-        stage: 0,
-        index: 0,
-        step: 0,
-    }
+    Key::data(from, to, Kind::Activation, 0)
 }
 
 /// The tag before a message on the stream.

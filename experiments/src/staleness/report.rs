@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use super::StalenessResults;
 use super::config::Family;
-use super::run::RunRecord;
+use super::run::{RunRecord, StageDelay};
 use crate::ExperimentError;
 use crate::plot::{LineChart, Series};
 
@@ -863,27 +863,19 @@ fn staleness_plot(r: &StalenessResults, dir: &Path) -> Result<(String, String), 
         let Some(run) = first_ledger(r, policy, s) else {
             continue;
         };
-        let fwd = run
-            .stage_delays
-            .iter()
-            .map(|d| (f64::from(d.stage), d.forward_mean));
-        series.push(Series {
-            name: format!("{policy} forward"),
-            points: fwd.collect(),
-        });
-        if run
-            .stage_delays
-            .iter()
-            .any(|d| d.backward_mean != d.forward_mean)
-        {
-            let bwd = run
-                .stage_delays
-                .iter()
-                .map(|d| (f64::from(d.stage), d.backward_mean));
+        let delays = &run.stage_delays;
+        let mut push = |pass: &str, mean: fn(&StageDelay) -> f64| {
             series.push(Series {
-                name: format!("{policy} backward"),
-                points: bwd.collect(),
+                name: format!("{policy} {pass}"),
+                points: delays
+                    .iter()
+                    .map(|d| (f64::from(d.stage), mean(d)))
+                    .collect(),
             });
+        };
+        push("forward", |d| d.forward_mean);
+        if delays.iter().any(|d| d.backward_mean != d.forward_mean) {
+            push("backward", |d| d.backward_mean);
         }
     }
     let name = format!("staleness-per-stage-{s}");

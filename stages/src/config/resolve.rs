@@ -381,28 +381,26 @@ impl TrainSettings {
     /// # Errors
     /// [`StageError::Config`] or a limit naming the value.
     fn batch_shape(&self, lm: Option<LanguageDefaults>) -> Result<(usize, usize)> {
-        let microbatch_size = self
-            .microbatch_size
-            .unwrap_or(lm.map_or(64, |d| d.microbatch_size));
-        if microbatch_size == 0 {
-            return Err(StageError::Config(
-                "microbatch size must be at least 1".into(),
-            ));
-        }
+        let at_least_one = |given: Option<usize>, default: usize, what: &str| match given {
+            Some(0) => Err(StageError::Config(format!("{what} must be at least 1"))),
+            given => Ok(given.unwrap_or(default)),
+        };
+        let microbatch_size = at_least_one(
+            self.microbatch_size,
+            lm.map_or(64, |d| d.microbatch_size),
+            "microbatch size",
+        )?;
         crate::limits::check_count(
             "--microbatch-size",
             microbatch_size as u64,
             crate::limits::MAX_TENSOR_ELEMENTS,
             "a microbatch is one tensor",
         )?;
-        let microbatches = self
-            .microbatches
-            .unwrap_or(lm.map_or(1, |d| d.microbatches));
-        if microbatches == 0 {
-            return Err(StageError::Config(
-                "microbatches per update must be at least 1".into(),
-            ));
-        }
+        let microbatches = at_least_one(
+            self.microbatches,
+            lm.map_or(1, |d| d.microbatches),
+            "microbatches per update",
+        )?;
         pipe_scheduler::limits::check_microbatches(microbatches as u64)?;
         Ok((microbatch_size, microbatches))
     }

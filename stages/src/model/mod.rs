@@ -46,6 +46,14 @@ pub type Params = Vec<Vec<Tensor>>;
 /// and the range's gradients, of which that layer's and every later one's are complete.
 pub type GradientsReady<'h> = dyn FnMut(usize, &mut [Vec<Tensor>]) -> Result<()> + 'h;
 
+/// A [`GradientsReady`] for a backward nobody waits on.
+///
+/// # Errors
+/// None.
+pub fn no_notice(_layer: usize, _grads: &mut [Vec<Tensor>]) -> Result<()> {
+    Ok(())
+}
+
 /// `params` made resident where `be` computes (parameters and gradients are built on the host).
 ///
 /// # Errors
@@ -1028,45 +1036,17 @@ impl Model {
     }
 
     /// Runs layers `range` backward from `dy`: for each layer, last first, the input gradient
-    /// (skipped for the model's first layer unless `need_input_grad`) and the parameter gradients,
-    /// added into `grads` when `accumulate`. Returns the gradient entering `range.start`.
+    /// (skipped for the model's first layer unless `need_input_grad`) and the parameter
+    /// gradients, added into `grads` when `accumulate`. Calls `ready` after each layer with the
+    /// layer's index within `range` and `grads`: that layer and every later one hold their
+    /// parameter gradients of this pass (what lets the executor start all-reducing them while
+    /// the earlier layers compute; [`no_notice`] where nobody waits). Returns the gradient
+    /// entering `range.start`.
     ///
     /// # Errors
-    /// [`StageError::Kernel`] naming the layer that failed.
+    /// [`StageError::Kernel`] naming the layer that failed, or `ready`'s error.
     #[allow(clippy::too_many_arguments)]
     pub fn backward_range(
-        &self,
-        be: &dyn Backend,
-        range: std::ops::Range<usize>,
-        params: &[Vec<Tensor>],
-        saved: &[Saved],
-        dy: Tensor,
-        grads: &mut [Vec<Tensor>],
-        accumulate: bool,
-        need_input_grad: bool,
-    ) -> Result<Option<Tensor>> {
-        let mut ignore = |_: usize, _: &mut [Vec<Tensor>]| Ok(());
-        self.backward_range_notify(
-            be,
-            range,
-            params,
-            saved,
-            (dy, need_input_grad),
-            grads,
-            accumulate,
-            &mut ignore,
-        )
-    }
-
-    /// [`Model::backward_range`] (`dy` and `need_input_grad` as a pair), calling `ready` after
-    /// each layer with the layer's index within `range` and `grads`: that layer and every
-    /// later one hold their parameter gradients of this pass (what lets the executor start
-    /// all-reducing them while the earlier layers compute).
-    ///
-    /// # Errors
-    /// As [`Model::backward_range`], or `ready`'s error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn backward_range_notify(
         &self,
         be: &dyn Backend,
         range: std::ops::Range<usize>,
@@ -1134,7 +1114,7 @@ impl Model {
     /// saved activations and the output gradient [`Model::backward_input_range`] recorded,
     /// added into `grads` when `accumulate`. Gives the same bits as the fused
     /// [`Model::backward_range`]. Calls `ready` after each layer, as
-    /// [`Model::backward_range_notify`] does.
+    /// [`Model::backward_range`] does.
     ///
     /// # Errors
     /// [`StageError::Kernel`] naming the layer that failed.

@@ -18,7 +18,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use pipe_kernels::{Backend, Tensor};
+use pipe_kernels::Backend;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -26,7 +26,6 @@ use serde::{Deserialize, Serialize};
 use crate::config::RunConfig;
 use crate::data::Splits;
 use crate::error::{Result, StageError};
-use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params, host_params, place_params};
 use crate::optim::{Corrected, LrSchedule, UpdateMean, clip_gradients};
 use crate::pipeline::Observer;
@@ -34,7 +33,7 @@ use crate::pipeline::train::{
     Coordinator, Drain, Drained, LoopStart, Run, Segment, SegmentEnd, run_segments,
 };
 use crate::pipeline::{RunPlan, WorkerOutcome};
-use crate::train::{StepStats, TrainReport};
+use crate::train::{StepStats, TrainReport, WholeMicrobatch, whole_model_pass};
 
 /// How late gradients arrive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -202,7 +201,6 @@ impl Coordinator for DelayedWorker<'_> {
         &mut self,
         _plan: &RunPlan,
         at: &Segment,
-        this: u64,
         obs: &mut dyn Observer,
     ) -> Result<SegmentEnd> {
         let (b, m) = (self.cfg.microbatch_size, self.cfg.microbatches);
@@ -220,7 +218,7 @@ impl Coordinator for DelayedWorker<'_> {
             .epoch_order(self.cfg.seed, at.epoch, self.cfg.data_order);
         let mut outcome = WorkerOutcome::default();
         let updates = order.chunks_exact(b * m).enumerate();
-        for (k, update) in updates.skip(at.before as usize).take(this as usize) {
+        for (k, update) in updates.skip(at.before as usize).take(at.len as usize) {
             let step = at.done + (k as u64 - at.before);
             let (loss, rows, grad_norm) = self.update(step, update)?;
             outcome.loss_sum += loss;
@@ -362,37 +360,25 @@ fn gradients(
     data: &Splits,
     grads: &mut Params,
 ) -> Result<(f64, usize)> {
-    let n = model.len();
     let (mut loss, mut rows) = (0.0f64, 0usize);
     for (i, mb) in batch.samples.chunks_exact(batch.size).enumerate() {
         let (x, y) = data.train.gather(mb)?;
-        let documents = model.documents(be, &x)?;
-        let scale = batch
+        let grad_scale = batch
             .mean
             .loss_scale(pipe_kernels::counted_labels(y.host()?));
-        let (x, y): (Tensor, Tensor<u32>) = (be.place(x)?, be.place_ids(y)?);
         let id = batch.first_mb + i as u64;
-        let (logits, saved) = model.forward_range(
-            be,
-            0..n,
-            params,
+        let update = id / batch.samples.len().div_ceil(batch.size).max(1) as u64 + 1;
+        let mb = WholeMicrobatch {
             x,
-            model.training(0),
-            seed,
+            y,
             id,
-            documents.as_ref(),
-        )?;
-        let mut dy = Tensor::default();
-        let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, scale, Some(&mut dy))?;
-        if !s.loss_sum.is_finite() {
-            return Err(StageError::NonFinite {
-                what: format!("the loss of microbatch {id}"),
-                update: id / batch.samples.len().div_ceil(batch.size).max(1) as u64 + 1,
-            });
-        }
+            update,
+            grad_scale,
+            seed,
+        };
+        let s = whole_model_pass(be, model, params, (&mut *grads, i > 0), mb)?;
         loss += s.loss_sum;
         rows += s.rows;
-        model.backward_range(be, 0..n, params, &saved, dy, grads, i > 0, false)?;
     }
     Ok((loss, rows))
 }

@@ -400,7 +400,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
 
     /// [`WorkerCore::compute`], calling `ready` after each layer of a backward pass that
     /// computes weight gradients (fused, or the weight half), as
-    /// [`crate::model::Model::backward_range_notify`] describes: how the driver starts
+    /// [`crate::model::Model::backward_range`] describes: how the driver starts
     /// all-reducing a bucket while earlier layers compute.
     ///
     /// # Errors
@@ -571,7 +571,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             run.weight_pending.insert(mb, pending);
             dx
         } else {
-            let dx = model.backward_range_notify(
+            let dx = model.backward_range(
                 be,
                 run.layers.clone(),
                 params,

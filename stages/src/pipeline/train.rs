@@ -206,7 +206,6 @@ impl Coordinator for Threads<'_> {
         &mut self,
         plan: &RunPlan,
         at: &Segment,
-        _this: u64,
         obs: &mut dyn Observer,
     ) -> Result<SegmentEnd> {
         let t = Instant::now();
@@ -322,7 +321,7 @@ pub(crate) enum SegmentEnd {
 
 /// One launcher's side of the loop.
 pub(crate) trait Coordinator {
-    /// Runs segment `at` of `plan`, `this` updates long.
+    /// Runs segment `at` of `plan`.
     ///
     /// # Errors
     /// A worker's failure, naming it.
@@ -330,7 +329,6 @@ pub(crate) trait Coordinator {
         &mut self,
         plan: &RunPlan,
         at: &Segment,
-        this: u64,
         obs: &mut dyn Observer,
     ) -> Result<SegmentEnd>;
 
@@ -504,9 +502,10 @@ pub(crate) fn run_segments(
                 done,
                 before,
                 epoch_len,
+                len: this,
             };
             let t = Instant::now();
-            let outcomes = match coord.run_segment(&plan, &at, this, obs)? {
+            let outcomes = match coord.run_segment(&plan, &at, obs)? {
                 SegmentEnd::Chief(outcomes) => outcomes,
                 SegmentEnd::Relayout(change) => {
                     // The segment runs again from its start under the new layout.
@@ -782,12 +781,13 @@ pub(super) fn segment_length(every: Option<u64>, done: u64, left: u64) -> u64 {
 }
 
 /// Where a segment sits: its epoch, the updates done before it over the run and within
-/// its epoch, and its epoch's length.
+/// its epoch, its epoch's length, and its own length in updates.
 pub(crate) struct Segment {
     pub(crate) epoch: u64,
     pub(crate) done: u64,
     pub(crate) before: u64,
     pub(crate) epoch_len: u64,
+    pub(crate) len: u64,
 }
 
 /// Per-update loss sums of a running segment, reported in update order as each completes.

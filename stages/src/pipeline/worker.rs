@@ -191,12 +191,7 @@ fn report_to_chief<T: Transport + ?Sized>(
     ))?;
     let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, 0))?;
     let req = parse_drain(&req.into_bytes()?)?;
-    if req.weights {
-        send_weights(ep, plan, mine, index)?;
-    }
-    if req.optimizer {
-        send_optimizer(ep, plan, mine, index)?;
-    }
+    send_state(ep, (plan, mine), index, &req)?;
     Ok(req.stop)
 }
 
@@ -290,7 +285,6 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
         &mut self,
         plan: &RunPlan,
         at: &Segment,
-        this: u64,
         obs: &mut dyn Observer,
     ) -> Result<SegmentEnd> {
         let (run, cfg) = (self.run, self.run.cfg);
@@ -320,7 +314,7 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
             run_worker_with(be, ep, setup, st, t, &mut between)
         });
         if let Some(st) = &self.state {
-            let segment = (plan.schedule.resolved.policy, this as u32);
+            let segment = (plan.schedule.resolved.policy, at.len as u32);
             let stall = outcome.as_ref().err().and_then(StageError::stall_key);
             *self.stop = Some(StopReport::new(rank, segment, &st.progress, stall));
         }
@@ -920,49 +914,33 @@ fn layers_from_other_workers(plan: &RunPlan) -> impl Iterator<Item = (u32, usize
         })
 }
 
-/// Sends the weights of every stage this worker is replica 0 of, one message per layer.
-fn send_weights<T: Transport + ?Sized>(
+/// Sends what the chief asked for of every stage this worker is replica 0 of: the weights,
+/// one message per layer, then the optimizer state: per layer, the first and second moments
+/// (steps 2l and 2l + 1), each carrying the stage's update count.
+fn send_state<T: Transport + ?Sized>(
     ep: &mut T,
-    plan: &RunPlan,
-    state: &WorkerState,
+    (plan, state): (&RunPlan, &WorkerState),
     index: u32,
+    asked: &Drain,
 ) -> Result<()> {
-    for (first, st) in first_replica_stages(plan, state) {
-        for (i, layer) in st.params.iter().enumerate() {
-            let key = control(
-                state.worker,
-                CHIEF,
-                TOPIC_WEIGHTS,
-                index,
-                (first + i) as u32,
-            );
-            send_flat(ep, key, 0, flatten(layer.iter())?)?;
+    let to_chief = |topic: u32, step: u32| control(state.worker, CHIEF, topic, index, step);
+    if asked.weights {
+        for (first, st) in first_replica_stages(plan, state) {
+            for (i, layer) in st.params.iter().enumerate() {
+                let key = to_chief(TOPIC_WEIGHTS, (first + i) as u32);
+                send_flat(ep, key, 0, flatten(layer.iter())?)?;
+            }
         }
     }
-    Ok(())
-}
-
-/// Sends the optimizer state of every stage this worker is replica 0 of: per layer, the first
-/// and second moments (steps 2l and 2l + 1), each carrying the stage's update count.
-fn send_optimizer<T: Transport + ?Sized>(
-    ep: &mut T,
-    plan: &RunPlan,
-    state: &WorkerState,
-    index: u32,
-) -> Result<()> {
-    for (first, st) in first_replica_stages(plan, state) {
-        for (i, layer) in st.opt.parts().enumerate() {
-            let l = (first + i) as u32;
-            for k in 0..STATE_PARTS {
-                let flat = flatten(layer.iter().map(|p| p[k]))?;
-                let key = control(
-                    state.worker,
-                    CHIEF,
-                    TOPIC_OPTIMIZER,
-                    index,
-                    STATE_PARTS as u32 * l + k as u32,
-                );
-                send_flat(ep, key, st.opt.steps(), flat)?;
+    if asked.optimizer {
+        for (first, st) in first_replica_stages(plan, state) {
+            for (i, layer) in st.opt.parts().enumerate() {
+                let l = (first + i) as u32;
+                for k in 0..STATE_PARTS {
+                    let key = to_chief(TOPIC_OPTIMIZER, STATE_PARTS as u32 * l + k as u32);
+                    let flat = flatten(layer.iter().map(|p| p[k]))?;
+                    send_flat(ep, key, st.opt.steps(), flat)?;
+                }
             }
         }
     }
