@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 /// A file a row writes before it runs, under the row's directory.
+#[derive(Clone)]
 enum File {
     Text(&'static str, String),
     Bytes(&'static str, Vec<u8>),
@@ -29,6 +30,8 @@ struct Row {
     args: String,
     files: Vec<File>,
     setup: Vec<&'static str>,
+    /// Environment variables the command runs with (not the setup's).
+    env: Vec<(&'static str, &'static str)>,
     want: &'static str,
     code: i32,
 }
@@ -38,6 +41,7 @@ fn row(args: &str, want: &'static str) -> Row {
         args: args.to_string(),
         files: Vec::new(),
         setup: Vec::new(),
+        env: Vec::new(),
         want,
         code: 2,
     }
@@ -910,7 +914,7 @@ fn transport_cost_rows() -> Vec<Row> {
             "--hosts a:5000",
             "--hosts entry 'a:5000' is not NAME:WORKERS",
         ),
-        hosts_row("--hosts a:1,a:1", "host 'a' is unnamed or named twice"),
+        hosts_row("--hosts a:1,a:1", "host 'a' is named twice"),
         hosts_row(
             "--hosts a:1",
             "the hosts take 1 workers in all, fewer than the 2",
@@ -1198,7 +1202,170 @@ fn newer_surface_rows() -> Vec<Row> {
     let mut rows = file_and_size_rows();
     rows.extend(hugging_face_rows());
     rows.extend(export_logits_and_optimizer_rows());
+    rows.extend(cluster_file_rows());
+    rows.extend(unasked_overwrite_and_silent_value_rows());
     rows
+}
+
+/// A cluster file at `cl.toml` of two ranks at `a` and `b` whose credentials are under `cl/`
+/// (made by `cluster init`, relative to the file).
+fn cluster_toml(a: &str, b: &str, ca: &str) -> String {
+    let rank = |addr: &str, k: u32| {
+        format!(
+            "[[worker]]\naddr = \"{addr}\"\ncert = \"cl/rank-{k}.pem\"\nkey = \"cl/rank-{k}.key\"\n"
+        )
+    };
+    format!("run_id = 1\nca = \"{ca}\"\n{}{}", rank(a, 0), rank(b, 1))
+}
+
+/// Cluster files and the credentials they name: FIFOs, two ranks at one address, a CA that
+/// is not a certificate; `cluster init` over a cluster.
+fn cluster_file_rows() -> Vec<Row> {
+    let plan = |cluster: &str| {
+        format!(
+            "plan --profile {{d}}/p.json --workers 2 --cost-model default --cluster {{d}}/{cluster}"
+        )
+    };
+    let profile = || text("p.json", many_layers(4));
+    let init = "cluster init --workers 2 --out {d}/cl";
+    vec![
+        with(
+            &plan("cl.toml"),
+            [profile(), vec![File::Fifo("cl.toml")]].concat(),
+            "a FIFO, not a regular file",
+        ),
+        with(
+            &plan("cl.toml"),
+            [
+                profile(),
+                text(
+                    "cl.toml",
+                    cluster_toml("10.0.0.1:29400", "10.0.0.1:29400", "ca.pem"),
+                ),
+            ]
+            .concat(),
+            "ranks 0 and 1 are both at 10.0.0.1:29400",
+        ),
+        after(
+            &[init],
+            "worker --cluster {d}/cl.toml --rank 0 --stages 2 --steps 1",
+            text(
+                "cl.toml",
+                cluster_toml("127.0.0.1:0", "127.0.0.1:0", "cl/rank-0.key"),
+            ),
+            "cl/rank-0.key",
+        ),
+        after(
+            &[init],
+            "worker --cluster {d}/cl.toml --rank 0 --stages 2 --steps 1",
+            [
+                text(
+                    "cl.toml",
+                    cluster_toml("127.0.0.1:0", "127.0.0.1:0", "ca.pem"),
+                ),
+                vec![File::Fifo("ca.pem")],
+            ]
+            .concat(),
+            "a FIFO, not a regular file",
+        ),
+        after(
+            &[init],
+            "cluster init --workers 1 --out {d}/cl",
+            Vec::new(),
+            "is not empty",
+        ),
+        row(
+            "cluster init --workers 2 --addrs 10.0.0.1:1,10.0.0.1:1 --out {d}/two",
+            "ranks 0 and 1 are both at 10.0.0.1:1",
+        ),
+        // A plan `pipe plan` would write that `pipe train --plan` then refuses.
+        with(
+            &plan("cl.toml"),
+            [
+                profile(),
+                text(
+                    "cl.toml",
+                    cluster_toml("10.0.0.1:1", "10.0.0.2:1", "ca.pem")
+                        + "[[worker]]\naddr = \"10.0.0.3:1\"\ncert = \"c\"\nkey = \"k\"\n",
+                ),
+            ]
+            .concat(),
+            "the cluster file has 3 ranks and the plan 2 workers",
+        ),
+        hosts_row(
+            &format!("--hosts {}:1,b:1", "h".repeat(256)),
+            "a host name must have 1 to 255 characters, got 256",
+        ),
+    ]
+}
+
+/// Outputs a command was not asked to overwrite, and values that did nothing or went
+/// through unchecked.
+fn unasked_overwrite_and_silent_value_rows() -> Vec<Row> {
+    let earlier = "train --steps 2 --threads 1 --checkpoint-dir {d}/ck --checkpoint-every 1";
+    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
+    vec![
+        after(
+            &[earlier],
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck",
+            Vec::new(),
+            "holds another run's checkpoints (latest: ckpt-00000002)",
+        ),
+        after(
+            &[earlier],
+            "train --seed-checkpoint --checkpoint-dir {d}/ck",
+            Vec::new(),
+            "continue that run with --resume auto",
+        ),
+        after(
+            &[earlier],
+            "train --steps 3 --threads 1 --checkpoint-dir {d}/ck --resume {d}/ck/ckpt-00000001",
+            Vec::new(),
+            "is not the latest checkpoint",
+        ),
+        after(
+            &[gpt2_ckpt],
+            "export --checkpoint {d}/ck --format hf --out {d}/out --tokenizer {d}/tok.json",
+            text_file("tok.json", "{ not a tokenizer".into()),
+            "tok.json",
+        ),
+        Row {
+            env: vec![("PIPE_AVAILABLE_MEMORY", "junk")],
+            ..row(
+                "train --steps 1",
+                "PIPE_AVAILABLE_MEMORY=\"junk\": not a whole number",
+            )
+        },
+        Row {
+            env: vec![("PIPE_AVAILABLE_MEMORY", "1GiB")],
+            ..row("train --steps 1", "PIPE_AVAILABLE_MEMORY=\"1GiB\"")
+        },
+        row(
+            "train --stages 2 --delay-correction-strength 0.5 --steps 1",
+            "this run has none: give one with --delay-correction",
+        ),
+        cost_file(
+            &costs_of("shm", "1e-6").replace(
+                "\"bandwidth\": null",
+                "\"bandwidth\": {\"median\": 1e-300, \"min\": 1e-300, \"max\": 1e-300}",
+            ),
+            "bandwidth must be at least 1 byte/s, got 1e-300",
+        ),
+        Row {
+            code: 1,
+            ..row(
+                "train --lr 1e30 --steps 1 --threads 1",
+                "is not finite at update 1",
+            )
+        },
+        Row {
+            code: 1,
+            ..row(
+                "train --stages 2 --lr 1e30 --steps 1 --threads 1",
+                "is not finite at update 1",
+            )
+        },
+    ]
 }
 
 /// Shards, inputs and weights that are FIFOs (which would block forever), and GPT-2 sizes
@@ -1595,6 +1762,7 @@ fn run_row(r: &Row, dir: &Path, cache: &Path) -> Result<(), String> {
         .arg(env!("CARGO_BIN_EXE_pipe"))
         .env_remove("RUST_BACKTRACE")
         .env("PIPE_CACHE_DIR", cache)
+        .envs(r.env.iter().copied())
         .output()
         .expect("run pipe");
     let took = start.elapsed();

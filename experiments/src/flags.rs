@@ -477,15 +477,10 @@ impl CostFlags {
     fn flag_or_file_costs(&self) -> Result<CostModel, ExperimentError> {
         if let Some(path) = &self.costs {
             let text = pipe_stages::limits::read_text_file(path, "cost file")?;
-            let parsed: Result<CostModel, String> = if path
+            let json = path
                 .extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("json"))
-            {
-                serde_json::from_str(&text).map_err(|e| e.to_string())
-            } else {
-                toml::from_str(&text).map_err(|e| e.message().to_string())
-            };
-            let mut costs = parsed.map_err(|e| {
+                .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+            let mut costs = CostModel::parse(&text, json).map_err(|e| {
                 ExperimentError::Config(format!("cost file {}: {e}", path.display()))
             })?;
             costs.cores = self.cores.or(costs.cores);

@@ -29,6 +29,7 @@ mod denormals;
 mod emulated;
 mod error;
 mod fastmath;
+pub mod files;
 mod scratch;
 mod sequence;
 mod tensor;

@@ -80,6 +80,23 @@ pub fn check_figure(name: &str, v: f64) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// Checks a link rate a user gave (a cost file, a transport cost file, a flag), named `name`:
+/// at least a byte a second (infinite: no cost per byte), so that no transfer time it gives
+/// is past every bound. Every command that reads a rate checks it here, so what one accepts
+/// the others do.
+///
+/// # Errors
+/// The message naming the rate and its value.
+pub fn check_bandwidth(name: &str, v: f64) -> std::result::Result<(), String> {
+    if v >= 1.0 {
+        return Ok(());
+    }
+    Err(format!(
+        "{name} must be at least 1 byte/s, got {}",
+        number(v)
+    ))
+}
+
 /// A request past a limit: what was asked, the limit and why it exists.
 pub fn exceeded(what: &str, asked: u64, limit: u64, why: &str) -> ScheduleError {
     ScheduleError::Spec(format!(

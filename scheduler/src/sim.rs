@@ -472,6 +472,19 @@ impl CostModel {
         Ok(())
     }
 
+    /// A cost file's text (`pipe simulate --costs`): JSON when `json`, else TOML. Its values
+    /// are checked by [`CostModel::check_input`], once the schedule's stage count is known.
+    ///
+    /// # Errors
+    /// The parser's message.
+    pub fn parse(text: &str, json: bool) -> std::result::Result<CostModel, String> {
+        if json {
+            serde_json::from_str(text).map_err(|e| e.to_string())
+        } else {
+            toml::from_str(text).map_err(|e| e.message().to_string())
+        }
+    }
+
     /// [`CostModel::check`] for costs a user gave (a cost file, `pipe simulate`'s flags):
     /// every figure within [`crate::limits::MAX_FIGURE_SECONDS`] or
     /// [`crate::limits::MAX_FIGURE_BYTES`], some compute time, a bandwidth of at least a
@@ -480,7 +493,7 @@ impl CostModel {
     /// # Errors
     /// [`ScheduleError::Cost`] naming the figure and the bound.
     pub fn check_input(&self, stages: u32) -> Result<()> {
-        use crate::limits::{MIN_TOTAL_SECONDS, check_figure, number};
+        use crate::limits::{MIN_TOTAL_SECONDS, check_bandwidth, check_figure, number};
         self.check(stages)?;
         let cost = |m: String| ScheduleError::Cost(m);
         for (i, s) in self.stages.iter().enumerate() {
@@ -499,12 +512,7 @@ impl CostModel {
             ] {
                 check_figure(name, v).map_err(cost)?;
             }
-            if link.bandwidth < 1.0 {
-                return Err(cost(format!(
-                    "the link between hosts: bandwidth must be at least 1 byte/s, got {}",
-                    number(link.bandwidth)
-                )));
-            }
+            check_bandwidth("the link between hosts: bandwidth", link.bandwidth).map_err(cost)?;
         }
         let total: f64 = self
             .stages
@@ -518,13 +526,7 @@ impl CostModel {
                 number(total)
             )));
         }
-        if self.bandwidth < 1.0 {
-            return Err(cost(format!(
-                "bandwidth must be at least 1 byte/s, got {}",
-                number(self.bandwidth)
-            )));
-        }
-        Ok(())
+        check_bandwidth("bandwidth", self.bandwidth).map_err(cost)
     }
 }
 

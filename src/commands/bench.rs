@@ -31,8 +31,8 @@ fn measure_link_costs(out: Option<&PathBuf>) -> Result<()> {
     );
     out!("{}", costs::render(&measured));
     match kept {
-        Some(path) => outln!("kept in {}", path.display()),
-        None => outln!("not kept: no cache directory (set PIPE_CACHE_DIR)"),
+        Ok(path) => outln!("kept in {}", path.display()),
+        Err(why) => outln!("not kept: {why}"),
     }
     write_json(out, &measured)?;
     if let Some(path) = out {

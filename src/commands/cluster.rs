@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
-use pipe_transport::cluster::{ClusterFile, MAX_WORKERS};
+use pipe_transport::cluster::{ClusterFile, Existing, MAX_WORKERS};
 
 use crate::output::bad_input;
 
@@ -31,6 +31,10 @@ pub struct InitArgs {
     /// First port when --addrs is not given.
     #[arg(long, default_value_t = 29400)]
     base_port: u16,
+    /// Replace an existing, non-empty output directory whole (its old credentials stop
+    /// working on every worker they were deployed to).
+    #[arg(long)]
+    force: bool,
 }
 
 /// Runs `pipe cluster ...`.
@@ -80,7 +84,15 @@ pub fn run(cmd: &ClusterCommand) -> Result<()> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
         ^ u64::from(std::process::id()).rotate_left(32);
-    let file = ClusterFile::init(&args.out, &addrs, run_id)?;
+    let existing = if args.force {
+        Existing::Replace
+    } else {
+        Existing::Refuse
+    };
+    let file = ClusterFile::init(&args.out, &addrs, run_id, existing).map_err(|e| match e {
+        pipe_transport::TransportError::BadFile(m) => bad_input(m),
+        other => other.into(),
+    })?;
     outln!(
         "cluster of {} workers (run {:#x}) in {}: ca.pem, rank-K.pem, rank-K.key (owner-only), cluster.toml",
         file.size(),

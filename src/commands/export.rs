@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use pipe_stages::checkpoint::read_with_model;
+use pipe_stages::outputs::StagedDir;
 
 use crate::output::bad_input;
 
@@ -47,20 +48,25 @@ pub struct ExportArgs {
 pub fn run(args: &ExportArgs) -> Result<()> {
     let (dir, model, ckpt) = read_with_model(&args.checkpoint)?;
     let ExportFormat::Hf = args.format;
+    // Every input is checked before anything is written: the tokenizer is read through the
+    // tokenizer library, so a file it cannot read is refused here, not found broken by the
+    // tool that loads the export; the output appears whole once every file is in.
+    if let Some(t) = &args.tokenizer {
+        pipe_stages::tokenizer::TextTokenizer::from_file(t)?;
+    }
+    let staged = StagedDir::claim_empty(&args.out, "export")?;
     let (layout, files) = pipe_stages::hf::export(
         &model,
         &ckpt.state.model_spec,
         &ckpt.params,
-        &args.out,
+        staged.path(),
         args.max_shard_size,
     )?;
     if let Some(t) = &args.tokenizer {
-        // Read through the tokenizer library first: a file it cannot read is refused here,
-        // not found broken by the tool that loads the export.
-        pipe_stages::tokenizer::TextTokenizer::from_file(t)?;
-        std::fs::copy(t, args.out.join("tokenizer.json"))
+        std::fs::copy(t, staged.path().join("tokenizer.json"))
             .map_err(|e| bad_input(format!("{}: cannot copy: {e}", t.display())))?;
     }
+    staged.commit()?;
     outln!(
         "{}: GPT-2 with {} blocks, width {}, {} heads, {} positions, vocabulary {} ({}), from {} at update {}{}",
         args.out.display(),

@@ -55,6 +55,10 @@ pub const MANIFEST: &str = "manifest.json";
 /// Largest `state.json` or `manifest.json` read.
 const MAX_SMALL_FILE: u64 = 1 << 20;
 
+/// Header bytes a checkpoint may spend per tensor: a name of up to a few hundred bytes, its
+/// dtype, shape and offsets, with room to spare.
+const HEADER_BYTES_PER_TENSOR: u64 = 4096;
+
 /// Where a run stands, and what it is.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -456,9 +460,8 @@ fn read_small(path: &Path) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Every file the manifest of checkpoint `dir` names, checked against its size and SHA-256,
-/// by name.
-fn verified_files(dir: &Path) -> Result<HashMap<String, Vec<u8>>> {
+/// The manifest of checkpoint `dir`, parsed and of this build's format.
+fn manifest_of(dir: &Path) -> Result<Manifest> {
     let mpath = dir.join(MANIFEST);
     let manifest: Manifest = serde_json::from_slice(&read_small(&mpath)?)
         .map_err(|e| io_err(&mpath, format!("malformed: {e}")))?;
@@ -468,41 +471,58 @@ fn verified_files(dir: &Path) -> Result<HashMap<String, Vec<u8>>> {
             format!("format {} (this build reads {FORMAT})", manifest.format),
         ));
     }
-    let mut out = HashMap::new();
-    for want in [WEIGHTS, OPTIMIZER, STATE] {
-        let entry = manifest
-            .files
-            .iter()
-            .find(|e| e.name == want)
-            .ok_or_else(|| io_err(&mpath, format!("does not list {want}")))?;
-        let path = dir.join(want);
-        let meta = std::fs::metadata(&path).map_err(|e| io_err(&path, e))?;
-        if meta.len() != entry.bytes {
-            return Err(io_err(
-                &path,
-                format!(
-                    "{} bytes, the manifest says {} (truncated or replaced)",
-                    meta.len(),
-                    entry.bytes
-                ),
-            ));
-        }
-        let mut bytes = Vec::new();
-        crate::limits::open_regular(&path)
-            .and_then(|f| {
-                use std::io::Read as _;
-                f.take(entry.bytes).read_to_end(&mut bytes)
-            })
-            .map_err(|e| io_err(&path, e))?;
-        if sha256_hex(&bytes) != entry.sha256 {
-            return Err(io_err(
-                &path,
-                "SHA-256 differs from the manifest's (corrupted)",
-            ));
-        }
-        out.insert(want.to_string(), bytes);
+    Ok(manifest)
+}
+
+/// File `want` of checkpoint `dir`, checked against the manifest's size and SHA-256 and
+/// against `max`, the most that kind of file may hold for the model: the size is compared
+/// before a byte is read, so a file the manifest agrees with but the model cannot fill is
+/// refused without being read.
+fn verified_file(dir: &Path, manifest: &Manifest, want: &str, max: u64) -> Result<Vec<u8>> {
+    let mpath = dir.join(MANIFEST);
+    let entry = manifest
+        .files
+        .iter()
+        .find(|e| e.name == want)
+        .ok_or_else(|| io_err(&mpath, format!("does not list {want}")))?;
+    let path = dir.join(want);
+    let (file, len) = pipe_kernels::files::open_bounded(&path, max).map_err(|e| match e {
+        pipe_kernels::files::ReadError::Long { max } => io_err(
+            &path,
+            format!("larger than the {max} bytes the model's {want} can take (not this model's?)"),
+        ),
+        other => io_err(&path, other),
+    })?;
+    if len != entry.bytes {
+        return Err(io_err(
+            &path,
+            format!(
+                "{len} bytes, the manifest says {} (truncated or replaced)",
+                entry.bytes
+            ),
+        ));
     }
-    Ok(out)
+    let mut bytes = Vec::with_capacity(len as usize);
+    {
+        use std::io::Read as _;
+        file.take(len).read_to_end(&mut bytes)
+    }
+    .map_err(|e| io_err(&path, e))?;
+    if sha256_hex(&bytes) != entry.sha256 {
+        return Err(io_err(
+            &path,
+            "SHA-256 differs from the manifest's (corrupted)",
+        ));
+    }
+    Ok(bytes)
+}
+
+/// The most bytes a checkpoint's safetensors file of `tensors` tensors holding `elements`
+/// f32 values can take: the values, and a header of at most [`HEADER_BYTES_PER_TENSOR`]
+/// per tensor (names, dtypes, shapes and offsets, in JSON) plus its length prefix.
+fn safetensors_bound(tensors: usize, elements: u64) -> u64 {
+    let header = MAX_SMALL_FILE + HEADER_BYTES_PER_TENSOR * tensors as u64;
+    elements.saturating_mul(4).saturating_add(header)
 }
 
 /// A host tensor of `shape` from a safetensors view, which must be f32 of that shape.
@@ -532,8 +552,9 @@ fn tensor_from(view: &TensorView<'_>, shape: &[usize], what: &str, path: &Path) 
 /// As [`read`].
 pub fn read_state(path: &Path) -> Result<(PathBuf, RunState)> {
     let dir = resolve(path)?;
-    let files = verified_files(&dir)?;
-    Ok((dir.clone(), parse_state(&dir, &files[STATE])?))
+    let manifest = manifest_of(&dir)?;
+    let bytes = verified_file(&dir, &manifest, STATE, MAX_SMALL_FILE)?;
+    Ok((dir.clone(), parse_state(&dir, &bytes)?))
 }
 
 fn parse_state(dir: &Path, bytes: &[u8]) -> Result<RunState> {
@@ -566,18 +587,30 @@ pub fn read_with_model(path: &Path) -> Result<(PathBuf, Model, Checkpoint)> {
 /// match, a truncated or malformed file, a tensor missing or shaped unlike the model's.
 pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
     let dir = resolve(path)?;
-    let files = verified_files(&dir)?;
-    let state = parse_state(&dir, &files[STATE])?;
+    let manifest = manifest_of(&dir)?;
+    let state = parse_state(
+        &dir,
+        &verified_file(&dir, &manifest, STATE, MAX_SMALL_FILE)?,
+    )?;
+    let table = model.param_table();
+    let elements: u64 = table
+        .iter()
+        .map(|e| e.shape.iter().map(|&d| d as u64).product::<u64>())
+        .sum();
+    let weight_bytes = safetensors_bound(table.len(), elements);
+    let weight_file = verified_file(&dir, &manifest, WEIGHTS, weight_bytes)?;
+    // First and second moments and the delay correction's memory, at most.
+    let moment_bytes = safetensors_bound(3 * table.len(), 3 * elements);
+    let moment_file = verified_file(&dir, &manifest, OPTIMIZER, moment_bytes)?;
     let wpath = dir.join(WEIGHTS);
-    let weights = SafeTensors::deserialize(&files[WEIGHTS]).map_err(|e| io_err(&wpath, e))?;
+    let weights = SafeTensors::deserialize(&weight_file).map_err(|e| io_err(&wpath, e))?;
     let opath = dir.join(OPTIMIZER);
-    let moments = SafeTensors::deserialize(&files[OPTIMIZER]).map_err(|e| io_err(&opath, e))?;
+    let moments = SafeTensors::deserialize(&moment_file).map_err(|e| io_err(&opath, e))?;
     let mut params = model.init_params(0);
     let mut optimizer: OptimizerState = params
         .iter()
         .map(|layer| layer.iter().map(|_| Default::default()).collect())
         .collect();
-    let table = model.param_table();
     if weights.len() != table.len() {
         return Err(io_err(
             &wpath,

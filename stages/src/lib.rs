@@ -24,7 +24,8 @@
 //! then on the executor itself, so the cuts of [`planning`] and [`partition`] are made from what
 //! the runtime really pays. Runs save and resume through [`checkpoint`], whose files are keyed by
 //! parameter name, so a checkpoint does not depend on the partition that wrote it. Every size a
-//! user or a peer controls is checked against [`limits`] before anything is allocated, and a
+//! user or a peer controls is checked against [`limits`] before anything is allocated, a
+//! directory a command writes whole appears whole or not at all ([`outputs`]), and a
 //! stalled pipeline is explained by the hang doctor ([`pipeline::doctor`]).
 
 #![warn(missing_docs)]
@@ -32,7 +33,7 @@
 // The run's edge: settings typed once, the limits every size is checked against, errors, and
 // what every trainer reports.
 // Modules in layers, each importing only those listed before it:
-// error, limits, cache (measurements kept on disk); model (what is computed); partition (a model cut into stages); remedy;
+// error, limits, cache (measurements kept on disk), outputs (directories written whole); model (what is computed); partition (a model cut into stages); remedy;
 // config (the run, checked); checkpoint (a run saved); train (data, evaluation and what a run
 // reports); pipeline (how workers run it); planning (how it is cut, measured on the
 // pipeline); log (an observer for the binary). `docs/architecture.md` says why.
@@ -44,6 +45,7 @@ pub mod inspect;
 pub mod limits;
 pub mod log;
 pub mod model;
+pub mod outputs;
 pub mod partition;
 pub mod pipeline;
 pub mod planning;

@@ -25,6 +25,9 @@
 //! allocator's slack or the dataset), so a refusal is certain to be right; what passes may
 //! still fail at run time on a machine already busy with other work.
 
+pub use pipe_kernels::files::open_regular;
+use pipe_kernels::files::{ReadError, read_bounded};
+
 use crate::error::{Result, StageError};
 
 pub use pipe_scheduler::limits::{
@@ -129,18 +132,12 @@ pub const MAX_TEXT_FILE_BYTES: u64 = 16 << 20;
 pub fn read_file(path: &std::path::Path, max: u64) -> Result<Vec<u8>> {
     let name = path.display().to_string();
     read_bounded(path, max).map_err(|e| match e {
-        Bounded::Io(e) => StageError::Data {
+        ReadError::Io(e) => StageError::Data {
             source_name: name,
             reason: format!("cannot read: {e}"),
         },
-        Bounded::Long => too_long(path, max),
+        ReadError::Long { .. } => too_long(path, max),
     })
-}
-
-/// Why [`read_bounded`] failed.
-enum Bounded {
-    Io(std::io::Error),
-    Long,
 }
 
 fn too_long(path: &std::path::Path, max: u64) -> StageError {
@@ -149,52 +146,6 @@ fn too_long(path: &std::path::Path, max: u64) -> StageError {
          project writes are far smaller; is it the right file?)",
         path.display()
     ))
-}
-
-/// Opens `path` for reading if it is a regular file (after symbolic links). A FIFO, a device
-/// or a socket would block or never end, so the file is opened without waiting
-/// (`O_NONBLOCK`, which a regular file ignores) and refused unless it is a regular file:
-/// every file a user names is read through here.
-///
-/// # Errors
-/// The open's error, or [`std::io::ErrorKind::InvalidInput`] naming what the path is instead.
-pub fn open_regular(path: &std::path::Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-        .open(path)?;
-    let kind = file.metadata()?.file_type();
-    if kind.is_file() {
-        return Ok(file);
-    }
-    let what = if kind.is_dir() {
-        "a directory"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_socket() {
-        "a socket"
-    } else {
-        "a device"
-    };
-    Err(std::io::Error::new(
-        std::io::ErrorKind::InvalidInput,
-        format!("{what}, not a regular file"),
-    ))
-}
-
-/// At most `max` bytes of `path`.
-fn read_bounded(path: &std::path::Path, max: u64) -> std::result::Result<Vec<u8>, Bounded> {
-    use std::io::Read as _;
-    let file = open_regular(path).map_err(Bounded::Io)?;
-    let mut bytes = Vec::new();
-    file.take(max.saturating_add(1))
-        .read_to_end(&mut bytes)
-        .map_err(Bounded::Io)?;
-    if bytes.len() as u64 > max {
-        return Err(Bounded::Long);
-    }
-    Ok(bytes)
 }
 
 /// Reads a UTF-8 text file of at most [`MAX_TEXT_FILE_BYTES`]; `what` names the kind of file
@@ -206,8 +157,8 @@ fn read_bounded(path: &std::path::Path, max: u64) -> std::result::Result<Vec<u8>
 pub fn read_text_file(path: &std::path::Path, what: &str) -> Result<String> {
     let shown = path.display();
     let bytes = read_bounded(path, MAX_TEXT_FILE_BYTES).map_err(|e| match e {
-        Bounded::Io(e) => StageError::Config(format!("cannot read {what} {shown}: {e}")),
-        Bounded::Long => too_long(path, MAX_TEXT_FILE_BYTES),
+        ReadError::Io(e) => StageError::Config(format!("cannot read {what} {shown}: {e}")),
+        ReadError::Long { .. } => too_long(path, MAX_TEXT_FILE_BYTES),
     })?;
     String::from_utf8(bytes)
         .map_err(|e| StageError::Config(format!("{what} {shown} is not UTF-8 text: {e}")))
@@ -337,7 +288,7 @@ pub fn admit_memory(need: &MemoryNeed<'_>, machine: &Machine) -> Result<()> {
             ),
         ));
     }
-    match available_memory() {
+    match available_memory()? {
         Some((available, source)) if need.bytes > available as f64 => Err(over(
             available as f64,
             format!("this host has available ({source})"),
@@ -373,13 +324,20 @@ pub const AVAILABLE_MEMORY_VAR: &str = "PIPE_AVAILABLE_MEMORY";
 /// Memory this host has available now, and what says so: the kernel's `MemAvailable` (what
 /// can be allocated without swapping, page cache that can be dropped included), or what the
 /// process's cgroup has left (`memory.max` less `memory.current`) where that is lower;
-/// [`AVAILABLE_MEMORY_VAR`] where set to a number. `None` where none can be read (not Linux).
-pub fn available_memory() -> Option<(u64, &'static str)> {
-    if let Some(bytes) = std::env::var(AVAILABLE_MEMORY_VAR)
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-    {
-        return Some((bytes, AVAILABLE_MEMORY_VAR));
+/// [`AVAILABLE_MEMORY_VAR`] where set. `None` where none can be read (not Linux).
+///
+/// # Errors
+/// Bad input naming [`AVAILABLE_MEMORY_VAR`] when it is set to anything but a whole number
+/// of bytes.
+pub fn available_memory() -> Result<Option<(u64, &'static str)>> {
+    if let Some(value) = std::env::var_os(AVAILABLE_MEMORY_VAR) {
+        let text = value.to_string_lossy();
+        return match text.trim().parse::<u64>() {
+            Ok(bytes) => Ok(Some((bytes, AVAILABLE_MEMORY_VAR))),
+            Err(_) => Err(StageError::Input(format!(
+                "{AVAILABLE_MEMORY_VAR}={text:?}: not a whole number of bytes"
+            ))),
+        };
     }
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
     let available = meminfo.as_deref().and_then(|m| {
@@ -398,12 +356,12 @@ pub fn available_memory() -> Option<(u64, &'static str)> {
     };
     let cgroup =
         read("memory.max").map(|max| max.saturating_sub(read("memory.current").unwrap_or(0)));
-    match (available, cgroup) {
+    Ok(match (available, cgroup) {
         (Some(a), Some(c)) if c < a => Some((c, "the cgroup's memory.max less its memory.current")),
         (Some(a), _) => Some((a, "MemAvailable")),
         (None, Some(c)) => Some((c, "the cgroup's memory.max less its memory.current")),
         (None, None) => None,
-    }
+    })
 }
 
 /// A `kB` field of `/proc/self/status`, in bytes.

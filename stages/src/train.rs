@@ -394,8 +394,10 @@ pub fn train_step(
         loss += s.loss_sum;
     }
     model.sum_tied(be, &mut [(0, &mut *st.grads)])?;
-    model.check_gradients(be, 0, st.grads, *microbatch_id / batches_len as u64)?;
+    let update = *microbatch_id / batches_len as u64;
+    model.check_gradients(be, 0, st.grads, update)?;
     st.opt.step(be, st.params, st.grads, lr)?;
+    model.check_params(be, 0, st.params, update)?;
     Ok(loss)
 }
 

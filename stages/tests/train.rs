@@ -506,3 +506,43 @@ fn dc_asgd_follows_its_closed_form_on_a_delayed_quadratic() {
         }
     }
 }
+
+/// The guards on a stage's tensors name the first parameter (in the model's table) that holds
+/// a value that is not finite, and the update: the gradients before a step, the weights after.
+#[test]
+fn the_finiteness_guards_name_the_first_non_finite_parameter_and_the_update() {
+    let model = Model::new(&pipe_stages::model::ModelSpec::preset("mlp-20-30-5").unwrap()).unwrap();
+    let be = CpuBackend::new(1).unwrap();
+    let mut params = model.init_params(1);
+    model.check_params(&be, 0, &params, 7).unwrap();
+    model.check_gradients(&be, 0, &params, 7).unwrap();
+    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+        let mut values = params[3][0].host().unwrap().to_vec();
+        values[17] = bad;
+        params[3][0] = Tensor::from_vec(params[3][0].shape(), values).unwrap();
+        let e = model
+            .check_params(&be, 0, &params, 7)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "the parameter layers.3.weight after the optimizer's step is not finite at update 7"
+            ),
+            "{e}"
+        );
+        let e = model
+            .check_gradients(&be, 0, &params, 7)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the gradient of layers.3.weight"), "{e}");
+        // A stage's own layers, numbered from its first: the same name.
+        let e = model
+            .check_params(&be, 3, &params[3..].to_vec(), 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("layers.3.weight") && e.contains("update 2"),
+            "{e}"
+        );
+    }
+}

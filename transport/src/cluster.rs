@@ -63,21 +63,20 @@ fn setup(msg: String) -> TransportError {
     TransportError::Setup(msg)
 }
 
-/// A file's bytes, refusing anything over [`MAX_FILE_BYTES`].
+fn bad_file(msg: String) -> TransportError {
+    TransportError::BadFile(msg)
+}
+
+/// A regular file's bytes, refusing anything over [`MAX_FILE_BYTES`] before reading it.
 fn read_bounded(path: &Path) -> Result<Vec<u8>, TransportError> {
-    use std::io::Read as _;
-    let file = std::fs::File::open(path).map_err(|e| setup(format!("{}: {e}", path.display())))?;
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| setup(format!("{}: {e}", path.display())))?;
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(setup(format!(
+    use pipe_kernels::files::ReadError;
+    pipe_kernels::files::read_bounded(path, MAX_FILE_BYTES).map_err(|e| match e {
+        ReadError::Io(e) => bad_file(format!("{}: {e}", path.display())),
+        ReadError::Long { .. } => bad_file(format!(
             "{}: more than the {MAX_FILE_BYTES} bytes a cluster file may have",
             path.display()
-        )));
-    }
-    Ok(bytes)
+        )),
+    })
 }
 
 /// Writes `bytes` to `path`, readable by its owner only when `private`.
@@ -95,23 +94,126 @@ fn write_file(path: &Path, bytes: &[u8], private: bool) -> Result<(), TransportE
     std::io::Write::write_all(&mut f, bytes).map_err(err)
 }
 
+/// A path beside `dir` for this process to stage or move aside into: `.NAME.KIND-PID`.
+fn sibling(dir: &Path, kind: &str) -> Result<PathBuf, TransportError> {
+    let name = dir
+        .file_name()
+        .ok_or_else(|| bad_file(format!("{}: not a directory name", dir.display())))?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    Ok(parent.join(format!(
+        ".{}.{kind}-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+/// Puts the directory `staging` in `dir`'s place: renamed over a missing or empty `dir`, or,
+/// where `dir` holds something, after moving the old one aside (removed once the new one is
+/// in place).
+fn replace_dir(staging: &Path, dir: &Path) -> Result<(), TransportError> {
+    let err = |p: &Path, e: std::io::Error| setup(format!("{}: {e}", p.display()));
+    let _ = std::fs::remove_dir(dir);
+    if !dir.exists() {
+        return std::fs::rename(staging, dir).map_err(|e| err(dir, e));
+    }
+    let old = sibling(dir, "old")?;
+    let _ = std::fs::remove_dir_all(&old);
+    std::fs::rename(dir, &old).map_err(|e| err(dir, e))?;
+    std::fs::rename(staging, dir).map_err(|e| err(dir, e))?;
+    std::fs::remove_dir_all(&old).map_err(|e| err(&old, e))
+}
+
+/// What [`ClusterFile::init`] does with a cluster directory that exists and is not empty.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Existing {
+    /// Refuse: its credentials may be deployed on workers already.
+    Refuse,
+    /// Replace it whole (`pipe cluster init --force`): nothing of the old cluster is left.
+    Replace,
+}
+
+/// Refuses two ranks at one address (port 0, "any free port", is a launcher's to assign).
+fn check_unique<'a>(
+    addrs: impl Iterator<Item = &'a str>,
+    what: &str,
+) -> Result<(), TransportError> {
+    let mut seen = std::collections::HashMap::new();
+    for (rank, addr) in addrs.enumerate() {
+        if addr.ends_with(":0") {
+            continue;
+        }
+        if let Some(first) = seen.insert(addr, rank) {
+            return Err(bad_file(format!(
+                "{what}: ranks {first} and {rank} are both at {addr}: every rank needs its own address"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl ClusterFile {
     /// Generates a cluster of `addrs.len()` workers (a fresh CA, one certificate and key per
     /// rank) for run `run_id` (its low 63 bits: TOML integers are signed) and writes it to
-    /// `dir`: `ca.pem`, `rank-K.pem`, `rank-K.key`
-    /// (owner-only) and `cluster.toml`.
+    /// `dir`: `ca.pem`, `rank-K.pem`, `rank-K.key` (owner-only) and `cluster.toml`. Every
+    /// input is checked before anything is written; the files are written into a temporary
+    /// directory beside `dir` that is renamed into place, so `dir` holds either its old
+    /// contents or the whole new cluster. An existing, non-empty `dir` is refused or
+    /// replaced whole, as `existing` says.
     ///
     /// # Errors
-    /// [`TransportError::Setup`]: no workers or too many, unwritable files.
-    pub fn init(dir: &Path, addrs: &[String], run_id: u64) -> Result<Self, TransportError> {
+    /// [`TransportError::BadFile`]: no workers or too many, two ranks at one address, an
+    /// existing cluster to refuse; [`TransportError::Setup`]: unwritable files.
+    pub fn init(
+        dir: &Path,
+        addrs: &[String],
+        run_id: u64,
+        existing: Existing,
+    ) -> Result<Self, TransportError> {
         let n = u32::try_from(addrs.len()).unwrap_or(u32::MAX);
         if n == 0 || n > MAX_WORKERS {
-            return Err(setup(format!(
+            return Err(bad_file(format!(
                 "a cluster of {n} workers (1 to {MAX_WORKERS})"
             )));
         }
-        std::fs::create_dir_all(dir).map_err(|e| setup(format!("{}: {e}", dir.display())))?;
-        let cluster = Cluster::generate(n)?;
+        check_unique(addrs.iter().map(|a| a.trim()), "the addresses")?;
+        let occupied = std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some());
+        if occupied && existing == Existing::Refuse {
+            return Err(bad_file(format!(
+                "{} is not empty (a cluster's credentials may be deployed from it): give a new \
+                 directory, or --force to replace it whole",
+                dir.display()
+            )));
+        }
+        let staging = sibling(dir, "tmp")?;
+        let _ = std::fs::remove_dir_all(&staging);
+        std::fs::create_dir_all(&staging)
+            .map_err(|e| setup(format!("{}: {e}", staging.display())))?;
+        // The directory put in `dir`'s place keeps its permissions (a launcher's private one
+        // stays closed to others).
+        if let Ok(meta) = std::fs::metadata(dir) {
+            std::fs::set_permissions(&staging, meta.permissions())
+                .map_err(|e| setup(format!("{}: {e}", staging.display())))?;
+        }
+        let written = Self::write_new(&staging, addrs, run_id);
+        let placed = written.and_then(|file| {
+            replace_dir(&staging, dir)?;
+            Ok(ClusterFile {
+                dir: dir.to_path_buf(),
+                ..file
+            })
+        });
+        if placed.is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        placed
+    }
+
+    /// Writes a new cluster for `addrs` into the empty directory `dir`.
+    fn write_new(dir: &Path, addrs: &[String], run_id: u64) -> Result<Self, TransportError> {
+        let cluster = Cluster::generate(addrs.len() as u32)?;
         write_file(&dir.join("ca.pem"), cluster.ca_pem.as_bytes(), false)?;
         let mut workers = Vec::with_capacity(addrs.len());
         for (rank, ((cert, key, _), addr)) in cluster.ranks.iter().zip(addrs).enumerate() {
@@ -149,23 +251,33 @@ impl ClusterFile {
     pub fn load(path: &Path) -> Result<Self, TransportError> {
         let bytes = read_bounded(path)?;
         let text = std::str::from_utf8(&bytes)
-            .map_err(|e| setup(format!("{}: not UTF-8: {e}", path.display())))?;
+            .map_err(|e| bad_file(format!("{}: not UTF-8: {e}", path.display())))?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        Self::parse(text, &path.display().to_string(), dir)
+    }
+
+    /// Parses and checks the text of a cluster file, `name` in errors, whose paths are
+    /// relative to `dir`: what [`ClusterFile::load`] does once the file is read.
+    ///
+    /// # Errors
+    /// As [`ClusterFile::load`], the file read.
+    pub fn parse(text: &str, name: &str, dir: &Path) -> Result<Self, TransportError> {
         let mut file: ClusterFile = toml::from_str(text).map_err(|e| {
             let one_line = e
                 .to_string()
                 .split_whitespace()
                 .collect::<Vec<_>>()
                 .join(" ");
-            setup(format!("{}: {one_line}", path.display()))
+            bad_file(format!("{name}: {one_line}"))
         })?;
         let n = file.workers.len();
         if n == 0 || n > MAX_WORKERS as usize {
-            return Err(setup(format!(
-                "{}: {n} workers (1 to {MAX_WORKERS})",
-                path.display()
+            return Err(bad_file(format!(
+                "{name}: {n} workers (1 to {MAX_WORKERS})"
             )));
         }
-        file.dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        check_unique(file.workers.iter().map(|w| w.addr.trim()), name)?;
+        file.dir = dir.to_path_buf();
         Ok(file)
     }
 
@@ -188,13 +300,28 @@ impl ClusterFile {
                     .ok()
                     .and_then(|mut a| a.next())
                     .ok_or_else(|| {
-                        setup(format!(
+                        bad_file(format!(
                             "rank {rank}: address '{}' does not resolve",
                             w.addr
                         ))
                     })
             })
-            .collect()
+            .collect::<Result<Vec<SocketAddr>, TransportError>>()
+            .and_then(|addrs| {
+                let mut seen = std::collections::HashMap::with_capacity(addrs.len());
+                for (rank, a) in addrs.iter().enumerate() {
+                    if a.port() == 0 {
+                        continue;
+                    }
+                    if let Some(first) = seen.insert(*a, rank) {
+                        return Err(bad_file(format!(
+                            "ranks {first} and {rank} both resolve to {a}: every rank needs its \
+                             own address"
+                        )));
+                    }
+                }
+                Ok(addrs)
+            })
     }
 
     /// Rank `rank`'s credentials, read from disk.
@@ -215,13 +342,13 @@ impl ClusterFile {
         };
         let (path, bytes) = pem(&self.ca)?;
         let ca = CertificateDer::from_pem_slice(&bytes)
-            .map_err(|e| setup(format!("{}: {e}", path.display())))?;
+            .map_err(|e| bad_file(format!("{}: {e}", path.display())))?;
         let (path, bytes) = pem(&w.cert)?;
         let cert = CertificateDer::from_pem_slice(&bytes)
-            .map_err(|e| setup(format!("{}: {e}", path.display())))?;
+            .map_err(|e| bad_file(format!("{}: {e}", path.display())))?;
         let (path, bytes) = pem(&w.key)?;
         let key = PrivateKeyDer::from_pem_slice(&bytes)
-            .map_err(|e| setup(format!("{}: {e}", path.display())))?;
+            .map_err(|e| bad_file(format!("{}: {e}", path.display())))?;
         Ok(Credentials {
             ca,
             chain: vec![cert],

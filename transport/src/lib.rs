@@ -243,6 +243,10 @@ pub enum TransportError {
     /// The transport could not be set up: credentials, sockets, peers that never connected.
     #[error("transport setup: {0}")]
     Setup(String),
+    /// A file a user gave (a cluster file, or a certificate or key it names) is unreadable,
+    /// too large or malformed: bad input, named with the file.
+    #[error("{0}")]
+    BadFile(String),
     /// A send failed; the message is handed back.
     #[error("sending {:?} failed: {reason}", .message.key)]
     Send {

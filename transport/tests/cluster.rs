@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::thread;
 
-use pipe_transport::cluster::{ClusterFile, resolve_rank};
+use pipe_transport::cluster::{ClusterFile, Existing, resolve_rank};
 use pipe_transport::quic::{Bound, QuicOptions};
 
 fn scratch(name: &str) -> std::path::PathBuf {
@@ -18,7 +18,7 @@ fn scratch(name: &str) -> std::path::PathBuf {
 fn an_initialised_cluster_connects_from_its_files() {
     let dir = scratch("connect");
     let addrs = vec!["127.0.0.1:0".to_string(), "127.0.0.1:0".to_string()];
-    ClusterFile::init(&dir, &addrs, 42).unwrap();
+    ClusterFile::init(&dir, &addrs, 42, Existing::Refuse).unwrap();
     let file = ClusterFile::load(&dir.join("cluster.toml")).unwrap();
     assert_eq!((file.run_id, file.size()), (42, 2));
     #[cfg(unix)]
@@ -55,7 +55,7 @@ fn an_initialised_cluster_connects_from_its_files() {
 #[test]
 fn malformed_cluster_files_are_refused_by_name() {
     let dir = scratch("bad");
-    ClusterFile::init(&dir, &["127.0.0.1:29400".to_string()], 1).unwrap();
+    ClusterFile::init(&dir, &["127.0.0.1:29400".to_string()], 1, Existing::Refuse).unwrap();
     let toml = dir.join("cluster.toml");
     let good = std::fs::read_to_string(&toml).unwrap();
     for (text, needle) in [
@@ -127,4 +127,108 @@ fn ranks_come_from_the_flag_or_the_launchers_variables() {
             .unwrap_err()
             .contains("cluster of 4")
     );
+}
+
+/// The bytes of every file under `dir`, by name: what a refused command must leave as it was.
+fn contents(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut all: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+#[test]
+fn init_refuses_an_existing_cluster_and_replaces_it_whole_when_forced() {
+    let dir = scratch("existing");
+    let two = ["127.0.0.1:29400".to_string(), "127.0.0.1:29401".to_string()];
+    ClusterFile::init(&dir, &two, 1, Existing::Refuse).unwrap();
+    let before = contents(&dir);
+    let e = ClusterFile::init(&dir, &two[..1], 2, Existing::Refuse)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not empty") && e.contains("--force"), "{e}");
+    assert_eq!(contents(&dir), before, "a refused init leaves every byte");
+    // Two ranks at one address are refused before anything is written.
+    let same = ["10.0.0.1:29400".to_string(), "10.0.0.1:29400".to_string()];
+    let e = ClusterFile::init(&dir, &same, 3, Existing::Replace)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("ranks 0 and 1") && e.contains("10.0.0.1:29400"),
+        "{e}"
+    );
+    assert_eq!(contents(&dir), before);
+    // Forced: one rank, a new CA, and no file of the old cluster left.
+    let file = ClusterFile::init(&dir, &two[..1], 4, Existing::Replace).unwrap();
+    assert_eq!((file.run_id, file.size()), (4, 1));
+    let names: Vec<String> = contents(&dir).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        ["ca.pem", "cluster.toml", "rank-0.key", "rank-0.pem"]
+    );
+    assert_ne!(std::fs::read(dir.join("ca.pem")).unwrap(), before[0].1);
+    let parent = dir.parent().unwrap();
+    let leftovers = std::fs::read_dir(parent)
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(".pipe-cluster-existing")
+        })
+        .count();
+    assert_eq!(
+        leftovers, 0,
+        "no staging or old directory is left beside it"
+    );
+    // A file naming two ranks at one address is refused when it is loaded.
+    let toml = dir.join("cluster.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    let doubled = format!(
+        "{text}\n[[worker]]\naddr = \"127.0.0.1:29400\"\ncert = \"rank-0.pem\"\nkey = \"rank-0.key\"\n"
+    );
+    std::fs::write(&toml, doubled).unwrap();
+    let e = ClusterFile::load(&toml).unwrap_err().to_string();
+    assert!(
+        e.contains("ranks 0 and 1 are both at 127.0.0.1:29400"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[cfg(unix)]
+#[test]
+fn a_cluster_file_or_certificate_that_is_a_fifo_is_refused_not_waited_on() {
+    let dir = scratch("fifo");
+    ClusterFile::init(&dir, &["127.0.0.1:29400".to_string()], 1, Existing::Refuse).unwrap();
+    let file = ClusterFile::load(&dir.join("cluster.toml")).unwrap();
+    std::fs::remove_file(dir.join("ca.pem")).unwrap();
+    let fifo = dir.join("ca.pem");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let e = file.credentials(0).unwrap_err().to_string();
+    assert!(e.contains("ca.pem") && e.contains("FIFO"), "{e}");
+    let toml = dir.join("cluster.toml");
+    std::fs::remove_file(&toml).unwrap();
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&toml)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let e = ClusterFile::load(&toml).unwrap_err().to_string();
+    assert!(e.contains("cluster.toml") && e.contains("FIFO"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -32,6 +32,25 @@ pub struct Hosts {
     pub between: Link,
 }
 
+/// The most characters a host name may have (DNS's limit).
+pub const MAX_HOST_NAME: usize = 255;
+
+/// Checks one host name as every reader of hosts does (`--hosts`, a cluster file's, a plan
+/// file's): 1 to [`MAX_HOST_NAME`] characters, so that a plan `pipe plan` writes is one
+/// `pipe train --plan` runs.
+///
+/// # Errors
+/// The message naming the problem.
+pub fn check_host_name(name: &str) -> std::result::Result<(), String> {
+    if name.is_empty() || name.len() > MAX_HOST_NAME {
+        return Err(format!(
+            "a host name must have 1 to {MAX_HOST_NAME} characters, got {}",
+            name.len()
+        ));
+    }
+    Ok(())
+}
+
 impl Hosts {
     /// Hosts that each take a number of workers, filled in turn in pipeline order.
     pub fn filled(hosts: &[(String, u32)], between: Link) -> Self {
@@ -86,8 +105,9 @@ impl Hosts {
         }
         let mut seen = std::collections::HashSet::new();
         for name in &self.names {
-            if name.is_empty() || !seen.insert(name.as_str()) {
-                return bad(format!("host '{name}' is unnamed or named twice"));
+            check_host_name(name).map_err(ScheduleError::Plan)?;
+            if !seen.insert(name.as_str()) {
+                return bad(format!("host '{name}' is named twice"));
             }
         }
         if self.of_worker.len() < workers as usize {

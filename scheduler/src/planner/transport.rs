@@ -109,14 +109,12 @@ impl TransportCost {
                         self.transport
                     ));
                 }
-                // A rate is bounded as a count of bytes.
-                let bounded_as = if name == "bandwidth" {
-                    "bandwidth bytes"
+                let checked = if name == "bandwidth" {
+                    crate::limits::check_bandwidth(name, v)
                 } else {
-                    name
+                    crate::limits::check_figure(name, v)
                 };
-                crate::limits::check_figure(bounded_as, v)
-                    .map_err(|why| format!("transport {}: {why}", self.transport))?;
+                checked.map_err(|why| format!("transport {}: {why}", self.transport))?;
             }
         }
         Ok(())
@@ -143,6 +141,17 @@ impl TransportCosts {
     /// The first bad figure.
     pub fn check(&self) -> Result<(), String> {
         self.transports.iter().try_for_each(TransportCost::check)
+    }
+
+    /// A transport cost file's text (JSON, as `pipe bench transport --costs-out` writes),
+    /// parsed and checked ([`TransportCosts::check`]).
+    ///
+    /// # Errors
+    /// The parser's message, or the first figure out of bounds.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let costs: TransportCosts = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        costs.check()?;
+        Ok(costs)
     }
 }
 

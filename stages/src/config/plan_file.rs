@@ -150,9 +150,9 @@ impl PlanFile {
                     hosts.len()
                 ));
             }
-            if hosts.iter().any(|h| h.is_empty() || h.len() > 255) {
-                return Err("a host name must have 1 to 255 characters".into());
-            }
+            hosts
+                .iter()
+                .try_for_each(|h| pipe_scheduler::planner::placement::check_host_name(h))?;
         }
         Ok(())
     }

@@ -108,6 +108,15 @@ impl TrainSettings {
                 None => clip_default,
             },
         };
+        if self.delay_correction_strength.is_some()
+            && optimizer.delay_correction == crate::optim::DelayCorrection::None
+        {
+            return Err(StageError::Config(
+                "--delay-correction-strength sets a delay correction's strength, and this run \
+                 has none: give one with --delay-correction"
+                    .into(),
+            ));
+        }
         optimizer.validate()?;
         Ok(optimizer)
     }

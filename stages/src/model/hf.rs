@@ -39,8 +39,30 @@ const MAX_SHARDS: usize = 100_000;
 /// saves and never weights: the only names a directory may hold that the model does not take.
 const BUFFER_SUFFIXES: [&str; 2] = [".attn.bias", ".attn.masked_bias"];
 
-/// Largest `model.safetensors` read (GPT-2 XL's f32 weights are 6.2 GB).
-pub const MAX_WEIGHTS_BYTES: u64 = 16 << 30;
+/// Header bytes a safetensors file may spend per tensor it holds (names, dtypes, shapes and
+/// offsets in JSON), with room to spare; and per file, besides.
+const HEADER_BYTES_PER_TENSOR: u64 = 4096;
+const HEADER_BYTES_PER_FILE: u64 = 1 << 20;
+
+/// The most bytes the weight files of `layout`'s model can take over `files` files: every
+/// parameter in f32 (the widest type read), GPT-2's attention buffers (a `context x context`
+/// mask per block, in f32 at the widest, and a scalar), and each file's header. A file past
+/// it is not this model's and is refused before it is read.
+fn weights_bound(model: &Model, layout: &Gpt2Layout, files: usize) -> u64 {
+    let table = model.param_table();
+    let elements: u64 = table
+        .iter()
+        .map(|e| e.shape.iter().map(|&d| d as u64).product::<u64>())
+        .sum();
+    let mask = (layout.context as u64).saturating_mul(layout.context as u64) + 1;
+    let buffers = (layout.blocks as u64).saturating_mul(mask);
+    let tensors = table.len() as u64 + 2 * layout.blocks as u64;
+    elements
+        .saturating_add(buffers)
+        .saturating_mul(4)
+        .saturating_add(HEADER_BYTES_PER_TENSOR * tensors)
+        .saturating_add(HEADER_BYTES_PER_FILE * files as u64)
+}
 
 fn hf_err(name: impl std::fmt::Display, reason: impl Into<String>) -> StageError {
     StageError::Data {
@@ -253,15 +275,15 @@ fn layout_of(model: &Model, spec: &ModelSpec) -> Result<Gpt2Layout> {
     Ok(layout)
 }
 
-/// Writes `params` of `model` (built from `spec`) into `out`, a directory that must not exist
-/// yet or be empty, as `transformers` saves it: `config.json`, and `model.safetensors` with
+/// Writes `params` of `model` (built from `spec`) into `out`, an empty directory (a
+/// [`crate::outputs::StagedDir`]'s, which the caller commits), as `transformers` saves it: `config.json`, and `model.safetensors` with
 /// `transformers`' names, or, with `max_shard_bytes`, shards of at most that many bytes of
 /// tensors each (a tensor larger than that alone in its shard, as `save_pretrained` does)
 /// with their index. Returns the layout and the files written.
 ///
 /// # Errors
-/// [`StageError::Model`] for a model that is not GPT-2-shaped; [`StageError::Data`] for an
-/// output directory that holds files, or when a file cannot be written.
+/// [`StageError::Model`] for a model that is not GPT-2-shaped; [`StageError::Data`] when a
+/// file cannot be written.
 pub fn export(
     model: &Model,
     spec: &ModelSpec,
@@ -281,7 +303,6 @@ pub fn export(
             t.shape().to_vec(),
         ));
     }
-    claim_empty_dir(out)?;
     let shards = shard_plan(&named, max_shard_bytes);
     let mut written = Vec::new();
     let mut write = |name: &str, data: &[u8]| {
@@ -327,27 +348,6 @@ pub fn export(
     Ok((layout, written))
 }
 
-/// Creates `out`, or takes it if it exists and is empty: an export owns its whole directory,
-/// so no file of an earlier export (a tokenizer, a shard) is left beside the new model.
-fn claim_empty_dir(out: &Path) -> Result<()> {
-    std::fs::create_dir_all(out)
-        .map_err(|e| hf_err(out.display(), format!("cannot create: {e}")))?;
-    let mut entries =
-        std::fs::read_dir(out).map_err(|e| hf_err(out.display(), format!("cannot read: {e}")))?;
-    if let Some(entry) = entries.next() {
-        let first: String =
-            entry.map_or_else(|_| "?".into(), |e| e.file_name().to_string_lossy().into());
-        return Err(hf_err(
-            out.display(),
-            format!(
-                "already holds files ({first}, ...): export into a new or empty directory, so \
-                 that no file of another model is left beside this one"
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// The tensors of each shard, in order: consecutive runs of at most `max` bytes each (one
 /// tensor alone where it is larger), or one shard of all without a limit.
 fn shard_plan(
@@ -387,6 +387,7 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
     let parsed: Index = serde_json::from_slice(&bytes)
         .map_err(|e| hf_err(index.display(), format!("not a safetensors index: {e}")))?;
     let mut files: Vec<String> = Vec::new();
+    let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
     for file in parsed.weight_map.values() {
         let plain = !file.is_empty()
             && file.ends_with(".safetensors")
@@ -398,7 +399,7 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
                 format!("names shard {file:?}, which is not a .safetensors file beside it"),
             ));
         }
-        if !files.contains(file) {
+        if seen.insert(file.as_str()) {
             if files.len() == MAX_SHARDS {
                 return Err(hf_err(
                     index.display(),
@@ -471,7 +472,7 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
     let (files, index) = weight_files(dir)?;
     // Every tensor of every file, under its full name, with the file it came from.
     let mut found: BTreeMap<String, (Tensor, PathBuf)> = BTreeMap::new();
-    let mut budget = MAX_WEIGHTS_BYTES;
+    let mut budget = weights_bound(model, &layout, files.len());
     for path in &files {
         let bytes = crate::limits::read_file(path, budget)?;
         budget -= bytes.len() as u64;

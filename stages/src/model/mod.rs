@@ -828,24 +828,59 @@ impl Model {
         grads: &Params,
         update: u64,
     ) -> Result<()> {
-        let tensors: Vec<(usize, usize, &Tensor)> = grads
-            .iter()
-            .enumerate()
-            .flat_map(|(i, layer)| layer.iter().enumerate().map(move |(slot, g)| (i, slot, g)))
-            .collect();
-        let refs: Vec<&Tensor> = tensors.iter().map(|&(_, _, g)| g).collect();
-        if let Some(&(i, slot, _)) = be.first_non_finite(&refs)?.and_then(|bad| tensors.get(bad)) {
-            let id = self.param_id(first + i, slot);
-            let name = self
-                .param_table()
-                .get(id)
-                .map_or_else(|| format!("layers.{}", first + i), |e| e.name.clone());
-            return Err(StageError::NonFinite {
+        match self.first_non_finite(be, first, grads)? {
+            Some(name) => Err(StageError::NonFinite {
                 what: format!("the gradient of {name}"),
                 update,
-            });
+            }),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The guard on weights: every value of `params` (layers `first..`) must be finite after
+    /// update `update` applied its step, so that no later update, evaluation or checkpoint
+    /// starts from a non-finite weight.
+    ///
+    /// # Errors
+    /// [`StageError::NonFinite`] naming the first parameter that is not, and `update`.
+    pub fn check_params(
+        &self,
+        be: &dyn Backend,
+        first: usize,
+        params: &Params,
+        update: u64,
+    ) -> Result<()> {
+        match self.first_non_finite(be, first, params)? {
+            Some(name) => Err(StageError::NonFinite {
+                what: format!("the parameter {name} after the optimizer's step"),
+                update,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The name of the first parameter of layers `first..` whose tensor in `tensors` holds a
+    /// value that is not finite, if one does.
+    fn first_non_finite(
+        &self,
+        be: &dyn Backend,
+        first: usize,
+        tensors: &Params,
+    ) -> Result<Option<String>> {
+        let slots: Vec<(usize, usize, &Tensor)> = tensors
+            .iter()
+            .enumerate()
+            .flat_map(|(i, layer)| layer.iter().enumerate().map(move |(slot, t)| (i, slot, t)))
+            .collect();
+        let refs: Vec<&Tensor> = slots.iter().map(|&(_, _, t)| t).collect();
+        let Some(&(i, slot, _)) = be.first_non_finite(&refs)?.and_then(|bad| slots.get(bad)) else {
+            return Ok(None);
+        };
+        let id = self.param_id(first + i, slot);
+        Ok(Some(self.param_table().get(id).map_or_else(
+            || format!("layers.{}", first + i),
+            |e| e.name.clone(),
+        )))
     }
 
     /// Sums the gradients of every use of each tied parameter and gives every use the sum.

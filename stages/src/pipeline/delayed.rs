@@ -327,6 +327,7 @@ impl DelayedWorker<'_> {
         let lr = self.lr.at(step) * scale;
         self.opt
             .step(be, &mut self.params, &mut self.grads, mean, lr)?;
+        model.check_params(be, 0, &self.params, step + 1)?;
         Ok((loss, rows, grad_norm))
     }
 }

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender, unbounded};
 use pipe_transport::TransportKind;
-use pipe_transport::cluster::ClusterFile;
+use pipe_transport::cluster::{ClusterFile, Existing};
 use pipe_transport::fault::Fault;
 use pipe_transport::kinds::{self, Joined, Listen, MeshSettings};
 use serde::{Deserialize, Serialize};
@@ -599,7 +599,8 @@ pub fn launch(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
         ^ u64::from(std::process::id()).rotate_left(40);
-    ClusterFile::init(&dir.0, &vec!["127.0.0.1:0".to_string(); n as usize], run_id)?;
+    let addrs = vec!["127.0.0.1:0".to_string(); n as usize];
+    ClusterFile::init(&dir.0, &addrs, run_id, Existing::Refuse)?;
     for (name, contents) in files {
         std::fs::write(dir.0.join(name), contents)
             .map_err(|e| failed(format!("writing {name} for the workers: {e}")))?;
@@ -772,8 +773,14 @@ pub fn join(
         addr,
         meet: opts.meet,
     };
-    let bound = kinds::bind(kind, cluster, rank, &at, &opts.settings)
-        .map_err(|e| failed(format!("worker {rank} binding {kind} at {addr}: {e}")))?;
+    let bound = kinds::bind(kind, cluster, rank, &at, &opts.settings).map_err(|e| {
+        // A credential file that cannot be read or parsed is the user's to fix.
+        let bad_input = matches!(e, pipe_transport::TransportError::BadFile(_));
+        StageError::Launch {
+            why: format!("worker {rank} binding {kind} at {addr}: {e}"),
+            bad_input,
+        }
+    })?;
     let peers = match launched {
         Some(stop) => {
             announce(&bound.address()?)?;

@@ -94,6 +94,9 @@ pub(super) struct EpochEnd<'p> {
     pub done: u64,
     /// Its wall time.
     pub secs: f64,
+    /// The test loss and accuracy of the weights at its end (evaluated before its
+    /// checkpoint).
+    pub test: (f64, f64),
 }
 
 /// What every epoch of a run shares.
@@ -390,6 +393,8 @@ pub(crate) struct LoopEnd {
     pub stopped: Option<u64>,
     /// The last segment's plan (none on a follower, or when nothing ran).
     pub last: Option<RunPlan>,
+    /// The test loss and accuracy of the epoch that just ended, evaluated at its drain point.
+    pub epoch_test: Option<(f64, f64)>,
 }
 
 impl LoopEnd {
@@ -402,6 +407,7 @@ impl LoopEnd {
             written: Vec::new(),
             stopped: None,
             last: None,
+            epoch_test: None,
         }
     }
 }
@@ -455,6 +461,10 @@ fn drain_after_segment(
     let (weights, optimizer) = coord.drain(at.plan, drain)?;
     if let Some(weights) = weights {
         end.params = weights;
+    }
+    if at.epoch_end {
+        // Before the epoch's checkpoint: weights whose test loss is not finite are never kept.
+        end.epoch_test = Some(run.evaluate(&end.params, data, eval_be, end.done)?);
     }
     if eval {
         obs.on_eval(&run.evaluate_between(&end.params, data, eval_be, (at.epoch, end.done))?)?;
@@ -552,14 +562,19 @@ pub(crate) fn run_segments(
             end.last = Some(plan);
             break;
         }
+        let test = match end.epoch_test.take() {
+            Some(test) => test,
+            None => run.evaluate(&end.params, data, &eval_be, end.done)?,
+        };
         let ended = EpochEnd {
             plan: &plan,
             outcomes: &acc,
             epoch,
             done: end.done,
             secs,
+            test,
         };
-        let stats = run.finish_epoch(&ended, &end.params, data, &eval_be, obs)?;
+        let stats = run.finish_epoch(&ended, obs)?;
         end.epochs.push(stats);
         end.last = Some(plan);
     }
@@ -1273,8 +1288,6 @@ impl<'c> Run<'c> {
         f(&setup)
     }
 
-    /// The end of an epoch on the chief: reports its steps, evaluates the assembled `params`
-    /// on the test split, and reports the epoch.
     /// The validation pass of `--eval-every` after `steps` updates of `epoch`: the epoch end's
     /// evaluation of `params`, between epochs.
     fn evaluate_between(
@@ -1284,7 +1297,7 @@ impl<'c> Run<'c> {
         eval_be: &CpuBackend,
         (epoch, steps): (u64, u64),
     ) -> Result<EvalStats> {
-        let (test_loss, test_accuracy) = self.evaluate(params, data, eval_be)?;
+        let (test_loss, test_accuracy) = self.evaluate(params, data, eval_be, steps)?;
         Ok(EvalStats {
             epoch,
             steps,
@@ -1294,23 +1307,40 @@ impl<'c> Run<'c> {
         })
     }
 
-    /// The test (validation) loss and accuracy of `params`.
-    fn evaluate(&self, params: &Params, data: &Splits, eval_be: &CpuBackend) -> Result<(f64, f64)> {
-        evaluate(
+    /// The test (validation) loss and accuracy of `params`, the weights after update `done`.
+    ///
+    /// # Errors
+    /// [`StageError::NonFinite`] naming update `done` when the loss is not finite: weights
+    /// that overflow the forward are a diverged run, which no run ends 0 with and no
+    /// checkpoint holds (the epoch's evaluation comes before its checkpoint).
+    fn evaluate(
+        &self,
+        params: &Params,
+        data: &Splits,
+        eval_be: &CpuBackend,
+        done: u64,
+    ) -> Result<(f64, f64)> {
+        let (loss, accuracy) = evaluate(
             eval_be as &dyn Backend,
             &self.model,
             params,
             &data.test,
             crate::train::EVAL_BATCH,
-        )
+        )?;
+        if !loss.is_finite() {
+            return Err(StageError::NonFinite {
+                what: format!("the test loss of the weights after it ({loss})"),
+                update: done,
+            });
+        }
+        Ok((loss, accuracy))
     }
 
+    /// The end of an epoch on the chief: its figures (with the test loss and accuracy its
+    /// drain point evaluated), reported to `obs`.
     pub(super) fn finish_epoch(
         &self,
         ended: &EpochEnd<'_>,
-        params: &Params,
-        data: &Splits,
-        eval_be: &CpuBackend,
         obs: &mut dyn Observer,
     ) -> Result<EpochStats> {
         let (loss, samples) = ended.outcomes.iter().fold((0.0f64, 0usize), |(l, n), o| {
@@ -1319,7 +1349,7 @@ impl<'c> Run<'c> {
         let train_loss = loss / samples.max(1) as f64;
         // Loss rows: samples, or tokens of a language model.
         let samples = samples / self.targets;
-        let (test_loss, test_accuracy) = self.evaluate(params, data, eval_be)?;
+        let (test_loss, test_accuracy) = ended.test;
         let e = EpochStats {
             epoch: ended.epoch,
             train_loss,

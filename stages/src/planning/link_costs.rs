@@ -70,16 +70,20 @@ pub fn key() -> CacheKey {
 }
 
 /// Measures every transport's link costs over [`ROUNDS`] rounds and keeps them in pipe's
-/// cache, where the planner reads them. Returns them, with the cache file (none: no cache
-/// directory).
+/// cache, where the planner reads them. Returns them, with the cache file, or why they were
+/// not kept (no cache directory, or one that cannot be written: the figures are still
+/// good, as `pipe plan` and `pipe train` carry on with them).
 ///
 /// # Errors
-/// As [`measure`]; the cache entry cannot be written.
-pub fn measure_and_keep() -> Result<(TransportCosts, Option<std::path::PathBuf>)> {
+/// As [`measure`].
+pub fn measure_and_keep() -> Result<(
+    TransportCosts,
+    std::result::Result<std::path::PathBuf, String>,
+)> {
     let measured = measure(ROUNDS)?;
     let kept = match crate::cache::Cache::open() {
-        Some(cache) => Some(cache.put(&key(), &measured)?),
-        None => None,
+        Some(cache) => cache.put(&key(), &measured).map_err(|e| e.to_string()),
+        None => Err("no cache directory (set PIPE_CACHE_DIR)".into()),
     };
     Ok((measured, kept))
 }
@@ -250,12 +254,8 @@ fn pick(costs: &TransportCosts, kind: TransportKind, source: &str) -> Result<Tra
 /// Bad input naming the file and the problem.
 pub fn read_cost_file(path: &Path) -> Result<TransportCosts> {
     let text = crate::limits::read_text_file(path, "transport cost file")?;
-    let costs: TransportCosts = serde_json::from_str(&text)
-        .map_err(|e| StageError::Config(format!("transport cost file {}: {e}", path.display())))?;
-    costs
-        .check()
-        .map_err(|e| StageError::Config(format!("transport cost file {}: {e}", path.display())))?;
-    Ok(costs)
+    TransportCosts::parse(&text)
+        .map_err(|e| StageError::Config(format!("transport cost file {}: {e}", path.display())))
 }
 
 /// This machine's costs for `kind`, cached or measured now, and where they came from.

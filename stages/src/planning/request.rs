@@ -164,11 +164,22 @@ type ChargedLink = (TransportCost, String);
 /// (default 10 GB/s and QUIC's one-way time), charged QUIC's processor time.
 fn links_and_hosts(
     args: &PlanRequest,
+    workers: u32,
     charged: &mut Vec<String>,
 ) -> Result<(Option<ChargedLink>, Option<Hosts>)> {
     let Some(list) = args.placement.parse()? else {
         return Ok((args.link.load()?, None));
     };
+    // A cluster runs one worker per rank: a plan for fewer would be refused by the run.
+    if let super::hosts::HostList::Ranks(ranks) = &list {
+        if ranks.len() != workers as usize {
+            return Err(StageError::Config(format!(
+                "the cluster file has {} ranks and the plan {workers} workers: a run takes \
+                 one worker per rank",
+                ranks.len()
+            )));
+        }
+    }
     let within = args.link.load_or(TransportKind::SHM)?;
     let (quic, source) = args.link.load_kind(TransportKind::QUIC)?;
     let between = Link {
@@ -403,7 +414,7 @@ impl PlanRequest {
             ));
         }
         let mut charged = Vec::new();
-        let (link, hosts) = links_and_hosts(self, &mut charged)?;
+        let (link, hosts) = links_and_hosts(self, workers, &mut charged)?;
         if let Some((cost, source)) = &link {
             charged.push(super::link_costs::describe(cost, source));
         }

@@ -127,17 +127,13 @@ impl Profiling {
         let key = profile_key(model, name, be, opts, microbatches);
         if let (Some(cache), false) = (&self.cache, self.reprofile) {
             match cache.get::<Profile>(&key, MAX_AGE) {
-                Lookup::Hit { value, path } if value.check().is_ok() => {
-                    self.tell(&ProfileEvent::Reused { path });
-                    return Ok(value);
-                }
-                Lookup::Hit { path, value } => {
-                    let why = value
-                        .check()
-                        .err()
-                        .map_or_else(String::new, |e| e.to_string());
-                    self.tell(&ProfileEvent::Ignored { path, why });
-                }
+                Lookup::Hit { value, path } => match profile_fits(&value, model, opts) {
+                    Ok(()) => {
+                        self.tell(&ProfileEvent::Reused { path });
+                        return Ok(value);
+                    }
+                    Err(why) => self.tell(&ProfileEvent::Ignored { path, why }),
+                },
                 Lookup::Ignored { path, why } => self.tell(&ProfileEvent::Ignored { path, why }),
                 Lookup::Missing { .. } => {}
             }
@@ -167,6 +163,43 @@ impl Profiling {
         });
         Ok(profile)
     }
+}
+
+/// Whether a cached `profile` can stand for `model` under `opts`: well formed, one entry per
+/// layer of the model, each of that layer's kind, at the microbatch size asked for. An entry
+/// under the right key that fails is ignored and measured again, never used.
+///
+/// # Errors
+/// What does not fit, in words.
+fn profile_fits(
+    profile: &Profile,
+    model: &Model,
+    opts: &ProfileOptions,
+) -> std::result::Result<(), String> {
+    profile.check().map_err(|e| e.to_string())?;
+    if profile.layers.len() != model.len() {
+        return Err(format!(
+            "it profiles {} layers, the model has {}",
+            profile.layers.len(),
+            model.len()
+        ));
+    }
+    if profile.microbatch_size != opts.microbatch_size {
+        return Err(format!(
+            "it was measured at microbatch size {}, not {}",
+            profile.microbatch_size, opts.microbatch_size
+        ));
+    }
+    for (i, l) in profile.layers.iter().enumerate() {
+        let want = format!("{i}:{}", model.layer(i).kind());
+        if l.name != want {
+            return Err(format!(
+                "its layer {i} is {}, the model's is {want}",
+                l.name
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The key of `model`'s profile on `be` under `opts` for a run of `microbatches` per update

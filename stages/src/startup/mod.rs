@@ -38,8 +38,8 @@ use crate::planning::memory::WorkerMemory;
 
 pub use launch::{LaunchControls, RunEnd, launch};
 pub use steps::{
-    adopt_checkpoint_buckets, check_memory, check_memory_floor, check_rejoin, read_data, replan,
-    resolve, resume_from, settle_partition,
+    adopt_checkpoint_buckets, check_checkpoint_dir, check_memory, check_memory_floor, check_rejoin,
+    read_data, replan, resolve, resume_from, settle_partition,
 };
 pub use worker::{OwnSettings, PreparedWorker, WorkerSources, prepare_worker};
 
@@ -220,6 +220,8 @@ pub fn prepare(
             checkpoint: ckpt,
         });
     }
+    let resumed = resume.as_ref().map(|(dir, _)| dir.as_path());
+    check_checkpoint_dir(options.checkpoint_dir.as_deref(), resumed)?;
     if options.seed_checkpoint {
         return Ok(PreparedRun {
             cfg,

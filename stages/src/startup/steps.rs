@@ -158,6 +158,52 @@ pub fn resume_from(
     Ok(Some(crate::checkpoint::read(&path, model)?))
 }
 
+/// Refuses a checkpoint directory whose checkpoints this run would replace or prune without
+/// being asked: any, for a run that does not continue them (a fresh run, a seed checkpoint, a
+/// run resumed from elsewhere); and the later ones, for a run resumed from an older checkpoint
+/// inside it. A run that resumes the checkpoint the directory's `latest` names (what
+/// `--resume latest` and `auto` take) continues the directory's own run.
+///
+/// # Errors
+/// Bad input naming the directory, its latest checkpoint, and what to give instead.
+pub fn check_checkpoint_dir(dir: Option<&Path>, resumed: Option<&Path>) -> Result<()> {
+    let Some(dir) = dir else {
+        return Ok(());
+    };
+    let Some((_, newest)) = crate::checkpoint::list(dir).pop() else {
+        return Ok(());
+    };
+    let current = crate::checkpoint::resolve(dir).unwrap_or(newest);
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    let shown = |p: &Path| {
+        p.file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into())
+    };
+    match resumed {
+        Some(from) if same(from, &current) => Ok(()),
+        Some(from) if from.parent().is_some_and(|p| same(p, dir)) => {
+            Err(StageError::Input(format!(
+                "--resume {} is not the latest checkpoint of --checkpoint-dir {} ({}): this run \
+             would replace the later ones; resume the latest (--resume latest), or write \
+             this run's checkpoints into a new directory",
+                from.display(),
+                dir.display(),
+                shown(&current)
+            )))
+        }
+        _ => Err(StageError::Input(format!(
+            "--checkpoint-dir {} holds another run's checkpoints (latest: {}), which this run \
+             would replace: continue that run with --resume auto, or give this run a new \
+             directory",
+            dir.display(),
+            shown(&current)
+        ))),
+    }
+}
+
 /// Takes the bucket sizes the run a checkpoint continues chose, by the adoption rule
 /// ([`buckets::adopt_recorded`], [`RunConfig::adopt_buckets_of`]).
 pub fn adopt_checkpoint_buckets(

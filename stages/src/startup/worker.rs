@@ -178,11 +178,10 @@ fn own_settings(
         None => OwnSettings {
             metrics: launch.metrics_addr,
             resume: if chief {
-                super::resume_from(
-                    launch.resume.as_deref(),
-                    launch.checkpoint_dir.as_deref(),
-                    model,
-                )?
+                let dir = launch.checkpoint_dir.as_deref();
+                let resume = super::resume_from(launch.resume.as_deref(), dir, model)?;
+                super::check_checkpoint_dir(dir, resume.as_ref().map(|(d, _)| d.as_path()))?;
+                resume
             } else {
                 None
             },

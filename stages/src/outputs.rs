@@ -1,0 +1,140 @@
+//! Directories a command writes whole (an export, a cluster's credentials): claimed only when
+//! missing or empty, filled in a staging directory beside them, and renamed into place once
+//! every file is written. A command that fails part-way (a bad input found late, a full disk)
+//! leaves the target as it was: no half-written output for a corrected command to trip over,
+//! and no file of the user's replaced without being asked.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Result, StageError};
+
+/// An output directory being written ([`StagedDir::claim_empty`]); dropped without
+/// [`StagedDir::commit`], it removes what it staged and leaves the target untouched.
+#[derive(Debug)]
+pub struct StagedDir {
+    target: PathBuf,
+    staging: PathBuf,
+    committed: bool,
+}
+
+impl StagedDir {
+    /// Claims `target` for a writer that owns its whole directory: it must be missing or
+    /// empty (`what` names the writer in the refusal). Files go into [`StagedDir::path`].
+    ///
+    /// # Errors
+    /// Bad input naming `target` when it holds files, or when the staging directory beside
+    /// it cannot be made.
+    pub fn claim_empty(target: &Path, what: &str) -> Result<Self> {
+        let first_entry = std::fs::read_dir(target)
+            .ok()
+            .and_then(|mut entries| entries.next());
+        if let Some(entry) = first_entry {
+            let first: String =
+                entry.map_or_else(|_| "?".into(), |e| e.file_name().to_string_lossy().into());
+            return Err(StageError::Input(format!(
+                "{}: already holds files ({first}, ...): {what} into a new or empty directory, \
+                 so that no file of yours is replaced and none of another output is left beside \
+                 this one",
+                target.display()
+            )));
+        }
+        if target.exists() && !target.is_dir() {
+            return Err(StageError::Input(format!(
+                "{}: not a directory",
+                target.display()
+            )));
+        }
+        let name = target.file_name().ok_or_else(|| {
+            StageError::Input(format!("{}: not a directory name", target.display()))
+        })?;
+        let parent = match target.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let staging = parent.join(format!(
+            ".{}.partial-{}",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&staging);
+        std::fs::create_dir_all(&staging)
+            .map_err(|e| StageError::Input(format!("{}: cannot create: {e}", staging.display())))?;
+        // What replaces an empty target keeps its permissions.
+        if let Ok(meta) = std::fs::metadata(target) {
+            let _ = std::fs::set_permissions(&staging, meta.permissions());
+        }
+        Ok(StagedDir {
+            target: target.to_path_buf(),
+            staging,
+            committed: false,
+        })
+    }
+
+    /// Where the files go until [`StagedDir::commit`].
+    pub fn path(&self) -> &Path {
+        &self.staging
+    }
+
+    /// The directory the output ends in.
+    pub fn target(&self) -> &Path {
+        &self.target
+    }
+
+    /// Renames the staged directory into place (over the empty target, if one was there).
+    ///
+    /// # Errors
+    /// Bad input naming the target when the rename fails (the target filled meanwhile, or
+    /// another file system).
+    pub fn commit(mut self) -> Result<PathBuf> {
+        let _ = std::fs::remove_dir(&self.target);
+        std::fs::rename(&self.staging, &self.target).map_err(|e| {
+            StageError::Input(format!(
+                "{}: cannot move the output into place: {e}",
+                self.target.display()
+            ))
+        })?;
+        self.committed = true;
+        Ok(self.target.clone())
+    }
+}
+
+impl Drop for StagedDir {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_dir_all(&self.staging);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_staged_directory_appears_whole_or_not_at_all() {
+        let root = std::env::temp_dir().join(format!("pipe-outputs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        let out = root.join("out");
+        // Dropped before committing: nothing is left, not even the staging directory.
+        let staged = StagedDir::claim_empty(&out, "write").unwrap();
+        std::fs::write(staged.path().join("a"), b"1").unwrap();
+        drop(staged);
+        assert!(!out.exists());
+        assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0);
+        // Committed over an empty directory.
+        std::fs::create_dir(&out).unwrap();
+        let staged = StagedDir::claim_empty(&out, "write").unwrap();
+        std::fs::write(staged.path().join("a"), b"1").unwrap();
+        assert_eq!(staged.commit().unwrap(), out);
+        assert_eq!(std::fs::read(out.join("a")).unwrap(), b"1");
+        // A directory that holds files is refused, and kept as it was.
+        let e = StagedDir::claim_empty(&out, "write")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("already holds files (a, ...)"), "{e}");
+        assert_eq!(std::fs::read(out.join("a")).unwrap(), b"1");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

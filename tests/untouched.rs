@@ -1,0 +1,272 @@
+//! What a refused command leaves: every byte that was there before. A fresh run beside another
+//! run's checkpoints, a seed checkpoint into them, and each writer (export, cluster init, plan
+//! `-o`, a checkpoint, tokenize) given one bad input among its inputs are refused, and the
+//! directory tree they would have written into has the same digest after as before. And a run
+//! whose update goes non-finite fails, naming the update, with no checkpoint of it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+mod common;
+use common::{ok, pipe, refused, s};
+
+/// A directory of this test's own, empty.
+fn fresh(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pipe-untouched-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// SHA-256 over every path under `root` (relative, sorted) with its kind and contents, and
+/// its permission bits: two trees with one digest hold the same files with the same bytes.
+fn tree_digest(root: &Path) -> String {
+    fn walk(dir: &Path, root: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().collect();
+        entries.sort_by_key(std::fs::DirEntry::file_name);
+        for e in entries {
+            let path = e.path();
+            let rel = path.strip_prefix(root).unwrap().display().to_string();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            #[cfg(unix)]
+            let mode = std::os::unix::fs::PermissionsExt::mode(&meta.permissions());
+            #[cfg(not(unix))]
+            let mode = 0;
+            if meta.is_dir() {
+                out.push((format!("{rel}/ {mode:o}"), Vec::new()));
+                walk(&path, root, out);
+            } else {
+                out.push((format!("{rel} {mode:o}"), std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    let mut all = Vec::new();
+    walk(root, root, &mut all);
+    let mut h = Sha256::new();
+    for (name, bytes) in &all {
+        h.update(name.as_bytes());
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    format!("{:x} ({} entries)", h.finalize(), all.len())
+}
+
+/// Runs `args`, which must be refused as bad input naming `needle`, and asserts that `root`
+/// is byte for byte what it was.
+#[track_caller]
+fn refused_untouched(root: &Path, args: &[&str], needle: &str) {
+    let before = tree_digest(root);
+    refused(&pipe(args), &[needle]);
+    assert_eq!(
+        tree_digest(root),
+        before,
+        "pipe {args:?} changed {}",
+        root.display()
+    );
+}
+
+#[test]
+fn a_run_beside_another_runs_checkpoints_leaves_them_as_they_were() {
+    let d = fresh("checkpoints");
+    let ck = d.join("ck");
+    let every = [
+        "--threads",
+        "1",
+        "--checkpoint-dir",
+        s(&ck),
+        "--checkpoint-every",
+        "1",
+    ];
+    ok(&pipe(&[&["train", "--steps", "3"], &every[..]].concat()));
+    // A fresh run, another model's fresh run, a seed checkpoint, and a run resumed from an
+    // older checkpoint inside the directory (it would replace the later ones).
+    let other_model = ["train", "--model", "mlp-784-32-10", "--steps", "1"];
+    let older = ck.join("ckpt-00000002");
+    for (args, needle) in [
+        (
+            &["train", "--steps", "1"][..],
+            "holds another run's checkpoints",
+        ),
+        (&other_model[..], "holds another run's checkpoints"),
+        (
+            &["train", "--seed-checkpoint"][..],
+            "continue that run with --resume auto",
+        ),
+        (
+            &["train", "--steps", "5", "--resume", s(&older)][..],
+            "is not the latest checkpoint",
+        ),
+    ] {
+        refused_untouched(&d, &[args, &every[..]].concat(), needle);
+    }
+    // The run itself continues: the checkpoint `latest` names is resumed and written past.
+    let resumed = ok(&pipe(
+        &[
+            &["train", "--steps", "4", "--resume", "auto"][..],
+            &every[..],
+        ]
+        .concat(),
+    ));
+    assert!(resumed.contains("resuming from"), "{resumed}");
+    assert!(ck.join("ckpt-00000004").is_dir());
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn each_writer_with_one_bad_input_writes_nothing() {
+    let d = fresh("writers");
+    let ck = d.join("ck");
+    ok(&pipe(&[
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--checkpoint-dir",
+        s(&ck),
+    ]));
+    let bad_tokenizer = d.join("tokenizer.json");
+    std::fs::write(&bad_tokenizer, "{ not a tokenizer").unwrap();
+    let out = d.join("export");
+    let export = |tokenizer: &Path| {
+        vec![
+            "export".to_string(),
+            "--checkpoint".into(),
+            s(&ck).into(),
+            "--format".into(),
+            "hf".into(),
+            "--out".into(),
+            s(&out).into(),
+            "--tokenizer".into(),
+            s(tokenizer).into(),
+        ]
+    };
+    let args = export(&bad_tokenizer);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    // The output directory missing, then empty: neither gains a file.
+    refused_untouched(&d, &args, "tokenizer.json");
+    assert!(!out.exists(), "no export directory is left behind");
+    std::fs::create_dir(&out).unwrap();
+    refused_untouched(&d, &args, "tokenizer.json");
+    // An export into a directory that holds a file of the user's.
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    let good = export(Path::new("/nonexistent-tokenizer.json"));
+    let mut good: Vec<&str> = good.iter().map(String::as_str).collect();
+    good.truncate(good.len() - 2);
+    refused_untouched(&d, &good, "already holds files (notes.txt, ...)");
+    std::fs::remove_file(out.join("notes.txt")).unwrap();
+    ok(&pipe(&good));
+    assert!(out.join("model.safetensors").is_file());
+
+    // A cluster over a cluster, and a new one with two ranks at one address.
+    let cluster = d.join("cluster");
+    ok(&pipe(&[
+        "cluster",
+        "init",
+        "--workers",
+        "2",
+        "--out",
+        s(&cluster),
+    ]));
+    refused_untouched(
+        &d,
+        &["cluster", "init", "--workers", "2", "--out", s(&cluster)],
+        "is not empty",
+    );
+    refused_untouched(
+        &d,
+        &[
+            "cluster",
+            "init",
+            "--workers",
+            "2",
+            "--addrs",
+            "10.0.0.1:1,10.0.0.1:1",
+            "--out",
+            s(&cluster),
+            "--force",
+        ],
+        "ranks 0 and 1 are both at 10.0.0.1:1",
+    );
+
+    // A plan file of the user's, and a plan whose cost file is bad.
+    let plan = d.join("plan.toml");
+    std::fs::write(&plan, "# the user's\n").unwrap();
+    let costs = d.join("costs.json");
+    std::fs::write(&costs, "not json").unwrap();
+    refused_untouched(
+        &d,
+        &[
+            "plan",
+            "--model",
+            "mlp-784-32-10",
+            "--workers",
+            "2",
+            "--transport",
+            "shm",
+            "--transport-costs",
+            s(&costs),
+            "-o",
+            s(&plan),
+        ],
+        "transport cost file",
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn an_update_that_goes_non_finite_fails_naming_it_with_no_checkpoint_of_it() {
+    // At 1e30 the weights after update 1 are finite but overflow the forward: the epoch's
+    // evaluation (before its checkpoint) finds it. Update 2's loss finds it mid-epoch.
+    for (stages, steps, needle) in [
+        (
+            "1",
+            "1",
+            "the test loss of the weights after it (NaN) is not finite at update 1",
+        ),
+        (
+            "2",
+            "1",
+            "the test loss of the weights after it (NaN) is not finite at update 1",
+        ),
+        (
+            "1",
+            "3",
+            "the loss of microbatch 1 is not finite at update 2",
+        ),
+    ] {
+        let d = fresh(&format!("non-finite-{stages}-{steps}"));
+        let ck = d.join("ck");
+        let out = pipe(&[
+            "train",
+            "--stages",
+            stages,
+            "--lr",
+            "1e30",
+            "--steps",
+            steps,
+            "--threads",
+            "1",
+            "--checkpoint-dir",
+            s(&ck),
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(needle), "{err}");
+        // No checkpoint of the weights that went non-finite.
+        let kept: Vec<_> = std::fs::read_dir(&ck)
+            .map(|r| r.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(
+            kept.iter()
+                .all(|n| !n.to_string_lossy().starts_with("ckpt-")),
+            "{kept:?}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
