@@ -10,7 +10,7 @@ use common::{bits, load};
 use pipe_kernels::{Backend, CpuBackend, Tensor};
 use pipe_stages::config::{ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::data::Splits;
-use pipe_stages::model::{Model, Params};
+use pipe_stages::model::{Guarded, Model, Params};
 use pipe_stages::optim::{LrScheduleKind, NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
@@ -514,14 +514,18 @@ fn the_finiteness_guards_name_the_first_non_finite_parameter_and_the_update() {
     let model = Model::new(&pipe_stages::model::ModelSpec::preset("mlp-20-30-5").unwrap()).unwrap();
     let be = CpuBackend::new(1).unwrap();
     let mut params = model.init_params(1);
-    model.check_params(&be, 0, &params, 7).unwrap();
-    model.check_gradients(&be, 0, &params, 7).unwrap();
+    model
+        .check_finite(&be, (0, &params), Guarded::Weights, 7)
+        .unwrap();
+    model
+        .check_finite(&be, (0, &params), Guarded::Gradients, 7)
+        .unwrap();
     for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
         let mut values = params[3][0].host().unwrap().to_vec();
         values[17] = bad;
         params[3][0] = Tensor::from_vec(params[3][0].shape(), values).unwrap();
         let e = model
-            .check_params(&be, 0, &params, 7)
+            .check_finite(&be, (0, &params), Guarded::Weights, 7)
             .unwrap_err()
             .to_string();
         assert!(
@@ -531,13 +535,14 @@ fn the_finiteness_guards_name_the_first_non_finite_parameter_and_the_update() {
             "{e}"
         );
         let e = model
-            .check_gradients(&be, 0, &params, 7)
+            .check_finite(&be, (0, &params), Guarded::Gradients, 7)
             .unwrap_err()
             .to_string();
         assert!(e.contains("the gradient of layers.3.weight"), "{e}");
         // A stage's own layers, numbered from its first: the same name.
+        let stage = params[3..].to_vec();
         let e = model
-            .check_params(&be, 3, &params[3..].to_vec(), 2)
+            .check_finite(&be, (3, &stage), Guarded::Weights, 2)
             .unwrap_err()
             .to_string();
         assert!(

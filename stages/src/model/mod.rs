@@ -46,6 +46,15 @@ pub type Params = Vec<Vec<Tensor>>;
 /// and the range's gradients, of which that layer's and every later one's are complete.
 pub type GradientsReady<'h> = dyn FnMut(usize, &mut [Vec<Tensor>]) -> Result<()> + 'h;
 
+/// What [`Model::check_finite`] guards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Guarded {
+    /// An update's gradients, before its step applies them.
+    Gradients,
+    /// The weights after an update's step.
+    Weights,
+}
+
 /// A [`GradientsReady`] for a backward nobody waits on.
 ///
 /// # Errors
@@ -816,47 +825,30 @@ impl Model {
         Ok(sum)
     }
 
-    /// The guard on gradients: every value of `grads` (the gradients of layers `first..`)
-    /// must be finite before an update applies them.
+    /// The guard on a stage's tensors: every value of `tensors` (one list per layer, from
+    /// layer `first`) must be finite: the gradients before update `update` applies them, the
+    /// weights after its step, so that no later update, evaluation or checkpoint starts from
+    /// a value that is not.
     ///
     /// # Errors
-    /// [`StageError::NonFinite`] naming the first parameter whose gradient is not, and `update`.
-    pub fn check_gradients(
+    /// [`StageError::NonFinite`] naming the first parameter whose tensor is not, and `update`.
+    pub fn check_finite(
         &self,
         be: &dyn Backend,
-        first: usize,
-        grads: &Params,
+        (first, tensors): (usize, &Params),
+        what: Guarded,
         update: u64,
     ) -> Result<()> {
-        match self.first_non_finite(be, first, grads)? {
-            Some(name) => Err(StageError::NonFinite {
-                what: format!("the gradient of {name}"),
-                update,
-            }),
-            None => Ok(()),
-        }
-    }
-
-    /// The guard on weights: every value of `params` (layers `first..`) must be finite after
-    /// update `update` applied its step, so that no later update, evaluation or checkpoint
-    /// starts from a non-finite weight.
-    ///
-    /// # Errors
-    /// [`StageError::NonFinite`] naming the first parameter that is not, and `update`.
-    pub fn check_params(
-        &self,
-        be: &dyn Backend,
-        first: usize,
-        params: &Params,
-        update: u64,
-    ) -> Result<()> {
-        match self.first_non_finite(be, first, params)? {
-            Some(name) => Err(StageError::NonFinite {
-                what: format!("the parameter {name} after the optimizer's step"),
-                update,
-            }),
-            None => Ok(()),
-        }
+        let Some(name) = self.first_non_finite(be, first, tensors)? else {
+            return Ok(());
+        };
+        Err(StageError::NonFinite {
+            what: match what {
+                Guarded::Gradients => format!("the gradient of {name}"),
+                Guarded::Weights => format!("the parameter {name} after the optimizer's step"),
+            },
+            update,
+        })
     }
 
     /// The name of the first parameter of layers `first..` whose tensor in `tensors` holds a

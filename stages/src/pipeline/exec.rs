@@ -17,7 +17,7 @@ use super::clip::ClipState;
 use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
-use crate::model::{GradientsReady, Params, place_params};
+use crate::model::{GradientsReady, Guarded, Params, place_params};
 use crate::optim::{Corrected, OptimizerConfig, UpdateMean};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
@@ -659,17 +659,14 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let minibatch = u64::from(setup.plan.schedule.resolved.minibatch.max(1));
         let first_mb = setup.microbatch_offset + u64::from(update) * u64::from(run.update_size);
         let run_update = first_mb / minibatch + 1;
-        setup
-            .model
-            .check_gradients(be, run.layers.start, &run.grads, run_update)?;
+        let layers = run.layers.start;
+        (setup.model).check_finite(be, (layers, &run.grads), Guarded::Gradients, run_update)?;
         let lr = (setup.lr)(stage, update);
         let old = run.velocity.as_ref().map(|_| p.clone());
         let mean = UpdateMean::of(&setup.plan.schedule.resolved);
         run.optimizer
             .step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
-        setup
-            .model
-            .check_params(be, run.layers.start, &p, run_update)?;
+        (setup.model).check_finite(be, (layers, &p), Guarded::Weights, run_update)?;
         run.current_version += 1;
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;
