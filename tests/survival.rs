@@ -151,3 +151,36 @@ fn rejoin_without_a_replicated_stage_is_refused() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--rejoin takes back a lost replica"), "{err}");
 }
+
+/// A divergence is the run's arithmetic, not a fault of the replica that met it: the stage's
+/// other replicas, and a restart, would meet it too. So a replicated run whose loss goes
+/// non-finite ends with exit 1 naming it, without dropping a replica or starting again, on
+/// threads and on worker processes.
+#[test]
+fn a_divergence_in_a_replicated_stage_is_neither_survived_nor_restarted() {
+    for placement in ["threads", "processes"] {
+        let d = fresh_dir(&format!("diverged-{placement}"));
+        let out = common::pipe_command(&["train", "--stages", "2", "--replicas", "2"])
+            .args(["--lr", "1e30", "--steps", "4", "--max-restarts", "2"])
+            .args(["--placement", placement, "--checkpoint-dir"])
+            .arg(d.join("ck"))
+            .output()
+            .unwrap();
+        let (stdout, err) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert_eq!(out.status.code(), Some(1), "{placement}: {err}");
+        let last = err.lines().last().unwrap_or_default();
+        assert!(
+            last.contains("is not finite at update 2"),
+            "{placement}: {err}"
+        );
+        for word in ["lost:", "restart", "past --max-restarts"] {
+            assert!(
+                !stdout.contains(word) && !err.contains(word),
+                "{placement}: {err}"
+            );
+        }
+    }
+}

@@ -227,12 +227,12 @@ fn an_update_that_goes_non_finite_fails_naming_it_with_no_checkpoint_of_it() {
         (
             "1",
             "1",
-            "the test loss of the weights after it (NaN) is not finite at update 1",
+            "the test loss (NaN) of the weights is not finite at update 1; the output of layer 3 (linear) overflows, the largest parameter up to it being layers.3.weight at magnitude",
         ),
         (
             "2",
             "1",
-            "the test loss of the weights after it (NaN) is not finite at update 1",
+            "the test loss (NaN) of the weights is not finite at update 1; the output of layer 3 (linear) overflows, the largest parameter up to it being layers.3.weight at magnitude",
         ),
         (
             "1",

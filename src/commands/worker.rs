@@ -153,6 +153,12 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         // Written whether the run succeeded or not: a failed run's trace shows where it stood.
         rec.write(path, rank, worker_names(&layout))?;
     }
+    if let (Err(e), true) = (&result, launched) {
+        if let Some(update) = e.diverged_at() {
+            let message = e.to_string();
+            RecordWriter::write(&Record::Diverged { update, message })?;
+        }
+    }
     // The error names this worker, its stage and the action that failed.
     let report = result?;
     closed.with_context(|| format!("worker {rank}: closing"))?;

@@ -99,16 +99,30 @@ pub enum StageError {
         /// What went wrong.
         source: Box<StageError>,
     },
-    /// A loss or gradient that is not finite (the guard stops training there; checkpoints
-    /// already written are kept).
+    /// A loss, gradient or weight that is not finite (the guard stops training there;
+    /// checkpoints already written are kept).
     #[error(
-        "{what} is not finite at update {update}: lower the learning rate (checkpoints written before it are kept)"
+        "{what} is not finite at update {update}{detail}: lower the learning rate (checkpoints written before it are kept)"
     )]
     NonFinite {
-        /// What: the loss of a microbatch, or the gradient of a parameter.
+        /// What: the loss of a microbatch, the gradient of a parameter, a parameter after the
+        /// optimizer's step, or the test loss.
         what: String,
         /// The update (over the whole run, from 1).
         update: u64,
+        /// Where it came from, when known (`; ...`), or empty.
+        detail: String,
+    },
+    /// A worker process's run diverged (a loss, gradient or weight not finite): its own
+    /// message, which its launcher reports instead of its exit status.
+    #[error("{message}")]
+    WorkerDiverged {
+        /// The worker process's rank.
+        worker: u32,
+        /// The update (over the whole run, from 1).
+        update: u64,
+        /// The worker's error, as it wrote it.
+        message: String,
     },
     /// Training produced a non-finite loss.
     #[error("loss became {loss} at step {step}: lower the learning rate")]
@@ -163,12 +177,16 @@ impl StageError {
         }
     }
 
-    /// The update at which training diverged (a loss or gradient not finite, or a diverged
-    /// mean loss), seen through a worker's report; `None` for every other error.
+    /// The update at which training diverged (a loss, gradient or weight not finite, or a
+    /// diverged mean loss), seen through a worker's report; `None` for every other error.
+    /// A divergence is the run's arithmetic, not a fault of the worker that met it: any
+    /// replica, and any restart, would meet it again, so it is neither survived nor
+    /// restarted.
     pub fn diverged_at(&self) -> Option<u64> {
         match self {
             StageError::NonFinite { update, .. } => Some(*update),
             StageError::Diverged { step, .. } => Some(*step),
+            StageError::WorkerDiverged { update, .. } => Some(*update),
             StageError::Worker { source, .. } => source.diverged_at(),
             _ => None,
         }

@@ -286,6 +286,77 @@ pub fn evaluate(
     Ok((loss / n, correct as f64 / n))
 }
 
+/// Where a forward pass of `params` over `data` first stops being finite, when one does: the
+/// first layer whose output holds a value that is not, on the first batch where one does, and
+/// the parameter of largest magnitude among that layer and those before it. This names what
+/// diverged when the weights are still finite but a step made them so large that the next
+/// forward pass overflows (`--lr 1e30`). Read in batches of `batch` targets.
+///
+/// # Errors
+/// Kernel errors.
+pub fn first_overflow(
+    be: &dyn Backend,
+    model: &Model,
+    params: &Params,
+    data: &Dataset,
+    batch: usize,
+) -> Result<Option<String>> {
+    let order: Vec<u32> = (0..data.len() as u32).collect();
+    for chunk in order.chunks(samples_per_batch(batch, data.targets)) {
+        let (x, _) = data.gather(chunk)?;
+        let documents = model.documents(be, &x)?;
+        let mut h = be.place(x)?;
+        for i in 0..model.len() {
+            let layer = i..i + 1;
+            let (out, _) = model.forward_range(
+                be,
+                layer.clone(),
+                &params[layer],
+                h,
+                Keep::Nothing,
+                0,
+                0,
+                documents.as_ref(),
+            )?;
+            if be.first_non_finite(&[&out])?.is_some() {
+                return Ok(Some(overflow_at(be, model, params, i)?));
+            }
+            h = out;
+        }
+    }
+    Ok(None)
+}
+
+/// [`first_overflow`]'s words for layer `i`'s output: the layer, and the largest parameter
+/// of layers `..=i` with its magnitude.
+fn overflow_at(be: &dyn Backend, model: &Model, params: &Params, i: usize) -> Result<String> {
+    let mut largest: Option<(f32, usize, usize)> = None;
+    for (l, layer) in params.iter().enumerate().take(i + 1) {
+        for (slot, t) in layer.iter().enumerate() {
+            let host = crate::model::host_tensor(be, t.clone())?;
+            let max = host.host()?.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if largest.is_none_or(|(m, _, _)| max > m) {
+                largest = Some((max, l, slot));
+            }
+        }
+    }
+    let kind = model.layer(i).kind();
+    Ok(match largest {
+        Some((max, l, slot)) => {
+            let id = model.param_id(l, slot);
+            let name = model
+                .param_table()
+                .get(id)
+                .map_or_else(|| format!("layers.{l}"), |e| e.name.clone());
+            format!(
+                "the output of layer {i} ({kind}) overflows, the largest parameter up to it \
+                 being {name} at magnitude {max:e}"
+            )
+        }
+        None => format!("the output of layer {i} ({kind}) overflows"),
+    })
+}
+
 /// What one optimizer step changes: parameters, gradient buffers and optimizer state.
 #[derive(Debug)]
 pub struct StepState<'a> {
@@ -341,6 +412,7 @@ pub(crate) fn whole_model_pass(
         return Err(StageError::NonFinite {
             what: format!("the loss of microbatch {}", mb.id),
             update: mb.update,
+            detail: String::new(),
         });
     }
     let dy = (dy, false);

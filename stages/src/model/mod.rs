@@ -848,6 +848,7 @@ impl Model {
                 Guarded::Weights => format!("the parameter {name} after the optimizer's step"),
             },
             update,
+            detail: String::new(),
         })
     }
 

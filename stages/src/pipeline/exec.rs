@@ -509,6 +509,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             return Err(crate::StageError::NonFinite {
                 what: format!("the loss of microbatch {global}"),
                 update: global / minibatch + 1,
+                detail: String::new(),
             });
         }
         if let Some(tx) = self.setup.progress {

@@ -91,6 +91,14 @@ pub enum Record {
     Stop(StopReport),
     /// The chief began a phase of its start (its first update, once it is up and connected).
     Phase(super::StartPhase),
+    /// This worker's part of the run diverged at `update` (any rank): a failure no other
+    /// replica and no restart would escape, which the launcher reports as it is.
+    Diverged {
+        /// The update.
+        update: u64,
+        /// The worker's error.
+        message: String,
+    },
 }
 
 /// The chief's observer in a launched run: every step and epoch as a [`Record`] line on
@@ -498,18 +506,28 @@ pub fn run_processes(
     let mut last = None;
     let mut done = None;
     let mut stops = Vec::new();
+    let mut diverged = None;
     let mut on_record = |rank: u32, json: &str| -> Result<()> {
         let record = serde_json::from_str::<Record>(json)
             .map_err(|e| failed(format!("a worker's record: {e}")))?;
-        if let Record::Stop(report) = record {
-            stops.push(report);
-            return Ok(());
-        }
-        if rank != 0 {
-            return Ok(());
+        match record {
+            Record::Stop(report) => {
+                stops.push(report);
+                return Ok(());
+            }
+            Record::Diverged { update, message } => {
+                diverged.get_or_insert(StageError::WorkerDiverged {
+                    worker: rank,
+                    update,
+                    message,
+                });
+                return Ok(());
+            }
+            _ if rank != 0 => return Ok(()),
+            _ => {}
         }
         match record {
-            Record::Stop(_) => {}
+            Record::Stop(_) | Record::Diverged { .. } => {}
             Record::Phase(p) => obs.on_start_phase(p)?,
             Record::Step(s) => obs.on_step(&s)?,
             Record::Eval(e) => obs.on_eval(&e)?,
@@ -530,9 +548,11 @@ pub fn run_processes(
         vec!["worker".into(), "--run".into(), dir.join("run.json").into()]
     };
     if let Err(e) = launch(opts, &[("run.json", &json)], &command, &mut on_record) {
-        return Err(match stall_report(cfg, &stops, opts.workers) {
-            Some(report) => StageError::Stalled(report),
-            None => e,
+        // A divergence is the run's own failure, whichever worker exited first because of it.
+        return Err(match (diverged, stall_report(cfg, &stops, opts.workers)) {
+            (Some(d), _) => d,
+            (None, Some(report)) => StageError::Stalled(report),
+            (None, None) => e,
         });
     }
     let (steps, weights, checkpoints, stopped) =

@@ -86,7 +86,7 @@ fn updates_of(dir: &Path) -> Result<u64> {
 /// the caller has changed the layout); `on_restart` hears of each restart before it starts.
 ///
 /// # Errors
-/// The first failure caused by bad input; otherwise, once no restart is left, a
+/// The first failure caused by bad input or a divergence; otherwise, once no restart is left, a
 /// [`StageError::Launch`] naming every counted failure's cause in order (the last failure
 /// alone when no restart was allowed).
 pub fn with_restarts<T>(
@@ -105,7 +105,9 @@ pub fn with_restarts<T>(
             Ok(out) => return Ok(out),
             Err(e) => e,
         };
-        if err.is_bad_input() {
+        // Bad input, and a run whose arithmetic diverged, fail the same way however often
+        // they start again.
+        if err.is_bad_input() || err.diverged_at().is_some() {
             return Err(err);
         }
         let next = match start_of(policy, number + 1, first)? {

@@ -125,8 +125,9 @@ impl LayoutChange {
     }
 
     /// In process: the layout after losing the worker that `err` names from `plan`'s layout,
-    /// whose minibatch is `minibatch` (`None` as [`LayoutChange::shrink`], or for an error
-    /// that names no worker).
+    /// whose minibatch is `minibatch` (`None` as [`LayoutChange::shrink`], for an error
+    /// that names no worker, or for a divergence, which the stage's other replicas would
+    /// meet too).
     pub(super) fn after(
         cfg: &RunConfig,
         plan: &RunPlan,
@@ -137,6 +138,9 @@ impl LayoutChange {
         let StageError::Worker { worker, source, .. } = err else {
             return None;
         };
+        if err.diverged_at().is_some() {
+            return None;
+        }
         let lost = (*worker, source.to_string());
         let policy = plan.schedule.resolved.policy;
         Self::shrink(cfg, plan.schedule.layout(), policy, minibatch, lost, from)

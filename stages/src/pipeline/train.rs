@@ -1310,9 +1310,11 @@ impl<'c> Run<'c> {
     /// The test (validation) loss and accuracy of `params`, the weights after update `done`.
     ///
     /// # Errors
-    /// [`StageError::NonFinite`] naming update `done` when the loss is not finite: weights
-    /// that overflow the forward are a diverged run, which no run ends 0 with and no
-    /// checkpoint holds (the epoch's evaluation comes before its checkpoint).
+    /// [`StageError::NonFinite`] naming update `done` when the loss is not finite, and the
+    /// layer whose output overflows with the largest parameter up to it
+    /// ([`crate::train::first_overflow`]): weights that overflow the forward are a diverged
+    /// run, which no run ends 0 with and no checkpoint holds (the epoch's evaluation comes
+    /// before its checkpoint).
     fn evaluate(
         &self,
         params: &Params,
@@ -1328,9 +1330,15 @@ impl<'c> Run<'c> {
             crate::train::EVAL_BATCH,
         )?;
         if !loss.is_finite() {
+            let batch = crate::train::EVAL_BATCH;
+            let be = eval_be as &dyn Backend;
+            let overflow =
+                crate::train::first_overflow(be, &self.model, params, &data.test, batch)?
+                    .map_or_else(String::new, |o| format!("; {o}"));
             return Err(StageError::NonFinite {
-                what: format!("the test loss of the weights after it ({loss})"),
+                what: format!("the test loss ({loss}) of the weights"),
                 update: done,
+                detail: overflow,
             });
         }
         Ok((loss, accuracy))
