@@ -38,8 +38,11 @@ fn tree_digest(root: &Path) -> String {
             if meta.is_dir() {
                 out.push((format!("{rel}/ {mode:o}"), Vec::new()));
                 walk(&path, root, out);
-            } else {
+            } else if meta.is_file() {
                 out.push((format!("{rel} {mode:o}"), std::fs::read(&path).unwrap()));
+            } else {
+                // A FIFO or a link: its kind, not its contents (a FIFO's read would block).
+                out.push((format!("{rel} {mode:o} {:?}", meta.file_type()), Vec::new()));
             }
         }
     }
@@ -216,7 +219,67 @@ fn each_writer_with_one_bad_input_writes_nothing() {
         ],
         "transport cost file",
     );
+    // Outputs that are not files to write: refused on the command line, before the work.
+    let fifo = d.join("fifo");
+    make_fifo(&fifo);
+    for args in [
+        vec!["plan", "--stages", "2", "-o", s(&fifo)],
+        vec!["schedule", "--stages", "2", "-o", s(&d)],
+        vec![
+            "bench",
+            "transport",
+            "--costs-only",
+            "--costs-out",
+            s(&fifo),
+        ],
+        vec!["train", "--steps", "1", "--log-jsonl", s(&fifo)],
+    ] {
+        refused_untouched(&d, &args, "not a regular file: give a file to write");
+    }
+
+    // A corpus into a directory of the user's, and one whose last input is not text.
+    let text = d.join("text");
+    std::fs::create_dir(&text).unwrap();
+    std::fs::write(text.join("a.txt"), "the first document. ".repeat(100)).unwrap();
+    let corpus = d.join("corpus");
+    std::fs::create_dir(&corpus).unwrap();
+    std::fs::write(corpus.join("notes.txt"), "mine").unwrap();
+    // Through a tokenizer file, which reads each input as it tokenizes it: the bad input is
+    // met after the first shard is written.
+    let bpe = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/data/tokenizers/shakespeare-bpe-1024.json"
+    );
+    let tokenize = ["tokenize", "--tokenizer", bpe, "--shard-tokens", "64"];
+    let tokenize = [&tokenize[..], &["--input", s(&text)]].concat();
+    let into = |out: &'static str| [&tokenize[..], &["--out", out]].concat();
+    refused_untouched(
+        &d,
+        &into(leak(&corpus)),
+        "already holds files (notes.txt, ...)",
+    );
+    std::fs::write(text.join("b.txt"), [0xff_u8, 0xfe, 0x00]).unwrap();
+    let fresh_corpus = d.join("fresh-corpus");
+    refused_untouched(&d, &into(leak(&fresh_corpus)), "b.txt");
+    assert!(!fresh_corpus.exists(), "no corpus directory is left behind");
+    std::fs::remove_file(text.join("b.txt")).unwrap();
+    ok(&pipe(&into(leak(&fresh_corpus))));
+    assert!(fresh_corpus.join("tokens.json").is_file());
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// `path` as a string that lives as long as the test.
+fn leak(path: &Path) -> &'static str {
+    Box::leak(s(path).to_string().into_boxed_str())
+}
+
+/// A FIFO at `path` (through `mkfifo`, which every test machine has).
+fn make_fifo(path: &Path) {
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success());
 }
 
 #[test]

@@ -81,7 +81,7 @@ pub struct PartitionBenchArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub rounds: u32,
     /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     pub json: Option<PathBuf>,
 }
 
@@ -160,7 +160,7 @@ pub struct HostsBenchArgs {
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
     /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     pub json: Option<PathBuf>,
 }
 
@@ -224,7 +224,7 @@ pub struct PipelineBenchArgs {
     #[arg(long)]
     pub threads_only: bool,
     /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     pub json: Option<PathBuf>,
 }
 
@@ -275,7 +275,7 @@ pub struct TransportBenchArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub rounds: u32,
     /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     pub json: Option<PathBuf>,
     /// Measure only the link costs the planner charges (each transport's latency and
     /// processor time per message and per byte, over 5 rounds), cache them, and skip the
@@ -283,7 +283,7 @@ pub struct TransportBenchArgs {
     #[arg(long)]
     pub costs_only: bool,
     /// Also write the link costs as JSON to FILE (what `pipe plan --transport-costs` reads).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     pub costs_out: Option<PathBuf>,
 }
 
@@ -538,7 +538,7 @@ pub struct MfuArgs {
     #[arg(long, default_value = "f32", value_parser = |s: &str| s.parse::<Precision>())]
     pub precision: Precision,
     /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     pub json: Option<PathBuf>,
 }
 

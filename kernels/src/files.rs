@@ -4,6 +4,10 @@
 //! that reads such files (transport's cluster files and certificates, stages' configs, plans,
 //! checkpoints and shards, the experiments' results) sits above it; each maps
 //! [`ReadError`] into its own error type with the file's kind in the words.
+//!
+//! Its counterpart for outputs, [`write_replacing`], is the one way a command writes a file
+//! the user named (`-o`, `--costs-out`, a trace): whole or not at all, and never over
+//! something that is not a regular file.
 
 use std::io::Read as _;
 use std::path::Path;
@@ -29,7 +33,7 @@ pub enum ReadError {
 /// # Errors
 /// The open's error, or [`std::io::ErrorKind::InvalidInput`] naming what the path is instead.
 pub fn open_regular(path: &Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
+    use std::os::unix::fs::OpenOptionsExt as _;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
@@ -38,18 +42,9 @@ pub fn open_regular(path: &Path) -> std::io::Result<std::fs::File> {
     if kind.is_file() {
         return Ok(file);
     }
-    let what = if kind.is_dir() {
-        "a directory"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_socket() {
-        "a socket"
-    } else {
-        "a device"
-    };
     Err(std::io::Error::new(
         std::io::ErrorKind::InvalidInput,
-        format!("{what}, not a regular file"),
+        format!("{}, not a regular file", kind_words(kind)),
     ))
 }
 
@@ -81,6 +76,84 @@ pub fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
     Ok(bytes)
 }
 
+/// Writes `bytes` as the file `path`: into a new temporary file beside it, synced, then
+/// renamed over it, so that a reader sees the old file or the new one whole, never a part,
+/// and a write that fails (a full disk) leaves the old one as it was. `path` may be missing
+/// or a regular file; a symbolic link is followed, and the file it names is replaced. Anything
+/// else (a directory, FIFO, device or socket) is refused before a byte is written: renaming
+/// over it would replace it, and writing into it could block or never end.
+///
+/// # Errors
+/// [`std::io::ErrorKind::InvalidInput`] naming what `path` is instead of a regular file, or
+/// the error of creating, writing, syncing or renaming the temporary file (which is removed).
+pub fn write_replacing(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let target = output_target(path)?;
+    let name = target
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"))?;
+    let temporary = target.with_file_name(format!(
+        ".{}.partial-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temporary)?;
+        // What replaces a file keeps its permissions.
+        if let Ok(meta) = std::fs::metadata(&target) {
+            file.set_permissions(meta.permissions())?;
+        }
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, &target)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written
+}
+
+/// The file [`write_replacing`] would replace for `path`: `path` itself when it is missing,
+/// the file a symbolic link names, or `path` when it is a regular file. A command checks its
+/// outputs with it before its work, so that a bad one is refused before the work is lost.
+///
+/// # Errors
+/// [`std::io::ErrorKind::InvalidInput`] for a path that is not a regular file, or the error of
+/// resolving it.
+pub fn output_target(path: &Path) -> std::io::Result<std::path::PathBuf> {
+    match std::fs::canonicalize(path) {
+        Ok(real) => {
+            let kind = std::fs::metadata(&real)?.file_type();
+            if !kind.is_file() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("{}, not a regular file", kind_words(kind)),
+                ));
+            }
+            Ok(real)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(path.to_path_buf()),
+        Err(e) => Err(e),
+    }
+}
+
+/// What a file of `kind` is, in words.
+fn kind_words(kind: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "a device"
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -106,6 +179,35 @@ mod tests {
         assert!(matches!(e, ReadError::Long { max: 10 }), "{e}");
         std::fs::write(&long, b"0123456789").unwrap();
         assert_eq!(read_bounded(&long, 10).unwrap(), b"0123456789");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_output_is_replaced_whole_through_a_link_and_never_over_a_fifo() {
+        let dir = std::env::temp_dir().join(format!("pipe-write-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("out.json");
+        write_replacing(&out, b"first").unwrap();
+        write_replacing(&out, b"second").unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), b"second");
+        let link = dir.join("link.json");
+        std::os::unix::fs::symlink(&out, &link).unwrap();
+        write_replacing(&link, b"third").unwrap();
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+        assert_eq!(std::fs::read(&out).unwrap(), b"third");
+        let fifo = dir.join("fifo");
+        rustix::fs::mkfifoat(rustix::fs::CWD, &fifo, rustix::fs::Mode::RUSR).unwrap();
+        let e = write_replacing(&fifo, b"x").unwrap_err().to_string();
+        assert!(e.contains("a FIFO, not a regular file"), "{e}");
+        let e = write_replacing(&dir, b"x").unwrap_err().to_string();
+        assert!(e.contains("a directory"), "{e}");
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["fifo", "link.json", "out.json"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

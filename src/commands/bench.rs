@@ -92,7 +92,7 @@ pub fn run_allreduce_worker(args: &AllreduceWorkerArgs) -> Result<()> {
 fn write_json<T: serde::Serialize>(path: Option<&PathBuf>, report: &T) -> Result<()> {
     if let Some(path) = path {
         let text = serde_json::to_string_pretty(report)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        pipe_stages::outputs::write_file(path, (text + "\n").as_bytes())?;
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! model; print the plan and write it as the plan file `pipe train --plan` runs. The request,
 //! its checks, profiling and planning are the library's ([`pipe_stages::planning::request`]).
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use pipe_stages::planning::request::{self, PlanRequest};
 
 /// `pipe plan`'s flags.
@@ -45,7 +45,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     }
     if let Some(path) = &args.output {
         let text = request::plan_file_text(&profile, &planned)?;
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        pipe_stages::outputs::write_file(path, text.as_bytes())?;
         outln!("plan written to {}", path.display());
     }
     Ok(())

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use pipe_stages::config::DEFAULT_MODEL;
 use pipe_stages::profile::ProfileOptions;
@@ -45,7 +45,7 @@ pub struct ProfileArgs {
     #[arg(long, default_value = "cpu", value_parser = BackendParser)]
     backend: BackendKind,
     /// Write the profile as JSON to FILE.
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(short, long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     output: Option<PathBuf>,
     /// Measure again even where pipe's cache holds this profile (the new one replaces it).
     #[arg(long)]
@@ -92,7 +92,7 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
     out!("{}", profile.render());
     if let Some(path) = &args.output {
         let text = serde_json::to_string_pretty(&profile)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        pipe_stages::outputs::write_file(path, (text + "\n").as_bytes())?;
         outln!("profile written to {}", path.display());
     }
     Ok(())

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, ValueEnum};
 use pipe_scheduler::{CostModel, SimOptions, StageCost, VersionPlan, generate, grid, simulate};
 
@@ -35,14 +35,14 @@ pub struct ScheduleArgs {
     #[arg(long)]
     unlowered: bool,
     /// Write to FILE instead of standard output.
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(short, long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     output: Option<PathBuf>,
 }
 
 /// Writes `text` to `path`, or to standard output when there is none.
 fn write_text(path: Option<&Path>, text: &str) -> Result<()> {
     match path {
-        Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display())),
+        Some(p) => Ok(pipe_stages::outputs::write_file(p, text.as_bytes())?),
         None => {
             out!("{text}");
             Ok(())

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use pipe_experiments::flags::CostFlags;
 use pipe_scheduler::{SimOptions, VersionPlan, simulate, simulate_spec};
@@ -21,10 +21,10 @@ pub struct SimulateArgs {
     #[command(flatten)]
     costs: CostFlags,
     /// Write the simulated timeline as Chrome trace JSON to FILE.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     trace: Option<PathBuf>,
     /// Write the simulated timeline as CSV to FILE.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]
     csv: Option<PathBuf>,
 }
 
@@ -63,13 +63,14 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     if let Some(timeline) = &report.timeline {
         if let Some(path) = &args.trace {
             let plan = VersionPlan::derive(&schedule)?;
-            std::fs::write(path, timeline.to_chrome_trace(Some(&plan)))
-                .with_context(|| format!("writing {}", path.display()))?;
+            pipe_stages::outputs::write_file(
+                path,
+                timeline.to_chrome_trace(Some(&plan)).as_bytes(),
+            )?;
             outln!("trace written to {}", path.display());
         }
         if let Some(path) = &args.csv {
-            std::fs::write(path, timeline.to_csv())
-                .with_context(|| format!("writing {}", path.display()))?;
+            pipe_stages::outputs::write_file(path, timeline.to_csv().as_bytes())?;
             outln!("timeline CSV written to {}", path.display());
         }
     }

@@ -30,8 +30,10 @@ impl JsonlLog {
     /// Creates (truncates) the log file.
     ///
     /// # Errors
+    /// Bad input for a path that is not a regular file (a FIFO would block the run);
     /// [`StageError::Io`] when the file cannot be created.
     pub fn create(path: &Path) -> Result<Self> {
+        crate::outputs::check_output(path)?;
         let f = File::create(path).map_err(|source| StageError::Io {
             path: path.display().to_string(),
             source,

@@ -1,12 +1,61 @@
-//! Directories a command writes whole (an export, a cluster's credentials): claimed only when
-//! missing or empty, filled in a staging directory beside them, and renamed into place once
-//! every file is written. A command that fails part-way (a bad input found late, a full disk)
-//! leaves the target as it was: no half-written output for a corrected command to trip over,
-//! and no file of the user's replaced without being asked.
+//! Directories a command writes whole (an export, a cluster's credentials, a tokenized
+//! corpus): claimed only when missing or empty, filled in a staging directory beside them, and
+//! renamed into place once every file is written. A command that fails part-way (a bad input
+//! found late, a full disk) leaves the target as it was: no half-written output for a
+//! corrected command to trip over, and no file of the user's replaced without being asked.
+//!
+//! Single files a user names (`-o`, `--costs-out`, `--trace`) go through [`write_file`]: whole
+//! or not at all, and never over a FIFO, device or directory; [`check_output`] refuses such a
+//! path before the work that would fill it.
 
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, StageError};
+
+/// Writes `bytes` as the file `path` that the user named, whole or not at all
+/// ([`pipe_kernels::files::write_replacing`]).
+///
+/// # Errors
+/// Bad input naming `path` when it is not a regular file (a FIFO, device or directory);
+/// [`StageError::Io`] when it cannot be written.
+pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    pipe_kernels::files::write_replacing(path, bytes).map_err(|e| output_error(path, e))
+}
+
+/// Refuses, before the work that fills it, an output `path` that [`write_file`] would refuse.
+///
+/// # Errors
+/// As [`write_file`].
+pub fn check_output(path: &Path) -> Result<()> {
+    pipe_kernels::files::output_target(path)
+        .map(drop)
+        .map_err(|e| output_error(path, e))
+}
+
+/// The value parser of every flag that names a file to write (`-o`, `--json`,
+/// `--costs-out`, `--trace`, `--log-jsonl`): the path as given, refused at the command line,
+/// before any work, when [`write_file`] would refuse it.
+///
+/// # Errors
+/// The path's problem, in words (clap prefixes the flag).
+pub fn output_file(text: &str) -> std::result::Result<PathBuf, String> {
+    let path = PathBuf::from(text);
+    pipe_kernels::files::output_target(&path)
+        .map(|_| path)
+        .map_err(|e| format!("{e}: give a file to write"))
+}
+
+/// `e`, met writing `path`: bad input when `path` is not a file one can write.
+fn output_error(path: &Path, e: std::io::Error) -> StageError {
+    if e.kind() == std::io::ErrorKind::InvalidInput {
+        StageError::Input(format!("{}: {e}: give a file to write", path.display()))
+    } else {
+        StageError::Io {
+            path: path.display().to_string(),
+            source: e,
+        }
+    }
+}
 
 /// An output directory being written ([`StagedDir::claim_empty`]); dropped without
 /// [`StagedDir::commit`], it removes what it staged and leaves the target untouched.

@@ -286,7 +286,7 @@ pub struct TrainSettings {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Write one JSON object per step and per epoch to FILE.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = crate::outputs::output_file)]
     pub log_jsonl: Option<PathBuf>,
     /// Pipeline stages.
     #[arg(long)]
@@ -359,7 +359,7 @@ pub struct TrainSettings {
     #[arg(long, value_parser = ["f32", "bf16"])]
     pub allreduce_dtype: Option<String>,
     /// Write the measured timeline as Chrome trace JSON to FILE (pipelined runs).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = crate::outputs::output_file)]
     pub trace: Option<PathBuf>,
     /// Write checkpoints to DIR: at every epoch's end, every --checkpoint-every updates, and
     /// on Ctrl-C (pipelined runs).

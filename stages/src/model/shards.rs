@@ -275,7 +275,10 @@ struct OpenShard {
 /// directory with a manifest is whole.
 #[derive(Debug)]
 pub struct ShardWriter {
+    /// The corpus directory, as the user named it (in messages).
     dir: PathBuf,
+    /// Where the files go until [`ShardWriter::finish`] renames them into `dir`.
+    staged: crate::outputs::StagedDir,
     record: TokenizerRecord,
     dtype: TokenDtype,
     shard_tokens: u64,
@@ -285,12 +288,15 @@ pub struct ShardWriter {
 }
 
 impl ShardWriter {
-    /// A writer into `dir` (created; it must hold no manifest yet) for ids of `tokenizer`,
-    /// which it saves there.
+    /// A writer of a corpus into `dir`, which must be missing or empty, for ids of
+    /// `tokenizer`, which it saves there. Everything is written into a staging directory
+    /// beside `dir` and renamed into place by [`ShardWriter::finish`], so a run that fails on
+    /// a late input leaves `dir` as it was ([`crate::outputs::StagedDir`]).
     ///
     /// # Errors
     /// [`StageError::Config`] for a directory that already holds a corpus or a zero shard
-    /// size; [`StageError::Data`] when it cannot be written.
+    /// size; bad input for one that holds other files; [`StageError::Data`] when the
+    /// tokenizer cannot be written.
     pub fn create(dir: &Path, tokenizer: &TextTokenizer, shard_tokens: u64) -> Result<Self> {
         if shard_tokens == 0 {
             return Err(StageError::Config("--shard-tokens must be positive".into()));
@@ -301,11 +307,11 @@ impl ShardWriter {
                 dir.display()
             )));
         }
-        std::fs::create_dir_all(dir)
-            .map_err(|e| data_err(dir.display(), format!("cannot create: {e}")))?;
-        let file = tokenizer.save(dir)?;
+        let staged = crate::outputs::StagedDir::claim_empty(dir, "tokenize")?;
+        let file = tokenizer.save(staged.path())?;
         Ok(Self {
             dir: dir.to_path_buf(),
+            staged,
             record: TokenizerRecord {
                 kind: tokenizer.kind(),
                 fingerprint: tokenizer.fingerprint().to_string(),
@@ -373,7 +379,7 @@ impl ShardWriter {
     fn start_shard(&self) -> Result<OpenShard> {
         let name = format!("shard-{:05}.tok", self.shards.len());
         let path = self.dir.join(&name);
-        let partial = path.with_extension("partial");
+        let partial = self.staged.path().join(&name).with_extension("partial");
         let file = std::fs::File::create(&partial)
             .map_err(|e| data_err(path.display(), format!("cannot write: {e}")))?;
         let mut file = std::io::BufWriter::new(file);
@@ -402,6 +408,7 @@ impl ShardWriter {
             tokenizer: self.record.fingerprint.clone(),
         };
         let path = self.dir.join(&s.name);
+        let staged = self.staged.path().join(&s.name);
         let fail = |e: std::io::Error| data_err(path.display(), format!("cannot write: {e}"));
         s.file.write_all(&s.bytes).map_err(fail)?;
         let mut file = s.file.into_inner().map_err(|e| fail(e.into_error()))?;
@@ -409,7 +416,7 @@ impl ShardWriter {
         file.write_all(&header_bytes(&header, Some(HEADER_ROOM))?)
             .and_then(|()| file.sync_all())
             .map_err(fail)?;
-        std::fs::rename(&s.partial, &path).map_err(fail)?;
+        std::fs::rename(&s.partial, &staged).map_err(fail)?;
         self.shards.push(ShardEntry {
             file: s.name,
             tokens: s.tokens,
@@ -417,10 +424,12 @@ impl ShardWriter {
         Ok(())
     }
 
-    /// Writes the last shard and the manifest; returns the manifest.
+    /// Writes the last shard and the manifest, and renames the corpus into place; returns the
+    /// manifest.
     ///
     /// # Errors
-    /// [`StageError::Data`] when nothing was tokenized or a file cannot be written.
+    /// [`StageError::Data`] when nothing was tokenized or a file cannot be written; bad input
+    /// when the directory cannot be moved into place.
     pub fn finish(mut self) -> Result<Manifest> {
         self.close_shard()?;
         if self.shards.is_empty() {
@@ -440,10 +449,9 @@ impl ShardWriter {
         let json =
             serde_json::to_vec_pretty(&manifest).map_err(|e| data_err(MANIFEST, e.to_string()))?;
         let path = self.dir.join(MANIFEST);
-        let partial = path.with_extension("partial");
         let fail = |e: std::io::Error| data_err(path.display(), format!("cannot write: {e}"));
-        std::fs::write(&partial, json).map_err(fail)?;
-        std::fs::rename(&partial, &path).map_err(fail)?;
+        std::fs::write(self.staged.path().join(MANIFEST), json).map_err(fail)?;
+        self.staged.commit()?;
         Ok(manifest)
     }
 }

@@ -136,7 +136,7 @@ impl PartRecorder {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io(dir))?;
         }
-        std::fs::write(path, trace.to_string()).map_err(io(path))
+        crate::outputs::write_file(path, trace.to_string().as_bytes())
     }
 }
 
@@ -208,7 +208,7 @@ pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<usize> {
     }
     let n = events.len();
     let trace = json!({ "traceEvents": events, "displayTimeUnit": "ms" });
-    std::fs::write(out, trace.to_string()).map_err(io(out))?;
+    crate::outputs::write_file(out, trace.to_string().as_bytes())?;
     Ok(n)
 }
 

@@ -87,7 +87,7 @@ pub struct PlanRequest {
     #[arg(long)]
     pub activation_compression: Option<f64>,
     /// Write the plan as TOML to FILE (for `pipe train --plan`).
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(short, long, value_name = "FILE", value_parser = crate::outputs::output_file)]
     pub output: Option<PathBuf>,
     /// The transport whose costs the links are charged.
     #[command(flatten)]

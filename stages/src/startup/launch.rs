@@ -109,12 +109,7 @@ pub fn launch(
         let plan = pipe_scheduler::VersionPlan::derive(&out.schedule).ok();
         let mut timeline = timeline.clone();
         timeline.names = worker_names(out.schedule.layout());
-        std::fs::write(path, timeline.to_chrome_trace(plan.as_ref())).map_err(|source| {
-            StageError::Io {
-                path: path.display().to_string(),
-                source,
-            }
-        })?;
+        crate::outputs::write_file(path, timeline.to_chrome_trace(plan.as_ref()).as_bytes())?;
         events.on_trace(&TraceWritten::Whole { path: path.clone() });
     }
     Ok(RunEnd {

@@ -64,6 +64,9 @@ pub fn resolve(
 ) -> Result<(RunConfig, LaunchSettings)> {
     let settings = merge(sources)?;
     let launch = settings.launch()?;
+    if let Some(trace) = &launch.trace {
+        crate::outputs::check_output(trace)?;
+    }
     let cfg = match sources.workers {
         Some(w) => plan_for_workers(settings, w, &launch, watcher)?,
         None => settings.resolve()?,
