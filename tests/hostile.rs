@@ -1523,7 +1523,20 @@ fn hugging_face_rows() -> Vec<Row> {
                     safetensors_of(&tiny, same)[..5000].to_vec(),
                 ),
             ],
-            "model.safetensors: not a safetensors file",
+            "model.safetensors: not a whole safetensors file: its header describes",
+        ),
+        // A header length past what the model's tensors take: refused before it is read.
+        with(
+            "train --model gpt2-tiny --steps 1 --init-from {d}/hf",
+            vec![
+                File::Text("hf/config.json", hf_config(|c| c)),
+                File::Bytes("hf/model.safetensors", {
+                    let mut b = (1u64 << 40).to_le_bytes().to_vec();
+                    b.extend_from_slice(b"{}");
+                    b
+                }),
+            ],
+            "its header would be 1099511627776 bytes (the file holds 10;",
         ),
         with(
             "logits --hf {d}/hf --ids 1",

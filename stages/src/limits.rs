@@ -140,6 +140,21 @@ pub fn read_file(path: &std::path::Path, max: u64) -> Result<Vec<u8>> {
     })
 }
 
+/// Opens the regular file `path` for a reader that reads it in parts (a header first),
+/// after comparing its size with `max`: the file and its size.
+///
+/// # Errors
+/// As [`read_file`].
+pub fn open_file(path: &std::path::Path, max: u64) -> Result<(std::fs::File, u64)> {
+    pipe_kernels::files::open_bounded(path, max).map_err(|e| match e {
+        ReadError::Io(e) => StageError::Data {
+            source_name: path.display().to_string(),
+            reason: format!("cannot read: {e}"),
+        },
+        ReadError::Long { .. } => too_long(path, max),
+    })
+}
+
 fn too_long(path: &std::path::Path, max: u64) -> StageError {
     StageError::Limit(format!(
         "{} is larger than the limit of {max} bytes for this kind of file (those this \

@@ -473,8 +473,9 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
     // Every tensor of every file, under its full name, with the file it came from.
     let mut found: BTreeMap<String, (Tensor, PathBuf)> = BTreeMap::new();
     let mut budget = weights_bound(model, &layout, files.len());
+    let expected = expected_tensors(model, &layout);
     for path in &files {
-        let bytes = crate::limits::read_file(path, budget)?;
+        let bytes = read_shard(path, budget, &expected)?;
         budget -= bytes.len() as u64;
         for (name, full, t) in read_weights(&bytes, &path.display().to_string())? {
             if let Some(map) = &index {
@@ -540,6 +541,129 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
     Ok(params)
 }
 
+/// The shape of every tensor a Hugging Face directory may hold for the model, by its full
+/// `transformers` name: each parameter's, and a tied model's `lm_head.weight` (the token
+/// embedding's shape). GPT-2's attention buffers are not listed: they are skipped.
+fn expected_tensors(model: &Model, layout: &Gpt2Layout) -> HashMap<String, Vec<usize>> {
+    let mut shapes: HashMap<String, Vec<usize>> = model
+        .param_table()
+        .iter()
+        .filter_map(|e| Some((layout.hf_name(&e.name)?, e.shape.clone())))
+        .collect();
+    if layout.tied {
+        if let Some(wte) = shapes.get("transformer.wte.weight").cloned() {
+            shapes.insert("lm_head.weight".into(), wte);
+        }
+    }
+    shapes
+}
+
+/// The bytes of the safetensors file `path`, read header first: its size is compared with
+/// `budget` (what is left of the model's bound), then its header alone is read, bounded by the
+/// tensors the model has, and every tensor it lists is checked against `expected` (name,
+/// shape and type) and the data it describes against the file's size, before a byte of the
+/// data is read. A shard of another model, or one whose header and size disagree, is
+/// refused after reading a few kilobytes, however large it is.
+///
+/// # Errors
+/// [`StageError::Limit`] for a file past `budget`; [`StageError::Data`] naming the file and
+/// what its header holds that the model does not.
+fn read_shard(path: &Path, budget: u64, expected: &HashMap<String, Vec<usize>>) -> Result<Vec<u8>> {
+    use std::io::{Read as _, Seek as _};
+    let name = path.display();
+    let (mut file, len) = crate::limits::open_file(path, budget)?;
+    let io = |e: std::io::Error| hf_err(&name, format!("cannot read: {e}"));
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n).map_err(|_| {
+        hf_err(
+            &name,
+            "not a safetensors file: shorter than its 8-byte header length",
+        )
+    })?;
+    let header_len = u64::from_le_bytes(n);
+    // Buffers are listed besides parameters: room for as many again.
+    let max_header = HEADER_BYTES_PER_TENSOR * 2 * expected.len() as u64 + HEADER_BYTES_PER_FILE;
+    if header_len > max_header || header_len > len - 8 {
+        return Err(hf_err(
+            &name,
+            format!(
+                "not a safetensors file of this model: its header would be {header_len} bytes \
+                 (the file holds {len}; this model's headers take at most {max_header})"
+            ),
+        ));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&header)
+        .map_err(|e| hf_err(&name, format!("not a safetensors file: its header: {e}")))?;
+    let data = 8 + header_len + meta.data_len() as u64;
+    if data != len {
+        return Err(hf_err(
+            &name,
+            format!(
+                "not a whole safetensors file: its header describes {data} bytes, the file \
+                 holds {len} (truncated or padded)"
+            ),
+        ));
+    }
+    let mut listed: Vec<_> = meta
+        .tensors()
+        .into_iter()
+        .map(|(tensor, info)| (full_name(&tensor), info))
+        .filter(|(full, _)| !is_buffer(full))
+        .collect();
+    listed.sort_by(|a, b| a.0.cmp(&b.0));
+    let unknown: Vec<&String> = listed
+        .iter()
+        .map(|(full, _)| full)
+        .filter(|full| !expected.contains_key(*full))
+        .collect();
+    if let Some(first) = unknown.first() {
+        return Err(hf_err(
+            &name,
+            format!(
+                "holds {first}{}, which the model this run builds has no place for (a \
+                 different model: compare its config.json)",
+                match unknown.len() {
+                    1 => String::new(),
+                    n => format!(" and {} more tensors", n - 1),
+                }
+            ),
+        ));
+    }
+    for (tensor, info) in listed {
+        let Some(shape) = expected.get(&tensor) else {
+            continue;
+        };
+        if &info.shape != shape {
+            return Err(hf_err(
+                &name,
+                format!("{tensor} is {:?}, the model has {shape:?}", info.shape),
+            ));
+        }
+        if !matches!(info.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+            return Err(hf_err(
+                &name,
+                format!("{tensor} is {:?}; f32, f16 or bf16 are read", info.dtype),
+            ));
+        }
+    }
+    file.rewind().map_err(io)?;
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.take(len).read_to_end(&mut bytes).map_err(io)?;
+    Ok(bytes)
+}
+
+/// The full `transformers` name of a tensor a file names with or without its
+/// `transformer.` prefix.
+fn full_name(tensor: &str) -> String {
+    if tensor.starts_with("transformer.") || tensor == "lm_head.weight" {
+        tensor.to_string()
+    } else {
+        format!("transformer.{tensor}")
+    }
+}
+
 /// The tensors of one safetensors file's bytes (`name` for messages), as the name in the
 /// file, the full `transformers` name (with its `transformer.` prefix), and the values in
 /// f32; GPT-2's attention buffers left out. Every tensor must be f32, f16 or bf16 and finite;
@@ -553,11 +677,7 @@ pub fn read_weights(bytes: &[u8], name: &str) -> Result<Vec<(String, String, Ten
         .map_err(|e| hf_err(name, format!("not a safetensors file: {e}")))?;
     let mut out = Vec::new();
     for (tensor, view) in file.tensors() {
-        let full = if tensor.starts_with("transformer.") || tensor == "lm_head.weight" {
-            tensor.clone()
-        } else {
-            format!("transformer.{tensor}")
-        };
+        let full = full_name(&tensor);
         if is_buffer(&full) {
             continue;
         }
