@@ -648,6 +648,26 @@ fn train_with_workers_plans_automatically() {
         ],
         "is not planned",
     );
+    // A model with a tied parameter is planned on its isolated timings (its calibration
+    // would put tied stages on one worker), and its plan trains.
+    let plan = fresh_path("tied-plan.toml");
+    let (out, _) = plan_to_model("gpt2-tiny", 2, &plan);
+    assert!(out.contains("plan written to"), "{out}");
+    let text = train_plan(&plan, "--steps 2 --threads 1");
+    assert!(text.contains("done: 2 steps"), "{text}");
+}
+
+/// `pipe plan --model MODEL --workers W -o OUT`: its standard output and error.
+fn plan_to_model(model: &str, workers: u32, out: &std::path::Path) -> (String, String) {
+    let o = pipe(&words(&format!(
+        "plan --model {model} --workers {workers} -o {}",
+        out.display()
+    )));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 #[test]

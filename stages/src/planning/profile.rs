@@ -25,6 +25,10 @@
 //! memory bandwidth: 15-25% per action on this machine's two cores), so the calibration runs
 //! as many copies at once as the pipeline will have busy workers
 //! ([`ProfileOptions::concurrent`]).
+//!
+//! A model with a tied parameter (GPT-2's token embedding and head) keeps its isolated
+//! timings: its tied layers would be stages of one worker, whose uses are summed between
+//! workers, so it cannot run one layer a stage on one worker.
 
 use std::time::Instant;
 
@@ -291,7 +295,7 @@ pub fn profile_model_with(
         microbatch_size: opts.microbatch_size,
         ..Profile::chain(layers)
     };
-    if let Some(m) = opts.calibrate {
+    if let Some(m) = opts.calibrate.filter(|_| !model.has_ties()) {
         progress(ProfileProgress::Calibrating);
         calibrate(model, &mut profile, opts, m, be.name())?;
         profile.calibrated_microbatches = Some(m);

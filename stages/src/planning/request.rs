@@ -448,9 +448,30 @@ pub fn plan_file_text(profile: &Profile, planned: &Planned) -> Result<String> {
     }
     let text = toml::to_string(&file)
         .map_err(|e| StageError::Config(format!("writing the plan file: {e}")))?;
-    Ok(format!(
-        "# written by pipe plan; run it with pipe train --plan\n{text}"
-    ))
+    let text = format!("# written by pipe plan; run it with pipe train --plan\n{text}");
+    check_plan_runs(&text)?;
+    Ok(text)
+}
+
+/// Reads `text` back as `pipe train --plan` does (the one reader of plan files and the one
+/// check of the run it makes), so that a plan `pipe plan` writes is one `pipe train` runs. A
+/// plan that names no model (of an imported profile, another system's layers) is only parsed.
+///
+/// # Errors
+/// [`StageError::Config`] naming what `pipe train --plan` would refuse.
+fn check_plan_runs(text: &str) -> Result<()> {
+    let source = "the plan being written";
+    let parsed = PlanFile::parse(text, source)?;
+    if parsed.model.is_empty() {
+        return Ok(());
+    }
+    let mut settings = crate::config::TrainSettings::default();
+    settings.apply_plan(&parsed, source)?;
+    settings.resolve().map(drop).map_err(|e| {
+        StageError::Config(format!(
+            "this plan would not run (pipe train --plan would refuse it: {e})"
+        ))
+    })
 }
 
 /// A plan as text: the headline prediction, one row per stage, and each stage's layers.
@@ -534,4 +555,27 @@ pub fn render_plan(profile: &Profile, plan: &PartitionPlan, memory: Option<f64>)
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `pipe train --plan` refuses, the plan writer refuses too; what it runs passes.
+    #[test]
+    fn a_plan_is_checked_as_train_reads_it() {
+        let plan = "model = \"gpt-mini\"\nmicrobatch_size = 64\nschedule = \"pipedream\"\n\
+                    microbatches = 8\npartition = \"0-10\"\nreplicas = [4]\n\
+                    cost_model = \"default\"\ntime_per_microbatch = 0.25\n";
+        assert!(check_plan_runs(plan).is_ok());
+        let huge = plan.replace("microbatch_size = 64", "microbatch_size = 100000000");
+        let err = check_plan_runs(&huge).err().map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|e| e.contains("this plan would not run")),
+            "{err:?}"
+        );
+        // A plan of an imported profile names no model: parsed only.
+        assert!(check_plan_runs(&plan.replace("gpt-mini", "")).is_ok());
+    }
 }
