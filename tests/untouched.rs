@@ -197,6 +197,31 @@ fn each_writer_with_one_bad_input_writes_nothing() {
         "ranks 0 and 1 are both at 10.0.0.1:1",
     );
 
+    // Directory outputs named where a file of the user's is: refused, the file left.
+    let notes = d.join("notes");
+    std::fs::write(&notes, "mine").unwrap();
+    for args in [
+        vec![
+            "cluster",
+            "init",
+            "--workers",
+            "2",
+            "--out",
+            s(&notes),
+            "--force",
+        ],
+        vec!["train", "--steps", "1", "--checkpoint-dir", s(&notes)],
+        vec![
+            "train",
+            "--steps",
+            "1",
+            "--checkpoint-dir",
+            leak(&notes.join("ck")),
+        ],
+    ] {
+        refused_untouched(&d, &args, "not a directory");
+    }
+
     // A plan file of the user's, and a plan whose cost file is bad.
     let plan = d.join("plan.toml");
     std::fs::write(&plan, "# the user's\n").unwrap();

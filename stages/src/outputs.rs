@@ -57,6 +57,39 @@ fn output_error(path: &Path, e: std::io::Error) -> StageError {
     }
 }
 
+/// Refuses, before the work that fills it, an output directory `dir` that cannot be one: a
+/// path that is a file, FIFO or device (after symbolic links), or a missing one whose nearest
+/// existing ancestor is not a directory or cannot be written. `flag` names it in the words.
+///
+/// # Errors
+/// Bad input naming `flag`, `dir` and what is wrong.
+pub fn check_output_dir(dir: &Path, flag: &str) -> Result<()> {
+    let refused = |why: String| StageError::Input(format!("{flag} {}: {why}", dir.display()));
+    let mut at = dir;
+    loop {
+        match std::fs::metadata(at) {
+            Ok(meta) if meta.is_dir() => break,
+            Ok(_) if at == dir => return Err(refused("not a directory".into())),
+            Ok(_) => {
+                return Err(refused(format!("{} is not a directory", at.display())));
+            }
+            // Missing, or under a file (the file is found on the way up).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                ) => {}
+            Err(e) => return Err(refused(e.to_string())),
+        }
+        at = match at.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+    }
+    rustix::fs::access(at, rustix::fs::Access::WRITE_OK)
+        .map_err(|e| refused(format!("{} cannot be written: {e}", at.display())))
+}
+
 /// An output directory being written ([`StagedDir::claim_empty`]); dropped without
 /// [`StagedDir::commit`], it removes what it staged and leaves the target untouched.
 #[derive(Debug)]
@@ -87,12 +120,7 @@ impl StagedDir {
                 target.display()
             )));
         }
-        if target.exists() && !target.is_dir() {
-            return Err(StageError::Input(format!(
-                "{}: not a directory",
-                target.display()
-            )));
-        }
+        check_output_dir(target, "--out")?;
         let name = target.file_name().ok_or_else(|| {
             StageError::Input(format!("{}: not a directory name", target.display()))
         })?;

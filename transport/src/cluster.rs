@@ -179,6 +179,12 @@ impl ClusterFile {
             )));
         }
         check_unique(addrs.iter().map(|a| a.trim()), "the addresses")?;
+        if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+            return Err(bad_file(format!(
+                "{} is not a directory: give a new directory for the cluster",
+                dir.display()
+            )));
+        }
         let occupied = std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some());
         if occupied && existing == Existing::Refuse {
             return Err(bad_file(format!(

@@ -173,6 +173,7 @@ pub fn check_checkpoint_dir(dir: Option<&Path>, resumed: Option<&Path>) -> Resul
     let Some(dir) = dir else {
         return Ok(());
     };
+    crate::outputs::check_output_dir(dir, "--checkpoint-dir")?;
     let Some((_, newest)) = crate::checkpoint::list(dir).pop() else {
         return Ok(());
     };
