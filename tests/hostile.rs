@@ -244,8 +244,14 @@ fn cli_value_rows() -> Vec<Row> {
         row("train --lr abc", "'abc' is not a number"),
         row("train --momentum 1.5", "momentum must be in [0, 1)"),
         row("train --weight-decay -1", "weight decay must be >= 0"),
-        row("train --stall-timeout 0", "stall timeout must be between"),
-        row("train --stall-timeout 1e9", "stall timeout must be between"),
+        row(
+            "train --stages 2 --stall-timeout 0",
+            "stall timeout must be between",
+        ),
+        row(
+            "train --stages 2 --stall-timeout 1e9",
+            "stall timeout must be between",
+        ),
         row("train --epochs -1", "invalid value '-1'"),
         row("train --stages 99999999999999999999", "invalid value"),
         // Names.
@@ -1274,6 +1280,26 @@ fn cluster_file_rows() -> Vec<Row> {
             Vec::new(),
             "is not empty",
         ),
+        // Rank 0's key swapped for rank 1's: the certificate and key do not match.
+        after(
+            &[init],
+            "worker --cluster {d}/cl.toml --rank 0 --stages 2 --steps 1",
+            text(
+                "cl.toml",
+                cluster_toml("127.0.0.1:0", "127.0.0.1:0", "cl/ca.pem").replacen(
+                    "cl/rank-0.key",
+                    "cl/rank-1.key",
+                    1,
+                ),
+            ),
+            "this rank's certificate and key, from the cluster's files",
+        ),
+        // A cluster written over a file of the user's.
+        with(
+            "cluster init --workers 2 --out {d}/notes --force",
+            text("notes", "mine"),
+            "notes is not a directory",
+        ),
         row(
             "cluster init --workers 2 --addrs 10.0.0.1:1,10.0.0.1:1 --out {d}/two",
             "ranks 0 and 1 are both at 10.0.0.1:1",
@@ -1343,6 +1369,35 @@ fn unasked_overwrite_and_silent_value_rows() -> Vec<Row> {
         row(
             "train --stages 2 --delay-correction-strength 0.5 --steps 1",
             "this run has none: give one with --delay-correction",
+        ),
+        // Settings that would do nothing in the run they are given to.
+        row(
+            "train --optimizer adamw --momentum 0.5 --steps 1",
+            "--momentum applies to the optimizers sgd, muon; this run's is adamw",
+        ),
+        row(
+            "train --eps 1e-8 --steps 1",
+            "--eps applies to the optimizers adam, adamw, muon; this run's is sgd",
+        ),
+        row(
+            "train --stages 2 --allreduce-dtype bf16 --steps 1",
+            "--allreduce-dtype applies to a stage with two or more replicas",
+        ),
+        row(
+            "train --replicas 2 --wire-dtype bf16 --steps 1",
+            "--wire-dtype applies to activations sent between stages",
+        ),
+        row(
+            "train --stall-timeout 5 --steps 1",
+            "--stall-timeout applies to a pipeline's workers",
+        ),
+        row(
+            "train --keep-checkpoints 3 --steps 1",
+            "--keep-checkpoints needs --checkpoint-dir",
+        ),
+        row(
+            "train --steps 1 --checkpoint-dir /dev/null",
+            "--checkpoint-dir /dev/null: not a directory",
         ),
         cost_file(
             &costs_of("shm", "1e-6").replace(

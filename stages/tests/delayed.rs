@@ -26,7 +26,7 @@ fn cfg(policy: Option<Policy>, kind: OptimizerKind, microbatches: usize) -> RunC
         } else {
             0.003
         }),
-        momentum: Some(0.9),
+        momentum: (kind == OptimizerKind::Sgd).then_some(0.9),
         weight_decay: Some(0.01),
         seed: Some(5),
         threads: Some(1),

@@ -82,6 +82,15 @@ fn setup_err(what: &str, e: impl std::fmt::Display) -> TransportError {
     TransportError::Setup(format!("{what}: {e}"))
 }
 
+/// Credentials TLS refuses (a key that is not its certificate's, a CA that is not one): bad
+/// input, since they come from the cluster's files.
+fn cred_err(what: &str, e: impl std::fmt::Display) -> TransportError {
+    TransportError::BadFile(format!(
+        "{what}, from the cluster's files: {e} (a file replaced or mixed up: write the cluster \
+         again with pipe cluster init)"
+    ))
+}
+
 /// Settings of a QUIC endpoint.
 #[derive(Clone, Debug)]
 pub struct QuicOptions {
@@ -376,7 +385,7 @@ fn tls_configs(
     let mut roots = rustls::RootCertStore::empty();
     roots
         .add(creds.ca.clone())
-        .map_err(|e| setup_err("cluster CA", e))?;
+        .map_err(|e| cred_err("the cluster's CA", e))?;
     let roots = Arc::new(roots);
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
         roots.clone(),
@@ -389,14 +398,14 @@ fn tls_configs(
         .map_err(|e| setup_err("TLS", e))?
         .with_client_cert_verifier(verifier)
         .with_single_cert(creds.chain.clone(), creds.key.clone_key())
-        .map_err(|e| setup_err("certificate", e))?;
+        .map_err(|e| cred_err("this rank's certificate and key", e))?;
     server.alpn_protocols = vec![ALPN.to_vec()];
     let mut client = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| setup_err("TLS", e))?
         .with_root_certificates(roots)
         .with_client_auth_cert(creds.chain.clone(), creds.key.clone_key())
-        .map_err(|e| setup_err("certificate", e))?;
+        .map_err(|e| cred_err("this rank's certificate and key", e))?;
     client.alpn_protocols = vec![ALPN.to_vec()];
     let transport = transport_config(opts)?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(

@@ -13,6 +13,7 @@ use pipe_kernels::CpuBackend;
 use pipe_stages::config::{DatasetKind, ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::data::Splits;
 use pipe_stages::delayed::train_delayed;
+use pipe_stages::optim::OptimizerKind;
 use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::{LedgerEntry, PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{EpochStats, StepStats};
@@ -196,7 +197,10 @@ pub fn run_config(cfg: &StalenessConfig, spec: &RunSpec) -> Result<RunConfig, Ex
         microbatches: Some(spec.microbatches),
         optimizer: Some(opt.kind),
         lr: Some(opt.lr * spec.lr_factor),
-        momentum: (!spec.compensate_momentum).then_some(opt.momentum),
+        // Momentum is SGD's and Muon's setting (the others refuse it).
+        momentum: (!spec.compensate_momentum
+            && matches!(opt.kind, OptimizerKind::Sgd | OptimizerKind::Muon))
+        .then_some(opt.momentum),
         weight_decay: Some(opt.weight_decay),
         weight_decay_groups: Some(opt.weight_decay_groups),
         seed: Some(spec.seed),

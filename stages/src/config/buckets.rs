@@ -105,10 +105,10 @@ mod tests {
             e,
             "all-reduce bucket must be between 0 and 65536 MiB, or one, got 'many'"
         );
-        let cfg = run("stages = 2\nallreduce_bucket_mb = 0.25");
+        let cfg = run("stages = 2\nreplicas = [2]\nallreduce_bucket_mb = 0.25");
         assert_eq!(cfg.bucket_size, BucketSize::of_values(1 << 16).unwrap());
         assert_eq!(cfg.bucket_origin, BucketOrigin::Given);
-        let cfg = run("stages = 2\nallreduce_bucket_mb = \"one,2\"");
+        let cfg = run("stages = 2\nreplicas = [2]\nallreduce_bucket_mb = \"one,2\"");
         assert_eq!(cfg.stage_buckets.to_string(), "one,2");
     }
 

@@ -66,6 +66,9 @@ impl TrainSettings {
             if self.checkpoint_every.is_some() {
                 return bad("--checkpoint-every needs --checkpoint-dir <DIR>".into());
             }
+            if self.keep_checkpoints.is_some() {
+                return bad("--keep-checkpoints needs --checkpoint-dir <DIR>".into());
+            }
             if seed_checkpoint {
                 return bad(
                     "--seed-checkpoint writes into --checkpoint-dir <DIR>; give one".into(),

@@ -448,6 +448,91 @@ impl TrainSettings {
             || self.weight_prediction.is_some()
     }
 
+    /// Refuses a setting given to a run in which it would do nothing, naming what it applies
+    /// to: the one list of such settings (others needing a flag beside them are refused where
+    /// they are read: `--checkpoint-every`, `--delay-correction-strength`, `--rejoin`).
+    ///
+    /// # Errors
+    /// [`StageError::Config`] naming the first such setting.
+    fn check_given_settings_apply(
+        &self,
+        kind: OptimizerKind,
+        pipelined: bool,
+        (stages, replicated): &(usize, bool),
+    ) -> Result<()> {
+        use OptimizerKind::{Adam, Adamw, Lion, Muon, Sgd};
+        let takes = |kinds: &[OptimizerKind]| kinds.contains(&kind);
+        let names = |kinds: &[OptimizerKind]| {
+            kinds
+                .iter()
+                .map(|k| k.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let optimizer_settings: [(&str, bool, &[OptimizerKind]); 5] = [
+            ("--momentum", self.momentum.is_some(), &[Sgd, Muon]),
+            ("--nesterov", self.nesterov.is_some(), &[Sgd, Muon]),
+            ("--beta1", self.beta1.is_some(), &[Adam, Adamw, Muon, Lion]),
+            ("--beta2", self.beta2.is_some(), &[Adam, Adamw, Muon, Lion]),
+            ("--eps", self.eps.is_some(), &[Adam, Adamw, Muon]),
+        ];
+        for (flag, given, kinds) in optimizer_settings {
+            if given && !takes(kinds) {
+                return Err(StageError::Config(format!(
+                    "{flag} applies to the optimizers {}; this run's is {}",
+                    names(kinds),
+                    kind.name()
+                )));
+            }
+        }
+        let layout_settings = [
+            (
+                "--allreduce-bucket-mb",
+                self.allreduce_bucket_mb.is_some(),
+                *replicated,
+                "a stage with two or more replicas (--replicas)",
+            ),
+            (
+                "--allreduce-dtype",
+                self.allreduce_dtype.is_some(),
+                *replicated,
+                "a stage with two or more replicas (--replicas)",
+            ),
+            (
+                "--wire-dtype",
+                self.wire_dtype.is_some(),
+                pipelined && *stages > 1,
+                "activations sent between stages (--stages 2 or more)",
+            ),
+            (
+                "--transport",
+                self.transport.is_some(),
+                pipelined,
+                "a pipeline's workers (--stages, --replicas or --schedule)",
+            ),
+            (
+                "--placement",
+                self.placement.is_some(),
+                pipelined,
+                "a pipeline's workers (--stages, --replicas or --schedule)",
+            ),
+            (
+                "--stall-timeout",
+                self.stall_timeout.is_some(),
+                pipelined,
+                "a pipeline's workers (--stages, --replicas or --schedule)",
+            ),
+        ];
+        for (flag, given, applies, what) in layout_settings {
+            if given && !applies {
+                return Err(StageError::Config(format!(
+                    "{flag} applies to {what}, and this run has none"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The stall timeout: given or [`DEFAULT_STALL_TIMEOUT`], above 0 and at most a week.
     ///
     /// # Errors
@@ -504,6 +589,7 @@ impl TrainSettings {
             .with_chunks(chunks);
         let resolved = layout_spec.resolve();
         let layout = resolved.as_ref().map_err(ToString::to_string);
+        self.check_given_settings_apply(kind, pipelined, &stages_and_replicas(stages, &replicas))?;
         // GPT-2 trainers clip the global gradient norm to 1.0.
         let clip_default = crate::transformer::is_gpt2(&model_name).then_some(GPT2_GRAD_CLIP);
         let optimizer = self.optimizer_config(kind, lm, resolved.as_ref().ok(), clip_default)?;
@@ -630,4 +716,9 @@ fn check_backend_takes(backend: BackendKind, corpus: Option<&CorpusSettings>) ->
         ));
     }
     Ok(())
+}
+
+/// The stage count, and whether some stage has two or more replicas.
+fn stages_and_replicas(stages: usize, replicas: &[u32]) -> (usize, bool) {
+    (stages, replicas.iter().any(|&r| r >= 2))
 }
