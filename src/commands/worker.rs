@@ -153,11 +153,8 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         // Written whether the run succeeded or not: a failed run's trace shows where it stood.
         rec.write(path, rank, worker_names(&layout))?;
     }
-    if let (Err(e), true) = (&result, launched) {
-        if let Some(update) = e.diverged_at() {
-            let message = e.to_string();
-            RecordWriter::write(&Record::Diverged { update, message })?;
-        }
+    if launched {
+        tell_divergence(result.as_ref().err())?;
     }
     // The error names this worker, its stage and the action that failed.
     let report = result?;
@@ -174,6 +171,20 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             print_done(&end.report);
         }
         (None, _) => {}
+    }
+    Ok(())
+}
+
+/// A launched worker whose part of the run diverged tells its launcher so (a
+/// [`Record::Diverged`]), which then reports it as the run's failure instead of a lost
+/// replica to go on without.
+///
+/// # Errors
+/// Standard output gone.
+fn tell_divergence(failed: Option<&pipe_stages::StageError>) -> Result<()> {
+    if let Some((e, update)) = failed.and_then(|e| Some((e, e.diverged_at()?))) {
+        let message = e.to_string();
+        RecordWriter::write(&Record::Diverged { update, message })?;
     }
     Ok(())
 }
