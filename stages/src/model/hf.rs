@@ -525,19 +525,8 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
             }
         }
     }
-    if let Some((name, (_, path))) = found.iter().next() {
-        return Err(hf_err(
-            path.display(),
-            format!(
-                "holds {name}{}, which the model this run builds has no place for (a \
-                 different model: compare its config.json)",
-                match found.len() {
-                    1 => String::new(),
-                    n => format!(" and {} more tensors", n - 1),
-                }
-            ),
-        ));
-    }
+    // Nothing is left in `found`: each file's header named only the model's tensors
+    // ([`read_shard`]), each once.
     Ok(params)
 }
 
