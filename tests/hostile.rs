@@ -21,6 +21,9 @@ enum File {
     Dir(&'static str),
     /// A FIFO in place of whatever the row's setup left there: made after the setup runs.
     Fifo(&'static str),
+    /// A sparse file of this many bytes (none of them stored), in place of whatever the
+    /// row's setup left there: made after the setup runs.
+    Sparse(&'static str, u64),
 }
 
 /// One bad input: the command (`{d}` is the row's directory), the files it needs, the `pipe`
@@ -1294,6 +1297,20 @@ fn cluster_file_rows() -> Vec<Row> {
             ),
             "this rank's certificate and key, from the cluster's files",
         ),
+        // A cluster file with more ranks than the plan has workers.
+        with(
+            &plan("cl.toml"),
+            [
+                profile(),
+                text(
+                    "cl.toml",
+                    cluster_toml("127.0.0.1:0", "127.0.0.1:0", "cl/ca.pem")
+                        + "[[worker]]\naddr = \"127.0.0.2:0\"\ncert = \"cl/rank-1.pem\"\nkey = \"cl/rank-1.key\"\n",
+                ),
+            ]
+            .concat(),
+            "the cluster file has 3 ranks and the plan 2 workers",
+        ),
         // A cluster written over a file of the user's.
         with(
             "cluster init --workers 2 --out {d}/notes --force",
@@ -1365,6 +1382,29 @@ fn unasked_overwrite_and_silent_value_rows() -> Vec<Row> {
         Row {
             env: vec![("PIPE_AVAILABLE_MEMORY", "1GiB")],
             ..row("train --steps 1", "PIPE_AVAILABLE_MEMORY=\"1GiB\"")
+        },
+        Row {
+            env: vec![("PIPE_AVAILABLE_MEMORY", "-1")],
+            ..row("train --steps 1", "PIPE_AVAILABLE_MEMORY=\"-1\"")
+        },
+        // A checkpoint's weights of 10 GB (sparse), its manifest unchanged: refused by the
+        // model's size before they are read or digested.
+        after(
+            &[gpt2_ckpt],
+            "eval --checkpoint {d}/ck",
+            vec![File::Sparse(
+                "ck/ckpt-00000001/weights.safetensors",
+                10 << 30,
+            )],
+            "weights.safetensors: larger than the 1596672 bytes the model's weights.safetensors can take",
+        ),
+        Row {
+            code: 1,
+            ..row(
+                "train --stages 2 --delay-correction error-feedback \
+                 --delay-correction-strength 1e30 --steps 3 --threads 1",
+                "is not finite at update",
+            )
         },
         row(
             "train --stages 2 --delay-correction-strength 0.5 --steps 1",
@@ -1579,6 +1619,29 @@ fn hugging_face_rows() -> Vec<Row> {
                 ),
             ],
             "model.safetensors: not a whole safetensors file: its header describes",
+        ),
+        // A 10 GB shard (sparse: nothing stored) is refused by its size, before a byte is read.
+        with(
+            "train --model gpt2-tiny --steps 1 --init-from {d}/hf",
+            vec![
+                File::Text("hf/config.json", hf_config(|c| c)),
+                File::Sparse("hf/model.safetensors", 10 << 30),
+            ],
+            "is larger than the limit of",
+        ),
+        // An index that names 100,001 shards is refused at once.
+        with(
+            "train --model gpt2-tiny --steps 1 --init-from {d}/hf",
+            vec![
+                File::Text("hf/config.json", hf_config(|c| c)),
+                File::Text("hf/model.safetensors.index.json", {
+                    let map: Vec<String> = (0..100_001)
+                        .map(|i| format!("\"t{i}\": \"s{i}.safetensors\""))
+                        .collect();
+                    format!("{{\"weight_map\": {{{}}}}}", map.join(", "))
+                }),
+            ],
+            "names more than 100000 shards",
         ),
         // A header length past what the model's tensors take: refused before it is read.
         with(
@@ -1801,7 +1864,7 @@ fn run_row(r: &Row, dir: &Path, cache: &Path) -> Result<(), String> {
             File::Text(n, body) => write_under(dir, n, body.as_bytes()),
             File::Bytes(n, body) => write_under(dir, n, body),
             File::Dir(n) => std::fs::create_dir_all(dir.join(n)).unwrap(),
-            File::Fifo(_) => {}
+            File::Fifo(_) | File::Sparse(..) => {}
         }
     }
     for cmd in &r.setup {
@@ -1819,6 +1882,13 @@ fn run_row(r: &Row, dir: &Path, cache: &Path) -> Result<(), String> {
             let _ = std::fs::remove_file(&path);
             let made = Command::new("mkfifo").arg(&path).status().expect("mkfifo");
             assert!(made.success(), "mkfifo {}", path.display());
+        }
+        if let File::Sparse(n, len) = f {
+            let path = dir.join(n);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).unwrap();
+            }
+            std::fs::File::create(&path).unwrap().set_len(*len).unwrap();
         }
     }
     let args = r.args.replace("{d}", &dir.display().to_string());

@@ -189,3 +189,28 @@ fn a_run_over_the_memory_available_is_refused_unless_forced() {
     let err = String::from_utf8_lossy(&forced.stderr);
     assert!(err.contains("running it (--force)"), "{err}");
 }
+
+/// An entry under the right key whose digest holds, but whose profile is of another model
+/// shape (a layer fewer): checked against the model it is for, not used, measured again.
+#[test]
+fn an_entry_of_another_layer_count_is_not_used() {
+    let cache = common::fresh_path("layer-count-cache");
+    common::ok(&pipe_cached(&cache, MEASURED));
+    let entry = entries(&cache).pop().unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&entry).unwrap()).unwrap();
+    let key: pipe_stages::cache::CacheKey = serde_json::from_value(json["key"].clone()).unwrap();
+    let mut value = json["value"].clone();
+    value["layers"].as_array_mut().unwrap().pop();
+    pipe_stages::cache::Cache::at(cache.clone())
+        .put(&key, &value)
+        .unwrap();
+    let out = pipe_cached(&cache, MEASURED);
+    let text = common::ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is not used") && err.contains("layers, the model has"),
+        "{err}"
+    );
+    assert!(text.contains("(profile measured in"), "{text}");
+}

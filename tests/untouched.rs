@@ -262,6 +262,21 @@ fn each_writer_with_one_bad_input_writes_nothing() {
         refused_untouched(&d, &args, "not a regular file: give a file to write");
     }
 
+    // A cache "directory" that is a file: the costs are not kept, and --costs-out is written
+    // all the same (the cache is an aid, the output was asked for).
+    let costs_out = d.join("costs-out.json");
+    let out = common::pipe_command(&["bench", "transport", "--costs-only"])
+        .arg("--costs-out")
+        .arg(&costs_out)
+        .env("PIPE_CACHE_DIR", &notes)
+        .output()
+        .unwrap();
+    let text = ok(&out);
+    assert!(text.contains("not kept"), "{text}");
+    assert!(costs_out.is_file(), "{text}");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "mine");
+    std::fs::remove_file(&costs_out).unwrap();
+
     // A corpus into a directory of the user's, and one whose last input is not text.
     let text = d.join("text");
     std::fs::create_dir(&text).unwrap();
