@@ -361,13 +361,32 @@ fn fault_pause() {
     }
 }
 
-/// Removes temporary directories of writers that did not finish.
+/// Removes temporary directories of writers that did not finish: this process's, and those
+/// of processes no longer running (the PID ends each name). A live writer's temporary, another
+/// run's writing into the same directory at this moment, is left alone, as is a name this
+/// module did not make.
 fn remove_stale_temporaries(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };
+    let own = std::process::id().to_string();
     for e in entries.flatten() {
-        if e.file_name().to_string_lossy().starts_with(".tmp-ckpt-") {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(writer) = name
+            .strip_prefix(".tmp-ckpt-")
+            .and_then(|rest| rest.rsplit('-').next())
+        else {
+            continue;
+        };
+        let gone = writer == own
+            || writer
+                .parse::<i32>()
+                .ok()
+                .and_then(rustix::process::Pid::from_raw)
+                .is_some_and(|pid| {
+                    rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
+                });
+        if gone {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
@@ -743,5 +762,30 @@ mod tests {
             crate::model::params_digest(&ckpt.params)
         );
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// Only temporaries of writers that are gone (or of this process) are removed: a live
+    /// writer's, and names this module did not make, stay.
+    #[test]
+    fn a_live_writers_temporary_is_left_alone() {
+        let root = std::env::temp_dir().join(format!("pipe-tmp-ckpt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let names = [
+            format!(".tmp-ckpt-00000001-{}", std::process::id()),
+            format!(".tmp-ckpt-00000002-{dead}"),
+            ".tmp-ckpt-00000003-1".to_string(),
+            ".tmp-ckpt-notes".to_string(),
+        ];
+        for n in &names {
+            std::fs::create_dir(root.join(n)).unwrap();
+        }
+        remove_stale_temporaries(&root);
+        let left: Vec<bool> = names.iter().map(|n| root.join(n).exists()).collect();
+        assert_eq!(left, [false, false, true, true]);
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }
