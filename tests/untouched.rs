@@ -118,8 +118,9 @@ fn a_run_beside_another_runs_checkpoints_leaves_them_as_they_were() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// `pipe export` with a bad tokenizer, into a missing, an empty and an occupied directory.
 #[test]
-fn each_writer_with_one_bad_input_writes_nothing() {
+fn an_export_with_one_bad_input_writes_nothing() {
     let d = fresh("writers");
     let ck = d.join("ck");
     ok(&pipe(&[
@@ -166,6 +167,13 @@ fn each_writer_with_one_bad_input_writes_nothing() {
     ok(&pipe(&good));
     assert!(out.join("model.safetensors").is_file());
 
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// `pipe cluster init` over a cluster or a file, and directory outputs named where a file is.
+#[test]
+fn a_cluster_is_never_written_over_a_cluster_or_a_file() {
+    let d = fresh("a_cluster_is_never_written_over_a_cluster_or_a_file");
     // A cluster over a cluster, and a new one with two ranks at one address.
     let cluster = d.join("cluster");
     ok(&pipe(&[
@@ -222,6 +230,16 @@ fn each_writer_with_one_bad_input_writes_nothing() {
         refused_untouched(&d, &args, "not a directory");
     }
 
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Single-file outputs: a plan with a bad input, outputs that are FIFOs or directories, and
+/// `--costs-out` beside a cache that is a file.
+#[test]
+fn single_file_outputs_are_written_whole_and_only_where_asked() {
+    let d = fresh("single_file_outputs_are_written_whole_and_only_where_asked");
+    let notes = d.join("notes");
+    std::fs::write(&notes, "mine").unwrap();
     // A plan file of the user's, and a plan whose cost file is bad.
     let plan = d.join("plan.toml");
     std::fs::write(&plan, "# the user's\n").unwrap();
@@ -277,6 +295,13 @@ fn each_writer_with_one_bad_input_writes_nothing() {
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), "mine");
     std::fs::remove_file(&costs_out).unwrap();
 
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// `pipe tokenize` into a directory of the user's, and with an input that is not text.
+#[test]
+fn a_corpus_with_one_bad_input_writes_nothing() {
+    let d = fresh("a_corpus_with_one_bad_input_writes_nothing");
     // A corpus into a directory of the user's, and one whose last input is not text.
     let text = d.join("text");
     std::fs::create_dir(&text).unwrap();

@@ -510,24 +510,17 @@ pub fn run_processes(
     let mut on_record = |rank: u32, json: &str| -> Result<()> {
         let record = serde_json::from_str::<Record>(json)
             .map_err(|e| failed(format!("a worker's record: {e}")))?;
+        // Every rank's stop point and divergence; the run's records from the chief only.
         match record {
-            Record::Stop(report) => {
-                stops.push(report);
-                return Ok(());
-            }
+            Record::Stop(report) => stops.push(report),
             Record::Diverged { update, message } => {
                 diverged.get_or_insert(StageError::WorkerDiverged {
                     worker: rank,
                     update,
                     message,
                 });
-                return Ok(());
             }
-            _ if rank != 0 => return Ok(()),
-            _ => {}
-        }
-        match record {
-            Record::Stop(_) | Record::Diverged { .. } => {}
+            _ if rank != 0 => {}
             Record::Phase(p) => obs.on_start_phase(p)?,
             Record::Step(s) => obs.on_step(&s)?,
             Record::Eval(e) => obs.on_eval(&e)?,
