@@ -1,8 +1,9 @@
-//! Survival, counted: a run that loses a replica (and, with `rejoin`, takes it back at the
-//! next drain point) trains every microbatch of the run exactly once at every stage. The
-//! version ledger is built from what the workers measured in the segments that completed
-//! (a segment dropped for a lost replica adds nothing), so each (stage, microbatch) pair it
-//! holds was trained, and trained once.
+//! Survival, counted and compared: a run that loses a replica (and, with `rejoin`, takes it
+//! back at the next drain point) trains every microbatch of the run exactly once at every
+//! stage, and ends with the reference trainer's weights for the layout changes it met. The
+//! version ledger is built from what the workers measured in the segments that completed and
+//! in the steps of a failed one that stand (the work past them adds nothing), so each
+//! (stage, microbatch) pair it holds was trained, and trained once.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -11,8 +12,8 @@ mod common;
 use pipe_scheduler::Policy;
 use pipe_stages::config::TrainSettings;
 use pipe_stages::pipeline::Observer;
-use pipe_stages::pipeline::survive::{LayoutChange, LayoutEvent};
-use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
+use pipe_stages::pipeline::survive::{LayoutChange, LayoutEvent, Redone};
+use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined, train_reference_with};
 use pipe_stages::train::EpochStats;
 use pipe_transport::fault::{Fault, FaultSchedule, ScheduledFault};
 
@@ -45,7 +46,17 @@ impl Observer for Seen {
 
 /// Runs the settings with worker 3 panicking in the second segment (the second epoch).
 fn run(rejoin: bool) -> (pipe_stages::pipeline::PipelineReport, Seen) {
-    let cfg = settings().resolve().unwrap();
+    run_with(&settings(), rejoin, 30)
+}
+
+/// Runs `settings` with worker 3 panicking at its `nth` data message of the second segment
+/// (the second epoch).
+fn run_with(
+    settings: &TrainSettings,
+    rejoin: bool,
+    nth: u64,
+) -> (pipe_stages::pipeline::PipelineReport, Seen) {
+    let cfg = settings.clone().resolve().unwrap();
     let data = common::load(&cfg);
     let opts = PipelineTrainOptions {
         ledger: true,
@@ -53,7 +64,7 @@ fn run(rejoin: bool) -> (pipe_stages::pipeline::PipelineReport, Seen) {
         faults: FaultSchedule(vec![ScheduledFault {
             rank: 3,
             attempt: 1,
-            fault: Fault::Panic { nth: 7 },
+            fault: Fault::Panic { nth },
         }]),
         ..PipelineTrainOptions::default()
     };
@@ -94,7 +105,11 @@ fn a_lost_replica_trains_every_microbatch_once() {
         ),
         "{lost:?}"
     );
-    assert_eq!((lost.replicas.clone(), lost.from), (vec![2, 1], 12));
+    // Recovered at the update: the run went back to a step of the second epoch that every
+    // stage had passed (which one depends on how far the threads had got), not its start.
+    assert_eq!(lost.replicas, vec![2, 1]);
+    assert_eq!(lost.redone, Redone::InFlight, "{lost}");
+    assert!((13..24).contains(&lost.from), "{lost}");
     assert_each_microbatch_once(&out);
     assert_eq!(out.report.steps, 36);
     assert_eq!(seen.epochs.len(), 3);
@@ -108,9 +123,45 @@ fn a_rejoined_replica_trains_every_microbatch_once_and_restores_the_layout() {
         .iter()
         .map(|c| (c.replicas.clone(), c.from))
         .collect();
-    assert_eq!(events, vec![(vec![2, 1], 12), (vec![2, 2], 24)]);
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0].0, vec![2, 1]);
+    assert!((13..24).contains(&events[0].1), "{events:?}");
+    assert_eq!(events[1], (vec![2, 2], 24));
     assert_eq!(seen.changes[1].event, LayoutEvent::Rejoined);
     assert_each_microbatch_once(&out);
     assert_eq!(out.schedule.layout().replica_counts(), &[2, 2]);
     assert_eq!(seen.epochs.len(), 3);
+}
+
+/// Every policy that takes replicas recovers at the update: the run goes back to the latest
+/// step every stage had passed, and ends with the reference trainer's weights for a layout
+/// that changes there, bit for bit.
+#[test]
+fn a_lost_replica_costs_the_updates_in_flight_under_every_policy() {
+    for policy in [
+        Policy::PipeDream,
+        Policy::VerticalSync,
+        Policy::TwoBw,
+        Policy::Gpipe,
+        Policy::OneFOneBFlush,
+    ] {
+        let settings = TrainSettings {
+            epochs: Some(2),
+            replicas: Some(vec![2, 2]),
+            ..common::small_pipeline(policy, 2, 2)
+        };
+        let (out, seen) = run_with(&settings, false, 30);
+        assert_eq!(seen.changes.len(), 1, "{policy}: {:?}", seen.changes);
+        let lost = &seen.changes[0];
+        assert_eq!(lost.redone, Redone::InFlight, "{policy}: {lost}");
+        assert!((13..24).contains(&lost.from), "{policy}: {lost}");
+        let cfg = settings.resolve().unwrap();
+        let (want, _) = train_reference_with(&cfg, &common::load(&cfg), &seen.changes).unwrap();
+        assert!(
+            common::bits(&out.report.params) == common::bits(&want),
+            "{policy}: the weights differ from the reference run whose layout changes at update {}",
+            lost.from
+        );
+        assert_eq!(out.report.steps, 24, "{policy}");
+    }
 }

@@ -669,6 +669,18 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
         (setup.model).check_finite(be, (layers, &p), Guarded::Weights, run_update)?;
         run.current_version += 1;
+        let applied = u64::from(update + 1) * u64::from(run.update_size);
+        if let Some(points) = setup.rollback.get(self.worker as usize)
+            && applied % minibatch == 0
+        {
+            let state = StageState {
+                stage,
+                params: crate::model::host_params(be, p.clone())?,
+                opt: run.optimizer.clone().on_host(be)?,
+            };
+            let mut points = points.lock().map_err(|_| super::rollback::poisoned())?;
+            points.keep(applied / minibatch, state, &mut self.outcome);
+        }
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;
             if let Some((tau, predicted)) = &mut run.lookahead {

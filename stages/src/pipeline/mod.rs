@@ -38,6 +38,7 @@ pub mod processes;
 pub mod reference;
 pub mod relaunch;
 pub mod restart;
+pub mod rollback;
 pub mod run_plan;
 pub mod setup;
 pub mod stale;
@@ -61,6 +62,6 @@ pub use run_plan::RunPlan;
 pub use setup::{LrFn, MicrobatchSource, OrderedSource, Report, Setup};
 pub use train::{
     PipelineReport, PipelineTrainOptions, initial_params, open_backend, run_partition,
-    train_pipelined, train_reference, write_seed_checkpoint,
+    train_pipelined, train_reference, train_reference_with, write_seed_checkpoint,
 };
 pub use worker::train_worker;

@@ -47,6 +47,17 @@ pub enum LayoutEvent {
     Rejoined,
 }
 
+/// What a lost replica cost: the work the run does again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Redone {
+    /// The segment runs again from its start (worker processes, or a stage that no longer
+    /// held the step every stage had passed).
+    Segment,
+    /// The run goes back to the latest step every stage had passed
+    /// ([`super::rollback`]): only the updates in flight run again.
+    InFlight,
+}
+
 /// A new layout: why it changed, and the replica counts and microbatches per update the run
 /// goes on with from update `from`.
 #[derive(Clone, Debug, PartialEq)]
@@ -59,6 +70,8 @@ pub struct LayoutChange {
     pub microbatches: u32,
     /// The update the new layout starts at.
     pub from: u64,
+    /// What the run does again (a lost replica's change; [`Redone::Segment`] for a rejoin).
+    pub redone: Redone,
 }
 
 impl std::fmt::Display for LayoutChange {
@@ -70,8 +83,14 @@ impl std::fmt::Display for LayoutChange {
                 cause,
             } => write!(
                 f,
-                "worker {worker} (stage {stage}) lost: {cause}; the run goes on with replicas {:?} and {} microbatches per update, from update {} (the segment runs again)",
-                self.replicas, self.microbatches, self.from
+                "worker {worker} (stage {stage}) lost: {cause}; the run goes on with replicas {:?} and {} microbatches per update, from update {} ({})",
+                self.replicas,
+                self.microbatches,
+                self.from,
+                match self.redone {
+                    Redone::Segment => "the segment runs again",
+                    Redone::InFlight => "recovered at the update: the updates in flight run again",
+                }
             ),
             LayoutEvent::Rejoined => write!(
                 f,
@@ -118,6 +137,7 @@ impl LayoutChange {
             replicas,
             microbatches: u32::try_from(minibatch / widest).ok()?,
             from,
+            redone: Redone::Segment,
         };
         // The new layout must schedule, with the same minibatch.
         let resolved = change.spec(cfg.chunks, policy, 1).resolve().ok()?;
@@ -170,7 +190,18 @@ impl LayoutChange {
             replicas: resolved.layout.replica_counts().to_vec(),
             microbatches: resolved.microbatches_per_update,
             from,
+            redone: Redone::Segment,
         })
+    }
+
+    /// This change made at step `steps` of the segment it was met in, after a rollback
+    /// ([`super::rollback`]): the run goes on from there, the updates in flight run again.
+    pub(super) fn rolled_back(self, steps: u64) -> Self {
+        LayoutChange {
+            from: self.from + steps,
+            redone: Redone::InFlight,
+            ..self
+        }
     }
 
     /// The schedule request of a segment of `updates` under this layout and `policy`.

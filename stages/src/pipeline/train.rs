@@ -204,6 +204,46 @@ struct Threads<'a> {
     ledger: Option<Vec<LedgerEntry>>,
 }
 
+impl Threads<'_> {
+    /// After a lost replica in segment `at` of `plan`: the workers' states for `change`'s
+    /// layout, from the latest step every stage passed ([`super::rollback`]) where the
+    /// surviving workers hold it, else from the segment's start (`kept`).
+    fn relayout(
+        &mut self,
+        plan: &RunPlan,
+        at: &Segment,
+        change: LayoutChange,
+        kept: Start,
+        points: &[std::sync::Mutex<super::rollback::Points>],
+    ) -> Result<SegmentEnd> {
+        self.states.clear();
+        let lost = match &change.event {
+            survive::LayoutEvent::Lost { worker, .. } => Some(*worker),
+            survive::LayoutEvent::Rejoined => None,
+        };
+        let back = lost.and_then(|w| super::rollback::roll_back(plan, points, w));
+        let Some(back) = back.filter(|b| b.steps < at.len) else {
+            self.start = kept;
+            return Ok(SegmentEnd::Relayout(change, None));
+        };
+        self.start = Start {
+            params: assemble(plan, &back.states)?,
+            optimizer: Some(Run::optimizer_of(plan, &back.states)?),
+            done: at.done + back.steps,
+        };
+        if let Some(ledger) = &mut self.ledger {
+            ledger.extend(segment_ledger(
+                plan,
+                &back.outcomes,
+                at.done,
+                self.run.minibatch,
+            ));
+        }
+        let change = change.rolled_back(back.steps);
+        Ok(SegmentEnd::Relayout(change, Some(back.outcomes)))
+    }
+}
+
 impl Coordinator for Threads<'_> {
     fn run_segment(
         &mut self,
@@ -212,7 +252,9 @@ impl Coordinator for Threads<'_> {
         obs: &mut dyn Observer,
     ) -> Result<SegmentEnd> {
         let t = Instant::now();
-        // What the segment runs again from if a replica is lost in it.
+        // What the segment runs again from if a replica is lost in it: its start, or the
+        // latest step every stage passed.
+        let points = super::rollback::points_for(plan);
         let kept = match (survive::could_survive(plan), self.states.is_empty()) {
             (false, _) => None,
             (true, true) => Some(self.start.clone()),
@@ -228,20 +270,15 @@ impl Coordinator for Threads<'_> {
             plan,
             self.data,
             at,
-            &self.start,
-            &mut self.states,
+            (&self.start, &mut self.states),
             obs,
-            faults,
+            (faults, &points),
         );
         let outcomes = match (run, kept) {
             (Ok(outcomes), _) => outcomes,
             (Err(e), Some(kept)) => {
                 match LayoutChange::after(self.run.cfg, plan, self.run.minibatch, &e, at.done) {
-                    Some(change) => {
-                        self.states.clear();
-                        self.start = kept;
-                        return Ok(SegmentEnd::Relayout(change));
-                    }
+                    Some(change) => return self.relayout(plan, at, change, kept, &points),
                     None => return Err(e),
                 }
             }
@@ -317,9 +354,10 @@ pub(crate) enum SegmentEnd {
         /// The run stops after this segment.
         stop: bool,
     },
-    /// A replica was lost and the run goes on without it: the segment runs again from its
-    /// start under this layout ([`super::survive`]).
-    Relayout(LayoutChange),
+    /// A replica was lost and the run goes on without it under this layout
+    /// ([`super::survive`]), from the change's update: the segment's start, or a later step
+    /// every stage had passed, with the workers' figures over the steps before it.
+    Relayout(LayoutChange, Option<Vec<WorkerOutcome>>),
 }
 
 /// One launcher's side of the loop.
@@ -517,9 +555,17 @@ pub(crate) fn run_segments(
             let t = Instant::now();
             let outcomes = match coord.run_segment(&plan, &at, obs)? {
                 SegmentEnd::Chief(outcomes) => outcomes,
-                SegmentEnd::Relayout(change) => {
-                    // The segment runs again from its start under the new layout.
+                SegmentEnd::Relayout(change, standing) => {
+                    // The segment goes on from the change's update under the new layout: its
+                    // start, or a later step whose updates stand.
                     obs.on_layout_change(&change)?;
+                    if let Some(outcomes) = standing {
+                        secs += t.elapsed().as_secs_f64();
+                        end.done = change.from;
+                        let acc_layout = last.as_ref().map(|p: &RunPlan| p.schedule.layout());
+                        merge_outcomes(&mut acc, acc_layout, outcomes, plan.schedule.layout());
+                        last = Some(plan);
+                    }
                     layout = Some(change);
                     continue;
                 }
@@ -590,6 +636,21 @@ pub(crate) fn run_segments(
 /// # Errors
 /// As [`train_pipelined`].
 pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f64>)> {
+    train_reference_with(cfg, data, &[])
+}
+
+/// [`train_reference`] through the layout changes a run met (a lost replica, one taken back;
+/// [`super::survive`]), in order: each change cuts a segment at its update (where the
+/// pipeline drains) and the run goes on under its replica counts and microbatches from there.
+/// A run that survived those changes must end with these weights bit for bit.
+///
+/// # Errors
+/// As [`train_pipelined`].
+pub fn train_reference_with(
+    cfg: &RunConfig,
+    data: &Splits,
+    changes: &[LayoutChange],
+) -> Result<(Params, Vec<f64>)> {
     let run = Run::new(cfg, data)?;
     let partition = run_partition(cfg)?;
     let be = CpuBackend::new(1)?;
@@ -599,8 +660,11 @@ pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f6
     let mut done = 0;
     while done < run.total {
         let epoch = done / run.per_epoch + 1;
-        let left = (epoch * run.per_epoch).min(run.total) - done;
-        let (plan, this) = run.segment_plan(None, done, left, &partition, None)?;
+        let layout = changes.iter().rev().find(|c| c.from <= done);
+        let next_change = changes.iter().map(|c| c.from).find(|&f| f > done);
+        let left =
+            ((epoch * run.per_epoch).min(run.total)).min(next_change.unwrap_or(u64::MAX)) - done;
+        let (plan, this) = run.segment_plan(None, done, left, &partition, layout)?;
         let carried = match opts.take() {
             Some(o) => o,
             None => (0..plan.schedule.stages() as usize)
@@ -1118,16 +1182,17 @@ impl<'c> Run<'c> {
     /// Runs one segment's schedule (`plan`) of `seg.epoch` from minibatch `seg.done` on,
     /// creating the workers' state from `start` the first time, and reports each update to
     /// `obs` as soon as the last stage has computed all its losses.
-    #[allow(clippy::too_many_arguments)]
     fn segment(
         &self,
         plan: &RunPlan,
         data: &Splits,
         seg: &Segment,
-        start: &Start,
-        states: &mut Vec<WorkerState>,
+        (start, states): (&Start, &mut Vec<WorkerState>),
         obs: &mut dyn Observer,
-        faults: Option<(&FaultSchedule, u32)>,
+        (faults, points): (
+            Option<(&FaultSchedule, u32)>,
+            &[std::sync::Mutex<super::rollback::Points>],
+        ),
     ) -> Result<Vec<WorkerOutcome>> {
         let cfg = self.cfg;
         let workers = plan.schedule.workers();
@@ -1135,6 +1200,7 @@ impl<'c> Run<'c> {
         let backend = |worker: u32| open_backend(cfg.backend, threads, worker);
         let (tx, rx) = crossbeam_channel::unbounded();
         self.with_setup(plan, data, (seg.epoch, seg.done), Some(&tx), |setup| {
+            let setup = &setup.with_rollback(points);
             if states.is_empty() {
                 *states = start.states(setup, cfg)?;
                 obs.on_start_phase(super::StartPhase::FirstUpdate)?;

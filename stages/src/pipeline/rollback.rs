@@ -1,0 +1,199 @@
+//! Rollback points: what lets a lost replica cost the updates in flight instead of its whole
+//! segment ([`super::survive`]).
+//!
+//! While a segment of a run that could survive a lost replica runs, each worker keeps, for its
+//! stage, a copy of the stage's weights and optimizer state at each of the last few *step
+//! boundaries* it passed (the stage has applied every update of the first `k` minibatches of
+//! the segment), with what the worker had measured by then. When a replica is lost, the run
+//! goes back to the latest step `u` that every stage has passed: each stage's state there is
+//! taken from a surviving worker of the stage (replicas agree at every update of their stage),
+//! the first `u` minibatches of the segment stand (their figures and version records are
+//! kept), and the rest of the segment runs under the new layout from step `u`.
+//!
+//! What the weights are: those of a run whose pipeline drained at step `u` and whose layout
+//! changes there, which is what the reference trainer computes for a layout change at `u`
+//! ([`super::train::train_reference_with`]). A drain at `u` does not change the first `u`
+//! minibatches' arithmetic under any policy: every forward of those minibatches happened in
+//! the segment's program before the point where the shorter program's cool-down begins (a
+//! schedule's programs are causal, and a drain only removes the later forwards), so the state
+//! a stage held after step `u` in the longer segment is the state it holds at the end of a
+//! segment of `u` steps.
+//!
+//! Which updates run again: those the stages had applied past `u`, and the work of every
+//! microbatch after `u` in flight. Under a flush policy the stages are never more than one step
+//! apart, so at most the update in flight runs again; an asynchronous pipeline's later stages
+//! run ahead of its first by up to its depth in steps, and those steps run again.
+//!
+//! Each worker keeps at most [`points_kept`] points; a stage whose lead over the slowest is
+//! larger no longer holds the step, and the run goes back to the segment's start as before.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use super::exec::{StageState, VersionRecord, WorkerOutcome, WorkerState};
+use super::run_plan::RunPlan;
+use crate::error::StageError;
+
+/// One stage's state at a step boundary of its segment.
+#[derive(Clone, Debug)]
+struct Point {
+    /// Minibatches of the segment the stage had applied in full.
+    step: u64,
+    /// The stage's weights and optimizer state then (host copies).
+    state: StageState,
+    /// The worker's counters then (its records and losses are kept apart, in [`Points`]).
+    counters: WorkerOutcome,
+}
+
+/// One worker's rollback points over a segment, and every version record it made so far.
+#[derive(Debug, Default)]
+pub struct Points {
+    capacity: usize,
+    points: VecDeque<Point>,
+    /// The worker's version records, in program order, up to its latest point.
+    records: Vec<VersionRecord>,
+    /// The losses it computed (microbatch, loss sum, rows), up to its latest point.
+    losses: Vec<(u32, f64, usize)>,
+}
+
+/// Step boundaries each worker keeps: twice the stages and two more, past the furthest a
+/// stage runs ahead of the first in the pipelines this runs (a 1F1B pipeline's depth).
+pub fn points_kept(stages: u32) -> usize {
+    2 * stages as usize + 2
+}
+
+impl Points {
+    /// Empty, keeping at most `capacity` points.
+    pub fn new(capacity: usize) -> Self {
+        Points {
+            capacity: capacity.max(1),
+            ..Points::default()
+        }
+    }
+
+    /// Keeps `state` as the stage's state after `step` minibatches of the segment, with the
+    /// worker's `outcome` so far (its lists are copied from where the last point left them,
+    /// so a segment's points cost its records once).
+    pub fn keep(&mut self, step: u64, state: StageState, outcome: &mut WorkerOutcome) {
+        let versions = std::mem::take(&mut outcome.versions);
+        let spans = std::mem::take(&mut outcome.spans);
+        let losses = std::mem::take(&mut outcome.losses);
+        self.records
+            .extend_from_slice(versions.get(self.records.len()..).unwrap_or(&[]));
+        self.losses
+            .extend_from_slice(losses.get(self.losses.len()..).unwrap_or(&[]));
+        let counters = outcome.clone();
+        (outcome.versions, outcome.spans, outcome.losses) = (versions, spans, losses);
+        if self.points.len() == self.capacity {
+            self.points.pop_front();
+        }
+        self.points.push_back(Point {
+            step,
+            state,
+            counters,
+        });
+    }
+
+    /// The latest step this worker's stage passed (0: none).
+    fn latest(&self) -> u64 {
+        self.points.back().map_or(0, |p| p.step)
+    }
+
+    /// The point at `step`, if still kept.
+    fn at(&self, step: u64) -> Option<&Point> {
+        self.points.iter().find(|p| p.step == step)
+    }
+}
+
+/// Where a segment in which a replica was lost goes on from.
+pub struct RolledBack {
+    /// Minibatches of the segment that stand.
+    pub steps: u64,
+    /// Every worker's state there in the old layout's numbering (each stage's from a surviving
+    /// worker of it), for the whole model's weights and optimizer state.
+    pub states: Vec<WorkerState>,
+    /// Every worker's figures and version records over the steps that stand.
+    pub outcomes: Vec<WorkerOutcome>,
+}
+
+/// The latest step of `plan`'s segment that every stage passed on a worker other than `lost`,
+/// with the states and figures there; `None` when it is the segment's start or some stage no
+/// longer holds it (the segment then runs again from its start).
+pub fn roll_back(plan: &RunPlan, points: &[Mutex<Points>], lost: u32) -> Option<RolledBack> {
+    let points: Vec<_> = points
+        .iter()
+        .map(|p| p.lock().ok())
+        .collect::<Option<_>>()?;
+    let layout = plan.schedule.layout();
+    let stages = plan.schedule.stages();
+    let survivor = |s: u32| {
+        layout
+            .group(s)
+            .find(|&w| w != lost && points.get(w as usize).is_some())
+    };
+    let survivors: Vec<u32> = (0..stages).map(survivor).collect::<Option<_>>()?;
+    let steps = survivors
+        .iter()
+        .map(|&w| points[w as usize].latest())
+        .min()?;
+    if steps == 0 {
+        return None;
+    }
+    let minibatch = u64::from(plan.schedule.resolved.minibatch.max(1));
+    let mut states = Vec::with_capacity(points.len());
+    let mut outcomes = Vec::with_capacity(points.len());
+    for (w, mine) in points.iter().enumerate() {
+        let (stage, _) = layout.placement(w as u32);
+        let from = &points[survivors[stage as usize] as usize];
+        states.push(WorkerState {
+            worker: w as u32,
+            stages: vec![from.at(steps)?.state.clone()],
+            progress: super::doctor::StopPoint::default(),
+        });
+        outcomes.push(standing(mine, steps, minibatch, w as u32));
+    }
+    Some(RolledBack {
+        steps,
+        states,
+        outcomes,
+    })
+}
+
+/// A worker's figures over the first `steps` minibatches of its segment: its counters at its
+/// latest point not past them, and its records of their microbatches.
+fn standing(points: &Points, steps: u64, minibatch: u64, worker: u32) -> WorkerOutcome {
+    let before = points.points.iter().rev().find(|p| p.step <= steps);
+    let mut out = before.map_or_else(WorkerOutcome::default, |p| p.counters.clone());
+    let within = |mb: u32| u64::from(mb) < steps * minibatch;
+    out.worker = worker;
+    out.versions = points
+        .records
+        .iter()
+        .filter(|r| within(r.mb))
+        .copied()
+        .collect();
+    out.losses = points
+        .losses
+        .iter()
+        .filter(|l| within(l.0))
+        .copied()
+        .collect();
+    out
+}
+
+/// The rollback points of a segment of `plan`: one per worker, or none where no stage has a
+/// second replica or a worker holds several stages (nothing could be survived at the update).
+pub fn points_for(plan: &RunPlan) -> Vec<Mutex<Points>> {
+    if !super::survive::could_survive(plan) || plan.schedule.layout().chunks() != 1 {
+        return Vec::new();
+    }
+    let kept = points_kept(plan.schedule.stages());
+    (0..plan.schedule.workers())
+        .map(|_| Mutex::new(Points::new(kept)))
+        .collect()
+}
+
+/// The error of a rollback point that cannot be kept.
+pub(super) fn poisoned() -> StageError {
+    StageError::Executor("a worker's rollback points were left poisoned".into())
+}
