@@ -3,7 +3,7 @@
 //! flight run again) with the stage's other replicas taking its microbatches, and it ends with
 //! the weights of the new layout resumed by hand from that update; the last replica of a stage
 //! cannot be lost that way; with `--rejoin` a replacement takes the lost replica's place back
-//! at the next drain point.
+//! at the next update boundary.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -118,12 +118,12 @@ fn the_last_replica_of_a_stage_cannot_be_lost() {
     assert!(!String::from_utf8_lossy(&out.stdout).contains("lost:"));
 }
 
-/// `--rejoin`: the lost replica is taken back at the next drain point (a replacement worker
+/// `--rejoin`: the lost replica is taken back at the next update boundary (a replacement worker
 /// thread joins), and the run ends with the weights of the layout sequence it reports: the
 /// undisturbed run's checkpoint at the loss, resumed by hand on the shrunk layout up to the
 /// rejoin, then on the run's own layout to the end.
 #[test]
-fn a_lost_replica_rejoins_at_the_next_drain_point() {
+fn a_lost_replica_rejoins_at_the_next_update_boundary() {
     let d = fresh_dir("rejoin");
     let config = small_config(&d);
     let out = train(
@@ -146,11 +146,21 @@ fn a_lost_replica_rejoins_at_the_next_drain_point() {
         from,
         &["--replicas".into(), "2".into()],
     );
+    // The replacement joined one update after the loss.
+    assert_eq!(to, from + 1, "{text}");
     let shrunk = d.join("shrunk");
+    let steps = to.to_string();
     ok(&train(
         &config,
         &shrunk,
-        &["--replicas", "2,1", "--resume", at.to_str().unwrap()],
+        &[
+            "--replicas",
+            "2,1",
+            "--resume",
+            at.to_str().unwrap(),
+            "--steps",
+            &steps,
+        ],
     ));
     let at = shrunk.join(format!("ckpt-{to:08}"));
     let resumed = ok(&train(

@@ -1,5 +1,5 @@
 //! Survival, counted and compared: a run that loses a replica (and, with `rejoin`, takes it
-//! back at the next drain point) trains every microbatch of the run exactly once at every
+//! back at the next update boundary) trains every microbatch of the run exactly once at every
 //! stage, and ends with the reference trainer's weights for the layout changes it met. The
 //! version ledger is built from what the workers measured in the segments that completed and
 //! in the steps of a failed one that stand (the work past them adds nothing), so each
@@ -126,7 +126,8 @@ fn a_rejoined_replica_trains_every_microbatch_once_and_restores_the_layout() {
     assert_eq!(events.len(), 2, "{events:?}");
     assert_eq!(events[0].0, vec![2, 1]);
     assert!((13..24).contains(&events[0].1), "{events:?}");
-    assert_eq!(events[1], (vec![2, 2], 24));
+    // The replacement joins at the next update boundary.
+    assert_eq!(events[1], (vec![2, 2], events[0].1 + 1));
     assert_eq!(seen.changes[1].event, LayoutEvent::Rejoined);
     assert_each_microbatch_once(&out);
     assert_eq!(out.schedule.layout().replica_counts(), &[2, 2]);
@@ -164,4 +165,52 @@ fn a_lost_replica_costs_the_updates_in_flight_under_every_policy() {
         );
         assert_eq!(out.report.steps, 24, "{policy}");
     }
+}
+
+/// `--rejoin`, twenty times over: worker 3 panics in every segment it runs on the run's own
+/// layout, a replacement joins one update later each time, and the run ends on its own layout
+/// with the reference trainer's weights for the whole sequence of layouts.
+#[test]
+fn twenty_losses_and_rejoins_end_with_the_reference_weights() {
+    let settings = TrainSettings {
+        epochs: Some(6),
+        replicas: Some(vec![2, 2]),
+        ..common::small_pipeline(Policy::PipeDream, 2, 2)
+    };
+    let cfg = settings.clone().resolve().unwrap();
+    let data = common::load(&cfg);
+    let faults = (0..200)
+        .map(|attempt| ScheduledFault {
+            rank: 3,
+            attempt,
+            fault: Fault::Panic { nth: 12 },
+        })
+        .collect();
+    let opts = PipelineTrainOptions {
+        ledger: true,
+        rejoin: true,
+        faults: FaultSchedule(faults),
+        ..PipelineTrainOptions::default()
+    };
+    let mut seen = Seen::default();
+    let out = train_pipelined(&cfg, &data, &mut seen, &opts).unwrap_or_else(|e| panic!("{e}"));
+    let losses = seen
+        .changes
+        .iter()
+        .filter(|c| matches!(c.event, LayoutEvent::Lost { .. }))
+        .count();
+    assert!(losses >= 20, "{losses} losses: {:?}", seen.changes);
+    for pair in seen.changes.chunks(2) {
+        assert_eq!(pair[0].replicas, vec![2, 1], "{pair:?}");
+        if let Some(back) = pair.get(1) {
+            assert_eq!(back.event, LayoutEvent::Rejoined, "{pair:?}");
+            assert_eq!(
+                (back.replicas.clone(), back.from),
+                (vec![2, 2], pair[0].from + 1)
+            );
+        }
+    }
+    assert_eq!(out.report.steps, 72);
+    let (want, _) = train_reference_with(&cfg, &data, &seen.changes).unwrap();
+    assert!(common::bits(&out.report.params) == common::bits(&want));
 }

@@ -77,7 +77,7 @@ pub struct PipelineTrainOptions {
     /// these options, so a run restarted by its caller goes on counting where the failed
     /// one stopped (a fault fires once, not once per restart).
     pub segments_run: Arc<std::sync::atomic::AtomicU32>,
-    /// After a lost replica, take it back at the next drain point: a replacement worker
+    /// After a lost replica, take it back at the next update boundary: a replacement worker
     /// thread joins and the run is on its own layout again ([`super::survive`]).
     pub rejoin: bool,
 }
@@ -413,7 +413,8 @@ pub(crate) struct LoopStart<'a> {
     pub checkpoints: Option<&'a CheckpointPolicy>,
     /// Set (Ctrl-C) to stop at the next drain point (watched by the chief).
     pub stop: Option<&'a Arc<AtomicBool>>,
-    /// Take lost replicas back at the next drain point after their loss.
+    /// Take lost replicas back at the next update boundary after their loss (the short
+    /// layout runs one update, whose end is a drain point).
     pub rejoin: bool,
 }
 
@@ -542,7 +543,12 @@ pub(crate) fn run_segments(
         while end.done < first + epoch_len && end.stopped.is_none() {
             let done = end.done;
             let before = done - first;
-            let left = (epoch_len - before).min(pace.map_or(u64::MAX, |p| p.cap()));
+            let mut left = (epoch_len - before).min(pace.map_or(u64::MAX, |p| p.cap()));
+            if layout.is_some() && start.rejoin {
+                // Short of a replica that rejoins: one update, and the replacement joins at
+                // its boundary.
+                left = left.min(1);
+            }
             let (plan, this) =
                 run.segment_plan(start.every, done, left, start.partition, layout.as_ref())?;
             let at = Segment {
