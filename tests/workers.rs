@@ -436,7 +436,7 @@ fn a_frozen_worker_process_is_found_by_the_hang_doctor() {
     }
     let _one = serial();
     let d = fresh_dir("freeze");
-    // A stall bound under QUIC's idle limit (5 s), so the others report a stall rather than a
+    // A stall bound under QUIC's idle limit (2 s), so the others report a stall rather than a
     // lost connection.
     let flags = [
         "--stages",
@@ -444,7 +444,7 @@ fn a_frozen_worker_process_is_found_by_the_hang_doctor() {
         "--transport",
         "quic",
         "--stall-timeout",
-        "2",
+        "1",
     ];
     let (launcher, workers) = launched_run(&flags, &d);
     assert_eq!(workers.len(), 3, "{workers:?}");
@@ -474,7 +474,7 @@ fn a_killed_worker_stops_the_others_within_ten_seconds_naming_it() {
         return;
     }
     let _one = serial();
-    // QUIC notices a dead peer by its silence (idle timeout 5 s); shared memory by the
+    // QUIC notices a dead peer by its silence (idle timeout 2 s); shared memory by the
     // socket the kernel closes with the process, at once.
     for (transport, within) in [("quic", 10), ("shm", 5)] {
         let d = fresh_dir(&format!("kill-{transport}"));
@@ -764,7 +764,7 @@ fn a_replacement_worker_rejoins_at_the_next_drain_point() {
 }
 
 /// Frozen workers and cut links, over QUIC: a freeze or a partition shorter than the
-/// transport's idle timeout (5 s) is ridden out (QUIC sends again what the cut link lost);
+/// transport's idle timeout (2 s) is ridden out (QUIC sends again what the cut link lost);
 /// a longer one counts the worker lost on both ends, and the run restarts from its newest
 /// checkpoint. Each start meets one short and one long fault; the run ends with the weights
 /// of the undisturbed run.

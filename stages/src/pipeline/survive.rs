@@ -1,23 +1,29 @@
-//! Surviving the loss of a replica, in process: when one replica of a stage that has two or
-//! more fails (its thread panics, its action or its transport fails), the run goes on with
-//! the stage's other replicas, without a restart and without losing or repeating an update.
+//! Surviving the loss of a replica: when one replica of a stage that has two or more fails
+//! (its thread panics, its action or its transport fails; its process ends), the run goes on
+//! with the stage's other replicas, without a restart and without losing or repeating an
+//! update.
 //!
-//! The unit of recovery is the segment (the stretch between two drain points: an epoch's
-//! end or a checkpoint). Before a segment of a run that could survive a loss, the launcher
-//! keeps the drained pipeline's state (the whole model's weights and optimizer state, what a
-//! checkpoint holds). If a replica fails in the segment, every worker's partial
-//! work in it is dropped, and the segment runs again from that state under a new layout: the
-//! failed worker's stage has one replica fewer, and the stage's other replicas take its
-//! microbatches. The minibatch stays the same (M per replica of the widest stage is raised
-//! when the widest stage shrank), so the data order, the update count and the learning-rate
-//! schedule are unchanged. The weights are therefore those of a run that trained the
-//! segments before under the old layout and every later one under the new, which is also
-//! what resuming a checkpoint of the segment's start under the new replica counts gives.
+//! In process (threads), the unit of recovery is the update. While a segment runs, each worker
+//! keeps its stage's state at its last few step boundaries ([`super::rollback`]); when a
+//! replica fails, the run goes back to the latest step every stage had passed, the segment's
+//! steps before it stand, and the rest runs under a new layout: the failed worker's stage has
+//! one replica fewer, and the stage's other replicas take its microbatches. Where a stage no
+//! longer holds that step (it ran further ahead than the points it keeps), the run goes back
+//! to the segment's start, whose state the launcher keeps before each segment of a run that
+//! could survive a loss. The minibatch stays the same (M per replica of the widest stage is
+//! raised when the widest stage shrank), so the data order, the update count and the
+//! learning-rate schedule are unchanged. The weights are those of a run whose pipeline drained
+//! at that step and went on under the new layout, which the reference trainer computes
+//! ([`super::train::train_reference_with`]) and which resuming a checkpoint of that step under
+//! the new replica counts also gives.
 //!
-//! With `--rejoin` the lost replica is taken back at the next drain point: the loop
-//! assembles the drained state there and the next segment runs on the run's own layout again
-//! ([`LayoutEvent::Rejoined`]); worker processes do the same through their launcher, which
-//! starts them again from the drain point's checkpoint.
+//! Worker processes recover at the segment: their launcher starts them again, one fewer, from
+//! the state of the segment's start ([`super::relaunch`]).
+//!
+//! With `--rejoin` the lost replica is taken back at the next update boundary in process (the
+//! short layout runs one update, [`LayoutEvent::Rejoined`]); worker processes take it back at
+//! the next drain point through their launcher, which starts them again from the drain point's
+//! checkpoint.
 //!
 //! What cannot shrink this way ends the run as before: the last replica of a stage, a layout
 //! with several chunks per worker, a minibatch the new widest stage cannot divide, and the

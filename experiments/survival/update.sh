@@ -1,0 +1,46 @@
+#!/bin/bash
+# Segment recovery (the build before recovery at the update) against update recovery, in
+# process: `pipe train --stages 4 --replicas 2 --epochs 2`, worker 3 (stage 1, replica 1)
+# failing at about 25%, 50% and 75% of the second epoch, each build also undisturbed. The
+# failure is an injected panic at worker 3's Nth data message of the run's second segment (the
+# second epoch), the same message for both builds; N is calibrated from one probe run of this
+# build, whose recovery line names the update it went on from.
+#   BASE=path/to/pipe-of-the-build-before bash experiments/survival/update.sh OUTDIR
+# Writes OUTDIR/*.txt and *.jsonl, and the table on standard output
+# (experiments/survival/table.py reads the logs).
+set -euo pipefail
+OUT=${1:?usage: BASE=OLD_PIPE update.sh OUTDIR}
+PIPE=${PIPE:-target/release/pipe}
+BASE=${BASE:?BASE: the pipe binary of the build before recovery at the update}
+mkdir -p "$OUT"
+F=(--stages 4 --replicas 2 --epochs 2 --momentum 0.6)
+
+run() { # NAME BINARY [FLAGS...]: one run, its wall time in NAME.wall
+  local name=$1 bin=$2
+  shift 2
+  local t0 t1
+  t0=$(date +%s.%N)
+  "$bin" train "${F[@]}" --log-jsonl "$OUT/$name.jsonl" "$@" > "$OUT/$name.txt" 2>&1
+  t1=$(date +%s.%N)
+  echo "$t0 $t1" | awk '{printf "%.2f\n", $2 - $1}' > "$OUT/$name.wall"
+}
+
+# Updates per epoch, from the undisturbed run's log.
+run new-calm "$PIPE"
+run old-calm "$BASE"
+per_epoch=$(python3 -c "
+import json,sys
+steps=[json.loads(l) for l in open('$OUT/new-calm.jsonl') if '\"step\"' in l]
+print(max(r['steps_in_epoch'] for r in steps if r.get('kind')=='step'))")
+# Calibration: where a failure at message 2000 of the second epoch recovers.
+probe=2000
+run probe "$PIPE" --fault-schedule "3:panic@$probe/1"
+from=$(grep -o 'from update [0-9]*' "$OUT/probe.txt" | grep -o '[0-9]*$')
+per_update=$(python3 -c "print(max(1.0, $probe / max(1, $from - $per_epoch)))")
+for pct in 25 50 75; do
+  nth=$(python3 -c "print(max(1, round($per_update * $per_epoch * $pct / 100)))")
+  run "new-$pct" "$PIPE" --fault-schedule "3:panic@$nth/1"
+  run "old-$pct" "$BASE" --fault-schedule "3:panic@$nth/1"
+  echo "$nth" > "$OUT/kill-$pct.nth"
+done
+python3 "$(dirname "$0")/table.py" "$OUT" "$per_epoch"
