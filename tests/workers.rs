@@ -572,11 +572,38 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint_and_ends_undisturbed(
     assert_eq!(done(&text), undisturbed);
 }
 
-/// A lost replica leaves its stage running: worker 3, stage 1's second replica, killed with
-/// SIGKILL once the first checkpoint is written. With no restart allowed, the launcher starts
-/// the workers again from the newest checkpoint with stage 1 on one replica (its other replica
-/// takes the lost one's microbatches), and the run ends with the weights of that checkpoint of
-/// an undisturbed run resumed by hand with `--replicas 2,1`.
+/// The checkpoint at update `at` of the undisturbed run of `config` with `flags`, written into
+/// `dir`: the run stopped there (`--steps`, in place of the one in `flags`), which drains where
+/// a run that lost a replica in place went on (its learning rate constant, so the shorter
+/// run's numerics are the same up to there).
+fn calm_checkpoint(
+    config: &str,
+    dir: &std::path::Path,
+    flags: &[&str],
+    at: u64,
+) -> std::path::PathBuf {
+    let mut kept: Vec<&str> = Vec::new();
+    let mut pairs = flags.iter();
+    while let Some(&f) = pairs.next() {
+        match f {
+            "--steps" => {
+                pairs.next();
+            }
+            _ => kept.push(f),
+        }
+    }
+    let at_text = at.to_string();
+    kept.extend(["--steps", &at_text]);
+    ok(&run(&mut train(config, dir, &kept)));
+    dir.join(format!("ckpt-{at:08}"))
+}
+
+/// A lost replica leaves its stage running, in place: worker 3, stage 1's second replica,
+/// killed with SIGKILL once the first checkpoint is written. The survivors go on without it as
+/// the same processes (a mesh of their own, stage 1 on one replica taking the lost one's
+/// microbatches) from the latest update every stage had applied, and the run ends with the
+/// weights of an undisturbed run's checkpoint at that update resumed by hand with
+/// `--replicas 2,1`.
 #[test]
 fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     if skipped_without_proc() {
@@ -585,29 +612,30 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     let _one = serial();
     let d = fresh_dir("replica-lost");
     let config = small_config(&d, 10_000);
+    let base = [
+        "--steps",
+        "600",
+        "--stages",
+        "2",
+        "--checkpoint-every",
+        "50",
+        "--keep-checkpoints",
+        "100",
+        // Given, since its default follows the layout and a run keeps its own.
+        "--momentum",
+        "0.5",
+        "--lr-schedule",
+        "constant",
+        // Given: a balanced cut would move when a stage loses a replica, and the survivors
+        // keep their own stages' state.
+        "--partition",
+        "0-8,9-17",
+    ];
     let flags = |ck: &std::path::Path, replicas: &str| -> Command {
-        train(
-            &config,
-            ck,
-            &[
-                "--steps",
-                "600",
-                "--stages",
-                "2",
-                "--replicas",
-                replicas,
-                "--checkpoint-every",
-                "50",
-                "--keep-checkpoints",
-                "100",
-                // Given, since its default follows the layout and a run keeps its own.
-                "--momentum",
-                "0.5",
-            ],
-        )
+        let mut cmd = train(&config, ck, &base);
+        cmd.args(["--replicas", replicas]);
+        cmd
     };
-    let calm = d.join("calm");
-    ok(&run(&mut flags(&calm, "2")));
     for transport in ["quic", "shm"] {
         let ck = d.join(format!("ck-{transport}"));
         let launcher = spawn_piped(flags(&ck, "2").args(["--transport", transport]));
@@ -616,9 +644,17 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
         let text = ok(&launcher.wait_with_output().unwrap());
         let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
         assert!(from >= 50, "{transport}: {line}");
+        assert!(
+            line.contains("recovered at the update"),
+            "{transport}: {line}"
+        );
         assert!(done(&text).starts_with("done: 600 steps"), "{text}");
+        // No worker started again: the launcher printed one start.
+        assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
         // The undisturbed run's checkpoint at that update, resumed by hand on the new layout.
-        let at = calm.join(format!("ckpt-{from:08}"));
+        let calm = d.join(format!("calm-{transport}"));
+        let calm_flags = [&base[..], &["--replicas", "2"]].concat();
+        let at = calm_checkpoint(&config, &calm, &calm_flags, from);
         let resumed = ok(&run(flags(&d.join(format!("resumed-{transport}")), "2,1")
             .args(["--resume", at.to_str().unwrap()])));
         assert_eq!(done(&text), done(&resumed), "{transport}");
@@ -656,11 +692,11 @@ fn kill_after_first_epoch(config: &str, flags: &[&str], rank: u32) -> Output {
 }
 
 /// A replica killed with kill -9 in a run without `--checkpoint-dir`, over QUIC and over
-/// shared memory: the launcher kept the whole model's state at the last drain point (an
-/// epoch's end, gathered from the surviving replicas), so the run goes on from there on
-/// replicas [2, 1] and ends with exit 0, with the weights of the undisturbed run's checkpoint
-/// at that update resumed by hand on [2, 1]. A run whose lost worker was the last of its
-/// stage ends with exit 1, naming the flags that would have saved it.
+/// shared memory: the survivors go on in place on replicas [2, 1] from the latest update every
+/// stage had applied, with no file written, and the run ends with exit 0, with the weights of
+/// the undisturbed run's checkpoint at that update resumed by hand on [2, 1]. A run whose lost
+/// worker was the last of its stage ends with exit 1, naming the flags that would have saved
+/// it.
 #[test]
 fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
     if skipped_without_proc() {
@@ -669,27 +705,33 @@ fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
     let _one = serial();
     let d = fresh_dir("replica-lost-no-ck");
     let config = small_config(&d, 10_000);
-    let base = ["--steps", "600", "--stages", "2", "--momentum", "0.5"];
-    // Undisturbed, with a checkpoint at every epoch's end to resume by hand from.
-    let calm = d.join("calm");
-    ok(&run(train(&config, &calm, &base).args([
-        "--replicas",
+    let base = [
+        "--steps",
+        "600",
+        "--stages",
         "2",
-        "--keep-checkpoints",
-        "1000",
-    ])));
+        "--momentum",
+        "0.5",
+        "--lr-schedule",
+        "constant",
+        "--partition",
+        "0-8,9-17",
+    ];
     for transport in ["quic", "shm"] {
         let mut flags = base.to_vec();
         flags.extend(["--replicas", "2", "--transport", transport]);
         let text = ok(&kill_after_first_epoch(&config, &flags, 3));
         let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
-        assert!(
-            from > 0,
-            "{transport}: went on from the start, not a drain point: {line}"
-        );
+        // In place: the launcher printed one start (the run goes on from the drain point
+        // when the kill came before any update of the next segment).
+        assert!(from > 0, "{transport}: {line}");
+        assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
         assert!(done(&text).starts_with("done: 600 steps"), "{text}");
         assert!(!text.contains("checkpoints:"), "{text}");
-        let at = calm.join(format!("ckpt-{from:08}"));
+        // Undisturbed up to there, with a checkpoint to resume by hand from.
+        let calm = d.join(format!("calm-{transport}"));
+        let calm_flags = [&base[..], &["--replicas", "2"]].concat();
+        let at = calm_checkpoint(&config, &calm, &calm_flags, from);
         let resumed = ok(&run(train(
             &config,
             &d.join(format!("by-hand-{transport}")),

@@ -7,12 +7,14 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
 use pipe_stages::model::params_digest;
-use pipe_stages::pipeline::processes::{Record, RecordWriter, StopWriter, join};
+use pipe_stages::pipeline::processes::{Record, RecordWriter, StopWriter, join, join_launched};
+use pipe_stages::pipeline::recover::{Remesh, RemeshHandle};
 use pipe_stages::pipeline::trace_parts::{PartRecorder, Traced, worker_names};
 use pipe_stages::pipeline::worker::WorkerOptions;
 use pipe_stages::pipeline::{Observer, Quiet, train_worker};
@@ -97,13 +99,23 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     }
     let stop = stop_on_ctrl_c(chief && !launched);
     let connect_timeout = Duration::from_secs_f64(args.connect_timeout);
-    let joined = join(
-        &worker.cluster,
-        worker.rank,
-        args.listen,
-        worker.join_options(&args.cluster, connect_timeout),
-        launched.then(|| stop.clone()),
-    )?;
+    let join_options = worker.join_options(&args.cluster, connect_timeout);
+    // A launched worker goes on in place when a peer is lost, as its launcher says.
+    let (joined, remesh) = if launched {
+        let (joined, remesh) =
+            join_launched(&worker.cluster, worker.rank, join_options, stop.clone())?;
+        let remesh: Box<dyn Remesh> = Box::new(remesh);
+        (joined, Some(RemeshHandle(Arc::new(Mutex::new(remesh)))))
+    } else {
+        let joined = join(
+            &worker.cluster,
+            worker.rank,
+            args.listen,
+            join_options,
+            None,
+        )?;
+        (joined, None)
+    };
     if chief && !launched {
         print_links(&joined.shared_memory, worker.cluster.size());
     }
@@ -136,6 +148,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         checkpoints: own.checkpoints.filter(|_| chief),
         resume: own.resume.map(|(_, ckpt)| ckpt),
         stop: chief.then_some(stop),
+        remesh,
     };
     let mut recorder = own.trace_part.as_ref().map(|_| PartRecorder::default());
     let result = match recorder.as_mut() {

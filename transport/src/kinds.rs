@@ -18,7 +18,7 @@ use crate::shm::{self, ShmBound, ShmOptions};
 
 pub use crate::registration::{
     BindFn, Bound, BoundEndpoint, Endpoint, Joined, Listen, MeshSettings, Registration,
-    socket_addresses,
+    present_addresses,
 };
 
 /// Every transport, in the order choices list them and costs are measured.
@@ -148,9 +148,9 @@ impl BoundEndpoint for quic::Bound {
     }
 
     fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
-        let addrs = socket_addresses(peers)?;
+        let addrs = present_addresses(peers)?;
         Ok(Joined {
-            endpoint: Box::new((*self).connect(&addrs)?),
+            endpoint: Box::new((*self).connect_present(&addrs)?),
             shared_memory: Vec::new(),
         })
     }
@@ -261,7 +261,7 @@ impl BoundEndpoint for PerLink {
 
     fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
         let PerLink { quic, shm } = *self;
-        let quic = quic.connect(&socket_addresses(peers)?)?;
+        let quic = quic.connect_present(&present_addresses(peers)?)?;
         let local = quic.peers_on_this_host();
         if local.is_empty() {
             return Ok(Joined {

@@ -32,6 +32,7 @@ pub mod mixed;
 pub mod nccl;
 pub mod quic;
 pub mod registration;
+pub mod renumbered;
 pub mod shm;
 pub mod tcp;
 

@@ -502,6 +502,17 @@ impl Bound {
     /// # Errors
     /// [`TransportError::Setup`] naming the peers that never connected, or a refused one.
     pub fn connect(self, addrs: &[SocketAddr]) -> Result<Quic, TransportError> {
+        let present: Vec<Option<SocketAddr>> = addrs.iter().copied().map(Some).collect();
+        self.connect_present(&present)
+    }
+
+    /// [`Bound::connect`] to the ranks whose address is given: a `None` is a rank that is not
+    /// in the mesh (a lost worker whose survivors connect a mesh of their own), neither dialled
+    /// nor waited for.
+    ///
+    /// # Errors
+    /// As [`Bound::connect`].
+    pub fn connect_present(self, addrs: &[Option<SocketAddr>]) -> Result<Quic, TransportError> {
         let Bound {
             rank,
             runtime,
@@ -766,7 +777,7 @@ async fn closed_while_connecting(peer: u32, conn: quinn::Connection) -> (u32, St
 /// once too, and each of theirs in turn.
 async fn connect_all(
     me: Me,
-    addrs: &[SocketAddr],
+    addrs: &[Option<SocketAddr>],
     endpoint: &quinn::Endpoint,
     client: &quinn::ClientConfig,
     opts: &QuicOptions,
@@ -779,8 +790,11 @@ async fn connect_all(
     let (found, mut arrivals) = tokio::sync::mpsc::unbounded_channel();
     let mut tasks = tokio::task::JoinSet::new();
     for to in rank + 1..addrs.len() as u32 {
+        let Some(addr) = addrs[to as usize] else {
+            continue;
+        };
         let (endpoint, client, opts) = (endpoint.clone(), client.clone(), opts.clone());
-        let (addr, found) = (addrs[to as usize], found.clone());
+        let found = found.clone();
         tasks.spawn(async move {
             let _ = found.send(dial(&endpoint, &client, me, to, addr, &opts, deadline).await);
         });
@@ -792,7 +806,10 @@ async fn connect_all(
     });
     let mut greeted: Vec<Greeted> = Vec::new();
     let mut watches = tokio::task::JoinSet::new();
-    let expected = addrs.len().saturating_sub(1);
+    let present = |p: u32| addrs.get(p as usize).is_some_and(Option::is_some);
+    let expected = (0..addrs.len() as u32)
+        .filter(|&p| p != rank && present(p))
+        .count();
     let failure = loop {
         if greeted.len() == expected {
             break None;
@@ -816,7 +833,7 @@ async fn connect_all(
     tasks.abort_all();
     watches.abort_all();
     let missing: Vec<u32> = (0..addrs.len() as u32)
-        .filter(|&p| p != rank && greeted.iter().all(|g| g.0 != p))
+        .filter(|&p| p != rank && present(p) && greeted.iter().all(|g| g.0 != p))
         .collect();
     let failure = failure.or_else(|| {
         (!missing.is_empty()).then(|| {

@@ -76,7 +76,36 @@ impl std::fmt::Debug for Registration {
     }
 }
 
-/// Peer addresses as a launcher or cluster file gives them, parsed.
+/// The entry of a peer address list for a rank that is not in the mesh: a lost worker whose
+/// survivors connect a mesh of their own ([`present_addresses`]).
+pub const ABSENT: &str = "-";
+
+/// Peer addresses as a launcher or cluster file gives them, parsed: [`ABSENT`] is `None`.
+///
+/// # Errors
+/// [`TransportError::Setup`] naming an address that is not a socket address.
+pub fn present_addresses(peers: &[String]) -> Result<Vec<Option<SocketAddr>>, TransportError> {
+    peers
+        .iter()
+        .map(|a| match a.as_str() {
+            ABSENT => Ok(None),
+            _ => a
+                .parse::<SocketAddr>()
+                .map(Some)
+                .map_err(|e| TransportError::Setup(format!("peer address '{a}': {e}"))),
+        })
+        .collect()
+}
+
+/// The ranks of a peer address list that are in the mesh (every rank of `size` when the list
+/// is empty: a transport that needs no addresses was given none).
+pub fn present_ranks(peers: &[String], size: u32) -> Vec<u32> {
+    (0..size)
+        .filter(|&r| peers.get(r as usize).is_none_or(|a| a != ABSENT))
+        .collect()
+}
+
+/// Peer addresses as a launcher or cluster file gives them, parsed, every rank present.
 ///
 /// # Errors
 /// [`TransportError::Setup`] naming an address that is not a socket address.

@@ -100,9 +100,11 @@ impl BoundEndpoint for ShmBound {
         false
     }
 
-    fn connect(self: Box<Self>, _peers: &[String]) -> Result<Joined, TransportError> {
-        let shm = (*self).connect()?;
-        let all = (0..shm.size()).filter(|&p| p != shm.rank()).collect();
+    fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
+        // A rank named absent (a lost worker) is left out of the mesh.
+        let present = crate::registration::present_ranks(peers, self.size);
+        let shm = (*self).connect_to(&present)?;
+        let all = present.into_iter().filter(|&p| p != shm.rank()).collect();
         Ok(Joined {
             endpoint: Box::new(shm),
             shared_memory: all,

@@ -35,6 +35,7 @@ pub mod launch;
 pub mod ledger;
 pub mod observe;
 pub mod processes;
+pub mod recover;
 pub mod reference;
 pub mod relaunch;
 pub mod restart;

@@ -91,6 +91,8 @@ pub enum Record {
     Stop(StopReport),
     /// The chief began a phase of its start (its first update, once it is up and connected).
     Phase(super::StartPhase),
+    /// The run went on without a lost replica, in place (the chief).
+    Layout(super::survive::LayoutChange),
     /// This worker's part of the run diverged at `update` (any rank): a failure no other
     /// replica and no restart would escape, which the launcher reports as it is.
     Diverged {
@@ -137,6 +139,9 @@ impl Observer for RecordWriter {
     fn on_start_phase(&mut self, phase: super::StartPhase) -> Result<()> {
         Self::write(&Record::Phase(phase))
     }
+    fn on_layout_change(&mut self, change: &super::survive::LayoutChange) -> Result<()> {
+        Self::write(&Record::Layout(change.clone()))
+    }
 }
 
 /// The observer of a launched worker other than the chief: only where it stopped, when its
@@ -165,6 +170,59 @@ pub struct LaunchOptions {
     /// Ask the chief to stop at its first drain point (after a checkpoint), as a Ctrl-C
     /// would: the launcher then starts the workers again on another layout (`--rejoin`).
     pub stop_at_first_drain: bool,
+    /// Which lost worker processes the others go on without in place, as one run
+    /// ([`super::recover`]); `None`: any loss ends the launch.
+    pub in_place: Option<InPlace>,
+}
+
+/// Whether the loss of a worker process (by rank) is gone on without in place: a replica of
+/// a stage that has another, not the chief. Once per launch.
+#[derive(Clone)]
+pub struct InPlace(pub Arc<dyn Fn(u32) -> bool + Send + Sync>);
+
+impl std::fmt::Debug for InPlace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InPlace")
+    }
+}
+
+/// What a launcher tells its workers on their standard input, besides the first address line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LauncherWord {
+    /// The worker of this rank was lost (how it ended): the others go on without it.
+    Lost(u32, String),
+    /// A worker failed and the run does not go on in place.
+    Fail,
+    /// Where every worker of the survivors' mesh listens ([`pipe_transport::registration::ABSENT`]
+    /// for the lost).
+    Peers(Vec<String>),
+}
+
+impl LauncherWord {
+    /// The line that carries this word.
+    fn line(&self) -> String {
+        match self {
+            LauncherWord::Lost(rank, how) => format!("lost {rank} {how}"),
+            LauncherWord::Fail => "fail".into(),
+            LauncherWord::Peers(addrs) => addrs.join(","),
+        }
+    }
+
+    /// A line read back (`None`: `stop`, or nothing).
+    fn parse(line: &str) -> Option<Self> {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("lost ") {
+            let (rank, how) = rest.split_once(' ').unwrap_or((rest, ""));
+            return Some(LauncherWord::Lost(rank.parse().ok()?, how.to_string()));
+        }
+        match line {
+            "fail" => Some(LauncherWord::Fail),
+            "stop" | "" => None,
+            _ => Some(LauncherWord::Peers(
+                line.split(',').map(str::to_string).collect(),
+            )),
+        }
+    }
 }
 
 impl LaunchOptions {
@@ -176,6 +234,7 @@ impl LaunchOptions {
             grace: Duration::from_secs(15),
             stop: None,
             stop_at_first_drain: false,
+            in_place: None,
         }
     }
 }
@@ -355,6 +414,23 @@ impl Workers {
     fn all_exited(&self) -> bool {
         self.0.iter().all(|w| w.exit.is_some())
     }
+
+    /// Writes `line` to every running worker's standard input (one that has just died is
+    /// reported when it is reaped).
+    fn tell(&mut self, line: &str) {
+        for w in self.0.iter_mut().filter(|w| w.exit.is_none()) {
+            if let Some(stdin) = w.stdin.as_mut() {
+                let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
+            }
+        }
+    }
+}
+
+/// Whether a worker process that ended with `status` died (killed by a signal, or a panic)
+/// rather than failed with an error of its own: the loss a run goes on without in place.
+fn died(status: ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt as _;
+    status.signal().is_some() || status.code() == Some(101)
 }
 
 impl Drop for Workers {
@@ -522,6 +598,7 @@ pub fn run_processes(
             }
             _ if rank != 0 => {}
             Record::Phase(p) => obs.on_start_phase(p)?,
+            Record::Layout(change) => obs.on_layout_change(&change)?,
             Record::Step(s) => obs.on_step(&s)?,
             Record::Eval(e) => obs.on_eval(&e)?,
             Record::Epoch(e) => {
@@ -632,8 +709,10 @@ pub fn launch(
         listening: vec![None; n as usize],
         failure: None,
     };
-    let start_by = Instant::now() + opts.connect_timeout;
+    let mut start_by = Instant::now() + opts.connect_timeout;
     let mut told = false;
+    // The worker the others went on without in place, once.
+    let mut lost_in_place: Option<u32> = None;
     let mut stop_by: Option<Instant> = None;
     let mut first_exit: Option<(u32, ExitStatus)> = None;
     let mut first_at: Option<Instant> = None;
@@ -655,19 +734,8 @@ pub fn launch(
             Err(RecvTimeoutError::Disconnected) => std::thread::sleep(Duration::from_millis(50)),
         }
         if !told && relay.listening.iter().all(Option::is_some) {
-            let line = relay
-                .listening
-                .iter()
-                .flatten()
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(",");
-            for w in &mut workers.0 {
-                if let Some(stdin) = w.stdin.as_mut() {
-                    // A worker that died already is reported when it is reaped.
-                    let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
-                }
-            }
+            let addrs = relay.listening.iter().flatten().cloned().collect();
+            workers.tell(&LauncherWord::Peers(addrs).line());
             told = true;
         }
         if !told && Instant::now() > start_by && relay.failure.is_none() {
@@ -677,12 +745,27 @@ pub fn launch(
             )));
         }
         for (rank, status) in workers.reap() {
+            let in_place = opts.in_place.as_ref().is_some_and(|f| (f.0)(rank));
+            let first = lost_in_place.is_none() && first_exit.is_none() && relay.failure.is_none();
+            if told && first && in_place && died(status) {
+                // The others go on without it: they connect a mesh of their own and report
+                // where they listen again.
+                lost_in_place = Some(rank);
+                workers.tell(&LauncherWord::Lost(rank, describe(status)).line());
+                relay.listening = (0..n)
+                    .map(|r| (r == rank).then(|| pipe_transport::registration::ABSENT.into()))
+                    .collect();
+                (told, start_by) = (false, Instant::now() + opts.connect_timeout);
+                continue;
+            }
             if !status.success() && cause_first(first_exit.as_ref(), status, first_at) {
                 first_exit = Some((rank, status));
                 first_at.get_or_insert_with(Instant::now);
             }
         }
         if (first_exit.is_some() || relay.failure.is_some()) && stop_by.is_none() {
+            // Workers waiting for a word on a lost peer end as they are.
+            workers.tell(&LauncherWord::Fail.line());
             stop_by = Some(Instant::now() + opts.grace);
             if relay.failure.is_some() {
                 workers.kill_all();
@@ -769,6 +852,41 @@ pub fn join(
     opts: JoinOptions,
     launched: Option<Arc<AtomicBool>>,
 ) -> Result<Joined> {
+    let launched = launched.map(|stop| (stop, None));
+    join_with(cluster, rank, listen, opts, launched)
+}
+
+/// [`join`] for a launched worker that goes on in place after a lost peer: also returns the
+/// way to its launcher's word and to the survivors' mesh ([`super::recover::Remesh`]).
+///
+/// # Errors
+/// As [`join`].
+pub fn join_launched(
+    cluster: &ClusterFile,
+    rank: u32,
+    opts: JoinOptions,
+    stop: Arc<AtomicBool>,
+) -> Result<(Joined, LaunchedRemesh)> {
+    let (tx, words) = unbounded();
+    let joined = join_with(cluster, rank, None, opts.clone(), Some((stop, Some(tx))))?;
+    let remesh = LaunchedRemesh {
+        words,
+        cluster: cluster.clone(),
+        rank,
+        opts,
+    };
+    Ok((joined, remesh))
+}
+
+/// [`join`], with what a launched worker's standard input says after the first line sent to
+/// `words` where given.
+fn join_with(
+    cluster: &ClusterFile,
+    rank: u32,
+    listen: Option<SocketAddr>,
+    opts: JoinOptions,
+    launched: Option<(Arc<AtomicBool>, Option<Sender<LauncherWord>>)>,
+) -> Result<Joined> {
     let kind = opts.transport.for_processes(launched.is_some());
     let deadline = Instant::now() + opts.settings.connect_timeout;
     let addr = match (listen, kind.is_networked()) {
@@ -795,9 +913,9 @@ pub fn join(
         }
     })?;
     let peers = match launched {
-        Some(stop) => {
+        Some((stop, words)) => {
             announce(&bound.address()?)?;
-            launcher_line(cluster.size(), stop)?
+            launcher_line(cluster.size(), stop, words)?
         }
         None if bound.needs_addresses() => (0..cluster.size())
             .map(|r| resolve(cluster, r, deadline).map(|a| a.to_string()))
@@ -805,6 +923,60 @@ pub fn join(
         None => Vec::new(),
     };
     Ok(bound.connect(&peers)?)
+}
+
+/// A launched worker's way to its launcher's word and to the survivors' mesh after a lost
+/// peer: a new endpoint of the same kind and rank, reported to the launcher as at the start.
+pub struct LaunchedRemesh {
+    words: crossbeam_channel::Receiver<LauncherWord>,
+    cluster: ClusterFile,
+    rank: u32,
+    opts: JoinOptions,
+}
+
+impl super::recover::Remesh for LaunchedRemesh {
+    fn lost(&mut self, within: Duration) -> Option<(u32, String)> {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.words.recv_deadline(deadline).ok()? {
+                LauncherWord::Lost(rank, how) => return Some((rank, how)),
+                LauncherWord::Fail => return None,
+                LauncherWord::Peers(_) => {}
+            }
+        }
+    }
+
+    fn connect_without(&mut self, lost: u32) -> Result<Box<dyn pipe_transport::Transport>> {
+        let kind = self.opts.transport.for_processes(true);
+        let at = Listen {
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            meet: self.opts.meet.clone(),
+        };
+        let rank = self.rank;
+        let bound = kinds::bind(kind, &self.cluster, rank, &at, &self.opts.settings)
+            .map_err(|e| failed(format!("worker {rank} binding {kind} again: {e}")))?;
+        announce(&bound.address()?)?;
+        let deadline = Instant::now() + self.opts.settings.connect_timeout;
+        let peers = loop {
+            match self.words.recv_deadline(deadline) {
+                Ok(LauncherWord::Peers(p)) => break p,
+                Ok(LauncherWord::Fail) | Err(_) => {
+                    return Err(failed(format!(
+                        "worker {rank}: the launcher named no survivors' mesh after worker {lost} was lost"
+                    )));
+                }
+                Ok(LauncherWord::Lost(..)) => {}
+            }
+        };
+        if peers.len() != self.cluster.size() as usize {
+            return Err(refused(format!(
+                "the launcher named {} addresses for {} workers",
+                peers.len(),
+                self.cluster.size()
+            )));
+        }
+        Ok(bound.connect(&peers)?.endpoint)
+    }
 }
 
 /// Tells the launcher where this worker listens.
@@ -843,7 +1015,11 @@ fn resolve(cluster: &ClusterFile, rank: u32, deadline: Instant) -> Result<Socket
 /// one entry per worker; then a watcher of standard input: a `stop` line sets `stop` (the
 /// launcher's Ctrl-C), and its end (the launcher went away) ends this process, so no worker
 /// outlives it.
-fn launcher_line(size: u32, stop: Arc<AtomicBool>) -> Result<Vec<String>> {
+fn launcher_line(
+    size: u32,
+    stop: Arc<AtomicBool>,
+    words: Option<Sender<LauncherWord>>,
+) -> Result<Vec<String>> {
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line).map_err(|e| {
         failed(format!(
@@ -861,7 +1037,11 @@ fn launcher_line(size: u32, stop: Arc<AtomicBool>) -> Result<Vec<String>> {
         for line in std::io::stdin().lock().lines() {
             match line {
                 Ok(l) if l.trim() == "stop" => stop.store(true, Ordering::SeqCst),
-                Ok(_) => {}
+                Ok(l) => {
+                    if let (Some(words), Some(word)) = (&words, LauncherWord::parse(&l)) {
+                        let _ = words.send(word);
+                    }
+                }
                 Err(_) => break,
             }
         }

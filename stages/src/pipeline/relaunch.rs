@@ -305,6 +305,10 @@ pub struct Processes {
     pub trace_parts: Option<PathBuf>,
     /// The private directory of drained states, when there is no checkpoint policy.
     pub kept: Option<KeptStates>,
+    /// A lost replica's survivors go on in place, as one run, instead of every worker
+    /// starting again ([`super::recover`]); off under `--rejoin`, whose replacement joins
+    /// when the workers start again at a drain point.
+    pub in_place: bool,
 }
 
 /// A launcher's private directory of drained states ([`Processes`]).
@@ -340,6 +344,15 @@ impl Launcher for Processes {
         let workers = run.resolved()?.layout.workers();
         self.launch.workers = workers;
         self.launch.stop_at_first_drain = stop_at_first_drain;
+        self.launch.in_place = self.in_place.then(|| {
+            let run = run.clone();
+            let survivable = move |rank: u32| {
+                rank != super::worker::CHIEF
+                    && LayoutChange::without(&run, rank, String::new(), 0)
+                        .is_some_and(|change| change.keeps_partition(&run))
+            };
+            super::processes::InPlace(Arc::new(survivable))
+        });
         let kept = self
             .kept
             .as_ref()

@@ -95,13 +95,23 @@ impl Points {
     }
 
     /// The latest step this worker's stage passed (0: none).
-    fn latest(&self) -> u64 {
+    pub fn latest(&self) -> u64 {
         self.points.back().map_or(0, |p| p.step)
+    }
+
+    /// The earliest step still kept (0: none kept, only the segment's start).
+    pub fn earliest(&self) -> u64 {
+        self.points.front().map_or(0, |p| p.step)
     }
 
     /// The point at `step`, if still kept.
     fn at(&self, step: u64) -> Option<&Point> {
         self.points.iter().find(|p| p.step == step)
+    }
+
+    /// The stage's state at `step`, if still kept.
+    pub fn state_at(&self, step: u64) -> Option<StageState> {
+        self.at(step).map(|p| p.state.clone())
     }
 }
 
@@ -161,7 +171,7 @@ pub fn roll_back(plan: &RunPlan, points: &[Mutex<Points>], lost: u32) -> Option<
 
 /// A worker's figures over the first `steps` minibatches of its segment: its counters at its
 /// latest point not past them, and its records of their microbatches.
-fn standing(points: &Points, steps: u64, minibatch: u64, worker: u32) -> WorkerOutcome {
+pub fn standing(points: &Points, steps: u64, minibatch: u64, worker: u32) -> WorkerOutcome {
     let before = points.points.iter().rev().find(|p| p.step <= steps);
     let mut out = before.map_or_else(WorkerOutcome::default, |p| p.counters.clone());
     let within = |mb: u32| u64::from(mb) < steps * minibatch;

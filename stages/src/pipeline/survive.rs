@@ -37,7 +37,8 @@ use crate::error::{Result, StageError};
 use crate::remedy::Prediction;
 
 /// Why the layout changed.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LayoutEvent {
     /// A replica was lost.
     Lost {
@@ -54,7 +55,8 @@ pub enum LayoutEvent {
 }
 
 /// What a lost replica cost: the work the run does again.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Redone {
     /// The segment runs again from its start (worker processes, or a stage that no longer
     /// held the step every stage had passed).
@@ -66,7 +68,7 @@ pub enum Redone {
 
 /// A new layout: why it changed, and the replica counts and microbatches per update the run
 /// goes on with from update `from`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LayoutChange {
     /// Why.
     pub event: LayoutEvent,
@@ -178,10 +180,38 @@ impl LayoutChange {
         let StageError::Exited { worker, status } = err else {
             return None;
         };
+        Self::without(cfg, *worker, status.clone(), from)
+    }
+
+    /// The layout of `cfg` without `worker`, which was lost for `cause`, the run going on from
+    /// update `from` (`None` as [`LayoutChange::shrink`]).
+    pub fn without(cfg: &RunConfig, worker: u32, cause: String, from: u64) -> Option<Self> {
         let resolved = cfg.resolved().ok()?;
-        let lost = (*worker, status.clone());
         let minibatch = u64::from(resolved.minibatch);
+        let lost = (worker, cause);
         Self::shrink(cfg, &resolved.layout, cfg.schedule, minibatch, lost, from)
+    }
+
+    /// Whether `cfg`'s stages keep their layers under this layout: a partition given (or
+    /// measured, which is settled into one before the run), or a balanced cut that the new
+    /// replica counts do not move. Survivors that go on in place keep their own stages'
+    /// state ([`super::recover`]), so they need it.
+    pub fn keeps_partition(&self, cfg: &RunConfig) -> bool {
+        match &cfg.partition {
+            crate::config::PartitionChoice::Flops => {
+                let Ok(model) = crate::model::Model::new(&cfg.model) else {
+                    return false;
+                };
+                let Ok(resolved) = cfg.resolved() else {
+                    return false;
+                };
+                let old =
+                    crate::partition::Partition::balanced(&model, resolved.layout.replica_counts());
+                let new = crate::partition::Partition::balanced(&model, &self.replicas);
+                matches!((old, new), (Ok(a), Ok(b)) if a == b)
+            }
+            _ => true,
+        }
     }
 
     /// The run's own layout again, from update `from`, once replacement workers have taken

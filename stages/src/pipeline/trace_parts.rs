@@ -169,6 +169,10 @@ impl Observer for Traced<'_> {
         self.run.on_start_phase(phase)
     }
 
+    fn on_layout_change(&mut self, change: &super::survive::LayoutChange) -> Result<()> {
+        self.run.on_layout_change(change)
+    }
+
     fn on_spans(&mut self, origin: SystemTime, spans: &[Span]) -> Result<()> {
         self.part.record(origin, spans);
         self.run.on_spans(origin, spans)

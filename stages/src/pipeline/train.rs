@@ -568,9 +568,12 @@ pub(crate) fn run_segments(
                     if let Some(outcomes) = standing {
                         secs += t.elapsed().as_secs_f64();
                         end.done = change.from;
-                        let acc_layout = last.as_ref().map(|p: &RunPlan| p.schedule.layout());
-                        merge_outcomes(&mut acc, acc_layout, outcomes, plan.schedule.layout());
-                        last = Some(plan);
+                        // The chief's figures (a follower's are the chief's to keep).
+                        if !outcomes.is_empty() {
+                            let acc_layout = last.as_ref().map(|p: &RunPlan| p.schedule.layout());
+                            merge_outcomes(&mut acc, acc_layout, outcomes, plan.schedule.layout());
+                            last = Some(plan);
+                        }
                     }
                     layout = Some(change);
                     continue;

@@ -44,6 +44,7 @@ use super::driver::run_worker_with;
 use super::exec::{WorkerOutcome, WorkerState};
 use super::run_plan::RunPlan;
 use super::setup::Report;
+use super::survive::LayoutChange;
 use super::train::{
     Coordinator, Drain, Drained, LiveSteps, LoopStart, Run, Segment, SegmentEnd, Start,
     run_partition, run_segments,
@@ -92,6 +93,9 @@ pub struct WorkerOptions {
     pub resume: Option<Checkpoint>,
     /// Set to stop at the next drain point, after a checkpoint.
     pub stop: Option<Arc<AtomicBool>>,
+    /// How to go on in place after a lost replica (a launched worker: its launcher);
+    /// `None`: a lost peer fails this worker's part of the run ([`super::recover`]).
+    pub remesh: Option<super::recover::RemeshHandle>,
 }
 
 /// What the chief's run ends with.
@@ -114,7 +118,7 @@ pub struct WorkerReport {
 /// Settings that differ from the chief's, a mesh of the wrong size, worker failures naming
 /// the worker and action, lost peers naming the rank, a non-finite loss or gradient, a
 /// checkpoint that does not fit.
-pub fn train_worker<T: Transport + ?Sized>(
+pub fn train_worker<T: Transport>(
     cfg: &RunConfig,
     data: &Splits,
     ep: &mut T,
@@ -195,7 +199,7 @@ fn report_to_chief<T: Transport + ?Sized>(
     Ok(req.stop)
 }
 
-fn run_process<T: Transport + ?Sized>(
+fn run_process<T: Transport>(
     cfg: &RunConfig,
     data: &Splits,
     ep: &mut T,
@@ -236,6 +240,8 @@ fn run_process<T: Transport + ?Sized>(
         run: &run,
         data,
         ep,
+        renewed: None,
+        remesh: opts.remesh.clone(),
         be,
         start: Some(start),
         state: None,
@@ -243,7 +249,16 @@ fn run_process<T: Transport + ?Sized>(
         origin,
         stop,
     };
-    let end = run_segments(&run, &mut me, data, from, obs)?;
+    let end = run_segments(&run, &mut me, data, from, obs);
+    // The survivors' mesh of a replica lost in place ends here; the caller closes its own.
+    if let Some(ep) = me.renewed.as_mut() {
+        match &end {
+            Ok(_) => ep.close()?,
+            Err(e) if !e.is_abort_echo() => ep.abort(),
+            Err(_) => {}
+        }
+    }
+    let end = end?;
     Ok(chief.then_some(WorkerReport {
         report: TrainReport {
             epochs: end.epochs,
@@ -257,10 +272,15 @@ fn run_process<T: Transport + ?Sized>(
 
 /// A worker process's side of the segment loop: it runs its own worker; the chief gathers
 /// the others' summaries, weights and optimizer state as messages.
-struct Process<'a, T: Transport + ?Sized> {
+struct Process<'a, T: Transport> {
     run: &'a Run<'a>,
     data: &'a Splits,
     ep: &'a mut T,
+    /// The survivors' mesh once a replica was lost in place, used instead of `ep` from then
+    /// on ([`super::recover`]).
+    renewed: Option<Box<dyn Transport>>,
+    /// How to go on in place after a lost replica.
+    remesh: Option<super::recover::RemeshHandle>,
     be: Box<dyn pipe_kernels::Backend>,
     /// Where the run starts; its weights also shape what the chief gathers. A follower lets
     /// it go once its state holds its stages (the weights live on there).
@@ -280,7 +300,64 @@ fn mine(state: &Option<WorkerState>) -> Result<&WorkerState> {
         .ok_or_else(|| StageError::Executor("a worker without state".into()))
 }
 
-impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
+/// The mesh a worker process runs on: its own, or the survivors' once a replica was lost in
+/// place.
+fn current<'e, T: Transport>(
+    ep: &'e mut T,
+    renewed: &'e mut Option<Box<dyn Transport>>,
+) -> &'e mut (dyn Transport + 'e) {
+    match renewed {
+        Some(ep) => ep.as_mut(),
+        None => ep,
+    }
+}
+
+impl<T: Transport> Process<'_, T> {
+    /// After this worker's part of segment `at` of `plan` failed with `err`: goes on in place
+    /// where its launcher names a lost replica the run can do without ([`super::recover`]),
+    /// else returns `err`.
+    fn after_failure(
+        &mut self,
+        plan: &RunPlan,
+        at: &Segment,
+        err: StageError,
+        points: &[std::sync::Mutex<super::rollback::Points>],
+    ) -> Result<SegmentEnd> {
+        let (Some(remesh), Some(start), None) = (&self.remesh, &self.state, &self.renewed) else {
+            return Err(err);
+        };
+        if err.diverged_at().is_some() || err.is_bad_input() {
+            return Err(err);
+        }
+        let rank = self.ep.rank();
+        if !err.is_abort_echo() {
+            self.ep.abort();
+        }
+        let mut remesh = remesh.0.lock().map_err(|_| super::rollback::poisoned())?;
+        let Some((lost, how)) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
+            return Err(err);
+        };
+        let Some(change) = LayoutChange::without(self.run.cfg, lost, how, at.done) else {
+            return Err(err);
+        };
+        let own = points
+            .get(rank as usize)
+            .ok_or_else(|| StageError::Executor("a worker without rollback points".into()))?;
+        let failed = super::recover::Failed {
+            plan,
+            len: at.len,
+            index: self.index,
+            start,
+            points: own,
+        };
+        let gone = super::recover::go_on(remesh.as_mut(), lost, change, failed)?;
+        self.renewed = Some(gone.ep);
+        self.state = Some(gone.state);
+        Ok(SegmentEnd::Relayout(gone.change, gone.standing))
+    }
+}
+
+impl<T: Transport> Coordinator for Process<'_, T> {
     fn run_segment(
         &mut self,
         plan: &RunPlan,
@@ -288,14 +365,19 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
         obs: &mut dyn Observer,
     ) -> Result<SegmentEnd> {
         let (run, cfg) = (self.run, self.run.cfg);
-        let rank = self.ep.rank();
+        // This worker's number in the segment's layout (a new one after a replica was lost
+        // in place).
+        let rank = current(&mut *self.ep, &mut self.renewed).rank();
         let t = Instant::now();
         self.index += 1;
         let index = self.index;
         let mut losses = LossRelay::new(run, plan, at, index, rank);
         let (tx, rx) = crossbeam_channel::unbounded();
-        let (ep, be, state, start) = (&mut *self.ep, &self.be, &mut self.state, &mut self.start);
+        let points = super::rollback::points_for(plan);
+        let ep = current(&mut *self.ep, &mut self.renewed);
+        let (be, state, start) = (&self.be, &mut self.state, &mut self.start);
         let outcome = run.with_setup(plan, self.data, (at.epoch, at.done), Some(&tx), |setup| {
+            let setup = &setup.with_rollback(&points);
             if state.is_none() {
                 let from = start
                     .as_ref()
@@ -310,32 +392,36 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
             let st = state
                 .as_mut()
                 .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
-            let mut between = |ep: &mut T| losses.poll(ep, &rx, obs);
-            run_worker_with(be, ep, setup, st, t, &mut between)
+            run_worker_with(be, ep, setup, st, t, &mut |ep| losses.poll(ep, &rx, obs))
         });
         if let Some(st) = &self.state {
             let segment = (plan.schedule.resolved.policy, at.len as u32);
             let stall = outcome.as_ref().err().and_then(StageError::stall_key);
             *self.stop = Some(StopReport::new(rank, segment, &st.progress, stall));
         }
-        let outcome = outcome?;
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(e) => return self.after_failure(plan, at, e, &points),
+        };
         let base = t.duration_since(self.origin.1).as_secs_f64();
+        let ep = current(&mut *self.ep, &mut self.renewed);
         let spans: Vec<_> = outcome.spans.iter().map(|sp| sp.shifted(base)).collect();
         obs.on_spans(self.origin.0, &spans)?;
         if rank != CHIEF {
-            losses.poll(self.ep, &rx, obs)?;
-            let stop = report_to_chief(self.ep, &outcome, (plan, mine(&self.state)?), index)?;
+            losses.poll(ep, &rx, obs)?;
+            let stop = report_to_chief(ep, &outcome, (plan, mine(&self.state)?), index)?;
             return Ok(SegmentEnd::Follower { stop });
         }
-        let outcomes = gather_summaries(self.ep, outcome, index)?;
-        losses.finish(self.ep, &rx, &outcomes, obs)?;
+        let outcomes = gather_summaries(ep, outcome, index)?;
+        losses.finish(ep, &rx, &outcomes, obs)?;
         Ok(SegmentEnd::Chief(outcomes))
     }
 
     fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
         let index = self.index;
-        for w in (0..self.ep.size()).filter(|&w| w != CHIEF) {
-            self.ep.send(Message::from_bytes(
+        let ep = current(&mut *self.ep, &mut self.renewed);
+        for w in (0..ep.size()).filter(|&w| w != CHIEF) {
+            ep.send(Message::from_bytes(
                 control(CHIEF, w, TOPIC_GO, index, 0),
                 &drain_bytes(drain),
             ))?;
@@ -347,14 +433,14 @@ impl<T: Transport + ?Sized> Coordinator for Process<'_, T> {
             .params;
         let (mine, cfg) = (mine(&self.state)?, self.run.cfg);
         let weights = if drain.weights {
-            Some(gather_weights(self.ep, plan, mine, init, index)?)
+            Some(gather_weights(ep, plan, mine, init, index)?)
         } else {
             None
         };
         let optimizer = if drain.optimizer {
             let like = (init, self.run.model.optimizer_roles());
             Some(gather_optimizer(
-                self.ep,
+                ep,
                 plan,
                 mine,
                 (like.0, &like.1),
@@ -753,7 +839,7 @@ fn decode_report(bytes: &[u8], from: u32) -> Result<Report> {
 
 /// A worker's epoch summary as bytes: what the chief's reports need (not the per-action
 /// records, which stay with the worker).
-fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
+pub(super) fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
     let mut b = Vec::with_capacity(64 + o.losses.len() * 20);
     b.extend_from_slice(&o.worker.to_le_bytes());
     b.extend_from_slice(&o.loss_sum.to_le_bytes());
@@ -828,7 +914,7 @@ impl Fields<'_> {
 }
 
 /// The inverse of [`encode_summary`]; `from` must be the worker the summary names.
-fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
+pub(super) fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
     let mut f = Fields(bytes);
     let worker = f.u32()?;
     if worker != from {

@@ -78,6 +78,7 @@ pub fn launch(
             faults: controls.faults,
             trace_parts: parts.clone(),
             kept: None,
+            in_place: !settings.rejoin,
         };
         launcher.keep_drained_states()?;
         let (end, last) = drive(&mut launcher, &cfg, &how, obs, events);

@@ -1,0 +1,254 @@
+//! Worker processes going on in place after a lost replica: the survivors keep running, with
+//! their state in memory, and no process starts again.
+//!
+//! When a launched worker process is killed or crashes and it was a replica of a stage that
+//! has another (and not the chief), its launcher tells every survivor (`lost RANK HOW` on
+//! their standard input). Each survivor, whose part of the segment has failed by then (its
+//! peer is gone, or a peer stopped the run for that), connects a new mesh of the same ranks
+//! with the lost one absent, over the same kind of transport, whose workers are numbered for
+//! the new layout ([`pipe_transport::renumbered::Renumbered`]). A fresh mesh, rather than the
+//! old one reset, is what keeps the failed segment's messages in flight from meeting the new
+//! segment's, whose keys start again from 0. Over it the chief settles where the run goes on:
+//! the latest step of the failed segment that every stage passed, from the rollback points
+//! each worker kept ([`super::rollback`]), or the segment's start where a worker no longer
+//! holds that step. Each worker takes its own stage's state there, sends the chief its
+//! figures over the steps that stand, and the segment loop goes on under the new layout.
+//!
+//! The weights are those of the in-process recovery ([`super::survive`]): the run whose
+//! pipeline drains at that step and whose layout changes there.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pipe_transport::renumbered::Renumbered;
+use pipe_transport::{Key, Kind, Message, Transport};
+
+use super::exec::{WorkerOutcome, WorkerState};
+use super::rollback::Points;
+use super::run_plan::RunPlan;
+use super::survive::LayoutChange;
+use crate::error::{Result, StageError};
+
+/// How a worker process reaches its launcher to go on after a lost peer.
+pub trait Remesh: Send {
+    /// After this worker's part of a segment failed: the launcher's word, waited for at most
+    /// `within`: the rank lost and how it ended, or `None` when the run does not go on in
+    /// place (the launcher said so, or said nothing).
+    fn lost(&mut self, within: Duration) -> Option<(u32, String)>;
+
+    /// A new mesh of the run's ranks with `lost` absent, connected where the launcher says.
+    ///
+    /// # Errors
+    /// A port that cannot be bound, peers that do not connect in time.
+    fn connect_without(&mut self, lost: u32) -> Result<Box<dyn Transport>>;
+}
+
+/// A [`Remesh`] a worker's options can carry.
+#[derive(Clone)]
+pub struct RemeshHandle(pub Arc<Mutex<Box<dyn Remesh>>>);
+
+impl std::fmt::Debug for RemeshHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RemeshHandle")
+    }
+}
+
+/// How long a survivor waits for its launcher's word after its part of a segment failed: the
+/// launcher reaps a dead worker within a twentieth of a second, and a failure that is no
+/// lost peer (a stall, a worker's own error) ends the run this much later.
+pub const LAUNCHER_WORD_WAIT: Duration = Duration::from_secs(5);
+
+/// Control topic of the exchange that settles where the survivors go on.
+pub const TOPIC_RECOVER: u32 = 7;
+
+/// Where the survivors go on, and with what.
+pub struct GoneOn {
+    /// The survivors' mesh, numbered for the new layout.
+    pub ep: Box<dyn Transport>,
+    /// The new layout, from the update it goes on at.
+    pub change: LayoutChange,
+    /// This worker's state there, numbered for the new layout.
+    pub state: WorkerState,
+    /// On the chief: every old worker's figures over the steps that stand (none when the
+    /// segment runs again from its start); on the others, empty when steps stand.
+    pub standing: Option<Vec<WorkerOutcome>>,
+}
+
+/// A control key of the recovery exchange.
+fn key(from: u32, to: u32, index: u32, step: u32) -> Key {
+    Key {
+        from,
+        to,
+        kind: Kind::Control,
+        stage: TOPIC_RECOVER,
+        index,
+        step,
+    }
+}
+
+fn protocol(why: String) -> StageError {
+    StageError::Executor(format!("recovery exchange: {why}"))
+}
+
+/// The step a run goes on from, given each worker's (latest, earliest) kept steps: the latest
+/// every stage passed where every worker still holds it, else 0 (the segment's start); never
+/// the segment's end (`len`), which the run would not fail at.
+pub fn settle(kept: &[(u64, u64)], len: u64) -> u64 {
+    let latest = kept.iter().map(|k| k.0).min().unwrap_or(0);
+    let earliest = kept.iter().map(|k| k.1).max().unwrap_or(0);
+    if latest >= len || latest < earliest {
+        0
+    } else {
+        latest
+    }
+}
+
+/// What a survivor needs to go on: the failed segment's plan and its place, the worker's
+/// state at the segment's start and its rollback points.
+pub struct Failed<'p> {
+    /// The failed segment's plan (the old layout).
+    pub plan: &'p RunPlan,
+    /// The segment's length in updates.
+    pub len: u64,
+    /// The segment's number (the exchange's key).
+    pub index: u32,
+    /// This worker's state at the segment's start.
+    pub start: &'p WorkerState,
+    /// Its rollback points.
+    pub points: &'p Mutex<Points>,
+}
+
+/// After this worker's part of a segment failed and its launcher named `lost`: connects the
+/// survivors' mesh through `remesh` and settles with them where the run goes on under
+/// `change` (the layout without `lost`).
+///
+/// # Errors
+/// A mesh that does not connect; a peer that fails the exchange.
+pub fn go_on(
+    remesh: &mut dyn Remesh,
+    lost: u32,
+    change: LayoutChange,
+    at: Failed<'_>,
+) -> Result<GoneOn> {
+    let old = at.plan.schedule.layout();
+    let me = at.start.worker;
+    let policy = at.plan.schedule.resolved.policy;
+    let new = change.spec(1, policy, 1).resolve()?.layout;
+    // Each of the new layout's workers as the old one's (the ranks of the mesh): a stage's
+    // survivors keep their order.
+    let mut ranks = vec![0; new.workers() as usize];
+    for s in 0..new.stages() {
+        for (r, was) in old.group(s).filter(|&w| w != lost).enumerate() {
+            let slot = ranks.get_mut(new.worker(s, r as u32) as usize);
+            *slot.ok_or_else(|| protocol(format!("stage {s} has more survivors than places")))? =
+                was;
+        }
+    }
+    let inner = remesh.connect_without(lost)?;
+    let mut ep: Box<dyn Transport> = Box::new(Renumbered::new(inner, ranks.clone())?);
+    let id = ep.rank();
+    let points = at.points.lock().map_err(|_| super::rollback::poisoned())?;
+    let mine = (points.latest(), points.earliest());
+    let step = if id == 0 {
+        let mut kept = vec![mine];
+        for w in 1..ep.size() {
+            let m = ep.recv(&key(w, 0, at.index, 0))?;
+            let [latest, earliest] = read_words::<2>(&m.into_bytes()?)?;
+            kept.push((latest, earliest));
+        }
+        let step = settle(&kept, at.len);
+        for w in 1..ep.size() {
+            ep.send(Message::from_bytes(
+                key(0, w, at.index, 1),
+                &step.to_le_bytes(),
+            ))?;
+        }
+        step
+    } else {
+        let mut b = mine.0.to_le_bytes().to_vec();
+        b.extend_from_slice(&mine.1.to_le_bytes());
+        ep.send(Message::from_bytes(key(id, 0, at.index, 0), &b))?;
+        let m = ep.recv(&key(0, id, at.index, 1))?;
+        read_words::<1>(&m.into_bytes()?)?[0]
+    };
+    let minibatch = u64::from(at.plan.schedule.resolved.minibatch.max(1));
+    let state = match step {
+        0 => WorkerState {
+            worker: id,
+            ..at.start.clone()
+        },
+        _ => WorkerState {
+            worker: id,
+            stages: vec![
+                points
+                    .state_at(step)
+                    .ok_or_else(|| protocol(format!("worker {me} no longer holds step {step}")))?,
+            ],
+            progress: super::doctor::StopPoint::default(),
+        },
+    };
+    let own = super::rollback::standing(&points, step, minibatch, me);
+    drop(points);
+    let standing = match (step, id) {
+        (0, _) => None,
+        (_, 0) => {
+            let mut all = vec![WorkerOutcome::default(); old.workers() as usize];
+            all[me as usize] = own;
+            for w in 1..ep.size() {
+                let m = ep.recv(&key(w, 0, at.index, 2))?;
+                let o = super::worker::decode_summary(&m.into_bytes()?, w)?;
+                let was = ranks[w as usize];
+                all[was as usize] = WorkerOutcome { worker: was, ..o };
+            }
+            Some(all)
+        }
+        _ => {
+            // Sent as this worker's new number, which the chief reads it under.
+            let b = super::worker::encode_summary(&WorkerOutcome { worker: id, ..own });
+            ep.send(Message::from_bytes(key(id, 0, at.index, 2), &b))?;
+            Some(Vec::new())
+        }
+    };
+    let change = match step {
+        0 => change,
+        s => change.rolled_back(s),
+    };
+    Ok(GoneOn {
+        ep,
+        change,
+        state,
+        standing,
+    })
+}
+
+/// `N` little-endian `u64`s, exactly.
+fn read_words<const N: usize>(b: &[u8]) -> Result<[u64; N]> {
+    if b.len() != 8 * N {
+        return Err(protocol(format!("a malformed record of {} bytes", b.len())));
+    }
+    let mut out = [0u64; N];
+    for (o, chunk) in out.iter_mut().zip(b.chunks_exact(8)) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        *o = u64::from_le_bytes(word);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_run_goes_on_from_the_latest_step_every_worker_holds() {
+        assert_eq!(settle(&[(7, 3), (5, 1), (9, 4)], 20), 5);
+        // A worker that no longer holds step 5 sends the run back to the segment's start.
+        assert_eq!(settle(&[(7, 6), (5, 1)], 20), 0);
+        assert_eq!(settle(&[(0, 0), (5, 1)], 20), 0);
+        assert_eq!(
+            settle(&[(20, 18), (20, 17)], 20),
+            0,
+            "never the segment's end"
+        );
+    }
+}

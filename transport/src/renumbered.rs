@@ -1,0 +1,211 @@
+//! A mesh whose workers are numbered apart from its ranks: what the survivors of a lost worker
+//! run on. Their mesh keeps the ranks (and the credentials) they started with, one of them
+//! absent; their new layout numbers its workers from 0 without a gap. [`Renumbered`] maps the
+//! layout's worker numbers to the mesh's ranks in every key that goes out and back in every
+//! key that comes in, so that the runtime above sees a mesh of `workers.len()` workers.
+
+use std::time::Duration;
+
+use crate::{Key, Message, Transport, TransportError, ValueSink, Values};
+
+/// `inner` (a mesh of ranks) seen as the mesh of the workers in `ranks`: worker `w` is rank
+/// `ranks[w]`.
+pub struct Renumbered<T: Transport> {
+    inner: T,
+    /// The rank of each worker.
+    ranks: Vec<u32>,
+    /// The worker of each rank of `inner`, where it has one.
+    workers: Vec<Option<u32>>,
+    /// This endpoint's worker number.
+    me: u32,
+}
+
+impl<T: Transport> Renumbered<T> {
+    /// `inner` as the mesh of the workers whose ranks are `ranks`, in worker order; `inner`'s
+    /// own rank must be among them.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`]: a rank listed twice, past `inner`'s size, or this endpoint's
+    /// rank missing.
+    pub fn new(inner: T, ranks: Vec<u32>) -> Result<Self, TransportError> {
+        let mut workers = vec![None; inner.size() as usize];
+        for (w, &r) in ranks.iter().enumerate() {
+            let slot = workers.get_mut(r as usize).ok_or_else(|| {
+                TransportError::Setup(format!("rank {r} in a mesh of {}", inner.size()))
+            })?;
+            if slot.replace(w as u32).is_some() {
+                return Err(TransportError::Setup(format!("rank {r} named twice")));
+            }
+        }
+        let me = workers
+            .get(inner.rank() as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| {
+                TransportError::Setup(format!(
+                    "rank {} is not among the workers {ranks:?}",
+                    inner.rank()
+                ))
+            })?;
+        Ok(Renumbered {
+            inner,
+            ranks,
+            workers,
+            me,
+        })
+    }
+
+    /// The rank of worker `w`.
+    fn rank_of(&self, w: u32) -> Result<u32, TransportError> {
+        self.ranks
+            .get(w as usize)
+            .copied()
+            .ok_or_else(|| TransportError::Protocol(format!("no worker {w} in this mesh")))
+    }
+
+    /// The worker of rank `r`.
+    fn worker_of(&self, r: u32) -> Result<u32, TransportError> {
+        self.workers
+            .get(r as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| TransportError::Protocol(format!("rank {r} has no worker here")))
+    }
+
+    /// `key` with worker numbers as ranks.
+    fn outward(&self, key: &Key) -> Result<Key, TransportError> {
+        Ok(Key {
+            from: self.rank_of(key.from)?,
+            to: self.rank_of(key.to)?,
+            ..*key
+        })
+    }
+
+    /// `m` with ranks as worker numbers.
+    fn inward(&self, mut m: Message) -> Result<Message, TransportError> {
+        m.key.from = self.worker_of(m.key.from)?;
+        m.key.to = self.worker_of(m.key.to)?;
+        Ok(m)
+    }
+
+    /// An error of `inner` with ranks as worker numbers where it names one.
+    fn named(&self, e: TransportError) -> TransportError {
+        let worker = |r: u32| self.worker_of(r).unwrap_or(r);
+        match e {
+            TransportError::Closed { peer } => TransportError::Closed { peer: worker(peer) },
+            TransportError::Lost { peer, why } => TransportError::Lost {
+                peer: worker(peer),
+                why,
+            },
+            TransportError::Aborted { by } => TransportError::Aborted { by: worker(by) },
+            other => other,
+        }
+    }
+}
+
+impl<T: Transport> Transport for Renumbered<T> {
+    fn rank(&self) -> u32 {
+        self.me
+    }
+    fn carries_device_tensors(&self) -> bool {
+        self.inner.carries_device_tensors()
+    }
+    fn size(&self) -> u32 {
+        self.ranks.len() as u32
+    }
+    fn copies_payloads(&self) -> bool {
+        self.inner.copies_payloads()
+    }
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        self.inner.link_buffer_bytes()
+    }
+    fn send_values(&mut self, values: Values<'_>) -> Result<(), TransportError> {
+        let key = self.outward(&values.key)?;
+        let values = Values { key, ..values };
+        self.inner.send_values(values).map_err(|e| self.named(e))
+    }
+    fn recv_with(&mut self, key: &Key, take: &mut ValueSink<'_>) -> Result<usize, TransportError> {
+        let key = self.outward(key)?;
+        self.inner.recv_with(&key, take).map_err(|e| self.named(e))
+    }
+    fn try_recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut ValueSink<'_>,
+    ) -> Result<Option<usize>, TransportError> {
+        let key = self.outward(key)?;
+        self.inner
+            .try_recv_with(&key, take)
+            .map_err(|e| self.named(e))
+    }
+    fn send(&mut self, mut message: Message) -> Result<(), TransportError> {
+        message.key = self.outward(&message.key)?;
+        self.inner.send(message).map_err(|e| self.named(e))
+    }
+    fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
+        let key = self.outward(key)?;
+        let m = self.inner.recv(&key).map_err(|e| self.named(e))?;
+        self.inward(m)
+    }
+    fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
+        let key = self.outward(key)?;
+        match self.inner.try_recv(&key).map_err(|e| self.named(e))? {
+            Some(m) => self.inward(m).map(Some),
+            None => Ok(None),
+        }
+    }
+    fn buffered(&self) -> usize {
+        self.inner.buffered()
+    }
+    fn abort(&mut self) {
+        self.inner.abort();
+    }
+    fn close(&mut self) -> Result<(), TransportError> {
+        self.inner.close().map_err(|e| self.named(e))
+    }
+    fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
+        let peer = self.rank_of(peer)?;
+        self.inner.cut_link(peer, pause).map_err(|e| self.named(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::Kind;
+
+    /// Three survivors of a mesh of four (rank 1 lost) talk as workers 0, 1 and 2, and the
+    /// keys they see name workers, not ranks.
+    #[test]
+    fn survivors_talk_as_a_mesh_of_their_own() {
+        let mut eps: Vec<_> = crate::inproc::mesh(4, &crate::inproc::InProcOptions::default())
+            .into_iter()
+            .filter(|ep| ep.rank() != 1)
+            .map(|ep| Renumbered::new(ep, vec![0, 2, 3]).unwrap())
+            .collect();
+        assert_eq!(
+            eps.iter().map(|e| (e.rank(), e.size())).collect::<Vec<_>>(),
+            [(0, 3), (1, 3), (2, 3)]
+        );
+        let key = Key::data(2, 1, Kind::Activation, 7);
+        eps[2]
+            .send(Message::from_bytes(key, b"from worker 2"))
+            .unwrap();
+        let got = eps[1].recv(&key).unwrap();
+        assert_eq!((got.key.from, got.key.to), (2, 1));
+        assert_eq!(got.into_bytes().unwrap(), b"from worker 2");
+    }
+
+    #[test]
+    fn a_rank_twice_or_missing_is_refused() {
+        let mut mesh = crate::inproc::mesh(3, &crate::inproc::InProcOptions::default()).into_iter();
+        let ep = mesh.next().unwrap();
+        assert!(Renumbered::new(ep, vec![0, 0]).is_err());
+        let ep = mesh.next().unwrap();
+        assert!(
+            Renumbered::new(ep, vec![0, 2]).is_err(),
+            "rank 1 is not listed"
+        );
+    }
+}
