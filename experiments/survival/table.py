@@ -2,7 +2,10 @@
 """The table of experiments/survival/update.sh: per build (segment recovery, the build before;
 update recovery, this one) and kill point, the wall time, the time lost against the same
 build's undisturbed run, the updates computed twice (step records in the log past the number of
-distinct steps), the update the run went on from, and the final test accuracy.
+distinct steps), the time from the last step record before the run went back to the first
+record of a step not reported before, against the run's median interval between records
+(noticing the loss, going on, and the updates done again; "-" where the workers started again
+and their clock with them), the update the run went on from, and the final test accuracy.
 
     python3 experiments/survival/table.py OUTDIR UPDATES_PER_EPOCH
 """
@@ -15,17 +18,36 @@ from pathlib import Path
 
 def read(out: Path, name: str) -> dict:
     text = (out / f"{name}.txt").read_text()
-    steps = [
-        json.loads(line)["step"]
+    records = [
+        json.loads(line)
         for line in (out / f"{name}.jsonl").read_text().splitlines()
         if '"kind":"step"' in line
     ]
+    steps = [r["step"] for r in records]
+    gaps = sorted(
+        b["elapsed_s"] - a["elapsed_s"]
+        for a, b in zip(records, records[1:])
+        if b["elapsed_s"] >= a["elapsed_s"]
+    )
+    # From the last step record before the run went back to the first record of a step not
+    # reported before: noticing the loss, going on, and the updates done again (None where
+    # nothing was done again, or the clock restarted with the workers).
+    pause = None
+    for i in range(1, len(records)):
+        if steps[i] <= steps[i - 1]:
+            high = steps[i - 1]
+            new = next((r for r in records[i:] if r["step"] > high), None)
+            if new and new["elapsed_s"] >= records[i - 1]["elapsed_s"]:
+                pause = new["elapsed_s"] - records[i - 1]["elapsed_s"]
+            break
     done = re.search(r"^done: (\d+) steps, test accuracy ([\d.]+)%", text, re.M)
     lost = re.search(r"from update (\d+) \(([^)]*)\)", text)
     return {
         "wall": float((out / f"{name}.wall").read_text()),
         "records": len(steps),
         "redone": len(steps) - len(set(steps)),
+        "pause": pause,
+        "interval": gaps[len(gaps) // 2] if gaps else 0.0,
         "steps": int(done.group(1)) if done else None,
         "accuracy": float(done.group(2)) if done else None,
         "from": int(lost.group(1)) if lost else None,
@@ -39,22 +61,24 @@ def main() -> None:
     print()
     print(
         "| build | failure at | worker 3's message | wall s | lost s | updates redone "
-        "| went on from | test accuracy |"
+        "| to a new update s (median interval) | went on from | test accuracy |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for build, label in (("old", "segment recovery"), ("new", "update recovery")):
         calm = read(out, f"{build}-calm")
         print(
             f"| {label} | undisturbed | | {calm['wall']:.2f} | | {calm['redone']} | "
-            f"| {calm['accuracy']:.2f}% |"
+            f"({calm['interval']:.3f}) | | {calm['accuracy']:.2f}% |"
         )
         for pct in (25, 50, 75):
             r = read(out, f"{build}-{pct}")
             nth = (out / f"kill-{pct}.nth").read_text().strip()
             acc = f"{r['accuracy']:.2f}%" if r["accuracy"] is not None else "failed"
+            pause = f"{r['pause']:.3f}" if r["pause"] is not None else "-"
             print(
                 f"| {label} | {pct}% | {nth} | {r['wall']:.2f} | "
-                f"{r['wall'] - calm['wall']:+.2f} | {r['redone']} | {r['from']} | {acc} |"
+                f"{r['wall'] - calm['wall']:+.2f} | {r['redone']} | "
+                f"{pause} ({r['interval']:.3f}) | {r['from']} | {acc} |"
             )
 
 

@@ -1,11 +1,15 @@
 #!/bin/bash
-# Segment recovery (the build before recovery at the update) against update recovery, in
-# process: `pipe train --stages 4 --replicas 2 --epochs 2`, worker 3 (stage 1, replica 1)
-# failing at about 25%, 50% and 75% of the second epoch, each build also undisturbed. The
-# failure is an injected panic at worker 3's Nth data message of the run's second segment (the
-# second epoch), the same message for both builds; N is calibrated from one probe run of this
-# build, whose recovery line names the update it went on from.
-#   BASE=path/to/pipe-of-the-build-before bash experiments/survival/update.sh OUTDIR
+# Segment recovery (the build before recovery at the update) against update recovery:
+# `pipe train --stages 4 --replicas 2 --epochs 2`, worker 3 (stage 1, replica 1) failing at
+# about 25%, 50% and 75% of the second epoch, each build also undisturbed.
+#   PLACEMENT=threads (default): in process; the failure is an injected panic at worker 3's
+#     Nth data message of the run's second segment (the second epoch).
+#   PLACEMENT=shm or PLACEMENT=quic: worker processes over that transport; the failure is
+#     worker 3's process ending at its Nth data message of the run as kill -9 ends it
+#     (`exit@N`, an abort).
+# N is the same for both builds, calibrated from one probe run of this build, whose recovery
+# line names the update it went on from.
+#   BASE=path/to/pipe-of-the-build-before PLACEMENT=shm bash experiments/survival/update.sh OUTDIR
 # Writes OUTDIR/*.txt and *.jsonl, and the table on standard output
 # (experiments/survival/table.py reads the logs).
 set -euo pipefail
@@ -13,7 +17,13 @@ OUT=${1:?usage: BASE=OLD_PIPE update.sh OUTDIR}
 PIPE=${PIPE:-target/release/pipe}
 BASE=${BASE:?BASE: the pipe binary of the build before recovery at the update}
 mkdir -p "$OUT"
-F=(--stages 4 --replicas 2 --epochs 2 --momentum 0.6)
+PLACEMENT=${PLACEMENT:-threads}
+F=(--stages 4 --replicas 2 --epochs 2 --momentum 0.6 --partition 0-2,3-4,5-6,7-9)
+case "$PLACEMENT" in
+  threads) fault() { echo "3:panic@$1/1"; }; first=1 ;;
+  shm | quic) F+=(--placement processes --transport "$PLACEMENT"); fault() { echo "3:exit@$1"; }; first=0 ;;
+  *) echo "PLACEMENT is threads, shm or quic" >&2; exit 2 ;;
+esac
 
 run() { # NAME BINARY [FLAGS...]: one run, its wall time in NAME.wall
   local name=$1 bin=$2
@@ -32,15 +42,17 @@ per_epoch=$(python3 -c "
 import json,sys
 steps=[json.loads(l) for l in open('$OUT/new-calm.jsonl') if '\"step\"' in l]
 print(max(r['steps_in_epoch'] for r in steps if r.get('kind')=='step'))")
-# Calibration: where a failure at message 2000 of the second epoch recovers.
-probe=2000
-run probe "$PIPE" --fault-schedule "3:panic@$probe/1"
+# Calibration: where a failure at message 2000 of the second epoch (threads: counted from the
+# segment's start; processes: from the run's) recovers.
+skip=$((first == 1 ? 0 : per_epoch))
+probe=$((2000 + (first == 1 ? 0 : 8000)))
+run probe "$PIPE" --fault-schedule "$(fault $probe)"
 from=$(grep -o 'from update [0-9]*' "$OUT/probe.txt" | grep -o '[0-9]*$')
-per_update=$(python3 -c "print(max(1.0, $probe / max(1, $from - $per_epoch)))")
+per_update=$(python3 -c "print(max(1.0, $probe / max(1, $from - $per_epoch + $skip)))")
 for pct in 25 50 75; do
-  nth=$(python3 -c "print(max(1, round($per_update * $per_epoch * $pct / 100)))")
-  run "new-$pct" "$PIPE" --fault-schedule "3:panic@$nth/1"
-  run "old-$pct" "$BASE" --fault-schedule "3:panic@$nth/1"
+  nth=$(python3 -c "print(max(1, round($per_update * ($skip + $per_epoch * $pct / 100))))")
+  run "new-$pct" "$PIPE" --fault-schedule "$(fault $nth)"
+  run "old-$pct" "$BASE" --fault-schedule "$(fault $nth)"
   echo "$nth" > "$OUT/kill-$pct.nth"
 done
 python3 "$(dirname "$0")/table.py" "$OUT" "$per_epoch"

@@ -314,6 +314,19 @@ pub(crate) fn stall_deadline(
     timeout.map(|t| start + t)
 }
 
+/// What another thread holds to stop an endpoint's blocked calls as if a peer were lost
+/// ([`Transport::interrupter`]): a launcher that reaps a dead worker knows before the
+/// transport's own timeout does.
+#[derive(Clone)]
+pub struct Interrupter(pub std::sync::Arc<dyn Fn(u32) + Send + Sync>);
+
+impl Interrupter {
+    /// The endpoint's calls fail as if `peer` were lost.
+    pub fn lost(&self, peer: u32) {
+        (self.0)(peer);
+    }
+}
+
 /// A worker's end of the mesh.
 pub trait Transport: Send {
     /// This worker's number.
@@ -422,6 +435,13 @@ pub trait Transport: Send {
     /// Transport errors while finishing.
     fn close(&mut self) -> Result<(), TransportError>;
 
+    /// A handle that stops this endpoint's calls as if a peer were lost, for a transport that
+    /// notices a dead peer only by its silence (QUIC's idle timeout); `None` where a dead
+    /// peer is noticed at once (shared memory, whose socket closes with the process).
+    fn interrupter(&self) -> Option<Interrupter> {
+        None
+    }
+
     /// Cuts the network link to `peer` for `pause`, in both directions, as a network
     /// partition would (for fault drills, [`fault::Fault::Partition`]). A transport with no
     /// network between its workers has no link to cut.
@@ -488,5 +508,8 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
         (**self).cut_link(peer, pause)
+    }
+    fn interrupter(&self) -> Option<Interrupter> {
+        (**self).interrupter()
     }
 }

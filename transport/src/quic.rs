@@ -533,6 +533,7 @@ impl Bound {
             tx,
             alarm: alarm.clone(),
         };
+        let interrupt = events_tx.tx.clone();
         let host = HostId::current()?;
         let me = Me { rank, host };
         let (peers, hosts) = runtime.block_on(connect_all(
@@ -558,6 +559,7 @@ impl Bound {
             host,
             hosts,
             alarm,
+            interrupt,
         })
     }
 }
@@ -1141,6 +1143,8 @@ pub struct Quic {
     hosts: Vec<Option<HostId>>,
     /// Called when a failure is heard ([`Quic::on_failure`]).
     alarm: Alarm,
+    /// Into the event queue from outside: [`Transport::interrupter`].
+    interrupt: Sender<Event>,
 }
 
 /// What a worker calls when its QUIC endpoint hears of a failure, set once.
@@ -1358,7 +1362,11 @@ impl Quic {
         }
         // Every peer's readers confirm (an `F` record) once they have read this worker's
         // finished streams to the end; a peer that has gone needs nothing more.
-        let others: Vec<u32> = (0..self.size).filter(|&p| p != self.rank).collect();
+        // A rank absent from the mesh (a lost worker the survivors connected without) has
+        // nothing to confirm.
+        let others: Vec<u32> = (0..self.size)
+            .filter(|&p| p != self.rank && self.peers.get(p as usize).is_some_and(Option::is_some))
+            .collect();
         while !aborted && Instant::now() < deadline {
             let _ = self.drain();
             let done = others
@@ -1557,6 +1565,14 @@ impl Transport for Quic {
         Ok(())
     }
 
+    fn interrupter(&self) -> Option<crate::Interrupter> {
+        let tx = self.interrupt.clone();
+        Some(crate::Interrupter(Arc::new(move |peer| {
+            let why = "its process ended (its launcher reaped it)".to_string();
+            let _ = tx.send(Event::Failed { peer, why });
+        })))
+    }
+
     fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
         let addr = self
             .peers
@@ -1646,6 +1662,7 @@ impl Drop for Quic {
             host: self.host,
             hosts: std::mem::take(&mut self.hosts),
             alarm: self.alarm.clone(),
+            interrupt: self.interrupt.clone(),
         };
         self.closed = true;
         if me.runtime.is_none() {

@@ -40,7 +40,8 @@ pub struct LaunchSettings {
     pub resume: Option<String>,
     /// Restarts after failures (at most [`MAX_RESTARTS`]).
     pub max_restarts: u32,
-    /// Take a lost replica back at the next drain point.
+    /// Take a lost replica back (in process at the next update boundary, worker processes at
+    /// the next drain point).
     pub rejoin: bool,
     /// Profile again even where the cache holds a profile.
     pub reprofile: bool,

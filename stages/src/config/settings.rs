@@ -392,9 +392,9 @@ pub struct TrainSettings {
     #[arg(long, value_name = "N")]
     pub max_restarts: Option<u32>,
     /// After a lost replica of a replicated stage (which the run survives on the stage's other
-    /// replicas), take it back at the next drain point: a replacement worker with the lost
-    /// rank joins and the stage's replica count is restored. Worker processes need
-    /// --checkpoint-dir (they go on from the drain point's checkpoint).
+    /// replicas), take it back: in process a replacement worker joins at the next update
+    /// boundary; worker processes start again at the next drain point with a replacement
+    /// with the lost rank (they need --checkpoint-dir, and go on from its checkpoint).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub rejoin: Option<bool>,
     /// Measure the layer profile of a measured partition or --workers' plan again, even

@@ -738,7 +738,56 @@ pub struct Corrected {
     at_mean: bool,
 }
 
+/// Copies `src`'s values into `dst` where both are host tensors of one shape, reusing `dst`'s
+/// buffer; false otherwise (nothing copied).
+pub fn copy_tensor(src: &Tensor, dst: &mut Tensor) -> bool {
+    if src.shape() != dst.shape() {
+        return false;
+    }
+    match (src.host(), dst.host_mut()) {
+        (Ok(from), Ok(to)) if from.len() == to.len() => {
+            to.copy_from_slice(from);
+            true
+        }
+        _ => false,
+    }
+}
+
 impl Corrected {
+    /// Copies this optimizer's state into `dst`, one of the same shapes in host memory,
+    /// reusing its buffers (a rollback point kept at every step, [`crate::pipeline::rollback`]);
+    /// false where a tensor's shape differs or is not in host memory, `dst` then being partly
+    /// written and to be replaced.
+    pub fn copy_into(&self, dst: &mut Corrected) -> bool {
+        if self.opt.state.len() != dst.opt.state.len() || self.memory.len() != dst.memory.len() {
+            return false;
+        }
+        let moments = self.opt.state.iter().flatten();
+        for (m, d) in moments.zip(dst.opt.state.iter_mut().flatten()) {
+            if !copy_tensor(&m.first, &mut d.first) || !copy_tensor(&m.second, &mut d.second) {
+                return false;
+            }
+        }
+        for (m, d) in self
+            .memory
+            .iter()
+            .flatten()
+            .zip(dst.memory.iter_mut().flatten())
+        {
+            if !copy_tensor(m, d) {
+                return false;
+            }
+        }
+        dst.opt.cfg = self.opt.cfg;
+        dst.opt.steps = self.opt.steps;
+        dst.opt.roles.clone_from(&self.opt.roles);
+        dst.correction = self.correction;
+        dst.strength = self.strength;
+        dst.at_mean = self.at_mean;
+        dst.before.clear();
+        true
+    }
+
     /// `cfg`'s optimizer with `cfg`'s delay correction around it, their state zeroed and
     /// shaped like `params` (`roles` as [`Optimizer::new`]).
     pub fn new<R: Copy + Into<ParamRole>>(

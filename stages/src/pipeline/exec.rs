@@ -673,13 +673,9 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         if let Some(points) = setup.rollback.get(self.worker as usize)
             && applied % minibatch == 0
         {
-            let state = StageState {
-                stage,
-                params: crate::model::host_params(be, p.clone())?,
-                opt: run.optimizer.clone().on_host(be)?,
-            };
             let mut points = points.lock().map_err(|_| super::rollback::poisoned())?;
-            points.keep(applied / minibatch, state, &mut self.outcome);
+            let state = (stage, &p, &run.optimizer);
+            points.keep(applied / minibatch, state, be, &mut self.outcome)?;
         }
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;

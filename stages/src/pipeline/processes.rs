@@ -28,10 +28,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender, unbounded};
-use pipe_transport::TransportKind;
 use pipe_transport::cluster::{ClusterFile, Existing};
 use pipe_transport::fault::Fault;
 use pipe_transport::kinds::{self, Joined, Listen, MeshSettings};
+use pipe_transport::{Interrupter, TransportKind};
 use serde::{Deserialize, Serialize};
 
 use super::doctor::{StopReport, diagnose};
@@ -711,8 +711,8 @@ pub fn launch(
     };
     let mut start_by = Instant::now() + opts.connect_timeout;
     let mut told = false;
-    // The worker the others went on without in place, once.
-    let mut lost_in_place: Option<u32> = None;
+    // The worker the others went on without in place (once), and how it ended.
+    let mut lost_in_place: Option<(u32, ExitStatus)> = None;
     let mut stop_by: Option<Instant> = None;
     let mut first_exit: Option<(u32, ExitStatus)> = None;
     let mut first_at: Option<Instant> = None;
@@ -750,7 +750,7 @@ pub fn launch(
             if told && first && in_place && died(status) {
                 // The others go on without it: they connect a mesh of their own and report
                 // where they listen again.
-                lost_in_place = Some(rank);
+                lost_in_place = Some((rank, status));
                 workers.tell(&LauncherWord::Lost(rank, describe(status)).line());
                 relay.listening = (0..n)
                     .map(|r| (r == rank).then(|| pipe_transport::registration::ABSENT.into()))
@@ -783,6 +783,12 @@ pub fn launch(
         relay.line(line);
     }
     drop(workers);
+    // A run that failed while its workers went on without a lost one failed for that loss:
+    // the workers start again without it.
+    let first_exit = match (first_exit, lost_in_place) {
+        (Some(_), Some(lost)) => Some(lost),
+        (first, _) => first,
+    };
     if let Some((rank, status)) = first_exit {
         return Err(if status.code() == Some(2) {
             refused(format!("worker {rank} {}", describe(status)))
@@ -912,9 +918,13 @@ fn join_with(
             bad_input,
         }
     })?;
+    // Where the launcher's word that a peer was lost stops this endpoint's blocked calls at
+    // once (a transport that would notice only by the peer's silence).
+    let interrupt: InterruptSlot = Arc::default();
     let peers = match launched {
         Some((stop, words)) => {
             announce(&bound.address()?)?;
+            let words = words.map(|w| (w, interrupt.clone()));
             launcher_line(cluster.size(), stop, words)?
         }
         None if bound.needs_addresses() => (0..cluster.size())
@@ -922,8 +932,16 @@ fn join_with(
             .collect::<Result<Vec<_>>>()?,
         None => Vec::new(),
     };
-    Ok(bound.connect(&peers)?)
+    let joined = bound.connect(&peers)?;
+    if let Ok(mut slot) = interrupt.lock() {
+        *slot = joined.endpoint.interrupter();
+    }
+    Ok(joined)
 }
+
+/// Where a launched worker's endpoint leaves the handle that stops its blocked calls, once it
+/// is connected, for the thread that reads the launcher's word.
+type InterruptSlot = Arc<std::sync::Mutex<Option<Interrupter>>>;
 
 /// A launched worker's way to its launcher's word and to the survivors' mesh after a lost
 /// peer: a new endpoint of the same kind and rank, reported to the launcher as at the start.
@@ -1018,7 +1036,7 @@ fn resolve(cluster: &ClusterFile, rank: u32, deadline: Instant) -> Result<Socket
 fn launcher_line(
     size: u32,
     stop: Arc<AtomicBool>,
-    words: Option<Sender<LauncherWord>>,
+    words: Option<(Sender<LauncherWord>, InterruptSlot)>,
 ) -> Result<Vec<String>> {
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line).map_err(|e| {
@@ -1038,9 +1056,18 @@ fn launcher_line(
             match line {
                 Ok(l) if l.trim() == "stop" => stop.store(true, Ordering::SeqCst),
                 Ok(l) => {
-                    if let (Some(words), Some(word)) = (&words, LauncherWord::parse(&l)) {
-                        let _ = words.send(word);
+                    let Some(((words, interrupt), word)) =
+                        words.as_ref().zip(LauncherWord::parse(&l))
+                    else {
+                        continue;
+                    };
+                    if let LauncherWord::Lost(rank, _) = &word {
+                        let held = interrupt.lock().ok().and_then(|i| i.clone());
+                        if let Some(stop_calls) = held {
+                            stop_calls.lost(*rank);
+                        }
                     }
+                    let _ = words.send(word);
                 }
                 Err(_) => break,
             }

@@ -64,7 +64,7 @@ pub struct Relaunch {
     pub restarts: RestartPolicy,
     /// The checkpoint the first start resumes from.
     pub first: Option<PathBuf>,
-    /// Take a lost replica back at the next drain point (`--rejoin`).
+    /// Take a lost replica back (`--rejoin`): worker processes at the next drain point.
     pub rejoin: bool,
     /// Plan again for the workers that remain after a start that lost one.
     pub replan_on_restart: bool,
