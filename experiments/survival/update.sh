@@ -2,6 +2,7 @@
 # Segment recovery (the build before recovery at the update) against update recovery:
 # `pipe train --stages 4 --replicas 2 --epochs 2`, worker 3 (stage 1, replica 1) failing at
 # about 25%, 50% and 75% of the second epoch, each build also undisturbed.
+#   SCHEDULE (default pipedream): the policy.
 #   PLACEMENT=threads (default): in process; the failure is an injected panic at worker 3's
 #     Nth data message of the run's second segment (the second epoch).
 #   PLACEMENT=shm or PLACEMENT=quic: worker processes over that transport; the failure is
@@ -18,7 +19,8 @@ PIPE=${PIPE:-target/release/pipe}
 BASE=${BASE:?BASE: the pipe binary of the build before recovery at the update}
 mkdir -p "$OUT"
 PLACEMENT=${PLACEMENT:-threads}
-F=(--stages 4 --replicas 2 --epochs 2 --momentum 0.6 --partition 0-2,3-4,5-6,7-9)
+F=(--stages 4 --replicas 2 --epochs 2 --momentum 0.6 --partition 0-2,3-4,5-6,7-9
+   --schedule "${SCHEDULE:-pipedream}")
 case "$PLACEMENT" in
   threads) fault() { echo "3:panic@$1/1"; }; first=1 ;;
   shm | quic) F+=(--placement processes --transport "$PLACEMENT"); fault() { echo "3:exit@$1"; }; first=0 ;;

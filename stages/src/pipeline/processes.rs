@@ -426,6 +426,21 @@ impl Workers {
     }
 }
 
+/// Tells every worker that `rank` ended with `status` and the others go on without it: they
+/// connect a mesh of their own and report where they listen again. Returns the listening
+/// slots to fill, the lost rank's already marked absent.
+fn go_on_without(
+    workers: &mut Workers,
+    rank: u32,
+    status: ExitStatus,
+    n: u32,
+) -> Vec<Option<String>> {
+    workers.tell(&LauncherWord::Lost(rank, describe(status)).line());
+    (0..n)
+        .map(|r| (r == rank).then(|| pipe_transport::registration::ABSENT.into()))
+        .collect()
+}
+
 /// Whether a worker process that ended with `status` died (killed by a signal, or a panic)
 /// rather than failed with an error of its own: the loss a run goes on without in place.
 fn died(status: ExitStatus) -> bool {
@@ -748,13 +763,8 @@ pub fn launch(
             let in_place = opts.in_place.as_ref().is_some_and(|f| (f.0)(rank));
             let first = lost_in_place.is_none() && first_exit.is_none() && relay.failure.is_none();
             if told && first && in_place && died(status) {
-                // The others go on without it: they connect a mesh of their own and report
-                // where they listen again.
                 lost_in_place = Some((rank, status));
-                workers.tell(&LauncherWord::Lost(rank, describe(status)).line());
-                relay.listening = (0..n)
-                    .map(|r| (r == rank).then(|| pipe_transport::registration::ABSENT.into()))
-                    .collect();
+                relay.listening = go_on_without(&mut workers, rank, status, n);
                 (told, start_by) = (false, Instant::now() + opts.connect_timeout);
                 continue;
             }
@@ -785,11 +795,7 @@ pub fn launch(
     drop(workers);
     // A run that failed while its workers went on without a lost one failed for that loss:
     // the workers start again without it.
-    let first_exit = match (first_exit, lost_in_place) {
-        (Some(_), Some(lost)) => Some(lost),
-        (first, _) => first,
-    };
-    if let Some((rank, status)) = first_exit {
+    if let Some((rank, status)) = first_exit.and(lost_in_place).or(first_exit) {
         return Err(if status.code() == Some(2) {
             refused(format!("worker {rank} {}", describe(status)))
         } else {
