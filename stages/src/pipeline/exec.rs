@@ -32,6 +32,26 @@ pub struct StageState {
     pub opt: Corrected,
 }
 
+/// Where a worker keeps its stage's state at each step boundary while a segment runs, so
+/// that a lost replica costs the updates in flight ([`super::rollback::Points`]).
+pub trait StepKeeper: Send + std::fmt::Debug {
+    /// Keeps the stage's weights `params` and optimizer state `opt` (on `be`) as its state
+    /// after `step` minibatches of the segment, with the worker's `outcome` so far.
+    ///
+    /// # Errors
+    /// A device that fails the copy to host memory.
+    fn keep(
+        &mut self,
+        step: u64,
+        state: (u32, &Params, &Corrected),
+        be: &dyn Backend,
+        outcome: &mut WorkerOutcome,
+    ) -> Result<()>;
+}
+
+/// A worker's [`StepKeeper`], shared with the launcher that reads it after a failure.
+pub type SharedKeeper = std::sync::Arc<std::sync::Mutex<dyn StepKeeper>>;
+
 /// A worker's persistent state across runs (epochs): its stages, in chunk order.
 #[derive(Debug, Clone)]
 pub struct WorkerState {
@@ -41,6 +61,8 @@ pub struct WorkerState {
     pub stages: Vec<StageState>,
     /// Where its last run's program stands (or stopped): what the hang doctor reads.
     pub progress: super::doctor::StopPoint,
+    /// Where its next run keeps its stage's state at each step boundary (none: nowhere).
+    pub keeper: Option<SharedKeeper>,
 }
 
 impl WorkerState {
@@ -64,6 +86,7 @@ impl WorkerState {
             worker,
             stages,
             progress: super::doctor::StopPoint::default(),
+            keeper: None,
         }
     }
 }
@@ -247,6 +270,8 @@ pub struct WorkerCore<'s, 'a> {
     clip: ClipState,
     /// What the run reports (versions used, losses, staleness; the driver adds times).
     pub outcome: WorkerOutcome,
+    /// Where the stage's state is kept at each step boundary.
+    keeper: Option<SharedKeeper>,
 }
 
 impl<'s, 'a> WorkerCore<'s, 'a> {
@@ -345,6 +370,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 worker: state.worker,
                 ..WorkerOutcome::default()
             },
+            keeper: state.keeper.clone(),
         })
     }
 
@@ -670,12 +696,14 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         (setup.model).check_finite(be, (layers, &p), Guarded::Weights, run_update)?;
         run.current_version += 1;
         let applied = u64::from(update + 1) * u64::from(run.update_size);
-        if let Some(points) = setup.rollback.get(self.worker as usize)
+        if let Some(keeper) = &self.keeper
             && applied % minibatch == 0
         {
-            let mut points = points.lock().map_err(|_| super::rollback::poisoned())?;
+            let mut keeper = keeper
+                .lock()
+                .map_err(|_| exec_err("a worker's rollback points were left poisoned".into()))?;
             let state = (stage, &p, &run.optimizer);
-            points.keep(applied / minibatch, state, be, &mut self.outcome)?;
+            keeper.keep(applied / minibatch, state, be, &mut self.outcome)?;
         }
         if let (Some(vel), Some(old)) = (&mut run.velocity, old) {
             vel.advance(be, &old, &p)?;

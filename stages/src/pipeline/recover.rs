@@ -69,9 +69,11 @@ pub struct GoneOn {
     pub change: LayoutChange,
     /// This worker's state there, numbered for the new layout.
     pub state: WorkerState,
-    /// On the chief: every old worker's figures over the steps that stand (none when the
-    /// segment runs again from its start); on the others, empty when steps stand.
-    pub standing: Option<Vec<WorkerOutcome>>,
+    /// This worker's figures over the steps that stand, numbered as in the new layout (none
+    /// when the segment runs again from its start).
+    pub own: Option<WorkerOutcome>,
+    /// The old layout's number of each of the new layout's workers.
+    pub ranks: Vec<u32>,
 }
 
 /// A control key of the recovery exchange.
@@ -175,6 +177,7 @@ pub fn go_on(
     let state = match step {
         0 => WorkerState {
             worker: id,
+            keeper: None,
             ..at.start.clone()
         },
         _ => WorkerState {
@@ -185,30 +188,16 @@ pub fn go_on(
                     .ok_or_else(|| protocol(format!("worker {me} no longer holds step {step}")))?,
             ],
             progress: super::doctor::StopPoint::default(),
+            keeper: None,
         },
     };
-    let own = super::rollback::standing(&points, step, minibatch, me);
+    // This worker's figures over the steps that stand, as its new number (none: the segment
+    // runs again from its start), for the chief to gather ([`super::worker`]).
+    let own = (step > 0).then(|| WorkerOutcome {
+        worker: id,
+        ..super::rollback::standing(&points, step, minibatch, me)
+    });
     drop(points);
-    let standing = match (step, id) {
-        (0, _) => None,
-        (_, 0) => {
-            let mut all = vec![WorkerOutcome::default(); old.workers() as usize];
-            all[me as usize] = own;
-            for w in 1..ep.size() {
-                let m = ep.recv(&key(w, 0, at.index, 2))?;
-                let o = super::worker::decode_summary(&m.into_bytes()?, w)?;
-                let was = ranks[w as usize];
-                all[was as usize] = WorkerOutcome { worker: was, ..o };
-            }
-            Some(all)
-        }
-        _ => {
-            // Sent as this worker's new number, which the chief reads it under.
-            let b = super::worker::encode_summary(&WorkerOutcome { worker: id, ..own });
-            ep.send(Message::from_bytes(key(id, 0, at.index, 2), &b))?;
-            Some(Vec::new())
-        }
-    };
     let change = match step {
         0 => change,
         s => change.rolled_back(s),
@@ -217,7 +206,8 @@ pub fn go_on(
         ep,
         change,
         state,
-        standing,
+        own,
+        ranks,
     })
 }
 

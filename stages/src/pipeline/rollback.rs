@@ -28,11 +28,11 @@
 //! larger no longer holds the step, and the run goes back to the segment's start as before.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use pipe_kernels::Backend;
 
-use super::exec::{StageState, VersionRecord, WorkerOutcome, WorkerState};
+use super::exec::{StageState, StepKeeper, VersionRecord, WorkerOutcome, WorkerState};
 use super::run_plan::RunPlan;
 use crate::error::{Result, StageError};
 use crate::model::Params;
@@ -93,7 +93,7 @@ impl Points {
     ///
     /// # Errors
     /// A device that fails the copy to host memory.
-    pub fn keep(
+    fn keep_at(
         &mut self,
         step: u64,
         (stage, params, opt): (u32, &Params, &Corrected),
@@ -158,6 +158,21 @@ impl Points {
     }
 }
 
+impl StepKeeper for Points {
+    fn keep(
+        &mut self,
+        step: u64,
+        state: (u32, &Params, &Corrected),
+        be: &dyn Backend,
+        outcome: &mut WorkerOutcome,
+    ) -> Result<()> {
+        self.keep_at(step, state, be, outcome)
+    }
+}
+
+/// Every worker's rollback points over a segment, shared with the workers' cores.
+pub type Kept = Vec<Arc<Mutex<Points>>>;
+
 /// Where a segment in which a replica was lost goes on from.
 pub struct RolledBack {
     /// Minibatches of the segment that stand.
@@ -172,7 +187,7 @@ pub struct RolledBack {
 /// The latest step of `plan`'s segment that every stage passed on a worker other than `lost`,
 /// with the states and figures there; `None` when it is the segment's start or some stage no
 /// longer holds it (the segment then runs again from its start).
-pub fn roll_back(plan: &RunPlan, points: &[Mutex<Points>], lost: u32) -> Option<RolledBack> {
+pub fn roll_back(plan: &RunPlan, points: &[Arc<Mutex<Points>>], lost: u32) -> Option<RolledBack> {
     let points: Vec<_> = points
         .iter()
         .map(|p| p.lock().ok())
@@ -202,6 +217,7 @@ pub fn roll_back(plan: &RunPlan, points: &[Mutex<Points>], lost: u32) -> Option<
             worker: w as u32,
             stages: vec![from.at(steps)?.state.clone()],
             progress: super::doctor::StopPoint::default(),
+            keeper: None,
         });
         outcomes.push(standing(mine, steps, minibatch, w as u32));
     }
@@ -236,17 +252,26 @@ pub fn standing(points: &Points, steps: u64, minibatch: u64, worker: u32) -> Wor
 
 /// The rollback points of a segment of `plan`: one per worker, or none where no stage has a
 /// second replica or a worker holds several stages (nothing could be survived at the update).
-pub fn points_for(plan: &RunPlan) -> Vec<Mutex<Points>> {
-    if !super::survive::could_survive(plan) || plan.schedule.layout().chunks() != 1 {
+pub fn points_for(plan: &RunPlan) -> Kept {
+    let layout = plan.schedule.layout();
+    if layout.replica_counts().iter().all(|&r| r < 2) || layout.chunks() != 1 {
         return Vec::new();
     }
     let kept = points_kept(plan.schedule.stages());
     (0..plan.schedule.workers())
-        .map(|_| Mutex::new(Points::new(kept)))
+        .map(|_| Arc::new(Mutex::new(Points::new(kept))))
         .collect()
 }
 
 /// The error of a rollback point that cannot be kept.
 pub(super) fn poisoned() -> StageError {
     StageError::Executor("a worker's rollback points were left poisoned".into())
+}
+
+/// Hands each of `states` (one per worker, in worker order) its points in `kept`, or none
+/// where the segment keeps none.
+pub fn hand_to(kept: &Kept, states: &mut [WorkerState]) {
+    for (w, st) in states.iter_mut().enumerate() {
+        st.keeper = kept.get(w).map(|p| p.clone() as super::exec::SharedKeeper);
+    }
 }

@@ -102,10 +102,6 @@ pub struct Setup<'a> {
     pub progress: Option<&'a crossbeam_channel::Sender<Report>>,
     /// Weight prediction (a remedy for stale weights; none by default).
     pub prediction: crate::remedy::Prediction,
-    /// Per worker, where its stage's state at each step boundary is kept while the segment
-    /// runs, so that a lost replica costs the updates in flight ([`super::rollback`]); empty
-    /// where none is kept.
-    pub rollback: &'a [std::sync::Mutex<super::rollback::Points>],
 }
 
 impl<'a> Setup<'a> {
@@ -129,7 +125,6 @@ impl<'a> Setup<'a> {
             lr,
             progress: None,
             prediction: crate::remedy::Prediction::None,
-            rollback: &[],
         }
     }
 
@@ -158,12 +153,6 @@ impl<'a> Setup<'a> {
     #[must_use]
     pub fn with_prediction(self, prediction: crate::remedy::Prediction) -> Self {
         Setup { prediction, ..self }
-    }
-
-    /// Keeps each worker's rollback points in `rollback` (one per worker of the plan).
-    #[must_use]
-    pub fn with_rollback(self, rollback: &'a [std::sync::Mutex<super::rollback::Points>]) -> Self {
-        Setup { rollback, ..self }
     }
 
     /// The packed documents of microbatch `mb` ([`Model::documents`]), derived by every stage

@@ -214,7 +214,7 @@ impl Threads<'_> {
         at: &Segment,
         change: LayoutChange,
         kept: Start,
-        points: &[std::sync::Mutex<super::rollback::Points>],
+        points: &super::rollback::Kept,
     ) -> Result<SegmentEnd> {
         self.states.clear();
         let lost = match &change.event {
@@ -1198,10 +1198,7 @@ impl<'c> Run<'c> {
         seg: &Segment,
         (start, states): (&Start, &mut Vec<WorkerState>),
         obs: &mut dyn Observer,
-        (faults, points): (
-            Option<(&FaultSchedule, u32)>,
-            &[std::sync::Mutex<super::rollback::Points>],
-        ),
+        (faults, points): (Option<(&FaultSchedule, u32)>, &super::rollback::Kept),
     ) -> Result<Vec<WorkerOutcome>> {
         let cfg = self.cfg;
         let workers = plan.schedule.workers();
@@ -1209,11 +1206,11 @@ impl<'c> Run<'c> {
         let backend = |worker: u32| open_backend(cfg.backend, threads, worker);
         let (tx, rx) = crossbeam_channel::unbounded();
         self.with_setup(plan, data, (seg.epoch, seg.done), Some(&tx), |setup| {
-            let setup = &setup.with_rollback(points);
             if states.is_empty() {
                 *states = start.states(setup, cfg)?;
                 obs.on_start_phase(super::StartPhase::FirstUpdate)?;
             }
+            super::rollback::hand_to(points, states);
             let mut live = LiveSteps::new(self, plan, seg);
             let mut on_loss = |r: Report| live.add(r, obs);
             let progress = Some((rx, &mut on_loss as &mut dyn FnMut(Report) -> Result<()>));

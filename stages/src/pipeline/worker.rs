@@ -321,19 +321,23 @@ impl<T: Transport> Process<'_, T> {
         plan: &RunPlan,
         at: &Segment,
         err: StageError,
-        points: &[std::sync::Mutex<super::rollback::Points>],
+        points: &super::rollback::Kept,
     ) -> Result<SegmentEnd> {
         let (Some(remesh), Some(start), None) = (&self.remesh, &self.state, &self.renewed) else {
             return Err(err);
         };
-        if err.diverged_at().is_some() || err.is_bad_input() {
+        // Nothing to go on without: no stage has a second replica.
+        if err.diverged_at().is_some() || err.is_bad_input() || !super::survive::could_survive(plan)
+        {
             return Err(err);
         }
         let rank = self.ep.rank();
         if !err.is_abort_echo() {
             self.ep.abort();
         }
-        let mut remesh = remesh.0.lock().map_err(|_| super::rollback::poisoned())?;
+        let mut remesh = remesh.0.lock().map_err(|_| {
+            StageError::Executor("the way to the launcher was left poisoned".into())
+        })?;
         let Some((lost, how)) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
             return Err(err);
         };
@@ -350,11 +354,53 @@ impl<T: Transport> Process<'_, T> {
             start,
             points: own,
         };
-        let gone = super::recover::go_on(remesh.as_mut(), lost, change, failed)?;
+        let mut gone = super::recover::go_on(remesh.as_mut(), lost, change, failed)?;
+        let standing = standing_after(&mut gone, plan.schedule.workers(), self.index)?;
         self.renewed = Some(gone.ep);
         self.state = Some(gone.state);
-        Ok(SegmentEnd::Relayout(gone.change, gone.standing))
+        Ok(SegmentEnd::Relayout(gone.change, standing))
     }
+}
+
+/// The figures over the steps of a failed segment that stand, once its survivors have gone
+/// on in place ([`super::recover`]): the chief gathers every survivor's, in the old layout's
+/// numbering of `old_workers` (the lost one counting none); the others send theirs and get an
+/// empty list. `None` when the segment runs again from its start.
+///
+/// # Errors
+/// A survivor that does not answer, or answers malformed.
+fn standing_after(
+    gone: &mut super::recover::GoneOn,
+    old_workers: u32,
+    index: u32,
+) -> Result<Option<Vec<WorkerOutcome>>> {
+    let Some(own) = gone.own.take() else {
+        return Ok(None);
+    };
+    let ep = gone.ep.as_mut();
+    let id = ep.rank();
+    let key = |from: u32| control(from, CHIEF, super::recover::TOPIC_RECOVER, index, 2);
+    if id != CHIEF {
+        ep.send(Message::from_bytes(key(id), &encode_summary(&own)))?;
+        return Ok(Some(Vec::new()));
+    }
+    let ranks = &gone.ranks;
+    let was = |w: u32| ranks.get(w as usize).copied().unwrap_or(w);
+    let mut all = vec![WorkerOutcome::default(); old_workers as usize];
+    let mut place = |w: u32, o: WorkerOutcome| {
+        if let Some(slot) = all.get_mut(was(w) as usize) {
+            *slot = WorkerOutcome {
+                worker: was(w),
+                ..o
+            };
+        }
+    };
+    place(CHIEF, own);
+    for w in 1..ep.size() {
+        let m = ep.recv(&key(w))?;
+        place(w, decode_summary(&m.into_bytes()?, w)?);
+    }
+    Ok(Some(all))
 }
 
 impl<T: Transport> Coordinator for Process<'_, T> {
@@ -377,7 +423,6 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         let ep = current(&mut *self.ep, &mut self.renewed);
         let (be, state, start) = (&self.be, &mut self.state, &mut self.start);
         let outcome = run.with_setup(plan, self.data, (at.epoch, at.done), Some(&tx), |setup| {
-            let setup = &setup.with_rollback(&points);
             if state.is_none() {
                 let from = start
                     .as_ref()
@@ -392,6 +437,9 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             let st = state
                 .as_mut()
                 .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
+            st.keeper = points
+                .get(rank as usize)
+                .map(|p| p.clone() as super::exec::SharedKeeper);
             run_worker_with(be, ep, setup, st, t, &mut |ep| losses.poll(ep, &rx, obs))
         });
         if let Some(st) = &self.state {
@@ -839,7 +887,7 @@ fn decode_report(bytes: &[u8], from: u32) -> Result<Report> {
 
 /// A worker's epoch summary as bytes: what the chief's reports need (not the per-action
 /// records, which stay with the worker).
-pub(super) fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
+fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
     let mut b = Vec::with_capacity(64 + o.losses.len() * 20);
     b.extend_from_slice(&o.worker.to_le_bytes());
     b.extend_from_slice(&o.loss_sum.to_le_bytes());
@@ -914,7 +962,7 @@ impl Fields<'_> {
 }
 
 /// The inverse of [`encode_summary`]; `from` must be the worker the summary names.
-pub(super) fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
+fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
     let mut f = Fields(bytes);
     let worker = f.u32()?;
     if worker != from {
