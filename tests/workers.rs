@@ -643,11 +643,9 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
         signal(&children_of(launcher.id()), 3, "-9");
         let text = ok(&launcher.wait_with_output().unwrap());
         let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
+        // From an update inside the segment, or from its start (the checkpoint at 50) when
+        // the kill came before any update of it.
         assert!(from >= 50, "{transport}: {line}");
-        assert!(
-            line.contains("recovered at the update"),
-            "{transport}: {line}"
-        );
         assert!(done(&text).starts_with("done: 600 steps"), "{text}");
         // No worker started again: the launcher printed one start.
         assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
