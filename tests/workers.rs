@@ -572,6 +572,20 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint_and_ends_undisturbed(
     assert_eq!(done(&text), undisturbed);
 }
 
+/// The flags of the runs that lose a replica in place and are compared with a by-hand resume:
+/// the momentum given (its default follows the layout, and a run keeps its own), a constant
+/// learning rate (so that a run stopped early with `--steps` has the same numerics up to
+/// there), and the partition given (a balanced cut would move when a stage loses a replica,
+/// and the survivors keep their own stages' state).
+const IN_PLACE: [&str; 6] = [
+    "--momentum",
+    "0.5",
+    "--lr-schedule",
+    "constant",
+    "--partition",
+    "0-8,9-17",
+];
+
 /// The checkpoint at update `at` of the undisturbed run of `config` with `flags`, written into
 /// `dir`: the run stopped there (`--steps`, in place of the one in `flags`), which drains where
 /// a run that lost a replica in place went on (its learning rate constant, so the shorter
@@ -621,16 +635,8 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
         "50",
         "--keep-checkpoints",
         "100",
-        // Given, since its default follows the layout and a run keeps its own.
-        "--momentum",
-        "0.5",
-        "--lr-schedule",
-        "constant",
-        // Given: a balanced cut would move when a stage loses a replica, and the survivors
-        // keep their own stages' state.
-        "--partition",
-        "0-8,9-17",
     ];
+    let base = [&base[..], &IN_PLACE[..]].concat();
     let flags = |ck: &std::path::Path, replicas: &str| -> Command {
         let mut cmd = train(&config, ck, &base);
         cmd.args(["--replicas", replicas]);
@@ -703,18 +709,8 @@ fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
     let _one = serial();
     let d = fresh_dir("replica-lost-no-ck");
     let config = small_config(&d, 10_000);
-    let base = [
-        "--steps",
-        "600",
-        "--stages",
-        "2",
-        "--momentum",
-        "0.5",
-        "--lr-schedule",
-        "constant",
-        "--partition",
-        "0-8,9-17",
-    ];
+    let base = ["--steps", "600", "--stages", "2"];
+    let base = [&base[..], &IN_PLACE[..]].concat();
     for transport in ["quic", "shm"] {
         let mut flags = base.to_vec();
         flags.extend(["--replicas", "2", "--transport", transport]);

@@ -211,7 +211,8 @@ impl LauncherWord {
     /// A line read back (`None`: `stop`, or nothing).
     fn parse(line: &str) -> Option<Self> {
         let line = line.trim();
-        if let Some(rest) = line.strip_prefix("lost ") {
+        let (first, rest) = line.split_once(' ').unwrap_or((line, ""));
+        if first == "lost" {
             let (rank, how) = rest.split_once(' ').unwrap_or((rest, ""));
             return Some(LauncherWord::Lost(rank.parse().ok()?, how.to_string()));
         }
@@ -1098,6 +1099,28 @@ mod tests {
             ..crate::config::TrainSettings::default()
         };
         settings.resolve().unwrap()
+    }
+
+    /// The launcher's words read back; a malformed one (a rank that is no number) is no word.
+    #[test]
+    fn launcher_words_read_back_and_malformed_ones_are_none() {
+        for word in [
+            LauncherWord::Lost(3, "was killed by signal 9".into()),
+            LauncherWord::Fail,
+            LauncherWord::Peers(vec!["127.0.0.1:5".into(), "-".into()]),
+        ] {
+            assert_eq!(LauncherWord::parse(&word.line()), Some(word));
+        }
+        for line in [
+            "lost",
+            "lost x died",
+            "lost -1 died",
+            "lost 99999999999 died",
+            "stop",
+            "",
+        ] {
+            assert_eq!(LauncherWord::parse(line), None, "{line:?}");
+        }
     }
 
     #[test]

@@ -230,6 +230,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_malformed_record_of_the_exchange_is_refused() {
+        assert_eq!(read_words::<2>(&[0; 16]).unwrap_or_default(), [0, 0]);
+        for len in [0, 8, 15, 17, 1 << 12] {
+            assert!(read_words::<2>(&vec![0; len]).is_err(), "{len} bytes");
+        }
+    }
+
+    #[test]
     fn the_run_goes_on_from_the_latest_step_every_worker_holds() {
         assert_eq!(settle(&[(7, 3), (5, 1), (9, 4)], 20), 5);
         // A worker that no longer holds step 5 sends the run back to the segment's start.

@@ -85,6 +85,28 @@ impl Points {
         }
     }
 
+    /// The latest step this worker's stage passed (0: none).
+    pub fn latest(&self) -> u64 {
+        self.points.back().map_or(0, |p| p.step)
+    }
+
+    /// The earliest step still kept (0: none kept, only the segment's start).
+    pub fn earliest(&self) -> u64 {
+        self.points.front().map_or(0, |p| p.step)
+    }
+
+    /// The point at `step`, if still kept.
+    fn at(&self, step: u64) -> Option<&Point> {
+        self.points.iter().find(|p| p.step == step)
+    }
+
+    /// The stage's state at `step`, if still kept.
+    pub fn state_at(&self, step: u64) -> Option<StageState> {
+        self.at(step).map(|p| p.state.clone())
+    }
+}
+
+impl StepKeeper for Points {
     /// Keeps the stage's `params` and optimizer state `opt` (on `be`) as its state after `step`
     /// minibatches of the segment, with the worker's `outcome` so far (its lists are copied
     /// from where the last point left them, so a segment's points cost its records once). The
@@ -93,7 +115,7 @@ impl Points {
     ///
     /// # Errors
     /// A device that fails the copy to host memory.
-    fn keep_at(
+    fn keep(
         &mut self,
         step: u64,
         (stage, params, opt): (u32, &Params, &Corrected),
@@ -135,38 +157,6 @@ impl Points {
             counters,
         });
         Ok(())
-    }
-
-    /// The latest step this worker's stage passed (0: none).
-    pub fn latest(&self) -> u64 {
-        self.points.back().map_or(0, |p| p.step)
-    }
-
-    /// The earliest step still kept (0: none kept, only the segment's start).
-    pub fn earliest(&self) -> u64 {
-        self.points.front().map_or(0, |p| p.step)
-    }
-
-    /// The point at `step`, if still kept.
-    fn at(&self, step: u64) -> Option<&Point> {
-        self.points.iter().find(|p| p.step == step)
-    }
-
-    /// The stage's state at `step`, if still kept.
-    pub fn state_at(&self, step: u64) -> Option<StageState> {
-        self.at(step).map(|p| p.state.clone())
-    }
-}
-
-impl StepKeeper for Points {
-    fn keep(
-        &mut self,
-        step: u64,
-        state: (u32, &Params, &Corrected),
-        be: &dyn Backend,
-        outcome: &mut WorkerOutcome,
-    ) -> Result<()> {
-        self.keep_at(step, state, be, outcome)
     }
 }
 
