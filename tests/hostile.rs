@@ -558,10 +558,6 @@ fn fault_and_launch_rows() -> Vec<Row> {
             "--rejoin takes back a lost replica, but no stage of this run has two",
         ),
         row(
-            "train --stages 2 --replicas 2 --transport quic --rejoin",
-            "--rejoin with worker processes needs --checkpoint-dir",
-        ),
-        row(
             "worker --cluster {d}/absent.toml --stages 2 --max-restarts 1",
             "--max-restarts, --rejoin and --fault-schedule are pipe train's",
         ),

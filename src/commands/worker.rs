@@ -56,6 +56,10 @@ pub struct WorkerArgs {
     /// the launcher hands each worker it names).
     #[arg(long, hide = true, value_name = "FAULT")]
     fault: Option<Fault>,
+    /// Started by `pipe train --rejoin` in place of a lost replica: join the run under way,
+    /// taking its state from a surviving replica of its stage.
+    #[arg(long, hide = true, requires = "launched")]
+    replacing: bool,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -131,7 +135,13 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         own,
         ..
     } = worker;
-    let mut ep = Faulty::new(joined.endpoint, own.fault);
+    // A replacement injects none of the fault its rank's first worker was handed.
+    let fault = if args.replacing {
+        Fault::None
+    } else {
+        own.fault
+    };
+    let mut ep = Faulty::new(joined.endpoint, fault);
     let mut obs: Box<dyn Observer> = match (chief, launched) {
         (true, true) => Box::new(RecordWriter),
         (true, false) => {
@@ -149,6 +159,8 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         resume: own.resume.map(|(_, ckpt)| ckpt),
         stop: chief.then_some(stop),
         remesh,
+        rejoin: own.rejoin,
+        replacing: args.replacing,
     };
     let mut recorder = own.trace_part.as_ref().map(|_| PartRecorder::default());
     let result = match recorder.as_mut() {

@@ -173,6 +173,10 @@ pub struct LaunchOptions {
     /// Which lost worker processes the others go on without in place, as one run
     /// ([`super::recover`]); `None`: any loss ends the launch.
     pub in_place: Option<InPlace>,
+    /// A worker lost in place is replaced (`--rejoin`): the launcher starts a `pipe worker`
+    /// with its rank, which joins the survivors at their next drain point, taking its state
+    /// from them; then the run may lose a replica in place again.
+    pub rejoin: bool,
 }
 
 /// Whether the loss of a worker process (by rank) is gone on without in place: a replica of
@@ -196,6 +200,9 @@ pub enum LauncherWord {
     /// Where every worker of the survivors' mesh listens ([`pipe_transport::registration::ABSENT`]
     /// for the lost).
     Peers(Vec<String>),
+    /// The replacement of the lost worker of this rank has started: the survivors take it
+    /// back at the chief's next drain point (`--rejoin`).
+    Join(u32),
 }
 
 impl LauncherWord {
@@ -205,6 +212,7 @@ impl LauncherWord {
             LauncherWord::Lost(rank, how) => format!("lost {rank} {how}"),
             LauncherWord::Fail => "fail".into(),
             LauncherWord::Peers(addrs) => addrs.join(","),
+            LauncherWord::Join(rank) => format!("join {rank}"),
         }
     }
 
@@ -215,6 +223,9 @@ impl LauncherWord {
         if first == "lost" {
             let (rank, how) = rest.split_once(' ').unwrap_or((rest, ""));
             return Some(LauncherWord::Lost(rank.parse().ok()?, how.to_string()));
+        }
+        if first == "join" {
+            return Some(LauncherWord::Join(rest.parse().ok()?));
         }
         match line {
             "fail" => Some(LauncherWord::Fail),
@@ -236,6 +247,7 @@ impl LaunchOptions {
             stop: None,
             stop_at_first_drain: false,
             in_place: None,
+            rejoin: false,
         }
     }
 }
@@ -266,6 +278,10 @@ pub struct WorkerRun {
     pub faults: Vec<Fault>,
     /// Where each worker writes its part of a trace: `worker-K.json` in this directory.
     pub trace_parts: Option<PathBuf>,
+    /// A replica lost in place is replaced while the run goes on (`--rejoin`): the survivors
+    /// run one update at a time until its replacement joins.
+    #[serde(default)]
+    pub rejoin: bool,
 }
 
 impl WorkerRun {
@@ -279,6 +295,7 @@ impl WorkerRun {
             metrics: None,
             faults: Vec::new(),
             trace_parts: None,
+            rejoin: false,
         }
     }
 
@@ -416,13 +433,147 @@ impl Workers {
         self.0.iter().all(|w| w.exit.is_some())
     }
 
+    /// After a worker's failure (`failing`: a worker's exit, the launcher's own failure), tells
+    /// the others and gives them `grace` to end (`stop_by`), killing them past it, or at once
+    /// on the launcher's failure. Returns whether every worker has exited.
+    fn wind_down(
+        &mut self,
+        failing: (bool, bool),
+        stop_by: &mut Option<Instant>,
+        grace: Duration,
+    ) -> bool {
+        if (failing.0 || failing.1) && stop_by.is_none() {
+            // Workers waiting for a word on a lost peer end as they are.
+            self.tell(&LauncherWord::Fail.line());
+            *stop_by = Some(Instant::now() + grace);
+            if failing.1 {
+                self.kill_all();
+            }
+        }
+        if self.all_exited() {
+            return true;
+        }
+        if stop_by.is_some_and(|t| Instant::now() > t) {
+            self.kill_all();
+        }
+        false
+    }
+
+    /// Writes `line` to the chief's standard input.
+    fn tell_chief(&mut self, line: &str) {
+        if let Some(stdin) = self.0.first_mut().and_then(|w| w.stdin.as_mut()) {
+            let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
+        }
+    }
+
     /// Writes `line` to every running worker's standard input (one that has just died is
     /// reported when it is reaped).
     fn tell(&mut self, line: &str) {
-        for w in self.0.iter_mut().filter(|w| w.exit.is_none()) {
+        self.tell_but(line, None);
+    }
+
+    /// [`Workers::tell`], but not to rank `but` (a replacement, whose first line is its mesh).
+    fn tell_but(&mut self, line: &str, but: Option<u32>) {
+        for (rank, w) in self.0.iter_mut().enumerate() {
+            if w.exit.is_some() || but == Some(rank as u32) {
+                continue;
+            }
             if let Some(stdin) = w.stdin.as_mut() {
                 let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
             }
+        }
+    }
+
+    /// Once every worker but the replacement `rank` has exited (the run ended before it
+    /// joined): stops it and reaps it, its end no failure. Returns whether it did.
+    fn abandon(&mut self, rank: u32) -> bool {
+        let others_done =
+            (self.0.iter().enumerate()).all(|(k, w)| k == rank as usize || w.exit.is_some());
+        let Some(w) = self.0.get_mut(rank as usize).filter(|_| others_done) else {
+            return false;
+        };
+        let _ = w.child.kill();
+        w.exit = w.child.wait().ok();
+        true
+    }
+}
+
+/// Where the replacement of a worker lost in place stands (`--rejoin`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mend {
+    /// Every rank has its worker (or a lost one is not replaced).
+    Whole,
+    /// The survivors connect their mesh without the lost rank; its replacement starts once
+    /// they have.
+    Regrouping(u32),
+    /// The replacement has started; it says where it listens once ready.
+    Starting(u32),
+    /// The survivors were told it is ready: they connect a mesh with it at the chief's next
+    /// drain point.
+    Joining(u32),
+}
+
+/// The launcher's side of replacing a worker lost in place (`--rejoin`).
+struct Mender {
+    mend: Mend,
+    /// What starts a replacement: its arguments and where its lines go (none without
+    /// `--rejoin`).
+    replacing: Option<(Vec<OsString>, Sender<Line>)>,
+    exe: PathBuf,
+    dir: PathBuf,
+}
+
+impl Mender {
+    /// Once every worker of a mesh was told where the others listen: the survivors' mesh
+    /// without a lost worker starts its replacement; the mesh it joined makes the run whole
+    /// again (returns true: another replica may be lost in place).
+    ///
+    /// # Errors
+    /// The replacement cannot be started.
+    fn told(&mut self, workers: &mut Workers, relay: &mut Relay<'_>) -> Result<bool> {
+        match (self.mend, &self.replacing) {
+            (Mend::Regrouping(r), Some((args, tx))) => {
+                if let Some(slot) = workers.0.get_mut(r as usize) {
+                    *slot = spawn(&self.exe, args, &self.dir, r, tx)?;
+                }
+                relay.joining = Some((r, None));
+                self.mend = Mend::Starting(r);
+            }
+            (Mend::Joining(_), _) => {
+                self.mend = Mend::Whole;
+                return Ok(true);
+            }
+            _ => {}
+        }
+        Ok(false)
+    }
+
+    /// Once the replacement says where it listens: tells the survivors, who connect a mesh
+    /// with it at the chief's next drain point, and returns true (a mesh to collect). Also
+    /// stops a replacement the run ended without.
+    fn ready(&mut self, workers: &mut Workers, relay: &mut Relay<'_>) -> bool {
+        if self.mend.pending().is_some_and(|r| workers.abandon(r)) {
+            self.mend = Mend::Whole;
+            return false;
+        }
+        let (Mend::Starting(r), Some((_, Some(at)))) = (self.mend, &relay.joining) else {
+            return false;
+        };
+        let n = relay.listening.len() as u32;
+        relay.listening = (0..n).map(|k| (k == r).then(|| at.clone())).collect();
+        relay.joining = None;
+        workers.tell_but(&LauncherWord::Join(r).line(), Some(r));
+        self.mend = Mend::Joining(r);
+        true
+    }
+}
+
+impl Mend {
+    /// The replacement's rank while it is not yet part of the run.
+    fn pending(self) -> Option<u32> {
+        match self {
+            Mend::Starting(r) | Mend::Joining(r) => Some(r),
+            Mend::Whole | Mend::Regrouping(_) => None,
         }
     }
 }
@@ -532,6 +683,9 @@ struct Relay<'r> {
     on_record: &'r mut dyn FnMut(u32, &str) -> Result<()>,
     listening: Vec<Option<String>>,
     failure: Option<StageError>,
+    /// A replacement that has started ([`Mend::Starting`]): its rank, and where it listens
+    /// once it has said, kept apart from the survivors' mesh.
+    joining: Option<(u32, Option<String>)>,
 }
 
 impl Relay<'_> {
@@ -546,7 +700,9 @@ impl Relay<'_> {
                 return;
             }
             if let Some(addr) = text.strip_prefix(LISTENING) {
-                if let Some(slot) = self.listening.get_mut(rank as usize) {
+                if let Some((_, at)) = self.joining.as_mut().filter(|(r, _)| *r == rank) {
+                    *at = Some(addr.trim().to_string());
+                } else if let Some(slot) = self.listening.get_mut(rank as usize) {
                     *slot = Some(addr.trim().to_string());
                 }
                 return;
@@ -700,17 +856,7 @@ pub fn launch(
     on_record: &mut dyn FnMut(u32, &str) -> Result<()>,
 ) -> Result<()> {
     let n = opts.workers;
-    let dir = LaunchDir::create("launch")?;
-    let run_id = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-        ^ u64::from(std::process::id()).rotate_left(40);
-    let addrs = vec!["127.0.0.1:0".to_string(); n as usize];
-    ClusterFile::init(&dir.0, &addrs, run_id, Existing::Refuse)?;
-    for (name, contents) in files {
-        std::fs::write(dir.0.join(name), contents)
-            .map_err(|e| failed(format!("writing {name} for the workers: {e}")))?;
-    }
+    let dir = launch_dir(n, files)?;
     let exe =
         std::env::current_exe().map_err(|e| failed(format!("finding this executable: {e}")))?;
     let args = command(&dir.0);
@@ -719,15 +865,28 @@ pub fn launch(
     for rank in 0..n {
         workers.0.push(spawn(&exe, &args, &dir.0, rank, &tx)?);
     }
+    // What starts a replacement, while the run may take one (`--rejoin`).
+    let mut mender = Mender {
+        mend: Mend::Whole,
+        replacing: opts.rejoin.then(|| {
+            let mut args = args.clone();
+            args.push("--replacing".into());
+            (args, tx.clone())
+        }),
+        exe: exe.clone(),
+        dir: dir.0.clone(),
+    };
     drop(tx);
     let mut relay = Relay {
         on_record,
         listening: vec![None; n as usize],
         failure: None,
+        joining: None,
     };
     let mut start_by = Instant::now() + opts.connect_timeout;
     let mut told = false;
-    // The worker the others went on without in place (once), and how it ended.
+    // The worker the others went on without in place (once until its replacement joined),
+    // and how it ended.
     let mut lost_in_place: Option<(u32, ExitStatus)> = None;
     let mut stop_by: Option<Instant> = None;
     let mut first_exit: Option<(u32, ExitStatus)> = None;
@@ -739,9 +898,7 @@ pub fn launch(
         let asked = opts.stop_at_first_drain
             || opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
         if told && !stop_sent && asked {
-            if let Some(stdin) = workers.0.first_mut().and_then(|w| w.stdin.as_mut()) {
-                let _ = writeln!(stdin, "stop").and_then(|()| stdin.flush());
-            }
+            workers.tell_chief("stop");
             stop_sent = true;
         }
         match rx.recv_timeout(Duration::from_millis(50)) {
@@ -753,6 +910,12 @@ pub fn launch(
             let addrs = relay.listening.iter().flatten().cloned().collect();
             workers.tell(&LauncherWord::Peers(addrs).line());
             told = true;
+            if mender.told(&mut workers, &mut relay)? {
+                lost_in_place = None;
+            }
+        }
+        if mender.ready(&mut workers, &mut relay) {
+            (told, start_by) = (false, Instant::now() + opts.connect_timeout);
         }
         if !told && Instant::now() > start_by && relay.failure.is_none() {
             relay.failure = Some(failed(format!(
@@ -763,30 +926,26 @@ pub fn launch(
         for (rank, status) in workers.reap() {
             let in_place = opts.in_place.as_ref().is_some_and(|f| (f.0)(rank));
             let first = lost_in_place.is_none() && first_exit.is_none() && relay.failure.is_none();
-            if told && first && in_place && died(status) {
+            if told && first && in_place && died(status) && mender.mend == Mend::Whole {
                 lost_in_place = Some((rank, status));
                 relay.listening = go_on_without(&mut workers, rank, status, n);
                 (told, start_by) = (false, Instant::now() + opts.connect_timeout);
+                mender.mend = Mend::Regrouping(rank);
                 continue;
             }
-            if !status.success() && cause_first(first_exit.as_ref(), status, first_at) {
+            // A replacement stopped with the others is no cause of their failure.
+            let stopped_replacement = mender.mend.pending() == Some(rank) && first_exit.is_some();
+            if !status.success()
+                && !stopped_replacement
+                && cause_first(first_exit.as_ref(), status, first_at)
+            {
                 first_exit = Some((rank, status));
                 first_at.get_or_insert_with(Instant::now);
             }
         }
-        if (first_exit.is_some() || relay.failure.is_some()) && stop_by.is_none() {
-            // Workers waiting for a word on a lost peer end as they are.
-            workers.tell(&LauncherWord::Fail.line());
-            stop_by = Some(Instant::now() + opts.grace);
-            if relay.failure.is_some() {
-                workers.kill_all();
-            }
-        }
-        if workers.all_exited() {
+        let failing = (first_exit.is_some(), relay.failure.is_some());
+        if workers.wind_down(failing, &mut stop_by, opts.grace) {
             break;
-        }
-        if stop_by.is_some_and(|t| Instant::now() > t) {
-            workers.kill_all();
         }
     }
     // What the workers wrote before they exited.
@@ -806,10 +965,27 @@ pub fn launch(
             }
         });
     }
-    if let Some(e) = relay.failure {
-        return Err(e);
+    relay.failure.map_or(Ok(()), Err)
+}
+
+/// The launcher's private directory for `n` workers: the cluster file of a fresh run id
+/// (every worker on loopback) and `files`.
+///
+/// # Errors
+/// The directory or a file cannot be written.
+fn launch_dir(n: u32, files: &[(&str, &str)]) -> Result<LaunchDir> {
+    let dir = LaunchDir::create("launch")?;
+    let run_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id()).rotate_left(40);
+    let addrs = vec!["127.0.0.1:0".to_string(); n as usize];
+    ClusterFile::init(&dir.0, &addrs, run_id, Existing::Refuse)?;
+    for (name, contents) in files {
+        std::fs::write(dir.0.join(name), contents)
+            .map_err(|e| failed(format!("writing {name} for the workers: {e}")))?;
     }
-    Ok(())
+    Ok(dir)
 }
 
 /// How a worker joins its cluster: what carries its links, and the settings every kind takes.
@@ -866,7 +1042,14 @@ pub fn join(
     launched: Option<Arc<AtomicBool>>,
 ) -> Result<Joined> {
     let launched = launched.map(|stop| (stop, None));
-    join_with(cluster, rank, listen, opts, launched)
+    join_with(
+        cluster,
+        rank,
+        listen,
+        opts,
+        launched,
+        &InterruptSlot::default(),
+    )
 }
 
 /// [`join`] for a launched worker that goes on in place after a lost peer: also returns the
@@ -881,24 +1064,29 @@ pub fn join_launched(
     stop: Arc<AtomicBool>,
 ) -> Result<(Joined, LaunchedRemesh)> {
     let (tx, words) = unbounded();
-    let joined = join_with(cluster, rank, None, opts.clone(), Some((stop, Some(tx))))?;
+    let interrupt = InterruptSlot::default();
+    let launched = Some((stop, Some(tx)));
+    let joined = join_with(cluster, rank, None, opts.clone(), launched, &interrupt)?;
     let remesh = LaunchedRemesh {
         words,
+        held: std::collections::VecDeque::new(),
         cluster: cluster.clone(),
         rank,
         opts,
+        interrupt,
     };
     Ok((joined, remesh))
 }
 
 /// [`join`], with what a launched worker's standard input says after the first line sent to
-/// `words` where given.
+/// `words` where given, and the connected endpoint's [`Interrupter`] left in `interrupt`.
 fn join_with(
     cluster: &ClusterFile,
     rank: u32,
     listen: Option<SocketAddr>,
     opts: JoinOptions,
     launched: Option<(Arc<AtomicBool>, Option<Sender<LauncherWord>>)>,
+    interrupt: &InterruptSlot,
 ) -> Result<Joined> {
     let kind = opts.transport.for_processes(launched.is_some());
     let deadline = Instant::now() + opts.settings.connect_timeout;
@@ -927,7 +1115,6 @@ fn join_with(
     })?;
     // Where the launcher's word that a peer was lost stops this endpoint's blocked calls at
     // once (a transport that would notice only by the peer's silence).
-    let interrupt: InterruptSlot = Arc::default();
     let peers = match launched {
         Some((stop, words)) => {
             announce(&bound.address()?)?;
@@ -954,24 +1141,26 @@ type InterruptSlot = Arc<std::sync::Mutex<Option<Interrupter>>>;
 /// peer: a new endpoint of the same kind and rank, reported to the launcher as at the start.
 pub struct LaunchedRemesh {
     words: crossbeam_channel::Receiver<LauncherWord>,
+    /// Words read while looking for another (a loss seen while asking for a replacement).
+    held: std::collections::VecDeque<LauncherWord>,
     cluster: ClusterFile,
     rank: u32,
     opts: JoinOptions,
+    /// Where the current mesh's [`Interrupter`] is kept for the launcher's word of a loss.
+    interrupt: InterruptSlot,
 }
 
-impl super::recover::Remesh for LaunchedRemesh {
-    fn lost(&mut self, within: Duration) -> Option<(u32, String)> {
-        let deadline = Instant::now() + within;
-        loop {
-            match self.words.recv_deadline(deadline).ok()? {
-                LauncherWord::Lost(rank, how) => return Some((rank, how)),
-                LauncherWord::Fail => return None,
-                LauncherWord::Peers(_) => {}
-            }
-        }
+impl LaunchedRemesh {
+    /// The launcher's next word, held ones first, waited for until `deadline`.
+    fn next_word(&mut self, deadline: Instant) -> Option<LauncherWord> {
+        self.held
+            .pop_front()
+            .or_else(|| self.words.recv_deadline(deadline).ok())
     }
 
-    fn connect_without(&mut self, lost: u32) -> Result<Box<dyn pipe_transport::Transport>> {
+    /// A new mesh of the run's ranks, `absent` marked so by the launcher: binds a new endpoint
+    /// of the same kind and rank, tells the launcher where, and connects where it says.
+    fn connect_mesh(&mut self, what: &str) -> Result<Box<dyn pipe_transport::Transport>> {
         let kind = self.opts.transport.for_processes(true);
         let at = Listen {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -983,14 +1172,14 @@ impl super::recover::Remesh for LaunchedRemesh {
         announce(&bound.address()?)?;
         let deadline = Instant::now() + self.opts.settings.connect_timeout;
         let peers = loop {
-            match self.words.recv_deadline(deadline) {
-                Ok(LauncherWord::Peers(p)) => break p,
-                Ok(LauncherWord::Fail) | Err(_) => {
+            match self.next_word(deadline) {
+                Some(LauncherWord::Peers(p)) => break p,
+                Some(LauncherWord::Fail) | None => {
                     return Err(failed(format!(
-                        "worker {rank}: the launcher named no survivors' mesh after worker {lost} was lost"
+                        "worker {rank}: the launcher named no mesh {what}"
                     )));
                 }
-                Ok(LauncherWord::Lost(..)) => {}
+                Some(LauncherWord::Lost(..) | LauncherWord::Join(_)) => {}
             }
         };
         if peers.len() != self.cluster.size() as usize {
@@ -1000,7 +1189,51 @@ impl super::recover::Remesh for LaunchedRemesh {
                 self.cluster.size()
             )));
         }
-        Ok(bound.connect(&peers)?.endpoint)
+        let endpoint = bound.connect(&peers)?.endpoint;
+        if let Ok(mut slot) = self.interrupt.lock() {
+            *slot = endpoint.interrupter();
+        }
+        Ok(endpoint)
+    }
+}
+
+impl super::recover::Remesh for LaunchedRemesh {
+    fn lost(&mut self, within: Duration) -> Option<(u32, String)> {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.next_word(deadline)? {
+                LauncherWord::Lost(rank, how) => return Some((rank, how)),
+                LauncherWord::Fail => return None,
+                LauncherWord::Peers(_) | LauncherWord::Join(_) => {}
+            }
+        }
+    }
+
+    fn connect_without(&mut self, lost: u32) -> Result<Box<dyn pipe_transport::Transport>> {
+        self.connect_mesh(&format!("of the survivors after worker {lost} was lost"))
+    }
+
+    fn joining(&mut self) -> Option<u32> {
+        if let Some(at) = self
+            .held
+            .iter()
+            .position(|w| matches!(w, LauncherWord::Join(_)))
+        {
+            if let Some(LauncherWord::Join(rank)) = self.held.remove(at) {
+                return Some(rank);
+            }
+        }
+        while let Ok(word) = self.words.try_recv() {
+            match word {
+                LauncherWord::Join(rank) => return Some(rank),
+                other => self.held.push_back(other),
+            }
+        }
+        None
+    }
+
+    fn connect_all(&mut self, joining: u32) -> Result<Box<dyn pipe_transport::Transport>> {
+        self.connect_mesh(&format!("for worker {joining}'s replacement to join"))
     }
 }
 
@@ -1108,6 +1341,7 @@ mod tests {
             LauncherWord::Lost(3, "was killed by signal 9".into()),
             LauncherWord::Fail,
             LauncherWord::Peers(vec!["127.0.0.1:5".into(), "-".into()]),
+            LauncherWord::Join(3),
         ] {
             assert_eq!(LauncherWord::parse(&word.line()), Some(word));
         }
@@ -1116,6 +1350,11 @@ mod tests {
             "lost x died",
             "lost -1 died",
             "lost 99999999999 died",
+            "join",
+            "join x",
+            "join -1",
+            "join 3 4",
+            "join 99999999999",
             "stop",
             "",
         ] {

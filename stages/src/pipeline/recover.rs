@@ -41,6 +41,18 @@ pub trait Remesh: Send {
     /// # Errors
     /// A port that cannot be bound, peers that do not connect in time.
     fn connect_without(&mut self, lost: u32) -> Result<Box<dyn Transport>>;
+
+    /// The rank of a lost replica's replacement that has started and is ready to join
+    /// (`--rejoin`), if the launcher has said so; never waits. The chief asks at the end of
+    /// each segment the run is short of it.
+    fn joining(&mut self) -> Option<u32>;
+
+    /// A new mesh of every rank of the run, the replacement `joining` among them, connected
+    /// where the launcher says, numbered as the run's own layout.
+    ///
+    /// # Errors
+    /// As [`Remesh::connect_without`].
+    fn connect_all(&mut self, joining: u32) -> Result<Box<dyn Transport>>;
 }
 
 /// A [`Remesh`] a worker's options can carry.
@@ -114,8 +126,11 @@ pub struct Failed<'p> {
     pub len: u64,
     /// The segment's number (the exchange's key).
     pub index: u32,
-    /// This worker's state at the segment's start.
-    pub start: &'p WorkerState,
+    /// This worker's number in the failed segment's layout.
+    pub worker: u32,
+    /// This worker's state at the segment's start (none: it finished the segment, so holds
+    /// its end instead).
+    pub start: Option<&'p WorkerState>,
     /// Its rollback points.
     pub points: &'p Mutex<Points>,
 }
@@ -133,7 +148,7 @@ pub fn go_on(
     at: Failed<'_>,
 ) -> Result<GoneOn> {
     let old = at.plan.schedule.layout();
-    let me = at.start.worker;
+    let me = at.worker;
     let policy = at.plan.schedule.resolved.policy;
     let new = change.spec(1, policy, 1).resolve()?.layout;
     // Each of the new layout's workers as the old one's (the ranks of the mesh): a stage's
@@ -174,12 +189,17 @@ pub fn go_on(
         read_words::<1>(&m.into_bytes()?)?[0]
     };
     let minibatch = u64::from(at.plan.schedule.resolved.minibatch.max(1));
-    let state = match step {
-        0 => WorkerState {
+    let state = match (step, at.start) {
+        (0, Some(start)) => WorkerState {
             worker: id,
             keeper: None,
-            ..at.start.clone()
+            ..start.clone()
         },
+        (0, None) => {
+            return Err(protocol(format!(
+                "worker {me} finished the segment and no longer holds its start"
+            )));
+        }
         _ => WorkerState {
             worker: id,
             stages: vec![

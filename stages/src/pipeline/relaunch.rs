@@ -306,8 +306,8 @@ pub struct Processes {
     /// The private directory of drained states, when there is no checkpoint policy.
     pub kept: Option<KeptStates>,
     /// A lost replica's survivors go on in place, as one run, instead of every worker
-    /// starting again ([`super::recover`]); off under `--rejoin`, whose replacement joins
-    /// when the workers start again at a drain point.
+    /// starting again ([`super::recover`]); under `--rejoin` (`launch.rejoin`) a replacement
+    /// then joins them at an update boundary.
     pub in_place: bool,
 }
 
@@ -372,6 +372,7 @@ impl Launcher for Processes {
         let faults = (0..workers).map(|rank| self.faults.of(rank, start));
         let handed = super::processes::WorkerRun {
             checkpoints,
+            rejoin: self.launch.rejoin && self.in_place,
             resume: from.map(Path::to_path_buf),
             metrics: self.metrics,
             faults: faults.collect(),

@@ -336,6 +336,9 @@ pub(crate) struct Drain {
     pub optimizer: bool,
     /// The run stops here.
     pub stop: bool,
+    /// The run, short of a lost replica, takes it back here: its own layout from the next
+    /// segment on ([`Coordinator::rejoin`]).
+    pub rejoin: bool,
 }
 
 /// The whole model's optimizer state with each layer's update count.
@@ -353,6 +356,8 @@ pub(crate) enum SegmentEnd {
     Follower {
         /// The run stops after this segment.
         stop: bool,
+        /// The run takes its lost replica back after this segment.
+        rejoin: bool,
     },
     /// A replica was lost and the run goes on without it under this layout
     /// ([`super::survive`]), from the change's update: the segment's start, or a later step
@@ -383,8 +388,9 @@ pub(crate) trait Coordinator {
 
     /// After a drained segment of `plan` that ended `done` updates in: the workers' states
     /// are to be built again for the run's own layout, which the next segment is on again
-    /// (`--rejoin`, [`super::survive`]). Only a launcher that can change its layout in the
-    /// middle of a run (threads) is asked.
+    /// (`--rejoin`, [`super::survive`]): threads rebuild their states; worker processes
+    /// connect a mesh with the replacement and hand it its stage's state. Only a launcher
+    /// that can change its layout in the middle of a run is asked.
     ///
     /// # Errors
     /// A launcher that cannot; states that do not assemble.
@@ -393,6 +399,13 @@ pub(crate) trait Coordinator {
         Err(StageError::Executor(
             "this launcher cannot change its layout in the middle of a run".into(),
         ))
+    }
+
+    /// On the chief of a run short of a lost replica (`--rejoin`), at the end of a segment:
+    /// whether the replacement can join now. Threads can at once; a worker process's
+    /// replacement once it has started and said where it listens.
+    fn rejoin_ready(&mut self) -> bool {
+        true
     }
 }
 
@@ -468,6 +481,8 @@ struct DrainPoint<'p> {
     epoch: u64,
     /// Whether the epoch ends with it.
     epoch_end: bool,
+    /// Whether the run takes its lost replica back here.
+    rejoin: bool,
 }
 
 /// The drain after a segment: the weights gathered where the epoch ends, a checkpoint is due,
@@ -496,6 +511,7 @@ fn drain_after_segment(
         weights: at.epoch_end || save.is_some() || stop || eval,
         optimizer: save.is_some(),
         stop,
+        rejoin: at.rejoin && !stop,
     };
     let (weights, optimizer) = coord.drain(at.plan, drain)?;
     if let Some(weights) = weights {
@@ -513,6 +529,14 @@ fn drain_after_segment(
         end.written.push(saved);
     }
     Ok(stop)
+}
+
+/// How many of the `left` updates of its epoch the next segment takes: no more than `pace`
+/// allows, and one while the run is short of a replica that rejoins (`short_rejoining`), so
+/// that the replacement can join at the boundary of any update.
+fn segment_cap(left: u64, pace: Option<Pace>, short_rejoining: bool) -> u64 {
+    let cap = left.min(pace.map_or(u64::MAX, |p| p.cap()));
+    if short_rejoining { cap.min(1) } else { cap }
 }
 
 /// Runs the segments of `run` from `start` through `coord`, reporting to `obs`.
@@ -543,12 +567,7 @@ pub(crate) fn run_segments(
         while end.done < first + epoch_len && end.stopped.is_none() {
             let done = end.done;
             let before = done - first;
-            let mut left = (epoch_len - before).min(pace.map_or(u64::MAX, |p| p.cap()));
-            if layout.is_some() && start.rejoin {
-                // Short of a replica that rejoins: one update, and the replacement joins at
-                // its boundary.
-                left = left.min(1);
-            }
+            let left = segment_cap(epoch_len - before, pace, layout.is_some() && start.rejoin);
             let (plan, this) =
                 run.segment_plan(start.every, done, left, start.partition, layout.as_ref())?;
             let at = Segment {
@@ -578,10 +597,13 @@ pub(crate) fn run_segments(
                     layout = Some(change);
                     continue;
                 }
-                SegmentEnd::Follower { stop } => {
+                SegmentEnd::Follower { stop, rejoin } => {
                     end.done += this;
                     if stop {
                         end.stopped = Some(end.done);
+                    } else if rejoin {
+                        coord.rejoin(&plan, end.done)?;
+                        layout = None;
                     }
                     continue;
                 }
@@ -595,17 +617,20 @@ pub(crate) fn run_segments(
             let acc_layout = last.as_ref().map(|p: &RunPlan| p.schedule.layout());
             merge_outcomes(&mut acc, acc_layout, outcomes, plan.schedule.layout());
             let epoch_end = end.done == first + epoch_len;
+            let rejoin =
+                layout.is_some() && start.rejoin && end.done < run.total && coord.rejoin_ready();
             let point = DrainPoint {
                 plan: &plan,
                 checkpoints: start.checkpoints,
                 stop: start.stop,
                 epoch,
                 epoch_end,
+                rejoin,
             };
             let stop = drain_after_segment(run, coord, data, &eval_be, &point, &mut end, obs)?;
             if stop {
                 end.stopped = Some(end.done);
-            } else if layout.is_some() && start.rejoin && end.done < run.total {
+            } else if rejoin {
                 coord.rejoin(&plan, end.done)?;
                 obs.on_layout_change(&LayoutChange::restored(run.cfg, end.done)?)?;
                 layout = None;
@@ -651,6 +676,8 @@ pub fn train_reference(cfg: &RunConfig, data: &Splits) -> Result<(Params, Vec<f6
 /// [`train_reference`] through the layout changes a run met (a lost replica, one taken back;
 /// [`super::survive`]), in order: each change cuts a segment at its update (where the
 /// pipeline drains) and the run goes on under its replica counts and microbatches from there.
+/// Between a loss and the rejoin after it, the run drains at every update (`--rejoin`: the
+/// replacement may join at any update boundary).
 /// A run that survived those changes must end with these weights bit for bit.
 ///
 /// # Errors
@@ -670,9 +697,16 @@ pub fn train_reference_with(
     while done < run.total {
         let epoch = done / run.per_epoch + 1;
         let layout = changes.iter().rev().find(|c| c.from <= done);
-        let next_change = changes.iter().map(|c| c.from).find(|&f| f > done);
-        let left =
-            ((epoch * run.per_epoch).min(run.total)).min(next_change.unwrap_or(u64::MAX)) - done;
+        let next_change = changes.iter().find(|c| c.from > done);
+        let mut left = ((epoch * run.per_epoch).min(run.total))
+            .min(next_change.map_or(u64::MAX, |c| c.from))
+            - done;
+        // Short of a replica that rejoins later, the run drains at every update.
+        if layout.is_some()
+            && next_change.is_some_and(|c| c.event == survive::LayoutEvent::Rejoined)
+        {
+            left = left.min(1);
+        }
         let (plan, this) = run.segment_plan(None, done, left, &partition, layout)?;
         let carried = match opts.take() {
             Some(o) => o,

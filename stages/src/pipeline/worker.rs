@@ -15,9 +15,10 @@
 //! | [`TOPIC_RESUME`] | chief -> each | layer | a resumed run's weights and optimizer state (step 0-3) |
 //! | [`TOPIC_LOSS`] | last stage -> chief | segment | one microbatch's loss, as computed (step: its number) |
 //! | [`TOPIC_SUMMARY`] | each -> chief | segment | losses, compute time, staleness |
-//! | [`TOPIC_GO`] | chief -> each | segment | the request: weights? optimizer? stop? |
+//! | [`TOPIC_GO`] | chief -> each | segment | the request: weights? optimizer? stop? a replacement rejoins? |
 //! | [`TOPIC_WEIGHTS`] | replica 0 of a stage -> chief | segment | one layer's weights (step: layer) |
 //! | [`TOPIC_OPTIMIZER`] | replica 0 of a stage -> chief | segment | one layer's optimizer state, part k of 3 (step: 3 layer + k) |
+//! | [`TOPIC_JOIN`] | chief, a surviving replica -> a replacement | 0, layer | the run's terms (step 0); one layer's weights and optimizer state (step 1-4, version: the update count) |
 //!
 //! The start exchange refuses a worker whose resolved run differs from the chief's (flags and
 //! config must be the same everywhere, or the workers would run different programs), and
@@ -96,6 +97,12 @@ pub struct WorkerOptions {
     /// How to go on in place after a lost replica (a launched worker: its launcher);
     /// `None`: a lost peer fails this worker's part of the run ([`super::recover`]).
     pub remesh: Option<super::recover::RemeshHandle>,
+    /// Take a lost replica back at the first update boundary its replacement is ready for
+    /// (`--rejoin`): the survivors run one update at a time while short.
+    pub rejoin: bool,
+    /// This worker replaces a lost replica in a run under way: it takes the run's terms
+    /// from the chief and its stages' state from a surviving replica, not from a start.
+    pub replacing: bool,
 }
 
 /// What the chief's run ends with.
@@ -142,19 +149,31 @@ pub fn train_worker<T: Transport>(
 }
 
 /// The chief's word at the end of a segment ([`Drain`]) as it travels: what it wants from
-/// every worker (weights, optimizer state), and whether the run stops, one byte each.
-fn drain_bytes(d: Drain) -> [u8; 3] {
-    [u8::from(d.weights), u8::from(d.optimizer), u8::from(d.stop)]
+/// every worker (weights, optimizer state), whether the run stops and whether a lost replica
+/// rejoins, one byte each, then the rank of the replacement that rejoins (little-endian).
+fn drain_bytes(d: Drain, joining: Option<u32>) -> [u8; 8] {
+    let flags = [d.weights, d.optimizer, d.stop, d.rejoin].map(u8::from);
+    let rank = joining.filter(|_| d.rejoin).unwrap_or(0).to_le_bytes();
+    let mut b = [0u8; 8];
+    b[..4].copy_from_slice(&flags);
+    b[4..].copy_from_slice(&rank);
+    b
 }
 
-/// [`drain_bytes`] read back.
-fn parse_drain(b: &[u8]) -> Result<Drain> {
+/// [`drain_bytes`] read back: the request, and the replacement's rank when one rejoins.
+fn parse_drain(b: &[u8]) -> Result<(Drain, Option<u32>)> {
     match b {
-        [w, o, s] if [w, o, s].iter().all(|&&x| x <= 1) => Ok(Drain {
-            weights: *w == 1,
-            optimizer: *o == 1,
-            stop: *s == 1,
-        }),
+        [w, o, s, r, rank @ ..] if rank.len() == 4 && [w, o, s, r].iter().all(|&&x| x <= 1) => {
+            let mut word = [0u8; 4];
+            word.copy_from_slice(rank);
+            let drain = Drain {
+                weights: *w == 1,
+                optimizer: *o == 1,
+                stop: *s == 1,
+                rejoin: *r == 1,
+            };
+            Ok((drain, drain.rejoin.then_some(u32::from_le_bytes(word))))
+        }
         _ => Err(protocol(format!(
             "a malformed request from the chief: {b:?}"
         ))),
@@ -187,16 +206,16 @@ fn report_to_chief<T: Transport + ?Sized>(
     outcome: &WorkerOutcome,
     (plan, mine): (&RunPlan, &WorkerState),
     index: u32,
-) -> Result<bool> {
+) -> Result<(bool, Option<u32>)> {
     let rank = ep.rank();
     ep.send(Message::from_bytes(
         control(rank, CHIEF, TOPIC_SUMMARY, index, 0),
         &encode_summary(outcome),
     ))?;
     let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, 0))?;
-    let req = parse_drain(&req.into_bytes()?)?;
+    let (req, joining) = parse_drain(&req.into_bytes()?)?;
     send_state(ep, (plan, mine), index, &req)?;
-    Ok(req.stop)
+    Ok((req.stop, joining))
 }
 
 fn run_process<T: Transport>(
@@ -213,10 +232,18 @@ fn run_process<T: Transport>(
     let origin = (std::time::SystemTime::now(), Instant::now());
     let mut run = Run::new(cfg, data)?;
     check_cluster_size(cfg, ep.size())?;
-    let agreed = agree(cfg, &run, ep, opts)?;
-    run.stage_buckets.clone_from(&agreed.buckets);
-    let (partition, every) = (agreed.partition.clone(), agreed.every);
-    let start = receive_start(&run, ep, agreed, cfg)?;
+    let (settled, start, index) = if opts.replacing {
+        receive_join(cfg, &mut run, ep)?
+    } else {
+        let agreed = agree(cfg, &run, ep, opts)?;
+        run.stage_buckets.clone_from(&agreed.buckets);
+        let settled = Settled {
+            partition: agreed.partition.clone(),
+            every: agreed.every,
+        };
+        (settled, receive_start(&run, ep, agreed, cfg)?, 0)
+    };
+    let (partition, every) = (settled.partition.clone(), settled.every);
     let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), ep.rank())?;
     let from = LoopStart {
         done: start.done,
@@ -233,8 +260,7 @@ fn run_process<T: Transport>(
         pace: None,
         checkpoints: opts.checkpoints.as_ref(),
         stop: opts.stop.as_ref(),
-        // A worker process's layout changes only when the launcher starts the workers again.
-        rejoin: false,
+        rejoin: opts.rejoin,
     };
     let mut me = Process {
         run: &run,
@@ -245,7 +271,9 @@ fn run_process<T: Transport>(
         be,
         start: Some(start),
         state: None,
-        index: 0,
+        index,
+        settled,
+        joining: None,
         origin,
         stop,
     };
@@ -288,6 +316,10 @@ struct Process<'a, T: Transport> {
     state: Option<WorkerState>,
     /// Segments run so far (the end-of-segment messages' key).
     index: u32,
+    /// What the chief settled at the start, which a replacement is handed.
+    settled: Settled,
+    /// The replacement of a lost replica that rejoins at this segment's end (its rank).
+    joining: Option<u32>,
     origin: (std::time::SystemTime, Instant),
     /// Where this worker's program stood at the end of its last segment, for the hang doctor.
     stop: &'a mut Option<StopReport>,
@@ -315,15 +347,16 @@ fn current<'e, T: Transport>(
 impl<T: Transport> Process<'_, T> {
     /// After this worker's part of segment `at` of `plan` failed with `err`: goes on in place
     /// where its launcher names a lost replica the run can do without ([`super::recover`]),
-    /// else returns `err`.
+    /// else returns `err`. `at_start`: this worker's state is still the segment's start (its
+    /// program failed), not its end (the exchange after it did).
     fn after_failure(
         &mut self,
         plan: &RunPlan,
         at: &Segment,
         err: StageError,
-        points: &super::rollback::Kept,
+        (points, at_start): (&super::rollback::Kept, bool),
     ) -> Result<SegmentEnd> {
-        let (Some(remesh), Some(start), None) = (&self.remesh, &self.state, &self.renewed) else {
+        let (Some(remesh), Some(start)) = (&self.remesh, &self.state) else {
             return Err(err);
         };
         // Nothing to go on without: no stage has a second replica.
@@ -331,9 +364,10 @@ impl<T: Transport> Process<'_, T> {
         {
             return Err(err);
         }
-        let rank = self.ep.rank();
+        let ep = current(&mut *self.ep, &mut self.renewed);
+        let rank = ep.rank();
         if !err.is_abort_echo() {
-            self.ep.abort();
+            ep.abort();
         }
         let mut remesh = remesh.0.lock().map_err(|_| {
             StageError::Executor("the way to the launcher was left poisoned".into())
@@ -351,7 +385,8 @@ impl<T: Transport> Process<'_, T> {
             plan,
             len: at.len,
             index: self.index,
-            start,
+            worker: rank,
+            start: at_start.then_some(start),
             points: own,
         };
         let mut gone = super::recover::go_on(remesh.as_mut(), lost, change, failed)?;
@@ -403,6 +438,32 @@ fn standing_after(
     Ok(Some(all))
 }
 
+impl<T: Transport> Process<'_, T> {
+    /// The exchange that ends a segment this worker's program finished with `outcome`: a
+    /// follower forwards its last losses, reports to the chief and takes its word; the chief
+    /// gathers every worker's summary and the losses still out.
+    fn end_segment(
+        &mut self,
+        plan: &RunPlan,
+        outcome: WorkerOutcome,
+        (losses, rx): (&mut LossRelay<'_>, &crossbeam_channel::Receiver<Report>),
+        obs: &mut dyn Observer,
+    ) -> Result<SegmentEnd> {
+        let index = self.index;
+        let ep = current(&mut *self.ep, &mut self.renewed);
+        if ep.rank() != CHIEF {
+            losses.poll(ep, rx, obs)?;
+            let (stop, joining) = report_to_chief(ep, &outcome, (plan, mine(&self.state)?), index)?;
+            self.joining = joining;
+            let rejoin = joining.is_some();
+            return Ok(SegmentEnd::Follower { stop, rejoin });
+        }
+        let outcomes = gather_summaries(ep, outcome, index)?;
+        losses.finish(ep, rx, &outcomes, obs)?;
+        Ok(SegmentEnd::Chief(outcomes))
+    }
+}
+
 impl<T: Transport> Coordinator for Process<'_, T> {
     fn run_segment(
         &mut self,
@@ -449,20 +510,17 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         }
         let outcome = match outcome {
             Ok(outcome) => outcome,
-            Err(e) => return self.after_failure(plan, at, e, &points),
+            Err(e) => return self.after_failure(plan, at, e, (&points, true)),
         };
         let base = t.duration_since(self.origin.1).as_secs_f64();
-        let ep = current(&mut *self.ep, &mut self.renewed);
         let spans: Vec<_> = outcome.spans.iter().map(|sp| sp.shifted(base)).collect();
         obs.on_spans(self.origin.0, &spans)?;
-        if rank != CHIEF {
-            losses.poll(ep, &rx, obs)?;
-            let stop = report_to_chief(ep, &outcome, (plan, mine(&self.state)?), index)?;
-            return Ok(SegmentEnd::Follower { stop });
+        // A peer lost in the exchange that ends the segment is gone on without in place too,
+        // from the rollback points (this worker's state is the segment's end by now).
+        match self.end_segment(plan, outcome, (&mut losses, &rx), obs) {
+            Ok(end) => Ok(end),
+            Err(e) => self.after_failure(plan, at, e, (&points, false)),
         }
-        let outcomes = gather_summaries(ep, outcome, index)?;
-        losses.finish(ep, &rx, &outcomes, obs)?;
-        Ok(SegmentEnd::Chief(outcomes))
     }
 
     fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
@@ -471,7 +529,7 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         for w in (0..ep.size()).filter(|&w| w != CHIEF) {
             ep.send(Message::from_bytes(
                 control(CHIEF, w, TOPIC_GO, index, 0),
-                &drain_bytes(drain),
+                &drain_bytes(drain, self.joining),
             ))?;
         }
         let init = &self
@@ -499,6 +557,45 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             None
         };
         Ok((weights, optimizer))
+    }
+
+    fn rejoin_ready(&mut self) -> bool {
+        if self.joining.is_none() {
+            let handle = self.remesh.as_ref();
+            let mut remesh = handle.and_then(|h| h.0.lock().ok());
+            self.joining = remesh.as_mut().and_then(|r| r.joining());
+        }
+        self.joining.is_some()
+    }
+
+    fn rejoin(&mut self, _: &RunPlan, done: u64) -> Result<()> {
+        let no = |what: &str| StageError::Executor(format!("a rejoin without {what}"));
+        let joining = self.joining.take().ok_or_else(|| no("a replacement"))?;
+        let handle = self.remesh.clone().ok_or_else(|| no("a launcher"))?;
+        let mut remesh = handle.0.lock().map_err(|_| no("a usable launcher"))?;
+        // The survivors' mesh ends at this drain point, which left nothing in flight on it.
+        if let Some(mut old) = self.renewed.take() {
+            old.close()?;
+        }
+        let mut ep = remesh.connect_all(joining)?;
+        drop(remesh);
+        let rank = ep.rank();
+        let state = self.state.as_mut().ok_or_else(|| no("state"))?;
+        // Back on the run's own layout, whose workers are the processes' ranks.
+        state.worker = rank;
+        let cfg = self.run.cfg;
+        let plan = own_plan(self.run, cfg, &self.settled.partition)?;
+        let terms = (rank == CHIEF).then(|| StartTerms {
+            run: cfg.numerics(),
+            partition: self.settled.partition.clone(),
+            every: self.settled.every,
+            done,
+            steps: None,
+            segments: self.index,
+        });
+        hand_over(ep.as_mut(), &plan, state, joining, terms)?;
+        self.renewed = Some(ep);
+        Ok(())
     }
 }
 
@@ -635,7 +732,22 @@ struct StartTerms {
     every: Option<u64>,
     done: u64,
     steps: Option<Vec<u64>>,
+    /// Segments run so far (none at a start; a replacement's first segment is the next).
+    #[serde(default)]
+    segments: u32,
 }
+
+/// What the chief settled at the start that a replacement is handed too: the partition and
+/// the checkpoint interval.
+struct Settled {
+    partition: Option<Partition>,
+    every: Option<u64>,
+}
+
+/// Control topic: a replacement's terms from the chief (step 0), and one layer's weights and
+/// optimizer state from a surviving replica of its stage (index: the layer; step: 1 for the
+/// weights, 2 to 4 for the optimizer's parts, the version the stage's update count).
+pub const TOPIC_JOIN: u32 = 8;
 
 /// The start exchange: the chief settles the partition (measuring it if asked) and where the
 /// run starts, and sends them with its run; every other worker checks the run against its own
@@ -656,6 +768,7 @@ fn agree<T: Transport + ?Sized>(
             every: opts.checkpoints.as_ref().and_then(|c| c.every),
             done: start.done,
             steps: start.optimizer.as_ref().map(|(_, s)| s.clone()),
+            segments: 0,
         };
         let json = serde_json::to_vec(&terms)
             .map_err(|e| StageError::Executor(format!("writing the start message: {e}")))?;
@@ -679,6 +792,12 @@ fn agree<T: Transport + ?Sized>(
         .into_bytes()?;
     let terms: StartTerms = serde_json::from_slice(&bytes)
         .map_err(|e| protocol(format!("the chief's start message: {e}")))?;
+    accept_terms(cfg, run, rank, terms)
+}
+
+/// The chief's terms, checked against this worker's own run (`rank`'s): the same numerics,
+/// and a partition that covers the model and agrees with one given.
+fn accept_terms(cfg: &RunConfig, run: &Run<'_>, rank: u32, terms: StartTerms) -> Result<Agreed> {
     // Bucket sizes the chief chose (from its measured profile) are the run's, by the rule a
     // resumed run adopts a checkpoint's by.
     let mine = cfg
@@ -713,6 +832,27 @@ fn agree<T: Transport + ?Sized>(
     })
 }
 
+/// The run's own layout as a one-update plan of `cfg` on `partition`: which worker holds
+/// which layers.
+fn own_plan(run: &Run<'_>, cfg: &RunConfig, partition: &Option<Partition>) -> Result<RunPlan> {
+    let spec = cfg.schedule_spec(Length::Updates(1));
+    RunPlan::new(&run.model, &spec, partition.clone())
+}
+
+/// Sends one layer's four parts (its weights, then its optimizer's three) as control messages
+/// keyed by `key(part)`, each with `version`.
+fn send_layer<T: Transport + ?Sized>(
+    ep: &mut T,
+    key: impl Fn(u32) -> Key,
+    version: u64,
+    parts: [Vec<f32>; 1 + STATE_PARTS],
+) -> Result<()> {
+    for (k, flat) in parts.into_iter().enumerate() {
+        send_flat(ep, key(k as u32), version, flat)?;
+    }
+    Ok(())
+}
+
 /// Where this worker starts. A resumed run's chief sends every other worker the weights and
 /// optimizer state of the layers its stages hold (one message each per layer); they fill
 /// them into a fresh model.
@@ -723,8 +863,7 @@ fn receive_start<T: Transport + ?Sized>(
     cfg: &RunConfig,
 ) -> Result<Start> {
     let rank = ep.rank();
-    let spec = cfg.schedule_spec(Length::Updates(1));
-    let plan = RunPlan::new(&run.model, &spec, agreed.partition.clone())?;
+    let plan = own_plan(run, cfg, &agreed.partition)?;
     let layout = plan.schedule.layout();
     if let Some(start) = agreed.start {
         if let Some((opt, _)) = &start.optimizer {
@@ -732,35 +871,29 @@ fn receive_start<T: Transport + ?Sized>(
                 for s in layout.stages_of(w) {
                     for layer in plan.partition.range(s as usize) {
                         let l = layer as u32;
-                        let mut parts = vec![flatten(start.params[layer].iter())?];
-                        for k in 0..STATE_PARTS {
-                            parts.push(flatten(opt[layer].iter().map(|p| p.parts()[k].1))?);
-                        }
-                        for (k, flat) in parts.into_iter().enumerate() {
-                            let key = control(CHIEF, w, TOPIC_RESUME, l, k as u32);
-                            send_flat(ep, key, 0, flat)?;
-                        }
+                        let state = |k: usize| flatten(opt[layer].iter().map(|p| p.parts()[k].1));
+                        let parts = [
+                            flatten(start.params[layer].iter())?,
+                            state(0)?,
+                            state(1)?,
+                            state(2)?,
+                        ];
+                        send_layer(ep, |k| control(CHIEF, w, TOPIC_RESUME, l, k), 0, parts)?;
                     }
                 }
             }
         }
         return Ok(start);
     }
-    // A fresh run's weights of this worker's stages: the seed's, or --init-from's directory.
-    let mut own = vec![false; run.model.len()];
-    for s in layout.stages_of(rank) {
-        for layer in plan.partition.range(s as usize) {
-            own[layer] = true;
-        }
-    }
-    let mut params = super::train::initial_params_of(cfg, &run.model, &own)?;
     let Some(steps) = agreed.steps else {
+        // A fresh run's weights of this worker's stages: the seed's, or --init-from's.
         return Ok(Start {
-            params,
+            params: fresh_own_params(run, cfg, &plan, rank)?,
             optimizer: None,
             done: agreed.done,
         });
     };
+    let (params, opt, _) = receive_layers(run, ep, cfg, &plan, &|_| Ok((CHIEF, TOPIC_RESUME, 0)))?;
     if steps.len() != params.len() {
         return Err(protocol(format!(
             "the chief sent optimizer steps for {} layers of {}",
@@ -768,27 +901,146 @@ fn receive_start<T: Transport + ?Sized>(
             params.len()
         )));
     }
-    let matrices = run.model.optimizer_roles();
-    let mut opt: OptimizerState = Corrected::new(cfg.optimizer, &params, &matrices).into_state();
-    for s in layout.stages_of(rank) {
-        for layer in plan.partition.range(s as usize) {
-            let l = layer as u32;
-            let mut take = |k: u32| -> Result<Vec<f32>> {
-                let m = ep.recv(&control(CHIEF, rank, TOPIC_RESUME, l, k))?;
-                Ok(m.tensor.host()?.to_vec())
-            };
-            fill(params[layer].iter_mut(), &take(0)?, layer)?;
-            for k in 0..STATE_PARTS {
-                let values = take(1 + k as u32)?;
-                fill(opt[layer].iter_mut().map(|x| x.part_mut(k)), &values, layer)?;
-            }
-        }
-    }
     Ok(Start {
         params,
         optimizer: Some((opt, steps)),
         done: agreed.done,
     })
+}
+
+/// The fresh weights of the layers `rank`'s stages hold in `plan` (the seed's, or
+/// `--init-from`'s directory), the others empty.
+fn fresh_own_params(run: &Run<'_>, cfg: &RunConfig, plan: &RunPlan, rank: u32) -> Result<Params> {
+    let mut own = vec![false; run.model.len()];
+    for s in plan.schedule.layout().stages_of(rank) {
+        for layer in plan.partition.range(s as usize) {
+            own[layer] = true;
+        }
+    }
+    super::train::initial_params_of(cfg, &run.model, &own)
+}
+
+/// The weights and optimizer state of the layers this worker's stages hold in `plan`, each
+/// layer's four parts ([`send_layer`]) received from the worker and topic `source(stage)`
+/// names (index: the layer; step: the part after the first step it names), filled into a fresh model's: the whole model's
+/// parameters and optimizer state, and each layer's update count (its messages' version).
+fn receive_layers<T: Transport + ?Sized>(
+    run: &Run<'_>,
+    ep: &mut T,
+    cfg: &RunConfig,
+    plan: &RunPlan,
+    source: &dyn Fn(u32) -> Result<(u32, u32, u32)>,
+) -> Result<(Params, OptimizerState, Vec<u64>)> {
+    let rank = ep.rank();
+    let mut params = fresh_own_params(run, cfg, plan, rank)?;
+    let matrices = run.model.optimizer_roles();
+    let mut opt: OptimizerState = Corrected::new(cfg.optimizer, &params, &matrices).into_state();
+    let mut steps = vec![0u64; params.len()];
+    for s in plan.schedule.layout().stages_of(rank) {
+        let (from, topic, first) = source(s)?;
+        for layer in plan.partition.range(s as usize) {
+            let l = layer as u32;
+            let mut take = |k: u32| -> Result<(Vec<f32>, u64)> {
+                let m = ep.recv(&control(from, rank, topic, l, first + k))?;
+                Ok((m.tensor.host()?.to_vec(), m.version))
+            };
+            let (weights, version) = take(0)?;
+            fill(params[layer].iter_mut(), &weights, layer)?;
+            steps[layer] = version;
+            for k in 0..STATE_PARTS {
+                let (values, _) = take(1 + k as u32)?;
+                fill(opt[layer].iter_mut().map(|x| x.part_mut(k)), &values, layer)?;
+            }
+        }
+    }
+    Ok((params, opt, steps))
+}
+
+/// The surviving replica that hands a replacement `joining` its stage `stage`'s state: the
+/// stage's first worker other than it in `layout`.
+fn donor(layout: &pipe_scheduler::Layout, stage: u32, joining: u32) -> Option<u32> {
+    layout.group(stage).find(|&w| w != joining)
+}
+
+/// What the survivors hand a replacement `joining` at a drain point, over the mesh of the
+/// run's own layout (`plan`): the chief its terms (`terms`, the chief's only), and the donor
+/// of each of its stages ([`donor`]) that stage's weights and optimizer state from `mine`.
+///
+/// # Errors
+/// The replacement gone.
+fn hand_over<T: Transport + ?Sized>(
+    ep: &mut T,
+    plan: &RunPlan,
+    mine: &WorkerState,
+    joining: u32,
+    terms: Option<StartTerms>,
+) -> Result<()> {
+    let rank = ep.rank();
+    if let Some(terms) = terms {
+        let json = serde_json::to_vec(&terms)
+            .map_err(|e| StageError::Executor(format!("writing a replacement's terms: {e}")))?;
+        ep.send(Message::from_bytes(
+            control(CHIEF, joining, TOPIC_JOIN, 0, 0),
+            &json,
+        ))?;
+    }
+    let layout = plan.schedule.layout();
+    let theirs: Vec<u32> = layout.stages_of(joining).collect();
+    for st in mine.stages.iter().filter(|st| theirs.contains(&st.stage)) {
+        if donor(layout, st.stage, joining) != Some(rank) {
+            continue;
+        }
+        let first = plan.partition.range(st.stage as usize).start;
+        for (i, (weights, state)) in st.params.iter().zip(st.opt.parts()).enumerate() {
+            let l = (first + i) as u32;
+            let part = |k: usize| flatten(state.iter().map(|p| p[k]));
+            let parts = [flatten(weights.iter())?, part(0)?, part(1)?, part(2)?];
+            let key = |k: u32| control(rank, joining, TOPIC_JOIN, l, 1 + k);
+            send_layer(ep, key, st.opt.steps(), parts)?;
+        }
+    }
+    Ok(())
+}
+
+/// A replacement's start in a run under way ([`hand_over`]): the chief's terms, checked as at
+/// a start, with the updates done and the segments run; then each of its stages' weights and
+/// optimizer state from that stage's donor. Returns what the chief settled, the start and the
+/// segments run.
+///
+/// # Errors
+/// Terms that differ from this worker's run; a donor gone or malformed state.
+fn receive_join<T: Transport + ?Sized>(
+    cfg: &RunConfig,
+    run: &mut Run<'_>,
+    ep: &mut T,
+) -> Result<(Settled, Start, u32)> {
+    let rank = ep.rank();
+    let bytes = ep
+        .recv(&control(CHIEF, rank, TOPIC_JOIN, 0, 0))?
+        .into_bytes()?;
+    let terms: StartTerms = serde_json::from_slice(&bytes)
+        .map_err(|e| protocol(format!("the chief's terms for a replacement: {e}")))?;
+    let segments = terms.segments;
+    let agreed = accept_terms(cfg, run, rank, terms)?;
+    run.stage_buckets.clone_from(&agreed.buckets);
+    let plan = own_plan(run, cfg, &agreed.partition)?;
+    let layout = plan.schedule.layout();
+    let source = |stage: u32| {
+        let from = donor(layout, stage, rank)
+            .ok_or_else(|| protocol(format!("stage {stage} has no replica to hand it over")))?;
+        Ok((from, TOPIC_JOIN, 1))
+    };
+    let (params, opt, steps) = receive_layers(run, ep, cfg, &plan, &source)?;
+    let settled = Settled {
+        partition: agreed.partition,
+        every: agreed.every,
+    };
+    let start = Start {
+        params,
+        optimizer: Some((opt, steps)),
+        done: agreed.done,
+    };
+    Ok((settled, start, segments))
 }
 
 /// Sends `flat` as one control message with `key` and `version`.
@@ -1180,6 +1432,38 @@ mod tests {
         assert_eq!((back.peak_stash_bytes, back.bytes_sent), (1 << 33, 12_345));
         assert_eq!(back.peak_resident_bytes, 3 << 30);
         assert_eq!(back.peak_device_bytes, 21 << 30);
+    }
+
+    #[test]
+    fn the_chiefs_request_reads_back_and_malformed_ones_are_refused() {
+        let rejoin = Drain {
+            weights: true,
+            optimizer: false,
+            stop: false,
+            rejoin: true,
+        };
+        assert_eq!(
+            parse_drain(&drain_bytes(rejoin, Some(5))).unwrap(),
+            (rejoin, Some(5))
+        );
+        let plain = Drain {
+            rejoin: false,
+            ..rejoin
+        };
+        // No rank travels without a rejoin.
+        assert_eq!(
+            parse_drain(&drain_bytes(plain, Some(5))).unwrap(),
+            (plain, None)
+        );
+        for bad in [
+            &[][..],
+            &[1, 0, 0],
+            &[1, 0, 0, 0, 0, 0, 0],
+            &[2, 0, 0, 0, 0, 0, 0, 0],
+        ] {
+            assert!(parse_drain(bad).is_err(), "{bad:?}");
+        }
+        assert!(parse_drain(&[0; 9]).is_err());
     }
 
     #[test]

@@ -69,6 +69,7 @@ pub fn launch(
         let workers = resolved.as_ref().map_or(1, |r| r.layout.workers());
         let mut options = LaunchOptions::new(workers);
         options.stop = Some(controls.stop);
+        options.rejoin = settings.rejoin;
         // Each worker writes its part of the trace; they are merged once all have exited.
         let parts = settings.trace.as_ref().map(|t| t.with_extension("parts"));
         let mut launcher = Processes {
@@ -78,7 +79,7 @@ pub fn launch(
             faults: controls.faults,
             trace_parts: parts.clone(),
             kept: None,
-            in_place: !settings.rejoin,
+            in_place: true,
         };
         launcher.keep_drained_states()?;
         let (end, last) = drive(&mut launcher, &cfg, &how, obs, events);

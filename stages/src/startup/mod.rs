@@ -195,11 +195,7 @@ pub fn prepare(
     let processes = cfg.pipelined && cfg.placement == crate::config::Placement::Processes;
     let resolved = cfg.pipelined.then(|| cfg.resolved()).transpose()?.cloned();
     if options.rejoin {
-        check_rejoin(
-            resolved.as_ref(),
-            processes,
-            options.checkpoint_dir.is_some(),
-        )?;
+        check_rejoin(resolved.as_ref())?;
     }
     let model = Model::new(&cfg.model)?;
     check_memory_floor(&cfg, &model, None, options.force, watcher)?;

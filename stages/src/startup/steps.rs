@@ -411,25 +411,15 @@ pub fn check_memory(
 }
 
 /// Refuses `--rejoin` where there is nothing it could do: no stage with two or more replicas
-/// (a stage's last replica is never survived, so never taken back), or worker processes
-/// without a checkpoint directory to go on from.
+/// (a stage's last replica is never survived, so never taken back).
 ///
 /// # Errors
 /// [`StageError::Config`] naming what is missing.
-pub fn check_rejoin(
-    resolved: Option<&Resolved>,
-    processes: bool,
-    checkpoint_dir: bool,
-) -> Result<()> {
+pub fn check_rejoin(resolved: Option<&Resolved>) -> Result<()> {
     let replicated = resolved.is_some_and(|r| r.layout.replica_counts().iter().any(|&n| n >= 2));
     if !replicated {
         return Err(StageError::Config(
             "--rejoin takes back a lost replica, but no stage of this run has two or more replicas: give --replicas".into(),
-        ));
-    }
-    if processes && !checkpoint_dir {
-        return Err(StageError::Config(
-            "--rejoin with worker processes needs --checkpoint-dir: the workers go on from the checkpoint of the drain point where the replica rejoins".into(),
         ));
     }
     Ok(())

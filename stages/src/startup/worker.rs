@@ -55,6 +55,8 @@ pub struct OwnSettings {
     pub checkpoints: Option<CheckpointPolicy>,
     /// Where it writes its part of a trace.
     pub trace_part: Option<PathBuf>,
+    /// Its launcher replaces a replica lost in place (`--rejoin`).
+    pub rejoin: bool,
 }
 
 /// One worker process, ready to join its cluster.
@@ -174,6 +176,7 @@ fn own_settings(
             fault: h.fault_of(rank),
             checkpoints: h.checkpoints.clone(),
             trace_part: h.trace_part_of(rank),
+            rejoin: h.rejoin,
         },
         None => OwnSettings {
             metrics: launch.metrics_addr,
@@ -188,6 +191,8 @@ fn own_settings(
             fault,
             checkpoints: CheckpointPolicy::of_launch(launch, cfg)?,
             trace_part: launch.trace.as_ref().map(|t| part_path(t, rank)),
+            // Without a launcher no one replaces a lost worker.
+            rejoin: false,
         },
     })
 }
