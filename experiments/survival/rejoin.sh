@@ -1,31 +1,102 @@
 #!/bin/bash
-# A replica killed with SIGKILL mid-epoch under --rejoin: the run goes on without it from the
-# newest checkpoint, takes it back at the next drain point (a replacement `pipe worker` with
-# the lost rank), and ends on its own layout. Compared with the undisturbed run, and with the
-# layout sequence resumed by hand: the undisturbed run's checkpoint at the loss on the shrunk
-# layout up to the rejoin, then on the full layout (docs/reliability.md).
+# Twenty kill-and-rejoin cycles in one run, live (`--rejoin`): `pipe train --stages 4
+# --replicas 2 --epochs 3` (MNIST) as worker processes over shared memory and over QUIC, with
+# no checkpoint directory. Worker 3 (stage 1, replica 1) is killed with SIGKILL; once the run
+# prints that the lost replica rejoined, the replacement is killed in turn, twenty times.
+# After each cycle the resident memory (VmRSS, KiB) of the launcher and of every survivor is
+# sampled, and every regular file written under the launcher's temporary directory since the
+# kill is listed. Each transport also runs undisturbed.
 #   bash experiments/survival/rejoin.sh OUTDIR
+# Writes OUTDIR/{calm,cycles}-{shm,quic}.{txt,err,rss,files} and the summary on standard
+# output.
 set -euo pipefail
 OUT=${1:?usage: rejoin.sh OUTDIR}
-. "$(dirname "$0")/common.sh"
-/usr/bin/time -f "%e s wall" "$PIPE" train "${F[@]}" --replicas 2 --transport quic \
-  --checkpoint-dir "$OUT/calm" > "$OUT/calm.txt" 2>&1
-# Worker 3 (stage 1, replica 1) killed once the update-200 checkpoint exists.
-/usr/bin/time -f "%e s wall" "$PIPE" train "${F[@]}" --replicas 2 --transport quic --rejoin \
-  --checkpoint-dir "$OUT/killed" > "$OUT/killed.txt" 2>&1 &
-launcher=$!
-until [ -e "$OUT/killed/ckpt-00000200" ]; do sleep 0.01; done
-victim=$(pgrep -P "$(pgrep -P "$launcher")" -f -- "--rank 3 ")
-kill -9 "$victim"
-wait "$launcher"
-from=$(grep ' lost: ' "$OUT/killed.txt" | grep -o 'from update [0-9]*' | grep -o '[0-9]*$')
-to=$(grep 'rejoin:' "$OUT/killed.txt" | grep -o 'from update [0-9]*' | grep -o '[0-9]*$')
-shrunk=$(sed -n 's/.* lost: .*replicas \[\([0-9, ]*\)\].*/\1/p' "$OUT/killed.txt" | head -1 | tr -d ' ')
-# By hand: the undisturbed checkpoint at the loss on the shrunk layout, its checkpoint at
-# the rejoin on the full layout.
-"$PIPE" train "${F[@]}" --replicas "$shrunk" --checkpoint-dir "$OUT/shrunk" \
-  --resume "$OUT/calm/ckpt-$(printf %08d "$from")" > "$OUT/shrunk.txt" 2>&1
-"$PIPE" train "${F[@]}" --replicas 2 --checkpoint-dir "$OUT/resumed" \
-  --resume "$OUT/shrunk/ckpt-$(printf %08d "$to")" > "$OUT/resumed.txt" 2>&1
-grep -h '^done\|lost:\|rejoin:\|s wall' "$OUT/calm.txt" "$OUT/killed.txt" "$OUT/resumed.txt"
-rm -rf "$OUT/calm" "$OUT/killed" "$OUT/shrunk" "$OUT/resumed"
+PIPE=${PIPE:-target/release/pipe}
+mkdir -p "$OUT"
+F=(--stages 4 --replicas 2 --epochs 3 --partition 0-2,3-4,5-6,7-9 --momentum 0.6
+   --placement processes)
+CYCLES=${CYCLES:-20}
+
+wall() { # START END
+  echo "$1 $2" | awk '{printf "%.1f", $2 - $1}'
+}
+
+cycles() { # TRANSPORT
+  local t=$1 tmp="$OUT/tmp-$t" name="$OUT/cycles-$t"
+  rm -rf "$tmp"
+  mkdir -p "$tmp"
+  local t0 t1
+  t0=$(date +%s.%N)
+  TMPDIR=$tmp "$PIPE" train "${F[@]}" --transport "$t" --rejoin > "$name.txt" 2> "$name.err" &
+  local launcher=$!
+  until grep -q '^the first update:' "$name.txt" 2> /dev/null; do sleep 0.1; done
+  sleep 2
+  : > "$name.rss"
+  : > "$name.files"
+  local i victim start back
+  for i in $(seq 1 "$CYCLES"); do
+    victim=$(pgrep -P "$launcher" -f -- "--rank 3 " | head -1)
+    touch "$tmp/.kill"
+    start=$(date +%s.%N)
+    kill -9 "$victim"
+    # A cycle that has not rejoined within a minute is a hang.
+    for _ in $(seq 1 600); do
+      [ "$(grep -c '^the lost replicas rejoin:' "$name.txt")" -ge "$i" ] && break
+      sleep 0.1
+    done
+    back=$(date +%s.%N)
+    if [ "$(grep -c '^the lost replicas rejoin:' "$name.txt")" -lt "$i" ]; then
+      echo "cycle $i: no rejoin within 60 s" >> "$name.rss"
+      break
+    fi
+    sleep 0.5
+    {
+      printf '%s %s launcher %s' "$i" "$(wall "$start" "$back")" \
+        "$(awk '/VmRSS/ {print $2}' "/proc/$launcher/status")"
+      for rank in 0 1 2 4 5 6 7; do
+        pid=$(pgrep -P "$launcher" -f -- "--rank $rank " | head -1)
+        printf ' w%s %s' "$rank" "$(awk '/VmRSS/ {print $2}' "/proc/$pid/status")"
+      done
+      echo
+    } >> "$name.rss"
+    find "$tmp" -type f -newer "$tmp/.kill" ! -name .kill | sed "s|^$tmp/|$i |" >> "$name.files"
+  done
+  local rc=0
+  wait "$launcher" || rc=$?
+  t1=$(date +%s.%N)
+  echo "exit $rc, $(wall "$t0" "$t1") s wall" >> "$name.rss"
+  rm -rf "$tmp"
+}
+
+for t in shm quic; do
+  t0=$(date +%s.%N)
+  "$PIPE" train "${F[@]}" --transport "$t" > "$OUT/calm-$t.txt" 2>&1
+  echo "$(wall "$t0" "$(date +%s.%N)") s wall" > "$OUT/calm-$t.wall"
+  cycles "$t"
+done
+
+for t in shm quic; do
+  echo "== $t"
+  echo "undisturbed: $(grep '^done' "$OUT/calm-$t.txt"), $(cat "$OUT/calm-$t.wall")"
+  echo "cycles:      $(grep '^done' "$OUT/cycles-$t.txt"), $(tail -1 "$OUT/cycles-$t.rss")"
+  echo "starts: $(grep -c '^the first update:' "$OUT/cycles-$t.txt")," \
+    "losses: $(grep -c ' lost: ' "$OUT/cycles-$t.txt")," \
+    "rejoins: $(grep -c '^the lost replicas rejoin:' "$OUT/cycles-$t.txt")," \
+    "restored to [2, 2, 2, 2]: $(grep '^the lost replicas rejoin:' "$OUT/cycles-$t.txt" |
+      grep -c 'replicas \[2, 2, 2, 2\]')"
+  echo "kill to rejoin line (s), per cycle: $(awk 'NF > 3 {printf "%s ", $2}' "$OUT/cycles-$t.rss")"
+  # Resident memory at cycle 5 and cycle 20, and the change, per process.
+  awk -v last="$CYCLES" '
+    $1 == 5 { for (k = 3; k < NF; k += 2) five[$k] = $(k + 1) }
+    $1 == last { for (k = 3; k < NF; k += 2) { name[k] = $k; end[$k] = $(k + 1) } }
+    END {
+      printf "resident KiB, cycle 5 -> %d:", last
+      for (k = 3; k in name; k += 2) {
+        n = name[k]
+        printf " %s %d->%d (%+.1f%%)", n, five[n], end[n], 100 * (end[n] - five[n]) / five[n]
+      }
+      print ""
+    }' "$OUT/cycles-$t.rss"
+  echo "files written under the launcher's directory during a cycle: $(wc -l < "$OUT/cycles-$t.files")"
+  sed 's/^/  /' "$OUT/cycles-$t.files" | head -5
+done

@@ -15,7 +15,7 @@
 //! | [`TOPIC_RESUME`] | chief -> each | layer | a resumed run's weights and optimizer state (step 0-3) |
 //! | [`TOPIC_LOSS`] | last stage -> chief | segment | one microbatch's loss, as computed (step: its number) |
 //! | [`TOPIC_SUMMARY`] | each -> chief | segment | losses, compute time, staleness |
-//! | [`TOPIC_GO`] | chief -> each | segment | the request: weights? optimizer? stop? a replacement rejoins? |
+//! | [`TOPIC_GO`] | chief -> each | segment | the request: weights? optimizer? stop? a replacement rejoins? (step 0); go on to the next segment (step 1) |
 //! | [`TOPIC_WEIGHTS`] | replica 0 of a stage -> chief | segment | one layer's weights (step: layer) |
 //! | [`TOPIC_OPTIMIZER`] | replica 0 of a stage -> chief | segment | one layer's optimizer state, part k of 3 (step: 3 layer + k) |
 //! | [`TOPIC_JOIN`] | chief, a surviving replica -> a replacement | 0, layer | the run's terms (step 0); one layer's weights and optimizer state (step 1-4, version: the update count) |
@@ -212,10 +212,38 @@ fn report_to_chief<T: Transport + ?Sized>(
         control(rank, CHIEF, TOPIC_SUMMARY, index, 0),
         &encode_summary(outcome),
     ))?;
-    let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, 0))?;
+    let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, GO_REQUEST))?;
     let (req, joining) = parse_drain(&req.into_bytes()?)?;
     send_state(ep, (plan, mine), index, &req)?;
+    ep.recv(&control(CHIEF, rank, TOPIC_GO, index, GO_ON))?;
     Ok((req.stop, joining))
+}
+
+/// Steps of [`TOPIC_GO`]: the chief's request at the end of a segment, and its word, once
+/// every follower has answered it, that they may start the next.
+const GO_REQUEST: u32 = 0;
+/// See [`GO_REQUEST`].
+const GO_ON: u32 = 1;
+
+/// Sends every follower `bytes` under [`TOPIC_GO`] and `step`, to each one even after a send
+/// failed; returns the first failure.
+fn tell_followers<T: Transport + ?Sized>(
+    ep: &mut T,
+    index: u32,
+    step: u32,
+    bytes: &[u8],
+) -> Option<StageError> {
+    let mut first = None;
+    for w in (0..ep.size()).filter(|&w| w != CHIEF) {
+        let sent = ep.send(Message::from_bytes(
+            control(CHIEF, w, TOPIC_GO, index, step),
+            bytes,
+        ));
+        if let Err(e) = sent {
+            first.get_or_insert(StageError::from(e));
+        }
+    }
+    first
 }
 
 fn run_process<T: Transport>(
@@ -526,12 +554,7 @@ impl<T: Transport> Coordinator for Process<'_, T> {
     fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
         let index = self.index;
         let ep = current(&mut *self.ep, &mut self.renewed);
-        for w in (0..ep.size()).filter(|&w| w != CHIEF) {
-            ep.send(Message::from_bytes(
-                control(CHIEF, w, TOPIC_GO, index, 0),
-                &drain_bytes(drain, self.joining),
-            ))?;
-        }
+        let missed = tell_followers(ep, index, GO_REQUEST, &drain_bytes(drain, self.joining));
         let init = &self
             .start
             .as_ref()
@@ -556,7 +579,15 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         } else {
             None
         };
-        Ok((weights, optimizer))
+        // Every follower has answered: they may start the next segment, whose failure (a
+        // follower lost meanwhile) can no longer cut this gather short.
+        let missed = missed.or(tell_followers(ep, index, GO_ON, &[1]));
+        match missed {
+            // A worker lost after it answered (or that had nothing to answer) is found by
+            // the next segment, which goes on without it in place.
+            Some(e) if self.remesh.is_none() => Err(e),
+            _ => Ok((weights, optimizer)),
+        }
     }
 
     fn rejoin_ready(&mut self) -> bool {
