@@ -2,11 +2,13 @@
 # Twenty kill-and-rejoin cycles in one run, live (`--rejoin`): `pipe train --stages 4
 # --replicas 2 --epochs 3` (MNIST) as worker processes over shared memory and over QUIC, with
 # no checkpoint directory. Worker 3 (stage 1, replica 1) is killed with SIGKILL; once the run
-# prints that the lost replica rejoined, the replacement is killed in turn, twenty times.
-# After each cycle the resident memory (VmRSS, KiB) of the launcher and of every survivor is
+# prints that the lost replica rejoined, the replacement is killed in turn, twenty times,
+# from the first epoch's end on. After each cycle (and SETTLE seconds, default 0.5) the resident memory (VmRSS, KiB) of the launcher and of every survivor is
 # sampled, and every regular file written under the launcher's temporary directory since the
 # kill is listed. Each transport also runs undisturbed.
 #   bash experiments/survival/rejoin.sh OUTDIR
+#   TRANSPORTS="quic" SETTLE=3 CALM=0 bash experiments/survival/rejoin.sh OUTDIR: one transport,
+#   memory sampled 3 s after each rejoin, no undisturbed run.
 # Writes OUTDIR/{calm,cycles}-{shm,quic}.{txt,err,rss,files} and the summary on standard
 # output.
 set -euo pipefail
@@ -16,6 +18,9 @@ mkdir -p "$OUT"
 F=(--stages 4 --replicas 2 --epochs 3 --partition 0-2,3-4,5-6,7-9 --momentum 0.6
    --placement processes)
 CYCLES=${CYCLES:-20}
+SETTLE=${SETTLE:-0.5}
+TRANSPORTS=${TRANSPORTS:-shm quic}
+CALM=${CALM:-1}
 
 wall() { # START END
   echo "$1 $2" | awk '{printf "%.1f", $2 - $1}'
@@ -29,8 +34,10 @@ cycles() { # TRANSPORT
   t0=$(date +%s.%N)
   TMPDIR=$tmp "$PIPE" train "${F[@]}" --transport "$t" --rejoin > "$name.txt" 2> "$name.err" &
   local launcher=$!
-  until grep -q '^the first update:' "$name.txt" 2> /dev/null; do sleep 0.1; done
-  sleep 2
+  # After the first epoch's end, whose drain (the whole model gathered by the chief, its
+  # evaluation, the launcher's kept state) allocates once what every later drain reuses.
+  until grep -q '^epoch   1 ' "$name.txt" 2> /dev/null; do sleep 0.1; done
+  sleep 1
   : > "$name.rss"
   : > "$name.files"
   local i victim start back
@@ -49,7 +56,7 @@ cycles() { # TRANSPORT
       echo "cycle $i: no rejoin within 60 s" >> "$name.rss"
       break
     fi
-    sleep 0.5
+    sleep "$SETTLE"
     {
       printf '%s %s launcher %s' "$i" "$(wall "$start" "$back")" \
         "$(awk '/VmRSS/ {print $2}' "/proc/$launcher/status")"
@@ -68,16 +75,19 @@ cycles() { # TRANSPORT
   rm -rf "$tmp"
 }
 
-for t in shm quic; do
-  t0=$(date +%s.%N)
-  "$PIPE" train "${F[@]}" --transport "$t" > "$OUT/calm-$t.txt" 2>&1
-  echo "$(wall "$t0" "$(date +%s.%N)") s wall" > "$OUT/calm-$t.wall"
+for t in $TRANSPORTS; do
+  if [ "$CALM" = 1 ]; then
+    t0=$(date +%s.%N)
+    "$PIPE" train "${F[@]}" --transport "$t" > "$OUT/calm-$t.txt" 2>&1
+    echo "$(wall "$t0" "$(date +%s.%N)") s wall" > "$OUT/calm-$t.wall"
+  fi
   cycles "$t"
 done
 
-for t in shm quic; do
+for t in $TRANSPORTS; do
   echo "== $t"
-  echo "undisturbed: $(grep '^done' "$OUT/calm-$t.txt"), $(cat "$OUT/calm-$t.wall")"
+  [ "$CALM" = 1 ] &&
+    echo "undisturbed: $(grep '^done' "$OUT/calm-$t.txt"), $(cat "$OUT/calm-$t.wall")"
   echo "cycles:      $(grep '^done' "$OUT/cycles-$t.txt"), $(tail -1 "$OUT/cycles-$t.rss")"
   echo "starts: $(grep -c '^the first update:' "$OUT/cycles-$t.txt")," \
     "losses: $(grep -c ' lost: ' "$OUT/cycles-$t.txt")," \
