@@ -915,6 +915,68 @@ fn twenty_kill_and_rejoin_cycles_in_one_run() {
     }
 }
 
+/// A replacement killed before it joined (as soon as the launcher started it) leaves the
+/// survivors running: the launcher starts another, which joins, and the run ends with exit 0
+/// on replicas [2, 2]. (Should the replacement win the race and join first, its kill is one
+/// more lost replica, survived in place the same way.)
+#[test]
+fn a_replacement_that_fails_before_it_joins_is_started_again() {
+    if skipped_without_proc() {
+        return;
+    }
+    let _one = serial();
+    let d = fresh_dir("replacement-fails");
+    let config = small_config(&d, 10_000);
+    let mut flags = vec!["--stages", "2", "--replicas", "2", "--steps", "20000"];
+    flags.extend(["--transport", "shm", "--rejoin"]);
+    flags.extend(IN_PLACE);
+    let Started {
+        mut launcher,
+        mut lines,
+        rest,
+        reader,
+    } = start_until_first_epoch(&config, &flags);
+    let first = signal(&children_of(launcher.id()), 3, "-9");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let replacement = loop {
+        let found = children_of(launcher.id())
+            .into_iter()
+            .find(|(pid, cmd)| *pid != first && cmd.contains("--rank 3 "));
+        if let Some(found) = found {
+            break found;
+        }
+        assert!(Instant::now() < deadline, "no replacement started");
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    signal(&[replacement], 3, "-9");
+    let mut stderr = String::new();
+    launcher
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    let status = launcher.wait().unwrap();
+    reader.join().unwrap();
+    lines.extend(rest.try_iter());
+    let text = lines.join("\n");
+    assert!(status.success(), "{status}\n{text}\n{stderr}");
+    assert!(done(&text).starts_with("done: 20000 steps"), "{text}");
+    let again = stderr.contains(
+        "worker 3's replacement was killed by signal 9 before it joined; starting another",
+    );
+    let lost_twice = text.matches("worker 3 (stage 1) lost:").count() == 2;
+    assert!(again || lost_twice, "{text}\n{stderr}");
+    let back = text
+        .lines()
+        .rfind(|l| l.starts_with("the lost replicas rejoin:"));
+    assert!(
+        back.is_some_and(|l| l.contains("replicas [2, 2]")),
+        "{text}"
+    );
+    assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
+}
+
 /// Frozen workers and cut links, over QUIC: a freeze or a partition shorter than the
 /// transport's idle timeout (2 s) is ridden out (QUIC sends again what the cut link lost);
 /// a longer one counts the worker lost on both ends, and the run restarts from its newest

@@ -459,11 +459,20 @@ impl Workers {
         false
     }
 
-    /// Writes `line` to the chief's standard input.
-    fn tell_chief(&mut self, line: &str) {
-        if let Some(stdin) = self.0.first_mut().and_then(|w| w.stdin.as_mut()) {
-            let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
+    /// On Ctrl-C here (or a layout change to come, `opts`): asks the chief to stop at its next
+    /// drain point, after a checkpoint (it tells the others). Returns whether it asked.
+    fn ask_chief_to_stop(&mut self, opts: &LaunchOptions) -> bool {
+        let asked = opts.stop_at_first_drain
+            || opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+        if let Some(stdin) = self
+            .0
+            .first_mut()
+            .and_then(|w| w.stdin.as_mut())
+            .filter(|_| asked)
+        {
+            let _ = writeln!(stdin, "stop").and_then(|()| stdin.flush());
         }
+        asked
     }
 
     /// Writes `line` to every running worker's standard input (one that has just died is
@@ -511,11 +520,20 @@ enum Mend {
     /// The survivors were told it is ready: they connect a mesh with it at the chief's next
     /// drain point.
     Joining(u32),
+    /// Its replacements kept failing: the run goes on short of it, a later loss on the
+    /// segment path.
+    Short,
 }
+
+/// How many replacements in a row may fail before they joined before the run goes on
+/// without one.
+const REPLACEMENT_TRIES: u32 = 3;
 
 /// The launcher's side of replacing a worker lost in place (`--rejoin`).
 struct Mender {
     mend: Mend,
+    /// Replacements of the current loss that failed before they said where they listen.
+    failed: u32,
     /// What starts a replacement: its arguments and where its lines go (none without
     /// `--rejoin`).
     replacing: Option<(Vec<OsString>, Sender<Line>)>,
@@ -540,12 +558,50 @@ impl Mender {
                 self.mend = Mend::Starting(r);
             }
             (Mend::Joining(_), _) => {
-                self.mend = Mend::Whole;
+                (self.mend, self.failed) = (Mend::Whole, 0);
                 return Ok(true);
             }
             _ => {}
         }
         Ok(false)
+    }
+
+    /// When the replacement of rank `rank` ended with `status` before it said where it
+    /// listens: starts another, or after [`REPLACEMENT_TRIES`] the run goes on short of the
+    /// replica (a later loss then takes the segment path). Returns whether the exit was such a
+    /// replacement's, and so no failure of the run.
+    ///
+    /// # Errors
+    /// Another replacement cannot be started.
+    fn replacement_failed(
+        &mut self,
+        rank: u32,
+        status: ExitStatus,
+        workers: &mut Workers,
+        relay: &mut Relay<'_>,
+    ) -> Result<bool> {
+        if self.mend != Mend::Starting(rank) || status.success() {
+            return Ok(false);
+        }
+        self.failed += 1;
+        let how = describe(status);
+        if self.failed >= REPLACEMENT_TRIES {
+            let _ = writeln!(
+                std::io::stderr(),
+                "warning: worker {rank}'s replacement {how} before it joined, {} times in a row; the run goes on without it",
+                self.failed
+            );
+            relay.joining = None;
+            self.mend = Mend::Short;
+            return Ok(true);
+        }
+        let _ = writeln!(
+            std::io::stderr(),
+            "warning: worker {rank}'s replacement {how} before it joined; starting another"
+        );
+        self.mend = Mend::Regrouping(rank);
+        self.told(workers, relay)?;
+        Ok(true)
     }
 
     /// Once the replacement says where it listens: tells the survivors, who connect a mesh
@@ -573,7 +629,7 @@ impl Mend {
     fn pending(self) -> Option<u32> {
         match self {
             Mend::Starting(r) | Mend::Joining(r) => Some(r),
-            Mend::Whole | Mend::Regrouping(_) => None,
+            Mend::Whole | Mend::Regrouping(_) | Mend::Short => None,
         }
     }
 }
@@ -868,6 +924,7 @@ pub fn launch(
     // What starts a replacement, while the run may take one (`--rejoin`).
     let mut mender = Mender {
         mend: Mend::Whole,
+        failed: 0,
         replacing: opts.rejoin.then(|| {
             let mut args = args.clone();
             args.push("--replacing".into());
@@ -893,14 +950,7 @@ pub fn launch(
     let mut first_at: Option<Instant> = None;
     let mut stop_sent = false;
     loop {
-        // Ctrl-C here (or a layout change to come): the chief stops at its next drain point,
-        // after a checkpoint, and tells the others.
-        let asked = opts.stop_at_first_drain
-            || opts.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
-        if told && !stop_sent && asked {
-            workers.tell_chief("stop");
-            stop_sent = true;
-        }
+        stop_sent = stop_sent || (told && workers.ask_chief_to_stop(opts));
         match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(line) => relay.line(line),
             Err(RecvTimeoutError::Timeout) => {}
@@ -931,6 +981,12 @@ pub fn launch(
                 relay.listening = go_on_without(&mut workers, rank, status, n);
                 (told, start_by) = (false, Instant::now() + opts.connect_timeout);
                 mender.mend = Mend::Regrouping(rank);
+                continue;
+            }
+            // A replacement that failed before it joined leaves the survivors running: another
+            // is started, or the run goes on without one.
+            let calm = first_exit.is_none() && relay.failure.is_none();
+            if calm && mender.replacement_failed(rank, status, &mut workers, &mut relay)? {
                 continue;
             }
             // A replacement stopped with the others is no cause of their failure.
