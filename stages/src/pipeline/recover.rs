@@ -16,6 +16,12 @@
 //!
 //! The weights are those of the in-process recovery ([`super::survive`]): the run whose
 //! pipeline drains at that step and whose layout changes there.
+//!
+//! Under `--rejoin` the way back goes through the same [`Remesh`]: the launcher starts a
+//! replacement with the lost rank and says when it is ready ([`Remesh::joining`]), and at
+//! the chief's next drain point every worker connects a mesh of all ranks
+//! ([`Remesh::connect_all`]), over which the replacement is handed its stage's state
+//! ([`super::worker`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
