@@ -163,6 +163,7 @@ fn cli_rows() -> Vec<Row> {
     let mut rows = cli_size_rows();
     rows.extend(cli_value_rows());
     rows.extend(cli_file_and_command_rows());
+    rows.extend(cli_simulate_and_bench_rows());
     rows
 }
 
@@ -398,6 +399,12 @@ fn cli_file_and_command_rows() -> Vec<Row> {
             "simulate --forward 0 --backward 0",
             "the stages compute for 0 s in all",
         ),
+    ]
+}
+
+/// The simulator's cost files and the size limits of `train`'s and `bench`'s flags.
+fn cli_simulate_and_bench_rows() -> Vec<Row> {
+    vec![
         with(
             "simulate --costs {d}/c.toml --stages 2",
             text(
@@ -556,6 +563,11 @@ fn fault_and_launch_rows() -> Vec<Row> {
         row(
             "train --stages 2 --rejoin",
             "--rejoin takes back a lost replica, but no stage of this run has two",
+        ),
+        // A replacement is started by a launcher only.
+        row(
+            "worker --cluster {d}/absent.toml --stages 2 --replacing",
+            "--launched",
         ),
         row(
             "worker --cluster {d}/absent.toml --stages 2 --max-restarts 1",

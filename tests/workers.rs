@@ -355,6 +355,20 @@ struct Started {
     reader: std::thread::JoinHandle<()>,
 }
 
+impl Started {
+    /// Waits for the launcher to end: its exit status, everything it printed on standard
+    /// output (one line each) and its standard error.
+    fn finish(mut self) -> (std::process::ExitStatus, String, String) {
+        let mut stderr = String::new();
+        let mut err = self.launcher.stderr.take().unwrap();
+        err.read_to_string(&mut stderr).unwrap();
+        let status = self.launcher.wait().unwrap();
+        self.reader.join().unwrap();
+        self.lines.extend(self.rest.try_iter());
+        (status, self.lines.join("\n"), stderr)
+    }
+}
+
 fn start_until_first_epoch(config: &str, flags: &[&str]) -> Started {
     let mut launcher: Child = Command::new(PIPE)
         .args(["train", "--config", config])
@@ -669,29 +683,13 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
 /// epoch line (so that the launcher holds a drained state), kills rank `rank` with SIGKILL,
 /// and returns the launcher's output to the end.
 fn kill_after_first_epoch(config: &str, flags: &[&str], rank: u32) -> Output {
-    let Started {
-        mut launcher,
-        mut lines,
-        rest,
-        reader,
-    } = start_until_first_epoch(config, flags);
-    signal(&children_of(launcher.id()), rank, "-9");
-    let status = launcher.wait().unwrap();
-    reader.join().unwrap();
-    lines.extend(rest.try_iter());
-    let mut stderr = Vec::new();
-    launcher
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_end(&mut stderr)
-        .unwrap();
-    let mut stdout = lines.join("\n").into_bytes();
-    stdout.push(b'\n');
+    let started = start_until_first_epoch(config, flags);
+    signal(&children_of(started.launcher.id()), rank, "-9");
+    let (status, stdout, stderr) = started.finish();
     Output {
         status,
-        stdout,
-        stderr,
+        stdout: format!("{stdout}\n").into_bytes(),
+        stderr: stderr.into_bytes(),
     }
 }
 
@@ -852,33 +850,26 @@ fn twenty_kill_and_rejoin_cycles_in_one_run() {
         let mut flags = vec!["--stages", "2", "--replicas", "2", "--steps", "40000"];
         flags.extend(["--transport", transport, "--rejoin"]);
         flags.extend(IN_PLACE);
-        let Started {
-            mut launcher,
-            mut lines,
-            rest,
-            reader,
-        } = start_until_first_epoch(config, &flags);
+        let mut started = start_until_first_epoch(config, &flags);
         // Per cycle, each kept process's (pid, resident KiB).
         let mut series: Vec<Vec<(u32, u64)>> = Vec::new();
         for cycle in 1..=20 {
-            let workers = children_of(launcher.id());
+            let workers = children_of(started.launcher.id());
             signal(&workers, 3, "-9");
             let deadline = Instant::now() + Duration::from_secs(60);
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
-                let line = rest.recv_timeout(left).unwrap_or_else(|_| {
-                    panic!(
-                        "{transport}: cycle {cycle} never rejoined:\n{}",
-                        lines.join("\n")
-                    )
+                let line = started.rest.recv_timeout(left).unwrap_or_else(|_| {
+                    let so_far = started.lines.join("\n");
+                    panic!("{transport}: cycle {cycle} never rejoined:\n{so_far}")
                 });
                 let back = line.starts_with("the lost replicas rejoin:");
-                lines.push(line);
+                started.lines.push(line);
                 if back {
                     break;
                 }
             }
-            let back = lines.last().unwrap();
+            let back = started.lines.last().unwrap();
             assert!(back.contains("replicas [2, 2]"), "{back}");
             // The launcher and the survivors (every worker but rank 3).
             let mut kept: Vec<u32> = workers
@@ -886,7 +877,7 @@ fn twenty_kill_and_rejoin_cycles_in_one_run() {
                 .filter(|(_, cmd)| !cmd.contains("--rank 3 "))
                 .map(|w| w.0)
                 .collect();
-            kept.push(launcher.id());
+            kept.push(started.launcher.id());
             let resident: Vec<(u32, u64)> = kept.iter().map(|&p| (p, resident_kib(p))).collect();
             series.push(resident);
             std::thread::sleep(Duration::from_millis(100));
@@ -900,10 +891,7 @@ fn twenty_kill_and_rejoin_cycles_in_one_run() {
                 "{transport}: process {pid} grew from {then} KiB at cycle 5 to {now} KiB at cycle 20 (by cycle: {all:?})"
             );
         }
-        let status = launcher.wait().unwrap();
-        reader.join().unwrap();
-        lines.extend(rest.try_iter());
-        let text = lines.join("\n");
+        let (status, text, _) = started.finish();
         assert!(status.success(), "{transport}: {status}\n{text}");
         assert!(done(&text).starts_with("done: 40000 steps"), "{text}");
         assert_eq!(
@@ -930,16 +918,12 @@ fn a_replacement_that_fails_before_it_joins_is_started_again() {
     let mut flags = vec!["--stages", "2", "--replicas", "2", "--steps", "20000"];
     flags.extend(["--transport", "shm", "--rejoin"]);
     flags.extend(IN_PLACE);
-    let Started {
-        mut launcher,
-        mut lines,
-        rest,
-        reader,
-    } = start_until_first_epoch(&config, &flags);
-    let first = signal(&children_of(launcher.id()), 3, "-9");
+    let started = start_until_first_epoch(&config, &flags);
+    let launcher = started.launcher.id();
+    let first = signal(&children_of(launcher), 3, "-9");
     let deadline = Instant::now() + Duration::from_secs(30);
     let replacement = loop {
-        let found = children_of(launcher.id())
+        let found = children_of(launcher)
             .into_iter()
             .find(|(pid, cmd)| *pid != first && cmd.contains("--rank 3 "));
         if let Some(found) = found {
@@ -949,17 +933,7 @@ fn a_replacement_that_fails_before_it_joins_is_started_again() {
         std::thread::sleep(Duration::from_millis(2));
     };
     signal(&[replacement], 3, "-9");
-    let mut stderr = String::new();
-    launcher
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
-    let status = launcher.wait().unwrap();
-    reader.join().unwrap();
-    lines.extend(rest.try_iter());
-    let text = lines.join("\n");
+    let (status, text, stderr) = started.finish();
     assert!(status.success(), "{status}\n{text}\n{stderr}");
     assert!(done(&text).starts_with("done: 20000 steps"), "{text}");
     let again = stderr.contains(
