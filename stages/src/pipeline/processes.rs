@@ -520,8 +520,8 @@ enum Mend {
     /// The survivors were told it is ready: they connect a mesh with it at the chief's next
     /// drain point.
     Joining(u32),
-    /// Its replacements kept failing: the run goes on short of it, a later loss on the
-    /// segment path.
+    /// No replacement comes (no `--rejoin`, or its replacements kept failing): the run goes
+    /// on short of it, a later loss on the segment path.
     Short,
 }
 
@@ -557,6 +557,8 @@ impl Mender {
                 relay.joining = Some((r, None));
                 self.mend = Mend::Starting(r);
             }
+            // No replacement (no `--rejoin`): the run stays short of it.
+            (Mend::Regrouping(_), None) => self.mend = Mend::Short,
             (Mend::Joining(_), _) => {
                 (self.mend, self.failed) = (Mend::Whole, 0);
                 return Ok(true);
