@@ -823,7 +823,8 @@ fn resident_kib(pid: u32) -> u64 {
 }
 
 /// Twenty kill-and-rejoin cycles in one run, over shared memory and QUIC: worker 3 is killed
-/// with SIGKILL, its replacement joins, and the new worker 3 is killed again. Every cycle
+/// with SIGKILL, its replacement joins and trains to an epoch's end, and the new worker 3 is
+/// killed again. Every cycle
 /// restores replicas [2, 2] within a minute (no hang), the run ends with exit 0 after one
 /// start, and the resident memory of the launcher and of every survivor is flat from cycle 5
 /// to cycle 20: within 5% and 4 MiB, the steps in which these small processes' allocator
@@ -856,21 +857,26 @@ fn twenty_kill_and_rejoin_cycles_in_one_run() {
         for cycle in 1..=20 {
             let workers = children_of(started.launcher.id());
             signal(&workers, 3, "-9");
+            // The replica rejoins, and the replacement trains with the others up to an
+            // epoch's end before it is killed in turn.
             let deadline = Instant::now() + Duration::from_secs(60);
+            let mut back = false;
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let line = started.rest.recv_timeout(left).unwrap_or_else(|_| {
                     let so_far = started.lines.join("\n");
                     panic!("{transport}: cycle {cycle} never rejoined:\n{so_far}")
                 });
-                let back = line.starts_with("the lost replicas rejoin:");
+                if line.starts_with("the lost replicas rejoin:") {
+                    assert!(line.contains("replicas [2, 2]"), "{line}");
+                    back = true;
+                }
+                let epoch = line.starts_with("epoch");
                 started.lines.push(line);
-                if back {
+                if epoch && back {
                     break;
                 }
             }
-            let back = started.lines.last().unwrap();
-            assert!(back.contains("replicas [2, 2]"), "{back}");
             // The launcher and the survivors (every worker but rank 3).
             let mut kept: Vec<u32> = workers
                 .iter()
@@ -891,7 +897,8 @@ fn twenty_kill_and_rejoin_cycles_in_one_run() {
                 "{transport}: process {pid} grew from {then} KiB at cycle 5 to {now} KiB at cycle 20 (by cycle: {all:?})"
             );
         }
-        let (status, text, _) = started.finish();
+        let (status, text, stderr) = started.finish();
+        let text = format!("{text}\n{stderr}");
         assert!(status.success(), "{transport}: {status}\n{text}");
         assert!(done(&text).starts_with("done: 40000 steps"), "{text}");
         assert_eq!(
