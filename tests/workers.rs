@@ -754,7 +754,8 @@ fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
 /// state from the surviving replica, over the transport. No worker starts again and no
 /// checkpoint is read or written. The run ends with the replica count restored and the weights
 /// of that layout sequence resumed by hand: the undisturbed run stopped at the loss, then on
-/// [2, 1] draining at every update up to the rejoin, then on [2, 2].
+/// [2, 1] draining at every update up to the rejoin, then on [2, 2]. `--max-restarts 1` (over
+/// shared memory) replaces the lost replica the same way, as that run's one restart.
 #[test]
 fn a_replacement_worker_rejoins_live_from_a_surviving_replica() {
     let _one = serial();
@@ -767,20 +768,29 @@ fn a_replacement_worker_rejoins_live_from_a_surviving_replica() {
         cmd
     };
     let whole = ["--steps", "200"];
-    for transport in ["shm", "quic"] {
+    // (name, transport, what replaces the lost replica)
+    let cases = [
+        ("shm", "shm", &["--rejoin"][..]),
+        ("quic", "quic", &["--rejoin"][..]),
+        ("restarts", "shm", &["--max-restarts", "1"][..]),
+    ];
+    for (case, transport, replace) in cases {
         let more = [
-            "--transport",
-            transport,
-            "--rejoin",
-            "--fault-schedule",
-            "3:exit@60",
-        ];
+            &["--transport", transport, "--fault-schedule", "3:exit@60"][..],
+            replace,
+        ]
+        .concat();
         let mut live = Command::new(PIPE);
         live.args(["train", "--config", &config, "--replicas", "2"])
             .args(&base)
             .args(whole)
-            .args(more);
-        let text = ok(&run(&mut live));
+            .args(&more);
+        let out = run(&mut live);
+        let text = ok(&out);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("every worker starts again"), "{err}");
+        let restarted = err.contains("restart 1 of 1: worker 3 alone, live");
+        assert_eq!(restarted, case == "restarts", "{err}");
         let (from, to) =
             lost_then_rejoined(&text, "worker 3 (stage 1) lost: was killed by signal 6");
         assert!(done(&text).starts_with("done: 200 steps"), "{text}");
@@ -789,10 +799,10 @@ fn a_replacement_worker_rejoins_live_from_a_surviving_replica() {
         assert!(!text.contains("restart"), "{text}");
         // By hand: the undisturbed run's state at the loss, on [2, 1] draining at every
         // update (a checkpoint at each) up to the rejoin, then on the run's own layout.
-        let calm = d.join(format!("calm-{transport}"));
+        let calm = d.join(format!("calm-{case}"));
         let calm_flags = [&base[..], &whole[..], &["--replicas", "2"]].concat();
         let at = calm_checkpoint(&config, &calm, &calm_flags, from);
-        let shrunk = d.join(format!("shrunk-{transport}"));
+        let shrunk = d.join(format!("shrunk-{case}"));
         let to_text = to.to_string();
         let short = ["--resume", at.to_str().unwrap(), "--checkpoint-every", "1"];
         let mut cmd = flags(&shrunk, "2,1", &short);
@@ -804,12 +814,100 @@ fn a_replacement_worker_rejoins_live_from_a_surviving_replica() {
         ])));
         let at = shrunk.join(format!("ckpt-{to:08}"));
         let resumed = ok(&run(&mut flags(
-            &d.join(format!("resumed-{transport}")),
+            &d.join(format!("resumed-{case}")),
             "2",
             &["--resume", at.to_str().unwrap(), "--steps", "200"],
         )));
-        assert_eq!(done(&text), done(&resumed), "{transport}");
+        assert_eq!(done(&text), done(&resumed), "{case}");
     }
+}
+
+/// `--max-restarts 1` on replicas [2, 2] of worker processes over shared memory, without a
+/// checkpoint directory: worker 3 killed with SIGKILL is replaced live (the run's one
+/// restart, counted as a replacement; no worker starts again). Killed again once it has
+/// trained to an epoch's end, with no restart left, it is not replaced: the survivors are told
+/// so at the loss and go on on [2, 1] in whole segments, not one update at a time. The run
+/// ends with exit 0 after one start, with the weights of that layout sequence by hand: the
+/// undisturbed run to the first loss, [2, 1] draining at every update to the rejoin, [2, 2]
+/// to the second loss, then [2, 1] to the end.
+#[test]
+fn max_restarts_replaces_a_lost_replica_live_while_restarts_are_left() {
+    if skipped_without_proc() {
+        return;
+    }
+    let _one = serial();
+    let d = fresh_dir("max-restarts-live");
+    let config = small_config(&d, 10_000);
+    let base = [&["--stages", "2"][..], &IN_PLACE[..]].concat();
+    let mut flags = base.clone();
+    flags.extend(["--replicas", "2", "--steps", "1000", "--transport", "shm"]);
+    flags.extend(["--max-restarts", "1"]);
+    let mut started = start_until_first_epoch(&config, &flags);
+    let launcher = started.launcher.id();
+    signal(&children_of(launcher), 3, "-9");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut back = false;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = started
+            .rest
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("never rejoined:\n{}", started.lines.join("\n")));
+        back |= line.starts_with("the lost replicas rejoin:");
+        let epoch = line.starts_with("epoch");
+        started.lines.push(line);
+        if epoch && back {
+            break;
+        }
+    }
+    signal(&children_of(launcher), 3, "-9");
+    let (status, text, stderr) = started.finish();
+    assert!(status.success(), "{status}\n{text}\n{stderr}");
+    assert!(done(&text).starts_with("done: 1000 steps"), "{text}");
+    assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
+    assert_eq!(
+        text.matches("the lost replicas rejoin:").count(),
+        1,
+        "{text}"
+    );
+    assert!(!stderr.contains("every worker starts again"), "{stderr}");
+    assert!(
+        stderr.contains("restart 1 of 1: worker 3 alone, live"),
+        "{stderr}"
+    );
+    let none_left = "warning: no restart left for worker 3 (--max-restarts 1)";
+    assert!(stderr.contains(none_left), "{stderr}");
+    let lost = "worker 3 (stage 1) lost: was killed by signal 9";
+    let (from, to) = lost_then_rejoined(&text, lost);
+    let again = text
+        .lines()
+        .filter(|l| l.starts_with(lost))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no second loss: {text}"));
+    assert!(again.contains("replicas [2, 1]"), "{again}");
+    let again = common::resumed_from(again);
+    assert!(to < again, "{text}");
+    // By hand, each part from the checkpoint the one before ends with.
+    let calm_flags = [&base[..], &["--replicas", "2", "--steps", "1000"]].concat();
+    let at = calm_checkpoint(&config, &d.join("calm"), &calm_flags, from);
+    let parts = [
+        ("shrunk", "2,1", to, &["--checkpoint-every", "1"][..]),
+        ("whole", "2", again, &[][..]),
+        ("short", "2,1", 1000, &[][..]),
+    ];
+    let mut at = at;
+    let mut last = String::new();
+    for (name, replicas, until, more) in parts {
+        let dir = d.join(name);
+        let until_text = until.to_string();
+        let mut cmd = train(&config, &dir, &base);
+        cmd.args(["--replicas", replicas, "--resume", at.to_str().unwrap()])
+            .args(["--steps", &until_text, "--keep-checkpoints", "1000"])
+            .args(more);
+        last = ok(&run(&mut cmd));
+        at = dir.join(format!("ckpt-{until:08}"));
+    }
+    assert_eq!(done(&text), done(&last));
 }
 
 /// Resident memory of process `pid` (`VmRSS`), in KiB.

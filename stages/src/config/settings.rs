@@ -388,13 +388,16 @@ pub struct TrainSettings {
     pub resume: Option<String>,
     /// After a failure (a worker process killed or lost, a stall), start every worker again
     /// from the newest checkpoint in --checkpoint-dir (from the start if there is none yet),
-    /// up to N times; the run then fails naming every cause [default: 0].
+    /// up to N times; the run then fails naming every cause. A lost replica of a replicated
+    /// stage run as worker processes is restarted alone and live instead: a replacement takes
+    /// its stage's state from a surviving replica, as one of the N [default: 0].
     #[arg(long, value_name = "N")]
     pub max_restarts: Option<u32>,
     /// After a lost replica of a replicated stage (which the run survives on the stage's other
-    /// replicas), take it back: in process a replacement worker joins at the next update
-    /// boundary; worker processes start again at the next drain point with a replacement
-    /// with the lost rank (they need --checkpoint-dir, and go on from its checkpoint).
+    /// replicas), take it back, every time: in process a replacement worker joins at the next
+    /// update boundary; with worker processes the launcher starts a replacement of the lost
+    /// rank, which joins at the first update boundary after it is ready, its stage's state
+    /// handed over by a surviving replica.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub rejoin: Option<bool>,
     /// Measure the layer profile of a measured partition or --workers' plan again, even

@@ -35,6 +35,7 @@ use pipe_transport::{Interrupter, TransportKind};
 use serde::{Deserialize, Serialize};
 
 use super::doctor::{StopReport, diagnose};
+use super::restart::RestartPolicy;
 use crate::checkpoint::CheckpointPolicy;
 use crate::config::RunConfig;
 use crate::error::{Result, StageError};
@@ -173,10 +174,14 @@ pub struct LaunchOptions {
     /// Which lost worker processes the others go on without in place, as one run
     /// ([`super::recover`]); `None`: any loss ends the launch.
     pub in_place: Option<InPlace>,
-    /// A worker lost in place is replaced (`--rejoin`): the launcher starts a `pipe worker`
-    /// with its rank, which joins the survivors at their next drain point, taking its state
-    /// from them; then the run may lose a replica in place again.
+    /// A worker lost in place is replaced (`--rejoin`, or `--max-restarts N`): the launcher
+    /// starts a `pipe worker` with its rank, which joins the survivors at their next update
+    /// boundary, taking its state from them; then the run may lose a replica in place again.
     pub rejoin: bool,
+    /// The run's restarts, each lost replica replaced taking one (`--max-restarts N` without
+    /// `--rejoin`); `None`: every one is replaced (`--rejoin`). A loss with none left leaves
+    /// the run short of the replica, and the survivors are told so at the loss.
+    pub replacements: Option<RestartPolicy>,
 }
 
 /// Whether the loss of a worker process (by rank) is gone on without in place: a replica of
@@ -193,8 +198,17 @@ impl std::fmt::Debug for InPlace {
 /// What a launcher tells its workers on their standard input, besides the first address line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LauncherWord {
-    /// The worker of this rank was lost (how it ended): the others go on without it.
-    Lost(u32, String),
+    /// The worker of this rank was lost (how it ended): the others go on without it. A
+    /// replacement comes (`lost`) or none does (`gone`: the survivors need not stop at every
+    /// update for one to join).
+    Lost {
+        /// The lost worker's rank.
+        rank: u32,
+        /// A replacement is started for it.
+        replaced: bool,
+        /// How it ended, in words.
+        how: String,
+    },
     /// A worker failed and the run does not go on in place.
     Fail,
     /// Where every worker of the survivors' mesh listens ([`pipe_transport::registration::ABSENT`]
@@ -209,7 +223,11 @@ impl LauncherWord {
     /// The line that carries this word.
     fn line(&self) -> String {
         match self {
-            LauncherWord::Lost(rank, how) => format!("lost {rank} {how}"),
+            LauncherWord::Lost {
+                rank,
+                replaced,
+                how,
+            } => format!("{} {rank} {how}", if *replaced { "lost" } else { "gone" }),
             LauncherWord::Fail => "fail".into(),
             LauncherWord::Peers(addrs) => addrs.join(","),
             LauncherWord::Join(rank) => format!("join {rank}"),
@@ -220,9 +238,13 @@ impl LauncherWord {
     fn parse(line: &str) -> Option<Self> {
         let line = line.trim();
         let (first, rest) = line.split_once(' ').unwrap_or((line, ""));
-        if first == "lost" {
+        if first == "lost" || first == "gone" {
             let (rank, how) = rest.split_once(' ').unwrap_or((rest, ""));
-            return Some(LauncherWord::Lost(rank.parse().ok()?, how.to_string()));
+            return Some(LauncherWord::Lost {
+                rank: rank.parse().ok()?,
+                replaced: first == "lost",
+                how: how.to_string(),
+            });
         }
         if first == "join" {
             return Some(LauncherWord::Join(rest.parse().ok()?));
@@ -248,6 +270,7 @@ impl LaunchOptions {
             stop_at_first_drain: false,
             in_place: None,
             rejoin: false,
+            replacements: None,
         }
     }
 }
@@ -535,8 +558,12 @@ struct Mender {
     /// Replacements of the current loss that failed before they said where they listen.
     failed: u32,
     /// What starts a replacement: its arguments and where its lines go (none without
-    /// `--rejoin`).
+    /// `--rejoin` or `--max-restarts`).
     replacing: Option<(Vec<OsString>, Sender<Line>)>,
+    /// The restarts a replacement takes one of ([`LaunchOptions::replacements`]).
+    budget: Option<RestartPolicy>,
+    /// The current loss is replaced.
+    replace_this: bool,
     exe: PathBuf,
     dir: PathBuf,
 }
@@ -550,15 +577,15 @@ impl Mender {
     /// The replacement cannot be started.
     fn told(&mut self, workers: &mut Workers, relay: &mut Relay<'_>) -> Result<bool> {
         match (self.mend, &self.replacing) {
-            (Mend::Regrouping(r), Some((args, tx))) => {
+            (Mend::Regrouping(r), Some((args, tx))) if self.replace_this => {
                 if let Some(slot) = workers.0.get_mut(r as usize) {
                     *slot = spawn(&self.exe, args, &self.dir, r, tx)?;
                 }
                 relay.joining = Some((r, None));
                 self.mend = Mend::Starting(r);
             }
-            // No replacement (no `--rejoin`): the run stays short of it.
-            (Mend::Regrouping(_), None) => self.mend = Mend::Short,
+            // No replacement (no `--rejoin`, or none left): the run stays short of it.
+            (Mend::Regrouping(_), _) => self.mend = Mend::Short,
             (Mend::Joining(_), _) => {
                 (self.mend, self.failed) = (Mend::Whole, 0);
                 return Ok(true);
@@ -626,6 +653,57 @@ impl Mender {
     }
 }
 
+impl Mender {
+    /// The launcher's mender: it replaces lost workers when `opts` says so, starting `exe`
+    /// with the workers' `args` and `--replacing`, in `dir`, its lines to `tx`.
+    fn new(
+        opts: &LaunchOptions,
+        (exe, args): (&Path, &[OsString]),
+        dir: &Path,
+        tx: &Sender<Line>,
+    ) -> Self {
+        Mender {
+            mend: Mend::Whole,
+            failed: 0,
+            replacing: opts.rejoin.then(|| {
+                let mut args = args.to_vec();
+                args.push("--replacing".into());
+                (args, tx.clone())
+            }),
+            budget: opts.replacements.clone(),
+            replace_this: false,
+            exe: exe.to_path_buf(),
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// Whether the loss of worker `rank`, which the run goes on without in place, is
+    /// replaced: under `--rejoin` always, under `--max-restarts` while restarts are left (this
+    /// one takes one, and says so), else never.
+    fn replaces_next_loss(&mut self, rank: u32) -> bool {
+        self.replace_this = match (&self.replacing, &self.budget) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(_), Some(budget)) => {
+                let number = budget.take_restart();
+                let of = budget.max_restarts;
+                let _ = match number {
+                    Some(n) => writeln!(
+                        std::io::stderr(),
+                        "restart {n} of {of}: worker {rank} alone, live: its replacement takes its stage's state from a surviving replica"
+                    ),
+                    None => writeln!(
+                        std::io::stderr(),
+                        "warning: no restart left for worker {rank} (--max-restarts {of}): the run goes on without it"
+                    ),
+                };
+                number.is_some()
+            }
+        };
+        self.replace_this
+    }
+}
+
 impl Mend {
     /// The replacement's rank while it is not yet part of the run.
     fn pending(self) -> Option<u32> {
@@ -641,11 +719,19 @@ impl Mend {
 /// slots to fill, the lost rank's already marked absent.
 fn go_on_without(
     workers: &mut Workers,
-    rank: u32,
+    (rank, replaced): (u32, bool),
     status: ExitStatus,
     n: u32,
 ) -> Vec<Option<String>> {
-    workers.tell(&LauncherWord::Lost(rank, describe(status)).line());
+    let how = describe(status);
+    workers.tell(
+        &LauncherWord::Lost {
+            rank,
+            replaced,
+            how,
+        }
+        .line(),
+    );
     (0..n)
         .map(|r| (r == rank).then(|| pipe_transport::registration::ABSENT.into()))
         .collect()
@@ -924,17 +1010,7 @@ pub fn launch(
         workers.0.push(spawn(&exe, &args, &dir.0, rank, &tx)?);
     }
     // What starts a replacement, while the run may take one (`--rejoin`).
-    let mut mender = Mender {
-        mend: Mend::Whole,
-        failed: 0,
-        replacing: opts.rejoin.then(|| {
-            let mut args = args.clone();
-            args.push("--replacing".into());
-            (args, tx.clone())
-        }),
-        exe: exe.clone(),
-        dir: dir.0.clone(),
-    };
+    let mut mender = Mender::new(opts, (&exe, &args), &dir.0, &tx);
     drop(tx);
     let mut relay = Relay {
         on_record,
@@ -980,7 +1056,8 @@ pub fn launch(
             let first = lost_in_place.is_none() && first_exit.is_none() && relay.failure.is_none();
             if told && first && in_place && died(status) && mender.mend == Mend::Whole {
                 lost_in_place = Some((rank, status));
-                relay.listening = go_on_without(&mut workers, rank, status, n);
+                let replaced = mender.replaces_next_loss(rank);
+                relay.listening = go_on_without(&mut workers, (rank, replaced), status, n);
                 (told, start_by) = (false, Instant::now() + opts.connect_timeout);
                 mender.mend = Mend::Regrouping(rank);
                 continue;
@@ -1237,7 +1314,7 @@ impl LaunchedRemesh {
                         "worker {rank}: the launcher named no mesh {what}"
                     )));
                 }
-                Some(LauncherWord::Lost(..) | LauncherWord::Join(_)) => {}
+                Some(LauncherWord::Lost { .. } | LauncherWord::Join(_)) => {}
             }
         };
         if peers.len() != self.cluster.size() as usize {
@@ -1256,11 +1333,21 @@ impl LaunchedRemesh {
 }
 
 impl super::recover::Remesh for LaunchedRemesh {
-    fn lost(&mut self, within: Duration) -> Option<(u32, String)> {
+    fn lost(&mut self, within: Duration) -> Option<super::recover::LostPeer> {
         let deadline = Instant::now() + within;
         loop {
             match self.next_word(deadline)? {
-                LauncherWord::Lost(rank, how) => return Some((rank, how)),
+                LauncherWord::Lost {
+                    rank,
+                    replaced,
+                    how,
+                } => {
+                    return Some(super::recover::LostPeer {
+                        rank,
+                        replaced,
+                        how,
+                    });
+                }
                 LauncherWord::Fail => return None,
                 LauncherWord::Peers(_) | LauncherWord::Join(_) => {}
             }
@@ -1359,7 +1446,7 @@ fn launcher_line(
                     else {
                         continue;
                     };
-                    if let LauncherWord::Lost(rank, _) = &word {
+                    if let LauncherWord::Lost { rank, .. } = &word {
                         let held = interrupt.lock().ok().and_then(|i| i.clone());
                         if let Some(stop_calls) = held {
                             stop_calls.lost(*rank);
@@ -1396,7 +1483,16 @@ mod tests {
     #[test]
     fn launcher_words_read_back_and_malformed_ones_are_none() {
         for word in [
-            LauncherWord::Lost(3, "was killed by signal 9".into()),
+            LauncherWord::Lost {
+                rank: 3,
+                replaced: true,
+                how: "was killed by signal 9".into(),
+            },
+            LauncherWord::Lost {
+                rank: 5,
+                replaced: false,
+                how: "exited with status 101".into(),
+            },
             LauncherWord::Fail,
             LauncherWord::Peers(vec!["127.0.0.1:5".into(), "-".into()]),
             LauncherWord::Join(3),
@@ -1408,6 +1504,8 @@ mod tests {
             "lost x died",
             "lost -1 died",
             "lost 99999999999 died",
+            "gone",
+            "gone x died",
             "join",
             "join x",
             "join -1",

@@ -35,12 +35,24 @@ use super::run_plan::RunPlan;
 use super::survive::LayoutChange;
 use crate::error::{Result, StageError};
 
+/// The launcher's word of a peer the run goes on without in place.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LostPeer {
+    /// The lost worker's rank.
+    pub rank: u32,
+    /// A replacement is started for it (`--rejoin`, or `--max-restarts` with replacements
+    /// left): the survivors run one update at a time until it joins.
+    pub replaced: bool,
+    /// How it ended, in words.
+    pub how: String,
+}
+
 /// How a worker process reaches its launcher to go on after a lost peer.
 pub trait Remesh: Send {
     /// After this worker's part of a segment failed: the launcher's word, waited for at most
-    /// `within`: the rank lost and how it ended, or `None` when the run does not go on in
-    /// place (the launcher said so, or said nothing).
-    fn lost(&mut self, within: Duration) -> Option<(u32, String)>;
+    /// `within`: the rank lost, how it ended and whether it is replaced, or `None` when the
+    /// run does not go on in place (the launcher said so, or said nothing).
+    fn lost(&mut self, within: Duration) -> Option<LostPeer>;
 
     /// A new mesh of the run's ranks with `lost` absent, connected where the launcher says.
     ///

@@ -5,11 +5,18 @@
 //! gave (bad input: a restart would fail the same way) and after the `N`-th restart fails; it
 //! then names every cause, in order.
 //!
+//! Worker processes restart a lost replica of a replicated stage alone, live: its launcher
+//! starts a replacement that takes its stage's state from a surviving replica
+//! ([`super::processes`]). Each such replacement takes one of the same `N` restarts
+//! ([`RestartPolicy::take_restart`]).
+//!
 //! A restarted run loses the updates since the checkpoint it resumes from, and says how many;
 //! it trains on from there exactly as a run resumed by hand would (checkpoints resume bit for
 //! bit), so its final weights are those of an undisturbed run.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use pipe_transport::fault::{Fault, FaultPlan, FaultSchedule};
 
@@ -28,6 +35,29 @@ pub struct RestartPolicy {
     pub max_restarts: u32,
     /// The run's checkpoint directory, where the newest checkpoint is looked for.
     pub checkpoint_dir: Option<PathBuf>,
+    /// Restarts taken so far, of both kinds (shared by the clones a launcher holds).
+    pub used: Arc<AtomicU32>,
+}
+
+impl RestartPolicy {
+    /// Up to `max_restarts` restarts, the newest checkpoint looked for in `checkpoint_dir`.
+    pub fn new(max_restarts: u32, checkpoint_dir: Option<PathBuf>) -> Self {
+        RestartPolicy {
+            max_restarts,
+            checkpoint_dir,
+            used: Arc::default(),
+        }
+    }
+
+    /// Takes one of the run's restarts if one is left, and returns its number (from 1). Both
+    /// kinds take one: a start again of every worker, and a lost replica replaced live.
+    pub fn take_restart(&self) -> Option<u32> {
+        let next = |used: u32| (used < self.max_restarts).then_some(used + 1);
+        self.used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, next)
+            .ok()
+            .map(|used| used + 1)
+    }
 }
 
 /// A restart about to happen, as reported before it starts.
@@ -126,29 +156,42 @@ pub fn with_restarts<T>(
             return Err(err);
         }
         causes.push(err.to_string());
-        if causes.len() as u32 > policy.max_restarts {
-            let list: Vec<String> = causes
-                .iter()
-                .enumerate()
-                .map(|(i, c)| format!("({}) {c}", i + 1))
-                .collect();
-            return Err(StageError::Launch {
-                why: format!(
-                    "the run failed {} times, past --max-restarts {}: {}",
-                    causes.len(),
-                    policy.max_restarts,
-                    list.join("; ")
-                ),
-                bad_input: false,
-            });
-        }
+        let Some(number) = policy.take_restart() else {
+            return Err(past_restarts(policy, &causes));
+        };
         on_restart(&Restart {
-            number: causes.len() as u32,
+            number,
             of: policy.max_restarts,
             cause: &err,
             from: next,
             reached: reached(),
         });
+    }
+}
+
+/// The failure of a run whose restarts are spent: every counted cause, in order, and the
+/// restarts that replaced lost replicas live, if any did.
+fn past_restarts(policy: &RestartPolicy, causes: &[String]) -> StageError {
+    let list: Vec<String> = causes
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("({}) {c}", i + 1))
+        .collect();
+    let starts = causes.len().saturating_sub(1) as u32;
+    let replaced = policy.used.load(Ordering::SeqCst).saturating_sub(starts);
+    let replaced = match replaced {
+        0 => String::new(),
+        1 => " (1 restart replaced a lost replica live)".into(),
+        n => format!(" ({n} restarts replaced lost replicas live)"),
+    };
+    StageError::Launch {
+        why: format!(
+            "the run failed {} times, past --max-restarts {}{replaced}: {}",
+            causes.len(),
+            policy.max_restarts,
+            list.join("; ")
+        ),
+        bad_input: false,
     }
 }
 
@@ -222,10 +265,7 @@ mod tests {
 
     #[test]
     fn a_run_restarts_up_to_its_limit_then_names_every_cause() {
-        let policy = RestartPolicy {
-            max_restarts: 2,
-            checkpoint_dir: None,
-        };
+        let policy = RestartPolicy::new(2, None);
         let mut seen = Vec::new();
         let mut restarts = 0;
         let err = with_restarts(
@@ -254,11 +294,35 @@ mod tests {
     }
 
     #[test]
+    fn a_lost_replica_replaced_live_takes_one_of_the_same_restarts() {
+        let policy = RestartPolicy::new(2, None);
+        // The launcher's clone replaces a lost replica: restart 1 of 2.
+        assert_eq!(policy.clone().take_restart(), Some(1));
+        let mut numbers = Vec::new();
+        let err = with_restarts(
+            &policy,
+            None,
+            |_, _| -> Result<()> { Err(failure(false)) },
+            || None,
+            |r| numbers.push((r.number, r.of)),
+            |_, _| false,
+        )
+        .unwrap_err();
+        // One start again is left, then the run fails.
+        assert_eq!(numbers, vec![(2, 2)]);
+        let msg = err.to_string();
+        assert!(
+            msg.contains(
+                "failed 2 times, past --max-restarts 2 (1 restart replaced a lost replica live)"
+            ),
+            "{msg}"
+        );
+        assert_eq!(policy.take_restart(), None);
+    }
+
+    #[test]
     fn bad_input_and_success_end_the_loop_at_once() {
-        let policy = RestartPolicy {
-            max_restarts: 5,
-            checkpoint_dir: None,
-        };
+        let policy = RestartPolicy::new(5, None);
         let mut calls = 0;
         let err = with_restarts(
             &policy,

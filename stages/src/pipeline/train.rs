@@ -401,6 +401,14 @@ pub(crate) trait Coordinator {
         ))
     }
 
+    /// Whether a replacement comes for the replica this run is short of: a worker process's
+    /// launcher says so at the loss (`--max-restarts` replaces only as many as it allows);
+    /// threads take every one back under `--rejoin`. Without one, the run need not stop at
+    /// every update for it.
+    fn replacement_coming(&self) -> bool {
+        true
+    }
+
     /// On the chief of a run short of a lost replica (`--rejoin`), at the end of a segment:
     /// whether the replacement can join now. Threads can at once; a worker process's
     /// replacement once it has started and said where it listens.
@@ -567,7 +575,8 @@ pub(crate) fn run_segments(
         while end.done < first + epoch_len && end.stopped.is_none() {
             let done = end.done;
             let before = done - first;
-            let left = segment_cap(epoch_len - before, pace, layout.is_some() && start.rejoin);
+            let rejoining = layout.is_some() && start.rejoin && coord.replacement_coming();
+            let left = segment_cap(epoch_len - before, pace, rejoining);
             let (plan, this) =
                 run.segment_plan(start.every, done, left, start.partition, layout.as_ref())?;
             let at = Segment {

@@ -302,6 +302,7 @@ fn run_process<T: Transport>(
         index,
         settled,
         joining: None,
+        replacement_coming: true,
         origin,
         stop,
     };
@@ -348,6 +349,8 @@ struct Process<'a, T: Transport> {
     settled: Settled,
     /// The replacement of a lost replica that rejoins at this segment's end (its rank).
     joining: Option<u32>,
+    /// The launcher starts a replacement for the replica last lost in place.
+    replacement_coming: bool,
     origin: (std::time::SystemTime, Instant),
     /// Where this worker's program stood at the end of its last segment, for the hang doctor.
     stop: &'a mut Option<StopReport>,
@@ -400,9 +403,11 @@ impl<T: Transport> Process<'_, T> {
         let mut remesh = remesh.0.lock().map_err(|_| {
             StageError::Executor("the way to the launcher was left poisoned".into())
         })?;
-        let Some((lost, how)) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
+        let Some(word) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
             return Err(err);
         };
+        let (lost, how) = (word.rank, word.how);
+        self.replacement_coming = word.replaced;
         let Some(change) = LayoutChange::without(self.run.cfg, lost, how, at.done) else {
             return Err(err);
         };
@@ -588,6 +593,10 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             Some(e) if self.remesh.is_none() => Err(e),
             _ => Ok((weights, optimizer)),
         }
+    }
+
+    fn replacement_coming(&self) -> bool {
+        self.replacement_coming
     }
 
     fn rejoin_ready(&mut self) -> bool {

@@ -56,10 +56,7 @@ pub fn launch(
     } = run;
     let checkpoints = CheckpointPolicy::of_launch(settings, &cfg)?;
     let how = Relaunch {
-        restarts: RestartPolicy {
-            max_restarts: settings.max_restarts,
-            checkpoint_dir: settings.checkpoint_dir.clone(),
-        },
+        restarts: RestartPolicy::new(settings.max_restarts, settings.checkpoint_dir.clone()),
         first: resume.as_ref().map(|(dir, _)| dir.clone()),
         rejoin: settings.rejoin,
         replan_on_restart: settings.replan_on_restart,
@@ -69,7 +66,11 @@ pub fn launch(
         let workers = resolved.as_ref().map_or(1, |r| r.layout.workers());
         let mut options = LaunchOptions::new(workers);
         options.stop = Some(controls.stop);
-        options.rejoin = settings.rejoin;
+        // A lost replica is replaced live: every time under --rejoin, and under
+        // --max-restarts N as one of the run's N restarts (of that worker alone, its state
+        // from a surviving replica of its stage).
+        options.rejoin = settings.rejoin || settings.max_restarts > 0;
+        options.replacements = (!settings.rejoin).then(|| how.restarts.clone());
         // Each worker writes its part of the trace; they are merged once all have exited.
         let parts = settings.trace.as_ref().map(|t| t.with_extension("parts"));
         let mut launcher = Processes {
