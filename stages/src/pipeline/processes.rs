@@ -1324,11 +1324,67 @@ impl LaunchedRemesh {
                 self.cluster.size()
             )));
         }
-        let endpoint = bound.connect(&peers)?.endpoint;
+        let (words, held) = (&self.words, &mut self.held);
+        let joined = connect_watching((bound, peers), rank, words, held, CONNECT_AFTER_A_LOSS)?;
+        let endpoint = joined.endpoint;
         if let Ok(mut slot) = self.interrupt.lock() {
             *slot = endpoint.interrupter();
         }
         Ok(endpoint)
+    }
+}
+
+/// How long a connect may go on once the launcher said a worker of the mesh was lost
+/// ([`connect_watching`]).
+const CONNECT_AFTER_A_LOSS: Duration = Duration::from_secs(2);
+
+/// Connects `bound` to `peers` on a thread of its own while watching the launcher's `words`,
+/// which it keeps in `held` for the caller. A worker lost meanwhile (a replacement killed as
+/// it joins) gives the connect `grace` to finish: the lost worker may have connected before
+/// it died (the next segment then meets the loss), or not, and the connect would wait for it
+/// up to the connect timeout; it fails instead, and the run goes on from its last drain
+/// point. An abandoned connect ends by itself, and its endpoint is dropped.
+///
+/// # Errors
+/// The connect's own; a loss the connect did not finish within `grace` of.
+fn connect_watching(
+    (bound, peers): (kinds::Bound, Vec<String>),
+    rank: u32,
+    words: &crossbeam_channel::Receiver<LauncherWord>,
+    held: &mut std::collections::VecDeque<LauncherWord>,
+    grace: Duration,
+) -> Result<Joined> {
+    let (tx, joined) = crossbeam_channel::bounded(1);
+    std::thread::Builder::new()
+        .name("pipe-connect".into())
+        .spawn(move || {
+            let _ = tx.send(bound.connect(&peers));
+        })
+        .map_err(|e| failed(format!("starting a thread to connect: {e}")))?;
+    let ended = || failed("the thread connecting this worker ended".to_string());
+    let mut lost: Option<(u32, Instant)> = None;
+    loop {
+        let give_up = lost.map(|(_, at)| at + grace);
+        let timer = give_up.map_or_else(crossbeam_channel::never, crossbeam_channel::at);
+        crossbeam_channel::select! {
+            recv(joined) -> j => return Ok(j.map_err(|_| ended())??),
+            recv(words) -> word => match word {
+                Ok(word) => {
+                    if let LauncherWord::Lost { rank, .. } = &word {
+                        lost.get_or_insert((*rank, Instant::now()));
+                    }
+                    held.push_back(word);
+                }
+                // The launcher is gone: this process ends with its standard input.
+                Err(_) => return Ok(joined.recv().map_err(|_| ended())??),
+            },
+            recv(timer) -> _ => {
+                let gone = lost.map_or(0, |(r, _)| r);
+                return Err(failed(format!(
+                    "worker {rank}: worker {gone} was lost while the mesh connected, before it had connected"
+                )));
+            }
+        }
     }
 }
 
@@ -1470,6 +1526,63 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use pipe_transport::fault::Fault;
+
+    /// A bound endpoint whose connect waits for a peer that never comes (until `wait`).
+    struct Waiting(Duration);
+
+    impl pipe_transport::registration::BoundEndpoint for Waiting {
+        fn address(&self) -> std::result::Result<String, pipe_transport::TransportError> {
+            Ok("127.0.0.1:1".into())
+        }
+
+        fn needs_addresses(&self) -> bool {
+            true
+        }
+
+        fn connect(
+            self: Box<Self>,
+            _: &[String],
+        ) -> std::result::Result<Joined, pipe_transport::TransportError> {
+            std::thread::sleep(self.0);
+            Err(pipe_transport::TransportError::Setup(
+                "rank 3 did not connect".into(),
+            ))
+        }
+    }
+
+    #[test]
+    fn a_loss_named_while_a_mesh_connects_ends_the_wait_after_the_grace() {
+        let (tx, words) = crossbeam_channel::unbounded();
+        let mut held = std::collections::VecDeque::new();
+        let lost = LauncherWord::Lost {
+            rank: 3,
+            replaced: true,
+            how: "was killed by signal 9".into(),
+        };
+        tx.send(LauncherWord::Join(5)).unwrap();
+        tx.send(lost.clone()).unwrap();
+        let t = Instant::now();
+        let bound: kinds::Bound = Box::new(Waiting(Duration::from_secs(60)));
+        let grace = Duration::from_millis(200);
+        let err = connect_watching((bound, vec![]), 1, &words, &mut held, grace)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+        assert!(
+            err.contains("worker 1: worker 3 was lost while the mesh connected"),
+            "{err}"
+        );
+        // Every word read meanwhile is kept, in order, for the caller.
+        assert_eq!(held, [LauncherWord::Join(5), lost]);
+        // Without a loss the connect's own end is the answer.
+        let bound: kinds::Bound = Box::new(Waiting(Duration::from_millis(10)));
+        let err = connect_watching((bound, vec![]), 1, &words, &mut held, grace)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("rank 3 did not connect"), "{err}");
+    }
 
     fn a_run() -> RunConfig {
         let settings = crate::config::TrainSettings {
