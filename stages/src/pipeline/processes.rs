@@ -35,7 +35,6 @@ use pipe_transport::{Interrupter, TransportKind};
 use serde::{Deserialize, Serialize};
 
 use super::doctor::{StopReport, diagnose};
-use super::recover::LostPeer;
 use super::restart::RestartPolicy;
 use crate::checkpoint::CheckpointPolicy;
 use crate::config::RunConfig;
@@ -199,10 +198,17 @@ impl std::fmt::Debug for InPlace {
 /// What a launcher tells its workers on their standard input, besides the first address line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LauncherWord {
-    /// A worker was lost (its rank, how it ended): the others go on without it. A
+    /// The worker of this rank was lost (how it ended): the others go on without it. A
     /// replacement comes (`lost`) or none does (`gone`: the survivors need not stop at every
     /// update for one to join).
-    Lost(LostPeer),
+    Lost {
+        /// The lost worker's rank.
+        rank: u32,
+        /// A replacement is started for it.
+        replaced: bool,
+        /// How it ended, in words.
+        how: String,
+    },
     /// A worker failed and the run does not go on in place.
     Fail,
     /// Where every worker of the survivors' mesh listens ([`pipe_transport::registration::ABSENT`]
@@ -217,11 +223,11 @@ impl LauncherWord {
     /// The line that carries this word.
     fn line(&self) -> String {
         match self {
-            LauncherWord::Lost(LostPeer {
+            LauncherWord::Lost {
                 rank,
                 replaced,
                 how,
-            }) => format!("{} {rank} {how}", if *replaced { "lost" } else { "gone" }),
+            } => format!("{} {rank} {how}", if *replaced { "lost" } else { "gone" }),
             LauncherWord::Fail => "fail".into(),
             LauncherWord::Peers(addrs) => addrs.join(","),
             LauncherWord::Join(rank) => format!("join {rank}"),
@@ -234,11 +240,11 @@ impl LauncherWord {
         let (first, rest) = line.split_once(' ').unwrap_or((line, ""));
         if first == "lost" || first == "gone" {
             let (rank, how) = rest.split_once(' ').unwrap_or((rest, ""));
-            return Some(LauncherWord::Lost(LostPeer {
+            return Some(LauncherWord::Lost {
                 rank: rank.parse().ok()?,
                 replaced: first == "lost",
                 how: how.to_string(),
-            }));
+            });
         }
         if first == "join" {
             return Some(LauncherWord::Join(rest.parse().ok()?));
@@ -719,11 +725,11 @@ fn go_on_without(
 ) -> Vec<Option<String>> {
     let how = describe(status);
     workers.tell(
-        &LauncherWord::Lost(LostPeer {
+        &LauncherWord::Lost {
             rank,
             replaced,
             how,
-        })
+        }
         .line(),
     );
     (0..n)
@@ -1308,7 +1314,7 @@ impl LaunchedRemesh {
                         "worker {rank}: the launcher named no mesh {what}"
                     )));
                 }
-                Some(LauncherWord::Lost(_) | LauncherWord::Join(_)) => {}
+                Some(LauncherWord::Lost { .. } | LauncherWord::Join(_)) => {}
             }
         };
         if peers.len() != self.cluster.size() as usize {
@@ -1364,8 +1370,8 @@ fn connect_watching(
             recv(joined) -> j => return Ok(j.map_err(|_| ended())??),
             recv(words) -> word => match word {
                 Ok(word) => {
-                    if let LauncherWord::Lost(peer) = &word {
-                        lost.get_or_insert((peer.rank, Instant::now()));
+                    if let LauncherWord::Lost { rank, .. } = &word {
+                        lost.get_or_insert((*rank, Instant::now()));
                     }
                     held.push_back(word);
                 }
@@ -1383,11 +1389,21 @@ fn connect_watching(
 }
 
 impl super::recover::Remesh for LaunchedRemesh {
-    fn lost(&mut self, within: Duration) -> Option<LostPeer> {
+    fn lost(&mut self, within: Duration) -> Option<super::recover::LostPeer> {
         let deadline = Instant::now() + within;
         loop {
             match self.next_word(deadline)? {
-                LauncherWord::Lost(peer) => return Some(peer),
+                LauncherWord::Lost {
+                    rank,
+                    replaced,
+                    how,
+                } => {
+                    return Some(super::recover::LostPeer {
+                        rank,
+                        replaced,
+                        how,
+                    });
+                }
                 LauncherWord::Fail => return None,
                 LauncherWord::Peers(_) | LauncherWord::Join(_) => {}
             }
@@ -1486,10 +1502,10 @@ fn launcher_line(
                     else {
                         continue;
                     };
-                    if let LauncherWord::Lost(peer) = &word {
+                    if let LauncherWord::Lost { rank, .. } = &word {
                         let held = interrupt.lock().ok().and_then(|i| i.clone());
                         if let Some(stop_calls) = held {
-                            stop_calls.lost(peer.rank);
+                            stop_calls.lost(*rank);
                         }
                     }
                     let _ = words.send(word);
@@ -1538,11 +1554,11 @@ mod tests {
     fn a_loss_named_while_a_mesh_connects_ends_the_wait_after_the_grace() {
         let (tx, words) = crossbeam_channel::unbounded();
         let mut held = std::collections::VecDeque::new();
-        let lost = LauncherWord::Lost(LostPeer {
+        let lost = LauncherWord::Lost {
             rank: 3,
             replaced: true,
             how: "was killed by signal 9".into(),
-        });
+        };
         tx.send(LauncherWord::Join(5)).unwrap();
         tx.send(lost.clone()).unwrap();
         let t = Instant::now();
@@ -1580,16 +1596,16 @@ mod tests {
     #[test]
     fn launcher_words_read_back_and_malformed_ones_are_none() {
         for word in [
-            LauncherWord::Lost(LostPeer {
+            LauncherWord::Lost {
                 rank: 3,
                 replaced: true,
                 how: "was killed by signal 9".into(),
-            }),
-            LauncherWord::Lost(LostPeer {
+            },
+            LauncherWord::Lost {
                 rank: 5,
                 replaced: false,
                 how: "exited with status 101".into(),
-            }),
+            },
             LauncherWord::Fail,
             LauncherWord::Peers(vec!["127.0.0.1:5".into(), "-".into()]),
             LauncherWord::Join(3),
