@@ -230,6 +230,25 @@ pub const MTU_UPPER_BOUND: u16 = 32_000;
 /// The kernel refuses a larger batch, and every packet in it is lost.
 const GSO_BATCH_BYTES: usize = 65_000;
 
+/// The most bytes the kernel hands over as one received GRO list that a receive buffer has
+/// room for: 64 datagrams (the kernel's `UDP_GRO_CNT_MAX`) of an Ethernet MTU's 1,500
+/// bytes. A list never passes the kernel's GRO size limit, 64 KiB unless an administrator
+/// raises it, and on loopback a list is one of our own GSO sends, at most
+/// [`GSO_BATCH_BYTES`]; both fit.
+const RECEIVE_LIST_BYTES: usize = 64 * 1_500;
+
+/// How many datagrams of [`MTU_UPPER_BOUND`] bytes quinn makes room for in each of the 32
+/// buffers of one receive call: enough for [`RECEIVE_LIST_BYTES`]. quinn sizes every buffer
+/// for `gro` datagrams of the largest payload it may see (64 of 32,000 bytes with GRO on,
+/// 65.5 MB per endpoint, zeroed, resident once reused). A process that binds an endpoint for
+/// every mesh it joins (a survivor of each lost replica, twice per rejoin) allocated and freed
+/// that much each time, and the allocator's arena grew a step at every new place it landed
+/// (`docs/reliability.md`, "Live rejoin of worker processes"); 3 segments take 3 MB.
+fn receive_segments(gro: usize) -> usize {
+    gro.min(RECEIVE_LIST_BYTES.div_ceil(usize::from(MTU_UPPER_BOUND)))
+        .max(1)
+}
+
 /// A UDP socket that cuts quinn's GSO batches to what the kernel takes in one send. quinn
 /// batches up to 10 datagrams of the path's MTU: above 6,500 bytes that passes 64 KiB, so
 /// without the cut path MTU discovery lost its probes and fell back to 1,200 bytes. On links
@@ -349,7 +368,7 @@ impl quinn::AsyncUdpSocket for BatchBounded {
     }
 
     fn max_receive_segments(&self) -> usize {
-        self.inner.max_receive_segments()
+        receive_segments(self.inner.max_receive_segments())
     }
 
     fn may_fragment(&self) -> bool {
@@ -1687,6 +1706,19 @@ mod tests {
 
     use super::*;
     use std::sync::Mutex;
+
+    #[test]
+    fn a_receive_buffer_holds_the_largest_gro_list_and_no_more() {
+        let segments = receive_segments(64);
+        let per_buffer = segments * usize::from(MTU_UPPER_BOUND);
+        // Room for a default kernel's largest list (64 KiB, more than a loopback GSO send)...
+        const { assert!(GSO_BATCH_BYTES <= 65_536 && RECEIVE_LIST_BYTES >= 65_536) };
+        assert!(per_buffer >= RECEIVE_LIST_BYTES);
+        // ...in a twentieth of what 64 segments of the largest payload took.
+        assert!(segments * 20 <= 64);
+        // Without GRO one datagram per buffer, as quinn asks.
+        assert_eq!(receive_segments(1), 1);
+    }
 
     /// A socket that records each send's length and segment size, and fails the sends whose
     /// numbers are listed.
