@@ -123,16 +123,19 @@ fn protocol(why: String) -> StageError {
 }
 
 /// The step a run goes on from, given each worker's (latest, earliest) kept steps: the latest
-/// every stage passed where every worker still holds it, else 0 (the segment's start); never
-/// the segment's end (`len`), which the run would not fail at.
+/// every stage passed where every worker still holds it, else 0 (the segment's start). Never
+/// the segment's end (`len`): a peer lost in the exchange that ends a segment, after every
+/// survivor finished its program, costs the segment's last update, which the new layout runs
+/// again and ends the segment with its drain point, as any segment ends.
 pub fn settle(kept: &[(u64, u64)], len: u64) -> u64 {
-    let latest = kept.iter().map(|k| k.0).min().unwrap_or(0);
+    let latest = kept
+        .iter()
+        .map(|k| k.0)
+        .min()
+        .unwrap_or(0)
+        .min(len.saturating_sub(1));
     let earliest = kept.iter().map(|k| k.1).max().unwrap_or(0);
-    if latest >= len || latest < earliest {
-        0
-    } else {
-        latest
-    }
+    if latest < earliest { 0 } else { latest }
 }
 
 /// What a survivor needs to go on: the failed segment's plan and its place, the worker's
@@ -281,10 +284,13 @@ mod tests {
         // A worker that no longer holds step 5 sends the run back to the segment's start.
         assert_eq!(settle(&[(7, 6), (5, 1)], 20), 0);
         assert_eq!(settle(&[(0, 0), (5, 1)], 20), 0);
+        // Every worker finished the segment: its last update runs again, not the segment.
         assert_eq!(
             settle(&[(20, 18), (20, 17)], 20),
-            0,
+            19,
             "never the segment's end"
         );
+        assert_eq!(settle(&[(20, 20), (20, 17)], 20), 0, "19 no longer held");
+        assert_eq!(settle(&[(1, 1), (1, 1)], 1), 0);
     }
 }

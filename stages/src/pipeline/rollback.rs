@@ -174,10 +174,17 @@ pub struct RolledBack {
     pub outcomes: Vec<WorkerOutcome>,
 }
 
-/// The latest step of `plan`'s segment that every stage passed on a worker other than `lost`,
-/// with the states and figures there; `None` when it is the segment's start or some stage no
+/// The latest step of `plan`'s segment of `len` steps that every stage passed on a worker
+/// other than `lost`, before the segment's end (a replica lost after every stage finished
+/// costs the last update, as [`super::recover::settle`] settles it between processes), with
+/// the states and figures there; `None` when it is the segment's start or some stage no
 /// longer holds it (the segment then runs again from its start).
-pub fn roll_back(plan: &RunPlan, points: &[Arc<Mutex<Points>>], lost: u32) -> Option<RolledBack> {
+pub fn roll_back(
+    plan: &RunPlan,
+    points: &[Arc<Mutex<Points>>],
+    lost: u32,
+    len: u64,
+) -> Option<RolledBack> {
     let points: Vec<_> = points
         .iter()
         .map(|p| p.lock().ok())
@@ -193,7 +200,8 @@ pub fn roll_back(plan: &RunPlan, points: &[Arc<Mutex<Points>>], lost: u32) -> Op
     let steps = survivors
         .iter()
         .map(|&w| points[w as usize].latest())
-        .min()?;
+        .min()?
+        .min(len.saturating_sub(1));
     if steps == 0 {
         return None;
     }

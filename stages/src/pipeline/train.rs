@@ -221,7 +221,7 @@ impl Threads<'_> {
             survive::LayoutEvent::Lost { worker, .. } => Some(*worker),
             survive::LayoutEvent::Rejoined => None,
         };
-        let back = lost.and_then(|w| super::rollback::roll_back(plan, points, w));
+        let back = lost.and_then(|w| super::rollback::roll_back(plan, points, w, at.len));
         let Some(back) = back.filter(|b| b.steps < at.len) else {
             self.start = kept;
             return Ok(SegmentEnd::Relayout(change, None));
