@@ -217,6 +217,9 @@ pub enum LauncherWord {
     /// The replacement of the lost worker of this rank has started: the survivors take it
     /// back at the chief's next drain point (`--rejoin`).
     Join(u32),
+    /// No replacement comes for the lost worker of this rank after all (its replacements
+    /// failed before they joined): the survivors stop ending a segment at every update.
+    Unreplaced(u32),
 }
 
 impl LauncherWord {
@@ -231,6 +234,7 @@ impl LauncherWord {
             LauncherWord::Fail => "fail".into(),
             LauncherWord::Peers(addrs) => addrs.join(","),
             LauncherWord::Join(rank) => format!("join {rank}"),
+            LauncherWord::Unreplaced(rank) => format!("unreplaced {rank}"),
         }
     }
 
@@ -248,6 +252,9 @@ impl LauncherWord {
         }
         if first == "join" {
             return Some(LauncherWord::Join(rest.parse().ok()?));
+        }
+        if first == "unreplaced" {
+            return Some(LauncherWord::Unreplaced(rest.parse().ok()?));
         }
         match line {
             "fail" => Some(LauncherWord::Fail),
@@ -622,6 +629,7 @@ impl Mender {
             );
             relay.joining = None;
             self.mend = Mend::Short;
+            workers.tell_but(&LauncherWord::Unreplaced(rank).line(), Some(rank));
             return Ok(true);
         }
         let _ = writeln!(
@@ -1205,6 +1213,7 @@ pub fn join_launched(
     let remesh = LaunchedRemesh {
         words,
         held: std::collections::VecDeque::new(),
+        unreplaced: false,
         cluster: cluster.clone(),
         rank,
         opts,
@@ -1283,14 +1292,25 @@ pub struct LaunchedRemesh {
     opts: JoinOptions,
     /// Where the current mesh's [`Interrupter`] is kept for the launcher's word of a loss.
     interrupt: InterruptSlot,
+    /// The launcher said no replacement comes for the current loss
+    /// ([`LauncherWord::Unreplaced`]), and the chief has not yet asked.
+    unreplaced: bool,
 }
 
 impl LaunchedRemesh {
-    /// The launcher's next word, held ones first, waited for until `deadline`.
+    /// The launcher's next word, held ones first, waited for until `deadline`; a word that no
+    /// replacement comes is noted on the way, whatever the caller waits for.
     fn next_word(&mut self, deadline: Instant) -> Option<LauncherWord> {
-        self.held
-            .pop_front()
-            .or_else(|| self.words.recv_deadline(deadline).ok())
+        loop {
+            let word = self
+                .held
+                .pop_front()
+                .or_else(|| self.words.recv_deadline(deadline).ok())?;
+            match word {
+                LauncherWord::Unreplaced(_) => self.unreplaced = true,
+                word => return Some(word),
+            }
+        }
     }
 
     /// A new mesh of the run's ranks, `absent` marked so by the launcher: binds a new endpoint
@@ -1314,7 +1334,9 @@ impl LaunchedRemesh {
                         "worker {rank}: the launcher named no mesh {what}"
                     )));
                 }
-                Some(LauncherWord::Lost { .. } | LauncherWord::Join(_)) => {}
+                Some(
+                    LauncherWord::Lost { .. } | LauncherWord::Join(_) | LauncherWord::Unreplaced(_),
+                ) => {}
             }
         };
         if peers.len() != self.cluster.size() as usize {
@@ -1398,6 +1420,8 @@ impl super::recover::Remesh for LaunchedRemesh {
                     replaced,
                     how,
                 } => {
+                    // A new loss: whatever was said of the last one's replacement is past.
+                    self.unreplaced = false;
                     return Some(super::recover::LostPeer {
                         rank,
                         replaced,
@@ -1405,7 +1429,8 @@ impl super::recover::Remesh for LaunchedRemesh {
                     });
                 }
                 LauncherWord::Fail => return None,
-                LauncherWord::Peers(_) | LauncherWord::Join(_) => {}
+                // A replacement's word after a later loss concerns the earlier one.
+                LauncherWord::Peers(_) | LauncherWord::Join(_) | LauncherWord::Unreplaced(_) => {}
             }
         }
     }
@@ -1435,6 +1460,20 @@ impl super::recover::Remesh for LaunchedRemesh {
 
     fn connect_all(&mut self, joining: u32) -> Result<Box<dyn pipe_transport::Transport>> {
         self.connect_mesh(&format!("for worker {joining}'s replacement to join"))
+    }
+
+    fn unreplaced(&mut self) -> bool {
+        let before = self.held.len();
+        self.held
+            .retain(|w| !matches!(w, LauncherWord::Unreplaced(_)));
+        self.unreplaced |= self.held.len() < before;
+        while let Ok(word) = self.words.try_recv() {
+            match word {
+                LauncherWord::Unreplaced(_) => self.unreplaced = true,
+                other => self.held.push_back(other),
+            }
+        }
+        std::mem::take(&mut self.unreplaced)
     }
 }
 
@@ -1609,6 +1648,7 @@ mod tests {
             LauncherWord::Fail,
             LauncherWord::Peers(vec!["127.0.0.1:5".into(), "-".into()]),
             LauncherWord::Join(3),
+            LauncherWord::Unreplaced(3),
         ] {
             assert_eq!(LauncherWord::parse(&word.line()), Some(word));
         }
@@ -1621,6 +1661,8 @@ mod tests {
             "gone x died",
             "join",
             "join x",
+            "unreplaced",
+            "unreplaced -3",
             "join -1",
             "join 3 4",
             "join 99999999999",

@@ -71,6 +71,11 @@ pub trait Remesh: Send {
     /// # Errors
     /// As [`Remesh::connect_without`].
     fn connect_all(&mut self, joining: u32) -> Result<Box<dyn Transport>>;
+
+    /// Whether the launcher has said that no replacement comes for the replica the run is
+    /// short of after all (its replacements kept failing before they joined); never waits.
+    /// The chief asks at the end of each segment the run waits for one.
+    fn unreplaced(&mut self) -> bool;
 }
 
 /// A [`Remesh`] a worker's options can carry.

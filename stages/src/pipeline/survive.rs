@@ -52,6 +52,10 @@ pub enum LayoutEvent {
     /// Replacement workers took back the places of the replicas lost before (`--rejoin`):
     /// the run is on its own layout again.
     Rejoined,
+    /// No replacement comes for the replicas the run is short of after all (under `--rejoin`,
+    /// the launcher's replacements kept failing before they joined): the layout stays, and
+    /// the run no longer drains at every update waiting for one.
+    Unreplaced,
 }
 
 /// What a lost replica cost: the work the run does again.
@@ -104,6 +108,11 @@ impl std::fmt::Display for LayoutChange {
                 f,
                 "the lost replicas rejoin: the run goes on with replicas {:?} and {} microbatches per update, from update {}",
                 self.replicas, self.microbatches, self.from
+            ),
+            LayoutEvent::Unreplaced => write!(
+                f,
+                "no replacement comes for the lost replicas: the run goes on with replicas {:?} to its end, from update {} without draining at every update",
+                self.replicas, self.from
             ),
         }
     }
@@ -228,6 +237,17 @@ impl LayoutChange {
             from,
             redone: Redone::Segment,
         })
+    }
+
+    /// This layout kept from update `from` on with no replacement coming
+    /// ([`LayoutEvent::Unreplaced`]).
+    pub(super) fn unreplaced(&self, from: u64) -> Self {
+        LayoutChange {
+            event: LayoutEvent::Unreplaced,
+            from,
+            redone: Redone::Segment,
+            ..self.clone()
+        }
     }
 
     /// This change made at step `steps` of the segment it was met in, after a rollback

@@ -219,7 +219,7 @@ impl Threads<'_> {
         self.states.clear();
         let lost = match &change.event {
             survive::LayoutEvent::Lost { worker, .. } => Some(*worker),
-            survive::LayoutEvent::Rejoined => None,
+            survive::LayoutEvent::Rejoined | survive::LayoutEvent::Unreplaced => None,
         };
         let back = lost.and_then(|w| super::rollback::roll_back(plan, points, w, at.len));
         let Some(back) = back.filter(|b| b.steps < at.len) else {
@@ -547,6 +547,33 @@ fn segment_cap(left: u64, pace: Option<Pace>, short_rejoining: bool) -> u64 {
     if short_rejoining { cap.min(1) } else { cap }
 }
 
+/// Whether the segment starting at update `done` waits for a replacement (and so runs one
+/// update): the run is short of a replica (`layout`) under `--rejoin`, and one is `coming`.
+/// When none comes after all, says so once and keeps the layout as
+/// [`survive::LayoutEvent::Unreplaced`], from which segments take their usual length again.
+///
+/// # Errors
+/// The observer's.
+fn waits_for_replacement(
+    layout: &mut Option<LayoutChange>,
+    (rejoin, coming): (bool, bool),
+    done: u64,
+    obs: &mut dyn Observer,
+) -> Result<bool> {
+    let Some(change) = layout.as_ref().filter(|_| rejoin) else {
+        return Ok(false);
+    };
+    if coming {
+        return Ok(true);
+    }
+    if matches!(change.event, survive::LayoutEvent::Lost { .. }) {
+        let kept = change.unreplaced(done);
+        obs.on_layout_change(&kept)?;
+        *layout = Some(kept);
+    }
+    Ok(false)
+}
+
 /// Runs the segments of `run` from `start` through `coord`, reporting to `obs`.
 ///
 /// # Errors
@@ -575,7 +602,8 @@ pub(crate) fn run_segments(
         while end.done < first + epoch_len && end.stopped.is_none() {
             let done = end.done;
             let before = done - first;
-            let rejoining = layout.is_some() && start.rejoin && coord.replacement_coming();
+            let waits = (start.rejoin, coord.replacement_coming());
+            let rejoining = waits_for_replacement(&mut layout, waits, done, obs)?;
             let left = segment_cap(epoch_len - before, pace, rejoining);
             let (plan, this) =
                 run.segment_plan(start.every, done, left, start.partition, layout.as_ref())?;
@@ -710,10 +738,15 @@ pub fn train_reference_with(
         let mut left = ((epoch * run.per_epoch).min(run.total))
             .min(next_change.map_or(u64::MAX, |c| c.from))
             - done;
-        // Short of a replica that rejoins later, the run drains at every update.
-        if layout.is_some()
-            && next_change.is_some_and(|c| c.event == survive::LayoutEvent::Rejoined)
-        {
+        // Short of a replica that rejoins later (or that it waits for until none comes), the
+        // run drains at every update.
+        let waited = |c: &LayoutChange| {
+            matches!(
+                c.event,
+                survive::LayoutEvent::Rejoined | survive::LayoutEvent::Unreplaced
+            )
+        };
+        if layout.is_some() && next_change.is_some_and(waited) {
             left = left.min(1);
         }
         let (plan, this) = run.segment_plan(None, done, left, &partition, layout)?;

@@ -148,22 +148,37 @@ pub fn train_worker<T: Transport>(
     result
 }
 
-/// The chief's word at the end of a segment ([`Drain`]) as it travels: what it wants from
-/// every worker (weights, optimizer state), whether the run stops and whether a lost replica
-/// rejoins, one byte each, then the rank of the replacement that rejoins (little-endian).
-fn drain_bytes(d: Drain, joining: Option<u32>) -> [u8; 8] {
-    let flags = [d.weights, d.optimizer, d.stop, d.rejoin].map(u8::from);
-    let rank = joining.filter(|_| d.rejoin).unwrap_or(0).to_le_bytes();
-    let mut b = [0u8; 8];
-    b[..4].copy_from_slice(&flags);
-    b[4..].copy_from_slice(&rank);
+/// The chief's word to every follower at the end of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ChiefWord {
+    /// What it wants from every worker, and whether the run stops or a lost replica rejoins.
+    drain: Drain,
+    /// The replacement that rejoins (with `drain.rejoin`).
+    joining: Option<u32>,
+    /// No replacement comes for the replica the run is short of after all: from the next
+    /// segment on, segments take their usual length instead of one update.
+    unreplaced: bool,
+}
+
+/// [`ChiefWord`] as it travels: what the chief wants from every worker (weights, optimizer
+/// state), whether the run stops, whether a lost replica rejoins and whether none comes, one
+/// byte each, then the rank of the replacement that rejoins (little-endian).
+fn drain_bytes(word: ChiefWord) -> [u8; 9] {
+    let d = word.drain;
+    let flags = [d.weights, d.optimizer, d.stop, d.rejoin, word.unreplaced].map(u8::from);
+    let rank = word.joining.filter(|_| d.rejoin).unwrap_or(0).to_le_bytes();
+    let mut b = [0u8; 9];
+    b[..5].copy_from_slice(&flags);
+    b[5..].copy_from_slice(&rank);
     b
 }
 
-/// [`drain_bytes`] read back: the request, and the replacement's rank when one rejoins.
-fn parse_drain(b: &[u8]) -> Result<(Drain, Option<u32>)> {
+/// [`drain_bytes`] read back.
+fn parse_drain(b: &[u8]) -> Result<ChiefWord> {
     match b {
-        [w, o, s, r, rank @ ..] if rank.len() == 4 && [w, o, s, r].iter().all(|&&x| x <= 1) => {
+        [w, o, s, r, u, rank @ ..]
+            if rank.len() == 4 && [w, o, s, r, u].iter().all(|&&x| x <= 1) =>
+        {
             let mut word = [0u8; 4];
             word.copy_from_slice(rank);
             let drain = Drain {
@@ -172,7 +187,11 @@ fn parse_drain(b: &[u8]) -> Result<(Drain, Option<u32>)> {
                 stop: *s == 1,
                 rejoin: *r == 1,
             };
-            Ok((drain, drain.rejoin.then_some(u32::from_le_bytes(word))))
+            Ok(ChiefWord {
+                drain,
+                joining: drain.rejoin.then_some(u32::from_le_bytes(word)),
+                unreplaced: *u == 1,
+            })
         }
         _ => Err(protocol(format!(
             "a malformed request from the chief: {b:?}"
@@ -199,24 +218,24 @@ pub fn check_cluster_size(cfg: &RunConfig, size: u32) -> Result<pipe_scheduler::
 }
 
 /// A worker other than the chief at the end of segment `index`: sends its summary, waits for
-/// the chief's request and sends the weights and optimizer state it asks for. Returns whether
-/// the chief asked the run to stop.
+/// the chief's request and sends the weights and optimizer state it asks for. Returns the
+/// chief's word.
 fn report_to_chief<T: Transport + ?Sized>(
     ep: &mut T,
     outcome: &WorkerOutcome,
     (plan, mine): (&RunPlan, &WorkerState),
     index: u32,
-) -> Result<(bool, Option<u32>)> {
+) -> Result<ChiefWord> {
     let rank = ep.rank();
     ep.send(Message::from_bytes(
         control(rank, CHIEF, TOPIC_SUMMARY, index, 0),
         &encode_summary(outcome),
     ))?;
     let req = ep.recv(&control(CHIEF, rank, TOPIC_GO, index, GO_REQUEST))?;
-    let (req, joining) = parse_drain(&req.into_bytes()?)?;
-    send_state(ep, (plan, mine), index, &req)?;
+    let word = parse_drain(&req.into_bytes()?)?;
+    send_state(ep, (plan, mine), index, &word.drain)?;
     ep.recv(&control(CHIEF, rank, TOPIC_GO, index, GO_ON))?;
-    Ok((req.stop, joining))
+    Ok(word)
 }
 
 /// Steps of [`TOPIC_GO`]: the chief's request at the end of a segment, and its word, once
@@ -486,9 +505,12 @@ impl<T: Transport> Process<'_, T> {
         let ep = current(&mut *self.ep, &mut self.renewed);
         if ep.rank() != CHIEF {
             losses.poll(ep, rx, obs)?;
-            let (stop, joining) = report_to_chief(ep, &outcome, (plan, mine(&self.state)?), index)?;
-            self.joining = joining;
-            let rejoin = joining.is_some();
+            let word = report_to_chief(ep, &outcome, (plan, mine(&self.state)?), index)?;
+            self.joining = word.joining;
+            if word.unreplaced {
+                self.replacement_coming = false;
+            }
+            let (stop, rejoin) = (word.drain.stop, word.joining.is_some());
             return Ok(SegmentEnd::Follower { stop, rejoin });
         }
         let outcomes = gather_summaries(ep, outcome, index)?;
@@ -559,7 +581,22 @@ impl<T: Transport> Coordinator for Process<'_, T> {
     fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
         let index = self.index;
         let ep = current(&mut *self.ep, &mut self.renewed);
-        let missed = tell_followers(ep, index, GO_REQUEST, &drain_bytes(drain, self.joining));
+        // The launcher gave up replacing the replica the run is short of: every worker's next
+        // segment takes its usual length, this one's word saying so.
+        let unreplaced = self.joining.is_none()
+            && self
+                .remesh
+                .as_ref()
+                .is_some_and(|h| h.0.lock().is_ok_and(|mut r| r.unreplaced()));
+        if unreplaced {
+            self.replacement_coming = false;
+        }
+        let word = ChiefWord {
+            drain,
+            joining: self.joining,
+            unreplaced,
+        };
+        let missed = tell_followers(ep, index, GO_REQUEST, &drain_bytes(word));
         let init = &self
             .start
             .as_ref()
@@ -1482,28 +1519,37 @@ mod tests {
             stop: false,
             rejoin: true,
         };
-        assert_eq!(
-            parse_drain(&drain_bytes(rejoin, Some(5))).unwrap(),
-            (rejoin, Some(5))
-        );
+        let word = ChiefWord {
+            drain: rejoin,
+            joining: Some(5),
+            unreplaced: false,
+        };
+        assert_eq!(parse_drain(&drain_bytes(word)).unwrap(), word);
         let plain = Drain {
             rejoin: false,
             ..rejoin
         };
         // No rank travels without a rejoin.
+        let word = ChiefWord {
+            drain: plain,
+            unreplaced: true,
+            ..word
+        };
+        let back = parse_drain(&drain_bytes(word)).unwrap();
         assert_eq!(
-            parse_drain(&drain_bytes(plain, Some(5))).unwrap(),
-            (plain, None)
+            (back.drain, back.joining, back.unreplaced),
+            (plain, None, true)
         );
         for bad in [
             &[][..],
             &[1, 0, 0],
-            &[1, 0, 0, 0, 0, 0, 0],
-            &[2, 0, 0, 0, 0, 0, 0, 0],
+            &[1, 0, 0, 0, 0, 0, 0, 0],
+            &[0, 0, 0, 0, 2, 0, 0, 0, 0],
+            &[2, 0, 0, 0, 0, 0, 0, 0, 0],
         ] {
             assert!(parse_drain(bad).is_err(), "{bad:?}");
         }
-        assert!(parse_drain(&[0; 9]).is_err());
+        assert!(parse_drain(&[0; 10]).is_err());
     }
 
     #[test]
