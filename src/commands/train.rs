@@ -100,8 +100,10 @@ impl RelaunchEvents for Printed {
                 workers,
                 samples_per_s,
             }) => eprintln!(
-                "planned again for {workers} workers: partition {}, replicas {:?}, {} microbatches per update, predicted {samples_per_s:.0} samples/s",
-                cfg.partition, cfg.replicas, cfg.microbatches
+                "planned again for {workers} workers: partition {}, replicas {:?}, {} per update, predicted {samples_per_s:.0} samples/s",
+                cfg.partition,
+                cfg.replicas,
+                pipe_stages::pipeline::survive::microbatches(cfg.microbatches as u64)
             ),
             Some(Replanned::Kept { workers, why }) => eprintln!(
                 "not planned again for {workers} workers ({why}); the run restarts on its layout as it was"

@@ -95,9 +95,9 @@ impl std::fmt::Display for LayoutChange {
                 cause,
             } => write!(
                 f,
-                "worker {worker} (stage {stage}) lost: {cause}; the run goes on with replicas {:?} and {} microbatches per update, from update {} ({})",
+                "worker {worker} (stage {stage}) lost: {cause}; the run goes on with replicas {:?} and {} per update, from update {} ({})",
                 self.replicas,
-                self.microbatches,
+                microbatches(u64::from(self.microbatches)),
                 self.from,
                 match self.redone {
                     Redone::Segment => "the segment runs again",
@@ -106,8 +106,10 @@ impl std::fmt::Display for LayoutChange {
             ),
             LayoutEvent::Rejoined => write!(
                 f,
-                "the lost replicas rejoin: the run goes on with replicas {:?} and {} microbatches per update, from update {}",
-                self.replicas, self.microbatches, self.from
+                "the lost replicas rejoin: the run goes on with replicas {:?} and {} per update, from update {}",
+                self.replicas,
+                microbatches(u64::from(self.microbatches)),
+                self.from
             ),
             LayoutEvent::Unreplaced => write!(
                 f,
@@ -115,6 +117,15 @@ impl std::fmt::Display for LayoutChange {
                 self.replicas, self.from
             ),
         }
+    }
+}
+
+/// `n` microbatches, in words ("1 microbatch", "4 microbatches").
+pub fn microbatches(n: u64) -> String {
+    if n == 1 {
+        "1 microbatch".into()
+    } else {
+        format!("{n} microbatches")
     }
 }
 
