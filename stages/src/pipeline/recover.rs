@@ -155,7 +155,7 @@ pub struct Failed<'p> {
     /// This worker's number in the failed segment's layout.
     pub worker: u32,
     /// This worker's state at the segment's start (none: it finished the segment, so holds
-    /// its end instead).
+    /// its end instead, and its rollback points hold the start as step 0).
     pub start: Option<&'p WorkerState>,
     /// Its rollback points.
     pub points: &'p Mutex<Points>,
@@ -221,11 +221,7 @@ pub fn go_on(
             keeper: None,
             ..start.clone()
         },
-        (0, None) => {
-            return Err(protocol(format!(
-                "worker {me} finished the segment and no longer holds its start"
-            )));
-        }
+        // A worker done with its program kept its start as step 0.
         _ => WorkerState {
             worker: id,
             stages: vec![
