@@ -679,54 +679,6 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     }
 }
 
-/// A replica killed in a run whose every segment is one update (a checkpoint at every update,
-/// as a model whose update outlasts a paced segment runs), over shared memory: a survivor
-/// that finished the segment's program kept its start as a rollback point, so the survivors go
-/// on in place from the segment's start however the kill falls, and the run ends with the
-/// undisturbed run's checkpoint there resumed by hand on [2, 1].
-#[test]
-fn a_killed_replica_is_survived_in_place_in_segments_of_one_update() {
-    if skipped_without_proc() {
-        return;
-    }
-    let _one = serial();
-    let d = fresh_dir("replica-lost-short-segments");
-    let config = small_config(&d, 10_000);
-    let base = [
-        "--steps",
-        "200",
-        "--stages",
-        "2",
-        "--checkpoint-every",
-        "1",
-        "--keep-checkpoints",
-        "300",
-        "--transport",
-        "shm",
-    ];
-    let base = [&base[..], &IN_PLACE[..]].concat();
-    let flags = |ck: &std::path::Path, replicas: &str| -> Command {
-        let mut cmd = train(&config, ck, &base);
-        cmd.args(["--replicas", replicas]);
-        cmd
-    };
-    let ck = d.join("ck");
-    let launcher = spawn_piped(&mut flags(&ck, "2"));
-    wait_for(&ck.join("ckpt-00000050"));
-    signal(&children_of(launcher.id()), 3, "-9");
-    let text = ok(&launcher.wait_with_output().unwrap());
-    let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
-    assert!(from >= 50, "{line}");
-    assert!(done(&text).starts_with("done: 200 steps"), "{text}");
-    assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
-    let calm_flags = [&base[..], &["--replicas", "2"]].concat();
-    let at = calm_checkpoint(&config, &d.join("calm"), &calm_flags, from);
-    let resumed = ok(&run(
-        flags(&d.join("resumed"), "2,1").args(["--resume", at.to_str().unwrap()])
-    ));
-    assert_eq!(done(&text), done(&resumed));
-}
-
 /// Starts `pipe train --config CONFIG` with `flags` as worker processes, waits for its first
 /// epoch line (so that the launcher holds a drained state), kills rank `rank` with SIGKILL,
 /// and returns the launcher's output to the end.

@@ -155,7 +155,7 @@ pub struct Failed<'p> {
     /// This worker's number in the failed segment's layout.
     pub worker: u32,
     /// This worker's state at the segment's start (none: it finished the segment, so holds
-    /// its end instead, and its rollback points hold the start as step 0).
+    /// its end instead).
     pub start: Option<&'p WorkerState>,
     /// Its rollback points.
     pub points: &'p Mutex<Points>,
@@ -221,7 +221,11 @@ pub fn go_on(
             keeper: None,
             ..start.clone()
         },
-        // A worker done with its program kept its start as step 0.
+        (0, None) => {
+            return Err(protocol(format!(
+                "worker {me} finished the segment and no longer holds its start"
+            )));
+        }
         _ => WorkerState {
             worker: id,
             stages: vec![

@@ -449,30 +449,6 @@ impl<T: Transport> Process<'_, T> {
     }
 }
 
-/// Keeps `st`'s stage state at the start of a segment of `len` updates of `plan` as its step
-/// 0, where the segment keeps rollback points and is short: a worker that finished its
-/// program holds its end, and a loss that sends the run back to the start finds it there
-/// instead of starting every worker again. Only a segment no longer than the rollback points
-/// kept can need it (its fastest stage may finish before its slowest passed a step: the
-/// one-update segments of a model whose update outlasts a paced segment, a checkpoint at
-/// every update); a longer one goes back to a later step, and pays no copy.
-///
-/// # Errors
-/// A device that fails the copy to host memory.
-fn keep_start(
-    be: &dyn pipe_kernels::Backend,
-    st: &WorkerState,
-    (plan, len): (&RunPlan, u64),
-) -> Result<()> {
-    let short = len <= super::rollback::points_kept(plan.schedule.stages()) as u64;
-    let (Some(keeper), [stage], true) = (&st.keeper, st.stages.as_slice(), short) else {
-        return Ok(());
-    };
-    let mut keeper = keeper.lock().map_err(|_| super::rollback::poisoned())?;
-    let state = (stage.stage, &stage.params, &stage.opt);
-    keeper.keep(0, state, be, &mut WorkerOutcome::default())
-}
-
 /// The figures over the steps of a failed segment that stand, once its survivors have gone
 /// on in place ([`super::recover`]): the chief gathers every survivor's, in the old layout's
 /// numbering of `old_workers` (the lost one counting none); the others send theirs and get an
@@ -580,7 +556,6 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             st.keeper = points
                 .get(rank as usize)
                 .map(|p| p.clone() as super::exec::SharedKeeper);
-            keep_start(&**be, st, (plan, at.len))?;
             run_worker_with(be, ep, setup, st, t, &mut |ep| losses.poll(ep, &rx, obs))
         });
         if let Some(st) = &self.state {
