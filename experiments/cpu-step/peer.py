@@ -5,7 +5,9 @@ Trains transformers' GPT2LMHeadModel at pipe's GPT-2 shape with the step pipe ta
 pipe), AdamW (lr 2e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.1 on every parameter, as pipe's
 side is told with `--weight-decay-groups all`), f32, dropout off. `--compile` runs the model under torch.compile.
 Windows are read in order from a token file written by run.sh (uint16 ids). Prints one line:
-tokens/s over the timed steps.
+tokens/s over the timed steps. With `--profile`, the timed steps run under torch.profiler and a
+table follows: self CPU time per step by kernel class, the classes `pipe bench mfu
+--breakdown` uses (experiments/cpu-step/profile.sh puts the two side by side).
 """
 
 import argparse
@@ -29,6 +31,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print the kernel-class split")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -56,12 +59,57 @@ def main():
 
     for k in range(a.warmup):
         step(k)
+    prof = None
+    if a.profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
     start = time.perf_counter()
     for k in range(a.warmup, a.warmup + a.steps):
         step(k)
     took = time.perf_counter() - start
+    if prof is not None:
+        prof.__exit__(None, None, None)
     params = sum(q.numel() for q in model.parameters())
     print(f"{a.steps * a.batch * t / took:.0f} tokens/s ({params} parameters)")
+    if prof is not None:
+        print_split(prof, a.steps, took)
+
+
+# Kernel classes by ATen operator name, first match wins (self time, so a composite operator
+# counts only what it does itself).
+CLASSES = [
+    ("attention", ("attention", "sdpa", "bmm", "baddbmm", "masked_fill", "where")),
+    ("matrix products", ("mm", "addmm", "matmul", "linear")),
+    ("LayerNorm", ("layer_norm",)),
+    ("GELU", ("gelu", "tanh", "pow")),
+    ("softmax and cross-entropy", ("softmax", "nll_loss", "cross_entropy")),
+    ("optimizer and clipping", ("adam", "_foreach", "norm", "clip", "lerp", "addcdiv", "sqrt")),
+    ("copies and allocation", ("copy_", "clone", "contiguous", "empty", "zero", "fill_", "cat",
+                               "stack", "to", "view", "reshape", "transpose", "permute",
+                               "expand", "slice", "select", "index", "embedding", "_to_copy")),
+]
+
+
+def kernel_class(name):
+    op = name.split("::")[-1].lower()
+    for cls, keys in CLASSES:
+        if any(op == k or op.startswith(k + "_") or op.startswith("_" + k) or k in op
+               for k in keys):
+            return cls
+    return "other (elementwise, autograd, compiled kernels)"
+
+
+def print_split(prof, steps, took):
+    by_class = {}
+    for e in prof.key_averages():
+        if e.self_cpu_time_total <= 0:
+            continue
+        cls = kernel_class(e.key)
+        by_class[cls] = by_class.get(cls, 0.0) + e.self_cpu_time_total / 1e3 / steps
+    total = sum(by_class.values())
+    print(f"by kernel class (self CPU time, ms per step; wall {took / steps * 1e3:.0f} ms):")
+    for cls, ms in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        print(f"  {cls:<48} {ms:9.1f} ms {100 * ms / total:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ the timed ones.
 Prints one JSON object per case on stdout: step_s_median, samples_per_s, tokens_per_s,
 peak_memory_bytes (torch.cuda.max_memory_allocated over the case), parameters. `--dry-run`
 builds every case on the CPU with tiny sizes (gpt2-small: 2 blocks of width 64, 16 positions),
-so the script can be checked on a machine without a GPU.
+so the script can be checked on a machine without a GPU. `--device cpu --threads N` runs the
+full sizes on the CPU (experiments/cpu-step/mlp.sh).
 """
 import argparse
 import json
@@ -212,6 +213,9 @@ def main():
     p.add_argument("--case", action="append",
                    help="MODEL:BATCH:PRECISION[:compile] (repeatable); default: the table of "
                         "docs/gpu.md")
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   help="where to run (default cuda; cpu with --dry-run)")
+    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--vocab", type=int, default=GPT2_VOCAB,
                    help="gpt2-small's vocabulary (default GPT-2's 50,257)")
     a = p.parse_args()
@@ -220,7 +224,9 @@ def main():
         "mlp-784-1024x16-10:4096:tf32", "mlp-784-1024x16-10:4096:bf16",
         "gpt-mini:8:f32", "gpt-mini:64:f32", "gpt-mini:64:bf16",
     ]
-    device = torch.device("cpu" if a.dry_run else "cuda")
+    device = torch.device(a.device or ("cpu" if a.dry_run else "cuda"))
+    if a.threads:
+        torch.set_num_threads(a.threads)
     steps, warmup = (1, 0) if a.dry_run else (a.steps, a.warmup)
     for c in cases:
         fields = c.split(":")

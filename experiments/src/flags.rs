@@ -508,10 +508,15 @@ impl CostFlags {
 /// `pipe bench mfu`: single-worker throughput and model FLOP utilisation.
 #[derive(clap::Args, Debug)]
 pub struct MfuArgs {
-    /// Model preset.
+    /// Model preset: an MLP (`mlp-784-1024x16-10`), a `gpt-*` preset, or `gpt2` / a `gpt2-*`
+    /// preset, whose shape the `--n-*` flags set (at GPT-2's vocabulary unless
+    /// `--vocab-size` says otherwise).
     #[arg(long, default_value = "mlp-784-1024x16-10")]
     pub model: String,
-    /// Samples per step.
+    /// A gpt2 model's shape over its preset's.
+    #[command(flatten)]
+    pub gpt2: pipe_stages::transformer::Gpt2Shape,
+    /// Samples per step (windows, for a language model).
     #[arg(long, default_value_t = 256)]
     pub batch: usize,
     /// Compute threads.
@@ -558,13 +563,15 @@ impl MfuArgs {
         }
         check_counts(&[("--steps", self.steps as u64)])?;
         check_threads(self.threads as u64, &Machine::detect())?;
-        check_model_batch(&self.model, self.batch)?;
+        let spec = crate::mfu::measured_spec(&self.model, &self.gpt2)?;
+        pipe_stages::model::Model::new(&spec)?.check_microbatch(self.batch)?;
         let backend = self
             .backend
             .with_precision(self.precision)
             .map_err(ExperimentError::Config)?;
         Ok(crate::mfu::MfuConfig {
             model: self.model.clone(),
+            gpt2: self.gpt2.clone(),
             batch: self.batch,
             threads: self.threads,
             steps: self.steps,

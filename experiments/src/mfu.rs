@@ -20,6 +20,7 @@ use pipe_stages::model::{Model, ModelSpec, Params, place_params};
 use pipe_stages::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use pipe_stages::profile::random_input;
 use pipe_stages::train::{StepState, train_step};
+use pipe_stages::transformer::Gpt2Shape;
 use serde::Serialize;
 
 use crate::{ExperimentError, median};
@@ -86,14 +87,28 @@ impl std::str::FromStr for MfuOptimizer {
 /// GPT-2's BPE vocabulary, at which the `gpt2*` presets are measured.
 pub const GPT2_VOCAB: usize = 50_257;
 
-/// The model measured: a GPT-2 preset at GPT-2's vocabulary, any other preset as named.
-fn measured_spec(name: &str) -> Result<ModelSpec, ExperimentError> {
-    match pipe_stages::transformer::gpt_shape(name) {
-        Some(shape) if pipe_stages::transformer::is_gpt2(name) => {
-            Ok(ModelSpec::gpt(shape, GPT2_VOCAB, true))
-        }
-        _ => Ok(ModelSpec::preset(name)?),
+/// The model measured: a GPT-2 model (`gpt2`, or a `gpt2-*` preset) in the shape its preset
+/// and `shape` give (`shape` over the preset, field by field), at `shape`'s vocabulary or else
+/// GPT-2's; any other preset as named, which takes no shape.
+///
+/// # Errors
+/// [`ExperimentError::Config`] for a shape that does not resolve or one given to another
+/// model; the preset's errors.
+pub(crate) fn measured_spec(name: &str, shape: &Gpt2Shape) -> Result<ModelSpec, ExperimentError> {
+    use pipe_stages::transformer::{gpt_shape, is_gpt2};
+    if is_gpt2(name) {
+        let resolved = shape
+            .resolve(gpt_shape(name))
+            .map_err(ExperimentError::Config)?;
+        let vocab = shape.vocab_size.unwrap_or(GPT2_VOCAB);
+        return Ok(ModelSpec::gpt(resolved, vocab, true));
     }
+    if *shape != Gpt2Shape::default() {
+        return Err(ExperimentError::Config(format!(
+            "the GPT-2 shape flags (--n-layer, ...) apply to gpt2 models, not {name}"
+        )));
+    }
+    Ok(ModelSpec::preset(name)?)
 }
 
 /// What to measure.
@@ -101,6 +116,8 @@ fn measured_spec(name: &str) -> Result<ModelSpec, ExperimentError> {
 pub struct MfuConfig {
     /// Model preset.
     pub model: String,
+    /// A gpt2 model's shape over its preset's (empty for other models).
+    pub gpt2: Gpt2Shape,
     /// Samples per step.
     pub batch: usize,
     /// Compute threads.
@@ -121,6 +138,7 @@ impl Default for MfuConfig {
     fn default() -> Self {
         Self {
             model: "mlp-784-1024x16-10".into(),
+            gpt2: Gpt2Shape::default(),
             batch: 256,
             threads: 2,
             steps: 20,
@@ -168,6 +186,9 @@ pub struct MfuReport {
     pub gemm_gflops: f64,
     /// `model_gflops / gemm_gflops`.
     pub mfu: f64,
+    /// The CPU's nominal f32 peak for the threads used, GFLOP/s ([`nominal_cpu_gflops`];
+    /// `None` on a device backend or where the clock or vector width is not known).
+    pub nominal_gflops: Option<f64>,
     /// The step's matrix products timed alone, per pass over every linear layer: where the
     /// step's time goes.
     pub passes: Vec<PassTime>,
@@ -355,7 +376,7 @@ struct StepBench {
 
 impl StepBench {
     fn new(be: &dyn Backend, cfg: &MfuConfig) -> Result<Self, ExperimentError> {
-        let spec = measured_spec(&cfg.model)?;
+        let spec = measured_spec(&cfg.model, &cfg.gpt2)?;
         let model = Model::new(&spec)?;
         let params = place_params(be, model.init_params(0))?;
         let grads = place_params(be, model.zero_grads(0..model.len()))?;
@@ -459,6 +480,41 @@ pub struct OperationShare {
     pub seconds_per_step: f64,
 }
 
+/// The nominal f32 peak of `threads` cores of this CPU, GFLOP/s: cores x clock x FLOPs per
+/// cycle, where a cycle is taken to retire two fused multiply-adds of the widest vector the
+/// CPU has (AVX-512: 64 FLOPs; AVX2 with FMA: 32), as Intel's server cores and AMD's Zen 5 do
+/// (Zen 4 splits a 512-bit FMA in two: half this), at the clock `/proc/cpuinfo` reports.
+/// `None` off x86-64 Linux or where the clock is not reported.
+pub fn nominal_cpu_gflops(threads: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let flops_per_cycle = if std::arch::is_x86_feature_detected!("avx512f") {
+            64.0
+        } else if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            32.0
+        } else {
+            8.0
+        };
+        let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+        let mhz: f64 = info
+            .lines()
+            .find(|l| l.starts_with("cpu MHz"))?
+            .split(':')
+            .nth(1)?
+            .trim()
+            .parse()
+            .ok()?;
+        Some(threads as f64 * mhz / 1e3 * flops_per_cycle)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = threads;
+        None
+    }
+}
+
 /// Renders a breakdown as a table.
 pub fn render_breakdown(ops: &[OperationShare]) -> String {
     let total: f64 = ops.iter().map(|o| o.seconds_per_step).sum();
@@ -553,6 +609,9 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         model_gflops,
         gemm_gflops: gemm,
         mfu: model_gflops / gemm,
+        nominal_gflops: (cfg.backend == BackendKind::Cpu)
+            .then(|| nominal_cpu_gflops(be.threads()))
+            .flatten(),
         passes,
         gemm_s_per_step,
         components,
@@ -696,6 +755,12 @@ pub fn render(r: &MfuReport) -> String {
         r.gemm_gflops,
         r.mfu,
     );
+    if let Some(nominal) = r.nominal_gflops {
+        out.push_str(&format!(
+            "CPU nominal peak     {nominal:.1} GFLOP/s (2 FMA/cycle); MFU against it {:.3}\n",
+            r.model_gflops / nominal
+        ));
+    }
     if let Some(bytes) = r.peak_device_bytes {
         out.push_str(&format!(
             "peak device memory   {:.2} GiB (the backend's pool)\n",

@@ -216,6 +216,19 @@ macro_rules! backend_ops {
             }
         }
         $op! {
+            /// Runs `f` where this backend's kernels are cheapest to call from: a backend with
+            /// a thread pool runs it on one of the pool's threads, so that every kernel `f`
+            /// calls starts there rather than handing its work to the pool and sleeping until
+            /// it is done (two thread switches a call). Others run it on the calling thread.
+            ///
+            /// # Errors
+            /// None from the backends here: `f` reports its own.
+            about fn run_within(&self, f: &mut (dyn FnMut() + Send)) -> Result<()> {
+                f();
+                Ok(())
+            }
+        }
+        $op! {
             /// The most device memory this backend has held for tensors at once, in bytes, where it
             /// keeps its own pool (CUDA); `None` for host backends.
             about fn peak_memory(&self) -> Option<u64> {

@@ -173,11 +173,9 @@ impl CpuBackend {
                 }
             }
         }
-        // The `transpose` crate's recursive tiling: a 1024 x 1024 weight in about 1.5 ms
-        // here, where plain 32 x 32 tiles took 5.4 ms (rows 4 KiB apart share one L1 set).
         let mut data = recycled.unwrap_or_default();
         data.resize(n * k, 0.0);
-        transpose::transpose(b.host()?, &mut data, n, k);
+        self.transpose_on_pool(b.host()?, k, n, &mut data);
         let data = Arc::new(data);
         if let Ok(mut cache) = self.packs.lock() {
             cache.push_back(Packed {
@@ -186,6 +184,41 @@ impl CpuBackend {
             });
         }
         Ok(data)
+    }
+
+    /// `src` (`rows x cols`, row-major) transposed into `dst` (`cols x rows`): bands of 64
+    /// output rows, one task each on the pool, each filled in 8 x 8 tiles (a tile's 8 source
+    /// rows stay in L1 however far apart they are, where 32 x 32 tiles of rows 4 KiB apart
+    /// share one L1 set and evict each other). On one thread, the `transpose` crate's
+    /// recursive tiling, which is faster there (a 1024 x 1024 weight in about 1.5 ms).
+    fn transpose_on_pool(&self, src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+        const TILE: usize = 8;
+        const BAND: usize = 64;
+        if self.threads <= 1 || src.len() < PAR_MIN {
+            transpose::transpose(src, dst, cols, rows);
+            return;
+        }
+        let band = |(b, out): (usize, &mut [f32])| {
+            let j0 = b * BAND;
+            let j1 = (j0 + BAND).min(cols);
+            for i0 in (0..rows).step_by(TILE) {
+                for jt in (j0..j1).step_by(TILE) {
+                    let jt1 = (jt + TILE).min(j1);
+                    for i in i0..(i0 + TILE).min(rows) {
+                        let row = &src[i * cols + jt..i * cols + jt1];
+                        for (dj, &v) in row.iter().enumerate() {
+                            out[(jt - j0 + dj) * rows + i] = v;
+                        }
+                    }
+                }
+            }
+        };
+        self.pool.install(|| {
+            dst[..rows * cols]
+                .par_chunks_mut(BAND * rows)
+                .enumerate()
+                .for_each(band);
+        });
     }
 
     /// `C = op(a) op(b)` computed as `C^T = op(b)^T op(a)^T` with both operands row-major:
@@ -473,7 +506,26 @@ enum Blocks {
     Rows(usize),
 }
 
-fn block_plan(m: usize, n: usize, k: usize) -> Blocks {
+fn block_plan(m: usize, n: usize, k: usize, ta: Trans) -> Blocks {
+    // Small products run whole on one thread; products over thousands of token rows (`m`, or
+    // `k` in a weight gradient `X^T dY`, where `m` is the layer's input width) run whole with `gemm` splitting the work itself: it
+    // packs each operand once for all its threads, where every output block here packs the
+    // whole left operand again (at 2,048 rows, 4-16 MiB per block; the step's products at
+    // width 128 ran 1.04-1.46x faster whole, `kernels/examples/step_products.rs`). `gemm`
+    // never splits the inner dimension, so its split does not change a bit either.
+    let token_rows = match ta {
+        Trans::No => m,
+        Trans::Yes => k,
+    };
+    if token_rows >= TALL_ROWS {
+        return Blocks::Whole;
+    }
+    split_plan(m, n, k)
+}
+
+/// The output blocks of a product split here: one block when it is small, else column blocks
+/// (row blocks for a narrow output) of 512 columns or rows or so, from 2 to 8 of them.
+fn split_plan(m: usize, n: usize, k: usize) -> Blocks {
     if m.saturating_mul(n).saturating_mul(k) < GEMM_SPLIT_MIN {
         return Blocks::Whole;
     }
@@ -504,6 +556,15 @@ impl Backend for CpuBackend {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+
+    fn run_within(&self, f: &mut (dyn FnMut() + Send)) -> Result<()> {
+        if self.threads > 1 {
+            self.pool.install(f);
+        } else {
+            f();
+        }
+        Ok(())
     }
 
     fn threads(&self) -> usize {
@@ -581,7 +642,7 @@ impl Backend for CpuBackend {
         // per weight version: a few hundred KiB once, where `gemm` reads the transposed operand
         // in place at about two thirds of its rate and the transposed route below would move
         // the tall output through a scratch twice.
-        let tall_transposed = tb == Trans::Yes && m >= TALL_ROWS && m >= 2 * n && k * n < PACK_MIN;
+        let tall_transposed = tb == Trans::Yes && m >= TALL_ROWS;
         let held_b;
         let (bp, b_rs, b_cs) = if tall_transposed {
             held_b = self.transposed(b, n, k)?;
@@ -589,7 +650,6 @@ impl Backend for CpuBackend {
         } else {
             (b.host()?.as_ptr() as usize, b_rs, b_cs)
         };
-        let plan = block_plan(m, n, k);
         let min = match tb {
             Trans::Yes => TRANSPOSED_MIN,
             Trans::No => PACK_MIN,
@@ -604,7 +664,8 @@ impl Backend for CpuBackend {
             && !tall_transposed
             && (k * n >= PACK_MIN || (m <= PACK_BELOW_ROWS && k * n >= TRANSPOSED_MIN));
         if (m < PACK_BELOW_ROWS && k * n >= min) || wide_transposed {
-            let width = match plan {
+            // `C^T`'s row blocks are `C`'s column blocks, which this route always splits.
+            let width = match split_plan(m, n, k) {
                 Blocks::Cols(w) => w,
                 _ => n,
             };
@@ -613,6 +674,7 @@ impl Backend for CpuBackend {
             }
             return self.matmul_transposed(a, ta, b, tb, c, accumulate, width);
         }
+        let plan = block_plan(m, n, k, ta);
         let operands = Operands {
             m,
             n,
@@ -922,36 +984,46 @@ impl Backend for CpuBackend {
         if n == 0 {
             return Ok(stats);
         }
-        let mut grad = dlogits;
-        if let Some(d) = grad.as_deref_mut() {
-            d.resize_host(logits.shape());
+        // Rows are independent: each task computes its rows' loss terms and gradient rows,
+        // and the terms are summed in row order afterwards, so the split changes no bit.
+        let rows = logits.host()?;
+        let mut terms = vec![(0.0f64, false); labels.len()];
+        let grad_rows: Option<&mut [f32]> = match dlogits {
+            Some(d) => {
+                d.resize_host(logits.shape());
+                Some(d.host_mut()?)
+            }
+            None => None,
+        };
+        let task = |r0: usize, terms: &mut [(f64, bool)], grad: Option<&mut [f32]>| {
+            let rows = rows[r0 * n..].chunks_exact(n).zip(&labels[r0..]);
+            let mut grad = grad.map(|g| g.chunks_exact_mut(n));
+            for (term, (row, &label)) in terms.iter_mut().zip(rows) {
+                let drow = grad.as_mut().and_then(|g| g.next());
+                *term = cross_entropy_row(row, label, grad_scale, drow);
+            }
+        };
+        const ROWS_PER_TASK: usize = 64;
+        if self.threads > 1 && rows.len() >= PAR_MIN {
+            let width = ROWS_PER_TASK * n;
+            self.pool.install(|| match grad_rows {
+                Some(g) => terms
+                    .par_chunks_mut(ROWS_PER_TASK)
+                    .zip(g.par_chunks_mut(width))
+                    .enumerate()
+                    .for_each(|(i, (t, g))| task(i * ROWS_PER_TASK, t, Some(g))),
+                None => terms
+                    .par_chunks_mut(ROWS_PER_TASK)
+                    .enumerate()
+                    .for_each(|(i, t)| task(i * ROWS_PER_TASK, t, None)),
+            });
+        } else {
+            task(0, &mut terms, grad_rows);
         }
-        for (i, (row, &label)) in logits.host()?.chunks_exact(n).zip(labels).enumerate() {
-            if label == IGNORED_LABEL {
-                if let Some(d) = grad.as_deref_mut() {
-                    d.host_mut()?[i * n..(i + 1) * n].fill(0.0);
-                }
-                continue;
-            }
-            let label = label as usize;
-            let (mut arg, mut max) = (0usize, f32::NEG_INFINITY);
-            for (j, &v) in row.iter().enumerate() {
-                if v > max {
-                    max = v;
-                    arg = j;
-                }
-            }
-            let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
-            let lse = sum.ln();
-            stats.loss_sum += lse - (row[label] - max) as f64;
-            stats.correct += usize::from(arg == label);
-            if let Some(d) = grad.as_deref_mut() {
-                let drow = &mut d.host_mut()?[i * n..(i + 1) * n];
-                for (j, (o, &v)) in drow.iter_mut().zip(row).enumerate() {
-                    let p = (((v - max) as f64) - lse).exp() as f32;
-                    let y = if j == label { 1.0 } else { 0.0 };
-                    *o = (p - y) * grad_scale;
-                }
+        for (&(term, correct), &label) in terms.iter().zip(labels) {
+            if label != IGNORED_LABEL {
+                stats.loss_sum += term;
+                stats.correct += usize::from(correct);
             }
         }
         Ok(stats)
@@ -1251,6 +1323,22 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn first_non_finite(&self, xs: &[&Tensor]) -> Result<Option<usize>> {
+        // Every tensor in blocks of `PAR_CHUNK` values, checked on the pool; the first
+        // non-finite block in order names its tensor, whichever thread saw it.
+        let mut blocks: Vec<(usize, &[f32])> = Vec::new();
+        for (i, x) in xs.iter().enumerate() {
+            blocks.extend(x.host()?.chunks(PAR_CHUNK).map(|b| (i, b)));
+        }
+        let bad = |(_, b): &&(usize, &[f32])| !crate::backend::all_finite(b);
+        let first = if self.threads > 1 && blocks.len() > 1 {
+            self.pool.install(|| blocks.par_iter().find_first(bad))
+        } else {
+            blocks.iter().find(bad)
+        };
+        Ok(first.map(|&(i, _)| i))
+    }
+
     fn sum(&self, x: &Tensor) -> Result<f64> {
         Ok(x.host()?.iter().map(|&v| v as f64).sum())
     }
@@ -1392,6 +1480,41 @@ impl crate::vector::Kernel for LayerNormBackRows<'_> {
     }
 }
 
+/// One row of the softmax cross-entropy: its loss term `logsumexp(row) - row[label]` and
+/// whether the row's largest logit is the label's, writing `(softmax(row) - onehot) *
+/// grad_scale` to `grad` when given. An ignored row's term is 0 and its gradient zeros.
+fn cross_entropy_row(
+    row: &[f32],
+    label: u32,
+    grad_scale: f32,
+    grad: Option<&mut [f32]>,
+) -> (f64, bool) {
+    if label == IGNORED_LABEL {
+        if let Some(d) = grad {
+            d.fill(0.0);
+        }
+        return (0.0, false);
+    }
+    let label = label as usize;
+    let (mut arg, mut max) = (0usize, f32::NEG_INFINITY);
+    for (j, &v) in row.iter().enumerate() {
+        if v > max {
+            max = v;
+            arg = j;
+        }
+    }
+    let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
+    let lse = sum.ln();
+    if let Some(d) = grad {
+        for (j, (o, &v)) in d.iter_mut().zip(row).enumerate() {
+            let p = (((v - max) as f64) - lse).exp() as f32;
+            let y = if j == label { 1.0 } else { 0.0 };
+            *o = (p - y) * grad_scale;
+        }
+    }
+    (lse - (row[label] - max) as f64, arg == label)
+}
+
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044_715;
 
@@ -1416,9 +1539,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn transposing_on_the_pool_matches_the_single_thread_transpose() {
+        let be = CpuBackend::new(2).unwrap();
+        for (rows, cols) in [(3, 5), (300, 257), (1024, 64), (77, 1030)] {
+            let src: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let mut want = vec![0.0; rows * cols];
+            transpose::transpose(&src, &mut want, cols, rows);
+            let mut got = vec![-1.0; rows * cols];
+            be.transpose_on_pool(&src, rows, cols, &mut got);
+            assert_eq!(got, want, "{rows} x {cols}");
+        }
+    }
+
+    #[test]
     fn block_plan_depends_on_shape_only() {
-        assert_eq!(block_plan(4, 4, 4), Blocks::Whole);
-        assert!(matches!(block_plan(256, 1024, 1024), Blocks::Cols(512)));
-        assert!(matches!(block_plan(1024, 10, 1024), Blocks::Rows(_)));
+        let no = Trans::No;
+        assert_eq!(block_plan(4, 4, 4, no), Blocks::Whole);
+        assert!(matches!(block_plan(256, 1024, 1024, no), Blocks::Cols(512)));
+        assert!(matches!(block_plan(512, 10, 512, no), Blocks::Rows(_)));
+        assert_eq!(block_plan(2048, 512, 512, no), Blocks::Whole);
+        assert_eq!(block_plan(512, 512, 2048, Trans::Yes), Blocks::Whole);
+        assert!(matches!(
+            block_plan(1024, 1024, 256, Trans::Yes),
+            Blocks::Cols(512)
+        ));
     }
 }

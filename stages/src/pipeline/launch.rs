@@ -136,7 +136,10 @@ fn worker_thread<T: Transport, B: Backend>(
     let worker = state.worker;
     let result = catch_unwind(AssertUnwindSafe(|| {
         let be = make()?;
-        run_worker(&be, ep, setup, state, t0)
+        let mut outcome = None;
+        // On the backend's own pool: its kernels then start without a thread switch.
+        be.run_within(&mut || outcome = Some(run_worker(&be, ep, setup, state, t0)))?;
+        outcome.unwrap_or_else(|| Err(StageError::Executor("the worker did not run".into())))
     }));
     let outcome = match result {
         Ok(Ok(out)) => Some(out),
