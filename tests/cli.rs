@@ -123,6 +123,15 @@ fn bad_input_exits_2_with_one_line() {
             "unknown optimizer 'adam' (sgd or adamw)",
         ),
         ("bench mfu --breakdown 1001", "--breakdown"),
+        (
+            "bench mfu --model mlp-64-10 --n-layer 2",
+            "the GPT-2 shape flags (--n-layer, ...) apply to gpt2 models, not mlp-64-10",
+        ),
+        ("bench mfu --model gpt2", "gpt2 needs a positive n_layer"),
+        (
+            "bench mfu --model gpt2 --n-layer 1 --n-embd 30 --n-head 4 --n-positions 8",
+            "n_embd 30 is not a multiple of n_head 4",
+        ),
     ];
     assert_bad_inputs(&backends);
     if pipe_kernels::cuda::device_count().is_err() {
@@ -991,4 +1000,41 @@ fn bench_mfu_measures_a_gpt2_step_with_adamw_and_breaks_it_down() {
         50_257 * 64 + 64 * 64 + blocks + 2 * 64
     );
     assert!(report["peak_device_bytes"].is_null(), "{report}");
+}
+
+/// `pipe bench mfu --model gpt2` in the shape its flags give, at the vocabulary
+/// `--vocab-size` gives: the shape `experiments/cpu-step/run.sh` trains.
+#[test]
+fn bench_mfu_measures_a_gpt2_of_the_shape_its_flags_give() {
+    let json = fresh_path("mfu-gpt2-shape.json");
+    pipe_ok(&[
+        "bench",
+        "mfu",
+        "--model",
+        "gpt2",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--n-positions",
+        "16",
+        "--vocab-size",
+        "64",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["tokens_per_sample"], 16);
+    // Token and tied head 64 x 32, positions 16 x 32, one block of width 32, final norm.
+    let block = 12 * 32 * 32 + 13 * 32;
+    assert_eq!(report["parameters"], 64 * 32 + 16 * 32 + block + 2 * 32);
 }

@@ -100,16 +100,22 @@ def kernel_class(name):
 
 
 def print_split(prof, steps, took):
-    by_class = {}
+    by_class, others = {}, []
     for e in prof.key_averages():
         if e.self_cpu_time_total <= 0:
             continue
         cls = kernel_class(e.key)
-        by_class[cls] = by_class.get(cls, 0.0) + e.self_cpu_time_total / 1e3 / steps
+        ms = e.self_cpu_time_total / 1e3 / steps
+        by_class[cls] = by_class.get(cls, 0.0) + ms
+        if cls.startswith("other"):
+            others.append((ms, e.key))
     total = sum(by_class.values())
     print(f"by kernel class (self CPU time, ms per step; wall {took / steps * 1e3:.0f} ms):")
     for cls, ms in sorted(by_class.items(), key=lambda kv: -kv[1]):
         print(f"  {cls:<48} {ms:9.1f} ms {100 * ms / total:5.1f}%")
+    print("largest operators in other:")
+    for ms, key in sorted(others, reverse=True)[:8]:
+        print(f"  {key:<48} {ms:9.1f} ms")
 
 
 if __name__ == "__main__":

@@ -550,16 +550,23 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     let language = is_language_model(&bench.model);
 
     let gemm_before = gemm_rate(be, 15)?;
-    let mut times = Vec::with_capacity(cfg.steps);
-    for i in 0..cfg.warmup + cfg.steps {
-        be.synchronize()?;
-        let t = Instant::now();
-        bench.step(be)?;
-        be.synchronize()?;
-        if i >= cfg.warmup {
-            times.push(t.elapsed().as_secs_f64());
+    let mut timed_steps = || -> Result<Vec<f64>, ExperimentError> {
+        let mut times = Vec::with_capacity(cfg.steps);
+        for i in 0..cfg.warmup + cfg.steps {
+            be.synchronize()?;
+            let t = Instant::now();
+            bench.step(be)?;
+            be.synchronize()?;
+            if i >= cfg.warmup {
+                times.push(t.elapsed().as_secs_f64());
+            }
         }
-    }
+        Ok(times)
+    };
+    // Where a training worker runs its steps (`Backend::run_within`).
+    let mut times = Ok(Vec::new());
+    be.run_within(&mut || times = timed_steps())?;
+    let times = times?;
     let StepBench {
         model,
         params,

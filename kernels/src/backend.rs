@@ -23,14 +23,28 @@ pub enum Trans {
 /// Whether every value is finite, at memory speed: the largest exponent field of each block
 /// (an integer maximum, which vectorizes where a short-circuiting test does not) is below
 /// the all-ones of infinities and NaNs.
+/// Compiled for the widest vectors the CPU has ([`crate::vector`]): on the baseline (SSE2,
+/// which has no unsigned 32-bit maximum) the same loop ran at about a third of the speed.
 pub fn all_finite(values: &[f32]) -> bool {
-    const EXPONENT: u32 = 0x7f80_0000;
-    values.chunks(1 << 14).all(|block| {
-        block
-            .iter()
-            .fold(0u32, |top, v| top.max(v.to_bits() & EXPONENT))
-            < EXPONENT
-    })
+    crate::vector::vectorized(AllFinite(values))
+}
+
+/// [`all_finite`]'s loop.
+struct AllFinite<'a>(&'a [f32]);
+
+impl crate::vector::Kernel for AllFinite<'_> {
+    type Output = bool;
+
+    #[inline(always)]
+    fn run(self) -> bool {
+        const EXPONENT: u32 = 0x7f80_0000;
+        self.0.chunks(1 << 14).all(|block| {
+            block
+                .iter()
+                .fold(0u32, |top, v| top.max(v.to_bits() & EXPONENT))
+                < EXPONENT
+        })
+    }
 }
 
 impl Trans {
