@@ -508,11 +508,10 @@ enum Blocks {
 
 fn block_plan(m: usize, n: usize, k: usize, ta: Trans) -> Blocks {
     // Small products run whole on one thread; products over thousands of token rows (`m`, or
-    // `k` in a weight gradient `X^T dY`, where `m` is the layer's input width) run whole with `gemm` splitting the work itself: it
-    // packs each operand once for all its threads, where every output block here packs the
-    // whole left operand again (at 2,048 rows, 4-16 MiB per block; the step's products at
-    // width 128 ran 1.04-1.46x faster whole, `kernels/examples/step_products.rs`). `gemm`
-    // never splits the inner dimension, so its split does not change a bit either.
+    // `k` in a weight gradient `X^T dY`, where `m` is the layer's input width) run whole with
+    // `gemm` splitting the work itself: it packs each operand once for all its threads, where
+    // every output block here packs the whole left operand again (at 2,048 rows, 4-16 MiB per
+    // block). `gemm` never splits the inner dimension, so its split does not change a bit.
     let token_rows = match ta {
         Trans::No => m,
         Trans::Yes => k,
