@@ -486,6 +486,11 @@ fn cli_simulate_and_bench_rows() -> Vec<Row> {
         ),
         row("bench mfu --threads 100000", "--threads is 100000"),
         row(
+            "bench mfu --model gpt2 --n-layer 3000 --n-embd 8192 --n-head 1 --n-positions 64 \
+             --vocab-size 64",
+            "the run needs an estimated",
+        ),
+        row(
             "bench pipeline --updates 4000000000",
             "--updates is 4000000000",
         ),

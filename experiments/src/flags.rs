@@ -564,7 +564,24 @@ impl MfuArgs {
         check_counts(&[("--steps", self.steps as u64)])?;
         check_threads(self.threads as u64, &Machine::detect())?;
         let spec = crate::mfu::measured_spec(&self.model, &self.gpt2)?;
-        pipe_stages::model::Model::new(&spec)?.check_microbatch(self.batch)?;
+        let model = pipe_stages::model::Model::new(&spec)?;
+        model.check_microbatch(self.batch)?;
+        // A shape the flags give can be too large as a whole with every tensor in bounds:
+        // the weights, their gradients and two optimizer moments are refused at the memory
+        // gate before any is allocated.
+        let holding = format!(
+            "{} parameters' weights, gradients and two optimizer moments",
+            model.param_count()
+        );
+        pipe_stages::limits::admit_memory(
+            &pipe_stages::limits::MemoryNeed {
+                bytes: model.param_count() as f64 * 16.0,
+                workers: 1,
+                holding: &holding,
+                lower: "lower it with a smaller model (--n-layer, --n-embd, --vocab-size)",
+            },
+            &Machine::detect(),
+        )?;
         let backend = self
             .backend
             .with_precision(self.precision)
