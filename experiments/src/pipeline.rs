@@ -730,7 +730,8 @@ fn in_processes(
         ),
     )
     .map_err(|e| ExperimentError::Config(format!("writing {}: {e}", config.display())))?;
-    let out = std::process::Command::new(pipe)
+    let mut train = std::process::Command::new(pipe);
+    train
         .arg("train")
         .arg("--config")
         .arg(&config)
@@ -749,8 +750,12 @@ fn in_processes(
             "--lr",
             "0.001",
         ])
-        .args(["--placement", "processes", "--transport", "shm"])
-        .args(["--allreduce-bucket-mb", &buckets])
+        .args(["--placement", "processes", "--transport", "shm"]);
+    // Bucket sizes apply to replicated stages only: `pipe train` refuses them elsewhere.
+    if case.replicas > 1 {
+        train.args(["--allreduce-bucket-mb", &buckets]);
+    }
+    let out = train
         .output()
         .map_err(|e| ExperimentError::Config(format!("starting pipe train: {e}")))?;
     let text = String::from_utf8_lossy(&out.stdout);
