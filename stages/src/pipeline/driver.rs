@@ -16,7 +16,10 @@ use pipe_scheduler::{Action, Span};
 use pipe_transport::Transport;
 use pipe_transport::nccl::NcclComms;
 
+use std::collections::BTreeMap;
+
 use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
+use super::resume::{Planned, ResumePoint, whole};
 
 use super::allreduce::{BucketedAllReduce, all_reduce_gradients, last_backwards};
 use super::setup::Setup;
@@ -52,6 +55,46 @@ pub fn run_worker_with<B: Backend, T: Transport + ?Sized>(
     t0: Instant,
     between: &mut dyn FnMut(&mut T) -> Result<()>,
 ) -> Result<WorkerOutcome> {
+    let program = &setup.plan.schedule.programs[state.worker as usize];
+    drive(be, t, setup, state, (t0, &whole(program)), None, between)
+}
+
+/// Runs `state.worker`'s program resumed at a step boundary of its segment
+/// ([`super::resume`]): `state` holds its stage's weights and optimizer state there, at
+/// `point.version`, and `stash` the older versions `point` reads. It ends the segment as the
+/// worker that ran the whole program would, with its weights and messages.
+///
+/// # Errors
+/// As [`run_worker`].
+pub fn resume_worker<B: Backend, T: Transport + ?Sized>(
+    be: &B,
+    t: &mut T,
+    setup: &Setup<'_>,
+    state: &mut WorkerState,
+    (point, stash): (&ResumePoint, &BTreeMap<u32, crate::model::Params>),
+    t0: Instant,
+) -> Result<WorkerOutcome> {
+    let at = Some((stash, point.version));
+    drive(be, t, setup, state, (t0, &point.actions), at, &mut |_| {
+        Ok(())
+    })
+}
+
+/// The older weight versions a resumed worker reads, and its stage's version.
+type ResumedAt<'r> = (&'r BTreeMap<u32, crate::model::Params>, u32);
+
+/// Starts a worker's core (from the segment's start, or `resumed` at a step boundary), runs
+/// `actions` on it and ends it, naming the worker in any error and telling every peer of a
+/// failure.
+fn drive<B: Backend, T: Transport + ?Sized>(
+    be: &B,
+    t: &mut T,
+    setup: &Setup<'_>,
+    state: &mut WorkerState,
+    (t0, actions): (Instant, &[Planned]),
+    resumed: Option<ResumedAt<'_>>,
+    between: &mut dyn FnMut(&mut T) -> Result<()>,
+) -> Result<WorkerOutcome> {
     let w = state.worker;
     let (position, replica) = setup.plan.schedule.layout().placement(w);
     let wrap = |action: String, e: StageError| StageError::Worker {
@@ -62,7 +105,14 @@ pub fn run_worker_with<B: Backend, T: Transport + ?Sized>(
         source: Box::new(e),
     };
     let mut progress = super::doctor::StopPoint::default();
-    let result = run_program(be, t, setup, state, t0, between, &mut progress);
+    let core = match resumed {
+        None => WorkerCore::new(be, setup, state),
+        Some((stash, version)) => WorkerCore::resumed(be, setup, state, stash, version),
+    };
+    let result = match core {
+        Ok(core) => run_program(be, t, (core, actions), state, t0, between, &mut progress),
+        Err(e) => Err((None, e)),
+    };
     progress.finished = result.is_ok();
     state.progress = progress;
     let result =
@@ -78,24 +128,31 @@ pub fn run_worker_with<B: Backend, T: Transport + ?Sized>(
     }
 }
 
-/// The program loop; an error comes with the action it happened in (`None`: at start).
+/// The program loop over `actions`; an error comes with the action it happened in (`None`:
+/// at start).
 fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     be: &B,
     t: &mut T,
-    setup: &'s Setup<'a>,
+    (mut core, actions): (WorkerCore<'s, 'a>, &[Planned]),
     state: &WorkerState,
     t0: Instant,
     between: &mut dyn FnMut(&mut T) -> Result<()>,
     progress: &mut super::doctor::StopPoint,
 ) -> std::result::Result<WorkerCore<'s, 'a>, (Option<Action>, StageError)> {
-    let mut core = WorkerCore::new(be, setup, state).map_err(|e| (None, e))?;
+    let setup = core.setup();
     let program = &setup.plan.schedule.programs[state.worker as usize];
     let m = WorkerMetrics::new(state.worker);
     let mut comms = Comms {
         nccl: NcclComms::default(),
         overlap: Overlap::new(program, setup.plan, be.device()),
     };
-    for (pc, &a) in program.iter().enumerate() {
+    for &Planned {
+        pc,
+        action: a,
+        replayed_at,
+    } in actions
+    {
+        core.replaying(replayed_at, pc);
         let start = t0.elapsed().as_secs_f64();
         progress.at = Some(a);
         let bytes = step(be, t, &mut core, &mut comms, (pc, a)).map_err(|e| (Some(a), e))?;
@@ -131,6 +188,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
             end,
         });
     }
+    core.replaying(None, program.len());
     // Read once the program has run: its activations and transients have come and gone.
     core.outcome.peak_resident_bytes = crate::limits::process_peak_bytes().unwrap_or(0);
     core.outcome.peak_device_bytes = be.peak_memory().unwrap_or(0);

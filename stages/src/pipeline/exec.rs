@@ -272,6 +272,10 @@ pub struct WorkerCore<'s, 'a> {
     pub outcome: WorkerOutcome,
     /// Where the stage's state is kept at each step boundary.
     keeper: Option<SharedKeeper>,
+    /// While a resumed worker replays the actions of its microbatches in flight that ran
+    /// before its step boundary ([`super::resume`]): the stage's version when each first ran.
+    /// Their figures are not recorded again and no version is freed.
+    replay_current: Option<u32>,
 }
 
 impl<'s, 'a> WorkerCore<'s, 'a> {
@@ -371,7 +375,60 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 ..WorkerOutcome::default()
             },
             keeper: state.keeper.clone(),
+            replay_current: None,
         })
+    }
+
+    /// The core of `state.worker` resumed at a step boundary of its segment, where its stage
+    /// is at weight version `version` with `state`'s weights and optimizer state, holding the
+    /// older versions in `stash` that the actions from there on read ([`super::resume`]).
+    ///
+    /// # Errors
+    /// As [`WorkerCore::new`]; a worker of several stages, or weight prediction (whose
+    /// running averages a step boundary does not hold).
+    pub fn resumed(
+        be: &dyn Backend,
+        setup: &'s Setup<'a>,
+        state: &WorkerState,
+        stash: &BTreeMap<u32, Params>,
+        version: u32,
+    ) -> Result<Self> {
+        let mut core = Self::new(be, setup, state)?;
+        let [run] = core.stages.as_mut_slice() else {
+            return Err(exec_err("a worker of several stages cannot resume".into()));
+        };
+        if run.velocity.is_some() {
+            return Err(exec_err(
+                "a worker predicting its weights cannot resume at a step".into(),
+            ));
+        }
+        let current = run
+            .versions
+            .remove(&0)
+            .ok_or_else(|| exec_err("current version lost".into()))?;
+        for (&v, params) in stash.range(..version) {
+            run.versions.insert(v, place_params(be, params.clone())?);
+        }
+        run.versions.insert(version, current);
+        run.current_version = version;
+        Ok(core)
+    }
+
+    /// Marks the actions run from now on as replayed ones that first ran at the stage's
+    /// version `current` (`None`: the program goes on as itself). Ending a replay frees the
+    /// versions nothing from `pc` on reads.
+    pub fn replaying(&mut self, current: Option<u32>, pc: usize) {
+        if self.replay_current.is_some() && current.is_none() {
+            for run in &mut self.stages {
+                run.free_after(pc.saturating_sub(1));
+            }
+        }
+        self.replay_current = current;
+    }
+
+    /// The run this core is part of.
+    pub fn setup(&self) -> &'s Setup<'a> {
+        self.setup
     }
 
     /// Index of `stage` among this worker's stages.
@@ -472,10 +529,11 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 .remove(&mb)
                 .ok_or_else(|| exec_err(format!("no input for microbatch {mb}")))?
         };
+        let replayed = self.replay_current;
         let run = &mut self.stages[c];
         let v = self.rule.forward_version(&VersionQuery {
             stage,
-            current: run.current_version,
+            current: replayed.unwrap_or(run.current_version),
             update: setup.plan.schedule.resolved.update_of(stage, mb),
             entry_tag: input.tag,
             update_size: run.update_size,
@@ -493,12 +551,14 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         )?;
         run.forward_saved
             .insert(mb, ForwardSaved { saved, version: v });
-        self.outcome.versions.push(VersionRecord {
-            stage,
-            mb,
-            pass: Pass::Forward,
-            version: v,
-        });
+        if replayed.is_none() {
+            self.outcome.versions.push(VersionRecord {
+                stage,
+                mb,
+                pass: Pass::Forward,
+                version: v,
+            });
+        }
         let tag = if stage == 0 {
             VersionRule::entry_tag(v, run.update_size)
         } else {
@@ -514,7 +574,9 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             let out = Tagged { tensor: y, tag };
             self.stages[c].outbox_activations.insert(mb, out);
         }
-        self.stages[c].free_after(pc);
+        if replayed.is_none() {
+            self.stages[c].free_after(pc);
+        }
         Ok(())
     }
 
@@ -537,6 +599,10 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 update: global / minibatch + 1,
                 detail: String::new(),
             });
+        }
+        if self.replay_current.is_some() {
+            // Reported and recorded when it first ran.
+            return Ok(dy);
         }
         if let Some(tx) = self.setup.progress {
             // The trainer's thread reports each update as its losses arrive; if it has gone,
@@ -561,6 +627,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let model = self.setup.model;
         let c = self.chunk(stage)?;
         let rule = self.rule;
+        let replayed = self.replay_current;
         let run = &mut self.stages[c];
         let fwd = run
             .forward_saved
@@ -570,7 +637,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .output_grads
             .remove(&mb)
             .ok_or_else(|| exec_err(format!("no output gradient for microbatch {mb}")))?;
-        let v = rule.backward_version(fwd.version, run.current_version);
+        let v = rule.backward_version(fwd.version, replayed.unwrap_or(run.current_version));
         let corrected = match &run.velocity {
             Some(vel) if run.lookahead.is_none() => {
                 corrected_weights(be, vel, run.params(v)?, v, fwd.version)?
@@ -612,19 +679,23 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             run.gradient_versions.push(v);
             dx
         };
-        self.outcome.versions.push(VersionRecord {
-            stage,
-            mb,
-            pass: Pass::Backward,
-            version: v,
-        });
+        if replayed.is_none() {
+            self.outcome.versions.push(VersionRecord {
+                stage,
+                mb,
+                pass: Pass::Backward,
+                version: v,
+            });
+        }
         if let Some(dx) = dx {
             match self.local_chunk(stage - 1, mb)? {
                 Some(p) => self.stages[p].output_grads.insert(mb, dx),
                 None => self.stages[c].outbox_gradients.insert(mb, dx),
             };
         }
-        self.stages[c].free_after(pc);
+        if replayed.is_none() {
+            self.stages[c].free_after(pc);
+        }
         Ok(())
     }
 
@@ -659,7 +730,9 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         )?;
         run.grads_fresh = false;
         run.gradient_versions.push(pending.version);
-        run.free_after(pc);
+        if self.replay_current.is_none() {
+            run.free_after(pc);
+        }
         Ok(())
     }
 

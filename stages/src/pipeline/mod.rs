@@ -39,6 +39,7 @@ pub mod recover;
 pub mod reference;
 pub mod relaunch;
 pub mod restart;
+pub mod resume;
 pub mod rollback;
 pub mod run_plan;
 pub mod setup;
@@ -53,7 +54,7 @@ pub use allreduce::{
     BucketedAllReduce, DEFAULT_BUCKET_SIZE, DEVICE_SUM_STEP, GradientBucket, all_reduce_gradients,
     all_reduce_on_devices, gradient_buckets, last_backwards,
 };
-pub use driver::{run_worker, run_worker_with};
+pub use driver::{resume_worker, run_worker, run_worker_with};
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
 pub use launch::run_threads;
 pub use ledger::LedgerEntry;

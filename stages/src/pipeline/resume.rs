@@ -1,0 +1,217 @@
+//! A worker's program resumed at a step boundary of its segment, from its stage's state there:
+//! what lets a surviving replica take over a lost worker's part without the rest of the run
+//! going back (docs/reliability.md, "A surviving replica adopts the lost worker's program").
+//!
+//! Replicas of a stage agree at each of its updates, so a surviving replica's rollback points
+//! ([`super::rollback`]) hold what the lost worker held at each step boundary: the stage's
+//! weights and optimizer state, and the older weight versions its microbatches in flight read.
+//! Resuming at step `k` (the stage at version `v`, just after its update `v - 1`):
+//!
+//! - the microbatches in flight there (an action before the boundary and one after it) have their actions before the boundary run
+//!   again, in program order, each at the version the stage was at when it first ran: their
+//!   inputs are received again, their forwards (and any backward halves) computed again, and
+//!   what they sent is sent again. The arithmetic is the same, so every message is the same,
+//!   bit for bit, and a receiver that already has it can drop it. Their figures (losses,
+//!   version records) are not recorded twice: the rollback point holds them;
+//! - every action from the boundary on runs as the program has it.
+//!
+//! The worker then ends the segment with the weights, optimizer state and messages of the
+//! worker it stands in for. `tests` below checks this for every step of a segment and every
+//! policy that takes replicas.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use pipe_scheduler::{Action, Schedule, VersionPlan};
+
+use crate::error::{Result, StageError};
+use crate::model::Params;
+
+/// One action of a resumed program, with the program counter it has in the whole program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Planned {
+    /// Its place in the worker's program (what the version plan's last uses count).
+    pub pc: usize,
+    /// The action.
+    pub action: Action,
+    /// For an action before the step boundary run again: the stage's version when it first
+    /// ran (`None`: an action from the boundary on).
+    pub replayed_at: Option<u32>,
+}
+
+/// The whole of `program`, as it runs from the segment's start.
+pub fn whole(program: &[Action]) -> Vec<Planned> {
+    program
+        .iter()
+        .enumerate()
+        .map(|(pc, &action)| Planned {
+            pc,
+            action,
+            replayed_at: None,
+        })
+        .collect()
+}
+
+/// Where a worker resumes: its stage's version there, and the older versions it reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResumePoint {
+    /// The stage's version at the boundary (updates it had applied in the segment).
+    pub version: u32,
+    /// The actions to run: the replayed ones, then the program from the boundary on.
+    pub actions: Vec<Planned>,
+    /// The older versions (below `version`) those actions read.
+    pub stash: BTreeSet<u32>,
+}
+
+fn resume_err(msg: String) -> StageError {
+    StageError::Executor(format!("resuming a worker: {msg}"))
+}
+
+/// The resumed program of `worker` of `schedule` at the boundary where its stage has applied
+/// `version` updates of the segment (0: the segment's start).
+///
+/// # Errors
+/// A worker of several stages, or a version the program never reaches.
+pub fn resume_point(
+    schedule: &Schedule,
+    versions: &VersionPlan,
+    worker: u32,
+    version: u32,
+) -> Result<ResumePoint> {
+    let layout = schedule.layout();
+    if layout.chunks() != 1 {
+        return Err(resume_err("a worker of several stages".into()));
+    }
+    let program = schedule
+        .programs
+        .get(worker as usize)
+        .ok_or_else(|| resume_err(format!("no worker {worker}")))?;
+    let (stage, _) = layout.placement(worker);
+    let boundary = match version {
+        0 => 0,
+        v => {
+            let update = Action::Update {
+                stage,
+                update: v - 1,
+            };
+            1 + program
+                .iter()
+                .position(|&a| a == update)
+                .ok_or_else(|| resume_err(format!("stage {stage} never reaches version {v}")))?
+        }
+    };
+    // Microbatches in flight at the boundary: an action on either side of it. (None of a
+    // later update's gradient is computed before it: the stage's one gradient sum would
+    // have added it to update `version - 1`.)
+    let after: BTreeSet<u32> = program[boundary..]
+        .iter()
+        .filter_map(Action::microbatch)
+        .collect();
+    let in_flight = |mb: u32| after.contains(&mb);
+    let mut actions = Vec::new();
+    let mut at = 0;
+    for (pc, &action) in program[..boundary].iter().enumerate() {
+        if let Action::Update { .. } = action {
+            at += 1;
+        }
+        if action.microbatch().is_some_and(in_flight) {
+            actions.push(Planned {
+                pc,
+                action,
+                replayed_at: Some(at),
+            });
+        }
+    }
+    actions.extend(whole(program).into_iter().skip(boundary));
+    let last_uses = versions.last_uses_through_updates(schedule, worker);
+    let uses = last_uses.first().map(Vec::as_slice).unwrap_or(&[]);
+    let mut stash: BTreeSet<u32> = (0..version)
+        .filter(|&v| uses.get(v as usize).is_some_and(|&u| u >= boundary))
+        .collect();
+    for p in actions.iter().filter(|p| p.replayed_at.is_some()) {
+        if let Some(mb) = p.action.microbatch() {
+            stash.insert(versions.forward_version(stage, mb));
+            stash.insert(versions.backward_version(stage, mb));
+        }
+    }
+    stash.retain(|&v| v < version);
+    Ok(ResumePoint {
+        version,
+        actions,
+        stash,
+    })
+}
+
+/// The weights of each version in `point.stash`, from `held` (a version's weights, if kept).
+///
+/// # Errors
+/// A version that is not kept.
+pub fn stash_of(
+    point: &ResumePoint,
+    held: impl Fn(u32) -> Option<Params>,
+) -> Result<BTreeMap<u32, Params>> {
+    point
+        .stash
+        .iter()
+        .map(|&v| {
+            held(v)
+                .map(|p| (v, p))
+                .ok_or_else(|| resume_err(format!("weight version {v} is no longer kept")))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipe_scheduler::{Length, LowerOptions, Policy, ScheduleSpec, generate, lower};
+
+    fn pipedream() -> (Schedule, VersionPlan) {
+        let spec = ScheduleSpec::new(Policy::PipeDream, 2, 2)
+            .with_replicas(vec![2, 2])
+            .with_length(Length::Updates(4));
+        let schedule = lower(
+            &generate(&spec).expect("a schedule"),
+            LowerOptions::default(),
+        );
+        let versions = VersionPlan::derive(&schedule).expect("a version plan");
+        (schedule, versions)
+    }
+
+    #[test]
+    fn at_the_segments_start_the_whole_program_runs_and_nothing_is_replayed() {
+        let (schedule, versions) = pipedream();
+        for w in 0..schedule.workers() {
+            let point = resume_point(&schedule, &versions, w, 0).expect("a point");
+            assert_eq!(point.actions, whole(&schedule.programs[w as usize]));
+            assert!(point.stash.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_boundary_replays_the_first_stages_forwards_in_flight_at_the_version_they_ran() {
+        let (schedule, versions) = pipedream();
+        // Worker 0 holds stage 0, whose forwards run ahead of its updates.
+        let point = resume_point(&schedule, &versions, 0, 2).expect("a point");
+        let replayed: Vec<_> = point
+            .actions
+            .iter()
+            .filter(|p| p.replayed_at.is_some())
+            .collect();
+        assert!(!replayed.is_empty(), "{:?}", point.actions);
+        for p in &replayed {
+            assert!(p.action.microbatch().is_some(), "{p:?}");
+            assert!(p.replayed_at < Some(2), "{p:?}");
+        }
+        // Replayed actions keep program order and come before the rest.
+        let pcs: Vec<usize> = replayed.iter().map(|p| p.pc).collect();
+        assert!(pcs.windows(2).all(|w| w[0] < w[1]));
+        assert!(point.stash.iter().all(|&v| v < 2) && !point.stash.is_empty());
+    }
+
+    #[test]
+    fn a_version_the_stage_never_reaches_is_refused() {
+        let (schedule, versions) = pipedream();
+        assert!(resume_point(&schedule, &versions, 0, 99).is_err());
+        assert!(resume_point(&schedule, &versions, 99, 1).is_err());
+    }
+}
