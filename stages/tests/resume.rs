@@ -22,7 +22,7 @@ use common::{bits, even, opt};
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{ActionKind, Length, Policy, ScheduleSpec};
 use pipe_stages::model::{Model, ModelSpec, Params};
-use pipe_stages::pipeline::resume::{resume_point, stash_of};
+use pipe_stages::pipeline::resume::{Resume, resume_point, stash_of};
 use pipe_stages::pipeline::rollback::Points;
 use pipe_stages::pipeline::{
     OrderedSource, RunPlan, Setup, WorkerState, resume_worker, run_threads,
@@ -256,6 +256,7 @@ fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), versio
     };
     let point = resume_point(&plan.schedule, &plan.versions, w, version).unwrap();
     let stash = stash_of(&point, held).unwrap();
+    let resume = Resume { point, stash };
     let step = u64::from(version) * update_size / minibatch;
     let mut state = WorkerState {
         worker: w,
@@ -276,15 +277,8 @@ fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), versio
     let be = CpuBackend::new(1).unwrap();
     let policy = plan.schedule.resolved.policy;
     let what = format!("{policy:?} worker {w} resumed at version {version}");
-    resume_worker(
-        &be,
-        &mut ep,
-        setup,
-        &mut state,
-        (&point, &stash),
-        Instant::now(),
-    )
-    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    resume_worker(&be, &mut ep, setup, &mut state, &resume, Instant::now())
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
     let ran = &run.end[w as usize].stages[0];
     assert_eq!(
         bits(&state.stages[0].params),
@@ -306,7 +300,8 @@ fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), versio
     }
     // From the boundary on it sends what the worker sent then, message for message (an
     // all-reduce's chunks may leave in another order).
-    let replayed = point
+    let replayed = resume
+        .point
         .actions
         .iter()
         .filter(|p| p.replayed_at.is_some() && p.action.kind() == ActionKind::Send)

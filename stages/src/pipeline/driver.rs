@@ -19,7 +19,7 @@ use pipe_transport::nccl::NcclComms;
 use std::collections::BTreeMap;
 
 use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
-use super::resume::{Planned, ResumePoint, whole};
+use super::resume::{Planned, Resume, whole};
 
 use super::allreduce::{BucketedAllReduce, all_reduce_gradients, last_backwards};
 use super::setup::Setup;
@@ -61,8 +61,8 @@ pub fn run_worker_with<B: Backend, T: Transport + ?Sized>(
 
 /// Runs `state.worker`'s program resumed at a step boundary of its segment
 /// ([`super::resume`]): `state` holds its stage's weights and optimizer state there, at
-/// `point.version`, and `stash` the older versions `point` reads. It ends the segment as the
-/// worker that ran the whole program would, with its weights and messages.
+/// `resume.point.version`, and `resume.stash` the older versions it reads. It ends the segment
+/// as the worker that ran the whole program would, with its weights and messages.
 ///
 /// # Errors
 /// As [`run_worker`].
@@ -71,13 +71,12 @@ pub fn resume_worker<B: Backend, T: Transport + ?Sized>(
     t: &mut T,
     setup: &Setup<'_>,
     state: &mut WorkerState,
-    (point, stash): (&ResumePoint, &BTreeMap<u32, crate::model::Params>),
+    resume: &Resume,
     t0: Instant,
 ) -> Result<WorkerOutcome> {
-    let at = Some((stash, point.version));
-    drive(be, t, setup, state, (t0, &point.actions), at, &mut |_| {
-        Ok(())
-    })
+    let at = Some((&resume.stash, resume.point.version));
+    let actions = &resume.point.actions;
+    drive(be, t, setup, state, (t0, actions), at, &mut |_| Ok(()))
 }
 
 /// The older weight versions a resumed worker reads, and its stage's version.

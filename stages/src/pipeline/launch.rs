@@ -11,8 +11,9 @@ use std::time::Instant;
 use pipe_kernels::Backend;
 use pipe_transport::Transport;
 
-use super::driver::run_worker;
+use super::driver::{resume_worker, run_worker};
 use super::exec::{WorkerOutcome, WorkerState};
+use super::resume::Resume;
 use super::setup::Setup;
 use crate::error::{Result, StageError};
 
@@ -54,7 +55,57 @@ pub fn run_threads_reporting<T, B, F>(
     states: &mut [WorkerState],
     endpoints: Vec<T>,
     make_backend: F,
+    progress: Option<Progress<'_>>,
+) -> Result<Vec<WorkerOutcome>>
+where
+    T: Transport,
+    B: Backend,
+    F: Fn(u32) -> std::result::Result<B, pipe_kernels::KernelError> + Sync,
+{
+    run_all(setup, states, (endpoints, make_backend), progress, None)
+}
+
+/// [`run_threads_reporting`] with every worker resumed at a step boundary of its segment
+/// ([`super::resume`]): `states` hold each worker's stage state there, and `resumes` (one per
+/// worker, in worker order) what it runs.
+///
+/// # Errors
+/// As [`run_threads`]; a resume for each worker missing.
+pub fn run_threads_resumed<T, B, F>(
+    setup: &Setup<'_>,
+    states: &mut [WorkerState],
+    (endpoints, make_backend): (Vec<T>, F),
+    progress: Option<Progress<'_>>,
+    resumes: &[Resume],
+) -> Result<Vec<WorkerOutcome>>
+where
+    T: Transport,
+    B: Backend,
+    F: Fn(u32) -> std::result::Result<B, pipe_kernels::KernelError> + Sync,
+{
+    if resumes.len() != states.len() {
+        return Err(StageError::Executor(format!(
+            "{} resumes for {} workers",
+            resumes.len(),
+            states.len()
+        )));
+    }
+    run_all(
+        setup,
+        states,
+        (endpoints, make_backend),
+        progress,
+        Some(resumes),
+    )
+}
+
+/// Runs every worker on its own thread, each from its segment's start or `resumed`.
+fn run_all<T, B, F>(
+    setup: &Setup<'_>,
+    states: &mut [WorkerState],
+    (endpoints, make_backend): (Vec<T>, F),
     mut progress: Option<Progress<'_>>,
+    resumed: Option<&[Resume]>,
 ) -> Result<Vec<WorkerOutcome>>
 where
     T: Transport,
@@ -89,11 +140,13 @@ where
                 let worker = state.worker;
                 let (make, fail) = (&make_backend, &fail);
                 let done = done_tx.clone();
+                let resume = resumed.and_then(|r| r.get(worker as usize));
                 std::thread::Builder::new()
                     .name(format!("pipe-w{worker}"))
                     .spawn_scoped(scope, move || {
                         let _done = done;
-                        worker_thread(setup, state, &mut ep, || make(worker), t0, fail)
+                        let run = (&mut ep, resume);
+                        worker_thread(setup, state, run, || make(worker), t0, fail)
                     })
             })
             .collect();
@@ -128,7 +181,7 @@ where
 fn worker_thread<T: Transport, B: Backend>(
     setup: &Setup<'_>,
     state: &mut WorkerState,
-    ep: &mut T,
+    (ep, resume): (&mut T, Option<&Resume>),
     make: impl FnOnce() -> std::result::Result<B, pipe_kernels::KernelError>,
     t0: Instant,
     fail: &dyn Fn(StageError),
@@ -138,7 +191,12 @@ fn worker_thread<T: Transport, B: Backend>(
         let be = make()?;
         let mut outcome = None;
         // On the backend's own pool: its kernels then start without a thread switch.
-        be.run_within(&mut || outcome = Some(run_worker(&be, ep, setup, state, t0)))?;
+        be.run_within(&mut || {
+            outcome = Some(match resume {
+                Some(r) => resume_worker(&be, ep, setup, state, r, t0),
+                None => run_worker(&be, ep, setup, state, t0),
+            })
+        })?;
         outcome.unwrap_or_else(|| Err(StageError::Executor("the worker did not run".into())))
     }));
     let outcome = match result {

@@ -26,6 +26,7 @@
 //! them. Every forward and backward records the version it actually used, so a run's log can be
 //! compared with the plan, and the final weights with the reference trainer's.
 
+pub mod adopt;
 pub mod allreduce;
 pub mod clip;
 pub mod delayed;
@@ -57,7 +58,7 @@ pub use allreduce::{
 };
 pub use driver::{resume_worker, run_worker, run_worker_with};
 pub use exec::{Pass, StageState, VersionRecord, WorkerOutcome, WorkerState};
-pub use launch::run_threads;
+pub use launch::{run_threads, run_threads_resumed};
 pub use ledger::LedgerEntry;
 pub use observe::{Observer, PhaseRecord, Quiet, StartPhase};
 pub use reference::{ReferenceRun, reference_run, reference_train, reference_train_from};

@@ -62,6 +62,15 @@ pub struct ResumePoint {
     pub stash: BTreeSet<u32>,
 }
 
+/// A worker's resumed program and the older weight versions it reads.
+#[derive(Clone, Debug)]
+pub struct Resume {
+    /// Where it resumes and the actions it runs.
+    pub point: ResumePoint,
+    /// The weights of each version in `point.stash`.
+    pub stash: BTreeMap<u32, Params>,
+}
+
 fn resume_err(msg: String) -> StageError {
     StageError::Executor(format!("resuming a worker: {msg}"))
 }

@@ -1,0 +1,596 @@
+//! A lost replica's program taken over where every worker stands, without the run going
+//! back to a step every stage passed (docs/reliability.md, "A surviving replica adopts the
+//! lost worker's program").
+//!
+//! While a segment runs, each worker keeps its stage's state at its last few step boundaries
+//! ([`super::rollback::Points`]) and, through [`Logging`], copies of the messages it sent and
+//! received over the same boundaries ([`Traffic`]). When a replica is lost, every worker of
+//! the segment is resumed ([`super::resume`]) at *its own* latest boundary, the lost worker's
+//! program included, from its stage's other replica's points ([`take_over`]):
+//!
+//! - a survivor loses only the work since its latest update: each stage's in-flight update
+//!   runs again, and no update any stage applied is undone;
+//! - the lost program resumes at the latest boundary its replica kept from which every
+//!   message a survivor still waits for from it is sent again (one it sent long before and a
+//!   survivor had not read yet is sent again only if the program runs its send again);
+//! - every message a worker reads from its boundary on is either in its own received log, in
+//!   a survivor's sent log, or sent again by the resumed program of its sender ([`Serving`]
+//!   hands out the kept ones first). Arithmetic is deterministic, so a message sent again
+//!   has the bits it had, and a copy that is not asked for is dropped with the segment.
+//!
+//! The layout does not change within the segment: the lost worker's program runs as it
+//! would have, so the segment ends with the weights of a segment that lost nothing, bit for
+//! bit, under every policy ([`tests`](../../tests/adopt.rs)).
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use pipe_kernels::Tensor;
+use pipe_scheduler::Action;
+use pipe_transport::{
+    Interrupter, Key, Kind, Message, Transport, TransportError, ValueSink, Values,
+};
+
+use super::exec::WorkerState;
+use super::resume::{Resume, resume_point};
+use super::rollback::Points;
+use super::run_plan::RunPlan;
+use super::setup::Setup;
+use crate::error::{Result, StageError};
+
+/// A message as kept: when (the worker's latest step boundary then) and what.
+#[derive(Debug)]
+struct Kept {
+    step: u64,
+    key: Key,
+    version: u64,
+    tensor: Tensor,
+}
+
+impl Kept {
+    fn message(&self) -> Message {
+        Message {
+            key: self.key,
+            version: self.version,
+            tensor: self.tensor.clone(),
+        }
+    }
+}
+
+/// Copies of the data messages one worker sent and received since its last few step
+/// boundaries.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    /// Boundaries kept: a message older than this many boundaries before the latest is dropped.
+    window: u64,
+    sent: VecDeque<Kept>,
+    received: VecDeque<Kept>,
+}
+
+/// A worker's [`Traffic`], shared with the launcher that reads it after a loss.
+pub type SharedTraffic = Arc<Mutex<Traffic>>;
+
+impl Traffic {
+    /// Empty, keeping what was sent and received over the last `window` step boundaries.
+    pub fn new(window: u64) -> Self {
+        Traffic {
+            window,
+            ..Traffic::default()
+        }
+    }
+
+    fn keep(&mut self, sent: bool, step: u64, m: &Message) {
+        let copy = Kept {
+            step,
+            key: m.key,
+            version: m.version,
+            tensor: m.tensor.clone(),
+        };
+        let floor = step.saturating_sub(self.window);
+        for list in [&mut self.sent, &mut self.received] {
+            while list.front().is_some_and(|k| k.step < floor) {
+                list.pop_front();
+            }
+        }
+        if sent {
+            self.sent.push_back(copy);
+        } else {
+            self.received.push_back(copy);
+        }
+    }
+}
+
+fn poisoned() -> TransportError {
+    TransportError::Protocol("a worker's traffic log was left poisoned".into())
+}
+
+/// An endpoint that keeps copies of the data messages its worker sends and receives in a
+/// [`Traffic`], each tagged with the worker's latest step boundary ([`Points::latest`]).
+pub struct Logging<T> {
+    inner: T,
+    traffic: SharedTraffic,
+    points: Arc<Mutex<Points>>,
+}
+
+impl<T> Logging<T> {
+    /// `inner`, keeping its traffic in `traffic` against the boundaries in `points`.
+    pub fn new(inner: T, traffic: SharedTraffic, points: Arc<Mutex<Points>>) -> Self {
+        Logging {
+            inner,
+            traffic,
+            points,
+        }
+    }
+
+    fn keep(&self, sent: bool, m: &Message) -> std::result::Result<(), TransportError> {
+        if m.key.kind == Kind::Control {
+            return Ok(());
+        }
+        let step = self.points.lock().map_err(|_| poisoned())?.latest();
+        self.traffic
+            .lock()
+            .map_err(|_| poisoned())?
+            .keep(sent, step, m);
+        Ok(())
+    }
+}
+
+/// The values handed to `take`, gathered into one tensor as the message carried them.
+fn gathered(
+    key: Key,
+    take: &mut ValueSink<'_>,
+    recv: impl FnOnce(&mut ValueSink<'_>) -> std::result::Result<Option<usize>, TransportError>,
+) -> std::result::Result<Option<(usize, Message)>, TransportError> {
+    let mut values: Vec<f32> = Vec::new();
+    let got = recv(&mut |at, block| {
+        if values.len() < at + block.len() {
+            values.resize(at + block.len(), 0.0);
+        }
+        values[at..at + block.len()].copy_from_slice(block);
+        take(at, block);
+    })?;
+    let Some(n) = got else { return Ok(None) };
+    values.truncate(n);
+    let tensor = Tensor::from_vec(&[n], values)
+        .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+    let m = Message {
+        key,
+        version: 0,
+        tensor,
+    };
+    Ok(Some((n, m)))
+}
+
+impl<T: Transport> Transport for Logging<T> {
+    fn rank(&self) -> u32 {
+        self.inner.rank()
+    }
+    fn size(&self) -> u32 {
+        self.inner.size()
+    }
+    fn copies_payloads(&self) -> bool {
+        self.inner.copies_payloads()
+    }
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        self.inner.link_buffer_bytes()
+    }
+    fn send_values(&mut self, values: Values<'_>) -> std::result::Result<(), TransportError> {
+        self.keep(true, &Message::of_values(values)?)?;
+        self.inner.send_values(values)
+    }
+    fn recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut ValueSink<'_>,
+    ) -> std::result::Result<usize, TransportError> {
+        let inner = &mut self.inner;
+        let got = gathered(*key, take, |sink| inner.recv_with(key, sink).map(Some))?;
+        let (n, m) = got.ok_or_else(|| TransportError::Protocol(format!("{key:?} lost")))?;
+        self.keep(false, &m)?;
+        Ok(n)
+    }
+    fn try_recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut ValueSink<'_>,
+    ) -> std::result::Result<Option<usize>, TransportError> {
+        let inner = &mut self.inner;
+        let got = gathered(*key, take, |sink| inner.try_recv_with(key, sink))?;
+        match got {
+            Some((n, m)) => {
+                self.keep(false, &m)?;
+                Ok(Some(n))
+            }
+            None => Ok(None),
+        }
+    }
+    fn send(&mut self, m: Message) -> std::result::Result<(), TransportError> {
+        self.keep(true, &m)?;
+        self.inner.send(m)
+    }
+    fn recv(&mut self, key: &Key) -> std::result::Result<Message, TransportError> {
+        let m = self.inner.recv(key)?;
+        self.keep(false, &m)?;
+        Ok(m)
+    }
+    fn try_recv(&mut self, key: &Key) -> std::result::Result<Option<Message>, TransportError> {
+        let m = self.inner.try_recv(key)?;
+        if let Some(m) = &m {
+            self.keep(false, m)?;
+        }
+        Ok(m)
+    }
+    fn buffered(&self) -> usize {
+        self.inner.buffered()
+    }
+    fn abort(&mut self) {
+        self.inner.abort()
+    }
+    fn close(&mut self) -> std::result::Result<(), TransportError> {
+        self.inner.close()
+    }
+    fn interrupter(&self) -> Option<Interrupter> {
+        self.inner.interrupter()
+    }
+}
+
+/// An endpoint of a resumed worker: the kept messages it reads from its boundary on are
+/// handed out first, then what arrives.
+pub struct Serving<T> {
+    inner: T,
+    kept: HashMap<Key, Message>,
+}
+
+impl<T> Serving<T> {
+    /// `inner`, handing out `kept` first.
+    pub fn new(inner: T, kept: HashMap<Key, Message>) -> Self {
+        Serving { inner, kept }
+    }
+}
+
+impl<T: Transport> Transport for Serving<T> {
+    fn rank(&self) -> u32 {
+        self.inner.rank()
+    }
+    fn size(&self) -> u32 {
+        self.inner.size()
+    }
+    fn copies_payloads(&self) -> bool {
+        self.inner.copies_payloads()
+    }
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        self.inner.link_buffer_bytes()
+    }
+    fn send_values(&mut self, values: Values<'_>) -> std::result::Result<(), TransportError> {
+        self.inner.send_values(values)
+    }
+    fn recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut ValueSink<'_>,
+    ) -> std::result::Result<usize, TransportError> {
+        match self.kept.remove(key) {
+            Some(m) => m.hand_to(take),
+            None => self.inner.recv_with(key, take),
+        }
+    }
+    fn try_recv_with(
+        &mut self,
+        key: &Key,
+        take: &mut ValueSink<'_>,
+    ) -> std::result::Result<Option<usize>, TransportError> {
+        match self.kept.remove(key) {
+            Some(m) => m.hand_to(take).map(Some),
+            None => self.inner.try_recv_with(key, take),
+        }
+    }
+    fn send(&mut self, m: Message) -> std::result::Result<(), TransportError> {
+        self.inner.send(m)
+    }
+    fn recv(&mut self, key: &Key) -> std::result::Result<Message, TransportError> {
+        match self.kept.remove(key) {
+            Some(m) => Ok(m),
+            None => self.inner.recv(key),
+        }
+    }
+    fn try_recv(&mut self, key: &Key) -> std::result::Result<Option<Message>, TransportError> {
+        match self.kept.remove(key) {
+            Some(m) => Ok(Some(m)),
+            None => self.inner.try_recv(key),
+        }
+    }
+    fn buffered(&self) -> usize {
+        self.inner.buffered() + self.kept.len()
+    }
+    fn abort(&mut self) {
+        self.inner.abort()
+    }
+    fn close(&mut self) -> std::result::Result<(), TransportError> {
+        self.inner.close()
+    }
+    fn interrupter(&self) -> Option<Interrupter> {
+        self.inner.interrupter()
+    }
+}
+
+/// How every worker of a segment in which a replica was lost goes on.
+pub struct Takeover {
+    /// Each worker's state at its boundary (the lost one's from its replica).
+    pub states: Vec<WorkerState>,
+    /// Each worker's resumed program and the older versions it reads.
+    pub resumes: Vec<Resume>,
+    /// The kept messages each worker reads from its boundary on.
+    pub kept: Vec<HashMap<Key, Message>>,
+}
+
+fn takeover_err(msg: String) -> StageError {
+    StageError::Executor(format!("taking over a lost replica: {msg}"))
+}
+
+/// The key of the data message a send or receive action of `worker` moves.
+fn data_key(worker: u32, a: Action) -> Option<Key> {
+    let key = |from, to, kind, stage, mb| Key {
+        from,
+        to,
+        kind,
+        stage,
+        index: mb,
+        step: 0,
+    };
+    match a {
+        Action::SendActivation { stage, mb, to } => {
+            Some(key(worker, to, Kind::Activation, stage, mb))
+        }
+        Action::SendGradient { stage, mb, to } => Some(key(worker, to, Kind::Gradient, stage, mb)),
+        Action::RecvActivation { stage, mb, from } => Some(key(
+            from,
+            worker,
+            Kind::Activation,
+            stage.wrapping_sub(1),
+            mb,
+        )),
+        Action::RecvGradient { stage, mb, from } => {
+            Some(key(from, worker, Kind::Gradient, stage + 1, mb))
+        }
+        _ => None,
+    }
+}
+
+/// A worker's resumed program at the boundary where its stage has applied `version`
+/// updates, with the stash from `points` (`start`: the stage's state at the segment's
+/// start, version 0).
+fn resume_from(
+    plan: &RunPlan,
+    worker: u32,
+    version: u32,
+    (points, start): (&Points, &WorkerState),
+) -> Result<(Resume, WorkerState)> {
+    let resolved = &plan.schedule.resolved;
+    let (stage, _) = plan.schedule.layout().placement(worker);
+    let update_size = u64::from(resolved.update_size(stage));
+    let minibatch = u64::from(resolved.minibatch.max(1));
+    let step_of = |v: u32| {
+        let applied = u64::from(v) * update_size;
+        (applied % minibatch == 0).then_some(applied / minibatch)
+    };
+    let state_at = |v: u32| match v {
+        0 => start.stages.first().cloned(),
+        v => step_of(v).and_then(|s| points.state_at(s)),
+    };
+    let point = resume_point(&plan.schedule, &plan.versions, worker, version)?;
+    let stash: BTreeMap<u32, crate::model::Params> = point
+        .stash
+        .iter()
+        .map(|&v| {
+            state_at(v)
+                .map(|s| (v, s.params))
+                .ok_or_else(|| {
+                    takeover_err(format!(
+                        "version {v} of stage {stage}, which worker {worker} reads from version {version} on, is not kept"
+                    ))
+                })
+        })
+        .collect::<Result<_>>()?;
+    let state = WorkerState {
+        worker,
+        stages: vec![state_at(version).ok_or_else(|| {
+            takeover_err(format!("version {version} of stage {stage} is not kept"))
+        })?],
+        progress: super::doctor::StopPoint::default(),
+        keeper: None,
+    };
+    Ok((Resume { point, stash }, state))
+}
+
+/// The version a worker's stage is at after its latest kept boundary.
+fn latest_version(plan: &RunPlan, worker: u32, points: &Points) -> Result<u32> {
+    let resolved = &plan.schedule.resolved;
+    let (stage, _) = plan.schedule.layout().placement(worker);
+    let applied = points.latest() * u64::from(resolved.minibatch.max(1));
+    let update_size = u64::from(resolved.update_size(stage).max(1));
+    if applied % update_size != 0 {
+        return Err(takeover_err(format!(
+            "stage {stage}'s step boundary falls within an update"
+        )));
+    }
+    u32::try_from(applied / update_size).map_err(|_| takeover_err("too many updates".into()))
+}
+
+/// Every message a worker will read from its boundary on that some other worker's resumed
+/// program does not send again and no log holds: the reason a takeover cannot go on. For an
+/// all-reduce, a peer of the group that does not run it again must have left its chunks in
+/// a log.
+fn unmet(
+    plan: &RunPlan,
+    resumes: &[Resume],
+    kept: &[HashMap<Key, Message>],
+    sent_again: &HashSet<Key>,
+) -> Option<Key> {
+    let layout = plan.schedule.layout();
+    let reduces = |w: u32, stage: u32, update: u32| {
+        resumes.get(w as usize).is_some_and(|r| {
+            r.point
+                .actions
+                .iter()
+                .any(|p| p.action == Action::AllReduce { stage, update })
+        })
+    };
+    resumes
+        .iter()
+        .zip(kept)
+        .enumerate()
+        .find_map(|(w, (r, k))| {
+            let w = w as u32;
+            r.point.actions.iter().find_map(|p| match p.action {
+                Action::AllReduce { stage, update } => layout
+                    .group(stage)
+                    .filter(|&g| g != w && !reduces(g, stage, update))
+                    .find(|&g| {
+                        !k.keys().any(|key| {
+                            (key.from, key.kind, key.stage, key.index)
+                                == (g, Kind::Chunk, stage, update)
+                        })
+                    })
+                    .map(|g| Key {
+                        from: g,
+                        to: w,
+                        kind: Kind::Chunk,
+                        stage,
+                        index: update,
+                        step: 0,
+                    }),
+                a => data_key(w, a)
+                    .filter(|key| key.to == w)
+                    .filter(|key| !k.contains_key(key) && !sent_again.contains(key)),
+            })
+        })
+}
+
+/// Why a run's segments cannot be taken over at all: a stage that updates within a step (an
+/// asynchronous policy on replica counts that differ), whose versions between boundaries no
+/// point keeps, or exchanges between stages at each update that no log keeps (gradient
+/// clipping's norms, tied parameters' gradients).
+fn refused(setup: &Setup<'_>, start: &[WorkerState]) -> Option<&'static str> {
+    let resolved = &setup.plan.schedule.resolved;
+    let stages = setup.plan.schedule.stages();
+    if (0..stages).any(|s| resolved.update_size(s) != resolved.minibatch) {
+        // The versions between two step boundaries are not kept.
+        return Some("a stage updating more than once a step");
+    }
+    let clips = start
+        .iter()
+        .flat_map(|w| &w.stages)
+        .any(|st| st.opt.optimizer().config().grad_clip.is_some());
+    let ranges = setup.plan.partition.ranges();
+    let ties = (0..ranges.len()).any(|s| !setup.model.tie_partners(ranges, s).is_empty());
+    match (clips, ties) {
+        (true, _) => Some("gradient clipping"),
+        (_, true) => Some("parameters tied across stages"),
+        _ => None,
+    }
+}
+
+/// How a segment of `setup`'s plan goes on after worker `lost` failed, from each worker's kept
+/// `points` and `traffic` and the segment's `start` states: every survivor resumes at its
+/// latest boundary, the lost worker's program at the latest boundary its stage's first other
+/// replica kept from which nothing a survivor waits for is missing.
+///
+/// # Errors
+/// A worker of several stages, a lost worker with no other replica, a stage whose boundaries
+/// fall within an update (replica counts that differ between stages under an asynchronous
+/// policy), gradient clipping or tied parameters (whose exchanges are not kept), or a
+/// message that is no longer kept.
+pub fn take_over(
+    setup: &Setup<'_>,
+    lost: u32,
+    start: &[WorkerState],
+    points: &[Arc<Mutex<Points>>],
+    traffic: &[SharedTraffic],
+) -> Result<Takeover> {
+    if let Some(what) = refused(setup, start) {
+        return Err(takeover_err(format!("not under {what}")));
+    }
+    let plan = setup.plan;
+    let layout = plan.schedule.layout();
+    let (stage, _) = layout.placement(lost);
+    let adopter = layout
+        .group(stage)
+        .find(|&w| w != lost)
+        .ok_or_else(|| takeover_err(format!("stage {stage} has no other replica")))?;
+    let points: Vec<_> = points
+        .iter()
+        .map(|p| p.lock().map_err(|_| super::rollback::poisoned()))
+        .collect::<Result<_>>()?;
+    let traffic: Vec<_> = traffic
+        .iter()
+        .map(|t| t.lock().map_err(|_| super::rollback::poisoned()))
+        .collect::<Result<_>>()?;
+    let workers = plan.schedule.workers();
+    let mut resumes = Vec::with_capacity(workers as usize);
+    let mut states = Vec::with_capacity(workers as usize);
+    for w in 0..workers {
+        let from = if w == lost { adopter } else { w };
+        let held = (&*points[from as usize], &start[from as usize]);
+        let version = latest_version(plan, from, held.0)?;
+        let (resume, state) = resume_from(plan, w, version, held)?;
+        resumes.push(resume);
+        states.push(WorkerState { worker: w, ..state });
+    }
+    // What each worker reads from its boundary on and a log holds: its own received
+    // messages (the lost worker's are gone with it), and what every survivor sent it.
+    let mut kept: Vec<HashMap<Key, Message>> = (0..workers).map(|_| HashMap::new()).collect();
+    for (w, t) in traffic.iter().enumerate() {
+        if w as u32 == lost {
+            continue;
+        }
+        for k in &t.received {
+            kept[w].entry(k.key).or_insert_with(|| k.message());
+        }
+        for k in &t.sent {
+            if let Some(slot) = kept.get_mut(k.key.to as usize) {
+                slot.entry(k.key).or_insert_with(|| k.message());
+            }
+        }
+    }
+    // The lost program goes back boundary by boundary until it sends again every message a
+    // survivor still waits for from it.
+    let adopted = resumes[lost as usize].point.version;
+    for version in (0..=adopted).rev() {
+        let held = (&*points[adopter as usize], &start[adopter as usize]);
+        let Ok((resume, state)) = resume_from(plan, lost, version, held) else {
+            break;
+        };
+        resumes[lost as usize] = resume;
+        states[lost as usize] = WorkerState {
+            worker: lost,
+            ..state
+        };
+        let sent_again: HashSet<Key> = resumes
+            .iter()
+            .enumerate()
+            .flat_map(|(w, r)| {
+                r.point
+                    .actions
+                    .iter()
+                    .filter_map(move |p| data_key(w as u32, p.action))
+                    .filter(move |k| k.from == w as u32)
+            })
+            .collect();
+        match unmet(plan, &resumes, &kept, &sent_again) {
+            None => {
+                return Ok(Takeover {
+                    states,
+                    resumes,
+                    kept,
+                });
+            }
+            Some(key) if key.from != lost => {
+                return Err(takeover_err(format!("message {key:?} is no longer kept")));
+            }
+            Some(_) => {}
+        }
+    }
+    Err(takeover_err(format!(
+        "no boundary worker {adopter} kept sends again what the survivors wait for from worker {lost}"
+    )))
+}
