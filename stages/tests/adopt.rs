@@ -90,7 +90,7 @@ fn lose_and_take_over(
         return None;
     }
     let done: Vec<u32> = states.iter().map(|s| updates_done(setup, s)).collect();
-    let mut takeover = take_over(setup, lost, start, &points, &traffic)
+    let mut takeover = take_over(setup, (lost, None), start, &points, &traffic)
         .unwrap_or_else(|e| panic!("{policy:?} worker {lost} lost at send {nth}: {e}"));
     let eps: Vec<Serving<_>> = mesh(workers, &bounded())
         .into_iter()
@@ -136,7 +136,7 @@ fn taken_over_as_undisturbed(spec: &ScheduleSpec) -> usize {
         // An asynchronous policy on replica counts that differ: refused, not taken over.
         let (points, traffic) = (Vec::new(), Vec::new());
         let lost = plan.schedule.workers() - 1;
-        let err = take_over(&setup, lost, &start, &points, &traffic)
+        let err = take_over(&setup, (lost, None), &start, &points, &traffic)
             .err()
             .unwrap();
         assert!(err.to_string().contains("more than once a step"), "{err}");

@@ -402,11 +402,11 @@ fn resume_from(
     Ok((Resume { point, stash }, state))
 }
 
-/// The version a worker's stage is at after its latest kept boundary.
-fn latest_version(plan: &RunPlan, worker: u32, points: &Points) -> Result<u32> {
+/// The version a worker's stage is at after `step` minibatches of the segment.
+fn version_at_step(plan: &RunPlan, worker: u32, step: u64) -> Result<u32> {
     let resolved = &plan.schedule.resolved;
     let (stage, _) = plan.schedule.layout().placement(worker);
-    let applied = points.latest() * u64::from(resolved.minibatch.max(1));
+    let applied = step * u64::from(resolved.minibatch.max(1));
     let update_size = u64::from(resolved.update_size(stage).max(1));
     if applied % update_size != 0 {
         return Err(takeover_err(format!(
@@ -493,7 +493,8 @@ fn refused(setup: &Setup<'_>, start: &[WorkerState]) -> Option<&'static str> {
 /// How a segment of `setup`'s plan goes on after worker `lost` failed, from each worker's kept
 /// `points` and `traffic` and the segment's `start` states: every survivor resumes at its
 /// latest boundary, the lost worker's program at the latest boundary its stage's first other
-/// replica kept from which nothing a survivor waits for is missing.
+/// replica kept (and not past `own`, the lost worker's own latest step where it is known) from
+/// which nothing a survivor waits for is missing.
 ///
 /// # Errors
 /// A worker of several stages, a lost worker with no other replica, a stage whose boundaries
@@ -502,7 +503,7 @@ fn refused(setup: &Setup<'_>, start: &[WorkerState]) -> Option<&'static str> {
 /// message that is no longer kept.
 pub fn take_over(
     setup: &Setup<'_>,
-    lost: u32,
+    (lost, own): (u32, Option<u64>),
     start: &[WorkerState],
     points: &[Arc<Mutex<Points>>],
     traffic: &[SharedTraffic],
@@ -531,7 +532,7 @@ pub fn take_over(
     for w in 0..workers {
         let from = if w == lost { adopter } else { w };
         let held = (&*points[from as usize], &start[from as usize]);
-        let version = latest_version(plan, from, held.0)?;
+        let version = version_at_step(plan, from, held.0.latest())?;
         let (resume, state) = resume_from(plan, w, version, held)?;
         resumes.push(resume);
         states.push(WorkerState { worker: w, ..state });
@@ -554,7 +555,11 @@ pub fn take_over(
     }
     // The lost program goes back boundary by boundary until it sends again every message a
     // survivor still waits for from it.
-    let adopted = resumes[lost as usize].point.version;
+    let own = match own {
+        Some(step) => version_at_step(plan, lost, step)?,
+        None => u32::MAX,
+    };
+    let adopted = resumes[lost as usize].point.version.min(own);
     for version in (0..=adopted).rev() {
         let held = (&*points[adopter as usize], &start[adopter as usize]);
         let Ok((resume, state)) = resume_from(plan, lost, version, held) else {

@@ -154,6 +154,30 @@ pub struct WorkerOutcome {
     pub peak_device_bytes: u64,
 }
 
+impl WorkerOutcome {
+    /// This worker's figures followed by those it measured next (`after`): records and lists
+    /// in order, counters added, peaks the larger.
+    pub fn followed_by(mut self, after: WorkerOutcome) -> WorkerOutcome {
+        self.worker = after.worker;
+        self.versions.extend(after.versions);
+        self.spans.extend(after.spans);
+        self.losses.extend(after.losses);
+        self.grad_norms.extend(after.grad_norms);
+        self.loss_sum += after.loss_sum;
+        self.correct += after.correct;
+        self.samples += after.samples;
+        self.compute_s += after.compute_s;
+        self.staleness_sum += after.staleness_sum;
+        self.staleness_count += after.staleness_count;
+        self.bytes_sent += after.bytes_sent;
+        self.peak_versions = self.peak_versions.max(after.peak_versions);
+        self.peak_stash_bytes = self.peak_stash_bytes.max(after.peak_stash_bytes);
+        self.peak_resident_bytes = self.peak_resident_bytes.max(after.peak_resident_bytes);
+        self.peak_device_bytes = self.peak_device_bytes.max(after.peak_device_bytes);
+        self
+    }
+}
+
 /// A forward's saved activations, kept until the backward.
 struct ForwardSaved {
     saved: Vec<Saved>,

@@ -47,6 +47,8 @@ struct Point {
     state: StageState,
     /// The worker's counters then (its records and losses are kept apart, in [`Points`]).
     counters: WorkerOutcome,
+    /// How many of [`Points::records`] and [`Points::losses`] it had made then.
+    made: (usize, usize),
 }
 
 /// One worker's rollback points over a segment, and every version record it made so far.
@@ -104,6 +106,17 @@ impl Points {
     pub fn state_at(&self, step: u64) -> Option<StageState> {
         self.at(step).map(|p| p.state.clone())
     }
+
+    /// Everything the worker had measured when it passed `step` (its counters, and its
+    /// version records and losses then, in program order), if still kept: its figures
+    /// before it resumes there ([`super::adopt`]).
+    pub fn measured_at(&self, step: u64) -> Option<WorkerOutcome> {
+        let p = self.at(step)?;
+        let mut out = p.counters.clone();
+        out.versions = self.records.get(..p.made.0)?.to_vec();
+        out.losses = self.losses.get(..p.made.1)?.to_vec();
+        Some(out)
+    }
 }
 
 impl StepKeeper for Points {
@@ -151,10 +164,12 @@ impl StepKeeper for Points {
                 opt: opt.clone().on_host(be)?,
             },
         };
+        let made = (self.records.len(), self.losses.len());
         self.points.push_back(Point {
             step,
             state,
             counters,
+            made,
         });
         Ok(())
     }

@@ -3,7 +3,10 @@
 //! with the stage's other replicas, without a restart and without losing or repeating an
 //! update.
 //!
-//! In process (threads), the unit of recovery is the update. While a segment runs, each worker
+//! In process (threads), the unit of recovery is the update. Where it can, the segment is
+//! taken over where every worker stands ([`super::adopt`]): each stage runs again only the
+//! update it was in, the segment ends as if nothing was lost, and the layout changes at its
+//! end ([`Redone::Update`]). Otherwise, while a segment runs, each worker
 //! keeps its stage's state at its last few step boundaries ([`super::rollback`]); when a
 //! replica fails, the run goes back to the latest step every stage had passed, the segment's
 //! steps before it stand, and the rest runs under a new layout: the failed worker's stage has
@@ -68,6 +71,9 @@ pub enum Redone {
     /// The run goes back to the latest step every stage had passed
     /// ([`super::rollback`]): only the updates in flight run again.
     InFlight,
+    /// The segment was taken over where every worker stood ([`super::adopt`]): each stage ran
+    /// its update in flight again, and the layout changes at the segment's end.
+    Update,
 }
 
 /// A new layout: why it changed, and the replica counts and microbatches per update the run
@@ -102,6 +108,9 @@ impl std::fmt::Display for LayoutChange {
                 match self.redone {
                     Redone::Segment => "the segment runs again",
                     Redone::InFlight => "recovered at the update: the updates in flight run again",
+                    Redone::Update => {
+                        "taken over at the update: each stage ran its update in flight again and the segment ended without it"
+                    }
                 }
             ),
             LayoutEvent::Rejoined => write!(
@@ -267,6 +276,17 @@ impl LayoutChange {
         LayoutChange {
             from: self.from + steps,
             redone: Redone::InFlight,
+            ..self
+        }
+    }
+
+    /// This change for a segment of `len` updates taken over where every worker stood
+    /// ([`super::adopt`]): the lost worker's program finished the segment, and the new layout
+    /// starts at its end.
+    pub(super) fn taken_over(self, len: u64) -> Self {
+        LayoutChange {
+            from: self.from + len,
+            redone: Redone::Update,
             ..self
         }
     }

@@ -8,8 +8,8 @@
 //! checkpoints.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
@@ -17,9 +17,11 @@ use pipe_scheduler::planner::buckets::StageBuckets;
 use pipe_scheduler::{Layout, Length, Policy, Schedule, Span, Timeline};
 use pipe_transport::fault::{FaultSchedule, Faulty};
 use pipe_transport::kinds::{MeshSettings, thread_mesh};
+use pipe_transport::registration::Endpoint;
 
+use super::adopt::{Logging, Serving, SharedTraffic, Takeover, Traffic, take_over};
 use super::exec::{StageState, WorkerOutcome, WorkerState};
-use super::launch::run_threads_reporting;
+use super::launch::{run_threads_reporting, run_threads_resumed};
 use super::ledger::{LedgerEntry, segment_ledger};
 use super::run_plan::RunPlan;
 use super::setup::{OrderedSource, Report, Setup};
@@ -151,6 +153,7 @@ pub fn train_pipelined(
         segments: opts.segments_run.clone(),
         spans: opts.timeline.then(Vec::new),
         ledger: opts.ledger.then(Vec::new),
+        taken_over: None,
     };
     let from = LoopStart {
         done: start.done,
@@ -202,6 +205,9 @@ struct Threads<'a> {
     spans: Option<Vec<Span>>,
     /// The measured version ledger, when asked for.
     ledger: Option<Vec<LedgerEntry>>,
+    /// The layout change of a replica lost in the last segment and taken over, to make at
+    /// the segment's end ([`Coordinator::taken_over`]).
+    taken_over: Option<LayoutChange>,
 }
 
 impl Threads<'_> {
@@ -275,7 +281,16 @@ impl Coordinator for Threads<'_> {
             (faults, &points),
         );
         let outcomes = match (run, kept) {
-            (Ok(outcomes), _) => outcomes,
+            (Ok((outcomes, None)), _) => outcomes,
+            (Ok((outcomes, Some(e))), _) => {
+                // Taken over where every worker stood: the segment ended as if nothing was
+                // lost, and the layout changes at its end.
+                let change =
+                    LayoutChange::after(self.run.cfg, plan, self.run.minibatch, &e, at.done)
+                        .ok_or(e)?;
+                self.taken_over = Some(change.taken_over(at.len));
+                outcomes
+            }
             (Err(e), Some(kept)) => {
                 match LayoutChange::after(self.run.cfg, plan, self.run.minibatch, &e, at.done) {
                     Some(change) => return self.relayout(plan, at, change, kept, &points),
@@ -294,6 +309,15 @@ impl Coordinator for Threads<'_> {
             ledger.extend(segment_ledger(plan, &outcomes, at.done, self.run.minibatch));
         }
         Ok(SegmentEnd::Chief(outcomes))
+    }
+
+    fn taken_over(&mut self, plan: &RunPlan, done: u64) -> Result<Option<LayoutChange>> {
+        let Some(change) = self.taken_over.take() else {
+            return Ok(None);
+        };
+        // The next segment's workers start from the drained state, under the new layout.
+        self.rejoin(plan, done)?;
+        Ok(Some(change))
     }
 
     fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
@@ -399,6 +423,18 @@ pub(crate) trait Coordinator {
         Err(StageError::Executor(
             "this launcher cannot change its layout in the middle of a run".into(),
         ))
+    }
+
+    /// After the drain at the end of segment `plan` (`done` updates in): the layout change of a
+    /// replica lost in that segment and taken over where every worker stood
+    /// ([`super::adopt`]), from which the next segment runs; the launcher has readied its
+    /// workers for it.
+    ///
+    /// # Errors
+    /// States that do not assemble.
+    fn taken_over(&mut self, plan: &RunPlan, done: u64) -> Result<Option<LayoutChange>> {
+        let _ = (plan, done);
+        Ok(None)
     }
 
     /// Whether a replacement comes for the replica this run is short of: a worker process's
@@ -665,6 +701,10 @@ pub(crate) fn run_segments(
                 rejoin,
             };
             let stop = drain_after_segment(run, coord, data, &eval_be, &point, &mut end, obs)?;
+            if let Some(change) = coord.taken_over(&plan, end.done)? {
+                obs.on_layout_change(&change)?;
+                layout = Some(change);
+            }
             if stop {
                 end.stopped = Some(end.done);
             } else if rejoin {
@@ -955,6 +995,47 @@ pub(crate) struct Segment {
 }
 
 /// Per-update loss sums of a running segment, reported in update order as each completes.
+/// A segment's outcomes, and the failure of a replica it was taken over from, if one was.
+type SegmentRun = (Vec<WorkerOutcome>, Option<StageError>);
+
+/// Every worker's figures over a segment of `plan` taken over after `lost` failed: what it
+/// had measured at the boundary it resumed at (the lost worker's from its own points, which
+/// an in-process run still holds), followed by what its resumed program measured (`after`).
+fn measured_through(
+    plan: &RunPlan,
+    lost: u32,
+    points: &super::rollback::Kept,
+    takeover: &Takeover,
+    after: Vec<WorkerOutcome>,
+) -> Result<Vec<WorkerOutcome>> {
+    let resolved = &plan.schedule.resolved;
+    let minibatch = u64::from(resolved.minibatch.max(1));
+    let layout = plan.schedule.layout();
+    after
+        .into_iter()
+        .zip(&takeover.resumes)
+        .enumerate()
+        .map(|(w, (after, resume))| {
+            let (stage, _) = layout.placement(w as u32);
+            let applied = u64::from(resume.point.version) * u64::from(resolved.update_size(stage));
+            let step = applied / minibatch;
+            let before = match step {
+                0 => Some(WorkerOutcome::default()),
+                _ => points
+                    .get(w)
+                    .and_then(|p| p.lock().ok())
+                    .and_then(|p| p.measured_at(step)),
+            };
+            let before = before.ok_or_else(|| {
+                StageError::Executor(format!(
+                    "worker {w}'s figures at step {step} are no longer kept (worker {lost} was lost)"
+                ))
+            })?;
+            Ok(before.followed_by(after))
+        })
+        .collect()
+}
+
 pub(super) struct LiveSteps<'r> {
     run: &'r Run<'r>,
     seg: &'r Segment,
@@ -1002,7 +1083,13 @@ impl<'r> LiveSteps<'r> {
         match report {
             Report::Loss(mb, loss, n) => {
                 let step = (u64::from(mb) / self.minibatch) as usize;
-                if let Some(slot) = self.steps.get_mut(step) {
+                // A segment taken over computes again the losses of its microbatches in
+                // flight: each counts once, with the same bits.
+                let slot = self
+                    .steps
+                    .get_mut(step)
+                    .filter(|s| s.iter().all(|r| r.0 != mb));
+                if let Some(slot) = slot {
                     slot.push((mb, loss, n));
                 }
             }
@@ -1266,7 +1353,10 @@ impl<'c> Run<'c> {
 
     /// Runs one segment's schedule (`plan`) of `seg.epoch` from minibatch `seg.done` on,
     /// creating the workers' state from `start` the first time, and reports each update to
-    /// `obs` as soon as the last stage has computed all its losses.
+    /// `obs` as soon as the last stage has computed all its losses. Where the segment keeps
+    /// rollback points (`points`) and a replica is lost, it is taken over where every worker
+    /// stands ([`super::adopt`]) when it can be: the failure taken over comes back with the
+    /// outcomes.
     fn segment(
         &self,
         plan: &RunPlan,
@@ -1275,7 +1365,7 @@ impl<'c> Run<'c> {
         (start, states): (&Start, &mut Vec<WorkerState>),
         obs: &mut dyn Observer,
         (faults, points): (Option<(&FaultSchedule, u32)>, &super::rollback::Kept),
-    ) -> Result<Vec<WorkerOutcome>> {
+    ) -> Result<SegmentRun> {
         let cfg = self.cfg;
         let workers = plan.schedule.workers();
         let threads = worker_threads(cfg.threads, workers);
@@ -1289,24 +1379,71 @@ impl<'c> Run<'c> {
             super::rollback::hand_to(points, states);
             let mut live = LiveSteps::new(self, plan, seg);
             let mut on_loss = |r: Report| live.add(r, obs);
-            let progress = Some((rx, &mut on_loss as &mut dyn FnMut(Report) -> Result<()>));
+            let progress = Some((
+                rx.clone(),
+                &mut on_loss as &mut dyn FnMut(Report) -> Result<()>,
+            ));
             let settings = MeshSettings {
                 wire: cfg.wire,
                 timeout: Some(cfg.stall_timeout),
                 ..MeshSettings::new(run_id(cfg.seed, seg.done))
             };
-            let eps = thread_mesh(cfg.transport, workers, &settings)?;
-            match faults {
-                Some((faults, segment)) => {
-                    let eps = eps
-                        .into_iter()
-                        .enumerate()
-                        .map(|(w, ep)| Faulty::new(ep, faults.of(w as u32, segment)))
-                        .collect();
-                    run_threads_reporting(setup, states, eps, backend, progress)
-                }
-                None => run_threads_reporting(setup, states, eps, backend, progress),
+            let window = super::rollback::points_kept(plan.schedule.stages()) as u64;
+            let traffic: Vec<SharedTraffic> = points
+                .iter()
+                .map(|_| Arc::new(Mutex::new(Traffic::new(window))))
+                .collect();
+            let eps = thread_mesh(cfg.transport, workers, &settings)?
+                .into_iter()
+                .enumerate()
+                .map(|(w, ep)| {
+                    let ep: Endpoint = match faults {
+                        Some((faults, at)) => Box::new(Faulty::new(ep, faults.of(w as u32, at))),
+                        None => ep,
+                    };
+                    // A device tensor passed as it is cannot be kept: no takeover then.
+                    match (points.get(w), traffic.get(w)) {
+                        (Some(p), Some(t)) if !ep.carries_device_tensors() => {
+                            Box::new(Logging::new(ep, t.clone(), p.clone())) as Endpoint
+                        }
+                        _ => ep,
+                    }
+                })
+                .collect();
+            let failure = match run_threads_reporting(setup, states, eps, backend, progress) {
+                Ok(outcomes) => return Ok((outcomes, None)),
+                Err(e) => e,
+            };
+            let lost = match &failure {
+                StageError::Worker { worker, .. } if !points.is_empty() => *worker,
+                _ => return Err(failure),
+            };
+            // The states are the segment's start still: a failed worker keeps what it began with.
+            let own = points
+                .get(lost as usize)
+                .and_then(|p| p.lock().ok().map(|p| p.latest()));
+            let Ok(mut takeover) = take_over(setup, (lost, own), states, points, &traffic) else {
+                return Err(failure);
+            };
+            let eps: Vec<Serving<Endpoint>> = thread_mesh(cfg.transport, workers, &settings)?
+                .into_iter()
+                .zip(std::mem::take(&mut takeover.kept))
+                .map(|(ep, kept)| Serving::new(ep, kept))
+                .collect();
+            let progress = Some((rx, &mut on_loss as &mut dyn FnMut(Report) -> Result<()>));
+            let resumes = &takeover.resumes;
+            let after = run_threads_resumed(
+                setup,
+                &mut takeover.states,
+                (eps, backend),
+                progress,
+                resumes,
+            )?;
+            let outcomes = measured_through(plan, lost, points, &takeover, after)?;
+            for (st, taken) in states.iter_mut().zip(takeover.states) {
+                st.stages = taken.stages;
             }
+            Ok((outcomes, Some(failure)))
         })
     }
 
