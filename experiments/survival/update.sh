@@ -8,8 +8,9 @@
 #   PLACEMENT=shm or PLACEMENT=quic: worker processes over that transport; the failure is
 #     worker 3's process ending at its Nth data message of the run as kill -9 ends it
 #     (`exit@N`, an abort).
-# N is the same for both builds, calibrated from one probe run of this build, whose recovery
-# line names the update it went on from.
+# N is the same for both builds, calibrated from one probe run of PROBE (default this build),
+# whose recovery line names the update it went on from. A run that takes the lost replica
+# over names the segment's end instead: give PROBE a build that goes back inside the segment.
 #   BASE=path/to/pipe-of-the-build-before PLACEMENT=shm bash experiments/survival/update.sh OUTDIR
 # Writes OUTDIR/*.txt and *.jsonl, and the table on standard output
 # (experiments/survival/table.py reads the logs).
@@ -48,7 +49,7 @@ print(max(r['steps_in_epoch'] for r in steps if r.get('kind')=='step'))")
 # segment's start; processes: from the run's) recovers.
 skip=$((first == 1 ? 0 : per_epoch))
 probe=$((2000 + (first == 1 ? 0 : 8000)))
-run probe "$PIPE" --fault-schedule "$(fault $probe)"
+run probe "${PROBE:-$PIPE}" --fault-schedule "$(fault $probe)"
 from=$(grep -o 'from update [0-9]*' "$OUT/probe.txt" | grep -o '[0-9]*$')
 per_update=$(python3 -c "print(max(1.0, $probe / max(1, $from - $per_epoch + $skip)))")
 for pct in 25 50 75; do
