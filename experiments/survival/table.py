@@ -5,18 +5,22 @@ build's undisturbed run, the updates computed twice (step records in the log pas
 distinct steps), the time from the last step record before the run went back to the first
 record of a step not reported before, against the run's median interval between records
 (noticing the loss, going on, and the updates done again; "-" where the workers started again
-and their clock with them), the update the run went on from, and the final test accuracy.
+and their clock with them, or where no step was reported twice), the longest interval between
+two step records of the second epoch (where the loss falls: it holds the loss whether or not
+a step is reported twice), the update the run went on from, and the final test accuracy.
+OLD_LABEL and NEW_LABEL name the two builds.
 
     python3 experiments/survival/table.py OUTDIR UPDATES_PER_EPOCH
 """
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 
-def read(out: Path, name: str) -> dict:
+def read(out: Path, name: str, per_epoch: int) -> dict:
     text = (out / f"{name}.txt").read_text()
     records = [
         json.loads(line)
@@ -40,6 +44,11 @@ def read(out: Path, name: str) -> dict:
             if new and new["elapsed_s"] >= records[i - 1]["elapsed_s"]:
                 pause = new["elapsed_s"] - records[i - 1]["elapsed_s"]
             break
+    second = [r for r in records if per_epoch < r["step"] <= 2 * per_epoch]
+    longest = max(
+        (b["elapsed_s"] - a["elapsed_s"] for a, b in zip(second, second[1:])),
+        default=None,
+    )
     done = re.search(r"^done: (\d+) steps, test accuracy ([\d.]+)%", text, re.M)
     lost = re.search(r"from update (\d+) \(([^)]*)\)", text)
     return {
@@ -47,6 +56,7 @@ def read(out: Path, name: str) -> dict:
         "records": len(steps),
         "redone": len(steps) - len(set(steps)),
         "pause": pause,
+        "longest": longest,
         "interval": gaps[len(gaps) // 2] if gaps else 0.0,
         "steps": int(done.group(1)) if done else None,
         "accuracy": float(done.group(2)) if done else None,
@@ -61,24 +71,30 @@ def main() -> None:
     print()
     print(
         "| build | failure at | worker 3's message | wall s | lost s | updates redone "
-        "| to a new update s (median interval) | went on from | test accuracy |"
+        "| to a new update s (median interval) | longest interval s | went on from "
+        "| test accuracy |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for build, label in (("old", "segment recovery"), ("new", "update recovery")):
-        calm = read(out, f"{build}-calm")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    labels = (
+        ("old", os.environ.get("OLD_LABEL", "segment recovery")),
+        ("new", os.environ.get("NEW_LABEL", "update recovery")),
+    )
+    fmt = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
+    for build, label in labels:
+        calm = read(out, f"{build}-calm", per_epoch)
         print(
             f"| {label} | undisturbed | | {calm['wall']:.2f} | | {calm['redone']} | "
-            f"({calm['interval']:.3f}) | | {calm['accuracy']:.2f}% |"
+            f"({calm['interval']:.3f}) | {fmt(calm['longest'])} | | {calm['accuracy']:.2f}% |"
         )
         for pct in (25, 50, 75):
-            r = read(out, f"{build}-{pct}")
+            r = read(out, f"{build}-{pct}", per_epoch)
             nth = (out / f"kill-{pct}.nth").read_text().strip()
             acc = f"{r['accuracy']:.2f}%" if r["accuracy"] is not None else "failed"
             pause = f"{r['pause']:.3f}" if r["pause"] is not None else "-"
             print(
                 f"| {label} | {pct}% | {nth} | {r['wall']:.2f} | "
                 f"{r['wall'] - calm['wall']:+.2f} | {r['redone']} | "
-                f"{pause} ({r['interval']:.3f}) | {r['from']} | {acc} |"
+                f"{pause} ({r['interval']:.3f}) | {fmt(r['longest'])} | {r['from']} | {acc} |"
             )
 
 

@@ -48,11 +48,11 @@ struct Kept {
 }
 
 impl Kept {
-    fn message(&self) -> Message {
+    fn into_message(self) -> Message {
         Message {
             key: self.key,
             version: self.version,
-            tensor: self.tensor.clone(),
+            tensor: self.tensor,
         }
     }
 }
@@ -427,30 +427,38 @@ fn unmet(
     sent_again: &HashSet<Key>,
 ) -> Option<Key> {
     let layout = plan.schedule.layout();
-    let reduces = |w: u32, stage: u32, update: u32| {
-        resumes.get(w as usize).is_some_and(|r| {
-            r.point
-                .actions
-                .iter()
-                .any(|p| p.action == Action::AllReduce { stage, update })
+    // Every (worker, stage, update) whose all-reduce runs again, and per worker the
+    // (sender, stage, update) of the all-reduce chunks kept for it.
+    let reduces: HashSet<(u32, u32, u32)> = resumes
+        .iter()
+        .enumerate()
+        .flat_map(|(w, r)| {
+            r.point.actions.iter().filter_map(move |p| match p.action {
+                Action::AllReduce { stage, update } => Some((w as u32, stage, update)),
+                _ => None,
+            })
         })
-    };
+        .collect();
+    let chunks: Vec<HashSet<(u32, u32, u32)>> = kept
+        .iter()
+        .map(|k| {
+            k.keys()
+                .filter(|key| key.kind == Kind::Chunk)
+                .map(|key| (key.from, key.stage, key.index))
+                .collect()
+        })
+        .collect();
     resumes
         .iter()
-        .zip(kept)
+        .zip(kept.iter().zip(&chunks))
         .enumerate()
-        .find_map(|(w, (r, k))| {
+        .find_map(|(w, (r, (k, chunks)))| {
             let w = w as u32;
             r.point.actions.iter().find_map(|p| match p.action {
                 Action::AllReduce { stage, update } => layout
                     .group(stage)
-                    .filter(|&g| g != w && !reduces(g, stage, update))
-                    .find(|&g| {
-                        !k.keys().any(|key| {
-                            (key.from, key.kind, key.stage, key.index)
-                                == (g, Kind::Chunk, stage, update)
-                        })
-                    })
+                    .filter(|&g| g != w && !reduces.contains(&(g, stage, update)))
+                    .find(|&g| !chunks.contains(&(g, stage, update)))
                     .map(|g| Key {
                         from: g,
                         to: w,
@@ -522,7 +530,7 @@ pub fn take_over(
         .iter()
         .map(|p| p.lock().map_err(|_| super::rollback::poisoned()))
         .collect::<Result<_>>()?;
-    let traffic: Vec<_> = traffic
+    let mut traffic: Vec<_> = traffic
         .iter()
         .map(|t| t.lock().map_err(|_| super::rollback::poisoned()))
         .collect::<Result<_>>()?;
@@ -538,18 +546,19 @@ pub fn take_over(
         states.push(WorkerState { worker: w, ..state });
     }
     // What each worker reads from its boundary on and a log holds: its own received
-    // messages (the lost worker's are gone with it), and what every survivor sent it.
+    // messages (the lost worker's are gone with it), and what every survivor sent it. The
+    // logs are the failed segment's: they are handed over, not copied.
     let mut kept: Vec<HashMap<Key, Message>> = (0..workers).map(|_| HashMap::new()).collect();
-    for (w, t) in traffic.iter().enumerate() {
+    for (w, t) in traffic.iter_mut().enumerate() {
         if w as u32 == lost {
             continue;
         }
-        for k in &t.received {
-            kept[w].entry(k.key).or_insert_with(|| k.message());
+        for k in std::mem::take(&mut t.received) {
+            kept[w].entry(k.key).or_insert_with(|| k.into_message());
         }
-        for k in &t.sent {
+        for k in std::mem::take(&mut t.sent) {
             if let Some(slot) = kept.get_mut(k.key.to as usize) {
-                slot.entry(k.key).or_insert_with(|| k.message());
+                slot.entry(k.key).or_insert_with(|| k.into_message());
             }
         }
     }

@@ -155,25 +155,30 @@ pub struct WorkerOutcome {
 }
 
 impl WorkerOutcome {
-    /// This worker's figures followed by those it measured next (`after`): records and lists
-    /// in order, counters added, peaks the larger.
+    /// Adds `o`'s counts to these: sums added, peaks the larger (its lists are not taken).
+    pub fn add_counts(&mut self, o: &WorkerOutcome) {
+        self.loss_sum += o.loss_sum;
+        self.correct += o.correct;
+        self.samples += o.samples;
+        self.compute_s += o.compute_s;
+        self.staleness_sum += o.staleness_sum;
+        self.staleness_count += o.staleness_count;
+        self.peak_versions = self.peak_versions.max(o.peak_versions);
+        self.peak_resident_bytes = self.peak_resident_bytes.max(o.peak_resident_bytes);
+        self.peak_device_bytes = self.peak_device_bytes.max(o.peak_device_bytes);
+        self.peak_stash_bytes = self.peak_stash_bytes.max(o.peak_stash_bytes);
+        self.bytes_sent += o.bytes_sent;
+    }
+
+    /// This worker's figures followed by those it measured next (`after`): its counts added
+    /// and its records and lists after these, in order.
     pub fn followed_by(mut self, after: WorkerOutcome) -> WorkerOutcome {
+        self.add_counts(&after);
         self.worker = after.worker;
         self.versions.extend(after.versions);
         self.spans.extend(after.spans);
         self.losses.extend(after.losses);
         self.grad_norms.extend(after.grad_norms);
-        self.loss_sum += after.loss_sum;
-        self.correct += after.correct;
-        self.samples += after.samples;
-        self.compute_s += after.compute_s;
-        self.staleness_sum += after.staleness_sum;
-        self.staleness_count += after.staleness_count;
-        self.bytes_sent += after.bytes_sent;
-        self.peak_versions = self.peak_versions.max(after.peak_versions);
-        self.peak_stash_bytes = self.peak_stash_bytes.max(after.peak_stash_bytes);
-        self.peak_resident_bytes = self.peak_resident_bytes.max(after.peak_resident_bytes);
-        self.peak_device_bytes = self.peak_device_bytes.max(after.peak_device_bytes);
         self
     }
 }

@@ -701,17 +701,10 @@ pub(crate) fn run_segments(
                 rejoin,
             };
             let stop = drain_after_segment(run, coord, data, &eval_be, &point, &mut end, obs)?;
-            if let Some(change) = coord.taken_over(&plan, end.done)? {
-                obs.on_layout_change(&change)?;
-                layout = Some(change);
-            }
             if stop {
                 end.stopped = Some(end.done);
-            } else if rejoin {
-                coord.rejoin(&plan, end.done)?;
-                obs.on_layout_change(&LayoutChange::restored(run.cfg, end.done)?)?;
-                layout = None;
             }
+            relayout_after_drain(run, coord, (&point, stop), (&end, &mut layout), obs)?;
             last = Some(plan);
         }
         let Some(plan) = last else { continue };
@@ -736,6 +729,28 @@ pub(crate) fn run_segments(
         end.last = Some(plan);
     }
     Ok(end)
+}
+
+/// After the drain at the end of `point.plan` (`stop`: the run stops there): the layout
+/// change of a replica lost in the segment and taken over, or, short of one and taking it
+/// back (`point.rejoin`), the run's own layout again.
+fn relayout_after_drain(
+    run: &Run<'_>,
+    coord: &mut dyn Coordinator,
+    (point, stop): (&DrainPoint<'_>, bool),
+    (end, layout): (&LoopEnd, &mut Option<LayoutChange>),
+    obs: &mut dyn Observer,
+) -> Result<()> {
+    if let Some(change) = coord.taken_over(point.plan, end.done)? {
+        obs.on_layout_change(&change)?;
+        *layout = Some(change);
+    }
+    if !stop && point.rejoin {
+        coord.rejoin(point.plan, end.done)?;
+        obs.on_layout_change(&LayoutChange::restored(run.cfg, end.done)?)?;
+        *layout = None;
+    }
+    Ok(())
 }
 
 /// The sequential reference trainer over a whole run of `cfg`, from fresh weights: the same
@@ -1167,30 +1182,15 @@ pub(super) fn merge_outcomes(
                 };
                 let to = layout.worker(position, replica.min(r.saturating_sub(1)));
                 if let Some(a) = acc.get_mut(to as usize) {
-                    add_outcome(a, o);
+                    a.add_counts(o);
                 }
             }
         }
         return;
     }
     for (a, o) in acc.iter_mut().zip(&outcomes) {
-        add_outcome(a, o);
+        a.add_counts(o);
     }
-}
-
-/// Adds `o`'s counts to `a`'s.
-fn add_outcome(a: &mut WorkerOutcome, o: &WorkerOutcome) {
-    a.loss_sum += o.loss_sum;
-    a.correct += o.correct;
-    a.samples += o.samples;
-    a.compute_s += o.compute_s;
-    a.staleness_sum += o.staleness_sum;
-    a.staleness_count += o.staleness_count;
-    a.peak_versions = a.peak_versions.max(o.peak_versions);
-    a.peak_resident_bytes = a.peak_resident_bytes.max(o.peak_resident_bytes);
-    a.peak_device_bytes = a.peak_device_bytes.max(o.peak_device_bytes);
-    a.peak_stash_bytes = a.peak_stash_bytes.max(o.peak_stash_bytes);
-    a.bytes_sent += o.bytes_sent;
 }
 
 /// How long a paced segment runs, about ([`Pace`]), where starting one costs little.
