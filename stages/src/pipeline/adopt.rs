@@ -31,7 +31,7 @@ use pipe_transport::{
     Interrupter, Key, Kind, Message, Transport, TransportError, ValueSink, Values,
 };
 
-use super::exec::WorkerState;
+use super::exec::{WorkerState, data_key};
 use super::resume::{Resume, resume_point};
 use super::rollback::Points;
 use super::run_plan::RunPlan;
@@ -325,35 +325,6 @@ pub struct Takeover {
 
 fn takeover_err(msg: String) -> StageError {
     StageError::Executor(format!("taking over a lost replica: {msg}"))
-}
-
-/// The key of the data message a send or receive action of `worker` moves.
-fn data_key(worker: u32, a: Action) -> Option<Key> {
-    let key = |from, to, kind, stage, mb| Key {
-        from,
-        to,
-        kind,
-        stage,
-        index: mb,
-        step: 0,
-    };
-    match a {
-        Action::SendActivation { stage, mb, to } => {
-            Some(key(worker, to, Kind::Activation, stage, mb))
-        }
-        Action::SendGradient { stage, mb, to } => Some(key(worker, to, Kind::Gradient, stage, mb)),
-        Action::RecvActivation { stage, mb, from } => Some(key(
-            from,
-            worker,
-            Kind::Activation,
-            stage.wrapping_sub(1),
-            mb,
-        )),
-        Action::RecvGradient { stage, mb, from } => {
-            Some(key(from, worker, Kind::Gradient, stage + 1, mb))
-        }
-        _ => None,
-    }
 }
 
 /// A worker's resumed program at the boundary where its stage has applied `version`

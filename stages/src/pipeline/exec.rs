@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use pipe_kernels::{Backend, Tensor};
-use pipe_scheduler::{Action, Layout, Span, VersionQuery, VersionRule, WorkerId};
+use pipe_scheduler::{Action, ActionKind, Layout, Span, VersionQuery, VersionRule, WorkerId};
 use pipe_transport::{Key, Kind, Message};
 
 use super::clip::ClipState;
@@ -980,40 +980,35 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     /// # Errors
     /// Nothing to send (the program sends before it computed), or not a send action.
     pub fn outgoing(&mut self, a: Action) -> Result<Message> {
-        let me = self.worker;
-        let key = |kind, stage, mb, to| Key {
-            from: me,
-            to,
-            kind,
-            stage,
-            index: mb,
-            step: 0,
-        };
+        let not_a_send = || exec_err(format!("{a} is not a send"));
+        let key = data_key(self.worker, a)
+            .filter(|k| k.from == self.worker)
+            .ok_or_else(not_a_send)?;
         match a {
-            Action::SendActivation { stage, mb, to } => {
+            Action::SendActivation { stage, mb, .. } => {
                 let c = self.chunk(stage)?;
                 let out = self.stages[c]
                     .outbox_activations
                     .remove(&mb)
                     .ok_or_else(|| exec_err(format!("no output of microbatch {mb} to send")))?;
                 Ok(Message {
-                    key: key(Kind::Activation, stage, mb, to),
+                    key,
                     version: out.tag,
                     tensor: out.tensor,
                 })
             }
-            Action::SendGradient { stage, mb, to } => {
+            Action::SendGradient { stage, mb, .. } => {
                 let c = self.chunk(stage)?;
                 let tensor = self.stages[c].outbox_gradients.remove(&mb).ok_or_else(|| {
                     exec_err(format!("no input gradient of microbatch {mb} to send"))
                 })?;
                 Ok(Message {
-                    key: key(Kind::Gradient, stage, mb, to),
+                    key,
                     version: 0,
                     tensor,
                 })
             }
-            other => Err(exec_err(format!("{other} is not a send"))),
+            _ => Err(not_a_send()),
         }
     }
 
@@ -1022,21 +1017,9 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     /// # Errors
     /// Not a receive action.
     pub fn incoming_key(&self, a: Action) -> Result<Key> {
-        let (kind, producer, mb, from) = match a {
-            Action::RecvActivation { stage, mb, from } => {
-                (Kind::Activation, stage.wrapping_sub(1), mb, from)
-            }
-            Action::RecvGradient { stage, mb, from } => (Kind::Gradient, stage + 1, mb, from),
-            other => return Err(exec_err(format!("{other} is not a receive"))),
-        };
-        Ok(Key {
-            from,
-            to: self.worker,
-            kind,
-            stage: producer,
-            index: mb,
-            step: 0,
-        })
+        data_key(self.worker, a)
+            .filter(|k| k.to == self.worker && matches!(a.kind(), ActionKind::Recv))
+            .ok_or_else(|| exec_err(format!("{a} is not a receive")))
     }
 
     /// Takes the message a receive action received.
@@ -1199,6 +1182,37 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             st.opt = run.optimizer.on_host(be)?;
         }
         Ok(self.outcome)
+    }
+}
+
+/// The key of the data message that a send or receive action of `worker` moves (an
+/// activation to the next stage, a gradient to the one before); `None` for any other action.
+/// A producing stage names the message: the sender's for an activation and for a gradient.
+pub fn data_key(worker: WorkerId, a: Action) -> Option<Key> {
+    let key = |from, to, kind, stage, mb| Key {
+        from,
+        to,
+        kind,
+        stage,
+        index: mb,
+        step: 0,
+    };
+    match a {
+        Action::SendActivation { stage, mb, to } => {
+            Some(key(worker, to, Kind::Activation, stage, mb))
+        }
+        Action::SendGradient { stage, mb, to } => Some(key(worker, to, Kind::Gradient, stage, mb)),
+        Action::RecvActivation { stage, mb, from } => Some(key(
+            from,
+            worker,
+            Kind::Activation,
+            stage.wrapping_sub(1),
+            mb,
+        )),
+        Action::RecvGradient { stage, mb, from } => {
+            Some(key(from, worker, Kind::Gradient, stage + 1, mb))
+        }
+        _ => None,
     }
 }
 
