@@ -22,7 +22,7 @@
 //! would have, so the segment ends with the weights of a segment that lost nothing, bit for
 //! bit, under every policy ([`tests`](../../tests/adopt.rs)).
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use pipe_kernels::Tensor;
@@ -32,7 +32,7 @@ use pipe_transport::{
 };
 
 use super::exec::{WorkerState, data_key};
-use super::resume::{Resume, resume_point};
+use super::resume::{Resume, resume_point, stash_of};
 use super::rollback::Points;
 use super::run_plan::RunPlan;
 use super::setup::Setup;
@@ -349,19 +349,7 @@ fn resume_from(
         v => step_of(v).and_then(|s| points.state_at(s)),
     };
     let point = resume_point(&plan.schedule, &plan.versions, worker, version)?;
-    let stash: BTreeMap<u32, crate::model::Params> = point
-        .stash
-        .iter()
-        .map(|&v| {
-            state_at(v)
-                .map(|s| (v, s.params))
-                .ok_or_else(|| {
-                    takeover_err(format!(
-                        "version {v} of stage {stage}, which worker {worker} reads from version {version} on, is not kept"
-                    ))
-                })
-        })
-        .collect::<Result<_>>()?;
+    let stash = stash_of(&point, |v| state_at(v).map(|s| s.params))?;
     let state = WorkerState {
         worker,
         stages: vec![state_at(version).ok_or_else(|| {

@@ -283,6 +283,23 @@ fn pass_weights<'r>(
         .ok_or_else(|| exec_err(format!("version {v} of stage {stage} is not held")))
 }
 
+/// Records in `out` the version a pass used, unless the action is replayed (`replayed`: its
+/// record was made when it first ran).
+fn record(
+    out: &mut WorkerOutcome,
+    replayed: Option<u32>,
+    (stage, mb, pass, version): (u32, u32, Pass, u32),
+) {
+    if replayed.is_none() {
+        out.versions.push(VersionRecord {
+            stage,
+            mb,
+            pass,
+            version,
+        });
+    }
+}
+
 fn exec_err(msg: String) -> StageError {
     StageError::Executor(msg)
 }
@@ -580,14 +597,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         )?;
         run.forward_saved
             .insert(mb, ForwardSaved { saved, version: v });
-        if replayed.is_none() {
-            self.outcome.versions.push(VersionRecord {
-                stage,
-                mb,
-                pass: Pass::Forward,
-                version: v,
-            });
-        }
+        record(&mut self.outcome, replayed, (stage, mb, Pass::Forward, v));
         let tag = if stage == 0 {
             VersionRule::entry_tag(v, run.update_size)
         } else {
@@ -708,14 +718,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             run.gradient_versions.push(v);
             dx
         };
-        if replayed.is_none() {
-            self.outcome.versions.push(VersionRecord {
-                stage,
-                mb,
-                pass: Pass::Backward,
-                version: v,
-            });
-        }
+        record(&mut self.outcome, replayed, (stage, mb, Pass::Backward, v));
         if let Some(dx) = dx {
             match self.local_chunk(stage - 1, mb)? {
                 Some(p) => self.stages[p].output_grads.insert(mb, dx),
