@@ -627,11 +627,11 @@ fn calm_checkpoint(
 }
 
 /// A lost replica leaves its stage running, in place: worker 3, stage 1's second replica,
-/// killed with SIGKILL once the first checkpoint is written. The survivors go on without it as
-/// the same processes (a mesh of their own, stage 1 on one replica taking the lost one's
-/// microbatches) from the latest update every stage had applied, and the run ends with the
-/// weights of an undisturbed run's checkpoint at that update resumed by hand with
-/// `--replicas 2,1`.
+/// killed with SIGKILL once the first checkpoint is written. The survivors take its segment
+/// over as the same processes (worker 2's process runs the lost program too, each survivor
+/// resumes where it stands) and the layout changes at the segment's end, where the run goes
+/// on from; it ends with the weights of an undisturbed run's checkpoint at that update
+/// resumed by hand with `--replicas 2,1`.
 #[test]
 fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     if skipped_without_proc() {
@@ -663,9 +663,12 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
         signal(&children_of(launcher.id()), 3, "-9");
         let text = ok(&launcher.wait_with_output().unwrap());
         let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
-        // From an update inside the segment, or from its start (the checkpoint at 50) when
-        // the kill came before any update of it.
-        assert!(from >= 50, "{transport}: {line}");
+        // Taken over: the segment ends as if nothing was lost, and the layout changes there.
+        assert!(
+            line.contains("(taken over at the update"),
+            "{transport}: {line}"
+        );
+        assert!(from > 50, "{transport}: {line}");
         assert!(done(&text).starts_with("done: 600 steps"), "{text}");
         // No worker started again: the launcher printed one start.
         assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
@@ -694,9 +697,10 @@ fn kill_after_first_epoch(config: &str, flags: &[&str], rank: u32) -> Output {
 }
 
 /// A replica killed with kill -9 in a run without `--checkpoint-dir`, over QUIC and over
-/// shared memory: the survivors go on in place on replicas [2, 1] from the latest update every
-/// stage had applied, with no file written, and the run ends with exit 0, with the weights of
-/// the undisturbed run's checkpoint at that update resumed by hand on [2, 1]. A run whose lost
+/// shared memory: the survivors take its segment over in place and go on one replica short
+/// from the segment's end, with no file written, and the run ends with exit 0, with the
+/// weights of the undisturbed run's checkpoint at that update resumed by hand on the new
+/// layout, whichever replica was lost (the adopter may be the chief). A run whose lost
 /// worker was the last of its stage ends with exit 1, naming the flags that would have saved
 /// it.
 #[test]
@@ -709,28 +713,40 @@ fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
     let config = small_config(&d, 10_000);
     let base = ["--steps", "600", "--stages", "2"];
     let base = [&base[..], &IN_PLACE[..]].concat();
-    for transport in ["quic", "shm"] {
+    // (transport, the rank killed, its stage, the replicas after): stage 1's second replica;
+    // its first, whose weights the chief gathers from the adopter's process; stage 0's
+    // second, which the chief itself adopts.
+    let cases = [
+        ("quic", 3, 1, "2,1"),
+        ("shm", 3, 1, "2,1"),
+        ("shm", 2, 1, "2,1"),
+        ("quic", 1, 0, "1,2"),
+    ];
+    for (transport, rank, stage, after) in cases {
+        let case = format!("{transport}-{rank}");
         let mut flags = base.to_vec();
         flags.extend(["--replicas", "2", "--transport", transport]);
-        let text = ok(&kill_after_first_epoch(&config, &flags, 3));
-        let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
-        // In place: the launcher printed one start (the run goes on from the drain point
-        // when the kill came before any update of the next segment).
-        assert!(from > 0, "{transport}: {line}");
+        let text = ok(&kill_after_first_epoch(&config, &flags, rank));
+        let lost = format!("worker {rank} (stage {stage}) lost: was killed by signal 9");
+        let line = common::line_starting(&text, &lost);
+        let from = common::resumed_from(line);
+        // In place: the launcher printed one start.
+        assert!(line.contains("(taken over at the update"), "{case}: {line}");
+        assert!(from > 0, "{case}: {line}");
         assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
         assert!(done(&text).starts_with("done: 600 steps"), "{text}");
         assert!(!text.contains("checkpoints:"), "{text}");
         // Undisturbed up to there, with a checkpoint to resume by hand from.
-        let calm = d.join(format!("calm-{transport}"));
+        let calm = d.join(format!("calm-{case}"));
         let calm_flags = [&base[..], &["--replicas", "2"]].concat();
         let at = calm_checkpoint(&config, &calm, &calm_flags, from);
         let resumed = ok(&run(train(
             &config,
-            &d.join(format!("by-hand-{transport}")),
+            &d.join(format!("by-hand-{case}")),
             &base,
         )
-        .args(["--replicas", "2,1", "--resume", at.to_str().unwrap()])));
-        assert_eq!(done(&text), done(&resumed), "{transport}");
+        .args(["--replicas", after, "--resume", at.to_str().unwrap()])));
+        assert_eq!(done(&text), done(&resumed), "{case}");
     }
     let out = kill_after_first_epoch(
         &config,

@@ -457,59 +457,70 @@ pub trait Transport: Send {
     }
 }
 
-/// A boxed transport is a transport: what a worker holds when its links were chosen at run
-/// time.
-impl<T: Transport + ?Sized> Transport for Box<T> {
-    fn rank(&self) -> u32 {
-        (**self).rank()
-    }
-    fn carries_device_tensors(&self) -> bool {
-        (**self).carries_device_tensors()
-    }
-    fn size(&self) -> u32 {
-        (**self).size()
-    }
-    fn copies_payloads(&self) -> bool {
-        (**self).copies_payloads()
-    }
-    fn link_buffer_bytes(&self) -> Option<u64> {
-        (**self).link_buffer_bytes()
-    }
-    fn send_values(&mut self, values: Values<'_>) -> Result<(), TransportError> {
-        (**self).send_values(values)
-    }
-    fn recv_with(&mut self, key: &Key, take: &mut ValueSink<'_>) -> Result<usize, TransportError> {
-        (**self).recv_with(key, take)
-    }
-    fn try_recv_with(
-        &mut self,
-        key: &Key,
-        take: &mut ValueSink<'_>,
-    ) -> Result<Option<usize>, TransportError> {
-        (**self).try_recv_with(key, take)
-    }
-    fn send(&mut self, message: Message) -> Result<(), TransportError> {
-        (**self).send(message)
-    }
-    fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
-        (**self).recv(key)
-    }
-    fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
-        (**self).try_recv(key)
-    }
-    fn buffered(&self) -> usize {
-        (**self).buffered()
-    }
-    fn abort(&mut self) {
-        (**self).abort()
-    }
-    fn close(&mut self) -> Result<(), TransportError> {
-        (**self).close()
-    }
-    fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
-        (**self).cut_link(peer, pause)
-    }
-    fn interrupter(&self) -> Option<Interrupter> {
-        (**self).interrupter()
-    }
+/// A transport behind a box or a borrow is a transport: a box is what a worker holds when its
+/// links were chosen at run time, a borrow what a wrapper around another's endpoint holds.
+macro_rules! forward_transport {
+    ($holder:ty) => {
+        impl<T: Transport + ?Sized> Transport for $holder {
+            fn rank(&self) -> u32 {
+                (**self).rank()
+            }
+            fn carries_device_tensors(&self) -> bool {
+                (**self).carries_device_tensors()
+            }
+            fn size(&self) -> u32 {
+                (**self).size()
+            }
+            fn copies_payloads(&self) -> bool {
+                (**self).copies_payloads()
+            }
+            fn link_buffer_bytes(&self) -> Option<u64> {
+                (**self).link_buffer_bytes()
+            }
+            fn send_values(&mut self, values: Values<'_>) -> Result<(), TransportError> {
+                (**self).send_values(values)
+            }
+            fn recv_with(
+                &mut self,
+                key: &Key,
+                take: &mut ValueSink<'_>,
+            ) -> Result<usize, TransportError> {
+                (**self).recv_with(key, take)
+            }
+            fn try_recv_with(
+                &mut self,
+                key: &Key,
+                take: &mut ValueSink<'_>,
+            ) -> Result<Option<usize>, TransportError> {
+                (**self).try_recv_with(key, take)
+            }
+            fn send(&mut self, message: Message) -> Result<(), TransportError> {
+                (**self).send(message)
+            }
+            fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
+                (**self).recv(key)
+            }
+            fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
+                (**self).try_recv(key)
+            }
+            fn buffered(&self) -> usize {
+                (**self).buffered()
+            }
+            fn abort(&mut self) {
+                (**self).abort()
+            }
+            fn close(&mut self) -> Result<(), TransportError> {
+                (**self).close()
+            }
+            fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
+                (**self).cut_link(peer, pause)
+            }
+            fn interrupter(&self) -> Option<Interrupter> {
+                (**self).interrupter()
+            }
+        }
+    };
 }
+
+forward_transport!(Box<T>);
+forward_transport!(&mut T);

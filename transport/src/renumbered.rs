@@ -18,6 +18,8 @@ pub struct Renumbered<T: Transport> {
     workers: Vec<Option<u32>>,
     /// This endpoint's worker number.
     me: u32,
+    /// XORed into the stage of every data key (not control): see [`Renumbered::tagging_data`].
+    data_tag: u32,
 }
 
 impl<T: Transport> Renumbered<T> {
@@ -52,7 +54,26 @@ impl<T: Transport> Renumbered<T> {
             ranks,
             workers,
             me,
+            data_tag: 0,
         })
+    }
+
+    /// This mesh with `tag` XORed into the stage of every data message's key, going out and
+    /// coming in: a data message sent on `inner` before it was renumbered (a copy no one
+    /// read, left from a segment that was taken over) then never matches one sent after,
+    /// whose keys start again from the same numbers. Every endpoint of the mesh must take
+    /// the same tag.
+    pub fn tagging_data(mut self, tag: u32) -> Self {
+        self.data_tag = tag;
+        self
+    }
+
+    /// `stage` of a key of `kind`, tagged (or untagged: XOR is its own inverse).
+    fn tagged(&self, kind: crate::Kind, stage: u32) -> u32 {
+        match kind {
+            crate::Kind::Control => stage,
+            _ => stage ^ self.data_tag,
+        }
     }
 
     /// The rank of worker `w`.
@@ -77,6 +98,7 @@ impl<T: Transport> Renumbered<T> {
         Ok(Key {
             from: self.rank_of(key.from)?,
             to: self.rank_of(key.to)?,
+            stage: self.tagged(key.kind, key.stage),
             ..*key
         })
     }
@@ -85,6 +107,7 @@ impl<T: Transport> Renumbered<T> {
     fn inward(&self, mut m: Message) -> Result<Message, TransportError> {
         m.key.from = self.worker_of(m.key.from)?;
         m.key.to = self.worker_of(m.key.to)?;
+        m.key.stage = self.tagged(m.key.kind, m.key.stage);
         Ok(m)
     }
 

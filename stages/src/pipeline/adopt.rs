@@ -32,7 +32,7 @@ use pipe_transport::{
 };
 
 use super::exec::{WorkerState, data_key};
-use super::resume::{Resume, resume_point, stash_of};
+use super::resume::{Resume, ResumePoint, resume_point, stash_of};
 use super::rollback::Points;
 use super::run_plan::RunPlan;
 use super::setup::Setup;
@@ -98,6 +98,49 @@ impl Traffic {
             self.received.push_back(copy);
         }
     }
+}
+
+impl Traffic {
+    /// What planning a takeover reads of this log: the keys of the messages it holds, with
+    /// the worker's `latest` step boundary.
+    pub fn held(&self, latest: u64) -> Held {
+        Held {
+            latest,
+            received: self.received.iter().map(|k| k.key).collect(),
+            sent: self.sent.iter().map(|k| k.key).collect(),
+        }
+    }
+
+    /// The messages this worker sent that `wanted` names, taken out of the log.
+    pub fn take_sent(&mut self, wanted: &HashSet<Key>) -> Vec<Message> {
+        let (out, kept) = std::mem::take(&mut self.sent)
+            .into_iter()
+            .partition(|k| wanted.contains(&k.key));
+        self.sent = kept;
+        out.into_iter().map(Kept::into_message).collect()
+    }
+
+    /// Every message this worker received, by key, taken out of the log.
+    pub fn take_received(&mut self) -> HashMap<Key, Message> {
+        let mut out = HashMap::new();
+        for k in std::mem::take(&mut self.received) {
+            out.entry(k.key).or_insert_with(|| k.into_message());
+        }
+        out
+    }
+}
+
+/// What one survivor kept of a failed segment that planning its takeover reads: its latest
+/// step boundary and the keys of the data messages its logs hold. Worker processes exchange
+/// it; threads read it from their logs in place.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// The segment's steps the worker's stage had applied at its latest boundary.
+    pub latest: u64,
+    /// Keys of the messages it received over its kept boundaries.
+    pub received: HashSet<Key>,
+    /// Keys of the messages it sent over them.
+    pub sent: HashSet<Key>,
 }
 
 fn poisoned() -> TransportError {
@@ -246,6 +289,11 @@ impl<T> Serving<T> {
     pub fn new(inner: T, kept: HashMap<Key, Message>) -> Self {
         Serving { inner, kept }
     }
+
+    /// The endpoint served from, with what was not handed out dropped.
+    pub fn into_inner(self) -> T {
+        self.inner
+    }
 }
 
 impl<T: Transport> Transport for Serving<T> {
@@ -330,7 +378,10 @@ fn takeover_err(msg: String) -> StageError {
 /// A worker's resumed program at the boundary where its stage has applied `version`
 /// updates, with the stash from `points` (`start`: the stage's state at the segment's
 /// start, version 0).
-fn resume_from(
+///
+/// # Errors
+/// A version whose state or older versions `points` no longer keeps.
+pub fn resume_from(
     plan: &RunPlan,
     worker: u32,
     version: u32,
@@ -381,8 +432,8 @@ fn version_at_step(plan: &RunPlan, worker: u32, step: u64) -> Result<u32> {
 /// a log.
 fn unmet(
     plan: &RunPlan,
-    resumes: &[Resume],
-    kept: &[HashMap<Key, Message>],
+    resumes: &[ResumePoint],
+    kept: &[HashSet<Key>],
     sent_again: &HashSet<Key>,
 ) -> Option<Key> {
     let layout = plan.schedule.layout();
@@ -392,7 +443,7 @@ fn unmet(
         .iter()
         .enumerate()
         .flat_map(|(w, r)| {
-            r.point.actions.iter().filter_map(move |p| match p.action {
+            r.actions.iter().filter_map(move |p| match p.action {
                 Action::AllReduce { stage, update } => Some((w as u32, stage, update)),
                 _ => None,
             })
@@ -401,7 +452,7 @@ fn unmet(
     let chunks: Vec<HashSet<(u32, u32, u32)>> = kept
         .iter()
         .map(|k| {
-            k.keys()
+            k.iter()
                 .filter(|key| key.kind == Kind::Chunk)
                 .map(|key| (key.from, key.stage, key.index))
                 .collect()
@@ -413,7 +464,7 @@ fn unmet(
         .enumerate()
         .find_map(|(w, (r, (k, chunks)))| {
             let w = w as u32;
-            r.point.actions.iter().find_map(|p| match p.action {
+            r.actions.iter().find_map(|p| match p.action {
                 Action::AllReduce { stage, update } => layout
                     .group(stage)
                     .filter(|&g| g != w && !reduces.contains(&(g, stage, update)))
@@ -428,28 +479,24 @@ fn unmet(
                     }),
                 a => data_key(w, a)
                     .filter(|key| key.to == w)
-                    .filter(|key| !k.contains_key(key) && !sent_again.contains(key)),
+                    .filter(|key| !k.contains(key) && !sent_again.contains(key)),
             })
         })
 }
 
-/// Why a run's segments cannot be taken over at all: a stage that updates within a step (an
+/// Why a run's segments cannot be taken over at all (`clips`: the optimizer clips gradients): a stage that updates within a step (an
 /// asynchronous policy on replica counts that differ), whose versions between boundaries no
 /// point keeps, or exchanges between stages at each update that no log keeps (gradient
 /// clipping's norms, tied parameters' gradients).
-fn refused(setup: &Setup<'_>, start: &[WorkerState]) -> Option<&'static str> {
-    let resolved = &setup.plan.schedule.resolved;
-    let stages = setup.plan.schedule.stages();
+pub fn refused(plan: &RunPlan, model: &crate::model::Model, clips: bool) -> Option<&'static str> {
+    let resolved = &plan.schedule.resolved;
+    let stages = plan.schedule.stages();
     if (0..stages).any(|s| resolved.update_size(s) != resolved.minibatch) {
         // The versions between two step boundaries are not kept.
         return Some("a stage updating more than once a step");
     }
-    let clips = start
-        .iter()
-        .flat_map(|w| &w.stages)
-        .any(|st| st.opt.optimizer().config().grad_clip.is_some());
-    let ranges = setup.plan.partition.ranges();
-    let ties = (0..ranges.len()).any(|s| !setup.model.tie_partners(ranges, s).is_empty());
+    let ranges = plan.partition.ranges();
+    let ties = (0..ranges.len()).any(|s| !model.tie_partners(ranges, s).is_empty());
     match (clips, ties) {
         (true, _) => Some("gradient clipping"),
         (_, true) => Some("parameters tied across stages"),
@@ -457,67 +504,65 @@ fn refused(setup: &Setup<'_>, start: &[WorkerState]) -> Option<&'static str> {
     }
 }
 
-/// How a segment of `setup`'s plan goes on after worker `lost` failed, from each worker's kept
-/// `points` and `traffic` and the segment's `start` states: every survivor resumes at its
-/// latest boundary, the lost worker's program at the latest boundary its stage's first other
-/// replica kept (and not past `own`, the lost worker's own latest step where it is known) from
-/// which nothing a survivor waits for is missing.
+/// The keys `worker`'s resumed program sends from `point` on.
+fn sends_of(worker: u32, point: &ResumePoint) -> impl Iterator<Item = Key> + '_ {
+    point
+        .actions
+        .iter()
+        .filter_map(move |p| data_key(worker, p.action))
+        .filter(move |k| k.from == worker)
+}
+
+/// The version each worker of a segment of `plan` resumes at after worker `lost` failed,
+/// from what each survivor `held` (none for the lost one) and the points of the lost
+/// worker's stage's first other replica (`adopter`: its rollback points and its state at the
+/// segment's start): every survivor at its latest boundary, the lost worker's program at
+/// the latest boundary the adopter kept (and not past `own`, the lost worker's own latest
+/// step where it is known) from which nothing a survivor waits for is missing.
 ///
 /// # Errors
-/// A worker of several stages, a lost worker with no other replica, a stage whose boundaries
-/// fall within an update (replica counts that differ between stages under an asynchronous
-/// policy), gradient clipping or tied parameters (whose exchanges are not kept), or a
+/// A lost worker with no other replica, a stage whose boundaries fall within an update, a
 /// message that is no longer kept.
-pub fn take_over(
-    setup: &Setup<'_>,
+pub fn plan_takeover(
+    plan: &RunPlan,
     (lost, own): (u32, Option<u64>),
-    start: &[WorkerState],
-    points: &[Arc<Mutex<Points>>],
-    traffic: &[SharedTraffic],
-) -> Result<Takeover> {
-    if let Some(what) = refused(setup, start) {
-        return Err(takeover_err(format!("not under {what}")));
-    }
-    let plan = setup.plan;
-    let layout = plan.schedule.layout();
-    let (stage, _) = layout.placement(lost);
-    let adopter = layout
-        .group(stage)
-        .find(|&w| w != lost)
-        .ok_or_else(|| takeover_err(format!("stage {stage} has no other replica")))?;
-    let points: Vec<_> = points
-        .iter()
-        .map(|p| p.lock().map_err(|_| super::rollback::poisoned()))
-        .collect::<Result<_>>()?;
-    let mut traffic: Vec<_> = traffic
-        .iter()
-        .map(|t| t.lock().map_err(|_| super::rollback::poisoned()))
-        .collect::<Result<_>>()?;
+    held: &[Option<Held>],
+    adopter: (&Points, &WorkerState),
+) -> Result<Vec<u32>> {
     let workers = plan.schedule.workers();
-    let mut resumes = Vec::with_capacity(workers as usize);
-    let mut states = Vec::with_capacity(workers as usize);
+    let mut versions = vec![0u32; workers as usize];
+    let mut points = Vec::with_capacity(workers as usize);
     for w in 0..workers {
-        let from = if w == lost { adopter } else { w };
-        let held = (&*points[from as usize], &start[from as usize]);
-        let version = version_at_step(plan, from, held.0.latest())?;
-        let (resume, state) = resume_from(plan, w, version, held)?;
-        resumes.push(resume);
-        states.push(WorkerState { worker: w, ..state });
+        let latest = match held.get(w as usize) {
+            Some(Some(h)) => h.latest,
+            _ if w == lost => adopter.0.latest(),
+            _ => return Err(takeover_err(format!("nothing held of worker {w}"))),
+        };
+        let from = if w == lost {
+            adopter_of(plan, lost)?
+        } else {
+            w
+        };
+        versions[w as usize] = version_at_step(plan, from, latest)?;
+        points.push(resume_point(
+            &plan.schedule,
+            &plan.versions,
+            w,
+            versions[w as usize],
+        )?);
     }
-    // What each worker reads from its boundary on and a log holds: its own received
-    // messages (the lost worker's are gone with it), and what every survivor sent it. The
-    // logs are the failed segment's: they are handed over, not copied.
-    let mut kept: Vec<HashMap<Key, Message>> = (0..workers).map(|_| HashMap::new()).collect();
-    for (w, t) in traffic.iter_mut().enumerate() {
-        if w as u32 == lost {
-            continue;
+    // What a log holds for each worker: its own received messages (the lost worker's are
+    // gone with it), and what every survivor sent it.
+    let mut available: Vec<HashSet<Key>> = vec![HashSet::new(); workers as usize];
+    for h in held.iter().flatten() {
+        for k in &h.received {
+            if let Some(slot) = available.get_mut(k.to as usize) {
+                slot.insert(*k);
+            }
         }
-        for k in std::mem::take(&mut t.received) {
-            kept[w].entry(k.key).or_insert_with(|| k.into_message());
-        }
-        for k in std::mem::take(&mut t.sent) {
-            if let Some(slot) = kept.get_mut(k.key.to as usize) {
-                slot.entry(k.key).or_insert_with(|| k.into_message());
+        for k in &h.sent {
+            if let Some(slot) = available.get_mut(k.to as usize) {
+                slot.insert(*k);
             }
         }
     }
@@ -527,36 +572,20 @@ pub fn take_over(
         Some(step) => version_at_step(plan, lost, step)?,
         None => u32::MAX,
     };
-    let adopted = resumes[lost as usize].point.version.min(own);
+    let adopted = versions[lost as usize].min(own);
     for version in (0..=adopted).rev() {
-        let held = (&*points[adopter as usize], &start[adopter as usize]);
-        let Ok((resume, state)) = resume_from(plan, lost, version, held) else {
+        if resume_from(plan, lost, version, adopter).is_err() {
             break;
-        };
-        resumes[lost as usize] = resume;
-        states[lost as usize] = WorkerState {
-            worker: lost,
-            ..state
-        };
-        let sent_again: HashSet<Key> = resumes
+        }
+        versions[lost as usize] = version;
+        points[lost as usize] = resume_point(&plan.schedule, &plan.versions, lost, version)?;
+        let sent_again: HashSet<Key> = points
             .iter()
             .enumerate()
-            .flat_map(|(w, r)| {
-                r.point
-                    .actions
-                    .iter()
-                    .filter_map(move |p| data_key(w as u32, p.action))
-                    .filter(move |k| k.from == w as u32)
-            })
+            .flat_map(|(w, p)| sends_of(w as u32, p))
             .collect();
-        match unmet(plan, &resumes, &kept, &sent_again) {
-            None => {
-                return Ok(Takeover {
-                    states,
-                    resumes,
-                    kept,
-                });
-            }
+        match unmet(plan, &points, &available, &sent_again) {
+            None => return Ok(versions),
             Some(key) if key.from != lost => {
                 return Err(takeover_err(format!("message {key:?} is no longer kept")));
             }
@@ -564,6 +593,146 @@ pub fn take_over(
         }
     }
     Err(takeover_err(format!(
-        "no boundary worker {adopter} kept sends again what the survivors wait for from worker {lost}"
+        "no boundary the lost worker's replica kept sends again what the survivors wait for from worker {lost}"
     )))
+}
+
+/// The first other replica of `lost`'s stage: the one whose points its program resumes from.
+///
+/// # Errors
+/// A stage with no other replica.
+pub fn adopter_of(plan: &RunPlan, lost: u32) -> Result<u32> {
+    let layout = plan.schedule.layout();
+    let (stage, _) = layout.placement(lost);
+    layout
+        .group(stage)
+        .find(|&w| w != lost)
+        .ok_or_else(|| takeover_err(format!("stage {stage} has no other replica")))
+}
+
+/// The messages of `held` (one survivor's, worker `from`) that another worker's resumed
+/// program reads and `from`'s own resumed program does not send again, as `versions` resume
+/// them: what `from` hands over after a takeover. All-reduce chunks are handed over for
+/// every all-reduce the receiver runs again and `from` does not.
+///
+/// # Errors
+/// A version no program reaches.
+pub fn handed_over(
+    plan: &RunPlan,
+    from: u32,
+    versions: &[u32],
+    held: &Held,
+) -> Result<HashSet<Key>> {
+    let point = |w: u32| {
+        let v = versions.get(w as usize).copied().unwrap_or(0);
+        resume_point(&plan.schedule, &plan.versions, w, v)
+    };
+    let mine = point(from)?;
+    let again: HashSet<Key> = sends_of(from, &mine).collect();
+    let reduced = |p: &ResumePoint| -> HashSet<(u32, u32)> {
+        p.actions
+            .iter()
+            .filter_map(|a| match a.action {
+                Action::AllReduce { stage, update } => Some((stage, update)),
+                _ => None,
+            })
+            .collect()
+    };
+    let my_reduces = reduced(&mine);
+    let mut out = HashSet::new();
+    let targets: HashSet<u32> = held.sent.iter().map(|k| k.to).collect();
+    for to in targets {
+        let theirs = point(to)?;
+        let reads: HashSet<Key> = theirs
+            .actions
+            .iter()
+            .filter_map(|p| data_key(to, p.action))
+            .filter(|k| k.to == to)
+            .collect();
+        let their_reduces = reduced(&theirs);
+        out.extend(held.sent.iter().filter(|k| k.to == to).filter(|k| {
+            if k.kind == Kind::Chunk {
+                let at = (k.stage, k.index);
+                their_reduces.contains(&at) && !my_reduces.contains(&at)
+            } else {
+                reads.contains(k) && !again.contains(k)
+            }
+        }));
+    }
+    Ok(out)
+}
+
+/// How a segment of `setup`'s plan goes on after worker `lost` failed, from each worker's kept
+/// `points` and `traffic` and the segment's `start` states: as [`plan_takeover`] resumes
+/// them, with the kept messages each reads from its boundary on.
+///
+/// # Errors
+/// As [`plan_takeover`]; a worker of several stages, gradient clipping or tied parameters
+/// (whose exchanges are not kept).
+pub fn take_over(
+    setup: &Setup<'_>,
+    (lost, own): (u32, Option<u64>),
+    start: &[WorkerState],
+    points: &[Arc<Mutex<Points>>],
+    traffic: &[SharedTraffic],
+) -> Result<Takeover> {
+    let clips = start
+        .iter()
+        .flat_map(|w| &w.stages)
+        .any(|st| st.opt.optimizer().config().grad_clip.is_some());
+    if let Some(what) = refused(setup.plan, setup.model, clips) {
+        return Err(takeover_err(format!("not under {what}")));
+    }
+    let plan = setup.plan;
+    let adopter = adopter_of(plan, lost)?;
+    let points: Vec<_> = points
+        .iter()
+        .map(|p| p.lock().map_err(|_| super::rollback::poisoned()))
+        .collect::<Result<_>>()?;
+    let mut traffic: Vec<_> = traffic
+        .iter()
+        .map(|t| t.lock().map_err(|_| super::rollback::poisoned()))
+        .collect::<Result<_>>()?;
+    let held: Vec<Option<Held>> = (0..plan.schedule.workers())
+        .map(|w| {
+            let i = w as usize;
+            (w != lost).then(|| traffic[i].held(points[i].latest()))
+        })
+        .collect();
+    let at_adopter = (&*points[adopter as usize], &start[adopter as usize]);
+    let versions = plan_takeover(plan, (lost, own), &held, at_adopter)?;
+    let mut resumes = Vec::with_capacity(versions.len());
+    let mut states = Vec::with_capacity(versions.len());
+    for (w, &version) in versions.iter().enumerate() {
+        let from = if w as u32 == lost { adopter } else { w as u32 };
+        let at = (&*points[from as usize], &start[from as usize]);
+        let (resume, state) = resume_from(plan, w as u32, version, at)?;
+        resumes.push(resume);
+        states.push(WorkerState {
+            worker: w as u32,
+            ..state
+        });
+    }
+    // The logs are the failed segment's: they are handed over, not copied.
+    let mut kept: Vec<HashMap<Key, Message>> =
+        (0..versions.len()).map(|_| HashMap::new()).collect();
+    for (w, t) in traffic.iter_mut().enumerate() {
+        if w as u32 == lost {
+            continue;
+        }
+        for (key, m) in t.take_received() {
+            kept[w].entry(key).or_insert(m);
+        }
+        let all: HashSet<Key> = t.sent.iter().map(|k| k.key).collect();
+        for m in t.take_sent(&all) {
+            if let Some(slot) = kept.get_mut(m.key.to as usize) {
+                slot.entry(m.key).or_insert(m);
+            }
+        }
+    }
+    Ok(Takeover {
+        states,
+        resumes,
+        kept,
+    })
 }

@@ -74,9 +74,25 @@ pub fn resume_worker<B: Backend, T: Transport + ?Sized>(
     resume: &Resume,
     t0: Instant,
 ) -> Result<WorkerOutcome> {
+    resume_worker_with(be, t, setup, state, resume, t0, &mut |_| Ok(()))
+}
+
+/// [`resume_worker`], calling `between` between actions as [`run_worker_with`] does.
+///
+/// # Errors
+/// As [`run_worker`], and `between`'s.
+pub fn resume_worker_with<B: Backend, T: Transport + ?Sized>(
+    be: &B,
+    t: &mut T,
+    setup: &Setup<'_>,
+    state: &mut WorkerState,
+    resume: &Resume,
+    t0: Instant,
+    between: &mut dyn FnMut(&mut T) -> Result<()>,
+) -> Result<WorkerOutcome> {
     let at = Some((&resume.stash, resume.point.version));
     let actions = &resume.point.actions;
-    drive(be, t, setup, state, (t0, actions), at, &mut |_| Ok(()))
+    drive(be, t, setup, state, (t0, actions), at, between)
 }
 
 /// The older weight versions a resumed worker reads, and its stage's version.

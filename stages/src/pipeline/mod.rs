@@ -47,6 +47,7 @@ pub mod run_plan;
 pub mod setup;
 pub mod stale;
 pub mod survive;
+pub mod takeover;
 pub mod trace_parts;
 pub mod train;
 pub mod worker;

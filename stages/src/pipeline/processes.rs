@@ -35,6 +35,7 @@ use pipe_transport::{Interrupter, TransportKind};
 use serde::{Deserialize, Serialize};
 
 use super::doctor::{StopReport, diagnose};
+use super::recover::Remeshed;
 use super::restart::RestartPolicy;
 use crate::checkpoint::CheckpointPolicy;
 use crate::config::RunConfig;
@@ -62,6 +63,10 @@ fn refused(why: String) -> StageError {
 /// The line a launched worker prints once it has bound its port: this prefix, then the
 /// address.
 pub const LISTENING: &str = "PIPE-LISTENING ";
+/// The line a launched worker prints, before its own [`LISTENING`] line, once it has bound an
+/// endpoint for a lost rank whose program it adopts ([`super::takeover`]): this prefix, the
+/// rank, a space, then the address. The launcher takes it only for the rank it marked absent.
+pub const HOSTING: &str = "PIPE-HOSTING ";
 /// The prefix of a launched chief's step and epoch records.
 pub const RECORD: &str = "PIPE-RECORD ";
 
@@ -841,6 +846,25 @@ struct Relay<'r> {
 }
 
 impl Relay<'_> {
+    /// A [`HOSTING`] line (`RANK ADDRESS`): the address of a lost rank's endpoint that a
+    /// survivor hosts, taken only into that rank's slot while it is marked absent (a mesh of
+    /// the survivors is being set up); anything else is ignored.
+    fn hosted(&mut self, line: &str) {
+        let Some((rank, addr)) = line.trim().split_once(' ') else {
+            return;
+        };
+        let Ok(rank) = rank.parse::<usize>() else {
+            return;
+        };
+        if let Some(slot) = self
+            .listening
+            .get_mut(rank)
+            .filter(|s| s.as_deref() == Some(pipe_transport::registration::ABSENT))
+        {
+            *slot = Some(addr.trim().to_string());
+        }
+    }
+
     /// Handles one line of a worker's output.
     fn line(&mut self, line: Line) {
         let Line { rank, stderr, text } = line;
@@ -849,6 +873,10 @@ impl Relay<'_> {
                 if let Err(e) = (self.on_record)(rank, json) {
                     self.failure.get_or_insert(e);
                 }
+                return;
+            }
+            if let Some(hosted) = text.strip_prefix(HOSTING) {
+                self.hosted(hosted);
                 return;
             }
             if let Some(addr) = text.strip_prefix(LISTENING) {
@@ -1314,16 +1342,33 @@ impl LaunchedRemesh {
     }
 
     /// A new mesh of the run's ranks, `absent` marked so by the launcher: binds a new endpoint
-    /// of the same kind and rank, tells the launcher where, and connects where it says.
-    fn connect_mesh(&mut self, what: &str) -> Result<Box<dyn pipe_transport::Transport>> {
+    /// of the same kind and rank, tells the launcher where, and connects where it says. With
+    /// `host`, also an endpoint of that (lost) rank, announced first and connected on a thread
+    /// of its own: the launcher names it in the lost rank's place.
+    fn connect_mesh(
+        &mut self,
+        what: &str,
+        (absent, host): (Option<u32>, bool),
+    ) -> Result<Remeshed> {
         let kind = self.opts.transport.for_processes(true);
         let at = Listen {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             meet: self.opts.meet.clone(),
         };
         let rank = self.rank;
-        let bound = kinds::bind(kind, &self.cluster, rank, &at, &self.opts.settings)
-            .map_err(|e| failed(format!("worker {rank} binding {kind} again: {e}")))?;
+        let bind = |r: u32| {
+            kinds::bind(kind, &self.cluster, r, &at, &self.opts.settings)
+                .map_err(|e| failed(format!("worker {rank} binding {kind} for rank {r}: {e}")))
+        };
+        let hosted = match absent.filter(|_| host) {
+            Some(lost) => {
+                let b = bind(lost)?;
+                announce_hosted(lost, &b.address()?)?;
+                Some(b)
+            }
+            None => None,
+        };
+        let bound = bind(rank)?;
         announce(&bound.address()?)?;
         let deadline = Instant::now() + self.opts.settings.connect_timeout;
         let peers = loop {
@@ -1346,13 +1391,43 @@ impl LaunchedRemesh {
                 self.cluster.size()
             )));
         }
+        let lost_hosted = absent.is_some_and(|r| {
+            peers
+                .get(r as usize)
+                .is_some_and(|a| a != pipe_transport::registration::ABSENT)
+        });
+        let hosted = match hosted {
+            Some(b) => {
+                let peers = peers.clone();
+                let (tx, rx) = crossbeam_channel::bounded(1);
+                std::thread::Builder::new()
+                    .name("pipe-connect-hosted".into())
+                    .spawn(move || {
+                        let _ = tx.send(b.connect(&peers));
+                    })
+                    .map_err(|e| failed(format!("starting a thread to connect: {e}")))?;
+                Some(rx)
+            }
+            None => None,
+        };
         let (words, held) = (&self.words, &mut self.held);
         let joined = connect_watching((bound, peers), rank, words, held, CONNECT_AFTER_A_LOSS)?;
         let endpoint = joined.endpoint;
         if let Ok(mut slot) = self.interrupt.lock() {
             *slot = endpoint.interrupter();
         }
-        Ok(endpoint)
+        let hosted = match hosted {
+            Some(rx) => {
+                let ended = || failed("the thread connecting a hosted rank ended".to_string());
+                Some(rx.recv().map_err(|_| ended())??.endpoint)
+            }
+            None => None,
+        };
+        Ok(Remeshed {
+            ep: endpoint,
+            hosted,
+            lost_hosted,
+        })
     }
 }
 
@@ -1435,8 +1510,9 @@ impl super::recover::Remesh for LaunchedRemesh {
         }
     }
 
-    fn connect_without(&mut self, lost: u32) -> Result<Box<dyn pipe_transport::Transport>> {
-        self.connect_mesh(&format!("of the survivors after worker {lost} was lost"))
+    fn connect_without(&mut self, lost: u32, host: bool) -> Result<Remeshed> {
+        let what = format!("of the survivors after worker {lost} was lost");
+        self.connect_mesh(&what, (Some(lost), host))
     }
 
     fn joining(&mut self) -> Option<u32> {
@@ -1459,7 +1535,8 @@ impl super::recover::Remesh for LaunchedRemesh {
     }
 
     fn connect_all(&mut self, joining: u32) -> Result<Box<dyn pipe_transport::Transport>> {
-        self.connect_mesh(&format!("for worker {joining}'s replacement to join"))
+        let what = format!("for worker {joining}'s replacement to join");
+        Ok(self.connect_mesh(&what, (None, false))?.ep)
     }
 
     fn unreplaced(&mut self) -> bool {
@@ -1485,6 +1562,18 @@ fn announce(at: &str) -> Result<()> {
         .map_err(|e| {
             failed(format!(
                 "telling the launcher where this worker listens: {e}"
+            ))
+        })
+}
+
+/// Tells the launcher where this worker listens for `rank`, a lost rank it hosts.
+fn announce_hosted(rank: u32, at: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{HOSTING}{rank} {at}")
+        .and_then(|()| out.flush())
+        .map_err(|e| {
+            failed(format!(
+                "telling the launcher where rank {rank} listens: {e}"
             ))
         })
 }

@@ -54,11 +54,13 @@ pub trait Remesh: Send {
     /// run does not go on in place (the launcher said so, or said nothing).
     fn lost(&mut self, within: Duration) -> Option<LostPeer>;
 
-    /// A new mesh of the run's ranks with `lost` absent, connected where the launcher says.
+    /// A new mesh of the run's ranks with `lost` absent, connected where the launcher says;
+    /// with `host`, `lost`'s place is this worker's too: it binds and connects an endpoint
+    /// of that rank as well, for the lost program it adopts ([`super::takeover`]).
     ///
     /// # Errors
     /// A port that cannot be bound, peers that do not connect in time.
-    fn connect_without(&mut self, lost: u32) -> Result<Box<dyn Transport>>;
+    fn connect_without(&mut self, lost: u32, host: bool) -> Result<Remeshed>;
 
     /// The rank of a lost replica's replacement that has started and is ready to join
     /// (`--rejoin`), if the launcher has said so; never waits. The chief asks at the end of
@@ -76,6 +78,16 @@ pub trait Remesh: Send {
     /// short of after all (its replacements kept failing before they joined); never waits.
     /// The chief asks at the end of each segment the run waits for one.
     fn unreplaced(&mut self) -> bool;
+}
+
+/// The survivors' mesh after a loss, from this worker's side.
+pub struct Remeshed {
+    /// This worker's endpoint, numbered by the run's ranks.
+    pub ep: Box<dyn Transport>,
+    /// The lost rank's endpoint, where this worker hosts it.
+    pub hosted: Option<pipe_transport::registration::Endpoint>,
+    /// Some survivor hosts the lost rank in this mesh (the launcher named an address for it).
+    pub lost_hosted: bool,
 }
 
 /// A [`Remesh`] a worker's options can carry.
@@ -161,24 +173,15 @@ pub struct Failed<'p> {
     pub points: &'p Mutex<Points>,
 }
 
-/// After this worker's part of a segment failed and its launcher named `lost`: connects the
-/// survivors' mesh through `remesh` and settles with them where the run goes on under
-/// `change` (the layout without `lost`).
+/// Each of `change`'s layout's workers as `plan`'s (the ranks of the survivors' mesh, `lost`
+/// absent): a stage's survivors keep their order.
 ///
 /// # Errors
-/// A mesh that does not connect; a peer that fails the exchange.
-pub fn go_on(
-    remesh: &mut dyn Remesh,
-    lost: u32,
-    change: LayoutChange,
-    at: Failed<'_>,
-) -> Result<GoneOn> {
-    let old = at.plan.schedule.layout();
-    let me = at.worker;
-    let policy = at.plan.schedule.resolved.policy;
+/// A layout `change` cannot resolve, or one with more places than survivors.
+pub fn survivor_ranks(plan: &RunPlan, lost: u32, change: &LayoutChange) -> Result<Vec<u32>> {
+    let old = plan.schedule.layout();
+    let policy = plan.schedule.resolved.policy;
     let new = change.spec(1, policy, 1).resolve()?.layout;
-    // Each of the new layout's workers as the old one's (the ranks of the mesh): a stage's
-    // survivors keep their order.
     let mut ranks = vec![0; new.workers() as usize];
     for s in 0..new.stages() {
         for (r, was) in old.group(s).filter(|&w| w != lost).enumerate() {
@@ -187,7 +190,23 @@ pub fn go_on(
                 was;
         }
     }
-    let inner = remesh.connect_without(lost)?;
+    Ok(ranks)
+}
+
+/// After this worker's part of a segment failed and its launcher named `lost`: over `inner`,
+/// the survivors' mesh ([`Remesh::connect_without`]), settles with them where the run goes on
+/// under `change` (the layout without `lost`).
+///
+/// # Errors
+/// A peer that fails the exchange.
+pub fn go_on(
+    inner: Box<dyn Transport>,
+    lost: u32,
+    change: LayoutChange,
+    at: Failed<'_>,
+) -> Result<GoneOn> {
+    let me = at.worker;
+    let ranks = survivor_ranks(at.plan, lost, &change)?;
     let mut ep: Box<dyn Transport> = Box::new(Renumbered::new(inner, ranks.clone())?);
     let id = ep.rank();
     let points = at.points.lock().map_err(|_| super::rollback::poisoned())?;

@@ -672,6 +672,10 @@ pub(crate) fn run_segments(
                 }
                 SegmentEnd::Follower { stop, rejoin } => {
                     end.done += this;
+                    // A replica lost in the segment and taken over: the layout changes here.
+                    if let Some(change) = coord.taken_over(&plan, end.done)? {
+                        layout = Some(change);
+                    }
                     if stop {
                         end.stopped = Some(end.done);
                     } else if rejoin {

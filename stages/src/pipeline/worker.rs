@@ -37,12 +37,16 @@ use std::time::Instant;
 use pipe_kernels::Tensor;
 use pipe_scheduler::Length;
 use pipe_scheduler::planner::buckets::StageBuckets;
+use pipe_transport::registration::Endpoint;
+use pipe_transport::renumbered::Renumbered;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use serde::{Deserialize, Serialize};
 
+use super::adopt::{Logging, Serving, SharedTraffic, Traffic, resume_from};
 use super::doctor::StopReport;
-use super::driver::run_worker_with;
+use super::driver::{resume_worker_with, run_worker_with};
 use super::exec::{WorkerOutcome, WorkerState};
+use super::rollback::Points;
 use super::run_plan::RunPlan;
 use super::setup::Report;
 use super::survive::LayoutChange;
@@ -315,6 +319,8 @@ fn run_process<T: Transport>(
         ep,
         renewed: None,
         remesh: opts.remesh.clone(),
+        hosted: None,
+        taken_over: None,
         be,
         start: Some(start),
         state: None,
@@ -327,12 +333,16 @@ fn run_process<T: Transport>(
     };
     let end = run_segments(&run, &mut me, data, from, obs);
     // The survivors' mesh of a replica lost in place ends here; the caller closes its own.
+    let hosted = me.hosted.take().map(|h| h.close(end.is_ok()));
     if let Some(ep) = me.renewed.as_mut() {
         match &end {
             Ok(_) => ep.close()?,
             Err(e) if !e.is_abort_echo() => ep.abort(),
             Err(_) => {}
         }
+    }
+    if let Some(closing) = hosted {
+        let _ = closing.join();
     }
     let end = end?;
     Ok(chief.then_some(WorkerReport {
@@ -357,6 +367,12 @@ struct Process<'a, T: Transport> {
     renewed: Option<Box<dyn Transport>>,
     /// How to go on in place after a lost replica.
     remesh: Option<super::recover::RemeshHandle>,
+    /// A lost rank's endpoint this worker hosts in the survivors' mesh ([`super::takeover`]),
+    /// kept open while that mesh is in use.
+    hosted: Option<Hosted>,
+    /// The layout change of a replica lost in the last segment and taken over, to make at the
+    /// segment's end ([`Coordinator::taken_over`]).
+    taken_over: Option<LayoutChange>,
     be: Box<dyn pipe_kernels::Backend>,
     /// Where the run starts; its weights also shape what the chief gathers. A follower lets
     /// it go once its state holds its stages (the weights live on there).
@@ -373,6 +389,46 @@ struct Process<'a, T: Transport> {
     origin: (std::time::SystemTime, Instant),
     /// Where this worker's program stood at the end of its last segment, for the hang doctor.
     stop: &'a mut Option<StopReport>,
+}
+
+/// A lost rank's endpoint that this worker hosts after taking its segment over
+/// ([`super::takeover`]).
+enum Hosted {
+    /// The lost program's end-of-segment exchange with the chief, on a thread of its own;
+    /// the endpoint comes back when it ends.
+    Ending(std::thread::JoinHandle<Result<Endpoint>>),
+    /// Idle, kept open while the survivors' mesh is in use: its peers would take its close
+    /// for a loss.
+    Idle(Endpoint),
+}
+
+impl Hosted {
+    /// The endpoint, once the exchange has ended.
+    ///
+    /// # Errors
+    /// The lost program's end-of-segment exchange failed.
+    fn idle(self) -> Result<Endpoint> {
+        match self {
+            Hosted::Idle(ep) => Ok(ep),
+            Hosted::Ending(h) => h.join().map_err(|_| {
+                StageError::Executor("the lost program's end-of-segment exchange panicked".into())
+            })?,
+        }
+    }
+
+    /// Closes it (or aborts it, unless `cleanly`) on a thread of its own, beside this
+    /// worker's own endpoint's close, which waits for every peer's.
+    fn close(self, cleanly: bool) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            if let Ok(mut ep) = self.idle() {
+                if cleanly {
+                    let _ = ep.close();
+                } else {
+                    ep.abort();
+                }
+            }
+        })
+    }
 }
 
 /// This worker's state, once its first segment has made it.
@@ -394,19 +450,38 @@ fn current<'e, T: Transport>(
     }
 }
 
+/// What a worker process holds of a segment whose part failed.
+struct Failure<'f, 'r> {
+    /// Every worker's rollback points (this worker's filled).
+    points: &'f super::rollback::Kept,
+    /// This worker's state is still the segment's start (its program failed), not its end
+    /// (the exchange after it did).
+    at_start: bool,
+    /// This worker's traffic log, where one was kept.
+    traffic: Option<&'f SharedTraffic>,
+    /// Its loss relay, the reports its program sent it, and where they are sent.
+    relay: (
+        &'f mut LossRelay<'r>,
+        &'f crossbeam_channel::Receiver<Report>,
+        &'f crossbeam_channel::Sender<Report>,
+    ),
+}
+
 impl<T: Transport> Process<'_, T> {
     /// After this worker's part of segment `at` of `plan` failed with `err`: goes on in place
-    /// where its launcher names a lost replica the run can do without ([`super::recover`]),
-    /// else returns `err`. `at_start`: this worker's state is still the segment's start (its
-    /// program failed), not its end (the exchange after it did).
+    /// where its launcher names a lost replica the run can do without, else returns `err`.
+    /// The segment is taken over where every worker stands where it can be
+    /// ([`super::takeover`]); else the run goes back to the latest step every stage passed
+    /// ([`super::recover`]).
     fn after_failure(
         &mut self,
         plan: &RunPlan,
         at: &Segment,
         err: StageError,
-        (points, at_start): (&super::rollback::Kept, bool),
+        failed: Failure<'_, '_>,
+        obs: &mut dyn Observer,
     ) -> Result<SegmentEnd> {
-        let (Some(remesh), Some(start)) = (&self.remesh, &self.state) else {
+        let (Some(handle), Some(start)) = (self.remesh.clone(), &self.state) else {
             return Err(err);
         };
         // Nothing to go on without: no stage has a second replica.
@@ -419,7 +494,7 @@ impl<T: Transport> Process<'_, T> {
         if !err.is_abort_echo() {
             ep.abort();
         }
-        let mut remesh = remesh.0.lock().map_err(|_| {
+        let mut remesh = handle.0.lock().map_err(|_| {
             StageError::Executor("the way to the launcher was left poisoned".into())
         })?;
         let Some(word) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
@@ -430,22 +505,207 @@ impl<T: Transport> Process<'_, T> {
         let Some(change) = LayoutChange::without(self.run.cfg, lost, how, at.done) else {
             return Err(err);
         };
-        let own = points
+        let own = failed
+            .points
             .get(rank as usize)
             .ok_or_else(|| StageError::Executor("a worker without rollback points".into()))?;
-        let failed = super::recover::Failed {
+        let clips = start
+            .stages
+            .iter()
+            .any(|st| st.opt.optimizer().config().grad_clip.is_some());
+        let adopter = super::adopt::adopter_of(plan, lost).ok();
+        // This worker can resume where it stands: its program failed (its state is the
+        // segment's start), its traffic was logged, and the run's exchanges are all logged.
+        let traffic = failed
+            .traffic
+            .filter(|_| failed.at_start)
+            .filter(|_| super::adopt::refused(plan, &self.run.model, clips).is_none());
+        let host = traffic.is_some() && adopter == Some(rank);
+        let meshes = remesh.connect_without(lost, host)?;
+        drop(remesh);
+        self.hosted = meshes.hosted.map(Hosted::Idle);
+        let mut ep = meshes.ep;
+        // The adopter hosts the lost rank where it can take the segment over; then every
+        // survivor settles with it whether they do.
+        if meshes.lost_hosted {
+            let points = own.lock().map_err(|_| super::rollback::poisoned())?;
+            let held = match traffic {
+                Some(log) => Some(
+                    log.lock()
+                        .map_err(|_| super::rollback::poisoned())?
+                        .held(points.latest()),
+                ),
+                None => None,
+            };
+            let adopting = host.then_some((&*points, start));
+            let planned =
+                super::takeover::settle(ep.as_mut(), (plan, self.index), lost, held, adopting)?;
+            drop(points);
+            if let Some(versions) = planned {
+                let adopted = Adopted {
+                    lost,
+                    change: change.taken_over(at.len),
+                    versions,
+                };
+                return self.run_taken_over(plan, at, (ep, adopted), failed, obs);
+            }
+        }
+        let gone_on = super::recover::Failed {
             plan,
             len: at.len,
             index: self.index,
             worker: rank,
-            start: at_start.then_some(start),
+            start: failed.at_start.then_some(start),
             points: own,
         };
-        let mut gone = super::recover::go_on(remesh.as_mut(), lost, change, failed)?;
+        let mut gone = super::recover::go_on(ep, lost, change, gone_on)?;
         let standing = standing_after(&mut gone, plan.schedule.workers(), self.index)?;
         self.renewed = Some(gone.ep);
         self.state = Some(gone.state);
         Ok(SegmentEnd::Relayout(gone.change, standing))
+    }
+}
+
+/// XORed into the stage of every data key on the survivors' mesh after a takeover
+/// ([`Renumbered::tagging_data`]).
+const TAKEN_OVER_TAG: u32 = 1 << 31;
+
+/// A segment taken over after a loss ([`super::takeover`]).
+struct Adopted {
+    /// The lost worker.
+    lost: u32,
+    /// The layout change, made at the segment's end.
+    change: LayoutChange,
+    /// The version each worker resumes at.
+    versions: Vec<u32>,
+}
+
+/// A worker's figures when it passed the step boundary where its stage was at `version`,
+/// from its rollback `points` (none measured at the segment's start).
+fn measured_at_version(
+    plan: &RunPlan,
+    worker: u32,
+    version: u32,
+    points: &Points,
+) -> Result<WorkerOutcome> {
+    let resolved = &plan.schedule.resolved;
+    let (stage, _) = plan.schedule.layout().placement(worker);
+    let applied = u64::from(version) * u64::from(resolved.update_size(stage));
+    match applied / u64::from(resolved.minibatch.max(1)) {
+        0 => Ok(WorkerOutcome::default()),
+        step => points.measured_at(step).ok_or_else(|| {
+            StageError::Executor(format!(
+                "worker {worker}'s figures at step {step} are no longer kept"
+            ))
+        }),
+    }
+}
+
+impl<T: Transport> Process<'_, T> {
+    /// Runs the rest of segment `at` of `plan` taken over (`adopted`) over `ep`, the mesh of
+    /// every rank: this worker's own program from its boundary, and on the adopter the lost
+    /// worker's too, on a thread of its own; then ends the segment as any segment ends. The
+    /// layout changes after the drain ([`Coordinator::taken_over`]).
+    fn run_taken_over(
+        &mut self,
+        plan: &RunPlan,
+        at: &Segment,
+        (mut ep, adopted): (Box<dyn Transport>, Adopted),
+        failed: Failure<'_, '_>,
+        obs: &mut dyn Observer,
+    ) -> Result<SegmentEnd> {
+        let (run, cfg, index) = (self.run, self.run.cfg, self.index);
+        let me = ep.rank();
+        let lost = adopted.lost;
+        let (losses, rx, tx) = failed.relay;
+        let start = mine(&self.state)?;
+        let points = failed
+            .points
+            .get(me as usize)
+            .ok_or_else(|| StageError::Executor("a worker without rollback points".into()))?
+            .lock()
+            .map_err(|_| super::rollback::poisoned())?;
+        let version = |w: u32| adopted.versions.get(w as usize).copied().unwrap_or(0);
+        let (resume, mut state) = resume_from(plan, me, version(me), (&points, start))?;
+        let before = measured_at_version(plan, me, version(me), &points)?;
+        let mut lost_part = match self.hosted.take() {
+            Some(h) => {
+                let (r, s) = resume_from(plan, lost, version(lost), (&points, start))?;
+                Some((h.idle()?, r, s))
+            }
+            None => None,
+        };
+        let latest = points.latest();
+        drop(points);
+        let log = failed
+            .traffic
+            .ok_or_else(|| StageError::Executor("a takeover without a traffic log".into()))?;
+        let kept = {
+            let mut log = log.lock().map_err(|_| super::rollback::poisoned())?;
+            super::takeover::hand_over(ep.as_mut(), plan, &adopted.versions, (&mut log, latest))?
+        };
+        losses.restart(
+            ep.as_mut(),
+            rx,
+            before.losses.len() + before.grad_norms.len(),
+            obs,
+        )?;
+        let t = Instant::now();
+        let be = &self.be;
+        let ran = run.with_setup(plan, self.data, (at.epoch, at.done), Some(tx), |setup| {
+            std::thread::scope(|s| {
+                let adoption = lost_part.take().map(|(hosted, resume, mut st)| {
+                    s.spawn(move || {
+                        let (tx, rx) = crossbeam_channel::unbounded();
+                        let setup = super::setup::Setup {
+                            progress: Some(&tx),
+                            ..*setup
+                        };
+                        let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), lost)?;
+                        let mut relay = LossRelay::new(run, plan, at, index, lost);
+                        let mut quiet = super::observe::Quiet;
+                        let mut ep = Serving::new(hosted, Default::default());
+                        let out = resume_worker_with(
+                            &be,
+                            &mut ep,
+                            &setup,
+                            &mut st,
+                            &resume,
+                            t,
+                            &mut |ep| relay.poll(ep, &rx, &mut quiet),
+                        )?;
+                        let mut ep = ep.into_inner();
+                        relay.poll(&mut ep, &rx, &mut quiet)?;
+                        Ok::<_, StageError>((ep, st, out))
+                    })
+                });
+                let mut served = Serving::new(&mut ep, kept);
+                let own =
+                    resume_worker_with(be, &mut served, setup, &mut state, &resume, t, &mut |ep| {
+                        losses.poll(ep, rx, obs)
+                    });
+                let other = adoption.map(|h| {
+                    h.join()
+                        .map_err(|_| StageError::Executor("the adopted program panicked".into()))?
+                });
+                Ok::<_, StageError>((own?, other.transpose()?))
+            })
+        });
+        let (own, other) = ran?;
+        self.renewed = Some(ep);
+        self.state = Some(state);
+        self.taken_over = Some(adopted.change);
+        if let Some((hosted, st, out)) = other {
+            // The lost program's figures before its boundary went with it; the chief has its
+            // losses from its reports.
+            let plan = plan.clone();
+            self.hosted = Some(Hosted::Ending(std::thread::spawn(move || {
+                let mut hosted = hosted;
+                report_to_chief(&mut hosted, &out, (&plan, &st), index)?;
+                Ok(hosted)
+            })));
+        }
+        self.end_segment(plan, before.followed_by(own), (losses, rx), obs)
     }
 }
 
@@ -513,8 +773,15 @@ impl<T: Transport> Process<'_, T> {
             let (stop, rejoin) = (word.drain.stop, word.joining.is_some());
             return Ok(SegmentEnd::Follower { stop, rejoin });
         }
-        let outcomes = gather_summaries(ep, outcome, index)?;
+        let mut outcomes = gather_summaries(ep, outcome, index)?;
         losses.finish(ep, rx, &outcomes, obs)?;
+        if let Some(super::survive::LayoutEvent::Lost { worker, .. }) =
+            self.taken_over.as_ref().map(|c| &c.event)
+        {
+            if let Some(o) = outcomes.get_mut(*worker as usize) {
+                losses.complete_lost(*worker, o);
+            }
+        }
         Ok(SegmentEnd::Chief(outcomes))
     }
 }
@@ -536,6 +803,15 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         let mut losses = LossRelay::new(run, plan, at, index, rank);
         let (tx, rx) = crossbeam_channel::unbounded();
         let points = super::rollback::points_for(plan);
+        // Copies of the data messages over the boundaries the points keep, for a takeover;
+        // none where a lost replica is not gone on without in place.
+        let traffic = match (&self.remesh, points.get(rank as usize)) {
+            (Some(_), Some(_)) => {
+                let window = super::rollback::points_kept(plan.schedule.stages()) as u64;
+                Some(Arc::new(std::sync::Mutex::new(Traffic::new(window))))
+            }
+            _ => None,
+        };
         let ep = current(&mut *self.ep, &mut self.renewed);
         let (be, state, start) = (&self.be, &mut self.state, &mut self.start);
         let outcome = run.with_setup(plan, self.data, (at.epoch, at.done), Some(&tx), |setup| {
@@ -556,7 +832,15 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             st.keeper = points
                 .get(rank as usize)
                 .map(|p| p.clone() as super::exec::SharedKeeper);
-            run_worker_with(be, ep, setup, st, t, &mut |ep| losses.poll(ep, &rx, obs))
+            match (&traffic, points.get(rank as usize)) {
+                (Some(log), Some(p)) => {
+                    let mut ep = Logging::new(&mut *ep, log.clone(), p.clone());
+                    run_worker_with(be, &mut ep, setup, st, t, &mut |ep| {
+                        losses.poll(ep, &rx, obs)
+                    })
+                }
+                _ => run_worker_with(be, ep, setup, st, t, &mut |ep| losses.poll(ep, &rx, obs)),
+            }
         });
         if let Some(st) = &self.state {
             let segment = (plan.schedule.resolved.policy, at.len as u32);
@@ -565,7 +849,15 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         }
         let outcome = match outcome {
             Ok(outcome) => outcome,
-            Err(e) => return self.after_failure(plan, at, e, (&points, true)),
+            Err(e) => {
+                let failed = Failure {
+                    points: &points,
+                    at_start: true,
+                    traffic: traffic.as_ref(),
+                    relay: (&mut losses, &rx, &tx),
+                };
+                return self.after_failure(plan, at, e, failed, obs);
+            }
         };
         let base = t.duration_since(self.origin.1).as_secs_f64();
         let spans: Vec<_> = outcome.spans.iter().map(|sp| sp.shifted(base)).collect();
@@ -574,7 +866,17 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         // from the rollback points (this worker's state is the segment's end by now).
         match self.end_segment(plan, outcome, (&mut losses, &rx), obs) {
             Ok(end) => Ok(end),
-            Err(e) => self.after_failure(plan, at, e, (&points, false)),
+            Err(e) => {
+                // Finished with its program: its state is the segment's end, no start to
+                // resume from, so no takeover.
+                let failed = Failure {
+                    points: &points,
+                    at_start: false,
+                    traffic: None,
+                    relay: (&mut losses, &rx, &tx),
+                };
+                self.after_failure(plan, at, e, failed, obs)
+            }
         }
     }
 
@@ -636,6 +938,38 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         self.replacement_coming
     }
 
+    fn taken_over(&mut self, plan: &RunPlan, _: u64) -> Result<Option<LayoutChange>> {
+        let Some(change) = self.taken_over.take() else {
+            return Ok(None);
+        };
+        let lost = match &change.event {
+            super::survive::LayoutEvent::Lost { worker, .. } => *worker,
+            _ => {
+                return Err(StageError::Executor(
+                    "a takeover without a lost worker".into(),
+                ));
+            }
+        };
+        // The lost program's end exchange is over (the drain answered); its endpoint stays
+        // open, idle, while the mesh is in use.
+        if let Some(h) = self.hosted.take() {
+            self.hosted = Some(Hosted::Idle(h.idle()?));
+        }
+        // The survivors go on over the same mesh, numbered for the new layout; the taken
+        // over segment's unread copies can never meet the next segments' messages.
+        let ranks = super::recover::survivor_ranks(plan, lost, &change)?;
+        let mesh = self
+            .renewed
+            .take()
+            .ok_or_else(|| StageError::Executor("a takeover without its mesh".into()))?;
+        let ep = Renumbered::new(mesh, ranks)?.tagging_data(TAKEN_OVER_TAG);
+        if let Some(st) = self.state.as_mut() {
+            st.worker = ep.rank();
+        }
+        self.renewed = Some(Box::new(ep));
+        Ok(Some(change))
+    }
+
     fn rejoin_ready(&mut self) -> bool {
         if self.joining.is_none() {
             let handle = self.remesh.as_ref();
@@ -651,8 +985,12 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         let handle = self.remesh.clone().ok_or_else(|| no("a launcher"))?;
         let mut remesh = handle.0.lock().map_err(|_| no("a usable launcher"))?;
         // The survivors' mesh ends at this drain point, which left nothing in flight on it.
+        let hosted = self.hosted.take().map(|h| h.close(true));
         if let Some(mut old) = self.renewed.take() {
             old.close()?;
+        }
+        if let Some(closing) = hosted {
+            let _ = closing.join();
         }
         let mut ep = remesh.connect_all(joining)?;
         drop(remesh);
@@ -686,6 +1024,12 @@ struct LossRelay<'r> {
     /// The workers that compute losses (the last stage's), and the next number of each.
     reporters: Vec<(u32, u32)>,
     sent: u32,
+    /// Every report this worker sent the chief in the segment, in order (another worker).
+    produced: Vec<Report>,
+    /// The chief: every loss taken, with its sender; and those taken before a takeover's
+    /// restart ([`LossRelay::restart`]).
+    taken: Vec<(u32, (u32, f64, usize))>,
+    before_restart: Vec<(u32, (u32, f64, usize))>,
     live: LiveSteps<'r>,
 }
 
@@ -704,6 +1048,9 @@ impl<'r> LossRelay<'r> {
             index,
             reporters,
             sent: 0,
+            produced: Vec::new(),
+            taken: Vec::new(),
+            before_restart: Vec::new(),
             live: LiveSteps::new(run, plan, seg),
         }
     }
@@ -721,10 +1068,8 @@ impl<'r> LossRelay<'r> {
                 self.live.add(report, obs)?;
                 continue;
             }
-            let b = encode_report(report);
-            let key = control(self.rank, CHIEF, TOPIC_LOSS, self.index, self.sent);
-            ep.send(Message::from_bytes(key, &b))?;
-            self.sent += 1;
+            self.send(ep, report)?;
+            self.produced.push(report);
         }
         if self.rank != CHIEF {
             return Ok(());
@@ -736,6 +1081,41 @@ impl<'r> LossRelay<'r> {
                 self.take(m, obs)?;
                 self.reporters[i].1 += 1;
             }
+        }
+        Ok(())
+    }
+
+    fn send<T: Transport + ?Sized>(&mut self, ep: &mut T, report: Report) -> Result<()> {
+        let b = encode_report(report);
+        let key = control(self.rank, CHIEF, TOPIC_LOSS, self.index, self.sent);
+        ep.send(Message::from_bytes(key, &b))?;
+        self.sent += 1;
+        Ok(())
+    }
+
+    /// On a new mesh, after a takeover ([`super::takeover`]): numbering starts again. The
+    /// chief takes every reporter's from 0; another worker sends the chief again the first
+    /// `kept` reports it produced (those its rollback point counted, the failed attempt's
+    /// later ones dropped: its resumed program makes them again).
+    fn restart<T: Transport + ?Sized>(
+        &mut self,
+        ep: &mut T,
+        rx: &crossbeam_channel::Receiver<Report>,
+        kept: usize,
+        obs: &mut dyn Observer,
+    ) -> Result<()> {
+        if self.rank == CHIEF {
+            for r in &mut self.reporters {
+                r.1 = 0;
+            }
+            self.before_restart = std::mem::take(&mut self.taken);
+            return self.poll(ep, rx, obs);
+        }
+        self.produced.extend(rx.try_iter());
+        self.produced.truncate(kept);
+        self.sent = 0;
+        for report in self.produced.clone() {
+            self.send(ep, report)?;
         }
         Ok(())
     }
@@ -768,7 +1148,25 @@ impl<'r> LossRelay<'r> {
     fn take(&mut self, m: Message, obs: &mut dyn Observer) -> Result<()> {
         let from = m.key.from;
         let report = decode_report(&m.into_bytes()?, from)?;
+        if let Report::Loss(mb, loss, n) = report {
+            self.taken.push((from, (mb, loss, n)));
+        }
         self.live.add(report, obs)
+    }
+
+    /// The chief, after a segment taken over: adds to `lost`'s figures (`outcome`, measured
+    /// from its program's resumed boundary on) the losses it reported before it was lost,
+    /// which went with it, and sums them again in microbatch order as a worker does.
+    fn complete_lost(&self, lost: u32, outcome: &mut WorkerOutcome) {
+        let mut have: std::collections::HashSet<u32> = outcome.losses.iter().map(|l| l.0).collect();
+        for &(from, l) in &self.before_restart {
+            if from == lost && have.insert(l.0) {
+                outcome.losses.push(l);
+            }
+        }
+        outcome.losses.sort_by_key(|l| l.0);
+        outcome.loss_sum = outcome.losses.iter().map(|l| l.1).sum();
+        outcome.samples = outcome.losses.iter().map(|l| l.2).sum();
     }
 }
 

@@ -1,0 +1,322 @@
+//! Worker processes taking a lost replica's segment over where every worker stands
+//! ([`super::adopt`] for threads; docs/reliability.md, "Recovery at the update").
+//!
+//! When a replica of a stage with another is lost, its launcher tells every survivor
+//! ([`super::recover`]). The lost worker's stage's first other replica, the *adopter*, binds an
+//! endpoint of the lost rank besides its own, and the survivors connect a mesh of every rank
+//! of the run, the lost one's served by the adopter's process ([`super::recover::Remesh`]).
+//! Over it they settle how the segment goes on ([`settle`]):
+//!
+//! - each survivor tells the adopter its latest step boundary and the keys of the messages
+//!   its logs hold ([`Held`]); the adopter plans the takeover ([`plan_takeover`]) from them
+//!   and its own rollback points, and tells every survivor the version each worker resumes
+//!   at, or that the segment cannot be taken over (the run then goes back, as before);
+//! - each survivor hands over the kept messages it sent that another worker's resumed program
+//!   reads and its own does not send again ([`hand_over`]), and serves its own kept received
+//!   ones to its resumed program;
+//! - every survivor resumes its own program at its latest boundary, and the adopter runs the
+//!   lost worker's program too, on a thread of its own, from its own points.
+//!
+//! The segment ends with the weights of a segment that lost nothing, and the layout changes at
+//! its end, as with threads. Nothing a survivor's stage applied is undone, and no process
+//! starts again.
+
+use std::collections::HashSet;
+use std::io::Write as _;
+
+use pipe_transport::{Key, Kind, Message, Transport};
+
+use super::adopt::{Held, Traffic, adopter_of, handed_over, plan_takeover};
+use super::exec::WorkerState;
+use super::rollback::Points;
+use super::run_plan::RunPlan;
+use crate::error::{Result, StageError};
+
+/// Control topic of the exchange that settles a takeover.
+pub const TOPIC_TAKEOVER: u32 = 9;
+
+/// The most keys one worker's [`Held`] may name: far above the messages of the few
+/// boundaries a worker keeps, and a bound on what a malformed record can make a peer hold.
+const MAX_HELD_KEYS: usize = 1 << 20;
+
+fn protocol(why: String) -> StageError {
+    StageError::Executor(format!("takeover exchange: {why}"))
+}
+
+/// A control key of the exchange (`step` 0: a survivor's [`Held`]; 1: the adopter's plan).
+fn key(from: u32, to: u32, index: u32, step: u32) -> Key {
+    Key {
+        from,
+        to,
+        kind: Kind::Control,
+        stage: TOPIC_TAKEOVER,
+        index,
+        step,
+    }
+}
+
+fn kind_code(kind: Kind) -> u32 {
+    match kind {
+        Kind::Activation => 0,
+        Kind::Gradient => 1,
+        Kind::Chunk => 2,
+        Kind::Control => 3,
+    }
+}
+
+fn kind_of(code: u32) -> Result<Kind> {
+    Ok(match code {
+        0 => Kind::Activation,
+        1 => Kind::Gradient,
+        2 => Kind::Chunk,
+        3 => Kind::Control,
+        k => return Err(protocol(format!("unknown message kind {k}"))),
+    })
+}
+
+/// A survivor's [`Held`] as it travels: 0 (it cannot resume where it stands), or 1, the
+/// latest step (u64), then the received and the sent keys, each list a count (u32) and six
+/// u32 per key, all little-endian.
+fn encode_held(h: Option<&Held>) -> Vec<u8> {
+    let Some(h) = h else { return vec![0] };
+    let mut b = vec![1];
+    b.extend_from_slice(&h.latest.to_le_bytes());
+    for keys in [&h.received, &h.sent] {
+        b.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+        for k in keys {
+            for word in [k.from, k.to, kind_code(k.kind), k.stage, k.index, k.step] {
+                b.extend_from_slice(&word.to_le_bytes());
+            }
+        }
+    }
+    b
+}
+
+/// Reads little-endian words off a record, refusing one that ends early.
+struct Words<'b>(&'b [u8]);
+
+impl Words<'_> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let (head, rest) = self
+            .0
+            .split_first_chunk::<N>()
+            .ok_or_else(|| protocol("a record that ends early".into()))?;
+        self.0 = rest;
+        Ok(*head)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        self.take::<4>().map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Result<u64> {
+        self.take::<8>().map(u64::from_le_bytes)
+    }
+}
+
+/// [`encode_held`] read back; a count past what the record holds is refused before anything
+/// is allocated for it.
+fn decode_held(b: &[u8]) -> Result<Option<Held>> {
+    let b = match b.split_first() {
+        Some((0, [])) => return Ok(None),
+        Some((1, rest)) => rest,
+        _ => return Err(protocol(format!("a malformed record of {} bytes", b.len()))),
+    };
+    let mut w = Words(b);
+    let latest = w.u64()?;
+    let mut lists = [HashSet::new(), HashSet::new()];
+    for list in &mut lists {
+        let n = w.u32()? as usize;
+        if n > MAX_HELD_KEYS || n.saturating_mul(24) > w.0.len() {
+            return Err(protocol(format!("a record naming {n} keys")));
+        }
+        for _ in 0..n {
+            let [from, to, kind, stage, index, step] =
+                [w.u32()?, w.u32()?, w.u32()?, w.u32()?, w.u32()?, w.u32()?];
+            list.insert(Key {
+                from,
+                to,
+                kind: kind_of(kind)?,
+                stage,
+                index,
+                step,
+            });
+        }
+    }
+    if !w.0.is_empty() {
+        return Err(protocol(format!("{} bytes past a record's end", w.0.len())));
+    }
+    let [received, sent] = lists;
+    Ok(Some(Held {
+        latest,
+        received,
+        sent,
+    }))
+}
+
+/// The adopter's plan as it travels: 0 (no takeover), or 1 and each worker's version.
+fn encode_plan(versions: Option<&[u32]>) -> Vec<u8> {
+    match versions {
+        None => vec![0],
+        Some(v) => {
+            let mut b = vec![1];
+            b.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            b
+        }
+    }
+}
+
+/// [`encode_plan`] read back, for a run of `workers` workers.
+fn decode_plan(b: &[u8], workers: u32) -> Result<Option<Vec<u32>>> {
+    match b.split_first() {
+        Some((0, [])) => Ok(None),
+        Some((1, rest)) if rest.len() == 4 * workers as usize => Ok(Some(
+            rest.chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )),
+        _ => Err(protocol(format!("a malformed plan of {} bytes", b.len()))),
+    }
+}
+
+/// This survivor's side of a takeover of segment `index` of `plan`, after worker `lost` was
+/// lost, over `ep`, the mesh of every rank ([`super::recover::Remesh::connect_without`]
+/// with the lost rank hosted): what it `held`, and on the adopter its rollback points and its
+/// state at the segment's start. Returns the version each worker resumes at, or `None`
+/// where the segment cannot be taken over (the adopter says why on its standard error) and
+/// the run goes back instead.
+///
+/// # Errors
+/// A peer that fails the exchange or sends a malformed record.
+pub fn settle(
+    ep: &mut dyn Transport,
+    (plan, index): (&RunPlan, u32),
+    lost: u32,
+    held: Option<Held>,
+    adopter: Option<(&Points, &WorkerState)>,
+) -> Result<Option<Vec<u32>>> {
+    let me = ep.rank();
+    let adopting = adopter_of(plan, lost)?;
+    let workers = plan.schedule.workers();
+    if me != adopting {
+        ep.send(Message::from_bytes(
+            key(me, adopting, index, 0),
+            &encode_held(held.as_ref()),
+        ))?;
+        let m = ep.recv(&key(adopting, me, index, 1))?;
+        return decode_plan(&m.into_bytes()?, workers);
+    }
+    let at = adopter.ok_or_else(|| protocol("the adopter without its points".into()))?;
+    let mut all: Vec<Option<Held>> = vec![None; workers as usize];
+    all[me as usize] = held;
+    let mut unable = all[me as usize].is_none().then_some(me);
+    for w in (0..workers).filter(|&w| w != me && w != lost) {
+        let m = ep.recv(&key(w, me, index, 0))?;
+        all[w as usize] = decode_held(&m.into_bytes()?)?;
+        unable = unable.or(all[w as usize].is_none().then_some(w));
+    }
+    let planned = match unable {
+        Some(w) => Err(protocol(format!(
+            "worker {w} cannot resume where it stands"
+        ))),
+        None => plan_takeover(plan, (lost, None), &all, at),
+    };
+    let planned = match planned {
+        Ok(v) => Some(v),
+        Err(e) => {
+            // Standard error may have gone with the launcher: then no one is told.
+            let _ = writeln!(
+                std::io::stderr(),
+                "worker {lost}'s segment is not taken over ({e}): the run goes back"
+            );
+            None
+        }
+    };
+    let bytes = encode_plan(planned.as_deref());
+    for w in (0..workers).filter(|&w| w != me && w != lost) {
+        ep.send(Message::from_bytes(key(me, w, index, 1), &bytes))?;
+    }
+    Ok(planned)
+}
+
+/// Sends every message of `traffic` (worker `from`'s log) that another worker's program,
+/// resumed at `versions`, reads and `from`'s own does not send again, over `ep`; returns the
+/// messages `from` itself received, by key, for its own resumed program.
+///
+/// # Errors
+/// A version no program reaches; a send that fails.
+pub fn hand_over(
+    ep: &mut dyn Transport,
+    plan: &RunPlan,
+    versions: &[u32],
+    (traffic, latest): (&mut Traffic, u64),
+) -> Result<std::collections::HashMap<Key, Message>> {
+    let from = ep.rank();
+    let wanted = handed_over(plan, from, versions, &traffic.held(latest))?;
+    for m in traffic.take_sent(&wanted) {
+        ep.send(m)?;
+    }
+    Ok(traffic.take_received())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u32) -> Key {
+        Key {
+            from: i,
+            to: i + 1,
+            kind: if i % 2 == 0 {
+                Kind::Activation
+            } else {
+                Kind::Chunk
+            },
+            stage: i % 3,
+            index: i * 7,
+            step: i % 2,
+        }
+    }
+
+    #[test]
+    fn held_keys_round_trip_and_hostile_records_are_refused() {
+        let h = Held {
+            latest: 12,
+            received: (0..5).map(k).collect(),
+            sent: (5..9).map(k).collect(),
+        };
+        let b = encode_held(Some(&h));
+        assert_eq!(decode_held(&b).ok(), Some(Some(h)));
+        assert_eq!(decode_held(&encode_held(None)).ok(), Some(None));
+        for cut in [0, 7, 8, 11, b.len() - 1] {
+            assert!(decode_held(&b[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert!(decode_held(&long).is_err());
+        // A count far past the record is refused before any allocation.
+        let mut huge = vec![1];
+        huge.extend_from_slice(&3u64.to_le_bytes());
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_held(&huge).is_err());
+        let mut bad_kind = encode_held(Some(&Held {
+            latest: 1,
+            received: [k(0)].into(),
+            sent: HashSet::new(),
+        }));
+        bad_kind[1 + 8 + 4 + 8] = 9;
+        assert!(decode_held(&bad_kind).is_err());
+    }
+
+    #[test]
+    fn plans_round_trip_and_malformed_ones_are_refused() {
+        let v = [3u32, 4, 3, 5];
+        assert_eq!(
+            decode_plan(&encode_plan(Some(&v)), 4).ok(),
+            Some(Some(v.to_vec()))
+        );
+        assert_eq!(decode_plan(&encode_plan(None), 4).ok(), Some(None));
+        for bad in [&[][..], &[2], &[0, 0], &[1, 0, 0, 0]] {
+            assert!(decode_plan(bad, 4).is_err(), "{bad:?}");
+        }
+        assert!(decode_plan(&encode_plan(Some(&v)), 3).is_err());
+    }
+}
