@@ -1361,9 +1361,9 @@ impl Shm {
             if let Some(m) = self.early.take(key) {
                 return Ok(Received::Whole(self.handed(m)));
             }
-            if let Some(e) = self.failure() {
-                return Err(e);
-            }
+            // What its sender wrote before a failure elsewhere is delivered: a follower
+            // waiting for the chief's word at a segment's end takes it even when another
+            // peer died meanwhile, and stands where the chief does.
             let mut moved = self.pump_one(i, stop_at)?;
             if let Some(m) = self.early.take(key) {
                 return Ok(Received::Whole(self.handed(m)));

@@ -211,27 +211,44 @@ pub fn go_on(
     let id = ep.rank();
     let points = at.points.lock().map_err(|_| super::rollback::poisoned())?;
     let mine = (points.latest(), points.earliest());
+    // The mesh is new, so the exchange's keys need no segment number; each record carries
+    // its sender's instead, so that survivors that stood in different segments (a follower
+    // whose end-of-segment exchange the loss cut short, while the chief had gone on to the
+    // next) find it out rather than wait for each other's records without end.
+    let index = u64::from(at.index);
     let step = if id == 0 {
         let mut kept = vec![mine];
+        let mut apart = None;
         for w in 1..ep.size() {
-            let m = ep.recv(&key(w, 0, at.index, 0))?;
-            let [latest, earliest] = read_words::<2>(&m.into_bytes()?)?;
+            let m = ep.recv(&key(w, 0, 0, 0))?;
+            let [latest, earliest, theirs] = read_words::<3>(&m.into_bytes()?)?;
             kept.push((latest, earliest));
+            apart = apart.or((theirs != index).then_some((w, theirs)));
         }
-        let step = settle(&kept, at.len);
+        let step = match apart {
+            Some(_) => APART,
+            None => settle(&kept, at.len),
+        };
         for w in 1..ep.size() {
-            ep.send(Message::from_bytes(
-                key(0, w, at.index, 1),
-                &step.to_le_bytes(),
-            ))?;
+            ep.send(Message::from_bytes(key(0, w, 0, 1), &step.to_le_bytes()))?;
+        }
+        if let Some((w, theirs)) = apart {
+            return Err(protocol(format!(
+                "worker {w} stood in segment {theirs}, the chief in segment {index}"
+            )));
         }
         step
     } else {
-        let mut b = mine.0.to_le_bytes().to_vec();
-        b.extend_from_slice(&mine.1.to_le_bytes());
-        ep.send(Message::from_bytes(key(id, 0, at.index, 0), &b))?;
-        let m = ep.recv(&key(0, id, at.index, 1))?;
-        read_words::<1>(&m.into_bytes()?)?[0]
+        let b: Vec<u8> = [mine.0, mine.1, index]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        ep.send(Message::from_bytes(key(id, 0, 0, 0), &b))?;
+        let m = ep.recv(&key(0, id, 0, 1))?;
+        match read_words::<1>(&m.into_bytes()?)?[0] {
+            APART => return Err(protocol("the survivors stood in different segments".into())),
+            step => step,
+        }
     };
     let minibatch = u64::from(at.plan.schedule.resolved.minibatch.max(1));
     let state = match (step, at.start) {
@@ -275,6 +292,9 @@ pub fn go_on(
         ranks,
     })
 }
+
+/// The chief's answer when the survivors stood in different segments: none goes on in place.
+const APART: u64 = u64::MAX;
 
 /// `N` little-endian `u64`s, exactly.
 fn read_words<const N: usize>(b: &[u8]) -> Result<[u64; N]> {

@@ -43,14 +43,15 @@ fn protocol(why: String) -> StageError {
     StageError::Executor(format!("takeover exchange: {why}"))
 }
 
-/// A control key of the exchange (`step` 0: a survivor's [`Held`]; 1: the adopter's plan).
-fn key(from: u32, to: u32, index: u32, step: u32) -> Key {
+/// A control key of the exchange (`step` 0: a survivor's segment and [`Held`]; 1: the
+/// adopter's plan).
+fn key(from: u32, to: u32, step: u32) -> Key {
     Key {
         from,
         to,
         kind: Kind::Control,
         stage: TOPIC_TAKEOVER,
-        index,
+        index: 0,
         step,
     }
 }
@@ -196,12 +197,15 @@ pub fn settle(
     let me = ep.rank();
     let adopting = adopter_of(plan, lost)?;
     let workers = plan.schedule.workers();
+    // The mesh is new, so the keys need no segment number; each survivor's record carries
+    // its own, and one that stood in another segment than the adopter (a follower whose
+    // end-of-segment exchange the loss cut short) cannot resume: the run goes back, whose
+    // exchange ([`super::recover::go_on`]) finds the same and fails in place of waiting.
+    let mut record = index.to_le_bytes().to_vec();
+    record.extend(encode_held(held.as_ref()));
     if me != adopting {
-        ep.send(Message::from_bytes(
-            key(me, adopting, index, 0),
-            &encode_held(held.as_ref()),
-        ))?;
-        let m = ep.recv(&key(adopting, me, index, 1))?;
+        ep.send(Message::from_bytes(key(me, adopting, 0), &record))?;
+        let m = ep.recv(&key(adopting, me, 1))?;
         return decode_plan(&m.into_bytes()?, workers);
     }
     let at = adopter.ok_or_else(|| protocol("the adopter without its points".into()))?;
@@ -209,9 +213,14 @@ pub fn settle(
     all[me as usize] = held;
     let mut unable = all[me as usize].is_none().then_some(me);
     for w in (0..workers).filter(|&w| w != me && w != lost) {
-        let m = ep.recv(&key(w, me, index, 0))?;
-        all[w as usize] = decode_held(&m.into_bytes()?)?;
-        unable = unable.or(all[w as usize].is_none().then_some(w));
+        let m = ep.recv(&key(w, me, 0))?;
+        let b = m.into_bytes()?;
+        let (theirs, rest) = b
+            .split_first_chunk::<4>()
+            .ok_or_else(|| protocol(format!("a record of {} bytes", b.len())))?;
+        let held = decode_held(rest)?.filter(|_| u32::from_le_bytes(*theirs) == index);
+        unable = unable.or(held.is_none().then_some(w));
+        all[w as usize] = held;
     }
     let planned = match unable {
         Some(w) => Err(protocol(format!(
@@ -232,7 +241,7 @@ pub fn settle(
     };
     let bytes = encode_plan(planned.as_deref());
     for w in (0..workers).filter(|&w| w != me && w != lost) {
-        ep.send(Message::from_bytes(key(me, w, index, 1), &bytes))?;
+        ep.send(Message::from_bytes(key(me, w, 1), &bytes))?;
     }
     Ok(planned)
 }
