@@ -11,6 +11,8 @@
 # N is the same for both builds, calibrated from one probe run of PROBE (default this build),
 # whose recovery line names the update it went on from. A run that takes the lost replica
 # over names the segment's end instead: give PROBE a build that goes back inside the segment.
+#   KEEP_OLD=1: the build before's runs and the probe already in OUTDIR (an earlier call of
+#     this script with the same BASE and PROBE) are kept, and only this build runs again.
 #   BASE=path/to/pipe-of-the-build-before PLACEMENT=shm bash experiments/survival/update.sh OUTDIR
 # Writes OUTDIR/*.txt and *.jsonl, and the table on standard output
 # (experiments/survival/table.py reads the logs).
@@ -31,6 +33,9 @@ esac
 run() { # NAME BINARY [FLAGS...]: one run, its wall time in NAME.wall
   local name=$1 bin=$2
   shift 2
+  case "$name" in
+    old-* | probe) if [ "${KEEP_OLD:-0}" = 1 ] && [ -s "$OUT/$name.wall" ]; then return; fi ;;
+  esac
   local t0 t1
   t0=$(date +%s.%N)
   "$bin" train "${F[@]}" --log-jsonl "$OUT/$name.jsonl" "$@" > "$OUT/$name.txt" 2>&1

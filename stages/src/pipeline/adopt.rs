@@ -65,7 +65,14 @@ pub struct Traffic {
     window: u64,
     sent: VecDeque<Kept>,
     received: VecDeque<Kept>,
+    /// The buffers of copies dropped from the window, for the next copies: a run keeps a
+    /// few boundaries' messages, and allocating each copy anew cost worker processes a fifth
+    /// of their time in page faults.
+    spare: Vec<Vec<f32>>,
 }
+
+/// The most spare buffers a [`Traffic`] holds on to.
+const SPARE_BUFFERS: usize = 64;
 
 /// A worker's [`Traffic`], shared with the launcher that reads it after a loss.
 pub type SharedTraffic = Arc<Mutex<Traffic>>;
@@ -79,17 +86,50 @@ impl Traffic {
         }
     }
 
-    fn keep(&mut self, sent: bool, step: u64, m: &Message) {
+    /// An empty buffer for a copy of `len` values: the smallest a dropped copy left that
+    /// holds them, else a new one. (A buffer that must grow is freed and its successor's pages
+    /// zeroed by the kernel, which cost worker processes more than the copies.)
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        let fit = (0..self.spare.len())
+            .filter(|&i| self.spare[i].capacity() >= len)
+            .min_by_key(|&i| self.spare[i].capacity());
+        match fit {
+            Some(i) => {
+                let mut b = self.spare.swap_remove(i);
+                b.clear();
+                b
+            }
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    /// The length of the last message kept from `key`'s sender of its kind and stage: the
+    /// size to ready a buffer for before a message arrives.
+    fn expected_len(&self, key: &Key) -> usize {
+        let like = |k: &&Kept| {
+            k.key.from == key.from && k.key.kind == key.kind && k.key.stage == key.stage
+        };
+        self.received
+            .iter()
+            .rev()
+            .find(like)
+            .map_or(0, |k| k.tensor.len())
+    }
+
+    fn keep(&mut self, sent: bool, step: u64, m: Message) {
         let copy = Kept {
             step,
             key: m.key,
             version: m.version,
-            tensor: m.tensor.clone(),
+            tensor: m.tensor,
         };
         let floor = step.saturating_sub(self.window);
         for list in [&mut self.sent, &mut self.received] {
             while list.front().is_some_and(|k| k.step < floor) {
-                list.pop_front();
+                let old = list.pop_front().map(|k| k.tensor.into_host_vec());
+                if let Some(Ok(b)) = old.filter(|_| self.spare.len() < SPARE_BUFFERS) {
+                    self.spare.push(b);
+                }
             }
         }
         if sent {
@@ -165,7 +205,30 @@ impl<T> Logging<T> {
         }
     }
 
-    fn keep(&self, sent: bool, m: &Message) -> std::result::Result<(), TransportError> {
+    /// An empty buffer for a copy of `len` values, from the log's spares.
+    fn buffer(&self, len: usize) -> std::result::Result<Vec<f32>, TransportError> {
+        Ok(self.traffic.lock().map_err(|_| poisoned())?.buffer(len))
+    }
+
+    /// A copy of `m`'s payload for the log, in a spare buffer.
+    fn copy_of(&self, m: &Message) -> std::result::Result<Message, TransportError> {
+        let mut b = self.buffer(m.tensor.len())?;
+        let values = m
+            .tensor
+            .host()
+            .map_err(|e| TransportError::Protocol(format!("{:?}: {e}", m.key)))?;
+        b.extend_from_slice(values);
+        let tensor = Tensor::from_vec(m.tensor.shape(), b)
+            .map_err(|e| TransportError::Protocol(format!("{:?}: {e}", m.key)))?;
+        Ok(Message {
+            key: m.key,
+            version: m.version,
+            tensor,
+        })
+    }
+
+    /// Keeps `m` (a copy the caller made, or one it no longer needs).
+    fn keep(&self, sent: bool, m: Message) -> std::result::Result<(), TransportError> {
         if m.key.kind == Kind::Control {
             return Ok(());
         }
@@ -178,14 +241,22 @@ impl<T> Logging<T> {
     }
 }
 
-/// The values handed to `take`, gathered into one tensor as the message carried them.
+/// The values handed to `take`, gathered into one tensor as the message carried them, in a
+/// spare buffer of `traffic` taken once a message arrives.
 fn gathered(
-    key: Key,
+    (key, traffic): (Key, &SharedTraffic),
     take: &mut ValueSink<'_>,
     recv: impl FnOnce(&mut ValueSink<'_>) -> std::result::Result<Option<usize>, TransportError>,
 ) -> std::result::Result<Option<(usize, Message)>, TransportError> {
-    let mut values: Vec<f32> = Vec::new();
+    let mut values: Option<Vec<f32>> = None;
     let got = recv(&mut |at, block| {
+        let values = values.get_or_insert_with(|| match traffic.lock() {
+            Ok(mut t) => {
+                let len = t.expected_len(&key);
+                t.buffer(len)
+            }
+            Err(_) => Vec::new(),
+        });
         if values.len() < at + block.len() {
             values.resize(at + block.len(), 0.0);
         }
@@ -193,7 +264,8 @@ fn gathered(
         take(at, block);
     })?;
     let Some(n) = got else { return Ok(None) };
-    values.truncate(n);
+    let mut values = values.unwrap_or_default();
+    values.resize(n, 0.0);
     let tensor = Tensor::from_vec(&[n], values)
         .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
     let m = Message {
@@ -218,7 +290,21 @@ impl<T: Transport> Transport for Logging<T> {
         self.inner.link_buffer_bytes()
     }
     fn send_values(&mut self, values: Values<'_>) -> std::result::Result<(), TransportError> {
-        self.keep(true, &Message::of_values(values)?)?;
+        if values.key.kind != Kind::Control {
+            let len = values.parts.iter().map(|p| p.len()).sum();
+            let mut b = self.buffer(len)?;
+            for part in values.parts {
+                b.extend_from_slice(part);
+            }
+            let tensor = Tensor::from_vec(&[b.len()], b)
+                .map_err(|e| TransportError::Protocol(format!("{:?}: {e}", values.key)))?;
+            let m = Message {
+                key: values.key,
+                version: values.version,
+                tensor,
+            };
+            self.keep(true, m)?;
+        }
         self.inner.send_values(values)
     }
     fn recv_with(
@@ -227,9 +313,11 @@ impl<T: Transport> Transport for Logging<T> {
         take: &mut ValueSink<'_>,
     ) -> std::result::Result<usize, TransportError> {
         let inner = &mut self.inner;
-        let got = gathered(*key, take, |sink| inner.recv_with(key, sink).map(Some))?;
+        let got = gathered((*key, &self.traffic), take, |sink| {
+            inner.recv_with(key, sink).map(Some)
+        })?;
         let (n, m) = got.ok_or_else(|| TransportError::Protocol(format!("{key:?} lost")))?;
-        self.keep(false, &m)?;
+        self.keep(false, m)?;
         Ok(n)
     }
     fn try_recv_with(
@@ -238,28 +326,34 @@ impl<T: Transport> Transport for Logging<T> {
         take: &mut ValueSink<'_>,
     ) -> std::result::Result<Option<usize>, TransportError> {
         let inner = &mut self.inner;
-        let got = gathered(*key, take, |sink| inner.try_recv_with(key, sink))?;
+        let got = gathered((*key, &self.traffic), take, |sink| {
+            inner.try_recv_with(key, sink)
+        })?;
         match got {
             Some((n, m)) => {
-                self.keep(false, &m)?;
+                self.keep(false, m)?;
                 Ok(Some(n))
             }
             None => Ok(None),
         }
     }
     fn send(&mut self, m: Message) -> std::result::Result<(), TransportError> {
-        self.keep(true, &m)?;
+        if m.key.kind != Kind::Control {
+            self.keep(true, self.copy_of(&m)?)?;
+        }
         self.inner.send(m)
     }
     fn recv(&mut self, key: &Key) -> std::result::Result<Message, TransportError> {
         let m = self.inner.recv(key)?;
-        self.keep(false, &m)?;
+        if m.key.kind != Kind::Control {
+            self.keep(false, self.copy_of(&m)?)?;
+        }
         Ok(m)
     }
     fn try_recv(&mut self, key: &Key) -> std::result::Result<Option<Message>, TransportError> {
         let m = self.inner.try_recv(key)?;
-        if let Some(m) = &m {
-            self.keep(false, m)?;
+        if let Some(m) = m.as_ref().filter(|m| m.key.kind != Kind::Control) {
+            self.keep(false, self.copy_of(m)?)?;
         }
         Ok(m)
     }

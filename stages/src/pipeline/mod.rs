@@ -33,6 +33,7 @@ pub mod delayed;
 pub mod doctor;
 pub mod driver;
 pub mod exec;
+pub mod fields;
 pub mod launch;
 pub mod ledger;
 pub mod observe;

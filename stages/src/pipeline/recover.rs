@@ -8,7 +8,11 @@
 //! with the lost one absent, over the same kind of transport, whose workers are numbered for
 //! the new layout ([`pipe_transport::renumbered::Renumbered`]). A fresh mesh, rather than the
 //! old one reset, is what keeps the failed segment's messages in flight from meeting the new
-//! segment's, whose keys start again from 0. Over it the chief settles where the run goes on:
+//! segment's, whose keys start again from 0. Where the lost worker's stage's other replica can
+//! take its segment over, it hosts the lost rank in that mesh and the survivors resume where
+//! they stand ([`super::takeover`]); what follows is the way back where it cannot (a survivor
+//! that had finished its program, a policy or remedy whose exchanges no log keeps). Over the
+//! mesh the chief settles where the run goes on:
 //! the latest step of the failed segment that every stage passed, from the rollback points
 //! each worker kept ([`super::rollback`]), or the segment's start where a worker no longer
 //! holds that step. Each worker takes its own stage's state there, sends the chief its

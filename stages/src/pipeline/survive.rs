@@ -3,8 +3,9 @@
 //! with the stage's other replicas, without a restart and without losing or repeating an
 //! update.
 //!
-//! In process (threads), the unit of recovery is the update. Where it can, the segment is
-//! taken over where every worker stands ([`super::adopt`]): each stage runs again only the
+//! In process and as worker processes, the unit of recovery is the update. Where it can, the
+//! segment is taken over where every worker stands ([`super::adopt`]; worker processes,
+//! [`super::takeover`]): each stage runs again only the
 //! update it was in, the segment ends as if nothing was lost, and the layout changes at its
 //! end ([`Redone::Update`]). Otherwise, while a segment runs, each worker
 //! keeps its stage's state at its last few step boundaries ([`super::rollback`]); when a
@@ -20,13 +21,14 @@
 //! ([`super::train::train_reference_with`]) and which resuming a checkpoint of that step under
 //! the new replica counts also gives.
 //!
-//! Worker processes recover at the segment: their launcher starts them again, one fewer, from
-//! the state of the segment's start ([`super::relaunch`]).
+//! Worker processes do the same in place, their survivors keeping their processes
+//! ([`super::recover`]); where that fails (a second loss, the chief's), their launcher starts
+//! them again, one fewer, from the state of the segment's start ([`super::relaunch`]).
 //!
 //! With `--rejoin` the lost replica is taken back at the next update boundary in process (the
-//! short layout runs one update, [`LayoutEvent::Rejoined`]); worker processes take it back at
-//! the next drain point through their launcher, which starts them again from the drain point's
-//! checkpoint.
+//! short layout runs one update, [`LayoutEvent::Rejoined`]); worker processes take it back
+//! live at the first update boundary after its replacement is ready, its stage's state handed
+//! over by a surviving replica ([`super::worker`]).
 //!
 //! What cannot shrink this way ends the run as before: the last replica of a stage, a layout
 //! with several chunks per worker, a minibatch the new widest stage cannot divide, and the

@@ -28,6 +28,7 @@ use pipe_transport::{Key, Kind, Message, Transport};
 
 use super::adopt::{Held, Traffic, adopter_of, handed_over, plan_takeover};
 use super::exec::WorkerState;
+use super::fields::Fields;
 use super::rollback::Points;
 use super::run_plan::RunPlan;
 use crate::error::{Result, StageError};
@@ -40,7 +41,9 @@ pub const TOPIC_TAKEOVER: u32 = 9;
 const MAX_HELD_KEYS: usize = 1 << 20;
 
 fn protocol(why: String) -> StageError {
-    StageError::Executor(format!("takeover exchange: {why}"))
+    StageError::Transport(pipe_transport::TransportError::Protocol(format!(
+        "takeover exchange: {why}"
+    )))
 }
 
 /// A control key of the exchange (`step` 0: a survivor's segment and [`Held`]; 1: the
@@ -93,59 +96,38 @@ fn encode_held(h: Option<&Held>) -> Vec<u8> {
     b
 }
 
-/// Reads little-endian words off a record, refusing one that ends early.
-struct Words<'b>(&'b [u8]);
-
-impl Words<'_> {
-    fn take<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let (head, rest) = self
-            .0
-            .split_first_chunk::<N>()
-            .ok_or_else(|| protocol("a record that ends early".into()))?;
-        self.0 = rest;
-        Ok(*head)
-    }
-    fn u32(&mut self) -> Result<u32> {
-        self.take::<4>().map(u32::from_le_bytes)
-    }
-    fn u64(&mut self) -> Result<u64> {
-        self.take::<8>().map(u64::from_le_bytes)
-    }
-}
-
 /// [`encode_held`] read back; a count past what the record holds is refused before anything
 /// is allocated for it.
 fn decode_held(b: &[u8]) -> Result<Option<Held>> {
-    let b = match b.split_first() {
-        Some((0, [])) => return Ok(None),
-        Some((1, rest)) => rest,
-        _ => return Err(protocol(format!("a malformed record of {} bytes", b.len()))),
-    };
-    let mut w = Words(b);
-    let latest = w.u64()?;
-    let mut lists = [HashSet::new(), HashSet::new()];
-    for list in &mut lists {
-        let n = w.u32()? as usize;
-        if n > MAX_HELD_KEYS || n.saturating_mul(24) > w.0.len() {
-            return Err(protocol(format!("a record naming {n} keys")));
-        }
-        for _ in 0..n {
+    let mut f = Fields::new(b, "takeover record");
+    if f.u8()? == 0 {
+        f.end()?;
+        return Ok(None);
+    }
+    let latest = f.u64()?;
+    let count = |f: &mut Fields<'_>| f.u32().map(|n| n as usize);
+    let mut lists = Vec::with_capacity(2);
+    for what in ["received keys", "sent keys"] {
+        let keys = f.records((0, what), (24, count), |f| {
             let [from, to, kind, stage, index, step] =
-                [w.u32()?, w.u32()?, w.u32()?, w.u32()?, w.u32()?, w.u32()?];
-            list.insert(Key {
+                [f.u32()?, f.u32()?, f.u32()?, f.u32()?, f.u32()?, f.u32()?];
+            Ok(Key {
                 from,
                 to,
                 kind: kind_of(kind)?,
                 stage,
                 index,
                 step,
-            });
+            })
+        })?;
+        if keys.len() > MAX_HELD_KEYS {
+            return Err(protocol(format!("a record naming {} keys", keys.len())));
         }
+        lists.push(keys.into_iter().collect::<HashSet<Key>>());
     }
-    if !w.0.is_empty() {
-        return Err(protocol(format!("{} bytes past a record's end", w.0.len())));
-    }
-    let [received, sent] = lists;
+    f.end()?;
+    let sent = lists.pop().unwrap_or_default();
+    let received = lists.pop().unwrap_or_default();
     Ok(Some(Held {
         latest,
         received,
