@@ -684,7 +684,9 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
 /// flight: its segment taken over, or, where every survivor had finished it (the loss fell
 /// in the exchange that ends it), its last update run again.
 fn in_place_at_the_update(line: &str) -> bool {
-    line.contains("(taken over at the update") || line.contains("(recovered at the update")
+    let from = common::resumed_from(line);
+    let taken_over = common::taken_over_at(line).is_some_and(|at| at > 0 && at <= from);
+    taken_over || line.contains("(recovered at the update")
 }
 
 /// Starts `pipe train --config CONFIG` with `flags` as worker processes, waits for its first

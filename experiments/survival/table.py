@@ -51,6 +51,7 @@ def read(out: Path, name: str, per_epoch: int) -> dict:
     )
     done = re.search(r"^done: (\d+) steps, test accuracy ([\d.]+)%", text, re.M)
     lost = re.search(r"from update (\d+) \(([^)]*)\)", text)
+    taken = re.search(r"taken over at update (\d+):", text)
     return {
         "wall": float((out / f"{name}.wall").read_text()),
         "records": len(steps),
@@ -61,6 +62,7 @@ def read(out: Path, name: str, per_epoch: int) -> dict:
         "steps": int(done.group(1)) if done else None,
         "accuracy": float(done.group(2)) if done else None,
         "from": int(lost.group(1)) if lost else None,
+        "taken_over_at": int(taken.group(1)) if taken else None,
         "unit": lost.group(2) if lost else "",
     }
 
@@ -71,7 +73,8 @@ def main() -> None:
     print()
     print(
         "| build | failure at | worker 3's message | wall s | lost s | updates redone "
-        "| to a new update s (median interval) | longest interval s | went on from "
+        "| to a new update s (median interval) | longest interval s "
+        "| recovered at (layout from) "
         "| test accuracy |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -91,10 +94,13 @@ def main() -> None:
             nth = (out / f"kill-{pct}.nth").read_text().strip()
             acc = f"{r['accuracy']:.2f}%" if r["accuracy"] is not None else "failed"
             pause = f"{r['pause']:.3f}" if r["pause"] is not None else "-"
+            at = r["from"]
+            if r["taken_over_at"] is not None:
+                at = f"{r['taken_over_at']} ({r['from']})"
             print(
                 f"| {label} | {pct}% | {nth} | {r['wall']:.2f} | "
                 f"{r['wall'] - calm['wall']:+.2f} | {r['redone']} | "
-                f"{pause} ({r['interval']:.3f}) | {fmt(r['longest'])} | {r['from']} | {acc} |"
+                f"{pause} ({r['interval']:.3f}) | {fmt(r['longest'])} | {at} | {acc} |"
             )
 
 

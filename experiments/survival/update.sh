@@ -9,8 +9,8 @@
 #     worker 3's process ending at its Nth data message of the run as kill -9 ends it
 #     (`exit@N`, an abort).
 # N is the same for both builds, calibrated from one probe run of PROBE (default this build),
-# whose recovery line names the update it went on from. A run that takes the lost replica
-# over names the segment's end instead: give PROBE a build that goes back inside the segment.
+# whose recovery line names the update it recovered at ("taken over at update N", else
+# "from update N").
 #   KEEP_OLD=1: the build before's runs and the probe already in OUTDIR (an earlier call of
 #     this script with the same BASE and PROBE) are kept, and only this build runs again.
 #   BASE=path/to/pipe-of-the-build-before PLACEMENT=shm bash experiments/survival/update.sh OUTDIR
@@ -55,7 +55,8 @@ print(max(r['steps_in_epoch'] for r in steps if r.get('kind')=='step'))")
 skip=$((first == 1 ? 0 : per_epoch))
 probe=$((2000 + (first == 1 ? 0 : 8000)))
 run probe "${PROBE:-$PIPE}" --fault-schedule "$(fault $probe)"
-from=$(grep -o 'from update [0-9]*' "$OUT/probe.txt" | grep -o '[0-9]*$')
+from=$(grep -o 'taken over at update [0-9]*' "$OUT/probe.txt" | grep -o '[0-9]*$' || true)
+[ -n "$from" ] || from=$(grep -o 'from update [0-9]*' "$OUT/probe.txt" | grep -o '[0-9]*$')
 per_update=$(python3 -c "print(max(1.0, $probe / max(1, $from - $per_epoch + $skip)))")
 for pct in 25 50 75; do
   nth=$(python3 -c "print(max(1, round($per_update * ($skip + $per_epoch * $pct / 100))))")

@@ -110,6 +110,14 @@ fn a_lost_replica_trains_every_microbatch_once() {
     assert_eq!(lost.replicas, vec![2, 1]);
     assert_eq!(lost.redone, Redone::Update, "{lost}");
     assert_eq!(lost.from, 24, "{lost}");
+    // It names the update it recovered at: one in the second epoch's segment (13-24).
+    assert!(matches!(lost.recovered_at, Some(13..=24)), "{lost:?}");
+    let at = lost.recovered_at.unwrap_or(0);
+    assert!(
+        lost.to_string()
+            .contains(&format!("taken over at update {at}:")),
+        "{lost}"
+    );
     assert_each_microbatch_once(&out);
     assert_eq!(out.report.steps, 36);
     assert_eq!(seen.epochs.len(), 3);
@@ -155,6 +163,10 @@ fn a_lost_replica_costs_the_updates_in_flight_under_every_policy() {
         let lost = &seen.changes[0];
         assert_eq!(lost.redone, Redone::Update, "{policy}: {lost}");
         assert_eq!(lost.from, 24, "{policy}: {lost}");
+        assert!(
+            matches!(lost.recovered_at, Some(13..=24)),
+            "{policy}: {lost:?}"
+        );
         let cfg = settings.resolve().unwrap();
         let (want, _) = train_reference_with(&cfg, &common::load(&cfg), &seen.changes).unwrap();
         assert!(

@@ -213,6 +213,15 @@ pub fn resumed_from(line: &str) -> u64 {
         .unwrap_or_else(|| panic!("no update in {line}"))
 }
 
+/// The update a lost replica's line says its segment was taken over at ("taken over at
+/// update N:"), if it says so.
+pub fn taken_over_at(line: &str) -> Option<u64> {
+    line.split("(taken over at update ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+}
+
 /// The first line of `text` (a run's output) that starts with `prefix`.
 #[track_caller]
 pub fn line_starting<'t>(text: &'t str, prefix: &str) -> &'t str {

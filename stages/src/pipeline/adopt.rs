@@ -463,6 +463,31 @@ pub struct Takeover {
     pub resumes: Vec<Resume>,
     /// The kept messages each worker reads from its boundary on.
     pub kept: Vec<HashMap<Key, Message>>,
+    /// The update the segment was in when the replica was lost ([`update_in_flight`]).
+    pub in_flight: u64,
+}
+
+/// The steps of a segment of `plan` that `worker` has passed when its stage is at `version`
+/// (its updates in the segment).
+pub fn steps_at_version(plan: &RunPlan, worker: u32, version: u32) -> u64 {
+    let resolved = &plan.schedule.resolved;
+    let (stage, _) = plan.schedule.layout().placement(worker);
+    let applied = u64::from(version) * u64::from(resolved.update_size(stage));
+    applied / u64::from(resolved.minibatch.max(1))
+}
+
+/// The update of a segment of `plan` (from 1) that its furthest stage was in when a segment
+/// taken over resumes each worker at `versions`: the one after the furthest boundary. Under
+/// an asynchronous policy the earlier stages stand a few updates behind; a flush schedule's
+/// stages all stand at one boundary.
+pub fn update_in_flight(plan: &RunPlan, versions: &[u32]) -> u64 {
+    let furthest = versions
+        .iter()
+        .enumerate()
+        .map(|(w, &v)| steps_at_version(plan, w as u32, v))
+        .max()
+        .unwrap_or(0);
+    furthest + 1
 }
 
 fn takeover_err(msg: String) -> StageError {
@@ -825,6 +850,7 @@ pub fn take_over(
         }
     }
     Ok(Takeover {
+        in_flight: update_in_flight(plan, &versions),
         states,
         resumes,
         kept,

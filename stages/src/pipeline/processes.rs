@@ -766,22 +766,32 @@ impl Drop for Workers {
     }
 }
 
+/// How long after a worker's output ended the launcher looks for its exit every millisecond.
+const ENDING_REAPED_WITHIN: Duration = Duration::from_millis(200);
+
 /// A line of a worker's output.
 struct Line {
     rank: u32,
     stderr: bool,
-    text: String,
+    /// The line; `None` once the stream has ended (its process is ending or gone).
+    text: Option<String>,
 }
 
-/// Forwards `stream`'s lines to `tx` on a thread of its own.
+/// Forwards `stream`'s lines to `tx` on a thread of its own, and then that it ended.
 fn relay(rank: u32, stderr: bool, stream: impl Read + Send + 'static, tx: Sender<Line>) {
     std::thread::spawn(move || {
         for text in BufReader::new(stream).lines() {
-            let Ok(text) = text else { return };
+            let Ok(text) = text else { break };
+            let text = Some(text);
             if tx.send(Line { rank, stderr, text }).is_err() {
                 return;
             }
         }
+        let _ = tx.send(Line {
+            rank,
+            stderr,
+            text: None,
+        });
     });
 }
 
@@ -868,6 +878,7 @@ impl Relay<'_> {
     /// Handles one line of a worker's output.
     fn line(&mut self, line: Line) {
         let Line { rank, stderr, text } = line;
+        let Some(text) = text else { return };
         if !stderr {
             if let Some(json) = text.strip_prefix(RECORD) {
                 if let Err(e) = (self.on_record)(rank, json) {
@@ -1063,10 +1074,20 @@ pub fn launch(
     let mut first_exit: Option<(u32, ExitStatus)> = None;
     let mut first_at: Option<Instant> = None;
     let mut stop_sent = false;
+    // Until when a worker whose output ended is looked for often: its process is reaped
+    // within milliseconds of its end, not at the next 50 ms tick.
+    let mut ending_until: Option<Instant> = None;
     loop {
         stop_sent = stop_sent || (told && workers.ask_chief_to_stop(opts));
-        match rx.recv_timeout(Duration::from_millis(50)) {
-            Ok(line) => relay.line(line),
+        let ending = ending_until.is_some_and(|t| Instant::now() < t);
+        let wait = Duration::from_millis(if ending { 1 } else { 50 });
+        match rx.recv_timeout(wait) {
+            Ok(line) => {
+                if line.text.is_none() {
+                    ending_until = Some(Instant::now() + ENDING_REAPED_WITHIN);
+                }
+                relay.line(line);
+            }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => std::thread::sleep(Duration::from_millis(50)),
         }

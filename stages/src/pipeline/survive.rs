@@ -92,6 +92,11 @@ pub struct LayoutChange {
     pub from: u64,
     /// What the run does again (a lost replica's change; [`Redone::Segment`] for a rejoin).
     pub redone: Redone,
+    /// The update the run recovered at, counted over the run from 1, where it is not
+    /// `from`: a segment taken over ([`Redone::Update`]) went on at the update its last stage
+    /// was in when the replica was lost, and changes its layout only at the segment's end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovered_at: Option<u64>,
 }
 
 impl std::fmt::Display for LayoutChange {
@@ -108,11 +113,13 @@ impl std::fmt::Display for LayoutChange {
                 microbatches(u64::from(self.microbatches)),
                 self.from,
                 match self.redone {
-                    Redone::Segment => "the segment runs again",
-                    Redone::InFlight => "recovered at the update: the updates in flight run again",
-                    Redone::Update => {
-                        "taken over at the update: each stage ran its update in flight again and the segment ended without it"
-                    }
+                    Redone::Segment => "the segment runs again".to_string(),
+                    Redone::InFlight =>
+                        "recovered at the update: the updates in flight run again".to_string(),
+                    Redone::Update => format!(
+                        "taken over at update {}: each stage ran its update in flight again and the segment ended without it",
+                        self.recovered_at.unwrap_or(self.from)
+                    ),
                 }
             ),
             LayoutEvent::Rejoined => write!(
@@ -177,6 +184,7 @@ impl LayoutChange {
             microbatches: u32::try_from(minibatch / widest).ok()?,
             from,
             redone: Redone::Segment,
+            recovered_at: None,
         };
         // The new layout must schedule, with the same minibatch.
         let resolved = change.spec(cfg.chunks, policy, 1).resolve().ok()?;
@@ -258,6 +266,7 @@ impl LayoutChange {
             microbatches: resolved.microbatches_per_update,
             from,
             redone: Redone::Segment,
+            recovered_at: None,
         })
     }
 
@@ -283,10 +292,12 @@ impl LayoutChange {
     }
 
     /// This change for a segment of `len` updates taken over where every worker stood
-    /// ([`super::adopt`]): the lost worker's program finished the segment, and the new layout
-    /// starts at its end.
-    pub(super) fn taken_over(self, len: u64) -> Self {
+    /// ([`super::adopt`]), `in_flight` its update (counted from the segment's start, from 1)
+    /// that its last stage was in: the lost worker's program finished the segment, and the
+    /// new layout starts at its end.
+    pub(super) fn taken_over(self, len: u64, in_flight: u64) -> Self {
         LayoutChange {
+            recovered_at: Some(self.from + in_flight),
             from: self.from + len,
             redone: Redone::Update,
             ..self

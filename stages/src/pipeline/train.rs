@@ -282,13 +282,13 @@ impl Coordinator for Threads<'_> {
         );
         let outcomes = match (run, kept) {
             (Ok((outcomes, None)), _) => outcomes,
-            (Ok((outcomes, Some(e))), _) => {
+            (Ok((outcomes, Some((e, in_flight)))), _) => {
                 // Taken over where every worker stood: the segment ended as if nothing was
                 // lost, and the layout changes at its end.
                 let change =
                     LayoutChange::after(self.run.cfg, plan, self.run.minibatch, &e, at.done)
                         .ok_or(e)?;
-                self.taken_over = Some(change.taken_over(at.len));
+                self.taken_over = Some(change.taken_over(at.len, in_flight));
                 outcomes
             }
             (Err(e), Some(kept)) => {
@@ -1015,7 +1015,9 @@ pub(crate) struct Segment {
 
 /// Per-update loss sums of a running segment, reported in update order as each completes.
 /// A segment's outcomes, and the failure of a replica it was taken over from, if one was.
-type SegmentRun = (Vec<WorkerOutcome>, Option<StageError>);
+/// A segment's outcomes, and where it was taken over after a loss: the failure, and the
+/// update the segment was in ([`super::adopt::update_in_flight`]).
+type SegmentRun = (Vec<WorkerOutcome>, Option<(StageError, u64)>);
 
 /// Every worker's figures over a segment of `plan` taken over after `lost` failed: what it
 /// had measured at the boundary it resumed at (the lost worker's from its own points, which
@@ -1447,7 +1449,7 @@ impl<'c> Run<'c> {
             for (st, taken) in states.iter_mut().zip(takeover.states) {
                 st.stages = taken.stages;
             }
-            Ok((outcomes, Some(failure)))
+            Ok((outcomes, Some((failure, takeover.in_flight))))
         })
     }
 

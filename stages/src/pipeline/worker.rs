@@ -545,7 +545,8 @@ impl<T: Transport> Process<'_, T> {
             if let Some(versions) = planned {
                 let adopted = Adopted {
                     lost,
-                    change: change.taken_over(at.len),
+                    change: change
+                        .taken_over(at.len, super::adopt::update_in_flight(plan, &versions)),
                     versions,
                 };
                 return self.run_taken_over(plan, at, (ep, adopted), failed, obs);
@@ -589,10 +590,7 @@ fn measured_at_version(
     version: u32,
     points: &Points,
 ) -> Result<WorkerOutcome> {
-    let resolved = &plan.schedule.resolved;
-    let (stage, _) = plan.schedule.layout().placement(worker);
-    let applied = u64::from(version) * u64::from(resolved.update_size(stage));
-    match applied / u64::from(resolved.minibatch.max(1)) {
+    match super::adopt::steps_at_version(plan, worker, version) {
         0 => Ok(WorkerOutcome::default()),
         step => points.measured_at(step).ok_or_else(|| {
             StageError::Executor(format!(
