@@ -660,6 +660,19 @@ impl<T: Transport> Transport for Faulty<T> {
     fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
         self.inner()?.cut_link(peer, pause)
     }
+
+    /// The faults are this endpoint's: a regrouped mesh carries none.
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        self.inner.as_mut()?.regroup_address()
+    }
+
+    fn regroup(
+        &mut self,
+        lost: u32,
+        hosted: Option<&str>,
+    ) -> Result<Box<dyn Transport>, TransportError> {
+        self.inner()?.regroup(lost, hosted)
+    }
 }
 
 #[cfg(test)]

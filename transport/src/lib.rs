@@ -442,6 +442,34 @@ pub trait Transport: Send {
         None
     }
 
+    /// Readies this endpoint to go on, after a peer is lost, on the connections it has with
+    /// the others ([`Transport::regroup`]): the address where the lost rank's new endpoint
+    /// reaches it. `None` where this transport cannot: its survivors connect a new mesh.
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        None
+    }
+
+    /// This endpoint's mesh going on without rank `lost` on the connections it has with the
+    /// others, once readied ([`Transport::regroup_address`]), with a connection to `hosted`,
+    /// the address of the lost rank's new endpoint where a survivor hosts it. A regrouped
+    /// mesh holds nothing sent before (QUIC: [`quic::Quic::regrouped`]). This endpoint is
+    /// spent.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] from a transport that cannot regroup, or a regroup that
+    /// fails.
+    fn regroup(
+        &mut self,
+        lost: u32,
+        hosted: Option<&str>,
+    ) -> Result<Box<dyn Transport>, TransportError> {
+        let _ = hosted;
+        Err(TransportError::Setup(format!(
+            "worker {} cannot go on without worker {lost} on its own connections",
+            self.rank()
+        )))
+    }
+
     /// Cuts the network link to `peer` for `pause`, in both directions, as a network
     /// partition would (for fault drills, [`fault::Fault::Partition`]). A transport with no
     /// network between its workers has no link to cut.
@@ -517,6 +545,16 @@ macro_rules! forward_transport {
             }
             fn interrupter(&self) -> Option<Interrupter> {
                 (**self).interrupter()
+            }
+            fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+                (**self).regroup_address()
+            }
+            fn regroup(
+                &mut self,
+                lost: u32,
+                hosted: Option<&str>,
+            ) -> Result<Box<dyn Transport>, TransportError> {
+                (**self).regroup(lost, hosted)
             }
         }
     };

@@ -45,14 +45,19 @@ use crate::frame::{self, FrameLimits, PREFIX_BYTES, WireDType};
 use crate::host::HostId;
 use crate::{Early, Key, Kind, Message, Transport, TransportError};
 
+mod regroup;
+
 /// Application protocol name on the TLS handshake.
 /// The hello changed at 2 (it carries the worker's host identity): a worker of a build with
 /// another protocol is refused in the TLS handshake, before any byte of it is read.
-const ALPN: &[u8] = b"pipe/2";
+/// At 3 a mesh can go on without a lost peer on its connections ([`Quic::regrouped`]).
+const ALPN: &[u8] = b"pipe/3";
 /// First bytes of a hello.
 const HELLO_MAGIC: [u8; 4] = *b"PIPH";
 /// Stream tags: the first byte of every unidirectional stream.
 const TAG_CONTROL: u8 = b'C';
+/// A control stream of a regrouped mesh (then its generation, 4 bytes LE; no hello).
+const TAG_REGROUP: u8 = b'G';
 /// Control records.
 const RECORD_ABORT: u8 = b'A';
 const RECORD_FINISHED: u8 = b'F';
@@ -199,7 +204,17 @@ struct Peer {
     writers: Vec<tokio::task::JoinHandle<()>>,
     /// Bytes of this peer's messages read and not yet received by the program.
     held: Arc<std::sync::atomic::AtomicU64>,
+    /// How many times this connection's mesh has regrouped ([`Quic::regrouped`]): both
+    /// ends count alike, and a regrouped control stream names it.
+    generation: u32,
+    /// Turns true once the peer's data streams of this generation have been accepted: the
+    /// next streams it opens are the next generation's.
+    accepted: tokio::sync::watch::Receiver<bool>,
 }
+
+/// Where an endpoint whose mesh is complete puts a connection that arrives late: refused,
+/// unless a regroup waits for a lost rank's new endpoint ([`Quic::ready_to_regroup`]).
+type LateSlot = Arc<std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedSender<quinn::Incoming>>>>;
 
 /// A bound endpoint that has not connected to its peers yet (its address is known, so a
 /// launcher can tell the others).
@@ -385,7 +400,9 @@ fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, T
         .stream_receive_window(quinn::VarInt::from_u32(16 << 20))
         .receive_window(quinn::VarInt::from_u32(64 << 20))
         .send_window(64 << 20)
-        .max_concurrent_uni_streams(quinn::VarInt::from_u32(8));
+        // A generation's five streams each way, and room for the next while the last closes
+        // ([`Quic::regrouped`]).
+        .max_concurrent_uni_streams(quinn::VarInt::from_u32(16));
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(opts.max_datagram.clamp(1200, MTU_UPPER_BOUND));
     t.mtu_discovery_config(Some(mtu));
@@ -555,8 +572,13 @@ impl Bound {
         let interrupt = events_tx.tx.clone();
         let host = HostId::current()?;
         let me = Me { rank, host };
+        let late = LateSlot::default();
         let (peers, hosts) = runtime.block_on(connect_all(
-            me, addrs, &endpoint, &client, &opts, &events_tx,
+            me,
+            addrs,
+            (&endpoint, &client),
+            &opts,
+            (&events_tx, &late),
         ))?;
         Ok(Quic {
             rank,
@@ -579,6 +601,9 @@ impl Bound {
             hosts,
             alarm,
             interrupt,
+            client,
+            late,
+            late_arrivals: None,
         })
     }
 }
@@ -799,10 +824,9 @@ async fn closed_while_connecting(peer: u32, conn: quinn::Connection) -> (u32, St
 async fn connect_all(
     me: Me,
     addrs: &[Option<SocketAddr>],
-    endpoint: &quinn::Endpoint,
-    client: &quinn::ClientConfig,
+    (endpoint, client): (&quinn::Endpoint, &quinn::ClientConfig),
     opts: &QuicOptions,
-    events: &Events,
+    (events, late): (&Events, &LateSlot),
 ) -> Result<(Vec<Option<Peer>>, Vec<Option<HostId>>), TransportError> {
     let rank = me.rank;
     // Every task ends by itself: a dial at the deadline (after its last attempt), the accepts
@@ -879,13 +903,22 @@ async fn connect_all(
     for (peer, conn, control, theirs, host) in greeted {
         hosts[peer as usize] = Some(host);
         peers[peer as usize] =
-            Some(start_peer(rank, peer, conn, control, theirs, opts, events).await?);
+            Some(start_peer(rank, peer, conn, (control, theirs), opts, events).await?);
     }
-    // The mesh is complete: any later connection attempt is refused at once.
-    let late = endpoint.clone();
+    // The mesh is complete: any later connection attempt is refused at once, unless a
+    // regroup waits for one.
+    let (arrivals, late) = (endpoint.clone(), late.clone());
     tokio::spawn(async move {
-        while let Some(incoming) = late.accept().await {
-            incoming.refuse();
+        while let Some(incoming) = arrivals.accept().await {
+            let waiting = late.lock().ok().and_then(|slot| slot.clone());
+            match waiting {
+                Some(tx) => {
+                    if let Err(unwanted) = tx.send(incoming) {
+                        unwanted.0.refuse();
+                    }
+                }
+                None => incoming.refuse(),
+            }
         }
     });
     Ok((peers, hosts))
@@ -897,11 +930,60 @@ async fn start_peer(
     rank: u32,
     peer: u32,
     conn: quinn::Connection,
-    control: quinn::SendStream,
-    theirs: quinn::RecvStream,
+    (control, theirs): (quinn::SendStream, quinn::RecvStream),
     opts: &QuicOptions,
     events: &Events,
 ) -> Result<Peer, TransportError> {
+    let (data, writers) = open_data_streams(&conn, peer, opts).await?;
+    tokio::spawn(read_control(peer, theirs, events.clone()));
+    let control = Arc::new(tokio::sync::Mutex::new(control));
+    let held = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (accepted_tx, accepted) = tokio::sync::watch::channel(false);
+    tokio::spawn(read_data_streams(
+        (rank, peer),
+        conn.clone(),
+        reading_of(opts, &held),
+        events.clone(),
+        (control.clone(), accepted_tx),
+    ));
+    tokio::spawn(watch_connection(peer, conn.clone(), events.clone()));
+    Ok(Peer {
+        conn,
+        control,
+        data,
+        writers,
+        held,
+        generation: 0,
+        accepted,
+    })
+}
+
+/// How `opts` has a peer's data streams read, `held` counting what waits for the program.
+fn reading_of(opts: &QuicOptions, held: &Arc<std::sync::atomic::AtomicU64>) -> Reading {
+    Reading {
+        limits: FrameLimits {
+            run_id: opts.run_id,
+            max_payload_bytes: opts.max_payload_bytes,
+        },
+        grace: opts.frame_grace,
+        held: held.clone(),
+        max_held: opts.max_held_bytes,
+    }
+}
+
+/// The writers of this side's streams to a peer: one data stream per [`Kind`] opened on
+/// `conn`, each tagged with its kind and fed by a task of its own.
+type DataStreams = (
+    [Option<tokio::sync::mpsc::Sender<Frame>>; 4],
+    Vec<tokio::task::JoinHandle<()>>,
+);
+
+/// Opens this side's data streams to `peer` on `conn` and starts their writers.
+async fn open_data_streams(
+    conn: &quinn::Connection,
+    peer: u32,
+    opts: &QuicOptions,
+) -> Result<DataStreams, TransportError> {
     let mut data: [Option<tokio::sync::mpsc::Sender<Frame>>; 4] = [None, None, None, None];
     let mut writers = Vec::new();
     for kind in KINDS {
@@ -926,34 +1008,7 @@ async fn start_peer(
             let _ = stream.finish();
         }));
     }
-    tokio::spawn(read_control(peer, theirs, events.clone()));
-    let limits = FrameLimits {
-        run_id: opts.run_id,
-        max_payload_bytes: opts.max_payload_bytes,
-    };
-    let control = Arc::new(tokio::sync::Mutex::new(control));
-    let held = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    tokio::spawn(read_data_streams(
-        rank,
-        peer,
-        conn.clone(),
-        Reading {
-            limits,
-            grace: opts.frame_grace,
-            held: held.clone(),
-            max_held: opts.max_held_bytes,
-        },
-        events.clone(),
-        control.clone(),
-    ));
-    tokio::spawn(watch_connection(peer, conn.clone(), events.clone()));
-    Ok(Peer {
-        conn,
-        control,
-        data,
-        writers,
-        held,
-    })
+    Ok((data, writers))
 }
 
 async fn read_control(peer: u32, mut stream: quinn::RecvStream, events: Events) {
@@ -978,12 +1033,14 @@ async fn read_control(peer: u32, mut stream: quinn::RecvStream, events: Events) 
 /// record on this side's control stream) that everything it sent has been read, so it may
 /// close the connection without waiting for this worker's program to end.
 async fn read_data_streams(
-    rank: u32,
-    peer: u32,
+    (rank, peer): (u32, u32),
     conn: quinn::Connection,
     reading: Reading,
     events: Events,
-    control: Arc<tokio::sync::Mutex<quinn::SendStream>>,
+    (control, accepted): (
+        Arc<tokio::sync::Mutex<quinn::SendStream>>,
+        tokio::sync::watch::Sender<bool>,
+    ),
 ) {
     let mut readers = Vec::new();
     for _ in KINDS {
@@ -1016,6 +1073,7 @@ async fn read_data_streams(
             clean
         }));
     }
+    let _ = accepted.send(true);
     let mut all_clean = true;
     for r in readers {
         all_clean &= r.await.unwrap_or(false);
@@ -1164,6 +1222,12 @@ pub struct Quic {
     alarm: Alarm,
     /// Into the event queue from outside: [`Transport::interrupter`].
     interrupt: Sender<Event>,
+    /// How this endpoint dials, and where a late connection goes: what a regroup needs
+    /// ([`Quic::regrouped`]).
+    client: quinn::ClientConfig,
+    late: LateSlot,
+    /// The late connections a readied regroup takes ([`Quic::ready_to_regroup`]).
+    late_arrivals: Option<tokio::sync::mpsc::UnboundedReceiver<quinn::Incoming>>,
 }
 
 /// What a worker calls when its QUIC endpoint hears of a failure, set once.
@@ -1592,6 +1656,22 @@ impl Transport for Quic {
         })))
     }
 
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        Some(self.ready_to_regroup().map(|a| a.to_string()))
+    }
+
+    fn regroup(
+        &mut self,
+        lost: u32,
+        hosted: Option<&str>,
+    ) -> Result<Box<dyn Transport>, TransportError> {
+        let hosted = match hosted {
+            Some(name) => Some(resolve_address(name)?),
+            None => None,
+        };
+        Ok(Box::new(self.regrouped(lost, hosted)?))
+    }
+
     fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
         let addr = self
             .peers
@@ -1645,6 +1725,15 @@ impl Quic {
     }
 }
 
+/// The socket address `name` ("host:port") names.
+fn resolve_address(name: &str) -> Result<SocketAddr, TransportError> {
+    use std::net::ToSocketAddrs as _;
+    name.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| TransportError::Setup(format!("'{name}' is no address to connect to")))
+}
+
 /// The error for a frame that could not be sent, with its message rebuilt from the frame (the
 /// tensor was handed to the frame without a copy; a bf16 wire hands back rounded values).
 fn send_failed(header: &frame::Header, frame: &Frame, reason: String) -> TransportError {
@@ -1682,6 +1771,9 @@ impl Drop for Quic {
             hosts: std::mem::take(&mut self.hosts),
             alarm: self.alarm.clone(),
             interrupt: self.interrupt.clone(),
+            client: self.client.clone(),
+            late: self.late.clone(),
+            late_arrivals: None,
         };
         self.closed = true;
         if me.runtime.is_none() {

@@ -72,7 +72,7 @@ fn a_client_without_a_certificate_is_refused() {
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    tls.alpn_protocols = vec![b"pipe/2".to_vec()];
+    tls.alpn_protocols = vec![b"pipe/3".to_vec()];
     let client = quinn::ClientConfig::new(Arc::new(
         quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap(),
     ));
@@ -193,7 +193,7 @@ fn hostile_peer(data: Vec<u8>, keep_open: Duration) -> (TransportError, Duration
         .with_root_certificates(roots)
         .with_client_auth_cert(creds.chain.clone(), creds.key.clone_key())
         .unwrap();
-    tls.alpn_protocols = vec![b"pipe/2".to_vec()];
+    tls.alpn_protocols = vec![b"pipe/3".to_vec()];
     let client = quinn::ClientConfig::new(Arc::new(
         quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap(),
     ));

@@ -1362,14 +1362,17 @@ impl LaunchedRemesh {
         }
     }
 
-    /// A new mesh of the run's ranks, `absent` marked so by the launcher: binds a new endpoint
-    /// of the same kind and rank, tells the launcher where, and connects where it says. With
-    /// `host`, also an endpoint of that (lost) rank, announced first and connected on a thread
-    /// of its own: the launcher names it in the lost rank's place.
+    /// The run's mesh anew, `absent` (a lost rank, and this worker's mesh so far) marked so
+    /// by the launcher: this worker's mesh regrouped on its connections where its transport
+    /// can ([`pipe_transport::Transport::regroup`], QUIC), else a new endpoint of the same
+    /// kind and rank; either way the launcher is told where this worker listens, and the mesh
+    /// connects where it says. With `host`, also an endpoint of that (lost) rank, announced
+    /// first and connected on a thread of its own: the launcher names it in the lost rank's
+    /// place.
     fn connect_mesh(
         &mut self,
         what: &str,
-        (absent, host): (Option<u32>, bool),
+        (absent, host): (Option<(u32, &mut dyn pipe_transport::Transport)>, bool),
     ) -> Result<Remeshed> {
         let kind = self.opts.transport.for_processes(true);
         let at = Listen {
@@ -1381,7 +1384,11 @@ impl LaunchedRemesh {
             kinds::bind(kind, &self.cluster, r, &at, &self.opts.settings)
                 .map_err(|e| failed(format!("worker {rank} binding {kind} for rank {r}: {e}")))
         };
-        let hosted = match absent.filter(|_| host) {
+        let (lost, mut regrouping) = match absent {
+            Some((lost, ep)) => (Some(lost), Some(ep)),
+            None => (None, None),
+        };
+        let hosted = match lost.filter(|_| host) {
             Some(lost) => {
                 let b = bind(lost)?;
                 announce_hosted(lost, &b.address()?)?;
@@ -1389,8 +1396,67 @@ impl LaunchedRemesh {
             }
             None => None,
         };
-        let bound = bind(rank)?;
-        announce(&bound.address()?)?;
+        // This worker's own place: its mesh so far where it regroups, else a new endpoint.
+        let readied = match regrouping.as_mut() {
+            Some(ep) => ep
+                .regroup_address()
+                .transpose()
+                .map_err(|e| failed(format!("worker {rank} readying its mesh to go on: {e}")))?,
+            None => None,
+        };
+        let bound = match readied {
+            Some(addr) => {
+                announce(&addr)?;
+                None
+            }
+            None => {
+                let b = bind(rank)?;
+                announce(&b.address()?)?;
+                Some(b)
+            }
+        };
+        let peers = self.named_peers(what)?;
+        let lost_at = lost.and_then(|r| {
+            peers
+                .get(r as usize)
+                .filter(|a| *a != pipe_transport::registration::ABSENT)
+                .cloned()
+        });
+        let hosted = match hosted {
+            Some(b) => Some(connect_on_thread("pipe-connect-hosted", b, peers.clone())?),
+            None => None,
+        };
+        let endpoint = match (bound, regrouping, lost) {
+            (Some(bound), ..) => {
+                let (words, held) = (&self.words, &mut self.held);
+                connect_watching((bound, peers), rank, words, held, CONNECT_AFTER_A_LOSS)?.endpoint
+            }
+            (None, Some(ep), Some(lost)) => ep.regroup(lost, lost_at.as_deref()).map_err(|e| {
+                failed(format!("worker {rank} going on without worker {lost}: {e}"))
+            })?,
+            (None, ..) => return Err(failed(format!("worker {rank}: no mesh {what}"))),
+        };
+        if let Ok(mut slot) = self.interrupt.lock() {
+            *slot = endpoint.interrupter();
+        }
+        let hosted = match hosted {
+            Some(rx) => {
+                let ended = || failed("the thread connecting a hosted rank ended".to_string());
+                Some(rx.recv().map_err(|_| ended())??.endpoint)
+            }
+            None => None,
+        };
+        Ok(Remeshed {
+            ep: endpoint,
+            hosted,
+            lost_hosted: lost_at.is_some(),
+        })
+    }
+
+    /// Every worker's address, as the launcher names them once each has said where it
+    /// listens (the mesh `what` is for, in its error).
+    fn named_peers(&mut self, what: &str) -> Result<Vec<String>> {
+        let rank = self.rank;
         let deadline = Instant::now() + self.opts.settings.connect_timeout;
         let peers = loop {
             match self.next_word(deadline) {
@@ -1412,44 +1478,26 @@ impl LaunchedRemesh {
                 self.cluster.size()
             )));
         }
-        let lost_hosted = absent.is_some_and(|r| {
-            peers
-                .get(r as usize)
-                .is_some_and(|a| a != pipe_transport::registration::ABSENT)
-        });
-        let hosted = match hosted {
-            Some(b) => {
-                let peers = peers.clone();
-                let (tx, rx) = crossbeam_channel::bounded(1);
-                std::thread::Builder::new()
-                    .name("pipe-connect-hosted".into())
-                    .spawn(move || {
-                        let _ = tx.send(b.connect(&peers));
-                    })
-                    .map_err(|e| failed(format!("starting a thread to connect: {e}")))?;
-                Some(rx)
-            }
-            None => None,
-        };
-        let (words, held) = (&self.words, &mut self.held);
-        let joined = connect_watching((bound, peers), rank, words, held, CONNECT_AFTER_A_LOSS)?;
-        let endpoint = joined.endpoint;
-        if let Ok(mut slot) = self.interrupt.lock() {
-            *slot = endpoint.interrupter();
-        }
-        let hosted = match hosted {
-            Some(rx) => {
-                let ended = || failed("the thread connecting a hosted rank ended".to_string());
-                Some(rx.recv().map_err(|_| ended())??.endpoint)
-            }
-            None => None,
-        };
-        Ok(Remeshed {
-            ep: endpoint,
-            hosted,
-            lost_hosted,
-        })
+        Ok(peers)
     }
+}
+
+/// Connects `bound` to `peers` on a thread named `name`: the connect's end comes on the
+/// returned channel.
+fn connect_on_thread(
+    name: &str,
+    bound: kinds::Bound,
+    peers: Vec<String>,
+) -> Result<crossbeam_channel::Receiver<std::result::Result<Joined, pipe_transport::TransportError>>>
+{
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _ = tx.send(bound.connect(&peers));
+        })
+        .map_err(|e| failed(format!("starting a thread to connect: {e}")))?;
+    Ok(rx)
 }
 
 /// How long a connect may go on once the launcher said a worker of the mesh was lost
@@ -1472,13 +1520,7 @@ fn connect_watching(
     held: &mut std::collections::VecDeque<LauncherWord>,
     grace: Duration,
 ) -> Result<Joined> {
-    let (tx, joined) = crossbeam_channel::bounded(1);
-    std::thread::Builder::new()
-        .name("pipe-connect".into())
-        .spawn(move || {
-            let _ = tx.send(bound.connect(&peers));
-        })
-        .map_err(|e| failed(format!("starting a thread to connect: {e}")))?;
+    let joined = connect_on_thread("pipe-connect", bound, peers)?;
     let ended = || failed("the thread connecting this worker ended".to_string());
     let mut lost: Option<(u32, Instant)> = None;
     loop {
@@ -1531,9 +1573,14 @@ impl super::recover::Remesh for LaunchedRemesh {
         }
     }
 
-    fn connect_without(&mut self, lost: u32, host: bool) -> Result<Remeshed> {
+    fn connect_without(
+        &mut self,
+        ep: &mut dyn pipe_transport::Transport,
+        lost: u32,
+        host: bool,
+    ) -> Result<Remeshed> {
         let what = format!("of the survivors after worker {lost} was lost");
-        self.connect_mesh(&what, (Some(lost), host))
+        self.connect_mesh(&what, (Some((lost, ep)), host))
     }
 
     fn joining(&mut self) -> Option<u32> {

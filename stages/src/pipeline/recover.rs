@@ -58,13 +58,20 @@ pub trait Remesh: Send {
     /// run does not go on in place (the launcher said so, or said nothing).
     fn lost(&mut self, within: Duration) -> Option<LostPeer>;
 
-    /// A new mesh of the run's ranks with `lost` absent, connected where the launcher says;
-    /// with `host`, `lost`'s place is this worker's too: it binds and connects an endpoint
-    /// of that rank as well, for the lost program it adopts ([`super::takeover`]).
+    /// The survivors' mesh of the run's ranks with `lost` absent, connected where the
+    /// launcher says: `ep`, this worker's mesh so far, regrouped on its connections where its
+    /// transport can ([`Transport::regroup`]), else a new one. With `host`, `lost`'s place is
+    /// this worker's too: it binds and connects an endpoint of that rank as well, for the
+    /// lost program it adopts ([`super::takeover`]).
     ///
     /// # Errors
     /// A port that cannot be bound, peers that do not connect in time.
-    fn connect_without(&mut self, lost: u32, host: bool) -> Result<Remeshed>;
+    fn connect_without(
+        &mut self,
+        ep: &mut dyn Transport,
+        lost: u32,
+        host: bool,
+    ) -> Result<Remeshed>;
 
     /// The rank of a lost replica's replacement that has started and is ready to join
     /// (`--rejoin`), if the launcher has said so; never waits. The chief asks at the end of

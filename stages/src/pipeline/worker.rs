@@ -522,7 +522,8 @@ impl<T: Transport> Process<'_, T> {
             .filter(|_| failed.at_start)
             .filter(|_| super::adopt::refused(plan, &self.run.model, clips).is_none());
         let host = traffic.is_some() && adopter == Some(rank);
-        let meshes = remesh.connect_without(lost, host)?;
+        let regrouping = current(&mut *self.ep, &mut self.renewed);
+        let meshes = remesh.connect_without(regrouping, lost, host)?;
         drop(remesh);
         self.hosted = meshes.hosted.map(Hosted::Idle);
         let mut ep = meshes.ep;

@@ -1,0 +1,466 @@
+//! Going on without a lost peer on the connections a mesh already has: what the survivors of
+//! a lost worker process do instead of binding, announcing and connecting a new mesh, whose
+//! handshakes (TLS on every pair of workers) are most of a QUIC recovery's time.
+//!
+//! **Generations.** Each survivor regroups once per loss: on every connection to another
+//! survivor it finishes its streams of the mesh so far and opens a new control stream (tagged
+//! [`TAG_REGROUP`] and the connection's new generation) and new data streams; the peer's new
+//! streams are read by new readers into a new event queue. Whatever was in flight on the old
+//! streams goes to the old queue, which the regroup drops: a regrouped mesh starts empty, as
+//! a new one would, and a stale message, abort or end can never reach it. Both ends of a
+//! connection count its regroups alike, and a control stream that names another generation
+//! is a protocol error.
+//!
+//! **The lost rank.** Its old connection is closed. Where a survivor hosts the lost rank's
+//! program on a new endpoint, that endpoint connects as any endpoint does: survivors of a
+//! lower rank dial it, those of a higher rank take its connection from the late arrivals they
+//! were readied for ([`Quic::ready_to_regroup`]), which are refused otherwise.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::unbounded;
+
+use super::{
+    CLOSE_FAILED, CLOSE_REFUSED, Events, Greeted, Me, Peer, Quic, TAG_REGROUP, dial, greet,
+    open_data_streams, read_control, read_data_streams, reading_of, setup_err, start_peer,
+    watch_connection,
+};
+use crate::{Early, TransportError};
+
+impl Quic {
+    /// Readies this endpoint to go on without a lost peer ([`Quic::regrouped`]): from now on
+    /// a connection that arrives late is kept for the regroup, not refused. Returns the
+    /// address this endpoint listens at, where the lost rank's new endpoint reaches it.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] from an endpoint that is closed or has no address.
+    pub fn ready_to_regroup(&mut self) -> Result<SocketAddr, TransportError> {
+        if self.closed || self.runtime.is_none() {
+            return Err(TransportError::Setup(format!(
+                "worker {}'s endpoint is closed: it cannot regroup",
+                self.rank
+            )));
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        if let Ok(mut slot) = self.late.lock() {
+            *slot = Some(tx);
+        }
+        self.late_arrivals = Some(rx);
+        self.endpoint
+            .local_addr()
+            .map_err(|e| setup_err("local address", e))
+    }
+
+    /// This endpoint's mesh, going on without rank `lost` on the connections it has with the
+    /// others (see the module documentation), and with a connection to `hosted`, the lost
+    /// rank's new endpoint, where a survivor hosts it. This endpoint is spent: it holds
+    /// nothing any more, and every later call fails or does nothing.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`]: a rank that is not a peer, an endpoint already closed, a
+    /// connection that fails while its streams open, a hosted endpoint that does not connect
+    /// within the connect timeout.
+    pub fn regrouped(
+        &mut self,
+        lost: u32,
+        hosted: Option<SocketAddr>,
+    ) -> Result<Quic, TransportError> {
+        let rank = self.rank;
+        if lost >= self.size || lost == rank {
+            return Err(TransportError::Setup(format!(
+                "worker {rank} cannot go on without rank {lost} in a mesh of {}",
+                self.size
+            )));
+        }
+        let runtime = self.runtime.take().ok_or_else(|| {
+            TransportError::Setup(format!(
+                "worker {rank}'s endpoint is closed: it cannot regroup"
+            ))
+        })?;
+        // This endpoint becomes a husk: its drop and close do nothing, and dropping its event
+        // queue stops the old streams' readers.
+        self.closed = true;
+        self.events = unbounded().1;
+        let (tx, events) = unbounded();
+        let sink = Events {
+            tx,
+            alarm: self.alarm.clone(),
+        };
+        let mut peers = std::mem::take(&mut self.peers);
+        let mut hosts = std::mem::take(&mut self.hosts);
+        if let Some(old) = peers.get_mut(lost as usize).and_then(Option::take) {
+            old.conn.close(CLOSE_FAILED.into(), b"lost");
+        }
+        if let Some(h) = hosts.get_mut(lost as usize) {
+            *h = None;
+        }
+        let me = Me {
+            rank,
+            host: self.host,
+        };
+        let arrivals = self.late_arrivals.take();
+        let opts = &self.opts;
+        let (endpoint, client) = (&self.endpoint, &self.client);
+        let joined = runtime.block_on(async {
+            for (peer, slot) in peers.iter_mut().enumerate() {
+                if let Some(old) = slot.take() {
+                    *slot = Some(renew(rank, peer as u32, old, opts, &sink).await?);
+                }
+            }
+            let Some(addr) = hosted else {
+                return Ok(None);
+            };
+            let deadline = Instant::now() + opts.connect_timeout;
+            let greeted = if rank < lost {
+                dial(endpoint, client, me, lost, addr, opts, deadline).await?
+            } else {
+                take_late(arrivals, me, lost, opts.run_id, deadline).await?
+            };
+            let (peer, conn, control, theirs, host) = greeted;
+            let joined = start_peer(rank, peer, conn, (control, theirs), opts, &sink).await?;
+            Ok::<_, TransportError>(Some((joined, host)))
+        });
+        if let Ok(mut slot) = self.late.lock() {
+            *slot = None;
+        }
+        if let Some((joined, host)) = joined? {
+            peers[lost as usize] = Some(joined);
+            hosts[lost as usize] = Some(host);
+        }
+        Ok(Quic {
+            rank,
+            size: self.size,
+            runtime: Some(runtime),
+            endpoint: self.endpoint.clone(),
+            peers,
+            interrupt: sink.tx.clone(),
+            events,
+            early: Early::default(),
+            ended: Default::default(),
+            finished_by: Default::default(),
+            lost: Default::default(),
+            failed: None,
+            aborted_by: None,
+            told_abort: false,
+            opts: self.opts.clone(),
+            closed: false,
+            cuts: self.cuts.clone(),
+            host: self.host,
+            hosts,
+            alarm: self.alarm.clone(),
+            client: self.client.clone(),
+            late: self.late.clone(),
+            late_arrivals: None,
+        })
+    }
+}
+
+/// `old`, the connection to `peer`, in its next generation: this side's streams of the last
+/// one finished, new ones opened, and the peer's new streams read into `sink` once it opens
+/// them.
+async fn renew(
+    rank: u32,
+    peer: u32,
+    old: Peer,
+    opts: &super::QuicOptions,
+    sink: &Events,
+) -> Result<Peer, TransportError> {
+    let Peer {
+        conn,
+        control: last_control,
+        data,
+        generation,
+        accepted: last_accepted,
+        ..
+    } = old;
+    // The old writers finish their streams once their queues are sent.
+    drop(data);
+    let _ = last_control.lock().await.finish();
+    let generation = generation.wrapping_add(1);
+    let failed = |e: &dyn std::fmt::Display| setup_err(&format!("stream to rank {peer}"), e);
+    let mut control = conn.open_uni().await.map_err(|e| failed(&e))?;
+    let mut tag = vec![TAG_REGROUP];
+    tag.extend_from_slice(&generation.to_le_bytes());
+    control.write_all(&tag).await.map_err(|e| failed(&e))?;
+    let (data, writers) = open_data_streams(&conn, peer, opts).await?;
+    let control = Arc::new(tokio::sync::Mutex::new(control));
+    let held = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (accepted_tx, accepted) = tokio::sync::watch::channel(false);
+    let reading = reading_of(opts, &held);
+    let (events, read_on) = (sink.clone(), conn.clone());
+    let ours = control.clone();
+    tokio::spawn(async move {
+        // The peer's streams of the last generation come first.
+        let mut last = last_accepted;
+        let _ = last.wait_for(|done| *done).await;
+        match accept_control(&read_on, generation).await {
+            Ok(theirs) => {
+                tokio::spawn(read_control(peer, theirs, events.clone()));
+                read_data_streams((rank, peer), read_on, reading, events, (ours, accepted_tx))
+                    .await;
+            }
+            Err(why) => {
+                read_on.close(CLOSE_REFUSED.into(), why.as_bytes());
+                let _ = events.send(super::Event::Broken { peer, why });
+            }
+        }
+    });
+    tokio::spawn(watch_connection(peer, conn.clone(), sink.clone()));
+    Ok(Peer {
+        conn,
+        control,
+        data,
+        writers,
+        held,
+        generation,
+        accepted,
+    })
+}
+
+/// The peer's control stream of `generation` on `conn`: the next stream it opens.
+async fn accept_control(
+    conn: &quinn::Connection,
+    generation: u32,
+) -> Result<quinn::RecvStream, String> {
+    let mut stream = conn
+        .accept_uni()
+        .await
+        .map_err(|e| format!("its regrouped control stream: {e}"))?;
+    let mut tag = [0u8; 5];
+    stream
+        .read_exact(&mut tag)
+        .await
+        .map_err(|e| format!("its regrouped control stream: {e}"))?;
+    let theirs = u32::from_le_bytes([tag[1], tag[2], tag[3], tag[4]]);
+    if tag[0] != TAG_REGROUP || theirs != generation {
+        return Err(format!(
+            "a stream tagged {} of generation {theirs} where its control stream of generation {generation} was due",
+            tag[0]
+        ));
+    }
+    Ok(stream)
+}
+
+/// The connection of rank `lost`'s new endpoint, from the late `arrivals` this endpoint was
+/// readied for; any other is refused.
+async fn take_late(
+    arrivals: Option<tokio::sync::mpsc::UnboundedReceiver<quinn::Incoming>>,
+    me: Me,
+    lost: u32,
+    run_id: u64,
+    deadline: Instant,
+) -> Result<Greeted, TransportError> {
+    let rank = me.rank;
+    let mut arrivals = arrivals.ok_or_else(|| {
+        TransportError::Setup(format!(
+            "worker {rank} regrouped without being readied for rank {lost}'s connection"
+        ))
+    })?;
+    let missing = || {
+        TransportError::Setup(format!(
+            "rank {rank}: rank {lost}'s new endpoint did not connect before the connect timeout"
+        ))
+    };
+    loop {
+        let incoming = tokio::time::timeout_at(deadline.into(), arrivals.recv())
+            .await
+            .map_err(|_| missing())?
+            .ok_or_else(missing)?;
+        let conn = match tokio::time::timeout_at(deadline.into(), incoming).await {
+            Ok(Ok(conn)) => conn,
+            // A failed handshake (a peer without a valid certificate) is dropped.
+            Ok(Err(_)) => continue,
+            Err(_) => return Err(missing()),
+        };
+        let greeted =
+            tokio::time::timeout_at(deadline.into(), greet(&conn, rank, run_id, &me.host))
+                .await
+                .map_err(|_| missing())?;
+        match greeted {
+            Ok((peer, control, theirs, host)) if peer == lost => {
+                return Ok((peer, conn, control, theirs, host));
+            }
+            Ok((peer, ..)) => conn.close(
+                CLOSE_REFUSED.into(),
+                format!("rank {peer} refused").as_bytes(),
+            ),
+            Err(e) => conn.close(CLOSE_REFUSED.into(), e.why.as_bytes()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::time::Duration;
+
+    use super::super::{Bound, Cluster, QuicOptions};
+    use super::*;
+    use crate::{Key, Kind, Message, Transport};
+
+    fn key(from: u32, to: u32, index: u32) -> Key {
+        Key {
+            from,
+            to,
+            kind: Kind::Activation,
+            stage: 0,
+            index,
+            step: 0,
+        }
+    }
+
+    fn message(from: u32, to: u32, index: u32) -> Message {
+        Message {
+            key: key(from, to, index),
+            version: 0,
+            tensor: pipe_kernels::Tensor::from_vec(&[2], vec![from as f32, index as f32]).unwrap(),
+        }
+    }
+
+    /// Every endpoint sends message `index` to every other and receives theirs.
+    fn all_to_all(eps: &mut [Box<dyn Transport>], index: u32) {
+        for ep in eps.iter_mut() {
+            let me = ep.rank();
+            for to in (0..ep.size()).filter(|&t| t != me) {
+                ep.send(message(me, to, index)).unwrap();
+            }
+        }
+        for ep in eps.iter_mut() {
+            let me = ep.rank();
+            for from in (0..ep.size()).filter(|&f| f != me) {
+                let m = ep.recv(&key(from, me, index)).unwrap();
+                assert_eq!(
+                    m.tensor.into_host_vec().unwrap(),
+                    vec![from as f32, index as f32]
+                );
+            }
+        }
+    }
+
+    /// Each of `eps` regroups without `lost` on a thread of its own (a survivor of a lower
+    /// rank dials the hosted endpoint, one of a higher rank takes its connection), `hosted`
+    /// connecting meanwhile.
+    fn regroup_all(
+        eps: Vec<Box<dyn Transport>>,
+        lost: u32,
+        hosted: Option<(Bound, Vec<SocketAddr>)>,
+    ) -> Vec<Box<dyn Transport>> {
+        let mut eps = eps;
+        let addrs: Vec<String> = eps
+            .iter_mut()
+            .map(|ep| ep.regroup_address().unwrap().unwrap())
+            .collect();
+        let at = hosted
+            .as_ref()
+            .map(|(b, _)| b.local_addr().unwrap().to_string());
+        let host = hosted.map(|(b, mut peers)| {
+            for (ep, a) in eps.iter().zip(&addrs) {
+                peers[ep.rank() as usize] = a.parse().unwrap();
+            }
+            std::thread::spawn(move || Box::new(b.connect(&peers).unwrap()) as Box<dyn Transport>)
+        });
+        let threads: Vec<_> = eps
+            .into_iter()
+            .map(|mut ep| {
+                let at = at.clone();
+                std::thread::spawn(move || ep.regroup(lost, at.as_deref()).unwrap())
+            })
+            .collect();
+        let mut out: Vec<Box<dyn Transport>> =
+            threads.into_iter().map(|t| t.join().unwrap()).collect();
+        out.extend(host.map(|h| h.join().unwrap()));
+        out.sort_by_key(|ep| ep.rank());
+        out
+    }
+
+    /// A mesh of four loses rank 2, whose place a new endpoint takes, then rank 1, whose
+    /// place stays empty: each time the survivors go on on their connections, every message
+    /// sent before the loss stays behind (none is received after), every pair still talks,
+    /// and the mesh closes cleanly at the end.
+    #[test]
+    fn survivors_regroup_on_their_connections_and_leave_what_was_in_flight_behind() {
+        let mut opts = QuicOptions::new(41);
+        opts.connect_timeout = Duration::from_secs(20);
+        opts.linger = Duration::from_secs(5);
+        let cluster = Cluster::generate(4).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let bind = |r: u32| Bound::bind(r, loopback, &cluster.ranks[r as usize].2, opts.clone());
+        let bound: Vec<Bound> = (0..4).map(|r| bind(r).unwrap()).collect();
+        let addrs: Vec<SocketAddr> = bound.iter().map(|b| b.local_addr().unwrap()).collect();
+        let threads: Vec<_> = bound
+            .into_iter()
+            .map(|b| {
+                let addrs = addrs.clone();
+                std::thread::spawn(move || {
+                    Box::new(b.connect(&addrs).unwrap()) as Box<dyn Transport>
+                })
+            })
+            .collect();
+        let mut eps: Vec<Box<dyn Transport>> =
+            threads.into_iter().map(|t| t.join().unwrap()).collect();
+        all_to_all(&mut eps, 1);
+        // Messages in flight when rank 2 is lost: sent, never received.
+        for ep in &mut eps {
+            let me = ep.rank();
+            for to in (0..4).filter(|&t| t != me) {
+                ep.send(message(me, to, 2)).unwrap();
+            }
+        }
+        let mut gone = eps.remove(2);
+        gone.abort();
+        drop(gone);
+        let host = (bind(2).unwrap(), addrs.clone());
+        let mut eps = regroup_all(eps, 2, Some(host));
+        assert_eq!(eps.len(), 4);
+        all_to_all(&mut eps, 3);
+        for ep in &mut eps {
+            let me = ep.rank();
+            for from in (0..4).filter(|&f| f != me) {
+                assert!(
+                    ep.try_recv(&key(from, me, 2)).unwrap().is_none(),
+                    "{from} -> {me}"
+                );
+            }
+            assert_eq!(ep.buffered(), 0);
+        }
+        // Then rank 1, with no one in its place: the others' connections regroup again (the
+        // new rank 2's for the first time).
+        for ep in &mut eps {
+            let me = ep.rank();
+            for to in (0..4).filter(|&t| t != me) {
+                ep.send(message(me, to, 4)).unwrap();
+            }
+        }
+        let mut gone = eps.remove(1);
+        gone.abort();
+        drop(gone);
+        let mut eps = regroup_all(eps, 1, None);
+        for ep in &mut eps {
+            let me = ep.rank();
+            for to in [0, 2, 3].into_iter().filter(|&t| t != me) {
+                ep.send(message(me, to, 5)).unwrap();
+            }
+            assert!(ep.send(message(me, 1, 5)).is_err());
+        }
+        for ep in &mut eps {
+            let me = ep.rank();
+            for from in [0, 2, 3].into_iter().filter(|&f| f != me) {
+                assert!(ep.try_recv(&key(from, me, 4)).unwrap().is_none());
+                let m = ep.recv(&key(from, me, 5)).unwrap();
+                assert_eq!(m.tensor.into_host_vec().unwrap(), vec![from as f32, 5.0]);
+            }
+        }
+        let t = Instant::now();
+        let closing: Vec<_> = eps
+            .into_iter()
+            .map(|mut ep| std::thread::spawn(move || ep.close()))
+            .collect();
+        for c in closing {
+            c.join().unwrap().unwrap();
+        }
+        assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    }
+}
