@@ -1,7 +1,9 @@
 #!/bin/bash
 # Twenty kill-and-rejoin cycles in one run, live (`--rejoin`): `pipe train --stages 4
-# --replicas 2 --epochs 3` (MNIST) as worker processes over shared memory and over QUIC, with
-# no checkpoint directory. Worker 3 (stage 1, replica 1) is killed with SIGKILL; once the run
+# --replicas 2 --epochs 22` (MNIST) as worker processes over shared memory and over QUIC, with
+# no checkpoint directory. A lost replica's segment (here an epoch) is taken over and the
+# layout changes at its end, where the replacement joins, so each cycle takes an epoch:
+# EPOCHS (default 22) leaves room for twenty after the first. Worker 3 (stage 1, replica 1) is killed with SIGKILL; once the run
 # prints that the lost replica rejoined, the replacement is killed in turn, twenty times,
 # from the first epoch's end on. After each cycle (and SETTLE seconds, default 0.5) the resident memory (VmRSS, KiB) of the launcher and of every survivor is
 # sampled, and every regular file written under the launcher's temporary directory since the
@@ -15,7 +17,7 @@ set -euo pipefail
 OUT=${1:?usage: rejoin.sh OUTDIR}
 PIPE=${PIPE:-target/release/pipe}
 mkdir -p "$OUT"
-F=(--stages 4 --replicas 2 --epochs 3 --partition 0-2,3-4,5-6,7-9 --momentum 0.6
+F=(--stages 4 --replicas 2 --epochs "${EPOCHS:-22}" --partition 0-2,3-4,5-6,7-9 --momentum 0.6
    --placement processes)
 CYCLES=${CYCLES:-20}
 SETTLE=${SETTLE:-0.5}

@@ -5,7 +5,8 @@ build's undisturbed run, the updates computed twice (step records in the log pas
 distinct steps), the time from the last step record before the run went back to the first
 record of a step not reported before, against the run's median interval between records
 (noticing the loss, going on, and the updates done again; "-" where the workers started again
-and their clock with them, or where no step was reported twice), the longest interval between
+and their clock with them); taken over, where no step is reported twice, the interval around
+the update the run names as taken over at, the kill falling inside it; the longest interval between
 two step records of the second epoch (where the loss falls: it holds the loss whether or not
 a step is reported twice), the update the run went on from, and the final test accuracy.
 OLD_LABEL and NEW_LABEL name the two builds.
@@ -49,6 +50,19 @@ def read(out: Path, name: str, per_epoch: int) -> dict:
         (b["elapsed_s"] - a["elapsed_s"] for a, b in zip(second, second[1:])),
         default=None,
     )
+    # Taken over, no step is reported twice: the loss falls between the record before the
+    # update it was taken over at and the first record after the survivors went on, the
+    # largest interval among those ending at that update or one of the two after it (a
+    # record may leave in the moment after the loss, computed before it).
+    taken_at = re.search(r"taken over at update (\d+):", text)
+    if pause is None and taken_at:
+        at = int(taken_at.group(1))
+        around = [
+            b["elapsed_s"] - a["elapsed_s"]
+            for a, b in zip(records, records[1:])
+            if at <= b["step"] <= at + 2
+        ]
+        pause = max(around, default=None)
     done = re.search(r"^done: (\d+) steps, test accuracy ([\d.]+)%", text, re.M)
     lost = re.search(r"from update (\d+) \(([^)]*)\)", text)
     taken = re.search(r"taken over at update (\d+):", text)
@@ -73,7 +87,7 @@ def main() -> None:
     print()
     print(
         "| build | failure at | worker 3's message | wall s | lost s | updates redone "
-        "| to a new update s (median interval) | longest interval s "
+        "| to a new update or around the loss s (median interval) | longest interval s "
         "| recovered at (layout from) "
         "| test accuracy |"
     )

@@ -766,7 +766,13 @@ impl Drop for Workers {
     }
 }
 
-/// How long after a worker's output ended the launcher looks for its exit every millisecond.
+/// A replacement ready to join waits for the survivors' mesh without a deadline: they connect
+/// it at the chief's next drain point, which may be a long segment away (a lost replica's
+/// segment is taken over to its end); a stall there is the stall timeout's to find.
+const JOIN_UNBOUNDED: Option<Instant> = None;
+
+/// How long after a worker's output ended the launcher looks for its exit every millisecond,
+/// so that its process is reaped within milliseconds of its end, not at the next 50 ms tick.
 const ENDING_REAPED_WITHIN: Duration = Duration::from_millis(200);
 
 /// A line of a worker's output.
@@ -1065,7 +1071,8 @@ pub fn launch(
         failure: None,
         joining: None,
     };
-    let mut start_by = Instant::now() + opts.connect_timeout;
+    // By when the mesh being formed must be bound; none for a join ([`JOIN_UNBOUNDED`]).
+    let mut start_by = Some(Instant::now() + opts.connect_timeout);
     let mut told = false;
     // The worker the others went on without in place (once until its replacement joined),
     // and how it ended.
@@ -1074,8 +1081,7 @@ pub fn launch(
     let mut first_exit: Option<(u32, ExitStatus)> = None;
     let mut first_at: Option<Instant> = None;
     let mut stop_sent = false;
-    // Until when a worker whose output ended is looked for often: its process is reaped
-    // within milliseconds of its end, not at the next 50 ms tick.
+    // Until when an ended worker is looked for every millisecond ([`ENDING_REAPED_WITHIN`]).
     let mut ending_until: Option<Instant> = None;
     loop {
         stop_sent = stop_sent || (told && workers.ask_chief_to_stop(opts));
@@ -1100,9 +1106,9 @@ pub fn launch(
             }
         }
         if mender.ready(&mut workers, &mut relay) {
-            (told, start_by) = (false, Instant::now() + opts.connect_timeout);
+            (told, start_by) = (false, JOIN_UNBOUNDED);
         }
-        if !told && Instant::now() > start_by && relay.failure.is_none() {
+        if !told && start_by.is_some_and(|t| Instant::now() > t) && relay.failure.is_none() {
             relay.failure = Some(failed(format!(
                 "the worker processes did not all bind a port within {:?}",
                 opts.connect_timeout
@@ -1115,7 +1121,7 @@ pub fn launch(
                 lost_in_place = Some((rank, status));
                 let replaced = mender.replaces_next_loss(rank);
                 relay.listening = go_on_without(&mut workers, (rank, replaced), status, n);
-                (told, start_by) = (false, Instant::now() + opts.connect_timeout);
+                (told, start_by) = (false, Some(Instant::now() + opts.connect_timeout));
                 mender.mend = Mend::Regrouping(rank);
                 continue;
             }

@@ -4,11 +4,12 @@
 //! When a launched worker process is killed or crashes and it was a replica of a stage that
 //! has another (and not the chief), its launcher tells every survivor (`lost RANK HOW` on
 //! their standard input). Each survivor, whose part of the segment has failed by then (its
-//! peer is gone, or a peer stopped the run for that), connects a new mesh of the same ranks
-//! with the lost one absent, over the same kind of transport, whose workers are numbered for
-//! the new layout ([`pipe_transport::renumbered::Renumbered`]). A fresh mesh, rather than the
-//! old one reset, is what keeps the failed segment's messages in flight from meeting the new
-//! segment's, whose keys start again from 0. Where the lost worker's stage's other replica can
+//! peer is gone, or a peer stopped the run for that), goes on over a mesh of the same ranks
+//! with the lost one absent, whose workers are numbered for the new layout
+//! ([`pipe_transport::renumbered::Renumbered`]): its old one regrouped on its connections
+//! where the transport can (QUIC, [`pipe_transport::Transport::regroup`]), else a new one of
+//! the same kind. Either way the mesh starts empty, which keeps the failed segment's
+//! messages in flight from meeting the new segment's, whose keys start again from 0. Where the lost worker's stage's other replica can
 //! take its segment over, it hosts the lost rank in that mesh and the survivors resume where
 //! they stand ([`super::takeover`]); what follows is the way back where it cannot (a survivor
 //! that had finished its program, a policy or remedy whose exchanges no log keeps). Over the
@@ -112,8 +113,9 @@ impl std::fmt::Debug for RemeshHandle {
 }
 
 /// How long a survivor waits for its launcher's word after its part of a segment failed: the
-/// launcher reaps a dead worker within a twentieth of a second, and a failure that is no
-/// lost peer (a stall, a worker's own error) ends the run this much later.
+/// launcher reaps a dead worker within milliseconds of its output's end (a twentieth of a
+/// second at most), and a failure that is no lost peer (a stall, a worker's own error) ends
+/// the run this much later.
 pub const LAUNCHER_WORD_WAIT: Duration = Duration::from_secs(5);
 
 /// Control topic of the exchange that settles where the survivors go on.
