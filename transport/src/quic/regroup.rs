@@ -299,7 +299,7 @@ mod tests {
 
     use super::super::{Bound, Cluster, QuicOptions};
     use super::*;
-    use crate::{Key, Kind, Message, Transport};
+    use crate::{Key, Kind, Message, Transport, TransportError};
 
     fn key(from: u32, to: u32, index: u32) -> Key {
         Key {
@@ -374,6 +374,37 @@ mod tests {
         out.extend(host.map(|h| h.join().unwrap()));
         out.sort_by_key(|ep| ep.rank());
         out
+    }
+
+    /// What a regroup is handed is checked before anything is spent: a lost rank that is this
+    /// worker or no rank of the mesh, and an address that names nothing, are refused, and the
+    /// endpoint still regroups afterwards. A regroup that was never readied for the lost
+    /// rank's connection fails naming that, instead of waiting.
+    #[test]
+    fn a_regroup_refuses_what_it_cannot_go_on_without() {
+        let mut opts = QuicOptions::new(43);
+        opts.connect_timeout = Duration::from_secs(5);
+        let mut eps: Vec<Box<dyn Transport>> = super::super::local_mesh(3, &opts)
+            .unwrap()
+            .into_iter()
+            .map(|q| Box::new(q) as Box<dyn Transport>)
+            .collect();
+        let err = |r: Result<Box<dyn Transport>, TransportError>| r.err().unwrap().to_string();
+        assert!(err(eps[1].regroup(1, None)).contains("cannot go on without rank 1"));
+        assert!(err(eps[1].regroup(3, None)).contains("cannot go on without rank 3"));
+        assert!(err(eps[1].regroup(u32::MAX, None)).contains("in a mesh of 3"));
+        let bad = err(eps[1].regroup(0, Some("not an address")));
+        assert!(bad.contains("'not an address' is no address"), "{bad}");
+        // Rank 2 would take rank 0's new endpoint from the late arrivals it was readied for.
+        let unready = err(eps[2].regroup(0, Some("127.0.0.1:9")));
+        assert!(unready.contains("without being readied"), "{unready}");
+        // Spent: every later call fails.
+        assert!(eps[2].regroup(0, None).is_err());
+        // Rank 1, untouched by the refusals, still regroups.
+        eps[1].regroup_address().unwrap().unwrap();
+        let mut one = eps.remove(1);
+        drop(eps);
+        assert!(one.regroup(0, None).is_ok());
     }
 
     /// A mesh of four loses rank 2, whose place a new endpoint takes, then rank 1, whose
