@@ -69,6 +69,9 @@ pub struct Traffic {
     /// few boundaries' messages, and allocating each copy anew cost worker processes a fifth
     /// of their time in page faults.
     spare: Vec<Vec<f32>>,
+    /// The length of the last message received from each (sender, kind, stage): the size a
+    /// buffer is readied for before the next one arrives ([`Traffic::expected_len`]).
+    last_len: HashMap<(u32, Kind, u32), usize>,
 }
 
 /// The most spare buffers a [`Traffic`] holds on to.
@@ -103,17 +106,11 @@ impl Traffic {
         }
     }
 
-    /// The length of the last message kept from `key`'s sender of its kind and stage: the
-    /// size to ready a buffer for before a message arrives.
+    /// The length of the last message received from `key`'s sender of its kind and stage:
+    /// the size to ready a buffer for before a message arrives.
     fn expected_len(&self, key: &Key) -> usize {
-        let like = |k: &&Kept| {
-            k.key.from == key.from && k.key.kind == key.kind && k.key.stage == key.stage
-        };
-        self.received
-            .iter()
-            .rev()
-            .find(like)
-            .map_or(0, |k| k.tensor.len())
+        let at = (key.from, key.kind, key.stage);
+        self.last_len.get(&at).copied().unwrap_or(0)
     }
 
     fn keep(&mut self, sent: bool, step: u64, m: Message) {
@@ -135,6 +132,8 @@ impl Traffic {
         if sent {
             self.sent.push_back(copy);
         } else {
+            let at = (copy.key.from, copy.key.kind, copy.key.stage);
+            self.last_len.insert(at, copy.tensor.len());
             self.received.push_back(copy);
         }
     }
@@ -210,21 +209,42 @@ impl<T> Logging<T> {
         Ok(self.traffic.lock().map_err(|_| poisoned())?.buffer(len))
     }
 
-    /// A copy of `m`'s payload for the log, in a spare buffer.
-    fn copy_of(&self, m: &Message) -> std::result::Result<Message, TransportError> {
-        let mut b = self.buffer(m.tensor.len())?;
+    /// Keeps a copy of a data message, `key` at `version` of `shape` whose values are
+    /// `parts` in order, in a spare buffer (a control message is not kept).
+    fn keep_copy(
+        &self,
+        sent: bool,
+        (key, version): (Key, u64),
+        shape: &[usize],
+        parts: &[&[f32]],
+    ) -> std::result::Result<(), TransportError> {
+        if key.kind == Kind::Control {
+            return Ok(());
+        }
+        let mut b = self.buffer(parts.iter().map(|p| p.len()).sum())?;
+        for part in parts {
+            b.extend_from_slice(part);
+        }
+        let tensor = Tensor::from_vec(shape, b)
+            .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
+        let m = Message {
+            key,
+            version,
+            tensor,
+        };
+        self.keep(sent, m)
+    }
+
+    /// Keeps a copy of `m`, sent or received.
+    fn keep_message(&self, sent: bool, m: &Message) -> std::result::Result<(), TransportError> {
+        if m.key.kind == Kind::Control {
+            return Ok(());
+        }
         let values = m
             .tensor
             .host()
             .map_err(|e| TransportError::Protocol(format!("{:?}: {e}", m.key)))?;
-        b.extend_from_slice(values);
-        let tensor = Tensor::from_vec(m.tensor.shape(), b)
-            .map_err(|e| TransportError::Protocol(format!("{:?}: {e}", m.key)))?;
-        Ok(Message {
-            key: m.key,
-            version: m.version,
-            tensor,
-        })
+        self.keep_copy(sent, (m.key, m.version), m.tensor.shape(), &[values])
     }
 
     /// Keeps `m` (a copy the caller made, or one it no longer needs).
@@ -290,21 +310,8 @@ impl<T: Transport> Transport for Logging<T> {
         self.inner.link_buffer_bytes()
     }
     fn send_values(&mut self, values: Values<'_>) -> std::result::Result<(), TransportError> {
-        if values.key.kind != Kind::Control {
-            let len = values.parts.iter().map(|p| p.len()).sum();
-            let mut b = self.buffer(len)?;
-            for part in values.parts {
-                b.extend_from_slice(part);
-            }
-            let tensor = Tensor::from_vec(&[b.len()], b)
-                .map_err(|e| TransportError::Protocol(format!("{:?}: {e}", values.key)))?;
-            let m = Message {
-                key: values.key,
-                version: values.version,
-                tensor,
-            };
-            self.keep(true, m)?;
-        }
+        let len = values.parts.iter().map(|p| p.len()).sum();
+        self.keep_copy(true, (values.key, values.version), &[len], values.parts)?;
         self.inner.send_values(values)
     }
     fn recv_with(
@@ -338,22 +345,18 @@ impl<T: Transport> Transport for Logging<T> {
         }
     }
     fn send(&mut self, m: Message) -> std::result::Result<(), TransportError> {
-        if m.key.kind != Kind::Control {
-            self.keep(true, self.copy_of(&m)?)?;
-        }
+        self.keep_message(true, &m)?;
         self.inner.send(m)
     }
     fn recv(&mut self, key: &Key) -> std::result::Result<Message, TransportError> {
         let m = self.inner.recv(key)?;
-        if m.key.kind != Kind::Control {
-            self.keep(false, self.copy_of(&m)?)?;
-        }
+        self.keep_message(false, &m)?;
         Ok(m)
     }
     fn try_recv(&mut self, key: &Key) -> std::result::Result<Option<Message>, TransportError> {
         let m = self.inner.try_recv(key)?;
-        if let Some(m) = m.as_ref().filter(|m| m.key.kind != Kind::Control) {
-            self.keep(false, self.copy_of(m)?)?;
+        if let Some(m) = m.as_ref() {
+            self.keep_message(false, m)?;
         }
         Ok(m)
     }
