@@ -192,6 +192,18 @@ impl StageError {
         }
     }
 
+    /// True when this worker failed on a peer that had gone (its endpoint closed, its
+    /// connection lost, a send that could not reach it): a failure that may follow another
+    /// worker's, which a launcher that sees both reports instead.
+    pub fn blames_a_peer(&self) -> bool {
+        use pipe_transport::TransportError as T;
+        match self {
+            StageError::Transport(T::Closed { .. } | T::Lost { .. } | T::Send { .. }) => true,
+            StageError::Worker { source, .. } => source.blames_a_peer(),
+            _ => false,
+        }
+    }
+
     /// True when this worker stopped only because another worker failed and said so: not the
     /// run's cause, which a launcher reports instead.
     pub fn is_abort_echo(&self) -> bool {

@@ -132,8 +132,13 @@ fn a_rejoined_replica_trains_every_microbatch_once_and_restores_the_layout() {
         .map(|c| (c.replicas.clone(), c.from))
         .collect();
     assert_eq!(events.len(), 2, "{events:?}");
-    assert_eq!(events[0], (vec![2, 1], 24));
-    // The replacement joins at the next update boundary.
+    // Taken over, and cut short at the update it was in (one of the second epoch's, 13-24),
+    // not run to its segment's end: the replacement joins at the next update boundary.
+    let lost = &seen.changes[0];
+    assert_eq!(lost.replicas, vec![2, 1]);
+    assert_eq!(lost.redone, Redone::Update, "{lost}");
+    assert_eq!(Some(lost.from), lost.recovered_at, "{lost:?}");
+    assert!(matches!(lost.from, 13..24), "{lost:?}");
     assert_eq!(events[1], (vec![2, 2], events[0].1 + 1));
     assert_eq!(seen.changes[1].event, LayoutEvent::Rejoined);
     assert_each_microbatch_once(&out);
@@ -143,7 +148,9 @@ fn a_rejoined_replica_trains_every_microbatch_once_and_restores_the_layout() {
 
 /// Every policy that takes replicas recovers at the update: the segment is taken over where
 /// every worker stood, and the run ends with the reference trainer's weights for a layout
-/// that changes at the segment's end, bit for bit.
+/// that changes at the segment's end, bit for bit. With `--rejoin` the segment taken over
+/// ends at the update it was in, and the replacement joins one update later: the weights are
+/// the reference's for those two changes.
 #[test]
 fn a_lost_replica_costs_the_updates_in_flight_under_every_policy() {
     for policy in [
@@ -167,7 +174,7 @@ fn a_lost_replica_costs_the_updates_in_flight_under_every_policy() {
             matches!(lost.recovered_at, Some(13..=24)),
             "{policy}: {lost:?}"
         );
-        let cfg = settings.resolve().unwrap();
+        let cfg = settings.clone().resolve().unwrap();
         let (want, _) = train_reference_with(&cfg, &common::load(&cfg), &seen.changes).unwrap();
         assert!(
             common::bits(&out.report.params) == common::bits(&want),
@@ -175,13 +182,33 @@ fn a_lost_replica_costs_the_updates_in_flight_under_every_policy() {
             lost.from
         );
         assert_eq!(out.report.steps, 36, "{policy}");
+
+        let (out, seen) = run_with(&settings, true, 30);
+        assert_eq!(seen.changes.len(), 2, "{policy}: {:?}", seen.changes);
+        let (lost, back) = (&seen.changes[0], &seen.changes[1]);
+        assert_eq!(lost.redone, Redone::Update, "{policy}: {lost}");
+        assert_eq!(Some(lost.from), lost.recovered_at, "{policy}: {lost:?}");
+        assert!(matches!(lost.from, 13..24), "{policy}: {lost:?}");
+        assert_eq!(
+            (back.event.clone(), back.from),
+            (LayoutEvent::Rejoined, lost.from + 1),
+            "{policy}"
+        );
+        let (want, _) = train_reference_with(&cfg, &common::load(&cfg), &seen.changes).unwrap();
+        assert!(
+            common::bits(&out.report.params) == common::bits(&want),
+            "{policy}: the weights differ from the reference run whose layout changes at updates {} and {}",
+            lost.from,
+            back.from
+        );
+        assert_each_microbatch_once(&out);
     }
 }
 
 /// `--rejoin`, twenty times over: worker 3 panics in every segment it runs on the run's own
-/// layout (once an epoch: each loss is taken over to its segment's end), a replacement joins
-/// one update later each time, and the run ends on its own layout with the reference
-/// trainer's weights for the whole sequence of layouts.
+/// layout (each loss is taken over up to the update it was in), a replacement joins one
+/// update later each time, and the run ends on its own layout with the reference trainer's
+/// weights for the whole sequence of layouts.
 #[test]
 fn twenty_losses_and_rejoins_end_with_the_reference_weights() {
     let settings = TrainSettings {

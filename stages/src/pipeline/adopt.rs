@@ -468,6 +468,24 @@ pub struct Takeover {
     pub kept: Vec<HashMap<Key, Message>>,
     /// The update the segment was in when the replica was lost ([`update_in_flight`]).
     pub in_flight: u64,
+    /// The steps of the segment its programs run to: all of it, or, cut short for a
+    /// replacement that comes ([`end_at_step`]), the update in flight.
+    pub ends_at: u64,
+}
+
+impl Takeover {
+    /// Cuts every resumed program short at the update in flight, for a replacement that
+    /// comes ([`end_at_step`]).
+    ///
+    /// # Errors
+    /// As [`end_at_step`].
+    pub fn cut_short(&mut self, plan: &RunPlan) -> Result<()> {
+        self.ends_at = self.in_flight.min(self.ends_at);
+        for (w, resume) in self.resumes.iter_mut().enumerate() {
+            end_at_step(plan, w as u32, resume, self.ends_at)?;
+        }
+        Ok(())
+    }
 }
 
 /// The steps of a segment of `plan` that `worker` has passed when its stage is at `version`
@@ -491,6 +509,32 @@ pub fn update_in_flight(plan: &RunPlan, versions: &[u32]) -> u64 {
         .max()
         .unwrap_or(0);
     furthest + 1
+}
+
+/// `resume`, `worker`'s program resumed in a segment of `plan`, ending at step `steps` of the
+/// segment ([`ResumePoint::ending_at`](super::resume::ResumePoint::ending_at)): a segment
+/// taken over for a replacement that comes ends at the update it was in, so that the
+/// replacement joins at the next update boundary rather than at the segment's end.
+///
+/// # Errors
+/// A step that falls within an update of `worker`'s stage.
+pub fn end_at_step(plan: &RunPlan, worker: u32, resume: &mut Resume, steps: u64) -> Result<()> {
+    let (stage, _) = plan.schedule.layout().placement(worker);
+    let end = version_at_step(plan, worker, steps)?;
+    resume.point.ending_at(&plan.schedule.resolved, stage, end);
+    Ok(())
+}
+
+/// Where a segment of `plan` taken over with every worker resumed at `versions` ends: at its
+/// update in flight when it is `cut` short for a replacement that comes, else at its end.
+pub fn takeover_ends_at(plan: &RunPlan, versions: &[u32], cut: bool) -> u64 {
+    let len = plan.schedule.total_microbatches() as u64
+        / u64::from(plan.schedule.resolved.minibatch.max(1));
+    if cut {
+        update_in_flight(plan, versions).min(len)
+    } else {
+        len
+    }
 }
 
 fn takeover_err(msg: String) -> StageError {
@@ -854,6 +898,7 @@ pub fn take_over(
     }
     Ok(Takeover {
         in_flight: update_in_flight(plan, &versions),
+        ends_at: takeover_ends_at(plan, &versions, false),
         states,
         resumes,
         kept,

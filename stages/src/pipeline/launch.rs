@@ -5,7 +5,7 @@
 //! "stopped because worker N failed" echoes of the others.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
 use pipe_kernels::Backend;
@@ -119,11 +119,18 @@ where
             states.len()
         )));
     }
+    // The run's cause: the first failure, unless it blamed a peer and another worker's own
+    // failure came after it. A worker that fails tells its peers before it is heard here,
+    // so one of them may find it gone first.
     let first: Mutex<Option<StageError>> = Mutex::new(None);
     let t0 = Instant::now();
     let fail = |e: StageError| {
         if let Ok(mut slot) = first.lock() {
-            if slot.is_none() && !e.is_abort_echo() {
+            let outranks = match &*slot {
+                None => true,
+                Some(held) => held.blames_a_peer() && !e.blames_a_peer(),
+            };
+            if outranks && !e.is_abort_echo() {
                 *slot = Some(e);
             }
         }
@@ -132,13 +139,17 @@ where
     // loop below learns at once that the last has ended (the channel disconnects) rather than
     // by polling: a run cut into many short segments pays for every wait here.
     let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
+    // Resumed programs may send again what a peer no longer reads, after that peer has
+    // finished: every endpoint stays open until every worker has finished, so such a copy is
+    // dropped with the segment rather than failing its sender.
+    let line = resumed.map(|_| FinishLine::new(states.len()));
     let outcomes: Vec<Option<WorkerOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = states
             .iter_mut()
             .zip(endpoints)
             .map(|(state, mut ep)| {
                 let worker = state.worker;
-                let (make, fail) = (&make_backend, &fail);
+                let (make, fail, line) = (&make_backend, &fail, line.as_ref());
                 let done = done_tx.clone();
                 let resume = resumed.and_then(|r| r.get(worker as usize));
                 std::thread::Builder::new()
@@ -146,11 +157,26 @@ where
                     .spawn_scoped(scope, move || {
                         let _done = done;
                         let run = (&mut ep, resume);
-                        worker_thread(setup, state, run, || make(worker), t0, fail)
+                        let out = worker_thread(setup, state, run, || make(worker), t0, fail);
+                        if let Some(line) = line {
+                            line.reach();
+                        }
+                        // Everything this worker sent reaches its peers before it lets go.
+                        if let Err(e) = ep.close() {
+                            fail(StageError::Transport(e));
+                        }
+                        out
                     })
             })
             .collect();
         drop(done_tx);
+        // A worker whose thread never started never reaches the line.
+        if let Some(line) = &line {
+            handles
+                .iter()
+                .filter(|h| h.is_err())
+                .for_each(|_| line.leave());
+        }
         if let Some((rx, on_loss)) = progress.as_mut() {
             relay_progress(rx, &mut **on_loss, &done_rx, &fail);
         }
@@ -177,7 +203,7 @@ where
 }
 
 /// One worker thread's life: its backend made, its worker run, a failure or panic told to
-/// its peers and to `fail`, and its endpoint closed once all it sent has arrived.
+/// its peers and to `fail`.
 fn worker_thread<T: Transport, B: Backend>(
     setup: &Setup<'_>,
     state: &mut WorkerState,
@@ -199,7 +225,7 @@ fn worker_thread<T: Transport, B: Backend>(
         })?;
         outcome.unwrap_or_else(|| Err(StageError::Executor("the worker did not run".into())))
     }));
-    let outcome = match result {
+    match result {
         Ok(Ok(out)) => Some(out),
         Ok(Err(e)) => {
             // The driver has told its peers; a backend that failed to start never reached it.
@@ -214,12 +240,44 @@ fn worker_thread<T: Transport, B: Backend>(
             fail(panicked(setup, worker, panic.as_ref()));
             None
         }
-    };
-    // Everything this worker sent reaches its peers before it lets go.
-    if let Err(e) = ep.close() {
-        fail(StageError::Transport(e));
     }
-    outcome
+}
+
+/// Where the worker threads of a run wait for each other before they close their endpoints.
+struct FinishLine {
+    left: Mutex<usize>,
+    reached: Condvar,
+}
+
+impl FinishLine {
+    fn new(workers: usize) -> Self {
+        FinishLine {
+            left: Mutex::new(workers),
+            reached: Condvar::new(),
+        }
+    }
+
+    /// One worker will not come.
+    fn leave(&self) {
+        if let Ok(mut left) = self.left.lock() {
+            *left = left.saturating_sub(1);
+            self.reached.notify_all();
+        }
+    }
+
+    /// One worker has finished; waits until every one has.
+    fn reach(&self) {
+        self.leave();
+        let Ok(mut left) = self.left.lock() else {
+            return;
+        };
+        while *left > 0 {
+            left = match self.reached.wait(left) {
+                Ok(l) => l,
+                Err(_) => return,
+            };
+        }
+    }
 }
 
 /// Hands each report of the loss stage to `on_loss` until the last worker ends (`done`

@@ -150,6 +150,28 @@ pub fn resume_point(
     })
 }
 
+impl ResumePoint {
+    /// This program ending where its stage has applied `end` updates (of `resolved`'s
+    /// `stage`): every update, all-reduce and chunk from update `end` on is left out, and so
+    /// is every action of a microbatch whose gradient goes to one of those updates.
+    ///
+    /// What remains is the program of a segment that drains there (module docs of
+    /// [`super::rollback`]): the forwards and backwards of the microbatches kept read the
+    /// versions they read in the longer program, since no update before them is left out.
+    /// Cut at the same step of the segment, every worker keeps the same microbatches, so each
+    /// send kept has its receive and nothing is left in flight.
+    pub fn ending_at(&mut self, resolved: &pipe_scheduler::Resolved, stage: u32, end: u32) {
+        self.actions.retain(|p| {
+            let by_update = p.action.update_index().is_none_or(|u| u < end);
+            let by_microbatch = p
+                .action
+                .microbatch()
+                .is_none_or(|mb| resolved.update_of(stage, mb) < end);
+            by_update && by_microbatch
+        });
+    }
+}
+
 /// The weights of each version in `point.stash`, from `held` (a version's weights, if kept).
 ///
 /// # Errors
@@ -215,6 +237,51 @@ mod tests {
         let pcs: Vec<usize> = replayed.iter().map(|p| p.pc).collect();
         assert!(pcs.windows(2).all(|w| w[0] < w[1]));
         assert!(point.stash.iter().all(|&v| v < 2) && !point.stash.is_empty());
+    }
+
+    #[test]
+    fn programs_cut_at_a_step_keep_its_microbatches_and_every_send_its_receive() {
+        let (schedule, versions) = pipedream();
+        let resolved = &schedule.resolved;
+        let step = 2u32;
+        let mut sends = std::collections::HashSet::new();
+        let mut receives = std::collections::HashSet::new();
+        for w in 0..schedule.workers() {
+            let (stage, _) = schedule.layout().placement(w);
+            let end = step * resolved.minibatch / resolved.update_size(stage);
+            let mut point = resume_point(&schedule, &versions, w, 0).expect("a point");
+            let whole_len = point.actions.len();
+            point.ending_at(resolved, stage, end);
+            assert!(point.actions.len() < whole_len, "worker {w}: nothing cut");
+            for p in &point.actions {
+                if let Some(mb) = p.action.microbatch() {
+                    assert!(mb < step * resolved.minibatch, "worker {w}: {p:?}");
+                }
+                if let Some(u) = p.action.update_index() {
+                    assert!(u < end, "worker {w}: {p:?}");
+                }
+                let key = crate::pipeline::exec::data_key(w, p.action);
+                match p.action {
+                    Action::SendActivation { .. } | Action::SendGradient { .. } => {
+                        sends.extend(key);
+                    }
+                    Action::RecvActivation { .. } | Action::RecvGradient { .. } => {
+                        receives.extend(key);
+                    }
+                    _ => {}
+                }
+            }
+            // The stage ends at its update `end - 1`.
+            let last = point.actions.iter().rev().find_map(|p| match p.action {
+                Action::Update { update, .. } => Some(update),
+                _ => None,
+            });
+            assert_eq!(last, Some(end - 1), "worker {w}");
+        }
+        // Every worker cut at the same step: each send kept has its receive kept, and none is
+        // left waiting.
+        assert!(!sends.is_empty());
+        assert_eq!(sends, receives);
     }
 
     #[test]

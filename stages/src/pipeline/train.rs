@@ -154,6 +154,7 @@ pub fn train_pipelined(
         spans: opts.timeline.then(Vec::new),
         ledger: opts.ledger.then(Vec::new),
         taken_over: None,
+        rejoin: opts.rejoin,
     };
     let from = LoopStart {
         done: start.done,
@@ -208,6 +209,9 @@ struct Threads<'a> {
     /// The layout change of a replica lost in the last segment and taken over, to make at
     /// the segment's end ([`Coordinator::taken_over`]).
     taken_over: Option<LayoutChange>,
+    /// A lost replica is taken back (`--rejoin`): a segment taken over ends at its update
+    /// in flight, where the replacement can join.
+    rejoin: bool,
 }
 
 impl Threads<'_> {
@@ -278,17 +282,22 @@ impl Coordinator for Threads<'_> {
             at,
             (&self.start, &mut self.states),
             obs,
-            (faults, &points),
+            (faults, &points, self.rejoin),
         );
         let outcomes = match (run, kept) {
             (Ok((outcomes, None)), _) => outcomes,
-            (Ok((outcomes, Some((e, in_flight)))), _) => {
+            (Ok((outcomes, Some(t))), _) => {
                 // Taken over where every worker stood: the segment ended as if nothing was
                 // lost, and the layout changes at its end.
-                let change =
-                    LayoutChange::after(self.run.cfg, plan, self.run.minibatch, &e, at.done)
-                        .ok_or(e)?;
-                self.taken_over = Some(change.taken_over(at.len, in_flight));
+                let change = LayoutChange::after(
+                    self.run.cfg,
+                    plan,
+                    self.run.minibatch,
+                    &t.failure,
+                    at.done,
+                )
+                .ok_or(t.failure)?;
+                self.taken_over = Some(change.taken_over(t.ran, t.in_flight));
                 outcomes
             }
             (Err(e), Some(kept)) => {
@@ -318,6 +327,10 @@ impl Coordinator for Threads<'_> {
         // The next segment's workers start from the drained state, under the new layout.
         self.rejoin(plan, done)?;
         Ok(Some(change))
+    }
+
+    fn ended_at(&self) -> Option<u64> {
+        self.taken_over.as_ref().map(|c| c.from)
     }
 
     fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
@@ -435,6 +448,13 @@ pub(crate) trait Coordinator {
     fn taken_over(&mut self, plan: &RunPlan, done: u64) -> Result<Option<LayoutChange>> {
         let _ = (plan, done);
         Ok(None)
+    }
+
+    /// After a segment in which a replica was lost and taken over: the update (over the
+    /// run) at which it ended, its own end or, cut short for a replacement that comes, the
+    /// update it was in ([`super::adopt::Takeover::cut_short`]).
+    fn ended_at(&self) -> Option<u64> {
+        None
     }
 
     /// Whether a replacement comes for the replica this run is short of: a worker process's
@@ -651,7 +671,10 @@ pub(crate) fn run_segments(
                 len: this,
             };
             let t = Instant::now();
-            let outcomes = match coord.run_segment(&plan, &at, obs)? {
+            let ended = coord.run_segment(&plan, &at, obs)?;
+            // A segment taken over for a replacement that comes ends at its update in flight.
+            let this = coord.ended_at().map_or(this, |to| to - done);
+            let outcomes = match ended {
                 SegmentEnd::Chief(outcomes) => outcomes,
                 SegmentEnd::Relayout(change, standing) => {
                     // The segment goes on from the change's update under the new layout: its
@@ -672,16 +695,7 @@ pub(crate) fn run_segments(
                 }
                 SegmentEnd::Follower { stop, rejoin } => {
                     end.done += this;
-                    // A replica lost in the segment and taken over: the layout changes here.
-                    if let Some(change) = coord.taken_over(&plan, end.done)? {
-                        layout = Some(change);
-                    }
-                    if stop {
-                        end.stopped = Some(end.done);
-                    } else if rejoin {
-                        coord.rejoin(&plan, end.done)?;
-                        layout = None;
-                    }
+                    follower_after_segment(coord, &plan, (stop, rejoin), (&mut end, &mut layout))?;
                     continue;
                 }
             };
@@ -733,6 +747,30 @@ pub(crate) fn run_segments(
         end.last = Some(plan);
     }
     Ok(end)
+}
+
+/// On a follower, after a segment of `plan` the chief has drained (`stop`: the run stops
+/// there; `rejoin`: the lost replica's replacement joins there): the layout change of a
+/// replica lost in the segment and taken over, or the run's own layout again.
+///
+/// # Errors
+/// As [`Coordinator::taken_over`] and [`Coordinator::rejoin`].
+fn follower_after_segment(
+    coord: &mut dyn Coordinator,
+    plan: &RunPlan,
+    (stop, rejoin): (bool, bool),
+    (end, layout): (&mut LoopEnd, &mut Option<LayoutChange>),
+) -> Result<()> {
+    if let Some(change) = coord.taken_over(plan, end.done)? {
+        *layout = Some(change);
+    }
+    if stop {
+        end.stopped = Some(end.done);
+    } else if rejoin {
+        coord.rejoin(plan, end.done)?;
+        *layout = None;
+    }
+    Ok(())
 }
 
 /// After the drain at the end of `point.plan` (`stop`: the run stops there): the layout
@@ -1013,11 +1051,19 @@ pub(crate) struct Segment {
     pub(crate) len: u64,
 }
 
-/// Per-update loss sums of a running segment, reported in update order as each completes.
-/// A segment's outcomes, and the failure of a replica it was taken over from, if one was.
-/// A segment's outcomes, and where it was taken over after a loss: the failure, and the
-/// update the segment was in ([`super::adopt::update_in_flight`]).
-type SegmentRun = (Vec<WorkerOutcome>, Option<(StageError, u64)>);
+/// A segment's outcomes, and where it was taken over after a loss.
+type SegmentRun = (Vec<WorkerOutcome>, Option<TakenOver>);
+
+/// A segment taken over after a lost replica ([`super::adopt`]).
+struct TakenOver {
+    /// The lost worker's failure.
+    failure: StageError,
+    /// The update the segment was in ([`super::adopt::update_in_flight`]).
+    in_flight: u64,
+    /// The steps of the segment it ran: all of them, or up to the update in flight where a
+    /// replacement comes ([`super::adopt::Takeover::cut_short`]).
+    ran: u64,
+}
 
 /// Every worker's figures over a segment of `plan` taken over after `lost` failed: what it
 /// had measured at the boundary it resumed at (the lost worker's from its own points, which
@@ -1057,6 +1103,7 @@ fn measured_through(
         .collect()
 }
 
+/// Per-update loss sums of a running segment, reported in update order as each completes.
 pub(super) struct LiveSteps<'r> {
     run: &'r Run<'r>,
     seg: &'r Segment,
@@ -1370,7 +1417,7 @@ impl<'c> Run<'c> {
         seg: &Segment,
         (start, states): (&Start, &mut Vec<WorkerState>),
         obs: &mut dyn Observer,
-        (faults, points): (Option<(&FaultSchedule, u32)>, &super::rollback::Kept),
+        (faults, points, rejoin): (Option<(&FaultSchedule, u32)>, &super::rollback::Kept, bool),
     ) -> Result<SegmentRun> {
         let cfg = self.cfg;
         let workers = plan.schedule.workers();
@@ -1431,6 +1478,10 @@ impl<'c> Run<'c> {
             let Ok(mut takeover) = take_over(setup, (lost, own), states, points, &traffic) else {
                 return Err(failure);
             };
+            // A replacement comes: it joins at the next update boundary, not the segment's end.
+            if rejoin {
+                takeover.cut_short(plan)?;
+            }
             let eps: Vec<Serving<Endpoint>> = thread_mesh(cfg.transport, workers, &settings)?
                 .into_iter()
                 .zip(std::mem::take(&mut takeover.kept))
@@ -1449,7 +1500,12 @@ impl<'c> Run<'c> {
             for (st, taken) in states.iter_mut().zip(takeover.states) {
                 st.stages = taken.stages;
             }
-            Ok((outcomes, Some((failure, takeover.in_flight))))
+            let taken_over = TakenOver {
+                failure,
+                in_flight: takeover.in_flight,
+                ran: takeover.ends_at,
+            };
+            Ok((outcomes, Some(taken_over)))
         })
     }
 

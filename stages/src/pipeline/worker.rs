@@ -42,7 +42,7 @@ use pipe_transport::renumbered::Renumbered;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use serde::{Deserialize, Serialize};
 
-use super::adopt::{Logging, Serving, SharedTraffic, Traffic, resume_from};
+use super::adopt::{Logging, Serving, SharedTraffic, Traffic, end_at_step, resume_from};
 use super::doctor::StopReport;
 use super::driver::{resume_worker_with, run_worker_with};
 use super::exec::{WorkerOutcome, WorkerState};
@@ -501,8 +501,8 @@ impl<T: Transport> Process<'_, T> {
         let Some(word) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
             return Err(err);
         };
-        let (lost, how) = (word.rank, word.how);
-        self.replacement_coming = word.replaced;
+        let (lost, how, replaced) = (word.rank, word.how, word.replaced);
+        self.replacement_coming = replaced;
         let Some(change) = LayoutChange::without(self.run.cfg, lost, how, at.done) else {
             return Err(err);
         };
@@ -544,11 +544,15 @@ impl<T: Transport> Process<'_, T> {
                 super::takeover::settle(ep.as_mut(), (plan, self.index), lost, held, adopting)?;
             drop(points);
             if let Some(versions) = planned {
+                // A replacement comes: the segment ends at its update in flight, where the
+                // replacement can join, and not at its end.
+                let ends_at = super::adopt::takeover_ends_at(plan, &versions, replaced);
+                let in_flight = super::adopt::update_in_flight(plan, &versions);
                 let adopted = Adopted {
                     lost,
-                    change: change
-                        .taken_over(at.len, super::adopt::update_in_flight(plan, &versions)),
+                    change: change.taken_over(ends_at, in_flight),
                     versions,
+                    ends_at,
                 };
                 return self.run_taken_over(plan, at, (ep, adopted), failed, obs);
             }
@@ -581,6 +585,8 @@ struct Adopted {
     change: LayoutChange,
     /// The version each worker resumes at.
     versions: Vec<u32>,
+    /// The steps of the segment it runs to ([`super::adopt::takeover_ends_at`]).
+    ends_at: u64,
 }
 
 /// A worker's figures when it passed the step boundary where its stage was at `version`,
@@ -626,17 +632,21 @@ impl<T: Transport> Process<'_, T> {
             .lock()
             .map_err(|_| super::rollback::poisoned())?;
         let version = |w: u32| adopted.versions.get(w as usize).copied().unwrap_or(0);
-        let (resume, mut state) = resume_from(plan, me, version(me), (&points, start))?;
+        let (mut resume, mut state) = resume_from(plan, me, version(me), (&points, start))?;
+        end_at_step(plan, me, &mut resume, adopted.ends_at)?;
         let before = measured_at_version(plan, me, version(me), &points)?;
         let mut lost_part = match self.hosted.take() {
             Some(h) => {
-                let (r, s) = resume_from(plan, lost, version(lost), (&points, start))?;
+                let (mut r, s) = resume_from(plan, lost, version(lost), (&points, start))?;
+                end_at_step(plan, lost, &mut r, adopted.ends_at)?;
                 Some((h.idle()?, r, s))
             }
             None => None,
         };
         let latest = points.latest();
         drop(points);
+        let minibatch = u64::from(plan.schedule.resolved.minibatch);
+        losses.runs_below = u32::try_from(adopted.ends_at * minibatch).unwrap_or(u32::MAX);
         let log = failed
             .traffic
             .ok_or_else(|| StageError::Executor("a takeover without a traffic log".into()))?;
@@ -970,6 +980,10 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         Ok(Some(change))
     }
 
+    fn ended_at(&self) -> Option<u64> {
+        self.taken_over.as_ref().map(|c| c.from)
+    }
+
     fn rejoin_ready(&mut self) -> bool {
         if self.joining.is_none() {
             let handle = self.remesh.as_ref();
@@ -1030,6 +1044,9 @@ struct LossRelay<'r> {
     /// restart ([`LossRelay::restart`]).
     taken: Vec<(u32, (u32, f64, usize))>,
     before_restart: Vec<(u32, (u32, f64, usize))>,
+    /// The microbatches of a segment taken over that its programs run (all, unless it was
+    /// cut short for a replacement that comes).
+    runs_below: u32,
     live: LiveSteps<'r>,
 }
 
@@ -1051,6 +1068,7 @@ impl<'r> LossRelay<'r> {
             produced: Vec::new(),
             taken: Vec::new(),
             before_restart: Vec::new(),
+            runs_below: u32::MAX,
             live: LiveSteps::new(run, plan, seg),
         }
     }
@@ -1164,7 +1182,7 @@ impl<'r> LossRelay<'r> {
     fn complete_lost(&self, lost: u32, outcome: &mut WorkerOutcome) {
         let mut have: std::collections::HashSet<u32> = outcome.losses.iter().map(|l| l.0).collect();
         for &(from, l) in &self.before_restart {
-            if from == lost && have.insert(l.0) {
+            if from == lost && l.0 < self.runs_below && have.insert(l.0) {
                 outcome.losses.push(l);
             }
         }
