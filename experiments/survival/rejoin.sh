@@ -1,9 +1,10 @@
 #!/bin/bash
 # Twenty kill-and-rejoin cycles in one run, live (`--rejoin`): `pipe train --stages 4
-# --replicas 2 --epochs 22` (MNIST) as worker processes over shared memory and over QUIC, with
-# no checkpoint directory. A lost replica's segment (here an epoch) is taken over and the
-# layout changes at its end, where the replacement joins, so each cycle takes an epoch:
-# EPOCHS (default 22) leaves room for twenty after the first. Worker 3 (stage 1, replica 1) is killed with SIGKILL; once the run
+# --replicas 2 --epochs 4` (MNIST) as worker processes over shared memory and over QUIC, with
+# no checkpoint directory. A lost replica's segment is taken over up to the update it was in,
+# where the layout changes; the survivors then run one update at a time until the
+# replacement joins. EPOCHS (default 4) leaves room for twenty cycles after the first
+# epoch. Worker 3 (stage 1, replica 1) is killed with SIGKILL; once the run
 # prints that the lost replica rejoined, the replacement is killed in turn, twenty times,
 # from the first epoch's end on. After each cycle (and SETTLE seconds, default 0.5) the resident memory (VmRSS, KiB) of the launcher and of every survivor is
 # sampled, and every regular file written under the launcher's temporary directory since the
@@ -17,7 +18,7 @@ set -euo pipefail
 OUT=${1:?usage: rejoin.sh OUTDIR}
 PIPE=${PIPE:-target/release/pipe}
 mkdir -p "$OUT"
-F=(--stages 4 --replicas 2 --epochs "${EPOCHS:-22}" --partition 0-2,3-4,5-6,7-9 --momentum 0.6
+F=(--stages 4 --replicas 2 --epochs "${EPOCHS:-4}" --partition 0-2,3-4,5-6,7-9 --momentum 0.6
    --placement processes)
 CYCLES=${CYCLES:-20}
 SETTLE=${SETTLE:-0.5}
@@ -96,7 +97,7 @@ for t in $TRANSPORTS; do
     "rejoins: $(grep -c '^the lost replicas rejoin:' "$OUT/cycles-$t.txt")," \
     "restored to [2, 2, 2, 2]: $(grep '^the lost replicas rejoin:' "$OUT/cycles-$t.txt" |
       grep -c 'replicas \[2, 2, 2, 2\]')"
-  echo "kill to rejoin line (s), per cycle: $(awk 'NF > 3 {printf "%s ", $2}' "$OUT/cycles-$t.rss")"
+  echo "kill to rejoin line (s), per cycle: $(awk '$1 ~ /^[0-9]+$/ && NF > 3 {printf "%s ", $2}' "$OUT/cycles-$t.rss")"
   # Resident memory at cycle 5 and cycle 20, and the change, per process.
   awk -v last="$CYCLES" '
     $1 == 5 { for (k = 3; k < NF; k += 2) five[$k] = $(k + 1) }

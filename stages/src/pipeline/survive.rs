@@ -116,6 +116,10 @@ impl std::fmt::Display for LayoutChange {
                     Redone::Segment => "the segment runs again".to_string(),
                     Redone::InFlight =>
                         "recovered at the update: the updates in flight run again".to_string(),
+                    Redone::Update if self.recovered_at == Some(self.from) => format!(
+                        "taken over at update {}: each stage ran its update in flight again, and the segment ended there for the replacement to join",
+                        self.from
+                    ),
                     Redone::Update => format!(
                         "taken over at update {}: each stage ran its update in flight again and the segment ended without it",
                         self.recovered_at.unwrap_or(self.from)
