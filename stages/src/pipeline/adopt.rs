@@ -579,7 +579,10 @@ pub fn resume_from(
 }
 
 /// The version a worker's stage is at after `step` minibatches of the segment.
-fn version_at_step(plan: &RunPlan, worker: u32, step: u64) -> Result<u32> {
+///
+/// # Errors
+/// A step that falls within an update of the worker's stage.
+pub fn version_at_step(plan: &RunPlan, worker: u32, step: u64) -> Result<u32> {
     let resolved = &plan.schedule.resolved;
     let (stage, _) = plan.schedule.layout().placement(worker);
     let applied = step * u64::from(resolved.minibatch.max(1));

@@ -47,6 +47,7 @@ use super::doctor::StopReport;
 use super::driver::{resume_worker_with, run_worker_with};
 use super::exec::{WorkerOutcome, WorkerState};
 use super::fields::Fields;
+use super::resume::Resume;
 use super::rollback::Points;
 use super::run_plan::RunPlan;
 use super::setup::Report;
@@ -540,8 +541,24 @@ impl<T: Transport> Process<'_, T> {
                 None => None,
             };
             let adopting = host.then_some((&*points, start));
-            let planned =
-                super::takeover::settle(ep.as_mut(), (plan, self.index), lost, held, adopting)?;
+            // While the exchange settles: this worker's program resumed at its latest
+            // boundary, and on the adopter the lost one's at the adopter's, where the plan
+            // almost always resumes them.
+            let mut ready = Ready::default();
+            let mut meanwhile = || {
+                let latest = points.latest();
+                ready.own = Ready::resumed(plan, rank, latest, (&points, start));
+                if host {
+                    ready.lost = Ready::resumed(plan, lost, latest, (&points, start));
+                }
+            };
+            let planned = super::takeover::settle(
+                ep.as_mut(),
+                (plan, self.index),
+                lost,
+                (held, &mut meanwhile),
+                adopting,
+            )?;
             drop(points);
             if let Some(versions) = planned {
                 // A replacement comes: the segment ends at its update in flight, where the
@@ -553,6 +570,7 @@ impl<T: Transport> Process<'_, T> {
                     change: change.taken_over(ends_at, in_flight),
                     versions,
                     ends_at,
+                    ready,
                 };
                 return self.run_taken_over(plan, at, (ep, adopted), failed, obs);
             }
@@ -587,6 +605,47 @@ struct Adopted {
     versions: Vec<u32>,
     /// The steps of the segment it runs to ([`super::adopt::takeover_ends_at`]).
     ends_at: u64,
+    /// The programs resumed while the takeover settled.
+    ready: Ready,
+}
+
+/// A worker's program resumed at a version, with its state there.
+type ResumedAt = (u32, (Resume, WorkerState));
+
+/// Programs resumed while a takeover settles ([`super::takeover::settle`]), each at the
+/// version the plan is expected to name: this worker's own, and on the adopter the lost
+/// worker's.
+#[derive(Default)]
+struct Ready {
+    own: Option<ResumedAt>,
+    lost: Option<ResumedAt>,
+}
+
+impl Ready {
+    /// `worker`'s program resumed at the boundary `step` steps into the segment, if the
+    /// points hold it (the plan's version is resumed later where it differs).
+    fn resumed(
+        plan: &RunPlan,
+        worker: u32,
+        step: u64,
+        at: (&Points, &WorkerState),
+    ) -> Option<ResumedAt> {
+        let version = super::adopt::version_at_step(plan, worker, step).ok()?;
+        Some((version, resume_from(plan, worker, version, at).ok()?))
+    }
+
+    /// `slot`'s program if it was resumed at `version`, else `worker`'s resumed now.
+    fn take(
+        slot: &mut Option<ResumedAt>,
+        plan: &RunPlan,
+        (worker, version): (u32, u32),
+        at: (&Points, &WorkerState),
+    ) -> Result<(Resume, WorkerState)> {
+        match slot.take() {
+            Some((v, resumed)) if v == version => Ok(resumed),
+            _ => resume_from(plan, worker, version, at),
+        }
+    }
 }
 
 /// A worker's figures when it passed the step boundary where its stage was at `version`,
@@ -632,12 +691,16 @@ impl<T: Transport> Process<'_, T> {
             .lock()
             .map_err(|_| super::rollback::poisoned())?;
         let version = |w: u32| adopted.versions.get(w as usize).copied().unwrap_or(0);
-        let (mut resume, mut state) = resume_from(plan, me, version(me), (&points, start))?;
+        let mut ready = adopted.ready;
+        let at_points = (&*points, start);
+        let (mut resume, mut state) =
+            Ready::take(&mut ready.own, plan, (me, version(me)), at_points)?;
         end_at_step(plan, me, &mut resume, adopted.ends_at)?;
         let before = measured_at_version(plan, me, version(me), &points)?;
         let mut lost_part = match self.hosted.take() {
             Some(h) => {
-                let (mut r, s) = resume_from(plan, lost, version(lost), (&points, start))?;
+                let (mut r, s) =
+                    Ready::take(&mut ready.lost, plan, (lost, version(lost)), at_points)?;
                 end_at_step(plan, lost, &mut r, adopted.ends_at)?;
                 Some((h.idle()?, r, s))
             }
