@@ -407,6 +407,48 @@ mod tests {
         assert!(one.regroup(0, None).is_ok());
     }
 
+    /// A peer whose regrouped control stream carries another generation than the one due (a
+    /// stale or hostile peer) has its connection refused, on both sides here: each survivor
+    /// fails its next receive from the other, naming the stream refused (its own refusal, or
+    /// the peer's in the close that reached it first), within the connect timeout rather than
+    /// waiting.
+    #[test]
+    fn a_regrouped_control_stream_of_another_generation_is_refused() {
+        let mut opts = QuicOptions::new(47);
+        opts.connect_timeout = Duration::from_secs(5);
+        let mut eps = super::super::local_mesh(4, &opts).unwrap();
+        // Rank 1 holds its connection to rank 0 four generations on: it opens generation 5
+        // where rank 0 waits for 1, and waits for 5 where rank 0 opens 1.
+        if let Some(peer) = eps[1].peers[0].as_mut() {
+            peer.generation += 4;
+        }
+        let mut eps: Vec<Box<dyn Transport>> = eps
+            .into_iter()
+            .map(|q| Box::new(q) as Box<dyn Transport>)
+            .collect();
+        let mut gone = eps.remove(3);
+        gone.abort();
+        drop(gone);
+        let mut eps = regroup_all(eps, 3, None);
+        let started = std::time::Instant::now();
+        // Each side finds the stream refused: by itself, or by the peer, whose close says why.
+        for (me, from) in [(0u32, 1u32), (1, 0)] {
+            let refused = eps[me as usize]
+                .recv(&key(from, me, 9))
+                .err()
+                .unwrap()
+                .to_string();
+            let named = ["of generation 5 where", "of generation 1 where"]
+                .iter()
+                .any(|s| refused.contains(s));
+            assert!(
+                named && refused.contains("control stream of generation"),
+                "{refused}"
+            );
+        }
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
     /// A mesh of four loses rank 2, whose place a new endpoint takes, then rank 1, whose
     /// place stays empty: each time the survivors go on on their connections, every message
     /// sent before the loss stays behind (none is received after), every pair still talks,
