@@ -113,10 +113,22 @@ impl Quic {
                 return Ok(None);
             };
             let deadline = Instant::now() + opts.connect_timeout;
-            let greeted = if rank < lost {
-                dial(endpoint, client, me, lost, addr, opts, deadline).await?
-            } else {
-                take_late(arrivals, me, lost, opts.run_id, deadline).await?
+            let connecting = async {
+                if rank < lost {
+                    dial(endpoint, client, me, lost, addr, opts, deadline).await
+                } else {
+                    take_late(arrivals, me, lost, opts.run_id, deadline).await
+                }
+            };
+            // A survivor lost meanwhile (the host of the lost rank's new endpoint among them)
+            // ends the regroup at once, rather than at the connect timeout.
+            let greeted = tokio::select! {
+                greeted = connecting => greeted?,
+                (peer, why) = first_closed(&peers) => {
+                    return Err(TransportError::Setup(format!(
+                        "rank {rank}: rank {peer} was lost while the mesh regrouped without rank {lost} ({why})"
+                    )));
+                }
             };
             let (peer, conn, control, theirs, host) = greeted;
             let joined = start_peer(rank, peer, conn, (control, theirs), opts, &sink).await?;
@@ -217,6 +229,22 @@ async fn renew(
         generation,
         accepted,
     })
+}
+
+/// The first of `peers`' connections to close, and why; pending while none does.
+async fn first_closed(peers: &[Option<Peer>]) -> (u32, quinn::ConnectionError) {
+    // Dropped with this future, the set stops every watch.
+    let mut watches = tokio::task::JoinSet::new();
+    for (rank, peer) in peers.iter().enumerate() {
+        if let Some(p) = peer {
+            let conn = p.conn.clone();
+            watches.spawn(async move { (rank as u32, conn.closed().await) });
+        }
+    }
+    match watches.join_next().await {
+        Some(Ok(closed)) => closed,
+        _ => std::future::pending().await,
+    }
 }
 
 /// The peer's control stream of `generation` on `conn`: the next stream it opens.
@@ -447,6 +475,59 @@ mod tests {
             );
         }
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A second loss while the mesh regroups: rank 1 is lost and rank 2, which was to host
+    /// its new endpoint, is lost too before that endpoint connects. Ranks 0 (which dials the
+    /// hosted endpoint) and 3 (which waits for it) give up as soon as rank 2's connection
+    /// closes, naming it, not at the connect timeout.
+    #[test]
+    fn a_survivor_lost_while_the_mesh_regroups_ends_the_regroup_at_once() {
+        let mut opts = QuicOptions::new(53);
+        opts.connect_timeout = Duration::from_secs(20);
+        let cluster = Cluster::generate(4).unwrap();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut eps: Vec<Box<dyn Transport>> = super::super::local_mesh(4, &opts)
+            .unwrap()
+            .into_iter()
+            .map(|q| Box::new(q) as Box<dyn Transport>)
+            .collect();
+        let mut first = eps.remove(1);
+        first.abort();
+        drop(first);
+        // The endpoint rank 2 would have hosted for rank 1: bound, never connecting.
+        let never = Bound::bind(1, loopback, &cluster.ranks[1].2, opts.clone()).unwrap();
+        let at = never.local_addr().unwrap().to_string();
+        let mut survivors: Vec<Box<dyn Transport>> = Vec::new();
+        for mut ep in eps {
+            ep.regroup_address().unwrap().unwrap();
+            survivors.push(ep);
+        }
+        let mut second = survivors.remove(1);
+        let started = std::time::Instant::now();
+        let threads: Vec<_> = survivors
+            .into_iter()
+            .map(|mut ep| {
+                let at = at.clone();
+                std::thread::spawn(move || ep.regroup(1, Some(&at)).err().map(|e| e.to_string()))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        second.abort();
+        drop(second);
+        for t in threads {
+            let why = t.join().unwrap().unwrap_or_default();
+            assert!(
+                why.contains("rank 2 was lost while the mesh regrouped"),
+                "{why}"
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(never);
     }
 
     /// A mesh of four loses rank 2, whose place a new endpoint takes, then rank 1, whose
