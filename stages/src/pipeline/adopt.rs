@@ -20,7 +20,9 @@
 //!
 //! The layout does not change within the segment: the lost worker's program runs as it
 //! would have, so the segment ends with the weights of a segment that lost nothing, bit for
-//! bit, under every policy ([`tests`](../../tests/adopt.rs)).
+//! bit, under every policy ([`tests`](../../tests/adopt.rs)). Where a replacement comes, every
+//! program is cut at the update the segment was in ([`Takeover::cut_short`]): the segment
+//! then ends with the weights of one that drained there.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};

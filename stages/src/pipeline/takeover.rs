@@ -18,8 +18,10 @@
 //!   lost worker's program too, on a thread of its own, from its own points.
 //!
 //! The segment ends with the weights of a segment that lost nothing, and the layout changes at
-//! its end, as with threads. Nothing a survivor's stage applied is undone, and no process
-//! starts again.
+//! its end, as with threads; where a replacement comes, every resumed program ends at the
+//! update the segment was in ([`super::adopt::takeover_ends_at`]), so that the replacement
+//! joins at the next update boundary. Nothing a survivor's stage applied is undone, and no
+//! process starts again.
 
 use std::collections::HashSet;
 use std::io::Write as _;
