@@ -530,8 +530,7 @@ pub fn end_at_step(plan: &RunPlan, worker: u32, resume: &mut Resume, steps: u64)
 /// Where a segment of `plan` taken over with every worker resumed at `versions` ends: at its
 /// update in flight when it is `cut` short for a replacement that comes, else at its end.
 pub fn takeover_ends_at(plan: &RunPlan, versions: &[u32], cut: bool) -> u64 {
-    let len = plan.schedule.total_microbatches() as u64
-        / u64::from(plan.schedule.resolved.minibatch.max(1));
+    let len = plan.steps();
     if cut {
         update_in_flight(plan, versions).min(len)
     } else {

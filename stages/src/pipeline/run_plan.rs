@@ -128,4 +128,10 @@ impl RunPlan {
             .get(stage as usize)
             .unwrap_or(super::DEFAULT_BUCKET_SIZE)
     }
+
+    /// The minibatches (steps) its schedule runs.
+    pub fn steps(&self) -> u64 {
+        let minibatch = u64::from(self.schedule.resolved.minibatch.max(1));
+        u64::from(self.schedule.total_microbatches()) / minibatch
+    }
 }

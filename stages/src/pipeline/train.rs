@@ -1127,7 +1127,7 @@ pub(super) struct LiveSteps<'r> {
 impl<'r> LiveSteps<'r> {
     pub(super) fn new(run: &'r Run<'r>, plan: &RunPlan, seg: &'r Segment) -> Self {
         let minibatch = u64::from(plan.schedule.resolved.minibatch.max(1));
-        let updates = plan.schedule.total_microbatches() as u64 / minibatch;
+        let updates = plan.steps();
         let resolved = &plan.schedule.resolved;
         let loss_update = resolved.update_size(resolved.layout.stages().saturating_sub(1));
         let clipping = run.cfg.optimizer.grad_clip.is_some();

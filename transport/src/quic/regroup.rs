@@ -348,6 +348,20 @@ mod tests {
         }
     }
 
+    /// `mesh`'s endpoints, each boxed as the workers hold it.
+    fn boxed(mesh: Vec<Quic>) -> Vec<Box<dyn Transport>> {
+        mesh.into_iter()
+            .map(|q| Box::new(q) as Box<dyn Transport>)
+            .collect()
+    }
+
+    /// The endpoint at `at` of `eps` lost: aborted and dropped.
+    fn lose(eps: &mut Vec<Box<dyn Transport>>, at: usize) {
+        let mut gone = eps.remove(at);
+        gone.abort();
+        drop(gone);
+    }
+
     /// Every endpoint sends message `index` to every other and receives theirs.
     fn all_to_all(eps: &mut [Box<dyn Transport>], index: u32) {
         for ep in eps.iter_mut() {
@@ -412,11 +426,7 @@ mod tests {
     fn a_regroup_refuses_what_it_cannot_go_on_without() {
         let mut opts = QuicOptions::new(43);
         opts.connect_timeout = Duration::from_secs(5);
-        let mut eps: Vec<Box<dyn Transport>> = super::super::local_mesh(3, &opts)
-            .unwrap()
-            .into_iter()
-            .map(|q| Box::new(q) as Box<dyn Transport>)
-            .collect();
+        let mut eps = boxed(super::super::local_mesh(3, &opts).unwrap());
         let err = |r: Result<Box<dyn Transport>, TransportError>| r.err().unwrap().to_string();
         assert!(err(eps[1].regroup(1, None)).contains("cannot go on without rank 1"));
         assert!(err(eps[1].regroup(3, None)).contains("cannot go on without rank 3"));
@@ -450,13 +460,8 @@ mod tests {
         if let Some(peer) = eps[1].peers[0].as_mut() {
             peer.generation += 4;
         }
-        let mut eps: Vec<Box<dyn Transport>> = eps
-            .into_iter()
-            .map(|q| Box::new(q) as Box<dyn Transport>)
-            .collect();
-        let mut gone = eps.remove(3);
-        gone.abort();
-        drop(gone);
+        let mut eps = boxed(eps);
+        lose(&mut eps, 3);
         let mut eps = regroup_all(eps, 3, None);
         let started = std::time::Instant::now();
         // Each side finds the stream refused: by itself, or by the peer, whose close says why.
@@ -487,14 +492,8 @@ mod tests {
         opts.connect_timeout = Duration::from_secs(20);
         let cluster = Cluster::generate(4).unwrap();
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
-        let mut eps: Vec<Box<dyn Transport>> = super::super::local_mesh(4, &opts)
-            .unwrap()
-            .into_iter()
-            .map(|q| Box::new(q) as Box<dyn Transport>)
-            .collect();
-        let mut first = eps.remove(1);
-        first.abort();
-        drop(first);
+        let mut eps = boxed(super::super::local_mesh(4, &opts).unwrap());
+        lose(&mut eps, 1);
         // The endpoint rank 2 would have hosted for rank 1: bound, never connecting.
         let never = Bound::bind(1, loopback, &cluster.ranks[1].2, opts.clone()).unwrap();
         let at = never.local_addr().unwrap().to_string();
@@ -563,9 +562,7 @@ mod tests {
                 ep.send(message(me, to, 2)).unwrap();
             }
         }
-        let mut gone = eps.remove(2);
-        gone.abort();
-        drop(gone);
+        lose(&mut eps, 2);
         let host = (bind(2).unwrap(), addrs.clone());
         let mut eps = regroup_all(eps, 2, Some(host));
         assert_eq!(eps.len(), 4);
