@@ -15,7 +15,9 @@ use common::{bits, even, opt};
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::{Action, Length, Policy, ScheduleSpec};
 use pipe_stages::model::{Model, ModelSpec};
-use pipe_stages::pipeline::adopt::{Logging, Serving, SharedTraffic, Traffic, take_over};
+use pipe_stages::pipeline::adopt::{
+    Logging, Serving, SharedTraffic, Traffic, resumable, resume_from, take_over,
+};
 use pipe_stages::pipeline::rollback::{Points, points_kept};
 use pipe_stages::pipeline::{
     OrderedSource, RunPlan, Setup, WorkerState, run_threads, run_threads_resumed,
@@ -90,6 +92,19 @@ fn lose_and_take_over(
         return None;
     }
     let done: Vec<u32> = states.iter().map(|s| updates_done(setup, s)).collect();
+    // What the planner asks of the points without copying them, the resume answers alike.
+    for w in 0..workers {
+        let held = points[w as usize].lock().unwrap();
+        let at = (&*held, &start[w as usize]);
+        for v in 0..=done[w as usize] + 1 {
+            let resumes = resume_from(setup.plan, w, v, at).is_ok();
+            assert_eq!(
+                resumable(setup.plan, w, v, at),
+                resumes,
+                "worker {w} version {v}"
+            );
+        }
+    }
     let mut takeover = take_over(setup, (lost, None), start, &points, &traffic)
         .unwrap_or_else(|e| panic!("{policy:?} worker {lost} lost at send {nth}: {e}"));
     let eps: Vec<Serving<_>> = mesh(workers, &bounded())

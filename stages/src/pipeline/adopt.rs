@@ -554,29 +554,49 @@ pub fn resume_from(
     version: u32,
     (points, start): (&Points, &WorkerState),
 ) -> Result<(Resume, WorkerState)> {
-    let resolved = &plan.schedule.resolved;
-    let (stage, _) = plan.schedule.layout().placement(worker);
-    let update_size = u64::from(resolved.update_size(stage));
-    let minibatch = u64::from(resolved.minibatch.max(1));
-    let step_of = |v: u32| {
-        let applied = u64::from(v) * update_size;
-        (applied % minibatch == 0).then_some(applied / minibatch)
-    };
-    let state_at = |v: u32| match v {
+    let state_at = |v: u32| match step_of_version(plan, worker, v)? {
         0 => start.stages.first().cloned(),
-        v => step_of(v).and_then(|s| points.state_at(s)),
+        step => points.state_at(step),
     };
     let point = resume_point(&plan.schedule, &plan.versions, worker, version)?;
     let stash = stash_of(&point, |v| state_at(v).map(|s| s.params))?;
     let state = WorkerState {
         worker,
         stages: vec![state_at(version).ok_or_else(|| {
+            let (stage, _) = plan.schedule.layout().placement(worker);
             takeover_err(format!("version {version} of stage {stage} is not kept"))
         })?],
         progress: super::doctor::StopPoint::default(),
         keeper: None,
     };
     Ok((Resume { point, stash }, state))
+}
+
+/// Whether [`resume_from`] would resume `worker` at `version` from these points, without
+/// copying any state.
+pub fn resumable(
+    plan: &RunPlan,
+    worker: u32,
+    version: u32,
+    (points, start): (&Points, &WorkerState),
+) -> bool {
+    let kept = |v: u32| match step_of_version(plan, worker, v) {
+        Some(0) => !start.stages.is_empty(),
+        Some(step) => points.holds(step),
+        None => false,
+    };
+    resume_point(&plan.schedule, &plan.versions, worker, version)
+        .is_ok_and(|point| kept(version) && point.stash.iter().all(|&v| kept(v)))
+}
+
+/// The step boundary (minibatches into the segment) where `worker`'s stage had applied
+/// `version` updates; `None` where it falls within a minibatch.
+fn step_of_version(plan: &RunPlan, worker: u32, version: u32) -> Option<u64> {
+    let resolved = &plan.schedule.resolved;
+    let (stage, _) = plan.schedule.layout().placement(worker);
+    let applied = u64::from(version) * u64::from(resolved.update_size(stage));
+    let minibatch = u64::from(resolved.minibatch.max(1));
+    (applied % minibatch == 0).then_some(applied / minibatch)
 }
 
 /// The version a worker's stage is at after `step` minibatches of the segment.
@@ -744,7 +764,7 @@ pub fn plan_takeover(
     };
     let adopted = versions[lost as usize].min(own);
     for version in (0..=adopted).rev() {
-        if resume_from(plan, lost, version, adopter).is_err() {
+        if !resumable(plan, lost, version, adopter) {
             break;
         }
         versions[lost as usize] = version;

@@ -97,6 +97,11 @@ impl Points {
         self.points.front().map_or(0, |p| p.step)
     }
 
+    /// Whether the point at `step` is still kept.
+    pub fn holds(&self, step: u64) -> bool {
+        self.at(step).is_some()
+    }
+
     /// The point at `step`, if still kept.
     fn at(&self, step: u64) -> Option<&Point> {
         self.points.iter().find(|p| p.step == step)

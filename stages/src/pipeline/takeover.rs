@@ -165,11 +165,10 @@ fn decode_plan(b: &[u8], workers: u32) -> Result<Option<Vec<u32>>> {
 /// This survivor's side of a takeover of segment `index` of `plan`, after worker `lost` was
 /// lost, over `ep`, the mesh of every rank ([`super::recover::Remesh::connect_without`]
 /// with the lost rank hosted): what it `held`, and on the adopter its rollback points and its
-/// state at the segment's start; `meanwhile` runs while this survivor waits on the others
-/// (once its own record is sent; on the adopter, before it gathers). Returns the version
-/// each worker resumes at, or `None`
-/// where the segment cannot be taken over (the adopter says why on its standard error) and
-/// the run goes back instead.
+/// state at the segment's start. Returns the version each worker resumes at, or `None` where
+/// the segment cannot be taken over (the adopter says why on its standard error) and the run
+/// goes back instead. Each survivor resumed its programs while the mesh regrouped, so the
+/// adopter gathers and plans at once: the others wait on its plan.
 ///
 /// # Errors
 /// A peer that fails the exchange or sends a malformed record.
@@ -177,7 +176,7 @@ pub fn settle(
     ep: &mut dyn Transport,
     (plan, index): (&RunPlan, u32),
     lost: u32,
-    (held, meanwhile): (Option<Held>, &mut dyn FnMut()),
+    held: Option<Held>,
     adopter: Option<(&Points, &WorkerState)>,
 ) -> Result<Option<Vec<u32>>> {
     let me = ep.rank();
@@ -191,7 +190,6 @@ pub fn settle(
     record.extend(encode_held(held.as_ref()));
     if me != adopting {
         ep.send(Message::from_bytes(key(me, adopting, 0), &record))?;
-        meanwhile();
         let m = ep.recv(&key(adopting, me, 1))?;
         return decode_plan(&m.into_bytes()?, workers);
     }
@@ -199,7 +197,6 @@ pub fn settle(
     let mut all: Vec<Option<Held>> = vec![None; workers as usize];
     all[me as usize] = held;
     let mut unable = all[me as usize].is_none().then_some(me);
-    meanwhile();
     for w in (0..workers).filter(|&w| w != me && w != lost) {
         let m = ep.recv(&key(w, me, 0))?;
         let b = m.into_bytes()?;

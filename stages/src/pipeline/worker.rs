@@ -524,14 +524,26 @@ impl<T: Transport> Process<'_, T> {
             .filter(|_| super::adopt::refused(plan, &self.run.model, clips).is_none());
         let host = traffic.is_some() && adopter == Some(rank);
         let regrouping = current(&mut *self.ep, &mut self.renewed);
-        let meshes = remesh.connect_without(regrouping, lost, host)?;
+        let points = own.lock().map_err(|_| super::rollback::poisoned())?;
+        // While the survivors regroup: where it can take the segment over, this worker's
+        // program resumed at its latest boundary, and on the adopter the lost one's at the
+        // adopter's, where the plan almost always resumes them.
+        let (meshes, ready) = std::thread::scope(|s| {
+            let resuming = traffic.is_some().then(|| {
+                let at = (&*points, start);
+                s.spawn(move || Ready::at_latest(plan, (rank, host.then_some(lost)), at))
+            });
+            let meshes = remesh.connect_without(regrouping, lost, host);
+            let ready = resuming.and_then(|r| r.join().ok()).unwrap_or_default();
+            (meshes, ready)
+        });
+        let meshes = meshes?;
         drop(remesh);
         self.hosted = meshes.hosted.map(Hosted::Idle);
         let mut ep = meshes.ep;
         // The adopter hosts the lost rank where it can take the segment over; then every
         // survivor settles with it whether they do.
         if meshes.lost_hosted {
-            let points = own.lock().map_err(|_| super::rollback::poisoned())?;
             let held = match traffic {
                 Some(log) => Some(
                     log.lock()
@@ -541,24 +553,8 @@ impl<T: Transport> Process<'_, T> {
                 None => None,
             };
             let adopting = host.then_some((&*points, start));
-            // While the exchange settles: this worker's program resumed at its latest
-            // boundary, and on the adopter the lost one's at the adopter's, where the plan
-            // almost always resumes them.
-            let mut ready = Ready::default();
-            let mut meanwhile = || {
-                let latest = points.latest();
-                ready.own = Ready::resumed(plan, rank, latest, (&points, start));
-                if host {
-                    ready.lost = Ready::resumed(plan, lost, latest, (&points, start));
-                }
-            };
-            let planned = super::takeover::settle(
-                ep.as_mut(),
-                (plan, self.index),
-                lost,
-                (held, &mut meanwhile),
-                adopting,
-            )?;
+            let planned =
+                super::takeover::settle(ep.as_mut(), (plan, self.index), lost, held, adopting)?;
             drop(points);
             if let Some(versions) = planned {
                 // A replacement comes: the segment ends at its update in flight, where the
@@ -574,6 +570,8 @@ impl<T: Transport> Process<'_, T> {
                 };
                 return self.run_taken_over(plan, at, (ep, adopted), failed, obs);
             }
+        } else {
+            drop(points);
         }
         let gone_on = super::recover::Failed {
             plan,
@@ -632,6 +630,20 @@ impl Ready {
     ) -> Option<ResumedAt> {
         let version = super::adopt::version_at_step(plan, worker, step).ok()?;
         Some((version, resume_from(plan, worker, version, at).ok()?))
+    }
+
+    /// Worker `me`'s program, and the `lost` one's where `me` adopts it, resumed at `me`'s
+    /// latest boundary.
+    fn at_latest(
+        plan: &RunPlan,
+        (me, lost): (u32, Option<u32>),
+        at: (&Points, &WorkerState),
+    ) -> Self {
+        let latest = at.0.latest();
+        Ready {
+            own: Ready::resumed(plan, me, latest, at),
+            lost: lost.and_then(|lost| Ready::resumed(plan, lost, latest, at)),
+        }
     }
 
     /// `slot`'s program if it was resumed at `version`, else `worker`'s resumed now.
