@@ -636,6 +636,16 @@ impl<T: Transport> Transport for Faulty<T> {
         self.inner()?.try_recv_with(key, take)
     }
 
+    fn wait_for(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> Result<bool, TransportError> {
+        // It waits as a receive does: what is held goes out first.
+        self.flush()?;
+        self.inner()?.wait_for(key, notice)
+    }
+
     fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
         // A poll never waits, so what is held cannot block anyone here: keep holding it.
         self.inner()?.try_recv(key)

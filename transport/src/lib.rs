@@ -295,6 +295,16 @@ impl Early {
         self.0.remove(key)
     }
 
+    /// Whether the message with `key` has arrived.
+    pub(crate) fn holds(&self, key: &Key) -> bool {
+        self.0.contains_key(key)
+    }
+
+    /// How many messages held have a key that `pick` picks.
+    pub(crate) fn count(&self, pick: &dyn Fn(&Key) -> bool) -> usize {
+        self.0.keys().filter(|k| pick(k)).count()
+    }
+
     /// Messages held.
     pub(crate) fn len(&self) -> usize {
         self.0.len()
@@ -417,6 +427,23 @@ pub trait Transport: Send {
     /// As [`Transport::recv`], except that nothing having arrived is `Ok(None)`.
     fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError>;
 
+    /// Waits as a receive of `key` would, until its message can be taken (`true`) or until a
+    /// message that `notice` picks arrives first (`false`; it is kept for its own receive),
+    /// taking neither: how the chief reads loss reports while its own program waits. Only a
+    /// message that arrives during the call is noticed. By default it does not wait: `true`,
+    /// and the receive that follows waits alone.
+    ///
+    /// # Errors
+    /// As [`Transport::recv`].
+    fn wait_for(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> Result<bool, TransportError> {
+        let _ = (key, notice);
+        Ok(true)
+    }
+
     /// Messages that have arrived and wait for their receive: this worker's input queue, as
     /// the metrics report it.
     fn buffered(&self) -> usize;
@@ -530,6 +557,13 @@ macro_rules! forward_transport {
             }
             fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
                 (**self).try_recv(key)
+            }
+            fn wait_for(
+                &mut self,
+                key: &Key,
+                notice: &dyn Fn(&Key) -> bool,
+            ) -> Result<bool, TransportError> {
+                (**self).wait_for(key, notice)
             }
             fn buffered(&self) -> usize {
                 (**self).buffered()

@@ -123,6 +123,15 @@ impl Transport for Mixed {
         self.to(key.from).try_recv(key)
     }
 
+    /// Noticing only what arrives over the link that `key` comes by.
+    fn wait_for(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> Result<bool, TransportError> {
+        self.to(key.from).wait_for(key, notice)
+    }
+
     fn buffered(&self) -> usize {
         self.quic.buffered() + self.shm.buffered()
     }

@@ -1365,6 +1365,73 @@ impl Quic {
         }
     }
 
+    /// Waits for the message with `key` (taken, not yet handed) or, first, for another that
+    /// arrives now and `notice` picks (`None`; kept in `early`).
+    fn wait_on(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> Result<Option<Message>, TransportError> {
+        if key.to != self.rank {
+            return Err(TransportError::Protocol(format!(
+                "worker {} asked for a message addressed to {}",
+                self.rank, key.to
+            )));
+        }
+        if key.from >= self.size || key.from == self.rank {
+            return Err(TransportError::Protocol(format!(
+                "no peer {} for worker {} in a mesh of {}",
+                key.from, self.rank, self.size
+            )));
+        }
+        if let Some(m) = self.early.take(key) {
+            return Ok(Some(m));
+        }
+        if let Some(by) = self.aborted_by {
+            return Err(TransportError::Aborted { by });
+        }
+        let start = Instant::now();
+        let deadline = crate::stall_deadline(self.opts.timeout, key, start);
+        loop {
+            if let Some(e) = self.gone(key.from, Some(key.kind)) {
+                // Frames read before the stream ended are already in the channel.
+                self.drain()?;
+                return match self.early.take(key) {
+                    Some(m) => Ok(Some(m)),
+                    None => Err(e),
+                };
+            }
+            let timer = match deadline {
+                Some(d) => crossbeam_channel::at(d),
+                None => never(),
+            };
+            let events = self.events.clone();
+            select! {
+                recv(events) -> event => {
+                    let Ok(event) = event else {
+                        return Err(TransportError::Closed { peer: key.from });
+                    };
+                    if let Some(m) = self.apply(event)? {
+                        if m.key == *key {
+                            return Ok(Some(m));
+                        }
+                        let noticed = notice(&m.key);
+                        self.early.keep(m)?;
+                        if noticed {
+                            return Ok(None);
+                        }
+                    }
+                }
+                recv(timer) -> _ => {
+                    return Err(TransportError::Timeout {
+                        key: *key,
+                        waited: start.elapsed(),
+                    });
+                }
+            }
+        }
+    }
+
     /// `m`, handed to the program: its bytes no longer wait ([`QuicOptions::max_held_bytes`]).
     fn handed(&self, m: Message) -> Message {
         if let Some(Some(p)) = self.peers.get(m.key.from as usize) {
@@ -1555,59 +1622,24 @@ impl Transport for Quic {
     }
 
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
-        if key.to != self.rank {
-            return Err(TransportError::Protocol(format!(
-                "worker {} asked for a message addressed to {}",
-                self.rank, key.to
-            )));
-        }
-        if key.from >= self.size || key.from == self.rank {
-            return Err(TransportError::Protocol(format!(
-                "no peer {} for worker {} in a mesh of {}",
-                key.from, self.rank, self.size
-            )));
-        }
-        if let Some(m) = self.early.take(key) {
-            return Ok(self.handed(m));
-        }
-        if let Some(by) = self.aborted_by {
-            return Err(TransportError::Aborted { by });
-        }
-        let start = Instant::now();
-        let deadline = crate::stall_deadline(self.opts.timeout, key, start);
         loop {
-            if let Some(e) = self.gone(key.from, Some(key.kind)) {
-                // Frames read before the stream ended are already in the channel.
-                self.drain()?;
-                return match self.early.take(key) {
-                    Some(m) => Ok(self.handed(m)),
-                    None => Err(e),
-                };
+            if let Some(m) = self.wait_on(key, &|_| false)? {
+                return Ok(self.handed(m));
             }
-            let timer = match deadline {
-                Some(d) => crossbeam_channel::at(d),
-                None => never(),
-            };
-            let events = self.events.clone();
-            select! {
-                recv(events) -> event => {
-                    let Ok(event) = event else {
-                        return Err(TransportError::Closed { peer: key.from });
-                    };
-                    if let Some(m) = self.apply(event)? {
-                        if m.key == *key {
-                            return Ok(self.handed(m));
-                        }
-                        self.early.keep(m)?;
-                    }
-                }
-                recv(timer) -> _ => {
-                    return Err(TransportError::Timeout {
-                        key: *key,
-                        waited: start.elapsed(),
-                    });
-                }
+        }
+    }
+
+    fn wait_for(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> Result<bool, TransportError> {
+        match self.wait_on(key, notice)? {
+            Some(m) => {
+                self.early.keep(m)?;
+                Ok(true)
             }
+            None => Ok(false),
         }
     }
 

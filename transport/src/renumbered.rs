@@ -70,10 +70,7 @@ impl<T: Transport> Renumbered<T> {
 
     /// `stage` of a key of `kind`, tagged (or untagged: XOR is its own inverse).
     fn tagged(&self, kind: crate::Kind, stage: u32) -> u32 {
-        match kind {
-            crate::Kind::Control => stage,
-            _ => stage ^ self.data_tag,
-        }
+        tagged(kind, stage, self.data_tag)
     }
 
     /// The rank of worker `w`.
@@ -86,11 +83,7 @@ impl<T: Transport> Renumbered<T> {
 
     /// The worker of rank `r`.
     fn worker_of(&self, r: u32) -> Result<u32, TransportError> {
-        self.workers
-            .get(r as usize)
-            .copied()
-            .flatten()
-            .ok_or_else(|| TransportError::Protocol(format!("rank {r} has no worker here")))
+        worker_of(&self.workers, r)
     }
 
     /// `key` with worker numbers as ranks.
@@ -105,9 +98,7 @@ impl<T: Transport> Renumbered<T> {
 
     /// `m` with ranks as worker numbers.
     fn inward(&self, mut m: Message) -> Result<Message, TransportError> {
-        m.key.from = self.worker_of(m.key.from)?;
-        m.key.to = self.worker_of(m.key.to)?;
-        m.key.stage = self.tagged(m.key.kind, m.key.stage);
+        m.key = inward(&m.key, &self.workers, self.data_tag)?;
         Ok(m)
     }
 
@@ -124,6 +115,34 @@ impl<T: Transport> Renumbered<T> {
             other => other,
         }
     }
+}
+
+/// `stage` of a key of `kind`, with `tag` XORed in where it is a data key.
+fn tagged(kind: crate::Kind, stage: u32, tag: u32) -> u32 {
+    match kind {
+        crate::Kind::Control => stage,
+        _ => stage ^ tag,
+    }
+}
+
+/// The worker of rank `r`, from each rank's `workers`.
+fn worker_of(workers: &[Option<u32>], r: u32) -> Result<u32, TransportError> {
+    workers
+        .get(r as usize)
+        .copied()
+        .flatten()
+        .ok_or_else(|| TransportError::Protocol(format!("rank {r} has no worker here")))
+}
+
+/// `key` (of the inner mesh) with ranks as worker numbers and the data tag taken off; free
+/// of the endpoint, so that a wait on the inner mesh can map what it notices.
+fn inward(key: &Key, workers: &[Option<u32>], tag: u32) -> Result<Key, TransportError> {
+    Ok(Key {
+        from: worker_of(workers, key.from)?,
+        to: worker_of(workers, key.to)?,
+        stage: tagged(key.kind, key.stage, tag),
+        ..*key
+    })
 }
 
 impl<T: Transport> Transport for Renumbered<T> {
@@ -176,6 +195,17 @@ impl<T: Transport> Transport for Renumbered<T> {
             Some(m) => self.inward(m).map(Some),
             None => Ok(None),
         }
+    }
+    fn wait_for(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> Result<bool, TransportError> {
+        let outward = self.outward(key)?;
+        let (workers, tag) = (&self.workers, self.data_tag);
+        let noticed = |k: &Key| inward(k, workers, tag).is_ok_and(|k| notice(&k));
+        let waited = self.inner.wait_for(&outward, &noticed);
+        waited.map_err(|e| self.named(e))
     }
     fn buffered(&self) -> usize {
         self.inner.buffered()

@@ -1395,6 +1395,49 @@ impl Shm {
         }
     }
 
+    /// [`Transport::wait_for`]: the blocked loop of [`Shm::receive`], which reads every other
+    /// ring while link `i`'s is empty, ended as soon as a message that `notice` picks is
+    /// among those read. A frame of `key` that can be lent stays in its ring.
+    fn wait_noticing(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> Result<bool, TransportError> {
+        let i = self.link_for(key)?;
+        let start = Instant::now();
+        let deadline = crate::stall_deadline(self.opts.timeout, key, start);
+        let noticed_before = self.early.count(notice);
+        let mut idle = 0;
+        loop {
+            let mut moved = self.pump_one(i, Some(key))?;
+            let held = self.links[i].as_ref().is_some_and(|l| {
+                matches!(&l.reading, Reading::Held { header, .. } if header.key().is_ok_and(|k| k == *key))
+            });
+            if held || self.early.holds(key) {
+                return Ok(true);
+            }
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            if self.drained_and_closed(i) {
+                return Err(TransportError::Closed { peer: key.from });
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(TransportError::Timeout {
+                    key: *key,
+                    waited: start.elapsed(),
+                });
+            }
+            if !moved {
+                moved = self.pump(Some((i, key)))?;
+                if self.early.count(notice) > noticed_before {
+                    return Ok(false);
+                }
+            }
+            self.back_off(moved, &mut idle, deadline, None)?;
+        }
+    }
+
     /// The wait at the end of a round of a blocked loop: none after a round that `moved`
     /// (which starts the count in `idle` again), else the core given away for the first
     /// [`YIELDS_BEFORE_PARKING`] rounds in a row, then [`Shm::park`] with `deadline` and
@@ -1691,6 +1734,14 @@ impl Transport for Shm {
             return Ok(None);
         }
         Ok(self.lend(i, take)?.0)
+    }
+
+    fn wait_for(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> Result<bool, TransportError> {
+        self.wait_noticing(key, notice)
     }
 
     fn buffered(&self) -> usize {

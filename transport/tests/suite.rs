@@ -24,7 +24,7 @@ fn msg(k: Key, values: &[f32]) -> Message {
 
 /// The cases. `make(workers, timeout)` builds one endpoint per worker.
 macro_rules! transport_suite {
-    ($name:ident, $make:expr) => {
+    ($name:ident, notices: $notices:expr, $make:expr) => {
         mod $name {
             use super::*;
 
@@ -204,6 +204,57 @@ macro_rules! transport_suite {
                 h.join().unwrap();
                 let e = b.recv(&key(0, 1, Kind::Activation, 100)).unwrap_err();
                 assert!(matches!(e, TransportError::Closed { peer: 0 }), "{e}");
+            }
+
+            #[test]
+            fn a_wait_ends_when_a_noticed_message_arrives_first() {
+                let mut eps = make(3, None);
+                let mut c = eps.pop().unwrap();
+                let mut b = eps.pop().unwrap();
+                let mut a = eps.pop().unwrap();
+                // Worker 0 waits for worker 1's large message; worker 2's two small ones,
+                // which it notices, come first, the second once the first is held.
+                let wanted = key(1, 0, Kind::Activation, 3);
+                let values: Vec<f32> = (0..20_000).map(|i| i as f32).collect();
+                let noticed = |i| key(2, 0, Kind::Gradient, i);
+                let notice = |k: &Key| k.from == 2;
+                let (go_on, went_on) = std::sync::mpsc::channel::<()>();
+                let sent = values.clone();
+                let h = thread::spawn(move || {
+                    thread::sleep(Duration::from_millis(30));
+                    // A transport that notices nothing waits on: the sender goes on anyway.
+                    let wake = Duration::from_millis(300);
+                    c.send(msg(noticed(0), &[1.0])).unwrap();
+                    let _ = went_on.recv_timeout(wake);
+                    thread::sleep(Duration::from_millis(30));
+                    c.send(msg(noticed(1), &[2.0])).unwrap();
+                    let _ = went_on.recv_timeout(wake);
+                    thread::sleep(Duration::from_millis(30));
+                    b.send(msg(wanted, &sent)).unwrap();
+                    (b, c)
+                });
+                let mut woken = Vec::new();
+                loop {
+                    let ready = a.wait_for(&wanted, &notice).unwrap();
+                    if ready {
+                        break;
+                    }
+                    // A message held from before the call does not end the next wait.
+                    woken.push(());
+                    let _ = go_on.send(());
+                }
+                if $notices {
+                    assert_eq!(woken.len(), 2, "each noticed message ends one wait, once");
+                } else {
+                    assert!(woken.is_empty());
+                }
+                // Whatever ended the waits, every message is still there to be received.
+                assert_eq!(a.recv(&wanted).unwrap().tensor.host().unwrap(), &values[..]);
+                for (i, v) in [1.0, 2.0].into_iter().enumerate() {
+                    let m = a.recv(&noticed(i as u32)).unwrap();
+                    assert_eq!(m.tensor.host().unwrap(), &[v]);
+                }
+                drop(h.join().unwrap());
             }
 
             #[test]
@@ -453,7 +504,7 @@ macro_rules! transport_suite {
     };
 }
 
-transport_suite!(inproc, |n, timeout| {
+transport_suite!(inproc, notices: false, |n, timeout| {
     mesh(
         n,
         &InProcOptions {
@@ -464,7 +515,7 @@ transport_suite!(inproc, |n, timeout| {
     )
 });
 
-transport_suite!(quic, |n, timeout| {
+transport_suite!(quic, notices: true, |n, timeout| {
     let mut opts = pipe_transport::quic::QuicOptions::new(0x701e);
     opts.timeout = timeout;
     opts.queue = 4;
@@ -474,7 +525,7 @@ transport_suite!(quic, |n, timeout| {
 
 // Shared memory between ranks of equal parity, QUIC between the others: the endpoint of a
 // cluster file's workers on two hosts under `--transport auto`.
-transport_suite!(mixed, |n, timeout| {
+transport_suite!(mixed, notices: false, |n, timeout| {
     let mut quic_opts = pipe_transport::quic::QuicOptions::new(0x313d);
     quic_opts.timeout = timeout;
     quic_opts.queue = 4;
@@ -521,7 +572,7 @@ fn mixed_mesh(
         .collect()
 }
 
-transport_suite!(tcp, |n, timeout| {
+transport_suite!(tcp, notices: false, |n, timeout| {
     let mut opts = pipe_transport::tcp::TcpOptions::new(0x7c9);
     opts.timeout = timeout;
     opts.linger = Duration::from_secs(2);
@@ -589,7 +640,7 @@ fn every_registered_transport_delivers_by_key_and_sums_to_the_ring_bits() {
     }
 }
 
-transport_suite!(shm, |n, timeout| {
+transport_suite!(shm, notices: true, |n, timeout| {
     let mut opts = pipe_transport::shm::ShmOptions::new(0x5e9);
     opts.timeout = timeout;
     // Small rings, so that the cases also cover frames in pieces and full rings.

@@ -355,6 +355,13 @@ impl<T: Transport> Transport for Logging<T> {
         self.keep_message(false, &m)?;
         Ok(m)
     }
+    fn wait_for(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> std::result::Result<bool, TransportError> {
+        self.inner.wait_for(key, notice)
+    }
     fn try_recv(&mut self, key: &Key) -> std::result::Result<Option<Message>, TransportError> {
         let m = self.inner.try_recv(key)?;
         if let Some(m) = m.as_ref() {
@@ -439,6 +446,16 @@ impl<T: Transport> Transport for Serving<T> {
             Some(m) => Ok(m),
             None => self.inner.recv(key),
         }
+    }
+    fn wait_for(
+        &mut self,
+        key: &Key,
+        notice: &dyn Fn(&Key) -> bool,
+    ) -> std::result::Result<bool, TransportError> {
+        if self.kept.contains_key(key) {
+            return Ok(true);
+        }
+        self.inner.wait_for(key, notice)
     }
     fn try_recv(&mut self, key: &Key) -> std::result::Result<Option<Message>, TransportError> {
         match self.kept.remove(key) {

@@ -22,6 +22,7 @@ use super::exec::{WorkerCore, WorkerOutcome, WorkerState};
 use super::resume::{Planned, Resume, whole};
 
 use super::allreduce::{BucketedAllReduce, all_reduce_gradients, last_backwards};
+use super::between::{Between, Noticing};
 use super::setup::Setup;
 use crate::error::{Result, StageError};
 
@@ -38,12 +39,13 @@ pub fn run_worker<B: Backend, T: Transport + ?Sized>(
     state: &mut WorkerState,
     t0: Instant,
 ) -> Result<WorkerOutcome> {
-    run_worker_with(be, t, setup, state, t0, &mut |_| Ok(()))
+    run_worker_with(be, t, setup, state, t0, &mut |_: &mut T| Ok(()))
 }
 
-/// [`run_worker`], calling `between` with the transport after every action: how a worker in
-/// a process of its own forwards the losses it computes to the chief, and how the chief
-/// collects them while its own program runs.
+/// [`run_worker`], running `between` with the transport after every action, and while a
+/// receive waits for each message it notices ([`Between`]): how a worker in a process of its
+/// own forwards the losses it computes to the chief, and how the chief collects them while
+/// its own program runs.
 ///
 /// # Errors
 /// As [`run_worker`]; an error of `between` is the failure of the action before it.
@@ -53,7 +55,7 @@ pub fn run_worker_with<B: Backend, T: Transport + ?Sized>(
     setup: &Setup<'_>,
     state: &mut WorkerState,
     t0: Instant,
-    between: &mut dyn FnMut(&mut T) -> Result<()>,
+    between: &mut (dyn Between<T> + Send),
 ) -> Result<WorkerOutcome> {
     let program = &setup.plan.schedule.programs[state.worker as usize];
     drive(be, t, setup, state, (t0, &whole(program)), None, between)
@@ -74,7 +76,7 @@ pub fn resume_worker<B: Backend, T: Transport + ?Sized>(
     resume: &Resume,
     t0: Instant,
 ) -> Result<WorkerOutcome> {
-    resume_worker_with(be, t, setup, state, resume, t0, &mut |_| Ok(()))
+    resume_worker_with(be, t, setup, state, resume, t0, &mut |_: &mut T| Ok(()))
 }
 
 /// [`resume_worker`], calling `between` between actions as [`run_worker_with`] does.
@@ -88,7 +90,7 @@ pub fn resume_worker_with<B: Backend, T: Transport + ?Sized>(
     state: &mut WorkerState,
     resume: &Resume,
     t0: Instant,
-    between: &mut dyn FnMut(&mut T) -> Result<()>,
+    between: &mut (dyn Between<T> + Send),
 ) -> Result<WorkerOutcome> {
     let at = Some((&resume.stash, resume.point.version));
     let actions = &resume.point.actions;
@@ -108,7 +110,7 @@ fn drive<B: Backend, T: Transport + ?Sized>(
     state: &mut WorkerState,
     (t0, actions): (Instant, &[Planned]),
     resumed: Option<ResumedAt<'_>>,
-    between: &mut dyn FnMut(&mut T) -> Result<()>,
+    between: &mut (dyn Between<T> + Send),
 ) -> Result<WorkerOutcome> {
     let w = state.worker;
     let (position, replica) = setup.plan.schedule.layout().placement(w);
@@ -151,7 +153,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     (mut core, actions): (WorkerCore<'s, 'a>, &[Planned]),
     state: &WorkerState,
     t0: Instant,
-    between: &mut dyn FnMut(&mut T) -> Result<()>,
+    between: &mut (dyn Between<T> + Send),
     progress: &mut super::doctor::StopPoint,
 ) -> std::result::Result<WorkerCore<'s, 'a>, (Option<Action>, StageError)> {
     let setup = core.setup();
@@ -170,11 +172,19 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
         core.replaying(replayed_at, pc);
         let start = t0.elapsed().as_secs_f64();
         progress.at = Some(a);
-        let bytes = step(be, t, &mut core, &mut comms, (pc, a)).map_err(|e| (Some(a), e))?;
+        let bytes = if between.notices_any() {
+            let mut noticing = Noticing::new(t, between);
+            let stepped = step(be, &mut noticing, &mut core, &mut comms, (pc, a));
+            let failure = noticing.failure();
+            stepped.map_err(|e| failure.unwrap_or(e))
+        } else {
+            step(be, t, &mut core, &mut comms, (pc, a))
+        };
+        let bytes = bytes.map_err(|e| (Some(a), e))?;
         // A device backend only queued the action's kernels: the span ends when they have run.
         be.synchronize()
             .map_err(|e| (Some(a), StageError::from(e)))?;
-        between(t).map_err(|e| (Some(a), e))?;
+        between.run(t).map_err(|e| (Some(a), e))?;
         *progress = super::doctor::StopPoint {
             at: None,
             completed: pc + 1,

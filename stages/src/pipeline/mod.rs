@@ -28,6 +28,7 @@
 
 pub mod adopt;
 pub mod allreduce;
+pub mod between;
 pub mod clip;
 pub mod delayed;
 pub mod doctor;

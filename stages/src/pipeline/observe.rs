@@ -49,7 +49,7 @@ pub struct PhaseRecord {
 }
 
 /// Receives progress while training runs.
-pub trait Observer {
+pub trait Observer: Send {
     /// When the launcher begins a phase of the run's start (each start of the run: a restart
     /// reports them again).
     ///

@@ -9,7 +9,6 @@
 //! how they ended. The binary chooses the launcher, prints what the driver reports, and
 //! nothing else.
 
-use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -153,7 +152,7 @@ pub fn drive<L: Launcher>(
     }
     let how = &how;
     // What a restart loses is counted from the last update reported.
-    let last_step = Cell::new(None);
+    let last_step = std::sync::atomic::AtomicU64::new(NO_STEP);
     let obs = &mut LastStep {
         inner: obs,
         last: &last_step,
@@ -198,7 +197,7 @@ pub fn drive<L: Launcher>(
                 }
             }
         },
-        || last_step.get(),
+        || Some(last_step.load(Ordering::Relaxed)).filter(|&s| s != NO_STEP),
         |r| {
             let replanned = how
                 .replan_on_restart
@@ -404,12 +403,15 @@ impl Launcher for Processes {
 /// from it) and passes everything on.
 struct LastStep<'a> {
     inner: &'a mut dyn Observer,
-    last: &'a Cell<Option<u64>>,
+    last: &'a std::sync::atomic::AtomicU64,
 }
+
+/// [`LastStep::last`] before any update is reported.
+const NO_STEP: u64 = u64::MAX;
 
 impl Observer for LastStep<'_> {
     fn on_step(&mut self, s: &crate::train::StepStats) -> Result<()> {
-        self.last.set(Some(s.step));
+        self.last.store(s.step, Ordering::Relaxed);
         self.inner.on_step(s)
     }
     fn on_epoch(&mut self, e: &crate::train::EpochStats) -> Result<()> {

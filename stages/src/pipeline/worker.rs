@@ -43,6 +43,7 @@ use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use serde::{Deserialize, Serialize};
 
 use super::adopt::{Logging, Serving, SharedTraffic, Traffic, end_at_step, resume_from};
+use super::between::Between;
 use super::doctor::StopReport;
 use super::driver::{resume_worker_with, run_worker_with};
 use super::exec::{WorkerOutcome, WorkerState};
@@ -757,7 +758,7 @@ impl<T: Transport> Process<'_, T> {
                             &mut st,
                             &resume,
                             t,
-                            &mut |ep| relay.poll(ep, &rx, &mut quiet),
+                            &mut Polling::of(&mut relay, &rx, &mut quiet),
                         )?;
                         let mut ep = ep.into_inner();
                         relay.poll(&mut ep, &rx, &mut quiet)?;
@@ -766,8 +767,8 @@ impl<T: Transport> Process<'_, T> {
                 });
                 let mut served = Serving::new(&mut ep, kept);
                 let own =
-                    resume_worker_with(be, &mut served, setup, &mut state, &resume, t, &mut |ep| {
-                        losses.poll(ep, rx, obs)
+                    resume_worker_with(be, &mut served, setup, &mut state, &resume, t, &mut {
+                        Polling::of(losses, rx, obs)
                     });
                 let other = adoption.map(|h| {
                     h.join()
@@ -920,11 +921,23 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             match (&traffic, points.get(rank as usize)) {
                 (Some(log), Some(p)) => {
                     let mut ep = Logging::new(&mut *ep, log.clone(), p.clone());
-                    run_worker_with(be, &mut ep, setup, st, t, &mut |ep| {
-                        losses.poll(ep, &rx, obs)
-                    })
+                    run_worker_with(
+                        be,
+                        &mut ep,
+                        setup,
+                        st,
+                        t,
+                        &mut Polling::of(&mut losses, &rx, obs),
+                    )
                 }
-                _ => run_worker_with(be, ep, setup, st, t, &mut |ep| losses.poll(ep, &rx, obs)),
+                _ => run_worker_with(
+                    be,
+                    ep,
+                    setup,
+                    st,
+                    t,
+                    &mut Polling::of(&mut losses, &rx, obs),
+                ),
             }
         });
         if let Some(st) = &self.state {
@@ -1264,6 +1277,41 @@ impl<'r> LossRelay<'r> {
         outcome.losses.sort_by_key(|l| l.0);
         outcome.loss_sum = outcome.losses.iter().map(|l| l.1).sum();
         outcome.samples = outcome.losses.iter().map(|l| l.2).sum();
+    }
+}
+
+/// A worker process's work between its actions ([`Between`]): its loss relay polled, and on
+/// the chief also each time a loss report arrives while one of its receives waits.
+struct Polling<'p, 'r> {
+    relay: &'p mut LossRelay<'r>,
+    rx: &'p crossbeam_channel::Receiver<Report>,
+    obs: &'p mut dyn Observer,
+}
+
+impl<'p, 'r> Polling<'p, 'r> {
+    fn of(
+        relay: &'p mut LossRelay<'r>,
+        rx: &'p crossbeam_channel::Receiver<Report>,
+        obs: &'p mut dyn Observer,
+    ) -> Self {
+        Polling { relay, rx, obs }
+    }
+}
+
+impl<T: Transport + ?Sized> Between<T> for Polling<'_, '_> {
+    fn run(&mut self, t: &mut T) -> Result<()> {
+        self.relay.poll(t, self.rx, self.obs)
+    }
+
+    fn notices(&self, key: &Key) -> bool {
+        self.relay.rank == CHIEF
+            && key.to == CHIEF
+            && key.kind == Kind::Control
+            && key.stage == TOPIC_LOSS
+    }
+
+    fn notices_any(&self) -> bool {
+        self.relay.rank == CHIEF
     }
 }
 
