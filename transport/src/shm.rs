@@ -1375,24 +1375,36 @@ impl Shm {
                 }
                 moved |= lent;
             }
-            if let Some(e) = self.failure() {
-                return Err(e);
-            }
-            if self.drained_and_closed(i) {
-                return Err(TransportError::Closed { peer: key.from });
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(TransportError::Timeout {
-                    key: *key,
-                    waited: start.elapsed(),
-                });
-            }
+            self.may_wait_on(i, key, (start, deadline))?;
             if !moved {
                 // Blocked: read every other ring too, so no cycle of full rings can form.
                 moved = self.pump(Some((i, key)).filter(|_| stop_at.is_some()))?;
             }
             self.back_off(moved, &mut idle, deadline, None)?;
         }
+    }
+
+    /// Why a wait for `key` on link `i`, begun at `start`, cannot go on: a failure, the
+    /// link closed with nothing left to read, or the deadline passed.
+    fn may_wait_on(
+        &self,
+        i: usize,
+        key: &Key,
+        (start, deadline): (Instant, Option<Instant>),
+    ) -> Result<(), TransportError> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        if self.drained_and_closed(i) {
+            return Err(TransportError::Closed { peer: key.from });
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(TransportError::Timeout {
+                key: *key,
+                waited: start.elapsed(),
+            });
+        }
+        Ok(())
     }
 
     /// [`Transport::wait_for`]: the blocked loop of [`Shm::receive`], which reads every other
@@ -1416,18 +1428,7 @@ impl Shm {
             if held || self.early.holds(key) {
                 return Ok(true);
             }
-            if let Some(e) = self.failure() {
-                return Err(e);
-            }
-            if self.drained_and_closed(i) {
-                return Err(TransportError::Closed { peer: key.from });
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(TransportError::Timeout {
-                    key: *key,
-                    waited: start.elapsed(),
-                });
-            }
+            self.may_wait_on(i, key, (start, deadline))?;
             if !moved {
                 moved = self.pump(Some((i, key)))?;
                 if self.early.count(notice) > noticed_before {
