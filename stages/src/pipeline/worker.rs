@@ -918,26 +918,13 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             st.keeper = points
                 .get(rank as usize)
                 .map(|p| p.clone() as super::exec::SharedKeeper);
+            let between = &mut Polling::of(&mut losses, &rx, obs);
             match (&traffic, points.get(rank as usize)) {
                 (Some(log), Some(p)) => {
                     let mut ep = Logging::new(&mut *ep, log.clone(), p.clone());
-                    run_worker_with(
-                        be,
-                        &mut ep,
-                        setup,
-                        st,
-                        t,
-                        &mut Polling::of(&mut losses, &rx, obs),
-                    )
+                    run_worker_with(be, &mut ep, setup, st, t, between)
                 }
-                _ => run_worker_with(
-                    be,
-                    ep,
-                    setup,
-                    st,
-                    t,
-                    &mut Polling::of(&mut losses, &rx, obs),
-                ),
+                _ => run_worker_with(be, ep, setup, st, t, between),
             }
         });
         if let Some(st) = &self.state {
