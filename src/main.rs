@@ -30,12 +30,18 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// mimalloc's `purge_delay` option: the one before `use_numa_nodes` in the option enum of the
 /// mimalloc sources libmimalloc-sys builds (its bindings name that one but not this; the
-/// assertion below holds the position). By default mimalloc returns memory
-/// freed for 10 ms to the operating system, and every step of training then faults it back in,
-/// 2 MiB huge pages zeroed one at a time: 10,194 page faults in one `pipe bench mfu` run against
-/// 357 with purging off, MFU 0.87-0.89 against 0.77-0.87 in three alternating pairs.
+/// assertion below holds the position).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 const _: () = assert!(MI_OPTION_PURGE_DELAY + 1 == libmimalloc_sys::mi_option_use_numa_nodes);
+
+/// How long freed memory stays with the process before mimalloc returns it to the operating
+/// system, in milliseconds. mimalloc's own default (1 s in the version built) faulted memory
+/// back in during `pipe bench mfu` (7,000-10,000 page faults a run against about 700 at 10 s).
+/// Never returning it (-1) let a process that ends threads keep what they freed: over twenty
+/// kill-and-rejoin cycles over QUIC, the adopter of the lost replica grew from 81 to 123 MB
+/// resident while its live heap stayed at 26 MB (at most 32 MB). A training step reuses its
+/// sizes well within 10 s; memory idle for longer goes back.
+const PURGE_DELAY_MS: std::ffi::c_long = 10_000;
 
 mod args;
 mod commands;
@@ -204,10 +210,12 @@ fn run() -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    // Keep freed memory for reuse (a training step frees and allocates the same sizes again);
-    // `MIMALLOC_PURGE_DELAY` in the environment still overrides this at mimalloc's start.
-    // SAFETY: sets one integer option of the allocator; no memory is touched.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    // Keep freed memory for reuse a while (a training step frees and allocates the same sizes
+    // again); `MIMALLOC_PURGE_DELAY` in the environment, read at mimalloc's start, stands.
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets one integer option of the allocator; no memory is touched.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) };
+    }
     // With CUDA built in and a driver present: the CUDA libraries the search chooses, put in
     // place by starting again (returns when nothing needs doing).
     doctor::use_found_cuda_libraries();
