@@ -21,7 +21,7 @@ use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::pipeline::{PhaseRecord, StartPhase};
 use pipe_stages::startup;
-use pipe_stages::train::{EpochStats, EvalStats, StepStats, TrainReport};
+use pipe_stages::train::{EpochStats, EvalStats, LostStats, StepStats, TrainReport};
 
 use crate::args::BackendParser;
 use crate::output::{Interrupted, bad_input};
@@ -261,6 +261,9 @@ impl Observer for Fan {
     fn on_layout_change(&mut self, c: &LayoutChange) -> pipe_stages::Result<()> {
         outln!("{c}");
         self.rest.iter_mut().try_for_each(|o| o.on_layout_change(c))
+    }
+    fn on_lost(&mut self, lost: &LostStats) -> pipe_stages::Result<()> {
+        self.rest.iter_mut().try_for_each(|o| o.on_lost(lost))
     }
 }
 

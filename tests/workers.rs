@@ -658,11 +658,17 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
     };
     for transport in ["quic", "shm"] {
         let ck = d.join(format!("ck-{transport}"));
-        let launcher = spawn_piped(flags(&ck, "2").args(["--transport", transport]));
+        let log = d.join(format!("{transport}.jsonl"));
+        let mut cmd = flags(&ck, "2");
+        cmd.args(["--transport", transport])
+            .arg("--log-jsonl")
+            .arg(&log);
+        let launcher = spawn_piped(&mut cmd);
         wait_for(&ck.join("ckpt-00000050"));
         signal(&children_of(launcher.id()), 3, "-9");
         let text = ok(&launcher.wait_with_output().unwrap());
         let (line, from) = lost_replica(&text, "worker 3 (stage 1) lost: was killed by signal 9");
+        lost_is_logged_among_the_updates(&log, 3, "was killed by signal 9");
         // Taken over: the segment ends as if nothing was lost, and the layout changes there
         // (or, where every survivor had finished the segment, its last update runs again).
         assert!(in_place_at_the_update(line), "{transport}: {line}");
@@ -678,6 +684,28 @@ fn a_killed_replica_leaves_its_stage_running_on_the_other() {
             .args(["--resume", at.to_str().unwrap()])));
         assert_eq!(done(&text), done(&resumed), "{transport}");
     }
+}
+
+/// The run log at `log` records worker `worker` lost once, with `cause`, dated on the
+/// clock of its update records: after the first update and before the last.
+fn lost_is_logged_among_the_updates(log: &std::path::Path, worker: u32, cause: &str) {
+    let text = std::fs::read_to_string(log).unwrap();
+    let records: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let lost: Vec<_> = records.iter().filter(|r| r["kind"] == "lost").collect();
+    assert_eq!(lost.len(), 1, "{text}");
+    assert_eq!(lost[0]["worker"], worker, "{text}");
+    assert_eq!(lost[0]["cause"], cause, "{text}");
+    let at = lost[0]["elapsed_s"].as_f64().unwrap();
+    let updates: Vec<f64> = records
+        .iter()
+        .filter(|r| r["kind"] == "step")
+        .map(|r| r["elapsed_s"].as_f64().unwrap())
+        .collect();
+    let (first, last) = (updates[0], updates[updates.len() - 1]);
+    assert!(first < at && at < last, "{first} < {at} < {last}\n{text}");
 }
 
 /// Whether a lost replica's line says the run went on in place costing at most the updates in

@@ -9,7 +9,10 @@ and their clock with them); taken over, where no step is reported twice, the int
 the update the run names as taken over at, the kill falling inside it; the longest interval between
 two step records of the second epoch (where the loss falls: it holds the loss whether or not
 a step is reported twice), the update the run went on from, and the final test accuracy.
-OLD_LABEL and NEW_LABEL name the two builds.
+Where the log dates the loss (its "lost" record: when the launcher reaped the worker, on the
+chief's clock), the time from then to the next step record, against two of the undisturbed
+run's median intervals: the time lost past the detection, which the bound allows two update
+times. OLD_LABEL and NEW_LABEL name the two builds.
 
     python3 experiments/survival/table.py OUTDIR UPDATES_PER_EPOCH
 """
@@ -23,11 +26,14 @@ from pathlib import Path
 
 def read(out: Path, name: str, per_epoch: int) -> dict:
     text = (out / f"{name}.txt").read_text()
-    records = [
-        json.loads(line)
-        for line in (out / f"{name}.jsonl").read_text().splitlines()
-        if '"kind":"step"' in line
-    ]
+    every = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+    records = [r for r in every if r.get("kind") == "step"]
+    # From the loss seen (the launcher's reap) to the next step record.
+    seen = next((r.get("elapsed_s") for r in every if r.get("kind") == "lost"), None)
+    to_next = None
+    if seen is not None:
+        after = [r["elapsed_s"] for r in records if r["elapsed_s"] > seen]
+        to_next = min(after) - seen if after else None
     steps = [r["step"] for r in records]
     gaps = sorted(
         b["elapsed_s"] - a["elapsed_s"]
@@ -71,6 +77,7 @@ def read(out: Path, name: str, per_epoch: int) -> dict:
         "records": len(steps),
         "redone": len(steps) - len(set(steps)),
         "pause": pause,
+        "to_next": to_next,
         "longest": longest,
         "interval": gaps[len(gaps) // 2] if gaps else 0.0,
         "steps": int(done.group(1)) if done else None,
@@ -89,9 +96,9 @@ def main() -> None:
         "| build | failure at | worker 3's message | wall s | lost s | updates redone "
         "| to a new update or around the loss s (median interval) | longest interval s "
         "| recovered at (layout from) "
-        "| test accuracy |"
+        "| test accuracy | loss seen to the next update s (bound) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     labels = (
         ("old", os.environ.get("OLD_LABEL", "segment recovery")),
         ("new", os.environ.get("NEW_LABEL", "update recovery")),
@@ -101,7 +108,7 @@ def main() -> None:
         calm = read(out, f"{build}-calm", per_epoch)
         print(
             f"| {label} | undisturbed | | {calm['wall']:.2f} | | {calm['redone']} | "
-            f"({calm['interval']:.3f}) | {fmt(calm['longest'])} | | {calm['accuracy']:.2f}% |"
+            f"({calm['interval']:.3f}) | {fmt(calm['longest'])} | | {calm['accuracy']:.2f}% | |"
         )
         for pct in (25, 50, 75):
             r = read(out, f"{build}-{pct}", per_epoch)
@@ -111,10 +118,15 @@ def main() -> None:
             at = r["from"]
             if r["taken_over_at"] is not None:
                 at = f"{r['taken_over_at']} ({r['from']})"
+            bound = 2 * calm["interval"]
+            seen = "-"
+            if r["to_next"] is not None:
+                verdict = "met" if r["to_next"] <= bound else "not met"
+                seen = f"{r['to_next']:.3f} ({bound:.3f}: {verdict})"
             print(
                 f"| {label} | {pct}% | {nth} | {r['wall']:.2f} | "
                 f"{r['wall'] - calm['wall']:+.2f} | {r['redone']} | "
-                f"{pause} ({r['interval']:.3f}) | {fmt(r['longest'])} | {at} | {acc} |"
+                f"{pause} ({r['interval']:.3f}) | {fmt(r['longest'])} | {at} | {acc} | {seen} |"
             )
 
 

@@ -1,5 +1,5 @@
-//! Run logs: JSON lines, one object per optimizer step, per epoch and per validation pass
-//! between epochs, each tagged with `"kind"`, so a log can be read back with any JSON tool;
+//! Run logs: JSON lines, one object per optimizer step, per epoch, per validation pass
+//! between epochs and per worker seen lost, each tagged with `"kind"`, so a log can be read back with any JSON tool;
 //! each line is flushed as it is written (`docs/training.md` has the schema).
 
 use std::fs::File;
@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::error::{Result, StageError};
 use crate::pipeline::Observer;
-use crate::train::{EpochStats, EvalStats, StepStats};
+use crate::train::{EpochStats, EvalStats, LostStats, StepStats};
 
 /// Writes steps and epochs as JSON lines.
 #[derive(Debug)]
@@ -70,5 +70,8 @@ impl Observer for JsonlLog {
     }
     fn on_phase(&mut self, record: &crate::pipeline::PhaseRecord) -> Result<()> {
         self.write("phase", record)
+    }
+    fn on_lost(&mut self, lost: &LostStats) -> Result<()> {
+        self.write("lost", lost)
     }
 }

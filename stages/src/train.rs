@@ -48,6 +48,21 @@ pub struct StepStats {
     pub grad_norm: Option<f64>,
 }
 
+/// A worker the run lost, when its loss was seen: a launched worker process's end as its
+/// launcher reaps it, in the log beside the updates around it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct LostStats {
+    /// The worker (its rank).
+    pub worker: u32,
+    /// How it ended (`killed by signal 9`, an exit status).
+    pub cause: String,
+    /// Seconds since training began on the clock of the chief's update records, from the
+    /// system clock of the launcher's host and the chief's (hosts apart: as far apart as
+    /// their clocks); absent where the chief had not yet said when its training began.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elapsed_s: Option<f64>,
+}
+
 /// One epoch's summary.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct EpochStats {

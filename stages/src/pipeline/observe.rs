@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::Result;
 use crate::pipeline::doctor::StopReport;
 use crate::pipeline::survive::LayoutChange;
-use crate::train::{EpochStats, EvalStats, StepStats};
+use crate::train::{EpochStats, EvalStats, LostStats, StepStats};
 
 /// A phase of a run's start that only the launcher sees begin; the first update follows the
 /// last. (The phases before them, reading the data, profiling and planning, are the caller's.)
@@ -108,6 +108,24 @@ pub trait Observer: Send {
     /// As for `on_step`.
     fn on_layout_change(&mut self, change: &LayoutChange) -> Result<()> {
         let _ = change;
+        Ok(())
+    }
+    /// When a worker is seen lost (a launcher reaps a worker process that died), before the
+    /// run goes on without it.
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_lost(&mut self, lost: &LostStats) -> Result<()> {
+        let _ = lost;
+        Ok(())
+    }
+    /// When training begins, by the system clock: the origin of every record's `elapsed_s`
+    /// (a launched chief tells its launcher, which dates what it sees on the same clock).
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_training_began(&mut self, at: std::time::SystemTime) -> Result<()> {
+        let _ = at;
         Ok(())
     }
     /// After each segment of a worker that runs in a process of its own

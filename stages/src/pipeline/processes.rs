@@ -97,6 +97,9 @@ pub enum Record {
     Stop(StopReport),
     /// The chief began a phase of its start (its first update, once it is up and connected).
     Phase(super::StartPhase),
+    /// When the chief's training began, since the Unix epoch by its system clock: the origin
+    /// of its records' `elapsed_s`.
+    Began(std::time::Duration),
     /// The run went on without a lost replica, in place (the chief).
     Layout(super::survive::LayoutChange),
     /// This worker's part of the run diverged at `update` (any rank): a failure no other
@@ -147,6 +150,10 @@ impl Observer for RecordWriter {
     }
     fn on_layout_change(&mut self, change: &super::survive::LayoutChange) -> Result<()> {
         Self::write(&Record::Layout(change.clone()))
+    }
+    fn on_training_began(&mut self, at: std::time::SystemTime) -> Result<()> {
+        let since = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        Self::write(&Record::Began(since))
     }
 }
 
@@ -853,7 +860,7 @@ fn spawn(
 
 /// What the relay loop has seen so far.
 struct Relay<'r> {
-    on_record: &'r mut dyn FnMut(u32, &str) -> Result<()>,
+    on_record: &'r mut dyn LaunchEvents,
     listening: Vec<Option<String>>,
     failure: Option<StageError>,
     /// A replacement that has started ([`Mend::Starting`]): its rank, and where it listens
@@ -881,13 +888,20 @@ impl Relay<'_> {
         }
     }
 
+    /// Worker `rank` ended with `status`, and the others go on without it.
+    fn lost(&mut self, rank: u32, status: ExitStatus) {
+        if let Err(e) = self.on_record.lost(rank, &describe(status)) {
+            self.failure.get_or_insert(e);
+        }
+    }
+
     /// Handles one line of a worker's output.
     fn line(&mut self, line: Line) {
         let Line { rank, stderr, text } = line;
         let Some(text) = text else { return };
         if !stderr {
             if let Some(json) = text.strip_prefix(RECORD) {
-                if let Err(e) = (self.on_record)(rank, json) {
+                if let Err(e) = self.on_record.record(rank, json) {
                     self.failure.get_or_insert(e);
                 }
                 return;
@@ -930,6 +944,95 @@ pub struct RunEnd {
     pub partition: Option<crate::config::PartitionChoice>,
 }
 
+/// What a launcher hands on from its workers as they run: their [`RECORD`] lines, and each
+/// worker it sees lost before the run goes on without it. A closure takes the records alone.
+pub trait LaunchEvents {
+    /// A worker's [`RECORD`] line (its JSON), from worker `rank`.
+    ///
+    /// # Errors
+    /// A record that does not parse, or that its handler fails on: the run fails with it.
+    fn record(&mut self, rank: u32, json: &str) -> Result<()>;
+
+    /// Worker `rank` died (`cause`, as its status reads), and the others go on without it.
+    ///
+    /// # Errors
+    /// As for [`LaunchEvents::record`].
+    fn lost(&mut self, rank: u32, cause: &str) -> Result<()> {
+        let _ = (rank, cause);
+        Ok(())
+    }
+}
+
+impl<F: FnMut(u32, &str) -> Result<()>> LaunchEvents for F {
+    fn record(&mut self, rank: u32, json: &str) -> Result<()> {
+        self(rank, json)
+    }
+}
+
+/// What a launched run's chief has reported so far, and its observer: every rank's stop point
+/// and divergence, the run's records from the chief only.
+struct ChiefReports<'o> {
+    obs: &'o mut dyn Observer,
+    last: Option<EpochStats>,
+    done: Option<(u64, u64, Vec<PathBuf>, Option<u64>)>,
+    stops: Vec<StopReport>,
+    diverged: Option<StageError>,
+    /// When the chief's training began, by the system clock: the origin of its records'
+    /// times, which a loss seen here is dated on.
+    began: Option<std::time::SystemTime>,
+}
+
+impl LaunchEvents for ChiefReports<'_> {
+    fn record(&mut self, rank: u32, json: &str) -> Result<()> {
+        let record = serde_json::from_str::<Record>(json)
+            .map_err(|e| failed(format!("a worker's record: {e}")))?;
+        let obs = &mut *self.obs;
+        match record {
+            Record::Stop(report) => self.stops.push(report),
+            Record::Diverged { update, message } => {
+                self.diverged.get_or_insert(StageError::WorkerDiverged {
+                    worker: rank,
+                    update,
+                    message,
+                });
+            }
+            _ if rank != 0 => {}
+            Record::Began(since_epoch) => {
+                let at = std::time::UNIX_EPOCH + since_epoch;
+                self.began = Some(at);
+                obs.on_training_began(at)?;
+            }
+            Record::Phase(p) => obs.on_start_phase(p)?,
+            Record::Layout(change) => obs.on_layout_change(&change)?,
+            Record::Step(s) => obs.on_step(&s)?,
+            Record::Eval(e) => obs.on_eval(&e)?,
+            Record::Epoch(e) => {
+                obs.on_epoch(&e)?;
+                self.last = Some(e);
+            }
+            Record::Done {
+                steps,
+                weights,
+                checkpoints,
+                stopped,
+            } => self.done = Some((steps, weights, checkpoints, stopped)),
+        }
+        Ok(())
+    }
+
+    fn lost(&mut self, rank: u32, cause: &str) -> Result<()> {
+        let elapsed_s = self
+            .began
+            .and_then(|t| std::time::SystemTime::now().duration_since(t).ok())
+            .map(|d| d.as_secs_f64());
+        self.obs.on_lost(&crate::train::LostStats {
+            worker: rank,
+            cause: cause.to_string(),
+            elapsed_s,
+        })
+    }
+}
+
 /// Runs `start.run` (a pipelined run with its partition settled) as `opts.workers` worker
 /// processes of this executable, reporting the chief's steps and epochs to `obs`. Each worker
 /// is handed `start` as JSON (`pipe worker --run FILE`, [`WorkerRun::to_json`]): it reads it
@@ -948,54 +1051,34 @@ pub fn run_processes(
         start.metrics_of(rank)?;
     }
     let json = start.to_json()?;
-    let mut last = None;
-    let mut done = None;
-    let mut stops = Vec::new();
-    let mut diverged = None;
-    let mut on_record = |rank: u32, json: &str| -> Result<()> {
-        let record = serde_json::from_str::<Record>(json)
-            .map_err(|e| failed(format!("a worker's record: {e}")))?;
-        // Every rank's stop point and divergence; the run's records from the chief only.
-        match record {
-            Record::Stop(report) => stops.push(report),
-            Record::Diverged { update, message } => {
-                diverged.get_or_insert(StageError::WorkerDiverged {
-                    worker: rank,
-                    update,
-                    message,
-                });
-            }
-            _ if rank != 0 => {}
-            Record::Phase(p) => obs.on_start_phase(p)?,
-            Record::Layout(change) => obs.on_layout_change(&change)?,
-            Record::Step(s) => obs.on_step(&s)?,
-            Record::Eval(e) => obs.on_eval(&e)?,
-            Record::Epoch(e) => {
-                obs.on_epoch(&e)?;
-                last = Some(e);
-            }
-            Record::Done {
-                steps,
-                weights,
-                checkpoints,
-                stopped,
-            } => done = Some((steps, weights, checkpoints, stopped)),
-        }
-        Ok(())
+    let mut reports = ChiefReports {
+        obs,
+        last: None,
+        done: None,
+        stops: Vec::new(),
+        diverged: None,
+        began: None,
     };
     let command = |dir: &Path| -> Vec<OsString> {
         vec!["worker".into(), "--run".into(), dir.join("run.json").into()]
     };
-    if let Err(e) = launch(opts, &[("run.json", &json)], &command, &mut on_record) {
+    if let Err(e) = launch(opts, &[("run.json", &json)], &command, &mut reports) {
         // A divergence is the run's own failure, whichever worker exited first because of it.
-        return Err(match (diverged, stall_report(cfg, &stops, opts.workers)) {
-            (Some(d), _) => d,
-            (None, Some(report)) => StageError::Stalled(report),
-            (None, None) => e,
-        });
+        return Err(
+            match (
+                reports.diverged,
+                stall_report(cfg, &reports.stops, opts.workers),
+            ) {
+                (Some(d), _) => d,
+                (None, Some(report)) => StageError::Stalled(report),
+                (None, None) => e,
+            },
+        );
     }
-    let (steps, weights, checkpoints, stopped) =
-        done.ok_or_else(|| failed("the chief ended without reporting the run's end".into()))?;
+    let last = reports.last;
+    let (steps, weights, checkpoints, stopped) = reports
+        .done
+        .ok_or_else(|| failed("the chief ended without reporting the run's end".into()))?;
     Ok(RunEnd {
         last,
         steps,
@@ -1039,8 +1122,9 @@ fn stall_report(cfg: &RunConfig, stops: &[StopReport], workers: u32) -> Option<S
 /// Runs `opts.workers` processes of this executable, each `command(dir)` followed by
 /// `--cluster DIR/cluster.toml --rank K --launched`, where `dir` is a private directory
 /// holding fresh cluster credentials for loopback and `files` (name, contents). Hands every
-/// [`RECORD`] line of a worker's standard output to `on_record` (rank, JSON) and relays every
-/// other line to standard error, prefixed with the rank.
+/// [`RECORD`] line of a worker's standard output to `on_record` (rank, JSON), and each worker
+/// the others go on without in place ([`LaunchEvents::lost`]), and relays every other line to
+/// standard error, prefixed with the rank.
 ///
 /// # Errors
 /// The first worker failure (its exit and, on standard error, its message; bad input when it
@@ -1050,7 +1134,7 @@ pub fn launch(
     opts: &LaunchOptions,
     files: &[(&str, &str)],
     command: &dyn Fn(&Path) -> Vec<OsString>,
-    on_record: &mut dyn FnMut(u32, &str) -> Result<()>,
+    on_record: &mut dyn LaunchEvents,
 ) -> Result<()> {
     let n = opts.workers;
     let dir = launch_dir(n, files)?;
@@ -1119,6 +1203,7 @@ pub fn launch(
             let first = lost_in_place.is_none() && first_exit.is_none() && relay.failure.is_none();
             if told && first && in_place && died(status) && mender.mend == Mend::Whole {
                 lost_in_place = Some((rank, status));
+                relay.lost(rank, status);
                 let replaced = mender.replaces_next_loss(rank);
                 relay.listening = go_on_without(&mut workers, (rank, replaced), status, n);
                 (told, start_by) = (false, Some(Instant::now() + opts.connect_timeout));

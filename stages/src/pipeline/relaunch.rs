@@ -426,6 +426,12 @@ impl Observer for LastStep<'_> {
     fn on_layout_change(&mut self, change: &LayoutChange) -> Result<()> {
         self.inner.on_layout_change(change)
     }
+    fn on_lost(&mut self, lost: &crate::train::LostStats) -> Result<()> {
+        self.inner.on_lost(lost)
+    }
+    fn on_training_began(&mut self, at: std::time::SystemTime) -> Result<()> {
+        self.inner.on_training_began(at)
+    }
     fn on_start_phase(&mut self, phase: super::StartPhase) -> Result<()> {
         self.inner.on_start_phase(phase)
     }

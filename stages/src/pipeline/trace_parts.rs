@@ -173,6 +173,14 @@ impl Observer for Traced<'_> {
         self.run.on_layout_change(change)
     }
 
+    fn on_lost(&mut self, lost: &crate::train::LostStats) -> Result<()> {
+        self.run.on_lost(lost)
+    }
+
+    fn on_training_began(&mut self, at: SystemTime) -> Result<()> {
+        self.run.on_training_began(at)
+    }
+
     fn on_spans(&mut self, origin: SystemTime, spans: &[Span]) -> Result<()> {
         self.part.record(origin, spans);
         self.run.on_spans(origin, spans)

@@ -118,6 +118,8 @@ pub(crate) struct Run<'c> {
     pub(crate) stage_buckets: StageBuckets,
     lr: LrSchedule,
     start: Instant,
+    /// `start` by the system clock, for a launcher to date what it sees on the records' clock.
+    pub(crate) began: std::time::SystemTime,
     /// The sample order of the latest epoch asked for: computed once per epoch, not once per
     /// segment (a token corpus's order is tens of millions of windows).
     order: std::sync::Mutex<Option<(u64, Arc<Vec<u32>>)>>,
@@ -1356,6 +1358,7 @@ impl<'c> Run<'c> {
             stage_buckets: cfg.stage_buckets.clone(),
             lr: cfg.lr_schedule(total),
             start: Instant::now(),
+            began: std::time::SystemTime::now(),
             order: std::sync::Mutex::new(None),
         })
     }

@@ -286,6 +286,9 @@ fn run_process<T: Transport>(
     let origin = (std::time::SystemTime::now(), Instant::now());
     let mut run = Run::new(cfg, data)?;
     check_cluster_size(cfg, ep.size())?;
+    if chief {
+        obs.on_training_began(run.began)?;
+    }
     let (settled, start, index) = if opts.replacing {
         receive_join(cfg, &mut run, ep)?
     } else {
