@@ -998,7 +998,11 @@ impl LaunchEvents for ChiefReports<'_> {
             }
             _ if rank != 0 => {}
             Record::Began(since_epoch) => {
-                let at = std::time::UNIX_EPOCH + since_epoch;
+                let at = std::time::UNIX_EPOCH
+                    .checked_add(since_epoch)
+                    .ok_or_else(|| {
+                        failed("a chief's start past the system clock's range".into())
+                    })?;
                 self.began = Some(at);
                 obs.on_training_began(at)?;
             }
