@@ -113,19 +113,14 @@ fn lose_and_take_over(
         .map(|(ep, kept)| Serving::new(ep, kept))
         .collect();
     let make = |_| CpuBackend::new(1);
-    run_threads_resumed(
-        setup,
-        &mut takeover.states,
-        (eps, make),
-        None,
-        &takeover.resumes,
-    )
-    .unwrap_or_else(|e| panic!("{policy:?} worker {lost} lost at send {nth}, taken over: {e}"));
+    let resumes = std::mem::take(&mut takeover.resumes);
     let back = done
         .iter()
-        .zip(&takeover.resumes)
+        .zip(&resumes)
         .map(|(&d, r)| d.saturating_sub(r.point.version))
         .collect();
+    run_threads_resumed(setup, &mut takeover.states, (eps, make), None, resumes)
+        .unwrap_or_else(|e| panic!("{policy:?} worker {lost} lost at send {nth}, taken over: {e}"));
     Some((takeover.states, back))
 }
 

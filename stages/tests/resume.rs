@@ -277,7 +277,13 @@ fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), versio
     let be = CpuBackend::new(1).unwrap();
     let policy = plan.schedule.resolved.policy;
     let what = format!("{policy:?} worker {w} resumed at version {version}");
-    resume_worker(&be, &mut ep, setup, &mut state, &resume, Instant::now())
+    let replayed = resume
+        .point
+        .actions
+        .iter()
+        .filter(|p| p.replayed_at.is_some() && p.action.kind() == ActionKind::Send)
+        .count();
+    resume_worker(&be, &mut ep, setup, &mut state, resume, Instant::now())
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     let ran = &run.end[w as usize].stages[0];
     assert_eq!(
@@ -300,12 +306,6 @@ fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), versio
     }
     // From the boundary on it sends what the worker sent then, message for message (an
     // all-reduce's chunks may leave in another order).
-    let replayed = resume
-        .point
-        .actions
-        .iter()
-        .filter(|p| p.replayed_at.is_some() && p.action.kind() == ActionKind::Send)
-        .count();
     let after = ep.sent.len() - replayed;
     let tail = record.sent.len() - after;
     assert_eq!(

@@ -575,8 +575,13 @@ pub fn resume_from(
         0 => start.stages.first().cloned(),
         step => points.state_at(step),
     };
+    // The older versions' weights alone: their optimizer states are not read.
+    let params_at = |v: u32| match step_of_version(plan, worker, v)? {
+        0 => start.stages.first().map(|s| s.params.clone()),
+        step => points.params_at(step),
+    };
     let point = resume_point(&plan.schedule, &plan.versions, worker, version)?;
-    let stash = stash_of(&point, |v| state_at(v).map(|s| s.params))?;
+    let stash = stash_of(&point, params_at)?;
     let state = WorkerState {
         worker,
         stages: vec![state_at(version).ok_or_else(|| {

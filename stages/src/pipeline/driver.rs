@@ -73,7 +73,7 @@ pub fn resume_worker<B: Backend, T: Transport + ?Sized>(
     t: &mut T,
     setup: &Setup<'_>,
     state: &mut WorkerState,
-    resume: &Resume,
+    resume: Resume,
     t0: Instant,
 ) -> Result<WorkerOutcome> {
     resume_worker_with(be, t, setup, state, resume, t0, &mut |_: &mut T| Ok(()))
@@ -88,17 +88,18 @@ pub fn resume_worker_with<B: Backend, T: Transport + ?Sized>(
     t: &mut T,
     setup: &Setup<'_>,
     state: &mut WorkerState,
-    resume: &Resume,
+    resume: Resume,
     t0: Instant,
     between: &mut (dyn Between<T> + Send),
 ) -> Result<WorkerOutcome> {
-    let at = Some((&resume.stash, resume.point.version));
-    let actions = &resume.point.actions;
-    drive(be, t, setup, state, (t0, actions), at, between)
+    let Resume { point, stash } = resume;
+    let at = Some((stash, point.version));
+    drive(be, t, setup, state, (t0, &point.actions), at, between)
 }
 
-/// The older weight versions a resumed worker reads, and its stage's version.
-type ResumedAt<'r> = (&'r BTreeMap<u32, crate::model::Params>, u32);
+/// The older weight versions a resumed worker reads (moved into its core), and its stage's
+/// version.
+type ResumedAt = (BTreeMap<u32, crate::model::Params>, u32);
 
 /// Starts a worker's core (from the segment's start, or `resumed` at a step boundary), runs
 /// `actions` on it and ends it, naming the worker in any error and telling every peer of a
@@ -109,7 +110,7 @@ fn drive<B: Backend, T: Transport + ?Sized>(
     setup: &Setup<'_>,
     state: &mut WorkerState,
     (t0, actions): (Instant, &[Planned]),
-    resumed: Option<ResumedAt<'_>>,
+    resumed: Option<ResumedAt>,
     between: &mut (dyn Between<T> + Send),
 ) -> Result<WorkerOutcome> {
     let w = state.worker;

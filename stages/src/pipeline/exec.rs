@@ -331,12 +331,26 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     /// A parameter tied across stages (the gradient exchange between stages is not built),
     /// or a stage the worker does not hold.
     pub fn new(be: &dyn Backend, setup: &'s Setup<'a>, state: &WorkerState) -> Result<Self> {
+        Self::holding(be, setup, state, state.stages.clone())
+    }
+
+    /// [`WorkerCore::new`] with the stages' state `held` (in `state.stages`' order) moved in
+    /// rather than copied from `state`.
+    fn holding(
+        be: &dyn Backend,
+        setup: &'s Setup<'a>,
+        state: &WorkerState,
+        held: Vec<StageState>,
+    ) -> Result<Self> {
         let plan = setup.plan;
         let schedule = &plan.schedule;
         let layout = schedule.layout();
         let ranges = plan.partition.ranges();
         // DC-ASGD reads each update's stale versions at the update: they are held until then.
-        let compensating = state.stages.iter().any(|st| st.opt.needs_stale_weights());
+        let compensating = held.iter().any(|st| st.opt.needs_stale_weights());
+        let max_norm = held
+            .first()
+            .and_then(|st| st.opt.optimizer().config().grad_clip);
         let last_uses = if compensating {
             plan.versions
                 .last_uses_through_updates(schedule, state.worker)
@@ -347,8 +361,8 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             Prediction::LookAhead { .. } => stage_delays(&schedule.resolved, &plan.versions),
             _ => Vec::new(),
         };
-        let mut stages = Vec::with_capacity(state.stages.len());
-        for (st, last_use) in state.stages.iter().zip(last_uses) {
+        let mut stages = Vec::with_capacity(held.len());
+        for (st, last_use) in held.into_iter().zip(last_uses) {
             let layers = plan.partition.range(st.stage as usize);
             let tie_partners: Vec<u32> = setup
                 .model
@@ -366,7 +380,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                     st.stage, state.worker
                 )));
             }
-            let weights = place_params(be, st.params.clone())?;
+            let weights = place_params(be, st.params)?;
             let velocity = match setup.prediction.decay() {
                 Some(decay) => Some(Velocity::new(be, &weights, decay)?),
                 None => None,
@@ -391,7 +405,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 versions: BTreeMap::from([(0, weights)]),
                 current_version: 0,
                 grads_fresh: true,
-                optimizer: st.opt.clone().placed(be)?,
+                optimizer: st.opt.placed(be)?,
                 last_use,
                 forward_saved: HashMap::new(),
                 weight_pending: HashMap::new(),
@@ -403,10 +417,6 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 prepared: false,
             });
         }
-        let max_norm = state
-            .stages
-            .first()
-            .and_then(|st| st.opt.optimizer().config().grad_clip);
         let clip = ClipState::new(schedule, plan.norms.is_exact(), state.worker, max_norm);
         Ok(WorkerCore {
             setup,
@@ -429,17 +439,22 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     /// is at weight version `version` with `state`'s weights and optimizer state, holding the
     /// older versions in `stash` that the actions from there on read ([`super::resume`]).
     ///
+    /// `state`'s stages and `stash` are moved in, not copied (a resume is on the path back to
+    /// training after a loss, where every survivor resumes at once); [`WorkerCore::finish`]
+    /// puts the stages back, and an error leaves them empty.
+    ///
     /// # Errors
     /// As [`WorkerCore::new`]; a worker of several stages, or weight prediction (whose
     /// running averages a step boundary does not hold).
     pub fn resumed(
         be: &dyn Backend,
         setup: &'s Setup<'a>,
-        state: &WorkerState,
-        stash: &BTreeMap<u32, Params>,
+        state: &mut WorkerState,
+        stash: BTreeMap<u32, Params>,
         version: u32,
     ) -> Result<Self> {
-        let mut core = Self::new(be, setup, state)?;
+        let held = std::mem::take(&mut state.stages);
+        let mut core = Self::holding(be, setup, state, held)?;
         let [run] = core.stages.as_mut_slice() else {
             return Err(exec_err("a worker of several stages cannot resume".into()));
         };
@@ -452,8 +467,8 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .versions
             .remove(&0)
             .ok_or_else(|| exec_err("current version lost".into()))?;
-        for (&v, params) in stash.range(..version) {
-            run.versions.insert(v, place_params(be, params.clone())?);
+        for (v, params) in stash.into_iter().filter(|&(v, _)| v < version) {
+            run.versions.insert(v, place_params(be, params)?);
         }
         run.versions.insert(version, current);
         run.current_version = version;
@@ -1166,7 +1181,8 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     /// # Errors
     /// Microbatches left unfinished, the current version lost, or a device that fails the copy.
     pub fn finish(self, be: &dyn Backend, state: &mut WorkerState) -> Result<WorkerOutcome> {
-        for (run, st) in self.stages.into_iter().zip(state.stages.iter_mut()) {
+        let mut ended = Vec::with_capacity(self.stages.len());
+        for run in self.stages {
             if !run.forward_saved.is_empty()
                 || !run.weight_pending.is_empty()
                 || !run.outbox_activations.is_empty()
@@ -1181,9 +1197,13 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             let params = versions
                 .remove(&run.current_version)
                 .ok_or_else(|| exec_err("current version lost".into()))?;
-            st.params = crate::model::host_params(be, params)?;
-            st.opt = run.optimizer.on_host(be)?;
+            ended.push(StageState {
+                stage: run.stage,
+                params: crate::model::host_params(be, params)?,
+                opt: run.optimizer.on_host(be)?,
+            });
         }
+        state.stages = ended;
         Ok(self.outcome)
     }
 }

@@ -67,7 +67,7 @@ where
 
 /// [`run_threads_reporting`] with every worker resumed at a step boundary of its segment
 /// ([`super::resume`]): `states` hold each worker's stage state there, and `resumes` (one per
-/// worker, in worker order) what it runs.
+/// worker, in worker order) what it runs, each moved into its worker's core.
 ///
 /// # Errors
 /// As [`run_threads`]; a resume for each worker missing.
@@ -76,7 +76,7 @@ pub fn run_threads_resumed<T, B, F>(
     states: &mut [WorkerState],
     (endpoints, make_backend): (Vec<T>, F),
     progress: Option<Progress<'_>>,
-    resumes: &[Resume],
+    resumes: Vec<Resume>,
 ) -> Result<Vec<WorkerOutcome>>
 where
     T: Transport,
@@ -105,7 +105,7 @@ fn run_all<T, B, F>(
     states: &mut [WorkerState],
     (endpoints, make_backend): (Vec<T>, F),
     mut progress: Option<Progress<'_>>,
-    resumed: Option<&[Resume]>,
+    resumed: Option<Vec<Resume>>,
 ) -> Result<Vec<WorkerOutcome>>
 where
     T: Transport,
@@ -142,7 +142,10 @@ where
     // Resumed programs may send again what a peer no longer reads, after that peer has
     // finished: every endpoint stays open until every worker has finished, so such a copy is
     // dropped with the segment rather than failing its sender.
-    let line = resumed.map(|_| FinishLine::new(states.len()));
+    let line = resumed.as_ref().map(|_| FinishLine::new(states.len()));
+    let mut resumes: Vec<Option<Resume>> = resumed
+        .map(|r| r.into_iter().map(Some).collect())
+        .unwrap_or_default();
     let outcomes: Vec<Option<WorkerOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = states
             .iter_mut()
@@ -151,7 +154,7 @@ where
                 let worker = state.worker;
                 let (make, fail, line) = (&make_backend, &fail, line.as_ref());
                 let done = done_tx.clone();
-                let resume = resumed.and_then(|r| r.get(worker as usize));
+                let resume = resumes.get_mut(worker as usize).and_then(Option::take);
                 std::thread::Builder::new()
                     .name(format!("pipe-w{worker}"))
                     .spawn_scoped(scope, move || {
@@ -207,18 +210,19 @@ where
 fn worker_thread<T: Transport, B: Backend>(
     setup: &Setup<'_>,
     state: &mut WorkerState,
-    (ep, resume): (&mut T, Option<&Resume>),
+    (ep, resume): (&mut T, Option<Resume>),
     make: impl FnOnce() -> std::result::Result<B, pipe_kernels::KernelError>,
     t0: Instant,
     fail: &dyn Fn(StageError),
 ) -> Option<WorkerOutcome> {
     let worker = state.worker;
+    let mut resume = resume;
     let result = catch_unwind(AssertUnwindSafe(|| {
         let be = make()?;
         let mut outcome = None;
         // On the backend's own pool: its kernels then start without a thread switch.
         be.run_within(&mut || {
-            outcome = Some(match resume {
+            outcome = Some(match resume.take() {
                 Some(r) => resume_worker(&be, ep, setup, state, r, t0),
                 None => run_worker(&be, ep, setup, state, t0),
             })

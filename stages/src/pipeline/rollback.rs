@@ -112,6 +112,11 @@ impl Points {
         self.at(step).map(|p| p.state.clone())
     }
 
+    /// The stage's weights at `step` (not its optimizer state), if still kept.
+    pub fn params_at(&self, step: u64) -> Option<Params> {
+        self.at(step).map(|p| p.state.params.clone())
+    }
+
     /// Everything the worker had measured when it passed `step` (its counters, and its
     /// version records and losses then, in program order), if still kept: its figures
     /// before it resumes there ([`super::adopt`]).

@@ -19,7 +19,7 @@ use pipe_transport::fault::{FaultSchedule, Faulty};
 use pipe_transport::kinds::{MeshSettings, thread_mesh};
 use pipe_transport::registration::Endpoint;
 
-use super::adopt::{Logging, Serving, SharedTraffic, Takeover, Traffic, take_over};
+use super::adopt::{Logging, Serving, SharedTraffic, Traffic, take_over};
 use super::exec::{StageState, WorkerOutcome, WorkerState};
 use super::launch::{run_threads_reporting, run_threads_resumed};
 use super::ledger::{LedgerEntry, segment_ledger};
@@ -1068,13 +1068,13 @@ struct TakenOver {
 }
 
 /// Every worker's figures over a segment of `plan` taken over after `lost` failed: what it
-/// had measured at the boundary it resumed at (the lost worker's from its own points, which
-/// an in-process run still holds), followed by what its resumed program measured (`after`).
+/// had measured at the boundary it resumed at (its stage's version there, in `versions`; the
+/// lost worker's from its own points, which an in-process run still holds), followed by what
+/// its resumed program measured (`after`).
 fn measured_through(
     plan: &RunPlan,
-    lost: u32,
+    (lost, versions): (u32, &[u32]),
     points: &super::rollback::Kept,
-    takeover: &Takeover,
     after: Vec<WorkerOutcome>,
 ) -> Result<Vec<WorkerOutcome>> {
     let resolved = &plan.schedule.resolved;
@@ -1082,11 +1082,11 @@ fn measured_through(
     let layout = plan.schedule.layout();
     after
         .into_iter()
-        .zip(&takeover.resumes)
+        .zip(versions)
         .enumerate()
-        .map(|(w, (after, resume))| {
+        .map(|(w, (after, &version))| {
             let (stage, _) = layout.placement(w as u32);
-            let applied = u64::from(resume.point.version) * u64::from(resolved.update_size(stage));
+            let applied = u64::from(version) * u64::from(resolved.update_size(stage));
             let step = applied / minibatch;
             let before = match step {
                 0 => Some(WorkerOutcome::default()),
@@ -1491,7 +1491,9 @@ impl<'c> Run<'c> {
                 .map(|(ep, kept)| Serving::new(ep, kept))
                 .collect();
             let progress = Some((rx, &mut on_loss as &mut dyn FnMut(Report) -> Result<()>));
-            let resumes = &takeover.resumes;
+            // Each resume (its stash) is moved into its worker; the figures read its version.
+            let resumes = std::mem::take(&mut takeover.resumes);
+            let versions: Vec<u32> = resumes.iter().map(|r| r.point.version).collect();
             let after = run_threads_resumed(
                 setup,
                 &mut takeover.states,
@@ -1499,7 +1501,7 @@ impl<'c> Run<'c> {
                 progress,
                 resumes,
             )?;
-            let outcomes = measured_through(plan, lost, points, &takeover, after)?;
+            let outcomes = measured_through(plan, (lost, &versions), points, after)?;
             for (st, taken) in states.iter_mut().zip(takeover.states) {
                 st.stages = taken.stages;
             }

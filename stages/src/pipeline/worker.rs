@@ -759,7 +759,7 @@ impl<T: Transport> Process<'_, T> {
                             &mut ep,
                             &setup,
                             &mut st,
-                            &resume,
+                            resume,
                             t,
                             &mut Polling::of(&mut relay, &rx, &mut quiet),
                         )?;
@@ -769,10 +769,9 @@ impl<T: Transport> Process<'_, T> {
                     })
                 });
                 let mut served = Serving::new(&mut ep, kept);
-                let own =
-                    resume_worker_with(be, &mut served, setup, &mut state, &resume, t, &mut {
-                        Polling::of(losses, rx, obs)
-                    });
+                let own = resume_worker_with(be, &mut served, setup, &mut state, resume, t, &mut {
+                    Polling::of(losses, rx, obs)
+                });
                 let other = adoption.map(|h| {
                     h.join()
                         .map_err(|_| StageError::Executor("the adopted program panicked".into()))?
