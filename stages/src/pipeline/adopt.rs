@@ -33,12 +33,13 @@ use pipe_transport::{
     Interrupter, Key, Kind, Message, Transport, TransportError, ValueSink, Values,
 };
 
-use super::exec::{WorkerState, data_key};
+use super::exec::{StageState, WorkerState, data_key};
 use super::resume::{Resume, ResumePoint, resume_point, stash_of};
 use super::rollback::Points;
 use super::run_plan::RunPlan;
 use super::setup::Setup;
 use crate::error::{Result, StageError};
+use crate::model::Params;
 
 /// A message as kept: when (the worker's latest step boundary then) and what.
 #[derive(Debug)]
@@ -571,20 +572,91 @@ pub fn resume_from(
     version: u32,
     (points, start): (&Points, &WorkerState),
 ) -> Result<(Resume, WorkerState)> {
-    let state_at = |v: u32| match step_of_version(plan, worker, v)? {
-        0 => start.stages.first().cloned(),
-        step => points.state_at(step),
-    };
-    // The older versions' weights alone: their optimizer states are not read.
-    let params_at = |v: u32| match step_of_version(plan, worker, v)? {
-        0 => start.stages.first().map(|s| s.params.clone()),
-        step => points.params_at(step),
-    };
+    resumed_with(plan, worker, version, &mut Copied { points, start })
+}
+
+/// [`resume_from`], the weights moved out of `points` rather than copied
+/// ([`Points::take_params_at`]; the optimizer state at `version` is copied): the survivors
+/// of a lost worker process resume this way, every one at once on the path back to
+/// training. A version whose weights were taken before is no longer kept.
+///
+/// # Errors
+/// As [`resume_from`].
+pub fn resume_taking(
+    plan: &RunPlan,
+    worker: u32,
+    version: u32,
+    (points, start): (&mut Points, &WorkerState),
+) -> Result<(Resume, WorkerState)> {
+    resumed_with(plan, worker, version, &mut Taken { points, start })
+}
+
+/// Where a resume finds a stage's state and older weights, by step ([`resumed_with`]).
+trait StateSource {
+    /// The stage's weights and optimizer state at step `step` of the segment (0: its start).
+    fn state(&mut self, step: u64) -> Option<StageState>;
+    /// The stage's weights alone at step `step`.
+    fn params(&mut self, step: u64) -> Option<Params>;
+}
+
+/// Copies out of the rollback points ([`resume_from`]).
+struct Copied<'p> {
+    points: &'p Points,
+    start: &'p WorkerState,
+}
+
+impl StateSource for Copied<'_> {
+    fn state(&mut self, step: u64) -> Option<StageState> {
+        match step {
+            0 => self.start.stages.first().cloned(),
+            step => self.points.state_at(step),
+        }
+    }
+
+    fn params(&mut self, step: u64) -> Option<Params> {
+        match step {
+            0 => self.start.stages.first().map(|s| s.params.clone()),
+            step => self.points.params_at(step),
+        }
+    }
+}
+
+/// Moves out of the rollback points ([`resume_taking`]); the segment's start is copied.
+struct Taken<'p> {
+    points: &'p mut Points,
+    start: &'p WorkerState,
+}
+
+impl StateSource for Taken<'_> {
+    fn state(&mut self, step: u64) -> Option<StageState> {
+        match step {
+            0 => self.start.stages.first().cloned(),
+            step => self.points.take_state_at(step),
+        }
+    }
+
+    fn params(&mut self, step: u64) -> Option<Params> {
+        match step {
+            0 => self.start.stages.first().map(|s| s.params.clone()),
+            step => self.points.take_params_at(step),
+        }
+    }
+}
+
+/// `worker`'s program resumed at `version`, its state and stash from `held`.
+fn resumed_with(
+    plan: &RunPlan,
+    worker: u32,
+    version: u32,
+    held: &mut dyn StateSource,
+) -> Result<(Resume, WorkerState)> {
     let point = resume_point(&plan.schedule, &plan.versions, worker, version)?;
-    let stash = stash_of(&point, params_at)?;
+    // The older versions' weights alone: their optimizer states are not read.
+    let stash = stash_of(&point, |v| held.params(step_of_version(plan, worker, v)?))?;
+    let state = step_of_version(plan, worker, version).and_then(|step| held.state(step));
     let state = WorkerState {
         worker,
-        stages: vec![state_at(version).ok_or_else(|| {
+        stages: vec![state.ok_or_else(|| {
             let (stage, _) = plan.schedule.layout().placement(worker);
             takeover_err(format!("version {version} of stage {stage} is not kept"))
         })?],

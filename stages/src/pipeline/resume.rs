@@ -178,7 +178,7 @@ impl ResumePoint {
 /// A version that is not kept.
 pub fn stash_of(
     point: &ResumePoint,
-    held: impl Fn(u32) -> Option<Params>,
+    mut held: impl FnMut(u32) -> Option<Params>,
 ) -> Result<BTreeMap<u32, Params>> {
     point
         .stash

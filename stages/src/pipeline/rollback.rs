@@ -49,6 +49,9 @@ struct Point {
     counters: WorkerOutcome,
     /// How many of [`Points::records`] and [`Points::losses`] it had made then.
     made: (usize, usize),
+    /// Its weights were moved out to resume from ([`Points::take_params_at`]): it no longer
+    /// holds the stage's state, only the worker's figures then.
+    taken: bool,
 }
 
 /// One worker's rollback points over a segment, and every version record it made so far.
@@ -97,9 +100,9 @@ impl Points {
         self.points.front().map_or(0, |p| p.step)
     }
 
-    /// Whether the point at `step` is still kept.
+    /// Whether the point at `step` is still kept, with the stage's state.
     pub fn holds(&self, step: u64) -> bool {
-        self.at(step).is_some()
+        self.held_at(step).is_some()
     }
 
     /// The point at `step`, if still kept.
@@ -107,14 +110,41 @@ impl Points {
         self.points.iter().find(|p| p.step == step)
     }
 
+    /// The point at `step`, if still kept with the stage's state.
+    fn held_at(&self, step: u64) -> Option<&Point> {
+        self.at(step).filter(|p| !p.taken)
+    }
+
     /// The stage's state at `step`, if still kept.
     pub fn state_at(&self, step: u64) -> Option<StageState> {
-        self.at(step).map(|p| p.state.clone())
+        self.held_at(step).map(|p| p.state.clone())
     }
 
     /// The stage's weights at `step` (not its optimizer state), if still kept.
     pub fn params_at(&self, step: u64) -> Option<Params> {
-        self.at(step).map(|p| p.state.params.clone())
+        self.held_at(step).map(|p| p.state.params.clone())
+    }
+
+    /// The stage's weights at `step`, moved out rather than copied, if still kept: a program
+    /// resumed after a loss reads them and every survivor resumes at once. The point then
+    /// holds the worker's figures only ([`Points::measured_at`]); [`Points::holds`] no longer
+    /// counts it, and a later point in its place copies the state anew.
+    pub fn take_params_at(&mut self, step: u64) -> Option<Params> {
+        let p = self
+            .points
+            .iter_mut()
+            .find(|p| p.step == step && !p.taken)?;
+        p.taken = true;
+        Some(std::mem::take(&mut p.state.params))
+    }
+
+    /// The stage's state at `step`, its weights moved out as [`Points::take_params_at`] does
+    /// and its optimizer state copied, if still kept.
+    pub fn take_state_at(&mut self, step: u64) -> Option<StageState> {
+        let opt = self.held_at(step)?.state.opt.clone();
+        let stage = self.held_at(step)?.state.stage;
+        let params = self.take_params_at(step)?;
+        Some(StageState { stage, params, opt })
     }
 
     /// Everything the worker had measured when it passed `step` (its counters, and its
@@ -160,7 +190,7 @@ impl StepKeeper for Points {
             None
         };
         let reused = oldest
-            .filter(|old| old.state.stage == stage)
+            .filter(|old| old.state.stage == stage && !old.taken)
             .and_then(|mut old| {
                 let copied =
                     copy_params(params, &mut old.state.params) && opt.copy_into(&mut old.state.opt);
@@ -180,6 +210,7 @@ impl StepKeeper for Points {
             state,
             counters,
             made,
+            taken: false,
         });
         Ok(())
     }
@@ -238,7 +269,7 @@ pub fn roll_back(
         let from = &points[survivors[stage as usize] as usize];
         states.push(WorkerState {
             worker: w as u32,
-            stages: vec![from.at(steps)?.state.clone()],
+            stages: vec![from.held_at(steps)?.state.clone()],
             progress: super::doctor::StopPoint::default(),
             keeper: None,
         });

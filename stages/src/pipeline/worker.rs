@@ -42,13 +42,14 @@ use pipe_transport::renumbered::Renumbered;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 use serde::{Deserialize, Serialize};
 
-use super::adopt::{Logging, Serving, SharedTraffic, Traffic, end_at_step, resume_from};
+use super::adopt::{
+    Logging, Serving, SharedTraffic, Traffic, end_at_step, resume_from, resume_taking,
+};
 use super::between::Between;
 use super::doctor::StopReport;
 use super::driver::{resume_worker_with, run_worker_with};
 use super::exec::{WorkerOutcome, WorkerState};
 use super::fields::Fields;
-use super::resume::Resume;
 use super::rollback::Points;
 use super::run_plan::RunPlan;
 use super::setup::Report;
@@ -529,19 +530,7 @@ impl<T: Transport> Process<'_, T> {
         let host = traffic.is_some() && adopter == Some(rank);
         let regrouping = current(&mut *self.ep, &mut self.renewed);
         let points = own.lock().map_err(|_| super::rollback::poisoned())?;
-        // While the survivors regroup: where it can take the segment over, this worker's
-        // program resumed at its latest boundary, and on the adopter the lost one's at the
-        // adopter's, where the plan almost always resumes them.
-        let (meshes, ready) = std::thread::scope(|s| {
-            let resuming = traffic.is_some().then(|| {
-                let at = (&*points, start);
-                s.spawn(move || Ready::at_latest(plan, (rank, host.then_some(lost)), at))
-            });
-            let meshes = remesh.connect_without(regrouping, lost, host);
-            let ready = resuming.and_then(|r| r.join().ok()).unwrap_or_default();
-            (meshes, ready)
-        });
-        let meshes = meshes?;
+        let meshes = remesh.connect_without(regrouping, lost, host)?;
         drop(remesh);
         self.hosted = meshes.hosted.map(Hosted::Idle);
         let mut ep = meshes.ep;
@@ -570,7 +559,6 @@ impl<T: Transport> Process<'_, T> {
                     change: change.taken_over(ends_at, in_flight),
                     versions,
                     ends_at,
-                    ready,
                 };
                 return self.run_taken_over(plan, at, (ep, adopted), failed, obs);
             }
@@ -607,61 +595,6 @@ struct Adopted {
     versions: Vec<u32>,
     /// The steps of the segment it runs to ([`super::adopt::takeover_ends_at`]).
     ends_at: u64,
-    /// The programs resumed while the takeover settled.
-    ready: Ready,
-}
-
-/// A worker's program resumed at a version, with its state there.
-type ResumedAt = (u32, (Resume, WorkerState));
-
-/// Programs resumed while a takeover settles ([`super::takeover::settle`]), each at the
-/// version the plan is expected to name: this worker's own, and on the adopter the lost
-/// worker's.
-#[derive(Default)]
-struct Ready {
-    own: Option<ResumedAt>,
-    lost: Option<ResumedAt>,
-}
-
-impl Ready {
-    /// `worker`'s program resumed at the boundary `step` steps into the segment, if the
-    /// points hold it (the plan's version is resumed later where it differs).
-    fn resumed(
-        plan: &RunPlan,
-        worker: u32,
-        step: u64,
-        at: (&Points, &WorkerState),
-    ) -> Option<ResumedAt> {
-        let version = super::adopt::version_at_step(plan, worker, step).ok()?;
-        Some((version, resume_from(plan, worker, version, at).ok()?))
-    }
-
-    /// Worker `me`'s program, and the `lost` one's where `me` adopts it, resumed at `me`'s
-    /// latest boundary.
-    fn at_latest(
-        plan: &RunPlan,
-        (me, lost): (u32, Option<u32>),
-        at: (&Points, &WorkerState),
-    ) -> Self {
-        let latest = at.0.latest();
-        Ready {
-            own: Ready::resumed(plan, me, latest, at),
-            lost: lost.and_then(|lost| Ready::resumed(plan, lost, latest, at)),
-        }
-    }
-
-    /// `slot`'s program if it was resumed at `version`, else `worker`'s resumed now.
-    fn take(
-        slot: &mut Option<ResumedAt>,
-        plan: &RunPlan,
-        (worker, version): (u32, u32),
-        at: (&Points, &WorkerState),
-    ) -> Result<(Resume, WorkerState)> {
-        match slot.take() {
-            Some((v, resumed)) if v == version => Ok(resumed),
-            _ => resume_from(plan, worker, version, at),
-        }
-    }
 }
 
 /// A worker's figures when it passed the step boundary where its stage was at `version`,
@@ -700,28 +633,26 @@ impl<T: Transport> Process<'_, T> {
         let lost = adopted.lost;
         let (losses, rx, tx) = failed.relay;
         let start = mine(&self.state)?;
-        let points = failed
+        let mut points = failed
             .points
             .get(me as usize)
             .ok_or_else(|| StageError::Executor("a worker without rollback points".into()))?
             .lock()
             .map_err(|_| super::rollback::poisoned())?;
         let version = |w: u32| adopted.versions.get(w as usize).copied().unwrap_or(0);
-        let mut ready = adopted.ready;
-        let at_points = (&*points, start);
-        let (mut resume, mut state) =
-            Ready::take(&mut ready.own, plan, (me, version(me)), at_points)?;
-        end_at_step(plan, me, &mut resume, adopted.ends_at)?;
-        let before = measured_at_version(plan, me, version(me), &points)?;
+        // The adopter's lost program copies its stage's state from the points; its own
+        // program then moves it out (replicas agree at every step boundary).
         let mut lost_part = match self.hosted.take() {
             Some(h) => {
-                let (mut r, s) =
-                    Ready::take(&mut ready.lost, plan, (lost, version(lost)), at_points)?;
+                let (mut r, s) = resume_from(plan, lost, version(lost), (&*points, start))?;
                 end_at_step(plan, lost, &mut r, adopted.ends_at)?;
                 Some((h.idle()?, r, s))
             }
             None => None,
         };
+        let (mut resume, mut state) = resume_taking(plan, me, version(me), (&mut *points, start))?;
+        end_at_step(plan, me, &mut resume, adopted.ends_at)?;
+        let before = measured_at_version(plan, me, version(me), &points)?;
         let latest = points.latest();
         drop(points);
         let minibatch = u64::from(plan.schedule.resolved.minibatch);
