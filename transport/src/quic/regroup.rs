@@ -103,34 +103,59 @@ impl Quic {
         let arrivals = self.late_arrivals.take();
         let opts = &self.opts;
         let (endpoint, client) = (&self.endpoint, &self.client);
+        let watched: Vec<(u32, quinn::Connection)> = peers
+            .iter()
+            .enumerate()
+            .filter_map(|(r, p)| p.as_ref().map(|p| (r as u32, p.conn.clone())))
+            .collect();
         let joined = runtime.block_on(async {
-            for (peer, slot) in peers.iter_mut().enumerate() {
-                if let Some(old) = slot.take() {
-                    *slot = Some(renew(rank, peer as u32, old, opts, &sink).await?);
+            // Every connection renewed at once, and the lost rank's new endpoint connected
+            // meanwhile: each waits on its peer, and one after another they added up.
+            let renewing = async {
+                let mut set = tokio::task::JoinSet::new();
+                for (peer, slot) in peers.iter_mut().enumerate() {
+                    if let Some(old) = slot.take() {
+                        let (opts, sink) = (opts.clone(), sink.clone());
+                        set.spawn(async move {
+                            (peer, renew(rank, peer as u32, old, &opts, &sink).await)
+                        });
+                    }
                 }
-            }
-            let Some(addr) = hosted else {
-                return Ok(None);
+                let mut renewed = Vec::new();
+                while let Some(done) = set.join_next().await {
+                    let (peer, joined) = done.map_err(|e| setup_err("renewing a connection", e))?;
+                    renewed.push((peer, joined?));
+                }
+                Ok::<_, TransportError>(renewed)
             };
-            let deadline = Instant::now() + opts.connect_timeout;
             let connecting = async {
-                if rank < lost {
+                let Some(addr) = hosted else {
+                    return Ok(None);
+                };
+                let deadline = Instant::now() + opts.connect_timeout;
+                let greeted = if rank < lost {
                     dial(endpoint, client, me, lost, addr, opts, deadline).await
                 } else {
                     take_late(arrivals, me, lost, opts.run_id, deadline).await
-                }
+                };
+                greeted.map(Some)
             };
             // A survivor lost meanwhile (the host of the lost rank's new endpoint among them)
             // ends the regroup at once, rather than at the connect timeout.
-            let greeted = tokio::select! {
-                greeted = connecting => greeted?,
-                (peer, why) = first_closed(&peers) => {
+            let (renewed, greeted) = tokio::select! {
+                both = async { tokio::join!(renewing, connecting) } => both,
+                (peer, why) = first_closed(&watched) => {
                     return Err(TransportError::Setup(format!(
                         "rank {rank}: rank {peer} was lost while the mesh regrouped without rank {lost} ({why})"
                     )));
                 }
             };
-            let (peer, conn, control, theirs, host) = greeted;
+            for (peer, joined) in renewed? {
+                peers[peer] = Some(joined);
+            }
+            let Some((peer, conn, control, theirs, host)) = greeted? else {
+                return Ok(None);
+            };
             let joined = start_peer(rank, peer, conn, (control, theirs), opts, &sink).await?;
             Ok::<_, TransportError>(Some((joined, host)))
         });
@@ -232,14 +257,12 @@ async fn renew(
 }
 
 /// The first of `peers`' connections to close, and why; pending while none does.
-async fn first_closed(peers: &[Option<Peer>]) -> (u32, quinn::ConnectionError) {
+async fn first_closed(peers: &[(u32, quinn::Connection)]) -> (u32, quinn::ConnectionError) {
     // Dropped with this future, the set stops every watch.
     let mut watches = tokio::task::JoinSet::new();
-    for (rank, peer) in peers.iter().enumerate() {
-        if let Some(p) = peer {
-            let conn = p.conn.clone();
-            watches.spawn(async move { (rank as u32, conn.closed().await) });
-        }
+    for (rank, conn) in peers {
+        let (rank, conn) = (*rank, conn.clone());
+        watches.spawn(async move { (rank, conn.closed().await) });
     }
     match watches.join_next().await {
         Some(Ok(closed)) => closed,
