@@ -111,23 +111,7 @@ impl Quic {
         let joined = runtime.block_on(async {
             // Every connection renewed at once, and the lost rank's new endpoint connected
             // meanwhile: each waits on its peer, and one after another they added up.
-            let renewing = async {
-                let mut set = tokio::task::JoinSet::new();
-                for (peer, slot) in peers.iter_mut().enumerate() {
-                    if let Some(old) = slot.take() {
-                        let (opts, sink) = (opts.clone(), sink.clone());
-                        set.spawn(async move {
-                            (peer, renew(rank, peer as u32, old, &opts, &sink).await)
-                        });
-                    }
-                }
-                let mut renewed = Vec::new();
-                while let Some(done) = set.join_next().await {
-                    let (peer, joined) = done.map_err(|e| setup_err("renewing a connection", e))?;
-                    renewed.push((peer, joined?));
-                }
-                Ok::<_, TransportError>(renewed)
-            };
+            let renewing = renew_all(rank, &mut peers, opts, &sink);
             let connecting = async {
                 let Some(addr) = hosted else {
                     return Ok(None);
@@ -192,6 +176,29 @@ impl Quic {
             late_arrivals: None,
         })
     }
+}
+
+/// Every connection of `peers` in its next generation ([`renew`]), renewed at once: each
+/// waits on its peer. Returns them by rank, the slots left empty.
+async fn renew_all(
+    rank: u32,
+    peers: &mut [Option<Peer>],
+    opts: &super::QuicOptions,
+    sink: &Events,
+) -> Result<Vec<(usize, Peer)>, TransportError> {
+    let mut set = tokio::task::JoinSet::new();
+    for (peer, slot) in peers.iter_mut().enumerate() {
+        if let Some(old) = slot.take() {
+            let (opts, sink) = (opts.clone(), sink.clone());
+            set.spawn(async move { (peer, renew(rank, peer as u32, old, &opts, &sink).await) });
+        }
+    }
+    let mut renewed = Vec::new();
+    while let Some(done) = set.join_next().await {
+        let (peer, joined) = done.map_err(|e| setup_err("renewing a connection", e))?;
+        renewed.push((peer, joined?));
+    }
+    Ok(renewed)
 }
 
 /// `old`, the connection to `peer`, in its next generation: this side's streams of the last
