@@ -572,7 +572,7 @@ pub fn resume_from(
     version: u32,
     (points, start): (&Points, &WorkerState),
 ) -> Result<(Resume, WorkerState)> {
-    resumed_with(plan, worker, version, &mut Copied { points, start })
+    resumed_with(plan, worker, version, (PointStates::Copied(points), start))
 }
 
 /// [`resume_from`], the weights moved out of `points` rather than copied
@@ -588,72 +588,53 @@ pub fn resume_taking(
     version: u32,
     (points, start): (&mut Points, &WorkerState),
 ) -> Result<(Resume, WorkerState)> {
-    resumed_with(plan, worker, version, &mut Taken { points, start })
+    resumed_with(plan, worker, version, (PointStates::Taken(points), start))
 }
 
-/// Where a resume finds a stage's state and older weights, by step ([`resumed_with`]).
-trait StateSource {
-    /// The stage's weights and optimizer state at step `step` of the segment (0: its start).
-    fn state(&mut self, step: u64) -> Option<StageState>;
+/// The rollback points a resume reads its states from, past the segment's start: copied
+/// ([`resume_from`]) or moved out ([`resume_taking`]).
+enum PointStates<'p> {
+    Copied(&'p Points),
+    Taken(&'p mut Points),
+}
+
+impl PointStates<'_> {
+    /// The stage's weights and optimizer state at step `step` of the segment.
+    fn state(&mut self, step: u64) -> Option<StageState> {
+        match self {
+            PointStates::Copied(points) => points.state_at(step),
+            PointStates::Taken(points) => points.take_state_at(step),
+        }
+    }
+
     /// The stage's weights alone at step `step`.
-    fn params(&mut self, step: u64) -> Option<Params>;
-}
-
-/// Copies out of the rollback points ([`resume_from`]).
-struct Copied<'p> {
-    points: &'p Points,
-    start: &'p WorkerState,
-}
-
-impl StateSource for Copied<'_> {
-    fn state(&mut self, step: u64) -> Option<StageState> {
-        match step {
-            0 => self.start.stages.first().cloned(),
-            step => self.points.state_at(step),
-        }
-    }
-
     fn params(&mut self, step: u64) -> Option<Params> {
-        match step {
-            0 => self.start.stages.first().map(|s| s.params.clone()),
-            step => self.points.params_at(step),
+        match self {
+            PointStates::Copied(points) => points.params_at(step),
+            PointStates::Taken(points) => points.take_params_at(step),
         }
     }
 }
 
-/// Moves out of the rollback points ([`resume_taking`]); the segment's start is copied.
-struct Taken<'p> {
-    points: &'p mut Points,
-    start: &'p WorkerState,
-}
-
-impl StateSource for Taken<'_> {
-    fn state(&mut self, step: u64) -> Option<StageState> {
-        match step {
-            0 => self.start.stages.first().cloned(),
-            step => self.points.take_state_at(step),
-        }
-    }
-
-    fn params(&mut self, step: u64) -> Option<Params> {
-        match step {
-            0 => self.start.stages.first().map(|s| s.params.clone()),
-            step => self.points.take_params_at(step),
-        }
-    }
-}
-
-/// `worker`'s program resumed at `version`, its state and stash from `held`.
+/// `worker`'s program resumed at `version`, its state and stash from `held` (from `start`,
+/// copied, at the segment's start).
 fn resumed_with(
     plan: &RunPlan,
     worker: u32,
     version: u32,
-    held: &mut dyn StateSource,
+    (mut held, start): (PointStates<'_>, &WorkerState),
 ) -> Result<(Resume, WorkerState)> {
     let point = resume_point(&plan.schedule, &plan.versions, worker, version)?;
     // The older versions' weights alone: their optimizer states are not read.
-    let stash = stash_of(&point, |v| held.params(step_of_version(plan, worker, v)?))?;
-    let state = step_of_version(plan, worker, version).and_then(|step| held.state(step));
+    let stash = stash_of(&point, |v| match step_of_version(plan, worker, v)? {
+        0 => start.stages.first().map(|s| s.params.clone()),
+        step => held.params(step),
+    })?;
+    let state = match step_of_version(plan, worker, version) {
+        Some(0) => start.stages.first().cloned(),
+        Some(step) => held.state(step),
+        None => None,
+    };
     let state = WorkerState {
         worker,
         stages: vec![state.ok_or_else(|| {
