@@ -21,7 +21,7 @@ use pipe_stages::pipeline::Observer;
 use pipe_stages::pipeline::survive::LayoutChange;
 use pipe_stages::pipeline::{PhaseRecord, StartPhase};
 use pipe_stages::startup;
-use pipe_stages::train::{EpochStats, EvalStats, LostStats, StepStats, TrainReport};
+use pipe_stages::train::{EpochStats, EvalStats, LostStats, RecoveryStats, StepStats, TrainReport};
 
 use crate::args::BackendParser;
 use crate::output::{Interrupted, bad_input};
@@ -264,6 +264,9 @@ impl Observer for Fan {
     }
     fn on_lost(&mut self, lost: &LostStats) -> pipe_stages::Result<()> {
         self.rest.iter_mut().try_for_each(|o| o.on_lost(lost))
+    }
+    fn on_recovery(&mut self, phase: &RecoveryStats) -> pipe_stages::Result<()> {
+        self.rest.iter_mut().try_for_each(|o| o.on_recovery(phase))
     }
 }
 

@@ -706,6 +706,43 @@ fn lost_is_logged_among_the_updates(log: &std::path::Path, worker: u32, cause: &
         .collect();
     let (first, last) = (updates[0], updates[updates.len() - 1]);
     assert!(first < at && at < last, "{first} < {at} < {last}\n{text}");
+    // Every survivor logs its recovery's phases, in order, each once: stopped and meshed,
+    // and planned and restarted where the segment was taken over.
+    let survivors: std::collections::BTreeSet<u64> = records
+        .iter()
+        .filter(|r| r["kind"] == "recovery")
+        .map(|r| r["worker"].as_u64().unwrap())
+        .collect();
+    assert!(
+        !survivors.is_empty() && !survivors.contains(&u64::from(worker)),
+        "{text}"
+    );
+    let order = ["stopped", "meshed", "planned", "restarted"];
+    for w in survivors {
+        let phases: Vec<(&str, f64)> = records
+            .iter()
+            .filter(|r| r["kind"] == "recovery" && r["worker"] == w)
+            .map(|r| {
+                (
+                    r["phase"].as_str().unwrap(),
+                    r["elapsed_s"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        let names: Vec<&str> = phases.iter().map(|p| p.0).collect();
+        assert!(
+            names == order || names == order[..2],
+            "worker {w}: {names:?}\n{text}"
+        );
+        assert!(
+            phases.windows(2).all(|p| p[0].1 <= p[1].1),
+            "worker {w}: {phases:?}"
+        );
+        assert!(
+            phases[1].1 > at,
+            "worker {w} meshed before the loss was seen: {phases:?}"
+        );
+    }
 }
 
 /// Whether a lost replica's line says the run went on in place costing at most the updates in

@@ -74,4 +74,7 @@ impl Observer for JsonlLog {
     fn on_lost(&mut self, lost: &LostStats) -> Result<()> {
         self.write("lost", lost)
     }
+    fn on_recovery(&mut self, phase: &crate::train::RecoveryStats) -> Result<()> {
+        self.write("recovery", phase)
+    }
 }

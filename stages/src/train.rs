@@ -63,6 +63,36 @@ pub struct LostStats {
     pub elapsed_s: Option<f64>,
 }
 
+/// A step of a surviving worker process's recovery from a lost replica
+/// (docs/reliability.md, "Surviving faults"), in the order a survivor passes them.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum RecoveryPhase {
+    /// Its program stopped on the loss (its link to the lost worker closed, or a peer or its
+    /// launcher stopped it).
+    Stopped,
+    /// Its mesh without the lost worker is connected (over QUIC, regrouped; with the lost
+    /// rank hosted by its stage's other replica where the segment is taken over).
+    Meshed,
+    /// The takeover is settled: the version each worker resumes at.
+    Planned,
+    /// Its programs run again (on the adopter, the lost worker's too).
+    Restarted,
+}
+
+/// A [`RecoveryPhase`] a worker reached, dated as [`LostStats`] is: where a recovery's time
+/// goes, worker by worker, in the run log.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct RecoveryStats {
+    /// The worker (its rank before the layout changes).
+    pub worker: u32,
+    /// The phase it reached.
+    pub phase: RecoveryPhase,
+    /// As [`LostStats::elapsed_s`], by the worker's system clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elapsed_s: Option<f64>,
+}
+
 /// One epoch's summary.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct EpochStats {

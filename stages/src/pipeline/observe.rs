@@ -119,6 +119,15 @@ pub trait Observer: Send {
         let _ = lost;
         Ok(())
     }
+    /// When a surviving worker process reaches a phase of its recovery from a lost replica,
+    /// as its launcher hears it.
+    ///
+    /// # Errors
+    /// As for `on_step`.
+    fn on_recovery(&mut self, phase: &crate::train::RecoveryStats) -> Result<()> {
+        let _ = phase;
+        Ok(())
+    }
     /// When training begins, by the system clock: the origin of every record's `elapsed_s`
     /// (a launched chief tells its launcher, which dates what it sees on the same clock).
     ///

@@ -102,6 +102,15 @@ pub enum Record {
     Began(std::time::Duration),
     /// The run went on without a lost replica, in place (the chief).
     Layout(super::survive::LayoutChange),
+    /// A surviving worker reached a phase of its recovery from a lost replica (any rank),
+    /// by its system clock since the Unix epoch (its launcher reads its lines in bursts
+    /// while the machine is loaded, so dates them late).
+    Recovery {
+        /// The phase.
+        phase: crate::train::RecoveryPhase,
+        /// When, since the Unix epoch.
+        at: std::time::Duration,
+    },
     /// This worker's part of the run diverged at `update` (any rank): a failure no other
     /// replica and no restart would escape, which the launcher reports as it is.
     Diverged {
@@ -129,6 +138,19 @@ impl RecordWriter {
         writeln!(out, "{RECORD}{json}")
             .and_then(|()| out.flush())
             .map_err(|e| failed(format!("writing a record for the launcher: {e}")))
+    }
+}
+
+impl RecordWriter {
+    /// Tells the launcher that this worker reached `phase` of a recovery.
+    ///
+    /// # Errors
+    /// As [`RecordWriter::write`].
+    pub fn recovery(phase: crate::train::RecoveryPhase) -> Result<()> {
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        Self::write(&Record::Recovery { phase, at })
     }
 }
 
@@ -996,6 +1018,14 @@ impl LaunchEvents for ChiefReports<'_> {
                     message,
                 });
             }
+            Record::Recovery { phase, at } => {
+                let at = std::time::UNIX_EPOCH.checked_add(at);
+                obs.on_recovery(&crate::train::RecoveryStats {
+                    worker: rank,
+                    phase,
+                    elapsed_s: at.and_then(|at| since(self.began, at)),
+                })?;
+            }
             _ if rank != 0 => {}
             Record::Began(since_epoch) => {
                 let at = std::time::UNIX_EPOCH
@@ -1025,16 +1055,20 @@ impl LaunchEvents for ChiefReports<'_> {
     }
 
     fn lost(&mut self, rank: u32, cause: &str) -> Result<()> {
-        let elapsed_s = self
-            .began
-            .and_then(|t| std::time::SystemTime::now().duration_since(t).ok())
-            .map(|d| d.as_secs_f64());
         self.obs.on_lost(&crate::train::LostStats {
             worker: rank,
             cause: cause.to_string(),
-            elapsed_s,
+            elapsed_s: since(self.began, std::time::SystemTime::now()),
         })
     }
+}
+
+/// Seconds from `began` (the chief's training began) to `at`: a time on the clock of the
+/// chief's records. `None` before the chief said when it began, or for a time before that.
+fn since(began: Option<std::time::SystemTime>, at: std::time::SystemTime) -> Option<f64> {
+    began
+        .and_then(|t| at.duration_since(t).ok())
+        .map(|d| d.as_secs_f64())
 }
 
 /// Runs `start.run` (a pipelined run with its partition settled) as `opts.workers` worker

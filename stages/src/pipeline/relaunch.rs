@@ -429,6 +429,9 @@ impl Observer for LastStep<'_> {
     fn on_lost(&mut self, lost: &crate::train::LostStats) -> Result<()> {
         self.inner.on_lost(lost)
     }
+    fn on_recovery(&mut self, phase: &crate::train::RecoveryStats) -> Result<()> {
+        self.inner.on_recovery(phase)
+    }
     fn on_training_began(&mut self, at: std::time::SystemTime) -> Result<()> {
         self.inner.on_training_began(at)
     }

@@ -177,6 +177,10 @@ impl Observer for Traced<'_> {
         self.run.on_lost(lost)
     }
 
+    fn on_recovery(&mut self, phase: &crate::train::RecoveryStats) -> Result<()> {
+        self.run.on_recovery(phase)
+    }
+
     fn on_training_began(&mut self, at: SystemTime) -> Result<()> {
         self.run.on_training_began(at)
     }

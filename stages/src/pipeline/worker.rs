@@ -40,6 +40,8 @@ use pipe_scheduler::planner::buckets::StageBuckets;
 use pipe_transport::registration::Endpoint;
 use pipe_transport::renumbered::Renumbered;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
+
+use crate::train::RecoveryPhase;
 use serde::{Deserialize, Serialize};
 
 use super::adopt::{
@@ -504,6 +506,7 @@ impl<T: Transport> Process<'_, T> {
         let mut remesh = handle.0.lock().map_err(|_| {
             StageError::Executor("the way to the launcher was left poisoned".into())
         })?;
+        super::processes::RecordWriter::recovery(RecoveryPhase::Stopped)?;
         let Some(word) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
             return Err(err);
         };
@@ -540,6 +543,7 @@ impl<T: Transport> Process<'_, T> {
         });
         let meshes = meshes?;
         drop(remesh);
+        super::processes::RecordWriter::recovery(RecoveryPhase::Meshed)?;
         self.hosted = meshes.hosted.map(Hosted::Idle);
         let mut ep = meshes.ep;
         // The adopter hosts the lost rank where it can take the segment over; then every
@@ -558,6 +562,7 @@ impl<T: Transport> Process<'_, T> {
                 super::takeover::settle(ep.as_mut(), (plan, self.index), lost, held, adopting)?;
             drop(points);
             if let Some(versions) = planned {
+                super::processes::RecordWriter::recovery(RecoveryPhase::Planned)?;
                 // A replacement comes: the segment ends at its update in flight, where the
                 // replacement can join, and not at its end.
                 let ends_at = super::adopt::takeover_ends_at(plan, &versions, replaced);
@@ -712,6 +717,7 @@ impl<T: Transport> Process<'_, T> {
             before.losses.len() + before.grad_norms.len(),
             obs,
         )?;
+        super::processes::RecordWriter::recovery(RecoveryPhase::Restarted)?;
         let t = Instant::now();
         let be = &self.be;
         let ran = run.with_setup(plan, self.data, (at.epoch, at.done), Some(tx), |setup| {
