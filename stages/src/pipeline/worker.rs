@@ -40,8 +40,6 @@ use pipe_scheduler::planner::buckets::StageBuckets;
 use pipe_transport::registration::Endpoint;
 use pipe_transport::renumbered::Renumbered;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
-
-use crate::train::RecoveryPhase;
 use serde::{Deserialize, Serialize};
 
 use super::adopt::{
@@ -68,7 +66,7 @@ use crate::model::Params;
 use crate::optim::{Corrected, OptimizerState};
 use crate::partition::Partition;
 use crate::pipeline::Observer;
-use crate::train::TrainReport;
+use crate::train::{RecoveryPhase, TrainReport};
 
 /// Control topic: the chief's settings and partition, before the first epoch.
 pub const TOPIC_START: u32 = 0;
@@ -533,15 +531,7 @@ impl<T: Transport> Process<'_, T> {
         let host = traffic.is_some() && adopter == Some(rank);
         let regrouping = current(&mut *self.ep, &mut self.renewed);
         let points = own.lock().map_err(|_| super::rollback::poisoned())?;
-        // The adopter copies the lost program's state while the mesh regroups, which waits
-        // on every survivor: that copy is off the path to the restart.
-        let (meshes, lost_copy) = std::thread::scope(|s| {
-            let copying =
-                host.then(|| s.spawn(|| LostCopy::of(plan, (rank, lost), &points, start)));
-            let meshes = remesh.connect_without(regrouping, lost, host);
-            (meshes, copying.and_then(|h| h.join().ok().flatten()))
-        });
-        let meshes = meshes?;
+        let meshes = remesh.connect_without(regrouping, lost, host)?;
         drop(remesh);
         super::processes::RecordWriter::recovery(RecoveryPhase::Meshed)?;
         self.hosted = meshes.hosted.map(Hosted::Idle);
@@ -572,7 +562,6 @@ impl<T: Transport> Process<'_, T> {
                     change: change.taken_over(ends_at, in_flight),
                     versions,
                     ends_at,
-                    lost_copy,
                 };
                 return self.run_taken_over(plan, at, (ep, adopted), failed, obs);
             }
@@ -609,35 +598,6 @@ struct Adopted {
     versions: Vec<u32>,
     /// The steps of the segment it runs to ([`super::adopt::takeover_ends_at`]).
     ends_at: u64,
-    /// On the adopter, the lost program's state copied while the mesh regrouped.
-    lost_copy: Option<LostCopy>,
-}
-
-/// The lost program's resume and state, copied from the adopter's rollback points at the
-/// version its plan most often names (the adopter's latest boundary) before the plan is made.
-struct LostCopy {
-    version: u32,
-    resume: super::resume::Resume,
-    state: WorkerState,
-}
-
-impl LostCopy {
-    /// `lost`'s program resumed where its replica `adopter` last passed a step boundary;
-    /// `None` where that is not kept (the plan then copies what it names).
-    fn of(
-        plan: &RunPlan,
-        (adopter, lost): (u32, u32),
-        points: &Points,
-        start: &WorkerState,
-    ) -> Option<Self> {
-        let version = super::adopt::version_at_step(plan, adopter, points.latest()).ok()?;
-        let (resume, state) = resume_from(plan, lost, version, (points, start)).ok()?;
-        Some(LostCopy {
-            version,
-            resume,
-            state,
-        })
-    }
 }
 
 /// A worker's figures when it passed the step boundary where its stage was at `version`,
@@ -685,13 +645,9 @@ impl<T: Transport> Process<'_, T> {
         let version = |w: u32| adopted.versions.get(w as usize).copied().unwrap_or(0);
         // The adopter's lost program copies its stage's state from the points; its own
         // program then moves it out (replicas agree at every step boundary).
-        let copied = adopted.lost_copy.filter(|c| c.version == version(lost));
         let mut lost_part = match self.hosted.take() {
             Some(h) => {
-                let (mut r, s) = match copied {
-                    Some(c) => (c.resume, c.state),
-                    None => resume_from(plan, lost, version(lost), (&*points, start))?,
-                };
+                let (mut r, s) = resume_from(plan, lost, version(lost), (&*points, start))?;
                 end_at_step(plan, lost, &mut r, adopted.ends_at)?;
                 Some((h.idle()?, r, s))
             }
