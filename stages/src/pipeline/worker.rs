@@ -504,7 +504,10 @@ impl<T: Transport> Process<'_, T> {
         let mut remesh = handle.0.lock().map_err(|_| {
             StageError::Executor("the way to the launcher was left poisoned".into())
         })?;
-        super::processes::RecordWriter::recovery(RecoveryPhase::Stopped)?;
+        // A launcher gone cannot be told: the failure is then the program's own.
+        if super::processes::RecordWriter::recovery(RecoveryPhase::Stopped).is_err() {
+            return Err(err);
+        }
         let Some(word) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
             return Err(err);
         };
