@@ -65,7 +65,7 @@ pub struct LostStats {
 
 /// A step of a surviving worker process's recovery from a lost replica
 /// (docs/reliability.md, "Surviving faults"), in the order a survivor passes them.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum RecoveryPhase {
     /// Its program stopped on the loss (its link to the lost worker closed, or a peer or its

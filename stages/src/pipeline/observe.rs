@@ -119,8 +119,8 @@ pub trait Observer: Send {
         let _ = lost;
         Ok(())
     }
-    /// When a surviving worker process reaches a phase of its recovery from a lost replica,
-    /// as its launcher hears it.
+    /// When a surviving worker process has reached a phase of its recovery from a lost
+    /// replica (dated by the worker's clock), as its launcher hears of it.
     ///
     /// # Errors
     /// As for `on_step`.

@@ -139,9 +139,7 @@ impl RecordWriter {
             .and_then(|()| out.flush())
             .map_err(|e| failed(format!("writing a record for the launcher: {e}")))
     }
-}
 
-impl RecordWriter {
     /// Tells the launcher that this worker reached `phase` of a recovery.
     ///
     /// # Errors
@@ -1851,6 +1849,62 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use pipe_transport::fault::Fault;
+
+    /// Keeps the recovery records a launcher hands on.
+    #[derive(Default)]
+    struct Recoveries(Vec<crate::train::RecoveryStats>);
+
+    impl Observer for Recoveries {
+        fn on_recovery(&mut self, phase: &crate::train::RecoveryStats) -> Result<()> {
+            self.0.push(phase.clone());
+            Ok(())
+        }
+    }
+
+    /// A worker's recovery record is dated from the chief's start by the worker's clock; one
+    /// from before that start or past the clock's range has no date, and a phase no build
+    /// writes is refused.
+    #[test]
+    fn recovery_records_are_dated_and_hostile_ones_are_refused() {
+        let mut obs = Recoveries::default();
+        let began = std::time::UNIX_EPOCH + Duration::from_secs(1_000);
+        let mut reports = ChiefReports {
+            obs: &mut obs,
+            last: None,
+            done: None,
+            stops: Vec::new(),
+            diverged: None,
+            began: Some(began),
+        };
+        let line = |phase: &str, secs: u64| {
+            format!(
+                r#"{{"recovery":{{"phase":"{phase}","at":{{"secs":{secs},"nanos":500000000}}}}}}"#
+            )
+        };
+        reports.record(3, &line("meshed", 1_002)).unwrap();
+        reports.record(2, &line("restarted", 999)).unwrap();
+        reports.record(1, &line("planned", u64::MAX)).unwrap();
+        assert!(reports.record(1, &line("resumed", 1_002)).is_err());
+        assert!(
+            reports
+                .record(1, r#"{"recovery":{"phase":"meshed"}}"#)
+                .is_err()
+        );
+        let got: Vec<_> = obs
+            .0
+            .iter()
+            .map(|r| (r.worker, r.phase, r.elapsed_s))
+            .collect();
+        use crate::train::RecoveryPhase::{Meshed, Planned, Restarted};
+        assert_eq!(
+            got,
+            [
+                (3, Meshed, Some(2.5)),
+                (2, Restarted, None),
+                (1, Planned, None)
+            ]
+        );
+    }
 
     /// A bound endpoint whose connect waits for a peer that never comes (until `wait`).
     struct Waiting(Duration);
