@@ -835,6 +835,61 @@ fn a_killed_replica_is_survived_without_a_checkpoint_directory() {
     );
 }
 
+/// For every policy a segment taken over takes (flush schedules, PipeDream with and without
+/// stashing and vertical sync, 2BW), over shared memory and over QUIC: worker 3, stage 1's
+/// second replica, ends mid-segment at its 70th or 171st data message as kill -9 would
+/// (`exit@N`). The survivors go
+/// on where they stood, without running their updates in flight again: only the lost
+/// program runs again, on its adopter, from its stage's latest update. The run, one segment
+/// (an epoch of 128 updates) long, ends with the undisturbed run's weights bit for bit, its loss line saying so.
+#[test]
+fn survivors_go_on_where_they_stood_with_the_undisturbed_weights_for_every_policy() {
+    if skipped_without_proc() {
+        return;
+    }
+    let _one = serial();
+    let d = fresh_dir("where-they-stood");
+    let config = small_config(&d, 1);
+    let policies = [
+        "gpipe",
+        "1f1b-flush",
+        "zb-h1",
+        "pipedream",
+        "pipedream-nostash",
+        "vsync",
+        "2bw",
+    ];
+    for policy in policies {
+        for transport in ["shm", "quic"] {
+            let case = format!("{policy}-{transport}");
+            let flags = [
+                &["--microbatch-size", "8", "--stages", "2", "--replicas", "2"][..],
+                &["--schedule", policy, "--transport", transport][..],
+                &IN_PLACE[..],
+            ]
+            .concat();
+            let calm = ok(&run(&mut train(
+                &config,
+                &d.join(format!("calm-{case}")),
+                &flags,
+            )));
+            // Early in the epoch, and past its middle.
+            for at in [70, 171] {
+                let fault = format!("3:exit@{at}");
+                let mut lossy = train(&config, &d.join(format!("lossy-{case}-{at}")), &flags);
+                let text = ok(&run(lossy.args(["--fault-schedule", &fault])));
+                let line = common::line_starting(&text, "worker 3 (stage 1) lost: ");
+                assert!(
+                    line.contains("the survivors went on where they stood"),
+                    "{case} {fault}: {line}"
+                );
+                assert_eq!(text.matches("the first update (every").count(), 1, "{text}");
+                assert_eq!(done(&text), done(&calm), "{case} {fault}");
+            }
+        }
+    }
+}
+
 /// `--rejoin` over shared memory and QUIC: worker 3 (stage 1's second replica) ends at its
 /// 60th data message as kill -9 would end it (`exit@60`). The survivors go on in place on
 /// replicas [2, 1], one update at a time; the launcher starts a replacement `pipe worker` with

@@ -207,6 +207,11 @@ impl<T> Logging<T> {
         }
     }
 
+    /// The endpoint it logs the traffic of.
+    pub fn inner_mut(&mut self) -> &mut T {
+        &mut self.inner
+    }
+
     /// An empty buffer for a copy of `len` values, from the log's spares.
     fn buffer(&self, len: usize) -> std::result::Result<Vec<f32>, TransportError> {
         Ok(self.traffic.lock().map_err(|_| poisoned())?.buffer(len))
@@ -875,16 +880,26 @@ pub fn adopter_of(plan: &RunPlan, lost: u32) -> Result<u32> {
         .ok_or_else(|| takeover_err(format!("stage {stage} has no other replica")))
 }
 
+/// How a survivor's program goes on after a takeover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GoesOn {
+    /// Resumed at its latest step boundary: it sends again what it sent from there on.
+    AtBoundary,
+    /// Where it stood when the loss stopped it ([`super::in_place`]): it sends nothing again,
+    /// so every message its log holds that another worker reads is handed over.
+    WhereItStood,
+}
+
 /// The messages of `held` (one survivor's, worker `from`) that another worker's resumed
-/// program reads and `from`'s own resumed program does not send again, as `versions` resume
-/// them: what `from` hands over after a takeover. All-reduce chunks are handed over for
-/// every all-reduce the receiver runs again and `from` does not.
+/// program reads and `from`'s own program does not send again, as `versions` resume them and
+/// `from` goes on (`goes_on`): what `from` hands over after a takeover. All-reduce chunks are
+/// handed over for every all-reduce the receiver runs again and `from` does not.
 ///
 /// # Errors
 /// A version no program reaches.
 pub fn handed_over(
     plan: &RunPlan,
-    from: u32,
+    (from, goes_on): (u32, GoesOn),
     versions: &[u32],
     held: &Held,
 ) -> Result<HashSet<Key>> {
@@ -892,8 +907,6 @@ pub fn handed_over(
         let v = versions.get(w as usize).copied().unwrap_or(0);
         resume_point(&plan.schedule, &plan.versions, w, v)
     };
-    let mine = point(from)?;
-    let again: HashSet<Key> = sends_of(from, &mine).collect();
     let reduced = |p: &ResumePoint| -> HashSet<(u32, u32)> {
         p.actions
             .iter()
@@ -903,7 +916,13 @@ pub fn handed_over(
             })
             .collect()
     };
-    let my_reduces = reduced(&mine);
+    let (again, my_reduces): (HashSet<Key>, HashSet<(u32, u32)>) = match goes_on {
+        GoesOn::AtBoundary => {
+            let mine = point(from)?;
+            (sends_of(from, &mine).collect(), reduced(&mine))
+        }
+        GoesOn::WhereItStood => Default::default(),
+    };
     let mut out = HashSet::new();
     let targets: HashSet<u32> = held.sent.iter().map(|k| k.to).collect();
     for to in targets {

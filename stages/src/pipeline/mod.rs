@@ -35,6 +35,7 @@ pub mod doctor;
 pub mod driver;
 pub mod exec;
 pub mod fields;
+pub mod in_place;
 pub mod launch;
 pub mod ledger;
 pub mod observe;

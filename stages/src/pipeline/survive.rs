@@ -76,6 +76,10 @@ pub enum Redone {
     /// The segment was taken over where every worker stood ([`super::adopt`]): each stage ran
     /// its update in flight again, and the layout changes at the segment's end.
     Update,
+    /// The segment was taken over with the survivors where they stood
+    /// ([`super::in_place`]): only the lost worker's program ran again, from its stage's
+    /// latest update, and the layout changes at the segment's end.
+    WhereTheyStood,
 }
 
 /// A new layout: why it changed, and the replica counts and microbatches per update the run
@@ -122,6 +126,10 @@ impl std::fmt::Display for LayoutChange {
                     ),
                     Redone::Update => format!(
                         "taken over at update {}: each stage ran its update in flight again and the segment ended without it",
+                        self.recovered_at.unwrap_or(self.from)
+                    ),
+                    Redone::WhereTheyStood => format!(
+                        "taken over at update {}: the survivors went on where they stood, the lost worker's program ran again from its stage's latest update, and the segment ended without it",
                         self.recovered_at.unwrap_or(self.from)
                     ),
                 }
@@ -305,6 +313,15 @@ impl LayoutChange {
             from: self.from + len,
             redone: Redone::Update,
             ..self
+        }
+    }
+
+    /// [`LayoutChange::taken_over`], with the survivors where they stood
+    /// ([`Redone::WhereTheyStood`]).
+    pub(super) fn taken_over_where_they_stood(self, len: u64, in_flight: u64) -> Self {
+        LayoutChange {
+            redone: Redone::WhereTheyStood,
+            ..self.taken_over(len, in_flight)
         }
     }
 

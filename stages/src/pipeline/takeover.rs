@@ -28,7 +28,7 @@ use std::io::Write as _;
 
 use pipe_transport::{Key, Kind, Message, Transport};
 
-use super::adopt::{Held, Traffic, adopter_of, handed_over, plan_takeover};
+use super::adopt::{GoesOn, Held, Traffic, adopter_of, handed_over, plan_takeover};
 use super::exec::WorkerState;
 use super::fields::Fields;
 use super::rollback::Points;
@@ -232,19 +232,19 @@ pub fn settle(
 }
 
 /// Sends every message of `traffic` (worker `from`'s log) that another worker's program,
-/// resumed at `versions`, reads and `from`'s own does not send again, over `ep`; returns the
-/// messages `from` itself received, by key, for its own resumed program.
+/// resumed at `versions`, reads and `from`'s own does not send again as it `goes_on`, over
+/// `ep`; returns the messages `from` itself received, by key, for its own program.
 ///
 /// # Errors
 /// A version no program reaches; a send that fails.
 pub fn hand_over(
     ep: &mut dyn Transport,
-    plan: &RunPlan,
+    (plan, goes_on): (&RunPlan, GoesOn),
     versions: &[u32],
     (traffic, latest): (&mut Traffic, u64),
 ) -> Result<std::collections::HashMap<Key, Message>> {
     let from = ep.rank();
-    let wanted = handed_over(plan, from, versions, &traffic.held(latest))?;
+    let wanted = handed_over(plan, (from, goes_on), versions, &traffic.held(latest))?;
     for m in traffic.take_sent(&wanted) {
         ep.send(m)?;
     }

@@ -50,6 +50,7 @@ use super::doctor::StopReport;
 use super::driver::{resume_worker_with, run_worker_with};
 use super::exec::{WorkerOutcome, WorkerState};
 use super::fields::Fields;
+use super::in_place::{AdoptJob, InPlace, Outcome, Pending, Recovering};
 use super::rollback::Points;
 use super::run_plan::RunPlan;
 use super::setup::Report;
@@ -335,6 +336,7 @@ fn run_process<T: Transport>(
         settled,
         joining: None,
         replacement_coming: true,
+        pending: None,
         origin,
         stop,
     };
@@ -393,6 +395,9 @@ struct Process<'a, T: Transport> {
     joining: Option<u32>,
     /// The launcher starts a replacement for the replica last lost in place.
     replacement_coming: bool,
+    /// How far a recovery where this worker stood got before its program failed after all
+    /// ([`super::in_place`]): where [`Process::after_failure`] goes on from.
+    pending: Option<Pending>,
     origin: (std::time::SystemTime, Instant),
     /// Where this worker's program stood at the end of its last segment, for the hang doctor.
     stop: &'a mut Option<StopReport>,
@@ -498,17 +503,24 @@ impl<T: Transport> Process<'_, T> {
         }
         let ep = current(&mut *self.ep, &mut self.renewed);
         let rank = ep.rank();
-        if !err.is_abort_echo() {
+        // Where the recovery where this worker stood got to: its endpoint was aborted, the
+        // launcher asked, and perhaps the mesh connected and the takeover found unplanned.
+        let pending = self.pending.take();
+        if pending.is_none() && !err.is_abort_echo() {
             ep.abort();
         }
         let mut remesh = handle.0.lock().map_err(|_| {
             StageError::Executor("the way to the launcher was left poisoned".into())
         })?;
-        // A launcher gone cannot be told: the failure is then the program's own.
-        if super::processes::RecordWriter::recovery(RecoveryPhase::Stopped).is_err() {
-            return Err(err);
-        }
-        let Some(word) = remesh.lost(super::recover::LAUNCHER_WORD_WAIT) else {
+        let (word, meshed, unplanned) = match pending {
+            Some(p) => (p.word, p.meshed, p.unplanned),
+            // A launcher gone cannot be told: the failure is then the program's own.
+            None if super::processes::RecordWriter::recovery(RecoveryPhase::Stopped).is_err() => {
+                return Err(err);
+            }
+            None => (remesh.lost(super::recover::LAUNCHER_WORD_WAIT), None, false),
+        };
+        let Some(word) = word else {
             return Err(err);
         };
         let (lost, how, replaced) = (word.rank, word.how, word.replaced);
@@ -534,14 +546,20 @@ impl<T: Transport> Process<'_, T> {
         let host = traffic.is_some() && adopter == Some(rank);
         let regrouping = current(&mut *self.ep, &mut self.renewed);
         let points = own.lock().map_err(|_| super::rollback::poisoned())?;
-        let meshes = remesh.connect_without(regrouping, lost, host)?;
+        let meshes = match meshed {
+            Some(m) => m,
+            None => {
+                let m = remesh.connect_without(regrouping, lost, host)?;
+                super::processes::RecordWriter::recovery(RecoveryPhase::Meshed)?;
+                m
+            }
+        };
         drop(remesh);
-        super::processes::RecordWriter::recovery(RecoveryPhase::Meshed)?;
         self.hosted = meshes.hosted.map(Hosted::Idle);
         let mut ep = meshes.ep;
         // The adopter hosts the lost rank where it can take the segment over; then every
-        // survivor settles with it whether they do.
-        if meshes.lost_hosted {
+        // survivor settles with it whether they do (unless they did).
+        if meshes.lost_hosted && !unplanned {
             let held = match traffic {
                 Some(log) => Some(
                     log.lock()
@@ -584,6 +602,48 @@ impl<T: Transport> Process<'_, T> {
         self.renewed = Some(gone.ep);
         self.state = Some(gone.state);
         Ok(SegmentEnd::Relayout(gone.change, standing))
+    }
+}
+
+impl<T: Transport> Process<'_, T> {
+    /// After a segment run where this worker could go on where it stood after a loss
+    /// ([`run_standing`]): where it did, the mesh it went on over, the layout change to make
+    /// at the segment's end, and on the adopter, the lost program's end-of-segment exchange,
+    /// are this worker's from now on, and `true` is returned; where its recovery stopped part
+    /// way, the failure's recovery goes on from there ([`Process::after_failure`]).
+    ///
+    /// # Errors
+    /// The recovery's own failure, or the adopted program's.
+    fn after_standing(&mut self, plan: &RunPlan, stood: StoodEnd) -> Result<bool> {
+        let recovered = match stood.outcome {
+            Outcome::Untouched => return Ok(false),
+            Outcome::Failed(e) => return Err(e),
+            Outcome::Pending(p) => {
+                self.pending = Some(p);
+                return Ok(false);
+            }
+            Outcome::Recovered(r) => r,
+        };
+        let renewed = stood
+            .renewed
+            .ok_or_else(|| StageError::Executor("a recovery without its mesh".into()))?;
+        self.renewed = Some(renewed);
+        self.replacement_coming = false;
+        self.taken_over = Some(recovered.change);
+        // The lost rank's endpoint of an earlier loss served the mesh just left.
+        self.hosted = None;
+        if let Some(adopted) = stood.adopted {
+            let (hosted, st, out) = adopted?;
+            // The lost program's figures before its boundary went with it; the chief has its
+            // losses from its reports.
+            let (plan, index) = (plan.clone(), self.index);
+            self.hosted = Some(Hosted::Ending(std::thread::spawn(move || {
+                let mut hosted = hosted;
+                report_to_chief(&mut hosted, &out, (&plan, &st), index)?;
+                Ok(hosted)
+            })));
+        }
+        Ok(true)
     }
 }
 
@@ -634,7 +694,7 @@ impl<T: Transport> Process<'_, T> {
         failed: Failure<'_, '_>,
         obs: &mut dyn Observer,
     ) -> Result<SegmentEnd> {
-        let (run, cfg, index) = (self.run, self.run.cfg, self.index);
+        let (run, index) = (self.run, self.index);
         let me = ep.rank();
         let lost = adopted.lost;
         let (losses, rx, tx) = failed.relay;
@@ -668,7 +728,12 @@ impl<T: Transport> Process<'_, T> {
             .ok_or_else(|| StageError::Executor("a takeover without a traffic log".into()))?;
         let kept = {
             let mut log = log.lock().map_err(|_| super::rollback::poisoned())?;
-            super::takeover::hand_over(ep.as_mut(), plan, &adopted.versions, (&mut log, latest))?
+            super::takeover::hand_over(
+                ep.as_mut(),
+                (plan, super::adopt::GoesOn::AtBoundary),
+                &adopted.versions,
+                (&mut log, latest),
+            )?
         };
         losses.restart(
             ep.as_mut(),
@@ -681,30 +746,13 @@ impl<T: Transport> Process<'_, T> {
         let be = &self.be;
         let ran = run.with_setup(plan, self.data, (at.epoch, at.done), Some(tx), |setup| {
             std::thread::scope(|s| {
-                let adoption = lost_part.take().map(|(hosted, resume, mut st)| {
-                    s.spawn(move || {
-                        let (tx, rx) = crossbeam_channel::unbounded();
-                        let setup = super::setup::Setup {
-                            progress: Some(&tx),
-                            ..*setup
-                        };
-                        let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), lost)?;
-                        let mut relay = LossRelay::new(run, plan, at, index, lost);
-                        let mut quiet = super::observe::Quiet;
-                        let mut ep = Serving::new(hosted, Default::default());
-                        let out = resume_worker_with(
-                            &be,
-                            &mut ep,
-                            &setup,
-                            &mut st,
-                            resume,
-                            t,
-                            &mut Polling::of(&mut relay, &rx, &mut quiet),
-                        )?;
-                        let mut ep = ep.into_inner();
-                        relay.poll(&mut ep, &rx, &mut quiet)?;
-                        Ok::<_, StageError>((ep, st, out))
-                    })
+                let adoption = lost_part.take().map(|(hosted, resume, state)| {
+                    let job = AdoptJob {
+                        hosted,
+                        resume,
+                        state,
+                    };
+                    s.spawn(move || run_adopted((run, plan, at, index), setup, job, t))
                 });
                 let mut served = Serving::new(&mut ep, kept);
                 let own = resume_worker_with(be, &mut served, setup, &mut state, resume, t, &mut {
@@ -733,6 +781,154 @@ impl<T: Transport> Process<'_, T> {
         }
         self.end_segment(plan, before.followed_by(own), (losses, rx), obs)
     }
+}
+
+/// This worker's state for a segment of `setup`'s plan: made from its start for its first
+/// segment (a follower then lets the start go; the chief reports its first update's phase).
+///
+/// # Errors
+/// A worker without its start, or whose start does not fit the plan.
+fn ready_state<'s>(
+    (state, start): (&'s mut Option<WorkerState>, &mut Option<Start>),
+    setup: &super::setup::Setup<'_>,
+    cfg: &RunConfig,
+    rank: u32,
+    obs: &mut dyn Observer,
+) -> Result<&'s mut WorkerState> {
+    if state.is_none() {
+        let from = start
+            .as_ref()
+            .ok_or_else(|| StageError::Executor("a worker without its start".into()))?;
+        *state = Some(from.state_of(setup, cfg, rank)?);
+        if rank != CHIEF {
+            *start = None;
+        } else {
+            obs.on_start_phase(super::StartPhase::FirstUpdate)?;
+        }
+    }
+    state
+        .as_mut()
+        .ok_or_else(|| StageError::Executor("a worker without state".into()))
+}
+
+/// A segment's context: the run, its plan, the segment and its number.
+type SegmentOf<'r> = (&'r Run<'r>, &'r RunPlan, &'r Segment, u32);
+
+/// The recovery where it stands of `st`'s worker in segment `ctx`, where a takeover can go
+/// on that way: its rollback points and traffic log (`logs`), and where its stage has another
+/// replica, a copy of its state at the segment's start for the lost program it may adopt.
+/// `None` where a takeover is refused (gradient clipping, tied parameters, several updates a
+/// step).
+fn in_place_for<'r>(
+    (run, plan, at, index): SegmentOf<'r>,
+    st: &WorkerState,
+    remesh: super::recover::RemeshHandle,
+    (points, traffic): (Arc<std::sync::Mutex<Points>>, SharedTraffic),
+    moved: super::in_place::MovedOn,
+) -> Option<InPlace<'r>> {
+    let clips = st
+        .stages
+        .iter()
+        .any(|s| s.opt.optimizer().config().grad_clip.is_some());
+    if super::adopt::refused(plan, &run.model, clips).is_some() {
+        return None;
+    }
+    let layout = plan.schedule.layout();
+    let replicated = st.stages.iter().any(|s| layout.group(s.stage).count() > 1);
+    Some(InPlace {
+        plan,
+        cfg: run.cfg,
+        at: (at.done, index),
+        remesh,
+        points,
+        traffic,
+        start: replicated.then(|| st.clone()),
+        adopt: None,
+        moved,
+        outcome: Outcome::Untouched,
+    })
+}
+
+/// How a segment run where its worker may go on in place ended ([`run_standing`]).
+struct StoodEnd {
+    /// The mesh it went on over.
+    renewed: Option<Box<dyn Transport>>,
+    /// What became of the recovery.
+    outcome: Outcome,
+    /// The lost program this worker adopted, once it ended.
+    adopted: Option<Result<(Endpoint, WorkerState, WorkerOutcome)>>,
+}
+
+/// Runs `st`'s program of `setup`'s plan over `logging`, going on where it stands after a
+/// loss (`in_place`); on the lost worker's adopter, the lost program runs on a thread of its
+/// own beside it ([`run_adopted`]).
+fn run_standing<B: pipe_kernels::Backend, E: Transport>(
+    be: &B,
+    logging: Logging<E>,
+    mut in_place: InPlace<'_>,
+    (setup, st, t): (&super::setup::Setup<'_>, &mut WorkerState, Instant),
+    between: &mut Polling<'_, '_>,
+    ctx: SegmentOf<'_>,
+) -> (Result<WorkerOutcome>, StoodEnd) {
+    let (tx, rx) = crossbeam_channel::bounded::<AdoptJob>(1);
+    in_place.adopt = Some(tx);
+    std::thread::scope(|s| {
+        let adoption = s.spawn(move || {
+            let job = rx.recv().ok()?;
+            Some(run_adopted(ctx, setup, job, Instant::now()))
+        });
+        let mut ep = Recovering::new(logging, in_place);
+        let own = run_worker_with(be, &mut ep, setup, st, t, between);
+        let (renewed, in_place) = ep.into_parts();
+        // The lost program's thread waits for a job no more.
+        let InPlace { outcome, adopt, .. } = in_place;
+        drop(adopt);
+        let adopted = adoption.join().unwrap_or_else(|_| {
+            Some(Err(StageError::Executor(
+                "the adopted program panicked".into(),
+            )))
+        });
+        let end = StoodEnd {
+            renewed,
+            outcome,
+            adopted,
+        };
+        (own, end)
+    })
+}
+
+/// The lost worker's program of segment `at` (number `index`) of `plan`, resumed on the
+/// adopter over the lost rank's endpoint it hosts (`job`), on a thread of its own beside its
+/// own program: its endpoint, state and figures when it ends.
+///
+/// # Errors
+/// As [`resume_worker_with`]; its loss reports that cannot be sent.
+fn run_adopted<'r>(
+    (run, plan, at, index): (&'r Run<'r>, &RunPlan, &'r Segment, u32),
+    setup: &super::setup::Setup<'_>,
+    job: AdoptJob,
+    t: Instant,
+) -> Result<(Endpoint, WorkerState, WorkerOutcome)> {
+    let AdoptJob {
+        hosted,
+        resume,
+        mut state,
+    } = job;
+    let (lost, cfg) = (state.worker, run.cfg);
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let setup = super::setup::Setup {
+        progress: Some(&tx),
+        ..*setup
+    };
+    let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), lost)?;
+    let mut relay = LossRelay::new(run, plan, at, index, lost);
+    let mut quiet = super::observe::Quiet;
+    let mut ep = Serving::new(hosted, Default::default());
+    let between = &mut Polling::of(&mut relay, &rx, &mut quiet);
+    let out = resume_worker_with(&be, &mut ep, &setup, &mut state, resume, t, between)?;
+    let mut ep = ep.into_inner();
+    relay.poll(&mut ep, &rx, &mut quiet)?;
+    Ok((ep, state, out))
 }
 
 /// The figures over the steps of a failed segment that stand, once its survivors have gone
@@ -838,42 +1034,54 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             }
             _ => None,
         };
+        let moved = super::in_place::MovedOn::default();
+        losses.moved = Some(moved.clone());
         let ep = current(&mut *self.ep, &mut self.renewed);
         let (be, state, start) = (&self.be, &mut self.state, &mut self.start);
-        let outcome = run.with_setup(plan, self.data, (at.epoch, at.done), Some(&tx), |setup| {
-            if state.is_none() {
-                let from = start
-                    .as_ref()
-                    .ok_or_else(|| StageError::Executor("a worker without its start".into()))?;
-                *state = Some(from.state_of(setup, cfg, rank)?);
-                if rank != CHIEF {
-                    *start = None;
-                } else {
-                    obs.on_start_phase(super::StartPhase::FirstUpdate)?;
+        let remesh = self.remesh.clone();
+        let ctx = (run, plan, at, index);
+        let (outcome, stood) =
+            run.with_setup(plan, self.data, (at.epoch, at.done), Some(&tx), |setup| {
+                let st = match ready_state((state, start), setup, cfg, rank, obs) {
+                    Ok(st) => st,
+                    Err(e) => return (Err(e), None),
+                };
+                st.keeper = points
+                    .get(rank as usize)
+                    .map(|p| p.clone() as super::exec::SharedKeeper);
+                let between = &mut Polling::of(&mut losses, &rx, obs);
+                let (Some(log), Some(p), Some(remesh)) =
+                    (&traffic, points.get(rank as usize), remesh)
+                else {
+                    return (run_worker_with(be, ep, setup, st, t, between), None);
+                };
+                let logging = Logging::new(&mut *ep, log.clone(), p.clone());
+                let logs = (p.clone(), log.clone());
+                match in_place_for(ctx, st, remesh, logs, moved) {
+                    Some(in_place) => {
+                        let (own, stood) =
+                            run_standing(be, logging, in_place, (setup, st, t), between, ctx);
+                        (own, Some(stood))
+                    }
+                    None => {
+                        let mut ep = logging;
+                        (run_worker_with(be, &mut ep, setup, st, t, between), None)
+                    }
                 }
-            }
-            let st = state
-                .as_mut()
-                .ok_or_else(|| StageError::Executor("a worker without state".into()))?;
-            st.keeper = points
-                .get(rank as usize)
-                .map(|p| p.clone() as super::exec::SharedKeeper);
-            let between = &mut Polling::of(&mut losses, &rx, obs);
-            match (&traffic, points.get(rank as usize)) {
-                (Some(log), Some(p)) => {
-                    let mut ep = Logging::new(&mut *ep, log.clone(), p.clone());
-                    run_worker_with(be, &mut ep, setup, st, t, between)
-                }
-                _ => run_worker_with(be, ep, setup, st, t, between),
-            }
-        });
+            });
         if let Some(st) = &self.state {
             let segment = (plan.schedule.resolved.policy, at.len as u32);
             let stall = outcome.as_ref().err().and_then(StageError::stall_key);
             *self.stop = Some(StopReport::new(rank, segment, &st.progress, stall));
         }
+        let went_on = match stood {
+            Some(stood) => self.after_standing(plan, stood)?,
+            None => false,
+        };
         let outcome = match outcome {
             Ok(outcome) => outcome,
+            // A failure after the program went on in place is the run's, as after a takeover.
+            Err(e) if went_on => return Err(e),
             Err(e) => {
                 let failed = Failure {
                     points: &points,
@@ -891,6 +1099,7 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         // from the rollback points (this worker's state is the segment's end by now).
         match self.end_segment(plan, outcome, (&mut losses, &rx), obs) {
             Ok(end) => Ok(end),
+            Err(e) if went_on => Err(e),
             Err(e) => {
                 // Finished with its program: its state is the segment's end, no start to
                 // resume from, so no takeover.
@@ -1063,6 +1272,9 @@ struct LossRelay<'r> {
     /// cut short for a replacement that comes).
     runs_below: u32,
     live: LiveSteps<'r>,
+    /// Set to the lost worker's rank when this worker's program went on where it stood after
+    /// a loss ([`super::in_place`]): the relay numbers its reports on the new mesh.
+    moved: Option<super::in_place::MovedOn>,
 }
 
 impl<'r> LossRelay<'r> {
@@ -1085,7 +1297,40 @@ impl<'r> LossRelay<'r> {
             before_restart: Vec::new(),
             runs_below: u32::MAX,
             live: LiveSteps::new(run, plan, seg),
+            moved: None,
         }
+    }
+
+    /// After this worker's program went on where it stood on a new mesh (the signal says
+    /// so): another worker sends the chief every report it produced again, under the same
+    /// numbers (one the chief already read stays unread); the chief takes the lost worker's
+    /// reports from 0, as its program resumed at a boundary numbers them, keeping those it
+    /// had for [`LossRelay::complete_lost`].
+    fn moved_on<T: Transport + ?Sized>(
+        &mut self,
+        ep: &mut T,
+        rx: &crossbeam_channel::Receiver<Report>,
+    ) -> Result<()> {
+        let Some(lost) = self.moved.as_ref().and_then(super::in_place::MovedOn::take) else {
+            return Ok(());
+        };
+        if self.rank == CHIEF {
+            for r in self.reporters.iter_mut().filter(|r| r.0 == lost) {
+                r.1 = 0;
+            }
+            let (theirs, rest) = std::mem::take(&mut self.taken)
+                .into_iter()
+                .partition(|&(from, _)| from == lost);
+            self.taken = rest;
+            self.before_restart = theirs;
+            return Ok(());
+        }
+        self.produced.extend(rx.try_iter());
+        self.sent = 0;
+        for report in self.produced.clone() {
+            self.send(ep, report)?;
+        }
+        Ok(())
     }
 
     /// Between two actions: forwards this worker's new losses (another worker), or takes them
@@ -1096,13 +1341,16 @@ impl<'r> LossRelay<'r> {
         rx: &crossbeam_channel::Receiver<Report>,
         obs: &mut dyn Observer,
     ) -> Result<()> {
+        self.moved_on(ep, rx)?;
         while let Ok(report) = rx.try_recv() {
             if self.rank == CHIEF {
                 self.live.add(report, obs)?;
                 continue;
             }
-            self.send(ep, report)?;
+            // Kept before it is sent: one that fails on a loss is sent again.
             self.produced.push(report);
+            self.send(ep, report)?;
+            self.moved_on(ep, rx)?;
         }
         if self.rank != CHIEF {
             return Ok(());
@@ -1112,6 +1360,7 @@ impl<'r> LossRelay<'r> {
         // chief's actions each to read.
         for i in 0..self.reporters.len() {
             loop {
+                self.moved_on(ep, rx)?;
                 let (w, next) = self.reporters[i];
                 let key = control(w, CHIEF, TOPIC_LOSS, self.index, next);
                 let Some(m) = ep.try_recv(&key)? else { break };
