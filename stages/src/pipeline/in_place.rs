@@ -161,11 +161,7 @@ impl InPlace<'_> {
     ///
     /// # Errors
     /// A mesh, settlement or hand-over that failed: the worker's failure.
-    fn recover(
-        &mut self,
-        e: &TransportError,
-        old: &mut dyn Transport,
-    ) -> Result<Option<GoingOn>> {
+    fn recover(&mut self, e: &TransportError, old: &mut dyn Transport) -> Result<Option<GoingOn>> {
         let (plan, (done, index)) = (self.plan, self.at);
         if !matches!(e, TransportError::Aborted { .. }) {
             old.abort();
@@ -213,7 +209,7 @@ impl InPlace<'_> {
             lost_hosted,
         } = meshed;
         let own = self.points.clone();
-        let points = own.lock().map_err(|_| poisoned("a rollback point"))?;
+        let mut points = own.lock().map_err(|_| poisoned("a rollback point"))?;
         let latest = points.latest();
         let held = self
             .traffic
@@ -226,7 +222,7 @@ impl InPlace<'_> {
         };
         let planned =
             super::takeover::settle(ep.as_mut(), (plan, index), lost, Some(held), adopting)?;
-        let Some(versions) = planned else {
+        let Some(planned) = planned else {
             drop(points);
             self.outcome = Outcome::Pending(Pending {
                 word: Some(word),
@@ -240,16 +236,18 @@ impl InPlace<'_> {
             return Ok(None);
         };
         RecordWriter::recovery(RecoveryPhase::Planned)?;
-        let ends_at = super::adopt::takeover_ends_at(plan, &versions, false);
-        let in_flight = super::adopt::update_in_flight(plan, &versions);
+        let versions = &planned.versions;
+        let ends_at = super::adopt::takeover_ends_at(plan, versions, false);
+        let in_flight = super::adopt::update_in_flight(plan, versions);
         if let Some(hosted) = hosted {
-            self.adopt_lost(hosted, lost, versions[lost as usize], (&points, ends_at))?;
+            let version = versions.get(lost as usize).copied().unwrap_or(0);
+            self.adopt_lost(hosted, lost, version, (&mut points, ends_at))?;
         }
         drop(points);
         let kept = {
             let mut log = self.traffic.lock().map_err(|_| poisoned("a traffic log"))?;
             let goes_on = (plan, GoesOn::WhereItStood);
-            super::takeover::hand_over(ep.as_mut(), goes_on, &versions, (&mut log, latest))?
+            super::takeover::hand_over(ep.as_mut(), goes_on, &planned, (&mut log, latest))?
         };
         self.moved.set(lost);
         RecordWriter::recovery(RecoveryPhase::Restarted)?;
@@ -260,21 +258,23 @@ impl InPlace<'_> {
         Ok(Some((ep, kept)))
     }
 
-    /// Hands the lost program, resumed at `version` from this worker's `points` and ending at
-    /// step `ends_at`, to the thread that runs it beside this worker's own.
+    /// Hands the lost program, resumed at `version` and ending at step `ends_at`, to the
+    /// thread that runs it beside this worker's own. Its states are moved out of this
+    /// worker's `points`, not copied: this worker's program went on where it stood, so no
+    /// recovery of this segment reads them again.
     fn adopt_lost(
         &mut self,
         hosted: Endpoint,
         lost: u32,
         version: u32,
-        (points, ends_at): (&Points, u64),
+        (points, ends_at): (&mut Points, u64),
     ) -> Result<()> {
         let start = self
             .start
             .as_ref()
             .ok_or_else(|| StageError::Executor("an adopter without its start".into()))?;
         let (mut resume, state) =
-            super::adopt::resume_from(self.plan, lost, version, (points, start))?;
+            super::adopt::resume_taking(self.plan, lost, version, (points, start))?;
         super::adopt::end_at_step(self.plan, lost, &mut resume, ends_at)?;
         let job = AdoptJob {
             hosted,

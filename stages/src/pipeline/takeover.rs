@@ -88,14 +88,41 @@ fn encode_held(h: Option<&Held>) -> Vec<u8> {
     let mut b = vec![1];
     b.extend_from_slice(&h.latest.to_le_bytes());
     for keys in [&h.received, &h.sent] {
-        b.extend_from_slice(&(keys.len() as u32).to_le_bytes());
-        for k in keys {
-            for word in [k.from, k.to, kind_code(k.kind), k.stage, k.index, k.step] {
-                b.extend_from_slice(&word.to_le_bytes());
-            }
-        }
+        encode_keys(&mut b, keys);
     }
     b
+}
+
+/// A list of keys as it travels: a count (u32) and six u32 per key, little-endian.
+fn encode_keys(b: &mut Vec<u8>, keys: &HashSet<Key>) {
+    b.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    for k in keys {
+        for word in [k.from, k.to, kind_code(k.kind), k.stage, k.index, k.step] {
+            b.extend_from_slice(&word.to_le_bytes());
+        }
+    }
+}
+
+/// [`encode_keys`] read back (`what`: the list, for errors); a count past what the record
+/// holds, or past [`MAX_HELD_KEYS`], is refused before anything is allocated for it.
+fn decode_keys(f: &mut Fields<'_>, what: &'static str) -> Result<HashSet<Key>> {
+    let count = |f: &mut Fields<'_>| f.u32().map(|n| n as usize);
+    let keys = f.records((0, what), (24, count), |f| {
+        let [from, to, kind, stage, index, step] =
+            [f.u32()?, f.u32()?, f.u32()?, f.u32()?, f.u32()?, f.u32()?];
+        Ok(Key {
+            from,
+            to,
+            kind: kind_of(kind)?,
+            stage,
+            index,
+            step,
+        })
+    })?;
+    if keys.len() > MAX_HELD_KEYS {
+        return Err(protocol(format!("a record naming {} keys", keys.len())));
+    }
+    Ok(keys.into_iter().collect())
 }
 
 /// [`encode_held`] read back; a count past what the record holds is refused before anything
@@ -107,29 +134,9 @@ fn decode_held(b: &[u8]) -> Result<Option<Held>> {
         return Ok(None);
     }
     let latest = f.u64()?;
-    let count = |f: &mut Fields<'_>| f.u32().map(|n| n as usize);
-    let mut lists = Vec::with_capacity(2);
-    for what in ["received keys", "sent keys"] {
-        let keys = f.records((0, what), (24, count), |f| {
-            let [from, to, kind, stage, index, step] =
-                [f.u32()?, f.u32()?, f.u32()?, f.u32()?, f.u32()?, f.u32()?];
-            Ok(Key {
-                from,
-                to,
-                kind: kind_of(kind)?,
-                stage,
-                index,
-                step,
-            })
-        })?;
-        if keys.len() > MAX_HELD_KEYS {
-            return Err(protocol(format!("a record naming {} keys", keys.len())));
-        }
-        lists.push(keys.into_iter().collect::<HashSet<Key>>());
-    }
+    let received = decode_keys(&mut f, "received keys")?;
+    let sent = decode_keys(&mut f, "sent keys")?;
     f.end()?;
-    let sent = lists.pop().unwrap_or_default();
-    let received = lists.pop().unwrap_or_default();
     Ok(Some(Held {
         latest,
         received,
@@ -137,29 +144,58 @@ fn decode_held(b: &[u8]) -> Result<Option<Held>> {
     }))
 }
 
-/// The adopter's plan as it travels: 0 (no takeover), or 1 and each worker's version.
-fn encode_plan(versions: Option<&[u32]>) -> Vec<u8> {
-    match versions {
+/// A takeover as the adopter planned it, for one survivor.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Planned {
+    /// The version each worker resumes at.
+    pub versions: Vec<u32>,
+    /// The keys of the messages this survivor sent that their receivers' logs hold: they
+    /// have them, and it need not hand them over ([`hand_over`]).
+    pub delivered: HashSet<Key>,
+}
+
+/// The adopter's plan as it travels: 0 (no takeover), or 1, each worker's version (u32),
+/// and the delivered keys ([`encode_keys`]), all little-endian.
+fn encode_plan(planned: Option<&Planned>) -> Vec<u8> {
+    match planned {
         None => vec![0],
-        Some(v) => {
+        Some(p) => {
             let mut b = vec![1];
-            b.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            b.extend(p.versions.iter().flat_map(|x| x.to_le_bytes()));
+            encode_keys(&mut b, &p.delivered);
             b
         }
     }
 }
 
 /// [`encode_plan`] read back, for a run of `workers` workers.
-fn decode_plan(b: &[u8], workers: u32) -> Result<Option<Vec<u32>>> {
-    match b.split_first() {
-        Some((0, [])) => Ok(None),
-        Some((1, rest)) if rest.len() == 4 * workers as usize => Ok(Some(
-            rest.chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        )),
-        _ => Err(protocol(format!("a malformed plan of {} bytes", b.len()))),
+fn decode_plan(b: &[u8], workers: u32) -> Result<Option<Planned>> {
+    let mut f = Fields::new(b, "takeover plan");
+    match f.u8()? {
+        0 => {
+            f.end()?;
+            Ok(None)
+        }
+        1 => {
+            let versions = (0..workers).map(|_| f.u32()).collect::<Result<_>>()?;
+            let delivered = decode_keys(&mut f, "delivered keys")?;
+            f.end()?;
+            Ok(Some(Planned {
+                versions,
+                delivered,
+            }))
+        }
+        k => Err(protocol(format!("a plan of kind {k}"))),
     }
+}
+
+/// The keys of the messages `from` sent that their receivers' logs hold, by what every
+/// survivor `held`.
+fn delivered_by(from: u32, held: &[Option<Held>]) -> HashSet<Key> {
+    held.iter()
+        .flatten()
+        .flat_map(|h| h.received.iter().filter(|k| k.from == from).copied())
+        .collect()
 }
 
 /// This survivor's side of a takeover of segment `index` of `plan`, after worker `lost` was
@@ -178,7 +214,7 @@ pub fn settle(
     lost: u32,
     held: Option<Held>,
     adopter: Option<(&Points, &WorkerState)>,
-) -> Result<Option<Vec<u32>>> {
+) -> Result<Option<Planned>> {
     let me = ep.rank();
     let adopting = adopter_of(plan, lost)?;
     let workers = plan.schedule.workers();
@@ -224,27 +260,44 @@ pub fn settle(
             None
         }
     };
-    let bytes = encode_plan(planned.as_deref());
+    let of = |w: u32| {
+        planned.as_ref().map(|versions| Planned {
+            versions: versions.clone(),
+            delivered: delivered_by(w, &all),
+        })
+    };
     for w in (0..workers).filter(|&w| w != me && w != lost) {
-        ep.send(Message::from_bytes(key(me, w, 1), &bytes))?;
+        ep.send(Message::from_bytes(
+            key(me, w, 1),
+            &encode_plan(of(w).as_ref()),
+        ))?;
     }
-    Ok(planned)
+    Ok(of(me))
 }
 
 /// Sends every message of `traffic` (worker `from`'s log) that another worker's program,
-/// resumed at `versions`, reads and `from`'s own does not send again as it `goes_on`, over
-/// `ep`; returns the messages `from` itself received, by key, for its own program.
+/// resumed as `planned`, reads, its receiver's log does not hold, and `from`'s own does not
+/// send again as it `goes_on`, over `ep`; returns the messages `from` itself received, by
+/// key, for its own program.
 ///
 /// # Errors
 /// A version no program reaches; a send that fails.
 pub fn hand_over(
     ep: &mut dyn Transport,
     (plan, goes_on): (&RunPlan, GoesOn),
-    versions: &[u32],
+    planned: &Planned,
     (traffic, latest): (&mut Traffic, u64),
 ) -> Result<std::collections::HashMap<Key, Message>> {
     let from = ep.rank();
-    let wanted = handed_over(plan, (from, goes_on), versions, &traffic.held(latest))?;
+    let mut wanted = handed_over(
+        plan,
+        (from, goes_on),
+        &planned.versions,
+        &traffic.held(latest),
+    )?;
+    // What a receiver's log holds it has: a resumed program is served it from there, and one
+    // that stood has read it.
+    wanted.retain(|k| !planned.delivered.contains(k));
     for m in traffic.take_sent(&wanted) {
         ep.send(m)?;
     }
@@ -302,15 +355,23 @@ mod tests {
 
     #[test]
     fn plans_round_trip_and_malformed_ones_are_refused() {
-        let v = [3u32, 4, 3, 5];
+        let v = Planned {
+            versions: vec![3, 4, 3, 5],
+            delivered: [k(1), k(2)].into(),
+        };
         assert_eq!(
             decode_plan(&encode_plan(Some(&v)), 4).ok(),
-            Some(Some(v.to_vec()))
+            Some(Some(v.clone()))
         );
         assert_eq!(decode_plan(&encode_plan(None), 4).ok(), Some(None));
         for bad in [&[][..], &[2], &[0, 0], &[1, 0, 0, 0]] {
             assert!(decode_plan(bad, 4).is_err(), "{bad:?}");
         }
         assert!(decode_plan(&encode_plan(Some(&v)), 3).is_err());
+        assert!(decode_plan(&encode_plan(Some(&v)), 5).is_err());
+        // A count of delivered keys past what the plan holds.
+        let mut long = encode_plan(Some(&v));
+        long.truncate(1 + 16 + 4 + 24);
+        assert!(decode_plan(&long, 4).is_err());
     }
 }

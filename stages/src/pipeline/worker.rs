@@ -572,16 +572,16 @@ impl<T: Transport> Process<'_, T> {
             let planned =
                 super::takeover::settle(ep.as_mut(), (plan, self.index), lost, held, adopting)?;
             drop(points);
-            if let Some(versions) = planned {
+            if let Some(planned) = planned {
                 super::processes::RecordWriter::recovery(RecoveryPhase::Planned)?;
                 // A replacement comes: the segment ends at its update in flight, where the
                 // replacement can join, and not at its end.
-                let ends_at = super::adopt::takeover_ends_at(plan, &versions, replaced);
-                let in_flight = super::adopt::update_in_flight(plan, &versions);
+                let ends_at = super::adopt::takeover_ends_at(plan, &planned.versions, replaced);
+                let in_flight = super::adopt::update_in_flight(plan, &planned.versions);
                 let adopted = Adopted {
                     lost,
                     change: change.taken_over(ends_at, in_flight),
-                    versions,
+                    planned,
                     ends_at,
                 };
                 return self.run_taken_over(plan, at, (ep, adopted), failed, obs);
@@ -657,8 +657,8 @@ struct Adopted {
     lost: u32,
     /// The layout change, made at the segment's end.
     change: LayoutChange,
-    /// The version each worker resumes at.
-    versions: Vec<u32>,
+    /// The version each worker resumes at, and what this worker need not hand over.
+    planned: super::takeover::Planned,
     /// The steps of the segment it runs to ([`super::adopt::takeover_ends_at`]).
     ends_at: u64,
 }
@@ -705,7 +705,10 @@ impl<T: Transport> Process<'_, T> {
             .ok_or_else(|| StageError::Executor("a worker without rollback points".into()))?
             .lock()
             .map_err(|_| super::rollback::poisoned())?;
-        let version = |w: u32| adopted.versions.get(w as usize).copied().unwrap_or(0);
+        let version = |w: u32| {
+            let versions = &adopted.planned.versions;
+            versions.get(w as usize).copied().unwrap_or(0)
+        };
         // The adopter's lost program copies its stage's state from the points; its own
         // program then moves it out (replicas agree at every step boundary).
         let mut lost_part = match self.hosted.take() {
@@ -731,7 +734,7 @@ impl<T: Transport> Process<'_, T> {
             super::takeover::hand_over(
                 ep.as_mut(),
                 (plan, super::adopt::GoesOn::AtBoundary),
-                &adopted.versions,
+                &adopted.planned,
                 (&mut log, latest),
             )?
         };
