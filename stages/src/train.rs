@@ -69,14 +69,16 @@ pub struct LostStats {
 #[serde(rename_all = "lowercase")]
 pub enum RecoveryPhase {
     /// Its program stopped on the loss (its link to the lost worker closed, or a peer or its
-    /// launcher stopped it).
+    /// launcher stopped it); where it goes on where it stood, a call of its endpoint failed
+    /// on the loss.
     Stopped,
     /// Its mesh without the lost worker is connected (over QUIC, regrouped; with the lost
     /// rank hosted by its stage's other replica where the segment is taken over).
     Meshed,
     /// The takeover is settled: the version each worker resumes at.
     Planned,
-    /// Its programs run again (on the adopter, the lost worker's too).
+    /// Its programs run again, or its program goes on where it stood (on the adopter, the
+    /// lost worker's runs too).
     Restarted,
 }
 

@@ -9,7 +9,8 @@
 //! what lets a run survive faults: a lost replica's stage going on with one replica fewer
 //! ([`survive`]) and a failed run starting again from its newest checkpoint ([`restart`]),
 //! both driven for threads and processes alike by one driver ([`relaunch`]), and a worker's
-//! program resumed at a step boundary from its stage's kept state ([`resume`]). The stale weights
+//! program resumed at a step boundary from its stage's kept state ([`resume`]) or, in a worker
+//! process, going on where it stood while its endpoint regroups under it ([`in_place`]). The stale weights
 //! a delay compensation measures an update against are worked out in one place ([`stale`]),
 //! and the gradient norms that clipping adds across stages in another ([`clip`]).
 //!
