@@ -55,8 +55,6 @@ pub struct AdoptJob {
     pub resume: Resume,
     /// Its stage's state at the boundary.
     pub state: WorkerState,
-    /// What the adopter's log holds that it reads, handed to it in memory.
-    pub kept: HashMap<Key, Message>,
 }
 
 /// How far a recovery where the survivors stood got before it could not go on: what the
@@ -241,35 +239,16 @@ impl InPlace<'_> {
         let versions = &planned.versions;
         let ends_at = super::adopt::takeover_ends_at(plan, versions, false);
         let in_flight = super::adopt::update_in_flight(plan, versions);
-        let job = match hosted {
-            Some(hosted) => {
-                let version = versions.get(lost as usize).copied().unwrap_or(0);
-                Some(self.lost_program(hosted, lost, version, (&mut points, ends_at))?)
-            }
-            None => None,
-        };
+        if let Some(hosted) = hosted {
+            let version = versions.get(lost as usize).copied().unwrap_or(0);
+            self.adopt_lost(hosted, lost, version, (&mut points, ends_at))?;
+        }
         drop(points);
-        let handed = {
+        let kept = {
             let mut log = self.traffic.lock().map_err(|_| poisoned("a traffic log"))?;
             let goes_on = (plan, GoesOn::WhereItStood);
-            let beside = job.as_ref().map(|_| lost);
-            super::takeover::hand_over(
-                ep.as_mut(),
-                goes_on,
-                (&planned, beside),
-                (&mut log, latest),
-            )?
+            super::takeover::hand_over(ep.as_mut(), goes_on, &planned, (&mut log, latest))?
         };
-        if let Some(mut job) = job {
-            job.kept = handed.beside;
-            self.adopt
-                .take()
-                .and_then(|tx| tx.send(job).ok())
-                .ok_or_else(|| {
-                    StageError::Executor("the adopted program's thread is gone".into())
-                })?;
-        }
-        let kept = handed.own;
         self.moved.set(lost);
         RecordWriter::recovery(RecoveryPhase::Restarted)?;
         self.outcome = Outcome::Recovered(Recovered {
@@ -279,17 +258,17 @@ impl InPlace<'_> {
         Ok(Some((ep, kept)))
     }
 
-    /// The lost program, resumed at `version` and ending at step `ends_at`, for the thread
-    /// that runs it beside this worker's own. Its states are moved out of this worker's
-    /// `points`, not copied: this worker's program went on where it stood, so no recovery of
-    /// this segment reads them again.
-    fn lost_program(
-        &self,
+    /// Hands the lost program, resumed at `version` and ending at step `ends_at`, to the
+    /// thread that runs it beside this worker's own. Its states are moved out of this
+    /// worker's `points`, not copied: this worker's program went on where it stood, so no
+    /// recovery of this segment reads them again.
+    fn adopt_lost(
+        &mut self,
         hosted: Endpoint,
         lost: u32,
         version: u32,
         (points, ends_at): (&mut Points, u64),
-    ) -> Result<AdoptJob> {
+    ) -> Result<()> {
         let start = self
             .start
             .as_ref()
@@ -297,12 +276,15 @@ impl InPlace<'_> {
         let (mut resume, state) =
             super::adopt::resume_taking(self.plan, lost, version, (points, start))?;
         super::adopt::end_at_step(self.plan, lost, &mut resume, ends_at)?;
-        Ok(AdoptJob {
+        let job = AdoptJob {
             hosted,
             resume,
             state,
-            kept: HashMap::new(),
-        })
+        };
+        self.adopt
+            .take()
+            .and_then(|tx| tx.send(job).ok())
+            .ok_or_else(|| StageError::Executor("the adopted program's thread is gone".into()))
     }
 }
 

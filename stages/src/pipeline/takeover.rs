@@ -277,19 +277,17 @@ pub fn settle(
 
 /// Sends every message of `traffic` (worker `from`'s log) that another worker's program,
 /// resumed as `planned`, reads, its receiver's log does not hold, and `from`'s own does not
-/// send again as it `goes_on`, over `ep`, except those for `beside`, a lost rank whose
-/// program `from` runs beside its own, which are returned instead (they need not cross the
-/// transport); returns too the messages `from` itself received, by key, for its own
-/// program.
+/// send again as it `goes_on`, over `ep`; returns the messages `from` itself received, by
+/// key, for its own program.
 ///
 /// # Errors
 /// A version no program reaches; a send that fails.
 pub fn hand_over(
     ep: &mut dyn Transport,
     (plan, goes_on): (&RunPlan, GoesOn),
-    (planned, beside): (&Planned, Option<u32>),
+    planned: &Planned,
     (traffic, latest): (&mut Traffic, u64),
-) -> Result<HandedOver> {
+) -> Result<std::collections::HashMap<Key, Message>> {
     let from = ep.rank();
     let mut wanted = handed_over(
         plan,
@@ -300,27 +298,10 @@ pub fn hand_over(
     // What a receiver's log holds it has: a resumed program is served it from there, and one
     // that stood has read it.
     wanted.retain(|k| !planned.delivered.contains(k));
-    let mut beside_kept = std::collections::HashMap::new();
     for m in traffic.take_sent(&wanted) {
-        if Some(m.key.to) == beside {
-            beside_kept.insert(m.key, m);
-        } else {
-            ep.send(m)?;
-        }
+        ep.send(m)?;
     }
-    Ok(HandedOver {
-        own: traffic.take_received(),
-        beside: beside_kept,
-    })
-}
-
-/// What a survivor keeps after handing over ([`hand_over`]), by key.
-#[derive(Debug, Default)]
-pub struct HandedOver {
-    /// The messages it received, for its own program.
-    pub own: std::collections::HashMap<Key, Message>,
-    /// The messages it sent that the lost program it runs beside its own reads.
-    pub beside: std::collections::HashMap<Key, Message>,
+    Ok(traffic.take_received())
 }
 
 #[cfg(test)]

@@ -734,10 +734,9 @@ impl<T: Transport> Process<'_, T> {
             super::takeover::hand_over(
                 ep.as_mut(),
                 (plan, super::adopt::GoesOn::AtBoundary),
-                (&adopted.planned, None),
+                &adopted.planned,
                 (&mut log, latest),
             )?
-            .own
         };
         losses.restart(
             ep.as_mut(),
@@ -755,7 +754,6 @@ impl<T: Transport> Process<'_, T> {
                         hosted,
                         resume,
                         state,
-                        kept: Default::default(),
                     };
                     s.spawn(move || run_adopted((run, plan, at, index), setup, job, t))
                 });
@@ -918,7 +916,6 @@ fn run_adopted<'r>(
         hosted,
         resume,
         mut state,
-        kept,
     } = job;
     let (lost, cfg) = (state.worker, run.cfg);
     let (tx, rx) = crossbeam_channel::unbounded();
@@ -929,7 +926,7 @@ fn run_adopted<'r>(
     let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), lost)?;
     let mut relay = LossRelay::new(run, plan, at, index, lost);
     let mut quiet = super::observe::Quiet;
-    let mut ep = Serving::new(hosted, kept);
+    let mut ep = Serving::new(hosted, Default::default());
     let between = &mut Polling::of(&mut relay, &rx, &mut quiet);
     let out = resume_worker_with(&be, &mut ep, &setup, &mut state, resume, t, between)?;
     let mut ep = ep.into_inner();
