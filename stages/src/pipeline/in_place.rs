@@ -328,8 +328,9 @@ impl<'a, E: Transport> Recovering<'a, E> {
     /// After a call failed with `e`: `Ok` once the program can go on over the new mesh, else
     /// `e` back.
     fn goes_on_after(&mut self, e: TransportError) -> std::result::Result<(), TransportError> {
+        // Once only: a recovery that went on, stopped part way or failed is not tried again.
         let untouched = matches!(self.in_place.outcome, Outcome::Untouched);
-        if self.renewed.is_some() || !untouched || !on_a_loss(&e) {
+        if !untouched || !on_a_loss(&e) {
             return Err(e);
         }
         match self.in_place.recover(&e, self.logging.inner_mut()) {

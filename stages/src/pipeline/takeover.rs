@@ -373,5 +373,9 @@ mod tests {
         let mut long = encode_plan(Some(&v));
         long.truncate(1 + 16 + 4 + 24);
         assert!(decode_plan(&long, 4).is_err());
+        // An absurd count, refused before anything is allocated for it.
+        let mut absurd = encode_plan(Some(&v));
+        absurd[1 + 16..1 + 16 + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_plan(&absurd, 4).is_err());
     }
 }

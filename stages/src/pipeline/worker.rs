@@ -434,6 +434,19 @@ enum Hosted {
 }
 
 impl Hosted {
+    /// The adopted program of segment `index` of `plan`, `ended` (its endpoint, state and
+    /// figures): its end-of-segment exchange with the chief, on a thread of its own. Its
+    /// figures before its boundary went with the lost worker; the chief has its losses from
+    /// its reports.
+    fn ending(plan: &RunPlan, index: u32, ended: (Endpoint, WorkerState, WorkerOutcome)) -> Self {
+        let (mut hosted, st, out) = ended;
+        let plan = plan.clone();
+        Hosted::Ending(std::thread::spawn(move || {
+            report_to_chief(&mut hosted, &out, (&plan, &st), index)?;
+            Ok(hosted)
+        }))
+    }
+
     /// The endpoint, once the exchange has ended.
     ///
     /// # Errors
@@ -633,15 +646,7 @@ impl<T: Transport> Process<'_, T> {
         // The lost rank's endpoint of an earlier loss served the mesh just left.
         self.hosted = None;
         if let Some(adopted) = stood.adopted {
-            let (hosted, st, out) = adopted?;
-            // The lost program's figures before its boundary went with it; the chief has its
-            // losses from its reports.
-            let (plan, index) = (plan.clone(), self.index);
-            self.hosted = Some(Hosted::Ending(std::thread::spawn(move || {
-                let mut hosted = hosted;
-                report_to_chief(&mut hosted, &out, (&plan, &st), index)?;
-                Ok(hosted)
-            })));
+            self.hosted = Some(Hosted::ending(plan, self.index, adopted?));
         }
         Ok(true)
     }
@@ -772,15 +777,8 @@ impl<T: Transport> Process<'_, T> {
         self.renewed = Some(ep);
         self.state = Some(state);
         self.taken_over = Some(adopted.change);
-        if let Some((hosted, st, out)) = other {
-            // The lost program's figures before its boundary went with it; the chief has its
-            // losses from its reports.
-            let plan = plan.clone();
-            self.hosted = Some(Hosted::Ending(std::thread::spawn(move || {
-                let mut hosted = hosted;
-                report_to_chief(&mut hosted, &out, (&plan, &st), index)?;
-                Ok(hosted)
-            })));
+        if let Some(ended) = other {
+            self.hosted = Some(Hosted::ending(plan, index, ended));
         }
         self.end_segment(plan, before.followed_by(own), (losses, rx), obs)
     }
