@@ -393,6 +393,29 @@ impl<'a, E: Transport> Recovering<'a, E> {
     }
 }
 
+/// A payload's values handed to `take` once each. A sender lost part way through a payload
+/// leaves its first `taken` values handed over already (a transport that lends a payload as it
+/// arrives, [`Transport::recv_with`]); the same payload from the new mesh (the lost program's
+/// again, or its copy handed over) starts from its first value, and a sink that adds what it
+/// is handed (an all-reduce's reduce-scatter) must not see those again. A payload's blocks
+/// come in the order of their offsets.
+struct TakenOnce<'s, 't> {
+    take: &'s mut ValueSink<'t>,
+    /// Values handed over so far, from the payload's start.
+    taken: usize,
+}
+
+impl TakenOnce<'_, '_> {
+    /// Hands on the values of `block`, at offset `at`, that `take` has not had.
+    fn hand(&mut self, at: usize, block: &[f32]) {
+        let skip = self.taken.saturating_sub(at).min(block.len());
+        if skip < block.len() {
+            (self.take)(at + skip, &block[skip..]);
+        }
+        self.taken = self.taken.max(at + block.len());
+    }
+}
+
 impl<E: Transport> Transport for Recovering<'_, E> {
     fn rank(&self) -> u32 {
         self.active_ref().rank()
@@ -415,14 +438,18 @@ impl<E: Transport> Transport for Recovering<'_, E> {
         key: &Key,
         take: &mut ValueSink<'_>,
     ) -> std::result::Result<usize, TransportError> {
-        self.again(|t| t.recv_with(key, take))
+        let mut once = TakenOnce { take, taken: 0 };
+        self.again(|t| t.recv_with(key, &mut |at, block| once.hand(at, block)))
     }
     fn try_recv_with(
         &mut self,
         key: &Key,
         take: &mut ValueSink<'_>,
     ) -> std::result::Result<Option<usize>, TransportError> {
-        self.again_unless_control(key, |t| t.try_recv_with(key, take))
+        let mut once = TakenOnce { take, taken: 0 };
+        self.again_unless_control(key, |t| {
+            t.try_recv_with(key, &mut |at, block| once.hand(at, block))
+        })
     }
     fn send(&mut self, m: Message) -> std::result::Result<(), TransportError> {
         let r = self.active().send(m);
@@ -452,5 +479,33 @@ impl<E: Transport> Transport for Recovering<'_, E> {
     }
     fn interrupter(&self) -> Option<Interrupter> {
         self.active_ref().interrupter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_payload_cut_short_and_received_again_is_handed_over_once() {
+        let mut sum = [0.0f32; 6];
+        let mut take = |at: usize, block: &[f32]| {
+            for (s, v) in sum[at..at + block.len()].iter_mut().zip(block) {
+                *s += v;
+            }
+        };
+        let mut once = TakenOnce {
+            take: &mut take,
+            taken: 0,
+        };
+        let payload = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        // The first four values lent as they arrived, then the sender was lost.
+        once.hand(0, &payload[..2]);
+        once.hand(2, &payload[2..4]);
+        // The same payload from the new mesh, whole, then in other pieces.
+        once.hand(0, &payload);
+        once.hand(0, &payload[..3]);
+        once.hand(3, &payload[3..]);
+        assert_eq!(sum, payload);
     }
 }
