@@ -245,7 +245,7 @@ impl Coordinator for DelayedWorker<'_> {
             .weights
             .then(|| host_params(self.be, self.params.clone()))
             .transpose()?;
-        Ok((weights, None))
+        Ok(Drained::Gave(weights, None))
     }
 }
 

@@ -134,6 +134,10 @@ pub struct GoneOn {
     pub own: Option<WorkerOutcome>,
     /// The old layout's number of each of the new layout's workers.
     pub ranks: Vec<u32>,
+    /// This worker finished the segment before the one the chief stood in, and goes on from
+    /// its end, the start of the chief's (its figures are over and its segment counts one
+    /// more).
+    pub behind: bool,
 }
 
 /// A control key of the recovery exchange.
@@ -223,48 +227,36 @@ pub fn go_on(
     let mut ep: Box<dyn Transport> = Box::new(Renumbered::new(inner, ranks.clone())?);
     let id = ep.rank();
     let points = at.points.lock().map_err(|_| super::rollback::poisoned())?;
-    let mine = (points.latest(), points.earliest());
     // The mesh is new, so the exchange's keys need no segment number; each record carries
-    // its sender's instead, so that survivors that stood in different segments (a follower
-    // whose end-of-segment exchange the loss cut short, while the chief had gone on to the
-    // next) find it out rather than wait for each other's records without end.
-    let index = u64::from(at.index);
-    let step = if id == 0 {
-        let mut kept = vec![mine];
-        let mut apart = None;
-        for w in 1..ep.size() {
-            let m = ep.recv(&key(w, 0, 0, 0))?;
-            let [latest, earliest, theirs] = read_words::<3>(&m.into_bytes()?)?;
-            kept.push((latest, earliest));
-            apart = apart.or((theirs != index).then_some((w, theirs)));
-        }
-        let step = match apart {
-            Some(_) => APART,
-            None => settle(&kept, at.len),
-        };
-        for w in 1..ep.size() {
-            ep.send(Message::from_bytes(key(0, w, 0, 1), &step.to_le_bytes()))?;
-        }
-        if let Some((w, theirs)) = apart {
-            return Err(protocol(format!(
-                "worker {w} stood in segment {theirs}, the chief in segment {index}"
-            )));
-        }
-        step
+    // its sender's instead, so that survivors that stood in different segments find it out
+    // rather than wait for each other's records without end.
+    let mine = Stood {
+        latest: points.latest(),
+        earliest: points.earliest(),
+        index: u64::from(at.index),
+        finished: at.start.is_none(),
+    };
+    let (step, behind_me) = if id == 0 {
+        chief_settles(ep.as_mut(), &mine, at.len)?
     } else {
-        let b: Vec<u8> = [mine.0, mine.1, index]
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .collect();
-        ep.send(Message::from_bytes(key(id, 0, 0, 0), &b))?;
+        ep.send(Message::from_bytes(key(id, 0, 0, 0), &mine.to_bytes()))?;
         let m = ep.recv(&key(0, id, 0, 1))?;
         match read_words::<1>(&m.into_bytes()?)?[0] {
             APART => return Err(protocol("the survivors stood in different segments".into())),
-            step => step,
+            step => (step, false),
         }
     };
     let minibatch = u64::from(at.plan.schedule.resolved.minibatch.max(1));
     let state = match (step, at.start) {
+        // This worker finished the segment before the chief's and stands at its end.
+        (BEHIND, _) => WorkerState {
+            worker: id,
+            stages: vec![points.state_at(mine.latest).ok_or_else(|| {
+                protocol(format!("worker {me} no longer holds its segment's end"))
+            })?],
+            progress: super::doctor::StopPoint::default(),
+            keeper: None,
+        },
         (0, Some(start)) => WorkerState {
             worker: id,
             keeper: None,
@@ -288,13 +280,17 @@ pub fn go_on(
     };
     // This worker's figures over the steps that stand, as its new number (none: the segment
     // runs again from its start), for the chief to gather ([`super::worker`]).
-    let own = (step > 0).then(|| WorkerOutcome {
+    let behind = step == BEHIND;
+    let own = (step > 0 && !behind).then(|| WorkerOutcome {
         worker: id,
         ..super::rollback::standing(&points, step, minibatch, me)
     });
     drop(points);
     let change = match step {
+        // A survivor never started the segment: only its updates in flight run again.
+        0 if behind_me => change.rolled_back(0),
         0 => change,
+        BEHIND => change.rolled_back(at.len),
         s => change.rolled_back(s),
     };
     Ok(GoneOn {
@@ -303,11 +299,108 @@ pub fn go_on(
         state,
         own,
         ranks,
+        behind,
     })
 }
 
 /// The chief's answer when the survivors stood in different segments: none goes on in place.
 const APART: u64 = u64::MAX;
+
+/// The chief's answer to a survivor that stood at the end of the segment before the chief's:
+/// its end-of-segment exchange was cut short after the chief had drained that segment and
+/// gone on, so it goes on from the end it stands at, the start of the chief's segment.
+const BEHIND: u64 = u64::MAX - 1;
+
+/// Where a survivor stood when its part of a segment failed, as it tells the chief.
+struct Stood {
+    /// The latest step its rollback points keep.
+    latest: u64,
+    /// The earliest.
+    earliest: u64,
+    /// Its segment's number.
+    index: u64,
+    /// It had finished its program (its end-of-segment exchange failed).
+    finished: bool,
+}
+
+impl Stood {
+    fn to_bytes(&self) -> Vec<u8> {
+        [
+            self.latest,
+            self.earliest,
+            self.index,
+            u64::from(self.finished),
+        ]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect()
+    }
+
+    /// # Errors
+    /// A record that is not four words, or a flag that is neither 0 nor 1.
+    fn read(b: &[u8]) -> Result<Self> {
+        let [latest, earliest, index, finished] = read_words::<4>(b)?;
+        if finished > 1 {
+            return Err(protocol(format!("a record whose flag reads {finished}")));
+        }
+        Ok(Stood {
+            latest,
+            earliest,
+            index,
+            finished: finished == 1,
+        })
+    }
+}
+
+/// The chief's side of the exchange that settles where the survivors go on, over `ep`: it
+/// gathers where each stood and answers each with the step it goes on from ([`settle`] over
+/// a segment of `len` updates). A survivor that finished the segment before the chief's
+/// (`mine`), the loss cutting its end-of-segment exchange short after the chief had drained
+/// it, is told [`BEHIND`], and the chief's segment runs again from its start, where the
+/// chief holds it. Returns the chief's own step, and whether a survivor stood behind.
+///
+/// # Errors
+/// A peer that fails the exchange or sends a malformed record; survivors that stood further
+/// apart, once each was told so.
+fn chief_settles(ep: &mut dyn Transport, mine: &Stood, len: u64) -> Result<(u64, bool)> {
+    let mut kept = vec![(mine.latest, mine.earliest)];
+    let mut behind = Vec::new();
+    let mut apart = None;
+    for w in 1..ep.size() {
+        let m = ep.recv(&key(w, 0, 0, 0))?;
+        let theirs = Stood::read(&m.into_bytes()?)?;
+        if theirs.index == mine.index {
+            kept.push((theirs.latest, theirs.earliest));
+        } else if theirs.index.checked_add(1) == Some(mine.index)
+            && theirs.finished
+            && !mine.finished
+        {
+            behind.push(w);
+        } else {
+            apart = apart.or(Some((w, theirs.index)));
+        }
+    }
+    let step = match (apart, behind.is_empty()) {
+        (Some(_), _) => APART,
+        (None, true) => settle(&kept, len),
+        (None, false) => 0,
+    };
+    for w in 1..ep.size() {
+        let answer = if step != APART && behind.contains(&w) {
+            BEHIND
+        } else {
+            step
+        };
+        ep.send(Message::from_bytes(key(0, w, 0, 1), &answer.to_le_bytes()))?;
+    }
+    if let Some((w, theirs)) = apart {
+        return Err(protocol(format!(
+            "worker {w} stood in segment {theirs}, the chief in segment {}",
+            mine.index
+        )));
+    }
+    Ok((step, !behind.is_empty()))
+}
 
 /// `N` little-endian `u64`s, exactly.
 fn read_words<const N: usize>(b: &[u8]) -> Result<[u64; N]> {
@@ -349,5 +442,85 @@ mod tests {
         );
         assert_eq!(settle(&[(20, 20), (20, 17)], 20), 0, "19 no longer held");
         assert_eq!(settle(&[(1, 1), (1, 1)], 1), 0);
+    }
+
+    /// What `chief_settles` on rank 0 answers the followers standing as `theirs` (ranks 1
+    /// on), the chief standing as `mine`: its own result and each follower's answer.
+    fn settled(mine: Stood, theirs: Vec<Stood>) -> (Result<(u64, bool)>, Vec<u64>) {
+        let opts = pipe_transport::inproc::InProcOptions::default();
+        let mut eps = pipe_transport::inproc::mesh(theirs.len() as u32 + 1, &opts);
+        let mut chief = eps.remove(0);
+        std::thread::scope(|s| {
+            let followers: Vec<_> = eps
+                .into_iter()
+                .zip(theirs)
+                .map(|(mut ep, stood)| {
+                    s.spawn(move || {
+                        let id = ep.rank();
+                        ep.send(Message::from_bytes(key(id, 0, 0, 0), &stood.to_bytes()))
+                            .unwrap();
+                        let m = ep.recv(&key(0, id, 0, 1)).unwrap();
+                        read_words::<1>(&m.into_bytes().unwrap()).unwrap()[0]
+                    })
+                })
+                .collect();
+            let own = chief_settles(&mut chief, &mine, 20);
+            (
+                own,
+                followers.into_iter().map(|f| f.join().unwrap()).collect(),
+            )
+        })
+    }
+
+    fn stood(index: u64, (latest, earliest): (u64, u64), finished: bool) -> Stood {
+        Stood {
+            latest,
+            earliest,
+            index,
+            finished,
+        }
+    }
+
+    #[test]
+    fn a_survivor_whose_end_of_segment_exchange_was_cut_short_goes_on_behind_the_chief() {
+        // Rank 1 answered the chief's drain of segment 5 and never began segment 6, where the
+        // chief and rank 2 stood when the loss stopped them: segment 6 runs again.
+        let (own, answers) = settled(
+            stood(6, (0, 0), false),
+            vec![stood(5, (20, 17), true), stood(6, (1, 1), false)],
+        );
+        assert_eq!(own.unwrap(), (0, true));
+        assert_eq!(answers, [BEHIND, 0]);
+        // The same segment everywhere: the latest step every worker holds.
+        let (own, answers) = settled(
+            stood(6, (7, 3), false),
+            vec![stood(6, (5, 1), false), stood(6, (9, 4), false)],
+        );
+        assert_eq!(own.unwrap(), (5, false));
+        assert_eq!(answers, [5, 5]);
+    }
+
+    #[test]
+    fn survivors_further_apart_are_each_told_so() {
+        let apart = [
+            // Two segments behind.
+            (stood(7, (0, 0), false), stood(5, (20, 17), true)),
+            // One behind, but in the middle of its program.
+            (stood(6, (0, 0), false), stood(5, (3, 1), false)),
+            // The chief finished its segment too: no one drained the one before.
+            (stood(6, (20, 17), true), stood(5, (20, 17), true)),
+            // Ahead of the chief.
+            (stood(5, (0, 0), false), stood(6, (0, 0), false)),
+            // A hostile segment number.
+            (stood(0, (0, 0), false), stood(u64::MAX, (0, 0), true)),
+        ];
+        for (mine, theirs) in apart {
+            let (own, answers) = settled(mine, vec![theirs, stood(6, (0, 0), false)]);
+            assert!(own.is_err());
+            assert_eq!(answers, [APART, APART]);
+        }
+        assert!(
+            Stood::read(&[[0u8; 8], [0; 8], [0; 8], [2, 0, 0, 0, 0, 0, 0, 0]].concat()).is_err()
+        );
     }
 }

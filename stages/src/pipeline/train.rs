@@ -340,7 +340,7 @@ impl Coordinator for Threads<'_> {
         let optimizer = drain
             .optimizer
             .then(|| Run::optimizer_of(plan, &self.states));
-        Ok((weights.transpose()?, optimizer.transpose()?))
+        Ok(Drained::Gave(weights.transpose()?, optimizer.transpose()?))
     }
 
     fn rejoin(&mut self, plan: &RunPlan, done: u64) -> Result<()> {
@@ -383,8 +383,15 @@ pub(crate) struct Drain {
 /// The whole model's optimizer state with each layer's update count.
 pub(crate) type OptimizerOf = (OptimizerState, Vec<u64>);
 
-/// What a drain gives up: the whole model's weights and its optimizer state, each when asked.
-pub(crate) type Drained = (Option<Params>, Option<OptimizerOf>);
+/// What a drain gave up.
+pub(crate) enum Drained {
+    /// The whole model's weights and its optimizer state, each when asked.
+    Gave(Option<Params>, Option<OptimizerOf>),
+    /// Nothing: a replica was lost in the drain's exchange and the run went on without it in
+    /// place, as [`SegmentEnd::Relayout`] says, from a step of the segment just drained (its
+    /// last update runs again, and the drain after it).
+    Relayout(LayoutChange, Option<Vec<WorkerOutcome>>),
+}
 
 /// How a segment ended on this side.
 pub(crate) enum SegmentEnd {
@@ -419,7 +426,8 @@ pub(crate) trait Coordinator {
 
     /// On the chief, after a segment: tells the other workers what `drain` asks, and returns
     /// the whole model's weights if it asks for them and its optimizer state if it asks for
-    /// that.
+    /// that; or, where a replica is lost in the drain's exchange and the run goes on without
+    /// it in place, the layout it goes on under.
     ///
     /// # Errors
     /// A worker that does not answer.
@@ -551,9 +559,17 @@ struct DrainPoint<'p> {
     rejoin: bool,
 }
 
+/// How the drain after a segment ended.
+enum AfterDrain {
+    /// It gave up what it was asked; whether the run stops here.
+    Drained { stop: bool },
+    /// A replica was lost in its exchange, and the run went on without it in place, as
+    /// [`SegmentEnd::Relayout`] says.
+    Relayout(LayoutChange, Option<Vec<WorkerOutcome>>),
+}
+
 /// The drain after a segment: the weights gathered where the epoch ends, a checkpoint is due,
 /// the run stops (Ctrl-C) or evaluates; the evaluation reported and the checkpoint written.
-/// Returns whether the run stops here.
 ///
 /// # Errors
 /// As the coordinator's drain; evaluation, observer and checkpoint failures.
@@ -565,7 +581,7 @@ fn drain_after_segment(
     at: &DrainPoint<'_>,
     end: &mut LoopEnd,
     obs: &mut dyn Observer,
-) -> Result<bool> {
+) -> Result<AfterDrain> {
     // A stop asked for in the run's last segment changes nothing: the run has ended.
     let stop = end.done < run.total && at.stop.is_some_and(|f| f.load(Ordering::SeqCst));
     let save = at
@@ -579,7 +595,10 @@ fn drain_after_segment(
         stop,
         rejoin: at.rejoin && !stop,
     };
-    let (weights, optimizer) = coord.drain(at.plan, drain)?;
+    let (weights, optimizer) = match coord.drain(at.plan, drain)? {
+        Drained::Gave(weights, optimizer) => (weights, optimizer),
+        Drained::Relayout(change, standing) => return Ok(AfterDrain::Relayout(change, standing)),
+    };
     if let Some(weights) = weights {
         end.params = weights;
     }
@@ -594,7 +613,7 @@ fn drain_after_segment(
         let saved = run.save(at.plan, end.done, end.params.clone(), optimizer, policy)?;
         end.written.push(saved);
     }
-    Ok(stop)
+    Ok(AfterDrain::Drained { stop })
 }
 
 /// How many of the `left` updates of its epoch the next segment takes: no more than `pace`
@@ -654,9 +673,7 @@ pub(crate) fn run_segments(
         if epoch_len == 0 || end.stopped.is_some() {
             break;
         }
-        let mut acc: Vec<WorkerOutcome> = Vec::new();
-        let mut secs = 0.0;
-        let mut last = None;
+        let mut so_far = EpochSoFar::default();
         while end.done < first + epoch_len && end.stopped.is_none() {
             let done = end.done;
             let before = done - first;
@@ -679,20 +696,8 @@ pub(crate) fn run_segments(
             let outcomes = match ended {
                 SegmentEnd::Chief(outcomes) => outcomes,
                 SegmentEnd::Relayout(change, standing) => {
-                    // The segment goes on from the change's update under the new layout: its
-                    // start, or a later step whose updates stand.
-                    obs.on_layout_change(&change)?;
-                    if let Some(outcomes) = standing {
-                        secs += t.elapsed().as_secs_f64();
-                        end.done = change.from;
-                        // The chief's figures (a follower's are the chief's to keep).
-                        if !outcomes.is_empty() {
-                            let acc_layout = last.as_ref().map(|p: &RunPlan| p.schedule.layout());
-                            merge_outcomes(&mut acc, acc_layout, outcomes, plan.schedule.layout());
-                            last = Some(plan);
-                        }
-                    }
-                    layout = Some(change);
+                    let went = (change, standing);
+                    so_far.went_on_without(went, (plan, t), (&mut end, &mut layout), obs)?;
                     continue;
                 }
                 SegmentEnd::Follower { stop, rejoin } => {
@@ -702,13 +707,7 @@ pub(crate) fn run_segments(
                 }
             };
             let took = t.elapsed().as_secs_f64();
-            if let Some(p) = pace.as_mut() {
-                p.record(this, took, slowest_compute(&outcomes));
-            }
-            secs += took;
             end.done += this;
-            let acc_layout = last.as_ref().map(|p: &RunPlan| p.schedule.layout());
-            merge_outcomes(&mut acc, acc_layout, outcomes, plan.schedule.layout());
             let epoch_end = end.done == first + epoch_len;
             let rejoin =
                 layout.is_some() && start.rejoin && end.done < run.total && coord.rejoin_ready();
@@ -720,13 +719,30 @@ pub(crate) fn run_segments(
                 epoch_end,
                 rejoin,
             };
-            let stop = drain_after_segment(run, coord, data, &eval_be, &point, &mut end, obs)?;
+            let stop = match drain_after_segment(run, coord, data, &eval_be, &point, &mut end, obs)?
+            {
+                AfterDrain::Drained { stop } => stop,
+                // A replica lost in the drain's own exchange: the run goes on without it as
+                // after a loss in the segment's last exchange, running its last update again.
+                AfterDrain::Relayout(change, standing) => {
+                    end.done = done;
+                    let went = (change, standing);
+                    so_far.went_on_without(went, (plan, t), (&mut end, &mut layout), obs)?;
+                    continue;
+                }
+            };
+            if let Some(p) = pace.as_mut() {
+                p.record(this, took, slowest_compute(&outcomes));
+            }
+            so_far.secs += took;
+            so_far.merge(outcomes, &plan);
             if stop {
                 end.stopped = Some(end.done);
             }
             relayout_after_drain(run, coord, (&point, stop), (&end, &mut layout), obs)?;
-            last = Some(plan);
+            so_far.last = Some(plan);
         }
+        let EpochSoFar { acc, secs, last } = so_far;
         let Some(plan) = last else { continue };
         if end.done < first + epoch_len {
             end.last = Some(plan);
@@ -749,6 +765,52 @@ pub(crate) fn run_segments(
         end.last = Some(plan);
     }
     Ok(end)
+}
+
+/// An epoch's figures so far: every worker's outcomes over its segments, merged, the seconds
+/// they took, and the plan of the last one (whose layout the merged outcomes are in).
+#[derive(Default)]
+struct EpochSoFar {
+    acc: Vec<WorkerOutcome>,
+    secs: f64,
+    last: Option<RunPlan>,
+}
+
+impl EpochSoFar {
+    /// Merges a segment's `outcomes`, in `plan`'s layout, into the epoch's.
+    fn merge(&mut self, outcomes: Vec<WorkerOutcome>, plan: &RunPlan) {
+        let acc_layout = self.last.as_ref().map(|p| p.schedule.layout());
+        merge_outcomes(&mut self.acc, acc_layout, outcomes, plan.schedule.layout());
+    }
+
+    /// After a replica was lost in the segment of `plan` begun at `t`, or in the drain after
+    /// it, and the run went on without it in place under `change`: the change reported and
+    /// made, and where updates of the segment stand (`standing`, the workers' figures over
+    /// them), the run moved on to the change's update. The segment goes on from there under
+    /// the new layout: its start, or a later step whose updates stand.
+    ///
+    /// # Errors
+    /// The observer's.
+    fn went_on_without(
+        &mut self,
+        (change, standing): (LayoutChange, Option<Vec<WorkerOutcome>>),
+        (plan, t): (RunPlan, Instant),
+        (end, layout): (&mut LoopEnd, &mut Option<LayoutChange>),
+        obs: &mut dyn Observer,
+    ) -> Result<()> {
+        obs.on_layout_change(&change)?;
+        if let Some(outcomes) = standing {
+            self.secs += t.elapsed().as_secs_f64();
+            end.done = change.from;
+            // The chief's figures (a follower's are the chief's to keep).
+            if !outcomes.is_empty() {
+                self.merge(outcomes, &plan);
+                self.last = Some(plan);
+            }
+        }
+        *layout = Some(change);
+        Ok(())
+    }
 }
 
 /// On a follower, after a segment of `plan` the chief has drained (`stop`: the run stops
@@ -1045,6 +1107,7 @@ pub(super) fn segment_length(every: Option<u64>, done: u64, left: u64) -> u64 {
 
 /// Where a segment sits: its epoch, the updates done before it over the run and within
 /// its epoch, its epoch's length, and its own length in updates.
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Segment {
     pub(crate) epoch: u64,
     pub(crate) done: u64,

@@ -337,6 +337,7 @@ fn run_process<T: Transport>(
         joining: None,
         replacement_coming: true,
         pending: None,
+        drained_from: None,
         origin,
         stop,
     };
@@ -398,6 +399,10 @@ struct Process<'a, T: Transport> {
     /// How far a recovery where this worker stood got before its program failed after all
     /// ([`super::in_place`]): where [`Process::after_failure`] goes on from.
     pending: Option<Pending>,
+    /// On the chief, between a segment's end and the drain after it: the segment's rollback
+    /// points and place, which a loss in the drain's exchange goes on from
+    /// ([`Coordinator::drain`]).
+    drained_from: Option<(super::rollback::Kept, Segment)>,
     origin: (std::time::SystemTime, Instant),
     /// Where this worker's program stood at the end of its last segment, for the hang doctor.
     stop: &'a mut Option<StopReport>,
@@ -484,12 +489,13 @@ struct Failure<'f, 'r> {
     at_start: bool,
     /// This worker's traffic log, where one was kept.
     traffic: Option<&'f SharedTraffic>,
-    /// Its loss relay, the reports its program sent it, and where they are sent.
-    relay: (
+    /// Its loss relay, the reports its program sent it, and where they are sent (none once
+    /// the segment's own exchanges are over: the drain after it failed).
+    relay: Option<(
         &'f mut LossRelay<'r>,
         &'f crossbeam_channel::Receiver<Report>,
         &'f crossbeam_channel::Sender<Report>,
-    ),
+    )>,
 }
 
 impl<T: Transport> Process<'_, T> {
@@ -611,7 +617,13 @@ impl<T: Transport> Process<'_, T> {
             points: own,
         };
         let mut gone = super::recover::go_on(ep, lost, change, gone_on)?;
-        let standing = standing_after(&mut gone, plan.schedule.workers(), self.index)?;
+        let standing = if gone.behind {
+            // It goes on as though it had begun the chief's segment, which runs again.
+            self.index += 1;
+            Some(Vec::new())
+        } else {
+            standing_after(&mut gone, plan.schedule.workers(), self.index)?
+        };
         self.renewed = Some(gone.ep);
         self.state = Some(gone.state);
         Ok(SegmentEnd::Relayout(gone.change, standing))
@@ -702,7 +714,9 @@ impl<T: Transport> Process<'_, T> {
         let (run, index) = (self.run, self.index);
         let me = ep.rank();
         let lost = adopted.lost;
-        let (losses, rx, tx) = failed.relay;
+        let (losses, rx, tx) = failed
+            .relay
+            .ok_or_else(|| StageError::Executor("a takeover without its loss relay".into()))?;
         let start = mine(&self.state)?;
         let mut points = failed
             .points
@@ -1009,6 +1023,71 @@ impl<T: Transport> Process<'_, T> {
     }
 }
 
+impl<T: Transport> Process<'_, T> {
+    /// The chief's side of the drain after a segment: tells every follower what `drain`
+    /// asks, gathers the weights and optimizer state it asks for, and lets them go on.
+    ///
+    /// # Errors
+    /// A follower that does not answer.
+    fn drain_exchange(
+        &mut self,
+        plan: &RunPlan,
+        drain: Drain,
+    ) -> Result<(Option<Params>, Option<super::train::OptimizerOf>)> {
+        let index = self.index;
+        let ep = current(&mut *self.ep, &mut self.renewed);
+        // The launcher gave up replacing the replica the run is short of: every worker's next
+        // segment takes its usual length, this one's word saying so.
+        let unreplaced = self.joining.is_none()
+            && self
+                .remesh
+                .as_ref()
+                .is_some_and(|h| h.0.lock().is_ok_and(|mut r| r.unreplaced()));
+        if unreplaced {
+            self.replacement_coming = false;
+        }
+        let word = ChiefWord {
+            drain,
+            joining: self.joining,
+            unreplaced,
+        };
+        let missed = tell_followers(ep, index, GO_REQUEST, &drain_bytes(word));
+        let init = &self
+            .start
+            .as_ref()
+            .ok_or_else(|| StageError::Executor("the chief without its start".into()))?
+            .params;
+        let (mine, cfg) = (mine(&self.state)?, self.run.cfg);
+        let weights = if drain.weights {
+            Some(gather_weights(ep, plan, mine, init, index)?)
+        } else {
+            None
+        };
+        let optimizer = if drain.optimizer {
+            let like = (init, self.run.model.optimizer_roles());
+            Some(gather_optimizer(
+                ep,
+                plan,
+                mine,
+                (like.0, &like.1),
+                cfg,
+                index,
+            )?)
+        } else {
+            None
+        };
+        // Every follower has answered: they may start the next segment, whose failure (a
+        // follower lost meanwhile) can no longer cut this gather short.
+        let missed = missed.or(tell_followers(ep, index, GO_ON, &[1]));
+        match missed {
+            // A worker lost after it answered (or that had nothing to answer) is found by
+            // the next segment, which goes on without it in place.
+            Some(e) if self.remesh.is_none() => Err(e),
+            _ => Ok((weights, optimizer)),
+        }
+    }
+}
+
 impl<T: Transport> Coordinator for Process<'_, T> {
     fn run_segment(
         &mut self,
@@ -1088,7 +1167,7 @@ impl<T: Transport> Coordinator for Process<'_, T> {
                     points: &points,
                     at_start: true,
                     traffic: traffic.as_ref(),
-                    relay: (&mut losses, &rx, &tx),
+                    relay: Some((&mut losses, &rx, &tx)),
                 };
                 return self.after_failure(plan, at, e, failed, obs);
             }
@@ -1099,7 +1178,14 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         // A peer lost in the exchange that ends the segment is gone on without in place too,
         // from the rollback points (this worker's state is the segment's end by now).
         match self.end_segment(plan, outcome, (&mut losses, &rx), obs) {
-            Ok(end) => Ok(end),
+            Ok(end) => {
+                // On the chief, the drain comes next; a replica lost in its exchange is gone
+                // on without from this segment's points too.
+                if !went_on && matches!(end, SegmentEnd::Chief(_)) {
+                    self.drained_from = Some((points, *at));
+                }
+                Ok(end)
+            }
             Err(e) if went_on => Err(e),
             Err(e) => {
                 // Finished with its program: its state is the segment's end, no start to
@@ -1108,7 +1194,7 @@ impl<T: Transport> Coordinator for Process<'_, T> {
                     points: &points,
                     at_start: false,
                     traffic: None,
-                    relay: (&mut losses, &rx, &tx),
+                    relay: Some((&mut losses, &rx, &tx)),
                 };
                 self.after_failure(plan, at, e, failed, obs)
             }
@@ -1116,56 +1202,28 @@ impl<T: Transport> Coordinator for Process<'_, T> {
     }
 
     fn drain(&mut self, plan: &RunPlan, drain: Drain) -> Result<Drained> {
-        let index = self.index;
-        let ep = current(&mut *self.ep, &mut self.renewed);
-        // The launcher gave up replacing the replica the run is short of: every worker's next
-        // segment takes its usual length, this one's word saying so.
-        let unreplaced = self.joining.is_none()
-            && self
-                .remesh
-                .as_ref()
-                .is_some_and(|h| h.0.lock().is_ok_and(|mut r| r.unreplaced()));
-        if unreplaced {
-            self.replacement_coming = false;
-        }
-        let word = ChiefWord {
-            drain,
-            joining: self.joining,
-            unreplaced,
+        let ended = self.drained_from.take();
+        let err = match self.drain_exchange(plan, drain) {
+            Ok((weights, optimizer)) => return Ok(Drained::Gave(weights, optimizer)),
+            Err(e) => e,
         };
-        let missed = tell_followers(ep, index, GO_REQUEST, &drain_bytes(word));
-        let init = &self
-            .start
-            .as_ref()
-            .ok_or_else(|| StageError::Executor("the chief without its start".into()))?
-            .params;
-        let (mine, cfg) = (mine(&self.state)?, self.run.cfg);
-        let weights = if drain.weights {
-            Some(gather_weights(ep, plan, mine, init, index)?)
-        } else {
-            None
+        // A replica lost before every follower answered: the followers' end-of-segment
+        // exchange failed too, so every survivor goes on from the segment's points, as where
+        // the loss cut that exchange short.
+        let Some((points, at)) = ended else {
+            return Err(err);
         };
-        let optimizer = if drain.optimizer {
-            let like = (init, self.run.model.optimizer_roles());
-            Some(gather_optimizer(
-                ep,
-                plan,
-                mine,
-                (like.0, &like.1),
-                cfg,
-                index,
-            )?)
-        } else {
-            None
+        let failed = Failure {
+            points: &points,
+            at_start: false,
+            traffic: None,
+            relay: None,
         };
-        // Every follower has answered: they may start the next segment, whose failure (a
-        // follower lost meanwhile) can no longer cut this gather short.
-        let missed = missed.or(tell_followers(ep, index, GO_ON, &[1]));
-        match missed {
-            // A worker lost after it answered (or that had nothing to answer) is found by
-            // the next segment, which goes on without it in place.
-            Some(e) if self.remesh.is_none() => Err(e),
-            _ => Ok((weights, optimizer)),
+        match self.after_failure(plan, &at, err, failed, &mut super::observe::Quiet)? {
+            SegmentEnd::Relayout(change, standing) => Ok(Drained::Relayout(change, standing)),
+            _ => Err(StageError::Executor(
+                "a drain's recovery that did not go on in place".into(),
+            )),
         }
     }
 
