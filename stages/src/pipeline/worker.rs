@@ -616,7 +616,17 @@ impl<T: Transport> Process<'_, T> {
             start: failed.at_start.then_some(start),
             points: own,
         };
-        let mut gone = super::recover::go_on(ep, lost, change, gone_on)?;
+        let gone = super::recover::go_on(ep, lost, change, gone_on)?;
+        self.gone_on(plan, gone)
+    }
+
+    /// Once the survivors settled where they go on ([`super::recover::go_on`]): the figures
+    /// over the steps that stand gathered, the new mesh and this worker's state there taken
+    /// on, and the segment's end that says so.
+    ///
+    /// # Errors
+    /// A survivor that fails the gathering.
+    fn gone_on(&mut self, plan: &RunPlan, mut gone: super::recover::GoneOn) -> Result<SegmentEnd> {
         let standing = if gone.behind {
             // It goes on as though it had begun the chief's segment, which runs again.
             self.index += 1;
