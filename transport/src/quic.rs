@@ -391,15 +391,6 @@ impl quinn::AsyncUdpSocket for BatchBounded {
     }
 }
 
-/// The congestion window a new connection starts with. quinn's default (about 14 KB, ten
-/// datagrams, as suits the open internet) has a connection's first transfers climb through
-/// slow start, round trip by round trip: a mesh connected in the middle of a run (the lost
-/// rank's endpoint, hosted by its adopter after a loss) took longer over its first
-/// all-reduces of a stage's gradients than over later ones. A mesh's peers are the run's own
-/// workers on the cluster's network, so a connection starts with a megabyte in flight; a loss
-/// still halves it, as congestion control does.
-const INITIAL_WINDOW_BYTES: u64 = 1 << 20;
-
 fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, TransportError> {
     let mut t = quinn::TransportConfig::default();
     let idle = quinn::IdleTimeout::try_from(opts.idle_timeout)
@@ -415,9 +406,6 @@ fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, T
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(opts.max_datagram.clamp(1200, MTU_UPPER_BOUND));
     t.mtu_discovery_config(Some(mtu));
-    let mut cubic = quinn::congestion::CubicConfig::default();
-    cubic.initial_window(INITIAL_WINDOW_BYTES);
-    t.congestion_controller_factory(Arc::new(cubic));
     Ok(Arc::new(t))
 }
 
