@@ -10,7 +10,10 @@ loss anywhere from the segment after the checkpoint to the drain at the epoch's 
 starts at (`from update N`); its end weights must equal the undisturbed run's checkpoint at N
 resumed by hand on replicas [2, 1], which the script computes once per N.
 
-    python3 experiments/survival/random_kills.py RUNS [shm|quic] [OUTDIR]
+    python3 experiments/survival/random_kills.py RUNS [shm|quic] [OUTDIR] [WAIT_MS]
+
+WAIT_MS (default 4) is the longest random wait; a QUIC run is slower, and reaches the drain
+at update 64 only with a longer one (about 40 ms).
 
 Prints, per outcome (`N` and the line's words after it), how many runs ended that way, with
 `WRONG` where the weights differed and `RESTARTED` where the launcher started every worker
@@ -28,6 +31,7 @@ PIPE = os.environ.get("PIPE", "target/release/pipe")
 RUNS = int(sys.argv[1])
 TRANSPORT = sys.argv[2] if len(sys.argv) > 2 else "shm"
 OUT = sys.argv[3] if len(sys.argv) > 3 else "/tmp/pipe-random-kills"
+WAIT_S = (float(sys.argv[4]) if len(sys.argv) > 4 else 4.0) / 1000
 BASE = ["--stages", "2", "--checkpoint-every", "50", "--keep-checkpoints", "100",
         "--momentum", "0.5", "--lr-schedule", "constant", "--partition", "0-8,9-17"]
 
@@ -87,7 +91,7 @@ for i in range(RUNS):
     first = os.path.join(ck, "ckpt-00000050")
     while not os.path.exists(first) and launcher.poll() is None:
         time.sleep(0.0005)
-    time.sleep(random.random() * 0.004)
+    time.sleep(random.random() * WAIT_S)
     pid = rank_of(launcher.pid, 3)
     if pid:
         os.kill(pid, 9)
