@@ -249,7 +249,12 @@ pub fn go_on(
     let minibatch = u64::from(at.plan.schedule.resolved.minibatch.max(1));
     let state = match (step, at.start) {
         // This worker finished the segment before the chief's and stands at its end.
-        (BEHIND, _) => WorkerState {
+        (BEHIND, Some(_)) => {
+            return Err(protocol(format!(
+                "worker {me} was told it finished a segment it stood in"
+            )));
+        }
+        (BEHIND, None) => WorkerState {
             worker: id,
             stages: vec![points.state_at(mine.latest).ok_or_else(|| {
                 protocol(format!("worker {me} no longer holds its segment's end"))

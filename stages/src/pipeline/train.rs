@@ -236,7 +236,7 @@ impl Threads<'_> {
         let back = lost.and_then(|w| super::rollback::roll_back(plan, points, w, at.len));
         let Some(back) = back.filter(|b| b.steps < at.len) else {
             self.start = kept;
-            return Ok(SegmentEnd::Relayout(change, None));
+            return Ok(SegmentEnd::Relayout((change, None)));
         };
         self.start = Start {
             params: assemble(plan, &back.states)?,
@@ -252,7 +252,7 @@ impl Threads<'_> {
             ));
         }
         let change = change.rolled_back(back.steps);
-        Ok(SegmentEnd::Relayout(change, Some(back.outcomes)))
+        Ok(SegmentEnd::Relayout((change, Some(back.outcomes))))
     }
 }
 
@@ -390,8 +390,13 @@ pub(crate) enum Drained {
     /// Nothing: a replica was lost in the drain's exchange and the run went on without it in
     /// place, as [`SegmentEnd::Relayout`] says, from a step of the segment just drained (its
     /// last update runs again, and the drain after it).
-    Relayout(LayoutChange, Option<Vec<WorkerOutcome>>),
+    Relayout(WentOn),
 }
+
+/// A replica lost and gone on without in place: the layout from the change's update on, and
+/// the workers' figures over the steps of the segment that stand (none: it runs again from
+/// its start; an empty list on a follower, whose figures are the chief's).
+pub(crate) type WentOn = (LayoutChange, Option<Vec<WorkerOutcome>>);
 
 /// How a segment ended on this side.
 pub(crate) enum SegmentEnd {
@@ -408,7 +413,7 @@ pub(crate) enum SegmentEnd {
     /// A replica was lost and the run goes on without it under this layout
     /// ([`super::survive`]), from the change's update: the segment's start, or a later step
     /// every stage had passed, with the workers' figures over the steps before it.
-    Relayout(LayoutChange, Option<Vec<WorkerOutcome>>),
+    Relayout(WentOn),
 }
 
 /// One launcher's side of the loop.
@@ -565,7 +570,7 @@ enum AfterDrain {
     Drained { stop: bool },
     /// A replica was lost in its exchange, and the run went on without it in place, as
     /// [`SegmentEnd::Relayout`] says.
-    Relayout(LayoutChange, Option<Vec<WorkerOutcome>>),
+    Relayout(WentOn),
 }
 
 /// The drain after a segment: the weights gathered where the epoch ends, a checkpoint is due,
@@ -597,7 +602,7 @@ fn drain_after_segment(
     };
     let (weights, optimizer) = match coord.drain(at.plan, drain)? {
         Drained::Gave(weights, optimizer) => (weights, optimizer),
-        Drained::Relayout(change, standing) => return Ok(AfterDrain::Relayout(change, standing)),
+        Drained::Relayout(went) => return Ok(AfterDrain::Relayout(went)),
     };
     if let Some(weights) = weights {
         end.params = weights;
@@ -695,8 +700,7 @@ pub(crate) fn run_segments(
             let this = coord.ended_at().map_or(this, |to| to - done);
             let outcomes = match ended {
                 SegmentEnd::Chief(outcomes) => outcomes,
-                SegmentEnd::Relayout(change, standing) => {
-                    let went = (change, standing);
+                SegmentEnd::Relayout(went) => {
                     so_far.went_on_without(went, (plan, t), (&mut end, &mut layout), obs)?;
                     continue;
                 }
@@ -724,9 +728,8 @@ pub(crate) fn run_segments(
                 AfterDrain::Drained { stop } => stop,
                 // A replica lost in the drain's own exchange: the run goes on without it as
                 // after a loss in the segment's last exchange, running its last update again.
-                AfterDrain::Relayout(change, standing) => {
+                AfterDrain::Relayout(went) => {
                     end.done = done;
-                    let went = (change, standing);
                     so_far.went_on_without(went, (plan, t), (&mut end, &mut layout), obs)?;
                     continue;
                 }
@@ -793,7 +796,7 @@ impl EpochSoFar {
     /// The observer's.
     fn went_on_without(
         &mut self,
-        (change, standing): (LayoutChange, Option<Vec<WorkerOutcome>>),
+        (change, standing): WentOn,
         (plan, t): (RunPlan, Instant),
         (end, layout): (&mut LoopEnd, &mut Option<LayoutChange>),
         obs: &mut dyn Observer,

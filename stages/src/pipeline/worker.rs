@@ -636,7 +636,7 @@ impl<T: Transport> Process<'_, T> {
         };
         self.renewed = Some(gone.ep);
         self.state = Some(gone.state);
-        Ok(SegmentEnd::Relayout(gone.change, standing))
+        Ok(SegmentEnd::Relayout((gone.change, standing)))
     }
 }
 
@@ -1230,7 +1230,7 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             relay: None,
         };
         match self.after_failure(plan, &at, err, failed, &mut super::observe::Quiet)? {
-            SegmentEnd::Relayout(change, standing) => Ok(Drained::Relayout(change, standing)),
+            SegmentEnd::Relayout(went) => Ok(Drained::Relayout(went)),
             _ => Err(StageError::Executor(
                 "a drain's recovery that did not go on in place".into(),
             )),
