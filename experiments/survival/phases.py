@@ -3,7 +3,9 @@
 any `pipe train --log-jsonl` run of worker processes that lost a replica).
 
 Each surviving worker process logs a `recovery` record as it passes each phase (stopped:
-its program stopped on the loss; meshed: its mesh without the lost worker is connected;
+its program stopped on the loss; told: the launcher's word of the loss reached it; named:
+the launcher named where every survivor listens; meshed: its mesh without the lost worker
+is connected;
 planned: the takeover is settled; restarted: its programs run again), dated by its own
 clock on the clock of the update records. For every log given (or every *.jsonl of a
 directory) with a `lost` record, one row: per phase, the first and the last survivor to pass
@@ -17,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-PHASES = ("stopped", "meshed", "planned", "restarted")
+PHASES = ("stopped", "told", "named", "meshed", "planned", "restarted")
 
 
 def row(path: Path):
@@ -52,9 +54,9 @@ def main() -> None:
     for arg in sys.argv[1:]:
         p = Path(arg)
         paths.extend(sorted(p.glob("*.jsonl")) if p.is_dir() else [p])
-    print("| run | stopped ms | meshed ms | planned ms | restarted ms | next update ms |"
-          " last restart to the next update after it ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | stopped ms | told ms | named ms | meshed ms | planned ms | restarted ms |"
+          " next update ms | last restart to the next update after it ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for path in paths:
         cells = row(path)
         if cells:

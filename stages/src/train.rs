@@ -72,6 +72,13 @@ pub enum RecoveryPhase {
     /// launcher stopped it); where it goes on where it stood, a call of its endpoint failed
     /// on the loss.
     Stopped,
+    /// Its launcher's word of the loss (which worker, and whether a replacement comes) has
+    /// reached it.
+    Told,
+    /// Its launcher has named where every worker of the mesh without the lost one listens
+    /// (the lost rank's new endpoint, where its stage's other replica hosts it, among them):
+    /// every survivor has had the word and said where it listens.
+    Named,
     /// Its mesh without the lost worker is connected (over QUIC, regrouped; with the lost
     /// rank hosted by its stage's other replica where the segment is taken over).
     Meshed,

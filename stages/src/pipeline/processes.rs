@@ -1543,6 +1543,9 @@ impl LaunchedRemesh {
             }
         };
         let peers = self.named_peers(what)?;
+        if lost.is_some() {
+            RecordWriter::recovery(crate::train::RecoveryPhase::Named)?;
+        }
         let lost_at = lost.and_then(|r| {
             peers
                 .get(r as usize)
@@ -1687,6 +1690,8 @@ impl super::recover::Remesh for LaunchedRemesh {
                 } => {
                     // A new loss: whatever was said of the last one's replacement is past.
                     self.unreplaced = false;
+                    // A launcher that cannot be told has gone: its word is then no use.
+                    RecordWriter::recovery(crate::train::RecoveryPhase::Told).ok()?;
                     return Some(super::recover::LostPeer {
                         rank,
                         replaced,
@@ -1881,6 +1886,8 @@ mod tests {
                 r#"{{"recovery":{{"phase":"{phase}","at":{{"secs":{secs},"nanos":500000000}}}}}}"#
             )
         };
+        reports.record(4, &line("told", 1_001)).unwrap();
+        reports.record(5, &line("named", 1_001)).unwrap();
         reports.record(3, &line("meshed", 1_002)).unwrap();
         reports.record(2, &line("restarted", 999)).unwrap();
         reports.record(1, &line("planned", u64::MAX)).unwrap();
@@ -1895,10 +1902,12 @@ mod tests {
             .iter()
             .map(|r| (r.worker, r.phase, r.elapsed_s))
             .collect();
-        use crate::train::RecoveryPhase::{Meshed, Planned, Restarted};
+        use crate::train::RecoveryPhase::{Meshed, Named, Planned, Restarted, Told};
         assert_eq!(
             got,
             [
+                (4, Told, Some(1.5)),
+                (5, Named, Some(1.5)),
                 (3, Meshed, Some(2.5)),
                 (2, Restarted, None),
                 (1, Planned, None)
