@@ -706,7 +706,7 @@ fn lost_is_logged_among_the_updates(log: &std::path::Path, worker: u32, cause: &
         .collect();
     let (first, last) = (updates[0], updates[updates.len() - 1]);
     assert!(first < at && at < last, "{first} < {at} < {last}\n{text}");
-    // Every survivor logs its recovery's phases, in order, each once: stopped and meshed,
+    // Every survivor logs its recovery's phases, in order, each once: stopped to meshed,
     // and planned and restarted where the segment was taken over.
     let survivors: std::collections::BTreeSet<u64> = records
         .iter()
@@ -717,7 +717,7 @@ fn lost_is_logged_among_the_updates(log: &std::path::Path, worker: u32, cause: &
         !survivors.is_empty() && !survivors.contains(&u64::from(worker)),
         "{text}"
     );
-    let order = ["stopped", "meshed", "planned", "restarted"];
+    let order = ["stopped", "told", "named", "meshed", "planned", "restarted"];
     for w in survivors {
         let phases: Vec<(&str, f64)> = records
             .iter()
@@ -731,7 +731,7 @@ fn lost_is_logged_among_the_updates(log: &std::path::Path, worker: u32, cause: &
             .collect();
         let names: Vec<&str> = phases.iter().map(|p| p.0).collect();
         assert!(
-            names == order || names == order[..2],
+            names == order || names == order[..4],
             "worker {w}: {names:?}\n{text}"
         );
         assert!(

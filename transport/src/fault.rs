@@ -683,6 +683,14 @@ impl<T: Transport> Transport for Faulty<T> {
     ) -> Result<Box<dyn Transport>, TransportError> {
         self.inner()?.regroup(lost, hosted)
     }
+
+    fn regroup_hosting(
+        &mut self,
+        lost: u32,
+        adopter: u32,
+    ) -> Result<crate::Regrouped, TransportError> {
+        self.inner()?.regroup_hosting(lost, adopter)
+    }
 }
 
 #[cfg(test)]

@@ -337,6 +337,10 @@ impl Interrupter {
     }
 }
 
+/// A regrouped mesh, and on the survivor that hosts the lost rank, that rank's endpoint
+/// ([`Transport::regroup_hosting`]).
+pub type Regrouped = (Box<dyn Transport>, Option<registration::Endpoint>);
+
 /// A worker's end of the mesh.
 pub trait Transport: Send {
     /// This worker's number.
@@ -497,6 +501,22 @@ pub trait Transport: Send {
         )))
     }
 
+    /// This endpoint's mesh going on without rank `lost`, which survivor `adopter` hosts on
+    /// the connections it already has with the others, once readied
+    /// ([`Transport::regroup_address`]): no new endpoint, so no handshake, stands between the
+    /// loss and the run going on (QUIC: [`quic::Quic::regrouped_hosting`]). On the adopter,
+    /// also the lost rank's endpoint. This endpoint is spent.
+    ///
+    /// # Errors
+    /// [`TransportError::Setup`] from a transport that cannot, or a regroup that fails.
+    fn regroup_hosting(&mut self, lost: u32, adopter: u32) -> Result<Regrouped, TransportError> {
+        let _ = adopter;
+        Err(TransportError::Setup(format!(
+            "worker {} cannot host worker {lost} on its own connections",
+            self.rank()
+        )))
+    }
+
     /// Cuts the network link to `peer` for `pause`, in both directions, as a network
     /// partition would (for fault drills, [`fault::Fault::Partition`]). A transport with no
     /// network between its workers has no link to cut.
@@ -589,6 +609,13 @@ macro_rules! forward_transport {
                 hosted: Option<&str>,
             ) -> Result<Box<dyn Transport>, TransportError> {
                 (**self).regroup(lost, hosted)
+            }
+            fn regroup_hosting(
+                &mut self,
+                lost: u32,
+                adopter: u32,
+            ) -> Result<Regrouped, TransportError> {
+                (**self).regroup_hosting(lost, adopter)
             }
         }
     };

@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, never, select, unbounded};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 
+use crate::Regrouped;
 pub use crate::cluster::{Cluster, Credentials, server_name};
 use crate::frame::{self, FrameLimits, PREFIX_BYTES, WireDType};
 use crate::host::HostId;
@@ -210,6 +211,13 @@ struct Peer {
     /// Turns true once the peer's data streams of this generation have been accepted: the
     /// next streams it opens are the next generation's.
     accepted: tokio::sync::watch::Receiver<bool>,
+    /// The connection is another rank's, and carries this peer's streams beside its own: a
+    /// lost rank hosted by a survivor on that survivor's connections ([`Quic::regrouped`]).
+    /// Closing this peer leaves the connection open.
+    shares_conn: bool,
+    /// The connection is this endpoint's link to a lost rank it hosts, within its process
+    /// ([`Quic::regrouped_hosting`]).
+    to_hosted: bool,
 }
 
 /// Where an endpoint whose mesh is complete puts a connection that arrives late: refused,
@@ -400,9 +408,10 @@ fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, T
         .stream_receive_window(quinn::VarInt::from_u32(16 << 20))
         .receive_window(quinn::VarInt::from_u32(64 << 20))
         .send_window(64 << 20)
-        // A generation's five streams each way, and room for the next while the last closes
-        // ([`Quic::regrouped`]).
-        .max_concurrent_uni_streams(quinn::VarInt::from_u32(16));
+        // A generation's five streams each way, and room for the next two while the last
+        // closes: a survivor's own, and a lost rank's it hosts on the same connection
+        // ([`Quic::regrouped_hosting`]).
+        .max_concurrent_uni_streams(quinn::VarInt::from_u32(24));
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(opts.max_datagram.clamp(1200, MTU_UPPER_BOUND));
     t.mtu_discovery_config(Some(mtu));
@@ -474,6 +483,40 @@ fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket, TransportError> {
     Ok(socket)
 }
 
+/// The runtime an endpoint's connections run on: one worker thread, named `name`.
+fn endpoint_runtime(name: &str) -> Result<tokio::runtime::Runtime, TransportError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(name)
+        .enable_all()
+        .build()
+        .map_err(|e| setup_err("runtime", e))
+}
+
+/// A QUIC endpoint on a new UDP socket at `addr`, in the runtime entered; it accepts
+/// connections where it has a `server` configuration. Its datagrams pass `cuts`.
+fn endpoint_on(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+    cuts: &Cuts,
+) -> Result<quinn::Endpoint, TransportError> {
+    let socket = udp_socket(addr)?;
+    let mut config = quinn::EndpointConfig::default();
+    config
+        .max_udp_payload_size(MTU_UPPER_BOUND)
+        .map_err(|e| setup_err("UDP payload size", e))?;
+    let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+    let socket = runtime
+        .wrap_udp_socket(socket)
+        .map_err(|e| setup_err(&format!("UDP socket on {addr}"), e))?;
+    let socket = Arc::new(BatchBounded {
+        inner: socket,
+        cuts: cuts.clone(),
+    });
+    quinn::Endpoint::new_with_abstract_socket(config, server, socket, runtime)
+        .map_err(|e| setup_err(&format!("endpoint on {addr}"), e))
+}
+
 impl Bound {
     /// Binds rank `rank`'s endpoint to `addr` (port 0: any free port).
     ///
@@ -485,31 +528,12 @@ impl Bound {
         creds: &Credentials,
         opts: QuicOptions,
     ) -> Result<Self, TransportError> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name(format!("pipe-quic-{rank}"))
-            .enable_all()
-            .build()
-            .map_err(|e| setup_err("runtime", e))?;
+        let runtime = endpoint_runtime(&format!("pipe-quic-{rank}"))?;
         let (server, client) = tls_configs(creds, &opts)?;
         let cuts = Cuts::default();
         let endpoint = {
             let _guard = runtime.enter();
-            let socket = udp_socket(addr)?;
-            let mut config = quinn::EndpointConfig::default();
-            config
-                .max_udp_payload_size(MTU_UPPER_BOUND)
-                .map_err(|e| setup_err("UDP payload size", e))?;
-            let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
-            let socket = runtime
-                .wrap_udp_socket(socket)
-                .map_err(|e| setup_err(&format!("UDP socket on {addr}"), e))?;
-            let socket = Arc::new(BatchBounded {
-                inner: socket,
-                cuts: cuts.clone(),
-            });
-            quinn::Endpoint::new_with_abstract_socket(config, Some(server), socket, runtime)
-                .map_err(|e| setup_err(&format!("endpoint on {addr}"), e))?
+            endpoint_on(addr, Some(server), &cuts)?
         };
         Ok(Bound {
             rank,
@@ -935,7 +959,7 @@ async fn start_peer(
     events: &Events,
 ) -> Result<Peer, TransportError> {
     let (data, writers) = open_data_streams(&conn, peer, opts).await?;
-    tokio::spawn(read_control(peer, theirs, events.clone()));
+    tokio::spawn(read_control(peer, theirs, events.clone(), false));
     let control = Arc::new(tokio::sync::Mutex::new(control));
     let held = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (accepted_tx, accepted) = tokio::sync::watch::channel(false);
@@ -946,7 +970,7 @@ async fn start_peer(
         events.clone(),
         (control.clone(), accepted_tx),
     ));
-    tokio::spawn(watch_connection(peer, conn.clone(), events.clone()));
+    tokio::spawn(watch_connection(peer, conn.clone(), events.clone(), false));
     Ok(Peer {
         conn,
         control,
@@ -955,6 +979,8 @@ async fn start_peer(
         held,
         generation: 0,
         accepted,
+        shares_conn: false,
+        to_hosted: false,
     })
 }
 
@@ -1011,9 +1037,18 @@ async fn open_data_streams(
     Ok((data, writers))
 }
 
-async fn read_control(peer: u32, mut stream: quinn::RecvStream, events: Events) {
+/// Reads the peer's control records. A peer that shares another's connection
+/// ([`Peer::shares_conn`]) finishes its control stream as it closes: that end is its loss,
+/// as the connection's closing handshake is another peer's.
+async fn read_control(peer: u32, mut stream: quinn::RecvStream, events: Events, shared: bool) {
     let mut record = [0u8; 5];
-    while stream.read_exact(&mut record).await.is_ok() {
+    loop {
+        if let Err(e) = stream.read_exact(&mut record).await {
+            if shared && matches!(e, quinn::ReadExactError::FinishedEarly(0)) {
+                let _ = events.send(Event::Lost { peer });
+            }
+            return;
+        }
         let by = u32::from_le_bytes([record[1], record[2], record[3], record[4]]);
         let event = match record[0] {
             RECORD_ABORT => Event::Aborted { by },
@@ -1163,7 +1198,7 @@ async fn read_frames(
     }
 }
 
-async fn watch_connection(peer: u32, conn: quinn::Connection, events: Events) {
+async fn watch_connection(peer: u32, conn: quinn::Connection, events: Events, shared: bool) {
     let event = match conn.closed().await {
         quinn::ConnectionError::ApplicationClosed(c) if c.error_code == CLOSE_ABORT.into() => {
             let by = c
@@ -1175,6 +1210,9 @@ async fn watch_connection(peer: u32, conn: quinn::Connection, events: Events) {
         quinn::ConnectionError::ApplicationClosed(c) if c.error_code == CLOSE_DONE.into() => {
             Event::Lost { peer }
         }
+        // Closed by this process: for a peer on another's connection, by that other rank's
+        // endpoint as it closes, after which nothing more comes from this one either.
+        quinn::ConnectionError::LocallyClosed if shared => Event::Lost { peer },
         quinn::ConnectionError::LocallyClosed => return,
         quinn::ConnectionError::TimedOut => Event::Failed {
             peer,
@@ -1548,7 +1586,15 @@ impl Quic {
             None => (CLOSE_DONE, b"done".to_vec()),
         };
         for p in self.peers.iter().flatten() {
-            p.conn.close(code.into(), &reason);
+            if p.shares_conn {
+                // The connection is another rank's: its end is this peer's loss there.
+                let control = p.control.clone();
+                rt.block_on(async move {
+                    let _ = control.lock().await.finish();
+                });
+            } else {
+                p.conn.close(code.into(), &reason);
+            }
         }
         let endpoint = self.endpoint.clone();
         rt.block_on(async {
@@ -1702,6 +1748,14 @@ impl Transport for Quic {
             None => None,
         };
         Ok(Box::new(self.regrouped(lost, hosted)?))
+    }
+
+    fn regroup_hosting(&mut self, lost: u32, adopter: u32) -> Result<Regrouped, TransportError> {
+        let (mesh, hosted) = self.regrouped_hosting(lost, adopter)?;
+        Ok((
+            Box::new(mesh),
+            hosted.map(|h| Box::new(h) as crate::registration::Endpoint),
+        ))
     }
 
     fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {

@@ -159,4 +159,11 @@ impl<T: Transport + ?Sized> Transport for Noticing<'_, T> {
     ) -> std::result::Result<Box<dyn Transport>, TransportError> {
         self.inner.regroup(lost, hosted)
     }
+    fn regroup_hosting(
+        &mut self,
+        lost: u32,
+        adopter: u32,
+    ) -> std::result::Result<pipe_transport::Regrouped, TransportError> {
+        self.inner.regroup_hosting(lost, adopter)
+    }
 }

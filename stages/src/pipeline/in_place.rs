@@ -191,8 +191,9 @@ impl InPlace<'_> {
             return Ok(None);
         };
         let me = old.rank();
-        let host = super::adopt::adopter_of(plan, lost).ok() == Some(me);
-        let meshed = remesh.connect_without(old, lost, host)?;
+        let adopter = super::adopt::adopter_of(plan, lost).ok();
+        let host = adopter == Some(me);
+        let meshed = remesh.connect_without(old, lost, (adopter, host))?;
         drop(remesh);
         RecordWriter::recovery(RecoveryPhase::Meshed)?;
         if !meshed.lost_hosted {

@@ -1493,35 +1493,23 @@ impl LaunchedRemesh {
     /// by the launcher: this worker's mesh regrouped on its connections where its transport
     /// can ([`pipe_transport::Transport::regroup`], QUIC), else a new endpoint of the same
     /// kind and rank; either way the launcher is told where this worker listens, and the mesh
-    /// connects where it says. With `host`, also an endpoint of that (lost) rank, announced
-    /// first and connected on a thread of its own: the launcher names it in the lost rank's
-    /// place.
+    /// connects where it says. `hosting`: the survivor that would host the lost rank, and
+    /// whether this worker does. A host says so to the launcher, which names it in the lost
+    /// rank's place: a regrouping host at its own address, carrying the lost rank on its
+    /// connections ([`pipe_transport::Transport::regroup_hosting`]); any other with an
+    /// endpoint of that rank, bound, announced first and connected on a thread of its own.
     fn connect_mesh(
         &mut self,
         what: &str,
-        (absent, host): (Option<(u32, &mut dyn pipe_transport::Transport)>, bool),
+        (absent, (adopter, host)): (
+            Option<(u32, &mut dyn pipe_transport::Transport)>,
+            super::recover::Hosting,
+        ),
     ) -> Result<Remeshed> {
-        let kind = self.opts.transport.for_processes(true);
-        let at = Listen {
-            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            meet: self.opts.meet.clone(),
-        };
         let rank = self.rank;
-        let bind = |r: u32| {
-            kinds::bind(kind, &self.cluster, r, &at, &self.opts.settings)
-                .map_err(|e| failed(format!("worker {rank} binding {kind} for rank {r}: {e}")))
-        };
         let (lost, mut regrouping) = match absent {
             Some((lost, ep)) => (Some(lost), Some(ep)),
             None => (None, None),
-        };
-        let hosted = match lost.filter(|_| host) {
-            Some(lost) => {
-                let b = bind(lost)?;
-                announce_hosted(lost, &b.address()?)?;
-                Some(b)
-            }
-            None => None,
         };
         // This worker's own place: its mesh so far where it regroups, else a new endpoint.
         let readied = match regrouping.as_mut() {
@@ -1531,13 +1519,25 @@ impl LaunchedRemesh {
                 .map_err(|e| failed(format!("worker {rank} readying its mesh to go on: {e}")))?,
             None => None,
         };
+        let hosted = match (lost.filter(|_| host), &readied) {
+            (Some(lost), Some(own)) => {
+                announce_hosted(lost, own)?;
+                None
+            }
+            (Some(lost), None) => {
+                let b = self.bind(lost)?;
+                announce_hosted(lost, &b.address()?)?;
+                Some(b)
+            }
+            (None, _) => None,
+        };
         let bound = match readied {
             Some(addr) => {
                 announce(&addr)?;
                 None
             }
             None => {
-                let b = bind(rank)?;
+                let b = self.bind(rank)?;
                 announce(&b.address()?)?;
                 Some(b)
             }
@@ -1556,14 +1556,22 @@ impl LaunchedRemesh {
             Some(b) => Some(connect_on_thread("pipe-connect-hosted", b, peers.clone())?),
             None => None,
         };
-        let endpoint = match (bound, regrouping, lost) {
+        let (endpoint, hosted_here) = match (bound, regrouping, lost) {
             (Some(bound), ..) => {
                 let (words, held) = (&self.words, &mut self.held);
-                connect_watching((bound, peers), rank, words, held, CONNECT_AFTER_A_LOSS)?.endpoint
+                let joined =
+                    connect_watching((bound, peers), rank, words, held, CONNECT_AFTER_A_LOSS)?;
+                (joined.endpoint as Box<dyn pipe_transport::Transport>, None)
             }
-            (None, Some(ep), Some(lost)) => ep.regroup(lost, lost_at.as_deref()).map_err(|e| {
-                failed(format!("worker {rank} going on without worker {lost}: {e}"))
-            })?,
+            (None, Some(ep), Some(lost)) => {
+                let going_on = |e: pipe_transport::TransportError| {
+                    failed(format!("worker {rank} going on without worker {lost}: {e}"))
+                };
+                match adopter.filter(|_| lost_at.is_some()) {
+                    Some(adopter) => ep.regroup_hosting(lost, adopter).map_err(going_on)?,
+                    None => (ep.regroup(lost, None).map_err(going_on)?, None),
+                }
+            }
             (None, ..) => return Err(failed(format!("worker {rank}: no mesh {what}"))),
         };
         if let Ok(mut slot) = self.interrupt.lock() {
@@ -1574,13 +1582,25 @@ impl LaunchedRemesh {
                 let ended = || failed("the thread connecting a hosted rank ended".to_string());
                 Some(rx.recv().map_err(|_| ended())??.endpoint)
             }
-            None => None,
+            None => hosted_here,
         };
         Ok(Remeshed {
             ep: endpoint,
             hosted,
             lost_hosted: lost_at.is_some(),
         })
+    }
+
+    /// An endpoint of rank `r`, of this run's kind, bound where this worker binds.
+    fn bind(&self, r: u32) -> Result<kinds::Bound> {
+        let kind = self.opts.transport.for_processes(true);
+        let at = Listen {
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            meet: self.opts.meet.clone(),
+        };
+        let rank = self.rank;
+        kinds::bind(kind, &self.cluster, r, &at, &self.opts.settings)
+            .map_err(|e| failed(format!("worker {rank} binding {kind} for rank {r}: {e}")))
     }
 
     /// Every worker's address, as the launcher names them once each has said where it
@@ -1709,10 +1729,10 @@ impl super::recover::Remesh for LaunchedRemesh {
         &mut self,
         ep: &mut dyn pipe_transport::Transport,
         lost: u32,
-        host: bool,
+        hosting: super::recover::Hosting,
     ) -> Result<Remeshed> {
         let what = format!("of the survivors after worker {lost} was lost");
-        self.connect_mesh(&what, (Some((lost, ep)), host))
+        self.connect_mesh(&what, (Some((lost, ep)), hosting))
     }
 
     fn joining(&mut self) -> Option<u32> {
@@ -1736,7 +1756,7 @@ impl super::recover::Remesh for LaunchedRemesh {
 
     fn connect_all(&mut self, joining: u32) -> Result<Box<dyn pipe_transport::Transport>> {
         let what = format!("for worker {joining}'s replacement to join");
-        Ok(self.connect_mesh(&what, (None, false))?.ep)
+        Ok(self.connect_mesh(&what, (None, (None, false)))?.ep)
     }
 
     fn unreplaced(&mut self) -> bool {

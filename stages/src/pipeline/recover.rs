@@ -52,6 +52,10 @@ pub struct LostPeer {
     pub how: String,
 }
 
+/// Who hosts a lost rank in the survivors' mesh: the survivor that would, for the program
+/// it adopts ([`super::adopt::adopter_of`]), and whether this worker does.
+pub type Hosting = (Option<u32>, bool);
+
 /// How a worker process reaches its launcher to go on after a lost peer.
 pub trait Remesh: Send {
     /// After this worker's part of a segment failed: the launcher's word, waited for at most
@@ -61,9 +65,11 @@ pub trait Remesh: Send {
 
     /// The survivors' mesh of the run's ranks with `lost` absent, connected where the
     /// launcher says: `ep`, this worker's mesh so far, regrouped on its connections where its
-    /// transport can ([`Transport::regroup`]), else a new one. With `host`, `lost`'s place is
-    /// this worker's too: it binds and connects an endpoint of that rank as well, for the
-    /// lost program it adopts ([`super::takeover`]).
+    /// transport can ([`Transport::regroup`]), else a new one. `hosting`: the survivor that
+    /// would host `lost` for the program it adopts ([`super::takeover`]), and whether this
+    /// worker hosts it. The host's mesh carries the lost rank on its own connections where
+    /// its transport regroups ([`Transport::regroup_hosting`]); otherwise it binds and
+    /// connects an endpoint of that rank as well.
     ///
     /// # Errors
     /// A port that cannot be bound, peers that do not connect in time.
@@ -71,7 +77,7 @@ pub trait Remesh: Send {
         &mut self,
         ep: &mut dyn Transport,
         lost: u32,
-        host: bool,
+        hosting: Hosting,
     ) -> Result<Remeshed>;
 
     /// The rank of a lost replica's replacement that has started and is ready to join

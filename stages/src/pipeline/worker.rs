@@ -568,7 +568,7 @@ impl<T: Transport> Process<'_, T> {
         let meshes = match meshed {
             Some(m) => m,
             None => {
-                let m = remesh.connect_without(regrouping, lost, host)?;
+                let m = remesh.connect_without(regrouping, lost, (adopter, host))?;
                 super::processes::RecordWriter::recovery(RecoveryPhase::Meshed)?;
                 m
             }

@@ -11,10 +11,20 @@
 //! connection count its regroups alike, and a control stream that names another generation
 //! is a protocol error.
 //!
-//! **The lost rank.** Its old connection is closed. Where a survivor hosts the lost rank's
-//! program on a new endpoint, that endpoint connects as any endpoint does: survivors of a
-//! lower rank dial it, those of a higher rank take its connection from the late arrivals they
-//! were readied for ([`Quic::ready_to_regroup`]), which are refused otherwise.
+//! **The lost rank.** Its old connection is closed. Where a survivor (the adopter) hosts the
+//! lost rank's program, it does so on the connections it already has
+//! ([`Quic::regrouped_hosting`]): every other survivor's connection to the adopter carries,
+//! after its own next generation, one generation more, the lost rank's, whose streams the
+//! adopter's process reads into the hosted rank's endpoint and writes from it. Both ends
+//! count that generation as the connection's, so a later regroup opens the one after it; a
+//! peer on another's connection ([`Peer::shares_conn`]) ends by finishing its control stream,
+//! never by closing the connection, and a later regroup drops it. Only the adopter's own link
+//! to the lost rank is a new connection, within its process, which the hosted endpoint dials
+//! and the adopter takes from the late arrivals it was readied for
+//! ([`Quic::ready_to_regroup`]; refused otherwise). So no handshake with another process
+//! stands between a loss and the run going on. [`Quic::regrouped`] can still connect a lost
+//! rank's endpoint of its own instead: survivors of a lower rank dial it, those of a higher
+//! rank take its connection from the late arrivals.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,11 +33,23 @@ use std::time::Instant;
 use crossbeam_channel::unbounded;
 
 use super::{
-    CLOSE_FAILED, CLOSE_REFUSED, Events, Greeted, Me, Peer, Quic, TAG_REGROUP, dial, greet,
-    open_data_streams, read_control, read_data_streams, reading_of, setup_err, start_peer,
-    watch_connection,
+    Alarm, CLOSE_DONE, CLOSE_FAILED, CLOSE_REFUSED, Events, Greeted, LateSlot, Me, Peer, Quic,
+    TAG_REGROUP, dial, greet, open_data_streams, read_control, read_data_streams, reading_of,
+    setup_err, start_peer, watch_connection,
 };
+use crate::host::HostId;
 use crate::{Early, TransportError};
+
+/// What a regroup takes from the endpoint it spends: the parts of its mesh that go on.
+struct Spent {
+    rank: u32,
+    runtime: tokio::runtime::Runtime,
+    peers: Vec<Option<Peer>>,
+    hosts: Vec<Option<HostId>>,
+    sink: Events,
+    events: crossbeam_channel::Receiver<super::Event>,
+    arrivals: Option<tokio::sync::mpsc::UnboundedReceiver<quinn::Incoming>>,
+}
 
 impl Quic {
     /// Readies this endpoint to go on without a lost peer ([`Quic::regrouped`]): from now on
@@ -53,6 +75,102 @@ impl Quic {
             .map_err(|e| setup_err("local address", e))
     }
 
+    /// Checks that this endpoint can go on without `lost`, and spends it: it becomes a husk
+    /// whose drop and close do nothing (dropping its event queue stops the old streams'
+    /// readers), its peers and runtime handed to the regroup, the lost rank's connection
+    /// closed.
+    fn spend(&mut self, lost: u32) -> Result<Spent, TransportError> {
+        let rank = self.rank;
+        if lost >= self.size || lost == rank {
+            return Err(TransportError::Setup(format!(
+                "worker {rank} cannot go on without rank {lost} in a mesh of {}",
+                self.size
+            )));
+        }
+        let runtime = self.runtime.take().ok_or_else(|| {
+            TransportError::Setup(format!(
+                "worker {rank}'s endpoint is closed: it cannot regroup"
+            ))
+        })?;
+        self.closed = true;
+        self.events = unbounded().1;
+        let (tx, events) = unbounded();
+        let sink = Events {
+            tx,
+            alarm: self.alarm.clone(),
+        };
+        let mut peers = std::mem::take(&mut self.peers);
+        let mut hosts = std::mem::take(&mut self.hosts);
+        if let Some(old) = peers.get_mut(lost as usize).and_then(Option::take) {
+            if !old.shares_conn {
+                old.conn.close(CLOSE_FAILED.into(), b"lost");
+            }
+        }
+        if let Some(h) = hosts.get_mut(lost as usize) {
+            *h = None;
+        }
+        // A rank hosted since an earlier loss does not regroup with this mesh (its program
+        // ended with the segment it was hosted for): its streams on another's connection end
+        // here, that connection going on as the other's, and its host closes its link to it.
+        for slot in &mut peers {
+            match slot.as_ref() {
+                Some(p) if p.shares_conn => *slot = None,
+                Some(p) if p.to_hosted => {
+                    p.conn.close(CLOSE_DONE.into(), b"done");
+                    *slot = None;
+                }
+                _ => {}
+            }
+        }
+        Ok(Spent {
+            rank,
+            runtime,
+            peers,
+            hosts,
+            sink,
+            events,
+            arrivals: self.late_arrivals.take(),
+        })
+    }
+
+    /// The mesh a regroup made of `spent`, on this endpoint's socket.
+    fn regrouped_mesh(&self, spent: Spent) -> Quic {
+        if let Ok(mut slot) = self.late.lock() {
+            *slot = None;
+        }
+        self.mesh_on(spent, (self.endpoint.clone(), self.late.clone()))
+    }
+
+    /// A mesh of `spent`'s peers on `endpoint`, which puts a late connection in `late`, with
+    /// this endpoint's settings.
+    fn mesh_on(&self, spent: Spent, (endpoint, late): (quinn::Endpoint, LateSlot)) -> Quic {
+        Quic {
+            rank: spent.rank,
+            size: self.size,
+            runtime: Some(spent.runtime),
+            endpoint,
+            peers: spent.peers,
+            interrupt: spent.sink.tx.clone(),
+            events: spent.events,
+            early: Early::default(),
+            ended: Default::default(),
+            finished_by: Default::default(),
+            lost: Default::default(),
+            failed: None,
+            aborted_by: None,
+            told_abort: false,
+            opts: self.opts.clone(),
+            closed: false,
+            cuts: self.cuts.clone(),
+            host: self.host,
+            hosts: spent.hosts,
+            alarm: spent.sink.alarm.clone(),
+            client: self.client.clone(),
+            late,
+            late_arrivals: None,
+        }
+    }
+
     /// This endpoint's mesh, going on without rank `lost` on the connections it has with the
     /// others (see the module documentation), and with a connection to `hosted`, the lost
     /// rank's new endpoint, where a survivor hosts it. This endpoint is spent: it holds
@@ -67,51 +185,17 @@ impl Quic {
         lost: u32,
         hosted: Option<SocketAddr>,
     ) -> Result<Quic, TransportError> {
-        let rank = self.rank;
-        if lost >= self.size || lost == rank {
-            return Err(TransportError::Setup(format!(
-                "worker {rank} cannot go on without rank {lost} in a mesh of {}",
-                self.size
-            )));
-        }
-        let runtime = self.runtime.take().ok_or_else(|| {
-            TransportError::Setup(format!(
-                "worker {rank}'s endpoint is closed: it cannot regroup"
-            ))
-        })?;
-        // This endpoint becomes a husk: its drop and close do nothing, and dropping its event
-        // queue stops the old streams' readers.
-        self.closed = true;
-        self.events = unbounded().1;
-        let (tx, events) = unbounded();
-        let sink = Events {
-            tx,
-            alarm: self.alarm.clone(),
-        };
-        let mut peers = std::mem::take(&mut self.peers);
-        let mut hosts = std::mem::take(&mut self.hosts);
-        if let Some(old) = peers.get_mut(lost as usize).and_then(Option::take) {
-            old.conn.close(CLOSE_FAILED.into(), b"lost");
-        }
-        if let Some(h) = hosts.get_mut(lost as usize) {
-            *h = None;
-        }
-        let me = Me {
-            rank,
-            host: self.host,
-        };
-        let arrivals = self.late_arrivals.take();
+        let mut spent = self.spend(lost)?;
+        let (rank, me) = (spent.rank, self.me());
+        let arrivals = spent.arrivals.take();
         let opts = &self.opts;
         let (endpoint, client) = (&self.endpoint, &self.client);
-        let watched: Vec<(u32, quinn::Connection)> = peers
-            .iter()
-            .enumerate()
-            .filter_map(|(r, p)| p.as_ref().map(|p| (r as u32, p.conn.clone())))
-            .collect();
-        let joined = runtime.block_on(async {
+        let watched = watched(&spent.peers);
+        let (peers, sink) = (&mut spent.peers, &spent.sink);
+        let joined = spent.runtime.block_on(async {
             // Every connection renewed at once, and the lost rank's new endpoint connected
             // meanwhile: each waits on its peer, and one after another they added up.
-            let renewing = renew_all(rank, &mut peers, opts, &sink);
+            let renewing = renew_all(rank, peers, opts, sink);
             let connecting = async {
                 let Some(addr) = hosted else {
                     return Ok(None);
@@ -124,14 +208,9 @@ impl Quic {
                         take_late(arrivals, me, lost, opts.run_id, deadline).await
                     }
                 };
-                // A survivor lost meanwhile (the host of the lost rank's new endpoint among
-                // them) ends the wait at once, rather than at the connect timeout.
-                tokio::select! {
-                    greeted = connect => greeted.map(Some),
-                    (peer, why) = first_closed(&watched) => Err(TransportError::Setup(format!(
-                        "rank {rank}: rank {peer} was lost while the mesh regrouped without rank {lost} ({why})"
-                    ))),
-                }
+                until_a_survivor_closes(connect, &watched, (rank, lost))
+                    .await
+                    .map(Some)
             };
             let (renewed, greeted) = tokio::join!(renewing, connecting);
             for (peer, joined) in renewed? {
@@ -140,41 +219,183 @@ impl Quic {
             let Some((peer, conn, control, theirs, host)) = greeted? else {
                 return Ok(None);
             };
-            let joined = start_peer(rank, peer, conn, (control, theirs), opts, &sink).await?;
+            let joined = start_peer(rank, peer, conn, (control, theirs), opts, sink).await?;
             Ok::<_, TransportError>(Some((joined, host)))
         });
-        if let Ok(mut slot) = self.late.lock() {
-            *slot = None;
+        let joined = joined?;
+        let mut mesh = self.regrouped_mesh(spent);
+        if let Some((joined, host)) = joined {
+            mesh.peers[lost as usize] = Some(joined);
+            mesh.hosts[lost as usize] = Some(host);
         }
-        if let Some((joined, host)) = joined? {
-            peers[lost as usize] = Some(joined);
-            hosts[lost as usize] = Some(host);
+        Ok(mesh)
+    }
+
+    /// This endpoint's mesh going on without rank `lost`, which `adopter`, a survivor, hosts
+    /// on the connections it already has: no new endpoint meets the others, so no handshake
+    /// stands between a loss and the run going on. Each survivor's connection to the adopter
+    /// carries, after its own next generation of streams, one more for the lost rank
+    /// ([`alias`]); only the adopter's own link to the lost rank is a new connection, within
+    /// its process. On the adopter, also the lost rank's endpoint, for the program it hosts.
+    /// This endpoint is spent, as by [`Quic::regrouped`].
+    ///
+    /// # Errors
+    /// As [`Quic::regrouped`]; an adopter that is the lost rank or no survivor.
+    pub fn regrouped_hosting(
+        &mut self,
+        lost: u32,
+        adopter: u32,
+    ) -> Result<(Quic, Option<Quic>), TransportError> {
+        let missing = adopter == lost
+            || self.peers.get(adopter as usize).is_none_or(Option::is_none) && adopter != self.rank;
+        if missing {
+            return Err(TransportError::Setup(format!(
+                "worker {}: rank {adopter} cannot host rank {lost}: it is no survivor",
+                self.rank
+            )));
         }
-        Ok(Quic {
-            rank,
-            size: self.size,
-            runtime: Some(runtime),
-            endpoint: self.endpoint.clone(),
-            peers,
-            interrupt: sink.tx.clone(),
-            events,
-            early: Early::default(),
-            ended: Default::default(),
-            finished_by: Default::default(),
-            lost: Default::default(),
-            failed: None,
-            aborted_by: None,
-            told_abort: false,
-            opts: self.opts.clone(),
-            closed: false,
-            cuts: self.cuts.clone(),
+        if adopter == self.rank {
+            return self
+                .hosting(lost)
+                .map(|(mesh, hosted)| (mesh, Some(hosted)));
+        }
+        let mut spent = self.spend(lost)?;
+        let (rank, opts) = (spent.rank, &self.opts);
+        let (peers, sink) = (&mut spent.peers, &spent.sink);
+        let aliased = spent.runtime.block_on(async {
+            for (peer, joined) in renew_all(rank, peers, opts, sink).await? {
+                peers[peer] = Some(joined);
+            }
+            let via = peers[adopter as usize].as_mut().ok_or_else(|| {
+                TransportError::Setup(format!("rank {rank} has no connection to rank {adopter}"))
+            })?;
+            alias(rank, lost, via, opts, sink).await
+        })?;
+        spent.hosts[lost as usize] = spent.hosts[adopter as usize];
+        spent.peers[lost as usize] = Some(aliased);
+        Ok((self.regrouped_mesh(spent), None))
+    }
+
+    /// [`Quic::regrouped_hosting`] on the adopter: its own mesh, and the lost rank's endpoint
+    /// on a socket of its own whose one connection is to this endpoint, its other peers on
+    /// this endpoint's connections.
+    fn hosting(&mut self, lost: u32) -> Result<(Quic, Quic), TransportError> {
+        let at = self
+            .endpoint
+            .local_addr()
+            .map_err(|e| setup_err("local address", e))?;
+        let hosted_runtime = super::endpoint_runtime(&format!("pipe-quic-{lost}"))?;
+        let socket = {
+            let _guard = hosted_runtime.enter();
+            super::endpoint_on(SocketAddr::new(at.ip(), 0), None, &self.cuts)?
+        };
+        let mut spent = self.spend(lost)?;
+        let (rank, me, opts) = (spent.rank, self.me(), &self.opts);
+        let hosted_me = Me {
+            rank: lost,
+            host: me.host,
+        };
+        let (client, deadline) = (self.client.clone(), Instant::now() + opts.connect_timeout);
+        let dialing = {
+            let (socket, opts) = (socket.clone(), opts.clone());
+            hosted_runtime.spawn(async move {
+                dial(&socket, &client, hosted_me, rank, at, &opts, deadline).await
+            })
+        };
+        let arrivals = spent.arrivals.take();
+        let watched = watched(&spent.peers);
+        let (peers, sink) = (&mut spent.peers, &spent.sink);
+        let own = spent.runtime.block_on(async {
+            let renewing = renew_all(rank, peers, opts, sink);
+            let taking = until_a_survivor_closes(
+                take_late(arrivals, me, lost, opts.run_id, deadline),
+                &watched,
+                (rank, lost),
+            );
+            let (renewed, taken) = tokio::join!(renewing, taking);
+            for (peer, joined) in renewed? {
+                peers[peer] = Some(joined);
+            }
+            let (peer, conn, control, theirs, host) = taken?;
+            let joined = start_peer(rank, peer, conn, (control, theirs), opts, sink).await?;
+            Ok::<_, TransportError>((joined, host))
+        });
+        let (mut joined, host) = own?;
+        joined.to_hosted = true;
+        spent.peers[lost as usize] = Some(joined);
+        spent.hosts[lost as usize] = Some(host);
+        // The lost rank's side: its link to this endpoint, then one more generation of
+        // streams on each of this endpoint's connections to the others.
+        let (tx, hosted_events) = unbounded();
+        let hosted_sink = Events {
+            tx,
+            alarm: Alarm::default(),
+        };
+        let mut hosted_peers: Vec<Option<Peer>> = (0..self.size).map(|_| None).collect();
+        let mut hosted_hosts = vec![None; self.size as usize];
+        let (peers, hosts) = (&mut spent.peers, &spent.hosts);
+        hosted_runtime.block_on(async {
+            let dialed = dialing
+                .await
+                .map_err(|e| setup_err("connecting the hosted rank", e))??;
+            let (peer, conn, control, theirs, host) = dialed;
+            hosted_peers[peer as usize] =
+                Some(start_peer(lost, peer, conn, (control, theirs), opts, &hosted_sink).await?);
+            hosted_hosts[peer as usize] = Some(host);
+            for (other, slot) in peers.iter_mut().enumerate() {
+                let Some(via) = slot.as_mut().filter(|_| other as u32 != lost) else {
+                    continue;
+                };
+                hosted_peers[other] =
+                    Some(alias(lost, other as u32, via, opts, &hosted_sink).await?);
+                hosted_hosts[other] = hosts[other];
+            }
+            Ok::<_, TransportError>(())
+        })?;
+        let hosted = Spent {
+            rank: lost,
+            runtime: hosted_runtime,
+            peers: hosted_peers,
+            hosts: hosted_hosts,
+            sink: hosted_sink,
+            events: hosted_events,
+            arrivals: None,
+        };
+        let hosted = self.mesh_on(hosted, (socket, LateSlot::default()));
+        Ok((self.regrouped_mesh(spent), hosted))
+    }
+
+    /// This endpoint as its hellos name it.
+    fn me(&self) -> Me {
+        Me {
+            rank: self.rank,
             host: self.host,
-            hosts,
-            alarm: self.alarm.clone(),
-            client: self.client.clone(),
-            late: self.late.clone(),
-            late_arrivals: None,
-        })
+        }
+    }
+}
+
+/// Every live connection of `peers`, by rank: what a regroup watches for a survivor lost
+/// meanwhile.
+fn watched(peers: &[Option<Peer>]) -> Vec<(u32, quinn::Connection)> {
+    peers
+        .iter()
+        .enumerate()
+        .filter_map(|(r, p)| p.as_ref().map(|p| (r as u32, p.conn.clone())))
+        .collect()
+}
+
+/// `connect`, unless a survivor of `watched` is lost first (the host of the lost rank's new
+/// endpoint among them): that ends the wait at once, rather than at the connect timeout.
+async fn until_a_survivor_closes(
+    connect: impl std::future::Future<Output = Result<Greeted, TransportError>>,
+    watched: &[(u32, quinn::Connection)],
+    (rank, lost): (u32, u32),
+) -> Result<Greeted, TransportError> {
+    tokio::select! {
+        greeted = connect => greeted,
+        (peer, why) = first_closed(watched) => Err(TransportError::Setup(format!(
+            "rank {rank}: rank {peer} was lost while the mesh regrouped without rank {lost} ({why})"
+        ))),
     }
 }
 
@@ -223,6 +444,52 @@ async fn renew(
     drop(data);
     let _ = last_control.lock().await.finish();
     let generation = generation.wrapping_add(1);
+    generation_on(
+        rank,
+        (peer, conn),
+        (generation, last_accepted),
+        opts,
+        (sink, false),
+    )
+    .await
+}
+
+/// Peer `peer` of rank `rank` on `via`'s connection: one more generation of streams on it,
+/// after `via`'s own, for a rank one end hosts ([`Quic::regrouped_hosting`]). `via` counts it
+/// as its own, so that a later regroup of `via` opens the generation after it.
+async fn alias(
+    rank: u32,
+    peer: u32,
+    via: &mut Peer,
+    opts: &super::QuicOptions,
+    sink: &Events,
+) -> Result<Peer, TransportError> {
+    let generation = via.generation.wrapping_add(1);
+    let after = via.accepted.clone();
+    let aliased = generation_on(
+        rank,
+        (peer, via.conn.clone()),
+        (generation, after),
+        opts,
+        (sink, true),
+    )
+    .await?;
+    via.generation = generation;
+    via.accepted = aliased.accepted.clone();
+    Ok(aliased)
+}
+
+/// Generation `generation` of `peer`'s streams on `conn`: this side's control stream (tagged
+/// [`TAG_REGROUP`] and the generation) and data streams opened, and the peer's read into
+/// `sink` once its streams before them (`after`) are accepted. `shared`: the connection is
+/// another rank's too ([`Peer::shares_conn`]).
+async fn generation_on(
+    rank: u32,
+    (peer, conn): (u32, quinn::Connection),
+    (generation, after): (u32, tokio::sync::watch::Receiver<bool>),
+    opts: &super::QuicOptions,
+    (sink, shared): (&Events, bool),
+) -> Result<Peer, TransportError> {
     let failed = |e: &dyn std::fmt::Display| setup_err(&format!("stream to rank {peer}"), e);
     let mut control = conn.open_uni().await.map_err(|e| failed(&e))?;
     let mut tag = vec![TAG_REGROUP];
@@ -236,12 +503,12 @@ async fn renew(
     let (events, read_on) = (sink.clone(), conn.clone());
     let ours = control.clone();
     tokio::spawn(async move {
-        // The peer's streams of the last generation come first.
-        let mut last = last_accepted;
-        let _ = last.wait_for(|done| *done).await;
+        // The peer's streams of the generation before come first.
+        let mut before = after;
+        let _ = before.wait_for(|done| *done).await;
         match accept_control(&read_on, generation).await {
             Ok(theirs) => {
-                tokio::spawn(read_control(peer, theirs, events.clone()));
+                tokio::spawn(read_control(peer, theirs, events.clone(), shared));
                 read_data_streams((rank, peer), read_on, reading, events, (ours, accepted_tx))
                     .await;
             }
@@ -251,7 +518,7 @@ async fn renew(
             }
         }
     });
-    tokio::spawn(watch_connection(peer, conn.clone(), sink.clone()));
+    tokio::spawn(watch_connection(peer, conn.clone(), sink.clone(), shared));
     Ok(Peer {
         conn,
         control,
@@ -260,6 +527,8 @@ async fn renew(
         held,
         generation,
         accepted,
+        shares_conn: shared,
+        to_hosted: false,
     })
 }
 
@@ -567,6 +836,117 @@ mod tests {
         drop(never);
     }
 
+    /// Closes every one of `eps` at once, each on a thread of its own, all cleanly and
+    /// within `bound`.
+    fn close_all_within(eps: Vec<Box<dyn Transport>>, bound: Duration) {
+        let t = Instant::now();
+        let closing: Vec<_> = eps
+            .into_iter()
+            .map(|mut ep| std::thread::spawn(move || ep.close()))
+            .collect();
+        for c in closing {
+            c.join().unwrap().unwrap();
+        }
+        assert!(t.elapsed() < bound, "{:?}", t.elapsed());
+    }
+
+    /// Each of `eps` regroups without `lost`, which `adopter` hosts on its connections, on a
+    /// thread of its own; the hosted rank's endpoint joins them.
+    fn regroup_hosting_all(
+        eps: Vec<Box<dyn Transport>>,
+        lost: u32,
+        adopter: u32,
+    ) -> Vec<Box<dyn Transport>> {
+        let threads: Vec<_> = eps
+            .into_iter()
+            .map(|mut ep| {
+                ep.regroup_address().unwrap().unwrap();
+                std::thread::spawn(move || ep.regroup_hosting(lost, adopter).unwrap())
+            })
+            .collect();
+        let mut out: Vec<Box<dyn Transport>> = Vec::new();
+        for t in threads {
+            let (mesh, hosted) = t.join().unwrap();
+            out.push(mesh);
+            out.extend(hosted.map(|h| h as Box<dyn Transport>));
+        }
+        out.sort_by_key(|ep| ep.rank());
+        out
+    }
+
+    /// Every endpoint of `eps` sends message `index` to each of `ranks` but itself, then
+    /// receives theirs.
+    fn exchange(eps: &mut [Box<dyn Transport>], ranks: &[u32], index: u32) {
+        for ep in eps.iter_mut() {
+            let me = ep.rank();
+            for &to in ranks.iter().filter(|&&t| t != me) {
+                ep.send(message(me, to, index)).unwrap();
+            }
+        }
+        for ep in eps.iter_mut() {
+            let me = ep.rank();
+            for &from in ranks.iter().filter(|&&f| f != me) {
+                let m = ep.recv(&key(from, me, index)).unwrap();
+                assert_eq!(
+                    m.tensor.into_host_vec().unwrap(),
+                    vec![from as f32, index as f32]
+                );
+            }
+        }
+    }
+
+    /// A mesh of four loses rank 2, which rank 3 hosts on the connections it already has
+    /// (no new endpoint meets ranks 0 and 1): what was in flight at the loss stays behind,
+    /// and every pair, the hosted rank among them, talks both ways. Then rank 1 is lost, with
+    /// no one in its place, while the hosted rank idles: ranks 0 and 3 regroup again, each
+    /// connection in the generation past the hosted rank's, and talk. Everything closes
+    /// cleanly, well within the linger.
+    #[test]
+    fn a_lost_rank_hosted_on_its_adopters_connections_talks_to_every_survivor() {
+        let mut opts = QuicOptions::new(61);
+        opts.connect_timeout = Duration::from_secs(20);
+        opts.linger = Duration::from_secs(10);
+        let mut eps = boxed(super::super::local_mesh(4, &opts).unwrap());
+        exchange(&mut eps, &[0, 1, 2, 3], 1);
+        for ep in &mut eps {
+            let me = ep.rank();
+            for to in (0..4).filter(|&t| t != me) {
+                ep.send(message(me, to, 2)).unwrap();
+            }
+        }
+        lose(&mut eps, 2);
+        let mut eps = regroup_hosting_all(eps, 2, 3);
+        let ranks: Vec<u32> = eps.iter().map(|ep| ep.rank()).collect();
+        assert_eq!(ranks, [0, 1, 2, 3]);
+        exchange(&mut eps, &[0, 1, 2, 3], 3);
+        for ep in &mut eps {
+            let me = ep.rank();
+            for from in (0..4).filter(|&f| f != me) {
+                assert!(ep.try_recv(&key(from, me, 2)).unwrap().is_none());
+            }
+            assert_eq!(ep.buffered(), 0);
+        }
+        let idle = eps.remove(2);
+        lose(&mut eps, 1);
+        let mut eps = regroup_all(eps, 1, None);
+        exchange(&mut eps, &[0, 3], 4);
+        eps.push(idle);
+        close_all_within(eps, Duration::from_secs(5));
+    }
+
+    /// A regroup that names a host no survivor is, or the lost rank itself, is refused
+    /// before the endpoint is spent.
+    #[test]
+    fn a_host_that_is_no_survivor_is_refused() {
+        let opts = QuicOptions::new(67);
+        let mut eps = boxed(super::super::local_mesh(3, &opts).unwrap());
+        let err = |r: Result<crate::Regrouped, TransportError>| r.err().unwrap().to_string();
+        assert!(err(eps[0].regroup_hosting(1, 1)).contains("cannot host rank 1"));
+        assert!(err(eps[0].regroup_hosting(1, 7)).contains("cannot host rank 1"));
+        eps[0].regroup_address().unwrap().unwrap();
+        assert!(err(eps[0].regroup_hosting(0, 2)).contains("cannot go on without rank 0"));
+    }
+
     /// A mesh of four loses rank 2, whose place a new endpoint takes, then rank 1, whose
     /// place stays empty: each time the survivors go on on their connections, every message
     /// sent before the loss stays behind (none is received after), every pair still talks,
@@ -642,14 +1022,6 @@ mod tests {
                 assert_eq!(m.tensor.into_host_vec().unwrap(), vec![from as f32, 5.0]);
             }
         }
-        let t = Instant::now();
-        let closing: Vec<_> = eps
-            .into_iter()
-            .map(|mut ep| std::thread::spawn(move || ep.close()))
-            .collect();
-        for c in closing {
-            c.join().unwrap().unwrap();
-        }
-        assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+        close_all_within(eps, Duration::from_secs(4));
     }
 }
