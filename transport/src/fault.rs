@@ -679,17 +679,9 @@ impl<T: Transport> Transport for Faulty<T> {
     fn regroup(
         &mut self,
         lost: u32,
-        hosted: Option<&str>,
-    ) -> Result<Box<dyn Transport>, TransportError> {
-        self.inner()?.regroup(lost, hosted)
-    }
-
-    fn regroup_hosting(
-        &mut self,
-        lost: u32,
-        adopter: u32,
+        host: Option<u32>,
     ) -> Result<crate::Regrouped, TransportError> {
-        self.inner()?.regroup_hosting(lost, adopter)
+        self.inner()?.regroup(lost, host)
     }
 }
 

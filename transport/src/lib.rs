@@ -338,8 +338,8 @@ impl Interrupter {
 }
 
 /// A regrouped mesh, and on the survivor that hosts the lost rank, that rank's endpoint
-/// ([`Transport::regroup_hosting`]).
-pub type Regrouped = (Box<dyn Transport>, Option<registration::Endpoint>);
+/// ([`Transport::regroup`]).
+pub type Regrouped = (Box<dyn Transport>, Option<Box<dyn Transport + Send>>);
 
 /// A worker's end of the mesh.
 pub trait Transport: Send {
@@ -474,45 +474,27 @@ pub trait Transport: Send {
     }
 
     /// Readies this endpoint to go on, after a peer is lost, on the connections it has with
-    /// the others ([`Transport::regroup`]): the address where the lost rank's new endpoint
-    /// reaches it. `None` where this transport cannot: its survivors connect a new mesh.
+    /// the others ([`Transport::regroup`]): the address it listens at, which the survivors'
+    /// launcher names again (on the survivor that hosts the lost rank, in that rank's place
+    /// too). `None` where this transport cannot: its survivors connect a new mesh.
     fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
         None
     }
 
     /// This endpoint's mesh going on without rank `lost` on the connections it has with the
-    /// others, once readied ([`Transport::regroup_address`]), with a connection to `hosted`,
-    /// the address of the lost rank's new endpoint where a survivor hosts it. A regrouped
-    /// mesh holds nothing sent before (QUIC: [`quic::Quic::regrouped`]). This endpoint is
-    /// spent.
+    /// others, once readied ([`Transport::regroup_address`]); where survivor `host` hosts the
+    /// lost rank, with that rank carried on `host`'s connections, so that no new endpoint and
+    /// no handshake stand between the loss and the run going on. On the host, also the lost
+    /// rank's endpoint. A regrouped mesh holds nothing sent before (QUIC:
+    /// [`quic::Quic::regrouped`]). This endpoint is spent.
     ///
     /// # Errors
     /// [`TransportError::Setup`] from a transport that cannot regroup, or a regroup that
     /// fails.
-    fn regroup(
-        &mut self,
-        lost: u32,
-        hosted: Option<&str>,
-    ) -> Result<Box<dyn Transport>, TransportError> {
-        let _ = hosted;
+    fn regroup(&mut self, lost: u32, host: Option<u32>) -> Result<Regrouped, TransportError> {
+        let _ = host;
         Err(TransportError::Setup(format!(
             "worker {} cannot go on without worker {lost} on its own connections",
-            self.rank()
-        )))
-    }
-
-    /// This endpoint's mesh going on without rank `lost`, which survivor `adopter` hosts on
-    /// the connections it already has with the others, once readied
-    /// ([`Transport::regroup_address`]): no new endpoint, so no handshake, stands between the
-    /// loss and the run going on (QUIC: [`quic::Quic::regrouped_hosting`]). On the adopter,
-    /// also the lost rank's endpoint. This endpoint is spent.
-    ///
-    /// # Errors
-    /// [`TransportError::Setup`] from a transport that cannot, or a regroup that fails.
-    fn regroup_hosting(&mut self, lost: u32, adopter: u32) -> Result<Regrouped, TransportError> {
-        let _ = adopter;
-        Err(TransportError::Setup(format!(
-            "worker {} cannot host worker {lost} on its own connections",
             self.rank()
         )))
     }
@@ -606,16 +588,9 @@ macro_rules! forward_transport {
             fn regroup(
                 &mut self,
                 lost: u32,
-                hosted: Option<&str>,
-            ) -> Result<Box<dyn Transport>, TransportError> {
-                (**self).regroup(lost, hosted)
-            }
-            fn regroup_hosting(
-                &mut self,
-                lost: u32,
-                adopter: u32,
+                host: Option<u32>,
             ) -> Result<Regrouped, TransportError> {
-                (**self).regroup_hosting(lost, adopter)
+                (**self).regroup(lost, host)
             }
         }
     };

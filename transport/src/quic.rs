@@ -216,7 +216,7 @@ struct Peer {
     /// Closing this peer leaves the connection open.
     shares_conn: bool,
     /// The connection is this endpoint's link to a lost rank it hosts, within its process
-    /// ([`Quic::regrouped_hosting`]).
+    /// ([`Quic::regrouped`]).
     to_hosted: bool,
 }
 
@@ -410,7 +410,7 @@ fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, T
         .send_window(64 << 20)
         // A generation's five streams each way, and room for the next two while the last
         // closes: a survivor's own, and a lost rank's it hosts on the same connection
-        // ([`Quic::regrouped_hosting`]).
+        // ([`Quic::regrouped`]).
         .max_concurrent_uni_streams(quinn::VarInt::from_u32(24));
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(opts.max_datagram.clamp(1200, MTU_UPPER_BOUND));
@@ -1738,23 +1738,11 @@ impl Transport for Quic {
         Some(self.ready_to_regroup().map(|a| a.to_string()))
     }
 
-    fn regroup(
-        &mut self,
-        lost: u32,
-        hosted: Option<&str>,
-    ) -> Result<Box<dyn Transport>, TransportError> {
-        let hosted = match hosted {
-            Some(name) => Some(resolve_address(name)?),
-            None => None,
-        };
-        Ok(Box::new(self.regrouped(lost, hosted)?))
-    }
-
-    fn regroup_hosting(&mut self, lost: u32, adopter: u32) -> Result<Regrouped, TransportError> {
-        let (mesh, hosted) = self.regrouped_hosting(lost, adopter)?;
+    fn regroup(&mut self, lost: u32, host: Option<u32>) -> Result<Regrouped, TransportError> {
+        let (mesh, hosted) = self.regrouped(lost, host)?;
         Ok((
             Box::new(mesh),
-            hosted.map(|h| Box::new(h) as crate::registration::Endpoint),
+            hosted.map(|h| Box::new(h) as Box<dyn Transport + Send>),
         ))
     }
 
@@ -1809,15 +1797,6 @@ impl Quic {
             }
         }
     }
-}
-
-/// The socket address `name` ("host:port") names.
-fn resolve_address(name: &str) -> Result<SocketAddr, TransportError> {
-    use std::net::ToSocketAddrs as _;
-    name.to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.next())
-        .ok_or_else(|| TransportError::Setup(format!("'{name}' is no address to connect to")))
 }
 
 /// The error for a frame that could not be sent, with its message rebuilt from the frame (the

@@ -155,15 +155,8 @@ impl<T: Transport + ?Sized> Transport for Noticing<'_, T> {
     fn regroup(
         &mut self,
         lost: u32,
-        hosted: Option<&str>,
-    ) -> std::result::Result<Box<dyn Transport>, TransportError> {
-        self.inner.regroup(lost, hosted)
-    }
-    fn regroup_hosting(
-        &mut self,
-        lost: u32,
-        adopter: u32,
+        host: Option<u32>,
     ) -> std::result::Result<pipe_transport::Regrouped, TransportError> {
-        self.inner.regroup_hosting(lost, adopter)
+        self.inner.regroup(lost, host)
     }
 }

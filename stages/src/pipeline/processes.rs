@@ -1496,7 +1496,7 @@ impl LaunchedRemesh {
     /// connects where it says. `hosting`: the survivor that would host the lost rank, and
     /// whether this worker does. A host says so to the launcher, which names it in the lost
     /// rank's place: a regrouping host at its own address, carrying the lost rank on its
-    /// connections ([`pipe_transport::Transport::regroup_hosting`]); any other with an
+    /// connections ([`pipe_transport::Transport::regroup`]); any other with an
     /// endpoint of that rank, bound, announced first and connected on a thread of its own.
     fn connect_mesh(
         &mut self,
@@ -1567,10 +1567,8 @@ impl LaunchedRemesh {
                 let going_on = |e: pipe_transport::TransportError| {
                     failed(format!("worker {rank} going on without worker {lost}: {e}"))
                 };
-                match adopter.filter(|_| lost_at.is_some()) {
-                    Some(adopter) => ep.regroup_hosting(lost, adopter).map_err(going_on)?,
-                    None => (ep.regroup(lost, None).map_err(going_on)?, None),
-                }
+                ep.regroup(lost, adopter.filter(|_| lost_at.is_some()))
+                    .map_err(going_on)?
             }
             (None, ..) => return Err(failed(format!("worker {rank}: no mesh {what}"))),
         };

@@ -68,7 +68,7 @@ pub trait Remesh: Send {
     /// transport can ([`Transport::regroup`]), else a new one. `hosting`: the survivor that
     /// would host `lost` for the program it adopts ([`super::takeover`]), and whether this
     /// worker hosts it. The host's mesh carries the lost rank on its own connections where
-    /// its transport regroups ([`Transport::regroup_hosting`]); otherwise it binds and
+    /// its transport regroups ([`Transport::regroup`]); otherwise it binds and
     /// connects an endpoint of that rank as well.
     ///
     /// # Errors
