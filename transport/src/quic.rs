@@ -215,14 +215,7 @@ struct Peer {
     /// lost rank hosted by a survivor on that survivor's connections ([`Quic::regrouped`]).
     /// Closing this peer leaves the connection open.
     shares_conn: bool,
-    /// The connection is this endpoint's link to a lost rank it hosts, within its process
-    /// ([`Quic::regrouped`]).
-    to_hosted: bool,
 }
-
-/// Where an endpoint whose mesh is complete puts a connection that arrives late: refused,
-/// unless a regroup waits for a lost rank's new endpoint ([`Quic::ready_to_regroup`]).
-type LateSlot = Arc<std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedSender<quinn::Incoming>>>>;
 
 /// A bound endpoint that has not connected to its peers yet (its address is known, so a
 /// launcher can tell the others).
@@ -399,6 +392,14 @@ impl quinn::AsyncUdpSocket for BatchBounded {
     }
 }
 
+/// The congestion window a connection starts with. A connection that has carried only
+/// control records (two workers whose programs never talk, until a regroup carries a lost
+/// rank on it) never leaves its first window, since a sender that is not using its window
+/// does not grow it; at quinn's default of 14,720 bytes, the first activation or gradient it
+/// carried after a loss climbed through slow start, one round trip per doubling, on hosts
+/// whose round trips are long while every worker recovers at once.
+const INITIAL_WINDOW_BYTES: u64 = 1 << 20;
+
 fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, TransportError> {
     let mut t = quinn::TransportConfig::default();
     let idle = quinn::IdleTimeout::try_from(opts.idle_timeout)
@@ -415,6 +416,9 @@ fn transport_config(opts: &QuicOptions) -> Result<Arc<quinn::TransportConfig>, T
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(opts.max_datagram.clamp(1200, MTU_UPPER_BOUND));
     t.mtu_discovery_config(Some(mtu));
+    let mut cubic = quinn::congestion::CubicConfig::default();
+    cubic.initial_window(INITIAL_WINDOW_BYTES);
+    t.congestion_controller_factory(Arc::new(cubic));
     Ok(Arc::new(t))
 }
 
@@ -596,13 +600,12 @@ impl Bound {
         let interrupt = events_tx.tx.clone();
         let host = HostId::current()?;
         let me = Me { rank, host };
-        let late = LateSlot::default();
         let (peers, hosts) = runtime.block_on(connect_all(
             me,
             addrs,
             (&endpoint, &client),
             &opts,
-            (&events_tx, &late),
+            &events_tx,
         ))?;
         Ok(Quic {
             rank,
@@ -625,9 +628,7 @@ impl Bound {
             hosts,
             alarm,
             interrupt,
-            client,
-            late,
-            late_arrivals: None,
+            beside: None,
         })
     }
 }
@@ -850,7 +851,7 @@ async fn connect_all(
     addrs: &[Option<SocketAddr>],
     (endpoint, client): (&quinn::Endpoint, &quinn::ClientConfig),
     opts: &QuicOptions,
-    (events, late): (&Events, &LateSlot),
+    events: &Events,
 ) -> Result<(Vec<Option<Peer>>, Vec<Option<HostId>>), TransportError> {
     let rank = me.rank;
     // Every task ends by itself: a dial at the deadline (after its last attempt), the accepts
@@ -929,20 +930,11 @@ async fn connect_all(
         peers[peer as usize] =
             Some(start_peer(rank, peer, conn, (control, theirs), opts, events).await?);
     }
-    // The mesh is complete: any later connection attempt is refused at once, unless a
-    // regroup waits for one.
-    let (arrivals, late) = (endpoint.clone(), late.clone());
+    // The mesh is complete: any later connection attempt is refused at once.
+    let arrivals = endpoint.clone();
     tokio::spawn(async move {
         while let Some(incoming) = arrivals.accept().await {
-            let waiting = late.lock().ok().and_then(|slot| slot.clone());
-            match waiting {
-                Some(tx) => {
-                    if let Err(unwanted) = tx.send(incoming) {
-                        unwanted.0.refuse();
-                    }
-                }
-                None => incoming.refuse(),
-            }
+            incoming.refuse();
         }
     });
     Ok((peers, hosts))
@@ -980,7 +972,6 @@ async fn start_peer(
         generation: 0,
         accepted,
         shares_conn: false,
-        to_hosted: false,
     })
 }
 
@@ -1260,12 +1251,17 @@ pub struct Quic {
     alarm: Alarm,
     /// Into the event queue from outside: [`Transport::interrupter`].
     interrupt: Sender<Event>,
-    /// How this endpoint dials, and where a late connection goes: what a regroup needs
-    /// ([`Quic::regrouped`]).
-    client: quinn::ClientConfig,
-    late: LateSlot,
-    /// The late connections a readied regroup takes ([`Quic::ready_to_regroup`]).
-    late_arrivals: Option<tokio::sync::mpsc::UnboundedReceiver<quinn::Incoming>>,
+    /// The rank in this endpoint's process that it reaches through memory, not a connection:
+    /// a lost rank's host and the rank it hosts ([`Quic::regrouped`]).
+    beside: Option<Beside>,
+}
+
+/// A rank in this endpoint's process: its messages go straight into its event queue, as its
+/// connections' readers would put them there, rounded as the wire would round them, so that
+/// what it reads has the bits it would have read over a connection.
+struct Beside {
+    rank: u32,
+    events: Events,
 }
 
 /// What a worker calls when its QUIC endpoint hears of a failure, set once.
@@ -1322,6 +1318,9 @@ impl Quic {
         self.aborted_by.get_or_insert(by);
         self.told_abort = true;
         self.tell_all(RECORD_ABORT, by, false);
+        if let Some(beside) = &self.beside {
+            let _ = beside.events.send(Event::Aborted { by });
+        }
     }
 }
 
@@ -1483,6 +1482,41 @@ impl Quic {
         m
     }
 
+    /// `message` to the rank beside this endpoint ([`Beside`]): its values rounded as the
+    /// wire would round them, then into that rank's event queue.
+    fn send_beside(&mut self, mut message: Message) -> Result<(), TransportError> {
+        if let Err(e) = message.tensor.host() {
+            return Err(TransportError::unsent(message, e.to_string()));
+        }
+        let wire = crate::inproc::wire_for(message.key.kind, self.opts.wire);
+        if wire != WireDType::F32 {
+            if let Ok(values) = message.tensor.host_mut() {
+                frame::round_to_wire(values, wire);
+            }
+        }
+        let Some(beside) = &self.beside else {
+            return Err(TransportError::unsent(message, "no rank beside this one"));
+        };
+        beside
+            .events
+            .send(Event::Message(message))
+            .map_err(|unsent| match unsent.0 {
+                Event::Message(m) => {
+                    let reason = format!("worker {} is gone", m.key.to);
+                    TransportError::unsent(m, reason)
+                }
+                _ => TransportError::Protocol("a message came back as another event".into()),
+            })
+    }
+
+    /// Ends the link to the rank beside this endpoint: it hears this rank's end as it would
+    /// a connection's closing handshake, after every message sent before.
+    fn part_from_beside(&mut self) {
+        if let Some(beside) = self.beside.take() {
+            let _ = beside.events.send(Event::Lost { peer: self.rank });
+        }
+    }
+
     /// Takes every event already waiting (messages are kept by key).
     fn drain(&mut self) -> Result<(), TransportError> {
         while let Ok(event) = self.events.try_recv() {
@@ -1543,6 +1577,7 @@ impl Quic {
             return;
         }
         self.closed = true;
+        self.part_from_beside();
         let deadline = Instant::now() + linger;
         let aborted = self.aborted_by.is_some();
         for p in self.peers.iter_mut().flatten() {
@@ -1628,6 +1663,9 @@ impl Transport for Quic {
         }
         if let Some(e) = self.gone(to, None) {
             return Err(TransportError::unsent(message, e.to_string()));
+        }
+        if self.beside.as_ref().is_some_and(|b| b.rank == to) {
+            return self.send_beside(message);
         }
         let slot = kind_slot(message.key.kind);
         let Some(tx) = self.peers[to as usize]
@@ -1836,9 +1874,7 @@ impl Drop for Quic {
             hosts: std::mem::take(&mut self.hosts),
             alarm: self.alarm.clone(),
             interrupt: self.interrupt.clone(),
-            client: self.client.clone(),
-            late: self.late.clone(),
-            late_arrivals: None,
+            beside: self.beside.take(),
         };
         self.closed = true;
         if me.runtime.is_none() {

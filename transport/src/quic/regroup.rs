@@ -18,22 +18,20 @@
 //! adopter's process reads into the hosted rank's endpoint and writes from it. Both ends
 //! count that generation as the connection's, so a later regroup opens the one after it; a
 //! peer on another's connection ([`Peer::shares_conn`]) ends by finishing its control stream,
-//! never by closing the connection, and a later regroup drops it. Only the adopter's own link
-//! to the lost rank is a new connection, within its process, which the hosted endpoint dials
-//! and the adopter takes from the late arrivals it was readied for
-//! ([`Quic::ready_to_regroup`]; refused otherwise). So no handshake with another process
-//! stands between a loss and the run going on.
+//! never by closing the connection, and a later regroup drops it. The adopter and the rank it
+//! hosts, one process, have no connection between them: each puts its messages straight into
+//! the other's event queue ([`super::Beside`]), rounded as the wire rounds them, so a
+//! replicated stage's all-reduce between them is neither encrypted nor sent through a socket.
+//! So no handshake stands between a loss and the run going on.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
 
 use crossbeam_channel::unbounded;
 
 use super::{
-    Alarm, CLOSE_DONE, CLOSE_FAILED, CLOSE_REFUSED, Events, Greeted, LateSlot, Me, Peer, Quic,
-    TAG_REGROUP, dial, greet, open_data_streams, read_control, read_data_streams, reading_of,
-    setup_err, start_peer, watch_connection,
+    Alarm, Beside, CLOSE_FAILED, CLOSE_REFUSED, Events, Peer, Quic, TAG_REGROUP, open_data_streams,
+    read_control, read_data_streams, reading_of, setup_err, watch_connection,
 };
 use crate::host::HostId;
 use crate::{Early, TransportError};
@@ -46,13 +44,12 @@ struct Spent {
     hosts: Vec<Option<HostId>>,
     sink: Events,
     events: crossbeam_channel::Receiver<super::Event>,
-    arrivals: Option<tokio::sync::mpsc::UnboundedReceiver<quinn::Incoming>>,
 }
 
 impl Quic {
-    /// Readies this endpoint to go on without a lost peer ([`Quic::regrouped`]): from now on
-    /// a connection that arrives late is kept for the regroup, not refused. Returns the
-    /// address this endpoint listens at, where the lost rank's new endpoint reaches it.
+    /// The address this endpoint listens at, which the launcher names again when the
+    /// survivors of a lost peer go on without it ([`Quic::regrouped`]): their connections
+    /// stay, so their addresses do not change.
     ///
     /// # Errors
     /// [`TransportError::Setup`] from an endpoint that is closed or has no address.
@@ -63,11 +60,6 @@ impl Quic {
                 self.rank
             )));
         }
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        if let Ok(mut slot) = self.late.lock() {
-            *slot = Some(tx);
-        }
-        self.late_arrivals = Some(rx);
         self.endpoint
             .local_addr()
             .map_err(|e| setup_err("local address", e))
@@ -111,15 +103,11 @@ impl Quic {
         // ended with the segment it was hosted for): its streams on another's connection end
         // here, that connection going on as the other's, and its host closes its link to it.
         for slot in &mut peers {
-            match slot.as_ref() {
-                Some(p) if p.shares_conn => *slot = None,
-                Some(p) if p.to_hosted => {
-                    p.conn.close(CLOSE_DONE.into(), b"done");
-                    *slot = None;
-                }
-                _ => {}
+            if slot.as_ref().is_some_and(|p| p.shares_conn) {
+                *slot = None;
             }
         }
+        self.part_from_beside();
         Ok(Spent {
             rank,
             runtime,
@@ -127,21 +115,16 @@ impl Quic {
             hosts,
             sink,
             events,
-            arrivals: self.late_arrivals.take(),
         })
     }
 
     /// The mesh a regroup made of `spent`, on this endpoint's socket.
     fn regrouped_mesh(&self, spent: Spent) -> Quic {
-        if let Ok(mut slot) = self.late.lock() {
-            *slot = None;
-        }
-        self.mesh_on(spent, (self.endpoint.clone(), self.late.clone()))
+        self.mesh_on(spent, self.endpoint.clone())
     }
 
-    /// A mesh of `spent`'s peers on `endpoint`, which puts a late connection in `late`, with
-    /// this endpoint's settings.
-    fn mesh_on(&self, spent: Spent, (endpoint, late): (quinn::Endpoint, LateSlot)) -> Quic {
+    /// A mesh of `spent`'s peers on `endpoint`, with this endpoint's settings.
+    fn mesh_on(&self, spent: Spent, endpoint: quinn::Endpoint) -> Quic {
         Quic {
             rank: spent.rank,
             size: self.size,
@@ -163,9 +146,7 @@ impl Quic {
             host: self.host,
             hosts: spent.hosts,
             alarm: spent.sink.alarm.clone(),
-            client: self.client.clone(),
-            late,
-            late_arrivals: None,
+            beside: None,
         }
     }
 
@@ -174,15 +155,15 @@ impl Quic {
     /// that rank carried on `host`'s connections: no new endpoint meets the others, so no
     /// handshake stands between a loss and the run going on. Each survivor's connection to
     /// the host carries, after its own next generation of streams, one more for the lost rank
-    /// ([`alias`]); only the host's own link to the lost rank is a new connection, within its
-    /// process. On the host, also the lost rank's endpoint, for the program it hosts. This
-    /// endpoint is spent: it holds nothing any more, and every later call fails or does
+    /// ([`alias`]); the host and the lost rank, one process, reach each other through memory
+    /// ([`Beside`]). On the host, also the lost rank's endpoint, for the program it hosts.
+    /// This endpoint is spent: it holds nothing any more, and every later call fails or does
     /// nothing.
     ///
     /// # Errors
     /// [`TransportError::Setup`]: a rank that is not a peer, a host that is the lost rank or
-    /// no survivor, an endpoint already closed or (on the host) not readied
-    /// ([`Quic::ready_to_regroup`]), a connection that fails while its streams open.
+    /// no survivor, an endpoint already closed, a connection that fails while its streams
+    /// open.
     pub fn regrouped(
         &mut self,
         lost: u32,
@@ -227,56 +208,30 @@ impl Quic {
         Ok((self.regrouped_mesh(spent), None))
     }
 
-    /// [`Quic::regrouped`] on the host: its own mesh, and the lost rank's endpoint
-    /// on a socket of its own whose one connection is to this endpoint, its other peers on
-    /// this endpoint's connections.
+    /// [`Quic::regrouped`] on the host: its own mesh, and the lost rank's endpoint, whose
+    /// other peers are on this endpoint's connections and which reaches this one through
+    /// memory ([`Beside`]): the two share a process, so their messages (a replicated
+    /// stage's all-reduce among them) are neither encrypted nor sent through a socket.
     fn hosting(&mut self, lost: u32) -> Result<(Quic, Quic), TransportError> {
         let at = self
             .endpoint
             .local_addr()
             .map_err(|e| setup_err("local address", e))?;
         let hosted_runtime = super::endpoint_runtime(&format!("pipe-quic-{lost}"))?;
+        // The hosted endpoint dials no one: its socket only closes with it.
         let socket = {
             let _guard = hosted_runtime.enter();
             super::endpoint_on(SocketAddr::new(at.ip(), 0), None, &self.cuts)?
         };
         let mut spent = self.spend(lost)?;
-        let (rank, me, opts) = (spent.rank, self.me(), &self.opts);
-        let hosted_me = Me {
-            rank: lost,
-            host: me.host,
-        };
-        let (client, deadline) = (self.client.clone(), Instant::now() + opts.connect_timeout);
-        let dialing = {
-            let (socket, opts) = (socket.clone(), opts.clone());
-            hosted_runtime.spawn(async move {
-                dial(&socket, &client, hosted_me, rank, at, &opts, deadline).await
-            })
-        };
-        let arrivals = spent.arrivals.take();
-        let watched = watched(&spent.peers);
+        let (rank, opts) = (spent.rank, &self.opts);
         let (peers, sink) = (&mut spent.peers, &spent.sink);
-        let own = spent.runtime.block_on(async {
-            let renewing = renew_all(rank, peers, opts, sink);
-            let taking = until_a_survivor_closes(
-                take_late(arrivals, me, lost, opts.run_id, deadline),
-                &watched,
-                (rank, lost),
-            );
-            let (renewed, taken) = tokio::join!(renewing, taking);
-            for (peer, joined) in renewed? {
-                peers[peer] = Some(joined);
-            }
-            let (peer, conn, control, theirs, host) = taken?;
-            let joined = start_peer(rank, peer, conn, (control, theirs), opts, sink).await?;
-            Ok::<_, TransportError>((joined, host))
-        });
-        let (mut joined, host) = own?;
-        joined.to_hosted = true;
-        spent.peers[lost as usize] = Some(joined);
-        spent.hosts[lost as usize] = Some(host);
-        // The lost rank's side: its link to this endpoint, then one more generation of
-        // streams on each of this endpoint's connections to the others.
+        for (peer, joined) in spent.runtime.block_on(renew_all(rank, peers, opts, sink))? {
+            peers[peer] = Some(joined);
+        }
+        spent.hosts[lost as usize] = Some(self.host);
+        // The lost rank's side: one more generation of streams on each of this endpoint's
+        // connections to the others.
         let (tx, hosted_events) = unbounded();
         let hosted_sink = Events {
             tx,
@@ -284,17 +239,11 @@ impl Quic {
         };
         let mut hosted_peers: Vec<Option<Peer>> = (0..self.size).map(|_| None).collect();
         let mut hosted_hosts = vec![None; self.size as usize];
+        hosted_hosts[rank as usize] = Some(self.host);
         let (peers, hosts) = (&mut spent.peers, &spent.hosts);
         hosted_runtime.block_on(async {
-            let dialed = dialing
-                .await
-                .map_err(|e| setup_err("connecting the hosted rank", e))??;
-            let (peer, conn, control, theirs, host) = dialed;
-            hosted_peers[peer as usize] =
-                Some(start_peer(lost, peer, conn, (control, theirs), opts, &hosted_sink).await?);
-            hosted_hosts[peer as usize] = Some(host);
             for (other, slot) in peers.iter_mut().enumerate() {
-                let Some(via) = slot.as_mut().filter(|_| other as u32 != lost) else {
+                let Some(via) = slot.as_mut() else {
                     continue;
                 };
                 hosted_peers[other] =
@@ -303,50 +252,26 @@ impl Quic {
             }
             Ok::<_, TransportError>(())
         })?;
+        let own_events = spent.sink.clone();
         let hosted = Spent {
             rank: lost,
             runtime: hosted_runtime,
             peers: hosted_peers,
             hosts: hosted_hosts,
-            sink: hosted_sink,
+            sink: hosted_sink.clone(),
             events: hosted_events,
-            arrivals: None,
         };
-        let hosted = self.mesh_on(hosted, (socket, LateSlot::default()));
-        Ok((self.regrouped_mesh(spent), hosted))
-    }
-
-    /// This endpoint as its hellos name it.
-    fn me(&self) -> Me {
-        Me {
-            rank: self.rank,
-            host: self.host,
-        }
-    }
-}
-
-/// Every live connection of `peers`, by rank: what a regroup watches for a survivor lost
-/// meanwhile.
-fn watched(peers: &[Option<Peer>]) -> Vec<(u32, quinn::Connection)> {
-    peers
-        .iter()
-        .enumerate()
-        .filter_map(|(r, p)| p.as_ref().map(|p| (r as u32, p.conn.clone())))
-        .collect()
-}
-
-/// `connect`, unless a survivor of `watched` is lost first (the host of the lost rank's new
-/// endpoint among them): that ends the wait at once, rather than at the connect timeout.
-async fn until_a_survivor_closes(
-    connect: impl std::future::Future<Output = Result<Greeted, TransportError>>,
-    watched: &[(u32, quinn::Connection)],
-    (rank, lost): (u32, u32),
-) -> Result<Greeted, TransportError> {
-    tokio::select! {
-        greeted = connect => greeted,
-        (peer, why) = first_closed(watched) => Err(TransportError::Setup(format!(
-            "rank {rank}: rank {peer} was lost while the mesh regrouped without rank {lost} ({why})"
-        ))),
+        let mut hosted = self.mesh_on(hosted, socket);
+        hosted.beside = Some(Beside {
+            rank,
+            events: own_events,
+        });
+        let mut own = self.regrouped_mesh(spent);
+        own.beside = Some(Beside {
+            rank: lost,
+            events: hosted_sink,
+        });
+        Ok((own, hosted))
     }
 }
 
@@ -479,22 +404,7 @@ async fn generation_on(
         generation,
         accepted,
         shares_conn: shared,
-        to_hosted: false,
     })
-}
-
-/// The first of `peers`' connections to close, and why; pending while none does.
-async fn first_closed(peers: &[(u32, quinn::Connection)]) -> (u32, quinn::ConnectionError) {
-    // Dropped with this future, the set stops every watch.
-    let mut watches = tokio::task::JoinSet::new();
-    for (rank, conn) in peers {
-        let (rank, conn) = (*rank, conn.clone());
-        watches.spawn(async move { (rank, conn.closed().await) });
-    }
-    match watches.join_next().await {
-        Some(Ok(closed)) => closed,
-        _ => std::future::pending().await,
-    }
 }
 
 /// The peer's control stream of `generation` on `conn`: the next stream it opens.
@@ -519,54 +429,6 @@ async fn accept_control(
         ));
     }
     Ok(stream)
-}
-
-/// The connection of rank `lost`'s new endpoint, from the late `arrivals` this endpoint was
-/// readied for; any other is refused.
-async fn take_late(
-    arrivals: Option<tokio::sync::mpsc::UnboundedReceiver<quinn::Incoming>>,
-    me: Me,
-    lost: u32,
-    run_id: u64,
-    deadline: Instant,
-) -> Result<Greeted, TransportError> {
-    let rank = me.rank;
-    let mut arrivals = arrivals.ok_or_else(|| {
-        TransportError::Setup(format!(
-            "worker {rank} regrouped without being readied for rank {lost}'s connection"
-        ))
-    })?;
-    let missing = || {
-        TransportError::Setup(format!(
-            "rank {rank}: rank {lost}'s new endpoint did not connect before the connect timeout"
-        ))
-    };
-    loop {
-        let incoming = tokio::time::timeout_at(deadline.into(), arrivals.recv())
-            .await
-            .map_err(|_| missing())?
-            .ok_or_else(missing)?;
-        let conn = match tokio::time::timeout_at(deadline.into(), incoming).await {
-            Ok(Ok(conn)) => conn,
-            // A failed handshake (a peer without a valid certificate) is dropped.
-            Ok(Err(_)) => continue,
-            Err(_) => return Err(missing()),
-        };
-        let greeted =
-            tokio::time::timeout_at(deadline.into(), greet(&conn, rank, run_id, &me.host))
-                .await
-                .map_err(|_| missing())?;
-        match greeted {
-            Ok((peer, control, theirs, host)) if peer == lost => {
-                return Ok((peer, conn, control, theirs, host));
-            }
-            Ok((peer, ..)) => conn.close(
-                CLOSE_REFUSED.into(),
-                format!("rank {peer} refused").as_bytes(),
-            ),
-            Err(e) => conn.close(CLOSE_REFUSED.into(), e.why.as_bytes()),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -658,8 +520,8 @@ mod tests {
 
     /// What a regroup is handed is checked before anything is spent: a lost rank that is this
     /// worker or no rank of the mesh, and a host that is the lost rank or no survivor, are
-    /// refused, and the endpoint still regroups afterwards. A host that was never readied
-    /// for its link to the rank it hosts fails naming that, instead of waiting.
+    /// refused, and the endpoint still regroups afterwards. Once regrouped, an endpoint is
+    /// spent: a second regroup fails.
     #[test]
     fn a_regroup_refuses_what_it_cannot_go_on_without() {
         let mut opts = QuicOptions::new(43);
@@ -671,11 +533,9 @@ mod tests {
         assert!(err(eps[1].regroup(u32::MAX, None)).contains("in a mesh of 3"));
         assert!(err(eps[1].regroup(0, Some(0))).contains("cannot host rank 0"));
         assert!(err(eps[1].regroup(0, Some(7))).contains("cannot host rank 0"));
-        // Rank 2 would take the hosted rank's link from the late arrivals it was readied for.
-        let unready = err(eps[2].regroup(0, Some(2)));
-        assert!(unready.contains("without being readied"), "{unready}");
-        // Spent: every later call fails.
-        assert!(eps[2].regroup(0, None).is_err());
+        let regrouped = eps[2].regroup(0, None).unwrap();
+        assert!(err(eps[2].regroup(0, None)).contains("closed"));
+        drop(regrouped);
         // Rank 1, untouched by the refusals, still regroups.
         eps[1].regroup_address().unwrap().unwrap();
         let mut one = eps.remove(1);
@@ -731,7 +591,7 @@ mod tests {
     /// Closes every one of `eps` at once, each on a thread of its own, all cleanly and
     /// within `bound`.
     fn close_all_within(eps: Vec<Box<dyn Transport>>, bound: Duration) {
-        let t = Instant::now();
+        let t = std::time::Instant::now();
         let closing: Vec<_> = eps
             .into_iter()
             .map(|mut ep| std::thread::spawn(move || ep.close()))
@@ -800,6 +660,66 @@ mod tests {
         exchange(&mut eps, &[0, 3], 4);
         eps.push(idle);
         close_all_within(eps, Duration::from_secs(5));
+    }
+
+    /// The host of a lost rank and the rank it hosts share no connection: each puts its
+    /// messages into the other's queue. On a bf16 wire, an activation that crosses that link
+    /// is rounded exactly as one that crosses a connection to another survivor, and an
+    /// all-reduce chunk keeps every bit. The hosted rank's abort stops its host's receive
+    /// at once, naming it; and once it has closed, a receive from it finds it gone rather
+    /// than waiting.
+    #[test]
+    fn a_hosted_rank_and_its_host_talk_through_memory_with_the_wires_bits() {
+        let mut opts = QuicOptions::new(67);
+        opts.connect_timeout = Duration::from_secs(20);
+        opts.linger = Duration::from_secs(5);
+        opts.wire = crate::frame::WireDType::Bf16;
+        let mut eps = boxed(super::super::local_mesh(3, &opts).unwrap());
+        lose(&mut eps, 1);
+        let mut eps = regroup_all(eps, 1, Some(2));
+        let values = vec![1.0 + f32::EPSILON, -3.333_333, 1e-3, 65_537.0];
+        let sent = |kind: Kind, to: u32, index: u32| Message {
+            key: Key {
+                kind,
+                ..key(1, to, index)
+            },
+            version: 7,
+            tensor: pipe_kernels::Tensor::from_vec(&[2, 2], values.clone()).unwrap(),
+        };
+        for kind in [Kind::Activation, Kind::Chunk] {
+            eps[1].send(sent(kind, 0, 1)).unwrap();
+            eps[1].send(sent(kind, 2, 1)).unwrap();
+            let got = |ep: &mut Box<dyn Transport>, me: u32| {
+                let key = Key {
+                    kind,
+                    ..key(1, me, 1)
+                };
+                let m = ep.recv(&key).unwrap();
+                assert_eq!((m.version, m.tensor.shape().to_vec()), (7, vec![2, 2]));
+                m.tensor.into_host_vec().unwrap()
+            };
+            let over_quic = got(&mut eps[0], 0);
+            let through_memory = got(&mut eps[2], 2);
+            assert_eq!(over_quic, through_memory, "{kind:?}");
+            assert_eq!(over_quic == values, kind == Kind::Chunk, "{kind:?}");
+        }
+        // Closed, the hosted rank is gone to its host; aborted, in another mesh, it stops
+        // its host's receive.
+        let mut hosted = eps.remove(1);
+        hosted.close().unwrap();
+        let e = eps[1].recv(&key(1, 2, 9)).err().unwrap();
+        assert!(matches!(e, TransportError::Closed { peer: 1 }), "{e}");
+        close_all_within(eps, Duration::from_secs(4));
+        let mut eps = boxed(super::super::local_mesh(3, &opts).unwrap());
+        lose(&mut eps, 1);
+        let mut eps = regroup_all(eps, 1, Some(2));
+        let mut hosted = eps.remove(1);
+        let mut host = eps.pop().unwrap();
+        let waiting = std::thread::spawn(move || host.recv(&key(1, 2, 9)).err().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        hosted.abort();
+        let e = waiting.join().unwrap();
+        assert!(matches!(e, TransportError::Aborted { by: 1 }), "{e}");
     }
 
     /// A mesh of four loses rank 2, then rank 1, with no one in either's place: each time the
