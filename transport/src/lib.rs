@@ -473,16 +473,16 @@ pub trait Transport: Send {
         None
     }
 
-    /// Readies this endpoint to go on, after a peer is lost, on the connections it has with
-    /// the others ([`Transport::regroup`]): the address it listens at, which the survivors'
-    /// launcher names again (on the survivor that hosts the lost rank, in that rank's place
-    /// too). `None` where this transport cannot: its survivors connect a new mesh.
+    /// Where this endpoint listens, for a regroup after a peer is lost on the connections it
+    /// has with the others ([`Transport::regroup`]): the address the survivors' launcher names
+    /// again (on the survivor that hosts the lost rank, in that rank's place too). `None`
+    /// where this transport cannot regroup: its survivors connect a new mesh.
     fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
         None
     }
 
     /// This endpoint's mesh going on without rank `lost` on the connections it has with the
-    /// others, once readied ([`Transport::regroup_address`]); where survivor `host` hosts the
+    /// others ([`Transport::regroup_address`]); where survivor `host` hosts the
     /// lost rank, with that rank carried on `host`'s connections, so that no new endpoint and
     /// no handshake stand between the loss and the run going on. On the host, also the lost
     /// rank's endpoint. A regrouped mesh holds nothing sent before (QUIC:
