@@ -140,6 +140,17 @@ pub(crate) fn wire_for(kind: Kind, wire: WireDType) -> WireDType {
     }
 }
 
+/// `message`'s values rounded as a wire of `wire` would carry them ([`wire_for`]), for a
+/// link that moves the message itself: what its receiver reads has a networked link's bits.
+pub(crate) fn round_as_on_the_wire(message: &mut Message, wire: WireDType) {
+    let wire = wire_for(message.key.kind, wire);
+    if wire != WireDType::F32 {
+        if let Ok(values) = message.tensor.host_mut() {
+            round_to_wire(values, wire);
+        }
+    }
+}
+
 impl Transport for InProc {
     fn carries_device_tensors(&self) -> bool {
         // A narrower wire type rounds the payload on the host.
@@ -156,12 +167,7 @@ impl Transport for InProc {
 
     fn send(&mut self, mut message: Message) -> Result<(), TransportError> {
         self.inbox.check_aborted()?;
-        let wire = wire_for(message.key.kind, self.wire);
-        if wire != WireDType::F32 {
-            if let Ok(values) = message.tensor.host_mut() {
-                round_to_wire(values, wire);
-            }
-        }
+        round_as_on_the_wire(&mut message, self.wire);
         let to = message.key.to as usize;
         let Some(tx) = self.to.get(to).cloned() else {
             let reason = format!("no worker {to} in a mesh of {}", self.to.len());

@@ -1264,6 +1264,26 @@ struct Beside {
     events: Events,
 }
 
+impl Beside {
+    /// `message` into this rank's event queue, its values rounded as a wire of `wire` would
+    /// carry them.
+    fn send(&self, mut message: Message, wire: WireDType) -> Result<(), TransportError> {
+        if let Err(e) = message.tensor.host() {
+            return Err(TransportError::unsent(message, e.to_string()));
+        }
+        crate::inproc::round_as_on_the_wire(&mut message, wire);
+        self.events
+            .send(Event::Message(message))
+            .map_err(|unsent| match unsent.0 {
+                Event::Message(m) => {
+                    let reason = format!("worker {} is gone", m.key.to);
+                    TransportError::unsent(m, reason)
+                }
+                _ => TransportError::Protocol("a message came back as another event".into()),
+            })
+    }
+}
+
 /// What a worker calls when its QUIC endpoint hears of a failure, set once.
 type Alarm = Arc<std::sync::OnceLock<Box<dyn Fn(u32) + Send + Sync>>>;
 
@@ -1482,33 +1502,6 @@ impl Quic {
         m
     }
 
-    /// `message` to the rank beside this endpoint ([`Beside`]): its values rounded as the
-    /// wire would round them, then into that rank's event queue.
-    fn send_beside(&mut self, mut message: Message) -> Result<(), TransportError> {
-        if let Err(e) = message.tensor.host() {
-            return Err(TransportError::unsent(message, e.to_string()));
-        }
-        let wire = crate::inproc::wire_for(message.key.kind, self.opts.wire);
-        if wire != WireDType::F32 {
-            if let Ok(values) = message.tensor.host_mut() {
-                frame::round_to_wire(values, wire);
-            }
-        }
-        let Some(beside) = &self.beside else {
-            return Err(TransportError::unsent(message, "no rank beside this one"));
-        };
-        beside
-            .events
-            .send(Event::Message(message))
-            .map_err(|unsent| match unsent.0 {
-                Event::Message(m) => {
-                    let reason = format!("worker {} is gone", m.key.to);
-                    TransportError::unsent(m, reason)
-                }
-                _ => TransportError::Protocol("a message came back as another event".into()),
-            })
-    }
-
     /// Ends the link to the rank beside this endpoint: it hears this rank's end as it would
     /// a connection's closing handshake, after every message sent before.
     fn part_from_beside(&mut self) {
@@ -1664,8 +1657,8 @@ impl Transport for Quic {
         if let Some(e) = self.gone(to, None) {
             return Err(TransportError::unsent(message, e.to_string()));
         }
-        if self.beside.as_ref().is_some_and(|b| b.rank == to) {
-            return self.send_beside(message);
+        if let Some(beside) = self.beside.as_ref().filter(|b| b.rank == to) {
+            return beside.send(message, self.opts.wire);
         }
         let slot = kind_slot(message.key.kind);
         let Some(tx) = self.peers[to as usize]

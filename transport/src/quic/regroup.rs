@@ -674,9 +674,13 @@ mod tests {
         opts.connect_timeout = Duration::from_secs(20);
         opts.linger = Duration::from_secs(5);
         opts.wire = crate::frame::WireDType::Bf16;
-        let mut eps = boxed(super::super::local_mesh(3, &opts).unwrap());
-        lose(&mut eps, 1);
-        let mut eps = regroup_all(eps, 1, Some(2));
+        // Three ranks; rank 1 lost and hosted by rank 2.
+        let hosted_mesh = || {
+            let mut eps = boxed(super::super::local_mesh(3, &opts).unwrap());
+            lose(&mut eps, 1);
+            regroup_all(eps, 1, Some(2))
+        };
+        let mut eps = hosted_mesh();
         let values = vec![1.0 + f32::EPSILON, -3.333_333, 1e-3, 65_537.0];
         let sent = |kind: Kind, to: u32, index: u32| Message {
             key: Key {
@@ -710,9 +714,7 @@ mod tests {
         let e = eps[1].recv(&key(1, 2, 9)).err().unwrap();
         assert!(matches!(e, TransportError::Closed { peer: 1 }), "{e}");
         close_all_within(eps, Duration::from_secs(4));
-        let mut eps = boxed(super::super::local_mesh(3, &opts).unwrap());
-        lose(&mut eps, 1);
-        let mut eps = regroup_all(eps, 1, Some(2));
+        let mut eps = hosted_mesh();
         let mut hosted = eps.remove(1);
         let mut host = eps.pop().unwrap();
         let waiting = std::thread::spawn(move || host.recv(&key(1, 2, 9)).err().unwrap());
