@@ -1,0 +1,260 @@
+//! The matrix products of one GPT-2 training step through the CPU backend (`gemm`), through
+//! the MKL that PyTorch ships (its `sgemm_`) and, when `OPENBLAS_LIB` names it, through numpy's
+//! OpenBLAS, **taking turns within one process**: on a machine whose cores a neighbour takes in
+//! bursts, libraries timed in separate runs differ by whatever the neighbour did meanwhile;
+//! here every burst falls on all of them alike.
+//!
+//! ```sh
+//! TL=.../site-packages/torch/lib
+//! MKL_LIB=$TL/libtorch_cpu.so LD_LIBRARY_PATH=$TL OMP_NUM_THREADS=2 \
+//!   OPENBLAS_LIB=$(ls .../site-packages/numpy.libs/libscipy_openblas64_*.so) OPENBLAS_NUM_THREADS=2 \
+//!   cargo run --release -p pipe-kernels --example blas_alternating -- 2   # the backend's threads
+//! ```
+//!
+//! Shapes as `step_products` (2,048 token rows; widths from `WIDTHS`, default 768). In each of
+//! [`ROUNDS`] rounds every library makes one untimed call, [`TIMED`] timed ones back to back, and
+//! then pauses: BLAS worker threads spin after a call (OpenBLAS's for about 0.1 s), and without
+//! the pause they take the cores from the next library's calls (which made OpenBLAS look 1.45x
+//! faster than `gemm` on two threads). Each row gives the median of each library's per-call
+//! time and the median of the per-round ratios. Every library's result is checked against the
+//! backend's within 1e-4 relative.
+#![allow(clippy::expect_used, unsafe_code)]
+
+use std::time::Instant;
+
+use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
+
+const TOKENS: usize = 2048;
+const VOCAB: usize = 1024;
+/// Rounds per shape; in each, every library in turn makes one untimed call and `TIMED` timed
+/// ones, then pauses for `PAUSE`.
+const ROUNDS: usize = 15;
+const TIMED: usize = 3;
+const PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Fortran `sgemm_`, column-major, with integers of type `I` (LP64 `i32`, ILP64 `i64`).
+type Sgemm<I> = unsafe extern "C" fn(
+    *const u8,
+    *const u8,
+    *const I,
+    *const I,
+    *const I,
+    *const f32,
+    *const f32,
+    *const I,
+    *const f32,
+    *const I,
+    *const f32,
+    *mut f32,
+    *const I,
+);
+
+fn matrix(rows: usize, cols: usize, salt: usize) -> Tensor {
+    let data = (0..rows * cols)
+        .map(|i| ((i * 7 + salt) % 13) as f32 * 0.01)
+        .collect();
+    Tensor::from_vec(&[rows, cols], data).expect("shape matches data")
+}
+
+/// Row-major `C (m x n) = op(a) op(b)` through column-major `sgemm_` as `C^T = op(b)^T op(a)^T`.
+fn blas<I: TryFrom<usize>>(
+    sgemm: Sgemm<I>,
+    (a, ta): (&Tensor, Trans),
+    (b, tb): (&Tensor, Trans),
+    c: &mut [f32],
+) {
+    let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
+    let flag = |t: Trans| match t {
+        Trans::No => b'N',
+        Trans::Yes => b'T',
+    };
+    let (fa, fb) = (flag(tb), flag(ta));
+    let int = |v: usize| {
+        I::try_from(v)
+            .ok()
+            .expect("dimension fits the BLAS integer")
+    };
+    let (mm, nn, kk) = (int(n), int(m), int(k));
+    let (lda, ldb, ldc) = (int(b.cols()), int(a.cols()), int(n));
+    let (one, zero) = (1.0f32, 0.0f32);
+    let (ap, bp) = (b.host().expect("host"), a.host().expect("host"));
+    // SAFETY: the dimensions and leading dimensions describe the tensors' own buffers and the
+    // m x n output slice.
+    unsafe {
+        sgemm(
+            &fa,
+            &fb,
+            &mm,
+            &nn,
+            &kk,
+            &one,
+            ap.as_ptr(),
+            &lda,
+            bp.as_ptr(),
+            &ldb,
+            &zero,
+            c.as_mut_ptr(),
+            &ldc,
+        );
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median seconds of each side over the alternating pairs, and the median of the per-pair
+/// ratios `other / gemm` (a rate ratio gemm / other), for every library after the backend.
+struct Timed {
+    medians: Vec<f64>,
+    ratios: Vec<f64>,
+}
+
+fn alternate(calls: &mut [&mut dyn FnMut()]) -> Timed {
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); calls.len()];
+    for _ in 0..ROUNDS {
+        for (j, call) in calls.iter_mut().enumerate() {
+            // The first call wakes this library's threads; then its timed calls, back to back
+            // as a training step makes them; then a pause that outlasts its threads' spinning
+            // (OpenBLAS's workers spin for about 0.1 s after a call), so that the next
+            // library's calls do not share the cores with them.
+            call();
+            let t = Instant::now();
+            for _ in 0..TIMED {
+                call();
+            }
+            times[j].push(t.elapsed().as_secs_f64() / TIMED as f64);
+            std::thread::sleep(PAUSE);
+        }
+    }
+    let ratios = (1..calls.len())
+        .map(|j| {
+            let mut r: Vec<f64> = times[0].iter().zip(&times[j]).map(|(g, o)| o / g).collect();
+            median(&mut r)
+        })
+        .collect();
+    Timed {
+        medians: times.iter_mut().map(|t| median(t)).collect(),
+        ratios,
+    }
+}
+
+fn main() {
+    let threads: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let path = std::env::var("MKL_LIB").expect("MKL_LIB: the path of libtorch_cpu.so");
+    // SAFETY: loading a library runs its initialisers; PyTorch's are meant to run in any
+    // process that links it.
+    let lib = unsafe { libloading::Library::new(&path) }.expect("MKL_LIB loads");
+    // SAFETY: `sgemm_` has the Fortran BLAS signature above (LP64).
+    let mkl: Sgemm<i32> =
+        *unsafe { lib.get::<Sgemm<i32>>(b"sgemm_\0") }.expect("sgemm_ in MKL_LIB");
+    let openblas_lib = std::env::var("OPENBLAS_LIB").ok().map(|p| {
+        // SAFETY: as above; numpy's OpenBLAS has no initialiser beyond its own.
+        unsafe { libloading::Library::new(p) }.expect("OPENBLAS_LIB loads")
+    });
+    // SAFETY: numpy's OpenBLAS exports the ILP64 `sgemm_` under this name.
+    let openblas: Option<Sgemm<i64>> = openblas_lib.as_ref().map(|l| {
+        *unsafe { l.get::<Sgemm<i64>>(b"scipy_sgemm_64_\0") }
+            .expect("scipy_sgemm_64_ in OPENBLAS_LIB")
+    });
+    let widths: Vec<usize> = std::env::var("WIDTHS")
+        .unwrap_or_else(|_| "768".into())
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let be = CpuBackend::new(threads).expect("backend");
+    let var = |v: &str| std::env::var(v).unwrap_or_else(|_| "unset".into());
+    println!(
+        "backend {threads} thread(s), OMP_NUM_THREADS={} (MKL), OPENBLAS_NUM_THREADS={}; GFLOP/s, medians of {ROUNDS} alternating rounds",
+        var("OMP_NUM_THREADS"),
+        var("OPENBLAS_NUM_THREADS")
+    );
+    let names: &[&str] = if openblas.is_some() {
+        &["MKL", "OpenBLAS"]
+    } else {
+        &["MKL"]
+    };
+    let head: Vec<String> = names.iter().map(|n| format!("{n} | gemm / {n}")).collect();
+    println!(
+        "| width | product | m x k x n | gemm | {} |",
+        head.join(" | ")
+    );
+    println!("|---|---|---|---|{}", "---|---|".repeat(names.len()));
+    let mut sums = vec![0.0; names.len() + 1];
+    for width in widths {
+        let layers = [
+            ("qkv", width, 3 * width),
+            ("attn proj", width, width),
+            ("fc", width, 4 * width),
+            ("fc proj", 4 * width, width),
+            ("head", width, VOCAB),
+        ];
+        for (layer, fan_in, fan_out) in layers {
+            let x = matrix(TOKENS, fan_in, 1);
+            let w = matrix(fan_in, fan_out, 2);
+            let dy = matrix(TOKENS, fan_out, 3);
+            let cases = [
+                ("Y = X W", &x, Trans::No, &w, Trans::No),
+                ("dX = dY W^T", &dy, Trans::No, &w, Trans::Yes),
+                ("dW = X^T dY", &x, Trans::Yes, &dy, Trans::No),
+            ];
+            for (name, a, ta, b, tb) in cases {
+                let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
+                let flops = 2.0 * (m * k * n) as f64;
+                let mut c = Tensor::default();
+                let mut by_mkl = vec![0.0f32; m * n];
+                let mut by_openblas = vec![0.0f32; m * n];
+                let mut ours = || be.matmul(a, ta, b, tb, &mut c, false).expect("matmul");
+                let mut theirs = || blas(mkl, (a, ta), (b, tb), &mut by_mkl);
+                let timed = match openblas {
+                    Some(ob) => {
+                        let mut third = || blas(ob, (a, ta), (b, tb), &mut by_openblas);
+                        alternate(&mut [&mut ours, &mut theirs, &mut third])
+                    }
+                    None => alternate(&mut [&mut ours, &mut theirs]),
+                };
+                let got = c.host().expect("host");
+                let others = if openblas.is_some() {
+                    vec![&by_mkl, &by_openblas]
+                } else {
+                    vec![&by_mkl]
+                };
+                for other in others {
+                    let worst = got
+                        .iter()
+                        .zip(other.iter())
+                        .map(|(p, q)| ((p - q).abs() / q.abs().max(1e-3)) as f64)
+                        .fold(0.0, f64::max);
+                    assert!(worst < 1e-4, "{layer} {name}: results differ by {worst:e}");
+                }
+                for (sum, t) in sums.iter_mut().zip(&timed.medians) {
+                    *sum += t;
+                }
+                let cols: Vec<String> = timed.medians[1..]
+                    .iter()
+                    .zip(&timed.ratios)
+                    .map(|(t, r)| format!("{:.1} | {r:.2}", flops / t / 1e9))
+                    .collect();
+                println!(
+                    "| {width} | {layer}: {name} | {m}x{k}x{n} | {:.1} | {} |",
+                    flops / timed.medians[0] / 1e9,
+                    cols.join(" | ")
+                );
+            }
+        }
+    }
+    let totals: Vec<String> = names
+        .iter()
+        .zip(&sums[1..])
+        .map(|(n, s)| format!("{n} {:.1} ms (gemm / {n} {:.2})", s * 1e3, s / sums[0]))
+        .collect();
+    println!(
+        "\nsum of the medians: gemm {:.1} ms, {}",
+        sums[0] * 1e3,
+        totals.join(", ")
+    );
+}
