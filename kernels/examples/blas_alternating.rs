@@ -20,12 +20,13 @@
 //! backend's within 1e-4 relative.
 #![allow(clippy::expect_used, unsafe_code)]
 
+mod common;
+
 use std::time::Instant;
 
+use common::{TOKENS, gpt2_layers, layer_products, matrix};
 use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
 
-const TOKENS: usize = 2048;
-const VOCAB: usize = 1024;
 /// Rounds per shape; in each, every library in turn makes one untimed call and `TIMED` timed
 /// ones, then pauses for `PAUSE`.
 const ROUNDS: usize = 15;
@@ -48,13 +49,6 @@ type Sgemm<I> = unsafe extern "C" fn(
     *mut f32,
     *const I,
 );
-
-fn matrix(rows: usize, cols: usize, salt: usize) -> Tensor {
-    let data = (0..rows * cols)
-        .map(|i| ((i * 7 + salt) % 13) as f32 * 0.01)
-        .collect();
-    Tensor::from_vec(&[rows, cols], data).expect("shape matches data")
-}
 
 /// Row-major `C (m x n) = op(a) op(b)` through column-major `sgemm_` as `C^T = op(b)^T op(a)^T`.
 fn blas<I: TryFrom<usize>>(
@@ -186,23 +180,11 @@ fn main() {
     println!("|---|---|---|---|{}", "---|---|".repeat(names.len()));
     let mut sums = vec![0.0; names.len() + 1];
     for width in widths {
-        let layers = [
-            ("qkv", width, 3 * width),
-            ("attn proj", width, width),
-            ("fc", width, 4 * width),
-            ("fc proj", 4 * width, width),
-            ("head", width, VOCAB),
-        ];
-        for (layer, fan_in, fan_out) in layers {
+        for (layer, fan_in, fan_out) in gpt2_layers(width) {
             let x = matrix(TOKENS, fan_in, 1);
             let w = matrix(fan_in, fan_out, 2);
             let dy = matrix(TOKENS, fan_out, 3);
-            let cases = [
-                ("Y = X W", &x, Trans::No, &w, Trans::No),
-                ("dX = dY W^T", &dy, Trans::No, &w, Trans::Yes),
-                ("dW = X^T dY", &x, Trans::Yes, &dy, Trans::No),
-            ];
-            for (name, a, ta, b, tb) in cases {
+            for (name, a, ta, b, tb) in layer_products(&x, &w, &dy) {
                 let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
                 let flops = 2.0 * (m * k * n) as f64;
                 let mut c = Tensor::default();

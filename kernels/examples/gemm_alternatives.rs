@@ -12,17 +12,9 @@
 
 mod common;
 
-use common::median_seconds;
+use common::{layer_products, matrix, median_seconds};
 
 use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
-
-/// A row-major `rows x cols` matrix of small deterministic values.
-fn matrix(rows: usize, cols: usize, salt: usize) -> Tensor {
-    let data = (0..rows * cols)
-        .map(|i| ((i * 7 + salt) % 13) as f32 * 0.01)
-        .collect();
-    Tensor::from_vec(&[rows, cols], data).expect("shape matches data")
-}
 
 /// Row and column strides of `op(t)` for a row-major `t`.
 fn strides(t: &Tensor, tr: Trans) -> (isize, isize) {
@@ -43,16 +35,10 @@ fn main() {
     println!("| product | m x k x n | gemm (backend) | matrixmultiply | ratio |");
     println!("|---|---|---|---|---|");
     for (batch, width) in [(32, 1024), (64, 1024), (256, 1024), (256, 256)] {
-        // Y = X W (W stored in x out), dX = dY W^T, dW = X^T dY.
         let x = matrix(batch, width, 1);
         let w = matrix(width, width, 2);
         let dy = matrix(batch, width, 3);
-        let cases = [
-            ("Y = X W", &x, Trans::No, &w, Trans::No),
-            ("dX = dY W^T", &dy, Trans::No, &w, Trans::Yes),
-            ("dW = X^T dY", &x, Trans::Yes, &dy, Trans::No),
-        ];
-        for (name, a, ta, b, tb) in cases {
+        for (name, a, ta, b, tb) in layer_products(&x, &w, &dy) {
             let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
             let flops = 2.0 * (m * k * n) as f64;
             let mut c = Tensor::default();

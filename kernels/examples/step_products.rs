@@ -14,22 +14,9 @@
 
 mod common;
 
-use common::median_seconds;
+use common::{TOKENS, gpt2_layers, layer_products, matrix, median_seconds};
 
-use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
-
-/// Rows of every activation: 16 windows of 128 positions.
-const TOKENS: usize = 2048;
-/// The vocabulary of the experiment's tokenizer.
-const VOCAB: usize = 1024;
-
-/// A row-major `rows x cols` matrix of small deterministic values.
-fn matrix(rows: usize, cols: usize, salt: usize) -> Tensor {
-    let data = (0..rows * cols)
-        .map(|i| ((i * 7 + salt) % 13) as f32 * 0.01)
-        .collect();
-    Tensor::from_vec(&[rows, cols], data).expect("shape matches data")
-}
+use pipe_kernels::{Backend, CpuBackend, Tensor};
 
 fn main() {
     let threads: usize = std::env::args()
@@ -46,24 +33,11 @@ fn main() {
     println!("| width | product | m x k x n | GFLOP/s |");
     println!("|---|---|---|---|");
     for width in widths {
-        // (name, input width, output width) of the step's linear layers.
-        let layers = [
-            ("qkv", width, 3 * width),
-            ("attn proj", width, width),
-            ("fc", width, 4 * width),
-            ("fc proj", 4 * width, width),
-            ("head", width, VOCAB),
-        ];
-        for (layer, fan_in, fan_out) in layers {
+        for (layer, fan_in, fan_out) in gpt2_layers(width) {
             let x = matrix(TOKENS, fan_in, 1);
             let w = matrix(fan_in, fan_out, 2);
             let dy = matrix(TOKENS, fan_out, 3);
-            let cases = [
-                ("Y = X W", &x, Trans::No, &w, Trans::No),
-                ("dX = dY W^T", &dy, Trans::No, &w, Trans::Yes),
-                ("dW = X^T dY", &x, Trans::Yes, &dy, Trans::No),
-            ];
-            for (name, a, ta, b, tb) in cases {
+            for (name, a, ta, b, tb) in layer_products(&x, &w, &dy) {
                 let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
                 let flops = 2.0 * (m * k * n) as f64;
                 let mut c = Tensor::default();

@@ -1,6 +1,10 @@
-//! What the kernel examples share: the timing rule.
+//! What the kernel examples share: the timing rule, their operands and the products of a
+//! training step. Each example uses part of it.
+#![allow(dead_code)]
 
 use std::time::Instant;
+
+use pipe_kernels::{Tensor, Trans};
 
 /// Median seconds of `f` over 31 calls after 5 warm-up calls.
 pub fn median_seconds(f: &mut dyn FnMut()) -> f64 {
@@ -16,4 +20,43 @@ pub fn median_seconds(f: &mut dyn FnMut()) -> f64 {
         .collect();
     times.sort_by(f64::total_cmp);
     times[times.len() / 2]
+}
+
+/// A row-major `rows x cols` matrix of small deterministic values.
+pub fn matrix(rows: usize, cols: usize, salt: usize) -> Tensor {
+    let data = (0..rows * cols)
+        .map(|i| ((i * 7 + salt) % 13) as f32 * 0.01)
+        .collect();
+    Tensor::from_vec(&[rows, cols], data).expect("shape matches data")
+}
+
+/// One product `op(a) op(b)` of a layer's step, named.
+pub type Product<'t> = (&'static str, &'t Tensor, Trans, &'t Tensor, Trans);
+
+/// The three products of a linear layer's step with input `x`, weight `w` (stored in x out)
+/// and output gradient `dy`, as the layers call them: the forward reads the weight as stored,
+/// the input gradient reads it transposed, the weight gradient reads the input transposed.
+pub fn layer_products<'t>(x: &'t Tensor, w: &'t Tensor, dy: &'t Tensor) -> [Product<'t>; 3] {
+    [
+        ("Y = X W", x, Trans::No, w, Trans::No),
+        ("dX = dY W^T", dy, Trans::No, w, Trans::Yes),
+        ("dW = X^T dY", x, Trans::Yes, dy, Trans::No),
+    ]
+}
+
+/// Rows of every activation of the GPT-2 step the examples time: 16 windows of 128 positions.
+pub const TOKENS: usize = 2048;
+/// The vocabulary of the experiments' tokenizer.
+pub const VOCAB: usize = 1024;
+
+/// The linear layers of a GPT-2 block and its head at `width`: (name, input width, output
+/// width).
+pub fn gpt2_layers(width: usize) -> [(&'static str, usize, usize); 5] {
+    [
+        ("qkv", width, 3 * width),
+        ("attn proj", width, width),
+        ("fc", width, 4 * width),
+        ("fc proj", 4 * width, width),
+        ("head", width, VOCAB),
+    ]
 }
