@@ -24,7 +24,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::{TOKENS, gpt2_layers, layer_products, matrix};
+use common::each_step_product;
 use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
 
 /// Rounds per shape; in each, every library in turn makes one untimed call and `TIMED` timed
@@ -179,56 +179,49 @@ fn main() {
     );
     println!("|---|---|---|---|{}", "---|---|".repeat(names.len()));
     let mut sums = vec![0.0; names.len() + 1];
-    for width in widths {
-        for (layer, fan_in, fan_out) in gpt2_layers(width) {
-            let x = matrix(TOKENS, fan_in, 1);
-            let w = matrix(fan_in, fan_out, 2);
-            let dy = matrix(TOKENS, fan_out, 3);
-            for (name, a, ta, b, tb) in layer_products(&x, &w, &dy) {
-                let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
-                let flops = 2.0 * (m * k * n) as f64;
-                let mut c = Tensor::default();
-                let mut by_mkl = vec![0.0f32; m * n];
-                let mut by_openblas = vec![0.0f32; m * n];
-                let mut ours = || be.matmul(a, ta, b, tb, &mut c, false).expect("matmul");
-                let mut theirs = || blas(mkl, (a, ta), (b, tb), &mut by_mkl);
-                let timed = match openblas {
-                    Some(ob) => {
-                        let mut third = || blas(ob, (a, ta), (b, tb), &mut by_openblas);
-                        alternate(&mut [&mut ours, &mut theirs, &mut third])
-                    }
-                    None => alternate(&mut [&mut ours, &mut theirs]),
-                };
-                let got = c.host().expect("host");
-                let others = if openblas.is_some() {
-                    vec![&by_mkl, &by_openblas]
-                } else {
-                    vec![&by_mkl]
-                };
-                for other in others {
-                    let worst = got
-                        .iter()
-                        .zip(other.iter())
-                        .map(|(p, q)| ((p - q).abs() / q.abs().max(1e-3)) as f64)
-                        .fold(0.0, f64::max);
-                    assert!(worst < 1e-4, "{layer} {name}: results differ by {worst:e}");
-                }
-                for (sum, t) in sums.iter_mut().zip(&timed.medians) {
-                    *sum += t;
-                }
-                let cols: Vec<String> = timed.medians[1..]
-                    .iter()
-                    .zip(&timed.ratios)
-                    .map(|(t, r)| format!("{:.1} | {r:.2}", flops / t / 1e9))
-                    .collect();
-                println!(
-                    "| {width} | {layer}: {name} | {m}x{k}x{n} | {:.1} | {} |",
-                    flops / timed.medians[0] / 1e9,
-                    cols.join(" | ")
-                );
+    each_step_product(&widths, |width, layer, (name, a, ta, b, tb)| {
+        let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
+        let flops = 2.0 * (m * k * n) as f64;
+        let mut c = Tensor::default();
+        let mut by_mkl = vec![0.0f32; m * n];
+        let mut by_openblas = vec![0.0f32; m * n];
+        let mut ours = || be.matmul(a, ta, b, tb, &mut c, false).expect("matmul");
+        let mut theirs = || blas(mkl, (a, ta), (b, tb), &mut by_mkl);
+        let timed = match openblas {
+            Some(ob) => {
+                let mut third = || blas(ob, (a, ta), (b, tb), &mut by_openblas);
+                alternate(&mut [&mut ours, &mut theirs, &mut third])
             }
+            None => alternate(&mut [&mut ours, &mut theirs]),
+        };
+        let got = c.host().expect("host");
+        let others = if openblas.is_some() {
+            vec![&by_mkl, &by_openblas]
+        } else {
+            vec![&by_mkl]
+        };
+        for other in others {
+            let worst = got
+                .iter()
+                .zip(other.iter())
+                .map(|(p, q)| ((p - q).abs() / q.abs().max(1e-3)) as f64)
+                .fold(0.0, f64::max);
+            assert!(worst < 1e-4, "{layer} {name}: results differ by {worst:e}");
         }
-    }
+        for (sum, t) in sums.iter_mut().zip(&timed.medians) {
+            *sum += t;
+        }
+        let cols: Vec<String> = timed.medians[1..]
+            .iter()
+            .zip(&timed.ratios)
+            .map(|(t, r)| format!("{:.1} | {r:.2}", flops / t / 1e9))
+            .collect();
+        println!(
+            "| {width} | {layer}: {name} | {m}x{k}x{n} | {:.1} | {} |",
+            flops / timed.medians[0] / 1e9,
+            cols.join(" | ")
+        );
+    });
     let totals: Vec<String> = names
         .iter()
         .zip(&sums[1..])

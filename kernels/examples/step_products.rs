@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::{TOKENS, gpt2_layers, layer_products, matrix, median_seconds};
+use common::{each_step_product, median_seconds};
 
 use pipe_kernels::{Backend, CpuBackend, Tensor};
 
@@ -32,23 +32,16 @@ fn main() {
     println!("{threads} thread(s); GFLOP/s, median of 31 calls");
     println!("| width | product | m x k x n | GFLOP/s |");
     println!("|---|---|---|---|");
-    for width in widths {
-        for (layer, fan_in, fan_out) in gpt2_layers(width) {
-            let x = matrix(TOKENS, fan_in, 1);
-            let w = matrix(fan_in, fan_out, 2);
-            let dy = matrix(TOKENS, fan_out, 3);
-            for (name, a, ta, b, tb) in layer_products(&x, &w, &dy) {
-                let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
-                let flops = 2.0 * (m * k * n) as f64;
-                let mut c = Tensor::default();
-                let seconds = median_seconds(&mut || {
-                    be.matmul(a, ta, b, tb, &mut c, false).expect("matmul");
-                });
-                println!(
-                    "| {width} | {layer}: {name} | {m}x{k}x{n} | {:.1} |",
-                    flops / seconds / 1e9
-                );
-            }
-        }
-    }
+    each_step_product(&widths, |width, layer, (name, a, ta, b, tb)| {
+        let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
+        let flops = 2.0 * (m * k * n) as f64;
+        let mut c = Tensor::default();
+        let seconds = median_seconds(&mut || {
+            be.matmul(a, ta, b, tb, &mut c, false).expect("matmul");
+        });
+        println!(
+            "| {width} | {layer}: {name} | {m}x{k}x{n} | {:.1} |",
+            flops / seconds / 1e9
+        );
+    });
 }

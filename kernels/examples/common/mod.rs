@@ -49,6 +49,21 @@ pub const TOKENS: usize = 2048;
 /// The vocabulary of the experiments' tokenizer.
 pub const VOCAB: usize = 1024;
 
+/// Calls `f` with every product of the GPT-2 step at each of `widths`, in order: the width,
+/// the layer, and the product with its operands made here.
+pub fn each_step_product(widths: &[usize], mut f: impl FnMut(usize, &str, Product<'_>)) {
+    for &width in widths {
+        for (layer, fan_in, fan_out) in gpt2_layers(width) {
+            let x = matrix(TOKENS, fan_in, 1);
+            let w = matrix(fan_in, fan_out, 2);
+            let dy = matrix(TOKENS, fan_out, 3);
+            for product in layer_products(&x, &w, &dy) {
+                f(width, layer, product);
+            }
+        }
+    }
+}
+
 /// The linear layers of a GPT-2 block and its head at `width`: (name, input width, output
 /// width).
 pub fn gpt2_layers(width: usize) -> [(&'static str, usize, usize); 5] {
