@@ -24,7 +24,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::each_step_product;
+use common::{each_step_product, median, widths};
 use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
 
 /// Rounds per shape; in each, every library in turn makes one untimed call and `TIMED` timed
@@ -93,13 +93,8 @@ fn blas<I: TryFrom<usize>>(
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Median seconds of each side over the alternating pairs, and the median of the per-pair
-/// ratios `other / gemm` (a rate ratio gemm / other), for every library after the backend.
+/// Each library's median seconds per call over the rounds, and for every library after the
+/// backend the median of the per-round ratios `its time / gemm's` (the rate ratio gemm / it).
 struct Timed {
     medians: Vec<f64>,
     ratios: Vec<f64>,
@@ -155,11 +150,7 @@ fn main() {
         *unsafe { l.get::<Sgemm<i64>>(b"scipy_sgemm_64_\0") }
             .expect("scipy_sgemm_64_ in OPENBLAS_LIB")
     });
-    let widths: Vec<usize> = std::env::var("WIDTHS")
-        .unwrap_or_else(|_| "768".into())
-        .split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect();
+    let widths = widths("768");
     let be = CpuBackend::new(threads).expect("backend");
     let var = |v: &str| std::env::var(v).unwrap_or_else(|_| "unset".into());
     println!(

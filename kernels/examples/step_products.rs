@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::{each_step_product, median_seconds};
+use common::{each_step_product, median_seconds, widths};
 
 use pipe_kernels::{Backend, CpuBackend, Tensor};
 
@@ -23,11 +23,7 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(2);
-    let widths: Vec<usize> = std::env::var("WIDTHS")
-        .unwrap_or_else(|_| "128 512 768".into())
-        .split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect();
+    let widths = widths("128 512 768");
     let be = CpuBackend::new(threads).expect("backend");
     println!("{threads} thread(s); GFLOP/s, median of 31 calls");
     println!("| width | product | m x k x n | GFLOP/s |");

@@ -18,8 +18,22 @@ pub fn median_seconds(f: &mut dyn FnMut()) -> f64 {
             t.elapsed().as_secs_f64()
         })
         .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+    median(&mut times)
+}
+
+/// The median of `values` (the upper one of an even count), sorting them.
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// The widths in `WIDTHS` (space-separated), or `default`'s.
+pub fn widths(default: &str) -> Vec<usize> {
+    std::env::var("WIDTHS")
+        .unwrap_or_else(|_| default.into())
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect()
 }
 
 /// A row-major `rows x cols` matrix of small deterministic values.
