@@ -20,6 +20,41 @@ pub enum Trans {
     Yes,
 }
 
+/// What an optimizer update saw of the values it read and wrote: whether its gradient, and
+/// its parameter after the update, hold only finite values (`Some(true)`), a NaN or an
+/// infinity (`Some(false)`), or were not looked at (`None`). The CPU backend looks inside the
+/// update's own pass, where it costs nothing but a few vector instructions, and so spares the
+/// finiteness guard a pass over every gradient and every weight; a device backend does not,
+/// and its guard batches the whole update's check into one wait.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UpdateSeen {
+    /// Whether every value of the gradient is finite, if the update looked.
+    pub grad: Option<bool>,
+    /// Whether every value of the parameter after the update is finite, if the update looked.
+    pub param: Option<bool>,
+}
+
+impl UpdateSeen {
+    /// Both looked at: `grad_top` and `param_top`, the largest exponent field of the gradient's
+    /// and of the updated parameter's values ([`exponent_field`]).
+    pub(crate) fn from_tops((grad_top, param_top): (u32, u32)) -> Self {
+        UpdateSeen {
+            grad: Some(grad_top < NON_FINITE_EXPONENT),
+            param: Some(param_top < NON_FINITE_EXPONENT),
+        }
+    }
+}
+
+/// The exponent field of infinities and NaNs; a finite value's is smaller.
+pub(crate) const NON_FINITE_EXPONENT: u32 = 0x7f80_0000;
+
+/// `v`'s exponent field, in place: the largest over a block is below
+/// [`NON_FINITE_EXPONENT`] exactly when every value of the block is finite.
+#[inline(always)]
+pub(crate) fn exponent_field(v: f32) -> u32 {
+    v.to_bits() & NON_FINITE_EXPONENT
+}
+
 /// Whether every value is finite, at memory speed: the largest exponent field of each block
 /// (an integer maximum, which vectorizes where a short-circuiting test does not) is below
 /// the all-ones of infinities and NaNs.
@@ -37,12 +72,11 @@ impl crate::vector::Kernel for AllFinite<'_> {
 
     #[inline(always)]
     fn run(self) -> bool {
-        const EXPONENT: u32 = 0x7f80_0000;
         self.0.chunks(1 << 14).all(|block| {
             block
                 .iter()
-                .fold(0u32, |top, v| top.max(v.to_bits() & EXPONENT))
-                < EXPONENT
+                .fold(0u32, |top, &v| top.max(exponent_field(v)))
+                < NON_FINITE_EXPONENT
         })
     }
 }
@@ -509,7 +543,7 @@ macro_rules! backend_ops {
         }
         $op! {
             /// One SGD update of `param` from `grad`, with the momentum buffer `buf` when momentum
-            /// is on.
+            /// is on; what it saw of their finiteness ([`UpdateSeen`]).
             ///
             /// # Errors
             /// Length mismatch, or momentum requested without a buffer.
@@ -519,10 +553,11 @@ macro_rules! backend_ops {
                 grad: &Tensor,
                 buf: Option<&mut Tensor>,
                 hp: SgdStep,
-            ) -> Result<()>;
+            ) -> Result<UpdateSeen>;
         }
         $op! {
-            /// One Adam/AdamW update of `param` from `grad` with moment buffers `m` and `v`.
+            /// One Adam/AdamW update of `param` from `grad` with moment buffers `m` and `v`; what
+            /// it saw of their finiteness ([`UpdateSeen`]).
             ///
             /// # Errors
             /// Length mismatch.
@@ -533,11 +568,12 @@ macro_rules! backend_ops {
                 m: &mut Tensor,
                 v: &mut Tensor,
                 hp: AdamStep,
-            ) -> Result<()>;
+            ) -> Result<UpdateSeen>;
         }
         $op! {
             /// One Lion update of `param` from `grad` with its momentum `m`: `w -= lr (sign(beta1 m
-            /// + (1 - beta1) g) + weight_decay w)`, then `m = beta2 m + (1 - beta2) g`.
+            /// + (1 - beta1) g) + weight_decay w)`, then `m = beta2 m + (1 - beta2) g`; what it
+            /// saw of their finiteness ([`UpdateSeen`]).
             ///
             /// # Errors
             /// Length mismatch.
@@ -547,7 +583,7 @@ macro_rules! backend_ops {
                 grad: &Tensor,
                 m: &mut Tensor,
                 hp: LionStep,
-            ) -> Result<()>;
+            ) -> Result<UpdateSeen>;
         }
         $op! {
             /// One delay compensation of `grad` ([`DelayCompensation`]) for the weights `current`

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::backend::{
     Activation, AdamStep, AttentionShape, Backend, DelayCompensation, IGNORED_LABEL, LionStep,
-    LossStats, SgdStep, Trans, counted_labels, lion_sign,
+    LossStats, SgdStep, Trans, UpdateSeen, counted_labels, exponent_field, lion_sign,
 };
 use crate::{Device, KernelError, Result, Tensor};
 
@@ -360,6 +360,14 @@ impl CpuBackend {
         } else {
             n.max(1)
         }
+    }
+
+    /// The largest exponent fields an optimizer update's chunks saw, reduced on the pool
+    /// ([`UpdateSeen::from_tops`]): `chunks` yields each chunk's, of the gradient and of the
+    /// updated parameter.
+    fn largest_tops(&self, chunks: impl ParallelIterator<Item = (u32, u32)>) -> (u32, u32) {
+        self.pool
+            .install(|| chunks.reduce(|| (0, 0), |a, b| (a.0.max(b.0), a.1.max(b.1))))
     }
 
     fn par_zip<T: Send>(
@@ -1158,57 +1166,36 @@ impl Backend for CpuBackend {
         grad: &Tensor,
         buf: Option<&mut Tensor>,
         hp: SgdStep,
-    ) -> Result<()> {
+    ) -> Result<UpdateSeen> {
         crate::check::sgd(param, grad, buf.as_deref(), hp.momentum)?;
         let n = param.len();
         let chunk = self.update_chunk(n);
-        let SgdStep {
-            lr,
-            momentum,
-            nesterov,
-            weight_decay: wd,
-        } = hp;
-        match buf {
-            Some(b) if momentum != 0.0 => {
-                let body = |((w, g), b): ((&mut [f32], &[f32]), &mut [f32])| {
-                    for ((w, &g), b) in w.iter_mut().zip(g).zip(b.iter_mut()) {
-                        let d = g + wd * *w;
-                        *b = momentum * *b + d;
-                        let step = if nesterov { d + momentum * *b } else { *b };
-                        *w -= lr * step;
-                    }
-                };
+        let tops = match buf {
+            Some(b) if hp.momentum != 0.0 => {
                 let (w, g, b) = (param.host_mut()?, grad.host()?, b.host_mut()?);
+                let body = |((w, g), b): ((&mut [f32], &[f32]), &mut [f32])| {
+                    crate::vector::vectorized(SgdMomentumUpdate { w, g, b, hp })
+                };
                 if chunk >= n {
-                    body(((w, g), b));
+                    body(((w, g), b))
                 } else {
-                    self.pool.install(|| {
-                        w.par_chunks_mut(chunk)
-                            .zip(g.par_chunks(chunk))
-                            .zip(b.par_chunks_mut(chunk))
-                            .for_each(body)
-                    });
+                    let tasks = w.par_chunks_mut(chunk).zip(g.par_chunks(chunk));
+                    self.largest_tops(tasks.zip(b.par_chunks_mut(chunk)).map(body))
                 }
             }
             _ => {
-                let body = |(w, g): (&mut [f32], &[f32])| {
-                    for (w, &g) in w.iter_mut().zip(g) {
-                        *w -= lr * (g + wd * *w);
-                    }
-                };
                 let (w, g) = (param.host_mut()?, grad.host()?);
+                let body = |(w, g): (&mut [f32], &[f32])| {
+                    crate::vector::vectorized(SgdUpdate { w, g, hp })
+                };
                 if chunk >= n {
-                    body((w, g));
+                    body((w, g))
                 } else {
-                    self.pool.install(|| {
-                        w.par_chunks_mut(chunk)
-                            .zip(g.par_chunks(chunk))
-                            .for_each(body)
-                    });
+                    self.largest_tops(w.par_chunks_mut(chunk).zip(g.par_chunks(chunk)).map(body))
                 }
             }
-        }
-        Ok(())
+        };
+        Ok(UpdateSeen::from_tops(tops))
     }
 
     fn adam_update(
@@ -1218,42 +1205,26 @@ impl Backend for CpuBackend {
         m: &mut Tensor,
         v: &mut Tensor,
         hp: AdamStep,
-    ) -> Result<()> {
+    ) -> Result<UpdateSeen> {
         crate::check::adam(param, grad, m, v)?;
         let n = param.len();
         let chunk = self.update_chunk(n);
         type Chunks<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
-        let body = |(((w, g), m), v): Chunks<'_>| {
-            for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                let g = if hp.decoupled {
-                    g
-                } else {
-                    g + hp.weight_decay * *w
-                };
-                if hp.decoupled {
-                    *w -= hp.lr * hp.weight_decay * *w;
-                }
-                *m = hp.beta1 * *m + (1.0 - hp.beta1) * g;
-                *v = hp.beta2 * *v + (1.0 - hp.beta2) * g * g;
-                let mhat = *m / hp.bias_correction1;
-                let vhat = *v / hp.bias_correction2;
-                *w -= hp.lr * mhat / (vhat.sqrt() + hp.eps);
-            }
-        };
+        let body =
+            |(((w, g), m), v): Chunks<'_>| crate::vector::vectorized(AdamUpdate { w, g, m, v, hp });
         let (w, g) = (param.host_mut()?, grad.host()?);
         let (m, v) = (m.host_mut()?, v.host_mut()?);
-        if chunk >= n {
-            body((((w, g), m), v));
+        let tops = if chunk >= n {
+            body((((w, g), m), v))
         } else {
-            self.pool.install(|| {
-                w.par_chunks_mut(chunk)
-                    .zip(g.par_chunks(chunk))
-                    .zip(m.par_chunks_mut(chunk))
-                    .zip(v.par_chunks_mut(chunk))
-                    .for_each(body)
-            });
-        }
-        Ok(())
+            let tasks = w
+                .par_chunks_mut(chunk)
+                .zip(g.par_chunks(chunk))
+                .zip(m.par_chunks_mut(chunk))
+                .zip(v.par_chunks_mut(chunk));
+            self.largest_tops(tasks.map(body))
+        };
+        Ok(UpdateSeen::from_tops(tops))
     }
 
     fn lion_update(
@@ -1262,30 +1233,23 @@ impl Backend for CpuBackend {
         grad: &Tensor,
         m: &mut Tensor,
         hp: LionStep,
-    ) -> Result<()> {
+    ) -> Result<UpdateSeen> {
         crate::check::lion(param, grad, m)?;
         let n = param.len();
         let chunk = self.update_chunk(n);
         type Chunks<'a> = ((&'a mut [f32], &'a [f32]), &'a mut [f32]);
-        let body = |((w, g), m): Chunks<'_>| {
-            for ((w, &g), m) in w.iter_mut().zip(g).zip(m.iter_mut()) {
-                let c = hp.beta1 * *m + (1.0 - hp.beta1) * g;
-                *w -= hp.lr * (lion_sign(c) + hp.weight_decay * *w);
-                *m = hp.beta2 * *m + (1.0 - hp.beta2) * g;
-            }
-        };
+        let body = |((w, g), m): Chunks<'_>| crate::vector::vectorized(LionUpdate { w, g, m, hp });
         let (w, g, m) = (param.host_mut()?, grad.host()?, m.host_mut()?);
-        if chunk >= n {
-            body(((w, g), m));
+        let tops = if chunk >= n {
+            body(((w, g), m))
         } else {
-            self.pool.install(|| {
-                w.par_chunks_mut(chunk)
-                    .zip(g.par_chunks(chunk))
-                    .zip(m.par_chunks_mut(chunk))
-                    .for_each(body)
-            });
-        }
-        Ok(())
+            let tasks = w
+                .par_chunks_mut(chunk)
+                .zip(g.par_chunks(chunk))
+                .zip(m.par_chunks_mut(chunk));
+            self.largest_tops(tasks.map(body))
+        };
+        Ok(UpdateSeen::from_tops(tops))
     }
 
     fn delay_compensate(
@@ -1344,6 +1308,136 @@ impl Backend for CpuBackend {
 
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
         Ok(x.host()?.iter().map(|&v| (v as f64) * (v as f64)).sum())
+    }
+}
+
+/// Folds one gradient value and one updated parameter value into the largest exponent fields
+/// seen so far ([`UpdateSeen`]).
+#[inline(always)]
+fn seen(tops: (u32, u32), g: f32, w: f32) -> (u32, u32) {
+    (tops.0.max(exponent_field(g)), tops.1.max(exponent_field(w)))
+}
+
+/// Plain SGD over one chunk (`w -= lr (g + weight_decay w)`), vectorised: the largest exponent
+/// fields of the gradient and of the new weights.
+struct SgdUpdate<'a> {
+    w: &'a mut [f32],
+    g: &'a [f32],
+    hp: SgdStep,
+}
+
+impl crate::vector::Kernel for SgdUpdate<'_> {
+    type Output = (u32, u32);
+
+    #[inline(always)]
+    fn run(self) -> (u32, u32) {
+        let SgdStep {
+            lr,
+            weight_decay: wd,
+            ..
+        } = self.hp;
+        let mut tops = (0, 0);
+        for (w, &g) in self.w.iter_mut().zip(self.g) {
+            *w -= lr * (g + wd * *w);
+            tops = seen(tops, g, *w);
+        }
+        tops
+    }
+}
+
+/// SGD with momentum over one chunk (PyTorch's, dampening 0, Nesterov's where asked),
+/// vectorised: the largest exponent fields of the gradient and of the new weights.
+struct SgdMomentumUpdate<'a> {
+    w: &'a mut [f32],
+    g: &'a [f32],
+    b: &'a mut [f32],
+    hp: SgdStep,
+}
+
+impl crate::vector::Kernel for SgdMomentumUpdate<'_> {
+    type Output = (u32, u32);
+
+    #[inline(always)]
+    fn run(self) -> (u32, u32) {
+        let SgdStep {
+            lr,
+            momentum,
+            nesterov,
+            weight_decay: wd,
+        } = self.hp;
+        let mut tops = (0, 0);
+        for ((w, &g), b) in self.w.iter_mut().zip(self.g).zip(self.b.iter_mut()) {
+            let d = g + wd * *w;
+            *b = momentum * *b + d;
+            let step = if nesterov { d + momentum * *b } else { *b };
+            *w -= lr * step;
+            tops = seen(tops, g, *w);
+        }
+        tops
+    }
+}
+
+/// Adam or AdamW over one chunk, vectorised: the largest exponent fields of the gradient and
+/// of the new weights.
+struct AdamUpdate<'a> {
+    w: &'a mut [f32],
+    g: &'a [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    hp: AdamStep,
+}
+
+impl crate::vector::Kernel for AdamUpdate<'_> {
+    type Output = (u32, u32);
+
+    #[inline(always)]
+    fn run(self) -> (u32, u32) {
+        let hp = self.hp;
+        let mut tops = (0, 0);
+        let each = self.w.iter_mut().zip(self.g).zip(self.m.iter_mut());
+        for (((w, &grad), m), v) in each.zip(self.v.iter_mut()) {
+            let g = if hp.decoupled {
+                grad
+            } else {
+                grad + hp.weight_decay * *w
+            };
+            if hp.decoupled {
+                *w -= hp.lr * hp.weight_decay * *w;
+            }
+            *m = hp.beta1 * *m + (1.0 - hp.beta1) * g;
+            *v = hp.beta2 * *v + (1.0 - hp.beta2) * g * g;
+            let mhat = *m / hp.bias_correction1;
+            let vhat = *v / hp.bias_correction2;
+            *w -= hp.lr * mhat / (vhat.sqrt() + hp.eps);
+            tops = seen(tops, grad, *w);
+        }
+        tops
+    }
+}
+
+/// Lion over one chunk, vectorised: the largest exponent fields of the gradient and of the
+/// new weights.
+struct LionUpdate<'a> {
+    w: &'a mut [f32],
+    g: &'a [f32],
+    m: &'a mut [f32],
+    hp: LionStep,
+}
+
+impl crate::vector::Kernel for LionUpdate<'_> {
+    type Output = (u32, u32);
+
+    #[inline(always)]
+    fn run(self) -> (u32, u32) {
+        let hp = self.hp;
+        let mut tops = (0, 0);
+        for ((w, &g), m) in self.w.iter_mut().zip(self.g).zip(self.m.iter_mut()) {
+            let c = hp.beta1 * *m + (1.0 - hp.beta1) * g;
+            *w -= hp.lr * (lion_sign(c) + hp.weight_decay * *w);
+            *m = hp.beta2 * *m + (1.0 - hp.beta2) * g;
+            tops = seen(tops, g, *w);
+        }
+        tops
     }
 }
 

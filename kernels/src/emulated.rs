@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backend::{
     Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats, SgdStep,
-    Trans, backend_ops,
+    Trans, UpdateSeen, backend_ops,
 };
 use crate::{CpuBackend, Device, DeviceMemory, Element, KernelError, Result, Storage, Tensor};
 

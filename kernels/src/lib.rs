@@ -39,7 +39,7 @@ mod vector;
 
 pub use backend::{
     Activation, AdamStep, AttentionShape, Backend, BackendKind, DelayCompensation, IGNORED_LABEL,
-    LionStep, LossStats, Precision, SgdStep, Trans, counted_labels, lion_sign,
+    LionStep, LossStats, Precision, SgdStep, Trans, UpdateSeen, counted_labels, lion_sign,
 };
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;

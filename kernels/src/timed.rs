@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{
     Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats, SgdStep,
-    Trans, backend_ops,
+    Trans, UpdateSeen, backend_ops,
 };
 use std::borrow::Cow;
 

@@ -9,8 +9,8 @@ use std::any::Any;
 use std::sync::Arc;
 
 use pipe_kernels::{
-    Activation, AttentionShape, Backend, CpuBackend, DType, DelayCompensation, Device,
-    DeviceMemory, KernelError, Tensor, Trans,
+    Activation, AdamStep, AttentionShape, Backend, CpuBackend, DType, DelayCompensation, Device,
+    DeviceMemory, KernelError, LionStep, SgdStep, Tensor, Trans, UpdateSeen,
 };
 
 fn lcg(n: usize, seed: u64) -> Vec<f32> {
@@ -994,6 +994,7 @@ backend_tests!(
         attention_masks_packed_documents,
         ignored_labels_are_not_loss_terms,
         non_finite_values_are_found_by_tensor,
+        updates_say_what_they_saw,
     ]
 );
 
@@ -1016,6 +1017,7 @@ backend_tests!(
         attention_masks_packed_documents,
         ignored_labels_are_not_loss_terms,
         non_finite_values_are_found_by_tensor,
+        updates_say_what_they_saw,
     ]
 );
 
@@ -1036,6 +1038,7 @@ backend_tests!(
         attention_matches_reference,
         attention_backward_matches_reference,
         non_finite_values_are_found_by_tensor,
+        updates_say_what_they_saw,
     ]
 );
 
@@ -1059,6 +1062,107 @@ fn non_finite_values_are_found_by_tensor(be: &dyn Backend) {
             );
         }
     }
+}
+
+/// An optimizer update says what it saw of its gradient and its new weights: a backend that
+/// looked (the CPU's, and the emulator through it) must say so, and rightly, for a NaN or an
+/// infinity anywhere in a tensor of several parallel chunks; one that did not says nothing.
+fn updates_say_what_they_saw(be: &dyn Backend) {
+    let shape = [300, 300];
+    let n = 300 * 300;
+    let sgd = SgdStep {
+        lr: 1.0,
+        momentum: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+    };
+    let momentum = SgdStep {
+        momentum: 0.9,
+        ..sgd
+    };
+    let adam = AdamStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 1e-2,
+        decoupled: true,
+        bias_correction1: 0.1,
+        bias_correction2: 0.001,
+    };
+    let lion = LionStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.99,
+        weight_decay: 0.1,
+    };
+    // Every update kind, from weights `w` and gradient `g`.
+    let update = |w: &[f32], g: &[f32]| -> Vec<UpdateSeen> {
+        let (g, zeros) = (
+            on(be, &Tensor::from_vec(&shape, g.to_vec()).unwrap()),
+            Tensor::zeros(&shape),
+        );
+        let fresh = || on(be, &Tensor::from_vec(&shape, w.to_vec()).unwrap());
+        let (mut a, mut b, mut c, mut d) = (fresh(), fresh(), fresh(), fresh());
+        let (mut m1, mut m2, mut m3, mut v) = (
+            on(be, &zeros),
+            on(be, &zeros),
+            on(be, &zeros),
+            on(be, &zeros),
+        );
+        vec![
+            be.sgd_update(&mut a, &g, None, sgd).unwrap(),
+            be.sgd_update(&mut b, &g, Some(&mut m1), momentum).unwrap(),
+            be.adam_update(&mut c, &g, &mut m2, &mut v, adam).unwrap(),
+            be.lion_update(&mut d, &g, &mut m3, lion).unwrap(),
+        ]
+    };
+    let looked = be.name() == "cpu" || be.name().starts_with("emulated");
+    let check = |seen: Vec<UpdateSeen>, grad: bool, param: bool, case: &str| {
+        for (kind, s) in seen.iter().enumerate() {
+            if looked {
+                assert_eq!(
+                    (s.grad, s.param),
+                    (Some(grad), Some(param)),
+                    "{case}, update {kind}"
+                );
+            } else {
+                assert_eq!((s.grad, s.param), (None, None), "{case}, update {kind}");
+            }
+        }
+    };
+    let w = lcg(n, 5);
+    let g = lcg(n, 6);
+    check(update(&w, &g), true, true, "finite");
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for at in [0, 40_000, n - 1] {
+            let mut g_bad = g.clone();
+            g_bad[at] = bad;
+            // A gradient that is not finite makes the weights of every one of these updates so
+            // too, but Lion's: its step is a sign, of a NaN 0, of an infinity 1.
+            let seen = update(&w, &g_bad);
+            let (rest, lion) = seen.split_at(3);
+            check(
+                rest.to_vec(),
+                false,
+                false,
+                &format!("{bad} in the gradient at {at}"),
+            );
+            check(
+                lion.to_vec(),
+                false,
+                true,
+                &format!("{bad} in Lion's gradient at {at}"),
+            );
+        }
+    }
+    // Finite operands whose plain SGD step overflows: the weights are seen, not the gradient.
+    let mut w_big = w.clone();
+    let mut g_big = g.clone();
+    w_big[50_000] = 3e38;
+    g_big[50_000] = -3e38;
+    let seen = update(&w_big, &g_big);
+    check(seen[..1].to_vec(), true, false, "an overflowing step");
 }
 
 /// The promise the whole project's oracle rests on: same inputs, same bits, any thread count.

@@ -14,7 +14,7 @@ use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
 use crate::layer::Keep;
 use crate::loss::{Loss, SoftmaxCrossEntropy};
-use crate::model::{Guarded, Model, Params, no_notice};
+use crate::model::{Model, Params, no_notice};
 use crate::optim::Optimizer;
 
 /// One optimizer step, as reported to observers and logs.
@@ -521,9 +521,8 @@ pub fn train_step(
     }
     model.sum_tied(be, &mut [(0, &mut *st.grads)])?;
     let update = *microbatch_id / batches_len as u64;
-    model.check_finite(be, (0, st.grads), Guarded::Gradients, update)?;
-    st.opt.step(be, st.params, st.grads, lr)?;
-    model.check_finite(be, (0, st.params), Guarded::Weights, update)?;
+    let seen = st.opt.step(be, st.params, st.grads, lr)?;
+    model.check_update(be, (0, st.grads, st.params), &seen, update)?;
     Ok(loss)
 }
 

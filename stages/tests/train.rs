@@ -7,11 +7,13 @@
 mod common;
 
 use common::{bits, load};
-use pipe_kernels::{Backend, CpuBackend, Tensor};
+use pipe_kernels::{Backend, CpuBackend, Tensor, UpdateSeen};
 use pipe_stages::config::{ModelChoice, RunConfig, TrainSettings};
 use pipe_stages::data::Splits;
 use pipe_stages::model::{Guarded, Model, Params};
-use pipe_stages::optim::{LrScheduleKind, NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind};
+use pipe_stages::optim::{
+    LrScheduleKind, NO_ROLES, Optimizer, OptimizerConfig, OptimizerKind, StepSeen,
+};
 use pipe_stages::pipeline::Quiet;
 use pipe_stages::pipeline::{PipelineTrainOptions, train_pipelined};
 use pipe_stages::train::{TrainReport, load_data};
@@ -550,4 +552,88 @@ fn the_finiteness_guards_name_the_first_non_finite_parameter_and_the_update() {
             "{e}"
         );
     }
+}
+
+/// The guard on one update with what its kernels saw ([`StepSeen`]): the first parameter in
+/// order whose gradient is not finite is named, whether a kernel saw it or a scan found it,
+/// before any whose weights are not; a tensor a kernel saw finite is not scanned again.
+#[test]
+fn the_guard_on_an_update_takes_what_its_kernels_saw_and_scans_the_rest() {
+    let model = Model::new(&pipe_stages::model::ModelSpec::preset("mlp-20-30-5").unwrap()).unwrap();
+    let be = CpuBackend::new(1).unwrap();
+    let params = model.init_params(1);
+    // The first and the last layer that hold parameters, each with a weight and a bias.
+    let held: Vec<usize> = (0..params.len())
+        .filter(|&i| params[i].len() == 2)
+        .collect();
+    let (early, late) = (held[0], held[held.len() - 1]);
+    assert!(early < late);
+    let (early_w, late_w) = (
+        format!("layers.{early}.weight"),
+        format!("layers.{late}.weight"),
+    );
+    let with_nan = |at: (usize, usize)| {
+        let mut p = params.clone();
+        let mut values = p[at.0][at.1].host().unwrap().to_vec();
+        values[3] = f32::NAN;
+        p[at.0][at.1] = Tensor::from_vec(p[at.0][at.1].shape(), values).unwrap();
+        p
+    };
+    let seen = |f: &dyn Fn((usize, usize)) -> UpdateSeen| {
+        StepSeen(
+            params
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (0..l.len()).map(|s| f((i, s))).collect())
+                .collect(),
+        )
+    };
+    let finite = UpdateSeen {
+        grad: Some(true),
+        param: Some(true),
+    };
+    let unseen = seen(&|_| UpdateSeen::default());
+    let message = |grads: &Params, weights: &Params, s: &StepSeen| {
+        model
+            .check_update(&be, (0, grads, weights), s, 9)
+            .err()
+            .map(|e| e.to_string())
+    };
+    assert_eq!(message(&params, &params, &unseen), None);
+    assert_eq!(message(&params, &params, &seen(&|_| finite)), None);
+    // Nothing seen: the scans find it.
+    let e = message(&with_nan((late, 0)), &params, &unseen).unwrap();
+    assert!(
+        e.contains(&format!("the gradient of {late_w}")) && e.contains("update 9"),
+        "{e}"
+    );
+    let e = message(&params, &with_nan((early, 1)), &unseen).unwrap();
+    let bias = format!("the parameter layers.{early}.bias after the optimizer's step");
+    assert!(e.contains(&bias), "{e}");
+    // A kernel's word is taken: a tensor it saw finite is not scanned again.
+    let e = message(&with_nan((late, 0)), &params, &seen(&|_| finite));
+    assert_eq!(e, None, "a tensor seen finite was scanned");
+    // A gradient a kernel saw bad late against one a scan finds early: the early one first.
+    let bad_late = seen(&|at| match at {
+        (i, 0) if i == late => UpdateSeen {
+            grad: Some(false),
+            param: Some(false),
+        },
+        (i, _) if i == early => UpdateSeen::default(),
+        _ => finite,
+    });
+    let e = message(&with_nan((early, 0)), &params, &bad_late).unwrap();
+    assert!(e.contains(&format!("the gradient of {early_w}")), "{e}");
+    let e = message(&params, &params, &bad_late).unwrap();
+    assert!(e.contains(&format!("the gradient of {late_w}")), "{e}");
+    // Weights after the step, only where no gradient is.
+    let weights_late = seen(&|at| match at {
+        (i, 0) if i == late => UpdateSeen {
+            grad: Some(true),
+            param: Some(false),
+        },
+        _ => finite,
+    });
+    let e = message(&params, &params, &weights_late).unwrap();
+    assert!(e.contains(&format!("the parameter {late_w} after")), "{e}");
 }

@@ -18,7 +18,7 @@ use cudarc::driver::{
 
 use crate::backend::{
     Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats,
-    Precision, SgdStep, Trans,
+    Precision, SgdStep, Trans, UpdateSeen,
 };
 use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
@@ -1666,7 +1666,7 @@ impl Backend for CudaBackend {
         grad: &Tensor,
         buf: Option<&mut Tensor>,
         hp: SgdStep,
-    ) -> Result<()> {
+    ) -> Result<UpdateSeen> {
         crate::check::sgd(param, grad, buf.as_deref(), hp.momentum)?;
         let gp = self.ptr(grad, "sgd_update")?;
         let bufp = match buf {
@@ -1676,7 +1676,7 @@ impl Backend for CudaBackend {
         let wp = self.in_place(param, "sgd_update")?;
         let n = as_u64(param.len());
         if n == 0 {
-            return Ok(());
+            return Ok(UpdateSeen::default());
         }
         let nesterov = i32::from(hp.nesterov);
         let mut b = self.stream.launch_builder(&self.kernels.sgd_f32);
@@ -1687,7 +1687,8 @@ impl Backend for CudaBackend {
             .arg(&hp.weight_decay);
         // SAFETY: all buffers hold n floats; `bufp` is null without momentum.
         unsafe { b.launch(grid(n)) }.map_err(driver_err("sgd_update"))?;
-        Ok(())
+        // The guard batches its check into one wait on this device.
+        Ok(UpdateSeen::default())
     }
 
     fn adam_update(
@@ -1697,7 +1698,7 @@ impl Backend for CudaBackend {
         m: &mut Tensor,
         v: &mut Tensor,
         hp: AdamStep,
-    ) -> Result<()> {
+    ) -> Result<UpdateSeen> {
         let n = param.len();
         crate::check::adam(param, grad, m, v)?;
         let gp = self.ptr(grad, "adam_update")?;
@@ -1706,7 +1707,7 @@ impl Backend for CudaBackend {
         let wp = self.in_place(param, "adam_update")?;
         let n = as_u64(n);
         if n == 0 {
-            return Ok(());
+            return Ok(UpdateSeen::default());
         }
         let decoupled = i32::from(hp.decoupled);
         let mut b = self.stream.launch_builder(&self.kernels.adam_f32);
@@ -1716,7 +1717,8 @@ impl Backend for CudaBackend {
         b.arg(&hp.bias_correction1).arg(&hp.bias_correction2);
         // SAFETY: all four buffers hold n floats.
         unsafe { b.launch(grid(n)) }.map_err(driver_err("adam_update"))?;
-        Ok(())
+        // The guard batches its check into one wait on this device.
+        Ok(UpdateSeen::default())
     }
 
     fn lion_update(
@@ -1725,7 +1727,7 @@ impl Backend for CudaBackend {
         grad: &Tensor,
         m: &mut Tensor,
         hp: LionStep,
-    ) -> Result<()> {
+    ) -> Result<UpdateSeen> {
         let n = param.len();
         crate::check::lion(param, grad, m)?;
         let gp = self.ptr(grad, "lion_update")?;
@@ -1733,7 +1735,7 @@ impl Backend for CudaBackend {
         let wp = self.in_place(param, "lion_update")?;
         let n = as_u64(n);
         if n == 0 {
-            return Ok(());
+            return Ok(UpdateSeen::default());
         }
         let mut b = self.stream.launch_builder(&self.kernels.lion_f32);
         b.arg(&wp).arg(&gp).arg(&mp).arg(&n);
@@ -1743,7 +1745,8 @@ impl Backend for CudaBackend {
             .arg(&hp.weight_decay);
         // SAFETY: all three buffers hold n floats.
         unsafe { b.launch(grid(n)) }.map_err(driver_err("lion_update"))?;
-        Ok(())
+        // The guard batches its check into one wait on this device.
+        Ok(UpdateSeen::default())
     }
 
     fn delay_compensate(

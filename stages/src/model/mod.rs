@@ -31,6 +31,8 @@ pub mod tokenizer;
 pub mod transformer;
 
 use pipe_kernels::{Backend, Tensor};
+
+use crate::optim::StepSeen;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
@@ -839,41 +841,102 @@ impl Model {
         what: Guarded,
         update: u64,
     ) -> Result<()> {
-        let Some(name) = self.first_non_finite(be, first, tensors)? else {
-            return Ok(());
-        };
-        Err(StageError::NonFinite {
+        match self.first_non_finite_slot(be, tensors, |_| None)? {
+            Some(slot) => Err(self.non_finite(first, slot, what, update)),
+            None => Ok(()),
+        }
+    }
+
+    /// The guard on one update's gradients and new weights, as [`Model::check_finite`] twice
+    /// (the gradients first), where `seen` says what the update's kernels already looked at
+    /// ([`StepSeen`]): only the rest is scanned. The CPU backend's updates see every tensor
+    /// they touch, so an update there costs the guard no pass of its own. The gradients are
+    /// checked after the step rather than before it: a run whose gradient is not finite stops
+    /// at this update either way, and nothing reads the weights the step made from it.
+    ///
+    /// # Errors
+    /// [`StageError::NonFinite`] naming the first parameter whose gradient is not finite, else
+    /// the first whose weights after the step are not, and `update`.
+    pub fn check_update(
+        &self,
+        be: &dyn Backend,
+        (first, grads, weights): (usize, &Params, &Params),
+        seen: &StepSeen,
+        update: u64,
+    ) -> Result<()> {
+        let seen_at = |(i, s): (usize, usize)| seen.0.get(i).and_then(|l| l.get(s)).copied();
+        let grad = self.first_non_finite_slot(be, grads, |slot| seen_at(slot)?.grad)?;
+        if let Some(slot) = grad {
+            return Err(self.non_finite(first, slot, Guarded::Gradients, update));
+        }
+        let weight = self.first_non_finite_slot(be, weights, |slot| seen_at(slot)?.param)?;
+        match weight {
+            Some(slot) => Err(self.non_finite(first, slot, Guarded::Weights, update)),
+            None => Ok(()),
+        }
+    }
+
+    /// The error of the guard for the tensor at `(layer, slot)` of the layers from `first`.
+    fn non_finite(
+        &self,
+        first: usize,
+        (i, slot): (usize, usize),
+        what: Guarded,
+        update: u64,
+    ) -> StageError {
+        let id = self.param_id(first + i, slot);
+        let name = self
+            .param_table()
+            .get(id)
+            .map_or_else(|| format!("layers.{}", first + i), |e| e.name.clone());
+        StageError::NonFinite {
             what: match what {
                 Guarded::Gradients => format!("the gradient of {name}"),
                 Guarded::Weights => format!("the parameter {name} after the optimizer's step"),
             },
             update,
             detail: String::new(),
-        })
+        }
     }
 
-    /// The name of the first parameter of layers `first..` whose tensor in `tensors` holds a
-    /// value that is not finite, if one does.
-    fn first_non_finite(
+    /// The (layer, slot) of the first tensor of `tensors`, in order, that holds a value that is
+    /// not finite, if one does: `known` answers for a slot already looked at (`Some(true)`:
+    /// finite), and the others are scanned in one call ([`Backend::first_non_finite`]).
+    fn first_non_finite_slot(
         &self,
         be: &dyn Backend,
-        first: usize,
         tensors: &Params,
-    ) -> Result<Option<String>> {
-        let slots: Vec<(usize, usize, &Tensor)> = tensors
+        known: impl Fn((usize, usize)) -> Option<bool>,
+    ) -> Result<Option<(usize, usize)>> {
+        let slots = tensors
             .iter()
             .enumerate()
-            .flat_map(|(i, layer)| layer.iter().enumerate().map(move |(slot, t)| (i, slot, t)))
-            .collect();
-        let refs: Vec<&Tensor> = slots.iter().map(|&(_, _, t)| t).collect();
-        let Some(&(i, slot, _)) = be.first_non_finite(&refs)?.and_then(|bad| slots.get(bad)) else {
-            return Ok(None);
+            .flat_map(|(i, layer)| layer.iter().enumerate().map(move |(s, t)| ((i, s), t)));
+        let mut flagged = None;
+        let mut unknown: Vec<((usize, usize), &Tensor)> = Vec::new();
+        for (slot, t) in slots {
+            match known(slot) {
+                Some(true) => {}
+                Some(false) => {
+                    flagged = Some(slot);
+                    break;
+                }
+                None => unknown.push((slot, t)),
+            }
+        }
+        let refs: Vec<&Tensor> = unknown.iter().map(|&(_, t)| t).collect();
+        let scanned = match refs.is_empty() {
+            true => None,
+            false => be
+                .first_non_finite(&refs)?
+                .and_then(|bad| unknown.get(bad))
+                .map(|&(s, _)| s),
         };
-        let id = self.param_id(first + i, slot);
-        Ok(Some(self.param_table().get(id).map_or_else(
-            || format!("layers.{}", first + i),
-            |e| e.name.clone(),
-        )))
+        // Slots are in order, so the smaller of the two is the first.
+        Ok(match (flagged, scanned) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        })
     }
 
     /// Sums the gradients of every use of each tied parameter and gives every use the sum.

@@ -19,7 +19,9 @@
 
 use std::borrow::Cow;
 
-use pipe_kernels::{AdamStep, Backend, DelayCompensation, LionStep, SgdStep, Tensor, Trans};
+use pipe_kernels::{
+    AdamStep, Backend, DelayCompensation, LionStep, SgdStep, Tensor, Trans, UpdateSeen,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
@@ -649,7 +651,7 @@ impl Optimizer {
     }
 
     /// Applies one update with learning rate `lr`: the optimizer's own step, nothing around
-    /// it.
+    /// it. Returns what its kernels saw of the gradients' and the new weights' finiteness.
     ///
     /// # Errors
     /// Shape mismatches between parameters, gradients and state.
@@ -659,17 +661,37 @@ impl Optimizer {
         params: &mut Params,
         grads: &Params,
         lr: f32,
-    ) -> Result<()> {
+    ) -> Result<StepSeen> {
         self.steps += 1;
         let t = self.steps as i32;
+        let mut seen = Vec::with_capacity(params.len());
         let layers = params.iter_mut().zip(grads).zip(&mut self.state);
         for (((layer, lgrads), lstate), marks) in layers.zip(&self.roles) {
             let each = layer.iter_mut().zip(lgrads).zip(lstate.iter_mut());
+            let mut layer_seen = Vec::with_capacity(marks.len());
             for (((p, g), st), &role) in each.zip(marks) {
-                param_step(be, &self.cfg, (role, t, lr), p, g, st)?;
+                layer_seen.push(param_step(be, &self.cfg, (role, t, lr), p, g, st)?);
             }
+            seen.push(layer_seen);
         }
-        Ok(())
+        Ok(StepSeen(seen))
+    }
+}
+
+/// What an update's kernels saw of each parameter's gradient and new weights
+/// ([`UpdateSeen`]), per layer and parameter in the order of the parameters: the finiteness
+/// guard scans only what they did not ([`crate::model::Model::check_update`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepSeen(pub Vec<Vec<UpdateSeen>>);
+
+impl StepSeen {
+    /// The same, with the new weights not seen: something changed them after the kernels
+    /// looked (error feedback).
+    fn weights_changed(mut self) -> Self {
+        for seen in self.0.iter_mut().flatten() {
+            seen.param = None;
+        }
+        self
     }
 }
 
@@ -1039,6 +1061,9 @@ impl Corrected {
     /// `params` with learning rate `lr`, and error feedback around it: with `u_t` the step's
     /// whole update, the weights move by `u_t + c (u_t - u_{t-1})` (the first step by `u_1`).
     ///
+    /// Returns what the step's kernels saw of the gradients' and the final weights'
+    /// finiteness ([`StepSeen`]).
+    ///
     /// # Errors
     /// As [`Corrected::to_mean`]; shape mismatches between parameters, gradients and state.
     pub fn step(
@@ -1048,7 +1073,7 @@ impl Corrected {
         grads: &mut Params,
         mean: (UpdateMean, u32),
         lr: f32,
-    ) -> Result<()> {
+    ) -> Result<StepSeen> {
         self.to_mean(be, grads, mean)?;
         self.at_mean = false;
         if self.correction != DelayCorrection::ErrorFeedback {
@@ -1068,7 +1093,7 @@ impl Corrected {
         {
             be.copy(p, b)?;
         }
-        self.opt.step(be, params, grads, lr)?;
+        let seen = self.opt.step(be, params, grads, lr)?;
         let first = self.opt.steps() == 1;
         let each = params
             .iter_mut()
@@ -1077,12 +1102,13 @@ impl Corrected {
         for ((p, before), last) in each.zip(self.memory.iter_mut().flatten()) {
             error_feedback(be, p, before, last, self.strength, first)?;
         }
-        Ok(())
+        Ok(seen.weights_changed())
     }
 }
 
 /// One parameter's update by `cfg`'s optimizer at step `t` with learning rate `lr`, with the
-/// weight decay of the group of a parameter of `role`.
+/// weight decay of the group of a parameter of `role`; what its kernel saw of the gradient's
+/// and the new weights' finiteness (nothing, for Muon's orthogonalised matrices).
 ///
 /// # Errors
 /// Shape mismatches between the parameter, its gradient and its state.
@@ -1093,7 +1119,7 @@ fn param_step(
     p: &mut Tensor,
     g: &Tensor,
     st: &mut Moments,
-) -> Result<()> {
+) -> Result<UpdateSeen> {
     // This parameter's hyperparameters: its group's weight decay.
     let c = OptimizerConfig {
         weight_decay: if cfg.decay_groups.decays(role) {
@@ -1123,11 +1149,14 @@ fn param_step(
                 weight_decay: c.weight_decay,
             };
             let buf = if c.momentum != 0.0 { Some(s1) } else { None };
-            be.sgd_update(p, g, buf, hp)?;
+            Ok(be.sgd_update(p, g, buf, hp)?)
         }
-        OptimizerKind::Muon if role.hidden_matrix => muon_step(be, p, g, s1, &c, lr)?,
+        OptimizerKind::Muon if role.hidden_matrix => {
+            muon_step(be, p, g, s1, &c, lr)?;
+            Ok(UpdateSeen::default())
+        }
         OptimizerKind::Adam | OptimizerKind::Adamw | OptimizerKind::Muon => {
-            be.adam_update(p, g, s1, s2, adam(lr))?;
+            Ok(be.adam_update(p, g, s1, s2, adam(lr))?)
         }
         OptimizerKind::Lion => {
             let hp = LionStep {
@@ -1136,10 +1165,9 @@ fn param_step(
                 beta2: c.beta2,
                 weight_decay: c.weight_decay,
             };
-            be.lion_update(p, g, s1, hp)?;
+            Ok(be.lion_update(p, g, s1, hp)?)
         }
     }
-    Ok(())
 }
 
 /// Rescales an update's summed gradients to the mean over this stage's `own` microbatches

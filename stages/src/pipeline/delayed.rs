@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::RunConfig;
 use crate::data::Splits;
 use crate::error::{Result, StageError};
-use crate::model::{Guarded, Model, Params, host_params, place_params};
+use crate::model::{Model, Params, host_params, place_params};
 use crate::optim::{Corrected, LrSchedule, UpdateMean, clip_gradients};
 use crate::pipeline::Observer;
 use crate::pipeline::train::{
@@ -301,7 +301,6 @@ impl DelayedWorker<'_> {
             })?;
         }
         model.sum_tied(be, &mut [(0, &mut self.grads)])?;
-        model.check_finite(be, (0, &self.grads), Guarded::Gradients, step + 1)?;
         // Clipping by the whole model's norm, as the reference trainer's one stage does.
         let grad_norm = match self.opt.optimizer().config().grad_clip {
             Some(max_norm) => {
@@ -325,9 +324,8 @@ impl DelayedWorker<'_> {
             1.0
         };
         let lr = self.lr.at(step) * scale;
-        self.opt
-            .step(be, &mut self.params, &mut self.grads, mean, lr)?;
-        model.check_finite(be, (0, &self.params), Guarded::Weights, step + 1)?;
+        let seen = (self.opt).step(be, &mut self.params, &mut self.grads, mean, lr)?;
+        model.check_update(be, (0, &self.grads, &self.params), &seen, step + 1)?;
         Ok((loss, rows, grad_norm))
     }
 }

@@ -17,7 +17,7 @@ use super::clip::ClipState;
 use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::layers::Saved;
-use crate::model::{GradientsReady, Guarded, Params, place_params};
+use crate::model::{GradientsReady, Params, place_params};
 use crate::optim::{Corrected, OptimizerConfig, UpdateMean};
 use crate::remedy::{Prediction, Velocity, corrected_weights, stage_delays};
 
@@ -807,13 +807,12 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let first_mb = setup.microbatch_offset + u64::from(update) * u64::from(run.update_size);
         let run_update = first_mb / minibatch + 1;
         let layers = run.layers.start;
-        (setup.model).check_finite(be, (layers, &run.grads), Guarded::Gradients, run_update)?;
         let lr = (setup.lr)(stage, update);
         let old = run.velocity.as_ref().map(|_| p.clone());
         let mean = UpdateMean::of(&setup.plan.schedule.resolved);
-        run.optimizer
-            .step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
-        (setup.model).check_finite(be, (layers, &p), Guarded::Weights, run_update)?;
+        let seen = (run.optimizer).step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
+        let guarded = (layers, &run.grads, &p);
+        (setup.model).check_update(be, guarded, &seen, run_update)?;
         run.current_version += 1;
         let applied = u64::from(update + 1) * u64::from(run.update_size);
         if let Some(keeper) = &self.keeper
