@@ -57,6 +57,9 @@ const PAR_MIN: usize = 1 << 16;
 const PAR_CHUNK: usize = 1 << 14;
 /// Rows from which a product with a small transposed right operand reads a row-major copy.
 const TALL_ROWS: usize = 1024;
+/// Columns of a per-column sum (`sum_rows`, LayerNorm's parameter gradients) handed to one
+/// task: each task sums its columns over every row in order, so the split changes no bit.
+const SUM_COLS: usize = 64;
 /// Rows per partial sum of `sum_rows` when there are more rows than this.
 const SUM_ROWS_CHUNK: usize = 256;
 /// Products below this many multiply-adds run as one `gemm` call on one thread.
@@ -332,20 +335,19 @@ impl CpuBackend {
         }
     }
 
-    /// Runs `f(first_column, block)` on 64-column blocks of the per-column accumulator `out`,
-    /// on the pool when the reduction reads `elements` values or more.
+    /// Runs `f(first_column, block)` on [`SUM_COLS`]-column blocks of the per-column
+    /// accumulator `out`, on the pool when the reduction reads `elements` values or more.
     fn column_blocks(
         &self,
         out: &mut [f32],
         elements: usize,
         f: impl Fn(usize, &mut [f32]) + Sync,
     ) {
-        const COLS: usize = 64;
-        if self.threads > 1 && elements >= PAR_MIN && out.len() > COLS {
+        if self.threads > 1 && elements >= PAR_MIN && out.len() > SUM_COLS {
             self.pool.install(|| {
-                out.par_chunks_mut(COLS)
+                out.par_chunks_mut(SUM_COLS)
                     .enumerate()
-                    .for_each(|(b, block)| f(b * COLS, block));
+                    .for_each(|(b, block)| f(b * SUM_COLS, block));
             });
         } else {
             f(0, out);
@@ -945,21 +947,28 @@ impl Backend for CpuBackend {
                 .zip(means.iter().zip(rstds))
                 .map(move |((xr, dyr), (&mu, &rs))| (&xr[c0..], &dyr[c0..], mu, rs))
         };
-        // Column blocks in parallel, each column summed over the rows in order.
-        self.column_blocks(dgamma.host_mut()?, xs.len(), |c0, dg| {
+        // Column blocks in parallel, both sums in one pass over the rows, each column summed
+        // over the rows in order.
+        let (dg, db) = (dgamma.host_mut()?, dbeta.host_mut()?);
+        let block = |(c0, (dg, db)): (usize, (&mut [f32], &mut [f32]))| {
             for (xr, dyr, mu, rs) in rows_of(c0) {
-                for ((g, &d), &xv) in dg.iter_mut().zip(dyr).zip(xr) {
+                let each = dg.iter_mut().zip(db.iter_mut()).zip(dyr).zip(xr);
+                for (((g, b), &d), &xv) in each {
                     *g += d * (xv - mu) * rs;
-                }
-            }
-        });
-        self.column_blocks(dbeta.host_mut()?, xs.len(), |c0, db| {
-            for (_, dyr, _, _) in rows_of(c0) {
-                for (b, &d) in db.iter_mut().zip(dyr) {
                     *b += d;
                 }
             }
-        });
+        };
+        if self.threads > 1 && xs.len() >= PAR_MIN && n > SUM_COLS {
+            self.pool.install(|| {
+                dg.par_chunks_mut(SUM_COLS)
+                    .zip(db.par_chunks_mut(SUM_COLS))
+                    .enumerate()
+                    .for_each(|(b, pair)| block((b * SUM_COLS, pair)));
+            });
+        } else {
+            block((0, (dg, db)));
+        }
         Ok(())
     }
 

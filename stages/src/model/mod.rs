@@ -51,7 +51,7 @@ pub type GradientsReady<'h> = dyn FnMut(usize, &mut [Vec<Tensor>]) -> Result<()>
 /// What [`Model::check_finite`] guards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Guarded {
-    /// An update's gradients, before its step applies them.
+    /// An update's gradients, as its step applied them.
     Gradients,
     /// The weights after an update's step.
     Weights,
