@@ -31,6 +31,27 @@ fn rand_t(shape: &[usize], seed: u64) -> Tensor {
     Tensor::from_vec(shape, lcg(shape.iter().product(), seed)).unwrap()
 }
 
+/// The Adam step the update tests take: AdamW at its third step or so (bias corrections
+/// well below 1).
+const ADAM: AdamStep = AdamStep {
+    lr: 1e-2,
+    beta1: 0.9,
+    beta2: 0.999,
+    eps: 1e-8,
+    weight_decay: 1e-2,
+    decoupled: true,
+    bias_correction1: 0.1,
+    bias_correction2: 0.001,
+};
+
+/// The Lion step the update tests take.
+const LION: LionStep = LionStep {
+    lr: 1e-2,
+    beta1: 0.9,
+    beta2: 0.99,
+    weight_decay: 0.1,
+};
+
 /// A host tensor made resident on `be`.
 fn on(be: &dyn Backend, t: &Tensor) -> Tensor {
     be.place(t.clone()).unwrap()
@@ -594,7 +615,6 @@ fn elementwise_and_norms_agree_with_the_cpu_backend(be: &dyn Backend) {
 
 /// The optimizer updates and softmax cross-entropy against the CPU backend, as above.
 fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
-    use pipe_kernels::{AdamStep, LionStep, SgdStep};
     let cpu = CpuBackend::new(1).unwrap();
     let same =
         |what: &str, got: &[f32], want: &[f32], tol: f32| same_as_cpu(be, what, got, want, tol);
@@ -607,16 +627,7 @@ fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
         nesterov: true,
         weight_decay: 1e-3,
     };
-    let adam = AdamStep {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 1e-2,
-        decoupled: true,
-        bias_correction1: 0.1,
-        bias_correction2: 0.001,
-    };
+    let adam = ADAM;
     let (mut w, mut buf, mut mm, mut vv) = (
         on(be, &x),
         on(be, &Tensor::zeros(&[37, 29])),
@@ -645,12 +656,7 @@ fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
         &read(&cpu, &vvc),
         1e-5,
     );
-    let lion = LionStep {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.99,
-        weight_decay: 0.1,
-    };
+    let lion = LION;
     let (mut lm, mut lmc) = (on(be, &Tensor::zeros(&[37, 29])), Tensor::zeros(&[37, 29]));
     for _ in 0..3 {
         be.lion_update(&mut w, &on(be, &dy), &mut lm, lion).unwrap();
@@ -1080,22 +1086,8 @@ fn updates_say_what_they_saw(be: &dyn Backend) {
         momentum: 0.9,
         ..sgd
     };
-    let adam = AdamStep {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 1e-2,
-        decoupled: true,
-        bias_correction1: 0.1,
-        bias_correction2: 0.001,
-    };
-    let lion = LionStep {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.99,
-        weight_decay: 0.1,
-    };
+    let adam = ADAM;
+    let lion = LION;
     // Every update kind, from weights `w` and gradient `g`.
     let update = |w: &[f32], g: &[f32]| -> Vec<UpdateSeen> {
         let (g, zeros) = (
