@@ -1,5 +1,9 @@
 //! The CPU backend: `gemm` for matrix products, plain loops (auto-vectorised) for the rest, a
-//! private rayon pool for threads, and a block layout that depends only on shapes.
+//! private rayon pool for threads, and a block layout that depends only on shapes. The loops
+//! that compute more than they move (activations, LayerNorm, the optimizer updates, the
+//! finiteness scan) run compiled for the machine's widest vectors ([`crate::vector`]), with the
+//! same arithmetic on every path. The optimizer updates also note whether what they read and
+//! wrote is finite, so the finiteness guard needs no pass of its own ([`UpdateSeen`]).
 
 use std::borrow::Cow;
 use std::collections::VecDeque;

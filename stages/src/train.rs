@@ -522,7 +522,7 @@ pub fn train_step(
     model.sum_tied(be, &mut [(0, &mut *st.grads)])?;
     let update = *microbatch_id / batches_len as u64;
     let seen = st.opt.step(be, st.params, st.grads, lr)?;
-    model.check_update(be, (0, st.grads, st.params), &seen, update)?;
+    model.check_update(be, (0, st.grads, st.params), &seen.0, update)?;
     Ok(loss)
 }
 

@@ -595,7 +595,7 @@ fn the_guard_on_an_update_takes_what_its_kernels_saw_and_scans_the_rest() {
     let unseen = seen(&|_| UpdateSeen::default());
     let message = |grads: &Params, weights: &Params, s: &StepSeen| {
         model
-            .check_update(&be, (0, grads, weights), s, 9)
+            .check_update(&be, (0, grads, weights), &s.0, 9)
             .err()
             .map(|e| e.to_string())
     };

@@ -30,9 +30,7 @@ pub mod tokenize;
 pub mod tokenizer;
 pub mod transformer;
 
-use pipe_kernels::{Backend, Tensor};
-
-use crate::optim::StepSeen;
+use pipe_kernels::{Backend, Tensor, UpdateSeen};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StageError};
@@ -848,8 +846,8 @@ impl Model {
     }
 
     /// The guard on one update's gradients and new weights, as [`Model::check_finite`] twice
-    /// (the gradients first), where `seen` says what the update's kernels already looked at
-    /// ([`StepSeen`]): only the rest is scanned. The CPU backend's updates see every tensor
+    /// (the gradients first), where `seen` says what the update's kernels already looked at,
+    /// per layer and parameter (the optimizer's `StepSeen`): only the rest is scanned. The CPU backend's updates see every tensor
     /// they touch, so an update there costs the guard no pass of its own. The gradients are
     /// checked after the step rather than before it: a run whose gradient is not finite stops
     /// at this update either way, and nothing reads the weights the step made from it.
@@ -861,10 +859,10 @@ impl Model {
         &self,
         be: &dyn Backend,
         (first, grads, weights): (usize, &Params, &Params),
-        seen: &StepSeen,
+        seen: &[Vec<UpdateSeen>],
         update: u64,
     ) -> Result<()> {
-        let seen_at = |(i, s): (usize, usize)| seen.0.get(i).and_then(|l| l.get(s)).copied();
+        let seen_at = |(i, s): (usize, usize)| seen.get(i).and_then(|l| l.get(s)).copied();
         let grad = self.first_non_finite_slot(be, grads, |slot| seen_at(slot)?.grad)?;
         if let Some(slot) = grad {
             return Err(self.non_finite(first, slot, Guarded::Gradients, update));
@@ -925,12 +923,11 @@ impl Model {
             }
         }
         let refs: Vec<&Tensor> = unknown.iter().map(|&(_, t)| t).collect();
-        let scanned = match refs.is_empty() {
-            true => None,
-            false => be
-                .first_non_finite(&refs)?
-                .and_then(|bad| unknown.get(bad))
-                .map(|&(s, _)| s),
+        let scanned = if refs.is_empty() {
+            None
+        } else {
+            let bad = be.first_non_finite(&refs)?;
+            bad.and_then(|b| unknown.get(b)).map(|&(s, _)| s)
         };
         // Slots are in order, so the smaller of the two is the first.
         Ok(match (flagged, scanned) {

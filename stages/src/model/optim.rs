@@ -680,7 +680,8 @@ impl Optimizer {
 
 /// What an update's kernels saw of each parameter's gradient and new weights
 /// ([`UpdateSeen`]), per layer and parameter in the order of the parameters: the finiteness
-/// guard scans only what they did not ([`crate::model::Model::check_update`]).
+/// guard scans only what they did not ([`crate::model::Model::check_update`], which takes
+/// its `.0`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepSeen(pub Vec<Vec<UpdateSeen>>);
 

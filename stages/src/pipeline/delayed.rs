@@ -325,7 +325,7 @@ impl DelayedWorker<'_> {
         };
         let lr = self.lr.at(step) * scale;
         let seen = (self.opt).step(be, &mut self.params, &mut self.grads, mean, lr)?;
-        model.check_update(be, (0, &self.grads, &self.params), &seen, step + 1)?;
+        model.check_update(be, (0, &self.grads, &self.params), &seen.0, step + 1)?;
         Ok((loss, rows, grad_norm))
     }
 }

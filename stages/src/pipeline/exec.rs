@@ -812,7 +812,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         let mean = UpdateMean::of(&setup.plan.schedule.resolved);
         let seen = (run.optimizer).step(be, &mut p, &mut run.grads, (mean, run.update_size), lr)?;
         let guarded = (layers, &run.grads, &p);
-        (setup.model).check_update(be, guarded, &seen, run_update)?;
+        (setup.model).check_update(be, guarded, &seen.0, run_update)?;
         run.current_version += 1;
         let applied = u64::from(update + 1) * u64::from(run.update_size);
         if let Some(keeper) = &self.keeper
