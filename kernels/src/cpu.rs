@@ -1016,12 +1016,15 @@ impl Backend for CpuBackend {
             None => None,
         };
         let task = |r0: usize, terms: &mut [(f64, bool)], grad: Option<&mut [f32]>| {
-            let rows = rows[r0 * n..].chunks_exact(n).zip(&labels[r0..]);
-            let mut grad = grad.map(|g| g.chunks_exact_mut(n));
-            for (term, (row, &label)) in terms.iter_mut().zip(rows) {
-                let drow = grad.as_mut().and_then(|g| g.next());
-                *term = cross_entropy_row(row, label, grad_scale, drow);
-            }
+            let labels = &labels[r0..r0 + terms.len()];
+            crate::vector::vectorized(CrossEntropyRows {
+                cols: n,
+                logits: &rows[r0 * n..(r0 + terms.len()) * n],
+                labels,
+                grad_scale,
+                grad,
+                terms,
+            });
         };
         const ROWS_PER_TASK: usize = 64;
         if self.threads > 1 && rows.len() >= PAR_MIN {
@@ -1586,15 +1589,53 @@ impl crate::vector::Kernel for LayerNormBackRows<'_> {
     }
 }
 
-/// One row of the softmax cross-entropy: its loss term `logsumexp(row) - row[label]` and
-/// whether the row's largest logit is the label's, writing `(softmax(row) - onehot) *
-/// grad_scale` to `grad` when given. An ignored row's term is 0 and its gradient zeros.
+/// Rows of the softmax cross-entropy, vectorised: for each row its loss term
+/// `logsumexp(row) - row[label]` and whether the row's largest logit is the label's (the first
+/// of equal ones, as an argmax), writing `(softmax(row) - onehot) * grad_scale` to `grad` when
+/// given. An ignored row's term is 0 and its gradient zeros.
+///
+/// One exponential per logit, in `f32` ([`crate::fastmath::exp`], as attention's softmax):
+/// with a gradient, `e^(v - max)` goes to the gradient row, whose sum (in `f64`, fixed
+/// partials) gives the log-sum-exp, and is then scaled in place. The order of every sum is
+/// fixed, so the bits do not depend on the vector width or the thread count.
+struct CrossEntropyRows<'a> {
+    /// Logits per row (at least 1).
+    cols: usize,
+    logits: &'a [f32],
+    labels: &'a [u32],
+    grad_scale: f32,
+    grad: Option<&'a mut [f32]>,
+    terms: &'a mut [(f64, bool)],
+}
+
+impl crate::vector::Kernel for CrossEntropyRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run(self) {
+        let n = self.cols;
+        let mut grad = self.grad.map(|g| g.chunks_exact_mut(n));
+        let rows = self.logits.chunks_exact(n).zip(self.labels);
+        for (term, (row, &label)) in self.terms.iter_mut().zip(rows) {
+            *term = cross_entropy_row(
+                row,
+                label,
+                self.grad_scale,
+                grad.as_mut().and_then(|g| g.next()),
+            );
+        }
+    }
+}
+
+/// One row of [`CrossEntropyRows`].
+#[inline(always)]
 fn cross_entropy_row(
     row: &[f32],
     label: u32,
     grad_scale: f32,
     grad: Option<&mut [f32]>,
 ) -> (f64, bool) {
+    use crate::fastmath::{exp, max, sum_f64};
     if label == IGNORED_LABEL {
         if let Some(d) = grad {
             d.fill(0.0);
@@ -1602,23 +1643,26 @@ fn cross_entropy_row(
         return (0.0, false);
     }
     let label = label as usize;
-    let (mut arg, mut max) = (0usize, f32::NEG_INFINITY);
-    for (j, &v) in row.iter().enumerate() {
-        if v > max {
-            max = v;
-            arg = j;
+    let top = max(row);
+    let at_label = row[label];
+    let correct = at_label == top && !row[..label].contains(&top);
+    let sum = match grad {
+        Some(d) => {
+            for (o, &v) in d.iter_mut().zip(row) {
+                *o = exp(v - top);
+            }
+            let sum = sum_f64(d, f64::from);
+            let e_label = d[label];
+            let scale = (1.0 / sum) as f32;
+            for o in d.iter_mut() {
+                *o = *o * scale * grad_scale;
+            }
+            d[label] = (e_label * scale - 1.0) * grad_scale;
+            sum
         }
-    }
-    let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
-    let lse = sum.ln();
-    if let Some(d) = grad {
-        for (j, (o, &v)) in d.iter_mut().zip(row).enumerate() {
-            let p = (((v - max) as f64) - lse).exp() as f32;
-            let y = if j == label { 1.0 } else { 0.0 };
-            *o = (p - y) * grad_scale;
-        }
-    }
-    (lse - (row[label] - max) as f64, arg == label)
+        None => sum_f64(row, |v| f64::from(exp(v - top))),
+    };
+    (sum.ln() - f64::from(at_label - top), correct)
 }
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
