@@ -11,7 +11,8 @@
 //!   cargo run --release -p pipe-kernels --example blas_alternating -- 2   # the backend's threads
 //! ```
 //!
-//! Shapes as `step_products` (2,048 token rows; widths from `WIDTHS`, default 768). In each of
+//! Shapes as `step_products` (2,048 token rows; widths from `WIDTHS`, default 768; with `MLP=1`
+//! the single-worker MLP's hidden layer, 256 rows at width 1,024). In each of
 //! [`ROUNDS`] rounds every library makes one untimed call, [`TIMED`] timed ones back to back, and
 //! then pauses: BLAS worker threads spin after a call (OpenBLAS's for about 0.1 s), and without
 //! the pause they take the cores from the next library's calls (which made OpenBLAS look 1.45x

@@ -64,13 +64,22 @@ pub const TOKENS: usize = 2048;
 pub const VOCAB: usize = 1024;
 
 /// Calls `f` with every product of the GPT-2 step at each of `widths`, in order: the width,
-/// the layer, and the product with its operands made here.
+/// the layer, and the product with its operands made here. With `MLP` set in the
+/// environment, the products of the single-worker MLP's hidden layer instead (256 rows, 1,024
+/// wide, as `pipe bench mfu` runs it), once.
 pub fn each_step_product(widths: &[usize], mut f: impl FnMut(usize, &str, Product<'_>)) {
-    for &width in widths {
-        for (layer, fan_in, fan_out) in gpt2_layers(width) {
-            let x = matrix(TOKENS, fan_in, 1);
+    let mlp = std::env::var_os("MLP").is_some();
+    let (rows, shapes): (usize, Vec<(usize, Vec<Layer>)>) = if mlp {
+        (256, vec![(1024, vec![("mlp hidden", 1024, 1024)])])
+    } else {
+        let each = widths.iter().map(|&w| (w, gpt2_layers(w).to_vec()));
+        (TOKENS, each.collect())
+    };
+    for (width, layers) in shapes {
+        for (layer, fan_in, fan_out) in layers {
+            let x = matrix(rows, fan_in, 1);
             let w = matrix(fan_in, fan_out, 2);
-            let dy = matrix(TOKENS, fan_out, 3);
+            let dy = matrix(rows, fan_out, 3);
             for product in layer_products(&x, &w, &dy) {
                 f(width, layer, product);
             }
@@ -78,9 +87,12 @@ pub fn each_step_product(widths: &[usize], mut f: impl FnMut(usize, &str, Produc
     }
 }
 
+/// A linear layer: its name, input width and output width.
+pub type Layer = (&'static str, usize, usize);
+
 /// The linear layers of a GPT-2 block and its head at `width`: (name, input width, output
 /// width).
-pub fn gpt2_layers(width: usize) -> [(&'static str, usize, usize); 5] {
+pub fn gpt2_layers(width: usize) -> [Layer; 5] {
     [
         ("qkv", width, 3 * width),
         ("attn proj", width, width),
