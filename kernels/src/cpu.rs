@@ -1722,8 +1722,13 @@ mod tests {
         assert!(matches!(block_plan(512, 10, 512, no), Blocks::Rows(_)));
         assert_eq!(block_plan(2048, 512, 512, no), Blocks::Whole);
         assert_eq!(block_plan(512, 512, 2048, Trans::Yes), Blocks::Whole);
+        // A weight gradient over few token rows splits by rows of its output.
         assert!(matches!(
             block_plan(1024, 1024, 256, Trans::Yes),
+            Blocks::Rows(512)
+        ));
+        assert!(matches!(
+            block_plan(128, 1024, 256, Trans::Yes),
             Blocks::Cols(512)
         ));
     }
