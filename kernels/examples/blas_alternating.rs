@@ -1,6 +1,7 @@
 //! The matrix products of one GPT-2 training step through the CPU backend (`gemm`), through
 //! the MKL that PyTorch ships (its `sgemm_`) and, when `OPENBLAS_LIB` names it, through numpy's
-//! OpenBLAS, **taking turns within one process**: on a machine whose cores a neighbour takes in
+//! OpenBLAS, and with the `faer` feature through `faer`'s products (its x86 kernels,
+//! `private-gemm-x86`), **taking turns within one process**: on a machine whose cores a neighbour takes in
 //! bursts, libraries timed in separate runs differ by whatever the neighbour did meanwhile;
 //! here every burst falls on all of them alike.
 //!
@@ -10,6 +11,8 @@
 //!   OPENBLAS_LIB=$(ls .../site-packages/numpy.libs/libscipy_openblas64_*.so) OPENBLAS_NUM_THREADS=2 \
 //!   cargo run --release -p pipe-kernels --example blas_alternating -- 2   # the backend's threads
 //! ```
+//!
+//! (`--features faer` adds `faer`'s column; its first build takes about two and a half minutes.)
 //!
 //! Shapes as `step_products` (2,048 token rows; widths from `WIDTHS`, default 768; with `MLP=1`
 //! the single-worker MLP's hidden layer, 256 rows at width 1,024). In each of
@@ -94,6 +97,41 @@ fn blas<I: TryFrom<usize>>(
     }
 }
 
+/// Row-major `C (m x n) = op(a) op(b)` through `faer`'s product (its x86 kernels,
+/// `private-gemm-x86`), on `pool`'s threads.
+#[cfg(feature = "faer")]
+fn faer_product(
+    pool: &rayon::ThreadPool,
+    (a, ta): (&Tensor, Trans),
+    (b, tb): (&Tensor, Trans),
+    c: &mut [f32],
+) {
+    let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
+    let strides = |x: &Tensor, t: Trans| match t {
+        Trans::No => (x.cols() as isize, 1),
+        Trans::Yes => (1, x.cols() as isize),
+    };
+    let ((a_rs, a_cs), (b_rs, b_cs)) = (strides(a, ta), strides(b, tb));
+    let (ap, bp) = (a.host().expect("host"), b.host().expect("host"));
+    let threads = pool.current_num_threads();
+    // SAFETY: the views describe the tensors' own buffers and the m x n output slice.
+    let (lhs, rhs, dst) = unsafe {
+        (
+            faer::MatRef::from_raw_parts(ap.as_ptr(), m, k, a_rs, a_cs),
+            faer::MatRef::from_raw_parts(bp.as_ptr(), k, n, b_rs, b_cs),
+            faer::MatMut::from_raw_parts_mut(c.as_mut_ptr(), m, n, n as isize, 1),
+        )
+    };
+    let par = if threads > 1 {
+        faer::Par::rayon(threads)
+    } else {
+        faer::Par::Seq
+    };
+    pool.install(|| {
+        faer::linalg::matmul::matmul(dst, faer::Accum::Replace, lhs, rhs, 1.0f32, par);
+    });
+}
+
 /// Each library's median seconds per call over the rounds, and for every library after the
 /// backend the median of the per-round ratios `its time / gemm's` (the rate ratio gemm / it).
 struct Timed {
@@ -159,11 +197,18 @@ fn main() {
         var("OMP_NUM_THREADS"),
         var("OPENBLAS_NUM_THREADS")
     );
-    let names: &[&str] = if openblas.is_some() {
-        &["MKL", "OpenBLAS"]
-    } else {
-        &["MKL"]
-    };
+    let mut names = vec!["MKL"];
+    if cfg!(feature = "faer") {
+        names.push("faer");
+    }
+    if openblas.is_some() {
+        names.push("OpenBLAS");
+    }
+    #[cfg(feature = "faer")]
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("faer's pool");
     let head: Vec<String> = names.iter().map(|n| format!("{n} | gemm / {n}")).collect();
     println!(
         "| width | product | m x k x n | gemm | {} |",
@@ -177,21 +222,33 @@ fn main() {
         let mut c = Tensor::default();
         let mut by_mkl = vec![0.0f32; m * n];
         let mut by_openblas = vec![0.0f32; m * n];
-        let mut ours = || be.matmul(a, ta, b, tb, &mut c, false).expect("matmul");
-        let mut theirs = || blas(mkl, (a, ta), (b, tb), &mut by_mkl);
-        let timed = match openblas {
-            Some(ob) => {
-                let mut third = || blas(ob, (a, ta), (b, tb), &mut by_openblas);
-                alternate(&mut [&mut ours, &mut theirs, &mut third])
+        #[cfg_attr(not(feature = "faer"), allow(unused_mut))]
+        let mut by_faer = vec![0.0f32; m * n];
+        let timed = {
+            let mut ours = || be.matmul(a, ta, b, tb, &mut c, false).expect("matmul");
+            let mut theirs = || blas(mkl, (a, ta), (b, tb), &mut by_mkl);
+            let mut calls: Vec<&mut dyn FnMut()> = vec![&mut ours, &mut theirs];
+            #[cfg(feature = "faer")]
+            let mut crate_faer = || faer_product(&pool, (a, ta), (b, tb), &mut by_faer);
+            #[cfg(feature = "faer")]
+            calls.push(&mut crate_faer);
+            let mut third = openblas.map(|ob| {
+                let by_openblas = &mut by_openblas;
+                move || blas(ob, (a, ta), (b, tb), by_openblas)
+            });
+            if let Some(third) = third.as_mut() {
+                calls.push(third);
             }
-            None => alternate(&mut [&mut ours, &mut theirs]),
+            alternate(&mut calls)
         };
+        let mut others = vec![&by_mkl];
+        if cfg!(feature = "faer") {
+            others.push(&by_faer);
+        }
+        if openblas.is_some() {
+            others.push(&by_openblas);
+        }
         let got = c.host().expect("host");
-        let others = if openblas.is_some() {
-            vec![&by_mkl, &by_openblas]
-        } else {
-            vec![&by_mkl]
-        };
         for other in others {
             let worst = got
                 .iter()
