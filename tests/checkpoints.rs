@@ -182,6 +182,33 @@ fn one_checkpoint(name: &str) -> (PathBuf, PathBuf) {
     (d, c)
 }
 
+/// Rewrites checkpoint `c`'s manifest entry for its file `name` to the file's present size and
+/// SHA-256, so that a reader past the manifest has to find what was done to it.
+fn reseal(c: &Path, name: &str) {
+    let manifest = std::fs::read_to_string(c.join("manifest.json")).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&manifest).unwrap();
+    let path = c.join(name);
+    for f in m["files"].as_array_mut().unwrap() {
+        if f["name"] == name {
+            f["bytes"] = std::fs::metadata(&path).unwrap().len().into();
+            let out = Command::new("sha256sum").arg(&path).output().unwrap();
+            let hash = String::from_utf8_lossy(&out.stdout);
+            f["sha256"] = hash.split_whitespace().next().unwrap().into();
+        }
+    }
+    std::fs::write(c.join("manifest.json"), m.to_string()).unwrap();
+}
+
+/// Checkpoint `c`'s `state.json` with `edit` applied, resealed ([`reseal`]).
+fn edit_state(c: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = c.join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut state);
+    std::fs::write(&path, state.to_string()).unwrap();
+    reseal(c, "state.json");
+}
+
 fn eval(path: &Path) -> Output {
     common::pipe(&["eval", "--checkpoint", s(path)])
 }
@@ -209,17 +236,7 @@ fn corrupted_truncated_missing_and_foreign_checkpoints_are_refused() {
     let short = &bytes[..bytes.len() - 100];
     std::fs::write(&o, short).unwrap();
     refused(&eval(&c), &["optimizer.safetensors", "truncated"]);
-    let manifest = std::fs::read_to_string(c.join("manifest.json")).unwrap();
-    let mut m: serde_json::Value = serde_json::from_str(&manifest).unwrap();
-    for f in m["files"].as_array_mut().unwrap() {
-        if f["name"] == "optimizer.safetensors" {
-            f["bytes"] = short.len().into();
-            let out = Command::new("sha256sum").arg(&o).output().unwrap();
-            let hash = String::from_utf8_lossy(&out.stdout);
-            f["sha256"] = hash.split_whitespace().next().unwrap().into();
-        }
-    }
-    std::fs::write(c.join("manifest.json"), m.to_string()).unwrap();
+    reseal(&c, "optimizer.safetensors");
     refused(&eval(&c), &["optimizer.safetensors"]);
 
     // A missing file.
@@ -242,6 +259,63 @@ fn corrupted_truncated_missing_and_foreign_checkpoints_are_refused() {
     std::fs::write(d.join("latest"), "ckpt-99999999\n").unwrap();
     refused(&eval(&d), &["latest", "ckpt-99999999"]);
     refused(&eval(&d.join("nowhere")), &["nowhere"]);
+}
+
+/// A state whose counters or synthetic data shape no run could have written, its manifest
+/// resealed so that only the state's own checks stand between it and the reader: refused
+/// before anything is allocated or trained, where it used to wrap its update count and train
+/// on, or allocate the data's petabytes.
+#[test]
+fn a_state_no_run_could_have_written_is_refused_past_a_resealed_manifest() {
+    let (_, good) = one_checkpoint("state-range");
+    let cases: [(&str, serde_json::Value, &str); 4] = [
+        (
+            "updates",
+            u64::MAX.into(),
+            "updates 18446744073709551615 is past",
+        ),
+        (
+            "epoch",
+            (1u64 << 63).into(),
+            "epoch 9223372036854775808 is outside",
+        ),
+        ("epoch", 0.into(), "epoch 0 is outside"),
+        (
+            "optimizer_steps",
+            vec![u64::MAX; 2].into(),
+            "optimizer steps",
+        ),
+    ];
+    for (i, (field, value, needle)) in cases.into_iter().enumerate() {
+        let c = good.with_file_name(format!("edited-{i}"));
+        let copied = Command::new("cp")
+            .arg("-r")
+            .arg(&good)
+            .arg(&c)
+            .status()
+            .unwrap();
+        assert!(copied.success());
+        edit_state(&c, |state| state[field] = value);
+        refused(&eval(&c), &["state.json", needle]);
+        refused(
+            &train(&flags("pipedream"), &["--resume", s(&c)]),
+            &["state.json", needle],
+        );
+    }
+    // A synthetic dataset of 2^40 hidden units: checked before its teacher is drawn.
+    let c = good.with_file_name("synthetic");
+    let copied = Command::new("cp")
+        .arg("-r")
+        .arg(&good)
+        .arg(&c)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    edit_state(&c, |state| {
+        state["dataset"] = "synthetic".into();
+        state["synthetic"]["hidden"] = (1u64 << 40).into();
+    });
+    refused(&eval(&c), &["synthetic inputs x hidden", "over the limit"]);
 }
 
 #[test]

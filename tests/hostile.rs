@@ -1226,6 +1226,7 @@ fn newer_surface_rows() -> Vec<Row> {
     rows.extend(export_logits_and_optimizer_rows());
     rows.extend(cluster_file_rows());
     rows.extend(unasked_overwrite_and_silent_value_rows());
+    rows.extend(inputs_written_over_and_thread_rows());
     rows
 }
 
@@ -1478,6 +1479,81 @@ fn unasked_overwrite_and_silent_value_rows() -> Vec<Row> {
 
 /// Shards, inputs and weights that are FIFOs (which would block forever), and GPT-2 sizes
 /// checked before anything is built from them.
+/// Outputs that name what the command reads, an output's missing directory, thread counts of
+/// the commands that build their own backend, and cluster addresses that are not `host:port`.
+fn inputs_written_over_and_thread_rows() -> Vec<Row> {
+    let earlier = "train --steps 2 --threads 1 --checkpoint-dir {d}/ck --checkpoint-every 1";
+    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
+    let costs = || text("c.toml", "[[stage]]\nforward = 1\nbackward_input = 2\n");
+    let too_many = "--threads 1000000";
+    vec![
+        after(
+            &[earlier],
+            "train --steps 3 --threads 1 --checkpoint-dir {d}/ck --resume latest --log-jsonl {d}/ck/latest",
+            Vec::new(),
+            "/ck/latest would overwrite",
+        ),
+        after(
+            &[earlier],
+            "train --steps 3 --threads 1 --resume {d}/ck/ckpt-00000002 --log-jsonl {d}/ck/ckpt-00000002/state.json",
+            Vec::new(),
+            "ck/ckpt-00000002 names",
+        ),
+        with(
+            "plan --profile {d}/p.json --workers 2 -o {d}/p.json",
+            text("p.json", many_layers(4)),
+            "/p.json would overwrite",
+        ),
+        with(
+            "simulate --costs {d}/c.toml --stages 2 --csv {d}/c.toml",
+            costs(),
+            "/c.toml names: give a file outside",
+        ),
+        row(
+            "train --steps 1 --log-jsonl {d}/missing/log.jsonl",
+            "/missing cannot be used",
+        ),
+        after(
+            &[earlier],
+            &format!("eval --checkpoint {{d}}/ck {too_many}"),
+            Vec::new(),
+            "over the limit of",
+        ),
+        after(
+            &[gpt2_ckpt],
+            &format!("logits --checkpoint {{d}}/ck --ids 1,2 {too_many}"),
+            Vec::new(),
+            "over the limit of",
+        ),
+        after(
+            &[gpt2_ckpt],
+            &format!("sample --checkpoint {{d}}/ck --tokens 2 {too_many}"),
+            Vec::new(),
+            "over the limit of",
+        ),
+        with(
+            "plan --profile {d}/p.json --workers 2 --cost-model default --cluster {d}/cl.toml",
+            [
+                text("p.json", many_layers(4)),
+                text(
+                    "cl.toml",
+                    cluster_toml("nonsense", "10.0.0.1:29401", "ca.pem"),
+                ),
+            ]
+            .concat(),
+            "rank 0's address 'nonsense' is not host:port",
+        ),
+        row(
+            "cluster init --workers 2 --out {d}/cl --base-port 0",
+            "--base-port 0: port 0 means any free port",
+        ),
+        row(
+            "cluster init --workers 2 --out {d}/cl --addrs 10.0.0.1:1,:29400",
+            "rank 1's address ':29400' is not host:port",
+        ),
+    ]
+}
+
 fn file_and_size_rows() -> Vec<Row> {
     let tiny = gpt2_tiny_tensors();
     let same = |_: &str| 0.01;

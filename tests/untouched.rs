@@ -118,6 +118,41 @@ fn a_run_beside_another_runs_checkpoints_leaves_them_as_they_were() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// A log named by a run that is refused late (its checkpoint has nothing left to train, found
+/// after the data was read) keeps what it held; a log or trace that would replace what the run
+/// reads, or its checkpoint directory's checkpoints, is refused before the run; a log of the
+/// user's beside the checkpoints is the user's to name.
+#[test]
+fn a_refused_run_leaves_its_log_and_no_output_replaces_what_the_run_reads() {
+    let d = fresh("log");
+    let ck = d.join("ck");
+    let every = ["--threads", "1", "--checkpoint-dir", s(&ck)];
+    ok(&pipe(&[&["train", "--steps", "2"], &every[..]].concat()));
+    let log = d.join("notes.jsonl");
+    std::fs::write(&log, "the user's\n").unwrap();
+    let resumed = [&["train", "--steps", "2", "--resume", "latest"], &every[..]].concat();
+    refused_untouched(
+        &d,
+        &[&resumed[..], &["--log-jsonl", s(&log)]].concat(),
+        "nothing left to train",
+    );
+    let latest = ck.join("latest");
+    let state = ck.join("ckpt-00000002").join("state.json");
+    for (flag, target) in [("--log-jsonl", &latest), ("--log-jsonl", &state)] {
+        refused_untouched(
+            &d,
+            &[&resumed[..], &[flag, s(target)]].concat(),
+            "give a file outside what the command reads",
+        );
+    }
+    let beside = ck.join("train.jsonl");
+    let more = [&["train", "--steps", "3", "--resume", "latest"], &every[..]].concat();
+    ok(&pipe(&[&more[..], &["--log-jsonl", s(&beside)]].concat()));
+    let text = std::fs::read_to_string(&beside).unwrap();
+    assert!(text.contains("\"kind\":\"step\""), "{text}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// `pipe export` with a bad tokenizer, into a missing, an empty and an occupied directory.
 #[test]
 fn an_export_with_one_bad_input_writes_nothing() {

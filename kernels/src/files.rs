@@ -135,8 +135,41 @@ pub fn output_target(path: &Path) -> std::io::Result<std::path::PathBuf> {
             }
             Ok(real)
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(path.to_path_buf()),
+        // Missing, or under a file (which the parent's check names).
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            writable_parent(path)?;
+            Ok(path.to_path_buf())
+        }
         Err(e) => Err(e),
+    }
+}
+
+/// Checks that the directory a missing file `path` would be created in exists and can be
+/// written, so that a bad output path is refused before the work that fills it.
+///
+/// # Errors
+/// [`std::io::ErrorKind::InvalidInput`] saying what is wrong with the directory.
+fn writable_parent(path: &Path) -> std::io::Result<()> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let refused = |why: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("its directory {} {why}", parent.display()),
+        )
+    };
+    match std::fs::metadata(parent) {
+        Ok(meta) if meta.is_dir() => rustix::fs::access(parent, rustix::fs::Access::WRITE_OK)
+            .map_err(|e| refused(format!("cannot be written: {e}"))),
+        Ok(_) => Err(refused("is not a directory".into())),
+        Err(e) => Err(refused(format!("cannot be used: {e}"))),
     }
 }
 
@@ -158,6 +191,24 @@ fn kind_words(kind: std::fs::FileType) -> &'static str {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn a_new_output_needs_a_directory_it_can_be_written_in() {
+        let dir = std::env::temp_dir().join(format!("pipe-parent-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert_eq!(output_target(&dir.join("new")).unwrap(), dir.join("new"));
+        for (path, words) in [
+            (dir.join("missing/new"), "cannot be used"),
+            (file.join("new"), "is not a directory"),
+        ] {
+            let e = output_target(&path).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+            assert!(e.to_string().contains(words), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_fifo_a_directory_and_a_long_file_are_refused_without_reading() {

@@ -49,6 +49,13 @@ pub fn run(cmd: &ClusterCommand) -> Result<()> {
             args.workers
         )));
     }
+    if args.addrs.is_empty() && args.base_port == 0 {
+        return Err(bad_input(
+            "--base-port 0: port 0 means any free port, and the ranks after it would take \
+             ports 1, 2, ...: give the first port of a free range"
+                .into(),
+        ));
+    }
     let addrs: Vec<String> = if args.addrs.is_empty() {
         (0..args.workers)
             .map(|r| {
@@ -72,13 +79,6 @@ pub fn run(cmd: &ClusterCommand) -> Result<()> {
             addrs.len(),
             args.workers
         )));
-    }
-    if let Some(bad) = addrs.iter().find(|a| {
-        a.rsplit_once(':')
-            .and_then(|(_, p)| p.parse::<u16>().ok())
-            .is_none()
-    }) {
-        return Err(bad_input(format!("--addrs: '{bad}' is not host:port")));
     }
     let run_id = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use pipe_kernels::CpuBackend;
 use pipe_stages::checkpoint::read_with_model;
 use pipe_stages::inspect::codec_for;
 use pipe_stages::sample::{SampleOptions, generate};
@@ -60,7 +59,7 @@ pub fn run(args: &SampleArgs) -> Result<()> {
         top_k: args.top_k,
         seed: args.seed,
     };
-    let be = CpuBackend::new(args.threads)?;
+    let be = pipe_stages::limits::cpu_backend(args.threads)?;
     let ids = generate(&be, &model, &ckpt.params, &prompt, &opts)?;
     outln!("{}", codec.decode(&args.prompt, &prompt, &ids));
     Ok(())

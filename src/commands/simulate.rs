@@ -34,6 +34,23 @@ pub struct SimulateArgs {
 /// Bad input for unreadable cost files and costs or flags that do not fit the schedule;
 /// failures of the simulator or of writing.
 pub fn run(args: &SimulateArgs) -> Result<()> {
+    use pipe_stages::outputs::{Input, check_not_input};
+    let named = [
+        ("--costs", args.costs.costs.as_deref()),
+        (
+            "--transport-costs",
+            args.costs.link.transport_costs.as_deref(),
+        ),
+    ];
+    let inputs: Vec<Input<'_>> = named
+        .iter()
+        .filter_map(|&(f, p)| p.map(|p| Input::Whole(f, p)))
+        .collect();
+    for (flag, path) in [("--trace", &args.trace), ("--csv", &args.csv)] {
+        if let Some(path) = path {
+            check_not_input(path, flag, &inputs)?;
+        }
+    }
     let costs = args
         .costs
         .load(|line| outln!("{line}"))

@@ -220,6 +220,17 @@ fn sha256_hex(bytes: &[u8]) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Whether `name`, an entry of a checkpoint directory, is one the checkpoint store writes or
+/// reads (`latest`, a `ckpt-*` checkpoint, or one being written): what no other output of a
+/// run may replace. Other files a user keeps beside them (a log, say) are theirs.
+pub fn is_store_entry(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    name == LATEST
+        || name.starts_with("ckpt-")
+        || name.starts_with(".tmp-")
+        || name == ".latest.tmp"
+}
+
 /// The directory name of the checkpoint after `updates` updates.
 pub fn dir_name(updates: u64) -> String {
     format!("ckpt-{updates:08}")
@@ -583,7 +594,47 @@ fn parse_state(dir: &Path, bytes: &[u8]) -> Result<RunState> {
     if state.format != FORMAT {
         return Err(io_err(&spath, format!("format {}", state.format)));
     }
+    check_counters(&state).map_err(|e| io_err(&spath, e))?;
     Ok(state)
+}
+
+/// Checks a state's counters against the bounds of a run that could have written them, so
+/// that the arithmetic a resumed run does on them cannot overflow: updates at most
+/// [`MAX_STEPS`](crate::limits::MAX_STEPS), the epoch from 1 to one past
+/// [`MAX_EPOCHS`](crate::limits::MAX_EPOCHS), each layer's optimizer steps at most the updates
+/// times [`MAX_WORKERS`](crate::limits::MAX_WORKERS) (a stage with fewer replicas applies
+/// more, smaller updates), and the data cursor at most one epoch of the largest corpus a
+/// tensor can index ([`MAX_TENSOR_ELEMENTS`](crate::limits::MAX_TENSOR_ELEMENTS) samples
+/// times [`MAX_WORKERS`](crate::limits::MAX_WORKERS)).
+fn check_counters(state: &RunState) -> std::result::Result<(), String> {
+    use crate::limits::{MAX_EPOCHS, MAX_STEPS, MAX_TENSOR_ELEMENTS, MAX_WORKERS};
+    if state.updates > MAX_STEPS {
+        return Err(format!(
+            "updates {} is past the {MAX_STEPS} a run may make",
+            state.updates
+        ));
+    }
+    if state.epoch == 0 || state.epoch > MAX_EPOCHS + 1 {
+        return Err(format!(
+            "epoch {} is outside 1 to {}",
+            state.epoch,
+            MAX_EPOCHS + 1
+        ));
+    }
+    let steps = MAX_STEPS * MAX_WORKERS;
+    if let Some(s) = state.optimizer_steps.iter().find(|&&s| s > steps) {
+        return Err(format!(
+            "optimizer steps {s} of a layer are past the {steps} a run may make"
+        ));
+    }
+    let cursor = MAX_TENSOR_ELEMENTS * MAX_WORKERS;
+    if state.samples_in_epoch > cursor {
+        return Err(format!(
+            "samples_in_epoch {} is past any epoch's {cursor} samples",
+            state.samples_in_epoch
+        ));
+    }
+    Ok(())
 }
 
 /// Reads and checks the checkpoint `path` names ([`resolve`]) with the model its state

@@ -206,6 +206,17 @@ pub fn check_threads(threads: u64, machine: &Machine) -> Result<()> {
     )
 }
 
+/// A CPU backend on the compute threads a user asked for (0: one per core), checked first by
+/// [`check_threads`] against this machine: every command that takes `--threads` and builds its
+/// own backend builds it here, so that none starts a pool of a million threads.
+///
+/// # Errors
+/// [`StageError::Limit`] for too many threads; the backend's error when its pool cannot start.
+pub fn cpu_backend(threads: usize) -> Result<pipe_kernels::CpuBackend> {
+    check_threads(threads as u64, &Machine::detect())?;
+    Ok(pipe_kernels::CpuBackend::new(threads)?)
+}
+
 /// Checks profiling's warm-up and timed repeats against [`MAX_PROFILE_REPEATS`].
 ///
 /// # Errors

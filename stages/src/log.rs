@@ -16,7 +16,12 @@ use crate::train::{EpochStats, EvalStats, LostStats, StepStats};
 #[derive(Debug)]
 pub struct JsonlLog {
     path: PathBuf,
-    out: BufWriter<File>,
+    /// Opened (and so truncated) at the first update's record: a run refused before its
+    /// first update (a checkpoint with nothing left to train, a bad layout found late) leaves
+    /// the file as it was.
+    out: Option<BufWriter<File>>,
+    /// The start's phase records, held until then.
+    held: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -27,20 +32,19 @@ struct Tagged<'a, T: Serialize> {
 }
 
 impl JsonlLog {
-    /// Creates (truncates) the log file.
+    /// A log to write at `path`, checked now and created (truncated) at the first record
+    /// past the start's phases: a run that stops before its first update (refused, or
+    /// `--seed-checkpoint`) leaves the file untouched.
     ///
     /// # Errors
-    /// Bad input for a path that is not a regular file (a FIFO would block the run);
-    /// [`StageError::Io`] when the file cannot be created.
+    /// Bad input for a path that is not a regular file (a FIFO would block the run) or whose
+    /// directory is missing or cannot be written.
     pub fn create(path: &Path) -> Result<Self> {
         crate::outputs::check_output(path)?;
-        let f = File::create(path).map_err(|source| StageError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
         Ok(Self {
             path: path.to_path_buf(),
-            out: BufWriter::new(f),
+            out: None,
+            held: Vec::new(),
         })
     }
 
@@ -51,9 +55,23 @@ impl JsonlLog {
         };
         let line = serde_json::to_string(&Tagged { kind, body })
             .map_err(|e| io(std::io::Error::other(e)))?;
+        let out = match &mut self.out {
+            Some(out) => out,
+            None if kind == "phase" => {
+                self.held.push(line);
+                return Ok(());
+            }
+            None => {
+                let mut out = BufWriter::new(File::create(&self.path).map_err(io)?);
+                for held in self.held.drain(..) {
+                    writeln!(out, "{held}").map_err(io)?;
+                }
+                self.out.insert(out)
+            }
+        };
         // Flushed line by line, so `tail -f` sees every update as it happens.
-        writeln!(self.out, "{line}")
-            .and_then(|()| self.out.flush())
+        writeln!(out, "{line}")
+            .and_then(|()| out.flush())
             .map_err(io)
     }
 }

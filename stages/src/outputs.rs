@@ -32,6 +32,58 @@ pub fn check_output(path: &Path) -> Result<()> {
         .map_err(|e| output_error(path, e))
 }
 
+/// What a command reads, or keeps, that no file it writes may replace: each with the flag that
+/// named it.
+#[derive(Clone, Copy, Debug)]
+pub enum Input<'a> {
+    /// A file, or a directory every file of which belongs to it (a tokenized corpus, a
+    /// checkpoint, a model directory, a dataset directory).
+    Whole(&'a str, &'a Path),
+    /// A checkpoint directory: its checkpoints and `latest`
+    /// ([`crate::checkpoint::is_store_entry`]), not the other files a user keeps beside them.
+    Checkpoints(&'a str, &'a Path),
+}
+
+/// Refuses an output file `output` (named by `flag`) that is one of `inputs` or would replace
+/// a file inside one: a command must not destroy what it reads, nor a checkpoint directory's
+/// checkpoints. Compared after symbolic links; a file that does not exist yet replaces
+/// nothing, and an input that cannot be resolved is left to its reader's own error.
+///
+/// # Errors
+/// Bad input naming both flags and paths.
+pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Result<()> {
+    let Ok(target) = std::fs::canonicalize(output) else {
+        return Ok(());
+    };
+    for input in inputs {
+        let (input_flag, path, store) = match *input {
+            Input::Whole(f, p) => (f, p, false),
+            Input::Checkpoints(f, p) => (f, p, true),
+        };
+        let Ok(real) = std::fs::canonicalize(path) else {
+            continue;
+        };
+        let Ok(inside) = target.strip_prefix(&real) else {
+            continue;
+        };
+        let replaces = match inside.components().next() {
+            // The input itself (a file, or the directory: refused as a file to write anyway).
+            None => true,
+            Some(first) => !store || crate::checkpoint::is_store_entry(first.as_os_str()),
+        };
+        if replaces {
+            return Err(StageError::Input(format!(
+                "{flag} {} would overwrite {}, which {input_flag} {} names: give a file outside \
+                 what the command reads",
+                output.display(),
+                target.display(),
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The value parser of every flag that names a file to write (`-o`, `--json`,
 /// `--costs-out`, `--trace`, `--log-jsonl`): the path as given, refused at the command line,
 /// before any work, when [`write_file`] would refuse it.
@@ -187,6 +239,47 @@ impl Drop for StagedDir {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn an_output_over_an_input_or_a_checkpoint_is_refused_and_one_beside_them_is_not() {
+        let root = std::env::temp_dir().join(format!("pipe-apart-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (corpus, ck) = (root.join("corpus"), root.join("ck"));
+        std::fs::create_dir_all(&corpus).unwrap();
+        std::fs::create_dir_all(ck.join("ckpt-00000001")).unwrap();
+        let config = root.join("c.toml");
+        for f in [&config, &corpus.join("shard-0.tok"), &ck.join("latest")] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        std::fs::write(ck.join("ckpt-00000001").join("state.json"), b"{}").unwrap();
+        std::fs::write(ck.join("mine.jsonl"), b"").unwrap();
+        let link = root.join("link");
+        std::os::unix::fs::symlink(&config, &link).unwrap();
+        let inputs = [
+            Input::Whole("--config", &config),
+            Input::Whole("--dataset", &corpus),
+            Input::Checkpoints("--checkpoint-dir", &ck),
+        ];
+        let refused = |out: &Path| {
+            let e = check_not_input(out, "--log-jsonl", &inputs).unwrap_err();
+            assert!(e.is_bad_input(), "{e}");
+            e.to_string()
+        };
+        assert!(refused(&config).contains("which --config"));
+        assert!(refused(&link).contains("which --config"));
+        assert!(refused(&corpus.join("shard-0.tok")).contains("which --dataset"));
+        assert!(refused(&ck.join("latest")).contains("which --checkpoint-dir"));
+        assert!(refused(&ck.join("ckpt-00000001/state.json")).contains("--checkpoint-dir"));
+        // A user's file beside the checkpoints, a new file, and one elsewhere are not inputs.
+        for fine in [
+            ck.join("mine.jsonl"),
+            corpus.join("new.jsonl"),
+            root.join("log"),
+        ] {
+            check_not_input(&fine, "--log-jsonl", &inputs).unwrap();
+        }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn a_staged_directory_appears_whole_or_not_at_all() {

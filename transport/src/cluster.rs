@@ -135,13 +135,21 @@ pub enum Existing {
     Replace,
 }
 
-/// Refuses two ranks at one address (port 0, "any free port", is a launcher's to assign).
-fn check_unique<'a>(
-    addrs: impl Iterator<Item = &'a str>,
-    what: &str,
-) -> Result<(), TransportError> {
+/// Checks every rank's address, as `pipe cluster init` takes them and as a cluster file is
+/// read: each a `host:port` (a name or an IP address, and a port number), and no two ranks at
+/// one address (port 0, "any free port", is a launcher's to assign). Names are resolved only
+/// when a worker connects ([`ClusterFile::addrs`]).
+fn check_addrs<'a>(addrs: impl Iterator<Item = &'a str>, what: &str) -> Result<(), TransportError> {
     let mut seen = std::collections::HashMap::new();
     for (rank, addr) in addrs.enumerate() {
+        let shaped = addr
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !shaped {
+            return Err(bad_file(format!(
+                "{what}: rank {rank}'s address '{addr}' is not host:port"
+            )));
+        }
         if addr.ends_with(":0") {
             continue;
         }
@@ -178,7 +186,7 @@ impl ClusterFile {
                 "a cluster of {n} workers (1 to {MAX_WORKERS})"
             )));
         }
-        check_unique(addrs.iter().map(|a| a.trim()), "the addresses")?;
+        check_addrs(addrs.iter().map(|a| a.trim()), "the addresses")?;
         if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
             return Err(bad_file(format!(
                 "{} is not a directory: give a new directory for the cluster",
@@ -282,7 +290,7 @@ impl ClusterFile {
                 "{name}: {n} workers (1 to {MAX_WORKERS})"
             )));
         }
-        check_unique(file.workers.iter().map(|w| w.addr.trim()), name)?;
+        check_addrs(file.workers.iter().map(|w| w.addr.trim()), name)?;
         file.dir = dir.to_path_buf();
         Ok(file)
     }

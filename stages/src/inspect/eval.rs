@@ -2,8 +2,6 @@
 
 use std::path::{Path, PathBuf};
 
-use pipe_kernels::CpuBackend;
-
 use crate::checkpoint::read_with_model;
 use crate::config::{DEFAULT_EVAL_WINDOWS, DatasetKind, RunConfig};
 use crate::data::{Splits, mnist, synthetic, tinyshakespeare, token_corpus};
@@ -110,7 +108,7 @@ pub fn evaluate_checkpoint(
             data.test.classes
         )));
     }
-    let be = CpuBackend::new(threads)?;
+    let be = crate::limits::cpu_backend(threads)?;
     let (loss, accuracy) = evaluate(&be, &model, &ckpt.params, &data.test, 1000)?;
     Ok(Evaluation {
         model: state.model.clone(),

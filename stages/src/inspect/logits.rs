@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use pipe_kernels::{Backend, CpuBackend, Tensor};
+use pipe_kernels::{Backend, Tensor};
 
 use crate::checkpoint::read_with_model;
 use crate::error::{Result, StageError};
@@ -61,7 +61,7 @@ pub fn logits(weights: WeightsSource<'_>, ids: &[u32], threads: usize) -> Result
             "--ids: id {id} (position {at}) is outside the vocabulary of {vocab} tokens"
         )));
     }
-    let be = CpuBackend::new(threads)?;
+    let be = crate::limits::cpu_backend(threads)?;
     let x = Tensor::from_vec(&[1, ids.len()], ids.iter().map(|&i| i as f32).collect())?;
     let (out, _) = model.forward_range(
         &be,

@@ -674,8 +674,11 @@ impl Default for SyntheticConfig {
 /// teacher network `inputs -> hidden (tanh) -> classes`. Learnable, file-free, reproducible.
 ///
 /// # Errors
-/// [`StageError::Config`] for zero sizes or fewer than two classes.
+/// [`StageError::Config`] for zero sizes or fewer than two classes; [`StageError::Limit`] for a
+/// shape past [`SyntheticConfig::check`]'s bounds (checked here, so that a shape read from a
+/// checkpoint is bounded as one from a config file is).
 pub fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Result<Splits> {
+    cfg.check()?;
     if cfg.inputs == 0 || cfg.hidden == 0 || cfg.train == 0 || cfg.test == 0 {
         return Err(StageError::Config(format!(
             "synthetic dataset sizes must be positive: {cfg:?}"

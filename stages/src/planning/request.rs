@@ -359,12 +359,27 @@ pub struct Planned {
 }
 
 impl PlanRequest {
-    /// Refuses zero or over-limit counts, before anything is profiled or planned.
+    /// Refuses zero or over-limit counts, and an output that would overwrite one of the
+    /// request's inputs, before anything is profiled or planned.
     ///
     /// # Errors
     /// [`StageError::Config`] or the scheduler's limit, naming the flag.
     pub fn check(&self) -> Result<()> {
-        check_counts(self)
+        check_counts(self)?;
+        if let Some(output) = &self.output {
+            use crate::outputs::{Input, check_not_input};
+            let named = [
+                ("--profile", self.profile.as_deref()),
+                ("--transport-costs", self.link.transport_costs.as_deref()),
+                ("--cluster", self.placement.cluster.as_deref()),
+            ];
+            let inputs: Vec<Input<'_>> = named
+                .iter()
+                .filter_map(|&(f, p)| p.map(|p| Input::Whole(f, p)))
+                .collect();
+            check_not_input(output, "--output", &inputs)?;
+        }
+        Ok(())
     }
 
     /// The preset this request profiles first, if it names one instead of a profile file.

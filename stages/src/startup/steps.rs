@@ -76,7 +76,53 @@ pub fn resolve(
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
         ));
     }
+    check_outputs_apart(sources, &cfg, &launch)?;
     Ok((cfg, launch))
+}
+
+/// Refuses a run whose trace or log would overwrite what it reads ([`crate::outputs::
+/// check_not_input`]): its config and plan files, its dataset or corpus directory, the model
+/// directory it starts from, the checkpoint it resumes, or the checkpoints of its checkpoint
+/// directory.
+fn check_outputs_apart(
+    sources: &RunSources,
+    cfg: &RunConfig,
+    launch: &LaunchSettings,
+) -> Result<()> {
+    use crate::outputs::{Input, check_not_input};
+    let mut inputs = Vec::new();
+    let data_flag = match cfg.dataset {
+        crate::config::DatasetKind::Tokens => "--dataset",
+        _ => "--data-dir",
+    };
+    let named = [
+        ("--config", sources.config_file.as_deref()),
+        ("--plan", sources.plan_file.as_deref()),
+        (data_flag, cfg.data_dir.as_deref()),
+        ("--init-from", cfg.init_from.as_deref()),
+    ];
+    inputs.extend(
+        named
+            .iter()
+            .filter_map(|&(f, p)| p.map(|p| Input::Whole(f, p))),
+    );
+    let resumed = launch.resume.as_deref().map(Path::new);
+    if let Some(path) = resumed.filter(|r| !matches!(r.to_str(), Some("latest" | "auto"))) {
+        inputs.push(Input::Whole("--resume", path));
+    }
+    if let Some(dir) = &launch.checkpoint_dir {
+        inputs.push(Input::Checkpoints("--checkpoint-dir", dir));
+    }
+    let outputs = [
+        ("--trace", launch.trace.as_deref()),
+        ("--log-jsonl", cfg.log_jsonl.as_deref()),
+    ];
+    for (flag, path) in outputs {
+        if let Some(path) = path {
+            check_not_input(path, flag, &inputs)?;
+        }
+    }
+    Ok(())
 }
 
 /// The run `settings` describe planned for `w` workers on this machine's measured profile
