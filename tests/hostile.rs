@@ -1100,6 +1100,16 @@ fn data_rows() -> Vec<Row> {
             )],
             "train-images-idx3-ubyte.gz",
         ),
+        with(
+            "train --data-dir {d} --steps 1",
+            vec![
+                File::Bytes("train-images-idx3-ubyte", idx(&[4, 14, 56], 4 * 14 * 56)),
+                File::Bytes("train-labels-idx1-ubyte", idx(&[4], 4)),
+                File::Bytes("t10k-images-idx3-ubyte", idx(&[4, 28, 28], 4 * 28 * 28)),
+                File::Bytes("t10k-labels-idx1-ubyte", idx(&[4], 4)),
+            ],
+            "training images are",
+        ),
         corpus(Vec::new(), "0 bytes; a corpus needs at least 1024"),
         corpus([0xffu8, 0xfe, 0xfd].repeat(400), "not UTF-8"),
         corpus(b"to be".to_vec(), "5 bytes; a corpus needs at least 1024"),

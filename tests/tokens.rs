@@ -279,6 +279,18 @@ fn bad_input_and_bad_shards_exit_2_with_one_line_naming_file_and_byte() {
         &pipe(&["tokenize", "--check", s(&dir)]),
         &["tokens.json", "not a file name in the corpus directory"],
     );
+    // A document-end id past the vocabulary.
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let past = m["tokenizer"]["vocab_size"].as_u64().unwrap() + 44;
+    m["tokenizer"]["document_end"] = past.into();
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    refused(
+        &pipe(&["tokenize", "--check", s(&dir)]),
+        &[
+            "tokens.json",
+            &format!("document-end id {past} is outside the vocabulary"),
+        ],
+    );
     std::fs::write(&manifest, &text).unwrap();
     ok(&pipe(&["tokenize", "--check", s(&dir)]));
 

@@ -43,6 +43,21 @@ pub enum ExperimentError {
 
 pub use pipe_transport::measure::median;
 
+/// The most bytes a saved results file (`results.json`, a criterion or numpy figures file)
+/// may hold: far past what any sweep writes (the staleness matrix's is about 8 MB).
+pub const MAX_RESULTS_BYTES: u64 = 256 << 20;
+
+/// Reads a results file as UTF-8 text, at most [`MAX_RESULTS_BYTES`].
+///
+/// # Errors
+/// [`ExperimentError::Config`] naming the file: missing, unreadable, not UTF-8; the limit's
+/// error for a longer file.
+pub fn read_results_file(path: &std::path::Path) -> Result<String, ExperimentError> {
+    let bytes = pipe_stages::limits::read_file(path, MAX_RESULTS_BYTES)?;
+    String::from_utf8(bytes)
+        .map_err(|e| ExperimentError::Config(format!("{}: not UTF-8 text: {e}", path.display())))
+}
+
 /// The samples/s of a `pipe train` or `pipe worker` chief's last epoch line, from its output
 /// (its tokens/s over `tokens` per sample for a language model).
 pub fn chief_samples_per_s(out: &str, tokens: Option<usize>) -> Option<f64> {

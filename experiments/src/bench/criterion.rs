@@ -83,10 +83,7 @@ fn read_one(dir: &Path) -> Result<Option<CriterionFigure>, ExperimentError> {
     if !est_path.is_file() || !bench_path.is_file() {
         return Ok(None);
     }
-    let read = |p: &Path| {
-        std::fs::read_to_string(p)
-            .map_err(|e| ExperimentError::Config(format!("{}: {e}", p.display())))
-    };
+    let read = |p: &Path| crate::read_results_file(p);
     let bad = |p: &Path, e: serde_json::Error| {
         ExperimentError::Config(format!("{}: not a criterion file: {e}", p.display()))
     };
@@ -146,8 +143,7 @@ pub struct NumpyFigures {
 /// # Errors
 /// An unreadable or malformed file, or one with a non-finite or non-positive figure.
 pub fn read_numpy(path: &Path) -> Result<NumpyFigures, ExperimentError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
+    let text = crate::read_results_file(path)?;
     let f: NumpyFigures = serde_json::from_str(&text)
         .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
     if f.rows.is_empty() {

@@ -555,8 +555,7 @@ pub fn save(results: &BenchResults, out: &Path) -> Result<(), ExperimentError> {
 /// A missing or malformed file (named).
 pub fn load(dir: &Path) -> Result<BenchResults, ExperimentError> {
     let path = dir.join("results.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
+    let text = crate::read_results_file(&path)?;
     serde_json::from_str(&text).map_err(|e| {
         ExperimentError::Config(format!("{}: not a bench results file: {e}", path.display()))
     })

@@ -608,6 +608,15 @@ pub fn mnist(dir: Option<&Path>) -> Result<Splits> {
         load("t10k-labels-idx1-ubyte", TEST_LABELS)?,
         "mnist-test",
     )?;
+    if train.feature_shape != test.feature_shape {
+        return Err(data_err(
+            "mnist",
+            format!(
+                "training images are {:?} and test images {:?}: a model takes one shape",
+                train.feature_shape, test.feature_shape
+            ),
+        ));
+    }
     Ok(Splits {
         train,
         test,

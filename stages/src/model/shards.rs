@@ -379,6 +379,14 @@ impl ShardWriter {
     fn start_shard(&self) -> Result<OpenShard> {
         let name = format!("shard-{:05}.tok", self.shards.len());
         let path = self.dir.join(&name);
+        // A corpus of more shards would be refused by every reader ([`MAX_SHARDS`]).
+        if self.shards.len() >= MAX_SHARDS {
+            return Err(StageError::Input(format!(
+                "{}: more than {MAX_SHARDS} shards of {} tokens: give a larger --shard-tokens",
+                self.dir.display(),
+                self.shard_tokens
+            )));
+        }
         let partial = self.staged.path().join(&name).with_extension("partial");
         let file = std::fs::File::create(&partial)
             .map_err(|e| data_err(path.display(), format!("cannot write: {e}")))?;
@@ -667,6 +675,14 @@ fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
                 "vocabulary of {vocab} tokens does not fit {:?} ids",
                 m.dtype
             ),
+        ));
+    }
+    if let Some(end) = m.tokenizer.document_end
+        && u64::from(end) >= vocab
+    {
+        return Err(data_err(
+            name,
+            format!("document-end id {end} is outside the vocabulary of {vocab} tokens"),
         ));
     }
     for e in &m.shards {
