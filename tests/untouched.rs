@@ -145,6 +145,22 @@ fn a_refused_run_leaves_its_log_and_no_output_replaces_what_the_run_reads() {
             "give a file outside what the command reads",
         );
     }
+    // The same through --resume naming the checkpoint directory itself.
+    refused_untouched(
+        &d,
+        &[
+            "train",
+            "--steps",
+            "2",
+            "--threads",
+            "1",
+            "--resume",
+            s(&ck),
+            "--log-jsonl",
+            s(&latest),
+        ],
+        "which --resume",
+    );
     let beside = ck.join("train.jsonl");
     let more = [&["train", "--steps", "3", "--resume", "latest"], &every[..]].concat();
     ok(&pipe(&[&more[..], &["--log-jsonl", s(&beside)]].concat()));

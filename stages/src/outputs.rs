@@ -39,9 +39,9 @@ pub enum Input<'a> {
     /// A file, or a directory every file of which belongs to it (a tokenized corpus, a
     /// checkpoint, a model directory, a dataset directory).
     Whole(&'a str, &'a Path),
-    /// A checkpoint directory: its checkpoints and `latest`
-    /// ([`crate::checkpoint::is_store_entry`]), not the other files a user keeps beside them.
-    Checkpoints(&'a str, &'a Path),
+    /// A directory of which only the entries `owned` accepts belong to the input (a checkpoint
+    /// directory's checkpoints and `latest`), not the other files a user keeps beside them.
+    Entries(&'a str, &'a Path, fn(&std::ffi::OsStr) -> bool),
 }
 
 /// Refuses an output file `output` (named by `flag`) that is one of `inputs` or would replace
@@ -56,9 +56,9 @@ pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Resul
         return Ok(());
     };
     for input in inputs {
-        let (input_flag, path, store) = match *input {
-            Input::Whole(f, p) => (f, p, false),
-            Input::Checkpoints(f, p) => (f, p, true),
+        let (input_flag, path, owned) = match *input {
+            Input::Whole(f, p) => (f, p, None),
+            Input::Entries(f, p, owned) => (f, p, Some(owned)),
         };
         let Ok(real) = std::fs::canonicalize(path) else {
             continue;
@@ -69,7 +69,7 @@ pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Resul
         let replaces = match inside.components().next() {
             // The input itself (a file, or the directory: refused as a file to write anyway).
             None => true,
-            Some(first) => !store || crate::checkpoint::is_store_entry(first.as_os_str()),
+            Some(first) => owned.is_none_or(|owned| owned(first.as_os_str())),
         };
         if replaces {
             return Err(StageError::Input(format!(
@@ -149,6 +149,9 @@ pub struct StagedDir {
     target: PathBuf,
     staging: PathBuf,
     committed: bool,
+    /// Whether [`StagedDir::commit`] replaces a target that holds files
+    /// ([`StagedDir::regenerating`]).
+    replaces: bool,
 }
 
 impl StagedDir {
@@ -173,6 +176,23 @@ impl StagedDir {
             )));
         }
         check_output_dir(target, "--out")?;
+        Self::beside(target, false)
+    }
+
+    /// Claims `target`, a directory a writer regenerates whole every time (a report's
+    /// `plots/`): what it holds is replaced at [`StagedDir::commit`], and a writer that fails
+    /// before then leaves every file of it as it was, where writing in place would leave the
+    /// files written before the failure beside the older rest.
+    ///
+    /// # Errors
+    /// As [`StagedDir::claim_empty`], except that files in `target` are not refused.
+    pub fn regenerating(target: &Path) -> Result<Self> {
+        check_output_dir(target, "--out")?;
+        Self::beside(target, true)
+    }
+
+    /// A fresh staging directory beside `target`.
+    fn beside(target: &Path, replaces: bool) -> Result<Self> {
         let name = target.file_name().ok_or_else(|| {
             StageError::Input(format!("{}: not a directory name", target.display()))
         })?;
@@ -196,6 +216,7 @@ impl StagedDir {
             target: target.to_path_buf(),
             staging,
             committed: false,
+            replaces,
         })
     }
 
@@ -216,12 +237,23 @@ impl StagedDir {
     /// another file system).
     pub fn commit(mut self) -> Result<PathBuf> {
         let _ = std::fs::remove_dir(&self.target);
-        std::fs::rename(&self.staging, &self.target).map_err(|e| {
-            StageError::Input(format!(
+        // A regenerated target is moved aside, whole, and removed once the new one is in.
+        let aside = PathBuf::from(self.staging.to_string_lossy().replace(".partial-", ".old-"));
+        let moved =
+            self.replaces && self.target.exists() && std::fs::rename(&self.target, &aside).is_ok();
+        let placed = std::fs::rename(&self.staging, &self.target);
+        if let Err(e) = placed {
+            if moved {
+                let _ = std::fs::rename(&aside, &self.target);
+            }
+            return Err(StageError::Input(format!(
                 "{}: cannot move the output into place: {e}",
                 self.target.display()
-            ))
-        })?;
+            )));
+        }
+        if moved {
+            let _ = std::fs::remove_dir_all(&aside);
+        }
         self.committed = true;
         Ok(self.target.clone())
     }
@@ -258,7 +290,9 @@ mod tests {
         let inputs = [
             Input::Whole("--config", &config),
             Input::Whole("--dataset", &corpus),
-            Input::Checkpoints("--checkpoint-dir", &ck),
+            Input::Entries("--checkpoint-dir", &ck, |name| {
+                name == "latest" || name.to_string_lossy().starts_with("ckpt-")
+            }),
         ];
         let refused = |out: &Path| {
             let e = check_not_input(out, "--log-jsonl", &inputs).unwrap_err();
@@ -278,6 +312,31 @@ mod tests {
         ] {
             check_not_input(&fine, "--log-jsonl", &inputs).unwrap();
         }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_regenerated_directory_is_replaced_whole_or_left_as_it_was() {
+        let root = std::env::temp_dir().join(format!("pipe-regen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let plots = root.join("plots");
+        std::fs::create_dir_all(&plots).unwrap();
+        std::fs::write(plots.join("a.svg"), b"old a").unwrap();
+        std::fs::write(plots.join("b.svg"), b"old b").unwrap();
+        // A writer that fails after its first chart: every old file as it was.
+        let staged = StagedDir::regenerating(&plots).unwrap();
+        std::fs::write(staged.path().join("a.svg"), b"new a").unwrap();
+        drop(staged);
+        assert_eq!(std::fs::read(plots.join("a.svg")).unwrap(), b"old a");
+        assert_eq!(std::fs::read(plots.join("b.svg")).unwrap(), b"old b");
+        // One that finishes: only what it wrote, and nothing left beside the directory.
+        let staged = StagedDir::regenerating(&plots).unwrap();
+        std::fs::write(staged.path().join("a.svg"), b"new a").unwrap();
+        staged.commit().unwrap();
+        assert_eq!(std::fs::read(plots.join("a.svg")).unwrap(), b"new a");
+        assert!(!plots.join("b.svg").exists());
+        let left: Vec<_> = std::fs::read_dir(&root).unwrap().flatten().collect();
+        assert_eq!(left.len(), 1, "{left:?}");
         std::fs::remove_dir_all(&root).unwrap();
     }
 

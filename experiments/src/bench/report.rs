@@ -72,12 +72,14 @@ fn mib(bytes: f64) -> String {
 /// An unwritable directory.
 pub fn write_report(r: &BenchResults, dir: &Path) -> Result<PathBuf, ExperimentError> {
     let rows = rows(r);
-    let plots = dir.join("plots");
+    // Drawn into a staging directory that replaces `plots/` whole once every chart is drawn
+    // (`StagedDir::regenerating`).
+    let plots = pipe_stages::outputs::StagedDir::regenerating(&dir.join("plots"))?;
     let mut md = String::new();
     header(&mut md, r);
     summary(&mut md, r, &rows);
     costs(&mut md, r);
-    let figures = write_plots(&rows, &plots)?;
+    let figures = write_plots(&rows, plots.path())?;
     throughput_tables(&mut md, &rows);
     for (title, file) in &figures {
         let _ = writeln!(
@@ -96,9 +98,9 @@ pub fn write_report(r: &BenchResults, dir: &Path) -> Result<PathBuf, ExperimentE
         md.push_str(text.trim());
         md.push('\n');
     }
+    plots.commit()?;
     let path = dir.join("REPORT.md");
-    std::fs::write(&path, md)
-        .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
+    pipe_stages::outputs::write_file(&path, md.as_bytes())?;
     Ok(path)
 }
 

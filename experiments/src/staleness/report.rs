@@ -177,10 +177,12 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
         return Err(ExperimentError::Config("the results hold no runs".into()));
     }
     let cells = Cells::new(results);
-    let plots = dir.join("plots");
+    // The charts are drawn into a staging directory that replaces `plots/` whole once every
+    // one is drawn: a chart that cannot be drawn leaves the earlier report's plots as they were.
+    let plots = pipe_stages::outputs::StagedDir::regenerating(&dir.join("plots"))?;
     let mut md = String::new();
     header(&mut md, results);
-    let figures = write_plots(results, &cells, &plots)?;
+    let figures = write_plots(results, &cells, plots.path())?;
     // A synchronous sweep (one stage) has no remedies, delays or expectations to show.
     if results.config.stages.iter().all(|&k| k == 1) {
         sweep_table(&mut md, results, &cells);
@@ -206,9 +208,9 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
         Ok(text) => md.push_str(&text),
         Err(_) => md.push_str("_No `discussion.md` in the results directory._\n"),
     }
+    plots.commit()?;
     let path = dir.join("REPORT.md");
-    std::fs::write(&path, md)
-        .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
+    pipe_stages::outputs::write_file(&path, md.as_bytes())?;
     Ok(path)
 }
 

@@ -108,10 +108,19 @@ fn check_outputs_apart(
     );
     let resumed = launch.resume.as_deref().map(Path::new);
     if let Some(path) = resumed.filter(|r| !matches!(r.to_str(), Some("latest" | "auto"))) {
-        inputs.push(Input::Whole("--resume", path));
+        // A checkpoint (it has a manifest), or a checkpoint directory whose latest it takes.
+        inputs.push(if path.join(crate::checkpoint::MANIFEST).is_file() {
+            Input::Whole("--resume", path)
+        } else {
+            Input::Entries("--resume", path, crate::checkpoint::is_store_entry)
+        });
     }
     if let Some(dir) = &launch.checkpoint_dir {
-        inputs.push(Input::Checkpoints("--checkpoint-dir", dir));
+        inputs.push(Input::Entries(
+            "--checkpoint-dir",
+            dir,
+            crate::checkpoint::is_store_entry,
+        ));
     }
     let outputs = [
         ("--trace", launch.trace.as_deref()),
