@@ -209,6 +209,19 @@ fn edit_state(c: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     reseal(c, "state.json");
 }
 
+/// A copy of checkpoint `c` beside it, named `name`.
+fn copy_of(c: &Path, name: &str) -> PathBuf {
+    let copy = c.with_file_name(name);
+    let copied = Command::new("cp")
+        .arg("-r")
+        .arg(c)
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(copied.success(), "cp -r {}", c.display());
+    copy
+}
+
 fn eval(path: &Path) -> Output {
     common::pipe(&["eval", "--checkpoint", s(path)])
 }
@@ -287,14 +300,7 @@ fn a_state_no_run_could_have_written_is_refused_past_a_resealed_manifest() {
         ),
     ];
     for (i, (field, value, needle)) in cases.into_iter().enumerate() {
-        let c = good.with_file_name(format!("edited-{i}"));
-        let copied = Command::new("cp")
-            .arg("-r")
-            .arg(&good)
-            .arg(&c)
-            .status()
-            .unwrap();
-        assert!(copied.success());
+        let c = copy_of(&good, &format!("edited-{i}"));
         edit_state(&c, |state| state[field] = value);
         refused(&eval(&c), &["state.json", needle]);
         refused(
@@ -303,14 +309,7 @@ fn a_state_no_run_could_have_written_is_refused_past_a_resealed_manifest() {
         );
     }
     // A synthetic dataset of 2^40 hidden units: checked before its teacher is drawn.
-    let c = good.with_file_name("synthetic");
-    let copied = Command::new("cp")
-        .arg("-r")
-        .arg(&good)
-        .arg(&c)
-        .status()
-        .unwrap();
-    assert!(copied.success());
+    let c = copy_of(&good, "synthetic");
     edit_state(&c, |state| {
         state["dataset"] = "synthetic".into();
         state["synthetic"]["hidden"] = (1u64 << 40).into();
