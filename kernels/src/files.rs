@@ -149,16 +149,22 @@ pub fn output_target(path: &Path) -> std::io::Result<std::path::PathBuf> {
     }
 }
 
+/// The directory `path` lies in: its parent, or `.` for a bare name (whose parent is empty)
+/// and for `/`.
+pub fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
 /// Checks that the directory a missing file `path` would be created in exists and can be
 /// written, so that a bad output path is refused before the work that fills it.
 ///
 /// # Errors
 /// [`std::io::ErrorKind::InvalidInput`] saying what is wrong with the directory.
 fn writable_parent(path: &Path) -> std::io::Result<()> {
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
+    let parent = parent_dir(path);
     let refused = |why: String| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidInput,

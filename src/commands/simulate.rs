@@ -42,10 +42,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
             args.costs.link.transport_costs.as_deref(),
         ),
     ];
-    let inputs: Vec<Input<'_>> = named
-        .iter()
-        .filter_map(|&(f, p)| p.map(|p| Input::Whole(f, p)))
-        .collect();
+    let inputs = Input::named(&named);
     for (flag, path) in [("--trace", &args.trace), ("--csv", &args.csv)] {
         if let Some(path) = path {
             check_not_input(path, flag, &inputs)?;

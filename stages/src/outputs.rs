@@ -44,6 +44,17 @@ pub enum Input<'a> {
     Entries(&'a str, &'a Path, fn(&std::ffi::OsStr) -> bool),
 }
 
+impl<'a> Input<'a> {
+    /// The files or directories a command's flags name, each read whole; flags not given
+    /// (`None`) are left out.
+    pub fn named(flags: &[(&'a str, Option<&'a Path>)]) -> Vec<Input<'a>> {
+        flags
+            .iter()
+            .filter_map(|&(flag, path)| path.map(|p| Input::Whole(flag, p)))
+            .collect()
+    }
+}
+
 /// Refuses an output file `output` (named by `flag`) that is one of `inputs` or would replace
 /// a file inside one: a command must not destroy what it reads, nor a checkpoint directory's
 /// checkpoints. Compared after symbolic links; a file that does not exist yet replaces
@@ -133,10 +144,7 @@ pub fn check_output_dir(dir: &Path, flag: &str) -> Result<()> {
                 ) => {}
             Err(e) => return Err(refused(e.to_string())),
         }
-        at = match at.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
+        at = pipe_kernels::files::parent_dir(at);
     }
     rustix::fs::access(at, rustix::fs::Access::WRITE_OK)
         .map_err(|e| refused(format!("{} cannot be written: {e}", at.display())))
@@ -196,10 +204,7 @@ impl StagedDir {
         let name = target.file_name().ok_or_else(|| {
             StageError::Input(format!("{}: not a directory name", target.display()))
         })?;
-        let parent = match target.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
+        let parent = pipe_kernels::files::parent_dir(target);
         let staging = parent.join(format!(
             ".{}.partial-{}",
             name.to_string_lossy(),

@@ -99,10 +99,7 @@ fn sibling(dir: &Path, kind: &str) -> Result<PathBuf, TransportError> {
     let name = dir
         .file_name()
         .ok_or_else(|| bad_file(format!("{}: not a directory name", dir.display())))?;
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
+    let parent = pipe_kernels::files::parent_dir(dir);
     Ok(parent.join(format!(
         ".{}.{kind}-{}",
         name.to_string_lossy(),

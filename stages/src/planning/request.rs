@@ -373,11 +373,7 @@ impl PlanRequest {
                 ("--transport-costs", self.link.transport_costs.as_deref()),
                 ("--cluster", self.placement.cluster.as_deref()),
             ];
-            let inputs: Vec<Input<'_>> = named
-                .iter()
-                .filter_map(|&(f, p)| p.map(|p| Input::Whole(f, p)))
-                .collect();
-            check_not_input(output, "--output", &inputs)?;
+            check_not_input(output, "--output", &Input::named(&named))?;
         }
         Ok(())
     }

@@ -90,7 +90,6 @@ fn check_outputs_apart(
     launch: &LaunchSettings,
 ) -> Result<()> {
     use crate::outputs::{Input, check_not_input};
-    let mut inputs = Vec::new();
     let data_flag = match cfg.dataset {
         crate::config::DatasetKind::Tokens => "--dataset",
         _ => "--data-dir",
@@ -101,11 +100,7 @@ fn check_outputs_apart(
         (data_flag, cfg.data_dir.as_deref()),
         ("--init-from", cfg.init_from.as_deref()),
     ];
-    inputs.extend(
-        named
-            .iter()
-            .filter_map(|&(f, p)| p.map(|p| Input::Whole(f, p))),
-    );
+    let mut inputs = Input::named(&named);
     let resumed = launch.resume.as_deref().map(Path::new);
     if let Some(path) = resumed.filter(|r| !matches!(r.to_str(), Some("latest" | "auto"))) {
         // A checkpoint (it has a manifest), or a checkpoint directory whose latest it takes.
