@@ -317,6 +317,42 @@ fn a_state_no_run_could_have_written_is_refused_past_a_resealed_manifest() {
     refused(&eval(&c), &["synthetic inputs x hidden", "over the limit"]);
 }
 
+/// A weight that is not finite, or an optimizer moment that is NaN, written into a
+/// checkpoint's last value and resealed: no run writes either (it stops first), so each is
+/// refused by name where `pipe eval` used to print a loss of NaN and exit 0. An infinite
+/// second moment, which a finite gradient can reach, is read.
+#[test]
+fn values_no_run_could_have_written_are_refused_past_a_resealed_manifest() {
+    let (_, good) = one_checkpoint("values-range");
+    let set_last = |c: &Path, file: &str, v: f32| {
+        let path = c.join(file);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let at = bytes.len() - 4;
+        bytes[at..].copy_from_slice(&v.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        reseal(c, file);
+    };
+    for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY]
+        .into_iter()
+        .enumerate()
+    {
+        let c = copy_of(&good, &format!("weight-{i}"));
+        set_last(&c, "weights.safetensors", v);
+        let needles = ["weights.safetensors", "at element", "weights are finite"];
+        refused(&eval(&c), &needles);
+        refused(&train(&flags("pipedream"), &["--resume", s(&c)]), &needles);
+    }
+    let c = copy_of(&good, "moment-nan");
+    set_last(&c, "optimizer.safetensors", f32::NAN);
+    refused(
+        &eval(&c),
+        &["optimizer.safetensors", "holds NaN", "never NaN"],
+    );
+    let c = copy_of(&good, "moment-inf");
+    set_last(&c, "optimizer.safetensors", f32::INFINITY);
+    ok(&eval(&c));
+}
+
 #[test]
 fn a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole() {
     let d = fresh_dir("kill");

@@ -555,8 +555,38 @@ fn safetensors_bound(tensors: usize, elements: u64) -> u64 {
     elements.saturating_mul(4).saturating_add(header)
 }
 
-/// A host tensor of `shape` from a safetensors view, which must be f32 of that shape.
-fn tensor_from(view: &TensorView<'_>, shape: &[usize], what: &str, path: &Path) -> Result<Tensor> {
+/// Which values a checkpoint's tensor can hold that a run could have written: a run stops
+/// before an update leaves a weight that is not finite, and before a NaN reaches an optimizer
+/// moment; a second moment may overflow to infinity from a finite gradient (its update is then
+/// 0, and the weights stay finite).
+#[derive(Clone, Copy)]
+enum Written {
+    /// Weights: finite.
+    Finite,
+    /// Optimizer state: not NaN.
+    NotNan,
+}
+
+impl Written {
+    /// The first value a run could not have written, with its index.
+    fn first_foreign(self, values: &[f32]) -> Option<(usize, f32)> {
+        let foreign = |v: &f32| match self {
+            Written::Finite => !v.is_finite(),
+            Written::NotNan => v.is_nan(),
+        };
+        values.iter().position(foreign).map(|at| (at, values[at]))
+    }
+}
+
+/// A host tensor of `shape` from a safetensors view, which must be f32 of that shape and hold
+/// only values a run could have written (`written`).
+fn tensor_from(
+    view: &TensorView<'_>,
+    shape: &[usize],
+    what: &str,
+    path: &Path,
+    written: Written,
+) -> Result<Tensor> {
     if view.dtype() != Dtype::F32 || view.shape() != shape {
         return Err(io_err(
             path,
@@ -572,6 +602,16 @@ fn tensor_from(view: &TensorView<'_>, shape: &[usize], what: &str, path: &Path) 
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
+    if let Some((at, v)) = written.first_foreign(&values) {
+        let rule = match written {
+            Written::Finite => "a checkpoint's weights are finite",
+            Written::NotNan => "a checkpoint's optimizer state is never NaN",
+        };
+        return Err(io_err(
+            path,
+            format!("{what} holds {v} at element {at}: {rule} (a run stops first)"),
+        ));
+    }
     Tensor::from_vec(shape, values).map_err(|e| io_err(path, e))
 }
 
@@ -696,7 +736,7 @@ pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
         let view = weights
             .tensor(&entry.name)
             .map_err(|_| io_err(&wpath, format!("has no {} (another model?)", entry.name)))?;
-        let t = tensor_from(&view, &entry.shape, &entry.name, &wpath)?;
+        let t = tensor_from(&view, &entry.shape, &entry.name, &wpath, Written::Finite)?;
         let read =
             |part: &str| optional(&moments, &format!("{}.{part}", entry.name), entry, &opath);
         let state = ParamState::from_parts([read("first")?, read("second")?, read("correction")?]);
@@ -723,7 +763,7 @@ fn optional(
     path: &Path,
 ) -> Result<Tensor> {
     match file.tensor(name) {
-        Ok(view) => tensor_from(&view, &entry.shape, name, path),
+        Ok(view) => tensor_from(&view, &entry.shape, name, path, Written::NotNan),
         Err(_) => Ok(Tensor::default()),
     }
 }
