@@ -987,6 +987,8 @@ fn many_layers(n: usize) -> String {
 
 fn profile_rows() -> Vec<Row> {
     vec![
+        // JSON that is not an object is read as JSON, not as PipeDream's graph format.
+        profile_json(r#"[{"name": "a"}]"#, "profile: invalid type"),
         with(
             "plan --profile {d}/p.json --workers 1024",
             text("p.json", many_layers(10_000)),

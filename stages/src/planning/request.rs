@@ -97,10 +97,12 @@ pub struct PlanRequest {
     pub placement: super::hosts::HostChoice,
 }
 
-/// Reads a profile: pipe's JSON, or PipeDream's graph format.
+/// Reads a profile: pipe's JSON, or PipeDream's graph format. Text that opens as JSON does
+/// (an object, or an array, which is not a profile) gets the JSON reader's error, not the
+/// graph format's.
 fn load_profile(path: &Path) -> Result<Profile> {
     let text = crate::limits::read_text_file(path, "profile")?;
-    if text.trim_start().starts_with('{') {
+    if text.trim_start().starts_with(['{', '[']) {
         Profile::from_json(&text)
     } else {
         Profile::from_pipedream(&text)
