@@ -308,6 +308,33 @@ fn a_state_no_run_could_have_written_is_refused_past_a_resealed_manifest() {
             &["state.json", needle],
         );
     }
+    // A model of 1.6 billion weights that the 100 KB weights file does not hold: refused by
+    // the first tensor's shape before the model is allocated, within 2 GB of address space
+    // (it used to fill 6.5 GB of weights first).
+    let c = copy_of(&good, "larger-model");
+    edit_state(&c, |state| {
+        for layer in state["model_spec"]["layers"].as_array_mut().unwrap() {
+            for side in ["inputs", "outputs"] {
+                if layer[side] == 32 {
+                    layer[side] = 40_000.into();
+                }
+            }
+        }
+    });
+    let limited = Command::new("prlimit")
+        .arg("--as=2000000000")
+        .arg(env!("CARGO_BIN_EXE_pipe"))
+        .args(["eval", "--checkpoint", s(&c)])
+        .output()
+        .unwrap();
+    refused(
+        &limited,
+        &[
+            "weights.safetensors",
+            "[784, 32]",
+            "the model has F32 [784, 40000]",
+        ],
+    );
     // A synthetic dataset of 2^40 hidden units: checked before its teacher is drawn.
     let c = copy_of(&good, "synthetic");
     edit_state(&c, |state| {

@@ -1525,6 +1525,32 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "train --steps 1 --log-jsonl {d}/missing/log.jsonl",
             "/missing cannot be used",
         ),
+        with(
+            "train --model gpt2 --model-config {d}/config.json --stages 2 --steps 1 --threads 1 \
+             --trace {d}/config.json",
+            text(
+                "config.json",
+                r#"{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 64, "vocab_size": 65}"#,
+            ),
+            "which --model-config",
+        ),
+        row(
+            "train --stages 2 --steps 1 --threads 1 --trace {d}/t.json --log-jsonl {d}/./t.json",
+            "name the same file",
+        ),
+        row(
+            "simulate --stages 2 --microbatches 4 --trace {d}/x --csv {d}/./x",
+            "name the same file",
+        ),
+        row("bench mfu --momentum NaN", "momentum must be in [0, 1)"),
+        row("bench mfu --momentum=-1", "momentum must be in [0, 1)"),
+        staleness(
+            "stages = [1, 2, 4, 8]",
+            "stages = [0]",
+            "stages must each be at least 1",
+        ),
+        staleness("stages = 8\n", "stages = 0\n", "remedies.stages is 0"),
+        staleness("threads = 1\n", "threads = 100000\n", "--threads is 100000"),
         after(
             &[earlier],
             &format!("eval --checkpoint {{d}}/ck {too_many}"),
@@ -1940,6 +1966,18 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "invalid type: string \"yes\", expected a boolean",
         ),
     ]
+}
+
+/// `pipe experiment staleness --quick` on the MNIST experiment's config with `from` replaced
+/// by `to` (once), refused with `want` before any run.
+fn staleness(from: &str, to: &str, want: &'static str) -> Row {
+    let body = include_str!("../experiments/staleness/mnist.toml");
+    assert!(body.contains(from), "{from}");
+    with(
+        "experiment staleness --quick --config {d}/s.toml --out {d}/out",
+        text("s.toml", body.replacen(from, to, 1)),
+        want,
+    )
 }
 
 fn text_file(name: &'static str, body: String) -> Vec<File> {

@@ -586,6 +586,9 @@ impl MfuArgs {
             .backend
             .with_precision(self.precision)
             .map_err(ExperimentError::Config)?;
+        // The optimizer's settings pass the checks `pipe train` makes of its own (a momentum
+        // of NaN, infinity or past 1 diverged in the measured steps, one below 0 ran).
+        self.optimizer.config(self.momentum).0.validate()?;
         Ok(crate::mfu::MfuConfig {
             model: self.model.clone(),
             gpt2: self.gpt2.clone(),

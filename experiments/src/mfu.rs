@@ -38,7 +38,7 @@ pub enum MfuOptimizer {
 
 impl MfuOptimizer {
     /// The optimizer's configuration and learning rate.
-    fn config(self, momentum: f32) -> (OptimizerConfig, f32) {
+    pub(crate) fn config(self, momentum: f32) -> (OptimizerConfig, f32) {
         match self {
             MfuOptimizer::Sgd => (
                 OptimizerConfig {

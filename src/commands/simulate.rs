@@ -34,7 +34,7 @@ pub struct SimulateArgs {
 /// Bad input for unreadable cost files and costs or flags that do not fit the schedule;
 /// failures of the simulator or of writing.
 pub fn run(args: &SimulateArgs) -> Result<()> {
-    use pipe_stages::outputs::{Input, check_not_input};
+    use pipe_stages::outputs::{Input, check_not_input, check_outputs_distinct};
     let named = [
         ("--costs", args.costs.costs.as_deref()),
         (
@@ -43,11 +43,16 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         ),
     ];
     let inputs = Input::named(&named);
-    for (flag, path) in [("--trace", &args.trace), ("--csv", &args.csv)] {
+    let outputs = [
+        ("--trace", args.trace.as_deref()),
+        ("--csv", args.csv.as_deref()),
+    ];
+    for (flag, path) in outputs {
         if let Some(path) = path {
             check_not_input(path, flag, &inputs)?;
         }
     }
+    check_outputs_distinct(&outputs)?;
     let costs = args
         .costs
         .load(|line| outln!("{line}"))

@@ -578,15 +578,8 @@ impl Written {
     }
 }
 
-/// A host tensor of `shape` from a safetensors view, which must be f32 of that shape and hold
-/// only values a run could have written (`written`).
-fn tensor_from(
-    view: &TensorView<'_>,
-    shape: &[usize],
-    what: &str,
-    path: &Path,
-    written: Written,
-) -> Result<Tensor> {
+/// Checks that a safetensors view is f32 of `shape`.
+fn check_view(view: &TensorView<'_>, shape: &[usize], what: &str, path: &Path) -> Result<()> {
     if view.dtype() != Dtype::F32 || view.shape() != shape {
         return Err(io_err(
             path,
@@ -597,6 +590,19 @@ fn tensor_from(
             ),
         ));
     }
+    Ok(())
+}
+
+/// A host tensor of `shape` from a safetensors view, which must be f32 of that shape and hold
+/// only values a run could have written (`written`).
+fn tensor_from(
+    view: &TensorView<'_>,
+    shape: &[usize],
+    what: &str,
+    path: &Path,
+    written: Written,
+) -> Result<Tensor> {
+    check_view(view, shape, what, path)?;
     let values: Vec<f32> = view
         .data()
         .chunks_exact(4)
@@ -716,11 +722,6 @@ pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
     let weights = SafeTensors::deserialize(&weight_file).map_err(|e| io_err(&wpath, e))?;
     let opath = dir.join(OPTIMIZER);
     let moments = SafeTensors::deserialize(&moment_file).map_err(|e| io_err(&opath, e))?;
-    let mut params = model.init_params(0);
-    let mut optimizer: OptimizerState = params
-        .iter()
-        .map(|layer| layer.iter().map(|_| Default::default()).collect())
-        .collect();
     if weights.len() != table.len() {
         return Err(io_err(
             &wpath,
@@ -732,10 +733,29 @@ pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
             ),
         ));
     }
+    let weight_view = |name: &str| {
+        weights
+            .tensor(name)
+            .map_err(|_| io_err(&wpath, format!("has no {name} (another model?)")))
+    };
+    // Every weight is the model's shape before anything the model's size decides is
+    // allocated: the file's tensors then bound it (a state can describe a model of any size;
+    // the weights file, checked against its manifest, holds what it holds).
     for entry in table {
-        let view = weights
-            .tensor(&entry.name)
-            .map_err(|_| io_err(&wpath, format!("has no {} (another model?)", entry.name)))?;
+        check_view(
+            &weight_view(&entry.name)?,
+            &entry.shape,
+            &entry.name,
+            &wpath,
+        )?;
+    }
+    let mut params = model.init_params(0);
+    let mut optimizer: OptimizerState = params
+        .iter()
+        .map(|layer| layer.iter().map(|_| Default::default()).collect())
+        .collect();
+    for entry in table {
+        let view = weight_view(&entry.name)?;
         let t = tensor_from(&view, &entry.shape, &entry.name, &wpath, Written::Finite)?;
         let read =
             |part: &str| optional(&moments, &format!("{}.{part}", entry.name), entry, &opath);

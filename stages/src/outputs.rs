@@ -95,6 +95,43 @@ pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Resul
     Ok(())
 }
 
+/// Refuses two outputs of one command that name the same file (through links or other
+/// spellings): one would be written over the other, and the user would keep only the last.
+/// Flags not given (`None`) are left out; a path whose directory cannot be resolved is left to
+/// its writer's own error.
+///
+/// # Errors
+/// Bad input naming both flags and the path.
+pub fn check_outputs_distinct(outputs: &[(&str, Option<&Path>)]) -> Result<()> {
+    let resolved: Vec<(&str, &Path, PathBuf)> = outputs
+        .iter()
+        .filter_map(|&(flag, path)| {
+            let path = path?;
+            Some((flag, path, resolved_output(path)?))
+        })
+        .collect();
+    for (i, (flag, path, real)) in resolved.iter().enumerate() {
+        if let Some((other, other_path, _)) = resolved[..i].iter().find(|(_, _, r)| r == real) {
+            return Err(StageError::Input(format!(
+                "{other} {} and {flag} {} name the same file: give each its own",
+                other_path.display(),
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Where an output file lands: the file after links when it exists, else its directory after
+/// links joined with its name.
+fn resolved_output(path: &Path) -> Option<PathBuf> {
+    if let Ok(real) = std::fs::canonicalize(path) {
+        return Some(real);
+    }
+    let dir = pipe_kernels::files::parent_dir(path);
+    Some(std::fs::canonicalize(dir).ok()?.join(path.file_name()?))
+}
+
 /// The value parser of every flag that names a file to write (`-o`, `--json`,
 /// `--costs-out`, `--trace`, `--log-jsonl`): the path as given, refused at the command line,
 /// before any work, when [`write_file`] would refuse it.

@@ -294,6 +294,19 @@ impl StalenessConfig {
         if self.minibatch == 0 || self.epochs == 0 || self.target_window == 0 {
             return bad("minibatch, epochs and target_window must be at least 1".into());
         }
+        if self.stages.contains(&0) {
+            return bad("stages must each be at least 1".into());
+        }
+        if self.remedies.stages < 2 && !self.remedies.policies.is_empty() {
+            return bad(format!(
+                "remedies.stages is {}: the remedies apply to asynchronous pipelines, of 2 \
+                 stages or more",
+                self.remedies.stages
+            ));
+        }
+        // The compute threads every run starts, checked as `pipe train` checks its own.
+        let machine = pipe_stages::limits::Machine::detect();
+        pipe_stages::limits::check_threads(self.threads as u64, &machine)?;
         let mut runs = Vec::new();
         for o in &self.optimizers {
             let opt = o.name.as_str();

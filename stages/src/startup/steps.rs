@@ -64,6 +64,7 @@ pub fn resolve(
 ) -> Result<(RunConfig, LaunchSettings)> {
     let settings = merge(sources)?;
     let launch = settings.launch()?;
+    let model_config = settings.model_config.clone();
     if let Some(trace) = &launch.trace {
         crate::outputs::check_output(trace)?;
     }
@@ -76,20 +77,21 @@ pub fn resolve(
             "--trace records a pipelined run: give --stages, --replicas or --schedule".into(),
         ));
     }
-    check_outputs_apart(sources, &cfg, &launch)?;
+    check_outputs_apart(sources, &cfg, &launch, model_config.as_deref())?;
     Ok((cfg, launch))
 }
 
 /// Refuses a run whose trace or log would overwrite what it reads ([`crate::outputs::
-/// check_not_input`]): its config and plan files, its dataset or corpus directory, the model
-/// directory it starts from, the checkpoint it resumes, or the checkpoints of its checkpoint
-/// directory.
+/// check_not_input`]): its config, plan and model config files, its dataset or corpus
+/// directory, the model directory it starts from, the checkpoint it resumes, or the
+/// checkpoints of its checkpoint directory; or each other.
 fn check_outputs_apart(
     sources: &RunSources,
     cfg: &RunConfig,
     launch: &LaunchSettings,
+    model_config: Option<&Path>,
 ) -> Result<()> {
-    use crate::outputs::{Input, check_not_input};
+    use crate::outputs::{Input, check_not_input, check_outputs_distinct};
     let data_flag = match cfg.dataset {
         crate::config::DatasetKind::Tokens => "--dataset",
         _ => "--data-dir",
@@ -99,6 +101,7 @@ fn check_outputs_apart(
         ("--plan", sources.plan_file.as_deref()),
         (data_flag, cfg.data_dir.as_deref()),
         ("--init-from", cfg.init_from.as_deref()),
+        ("--model-config", model_config),
     ];
     let mut inputs = Input::named(&named);
     let resumed = launch.resume.as_deref().map(Path::new);
@@ -126,7 +129,7 @@ fn check_outputs_apart(
             check_not_input(path, flag, &inputs)?;
         }
     }
-    Ok(())
+    check_outputs_distinct(&outputs)
 }
 
 /// The run `settings` describe planned for `w` workers on this machine's measured profile
