@@ -31,6 +31,14 @@ pub const MAX_MICROBATCHES: u64 = 1 << 16;
 /// checkpoint interval when that is shorter.
 pub const MAX_SCHEDULE_PASSES: u64 = 1 << 23;
 
+/// Events one timeline may hold when it is kept for a Chrome trace or a CSV: one per action of
+/// the lowered schedule. At about [`crate::timeline::TRACE_BYTES_PER_EVENT`] bytes an event
+/// the trace's text stays under 1.7 GB (a CSV under 540 MB), on top of the schedule it
+/// traces. [`MAX_SCHEDULE_PASSES`] alone does not bound it: a pass lowers to up to six
+/// actions (a forward, a backward and their sends and receives), so a schedule at that limit
+/// would trace to about 10 GB.
+pub const MAX_TRACE_EVENTS: u64 = 1 << 23;
+
 /// Cells of a planner's table, layers times workers: the default cost model's tables measured
 /// about 950 MB at 2,000 layers and 512 workers (a million cells).
 pub const MAX_PLAN_CELLS: u64 = 1 << 20;
@@ -159,6 +167,19 @@ pub fn check_schedule(total: u64, stages: u64) -> Result<()> {
     )
 }
 
+/// Checks the size of a timeline to be kept for a trace or a CSV: `events` actions.
+///
+/// # Errors
+/// [`ScheduleError::Spec`] past [`MAX_TRACE_EVENTS`].
+pub fn check_trace(events: u64) -> Result<()> {
+    at_most(
+        "a timeline's events (actions of the lowered schedule)",
+        events,
+        MAX_TRACE_EVENTS,
+        "about 200 bytes each in a Chrome trace; ask for fewer microbatches, updates or stages",
+    )
+}
+
 /// Checks the size of a planning problem: `layers` layers on `workers` workers.
 ///
 /// # Errors
@@ -212,6 +233,12 @@ mod tests {
         assert!(check_schedule(u64::MAX, u64::MAX).is_err());
         assert!(check_schedule(60_000, 8).is_ok());
         assert!(check_layers(MAX_LAYERS + 1).is_err());
+        assert!(check_trace(MAX_TRACE_EVENTS).is_ok());
+        let e = check_trace(MAX_TRACE_EVENTS + 1).unwrap_err().to_string();
+        assert!(
+            e.contains("timeline's events") && e.contains("8388608"),
+            "{e}"
+        );
         assert!(check_plan(2000, 512).is_ok());
         let e = check_plan(10_000, 1024).unwrap_err().to_string();
         assert!(

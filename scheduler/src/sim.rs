@@ -575,7 +575,8 @@ pub struct SimReport {
 /// all-reduces).
 ///
 /// # Errors
-/// [`ScheduleError::Cost`] for a bad cost model, [`ScheduleError::Invalid`] from the version
+/// [`ScheduleError::Spec`] when a timeline is asked for and would hold more events than
+/// [`crate::limits::MAX_TRACE_EVENTS`]; [`ScheduleError::Cost`] for a bad cost model, [`ScheduleError::Invalid`] from the version
 /// plan, [`ScheduleError::Deadlock`] if the programs cannot finish.
 pub fn simulate(schedule: &Schedule, costs: &CostModel, opts: SimOptions) -> Result<SimReport> {
     costs.check(schedule.stages())?;
@@ -587,6 +588,11 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel, opts: SimOptions) -> Res
         lowered = lower(schedule, LowerOptions::default());
         &lowered
     };
+    if opts.timeline {
+        // A timeline is kept to be written out: refuse one whose trace would not fit in
+        // memory before spending the simulation on it.
+        crate::limits::check_trace(schedule.len() as u64)?;
+    }
     let (plan, memory) = VersionPlan::derive_with_memory(
         schedule,
         |s| costs.stage(s).param_bytes,
