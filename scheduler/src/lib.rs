@@ -51,7 +51,7 @@ pub mod validate;
 pub use action::{Action, ActionKind, Microbatch, StageId, WorkerId};
 pub use error::{Result, ScheduleError};
 pub use generate::generate;
-pub use lower::{LowerOptions, lower};
+pub use lower::{LowerOptions, lower, lower_checked, ring_steps};
 pub use norms::NormPlan;
 pub use plan::{MemoryPeak, UpdateSums, VersionPlan};
 pub use planner::{

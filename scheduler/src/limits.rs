@@ -31,6 +31,13 @@ pub const MAX_MICROBATCHES: u64 = 1 << 16;
 /// checkpoint interval when that is shorter.
 pub const MAX_SCHEDULE_PASSES: u64 = 1 << 23;
 
+/// Ring steps of expanded all-reduces in one schedule: a stage of `r` replicas adds
+/// `r x 2(r-1)` per update, which [`MAX_SCHEDULE_PASSES`] does not count. A step (a send and a
+/// receive) costs about 70 bytes lowered and simulated (measured: `pipe simulate --stages 1
+/// --replicas 1024 --microbatches 1 --expand-all-reduce --updates 3`, 6.3 million steps,
+/// peaks at 443 MB), so this bound keeps them near 1.2 GB.
+pub const MAX_RING_STEPS: u64 = 1 << 24;
+
 /// Events one timeline may hold when it is kept for a Chrome trace or a CSV: one per action of
 /// the lowered schedule. At about [`crate::timeline::TRACE_BYTES_PER_EVENT`] bytes an event
 /// the trace's text stays under 1.7 GB (a CSV under 540 MB), on top of the schedule it
@@ -164,6 +171,21 @@ pub fn check_schedule(total: u64, stages: u64) -> Result<()> {
         MAX_SCHEDULE_PASSES,
         "about 400 bytes each once lowered; ask for fewer updates, or checkpoint more often \
          so that a run builds shorter schedules",
+    )
+}
+
+/// Checks the ring steps expanding a schedule's all-reduces adds (see
+/// [`crate::ring_steps`]).
+///
+/// # Errors
+/// [`ScheduleError::Spec`] past [`MAX_RING_STEPS`].
+pub fn check_ring_steps(steps: u64) -> Result<()> {
+    at_most(
+        "the all-reduce ring steps (replicas x 2(replicas-1) per stage and update)",
+        steps,
+        MAX_RING_STEPS,
+        "about 70 bytes each once lowered; ask for fewer replicas or updates, or keep each \
+         all-reduce one collective action",
     )
 }
 

@@ -10,6 +10,7 @@
 //! link; otherwise it stays one collective action, which is how the executor runs it.
 
 use crate::action::{Action, WorkerId};
+use crate::error::Result;
 use crate::spec::{Layout, Schedule};
 
 /// Options for [`lower`].
@@ -50,6 +51,38 @@ pub fn lower(schedule: &Schedule, opts: LowerOptions) -> Schedule {
         programs,
         lowered: true,
     }
+}
+
+/// [`lower`], refusing first an expansion of all-reduces whose ring steps are past
+/// [`crate::limits::MAX_RING_STEPS`]. The schedule's size limits count microbatch passes, not
+/// ring steps, and a stage of `r` replicas adds `r x 2(r-1)` of them per update: 4,096
+/// replicas over 3 updates would lower to 100 million steps (over 6 GB).
+///
+/// # Errors
+/// [`crate::ScheduleError::Spec`] naming the ring steps and the limit.
+pub fn lower_checked(schedule: &Schedule, opts: LowerOptions) -> Result<Schedule> {
+    if opts.expand_all_reduce && !schedule.lowered {
+        crate::limits::check_ring_steps(ring_steps(schedule))?;
+    }
+    Ok(lower(schedule, opts))
+}
+
+/// The ring steps expanding every all-reduce of `schedule` adds: `2(r-1)` on each replica of
+/// a stage of `r` replicas, for each of its all-reduces (each step a send and a receive).
+pub fn ring_steps(schedule: &Schedule) -> u64 {
+    let layout = schedule.layout();
+    schedule
+        .programs
+        .iter()
+        .flatten()
+        .map(|a| match *a {
+            Action::AllReduce { stage, .. } => {
+                let group = layout.group(stage);
+                2 * u64::from(group.end - group.start).saturating_sub(1)
+            }
+            _ => 0,
+        })
+        .sum()
 }
 
 /// The peers action `a` of worker `w`'s program talks to: the worker it receives its input
@@ -133,5 +166,43 @@ fn expand_all_reduce(layout: &Layout, w: WorkerId, stage: u32, update: u32, out:
             step,
             from: prev,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::generate::generate;
+    use crate::spec::{Length, Policy, ScheduleSpec};
+
+    /// Ring steps are counted as expansion adds them, and an expansion past the limit is
+    /// refused before it is built (4,096 replicas over 3 updates: 100,638,720 steps).
+    #[test]
+    fn expanding_all_reduces_past_the_ring_step_limit_is_refused() {
+        let expand = LowerOptions {
+            expand_all_reduce: true,
+        };
+        let spec = ScheduleSpec::new(Policy::OneFOneBFlush, 2, 2)
+            .with_replicas(vec![3, 1])
+            .with_length(Length::Updates(2));
+        let small = generate(&spec).unwrap();
+        // Stage 0: 3 replicas x 2 updates x 2(3-1) steps; stage 1 has no all-reduce steps.
+        assert_eq!(ring_steps(&small), 24);
+        let lowered = lower_checked(&small, expand).unwrap();
+        let chunks = lowered
+            .programs
+            .iter()
+            .flatten()
+            .filter(|a| matches!(a, Action::SendChunk { .. }))
+            .count();
+        assert_eq!(chunks, 24);
+        let spec = ScheduleSpec::new(Policy::OneFOneBFlush, 1, 1)
+            .with_replicas(vec![4096])
+            .with_length(Length::Updates(3));
+        let big = generate(&spec).unwrap();
+        let e = lower_checked(&big, expand).unwrap_err().to_string();
+        assert!(e.contains("ring steps") && e.contains("100638720"), "{e}");
+        assert!(lower_checked(&big, LowerOptions::default()).is_ok());
     }
 }
