@@ -54,6 +54,8 @@ impl Bits {
 
 struct Graph {
     n: usize,
+    /// Edges in all.
+    edges: usize,
     out: Vec<Vec<usize>>,
     /// Strict ancestors and descendants of each layer.
     preds: Vec<Bits>,
@@ -88,6 +90,7 @@ impl Graph {
         }
         Graph {
             n,
+            edges: p.edges.len(),
             out,
             preds,
             succs,
@@ -95,11 +98,13 @@ impl Graph {
     }
 
     /// PipeDream's `augment_antichain`: the antichain plus every ancestor of one of its layers
-    /// with an edge to a layer that is neither that layer nor its ancestor.
-    fn augment(&self, antichain: &[usize]) -> Vec<usize> {
+    /// with an edge to a layer that is neither that layer nor its ancestor. Adds the edges it
+    /// looks at to `work`.
+    fn augment(&self, antichain: &[usize], work: &mut u64) -> Vec<usize> {
         let mut extra = Bits::new(self.n);
         for &a in antichain {
             for p in self.preds[a].ones() {
+                *work += 1 + self.out[p].len() as u64;
                 if self.out[p].iter().any(|&o| o != a && !self.preds[a].has(o)) {
                     extra.set(p);
                 }
@@ -125,18 +130,23 @@ impl Graph {
         v
     }
 
-    /// PipeDream's `next_antichains`.
-    fn next(&self, antichain: &[usize]) -> Vec<Vec<usize>> {
-        let aug = self.augment(antichain);
+    /// PipeDream's `next_antichains`. Adds the layers it compares to `work`: on a dense graph
+    /// (every layer feeding every later one) each of the `n` states costs `O(n^4)` of them.
+    fn next(&self, antichain: &[usize], work: &mut u64) -> Vec<Vec<usize>> {
+        let aug = self.augment(antichain, work);
+        let k = aug.len() as u64;
         let mut out = Vec::new();
         for &u in &aug {
             for &v in &self.out[u] {
+                *work += k + antichain.len() as u64;
                 if antichain.contains(&v) {
                     continue;
                 }
                 if aug.iter().any(|&x| self.succs[v].has(x)) {
                     continue;
                 }
+                // Deaugmenting compares every pair of the set.
+                *work += k * k;
                 let replaced: Vec<usize> =
                     aug.iter().map(|&x| if x == u { v } else { x }).collect();
                 out.push(self.deaugment(&replaced));
@@ -170,6 +180,14 @@ type Cell = (f64, Option<(usize, usize)>, usize);
 
 /// The largest number of states explored before giving up (their ancestor sets take `s^2` bits).
 const MAX_STATES: usize = 50_000;
+
+/// The most work (layers and edges compared while finding next antichains) the search may do
+/// before giving up. [`MAX_STATES`] bounds the states but not the cost of each, which grows
+/// with the graph's density: a graph of 200 layers each feeding every later one has only 200
+/// states but took 6 s, and 400 such layers over a minute. Measured here, 150 such layers
+/// do 3.9e9 of work in 1.4 s, while densenet121, the largest of PipeDream's published
+/// profiles, does 2.1e5; this bound stops a search after about 0.7 s.
+const MAX_SEARCH_WORK: u64 = 1 << 31;
 
 /// PipeDream's optimizer over antichain states (see the module docs).
 ///
@@ -320,7 +338,7 @@ fn state_of(g: &Graph, layers: &[crate::LayerProfile], antichain: &[usize]) -> S
         activations += layers[i].activation_bytes;
     }
     let output = g
-        .augment(antichain)
+        .augment(antichain, &mut 0)
         .iter()
         .map(|&i| layers[i].activation_bytes)
         .sum();
@@ -384,8 +402,12 @@ fn stages_of_chain(
 }
 
 /// PipeDream's antichain graph: breadth-first over next antichains from the first layer.
+///
+/// # Errors
+/// [`ScheduleError::Plan`] past [`MAX_STATES`] states or [`MAX_SEARCH_WORK`].
 #[allow(clippy::type_complexity)]
 fn state_graph(g: &Graph) -> Result<(Vec<Vec<usize>>, Vec<Vec<usize>>)> {
+    let mut work = 0u64;
     let mut ids: HashMap<Vec<usize>, usize> = HashMap::new();
     let mut antichains: Vec<Vec<usize>> = vec![vec![0]];
     let mut edges: Vec<Vec<usize>> = vec![Vec::new()];
@@ -393,7 +415,18 @@ fn state_graph(g: &Graph) -> Result<(Vec<Vec<usize>>, Vec<Vec<usize>>)> {
     let mut head = 0;
     while head < antichains.len() {
         let a = antichains[head].clone();
-        for next in g.next(&a) {
+        let nexts = g.next(&a, &mut work);
+        if work > MAX_SEARCH_WORK {
+            return Err(ScheduleError::Plan(format!(
+                "the antichain search's work (layers compared) passed the limit of \
+                 {MAX_SEARCH_WORK} after {} states; the graph has {} nodes and {} edges; plan \
+                 with the default cost model or merge layers",
+                head + 1,
+                g.n,
+                g.edges
+            )));
+        }
+        for next in nexts {
             let id = match ids.get(&next) {
                 Some(&id) => id,
                 None => {
@@ -439,4 +472,37 @@ fn topological(edges: &[Vec<usize>]) -> Vec<usize> {
         }
     }
     order
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A graph whose every layer feeds every later one has few states but costs `O(n^4)` work
+    /// each: its search is refused by its work, naming the graph's size.
+    #[test]
+    fn a_dense_layer_graph_is_refused_by_its_search_work() {
+        let k = 200;
+        let mut text = String::new();
+        for i in 0..k {
+            text.push_str(&format!(
+                "node{i} -- Layer{i} -- forward_compute_time=1.000, backward_compute_time=2.000, \
+                 activation_size=1000.0, parameter_size=1000.000\n"
+            ));
+        }
+        for i in 0..k {
+            for j in i + 1..k {
+                text.push_str(&format!("\tnode{i} -- node{j}\n"));
+            }
+        }
+        let profile = Profile::from_pipedream(&text).unwrap();
+        let e = plan(&profile, &PipeDreamOptions::new(4, 1e10))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("antichain search's work") && e.contains("200 nodes and 19900 edges"),
+            "{e}"
+        );
+    }
 }
