@@ -1542,6 +1542,15 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "simulate --stages 2 --microbatches 4 --trace {d}/x --csv {d}/./x",
             "name the same file",
         ),
+        row(
+            "simulate --stages 1 --replicas 4096 --microbatches 1 --expand-all-reduce --updates 3",
+            "the all-reduce ring steps",
+        ),
+        with(
+            "plan --profile {d}/dense.txt --workers 4 --cost-model pipedream",
+            text("dense.txt", dense_graph(400)),
+            "the antichain search's work",
+        ),
         row("bench mfu --momentum NaN", "momentum must be in [0, 1)"),
         row("bench mfu --momentum=-1", "momentum must be in [0, 1)"),
         staleness(
@@ -1966,6 +1975,23 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "invalid type: string \"yes\", expected a boolean",
         ),
     ]
+}
+
+/// A PipeDream graph of `k` layers in which every layer feeds every later one.
+fn dense_graph(k: usize) -> String {
+    let mut g = String::new();
+    for i in 0..k {
+        g += &format!(
+            "node{i} -- L -- forward_compute_time=1.0, backward_compute_time=1.0, \
+             activation_size=100.0, parameter_size=10.0\n"
+        );
+    }
+    for i in 0..k {
+        for j in i + 1..k {
+            g += &format!("\tnode{i} -- node{j}\n");
+        }
+    }
+    g
 }
 
 /// `pipe experiment staleness --quick` on the MNIST experiment's config with `from` replaced

@@ -13,7 +13,7 @@ use pipe_kernels::{BackendKind, Precision};
 use pipe_scheduler::units::{parse_bandwidth, parse_bytes, parse_seconds};
 use pipe_scheduler::{
     CostModel, Length, LowerOptions, Policy, Schedule, ScheduleError, ScheduleSpec, StageCost,
-    generate, lower, validate,
+    generate, validate,
 };
 
 use crate::ExperimentError;
@@ -384,12 +384,12 @@ impl ScheduleOpts {
     /// run-time failure when the generated schedule fails its checks.
     pub fn build(&self) -> Result<Schedule, ScheduleError> {
         let generated = generate(&self.spec())?;
-        let lowered = lower(
+        let lowered = pipe_scheduler::lower_checked(
             &generated,
             LowerOptions {
                 expand_all_reduce: self.expand_all_reduce,
             },
-        );
+        )?;
         validate::check(&lowered)?;
         Ok(lowered)
     }

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
-use pipe_scheduler::{CostModel, SimOptions, StageCost, VersionPlan, generate, grid, simulate};
+use pipe_scheduler::{
+    CostModel, Schedule, SimOptions, StageCost, VersionPlan, generate, grid, simulate,
+};
 
 use crate::args::ScheduleOpts;
 use crate::output::schedule_error;
@@ -62,6 +64,9 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         lowered.clone()
     };
     let plan = VersionPlan::derive(&lowered)?;
+    // Every format writes a line or more per action: the text is refused before it is built
+    // when the schedule is past what a timeline may export.
+    pipe_scheduler::limits::check_trace(shown.len() as u64).map_err(schedule_error)?;
     let text = match args.format {
         ScheduleFormat::Grid => {
             let mut out = grid::full(&shown);
@@ -76,30 +81,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
             out
         }
         ScheduleFormat::Text => shown.to_text(),
-        ScheduleFormat::Csv => {
-            let mut out = String::from(
-                "worker,step,action,kind,stage,microbatch,update,forward_version,backward_version\n",
-            );
-            for (w, prog) in shown.programs.iter().enumerate() {
-                for (i, a) in prog.iter().enumerate() {
-                    let (fv, bv) = match (a.kind().is_compute(), a.microbatch()) {
-                        (true, Some(mb)) => (
-                            plan.forward_version(a.stage(), mb).to_string(),
-                            plan.backward_version(a.stage(), mb).to_string(),
-                        ),
-                        _ => (String::new(), String::new()),
-                    };
-                    out.push_str(&format!(
-                        "{w},{i},{a},{},{},{},{},{fv},{bv}\n",
-                        a.kind().name(),
-                        a.stage(),
-                        a.microbatch().map_or(String::new(), |m| m.to_string()),
-                        a.update_index().map_or(String::new(), |u| u.to_string()),
-                    ));
-                }
-            }
-            out
-        }
+        ScheduleFormat::Csv => schedule_csv(&shown, &plan),
         ScheduleFormat::Trace => {
             let unit = CostModel::uniform(StageCost::compute(1.0, 2.0));
             let report = simulate(&lowered, &unit, SimOptions { timeline: true })?;
@@ -108,4 +90,39 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         }
     };
     write_text(args.output.as_deref(), &text)
+}
+
+/// The schedule as CSV, one row per action with the weight versions its pass reads, written
+/// into one buffer sized for it (a row is under 64 bytes).
+fn schedule_csv(shown: &Schedule, plan: &VersionPlan) -> String {
+    use std::fmt::Write as _;
+    const HEADER: &str =
+        "worker,step,action,kind,stage,microbatch,update,forward_version,backward_version\n";
+    let mut out = String::with_capacity(HEADER.len() + shown.len().saturating_mul(64));
+    out.push_str(HEADER);
+    for (w, prog) in shown.programs.iter().enumerate() {
+        for (i, a) in prog.iter().enumerate() {
+            // Writing to a `String` cannot fail.
+            let _ = write!(out, "{w},{i},{a},{},{},", a.kind().name(), a.stage());
+            if let Some(m) = a.microbatch() {
+                let _ = write!(out, "{m}");
+            }
+            out.push(',');
+            if let Some(u) = a.update_index() {
+                let _ = write!(out, "{u}");
+            }
+            out.push(',');
+            if let (true, Some(mb)) = (a.kind().is_compute(), a.microbatch()) {
+                let (fv, bv) = (
+                    plan.forward_version(a.stage(), mb),
+                    plan.backward_version(a.stage(), mb),
+                );
+                let _ = write!(out, "{fv},{bv}");
+            } else {
+                out.push(',');
+            }
+            out.push('\n');
+        }
+    }
+    out
 }
