@@ -151,6 +151,40 @@ fn models_outside_gpt2s_layout_and_bad_directories_are_refused() {
     );
 }
 
+/// A `config.json` edited to 3,000 blocks beside the weights of 2: refused by the first block
+/// the weights lack before the model is allocated, within 2 GB of address space (it used to
+/// fill 5.8 GB of weights first).
+#[test]
+fn a_config_deeper_than_its_weights_is_refused_before_the_model_is_built() {
+    let ckpt = fresh_path("deep");
+    ok(&pipe(&[
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--n-embd",
+        "256",
+        "--n-head",
+        "2",
+        "--seed-checkpoint",
+        "--checkpoint-dir",
+        s(&ckpt),
+    ]));
+    let hf = fresh_path("deep-hf");
+    ok(&export_hf(&ckpt, &hf));
+    let config = hf.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["n_layer"] = 3000.into();
+    std::fs::write(&config, c.to_string()).unwrap();
+    let out = std::process::Command::new("prlimit")
+        .arg("--as=2000000000")
+        .arg(env!("CARGO_BIN_EXE_pipe"))
+        .args(["logits", "--hf", s(&hf), "--ids", "1,2"])
+        .output()
+        .unwrap();
+    common::refused(&out, &["has no transformer.h.2."]);
+}
+
 #[test]
 fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
     // A gpt2-tiny exported in shards of at most 100 kB.

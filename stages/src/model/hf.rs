@@ -496,13 +496,33 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
             }
         }
     }
+    // Every parameter is in the files before anything the model's size decides is allocated:
+    // the files, read above within their bound, then bound it (a config.json can describe a
+    // model of any depth; its weights hold what they hold).
+    let table = model.param_table();
+    let hf_names: Vec<String> = table
+        .iter()
+        .map(|e| layout.hf_name(&e.name).unwrap_or_default())
+        .collect();
+    if let Some((e, name)) = table
+        .iter()
+        .zip(&hf_names)
+        .find(|(_, name)| !found.contains_key(*name))
+    {
+        return Err(hf_err(
+            dir.display(),
+            format!("has no {name} (for {})", e.name),
+        ));
+    }
     let mut params = model.init_params(0);
-    for e in model.param_table() {
-        let name = layout.hf_name(&e.name).unwrap_or_default();
-        // Its shape is the model's: the header was checked ([`read_shard`]).
-        let (t, _) = found
-            .remove(&name)
-            .ok_or_else(|| hf_err(dir.display(), format!("has no {name} (for {})", e.name)))?;
+    for (e, name) in table.iter().zip(&hf_names) {
+        // Present (above), and of the model's shape: the header was checked ([`read_shard`]).
+        let (t, _) = found.remove(name).ok_or_else(|| {
+            hf_err(
+                dir.display(),
+                format!("names {name} twice (for {})", e.name),
+            )
+        })?;
         for &(l, s) in &e.uses {
             params[l][s] = t.clone();
         }
