@@ -190,3 +190,11 @@ impl LineChart {
             .map_err(|e| e.to_string())
     }
 }
+
+/// Whether a file in a report's `plots/` is one a chart writes ([`LineChart::write`]): an SVG or
+/// the CSV beside it. `plots/` is regenerated whole, and anything else there is refused rather
+/// than removed with it.
+pub fn is_plot_file(name: &std::ffi::OsStr) -> bool {
+    name.to_str()
+        .is_some_and(|n| n.ends_with(".svg") || n.ends_with(".csv"))
+}

@@ -95,6 +95,37 @@ pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Resul
     Ok(())
 }
 
+/// Writes `bytes` as the file `name` of directory `dir` that a command owns there (a report's
+/// `REPORT.md`), whole or not at all ([`write_file`]). Unlike a file the user names, a link
+/// there is refused rather than followed: the directory may come from elsewhere, and its
+/// `REPORT.md` linked to a file outside it would have that file overwritten.
+///
+/// # Errors
+/// Bad input naming the link; as [`write_file`].
+pub fn write_owned_file(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf> {
+    let path = check_owned_file(dir, name)?;
+    write_file(&path, bytes)?;
+    Ok(path)
+}
+
+/// The path of the file `name` a command owns in `dir`, refused as [`write_owned_file`]
+/// would refuse it: a writer checks it before its work, so that nothing is written beside it
+/// first.
+///
+/// # Errors
+/// Bad input naming the link.
+pub fn check_owned_file(dir: &Path, name: &str) -> Result<PathBuf> {
+    let path = dir.join(name);
+    if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+        return Err(StageError::Input(format!(
+            "{} is a symbolic link: the command writes {name} itself; remove the link",
+            path.display()
+        )));
+    }
+    check_output(&path)?;
+    Ok(path)
+}
+
 /// Refuses two outputs of one command that name the same file (through links or other
 /// spellings): one would be written over the other, and the user would keep only the last.
 /// Flags not given (`None`) are left out; a path whose directory cannot be resolved is left to
@@ -207,6 +238,21 @@ impl StagedDir {
     /// Bad input naming `target` when it holds files, or when the staging directory beside
     /// it cannot be made.
     pub fn claim_empty(target: &Path, what: &str) -> Result<Self> {
+        // A link to a directory stands for it: the output replaces the directory it names
+        // (renaming over the link itself would fail once the work was done).
+        let resolved;
+        let target = match std::fs::symlink_metadata(target) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                resolved = std::fs::canonicalize(target).map_err(|e| {
+                    StageError::Input(format!(
+                        "{}: a symbolic link that names nothing usable: {e}",
+                        target.display()
+                    ))
+                })?;
+                resolved.as_path()
+            }
+            _ => target,
+        };
         let first_entry = std::fs::read_dir(target)
             .ok()
             .and_then(|mut entries| entries.next());
@@ -227,12 +273,44 @@ impl StagedDir {
     /// Claims `target`, a directory a writer regenerates whole every time (a report's
     /// `plots/`): what it holds is replaced at [`StagedDir::commit`], and a writer that fails
     /// before then leaves every file of it as it was, where writing in place would leave the
-    /// files written before the failure beside the older rest.
+    /// files written before the failure beside the older rest. Only files the writer makes
+    /// (`owned`: a name it could have written, an earlier run's or its own) may be there: a
+    /// file of the user's, a directory or a link inside it, or `target` itself a link, is
+    /// refused rather than removed with the rest.
     ///
     /// # Errors
-    /// As [`StagedDir::claim_empty`], except that files in `target` are not refused.
-    pub fn regenerating(target: &Path) -> Result<Self> {
+    /// As [`StagedDir::claim_empty`], and bad input naming an entry `owned` does not accept.
+    pub fn regenerating(target: &Path, owned: fn(&std::ffi::OsStr) -> bool) -> Result<Self> {
         check_output_dir(target, "--out")?;
+        let foreign = |why: String| {
+            StageError::Input(format!(
+                "{why}: {} is regenerated whole, so it holds only the files the command writes",
+                target.display()
+            ))
+        };
+        match std::fs::symlink_metadata(target) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                return Err(foreign(format!(
+                    "{} is a symbolic link, not a directory of its own",
+                    target.display()
+                )));
+            }
+            Ok(_) => {
+                let entries = std::fs::read_dir(target).map_err(|e| {
+                    StageError::Input(format!("{}: cannot be read: {e}", target.display()))
+                })?;
+                for entry in entries.flatten() {
+                    let plain = entry.file_type().is_ok_and(|t| t.is_file());
+                    if !plain || !owned(&entry.file_name()) {
+                        return Err(foreign(format!(
+                            "{} is not a file the command writes (move it elsewhere)",
+                            entry.path().display()
+                        )));
+                    }
+                }
+            }
+            Err(_) => {}
+        }
         Self::beside(target, true)
     }
 
@@ -366,19 +444,73 @@ mod tests {
         std::fs::write(plots.join("a.svg"), b"old a").unwrap();
         std::fs::write(plots.join("b.svg"), b"old b").unwrap();
         // A writer that fails after its first chart: every old file as it was.
-        let staged = StagedDir::regenerating(&plots).unwrap();
+        let staged = StagedDir::regenerating(&plots, is_plot).unwrap();
         std::fs::write(staged.path().join("a.svg"), b"new a").unwrap();
         drop(staged);
         assert_eq!(std::fs::read(plots.join("a.svg")).unwrap(), b"old a");
         assert_eq!(std::fs::read(plots.join("b.svg")).unwrap(), b"old b");
         // One that finishes: only what it wrote, and nothing left beside the directory.
-        let staged = StagedDir::regenerating(&plots).unwrap();
+        let staged = StagedDir::regenerating(&plots, is_plot).unwrap();
         std::fs::write(staged.path().join("a.svg"), b"new a").unwrap();
         staged.commit().unwrap();
         assert_eq!(std::fs::read(plots.join("a.svg")).unwrap(), b"new a");
         assert!(!plots.join("b.svg").exists());
         let left: Vec<_> = std::fs::read_dir(&root).unwrap().flatten().collect();
         assert_eq!(left.len(), 1, "{left:?}");
+        // A file of the user's, a directory or a link in it, or the directory a link: refused,
+        // and nothing removed.
+        std::fs::write(plots.join("notes.txt"), b"mine").unwrap();
+        let e = StagedDir::regenerating(&plots, is_plot).unwrap_err();
+        assert!(
+            e.is_bad_input()
+                && e.to_string()
+                    .contains("notes.txt is not a file the command writes"),
+            "{e}"
+        );
+        std::fs::remove_file(plots.join("notes.txt")).unwrap();
+        std::fs::create_dir(plots.join("sub.svg")).unwrap();
+        assert!(StagedDir::regenerating(&plots, is_plot).is_err());
+        std::fs::remove_dir(plots.join("sub.svg")).unwrap();
+        let elsewhere = root.join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        let linked = root.join("linked");
+        std::os::unix::fs::symlink(&elsewhere, &linked).unwrap();
+        let e = StagedDir::regenerating(&linked, is_plot).unwrap_err();
+        assert!(e.to_string().contains("is a symbolic link"), "{e}");
+        assert_eq!(std::fs::read(plots.join("a.svg")).unwrap(), b"new a");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    fn is_plot(name: &std::ffi::OsStr) -> bool {
+        name.to_str()
+            .is_some_and(|n| n.ends_with(".svg") || n.ends_with(".csv"))
+    }
+
+    #[test]
+    fn an_owned_file_is_never_written_through_a_link_and_a_linked_out_dir_stands_for_its_directory()
+    {
+        let root = std::env::temp_dir().join(format!("pipe-owned-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (dir, victim) = (root.join("results"), root.join("keep.txt"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&victim, b"precious").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("REPORT.md")).unwrap();
+        let e = write_owned_file(&dir, "REPORT.md", b"report").unwrap_err();
+        assert!(
+            e.is_bad_input() && e.to_string().contains("symbolic link"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        std::fs::remove_file(dir.join("REPORT.md")).unwrap();
+        write_owned_file(&dir, "REPORT.md", b"report").unwrap();
+        // An --out that links to an empty directory: the output lands in that directory.
+        let (real, link) = (root.join("real"), root.join("out"));
+        std::fs::create_dir(&real).unwrap();
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let staged = StagedDir::claim_empty(&link, "write").unwrap();
+        std::fs::write(staged.path().join("a"), b"1").unwrap();
+        staged.commit().unwrap();
+        assert_eq!(std::fs::read(link.join("a")).unwrap(), b"1");
         std::fs::remove_dir_all(&root).unwrap();
     }
 

@@ -74,7 +74,11 @@ pub fn write_report(r: &BenchResults, dir: &Path) -> Result<PathBuf, ExperimentE
     let rows = rows(r);
     // Drawn into a staging directory that replaces `plots/` whole once every chart is drawn
     // (`StagedDir::regenerating`).
-    let plots = pipe_stages::outputs::StagedDir::regenerating(&dir.join("plots"))?;
+    pipe_stages::outputs::check_owned_file(dir, "REPORT.md")?;
+    let plots = pipe_stages::outputs::StagedDir::regenerating(
+        &dir.join("plots"),
+        crate::plot::is_plot_file,
+    )?;
     let mut md = String::new();
     header(&mut md, r);
     summary(&mut md, r, &rows);
@@ -99,9 +103,11 @@ pub fn write_report(r: &BenchResults, dir: &Path) -> Result<PathBuf, ExperimentE
         md.push('\n');
     }
     plots.commit()?;
-    let path = dir.join("REPORT.md");
-    pipe_stages::outputs::write_file(&path, md.as_bytes())?;
-    Ok(path)
+    Ok(pipe_stages::outputs::write_owned_file(
+        dir,
+        "REPORT.md",
+        md.as_bytes(),
+    )?)
 }
 
 fn header(md: &mut String, r: &BenchResults) {

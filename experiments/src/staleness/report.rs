@@ -179,7 +179,11 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
     let cells = Cells::new(results);
     // The charts are drawn into a staging directory that replaces `plots/` whole once every
     // one is drawn: a chart that cannot be drawn leaves the earlier report's plots as they were.
-    let plots = pipe_stages::outputs::StagedDir::regenerating(&dir.join("plots"))?;
+    pipe_stages::outputs::check_owned_file(dir, "REPORT.md")?;
+    let plots = pipe_stages::outputs::StagedDir::regenerating(
+        &dir.join("plots"),
+        crate::plot::is_plot_file,
+    )?;
     let mut md = String::new();
     header(&mut md, results);
     let figures = write_plots(results, &cells, plots.path())?;
@@ -209,9 +213,11 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
         Err(_) => md.push_str("_No `discussion.md` in the results directory._\n"),
     }
     plots.commit()?;
-    let path = dir.join("REPORT.md");
-    pipe_stages::outputs::write_file(&path, md.as_bytes())?;
-    Ok(path)
+    Ok(pipe_stages::outputs::write_owned_file(
+        dir,
+        "REPORT.md",
+        md.as_bytes(),
+    )?)
 }
 
 fn header(md: &mut String, r: &StalenessResults) {
