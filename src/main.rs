@@ -236,7 +236,7 @@ fn main() -> ExitCode {
                 }
             }
             let msg = if code == 2 {
-                msg.replace('\n', " ")
+                bounded_line(&msg.replace('\n', " "))
             } else {
                 msg
             };
@@ -244,4 +244,24 @@ fn main() -> ExitCode {
             ExitCode::from(code)
         }
     }
+}
+
+/// Characters of a bad-input line shown at most: a message quotes what it refuses, and a
+/// value of megabytes (a config line, a list on the command line) would fill the terminal.
+const MAX_ERROR_CHARS: usize = 1_000;
+
+/// `line` cut to about [`MAX_ERROR_CHARS`] characters in its middle, saying how many were
+/// left out: its start names what is refused and its end why, with the quoted value between.
+fn bounded_line(line: &str) -> String {
+    let total = line.chars().count();
+    if total <= MAX_ERROR_CHARS {
+        return line.to_string();
+    }
+    let (head, tail) = (MAX_ERROR_CHARS * 2 / 5, MAX_ERROR_CHARS * 3 / 5);
+    let start: String = line.chars().take(head).collect();
+    let end: String = line.chars().skip(total - tail).collect();
+    format!(
+        "{start} ... ({} characters left out) ... {end}",
+        total - head - tail
+    )
 }

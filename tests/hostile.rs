@@ -1551,6 +1551,11 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             text("dense.txt", dense_graph(400)),
             "the antichain search's work",
         ),
+        // A message quotes what it refuses; a line of megabytes is cut.
+        config(
+            format!("lr = \"{}\"\n", "a".repeat(100_000)),
+            "characters left out) ... aaa",
+        ),
         row("bench mfu --momentum NaN", "momentum must be in [0, 1)"),
         row("bench mfu --momentum=-1", "momentum must be in [0, 1)"),
         staleness(
