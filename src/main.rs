@@ -160,6 +160,24 @@ fn run() -> Result<()> {
             e.print().ok();
             return Ok(());
         }
+        Err(e)
+            if matches!(
+                e.kind(),
+                clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+                    | clap::error::ErrorKind::MissingSubcommand
+            ) =>
+        {
+            // Clap shows the command's help, whose first line is its description: the line
+            // says what is missing instead, with the usage that names the choices.
+            let text = e.render().to_string();
+            let usage = text
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("Usage:"))
+                .map_or(String::new(), |u| format!(": {}", u.trim()));
+            return Err(bad_input(format!(
+                "a subcommand is missing{usage} (see --help)"
+            )));
+        }
         Err(e) => {
             // One line: clap's message with the lines that name what is missing or wrong
             // (the required arguments it lists below its first line), without its usage hint.

@@ -250,11 +250,11 @@ fn cli_value_rows() -> Vec<Row> {
         row("train --weight-decay -1", "weight decay must be >= 0"),
         row(
             "train --stages 2 --stall-timeout 0",
-            "stall timeout must be between",
+            "stall timeout must be above 0",
         ),
         row(
             "train --stages 2 --stall-timeout 1e9",
-            "stall timeout must be between",
+            "stall timeout must be above 0",
         ),
         row("train --epochs -1", "invalid value '-1'"),
         row("train --stages 99999999999999999999", "invalid value"),
@@ -454,7 +454,7 @@ fn cli_simulate_and_bench_rows() -> Vec<Row> {
         ),
         row(
             "train --stages 2 --replicas 2 --allreduce-bucket-mb 1,0 --steps 1",
-            "all-reduce bucket must be between 0 and 65536 MiB, or one, got '0'",
+            "all-reduce bucket must be above 0 and at most 65536 MiB, or one, got '0'",
         ),
         row(
             "train --stages 2 --replicas 2 --allreduce-bucket-mb one,many --steps 1",
@@ -1555,6 +1555,20 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
         config(
             format!("lr = \"{}\"\n", "a".repeat(100_000)),
             "characters left out) ... aaa",
+        ),
+        row("doctor", "a subcommand is missing: pipe doctor <COMMAND>"),
+        row(
+            "plan --model mlp-784-1024x4-10 --workers 2 --memory 0",
+            "a memory bound must be above 0",
+        ),
+        row(
+            "worker --cluster {d}/absent.toml --stages 2 --connect-timeout 0",
+            "--connect-timeout 0: give above 0",
+        ),
+        with(
+            "tokenize --tokenizer bytes --input {d}/empty.txt --out {d}/out",
+            text("empty.txt", ""),
+            "data --input: holds no text to tokenize",
         ),
         row("bench mfu --momentum NaN", "momentum must be in [0, 1)"),
         row("bench mfu --momentum=-1", "momentum must be in [0, 1)"),

@@ -225,9 +225,10 @@ fn check_flags(args: &WorkerArgs) -> Result<()> {
             "--workers plans on one machine: run `pipe plan -o plan.toml` once and give every worker --plan plan.toml".into(),
         ));
     }
-    if !(args.connect_timeout.is_finite() && (0.0..=86_400.0).contains(&args.connect_timeout)) {
+    // 0 would give up before the first attempt to connect.
+    if !(args.connect_timeout > 0.0 && args.connect_timeout <= 86_400.0) {
         return Err(bad_input(format!(
-            "--connect-timeout {}: give 0 to 86400 seconds",
+            "--connect-timeout {}: give above 0 and at most 86400 seconds",
             args.connect_timeout
         )));
     }

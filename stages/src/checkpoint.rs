@@ -726,7 +726,8 @@ pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
         return Err(io_err(
             &wpath,
             format!(
-                "{} tensors, model {} has {} parameters",
+                "{} tensors of the checkpoint's model {}, where the model being read has {} \
+                 parameters",
                 weights.len(),
                 state.model,
                 table.len()

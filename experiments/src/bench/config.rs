@@ -280,7 +280,7 @@ impl BenchConfig {
         }
         if !(self.budget_minutes > 0.0 && self.budget_minutes <= 24.0 * 60.0) {
             return Err(format!(
-                "budget_minutes = {}: between 0 and 1440",
+                "budget_minutes = {}: above 0 and at most 1440",
                 self.budget_minutes
             ));
         }

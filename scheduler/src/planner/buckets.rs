@@ -106,7 +106,7 @@ impl std::str::FromStr for BucketSize {
                 Ok(BucketSize::of_mib(mib))
             }
             _ => Err(ScheduleError::Spec(format!(
-                "all-reduce bucket must be between 0 and {} MiB, or one, got '{text}'",
+                "all-reduce bucket must be above 0 and at most {} MiB, or one, got '{text}'",
                 Self::MAX_MIB
             ))),
         }
@@ -392,7 +392,9 @@ mod tests {
             let e = bad.parse::<BucketSize>().unwrap_err().to_string();
             assert_eq!(
                 e,
-                format!("all-reduce bucket must be between 0 and 65536 MiB, or one, got '{bad}'")
+                format!(
+                    "all-reduce bucket must be above 0 and at most 65536 MiB, or one, got '{bad}'"
+                )
             );
         }
         // Every size prints as text that reads back as it.

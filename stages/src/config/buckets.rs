@@ -103,7 +103,7 @@ mod tests {
         let e = "4,many".parse::<BucketSizes>().unwrap_err();
         assert_eq!(
             e,
-            "all-reduce bucket must be between 0 and 65536 MiB, or one, got 'many'"
+            "all-reduce bucket must be above 0 and at most 65536 MiB, or one, got 'many'"
         );
         let cfg = run("stages = 2\nreplicas = [2]\nallreduce_bucket_mb = 0.25");
         assert_eq!(cfg.bucket_size, BucketSize::of_values(1 << 16).unwrap());

@@ -541,7 +541,7 @@ impl TrainSettings {
         let stall = self.stall_timeout.unwrap_or(DEFAULT_STALL_TIMEOUT);
         if !(stall.is_finite() && stall > 0.0 && stall <= MAX_STALL_TIMEOUT) {
             return Err(StageError::Config(format!(
-                "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds (a week), got {stall}"
+                "stall timeout must be above 0 and at most {MAX_STALL_TIMEOUT} seconds (a week), got {stall}"
             )));
         }
         Ok(std::time::Duration::from_secs_f64(stall))

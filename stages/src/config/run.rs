@@ -435,7 +435,7 @@ impl RunConfig {
         let stall = self.stall_timeout.as_secs_f64();
         if !(stall > 0.0 && stall <= MAX_STALL_TIMEOUT) {
             return bad(format!(
-                "stall timeout must be between 0 and {MAX_STALL_TIMEOUT} seconds, got {stall}"
+                "stall timeout must be above 0 and at most {MAX_STALL_TIMEOUT} seconds, got {stall}"
             ));
         }
         self.optimizer.validate()?;

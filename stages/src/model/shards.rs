@@ -335,10 +335,11 @@ impl ShardWriter {
     pub fn push(&mut self, ids: &[u32]) -> Result<()> {
         for &id in ids {
             if u64::from(id) >= self.record.vocab_size {
+                // The tokenizer made it: its ids run past the vocabulary size it declares.
                 return Err(data_err(
-                    self.dir.display(),
+                    "--tokenizer",
                     format!(
-                        "id {id} is outside the vocabulary of {}",
+                        "it gave id {id}, outside its vocabulary of {}",
                         self.record.vocab_size
                     ),
                 ));
@@ -441,10 +442,7 @@ impl ShardWriter {
     pub fn finish(mut self) -> Result<Manifest> {
         self.close_shard()?;
         if self.shards.is_empty() {
-            return Err(data_err(
-                self.dir.display(),
-                "the input holds no text to tokenize",
-            ));
+            return Err(data_err("--input", "holds no text to tokenize"));
         }
         let manifest = Manifest {
             format: FORMAT,

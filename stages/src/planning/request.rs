@@ -57,7 +57,7 @@ pub struct PlanRequest {
     #[arg(long, value_parser = parse_seconds)]
     pub latency: Option<f64>,
     /// Per-worker memory bound.
-    #[arg(long, value_parser = parse_bytes)]
+    #[arg(long, value_parser = parse_memory_bound)]
     pub memory: Option<f64>,
     /// The schedule the plan is for: pipedream, pipedream-nostash, vsync, 2bw, gpipe,
     /// 1f1b-flush or zb-h1.
@@ -95,6 +95,15 @@ pub struct PlanRequest {
     /// The hosts the workers are placed on.
     #[command(flatten)]
     pub placement: super::hosts::HostChoice,
+}
+
+/// `--memory`: a size ([`parse_bytes`]) above 0 (a bound of 0 holds no stage, and its share
+/// printed as `NaN%`).
+fn parse_memory_bound(text: &str) -> std::result::Result<f64, String> {
+    match parse_bytes(text)? {
+        b if b > 0.0 => Ok(b),
+        _ => Err(format!("{text}: a memory bound must be above 0")),
+    }
 }
 
 /// Reads a profile: pipe's JSON, or PipeDream's graph format. Text that opens as JSON does
