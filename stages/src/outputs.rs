@@ -116,7 +116,7 @@ pub fn write_owned_file(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf>
 /// Bad input naming the link.
 pub fn check_owned_file(dir: &Path, name: &str) -> Result<PathBuf> {
     let path = dir.join(name);
-    if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+    if is_link(&path) {
         return Err(StageError::Input(format!(
             "{} is a symbolic link: the command writes {name} itself; remove the link",
             path.display()
@@ -124,6 +124,11 @@ pub fn check_owned_file(dir: &Path, name: &str) -> Result<PathBuf> {
     }
     check_output(&path)?;
     Ok(path)
+}
+
+/// Whether `path` is a symbolic link itself (not followed).
+fn is_link(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink())
 }
 
 /// Refuses two outputs of one command that name the same file (through links or other
@@ -241,17 +246,16 @@ impl StagedDir {
         // A link to a directory stands for it: the output replaces the directory it names
         // (renaming over the link itself would fail once the work was done).
         let resolved;
-        let target = match std::fs::symlink_metadata(target) {
-            Ok(meta) if meta.file_type().is_symlink() => {
-                resolved = std::fs::canonicalize(target).map_err(|e| {
-                    StageError::Input(format!(
-                        "{}: a symbolic link that names nothing usable: {e}",
-                        target.display()
-                    ))
-                })?;
-                resolved.as_path()
-            }
-            _ => target,
+        let target = if is_link(target) {
+            resolved = std::fs::canonicalize(target).map_err(|e| {
+                StageError::Input(format!(
+                    "{}: a symbolic link that names nothing usable: {e}",
+                    target.display()
+                ))
+            })?;
+            resolved.as_path()
+        } else {
+            target
         };
         let first_entry = std::fs::read_dir(target)
             .ok()
@@ -288,28 +292,25 @@ impl StagedDir {
                 target.display()
             ))
         };
-        match std::fs::symlink_metadata(target) {
-            Ok(meta) if meta.file_type().is_symlink() => {
-                return Err(foreign(format!(
-                    "{} is a symbolic link, not a directory of its own",
-                    target.display()
-                )));
-            }
-            Ok(_) => {
-                let entries = std::fs::read_dir(target).map_err(|e| {
-                    StageError::Input(format!("{}: cannot be read: {e}", target.display()))
-                })?;
-                for entry in entries.flatten() {
-                    let plain = entry.file_type().is_ok_and(|t| t.is_file());
-                    if !plain || !owned(&entry.file_name()) {
-                        return Err(foreign(format!(
-                            "{} is not a file the command writes (move it elsewhere)",
-                            entry.path().display()
-                        )));
-                    }
+        if is_link(target) {
+            return Err(foreign(format!(
+                "{} is a symbolic link, not a directory of its own",
+                target.display()
+            )));
+        }
+        if target.exists() {
+            let entries = std::fs::read_dir(target).map_err(|e| {
+                StageError::Input(format!("{}: cannot be read: {e}", target.display()))
+            })?;
+            for entry in entries.flatten() {
+                let plain = entry.file_type().is_ok_and(|t| t.is_file());
+                if !plain || !owned(&entry.file_name()) {
+                    return Err(foreign(format!(
+                        "{} is not a file the command writes (move it elsewhere)",
+                        entry.path().display()
+                    )));
                 }
             }
-            Err(_) => {}
         }
         Self::beside(target, true)
     }
