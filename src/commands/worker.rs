@@ -162,7 +162,9 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         rejoin: own.rejoin,
         replacing: args.replacing,
     };
-    let mut recorder = own.trace_part.as_ref().map(|_| PartRecorder::default());
+    // Each worker keeps its share of the run's trace limit.
+    let workers = cfg.resolved().map_or(1, |r| r.layout.workers());
+    let mut recorder = own.trace_part.as_ref().map(|_| PartRecorder::new(workers));
     let result = match recorder.as_mut() {
         Some(part) => {
             let mut traced = Traced {

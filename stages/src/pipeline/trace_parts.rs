@@ -31,6 +31,69 @@ fn not_a_part(path: &Path, why: &str) -> StageError {
 /// epoch.
 const PART_KEY: &str = "pipeWorker";
 
+/// The most actions a run's trace keeps, over all its workers: the first ones of the run. Past
+/// them a trace would hold every action of a run of any length in memory until it ends (a
+/// long run's trace exhausted it), and a viewer opens a trace this size slowly already. The
+/// actions past it are counted and the run says so (`docs/reliability.md`, "Limits").
+pub const MAX_TRACE_SPANS: usize = 1 << 20;
+
+/// A trace's spans kept up to a limit, with a count of those past it.
+#[derive(Debug)]
+pub struct SpanBuffer {
+    spans: Vec<Span>,
+    limit: usize,
+    dropped: u64,
+}
+
+impl SpanBuffer {
+    /// An empty buffer keeping at most `limit` spans.
+    pub fn new(limit: usize) -> Self {
+        Self {
+            spans: Vec::new(),
+            limit,
+            dropped: 0,
+        }
+    }
+
+    /// Keeps `spans` while there is room, and counts the rest.
+    pub fn extend(&mut self, spans: impl IntoIterator<Item = Span>) {
+        for span in spans {
+            if self.spans.len() < self.limit {
+                self.spans.push(span);
+            } else {
+                self.dropped += 1;
+            }
+        }
+    }
+
+    /// The spans kept.
+    pub fn spans(&self) -> &[Span] {
+        &self.spans
+    }
+
+    /// The spans kept, and how many were not.
+    pub fn into_parts(self) -> (Vec<Span>, u64) {
+        (self.spans, self.dropped)
+    }
+
+    /// How many spans were past the limit.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+}
+
+/// ", of which only the first N actions: M more past the limit" when a trace dropped any.
+fn dropped_note(kept: usize, dropped: u64) -> String {
+    if dropped == 0 {
+        String::new()
+    } else {
+        format!(
+            "; it holds only the run's first {kept} actions ({MAX_TRACE_SPANS} at most per \
+             run): {dropped} later ones are not in it; trace fewer updates to see them"
+        )
+    }
+}
+
 /// A trace a run wrote, for its launcher to report.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TraceWritten {
@@ -38,6 +101,10 @@ pub enum TraceWritten {
     Whole {
         /// Where.
         path: PathBuf,
+        /// Actions in it.
+        kept: usize,
+        /// Actions past [`MAX_TRACE_SPANS`], not in it.
+        dropped: u64,
     },
     /// Merged from the parts the worker processes wrote.
     Merged {
@@ -49,6 +116,10 @@ pub enum TraceWritten {
         workers: u32,
         /// Events in the merged trace.
         events: usize,
+        /// Actions the parts kept.
+        kept: usize,
+        /// Actions past the parts' limits, not in it.
+        dropped: u64,
     },
     /// No worker wrote a part, so nothing was written.
     NoParts {
@@ -60,16 +131,28 @@ pub enum TraceWritten {
 impl std::fmt::Display for TraceWritten {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            TraceWritten::Whole { path } => write!(f, "trace written to {}", path.display()),
+            TraceWritten::Whole {
+                path,
+                kept,
+                dropped,
+            } => write!(
+                f,
+                "trace written to {}{}",
+                path.display(),
+                dropped_note(*kept, *dropped)
+            ),
             TraceWritten::Merged {
                 path,
                 parts,
                 workers,
                 events,
+                kept,
+                dropped,
             } => write!(
                 f,
-                "trace written to {} ({parts} of {workers} workers, {events} events)",
-                path.display()
+                "trace written to {} ({parts} of {workers} workers, {events} events){}",
+                path.display(),
+                dropped_note(*kept, *dropped)
             ),
             TraceWritten::NoParts { path } => write!(
                 f,
@@ -100,18 +183,26 @@ pub fn part_path(template: &Path, rank: u32) -> PathBuf {
     )
 }
 
-/// A worker's spans, kept for its part.
-#[derive(Debug, Default)]
+/// A worker's spans, kept for its part: its share of [`MAX_TRACE_SPANS`].
+#[derive(Debug)]
 pub struct PartRecorder {
     origin: Option<SystemTime>,
-    spans: Vec<Span>,
+    spans: SpanBuffer,
 }
 
 impl PartRecorder {
+    /// A recorder for one of `workers` workers.
+    pub fn new(workers: u32) -> Self {
+        Self {
+            origin: None,
+            spans: SpanBuffer::new(MAX_TRACE_SPANS / workers.max(1) as usize),
+        }
+    }
+
     /// Keeps one segment's `spans` (times from `origin`, the worker's start).
     pub fn record(&mut self, origin: SystemTime, spans: &[Span]) {
         self.origin.get_or_insert(origin);
-        self.spans.extend_from_slice(spans);
+        self.spans.extend(spans.iter().cloned());
     }
 
     /// Writes worker `rank`'s part to `path` (tracks named by `names`).
@@ -124,7 +215,7 @@ impl PartRecorder {
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64() * 1e6);
         let workers = names.len() as u32;
-        let mut timeline = Timeline::new(workers, self.spans.clone());
+        let mut timeline = Timeline::new(workers, self.spans.spans().to_vec());
         timeline.names = names;
         let mut trace: Value = serde_json::from_str(&timeline.to_chrome_trace(None))
             .map_err(|e| StageError::Executor(format!("a trace part's events: {e}")))?;
@@ -132,7 +223,12 @@ impl PartRecorder {
         if let Some(events) = trace["traceEvents"].as_array_mut() {
             events.retain(|e| e["ph"] != "M" || e["tid"] == rank);
         }
-        trace[PART_KEY] = json!({ "rank": rank, "start_us": start_us });
+        trace[PART_KEY] = json!({
+            "rank": rank,
+            "start_us": start_us,
+            "kept": self.spans.spans().len(),
+            "dropped": self.spans.dropped(),
+        });
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io(dir))?;
         }
@@ -191,13 +287,25 @@ impl Observer for Traced<'_> {
     }
 }
 
+/// What [`merge_parts`] wrote: events, and the actions the parts kept and dropped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Merged {
+    /// Events in the merged trace.
+    pub events: usize,
+    /// Actions the parts kept.
+    pub kept: usize,
+    /// Actions past the parts' limits.
+    pub dropped: u64,
+}
+
 /// Merges the parts at `parts` into one Chrome trace at `out`: every part's events shifted by
-/// its start's distance from the earliest start. Returns the number of events.
+/// its start's distance from the earliest start.
 ///
 /// # Errors
 /// A part that cannot be read or is not a part; `out` cannot be written.
-pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<usize> {
+pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<Merged> {
     let mut loaded = Vec::with_capacity(parts.len());
+    let (mut kept, mut dropped) = (0usize, 0u64);
     for path in parts {
         let text = std::fs::read_to_string(path).map_err(|e| {
             StageError::Executor(format!("reading trace part {}: {e}", path.display()))
@@ -207,6 +315,8 @@ pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<usize> {
         let Some(start) = part[PART_KEY]["start_us"].as_f64() else {
             return Err(not_a_part(path, "not a worker's trace part"));
         };
+        kept += part[PART_KEY]["kept"].as_u64().unwrap_or(0) as usize;
+        dropped += part[PART_KEY]["dropped"].as_u64().unwrap_or(0);
         loaded.push((start, part));
     }
     let first = loaded.iter().map(|(s, _)| *s).fold(f64::INFINITY, f64::min);
@@ -225,7 +335,11 @@ pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<usize> {
     let n = events.len();
     let trace = json!({ "traceEvents": events, "displayTimeUnit": "ms" });
     crate::outputs::write_file(out, trace.to_string().as_bytes())?;
-    Ok(n)
+    Ok(Merged {
+        events: n,
+        kept,
+        dropped,
+    })
 }
 
 #[cfg(test)]
@@ -243,7 +357,7 @@ mod tests {
         let t0 = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
         let mut paths = Vec::new();
         for (rank, late) in [(0u32, 0.0f64), (1, 0.5)] {
-            let mut rec = PartRecorder::default();
+            let mut rec = PartRecorder::new(2);
             let origin = t0 + std::time::Duration::from_secs_f64(late);
             let span = Span {
                 worker: rank,
@@ -257,7 +371,7 @@ mod tests {
             paths.push(path);
         }
         let out = dir.join("merged.json");
-        assert_eq!(merge_parts(&paths, &out).unwrap(), 4);
+        assert_eq!(merge_parts(&paths, &out).unwrap().events, 4);
         let merged: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         let events = merged["traceEvents"].as_array().unwrap();
         let ts = |tid: u32| {
@@ -274,5 +388,65 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         let err = merge_parts(&[out], &dir.join("x.json")).unwrap_err();
         assert!(err.to_string().contains("reading trace part"), "{err}");
+    }
+
+    fn span(worker: u32, mb: u32) -> Span {
+        Span {
+            worker,
+            action: Action::Forward { stage: worker, mb },
+            start: f64::from(mb),
+            end: f64::from(mb) + 0.5,
+        }
+    }
+
+    #[test]
+    fn a_trace_keeps_the_first_actions_up_to_its_limit_and_says_how_many_it_left_out() {
+        let mut buf = SpanBuffer::new(3);
+        buf.extend((0..2).map(|mb| span(0, mb)));
+        buf.extend((2..7).map(|mb| span(0, mb)));
+        assert_eq!(buf.dropped(), 4);
+        let (kept, dropped) = buf.into_parts();
+        assert_eq!((kept.len(), dropped), (3, 4));
+        assert_eq!(kept[2].action, Action::Forward { stage: 0, mb: 2 });
+
+        let whole = TraceWritten::Whole {
+            path: "t.json".into(),
+            kept: 3,
+            dropped: 4,
+        };
+        let said = whole.to_string();
+        assert!(
+            said.contains("first 3 actions") && said.contains("4 later ones"),
+            "{said}"
+        );
+        let all = TraceWritten::Whole {
+            path: "t.json".into(),
+            kept: 3,
+            dropped: 0,
+        };
+        assert_eq!(all.to_string(), "trace written to t.json");
+    }
+
+    #[test]
+    fn each_worker_keeps_its_share_and_the_merge_adds_up_what_the_parts_left_out() {
+        let dir = std::env::temp_dir().join(format!("pipe-trace-cap-{}", std::process::id()));
+        let workers = 4u32;
+        let share = MAX_TRACE_SPANS / workers as usize;
+        let t0 = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
+        let mut paths = Vec::new();
+        for rank in 0..2u32 {
+            let mut rec = PartRecorder::new(workers);
+            // Worker 0 records 10 past its share; worker 1 a few.
+            let n = if rank == 0 { share + 10 } else { 5 };
+            let spans: Vec<_> = (0..n as u32).map(|mb| span(rank, mb)).collect();
+            rec.record(t0, &spans);
+            let path = part_path(&dir.join("part-{rank}.json"), rank);
+            rec.write(&path, rank, vec!["a".into(), "b".into()])
+                .unwrap();
+            paths.push(path);
+        }
+        let merged = merge_parts(&paths, &dir.join("merged.json")).unwrap();
+        assert_eq!((merged.kept, merged.dropped), (share + 5, 10));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
 use pipe_scheduler::planner::buckets::StageBuckets;
-use pipe_scheduler::{Layout, Length, Policy, Schedule, Span, Timeline};
+use pipe_scheduler::{Layout, Length, Policy, Schedule, Timeline};
 use pipe_transport::fault::{FaultSchedule, Faulty};
 use pipe_transport::kinds::{MeshSettings, thread_mesh};
 use pipe_transport::registration::Endpoint;
@@ -26,6 +26,7 @@ use super::ledger::{LedgerEntry, segment_ledger};
 use super::run_plan::RunPlan;
 use super::setup::{OrderedSource, Report, Setup};
 use super::survive::{self, LayoutChange};
+use super::trace_parts::{MAX_TRACE_SPANS, SpanBuffer};
 pub use crate::checkpoint::CheckpointPolicy;
 use crate::checkpoint::{Checkpoint, RunState};
 use crate::config::{PartitionChoice, RunConfig};
@@ -47,8 +48,11 @@ pub struct PipelineReport {
     pub partition: Partition,
     /// The schedule of one epoch (lowered).
     pub schedule: Schedule,
-    /// Every action's measured interval over the whole run, when asked for.
+    /// Every action's measured interval over the whole run, when asked for: the first
+    /// [`MAX_TRACE_SPANS`] of them.
     pub timeline: Option<Timeline>,
+    /// The actions past [`MAX_TRACE_SPANS`], not in `timeline`.
+    pub trace_dropped: u64,
     /// The measured version ledger of the whole run, when asked for (empty otherwise).
     pub ledger: Vec<LedgerEntry>,
     /// Checkpoints written, oldest first.
@@ -153,7 +157,7 @@ pub fn train_pipelined(
         states: Vec::new(),
         faults: opts.faults.clone(),
         segments: opts.segments_run.clone(),
-        spans: opts.timeline.then(Vec::new),
+        spans: opts.timeline.then(|| SpanBuffer::new(MAX_TRACE_SPANS)),
         ledger: opts.ledger.then(Vec::new),
         taken_over: None,
         rejoin: opts.rejoin,
@@ -176,6 +180,10 @@ pub fn train_pipelined(
         ))
     })?;
     let workers = plan.schedule.workers();
+    let (spans, trace_dropped) = match threads.spans.map(SpanBuffer::into_parts) {
+        Some((spans, dropped)) => (Some(spans), dropped),
+        None => (None, 0),
+    };
     Ok(PipelineReport {
         report: TrainReport {
             epochs: end.epochs,
@@ -184,7 +192,8 @@ pub fn train_pipelined(
         },
         partition: plan.partition,
         schedule: plan.schedule,
-        timeline: threads.spans.map(|spans| Timeline::new(workers, spans)),
+        timeline: spans.map(|spans| Timeline::new(workers, spans)),
+        trace_dropped,
         ledger: threads.ledger.unwrap_or_default(),
         checkpoints: end.written,
         stopped: end.stopped,
@@ -204,8 +213,9 @@ struct Threads<'a> {
     faults: FaultSchedule,
     /// Segments run so far, runs again and earlier starts of the run included.
     segments: Arc<std::sync::atomic::AtomicU32>,
-    /// Every action's interval on the run's time axis, when asked for (`--trace`).
-    spans: Option<Vec<Span>>,
+    /// Every action's interval on the run's time axis, when asked for (`--trace`), up to
+    /// [`MAX_TRACE_SPANS`].
+    spans: Option<SpanBuffer>,
     /// The measured version ledger, when asked for.
     ledger: Option<Vec<LedgerEntry>>,
     /// The layout change of a replica lost in the last segment and taken over, to make at

@@ -113,7 +113,11 @@ pub fn launch(
         let mut timeline = timeline.clone();
         timeline.names = worker_names(out.schedule.layout());
         crate::outputs::write_file(path, timeline.to_chrome_trace(plan.as_ref()).as_bytes())?;
-        events.on_trace(&TraceWritten::Whole { path: path.clone() });
+        events.on_trace(&TraceWritten::Whole {
+            path: path.clone(),
+            kept: timeline.spans.len(),
+            dropped: out.trace_dropped,
+        });
     }
     Ok(RunEnd {
         steps: out.report.steps,
@@ -155,7 +159,7 @@ fn merge_trace_parts(dir: &Path, workers: u32, out: &Path) -> Result<TraceWritte
             path: out.to_path_buf(),
         });
     }
-    let events = merge_parts(&parts, out)?;
+    let merged = merge_parts(&parts, out)?;
     std::fs::remove_dir_all(dir).map_err(|source| StageError::Io {
         path: dir.display().to_string(),
         source,
@@ -164,6 +168,8 @@ fn merge_trace_parts(dir: &Path, workers: u32, out: &Path) -> Result<TraceWritte
         path: out.to_path_buf(),
         parts: parts.len(),
         workers,
-        events,
+        events: merged.events,
+        kept: merged.kept,
+        dropped: merged.dropped,
     })
 }
