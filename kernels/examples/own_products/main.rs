@@ -1,0 +1,202 @@
+//! An AVX-512 product of pipe's own (`products.rs` beside this file) against the CPU backend
+//! and the `gemm` crate at the GPT-2 step's shapes (or the MLP's, with `MLP` set): the same
+//! bits checked on every shape (against both), then the three timed taking turns.
+//!
+//! ```sh
+//! WIDTHS=768 cargo run --release -p pipe-kernels --features own-products \
+//!     --example own_products -- 2        # threads
+//! ```
+//!
+//! Each of 15 rounds per shape makes one untimed and three timed calls of each (`CALLS=N`:
+//! N), then pauses 0.1 s (`PAUSE_MS=N`: N ms); a row gives the medians over the rounds' timed
+//! calls, in GFLOP/s. The backend and
+//! `gemm` split a product over the threads as the backend does; the own product packs both
+//! operands with every thread's help per depth block and then gives each thread its share of
+//! the output's columns (`PARTS=N`: N shares instead of one per thread; `PRIVATE=1`: each
+//! thread instead computes half of the columns alone, packing its own copy of `A`).
+#![allow(clippy::expect_used, clippy::unwrap_used, dead_code)]
+
+#[path = "../common/mod.rs"]
+mod common;
+mod products;
+
+use std::time::{Duration, Instant};
+
+use common::{each_step_product, median, widths};
+use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
+use rayon::prelude::*;
+
+fn main() {
+    let threads: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    assert!(products::available(), "this machine has no AVX-512");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("pool");
+    let widths = widths("768");
+    let be = CpuBackend::new(threads).expect("backend");
+    println!("{threads} thread(s); GFLOP/s, medians of 15 alternating rounds");
+    println!("| width | product | m x k x n | backend | gemm | own | own / gemm | own / backend |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let (mut sum_gemm, mut sum_own, mut sum_be) = (0.0, 0.0, 0.0);
+    let scratch = std::cell::Cell::new(Vec::new());
+    each_step_product(&widths, |width, layer, (name, a, ta, b, tb)| {
+        let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
+        let strides = |t: Trans, cols: usize| match t {
+            Trans::No => (cols as isize, 1),
+            Trans::Yes => (1, cols as isize),
+        };
+        let (a_rs, a_cs) = strides(ta, a.cols());
+        let (b_rs, b_cs) = strides(tb, b.cols());
+        let (ah, bh) = (a.host().unwrap(), b.host().unwrap());
+        let mut c_gemm = vec![0.0f32; m * n];
+        let mut c_own = vec![0.0f32; m * n];
+        let run_gemm = |c: &mut [f32]| unsafe {
+            pool.install(|| {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    c.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    ah.as_ptr(),
+                    a_cs,
+                    a_rs,
+                    bh.as_ptr(),
+                    b_cs,
+                    b_rs,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(threads),
+                )
+            })
+        };
+        let run_own = |c: &mut [f32]| {
+            let p = products::Product {
+                m,
+                n,
+                k,
+                a: ah.as_ptr(),
+                a_rs,
+                a_cs,
+                b: bh.as_ptr(),
+                b_rs,
+                b_cs,
+                c: c.as_mut_ptr(),
+                ldc: n,
+                accumulate: false,
+            };
+            assert!(products::eligible(&p));
+            let for_each = |count: usize, f: &(dyn Fn(usize) + Sync + Send)| {
+                pool.install(|| (0..count).into_par_iter().for_each(f))
+            };
+            if std::env::var_os("PRIVATE").is_some() {
+                // Each thread the whole product for its half of the columns, packing its own A.
+                let half = (n.div_ceil(32) / 2) * 32;
+                let ranges = [(0, half), (half, n)];
+                pool.install(|| {
+                    ranges.par_iter().for_each(|&(c0, c1)| {
+                        let mut q = p;
+                        q.n = c1 - c0;
+                        q.b = unsafe { bh.as_ptr().offset(c0 as isize * b_cs) };
+                        q.c = unsafe { p.c.add(c0) };
+                        let mut own = Vec::new();
+                        let seq = |count: usize, f: &(dyn Fn(usize) + Sync + Send)| {
+                            (0..count).for_each(f)
+                        };
+                        unsafe { products::multiply(&q, 1, seq, &mut own) };
+                    })
+                });
+                return;
+            }
+            let mut held = scratch.take();
+            let parts: usize = std::env::var("PARTS")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(threads);
+            unsafe { products::multiply(&p, parts, for_each, &mut held) };
+            scratch.set(held);
+        };
+        let mut c_be = Tensor::default();
+        let run_be = |c: &mut Tensor| be.matmul(a, ta, b, tb, c, false).expect("matmul");
+        run_be(&mut c_be);
+        run_gemm(&mut c_gemm);
+        run_own(&mut c_own);
+        let backend_same = c_be
+            .host()
+            .unwrap()
+            .iter()
+            .zip(&c_own)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            backend_same,
+            "{layer} {name}: own product differs from the backend's"
+        );
+        let same = c_gemm
+            .iter()
+            .zip(&c_own)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{layer} {name}: own product differs from gemm's");
+        let (mut tg, mut to, mut tb_) = (Vec::new(), Vec::new(), Vec::new());
+        let calls = env_or("CALLS", 3);
+        let pause = Duration::from_millis(env_or("PAUSE_MS", 100) as u64);
+        for _ in 0..15 {
+            run_be(&mut c_be);
+            for _ in 0..calls {
+                let t = Instant::now();
+                run_be(&mut c_be);
+                tb_.push(t.elapsed().as_secs_f64());
+            }
+            std::thread::sleep(pause);
+            for (run, times, c) in [
+                (&run_gemm as &dyn Fn(&mut [f32]), &mut tg, &mut c_gemm),
+                (&run_own, &mut to, &mut c_own),
+            ] {
+                run(c);
+                for _ in 0..calls {
+                    let t = Instant::now();
+                    run(c);
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                std::thread::sleep(pause);
+            }
+        }
+        let flops = 2.0 * (m * k * n) as f64;
+        let (g, o, bk) = (median(&mut tg), median(&mut to), median(&mut tb_));
+        sum_gemm += g;
+        sum_own += o;
+        sum_be += bk;
+        println!(
+            "| {width} | {layer}: {name} | {m}x{k}x{n} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+            flops / bk / 1e9,
+            flops / g / 1e9,
+            flops / o / 1e9,
+            g / o,
+            bk / o
+        );
+    });
+    println!(
+        "\nsum of the medians: backend {:.1} ms, gemm {:.1} ms, own {:.1} ms (own / gemm rate {:.2}, own / backend {:.2})",
+        sum_be * 1e3,
+        sum_gemm * 1e3,
+        sum_own * 1e3,
+        sum_gemm / sum_own,
+        sum_be / sum_own
+    );
+}
+
+/// The number in the environment variable `name`, else `default`.
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
