@@ -294,10 +294,8 @@ mod kernel {
         out
     }
 
-    /// One `B` panel: columns `j0..j0+NR` (fewer at the end), depth `p0..p0+kc`.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn pack_b_panel(p: &Product, p0: usize, kc: usize, j0: usize, out: *mut f32) {
-        let width = NR.min(p.n - j0);
+    /// The lane masks of a panel's two vectors for its first `width` columns.
+    fn panel_masks(width: usize) -> (__mmask16, __mmask16) {
         let lanes = |w: usize| -> __mmask16 {
             if w >= 16 {
                 0xffff
@@ -305,7 +303,14 @@ mod kernel {
                 ((1u32 << w) - 1) as __mmask16
             }
         };
-        let (m0, m1) = (lanes(width), lanes(width.saturating_sub(16)));
+        (lanes(width), lanes(width.saturating_sub(16)))
+    }
+
+    /// One `B` panel: columns `j0..j0+NR` (fewer at the end), depth `p0..p0+kc`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pack_b_panel(p: &Product, p0: usize, kc: usize, j0: usize, out: *mut f32) {
+        let width = NR.min(p.n - j0);
+        let (m0, m1) = panel_masks(width);
         // SAFETY: rows p0..p0+kc and columns j0..j0+width lie inside B; `out` holds kc * NR.
         unsafe {
             if p.b_cs == 1 {
@@ -409,14 +414,7 @@ mod kernel {
     /// when `add`.
     #[target_feature(enable = "avx512f")]
     unsafe fn store(tile: &Tile, c: *mut f32, ldc: usize, rows: usize, width: usize, add: bool) {
-        let lanes = |w: usize| -> __mmask16 {
-            if w >= 16 {
-                0xffff
-            } else {
-                ((1u32 << w) - 1) as __mmask16
-            }
-        };
-        let (m0, m1) = (lanes(width), lanes(width.saturating_sub(16)));
+        let (m0, m1) = panel_masks(width);
         // SAFETY: rows..rows x width of `c` lie inside the output.
         unsafe {
             for (r, row) in tile.iter().enumerate().take(rows) {
