@@ -24,6 +24,11 @@ enum File {
     /// A sparse file of this many bytes (none of them stored), in place of whatever the
     /// row's setup left there: made after the setup runs.
     Sparse(&'static str, u64),
+    /// A symbolic link at the first path to the second (both in the row's directory), made
+    /// after the setup runs.
+    Link(&'static str, &'static str),
+    /// A hard link at the first path to the second, made after the setup runs.
+    HardLink(&'static str, &'static str),
 }
 
 /// One bad input: the command (`{d}` is the row's directory), the files it needs, the `pipe`
@@ -1233,13 +1238,64 @@ fn init_from(
 /// The surfaces added with token corpora and GPT-2 weights: shards, sizes of a GPT-2,
 /// Hugging Face directories, exports, logits and the optimizer.
 fn newer_surface_rows() -> Vec<Row> {
-    let mut rows = file_and_size_rows();
+    let mut rows = linked_input_and_buffer_rows();
+    rows.extend(file_and_size_rows());
     rows.extend(hugging_face_rows());
     rows.extend(export_logits_and_optimizer_rows());
     rows.extend(cluster_file_rows());
     rows.extend(unasked_overwrite_and_silent_value_rows());
     rows.extend(inputs_written_over_and_thread_rows());
     rows
+}
+
+/// Inputs reached through links by an output, outputs where the checkpoint directory goes, a
+/// user's directory where a checkpoint goes, and benchmarks' buffers past the memory gate.
+fn linked_input_and_buffer_rows() -> Vec<Row> {
+    let earlier = "train --steps 2 --threads 1 --checkpoint-dir {d}/ck --checkpoint-every 1";
+    let cfg = || text("c.toml", "epochs = 1\n");
+    vec![
+        with(
+            "train --config {d}/c.toml --steps 1 --threads 1 --log-jsonl {d}/hard",
+            [cfg(), vec![File::HardLink("hard", "c.toml")]].concat(),
+            "is a file that --config",
+        ),
+        after(
+            &[earlier],
+            "train --steps 3 --threads 1 --checkpoint-dir {d}/ck --resume latest --log-jsonl {d}/outside.json",
+            vec![
+                File::Text("outside.json", "{}".into()),
+                File::Link("ck/ckpt-00000002/extra.json", "outside.json"),
+            ],
+            "(the same file through a link)",
+        ),
+        row(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/lj/ck --log-jsonl {d}/lj",
+            "clash: the directory would be the file or under it",
+        ),
+        row(
+            "train --stages 2 --steps 1 --threads 1 --checkpoint-dir {d}/ck2 --trace {d}/ck2",
+            "clash",
+        ),
+        after(
+            &[earlier],
+            "train --steps 3 --threads 1 --checkpoint-dir {d}/ck --resume auto --checkpoint-every 1",
+            // A user's directory under the next checkpoint's name, made after the setup.
+            vec![File::Sparse("ck/ckpt-00000003/notes.txt", 10)],
+            "is in the way and is not a checkpoint",
+        ),
+        row(
+            "bench mfu --model gpt-mini --steps 1 --batch 100000",
+            "give a smaller --batch",
+        ),
+        row(
+            "bench transport --allreduce-mb 4096 --allreduce-workers 64 --rounds 1 --messages 1",
+            "a smaller --allreduce-mb",
+        ),
+        row(
+            "bench transport --message-mib 1024 --messages 100000 --rounds 1",
+            "fewer --messages",
+        ),
+    ]
 }
 
 /// A cluster file at `cl.toml` of two ranks at `a` and `b` whose credentials are under `cl/`
@@ -2048,7 +2104,7 @@ fn run_row(r: &Row, dir: &Path, cache: &Path) -> Result<(), String> {
             File::Text(n, body) => write_under(dir, n, body.as_bytes()),
             File::Bytes(n, body) => write_under(dir, n, body),
             File::Dir(n) => std::fs::create_dir_all(dir.join(n)).unwrap(),
-            File::Fifo(_) | File::Sparse(..) => {}
+            File::Fifo(_) | File::Sparse(..) | File::Link(..) | File::HardLink(..) => {}
         }
     }
     for cmd in &r.setup {
@@ -2073,6 +2129,15 @@ fn run_row(r: &Row, dir: &Path, cache: &Path) -> Result<(), String> {
                 std::fs::create_dir_all(parent).unwrap();
             }
             std::fs::File::create(&path).unwrap().set_len(*len).unwrap();
+        }
+        if let File::Link(at, to) | File::HardLink(at, to) = f {
+            let (at, to) = (dir.join(at), dir.join(to));
+            let _ = std::fs::remove_file(&at);
+            if matches!(f, File::Link(..)) {
+                std::os::unix::fs::symlink(&to, &at).unwrap();
+            } else {
+                std::fs::hard_link(&to, &at).unwrap();
+            }
         }
     }
     let args = r.args.replace("{d}", &dir.display().to_string());

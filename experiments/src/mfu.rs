@@ -374,13 +374,44 @@ struct StepBench {
     microbatches: u64,
 }
 
+/// The memory gate every run passes ([`pipe_stages::limits::admit_memory`]), for one worker's
+/// step over `batch` samples on the host: the planner's estimate of its weights, gradients,
+/// optimizer state and activations. A batch past this host's memory is refused before
+/// anything is allocated, where it aborted the process.
+///
+/// # Errors
+/// [`ExperimentError::Stage`] with the gate's refusal.
+fn admit_step(
+    model: &Model,
+    batch: usize,
+    optimizer: OptimizerKind,
+) -> Result<(), ExperimentError> {
+    let run =
+        pipe_scheduler::ScheduleSpec::new(pipe_scheduler::Policy::Sequential, 1, 1).resolve()?;
+    let holding = format!(
+        "{} parameters' weights, gradients and optimizer state, and a batch's activations",
+        model.param_count()
+    );
+    let need = pipe_stages::limits::MemoryNeed {
+        bytes: model.worker_memory_bytes(&run, batch, optimizer.state_copies()),
+        workers: 1,
+        holding: &holding,
+        lower: "give a smaller --batch",
+    };
+    pipe_stages::limits::admit_memory(&need, &pipe_stages::limits::Machine::detect())?;
+    Ok(())
+}
+
 impl StepBench {
     fn new(be: &dyn Backend, cfg: &MfuConfig) -> Result<Self, ExperimentError> {
         let spec = measured_spec(&cfg.model, &cfg.gpt2)?;
         let model = Model::new(&spec)?;
+        let (ocfg, lr) = cfg.optimizer.config(cfg.momentum);
+        if be.device() == pipe_kernels::Device::Host {
+            admit_step(&model, cfg.batch, ocfg.kind)?;
+        }
         let params = place_params(be, model.init_params(0))?;
         let grads = place_params(be, model.zero_grads(0..model.len()))?;
-        let (ocfg, lr) = cfg.optimizer.config(cfg.momentum);
         let opt = Optimizer::new(ocfg, &params, &model.optimizer_roles()).placed(be)?;
         let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
         let targets = cfg.batch * rows.iter().product::<usize>();

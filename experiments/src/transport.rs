@@ -307,6 +307,29 @@ pub fn allreduce_rounds<T: Transport + ?Sized>(
     Ok(times)
 }
 
+/// The memory gate every run passes ([`pipe_stages::limits::admit_memory`]), for what the
+/// measurement holds at once: every streamed tensor (they are made before a round starts)
+/// or every all-reduce worker's buffer, each about twice over (what is sent and what is
+/// received). Past this host's memory it is refused before anything is allocated, where it
+/// aborted the process.
+///
+/// # Errors
+/// [`ExperimentError::Stage`] with the gate's refusal.
+pub fn admit_buffers(cfg: &TransportBenchConfig) -> Result<(), ExperimentError> {
+    let tensors = f64::from(cfg.messages + warm_up(cfg));
+    let streams = 2.0 * tensors * (cfg.message_mib << 20) as f64;
+    let reduce = 2.0 * f64::from(cfg.allreduce_workers) * (cfg.allreduce_mb * 1_000_000) as f64;
+    let need = pipe_stages::limits::MemoryNeed {
+        bytes: streams.max(reduce),
+        workers: 1,
+        holding: "the streamed tensors or the all-reduce's buffers",
+        lower: "give fewer --messages, a smaller --message-mib, fewer --allreduce-workers \
+                or a smaller --allreduce-mb",
+    };
+    pipe_stages::limits::admit_memory(&need, &pipe_stages::limits::Machine::detect())?;
+    Ok(())
+}
+
 /// Runs the measurement.
 ///
 /// # Errors
@@ -318,6 +341,7 @@ pub fn run(cfg: &TransportBenchConfig) -> Result<TransportReport, ExperimentErro
                 .into(),
         ));
     }
+    admit_buffers(cfg)?;
     let bytes = (cfg.message_mib << 20) as f64 * f64::from(cfg.messages);
     let warm = warm_up(cfg);
     // Every registered transport streams f32; those with a wire encoding (networked) bf16 too.

@@ -76,6 +76,25 @@ pub fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
     Ok(bytes)
 }
 
+/// The name a temporary file beside `name` starts with: `name` itself, or, where the
+/// temporary's name would pass the 255 bytes a file name may have (a legal name of 230
+/// bytes and more), its first 160 bytes and a hash of the whole.
+fn temporary_stem(name: &str) -> String {
+    const KEEP: usize = 160;
+    if name.len() <= KEEP {
+        return name.to_string();
+    }
+    let mut cut = KEEP;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    // FNV-1a: a stable hash, so two long names that share their first 160 bytes differ.
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{}-{hash:016x}", &name[..cut])
+}
+
 /// Writes `bytes` as the file `path`: into a new temporary file beside it, synced, then
 /// renamed over it, so that a reader sees the old file or the new one whole, never a part,
 /// and a write that fails (a full disk) leaves the old one as it was. `path` may be missing
@@ -94,7 +113,7 @@ pub fn write_replacing(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"))?;
     let temporary = target.with_file_name(format!(
         ".{}.partial-{}",
-        name.to_string_lossy(),
+        temporary_stem(&name.to_string_lossy()),
         std::process::id()
     ));
     let written = (|| {
@@ -197,6 +216,25 @@ fn kind_words(kind: std::fs::FileType) -> &'static str {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn a_file_whose_name_is_as_long_as_a_name_may_be_is_written() {
+        let dir = std::env::temp_dir().join(format!("pipe-long-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // 255 bytes, in two-byte characters past the temporary's cut.
+        let name = format!("{}{}", "m".repeat(155), "é".repeat(50));
+        assert_eq!(name.len(), 255);
+        let path = dir.join(&name);
+        write_replacing(&path, b"one").unwrap();
+        write_replacing(&path, b"two").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            1,
+            "no temporary left"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_new_output_needs_a_directory_it_can_be_written_in() {

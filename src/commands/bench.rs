@@ -46,12 +46,16 @@ fn measure_link_costs(out: Option<&PathBuf>) -> Result<()> {
 /// # Errors
 /// Run-time failures of the benchmark (the flags are range-checked by the parser).
 pub fn run_transport(args: &TransportBenchArgs) -> Result<()> {
+    let cfg = args.config();
+    if !args.costs_only {
+        // Refused before the link costs are measured, not after.
+        pipe_experiments::transport::admit_buffers(&cfg).map_err(experiment_error)?;
+    }
     measure_link_costs(args.costs_out.as_ref())?;
     if args.costs_only {
         return Ok(());
     }
-    let cfg = args.config();
-    let mut report = pipe_experiments::transport::run(&cfg)?;
+    let mut report = pipe_experiments::transport::run(&cfg).map_err(experiment_error)?;
     for registration in pipe_transport::kinds::TRANSPORTS {
         if registration.crosses_processes {
             let transport = TransportKind::Registered(registration);

@@ -349,7 +349,16 @@ fn write_into(
     write_synced(&tmp.join(MANIFEST), &manifest)?;
     sync_dir(tmp)?;
     let dest = root.join(name);
-    if dest.exists() {
+    if std::fs::symlink_metadata(&dest).is_ok() {
+        // Only a checkpoint is replaced: a user's directory or file under a checkpoint's name
+        // is left as it is, and the write fails.
+        if !is_checkpoint(&dest) {
+            return Err(StageError::Input(format!(
+                "checkpoint {} is in the way and is not a checkpoint (no {MANIFEST}): pipe replaces only \
+                 its own checkpoints; move it, or give another --checkpoint-dir",
+                dest.display()
+            )));
+        }
         std::fs::remove_dir_all(&dest).map_err(|e| write_err(&dest, e))?;
     }
     std::fs::rename(tmp, &dest).map_err(|e| write_err(&dest, e))?;
@@ -421,9 +430,19 @@ pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
     out
 }
 
-/// Keeps the newest `keep` checkpoints (and always `current`).
+/// Whether `path` is a checkpoint this module wrote: a directory itself (not a link) that
+/// holds a manifest.
+fn is_checkpoint(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) && path.join(MANIFEST).is_file()
+}
+
+/// Keeps the newest `keep` checkpoints (and always `current`). Only checkpoints count and are
+/// removed: a directory named like one without a manifest is a user's, and is left alone.
 fn prune(root: &Path, keep: usize, current: &str) {
-    let all = list(root);
+    let all: Vec<_> = list(root)
+        .into_iter()
+        .filter(|(_, path)| is_checkpoint(path))
+        .collect();
     let excess = all.len().saturating_sub(keep);
     for (_, path) in all.into_iter().take(excess) {
         if path.file_name().is_some_and(|n| n != current) {
@@ -898,6 +917,43 @@ mod tests {
         remove_stale_temporaries(&root);
         let left: Vec<bool> = names.iter().map(|n| root.join(n).exists()).collect();
         assert_eq!(left, [false, false, true, true]);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A directory or file under a checkpoint's name that is not a checkpoint is never
+    /// replaced or pruned: writing over it fails as bad input, and pruning passes it by.
+    #[test]
+    fn only_checkpoints_are_replaced_or_pruned() {
+        let model = model();
+        let mut ckpt = checkpoint(&model);
+        let root = std::env::temp_dir().join(format!("pipe-ckpt-mine-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        // A user's directories named like checkpoints, one where the next write goes.
+        for name in ["ckpt-0", "ckpt-00000001", &dir_name(ckpt.state.updates)] {
+            std::fs::create_dir_all(root.join(name)).unwrap();
+            std::fs::write(root.join(name).join("notes.txt"), b"precious").unwrap();
+        }
+        let e = write(&root, &model, &ckpt, 1).unwrap_err();
+        assert!(
+            e.is_bad_input() && e.to_string().contains("is in the way"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(root.join(dir_name(ckpt.state.updates))).unwrap();
+        // Two checkpoints kept at most one: the older checkpoint goes, the user's stay.
+        write(&root, &model, &ckpt, 1).unwrap();
+        ckpt.state.updates += 1;
+        write(&root, &model, &ckpt, 1).unwrap();
+        for name in ["ckpt-0", "ckpt-00000001"] {
+            assert!(
+                root.join(name).join("notes.txt").is_file(),
+                "{name} was removed"
+            );
+        }
+        let checkpoints: Vec<_> = list(&root)
+            .into_iter()
+            .filter(|(_, p)| is_checkpoint(p))
+            .collect();
+        assert_eq!(checkpoints.len(), 1);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -92,7 +92,81 @@ pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Resul
             )));
         }
     }
+    // The same file reached another way: a link inside an input to a file outside it (a
+    // corpus's shard kept elsewhere), or a hard link to an input.
+    if let Some(id) = identity(&target) {
+        for input in inputs {
+            let (input_flag, path, owned) = match *input {
+                Input::Whole(f, p) => (f, p, None),
+                Input::Entries(f, p, owned) => (f, p, Some(owned)),
+            };
+            let mut budget = IDENTITY_WALK;
+            if holds_file(path, owned, id, INPUT_DEPTH, &mut budget) {
+                return Err(StageError::Input(format!(
+                    "{flag} {} is a file that {input_flag} {} reads (the same file through a \
+                     link): give a file outside what the command reads",
+                    output.display(),
+                    path.display()
+                )));
+            }
+        }
+    }
     Ok(())
+}
+
+/// How deep [`check_not_input`] looks inside an input directory: a checkpoint directory's
+/// checkpoints hold their files one level down, a model's shards sit at the top.
+const INPUT_DEPTH: u32 = 3;
+/// The most entries it looks at per input (a corpus of a million shards is not walked whole).
+const IDENTITY_WALK: usize = 100_000;
+
+/// A file's identity (device and inode), after links; `None` off Unix or when it cannot be
+/// read.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some((m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
+/// Whether `path`, or a file under it (`depth` levels, the top level's entries filtered by
+/// `owned`, at most `budget` entries), is the file `id`. Links are followed.
+fn holds_file(
+    path: &Path,
+    owned: Option<fn(&std::ffi::OsStr) -> bool>,
+    id: (u64, u64),
+    depth: u32,
+    budget: &mut usize,
+) -> bool {
+    if identity(path) == Some(id) {
+        return true;
+    }
+    if depth == 0 || !path.is_dir() {
+        return false;
+    }
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return false;
+    };
+    for entry in entries.flatten() {
+        if *budget == 0 {
+            return false;
+        }
+        *budget -= 1;
+        if owned.is_some_and(|owned| !owned(&entry.file_name())) {
+            continue;
+        }
+        if holds_file(&entry.path(), None, id, depth - 1, budget) {
+            return true;
+        }
+    }
+    false
 }
 
 /// Writes `bytes` as the file `name` of directory `dir` that a command owns there (a report's
@@ -156,6 +230,47 @@ pub fn check_outputs_distinct(outputs: &[(&str, Option<&Path>)]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Refuses an output file `file` (named by `flag`) where the output directory `dir` (named by
+/// `dir_flag`) goes: the same path, or a path the directory would be under. One of them could
+/// not be written, and the run would find out only at its first write (a checkpoint, after
+/// its first updates).
+///
+/// # Errors
+/// Bad input naming both flags and paths.
+pub fn check_file_not_over_dir(file: &Path, flag: &str, dir: &Path, dir_flag: &str) -> Result<()> {
+    let (f, d) = (landing(file), landing(dir));
+    if d == f || d.starts_with(&f) {
+        return Err(StageError::Input(format!(
+            "{flag} {} and {dir_flag} {} clash: the directory would be the file or under it; \
+             give each its own place",
+            file.display(),
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Where `path` lands: its longest existing ancestor after links, joined with the rest of it
+/// as written (`..` and `.` in the rest taken lexically).
+fn landing(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut rest = Vec::new();
+    let mut base = absolute.as_path();
+    let real = loop {
+        if let Ok(real) = std::fs::canonicalize(base) {
+            break real;
+        }
+        match (base.parent(), base.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                base = parent;
+            }
+            _ => break base.to_path_buf(),
+        }
+    };
+    rest.iter().rev().fold(real, |acc, name| acc.join(name))
 }
 
 /// Where an output file lands: the file after links when it exists, else its directory after
@@ -433,6 +548,43 @@ mod tests {
         ] {
             check_not_input(&fine, "--log-jsonl", &inputs).unwrap();
         }
+        // The same file reached another way: a shard kept outside its corpus through a link
+        // in it, a checkpoint's file likewise, and a hard link to the config.
+        let outside = root.join("elsewhere");
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("s1.tok"), b"x").unwrap();
+        std::os::unix::fs::symlink(outside.join("s1.tok"), corpus.join("shard-1.tok")).unwrap();
+        std::fs::write(outside.join("state.json"), b"{}").unwrap();
+        let linked_state = ck.join("ckpt-00000001").join("linked.json");
+        std::os::unix::fs::symlink(outside.join("state.json"), &linked_state).unwrap();
+        std::fs::hard_link(&config, root.join("hard")).unwrap();
+        assert!(refused(&outside.join("s1.tok")).contains("--dataset"));
+        assert!(refused(&outside.join("state.json")).contains("--checkpoint-dir"));
+        assert!(refused(&root.join("hard")).contains("--config"));
+        // A file outside every input that no input links to stays fine.
+        std::fs::write(outside.join("free.jsonl"), b"").unwrap();
+        check_not_input(&outside.join("free.jsonl"), "--log-jsonl", &inputs).unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_file_output_where_the_checkpoint_directory_goes_is_refused() {
+        let root = std::env::temp_dir().join(format!("pipe-clash-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        let refused = |file: &Path, dir: &Path| {
+            let e =
+                check_file_not_over_dir(file, "--log-jsonl", dir, "--checkpoint-dir").unwrap_err();
+            assert!(e.is_bad_input() && e.to_string().contains("clash"), "{e}");
+        };
+        // Neither exists yet: the same path, and the directory under the file.
+        refused(&root.join("ck"), &root.join("ck"));
+        refused(&root.join("lj"), &root.join("lj/ck"));
+        refused(&root.join("lj"), &root.join("./lj/deeper/ck"));
+        // A log beside the checkpoints, or inside the checkpoint directory, is fine.
+        check_file_not_over_dir(&root.join("log"), "--log-jsonl", &root.join("ck"), "--c").unwrap();
+        check_file_not_over_dir(&root.join("ck/log"), "--log-jsonl", &root.join("ck"), "--c")
+            .unwrap();
         std::fs::remove_dir_all(&root).unwrap();
     }
 

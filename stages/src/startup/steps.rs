@@ -127,6 +127,9 @@ fn check_outputs_apart(
     for (flag, path) in outputs {
         if let Some(path) = path {
             check_not_input(path, flag, &inputs)?;
+            if let Some(dir) = &launch.checkpoint_dir {
+                crate::outputs::check_file_not_over_dir(path, flag, dir, "--checkpoint-dir")?;
+            }
         }
     }
     check_outputs_distinct(&outputs)
