@@ -44,7 +44,18 @@ pub enum Input<'a> {
     Entries(&'a str, &'a Path, fn(&std::ffi::OsStr) -> bool),
 }
 
+/// Which of a directory's entries belong to an input (`None`: all of them).
+type Owned = Option<fn(&std::ffi::OsStr) -> bool>;
+
 impl<'a> Input<'a> {
+    /// Its flag, its path, and which entries of a directory belong to it.
+    fn parts(&self) -> (&'a str, &'a Path, Owned) {
+        match *self {
+            Input::Whole(f, p) => (f, p, None),
+            Input::Entries(f, p, owned) => (f, p, Some(owned)),
+        }
+    }
+
     /// The files or directories a command's flags name, each read whole; flags not given
     /// (`None`) are left out.
     pub fn named(flags: &[(&'a str, Option<&'a Path>)]) -> Vec<Input<'a>> {
@@ -67,10 +78,7 @@ pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Resul
         return Ok(());
     };
     for input in inputs {
-        let (input_flag, path, owned) = match *input {
-            Input::Whole(f, p) => (f, p, None),
-            Input::Entries(f, p, owned) => (f, p, Some(owned)),
-        };
+        let (input_flag, path, owned) = input.parts();
         let Ok(real) = std::fs::canonicalize(path) else {
             continue;
         };
@@ -96,10 +104,7 @@ pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Resul
     // corpus's shard kept elsewhere), or a hard link to an input.
     if let Some(id) = identity(&target) {
         for input in inputs {
-            let (input_flag, path, owned) = match *input {
-                Input::Whole(f, p) => (f, p, None),
-                Input::Entries(f, p, owned) => (f, p, Some(owned)),
-            };
+            let (input_flag, path, owned) = input.parts();
             let mut budget = IDENTITY_WALK;
             if holds_file(path, owned, id, INPUT_DEPTH, &mut budget) {
                 return Err(StageError::Input(format!(
@@ -138,13 +143,7 @@ fn identity(path: &Path) -> Option<(u64, u64)> {
 
 /// Whether `path`, or a file under it (`depth` levels, the top level's entries filtered by
 /// `owned`, at most `budget` entries), is the file `id`. Links are followed.
-fn holds_file(
-    path: &Path,
-    owned: Option<fn(&std::ffi::OsStr) -> bool>,
-    id: (u64, u64),
-    depth: u32,
-    budget: &mut usize,
-) -> bool {
+fn holds_file(path: &Path, owned: Owned, id: (u64, u64), depth: u32, budget: &mut usize) -> bool {
     if identity(path) == Some(id) {
         return true;
     }
