@@ -118,10 +118,7 @@ fn main() {
                 return;
             }
             let mut held = scratch.take();
-            let parts: usize = std::env::var("PARTS")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(threads);
+            let parts = env_or("PARTS", threads);
             unsafe { products::multiply(&p, parts, for_each, &mut held) };
             scratch.set(held);
         };
@@ -130,47 +127,22 @@ fn main() {
         run_be(&mut c_be);
         run_gemm(&mut c_gemm);
         run_own(&mut c_own);
-        let backend_same = c_be
-            .host()
-            .unwrap()
-            .iter()
-            .zip(&c_own)
-            .all(|(x, y)| x.to_bits() == y.to_bits());
+        let host = c_be.host().unwrap();
         assert!(
-            backend_same,
+            same_bits(host, &c_own),
             "{layer} {name}: own product differs from the backend's"
         );
-        let same = c_gemm
-            .iter()
-            .zip(&c_own)
-            .all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "{layer} {name}: own product differs from gemm's");
-        let (mut tg, mut to, mut tb_) = (Vec::new(), Vec::new(), Vec::new());
-        let calls = env_or("CALLS", 3);
-        let pause = Duration::from_millis(env_or("PAUSE_MS", 100) as u64);
-        for _ in 0..15 {
-            run_be(&mut c_be);
-            for _ in 0..calls {
-                let t = Instant::now();
-                run_be(&mut c_be);
-                tb_.push(t.elapsed().as_secs_f64());
-            }
-            std::thread::sleep(pause);
-            for (run, times, c) in [
-                (&run_gemm as &dyn Fn(&mut [f32]), &mut tg, &mut c_gemm),
-                (&run_own, &mut to, &mut c_own),
-            ] {
-                run(c);
-                for _ in 0..calls {
-                    let t = Instant::now();
-                    run(c);
-                    times.push(t.elapsed().as_secs_f64());
-                }
-                std::thread::sleep(pause);
-            }
-        }
+        assert!(
+            same_bits(&c_gemm, &c_own),
+            "{layer} {name}: own product differs from gemm's"
+        );
+        let medians = take_turns(&mut [
+            &mut || run_be(&mut c_be),
+            &mut || run_gemm(&mut c_gemm),
+            &mut || run_own(&mut c_own),
+        ]);
+        let (bk, g, o) = (medians[0], medians[1], medians[2]);
         let flops = 2.0 * (m * k * n) as f64;
-        let (g, o, bk) = (median(&mut tg), median(&mut to), median(&mut tb_));
         sum_gemm += g;
         sum_own += o;
         sum_be += bk;
@@ -191,6 +163,31 @@ fn main() {
         sum_gemm / sum_own,
         sum_be / sum_own
     );
+}
+
+/// Whether two results hold the same bits.
+fn same_bits(x: &[f32], y: &[f32]) -> bool {
+    x.len() == y.len() && x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits())
+}
+
+/// The median seconds of each of `runs`, taking turns: 15 rounds, each run making one untimed
+/// and `CALLS` (3) timed calls, then pausing `PAUSE_MS` (100) ms.
+fn take_turns(runs: &mut [&mut dyn FnMut()]) -> Vec<f64> {
+    let calls = env_or("CALLS", 3);
+    let pause = Duration::from_millis(env_or("PAUSE_MS", 100) as u64);
+    let mut times = vec![Vec::new(); runs.len()];
+    for _ in 0..15 {
+        for (run, times) in runs.iter_mut().zip(&mut times) {
+            run();
+            for _ in 0..calls {
+                let t = Instant::now();
+                run();
+                times.push(t.elapsed().as_secs_f64());
+            }
+            std::thread::sleep(pause);
+        }
+    }
+    times.iter_mut().map(|t| median(t)).collect()
 }
 
 /// The number in the environment variable `name`, else `default`.
