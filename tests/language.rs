@@ -134,6 +134,52 @@ fn bad_language_model_input_exits_2() {
         "temperature",
     );
     assert_bad_input(&["sample", "--checkpoint", c, "--top-k", "0"], "top-k");
+    // A vocabulary edited in the run state and resealed: cut short, then with a character
+    // twice. The model still predicts the original's tokens.
+    for edit in [
+        |chars: &mut Vec<serde_json::Value>| chars.truncate(10),
+        |chars: &mut Vec<serde_json::Value>| chars[1] = chars[0].clone(),
+    ] {
+        let forged = fresh_path("forged-vocab");
+        let copied = std::process::Command::new("cp")
+            .args(["-r", c, forged.to_str().unwrap()])
+            .status()
+            .unwrap();
+        assert!(copied.success());
+        let latest = std::fs::read_to_string(forged.join("latest")).unwrap();
+        let dir = forged.join(latest.trim());
+        let state_path = dir.join("state.json");
+        let mut state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
+        edit(state["vocab"]["chars"].as_array_mut().unwrap());
+        let bytes = state.to_string();
+        std::fs::write(&state_path, &bytes).unwrap();
+        let hash = std::process::Command::new("sha256sum")
+            .arg(&state_path)
+            .output()
+            .unwrap();
+        let hash = String::from_utf8_lossy(&hash.stdout);
+        let manifest_path = dir.join("manifest.json");
+        let mut manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+        for f in manifest["files"].as_array_mut().unwrap() {
+            if f["name"] == "state.json" {
+                f["bytes"] = bytes.len().into();
+                f["sha256"] = hash.split_whitespace().next().unwrap().into();
+            }
+        }
+        std::fs::write(&manifest_path, manifest.to_string()).unwrap();
+        assert_bad_input(
+            &[
+                "sample",
+                "--checkpoint",
+                forged.to_str().unwrap(),
+                "--prompt",
+                "a",
+            ],
+            "the checkpoint is damaged",
+        );
+    }
     assert_bad_input(
         &[
             "sample",

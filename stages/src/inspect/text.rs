@@ -86,6 +86,22 @@ pub fn codec_for(
         return Ok(Codec::Tokenizer(tk));
     }
     if let Some(vocab) = &state.vocab {
+        // The run state's vocabulary must be the one the model was sized for: one character
+        // per output, each once (a state edited by hand and given a fresh hash is read here).
+        let distinct = vocab
+            .chars
+            .iter()
+            .collect::<std::collections::HashSet<_>>()
+            .len();
+        if vocab.len() != outputs || distinct != vocab.len() {
+            return Err(StageError::Input(format!(
+                "{}: its vocabulary ({} characters, {} distinct) is not the one its model \
+                 predicts ({outputs} tokens): the checkpoint is damaged",
+                dir.display(),
+                vocab.len(),
+                distinct
+            )));
+        }
         return Ok(Codec::Chars(vocab.clone()));
     }
     Err(StageError::Input(if state.corpus.is_some() {
