@@ -133,7 +133,7 @@ impl InProc {
 
 /// The wire precision of a message of `kind` on a run whose wire is `wire`: all-reduce chunks
 /// are always f32 (sums of rounded chunks would drift between replicas' orders).
-pub(crate) fn wire_for(kind: Kind, wire: WireDType) -> WireDType {
+pub fn wire_for(kind: Kind, wire: WireDType) -> WireDType {
     match kind {
         Kind::Chunk | Kind::Control => WireDType::F32,
         Kind::Activation | Kind::Gradient => wire,
@@ -142,7 +142,7 @@ pub(crate) fn wire_for(kind: Kind, wire: WireDType) -> WireDType {
 
 /// `message`'s values rounded as a wire of `wire` would carry them ([`wire_for`]), for a
 /// link that moves the message itself: what its receiver reads has a networked link's bits.
-pub(crate) fn round_as_on_the_wire(message: &mut Message, wire: WireDType) {
+pub fn round_as_on_the_wire(message: &mut Message, wire: WireDType) {
     let wire = wire_for(message.key.kind, wire);
     if wire != WireDType::F32 {
         if let Ok(values) = message.tensor.host_mut() {

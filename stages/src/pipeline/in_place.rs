@@ -55,6 +55,9 @@ pub struct AdoptJob {
     pub resume: Resume,
     /// Its stage's state at the boundary.
     pub state: WorkerState,
+    /// The messages it reads that its adopter's log held, served from memory
+    /// ([`super::takeover::for_hosted`]).
+    pub kept: HashMap<Key, Message>,
 }
 
 /// How far a recovery where the survivors stood got before it could not go on: what the
@@ -240,16 +243,20 @@ impl InPlace<'_> {
         let versions = &planned.versions;
         let ends_at = super::adopt::takeover_ends_at(plan, versions, false);
         let in_flight = super::adopt::update_in_flight(plan, versions);
+        let traffic = self.traffic.clone();
+        let mut log = traffic.lock().map_err(|_| poisoned("a traffic log"))?;
+        let goes_on = (plan, GoesOn::WhereItStood);
+        let mut handing = super::takeover::to_hand_over(me, goes_on, &planned, (&mut log, latest))?;
         if let Some(hosted) = hosted {
             let version = versions.get(lost as usize).copied().unwrap_or(0);
-            self.adopt_lost(hosted, lost, version, (&mut points, ends_at))?;
+            let kept = super::takeover::for_hosted(&mut handing, lost, self.cfg.wire);
+            let lost_part = (hosted, lost, version, kept);
+            self.adopt_lost(lost_part, (&mut points, ends_at))?;
         }
         drop(points);
-        let kept = {
-            let mut log = self.traffic.lock().map_err(|_| poisoned("a traffic log"))?;
-            let goes_on = (plan, GoesOn::WhereItStood);
-            super::takeover::hand_over(ep.as_mut(), goes_on, &planned, (&mut log, latest))?
-        };
+        super::takeover::send_all(ep.as_mut(), handing)?;
+        let kept = log.take_received();
+        drop(log);
         self.moved.set(lost);
         RecordWriter::recovery(RecoveryPhase::Restarted)?;
         self.outcome = Outcome::Recovered(Recovered {
@@ -259,15 +266,14 @@ impl InPlace<'_> {
         Ok(Some((ep, kept)))
     }
 
-    /// Hands the lost program, resumed at `version` and ending at step `ends_at`, to the
-    /// thread that runs it beside this worker's own. Its states are moved out of this
+    /// Hands the lost program, resumed at `version` and ending at step `ends_at`, with the
+    /// messages this worker's log `kept` for it, to the thread that runs it beside this
+    /// worker's own. Its states are moved out of this
     /// worker's `points`, not copied: this worker's program went on where it stood, so no
     /// recovery of this segment reads them again.
     fn adopt_lost(
         &mut self,
-        hosted: Endpoint,
-        lost: u32,
-        version: u32,
+        (hosted, lost, version, kept): (Endpoint, u32, u32, HashMap<Key, Message>),
         (points, ends_at): (&mut Points, u64),
     ) -> Result<()> {
         let start = self
@@ -281,6 +287,7 @@ impl InPlace<'_> {
             hosted,
             resume,
             state,
+            kept,
         };
         self.adopt
             .take()

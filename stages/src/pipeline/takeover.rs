@@ -26,6 +26,7 @@
 use std::collections::HashSet;
 use std::io::Write as _;
 
+use pipe_transport::frame::WireDType;
 use pipe_transport::{Key, Kind, Message, Transport};
 
 use super::adopt::{GoesOn, Held, Traffic, adopter_of, handed_over, plan_takeover};
@@ -275,20 +276,20 @@ pub fn settle(
     Ok(of(me))
 }
 
-/// Sends every message of `traffic` (worker `from`'s log) that another worker's program,
-/// resumed as `planned`, reads, its receiver's log does not hold, and `from`'s own does not
-/// send again as it `goes_on`, over `ep`; returns the messages `from` itself received, by
-/// key, for its own program.
+/// Every message of `traffic` (worker `from`'s log) that another worker's program, resumed
+/// as `planned`, reads, its receiver's log does not hold, and `from`'s own does not send again
+/// as it `goes_on`, taken out of the log. The caller keeps back those for a rank its own
+/// process hosts ([`for_hosted`]) and sends the rest ([`send_all`]); what is left in the log
+/// ([`Traffic::take_received`]) is what `from`'s own program reads.
 ///
 /// # Errors
-/// A version no program reaches; a send that fails.
-pub fn hand_over(
-    ep: &mut dyn Transport,
+/// A version no program reaches.
+pub fn to_hand_over(
+    from: u32,
     (plan, goes_on): (&RunPlan, GoesOn),
     planned: &Planned,
     (traffic, latest): (&mut Traffic, u64),
-) -> Result<std::collections::HashMap<Key, Message>> {
-    let from = ep.rank();
+) -> Result<Vec<Message>> {
     let mut wanted = handed_over(
         plan,
         (from, goes_on),
@@ -298,10 +299,41 @@ pub fn hand_over(
     // What a receiver's log holds it has: a resumed program is served it from there, and one
     // that stood has read it.
     wanted.retain(|k| !planned.delivered.contains(k));
-    for m in traffic.take_sent(&wanted) {
+    Ok(traffic.take_sent(&wanted))
+}
+
+/// Takes the messages for rank `hosted` out of `handing`: the lost rank this worker's process
+/// hosts, whose program is served them from memory rather than sent them through a link
+/// inside the process. A link's buffer holds only so much, and the hosted program reads its
+/// messages only as it reaches them, so a hand-over through it would hold this worker's own
+/// program back until then. Their values are rounded as a wire of `wire` would carry them, so
+/// the hosted program reads the bits a link would have brought.
+pub fn for_hosted(
+    handing: &mut Vec<Message>,
+    hosted: u32,
+    wire: WireDType,
+) -> std::collections::HashMap<Key, Message> {
+    let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(handing)
+        .into_iter()
+        .partition(|m| m.key.to == hosted);
+    *handing = rest;
+    mine.into_iter()
+        .map(|mut m| {
+            pipe_transport::inproc::round_as_on_the_wire(&mut m, wire);
+            (m.key, m)
+        })
+        .collect()
+}
+
+/// Sends `messages` over `ep`, in order.
+///
+/// # Errors
+/// A send that fails.
+pub fn send_all(ep: &mut dyn Transport, messages: Vec<Message>) -> Result<()> {
+    for m in messages {
         ep.send(m)?;
     }
-    Ok(traffic.take_received())
+    Ok(())
 }
 
 #[cfg(test)]

@@ -758,14 +758,18 @@ impl<T: Transport> Process<'_, T> {
         let log = failed
             .traffic
             .ok_or_else(|| StageError::Executor("a takeover without a traffic log".into()))?;
-        let kept = {
+        let (kept, kept_for_lost) = {
             let mut log = log.lock().map_err(|_| super::rollback::poisoned())?;
-            super::takeover::hand_over(
-                ep.as_mut(),
-                (plan, super::adopt::GoesOn::AtBoundary),
-                &adopted.planned,
-                (&mut log, latest),
-            )?
+            let goes_on = (plan, super::adopt::GoesOn::AtBoundary);
+            let traffic = (&mut *log, latest);
+            let mut handing =
+                super::takeover::to_hand_over(me, goes_on, &adopted.planned, traffic)?;
+            let for_lost = match lost_part {
+                Some(_) => super::takeover::for_hosted(&mut handing, lost, run.cfg.wire),
+                None => Default::default(),
+            };
+            super::takeover::send_all(ep.as_mut(), handing)?;
+            (log.take_received(), for_lost)
         };
         losses.restart(
             ep.as_mut(),
@@ -783,6 +787,7 @@ impl<T: Transport> Process<'_, T> {
                         hosted,
                         resume,
                         state,
+                        kept: kept_for_lost,
                     };
                     s.spawn(move || run_adopted((run, plan, at, index), setup, job, t))
                 });
@@ -938,6 +943,7 @@ fn run_adopted<'r>(
         hosted,
         resume,
         mut state,
+        kept,
     } = job;
     let (lost, cfg) = (state.worker, run.cfg);
     let (tx, rx) = crossbeam_channel::unbounded();
@@ -948,7 +954,7 @@ fn run_adopted<'r>(
     let be = super::train::open_backend(cfg.backend, cfg.threads.max(1), lost)?;
     let mut relay = LossRelay::new(run, plan, at, index, lost);
     let mut quiet = super::observe::Quiet;
-    let mut ep = Serving::new(hosted, Default::default());
+    let mut ep = Serving::new(hosted, kept);
     let between = &mut Polling::of(&mut relay, &rx, &mut quiet);
     let out = resume_worker_with(&be, &mut ep, &setup, &mut state, resume, t, between)?;
     let mut ep = ep.into_inner();
