@@ -56,7 +56,7 @@ pub struct AdoptJob {
     /// Its stage's state at the boundary.
     pub state: WorkerState,
     /// The messages it reads that its adopter's log held, served from memory
-    /// ([`super::takeover::for_hosted`]).
+    /// ([`super::takeover::HandOver::hosted`]).
     pub kept: HashMap<Key, Message>,
 }
 
@@ -246,15 +246,16 @@ impl InPlace<'_> {
         let traffic = self.traffic.clone();
         let mut log = traffic.lock().map_err(|_| poisoned("a traffic log"))?;
         let goes_on = (plan, GoesOn::WhereItStood);
-        let mut handing = super::takeover::to_hand_over(me, goes_on, &planned, (&mut log, latest))?;
+        let beside = hosted.is_some().then_some((lost, self.cfg.wire));
+        let logged = (&mut *log, latest);
+        let hand = super::takeover::to_hand_over(me, goes_on, &planned, logged, beside)?;
         if let Some(hosted) = hosted {
             let version = versions.get(lost as usize).copied().unwrap_or(0);
-            let kept = super::takeover::for_hosted(&mut handing, lost, self.cfg.wire);
-            let lost_part = (hosted, lost, version, kept);
+            let lost_part = (hosted, lost, version, hand.hosted);
             self.adopt_lost(lost_part, (&mut points, ends_at))?;
         }
         drop(points);
-        super::takeover::send_all(ep.as_mut(), handing)?;
+        super::takeover::send_all(ep.as_mut(), hand.send)?;
         let kept = log.take_received();
         drop(log);
         self.moved.set(lost);
@@ -268,9 +269,9 @@ impl InPlace<'_> {
 
     /// Hands the lost program, resumed at `version` and ending at step `ends_at`, with the
     /// messages this worker's log `kept` for it, to the thread that runs it beside this
-    /// worker's own. Its states are moved out of this
-    /// worker's `points`, not copied: this worker's program went on where it stood, so no
-    /// recovery of this segment reads them again.
+    /// worker's own. Its states are moved out of this worker's `points`, not copied: this
+    /// worker's program went on where it stood, so no recovery of this segment reads them
+    /// again.
     fn adopt_lost(
         &mut self,
         (hosted, lost, version, kept): (Endpoint, u32, u32, HashMap<Key, Message>),

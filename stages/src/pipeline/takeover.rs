@@ -276,11 +276,24 @@ pub fn settle(
     Ok(of(me))
 }
 
+/// What a worker hands over after a loss ([`to_hand_over`]).
+pub struct HandOver {
+    /// The messages to send, in order ([`send_all`]).
+    pub send: Vec<Message>,
+    /// The messages for the lost rank this worker's process hosts, by key, for its program's
+    /// endpoint to serve from memory rather than be sent through a link inside the process:
+    /// a link's buffer holds only so much, and the hosted program reads its messages only as
+    /// it reaches them, so a hand-over through it would hold this worker's own program back
+    /// until then. Their values are rounded as the wire would carry them, so the hosted
+    /// program reads the bits a link would have brought.
+    pub hosted: std::collections::HashMap<Key, Message>,
+}
+
 /// Every message of `traffic` (worker `from`'s log) that another worker's program, resumed
 /// as `planned`, reads, its receiver's log does not hold, and `from`'s own does not send again
-/// as it `goes_on`, taken out of the log. The caller keeps back those for a rank its own
-/// process hosts ([`for_hosted`]) and sends the rest ([`send_all`]); what is left in the log
-/// ([`Traffic::take_received`]) is what `from`'s own program reads.
+/// as it `goes_on`, taken out of the log; those for rank `hosted.0`, where `from`'s process
+/// hosts it, kept apart and rounded as a wire of `hosted.1` would carry them. What is left in
+/// the log ([`Traffic::take_received`]) is what `from`'s own program reads.
 ///
 /// # Errors
 /// A version no program reaches.
@@ -289,7 +302,8 @@ pub fn to_hand_over(
     (plan, goes_on): (&RunPlan, GoesOn),
     planned: &Planned,
     (traffic, latest): (&mut Traffic, u64),
-) -> Result<Vec<Message>> {
+    hosted: Option<(u32, WireDType)>,
+) -> Result<HandOver> {
     let mut wanted = handed_over(
         plan,
         (from, goes_on),
@@ -299,30 +313,20 @@ pub fn to_hand_over(
     // What a receiver's log holds it has: a resumed program is served it from there, and one
     // that stood has read it.
     wanted.retain(|k| !planned.delivered.contains(k));
-    Ok(traffic.take_sent(&wanted))
-}
-
-/// Takes the messages for rank `hosted` out of `handing`: the lost rank this worker's process
-/// hosts, whose program is served them from memory rather than sent them through a link
-/// inside the process. A link's buffer holds only so much, and the hosted program reads its
-/// messages only as it reaches them, so a hand-over through it would hold this worker's own
-/// program back until then. Their values are rounded as a wire of `wire` would carry them, so
-/// the hosted program reads the bits a link would have brought.
-pub fn for_hosted(
-    handing: &mut Vec<Message>,
-    hosted: u32,
-    wire: WireDType,
-) -> std::collections::HashMap<Key, Message> {
-    let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(handing)
-        .into_iter()
-        .partition(|m| m.key.to == hosted);
-    *handing = rest;
-    mine.into_iter()
-        .map(|mut m| {
-            pipe_transport::inproc::round_as_on_the_wire(&mut m, wire);
-            (m.key, m)
-        })
-        .collect()
+    let mut hand = HandOver {
+        send: Vec::new(),
+        hosted: std::collections::HashMap::new(),
+    };
+    for mut m in traffic.take_sent(&wanted) {
+        match hosted {
+            Some((rank, wire)) if m.key.to == rank => {
+                pipe_transport::inproc::round_as_on_the_wire(&mut m, wire);
+                hand.hosted.insert(m.key, m);
+            }
+            _ => hand.send.push(m),
+        }
+    }
+    Ok(hand)
 }
 
 /// Sends `messages` over `ep`, in order.

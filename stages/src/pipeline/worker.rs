@@ -762,14 +762,11 @@ impl<T: Transport> Process<'_, T> {
             let mut log = log.lock().map_err(|_| super::rollback::poisoned())?;
             let goes_on = (plan, super::adopt::GoesOn::AtBoundary);
             let traffic = (&mut *log, latest);
-            let mut handing =
-                super::takeover::to_hand_over(me, goes_on, &adopted.planned, traffic)?;
-            let for_lost = match lost_part {
-                Some(_) => super::takeover::for_hosted(&mut handing, lost, run.cfg.wire),
-                None => Default::default(),
-            };
-            super::takeover::send_all(ep.as_mut(), handing)?;
-            (log.take_received(), for_lost)
+            let beside = lost_part.is_some().then_some((lost, run.cfg.wire));
+            let hand =
+                super::takeover::to_hand_over(me, goes_on, &adopted.planned, traffic, beside)?;
+            super::takeover::send_all(ep.as_mut(), hand.send)?;
+            (log.take_received(), hand.hosted)
         };
         losses.restart(
             ep.as_mut(),
