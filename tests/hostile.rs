@@ -1346,6 +1346,25 @@ fn cluster_file_rows() -> Vec<Row> {
             ),
             "cl/rank-0.key",
         ),
+        // An address that is not this host's (TEST-NET-1), and a run that is no pipeline.
+        after(
+            &[init],
+            "worker --cluster {d}/cl.toml --rank 0 --stages 2 --steps 1",
+            text(
+                "cl.toml",
+                cluster_toml("192.0.2.1:29400", "127.0.0.1:0", "cl/ca.pem"),
+            ),
+            "cannot listen at 192.0.2.1:29400: it is not an address of this host",
+        ),
+        after(
+            &[init],
+            "worker --cluster {d}/cl.toml --rank 0 --stages 1 --steps 1",
+            text(
+                "cl.toml",
+                cluster_toml("127.0.0.1:0", "127.0.0.1:0", "cl/ca.pem"),
+            ),
+            "this run is one worker training the whole model",
+        ),
         after(
             &[init],
             "worker --cluster {d}/cl.toml --rank 0 --stages 2 --steps 1",

@@ -133,6 +133,10 @@ fn bad_language_model_input_exits_2() {
         &["sample", "--checkpoint", c, "--temperature=-1"],
         "temperature",
     );
+    assert_bad_input(
+        &["sample", "--checkpoint", c, "--temperature", "1e39"],
+        "1e39 is too large",
+    );
     assert_bad_input(&["sample", "--checkpoint", c, "--top-k", "0"], "top-k");
     // A vocabulary edited in the run state and resealed: cut short, then with a character
     // twice. The model still predicts the original's tokens.

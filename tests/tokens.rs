@@ -189,6 +189,15 @@ fn first_shard(dir: &Path) -> PathBuf {
     dir.join("shard-00000.tok")
 }
 
+/// A BPE over `a` and `b` alone, split at whitespace, with no unknown token or byte fallback.
+const NARROW_BPE: &str = r#"{"version": "1.0", "truncation": null, "padding": null,
+  "added_tokens": [], "normalizer": null,
+  "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+  "model": {"type": "BPE", "dropout": null, "unk_token": null,
+    "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+    "byte_fallback": false, "ignore_merges": false,
+    "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}}"#;
+
 #[test]
 fn bad_input_and_bad_shards_exit_2_with_one_line_naming_file_and_byte() {
     let out = fresh_path("bad-out");
@@ -209,6 +218,21 @@ fn bad_input_and_bad_shards_exit_2_with_one_line_naming_file_and_byte() {
         &tokenize(s(&not_json), SHAKESPEARE, &out, &[]),
         &["not-a-tokenizer.json", "not a tokenizer.json"],
     );
+
+    // A BPE with no unknown token or byte fallback gives 'c' no token: refused, not dropped.
+    let narrow = fresh_path("narrow-bpe.json");
+    std::fs::write(&narrow, NARROW_BPE).unwrap();
+    let text = fresh_path("abc.txt");
+    std::fs::write(&text, "ab ba\ncab\n").unwrap();
+    let narrow_out = fresh_path("narrow-out");
+    refused(
+        &tokenize(s(&narrow), s(&text), &narrow_out, &[]),
+        &["abc.txt", "'c' at byte 6 has no token", "would be lost"],
+    );
+    assert!(!narrow_out.exists(), "nothing written for a refused corpus");
+    // Where every character has a token it tokenizes (spaces are the pre-tokenizer's).
+    std::fs::write(&text, "ab ba\nbab\n").unwrap();
+    ok(&tokenize(s(&narrow), s(&text), &narrow_out, &[]));
 
     // A directory that already holds a corpus.
     let dir = fresh_path("bad-shards");

@@ -78,8 +78,9 @@ pub fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
 
 /// The name a temporary file beside `name` starts with: `name` itself, or, where the
 /// temporary's name would pass the 255 bytes a file name may have (a legal name of 230
-/// bytes and more), its first 160 bytes and a hash of the whole.
-fn temporary_stem(name: &str) -> String {
+/// bytes and more), its first 160 bytes and a hash of the whole. Every temporary file or
+/// directory put beside an output (`.NAME.partial-PID`, `.NAME.tmp-PID`) is named from it.
+pub fn temporary_stem(name: &str) -> String {
     const KEEP: usize = 160;
     if name.len() <= KEEP {
         return name.to_string();

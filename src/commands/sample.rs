@@ -29,7 +29,7 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = 500)]
     tokens: usize,
     /// Softmax temperature (0: always the most likely token).
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, value_parser = pipe_stages::config::parse_f32)]
     temperature: f32,
     /// Draw only among the K most likely tokens.
     #[arg(long, value_name = "K")]

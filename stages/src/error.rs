@@ -146,7 +146,7 @@ impl StageError {
             | StageError::Limit(_)
             | StageError::Checkpoint(_) => true,
             StageError::Schedule(e) => e.is_bad_input(),
-            StageError::Transport(pipe_transport::TransportError::BadFile(_)) => true,
+            StageError::Transport(e) => e.is_bad_input(),
             StageError::Launch { bad_input, .. } => *bad_input,
             StageError::Worker { source, .. } => source.is_bad_input(),
             _ => false,

@@ -399,7 +399,8 @@ impl StagedDir {
     /// # Errors
     /// As [`StagedDir::claim_empty`], and bad input naming an entry `owned` does not accept.
     pub fn regenerating(target: &Path, owned: fn(&std::ffi::OsStr) -> bool) -> Result<Self> {
-        check_output_dir(target, "--out")?;
+        // No flag names it: it is inside the directory the command writes.
+        check_output_dir(target, "the regenerated directory")?;
         let foreign = |why: String| {
             StageError::Input(format!(
                 "{why}: {} is regenerated whole, so it holds only the files the command writes",
@@ -437,7 +438,7 @@ impl StagedDir {
         let parent = pipe_kernels::files::parent_dir(target);
         let staging = parent.join(format!(
             ".{}.partial-{}",
-            name.to_string_lossy(),
+            pipe_kernels::files::temporary_stem(&name.to_string_lossy()),
             std::process::id()
         ));
         let _ = std::fs::remove_dir_all(&staging);
@@ -620,6 +621,20 @@ mod tests {
             "{e}"
         );
         std::fs::remove_file(plots.join("notes.txt")).unwrap();
+        // A file where the directory goes: named as what it is, not as a flag the command
+        // never took.
+        let file = root.join("plots-file");
+        std::fs::write(&file, b"mine").unwrap();
+        let e = StagedDir::regenerating(&file, is_plot)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("regenerated directory")
+                && e.contains("not a directory")
+                && !e.contains("--out"),
+            "{e}"
+        );
+        std::fs::remove_file(&file).unwrap();
         std::fs::create_dir(plots.join("sub.svg")).unwrap();
         assert!(StagedDir::regenerating(&plots, is_plot).is_err());
         std::fs::remove_dir(plots.join("sub.svg")).unwrap();

@@ -102,7 +102,7 @@ fn sibling(dir: &Path, kind: &str) -> Result<PathBuf, TransportError> {
     let parent = pipe_kernels::files::parent_dir(dir);
     Ok(parent.join(format!(
         ".{}.{kind}-{}",
-        name.to_string_lossy(),
+        pipe_kernels::files::temporary_stem(&name.to_string_lossy()),
         std::process::id()
     )))
 }
@@ -136,15 +136,31 @@ pub enum Existing {
 /// read: each a `host:port` (a name or an IP address, and a port number), and no two ranks at
 /// one address (port 0, "any free port", is a launcher's to assign). Names are resolved only
 /// when a worker connects ([`ClusterFile::addrs`]).
+/// Whether `host` can name a host: a name of letters, digits, `-`, `_` and `.` (an IPv4
+/// address among them), or an IPv6 address in brackets.
+fn is_host(host: &str) -> bool {
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && host
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        }
+    }
+}
+
 fn check_addrs<'a>(addrs: impl Iterator<Item = &'a str>, what: &str) -> Result<(), TransportError> {
     let mut seen = std::collections::HashMap::new();
     for (rank, addr) in addrs.enumerate() {
         let shaped = addr
             .rsplit_once(':')
-            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            .is_some_and(|(host, port)| is_host(host) && port.parse::<u16>().is_ok());
         if !shaped {
             return Err(bad_file(format!(
-                "{what}: rank {rank}'s address '{addr}' is not host:port"
+                "{what}: rank {rank}'s address '{}' is not host:port (a host name, an IPv4 \
+                 address or a bracketed IPv6 one)",
+                addr.escape_debug()
             )));
         }
         if addr.ends_with(":0") {

@@ -248,6 +248,11 @@ pub enum TransportError {
     /// too large or malformed: bad input, named with the file.
     #[error("{0}")]
     BadFile(String),
+    /// An address a user gave (a cluster file's rank, `--listen`) that this host cannot
+    /// listen at: not one of its addresses, taken by another program, or a port its user may
+    /// not bind. Bad input, named with the address.
+    #[error("{0}")]
+    CannotListen(String),
     /// A send failed; the message is handed back.
     #[error("sending {:?} failed: {reason}", .message.key)]
     Send {
@@ -259,6 +264,28 @@ pub enum TransportError {
 }
 
 impl TransportError {
+    /// Whether the user can fix it in what they gave (a file, an address), so a command-line
+    /// front end should exit with status 2.
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            TransportError::BadFile(_) | TransportError::CannotListen(_)
+        )
+    }
+
+    /// The failure to listen at `addr` (`e`, from binding it): [`TransportError::CannotListen`]
+    /// where the address is the user's to change, else [`TransportError::Setup`].
+    pub fn binding(addr: std::net::SocketAddr, e: &std::io::Error) -> Self {
+        use std::io::ErrorKind::{AddrInUse, AddrNotAvailable, PermissionDenied};
+        let why = match e.kind() {
+            AddrNotAvailable => "it is not an address of this host",
+            AddrInUse => "another program listens there",
+            PermissionDenied => "this user may not bind that port",
+            _ => return TransportError::Setup(format!("binding {addr}: {e}")),
+        };
+        TransportError::CannotListen(format!("cannot listen at {addr}: {why} ({e})"))
+    }
+
     /// [`TransportError::Send`]: `message`, handed back unsent, and why.
     pub(crate) fn unsent(message: Message, reason: impl Into<String>) -> Self {
         TransportError::Send {

@@ -478,8 +478,7 @@ const SOCKET_BUFFER_BYTES: usize = 8 << 20;
 
 /// A UDP socket bound to `addr` with large buffers (best effort: a capped request is kept).
 fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket, TransportError> {
-    let socket =
-        std::net::UdpSocket::bind(addr).map_err(|e| setup_err(&format!("bind {addr}"), e))?;
+    let socket = std::net::UdpSocket::bind(addr).map_err(|e| TransportError::binding(addr, &e))?;
     let state = quinn::udp::UdpSocketState::new((&socket).into())
         .map_err(|e| setup_err("UDP socket", e))?;
     let _ = state.set_recv_buffer_size((&socket).into(), SOCKET_BUFFER_BYTES);

@@ -150,15 +150,6 @@ pub trait BoundEndpoint: Send {
     /// `peers`); shared memory finds its peers in the meeting directory.
     fn needs_addresses(&self) -> bool;
 
-    /// Where rank `rank`'s endpoint of this kind listens, where that follows from the rank
-    /// alone (shared memory's socket in the meeting directory), else `None`. Survivors of a
-    /// lost worker whose every address follows so name their mesh themselves, with no round
-    /// through the launcher.
-    fn address_of(&self, rank: u32) -> Option<String> {
-        let _ = rank;
-        None
-    }
-
     /// Connects to every other worker; `peers[r]` is rank r's address where
     /// [`BoundEndpoint::needs_addresses`] (ignored otherwise).
     ///

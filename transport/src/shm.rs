@@ -100,10 +100,6 @@ impl BoundEndpoint for ShmBound {
         false
     }
 
-    fn address_of(&self, rank: u32) -> Option<String> {
-        Some(format!("unix:{}", socket_path(&self.dir, rank).display()))
-    }
-
     fn connect(self: Box<Self>, peers: &[String]) -> Result<Joined, TransportError> {
         // A rank named absent (a lost worker) is left out of the mesh.
         let present = crate::registration::present_ranks(peers, self.size);
@@ -136,9 +132,6 @@ const WRITER_PARKED: usize = 320;
 /// Control records on a link's socket.
 const RECORD_ABORT: u8 = b'A';
 const RECORD_CLOSE: u8 = b'C';
-/// The first and the longest pause between a dialler's tries at a peer not yet listening.
-const DIAL_FIRST_PAUSE: Duration = Duration::from_millis(1);
-const DIAL_LAST_PAUSE: Duration = Duration::from_millis(20);
 /// Smallest and largest ring a hello may ask for.
 const MIN_RING: u64 = 4096;
 const MAX_RING: u64 = 1 << 30;
@@ -711,9 +704,6 @@ impl ShmBound {
         deadline: Instant,
     ) -> Result<Link, TransportError> {
         let path = socket_path(&self.dir, peer);
-        // A peer not yet listening is looked for again soon, then less often: after a loss
-        // the survivors bind as each hears of it, a few milliseconds apart.
-        let mut pause = DIAL_FIRST_PAUSE;
         let socket = loop {
             match UnixStream::connect(&path) {
                 Ok(s) => break s,
@@ -724,10 +714,7 @@ impl ShmBound {
                         path.display()
                     )));
                 }
-                Err(_) => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(DIAL_LAST_PAUSE);
-                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         };
         let fail =

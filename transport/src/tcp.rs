@@ -134,8 +134,7 @@ impl TcpBound {
         if rank >= size {
             return Err(setup(format!("rank {rank} in a run of {size} workers")));
         }
-        let listener =
-            TcpListener::bind(addr).map_err(|e| setup(format!("binding {addr}: {e}")))?;
+        let listener = TcpListener::bind(addr).map_err(|e| TransportError::binding(addr, &e))?;
         Ok(TcpBound {
             rank,
             size,

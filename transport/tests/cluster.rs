@@ -232,3 +232,41 @@ fn a_cluster_file_or_certificate_that_is_a_fifo_is_refused_not_waited_on() {
     assert!(e.contains("cluster.toml") && e.contains("FIFO"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn addresses_that_name_no_host_are_refused_and_long_directory_names_are_written() {
+    let dir = scratch("hosts");
+    for bad in [
+        "a b:29400",
+        "host\n:29400",
+        "[::1:29400",
+        "[nonsense]:29400",
+        ":29400",
+    ] {
+        let addrs = [bad.to_string(), "127.0.0.1:29401".to_string()];
+        let e = ClusterFile::init(&dir, &addrs, 1, Existing::Refuse).unwrap_err();
+        assert!(
+            e.is_bad_input() && e.to_string().contains("is not host:port"),
+            "{e}"
+        );
+        assert!(!dir.exists(), "{bad}: nothing written");
+    }
+    let good = ["node-1.example_net:29400", "10.0.0.2:29400", "[::1]:29400"];
+    let good: Vec<String> = good.iter().map(ToString::to_string).collect();
+    ClusterFile::init(&dir, &good, 1, Existing::Refuse).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    // A directory name of about 245 bytes, legal, where its staging name would not be.
+    let name = format!("{}-{}", "d".repeat(238), std::process::id());
+    let long = scratch("long").with_file_name(name);
+    let _ = std::fs::remove_dir_all(&long);
+    ClusterFile::init(&long, &good, 1, Existing::Refuse).unwrap();
+    assert!(long.join("cluster.toml").is_file());
+    ClusterFile::init(&long, &good, 2, Existing::Replace).unwrap();
+    let left: Vec<_> = std::fs::read_dir(long.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".ddddd"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    std::fs::remove_dir_all(&long).unwrap();
+}

@@ -86,6 +86,9 @@ pub struct TextTokenizer {
     fingerprint: String,
     vocab_size: usize,
     document_end: Option<u32>,
+    /// Its model may give some text no token at all and go on (a BPE with no unknown token
+    /// and no byte fallback), so each encoding is checked for text it left out.
+    may_drop_text: bool,
 }
 
 fn sha256_hex(parts: &[&[u8]]) -> String {
@@ -104,6 +107,7 @@ impl TextTokenizer {
             fingerprint: sha256_hex(&[b"bytes"]),
             vocab_size: 256,
             document_end: None,
+            may_drop_text: false,
         }
     }
 
@@ -121,6 +125,7 @@ impl TextTokenizer {
             vocab_size: vocab.len(),
             inner: Inner::Chars(vocab),
             document_end: None,
+            may_drop_text: false,
         })
     }
 
@@ -141,7 +146,14 @@ impl TextTokenizer {
             ));
         }
         let document_end = DOCUMENT_END_TOKENS.iter().find_map(|t| tk.token_to_id(t));
+        // A BPE finds no token for a character outside its vocabulary and, without an unknown
+        // token or byte fallback, leaves it out; the other models fail on it or have one.
+        let may_drop_text = matches!(
+            tk.get_model(),
+            tokenizers::ModelWrapper::BPE(bpe) if bpe.unk_token.is_none() && !bpe.byte_fallback
+        );
         Ok(Self {
+            may_drop_text,
             inner: Inner::Json(Box::new(tk), bytes.into()),
             fingerprint: sha256_hex(&[b"json\0", bytes]),
             vocab_size,
@@ -200,16 +212,43 @@ impl TextTokenizer {
     /// The ids of `text`; `name` (a file and offset) is for messages.
     ///
     /// # Errors
-    /// [`StageError::Data`] for a character a `chars` vocabulary lacks, or the library's
-    /// failure.
+    /// [`StageError::Data`] for a character a `chars` vocabulary lacks, text a
+    /// `tokenizer.json` gives no token (never silently left out), or the library's failure.
     pub fn encode(&self, text: &str, name: &str) -> Result<Vec<u32>> {
+        let cannot = |e| tokenizer_err(name, format!("cannot tokenize: {e}"));
         match &self.inner {
             Inner::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Inner::Chars(v) => v.encode(text, name),
+            Inner::Json(tk, _) if self.may_drop_text => {
+                let e = tk.encode(text, false).map_err(cannot)?;
+                if first_left_out(text, e.get_offsets()).is_none() {
+                    return Ok(e.get_ids().to_vec());
+                }
+                // The offsets after a character left out shift back over it, so the gap says
+                // only that one was: the character is the first that alone gives no token.
+                let alone = |c: char| {
+                    tk.encode_fast(c.to_string(), false)
+                        .is_ok_and(|e| e.get_ids().is_empty())
+                };
+                let what = match text
+                    .char_indices()
+                    .find(|&(_, c)| !c.is_whitespace() && alone(c))
+                {
+                    Some((at, c)) => format!("{c:?} at byte {at}"),
+                    None => "some text".into(),
+                };
+                Err(tokenizer_err(
+                    name,
+                    format!(
+                        "{what} has no token in this tokenizer, which has no unknown token or \
+                         byte fallback to stand for it: the text would be lost"
+                    ),
+                ))
+            }
             Inner::Json(tk, _) => tk
                 .encode_fast(text, false)
                 .map(|e| e.get_ids().to_vec())
-                .map_err(|e| tokenizer_err(name, format!("cannot tokenize: {e}"))),
+                .map_err(cannot),
         }
     }
 
@@ -279,6 +318,29 @@ impl TextTokenizer {
     }
 }
 
+/// The first character of `text` that no token's byte range in `offsets` covers and that is
+/// not whitespace (which a pre-tokenizer may drop by design), with its byte position: where
+/// text was left out (a BPE's offsets after it shift back over it, so the position is where
+/// the gap shows, at the end of the pre-tokenized word).
+fn first_left_out(text: &str, offsets: &[(usize, usize)]) -> Option<(usize, char)> {
+    let mut spans = offsets.to_vec();
+    spans.sort_unstable();
+    spans.push((text.len(), text.len()));
+    let bytes = text.as_bytes();
+    let mut covered = 0;
+    for (start, end) in spans {
+        if let Some(gap) = bytes.get(covered..start.max(covered)) {
+            // A character a token's range cuts reads as U+FFFD here: left out in part.
+            let gap_text = String::from_utf8_lossy(gap);
+            if let Some((i, c)) = gap_text.char_indices().find(|(_, c)| !c.is_whitespace()) {
+                return Some((covered + i.min(gap.len()), c));
+            }
+        }
+        covered = covered.max(end);
+    }
+    None
+}
+
 /// Whether `text[..at]` may be tokenized apart from `text[at..]` without changing any id:
 /// the cut follows a line break that sits between two characters that are not whitespace.
 /// Byte-level BPE pre-tokenizers (GPT-2's) never join a token across such a break, and the
@@ -313,4 +375,23 @@ pub fn split_at_safe_cuts(text: &str, target: usize) -> Vec<&str> {
     }
     pieces.push(&text[start..]);
     pieces
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_left_out;
+
+    #[test]
+    fn text_no_token_covers_is_found_and_whitespace_between_tokens_is_not() {
+        // "ab cab": tokens over "ab", "ab" (4..6); the space is the pre-tokenizer's.
+        assert_eq!(first_left_out("ab cab", &[(0, 2), (4, 6)]), Some((3, 'c')));
+        assert_eq!(first_left_out("ab ab", &[(0, 2), (3, 5)]), None);
+        // Left out at the end, or everything; unordered and overlapping ranges.
+        assert_eq!(first_left_out("abé", &[(0, 2)]), Some((2, 'é')));
+        assert_eq!(first_left_out("x", &[]), Some((0, 'x')));
+        assert_eq!(first_left_out("aé", &[(1, 3), (0, 1), (1, 3)]), None);
+        assert_eq!(first_left_out(" \n\t", &[]), None);
+        // A character a token's range cuts is left out in part.
+        assert_eq!(first_left_out("é", &[(0, 1)]).map(|(at, _)| at), Some(1));
+    }
 }

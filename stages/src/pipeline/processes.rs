@@ -1390,7 +1390,6 @@ pub fn join_launched(
         words,
         held: std::collections::VecDeque::new(),
         unreplaced: false,
-        unread_namings: 0,
         cluster: cluster.clone(),
         rank,
         opts,
@@ -1427,8 +1426,9 @@ fn join_with(
         meet: opts.meet,
     };
     let bound = kinds::bind(kind, cluster, rank, &at, &opts.settings).map_err(|e| {
-        // A credential file that cannot be read or parsed is the user's to fix.
-        let bad_input = matches!(e, pipe_transport::TransportError::BadFile(_));
+        // A credential file that cannot be read or parsed, or an address this host cannot
+        // listen at, is the user's to fix.
+        let bad_input = e.is_bad_input();
         StageError::Launch {
             why: format!("worker {rank} binding {kind} at {addr}: {e}"),
             bad_input,
@@ -1472,9 +1472,6 @@ pub struct LaunchedRemesh {
     /// The launcher said no replacement comes for the current loss
     /// ([`LauncherWord::Unreplaced`]), and the chief has not yet asked.
     unreplaced: bool,
-    /// The launcher's namings of meshes this worker named itself ([`named_here`]), still to
-    /// come and be passed over.
-    unread_namings: u32,
 }
 
 impl LaunchedRemesh {
@@ -1488,7 +1485,6 @@ impl LaunchedRemesh {
                 .or_else(|| self.words.recv_deadline(deadline).ok())?;
             match word {
                 LauncherWord::Unreplaced(_) => self.unreplaced = true,
-                LauncherWord::Peers(_) if self.unread_namings > 0 => self.unread_namings -= 1,
                 word => return Some(word),
             }
         }
@@ -1547,20 +1543,7 @@ impl LaunchedRemesh {
                 Some(b)
             }
         };
-        // Where every rank's address follows from the rank (shared memory), the launcher's
-        // word of the loss names the mesh: the lost rank is hosted by its adopter, whom every
-        // survivor knows, so no survivor waits for the others to be told. The launcher still
-        // names the mesh once all have announced; that word is then passed over.
-        let here = lost
-            .zip(bound.as_ref())
-            .and_then(|(lost, b)| named_here(b.as_ref(), self.cluster.size(), (lost, adopter)));
-        let peers = match here {
-            Some(peers) => {
-                self.unread_namings += 1;
-                peers
-            }
-            None => self.named_peers(what)?,
-        };
+        let peers = self.named_peers(what)?;
         if lost.is_some() {
             RecordWriter::recovery(crate::train::RecoveryPhase::Named)?;
         }
@@ -1648,23 +1631,6 @@ impl LaunchedRemesh {
     }
 }
 
-/// The survivors' mesh after `lost` was lost, named from `bound` alone where every rank's
-/// address follows from the rank ([`pipe_transport::registration::BoundEndpoint::address_of`]),
-/// else `None` (the launcher names it). The lost rank is at its `adopter`'s endpoint for it,
-/// absent where no survivor adopts it.
-fn named_here(
-    bound: &dyn pipe_transport::registration::BoundEndpoint,
-    size: u32,
-    (lost, adopter): (u32, Option<u32>),
-) -> Option<Vec<String>> {
-    (0..size)
-        .map(|r| match (r == lost, adopter) {
-            (true, None) => Some(pipe_transport::registration::ABSENT.to_string()),
-            _ => bound.address_of(r),
-        })
-        .collect()
-}
-
 /// Connects `bound` to `peers` on a thread named `name`: the connect's end comes on the
 /// returned channel.
 fn connect_on_thread(
@@ -1692,10 +1658,11 @@ const CONNECT_AFTER_A_LOSS: Duration = Duration::from_secs(2);
 /// it joins) gives the connect `grace` to finish: the lost worker may have connected before
 /// it died (the next segment then meets the loss), or not, and the connect would wait for it
 /// up to the connect timeout; it fails instead, and the run goes on from its last drain
-/// point. An abandoned connect ends by itself, and its endpoint is dropped.
+/// point. The launcher's word that the run is stopping ends the wait at once. An abandoned
+/// connect ends by itself, and its endpoint is dropped.
 ///
 /// # Errors
-/// The connect's own; a loss the connect did not finish within `grace` of.
+/// The connect's own; a loss the connect did not finish within `grace` of; the run stopping.
 fn connect_watching(
     (bound, peers): (kinds::Bound, Vec<String>),
     rank: u32,
@@ -1998,63 +1965,6 @@ mod tests {
     }
 
     #[test]
-    fn survivors_name_a_shared_memory_mesh_from_the_ranks_alone() {
-        use pipe_transport::registration::{ABSENT, BoundEndpoint};
-        use pipe_transport::shm::{ShmBound, ShmOptions, socket_path};
-        let dir = LaunchDir::create("named-here").unwrap();
-        let bound = ShmBound::bind(&dir.0, 1, 4, ShmOptions::new(7)).unwrap();
-        let at = |r: u32| format!("unix:{}", socket_path(&dir.0, r).display());
-        assert_eq!(bound.address_of(1), Some(bound.address().unwrap()));
-        // The lost rank 2 at its adopter's endpoint for it, which listens where rank 2 did.
-        let named = named_here(&bound, 4, (2, Some(3))).unwrap();
-        assert_eq!(named, [at(0), at(1), at(2), at(3)]);
-        // No survivor adopts it: it is absent, and the mesh connects without it.
-        let named = named_here(&bound, 4, (2, None)).unwrap();
-        assert_eq!(named, [at(0), at(1), ABSENT.into(), at(3)]);
-        // A kind whose addresses the launcher hands out names nothing itself.
-        let waiting = Waiting(Duration::from_millis(1));
-        assert_eq!(named_here(&waiting, 4, (2, Some(3))), None);
-    }
-
-    #[test]
-    fn the_launchers_naming_of_a_mesh_a_worker_named_itself_is_passed_over() {
-        let (tx, words) = crossbeam_channel::unbounded();
-        let mut remesh = LaunchedRemesh {
-            words,
-            held: std::collections::VecDeque::new(),
-            cluster: ClusterFile {
-                run_id: 7,
-                ca: PathBuf::new(),
-                workers: Vec::new(),
-                dir: PathBuf::new(),
-            },
-            rank: 1,
-            opts: JoinOptions {
-                transport: TransportKind::SHM,
-                settings: pipe_transport::registration::MeshSettings::new(7),
-                meet: PathBuf::new(),
-            },
-            interrupt: InterruptSlot::default(),
-            unreplaced: false,
-            unread_namings: 1,
-        };
-        let regrouped = LauncherWord::Peers(vec!["unix:a".into(), "-".into()]);
-        let joined = LauncherWord::Peers(vec!["unix:a".into(), "unix:b".into()]);
-        // The regroup's naming, held while looking for a replacement, then the join's.
-        remesh.held.push_back(regrouped);
-        tx.send(LauncherWord::Join(1)).unwrap();
-        tx.send(joined.clone()).unwrap();
-        let soon = Instant::now() + Duration::from_secs(5);
-        assert_eq!(remesh.next_word(soon), Some(LauncherWord::Join(1)));
-        assert_eq!(remesh.next_word(soon), Some(joined));
-        assert_eq!(remesh.unread_namings, 0);
-        // A Fail word is never passed over.
-        remesh.unread_namings = 1;
-        tx.send(LauncherWord::Fail).unwrap();
-        assert_eq!(remesh.next_word(soon), Some(LauncherWord::Fail));
-    }
-
-    #[test]
     fn a_loss_named_while_a_mesh_connects_ends_the_wait_after_the_grace() {
         let (tx, words) = crossbeam_channel::unbounded();
         let mut held = std::collections::VecDeque::new();
@@ -2079,6 +1989,19 @@ mod tests {
         );
         // Every word read meanwhile is kept, in order, for the caller.
         assert_eq!(held, [LauncherWord::Join(5), lost]);
+        // The launcher stopping the run ends the wait at once.
+        tx.send(LauncherWord::Fail).unwrap();
+        let t = Instant::now();
+        let bound: kinds::Bound = Box::new(Waiting(Duration::from_secs(60)));
+        let err = connect_watching((bound, vec![]), 1, &words, &mut held, grace)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+        assert!(
+            err.contains("the run stopped while the mesh connected"),
+            "{err}"
+        );
         // Without a loss the connect's own end is the answer.
         let bound: kinds::Bound = Box::new(Waiting(Duration::from_millis(10)));
         let err = connect_watching((bound, vec![]), 1, &words, &mut held, grace)

@@ -202,7 +202,7 @@ fn delivered_by(from: u32, held: &[Option<Held>]) -> HashSet<Key> {
 /// This survivor's side of a takeover of segment `index` of `plan`, after worker `lost` was
 /// lost, over `ep`, the mesh of every rank ([`super::recover::Remesh::connect_without`]
 /// with the lost rank hosted): what it `held`, and on the adopter its rollback points and its
-/// state at the segment's start (none where it cannot resume where it stands). Returns the version each worker resumes at, or `None` where
+/// state at the segment's start. Returns the version each worker resumes at, or `None` where
 /// the segment cannot be taken over (the adopter says why on its standard error) and the run
 /// goes back instead. Each survivor resumed its programs while the mesh regrouped, so the
 /// adopter gathers and plans at once: the others wait on its plan.
@@ -230,11 +230,10 @@ pub fn settle(
         let m = ep.recv(&key(adopting, me, 1))?;
         return decode_plan(&m.into_bytes()?, workers);
     }
+    let at = adopter.ok_or_else(|| protocol("the adopter without its points".into()))?;
     let mut all: Vec<Option<Held>> = vec![None; workers as usize];
     all[me as usize] = held;
-    // An adopter that cannot resume where it stands hosts the lost rank all the same (the
-    // survivors named the mesh with it) and says so here: the run then goes back.
-    let mut unable = (all[me as usize].is_none() || adopter.is_none()).then_some(me);
+    let mut unable = all[me as usize].is_none().then_some(me);
     for w in (0..workers).filter(|&w| w != me && w != lost) {
         let m = ep.recv(&key(w, me, 0))?;
         let b = m.into_bytes()?;
@@ -245,12 +244,11 @@ pub fn settle(
         unable = unable.or(held.is_none().then_some(w));
         all[w as usize] = held;
     }
-    let planned = match (unable, adopter) {
-        (None, Some(at)) => plan_takeover(plan, (lost, None), &all, at),
-        _ => Err(protocol(format!(
-            "worker {} cannot resume where it stands",
-            unable.unwrap_or(me)
+    let planned = match unable {
+        Some(w) => Err(protocol(format!(
+            "worker {w} cannot resume where it stands"
         ))),
+        None => plan_takeover(plan, (lost, None), &all, at),
     };
     let planned = match planned {
         Ok(v) => Some(v),

@@ -562,11 +562,7 @@ impl<T: Transport> Process<'_, T> {
             .traffic
             .filter(|_| failed.at_start)
             .filter(|_| super::adopt::refused(plan, &self.run.model, clips).is_none());
-        // The adopter hosts the lost rank whether or not it can take the segment over: the
-        // survivors may have named their mesh with it ([`super::recover::Remesh`]), and the
-        // settlement says whether it does.
-        let host = adopter == Some(rank);
-        let adopts = traffic.is_some() && host;
+        let host = traffic.is_some() && adopter == Some(rank);
         let regrouping = current(&mut *self.ep, &mut self.renewed);
         let points = own.lock().map_err(|_| super::rollback::poisoned())?;
         let meshes = match meshed {
@@ -591,7 +587,7 @@ impl<T: Transport> Process<'_, T> {
                 ),
                 None => None,
             };
-            let adopting = adopts.then_some((&*points, start));
+            let adopting = host.then_some((&*points, start));
             let planned =
                 super::takeover::settle(ep.as_mut(), (plan, self.index), lost, held, adopting)?;
             drop(points);

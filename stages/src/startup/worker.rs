@@ -148,8 +148,12 @@ fn check_worker_run(cfg: &RunConfig, launch: &LaunchSettings) -> Result<()> {
         ));
     }
     if !cfg.pipelined {
+        // `--stages 1` alone is one worker training the whole model, not a pipeline.
         return Err(refused(
-            "pipe worker runs a pipelined schedule: give --stages, --replicas or --schedule".into(),
+            "pipe worker runs one worker of a pipeline, and this run is one worker training \
+             the whole model (one stage, no replicas): give --stages 2 or more, --replicas 2 \
+             or more, or a pipelined --schedule"
+                .into(),
         ));
     }
     Ok(())
