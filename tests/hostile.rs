@@ -1412,6 +1412,12 @@ fn cluster_file_rows() -> Vec<Row> {
             .concat(),
             "the cluster file has 3 ranks and the plan 2 workers",
         ),
+        // --force over a directory of the user's (a home directory given by mistake).
+        with(
+            "cluster init --workers 2 --out {d}/home --force",
+            text("home/notes.txt", "mine"),
+            "holds notes.txt, which is not a file of a cluster",
+        ),
         // A cluster written over a file of the user's.
         with(
             "cluster init --workers 2 --out {d}/notes --force",

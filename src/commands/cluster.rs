@@ -31,8 +31,8 @@ pub struct InitArgs {
     /// First port when --addrs is not given.
     #[arg(long, default_value_t = 29400)]
     base_port: u16,
-    /// Replace an existing, non-empty output directory whole (its old credentials stop
-    /// working on every worker they were deployed to).
+    /// Replace an existing cluster's directory whole (its old credentials stop working on
+    /// every worker they were deployed to); a directory holding anything else is refused.
     #[arg(long)]
     force: bool,
 }

@@ -123,19 +123,48 @@ fn replace_dir(staging: &Path, dir: &Path) -> Result<(), TransportError> {
     std::fs::remove_dir_all(&old).map_err(|e| err(&old, e))
 }
 
+/// Whether `name` is a file [`ClusterFile::init`] writes: `ca.pem`, `cluster.toml`,
+/// `rank-K.pem` or `rank-K.key`.
+fn is_cluster_file(name: &str) -> bool {
+    let rank_file = |ext: &str| {
+        name.strip_prefix("rank-")
+            .and_then(|rest| rest.strip_suffix(ext))
+            .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+    };
+    matches!(name, "ca.pem" | "cluster.toml") || rank_file(".pem") || rank_file(".key")
+}
+
+/// Refuses to replace `dir` where it holds anything but a cluster's own files (a directory,
+/// a link, a file of another name): `--force` replaces a cluster, and a directory of the
+/// user's given by mistake (a home directory) must not be removed with it.
+fn refuse_foreign_entries(dir: &Path) -> Result<(), TransportError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| setup(format!("{}: {e}", dir.display())))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| setup(format!("{}: {e}", dir.display())))?;
+        let name = entry.file_name();
+        let is_file = entry.file_type().is_ok_and(|t| t.is_file());
+        if !is_file || !name.to_str().is_some_and(is_cluster_file) {
+            return Err(bad_file(format!(
+                "{}: holds {}, which is not a file of a cluster: --force replaces a cluster's \
+                 directory whole, and nothing else (give the cluster's own directory, or a new one)",
+                dir.display(),
+                name.to_string_lossy()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// What [`ClusterFile::init`] does with a cluster directory that exists and is not empty.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Existing {
     /// Refuse: its credentials may be deployed on workers already.
     Refuse,
-    /// Replace it whole (`pipe cluster init --force`): nothing of the old cluster is left.
+    /// Replace it whole (`pipe cluster init --force`): nothing of the old cluster is left. A
+    /// directory holding anything but a cluster's files is refused all the same.
     Replace,
 }
 
-/// Checks every rank's address, as `pipe cluster init` takes them and as a cluster file is
-/// read: each a `host:port` (a name or an IP address, and a port number), and no two ranks at
-/// one address (port 0, "any free port", is a launcher's to assign). Names are resolved only
-/// when a worker connects ([`ClusterFile::addrs`]).
 /// Whether `host` can name a host: a name of letters, digits, `-`, `_` and `.` (an IPv4
 /// address among them), or an IPv6 address in brackets.
 fn is_host(host: &str) -> bool {
@@ -150,6 +179,10 @@ fn is_host(host: &str) -> bool {
     }
 }
 
+/// Checks every rank's address, as `pipe cluster init` takes them and as a cluster file is
+/// read: each a `host:port` (a name or an IP address, and a port number), and no two ranks at
+/// one address (port 0, "any free port", is a launcher's to assign). Names are resolved only
+/// when a worker connects ([`ClusterFile::addrs`]).
 fn check_addrs<'a>(addrs: impl Iterator<Item = &'a str>, what: &str) -> Result<(), TransportError> {
     let mut seen = std::collections::HashMap::new();
     for (rank, addr) in addrs.enumerate() {
@@ -213,6 +246,9 @@ impl ClusterFile {
                  directory, or --force to replace it whole",
                 dir.display()
             )));
+        }
+        if occupied {
+            refuse_foreign_entries(dir)?;
         }
         let staging = sibling(dir, "tmp")?;
         let _ = std::fs::remove_dir_all(&staging);

@@ -164,6 +164,25 @@ fn init_refuses_an_existing_cluster_and_replaces_it_whole_when_forced() {
         "{e}"
     );
     assert_eq!(contents(&dir), before);
+    // Forced over a directory that holds anything but a cluster's files: refused, untouched.
+    for foreign in ["notes.txt", "sub", "rank-x.pem"] {
+        let path = dir.join(foreign);
+        if foreign == "sub" {
+            std::fs::create_dir(&path).unwrap();
+        } else {
+            std::fs::write(&path, b"mine").unwrap();
+        }
+        let e = ClusterFile::init(&dir, &two[..1], 5, Existing::Replace)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(foreign) && e.contains("not a file of a cluster"),
+            "{e}"
+        );
+        assert!(path.exists() && dir.join("ca.pem").exists());
+        let _ = std::fs::remove_file(&path).or_else(|_| std::fs::remove_dir(&path));
+    }
+    assert_eq!(contents(&dir), before);
     // Forced: one rank, a new CA, and no file of the old cluster left.
     let file = ClusterFile::init(&dir, &two[..1], 4, Existing::Replace).unwrap();
     assert_eq!((file.run_id, file.size()), (4, 1));
