@@ -1968,6 +1968,17 @@ mod tests {
     fn a_loss_named_while_a_mesh_connects_ends_the_wait_after_the_grace() {
         let (tx, words) = crossbeam_channel::unbounded();
         let mut held = std::collections::VecDeque::new();
+        // A connect that takes `takes`, watched: how long the watch took, and its error.
+        let watch = |takes: Duration, held: &mut std::collections::VecDeque<LauncherWord>| {
+            let t = Instant::now();
+            let bound: kinds::Bound = Box::new(Waiting(takes));
+            let grace = Duration::from_millis(200);
+            let err = connect_watching((bound, vec![]), 1, &words, held, grace)
+                .err()
+                .unwrap()
+                .to_string();
+            (t.elapsed(), err)
+        };
         let lost = LauncherWord::Lost {
             rank: 3,
             replaced: true,
@@ -1975,14 +1986,8 @@ mod tests {
         };
         tx.send(LauncherWord::Join(5)).unwrap();
         tx.send(lost.clone()).unwrap();
-        let t = Instant::now();
-        let bound: kinds::Bound = Box::new(Waiting(Duration::from_secs(60)));
-        let grace = Duration::from_millis(200);
-        let err = connect_watching((bound, vec![]), 1, &words, &mut held, grace)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+        let (took, err) = watch(Duration::from_secs(60), &mut held);
+        assert!(took < Duration::from_secs(30), "{took:?}");
         assert!(
             err.contains("worker 1: worker 3 was lost while the mesh connected"),
             "{err}"
@@ -1991,23 +1996,14 @@ mod tests {
         assert_eq!(held, [LauncherWord::Join(5), lost]);
         // The launcher stopping the run ends the wait at once.
         tx.send(LauncherWord::Fail).unwrap();
-        let t = Instant::now();
-        let bound: kinds::Bound = Box::new(Waiting(Duration::from_secs(60)));
-        let err = connect_watching((bound, vec![]), 1, &words, &mut held, grace)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+        let (took, err) = watch(Duration::from_secs(60), &mut held);
+        assert!(took < Duration::from_secs(30), "{took:?}");
         assert!(
             err.contains("the run stopped while the mesh connected"),
             "{err}"
         );
         // Without a loss the connect's own end is the answer.
-        let bound: kinds::Bound = Box::new(Waiting(Duration::from_millis(10)));
-        let err = connect_watching((bound, vec![]), 1, &words, &mut held, grace)
-            .err()
-            .unwrap()
-            .to_string();
+        let (_, err) = watch(Duration::from_millis(10), &mut held);
         assert!(err.contains("rank 3 did not connect"), "{err}");
     }
 
