@@ -23,7 +23,7 @@
 //! joins at the next update boundary. Nothing a survivor's stage applied is undone, and no
 //! process starts again.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
 
 use pipe_transport::frame::WireDType;
@@ -286,7 +286,7 @@ pub struct HandOver {
     /// it reaches them, so a hand-over through it would hold this worker's own program back
     /// until then. Their values are rounded as the wire would carry them, so the hosted
     /// program reads the bits a link would have brought.
-    pub hosted: std::collections::HashMap<Key, Message>,
+    pub hosted: HashMap<Key, Message>,
 }
 
 /// Every message of `traffic` (worker `from`'s log) that another worker's program, resumed
@@ -315,7 +315,7 @@ pub fn to_hand_over(
     wanted.retain(|k| !planned.delivered.contains(k));
     let mut hand = HandOver {
         send: Vec::new(),
-        hosted: std::collections::HashMap::new(),
+        hosted: HashMap::new(),
     };
     for mut m in traffic.take_sent(&wanted) {
         match hosted {
