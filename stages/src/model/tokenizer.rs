@@ -221,9 +221,9 @@ impl TextTokenizer {
             Inner::Chars(v) => v.encode(text, name),
             Inner::Json(tk, _) if self.may_drop_text => {
                 let e = tk.encode(text, false).map_err(cannot)?;
-                if first_left_out(text, e.get_offsets()).is_none() {
+                let Some((gap, _)) = first_left_out(text, e.get_offsets()) else {
                     return Ok(e.get_ids().to_vec());
-                }
+                };
                 // The offsets after a character left out shift back over it, so the gap says
                 // only that one was: the character is the first that alone gives no token.
                 let alone = |c: char| {
@@ -235,7 +235,7 @@ impl TextTokenizer {
                     .find(|&(_, c)| !c.is_whitespace() && alone(c))
                 {
                     Some((at, c)) => format!("{c:?} at byte {at}"),
-                    None => "some text".into(),
+                    None => format!("text at or before byte {gap}"),
                 };
                 Err(tokenizer_err(
                     name,
