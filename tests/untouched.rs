@@ -411,6 +411,56 @@ fn a_report_is_never_written_through_a_link_nor_over_a_users_file() {
     assert_eq!(std::fs::read(root.join("keep.txt")).unwrap(), b"precious");
 }
 
+/// `pipe bench` claims its output and reads its inputs before the sweep: a directory holding
+/// another command's results, an output that is a file and a figures file that does not read
+/// are refused at once, with nothing written.
+#[test]
+fn a_sweep_is_refused_before_it_runs_where_it_would_replace_another_output() {
+    let root = fresh("sweep");
+    let staleness = root.join("staleness");
+    std::fs::create_dir_all(&staleness).unwrap();
+    std::fs::copy(
+        "experiments/staleness/gpt-mini/results.json",
+        staleness.join("results.json"),
+    )
+    .unwrap();
+    std::fs::write(root.join("keep.txt"), b"precious").unwrap();
+    let report_only = root.join("report-only");
+    std::fs::create_dir_all(&report_only).unwrap();
+    std::fs::write(report_only.join("REPORT.md"), b"mine").unwrap();
+    std::fs::write(root.join("numpy.json"), b"{\"zzz\": 1}").unwrap();
+    let sweep = |out: &Path| vec!["bench", "--quick", "--in-process", "--out", leak(out)];
+    for (args, needle) in [
+        (
+            sweep(&staleness),
+            "holds a results.json that is not pipe bench's",
+        ),
+        (
+            sweep(&report_only),
+            "holds a REPORT.md with no results.json",
+        ),
+        (sweep(&root.join("keep.txt")), "not a directory"),
+        (
+            [
+                &sweep(&root.join("new"))[..],
+                &["--numpy", leak(&root.join("numpy.json"))],
+            ]
+            .concat(),
+            "numpy.json",
+        ),
+        (
+            [
+                &sweep(&root.join("new"))[..],
+                &["--criterion", leak(&root.join("keep.txt"))],
+            ]
+            .concat(),
+            "keep.txt",
+        ),
+    ] {
+        refused_untouched(&root, &args, needle);
+    }
+}
+
 fn leak(path: &Path) -> &'static str {
     Box::leak(s(path).to_string().into_boxed_str())
 }

@@ -58,6 +58,43 @@ pub fn read_results_file(path: &std::path::Path) -> Result<String, ExperimentErr
         .map_err(|e| ExperimentError::Config(format!("{}: not UTF-8 text: {e}", path.display())))
 }
 
+/// Claims `out` for a command (`what`) that writes its `results.json` and `REPORT.md` there,
+/// before the work that fills it, so that no hour of measurement ends in a refusal: `out` must
+/// be a directory or one that can be made ([`pipe_stages::outputs::check_output_dir`]), and
+/// results already there must be this command's own (`own` reads them), which a new run
+/// replaces. Results another command wrote, or a `REPORT.md` without results beside it, are
+/// refused rather than overwritten.
+///
+/// # Errors
+/// Bad input naming `out` and the file in the way.
+pub fn claim_results_dir(
+    out: &std::path::Path,
+    what: &str,
+    own: impl Fn(&std::path::Path) -> Result<(), ExperimentError>,
+) -> Result<(), ExperimentError> {
+    pipe_stages::outputs::check_output_dir(out, "--out")?;
+    let refused = |why: String| {
+        ExperimentError::Config(format!(
+            "--out {}: {why}: give {what} a directory of its own, or move that file",
+            out.display()
+        ))
+    };
+    let results = out.join("results.json");
+    if std::fs::symlink_metadata(&results).is_ok() {
+        return own(out).map_err(|e| {
+            refused(format!(
+                "holds a results.json that is not {what}'s, which this run would replace ({e})"
+            ))
+        });
+    }
+    if std::fs::symlink_metadata(out.join("REPORT.md")).is_ok() {
+        return Err(refused(
+            "holds a REPORT.md with no results.json beside it, which this run would replace".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The samples/s of a `pipe train` or `pipe worker` chief's last epoch line, from its output
 /// (its tokens/s over `tokens` per sample for a language model).
 pub fn chief_samples_per_s(out: &str, tokens: Option<usize>) -> Option<f64> {

@@ -130,7 +130,8 @@ pub struct SweepOptions {
     pub criterion_dir: Option<PathBuf>,
     /// numpy's figures to summarise.
     pub numpy_json: Option<PathBuf>,
-    /// Where traces go (`DIR/traces`).
+    /// Where the results, the report and traces (`DIR/traces`) go; claimed before the sweep
+    /// runs ([`crate::claim_results_dir`]).
     pub out: PathBuf,
     /// Print a line per configuration.
     pub verbose: bool,
@@ -388,8 +389,10 @@ pub fn file_name(id: &str) -> String {
 /// Runs the sweep `cfg` (already reduced by `--quick` when `quick`).
 ///
 /// # Errors
-/// Failures outside a configuration (profiling, link measurement, the target runs, unreadable
-/// criterion or numpy files); a configuration that fails is a result, not an error.
+/// Failures outside a configuration (profiling, link measurement, the target runs); before
+/// anything runs, unreadable criterion or numpy files and an output directory that cannot be
+/// one or holds another command's results. A configuration that fails is a result, not an
+/// error.
 pub fn run_sweep(
     cfg: &BenchConfig,
     quick: bool,
@@ -401,11 +404,24 @@ pub fn run_sweep(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let specs = cfg.expand()?;
+    // Every input read and every output claimed before the first configuration runs.
+    crate::claim_results_dir(&opts.out, "pipe bench", |d| load(d).map(drop))?;
+    let traces = opts.out.join("traces");
+    if !cfg.traces.is_empty() {
+        pipe_stages::outputs::check_output_dir(&traces, "--out's traces")?;
+    }
+    let criterion = match &opts.criterion_dir {
+        Some(d) => criterion::read_criterion(d)?,
+        None => Vec::new(),
+    };
+    let numpy = match &opts.numpy_json {
+        Some(p) => Some(criterion::read_numpy(p)?),
+        None => None,
+    };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let peak_gflops = crate::mfu::gemm_rate(&CpuBackend::new(cores)?, 15)?;
     let mut shared = Shared::measure(cfg, &specs)?;
     let single = single_workers(cfg, &specs, quick)?;
-    let traces = opts.out.join("traces");
     let budget = Duration::from_secs_f64(cfg.budget_minutes * 60.0);
     let mut configs = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
@@ -446,14 +462,6 @@ pub fn run_sweep(
         });
     }
     let target = target::run_targets(&cfg.target)?;
-    let criterion = match &opts.criterion_dir {
-        Some(d) => criterion::read_criterion(d)?,
-        None => Vec::new(),
-    };
-    let numpy = match &opts.numpy_json {
-        Some(p) => Some(criterion::read_numpy(p)?),
-        None => None,
-    };
     let mut links: Vec<_> = shared.links.into_iter().collect();
     links.sort_by_key(|(t, _)| t.name());
     Ok(BenchResults {

@@ -132,12 +132,22 @@ impl TextTokenizer {
     /// A Hugging Face tokenizer from the bytes of its `tokenizer.json`; `name` is for
     /// messages.
     ///
+    /// Its padding and truncation, if it has any, are not applied: a corpus or a prompt is
+    /// tokenized as a stream, every piece of its text kept and nothing added.
+    ///
     /// # Errors
     /// [`StageError::Data`] when the bytes are not a tokenizer the `tokenizers` library reads,
     /// or its vocabulary is empty or wider than `u32` ids.
     pub fn from_json(bytes: &[u8], name: &str) -> Result<Self> {
-        let tk = tokenizers::Tokenizer::from_bytes(bytes)
+        let mut tk = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| tokenizer_err(name, format!("not a tokenizer.json: {e}")))?;
+        // Padding and truncation shape a batch of encodings to one length; text tokenized
+        // into a stream takes neither: padding would put ids into the corpus that stand for
+        // no text (a fixed length, the memory of that many ids) and truncation would drop
+        // text.
+        tk.with_padding(None);
+        tk.with_truncation(None)
+            .map_err(|e| tokenizer_err(name, format!("cannot turn truncation off: {e}")))?;
         let vocab_size = tk.get_vocab_size(true);
         if vocab_size == 0 || vocab_size > u32::MAX as usize {
             return Err(tokenizer_err(
@@ -379,7 +389,38 @@ pub fn split_at_safe_cuts(text: &str, target: usize) -> Vec<&str> {
 
 #[cfg(test)]
 mod tests {
-    use super::first_left_out;
+    #![allow(clippy::unwrap_used)]
+    use super::{TextTokenizer, first_left_out};
+
+    #[test]
+    fn a_tokenizer_json_pads_and_truncates_nothing() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../data/tokenizers/shakespeare-bpe-1024.json"
+        );
+        let plain = std::fs::read_to_string(path).unwrap();
+        let mut json: serde_json::Value = serde_json::from_str(&plain).unwrap();
+        // A fixed length of 10^8 ids would take 1.6 GB if it were applied.
+        json["padding"] = serde_json::json!({
+            "strategy": {"Fixed": 100_000_000}, "direction": "Right", "pad_to_multiple_of": 1000,
+            "pad_id": 5, "pad_type_id": 0, "pad_token": "<|endoftext|>"
+        });
+        json["truncation"] = serde_json::json!({
+            "direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0
+        });
+        let shaped = serde_json::to_vec(&json).unwrap();
+        let text = "ROMEO: But soft, what light through yonder window breaks?\n";
+        let want = TextTokenizer::from_json(plain.as_bytes(), "plain")
+            .unwrap()
+            .encode(text, "text")
+            .unwrap();
+        assert!(want.len() > 3);
+        let got = TextTokenizer::from_json(&shaped, "shaped")
+            .unwrap()
+            .encode(text, "text")
+            .unwrap();
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn text_no_token_covers_is_found_and_whitespace_between_tokens_is_not() {
