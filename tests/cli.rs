@@ -390,7 +390,10 @@ fn schedule_and_simulate_reject_bad_input_with_exit_2() {
             "not a whole number of minibatches",
         ),
         ("simulate --forward -1", "must be a finite number >= 0"),
-        ("simulate --bandwidth 0GB/s", "must be > 0"),
+        (
+            "simulate --bandwidth 0GB/s",
+            "must be at least 1 byte/s, got 0",
+        ),
         ("simulate --costs /nonexistent/costs.toml", "cost file"),
     ];
     assert_bad_inputs(&cases);

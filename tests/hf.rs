@@ -233,6 +233,20 @@ fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
         ok(&pipe(&["logits", "--hf", s(&sharded), "--ids", ids])),
         from_ckpt
     );
+    // An index that places a tensor in a shard that does not hold it describes other files.
+    let mut lying = index.clone();
+    let first = map.values().next().unwrap().clone();
+    lying["weight_map"]["transformer.h.0.mlp.c_extra.weight"] = first.clone();
+    let index_path = sharded.join("model.safetensors.index.json");
+    std::fs::write(&index_path, serde_json::to_vec(&lying).unwrap()).unwrap();
+    common::refused(
+        &pipe(&["logits", "--hf", s(&sharded), "--ids", ids]),
+        &[&format!(
+            "places transformer.h.0.mlp.c_extra.weight in {}, which does not hold it",
+            first.as_str().unwrap()
+        )],
+    );
+    std::fs::write(&index_path, serde_json::to_vec(&index).unwrap()).unwrap();
 
     // GPT-2's attention buffers, as older saves hold them, are not weights: skipped.
     let whole = fresh_path("whole");

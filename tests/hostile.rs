@@ -398,7 +398,7 @@ fn cli_file_and_command_rows() -> Vec<Row> {
         row("simulate --stages 0", "at least 1"),
         row(
             "simulate --forward 1e300",
-            "forward is 1e300, over the limit",
+            "for '--forward <FORWARD>': the time \"1e300\" is 1e300, over the limit",
         ),
         row(
             "simulate --forward 0 --backward 0",
@@ -456,6 +456,22 @@ fn cli_simulate_and_bench_rows() -> Vec<Row> {
                 "[[stage]]\nforward = 1\nparam_bytes = 8\nbuckets = [{ bytes = -1, ready = 0 }]\n",
             ),
             "bucket bytes must be a finite number >= 0, got -1",
+        ),
+        with(
+            "simulate --costs {d}/c.toml --stages 1 --replicas 2",
+            text(
+                "c.toml",
+                "[[stage]]\nforward = 1\nparam_bytes = 8\nbuckets = [{ bytes = 1e300, ready = 0 }]\n",
+            ),
+            "stage 0: bucket bytes is 1e300, over the limit",
+        ),
+        row(
+            "plan --model mlp-784-1024x4-10 --workers 2 --latency 1e300",
+            "the time \"1e300\" is 1e300, over the limit",
+        ),
+        row(
+            "plan --model mlp-784-1024x4-10 --workers 2 --bandwidth 1e-300B/s",
+            "must be at least 1 byte/s",
         ),
         row(
             "train --stages 2 --replicas 2 --allreduce-bucket-mb 1,0 --steps 1",
@@ -1650,6 +1666,15 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "tokenize --tokenizer bytes --input {d}/empty.txt --out {d}/out",
             text("empty.txt", ""),
             "data --input: holds no text to tokenize",
+        ),
+        row(
+            "train --model gpt2-zzz --steps 1",
+            "unknown model preset 'gpt2-zzz' (the GPT-2 presets are gpt2-small and gpt2-tiny",
+        ),
+        with(
+            "tokenize --tokenizer bytes --input {d}/fifo --out {d}/out",
+            vec![File::Fifo("fifo")],
+            "is not a regular file or a directory (a FIFO, socket or device)",
         ),
         row("bench mfu --momentum NaN", "momentum must be in [0, 1)"),
         row("bench mfu --momentum=-1", "momentum must be in [0, 1)"),

@@ -192,12 +192,7 @@ impl StageCost {
     }
 
     fn check(&self, which: usize) -> Result<()> {
-        let buckets = self.buckets.iter().flatten();
-        for (name, v) in self
-            .fields()
-            .into_iter()
-            .chain(buckets.flat_map(|b| [("bucket bytes", b.bytes), ("bucket ready", b.ready)]))
-        {
+        for (name, v) in self.figures() {
             if !v.is_finite() || v < 0.0 {
                 return Err(ScheduleError::Cost(format!(
                     "stage {which}: {name} must be a finite number >= 0, got {v}"
@@ -205,6 +200,14 @@ impl StageCost {
             }
         }
         Ok(())
+    }
+
+    /// Every figure by name, its buckets' too, as checks name them.
+    fn figures(&self) -> impl Iterator<Item = (&'static str, f64)> + '_ {
+        let buckets = self.buckets.iter().flatten();
+        self.fields()
+            .into_iter()
+            .chain(buckets.flat_map(|b| [("bucket bytes", b.bytes), ("bucket ready", b.ready)]))
     }
 
     /// Every figure by name, as checks name them.
@@ -497,7 +500,7 @@ impl CostModel {
         self.check(stages)?;
         let cost = |m: String| ScheduleError::Cost(m);
         for (i, s) in self.stages.iter().enumerate() {
-            for (name, v) in s.fields() {
+            for (name, v) in s.figures() {
                 check_figure(name, v).map_err(|why| cost(format!("stage {i}: {why}")))?;
             }
         }

@@ -50,11 +50,19 @@ fn split_unit(text: &str) -> Result<(f64, String), String> {
     Ok((value, unit.trim().to_string()))
 }
 
-/// Seconds, with an optional unit: s, ms, us, ns.
+/// Seconds, with an optional unit: s, ms, us, ns; at most
+/// [`crate::limits::MAX_FIGURE_SECONDS`], as every time a cost file gives.
 ///
 /// # Errors
-/// A message naming the text: not a number, negative, or an unknown unit.
+/// A message naming the text: not a number, negative, an unknown unit, or past the bound.
 pub fn parse_seconds(text: &str) -> Result<f64, String> {
+    let v = seconds(text)?;
+    crate::limits::check_figure(&format!("the time {text:?}"), v)?;
+    Ok(v)
+}
+
+/// [`parse_seconds`] without the bound.
+fn seconds(text: &str) -> Result<f64, String> {
     let (v, unit) = split_unit(text)?;
     let scale = match unit.as_str() {
         "" | "s" => 1.0,
@@ -66,11 +74,19 @@ pub fn parse_seconds(text: &str) -> Result<f64, String> {
     Ok(v * scale)
 }
 
-/// Bytes, with an optional unit: B, KB, MB, GB (powers of 10) or KiB, MiB, GiB (powers of 2).
+/// Bytes, with an optional unit: B, KB, MB, GB (powers of 10) or KiB, MiB, GiB (powers of 2);
+/// at most [`crate::limits::MAX_FIGURE_BYTES`], as every size a cost file gives.
 ///
 /// # Errors
-/// A message naming the text: not a number, negative, or an unknown unit.
+/// A message naming the text: not a number, negative, an unknown unit, or past the bound.
 pub fn parse_bytes(text: &str) -> Result<f64, String> {
+    let v = byte_count(text)?;
+    crate::limits::check_figure(&format!("the size {text:?} in bytes"), v)?;
+    Ok(v)
+}
+
+/// [`parse_bytes`] without the bound.
+fn byte_count(text: &str) -> Result<f64, String> {
     let (v, unit) = split_unit(text)?;
     let scale = match unit.as_str() {
         "" | "B" => 1.0,
@@ -94,13 +110,12 @@ pub fn parse_bytes(text: &str) -> Result<f64, String> {
 /// Bytes per second: a size with an optional `/s` (10GB/s, 1.25e9).
 ///
 /// # Errors
-/// As [`parse_bytes`]; a rate of 0.
+/// As [`parse_bytes`] but for the bound; a rate under a byte a second
+/// ([`crate::limits::check_bandwidth`]).
 pub fn parse_bandwidth(text: &str) -> Result<f64, String> {
     let t = text.trim();
-    let v = parse_bytes(t.strip_suffix("/s").unwrap_or(t))?;
-    if v <= 0.0 {
-        return Err(format!("bandwidth {text:?} must be > 0"));
-    }
+    let v = byte_count(t.strip_suffix("/s").unwrap_or(t))?;
+    crate::limits::check_bandwidth(&format!("bandwidth {text:?}"), v)?;
     Ok(v)
 }
 
@@ -153,5 +168,24 @@ mod tests {
         assert!(parse_seconds("3 fortnights").is_err());
         assert!(parse_bandwidth("0GB/s").is_err());
         assert!(parse_bytes("NaN").is_err());
+        // The bounds of a cost file's figures: 11 days, 1 PiB, a byte a second.
+        assert_eq!(parse_seconds("1e6"), Ok(1e6));
+        assert!(
+            parse_seconds("1e300")
+                .unwrap_err()
+                .contains("over the limit")
+        );
+        assert!(
+            parse_bytes("2048TiB")
+                .unwrap_err()
+                .contains("over the limit")
+        );
+        assert_eq!(parse_bandwidth("1B/s"), Ok(1.0));
+        assert!(
+            parse_bandwidth("1e-300B/s")
+                .unwrap_err()
+                .contains("at least 1 byte/s")
+        );
+        assert!(parse_bandwidth("1e300B/s").is_ok());
     }
 }

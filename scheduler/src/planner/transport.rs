@@ -135,12 +135,22 @@ impl TransportCosts {
         self.transports.iter().find(|t| t.transport == transport)
     }
 
-    /// Checks every transport's figures.
+    /// Checks every transport's figures, and that no transport is given twice (which of two
+    /// would be charged could only be guessed).
     ///
     /// # Errors
-    /// The first bad figure.
+    /// The first bad figure, or the transport named twice.
     pub fn check(&self) -> Result<(), String> {
-        self.transports.iter().try_for_each(TransportCost::check)
+        for (i, t) in self.transports.iter().enumerate() {
+            if self.transports[..i]
+                .iter()
+                .any(|u| u.transport == t.transport)
+            {
+                return Err(format!("transport {} is given twice", t.transport));
+            }
+            t.check()?;
+        }
+        Ok(())
     }
 
     /// A transport cost file's text (JSON, as `pipe bench transport --costs-out` writes),
@@ -165,5 +175,24 @@ mod tests {
         assert_eq!((s.median, s.min, s.max), (2.5, 1.0, 10.0));
         assert_eq!(Spread::of(&[4.0]).median, 4.0);
         assert_eq!(Spread::of(&[]).max, 0.0);
+    }
+
+    #[test]
+    fn a_transport_given_twice_is_refused() {
+        let one = |name: &str| TransportCost {
+            transport: name.into(),
+            rounds: 1,
+            latency_s: Spread::of(&[1e-5]),
+            message_cpu_s: Spread::of(&[1e-6]),
+            byte_cpu_s: Spread::of(&[1e-10]),
+            bandwidth: None,
+        };
+        let text = |names: &[&str]| {
+            let transports = names.iter().map(|n| one(n)).collect();
+            serde_json::to_string(&TransportCosts { transports }).unwrap_or_default()
+        };
+        assert!(TransportCosts::parse(&text(&["shm", "quic"])).is_ok());
+        let twice = TransportCosts::parse(&text(&["shm", "quic", "shm"]));
+        assert_eq!(twice, Err("transport shm is given twice".to_string()));
     }
 }

@@ -258,6 +258,13 @@ impl TrainSettings {
             }
             return Ok((gpt_shape(name), None));
         }
+        if name != "gpt2" && gpt_shape(name).is_none() {
+            return Err(StageError::Model(format!(
+                "unknown model preset '{name}' (the GPT-2 presets are gpt2-small and gpt2-tiny, \
+                 or gpt2 in the shape --n-layer, --n-head, --n-embd and --n-positions or \
+                 --model-config give)"
+            )));
+        }
         let mut given = Gpt2Shape::default();
         if let Some(path) = &self.model_config {
             let bytes = crate::limits::read_file(path, 1 << 20)?;

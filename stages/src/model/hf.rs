@@ -472,6 +472,9 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
     let (files, index) = weight_files(dir)?;
     // Every tensor of every file, under its full name, with the file it came from.
     let mut found: BTreeMap<String, (Tensor, PathBuf)> = BTreeMap::new();
+    // The index's entries no shard has been seen to hold yet.
+    let mut unplaced: std::collections::BTreeSet<&String> =
+        index.iter().flat_map(BTreeMap::keys).collect();
     let mut budget = weights_bound(model, &layout, files.len());
     let expected = expected_tensors(model, &layout);
     for path in &files {
@@ -479,7 +482,13 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
         budget -= bytes.len() as u64;
         for (name, full, t) in read_weights(&bytes, &path.display().to_string())? {
             if let Some(map) = &index {
-                let listed = map.get(&name).or_else(|| map.get(&full));
+                let key = map
+                    .get_key_value(&name)
+                    .or_else(|| map.get_key_value(&full));
+                let listed = key.map(|(k, file)| {
+                    unplaced.remove(k);
+                    file
+                });
                 let here = path.file_name().map(|f| f.to_string_lossy().into_owned());
                 if listed.map(String::as_str) != here.as_deref() {
                     return Err(hf_err(
@@ -495,6 +504,21 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
                 ));
             }
         }
+    }
+    // An index that places a tensor in a shard that does not hold it describes other files
+    // (GPT-2's attention buffers, which are read past, apart).
+    if let Some(name) = unplaced
+        .iter()
+        .find(|n| !is_buffer(n) && !is_buffer(&format!("transformer.{n}")))
+    {
+        let shard = index
+            .as_ref()
+            .and_then(|m| m.get(*name))
+            .map_or("", String::as_str);
+        return Err(hf_err(
+            dir.join(INDEX).display(),
+            format!("places {name} in {shard}, which does not hold it"),
+        ));
     }
     // Every parameter is in the files before anything the model's size decides is allocated:
     // the files, read above within their bound, then bound it (a config.json can describe a

@@ -50,6 +50,12 @@ pub fn input_files(input: &Path) -> Result<Vec<(PathBuf, u64)>> {
     if meta.is_file() {
         return Ok(vec![(input.to_path_buf(), meta.len())]);
     }
+    if !meta.is_dir() {
+        return Err(data_err(
+            input.display(),
+            "is not a regular file or a directory (a FIFO, socket or device): give text files",
+        ));
+    }
     let mut out = Vec::new();
     let mut dirs = vec![input.to_path_buf()];
     while let Some(dir) = dirs.pop() {
