@@ -1723,6 +1723,23 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "cluster init --workers 2 --out {d}/cl --addrs 10.0.0.1:1,:29400",
             "rank 1's address ':29400' is not host:port",
         ),
+        // A staleness experiment refused before its first run: a target that no loss meets,
+        // a seed twice (two runs of one id), no policy.
+        staleness(
+            "target_loss = 0.15",
+            "target_loss = nan",
+            "target_loss = NaN: must be finite and above 0",
+        ),
+        staleness(
+            "seeds = [1, 2, 3]",
+            "seeds = [1, 2, 1]",
+            "seeds lists 1 twice",
+        ),
+        staleness(
+            "policies = [\"sequential\", \"1f1b-flush\", \"gpipe\", \"pipedream\", \"pipedream-nostash\", \"vsync\", \"2bw\"]",
+            "policies = []",
+            "policies is empty",
+        ),
     ]
 }
 

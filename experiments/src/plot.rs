@@ -82,6 +82,12 @@ impl LineChart {
         self.draw(&path).map_err(err)
     }
 
+    /// Whether any point can be drawn: finite (and above 0 on a log axis). A chart of runs
+    /// that all diverged has none.
+    pub fn has_finite_point(&self) -> bool {
+        self.extent().is_some()
+    }
+
     /// The data's extent over finite points (`y > 0` on a log axis), padded.
     fn extent(&self) -> Option<((f64, f64), (f64, f64))> {
         let pts = self

@@ -125,7 +125,56 @@ fn a_tiny_sweep_measures_predicts_and_reports() {
         .join("mlp-4-4-4-2_s2r1m2_pipedream_inproc.measured.json");
     let text = std::fs::read_to_string(trace).unwrap();
     assert!(text.contains("\"ph\":\"X\"") || text.contains("\"ph\": \"X\""));
+    results_out_of_range_are_refused_at_load(&results, &out);
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Each figure that no sweep could measure, saved into `out`, is refused by `load` naming
+/// its field.
+fn results_out_of_range_are_refused_at_load(
+    good: &pipe_experiments::bench::BenchResults,
+    out: &std::path::Path,
+) {
+    type Edit = fn(&mut pipe_experiments::bench::BenchResults);
+    fn measured(
+        r: &mut pipe_experiments::bench::BenchResults,
+    ) -> &mut pipe_experiments::bench::measure::Measured {
+        r.configs
+            .iter_mut()
+            .find_map(|c| match &mut c.outcome {
+                Outcome::Measured { measured, .. } => Some(&mut **measured),
+                _ => None,
+            })
+            .unwrap()
+    }
+    let edits: [(Edit, &str); 10] = [
+        (|r| measured(r).samples_per_s = -5.0, "samples_per_s = -5"),
+        (|r| measured(r).samples_per_s = 0.0, "samples_per_s = 0"),
+        (|r| measured(r).workers = 0, "workers = 0"),
+        (|r| r.configs.clear(), "configs is empty"),
+        (
+            |r| r.target[0].test_accuracy = Some(5.0),
+            "test_accuracy = 5",
+        ),
+        (|r| r.peak_gflops = -1.0, "peak_gflops = -1"),
+        (|r| measured(r).cv = -0.5, "cv = -0.5"),
+        (|r| r.links[0].1.bandwidth = Some(-1.0), "bandwidth = -1"),
+        (
+            |r| measured(r).partition[0] = [10, 0],
+            "partition range [10, 0]",
+        ),
+        (|r| measured(r).per_worker[0].busy = 1.5, "busy = 1.5"),
+    ];
+    for (edit, want) in edits {
+        let mut bad = good.clone();
+        edit(&mut bad);
+        save(&bad, out).unwrap();
+        let e = load(out).unwrap_err().to_string();
+        assert!(
+            e.contains("results.json") && e.contains(want),
+            "{want}: {e}"
+        );
+    }
 }
 
 #[test]

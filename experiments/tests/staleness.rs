@@ -115,6 +115,26 @@ fn bad_configurations_are_refused_with_the_reason() {
         ),
         ("seeds = [1, 2, 3]", "seeds = []", "at least one"),
         ("epochs = 3", "epochs = \"three\"", "mnist.toml"),
+        (
+            "target_loss = 0.15",
+            "target_loss = nan",
+            "mnist.toml: target_loss = NaN",
+        ),
+        (
+            "target_loss = 0.15",
+            "target_loss = -1.0",
+            "target_loss = -1",
+        ),
+        (
+            "seeds = [1, 2, 3]",
+            "seeds = [1, 2, 1]",
+            "seeds lists 1 twice",
+        ),
+        (
+            "{ sync_warmup = 300 },",
+            "{ sync_warmup = 300 }, { sync_warmup = 300 },",
+            "comes twice in the matrix",
+        ),
     ];
     for (from, to, want) in cases {
         let text = COMMITTED.replacen(from, to, 1);
@@ -334,4 +354,41 @@ fn dc_asgd_variants_skip_the_policy_without_a_stash() {
     assert_eq!(count("pipedream-nostash", "error-feedback"), 2 * 3);
     assert_eq!(count("pipedream-nostash", "dc-asgd"), 0);
     assert_eq!(count("pipedream-nostash", "dc-asgd-adaptive"), 0);
+}
+
+#[test]
+fn empty_policies_are_refused_before_any_run() {
+    let mut cfg = StalenessConfig::parse(COMMITTED, "mnist.toml").unwrap();
+    cfg.policies.clear();
+    let err = cfg.matrix().unwrap_err().to_string();
+    assert!(err.contains("policies is empty"), "{err}");
+}
+
+/// A matrix whose every run diverged is a result: its report is written, each chart with no
+/// finite point named in place of its figure.
+#[test]
+fn a_report_of_runs_that_all_diverged_is_written() {
+    let text = include_str!("../staleness/optimizers-lm-rates/results.json");
+    let mut results: pipe_experiments::staleness::StalenessResults =
+        serde_json::from_str(text).unwrap();
+    for r in &mut results.runs {
+        r.losses.clear();
+        r.epochs.clear();
+        r.stage_delays.clear();
+        r.diverged_at = Some(0);
+        r.updates_to_target = None;
+        r.seconds_to_target = None;
+    }
+    let dir = std::env::temp_dir().join(format!("pipe-diverged-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    save(&results, &dir).unwrap();
+    let back = load(&dir).unwrap();
+    let path = report::write_report(&back, &dir).unwrap();
+    let md = std::fs::read_to_string(path).unwrap();
+    assert!(
+        md.contains("not drawn: no run behind it left a finite point"),
+        "{md}"
+    );
+    assert!(md.contains("diverged"), "{md}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

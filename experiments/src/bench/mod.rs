@@ -13,6 +13,7 @@ pub mod criterion;
 pub mod measure;
 pub mod predict;
 pub mod report;
+mod saved;
 pub mod target;
 
 use std::collections::HashMap;
@@ -557,14 +558,20 @@ pub fn save(results: &BenchResults, out: &Path) -> Result<(), ExperimentError> {
     std::fs::write(out.join("results.json"), json).map_err(|e| err(e.to_string()))
 }
 
-/// Reads `DIR/results.json`.
+/// Reads `DIR/results.json` and checks every figure in it (finite and in its range; counts
+/// at least 1; shares in `[0, 1]`; partitions well formed), so the report renders only what a
+/// sweep could have measured.
 ///
 /// # Errors
-/// A missing or malformed file (named).
+/// A missing or malformed file (named); a figure out of its range, named with its field and
+/// configuration.
 pub fn load(dir: &Path) -> Result<BenchResults, ExperimentError> {
     let path = dir.join("results.json");
     let text = crate::read_results_file(&path)?;
-    serde_json::from_str(&text).map_err(|e| {
+    let results: BenchResults = serde_json::from_str(&text).map_err(|e| {
         ExperimentError::Config(format!("{}: not a bench results file: {e}", path.display()))
-    })
+    })?;
+    saved::check(&results)
+        .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))?;
+    Ok(results)
 }

@@ -257,7 +257,10 @@ impl StalenessConfig {
                 msg.split_whitespace().collect::<Vec<_>>().join(" ")
             ))
         })?;
-        cfg.matrix()?;
+        cfg.matrix().map_err(|e| match e {
+            ExperimentError::Config(m) => ExperimentError::Config(format!("{name}: {m}")),
+            other => other,
+        })?;
         Ok(cfg)
     }
 
@@ -278,6 +281,56 @@ impl StalenessConfig {
         }
     }
 
+    /// Refuses values no run can use, before any run: an empty list of seeds, stage counts,
+    /// policies or optimizers; a count of 0; a target loss that is not finite and above 0; a
+    /// learning rate that is not; and a list entry given twice (two runs of one id would write
+    /// over each other's records and ledgers).
+    ///
+    /// # Errors
+    /// A message naming the field.
+    pub fn check(&self) -> Result<(), String> {
+        for (field, empty) in [
+            ("seeds", self.seeds.is_empty()),
+            ("stages", self.stages.is_empty()),
+            ("policies", self.policies.is_empty()),
+            ("optimizers", self.optimizers.is_empty()),
+        ] {
+            if empty {
+                return Err(format!("{field} is empty: list at least one"));
+            }
+        }
+        if self.minibatch == 0 || self.epochs == 0 || self.target_window == 0 {
+            return Err("minibatch, epochs and target_window must be at least 1".into());
+        }
+        if self.stages.contains(&0) {
+            return Err("stages must each be at least 1".into());
+        }
+        if !(self.target_loss.is_finite() && self.target_loss > 0.0) {
+            return Err(format!(
+                "target_loss = {}: must be finite and above 0",
+                self.target_loss
+            ));
+        }
+        for o in &self.optimizers {
+            let lr = f64::from(o.lr);
+            if !(lr.is_finite() && lr > 0.0) {
+                return Err(format!(
+                    "optimizer {}: lr = {lr}: must be finite and above 0",
+                    o.name
+                ));
+            }
+        }
+        let names: Vec<&String> = self.optimizers.iter().map(|o| &o.name).collect();
+        once("seeds", &self.seeds)?;
+        once("stages", &self.stages)?;
+        once("policies", &self.policies)?;
+        once("optimizers' names", &names)?;
+        once("remedies.policies", &self.remedies.policies)?;
+        once("delayed.delays", &self.delayed.delays)?;
+        once("quick.seeds", &self.quick.seeds)?;
+        once("quick.stages", &self.quick.stages)
+    }
+
     /// Runs in one experiment: a thousand is days of training at this machine's scale.
     pub const MAX_RUNS: usize = 1000;
 
@@ -288,15 +341,7 @@ impl StalenessConfig {
     /// does not divide, a malformed delay or remedy, or an empty list.
     pub fn matrix(&self) -> Result<Vec<RunSpec>, ExperimentError> {
         let bad = |m: String| Err(ExperimentError::Config(m));
-        if self.seeds.is_empty() || self.optimizers.is_empty() || self.stages.is_empty() {
-            return bad("seeds, optimizers and stages must each list at least one".into());
-        }
-        if self.minibatch == 0 || self.epochs == 0 || self.target_window == 0 {
-            return bad("minibatch, epochs and target_window must be at least 1".into());
-        }
-        if self.stages.contains(&0) {
-            return bad("stages must each be at least 1".into());
-        }
+        self.check().map_err(ExperimentError::Config)?;
         if self.remedies.stages < 2 && !self.remedies.policies.is_empty() {
             return bad(format!(
                 "remedies.stages is {}: the remedies apply to asynchronous pipelines, of 2 \
@@ -350,6 +395,16 @@ impl StalenessConfig {
         }
         if runs.is_empty() {
             return bad("the matrix has no runs (stage count 1 runs only `sequential`)".into());
+        }
+        // Each run keeps its record and ledger under its id: two runs of one id would write
+        // over each other's files.
+        let mut ids = std::collections::HashSet::new();
+        if let Some(twice) = runs.iter().find(|r| !ids.insert(r.id.as_str())) {
+            return bad(format!(
+                "run {} comes twice in the matrix: a seed, stage count, policy, optimizer, \
+                 remedy or delay is listed twice",
+                twice.id
+            ));
         }
         let max = Self::MAX_RUNS;
         if runs.len() > max {
@@ -496,6 +551,16 @@ impl StalenessConfig {
         }
         Ok(())
     }
+}
+
+/// `Err` naming `field` when `list` holds an entry twice.
+fn once<T: PartialEq + std::fmt::Debug>(field: &str, list: &[T]) -> Result<(), String> {
+    for (i, v) in list.iter().enumerate() {
+        if list[..i].contains(v) {
+            return Err(format!("{field} lists {v:?} twice"));
+        }
+    }
+    Ok(())
 }
 
 /// A delayed-baseline remedy's name.

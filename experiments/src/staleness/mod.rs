@@ -11,6 +11,7 @@ pub mod config;
 mod delay_gap;
 pub mod report;
 pub mod run;
+mod saved;
 
 use std::path::Path;
 use std::time::Instant;
@@ -198,13 +199,19 @@ pub fn save(results: &StalenessResults, out: &Path) -> Result<(), ExperimentErro
     std::fs::write(out.join("results.json"), text).map_err(|e| io(e.to_string()))
 }
 
-/// Reads `results.json` from `dir`.
+/// Reads `results.json` from `dir` and checks its configuration and every run in it (a
+/// unique id; a policy, stage count and optimizer the configuration lists; finite losses and
+/// times of at least 0; shares in `[0, 1]`), so the report renders only runs that could have
+/// been run.
 ///
 /// # Errors
-/// A missing or malformed file, named.
+/// A missing or malformed file, named; a run that could not have been run, named with its
+/// field.
 pub fn load(dir: &Path) -> Result<StalenessResults, ExperimentError> {
     let path = dir.join("results.json");
     let text = crate::read_results_file(&path)?;
-    serde_json::from_str(&text)
-        .map_err(|e| ExperimentError::Config(format!("{}: {e}", path.display())))
+    let bad = |e: String| ExperimentError::Config(format!("{}: {e}", path.display()));
+    let results: StalenessResults = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    saved::check(&results).map_err(bad)?;
+    Ok(results)
 }

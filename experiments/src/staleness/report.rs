@@ -201,11 +201,20 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
         super::delay_gap::optimizers_under_delay(&mut md, results);
     }
     md.push_str("\n## Figures\n\nEach SVG has the CSV of the points it draws beside it.\n\n");
-    for (file, caption) in &figures {
-        let _ = writeln!(
-            md,
-            "**{caption}** (`plots/{file}.csv`)\n\n![{caption}](plots/{file}.svg)\n"
-        );
+    for f in &figures {
+        let (file, caption) = (&f.file, &f.caption);
+        if f.drawn {
+            let _ = writeln!(
+                md,
+                "**{caption}** (`plots/{file}.csv`)\n\n![{caption}](plots/{file}.svg)\n"
+            );
+        } else {
+            let _ = writeln!(
+                md,
+                "**{caption}**: not drawn: no run behind it left a finite point (each diverged \
+                 before a full window of updates or an evaluation; the tables above say which).\n"
+            );
+        }
     }
     md.push_str("\n## Discussion\n\n");
     match std::fs::read_to_string(dir.join("discussion.md")) {
@@ -697,7 +706,7 @@ fn write_plots(
     r: &StalenessResults,
     cells: &Cells<'_>,
     dir: &Path,
-) -> Result<Vec<(String, String)>, ExperimentError> {
+) -> Result<Vec<Figure>, ExperimentError> {
     let mut figures = Vec::new();
     let s = r.config.stages.iter().copied().max().unwrap_or(1);
     let w = r.config.target_window;
@@ -759,7 +768,7 @@ fn quality_plot(
     cells: &Cells<'_>,
     dir: &Path,
     opt: &str,
-) -> Result<(String, String), ExperimentError> {
+) -> Result<Figure, ExperimentError> {
     let seq = Cells::accuracy(cells.get(Family::Pipeline, "sequential", 1, opt, "none")).mean;
     let series = r
         .config
@@ -798,7 +807,7 @@ fn remedy_plots(
     cells: &Cells<'_>,
     dir: &Path,
     opt: &str,
-) -> Result<Vec<(String, String)>, ExperimentError> {
+) -> Result<Vec<Figure>, ExperimentError> {
     let s = r.config.remedies.stages;
     let w = r.config.target_window;
     let mut out = Vec::new();
@@ -841,7 +850,7 @@ fn delayed_plot(
     cells: &Cells<'_>,
     dir: &Path,
     opt: &str,
-) -> Result<(String, String), ExperimentError> {
+) -> Result<Figure, ExperimentError> {
     let w = r.config.target_window;
     let mut seen: Vec<(String, String)> = Vec::new();
     for run in r.runs.iter().filter(|x| x.spec.family == Family::Delayed) {
@@ -864,7 +873,7 @@ fn delayed_plot(
     figure(dir, name, caption, &LineChart::loss(title, series))
 }
 
-fn staleness_plot(r: &StalenessResults, dir: &Path) -> Result<(String, String), ExperimentError> {
+fn staleness_plot(r: &StalenessResults, dir: &Path) -> Result<Figure, ExperimentError> {
     let s = r.config.stages.iter().copied().max().unwrap_or(1);
     let mut series = Vec::new();
     for policy in &r.config.policies {
@@ -901,15 +910,31 @@ fn staleness_plot(r: &StalenessResults, dir: &Path) -> Result<(String, String), 
     )
 }
 
-/// Writes `chart` as `name` (SVG and CSV) and returns the figure's file stem and caption.
+/// A figure of the report: its file stem and caption, and whether it was drawn.
+struct Figure {
+    file: String,
+    caption: String,
+    /// False for a chart with no finite point (every run behind it diverged): the report
+    /// says so in its place, as a diverged run is a result.
+    drawn: bool,
+}
+
+/// Writes `chart` as `name` (SVG and CSV) when it has a point to draw, and returns the figure.
 fn figure(
     dir: &Path,
     name: String,
     caption: String,
     chart: &LineChart,
-) -> Result<(String, String), ExperimentError> {
-    chart.write(dir, &name)?;
-    Ok((name, caption))
+) -> Result<Figure, ExperimentError> {
+    let drawn = chart.has_finite_point();
+    if drawn {
+        chart.write(dir, &name)?;
+    }
+    Ok(Figure {
+        file: name,
+        caption,
+        drawn,
+    })
 }
 
 /// `YYYY-MM-DD HH:MM` of a Unix time (UTC).
