@@ -411,11 +411,12 @@ fn a_report_is_never_written_through_a_link_nor_over_a_users_file() {
     assert_eq!(std::fs::read(root.join("keep.txt")).unwrap(), b"precious");
 }
 
-/// `pipe bench` claims its output and reads its inputs before the sweep: a directory holding
-/// another command's results, an output that is a file and a figures file that does not read
-/// are refused at once, with nothing written.
+/// `pipe bench` and `pipe experiment staleness` claim their output, and the sweep reads its
+/// inputs, before anything runs: a directory holding another command's results, an output
+/// that is a file and a figures file that does not read are refused at once, with nothing
+/// written.
 #[test]
-fn a_sweep_is_refused_before_it_runs_where_it_would_replace_another_output() {
+fn a_sweep_or_experiment_is_refused_before_it_runs_where_it_would_replace_another_output() {
     let root = fresh("sweep");
     let staleness = root.join("staleness");
     std::fs::create_dir_all(&staleness).unwrap();
@@ -456,6 +457,24 @@ fn a_sweep_is_refused_before_it_runs_where_it_would_replace_another_output() {
             .concat(),
             "keep.txt",
         ),
+    ] {
+        refused_untouched(&root, &args, needle);
+    }
+    // And the staleness experiment into the same directories.
+    let bench = root.join("bench");
+    std::fs::create_dir_all(&bench).unwrap();
+    std::fs::copy("experiments/bench/results.json", bench.join("results.json")).unwrap();
+    let experiment = |out: &Path| vec!["experiment", "staleness", "--quick", "--out", leak(out)];
+    for (args, needle) in [
+        (
+            experiment(&bench),
+            "holds a results.json that is not pipe experiment staleness's",
+        ),
+        (
+            experiment(&report_only),
+            "holds a REPORT.md with no results.json",
+        ),
+        (experiment(&root.join("keep.txt")), "not a directory"),
     ] {
         refused_untouched(&root, &args, needle);
     }

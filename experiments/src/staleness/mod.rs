@@ -57,8 +57,9 @@ pub struct StalenessResults {
 /// `wall_s` then counts this sitting only; each run keeps its own time.
 ///
 /// # Errors
-/// Configuration and data errors; a run failing other than by divergence; a record that
-/// cannot be written.
+/// Configuration and data errors; before any run, an `out` that cannot be a directory or
+/// holds another command's results ([`crate::claim_results_dir`]); a run failing other than
+/// by divergence; a record that cannot be written.
 pub fn run_experiment(
     cfg: &StalenessConfig,
     quick: bool,
@@ -68,6 +69,7 @@ pub fn run_experiment(
 ) -> Result<StalenessResults, ExperimentError> {
     let cfg = if quick { cfg.quick() } else { cfg.clone() };
     let specs = cfg.matrix()?;
+    crate::claim_results_dir(out, "pipe experiment staleness", |d| load(d).map(drop))?;
     let data = run::load(&cfg)?;
     let started_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
