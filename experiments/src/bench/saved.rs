@@ -9,8 +9,8 @@ use std::collections::HashSet;
 use super::criterion::{CriterionFigure, NumpyFigures};
 use super::measure::Measured;
 use super::predict::Predicted;
+use super::results::{BenchResults, Outcome};
 use super::target::TargetResult;
-use super::{BenchResults, Outcome};
 
 /// The range a figure must lie in.
 #[derive(Clone, Copy)]

@@ -10,6 +10,7 @@
 pub mod config;
 mod delay_gap;
 pub mod report;
+mod results;
 pub mod run;
 mod saved;
 
@@ -19,33 +20,11 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 pub use config::StalenessConfig;
+pub use results::StalenessResults;
 pub use run::RunRecord;
 
 use crate::ExperimentError;
 pub use crate::machine::Machine;
-
-/// Everything an experiment run leaves: what was asked, where, and every run's record.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StalenessResults {
-    /// The command line that produced it.
-    pub command: String,
-    /// The machine.
-    pub machine: Machine,
-    /// Seconds since the Unix epoch when it started.
-    pub started_unix: u64,
-    /// Wall seconds of the whole experiment.
-    pub wall_s: f64,
-    /// `--quick`.
-    pub quick: bool,
-    /// The configuration as run (after `--quick`).
-    pub config: StalenessConfig,
-    /// Every run, in the order run.
-    pub runs: Vec<RunRecord>,
-    /// Runs kept from earlier sittings on other machines: their ids and the machine of each
-    /// (their wall times are that machine's).
-    #[serde(default)]
-    pub kept_elsewhere: Vec<(String, Machine)>,
-}
 
 /// Runs every run of `cfg` (its `--quick` reduction when `quick`), writing ledgers under
 /// `out`, and calls `progress` after each with its position, the count and its record.

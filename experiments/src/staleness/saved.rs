@@ -9,8 +9,8 @@ use std::collections::HashSet;
 
 use pipe_scheduler::Policy;
 
-use super::StalenessResults;
 use super::config::{Family, StalenessConfig};
+use super::results::StalenessResults;
 use super::run::RunRecord;
 
 /// `Err` naming `what`'s `field` unless `v` is finite and at least 0 (and at most 1 when
