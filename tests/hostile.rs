@@ -1438,7 +1438,7 @@ fn cluster_file_rows() -> Vec<Row> {
         with(
             "cluster init --workers 2 --out {d}/notes --force",
             text("notes", "mine"),
-            "notes is not a directory",
+            "notes: not a directory",
         ),
         row(
             "cluster init --workers 2 --addrs 10.0.0.1:1,10.0.0.1:1 --out {d}/two",
@@ -1666,6 +1666,36 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "tokenize --tokenizer bytes --input {d}/empty.txt --out {d}/out",
             text("empty.txt", ""),
             "data --input: holds no text to tokenize",
+        ),
+        with(
+            "cluster init --workers 2 --out {d}/loop1",
+            vec![File::Link("loop1", "loop2"), File::Link("loop2", "loop1")],
+            "loop1: a symbolic link that names nothing usable",
+        ),
+        with(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck",
+            vec![File::Dir("ck/latest")],
+            "latest is a directory, where the run writes the name of its latest checkpoint",
+        ),
+        with(
+            "simulate --stages 2 --trace {d}/samelink --csv {d}/same.out",
+            vec![File::Link("samelink", "same.out")],
+            "name the same file",
+        ),
+        row(
+            "bench mfu --batch 1 --steps 1 --threads 1 --model mlp-4-4-2 --json ''",
+            "not a file name",
+        ),
+        row(
+            "bench transport --costs-only --json {d}/a.json",
+            "'--costs-only' cannot be used with '--json <FILE>'",
+        ),
+        row(
+            &format!(
+                "cluster init --workers 2 --out {{d}}/cl --addrs {}:1,b:2",
+                "a".repeat(300)
+            ),
+            "host name of 1 to 255 characters",
         ),
         row(
             "train --model gpt2-zzz --steps 1",

@@ -279,8 +279,8 @@ pub struct TransportBenchArgs {
     pub json: Option<PathBuf>,
     /// Measure only the link costs the planner charges (each transport's latency and
     /// processor time per message and per byte, over 5 rounds), cache them, and skip the
-    /// streaming and all-reduce figures.
-    #[arg(long)]
+    /// streaming and all-reduce figures (so no `--json` report: `--costs-out` writes them).
+    #[arg(long, conflicts_with = "json")]
     pub costs_only: bool,
     /// Also write the link costs as JSON to FILE (what `pipe plan --transport-costs` reads).
     #[arg(long, value_name = "FILE", value_parser = pipe_stages::outputs::output_file)]

@@ -144,6 +144,13 @@ pub fn write_replacing(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// [`std::io::ErrorKind::InvalidInput`] for a path that is not a regular file, or the error of
 /// resolving it.
 pub fn output_target(path: &Path) -> std::io::Result<std::path::PathBuf> {
+    // An empty path or one ending in `..` names no file to write.
+    if path.file_name().is_none() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a file name",
+        ));
+    }
     match std::fs::canonicalize(path) {
         Ok(real) => {
             let kind = std::fs::metadata(&real)?.file_type();

@@ -43,6 +43,7 @@ pub struct InitArgs {
 /// Bad input for impossible worker counts or address lists; unwritable files.
 pub fn run(cmd: &ClusterCommand) -> Result<()> {
     let ClusterCommand::Init(args) = cmd;
+    pipe_stages::outputs::check_output_dir(&args.out, "--out")?;
     if args.workers == 0 || args.workers > MAX_WORKERS {
         return Err(bad_input(format!(
             "--workers {}: a cluster has 1 to {MAX_WORKERS} workers",

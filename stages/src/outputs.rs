@@ -278,7 +278,16 @@ fn resolved_output(path: &Path) -> Option<PathBuf> {
     if let Ok(real) = std::fs::canonicalize(path) {
         return Some(real);
     }
-    let dir = pipe_kernels::files::parent_dir(path);
+    // A link to a file not yet written is written through: where it lands is its target's
+    // place (links followed as the kernel would, at most 40).
+    let mut path = path.to_path_buf();
+    for _ in 0..40 {
+        let Ok(target) = std::fs::read_link(&path) else {
+            break;
+        };
+        path = pipe_kernels::files::parent_dir(&path).join(target);
+    }
+    let dir = pipe_kernels::files::parent_dir(&path);
     Some(std::fs::canonicalize(dir).ok()?.join(path.file_name()?))
 }
 
@@ -308,13 +317,22 @@ fn output_error(path: &Path, e: std::io::Error) -> StageError {
 }
 
 /// Refuses, before the work that fills it, an output directory `dir` that cannot be one: a
-/// path that is a file, FIFO or device (after symbolic links), or a missing one whose nearest
+/// path that is a file, FIFO or device (after symbolic links), a link that leads nowhere, or
+/// a missing one whose nearest
 /// existing ancestor is not a directory or cannot be written. `flag` names it in the words.
 ///
 /// # Errors
 /// Bad input naming `flag`, `dir` and what is wrong.
 pub fn check_output_dir(dir: &Path, flag: &str) -> Result<()> {
     let refused = |why: String| StageError::Input(format!("{flag} {}: {why}", dir.display()));
+    // A link that leads nowhere (dangling, or a loop) would be found only when written.
+    if is_link(dir) {
+        if let Err(e) = std::fs::metadata(dir) {
+            return Err(refused(format!(
+                "a symbolic link that names nothing usable: {e}"
+            )));
+        }
+    }
     let mut at = dir;
     loop {
         match std::fs::metadata(at) {

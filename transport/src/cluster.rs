@@ -171,7 +171,8 @@ fn is_host(host: &str) -> bool {
     match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
         None => {
-            !host.is_empty()
+            // A DNS name is at most 255 characters, as `pipe bench hosts` holds its names.
+            (1..=255).contains(&host.len())
                 && host
                     .chars()
                     .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
@@ -191,8 +192,8 @@ fn check_addrs<'a>(addrs: impl Iterator<Item = &'a str>, what: &str) -> Result<(
             .is_some_and(|(host, port)| is_host(host) && port.parse::<u16>().is_ok());
         if !shaped {
             return Err(bad_file(format!(
-                "{what}: rank {rank}'s address '{}' is not host:port (a host name, an IPv4 \
-                 address or a bracketed IPv6 one)",
+                "{what}: rank {rank}'s address '{}' is not host:port (a host name of 1 to 255 \
+                 characters, an IPv4 address or a bracketed IPv6 one)",
                 addr.escape_debug()
             )));
         }

@@ -230,6 +230,17 @@ pub fn check_checkpoint_dir(dir: Option<&Path>, resumed: Option<&Path>) -> Resul
         return Ok(());
     };
     crate::outputs::check_output_dir(dir, "--checkpoint-dir")?;
+    // The pointer to the latest checkpoint is written by a rename over `latest`, which a
+    // directory there would fail only after the first checkpoint's training.
+    let pointer = dir.join(crate::checkpoint::LATEST);
+    if std::fs::symlink_metadata(&pointer).is_ok_and(|m| m.is_dir()) {
+        return Err(StageError::Input(format!(
+            "--checkpoint-dir {}: {} is a directory, where the run writes the name of its latest \
+             checkpoint: move it, or give another directory",
+            dir.display(),
+            pointer.display()
+        )));
+    }
     let Some((_, newest)) = crate::checkpoint::list(dir).pop() else {
         return Ok(());
     };
