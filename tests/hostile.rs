@@ -517,6 +517,10 @@ fn cli_simulate_and_bench_rows() -> Vec<Row> {
         ),
         row("bench partition --workers 100000", "over the limit of 4096"),
         row(
+            "bench partition --model mlp-64-64-10 --workers 9",
+            "the uniform split needs a layer for each worker",
+        ),
+        row(
             "bench partition --microbatch-size 100000000",
             "over the limit of 2147483648",
         ),
@@ -733,6 +737,11 @@ fn config_rows() -> Vec<Row> {
         layers(
             r#"{ type = "flatten" }, { type = "dropout", p = 1.5 }, { type = "linear", inputs = 784, outputs = 10 }"#,
             "layer 1",
+        ),
+        // TOML's nan and inf, which a JSON value would have turned into null.
+        layers(
+            r#"{ type = "flatten" }, { type = "dropout", p = nan }, { type = "linear", inputs = 784, outputs = 10 }"#,
+            "model.layers[1].p (line 3): NaN is not a finite number",
         ),
         layers(
             r#"{ type = "flatten" }, { type = "layer_norm", features = 784, eps = -1.0 }, { type = "linear", inputs = 784, outputs = 10 }"#,
@@ -1414,6 +1423,16 @@ fn cluster_file_rows() -> Vec<Row> {
             ),
             "this rank's certificate and key, from the cluster's files",
         ),
+        // Another cluster's CA: this rank's certificate is not one it signed.
+        after(
+            &[init, "cluster init --workers 2 --out {d}/other"],
+            "worker --cluster {d}/cl.toml --rank 0 --stages 2 --steps 1",
+            text(
+                "cl.toml",
+                cluster_toml("127.0.0.1:0", "127.0.0.1:0", "other/ca.pem"),
+            ),
+            "this rank's certificate is not one the cluster's CA signed",
+        ),
         // A cluster file with more ranks than the plan has workers.
         with(
             &plan("cl.toml"),
@@ -1696,6 +1715,16 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
                 "a".repeat(300)
             ),
             "host name of 1 to 255 characters",
+        ),
+        // Digits and dots alone are an IPv4 address or nothing: refused at once, not left to
+        // a resolver and a connection timeout.
+        row(
+            "cluster init --workers 2 --out {d}/cl --addrs 999.1.1.1:1,b:2",
+            "that is not all digits and dots",
+        ),
+        row(
+            "bench hosts --bandwidth 1e9 --hosts 999.1.1.1",
+            "--hosts: '999.1.1.1' is not a host",
         ),
         row(
             "train --model gpt2-zzz --steps 1",

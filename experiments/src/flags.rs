@@ -180,6 +180,20 @@ impl HostsBenchArgs {
         check_counts(&[("--updates", self.updates)])?;
         check_layout(self.workers, self.microbatches)?;
         check_model_batch(&self.model, self.microbatch_size)?;
+        // The workers' cluster file takes these as addresses; one that cannot be one would
+        // otherwise wait out the connection timeout after the profiling.
+        if let Some(bad) = self
+            .hosts
+            .iter()
+            .find(|h| !pipe_transport::cluster::is_host(h))
+        {
+            return Err(ExperimentError::Config(format!(
+                "--hosts: '{}' is not a host (a name of letters, digits, '-', '_' and '.' of 1 \
+                 to 255 characters that is not all digits and dots, an IPv4 address or a \
+                 bracketed IPv6 one)",
+                bad.escape_debug()
+            )));
+        }
         let cores = self.cores.or_else(|| {
             std::thread::available_parallelism()
                 .ok()

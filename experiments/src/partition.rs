@@ -262,6 +262,15 @@ pub fn run(cfg: &PartitionBenchConfig) -> Result<PartitionReport, ExperimentErro
         ));
     }
     let model = Model::new(&ModelSpec::preset(&cfg.model)?)?;
+    if cfg.workers as usize > model.len() {
+        // The uniform split it is measured against gives every worker a stage of its own.
+        return Err(ExperimentError::Config(format!(
+            "--workers {} is more than {}'s {} layers: the uniform split needs a layer for each worker",
+            cfg.workers,
+            cfg.model,
+            model.len()
+        )));
+    }
     let be = CpuBackend::new(1)?;
     let profile_opts = plan_profile_options(cfg.microbatch, cfg.microbatches, cfg.workers);
     let profile = profile_model(&model, &cfg.model, &be, &profile_opts)?;

@@ -22,11 +22,17 @@ impl Tree {
         Tree(dir)
     }
 
-    /// An empty file at `rel` (its folders made).
+    /// A file at `rel` (its folders made) holding only an ELF header's first bytes: a
+    /// library as far as the search reads one.
     fn file(&self, rel: &str) -> &Self {
+        self.bytes(rel, b"\x7fELF\x02\x01\x01")
+    }
+
+    /// A file at `rel` holding `bytes`.
+    fn bytes(&self, rel: &str, bytes: &[u8]) -> &Self {
         let p = self.0.join(rel);
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(&p, b"").unwrap();
+        std::fs::write(&p, bytes).unwrap();
         self
     }
 
@@ -220,6 +226,42 @@ fn a_missing_library_is_reported_with_every_folder_searched() {
         "the stub passed over is named: {line}"
     );
     assert!(line.contains("/usr/local/nvidia/lib64"), "{line}");
+}
+
+#[test]
+fn files_by_a_librarys_name_that_are_no_elf_object_are_passed_over_and_named() {
+    let t = Tree::new("notelf");
+    driver(&t, "580.159.04");
+    toolkit(&t, "usr/local/cuda", 13, "13.1.0.3");
+    // Earlier on the path than the real ones: a text file, an empty file, a folder and a
+    // FIFO (which a read would wait on for ever), each by a library's name.
+    t.bytes("planted/libcuda.so.1", b"not a library\n")
+        .bytes("planted/libcublas.so.13", b"")
+        .bytes("planted/libnvrtc.so.13/x", b"");
+    let fifo = t.path("planted/libcublasLt.so.13");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let res = resolve(&t.search(&[("LD_LIBRARY_PATH", t.path("planted"))]));
+    assert!(res.complete(), "{}", res.report());
+    for l in [
+        Library::Driver,
+        Library::Cublas,
+        Library::CublasLt,
+        Library::Nvrtc,
+    ] {
+        let (path, _) = chosen(&res, l);
+        assert!(!path.starts_with(t.path("planted")), "{l}: {path:?}");
+    }
+    assert_eq!(res.not_libraries.len(), 4, "{:?}", res.not_libraries);
+    let report = res.report();
+    assert!(
+        report.contains("skipped files that are no ELF library")
+            && report.contains("planted/libcuda.so.1"),
+        "{report}"
+    );
 }
 
 #[test]

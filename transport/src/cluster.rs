@@ -165,11 +165,16 @@ pub enum Existing {
     Replace,
 }
 
-/// Whether `host` can name a host: a name of letters, digits, `-`, `_` and `.` (an IPv4
-/// address among them), or an IPv6 address in brackets.
-fn is_host(host: &str) -> bool {
+/// Whether `host` can name a host: a name of letters, digits, `-`, `_` and `.`, an IPv4
+/// address, or an IPv6 address in brackets. A name of digits and dots alone is an IPv4
+/// address or nothing (no top-level domain is all digits), so `999.1.1.1` or `10.0.0` is
+/// refused here rather than left to a resolver, and a connection, to time out on.
+pub fn is_host(host: &str) -> bool {
     match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None if host.chars().all(|c| c.is_ascii_digit() || c == '.') => {
+            host.parse::<std::net::Ipv4Addr>().is_ok()
+        }
         None => {
             // A DNS name is at most 255 characters, as `pipe bench hosts` holds its names.
             (1..=255).contains(&host.len())
@@ -193,7 +198,8 @@ fn check_addrs<'a>(addrs: impl Iterator<Item = &'a str>, what: &str) -> Result<(
         if !shaped {
             return Err(bad_file(format!(
                 "{what}: rank {rank}'s address '{}' is not host:port (a host name of 1 to 255 \
-                 characters, an IPv4 address or a bracketed IPv6 one)",
+                 characters that is not all digits and dots, an IPv4 address or a bracketed \
+                 IPv6 one)",
                 addr.escape_debug()
             )));
         }

@@ -444,6 +444,21 @@ fn tls_configs(
     )
     .build()
     .map_err(|e| setup_err("client verifier", e))?;
+    // This rank's own certificate, checked against the CA as every peer will check it: a
+    // certificate of another cluster is named here, at the start, not as a peer's refused
+    // handshake (or a wait for peers that refuse it).
+    let (leaf, intermediates) = creds
+        .chain
+        .split_first()
+        .ok_or_else(|| cred_err("this rank's certificate", "the chain is empty"))?;
+    verifier
+        .verify_client_cert(leaf, intermediates, rustls::pki_types::UnixTime::now())
+        .map_err(|e| {
+            cred_err(
+                "this rank's certificate is not one the cluster's CA signed",
+                e,
+            )
+        })?;
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| setup_err("TLS", e))?

@@ -251,8 +251,23 @@ fn version_of(name: &str, stem: &str) -> Option<String> {
     ok.then(|| rest.to_string())
 }
 
-/// Every copy of `library` in `dir`, stubs left out (counted in `stubs`).
-fn scan(dir: &Path, library: Library, stubs: &mut Vec<PathBuf>) -> Vec<Found> {
+/// Whether `path` is a regular file that starts as an ELF object does: a directory, a FIFO
+/// (which a read would wait on), an empty or truncated file or a text file by a library's name
+/// is not one the loader could open, and choosing it would put a working copy behind it.
+fn is_elf_file(path: &Path) -> bool {
+    use std::io::Read;
+    let regular = std::fs::metadata(path).is_ok_and(|m| m.is_file());
+    let mut magic = [0u8; 4];
+    regular
+        && std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok()
+        && magic == *b"\x7fELF"
+}
+
+/// Every copy of `library` in `dir`: stubs left out (counted in `skipped.0`), and files that
+/// are no ELF object (counted in `skipped.1`).
+fn scan(dir: &Path, library: Library, skipped: &mut (Vec<PathBuf>, Vec<PathBuf>)) -> Vec<Found> {
     let stem = library.stem();
     let bare = format!("lib{stem}.so");
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -272,7 +287,11 @@ fn scan(dir: &Path, library: Library, stubs: &mut Vec<PathBuf>) -> Vec<Found> {
             continue; // a dangling link
         };
         if is_stub(&path) || is_stub(&target) {
-            stubs.push(path);
+            skipped.0.push(path);
+            continue;
+        }
+        if !is_elf_file(&target) {
+            skipped.1.push(path);
             continue;
         }
         let target_name = target.file_name().and_then(OsStr::to_str).unwrap_or("");
@@ -297,6 +316,9 @@ pub struct Resolution {
     pub missing: Vec<(Library, String)>,
     /// Stub files passed over.
     pub stubs: Vec<PathBuf>,
+    /// Files by a library's name that are no ELF object (a directory, a FIFO, a text or
+    /// truncated file), passed over.
+    pub not_libraries: Vec<PathBuf>,
     /// The folders searched.
     pub searched: Vec<PathBuf>,
 }
@@ -307,13 +329,14 @@ pub struct Resolution {
 /// Within a choice, folders earlier in the search win, and a file whose name carries its
 /// version over a bare `lib*.so` of unknown version.
 pub fn resolve(search: &SearchPath) -> Resolution {
-    let mut stubs = Vec::new();
+    let mut skipped = (Vec::new(), Vec::new());
     let mut all: Vec<Found> = Vec::new();
     for dir in &search.dirs {
         for library in Library::ALL {
-            all.extend(scan(dir, library, &mut stubs));
+            all.extend(scan(dir, library, &mut skipped));
         }
     }
+    let (stubs, not_libraries) = skipped;
     let first = |library: Library, major: Option<u32>| -> Option<Found> {
         let of = |f: &&Found| f.library == library && (major.is_none() || f.major() == major);
         // Versioned first, then whatever came first in the search.
@@ -325,6 +348,7 @@ pub fn resolve(search: &SearchPath) -> Resolution {
     };
     let mut res = Resolution {
         stubs,
+        not_libraries,
         searched: search.dirs.clone(),
         ..Resolution::default()
     };
@@ -419,6 +443,13 @@ impl Resolution {
         }
         if !self.stubs.is_empty() {
             let _ = write!(line, "; skipped stubs {}", join_paths(&self.stubs));
+        }
+        if !self.not_libraries.is_empty() {
+            let _ = write!(
+                line,
+                "; skipped files that are no ELF library {}",
+                join_paths(&self.not_libraries)
+            );
         }
         line
     }

@@ -17,6 +17,7 @@
 
 pub mod data;
 pub mod documents;
+mod finite_value;
 pub mod hf;
 pub mod layer;
 pub mod layers;
@@ -178,7 +179,7 @@ pub struct ModelSpec {
 #[serde(deny_unknown_fields)]
 pub struct RawModelSpec {
     input: Vec<usize>,
-    layers: Vec<serde_json::Value>,
+    layers: Vec<finite_value::FiniteValue>,
     #[serde(default)]
     tied: Vec<Tie>,
 }
@@ -191,7 +192,7 @@ impl TryFrom<RawModelSpec> for ModelSpec {
             .layers
             .into_iter()
             .enumerate()
-            .map(|(i, value)| parse_layer(value).map_err(|e| format!("layer {i}: {e}")))
+            .map(|(i, value)| parse_layer(value.0).map_err(|e| format!("layer {i}: {e}")))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(ModelSpec {
             input: raw.input,
