@@ -314,3 +314,24 @@ fn criterion_results_are_read_and_malformed_ones_named() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every results file committed beside a report still loads, the earlier runs' included: a
+/// field added to the format since must not leave a committed run unreadable.
+#[test]
+fn every_committed_results_file_loads() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for dir in ["bench", "bench/earlier-run"] {
+        let r = load(&root.join(dir)).unwrap_or_else(|e| panic!("{dir}: {e}"));
+        assert!(!r.configs.is_empty(), "{dir}");
+    }
+    for dir in [
+        "staleness",
+        "staleness/deep-stages",
+        "staleness/gpt-mini",
+        "staleness/optimizers-lm",
+        "staleness/optimizers-lm-rates",
+        "staleness/optimizers-lm-sweep",
+    ] {
+        pipe_experiments::staleness::load(&root.join(dir)).unwrap_or_else(|e| panic!("{dir}: {e}"));
+    }
+}
