@@ -45,6 +45,17 @@ impl ScheduleSpec {
         resolved.depths = in_flight_depths(&resolved);
         Ok(resolved)
     }
+
+    /// The minibatch [`ScheduleSpec::resolve`] gives, after the same checks, without the
+    /// in-flight depths: their search simulates candidate schedules, milliseconds that a
+    /// caller asking only whether a layout schedules and at what minibatch (a recovery, as
+    /// its survivors wait) need not spend.
+    ///
+    /// # Errors
+    /// As [`ScheduleSpec::resolve`].
+    pub fn minibatch(&self) -> Result<u32> {
+        Ok(self.resolve_shape()?.minibatch)
+    }
 }
 
 /// Largest layout whose depths are searched: the search simulates up to `MAX_STEPS x

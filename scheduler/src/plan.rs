@@ -229,6 +229,43 @@ impl VersionPlan {
         last
     }
 
+    /// The versions below `below` that `worker`'s program (a worker of one stage) reads from
+    /// program counter `from` on, counting each update's gradient versions as
+    /// [`VersionPlan::last_uses_through_updates`] does: the older versions a program resumed
+    /// at `from` must be handed, read off its remaining actions alone (a recovery asks this
+    /// of every worker while the survivors wait, so it walks no more than it must).
+    pub fn read_from(
+        &self,
+        schedule: &Schedule,
+        worker: WorkerId,
+        from: usize,
+        below: u32,
+    ) -> std::collections::BTreeSet<u32> {
+        // Versions are dense and few: one flag each.
+        let mut read = vec![false; below as usize];
+        let mut mark = |v: u32| {
+            if let Some(flag) = read.get_mut(v as usize) {
+                *flag = true;
+            }
+        };
+        let program = &schedule.programs[worker as usize];
+        for a in program.iter().skip(from) {
+            match *a {
+                Action::Forward { stage, mb } => mark(self.forward_version(stage, mb)),
+                Action::Backward { stage, mb }
+                | Action::BackwardInput { stage, mb }
+                | Action::BackwardWeight { stage, mb } => mark(self.backward_version(stage, mb)),
+                Action::Update { stage, update } => {
+                    for mb in self.update(stage, update).microbatches() {
+                        mark(self.backward_version(stage, mb));
+                    }
+                }
+                _ => {}
+            }
+        }
+        (0..below).filter(|&v| read[v as usize]).collect()
+    }
+
     /// Number of stages.
     pub fn stages(&self) -> u32 {
         self.stages

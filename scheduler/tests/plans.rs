@@ -441,6 +441,35 @@ fn last_uses_are_the_last_action_reading_each_version() {
 }
 
 #[test]
+fn versions_read_from_a_point_on_are_those_whose_last_use_is_there_or_later() {
+    for s in every_schedule() {
+        if s.layout().chunks() != 1 {
+            continue;
+        }
+        let plan = VersionPlan::derive(&s).unwrap();
+        for w in 0..s.workers() {
+            let last = plan.last_uses_through_updates(&s, w);
+            let uses = last.first().map(Vec::as_slice).unwrap_or(&[]);
+            let len = s.programs[w as usize].len();
+            let newest = uses.len() as u32 + 1;
+            for from in 1..=len {
+                for below in [1, newest / 2, newest] {
+                    let want: std::collections::BTreeSet<u32> = (0..below)
+                        .filter(|&v| uses.get(v as usize).is_some_and(|&u| u >= from))
+                        .collect();
+                    let got = plan.read_from(&s, w, from, below);
+                    assert_eq!(
+                        got, want,
+                        "{} w{w} from {from} below {below}",
+                        s.resolved.policy
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn updates_per_stage_match_the_layout() {
     for s in every_schedule() {
         let plan = VersionPlan::derive(&s).unwrap();

@@ -235,8 +235,16 @@ fn run_recorded(setup: &Setup<'_>, init: &Params) -> Recorded {
 }
 
 /// Resumes worker `w` alone at `version` of its stage, with its state and stash from `peer`'s
-/// kept points and its incoming messages from the record, and checks that it ends as it ran.
-fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), version: u32) {
+/// kept points and its incoming messages from the record, and checks that it ends as it ran;
+/// `late`: its replays moved to just before their microbatches' next actions, as for
+/// receivers that hold every message they send again
+/// ([`pipe_stages::pipeline::resume::ResumePoint::deferring_replays`]).
+fn check_resume(
+    setup: &Setup<'_>,
+    run: &Recorded,
+    (w, peer): (u32, u32),
+    (version, late): (u32, bool),
+) {
     let plan = setup.plan;
     let minibatch = u64::from(plan.schedule.resolved.minibatch);
     let (stage, _) = plan.schedule.layout().placement(w);
@@ -254,7 +262,34 @@ fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), versio
             .flatten()
             .map(|s| s.params)
     };
-    let point = resume_point(&plan.schedule, &plan.versions, w, version).unwrap();
+    let mut point = resume_point(&plan.schedule, &plan.versions, w, version).unwrap();
+    if late {
+        point.deferring_replays(&plan.versions, |_| true);
+        // Every replayed forward whose microbatch replays no backward half now runs just
+        // before that microbatch's first action from the boundary on.
+        use pipe_scheduler::Action;
+        let halves: Vec<u32> = point
+            .actions
+            .iter()
+            .filter(|p| p.replayed_at.is_some())
+            .filter(|p| p.action.kind().is_compute() && !matches!(p.action, Action::Forward { .. }))
+            .filter_map(|p| p.action.microbatch())
+            .collect();
+        for (i, p) in point.actions.iter().enumerate() {
+            let Action::Forward { mb, .. } = p.action else {
+                continue;
+            };
+            if p.replayed_at.is_none() || halves.contains(&mb) {
+                continue;
+            }
+            let next = point.actions[i..].iter().find(|q| q.replayed_at.is_none());
+            let policy = plan.schedule.resolved.policy;
+            assert!(
+                next.is_some_and(|q| q.action.microbatch() == Some(mb)),
+                "{policy:?} worker {w} at {version}: {p:?} not moved"
+            );
+        }
+    }
     let stash = stash_of(&point, held).unwrap();
     let resume = Resume { point, stash };
     let step = u64::from(version) * update_size / minibatch;
@@ -276,7 +311,7 @@ fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), versio
     };
     let be = CpuBackend::new(1).unwrap();
     let policy = plan.schedule.resolved.policy;
-    let what = format!("{policy:?} worker {w} resumed at version {version}");
+    let what = format!("{policy:?} worker {w} resumed at version {version} (late: {late})");
     let replayed = resume
         .point
         .actions
@@ -305,11 +340,20 @@ fn check_resume(setup: &Setup<'_>, run: &Recorded, (w, peer): (u32, u32), versio
         );
     }
     // From the boundary on it sends what the worker sent then, message for message (an
-    // all-reduce's chunks may leave in another order).
+    // all-reduce's chunks may leave in another order), and the replays send again what it
+    // sent before (keys are unique in a segment).
     let after = ep.sent.len() - replayed;
     let tail = record.sent.len() - after;
+    let before: std::collections::HashSet<Key> =
+        record.sent[..tail].iter().map(|m| m.key).collect();
+    let (again, from_boundary): (Vec<Seen>, Vec<Seen>) = ep
+        .sent
+        .iter()
+        .cloned()
+        .partition(|m| before.contains(&m.key));
+    assert_eq!(again.len(), replayed, "{what}: the messages replayed");
     assert_eq!(
-        canonical(&ep.sent[replayed..]),
+        canonical(&from_boundary),
         canonical(&record.sent[tail..]),
         "{what}: the messages from the boundary on"
     );
@@ -333,7 +377,9 @@ fn resumes_as_it_ran(spec: &ScheduleSpec) -> usize {
         let update_size = resolved.update_size(stage);
         for version in 1..resolved.updates_at(stage) {
             if (version * update_size) % minibatch == 0 {
-                check_resume(&setup, &run, (w, peer), version);
+                for late in [false, true] {
+                    check_resume(&setup, &run, (w, peer), (version, late));
+                }
                 checked += 1;
             }
         }

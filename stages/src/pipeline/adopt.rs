@@ -25,6 +25,11 @@
 //! then ends with the weights of one that drained there.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+
+/// The sets a takeover is planned with: every message of every worker's program from its
+/// boundary on, hashed while the survivors wait on the plan, so with a hasher that is fast
+/// on small integer keys (their contents come from the run's own schedule, not a peer).
+type PlanSet<T> = HashSet<T, rustc_hash::FxBuildHasher>;
 use std::sync::{Arc, Mutex};
 
 use pipe_kernels::Tensor;
@@ -550,6 +555,20 @@ pub fn end_at_step(plan: &RunPlan, worker: u32, resume: &mut Resume, steps: u64)
     Ok(())
 }
 
+/// `worker`'s resumed program with the replay of each microbatch in flight moved to just
+/// before its first action from the boundary on, wherever its receivers' logs hold every
+/// message that replay sends again (`delivered`,
+/// [`super::resume::ResumePoint::deferring_replays`]).
+pub fn deferring_delivered(
+    plan: &RunPlan,
+    worker: u32,
+    resume: &mut Resume,
+    delivered: &HashSet<Key>,
+) {
+    let held = |a: &Action| data_key(worker, *a).is_some_and(|k| delivered.contains(&k));
+    resume.point.deferring_replays(&plan.versions, held);
+}
+
 /// Where a segment of `plan` taken over with every worker resumed at `versions` ends: at its
 /// update in flight when it is `cut` short for a replacement that comes, else at its end.
 pub fn takeover_ends_at(plan: &RunPlan, versions: &[u32], cut: bool) -> u64 {
@@ -703,13 +722,13 @@ pub fn version_at_step(plan: &RunPlan, worker: u32, step: u64) -> Result<u32> {
 fn unmet(
     plan: &RunPlan,
     resumes: &[ResumePoint],
-    kept: &[HashSet<Key>],
-    sent_again: &HashSet<Key>,
+    kept: &[PlanSet<Key>],
+    sent_again: &PlanSet<Key>,
 ) -> Option<Key> {
     let layout = plan.schedule.layout();
     // Every (worker, stage, update) whose all-reduce runs again, and per worker the
     // (sender, stage, update) of the all-reduce chunks kept for it.
-    let reduces: HashSet<(u32, u32, u32)> = resumes
+    let reduces: PlanSet<(u32, u32, u32)> = resumes
         .iter()
         .enumerate()
         .flat_map(|(w, r)| {
@@ -719,7 +738,7 @@ fn unmet(
             })
         })
         .collect();
-    let chunks: Vec<HashSet<(u32, u32, u32)>> = kept
+    let chunks: Vec<PlanSet<(u32, u32, u32)>> = kept
         .iter()
         .map(|k| {
             k.iter()
@@ -823,7 +842,7 @@ pub fn plan_takeover(
     }
     // What a log holds for each worker: its own received messages (the lost worker's are
     // gone with it), and what every survivor sent it.
-    let mut available: Vec<HashSet<Key>> = vec![HashSet::new(); workers as usize];
+    let mut available: Vec<PlanSet<Key>> = vec![PlanSet::default(); workers as usize];
     for h in held.iter().flatten() {
         for k in &h.received {
             if let Some(slot) = available.get_mut(k.to as usize) {
@@ -849,7 +868,7 @@ pub fn plan_takeover(
         }
         versions[lost as usize] = version;
         points[lost as usize] = resume_point(&plan.schedule, &plan.versions, lost, version)?;
-        let sent_again: HashSet<Key> = points
+        let sent_again: PlanSet<Key> = points
             .iter()
             .enumerate()
             .flat_map(|(w, p)| sends_of(w as u32, p))
@@ -907,7 +926,7 @@ pub fn handed_over(
         let v = versions.get(w as usize).copied().unwrap_or(0);
         resume_point(&plan.schedule, &plan.versions, w, v)
     };
-    let reduced = |p: &ResumePoint| -> HashSet<(u32, u32)> {
+    let reduced = |p: &ResumePoint| -> PlanSet<(u32, u32)> {
         p.actions
             .iter()
             .filter_map(|a| match a.action {
@@ -916,7 +935,7 @@ pub fn handed_over(
             })
             .collect()
     };
-    let (again, my_reduces): (HashSet<Key>, HashSet<(u32, u32)>) = match goes_on {
+    let (again, my_reduces): (PlanSet<Key>, PlanSet<(u32, u32)>) = match goes_on {
         GoesOn::AtBoundary => {
             let mine = point(from)?;
             (sends_of(from, &mine).collect(), reduced(&mine))
@@ -927,7 +946,7 @@ pub fn handed_over(
     let targets: HashSet<u32> = held.sent.iter().map(|k| k.to).collect();
     for to in targets {
         let theirs = point(to)?;
-        let reads: HashSet<Key> = theirs
+        let reads: PlanSet<Key> = theirs
             .actions
             .iter()
             .filter_map(|p| data_key(to, p.action))

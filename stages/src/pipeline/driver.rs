@@ -93,13 +93,17 @@ pub fn resume_worker_with<B: Backend, T: Transport + ?Sized>(
     between: &mut (dyn Between<T> + Send),
 ) -> Result<WorkerOutcome> {
     let Resume { point, stash } = resume;
-    let at = Some((stash, point.version));
+    let at = Some((stash, point.version, point.holds.clone()));
     drive(be, t, setup, state, (t0, &point.actions), at, between)
 }
 
-/// The older weight versions a resumed worker reads (moved into its core), and its stage's
-/// version.
-type ResumedAt = (BTreeMap<u32, crate::model::Params>, u32);
+/// The older weight versions a resumed worker reads (moved into its core), its stage's
+/// version, and the versions held past their last use ([`super::resume::ResumePoint::holds`]).
+type ResumedAt = (
+    BTreeMap<u32, crate::model::Params>,
+    u32,
+    BTreeMap<u32, usize>,
+);
 
 /// Starts a worker's core (from the segment's start, or `resumed` at a step boundary), runs
 /// `actions` on it and ends it, naming the worker in any error and telling every peer of a
@@ -125,7 +129,9 @@ fn drive<B: Backend, T: Transport + ?Sized>(
     let mut progress = super::doctor::StopPoint::default();
     let core = match resumed {
         None => WorkerCore::new(be, setup, state),
-        Some((stash, version)) => WorkerCore::resumed(be, setup, state, stash, version),
+        Some((stash, version, holds)) => {
+            WorkerCore::resumed(be, setup, state, stash, (version, &holds))
+        }
     };
     let result = match core {
         Ok(core) => run_program(be, t, (core, actions), state, t0, between, &mut progress),

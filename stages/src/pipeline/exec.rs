@@ -451,7 +451,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         setup: &'s Setup<'a>,
         state: &mut WorkerState,
         stash: BTreeMap<u32, Params>,
-        version: u32,
+        (version, holds): (u32, &BTreeMap<u32, usize>),
     ) -> Result<Self> {
         let held = std::mem::take(&mut state.stages);
         let mut core = Self::holding(be, setup, state, held)?;
@@ -472,6 +472,14 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         }
         run.versions.insert(version, current);
         run.current_version = version;
+        // A replayed action moved later reads its version past the version's last use.
+        for (&v, &pc) in holds {
+            let v = v as usize;
+            if run.last_use.len() <= v {
+                run.last_use.resize(v + 1, 0);
+            }
+            run.last_use[v] = run.last_use[v].max(pc);
+        }
         Ok(core)
     }
 

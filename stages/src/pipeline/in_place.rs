@@ -26,7 +26,7 @@
 //! its boundary or from the segment's start (`worker.rs`'s `after_failure`), without asking
 //! the launcher or meshing twice.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use pipe_transport::registration::Endpoint;
@@ -252,7 +252,8 @@ impl InPlace<'_> {
         if let Some(hosted) = hosted {
             let version = versions.get(lost as usize).copied().unwrap_or(0);
             let lost_part = (hosted, lost, version, hand.hosted);
-            self.adopt_lost(lost_part, (&mut points, ends_at))?;
+            let ending = (ends_at, &planned.lost_delivered);
+            self.adopt_lost(lost_part, (&mut points, ending))?;
         }
         drop(points);
         super::takeover::send_all(ep.as_mut(), hand.send)?;
@@ -269,13 +270,14 @@ impl InPlace<'_> {
 
     /// Hands the lost program, resumed at `version` and ending at step `ends_at`, with the
     /// messages this worker's log `kept` for it, to the thread that runs it beside this
-    /// worker's own. Its states are moved out of this worker's `points`, not copied: this
+    /// worker's own; it replays late the microbatches whose messages their receivers hold
+    /// (`delivered`). Its states are moved out of this worker's `points`, not copied: this
     /// worker's program went on where it stood, so no recovery of this segment reads them
     /// again.
     fn adopt_lost(
         &mut self,
         (hosted, lost, version, kept): (Endpoint, u32, u32, HashMap<Key, Message>),
-        (points, ends_at): (&mut Points, u64),
+        (points, (ends_at, delivered)): (&mut Points, (u64, &HashSet<Key>)),
     ) -> Result<()> {
         let start = self
             .start
@@ -284,6 +286,7 @@ impl InPlace<'_> {
         let (mut resume, state) =
             super::adopt::resume_taking(self.plan, lost, version, (points, start))?;
         super::adopt::end_at_step(self.plan, lost, &mut resume, ends_at)?;
+        super::adopt::deferring_delivered(self.plan, lost, &mut resume, delivered);
         let job = AdoptJob {
             hosted,
             resume,

@@ -15,6 +15,10 @@
 //!   version records) are not recorded twice: the rollback point holds them;
 //! - every action from the boundary on runs as the program has it.
 //!
+//! A lost worker's program run by its adopter may replay a microbatch late, just before its
+//! own next action, where its receivers already hold what the replay sends again
+//! ([`ResumePoint::deferring_replays`]): the same arithmetic in another order.
+//!
 //! The worker then ends the segment with the weights, optimizer state and messages of the
 //! worker it stands in for. `tests` below checks this for every step of a segment and every
 //! policy that takes replicas.
@@ -60,6 +64,10 @@ pub struct ResumePoint {
     pub actions: Vec<Planned>,
     /// The older versions (below `version`) those actions read.
     pub stash: BTreeSet<u32>,
+    /// Versions to keep through a program counter past their last use in the program:
+    /// those a replayed action moved later reads ([`ResumePoint::deferring_replays`]), kept
+    /// until the action it now runs before.
+    pub holds: BTreeMap<u32, usize>,
 }
 
 /// A worker's resumed program and the older weight versions it reads.
@@ -111,11 +119,15 @@ pub fn resume_point(
     // Microbatches in flight at the boundary: an action on either side of it. (None of a
     // later update's gradient is computed before it: the stage's one gradient sum would
     // have added it to update `version - 1`.)
-    let after: BTreeSet<u32> = program[boundary..]
-        .iter()
-        .filter_map(Action::microbatch)
-        .collect();
-    let in_flight = |mb: u32| after.contains(&mb);
+    // Microbatch numbers are dense: one flag each (a recovery asks this of every worker
+    // while the survivors wait).
+    let mut after = vec![false; versions.microbatches() as usize];
+    for mb in program[boundary..].iter().filter_map(Action::microbatch) {
+        if let Some(flag) = after.get_mut(mb as usize) {
+            *flag = true;
+        }
+    }
+    let in_flight = |mb: u32| after.get(mb as usize).copied().unwrap_or(false);
     let mut actions = Vec::new();
     let mut at = 0;
     for (pc, &action) in program[..boundary].iter().enumerate() {
@@ -131,11 +143,7 @@ pub fn resume_point(
         }
     }
     actions.extend(whole(program).into_iter().skip(boundary));
-    let last_uses = versions.last_uses_through_updates(schedule, worker);
-    let uses = last_uses.first().map(Vec::as_slice).unwrap_or(&[]);
-    let mut stash: BTreeSet<u32> = (0..version)
-        .filter(|&v| uses.get(v as usize).is_some_and(|&u| u >= boundary))
-        .collect();
+    let mut stash = versions.read_from(schedule, worker, boundary, version);
     for p in actions.iter().filter(|p| p.replayed_at.is_some()) {
         if let Some(mb) = p.action.microbatch() {
             stash.insert(versions.forward_version(stage, mb));
@@ -147,10 +155,70 @@ pub fn resume_point(
         version,
         actions,
         stash,
+        holds: BTreeMap::new(),
     })
 }
 
 impl ResumePoint {
+    /// Runs the replayed actions of each microbatch in flight just before that microbatch's
+    /// first action from the boundary on, rather than all of them first, wherever each of
+    /// its replayed sends is one its receiver already holds (`delivered`): its forward is
+    /// then needed only for its own backward, so the microbatch the pipeline waits on (the
+    /// stage's update in flight) goes first. A replayed send its receiver may still wait for
+    /// stays in front, in program order, as must its forward: moved, the receiver could wait
+    /// for it while this program waits on the receiver. The arithmetic is the same (each
+    /// replayed action still reads the version it first ran at, held for it in
+    /// [`ResumePoint::holds`]), so are the weights and the messages; only their order moves.
+    pub fn deferring_replays(
+        &mut self,
+        versions: &VersionPlan,
+        delivered: impl Fn(&Action) -> bool,
+    ) {
+        let first_kept = self
+            .actions
+            .iter()
+            .position(|p| p.replayed_at.is_none())
+            .unwrap_or(self.actions.len());
+        let rest = self.actions.split_off(first_kept);
+        let replayed = std::mem::take(&mut self.actions);
+        // Microbatches whose replay stays in front: one of its sends may not have arrived,
+        // or it replays a backward half (whose gradient sum and all-reduce follow the program's
+        // order).
+        let in_front: BTreeSet<u32> = replayed
+            .iter()
+            .filter(|p| match p.action.kind() {
+                pipe_scheduler::ActionKind::Send => !delivered(&p.action),
+                kind => kind.is_compute() && !matches!(p.action, Action::Forward { .. }),
+            })
+            .filter_map(|p| p.action.microbatch())
+            .collect();
+        // Where each moved microbatch's replay goes: before its first action in `rest`.
+        let mut before: BTreeMap<usize, Vec<Planned>> = BTreeMap::new();
+        for p in replayed {
+            let at = p
+                .action
+                .microbatch()
+                .filter(|mb| !in_front.contains(mb))
+                .and_then(|mb| rest.iter().position(|r| r.action.microbatch() == Some(mb)));
+            match at {
+                Some(at) => {
+                    if let Some(v) = read_version(versions, p.action) {
+                        let keep = self.holds.entry(v).or_insert(0);
+                        *keep = (*keep).max(rest[at].pc);
+                    }
+                    before.entry(at).or_default().push(p);
+                }
+                None => self.actions.push(p),
+            }
+        }
+        for (i, p) in rest.into_iter().enumerate() {
+            if let Some(moved) = before.remove(&i) {
+                self.actions.extend(moved);
+            }
+            self.actions.push(p);
+        }
+    }
+
     /// This program ending where its stage has applied `end` updates (of `resolved`'s
     /// `stage`): every update, all-reduce and chunk from update `end` on is left out, and so
     /// is every action of a microbatch whose gradient goes to one of those updates.
@@ -169,6 +237,17 @@ impl ResumePoint {
                 .is_none_or(|mb| resolved.update_of(stage, mb) < end);
             by_update && by_microbatch
         });
+    }
+}
+
+/// The version a forward or backward half reads, by `versions` (none for another action).
+fn read_version(versions: &VersionPlan, a: Action) -> Option<u32> {
+    match a {
+        Action::Forward { stage, mb } => Some(versions.forward_version(stage, mb)),
+        Action::Backward { stage, mb }
+        | Action::BackwardInput { stage, mb }
+        | Action::BackwardWeight { stage, mb } => Some(versions.backward_version(stage, mb)),
+        _ => None,
     }
 }
 

@@ -198,9 +198,11 @@ impl LayoutChange {
             redone: Redone::Segment,
             recovered_at: None,
         };
-        // The new layout must schedule, with the same minibatch.
-        let resolved = change.spec(cfg.chunks, policy, 1).resolve().ok()?;
-        (u64::from(resolved.minibatch) == minibatch).then_some(change)
+        // The new layout must schedule, with the same minibatch. Its in-flight depths are
+        // worked out where its plan is made, at the segment's end: here every survivor, and
+        // the launcher before it tells them, waits on this check.
+        let scheduled = change.spec(cfg.chunks, policy, 1).minibatch().ok()?;
+        (u64::from(scheduled) == minibatch).then_some(change)
     }
 
     /// In process: the layout after losing the worker that `err` names from `plan`'s layout,

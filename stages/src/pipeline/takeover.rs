@@ -153,6 +153,10 @@ pub struct Planned {
     /// The keys of the messages this survivor sent that their receivers' logs hold: they
     /// have them, and it need not hand them over ([`hand_over`]).
     pub delivered: HashSet<Key>,
+    /// On the adopter, the same of the lost worker's messages: the program it adopts may
+    /// replay those microbatches' forwards late ([`super::adopt::deferring_delivered`]).
+    /// Empty elsewhere, and not sent: only the adopter runs that program.
+    pub lost_delivered: HashSet<Key>,
 }
 
 /// The adopter's plan as it travels: 0 (no takeover), or 1, each worker's version (u32),
@@ -184,6 +188,7 @@ fn decode_plan(b: &[u8], workers: u32) -> Result<Option<Planned>> {
             Ok(Some(Planned {
                 versions,
                 delivered,
+                lost_delivered: HashSet::new(),
             }))
         }
         k => Err(protocol(format!("a plan of kind {k}"))),
@@ -265,6 +270,7 @@ pub fn settle(
         planned.as_ref().map(|versions| Planned {
             versions: versions.clone(),
             delivered: delivered_by(w, &all),
+            lost_delivered: HashSet::new(),
         })
     };
     for w in (0..workers).filter(|&w| w != me && w != lost) {
@@ -273,7 +279,10 @@ pub fn settle(
             &encode_plan(of(w).as_ref()),
         ))?;
     }
-    Ok(of(me))
+    Ok(of(me).map(|p| Planned {
+        lost_delivered: delivered_by(lost, &all),
+        ..p
+    }))
 }
 
 /// What a worker hands over after a loss ([`to_hand_over`]).
@@ -394,6 +403,7 @@ mod tests {
         let v = Planned {
             versions: vec![3, 4, 3, 5],
             delivered: [k(1), k(2)].into(),
+            lost_delivered: HashSet::new(),
         };
         assert_eq!(
             decode_plan(&encode_plan(Some(&v)), 4).ok(),
