@@ -250,17 +250,12 @@ impl VersionPlan {
         };
         let program = &schedule.programs[worker as usize];
         for a in program.iter().skip(from) {
-            match *a {
-                Action::Forward { stage, mb } => mark(self.forward_version(stage, mb)),
-                Action::Backward { stage, mb }
-                | Action::BackwardInput { stage, mb }
-                | Action::BackwardWeight { stage, mb } => mark(self.backward_version(stage, mb)),
-                Action::Update { stage, update } => {
-                    for mb in self.update(stage, update).microbatches() {
-                        mark(self.backward_version(stage, mb));
-                    }
+            if let Action::Update { stage, update } = *a {
+                for mb in self.update(stage, update).microbatches() {
+                    mark(self.backward_version(stage, mb));
                 }
-                _ => {}
+            } else if let Some(v) = self.version_read_by(*a) {
+                mark(v);
             }
         }
         (0..below).filter(|&v| read[v as usize]).collect()
@@ -286,6 +281,19 @@ impl VersionPlan {
         self.backward[stage as usize * self.microbatches as usize + mb as usize]
     }
 
+    /// The weight version pass `a` reads: its forward version for a forward, its backward
+    /// version for a backward or either half of one (the executor hands the weight half the
+    /// version's parameters); none for an action that reads no weights.
+    pub fn version_read_by(&self, a: Action) -> Option<u32> {
+        match a {
+            Action::Forward { stage, mb } => Some(self.forward_version(stage, mb)),
+            Action::Backward { stage, mb }
+            | Action::BackwardInput { stage, mb }
+            | Action::BackwardWeight { stage, mb } => Some(self.backward_version(stage, mb)),
+            _ => None,
+        }
+    }
+
     /// The last use of every weight version on `worker`: per chunk (in
     /// [`Layout::stages_of`](crate::Layout::stages_of) order), indexed by version, the program
     /// counter of the last action that reads that version (0 when none does). Forwards read
@@ -296,12 +304,8 @@ impl VersionPlan {
         let layout = schedule.layout();
         let mut last: Vec<Vec<usize>> = vec![Vec::new(); layout.chunks() as usize];
         for (pc, a) in schedule.programs[worker as usize].iter().enumerate() {
-            let v = match *a {
-                Action::Forward { stage, mb } => self.forward_version(stage, mb),
-                Action::Backward { stage, mb }
-                | Action::BackwardInput { stage, mb }
-                | Action::BackwardWeight { stage, mb } => self.backward_version(stage, mb),
-                _ => continue,
+            let Some(v) = self.version_read_by(*a) else {
+                continue;
             };
             if let Some(uses) = last.get_mut(layout.chunk_of(a.stage()) as usize) {
                 note_use(uses, v, pc);

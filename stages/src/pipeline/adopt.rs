@@ -25,11 +25,6 @@
 //! then ends with the weights of one that drained there.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-
-/// The sets a takeover is planned with: every message of every worker's program from its
-/// boundary on, hashed while the survivors wait on the plan, so with a hasher that is fast
-/// on small integer keys (their contents come from the run's own schedule, not a peer).
-type PlanSet<T> = HashSet<T, rustc_hash::FxBuildHasher>;
 use std::sync::{Arc, Mutex};
 
 use pipe_kernels::Tensor;
@@ -45,6 +40,11 @@ use super::run_plan::RunPlan;
 use super::setup::Setup;
 use crate::error::{Result, StageError};
 use crate::model::Params;
+
+/// The sets a takeover is planned with: every message of every worker's program from its
+/// boundary on, hashed while the survivors wait on the plan, so with a hasher that is fast
+/// on small integer keys (their contents come from the run's own schedule, not a peer).
+type PlanSet<T> = HashSet<T, rustc_hash::FxBuildHasher>;
 
 /// A message as kept: when (the worker's latest step boundary then) and what.
 #[derive(Debug)]

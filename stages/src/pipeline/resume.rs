@@ -202,7 +202,7 @@ impl ResumePoint {
                 .and_then(|mb| rest.iter().position(|r| r.action.microbatch() == Some(mb)));
             match at {
                 Some(at) => {
-                    if let Some(v) = read_version(versions, p.action) {
+                    if let Some(v) = versions.version_read_by(p.action) {
                         let keep = self.holds.entry(v).or_insert(0);
                         *keep = (*keep).max(rest[at].pc);
                     }
@@ -237,17 +237,6 @@ impl ResumePoint {
                 .is_none_or(|mb| resolved.update_of(stage, mb) < end);
             by_update && by_microbatch
         });
-    }
-}
-
-/// The version a forward or backward half reads, by `versions` (none for another action).
-fn read_version(versions: &VersionPlan, a: Action) -> Option<u32> {
-    match a {
-        Action::Forward { stage, mb } => Some(versions.forward_version(stage, mb)),
-        Action::Backward { stage, mb }
-        | Action::BackwardInput { stage, mb }
-        | Action::BackwardWeight { stage, mb } => Some(versions.backward_version(stage, mb)),
-        _ => None,
     }
 }
 
