@@ -13,7 +13,8 @@
 //! whatever their addresses: the link is refused and QUIC carries it. The socket stays open
 //! for the link's life and carries its control records (an abort, a clean close): when a
 //! peer's process ends, the kernel closes its end, and the survivor's wait returns at once
-//! naming it, with no timer on the ring.
+//! naming it, with no timer on the ring. The survivors of a lost peer go on over the
+//! segments they have ([`regroup`]), only the lost rank's links made anew.
 //!
 //! **Rings.** A segment holds one ring per direction. A ring is a byte stream: a producer
 //! position and a consumer position (64-bit, never wrapping) on separate cache lines, and a
@@ -61,6 +62,8 @@ use rustix::net::{
 use crate::frame::{self, FrameLimits, Header, PREFIX_BYTES, PayloadBuffer, WireDType};
 use crate::registration::{BoundEndpoint, Endpoint, Joined, MeshSettings, Registration};
 use crate::{Early, Key, Kind, Message, Transport, TransportError, ValueSink, Values};
+
+mod regroup;
 
 /// The registration of shared memory ([`crate::kinds::TRANSPORTS`]).
 pub const REGISTRATION: Registration = Registration {
@@ -132,6 +135,10 @@ const WRITER_PARKED: usize = 320;
 /// Control records on a link's socket.
 const RECORD_ABORT: u8 = b'A';
 const RECORD_CLOSE: u8 = b'C';
+/// A survivor's word that it goes on without a lost peer on this link
+/// ([`Shm::regrouped`]): the link's next generation, where its outgoing ring's producer
+/// stopped, and whether the lost rank's link comes with it (descriptors attached).
+const RECORD_REGROUP: u8 = b'R';
 /// Smallest and largest ring a hello may ask for.
 const MIN_RING: u64 = 4096;
 const MAX_RING: u64 = 1 << 30;
@@ -506,6 +513,9 @@ struct Link {
     control_ready: bool,
     /// The peer has said it failed.
     aborted: bool,
+    /// The link to or from a lost rank hosted by a survivor ([`Shm::regrouped`]): it ends
+    /// with the segment the rank was hosted for, and a later regroup leaves it out.
+    hosted: bool,
 }
 
 /// What a lent payload is handed to: (offset in values, values).
@@ -543,6 +553,10 @@ pub struct Shm {
     bounce: Vec<f32>,
     opts: ShmOptions,
     limits: FrameLimits,
+    /// Where this endpoint listened, which the launcher names again at a regroup.
+    address: String,
+    /// Regroups of this mesh so far ([`Shm::regrouped`]); both ends of a link count alike.
+    generation: u32,
 }
 
 impl std::fmt::Debug for Shm {
@@ -678,6 +692,7 @@ impl ShmBound {
         }
         let mut limits = FrameLimits::new(self.opts.run_id);
         limits.max_payload_bytes = self.opts.max_payload_bytes;
+        let address = format!("unix:{}", self.path().display());
         Ok(Shm {
             rank: self.rank,
             size: self.size,
@@ -691,6 +706,8 @@ impl ShmBound {
             bounce: vec![0.0; BOUNCE_VALUES],
             opts: self.opts,
             limits,
+            address,
+            generation: 0,
         })
     }
 
@@ -900,6 +917,7 @@ impl Link {
             eof: false,
             control_ready: false,
             aborted: false,
+            hosted: false,
         }
     }
 
@@ -956,6 +974,13 @@ impl Link {
                     aborted_by.get_or_insert(by);
                 }
                 RECORD_ABORT => break,
+                // The peer regroups without a lost worker: this generation has ended for it.
+                // The record stays for this endpoint's own regroup to read.
+                RECORD_REGROUP => {
+                    self.aborted = true;
+                    aborted_by.get_or_insert(self.peer);
+                    break;
+                }
                 other => {
                     self.control.clear();
                     self.state = PeerState::Lost(format!(
@@ -1754,6 +1779,22 @@ impl Transport for Shm {
         // so that every worker's error points at the rank that died, whichever saw it first.
         let by = self.cause().unwrap_or(self.rank);
         self.abort_as(by);
+    }
+
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        Some(self.ready_to_regroup())
+    }
+
+    fn regroup(
+        &mut self,
+        lost: u32,
+        host: Option<u32>,
+    ) -> Result<crate::Regrouped, TransportError> {
+        let (mesh, hosted) = self.regrouped(lost, host)?;
+        Ok((
+            Box::new(mesh),
+            hosted.map(|h| Box::new(h) as Box<dyn Transport + Send>),
+        ))
     }
 
     fn close(&mut self) -> Result<(), TransportError> {
