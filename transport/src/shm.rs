@@ -14,7 +14,7 @@
 //! for the link's life and carries its control records (an abort, a clean close): when a
 //! peer's process ends, the kernel closes its end, and the survivor's wait returns at once
 //! naming it, with no timer on the ring. The survivors of a lost peer go on over the
-//! segments they have ([`regroup`]), only the lost rank's links made anew.
+//! segments they have (`shm/regroup.rs`), only the lost rank's links made anew.
 //!
 //! **Rings.** A segment holds one ring per direction. A ring is a byte stream: a producer
 //! position and a consumer position (64-bit, never wrapping) on separate cache lines, and a
