@@ -35,6 +35,8 @@ pub mod registration;
 pub mod renumbered;
 pub mod shm;
 pub mod tcp;
+#[cfg(test)]
+mod test_meshes;
 
 use std::time::Duration;
 

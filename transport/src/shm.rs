@@ -1907,16 +1907,8 @@ fn recv_with_fds(socket: &UnixStream, max_fds: usize) -> Result<(Vec<u8>, Vec<Ow
             .map_err(|e| format!("reading the handshake: {e}"))?
     };
     let mut fds = Vec::new();
-    for msg in control.drain() {
-        if let RecvAncillaryMessage::ScmRights(rights) = msg {
-            fds.extend(rights);
-        }
-    }
-    if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) || fds.len() > max_fds {
-        return Err(format!(
-            "the handshake carried more than {max_fds} descriptors"
-        ));
-    }
+    take_fds(&mut control, got.flags, &mut fds, max_fds)
+        .map_err(|most| format!("the handshake carried more than {most} descriptors"))?;
     if got.bytes < 2 {
         return Err("the peer closed during the handshake".into());
     }
@@ -1930,6 +1922,25 @@ fn recv_with_fds(socket: &UnixStream, max_fds: usize) -> Result<(Vec<u8>, Vec<Ow
     buf.truncate(len + 2);
     buf.drain(..2);
     Ok((buf, fds))
+}
+
+/// Moves the descriptors a `recvmsg` received in `control` into `fds`; `Err(max)` where they
+/// were cut short or `fds` would hold more than `max` (those received are closed).
+fn take_fds(
+    control: &mut RecvAncillaryBuffer<'_>,
+    flags: rustix::net::ReturnFlags,
+    fds: &mut Vec<OwnedFd>,
+    max: usize,
+) -> Result<(), usize> {
+    for msg in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = msg {
+            fds.extend(rights);
+        }
+    }
+    if flags.contains(rustix::net::ReturnFlags::CTRUNC) || fds.len() > max {
+        return Err(max);
+    }
+    Ok(())
 }
 
 /// Reads a handshake's fixed-width little-endian fields, refusing a short one.

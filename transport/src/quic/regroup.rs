@@ -439,18 +439,8 @@ mod tests {
 
     use super::super::QuicOptions;
     use super::*;
+    use crate::test_meshes::{key, regroup_all};
     use crate::{Key, Kind, Message, Transport, TransportError};
-
-    fn key(from: u32, to: u32, index: u32) -> Key {
-        Key {
-            from,
-            to,
-            kind: Kind::Activation,
-            stage: 0,
-            index,
-            step: 0,
-        }
-    }
 
     fn message(from: u32, to: u32, index: u32) -> Message {
         Message {
@@ -492,30 +482,6 @@ mod tests {
                 );
             }
         }
-    }
-
-    /// Each of `eps` regroups without `lost`, which `host` hosts on its connections where
-    /// named, on a thread of its own; the hosted rank's endpoint joins them.
-    fn regroup_all(
-        eps: Vec<Box<dyn Transport>>,
-        lost: u32,
-        host: Option<u32>,
-    ) -> Vec<Box<dyn Transport>> {
-        let threads: Vec<_> = eps
-            .into_iter()
-            .map(|mut ep| {
-                ep.regroup_address().unwrap().unwrap();
-                std::thread::spawn(move || ep.regroup(lost, host).unwrap())
-            })
-            .collect();
-        let mut out: Vec<Box<dyn Transport>> = Vec::new();
-        for t in threads {
-            let (mesh, hosted) = t.join().unwrap();
-            out.push(mesh);
-            out.extend(hosted.map(|h| h as Box<dyn Transport>));
-        }
-        out.sort_by_key(|ep| ep.rank());
-        out
     }
 
     /// What a regroup is handed is checked before anything is spent: a lost rank that is this

@@ -33,13 +33,12 @@ use std::time::Instant;
 
 use rustix::event::{EventfdFlags, PollFd, PollFlags};
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
+    RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
 };
 
 use super::{
     Fields, Link, NO_ALARM, RECORD_ABORT, RECORD_CLOSE, RECORD_REGROUP, Reading, Ring, Shm,
-    create_segment, map_segment, rings, same_user, setup,
+    create_segment, map_segment, rings, same_user, setup, take_fds,
 };
 use crate::{Early, TransportError};
 
@@ -478,16 +477,8 @@ fn receive(link: &mut Link, fds: &mut Vec<OwnedFd>) -> Result<(), String> {
             Err(e) => return Err(format!("reading its socket: {e}")),
         }
     };
-    for msg in control.drain() {
-        if let RecvAncillaryMessage::ScmRights(rights) = msg {
-            fds.extend(rights);
-        }
-    }
-    if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) || fds.len() > HOSTED_FDS {
-        return Err(format!(
-            "its records carried more than {HOSTED_FDS} descriptors"
-        ));
-    }
+    take_fds(&mut control, got.flags, fds, HOSTED_FDS)
+        .map_err(|most| format!("its records carried more than {most} descriptors"))?;
     if got.bytes == 0 {
         link.eof = true;
     }
@@ -504,18 +495,8 @@ mod tests {
 
     use super::super::{ShmOptions, local_mesh};
     use super::*;
-    use crate::{Key, Kind, Message, Transport};
-
-    fn key(from: u32, to: u32, index: u32) -> Key {
-        Key {
-            from,
-            to,
-            kind: Kind::Activation,
-            stage: 0,
-            index,
-            step: 0,
-        }
-    }
+    use crate::test_meshes::{key, regroup_all};
+    use crate::{Message, Transport};
 
     /// A message of `len` values from `from` to `to`, its values telling where it came from.
     fn message(from: u32, to: u32, index: u32, len: usize) -> Message {
@@ -553,30 +534,6 @@ mod tests {
         for ep in eps.iter_mut() {
             ep.abort();
         }
-    }
-
-    /// Each of `eps` regroups without `lost`, hosted by `host` where named, on a thread of
-    /// its own; the hosted rank's endpoint joins them.
-    fn regroup_all(
-        eps: Vec<Box<dyn Transport>>,
-        lost: u32,
-        host: Option<u32>,
-    ) -> Vec<Box<dyn Transport>> {
-        let threads: Vec<_> = eps
-            .into_iter()
-            .map(|mut ep| {
-                ep.regroup_address().unwrap().unwrap();
-                std::thread::spawn(move || ep.regroup(lost, host).unwrap())
-            })
-            .collect();
-        let mut out: Vec<Box<dyn Transport>> = Vec::new();
-        for t in threads {
-            let (mesh, hosted) = t.join().unwrap();
-            out.push(mesh);
-            out.extend(hosted.map(|h| h as Box<dyn Transport>));
-        }
-        out.sort_by_key(|ep| ep.rank());
-        out
     }
 
     /// Every endpoint sends message `index` of `len` values to every other, each on a
