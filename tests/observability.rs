@@ -154,11 +154,14 @@ fn prometheus_scrapes_live_metrics_during_a_pipelined_run() {
 
 #[test]
 fn launched_worker_processes_each_serve_their_metrics() {
-    // Two consecutive free ports.
-    let base = (0..50)
-        .find_map(|_| {
-            let a = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
-            let p = a.local_addr().ok()?.port();
+    // Two consecutive free ports, below the range the system hands out for outgoing
+    // connections and for port 0 (32768 and up by default): a port taken from that range is
+    // free only until a concurrent test's scrape or listener draws it.
+    let start = 20_000 + (std::process::id() % 6_000) * 2;
+    let base = (0..500u32)
+        .find_map(|i| {
+            let p = u16::try_from(start + 2 * i).ok()?;
+            let a = std::net::TcpListener::bind(("127.0.0.1", p)).ok()?;
             let b = std::net::TcpListener::bind(("127.0.0.1", p.checked_add(1)?)).ok()?;
             drop((a, b));
             Some(p)
