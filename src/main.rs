@@ -43,6 +43,15 @@ const _: () = assert!(MI_OPTION_PURGE_DELAY + 1 == libmimalloc_sys::mi_option_us
 /// sizes well within 10 s; memory idle for longer goes back.
 const PURGE_DELAY_MS: std::ffi::c_long = 10_000;
 
+/// Returns what mimalloc holds freed to the operating system at once, not after
+/// [`PURGE_DELAY_MS`]: the library calls it where a stretch of a run has let go of what it
+/// held and will not soon want it again (`pipe_stages::release`).
+fn release_freed_memory() {
+    // SAFETY: asks the allocator to collect and purge its free memory; it touches no memory
+    // the program holds.
+    unsafe { libmimalloc_sys::mi_collect(true) };
+}
+
 mod args;
 mod commands;
 mod output;
@@ -234,6 +243,7 @@ fn main() -> ExitCode {
         // SAFETY: sets one integer option of the allocator; no memory is touched.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) };
     }
+    pipe_stages::release::register(release_freed_memory);
     // With CUDA built in and a driver present: the CUDA libraries the search chooses, put in
     // place by starting again (returns when nothing needs doing).
     doctor::use_found_cuda_libraries();

@@ -33,7 +33,8 @@
 // The run's edge: settings typed once, the limits every size is checked against, errors, and
 // what every trainer reports.
 // Modules in layers, each importing only those listed before it:
-// error, limits, cache (measurements kept on disk), outputs (directories written whole); model (what is computed); partition (a model cut into stages); remedy;
+// error, limits, cache (measurements kept on disk), outputs (directories written whole),
+// release (freed memory returned at a run's quiet points); model (what is computed); partition (a model cut into stages); remedy;
 // config (the run, checked); checkpoint (a run saved); train (data, evaluation and what a run
 // reports); pipeline (how workers run it); planning (how it is cut, measured on the
 // pipeline); log (an observer for the binary). `docs/architecture.md` says why.
@@ -49,6 +50,7 @@ pub mod outputs;
 pub mod partition;
 pub mod pipeline;
 pub mod planning;
+pub mod release;
 pub mod remedy;
 pub mod startup;
 pub mod train;

@@ -63,6 +63,9 @@ pub struct Points {
     records: Vec<VersionRecord>,
     /// The losses it computed (microbatch, loss sum, rows), up to its latest point.
     losses: Vec<(u32, f64, usize)>,
+    /// States of the last segment's points, written over by this segment's first points
+    /// instead of allocating theirs ([`Points::reusing`]).
+    spare: Vec<StageState>,
 }
 
 /// Step boundaries each worker keeps: the stages and two more, past the furthest a stage
@@ -87,6 +90,19 @@ impl Points {
         Points {
             capacity: capacity.max(1),
             ..Points::default()
+        }
+    }
+
+    /// Empty like [`Points::new`], its first points written over the states `old` (the last
+    /// segment's points of the same worker) held, where their stage and shapes match. Built
+    /// anew, each segment freed its predecessor's copies of the stage's state and allocated
+    /// their like again over its first steps.
+    pub fn reusing(capacity: usize, old: Points) -> Self {
+        let mut spare = old.spare;
+        spare.extend(old.points.into_iter().filter(|p| !p.taken).map(|p| p.state));
+        Points {
+            spare,
+            ..Points::new(capacity)
         }
     }
 
@@ -190,11 +206,13 @@ impl StepKeeper for Points {
             None
         };
         let reused = oldest
-            .filter(|old| old.state.stage == stage && !old.taken)
+            .filter(|old| !old.taken)
+            .map(|old| old.state)
+            .or_else(|| self.spare.pop())
+            .filter(|old| old.stage == stage)
             .and_then(|mut old| {
-                let copied =
-                    copy_params(params, &mut old.state.params) && opt.copy_into(&mut old.state.opt);
-                copied.then_some(old.state)
+                let copied = copy_params(params, &mut old.params) && opt.copy_into(&mut old.opt);
+                copied.then_some(old)
             });
         let state = match reused {
             Some(state) => state,
@@ -306,14 +324,22 @@ pub fn standing(points: &Points, steps: u64, minibatch: u64, worker: u32) -> Wor
 
 /// The rollback points of a segment of `plan`: one per worker, or none where no stage has a
 /// second replica or a worker holds several stages (nothing could be survived at the update).
-pub fn points_for(plan: &RunPlan) -> Kept {
+/// `reuse`: a worker and its points of the last segment, whose buffers its new points take.
+pub fn points_for(plan: &RunPlan, reuse: Option<(u32, Points)>) -> Kept {
     let layout = plan.schedule.layout();
     if layout.replica_counts().iter().all(|&r| r < 2) || layout.chunks() != 1 {
         return Vec::new();
     }
     let kept = points_kept(plan.schedule.stages());
+    let mut reuse = reuse;
     (0..plan.schedule.workers())
-        .map(|_| Arc::new(Mutex::new(Points::new(kept))))
+        .map(|w| {
+            let points = match reuse.take_if(|(mine, _)| *mine == w) {
+                Some((_, old)) => Points::reusing(kept, old),
+                None => Points::new(kept),
+            };
+            Arc::new(Mutex::new(points))
+        })
         .collect()
 }
 
@@ -327,5 +353,66 @@ pub(super) fn poisoned() -> StageError {
 pub fn hand_to(kept: &Kept, states: &mut [WorkerState]) {
     for (w, st) in states.iter_mut().enumerate() {
         st.keeper = kept.get(w).map(|p| p.clone() as super::exec::SharedKeeper);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pipe_kernels::{CpuBackend, Tensor};
+
+    use super::*;
+    use crate::optim::{NO_ROLES, OptimizerConfig};
+
+    fn params(value: f32) -> Params {
+        vec![vec![
+            Tensor::from_vec(&[64, 32], vec![value; 64 * 32]).unwrap(),
+            Tensor::from_vec(&[32], vec![-value; 32]).unwrap(),
+        ]]
+    }
+
+    fn keep(points: &mut Points, step: u64, stage: u32, value: f32) {
+        let (p, be) = (params(value), CpuBackend::new(1).unwrap());
+        let opt = Corrected::new(OptimizerConfig::default(), &p, NO_ROLES);
+        let mut outcome = WorkerOutcome::default();
+        points
+            .keep(step, (stage, &p, &opt), &be, &mut outcome)
+            .unwrap();
+    }
+
+    /// Where each kept weight tensor's values live.
+    fn addresses(points: &Points) -> Vec<*const f32> {
+        let held = points.points.iter().map(|p| &p.state);
+        let spare = points.spare.iter();
+        held.chain(spare)
+            .flat_map(|s| s.params.iter().flatten())
+            .map(|t| t.host().unwrap().as_ptr())
+            .collect()
+    }
+
+    #[test]
+    fn a_segment_reusing_the_last_ones_points_keeps_the_same_states_in_their_buffers() {
+        let mut old = Points::new(2);
+        for step in 1..=3 {
+            keep(&mut old, step, 1, step as f32);
+        }
+        let before = addresses(&old);
+        let mut new = Points::reusing(2, old);
+        assert_eq!((new.latest(), new.spare.len()), (0, 2));
+        keep(&mut new, 1, 1, 7.0);
+        keep(&mut new, 2, 1, 8.0);
+        // The states are the new segment's, in the old segment's buffers, with none allocated.
+        assert_eq!(new.params_at(1), Some(params(7.0)));
+        assert_eq!(new.params_at(2), Some(params(8.0)));
+        assert!(new.spare.is_empty());
+        let mut after = addresses(&new);
+        let mut before = before;
+        after.sort();
+        before.sort();
+        assert_eq!(after, before);
+        // A state of another stage is not written over: the point gets its own.
+        let mut other = Points::reusing(2, new);
+        keep(&mut other, 1, 2, 9.0);
+        assert_eq!(other.params_at(1), Some(params(9.0)));
+        assert_eq!(other.points[0].state.stage, 2);
     }
 }

@@ -276,7 +276,7 @@ impl Coordinator for Threads<'_> {
         let t = Instant::now();
         // What the segment runs again from if a replica is lost in it: its start, or the
         // latest step every stage passed.
-        let points = super::rollback::points_for(plan);
+        let points = super::rollback::points_for(plan, None);
         let kept = match (survive::could_survive(plan), self.states.is_empty()) {
             (false, _) => None,
             (true, true) => Some(self.start.clone()),
@@ -688,6 +688,11 @@ pub(crate) fn run_segments(
         if epoch_len == 0 || end.stopped.is_some() {
             break;
         }
+        // What the last epoch's end let go of goes back to the system before this epoch
+        // allocates its own.
+        if first > start.done {
+            crate::release::now();
+        }
         let mut so_far = EpochSoFar::default();
         while end.done < first + epoch_len && end.stopped.is_none() {
             let done = end.done;
@@ -845,6 +850,7 @@ fn follower_after_segment(
         end.stopped = Some(end.done);
     } else if rejoin {
         coord.rejoin(plan, end.done)?;
+        crate::release::now();
         *layout = None;
     }
     Ok(())
@@ -866,6 +872,7 @@ fn relayout_after_drain(
     }
     if !stop && point.rejoin {
         coord.rejoin(point.plan, end.done)?;
+        crate::release::now();
         obs.on_layout_change(&LayoutChange::restored(run.cfg, end.done)?)?;
         *layout = None;
     }

@@ -338,6 +338,7 @@ fn run_process<T: Transport>(
         replacement_coming: true,
         pending: None,
         drained_from: None,
+        last_points: None,
         origin,
         stop,
     };
@@ -403,6 +404,10 @@ struct Process<'a, T: Transport> {
     /// points and place, which a loss in the drain's exchange goes on from
     /// ([`Coordinator::drain`]).
     drained_from: Option<(super::rollback::Kept, Segment)>,
+    /// This worker's rollback points of its last segment, whose copies of the stage's state
+    /// its next segment's points write over once nothing else holds them
+    /// ([`Process::reusable_points`]).
+    last_points: Option<Arc<std::sync::Mutex<Points>>>,
     origin: (std::time::SystemTime, Instant),
     /// Where this worker's program stood at the end of its last segment, for the hang doctor.
     stop: &'a mut Option<StopReport>,
@@ -1101,6 +1106,21 @@ impl<T: Transport> Process<'_, T> {
     }
 }
 
+impl<T: Transport> Process<'_, T> {
+    /// The last segment's rollback points of this worker, where nothing else holds them any
+    /// longer (its state's keeper, the last that did, is let go: the next segment hands it
+    /// its own points). Built anew, each segment's points freed their copies of the stage's
+    /// state (twice its weights, per point kept) at its start and allocated their like again
+    /// over its first steps.
+    fn reusable_points(&mut self) -> Option<Points> {
+        let points = self.last_points.take()?;
+        if let Some(st) = self.state.as_mut() {
+            st.keeper = None;
+        }
+        Arc::try_unwrap(points).ok()?.into_inner().ok()
+    }
+}
+
 impl<T: Transport> Coordinator for Process<'_, T> {
     fn run_segment(
         &mut self,
@@ -1117,7 +1137,8 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         let index = self.index;
         let mut losses = LossRelay::new(run, plan, at, index, rank);
         let (tx, rx) = crossbeam_channel::unbounded();
-        let points = super::rollback::points_for(plan);
+        let reused = self.reusable_points().map(|p| (rank, p));
+        let points = super::rollback::points_for(plan, reused);
         // Copies of the data messages over the boundaries the points keep, for a takeover;
         // none where a lost replica is not gone on without in place.
         let traffic = match (&self.remesh, points.get(rank as usize)) {
@@ -1127,6 +1148,7 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             }
             _ => None,
         };
+        self.last_points = points.get(rank as usize).cloned();
         let moved = super::in_place::MovedOn::default();
         losses.moved = Some(moved.clone());
         let ep = current(&mut *self.ep, &mut self.renewed);
