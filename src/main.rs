@@ -43,9 +43,10 @@ const _: () = assert!(MI_OPTION_PURGE_DELAY + 1 == libmimalloc_sys::mi_option_us
 /// sizes well within 10 s; memory idle for longer goes back.
 const PURGE_DELAY_MS: std::ffi::c_long = 10_000;
 
-/// Returns what mimalloc holds freed to the operating system at once, not after
-/// [`PURGE_DELAY_MS`]: the library calls it where a stretch of a run has let go of what it
-/// held and will not soon want it again (`pipe_stages::release`).
+/// Returns what mimalloc holds freed to the operating system at once, not after its purge
+/// delay ([`PURGE_DELAY_MS`], or the environment's): the library calls it where a stretch of a
+/// run has let go of what it held and will not soon want it again (`pipe_stages::release`).
+/// A negative delay (never purge) holds freed memory for good.
 fn release_freed_memory() {
     // SAFETY: asks the allocator to collect and purge its free memory; it touches no memory
     // the program holds.
@@ -243,7 +244,10 @@ fn main() -> ExitCode {
         // SAFETY: sets one integer option of the allocator; no memory is touched.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) };
     }
-    pipe_stages::release::register(release_freed_memory);
+    // SAFETY: reads one integer option of the allocator.
+    let delay = unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+    let holds = std::time::Duration::from_millis(u64::try_from(delay).unwrap_or(u64::MAX));
+    pipe_stages::release::register(release_freed_memory, holds);
     // With CUDA built in and a driver present: the CUDA libraries the search chooses, put in
     // place by starting again (returns when nothing needs doing).
     doctor::use_found_cuda_libraries();

@@ -682,6 +682,7 @@ pub(crate) fn run_segments(
     // The layout after a lost replica (none: the run's own).
     let mut layout: Option<LayoutChange> = None;
     let mut end = LoopEnd::starting(start.params, start.done);
+    let mut last_epoch: Option<Instant> = None;
     for epoch in end.done / run.per_epoch + 1..=run.cfg.epochs {
         let first = (epoch - 1) * run.per_epoch;
         let epoch_len = run.total.saturating_sub(first).min(run.per_epoch);
@@ -689,9 +690,9 @@ pub(crate) fn run_segments(
             break;
         }
         // What the last epoch's end let go of goes back to the system before this epoch
-        // allocates its own.
-        if first > start.done {
-            crate::release::now();
+        // allocates its own, unless this epoch's end comes soon enough to reuse it.
+        if let Some(began) = last_epoch.replace(Instant::now()) {
+            crate::release::after(began.elapsed());
         }
         let mut so_far = EpochSoFar::default();
         while end.done < first + epoch_len && end.stopped.is_none() {
