@@ -3,8 +3,9 @@
 //! The allocator is the binary's to choose: `pipe` uses mimalloc, which keeps freed memory for
 //! reuse a while (ten seconds there) before it returns it. What the library knows is when a
 //! stretch of work has let go of what it held and will not want it again soon:
-//! - an epoch's end, once its drain, evaluation and checkpoint are done: the segment's traffic
-//!   log, the chief's gathered state, its evaluation batches and its checkpoint's bytes. The
+//! - an epoch's end, once its drain, evaluation and checkpoint are done: the chief's gathered
+//!   state, its evaluation batches and its checkpoint's bytes, and in process, the segment's
+//!   rollback points and traffic log (a worker process keeps those for its next segment). The
 //!   next epoch's end wants their like again an epoch later, so only an epoch that lasted
 //!   longer than the allocator holds freed memory gains by it ([`after`]); a shorter one's
 //!   successor reuses it before the allocator would have returned it, and releasing it would

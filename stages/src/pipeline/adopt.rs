@@ -85,6 +85,11 @@ pub struct Traffic {
 /// The most spare buffers a [`Traffic`] holds on to.
 const SPARE_BUFFERS: usize = 64;
 
+/// The most room a kept buffer for `len` values may have: a quarter more, or 4,096 values.
+fn room_for(len: usize) -> usize {
+    len.saturating_add((len / 4).max(1 << 12))
+}
+
 /// A worker's [`Traffic`], shared with the launcher that reads it after a loss.
 pub type SharedTraffic = Arc<Mutex<Traffic>>;
 
@@ -97,12 +102,42 @@ impl Traffic {
         }
     }
 
+    /// Empty like [`Traffic::new`], with the buffers of the copies `old` (the last segment's
+    /// log) held, and the lengths it last received. A segment's log holds its window's
+    /// messages (tens of megabytes); built anew, each segment freed its predecessor's copies
+    /// at its start and allocated their like again over its first steps, which the allocator
+    /// met partly with fresh pages while it held the freed ones.
+    pub fn reusing(window: u64, old: Traffic) -> Self {
+        let Traffic {
+            sent,
+            received,
+            last_len,
+            ..
+        } = old;
+        // Not its spares, which a segment makes for itself.
+        let spare = sent
+            .into_iter()
+            .chain(received)
+            .filter_map(|k| k.tensor.into_host_vec().ok())
+            .filter(|b| b.capacity() <= room_for(b.len()))
+            .collect();
+        Traffic {
+            window,
+            sent: VecDeque::new(),
+            received: VecDeque::new(),
+            spare,
+            last_len,
+        }
+    }
+
     /// An empty buffer for a copy of `len` values: the smallest a dropped copy left that
-    /// holds them, else a new one. (A buffer that must grow is freed and its successor's pages
-    /// zeroed by the kernel, which cost worker processes more than the copies.)
+    /// holds them with little room to spare ([`room_for`]), else a new one. (A buffer that
+    /// must grow is freed and its successor's pages zeroed by the kernel, which cost worker
+    /// processes more than the copies. One much larger than its copy would carry the room
+    /// into every later use, and the copies it was made for would allocate anew.)
     fn buffer(&mut self, len: usize) -> Vec<f32> {
         let fit = (0..self.spare.len())
-            .filter(|&i| self.spare[i].capacity() >= len)
+            .filter(|&i| (len..=room_for(len)).contains(&self.spare[i].capacity()))
             .min_by_key(|&i| self.spare[i].capacity());
         match fit {
             Some(i) => {
@@ -299,6 +334,10 @@ fn gathered(
     let Some(n) = got else { return Ok(None) };
     let mut values = values.unwrap_or_default();
     values.resize(n, 0.0);
+    // Grown block by block past the length expected, it may hold twice its values.
+    if values.capacity() > room_for(n) {
+        values.shrink_to_fit();
+    }
     let tensor = Tensor::from_vec(&[n], values)
         .map_err(|e| TransportError::Protocol(format!("{key:?}: {e}")))?;
     let m = Message {
@@ -1040,4 +1079,69 @@ pub fn take_over(
         resumes,
         kept,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn message(index: u32, values: Vec<f32>) -> Message {
+        let len = values.len();
+        Message {
+            key: Key {
+                from: 0,
+                to: 1,
+                kind: Kind::Activation,
+                stage: 0,
+                index,
+                step: 0,
+            },
+            version: 0,
+            tensor: Tensor::from_vec(&[len], values).unwrap(),
+        }
+    }
+
+    /// Where each kept copy's values live.
+    fn addresses(t: &Traffic) -> Vec<*const f32> {
+        let copies = t.sent.iter().chain(&t.received);
+        let mut out: Vec<_> = copies.map(|k| k.tensor.host().unwrap().as_ptr()).collect();
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn a_log_reusing_the_last_ones_copies_makes_its_own_in_their_buffers() {
+        let mut old = Traffic::new(2);
+        for index in 0..3 {
+            let b = old.buffer(50_000);
+            let mut values = b;
+            values.resize(50_000, index as f32);
+            old.keep(true, 1, message(index, values));
+        }
+        // A buffer with far more room than its copy is not kept for the next log.
+        let mut roomy = Vec::with_capacity(200_000);
+        roomy.resize(50_000, 9.0);
+        old.keep(false, 1, message(9, roomy));
+        old.last_len.insert((0, Kind::Activation, 0), 50_000);
+        let before = addresses(&old);
+        let mut new = Traffic::reusing(2, old);
+        assert_eq!(new.spare.len(), 3);
+        assert_eq!(new.expected_len(&message(0, vec![0.0]).key), 50_000);
+        // A copy of another size does not take a buffer too large for it.
+        assert!(new.buffer(10_000).capacity() < 50_000);
+        assert_eq!(new.spare.len(), 3);
+        for index in 0..3 {
+            let mut values = new.buffer(50_000);
+            values.resize(50_000, 7.0);
+            new.keep(true, 1, message(index, values));
+        }
+        assert!(new.spare.is_empty());
+        let after = addresses(&new);
+        assert!(
+            after.iter().all(|a| before.contains(a)),
+            "{after:?} {before:?}"
+        );
+    }
 }

@@ -338,7 +338,7 @@ fn run_process<T: Transport>(
         replacement_coming: true,
         pending: None,
         drained_from: None,
-        last_points: None,
+        last_logs: (None, None),
         origin,
         stop,
     };
@@ -404,10 +404,9 @@ struct Process<'a, T: Transport> {
     /// points and place, which a loss in the drain's exchange goes on from
     /// ([`Coordinator::drain`]).
     drained_from: Option<(super::rollback::Kept, Segment)>,
-    /// This worker's rollback points of its last segment, whose copies of the stage's state
-    /// its next segment's points write over once nothing else holds them
-    /// ([`Process::reusable_points`]).
-    last_points: Option<Arc<std::sync::Mutex<Points>>>,
+    /// This worker's rollback points and traffic log of its last segment, whose buffers its
+    /// next segment's take once nothing else holds them ([`Process::reusable_logs`]).
+    last_logs: LastLogs,
     origin: (std::time::SystemTime, Instant),
     /// Where this worker's program stood at the end of its last segment, for the hang doctor.
     stop: &'a mut Option<StopReport>,
@@ -907,7 +906,14 @@ fn run_standing<B: pipe_kernels::Backend, E: Transport>(
     std::thread::scope(|s| {
         let adoption = s.spawn(move || {
             let job = rx.recv().ok()?;
-            Some(run_adopted(ctx, setup, job, Instant::now()))
+            let began = Instant::now();
+            let adopted = run_adopted(ctx, setup, job, began);
+            // Its actions on the time axis of this worker's own (since `t`), for the trace.
+            let after = began.duration_since(t).as_secs_f64();
+            Some(adopted.map(|(ep, st, mut out)| {
+                out.spans = out.spans.iter().map(|sp| sp.shifted(after)).collect();
+                (ep, st, out)
+            }))
         });
         let mut ep = Recovering::new(logging, in_place);
         let own = run_worker_with(be, &mut ep, setup, st, t, between);
@@ -1106,18 +1112,28 @@ impl<T: Transport> Process<'_, T> {
     }
 }
 
+/// A worker's rollback points and traffic log of one segment, as [`Process`] keeps them for
+/// the next.
+type LastLogs = (
+    Option<Arc<std::sync::Mutex<Points>>>,
+    Option<super::adopt::SharedTraffic>,
+);
+
 impl<T: Transport> Process<'_, T> {
-    /// The last segment's rollback points of this worker, where nothing else holds them any
-    /// longer (its state's keeper, the last that did, is let go: the next segment hands it
-    /// its own points). Built anew, each segment's points freed their copies of the stage's
-    /// state (twice its weights, per point kept) at its start and allocated their like again
-    /// over its first steps.
-    fn reusable_points(&mut self) -> Option<Points> {
-        let points = self.last_points.take()?;
+    /// The last segment's rollback points and traffic log of this worker, where nothing else
+    /// holds them any longer (its state's keeper, the last that did, is let go: the next
+    /// segment hands it its own points). Built anew, each segment freed its predecessor's
+    /// copies (95-145 MB a worker, `docs/reliability.md`, "Memory over rejoin cycles") at its
+    /// start and allocated their like again over its first steps.
+    fn reusable_logs(&mut self) -> (Option<Points>, Option<Traffic>) {
+        let (points, traffic) = std::mem::take(&mut self.last_logs);
         if let Some(st) = self.state.as_mut() {
             st.keeper = None;
         }
-        Arc::try_unwrap(points).ok()?.into_inner().ok()
+        fn sole<V>(shared: Arc<std::sync::Mutex<V>>) -> Option<V> {
+            Arc::try_unwrap(shared).ok()?.into_inner().ok()
+        }
+        (points.and_then(sole), traffic.and_then(sole))
     }
 }
 
@@ -1137,18 +1153,22 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         let index = self.index;
         let mut losses = LossRelay::new(run, plan, at, index, rank);
         let (tx, rx) = crossbeam_channel::unbounded();
-        let reused = self.reusable_points().map(|p| (rank, p));
-        let points = super::rollback::points_for(plan, reused);
+        let (old_points, old_traffic) = self.reusable_logs();
+        let points = super::rollback::points_for(plan, old_points.map(|p| (rank, p)));
         // Copies of the data messages over the boundaries the points keep, for a takeover;
         // none where a lost replica is not gone on without in place.
         let traffic = match (&self.remesh, points.get(rank as usize)) {
             (Some(_), Some(_)) => {
                 let window = super::rollback::points_kept(plan.schedule.stages()) as u64;
-                Some(Arc::new(std::sync::Mutex::new(Traffic::new(window))))
+                let log = match old_traffic {
+                    Some(old) => Traffic::reusing(window, old),
+                    None => Traffic::new(window),
+                };
+                Some(Arc::new(std::sync::Mutex::new(log)))
             }
             _ => None,
         };
-        self.last_points = points.get(rank as usize).cloned();
+        self.last_logs = (points.get(rank as usize).cloned(), traffic.clone());
         let moved = super::in_place::MovedOn::default();
         losses.moved = Some(moved.clone());
         let ep = current(&mut *self.ep, &mut self.renewed);
@@ -1189,6 +1209,14 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             let stall = outcome.as_ref().err().and_then(StageError::stall_key);
             *self.stop = Some(StopReport::new(rank, segment, &st.progress, stall));
         }
+        // The actions of a lost program this worker adopted are the trace's, on its track.
+        let mut stood = stood;
+        let adopted_spans = stood
+            .as_mut()
+            .and_then(|s| s.adopted.as_mut())
+            .and_then(|a| a.as_mut().ok())
+            .map(|(_, _, out)| std::mem::take(&mut out.spans))
+            .unwrap_or_default();
         let went_on = match stood {
             Some(stood) => self.after_standing(plan, stood)?,
             None => false,
@@ -1208,7 +1236,9 @@ impl<T: Transport> Coordinator for Process<'_, T> {
             }
         };
         let base = t.duration_since(self.origin.1).as_secs_f64();
-        let spans: Vec<_> = outcome.spans.iter().map(|sp| sp.shifted(base)).collect();
+        let spans: Vec<_> = (outcome.spans.iter().chain(&adopted_spans))
+            .map(|sp| sp.shifted(base))
+            .collect();
         obs.on_spans(self.origin.0, &spans)?;
         // A peer lost in the exchange that ends the segment is gone on without in place too,
         // from the rollback points (this worker's state is the segment's end by now).
