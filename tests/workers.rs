@@ -312,6 +312,45 @@ fn a_trace_across_worker_processes_has_every_workers_actions() {
     assert!(!d.join("quic.parts").exists());
 }
 
+/// `--trace` with a replica lost in place over shared memory: worker 3 ends at its 70th data
+/// message as kill -9 would, writing no part; the program it lost, run again on its adopter
+/// from its stage's latest update, is in the merged trace on worker 3's track, and every
+/// track is named once.
+#[test]
+fn a_lost_program_run_on_its_adopter_is_on_the_lost_track_of_the_trace() {
+    if skipped_without_proc() {
+        return;
+    }
+    let _one = serial();
+    let d = fresh_dir("adopted-trace");
+    let config = small_config(&d, 1);
+    let trace = d.join("lossy.json");
+    let flags = [
+        &["--microbatch-size", "8", "--stages", "2", "--replicas", "2"][..],
+        &["--transport", "shm", "--fault-schedule", "3:exit@70"][..],
+        &["--trace", trace.to_str().unwrap()][..],
+        &IN_PLACE[..],
+    ]
+    .concat();
+    let text = ok(&run(&mut train(&config, &d.join("lossy"), &flags)));
+    let line = common::line_starting(&text, "worker 3 (stage 1) lost: ");
+    assert!(line.contains("where they stood"), "{line}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let count = |ph: &str, tid: u32| {
+        events
+            .iter()
+            .filter(|e| e["ph"] == ph && e["tid"] == tid)
+            .count()
+    };
+    assert!(count("X", 3) > 0, "no action on the lost worker's track");
+    for tid in 0..4 {
+        assert!(count("X", tid) > 0, "worker {tid}");
+        assert_eq!(count("M", tid), 1, "worker {tid}'s names");
+    }
+}
+
 /// Every process whose parent is `parent`, with its command line.
 fn children_of(parent: u32) -> Vec<(u32, String)> {
     let mut out = Vec::new();

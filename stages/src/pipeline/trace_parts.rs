@@ -219,9 +219,19 @@ impl PartRecorder {
         timeline.names = names;
         let mut trace: Value = serde_json::from_str(&timeline.to_chrome_trace(None))
             .map_err(|e| StageError::Executor(format!("a trace part's events: {e}")))?;
-        // Only this worker's track name: the other workers' parts name theirs.
+        // The names of this worker's track and of any other its spans are on (a lost
+        // worker's program it adopted): the other workers' parts name theirs.
+        let mut tracks: Vec<u64> = self
+            .spans
+            .spans()
+            .iter()
+            .map(|s| u64::from(s.worker))
+            .collect();
+        tracks.push(u64::from(rank));
         if let Some(events) = trace["traceEvents"].as_array_mut() {
-            events.retain(|e| e["ph"] != "M" || e["tid"] == rank);
+            events.retain(|e| {
+                e["ph"] != "M" || e["tid"].as_u64().is_some_and(|t| tracks.contains(&t))
+            });
         }
         trace[PART_KEY] = json!({
             "rank": rank,
@@ -321,10 +331,16 @@ pub fn merge_parts(parts: &[PathBuf], out: &Path) -> Result<Merged> {
     }
     let first = loaded.iter().map(|(s, _)| *s).fold(f64::INFINITY, f64::min);
     let mut events = Vec::new();
+    // One name per track: a lost worker's track is named by the part of its adopter and by
+    // its replacement's.
+    let mut named = std::collections::HashSet::new();
     for (start, mut part) in loaded {
         let shift = start - first;
         if let Some(list) = part["traceEvents"].as_array_mut() {
             for mut e in list.drain(..) {
+                if e["ph"] == "M" && !named.insert((e["tid"].as_u64(), e["name"].to_string())) {
+                    continue;
+                }
                 if let Some(ts) = e["ts"].as_f64() {
                     e["ts"] = json!(ts + shift);
                 }
