@@ -657,4 +657,144 @@ mod tests {
             assert!(started.elapsed() < Duration::from_secs(2));
         }
     }
+
+    /// Three descriptors of `/dev/null`: what a peer could send in place of a segment's.
+    fn not_a_segment() -> [OwnedFd; HOSTED_FDS] {
+        let open = || OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        [open(), open(), open()]
+    }
+
+    /// A regroup record of `generation` whose producer stopped at 0, saying whether it
+    /// `carries` the lost rank's link.
+    fn record(generation: u32, carries: u8) -> Vec<u8> {
+        let mut r = vec![RECORD_REGROUP];
+        r.extend_from_slice(&generation.to_le_bytes());
+        r.extend_from_slice(&0u64.to_le_bytes());
+        r.push(carries);
+        r
+    }
+
+    /// Rank 0 of a fresh mesh of `size` regroups without rank `lost` (hosted by `host`) after
+    /// rank 1 did `hostile` on its link to rank 0 and went silent: the error and how long it
+    /// took.
+    fn refused(
+        size: u32,
+        (lost, host): (u32, Option<u32>),
+        timeout: Duration,
+        hostile: impl FnOnce(&Link),
+    ) -> (String, Duration) {
+        let mut opts = options(0x5e4, 4096);
+        opts.connect_timeout = timeout;
+        let mut mesh = local_mesh(size, &opts).unwrap();
+        hostile(mesh[1].links[0].as_ref().unwrap());
+        let mut zero = mesh.remove(0);
+        zero.abort();
+        let started = Instant::now();
+        let e = zero.regrouped(lost, host).err().unwrap().to_string();
+        (e, started.elapsed())
+    }
+
+    /// What a peer can send in place of its regroup record, or fail to send, is refused
+    /// naming the link: descriptors where the record carries none or from a rank that hosts
+    /// nothing, a host's descriptors that are no segment, a record saying it carries a link
+    /// with none sent, more descriptors than a link takes, a close, an ended socket, a record
+    /// of no kind, and silence past the connect timeout.
+    #[test]
+    fn every_hostile_regroup_is_refused_naming_the_link() {
+        let soon = Duration::from_secs(5);
+        let raw = |bytes: Vec<u8>| move |link: &Link| (&link.socket).write_all(&bytes).unwrap();
+        let with_fds = |carries: bool| {
+            move |link: &Link| {
+                let fds = not_a_segment();
+                let deadline = Instant::now() + Duration::from_secs(1);
+                if carries {
+                    send_record(link, 1, Some(&fds), deadline).unwrap();
+                } else {
+                    // The descriptors ride on the record of a rank that says it carries none.
+                    let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+                    let mut space =
+                        [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(HOSTED_FDS))];
+                    let mut control = SendAncillaryBuffer::new(&mut space);
+                    assert!(control.push(SendAncillaryMessage::ScmRights(&borrowed)));
+                    let bytes = record(1, 0);
+                    let iov = [IoSlice::new(&bytes)];
+                    rustix::net::sendmsg(&link.socket, &iov, &mut control, SendFlags::NOSIGNAL)
+                        .unwrap();
+                }
+            }
+        };
+        /// What the error says, the mesh's size, the lost rank and its host, what rank 1 does.
+        type Case<'a> = (&'a str, u32, (u32, Option<u32>), Box<dyn FnOnce(&Link)>);
+        let cases: Vec<Case> = vec![
+            (
+                "hosting 0) carried 3 descriptors",
+                3,
+                (2, None),
+                Box::new(with_fds(false)),
+            ),
+            (
+                "which it does not host",
+                4,
+                (3, Some(2)),
+                Box::new(with_fds(true)),
+            ),
+            (
+                "hosting 1) carried 0 descriptors",
+                3,
+                (2, Some(1)),
+                Box::new(raw(record(1, 1))),
+            ),
+            (
+                "closed its link",
+                3,
+                (2, None),
+                Box::new(raw(vec![RECORD_CLOSE])),
+            ),
+            (
+                "control record 0x7f",
+                3,
+                (2, None),
+                Box::new(raw(vec![0x7f; 20])),
+            ),
+            (
+                "socket closed before it regrouped",
+                3,
+                (2, None),
+                Box::new(|link: &Link| link.socket.shutdown(std::net::Shutdown::Write).unwrap()),
+            ),
+            (
+                "more than 3 descriptors",
+                3,
+                (2, Some(1)),
+                Box::new(|link: &Link| {
+                    let (a, b) = (not_a_segment(), not_a_segment());
+                    let four: Vec<_> = a.iter().chain(&b[..1]).map(AsFd::as_fd).collect();
+                    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+                    let mut control = SendAncillaryBuffer::new(&mut space);
+                    assert!(control.push(SendAncillaryMessage::ScmRights(&four)));
+                    let bytes = record(1, 1);
+                    let iov = [IoSlice::new(&bytes)];
+                    rustix::net::sendmsg(&link.socket, &iov, &mut control, SendFlags::NOSIGNAL)
+                        .unwrap();
+                }),
+            ),
+        ];
+        for (why, size, lost, hostile) in cases {
+            let (e, took) = refused(size, lost, soon, hostile);
+            assert!(e.contains(why) && e.contains("with worker 1"), "{why}: {e}");
+            assert!(took < Duration::from_secs(2), "{why}: {took:?}");
+        }
+        // The lost rank's link from its host, on descriptors that are no segment.
+        let (e, took) = refused(3, (2, Some(1)), soon, with_fds(true));
+        assert!(e.contains("with worker 1"), "{e}");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        // A silent peer: refused at the connect timeout, not waited on for good.
+        let timeout = Duration::from_millis(300);
+        let (e, took) = refused(3, (2, None), timeout, |_| {});
+        assert!(
+            e.contains("no regroup record within the connect timeout"),
+            "{e}"
+        );
+        assert!(took >= timeout && took < Duration::from_secs(2), "{took:?}");
+    }
 }
