@@ -664,6 +664,16 @@ mod tests {
         [open(), open(), open()]
     }
 
+    /// Sends `bytes` on `link`'s socket with `fds` (at most four) beside them.
+    fn send_with(link: &Link, bytes: &[u8], fds: &[OwnedFd]) {
+        let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        assert!(control.push(SendAncillaryMessage::ScmRights(&borrowed)));
+        let iov = [IoSlice::new(bytes)];
+        rustix::net::sendmsg(&link.socket, &iov, &mut control, SendFlags::NOSIGNAL).unwrap();
+    }
+
     /// A regroup record of `generation` whose producer stopped at 0, saying whether it
     /// `carries` the lost rank's link.
     fn record(generation: u32, carries: u8) -> Vec<u8> {
@@ -711,15 +721,7 @@ mod tests {
                     send_record(link, 1, Some(&fds), deadline).unwrap();
                 } else {
                     // The descriptors ride on the record of a rank that says it carries none.
-                    let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
-                    let mut space =
-                        [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(HOSTED_FDS))];
-                    let mut control = SendAncillaryBuffer::new(&mut space);
-                    assert!(control.push(SendAncillaryMessage::ScmRights(&borrowed)));
-                    let bytes = record(1, 0);
-                    let iov = [IoSlice::new(&bytes)];
-                    rustix::net::sendmsg(&link.socket, &iov, &mut control, SendFlags::NOSIGNAL)
-                        .unwrap();
+                    send_with(link, &record(1, 0), &fds);
                 }
             }
         };
@@ -768,14 +770,9 @@ mod tests {
                 (2, Some(1)),
                 Box::new(|link: &Link| {
                     let (a, b) = (not_a_segment(), not_a_segment());
-                    let four: Vec<_> = a.iter().chain(&b[..1]).map(AsFd::as_fd).collect();
-                    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
-                    let mut control = SendAncillaryBuffer::new(&mut space);
-                    assert!(control.push(SendAncillaryMessage::ScmRights(&four)));
-                    let bytes = record(1, 1);
-                    let iov = [IoSlice::new(&bytes)];
-                    rustix::net::sendmsg(&link.socket, &iov, &mut control, SendFlags::NOSIGNAL)
-                        .unwrap();
+                    let [x, y, z] = a;
+                    let [w, ..] = b;
+                    send_with(link, &record(1, 1), &[x, y, z, w]);
                 }),
             ),
         ];
