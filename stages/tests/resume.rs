@@ -244,7 +244,8 @@ fn check_resume(
     run: &Recorded,
     (w, peer): (u32, u32),
     (version, late): (u32, bool),
-) {
+) -> usize {
+    let mut moved = 0;
     let plan = setup.plan;
     let minibatch = u64::from(plan.schedule.resolved.minibatch);
     let (stage, _) = plan.schedule.layout().placement(w);
@@ -287,6 +288,22 @@ fn check_resume(
             assert!(
                 next.is_some_and(|q| q.action.microbatch() == Some(mb)),
                 "{policy:?} worker {w} at {version}: {p:?} not moved"
+            );
+        }
+        // A forward from the boundary on that runs later runs just before its microbatch's
+        // next action, after every action the program has between them.
+        for (i, p) in point.actions.iter().enumerate() {
+            let (Action::Forward { mb, .. }, Some(_)) = (p.action, p.moved_at) else {
+                continue;
+            };
+            moved += 1;
+            let next = point.actions[i + 1..]
+                .iter()
+                .find(|q| q.moved_at.is_none() && q.replayed_at.is_none());
+            let policy = plan.schedule.resolved.policy;
+            assert!(
+                next.is_some_and(|q| q.action.microbatch() == Some(mb) && q.pc > p.pc),
+                "{policy:?} worker {w} at {version}: {p:?} not where it belongs"
             );
         }
     }
@@ -357,11 +374,13 @@ fn check_resume(
         canonical(&record.sent[tail..]),
         "{what}: the messages from the boundary on"
     );
+    moved
 }
 
 /// Runs `spec` (layers cut evenly) whole, then resumes each replicated stage's first worker at
-/// every step boundary of its segment; returns the boundaries checked.
-fn resumes_as_it_ran(spec: &ScheduleSpec) -> usize {
+/// every step boundary of its segment; returns the boundaries checked and the forwards from
+/// the boundary on that ran later than the program has them.
+fn resumes_as_it_ran(spec: &ScheduleSpec) -> (usize, usize) {
     let model = Model::new(&ModelSpec::preset("mlp-784-16x6-10").unwrap()).unwrap();
     let k = spec.resolve().unwrap().layout.stages() as usize;
     let plan = RunPlan::new(&model, spec, Some(even(model.len(), k))).unwrap();
@@ -370,7 +389,7 @@ fn resumes_as_it_ran(spec: &ScheduleSpec) -> usize {
     let run = run_recorded(&setup, &model.init_params(SEED));
     let resolved = &plan.schedule.resolved;
     let minibatch = resolved.minibatch;
-    let mut checked = 0;
+    let (mut checked, mut moved) = (0, 0);
     for stage in 0..plan.schedule.stages() {
         let group: Vec<u32> = plan.schedule.layout().group(stage).collect();
         let [w, peer, ..] = group[..] else { continue };
@@ -378,13 +397,13 @@ fn resumes_as_it_ran(spec: &ScheduleSpec) -> usize {
         for version in 1..resolved.updates_at(stage) {
             if (version * update_size) % minibatch == 0 {
                 for late in [false, true] {
-                    check_resume(&setup, &run, (w, peer), (version, late));
+                    moved += check_resume(&setup, &run, (w, peer), (version, late));
                 }
                 checked += 1;
             }
         }
     }
-    checked
+    (checked, moved)
 }
 
 fn spec(policy: Policy, replicas: &[u32]) -> ScheduleSpec {
@@ -396,6 +415,7 @@ fn spec(policy: Policy, replicas: &[u32]) -> ScheduleSpec {
 #[test]
 fn a_worker_resumed_at_any_step_ends_as_the_worker_that_ran_its_segment_whole() {
     let mut seen = BTreeMap::new();
+    let mut moved = BTreeMap::new();
     for policy in [
         Policy::Gpipe,
         Policy::OneFOneBFlush,
@@ -410,8 +430,18 @@ fn a_worker_resumed_at_any_step_ends_as_the_worker_that_ran_its_segment_whole() 
             if spec.resolve().is_err() {
                 continue;
             }
-            *seen.entry(format!("{policy:?}")).or_insert(0) += resumes_as_it_ran(&spec);
+            let (checked, later) = resumes_as_it_ran(&spec);
+            *seen.entry(format!("{policy:?}")).or_insert(0) += checked;
+            *moved.entry(format!("{policy:?}")).or_insert(0) += later;
         }
+    }
+    // The asynchronous policies' resumed programs run forwards from the boundary on that
+    // their receivers hold later than the program has them.
+    for policy in ["PipeDream", "VerticalSync", "TwoBw"] {
+        assert!(
+            moved.get(policy).is_some_and(|&n| n > 0),
+            "{policy}: {moved:?}"
+        );
     }
     for policy in [
         "Gpipe",

@@ -174,9 +174,11 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
         pc,
         action: a,
         replayed_at,
+        moved_at,
     } in actions
     {
         core.replaying(replayed_at, pc);
+        core.moved(moved_at);
         let start = t0.elapsed().as_secs_f64();
         progress.at = Some(a);
         let bytes = if between.notices_any() {

@@ -322,6 +322,10 @@ pub struct WorkerCore<'s, 'a> {
     /// before its step boundary ([`super::resume`]): the stage's version when each first ran.
     /// Their figures are not recorded again and no version is freed.
     replay_current: Option<u32>,
+    /// While a resumed worker runs a forward later than its program has it
+    /// ([`super::resume::Planned::moved_at`]): the stage's version at its place in the
+    /// program, the one it reads. Its figures are recorded as the program's own.
+    moved_current: Option<u32>,
 }
 
 impl<'s, 'a> WorkerCore<'s, 'a> {
@@ -432,6 +436,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             },
             keeper: state.keeper.clone(),
             replay_current: None,
+            moved_current: None,
         })
     }
 
@@ -493,6 +498,12 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             }
         }
         self.replay_current = current;
+    }
+
+    /// Marks the action run next as one the program has earlier, where the stage stood at
+    /// version `current` (`None`: it runs where the program has it).
+    pub fn moved(&mut self, current: Option<u32>) {
+        self.moved_current = current;
     }
 
     /// The run this core is part of.
@@ -599,10 +610,11 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 .ok_or_else(|| exec_err(format!("no input for microbatch {mb}")))?
         };
         let replayed = self.replay_current;
+        let at = replayed.or(self.moved_current);
         let run = &mut self.stages[c];
         let v = self.rule.forward_version(&VersionQuery {
             stage,
-            current: replayed.unwrap_or(run.current_version),
+            current: at.unwrap_or(run.current_version),
             update: setup.plan.schedule.resolved.update_of(stage, mb),
             entry_tag: input.tag,
             update_size: run.update_size,

@@ -40,6 +40,10 @@ pub struct Planned {
     /// For an action before the step boundary run again: the stage's version when it first
     /// ran (`None`: an action from the boundary on).
     pub replayed_at: Option<u32>,
+    /// For a forward from the boundary on run later than the program has it
+    /// ([`ResumePoint::deferring_replays`]): the stage's version at its place in the program,
+    /// the one it reads. `None`: it runs where the program has it.
+    pub moved_at: Option<u32>,
 }
 
 /// The whole of `program`, as it runs from the segment's start.
@@ -51,6 +55,7 @@ pub fn whole(program: &[Action]) -> Vec<Planned> {
             pc,
             action,
             replayed_at: None,
+            moved_at: None,
         })
         .collect()
 }
@@ -139,6 +144,7 @@ pub fn resume_point(
                 pc,
                 action,
                 replayed_at: Some(at),
+                moved_at: None,
             });
         }
     }
@@ -166,8 +172,11 @@ impl ResumePoint {
     /// then needed only for its own backward, so the microbatch the pipeline waits on (the
     /// stage's update in flight) goes first. A replayed send its receiver may still wait for
     /// stays in front, in program order, as must its forward: moved, the receiver could wait
-    /// for it while this program waits on the receiver. The arithmetic is the same (each
-    /// replayed action still reads the version it first ran at, held for it in
+    /// for it while this program waits on the receiver. The same holds for a forward from the
+    /// boundary on whose sends have all arrived (the lost worker ran it before it was lost):
+    /// it runs just before its microbatch's next action, at the version it reads where the
+    /// program has it ([`Planned::moved_at`]). The arithmetic is the same (each moved action
+    /// still reads the version it read in program order, held for it in
     /// [`ResumePoint::holds`]), so are the weights and the messages; only their order moves.
     pub fn deferring_replays(
         &mut self,
@@ -192,7 +201,8 @@ impl ResumePoint {
             })
             .filter_map(|p| p.action.microbatch())
             .collect();
-        // Where each moved microbatch's replay goes: before its first action in `rest`.
+        // Where each moved action goes: before the action of `rest` at the index it is filed
+        // under.
         let mut before: BTreeMap<usize, Vec<Planned>> = BTreeMap::new();
         for p in replayed {
             let at = p
@@ -202,20 +212,43 @@ impl ResumePoint {
                 .and_then(|mb| rest.iter().position(|r| r.action.microbatch() == Some(mb)));
             match at {
                 Some(at) => {
-                    if let Some(v) = versions.version_read_by(p.action) {
-                        let keep = self.holds.entry(v).or_insert(0);
-                        *keep = (*keep).max(rest[at].pc);
-                    }
+                    self.hold(versions, &p, rest[at].pc);
                     before.entry(at).or_default().push(p);
                 }
                 None => self.actions.push(p),
+            }
+        }
+        let mut moved = vec![false; rest.len()];
+        for (group, at) in delivered_forwards(&rest, &delivered) {
+            let updates = rest[..group[0]]
+                .iter()
+                .filter(|r| matches!(r.action, Action::Update { .. }))
+                .count() as u32;
+            for i in group {
+                let p = Planned {
+                    moved_at: Some(self.version + updates),
+                    ..rest[i]
+                };
+                self.hold(versions, &p, rest[at].pc);
+                before.entry(at).or_default().push(p);
+                moved[i] = true;
             }
         }
         for (i, p) in rest.into_iter().enumerate() {
             if let Some(moved) = before.remove(&i) {
                 self.actions.extend(moved);
             }
-            self.actions.push(p);
+            if !moved[i] {
+                self.actions.push(p);
+            }
+        }
+    }
+
+    /// Keeps the version `p` reads through program counter `until`, where it now runs.
+    fn hold(&mut self, versions: &VersionPlan, p: &Planned, until: usize) {
+        if let Some(v) = versions.version_read_by(p.action) {
+            let keep = self.holds.entry(v).or_insert(0);
+            *keep = (*keep).max(until);
         }
     }
 
@@ -238,6 +271,54 @@ impl ResumePoint {
             by_update && by_microbatch
         });
     }
+}
+
+/// The forwards of `rest` (a program from its boundary on) that may run later: for each
+/// microbatch whose first actions there are a forward and its receive and sends, with every
+/// send one its receiver holds (`delivered`) and an action of the microbatch after them
+/// that others come before, the indices of those actions and of that next action.
+fn delivered_forwards(
+    rest: &[Planned],
+    delivered: &impl Fn(&Action) -> bool,
+) -> Vec<(Vec<usize>, usize)> {
+    let forward_part = |a: &Action| {
+        matches!(
+            a,
+            Action::Forward { .. } | Action::RecvActivation { .. } | Action::SendActivation { .. }
+        )
+    };
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    for (i, p) in rest.iter().enumerate() {
+        let Some(mb) = p.action.microbatch() else {
+            continue;
+        };
+        if !seen.insert(mb) || !forward_part(&p.action) {
+            continue;
+        }
+        let of_mb: Vec<usize> = (i..rest.len())
+            .filter(|&j| rest[j].action.microbatch() == Some(mb))
+            .collect();
+        let split = of_mb
+            .iter()
+            .position(|&j| !forward_part(&rest[j].action))
+            .unwrap_or(of_mb.len());
+        let (group, after) = of_mb.split_at(split);
+        let Some(&next) = after.first() else {
+            continue;
+        };
+        let has_forward = group
+            .iter()
+            .any(|&j| matches!(rest[j].action, Action::Forward { .. }));
+        let sends_arrived = group.iter().all(|&j| {
+            !matches!(rest[j].action, Action::SendActivation { .. }) || delivered(&rest[j].action)
+        });
+        let others_between = group.last().is_some_and(|&last| next > last + 1);
+        if has_forward && sends_arrived && others_between {
+            out.push((group.to_vec(), next));
+        }
+    }
+    out
 }
 
 /// The weights of each version in `point.stash`, from `held` (a version's weights, if kept).
