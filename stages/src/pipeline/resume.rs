@@ -277,6 +277,9 @@ impl ResumePoint {
 /// microbatch whose first actions there are a forward and its receive and sends, with every
 /// send one its receiver holds (`delivered`) and an action of the microbatch after them
 /// that others come before, the indices of those actions and of that next action.
+///
+/// One pass over `rest` (the rest of a segment, thousands of actions, planned while the
+/// stage's other replica waits): only microbatches with a delivered send are followed.
 fn delivered_forwards(
     rest: &[Planned],
     delivered: &impl Fn(&Action) -> bool,
@@ -287,23 +290,24 @@ fn delivered_forwards(
             Action::Forward { .. } | Action::RecvActivation { .. } | Action::SendActivation { .. }
         )
     };
-    let mut seen = BTreeSet::new();
-    let mut out = Vec::new();
+    let candidates: BTreeSet<u32> = rest
+        .iter()
+        .filter(|p| matches!(p.action, Action::SendActivation { .. }) && delivered(&p.action))
+        .filter_map(|p| p.action.microbatch())
+        .collect();
+    let mut of_mb: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
     for (i, p) in rest.iter().enumerate() {
-        let Some(mb) = p.action.microbatch() else {
-            continue;
-        };
-        if !seen.insert(mb) || !forward_part(&p.action) {
-            continue;
+        if let Some(mb) = p.action.microbatch().filter(|mb| candidates.contains(mb)) {
+            of_mb.entry(mb).or_default().push(i);
         }
-        let of_mb: Vec<usize> = (i..rest.len())
-            .filter(|&j| rest[j].action.microbatch() == Some(mb))
-            .collect();
-        let split = of_mb
+    }
+    let mut out = Vec::new();
+    for indices in of_mb.into_values() {
+        let split = indices
             .iter()
             .position(|&j| !forward_part(&rest[j].action))
-            .unwrap_or(of_mb.len());
-        let (group, after) = of_mb.split_at(split);
+            .unwrap_or(indices.len());
+        let (group, after) = indices.split_at(split);
         let Some(&next) = after.first() else {
             continue;
         };
