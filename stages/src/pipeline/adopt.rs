@@ -638,10 +638,10 @@ pub fn resume_from(
     resumed_with(plan, worker, version, (PointStates::Copied(points), start))
 }
 
-/// [`resume_from`], the weights moved out of `points` rather than copied
-/// ([`Points::take_params_at`]; the optimizer state at `version` is copied): the survivors
-/// of a lost worker process resume this way, every one at once on the path back to
-/// training. A version whose weights were taken before is no longer kept.
+/// [`resume_from`], the states moved out of `points` rather than copied
+/// ([`Points::take_params_at`], [`Points::take_state_at`]): the survivors of a lost worker
+/// process resume this way, every one at once on the path back to training, and so does the
+/// lost program on its adopter. A version whose state was taken before is no longer kept.
 ///
 /// # Errors
 /// As [`resume_from`].

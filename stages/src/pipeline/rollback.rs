@@ -43,15 +43,14 @@ use crate::optim::{Corrected, copy_tensor};
 struct Point {
     /// Minibatches of the segment the stage had applied in full.
     step: u64,
-    /// The stage's weights and optimizer state then (host copies).
-    state: StageState,
+    /// The stage's weights and optimizer state then (host copies); `None` once moved out to
+    /// resume from ([`Points::take_params_at`], [`Points::take_state_at`]), when the point
+    /// holds only the worker's figures then.
+    state: Option<StageState>,
     /// The worker's counters then (its records and losses are kept apart, in [`Points`]).
     counters: WorkerOutcome,
     /// How many of [`Points::records`] and [`Points::losses`] it had made then.
     made: (usize, usize),
-    /// Its weights were moved out to resume from ([`Points::take_params_at`]): it no longer
-    /// holds the stage's state, only the worker's figures then.
-    taken: bool,
 }
 
 /// One worker's rollback points over a segment, and every version record it made so far.
@@ -99,7 +98,7 @@ impl Points {
     /// their like again over its first steps.
     pub fn reusing(capacity: usize, old: Points) -> Self {
         let mut spare = old.spare;
-        spare.extend(old.points.into_iter().filter(|p| !p.taken).map(|p| p.state));
+        spare.extend(old.points.into_iter().filter_map(|p| p.state));
         Points {
             spare,
             ..Points::new(capacity)
@@ -126,19 +125,19 @@ impl Points {
         self.points.iter().find(|p| p.step == step)
     }
 
-    /// The point at `step`, if still kept with the stage's state.
-    fn held_at(&self, step: u64) -> Option<&Point> {
-        self.at(step).filter(|p| !p.taken)
+    /// The stage's state at `step`, if the point there is still kept and holds it.
+    fn held_at(&self, step: u64) -> Option<&StageState> {
+        self.at(step)?.state.as_ref()
     }
 
     /// The stage's state at `step`, if still kept.
     pub fn state_at(&self, step: u64) -> Option<StageState> {
-        self.held_at(step).map(|p| p.state.clone())
+        self.held_at(step).cloned()
     }
 
     /// The stage's weights at `step` (not its optimizer state), if still kept.
     pub fn params_at(&self, step: u64) -> Option<Params> {
-        self.held_at(step).map(|p| p.state.params.clone())
+        self.held_at(step).map(|s| s.params.clone())
     }
 
     /// The stage's weights at `step`, moved out rather than copied, if still kept: a program
@@ -146,21 +145,20 @@ impl Points {
     /// holds the worker's figures only ([`Points::measured_at`]); [`Points::holds`] no longer
     /// counts it, and a later point in its place copies the state anew.
     pub fn take_params_at(&mut self, step: u64) -> Option<Params> {
-        let p = self
-            .points
-            .iter_mut()
-            .find(|p| p.step == step && !p.taken)?;
-        p.taken = true;
-        Some(std::mem::take(&mut p.state.params))
+        self.take_state_at(step).map(|s| s.params)
     }
 
-    /// The stage's state at `step`, its weights moved out as [`Points::take_params_at`] does
-    /// and its optimizer state copied, if still kept.
+    /// The stage's state at `step`, weights and optimizer state moved out rather than copied,
+    /// if still kept: the adopter of a lost replica's program hands it the state it resumes
+    /// from while the stage's other replica waits for it, and a copy of the optimizer state
+    /// (as large as the weights under momentum, twice under Adam) would stand in its way. The
+    /// point is then as [`Points::take_params_at`] leaves it.
     pub fn take_state_at(&mut self, step: u64) -> Option<StageState> {
-        let opt = self.held_at(step)?.state.opt.clone();
-        let stage = self.held_at(step)?.state.stage;
-        let params = self.take_params_at(step)?;
-        Some(StageState { stage, params, opt })
+        self.points
+            .iter_mut()
+            .find(|p| p.step == step)?
+            .state
+            .take()
     }
 
     /// Everything the worker had measured when it passed `step` (its counters, and its
@@ -206,8 +204,7 @@ impl StepKeeper for Points {
             None
         };
         let reused = oldest
-            .filter(|old| !old.taken)
-            .map(|old| old.state)
+            .and_then(|old| old.state)
             .or_else(|| self.spare.pop())
             .filter(|old| old.stage == stage)
             .and_then(|mut old| {
@@ -225,10 +222,9 @@ impl StepKeeper for Points {
         let made = (self.records.len(), self.losses.len());
         self.points.push_back(Point {
             step,
-            state,
+            state: Some(state),
             counters,
             made,
-            taken: false,
         });
         Ok(())
     }
@@ -287,7 +283,7 @@ pub fn roll_back(
         let from = &points[survivors[stage as usize] as usize];
         states.push(WorkerState {
             worker: w as u32,
-            stages: vec![from.held_at(steps)?.state.clone()],
+            stages: vec![from.state_at(steps)?],
             progress: super::doctor::StopPoint::default(),
             keeper: None,
         });
@@ -381,12 +377,56 @@ mod tests {
 
     /// Where each kept weight tensor's values live.
     fn addresses(points: &Points) -> Vec<*const f32> {
-        let held = points.points.iter().map(|p| &p.state);
+        let held = points.points.iter().filter_map(|p| p.state.as_ref());
         let spare = points.spare.iter();
         held.chain(spare)
             .flat_map(|s| s.params.iter().flatten())
             .map(|t| t.host().unwrap().as_ptr())
             .collect()
+    }
+
+    /// Where every kept tensor of `state`, its weights and its optimizer state, has its values.
+    fn state_addresses(state: &StageState) -> Vec<*const f32> {
+        let opt = state
+            .opt
+            .parts()
+            .flatten()
+            .flatten()
+            .cloned()
+            .collect::<Vec<_>>();
+        state
+            .params
+            .iter()
+            .flatten()
+            .chain(opt.iter())
+            .filter_map(|t| t.host().ok().filter(|v| !v.is_empty()).map(|v| v.as_ptr()))
+            .collect()
+    }
+
+    #[test]
+    fn a_state_taken_to_resume_from_is_moved_out_not_copied() {
+        let mut points = Points::new(3);
+        for step in 1..=2 {
+            keep(&mut points, step, 1, step as f32);
+        }
+        let kept = points.held_at(2).map(state_addresses).unwrap();
+        let weights_kept = params(2.0).iter().flatten().count();
+        assert!(
+            kept.len() > weights_kept,
+            "the momentum's buffers are kept too"
+        );
+        let taken = points.take_state_at(2).unwrap();
+        assert_eq!(taken.params, params(2.0));
+        assert_eq!(state_addresses(&taken), kept);
+        // The point now holds the figures only; the one before is untouched.
+        assert!(!points.holds(2) && points.state_at(2).is_none());
+        assert!(points.take_state_at(2).is_none() && points.take_params_at(2).is_none());
+        assert!(points.measured_at(2).is_some());
+        assert_eq!(points.params_at(1), Some(params(1.0)));
+        let weights = points.held_at(1).map(|s| state_addresses(s)[0]);
+        let moved = points.take_params_at(1).unwrap();
+        assert_eq!(Some(moved[0][0].host().unwrap().as_ptr()), weights);
+        assert!(!points.holds(1));
     }
 
     #[test]
@@ -413,6 +453,6 @@ mod tests {
         let mut other = Points::reusing(2, new);
         keep(&mut other, 1, 2, 9.0);
         assert_eq!(other.params_at(1), Some(params(9.0)));
-        assert_eq!(other.points[0].state.stage, 2);
+        assert_eq!(other.points[0].state.as_ref().map(|s| s.stage), Some(2));
     }
 }
