@@ -93,12 +93,45 @@ fn room_for(len: usize) -> usize {
 /// A worker's [`Traffic`], shared with the launcher that reads it after a loss.
 pub type SharedTraffic = Arc<Mutex<Traffic>>;
 
+/// Every worker's rollback points and traffic log of one segment run in process.
+pub type SegmentLogs = (super::rollback::Kept, Vec<SharedTraffic>);
+
+/// The rollback points and traffic logs of a segment of `plan` run in process (none where
+/// nothing could be survived at the update), each worker's in the buffers of its `last`
+/// segment's where nothing holds those any more ([`Points::reusing`], [`Traffic::reusing`]),
+/// as a worker process's are: built anew, each segment freed its predecessor's copies of the
+/// stages' states and messages and allocated their like again over its first steps.
+pub fn segment_logs(plan: &RunPlan, last: SegmentLogs) -> SegmentLogs {
+    use super::rollback::unshared;
+    let (last_points, last_traffic) = last;
+    let mut last_points: Vec<_> = last_points.into_iter().map(unshared).collect();
+    let mut last_traffic: Vec<_> = last_traffic.into_iter().map(unshared).collect();
+    let last_of = |w: u32| last_points.get_mut(w as usize).and_then(Option::take);
+    let points = super::rollback::points_for(plan, last_of);
+    let window = super::rollback::points_kept(plan.schedule.stages()) as u64;
+    let traffic = (0..points.len())
+        .map(|w| {
+            let last = last_traffic.get_mut(w).and_then(Option::take);
+            Arc::new(Mutex::new(Traffic::after(window, last)))
+        })
+        .collect();
+    (points, traffic)
+}
+
 impl Traffic {
     /// Empty, keeping what was sent and received over the last `window` step boundaries.
     pub fn new(window: u64) -> Self {
         Traffic {
             window,
             ..Traffic::default()
+        }
+    }
+
+    /// Empty, as [`Traffic::reusing`] `last` where there is one, else as [`Traffic::new`].
+    pub fn after(window: u64, last: Option<Traffic>) -> Self {
+        match last {
+            Some(old) => Traffic::reusing(window, old),
+            None => Traffic::new(window),
         }
     }
 
@@ -1086,6 +1119,51 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn a_segment_in_process_takes_its_logs_over_from_the_last_once_let_go() {
+        use crate::model::{Model, ModelSpec};
+        use crate::optim::{Corrected, NO_ROLES, OptimizerConfig};
+        use pipe_scheduler::{Length, Policy, ScheduleSpec};
+        let model = Model::new(&ModelSpec::preset("mlp-784-16x4-10").unwrap()).unwrap();
+        let spec = ScheduleSpec::new(Policy::PipeDream, 2, 4)
+            .with_replicas(vec![2, 1])
+            .with_length(Length::Updates(2));
+        let plan = RunPlan::new(&model, &spec, None).unwrap();
+        let be = pipe_kernels::CpuBackend::new(1).unwrap();
+        let params = model.init_params(7).into_iter().take(2).collect::<Vec<_>>();
+        let opt = Corrected::new(OptimizerConfig::default(), &params, NO_ROLES);
+        let (mut points, traffic) = segment_logs(&plan, Default::default());
+        assert_eq!((points.len(), traffic.len()), (3, 3));
+        // Worker 1 (stage 0's second replica) kept two step boundaries, and let them go: the
+        // next segment's points take both states to write over.
+        points[1] = points_with_two(&be, &params, &opt);
+        let (mut next, traffic) = segment_logs(&plan, (points, traffic));
+        assert_eq!(next[1].lock().unwrap().spare_states(), 2);
+        assert_eq!(next[0].lock().unwrap().spare_states(), 0);
+        // Still held elsewhere (a worker not yet done with them): the next segment's are new.
+        next[1] = points_with_two(&be, &params, &opt);
+        let held = next[1].clone();
+        let (after, _) = segment_logs(&plan, (next, traffic));
+        assert_eq!(after[1].lock().unwrap().spare_states(), 0);
+        assert_eq!(held.lock().unwrap().latest(), 2);
+    }
+
+    fn points_with_two(
+        be: &dyn pipe_kernels::Backend,
+        params: &crate::model::Params,
+        opt: &crate::optim::Corrected,
+    ) -> Arc<Mutex<Points>> {
+        use super::super::exec::{StepKeeper, WorkerOutcome};
+        let mut points = Points::new(3);
+        for step in 1..=2 {
+            let mut outcome = WorkerOutcome::default();
+            points
+                .keep(step, (0, params, opt), be, &mut outcome)
+                .unwrap();
+        }
+        Arc::new(Mutex::new(points))
+    }
 
     fn message(index: u32, values: Vec<f32>) -> Message {
         let len = values.len();

@@ -105,6 +105,12 @@ impl Points {
         }
     }
 
+    /// States of the last segment's points waiting to be written over.
+    #[cfg(test)]
+    pub(crate) fn spare_states(&self) -> usize {
+        self.spare.len()
+    }
+
     /// The latest step this worker's stage passed (0: none).
     pub fn latest(&self) -> u64 {
         self.points.back().map_or(0, |p| p.step)
@@ -320,23 +326,29 @@ pub fn standing(points: &Points, steps: u64, minibatch: u64, worker: u32) -> Wor
 
 /// The rollback points of a segment of `plan`: one per worker, or none where no stage has a
 /// second replica or a worker holds several stages (nothing could be survived at the update).
-/// `reuse`: a worker and its points of the last segment, whose buffers its new points take.
-pub fn points_for(plan: &RunPlan, reuse: Option<(u32, Points)>) -> Kept {
+/// `last`: a worker's points of the last segment, if any, whose buffers its new points take.
+pub fn points_for(plan: &RunPlan, mut last: impl FnMut(u32) -> Option<Points>) -> Kept {
     let layout = plan.schedule.layout();
     if layout.replica_counts().iter().all(|&r| r < 2) || layout.chunks() != 1 {
         return Vec::new();
     }
     let kept = points_kept(plan.schedule.stages());
-    let mut reuse = reuse;
     (0..plan.schedule.workers())
         .map(|w| {
-            let points = match reuse.take_if(|(mine, _)| *mine == w) {
-                Some((_, old)) => Points::reusing(kept, old),
+            let points = match last(w) {
+                Some(old) => Points::reusing(kept, old),
                 None => Points::new(kept),
             };
             Arc::new(Mutex::new(points))
         })
         .collect()
+}
+
+/// The value behind `shared` once nothing else holds it (`None` while something does, or
+/// where a holder panicked): a segment's logs, taken over by the next segment only after
+/// every worker of the last has let them go.
+pub fn unshared<V>(shared: Arc<Mutex<V>>) -> Option<V> {
+    Arc::try_unwrap(shared).ok()?.into_inner().ok()
 }
 
 /// The error of a rollback point that cannot be kept.

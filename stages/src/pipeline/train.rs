@@ -8,8 +8,8 @@
 //! checkpoints.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use pipe_kernels::{Backend, BackendKind, CpuBackend};
@@ -19,7 +19,7 @@ use pipe_transport::fault::{FaultSchedule, Faulty};
 use pipe_transport::kinds::{MeshSettings, thread_mesh};
 use pipe_transport::registration::Endpoint;
 
-use super::adopt::{Logging, Serving, SharedTraffic, Traffic, take_over};
+use super::adopt::{Logging, SegmentLogs, Serving, take_over};
 use super::exec::{StageState, WorkerOutcome, WorkerState};
 use super::launch::{run_threads_reporting, run_threads_resumed};
 use super::ledger::{LedgerEntry, segment_ledger};
@@ -161,6 +161,7 @@ pub fn train_pipelined(
         ledger: opts.ledger.then(Vec::new),
         taken_over: None,
         rejoin: opts.rejoin,
+        logs: Default::default(),
     };
     let from = LoopStart {
         done: start.done,
@@ -224,9 +225,20 @@ struct Threads<'a> {
     /// A lost replica is taken back (`--rejoin`): a segment taken over ends at its update
     /// in flight, where the replacement can join.
     rejoin: bool,
+    /// The last segment's rollback points and traffic logs, whose buffers the next segment's
+    /// take once its workers have let them go, as a worker process's do
+    /// ([`super::adopt::segment_logs`]).
+    logs: SegmentLogs,
 }
 
 impl Threads<'_> {
+    /// The rollback points and traffic logs of a segment of `plan` (none where nothing could
+    /// be survived at the update), each worker's in the buffers of its last segment's where
+    /// nothing holds those any more.
+    fn logs_for(&mut self, plan: &RunPlan) -> SegmentLogs {
+        super::adopt::segment_logs(plan, std::mem::take(&mut self.logs))
+    }
+
     /// After a lost replica in segment `at` of `plan`: the workers' states for `change`'s
     /// layout, from the latest step every stage passed ([`super::rollback`]) where the
     /// surviving workers hold it, else from the segment's start (`kept`).
@@ -276,7 +288,7 @@ impl Coordinator for Threads<'_> {
         let t = Instant::now();
         // What the segment runs again from if a replica is lost in it: its start, or the
         // latest step every stage passed.
-        let points = super::rollback::points_for(plan, None);
+        let logs = self.logs_for(plan);
         let kept = match (survive::could_survive(plan), self.states.is_empty()) {
             (false, _) => None,
             (true, true) => Some(self.start.clone()),
@@ -294,8 +306,10 @@ impl Coordinator for Threads<'_> {
             at,
             (&self.start, &mut self.states),
             obs,
-            (faults, &points, self.rejoin),
+            (faults, &logs, self.rejoin),
         );
+        let points = logs.0.clone();
+        self.logs = logs;
         let outcomes = match (run, kept) {
             (Ok((outcomes, None)), _) => outcomes,
             (Ok((outcomes, Some(t))), _) => {
@@ -1504,8 +1518,9 @@ impl<'c> Run<'c> {
         seg: &Segment,
         (start, states): (&Start, &mut Vec<WorkerState>),
         obs: &mut dyn Observer,
-        (faults, points, rejoin): (Option<(&FaultSchedule, u32)>, &super::rollback::Kept, bool),
+        (faults, logs, rejoin): (Option<(&FaultSchedule, u32)>, &SegmentLogs, bool),
     ) -> Result<SegmentRun> {
+        let (points, traffic) = (&logs.0, &logs.1);
         let cfg = self.cfg;
         let workers = plan.schedule.workers();
         let threads = worker_threads(cfg.threads, workers);
@@ -1528,11 +1543,6 @@ impl<'c> Run<'c> {
                 timeout: Some(cfg.stall_timeout),
                 ..MeshSettings::new(run_id(cfg.seed, seg.done))
             };
-            let window = super::rollback::points_kept(plan.schedule.stages()) as u64;
-            let traffic: Vec<SharedTraffic> = points
-                .iter()
-                .map(|_| Arc::new(Mutex::new(Traffic::new(window))))
-                .collect();
             let eps = thread_mesh(cfg.transport, workers, &settings)?
                 .into_iter()
                 .enumerate()
@@ -1562,7 +1572,7 @@ impl<'c> Run<'c> {
             let own = points
                 .get(lost as usize)
                 .and_then(|p| p.lock().ok().map(|p| p.latest()));
-            let Ok(mut takeover) = take_over(setup, (lost, own), states, points, &traffic) else {
+            let Ok(mut takeover) = take_over(setup, (lost, own), states, points, traffic) else {
                 return Err(failure);
             };
             // A replacement comes: it joins at the next update boundary, not the segment's end.

@@ -1130,10 +1130,8 @@ impl<T: Transport> Process<'_, T> {
         if let Some(st) = self.state.as_mut() {
             st.keeper = None;
         }
-        fn sole<V>(shared: Arc<std::sync::Mutex<V>>) -> Option<V> {
-            Arc::try_unwrap(shared).ok()?.into_inner().ok()
-        }
-        (points.and_then(sole), traffic.and_then(sole))
+        use super::rollback::unshared;
+        (points.and_then(unshared), traffic.and_then(unshared))
     }
 }
 
@@ -1153,17 +1151,14 @@ impl<T: Transport> Coordinator for Process<'_, T> {
         let index = self.index;
         let mut losses = LossRelay::new(run, plan, at, index, rank);
         let (tx, rx) = crossbeam_channel::unbounded();
-        let (old_points, old_traffic) = self.reusable_logs();
-        let points = super::rollback::points_for(plan, old_points.map(|p| (rank, p)));
+        let (mut old_points, old_traffic) = self.reusable_logs();
+        let points = super::rollback::points_for(plan, |w| old_points.take_if(|_| w == rank));
         // Copies of the data messages over the boundaries the points keep, for a takeover;
         // none where a lost replica is not gone on without in place.
         let traffic = match (&self.remesh, points.get(rank as usize)) {
             (Some(_), Some(_)) => {
                 let window = super::rollback::points_kept(plan.schedule.stages()) as u64;
-                let log = match old_traffic {
-                    Some(old) => Traffic::reusing(window, old),
-                    None => Traffic::new(window),
-                };
+                let log = Traffic::after(window, old_traffic);
                 Some(Arc::new(std::sync::Mutex::new(log)))
             }
             _ => None,
