@@ -6,7 +6,8 @@
     python3 experiments/survival/cpu_sampler.py report OUT.jsonl PID_OF_LOST_WORKER
 
 `sample` writes, every few milliseconds, each thread's time on a CPU (the first field of
-/proc/PID/task/TID/schedstat, in ns) for every process whose command is `pipe`. `report`
+/proc/PID/task/TID/schedstat, in ns) for every process whose program's name starts with
+`pipe` (`pipe`, or a copy such as `target/compare/pipe-REV`). `report`
 takes the loss as the first sample without the lost worker's process and prints, for windows
 of 50 ms around it, the cores the `pipe` processes kept busy, each process's share of a core
 and the busiest threads. Worker processes are named by their pid (`ps` during the run, or
@@ -26,7 +27,7 @@ def sample(out_path, seconds):
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
                     cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-                    if not cmd[0].endswith(b"pipe"):
+                    if not os.path.basename(cmd[0]).startswith(b"pipe"):
                         continue
                     for tid in os.listdir(f"/proc/{pid}/task"):
                         ns = int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0])
