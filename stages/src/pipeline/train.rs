@@ -232,13 +232,6 @@ struct Threads<'a> {
 }
 
 impl Threads<'_> {
-    /// The rollback points and traffic logs of a segment of `plan` (none where nothing could
-    /// be survived at the update), each worker's in the buffers of its last segment's where
-    /// nothing holds those any more.
-    fn logs_for(&mut self, plan: &RunPlan) -> SegmentLogs {
-        super::adopt::segment_logs(plan, std::mem::take(&mut self.logs))
-    }
-
     /// After a lost replica in segment `at` of `plan`: the workers' states for `change`'s
     /// layout, from the latest step every stage passed ([`super::rollback`]) where the
     /// surviving workers hold it, else from the segment's start (`kept`).
@@ -288,7 +281,7 @@ impl Coordinator for Threads<'_> {
         let t = Instant::now();
         // What the segment runs again from if a replica is lost in it: its start, or the
         // latest step every stage passed.
-        let logs = self.logs_for(plan);
+        let logs = super::adopt::segment_logs(plan, std::mem::take(&mut self.logs));
         let kept = match (survive::could_survive(plan), self.states.is_empty()) {
             (false, _) => None,
             (true, true) => Some(self.start.clone()),
