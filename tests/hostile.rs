@@ -553,6 +553,10 @@ fn fault_and_launch_rows() -> Vec<Row> {
             "the send count must be at least 1",
         ),
         row(
+            "train --stages 2 --transport quic --fault-schedule 1:exit@18446744073709551616",
+            "the send count '18446744073709551616' is not a whole number of sends",
+        ),
+        row(
             "train --stages 2 --transport quic --fault-schedule 1:exit@3,1:drop@4",
             "worker 1 already has a fault in attempt 0",
         ),
@@ -1696,6 +1700,28 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             vec![File::Dir("ck/latest")],
             "latest is a directory, where the run writes the name of its latest checkpoint",
         ),
+        // A `latest` that names no checkpoint (its checkpoint removed by hand) or is not a
+        // pointer at all: `--resume auto` started afresh without a word and wrote over it.
+        with(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck --resume auto",
+            vec![File::Text("ck/latest", "ckpt-00000005\n".into())],
+            "latest: names ckpt-00000005, which has no manifest: this run would replace it",
+        ),
+        with(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck",
+            vec![File::Text("ck/latest", "important data\n".into())],
+            "names 'important data', not a checkpoint",
+        ),
+        with(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck --resume auto",
+            vec![File::Dir("ck"), File::Fifo("ck/latest")],
+            "latest: is not a regular file",
+        ),
+        with(
+            "eval --checkpoint {d}/ck",
+            vec![File::Dir("ck"), File::Fifo("ck/latest")],
+            "latest: is not a regular file",
+        ),
         with(
             "simulate --stages 2 --trace {d}/samelink --csv {d}/same.out",
             vec![File::Link("samelink", "same.out")],
@@ -1793,6 +1819,13 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "seeds = [1, 2, 3]",
             "seeds = [1, 2, 1]",
             "seeds lists 1 twice",
+        ),
+        // An optimizer's name goes into run ids and file names: a path would write outside
+        // `--out` (it did, run after run, before the plots failed).
+        staleness(
+            "name = \"sgd-momentum\"",
+            "name = \"x/../../../escaped\"",
+            "optimizer name \"x/../../../escaped\": use 1 to 64 letters",
         ),
         staleness(
             "policies = [\"sequential\", \"1f1b-flush\", \"gpipe\", \"pipedream\", \"pipedream-nostash\", \"vsync\", \"2bw\"]",
@@ -2077,6 +2110,16 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
         row(
             "train --delay-correction error-feedback --steps 1",
             "sequential has none",
+        ),
+        // A remedy asks for a pipeline, and one stage of one has no stale gradient (2bw's
+        // lag by design apart): the run's weights were the plain run's.
+        row(
+            "train --lr-scaling staleness --steps 1",
+            "(lr:staleness) do nothing on one stage under pipedream",
+        ),
+        row(
+            "train --schedule vsync --sync-warmup 5 --steps 1",
+            "do nothing on one stage under vsync",
         ),
         row(
             "train --stages 2 --schedule 1f1b-flush --delay-correction error-feedback --steps 1",

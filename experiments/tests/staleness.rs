@@ -135,6 +135,18 @@ fn bad_configurations_are_refused_with_the_reason() {
             "{ sync_warmup = 300 }, { sync_warmup = 300 },",
             "comes twice in the matrix",
         ),
+        // Run ids, ledgers and plots are named after the optimizers: a path in a name would
+        // write outside `--out`.
+        (
+            "name = \"sgd-momentum\"",
+            "name = \"x/../../../escaped\"",
+            "optimizer name \"x/../../../escaped\"",
+        ),
+        (
+            "name = \"sgd-momentum\"",
+            "name = \"..\"",
+            "the name goes into file names",
+        ),
     ];
     for (from, to, want) in cases {
         let text = COMMITTED.replacen(from, to, 1);
@@ -390,5 +402,24 @@ fn a_report_of_runs_that_all_diverged_is_written() {
         "{md}"
     );
     assert!(md.contains("diverged"), "{md}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A saved run whose id is a path is refused on reading, before the report writes anything
+/// by that name.
+#[test]
+fn a_saved_run_whose_id_is_a_path_is_refused() {
+    let text = include_str!("../staleness/optimizers-lm-rates/results.json");
+    let mut results: pipe_experiments::staleness::StalenessResults =
+        serde_json::from_str(text).unwrap();
+    results.runs[0].spec.id = "../../escaped".into();
+    let dir = std::env::temp_dir().join(format!("pipe-id-path-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    save(&results, &dir).unwrap();
+    let err = load(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("run id \"../../escaped\" is no file name"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -460,24 +460,7 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     if path.join(MANIFEST).is_file() {
         return Ok(path.to_path_buf());
     }
-    let pointer = path.join(LATEST);
-    if pointer.is_file() {
-        let name = read_small(&pointer)?;
-        let name = String::from_utf8(name).map_err(|_| io_err(&pointer, "not text"))?;
-        let name = name.trim();
-        if name.is_empty() || name.contains('/') || name.contains("..") {
-            return Err(io_err(
-                &pointer,
-                format!("names '{name}', not a checkpoint"),
-            ));
-        }
-        let dir = path.join(name);
-        if !dir.join(MANIFEST).is_file() {
-            return Err(io_err(
-                &pointer,
-                format!("names {name}, which has no manifest"),
-            ));
-        }
+    if let Some(dir) = latest_of(path)? {
         return Ok(dir);
     }
     // A writer stopped between renaming a checkpoint into place and writing `latest` leaves
@@ -493,6 +476,44 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         path,
         "neither a checkpoint (no manifest.json) nor a checkpoint directory (no latest)",
     ))
+}
+
+/// The checkpoint `root`'s `latest` names, or `None` where there is no `latest`.
+///
+/// # Errors
+/// [`StageError::Checkpoint`] naming the pointer: not a regular file (a FIFO would block the
+/// read), not text, a name that is no checkpoint's, or one that has no manifest.
+pub fn latest_of(root: &Path) -> Result<Option<PathBuf>> {
+    let pointer = root.join(LATEST);
+    let Ok(meta) = std::fs::symlink_metadata(&pointer) else {
+        return Ok(None);
+    };
+    if !meta.is_file() {
+        return Err(io_err(
+            &pointer,
+            "is not a regular file, where the name of the latest checkpoint goes",
+        ));
+    }
+    let name = read_small(&pointer)?;
+    let name = String::from_utf8(name).map_err(|_| io_err(&pointer, "not text"))?;
+    let name = name.trim();
+    let numbered = name
+        .strip_prefix("ckpt-")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if !numbered {
+        return Err(io_err(
+            &pointer,
+            format!("names '{name}', not a checkpoint (ckpt-N)"),
+        ));
+    }
+    let dir = root.join(name);
+    if !dir.join(MANIFEST).is_file() {
+        return Err(io_err(
+            &pointer,
+            format!("names {name}, which has no manifest"),
+        ));
+    }
+    Ok(Some(dir))
 }
 
 /// Reads a small file, bounded.

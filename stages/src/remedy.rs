@@ -135,6 +135,16 @@ impl Remedies {
             )));
         }
         let rule = run.policy.version_rule();
+        // One stage runs each microbatch's backward right after its forward: no gradient is
+        // stale there but under 2bw, whose updates lag one minibatch by design.
+        if run.layout.stages() == 1 && rule != VersionRule::DelayedByOne {
+            return Err(StageError::Config(format!(
+                "remedies for stale weights ({}) do nothing on one stage under {}: every \
+                 gradient meets the weights it was computed at; give --stages 2 or more",
+                self.label(),
+                run.policy
+            )));
+        }
         match self.prediction {
             Prediction::Discrepancy { .. } if rule != VersionRule::Latest => {
                 Err(StageError::Config(format!(

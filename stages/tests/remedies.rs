@@ -209,4 +209,18 @@ fn remedies_are_refused_where_they_do_not_apply() {
         s.weight_prediction = Some(bad.into());
         assert!(s.resolve().is_err(), "{bad}");
     }
+    // One stage has no stale gradient but under 2bw, whose updates lag by design.
+    for policy in [
+        Policy::PipeDream,
+        Policy::PipeDreamNoStash,
+        Policy::VerticalSync,
+    ] {
+        let mut s = common::small_pipeline(policy, 1, 2);
+        s.lr_scaling = Some("staleness".into());
+        let err = s.resolve().unwrap_err().to_string();
+        assert!(err.contains("do nothing on one stage"), "{policy}: {err}");
+    }
+    let mut s = common::small_pipeline(Policy::TwoBw, 1, 2);
+    s.lr_scaling = Some("staleness".into());
+    s.resolve().unwrap();
 }

@@ -169,9 +169,13 @@ impl std::str::FromStr for Fault {
             };
             let nth: u64 = n
                 .parse()
-                .ok()
-                .filter(|&n| n >= 1)
-                .ok_or_else(|| format!("fault '{text}': the send count must be at least 1"))?;
+                .map_err(|_| {
+                    format!("fault '{text}': the send count '{n}' is not a whole number of sends")
+                })
+                .and_then(|n| match n {
+                    0 => Err(format!("fault '{text}': the send count must be at least 1")),
+                    n => Ok(n),
+                })?;
             return Ok(match (kind, pause) {
                 ("exit", None) => Fault::Exit { nth },
                 ("panic", None) => Fault::Panic { nth },

@@ -320,6 +320,9 @@ impl StalenessConfig {
                 ));
             }
         }
+        for o in &self.optimizers {
+            optimizer_name(&o.name)?;
+        }
         let names: Vec<&String> = self.optimizers.iter().map(|o| &o.name).collect();
         once("seeds", &self.seeds)?;
         once("stages", &self.stages)?;
@@ -551,6 +554,32 @@ impl StalenessConfig {
         }
         Ok(())
     }
+}
+
+/// `Err` unless `name` can stand in a file name as it is: run ids, ledgers and plots are
+/// named after the optimizers, so a `/` or a leading `.` would write outside `--out`.
+fn optimizer_name(name: &str) -> Result<(), String> {
+    let fits = |c: char| c.is_ascii_alphanumeric() || "_.+-".contains(c);
+    if name.is_empty() || name.len() > 64 || name.starts_with('.') || !name.chars().all(fits) {
+        return Err(format!(
+            "optimizer name {name:?}: use 1 to 64 letters, digits, '_', '.', '+' or '-', \
+             not starting with '.' (the name goes into file names)"
+        ));
+    }
+    Ok(())
+}
+
+/// `Err` unless the run id `id` is one file name: no `/`, `\` or NUL, not starting with
+/// `.`, at most 255 bytes (its ledger and record are written under `--out` by that name).
+pub(super) fn run_id_fits(id: &str) -> Result<(), String> {
+    let bad = |c: char| matches!(c, '/' | '\\' | '\0');
+    if id.is_empty() || id.len() > 255 || id.starts_with('.') || id.contains(bad) {
+        return Err(format!(
+            "run id {id:?} is no file name: no '/', '\\' or NUL, not starting with '.', \
+             1 to 255 bytes"
+        ));
+    }
+    Ok(())
 }
 
 /// `Err` naming `field` when `list` holds an entry twice.

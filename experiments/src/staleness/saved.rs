@@ -53,6 +53,7 @@ pub(super) fn check(r: &StalenessResults) -> Result<(), String> {
 /// A run's spec against the configuration it ran under.
 fn check_spec(cfg: &StalenessConfig, run: &RunRecord) -> Result<(), String> {
     let s = &run.spec;
+    super::config::run_id_fits(&s.id)?;
     let what = format!("run {}", s.id);
     let listed = |list: &[String], name: &str| list.iter().any(|p| p == name);
     match s.family {

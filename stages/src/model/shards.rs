@@ -503,6 +503,7 @@ impl TokenCorpus {
     /// tokenizer or length disagrees with the manifest.
     pub fn open(dir: &Path) -> Result<Self> {
         let manifest = read_manifest(dir)?;
+        check_maps_left(dir, manifest.shards.len())?;
         let shards = manifest
             .shards
             .iter()
@@ -784,6 +785,44 @@ fn open_shard(dir: &Path, entry: &ShardEntry, m: &Manifest) -> Result<Shard> {
         body,
         tokens: header.tokens,
     })
+}
+
+/// Memory maps a process keeps for itself beside a corpus's (its libraries, thread stacks,
+/// the allocator's large blocks, the transport's rings).
+const MAPS_KEPT: u64 = 8192;
+
+/// Refuses a corpus of more shards than this process may still map, one map each, before
+/// the first is mapped: past Linux's `vm.max_map_count` (65,530 by default) the map that
+/// goes over fails with "Cannot allocate memory", which names neither cause nor cure.
+///
+/// # Errors
+/// [`StageError::Data`] naming the shard count, the limit and what to do.
+fn check_maps_left(dir: &Path, shards: usize) -> Result<()> {
+    let Some((limit, used)) = map_limit_and_use() else {
+        return Ok(());
+    };
+    let left = limit.saturating_sub(used.saturating_add(MAPS_KEPT));
+    if shards as u64 > left {
+        return Err(data_err(
+            dir.display(),
+            format!(
+                "{shards} shards, one memory map each, and this system lets a process make \
+                 {limit} maps (vm.max_map_count; {used} in use here): tokenize again with a \
+                 larger --shard-tokens, or raise vm.max_map_count"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Linux's per-process map limit and this process's maps now; `None` where either cannot
+/// be read (another system), which leaves the check to the map itself.
+fn map_limit_and_use() -> Option<(u64, u64)> {
+    let limit = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok()?;
+    let limit = limit.trim().parse::<u64>().ok()?;
+    let maps = std::fs::read("/proc/self/maps").ok()?;
+    let used = maps.iter().filter(|&&b| b == b'\n').count() as u64;
+    Some((limit, used))
 }
 
 /// A shard file's length against what its header says its ids need.
@@ -1077,4 +1116,24 @@ pub fn token_splits(
         pack: None,
     };
     Ok((train, eval))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_corpus_of_more_shards_than_maps_left_is_refused_before_mapping() {
+        let dir = Path::new("corpus");
+        check_maps_left(dir, 16).unwrap();
+        // Where the limit can be read (Linux), as many shards as it allows maps in all
+        // cannot fit beside the process's own.
+        if let Some((limit, _)) = map_limit_and_use() {
+            let err = check_maps_left(dir, limit as usize)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("vm.max_map_count"), "{err}");
+            assert!(err.contains(&format!("{limit} shards")), "{err}");
+        }
+    }
 }

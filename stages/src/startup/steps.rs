@@ -241,6 +241,16 @@ pub fn check_checkpoint_dir(dir: Option<&Path>, resumed: Option<&Path>) -> Resul
             pointer.display()
         )));
     }
+    // A `latest` that names no checkpoint here (one removed by hand, say) is not this run's to
+    // replace: `--resume auto` would otherwise start afresh without a word, and a user's file
+    // by that name would be written over.
+    if let Err(e) = crate::checkpoint::latest_of(dir) {
+        return Err(StageError::Input(format!(
+            "--checkpoint-dir {}: {e}: this run would replace it; remove it to start afresh \
+             there, or give another directory",
+            dir.display()
+        )));
+    }
     let Some((_, newest)) = crate::checkpoint::list(dir).pop() else {
         return Ok(());
     };
