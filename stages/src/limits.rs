@@ -190,6 +190,30 @@ pub fn check_count(what: &str, asked: u64, bound: u64, why: &str) -> Result<()> 
     Ok(())
 }
 
+/// Checks a run's length: epochs from 1 to [`MAX_EPOCHS`], steps and the evaluation's
+/// spacing (where given) from 1 to [`MAX_STEPS`]. The one check of them, for settings
+/// resolved from the command line and a run read back (a worker's `--run` file) alike.
+///
+/// # Errors
+/// [`StageError::Config`] for zero; [`StageError::Limit`] past a run that would end.
+pub fn check_run_length(epochs: u64, steps: Option<u64>, eval_every: Option<u64>) -> Result<()> {
+    let never = "a run that would not end this year";
+    for (what, count, bound) in [
+        ("--epochs", Some(epochs), MAX_EPOCHS),
+        ("--steps", steps, MAX_STEPS),
+        ("--eval-every", eval_every, MAX_STEPS),
+    ] {
+        match count {
+            Some(0) => {
+                return Err(StageError::Config(format!("{what} must be at least 1")));
+            }
+            Some(n) => check_count(what, n, bound, never)?,
+            None => {}
+        }
+    }
+    Ok(())
+}
+
 /// Checks compute threads against [`Machine::max_threads`].
 ///
 /// # Errors

@@ -71,6 +71,12 @@ fn a_run_read_back_is_checked_as_resolving_checks_it() {
         ),
         ("replicas", "[1, 1]", "2 replica counts for 4 stages"),
         ("microbatch_size", "0", "at least 1"),
+        // A run's length is bounded as the command line bounds it: past it, a counter's
+        // arithmetic could wrap in a release build.
+        ("epochs", "18446744073709551615", "--epochs"),
+        ("epochs", "0", "--epochs must be at least 1"),
+        ("steps", "0", "--steps must be at least 1"),
+        ("eval_every", "4294967296", "--eval-every"),
         ("lr", "-1.0", "learning rate"),
         ("schedule", r#""fifo""#, "unknown schedule"),
         ("backend", r#"["cpu", "bf16"]"#, "computes in f32 only"),

@@ -356,30 +356,13 @@ impl TrainSettings {
     /// # Errors
     /// [`StageError::Config`] for zero; [`StageError::Limit`] past a run that would end.
     fn epochs(&self, dataset: DatasetKind, lm: Option<LanguageDefaults>) -> Result<u64> {
-        use crate::limits::{MAX_EPOCHS, MAX_STEPS, check_count};
         let epochs = self.epochs.unwrap_or(match (dataset, lm) {
             (DatasetKind::Tokens, _) => 1,
             (_, Some(d)) => d.epochs,
             (DatasetKind::Mnist, None) => 6,
             _ => 10,
         });
-        if epochs == 0 {
-            return Err(StageError::Config("epochs must be at least 1".into()));
-        }
-        if self.steps == Some(0) {
-            return Err(StageError::Config("steps must be at least 1".into()));
-        }
-        let never = "a run that would not end this year";
-        check_count("--epochs", epochs, MAX_EPOCHS, never)?;
-        if let Some(steps) = self.steps {
-            check_count("--steps", steps, MAX_STEPS, never)?;
-        }
-        if self.eval_every == Some(0) {
-            return Err(StageError::Config("--eval-every must be at least 1".into()));
-        }
-        if let Some(every) = self.eval_every {
-            check_count("--eval-every", every, MAX_STEPS, never)?;
-        }
+        crate::limits::check_run_length(epochs, self.steps, self.eval_every)?;
         Ok(epochs)
     }
 

@@ -386,12 +386,13 @@ impl RunConfig {
     pub fn check(&self) -> Result<Resolved> {
         let bad = |m: String| Err(StageError::Config(m));
         let model = Model::new(&self.model)?;
-        if self.microbatch_size == 0 || self.microbatches == 0 || self.epochs == 0 {
-            return bad("epochs, microbatch size and microbatches must be at least 1".into());
+        crate::limits::check_run_length(self.epochs, self.steps, self.eval_every)?;
+        if self.microbatch_size == 0 || self.microbatches == 0 {
+            return bad("microbatch size and microbatches must be at least 1".into());
         }
         model.check_microbatch(self.microbatch_size)?;
-        if self.steps == Some(0) || self.chunks == 0 {
-            return bad("steps, all-reduce bucket and chunks must be at least 1".into());
+        if self.chunks == 0 {
+            return bad("chunks must be at least 1".into());
         }
         if self.replicas.len() != self.stages {
             return bad(format!(
