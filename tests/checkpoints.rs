@@ -308,6 +308,17 @@ fn a_state_no_run_could_have_written_is_refused_past_a_resealed_manifest() {
             &["state.json", needle],
         );
     }
+    // A data cursor of whole minibatches, past the end of the run's epoch (2^27 samples is a
+    // whole number of any power-of-two minibatch): named as past the end.
+    let c = copy_of(&good, "past-the-epoch");
+    edit_state(&c, |state| state["samples_in_epoch"] = (1u64 << 27).into());
+    refused(
+        &train(&flags("pipedream"), &["--resume", s(&c)]),
+        &[
+            "stopped 134217728 samples into epoch",
+            "past the end of this run's epochs",
+        ],
+    );
     // A model of 1.6 billion weights that the 100 KB weights file does not hold: refused by
     // the first tensor's shape before the model is allocated, within 2 GB of address space
     // (it used to fill 6.5 GB of weights first).

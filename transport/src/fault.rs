@@ -326,6 +326,11 @@ pub fn parse_plan(text: &str) -> Result<FaultPlan, String> {
     let Some(rest) = text.strip_prefix("random:") else {
         return parse_schedule(text).map(FaultPlan::Listed);
     };
+    if rest.contains(',') {
+        return Err(format!(
+            "'{text}': a drawn schedule (random:SEED:COUNT) stands alone, without listed entries"
+        ));
+    }
     let (seed, count) = rest
         .split_once(':')
         .ok_or_else(|| format!("'{text}': give random:SEED:COUNT"))?;
@@ -776,8 +781,16 @@ mod tests {
                 .collect();
         assert!(kinds.len() >= 4, "{s}");
         assert_eq!(parse_plan(&s.to_string()), Ok(FaultPlan::Listed(s)));
-        for bad in ["random:x:3", "random:1:0", "random:1", "random:1:1001"] {
+        for bad in [
+            "random:x:3",
+            "random:1:0",
+            "random:1",
+            "random:1:1001",
+            "random:1:5,1:exit@3",
+        ] {
             assert!(parse_plan(bad).is_err(), "{bad}");
         }
+        let mixed = parse_plan("random:1:5,1:exit@3").unwrap_err();
+        assert!(mixed.contains("stands alone"), "{mixed}");
     }
 }

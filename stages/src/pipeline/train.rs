@@ -1048,10 +1048,17 @@ impl Start {
         // The checkpoint's data position in this run's updates (its layout may differ).
         let per_update = run.minibatch * run.cfg.microbatch_size as u64;
         let at = c.state.samples_in_epoch;
-        if at % per_update != 0 || at / per_update > run.per_epoch || c.state.epoch == 0 {
+        if at % per_update != 0 || c.state.epoch == 0 {
             return Err(StageError::Checkpoint(format!(
                 "stopped {at} samples into epoch {}, not a whole number of this run's minibatches of {per_update} samples",
                 c.state.epoch
+            )));
+        }
+        if at / per_update > run.per_epoch {
+            return Err(StageError::Checkpoint(format!(
+                "stopped {at} samples into epoch {}, past the end of this run's epochs of {} \
+                 minibatches of {per_update} samples",
+                c.state.epoch, run.per_epoch
             )));
         }
         let done = (c.state.epoch - 1)
