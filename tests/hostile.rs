@@ -2111,6 +2111,10 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "train --delay-correction error-feedback --steps 1",
             "sequential has none",
         ),
+        row(
+            "train --lr-schedule constant --warmup-steps 5 --steps 1",
+            "--warmup-steps applies to a learning-rate schedule with a warm-up",
+        ),
         // A remedy asks for a pipeline, and one stage of one has no stale gradient (2bw's
         // lag by design apart): the run's weights were the plain run's.
         row(

@@ -512,6 +512,12 @@ impl TrainSettings {
                 pipelined,
                 "a pipeline's workers (--stages, --replicas or --schedule)",
             ),
+            (
+                "--warmup-steps",
+                self.warmup_steps.is_some(),
+                self.lr_schedule != Some(LrScheduleKind::Constant),
+                "a learning-rate schedule with a warm-up (--lr-schedule warmup or cosine)",
+            ),
         ];
         for (flag, given, applies, what) in layout_settings {
             if given && !applies {
