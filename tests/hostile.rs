@@ -553,6 +553,10 @@ fn fault_and_launch_rows() -> Vec<Row> {
             "the send count must be at least 1",
         ),
         row(
+            "train --stages 2 --fault-schedule ,",
+            "--fault-schedule: ',' lists no fault",
+        ),
+        row(
             "train --stages 2 --transport quic --fault-schedule 1:exit@18446744073709551616",
             "the send count '18446744073709551616' is not a whole number of sends",
         ),

@@ -324,7 +324,14 @@ pub const MAX_RANDOM_FAULTS: u32 = 1000;
 /// A message naming what is malformed.
 pub fn parse_plan(text: &str) -> Result<FaultPlan, String> {
     let Some(rest) = text.strip_prefix("random:") else {
-        return parse_schedule(text).map(FaultPlan::Listed);
+        let listed = parse_schedule(text)?;
+        // Asked for and empty, it would do nothing: a run is never silently other than asked.
+        if listed.0.is_empty() {
+            return Err(format!(
+                "'{text}' lists no fault: give RANK:FAULT[/ATTEMPT] entries, or random:SEED:COUNT"
+            ));
+        }
+        return Ok(FaultPlan::Listed(listed));
     };
     if rest.contains(',') {
         return Err(format!(
@@ -789,6 +796,10 @@ mod tests {
             "random:1:5,1:exit@3",
         ] {
             assert!(parse_plan(bad).is_err(), "{bad}");
+        }
+        for empty in ["", ",", " , "] {
+            let err = parse_plan(empty).unwrap_err();
+            assert!(err.contains("lists no fault"), "{empty:?}: {err}");
         }
         let mixed = parse_plan("random:1:5,1:exit@3").unwrap_err();
         assert!(mixed.contains("stands alone"), "{mixed}");
