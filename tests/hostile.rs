@@ -1278,7 +1278,134 @@ fn newer_surface_rows() -> Vec<Row> {
     rows.extend(cluster_file_rows());
     rows.extend(unasked_overwrite_and_silent_value_rows());
     rows.extend(inputs_written_over_and_thread_rows());
+    rows.extend(checkpoint_pointer_rows());
+    rows.extend(settings_that_do_nothing_rows());
+    rows.extend(staleness_rows());
     rows
+}
+
+/// Staleness experiments refused before their first run.
+fn staleness_rows() -> Vec<Row> {
+    vec![
+        // A staleness experiment refused before its first run: a target that no loss meets,
+        // a seed twice (two runs of one id), no policy.
+        staleness(
+            "target_loss = 0.15",
+            "target_loss = nan",
+            "target_loss = NaN: must be finite and above 0",
+        ),
+        staleness(
+            "seeds = [1, 2, 3]",
+            "seeds = [1, 2, 1]",
+            "seeds lists 1 twice",
+        ),
+        // An optimizer's name goes into run ids and file names: a path would write outside
+        // `--out` (it did, run after run, before the plots failed).
+        staleness(
+            "name = \"sgd-momentum\"",
+            "name = \"x/../../../escaped\"",
+            "optimizer name \"x/../../../escaped\": use 1 to 64 letters",
+        ),
+        staleness(
+            "policies = [\"sequential\", \"1f1b-flush\", \"gpipe\", \"pipedream\", \"pipedream-nostash\", \"vsync\", \"2bw\"]",
+            "policies = []",
+            "policies is empty",
+        ),
+    ]
+}
+
+/// A checkpoint directory's `latest` that names no checkpoint there (its checkpoint removed
+/// by hand), or is not a pointer at all: `--resume auto` started afresh without a word and
+/// wrote over it.
+fn checkpoint_pointer_rows() -> Vec<Row> {
+    vec![
+        with(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck --resume auto",
+            vec![File::Text("ck/latest", "ckpt-00000005\n".into())],
+            "latest: names ckpt-00000005, which has no manifest: this run would replace it",
+        ),
+        with(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck",
+            vec![File::Text("ck/latest", "important data\n".into())],
+            "names 'important data', not a checkpoint",
+        ),
+        with(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck --resume auto",
+            vec![File::Dir("ck"), File::Fifo("ck/latest")],
+            "latest: is not a regular file",
+        ),
+        with(
+            "eval --checkpoint {d}/ck",
+            vec![File::Dir("ck"), File::Fifo("ck/latest")],
+            "latest: is not a regular file",
+        ),
+    ]
+}
+
+/// Settings that would do nothing in the run given (a model without the matrices an optimizer
+/// treats apart, a remedy or correction with no stale gradient to act on), and delay
+/// corrections' malformed strengths.
+fn settings_that_do_nothing_rows() -> Vec<Row> {
+    vec![
+        row(
+            "train --model mlp-784-10 --optimizer muon --steps 1",
+            "this model has none",
+        ),
+        row(
+            "train --delay-correction error-feedback --steps 1",
+            "sequential has none",
+        ),
+        row(
+            "train --lr-schedule constant --warmup-steps 5 --steps 1",
+            "--warmup-steps applies to a learning-rate schedule with a warm-up",
+        ),
+        // A remedy asks for a pipeline, and one stage of one has no stale gradient (2bw's
+        // lag by design apart): the run's weights were the plain run's.
+        row(
+            "train --lr-scaling staleness --steps 1",
+            "(lr:staleness) do nothing on one stage under pipedream",
+        ),
+        row(
+            "train --schedule vsync --sync-warmup 5 --steps 1",
+            "do nothing on one stage under vsync",
+        ),
+        row(
+            "train --stages 2 --schedule 1f1b-flush --delay-correction error-feedback --steps 1",
+            "1f1b-flush has none",
+        ),
+        row(
+            "train --stages 2 --delay-correction error-feedback --delay-correction-strength -1 --steps 1",
+            "strength must be finite and >= 0",
+        ),
+        row(
+            "train --stages 2 --delay-correction error-feedback --delay-correction-strength NaN --steps 1",
+            "NaN is not a finite number",
+        ),
+        row(
+            "train --stages 2 --schedule pipedream-nostash --delay-correction dc-asgd --steps 1",
+            "pipedream-nostash stashes none",
+        ),
+        row(
+            "train --stages 2 --schedule gpipe --delay-correction dc-asgd-adaptive --steps 1",
+            "gpipe has none",
+        ),
+        row(
+            "train --delay-correction dc-asgd --steps 1",
+            "sequential has none",
+        ),
+        row(
+            "train --stages 2 --delay-correction dc-asgd --weight-prediction lookahead --steps 1",
+            "both correct the same delay",
+        ),
+        row(
+            "train --stages 2 --delay-correction dc-asgd --delay-correction-strength inf --steps 1",
+            "inf is not a finite number",
+        ),
+        row(
+            "train --stages 2 --delay-correction dc-asgd-fast --steps 1",
+            "unknown delay correction",
+        ),
+    ]
 }
 
 /// Inputs reached through links by an output, outputs where the checkpoint directory goes, a
@@ -1704,28 +1831,6 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             vec![File::Dir("ck/latest")],
             "latest is a directory, where the run writes the name of its latest checkpoint",
         ),
-        // A `latest` that names no checkpoint (its checkpoint removed by hand) or is not a
-        // pointer at all: `--resume auto` started afresh without a word and wrote over it.
-        with(
-            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck --resume auto",
-            vec![File::Text("ck/latest", "ckpt-00000005\n".into())],
-            "latest: names ckpt-00000005, which has no manifest: this run would replace it",
-        ),
-        with(
-            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck",
-            vec![File::Text("ck/latest", "important data\n".into())],
-            "names 'important data', not a checkpoint",
-        ),
-        with(
-            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck --resume auto",
-            vec![File::Dir("ck"), File::Fifo("ck/latest")],
-            "latest: is not a regular file",
-        ),
-        with(
-            "eval --checkpoint {d}/ck",
-            vec![File::Dir("ck"), File::Fifo("ck/latest")],
-            "latest: is not a regular file",
-        ),
         with(
             "simulate --stages 2 --trace {d}/samelink --csv {d}/same.out",
             vec![File::Link("samelink", "same.out")],
@@ -1811,30 +1916,6 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
         row(
             "cluster init --workers 2 --out {d}/cl --addrs 10.0.0.1:1,:29400",
             "rank 1's address ':29400' is not host:port",
-        ),
-        // A staleness experiment refused before its first run: a target that no loss meets,
-        // a seed twice (two runs of one id), no policy.
-        staleness(
-            "target_loss = 0.15",
-            "target_loss = nan",
-            "target_loss = NaN: must be finite and above 0",
-        ),
-        staleness(
-            "seeds = [1, 2, 3]",
-            "seeds = [1, 2, 1]",
-            "seeds lists 1 twice",
-        ),
-        // An optimizer's name goes into run ids and file names: a path would write outside
-        // `--out` (it did, run after run, before the plots failed).
-        staleness(
-            "name = \"sgd-momentum\"",
-            "name = \"x/../../../escaped\"",
-            "optimizer name \"x/../../../escaped\": use 1 to 64 letters",
-        ),
-        staleness(
-            "policies = [\"sequential\", \"1f1b-flush\", \"gpipe\", \"pipedream\", \"pipedream-nostash\", \"vsync\", \"2bw\"]",
-            "policies = []",
-            "policies is empty",
         ),
     ]
 }
@@ -2105,65 +2186,6 @@ fn export_logits_and_optimizer_rows() -> Vec<Row> {
             "export --checkpoint {d}/ck --format hf --out {d}/out --max-shard-size 5XB",
             Vec::new(),
             "unknown unit",
-        ),
-        // A setting that would do nothing.
-        row(
-            "train --model mlp-784-10 --optimizer muon --steps 1",
-            "this model has none",
-        ),
-        row(
-            "train --delay-correction error-feedback --steps 1",
-            "sequential has none",
-        ),
-        row(
-            "train --lr-schedule constant --warmup-steps 5 --steps 1",
-            "--warmup-steps applies to a learning-rate schedule with a warm-up",
-        ),
-        // A remedy asks for a pipeline, and one stage of one has no stale gradient (2bw's
-        // lag by design apart): the run's weights were the plain run's.
-        row(
-            "train --lr-scaling staleness --steps 1",
-            "(lr:staleness) do nothing on one stage under pipedream",
-        ),
-        row(
-            "train --schedule vsync --sync-warmup 5 --steps 1",
-            "do nothing on one stage under vsync",
-        ),
-        row(
-            "train --stages 2 --schedule 1f1b-flush --delay-correction error-feedback --steps 1",
-            "1f1b-flush has none",
-        ),
-        row(
-            "train --stages 2 --delay-correction error-feedback --delay-correction-strength -1 --steps 1",
-            "strength must be finite and >= 0",
-        ),
-        row(
-            "train --stages 2 --delay-correction error-feedback --delay-correction-strength NaN --steps 1",
-            "NaN is not a finite number",
-        ),
-        row(
-            "train --stages 2 --schedule pipedream-nostash --delay-correction dc-asgd --steps 1",
-            "pipedream-nostash stashes none",
-        ),
-        row(
-            "train --stages 2 --schedule gpipe --delay-correction dc-asgd-adaptive --steps 1",
-            "gpipe has none",
-        ),
-        row(
-            "train --delay-correction dc-asgd --steps 1",
-            "sequential has none",
-        ),
-        row(
-            "train --stages 2 --delay-correction dc-asgd --weight-prediction lookahead --steps 1",
-            "both correct the same delay",
-        ),
-        row(
-            "train --stages 2 --delay-correction dc-asgd --delay-correction-strength inf --steps 1",
-            "inf is not a finite number",
-        ),
-        row(
-            "train --stages 2 --delay-correction dc-asgd-fast --steps 1",
-            "unknown delay correction",
         ),
         // A checkpoint's correction memory read as another correction's.
         after(

@@ -418,16 +418,17 @@ pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
         .map(|entries| {
             entries
                 .flatten()
-                .filter_map(|e| {
-                    let name = e.file_name().to_string_lossy().into_owned();
-                    let n = name.strip_prefix("ckpt-")?.parse::<u64>().ok()?;
-                    Some((n, e.path()))
-                })
+                .filter_map(|e| Some((number_of(&e.file_name().to_string_lossy())?, e.path())))
                 .collect()
         })
         .unwrap_or_default();
     out.sort();
     out
+}
+
+/// The update count a checkpoint's directory name (`ckpt-N`, [`dir_name`]) carries.
+fn number_of(name: &str) -> Option<u64> {
+    name.strip_prefix("ckpt-")?.parse().ok()
 }
 
 /// Whether `path` is a checkpoint this module wrote: a directory itself (not a link) that
@@ -497,10 +498,7 @@ pub fn latest_of(root: &Path) -> Result<Option<PathBuf>> {
     let name = read_small(&pointer)?;
     let name = String::from_utf8(name).map_err(|_| io_err(&pointer, "not text"))?;
     let name = name.trim();
-    let numbered = name
-        .strip_prefix("ckpt-")
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-    if !numbered {
+    if number_of(name).is_none() {
         return Err(io_err(
             &pointer,
             format!("names '{name}', not a checkpoint (ckpt-N)"),

@@ -521,6 +521,16 @@ impl Drop for StagedDir {
     }
 }
 
+/// Whether `name` is one plain file name, to be joined under a directory without leaving it:
+/// not empty, `.` or `..`, and without a separator or NUL (a manifest's shard, a run's id).
+pub fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains(['/', '\\', '\0'])
+        && Path::new(name).components().count() == 1
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

@@ -569,11 +569,12 @@ fn optimizer_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// `Err` unless the run id `id` is one file name: no `/`, `\` or NUL, not starting with
-/// `.`, at most 255 bytes (its ledger and record are written under `--out` by that name).
+/// `Err` unless the run id `id` is one file name ([`pipe_stages::outputs::is_plain_name`]),
+/// not starting with `.`, at most 255 bytes (its ledger and record are written under
+/// `--out` by that name).
 pub(super) fn run_id_fits(id: &str) -> Result<(), String> {
-    let bad = |c: char| matches!(c, '/' | '\\' | '\0');
-    if id.is_empty() || id.len() > 255 || id.starts_with('.') || id.contains(bad) {
+    let plain = pipe_stages::outputs::is_plain_name(id);
+    if !plain || id.len() > 255 || id.starts_with('.') {
         return Err(format!(
             "run id {id:?} is no file name: no '/', '\\' or NUL, not starting with '.', \
              1 to 255 bytes"

@@ -484,15 +484,6 @@ pub struct TokenCorpus {
     reads: std::sync::atomic::AtomicU64,
 }
 
-/// Whether `file` is a plain file name (a manifest names files in its own directory only).
-fn is_plain_name(file: &str) -> bool {
-    !file.is_empty()
-        && file != "."
-        && file != ".."
-        && !file.contains(['/', '\\', '\0'])
-        && Path::new(file).components().count() == 1
-}
-
 impl TokenCorpus {
     /// Opens the corpus in `dir`: reads the manifest, maps every shard and checks each
     /// shard's header and length against the manifest.
@@ -685,7 +676,7 @@ fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
         ));
     }
     for e in &m.shards {
-        if !is_plain_name(&e.file) {
+        if !crate::outputs::is_plain_name(&e.file) {
             return Err(data_err(
                 name,
                 format!(
@@ -696,7 +687,7 @@ fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
         }
     }
     if let Some(f) = &m.tokenizer.file
-        && !is_plain_name(f)
+        && !crate::outputs::is_plain_name(f)
     {
         return Err(data_err(
             name,
