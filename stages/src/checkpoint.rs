@@ -250,32 +250,31 @@ fn sync_dir(path: &Path) -> Result<()> {
         .map_err(|e| write_err(path, e))
 }
 
-/// A tensor's values as little-endian bytes.
-fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    Ok(t.host()?.iter().flat_map(|v| v.to_le_bytes()).collect())
-}
-
-/// One safetensors file of `(name, tensor)` pairs.
-fn safetensors_bytes(entries: &[(String, &Tensor)], model_name: &str) -> Result<Vec<u8>> {
-    let data: Vec<(String, Vec<u8>, Vec<usize>)> = entries
-        .iter()
-        .map(|(n, t)| Ok((n.clone(), le_bytes(t)?, t.shape().to_vec())))
-        .collect::<Result<_>>()?;
-    let views = data
-        .iter()
-        .map(|(n, bytes, shape)| {
-            TensorView::new(Dtype::F32, shape.clone(), bytes)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| StageError::CheckpointWrite(format!("tensor {n}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
+/// Writes one safetensors file of `(name, tensor)` pairs to `path`, streamed from the tensors
+/// (`crate::model::tensor_file`), fsyncs it, and returns its manifest entry.
+fn write_tensors(
+    path: &Path,
+    entries: &[(String, &Tensor)],
+    model_name: &str,
+) -> Result<ManifestEntry> {
     let info: HashMap<String, String> = [
         ("format".to_string(), "pipe".to_string()),
         ("model".to_string(), model_name.to_string()),
     ]
     .into();
-    safetensors::tensor::serialize(views, Some(info))
-        .map_err(|e| StageError::CheckpointWrite(format!("serializing: {e}")))
+    crate::model::tensor_file::write(path, entries, info)
+        .map_err(|e| StageError::CheckpointWrite(format!("{}: {e}", path.display())))?;
+    let (bytes, sha256) =
+        crate::model::tensor_file::sync_and_digest(path).map_err(|e| write_err(path, e))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(ManifestEntry {
+        name,
+        bytes,
+        sha256,
+    })
 }
 
 /// Writes `ckpt` under `root` (created if needed) as [`dir_name`]`(updates)`, points `latest`
@@ -326,24 +325,23 @@ fn write_into(
     }
     let state = serde_json::to_vec_pretty(&ckpt.state)
         .map_err(|e| StageError::CheckpointWrite(format!("run state: {e}")))?;
-    let files: [(&str, Vec<u8>); 3] = [
-        (WEIGHTS, safetensors_bytes(&weights, &ckpt.state.model)?),
-        (OPTIMIZER, safetensors_bytes(&moments, &ckpt.state.model)?),
-        (STATE, state),
-    ];
     let mut manifest = Manifest {
         format: FORMAT,
         files: Vec::new(),
     };
-    for (file, bytes) in &files {
-        write_synced(&tmp.join(file), bytes)?;
-        manifest.files.push(ManifestEntry {
-            name: (*file).to_string(),
-            bytes: bytes.len() as u64,
-            sha256: sha256_hex(bytes),
-        });
+    // Each tensor file goes from the tensors to the disk without a copy of the model.
+    for (file, entries) in [(WEIGHTS, &weights), (OPTIMIZER, &moments)] {
+        let entry = write_tensors(&tmp.join(file), entries, &ckpt.state.model)?;
+        manifest.files.push(entry);
         fault_pause();
     }
+    write_synced(&tmp.join(STATE), &state)?;
+    manifest.files.push(ManifestEntry {
+        name: STATE.to_string(),
+        bytes: state.len() as u64,
+        sha256: sha256_hex(&state),
+    });
+    fault_pause();
     let manifest = serde_json::to_vec_pretty(&manifest)
         .map_err(|e| StageError::CheckpointWrite(format!("manifest: {e}")))?;
     write_synced(&tmp.join(MANIFEST), &manifest)?;

@@ -292,26 +292,14 @@ pub fn export(
     max_shard_bytes: Option<u64>,
 ) -> Result<(Gpt2Layout, Vec<PathBuf>)> {
     let layout = layout_of(model, spec)?;
-    let mut named: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+    let mut named: Vec<(String, &Tensor)> = Vec::new();
     for e in model.param_table() {
         let (l, s) = e.uses[0];
-        let t = &params[l][s];
-        let bytes: Vec<u8> = t.host()?.iter().flat_map(|v| v.to_le_bytes()).collect();
-        named.push((
-            layout.hf_name(&e.name).unwrap_or_default(),
-            bytes,
-            t.shape().to_vec(),
-        ));
+        named.push((layout.hf_name(&e.name).unwrap_or_default(), &params[l][s]));
     }
-    let shards = shard_plan(&named, max_shard_bytes);
+    let sizes: Vec<u64> = named.iter().map(|(_, t)| 4 * t.len() as u64).collect();
+    let shards = shard_plan(&sizes, max_shard_bytes);
     let mut written = Vec::new();
-    let mut write = |name: &str, data: &[u8]| {
-        let path = out.join(name);
-        std::fs::write(&path, data)
-            .map_err(|e| hf_err(path.display(), format!("cannot write: {e}")))?;
-        written.push(path);
-        Ok::<(), StageError>(())
-    };
     let mut weight_map = BTreeMap::new();
     for (k, range) in shards.iter().enumerate() {
         let file = if shards.len() == 1 {
@@ -319,22 +307,25 @@ pub fn export(
         } else {
             format!("model-{:05}-of-{:05}.safetensors", k + 1, shards.len())
         };
-        let views = named[range.clone()]
-            .iter()
-            .map(|(n, b, shape)| {
-                weight_map.insert(n.clone(), file.clone());
-                TensorView::new(Dtype::F32, shape.clone(), b)
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| hf_err(n, e.to_string()))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        for (n, _) in &named[range.clone()] {
+            weight_map.insert(n.clone(), file.clone());
+        }
+        // Streamed from the tensors: no copy of the model is held while it is written.
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        let bytes = safetensors::tensor::serialize(views, Some(meta))
-            .map_err(|e| hf_err(&file, e.to_string()))?;
-        write(&file, &bytes)?;
+        let path = out.join(&file);
+        super::tensor_file::write(&path, &named[range.clone()], meta)
+            .map_err(|e| hf_err(path.display(), format!("cannot write: {e}")))?;
+        written.push(path);
     }
+    let mut write = |name: &str, data: &[u8]| {
+        let path = out.join(name);
+        std::fs::write(&path, data)
+            .map_err(|e| hf_err(path.display(), format!("cannot write: {e}")))?;
+        written.push(path);
+        Ok::<(), StageError>(())
+    };
     if shards.len() > 1 {
-        let total: usize = named.iter().map(|(_, b, _)| b.len()).sum();
+        let total: u64 = sizes.iter().sum();
         let index = serde_json::json!({
             "metadata": { "total_size": total },
             "weight_map": weight_map,
@@ -350,24 +341,20 @@ pub fn export(
 
 /// The tensors of each shard, in order: consecutive runs of at most `max` bytes each (one
 /// tensor alone where it is larger), or one shard of all without a limit.
-fn shard_plan(
-    named: &[(String, Vec<u8>, Vec<usize>)],
-    max: Option<u64>,
-) -> Vec<std::ops::Range<usize>> {
+fn shard_plan(sizes: &[u64], max: Option<u64>) -> Vec<std::ops::Range<usize>> {
     let Some(max) = max else {
-        return std::iter::once(0..named.len()).collect();
+        return std::iter::once(0..sizes.len()).collect();
     };
     let mut shards = Vec::new();
     let (mut start, mut bytes) = (0, 0u64);
-    for (i, (_, b, _)) in named.iter().enumerate() {
-        let size = b.len() as u64;
+    for (i, &size) in sizes.iter().enumerate() {
         if i > start && bytes + size > max {
             shards.push(start..i);
             (start, bytes) = (i, 0);
         }
         bytes += size;
     }
-    shards.push(start..named.len());
+    shards.push(start..sizes.len());
     shards
 }
 

@@ -27,6 +27,7 @@ pub mod optim;
 pub mod rng;
 pub mod sample;
 pub mod shards;
+pub mod tensor_file;
 pub mod tokenize;
 pub mod tokenizer;
 pub mod transformer;
