@@ -632,7 +632,7 @@ fn drain_after_segment(
         obs.on_eval(&run.evaluate_between(&end.params, data, eval_be, (at.epoch, end.done))?)?;
     }
     if let (Some(policy), Some(optimizer)) = (save, optimizer) {
-        let saved = run.save(at.plan, end.done, end.params.clone(), optimizer, policy)?;
+        let saved = run.save(at.plan, end.done, &mut end.params, optimizer, policy)?;
         end.written.push(saved);
     }
     Ok(AfterDrain::Drained { stop })
@@ -1625,7 +1625,8 @@ impl<'c> Run<'c> {
 
     /// Writes the checkpoint of the whole model's `params` and `optimizer` state after `done`
     /// updates of `plan`'s layout into `policy`'s directory (the one place both pipelined
-    /// trainers save): returns its directory.
+    /// trainers save): returns its directory. `params` are lent to the checkpoint while it is
+    /// written and handed back, so that no copy of the model is made for it.
     ///
     /// # Errors
     /// As [`crate::checkpoint::write`].
@@ -1633,12 +1634,15 @@ impl<'c> Run<'c> {
         &self,
         plan: &RunPlan,
         done: u64,
-        params: Params,
+        params: &mut Params,
         optimizer: (OptimizerState, Vec<u64>),
         policy: &CheckpointPolicy,
     ) -> Result<PathBuf> {
-        let ckpt = self.checkpoint_of(plan, done, params, optimizer, policy);
-        crate::checkpoint::write(&policy.dir, &self.model, &ckpt, policy.keep)
+        let lent = std::mem::take(params);
+        let ckpt = self.checkpoint_of(plan, done, lent, optimizer, policy);
+        let written = crate::checkpoint::write(&policy.dir, &self.model, &ckpt, policy.keep);
+        *params = ckpt.params;
+        written
     }
 
     /// The checkpoint of the whole model's `params` and `optimizer` state (with each layer's
