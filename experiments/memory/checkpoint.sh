@@ -3,8 +3,9 @@
 # different commits), side by side in one run:
 #   1. one process, `pipe train --model mlp-784-4096x8-10 --optimizer adam --steps 2` (134 M
 #      parameters: a 537 MB weights file and a 1.07 GB optimizer file), without a checkpoint
-#      directory and with one written after update 2: the process's peak resident memory
-#      (GNU time's maximum RSS), ROUNDS times each;
+#      directory and with one written after update 2, and `pipe eval` of that checkpoint
+#      (which reads all of it, optimizer state included): each process's peak resident
+#      memory (GNU time's maximum RSS), ROUNDS times each;
 #   2. worker processes, `pipe train --stages 4 --replicas 2 --epochs 2` (MNIST, 4 M
 #      parameters) with no checkpoint directory, whose chief (worker 0) gathers the model and
 #      writes the launcher's drained state at each epoch's end: every worker's peak resident
@@ -31,6 +32,11 @@ for round in $(seq 1 "$ROUNDS"); do
       [ "$ckpt" = written ] && args+=(--checkpoint-dir "$OUT/ckpt" --checkpoint-every 2)
       kb=$(/usr/bin/time -f '%M' "$bin" "${args[@]}" 2>&1 > "$OUT/single-run.txt" | tail -1)
       echo "$round $(basename "$bin") $ckpt $kb" >> "$OUT/single.txt"
+      if [ "$ckpt" = written ]; then
+        kb=$(/usr/bin/time -f '%M' "$bin" eval --checkpoint "$OUT/ckpt" 2>&1 \
+          > "$OUT/eval-run.txt" | tail -1)
+        echo "$round $(basename "$bin") read $kb" >> "$OUT/single.txt"
+      fi
     done
   done
 done
@@ -56,11 +62,12 @@ single = collections.defaultdict(list)
 for line in open(f"{out}/single.txt"):
     _, b, c, kb = line.split()
     single[(b, c)].append(int(kb) / 1024)
-print("| binary | peak resident MiB, no checkpoint (median of rounds) | with a checkpoint written | the checkpoint's cost MiB |")
-print("|---|---|---|---|")
+print("| binary | peak resident MiB, no checkpoint (median of rounds) | with a checkpoint written | the checkpoint's cost MiB | `pipe eval` of the checkpoint |")
+print("|---|---|---|---|---|")
 for b in dict.fromkeys(k[0] for k in single):
     none, written = statistics.median(single[(b, "none")]), statistics.median(single[(b, "written")])
-    print(f"| {b} | {none:.0f} | {written:.0f} | {written - none:+.0f} |")
+    read = statistics.median(single[(b, "read")])
+    print(f"| {b} | {none:.0f} | {written:.0f} | {written - none:+.0f} | {read:.0f} |")
 print()
 drain = collections.defaultdict(dict)
 for line in open(f"{out}/drain.txt"):

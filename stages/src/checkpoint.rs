@@ -749,15 +749,50 @@ pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
         .iter()
         .map(|e| e.shape.iter().map(|&d| d as u64).product::<u64>())
         .sum();
+    // One file's bytes at a time: the weights are decoded and their file's bytes let go
+    // before the optimizer's file is read.
     let weight_bytes = safetensors_bound(table.len(), elements);
-    let weight_file = verified_file(&dir, &manifest, WEIGHTS, weight_bytes)?;
+    let params = read_weights(&dir, &manifest, (model, &state), weight_bytes)?;
     // First and second moments and the delay correction's memory, at most.
     let moment_bytes = safetensors_bound(3 * table.len(), 3 * elements);
-    let moment_file = verified_file(&dir, &manifest, OPTIMIZER, moment_bytes)?;
+    let optimizer = read_optimizer(&dir, &manifest, model, moment_bytes)?;
+    Ok((
+        dir,
+        Checkpoint {
+            params,
+            optimizer,
+            state,
+        },
+    ))
+}
+
+/// Per layer, one `T::default()` for each of its parameters: the slots a checkpoint's
+/// tensors fill, by the model's parameter table (no weights are drawn to be replaced).
+fn empty_slots<T: Default>(model: &Model) -> Vec<Vec<T>> {
+    let mut slots: Vec<Vec<T>> = (0..model.len()).map(|_| Vec::new()).collect();
+    for entry in model.param_table() {
+        for &(l, s) in &entry.uses {
+            if slots[l].len() <= s {
+                slots[l].resize_with(s + 1, T::default);
+            }
+        }
+    }
+    slots
+}
+
+/// The weights of checkpoint `dir` for `model`, whose `state` names the model that wrote it,
+/// from a weights file of at most `max` bytes: every tensor present with the model's shape
+/// before any is decoded, and every value finite.
+fn read_weights(
+    dir: &Path,
+    manifest: &Manifest,
+    (model, state): (&Model, &RunState),
+    max: u64,
+) -> Result<Params> {
+    let table = model.param_table();
+    let weight_file = verified_file(dir, manifest, WEIGHTS, max)?;
     let wpath = dir.join(WEIGHTS);
     let weights = SafeTensors::deserialize(&weight_file).map_err(|e| io_err(&wpath, e))?;
-    let opath = dir.join(OPTIMIZER);
-    let moments = SafeTensors::deserialize(&moment_file).map_err(|e| io_err(&opath, e))?;
     if weights.len() != table.len() {
         return Err(io_err(
             &wpath,
@@ -786,30 +821,38 @@ pub fn read(path: &Path, model: &Model) -> Result<(PathBuf, Checkpoint)> {
             &wpath,
         )?;
     }
-    let mut params = model.init_params(0);
-    let mut optimizer: OptimizerState = params
-        .iter()
-        .map(|layer| layer.iter().map(|_| Default::default()).collect())
-        .collect();
+    let mut params: Params = empty_slots(model);
     for entry in table {
         let view = weight_view(&entry.name)?;
         let t = tensor_from(&view, &entry.shape, &entry.name, &wpath, Written::Finite)?;
+        for &(l, s) in &entry.uses {
+            params[l][s] = t.clone();
+        }
+    }
+    Ok(params)
+}
+
+/// The optimizer state of checkpoint `dir` for `model`, from an optimizer file of at most
+/// `max` bytes: each parameter's parts the file holds, of the parameter's shape, never NaN.
+fn read_optimizer(
+    dir: &Path,
+    manifest: &Manifest,
+    model: &Model,
+    max: u64,
+) -> Result<OptimizerState> {
+    let moment_file = verified_file(dir, manifest, OPTIMIZER, max)?;
+    let opath = dir.join(OPTIMIZER);
+    let moments = SafeTensors::deserialize(&moment_file).map_err(|e| io_err(&opath, e))?;
+    let mut optimizer: OptimizerState = empty_slots(model);
+    for entry in model.param_table() {
         let read =
             |part: &str| optional(&moments, &format!("{}.{part}", entry.name), entry, &opath);
         let state = ParamState::from_parts([read("first")?, read("second")?, read("correction")?]);
         for &(l, s) in &entry.uses {
-            params[l][s] = t.clone();
             optimizer[l][s] = state.clone();
         }
     }
-    Ok((
-        dir,
-        Checkpoint {
-            params,
-            optimizer,
-            state,
-        },
-    ))
+    Ok(optimizer)
 }
 
 /// An optimizer tensor if the file has it (an empty tensor otherwise).
