@@ -216,8 +216,7 @@ fn write_err(path: &Path, e: impl std::fmt::Display) -> StageError {
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    let digest = Sha256::digest(bytes);
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+    crate::model::tensor_file::hex(&Sha256::digest(bytes))
 }
 
 /// Whether `name`, an entry of a checkpoint directory, is one the checkpoint store writes or

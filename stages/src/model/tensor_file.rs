@@ -118,8 +118,12 @@ pub fn sync_and_digest(path: &Path) -> std::io::Result<(u64, String)> {
         hasher.update(&piece[..n]);
         bytes += n as u64;
     }
-    let digest = hasher.finalize();
-    Ok((bytes, digest.iter().map(|b| format!("{b:02x}")).collect()))
+    Ok((bytes, hex(&hasher.finalize())))
+}
+
+/// A digest as lowercase hex, as a checkpoint's manifest records it.
+pub fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -168,11 +172,7 @@ mod tests {
 
         let (len, digest) = sync_and_digest(&path).unwrap();
         assert_eq!(len, whole.len() as u64);
-        let expected: String = Sha256::digest(&whole)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        assert_eq!(digest, expected);
+        assert_eq!(digest, hex(&Sha256::digest(&whole)));
         // The directory's read and write bits, and nothing but the file itself beside it.
         let dir_mode = std::fs::metadata(&dir).unwrap().permissions().mode();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
