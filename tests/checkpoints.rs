@@ -355,10 +355,10 @@ fn a_state_no_run_could_have_written_is_refused_past_a_resealed_manifest() {
     refused(&eval(&c), &["synthetic inputs x hidden", "over the limit"]);
 }
 
-/// A weight that is not finite, or an optimizer moment that is NaN, written into a
-/// checkpoint's last value and resealed: no run writes either (it stops first), so each is
-/// refused by name where `pipe eval` used to print a loss of NaN and exit 0. An infinite
-/// second moment, which a finite gradient can reach, is read.
+/// A weight or a momentum that is not finite, written into a checkpoint's last value and
+/// resealed: no run writes either (it stops first), so each is refused by name where `pipe
+/// eval` used to print a loss of NaN and exit 0 (the other parts' rules:
+/// [`optimizer_state_and_manifests_no_run_could_have_written_are_refused`]).
 #[test]
 fn values_no_run_could_have_written_are_refused_past_a_resealed_manifest() {
     let (_, good) = one_checkpoint("values-range");
@@ -380,15 +380,143 @@ fn values_no_run_could_have_written_are_refused_past_a_resealed_manifest() {
         refused(&eval(&c), &needles);
         refused(&train(&flags("pipedream"), &["--resume", s(&c)]), &needles);
     }
-    let c = copy_of(&good, "moment-nan");
-    set_last(&c, "optimizer.safetensors", f32::NAN);
-    refused(
-        &eval(&c),
-        &["optimizer.safetensors", "holds NaN", "never NaN"],
-    );
-    let c = copy_of(&good, "moment-inf");
-    set_last(&c, "optimizer.safetensors", f32::INFINITY);
+    // The file's last tensor is a momentum (SGD's first moment): NaN and infinity alike.
+    for (i, v) in [f32::NAN, f32::INFINITY].into_iter().enumerate() {
+        let c = copy_of(&good, &format!("moment-{i}"));
+        set_last(&c, "optimizer.safetensors", v);
+        refused(
+            &eval(&c),
+            &["optimizer.safetensors", "first moments are finite"],
+        );
+    }
+}
+
+/// Checkpoint `c`'s safetensors file `file` rewritten with `edit` applied to its tensors
+/// (name, shape, values), and resealed ([`reseal`]).
+fn edit_tensors(c: &Path, file: &str, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<f32>)>)) {
+    let path = c.join(file);
+    let bytes = std::fs::read(&path).unwrap();
+    let read = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = read
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, view.shape().to_vec(), values)
+        })
+        .collect();
+    edit(&mut tensors);
+    let raw: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(name, shape, values)| {
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (name, shape, bytes)
+        })
+        .collect();
+    let views = raw.iter().map(|(name, shape, bytes)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes);
+        (name.clone(), view.unwrap())
+    });
+    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    reseal(c, file);
+}
+
+/// Sets the first value of tensor `name` in `tensors` ([`edit_tensors`]) to `v`.
+fn set_first(tensors: &mut [(String, Vec<usize>, Vec<f32>)], name: &str, v: f32) {
+    let t = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+    t.2[0] = v;
+}
+
+/// Optimizer state no run could have written, resealed: an infinite first moment (a run's
+/// next update would have made its weight infinite or NaN, so the run stops first), a
+/// negative second moment (a mean of squares), a tensor that is no part of the model's
+/// parameters (state nobody would read), and a manifest that lists a file no reader verifies
+/// or one file twice. Each is refused by name, `pipe eval` and `--resume` alike, where the
+/// first two were read and failed at the first update or trained on, and the others were
+/// passed over. An infinite second moment, which a finite gradient can reach, is read.
+#[test]
+fn optimizer_state_and_manifests_no_run_could_have_written_are_refused() {
+    let d = fresh_dir("adam-values");
+    let adam = [
+        flags("pipedream"),
+        vec!["--optimizer".into(), "adam".into()],
+    ]
+    .concat();
+    ok(&train(&adam, &["--checkpoint-dir", s(&d), "--steps", "16"]));
+    let good = d.join(std::fs::read_to_string(d.join("latest")).unwrap().trim());
+    let resume = |c: &Path| train(&adam, &["--resume", s(c)]);
+    let moment = "layers.1.weight";
+    let cases: [(&str, &str, f32, &[&str]); 3] = [
+        (
+            "first",
+            "first-inf",
+            f32::INFINITY,
+            &["holds inf", "first moments are finite"],
+        ),
+        (
+            "first",
+            "first-minus-inf",
+            f32::NEG_INFINITY,
+            &["holds -inf", "first moments are finite"],
+        ),
+        (
+            "second",
+            "second-negative",
+            -1.0,
+            &["holds -1", "never negative"],
+        ),
+    ];
+    for (part, name, v, needles) in cases {
+        let c = copy_of(&good, name);
+        let tensor = format!("{moment}.{part}");
+        edit_tensors(&c, "optimizer.safetensors", |t| set_first(t, &tensor, v));
+        let needles = [&["optimizer.safetensors", tensor.as_str()], needles].concat();
+        refused(&eval(&c), &needles);
+        refused(&resume(&c), &needles);
+    }
+    let c = copy_of(&good, "second-inf");
+    let second = format!("{moment}.second");
+    edit_tensors(&c, "optimizer.safetensors", |t| {
+        set_first(t, &second, f32::INFINITY)
+    });
     ok(&eval(&c));
+
+    let c = copy_of(&good, "stray-tensor");
+    edit_tensors(&c, "optimizer.safetensors", |t| {
+        t.push(("layers.1.weight.third".into(), vec![1], vec![0.0]));
+    });
+    let needles = [
+        "optimizer.safetensors",
+        "layers.1.weight.third",
+        "no part of this model",
+    ];
+    refused(&eval(&c), &needles);
+    refused(&resume(&c), &needles);
+
+    let edit_manifest = |c: &Path, edit: &dyn Fn(&mut Vec<serde_json::Value>)| {
+        let path = c.join("manifest.json");
+        let mut m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(m["files"].as_array_mut().unwrap());
+        std::fs::write(&path, m.to_string()).unwrap();
+    };
+    let c = copy_of(&good, "listed-extra");
+    std::fs::write(c.join("notes.txt"), "").unwrap();
+    edit_manifest(&c, &|files| {
+        let empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+        files.push(serde_json::json!({"name": "notes.txt", "bytes": 0, "sha256": empty}));
+    });
+    let needles = ["manifest.json", "\"notes.txt\"", "not a checkpoint's file"];
+    refused(&eval(&c), &needles);
+    refused(&resume(&c), &needles);
+    let c = copy_of(&good, "listed-twice");
+    edit_manifest(&c, &|files| files.push(files[0].clone()));
+    refused(&eval(&c), &["manifest.json", "twice"]);
 }
 
 #[test]
@@ -666,7 +794,7 @@ fn a_full_disk_stops_the_run_and_keeps_the_last_checkpoint() {
         return;
     }
     let result = std::panic::catch_unwind(|| {
-        storage_fault(&d, Command::new(PIPE), || {}, "No space left on device");
+        storage_fault(&d, pipe_command(&[]), || {}, "No space left on device");
         // The partial copy was removed, giving its space back.
         let partial = std::fs::read_dir(&d)
             .unwrap()
@@ -697,7 +825,7 @@ fn a_seed_checkpoint_resumes_as_the_fresh_run_on_any_layout_and_exports() {
         "--threads",
         "1",
     ];
-    let seeded = ok(&Command::new(PIPE)
+    let seeded = ok(&pipe_command(&[])
         .args(base)
         .arg("--checkpoint-dir")
         .arg(&ck)
@@ -707,8 +835,8 @@ fn a_seed_checkpoint_resumes_as_the_fresh_run_on_any_layout_and_exports() {
     assert!(seeded.contains("seed checkpoint (update 0)"), "{seeded}");
     assert!(!seeded.contains("done:"), "{seeded}");
     for layout in [&[][..], &["--stages", "2"][..]] {
-        let fresh = ok(&Command::new(PIPE).args(base).args(layout).output().unwrap());
-        let resumed = ok(&Command::new(PIPE)
+        let fresh = ok(&pipe_command(&[]).args(base).args(layout).output().unwrap());
+        let resumed = ok(&pipe_command(&[])
             .args(base)
             .args(layout)
             .arg("--resume")
@@ -718,7 +846,7 @@ fn a_seed_checkpoint_resumes_as_the_fresh_run_on_any_layout_and_exports() {
         assert_eq!(weights(&fresh), weights(&resumed), "{layout:?}");
     }
     let hf = d.join("hf");
-    let exported = ok(&Command::new(PIPE)
+    let exported = ok(&pipe_command(&[])
         .args(["export", "--format", "hf", "--checkpoint"])
         .arg(&ck)
         .arg("--out")
@@ -726,12 +854,12 @@ fn a_seed_checkpoint_resumes_as_the_fresh_run_on_any_layout_and_exports() {
         .output()
         .unwrap());
     assert!(exported.contains("at update 0"), "{exported}");
-    let sequential = ok(&Command::new(PIPE)
+    let sequential = ok(&pipe_command(&[])
         .args(base)
         .args(["--data-order", "sequential"])
         .output()
         .unwrap());
-    let shuffled = ok(&Command::new(PIPE).args(base).output().unwrap());
+    let shuffled = ok(&pipe_command(&[]).args(base).output().unwrap());
     assert_ne!(weights(&sequential), weights(&shuffled));
 }
 

@@ -173,7 +173,7 @@ fn the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() {
     let addrs: Vec<String> = (0..n)
         .map(|i| format!("{job_name}-{i}.{service_name}:29400"))
         .collect();
-    let init = Command::new(PIPE)
+    let init = common::pipe_command(&[])
         .args(["cluster", "init", "--workers", &n.to_string(), "--addrs"])
         .arg(addrs.join(","))
         .arg("-o")
@@ -185,7 +185,7 @@ fn the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() {
     args[cluster + 1] = d.join("cluster.toml").to_string_lossy().into_owned();
     // With a rank outside the cluster, `pipe worker` gets as far as checking the rank: every
     // argument parsed, the run's settings resolved and the cluster file read.
-    let out = Command::new(PIPE)
+    let out = common::pipe_command(&[])
         .arg("worker")
         .args(&args)
         .env("JOB_COMPLETION_INDEX", n.to_string())
@@ -235,7 +235,7 @@ fn the_two_host_cluster_file_is_what_cluster_init_writes() {
         .collect::<Vec<_>>()
         .join(",");
     assert_eq!(addrs, "10.0.0.1:29400,10.0.0.2:29400");
-    let init = Command::new(PIPE)
+    let init = common::pipe_command(&[])
         .args(["cluster", "init", "--workers", "2", "--addrs", &addrs, "-o"])
         .arg(&d)
         .output()
@@ -255,7 +255,7 @@ fn the_two_host_cluster_file_is_what_cluster_init_writes() {
         d.join("cluster.toml"),
     )
     .unwrap();
-    let out = Command::new(PIPE)
+    let out = common::pipe_command(&[])
         .args(["worker", "--cluster"])
         .arg(d.join("cluster.toml"))
         .args(["--rank", "2", "--stages", "2", "--dataset", "synthetic"])

@@ -6,20 +6,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{ok, pipe, refused, s};
-
-/// A directory of this test's own, empty.
-fn fresh(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pipe-untouched-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::{fresh_dir, ok, pipe, refused, s};
 
 /// SHA-256 over every path under `root` (relative, sorted) with its kind and contents, and
 /// its permission bits: two trees with one digest hold the same files with the same bytes.
@@ -73,7 +65,7 @@ fn refused_untouched(root: &Path, args: &[&str], needle: &str) {
 
 #[test]
 fn a_run_beside_another_runs_checkpoints_leaves_them_as_they_were() {
-    let d = fresh("checkpoints");
+    let d = fresh_dir("checkpoints");
     let ck = d.join("ck");
     let every = [
         "--threads",
@@ -124,7 +116,7 @@ fn a_run_beside_another_runs_checkpoints_leaves_them_as_they_were() {
 /// user's beside the checkpoints is the user's to name.
 #[test]
 fn a_refused_run_leaves_its_log_and_no_output_replaces_what_the_run_reads() {
-    let d = fresh("log");
+    let d = fresh_dir("log");
     let ck = d.join("ck");
     let every = ["--threads", "1", "--checkpoint-dir", s(&ck)];
     ok(&pipe(&[&["train", "--steps", "2"], &every[..]].concat()));
@@ -172,7 +164,7 @@ fn a_refused_run_leaves_its_log_and_no_output_replaces_what_the_run_reads() {
 /// `pipe export` with a bad tokenizer, into a missing, an empty and an occupied directory.
 #[test]
 fn an_export_with_one_bad_input_writes_nothing() {
-    let d = fresh("writers");
+    let d = fresh_dir("writers");
     let ck = d.join("ck");
     ok(&pipe(&[
         "train",
@@ -224,7 +216,7 @@ fn an_export_with_one_bad_input_writes_nothing() {
 /// `pipe cluster init` over a cluster or a file, and directory outputs named where a file is.
 #[test]
 fn a_cluster_is_never_written_over_a_cluster_or_a_file() {
-    let d = fresh("a_cluster_is_never_written_over_a_cluster_or_a_file");
+    let d = fresh_dir("a_cluster_is_never_written_over_a_cluster_or_a_file");
     // A cluster over a cluster, and a new one with two ranks at one address.
     let cluster = d.join("cluster");
     ok(&pipe(&[
@@ -288,7 +280,7 @@ fn a_cluster_is_never_written_over_a_cluster_or_a_file() {
 /// `--costs-out` beside a cache that is a file.
 #[test]
 fn single_file_outputs_are_written_whole_and_only_where_asked() {
-    let d = fresh("single_file_outputs_are_written_whole_and_only_where_asked");
+    let d = fresh_dir("single_file_outputs_are_written_whole_and_only_where_asked");
     let notes = d.join("notes");
     std::fs::write(&notes, "mine").unwrap();
     // A plan file of the user's, and a plan whose cost file is bad.
@@ -352,7 +344,7 @@ fn single_file_outputs_are_written_whole_and_only_where_asked() {
 /// `pipe tokenize` into a directory of the user's, and with an input that is not text.
 #[test]
 fn a_corpus_with_one_bad_input_writes_nothing() {
-    let d = fresh("a_corpus_with_one_bad_input_writes_nothing");
+    let d = fresh_dir("a_corpus_with_one_bad_input_writes_nothing");
     // A corpus into a directory of the user's, and one whose last input is not text.
     let text = d.join("text");
     std::fs::create_dir(&text).unwrap();
@@ -391,7 +383,7 @@ fn a_corpus_with_one_bad_input_writes_nothing() {
 /// removed with the old plots).
 #[test]
 fn a_report_is_never_written_through_a_link_nor_over_a_users_file() {
-    let root = fresh("report");
+    let root = fresh_dir("report");
     let results = root.join("results");
     std::fs::create_dir_all(results.join("plots")).unwrap();
     std::fs::copy(
@@ -417,7 +409,7 @@ fn a_report_is_never_written_through_a_link_nor_over_a_users_file() {
 /// written.
 #[test]
 fn a_sweep_or_experiment_is_refused_before_it_runs_where_it_would_replace_another_output() {
-    let root = fresh("sweep");
+    let root = fresh_dir("sweep");
     let staleness = root.join("staleness");
     std::fs::create_dir_all(&staleness).unwrap();
     std::fs::copy(
@@ -514,7 +506,7 @@ fn an_update_that_goes_non_finite_fails_naming_it_with_no_checkpoint_of_it() {
             "the loss of microbatch 1 is not finite at update 2",
         ),
     ] {
-        let d = fresh(&format!("non-finite-{stages}-{steps}"));
+        let d = fresh_dir(&format!("non-finite-{stages}-{steps}"));
         let ck = d.join("ck");
         let out = pipe(&[
             "train",

@@ -30,7 +30,7 @@ const PIPE: &str = env!("CARGO_BIN_EXE_pipe");
 
 /// `pipe train --config CONFIG --checkpoint-dir CK` with `flags`.
 fn train(config: &str, ck: &std::path::Path, flags: &[&str]) -> Command {
-    let mut cmd = Command::new(PIPE);
+    let mut cmd = common::pipe_command(&[]);
     cmd.args(["train", "--config", config])
         .arg("--checkpoint-dir")
         .arg(ck)
@@ -75,7 +75,7 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
                 "--microbatches",
                 "4",
             ];
-            let inproc = ok(&run(Command::new(PIPE).args(args)));
+            let inproc = ok(&run(common::pipe_command(&[]).args(args)));
             // QUIC on every link, and the default of worker processes on one host: shared
             // memory.
             for (flags, says) in [
@@ -86,7 +86,7 @@ fn processes_end_with_the_in_process_weights_for_every_policy() {
                     "one process each, shared memory",
                 ),
             ] {
-                let processes = ok(&run(Command::new(PIPE).args(args).args(flags)));
+                let processes = ok(&run(common::pipe_command(&[]).args(args).args(flags)));
                 assert!(processes.contains(says), "{processes}");
                 assert_eq!(
                     done(&inproc),
@@ -134,11 +134,11 @@ fn delay_corrections_end_with_the_same_weights_in_process_and_over_worker_proces
             "--eval-every",
             "25",
         ];
-        let inproc = ok(&run(Command::new(PIPE).args(args)));
+        let inproc = ok(&run(common::pipe_command(&[]).args(args)));
         let header = format!("delay correction {correction} (strength 0.5)");
         assert!(inproc.contains(&header), "{inproc}");
         for flags in [["--transport", "quic"], ["--placement", "processes"]] {
-            let processes = ok(&run(Command::new(PIPE).args(args).args(flags)));
+            let processes = ok(&run(common::pipe_command(&[]).args(args).args(flags)));
             let what = format!("{correction} {policy} {flags:?}");
             assert_eq!(done(&inproc), done(&processes), "{what}");
             assert!(
@@ -175,7 +175,7 @@ fn gradient_clipping_is_the_same_in_process_and_over_worker_processes() {
         ("zb-v", "2", "1"),
     ] {
         let args = |log: &std::path::Path| {
-            let mut cmd = Command::new(PIPE);
+            let mut cmd = common::pipe_command(&[]);
             cmd.args(["train", "--config", &config, "--steps", "12"])
                 .args([
                     "--stages",
@@ -216,7 +216,7 @@ fn gradient_clipping_is_the_same_in_process_and_over_worker_processes() {
 fn init_from_weights_reach_every_worker_process() {
     let _one = serial();
     let d = fresh_dir("init-from");
-    let seeded = ok(&run(Command::new(PIPE)
+    let seeded = ok(&run(common::pipe_command(&[])
         .args([
             "train",
             "--model",
@@ -228,7 +228,7 @@ fn init_from_weights_reach_every_worker_process() {
         .arg("--checkpoint-dir")
         .arg(d.join("ck"))));
     assert!(seeded.contains("seed checkpoint"), "{seeded}");
-    ok(&run(Command::new(PIPE)
+    ok(&run(common::pipe_command(&[])
         .args(["export", "--format", "hf", "--checkpoint"])
         .arg(d.join("ck"))
         .arg("--out")
@@ -247,7 +247,7 @@ fn init_from_weights_reach_every_worker_process() {
         "1",
     ];
     let train = |extra: &[&str]| {
-        let mut cmd = Command::new(PIPE);
+        let mut cmd = common::pipe_command(&[]);
         cmd.args(base)
             .arg("--init-from")
             .arg(d.join("hf"))
@@ -257,7 +257,7 @@ fn init_from_weights_reach_every_worker_process() {
     let threads = train(&[]);
     let processes = train(&["--placement", "processes"]);
     assert_eq!(done(&threads), done(&processes));
-    let own = ok(&run(Command::new(PIPE).args(base)));
+    let own = ok(&run(common::pipe_command(&[]).args(base)));
     assert_ne!(done(&own), done(&threads));
 }
 
@@ -293,11 +293,11 @@ fn a_trace_across_worker_processes_has_every_workers_actions() {
         (per, named)
     };
     let inproc = d.join("inproc.json");
-    ok(&run(Command::new(PIPE)
+    ok(&run(common::pipe_command(&[])
         .args(args)
         .args(["--trace", inproc.to_str().unwrap()])));
     let quic = d.join("quic.json");
-    let out = ok(&run(Command::new(PIPE).args(args).args([
+    let out = ok(&run(common::pipe_command(&[]).args(args).args([
         "--trace",
         quic.to_str().unwrap(),
         "--transport",
@@ -409,7 +409,7 @@ impl Started {
 }
 
 fn start_until_first_epoch(config: &str, flags: &[&str]) -> Started {
-    let mut launcher: Child = Command::new(PIPE)
+    let mut launcher: Child = common::pipe_command(&[])
         .args(["train", "--config", config])
         .args(flags)
         .stdout(Stdio::piped())
@@ -962,7 +962,7 @@ fn a_replacement_worker_rejoins_live_from_a_surviving_replica() {
             replace,
         ]
         .concat();
-        let mut live = Command::new(PIPE);
+        let mut live = common::pipe_command(&[]);
         live.args(["train", "--config", &config, "--replicas", "2"])
             .args(&base)
             .args(whole)
@@ -1446,7 +1446,7 @@ fn a_third_failure_past_max_restarts_exits_1_naming_every_cause() {
     let d = fresh_dir("restarts-spent");
     let config = small_config(&d, 3);
     let ck = d.join("ck");
-    let out = run(Command::new(PIPE).args([
+    let out = run(common::pipe_command(&[]).args([
         "train",
         "--config",
         &config,
@@ -1602,7 +1602,7 @@ impl Hosts {
                 c.args(["netns", "exec", &ns[h], PIPE]);
                 c
             }
-            None => Command::new(PIPE),
+            None => common::pipe_command(&[]),
         }
     }
 
@@ -1639,7 +1639,7 @@ fn two_hosts_train_like_one_process_for_every_policy_and_wait_for_late_workers()
         let workers: usize = if replicas == "2" { 8 } else { 4 };
         let cluster = d.join(format!("cluster-{policy}-{stages}"));
         let addrs = hosts.addrs(workers).join(",");
-        ok(&run(Command::new(PIPE)
+        ok(&run(common::pipe_command(&[])
             .args(["cluster", "init", "--workers", &workers.to_string()])
             .args(["--addrs", &addrs, "-o"])
             .arg(&cluster)));
@@ -1702,7 +1702,7 @@ fn two_hosts_train_like_one_process_for_every_policy_and_wait_for_late_workers()
             None => "links: shared memory to every worker (all on this host)".to_string(),
         };
         assert!(texts[0].contains(&links), "{links}:\n{}", texts[0]);
-        let inproc = ok(&run(Command::new(PIPE).arg("train").args(flags)));
+        let inproc = ok(&run(common::pipe_command(&[]).arg("train").args(flags)));
         assert_eq!(
             done(&inproc),
             done(&texts[0]),
@@ -1749,7 +1749,7 @@ fn workers_refuse_other_settings_and_wait_no_longer_than_the_connect_timeout() {
         s.local_addr().unwrap().to_string()
     };
     let addrs = format!("{},{}", free(), free());
-    ok(&run(Command::new(PIPE).args([
+    ok(&run(common::pipe_command(&[]).args([
         "cluster",
         "init",
         "--workers",
@@ -1761,7 +1761,7 @@ fn workers_refuse_other_settings_and_wait_no_longer_than_the_connect_timeout() {
     ])));
     let file = cluster.join("cluster.toml");
     let worker = |rank: &str, lr: &str| {
-        Command::new(PIPE)
+        common::pipe_command(&[])
             .args([
                 "worker",
                 "--cluster",
@@ -1789,7 +1789,7 @@ fn workers_refuse_other_settings_and_wait_no_longer_than_the_connect_timeout() {
 
     // Nobody else comes: the chief gives up after its connect timeout, naming the absent rank.
     let t = Instant::now();
-    let alone = run(Command::new(PIPE)
+    let alone = run(common::pipe_command(&[])
         .args(["worker", "--cluster", file.to_str().unwrap(), "--rank", "0"])
         .args([
             "--config",
@@ -1814,7 +1814,7 @@ fn workers_exit_at_once_when_their_launcher_is_killed() {
     let _one = serial();
     let d = fresh_dir("launcher");
     let config = small_config(&d, 10_000);
-    let mut launcher: Child = Command::new(PIPE)
+    let mut launcher: Child = common::pipe_command(&[])
         .args(["train", "--config", &config])
         .args(["--stages", "2", "--transport", "quic"])
         .stdout(Stdio::piped())
@@ -1847,7 +1847,7 @@ fn log_without_timings(
     extra: &[&str],
 ) -> Vec<serde_json::Value> {
     let log = d.join(format!("{name}.jsonl"));
-    ok(&run(Command::new(PIPE)
+    ok(&run(common::pipe_command(&[])
         .args(flags)
         .args(extra)
         .arg("--log-jsonl")
@@ -1969,7 +1969,7 @@ fn a_cut_link_is_refused_over_shared_memory() {
         &["--transport", "shm"][..],
         &["--placement", "processes"][..],
     ] {
-        let out = run(Command::new(PIPE)
+        let out = run(common::pipe_command(&[])
             .args([
                 "train",
                 "--config",

@@ -7,6 +7,9 @@ use pipe_experiments::bench::criterion::read_criterion;
 use pipe_experiments::bench::measure::{coefficient_of_variation, trimmed_mean};
 use pipe_experiments::bench::{BenchConfig, Outcome, SweepOptions, load, report, run_sweep, save};
 
+#[path = "../../tests/common/scratch.rs"]
+mod scratch;
+
 const DEFAULT: &str = include_str!("../bench/default.toml");
 
 fn tiny() -> BenchConfig {
@@ -39,7 +42,7 @@ fn tiny() -> BenchConfig {
 #[test]
 fn a_tiny_sweep_measures_predicts_and_reports() {
     let cfg = tiny();
-    let out = std::env::temp_dir().join(format!("pipe-bench-test-{}", std::process::id()));
+    let out = scratch::fresh_path("bench");
     let opts = SweepOptions {
         out: out.clone(),
         ..SweepOptions::default()
@@ -287,7 +290,7 @@ fn mlperf_mean_drops_the_fastest_and_slowest() {
 
 #[test]
 fn criterion_results_are_read_and_malformed_ones_named() {
-    let dir = std::env::temp_dir().join(format!("pipe-criterion-test-{}", std::process::id()));
+    let dir = scratch::fresh_path("criterion");
     let new = dir.join("group").join("case").join("new");
     std::fs::create_dir_all(&new).unwrap();
     std::fs::write(

@@ -7,6 +7,9 @@
 use pipe_experiments::staleness::config::Family;
 use pipe_experiments::staleness::{StalenessConfig, load, report, run_experiment, save};
 
+#[path = "../../tests/common/scratch.rs"]
+mod scratch;
+
 const COMMITTED: &str = include_str!("../staleness/mnist.toml");
 const OPTIMIZERS_LM: &str = include_str!("../staleness/optimizers-lm.toml");
 
@@ -180,8 +183,7 @@ fn a_small_experiment_runs_saves_and_regenerates_its_report() {
     cfg.remedies.variants.truncate(2);
     cfg.target_loss = 10.0;
     cfg.target_window = 4;
-    let dir = std::env::temp_dir().join(format!("pipe-staleness-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch::fresh_path("staleness");
     let mut seen = 0;
     let results = run_experiment(&cfg, true, &dir, "pipe test", &mut |i, n, _| {
         seen = i;
@@ -391,8 +393,7 @@ fn a_report_of_runs_that_all_diverged_is_written() {
         r.updates_to_target = None;
         r.seconds_to_target = None;
     }
-    let dir = std::env::temp_dir().join(format!("pipe-diverged-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch::fresh_path("diverged");
     save(&results, &dir).unwrap();
     let back = load(&dir).unwrap();
     let path = report::write_report(&back, &dir).unwrap();
@@ -413,8 +414,7 @@ fn a_saved_run_whose_id_is_a_path_is_refused() {
     let mut results: pipe_experiments::staleness::StalenessResults =
         serde_json::from_str(text).unwrap();
     results.runs[0].spec.id = "../../escaped".into();
-    let dir = std::env::temp_dir().join(format!("pipe-id-path-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch::fresh_path("id-path");
     save(&results, &dir).unwrap();
     let err = load(&dir).unwrap_err().to_string();
     assert!(

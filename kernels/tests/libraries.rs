@@ -11,15 +11,16 @@ use std::path::{Path, PathBuf};
 
 use pipe_kernels::cuda::libraries::{Library, SearchPath, link_folder, resolve};
 
+#[path = "../../tests/common/scratch.rs"]
+mod scratch;
+
 /// A fresh folder under the system's temporary folder, removed on drop.
 struct Tree(PathBuf);
 
 impl Tree {
     fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("pipe-libs-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Tree(dir)
+        // Named apart from the folders a search treats by name (`stubs`).
+        Tree(scratch::fresh_dir(&format!("tree-{name}")))
     }
 
     /// A file at `rel` (its folders made) holding only an ELF header's first bytes: a

@@ -536,7 +536,28 @@ fn manifest_of(dir: &Path) -> Result<Manifest> {
             format!("format {} (this build reads {FORMAT})", manifest.format),
         ));
     }
+    check_listing(&manifest).map_err(|e| io_err(&mpath, e))?;
     Ok(manifest)
+}
+
+/// Checks that a manifest lists exactly the files a checkpoint is made of, each once: a file
+/// it lists that no reader verifies, or one it lists twice with two digests, would make the
+/// manifest vouch for what nobody checked.
+fn check_listing(manifest: &Manifest) -> std::result::Result<(), String> {
+    const FILES: [&str; 3] = [WEIGHTS, OPTIMIZER, STATE];
+    for (i, entry) in manifest.files.iter().enumerate() {
+        if !FILES.contains(&entry.name.as_str()) {
+            return Err(format!(
+                "lists {:?}, which is not a checkpoint's file (they are {})",
+                entry.name,
+                FILES.join(", ")
+            ));
+        }
+        if manifest.files[..i].iter().any(|e| e.name == entry.name) {
+            return Err(format!("lists {} twice", entry.name));
+        }
+    }
+    Ok(())
 }
 
 /// File `want` of checkpoint `dir`, checked against the manifest's size and SHA-256 and
@@ -590,26 +611,55 @@ fn safetensors_bound(tensors: usize, elements: u64) -> u64 {
     elements.saturating_mul(4).saturating_add(header)
 }
 
-/// Which values a checkpoint's tensor can hold that a run could have written: a run stops
+/// Which values a checkpoint's tensor can hold that a run could have written. A run stops
 /// before an update leaves a weight that is not finite, and before a NaN reaches an optimizer
-/// moment; a second moment may overflow to infinity from a finite gradient (its update is then
-/// 0, and the weights stay finite).
-#[derive(Clone, Copy)]
+/// moment. A first moment (momentum) that is infinite moves its weight to infinity or NaN at
+/// the next update, so a run never keeps one; a second moment (a mean of squares, Adam's or
+/// the adaptive DC-ASGD's) is never negative and may overflow to infinity from a finite
+/// gradient (its update is then 0, and the weights stay finite).
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Written {
     /// Weights: finite.
-    Finite,
-    /// Optimizer state: not NaN.
+    Weight,
+    /// First moments: finite.
+    FirstMoment,
+    /// Second moments: neither NaN nor negative.
+    MeanSquare,
+    /// A delay correction's memory (a last update, or a mean of squares): not NaN.
     NotNan,
 }
 
 impl Written {
+    /// What an optimizer state's part (by its name, [`ParamState::PART_NAMES`]) may hold.
+    fn of_part(part: &str) -> Self {
+        let [first, second, _] = ParamState::PART_NAMES;
+        if part == first {
+            Written::FirstMoment
+        } else if part == second {
+            Written::MeanSquare
+        } else {
+            Written::NotNan
+        }
+    }
+
     /// The first value a run could not have written, with its index.
     fn first_foreign(self, values: &[f32]) -> Option<(usize, f32)> {
         let foreign = |v: &f32| match self {
-            Written::Finite => !v.is_finite(),
+            Written::Weight | Written::FirstMoment => !v.is_finite(),
+            Written::MeanSquare => v.is_nan() || *v < 0.0,
             Written::NotNan => v.is_nan(),
         };
         values.iter().position(foreign).map(|at| (at, values[at]))
+    }
+
+    /// The rule a foreign value breaks, in words.
+    fn rule(self) -> &'static str {
+        match self {
+            Written::Weight => "a checkpoint's weights are finite",
+            Written::FirstMoment => "a checkpoint's first moments are finite",
+            Written::MeanSquare => "a checkpoint's second moments are never negative or NaN",
+            Written::NotNan => "a checkpoint's optimizer state is never NaN",
+        }
     }
 }
 
@@ -644,13 +694,12 @@ fn tensor_from(
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
     if let Some((at, v)) = written.first_foreign(&values) {
-        let rule = match written {
-            Written::Finite => "a checkpoint's weights are finite",
-            Written::NotNan => "a checkpoint's optimizer state is never NaN",
-        };
         return Err(io_err(
             path,
-            format!("{what} holds {v} at element {at}: {rule} (a run stops first)"),
+            format!(
+                "{what} holds {v} at element {at}: {} (a run stops first)",
+                written.rule()
+            ),
         ));
     }
     Tensor::from_vec(shape, values).map_err(|e| io_err(path, e))
@@ -823,7 +872,7 @@ fn read_weights(
     let mut params: Params = empty_slots(model);
     for entry in table {
         let view = weight_view(&entry.name)?;
-        let t = tensor_from(&view, &entry.shape, &entry.name, &wpath, Written::Finite)?;
+        let t = tensor_from(&view, &entry.shape, &entry.name, &wpath, Written::Weight)?;
         for &(l, s) in &entry.uses {
             params[l][s] = t.clone();
         }
@@ -832,7 +881,9 @@ fn read_weights(
 }
 
 /// The optimizer state of checkpoint `dir` for `model`, from an optimizer file of at most
-/// `max` bytes: each parameter's parts the file holds, of the parameter's shape, never NaN.
+/// `max` bytes: each parameter's parts the file holds, of the parameter's shape, holding what
+/// a run could have written ([`Written::of_part`]), and no tensor besides (a tensor no reader
+/// takes would be state silently dropped).
 fn read_optimizer(
     dir: &Path,
     manifest: &Manifest,
@@ -842,29 +893,39 @@ fn read_optimizer(
     let moment_file = verified_file(dir, manifest, OPTIMIZER, max)?;
     let opath = dir.join(OPTIMIZER);
     let moments = SafeTensors::deserialize(&moment_file).map_err(|e| io_err(&opath, e))?;
+    let table = model.param_table();
+    let part_name = |entry: &crate::model::ParamEntry, part: &str| format!("{}.{part}", entry.name);
+    let known: std::collections::HashSet<String> = table
+        .iter()
+        .flat_map(|e| ParamState::PART_NAMES.map(|part| part_name(e, part)))
+        .collect();
+    if let Some(stray) = moments.names().into_iter().find(|n| !known.contains(*n)) {
+        return Err(io_err(
+            &opath,
+            format!(
+                "holds {stray}, which is no part of this model's parameters (another model's?)"
+            ),
+        ));
+    }
     let mut optimizer: OptimizerState = empty_slots(model);
-    for entry in model.param_table() {
-        let read =
-            |part: &str| optional(&moments, &format!("{}.{part}", entry.name), entry, &opath);
-        let state = ParamState::from_parts([read("first")?, read("second")?, read("correction")?]);
+    for entry in table {
+        let read = |part: &str| match moments.tensor(&part_name(entry, part)) {
+            Ok(view) => tensor_from(
+                &view,
+                &entry.shape,
+                &part_name(entry, part),
+                &opath,
+                Written::of_part(part),
+            ),
+            Err(_) => Ok(Tensor::default()),
+        };
+        let [first, second, correction] = ParamState::PART_NAMES;
+        let state = ParamState::from_parts([read(first)?, read(second)?, read(correction)?]);
         for &(l, s) in &entry.uses {
             optimizer[l][s] = state.clone();
         }
     }
     Ok(optimizer)
-}
-
-/// An optimizer tensor if the file has it (an empty tensor otherwise).
-fn optional(
-    file: &SafeTensors<'_>,
-    name: &str,
-    entry: &crate::model::ParamEntry,
-    path: &Path,
-) -> Result<Tensor> {
-    match file.tensor(name) {
-        Ok(view) => tensor_from(&view, &entry.shape, name, path, Written::NotNan),
-        Err(_) => Ok(Tensor::default()),
-    }
 }
 
 #[cfg(test)]

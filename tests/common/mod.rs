@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 mod scratch;
 #[allow(unused_imports)] // Not every suite writes files.
-pub use scratch::{fresh_dir, fresh_file, fresh_path};
+pub use scratch::{fresh_dir, fresh_file, fresh_path, suite_dir};
 
 /// The words of `line`, split at whitespace, as a command line's arguments (no quoting: a
 /// path goes on as an argument of its own).
@@ -58,13 +58,24 @@ pub fn s(p: &Path) -> &str {
 }
 
 /// The `pipe` binary as a command with `args`, not yet run: no backtraces (so an error is its
-/// one line) and this test binary's cache directory ([`cache_dir`]).
+/// one line), this test binary's cache directory ([`cache_dir`]) and its temporary folder
+/// ([`temp_dir`]).
 pub fn pipe_command(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pipe"));
     cmd.args(args)
         .env_remove("RUST_BACKTRACE")
-        .env("PIPE_CACHE_DIR", cache_dir());
+        .env("PIPE_CACHE_DIR", cache_dir())
+        .env("TMPDIR", temp_dir());
     cmd
+}
+
+/// The temporary folder (`TMPDIR`) of the runs the tests start, in this test binary's scratch
+/// folder: what a run that a test kills cannot remove (its launch and drained-state folders)
+/// goes when the next run of the suite sweeps the scratch folders of ended binaries.
+pub fn temp_dir() -> std::path::PathBuf {
+    let d = suite_dir().join("tmp");
+    std::fs::create_dir_all(&d).unwrap();
+    d
 }
 
 /// Runs the `pipe` binary with `args` ([`pipe_command`]) to its end.
@@ -103,10 +114,10 @@ pub fn wait_for(path: &Path) {
     }
 }
 
-/// The cache directory the tests' runs use (`PIPE_CACHE_DIR`): one per test binary, so that
-/// measured transport costs land in a scratch directory, not the user's cache.
+/// The cache directory the tests' runs use (`PIPE_CACHE_DIR`): one per test binary, in its
+/// scratch folder, so that measured transport costs land there, not in the user's cache.
 pub fn cache_dir() -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("pipe-test-cache-{}", std::process::id()))
+    suite_dir().join("cache")
 }
 
 /// Asserts that a run was refused as bad input: exit 2 and one line on standard error that

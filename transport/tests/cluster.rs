@@ -8,10 +8,11 @@ use std::thread;
 use pipe_transport::cluster::{ClusterFile, Existing, resolve_rank};
 use pipe_transport::quic::{Bound, QuicOptions};
 
+#[path = "../../tests/common/scratch.rs"]
+mod scratch;
+
 fn scratch(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("pipe-cluster-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    scratch::fresh_path(name)
 }
 
 #[test]

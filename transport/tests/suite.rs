@@ -10,6 +10,9 @@ use pipe_transport::collective::{ring_all_reduce, ring_all_reduce_segments, ring
 use pipe_transport::inproc::{InProcOptions, mesh};
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
+#[path = "../../tests/common/scratch.rs"]
+mod scratch;
+
 fn key(from: u32, to: u32, kind: Kind, index: u32) -> Key {
     Key::data(from, to, kind, index)
 }
@@ -542,12 +545,7 @@ fn mixed_mesh(
     shm_opts: &pipe_transport::shm::ShmOptions,
 ) -> Vec<pipe_transport::mixed::Mixed> {
     use pipe_transport::shm::ShmBound;
-    static MESHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "pipe-mixed-{}-{}",
-        std::process::id(),
-        MESHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-    ));
+    let dir = scratch::fresh_path("mixed");
     let quic = pipe_transport::quic::local_mesh(n, quic_opts).unwrap();
     let bound: Vec<ShmBound> = (0..n)
         .map(|r| ShmBound::bind(&dir, r, n, shm_opts.clone()).unwrap())

@@ -57,13 +57,17 @@ pub struct ParamState {
 }
 
 impl ParamState {
+    /// The names checkpoints give the state's tensors, in [`ParamState::parts`]' order.
+    pub const PART_NAMES: [&'static str; 3] = ["first", "second", "correction"];
+
     /// The state's tensors in a fixed order (first, second, correction), for transfers and
-    /// checkpoints, with the names checkpoints give them.
+    /// checkpoints, with the names checkpoints give them ([`ParamState::PART_NAMES`]).
     pub fn parts(&self) -> [(&'static str, &Tensor); 3] {
+        let [first, second, correction] = Self::PART_NAMES;
         [
-            ("first", &self.first),
-            ("second", &self.second),
-            ("correction", &self.correction),
+            (first, &self.first),
+            (second, &self.second),
+            (correction, &self.correction),
         ]
     }
 
