@@ -24,6 +24,7 @@ use pipe_stages::pipeline::{
 };
 use pipe_transport::Transport;
 use pipe_transport::fault::{Fault, Faulty};
+use pipe_transport::frame::WireDType;
 use pipe_transport::inproc::{InProcOptions, mesh};
 
 const SEED: u64 = 9;
@@ -105,8 +106,14 @@ fn lose_and_take_over(
             );
         }
     }
-    let mut takeover = take_over(setup, (lost, None), start, &points, &traffic)
-        .unwrap_or_else(|e| panic!("{policy:?} worker {lost} lost at send {nth}: {e}"));
+    let mut takeover = take_over(
+        setup,
+        (lost, None),
+        start,
+        (&points, &traffic),
+        WireDType::F32,
+    )
+    .unwrap_or_else(|e| panic!("{policy:?} worker {lost} lost at send {nth}: {e}"));
     let eps: Vec<Serving<_>> = mesh(workers, &bounded())
         .into_iter()
         .zip(std::mem::take(&mut takeover.kept))
@@ -146,9 +153,15 @@ fn taken_over_as_undisturbed(spec: &ScheduleSpec) -> usize {
         // An asynchronous policy on replica counts that differ: refused, not taken over.
         let (points, traffic) = (Vec::new(), Vec::new());
         let lost = plan.schedule.workers() - 1;
-        let err = take_over(&setup, (lost, None), &start, &points, &traffic)
-            .err()
-            .unwrap();
+        let err = take_over(
+            &setup,
+            (lost, None),
+            &start,
+            (&points, &traffic),
+            WireDType::F32,
+        )
+        .err()
+        .unwrap();
         assert!(err.to_string().contains("more than once a step"), "{err}");
         return 0;
     }

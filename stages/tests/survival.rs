@@ -61,6 +61,10 @@ fn run_with(
     let opts = PipelineTrainOptions {
         ledger: true,
         rejoin,
+        // Every message logged, so that the loss is always taken over where every worker
+        // stood (over threads' f32 links nothing is logged otherwise, and a takeover that
+        // needs a logged message goes back instead).
+        log_moved_messages: true,
         faults: FaultSchedule(vec![ScheduledFault {
             rank: 3,
             attempt: 1,

@@ -1039,7 +1039,9 @@ pub fn handed_over(
 
 /// How a segment of `setup`'s plan goes on after worker `lost` failed, from each worker's kept
 /// `points` and `traffic` and the segment's `start` states: as [`plan_takeover`] resumes
-/// them, with the kept messages each reads from its boundary on.
+/// them, with the kept messages each reads from its boundary on. A sent copy was kept as its
+/// sender handed it over, before the links (of `wire`) rounded it: it is served rounded as
+/// they did, so a resumed program reads the bits the lost run's receiver read.
 ///
 /// # Errors
 /// As [`plan_takeover`]; a worker of several stages, gradient clipping or tied parameters
@@ -1048,8 +1050,8 @@ pub fn take_over(
     setup: &Setup<'_>,
     (lost, own): (u32, Option<u64>),
     start: &[WorkerState],
-    points: &[Arc<Mutex<Points>>],
-    traffic: &[SharedTraffic],
+    (points, traffic): (&[Arc<Mutex<Points>>], &[SharedTraffic]),
+    wire: pipe_transport::frame::WireDType,
 ) -> Result<Takeover> {
     let clips = start
         .iter()
@@ -1099,7 +1101,8 @@ pub fn take_over(
             kept[w].entry(key).or_insert(m);
         }
         let all: HashSet<Key> = t.sent.iter().map(|k| k.key).collect();
-        for m in t.take_sent(&all) {
+        for mut m in t.take_sent(&all) {
+            pipe_transport::inproc::round_as_on_the_wire(&mut m, wire);
             if let Some(slot) = kept.get_mut(m.key.to as usize) {
                 slot.entry(m.key).or_insert(m);
             }

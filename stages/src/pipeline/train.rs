@@ -86,6 +86,11 @@ pub struct PipelineTrainOptions {
     /// After a lost replica, take it back at the next update boundary: a replacement worker
     /// thread joins and the run is on its own layout again ([`super::survive`]).
     pub rejoin: bool,
+    /// Keep the takeover's logs of every message even where a link moves tensors between
+    /// threads without copying them (an f32 wire on the CPU), which logs nothing otherwise:
+    /// a copy of every message, 1.5x the wall time of a 4 x 2 MLP run on 2 cores, so that a
+    /// lost replica is always taken over where every worker stood. For tests of that takeover.
+    pub log_moved_messages: bool,
 }
 
 /// An epoch that has ended, as the chief sees it.
@@ -161,6 +166,7 @@ pub fn train_pipelined(
         ledger: opts.ledger.then(Vec::new),
         taken_over: None,
         rejoin: opts.rejoin,
+        log_moved: opts.log_moved_messages && cfg.backend == BackendKind::Cpu,
         logs: Default::default(),
     };
     let from = LoopStart {
@@ -225,6 +231,8 @@ struct Threads<'a> {
     /// A lost replica is taken back (`--rejoin`): a segment taken over ends at its update
     /// in flight, where the replacement can join.
     rejoin: bool,
+    /// Logs kept on links that move tensors too ([`PipelineTrainOptions::log_moved_messages`]).
+    log_moved: bool,
     /// The last segment's rollback points and traffic logs, whose buffers the next segment's
     /// take once its workers have let them go, as a worker process's do
     /// ([`super::adopt::segment_logs`]).
@@ -299,7 +307,7 @@ impl Coordinator for Threads<'_> {
             at,
             (&self.start, &mut self.states),
             obs,
-            (faults, &logs, self.rejoin),
+            (faults, &logs, self.rejoin, self.log_moved),
         );
         let points = logs.0.clone();
         self.logs = logs;
@@ -1518,7 +1526,12 @@ impl<'c> Run<'c> {
         seg: &Segment,
         (start, states): (&Start, &mut Vec<WorkerState>),
         obs: &mut dyn Observer,
-        (faults, logs, rejoin): (Option<(&FaultSchedule, u32)>, &SegmentLogs, bool),
+        (faults, logs, rejoin, log_moved): (
+            Option<(&FaultSchedule, u32)>,
+            &SegmentLogs,
+            bool,
+            bool,
+        ),
     ) -> Result<SegmentRun> {
         let (points, traffic) = (&logs.0, &logs.1);
         let cfg = self.cfg;
@@ -1551,9 +1564,14 @@ impl<'c> Run<'c> {
                         Some((faults, at)) => Box::new(Faulty::new(ep, faults.of(w as u32, at))),
                         None => ep,
                     };
-                    // A device tensor passed as it is cannot be kept: no takeover then.
+                    // An endpoint that passes tensors as they are (threads over an f32 wire:
+                    // a move, no copy) is not logged. Its log would copy every message, which
+                    // cost this run 1.5x its wall time (docs/reliability.md, "In process");
+                    // nor can a device tensor passed so be kept. A loss is then taken over
+                    // only where no message a log would hold is needed, and otherwise goes
+                    // back to the latest step every stage passed.
                     match (points.get(w), traffic.get(w)) {
-                        (Some(p), Some(t)) if !ep.carries_device_tensors() => {
+                        (Some(p), Some(t)) if log_moved || !ep.carries_device_tensors() => {
                             Box::new(Logging::new(ep, t.clone(), p.clone())) as Endpoint
                         }
                         _ => ep,
@@ -1572,7 +1590,9 @@ impl<'c> Run<'c> {
             let own = points
                 .get(lost as usize)
                 .and_then(|p| p.lock().ok().map(|p| p.latest()));
-            let Ok(mut takeover) = take_over(setup, (lost, own), states, points, traffic) else {
+            let Ok(mut takeover) =
+                take_over(setup, (lost, own), states, (points, traffic), cfg.wire)
+            else {
                 return Err(failure);
             };
             // A replacement comes: it joins at the next update boundary, not the segment's end.
