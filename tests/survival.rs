@@ -210,6 +210,29 @@ fn a_lost_replica_rejoins_at_the_next_update_boundary() {
 }
 
 /// `--rejoin` where it could do nothing is refused: no stage with two replicas.
+/// A fault the worker never reaches (it sends fewer data messages than the fault waits for)
+/// is named as never fired, and the run ends as the undisturbed one does.
+#[test]
+fn a_fault_that_never_fires_is_named() {
+    let d = fresh_dir("never-fires");
+    let config = small_config(&d);
+    let flags = ["--replicas", "2", "--steps", "20"];
+    let calm = train(&config, &d.join("calm"), &flags);
+    let drilled = train(
+        &config,
+        &d.join("drilled"),
+        &[&flags[..], &["--fault-schedule", "3:panic@99999999"]].concat(),
+    );
+    assert_eq!(done(&ok(&drilled)), done(&ok(&calm)));
+    let err = String::from_utf8_lossy(&drilled.stderr);
+    assert!(
+        err.contains("fault schedule: worker 3's panic@99999999 never fired: it sent ")
+            && err.contains(" data messages, not 99999999"),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&calm.stderr).contains("never fired"));
+}
+
 #[test]
 fn rejoin_without_a_replicated_stage_is_refused() {
     let d = fresh_dir("rejoin-refused");

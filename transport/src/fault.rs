@@ -539,6 +539,20 @@ fn copy_of(m: &Message) -> Result<Message, TransportError> {
     })
 }
 
+impl<T> Drop for Faulty<T> {
+    /// Says so when the fault never fired (the worker sent fewer data messages than the
+    /// fault waits for, or stopped first): a drill whose fault did not happen tested nothing,
+    /// and its run ends as an undisturbed one would.
+    fn drop(&mut self) {
+        if let Some(nth) = self.fault.nth().filter(|&nth| self.sent < nth) {
+            eprintln!(
+                "fault schedule: worker {}'s {} never fired: it sent {} data messages, not {nth}",
+                self.rank, self.fault, self.sent
+            );
+        }
+    }
+}
+
 impl<T: Transport> Transport for Faulty<T> {
     fn rank(&self) -> u32 {
         self.rank
