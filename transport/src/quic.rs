@@ -1599,9 +1599,19 @@ impl Quic {
             .collect();
         while !aborted && Instant::now() < deadline {
             let _ = self.drain();
+            // A peer whose connection has closed confirms nothing more: QUIC has discarded
+            // what it did not read. That includes a lost rank hosted on a survivor's
+            // connection, whose host closed it before the hosted rank finished its control
+            // stream: its end came as no record, and the close waited out the whole linger.
+            let closed = |p: u32| {
+                self.peers
+                    .get(p as usize)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|peer| peer.conn.close_reason().is_some())
+            };
             let done = others
                 .iter()
-                .all(|p| self.finished_by.contains(p) || self.lost.contains(p));
+                .all(|&p| self.finished_by.contains(&p) || self.lost.contains(&p) || closed(p));
             if done {
                 break;
             }
