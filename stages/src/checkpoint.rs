@@ -630,17 +630,8 @@ enum Written {
 }
 
 impl Written {
-    /// What an optimizer state's part (by its name, [`ParamState::PART_NAMES`]) may hold.
-    fn of_part(part: &str) -> Self {
-        let [first, second, _] = ParamState::PART_NAMES;
-        if part == first {
-            Written::FirstMoment
-        } else if part == second {
-            Written::MeanSquare
-        } else {
-            Written::NotNan
-        }
-    }
+    /// What each optimizer state's part may hold, in [`ParamState::PART_NAMES`]' order.
+    const OF_PARTS: [Written; 3] = [Written::FirstMoment, Written::MeanSquare, Written::NotNan];
 
     /// The first value a run could not have written, with its index.
     fn first_foreign(self, values: &[f32]) -> Option<(usize, f32)> {
@@ -882,7 +873,7 @@ fn read_weights(
 
 /// The optimizer state of checkpoint `dir` for `model`, from an optimizer file of at most
 /// `max` bytes: each parameter's parts the file holds, of the parameter's shape, holding what
-/// a run could have written ([`Written::of_part`]), and no tensor besides (a tensor no reader
+/// a run could have written ([`Written::OF_PARTS`]), and no tensor besides (a tensor no reader
 /// takes would be state silently dropped).
 fn read_optimizer(
     dir: &Path,
@@ -909,18 +900,14 @@ fn read_optimizer(
     }
     let mut optimizer: OptimizerState = empty_slots(model);
     for entry in table {
-        let read = |part: &str| match moments.tensor(&part_name(entry, part)) {
-            Ok(view) => tensor_from(
-                &view,
-                &entry.shape,
-                &part_name(entry, part),
-                &opath,
-                Written::of_part(part),
-            ),
-            Err(_) => Ok(Tensor::default()),
+        let read = |k: usize| {
+            let name = part_name(entry, ParamState::PART_NAMES[k]);
+            match moments.tensor(&name) {
+                Ok(view) => tensor_from(&view, &entry.shape, &name, &opath, Written::OF_PARTS[k]),
+                Err(_) => Ok(Tensor::default()),
+            }
         };
-        let [first, second, correction] = ParamState::PART_NAMES;
-        let state = ParamState::from_parts([read(first)?, read(second)?, read(correction)?]);
+        let state = ParamState::from_parts([read(0)?, read(1)?, read(2)?]);
         for &(l, s) in &entry.uses {
             optimizer[l][s] = state.clone();
         }
