@@ -29,7 +29,8 @@
 //! worker's readers tell a peer (an `F` record) as soon as they have read all of that peer's
 //! data streams to their end. [`Transport::close`] finishes this worker's data streams and
 //! closes each connection once the peer has confirmed (or is gone), bounded by
-//! [`QuicOptions::linger`]; it never waits for a peer's program to end. Dropping an endpoint
+//! [`QuicOptions::linger`] without progress: while data still moves (a large message on its
+//! way, a peer still reading) the wait goes on; it never waits for a peer's program to end. Dropping an endpoint
 //! without `close` does the same on a background thread.
 
 use std::collections::HashSet;
@@ -65,6 +66,14 @@ const RECORD_FINISHED: u8 = b'F';
 /// Connection close codes.
 const CLOSE_DONE: u32 = 0;
 const CLOSE_ABORT: u32 = 1;
+/// A close's linger starts again after every window of this length (or of the linger, if
+/// shorter) in which the endpoint's connections moved more than [`CLOSE_PROGRESS_RATE`]: data
+/// is still on its way.
+const CLOSE_PROGRESS_WINDOW: Duration = Duration::from_millis(250);
+/// Bytes per second, sent and received together, that count as data still moving. Keep-alives
+/// (a ping and its ack per connection every half second, under 100 bytes) stay far below it
+/// even with dozens of peers, so a peer that stopped reading is waited for one linger only.
+const CLOSE_PROGRESS_RATE: u64 = 64 << 10;
 const CLOSE_REFUSED: u32 = 2;
 /// A worker failed while connecting; the reason says why.
 const CLOSE_FAILED: u32 = 3;
@@ -115,7 +124,8 @@ pub struct QuicOptions {
     /// it: every half second by default). Two seconds by default: a killed peer is noticed
     /// that soon, and a freeze or cut link shorter than it is ridden out.
     pub idle_timeout: Duration,
-    /// How long closing waits for peers to finish reading.
+    /// How long closing waits for peers to finish reading with nothing moving: it starts again
+    /// whenever data is still on its way to them (or from them).
     pub linger: Duration,
     /// Frames queued per stream before a send blocks.
     pub queue: usize,
@@ -1578,7 +1588,21 @@ impl Quic {
         }
     }
 
-    /// The closing handshake (see the module documentation), bounded by `linger`.
+    /// Bytes this endpoint's connections have sent and received so far, keep-alives included:
+    /// the close's measure of whether anything is still moving.
+    fn bytes_moved(&self) -> u64 {
+        self.peers
+            .iter()
+            .flatten()
+            .map(|p| {
+                let stats = p.conn.stats();
+                stats.udp_tx.bytes + stats.udp_rx.bytes
+            })
+            .sum()
+    }
+
+    /// The closing handshake (see the module documentation), bounded by `linger` without
+    /// progress.
     fn shutdown(&mut self, linger: Duration) {
         if self.closed {
             return;
@@ -1597,7 +1621,24 @@ impl Quic {
         let others: Vec<u32> = (0..self.size)
             .filter(|&p| p != self.rank && self.peers.get(p as usize).is_some_and(Option::is_some))
             .collect();
-        while !aborted && Instant::now() < deadline {
+        // The linger bounds a wait in which nothing moves, not the transfer: a large message
+        // still on its way when the close began (or a peer still reading it) keeps the wait
+        // going for as long as bytes keep flowing.
+        let mut deadline = deadline;
+        let window = linger.min(CLOSE_PROGRESS_WINDOW);
+        let enough = (CLOSE_PROGRESS_RATE as f64 * window.as_secs_f64()) as u64;
+        let mut measured = (Instant::now(), self.bytes_moved());
+        loop {
+            if measured.0.elapsed() >= window {
+                let moved = self.bytes_moved();
+                if moved > measured.1 + enough {
+                    deadline = Instant::now() + linger;
+                }
+                measured = (Instant::now(), moved);
+            }
+            if aborted || Instant::now() >= deadline {
+                break;
+            }
             let _ = self.drain();
             // A peer whose connection has closed confirms nothing more: QUIC has discarded
             // what it did not read. That includes a lost rank hosted on a survivor's

@@ -8,7 +8,7 @@ use std::thread;
 use std::time::Duration;
 
 use pipe_transport::quic::{Bound, Cluster, QuicOptions, server_name};
-use pipe_transport::{Key, Kind, TransportError};
+use pipe_transport::{Key, Kind, Transport, TransportError};
 
 fn opts(run_id: u64) -> QuicOptions {
     let mut o = QuicOptions::new(run_id);
@@ -246,4 +246,35 @@ fn a_peer_that_stops_mid_payload_is_an_error_not_a_hang() {
     let msg = e.to_string();
     assert!(msg.contains("did not finish a 4000-byte payload"), "{msg}");
     assert!(waited < Duration::from_secs(3), "{waited:?}");
+}
+
+/// The linger bounds a close's wait in which nothing moves, not the transfer: a 256 MiB message
+/// still on its way when the sender closes arrives whole, with a linger far shorter than its
+/// transfer takes. (With the linger counted from the close, the receiver saw the connection
+/// close under it: `Closed { peer: 0 }`.)
+#[test]
+fn a_close_waits_while_a_large_message_is_still_moving() {
+    let mut o = opts(0x11e6);
+    o.linger = Duration::from_millis(100);
+    let mut eps = pipe_transport::quic::local_mesh(2, &o).unwrap();
+    let mut b = eps.pop().unwrap();
+    let mut a = eps.pop().unwrap();
+    let n = 64 << 20;
+    let values: Vec<f32> = (0..n).map(|i| (i % 977) as f32).collect();
+    let tensor = pipe_kernels::Tensor::from_vec(&[n], values).unwrap();
+    let key = from_0_to_1(Kind::Chunk, 1);
+    let sender = thread::spawn(move || {
+        a.send(pipe_transport::Message {
+            key,
+            version: 1,
+            tensor,
+        })
+        .unwrap();
+        a.close()
+    });
+    let got = b.recv(&key).unwrap();
+    sender.join().unwrap().unwrap();
+    let host = got.tensor.host().unwrap();
+    assert_eq!(host.len(), n);
+    assert!(host.iter().enumerate().all(|(i, &v)| v == (i % 977) as f32));
 }
