@@ -233,6 +233,36 @@ fn a_fault_that_never_fires_is_named() {
     assert!(!String::from_utf8_lossy(&calm.stderr).contains("never fired"));
 }
 
+/// An entry for an attempt the run never made (a restart or segment that did not happen) is
+/// named once the run has ended, on threads (where an attempt is a segment) and on worker
+/// processes (a start), and the run ends as an undisturbed one.
+#[test]
+fn a_fault_for_an_attempt_never_made_is_named() {
+    let d = fresh_dir("never-applied");
+    let config = small_config(&d);
+    let flags = ["--replicas", "2", "--steps", "20"];
+    let calm = train(&config, &d.join("calm"), &flags);
+    for placement in ["threads", "processes"] {
+        let drilled = train(
+            &config,
+            &d.join(placement),
+            &[
+                &flags[..],
+                &["--placement", placement],
+                &["--fault-schedule", "3:panic@5/40,1:stall@2:1/41"],
+            ]
+            .concat(),
+        );
+        assert_eq!(done(&ok(&drilled)), done(&ok(&calm)), "{placement}");
+        let err = String::from_utf8_lossy(&drilled.stderr);
+        for entry in ["3's panic@5/40", "1's stall@2:1/41"] {
+            let line = format!("fault schedule: worker {entry} never applied: the run made ");
+            assert!(err.contains(&line), "{placement}: {err}");
+        }
+    }
+    assert!(!String::from_utf8_lossy(&calm.stderr).contains("never applied"));
+}
+
 #[test]
 fn rejoin_without_a_replicated_stage_is_refused() {
     let d = fresh_dir("rejoin-refused");

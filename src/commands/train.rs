@@ -14,7 +14,7 @@ use pipe_stages::pipeline::relaunch::{RelaunchEvents, Replanned};
 use pipe_stages::pipeline::restart::{Restart, fault_schedule};
 use pipe_stages::pipeline::trace_parts::TraceWritten;
 use pipe_stages::startup::{self, LaunchControls, prepare};
-use pipe_transport::fault::{FaultPlan, FaultSchedule};
+use pipe_transport::fault::{FaultPlan, FaultSchedule, ScheduledFault};
 
 use crate::args::open_backend;
 use crate::phases::Phases;
@@ -114,6 +114,20 @@ impl RelaunchEvents for Printed {
 
     fn on_trace(&mut self, written: &TraceWritten) {
         outln!("{written}");
+    }
+
+    fn on_faults_never_applied(&mut self, entries: &[ScheduledFault], attempts: u32) {
+        let made = match attempts {
+            0 => "none".to_string(),
+            1 => "only attempt 0".to_string(),
+            n => format!("attempts 0 to {}", n - 1),
+        };
+        for e in entries {
+            eprintln!(
+                "fault schedule: worker {}'s {}/{} never applied: the run made {made}",
+                e.rank, e.fault, e.attempt
+            );
+        }
     }
 }
 

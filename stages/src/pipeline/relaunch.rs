@@ -19,6 +19,7 @@ use crate::checkpoint;
 use crate::config::RunConfig;
 use crate::error::{Result, StageError};
 use crate::pipeline::Observer;
+use pipe_transport::fault::{FaultSchedule, ScheduledFault};
 
 /// Where a run's workers run: what starts them.
 pub trait Launcher {
@@ -53,6 +54,16 @@ pub trait Launcher {
     /// from there. Threads keep it in memory inside the run, so have none.
     fn kept_states(&self) -> Option<&Path> {
         None
+    }
+
+    /// The faults this launcher injects, by worker and attempt.
+    fn fault_schedule(&self) -> &FaultSchedule;
+
+    /// How many attempts a fault schedule's ATTEMPT has counted once the driver made `starts`
+    /// starts: the starts themselves for worker processes; threads count every segment run
+    /// (one more after each lost replica inside a start).
+    fn fault_attempts(&self, starts: u32) -> u32 {
+        starts
     }
 }
 
@@ -102,6 +113,10 @@ pub trait RelaunchEvents {
     fn on_restart(&mut self, restart: &Restart<'_>, replanned: Option<&Replanned>);
     /// The run's trace, written (or why not) once its workers ended.
     fn on_trace(&mut self, _written: &super::trace_parts::TraceWritten) {}
+    /// Fault schedule entries for an attempt the run never made (it made `attempts`, from 0),
+    /// told once the run has ended, so that a drill that tested nothing does not pass for one
+    /// that did.
+    fn on_faults_never_applied(&mut self, _entries: &[ScheduledFault], _attempts: u32) {}
 }
 
 /// Plans `cfg` again for the workers a start that failed with `cause` leaves (one fewer), with
@@ -225,6 +240,16 @@ pub fn drive<L: Launcher>(
             true
         },
     );
+    let attempts = launcher.fault_attempts(starts);
+    let never: Vec<ScheduledFault> = (launcher.fault_schedule().0.iter())
+        .filter(|entry| entry.attempt >= attempts)
+        .copied()
+        .collect();
+    if !never.is_empty() {
+        events
+            .into_inner()
+            .on_faults_never_applied(&never, attempts);
+    }
     (end.map_err(|e| with_way_out(e, how)), current.into_inner())
 }
 
@@ -283,6 +308,14 @@ impl Launcher for Threads<'_> {
     fn survives_by_starting_again(&self) -> bool {
         false
     }
+
+    fn fault_schedule(&self) -> &FaultSchedule {
+        &self.opts.faults
+    }
+
+    fn fault_attempts(&self, _starts: u32) -> u32 {
+        self.opts.segments_run.load(Ordering::SeqCst)
+    }
 }
 
 /// One worker process each on this host ([`super::processes::run_processes`]). Without a
@@ -299,7 +332,7 @@ pub struct Processes {
     /// Metrics for Prometheus: worker K at this address's port + K.
     pub metrics: Option<std::net::SocketAddr>,
     /// Faults to inject, by worker and start (drills and tests).
-    pub faults: pipe_transport::fault::FaultSchedule,
+    pub faults: FaultSchedule,
     /// Where each worker writes its part of a trace (`--trace`), merged by the caller.
     pub trace_parts: Option<PathBuf>,
     /// The private directory of drained states, when there is no checkpoint policy.
@@ -396,6 +429,10 @@ impl Launcher for Processes {
 
     fn kept_states(&self) -> Option<&Path> {
         self.kept.as_ref().map(|k| k.0.0.as_path())
+    }
+
+    fn fault_schedule(&self) -> &FaultSchedule {
+        &self.faults
     }
 }
 
