@@ -307,7 +307,12 @@ impl Coordinator for Threads<'_> {
             at,
             (&self.start, &mut self.states),
             obs,
-            (faults, &logs, self.rejoin, self.log_moved),
+            SegmentSurvival {
+                faults,
+                logs: &logs,
+                rejoin: self.rejoin,
+                log_moved: self.log_moved,
+            },
         );
         let points = logs.0.clone();
         self.logs = logs;
@@ -679,6 +684,17 @@ fn waits_for_replacement(
         *layout = Some(kept);
     }
     Ok(false)
+}
+
+/// What a segment does about failures ([`Run::segment`]): the faults it injects (the schedule
+/// and the segment's number, counted over the whole command), the logs a takeover of a lost
+/// replica reads, whether a replacement rejoins at the next update boundary, and whether
+/// messages moved between threads without a copy are logged too.
+struct SegmentSurvival<'a> {
+    faults: Option<(&'a FaultSchedule, u32)>,
+    logs: &'a SegmentLogs,
+    rejoin: bool,
+    log_moved: bool,
 }
 
 /// Runs the segments of `run` from `start` through `coord`, reporting to `obs`.
@@ -1526,13 +1542,14 @@ impl<'c> Run<'c> {
         seg: &Segment,
         (start, states): (&Start, &mut Vec<WorkerState>),
         obs: &mut dyn Observer,
-        (faults, logs, rejoin, log_moved): (
-            Option<(&FaultSchedule, u32)>,
-            &SegmentLogs,
-            bool,
-            bool,
-        ),
+        survival: SegmentSurvival<'_>,
     ) -> Result<SegmentRun> {
+        let SegmentSurvival {
+            faults,
+            logs,
+            rejoin,
+            log_moved,
+        } = survival;
         let (points, traffic) = (&logs.0, &logs.1);
         let cfg = self.cfg;
         let workers = plan.schedule.workers();
