@@ -403,10 +403,33 @@ fn remove_stale_temporaries(root: &Path) {
                 .is_some_and(|pid| {
                     rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
                 });
-        if gone {
+        if gone && holds_only_checkpoint_files(&e.path()) {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
+}
+
+/// Whether `dir` is a directory that holds nothing but plain files with the names a writer
+/// gives them: only such a temporary is this module's to remove. A folder of the user's that
+/// happens to have a temporary's name is left alone.
+fn holds_only_checkpoint_files(dir: &Path) -> bool {
+    let is_dir = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    is_dir
+        && entries.into_iter().all(|e| {
+            e.is_ok_and(|e| {
+                let name = e.file_name();
+                // The safetensors writer's temporary (`tempfile`'s `.tmpXXXXXX`), left by a
+                // writer killed mid-file, is one of them.
+                let known = [WEIGHTS, OPTIMIZER, STATE, MANIFEST]
+                    .iter()
+                    .any(|f| name.as_os_str() == std::ffi::OsStr::new(f))
+                    || name.to_string_lossy().starts_with(".tmp");
+                known && e.file_type().is_ok_and(|t| t.is_file())
+            })
+        })
 }
 
 /// The checkpoints under `root`, oldest first, by update count.
@@ -1003,7 +1026,8 @@ mod tests {
     }
 
     /// Only temporaries of writers that are gone (or of this process) are removed: a live
-    /// writer's, and names this module did not make, stay.
+    /// writer's, names this module did not make, and folders holding files it never writes
+    /// stay.
     #[test]
     fn a_live_writers_temporary_is_left_alone() {
         let root = std::env::temp_dir().join(format!("pipe-tmp-ckpt-{}", std::process::id()));
@@ -1021,9 +1045,16 @@ mod tests {
         for n in &names {
             std::fs::create_dir(root.join(n)).unwrap();
         }
+        std::fs::write(root.join(&names[1]).join(STATE), "{").unwrap();
+        std::fs::write(root.join(&names[1]).join(".tmpA1b2C3"), "").unwrap();
+        // A folder of the user's under a dead writer's name: not this module's to remove.
+        let users = format!(".tmp-ckpt-00000004-{dead}");
+        std::fs::create_dir(root.join(&users)).unwrap();
+        std::fs::write(root.join(&users).join("data.txt"), "precious").unwrap();
         remove_stale_temporaries(&root);
         let left: Vec<bool> = names.iter().map(|n| root.join(n).exists()).collect();
         assert_eq!(left, [false, false, true, true]);
+        assert!(root.join(&users).join("data.txt").exists());
         std::fs::remove_dir_all(&root).unwrap();
     }
 
