@@ -718,8 +718,8 @@ fn fits(have: &Tensor, want: &Tensor) -> bool {
 /// The error of saved optimizer state that does not fit `cfg`'s optimizer on this model.
 fn state_misfit(cfg: &OptimizerConfig) -> StageError {
     StageError::Checkpoint(format!(
-        "its optimizer state does not fit a {:?} optimizer{} on this model (saved by another optimizer?)",
-        cfg.kind,
+        "optimizer state does not fit --optimizer {}{} on this model (saved by another optimizer?)",
+        format!("{:?}", cfg.kind).to_lowercase(),
         if cfg.kind == OptimizerKind::Sgd && cfg.momentum != 0.0 {
             " with momentum"
         } else {
