@@ -248,6 +248,9 @@ fn main() -> ExitCode {
     let delay = unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
     let holds = std::time::Duration::from_millis(u64::try_from(delay).unwrap_or(u64::MAX));
     pipe_stages::release::register(release_freed_memory, holds);
+    // A library's panic on a user's file (a tokenizer.json's regex) is reported once, as an
+    // error, by the call that contains it; the hook stays silent for it.
+    pipe_stages::contain::quiet_contained_panics();
     // With CUDA built in and a driver present: the CUDA libraries the search chooses, put in
     // place by starting again (returns when nothing needs doing).
     doctor::use_found_cuda_libraries();

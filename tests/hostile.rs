@@ -680,6 +680,13 @@ fn config_rows() -> Vec<Row> {
             "dataset = \"synthetic\"\n[synthetic]\nhidden = 1000000000000\n",
             "synthetic inputs x hidden",
         ),
+        // Within the shape bounds (2.1e9 elements), past what the suite's 8 GiB address
+        // space leaves: refused before it is drawn, as `pipe eval` of a checkpoint asking
+        // for it is (the same function draws it).
+        config(
+            "dataset = \"synthetic\"\n[synthetic]\ntest = 2700000\n",
+            "holding a synthetic dataset of 2708192 samples of 784 inputs), over the",
+        ),
         config("model = 42\n", "a preset name"),
         config("lr = 1e300\n", "too large"),
         config("lr = nan\n", "not a finite number"),
@@ -1281,6 +1288,7 @@ fn newer_surface_rows() -> Vec<Row> {
     rows.extend(checkpoint_pointer_rows());
     rows.extend(settings_that_do_nothing_rows());
     rows.extend(staleness_rows());
+    rows.extend(hostile_tokenizer_rows());
     rows
 }
 
@@ -1916,6 +1924,71 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
         row(
             "cluster init --workers 2 --out {d}/cl --addrs 10.0.0.1:1,:29400",
             "rank 1's address ':29400' is not host:port",
+        ),
+    ]
+}
+
+/// The byte-level BPE of the repository with `edit` applied to its JSON.
+fn edited_tokenizer(edit: impl Fn(&mut serde_json::Value)) -> String {
+    let plain = include_str!("../data/tokenizers/shakespeare-bpe-1024.json");
+    let mut json: serde_json::Value = serde_json::from_str(plain).unwrap();
+    edit(&mut json);
+    json.to_string()
+}
+
+/// `tokenizer.json` files that make the tokenizers library panic or grow text without bound.
+fn hostile_tokenizer_rows() -> Vec<Row> {
+    // A pattern that backtracks past the regex engine's retry limit on forty `a`s and a `b`:
+    // the library panics inside the encoding call.
+    let backtracks = edited_tokenizer(|j| {
+        j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "(a|a)+$"}, "behavior": "Isolated",
+             "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+             "use_regex": true}]});
+    });
+    let input = || File::Text("text/a.txt", format!("{}b", "a".repeat(40)));
+    // A normalizer that makes each `a` 100,000 bytes, and thirty that each double the bytes.
+    let expands = edited_tokenizer(|j| {
+        j["normalizer"] = serde_json::json!({"type": "Replace", "pattern": {"String": "a"},
+            "content": "e".repeat(100_000)});
+    });
+    let doubles = edited_tokenizer(|j| {
+        j["normalizer"] = serde_json::json!({"type": "Sequence",
+            "normalizers": vec![serde_json::json!({"type": "ByteLevel"}); 30]});
+    });
+    let tokenize = "tokenize --tokenizer {d}/tok.json --input {d}/text --out {d}/c";
+    vec![
+        with(
+            tokenize,
+            vec![File::Text("tok.json", backtracks.clone()), input()],
+            "the tokenizers library failed on this text with this tokenizer.json: \
+             Onig: Regex search error: retry-limit-in-match over",
+        ),
+        // A model trained on the plain tokenizer's corpus, sampled with the hostile one.
+        after(
+            &[
+                "tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json --input {d}/text \
+                 --out {d}/c",
+                "train --model gpt-mini --dataset tokens:{d}/c --steps 1 --checkpoint-dir {d}/ck",
+            ],
+            "sample --checkpoint {d}/ck --tokenizer {d}/tok.json --tokens 1 --prompt \
+             aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaab",
+            vec![
+                File::Text("tok.json", backtracks),
+                File::Text("text/a.txt", "the corpus of one document. ".repeat(200)),
+            ],
+            "retry-limit-in-match over",
+        ),
+        with(
+            tokenize,
+            vec![File::Text("tok.json", expands), input()],
+            "a Replace of \"a\" by 100000 bytes alone",
+        ),
+        with(
+            tokenize,
+            vec![File::Text("tok.json", doubles), input()],
+            "may make text up to 2147483648 times longer (ByteLevel alone: 2 times)",
         ),
     ]
 }

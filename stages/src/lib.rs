@@ -33,7 +33,8 @@
 // The run's edge: settings typed once, the limits every size is checked against, errors, and
 // what every trainer reports.
 // Modules in layers, each importing only those listed before it:
-// error, limits, cache (measurements kept on disk), outputs (directories written whole),
+// error, limits, contain (a library's panic on a user's input made an error), cache
+// (measurements kept on disk), outputs (directories written whole),
 // release (freed memory returned at a run's quiet points); model (what is computed); partition (a model cut into stages); remedy;
 // config (the run, checked); checkpoint (a run saved); train (data, evaluation and what a run
 // reports); pipeline (how workers run it); planning (how it is cut, measured on the
@@ -41,6 +42,7 @@
 pub mod cache;
 pub mod checkpoint;
 pub mod config;
+pub mod contain;
 mod error;
 pub mod inspect;
 pub mod limits;

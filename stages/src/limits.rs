@@ -123,6 +123,12 @@ pub fn limit(what: impl std::fmt::Display, asked: u64, limit: u64, why: &str) ->
 /// this project writes (a 10,000-layer config is under 1 MiB).
 pub const MAX_TEXT_FILE_BYTES: u64 = 16 << 20;
 
+/// How many times longer a `tokenizer.json`'s normalizer and pre-tokenizer (or its decoder)
+/// may make text, at worst: 256. Common tokenizers stay far below (GPT-2's byte level: 2;
+/// BERT's: under 8; T5's character map with its Metaspace: 198 at worst), while a 256 KiB
+/// corpus piece grown 256 times still fits in memory as it is tokenized.
+pub const MAX_TEXT_GROWTH: f64 = 256.0;
+
 /// Reads a file of at most `max` bytes. The bound holds for files whose size the file system
 /// does not report (pipes, `/dev/zero`): reading stops one byte past it.
 ///
@@ -372,8 +378,9 @@ pub fn process_peak_bytes() -> Option<u64> {
 pub const AVAILABLE_MEMORY_VAR: &str = "PIPE_AVAILABLE_MEMORY";
 
 /// Memory this host has available now, and what says so: the kernel's `MemAvailable` (what
-/// can be allocated without swapping, page cache that can be dropped included), or what the
-/// process's cgroup has left (`memory.max` less `memory.current`) where that is lower;
+/// can be allocated without swapping, page cache that can be dropped included), or, where
+/// lower, what the process's cgroup has left (`memory.max` less `memory.current`) or what its
+/// address-space limit (`ulimit -v`) leaves beyond what it maps already (`VmSize`);
 /// [`AVAILABLE_MEMORY_VAR`] where set. `None` where none can be read (not Linux).
 ///
 /// # Errors
@@ -406,12 +413,20 @@ pub fn available_memory() -> Result<Option<(u64, &'static str)>> {
     };
     let cgroup =
         read("memory.max").map(|max| max.saturating_sub(read("memory.current").unwrap_or(0)));
-    Ok(match (available, cgroup) {
-        (Some(a), Some(c)) if c < a => Some((c, "the cgroup's memory.max less its memory.current")),
-        (Some(a), _) => Some((a, "MemAvailable")),
-        (None, Some(c)) => Some((c, "the cgroup's memory.max less its memory.current")),
-        (None, None) => None,
-    })
+    let address_space = rustix::process::getrlimit(rustix::process::Resource::As)
+        .current
+        .map(|limit| limit.saturating_sub(status_bytes("VmSize:").unwrap_or(0)));
+    Ok([
+        (available, "MemAvailable"),
+        (cgroup, "the cgroup's memory.max less its memory.current"),
+        (
+            address_space,
+            "the address-space limit, ulimit -v, less what the process maps",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(bytes, source)| Some((bytes?, source)))
+    .min_by_key(|&(bytes, _)| bytes))
 }
 
 /// A `kB` field of `/proc/self/status`, in bytes.

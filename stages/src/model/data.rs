@@ -679,6 +679,26 @@ impl Default for SyntheticConfig {
     }
 }
 
+/// Passes the synthetic dataset's memory (its `f32` features and `u32` labels, both splits)
+/// through the memory gate before any of it is drawn: the shape bounds of
+/// [`SyntheticConfig::check`] admit 8 GiB, which a config or a checkpoint's state may ask for
+/// on a host that has less. Unlike a run's own estimate, `--force` does not lift it: the
+/// dataset is drawn whole before training starts.
+fn admit_synthetic_memory(cfg: &SyntheticConfig) -> Result<()> {
+    let samples = cfg.train as f64 + cfg.test as f64;
+    let holding = format!(
+        "a synthetic dataset of {samples} samples of {} inputs",
+        cfg.inputs
+    );
+    let need = crate::limits::MemoryNeed {
+        bytes: samples * (cfg.inputs as f64 + 1.0) * 4.0,
+        workers: 1,
+        holding: &holding,
+        lower: "lower the synthetic dataset's train, test or inputs",
+    };
+    crate::limits::admit_memory(&need, &crate::limits::Machine::detect())
+}
+
 /// A seeded synthetic dataset: standard-normal inputs labelled by the arg-max of a fixed random
 /// teacher network `inputs -> hidden (tanh) -> classes`. Learnable, file-free, reproducible.
 ///
@@ -699,6 +719,7 @@ pub fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Result<Splits> {
             cfg.classes
         )));
     }
+    admit_synthetic_memory(cfg)?;
     let (d, h, c) = (cfg.inputs, cfg.hidden, cfg.classes);
     let mut trng = rng_for(seed, "synthetic-teacher", 0);
     let w1: Vec<f32> = (0..d * h)

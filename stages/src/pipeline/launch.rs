@@ -334,11 +334,7 @@ fn diagnosed(setup: &Setup<'_>, states: &[WorkerState], e: StageError) -> StageE
 
 /// The error for a worker thread that panicked.
 fn panicked(setup: &Setup<'_>, worker: u32, panic: &(dyn std::any::Any + Send)) -> StageError {
-    let msg = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "panic".into());
+    let msg = crate::contain::panic_message(panic);
     let (position, replica) = setup.plan.schedule.layout().placement(worker);
     StageError::Worker {
         worker,

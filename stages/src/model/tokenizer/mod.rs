@@ -15,6 +15,8 @@
 //! the characters; for a `tokenizer.json`, the file's bytes). Shards record it, so a corpus
 //! tokenized by one tokenizer is never read as if another had made it.
 
+mod growth;
+
 use std::path::Path;
 
 use sha2::{Digest, Sha256};
@@ -139,8 +141,15 @@ impl TextTokenizer {
     /// [`StageError::Data`] when the bytes are not a tokenizer the `tokenizers` library reads,
     /// or its vocabulary is empty or wider than `u32` ids.
     pub fn from_json(bytes: &[u8], name: &str) -> Result<Self> {
-        let mut tk = tokenizers::Tokenizer::from_bytes(bytes)
+        let mut tk = crate::contain::call(|| tokenizers::Tokenizer::from_bytes(bytes))
+            .map_err(|panic| {
+                tokenizer_err(
+                    name,
+                    format!("the tokenizers library failed on it: {panic}"),
+                )
+            })?
             .map_err(|e| tokenizer_err(name, format!("not a tokenizer.json: {e}")))?;
+        vet_growth(&tk).map_err(|reason| tokenizer_err(name, reason))?;
         // Padding and truncation shape a batch of encodings to one length; text tokenized
         // into a stream takes neither: padding would put ids into the corpus that stand for
         // no text (a fixed length, the memory of that many ids) and truncation would drop
@@ -223,48 +232,62 @@ impl TextTokenizer {
     ///
     /// # Errors
     /// [`StageError::Data`] for a character a `chars` vocabulary lacks, text a
-    /// `tokenizer.json` gives no token (never silently left out), or the library's failure.
+    /// `tokenizer.json` gives no token (never silently left out), or the library's failure
+    /// (an error, or a panic: a pattern of the file that backtracks past the regex engine's
+    /// limit on this text, say).
     pub fn encode(&self, text: &str, name: &str) -> Result<Vec<u32>> {
-        let cannot = |e| tokenizer_err(name, format!("cannot tokenize: {e}"));
         match &self.inner {
             Inner::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Inner::Chars(v) => v.encode(text, name),
-            Inner::Json(tk, _) if self.may_drop_text => {
-                let e = tk.encode(text, false).map_err(cannot)?;
-                let Some((gap, _)) = first_left_out(text, e.get_offsets()) else {
-                    return Ok(e.get_ids().to_vec());
-                };
-                // The offsets after a character left out shift back over it, so the gap says
-                // only that one was: the character is the first that alone gives no token.
-                let alone = |c: char| {
-                    tk.encode_fast(c.to_string(), false)
-                        .is_ok_and(|e| e.get_ids().is_empty())
-                };
-                let what = match text
-                    .char_indices()
-                    .find(|&(_, c)| !c.is_whitespace() && alone(c))
-                {
-                    Some((at, c)) => format!("{c:?} at byte {at}"),
-                    None => format!("text at or before byte {gap}"),
-                };
-                Err(tokenizer_err(
-                    name,
-                    format!(
-                        "{what} has no token in this tokenizer, which has no unknown token or \
-                         byte fallback to stand for it: the text would be lost"
-                    ),
-                ))
-            }
-            Inner::Json(tk, _) => tk
+            Inner::Json(tk, _) => crate::contain::call(|| self.encode_json(tk, text, name))
+                .unwrap_or_else(|panic| {
+                    Err(tokenizer_err(
+                        name,
+                        format!("cannot tokenize: the tokenizers library failed on this text with this tokenizer.json: {panic}"),
+                    ))
+                }),
+        }
+    }
+
+    /// [`TextTokenizer::encode`] by a `tokenizer.json`'s tokenizer.
+    fn encode_json(&self, tk: &tokenizers::Tokenizer, text: &str, name: &str) -> Result<Vec<u32>> {
+        let cannot = |e| tokenizer_err(name, format!("cannot tokenize: {e}"));
+        if !self.may_drop_text {
+            return tk
                 .encode_fast(text, false)
                 .map(|e| e.get_ids().to_vec())
-                .map_err(cannot),
+                .map_err(cannot);
         }
+        let e = tk.encode(text, false).map_err(cannot)?;
+        let Some((gap, _)) = first_left_out(text, e.get_offsets()) else {
+            return Ok(e.get_ids().to_vec());
+        };
+        // The offsets after a character left out shift back over it, so the gap says only
+        // that one was: the character is the first that alone gives no token.
+        let alone = |c: char| {
+            tk.encode_fast(c.to_string(), false)
+                .is_ok_and(|e| e.get_ids().is_empty())
+        };
+        let what = match text
+            .char_indices()
+            .find(|&(_, c)| !c.is_whitespace() && alone(c))
+        {
+            Some((at, c)) => format!("{c:?} at byte {at}"),
+            None => format!("text at or before byte {gap}"),
+        };
+        Err(tokenizer_err(
+            name,
+            format!(
+                "{what} has no token in this tokenizer, which has no unknown token or byte \
+                 fallback to stand for it: the text would be lost"
+            ),
+        ))
     }
 
     /// The text of `ids`: bytes that are not UTF-8 become U+FFFD, and so do ids outside a
     /// character vocabulary; a byte id past 255 reads as `?` and a `tokenizer.json` id past
-    /// the vocabulary as its last token (a model's output never holds either).
+    /// the vocabulary as its last token (a model's output never holds either). Where a
+    /// `tokenizer.json`'s decoder fails (or panics), the text is U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
         match &self.inner {
             Inner::Bytes => {
@@ -280,8 +303,10 @@ impl TextTokenizer {
                     .iter()
                     .map(|&i| i.min(self.vocab_size as u32 - 1))
                     .collect();
-                tk.decode(&known, false)
-                    .unwrap_or_else(|_| "\u{fffd}".into())
+                crate::contain::call(|| tk.decode(&known, false))
+                    .ok()
+                    .and_then(|decoded| decoded.ok())
+                    .unwrap_or_else(|| "\u{fffd}".into())
             }
         }
     }
@@ -326,6 +351,19 @@ impl TextTokenizer {
             TokenizerKind::Json => Self::from_file(&path("tokenizer.json")),
         }
     }
+}
+
+/// Refuses a tokenizer that may make text more than [`crate::limits::MAX_TEXT_GROWTH`] times
+/// longer on its way to the model or out of its decoder ([`growth`]).
+fn vet_growth(tk: &tokenizers::Tokenizer) -> std::result::Result<(), String> {
+    let json = |part: std::result::Result<serde_json::Value, serde_json::Error>| {
+        part.map_err(|e| format!("cannot read its steps back: {e}"))
+    };
+    growth::check(
+        &json(serde_json::to_value(tk.get_normalizer()))?,
+        &json(serde_json::to_value(tk.get_pre_tokenizer()))?,
+        &json(serde_json::to_value(tk.get_decoder()))?,
+    )
 }
 
 /// The first character of `text` that no token's byte range in `offsets` covers and that is
