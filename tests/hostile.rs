@@ -1770,6 +1770,31 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             Vec::new(),
             "ck/ckpt-00000002 names",
         ),
+        // Checkpoints written among the corpus's shards, or in a folder inside it.
+        after(
+            &["tokenize --tokenizer bytes --input {d}/text --out {d}/c"],
+            "train --model gpt-mini --dataset tokens:{d}/c --steps 1 --checkpoint-dir {d}/c",
+            vec![File::Text(
+                "text/a.txt",
+                "the corpus of one document. ".repeat(200),
+            )],
+            "/c is /",
+        ),
+        after(
+            &["tokenize --tokenizer bytes --input {d}/text --out {d}/c"],
+            "train --model gpt-mini --dataset tokens:{d}/c --steps 1 --checkpoint-dir {d}/c/runs/a",
+            vec![File::Text(
+                "text/a.txt",
+                "the corpus of one document. ".repeat(200),
+            )],
+            "/c/runs/a is inside",
+        ),
+        // A user's file under the name the pointer to the latest checkpoint is written to.
+        with(
+            "train --steps 1 --threads 1 --checkpoint-dir {d}/ck",
+            text("ck/.latest.tmp", "my notes"),
+            ".latest.tmp is in the way",
+        ),
         with(
             "plan --profile {d}/p.json --workers 2 -o {d}/p.json",
             text("p.json", many_layers(4)),

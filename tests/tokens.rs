@@ -303,6 +303,16 @@ fn bad_input_and_bad_shards_exit_2_with_one_line_naming_file_and_byte() {
         &pipe(&["tokenize", "--check", s(&dir)]),
         &["tokens.json", "not a file name in the corpus directory"],
     );
+    // A manifest naming one shard twice: its tokens would be read twice.
+    std::fs::write(
+        &manifest,
+        text.replace("shard-00001.tok", "shard-00000.tok"),
+    )
+    .unwrap();
+    refused(
+        &pipe(&["tokenize", "--check", s(&dir)]),
+        &["tokens.json", "shard \"shard-00000.tok\" is listed twice"],
+    );
     // A document-end id past the vocabulary.
     let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
     let past = m["tokenizer"]["vocab_size"].as_u64().unwrap() + 44;

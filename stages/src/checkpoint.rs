@@ -283,6 +283,7 @@ fn write_tensors(
 /// [`StageError::Checkpoint`] naming the file that could not be written.
 pub fn write(root: &Path, model: &Model, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf> {
     std::fs::create_dir_all(root).map_err(|e| write_err(root, e))?;
+    check_pointer_temporary(root)?;
     remove_stale_temporaries(root);
     let name = dir_name(ckpt.state.updates);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
@@ -300,6 +301,32 @@ pub fn write(root: &Path, model: &Model, ckpt: &Checkpoint, keep: usize) -> Resu
     let dest = written?;
     prune(root, keep.max(1), &name);
     Ok(dest)
+}
+
+/// Refuses a `.latest.tmp` in `root` that is not a pointer a writer left (a regular file of a
+/// few bytes naming a `ckpt-N`, or part of one): the writer replaces that file, and a user's file by that name
+/// is not its to replace.
+///
+/// # Errors
+/// [`StageError::Input`] naming the file.
+pub fn check_pointer_temporary(root: &Path) -> Result<()> {
+    let path = root.join(".latest.tmp");
+    let Ok(meta) = std::fs::symlink_metadata(&path) else {
+        return Ok(());
+    };
+    // What a writer stopped part way through left is a start of such a name, or nothing.
+    let a_pointer = |text: String| {
+        let name = text.trim();
+        "ckpt-".starts_with(name) || number_of(name).is_some()
+    };
+    if meta.is_file() && meta.len() <= 64 && std::fs::read_to_string(&path).is_ok_and(a_pointer) {
+        return Ok(());
+    }
+    Err(StageError::Input(format!(
+        "{} is in the way and is not a pointer a checkpoint writer left (a ckpt-N name): pipe \
+         replaces only its own; move it, or give another --checkpoint-dir",
+        path.display()
+    )))
 }
 
 /// Writes checkpoint `name` into `tmp`, renames it into place under `root` and points `latest`
@@ -1092,6 +1119,21 @@ mod tests {
             .filter(|(_, p)| is_checkpoint(p))
             .collect();
         assert_eq!(checkpoints.len(), 1);
+        // The pointer's temporary: a user's file by its name stays and the write fails; what a
+        // stopped writer left (a name, part of one, or nothing) is replaced.
+        let pointer = root.join(".latest.tmp");
+        std::fs::write(&pointer, b"my notes").unwrap();
+        let e = write(&root, &model, &ckpt, 1).unwrap_err();
+        assert!(
+            e.is_bad_input() && e.to_string().contains(".latest.tmp is in the way"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&pointer).unwrap(), b"my notes");
+        for left in ["ckpt-00000007\n", "ckpt-0", "ck", ""] {
+            std::fs::write(&pointer, left).unwrap();
+            write(&root, &model, &ckpt, 1).unwrap();
+            assert!(!pointer.exists());
+        }
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -251,6 +251,37 @@ pub fn check_file_not_over_dir(file: &Path, flag: &str, dir: &Path, dir_flag: &s
     Ok(())
 }
 
+/// Refuses a directory a command writes into (`dir`, named by `flag`: a checkpoint
+/// directory) that is a directory of `inputs` read whole, or lies inside one: its files would
+/// be written among the input's (a corpus's shards, a model's weights, a dataset's files), and
+/// every later reader of the input would find them there. Compared after symbolic links; a
+/// `dir` not made yet is placed where it would be made.
+///
+/// # Errors
+/// Bad input naming both flags and paths.
+pub fn check_dir_not_in_input(dir: &Path, flag: &str, inputs: &[Input<'_>]) -> Result<()> {
+    let lands = landing(dir);
+    for input in inputs {
+        let Input::Whole(input_flag, path) = *input else {
+            continue;
+        };
+        let Ok(real) = std::fs::canonicalize(path) else {
+            continue;
+        };
+        if real.is_dir() && lands.starts_with(&real) {
+            let place = if lands == real { "is" } else { "is inside" };
+            return Err(StageError::Input(format!(
+                "{flag} {} {place} {}, which {input_flag} {} names: the run would write its \
+                 files among what it reads; give a directory outside it",
+                dir.display(),
+                real.display(),
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Where `path` lands: its longest existing ancestor after links, joined with the rest of it
 /// as written (`..` and `.` in the rest taken lexically).
 fn landing(path: &Path) -> PathBuf {

@@ -675,7 +675,15 @@ fn check_manifest(m: &Manifest, name: &str) -> Result<()> {
             format!("document-end id {end} is outside the vocabulary of {vocab} tokens"),
         ));
     }
+    let mut named = std::collections::HashSet::with_capacity(m.shards.len());
     for e in &m.shards {
+        // The same file twice would be read twice: its tokens trained on twice as often.
+        if !named.insert(e.file.as_str()) {
+            return Err(data_err(
+                name,
+                format!("shard {:?} is listed twice", e.file),
+            ));
+        }
         if !crate::outputs::is_plain_name(&e.file) {
             return Err(data_err(
                 name,

@@ -84,7 +84,8 @@ pub fn resolve(
 /// Refuses a run whose trace or log would overwrite what it reads ([`crate::outputs::
 /// check_not_input`]): its config, plan and model config files, its dataset or corpus
 /// directory, the model directory it starts from, the checkpoint it resumes, or the
-/// checkpoints of its checkpoint directory; or each other.
+/// checkpoints of its checkpoint directory; or each other; and a checkpoint directory inside
+/// a directory it reads ([`crate::outputs::check_dir_not_in_input`]).
 fn check_outputs_apart(
     sources: &RunSources,
     cfg: &RunConfig,
@@ -114,6 +115,7 @@ fn check_outputs_apart(
         });
     }
     if let Some(dir) = &launch.checkpoint_dir {
+        crate::outputs::check_dir_not_in_input(dir, "--checkpoint-dir", &inputs)?;
         inputs.push(Input::Entries(
             "--checkpoint-dir",
             dir,
@@ -230,6 +232,7 @@ pub fn check_checkpoint_dir(dir: Option<&Path>, resumed: Option<&Path>) -> Resul
         return Ok(());
     };
     crate::outputs::check_output_dir(dir, "--checkpoint-dir")?;
+    crate::checkpoint::check_pointer_temporary(dir)?;
     // The pointer to the latest checkpoint is written by a rename over `latest`, which a
     // directory there would fail only after the first checkpoint's training.
     let pointer = dir.join(crate::checkpoint::LATEST);
