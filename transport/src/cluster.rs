@@ -240,6 +240,21 @@ impl ClusterFile {
             )));
         }
         check_addrs(addrs.iter().map(|a| a.trim()), "the addresses")?;
+        let given = dir;
+        // A link to a directory stands for it: the cluster replaces the directory it names,
+        // and the link stays (renaming over the link would replace it with a folder).
+        let resolved;
+        let dir = if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+            resolved = std::fs::canonicalize(dir).map_err(|e| {
+                bad_file(format!(
+                    "{}: a symbolic link that names nothing usable: {e}",
+                    dir.display()
+                ))
+            })?;
+            resolved.as_path()
+        } else {
+            dir
+        };
         if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
             return Err(bad_file(format!(
                 "{} is not a directory: give a new directory for the cluster",
@@ -271,7 +286,7 @@ impl ClusterFile {
         let placed = written.and_then(|file| {
             replace_dir(&staging, dir)?;
             Ok(ClusterFile {
-                dir: dir.to_path_buf(),
+                dir: given.to_path_buf(),
                 ..file
             })
         });

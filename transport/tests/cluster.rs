@@ -222,6 +222,40 @@ fn init_refuses_an_existing_cluster_and_replaces_it_whole_when_forced() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--out LINK`: the cluster goes into the directory the link names, and the link stays a
+/// link, whether the directory is new or replaced; a link that names nothing is refused.
+#[cfg(unix)]
+#[test]
+fn a_link_to_a_directory_stands_for_it() {
+    let real = scratch("linked-real");
+    std::fs::create_dir_all(&real).unwrap();
+    let link = scratch("linked-link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let two = ["127.0.0.1:29400".to_string(), "127.0.0.1:29401".to_string()];
+    for (run, existing) in [(1, Existing::Refuse), (2, Existing::Replace)] {
+        let file = ClusterFile::init(&link, &two, run, existing).unwrap();
+        assert_eq!(file.run_id, run);
+        assert!(
+            std::fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        let toml = std::fs::read_to_string(real.join("cluster.toml")).unwrap();
+        assert!(toml.contains(&format!("run_id = {run}")), "{toml}");
+    }
+    let dangling = scratch("linked-dangling");
+    std::os::unix::fs::symlink(scratch("linked-nowhere"), &dangling).unwrap();
+    let e = ClusterFile::init(&dangling, &two, 3, Existing::Refuse)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("names nothing usable"), "{e}");
+    for p in [&link, &dangling] {
+        std::fs::remove_file(p).unwrap();
+    }
+    std::fs::remove_dir_all(&real).unwrap();
+}
+
 #[cfg(unix)]
 #[test]
 fn a_cluster_file_or_certificate_that_is_a_fifo_is_refused_not_waited_on() {
