@@ -272,7 +272,11 @@ impl Cache {
         let text = serde_json::to_string_pretty(&entry).map_err(|e| io(&path, e.into()))?;
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
+        // A rename that fails (a folder where the entry goes) leaves no temporary behind.
+        std::fs::rename(&tmp, &path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io(&path, e)
+        })?;
         Ok(path)
     }
 }
@@ -326,6 +330,22 @@ mod tests {
             Lookup::Ignored { why, .. } => assert!(why.contains("another key"), "{why}"),
             other => panic!("{other:?}"),
         }
+        let _ = std::fs::remove_dir_all(cache.dir());
+    }
+
+    #[test]
+    fn an_entry_that_cannot_be_put_leaves_no_temporary() {
+        let cache = scratch("in-the-way");
+        let key = CacheKey::new("figures").with("cpu", "x");
+        // A folder where the entry goes: the rename fails, and the temporary goes with it.
+        std::fs::create_dir_all(cache.dir().join(key.file_name()).join("inside")).unwrap();
+        assert!(cache.put(&key, &vec![1.0]).is_err());
+        let names: Vec<String> = std::fs::read_dir(cache.dir())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, [key.file_name()]);
         let _ = std::fs::remove_dir_all(cache.dir());
     }
 

@@ -131,7 +131,8 @@ fn seconds(text: &str) -> Result<Duration, String> {
         .parse()
         .map_err(|_| format!("'{text}' is not a number of seconds"))?;
     if !(s.is_finite() && (0.0..=86_400.0).contains(&s)) {
-        return Err(format!("{s} seconds: give 0 to 86400"));
+        // The text as given: 1e308 printed as a number would be 309 digits.
+        return Err(format!("{text} seconds: give 0 to 86400"));
     }
     Ok(Duration::from_secs_f64(s))
 }
@@ -788,6 +789,7 @@ mod tests {
             ("1", "RANK:FAULT"),
             ("1:stall@2", "unknown fault"),
             ("1:stall@2:1e9", "give 0 to 86400"),
+            ("1:stall@2:1e308", "1e308 seconds: give 0 to 86400"),
             ("1:reorder:0", "window"),
         ] {
             let err = parse_schedule(bad).unwrap_err();
