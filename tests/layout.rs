@@ -210,7 +210,7 @@ fn the_checker_finds_a_circle() {
 /// `pipe-stages`'s layers, lowest first (the order of its `lib.rs`'s `mod` lines, argued in
 /// `docs/architecture.md`). Modules of one layer may use each other.
 const STAGES_LAYERS: &[&[&str]] = &[
-    &["error", "limits", "cache", "outputs", "release"],
+    &["error", "limits", "contain", "cache", "outputs", "release"],
     &["model"],
     &["partition"],
     &["remedy"],
