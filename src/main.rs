@@ -55,6 +55,7 @@ fn release_freed_memory() {
 
 mod args;
 mod commands;
+mod metrics_endpoint;
 mod output;
 mod phases;
 mod startup_view;

@@ -95,29 +95,57 @@ pub fn run_config(
     Ok(startup::resolve(&args.sources()?, watcher)?)
 }
 
-/// Serves the `metrics` crate's metrics for Prometheus at `addr`, when given.
+/// Serves the `metrics` crate's metrics for Prometheus at `addr`, when given
+/// ([`crate::metrics_endpoint`]), and says where (the port the system chose, for port 0).
 ///
 /// # Errors
 /// Bad input when the address cannot be listened on.
 pub fn serve_metrics(addr: Option<std::net::SocketAddr>) -> Result<()> {
     let Some(addr) = addr else { return Ok(()) };
-    serve_metrics_quietly(addr)?;
-    outln!("metrics for Prometheus at http://{addr}/metrics");
+    let bound = serve_metrics_quietly(addr)?;
+    outln!("metrics for Prometheus at http://{bound}/metrics");
     Ok(())
 }
 
-/// [`serve_metrics`] without the line saying so.
+/// [`serve_metrics`] without the line saying so; returns the address served.
 ///
 /// # Errors
 /// As [`serve_metrics`].
-pub fn serve_metrics_quietly(addr: std::net::SocketAddr) -> Result<()> {
-    // Bind first, so that an address in use is one clear line, not an exporter's panic.
-    std::net::TcpListener::bind(addr)
-        .map_err(|e| bad_input(format!("--metrics-addr {addr}: {e}")))?;
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .map_err(|e| bad_input(format!("--metrics-addr {addr}: {e}")))?;
+pub fn serve_metrics_quietly(addr: std::net::SocketAddr) -> Result<std::net::SocketAddr> {
+    crate::metrics_endpoint::serve(addr)
+        .map_err(|e| bad_input(format!("--metrics-addr {addr}: {e}")))
+}
+
+/// Refuses, before worker processes start, a `--metrics-addr` whose ports (one a worker:
+/// `P`, `P+1`, ...) cannot all be listened on: a worker that finds its port taken would
+/// fail alone, after the others had started, and its peers' errors would bury the cause.
+/// Port 0 is refused: each worker would take a port nobody is told.
+///
+/// # Errors
+/// Bad input naming the worker and its port.
+pub fn check_worker_metrics_ports(addr: Option<std::net::SocketAddr>, workers: u32) -> Result<()> {
+    let Some(base) = addr else { return Ok(()) };
+    if base.port() == 0 {
+        return Err(bad_input(format!(
+            "--metrics-addr {base}: worker processes serve at the port given and the ones after \
+             it (worker K at port + K): give a port, not 0"
+        )));
+    }
+    for rank in 0..workers {
+        let port = u32::from(base.port()) + rank;
+        let addr = u16::try_from(port)
+            .map(|p| std::net::SocketAddr::new(base.ip(), p))
+            .map_err(|_| {
+                bad_input(format!(
+                    "--metrics-addr {base}: worker {rank} would need port {port}"
+                ))
+            })?;
+        std::net::TcpListener::bind(addr).map_err(|e| {
+            bad_input(format!(
+                "--metrics-addr {base}: worker {rank}'s port {addr}: {e}"
+            ))
+        })?;
+    }
     Ok(())
 }
 

@@ -1950,6 +1950,11 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "cluster init --workers 2 --out {d}/cl --addrs 10.0.0.1:1,:29400",
             "rank 1's address ':29400' is not host:port",
         ),
+        // Worker processes serve at port + K: port 0 would hide every worker's port.
+        row(
+            "train --steps 1 --stages 2 --placement processes --metrics-addr 127.0.0.1:0",
+            "give a port, not 0",
+        ),
     ]
 }
 

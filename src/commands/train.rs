@@ -21,7 +21,8 @@ use crate::phases::Phases;
 use crate::startup_view::StartView;
 pub use crate::training::TrainArgs;
 use crate::training::{
-    Fan, finish_checkpoints, print_done_line, run_config, serve_metrics, stop_on_ctrl_c,
+    Fan, check_worker_metrics_ports, finish_checkpoints, print_done_line, run_config,
+    serve_metrics, stop_on_ctrl_c,
 };
 
 /// Runs `pipe train`.
@@ -43,7 +44,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         }
         None => FaultSchedule::default(),
     };
-    if !processes {
+    if processes {
+        let workers = cfg.resolved()?.layout.workers();
+        check_worker_metrics_ports(launch.metrics_addr, workers)?;
+    } else {
         serve_metrics(launch.metrics_addr)?;
     }
     cfg.check_resources(None, &pipe_stages::limits::Machine::detect())?;
