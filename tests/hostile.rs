@@ -685,7 +685,7 @@ fn config_rows() -> Vec<Row> {
         // for it is (the same function draws it).
         config(
             "dataset = \"synthetic\"\n[synthetic]\ntest = 2700000\n",
-            "holding a synthetic dataset of 2708192 samples of 784 inputs), over the",
+            "and a synthetic dataset of 2708192 samples of 784 inputs), over the",
         ),
         config("model = 42\n", "a preset name"),
         config("lr = 1e300\n", "too large"),

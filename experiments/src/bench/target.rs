@@ -62,6 +62,9 @@ pub fn run_targets(t: &TargetRun) -> Result<Vec<TargetResult>, ExperimentError> 
             Some(d) => d,
             None => {
                 let model = pipe_stages::model::Model::new(&rc.model)?;
+                if rc.dataset == pipe_stages::config::DatasetKind::Synthetic {
+                    pipe_stages::data::admit_synthetic_memory(&rc.synthetic)?;
+                }
                 let mut d = pipe_stages::train::load_data(&rc, &model)?;
                 truncate(&mut d.train, t.train_samples);
                 truncate(&mut d.test, t.test_samples);

@@ -164,6 +164,9 @@ pub fn load(cfg: &StalenessConfig) -> Result<Splits, ExperimentError> {
         .ok_or_else(|| ExperimentError::Config("the experiment has no runs".into()))?;
     let probe = run_config(cfg, first)?;
     let model = pipe_stages::model::Model::new(&probe.model)?;
+    if probe.dataset == pipe_stages::config::DatasetKind::Synthetic {
+        pipe_stages::data::admit_synthetic_memory(&probe.synthetic)?;
+    }
     let mut data = pipe_stages::train::load_data(&probe, &model)?;
     truncate(&mut data.train, cfg.train_samples);
     truncate(&mut data.test, cfg.test_samples);

@@ -69,7 +69,10 @@ pub fn evaluate_checkpoint(
     let mut pack = None;
     let data: Splits = match dataset {
         DatasetKind::Mnist => mnist(data_dir)?,
-        DatasetKind::Synthetic => synthetic(&state.synthetic, state.seed)?,
+        DatasetKind::Synthetic => {
+            crate::data::admit_synthetic_memory(&state.synthetic)?;
+            synthetic(&state.synthetic, state.seed)?
+        }
         DatasetKind::TinyShakespeare => tinyshakespeare(data_dir, context)?,
         DatasetKind::Tokens => {
             let dir = data_dir.ok_or_else(|| {

@@ -679,19 +679,35 @@ impl Default for SyntheticConfig {
     }
 }
 
-/// Passes the synthetic dataset's memory (its `f32` features and `u32` labels, both splits)
-/// through the memory gate before any of it is drawn: the shape bounds of
-/// [`SyntheticConfig::check`] admit 8 GiB, which a config or a checkpoint's state may ask for
-/// on a host that has less. Unlike a run's own estimate, `--force` does not lift it: the
-/// dataset is drawn whole before training starts.
-fn admit_synthetic_memory(cfg: &SyntheticConfig) -> Result<()> {
-    let samples = cfg.train as f64 + cfg.test as f64;
-    let holding = format!(
-        "a synthetic dataset of {samples} samples of {} inputs",
-        cfg.inputs
-    );
+impl SyntheticConfig {
+    /// The bytes the dataset takes once drawn: its `f32` features and `u32` labels, both
+    /// splits.
+    pub fn bytes(&self) -> f64 {
+        (self.train as f64 + self.test as f64) * (self.inputs as f64 + 1.0) * 4.0
+    }
+
+    /// What the dataset holds, for the memory gate's message.
+    pub fn holding(&self) -> String {
+        format!(
+            "a synthetic dataset of {} samples of {} inputs",
+            self.train as u64 + self.test as u64,
+            self.inputs
+        )
+    }
+}
+
+/// Passes the synthetic dataset's memory ([`SyntheticConfig::bytes`]) through the memory
+/// gate before any of it is drawn, for a command that takes no `--force` (`pipe eval` of a
+/// checkpoint that asks for it, the experiments): the shape bounds of
+/// [`SyntheticConfig::check`] admit 8 GiB, which a host may not have. `pipe train` counts the
+/// dataset in the run's own first look instead, which `--force` lifts.
+///
+/// # Errors
+/// [`StageError::Limit`] naming the dataset and the memory it is over.
+pub fn admit_synthetic_memory(cfg: &SyntheticConfig) -> Result<()> {
+    let holding = cfg.holding();
     let need = crate::limits::MemoryNeed {
-        bytes: samples * (cfg.inputs as f64 + 1.0) * 4.0,
+        bytes: cfg.bytes(),
         workers: 1,
         holding: &holding,
         lower: "lower the synthetic dataset's train, test or inputs",
@@ -719,7 +735,6 @@ pub fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Result<Splits> {
             cfg.classes
         )));
     }
-    admit_synthetic_memory(cfg)?;
     let (d, h, c) = (cfg.inputs, cfg.hidden, cfg.classes);
     let mut trng = rng_for(seed, "synthetic-teacher", 0);
     let w1: Vec<f32> = (0..d * h)

@@ -423,7 +423,7 @@ pub fn check_memory_floor(
     let workers = local_workers.unwrap_or(u64::from(run.layout.workers()));
     let per_worker =
         model.worker_memory_bytes(&run, cfg.microbatch_size, cfg.optimizer.kind.state_copies());
-    let holding = format!(
+    let mut holding = format!(
         "{} parameters' weights{}, optimizer state and stashed activations",
         model.param_count(),
         if matches!(
@@ -435,11 +435,27 @@ pub fn check_memory_floor(
             ""
         }
     );
+    // A synthetic dataset is drawn whole in memory, once by each process that trains.
+    let mut data = 0.0;
+    if cfg.dataset == crate::config::DatasetKind::Synthetic {
+        let processes = cfg.pipelined && cfg.placement == crate::config::Placement::Processes;
+        data = cfg.synthetic.bytes() * if processes { workers as f64 } else { 1.0 };
+        holding = format!("{holding}, and {}", cfg.synthetic.holding());
+    }
+    let lower = if data > 0.0 {
+        LOWER_MEMORY.replacen(
+            "lower it with ",
+            "lower it with a smaller synthetic dataset, ",
+            1,
+        )
+    } else {
+        LOWER_MEMORY.to_string()
+    };
     let need = crate::limits::MemoryNeed {
-        bytes: per_worker * workers as f64,
+        bytes: per_worker * workers as f64 + data,
         workers,
         holding: &holding,
-        lower: LOWER_MEMORY,
+        lower: &lower,
     };
     // A forced pipelined run is reported once, by the measured estimate.
     let quiet = cfg.pipelined && local_workers.is_none();
