@@ -96,10 +96,15 @@ pub fn config_text(
     }
 }
 
-/// The command line as run, for a report to name the command that made it.
+/// The command line as run, for a report to name the command that made it (an argument that
+/// is not UTF-8, a path, say, with its other bytes as U+FFFD).
 pub fn command_line() -> String {
     std::iter::once("pipe".to_string())
-        .chain(std::env::args().skip(1))
+        .chain(
+            std::env::args_os()
+                .skip(1)
+                .map(|a| a.to_string_lossy().into_owned()),
+        )
         .collect::<Vec<_>>()
         .join(" ")
 }
