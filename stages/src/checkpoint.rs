@@ -228,6 +228,49 @@ pub fn is_store_entry(name: &std::ffi::OsStr) -> bool {
         || name.starts_with("ckpt-")
         || name.starts_with(".tmp-")
         || name == ".latest.tmp"
+        || name == LOCK
+}
+
+/// The file a run holds locked in its checkpoint directory while it runs
+/// ([`hold_dir`]). It stays when the run ends; only the lock on it goes.
+pub const LOCK: &str = ".pipe-lock";
+
+/// A checkpoint directory held by this process: another run given the same directory is
+/// refused while it is held. The lock goes with the value (or the process).
+#[derive(Debug)]
+pub struct HeldDir {
+    _file: std::fs::File,
+}
+
+/// Holds `root` (created if needed) for this run: an exclusive, non-blocking `flock` on its
+/// [`LOCK`] file (left empty, so that a run refused after taking it changes nothing). Two runs writing one directory would
+/// replace each other's checkpoints and `latest`, each reporting success.
+///
+/// # Errors
+/// [`StageError::Input`] when another process holds it;
+/// [`StageError::CheckpointWrite`] when the file cannot be made or locked.
+pub fn hold_dir(root: &Path) -> Result<HeldDir> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::create_dir_all(root).map_err(|e| write_err(root, e))?;
+    let path = root.join(LOCK);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        // Never a lock taken through a link to a file elsewhere.
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(&path)
+        .map_err(|e| write_err(&path, e))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(HeldDir { _file: file }),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(StageError::Input(format!(
+            "--checkpoint-dir {} is being written by another run: two runs in one directory \
+             would replace each other's checkpoints; give this run its own",
+            root.display()
+        ))),
+        Err(e) => Err(write_err(&path, e)),
+    }
 }
 
 /// The directory name of the checkpoint after `updates` updates.
@@ -1055,6 +1098,21 @@ mod tests {
     /// Only temporaries of writers that are gone (or of this process) are removed: a live
     /// writer's, names this module did not make, and folders holding files it never writes
     /// stay.
+    #[test]
+    fn a_held_directory_refuses_a_second_holder_until_released() {
+        let root = std::env::temp_dir().join(format!("pipe-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let first = hold_dir(&root).unwrap();
+        // flock is per open file: a second opening, even in this process, is refused.
+        let e = hold_dir(&root).unwrap_err().to_string();
+        assert!(e.contains("being written by another run"), "{e}");
+        drop(first);
+        let again = hold_dir(&root).unwrap();
+        assert!(is_store_entry(std::ffi::OsStr::new(LOCK)));
+        drop(again);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
     #[test]
     fn a_live_writers_temporary_is_left_alone() {
         let root = std::env::temp_dir().join(format!("pipe-tmp-ckpt-{}", std::process::id()));
