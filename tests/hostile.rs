@@ -1950,6 +1950,16 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "cluster init --workers 2 --out {d}/cl --addrs 10.0.0.1:1,:29400",
             "rank 1's address ':29400' is not host:port",
         ),
+        // The sweep's child command takes its configuration as JSON: bounded as a sweep
+        // file is (a microbatch of 2^64-1 panicked, 2^32-1 repeats aborted).
+        row(
+            r#"bench measure-config --spec '{"id":"x","sweep":"s","model":"mlp-784-16-10","policy":"pipedream","transport":"inproc","chunks":1,"microbatch":18446744073709551615,"stages":2,"replicas":1,"m":2,"minibatches":2}' --options '{"warmup":0,"repeats":1,"trace":null}'"#,
+            "--spec: microbatch = 18446744073709551615: between 1 and 65536",
+        ),
+        row(
+            r#"bench measure-config --spec '{"id":"x","sweep":"s","model":"mlp-784-16-10","policy":"pipedream","transport":"inproc","chunks":1,"microbatch":32,"stages":2,"replicas":1,"m":2,"minibatches":2}' --options '{"warmup":0,"repeats":4294967295,"trace":null}'"#,
+            "--options: repeats = 4294967295: between 1 and 1000",
+        ),
         // Worker processes serve at port + K: port 0 would hide every worker's port.
         row(
             "train --steps 1 --stages 2 --placement processes --metrics-addr 127.0.0.1:0",

@@ -111,6 +111,10 @@ pub fn run_measure_config(args: &MeasureConfigArgs) -> Result<()> {
         serde_json::from_str(&args.spec).map_err(|e| bad_input(format!("--spec: {e}")))?;
     let opts: MeasureOptions =
         serde_json::from_str(&args.options).map_err(|e| bad_input(format!("--options: {e}")))?;
+    spec.check()
+        .map_err(|e| bad_input(format!("--spec: {e}")))?;
+    opts.check()
+        .map_err(|e| bad_input(format!("--options: {e}")))?;
     outln!("{}", serde_json::to_string(&attempt(&spec, &opts))?);
     Ok(())
 }

@@ -192,7 +192,41 @@ pub struct ConfigSpec {
     pub minibatches: u32,
 }
 
+/// The bounds of one configuration a child measures, a sweep file's: microbatch,
+/// minibatches, stages, replicas, chunks; microbatches per update up to the scheduler's bound
+/// (a policy raises a sweep's `M`, [`config_spec`]).
+const SPEC_BOUNDS: [(&str, u64); 6] = [
+    ("microbatch", 65_536),
+    ("minibatches", 1000),
+    ("stages", 64),
+    ("replicas", 16),
+    ("microbatches", pipe_scheduler::limits::MAX_MICROBATCHES),
+    ("chunks", 16),
+];
+
 impl ConfigSpec {
+    /// Checks one configuration against the sweep file's bounds, for `pipe bench
+    /// measure-config`, which takes it as JSON rather than from a checked file.
+    ///
+    /// # Errors
+    /// A message naming the field.
+    pub fn check(&self) -> Result<(), String> {
+        let values = [
+            self.microbatch as u64,
+            u64::from(self.minibatches),
+            u64::from(self.stages),
+            u64::from(self.replicas),
+            u64::from(self.m),
+            u64::from(self.chunks),
+        ];
+        for ((field, max), v) in SPEC_BOUNDS.iter().zip(values) {
+            if v == 0 || v > *max {
+                return Err(format!("{field} = {v}: between 1 and {max}"));
+            }
+        }
+        Ok(())
+    }
+
     /// The schedule request of one run.
     ///
     /// # Errors
@@ -290,6 +324,11 @@ impl BenchConfig {
                 "profile: repeats, concurrent and calibrate_microbatches must be at least 1".into(),
             );
         }
+        // Each count up to it is profiled as that many copies at once, each a worker: the
+        // bound `pipe profile --concurrent` keeps, checked before the first is profiled.
+        let machine = pipe_stages::limits::Machine::detect();
+        pipe_stages::limits::check_local_workers(p.concurrent as u64, &machine)
+            .map_err(|e| format!("profile: concurrent: {e}"))?;
         if p.calibration_minibatches == 0 || p.calibration_minibatches > 1000 {
             return Err("profile: calibration_minibatches between 1 and 1000".into());
         }

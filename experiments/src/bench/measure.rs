@@ -39,6 +39,23 @@ pub struct MeasureOptions {
     pub trace: Option<std::path::PathBuf>,
 }
 
+impl MeasureOptions {
+    /// Checks the counts against a sweep file's bounds (warm-up at most 100, 1 to 1000
+    /// repeats), for `pipe bench measure-config`, which takes them as JSON.
+    ///
+    /// # Errors
+    /// A message naming the field.
+    pub fn check(&self) -> Result<(), String> {
+        if self.warmup > 100 {
+            return Err(format!("warmup = {}: at most 100", self.warmup));
+        }
+        if self.repeats == 0 || self.repeats > 1000 {
+            return Err(format!("repeats = {}: between 1 and 1000", self.repeats));
+        }
+        Ok(())
+    }
+}
+
 /// One worker's figures.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WorkerFigures {
