@@ -1319,6 +1319,12 @@ fn staleness_rows() -> Vec<Row> {
             "policies = []",
             "policies is empty",
         ),
+        // More samples than MNIST has were run on all of it, the report naming the figure.
+        staleness(
+            "train_samples = 8192",
+            "train_samples = 100000000",
+            "train_samples = 100000000: the dataset has 60000",
+        ),
     ]
 }
 

@@ -90,7 +90,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         settings: &args.train.sources()?,
         cluster: &args.cluster,
         rank: args.rank,
-        env: &|v| std::env::var(v).ok(),
+        env: &|v| std::env::var_os(v).map(|s| s.to_string_lossy().into_owned()),
         fault: args.fault.unwrap_or(Fault::None),
     };
     let worker = prepare_worker(&sources, &phases)?;

@@ -392,7 +392,7 @@ pub fn available_memory() -> Result<Option<(u64, &'static str)>> {
         return match text.trim().parse::<u64>() {
             Ok(bytes) => Ok(Some((bytes, AVAILABLE_MEMORY_VAR))),
             Err(_) => Err(StageError::Input(format!(
-                "{AVAILABLE_MEMORY_VAR}={text:?}: not a whole number of bytes"
+                "{AVAILABLE_MEMORY_VAR}={text:?}: not a whole number of bytes from 0 to 2^64-1"
             ))),
         };
     }

@@ -168,6 +168,19 @@ pub fn load(cfg: &StalenessConfig) -> Result<Splits, ExperimentError> {
         pipe_stages::data::admit_synthetic_memory(&probe.synthetic)?;
     }
     let mut data = pipe_stages::train::load_data(&probe, &model)?;
+    // More than the dataset holds would be run on all of it, and the report would state the
+    // figure asked for.
+    for (what, asked, split) in [
+        ("train_samples", cfg.train_samples, &data.train),
+        ("test_samples", cfg.test_samples, &data.test),
+    ] {
+        if asked > split.len() {
+            return Err(ExperimentError::Config(format!(
+                "{what} = {asked}: the dataset has {} (0 takes them all)",
+                split.len()
+            )));
+        }
+    }
     truncate(&mut data.train, cfg.train_samples);
     truncate(&mut data.test, cfg.test_samples);
     Ok(data)
