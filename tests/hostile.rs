@@ -662,7 +662,7 @@ fn config_rows() -> Vec<Row> {
         .map(|_| "{ type = \"relu\" },")
         .collect::<Vec<_>>()
         .join(" ");
-    vec![
+    let mut rows = vec![
         layers(
             &format!(
                 "{{ type = \"flatten\" }}, {{ type = \"sequence\", layers = [ {nested} ] }}, {{ type = \"linear\", inputs = 784, outputs = 10 }}"
@@ -671,22 +671,6 @@ fn config_rows() -> Vec<Row> {
         ),
         config("this is not toml", "c.toml"),
         config("colour = 3\n", "unknown field `colour`"),
-        config("[synthetic]\nshade = 1\n", "unknown field `shade`"),
-        config(
-            "dataset = \"synthetic\"\n[synthetic]\ntrain = 1000000000000\n",
-            "synthetic samples x inputs",
-        ),
-        config(
-            "dataset = \"synthetic\"\n[synthetic]\nhidden = 1000000000000\n",
-            "synthetic inputs x hidden",
-        ),
-        // Within the shape bounds (2.1e9 elements), past what the suite's 8 GiB address
-        // space leaves: refused before it is drawn, as `pipe eval` of a checkpoint asking
-        // for it is (the same function draws it).
-        config(
-            "dataset = \"synthetic\"\n[synthetic]\ntest = 2700000\n",
-            "and a synthetic dataset of 2708192 samples of 784 inputs), over the",
-        ),
         config("model = 42\n", "a preset name"),
         config("lr = 1e300\n", "too large"),
         config("lr = nan\n", "not a finite number"),
@@ -812,6 +796,31 @@ fn config_rows() -> Vec<Row> {
             "train --config {d}/c.toml",
             vec![File::Bytes("c.toml", vec![b'#'; 17 << 20])],
             "larger than the limit",
+        ),
+    ];
+    rows.extend(synthetic_rows());
+    rows
+}
+
+/// Synthetic datasets: unknown keys, shapes past the tensor bound, and one within it that
+/// this host's memory cannot hold.
+fn synthetic_rows() -> Vec<Row> {
+    vec![
+        config("[synthetic]\nshade = 1\n", "unknown field `shade`"),
+        config(
+            "dataset = \"synthetic\"\n[synthetic]\ntrain = 1000000000000\n",
+            "synthetic samples x inputs",
+        ),
+        config(
+            "dataset = \"synthetic\"\n[synthetic]\nhidden = 1000000000000\n",
+            "synthetic inputs x hidden",
+        ),
+        // Within the shape bounds (2.1e9 elements), past what the suite's 8 GiB address
+        // space leaves: refused before it is drawn (`pipe eval` of a checkpoint asking for
+        // it passes the same gate).
+        config(
+            "dataset = \"synthetic\"\n[synthetic]\ntest = 2700000\n",
+            "and a synthetic dataset of 2708192 samples of 784 inputs), over the",
         ),
     ]
 }
@@ -1285,6 +1294,7 @@ fn newer_surface_rows() -> Vec<Row> {
     rows.extend(cluster_file_rows());
     rows.extend(unasked_overwrite_and_silent_value_rows());
     rows.extend(inputs_written_over_and_thread_rows());
+    rows.extend(checkpoint_dir_rows());
     rows.extend(checkpoint_pointer_rows());
     rows.extend(settings_that_do_nothing_rows());
     rows.extend(staleness_rows());
@@ -1754,28 +1764,10 @@ fn unasked_overwrite_and_silent_value_rows() -> Vec<Row> {
     ]
 }
 
-/// Shards, inputs and weights that are FIFOs (which would block forever), and GPT-2 sizes
-/// checked before anything is built from them.
-/// Outputs that name what the command reads, an output's missing directory, thread counts of
-/// the commands that build their own backend, and cluster addresses that are not `host:port`.
-fn inputs_written_over_and_thread_rows() -> Vec<Row> {
-    let earlier = "train --steps 2 --threads 1 --checkpoint-dir {d}/ck --checkpoint-every 1";
-    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
-    let costs = || text("c.toml", "[[stage]]\nforward = 1\nbackward_input = 2\n");
-    let too_many = "--threads 1000000";
+/// A checkpoint directory inside what the run reads, and a user's file under the name the
+/// pointer to the latest checkpoint is written to.
+fn checkpoint_dir_rows() -> Vec<Row> {
     vec![
-        after(
-            &[earlier],
-            "train --steps 3 --threads 1 --checkpoint-dir {d}/ck --resume latest --log-jsonl {d}/ck/latest",
-            Vec::new(),
-            "/ck/latest would overwrite",
-        ),
-        after(
-            &[earlier],
-            "train --steps 3 --threads 1 --resume {d}/ck/ckpt-00000002 --log-jsonl {d}/ck/ckpt-00000002/state.json",
-            Vec::new(),
-            "ck/ckpt-00000002 names",
-        ),
         // Checkpoints written among the corpus's shards, or in a folder inside it.
         after(
             &["tokenize --tokenizer bytes --input {d}/text --out {d}/c"],
@@ -1800,6 +1792,31 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "train --steps 1 --threads 1 --checkpoint-dir {d}/ck",
             text("ck/.latest.tmp", "my notes"),
             ".latest.tmp is in the way",
+        ),
+    ]
+}
+
+/// Shards, inputs and weights that are FIFOs (which would block forever), and GPT-2 sizes
+/// checked before anything is built from them.
+/// Outputs that name what the command reads, an output's missing directory, thread counts of
+/// the commands that build their own backend, and cluster addresses that are not `host:port`.
+fn inputs_written_over_and_thread_rows() -> Vec<Row> {
+    let earlier = "train --steps 2 --threads 1 --checkpoint-dir {d}/ck --checkpoint-every 1";
+    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
+    let costs = || text("c.toml", "[[stage]]\nforward = 1\nbackward_input = 2\n");
+    let too_many = "--threads 1000000";
+    vec![
+        after(
+            &[earlier],
+            "train --steps 3 --threads 1 --checkpoint-dir {d}/ck --resume latest --log-jsonl {d}/ck/latest",
+            Vec::new(),
+            "/ck/latest would overwrite",
+        ),
+        after(
+            &[earlier],
+            "train --steps 3 --threads 1 --resume {d}/ck/ckpt-00000002 --log-jsonl {d}/ck/ckpt-00000002/state.json",
+            Vec::new(),
+            "ck/ckpt-00000002 names",
         ),
         with(
             "plan --profile {d}/p.json --workers 2 -o {d}/p.json",

@@ -58,12 +58,6 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         header_threads: Some(be.threads()),
     };
     let prepared = prepare(cfg, &launch, process, &view)?;
-    // Held until the run ends: a second run given the directory is refused.
-    let _held = launch
-        .checkpoint_dir
-        .as_deref()
-        .map(pipe_stages::checkpoint::hold_dir)
-        .transpose()?;
     let mut fan = Fan::new(&prepared.cfg, phases.clone())?;
     if launch.seed_checkpoint {
         let policy = CheckpointPolicy::of_launch(&launch, &prepared.cfg)?

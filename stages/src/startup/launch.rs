@@ -53,6 +53,8 @@ pub fn launch(
         model,
         data,
         resume,
+        // Dropped when the run returns: the directory is released then.
+        held: _held,
     } = run;
     let checkpoints = CheckpointPolicy::of_launch(settings, &cfg)?;
     let how = Relaunch {

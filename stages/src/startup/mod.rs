@@ -174,6 +174,9 @@ pub struct PreparedRun {
     pub data: Splits,
     /// The checkpoint it resumes from, with its directory.
     pub resume: Option<(PathBuf, Checkpoint)>,
+    /// Its checkpoint directory, held until the run ends ([`crate::checkpoint::hold_dir`]):
+    /// a second run given the directory meanwhile is refused.
+    pub held: Option<crate::checkpoint::HeldDir>,
 }
 
 /// Prepares the run `cfg` (resolved by [`resolve`], with the launch `options` around it) to
@@ -218,6 +221,15 @@ pub fn prepare(
     }
     let resumed = resume.as_ref().map(|(dir, _)| dir.as_path());
     check_checkpoint_dir(options.checkpoint_dir.as_deref(), resumed)?;
+    // Held once the run is prepared, so that a run refused before leaves the directory as
+    // it was.
+    let hold = || {
+        options
+            .checkpoint_dir
+            .as_deref()
+            .map(crate::checkpoint::hold_dir)
+            .transpose()
+    };
     if options.seed_checkpoint {
         return Ok(PreparedRun {
             cfg,
@@ -225,6 +237,7 @@ pub fn prepare(
             model,
             data,
             resume,
+            held: hold()?,
         });
     }
     let cfg = match &resume {
@@ -239,5 +252,6 @@ pub fn prepare(
         model,
         data,
         resume,
+        held: hold()?,
     })
 }
