@@ -1983,6 +1983,20 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             r#"bench measure-config --spec '{"id":"x","sweep":"s","model":"mlp-784-16-10","policy":"pipedream","transport":"inproc","chunks":1,"microbatch":32,"stages":2,"replicas":1,"m":2,"minibatches":2}' --options '{"warmup":0,"repeats":4294967295,"trace":null}'"#,
             "--options: repeats = 4294967295: between 1 and 1000",
         ),
+        // A sweep file's profile concurrency: each count up to it is profiled as that many
+        // workers at once (100,000 profiled for minutes at 4 GB before a refusal).
+        with(
+            "bench --config {d}/b.toml --out {d}/out",
+            text(
+                "b.toml",
+                include_str!("../experiments/bench/default.toml").replacen(
+                    "concurrent = 2 ",
+                    "concurrent = 100000 ",
+                    1,
+                ),
+            ),
+            "profile: concurrent: limit: the number of workers on this host is 100000",
+        ),
         // Worker processes serve at port + K: port 0 would hide every worker's port.
         row(
             "train --steps 1 --stages 2 --placement processes --metrics-addr 127.0.0.1:0",
