@@ -1,8 +1,9 @@
 //! What a refused command leaves: every byte that was there before. A fresh run beside another
 //! run's checkpoints, a seed checkpoint into them, and each writer (export, cluster init, plan
 //! `-o`, a checkpoint, tokenize) given one bad input among its inputs are refused, and the
-//! directory tree they would have written into has the same digest after as before. And a run
-//! whose update goes non-finite fails, naming the update, with no checkpoint of it.
+//! directory tree they would have written into has the same digest after as before. A second
+//! run on a running run's log or checkpoints is refused. And a run whose update goes
+//! non-finite fails, naming the update, with no checkpoint of it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -158,6 +159,53 @@ fn a_refused_run_leaves_its_log_and_no_output_replaces_what_the_run_reads() {
     ok(&pipe(&[&more[..], &["--log-jsonl", s(&beside)]].concat()));
     let text = std::fs::read_to_string(&beside).unwrap();
     assert!(text.contains("\"kind\":\"step\""), "{text}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// A second run given the log file or the checkpoint directory a run is writing is refused,
+/// and the first run's log holds its lines only.
+#[test]
+fn a_second_run_on_a_running_runs_log_or_checkpoints_is_refused() {
+    let d = fresh_dir("second-run");
+    let (ck, log) = (d.join("ck"), d.join("run.jsonl"));
+    let mut first = common::pipe_command(&[
+        "train",
+        "--steps",
+        "1000000",
+        "--threads",
+        "1",
+        "--checkpoint-dir",
+        s(&ck),
+        "--log-jsonl",
+        s(&log),
+    ])
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
+    common::wait_for(&log);
+    let second = ["train", "--threads", "1"];
+    refused(
+        &pipe(&[&second[..], &["--steps", "2", "--log-jsonl", s(&log)]].concat()),
+        &["--log-jsonl", "being written by another run"],
+    );
+    // Asked to continue the run: the directory's checkpoints are read, and the run refused.
+    let resumed = [
+        "--resume",
+        "auto",
+        "--steps",
+        "2000000",
+        "--checkpoint-dir",
+        s(&ck),
+    ];
+    refused(
+        &pipe(&[&second[..], &resumed[..]].concat()),
+        &["--checkpoint-dir", "being written by another run"],
+    );
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.lines().all(|l| l.starts_with("{\"kind\":")), "{text}");
     std::fs::remove_dir_all(&d).unwrap();
 }
 

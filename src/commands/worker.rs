@@ -133,6 +133,8 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         model,
         data,
         own,
+        // Kept to the end of the run: the checkpoint directory stays this worker's.
+        held: _held,
         ..
     } = worker;
     // A replacement injects none of the fault its rank's first worker was handed.

@@ -78,6 +78,10 @@ pub struct PreparedWorker {
     pub own: OwnSettings,
     /// Whether a launcher handed the run over.
     pub launched: bool,
+    /// The checkpoint directory of a chief started by hand, held until the worker ends
+    /// ([`crate::checkpoint::hold_dir`]), so that a second run given it meanwhile is refused
+    /// (a launcher holds its workers' directory itself).
+    pub held: Option<crate::checkpoint::HeldDir>,
 }
 
 /// Prepares worker `sources.rank` of its cluster: the run (handed over, or resolved from its
@@ -122,6 +126,12 @@ pub fn prepare_worker(
         _ => cfg,
     };
     let own = own_settings(handed.as_ref(), sources.fault, &launch, &cfg, rank, &model)?;
+    // Held once the worker is prepared, so that one refused before leaves the directory as
+    // it was.
+    let held = match (rank, &handed, &launch.checkpoint_dir) {
+        (0, None, Some(dir)) => Some(crate::checkpoint::hold_dir(dir)?),
+        _ => None,
+    };
     Ok(PreparedWorker {
         cfg,
         layout,
@@ -131,6 +141,7 @@ pub fn prepare_worker(
         data,
         own,
         launched: handed.is_some(),
+        held,
     })
 }
 
