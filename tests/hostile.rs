@@ -1293,7 +1293,9 @@ fn newer_surface_rows() -> Vec<Row> {
     rows.extend(export_logits_and_optimizer_rows());
     rows.extend(cluster_file_rows());
     rows.extend(unasked_overwrite_and_silent_value_rows());
-    rows.extend(inputs_written_over_and_thread_rows());
+    rows.extend(inputs_written_over_rows());
+    rows.extend(value_and_address_rows());
+    rows.extend(environment_rows());
     rows.extend(checkpoint_dir_rows());
     rows.extend(checkpoint_pointer_rows());
     rows.extend(settings_that_do_nothing_rows());
@@ -1673,21 +1675,6 @@ fn unasked_overwrite_and_silent_value_rows() -> Vec<Row> {
             text_file("tok.json", "{ not a tokenizer".into()),
             "tok.json",
         ),
-        Row {
-            env: vec![("PIPE_AVAILABLE_MEMORY", "junk")],
-            ..row(
-                "train --steps 1",
-                "PIPE_AVAILABLE_MEMORY=\"junk\": not a whole number",
-            )
-        },
-        Row {
-            env: vec![("PIPE_AVAILABLE_MEMORY", "1GiB")],
-            ..row("train --steps 1", "PIPE_AVAILABLE_MEMORY=\"1GiB\"")
-        },
-        Row {
-            env: vec![("PIPE_AVAILABLE_MEMORY", "-1")],
-            ..row("train --steps 1", "PIPE_AVAILABLE_MEMORY=\"-1\"")
-        },
         // A checkpoint's weights of 10 GB (sparse), its manifest unchanged: refused by the
         // model's size before they are read or digested.
         after(
@@ -1796,15 +1783,11 @@ fn checkpoint_dir_rows() -> Vec<Row> {
     ]
 }
 
-/// Shards, inputs and weights that are FIFOs (which would block forever), and GPT-2 sizes
-/// checked before anything is built from them.
-/// Outputs that name what the command reads, an output's missing directory, thread counts of
-/// the commands that build their own backend, and cluster addresses that are not `host:port`.
-fn inputs_written_over_and_thread_rows() -> Vec<Row> {
+/// Outputs that name what the command reads or one another, an output's missing directory,
+/// and bounds of the search and simulation work a command is given.
+fn inputs_written_over_rows() -> Vec<Row> {
     let earlier = "train --steps 2 --threads 1 --checkpoint-dir {d}/ck --checkpoint-every 1";
-    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
     let costs = || text("c.toml", "[[stage]]\nforward = 1\nbackward_input = 2\n");
-    let too_many = "--threads 1000000";
     vec![
         after(
             &[earlier],
@@ -1892,6 +1875,17 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             vec![File::Link("samelink", "same.out")],
             "name the same file",
         ),
+    ]
+}
+
+/// Output names that are no file, thread counts of the commands that build their own
+/// backend, cluster addresses that are not `host:port`, and the bounds of sweep and
+/// experiment settings.
+fn value_and_address_rows() -> Vec<Row> {
+    let earlier = "train --steps 2 --threads 1 --checkpoint-dir {d}/ck --checkpoint-every 1";
+    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
+    let too_many = "--threads 1000000";
+    vec![
         row(
             "bench mfu --batch 1 --steps 1 --threads 1 --model mlp-4-4-2 --json ''",
             "not a file name",
@@ -2002,6 +1996,39 @@ fn inputs_written_over_and_thread_rows() -> Vec<Row> {
             "train --steps 1 --stages 2 --placement processes --metrics-addr 127.0.0.1:0",
             "give a port, not 0",
         ),
+    ]
+}
+
+/// Environment variables pipe reads, set to what they cannot mean.
+fn environment_rows() -> Vec<Row> {
+    vec![
+        Row {
+            env: vec![("PIPE_AVAILABLE_MEMORY", "junk")],
+            ..row(
+                "train --steps 1",
+                "PIPE_AVAILABLE_MEMORY=\"junk\": not a whole number",
+            )
+        },
+        Row {
+            env: vec![("PIPE_AVAILABLE_MEMORY", "1GiB")],
+            ..row("train --steps 1", "PIPE_AVAILABLE_MEMORY=\"1GiB\"")
+        },
+        Row {
+            env: vec![("PIPE_AVAILABLE_MEMORY", "-1")],
+            ..row("train --steps 1", "PIPE_AVAILABLE_MEMORY=\"-1\"")
+        },
+        // The checkpoint writer's test hook, once passed over where malformed.
+        Row {
+            env: vec![("PIPE_FAULT_CHECKPOINT_PAUSE_MS", "abc")],
+            ..row(
+                "train --steps 1 --checkpoint-dir {d}/ck",
+                "PIPE_FAULT_CHECKPOINT_PAUSE_MS=\"abc\": the test hook's pause",
+            )
+        },
+        Row {
+            env: vec![("PIPE_FAULT_CHECKPOINT_PAUSE_MS", "86400000")],
+            ..row("train --steps 1 --checkpoint-dir {d}/ck", "from 0 to 60000")
+        },
     ]
 }
 

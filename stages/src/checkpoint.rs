@@ -437,14 +437,37 @@ fn write_into(
     Ok(dest)
 }
 
-/// Test hook: `PIPE_FAULT_CHECKPOINT_PAUSE_MS` sleeps after each file of a checkpoint is
-/// written, so a test can kill the process while one is half written.
+/// Test hook: this environment variable sleeps this many milliseconds after each file of a
+/// checkpoint is written, so a test can kill the process while one is half written.
+const FAULT_PAUSE_VAR: &str = "PIPE_FAULT_CHECKPOINT_PAUSE_MS";
+
+/// The longest [`FAULT_PAUSE_VAR`] pause, in milliseconds.
+const MAX_FAULT_PAUSE_MS: u64 = 60_000;
+
+/// The checkpoint test hook's pause ([`FAULT_PAUSE_VAR`]), where set: checked before a run
+/// that writes checkpoints starts, so that a malformed one is not passed over.
+///
+/// # Errors
+/// Bad input naming the variable for anything but whole milliseconds up to
+/// [`MAX_FAULT_PAUSE_MS`].
+pub fn fault_pause_ms() -> Result<Option<u64>> {
+    let Some(value) = std::env::var_os(FAULT_PAUSE_VAR) else {
+        return Ok(None);
+    };
+    let text = value.to_string_lossy();
+    match text.trim().parse::<u64>() {
+        Ok(ms) if ms <= MAX_FAULT_PAUSE_MS => Ok(Some(ms)),
+        _ => Err(StageError::Input(format!(
+            "{FAULT_PAUSE_VAR}={text:?}: the test hook's pause after each file of a \
+             checkpoint takes whole milliseconds from 0 to {MAX_FAULT_PAUSE_MS}"
+        ))),
+    }
+}
+
+/// Sleeps [`FAULT_PAUSE_VAR`]'s pause, where set (checked as the run started).
 fn fault_pause() {
-    if let Some(ms) = std::env::var("PIPE_FAULT_CHECKPOINT_PAUSE_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        std::thread::sleep(std::time::Duration::from_millis(ms.min(60_000)));
+    if let Ok(Some(ms)) = fault_pause_ms() {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
     }
 }
 

@@ -233,6 +233,7 @@ pub fn check_checkpoint_dir(dir: Option<&Path>, resumed: Option<&Path>) -> Resul
     };
     crate::outputs::check_output_dir(dir, "--checkpoint-dir")?;
     crate::checkpoint::check_pointer_temporary(dir)?;
+    crate::checkpoint::fault_pause_ms()?;
     // The pointer to the latest checkpoint is written by a rename over `latest`, which a
     // directory there would fail only after the first checkpoint's training.
     let pointer = dir.join(crate::checkpoint::LATEST);
