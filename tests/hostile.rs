@@ -1886,6 +1886,24 @@ fn value_and_address_rows() -> Vec<Row> {
     let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
     let too_many = "--threads 1000000";
     vec![
+        // procfs and sysfs grant root a write that making a file there refuses: once exit 1
+        // after the work, naming no reason.
+        row(
+            "schedule --stages 2 -o /proc/self/status",
+            "is in /proc or /sys, the kernel's view, where no file can be made",
+        ),
+        row(
+            "simulate --stages 2 --csv /sys/kernel/pipe.csv",
+            "its directory /sys/kernel is in /proc or /sys",
+        ),
+        row(
+            "train --steps 1 --checkpoint-dir /proc/pipe-ck",
+            "--checkpoint-dir /proc/pipe-ck: /proc is in /proc or /sys",
+        ),
+        row(
+            "cluster init --workers 2 --out /sys/kernel/pipe-cluster",
+            "/sys/kernel is in /proc or /sys",
+        ),
         row(
             "bench mfu --batch 1 --steps 1 --threads 1 --model mlp-4-4-2 --json ''",
             "not a file name",

@@ -121,7 +121,8 @@ pub fn write_replacing(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let mut file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .open(&temporary)?;
+            .open(&temporary)
+            .map_err(|e| uncreatable(&temporary, e))?;
         // What replaces a file keeps its permissions.
         if let Ok(meta) = std::fs::metadata(&target) {
             file.set_permissions(meta.permissions())?;
@@ -160,6 +161,8 @@ pub fn output_target(path: &Path) -> std::io::Result<std::path::PathBuf> {
                     format!("{}, not a regular file", kind_words(kind)),
                 ));
             }
+            // It is replaced by a file written beside it.
+            writable_parent(&real)?;
             Ok(real)
         }
         // Missing, or under a file (which the parent's check names).
@@ -199,10 +202,51 @@ fn writable_parent(path: &Path) -> std::io::Result<()> {
         )
     };
     match std::fs::metadata(parent) {
-        Ok(meta) if meta.is_dir() => rustix::fs::access(parent, rustix::fs::Access::WRITE_OK)
-            .map_err(|e| refused(format!("cannot be written: {e}"))),
+        Ok(meta) if meta.is_dir() => writable_dir(parent).map_err(refused),
         Ok(_) => Err(refused("is not a directory".into())),
         Err(e) => Err(refused(format!("cannot be used: {e}"))),
+    }
+}
+
+/// Checks that files can be made in the existing directory `dir`: not in procfs or sysfs,
+/// and writable by this process.
+///
+/// # Errors
+/// What is wrong, in words that follow the directory's name (`cannot be written: ...`).
+pub fn writable_dir(dir: &Path) -> Result<(), String> {
+    if is_kernel_view(dir) {
+        return Err("is in /proc or /sys, the kernel's view, where no file can be made".into());
+    }
+    rustix::fs::access(dir, rustix::fs::Access::WRITE_OK)
+        .map_err(|e| format!("cannot be written: {e}"))
+}
+
+/// Whether `dir` is on procfs or sysfs, where `access` grants root a write that creating a
+/// file then refuses.
+fn is_kernel_view(dir: &Path) -> bool {
+    const SYSFS_MAGIC: u64 = 0x6265_6572;
+    rustix::fs::statfs(dir).is_ok_and(|fs| {
+        // The word's width differs between targets; the magic numbers fit in 32 bits.
+        let kind = fs.f_type as u64;
+        kind == rustix::fs::PROC_SUPER_MAGIC as u64 || kind == SYSFS_MAGIC
+    })
+}
+
+/// The error of creating a file at `path` as bad input where the directory refuses a new file
+/// (no permission, a read-only file system, gone meanwhile): the path given cannot be
+/// written, which the user changes; other failures (no space, too many open files) stand.
+fn uncreatable(path: &Path, e: std::io::Error) -> std::io::Error {
+    use std::io::ErrorKind::{NotFound, PermissionDenied, ReadOnlyFilesystem};
+    if matches!(e.kind(), NotFound | PermissionDenied | ReadOnlyFilesystem) {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "cannot create a file in {}: {e}",
+                parent_dir(path).display()
+            ),
+        )
+    } else {
+        e
     }
 }
 
@@ -224,6 +268,36 @@ fn kind_words(kind: std::fs::FileType) -> &'static str {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn the_kernels_views_are_refused_before_anything_is_written() {
+        for path in [
+            "/proc/self/status",
+            "/proc/pipe.txt",
+            "/sys/kernel/pipe.txt",
+        ] {
+            let e = output_target(Path::new(path)).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{path}: {e}");
+            assert!(e.to_string().contains("in /proc or /sys"), "{path}: {e}");
+        }
+        assert!(!is_kernel_view(&std::env::temp_dir()));
+    }
+
+    #[test]
+    fn a_directory_that_refuses_a_new_file_is_bad_input_and_a_full_disk_is_not() {
+        let gone = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let e = uncreatable(Path::new("/gone/.f.partial-1"), gone);
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(
+            e.to_string().starts_with("cannot create a file in /gone: "),
+            "{e}"
+        );
+        let full = std::io::Error::from(std::io::ErrorKind::StorageFull);
+        assert_eq!(
+            uncreatable(Path::new("/f"), full).kind(),
+            std::io::ErrorKind::StorageFull
+        );
+    }
 
     #[test]
     fn a_file_whose_name_is_as_long_as_a_name_may_be_is_written() {

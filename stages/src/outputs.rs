@@ -382,8 +382,7 @@ pub fn check_output_dir(dir: &Path, flag: &str) -> Result<()> {
         }
         at = pipe_kernels::files::parent_dir(at);
     }
-    rustix::fs::access(at, rustix::fs::Access::WRITE_OK)
-        .map_err(|e| refused(format!("{} cannot be written: {e}", at.display())))
+    pipe_kernels::files::writable_dir(at).map_err(|why| refused(format!("{} {why}", at.display())))
 }
 
 /// An output directory being written ([`StagedDir::claim_empty`]); dropped without
