@@ -1,7 +1,7 @@
 //! The `pipe` command line. It only parses arguments, has the library merge and check them into
 //! a validated `RunConfig` once, wires observers (progress bar, JSON-lines log, Prometheus
-//! metrics) and maps errors to exit codes: 2 for bad input, 130 for a run stopped by Ctrl-C, 1
-//! for failures at run time.
+//! metrics) and maps errors to exit codes: 2 for bad input, 130 or 143 for a run stopped by
+//! Ctrl-C or SIGTERM, 1 for failures at run time.
 //!
 //! This file owns the command tree, the exit status and the process allocator (mimalloc); each
 //! command lives in [`commands`], shared argument handling in [`args`], what `pipe train` and

@@ -1,6 +1,7 @@
 //! What every command shares on the way out: writing standard output (a reader that leaves
 //! early ends the program quietly), the bad-input error type, and the exit status an error
-//! maps to (2 for bad input, 130 for a run stopped by Ctrl-C, 1 for failures at run time).
+//! maps to (2 for bad input, 130 or 143 for a run stopped by Ctrl-C or SIGTERM, 1 for failures
+//! at run time).
 
 use pipe_scheduler::ScheduleError;
 use pipe_stages::StageError;
@@ -27,11 +28,16 @@ pub fn write_out(args: std::fmt::Arguments<'_>) {
     }
 }
 
-/// A run stopped on request (Ctrl-C) after saving what it could (exit code 130, as a shell
-/// reports a process ended by SIGINT).
+/// A run stopped on request (Ctrl-C, SIGTERM) after saving what it could.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct Interrupted(pub String);
+#[error("{message}")]
+pub struct Interrupted {
+    /// What stopped it, and where to resume.
+    pub message: String,
+    /// Its exit code: 128 plus the signal's number (130 for SIGINT, 143 for SIGTERM), as a
+    /// shell reports a process the signal ended.
+    pub code: u8,
+}
 
 /// An error caused by user input: `msg` is what the user reads.
 pub fn bad_input(msg: String) -> anyhow::Error {
@@ -87,8 +93,8 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
         if cause.downcast_ref::<BadInput>().is_some() {
             return 2;
         }
-        if cause.downcast_ref::<Interrupted>().is_some() {
-            return 130;
+        if let Some(stopped) = cause.downcast_ref::<Interrupted>() {
+            return stopped.code;
         }
         if let Some(s) = cause.downcast_ref::<StageError>() {
             return if s.is_bad_input() { 2 } else { 1 };

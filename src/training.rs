@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use anyhow::Result;
 use clap::Args;
@@ -149,8 +149,9 @@ pub fn check_worker_metrics_ports(addr: Option<std::net::SocketAddr>, workers: u
     Ok(())
 }
 
-/// Reports the checkpoints a run wrote; a run stopped by Ctrl-C ends here (exit 130), naming
-/// the checkpoint to resume from.
+/// Reports the checkpoints a run wrote; a run stopped by a signal ([`stop_on_signal`]) ends
+/// here (exit 128 plus the signal's number: 130 for Ctrl-C, 143 for SIGTERM), naming the
+/// checkpoint to resume from.
 ///
 /// # Errors
 /// [`Interrupted`] when the run stopped early.
@@ -167,28 +168,72 @@ pub fn finish_checkpoints(written: &[PathBuf], stopped: Option<u64>) -> Result<(
             Some(dir) => format!("; resume with --resume {}", dir.display()),
             None => "; nothing saved (no --checkpoint-dir)".into(),
         };
-        return Err(Interrupted(format!("stopped after update {updates}{saved}")).into());
+        // A chief stopped by its launcher or by a peer's request saw no signal of its own.
+        let signal = match STOP_SIGNAL.load(Ordering::SeqCst) {
+            0 => signal_hook::consts::SIGINT,
+            signal => signal,
+        };
+        return Err(Interrupted {
+            message: format!(
+                "stopped by {} after update {updates}{saved}",
+                signal_name(signal)
+            ),
+            code: u8::try_from(128 + signal).unwrap_or(130),
+        }
+        .into());
     }
     Ok(())
 }
 
-/// A flag Ctrl-C sets: the run stops at its next drain point, after a checkpoint (saying so
-/// when `announce`). A second Ctrl-C ends the process at once (exit 130).
-pub fn stop_on_ctrl_c(announce: bool) -> Arc<AtomicBool> {
+/// The signal that asked the run to stop (SIGINT or SIGTERM), 0 while none has.
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+/// A flag SIGINT (Ctrl-C) or SIGTERM (what `kill`, Slurm at a job's time limit, and Kubernetes
+/// when it evicts a pod send) sets: the run stops at its next drain point, after a checkpoint
+/// (saying so when `announce`), and exits 128 plus the signal's number. A second signal ends
+/// the process at once.
+///
+/// A worker that is not the one writing checkpoints reads no flag: it goes on until the chief
+/// stops the run, so that a whole job asked to stop (every worker signalled) ends with the
+/// chief's checkpoint rather than with the chief's peers lost.
+///
+/// A run that writes no checkpoints (`saves` false) has nothing to keep from a stop: SIGTERM
+/// ends it at once, as `timeout` or a scheduler expects; Ctrl-C still stops it at a drain
+/// point, with its last figures.
+pub fn stop_on_signal(announce: bool, saves: bool) -> Arc<AtomicBool> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
-    let installed = ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            std::process::exit(130);
-        }
-        if announce {
-            eprintln!("stopping at the next drain point (Ctrl-C again to quit at once)");
-        }
+    let watched = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).and_then(|mut signals| {
+        std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                for signal in signals.forever() {
+                    let unsaved = !saves && signal == SIGTERM;
+                    if flag.swap(true, Ordering::SeqCst) || unsaved {
+                        std::process::exit(128 + signal);
+                    }
+                    STOP_SIGNAL.store(signal, Ordering::SeqCst);
+                    if announce {
+                        let name = signal_name(signal);
+                        eprintln!("{name}: stopping at the next drain point ({name} again to quit at once)");
+                    }
+                }
+            })
     });
-    if let Err(e) = installed {
-        eprintln!("warning: Ctrl-C will end the run without a checkpoint: {e}");
+    if let Err(e) = watched {
+        eprintln!("warning: Ctrl-C and SIGTERM will end the run without a checkpoint: {e}");
     }
     stop
+}
+
+/// `SIGINT` or `SIGTERM`, as a reader knows them.
+fn signal_name(signal: i32) -> &'static str {
+    if signal == signal_hook::consts::SIGTERM {
+        "SIGTERM"
+    } else {
+        "SIGINT"
+    }
 }
 
 /// Prints the closing line of a run.

@@ -36,7 +36,7 @@ fn a_single_worker_run_stops_on_ctrl_c_and_resumes_like_the_uninterrupted_run() 
         &d.join("whole"),
         &["--checkpoint-every", "8"],
     ));
-    let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"));
+    let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"), "-INT");
     assert_eq!(stopped.status.code(), Some(130), "{stopped:?}");
     let every_and_latest = ["--checkpoint-every", "8", "--resume", "latest"];
     let resumed = ok(&train_into(&args, &d.join("run"), &every_and_latest));
@@ -102,17 +102,19 @@ fn signal(child: &Child, signal: &str) {
     assert!(kill.unwrap().success());
 }
 
-/// Stops a run with SIGINT once its first checkpoint exists; returns its output.
-fn interrupt_after_first_checkpoint(args: &[String], ckpt: &Path) -> Output {
+/// Stops a run with `stop` (`-INT`, `-TERM`) once its first checkpoint exists; returns its
+/// output.
+fn interrupt_after_first_checkpoint(args: &[String], ckpt: &Path, stop: &str) -> Output {
     let child = common::spawn_piped(&mut checkpointing(pipe_command(&[]), args, ckpt, "150"));
     wait_for(&ckpt.join("latest"));
-    signal(&child, "-INT");
+    signal(&child, stop);
     child.wait_with_output().unwrap()
 }
 
+/// Ctrl-C at a terminal, and SIGTERM as `kill`, Slurm and Kubernetes send it.
 #[test]
-fn a_run_stopped_with_ctrl_c_and_resumed_ends_like_the_uninterrupted_run() {
-    for schedule in ["1f1b-flush", "pipedream"] {
+fn a_run_stopped_with_ctrl_c_or_sigterm_and_resumed_ends_like_the_uninterrupted_run() {
+    for (schedule, stop, code) in [("1f1b-flush", "-INT", 130), ("pipedream", "-TERM", 143)] {
         let d = fresh_dir(&format!("resume-{schedule}"));
         let args = flags(schedule);
         let every = ["--checkpoint-every", "8"];
@@ -120,10 +122,14 @@ fn a_run_stopped_with_ctrl_c_and_resumed_ends_like_the_uninterrupted_run() {
             &args,
             &[&["--checkpoint-dir", s(&d.join("whole"))], &every[..]].concat(),
         ));
-        let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"));
+        let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"), stop);
         let err = String::from_utf8_lossy(&stopped.stderr);
-        assert_eq!(stopped.status.code(), Some(130), "{err}");
-        assert!(err.contains("stopped after update"), "{err}");
+        assert_eq!(stopped.status.code(), Some(code), "{err}");
+        let name = if code == 143 { "SIGTERM" } else { "SIGINT" };
+        assert!(
+            err.contains(&format!("stopped by {name} after update")),
+            "{err}"
+        );
         assert!(err.contains("resume with --resume"), "{err}");
         let latest = [&["--resume", "latest"], &every[..]].concat();
         let resumed = ok(&train_into(&args, &d.join("run"), &latest));
@@ -692,7 +698,7 @@ fn worker_processes_checkpoint_through_the_chief_and_resume_like_one_process() {
     // Ctrl-C reaches the launcher; it asks the chief to stop at its next drain point.
     let mut quic = args.clone();
     quic.extend(["--transport", "quic"].map(String::from));
-    let stopped = interrupt_after_first_checkpoint(&quic, &d.join("run"));
+    let stopped = interrupt_after_first_checkpoint(&quic, &d.join("run"), "-INT");
     let err = String::from_utf8_lossy(&stopped.stderr);
     assert_eq!(stopped.status.code(), Some(130), "{err}");
     assert!(err.contains("resume with --resume"), "{err}");

@@ -216,6 +216,18 @@ fn the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() {
     let rule = &at(spec, &["podFailurePolicy", "rules"])[0];
     assert_eq!(rule["action"].as_str(), Some("FailJob"));
     assert_eq!(rule["onExitCodes"]["values"][0].as_i64(), Some(2));
+    // An evicted pod (SIGTERM: rank 0 checkpoints) is replaced without counting as a failure.
+    let evicted = &at(spec, &["podFailurePolicy", "rules"])[1];
+    assert_eq!(evicted["action"].as_str(), Some("Ignore"));
+    assert_eq!(
+        evicted["onPodConditions"][0]["type"].as_str(),
+        Some("DisruptionTarget")
+    );
+    assert!(
+        pod["terminationGracePeriodSeconds"]
+            .as_i64()
+            .is_some_and(|s| s >= 30)
+    );
     let mounts = container["volumeMounts"].as_vec().unwrap();
     assert!(
         mounts

@@ -22,7 +22,7 @@ use crate::startup_view::StartView;
 pub use crate::training::TrainArgs;
 use crate::training::{
     Fan, check_worker_metrics_ports, finish_checkpoints, print_done_line, run_config,
-    serve_metrics, stop_on_ctrl_c,
+    serve_metrics, stop_on_signal,
 };
 
 /// Runs `pipe train`.
@@ -78,7 +78,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let controls = LaunchControls {
         faults,
-        stop: stop_on_ctrl_c(true),
+        stop: stop_on_signal(true, launch.checkpoint_dir.is_some()),
     };
     let end = startup::launch(prepared, &launch, controls, &mut fan, &mut Printed)
         .context("training failed")?;
