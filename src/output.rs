@@ -60,6 +60,8 @@ pub fn regenerate_report<R>(
     (load, write): ResultsIo<R>,
 ) -> anyhow::Result<()> {
     let results = load(dir).map_err(experiment_error)?;
+    // Not while the sweep or experiment that fills it is running (or another report).
+    let _held = pipe_stages::outputs::hold_output_dir(dir, "--from")?;
     let path = write(&results, dir).map_err(experiment_error)?;
     outln!("report: {}", path.display());
     Ok(())

@@ -385,6 +385,42 @@ pub fn check_output_dir(dir: &Path, flag: &str) -> Result<()> {
     pipe_kernels::files::writable_dir(at).map_err(|why| refused(format!("{} {why}", at.display())))
 }
 
+/// An output directory a long command fills bit by bit (an experiment's or a sweep's results),
+/// held by this process ([`hold_output_dir`]); the hold goes with the value or the process.
+#[derive(Debug)]
+pub struct HeldOutputDir {
+    _dir: std::fs::File,
+}
+
+/// Holds the output directory `dir` (named by `flag`; created if missing), so that a second
+/// command given it while this one runs is refused instead of running the same
+/// work beside it and writing the same files: an exclusive, non-blocking `flock` on the
+/// directory itself, which leaves no file behind in a directory of results that is kept (and
+/// committed). Where the file system takes no lock on a directory (NFS), the command goes on
+/// unheld (`None`), as it did before; checkpoint directories, which are shared between hosts,
+/// are held through a lock file instead (`checkpoint::hold_dir`).
+///
+/// # Errors
+/// Bad input when another process holds it, or when it cannot be made or opened.
+pub fn hold_output_dir(dir: &Path, flag: &str) -> Result<Option<HeldOutputDir>> {
+    let refused = |why: String| StageError::Input(format!("{flag} {}: {why}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(|e| refused(format!("cannot be made: {e}")))?;
+    let handle = std::fs::File::open(dir).map_err(|e| refused(format!("cannot be opened: {e}")))?;
+    match rustix::fs::flock(
+        &handle,
+        rustix::fs::FlockOperation::NonBlockingLockExclusive,
+    ) {
+        Ok(()) => Ok(Some(HeldOutputDir { _dir: handle })),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(refused(
+            "another command is writing there (a sweep, an experiment or a report): two would \
+             run the same work and write the same files; wait for it, or give this one its own \
+             directory"
+                .into(),
+        )),
+        Err(_) => Ok(None),
+    }
+}
+
 /// An output directory being written ([`StagedDir::claim_empty`]); dropped without
 /// [`StagedDir::commit`], it removes what it staged and leaves the target untouched.
 #[derive(Debug)]
@@ -565,6 +601,28 @@ pub fn is_plain_name(name: &str) -> bool {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn an_output_directory_is_held_by_one_command_at_a_time_and_left_without_a_lock_file() {
+        let dir = std::env::temp_dir().join(format!("pipe-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let first = hold_output_dir(&dir, "--out").unwrap();
+        assert!(first.is_some(), "tmp takes a lock on a directory");
+        let e = hold_output_dir(&dir, "--out").unwrap_err();
+        assert!(e.is_bad_input(), "{e}");
+        assert!(
+            e.to_string().contains("another command is writing there"),
+            "{e}"
+        );
+        drop(first);
+        drop(hold_output_dir(&dir, "--out").unwrap());
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "no lock file is left"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn an_output_over_an_input_or_a_checkpoint_is_refused_and_one_beside_them_is_not() {

@@ -336,6 +336,9 @@ pub fn run_sweep(
         Some(p) => Some(criterion::read_numpy(p)?),
         None => None,
     };
+    // Held to the end, once every input is read: a second sweep started meanwhile would
+    // measure beside this one, each skewing the other's figures.
+    let _held = pipe_stages::outputs::hold_output_dir(&opts.out, "--out")?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let peak_gflops = crate::mfu::gemm_rate(&CpuBackend::new(cores)?, 15)?;
     let mut shared = Shared::measure(cfg, &specs)?;

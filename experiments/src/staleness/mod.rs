@@ -50,6 +50,8 @@ pub fn run_experiment(
     let specs = cfg.matrix()?;
     crate::claim_results_dir(out, "pipe experiment staleness", |d| load(d).map(drop))?;
     let data = run::load(&cfg)?;
+    // Held to the end: a second sitting started meanwhile would run the same runs beside it.
+    let _held = pipe_stages::outputs::hold_output_dir(out, "--out")?;
     let started_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
