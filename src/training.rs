@@ -227,6 +227,20 @@ pub fn stop_on_signal(announce: bool, saves: bool) -> Arc<AtomicBool> {
     stop
 }
 
+/// Leaves SIGINT and SIGTERM to this process's launcher (`pipe train`, which asks the chief
+/// to stop through its standard input and ends the others itself): a signal sent to the whole
+/// process group (Ctrl-C at a terminal, `kill` of the group, `timeout`, which signals the
+/// group again) must not end a launched worker under its launcher's stop.
+pub fn leave_signals_to_launcher() {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let seen = Arc::new(AtomicBool::new(false));
+    for signal in [SIGINT, SIGTERM] {
+        if let Err(e) = signal_hook::flag::register(signal, seen.clone()) {
+            eprintln!("warning: a signal to the process group will end this worker: {e}");
+        }
+    }
+}
+
 /// `SIGINT` or `SIGTERM`, as a reader knows them.
 fn signal_name(signal: i32) -> &'static str {
     if signal == signal_hook::consts::SIGTERM {

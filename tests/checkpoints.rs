@@ -36,7 +36,8 @@ fn a_single_worker_run_stops_on_ctrl_c_and_resumes_like_the_uninterrupted_run() 
         &d.join("whole"),
         &["--checkpoint-every", "8"],
     ));
-    let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"), "-INT");
+    let stopped =
+        interrupt_after_first_checkpoint(&args, &d.join("run"), "-INT", Signalled::Launcher);
     assert_eq!(stopped.status.code(), Some(130), "{stopped:?}");
     let every_and_latest = ["--checkpoint-every", "8", "--resume", "latest"];
     let resumed = ok(&train_into(&args, &d.join("run"), &every_and_latest));
@@ -102,12 +103,38 @@ fn signal(child: &Child, signal: &str) {
     assert!(kill.unwrap().success());
 }
 
-/// Stops a run with `stop` (`-INT`, `-TERM`) once its first checkpoint exists; returns its
-/// output.
-fn interrupt_after_first_checkpoint(args: &[String], ckpt: &Path, stop: &str) -> Output {
-    let child = common::spawn_piped(&mut checkpointing(pipe_command(&[]), args, ckpt, "150"));
+/// Who a stop signal goes to.
+#[derive(Clone, Copy)]
+enum Signalled {
+    /// The `pipe train` process alone.
+    Launcher,
+    /// Its whole process group, its worker processes with it (Ctrl-C at a terminal, `kill`
+    /// of the group, a service manager).
+    Group,
+}
+
+/// Stops a run with `stop` (`-INT`, `-TERM`) sent to `to` once its first checkpoint exists;
+/// returns its output.
+fn interrupt_after_first_checkpoint(
+    args: &[String],
+    ckpt: &Path,
+    stop: &str,
+    to: Signalled,
+) -> Output {
+    use std::os::unix::process::CommandExt as _;
+    let mut launch = checkpointing(pipe_command(&[]), args, ckpt, "150");
+    // A group of its own, which a signal to the group reaches and nothing else.
+    launch.process_group(0);
+    let child = common::spawn_piped(&mut launch);
     wait_for(&ckpt.join("latest"));
-    signal(&child, stop);
+    match to {
+        Signalled::Launcher => signal(&child, stop),
+        Signalled::Group => {
+            let group = format!("-{}", child.id());
+            let kill = Command::new("kill").args([stop, "--", &group]).status();
+            assert!(kill.unwrap().success());
+        }
+    }
     child.wait_with_output().unwrap()
 }
 
@@ -122,7 +149,8 @@ fn a_run_stopped_with_ctrl_c_or_sigterm_and_resumed_ends_like_the_uninterrupted_
             &args,
             &[&["--checkpoint-dir", s(&d.join("whole"))], &every[..]].concat(),
         ));
-        let stopped = interrupt_after_first_checkpoint(&args, &d.join("run"), stop);
+        let stopped =
+            interrupt_after_first_checkpoint(&args, &d.join("run"), stop, Signalled::Launcher);
         let err = String::from_utf8_lossy(&stopped.stderr);
         assert_eq!(stopped.status.code(), Some(code), "{err}");
         let name = if code == 143 { "SIGTERM" } else { "SIGINT" };
@@ -695,12 +723,14 @@ fn worker_processes_checkpoint_through_the_chief_and_resume_like_one_process() {
         &args,
         &[&["--checkpoint-dir", s(&d.join("whole"))], &every[..]].concat(),
     ));
-    // Ctrl-C reaches the launcher; it asks the chief to stop at its next drain point.
+    // SIGTERM to the whole process group: the launched workers leave it to the launcher,
+    // which asks the chief to stop at its next drain point.
     let mut quic = args.clone();
     quic.extend(["--transport", "quic"].map(String::from));
-    let stopped = interrupt_after_first_checkpoint(&quic, &d.join("run"), "-INT");
+    let stopped =
+        interrupt_after_first_checkpoint(&quic, &d.join("run"), "-TERM", Signalled::Group);
     let err = String::from_utf8_lossy(&stopped.stderr);
-    assert_eq!(stopped.status.code(), Some(130), "{err}");
+    assert_eq!(stopped.status.code(), Some(143), "{err}");
     assert!(err.contains("resume with --resume"), "{err}");
     // Keep the chief's checkpoint aside (resuming prunes old ones).
     let latest = std::fs::read_to_string(d.join("run").join("latest")).unwrap();

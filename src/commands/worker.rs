@@ -24,8 +24,8 @@ use pipe_transport::fault::{Fault, Faulty};
 use crate::output::bad_input;
 use crate::startup_view::{print_header, print_resuming};
 use crate::training::{
-    Fan, TrainArgs, finish_checkpoints, print_done, serve_metrics, serve_metrics_quietly,
-    stop_on_signal,
+    Fan, TrainArgs, finish_checkpoints, leave_signals_to_launcher, print_done, serve_metrics,
+    serve_metrics_quietly, stop_on_signal,
 };
 
 /// `pipe worker`.
@@ -101,7 +101,13 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         // The launcher gave this worker its own port; its banner would break the records.
         serve_metrics_quietly(addr)?;
     }
-    let stop = stop_on_signal(chief && !launched, worker.own.checkpoints.is_some());
+    // A launched worker's stop comes from its launcher (`join_launched` reads it).
+    let stop = if launched {
+        leave_signals_to_launcher();
+        Arc::new(std::sync::atomic::AtomicBool::new(false))
+    } else {
+        stop_on_signal(chief, worker.own.checkpoints.is_some())
+    };
     let connect_timeout = Duration::from_secs_f64(args.connect_timeout);
     let join_options = worker.join_options(&args.cluster, connect_timeout);
     // A launched worker goes on in place when a peer is lost, as its launcher says.
