@@ -1296,6 +1296,8 @@ fn newer_surface_rows() -> Vec<Row> {
     rows.extend(inputs_written_over_rows());
     rows.extend(value_and_address_rows());
     rows.extend(environment_rows());
+    rows.extend(report_rows());
+    rows.extend(other_model_and_store_name_rows());
     rows.extend(checkpoint_dir_rows());
     rows.extend(checkpoint_pointer_rows());
     rows.extend(settings_that_do_nothing_rows());
@@ -2013,6 +2015,101 @@ fn value_and_address_rows() -> Vec<Row> {
         row(
             "train --steps 1 --stages 2 --placement processes --metrics-addr 127.0.0.1:0",
             "give a port, not 0",
+        ),
+    ]
+}
+
+/// Results directories `pipe report` regenerates a report from, with something in them that
+/// is not what a sweep or an experiment saved.
+fn report_rows() -> Vec<Row> {
+    let staleness = || {
+        text(
+            "r/results.json",
+            include_str!("../experiments/staleness/gpt-mini/results.json"),
+        )
+    };
+    vec![
+        // The discussion beside the results: a FIFO hung the report forever (a link to
+        // /dev/zero filled memory), and text that is not UTF-8 vanished without a word.
+        with(
+            "report staleness --from {d}/r",
+            [staleness(), vec![File::Fifo("r/discussion.md")]].concat(),
+            "cannot read the discussion",
+        ),
+        with(
+            "report staleness --from {d}/r",
+            [
+                staleness(),
+                vec![File::Bytes("r/discussion.md", vec![0xff, 0xfe])],
+            ]
+            .concat(),
+            "discussion.md is not UTF-8 text",
+        ),
+    ]
+}
+
+/// Weights and settings that make another model than they say, and outputs placed among a
+/// checkpoint store's own names.
+fn other_model_and_store_name_rows() -> Vec<Row> {
+    let tiny = gpt2_tiny_tensors();
+    let gpt2_ckpt = "train --model gpt2-tiny --steps 1 --threads 1 --checkpoint-dir {d}/ck";
+    let mnist_ckpt = "train --steps 2 --threads 1 --checkpoint-dir {d}/ck";
+    vec![
+        // Finite weights whose forward pass overflows: the logits were a row of JSON nulls.
+        with(
+            "logits --hf {d}/hf --ids 1,2",
+            vec![
+                File::Text("hf/config.json", hf_config(|c| c)),
+                File::Bytes("hf/model.safetensors", safetensors_of(&tiny, |_| 3e38)),
+            ],
+            "the logits at position 0 are not finite",
+        ),
+        // Attention scaled otherwise: the same weights, another function (read as GPT-2's).
+        init_from(
+            hf_config(|c| c.replace("true}", "true, \"scale_attn_weights\": false}")),
+            &tiny,
+            |_| 0.01,
+            "scale_attn_weights false",
+        ),
+        init_from(
+            hf_config(|c| c.replace("true}", "true, \"scale_attn_by_inverse_layer_idx\": true}")),
+            &tiny,
+            |_| 0.01,
+            "scale_attn_by_inverse_layer_idx true",
+        ),
+        after(
+            &[gpt2_ckpt],
+            "export --checkpoint {d}/ck --format hf --out {d}/out --tokenizer {d}/tok.json",
+            text(
+                "tok.json",
+                include_str!("../data/tokenizers/shakespeare-bpe-1024.json"),
+            ),
+            "--tokenizer has a vocabulary of 1024 tokens",
+        ),
+        // An export into the checkpoint it reads was pruned with it by a later run.
+        after(
+            &[gpt2_ckpt],
+            "export --checkpoint {d}/ck --format hf --out {d}/ck/ckpt-00000001/hf",
+            Vec::new(),
+            "the command would write its files among what it reads",
+        ),
+        after(
+            &[gpt2_ckpt],
+            "export --checkpoint {d}/ck --format hf --out {d}/ck/ckpt-00000009",
+            Vec::new(),
+            "the command would write its files among what it reads",
+        ),
+        // A trace or log named as the store's pointer before there is one: written over it at
+        // the run's end, or renamed over by the first checkpoint.
+        with(
+            "train --steps 2 --stages 2 --threads 1 --checkpoint-dir {d}/ck --trace {d}/ck/latest",
+            vec![File::Dir("ck")],
+            "/ck/latest would overwrite",
+        ),
+        with(
+            &format!("{mnist_ckpt} --log-jsonl {{d}}/ck/ckpt-00000002"),
+            vec![File::Dir("ck")],
+            "which --checkpoint-dir",
         ),
     ]
 }

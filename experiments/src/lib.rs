@@ -58,6 +58,26 @@ pub fn read_results_file(path: &std::path::Path) -> Result<String, ExperimentErr
         .map_err(|e| ExperimentError::Config(format!("{}: not UTF-8 text: {e}", path.display())))
 }
 
+/// The discussion a person wrote beside a command's results (`DIR/discussion.md`), which its
+/// report includes verbatim: `None` where there is none. Read as any text file a command is
+/// given is (`pipe_stages::limits::read_text_file`): a FIFO there would block the report
+/// forever, a link to `/dev/zero` fill memory, and text that is not UTF-8 would vanish from the
+/// report without a word.
+///
+/// # Errors
+/// Bad input naming the file when it is not a regular file, is past the text-file bound or is
+/// not UTF-8.
+pub fn read_discussion(dir: &std::path::Path) -> Result<Option<String>, ExperimentError> {
+    let path = dir.join("discussion.md");
+    if std::fs::symlink_metadata(&path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
+        return Ok(None);
+    }
+    Ok(Some(pipe_stages::limits::read_text_file(
+        &path,
+        "the discussion",
+    )?))
+}
+
 /// Claims `out` for a command (`what`) that writes its `results.json` and `REPORT.md` there,
 /// before the work that fills it, so that no hour of measurement ends in a refusal: `out` must
 /// be a directory or one that can be made ([`pipe_stages::outputs::check_output_dir`]), and

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
-use pipe_stages::checkpoint::read_with_model;
-use pipe_stages::outputs::StagedDir;
+use pipe_stages::checkpoint::{is_store_entry, read_with_model};
+use pipe_stages::outputs::{Input, StagedDir, check_dir_not_in_input};
 
 use crate::output::bad_input;
 
@@ -52,8 +52,19 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     // tokenizer library, so a file it cannot read is refused here, not found broken by the
     // tool that loads the export; the output appears whole once every file is in.
     if let Some(t) = &args.tokenizer {
-        pipe_stages::tokenizer::TextTokenizer::from_file(t)?;
+        // Of the model's vocabulary (and corpus), as `pipe sample` checks it: transformers
+        // would load the pair and fail on the first id past the smaller of the two.
+        let outputs = model.output_shape().last().copied().unwrap_or(0);
+        pipe_stages::inspect::codec_for(&dir, &ckpt.state, outputs, Some(t))?;
     }
+    // Never into the checkpoint it reads, nor into its store under a checkpoint's name (a
+    // later run's pruning would remove it, or its next write find it in the way).
+    let store = dir.parent().unwrap_or(&dir);
+    let read = [
+        Input::Whole("--checkpoint", &dir),
+        Input::Entries("--checkpoint", store, is_store_entry),
+    ];
+    check_dir_not_in_input(&args.out, "--out", &read)?;
     let staged = StagedDir::claim_empty(&args.out, "export")?;
     let (layout, files) = pipe_stages::hf::export(
         &model,

@@ -68,15 +68,21 @@ impl<'a> Input<'a> {
 
 /// Refuses an output file `output` (named by `flag`) that is one of `inputs` or would replace
 /// a file inside one: a command must not destroy what it reads, nor a checkpoint directory's
-/// checkpoints. Compared after symbolic links; a file that does not exist yet replaces
-/// nothing, and an input that cannot be resolved is left to its reader's own error.
+/// checkpoints. Compared after symbolic links; a file that does not exist yet is compared
+/// where it would land: a new file beside an input's files replaces none of them, but one
+/// under a checkpoint store's name (its pointer, a checkpoint, before they are written) is
+/// refused too. An input that cannot be resolved is left to its reader's own error.
 ///
 /// # Errors
 /// Bad input naming both flags and paths.
 pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Result<()> {
-    let Ok(target) = std::fs::canonicalize(output) else {
+    // A file not written yet is placed where it would land: a log named `latest` in a
+    // checkpoint directory that has none yet would be renamed over by the first checkpoint's
+    // pointer, or a trace written over the pointer at the run's end.
+    let Some(target) = resolved_output(output) else {
         return Ok(());
     };
+    let exists = std::fs::symlink_metadata(&target).is_ok();
     for input in inputs {
         let (input_flag, path, owned) = input.parts();
         let Ok(real) = std::fs::canonicalize(path) else {
@@ -85,10 +91,13 @@ pub fn check_not_input(output: &Path, flag: &str, inputs: &[Input<'_>]) -> Resul
         let Ok(inside) = target.strip_prefix(&real) else {
             continue;
         };
-        let replaces = match inside.components().next() {
+        let replaces = match (inside.components().next(), owned) {
             // The input itself (a file, or the directory: refused as a file to write anyway).
-            None => true,
-            Some(first) => owned.is_none_or(|owned| owned(first.as_os_str())),
+            (None, _) => true,
+            // A new file beside an input's files replaces none of them.
+            (Some(_), None) => exists,
+            // A checkpoint store's names are its own, made or to be made.
+            (Some(first), Some(owned)) => owned(first.as_os_str()),
         };
         if replaces {
             return Err(StageError::Input(format!(
@@ -251,10 +260,13 @@ pub fn check_file_not_over_dir(file: &Path, flag: &str, dir: &Path, dir_flag: &s
     Ok(())
 }
 
-/// Refuses a directory a command writes into (`dir`, named by `flag`: a checkpoint
-/// directory) that is a directory of `inputs` read whole, or lies inside one: its files would
+/// Refuses a directory a command writes into (`dir`, named by `flag`: a checkpoint directory,
+/// an export) that is a directory of `inputs` read whole, or lies inside one: its files would
 /// be written among the input's (a corpus's shards, a model's weights, a dataset's files), and
-/// every later reader of the input would find them there. Compared after symbolic links; a
+/// every later reader of the input would find them there. Of a directory only some entries of
+/// which belong to an input (a checkpoint store), `dir` must not be, nor lie inside, one of
+/// those entries: an export into a checkpoint would be pruned with it, and one under a
+/// checkpoint's name would stop the store's next write. Compared after symbolic links; a
 /// `dir` not made yet is placed where it would be made.
 ///
 /// # Errors
@@ -262,16 +274,25 @@ pub fn check_file_not_over_dir(file: &Path, flag: &str, dir: &Path, dir_flag: &s
 pub fn check_dir_not_in_input(dir: &Path, flag: &str, inputs: &[Input<'_>]) -> Result<()> {
     let lands = landing(dir);
     for input in inputs {
-        let Input::Whole(input_flag, path) = *input else {
-            continue;
-        };
+        let (input_flag, path, owned) = input.parts();
         let Ok(real) = std::fs::canonicalize(path) else {
             continue;
         };
-        if real.is_dir() && lands.starts_with(&real) {
+        let Ok(inside) = lands.strip_prefix(&real) else {
+            continue;
+        };
+        if !real.is_dir() {
+            continue;
+        }
+        let refused = match (owned, inside.components().next()) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(owned), Some(first)) => owned(first.as_os_str()),
+        };
+        if refused {
             let place = if lands == real { "is" } else { "is inside" };
             return Err(StageError::Input(format!(
-                "{flag} {} {place} {}, which {input_flag} {} names: the run would write its \
+                "{flag} {} {place} {}, which {input_flag} {} names: the command would write its \
                  files among what it reads; give a directory outside it",
                 dir.display(),
                 real.display(),
@@ -656,6 +677,8 @@ mod tests {
         assert!(refused(&corpus.join("shard-0.tok")).contains("which --dataset"));
         assert!(refused(&ck.join("latest")).contains("which --checkpoint-dir"));
         assert!(refused(&ck.join("ckpt-00000001/state.json")).contains("--checkpoint-dir"));
+        // The store's names before they are made: its next checkpoint's.
+        assert!(refused(&ck.join("ckpt-00000002")).contains("--checkpoint-dir"));
         // A user's file beside the checkpoints, a new file, and one elsewhere are not inputs.
         for fine in [
             ck.join("mine.jsonl"),

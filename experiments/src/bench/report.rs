@@ -72,6 +72,7 @@ fn mib(bytes: f64) -> String {
 /// An unwritable directory.
 pub fn write_report(r: &BenchResults, dir: &Path) -> Result<PathBuf, ExperimentError> {
     let rows = rows(r);
+    let discussion = crate::read_discussion(dir)?;
     // Drawn into a staging directory that replaces `plots/` whole once every chart is drawn
     // (`StagedDir::regenerating`).
     pipe_stages::outputs::check_owned_file(dir, "REPORT.md")?;
@@ -97,7 +98,7 @@ pub fn write_report(r: &BenchResults, dir: &Path) -> Result<PathBuf, ExperimentE
     criterion_table(&mut md, r);
     others(&mut md, r);
     traces(&mut md, r, dir);
-    if let Ok(text) = std::fs::read_to_string(dir.join("discussion.md")) {
+    if let Some(text) = discussion {
         md.push_str("## Discussion\n\n");
         md.push_str(text.trim());
         md.push('\n');

@@ -177,6 +177,7 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
         return Err(ExperimentError::Config("the results hold no runs".into()));
     }
     let cells = Cells::new(results);
+    let discussion = crate::read_discussion(dir)?;
     // The charts are drawn into a staging directory that replaces `plots/` whole once every
     // one is drawn: a chart that cannot be drawn leaves the earlier report's plots as they were.
     pipe_stages::outputs::check_owned_file(dir, "REPORT.md")?;
@@ -217,9 +218,9 @@ pub fn write_report(results: &StalenessResults, dir: &Path) -> Result<PathBuf, E
         }
     }
     md.push_str("\n## Discussion\n\n");
-    match std::fs::read_to_string(dir.join("discussion.md")) {
-        Ok(text) => md.push_str(&text),
-        Err(_) => md.push_str("_No `discussion.md` in the results directory._\n"),
+    match discussion {
+        Some(text) => md.push_str(&text),
+        None => md.push_str("_No `discussion.md` in the results directory._\n"),
     }
     plots.commit()?;
     Ok(pipe_stages::outputs::write_owned_file(

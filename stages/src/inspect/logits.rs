@@ -75,5 +75,7 @@ pub fn logits(weights: WeightsSource<'_>, ids: &[u32], threads: usize) -> Result
     )?;
     let vocab = model.output_shape().last().copied().unwrap_or(1);
     let values = be.read(&out)?;
+    // JSON has no NaN or infinity (serde writes `null`): refused, not a row of nulls.
+    crate::model::sample::check_finite_logits(&values, vocab)?;
     Ok(values.chunks(vocab).map(<[f32]>::to_vec).collect())
 }

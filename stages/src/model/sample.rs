@@ -95,12 +95,31 @@ pub fn generate(
         let logits = be.read(&logits)?;
         let vocab = model.output_shape().last().copied().unwrap_or(0);
         let last = &logits[logits.len().saturating_sub(vocab)..];
+        check_finite_logits(last, vocab)?;
         let mut rng = rng_for(opts.seed, "sample", i as u64);
         let next = draw(last, opts, rng.random::<f64>());
         ids.push(next);
         out.push(next);
     }
     Ok(out)
+}
+
+/// Refuses logits (rows of `vocab`) that are not all finite: weights that overflow in the
+/// forward pass (finite, but past what f32 products can hold) give NaN or infinity, from which
+/// no token can be drawn and which JSON cannot write.
+///
+/// # Errors
+/// Bad input naming the first position whose logits are not finite.
+pub fn check_finite_logits(values: &[f32], vocab: usize) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(at) => Err(StageError::Input(format!(
+            "the logits at position {} are not finite ({}): the weights overflow in the forward \
+             pass",
+            at / vocab.max(1),
+            values[at]
+        ))),
+    }
 }
 
 /// The token `u` (uniform in `[0, 1)`) picks from `logits` under `opts`: the arg-max at

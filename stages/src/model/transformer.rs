@@ -602,6 +602,10 @@ struct HfGpt2Config {
     activation_function: Option<String>,
     layer_norm_epsilon: Option<f64>,
     tie_word_embeddings: Option<bool>,
+    /// Attention scores divided by the square root of the head width (true when absent).
+    scale_attn_weights: Option<bool>,
+    /// Layer `i`'s scores further divided by `i + 1` (false when absent).
+    scale_attn_by_inverse_layer_idx: Option<bool>,
 }
 
 /// The GPT-2 shape of a Hugging Face `config.json`'s text (`name` for messages), for a run
@@ -625,8 +629,10 @@ pub fn gpt2_from_hf_config(text: &str, name: &str) -> Result<Gpt2Shape, String> 
 ///
 /// # Errors
 /// A message naming what pipe's GPT-2 block cannot be: another model type, an MLP width
-/// other than 4 × `n_embd`, an activation other than tanh-approximated GELU, or a layer-norm
-/// epsilon other than 1e-5.
+/// other than 4 × `n_embd`, an activation other than tanh-approximated GELU, a layer-norm
+/// epsilon other than 1e-5, or attention scores scaled otherwise than by the square root of the
+/// head width (`scale_attn_weights` false, `scale_attn_by_inverse_layer_idx` true): each
+/// computes another function from the same weights.
 pub fn hf_gpt2_config(text: &str, name: &str) -> Result<(Gpt2Shape, bool), String> {
     let c: HfGpt2Config =
         serde_json::from_str(text).map_err(|e| format!("{name}: not a GPT-2 config.json: {e}"))?;
@@ -649,6 +655,18 @@ pub fn hf_gpt2_config(text: &str, name: &str) -> Result<(Gpt2Shape, bool), Strin
     }
     if let Some(e) = c.layer_norm_epsilon.filter(|&e| (e - 1e-5).abs() > 1e-12) {
         return refuse(format!("layer_norm_epsilon {e}"));
+    }
+    if c.scale_attn_weights == Some(false) {
+        return refuse(
+            "scale_attn_weights false (scores not divided by the square root of the head width)"
+                .into(),
+        );
+    }
+    if c.scale_attn_by_inverse_layer_idx == Some(true) {
+        return refuse(
+            "scale_attn_by_inverse_layer_idx true (each layer's scores divided by its index + 1)"
+                .into(),
+        );
     }
     let shape = Gpt2Shape {
         n_layer: Some(c.n_layer),
