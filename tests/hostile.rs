@@ -394,6 +394,16 @@ fn cli_file_and_command_rows() -> Vec<Row> {
             "schedule --stages 8 --microbatches 60000 --updates 100",
             "microbatch passes",
         ),
+        // Refused before the schedule is built (12 s and 2.4 GB before), in the words of the
+        // format asked for.
+        row(
+            "schedule --stages 1024 --microbatches 8192 --format text",
+            "the printed schedule's actions is 16777216",
+        ),
+        row(
+            "schedule --stages 1024 --microbatches 8192 --format trace",
+            "about 200 bytes each in a Chrome trace",
+        ),
         row("schedule --schedule nope", "nope"),
         row("simulate --stages 0", "at least 1"),
         row(
@@ -2098,6 +2108,13 @@ fn other_model_and_store_name_rows() -> Vec<Row> {
             "export --checkpoint {d}/ck --format hf --out {d}/ck/ckpt-00000009",
             Vec::new(),
             "the command would write its files among what it reads",
+        ),
+        // Another dataset's cursor was carried into this one's order without a word.
+        after(
+            &[mnist_ckpt],
+            "train --steps 4 --threads 1 --checkpoint-dir {d}/ck --resume latest --dataset synthetic",
+            Vec::new(),
+            "was written by a run on mnist, and this run reads synthetic",
         ),
         // A trace or log named as the store's pointer before there is one: written over it at
         // the run's end, or renamed over by the first checkpoint.

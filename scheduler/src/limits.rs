@@ -202,6 +202,20 @@ pub fn check_trace(events: u64) -> Result<()> {
     )
 }
 
+/// Checks the size of a schedule to be printed (`pipe schedule` as text, a grid or CSV):
+/// `actions` actions, a line or more each, bounded as a trace's events are.
+///
+/// # Errors
+/// [`ScheduleError::Spec`] past [`MAX_TRACE_EVENTS`].
+pub fn check_printed(actions: u64) -> Result<()> {
+    at_most(
+        "the printed schedule's actions",
+        actions,
+        MAX_TRACE_EVENTS,
+        "a line or more each; ask for fewer microbatches, updates or stages",
+    )
+}
+
 /// Checks the size of a planning problem: `layers` layers on `workers` workers.
 ///
 /// # Errors

@@ -506,6 +506,19 @@ impl ScheduleSpec {
         self
     }
 
+    /// Microbatch passes of the schedule (its microbatches times its model stages), as
+    /// resolving it counts and checks them, without generating anything: what a command that
+    /// prints every action can bound its output by before the schedule is built.
+    ///
+    /// # Errors
+    /// As [`ScheduleSpec::resolve`].
+    pub fn passes(&self) -> Result<u64> {
+        let shape = self.resolve_shape()?;
+        Ok(u64::from(shape.total)
+            .saturating_mul(u64::from(self.stages))
+            .saturating_mul(u64::from(shape.layout.chunks())))
+    }
+
     /// [`ScheduleSpec::resolve`] up to the in-flight depths, which are NOAM here: the checks,
     /// the layout and the sizes. `resolve` itself lives in [`crate::depth`], which deepens
     /// them by simulating, so that this file does not depend on the generators.

@@ -52,11 +52,31 @@ fn write_text(path: Option<&Path>, text: &str) -> Result<()> {
     }
 }
 
+/// Refuses `actions` actions past what `format` may print: a Chrome trace's events, or the
+/// lines of text, a grid or CSV.
+///
+/// # Errors
+/// Bad input naming the bound.
+fn check_printable(format: ScheduleFormat, actions: u64) -> Result<()> {
+    let checked = match format {
+        ScheduleFormat::Trace => pipe_scheduler::limits::check_trace(actions),
+        ScheduleFormat::Grid | ScheduleFormat::Text | ScheduleFormat::Csv => {
+            pipe_scheduler::limits::check_printed(actions)
+        }
+    };
+    checked.map_err(schedule_error)
+}
+
 /// Runs `pipe schedule`.
 ///
 /// # Errors
 /// Bad input when the flags describe no schedule; failures of the checks or of writing.
 pub fn run(args: &ScheduleArgs) -> Result<()> {
+    // Every format writes a line or more per action, and every microbatch pass is at least a
+    // forward and a backward: a schedule certain to be past what may be printed is refused
+    // before it is built (which took seconds and gigabytes).
+    let floor = args.opts.spec().passes().map_err(schedule_error)?;
+    check_printable(args.format, floor.saturating_mul(2))?;
     let lowered = args.opts.build().map_err(schedule_error)?;
     let shown = if args.unlowered {
         generate(&args.opts.spec()).map_err(schedule_error)?
@@ -64,9 +84,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         lowered.clone()
     };
     let plan = VersionPlan::derive(&lowered)?;
-    // Every format writes a line or more per action: the text is refused before it is built
-    // when the schedule is past what a timeline may export.
-    pipe_scheduler::limits::check_trace(shown.len() as u64).map_err(schedule_error)?;
+    check_printable(args.format, shown.len() as u64)?;
     let text = match args.format {
         ScheduleFormat::Grid => {
             let mut out = grid::full(&shown);

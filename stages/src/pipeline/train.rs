@@ -1069,6 +1069,15 @@ impl Start {
                     .into(),
             ));
         }
+        // Another dataset's cursor would be carried into this one's order without a word.
+        if c.state.dataset != run.cfg.dataset {
+            return Err(StageError::Checkpoint(format!(
+                "was written by a run on {}, and this run reads {}: its data cursor does not \
+                 apply here (give the checkpoint's dataset, or start afresh)",
+                format!("{:?}", c.state.dataset).to_lowercase(),
+                format!("{:?}", run.cfg.dataset).to_lowercase()
+            )));
+        }
         // The checkpoint's data position in this run's updates (its layout may differ).
         let per_update = run.minibatch * run.cfg.microbatch_size as u64;
         let at = c.state.samples_in_epoch;
