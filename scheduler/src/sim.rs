@@ -216,7 +216,15 @@ impl StageCost {
             ("forward", self.forward),
             ("backward_input", self.backward_input),
             ("backward_weight", self.backward_weight),
-            ("backward", self.whole_backward()),
+            (
+                // Named by what it is made of where the file gives only the halves.
+                if self.backward.is_some() {
+                    "backward"
+                } else {
+                    "backward (backward_input + backward_weight)"
+                },
+                self.whole_backward(),
+            ),
             ("update", self.update),
             ("activation_bytes", self.activation_bytes),
             ("gradient_bytes", self.gradient()),
