@@ -23,11 +23,22 @@ enum Range {
     Fraction,
 }
 
-/// `Err` naming `what`'s `field` unless `v` lies in `range`.
+/// The largest figure a saved file may hold (seconds, rates, bytes, ratios): far past any
+/// measurement, and small enough that the report's unit conversions and sums stay finite
+/// (1e308 seconds rendered as "inf ms").
+const MAX_FIGURE: f64 = 1e15;
+
+/// `Err` naming `what`'s `field` unless `v` lies in `range` (and at most [`MAX_FIGURE`]).
 fn figure(what: &str, field: &str, v: f64, range: Range) -> Result<(), String> {
     let (ok, says) = match range {
-        Range::Positive => (v > 0.0, "must be finite and above 0"),
-        Range::NonNegative => (v >= 0.0, "must be finite and at least 0"),
+        Range::Positive => (
+            v > 0.0 && v <= MAX_FIGURE,
+            "must be finite, above 0 and at most 1e15",
+        ),
+        Range::NonNegative => (
+            (0.0..=MAX_FIGURE).contains(&v),
+            "must be finite, at least 0 and at most 1e15",
+        ),
         Range::Fraction => ((0.0..=1.0).contains(&v), "must be in [0, 1]"),
     };
     if v.is_finite() && ok {
@@ -272,6 +283,8 @@ mod tests {
             (f64::NAN, Range::NonNegative),
             (5.0, Range::Fraction),
             (-0.1, Range::Fraction),
+            (1e308, Range::Positive),
+            (1e16, Range::NonNegative),
         ] {
             let e = figure("configuration `x`", "samples_per_s", v, range).unwrap_err();
             assert!(e.starts_with("configuration `x`: samples_per_s = "), "{e}");

@@ -302,6 +302,14 @@ impl StalenessConfig {
         if self.minibatch == 0 || self.epochs == 0 || self.target_window == 0 {
             return Err("minibatch, epochs and target_window must be at least 1".into());
         }
+        // A window is updates of one run, which are bounded as a run's steps are.
+        if self.target_window as u64 > pipe_stages::limits::MAX_STEPS {
+            return Err(format!(
+                "target_window = {}: at most {} updates",
+                self.target_window,
+                pipe_stages::limits::MAX_STEPS
+            ));
+        }
         if self.stages.contains(&0) {
             return Err("stages must each be at least 1".into());
         }

@@ -13,6 +13,9 @@ use super::config::{Family, StalenessConfig};
 use super::results::StalenessResults;
 use super::run::RunRecord;
 
+/// The most logical cores a saved machine may say it had.
+const MAX_CORES: usize = 1 << 20;
+
 /// `Err` naming `what`'s `field` unless `v` is finite and at least 0 (and at most 1 when
 /// `share`).
 fn figure(what: &str, field: &str, v: f64, share: bool) -> Result<(), String> {
@@ -33,9 +36,13 @@ fn figure(what: &str, field: &str, v: f64, share: bool) -> Result<(), String> {
 pub(super) fn check(r: &StalenessResults) -> Result<(), String> {
     r.config.check().map_err(|e| format!("config: {e}"))?;
     figure("results", "wall_s", r.wall_s, false)?;
-    if r.machine.cores == 0 {
-        return Err("machine: cores = 0: must be at least 1".into());
+    if r.machine.cores == 0 || r.machine.cores > MAX_CORES {
+        return Err(format!(
+            "machine: cores = {}: must be from 1 to {MAX_CORES}",
+            r.machine.cores
+        ));
     }
+    figure("machine", "memory_gib", r.machine.memory_gib, false)?;
     if r.runs.is_empty() {
         return Err("runs is empty: an experiment runs at least one".into());
     }
@@ -142,6 +149,19 @@ fn check_record(run: &RunRecord) -> Result<(), String> {
     if let Some(s) = run.seconds_to_target {
         figure(&what, "seconds_to_target", s, false)?;
     }
+    // Counted in the updates the run recorded: the target is reached at a recorded loss, and
+    // a run diverges at most one update past its last finite one.
+    let recorded = run.losses.len() as u64;
+    if let Some(u) = run.updates_to_target.filter(|&u| u == 0 || u > recorded) {
+        return Err(format!(
+            "{what}: updates_to_target = {u}: must be from 1 to the {recorded} updates recorded"
+        ));
+    }
+    if let Some(d) = run.diverged_at.filter(|&d| d > recorded + 1) {
+        return Err(format!(
+            "{what}: diverged_at = {d}: past the {recorded} updates recorded"
+        ));
+    }
     for d in &run.stage_delays {
         if d.stage >= run.spec.stages {
             return Err(format!(
@@ -168,7 +188,7 @@ mod tests {
     fn runs_that_could_not_have_run_are_refused_by_name() {
         assert_eq!(check(&committed()), Ok(()));
         type Edit = fn(&mut StalenessResults);
-        let edits: [(Edit, &str); 9] = [
+        let edits: [(Edit, &str); 14] = [
             (
                 |r| r.runs[0].spec.stages = 1_000_000_000,
                 "stages = 1000000000",
@@ -181,6 +201,14 @@ mod tests {
             (|r| r.runs[0].wall_s = -1.0, "wall_s = -1"),
             (|r| r.runs[0].spec.optimizer = "x".into(), "optimizer \"x\""),
             (|r| r.config.target_loss = -1.0, "config: target_loss = -1"),
+            (
+                |r| r.runs[0].updates_to_target = Some(u64::MAX),
+                "updates_to_target = 18446744073709551615",
+            ),
+            (|r| r.runs[0].diverged_at = Some(1 << 40), "diverged_at = "),
+            (|r| r.machine.memory_gib = -1e308, "memory_gib = "),
+            (|r| r.machine.cores = usize::MAX, "cores = "),
+            (|r| r.config.target_window = usize::MAX, "target_window = "),
         ];
         for (edit, want) in edits {
             let mut bad = committed();
