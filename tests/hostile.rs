@@ -966,6 +966,15 @@ fn transport_cost_rows() -> Vec<Row> {
             &costs_of("shm", "1e300"),
             "message_cpu_s is 1e300, over the limit",
         ),
+        // A spread whose median is outside its own min and max was printed as "(5.000-0.000)".
+        cost_file(
+            &costs_of("shm", "1e-6").replacen(
+                r#""median": 1e-5, "min": 1e-5"#,
+                r#""median": 1e-5, "min": 5e-5"#,
+                1,
+            ),
+            "latency_s's median 0.00001 is not between its min 0.00005 and max 0.00001",
+        ),
         // A cost file that is a FIFO would block forever.
         with(
             "plan --profile {d}/p.json --workers 2 --transport shm --transport-costs {d}/c.json",

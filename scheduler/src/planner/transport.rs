@@ -116,6 +116,13 @@ impl TransportCost {
                 };
                 checked.map_err(|why| format!("transport {}: {why}", self.transport))?;
             }
+            // A spread is measured rounds' least and greatest, its median between them.
+            if !(s.min <= s.median && s.median <= s.max) {
+                return Err(format!(
+                    "transport {}: {name}'s median {} is not between its min {} and max {}",
+                    self.transport, s.median, s.min, s.max
+                ));
+            }
         }
         Ok(())
     }
