@@ -225,6 +225,10 @@ fn check_predicted(what: &str, p: &Predicted, workers: u32) -> Result<(), String
 /// One policy's time to target.
 fn check_target(t: &TargetResult) -> Result<(), String> {
     let what = format!("target run {}", t.policy);
+    // Its heading names the policy: one that is no schedule was printed as if it ran.
+    t.policy
+        .parse::<pipe_scheduler::Policy>()
+        .map_err(|e| format!("{what}: policy: {e}"))?;
     count(&what, "stages", u64::from(t.stages))?;
     if let Some(s) = t.seconds {
         figure(&what, "seconds", s, Range::NonNegative)?;
@@ -308,5 +312,22 @@ mod tests {
         ] {
             assert!(check_partition("c", &p, stages).is_err(), "{p:?}");
         }
+    }
+
+    #[test]
+    fn a_target_run_of_no_schedule_is_refused() {
+        let run = |policy: &str| TargetResult {
+            policy: policy.into(),
+            stages: 4,
+            updates: Some(10),
+            seconds: Some(1.0),
+            test_accuracy: Some(0.9),
+            wall_s: 2.0,
+            error: None,
+        };
+        assert!(check_target(&run("pipedream")).is_ok());
+        assert!(check_target(&run("sequential")).is_ok());
+        let e = check_target(&run("zzz")).unwrap_err();
+        assert!(e.starts_with("target run zzz: policy: "), "{e}");
     }
 }
