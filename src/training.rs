@@ -209,11 +209,12 @@ pub fn stop_on_signal(announce: bool, saves: bool) -> Arc<AtomicBool> {
             .name("signals".into())
             .spawn(move || {
                 for signal in signals.forever() {
+                    // Recorded before the flag is raised, so the stop names its signal.
+                    let _ = STOP_SIGNAL.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
                     let unsaved = !saves && signal == SIGTERM;
                     if flag.swap(true, Ordering::SeqCst) || unsaved {
                         std::process::exit(128 + signal);
                     }
-                    STOP_SIGNAL.store(signal, Ordering::SeqCst);
                     if announce {
                         let name = signal_name(signal);
                         eprintln!("{name}: stopping at the next drain point ({name} again to quit at once)");

@@ -262,9 +262,9 @@ pub fn hold_dir(root: &Path) -> Result<HeldDir> {
         .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
         .open(&path)
         .map_err(|e| write_err(&path, e))?;
-    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => Ok(HeldDir { _file: file }),
-        Err(rustix::io::Errno::WOULDBLOCK) => Err(StageError::Input(format!(
+    match crate::outputs::try_lock(&file) {
+        Ok(true) => Ok(HeldDir { _file: file }),
+        Ok(false) => Err(StageError::Input(format!(
             "--checkpoint-dir {} is being written by another run: two runs in one directory \
              would replace each other's checkpoints; give this run its own",
             root.display()

@@ -123,14 +123,14 @@ fn hold_file(path: &Path) -> Result<HeldFile> {
         }
         Err(e) => return Err(io(e)),
     };
-    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => Ok(HeldFile { file, created }),
-        Err(rustix::io::Errno::WOULDBLOCK) => Err(StageError::Input(format!(
+    match crate::outputs::try_lock(&file) {
+        Ok(true) => Ok(HeldFile { file, created }),
+        Ok(false) => Err(StageError::Input(format!(
             "--log-jsonl {} is being written by another run: two runs in one log would \
              replace each other's lines; give this run its own",
             path.display()
         ))),
-        Err(e) => Err(io(e.into())),
+        Err(e) => Err(io(e)),
     }
 }
 

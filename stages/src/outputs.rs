@@ -406,6 +406,20 @@ pub fn check_output_dir(dir: &Path, flag: &str) -> Result<()> {
     pipe_kernels::files::writable_dir(at).map_err(|why| refused(format!("{} {why}", at.display())))
 }
 
+/// Takes an exclusive, non-blocking `flock` on `file`, held until the file is closed: `true`
+/// when taken, `false` when another open file holds it. The one lock of the commands that
+/// hold what they write (a checkpoint directory, a log, a results directory).
+///
+/// # Errors
+/// Any other failure to lock.
+pub fn try_lock(file: &std::fs::File) -> std::io::Result<bool> {
+    match rustix::fs::flock(file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(true),
+        Err(rustix::io::Errno::WOULDBLOCK) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// An output directory a long command fills bit by bit (an experiment's or a sweep's results),
 /// held by this process ([`hold_output_dir`]); the hold goes with the value or the process.
 #[derive(Debug)]
@@ -427,12 +441,9 @@ pub fn hold_output_dir(dir: &Path, flag: &str) -> Result<Option<HeldOutputDir>> 
     let refused = |why: String| StageError::Input(format!("{flag} {}: {why}", dir.display()));
     std::fs::create_dir_all(dir).map_err(|e| refused(format!("cannot be made: {e}")))?;
     let handle = std::fs::File::open(dir).map_err(|e| refused(format!("cannot be opened: {e}")))?;
-    match rustix::fs::flock(
-        &handle,
-        rustix::fs::FlockOperation::NonBlockingLockExclusive,
-    ) {
-        Ok(()) => Ok(Some(HeldOutputDir { _dir: handle })),
-        Err(rustix::io::Errno::WOULDBLOCK) => Err(refused(
+    match try_lock(&handle) {
+        Ok(true) => Ok(Some(HeldOutputDir { _dir: handle })),
+        Ok(false) => Err(refused(
             "another command is writing there (a sweep, an experiment or a report): two would \
              run the same work and write the same files; wait for it, or give this one its own \
              directory"
