@@ -65,10 +65,12 @@ pub fn dataset_and_dir(
 ///
 /// # Errors
 /// Bad input (exit 2) when this build or machine has no such device: a build without CUDA,
-/// or no driver, GPU or NVRTC.
+/// no driver, GPU or NVRTC, or `--precision bf16x6` on a CPU without AMX.
 pub fn open_backend(kind: BackendKind, threads: usize) -> Result<Box<dyn Backend>> {
     pipe_stages::pipeline::open_backend(kind, threads, 0).map_err(|e| match e {
-        KernelError::NotCompiledWithCuda | KernelError::NoCuda { .. } => bad_input(e.to_string()),
+        KernelError::NotCompiledWithCuda
+        | KernelError::NoCuda { .. }
+        | KernelError::NoTileUnit { .. } => bad_input(e.to_string()),
         other => other.into(),
     })
 }

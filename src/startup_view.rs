@@ -232,7 +232,8 @@ pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usiz
         cfg.seed,
         threads,
         match cfg.backend {
-            pipe_kernels::BackendKind::Cpu => String::new(),
+            pipe_kernels::BackendKind::Cpu(pipe_kernels::Precision::F32) => String::new(),
+            pipe_kernels::BackendKind::Cpu(p) => format!(", cpu ({p} products)"),
             pipe_kernels::BackendKind::Cuda(p) => format!(", cuda ({p} products)"),
         }
     );

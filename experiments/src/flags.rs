@@ -553,7 +553,8 @@ pub struct MfuArgs {
     /// Compute backend: cpu, or cuda (device 0; builds with `--features cuda`).
     #[arg(long, default_value = "cpu", value_parser = BackendParser)]
     pub backend: BackendKind,
-    /// Precision of the matrix products: f32, tf32 or bf16 (the last two on cuda only).
+    /// Precision of the matrix products: f32, tf32 or bf16 (cuda only), or bf16x6 (cpu with
+    /// AMX only).
     #[arg(long, default_value = "f32", value_parser = |s: &str| s.parse::<Precision>())]
     pub precision: Precision,
     /// Also write the report as JSON to FILE.
@@ -660,7 +661,7 @@ mod tests {
     fn backends_parse_by_name() {
         let cmd = clap::Command::new("t");
         let parse = |s: &str| BackendParser.parse_ref(&cmd, None, OsStr::new(s));
-        assert_eq!(parse("cpu").ok(), Some(BackendKind::Cpu));
+        assert_eq!(parse("cpu").ok(), Some(BackendKind::default()));
         assert_eq!(
             parse("cuda").ok(),
             Some(BackendKind::Cuda(pipe_kernels::Precision::F32))

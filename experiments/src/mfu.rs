@@ -145,7 +145,7 @@ impl Default for MfuConfig {
             warmup: 3,
             momentum: 0.0,
             optimizer: MfuOptimizer::Sgd,
-            backend: BackendKind::Cpu,
+            backend: BackendKind::default(),
         }
     }
 }
@@ -647,7 +647,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         model_gflops,
         gemm_gflops: gemm,
         mfu: model_gflops / gemm,
-        nominal_gflops: (cfg.backend == BackendKind::Cpu)
+        nominal_gflops: matches!(cfg.backend, BackendKind::Cpu(_))
             .then(|| nominal_cpu_gflops(be.threads()))
             .flatten(),
         passes,

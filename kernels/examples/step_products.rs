@@ -4,6 +4,7 @@
 //!
 //! ```sh
 //! cargo run --release -p pipe-kernels --example step_products -- 2   # threads
+//! PRECISION=bf16x6 cargo run --release -p pipe-kernels --example step_products -- 2
 //! ```
 //!
 //! Each row is the median of 31 timed calls after 5 untimed ones ([`common::median_seconds`]).
@@ -16,7 +17,7 @@ mod common;
 
 use common::{each_step_product, median_seconds, widths};
 
-use pipe_kernels::{Backend, CpuBackend, Tensor};
+use pipe_kernels::{Backend, CpuBackend, Precision, Tensor};
 
 fn main() {
     let threads: usize = std::env::args()
@@ -24,8 +25,12 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(2);
     let widths = widths("128 512 768");
-    let be = CpuBackend::new(threads).expect("backend");
-    println!("{threads} thread(s); GFLOP/s, median of 31 calls");
+    let precision: Precision = std::env::var("PRECISION")
+        .unwrap_or_else(|_| "f32".into())
+        .parse()
+        .expect("PRECISION: f32 or bf16x6");
+    let be = CpuBackend::with_precision(threads, precision).expect("backend");
+    println!("{threads} thread(s), {precision} products; GFLOP/s, median of 31 calls");
     println!("| width | product | m x k x n | GFLOP/s |");
     println!("|---|---|---|---|");
     each_step_product(&widths, |width, layer, (name, a, ta, b, tb)| {

@@ -696,7 +696,8 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 /// The arithmetic of a backend's matrix products: the typed form of `--precision`.
 ///
 /// Weights, optimizer state, gradients and every operation other than the products stay f32
-/// in all three; only the CUDA backend offers the reduced precisions.
+/// in all of them. The CUDA backend offers TF32 and bf16; the CPU backend offers bf16x6, f32's
+/// accuracy from bf16 tile products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Precision {
     /// Full f32 products.
@@ -708,6 +709,11 @@ pub enum Precision {
     /// Products on tensor cores with inputs rounded to bf16 (round to nearest even), f32
     /// accumulation and f32 results.
     Bf16,
+    /// f32 products summed from six bf16 products of each element's three bf16 parts on the
+    /// CPU's AMX tiles, accumulated in f32: f32's accuracy (the dropped terms are below f32's
+    /// rounding), other bits than [`Precision::F32`]'s, the same bits with or without AMX
+    /// (the CPU backend only; see `split_bf16.rs`).
+    Bf16x6,
 }
 
 impl Precision {
@@ -717,6 +723,7 @@ impl Precision {
             Precision::F32 => "f32",
             Precision::Tf32 => "tf32",
             Precision::Bf16 => "bf16",
+            Precision::Bf16x6 => "bf16x6",
         }
     }
 }
@@ -734,27 +741,36 @@ impl std::str::FromStr for Precision {
             "f32" => Ok(Precision::F32),
             "tf32" => Ok(Precision::Tf32),
             "bf16" => Ok(Precision::Bf16),
-            other => Err(format!("unknown precision '{other}' (f32, tf32, bf16)")),
+            "bf16x6" => Ok(Precision::Bf16x6),
+            other => Err(format!(
+                "unknown precision '{other}' (f32, tf32, bf16, bf16x6)"
+            )),
         }
     }
 }
 
 /// Which compute backend a run uses: the typed form of `--backend` (and, for CUDA,
 /// `--precision`), parsed once at the edge.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackendKind {
-    /// The CPU backend (always built; f32 only).
-    #[default]
-    Cpu,
+    /// The CPU backend (always built), with the precision of its products (f32 or bf16x6).
+    Cpu(Precision),
     /// The CUDA backend (behind the `cuda` feature), with the precision of its products.
     Cuda(Precision),
+}
+
+impl Default for BackendKind {
+    /// The CPU in f32.
+    fn default() -> Self {
+        BackendKind::Cpu(Precision::F32)
+    }
 }
 
 impl BackendKind {
     /// The name `--backend` takes.
     pub fn name(self) -> &'static str {
         match self {
-            BackendKind::Cpu => "cpu",
+            BackendKind::Cpu(_) => "cpu",
             BackendKind::Cuda(_) => "cuda",
         }
     }
@@ -762,21 +778,33 @@ impl BackendKind {
     /// The precision of this backend's products.
     pub fn precision(self) -> Precision {
         match self {
-            BackendKind::Cpu => Precision::F32,
-            BackendKind::Cuda(p) => p,
+            BackendKind::Cpu(p) | BackendKind::Cuda(p) => p,
         }
     }
 
     /// This backend computing its products in `precision`.
     ///
     /// # Errors
-    /// A one-line message when the backend cannot (the CPU computes in f32 only).
+    /// A one-line message when the backend cannot (the CPU computes in f32, or in bf16x6 where
+    /// it has AMX tiles; CUDA in f32, tf32 or bf16).
     pub fn with_precision(self, precision: Precision) -> std::result::Result<Self, String> {
         match (self, precision) {
-            (BackendKind::Cpu, Precision::F32) => Ok(BackendKind::Cpu),
-            (BackendKind::Cpu, p) => Err(format!(
-                "the cpu backend computes in f32 only; --precision {p} needs --backend cuda"
+            (BackendKind::Cpu(_), Precision::F32) => Ok(BackendKind::Cpu(Precision::F32)),
+            (BackendKind::Cpu(_), precision @ Precision::Bf16x6) => {
+                if crate::split_bf16::hardware_available() {
+                    Ok(BackendKind::Cpu(precision))
+                } else {
+                    Err(crate::KernelError::NoTileUnit { precision }.to_string())
+                }
+            }
+            (BackendKind::Cpu(_), p) => Err(format!(
+                "the cpu backend computes in f32 or bf16x6; --precision {p} needs --backend cuda"
             )),
+            (BackendKind::Cuda(_), Precision::Bf16x6) => Err(
+                "--precision bf16x6 is the cpu backend's (AMX tiles); the cuda backend computes \
+                 in f32, tf32 or bf16"
+                    .to_string(),
+            ),
             (BackendKind::Cuda(_), p) => Ok(BackendKind::Cuda(p)),
         }
     }
@@ -790,7 +818,9 @@ impl BackendKind {
     /// failures for the CPU.
     pub fn open(self, threads: usize, ordinal: usize) -> Result<Box<dyn Backend>> {
         match self {
-            BackendKind::Cpu => Ok(Box::new(crate::CpuBackend::new(threads)?)),
+            BackendKind::Cpu(precision) => Ok(Box::new(crate::CpuBackend::with_precision(
+                threads, precision,
+            )?)),
             BackendKind::Cuda(precision) => crate::cuda::open(ordinal, precision),
         }
     }
@@ -807,7 +837,7 @@ impl std::str::FromStr for BackendKind {
     /// `cpu` or `cuda` (f32 products; [`BackendKind::with_precision`] sets another).
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
-            "cpu" => Ok(BackendKind::Cpu),
+            "cpu" => Ok(BackendKind::Cpu(Precision::F32)),
             "cuda" => Ok(BackendKind::Cuda(Precision::F32)),
             other => Err(format!("unknown backend '{other}' (cpu, cuda)")),
         }

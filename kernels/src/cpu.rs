@@ -16,8 +16,9 @@ use rayon::prelude::*;
 
 use crate::backend::{
     Activation, AdamStep, AttentionShape, Backend, DelayCompensation, IGNORED_LABEL, LionStep,
-    LossStats, SgdStep, Trans, UpdateSeen, counted_labels, exponent_field, lion_sign,
+    LossStats, Precision, SgdStep, Trans, UpdateSeen, counted_labels, exponent_field, lion_sign,
 };
+use crate::split_bf16;
 use crate::{Device, KernelError, Result, Tensor};
 
 /// One sequence's share of the attention backward pass: its packed `qkv` rows, its output rows,
@@ -103,6 +104,9 @@ pub struct CpuBackend {
     /// Packed GEMM operands keyed by content stamp: a weight matrix is packed once per version
     /// and reused by every microbatch until it changes.
     packs: Mutex<VecDeque<Packed>>,
+    /// Where the products of `--precision bf16x6` run (`None`: f32 products through `gemm`),
+    /// and the scratch their packed operands reuse.
+    tiles: Option<(split_bf16::Unit, Mutex<split_bf16::Packs>)>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -143,7 +147,108 @@ impl CpuBackend {
             threads,
             pool,
             packs: Mutex::new(VecDeque::new()),
+            tiles: None,
         })
+    }
+
+    /// A backend as [`CpuBackend::new`] makes, its matrix products in `precision`: f32 through
+    /// `gemm`, or [`Precision::Bf16x6`] on the CPU's AMX tiles (products of at least
+    /// [`GEMM_SPLIT_MIN`] multiply-adds with 16 rows and columns or more; smaller ones stay f32,
+    /// a rule of the shape alone).
+    ///
+    /// # Errors
+    /// [`KernelError::NoTileUnit`] for bf16x6 where the CPU or OS offers no AMX tiles,
+    /// [`KernelError::Cuda`] for a precision only CUDA offers, and [`CpuBackend::new`]'s.
+    pub fn with_precision(threads: usize, precision: Precision) -> Result<Self> {
+        match precision {
+            Precision::F32 => Self::new(threads),
+            Precision::Bf16x6 if split_bf16::hardware_available() => {
+                Self::with_tiles(threads, split_bf16::Unit::Hardware)
+            }
+            Precision::Bf16x6 => Err(KernelError::NoTileUnit { precision }),
+            Precision::Tf32 | Precision::Bf16 => Err(KernelError::Cuda {
+                op: "open",
+                detail: format!("--precision {precision} needs --backend cuda"),
+            }),
+        }
+    }
+
+    /// A bf16x6 backend whose tile arithmetic is emulated in scalar code, with the same bits
+    /// as the AMX tiles, on any CPU: for tests of that precision where AMX is absent (it is
+    /// tens of times slower than the tiles).
+    ///
+    /// # Errors
+    /// As [`CpuBackend::new`].
+    #[doc(hidden)]
+    pub fn with_emulated_tiles(threads: usize) -> Result<Self> {
+        Self::with_tiles(threads, split_bf16::Unit::Software)
+    }
+
+    fn with_tiles(threads: usize, unit: split_bf16::Unit) -> Result<Self> {
+        let mut backend = Self::new(threads)?;
+        backend.tiles = Some((unit, Mutex::new(split_bf16::Packs::default())));
+        Ok(backend)
+    }
+
+    /// The precision of this backend's matrix products.
+    pub fn precision(&self) -> Precision {
+        match self.tiles {
+            Some(_) => Precision::Bf16x6,
+            None => Precision::F32,
+        }
+    }
+
+    /// Computes `C (m x n) = op(a) op(b)` (or adds it) on the tiles, where this backend has
+    /// them and the product is large enough; `false` where the f32 route must compute it.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_product(
+        &self,
+        a: &Tensor,
+        (a_rs, a_cs): (isize, isize),
+        b: &Tensor,
+        (b_rs, b_cs): (isize, isize),
+        (m, n, k): (usize, usize, usize),
+        c: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<bool> {
+        let Some((unit, packs)) = &self.tiles else {
+            return Ok(false);
+        };
+        if m < 16 || n < 16 || m.saturating_mul(n).saturating_mul(k) < GEMM_SPLIT_MIN {
+            return Ok(false);
+        }
+        let operands = split_bf16::Operands {
+            m,
+            n,
+            k,
+            a: a.host()?.as_ptr(),
+            a_rs,
+            a_cs,
+            b: b.host()?.as_ptr(),
+            b_rs,
+            b_cs,
+        };
+        let mut held = packs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let packs: &mut split_bf16::Packs = &mut held;
+        let mut run = |out: *mut f32| {
+            let out = SendPtr(out);
+            // SAFETY: the operands are live tensors of the checked shapes and strides, `out` is
+            // the m x n output (a distinct tensor: `c` is borrowed mutably), and a `Hardware`
+            // unit exists only where `hardware_available` said so.
+            self.pool.install(|| unsafe {
+                split_bf16::product(&operands, out.get(), accumulate, *unit, packs);
+            });
+        };
+        if accumulate {
+            run(c.host_mut()?.as_mut_ptr());
+        } else {
+            // SAFETY: `product` writes every element of the m x n output without reading it
+            // when not accumulating.
+            unsafe { c.write_host_with(&[m, n], |out| run(out.as_mut_ptr().cast())) };
+        }
+        Ok(true)
     }
 
     /// `b` (`k x n`, row-major) transposed into a row-major `n x k` copy, from the cache when
@@ -661,6 +766,10 @@ impl Backend for CpuBackend {
             if !accumulate {
                 c.resize_host(&[m, n]).fill(0.0);
             }
+            return Ok(());
+        }
+        let shape = (m, n, k);
+        if self.tile_product(a, (a_rs, a_cs), b, (b_rs, b_cs), shape, c, accumulate)? {
             return Ok(());
         }
         // A tall product whose small right operand is stored transposed (a transformer's

@@ -40,6 +40,15 @@ pub enum KernelError {
     /// The CUDA backend was requested but this build has no CUDA support.
     #[error("built without CUDA: rebuild with `--features cuda` to use the cuda backend")]
     NotCompiledWithCuda,
+    /// A precision this CPU cannot compute in: bf16x6 on a CPU (or OS) without AMX tiles.
+    #[error(
+        "--precision {precision} needs a CPU with AMX bf16 tiles (Intel Xeon of the 4th \
+         generation or later) and an OS that grants them; this one has none"
+    )]
+    NoTileUnit {
+        /// The precision asked for.
+        precision: crate::Precision,
+    },
     /// The CUDA backend cannot run here: no driver, no device, or no NVRTC.
     #[error("CUDA is not available: {reason}")]
     NoCuda {

@@ -32,6 +32,7 @@ mod fastmath;
 pub mod files;
 mod scratch;
 mod sequence;
+mod split_bf16;
 mod tensor;
 mod tile;
 mod timed;

@@ -1004,6 +1004,128 @@ backend_tests!(
     ]
 );
 
+// The CPU's bf16x6 products: the tile arithmetic emulated in scalar code (every CPU), and on
+// the AMX tiles where this CPU has them (skipped otherwise). Both within the f32 tolerance.
+backend_tests!(
+    cpu_bf16x6_emulated,
+    Some(pipe_kernels::CpuBackend::with_emulated_tiles(2).unwrap()),
+    [
+        matmul_all_transposes,
+        small_row_products_see_every_change_to_the_operand,
+        matmul_rejects_bad_shapes,
+        data_movement_and_products,
+    ]
+);
+
+backend_tests!(
+    cpu_bf16x6,
+    pipe_kernels::CpuBackend::with_precision(2, pipe_kernels::Precision::Bf16x6).ok(),
+    [
+        matmul_all_transposes,
+        small_row_products_see_every_change_to_the_operand,
+        matmul_rejects_bad_shapes,
+        data_movement_and_products,
+        bf16x6_is_as_accurate_as_f32,
+    ]
+);
+
+/// The largest error against an f64 product, relative to `sum |a b|` of its terms.
+fn largest_error(got: &[f32], a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> f64 {
+    let abs = |t: &Tensor| {
+        Tensor::from_vec(
+            t.shape(),
+            t.host().unwrap().iter().map(|v| v.abs()).collect(),
+        )
+        .unwrap()
+    };
+    let (want, size) = (naive(a, ta, b, tb), naive(&abs(a), ta, &abs(b), tb));
+    got.iter()
+        .zip(want.iter().zip(&size))
+        .map(|(&g, (&w, &s))| (f64::from(g) - w).abs() / s.max(f64::MIN_POSITIVE))
+        .fold(0.0, f64::max)
+}
+
+/// bf16x6 products err no more than the f32 products do (at most 1.5 times their largest
+/// error, over every transpose at a shape the tiles take).
+fn bf16x6_is_as_accurate_as_f32(be: &dyn Backend) {
+    let f32_products = CpuBackend::new(2).unwrap();
+    for ta in [Trans::No, Trans::Yes] {
+        for tb in [Trans::No, Trans::Yes] {
+            let (a, b) = operands(96, 700, 130, ta, tb, 21);
+            let (mut split, mut plain) = (Tensor::default(), Tensor::default());
+            be.matmul(&a, ta, &b, tb, &mut split, false).unwrap();
+            f32_products
+                .matmul(&a, ta, &b, tb, &mut plain, false)
+                .unwrap();
+            let split = largest_error(split.host().unwrap(), &a, ta, &b, tb);
+            let plain = largest_error(plain.host().unwrap(), &a, ta, &b, tb);
+            assert!(
+                split <= 1.5 * plain,
+                "{ta:?}{tb:?}: bf16x6 {split:e}, f32 {plain:e}"
+            );
+        }
+    }
+}
+
+/// The tile arithmetic emulated in scalar code gives the AMX tiles' bits through the backend,
+/// and neither depends on the thread count.
+#[test]
+fn bf16x6_bits_are_the_same_with_or_without_amx_at_any_thread_count() {
+    let emulated: Vec<CpuBackend> = [1, 3]
+        .iter()
+        .map(|&t| CpuBackend::with_emulated_tiles(t).unwrap())
+        .collect();
+    let hardware = CpuBackend::with_precision(2, pipe_kernels::Precision::Bf16x6).ok();
+    if hardware.is_none() {
+        eprintln!("no AMX here: the emulated tiles are compared across thread counts only");
+    }
+    for &(m, k, n) in &[(300, 260, 270), (64, 1024, 48)] {
+        for ta in [Trans::No, Trans::Yes] {
+            for tb in [Trans::No, Trans::Yes] {
+                let (a, b) = operands(m, k, n, ta, tb, 9);
+                let bits = |be: &CpuBackend| {
+                    let mut c = Tensor::default();
+                    be.matmul(&a, ta, &b, tb, &mut c, false).unwrap();
+                    be.matmul(&a, ta, &b, tb, &mut c, true).unwrap();
+                    c.host()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<u32>>()
+                };
+                let first = bits(&emulated[0]);
+                assert!(
+                    bits(&emulated[1]) == first,
+                    "{m}x{k}x{n} {ta:?}{tb:?}: threads"
+                );
+                if let Some(hw) = &hardware {
+                    assert!(bits(hw) == first, "{m}x{k}x{n} {ta:?}{tb:?}: AMX");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16x6_without_amx_is_a_clear_error_and_cuda_refuses_it() {
+    use pipe_kernels::{BackendKind, Precision};
+    match CpuBackend::with_precision(1, Precision::Bf16x6) {
+        Ok(be) => assert_eq!(be.precision(), Precision::Bf16x6),
+        Err(e) => assert!(e.to_string().contains("AMX"), "{e}"),
+    }
+    let cuda: BackendKind = "cuda".parse().unwrap();
+    assert!(cuda.with_precision(Precision::Bf16x6).is_err());
+    match BackendKind::default().with_precision(Precision::Bf16x6) {
+        Ok(cpu) => assert_eq!(cpu.precision(), Precision::Bf16x6),
+        Err(e) => assert!(e.contains("needs a CPU with AMX"), "{e}"),
+    }
+    assert!(
+        BackendKind::default()
+            .with_precision(Precision::Tf32)
+            .is_err()
+    );
+}
+
 // The device code paths (placement, copies, strict operands) with the CPU's results.
 backend_tests!(
     emulated,

@@ -14,7 +14,7 @@ use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{Corrected, NO_ROLES, OptimizerConfig, OptimizerKind};
 use pipe_stages::pipeline::{
     OrderedSource, Pass, RunPlan, Setup, WorkerOutcome, WorkerState, reference_run,
-    reference_train_from, run_threads,
+    reference_train, reference_train_from, run_threads,
 };
 use pipe_transport::inproc::{InProcOptions, mesh};
 
@@ -988,4 +988,39 @@ fn gradient_clipping_equals_the_reference_trainer_on_every_policy() {
             }
         }
     }
+}
+
+/// With bf16x6 products (on AMX tiles where this CPU has them, else their emulation in scalar
+/// code: the same bits), PipeDream's pipelined run with a replicated stage still equals the
+/// reference trainer on that backend, weight for weight, bit for bit. The model and batch are
+/// large enough that every linear layer's products go to the tiles (32 x 784 x 256 and
+/// 32 x 256 x 256 multiply-adds and their gradients).
+#[test]
+fn bf16x6_products_keep_the_reference_trainers_bits() {
+    use pipe_kernels::Precision;
+    let make = |_| {
+        CpuBackend::with_precision(1, Precision::Bf16x6)
+            .or_else(|_| CpuBackend::with_emulated_tiles(1))
+    };
+    let model = Model::new(&ModelSpec::preset("mlp-784-256x3-10").unwrap()).unwrap();
+    let spec = on_three(Policy::PipeDream, 2, &[1, 2, 1], 3);
+    let run = prepare(&spec, &model);
+    let source = common::source(SEED, 32);
+    let setup = common::setup(&model, &run, &source, SEED, &lr);
+    let init = model.init_params(SEED);
+    let mut states = common::worker_states(&setup, &init, opt());
+    let eps = mesh(run.schedule.workers(), &InProcOptions::default());
+    run_threads(&setup, &mut states, eps, make).unwrap_or_else(|e| panic!("{e}"));
+    let be = make(0).unwrap();
+    let want = reference_train(&be, &setup, &init, opt()).unwrap();
+    let f32_weights = common::reference(&setup, &init, opt());
+    let got = first_replicas(&run, &states);
+    for (s, (got, want)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(bits(got), bits(want), "stage {s}");
+    }
+    // ... and the products did go to the tiles: the weights are not the f32 run's.
+    assert_ne!(
+        want.iter().map(|p| bits(p)).collect::<Vec<_>>(),
+        f32_weights.iter().map(|p| bits(p)).collect::<Vec<_>>()
+    );
 }

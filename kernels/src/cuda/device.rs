@@ -338,6 +338,12 @@ impl CudaBackend {
     /// # Errors
     /// As [`CudaBackend::new`].
     pub fn with_precision(ordinal: usize, precision: Precision) -> Result<Self> {
+        if precision == Precision::Bf16x6 {
+            return Err(KernelError::Cuda {
+                op: "open",
+                detail: "bf16x6 is the cpu backend's precision (AMX tiles)".to_string(),
+            });
+        }
         let count = device_count()?;
         if ordinal >= count {
             return Err(KernelError::NoCuda {
@@ -1137,7 +1143,8 @@ impl Backend for CudaBackend {
             lds: (ldb, lda, ni),
         };
         match self.precision {
-            Precision::F32 => self.sgemm(dims, (alpha, beta), (bp, ap, cp)),
+            // bf16x6 is refused when the backend opens (`with_precision`).
+            Precision::F32 | Precision::Bf16x6 => self.sgemm(dims, (alpha, beta), (bp, ap, cp)),
             Precision::Tf32 => {
                 let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
                 let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;

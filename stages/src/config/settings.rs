@@ -310,9 +310,11 @@ pub struct TrainSettings {
     /// this build can open).
     #[arg(skip)]
     pub backend: Option<String>,
-    /// Precision of the matrix products: f32, tf32 or bf16 (tensor cores with f32
-    /// accumulation and f32 master weights; cuda only).
-    #[arg(long, value_parser = ["f32", "tf32", "bf16"])]
+    /// Precision of the matrix products: f32; tf32 or bf16 (tensor cores with f32
+    /// accumulation and f32 master weights; cuda only); or bf16x6 (f32's accuracy from six
+    /// bf16 products per term on AMX tiles, other bits than f32's; cpu only, Intel Xeon 4th
+    /// generation or later).
+    #[arg(long, value_parser = ["f32", "tf32", "bf16", "bf16x6"])]
     pub precision: Option<String>,
     /// What carries each link between workers: auto (channels between threads, shared
     /// memory between processes of one host, QUIC between hosts), or one transport for every
@@ -489,7 +491,7 @@ impl TrainSettings {
     pub(super) fn backend_kind(&self) -> Result<BackendKind> {
         let backend = match &self.backend {
             Some(b) => b.parse().map_err(StageError::Config)?,
-            None => BackendKind::Cpu,
+            None => BackendKind::default(),
         };
         match &self.precision {
             Some(p) => backend

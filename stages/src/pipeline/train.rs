@@ -166,7 +166,7 @@ pub fn train_pipelined(
         ledger: opts.ledger.then(Vec::new),
         taken_over: None,
         rejoin: opts.rejoin,
-        log_moved: opts.log_moved_messages && cfg.backend == BackendKind::Cpu,
+        log_moved: opts.log_moved_messages && matches!(cfg.backend, BackendKind::Cpu(_)),
         logs: Default::default(),
     };
     let from = LoopStart {
@@ -1976,7 +1976,7 @@ pub fn open_backend(
     worker: u32,
 ) -> std::result::Result<Box<dyn Backend>, pipe_kernels::KernelError> {
     let ordinal = match kind {
-        BackendKind::Cpu => 0,
+        BackendKind::Cpu(_) => 0,
         BackendKind::Cuda(_) => worker as usize % pipe_kernels::cuda::device_count()?,
     };
     kind.open(threads, ordinal)
