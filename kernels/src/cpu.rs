@@ -82,6 +82,12 @@ const PACK_MIN: usize = 1 << 20;
 /// this many elements (the backward `dX = dY W^T`, where `gemm` reads `W^T` column by column: at
 /// 8x256x256, 22 GFLOP/s in place against about 80 transposed).
 const TRANSPOSED_MIN: usize = 1 << 14;
+/// The shortest side (rows, columns or inner length) of a product that `--precision bf16x6`
+/// computes on the tiles: below it, packing the operands' parts and moving the output's tiles
+/// cost more than the tiles save (GPT-2's products at width 128, 2 threads: f32 at 123-234
+/// GFLOP/s, the tiles at 52-241, those with a side of 128 the slowest; at width 512 the tiles
+/// take the step's products in 0.85 of f32's time; `kernels/examples/step_products.rs`).
+const TILE_MIN_SIDE: usize = 256;
 /// Packed operands kept per backend (least recently used dropped first) ...
 const PACK_CACHE: usize = 64;
 /// ... and their bytes at most: a pipeline stage's weights over the versions it stashes (a
@@ -152,9 +158,9 @@ impl CpuBackend {
     }
 
     /// A backend as [`CpuBackend::new`] makes, its matrix products in `precision`: f32 through
-    /// `gemm`, or [`Precision::Bf16x6`] on the CPU's AMX tiles (products of at least
-    /// [`GEMM_SPLIT_MIN`] multiply-adds with 16 rows and columns or more; smaller ones stay f32,
-    /// a rule of the shape alone).
+    /// `gemm`, or [`Precision::Bf16x6`] on the CPU's AMX tiles (products whose rows, columns
+    /// and inner length are all at least [`TILE_MIN_SIDE`]; others stay f32, a rule of the
+    /// shape alone).
     ///
     /// # Errors
     /// [`KernelError::NoTileUnit`] for bf16x6 where the CPU or OS offers no AMX tiles,
@@ -214,7 +220,7 @@ impl CpuBackend {
         let Some((unit, packs)) = &self.tiles else {
             return Ok(false);
         };
-        if m < 16 || n < 16 || m.saturating_mul(n).saturating_mul(k) < GEMM_SPLIT_MIN {
+        if m.min(n).min(k) < TILE_MIN_SIDE {
             return Ok(false);
         }
         let operands = split_bf16::Operands {

@@ -163,6 +163,8 @@ fn matmul_all_transposes(be: &dyn Backend) {
         // A right operand of over 2^20 elements: transposed, it is read row-major as the left
         // operand of C^T, at any row count.
         (70, 1030, 1024),
+        // Every side at least 256: on the tiles in bf16x6.
+        (260, 300, 270),
     ] {
         for ta in [Trans::No, Trans::Yes] {
             for tb in [Trans::No, Trans::Yes] {
@@ -1051,7 +1053,7 @@ fn bf16x6_is_as_accurate_as_f32(be: &dyn Backend) {
     let f32_products = CpuBackend::new(2).unwrap();
     for ta in [Trans::No, Trans::Yes] {
         for tb in [Trans::No, Trans::Yes] {
-            let (a, b) = operands(96, 700, 130, ta, tb, 21);
+            let (a, b) = operands(256, 700, 300, ta, tb, 21);
             let (mut split, mut plain) = (Tensor::default(), Tensor::default());
             be.matmul(&a, ta, &b, tb, &mut split, false).unwrap();
             f32_products
@@ -1079,7 +1081,7 @@ fn bf16x6_bits_are_the_same_with_or_without_amx_at_any_thread_count() {
     if hardware.is_none() {
         eprintln!("no AMX here: the emulated tiles are compared across thread counts only");
     }
-    for &(m, k, n) in &[(300, 260, 270), (64, 1024, 48)] {
+    for &(m, k, n) in &[(300, 260, 270), (256, 1024, 290)] {
         for ta in [Trans::No, Trans::Yes] {
             for tb in [Trans::No, Trans::Yes] {
                 let (a, b) = operands(m, k, n, ta, tb, 9);
