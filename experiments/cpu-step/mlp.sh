@@ -3,8 +3,10 @@
 # batch 256, plain SGD, 2 threads: median of 20 timed steps after 3) and the same model, batch,
 # loss and optimizer through experiments/gpu/peer.py on the CPU with 2 threads (median of 20
 # after 3), in alternating rounds. Needs python with torch (PYTHON, default python3).
+# PRECISIONS lists pipe's precisions, one column each (default f32; bf16x6 on a CPU with AMX).
 #
 #   experiments/cpu-step/mlp.sh [ROUNDS]       # default 3
+#   PRECISIONS="f32 bf16x6" experiments/cpu-step/mlp.sh 5
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rounds=${1:-3}
@@ -15,21 +17,33 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "## $(lscpu | sed -n 's/^Model name: *//p')"
 echo
-echo "| round | pipe samples/s | PyTorch samples/s | pipe / PyTorch |"
-echo "|---|---|---|---|"
+precisions=${PRECISIONS:-f32}
+heads=$(for p in $precisions; do printf ' pipe %s samples/s |' "$p"; done)
+ratios=$(for p in $precisions; do printf ' pipe %s / PyTorch |' "$p"; done)
+n=$(echo $precisions | wc -w)
+echo "| round |$heads PyTorch samples/s |$ratios"
+echo "|---|$(printf '%.0s---|' $(seq $((2 * n + 1))))"
 for r in $(seq 1 "$rounds"); do
-  "$pipe" bench mfu --threads 2 --json "$work/pipe.json" > /dev/null
+  for p in $precisions; do
+    "$pipe" bench mfu --threads 2 --precision "$p" --json "$work/pipe-$p.json" > /dev/null
+  done
   "$python" experiments/gpu/peer.py --device cpu --threads 2 \
     --case mlp-784-1024x16-10:256:f32 > "$work/torch.json"
-  python3 - "$work/pipe.json" "$work/torch.json" "$r" <<'PY' | tee -a "$work/rows"
+  python3 - "$work" "$r" $precisions <<'PY' | tee -a "$work/rows"
 import json, sys
-p = json.load(open(sys.argv[1]))["samples_per_s"]
-t = json.loads(open(sys.argv[2]).read().splitlines()[-1])["samples_per_s"]
-print(f"| {sys.argv[3]} | {p:.0f} | {t:.0f} | {p / t:.2f} |")
+work, r, *precisions = sys.argv[1:]
+p = [json.load(open(f"{work}/pipe-{x}.json"))["samples_per_s"] for x in precisions]
+t = json.loads(open(f"{work}/torch.json").read().splitlines()[-1])["samples_per_s"]
+print(f"| {r} | " + " | ".join(f"{x:.0f}" for x in p) + f" | {t:.0f} | "
+      + " | ".join(f"{x / t:.2f}" for x in p) + " |")
 PY
 done
-python3 - "$work/rows" <<'PY'
+python3 - "$work/rows" $precisions <<'PY'
 import statistics, sys
-ratios = [float(l.split("|")[4]) for l in open(sys.argv[1])]
-print(f"\nmedian pipe / PyTorch: {statistics.median(ratios):.2f}")
+rows, precisions = sys.argv[1], sys.argv[2:]
+cells = [[c.strip() for c in l.strip().strip("|").split("|")] for l in open(rows)]
+print()
+for i, p in enumerate(precisions):
+    ratios = [float(c[-len(precisions) + i]) for c in cells]
+    print(f"median pipe {p} / PyTorch: {statistics.median(ratios):.2f}")
 PY

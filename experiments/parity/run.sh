@@ -12,7 +12,10 @@
 # Needs python with torch and transformers (PYTHON, default python3); not part of CI.
 # PIPELINE adds layout flags to pipe's run (a flush schedule computes the same update as one
 # worker: PIPELINE="--stages 4 --schedule 1f1b-flush --partition flops" clips by the global norm
-# its stages exchange), and NAME names the results file (default results.md).
+# its stages exchange; PIPELINE="--precision bf16x6" computes the products on AMX tiles), EMBD
+# and HEADS set the width and heads (default 128 and 4; bf16x6 takes the tiles only for
+# products whose sides are all 256 or more, so EMBD=256 HEADS=8 puts every block's products
+# there), and NAME names the results file (default results.md).
 #
 #   experiments/parity/run.sh [OUT]        # writes OUT/results.md (default experiments/parity)
 set -euo pipefail
@@ -25,7 +28,7 @@ cargo build --release --locked --quiet --bin pipe
 pipe=$PWD/target/release/pipe
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-model=(--model gpt2 --n-layer 4 --n-embd 128 --n-head 4 --n-positions 128
+model=(--model gpt2 --n-layer 4 --n-embd "${EMBD:-128}" --n-head "${HEADS:-4}" --n-positions 128
        --dataset tinyshakespeare --seed 3)
 train=(--steps "$steps" --microbatch-size 4 --microbatches 3 --optimizer adamw --lr 2e-3
        --lr-schedule cosine --warmup-steps 10 --weight-decay 0.1 --weight-decay-groups matrices

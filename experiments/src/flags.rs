@@ -643,7 +643,7 @@ impl TypedValueParser for BackendParser {
     }
 }
 
-/// Parses `--precision` (`f32`, `tf32`, `bf16`).
+/// Parses `--precision` (`f32`, `tf32`, `bf16`, `bf16x6`).
 ///
 /// # Errors
 /// The one-line message naming the choices.

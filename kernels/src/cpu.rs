@@ -1,4 +1,5 @@
-//! The CPU backend: `gemm` for matrix products, plain loops (auto-vectorised) for the rest, a
+//! The CPU backend: `gemm` for matrix products (or, under `--precision bf16x6`, the AMX tiles of
+//! [`crate::split_bf16`] for the large ones), plain loops (auto-vectorised) for the rest, a
 //! private rayon pool for threads, and a block layout that depends only on shapes. The loops
 //! that compute more than they move (activations, LayerNorm, the optimizer updates, the
 //! finiteness scan) run compiled for the machine's widest vectors ([`crate::vector`]), with the

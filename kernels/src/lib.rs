@@ -18,6 +18,9 @@
 //! on the problem's shape, never on the number of threads, and no reduction is ever split across
 //! threads. Threads only decide *who* computes a block, not *how* it is summed. This is what lets
 //! the pipelined executor be checked bit for bit against the sequential reference trainer.
+//! Under [`Precision::Bf16x6`] the large products go to Intel's AMX tiles instead (`split_bf16`:
+//! f32's accuracy from six bf16 products per term) under the same promise, and with the tile
+//! instruction emulated where AMX is absent, the same bits on every CPU.
 
 #![warn(missing_docs)]
 

@@ -477,10 +477,14 @@ impl crate::vector::Kernel for LeftPanel<'_, '_> {
             panel,
             mut planes,
         } = self;
-        for plane in planes.iter_mut() {
-            plane.fill(0);
-        }
         let rows = (p.m - (panel * 16).min(p.m)).min(16);
+        if rows < 16 {
+            // Only the rows below the operand's last are padding; every other part is written
+            // (the packs are large, so writing them twice costs as much as the split).
+            for plane in planes.iter_mut() {
+                plane.fill(0);
+            }
+        }
         let mut parts = [[0u16; 32]; 3];
         let mut gathered = [0f32; 32];
         for r in 0..rows {
@@ -524,10 +528,13 @@ impl crate::vector::Kernel for RightPanel<'_, '_> {
             panel,
             mut planes,
         } = self;
-        for plane in planes.iter_mut() {
-            plane.fill(0);
-        }
         let cols = (p.n - (panel * 16).min(p.n)).min(16);
+        if cols < 16 {
+            // Only the columns past the operand's last are padding ([`LeftPanel`]'s reason).
+            for plane in planes.iter_mut() {
+                plane.fill(0);
+            }
+        }
         let mut parts = [[0u16; 32]; 3];
         for c in 0..cols {
             for step in 0..p.k.div_ceil(K_STEP) {
