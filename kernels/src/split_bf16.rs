@@ -487,10 +487,13 @@ impl crate::vector::Kernel for LeftPanel<'_, '_> {
         }
         let mut parts = [[0u16; 32]; 3];
         let mut gathered = [0f32; 32];
-        for r in 0..rows {
-            let i = (panel * 16 + r) as isize;
-            for step in 0..p.k.div_ceil(K_STEP) {
-                let (k0, len) = (step * K_STEP, (p.k - step * K_STEP).min(K_STEP));
+        // Step by step, so each step's three tiles are written whole while they sit in L1
+        // (row by row, every row's pass touched all of the panel's 3 x steps tiles: twice the
+        // time at k = 3,072).
+        for step in 0..p.k.div_ceil(K_STEP) {
+            let (k0, len) = (step * K_STEP, (p.k - step * K_STEP).min(K_STEP));
+            for r in 0..rows {
+                let i = (panel * 16 + r) as isize;
                 let values = if p.a_cs == 1 {
                     // SAFETY: row i < m holds k contiguous values of op(A).
                     unsafe { run_at(p.a, i * p.a_rs + k0 as isize, len) }
@@ -536,9 +539,10 @@ impl crate::vector::Kernel for RightPanel<'_, '_> {
             }
         }
         let mut parts = [[0u16; 32]; 3];
-        for c in 0..cols {
-            for step in 0..p.k.div_ceil(K_STEP) {
-                let (k0, len) = (step * K_STEP, (p.k - step * K_STEP).min(K_STEP));
+        // Step by step, as [`LeftPanel`] (its reason).
+        for step in 0..p.k.div_ceil(K_STEP) {
+            let (k0, len) = (step * K_STEP, (p.k - step * K_STEP).min(K_STEP));
+            for c in 0..cols {
                 let offset = (panel * 16 + c) as isize * p.b_cs + k0 as isize;
                 // SAFETY: column 16 panel + c < n holds k contiguous values of op(B).
                 split_run(unsafe { run_at(p.b, offset, len) }, &mut parts);
@@ -555,7 +559,8 @@ impl crate::vector::Kernel for RightPanel<'_, '_> {
 }
 
 /// The tile arithmetic of one 32 x 32 output block: four f32 accumulator tiles `C[r][c]`
-/// (rows `16 r..`, columns `16 c..`), each step adding two left tiles times two right tiles.
+/// (rows `16 r..`, columns `16 c..`), each group adding two held left tiles times two held
+/// right tiles.
 trait Tiles {
     /// Sets the accumulators to the 32 x 32 block at `c` (rows `stride` floats apart), or to
     /// zero where `c` is `None`.
@@ -563,16 +568,19 @@ trait Tiles {
     /// # Safety
     /// `c` must be valid for reading 32 rows of 32 floats at that stride.
     unsafe fn load(&mut self, c: Option<*const f32>, stride: usize);
-    /// Holds the left tiles `a` for the next [`Tiles::multiply`] calls.
+    /// Holds left tiles `a` and right tiles `b` for the next [`Tiles::group`].
     ///
     /// # Safety
-    /// Each pointer must be valid for one tile (512 parts).
-    unsafe fn hold_left(&mut self, a: [*const u16; 2]);
-    /// Adds `a[r] b[c]` to every accumulator `C[r][c]`, `a` the held left tiles.
+    /// Each pointer must be valid for one tile.
+    unsafe fn prime(&mut self, a: [*const u16; 2], b: [*const u16; 2]);
+    /// Adds `a[r] b[c]` of the held tiles to every `C[r][c]`, then holds `next_b` and, where
+    /// given, `next_a`. Each load comes right after the last product that reads the tile it
+    /// replaces, so the next group's first product finds its tiles loaded (3-5% of a
+    /// product's time against loading all four tiles before each group's products).
     ///
     /// # Safety
-    /// Each pointer must be valid for one tile (512 parts); left tiles must be held.
-    unsafe fn multiply(&mut self, b: [*const u16; 2]);
+    /// Each pointer must be valid for one tile; tiles must be held.
+    unsafe fn group(&mut self, next_b: [*const u16; 2], next_a: Option<[*const u16; 2]>);
     /// Writes the accumulators to the 32 x 32 block at `c`.
     ///
     /// # Safety
@@ -645,36 +653,58 @@ impl Tiles for Amx {
         }
     }
 
-    unsafe fn hold_left(&mut self, a: [*const u16; 2]) {
-        // SAFETY: the caller guarantees two whole tiles; the tiles are configured.
+    unsafe fn prime(&mut self, a: [*const u16; 2], b: [*const u16; 2]) {
+        // SAFETY: the caller guarantees four whole tiles; the tiles are configured.
         unsafe {
             std::arch::asm!(
                 "tileloadd tmm4, [{a0} + {s}*1]",
+                "tileloadd tmm6, [{b0} + {s}*1]",
                 "tileloadd tmm5, [{a1} + {s}*1]",
+                "tileloadd tmm7, [{b1} + {s}*1]",
                 a0 = in(reg) a[0],
                 a1 = in(reg) a[1],
+                b0 = in(reg) b[0],
+                b1 = in(reg) b[1],
                 s = in(reg) 64usize,
                 options(nostack, readonly)
             );
         }
     }
 
-    unsafe fn multiply(&mut self, b: [*const u16; 2]) {
-        // SAFETY: the caller guarantees two whole tiles and held left tiles; the tiles are
-        // configured.
+    unsafe fn group(&mut self, next_b: [*const u16; 2], next_a: Option<[*const u16; 2]>) {
+        // SAFETY: the caller guarantees whole tiles, held ones included; the tiles are
+        // configured. `tmm4`/`tmm5` hold the left tiles, `tmm6`/`tmm7` the right ones.
         unsafe {
-            std::arch::asm!(
-                "tileloadd tmm6, [{b0} + {s}*1]",
-                "tileloadd tmm7, [{b1} + {s}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                b0 = in(reg) b[0],
-                b1 = in(reg) b[1],
-                s = in(reg) 64usize,
-                options(nostack, readonly)
-            );
+            match next_a {
+                None => std::arch::asm!(
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tileloadd tmm6, [{b0} + {s}*1]",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm7, [{b1} + {s}*1]",
+                    b0 = in(reg) next_b[0],
+                    b1 = in(reg) next_b[1],
+                    s = in(reg) 64usize,
+                    options(nostack, readonly)
+                ),
+                Some(a) => std::arch::asm!(
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tileloadd tmm6, [{b0} + {s}*1]",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm4, [{a0} + {s}*1]",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm7, [{b1} + {s}*1]",
+                    "tileloadd tmm5, [{a1} + {s}*1]",
+                    a0 = in(reg) a[0],
+                    a1 = in(reg) a[1],
+                    b0 = in(reg) next_b[0],
+                    b1 = in(reg) next_b[1],
+                    s = in(reg) 64usize,
+                    options(nostack, readonly)
+                ),
+            }
         }
     }
 
@@ -706,6 +736,7 @@ impl Tiles for Amx {
 struct Emulated {
     c: Box<[f32; 1024]>,
     left: [*const u16; 2],
+    right: [*const u16; 2],
 }
 
 impl Emulated {
@@ -713,30 +744,17 @@ impl Emulated {
         Self {
             c: Box::new([0.0; 1024]),
             left: [std::ptr::null(); 2],
-        }
-    }
-}
-
-impl Tiles for Emulated {
-    unsafe fn load(&mut self, c: Option<*const f32>, stride: usize) {
-        for r in 0..32 {
-            for col in 0..32 {
-                self.c[r * 32 + col] = match c {
-                    // SAFETY: inside the block the caller guarantees.
-                    Some(c) => unsafe { *c.add(r * stride + col) },
-                    None => 0.0,
-                };
-            }
+            right: [std::ptr::null(); 2],
         }
     }
 
-    unsafe fn hold_left(&mut self, a: [*const u16; 2]) {
-        self.left = a;
-    }
-
-    unsafe fn multiply(&mut self, b: [*const u16; 2]) {
+    /// `C[r][c] += a[r] b[c]` for the held tiles.
+    ///
+    /// # Safety
+    /// The held pointers must be whole tiles.
+    unsafe fn multiply_held(&mut self) {
         for (tr, &at) in self.left.iter().enumerate() {
-            for (tc, &bt) in b.iter().enumerate() {
+            for (tc, &bt) in self.right.iter().enumerate() {
                 for r in 0..16 {
                     for col in 0..16 {
                         let mut halves = [0f32; 2];
@@ -756,6 +774,34 @@ impl Tiles for Emulated {
                     }
                 }
             }
+        }
+    }
+}
+
+impl Tiles for Emulated {
+    unsafe fn load(&mut self, c: Option<*const f32>, stride: usize) {
+        for r in 0..32 {
+            for col in 0..32 {
+                self.c[r * 32 + col] = match c {
+                    // SAFETY: inside the block the caller guarantees.
+                    Some(c) => unsafe { *c.add(r * stride + col) },
+                    None => 0.0,
+                };
+            }
+        }
+    }
+
+    unsafe fn prime(&mut self, a: [*const u16; 2], b: [*const u16; 2]) {
+        self.left = a;
+        self.right = b;
+    }
+
+    unsafe fn group(&mut self, next_b: [*const u16; 2], next_a: Option<[*const u16; 2]>) {
+        // SAFETY: the held tiles are whole (the caller's guarantee).
+        unsafe { self.multiply_held() };
+        self.right = next_b;
+        if let Some(a) = next_a {
+            self.left = a;
         }
     }
 
@@ -816,23 +862,7 @@ unsafe fn output_block<T: Tiles>(
                         (edge.as_mut_ptr(), 32)
                     };
                     tiles.load((!fresh).then_some(block.cast_const()), stride);
-                    // Each step's left part is held while it meets every right part of at most
-                    // the complementary order (so 3 left and 6 right loads make the 6
-                    // products).
-                    for s in k0..k1 {
-                        for pa in 0..3 {
-                            tiles.hold_left([
-                                left.as_ptr().add(l.left_tile(pa, i / 16, s)),
-                                left.as_ptr().add(l.left_tile(pa, i / 16 + 1, s)),
-                            ]);
-                            for pb in 0..3 - pa {
-                                tiles.multiply([
-                                    right.as_ptr().add(l.right_tile(pb, j / 16, s)),
-                                    right.as_ptr().add(l.right_tile(pb, j / 16 + 1, s)),
-                                ]);
-                            }
-                        }
-                    }
+                    inner_block(tiles, l, (left, right), (i, j), (k0, k1));
                     tiles.store(block, stride);
                     if !inside {
                         for r in 0..(m - i).min(32) {
@@ -842,6 +872,59 @@ unsafe fn output_block<T: Tiles>(
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The order in which a step's six products of parts `(left part, right part)` are made.
+/// Each accumulator adds them in this order, so the order is part of the bits.
+const PRODUCTS: [(usize, usize); 6] = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)];
+
+/// Adds the 32 x 32 block at rows `i` and columns `j` over the inner steps `k0..k1` to the
+/// accumulators: [`PRODUCTS`] in turn at each step, each group's next tiles loaded while it
+/// multiplies ([`Tiles::group`]).
+///
+/// # Safety
+/// The packs must hold `l`'s layout, with rows `i..i + 32`, columns `j..j + 32` and steps
+/// `k0..k1` (`k0 < k1`) inside it.
+unsafe fn inner_block<T: Tiles>(
+    tiles: &mut T,
+    l: Layout,
+    (left, right): (&[u16], &[u16]),
+    (i, j): (usize, usize),
+    (k0, k1): (usize, usize),
+) {
+    // SAFETY: inside the packs (the caller's guarantee).
+    let left_tiles = |part: usize, s: usize| unsafe {
+        [
+            left.as_ptr().add(l.left_tile(part, i / 16, s)),
+            left.as_ptr().add(l.left_tile(part, i / 16 + 1, s)),
+        ]
+    };
+    // SAFETY: as `left_tiles`.
+    let right_tiles = |part: usize, s: usize| unsafe {
+        [
+            right.as_ptr().add(l.right_tile(part, j / 16, s)),
+            right.as_ptr().add(l.right_tile(part, j / 16 + 1, s)),
+        ]
+    };
+    // SAFETY: every pointer is a whole tile of the packs.
+    unsafe {
+        tiles.prime(left_tiles(0, k0), right_tiles(0, k0));
+        for s in k0..k1 {
+            for (g, &(a_part, _)) in PRODUCTS.iter().enumerate() {
+                // The last group loads the next step's first tiles (the last step's own again,
+                // which are never used, so no load leaves the packs).
+                let ((next_a, next_b), next_s) = match PRODUCTS.get(g + 1) {
+                    Some(&next) => (next, s),
+                    None => (PRODUCTS[0], (s + 1).min(k1 - 1)),
+                };
+                let load_a = next_a != a_part || next_s != s;
+                tiles.group(
+                    right_tiles(next_b, next_s),
+                    load_a.then(|| left_tiles(next_a, next_s)),
+                );
             }
         }
     }
