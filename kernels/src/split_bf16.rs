@@ -381,7 +381,10 @@ fn split_wide(values: &[f32], parts: &mut [[u16; GROUP_WIDTH]; 3]) {
     }
 }
 
-/// One tile of `plane` from the split rows' 16 values at `x0`, in `order`.
+/// One tile of `plane` from the split rows' 16 values at `x0`, in `order`. Both orders start
+/// from the step's rows taken in pairs, `w(q, c) = v(2 q, c) | v(2 q + 1, c) << 16` (one
+/// vectorised pass): that is the [`TileOrder::Pairs`] tile, and its 16 x 16 transpose is the
+/// [`TileOrder::Transposed`] one (half the moves of transposing the parts one by one).
 #[inline(always)]
 fn make_tile(
     split_rows: &[[[u16; GROUP_WIDTH]; 3]; K_STEP],
@@ -390,21 +393,30 @@ fn make_tile(
     order: TileOrder,
     tile: &mut [u16],
 ) {
+    let mut pairs = [[0u32; 16]; 16];
+    for (q, row) in pairs.iter_mut().enumerate() {
+        let even = &split_rows[2 * q][plane][x0..x0 + 16];
+        let odd = &split_rows[2 * q + 1][plane][x0..x0 + 16];
+        for ((w, &e), &o) in row.iter_mut().zip(even).zip(odd) {
+            *w = u32::from(e) | (u32::from(o) << 16);
+        }
+    }
+    let mut write = |r: usize, c: usize, w: u32| {
+        tile[r * 32 + 2 * c] = w as u16;
+        tile[r * 32 + 2 * c + 1] = (w >> 16) as u16;
+    };
     match order {
-        TileOrder::Transposed => {
-            for (r, tile_row) in tile.chunks_exact_mut(K_STEP).enumerate() {
-                for (e, v) in tile_row.iter_mut().enumerate() {
-                    *v = split_rows[e][plane][x0 + r];
+        TileOrder::Pairs => {
+            for (q, row) in pairs.iter().enumerate() {
+                for (c, &w) in row.iter().enumerate() {
+                    write(q, c, w);
                 }
             }
         }
-        TileOrder::Pairs => {
-            for (q, tile_row) in tile.chunks_exact_mut(32).enumerate() {
-                let even = &split_rows[2 * q][plane][x0..x0 + 16];
-                let odd = &split_rows[2 * q + 1][plane][x0..x0 + 16];
-                for (c, pair) in tile_row.chunks_exact_mut(2).enumerate() {
-                    pair[0] = even[c];
-                    pair[1] = odd[c];
+        TileOrder::Transposed => {
+            for (q, row) in pairs.iter().enumerate() {
+                for (c, &w) in row.iter().enumerate() {
+                    write(c, q, w);
                 }
             }
         }
