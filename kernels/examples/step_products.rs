@@ -7,7 +7,9 @@
 //! PRECISION=bf16x6 cargo run --release -p pipe-kernels --example step_products -- 2
 //! ```
 //!
-//! Each row is the median of 31 timed calls after 5 untimed ones ([`common::median_seconds`]).
+//! Each row is the median of 31 timed calls after 5 untimed ones ([`common::median_seconds`]);
+//! the last lines sum each width's medians, one of each product (the step makes each shape
+//! once per block, and the head's once).
 //! The forward products read the weight as stored (`X W`), the input gradients read it
 //! transposed (`dY W^T`) and the weight gradients read the input transposed (`X^T dY`), as the
 //! layers call them.
@@ -33,6 +35,7 @@ fn main() {
     println!("{threads} thread(s), {precision} products; GFLOP/s, median of 31 calls");
     println!("| width | product | m x k x n | GFLOP/s |");
     println!("|---|---|---|---|");
+    let mut totals: Vec<(usize, f64)> = Vec::new();
     each_step_product(&widths, |width, layer, (name, a, ta, b, tb)| {
         let ((m, k), n) = (ta.dims(a), tb.dims(b).1);
         let flops = 2.0 * (m * k * n) as f64;
@@ -44,5 +47,15 @@ fn main() {
             "| {width} | {layer}: {name} | {m}x{k}x{n} | {:.1} |",
             flops / seconds / 1e9
         );
+        match totals.last_mut() {
+            Some((w, total)) if *w == width => *total += seconds,
+            _ => totals.push((width, seconds)),
+        }
     });
+    for (width, total) in totals {
+        println!(
+            "width {width}: {:.1} ms for one of each product (the sum of their medians)",
+            total * 1e3
+        );
+    }
 }

@@ -500,8 +500,8 @@ impl crate::vector::Kernel for LeftPanel<'_, '_> {
         let mut parts = [[0u16; 32]; 3];
         let mut gathered = [0f32; 32];
         // Step by step, so each step's three tiles are written whole while they sit in L1
-        // (row by row, every row's pass touched all of the panel's 3 x steps tiles: twice the
-        // time at k = 3,072).
+        // (row by row, every row's pass touched all of the panel's 3 x steps tiles, 288 KiB
+        // at k = 3,072, and the next row's found them evicted).
         for step in 0..p.k.div_ceil(K_STEP) {
             let (k0, len) = (step * K_STEP, (p.k - step * K_STEP).min(K_STEP));
             for r in 0..rows {
@@ -587,8 +587,8 @@ trait Tiles {
     unsafe fn prime(&mut self, a: [*const u16; 2], b: [*const u16; 2]);
     /// Adds `a[r] b[c]` of the held tiles to every `C[r][c]`, then holds `next_b` and, where
     /// given, `next_a`. Each load comes right after the last product that reads the tile it
-    /// replaces, so the next group's first product finds its tiles loaded (3-5% of a
-    /// product's time against loading all four tiles before each group's products).
+    /// replaces, so the next group's first product finds its tiles loaded, where loading all
+    /// four before a group's products left the unit waiting for each load.
     ///
     /// # Safety
     /// Each pointer must be valid for one tile; tiles must be held.
