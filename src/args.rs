@@ -65,7 +65,7 @@ pub fn dataset_and_dir(
 ///
 /// # Errors
 /// Bad input (exit 2) when this build or machine has no such device: a build without CUDA,
-/// no driver, GPU or NVRTC, or `--precision bf16x6` on a CPU without AMX.
+/// no driver, GPU or NVRTC, or `--precision bf16x6` or `bf16x3` on a CPU without AMX.
 pub fn open_backend(kind: BackendKind, threads: usize) -> Result<Box<dyn Backend>> {
     pipe_stages::pipeline::open_backend(kind, threads, 0).map_err(|e| match e {
         KernelError::NotCompiledWithCuda

@@ -108,22 +108,22 @@ fn bad_input_exits_2_with_one_line() {
         assert_bad_input(&["train", "--backend", "cuda"], "CUDA is not available");
     }
     if pipe_kernels::CpuBackend::with_precision(1, pipe_kernels::Precision::Bf16x6).is_err() {
-        // A CPU without AMX tiles (on one with them, bf16x6 runs).
-        for command in [
-            &["train", "--precision", "bf16x6"][..],
-            &["train", "--stages", "2", "--precision", "bf16x6"],
-        ] {
-            assert_bad_input(
-                command,
-                "--precision bf16x6 needs a CPU with AMX bf16 tiles",
-            );
+        // A CPU without AMX tiles (on one with them, bf16x6 and bf16x3 run).
+        for precision in ["bf16x6", "bf16x3"] {
+            let needs = format!("--precision {precision} needs a CPU with AMX bf16 tiles");
+            for command in [
+                &["train", "--precision", precision][..],
+                &["train", "--stages", "2", "--precision", precision],
+            ] {
+                assert_bad_input(command, &needs);
+            }
         }
     }
     let backends = [
         ("train --backend tpu", "unknown backend"),
         (
             "train --precision bf16",
-            "the cpu backend computes in f32 or bf16x6; --precision bf16 needs --backend cuda",
+            "the cpu backend computes in f32, bf16x6 or bf16x3; --precision bf16 needs --backend cuda",
         ),
         ("train --precision fp8", "fp8"),
         (

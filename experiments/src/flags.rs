@@ -553,8 +553,8 @@ pub struct MfuArgs {
     /// Compute backend: cpu, or cuda (device 0; builds with `--features cuda`).
     #[arg(long, default_value = "cpu", value_parser = BackendParser)]
     pub backend: BackendKind,
-    /// Precision of the matrix products: f32, tf32 or bf16 (cuda only), or bf16x6 (cpu with
-    /// AMX only).
+    /// Precision of the matrix products: f32, tf32 or bf16 (cuda only), or bf16x6 or bf16x3
+    /// (cpu with AMX only).
     #[arg(long, default_value = "f32", value_parser = |s: &str| s.parse::<Precision>())]
     pub precision: Precision,
     /// Also write the report as JSON to FILE.
@@ -643,7 +643,7 @@ impl TypedValueParser for BackendParser {
     }
 }
 
-/// Parses `--precision` (`f32`, `tf32`, `bf16`, `bf16x6`).
+/// Parses `--precision` (`f32`, `tf32`, `bf16`, `bf16x6`, `bf16x3`).
 ///
 /// # Errors
 /// The one-line message naming the choices.

@@ -30,7 +30,7 @@ fn main() {
     let precision: Precision = std::env::var("PRECISION")
         .unwrap_or_else(|_| "f32".into())
         .parse()
-        .expect("PRECISION: f32 or bf16x6");
+        .expect("PRECISION: f32, bf16x6 or bf16x3");
     let be = CpuBackend::with_precision(threads, precision).expect("backend");
     println!("{threads} thread(s), {precision} products; GFLOP/s, median of 31 calls");
     println!("| width | product | m x k x n | GFLOP/s |");

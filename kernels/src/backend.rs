@@ -697,7 +697,7 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 ///
 /// Weights, optimizer state, gradients and every operation other than the products stay f32
 /// in all of them. The CUDA backend offers TF32 and bf16; the CPU backend offers bf16x6, f32's
-/// accuracy from bf16 tile products.
+/// accuracy from bf16 tile products, and bf16x3, about 16 bits from half as many.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Precision {
     /// Full f32 products.
@@ -714,6 +714,12 @@ pub enum Precision {
     /// rounding), other bits than [`Precision::F32`]'s, the same bits with or without AMX
     /// (the CPU backend only; see `split_bf16.rs`).
     Bf16x6,
+    /// Products summed from three bf16 products of each element's two leading bf16 parts on
+    /// the CPU's AMX tiles (`a0 b0 + a0 b1 + a1 b0`), accumulated in f32: about 16 bits of
+    /// each term (PyTorch's `set_float32_matmul_precision("high")` describes the same
+    /// split), in half the tile products of [`Precision::Bf16x6`]; the same bits with or
+    /// without AMX (the CPU backend only; see `split_bf16.rs`).
+    Bf16x3,
 }
 
 impl Precision {
@@ -724,6 +730,7 @@ impl Precision {
             Precision::Tf32 => "tf32",
             Precision::Bf16 => "bf16",
             Precision::Bf16x6 => "bf16x6",
+            Precision::Bf16x3 => "bf16x3",
         }
     }
 }
@@ -742,8 +749,9 @@ impl std::str::FromStr for Precision {
             "tf32" => Ok(Precision::Tf32),
             "bf16" => Ok(Precision::Bf16),
             "bf16x6" => Ok(Precision::Bf16x6),
+            "bf16x3" => Ok(Precision::Bf16x3),
             other => Err(format!(
-                "unknown precision '{other}' (f32, tf32, bf16, bf16x6)"
+                "unknown precision '{other}' (f32, tf32, bf16, bf16x6, bf16x3)"
             )),
         }
     }
@@ -753,7 +761,8 @@ impl std::str::FromStr for Precision {
 /// `--precision`), parsed once at the edge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackendKind {
-    /// The CPU backend (always built), with the precision of its products (f32 or bf16x6).
+    /// The CPU backend (always built), with the precision of its products (f32, bf16x6 or
+    /// bf16x3).
     Cpu(Precision),
     /// The CUDA backend (behind the `cuda` feature), with the precision of its products.
     Cuda(Precision),
@@ -785,12 +794,12 @@ impl BackendKind {
     /// This backend computing its products in `precision`.
     ///
     /// # Errors
-    /// A one-line message when the backend cannot (the CPU computes in f32, or in bf16x6 where
-    /// it has AMX tiles; CUDA in f32, tf32 or bf16).
+    /// A one-line message when the backend cannot (the CPU computes in f32, or in bf16x6 or
+    /// bf16x3 where it has AMX tiles; CUDA in f32, tf32 or bf16).
     pub fn with_precision(self, precision: Precision) -> std::result::Result<Self, String> {
         match (self, precision) {
             (BackendKind::Cpu(_), Precision::F32) => Ok(BackendKind::Cpu(Precision::F32)),
-            (BackendKind::Cpu(_), precision @ Precision::Bf16x6) => {
+            (BackendKind::Cpu(_), precision @ (Precision::Bf16x6 | Precision::Bf16x3)) => {
                 if crate::split_bf16::hardware_available() {
                     Ok(BackendKind::Cpu(precision))
                 } else {
@@ -798,13 +807,13 @@ impl BackendKind {
                 }
             }
             (BackendKind::Cpu(_), p) => Err(format!(
-                "the cpu backend computes in f32 or bf16x6; --precision {p} needs --backend cuda"
+                "the cpu backend computes in f32, bf16x6 or bf16x3; --precision {p} needs \
+                 --backend cuda"
             )),
-            (BackendKind::Cuda(_), Precision::Bf16x6) => Err(
-                "--precision bf16x6 is the cpu backend's (AMX tiles); the cuda backend computes \
-                 in f32, tf32 or bf16"
-                    .to_string(),
-            ),
+            (BackendKind::Cuda(_), p @ (Precision::Bf16x6 | Precision::Bf16x3)) => Err(format!(
+                "--precision {p} is the cpu backend's (AMX tiles); the cuda backend computes in \
+                 f32, tf32 or bf16"
+            )),
             (BackendKind::Cuda(_), p) => Ok(BackendKind::Cuda(p)),
         }
     }

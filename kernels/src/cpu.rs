@@ -111,9 +111,14 @@ pub struct CpuBackend {
     /// Packed GEMM operands keyed by content stamp: a weight matrix is packed once per version
     /// and reused by every microbatch until it changes.
     packs: Mutex<VecDeque<Packed>>,
-    /// Where the products of `--precision bf16x6` run (`None`: f32 products through `gemm`),
-    /// and the scratch their packed operands reuse.
-    tiles: Option<(split_bf16::Unit, Mutex<split_bf16::Packs>)>,
+    /// Where the products of `--precision bf16x6` or `bf16x3` run and which sum of part
+    /// products they make (`None`: f32 products through `gemm`), and the scratch their packed
+    /// operands reuse.
+    tiles: Option<(
+        split_bf16::Unit,
+        split_bf16::Scheme,
+        Mutex<split_bf16::Packs>,
+    )>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -159,48 +164,63 @@ impl CpuBackend {
     }
 
     /// A backend as [`CpuBackend::new`] makes, its matrix products in `precision`: f32 through
-    /// `gemm`, or [`Precision::Bf16x6`] on the CPU's AMX tiles (products whose rows, columns
-    /// and inner length are all at least [`TILE_MIN_SIDE`]; others stay f32, a rule of the
-    /// shape alone).
+    /// `gemm`, or [`Precision::Bf16x6`] or [`Precision::Bf16x3`] on the CPU's AMX tiles
+    /// (products whose rows, columns and inner length are all at least [`TILE_MIN_SIDE`];
+    /// others stay f32, a rule of the shape alone).
     ///
     /// # Errors
-    /// [`KernelError::NoTileUnit`] for bf16x6 where the CPU or OS offers no AMX tiles,
-    /// [`KernelError::Cuda`] for a precision only CUDA offers, and [`CpuBackend::new`]'s.
+    /// [`KernelError::NoTileUnit`] for bf16x6 or bf16x3 where the CPU or OS offers no AMX
+    /// tiles, [`KernelError::Cuda`] for a precision only CUDA offers, and
+    /// [`CpuBackend::new`]'s.
     pub fn with_precision(threads: usize, precision: Precision) -> Result<Self> {
-        match precision {
-            Precision::F32 => Self::new(threads),
-            Precision::Bf16x6 if split_bf16::hardware_available() => {
-                Self::with_tiles(threads, split_bf16::Unit::Hardware)
+        let scheme = match precision {
+            Precision::F32 => return Self::new(threads),
+            Precision::Bf16x6 => split_bf16::Scheme::Six,
+            Precision::Bf16x3 => split_bf16::Scheme::Three,
+            Precision::Tf32 | Precision::Bf16 => {
+                return Err(KernelError::Cuda {
+                    op: "open",
+                    detail: format!("--precision {precision} needs --backend cuda"),
+                });
             }
-            Precision::Bf16x6 => Err(KernelError::NoTileUnit { precision }),
-            Precision::Tf32 | Precision::Bf16 => Err(KernelError::Cuda {
-                op: "open",
-                detail: format!("--precision {precision} needs --backend cuda"),
-            }),
+        };
+        if !split_bf16::hardware_available() {
+            return Err(KernelError::NoTileUnit { precision });
         }
+        Self::with_tiles(threads, split_bf16::Unit::Hardware, scheme)
     }
 
-    /// A bf16x6 backend whose tile arithmetic is emulated in scalar code, with the same bits
-    /// as the AMX tiles, on any CPU: for tests of that precision where AMX is absent (it is
-    /// tens of times slower than the tiles).
+    /// A bf16x6 backend (bf16x3 where `three` is set) whose tile arithmetic is emulated in
+    /// scalar code, with the same bits as the AMX tiles, on any CPU: for tests of those
+    /// precisions where AMX is absent (it is tens of times slower than the tiles).
     ///
     /// # Errors
     /// As [`CpuBackend::new`].
     #[doc(hidden)]
-    pub fn with_emulated_tiles(threads: usize) -> Result<Self> {
-        Self::with_tiles(threads, split_bf16::Unit::Software)
+    pub fn with_emulated_tiles(threads: usize, three: bool) -> Result<Self> {
+        let scheme = if three {
+            split_bf16::Scheme::Three
+        } else {
+            split_bf16::Scheme::Six
+        };
+        Self::with_tiles(threads, split_bf16::Unit::Software, scheme)
     }
 
-    fn with_tiles(threads: usize, unit: split_bf16::Unit) -> Result<Self> {
+    fn with_tiles(
+        threads: usize,
+        unit: split_bf16::Unit,
+        scheme: split_bf16::Scheme,
+    ) -> Result<Self> {
         let mut backend = Self::new(threads)?;
-        backend.tiles = Some((unit, Mutex::new(split_bf16::Packs::default())));
+        backend.tiles = Some((unit, scheme, Mutex::new(split_bf16::Packs::default())));
         Ok(backend)
     }
 
     /// The precision of this backend's matrix products.
     pub fn precision(&self) -> Precision {
         match self.tiles {
-            Some(_) => Precision::Bf16x6,
+            Some((_, split_bf16::Scheme::Six, _)) => Precision::Bf16x6,
+            Some((_, split_bf16::Scheme::Three, _)) => Precision::Bf16x3,
             None => Precision::F32,
         }
     }
@@ -218,7 +238,7 @@ impl CpuBackend {
         c: &mut Tensor,
         accumulate: bool,
     ) -> Result<bool> {
-        let Some((unit, packs)) = &self.tiles else {
+        let Some((unit, scheme, packs)) = &self.tiles else {
             return Ok(false);
         };
         if m.min(n).min(k) < TILE_MIN_SIDE {
@@ -245,7 +265,7 @@ impl CpuBackend {
             // the m x n output (a distinct tensor: `c` is borrowed mutably), and a `Hardware`
             // unit exists only where `hardware_available` said so.
             self.pool.install(|| unsafe {
-                split_bf16::product(&operands, out.get(), accumulate, *unit, packs);
+                split_bf16::product(&operands, out.get(), (*scheme, accumulate), *unit, packs);
             });
         };
         if accumulate {

@@ -40,7 +40,8 @@ pub enum KernelError {
     /// The CUDA backend was requested but this build has no CUDA support.
     #[error("built without CUDA: rebuild with `--features cuda` to use the cuda backend")]
     NotCompiledWithCuda,
-    /// A precision this CPU cannot compute in: bf16x6 on a CPU (or OS) without AMX tiles.
+    /// A precision this CPU cannot compute in: bf16x6 or bf16x3 on a CPU (or OS) without AMX
+    /// tiles.
     #[error(
         "--precision {precision} needs a CPU with AMX bf16 tiles (Intel Xeon of the 4th \
          generation or later) and an OS that grants them; this one has none"

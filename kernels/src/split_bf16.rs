@@ -54,6 +54,38 @@ pub(crate) enum Unit {
     Software,
 }
 
+/// Which products of parts make an f32 product: the sum the CPU backend's tile precisions
+/// name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Scheme {
+    /// `--precision bf16x6`: the six products of three parts in [`SIX_PRODUCTS`], f32's
+    /// accuracy.
+    Six,
+    /// `--precision bf16x3`: the three products of two parts in [`THREE_PRODUCTS`], `a0 b0 +
+    /// a0 b1 + a1 b0`; the dropped `a1 b1` and the parts' remainders leave an error of about
+    /// `2^-16` of each term (about 16 bits, where f32 has 24), in half the tile products.
+    Three,
+}
+
+impl Scheme {
+    /// The products of parts `(left part, right part)` in the order each accumulator adds
+    /// them (the order is part of the bits).
+    fn products(self) -> &'static [(usize, usize)] {
+        match self {
+            Scheme::Six => &SIX_PRODUCTS,
+            Scheme::Three => &THREE_PRODUCTS,
+        }
+    }
+
+    /// Parts of each element the products read (the packs' planes written).
+    fn parts(self) -> usize {
+        match self {
+            Scheme::Six => 3,
+            Scheme::Three => 2,
+        }
+    }
+}
+
 /// Whether this CPU and OS run AMX bf16 tile instructions for this process: the CPU reports
 /// AMX-TILE and AMX-BF16 and the kernel grants the tile state (`arch_prctl`). Asked once.
 pub(crate) fn hardware_available() -> bool {
@@ -149,20 +181,24 @@ pub(crate) fn split(x: f32) -> [u16; 3] {
     }
 }
 
-/// Packed sizes of one product: padded rows, columns and inner length, and its steps.
+/// Packed sizes of one product: padded rows, columns and inner length, its steps, and the
+/// parts written of each element. A pack always has room for three planes of parts (so one
+/// buffer serves both schemes); only the first `parts` are written and read.
 #[derive(Clone, Copy, Debug)]
 struct Layout {
     rows: usize,
     cols: usize,
     steps: usize,
+    parts: usize,
 }
 
 impl Layout {
-    fn of(m: usize, n: usize, k: usize) -> Self {
+    fn of(m: usize, n: usize, k: usize, parts: usize) -> Self {
         Self {
             rows: m.next_multiple_of(32),
             cols: n.next_multiple_of(32),
             steps: k.div_ceil(K_STEP),
+            parts,
         }
     }
 
@@ -219,7 +255,12 @@ fn pack_left(p: &Operands, l: Layout, out: &mut [u16]) {
     planes(out, l.steps * TILE)
         .enumerate()
         .for_each(|(panel, planes)| {
-            crate::vector::vectorized(LeftPanel { p, panel, planes });
+            crate::vector::vectorized(LeftPanel {
+                p,
+                panel,
+                planes,
+                parts: l.parts,
+            });
         });
 }
 
@@ -231,7 +272,12 @@ fn pack_right(p: &Operands, l: Layout, out: &mut [u16]) {
         planes(out, l.steps * TILE)
             .enumerate()
             .for_each(|(panel, planes)| {
-                crate::vector::vectorized(RightPanel { p, panel, planes });
+                crate::vector::vectorized(RightPanel {
+                    p,
+                    panel,
+                    planes,
+                    parts: l.parts,
+                });
             });
         return;
     }
@@ -346,7 +392,7 @@ impl crate::vector::Kernel for StepRows {
                 }
             }
             for g in 0..(panels - first).min(GROUP) {
-                for plane in 0..3 {
+                for plane in 0..l.parts {
                     // SAFETY: tile (plane, panel, step) lies inside the pack, and only this
                     // step's task writes it.
                     let tile = unsafe {
@@ -437,7 +483,7 @@ fn pack_elements(
             // SAFETY: (kk, j) lies inside op(B).
             let parts = split(unsafe { *p.b.offset(kk as isize * p.b_rs + j as isize * p.b_cs) });
             let offset = ((j / 16) * l.steps + kk / K_STEP) * TILE + at(kk % K_STEP, j % 16);
-            for (plane, part) in parts.into_iter().enumerate() {
+            for (plane, part) in parts.into_iter().enumerate().take(l.parts) {
                 out[plane * plane_len + offset] = part;
             }
         }
@@ -477,6 +523,8 @@ struct LeftPanel<'a, 'p> {
     p: &'a Operands,
     panel: usize,
     planes: Planes<'p>,
+    /// Planes written ([`Layout`]'s `parts`).
+    parts: usize,
 }
 
 impl crate::vector::Kernel for LeftPanel<'_, '_> {
@@ -488,7 +536,9 @@ impl crate::vector::Kernel for LeftPanel<'_, '_> {
             p,
             panel,
             mut planes,
+            parts: used,
         } = self;
+        let planes = &mut planes[..used];
         let rows = (p.m - (panel * 16).min(p.m)).min(16);
         if rows < 16 {
             // Only the rows below the operand's last are padding; every other part is written
@@ -531,6 +581,8 @@ struct RightPanel<'a, 'p> {
     p: &'a Operands,
     panel: usize,
     planes: Planes<'p>,
+    /// Planes written ([`Layout`]'s `parts`).
+    parts: usize,
 }
 
 impl crate::vector::Kernel for RightPanel<'_, '_> {
@@ -542,7 +594,9 @@ impl crate::vector::Kernel for RightPanel<'_, '_> {
             p,
             panel,
             mut planes,
+            parts: used,
         } = self;
+        let planes = &mut planes[..used];
         let cols = (p.n - (panel * 16).min(p.n)).min(16);
         if cols < 16 {
             // Only the columns past the operand's last are padding ([`LeftPanel`]'s reason).
@@ -847,7 +901,7 @@ unsafe fn output_block<T: Tiles>(
     (left, right): (&[u16], &[u16]),
     c: Output,
     ((i0, i1), (j0, j1)): ((usize, usize), (usize, usize)),
-    accumulate: bool,
+    (scheme, accumulate): (Scheme, bool),
 ) {
     let (m, n) = (p.m, p.n);
     let mut edge = [0f32; 1024];
@@ -874,7 +928,7 @@ unsafe fn output_block<T: Tiles>(
                         (edge.as_mut_ptr(), 32)
                     };
                     tiles.load((!fresh).then_some(block.cast_const()), stride);
-                    inner_block(tiles, l, (left, right), (i, j), (k0, k1));
+                    inner_block(tiles, l, (left, right), (i, j), (k0, k1), scheme.products());
                     tiles.store(block, stride);
                     if !inside {
                         for r in 0..(m - i).min(32) {
@@ -889,12 +943,15 @@ unsafe fn output_block<T: Tiles>(
     }
 }
 
-/// The order in which a step's six products of parts `(left part, right part)` are made.
-/// Each accumulator adds them in this order, so the order is part of the bits.
-const PRODUCTS: [(usize, usize); 6] = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)];
+/// The order in which a step's six products of parts `(left part, right part)` are made
+/// under [`Scheme::Six`]. Each accumulator adds them in this order, so the order is part of
+/// the bits.
+const SIX_PRODUCTS: [(usize, usize); 6] = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)];
+/// The same under [`Scheme::Three`].
+const THREE_PRODUCTS: [(usize, usize); 3] = [(0, 0), (0, 1), (1, 0)];
 
 /// Adds the 32 x 32 block at rows `i` and columns `j` over the inner steps `k0..k1` to the
-/// accumulators: [`PRODUCTS`] in turn at each step, each group's next tiles loaded while it
+/// accumulators: `products` in turn at each step, each group's next tiles loaded while it
 /// multiplies ([`Tiles::group`]).
 ///
 /// # Safety
@@ -906,6 +963,7 @@ unsafe fn inner_block<T: Tiles>(
     (left, right): (&[u16], &[u16]),
     (i, j): (usize, usize),
     (k0, k1): (usize, usize),
+    products: &[(usize, usize)],
 ) {
     // SAFETY: inside the packs (the caller's guarantee).
     let left_tiles = |part: usize, s: usize| unsafe {
@@ -925,12 +983,12 @@ unsafe fn inner_block<T: Tiles>(
     unsafe {
         tiles.prime(left_tiles(0, k0), right_tiles(0, k0));
         for s in k0..k1 {
-            for (g, &(a_part, _)) in PRODUCTS.iter().enumerate() {
+            for (g, &(a_part, _)) in products.iter().enumerate() {
                 // The last group loads the next step's first tiles (the last step's own again,
                 // which are never used, so no load leaves the packs).
-                let ((next_a, next_b), next_s) = match PRODUCTS.get(g + 1) {
+                let ((next_a, next_b), next_s) = match products.get(g + 1) {
                     Some(&next) => (next, s),
-                    None => (PRODUCTS[0], (s + 1).min(k1 - 1)),
+                    None => (products[0], (s + 1).min(k1 - 1)),
                 };
                 let load_a = next_a != a_part || next_s != s;
                 tiles.group(
@@ -973,8 +1031,8 @@ pub(crate) struct Packs {
     right: Lines,
 }
 
-/// `C = op(A) op(B)` (or `C += ...` when `accumulate`) as six bf16 products per term, on the
-/// calling rayon pool's threads.
+/// `C = op(A) op(B)` (or `C += ...` when `accumulate`) as `scheme`'s bf16 products per term,
+/// on the calling rayon pool's threads.
 ///
 /// # Safety
 /// The operands must be live and hold `op(A)` and `op(B)` at the given strides; `c` must be the
@@ -983,11 +1041,11 @@ pub(crate) struct Packs {
 pub(crate) unsafe fn product(
     p: &Operands,
     c: *mut f32,
-    accumulate: bool,
+    (scheme, accumulate): (Scheme, bool),
     unit: Unit,
     packs: &mut Packs,
 ) {
-    let l = Layout::of(p.m, p.n, p.k);
+    let l = Layout::of(p.m, p.n, p.k, scheme.parts());
     let left = packs.left.parts(l.left_len());
     pack_left(p, l, left);
     let right = packs.right.parts(l.right_len());
@@ -1016,7 +1074,7 @@ pub(crate) unsafe fn product(
                         (left, right),
                         out,
                         (rows, cols),
-                        accumulate,
+                        (scheme, accumulate),
                     );
                 }
                 #[cfg(not(target_arch = "x86_64"))]
@@ -1030,7 +1088,7 @@ pub(crate) unsafe fn product(
                         (left, right),
                         out,
                         (rows, cols),
-                        accumulate,
+                        (scheme, accumulate),
                     );
                 }
             }
@@ -1056,9 +1114,10 @@ mod tests {
             .collect()
     }
 
-    /// `op(A) op(B)` through [`product`] on `unit`, with `A` stored transposed when `ta`.
+    /// `op(A) op(B)` through [`product`] on `unit` in `scheme`, with `A` stored transposed
+    /// when `ta`.
     fn run(
-        unit: Unit,
+        (unit, scheme): (Unit, Scheme),
         (m, n, k): (usize, usize, usize),
         ta: bool,
         a: &[f32],
@@ -1086,7 +1145,9 @@ mod tests {
             .unwrap();
         let mut packs = Packs::default();
         // SAFETY: the operands and output are live vectors of the stated shapes.
-        pool.install(|| unsafe { product(&p, c.as_mut_ptr(), c0.is_some(), unit, &mut packs) });
+        pool.install(|| unsafe {
+            product(&p, c.as_mut_ptr(), (scheme, c0.is_some()), unit, &mut packs)
+        });
         c
     }
 
@@ -1107,14 +1168,27 @@ mod tests {
     }
 
     #[test]
-    fn products_have_f32s_error_against_an_f64_reference() {
+    fn six_products_have_f32s_error_against_an_f64_reference() {
+        products_err_within(Scheme::Six, 4e-7);
+    }
+
+    /// Three products: each term drops `a1 b1` and the parts' remainders, at most `3 2^-18`
+    /// of `|a b|`, besides f32's accumulation.
+    #[test]
+    fn three_products_have_about_16_bits_against_an_f64_reference() {
+        products_err_within(Scheme::Three, 3.0 * 2f64.powi(-18) + 4e-7);
+    }
+
+    /// Every element of a few products on the emulated tiles errs by at most `bound` of its
+    /// terms' `sum |a b|` against an f64 product.
+    fn products_err_within(scheme: Scheme, bound: f64) {
         for &(m, n, k, ta) in &[
             (37, 45, 70, false),
             (64, 300, 520, true),
             (33, 31, 600, false),
         ] {
             let (a, b) = (values(m * k, 1), values(k * n, 2));
-            let c = run(Unit::Software, (m, n, k), ta, &a, &b, None);
+            let c = run((Unit::Software, scheme), (m, n, k), ta, &a, &b, None);
             for i in 0..m {
                 for j in 0..n {
                     let (mut exact, mut size) = (0f64, 0f64);
@@ -1126,8 +1200,8 @@ mod tests {
                     }
                     let err = (f64::from(c[i * n + j]) - exact).abs();
                     assert!(
-                        err <= size * 4e-7,
-                        "{m}x{n}x{k} ({i}, {j}): {err} of {size}"
+                        err <= size * bound,
+                        "{scheme:?} {m}x{n}x{k} ({i}, {j}): {err} of {size}"
                     );
                 }
             }
@@ -1138,8 +1212,22 @@ mod tests {
     fn accumulating_adds_to_the_output() {
         let (m, n, k) = (40, 70, 90);
         let (a, b, c0) = (values(m * k, 3), values(k * n, 4), values(m * n, 5));
-        let fresh = run(Unit::Software, (m, n, k), false, &a, &b, None);
-        let added = run(Unit::Software, (m, n, k), false, &a, &b, Some(&c0));
+        let fresh = run(
+            (Unit::Software, Scheme::Six),
+            (m, n, k),
+            false,
+            &a,
+            &b,
+            None,
+        );
+        let added = run(
+            (Unit::Software, Scheme::Six),
+            (m, n, k),
+            false,
+            &a,
+            &b,
+            Some(&c0),
+        );
         for ((&f, &s), &c) in fresh.iter().zip(&added).zip(&c0) {
             assert!((s - (f + c)).abs() <= 1e-5 * (1.0 + c.abs()));
         }
@@ -1151,15 +1239,17 @@ mod tests {
             eprintln!("no AMX here: the hardware half of this test is skipped");
             return;
         }
-        for &(m, n, k, ta, acc) in &[
-            (32, 32, 32, false, false),
-            (70, 300, 600, false, true),
-            (100, 257, 1100, true, false),
+        for &(m, n, k, ta, acc, scheme) in &[
+            (32, 32, 32, false, false, Scheme::Six),
+            (70, 300, 600, false, true, Scheme::Six),
+            (100, 257, 1100, true, false, Scheme::Six),
+            (70, 300, 600, false, true, Scheme::Three),
+            (100, 257, 1100, true, false, Scheme::Three),
         ] {
             let (a, b, c0) = (values(m * k, 11), values(k * n, 12), values(m * n, 13));
             let c0 = acc.then_some(&c0[..]);
-            let hw = run(Unit::Hardware, (m, n, k), ta, &a, &b, c0);
-            let sw = run(Unit::Software, (m, n, k), ta, &a, &b, c0);
+            let hw = run((Unit::Hardware, scheme), (m, n, k), ta, &a, &b, c0);
+            let sw = run((Unit::Software, scheme), (m, n, k), ta, &a, &b, c0);
             let same = hw
                 .iter()
                 .zip(&sw)
@@ -1168,7 +1258,7 @@ mod tests {
             assert_eq!(
                 same,
                 m * n,
-                "{m}x{n}x{k}: {same} of {} elements equal",
+                "{scheme:?} {m}x{n}x{k}: {same} of {} elements equal",
                 m * n
             );
         }

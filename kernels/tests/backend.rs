@@ -154,6 +154,16 @@ fn small_row_products_see_every_change_to_the_operand(be: &dyn Backend) {
 }
 
 fn matmul_all_transposes(be: &dyn Backend) {
+    matmul_all_transposes_within(be, 1e-4);
+}
+
+/// [`matmul_all_transposes`] at a tolerance bf16x3's 16 bits meet (their bound is checked
+/// apart, in `bf16x3_errs_within_its_bound`).
+fn matmul_all_transposes_at_16_bits(be: &dyn Backend) {
+    matmul_all_transposes_within(be, 1e-3);
+}
+
+fn matmul_all_transposes_within(be: &dyn Backend, tol: f64) {
     for &(m, k, n) in &[
         (1, 1, 1),
         (3, 5, 7),
@@ -174,12 +184,12 @@ fn matmul_all_transposes(be: &dyn Backend) {
                     .unwrap();
                 assert_eq!(c.shape(), &[m, n]);
                 let want = naive(&a, ta, &b, tb);
-                close(&read(be, &c), &want, 1e-4);
+                close(&read(be, &c), &want, tol);
                 // Accumulate: c += a b gives twice the product.
                 be.matmul(&on(be, &a), ta, &on(be, &b), tb, &mut c, true)
                     .unwrap();
                 let twice: Vec<f64> = want.iter().map(|v| 2.0 * v).collect();
-                close(&read(be, &c), &twice, 1e-4);
+                close(&read(be, &c), &twice, tol);
             }
         }
     }
@@ -1010,7 +1020,7 @@ backend_tests!(
 // the AMX tiles where this CPU has them (skipped otherwise). Both within the f32 tolerance.
 backend_tests!(
     cpu_bf16x6_emulated,
-    Some(pipe_kernels::CpuBackend::with_emulated_tiles(2).unwrap()),
+    Some(pipe_kernels::CpuBackend::with_emulated_tiles(2, false).unwrap()),
     [
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
@@ -1028,6 +1038,32 @@ backend_tests!(
         matmul_rejects_bad_shapes,
         data_movement_and_products,
         bf16x6_is_as_accurate_as_f32,
+    ]
+);
+
+// The CPU's bf16x3 products, as bf16x6's above; within the tolerance of these checks (the
+// products' error is about 2^-16 of `sum |a b|`: `bf16x3_errs_within_its_bound`).
+backend_tests!(
+    cpu_bf16x3_emulated,
+    Some(pipe_kernels::CpuBackend::with_emulated_tiles(2, true).unwrap()),
+    [
+        matmul_all_transposes_at_16_bits,
+        small_row_products_see_every_change_to_the_operand,
+        matmul_rejects_bad_shapes,
+        data_movement_and_products,
+        bf16x3_errs_within_its_bound,
+    ]
+);
+
+backend_tests!(
+    cpu_bf16x3,
+    pipe_kernels::CpuBackend::with_precision(2, pipe_kernels::Precision::Bf16x3).ok(),
+    [
+        matmul_all_transposes_at_16_bits,
+        small_row_products_see_every_change_to_the_operand,
+        matmul_rejects_bad_shapes,
+        data_movement_and_products,
+        bf16x3_errs_within_its_bound,
     ]
 );
 
@@ -1069,15 +1105,57 @@ fn bf16x6_is_as_accurate_as_f32(be: &dyn Backend) {
     }
 }
 
+/// bf16x3 products err by at most `2^-16` of `sum |a b|` beyond the f32 products' error: each
+/// term drops `a1 b1` and the parts' remainders, together at most `3 2^-18` of `|a b|`
+/// (`split_bf16.rs`). And they are not f32's accuracy: the bound is the class, not slack.
+fn bf16x3_errs_within_its_bound(be: &dyn Backend) {
+    let f32_products = CpuBackend::new(2).unwrap();
+    for ta in [Trans::No, Trans::Yes] {
+        for tb in [Trans::No, Trans::Yes] {
+            let (a, b) = operands(256, 700, 300, ta, tb, 21);
+            let (mut split, mut plain) = (Tensor::default(), Tensor::default());
+            be.matmul(&a, ta, &b, tb, &mut split, false).unwrap();
+            f32_products
+                .matmul(&a, ta, &b, tb, &mut plain, false)
+                .unwrap();
+            let split = largest_error(split.host().unwrap(), &a, ta, &b, tb);
+            let plain = largest_error(plain.host().unwrap(), &a, ta, &b, tb);
+            assert!(
+                split <= 2f64.powi(-16) + plain,
+                "{ta:?}{tb:?}: bf16x3 {split:e}, f32 {plain:e}"
+            );
+            assert!(
+                split > 4.0 * plain,
+                "{ta:?}{tb:?}: bf16x3 {split:e} as close as f32's {plain:e}: not on the tiles?"
+            );
+        }
+    }
+}
+
 /// The tile arithmetic emulated in scalar code gives the AMX tiles' bits through the backend,
 /// and neither depends on the thread count.
 #[test]
 fn bf16x6_bits_are_the_same_with_or_without_amx_at_any_thread_count() {
+    tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(false);
+}
+
+/// The same for bf16x3.
+#[test]
+fn bf16x3_bits_are_the_same_with_or_without_amx_at_any_thread_count() {
+    tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(true);
+}
+
+fn tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(three: bool) {
     let emulated: Vec<CpuBackend> = [1, 3]
         .iter()
-        .map(|&t| CpuBackend::with_emulated_tiles(t).unwrap())
+        .map(|&t| CpuBackend::with_emulated_tiles(t, three).unwrap())
         .collect();
-    let hardware = CpuBackend::with_precision(2, pipe_kernels::Precision::Bf16x6).ok();
+    let precision = if three {
+        pipe_kernels::Precision::Bf16x3
+    } else {
+        pipe_kernels::Precision::Bf16x6
+    };
+    let hardware = CpuBackend::with_precision(2, precision).ok();
     if hardware.is_none() {
         eprintln!("no AMX here: the emulated tiles are compared across thread counts only");
     }
@@ -1109,17 +1187,21 @@ fn bf16x6_bits_are_the_same_with_or_without_amx_at_any_thread_count() {
 }
 
 #[test]
-fn bf16x6_without_amx_is_a_clear_error_and_cuda_refuses_it() {
+fn tile_precisions_without_amx_are_a_clear_error_and_cuda_refuses_them() {
     use pipe_kernels::{BackendKind, Precision};
-    match CpuBackend::with_precision(1, Precision::Bf16x6) {
-        Ok(be) => assert_eq!(be.precision(), Precision::Bf16x6),
-        Err(e) => assert!(e.to_string().contains("AMX"), "{e}"),
-    }
-    let cuda: BackendKind = "cuda".parse().unwrap();
-    assert!(cuda.with_precision(Precision::Bf16x6).is_err());
-    match BackendKind::default().with_precision(Precision::Bf16x6) {
-        Ok(cpu) => assert_eq!(cpu.precision(), Precision::Bf16x6),
-        Err(e) => assert!(e.contains("needs a CPU with AMX"), "{e}"),
+    for precision in [Precision::Bf16x6, Precision::Bf16x3] {
+        assert_eq!(precision.name().parse::<Precision>(), Ok(precision));
+        match CpuBackend::with_precision(1, precision) {
+            Ok(be) => assert_eq!(be.precision(), precision),
+            Err(e) => assert!(e.to_string().contains("AMX"), "{e}"),
+        }
+        let cuda: BackendKind = "cuda".parse().unwrap();
+        let refused = cuda.with_precision(precision).unwrap_err();
+        assert!(refused.contains(precision.name()), "{refused}");
+        match BackendKind::default().with_precision(precision) {
+            Ok(cpu) => assert_eq!(cpu.precision(), precision),
+            Err(e) => assert!(e.contains("needs a CPU with AMX"), "{e}"),
+        }
     }
     assert!(
         BackendKind::default()

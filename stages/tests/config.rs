@@ -79,7 +79,11 @@ fn a_run_read_back_is_checked_as_resolving_checks_it() {
         ("eval_every", "4294967296", "--eval-every"),
         ("lr", "-1.0", "learning rate"),
         ("schedule", r#""fifo""#, "unknown schedule"),
-        ("backend", r#"["cpu", "bf16"]"#, "computes in f32 or bf16x6"),
+        (
+            "backend",
+            r#"["cpu", "bf16"]"#,
+            "computes in f32, bf16x6 or bf16x3",
+        ),
         ("transport", r#""carrier-pigeon""#, "unknown transport"),
         ("stall_timeout", r#"{"secs":0,"nanos":0}"#, "stall timeout"),
         ("extra", "1", "unknown field"),

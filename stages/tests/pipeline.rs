@@ -997,10 +997,20 @@ fn gradient_clipping_equals_the_reference_trainer_on_every_policy() {
 /// 256 x 256 x 256 multiply-adds and their gradients).
 #[test]
 fn bf16x6_products_keep_the_reference_trainers_bits() {
-    use pipe_kernels::Precision;
+    tile_products_keep_the_reference_trainers_bits(pipe_kernels::Precision::Bf16x6);
+}
+
+/// The same with bf16x3 products.
+#[test]
+fn bf16x3_products_keep_the_reference_trainers_bits() {
+    tile_products_keep_the_reference_trainers_bits(pipe_kernels::Precision::Bf16x3);
+}
+
+fn tile_products_keep_the_reference_trainers_bits(precision: pipe_kernels::Precision) {
+    let three = precision == pipe_kernels::Precision::Bf16x3;
     let make = |_| {
-        CpuBackend::with_precision(1, Precision::Bf16x6)
-            .or_else(|_| CpuBackend::with_emulated_tiles(1))
+        CpuBackend::with_precision(1, precision)
+            .or_else(|_| CpuBackend::with_emulated_tiles(1, three))
     };
     let model = Model::new(&ModelSpec::preset("mlp-784-256x3-10").unwrap()).unwrap();
     let spec = on_three(Policy::PipeDream, 2, &[1, 2, 1], 2);

@@ -338,10 +338,10 @@ impl CudaBackend {
     /// # Errors
     /// As [`CudaBackend::new`].
     pub fn with_precision(ordinal: usize, precision: Precision) -> Result<Self> {
-        if precision == Precision::Bf16x6 {
+        if matches!(precision, Precision::Bf16x6 | Precision::Bf16x3) {
             return Err(KernelError::Cuda {
                 op: "open",
-                detail: "bf16x6 is the cpu backend's precision (AMX tiles)".to_string(),
+                detail: format!("{precision} is the cpu backend's precision (AMX tiles)"),
             });
         }
         let count = device_count()?;
@@ -1143,8 +1143,10 @@ impl Backend for CudaBackend {
             lds: (ldb, lda, ni),
         };
         match self.precision {
-            // bf16x6 is refused when the backend opens (`with_precision`).
-            Precision::F32 | Precision::Bf16x6 => self.sgemm(dims, (alpha, beta), (bp, ap, cp)),
+            // bf16x6 and bf16x3 are refused when the backend opens (`with_precision`).
+            Precision::F32 | Precision::Bf16x6 | Precision::Bf16x3 => {
+                self.sgemm(dims, (alpha, beta), (bp, ap, cp))
+            }
             Precision::Tf32 => {
                 let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
                 let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;

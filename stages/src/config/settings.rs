@@ -311,10 +311,10 @@ pub struct TrainSettings {
     #[arg(skip)]
     pub backend: Option<String>,
     /// Precision of the matrix products: f32; tf32 or bf16 (tensor cores with f32
-    /// accumulation and f32 master weights; cuda only); or bf16x6 (f32's accuracy from six
+    /// accumulation and f32 master weights; cuda only); bf16x6 (f32's accuracy from six
     /// bf16 products per term on AMX tiles, other bits than f32's; cpu only, Intel Xeon 4th
-    /// generation or later).
-    #[arg(long, value_parser = ["f32", "tf32", "bf16", "bf16x6"])]
+    /// generation or later); or bf16x3 (about 16 bits from three such products, faster).
+    #[arg(long, value_parser = ["f32", "tf32", "bf16", "bf16x6", "bf16x3"])]
     pub precision: Option<String>,
     /// What carries each link between workers: auto (channels between threads, shared
     /// memory between processes of one host, QUIC between hosts), or one transport for every
