@@ -715,7 +715,7 @@ pub enum Precision {
     /// (the CPU backend only; see `split_bf16.rs`).
     Bf16x6,
     /// Products summed from three bf16 products of each element's two leading bf16 parts on
-    /// the CPU's AMX tiles (`a0 b0 + a0 b1 + a1 b0`), accumulated in f32: about 16 bits of
+    /// the CPU's AMX tiles (`a0 b1 + a0 b0 + a1 b0`), accumulated in f32: about 16 bits of
     /// each term (PyTorch's `set_float32_matmul_precision("high")` describes the same
     /// split), in half the tile products of [`Precision::Bf16x6`]; the same bits with or
     /// without AMX (the CPU backend only; see `split_bf16.rs`).

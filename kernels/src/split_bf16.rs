@@ -17,6 +17,12 @@
 //! bf16 at many times the rate of f32 vector FMAs. The bits differ from the f32 products', so
 //! this is a precision a run asks for, never the default.
 //!
+//! `--precision bf16x3` ([`Scheme::Three`]) keeps two parts and three products,
+//! `a0 b1 + a0 b0 + a1 b0`: the dropped `a1 b1` and the remainders are at most `3 2^-18` of
+//! `|a b|`, about 16 bits of each term (the split PyTorch's
+//! `set_float32_matmul_precision("high")` describes), in half the tile products and two planes
+//! of packing.
+//!
 //! The operands are packed once per product into the tile unit's layouts: the left one in
 //! panels of 16 rows, each 32 parts of the inner dimension a tile; the right one in panels of
 //! 16 columns, its inner dimension in pairs (the unit's "VNNI" layout). Each task computes a
@@ -61,9 +67,10 @@ pub(crate) enum Scheme {
     /// `--precision bf16x6`: the six products of three parts in [`SIX_PRODUCTS`], f32's
     /// accuracy.
     Six,
-    /// `--precision bf16x3`: the three products of two parts in [`THREE_PRODUCTS`], `a0 b0 +
-    /// a0 b1 + a1 b0`; the dropped `a1 b1` and the parts' remainders leave an error of about
-    /// `2^-16` of each term (about 16 bits, where f32 has 24), in half the tile products.
+    /// `--precision bf16x3`: the three products of two parts in [`THREE_PRODUCTS`], `a0 b1 +
+    /// a0 b0 + a1 b0`; the dropped `a1 b1` and the parts' remainders leave an error of at
+    /// most `3 2^-18` of each term (about 16 bits, where f32 has 24), in half the tile
+    /// products.
     Three,
 }
 
@@ -639,14 +646,15 @@ trait Tiles {
     /// # Safety
     /// Each pointer must be valid for one tile.
     unsafe fn prime(&mut self, a: [*const u16; 2], b: [*const u16; 2]);
-    /// Adds `a[r] b[c]` of the held tiles to every `C[r][c]`, then holds `next_b` and, where
-    /// given, `next_a`. Each load comes right after the last product that reads the tile it
-    /// replaces, so the next group's first product finds its tiles loaded, where loading all
-    /// four before a group's products left the unit waiting for each load.
+    /// Adds `a[r] b[c]` of the held tiles to every `C[r][c]`, then holds `next_b` and
+    /// `next_a` where given (the held ones stay otherwise). Each load comes right after the
+    /// last product that reads the tile it replaces, so the next group's first product finds
+    /// its tiles loaded, where loading all four before a group's products left the unit
+    /// waiting for each load.
     ///
     /// # Safety
     /// Each pointer must be valid for one tile; tiles must be held.
-    unsafe fn group(&mut self, next_b: [*const u16; 2], next_a: Option<[*const u16; 2]>);
+    unsafe fn group(&mut self, next_b: Option<[*const u16; 2]>, next_a: Option<[*const u16; 2]>);
     /// Writes the accumulators to the 32 x 32 block at `c`.
     ///
     /// # Safety
@@ -737,12 +745,31 @@ impl Tiles for Amx {
         }
     }
 
-    unsafe fn group(&mut self, next_b: [*const u16; 2], next_a: Option<[*const u16; 2]>) {
+    unsafe fn group(&mut self, next_b: Option<[*const u16; 2]>, next_a: Option<[*const u16; 2]>) {
         // SAFETY: the caller guarantees whole tiles, held ones included; the tiles are
         // configured. `tmm4`/`tmm5` hold the left tiles, `tmm6`/`tmm7` the right ones.
         unsafe {
-            match next_a {
-                None => std::arch::asm!(
+            match (next_b, next_a) {
+                (None, None) => std::arch::asm!(
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    options(nostack, nomem)
+                ),
+                (None, Some(a)) => std::arch::asm!(
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm4, [{a0} + {s}*1]",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm5, [{a1} + {s}*1]",
+                    a0 = in(reg) a[0],
+                    a1 = in(reg) a[1],
+                    s = in(reg) 64usize,
+                    options(nostack, readonly)
+                ),
+                (Some(next_b), None) => std::arch::asm!(
                     "tdpbf16ps tmm0, tmm4, tmm6",
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     "tileloadd tmm6, [{b0} + {s}*1]",
@@ -754,7 +781,7 @@ impl Tiles for Amx {
                     s = in(reg) 64usize,
                     options(nostack, readonly)
                 ),
-                Some(a) => std::arch::asm!(
+                (Some(next_b), Some(a)) => std::arch::asm!(
                     "tdpbf16ps tmm0, tmm4, tmm6",
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     "tileloadd tmm6, [{b0} + {s}*1]",
@@ -862,10 +889,12 @@ impl Tiles for Emulated {
         self.right = b;
     }
 
-    unsafe fn group(&mut self, next_b: [*const u16; 2], next_a: Option<[*const u16; 2]>) {
+    unsafe fn group(&mut self, next_b: Option<[*const u16; 2]>, next_a: Option<[*const u16; 2]>) {
         // SAFETY: the held tiles are whole (the caller's guarantee).
         unsafe { self.multiply_held() };
-        self.right = next_b;
+        if let Some(b) = next_b {
+            self.right = b;
+        }
         if let Some(a) = next_a {
             self.left = a;
         }
@@ -947,8 +976,9 @@ unsafe fn output_block<T: Tiles>(
 /// under [`Scheme::Six`]. Each accumulator adds them in this order, so the order is part of
 /// the bits.
 const SIX_PRODUCTS: [(usize, usize); 6] = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)];
-/// The same under [`Scheme::Three`].
-const THREE_PRODUCTS: [(usize, usize); 3] = [(0, 0), (0, 1), (1, 0)];
+/// The same under [`Scheme::Three`]: ordered so that each group after the first replaces
+/// only one operand's tiles (8 tile loads a step where `(0, 0)` first takes 10).
+const THREE_PRODUCTS: [(usize, usize); 3] = [(0, 1), (0, 0), (1, 0)];
 
 /// Adds the 32 x 32 block at rows `i` and columns `j` over the inner steps `k0..k1` to the
 /// accumulators: `products` in turn at each step, each group's next tiles loaded while it
@@ -981,9 +1011,10 @@ unsafe fn inner_block<T: Tiles>(
     };
     // SAFETY: every pointer is a whole tile of the packs.
     unsafe {
-        tiles.prime(left_tiles(0, k0), right_tiles(0, k0));
+        let (first_a, first_b) = products[0];
+        tiles.prime(left_tiles(first_a, k0), right_tiles(first_b, k0));
         for s in k0..k1 {
-            for (g, &(a_part, _)) in products.iter().enumerate() {
+            for (g, &(a_part, b_part)) in products.iter().enumerate() {
                 // The last group loads the next step's first tiles (the last step's own again,
                 // which are never used, so no load leaves the packs).
                 let ((next_a, next_b), next_s) = match products.get(g + 1) {
@@ -991,8 +1022,9 @@ unsafe fn inner_block<T: Tiles>(
                     None => (products[0], (s + 1).min(k1 - 1)),
                 };
                 let load_a = next_a != a_part || next_s != s;
+                let load_b = next_b != b_part || next_s != s;
                 tiles.group(
-                    right_tiles(next_b, next_s),
+                    load_b.then(|| right_tiles(next_b, next_s)),
                     load_a.then(|| left_tiles(next_a, next_s)),
                 );
             }
