@@ -3,10 +3,11 @@
 # batch 256, plain SGD, 2 threads: median of 20 timed steps after 3) and the same model, batch,
 # loss and optimizer through experiments/gpu/peer.py on the CPU with 2 threads (median of 20
 # after 3), in alternating rounds. Needs python with torch (PYTHON, default python3).
-# PRECISIONS lists pipe's precisions, one column each (default f32; bf16x6 on a CPU with AMX).
+# PRECISIONS lists pipe's precisions, one column each (default f32; bf16x6 and bf16x3 on a CPU
+# with AMX).
 #
 #   experiments/cpu-step/mlp.sh [ROUNDS]       # default 3
-#   PRECISIONS="f32 bf16x6" experiments/cpu-step/mlp.sh 5
+#   PRECISIONS="f32 bf16x3" experiments/cpu-step/mlp.sh 5
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rounds=${1:-3}

@@ -16,8 +16,9 @@
 # Needs python with torch, transformers and numpy (PYTHON, default python3); not part of CI.
 #
 # PRECISIONS lists the precisions pipe runs in, each round, one column each: f32 (the default),
-# and bf16x6 on a CPU with AMX tiles (f32's accuracy from bf16 tile products; `--precision`).
-# PyTorch computes in f32 in every case.
+# and bf16x6 or bf16x3 on a CPU with AMX tiles (f32's accuracy, or about 16 bits, from bf16
+# tile products; `--precision`). PyTorch computes in f32 in every case (on the CPU its
+# float32_matmul_precision "high" is f32 too: experiments/cpu-step/torch_precision.py).
 #
 #   experiments/cpu-step/run.sh [ROUNDS]        # default 3; WIDTHS="128 512 768"
 #   PRECISIONS="f32 bf16x6" experiments/cpu-step/run.sh 2
