@@ -173,37 +173,32 @@ impl CpuBackend {
     /// tiles, [`KernelError::Cuda`] for a precision only CUDA offers, and
     /// [`CpuBackend::new`]'s.
     pub fn with_precision(threads: usize, precision: Precision) -> Result<Self> {
-        let scheme = match precision {
-            Precision::F32 => return Self::new(threads),
-            Precision::Bf16x6 => split_bf16::Scheme::Six,
-            Precision::Bf16x3 => split_bf16::Scheme::Three,
-            Precision::Tf32 | Precision::Bf16 => {
-                return Err(KernelError::Cuda {
-                    op: "open",
-                    detail: format!("--precision {precision} needs --backend cuda"),
-                });
+        match (precision, split_bf16::Scheme::of(precision)) {
+            (Precision::F32, _) => Self::new(threads),
+            (_, Some(scheme)) if split_bf16::hardware_available() => {
+                Self::with_tiles(threads, split_bf16::Unit::Hardware, scheme)
             }
-        };
-        if !split_bf16::hardware_available() {
-            return Err(KernelError::NoTileUnit { precision });
+            (_, Some(_)) => Err(KernelError::NoTileUnit { precision }),
+            (_, None) => Err(KernelError::Cuda {
+                op: "open",
+                detail: format!("--precision {precision} needs --backend cuda"),
+            }),
         }
-        Self::with_tiles(threads, split_bf16::Unit::Hardware, scheme)
     }
 
-    /// A bf16x6 backend (bf16x3 where `three` is set) whose tile arithmetic is emulated in
+    /// A backend in a tile precision (bf16x6 or bf16x3) whose tile arithmetic is emulated in
     /// scalar code, with the same bits as the AMX tiles, on any CPU: for tests of those
-    /// precisions where AMX is absent (it is tens of times slower than the tiles).
+    /// precisions where AMX is absent (it is tens of times slower than the tiles). Other
+    /// precisions open as [`CpuBackend::with_precision`] opens them.
     ///
     /// # Errors
-    /// As [`CpuBackend::new`].
+    /// As [`CpuBackend::with_precision`] for the other precisions, else [`CpuBackend::new`]'s.
     #[doc(hidden)]
-    pub fn with_emulated_tiles(threads: usize, three: bool) -> Result<Self> {
-        let scheme = if three {
-            split_bf16::Scheme::Three
-        } else {
-            split_bf16::Scheme::Six
-        };
-        Self::with_tiles(threads, split_bf16::Unit::Software, scheme)
+    pub fn with_emulated_tiles(threads: usize, precision: Precision) -> Result<Self> {
+        match split_bf16::Scheme::of(precision) {
+            Some(scheme) => Self::with_tiles(threads, split_bf16::Unit::Software, scheme),
+            None => Self::with_precision(threads, precision),
+        }
     }
 
     fn with_tiles(
@@ -218,11 +213,9 @@ impl CpuBackend {
 
     /// The precision of this backend's matrix products.
     pub fn precision(&self) -> Precision {
-        match self.tiles {
-            Some((_, split_bf16::Scheme::Six, _)) => Precision::Bf16x6,
-            Some((_, split_bf16::Scheme::Three, _)) => Precision::Bf16x3,
-            None => Precision::F32,
-        }
+        self.tiles
+            .as_ref()
+            .map_or(Precision::F32, |(_, scheme, _)| scheme.precision())
     }
 
     /// Computes `C (m x n) = op(a) op(b)` (or adds it) on the tiles, where this backend has

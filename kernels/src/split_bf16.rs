@@ -75,6 +75,23 @@ pub(crate) enum Scheme {
 }
 
 impl Scheme {
+    /// The scheme of a tile precision (`None` for f32 and CUDA's precisions).
+    pub(crate) fn of(precision: crate::Precision) -> Option<Self> {
+        match precision {
+            crate::Precision::Bf16x6 => Some(Scheme::Six),
+            crate::Precision::Bf16x3 => Some(Scheme::Three),
+            crate::Precision::F32 | crate::Precision::Tf32 | crate::Precision::Bf16 => None,
+        }
+    }
+
+    /// The precision this scheme computes.
+    pub(crate) fn precision(self) -> crate::Precision {
+        match self {
+            Scheme::Six => crate::Precision::Bf16x6,
+            Scheme::Three => crate::Precision::Bf16x3,
+        }
+    }
+
     /// The products of parts `(left part, right part)` in the order each accumulator adds
     /// them (the order is part of the bits).
     fn products(self) -> &'static [(usize, usize)] {

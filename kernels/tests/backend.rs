@@ -1020,7 +1020,9 @@ backend_tests!(
 // the AMX tiles where this CPU has them (skipped otherwise). Both within the f32 tolerance.
 backend_tests!(
     cpu_bf16x6_emulated,
-    Some(pipe_kernels::CpuBackend::with_emulated_tiles(2, false).unwrap()),
+    Some(
+        pipe_kernels::CpuBackend::with_emulated_tiles(2, pipe_kernels::Precision::Bf16x6).unwrap()
+    ),
     [
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
@@ -1045,7 +1047,9 @@ backend_tests!(
 // products' error is about 2^-16 of `sum |a b|`: `bf16x3_errs_within_its_bound`).
 backend_tests!(
     cpu_bf16x3_emulated,
-    Some(pipe_kernels::CpuBackend::with_emulated_tiles(2, true).unwrap()),
+    Some(
+        pipe_kernels::CpuBackend::with_emulated_tiles(2, pipe_kernels::Precision::Bf16x3).unwrap()
+    ),
     [
         matmul_all_transposes_at_16_bits,
         small_row_products_see_every_change_to_the_operand,
@@ -1135,25 +1139,22 @@ fn bf16x3_errs_within_its_bound(be: &dyn Backend) {
 /// and neither depends on the thread count.
 #[test]
 fn bf16x6_bits_are_the_same_with_or_without_amx_at_any_thread_count() {
-    tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(false);
+    tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(pipe_kernels::Precision::Bf16x6);
 }
 
 /// The same for bf16x3.
 #[test]
 fn bf16x3_bits_are_the_same_with_or_without_amx_at_any_thread_count() {
-    tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(true);
+    tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(pipe_kernels::Precision::Bf16x3);
 }
 
-fn tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(three: bool) {
+fn tile_bits_are_the_same_with_or_without_amx_at_any_thread_count(
+    precision: pipe_kernels::Precision,
+) {
     let emulated: Vec<CpuBackend> = [1, 3]
         .iter()
-        .map(|&t| CpuBackend::with_emulated_tiles(t, three).unwrap())
+        .map(|&t| CpuBackend::with_emulated_tiles(t, precision).unwrap())
         .collect();
-    let precision = if three {
-        pipe_kernels::Precision::Bf16x3
-    } else {
-        pipe_kernels::Precision::Bf16x6
-    };
     let hardware = CpuBackend::with_precision(2, precision).ok();
     if hardware.is_none() {
         eprintln!("no AMX here: the emulated tiles are compared across thread counts only");

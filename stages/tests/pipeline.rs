@@ -1007,10 +1007,9 @@ fn bf16x3_products_keep_the_reference_trainers_bits() {
 }
 
 fn tile_products_keep_the_reference_trainers_bits(precision: pipe_kernels::Precision) {
-    let three = precision == pipe_kernels::Precision::Bf16x3;
     let make = |_| {
         CpuBackend::with_precision(1, precision)
-            .or_else(|_| CpuBackend::with_emulated_tiles(1, three))
+            .or_else(|_| CpuBackend::with_emulated_tiles(1, precision))
     };
     let model = Model::new(&ModelSpec::preset("mlp-784-256x3-10").unwrap()).unwrap();
     let spec = on_three(Policy::PipeDream, 2, &[1, 2, 1], 2);
