@@ -2,8 +2,9 @@
 //! [`crate::split_bf16`] for the large ones), plain loops (auto-vectorised) for the rest, a
 //! private rayon pool for threads, and a block layout that depends only on shapes. The loops
 //! that compute more than they move (activations, LayerNorm, the optimizer updates, the
-//! finiteness scan) run compiled for the machine's widest vectors ([`crate::vector`]), with the
-//! same arithmetic on every path. The optimizer updates also note whether what they read and
+//! finiteness scan), and the row loops against a vector per column ([`crate::rowwise`]: bias,
+//! bias gradients, the layer norm's parameter gradients, `axpy`), run compiled for the
+//! machine's widest vectors ([`crate::vector`]), with the same arithmetic on every path. The optimizer updates also note whether what they read and
 //! wrote is finite, so the finiteness guard needs no pass of its own ([`UpdateSeen`]).
 
 use std::borrow::Cow;
@@ -19,6 +20,7 @@ use crate::backend::{
     Activation, AdamStep, AttentionShape, Backend, DelayCompensation, IGNORED_LABEL, LionStep,
     LossStats, Precision, SgdStep, Trans, UpdateSeen, counted_labels, exponent_field, lion_sign,
 };
+use crate::rowwise::{AddBias, Axpy, ColumnSums, NormParamGrads};
 use crate::split_bf16;
 use crate::{Device, KernelError, Result, Tensor};
 
@@ -897,13 +899,7 @@ impl Backend for CpuBackend {
         }
         let b = bias.host()?;
         let rows_per = (PAR_CHUNK / n).max(1) * n;
-        let f = |chunk: &mut [f32]| {
-            for row in chunk.chunks_exact_mut(n) {
-                for (v, bb) in row.iter_mut().zip(b) {
-                    *v += bb;
-                }
-            }
-        };
+        let f = |rows: &mut [f32]| crate::vector::vectorized(AddBias { rows, bias: b });
         let data = y.host_mut()?;
         if self.threads > 1 && data.len() >= PAR_MIN {
             self.pool
@@ -925,12 +921,13 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let xs = x.host()?;
-        let sum_into = |c0: usize, sums: &mut [f32], rows: &[f32]| {
-            for row in rows.chunks_exact(n) {
-                for (acc, v) in sums.iter_mut().zip(&row[c0..]) {
-                    *acc += v;
-                }
-            }
+        let sum_into = |first: usize, sums: &mut [f32], rows: &[f32]| {
+            crate::vector::vectorized(ColumnSums {
+                rows,
+                width: n,
+                first,
+                sums,
+            });
         };
         if xs.len() <= SUM_ROWS_CHUNK * n {
             // Column blocks in parallel; each column is summed over the rows in order, as one
@@ -1087,23 +1084,20 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let (xs, dys, means, rstds) = (x.host()?, dy.host()?, mean.host()?, rstd.host()?);
-        let rows_of = |c0: usize| {
-            xs.chunks_exact(n)
-                .zip(dys.chunks_exact(n))
-                .zip(means.iter().zip(rstds))
-                .map(move |((xr, dyr), (&mu, &rs))| (&xr[c0..], &dyr[c0..], mu, rs))
-        };
         // Column blocks in parallel, both sums in one pass over the rows, each column summed
         // over the rows in order.
         let (dg, db) = (dgamma.host_mut()?, dbeta.host_mut()?);
-        let block = |(c0, (dg, db)): (usize, (&mut [f32], &mut [f32]))| {
-            for (xr, dyr, mu, rs) in rows_of(c0) {
-                let each = dg.iter_mut().zip(db.iter_mut()).zip(dyr).zip(xr);
-                for (((g, b), &d), &xv) in each {
-                    *g += d * (xv - mu) * rs;
-                    *b += d;
-                }
-            }
+        let block = |(first, (dgamma, dbeta)): (usize, (&mut [f32], &mut [f32]))| {
+            crate::vector::vectorized(NormParamGrads {
+                x: xs,
+                dy: dys,
+                mean: means,
+                rstd: rstds,
+                width: n,
+                first,
+                dgamma,
+                dbeta,
+            });
         };
         if self.threads > 1 && xs.len() >= PAR_MIN && n > SUM_COLS {
             self.pool.install(|| {
@@ -1304,8 +1298,8 @@ impl Backend for CpuBackend {
     fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
         crate::check::same_len("axpy", (x, y), ("x", "y"))?;
         let xs = x.host()?;
-        let f = move |o: &mut [f32], a: &[f32], _: &[f32]| {
-            o.iter_mut().zip(a).for_each(|(o, &v)| *o += alpha * v);
+        let f = move |y: &mut [f32], x: &[f32], _: &[f32]| {
+            crate::vector::vectorized(Axpy { alpha, x, y });
         };
         self.par_zip(y.host_mut()?, xs, xs, f);
         Ok(())

@@ -33,6 +33,7 @@ mod emulated;
 mod error;
 mod fastmath;
 pub mod files;
+mod rowwise;
 mod scratch;
 mod sequence;
 mod split_bf16;
