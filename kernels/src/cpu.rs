@@ -4,8 +4,9 @@
 //! that compute more than they move (activations, LayerNorm, the optimizer updates, the
 //! finiteness scan), and the row loops against a vector per column ([`crate::rowwise`]: bias,
 //! bias gradients, the layer norm's parameter gradients, `axpy`), run compiled for the
-//! machine's widest vectors ([`crate::vector`]), with the same arithmetic on every path. The optimizer updates also note whether what they read and
-//! wrote is finite, so the finiteness guard needs no pass of its own ([`UpdateSeen`]).
+//! machine's widest vectors ([`crate::vector`]), with the same arithmetic on every path. The
+//! optimizer updates also note whether what they read and wrote is finite, so the finiteness
+//! guard needs no pass of its own ([`UpdateSeen`]).
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
@@ -167,7 +168,7 @@ impl CpuBackend {
 
     /// A backend as [`CpuBackend::new`] makes, its matrix products in `precision`: f32 through
     /// `gemm`, or [`Precision::Bf16x6`] or [`Precision::Bf16x3`] on the CPU's AMX tiles
-    /// (products whose rows, columns and inner length are all at least [`TILE_MIN_SIDE`];
+    /// (products whose rows, columns and inner length are all at least 256, `TILE_MIN_SIDE`;
     /// others stay f32, a rule of the shape alone).
     ///
     /// # Errors

@@ -10,8 +10,8 @@ use crate::Result;
 /// outcome, so it is shown even when the GPU cannot be used.
 ///
 /// # Errors
-/// [`KernelError::NotCompiledWithCuda`] without the feature; [`KernelError::NoCuda`] when the
-/// driver, a GPU or NVRTC cannot be opened.
+/// [`crate::KernelError::NotCompiledWithCuda`] without the feature;
+/// [`crate::KernelError::NoCuda`] when the driver, a GPU or NVRTC cannot be opened.
 pub fn doctor() -> (String, Result<()>) {
     let res = super::libraries::resolve(&super::libraries::SearchPath::from_environment());
     let mut report = String::from("libraries:\n");
