@@ -14,17 +14,8 @@
 
 mod common;
 
-use std::time::Instant;
-
-use common::{TOKENS, matrix, median};
+use common::{TOKENS, gpt2_layers, matrix, median, seconds};
 use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
-
-/// Seconds `f` takes, once.
-fn timed(f: &mut dyn FnMut()) -> f64 {
-    let t = Instant::now();
-    f();
-    t.elapsed().as_secs_f64()
-}
 
 fn main() {
     let threads: usize = std::env::args()
@@ -37,8 +28,11 @@ fn main() {
         "| product | m x k x n | cached copy | new version | new - cached | transpose alone |"
     );
     println!("|---|---|---|---|---|---|");
-    // (output width, inner width) of `dY W^T`: qkv, fc and fc proj at width 768.
-    for (out, inner) in [(768usize, 2304usize), (768, 3072), (3072, 768)] {
+    // qkv, fc and fc proj at width 768: `dY W^T` makes the layer's input width (`out`) from
+    // its output width (`inner`).
+    let layers = gpt2_layers(768).into_iter();
+    let large = layers.filter(|(name, ..)| matches!(*name, "qkv" | "fc" | "fc proj"));
+    for (_, out, inner) in large {
         let dy = matrix(TOKENS, inner, 1);
         let mut w = matrix(out, inner, 2);
         let (mut c, mut wt) = (Tensor::default(), Tensor::default());
@@ -48,12 +42,12 @@ fn main() {
                 .expect("matmul");
         };
         for round in 0..25 {
-            let cached = timed(&mut || product(&w, &mut c));
+            let cached = seconds(&mut || product(&w, &mut c));
             // A mutable borrow stamps the weight as a new version.
             w.host_mut().expect("host weight");
-            let fresh = timed(&mut || product(&w, &mut c));
+            let fresh = seconds(&mut || product(&w, &mut c));
             w.host_mut().expect("host weight");
-            let alone = timed(&mut || be.transpose(&w, &mut wt).expect("transpose"));
+            let alone = seconds(&mut || be.transpose(&w, &mut wt).expect("transpose"));
             if round >= 3 {
                 for (list, v) in times.iter_mut().zip([cached, fresh, fresh - cached, alone]) {
                     list.push(v * 1e3);

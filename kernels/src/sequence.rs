@@ -190,12 +190,12 @@ fn transpose_part(g: &Heads, qkv: &[f32], part: usize, dst: &mut [f32]) {
     let (t, c3) = (g.seq, 3 * g.width);
     let src = &qkv[..t * c3];
     for (d, out) in dst[..g.width * t].chunks_exact_mut(t).enumerate() {
+        // `at < c3` always (`part <= 2`, `d < width`); saying so once, on rows of exactly `c3`
+        // values, leaves no bounds check in the loop, so it compiles to gather loads.
         let at = part * g.width + d;
         if at >= c3 {
             return;
         }
-        // Rows of exactly `c3` values and `at < c3`: no bounds check is left in the loop, so
-        // it compiles to gather loads.
         for (o, row) in out.iter_mut().zip(src.chunks_exact(c3)) {
             *o = row[at];
         }

@@ -6,18 +6,19 @@ use std::time::Instant;
 
 use pipe_kernels::{Tensor, Trans};
 
+/// Seconds one call of `f` takes.
+pub fn seconds(f: &mut dyn FnMut()) -> f64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
 /// Median seconds of `f` over 31 calls after 5 warm-up calls.
 pub fn median_seconds(f: &mut dyn FnMut()) -> f64 {
     for _ in 0..5 {
         f();
     }
-    let mut times: Vec<f64> = (0..31)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
+    let mut times: Vec<f64> = (0..31).map(|_| seconds(f)).collect();
     median(&mut times)
 }
 
