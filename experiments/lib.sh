@@ -7,6 +7,20 @@ build_pipe() {
   pipe=$PWD/target/release/pipe
 }
 
+# pipe_precision P: the `--precision` of a PRECISIONS entry: P, or P+cblas (P with the CPU's
+# f32 products by the CBLAS library that CBLAS names, through PIPE_CBLAS: kernels/src/cblas.rs).
+pipe_precision() {
+  echo "${1%+cblas}"
+}
+
+# pipe_cblas P: the PIPE_CBLAS of a PRECISIONS entry: CBLAS for P+cblas, else empty (gemm).
+# Called once outside a substitution, it stops the script when CBLAS is unset.
+pipe_cblas() {
+  case $1 in
+    *+cblas) echo "${CBLAS:?CBLAS must name the CBLAS library of a +cblas column}" ;;
+  esac
+}
+
 # scratch_dir: sets `out` to a fresh directory, removed when the script exits.
 scratch_dir() {
   out=$(mktemp -d)

@@ -208,6 +208,9 @@ fn run() -> Result<()> {
             }));
         }
     };
+    // The CBLAS library the environment names for the CPU's products is part of the input:
+    // one that cannot be used stops every command here, before any work.
+    pipe_kernels::cblas_library().map_err(|e| bad_input(e.to_string()))?;
     match cli.command {
         Command::Train(args) => train::run(&args),
         Command::Bench(b) => match b.command {

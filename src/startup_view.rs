@@ -208,7 +208,8 @@ pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
 }
 
 /// Prints the run's header line: model, data, optimizer, seed, compute threads, and on CUDA
-/// the precision of the products.
+/// the precision of the products (on the CPU, a precision other than f32 and the CBLAS
+/// library `PIPE_CBLAS` names).
 pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usize) {
     outln!(
         "pipe train: model {} ({} parameters), {} ({} train / {} test{}){}, {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
@@ -231,10 +232,14 @@ pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usiz
         momentum_note(&cfg.optimizer),
         cfg.seed,
         threads,
-        match cfg.backend {
-            pipe_kernels::BackendKind::Cpu(pipe_kernels::Precision::F32) => String::new(),
-            pipe_kernels::BackendKind::Cpu(p) => format!(", cpu ({p} products)"),
-            pipe_kernels::BackendKind::Cuda(p) => format!(", cuda ({p} products)"),
+        match (cfg.backend, pipe_kernels::cblas_library().ok().flatten()) {
+            (pipe_kernels::BackendKind::Cpu(pipe_kernels::Precision::F32), None) => String::new(),
+            (pipe_kernels::BackendKind::Cpu(pipe_kernels::Precision::F32), Some(library)) =>
+                format!(", cpu (f32 products by {library})"),
+            (pipe_kernels::BackendKind::Cpu(p), None) => format!(", cpu ({p} products)"),
+            (pipe_kernels::BackendKind::Cpu(p), Some(library)) =>
+                format!(", cpu ({p} products, the f32 ones by {library})"),
+            (pipe_kernels::BackendKind::Cuda(p), _) => format!(", cuda ({p} products)"),
         }
     );
     if !cfg.hosts.is_empty() {

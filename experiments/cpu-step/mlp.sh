@@ -4,14 +4,16 @@
 # loss and optimizer through experiments/gpu/peer.py on the CPU with 2 threads (median of 20
 # after 3), in alternating rounds. Needs python with torch (PYTHON, default python3).
 # PRECISIONS lists pipe's precisions, one column each (default f32; bf16x6 and bf16x3 on a CPU
-# with AMX).
+# with AMX; P+cblas for P with the f32 products by the CBLAS library CBLAS names, as in run.sh).
 #
 #   experiments/cpu-step/mlp.sh [ROUNDS]       # default 3
 #   PRECISIONS="f32 bf16x3" experiments/cpu-step/mlp.sh 5
+#   CBLAS=.../libmkl_rt.so.3 PRECISIONS="f32 f32+cblas" experiments/cpu-step/mlp.sh 5
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rounds=${1:-3}
 python=${PYTHON:-python3}
+. experiments/lib.sh
 cargo build --release --locked --quiet --bin pipe
 pipe=$PWD/target/release/pipe
 work=$(mktemp -d)
@@ -19,6 +21,7 @@ trap 'rm -rf "$work"' EXIT
 echo "## $(lscpu | sed -n 's/^Model name: *//p')"
 echo
 precisions=${PRECISIONS:-f32}
+for p in $precisions; do pipe_cblas "$p" > /dev/null; done
 heads=$(for p in $precisions; do printf ' pipe %s samples/s |' "$p"; done)
 ratios=$(for p in $precisions; do printf ' pipe %s / PyTorch |' "$p"; done)
 n=$(echo $precisions | wc -w)
@@ -26,7 +29,8 @@ echo "| round |$heads PyTorch samples/s |$ratios"
 echo "|---|$(printf '%.0s---|' $(seq $((2 * n + 1))))"
 for r in $(seq 1 "$rounds"); do
   for p in $precisions; do
-    "$pipe" bench mfu --threads 2 --precision "$p" --json "$work/pipe-$p.json" > /dev/null
+    PIPE_CBLAS=$(pipe_cblas "$p") "$pipe" bench mfu --threads 2 \
+      --precision "$(pipe_precision "$p")" --json "$work/pipe-$p.json" > /dev/null
   done
   "$python" experiments/gpu/peer.py --device cpu --threads 2 \
     --case mlp-784-1024x16-10:256:f32 > "$work/torch.json"

@@ -20,8 +20,12 @@
 # tile products; `--precision`). PyTorch computes in f32 in every case (on the CPU its
 # float32_matmul_precision "high" is f32 too: experiments/cpu-step/torch_precision.py).
 #
+# An entry P+cblas runs P with the f32 products by the CBLAS library CBLAS names (PIPE_CBLAS:
+# oneMKL's libmkl_rt, OpenBLAS; `docs/training.md`, "An external BLAS").
+#
 #   experiments/cpu-step/run.sh [ROUNDS]        # default 3; WIDTHS="128 512 768"
 #   PRECISIONS="f32 bf16x6" experiments/cpu-step/run.sh 2
+#   CBLAS=.../libmkl_rt.so.3 PRECISIONS="f32 f32+cblas" experiments/cpu-step/run.sh 2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rounds=${1:-3}
@@ -30,6 +34,7 @@ widths=${WIDTHS:-128 512 768}
 precisions=${PRECISIONS:-f32}
 . experiments/corpus.sh
 . experiments/lib.sh
+for p in $precisions; do pipe_cblas "$p" > /dev/null; done
 # The same ids for PyTorch, as uint16, in corpus order (one document: the whole text).
 "$python" - "$work" <<'PY'
 import json, sys
@@ -52,9 +57,11 @@ for w in $widths; do
   for r in $(seq 1 "$rounds"); do
     rates=()
     for precision in $precisions; do
+      PIPE_CBLAS=$(pipe_cblas "$precision") \
       "$pipe" train --model gpt2 --n-layer 8 --n-embd "$w" --n-head "$heads" --n-positions 128 \
         --dataset "tokens:$work/corpus" --microbatch-size 16 --microbatches 1 --threads 2 \
-        --weight-decay-groups all --steps $((steps + 5)) --precision "$precision" \
+        --weight-decay-groups all --steps $((steps + 5)) \
+        --precision "$(pipe_precision "$precision")" \
         --log-jsonl "$work/pipe.jsonl" > "$work/pipe.txt" 2>&1
       params=$(sed -n 's/.*model gpt2 (\([0-9]*\) parameters).*/\1/p' "$work/pipe.txt")
       rates+=("$(python3 - "$work/pipe.jsonl" 5 $((16 * 128)) <<'PY'

@@ -165,6 +165,9 @@ pub struct MfuReport {
     pub backend: String,
     /// The precision of its matrix products (`f32`, `tf32`, `bf16`).
     pub precision: String,
+    /// The CBLAS library computing the CPU's f32 products (`PIPE_CBLAS`: its path and
+    /// version), or `None` for the `gemm` crate.
+    pub products_library: Option<String>,
     /// The optimizer (`sgd`, `adamw`).
     pub optimizer: String,
     /// Tokens per sample (a language model's context; 1 otherwise).
@@ -637,6 +640,10 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         threads: be.threads(),
         backend: be.name().into(),
         precision: cfg.backend.precision().to_string(),
+        products_library: match cfg.backend {
+            BackendKind::Cpu(_) => pipe_kernels::cblas_library()?,
+            BackendKind::Cuda(_) => None,
+        },
         optimizer: cfg.optimizer.name().into(),
         tokens_per_sample,
         tokens_per_s: samples_per_s * tokens_per_sample as f64,
@@ -793,6 +800,9 @@ pub fn render(r: &MfuReport) -> String {
         r.gemm_gflops,
         r.mfu,
     );
+    if let Some(library) = &r.products_library {
+        out.push_str(&format!("f32 products by    {library} (PIPE_CBLAS)\n"));
+    }
     if let Some(nominal) = r.nominal_gflops {
         out.push_str(&format!(
             "CPU nominal peak     {nominal:.1} GFLOP/s (2 FMA/cycle); MFU against it {:.3}\n",

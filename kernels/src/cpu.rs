@@ -21,6 +21,7 @@ use crate::backend::{
     Activation, AdamStep, AttentionShape, Backend, DelayCompensation, IGNORED_LABEL, LionStep,
     LossStats, Precision, SgdStep, Trans, UpdateSeen, counted_labels, exponent_field, lion_sign,
 };
+use crate::cblas::Cblas;
 use crate::rowwise::{AddBias, Axpy, ColumnSums, NormParamGrads};
 use crate::split_bf16;
 use crate::{Device, KernelError, Result, Tensor};
@@ -122,6 +123,9 @@ pub struct CpuBackend {
         split_bf16::Scheme,
         Mutex<split_bf16::Packs>,
     )>,
+    /// The CBLAS library that computes the f32 products instead of `gemm`, where
+    /// `PIPE_CBLAS` names one ([`crate::cblas`]).
+    cblas: Option<Arc<Cblas>>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -138,9 +142,21 @@ impl CpuBackend {
     /// where one-thread kernels run, and on its pool's threads: compute with a backend on the
     /// thread that made it, as every launcher does.
     ///
+    /// Its f32 matrix products go to the CBLAS library `PIPE_CBLAS` names, where it names one
+    /// ([`crate::cblas_library`]), else to `gemm`.
+    ///
     /// # Errors
-    /// [`KernelError::ThreadPool`] when the threads cannot be started.
+    /// [`KernelError::ThreadPool`] when the threads cannot be started, [`KernelError::Cblas`]
+    /// when `PIPE_CBLAS` names a library that cannot be used.
     pub fn new(threads: usize) -> Result<Self> {
+        let mut backend = Self::on_gemm(threads)?;
+        backend.cblas = crate::cblas::configured()?;
+        Ok(backend)
+    }
+
+    /// A backend as [`CpuBackend::new`] makes, its f32 products through `gemm` whatever the
+    /// environment says.
+    fn on_gemm(threads: usize) -> Result<Self> {
         let threads = if threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
@@ -163,6 +179,7 @@ impl CpuBackend {
             pool,
             packs: Mutex::new(VecDeque::new()),
             tiles: None,
+            cblas: None,
         })
     }
 
@@ -606,6 +623,55 @@ impl CpuBackend {
         }
     }
 
+    /// Computes `p` into `c` with the CBLAS library: one one-thread call per block of
+    /// [`split_plan`] (blocks of the shape alone, as for `gemm`), one task each on the pool.
+    fn cblas_product(&self, cblas: &Cblas, p: &Operands, c: &mut Tensor) -> Result<()> {
+        let (m, n, k) = (p.m, p.n, p.k);
+        let stored = crate::cblas::stored(m, k, p.a_rs, p.a_cs)
+            .zip(crate::cblas::stored(k, n, p.b_rs, p.b_cs))
+            .filter(|_| crate::cblas::fits(m, n, k));
+        let Some((a_stored, b_stored)) = stored else {
+            return Err(KernelError::Shape {
+                op: "matmul",
+                detail: format!("{m}x{k}x{n} is past the CBLAS library's 32-bit sizes"),
+            });
+        };
+        let run = |out: SendPtr, r0: usize, mr: usize, c0: usize, nc: usize| {
+            let call = crate::cblas::Call {
+                m: mr,
+                n: nc,
+                k,
+                a: (p.a as *const f32).wrapping_offset(r0 as isize * p.a_rs),
+                a_stored,
+                b: (p.b as *const f32).wrapping_offset(c0 as isize * p.b_cs),
+                b_stored,
+                c: out.get().wrapping_add(r0 * n + c0),
+                ldc: n,
+                accumulate: p.accumulate,
+            };
+            // SAFETY: the block lies inside the live operands and output (r0 + mr <= m,
+            // c0 + nc <= n), blocks write disjoint parts of the output, and the sizes fit.
+            unsafe { cblas.product(&call) }
+        };
+        let blocks = |out: SendPtr| match split_plan(m, n, k) {
+            Blocks::Whole => run(out, 0, m, 0, n),
+            Blocks::Cols(w) => self.for_each_block(n.div_ceil(w), |i| {
+                run(out, 0, m, i * w, w.min(n - i * w));
+            }),
+            Blocks::Rows(h) => self.for_each_block(m.div_ceil(h), |i| {
+                run(out, i * h, h.min(m - i * h), 0, n);
+            }),
+        };
+        if p.accumulate {
+            blocks(SendPtr(c.host_mut()?.as_mut_ptr()));
+        } else {
+            // SAFETY: the blocks cover the m x n output and CBLAS writes every element of
+            // each without reading it (beta 0).
+            unsafe { c.write_host_with(&[m, n], |out| blocks(SendPtr(out.as_mut_ptr().cast()))) };
+        }
+        Ok(())
+    }
+
     /// Runs `body` on every row chunk of `tasks` on the pool (whose threads flush subnormals
     /// like the caller's). Each row is one chunk's alone, so the split never changes a result.
     fn run_rows<I>(&self, tasks: I, body: impl Fn(I::Item) + Sync + Send)
@@ -794,6 +860,21 @@ impl Backend for CpuBackend {
         let shape = (m, n, k);
         if self.tile_product(a, (a_rs, a_cs), b, (b_rs, b_cs), shape, c, accumulate)? {
             return Ok(());
+        }
+        if let Some(cblas) = &self.cblas {
+            let operands = Operands {
+                m,
+                n,
+                k,
+                a: a.host()?.as_ptr() as usize,
+                a_rs,
+                a_cs,
+                b: b.host()?.as_ptr() as usize,
+                b_rs,
+                b_cs,
+                accumulate,
+            };
+            return self.cblas_product(cblas, &operands, c);
         }
         // A tall product whose small right operand is stored transposed (a transformer's
         // `dX = dY W^T` over thousands of token rows) reads a row-major copy of `op(b)`, cached
@@ -1835,6 +1916,113 @@ mod tests {
             let mut got = vec![-1.0; rows * cols];
             be.transpose_on_pool(&src, rows, cols, &mut got);
             assert_eq!(got, want, "{rows} x {cols}");
+        }
+    }
+
+    /// CBLAS's row-major `cblas_sgemm` written out (f64 sums), for the backend's calls to a
+    /// CBLAS library: it reads the operands only through the arguments the backend passes.
+    unsafe extern "C" fn reference_sgemm(
+        layout: std::ffi::c_int,
+        trans_a: std::ffi::c_int,
+        trans_b: std::ffi::c_int,
+        m: std::ffi::c_int,
+        n: std::ffi::c_int,
+        k: std::ffi::c_int,
+        alpha: f32,
+        a: *const f32,
+        lda: std::ffi::c_int,
+        b: *const f32,
+        ldb: std::ffi::c_int,
+        beta: f32,
+        c: *mut f32,
+        ldc: std::ffi::c_int,
+    ) {
+        assert_eq!(layout, 101, "row-major");
+        let [m, n, k, lda, ldb, ldc] = [m, n, k, lda, ldb, ldc].map(|v| v as usize);
+        // CBLAS's own argument checks for row-major operands.
+        let (a_cols, b_cols) = (
+            if trans_a == 111 { k } else { m },
+            if trans_b == 111 { n } else { k },
+        );
+        assert!(lda >= a_cols.max(1) && ldb >= b_cols.max(1) && ldc >= n.max(1));
+        for i in 0..m {
+            for j in 0..n {
+                let mut sum = 0.0f64;
+                for p in 0..k {
+                    // SAFETY: inside the operands the arguments describe.
+                    let (x, y) = unsafe {
+                        (
+                            *a.add(if trans_a == 111 {
+                                i * lda + p
+                            } else {
+                                p * lda + i
+                            }),
+                            *b.add(if trans_b == 111 {
+                                p * ldb + j
+                            } else {
+                                j * ldb + p
+                            }),
+                        )
+                    };
+                    sum += f64::from(x) * f64::from(y);
+                }
+                // SAFETY: inside the output; read only when beta is not 0, as CBLAS does.
+                unsafe {
+                    let out = c.add(i * ldc + j);
+                    let old = if beta == 0.0 { 0.0 } else { beta * *out };
+                    *out = old + alpha * sum as f32;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cblas_products_match_gemm_in_every_layout_and_block_split() {
+        let gemm = CpuBackend::on_gemm(2).unwrap();
+        let mut cblas = CpuBackend::on_gemm(2).unwrap();
+        cblas.cblas = Some(Arc::new(Cblas::from_fn(reference_sgemm)));
+        let value = |i: usize| ((i * 37 + 11) % 23) as f32 * 0.01 - 0.1;
+        // Whole, column blocks, row blocks, and one row, column or inner element.
+        let shapes = [
+            (5, 7, 3),
+            (64, 1024, 64),
+            (1024, 64, 64),
+            (1, 9, 4),
+            (9, 1, 4),
+            (6, 5, 1),
+        ];
+        for (m, n, k) in shapes {
+            for (ta, tb) in [
+                (Trans::No, Trans::No),
+                (Trans::Yes, Trans::No),
+                (Trans::No, Trans::Yes),
+                (Trans::Yes, Trans::Yes),
+            ] {
+                let stored = |t: Trans, r: usize, c: usize| match t {
+                    Trans::No => [r, c],
+                    Trans::Yes => [c, r],
+                };
+                let a = Tensor::from_vec(&stored(ta, m, k), (0..m * k).map(value).collect());
+                let b = Tensor::from_vec(
+                    &stored(tb, k, n),
+                    (0..k * n).map(|i| value(i + 5)).collect(),
+                );
+                let (a, b) = (a.unwrap(), b.unwrap());
+                for accumulate in [false, true] {
+                    let start =
+                        Tensor::from_vec(&[m, n], (0..m * n).map(|i| value(i + 9)).collect());
+                    let (mut want, mut got) = (start.clone().unwrap(), start.unwrap());
+                    gemm.matmul(&a, ta, &b, tb, &mut want, accumulate).unwrap();
+                    cblas.matmul(&a, ta, &b, tb, &mut got, accumulate).unwrap();
+                    let (want, got) = (want.host().unwrap(), got.host().unwrap());
+                    for (w, g) in want.iter().zip(got) {
+                        assert!(
+                            (w - g).abs() <= 1e-5 * (1.0 + w.abs()),
+                            "{m}x{n}x{k} {ta:?} {tb:?} accumulate {accumulate}: {w} against {g}"
+                        );
+                    }
+                }
+            }
         }
     }
 

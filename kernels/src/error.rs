@@ -50,6 +50,14 @@ pub enum KernelError {
         /// The precision asked for.
         precision: crate::Precision,
     },
+    /// The CBLAS library `PIPE_CBLAS` names cannot be used.
+    #[error("PIPE_CBLAS={path}: {reason}")]
+    Cblas {
+        /// The path the variable gives.
+        path: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// The CUDA backend cannot run here: no driver, no device, or no NVRTC.
     #[error("CUDA is not available: {reason}")]
     NoCuda {

@@ -25,6 +25,7 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod cblas;
 mod check;
 mod cpu;
 pub mod cuda;
@@ -46,6 +47,7 @@ pub use backend::{
     Activation, AdamStep, AttentionShape, Backend, BackendKind, DelayCompensation, IGNORED_LABEL,
     LionStep, LossStats, Precision, SgdStep, Trans, UpdateSeen, counted_labels, lion_sign,
 };
+pub use cblas::{ENV as CBLAS_ENV, cblas_library};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 #[cfg(feature = "cuda")]
