@@ -1,5 +1,6 @@
 //! The CPU backend: `gemm` for matrix products (or, under `--precision bf16x6`, the AMX tiles of
-//! [`crate::split_bf16`] for the large ones), plain loops (auto-vectorised) for the rest, a
+//! [`crate::split_bf16`] for the large ones; where `PIPE_CBLAS` names a CBLAS library,
+//! [`crate::cblas`] for the f32 ones), plain loops (auto-vectorised) for the rest, a
 //! private rayon pool for threads, and a block layout that depends only on shapes. The loops
 //! that compute more than they move (activations, LayerNorm, the optimizer updates, the
 //! finiteness scan), and the row loops against a vector per column ([`crate::rowwise`]: bias,

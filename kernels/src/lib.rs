@@ -20,7 +20,10 @@
 //! the pipelined executor be checked bit for bit against the sequential reference trainer.
 //! Under [`Precision::Bf16x6`] the large products go to Intel's AMX tiles instead (`split_bf16`:
 //! f32's accuracy from six bf16 products per term) under the same promise, and with the tile
-//! instruction emulated where AMX is absent, the same bits on every CPU.
+//! instruction emulated where AMX is absent, the same bits on every CPU. Where the environment
+//! names an external CBLAS library ([`CBLAS_ENV`], `PIPE_CBLAS`: oneMKL, OpenBLAS), its
+//! `cblas_sgemm` computes the f32 products instead of `gemm`, one thread per block of the same
+//! shape-only split, so the promise holds with that library's bits ([`cblas_library`]).
 
 #![warn(missing_docs)]
 
