@@ -292,43 +292,19 @@ mod tests {
 
     #[test]
     fn operands_map_to_cblas_transposes_and_leading_dimensions() {
-        // A 3 x 4 stored matrix as it is, and transposed (4 x 3 at strides 1, 4).
-        assert_eq!(
-            stored(3, 4, 4, 1),
-            Some(Stored {
-                trans: NO_TRANS,
-                ld: 4
-            })
-        );
-        assert_eq!(
-            stored(4, 3, 1, 4),
-            Some(Stored {
-                trans: TRANS,
-                ld: 4
-            })
-        );
-        // One row or one column: the stride never read is made legal.
-        assert_eq!(
-            stored(1, 5, 1, 1),
-            Some(Stored {
-                trans: NO_TRANS,
-                ld: 5
-            })
-        );
-        assert_eq!(
-            stored(5, 1, 1, 5),
-            Some(Stored {
-                trans: TRANS,
-                ld: 5
-            })
-        );
-        assert_eq!(
-            stored(5, 1, 1, 1),
-            Some(Stored {
-                trans: NO_TRANS,
-                ld: 1
-            })
-        );
+        // (rows, cols, row stride, column stride) of op(x) -> (transpose, leading dimension).
+        let cases = [
+            // A 3 x 4 stored matrix as it is, and transposed (4 x 3 at strides 1, 4).
+            ((3, 4, 4, 1), (NO_TRANS, 4)),
+            ((4, 3, 1, 4), (TRANS, 4)),
+            // One row or one column: a stride never read is made legal.
+            ((1, 5, 1, 1), (NO_TRANS, 5)),
+            ((5, 1, 1, 5), (TRANS, 5)),
+            ((5, 1, 1, 1), (NO_TRANS, 1)),
+        ];
+        for ((rows, cols, rs, cs), (trans, ld)) in cases {
+            assert_eq!(stored(rows, cols, rs, cs), Some(Stored { trans, ld }));
+        }
         // Neither stride 1, or sizes past 32 bits.
         assert_eq!(stored(3, 4, 8, 2), None);
         assert_eq!(stored(3, 1 << 31, 1 << 31, 1), None);
