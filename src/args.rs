@@ -3,7 +3,7 @@
 //! (`pipe schedule` and `pipe simulate`), and the time and size formats reports print.
 
 use anyhow::Result;
-use pipe_kernels::{Backend, BackendKind, KernelError};
+use pipe_kernels::{Backend, BackendKind};
 
 use crate::output::bad_input;
 
@@ -67,11 +67,12 @@ pub fn dataset_and_dir(
 /// Bad input (exit 2) when this build or machine has no such device: a build without CUDA,
 /// no driver, GPU or NVRTC, or `--precision bf16x6` or `bf16x3` on a CPU without AMX.
 pub fn open_backend(kind: BackendKind, threads: usize) -> Result<Box<dyn Backend>> {
-    pipe_stages::pipeline::open_backend(kind, threads, 0).map_err(|e| match e {
-        KernelError::NotCompiledWithCuda
-        | KernelError::NoCuda { .. }
-        | KernelError::NoTileUnit { .. } => bad_input(e.to_string()),
-        other => other.into(),
+    pipe_stages::pipeline::open_backend(kind, threads, 0).map_err(|e| {
+        if e.is_bad_input() {
+            bad_input(e.to_string())
+        } else {
+            e.into()
+        }
     })
 }
 

@@ -190,6 +190,37 @@ fn bad_input_exits_2_with_one_line() {
 }
 
 #[test]
+fn a_cblas_library_that_cannot_be_used_exits_2_before_any_work() {
+    let dir = fresh_path("cblas");
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("libcblas.so");
+    std::fs::write(&text, "not a library\n").unwrap();
+    // (PIPE_CBLAS, what the error line says)
+    let cases = [
+        ("/nonexistent/libcblas.so".to_string(), "No such file"),
+        (dir.display().to_string(), "not a regular file"),
+        (text.display().to_string(), "dlopen failed"),
+        ("libc.so.6".to_string(), "it has no cblas_sgemm"),
+    ];
+    for (library, says) in cases {
+        for args in [&small()[..], &["schedule"]] {
+            let out = common::pipe_command(args)
+                .env("PIPE_CBLAS", &library)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{library}: {err}");
+            assert_eq!(err.trim().lines().count(), 1, "{err}");
+            assert!(
+                err.starts_with("error: PIPE_CBLAS=") && err.contains(says),
+                "{err}"
+            );
+            assert!(out.stdout.is_empty(), "no work before the error");
+        }
+    }
+}
+
+#[test]
 fn missing_and_corrupt_data_files_exit_2() {
     let dir = fresh_path("mnist-missing");
     std::fs::create_dir_all(&dir).unwrap();

@@ -29,11 +29,11 @@ use crate::{KernelError, Result};
 pub const ENV: &str = "PIPE_CBLAS";
 
 /// `CblasRowMajor`.
-const ROW_MAJOR: c_int = 101;
+pub(crate) const ROW_MAJOR: c_int = 101;
 /// `CblasNoTrans`.
-const NO_TRANS: c_int = 111;
+pub(crate) const NO_TRANS: c_int = 111;
 /// `CblasTrans`.
-const TRANS: c_int = 112;
+pub(crate) const TRANS: c_int = 112;
 /// oneMKL's `MKL_THREADING_SEQUENTIAL`.
 const MKL_THREADING_SEQUENTIAL: c_int = 1;
 /// oneMKL's `MKL_CBWR_AUTO`.
@@ -129,6 +129,14 @@ impl Cblas {
             path: path.display().to_string(),
             reason,
         };
+        // A path must lead to a regular file: the loader would wait forever on a named pipe.
+        // A bare name is the loader's to find in its search path.
+        if path.as_os_str().as_encoded_bytes().contains(&b'/') {
+            let meta = std::fs::metadata(path).map_err(|e| fail(e.to_string()))?;
+            if !meta.is_file() {
+                return Err(fail("not a regular file (a shared library)".into()));
+            }
+        }
         // SAFETY: opening a shared library runs its initialisers; a BLAS library's only set up
         // its own state. The user named this library as the one to compute with.
         let library = unsafe { libloading::Library::new(path) }.map_err(|e| {
@@ -311,15 +319,38 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_library_or_symbol_is_a_one_line_error() {
-        let missing = Cblas::open(Path::new("/nonexistent/libcblas.so")).unwrap_err();
-        assert!(matches!(missing, KernelError::Cblas { .. }), "{missing}");
-        assert!(!missing.to_string().contains('\n'), "{missing}");
-        // The C library is a shared library without `cblas_sgemm`.
-        let no_sgemm = Cblas::open(Path::new("libc.so.6")).unwrap_err();
-        assert!(
-            no_sgemm.to_string().contains("no cblas_sgemm"),
-            "{no_sgemm}"
-        );
+    fn a_library_that_cannot_be_used_is_a_one_line_error() {
+        let dir = std::env::temp_dir().join(format!("pipe-cblas-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo.so");
+        let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid C string; makes a named pipe in the test's own folder.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        let text = dir.join("text.so");
+        std::fs::write(&text, "not a library\n").unwrap();
+        // The first bytes of an ELF file, cut short.
+        let truncated = dir.join("truncated.so");
+        std::fs::write(&truncated, b"\x7fELF\x02\x01\x01\0").unwrap();
+        // (path, what the error says)
+        let cases = [
+            (Path::new("/nonexistent/libcblas.so"), "No such file"),
+            (dir.as_path(), "not a regular file"),
+            (fifo.as_path(), "not a regular file"),
+            (Path::new("/dev/zero"), "not a regular file"),
+            (text.as_path(), "dlopen failed"),
+            (truncated.as_path(), "dlopen failed"),
+            // The C library is a shared library without `cblas_sgemm`.
+            (Path::new("libc.so.6"), "it has no cblas_sgemm"),
+        ];
+        for (path, says) in cases {
+            let e = Cblas::open(path).unwrap_err();
+            assert!(matches!(e, KernelError::Cblas { .. }), "{e}");
+            let line = e.to_string();
+            assert!(
+                !line.contains('\n') && line.contains(says),
+                "{path:?}: {line}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

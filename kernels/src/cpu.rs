@@ -1938,12 +1938,20 @@ mod tests {
         c: *mut f32,
         ldc: std::ffi::c_int,
     ) {
-        assert_eq!(layout, 101, "row-major");
+        assert_eq!(layout, crate::cblas::ROW_MAJOR, "row-major");
         let [m, n, k, lda, ldb, ldc] = [m, n, k, lda, ldb, ldc].map(|v| v as usize);
         // CBLAS's own argument checks for row-major operands.
         let (a_cols, b_cols) = (
-            if trans_a == 111 { k } else { m },
-            if trans_b == 111 { n } else { k },
+            if trans_a == crate::cblas::NO_TRANS {
+                k
+            } else {
+                m
+            },
+            if trans_b == crate::cblas::NO_TRANS {
+                n
+            } else {
+                k
+            },
         );
         assert!(lda >= a_cols.max(1) && ldb >= b_cols.max(1) && ldc >= n.max(1));
         for i in 0..m {
@@ -1953,12 +1961,12 @@ mod tests {
                     // SAFETY: inside the operands the arguments describe.
                     let (x, y) = unsafe {
                         (
-                            *a.add(if trans_a == 111 {
+                            *a.add(if trans_a == crate::cblas::NO_TRANS {
                                 i * lda + p
                             } else {
                                 p * lda + i
                             }),
-                            *b.add(if trans_b == 111 {
+                            *b.add(if trans_b == crate::cblas::NO_TRANS {
                                 p * ldb + j
                             } else {
                                 j * ldb + p

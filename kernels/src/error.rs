@@ -102,6 +102,21 @@ pub enum KernelError {
     },
 }
 
+impl KernelError {
+    /// True when the error names something this machine or its environment lacks, which
+    /// the user chose (a CUDA build or device, AMX tiles, the CBLAS library `PIPE_CBLAS`
+    /// names), so a command-line front end should exit with status 2.
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            KernelError::NotCompiledWithCuda
+                | KernelError::NoCuda { .. }
+                | KernelError::NoTileUnit { .. }
+                | KernelError::Cblas { .. }
+        )
+    }
+}
+
 pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> KernelError {
     KernelError::Shape {
         op,
