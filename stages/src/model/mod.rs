@@ -1125,13 +1125,28 @@ impl Model {
         }
     }
 
+    /// Whether the backward over `range` needs the gradient entering layer `i`: a layer of
+    /// `range` before `i` has parameters, or `need_input_grad` (an earlier stage waits for
+    /// the gradient entering `range.start`). A model that opens with layers without
+    /// parameters (an MLP's `flatten`) so skips its first product's input gradient, as
+    /// autograd does for an input that needs no gradient.
+    fn input_grad_needed(
+        &self,
+        range: &std::ops::Range<usize>,
+        i: usize,
+        need_input_grad: bool,
+    ) -> bool {
+        need_input_grad || self.slots[range.start..i].iter().any(|s| !s.is_empty())
+    }
+
     /// Runs layers `range` backward from `dy`: for each layer, last first, the input gradient
-    /// (skipped for the model's first layer unless `need_input_grad`) and the parameter
-    /// gradients, added into `grads` when `accumulate`. Calls `ready` after each layer with the
+    /// (skipped where [`Model::input_grad_needed`] says nobody reads it, and then every
+    /// layer below, none of which has parameters) and the parameter gradients, added into
+    /// `grads` when `accumulate`. Calls `ready` after each layer with the
     /// layer's index within `range` and `grads`: that layer and every later one hold their
     /// parameter gradients of this pass (what lets the executor start all-reducing them while
     /// the earlier layers compute; [`no_notice`] where nobody waits). Returns the gradient
-    /// entering `range.start`.
+    /// entering `range.start`, or `None` when it is not needed.
     ///
     /// # Errors
     /// [`StageError::Kernel`] naming the layer that failed, or `ready`'s error.
@@ -1149,10 +1164,10 @@ impl Model {
     ) -> Result<Option<Tensor>> {
         let start = range.start;
         let mut g = dy;
-        for i in range.rev() {
+        for i in range.clone().rev() {
             let j = i - start;
             let layer = &self.layers[i];
-            let need = i > start || need_input_grad;
+            let need = self.input_grad_needed(&range, i, need_input_grad);
             let next = materialize(layer.as_ref(), be, &params[j], &saved[j])
                 .and_then(|saved| {
                     layer.backward(be, &params[j], &saved, &g, &mut grads[j], accumulate, need)
@@ -1161,16 +1176,24 @@ impl Model {
             ready(j, grads)?;
             match next {
                 Some(next) => g = next,
-                None => return Ok(None),
+                None => {
+                    // The layers below have no parameters: nothing of theirs to compute.
+                    for below in (0..j).rev() {
+                        ready(below, grads)?;
+                    }
+                    return Ok(None);
+                }
             }
         }
         Ok(Some(g))
     }
 
     /// The input-gradient half of a split backward over layers `range`: runs each layer's
-    /// `backward_input`, last first, and returns the gradient entering `range.start` (None for
-    /// the model's first layer unless `need_input_grad`) together with the gradient that reached
-    /// each layer's output (in layer order), which [`Model::backward_params_range`] needs later.
+    /// `backward_input`, last first, and returns the gradient entering `range.start` (None
+    /// where [`Model::input_grad_needed`] says nobody reads it) together with the gradient that
+    /// reached each layer's output (in layer order), which [`Model::backward_params_range`]
+    /// needs later (an empty tensor for the layers without parameters under the last one
+    /// computed, which it skips).
     ///
     /// # Errors
     /// [`StageError::Kernel`] naming the layer that failed.
@@ -1186,10 +1209,11 @@ impl Model {
         let start = range.start;
         let mut dys: Vec<Tensor> = Vec::with_capacity(range.len());
         let mut g = dy;
-        for i in range.rev() {
+        for i in range.clone().rev() {
             let j = i - start;
-            if i == start && !need_input_grad {
+            if !self.input_grad_needed(&range, i, need_input_grad) {
                 dys.push(g);
+                dys.extend((0..j).map(|_| Tensor::default()));
                 dys.reverse();
                 return Ok((None, dys));
             }
@@ -1224,6 +1248,12 @@ impl Model {
         for i in range.rev() {
             let j = i - start;
             let layer = &self.layers[i];
+            if self.slots[i].is_empty() {
+                // No parameters, so no gradients to compute (and no output gradient kept for
+                // those below the input gradients' cut).
+                ready(j, grads)?;
+                continue;
+            }
             materialize(layer.as_ref(), be, &params[j], &saved[j])
                 .and_then(|saved| {
                     layer.backward_params(
