@@ -1139,6 +1139,14 @@ impl Model {
         need_input_grad || self.slots[range.start..i].iter().any(|s| !s.is_empty())
     }
 
+    /// Whether a backward pass computes layer `i`'s input gradient: some earlier layer has
+    /// parameters ([`Model::input_grad_needed`] from the model's first layer; a later stage's
+    /// layers always have one before them, since every stage holds a layer with parameters).
+    /// What the profiler times layer `i`'s backward with.
+    pub fn computes_input_grad(&self, i: usize) -> bool {
+        self.input_grad_needed(&(0..self.layers.len()), i.min(self.layers.len()), false)
+    }
+
     /// Runs layers `range` backward from `dy`: for each layer, last first, the input gradient
     /// (skipped where [`Model::input_grad_needed`] says nobody reads it, and then every
     /// layer below, none of which has parameters) and the parameter gradients, added into

@@ -227,14 +227,15 @@ pub fn profile_model(
     profile_model_with(model, name, be, opts, &mut |_| {})
 }
 
-/// What makes two layers cost the same: their spec, the shape they receive, whether they are
-/// the model's first (which computes no input gradient) and their optimizer role.
+/// What makes two layers cost the same: their spec, the shape they receive, whether their
+/// backward computes an input gradient (none before the model's first layer with parameters)
+/// and their optimizer role.
 fn shape_key(model: &Model, roles: &[Vec<crate::model::ParamRole>], i: usize) -> String {
     format!(
         "{:?}|{:?}|{}|{:?}",
         model.specs().get(i),
         model.shape_before(i),
-        i == 0,
+        model.computes_input_grad(i),
         roles.get(i)
     )
 }
@@ -411,8 +412,9 @@ fn time_layer(
     let input_bytes = x.len() * 4;
     let (y, saved) = layer.forward(be, p, x, ctx).map_err(kernel("forward"))?;
     let backward_input = |repeats: Repeats| {
-        if i == 0 {
-            // The model's first layer never needs its input gradient.
+        if !model.computes_input_grad(i) {
+            // Nothing before layer i trains, so the backward never computes its input
+            // gradient (`Model::backward_range`).
             return Ok(0.0);
         }
         repeats.median(|| {
@@ -651,13 +653,14 @@ mod tests {
         let l1 = &p.layers[1];
         assert_eq!(l1.param_bytes, ((20 * 30 + 30) * 4) as f64);
         assert_eq!(l1.activation_bytes, (4 * 30 * 4) as f64);
-        assert!(l1.forward > 0.0 && l1.backward_input > 0.0);
-        assert!(l1.backward_weight > 0.0 && l1.update > 0.0);
-        // Parameterless layers have no weight gradient or update; the first layer no input
-        // gradient.
+        assert!(l1.forward > 0.0 && l1.backward_weight > 0.0 && l1.update > 0.0);
+        // Parameterless layers have no weight gradient or update; the layers up to the first
+        // with parameters no input gradient (nothing before them trains), those after it one.
         assert_eq!(p.layers[2].backward_weight, 0.0);
         assert_eq!(p.layers[2].param_bytes, 0.0);
         assert_eq!(p.layers[0].backward_input, 0.0);
+        assert_eq!(l1.backward_input, 0.0);
+        assert!(p.layers[2].backward_input > 0.0 && p.layers[3].backward_input > 0.0);
         let back = Profile::from_json(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);
     }
