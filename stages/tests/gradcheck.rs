@@ -490,3 +490,98 @@ fn whole_model() {
     assert_eq!(model.param_names()[0], "layers.1.weight");
     assert_eq!(model.param_names().len(), 8);
 }
+
+/// Matrix products a timed backend has run, over every shape and layout.
+fn products(be: &pipe_kernels::Timed<CpuBackend>) -> u64 {
+    be.operations()
+        .iter()
+        .filter(|(name, _)| name.starts_with("matmul"))
+        .map(|(_, t)| t.calls)
+        .sum()
+}
+
+#[test]
+fn the_backward_skips_input_gradients_nobody_reads() {
+    // flatten, linear 20->30, relu, linear 30->5: nothing before the first linear layer
+    // trains, so its input gradient (and flatten's) is never needed from the first stage.
+    let model = Model::new(&ModelSpec::preset("mlp-20-30-5").unwrap()).unwrap();
+    let be = pipe_kernels::Timed::by_operation(CpuBackend::new(1).unwrap());
+    let params = model.init_params(3);
+    let x = rand_t(&[4, 20], 8, false);
+    let labels = Tensor::from_vec(&[4], vec![1u32, 0, 4, 2]).unwrap();
+    let n = model.len();
+    let (logits, saved) = model
+        .forward_range(&be, 0..n, &params, x, model.training(0), 1, 0, None)
+        .unwrap();
+    let mut dl = Tensor::default();
+    be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut dl))
+        .unwrap();
+    let backward = |need_input_grad: bool| {
+        let mut grads = model.zero_grads(0..n);
+        let mut readied = Vec::new();
+        let before = products(&be);
+        let dx = model
+            .backward_range(
+                &be,
+                0..n,
+                &params,
+                &saved,
+                (dl.clone(), need_input_grad),
+                &mut grads,
+                false,
+                &mut |layer, _| {
+                    readied.push(layer);
+                    Ok(())
+                },
+            )
+            .unwrap();
+        (dx, grads, readied, products(&be) - before)
+    };
+    let (dx, grads, readied, calls) = backward(false);
+    assert!(dx.is_none());
+    // The last linear layer's dW and dX, the first's dW only.
+    assert_eq!(calls, 3);
+    assert_eq!(
+        readied,
+        vec![3, 2, 1, 0],
+        "every layer is reported ready, last first"
+    );
+    let (dx_all, grads_all, _, calls_all) = backward(true);
+    assert_eq!(dx_all.unwrap().shape(), &[4, 20]);
+    assert_eq!(calls_all, 4);
+    let bits = |g: &[Vec<Tensor>]| -> Vec<Vec<f32>> {
+        g.iter()
+            .flatten()
+            .map(|t| t.host().unwrap().to_vec())
+            .collect()
+    };
+    assert_eq!(
+        bits(&grads),
+        bits(&grads_all),
+        "the same parameter gradients"
+    );
+    // The split backward stops at the same layer and gives the same gradients.
+    let before = products(&be);
+    let (dx, dys) = model
+        .backward_input_range(&be, 0..n, &params, &saved, dl.clone(), false)
+        .unwrap();
+    assert!(dx.is_none());
+    assert_eq!(dys.len(), n);
+    let mut split = model.zero_grads(0..n);
+    model
+        .backward_params_range(
+            &be,
+            0..n,
+            &params,
+            &saved,
+            &dys,
+            &mut split,
+            false,
+            &mut pipe_stages::model::no_notice,
+        )
+        .unwrap();
+    assert_eq!(products(&be) - before, 3);
+    assert_eq!(bits(&split), bits(&grads_all));
+    assert!(!model.computes_input_grad(0) && !model.computes_input_grad(1));
+    assert!(model.computes_input_grad(2) && model.computes_input_grad(3));
+}
