@@ -23,22 +23,8 @@
 
 mod common;
 
-use common::{matrix, median, seconds};
+use common::{SendPtr as Ptr, matrix, median, seconds};
 use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
-
-/// A raw pointer the two blocks' tasks share; each writes its own rows.
-#[derive(Clone, Copy)]
-struct Ptr(*mut f32);
-// SAFETY: the tasks write disjoint rows of one live buffer.
-unsafe impl Send for Ptr {}
-unsafe impl Sync for Ptr {}
-
-impl Ptr {
-    /// The pointer (a method, so that closures capture the whole `Ptr`).
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
 
 /// What each row times.
 const ROUTES: [&str; 6] = [

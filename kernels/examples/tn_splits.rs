@@ -10,19 +10,9 @@
 #![allow(clippy::expect_used, clippy::too_many_arguments)]
 
 mod common;
-use common::median;
+use common::{SendPtr as P, median};
 use rayon::prelude::*;
 use std::time::Instant;
-
-#[derive(Clone, Copy)]
-struct P(*mut f32);
-unsafe impl Send for P {}
-unsafe impl Sync for P {}
-impl P {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
 
 unsafe fn g(
     m: usize,

@@ -6,6 +6,21 @@ use std::time::Instant;
 
 use pipe_kernels::{Tensor, Trans};
 
+/// A raw output pointer handed to pool tasks that each write their own part of one live
+/// buffer.
+#[derive(Clone, Copy)]
+pub struct SendPtr(pub *mut f32);
+// SAFETY: the examples hand each task a disjoint part of a buffer that outlives the tasks.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer (a method, so that closures capture the whole `SendPtr`).
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// Seconds one call of `f` takes.
 pub fn seconds(f: &mut dyn FnMut()) -> f64 {
     let t = Instant::now();
