@@ -1125,30 +1125,32 @@ impl Model {
         }
     }
 
-    /// Whether the backward over `range` needs the gradient entering layer `i`: a layer of
-    /// `range` before `i` has parameters, or `need_input_grad` (an earlier stage waits for
-    /// the gradient entering `range.start`). A model that opens with layers without
-    /// parameters (an MLP's `flatten`) so skips its first product's input gradient, as
-    /// autograd does for an input that needs no gradient.
-    fn input_grad_needed(
-        &self,
-        range: &std::ops::Range<usize>,
-        i: usize,
-        need_input_grad: bool,
-    ) -> bool {
-        need_input_grad || self.slots[range.start..i].iter().any(|s| !s.is_empty())
+    /// The first layer of `range` whose input gradient the backward over `range` computes:
+    /// `range.start` when `need_input_grad` (an earlier stage waits for it), else the layer
+    /// after the range's first layer with parameters (`range.end` when none has any). Below
+    /// it nothing trains, so a model that opens with layers without parameters (an MLP's
+    /// `flatten`) skips its first product's input gradient, as autograd does for an input
+    /// that needs no gradient.
+    fn first_input_grad(&self, range: &std::ops::Range<usize>, need_input_grad: bool) -> usize {
+        if need_input_grad {
+            return range.start;
+        }
+        range
+            .clone()
+            .find(|&i| !self.slots[i].is_empty())
+            .map_or(range.end, |i| i + 1)
     }
 
     /// Whether a backward pass computes layer `i`'s input gradient: some earlier layer has
-    /// parameters ([`Model::input_grad_needed`] from the model's first layer; a later stage's
+    /// parameters ([`Model::first_input_grad`] from the model's first layer; a later stage's
     /// layers always have one before them, since every stage holds a layer with parameters).
     /// What the profiler times layer `i`'s backward with.
     pub fn computes_input_grad(&self, i: usize) -> bool {
-        self.input_grad_needed(&(0..self.layers.len()), i.min(self.layers.len()), false)
+        i >= self.first_input_grad(&(0..self.layers.len()), false)
     }
 
     /// Runs layers `range` backward from `dy`: for each layer, last first, the input gradient
-    /// (skipped where [`Model::input_grad_needed`] says nobody reads it, and then every
+    /// (skipped below [`Model::first_input_grad`], where nobody reads it, and then every
     /// layer below, none of which has parameters) and the parameter gradients, added into
     /// `grads` when `accumulate`. Calls `ready` after each layer with the
     /// layer's index within `range` and `grads`: that layer and every later one hold their
@@ -1171,11 +1173,12 @@ impl Model {
         ready: &mut GradientsReady<'_>,
     ) -> Result<Option<Tensor>> {
         let start = range.start;
+        let first = self.first_input_grad(&range, need_input_grad);
         let mut g = dy;
-        for i in range.clone().rev() {
+        for i in range.rev() {
             let j = i - start;
             let layer = &self.layers[i];
-            let need = self.input_grad_needed(&range, i, need_input_grad);
+            let need = i >= first;
             let next = materialize(layer.as_ref(), be, &params[j], &saved[j])
                 .and_then(|saved| {
                     layer.backward(be, &params[j], &saved, &g, &mut grads[j], accumulate, need)
@@ -1198,7 +1201,7 @@ impl Model {
 
     /// The input-gradient half of a split backward over layers `range`: runs each layer's
     /// `backward_input`, last first, and returns the gradient entering `range.start` (None
-    /// where [`Model::input_grad_needed`] says nobody reads it) together with the gradient that
+    /// below [`Model::first_input_grad`], where nobody reads it) together with the gradient that
     /// reached each layer's output (in layer order), which [`Model::backward_params_range`]
     /// needs later (an empty tensor for the layers without parameters under the last one
     /// computed, which it skips).
@@ -1216,10 +1219,11 @@ impl Model {
     ) -> Result<(Option<Tensor>, Vec<Tensor>)> {
         let start = range.start;
         let mut dys: Vec<Tensor> = Vec::with_capacity(range.len());
+        let first = self.first_input_grad(&range, need_input_grad);
         let mut g = dy;
-        for i in range.clone().rev() {
+        for i in range.rev() {
             let j = i - start;
-            if !self.input_grad_needed(&range, i, need_input_grad) {
+            if i < first {
                 dys.push(g);
                 dys.extend((0..j).map(|_| Tensor::default()));
                 dys.reverse();
