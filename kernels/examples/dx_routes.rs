@@ -23,7 +23,7 @@
 
 mod common;
 
-use common::{SendPtr as Ptr, matrix, median, seconds};
+use common::{SendPtr as Ptr, matrix, median, product_on_one_thread, seconds};
 use pipe_kernels::{Backend, CpuBackend, Tensor, Trans};
 
 /// What each row times.
@@ -70,26 +70,18 @@ fn main() {
                         // SAFETY: W holds n x k values, dY^T k x m and C^T n x m; each task
                         // writes its own rows of C^T.
                         unsafe {
-                            gemm::gemm(
+                            product_on_one_thread(
                                 half,
                                 m,
                                 k,
                                 ct.get().add(j0 * m),
-                                1,
                                 m as isize,
-                                false,
                                 (w_at as *const f32).add(j0 * k),
-                                1,
                                 k as isize,
-                                dy_t_at as *const f32,
                                 1,
+                                dy_t_at as *const f32,
                                 m as isize,
-                                1.0,
-                                1.0,
-                                false,
-                                false,
-                                false,
-                                gemm::Parallelism::None,
+                                1,
                             );
                         }
                     });

@@ -10,47 +10,9 @@
 #![allow(clippy::expect_used, clippy::too_many_arguments)]
 
 mod common;
-use common::{SendPtr as P, median};
+use common::{SendPtr as P, median, product_on_one_thread as g};
 use rayon::prelude::*;
 use std::time::Instant;
-
-unsafe fn g(
-    m: usize,
-    n: usize,
-    k: usize,
-    d: *mut f32,
-    drs: isize,
-    a: *const f32,
-    ars: isize,
-    acs: isize,
-    b: *const f32,
-    brs: isize,
-    bcs: isize,
-) {
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            d,
-            1,
-            drs,
-            false,
-            a,
-            acs,
-            ars,
-            b,
-            bcs,
-            brs,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
-}
 
 fn main() {
     let pool = rayon::ThreadPoolBuilder::new()

@@ -21,6 +21,52 @@ impl SendPtr {
     }
 }
 
+/// `D = A B` by `gemm` on the calling thread, overwriting `D`: `m x n` at `d` (rows `drs`
+/// apart, columns adjacent), `A` `m x k` and `B` `k x n` at the given row and column strides.
+///
+/// # Safety
+/// The three pointers must address the strided matrices described, `D` writable and not
+/// overlapping the others.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn product_on_one_thread(
+    m: usize,
+    n: usize,
+    k: usize,
+    d: *mut f32,
+    drs: isize,
+    a: *const f32,
+    ars: isize,
+    acs: isize,
+    b: *const f32,
+    brs: isize,
+    bcs: isize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            d,
+            1,
+            drs,
+            false,
+            a,
+            acs,
+            ars,
+            b,
+            bcs,
+            brs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
 /// Seconds one call of `f` takes.
 pub fn seconds(f: &mut dyn FnMut()) -> f64 {
     let t = Instant::now();
