@@ -364,8 +364,9 @@ pub(crate) fn training_flops_per_sample(model: &Model) -> f64 {
     }
 }
 
-/// A model, its state and one batch resident on a backend, ready to train step by step.
-struct StepBench {
+/// A model, its state and one batch resident on a backend, ready to train step by step: the
+/// step `pipe bench mfu` times, whose allocations `examples/step_allocations.rs` counts.
+pub struct StepBench {
     model: Model,
     params: Params,
     grads: Params,
@@ -406,7 +407,11 @@ fn admit_step(
 }
 
 impl StepBench {
-    fn new(be: &dyn Backend, cfg: &MfuConfig) -> Result<Self, ExperimentError> {
+    /// `cfg`'s model, initialised, with its optimizer and one random batch, on `be`.
+    ///
+    /// # Errors
+    /// An unknown model or shape, a batch past this host's memory, backend errors.
+    pub fn new(be: &dyn Backend, cfg: &MfuConfig) -> Result<Self, ExperimentError> {
         let spec = measured_spec(&cfg.model, &cfg.gpt2)?;
         let model = Model::new(&spec)?;
         let (ocfg, lr) = cfg.optimizer.config(cfg.momentum);
@@ -441,7 +446,10 @@ impl StepBench {
     }
 
     /// One training step: forward, loss, backward, update (queued; the caller waits).
-    fn step(&mut self, be: &dyn Backend) -> Result<(), ExperimentError> {
+    ///
+    /// # Errors
+    /// Kernel errors, a non-finite loss.
+    pub fn step(&mut self, be: &dyn Backend) -> Result<(), ExperimentError> {
         let mut st = StepState {
             params: &mut self.params,
             grads: &mut self.grads,
