@@ -1,14 +1,15 @@
 //! CPU kernels for sequence models: the token-embedding lookup and its scatter-add, and causal
 //! multi-head self-attention with its backward.
 //!
-//! Attention is computed one (sequence, head) at a time: the `T x T` scores of that one head
-//! live in a scratch buffer while its softmax and `P V` are formed, and are never kept. The
-//! forward saves only each row's log-sum-exp; the backward recomputes the probabilities from it
-//! (the memory trade of fused attention kernels: `O(B H T)` saved instead of `O(B H T^2)`, for
-//! one extra `Q K^T` product). Products go to `gemm` with strides that read the heads in place
-//! from the packed `[rows, 3C]` query-key-value tensor, so no head is copied out. Each
-//! sequence is one task and writes only its own rows, so the bits never depend on the thread
-//! count.
+//! Attention is computed one (sequence, head, block of query rows) at a time, forward and
+//! backward: a block's scores, probabilities and score gradients (`BLOCK x T`) live in a
+//! per-thread scratch buffer while they are used, and are never kept, so what attention holds
+//! grows with `T`, not `T^2`. The forward saves only each row's log-sum-exp; the backward
+//! recomputes the probabilities from it (the memory trade of fused attention kernels: `O(B H T)`
+//! saved instead of `O(B H T^2)`, for one extra `Q K^T` product). The products are register
+//! tiles ([`crate::tile`]) whose strides read the heads in place from the packed `[rows, 3C]`
+//! query-key-value tensor, so no head is copied out. Each sequence is one task and writes only
+//! its own rows, so the bits never depend on the thread count.
 
 use std::mem::MaybeUninit;
 
@@ -317,9 +318,13 @@ impl pulp::WithSimd for Forward<'_> {
 /// The backward of [`attention_one`] for one sequence: `dqkv` (`T x 3C`, every element
 /// written) from `dout` (`T x C`).
 ///
-/// Only the causal blocks are formed: a block of query rows `r0..r1` reads and writes
-/// probability columns `0..r1` (zero past each row's diagonal), and a block of key rows
-/// `j0..j1` gathers from query rows `j0..T`.
+/// Block by block of query rows, as the forward: a block of rows `r0..r1` forms its
+/// probabilities and score gradients over key columns `0..r1` (zero past each row's diagonal)
+/// in `BLOCK x T` of scratch, so the backward holds `O(T)` per thread where a whole `T x T`
+/// matrix would grow with the square of the context. The block writes its rows of `dQ` whole
+/// and adds its rows' terms to `dK` and `dV` of key rows `0..r1`, each sum continued from the
+/// previous block's, so every key row's sum runs over query rows in order, as one product
+/// over all of them would.
 pub(crate) fn attention_backward_one(
     s: AttentionShape,
     qkv: &[f32],
@@ -330,7 +335,7 @@ pub(crate) fn attention_backward_one(
     dqkv: &mut [MaybeUninit<f32>],
 ) {
     let (t, c) = (s.seq, s.width());
-    crate::scratch::with_scratch(2 * c * t + 2 * t * t, |scratch| {
+    crate::scratch::with_scratch(2 * c * t + 2 * BLOCK * t, |scratch| {
         crate::vector::arch().dispatch(Backward {
             s,
             qkv,
@@ -353,9 +358,9 @@ struct Backward<'a> {
     out: &'a [f32],
     lse: &'a [f32],
     dout: &'a [f32],
-    /// Written whole, never read.
+    /// Written whole, never read before it is written.
     dqkv: &'a mut [MaybeUninit<f32>],
-    /// `C x T` each for K^T and V^T, then `T x T` each for P and dS.
+    /// `C x T` each for K^T and V^T, then `BLOCK x T` each for a block's P and dS.
     scratch: &'a mut [f32],
 }
 
@@ -378,12 +383,18 @@ impl pulp::WithSimd for Backward<'_> {
         let (t, c, c3) = (g.seq, g.width, 3 * g.width);
         let (k_t, rest) = scratch.split_at_mut(c * t);
         let (v_t, rest) = rest.split_at_mut(c * t);
-        let (probs, dprobs) = rest.split_at_mut(t * t);
+        let (probs, dprobs) = rest.split_at_mut(BLOCK * t);
         transpose_part(&g, qkv, 1, k_t);
         transpose_part(&g, qkv, 2, v_t);
+        // dK and dV start at zero: each block below continues their sums.
+        for row in dqkv[..t * c3].chunks_exact_mut(c3) {
+            for v in &mut row[c..] {
+                v.write(0.0);
+            }
+        }
         let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr().cast::<f32>());
         // One product of this sequence; every call below addresses rows of the sequence's
-        // tensors and of the T x T scratch only.
+        // tensors and of the block scratch only.
         let run = |p: Product| {
             // SAFETY: see each call's operands; all lie inside the buffers above.
             unsafe { crate::tile::product(simd, &p) }
@@ -394,10 +405,10 @@ impl pulp::WithSimd for Backward<'_> {
             for (r0, r1) in blocks(t) {
                 let m = r1 - r0;
                 // Probabilities again, from the saved log-sum-exp.
-                run(g.scores(qkv, k_t, h, (r0, r1), probs[r0 * t..].as_mut_ptr()));
+                run(g.scores(qkv, k_t, h, (r0, r1), probs.as_mut_ptr()));
                 for i in r0..r1 {
                     let l = lse[h * t + i];
-                    let row = &mut probs[i * t..i * t + r1];
+                    let row = &mut probs[(i - r0) * t..(i - r0) * t + r1];
                     let first = document_start(starts, i);
                     row[..first].fill(0.0);
                     row[first..=i]
@@ -415,7 +426,7 @@ impl pulp::WithSimd for Backward<'_> {
                     a_cs: 1,
                     b: v_t.as_ptr(),
                     ldb: t,
-                    c: dprobs[r0 * t..].as_mut_ptr(),
+                    c: dprobs.as_mut_ptr(),
                     ldc: t,
                     accumulate: false,
                 });
@@ -424,7 +435,8 @@ impl pulp::WithSimd for Backward<'_> {
                     let at = i * c + h * g.head;
                     let (o, go) = (&out[at..at + g.head], &dout[at..at + g.head]);
                     let dot: f32 = o.iter().zip(go).map(|(o, go)| o * go).sum();
-                    let (p, dp) = (&probs[i * t..=i * t + i], &mut dprobs[i * t..i * t + r1]);
+                    let b = (i - r0) * t;
+                    let (p, dp) = (&probs[b..=b + i], &mut dprobs[b..b + r1]);
                     for (dp, &p) in dp.iter_mut().zip(p) {
                         *dp = p * (*dp - dot) * g.scale;
                     }
@@ -436,7 +448,7 @@ impl pulp::WithSimd for Backward<'_> {
                     m,
                     n: g.head,
                     k: r1,
-                    a: dprobs[r0 * t..].as_ptr(),
+                    a: dprobs.as_ptr(),
                     a_rs: t,
                     a_cs: 1,
                     b: q.wrapping_add(g.qkv(1, h)),
@@ -445,40 +457,79 @@ impl pulp::WithSimd for Backward<'_> {
                     ldc: c3,
                     accumulate: false,
                 });
-            }
-            // Key rows j0..j1 receive from query rows j0..T: every probability and score
-            // gradient they read was formed above (or is a zero past a diagonal). The left
-            // operands are P^T and dS^T, read in place through their strides.
-            for (j0, j1) in blocks(t) {
-                // dV = P^T dO.
+                // Key rows 0..r1 receive from this block's query rows (zeros past each
+                // diagonal). The left operands are the block's P^T and dS^T, read in place
+                // through their strides.
+                // dV += P^T dO.
                 run(Product {
-                    m: j1 - j0,
+                    m: r1,
                     n: g.head,
-                    k: t - j0,
-                    a: probs[j0 * t + j0..].as_ptr(),
+                    k: m,
+                    a: probs.as_ptr(),
                     a_rs: 1,
                     a_cs: t,
-                    b: dout_h.wrapping_add(j0 * c),
+                    b: dout_h.wrapping_add(r0 * c),
                     ldb: c,
-                    c: d.wrapping_add(j0 * c3 + g.qkv(2, h)),
+                    c: d.wrapping_add(g.qkv(2, h)),
                     ldc: c3,
-                    accumulate: false,
+                    accumulate: true,
                 });
-                // dK = dS^T Q.
+                // dK += dS^T Q.
                 run(Product {
-                    m: j1 - j0,
+                    m: r1,
                     n: g.head,
-                    k: t - j0,
-                    a: dprobs[j0 * t + j0..].as_ptr(),
+                    k: m,
+                    a: dprobs.as_ptr(),
                     a_rs: 1,
                     a_cs: t,
-                    b: q.wrapping_add(j0 * c3 + g.qkv(0, h)),
+                    b: q.wrapping_add(r0 * c3 + g.qkv(0, h)),
                     ldb: c3,
-                    c: d.wrapping_add(j0 * c3 + g.qkv(1, h)),
+                    c: d.wrapping_add(g.qkv(1, h)),
                     ldc: c3,
-                    accumulate: false,
+                    accumulate: true,
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sequence long enough that a `T x T` matrix would dwarf every other buffer.
+    #[test]
+    fn the_backward_holds_scratch_linear_in_the_sequence() {
+        let s = AttentionShape {
+            batch: 1,
+            seq: 1500,
+            heads: 2,
+            width: 16,
+        };
+        let (t, c) = (s.seq, s.width);
+        let qkv: Vec<f32> = (0..t * 3 * c)
+            .map(|i| ((i * 7919) % 101) as f32 / 101.0 - 0.5)
+            .collect();
+        let dout: Vec<f32> = (0..t * c)
+            .map(|i| ((i * 104_729) % 97) as f32 / 97.0 - 0.5)
+            .collect();
+        let mut out = vec![MaybeUninit::new(0.0f32); t * c];
+        let mut lse = vec![MaybeUninit::new(0.0f32); s.heads * t];
+        attention_one(s, &qkv, None, &mut out, &mut lse);
+        // SAFETY: the forward wrote every element of both.
+        let out: Vec<f32> = out.iter().map(|v| unsafe { v.assume_init() }).collect();
+        let lse: Vec<f32> = lse.iter().map(|v| unsafe { v.assume_init() }).collect();
+        let mut dqkv = vec![MaybeUninit::new(f32::NAN); t * 3 * c];
+        attention_backward_one(s, &qkv, None, &out, &lse, &dout, &mut dqkv);
+        let held = crate::scratch::SCRATCH.with(|cell| {
+            let buf = cell.take();
+            let len = buf.len();
+            cell.set(buf);
+            len
+        });
+        assert_eq!(held, 2 * c * t + 2 * BLOCK * t);
+        assert!(held < t * t / 10, "{held} elements of scratch for T = {t}");
+        // SAFETY: the backward writes every element (checked finite, so none is the NaN fill).
+        assert!(dqkv.iter().all(|v| unsafe { v.assume_init() }.is_finite()));
     }
 }

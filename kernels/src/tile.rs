@@ -17,7 +17,10 @@
 
 use pulp::Simd;
 
-/// `c (m x n) = a (m x k) b (k x n)`, or `c += a b` with `accumulate`. Element `(i, p)` of `a` is
+/// `c (m x n) = a (m x k) b (k x n)`, or `c += a b` with `accumulate`: then each element's sum
+/// starts from `c`'s value and continues along the inner dimension, so a product split into
+/// consecutive ranges of the inner dimension, the first without `accumulate` and the rest
+/// with it, gives the bits of the whole product. Element `(i, p)` of `a` is
 /// `a[i * a_rs + p * a_cs]`; row `p` of `b` starts at `b[p * ldb]` and row `i` of `c` at
 /// `c[i * ldc]`, both contiguous across the `n` columns.
 #[derive(Clone, Copy)]
@@ -103,6 +106,14 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
     // SAFETY: every offset addresses an element of a, b or c inside the tile, which the caller
     // guarantees valid; unaligned reads and writes of whole vectors.
     unsafe {
+        if p.accumulate {
+            for (r, acc_row) in acc.iter_mut().enumerate() {
+                for (v, acc) in acc_row.iter_mut().enumerate() {
+                    let src = p.c.add((i0 + r) * p.ldc + j0 + v * lanes).cast::<S::f32s>();
+                    *acc = std::ptr::read_unaligned(src);
+                }
+            }
+        }
         // Pointers walked along the inner dimension: no index products in the loop.
         let a_rows: [*const f32; MR] = std::array::from_fn(|r| p.a.add((i0 + r) * p.a_rs));
         let (mut a_at, mut row) = (0, p.b.add(j0));
@@ -124,12 +135,7 @@ unsafe fn tile<S: Simd, const MR: usize, const NV: usize>(
         for (r, acc_row) in acc.iter().enumerate() {
             for (v, &sum) in acc_row.iter().enumerate() {
                 let dst = p.c.add((i0 + r) * p.ldc + j0 + v * lanes).cast::<S::f32s>();
-                let value = if p.accumulate {
-                    simd.add_f32s(std::ptr::read_unaligned(dst), sum)
-                } else {
-                    sum
-                };
-                std::ptr::write_unaligned(dst, value);
+                std::ptr::write_unaligned(dst, sum);
             }
         }
     }
@@ -144,13 +150,71 @@ unsafe fn columns_left(p: &Product, j0: usize) {
     unsafe {
         for i in 0..p.m {
             for j in j0..p.n {
-                let mut sum = 0.0f32;
+                let dst = p.c.add(i * p.ldc + j);
+                let mut sum = if p.accumulate { *dst } else { 0.0f32 };
                 for kk in 0..p.k {
                     sum += *p.a.add(i * p.a_rs + kk * p.a_cs) * *p.b.add(kk * p.ldb + j);
                 }
-                let dst = p.c.add(i * p.ldc + j);
-                *dst = if p.accumulate { *dst + sum } else { sum };
+                *dst = sum;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(m, k, n)` products split along the inner dimension: the first part without
+    /// `accumulate`, the rest with it, in order, give the whole product's bits.
+    #[test]
+    fn a_product_continued_in_parts_gives_the_whole_products_bits() {
+        for (m, k, n) in [(37, 70, 40), (9, 33, 16), (5, 64, 7), (20, 1, 33)] {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7919) % 113) as f32 / 57.0 - 1.0)
+                .collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 104_729) % 127) as f32 / 63.0 - 1.0)
+                .collect();
+            let product = |c: &mut [f32], (k0, k1): (usize, usize), accumulate: bool| {
+                let p = Product {
+                    m,
+                    n,
+                    k: k1 - k0,
+                    a: a[k0..].as_ptr(),
+                    a_rs: k,
+                    a_cs: 1,
+                    b: b[k0 * n..].as_ptr(),
+                    ldb: n,
+                    c: c.as_mut_ptr(),
+                    ldc: n,
+                    accumulate,
+                };
+                crate::vector::arch().dispatch(Run(&p));
+            };
+            let mut whole = vec![f32::NAN; m * n];
+            product(&mut whole, (0, k), false);
+            let mut parts = vec![f32::NAN; m * n];
+            let cuts = [0, k / 3, k / 3 + 1, k];
+            product(&mut parts, (cuts[0], cuts[1]), false);
+            for w in cuts[1..].windows(2) {
+                product(&mut parts, (w[0], w[1]), true);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&parts), bits(&whole), "{m} x {k} x {n}");
+        }
+    }
+
+    /// One product inside the dispatch, as the kernels run them.
+    struct Run<'a>(&'a Product);
+
+    impl pulp::WithSimd for Run<'_> {
+        type Output = ();
+
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, simd: S) {
+            // SAFETY: the test's operands hold every element the product addresses.
+            unsafe { product(simd, self.0) }
         }
     }
 }
