@@ -12,6 +12,7 @@
 use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use crate::scratch::SCRATCH;
 use std::sync::{Arc, Mutex};
@@ -27,25 +28,25 @@ use crate::rowwise::{AddBias, Axpy, ColumnSums, NormParamGrads};
 use crate::split_bf16;
 use crate::{Device, KernelError, Result, Tensor};
 
-/// One sequence's share of the attention backward pass: its packed `qkv` rows, its output rows,
-/// its log-sum-exp row per head, the output's gradient rows, the `dqkv` rows it fills, and
-/// its index in the batch (for its document starts).
-type AttentionBackwardTask<'a> = (
-    (
-        (((&'a [f32], &'a [f32]), &'a [f32]), &'a [f32]),
-        &'a mut [MaybeUninit<f32>],
-    ),
-    usize,
-);
-/// One sequence's share of the attention forward: its `qkv` rows, the output rows and the
-/// log-sum-exp row per head it fills, and its index in the batch.
-type AttentionTask<'a> = (
-    (
-        (&'a [f32], &'a mut [MaybeUninit<f32>]),
-        &'a mut [MaybeUninit<f32>],
-    ),
-    usize,
-);
+/// The attention tasks of a batch: `(sequence, heads)`, one per sequence while the sequences
+/// alone give every thread one, else each sequence's heads in as many groups as that needs.
+/// Each task writes only its heads' columns, so the bits do not depend on the split.
+fn attention_tasks(threads: usize, shape: AttentionShape) -> Vec<(usize, Range<usize>)> {
+    let heads = shape.heads.max(1);
+    let groups = if shape.batch >= threads {
+        1
+    } else {
+        threads.div_ceil(shape.batch.max(1)).min(heads)
+    };
+    let per = heads.div_ceil(groups);
+    (0..shape.batch)
+        .flat_map(|b| {
+            (0..heads)
+                .step_by(per)
+                .map(move |h0| (b, h0..(h0 + per).min(heads)))
+        })
+        .collect()
+}
 
 /// The host values of an attention call's document starts, checked
 /// ([`crate::sequence::check_documents`]).
@@ -1351,24 +1352,32 @@ impl Backend for CpuBackend {
         let rows = shape.batch * t;
         let src = qkv.host()?;
         let run = |out: &mut [MaybeUninit<f32>], lse: &mut [MaybeUninit<f32>]| {
-            let one = |(((q, o), l), b): AttentionTask<'_>| {
+            let (out, lse) = (
+                SendPtr(out.as_mut_ptr().cast()),
+                SendPtr(lse.as_mut_ptr().cast()),
+            );
+            let one = |(b, heads): (usize, Range<usize>)| {
                 let starts = starts.map(|s| &s[b * t..(b + 1) * t]);
-                crate::sequence::attention_one(shape, q, starts, o, l);
+                let to = crate::sequence::Outputs {
+                    rows: out.get().wrapping_add(b * t * c),
+                    lse: lse.get().wrapping_add(b * h * t),
+                };
+                // SAFETY: sequence b's output rows and log-sum-exp rows lie inside the buffers,
+                // and no other task writes these heads of this sequence.
+                unsafe {
+                    let q = &src[b * t * 3 * c..(b + 1) * t * 3 * c];
+                    crate::sequence::attention_heads(shape, q, starts, heads, to);
+                }
             };
-            let tasks = src
-                .chunks(t * 3 * c)
-                .zip(out.chunks_mut(t * c))
-                .zip(lse.chunks_mut(h * t))
-                .zip(0..shape.batch);
-            if self.threads > 1 && shape.batch > 1 {
-                let tasks: Vec<_> = tasks.collect();
+            let tasks = attention_tasks(self.threads, shape);
+            if self.threads > 1 && tasks.len() > 1 {
                 self.pool.install(|| tasks.into_par_iter().for_each(one));
             } else {
-                tasks.for_each(one);
+                tasks.into_iter().for_each(one);
             }
         };
-        // SAFETY: each sequence's task writes all its output rows (every head's columns) and
-        // its log-sum-exp row per head, and reads neither.
+        // SAFETY: the tasks together write every output element (every head's columns of every
+        // row) and every log-sum-exp, and read neither.
         unsafe {
             out.write_host_with(&[rows, c], |out| {
                 lse.write_host_with(&[shape.batch, h, t], |lse| run(out, lse));
@@ -1393,26 +1402,32 @@ impl Backend for CpuBackend {
         let rows = shape.batch * t;
         let (src, o, l, go) = (qkv.host()?, out.host()?, lse.host()?, dout.host()?);
         let run = |dst: &mut [MaybeUninit<f32>]| {
-            let one = |(((((q, o), l), go), d), b): AttentionBackwardTask<'_>| {
+            let dst = SendPtr(dst.as_mut_ptr().cast());
+            let one = |(b, heads): (usize, Range<usize>)| {
                 let starts = starts.map(|s| &s[b * t..(b + 1) * t]);
-                crate::sequence::attention_backward_one(shape, q, starts, o, l, go, d);
+                let inputs = (
+                    &o[b * t * c..(b + 1) * t * c],
+                    &l[b * h * t..(b + 1) * h * t],
+                    &go[b * t * c..(b + 1) * t * c],
+                );
+                let q = &src[b * t * 3 * c..(b + 1) * t * 3 * c];
+                let d = dst.get().wrapping_add(b * t * 3 * c);
+                // SAFETY: sequence b's gradient rows lie inside the buffer, and no other task
+                // writes these heads' columns of them.
+                unsafe {
+                    crate::sequence::attention_backward_heads(shape, (q, starts), inputs, heads, d);
+                }
             };
-            let tasks = src
-                .chunks(t * 3 * c)
-                .zip(o.chunks(t * c))
-                .zip(l.chunks(h * t))
-                .zip(go.chunks(t * c))
-                .zip(dst.chunks_mut(t * 3 * c))
-                .zip(0..shape.batch);
-            if self.threads > 1 && shape.batch > 1 {
-                let tasks: Vec<_> = tasks.collect();
+            let tasks = attention_tasks(self.threads, shape);
+            if self.threads > 1 && tasks.len() > 1 {
                 self.pool.install(|| tasks.into_par_iter().for_each(one));
             } else {
-                tasks.for_each(one);
+                tasks.into_iter().for_each(one);
             }
         };
-        // SAFETY: each sequence's task writes every element of its `dqkv` rows (dQ by query
-        // blocks, dK and dV by key blocks, every head) and reads none.
+        // SAFETY: the tasks together write every element of `dqkv` (each its heads' columns of
+        // dQ by query blocks, and of dK and dV zeroed first, then summed into by query
+        // blocks) and read only what they wrote.
         unsafe { dqkv.write_host_with(&[rows, 3 * c], run) };
         Ok(())
     }

@@ -11,7 +11,7 @@
 //! query-key-value tensor, so no head is copied out. Each sequence is one task and writes only
 //! its own rows, so the bits never depend on the thread count.
 
-use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use crate::backend::AttentionShape;
 use crate::error::shape_err;
@@ -181,16 +181,18 @@ impl Heads {
     }
 }
 
-/// Part `part` (key 1, value 2) of one sequence's `T x 3C` query-key-value rows, transposed
-/// into `dst` as `C x T`: the rows of head `h` are `h * D..(h + 1) * D`, each running across
-/// key positions as the score products read them. Each output row gathers one column of the
-/// `T` input rows (AVX-512 and AVX2 gather loads); the lines it reads serve the next 15
-/// columns from L1.
+/// Heads `heads` of part `part` (key 1, value 2) of one sequence's `T x 3C` query-key-value
+/// rows, transposed into their rows of `dst` (`C x T`): the rows of head `h` are
+/// `h * D..(h + 1) * D`, each running across key positions as the score products read them.
+/// Each output row gathers one column of the `T` input rows (AVX-512 and AVX2 gather loads);
+/// the lines it reads serve the next 15 columns from L1.
 #[inline(always)]
-fn transpose_part(g: &Heads, qkv: &[f32], part: usize, dst: &mut [f32]) {
+fn transpose_part(g: &Heads, qkv: &[f32], part: usize, heads: &Range<usize>, dst: &mut [f32]) {
     let (t, c3) = (g.seq, 3 * g.width);
     let src = &qkv[..t * c3];
-    for (d, out) in dst[..g.width * t].chunks_exact_mut(t).enumerate() {
+    let rows = heads.start * g.head..heads.end * g.head;
+    let dst = &mut dst[rows.start * t..rows.end * t];
+    for (d, out) in rows.zip(dst.chunks_exact_mut(t)) {
         // `at < c3` always (`part <= 2`, `d < width`); saying so once, on rows of exactly `c3`
         // values, leaves no bounds check in the loop, so it compiles to gather loads.
         let at = part * g.width + d;
@@ -215,15 +217,30 @@ fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |r0| (r0, (r0 + BLOCK).min(t)))
 }
 
-/// Causal attention of one sequence: `out` (`T x C`) and `lse` (`heads x T`) from `qkv`
-/// (`T x 3C`); with `starts` (`T`, checked by [`check_documents`]), row `i` attends over
-/// `starts[i]..=i` only.
-pub(crate) fn attention_one(
+/// Where one sequence's attention forward writes: raw, because tasks over different heads of
+/// one sequence write disjoint columns of the same rows.
+#[derive(Clone, Copy)]
+pub(crate) struct Outputs {
+    /// The sequence's first output row (`T x C`).
+    pub rows: *mut f32,
+    /// The sequence's log-sum-exp (`heads x T`).
+    pub lse: *mut f32,
+}
+
+/// Causal attention of heads `heads` of one sequence: their columns of `out` (`T x C`) and
+/// their rows of `lse` (`heads x T`) from `qkv` (`T x 3C`); with `starts` (`T`, checked by
+/// [`check_documents`]), row `i` attends over `starts[i]..=i` only.
+///
+/// # Safety
+/// `to.rows` must address the sequence's `T x C` outputs and `to.lse` its `heads x T`
+/// log-sum-exps, valid for writes, and while this runs nothing else may read or write the
+/// columns of heads `heads` in the one or their rows in the other.
+pub(crate) unsafe fn attention_heads(
     s: AttentionShape,
     qkv: &[f32],
     starts: Option<&[f32]>,
-    out: &mut [MaybeUninit<f32>],
-    lse: &mut [MaybeUninit<f32>],
+    heads: Range<usize>,
+    to: Outputs,
 ) {
     let (t, c) = (s.seq, s.width());
     crate::scratch::with_scratch(c * t + BLOCK * t, |scratch| {
@@ -231,24 +248,26 @@ pub(crate) fn attention_one(
             s,
             qkv,
             starts,
-            out,
-            lse,
+            heads,
+            to,
             scratch,
         });
     });
 }
 
-/// The forward of one sequence, as a `pulp` operation (compiled per instruction set).
+/// The forward of some heads of one sequence, as a `pulp` operation (compiled per
+/// instruction set).
 struct Forward<'a> {
     s: AttentionShape,
     qkv: &'a [f32],
     /// Where each row's document starts (`None`: at 0).
     starts: Option<&'a [f32]>,
-    /// Written whole (every head's columns of every row), never read.
-    out: &'a mut [MaybeUninit<f32>],
-    /// Written whole, never read.
-    lse: &'a mut [MaybeUninit<f32>],
-    /// `C x T` for K^T, then `BLOCK x T` for a block's scores.
+    /// The heads this task computes.
+    heads: Range<usize>,
+    /// Their columns of every output row and their log-sum-exp rows: written whole, never read
+    /// ([`attention_heads`]'s contract).
+    to: Outputs,
+    /// `C x T` for K^T (the rows of `heads`), then `BLOCK x T` for a block's scores.
     scratch: &'a mut [f32],
 }
 
@@ -261,22 +280,22 @@ impl pulp::WithSimd for Forward<'_> {
             s,
             qkv,
             starts,
-            out,
-            lse,
+            heads,
+            to,
             scratch,
         } = self;
         let g = Heads::new(s);
         let (t, c3) = (g.seq, 3 * g.width);
         let (k_t, scores) = scratch.split_at_mut(g.width * t);
-        transpose_part(&g, qkv, 1, k_t);
+        transpose_part(&g, qkv, 1, &heads, k_t);
         // One product of this sequence; every call below addresses rows of the sequence's
         // tensors and of the scratch only.
         let run = |p: Product| {
             // SAFETY: see each call's operands; all lie inside the buffers above.
             unsafe { crate::tile::product(simd, &p) }
         };
-        let out = out.as_mut_ptr().cast::<f32>();
-        for h in 0..s.heads {
+        let out = to.rows;
+        for h in heads {
             for (r0, r1) in blocks(t) {
                 run(g.scores(qkv, k_t, h, (r0, r1), scores.as_mut_ptr()));
                 for i in r0..r1 {
@@ -293,7 +312,8 @@ impl pulp::WithSimd for Forward<'_> {
                     let inv = 1.0 / sum;
                     live.iter_mut().for_each(|v| *v *= inv);
                     row[i + 1..].fill(0.0);
-                    lse[h * t + i].write(max + sum.ln());
+                    // SAFETY: row h of the log-sum-exps is this task's ([`attention_heads`]).
+                    unsafe { to.lse.add(h * t + i).write(max + sum.ln()) };
                 }
                 // O = P V: the block's probabilities (columns 0..r1) and value rows 0..r1 of
                 // head h into head h's columns of output rows r0..r1, written whole.
@@ -315,8 +335,9 @@ impl pulp::WithSimd for Forward<'_> {
     }
 }
 
-/// The backward of [`attention_one`] for one sequence: `dqkv` (`T x 3C`, every element
-/// written) from `dout` (`T x C`).
+/// The backward of [`attention_heads`] for heads `heads` of one sequence: their columns of
+/// `dqkv` (`T x 3C`: of dQ, dK and dV, every element written) from `dout` (`T x C`), with the
+/// forward's `out` and `lse`.
 ///
 /// Block by block of query rows, as the forward: a block of rows `r0..r1` forms its
 /// probabilities and score gradients over key columns `0..r1` (zero past each row's diagonal)
@@ -325,14 +346,16 @@ impl pulp::WithSimd for Forward<'_> {
 /// and adds its rows' terms to `dK` and `dV` of key rows `0..r1`, each sum continued from the
 /// previous block's, so every key row's sum runs over query rows in order, as one product
 /// over all of them would.
-pub(crate) fn attention_backward_one(
+///
+/// # Safety
+/// `dqkv` must address the sequence's `T x 3C` input gradient, valid for writes, and while
+/// this runs nothing else may read or write the columns of heads `heads` in its three parts.
+pub(crate) unsafe fn attention_backward_heads(
     s: AttentionShape,
-    qkv: &[f32],
-    starts: Option<&[f32]>,
-    out: &[f32],
-    lse: &[f32],
-    dout: &[f32],
-    dqkv: &mut [MaybeUninit<f32>],
+    (qkv, starts): (&[f32], Option<&[f32]>),
+    (out, lse, dout): (&[f32], &[f32], &[f32]),
+    heads: Range<usize>,
+    dqkv: *mut f32,
 ) {
     let (t, c) = (s.seq, s.width());
     crate::scratch::with_scratch(2 * c * t + 2 * BLOCK * t, |scratch| {
@@ -343,13 +366,14 @@ pub(crate) fn attention_backward_one(
             out,
             lse,
             dout,
+            heads,
             dqkv,
             scratch,
         });
     });
 }
 
-/// The backward of one sequence, as a `pulp` operation.
+/// The backward of some heads of one sequence, as a `pulp` operation.
 struct Backward<'a> {
     s: AttentionShape,
     qkv: &'a [f32],
@@ -358,8 +382,11 @@ struct Backward<'a> {
     out: &'a [f32],
     lse: &'a [f32],
     dout: &'a [f32],
-    /// Written whole, never read before it is written.
-    dqkv: &'a mut [MaybeUninit<f32>],
+    /// The heads this task computes.
+    heads: Range<usize>,
+    /// Their columns of the `T x 3C` gradient: written whole, read only where written
+    /// ([`attention_backward_heads`]'s contract).
+    dqkv: *mut f32,
     /// `C x T` each for K^T and V^T, then `BLOCK x T` each for a block's P and dS.
     scratch: &'a mut [f32],
 }
@@ -376,6 +403,7 @@ impl pulp::WithSimd for Backward<'_> {
             out,
             lse,
             dout,
+            heads,
             dqkv,
             scratch,
         } = self;
@@ -384,22 +412,25 @@ impl pulp::WithSimd for Backward<'_> {
         let (k_t, rest) = scratch.split_at_mut(c * t);
         let (v_t, rest) = rest.split_at_mut(c * t);
         let (probs, dprobs) = rest.split_at_mut(BLOCK * t);
-        transpose_part(&g, qkv, 1, k_t);
-        transpose_part(&g, qkv, 2, v_t);
-        // dK and dV start at zero: each block below continues their sums.
-        for row in dqkv[..t * c3].chunks_exact_mut(c3) {
-            for v in &mut row[c..] {
-                v.write(0.0);
+        transpose_part(&g, qkv, 1, &heads, k_t);
+        transpose_part(&g, qkv, 2, &heads, v_t);
+        let (q, d) = (qkv.as_ptr(), dqkv);
+        // dK and dV of these heads start at zero: each block below continues their sums.
+        let columns = heads.start * g.head..heads.end * g.head;
+        for i in 0..t {
+            for part in [1, 2] {
+                let at = i * c3 + part * c;
+                // SAFETY: these heads' columns of row i, this task's ([`attention_backward_heads`]).
+                unsafe { std::ptr::write_bytes(d.add(at + columns.start), 0, columns.len()) };
             }
         }
-        let (q, d) = (qkv.as_ptr(), dqkv.as_mut_ptr().cast::<f32>());
         // One product of this sequence; every call below addresses rows of the sequence's
         // tensors and of the block scratch only.
         let run = |p: Product| {
             // SAFETY: see each call's operands; all lie inside the buffers above.
             unsafe { crate::tile::product(simd, &p) }
         };
-        for h in 0..s.heads {
+        for h in heads {
             let v_t = &v_t[g.head_rows(h)..];
             let dout_h = dout[h * g.head..].as_ptr();
             for (r0, r1) in blocks(t) {
@@ -495,6 +526,8 @@ impl pulp::WithSimd for Backward<'_> {
 
 #[cfg(test)]
 mod tests {
+    use std::mem::MaybeUninit;
+
     use super::*;
 
     /// A sequence long enough that a `T x T` matrix would dwarf every other buffer.
@@ -513,14 +546,19 @@ mod tests {
         let dout: Vec<f32> = (0..t * c)
             .map(|i| ((i * 104_729) % 97) as f32 / 97.0 - 0.5)
             .collect();
-        let mut out = vec![MaybeUninit::new(0.0f32); t * c];
-        let mut lse = vec![MaybeUninit::new(0.0f32); s.heads * t];
-        attention_one(s, &qkv, None, &mut out, &mut lse);
-        // SAFETY: the forward wrote every element of both.
-        let out: Vec<f32> = out.iter().map(|v| unsafe { v.assume_init() }).collect();
-        let lse: Vec<f32> = lse.iter().map(|v| unsafe { v.assume_init() }).collect();
+        let mut out = vec![0.0f32; t * c];
+        let mut lse = vec![0.0f32; s.heads * t];
+        let to = Outputs {
+            rows: out.as_mut_ptr(),
+            lse: lse.as_mut_ptr(),
+        };
+        // SAFETY: both buffers hold the whole sequence's outputs; this is the only task.
+        unsafe { attention_heads(s, &qkv, None, 0..s.heads, to) };
         let mut dqkv = vec![MaybeUninit::new(f32::NAN); t * 3 * c];
-        attention_backward_one(s, &qkv, None, &out, &lse, &dout, &mut dqkv);
+        let d = dqkv.as_mut_ptr().cast::<f32>();
+        let inputs = (&out[..], &lse[..], &dout[..]);
+        // SAFETY: `dqkv` holds the whole sequence's gradient; this is the only task.
+        unsafe { attention_backward_heads(s, (&qkv, None), inputs, 0..s.heads, d) };
         let held = crate::scratch::SCRATCH.with(|cell| {
             let buf = cell.take();
             let len = buf.len();

@@ -1432,20 +1432,25 @@ fn cpu_results_do_not_depend_on_thread_count() {
             let mut t = Tensor::default();
             be.transpose(&x, &mut t).unwrap();
             out.extend(t.host().unwrap().iter().map(|v| v.to_bits()));
-            let shape = AttentionShape {
-                batch: 4,
-                seq: 64,
-                heads: 4,
-                width: 64,
-            };
-            let qkv = rand_t(&[256, 192], 9);
-            let dout = rand_t(&[256, 64], 10);
-            let (mut o, mut l, mut d) = (Tensor::default(), Tensor::default(), Tensor::default());
-            be.attention(&qkv, None, shape, &mut o, &mut l).unwrap();
-            be.attention_backward(&qkv, None, &o, &l, &dout, shape, &mut d)
-                .unwrap();
-            for r in [&o, &l, &d] {
-                out.extend(r.host().unwrap().iter().map(|v| v.to_bits()));
+            // A sequence per task, and (fewer sequences than threads) each sequence's heads
+            // split between tasks.
+            for (batch, seq, heads, width) in [(4, 64, 4, 64), (1, 70, 3, 96), (3, 40, 5, 40)] {
+                let shape = AttentionShape {
+                    batch,
+                    seq,
+                    heads,
+                    width,
+                };
+                let qkv = rand_t(&[batch * seq, 3 * width], 9);
+                let dout = rand_t(&[batch * seq, width], 10);
+                let (mut o, mut l) = (Tensor::default(), Tensor::default());
+                let mut d = Tensor::default();
+                be.attention(&qkv, None, shape, &mut o, &mut l).unwrap();
+                be.attention_backward(&qkv, None, &o, &l, &dout, shape, &mut d)
+                    .unwrap();
+                for r in [&o, &l, &d] {
+                    out.extend(r.host().unwrap().iter().map(|v| v.to_bits()));
+                }
             }
             out
         })
