@@ -12,18 +12,9 @@
 
 mod common;
 
-use common::{matrix, median};
+use common::{matrix, median_seconds_of};
 
 use pipe_kernels::{AttentionShape, Backend, CpuBackend, Tensor};
-
-/// Median seconds of `f` over 11 calls after 2 warm-up calls.
-fn median_of_11(f: &mut dyn FnMut()) -> f64 {
-    for _ in 0..2 {
-        f();
-    }
-    let mut times: Vec<f64> = (0..11).map(|_| common::seconds(f)).collect();
-    median(&mut times)
-}
 
 fn main() {
     let threads: usize = std::env::args()
@@ -57,14 +48,16 @@ fn main() {
         let dout = matrix(rows, width, 2);
         let (mut out, mut lse) = (Tensor::zeros(&[rows, width]), Tensor::zeros(&[1]));
         let mut dqkv = Tensor::zeros(&[rows, 3 * width]);
-        let forward = median_of_11(&mut || {
+        let mut forward_call = || {
             be.attention(&qkv, None, shape, &mut out, &mut lse)
                 .expect("attention");
-        });
-        let backward = median_of_11(&mut || {
+        };
+        let forward = median_seconds_of(&mut forward_call, 2, 11);
+        let mut backward_call = || {
             be.attention_backward(&qkv, None, &out, &lse, &dout, shape, &mut dqkv)
                 .expect("attention backward");
-        });
+        };
+        let backward = median_seconds_of(&mut backward_call, 2, 11);
         println!(
             "| {seq} | {batch} | {:.2} | {:.2} | {:.2} |",
             1e3 * forward,

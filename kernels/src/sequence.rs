@@ -8,8 +8,9 @@
 //! recomputes the probabilities from it (the memory trade of fused attention kernels: `O(B H T)`
 //! saved instead of `O(B H T^2)`, for one extra `Q K^T` product). The products are register
 //! tiles ([`crate::tile`]) whose strides read the heads in place from the packed `[rows, 3C]`
-//! query-key-value tensor, so no head is copied out. Each sequence is one task and writes only
-//! its own rows, so the bits never depend on the thread count.
+//! query-key-value tensor, so no head is copied out. A task is some heads of one sequence (all
+//! of them while there are as many sequences as threads) and writes only those heads' columns
+//! of its own rows, so the bits never depend on the thread count.
 
 use std::ops::Range;
 

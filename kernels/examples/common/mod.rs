@@ -76,10 +76,15 @@ pub fn seconds(f: &mut dyn FnMut()) -> f64 {
 
 /// Median seconds of `f` over 31 calls after 5 warm-up calls.
 pub fn median_seconds(f: &mut dyn FnMut()) -> f64 {
-    for _ in 0..5 {
+    median_seconds_of(f, 5, 31)
+}
+
+/// Median seconds of `f` over `timed` calls after `warm_up` untimed ones.
+pub fn median_seconds_of(f: &mut dyn FnMut(), warm_up: usize, timed: usize) -> f64 {
+    for _ in 0..warm_up {
         f();
     }
-    let mut times: Vec<f64> = (0..31).map(|_| seconds(f)).collect();
+    let mut times: Vec<f64> = (0..timed).map(|_| seconds(f)).collect();
     median(&mut times)
 }
 
