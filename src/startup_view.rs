@@ -92,6 +92,7 @@ impl StartupWatcher for Phases {
                 need,
             } => print_memory_estimate(workers, *process, *processes, *need),
             StartupEvent::MemoryForced(why) => eprintln!("warning: {why}; running it (--force)"),
+            StartupEvent::DeviceMemoryEstimate { workers } => print_device_estimate(workers),
             StartupEvent::DataRead { .. } | StartupEvent::Resuming { .. } => {}
         }
     }
@@ -165,6 +166,20 @@ fn print_memory_estimate(
             own.join(", ")
         );
     }
+}
+
+/// Prints what each worker's device is expected to hold at its peak, beside which the epoch
+/// lines print what each stage's device held (`device ... GiB`).
+fn print_device_estimate(workers: &[pipe_stages::planning::memory::WorkerMemory]) {
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    let each: Vec<String> = workers
+        .iter()
+        .map(|w| format!("w{} {:.2}", w.worker, gib(w.total())))
+        .collect();
+    outln!(
+        "device memory estimate (GiB, the peak of each worker's pool): {}",
+        each.join(", ")
+    );
 }
 
 /// Prints where a run resumes from.

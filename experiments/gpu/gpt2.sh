@@ -11,6 +11,8 @@
 #   train      200 updates of gpt2-small on the token corpus: the loss falls
 #   stages     one worker against --stages 4 on the one GPU, and --stages 2 as two worker
 #              processes against two stages in one process
+#   memory     PipeDream at four stages on the one GPU with microbatches of 16 x 1,024: the
+#              device memory estimate printed at the start beside each stage's pool peak
 #   suite      the whole backend suite; oracle  the reference-trainer oracle (f32, tf32, bf16)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -19,7 +21,7 @@ log="$out/gpt2.log"
 pipe="$here/pipe"
 corpus="$here/corpus"
 export PIPE_REQUIRE_GPU=1
-checks="${CHECKS:-attention bench peer loss train stages suite oracle}"
+checks="${CHECKS:-attention bench peer loss train stages memory suite oracle}"
 # shellcheck source=step.sh
 source "$here/step.sh"
 wants() { [[ " $checks " == *" $1 "* ]]; }
@@ -59,6 +61,13 @@ if wants stages; then
   train_run four-stages "${run[@]}" --stages 4 --partition 0-4,5-8,9-12,13-14
   train_run two-stages "${run[@]}" --stages 2 --partition 0-8,9-14
   train_run two-processes "${run[@]}" --stages 2 --partition 0-8,9-14 --transport shm
+fi
+if wants memory; then
+  # pipe's memory model of a device (docs/gpu.md, "Device memory"): the start's `device memory
+  # estimate` line against the epoch lines' `device ... GiB` per stage (and the JSON-lines
+  # log's peak_device_bytes). The model expects about 43 GiB for the four together.
+  limit=150 train_run memory4 --steps 6 --epochs 100 --microbatch-size 16 --microbatches 4 \
+    --stages 4 --schedule pipedream --partition 0-4,5-8,9-12,13-14
 fi
 if wants suite; then
   step 150 "$here/backend-tests" --test-threads 1

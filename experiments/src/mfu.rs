@@ -177,6 +177,10 @@ pub struct MfuReport {
     /// The device's peak memory held by the backend's pool over the run, in bytes, where
     /// the backend keeps one (CUDA).
     pub peak_device_bytes: Option<u64>,
+    /// What pipe's memory model of a device expects that peak to be
+    /// ([`pipe_stages::planning::device_memory::estimate_step`]), where the backend keeps a
+    /// pool.
+    pub peak_device_estimate_bytes: Option<u64>,
     /// Median seconds per training step.
     pub step_s_median: f64,
     /// Samples per second from the median step.
@@ -576,6 +580,19 @@ pub fn render_breakdown(ops: &[OperationShare]) -> String {
     out
 }
 
+/// What pipe's memory model of a device expects one step of `cfg` on `model` to hold at its
+/// peak ([`pipe_stages::planning::device_memory`]).
+fn device_estimate(model: &Model, cfg: &MfuConfig) -> Result<u64, ExperimentError> {
+    let (opt, _) = cfg.optimizer.config(cfg.momentum);
+    let inputs = pipe_stages::planning::device_memory::DeviceInputs {
+        microbatch_size: cfg.batch,
+        state_copies: opt.kind.state_copies(),
+        bf16_operands: cfg.backend.precision() == pipe_kernels::Precision::Bf16,
+    };
+    let step = pipe_stages::planning::device_memory::estimate_step(model, inputs)?;
+    Ok(step.total())
+}
+
 /// Runs the measurement.
 ///
 /// # Errors
@@ -627,6 +644,10 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     let gemm = median(&[gemm_before, gemm_after]);
     let step = median(&times);
     let peak_device_bytes = be.peak_memory();
+    let peak_device_estimate_bytes = match peak_device_bytes {
+        Some(_) => Some(device_estimate(&model, cfg)?),
+        None => None,
+    };
     let parameters = model.param_count();
     let tokens_per_sample = if language {
         model.input_shape().first().copied().unwrap_or(1)
@@ -656,6 +677,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         tokens_per_sample,
         tokens_per_s: samples_per_s * tokens_per_sample as f64,
         peak_device_bytes,
+        peak_device_estimate_bytes,
         step_s_median: step,
         samples_per_s,
         flops_per_sample,
@@ -818,9 +840,17 @@ pub fn render(r: &MfuReport) -> String {
         ));
     }
     if let Some(bytes) = r.peak_device_bytes {
+        let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+        let estimate = r.peak_device_estimate_bytes.map_or(String::new(), |e| {
+            format!(
+                "; pipe's memory model {:.2} GiB, {:.3} of it",
+                gib(e),
+                e as f64 / bytes.max(1) as f64
+            )
+        });
         out.push_str(&format!(
-            "peak device memory   {:.2} GiB (the backend's pool)\n",
-            bytes as f64 / f64::from(1u32 << 30)
+            "peak device memory   {:.2} GiB (the backend's pool{estimate})\n",
+            gib(bytes)
         ));
     }
     // The pass timing covers the model's top-level linear layers; a transformer's live inside

@@ -42,8 +42,10 @@ struct EmulatedMemory {
     usage: Arc<Usage>,
 }
 
-/// The bytes an emulated device's buffers hold now and at most, as a device backend's pool
-/// reports them ([`Backend::peak_memory`]).
+/// The bytes an emulated device's buffers hold now and at most, as the CUDA backend's pool
+/// reports them ([`Backend::peak_memory`]): each buffer counted as the block the pool would
+/// serve it from ([`crate::cuda::block_bytes`]), so that pipe's model of a device's memory
+/// is checked against the same count without a GPU.
 #[derive(Debug, Default)]
 struct Usage {
     live: AtomicU64,
@@ -51,7 +53,13 @@ struct Usage {
 }
 
 impl Usage {
-    fn add(&self, bytes: u64) {
+    /// The bytes a buffer of `len` 4-byte elements counts for.
+    fn block(len: usize) -> u64 {
+        crate::cuda::block_bytes(len.saturating_mul(4)) as u64
+    }
+
+    fn add(&self, len: usize) {
+        let bytes = Self::block(len);
         let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.peak.fetch_max(now, Ordering::Relaxed);
     }
@@ -61,7 +69,7 @@ impl Drop for EmulatedMemory {
     fn drop(&mut self) {
         self.usage
             .live
-            .fetch_sub(self.bits.len() as u64 * 4, Ordering::Relaxed);
+            .fetch_sub(Usage::block(self.bits.len()), Ordering::Relaxed);
     }
 }
 
@@ -160,7 +168,7 @@ impl EmulatedDevice {
     fn output<E: Bits>(&self, t: Tensor<E>) -> Result<Tensor<E>> {
         let shape = t.shape().to_vec();
         let bits: Vec<u32> = t.into_host_vec()?.into_iter().map(Bits::to_bits).collect();
-        self.usage.add(bits.len() as u64 * 4);
+        self.usage.add(bits.len());
         let memory: Arc<dyn DeviceMemory> = Arc::new(EmulatedMemory {
             owner: self.id,
             ordinal: self.ordinal,

@@ -281,3 +281,20 @@ fn questions_about_the_backend_reach_the_wrapped_one() {
     assert!(timed.kernel_time() > std::time::Duration::ZERO);
     assert!(timed.operations().is_empty());
 }
+
+/// The emulated device counts a buffer as the CUDA pool's block for it
+/// ([`pipe_kernels::cuda::block_bytes`]), so its peak is the count the pool reports; a clone
+/// shares its buffer, and a dropped buffer leaves the count.
+#[test]
+fn the_emulated_device_counts_buffers_as_the_pools_blocks() {
+    let emulated = EmulatedDevice::new(0).unwrap();
+    let a = on(&emulated, &[129], 1); // 516 bytes: a 1,024-byte block
+    let b = a.clone();
+    assert_eq!(emulated.peak_memory(), Some(1024));
+    let c = on(&emulated, &[3, 1000], 2); // 12,000 bytes: 16,384
+    assert_eq!(emulated.peak_memory(), Some(1024 + 16_384));
+    drop((a, b, c));
+    let _d = on(&emulated, &[10], 3); // 40 bytes: the smallest block, 512
+    assert_eq!(emulated.peak_memory(), Some(1024 + 16_384));
+    assert_eq!(pipe_kernels::cuda::block_bytes(12_000), 16_384);
+}

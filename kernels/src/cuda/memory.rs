@@ -1,7 +1,7 @@
 //! Device memory owned by the CUDA backend: a caching allocator, so that a training step calls
 //! `cuMemAlloc` only while the pool is still growing.
 //!
-//! Blocks are rounded up to a size class (a power of two from 512 bytes up to 64 MiB, then a
+//! Blocks are rounded up to a size class ([`super::block_bytes`]: a power of two from 512 bytes up to 64 MiB, then a
 //! multiple of 2 MiB) and a freed block goes back to its class's free list instead of to the
 //! driver. Every block is used in the order of one stream (the backend's, which the pool
 //! keeps): a block freed while a kernel that reads it is still queued can be handed out again
@@ -22,21 +22,6 @@ use crate::{Device, DeviceMemory, KernelError, Result};
 /// Source of pool identities: a buffer knows which backend's pool (and so which stream) it
 /// belongs to.
 static POOL_IDS: AtomicU64 = AtomicU64::new(1);
-
-const SMALLEST_CLASS: usize = 512;
-const POWER_OF_TWO_UP_TO: usize = 64 << 20;
-const LARGE_GRANULE: usize = 2 << 20;
-
-/// The size class a request of `bytes` is served from.
-pub(crate) fn size_class(bytes: usize) -> usize {
-    if bytes <= SMALLEST_CLASS {
-        SMALLEST_CLASS
-    } else if bytes <= POWER_OF_TWO_UP_TO {
-        bytes.next_power_of_two()
-    } else {
-        bytes.div_ceil(LARGE_GRANULE) * LARGE_GRANULE
-    }
-}
 
 /// What the pool holds, for reports and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -117,7 +102,7 @@ impl Pool {
     /// A buffer of exactly `bytes` bytes (contents unspecified), from the cache when a block of
     /// its class is free.
     pub(crate) fn allocate(self: &Arc<Self>, bytes: usize) -> Result<Arc<dyn DeviceMemory>> {
-        let class = size_class(bytes);
+        let class = super::classes::block_bytes(bytes);
         let cached = {
             let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
             let ptr = free.by_class.get_mut(&class).and_then(Vec::pop);
@@ -257,34 +242,5 @@ impl DeviceMemory for CudaMemory {
 
     fn as_any(&self) -> &dyn Any {
         self
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::size_class;
-
-    #[test]
-    fn size_classes_cover_the_request_and_bound_the_waste() {
-        for bytes in [
-            0,
-            1,
-            512,
-            513,
-            4096,
-            5000,
-            1 << 20,
-            (64 << 20) + 1,
-            300 << 20,
-        ] {
-            let class = size_class(bytes);
-            assert!(class >= bytes, "{bytes} -> {class}");
-            assert!(
-                class <= (2 * bytes).max(512).max(bytes + (2 << 20)),
-                "{bytes}"
-            );
-        }
-        assert_eq!(size_class(5000), 8192);
-        assert_eq!(size_class((64 << 20) + 1), (64 << 20) + (2 << 20));
     }
 }

@@ -15,10 +15,12 @@
 use crate::KernelError;
 use crate::Result;
 
+mod classes;
 mod doctor;
 pub mod libraries;
 mod source;
 
+pub use classes::block_bytes;
 pub use doctor::doctor;
 
 pub use source::{CHECKED_ARCHITECTURES, KERNEL_SOURCE};

@@ -62,7 +62,7 @@ pub const THREAD_RUNTIME_BYTES: u64 = 20 << 20;
 
 /// The most tokens of a sequence the layer probe runs: activations grow with the token count
 /// and are scaled from it.
-const PROBE_TOKENS: usize = 16;
+pub(super) const PROBE_TOKENS: usize = 16;
 
 /// One term of a worker's estimate.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -271,7 +271,7 @@ pub fn estimate(model: &Model, plan: &RunPlan, inputs: MemoryInputs) -> Result<V
 }
 
 /// Per layer, the recomputation its stage runs with ([`Model::recompute`]).
-fn layer_recompute(model: &Model, plan: &RunPlan) -> Vec<Recompute> {
+pub(super) fn layer_recompute(model: &Model, plan: &RunPlan) -> Vec<Recompute> {
     let mut kinds = vec![Recompute::None; model.len()];
     for s in 0..plan.partition.stages() {
         for l in plan.partition.range(s) {
@@ -283,7 +283,7 @@ fn layer_recompute(model: &Model, plan: &RunPlan) -> Vec<Recompute> {
 
 /// A model whose samples are token sequences (its first layer embeds them): its activations
 /// grow with the token count, and a sample's targets are its tokens.
-fn reads_tokens(model: &Model) -> bool {
+pub(super) fn reads_tokens(model: &Model) -> bool {
     !model.is_empty() && model.layer(0).kind() == "embedding"
 }
 
@@ -295,19 +295,19 @@ fn stage_sum(layers: &[LayerBytes], plan: &RunPlan, s: u32, f: impl Fn(&LayerByt
         .sum()
 }
 
-fn elements(shape: &[usize]) -> u64 {
+pub(super) fn elements(shape: &[usize]) -> u64 {
     shape.iter().map(|&d| d as u64).product()
 }
 
 /// The most microbatches a worker's program holds between forward and backward.
-struct InFlight {
+pub(super) struct InFlight {
     /// Per own stage (in the order given), the most at once.
-    per_stage: Vec<u32>,
+    pub(super) per_stage: Vec<u32>,
 }
 
 /// Reads a worker's program: a microbatch is held from its forward to its last backward
 /// action (the weight half of a split backward, where there is one).
-fn peak_in_flight(program: &[Action], own: &[u32]) -> InFlight {
+pub(super) fn peak_in_flight(program: &[Action], own: &[u32]) -> InFlight {
     use std::collections::HashMap;
     let mut last_backward: HashMap<(u32, u32), usize> = HashMap::new();
     for (pc, a) in program.iter().enumerate() {

@@ -10,6 +10,7 @@
 //! layout under the default cost model.
 
 pub mod buckets;
+pub mod device_memory;
 pub mod hosts;
 pub mod link_costs;
 pub mod memory;

@@ -39,7 +39,7 @@ use crate::planning::memory::WorkerMemory;
 pub use launch::{LaunchControls, RunEnd, launch};
 pub use steps::{
     adopt_checkpoint_buckets, check_checkpoint_dir, check_memory, check_memory_floor, check_rejoin,
-    read_data, replan, resolve, resume_from, settle_partition,
+    estimate_device_memory, read_data, replan, resolve, resume_from, settle_partition,
 };
 pub use worker::{OwnSettings, PreparedWorker, WorkerSources, prepare_worker};
 
@@ -141,6 +141,12 @@ pub enum StartupEvent<'a> {
     },
     /// The run is over the memory available and runs anyway (`--force`): why.
     MemoryForced(String),
+    /// What each worker's device is expected to hold at its peak (a device backend's run:
+    /// [`crate::planning::device_memory`]).
+    DeviceMemoryEstimate {
+        /// Each worker's estimate.
+        workers: &'a [WorkerMemory],
+    },
 }
 
 /// Watches a run's start: takes its [`StartupEvent`]s and may give the profiler a report of
@@ -246,6 +252,7 @@ pub fn prepare(
     };
     let cfg = settle_partition(cfg, &model, options.reprofile, watcher)?;
     check_memory(&cfg, process, processes, options.force, watcher)?;
+    estimate_device_memory(&cfg, watcher)?;
     Ok(PreparedRun {
         cfg,
         resolved,

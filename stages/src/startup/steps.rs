@@ -507,6 +507,21 @@ pub fn check_memory(
     admit(&need, force, watcher)
 }
 
+/// Tells `watcher` what each worker's device is expected to hold at its peak, for a run on a
+/// device backend ([`crate::planning::device_memory`]; nothing on the CPU). A report, not a
+/// gate: pipe does not ask the device how much it has before the backend opens it.
+///
+/// # Errors
+/// A layout or model the estimate cannot build.
+pub fn estimate_device_memory(cfg: &RunConfig, watcher: &dyn StartupWatcher) -> Result<()> {
+    if !matches!(cfg.backend, pipe_kernels::BackendKind::Cuda(_)) {
+        return Ok(());
+    }
+    let workers = crate::planning::device_memory::estimate_run_device(cfg)?;
+    watcher.on_event(&StartupEvent::DeviceMemoryEstimate { workers: &workers });
+    Ok(())
+}
+
 /// Refuses `--rejoin` where there is nothing it could do: no stage with two or more replicas
 /// (a stage's last replica is never survived, so never taken back).
 ///
