@@ -148,3 +148,43 @@ fn gpt2_small_estimates() {
     let all: u64 = workers.iter().map(|w| w.total()).sum();
     println!("pipedream, four stages on one GPU: {:.2} GiB", gib(all));
 }
+
+/// `pipe train --backend cuda` prints the estimate at its start for every run it takes (once
+/// a measured partition is settled): one worker (no pipeline flag), a given partition with
+/// replicas, a partition by FLOPs with recomputation, a language model in bf16.
+#[test]
+fn every_kind_of_device_run_has_an_estimate() {
+    use pipe_stages::config::TrainSettings;
+    use pipe_stages::planning::device_memory::estimate_run_device;
+    for (toml, workers) in [
+        ("backend = \"cuda\"", 1),
+        (
+            "backend = \"cuda\"\nstages = 4\nreplicas = [2]\npartition = \"0-2,3-4,5-6,7-9\"",
+            8,
+        ),
+        (
+            "backend = \"cuda\"\nstages = 2\npartition = \"flops\"\nrecompute = \"full\"",
+            2,
+        ),
+        (
+            "backend = \"cuda\"\nprecision = \"bf16\"\nmodel = \"gpt-mini\"\nstages = 2\npartition = \"flops\"",
+            2,
+        ),
+    ] {
+        let cfg = TrainSettings::from_toml(toml, "test")
+            .and_then(TrainSettings::resolve)
+            .unwrap();
+        let estimate = estimate_run_device(&cfg).unwrap_or_else(|e| panic!("{toml}: {e}"));
+        assert_eq!(estimate.len(), workers, "{toml}");
+        for w in &estimate {
+            let core = w.terms.iter().find(|t| t.name == "core").unwrap().bytes;
+            assert!(core > 0 && w.total() > core, "{toml}: {:?}", w.terms);
+        }
+        let scratch = estimate[0]
+            .terms
+            .iter()
+            .find(|t| t.name == "scratch")
+            .unwrap();
+        assert_eq!(scratch.bytes > 0, toml.contains("bf16"), "{toml}");
+    }
+}
