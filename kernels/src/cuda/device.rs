@@ -157,6 +157,30 @@ pub fn device_count() -> Result<usize> {
     }
 }
 
+/// Bytes of memory GPU `ordinal` has in all (what `pipe doctor gpu` prints beside its name),
+/// asked of the driver without making a context on the GPU.
+///
+/// # Errors
+/// [`KernelError::NoCuda`] when no driver can be loaded or there is no such GPU.
+pub fn device_memory(ordinal: usize) -> Result<u64> {
+    let count = device_count()?;
+    let no_such = || KernelError::NoCuda {
+        reason: format!("no GPU {ordinal}: this process sees {count}"),
+    };
+    let index = std::ffi::c_int::try_from(ordinal).map_err(|_| no_such())?;
+    if ordinal >= count {
+        return Err(no_such());
+    }
+    let device = driver::device::get(index).map_err(|e| KernelError::NoCuda {
+        reason: format!("GPU {ordinal}: {e}"),
+    })?;
+    // SAFETY: `device` is a handle the initialised driver (device_count) just gave out.
+    let bytes = unsafe { driver::device::total_mem(device) }.map_err(|e| KernelError::NoCuda {
+        reason: format!("GPU {ordinal}'s memory: {e}"),
+    })?;
+    Ok(bytes as u64)
+}
+
 /// Appends the driver's CUDA version, NVRTC's, and every GPU (name, architecture, memory) to
 /// `report`, for `pipe doctor gpu`.
 ///

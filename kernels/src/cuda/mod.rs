@@ -33,7 +33,7 @@ mod device;
 mod memory;
 
 #[cfg(feature = "cuda")]
-pub use device::{CudaBackend, device_count};
+pub use device::{CudaBackend, device_count, device_memory};
 #[cfg(feature = "cuda")]
 pub use memory::PoolStats;
 
@@ -118,7 +118,16 @@ mod absent {
     pub fn device_count() -> Result<usize> {
         Err(KernelError::NotCompiledWithCuda)
     }
+
+    /// Bytes of memory GPU `ordinal` has in all.
+    ///
+    /// # Errors
+    /// Always [`KernelError::NotCompiledWithCuda`] in this build.
+    pub fn device_memory(ordinal: usize) -> Result<u64> {
+        let _ = ordinal;
+        Err(KernelError::NotCompiledWithCuda)
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-pub use absent::{CudaBackend, device_count};
+pub use absent::{CudaBackend, device_count, device_memory};

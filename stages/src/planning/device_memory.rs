@@ -379,6 +379,19 @@ fn buffers(saved: &Saved, seen: &mut HashMap<usize, usize>) {
     }
 }
 
+/// What the GPUs of this host hold at once for `workers` (their estimates), GPU by GPU: worker
+/// `w` runs on GPU `w mod devices`, as `pipe train` places them
+/// ([`crate::pipeline::open_backend`]), and the workers sharing a GPU are counted as if their
+/// peaks came together.
+pub fn per_device(workers: &[WorkerMemory], devices: usize) -> Vec<u64> {
+    let mut held = vec![0u64; devices.max(1)];
+    for w in workers {
+        let gpu = w.worker as usize % held.len();
+        held[gpu] = held[gpu].saturating_add(w.total());
+    }
+    held
+}
+
 /// The device estimate of one worker's training step over the whole of `model` at `batch`
 /// samples, one microbatch (what `pipe bench mfu` runs).
 ///
@@ -392,4 +405,29 @@ pub fn estimate_step(model: &Model, inputs: DeviceInputs) -> Result<WorkerMemory
     workers
         .pop()
         .ok_or_else(|| StageError::Config("a one-worker plan with no worker".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(w: u32, bytes: u64) -> WorkerMemory {
+        WorkerMemory {
+            worker: w,
+            terms: vec![MemoryTerm {
+                name: "core",
+                bytes,
+            }],
+        }
+    }
+
+    /// Workers go round the GPUs: five on two put 0, 2 and 4 on the first.
+    #[test]
+    fn workers_share_the_gpus_round_robin() {
+        let workers: Vec<WorkerMemory> = (0..5).map(|w| worker(w, 1 << w)).collect();
+        assert_eq!(per_device(&workers, 2), vec![1 + 4 + 16, 2 + 8]);
+        assert_eq!(per_device(&workers, 1), vec![31]);
+        assert_eq!(per_device(&workers, 0), vec![31]);
+        assert_eq!(per_device(&workers, 8), vec![1, 2, 4, 8, 16, 0, 0, 0]);
+    }
 }

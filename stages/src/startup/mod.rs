@@ -38,8 +38,8 @@ use crate::planning::memory::WorkerMemory;
 
 pub use launch::{LaunchControls, RunEnd, launch};
 pub use steps::{
-    adopt_checkpoint_buckets, check_checkpoint_dir, check_memory, check_memory_floor, check_rejoin,
-    estimate_device_memory, read_data, replan, resolve, resume_from, settle_partition,
+    adopt_checkpoint_buckets, check_checkpoint_dir, check_device_memory, check_memory,
+    check_memory_floor, check_rejoin, read_data, replan, resolve, resume_from, settle_partition,
 };
 pub use worker::{OwnSettings, PreparedWorker, WorkerSources, prepare_worker};
 
@@ -252,7 +252,7 @@ pub fn prepare(
     };
     let cfg = settle_partition(cfg, &model, options.reprofile, watcher)?;
     check_memory(&cfg, process, processes, options.force, watcher)?;
-    estimate_device_memory(&cfg, watcher)?;
+    check_device_memory(&cfg, options.force, watcher)?;
     Ok(PreparedRun {
         cfg,
         resolved,

@@ -507,18 +507,45 @@ pub fn check_memory(
     admit(&need, force, watcher)
 }
 
-/// Tells `watcher` what each worker's device is expected to hold at its peak, for a run on a
-/// device backend ([`crate::planning::device_memory`]; nothing on the CPU). A report, not a
-/// gate: pipe does not ask the device how much it has before the backend opens it.
+/// The device memory gate of a run on a device backend (nothing on the CPU): tells `watcher`
+/// what each worker's device is expected to hold at its peak
+/// ([`crate::planning::device_memory`]), and refuses the run where the workers sharing a GPU
+/// are expected to need more than the GPU has in all, unless `force`. Only over the total: the
+/// model's estimates lie within a tenth of the peaks it was checked on, and what else holds the
+/// GPU (the CUDA context, other processes) is not known here, so a run close to the total is
+/// left to try.
 ///
 /// # Errors
-/// A layout or model the estimate cannot build.
-pub fn estimate_device_memory(cfg: &RunConfig, watcher: &dyn StartupWatcher) -> Result<()> {
+/// A layout or model the estimate cannot build; no CUDA driver or GPU; [`StageError::Limit`]
+/// for a run over a GPU's memory.
+pub fn check_device_memory(
+    cfg: &RunConfig,
+    force: bool,
+    watcher: &dyn StartupWatcher,
+) -> Result<()> {
     if !matches!(cfg.backend, pipe_kernels::BackendKind::Cuda(_)) {
         return Ok(());
     }
     let workers = crate::planning::device_memory::estimate_run_device(cfg)?;
     watcher.on_event(&StartupEvent::DeviceMemoryEstimate { workers: &workers });
+    let devices = pipe_kernels::cuda::device_count()?;
+    let need = crate::planning::device_memory::per_device(&workers, devices);
+    for (gpu, &need) in need.iter().enumerate() {
+        let has = pipe_kernels::cuda::device_memory(gpu)?;
+        if need > has {
+            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+            let why = format!(
+                "the workers on GPU {gpu} need an estimated {:.1} GiB at their peaks and it has {:.1} GiB in all (docs/gpu.md, \"Device memory\"): \
+                 give smaller or fewer microbatches in flight, --recompute, more stages or more GPUs, or --force to try",
+                gib(need),
+                gib(has)
+            );
+            if !force {
+                return Err(StageError::Limit(why));
+            }
+            watcher.on_event(&StartupEvent::MemoryForced(why));
+        }
+    }
     Ok(())
 }
 
