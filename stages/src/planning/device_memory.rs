@@ -101,57 +101,29 @@ pub fn estimate_device(
     inputs: DeviceInputs,
 ) -> Result<Vec<WorkerMemory>> {
     let probe = Probe::new(model)?;
-    let recompute = layer_recompute(model, plan);
     let layers = (0..model.len())
         .map(|i| probe.layer(i))
         .collect::<Result<Vec<_>>>()?;
-    let b = inputs.microbatch_size as f64;
+    let recompute = layer_recompute(model, plan);
+    let stages = (0..plan.partition.stages())
+        .map(|s| StageBytes::of(&probe, &layers, plan, &recompute, s, inputs))
+        .collect::<Result<Vec<_>>>()?;
     let schedule = &plan.schedule;
-    let last = schedule.stages().saturating_sub(1);
     let mut out = Vec::new();
     for w in 0..schedule.workers() {
         let own: Vec<u32> = schedule.layout().stages_of(w).collect();
         let held = peak_in_flight(&schedule.programs[w as usize], &own);
         let mut terms = Terms::default();
         for (&s, &n) in own.iter().zip(&held.per_stage) {
-            let range = plan.partition.range(s as usize);
-            let stage = recompute.get(range.start).copied().unwrap_or_default();
-            let params: f64 = range.clone().map(|l| layers[l].params).sum();
+            let stage = &stages[s as usize];
             let n = f64::from(n);
-            terms.core += (1.0 + inputs.state_copies) * params;
-            terms.versions += extra_versions(schedule.resolved.policy, n) * params;
-            let kept: f64 = probe
-                .kept(range.clone(), stage)?
-                .iter()
-                .map(|&k| block(k * b))
-                .sum();
-            terms.activations += n * kept;
-            for l in range.clone() {
-                let layer = &layers[l];
-                let stand_in: f64 = match stage {
-                    Recompute::None => layer.full.iter().map(|&f| block(f * b)).sum(),
-                    _ => probe
-                        .kept(l..l + 1, stage)?
-                        .iter()
-                        .map(|&k| block(k * b))
-                        .sum(),
-                };
-                let rebuilt = (layer.full_blocks(b) - stand_in).max(0.0);
-                let working = rebuilt + DEVICE_GRADIENT_FACTOR * layer.pass(b);
-                terms.working = terms.working.max(working);
-                if inputs.bf16_operands {
-                    terms.scratch = terms.scratch.max(layer.bf16_copies(b));
-                }
-            }
-            if s == last {
-                let logits = layers.last().map_or(0.0, |l| l.output);
-                terms.loss += DEVICE_LOSS_COPIES * block(logits * b);
-            } else {
-                terms.messages += block(layers[range.end - 1].output * b);
-            }
-            if s > 0 {
-                terms.messages += block(layers[range.start].input * b);
-            }
+            terms.core += (1.0 + inputs.state_copies) * stage.params;
+            terms.versions += extra_versions(schedule.resolved.policy, n) * stage.params;
+            terms.activations += n * stage.kept;
+            terms.working = terms.working.max(stage.working);
+            terms.loss += stage.loss;
+            terms.messages += stage.messages;
+            terms.scratch = terms.scratch.max(stage.scratch);
         }
         out.push(WorkerMemory {
             worker: w,
@@ -159,6 +131,78 @@ pub fn estimate_device(
         });
     }
     Ok(out)
+}
+
+/// One stage's bytes on a device at the run's microbatch size, each tensor in its block,
+/// whichever worker holds it.
+struct StageBytes {
+    /// Its parameters.
+    params: f64,
+    /// What a microbatch keeps from its forward to its backward.
+    kept: f64,
+    /// Its largest layer's backward: what it rebuilds under recomputation, and the gradients.
+    working: f64,
+    /// At the last stage, the logits and their gradient.
+    loss: f64,
+    /// An activation and a gradient received ahead of their actions.
+    messages: f64,
+    /// The bf16 copies of its largest product's operands (bf16 only).
+    scratch: f64,
+}
+
+impl StageBytes {
+    /// Stage `s` of `plan`, its layers `layers` as probed, under the run's `recompute`.
+    fn of(
+        probe: &Probe<'_>,
+        layers: &[LayerBuffers],
+        plan: &RunPlan,
+        recompute: &[Recompute],
+        s: usize,
+        inputs: DeviceInputs,
+    ) -> Result<Self> {
+        let b = inputs.microbatch_size as f64;
+        let blocks = |sizes: Vec<f64>| -> f64 { sizes.iter().map(|&k| block(k * b)).sum() };
+        let range = plan.partition.range(s);
+        let kind = recompute.get(range.start).copied().unwrap_or_default();
+        let mut working = 0.0f64;
+        let mut scratch = 0.0f64;
+        for l in range.clone() {
+            let layer = &layers[l];
+            // What the backward rebuilds: its full activations beyond what the forward kept.
+            let rebuilt = match kind {
+                Recompute::None => 0.0,
+                _ => (layer.full_blocks(b) - blocks(probe.kept(l..l + 1, kind)?)).max(0.0),
+            };
+            working = working.max(rebuilt + DEVICE_GRADIENT_FACTOR * layer.pass(b));
+            if inputs.bf16_operands {
+                scratch = scratch.max(layer.bf16_copies(b));
+            }
+        }
+        let last = s + 1 == plan.partition.stages();
+        let logits = layers.last().map_or(0.0, |l| l.output);
+        let gradient_in = if last {
+            0.0
+        } else {
+            block(layers[range.end - 1].output * b)
+        };
+        let activation_in = if s > 0 {
+            block(layers[range.start].input * b)
+        } else {
+            0.0
+        };
+        Ok(StageBytes {
+            params: range.clone().map(|l| layers[l].params).sum(),
+            kept: blocks(probe.kept(range, kind)?),
+            working,
+            loss: if last {
+                DEVICE_LOSS_COPIES * block(logits * b)
+            } else {
+                0.0
+            },
+            messages: gradient_in + activation_in,
+            scratch,
+        })
+    }
 }
 
 /// Bytes of the block a tensor of `bytes` takes.
