@@ -37,12 +37,11 @@ use pipe_kernels::{Backend, EmulatedDevice, Storage, Tensor, cuda::block_bytes};
 use pipe_scheduler::planner::memory::extra_versions;
 
 use super::memory::{
-    MemoryTerm, PROBE_TOKENS, WorkerMemory, elements, layer_recompute, peak_in_flight, reads_tokens,
+    MemoryTerm, ProbeShape, WorkerMemory, elements, layer_recompute, peak_in_flight,
 };
 use crate::config::RunConfig;
 use crate::error::{Result, StageError};
 use crate::layer::{Keep, Recompute, Saved};
-use crate::layers::ForwardCtx;
 use crate::model::Model;
 use crate::pipeline::RunPlan;
 
@@ -279,46 +278,25 @@ impl LayerBuffers {
     }
 }
 
-/// The one-sample probe on an emulated device: a sequence model's probe is [`PROBE_TOKENS`]
-/// long, and its bytes are scaled to the full length (every activation of a token model grows
-/// with its token count: attention keeps no `T x T` tensor).
+/// The one-sample probe ([`ProbeShape`]) on an emulated device.
 struct Probe<'m> {
     model: &'m Model,
     device: EmulatedDevice,
-    /// Tokens of the probe (a sequence model), else 0.
-    tokens: usize,
-    /// Full length over the probe's.
-    scale: f64,
+    shape: ProbeShape,
 }
 
 impl<'m> Probe<'m> {
     fn new(model: &'m Model) -> Result<Self> {
-        let sequence = reads_tokens(model);
-        let full_tokens = model.input_shape().first().copied().unwrap_or(1).max(1);
-        let tokens = if sequence {
-            full_tokens.min(PROBE_TOKENS)
-        } else {
-            0
-        };
         Ok(Probe {
             model,
             device: EmulatedDevice::new(0).map_err(StageError::from)?,
-            tokens,
-            scale: if sequence {
-                full_tokens as f64 / tokens as f64
-            } else {
-                1.0
-            },
+            shape: ProbeShape::of(model),
         })
     }
 
     /// The probe's input of layer `i`: one sample of zeros, on the device.
     fn input(&self, i: usize) -> Result<Tensor> {
-        let mut shape = vec![1];
-        shape.extend_from_slice(self.model.shape_before(i));
-        if self.tokens > 0 {
-            shape[1] = self.tokens;
-        }
+        let shape = self.shape.input(self.model, i);
         Ok(self.device.place(Tensor::zeros(&shape))?)
     }
 
@@ -345,12 +323,7 @@ impl<'m> Probe<'m> {
             .collect();
         let x = self.input(i)?;
         let params = self.params(i..i + 1)?;
-        let ctx = ForwardCtx {
-            train: true,
-            seed: 0,
-            recompute_attention: false,
-            documents: None,
-        };
+        let ctx = ProbeShape::ctx();
         let (y, full) = self
             .model
             .layer(i)
@@ -365,8 +338,8 @@ impl<'m> Probe<'m> {
             params: sizes.iter().map(|&p| block(p)).sum(),
             largest_param: sizes.iter().copied().fold(0.0, f64::max),
             full: self.distinct(std::slice::from_ref(&full), &params),
-            input: x.bytes() as f64 * self.scale,
-            output: y.bytes() as f64 * self.scale,
+            input: x.bytes() as f64 * self.shape.scale,
+            output: y.bytes() as f64 * self.shape.scale,
         })
     }
 
@@ -396,7 +369,7 @@ impl<'m> Probe<'m> {
         }
         let mut sizes: Vec<f64> = seen
             .into_values()
-            .map(|bytes| bytes as f64 * self.scale)
+            .map(|bytes| bytes as f64 * self.shape.scale)
             .collect();
         sizes.sort_by(f64::total_cmp);
         sizes

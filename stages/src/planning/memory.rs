@@ -62,7 +62,7 @@ pub const THREAD_RUNTIME_BYTES: u64 = 20 << 20;
 
 /// The most tokens of a sequence the layer probe runs: activations grow with the token count
 /// and are scaled from it.
-pub(super) const PROBE_TOKENS: usize = 16;
+const PROBE_TOKENS: usize = 16;
 
 /// One term of a worker's estimate.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -283,7 +283,7 @@ pub(super) fn layer_recompute(model: &Model, plan: &RunPlan) -> Vec<Recompute> {
 
 /// A model whose samples are token sequences (its first layer embeds them): its activations
 /// grow with the token count, and a sample's targets are its tokens.
-pub(super) fn reads_tokens(model: &Model) -> bool {
+fn reads_tokens(model: &Model) -> bool {
     !model.is_empty() && model.layer(0).kind() == "embedding"
 }
 
@@ -346,43 +346,67 @@ pub(super) fn peak_in_flight(program: &[Action], own: &[u32]) -> InFlight {
     InFlight { per_stage }
 }
 
-/// Per layer, per sample: what it keeps, computes, takes and gives, from one forward of each
-/// layer on a one-sample probe of zeros with zero parameters. A sequence model's probe is
-/// [`PROBE_TOKENS`] long and its bytes are scaled to the full length: every activation of a
-/// token model grows with its token count (attention keeps no `T x T` tensor).
-fn probe_layers(model: &Model, recompute: &[Recompute]) -> Result<Vec<LayerBytes>> {
-    let be = CpuBackend::new(1)?;
-    let sequence = reads_tokens(model);
-    let full_tokens = model.input_shape().first().copied().unwrap_or(1).max(1);
-    let tokens = if sequence {
-        full_tokens.min(PROBE_TOKENS)
-    } else {
-        full_tokens
-    };
-    let scale = if sequence {
-        full_tokens as f64 / tokens as f64
-    } else {
-        1.0
-    };
-    let probe_shape = |i: usize| -> Vec<usize> {
+/// The one-sample probe both memory models run each layer on: a sequence model's probe is
+/// [`PROBE_TOKENS`] long and its bytes are scaled to the full length (every activation of a
+/// token model grows with its token count: attention keeps no `T x T` tensor).
+pub(super) struct ProbeShape {
+    /// Tokens of the probe, for a sequence model.
+    tokens: Option<usize>,
+    /// The full length over the probe's (1 for other models).
+    pub(super) scale: f64,
+}
+
+impl ProbeShape {
+    /// The probe of `model`.
+    pub(super) fn of(model: &Model) -> Self {
+        let full_tokens = model.input_shape().first().copied().unwrap_or(1).max(1);
+        if reads_tokens(model) {
+            let tokens = full_tokens.min(PROBE_TOKENS);
+            ProbeShape {
+                tokens: Some(tokens),
+                scale: full_tokens as f64 / tokens as f64,
+            }
+        } else {
+            ProbeShape {
+                tokens: None,
+                scale: 1.0,
+            }
+        }
+    }
+
+    /// The shape of layer `i`'s probe input: one sample.
+    pub(super) fn input(&self, model: &Model, i: usize) -> Vec<usize> {
         let mut s = vec![1];
         s.extend_from_slice(model.shape_before(i));
-        if sequence {
+        if let Some(tokens) = self.tokens {
             s[1] = tokens;
         }
         s
-    };
+    }
+
+    /// The context a probe's forward runs in: training, nothing recomputed, no documents.
+    pub(super) fn ctx() -> ForwardCtx {
+        ForwardCtx {
+            train: true,
+            seed: 0,
+            recompute_attention: false,
+            documents: None,
+        }
+    }
+}
+
+/// Per layer, per sample: what it keeps, computes, takes and gives, from one forward of each
+/// layer on the one-sample probe ([`ProbeShape`]) of zeros with zero parameters.
+fn probe_layers(model: &Model, recompute: &[Recompute]) -> Result<Vec<LayerBytes>> {
+    let be = CpuBackend::new(1)?;
+    let probe = ProbeShape::of(model);
+    let scale = probe.scale;
     (0..model.len())
         .map(|i| {
-            let x = Tensor::zeros(&probe_shape(i));
+            let x = Tensor::zeros(&probe.input(model, i));
             let params = model.zero_grads(i..i + 1);
             let input = x.len() as f64 * 4.0;
-            let ctx = ForwardCtx {
-                train: true,
-                seed: 0,
-                recompute_attention: false,
-                documents: None,
-            };
+            let ctx = ProbeShape::ctx();
             let kernel = |source| crate::StageError::Kernel {
                 layer: i,
                 kind: model.layer(i).kind(),
