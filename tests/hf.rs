@@ -295,3 +295,60 @@ fn sharded_and_untied_exports_read_back_and_gpt2_buffers_are_skipped() {
         ok(&pipe(&["logits", "--checkpoint", s(&untied), "--ids", ids]))
     );
 }
+
+/// A model with a padded vocabulary (`--padded-vocab-size`) exports without its padding (a
+/// directory holds the vocabulary's rows, as `transformers` expects), its logits have the
+/// vocabulary's columns and agree with the export's, and a padded run starts from the export.
+#[test]
+fn a_padded_vocabulary_exports_without_its_padding_and_reads_back_into_it() {
+    let ckpt = fresh_path("padded-ckpt");
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--model",
+            "gpt2-tiny",
+            "--padded-vocab-size",
+            "80",
+            "--tie-embeddings=false",
+            "--steps",
+            "2",
+            "--threads",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        ok(&pipe(&args))
+    };
+    train(&["--checkpoint-dir", s(&ckpt)]);
+    let out = fresh_path("padded-exported");
+    let text = ok(&export_hf(&ckpt, &out));
+    assert!(text.contains("vocabulary 65 (untied head)"), "{text}");
+    let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    for table in ["transformer.wte.weight", "lm_head.weight"] {
+        assert_eq!(
+            header[table]["shape"],
+            serde_json::json!([65, 64]),
+            "{table}"
+        );
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["vocab_size"], 65);
+
+    let ids = "3,14,15,9,26,5,35";
+    let logits = |source: &[&str]| -> Vec<Vec<f32>> {
+        let mut args = vec!["logits", "--ids", ids];
+        args.extend_from_slice(source);
+        serde_json::from_str(&ok(&pipe(&args))).unwrap()
+    };
+    let (padded, exported) = (
+        logits(&["--checkpoint", s(&ckpt)]),
+        logits(&["--hf", s(&out)]),
+    );
+    assert_eq!((padded.len(), padded[0].len()), (7, 65));
+    for (p, e) in padded.iter().flatten().zip(exported.iter().flatten()) {
+        assert!((p - e).abs() <= 1e-5 * e.abs().max(1.0), "{p} against {e}");
+    }
+    train(&["--init-from", s(&out)]);
+}

@@ -103,6 +103,7 @@ fn main() {
             n_embd: Some(width),
             n_positions: Some(128),
             vocab_size: Some(1024),
+            padded_vocab_size: None,
         };
         cfg.batch = 16;
         cfg.optimizer = MfuOptimizer::Adamw;

@@ -48,6 +48,12 @@ gpt2() {
   timeout 60 "$pipe" bench mfu --backend cuda --model gpt2-small --batch 16 --precision bf16 \
     --optimizer adamw --steps 20 --json "$dir/pipe-gpt2-small-16-bf16.json"
   echo "-- exit $?"
+  # The same model with its vocabulary padded to 50,304 rows (aligned head products).
+  echo "== pipe bench mfu gpt2-small batch 16 bf16 adamw, vocabulary padded to 50304"
+  timeout 60 "$pipe" bench mfu --backend cuda --model gpt2-small --batch 16 --precision bf16 \
+    --optimizer adamw --steps 20 --padded-vocab-size 50304 \
+    --json "$dir/pipe-gpt2-small-16-bf16-padded.json"
+  echo "-- exit $?"
   : > "$dir/peer-gpt2.jsonl"
   local c limit
   for c in gpt2-small:16:bf16 gpt2-small:16:bf16:compile; do

@@ -5,7 +5,8 @@
 # to $OUT/gpt2.log (or ./gpt2.log), the comparison to $OUT/compare/, the loss check to
 # $OUT/loss-check/. CHECKS picks steps by name (default: all, in this order):
 #   attention  the bf16 tensor-core attention against the f64 definition
-#   bench      pipe bench mfu, gpt2-small, batch 16 x 1,024, bf16, AdamW, with a breakdown
+#   bench      pipe bench mfu, gpt2-small, batch 16 x 1,024, bf16, AdamW, with a breakdown;
+#              then with the vocabulary padded to 50,304 rows (--padded-vocab-size)
 #   peer       the same step in PyTorch, eager and under torch.compile (compare.sh, CASES=gpt2)
 #   loss       20 updates of pipe and PyTorch from the same weights on the same windows
 #   train      200 updates of gpt2-small on the token corpus: the loss falls
@@ -41,9 +42,12 @@ fi
 if wants bench; then
   step 150 "$pipe" bench mfu --backend cuda --model gpt2-small --batch 16 --precision bf16 \
     --optimizer adamw --steps 10 --breakdown 2 --json "$out/bench-gpt2.json"
+  step 150 "$pipe" bench mfu --backend cuda --model gpt2-small --batch 16 --precision bf16 \
+    --optimizer adamw --steps 10 --breakdown 2 --padded-vocab-size 50304 \
+    --json "$out/bench-gpt2-padded.json"
 fi
 if wants peer; then
-  CASES=gpt2 step 200 bash "$here/compare.sh"
+  CASES=gpt2 step 260 bash "$here/compare.sh"
 fi
 if wants loss; then
   step 200 bash "$here/loss_check.sh" "$pipe" "$corpus" "$out/loss-check"

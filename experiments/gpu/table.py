@@ -10,7 +10,9 @@ GPT-2 124M (`gpt2-small`, AdamW) gets a table of its own: pipe against PyTorch e
 PyTorch under torch.compile, tokens/s, pipe's tokens/s as a fraction of llm.c's 468,000
 tokens/s on one H100, and model FLOP utilisation against the card's dense bf16 peak. FLOPs per
 token follow PaLM's appendix B and llm.c: 6 N + 12 L C T, N = 124,439,808 parameters, L = 12
-blocks, C = 768, T = 1,024 (the attention's Q K^T and P V over the full T x T square)."""
+blocks, C = 768, T = 1,024 (the attention's Q K^T and P V over the full T x T square). A pipe
+run with a padded vocabulary (`vocab_padding` rows, from `--padded-vocab-size`) has a row of its
+own; it computes the same model, and its padding counts in neither N nor the FLOPs."""
 import argparse
 import glob
 import json
@@ -39,7 +41,8 @@ def load(directory):
     for path in sorted(glob.glob(os.path.join(directory, "pipe-*.json"))):
         with open(path) as f:
             r = json.load(f)
-        pipe[(r["model"], r["batch"], r.get("precision", "f32"))] = r
+        # A padded vocabulary (`--padded-vocab-size`) is a run of its own: its own row.
+        pipe[(r["model"], r["batch"], r.get("precision", "f32"), r.get("vocab_padding", 0))] = r
     peer = {}  # (model, batch, precision, compiled)
     for path in sorted(glob.glob(os.path.join(directory, "peer*.jsonl"))):
         with open(path) as f:
@@ -66,7 +69,7 @@ def render(directory):
     pipe, every_peer, device, card = load(directory)
     peer = {k[:3]: r for k, r in every_peer.items() if not k[3]}
     gpt2 = {k: r for k, r in pipe.items() if k[0] == GPT2}
-    pipe = {k: r for k, r in pipe.items() if k[0] != GPT2}
+    pipe = {k[:3]: r for k, r in pipe.items() if k[0] != GPT2}
     peer_gpt2 = {k: r for k, r in every_peer.items() if k[0] == GPT2}
     peer = {k: r for k, r in peer.items() if k[0] != GPT2}
     torch = next((r["torch"] for r in every_peer.values()), "?")
@@ -99,16 +102,16 @@ def render_plain(pipe, peer, device, torch):
 def render_gpt2(pipe, peer, device, torch, card):
     peak = bf16_peak(card)
     rows = [
-        "| batch | precision | pipe | PyTorch eager | PyTorch compiled | pipe / eager "
+        "| batch | precision | pipe's vocabulary rows | pipe | PyTorch eager | PyTorch compiled | pipe / eager "
         "| pipe / compiled | pipe / llm.c (H100) | pipe MFU | eager MFU | compiled MFU "
         "| pipe step (ms) | eager step (ms) | compiled step (ms) "
         "| peak memory pipe / eager / compiled (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    keys = sorted({k[1:3] for k in pipe} | {k[1:3] for k in peer})
+    keys = sorted({k[1:4] for k in pipe} | {k[1:3] + (0,) for k in peer})
     notes = []
-    for batch, precision in keys:
-        p = pipe.get((GPT2, batch, precision))
+    for batch, precision, padding in keys:
+        p = pipe.get((GPT2, batch, precision, padding))
         e = peer.get((GPT2, batch, precision, False))
         c = peer.get((GPT2, batch, precision, True))
         # pipe counts samples, sequences of T tokens; the peer reports tokens itself.
@@ -124,7 +127,8 @@ def render_gpt2(pipe, peer, device, torch, card):
                                                                 "peak_memory_bytes")
                               if r and r.get(k)), "-")
         llmc = f"{tp / LLMC_TOKENS_PER_S:.2f}" if tp else "-"
-        rows.append(f"| {batch} | {precision} | {cell(tp)} | {cell(te)} | {cell(tc)} "
+        vocab = f"{50_257 + padding:,}" + (" (padded)" if padding else "")
+        rows.append(f"| {batch} | {precision} | {vocab} | {cell(tp)} | {cell(te)} | {cell(tc)} "
                     f"| {ratio(tp, te)} | {ratio(tp, tc)} | {llmc} | {mfu(tp)} | {mfu(te)} "
                     f"| {mfu(tc)} | {ms(p)} | {ms(e)} | {ms(c)} | {gib(p)} / {gib(e)} / {gib(c)} |")
         for who, r in (("pipe", p), ("PyTorch", e or c)):

@@ -101,7 +101,13 @@ pub(crate) fn measured_spec(name: &str, shape: &Gpt2Shape) -> Result<ModelSpec, 
             .resolve(gpt_shape(name))
             .map_err(ExperimentError::Config)?;
         let vocab = shape.vocab_size.unwrap_or(GPT2_VOCAB);
-        return Ok(ModelSpec::gpt(resolved, vocab, true));
+        if let Some(rows) = shape.padded_vocab_size.filter(|&r| r < vocab) {
+            return Err(ExperimentError::Config(format!(
+                "--padded-vocab-size {rows} is smaller than the vocabulary of {vocab} tokens"
+            )));
+        }
+        let spec = ModelSpec::gpt(resolved, vocab, true).with_padded_vocab(shape.padded_vocab_size);
+        return Ok(spec);
     }
     if *shape != Gpt2Shape::default() {
         return Err(ExperimentError::Config(format!(
@@ -155,8 +161,11 @@ impl Default for MfuConfig {
 pub struct MfuReport {
     /// Model preset.
     pub model: String,
-    /// Parameters.
+    /// Parameters (a padded vocabulary's rows not counted).
     pub parameters: usize,
+    /// Rows a padded vocabulary adds to the token table and the head
+    /// (`--padded-vocab-size` less the vocabulary; 0 unpadded).
+    pub vocab_padding: usize,
     /// Samples per step.
     pub batch: usize,
     /// Threads.
@@ -425,7 +434,8 @@ impl StepBench {
         let params = place_params(be, model.init_params(0))?;
         let grads = place_params(be, model.zero_grads(0..model.len()))?;
         let opt = Optimizer::new(ocfg, &params, &model.optimizer_roles()).placed(be)?;
-        let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
+        let (_, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
+        let classes = model.output_classes();
         let targets = cfg.batch * rows.iter().product::<usize>();
         let mut x_shape = vec![cfg.batch];
         x_shape.extend_from_slice(model.input_shape());
@@ -648,14 +658,18 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
         Some(_) => Some(device_estimate(&model, cfg)?),
         None => None,
     };
-    let parameters = model.param_count();
+    // A padded vocabulary's rows hold no parameter of the model and do no work of it: the
+    // parameters and FLOPs counted are the unpadded model's.
+    let unpadded = Model::new(&measured_spec(&cfg.model, &cfg.gpt2)?.with_padded_vocab(None))?;
+    let parameters = unpadded.param_count();
+    let vocab_padding = model.output_shape().last().copied().unwrap_or(0) - model.output_classes();
     let tokens_per_sample = if language {
         model.input_shape().first().copied().unwrap_or(1)
     } else {
         1
     };
     let samples_per_s = cfg.batch as f64 / step;
-    let flops_per_sample = training_flops_per_sample(&model);
+    let flops_per_sample = training_flops_per_sample(&unpadded);
     let components = if language {
         transformer_components(be, &model, &params, cfg.batch)?
     } else {
@@ -665,6 +679,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     Ok(MfuReport {
         model: cfg.model.clone(),
         parameters,
+        vocab_padding,
         batch: cfg.batch,
         threads: be.threads(),
         backend: be.name().into(),
@@ -832,6 +847,12 @@ pub fn render(r: &MfuReport) -> String {
     );
     if let Some(library) = &r.products_library {
         out.push_str(&format!("f32 products by    {library} (PIPE_CBLAS)\n"));
+    }
+    if r.vocab_padding > 0 {
+        out.push_str(&format!(
+            "vocabulary padding   {} rows (computed; not counted in parameters or FLOPs)\n",
+            r.vocab_padding
+        ));
     }
     if let Some(nominal) = r.nominal_gflops {
         out.push_str(&format!(

@@ -445,17 +445,22 @@ macro_rules! backend_ops {
             ) -> Result<()>;
         }
         $op! {
-            /// Softmax cross-entropy of `logits` (rows x classes) against `labels` (one id per
-            /// row). When `dlogits` is given it receives `(softmax - onehot) * grad_scale`. A row
-            /// labelled [`IGNORED_LABEL`] is not a loss term: it adds nothing, is not counted, and
-            /// its gradient row is zero (the CPU backend; the CUDA backend refuses it as a label
-            /// out of range).
+            /// Softmax cross-entropy of the first `classes` columns of `logits` (rows x
+            /// columns, `classes <= columns`) against `labels` (one id per row). When `dlogits`
+            /// is given it receives `(softmax - onehot) * grad_scale` in those columns and zeros
+            /// in the rest: columns past `classes` are a padded vocabulary's (rows of the head's
+            /// weight kept so a GPU's products have aligned rows), not classes. A row labelled
+            /// [`IGNORED_LABEL`] is not a loss term: it adds nothing, is not counted, and its
+            /// gradient row is zero (the CPU backend; the CUDA backend refuses it as a label out
+            /// of range).
             ///
             /// # Errors
-            /// A label outside `0..classes` or a label count different from the row count.
+            /// A label outside `0..classes`, `classes` over the columns, or a label count
+            /// different from the row count.
             op fn softmax_cross_entropy(
                 &self,
                 logits: &Tensor,
+                classes: usize,
                 labels: &Tensor<u32>,
                 grad_scale: f32,
                 dlogits: Option<&mut Tensor>,

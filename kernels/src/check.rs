@@ -151,11 +151,18 @@ pub(crate) fn layer_norm_backward_params(
     )
 }
 
-/// One label per row of the logits.
-pub(crate) fn label_count<E: Element>(logits: &Tensor, labels: &Tensor<E>) -> Result<()> {
+/// One label per row of the logits, and no more classes than columns.
+pub(crate) fn label_count<E: Element>(
+    logits: &Tensor,
+    classes: usize,
+    labels: &Tensor<E>,
+) -> Result<()> {
     let rows = logits.rows();
     ensure(labels.len() == rows, "softmax_cross_entropy", || {
         format!("{rows} rows of logits but {} labels", labels.len())
+    })?;
+    ensure(classes <= logits.cols(), "softmax_cross_entropy", || {
+        format!("{classes} classes but {} columns of logits", logits.cols())
     })
 }
 

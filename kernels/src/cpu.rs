@@ -1238,12 +1238,13 @@ impl Backend for CpuBackend {
     fn softmax_cross_entropy(
         &self,
         logits: &Tensor,
+        classes: usize,
         labels: &Tensor<u32>,
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats> {
-        let n = logits.cols();
-        crate::check::label_count(logits, labels)?;
+        crate::check::label_count(logits, classes, labels)?;
+        let (n, stride) = (classes, logits.cols());
         let labels = labels.host()?;
         if let Some((row, &label)) = labels
             .iter()
@@ -1261,6 +1262,10 @@ impl Backend for CpuBackend {
             ..LossStats::default()
         };
         if n == 0 {
+            if let Some(d) = dlogits {
+                d.resize_host(logits.shape());
+                d.host_mut()?.fill(0.0);
+            }
             return Ok(stats);
         }
         // Rows are independent: each task computes its rows' loss terms and gradient rows,
@@ -1277,8 +1282,9 @@ impl Backend for CpuBackend {
         let task = |r0: usize, terms: &mut [(f64, bool)], grad: Option<&mut [f32]>| {
             let labels = &labels[r0..r0 + terms.len()];
             crate::vector::vectorized(CrossEntropyRows {
-                cols: n,
-                logits: &rows[r0 * n..(r0 + terms.len()) * n],
+                classes: n,
+                stride,
+                logits: &rows[r0 * stride..(r0 + terms.len()) * stride],
                 labels,
                 grad_scale,
                 grad,
@@ -1287,7 +1293,7 @@ impl Backend for CpuBackend {
         };
         const ROWS_PER_TASK: usize = 64;
         if self.threads > 1 && rows.len() >= PAR_MIN {
-            let width = ROWS_PER_TASK * n;
+            let width = ROWS_PER_TASK * stride;
             self.pool.install(|| match grad_rows {
                 Some(g) => terms
                     .par_chunks_mut(ROWS_PER_TASK)
@@ -1872,8 +1878,10 @@ impl crate::vector::Kernel for LayerNormBackRows<'_> {
 /// partials) gives the log-sum-exp, and is then scaled in place. The order of every sum is
 /// fixed, so the bits do not depend on the vector width or the thread count.
 struct CrossEntropyRows<'a> {
-    /// Logits per row (at least 1).
-    cols: usize,
+    /// Classes per row (at least 1): the first columns of a row.
+    classes: usize,
+    /// Columns per row (at least `classes`); the gradient of the rest is zero.
+    stride: usize,
     logits: &'a [f32],
     labels: &'a [u32],
     grad_scale: f32,
@@ -1886,16 +1894,16 @@ impl crate::vector::Kernel for CrossEntropyRows<'_> {
 
     #[inline(always)]
     fn run(self) {
-        let n = self.cols;
-        let mut grad = self.grad.map(|g| g.chunks_exact_mut(n));
-        let rows = self.logits.chunks_exact(n).zip(self.labels);
+        let (n, stride) = (self.classes, self.stride);
+        let mut grad = self.grad.map(|g| g.chunks_exact_mut(stride));
+        let rows = self.logits.chunks_exact(stride).zip(self.labels);
         for (term, (row, &label)) in self.terms.iter_mut().zip(rows) {
-            *term = cross_entropy_row(
-                row,
-                label,
-                self.grad_scale,
-                grad.as_mut().and_then(|g| g.next()),
-            );
+            let grad_row = grad.as_mut().and_then(|g| g.next()).map(|g| {
+                let (classes, padding) = g.split_at_mut(n);
+                padding.fill(0.0);
+                classes
+            });
+            *term = cross_entropy_row(&row[..n], label, self.grad_scale, grad_row);
         }
     }
 }

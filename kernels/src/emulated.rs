@@ -363,6 +363,7 @@ macro_rules! by_value {
 
 by_value!(
     f32,
+    usize,
     bool,
     Trans,
     Activation,

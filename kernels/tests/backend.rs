@@ -308,10 +308,10 @@ fn ignored_labels_are_not_loss_terms(be: &dyn Backend) {
     let some = [0u32, IGNORED_LABEL, 2, IGNORED_LABEL, 3];
     let (mut all_d, mut some_d) = (Tensor::default(), Tensor::default());
     let all = be
-        .softmax_cross_entropy(&logits, &ids(be, &kept), 0.5, Some(&mut all_d))
+        .softmax_cross_entropy(&logits, 4, &ids(be, &kept), 0.5, Some(&mut all_d))
         .unwrap();
     let s = be
-        .softmax_cross_entropy(&logits, &ids(be, &some), 0.5, Some(&mut some_d))
+        .softmax_cross_entropy(&logits, 4, &ids(be, &some), 0.5, Some(&mut some_d))
         .unwrap();
     assert_eq!(s.rows, 3);
     let (all_d, some_d) = (read(be, &all_d), read(be, &some_d));
@@ -323,7 +323,7 @@ fn ignored_labels_are_not_loss_terms(be: &dyn Backend) {
         } else {
             assert_eq!(row, &all_d[i * 4..i * 4 + 4], "row {i}");
             let one = be
-                .softmax_cross_entropy(&on(be, &row_of(&lh, i)), &ids(be, &[l]), 1.0, None)
+                .softmax_cross_entropy(&on(be, &row_of(&lh, i)), 4, &ids(be, &[l]), 1.0, None)
                 .unwrap();
             want += one.loss_sum;
         }
@@ -438,7 +438,7 @@ fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
     let labels = [0u32, 3, 2, 1, 3];
     let mut d = Tensor::default();
     let s = be
-        .softmax_cross_entropy(&logits, &ids(be, &labels), 0.5, Some(&mut d))
+        .softmax_cross_entropy(&logits, 4, &ids(be, &labels), 0.5, Some(&mut d))
         .unwrap();
     let dv = read(be, &d);
     let mut want = 0.0f64;
@@ -458,7 +458,7 @@ fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
     assert!((s.loss_sum - want).abs() < 1e-5);
     assert_eq!(s.rows, 5);
     let e = be
-        .softmax_cross_entropy(&logits, &ids(be, &[0, 1, 2, 3, 4]), 1.0, None)
+        .softmax_cross_entropy(&logits, 4, &ids(be, &[0, 1, 2, 3, 4]), 1.0, None)
         .unwrap_err();
     assert!(
         matches!(
@@ -472,9 +472,42 @@ fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
         "{e}"
     );
     assert!(
-        be.softmax_cross_entropy(&logits, &ids(be, &[0, 1]), 1.0, None)
+        be.softmax_cross_entropy(&logits, 4, &ids(be, &[0, 1]), 1.0, None)
             .is_err()
     );
+    assert!(
+        be.softmax_cross_entropy(&logits, 5, &ids(be, &labels), 1.0, None)
+            .is_err(),
+        "more classes than columns"
+    );
+    // A padded vocabulary: two more columns, larger than any class's logit, are not classes.
+    // The loss, the hits and the classes' gradient are the unpadded ones, bit for bit; the
+    // padding's gradient is zero.
+    let padded: Vec<f32> = lh
+        .host()
+        .unwrap()
+        .chunks(4)
+        .flat_map(|row| row.iter().copied().chain([50.0, -0.0]))
+        .collect();
+    let padded = on(be, &Tensor::from_vec(&[5, 6], padded).unwrap());
+    // The gradient's buffer holds sevens first: the padding's zeros are written, not left.
+    let mut pd = be
+        .place(Tensor::from_vec(&[5, 6], vec![7.0; 30]).unwrap())
+        .unwrap();
+    let p = be
+        .softmax_cross_entropy(&padded, 4, &ids(be, &labels), 0.5, Some(&mut pd))
+        .unwrap();
+    assert_eq!(p.loss_sum.to_bits(), s.loss_sum.to_bits());
+    assert_eq!((p.rows, p.correct), (s.rows, s.correct));
+    let pv = read(be, &pd);
+    for (i, row) in pv.chunks(6).enumerate() {
+        assert_eq!(&row[..4], &dv[i * 4..i * 4 + 4], "row {i}");
+        assert_eq!(&row[4..], &[0.0, 0.0], "row {i}: the padding's gradient");
+    }
+    let e = be
+        .softmax_cross_entropy(&padded, 4, &ids(be, &[0, 1, 2, 3, 4]), 1.0, None)
+        .unwrap_err();
+    assert!(matches!(e, KernelError::Label { classes: 4, .. }), "{e}");
 }
 
 /// Stamps the suite for one backend. `$make` gives `Option<backend>`: `None` where the backend
@@ -741,11 +774,12 @@ fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
     let labels: Vec<u32> = (0..37).map(|i| (i * 7 % 29) as u32).collect();
     let (mut d, mut dc) = (Tensor::default(), Tensor::default());
     let got = be
-        .softmax_cross_entropy(&on(be, &x), &ids(be, &labels), 0.25, Some(&mut d))
+        .softmax_cross_entropy(&on(be, &x), x.cols(), &ids(be, &labels), 0.25, Some(&mut d))
         .unwrap();
     let want = cpu
         .softmax_cross_entropy(
             &x,
+            x.cols(),
             &Tensor::from_vec(&[37], labels.clone()).unwrap(),
             0.25,
             Some(&mut dc),

@@ -83,10 +83,12 @@ fn every_operation(be: &dyn Backend) -> Vec<Vec<f32>> {
     let labels = Tensor::from_vec(&[4], vec![0, 2, 1, 2]).unwrap();
     let labels = be.place_ids(labels).unwrap();
     let stats = be
-        .softmax_cross_entropy(&a, &labels, 0.25, Some(&mut c))
+        .softmax_cross_entropy(&a, a.cols(), &labels, 0.25, Some(&mut c))
         .unwrap();
     seen.push(host(be, &c));
-    let again = be.softmax_cross_entropy(&a, &labels, 1.0, None).unwrap();
+    let again = be
+        .softmax_cross_entropy(&a, a.cols(), &labels, 1.0, None)
+        .unwrap();
     assert_eq!(stats, again);
     seen.push(vec![
         stats.loss_sum as f32,

@@ -54,7 +54,7 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     if let Some(t) = &args.tokenizer {
         // Of the model's vocabulary (and corpus), as `pipe sample` checks it: transformers
         // would load the pair and fail on the first id past the smaller of the two.
-        let outputs = model.output_shape().last().copied().unwrap_or(0);
+        let outputs = model.output_classes();
         pipe_stages::inspect::codec_for(&dir, &ckpt.state, outputs, Some(t))?;
     }
     // Never into the checkpoint it reads, nor into its store under a checkpoint's name (a

@@ -50,7 +50,7 @@ pub struct SampleArgs {
 /// vocabulary cannot encode, or bad sampling options.
 pub fn run(args: &SampleArgs) -> Result<()> {
     let (dir, model, ckpt) = read_with_model(&args.checkpoint)?;
-    let outputs = model.output_shape().last().copied().unwrap_or(0);
+    let outputs = model.output_classes();
     let codec = codec_for(&dir, &ckpt.state, outputs, args.tokenizer.as_deref())?;
     let prompt = codec.encode(&args.prompt, "--prompt")?;
     let opts = SampleOptions {

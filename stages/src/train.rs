@@ -13,7 +13,6 @@ use crate::config::{DatasetKind, RunConfig};
 use crate::data::{Dataset, Splits, mnist, synthetic};
 use crate::error::{Result, StageError};
 use crate::layer::Keep;
-use crate::loss::{Loss, SoftmaxCrossEntropy};
 use crate::model::{Model, Params, no_notice};
 use crate::optim::Optimizer;
 
@@ -248,7 +247,8 @@ pub fn load_data(cfg: &RunConfig, model: &Model) -> Result<Splits> {
             ))
         })?;
     }
-    let (&out, rows) = model.output_shape().split_last().unwrap_or((&0, &[]));
+    let (_, rows) = model.output_shape().split_last().unwrap_or((&0, &[]));
+    let out = model.output_classes();
     if out != data.train.classes {
         return Err(StageError::Model(format!(
             "model '{}' has {out} outputs but {} has {} classes",
@@ -331,7 +331,7 @@ pub fn evaluate(
             0,
             documents.as_ref(),
         )?;
-        let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, 0.0, None)?;
+        let s = model.loss().evaluate(be, &logits, &y, 0.0, None)?;
         loss += s.loss_sum;
         correct += s.correct;
         rows += s.rows;
@@ -461,7 +461,9 @@ pub(crate) fn whole_model_pass(
         documents.as_ref(),
     )?;
     let mut dy = Tensor::default();
-    let s = SoftmaxCrossEntropy.evaluate(be, &logits, &y, mb.grad_scale, Some(&mut dy))?;
+    let s = model
+        .loss()
+        .evaluate(be, &logits, &y, mb.grad_scale, Some(&mut dy))?;
     if !s.loss_sum.is_finite() {
         return Err(StageError::NonFinite {
             what: format!("the loss of microbatch {}", mb.id),

@@ -238,6 +238,68 @@ fn gpt2_models_take_their_shape_from_presets_tables_and_hugging_face_configs() {
     );
 }
 
+/// `padded_vocab_size` pads a gpt2 model's token table and head, which stay tied; a size
+/// under the vocabulary, or far past it, is refused naming it, in a `[gpt2]` table as in a
+/// layer list.
+#[test]
+fn a_gpt2_vocabulary_pads_to_the_size_given_and_no_smaller() {
+    use pipe_stages::layers::LayerSpec;
+    use pipe_stages::model::Model;
+    let padded = resolve("model = \"gpt2-tiny\"\n[gpt2]\npadded_vocab_size = 128");
+    assert!(matches!(
+        padded.model.layers[0],
+        LayerSpec::Embedding {
+            vocab: 65,
+            padded_vocab: Some(128),
+            ..
+        }
+    ));
+    assert!(matches!(
+        padded.model.layers.last(),
+        Some(LayerSpec::LmHead {
+            vocab: 65,
+            padded_vocab: Some(128),
+            ..
+        })
+    ));
+    let model = Model::new(&padded.model).unwrap();
+    assert_eq!(
+        (model.output_shape(), model.output_classes()),
+        (&[64, 128][..], 65)
+    );
+    assert_eq!(model.param_table()[0].shape, vec![128, 64]);
+    // The vocabulary itself pads nothing: the spec is the unpadded one.
+    let same = resolve("model = \"gpt2-tiny\"\n[gpt2]\npadded_vocab_size = 65");
+    assert_eq!(same.model, resolve("model = \"gpt2-tiny\"").model);
+
+    let err = |toml: &str| {
+        TrainSettings::from_toml(toml, "test")
+            .and_then(TrainSettings::resolve)
+            .and_then(|c| Model::new(&c.model).map(|_| c))
+            .unwrap_err()
+            .to_string()
+    };
+    let small = err("model = \"gpt2-tiny\"\n[gpt2]\npadded_vocab_size = 64");
+    assert!(
+        small.contains("padded_vocab_size 64 is smaller than the vocabulary of 65"),
+        "{small}"
+    );
+    let large = err("model = \"gpt2-tiny\"\n[gpt2]\npadded_vocab_size = 100000");
+    assert!(
+        large.contains("padded_vocab 100000 must be between its vocab 65 and 4226"),
+        "{large}"
+    );
+    let untied = err(
+        "dataset = \"tinyshakespeare\"\n[model]\ninput = [8]\nlayers = [\
+         {type = \"embedding\", vocab = 65, width = 8, context = 8, padded_vocab = 64}, \
+         {type = \"lm_head\", width = 8, vocab = 65}]",
+    );
+    assert!(
+        untied.contains("padded_vocab 64 must be between"),
+        "{untied}"
+    );
+}
+
 /// AdamW on a language model decays only the linear maps' matrices unless told otherwise;
 /// an MLP, or a language model under another optimizer, decays every parameter.
 #[test]

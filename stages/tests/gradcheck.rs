@@ -286,6 +286,18 @@ fn embedding() {
             vocab: 7,
             width: 5,
             context: 6,
+            padded_vocab: None,
+        },
+        ids.clone(),
+        false,
+    );
+    // A padded table: the padding's rows take no gradient.
+    grad_check_at(
+        LayerSpec::Embedding {
+            vocab: 7,
+            width: 5,
+            context: 6,
+            padded_vocab: Some(9),
         },
         ids,
         false,
@@ -321,6 +333,7 @@ fn embedding_attention_and_block_on_packed_documents() {
         vocab: 10,
         width: 5,
         context: 6,
+        padded_vocab: None,
     };
     grad_check_in(spec, ids, false, Some(docs.clone()));
     let attention = LayerSpec::Attention { width: 8, heads: 2 };
@@ -361,7 +374,14 @@ fn final_norm_and_lm_head() {
         &[2, 3, 6],
         false,
     );
-    grad_check_layer(LayerSpec::LmHead { width: 6, vocab: 5 }, &[2, 3, 6], false);
+    for padded_vocab in [None, Some(8)] {
+        let head = LayerSpec::LmHead {
+            width: 6,
+            vocab: 5,
+            padded_vocab,
+        };
+        grad_check_layer(head, &[2, 3, 6], false);
+    }
 }
 
 #[test]
@@ -373,17 +393,21 @@ fn flatten() {
 fn softmax_cross_entropy_loss() {
     let be = CpuBackend::new(1).unwrap();
     let logits = rand_t(&[4, 5], 11, false);
-    let labels = Tensor::from_vec(&[4], vec![1u32, 0, 4, 2]).unwrap();
-    let mut d = Tensor::default();
-    be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut d))
-        .unwrap();
-    let loss = |l: &Tensor| {
-        be.softmax_cross_entropy(l, &labels, 1.0, None)
-            .unwrap()
-            .loss_sum
-    };
-    let numeric = central(logits.len(), |i, d| loss(&moved(&logits, i, d)));
-    check("softmax_cross_entropy", d.host().unwrap(), &numeric);
+    // Every column a class, then the last two columns a padded vocabulary's (their numeric
+    // gradient is zero: the loss does not read them).
+    for (classes, labels) in [(5, vec![1u32, 0, 4, 2]), (3, vec![1u32, 0, 2, 2])] {
+        let labels = Tensor::from_vec(&[4], labels).unwrap();
+        let mut d = Tensor::default();
+        be.softmax_cross_entropy(&logits, classes, &labels, 1.0, Some(&mut d))
+            .unwrap();
+        let loss = |l: &Tensor| {
+            be.softmax_cross_entropy(l, classes, &labels, 1.0, None)
+                .unwrap()
+                .loss_sum
+        };
+        let numeric = central(logits.len(), |i, d| loss(&moved(&logits, i, d)));
+        check("softmax_cross_entropy", d.host().unwrap(), &numeric);
+    }
 }
 
 #[test]
@@ -438,7 +462,7 @@ fn whole_model() {
                 None,
             )
             .unwrap();
-        be.softmax_cross_entropy(&logits, &labels, 1.0, None)
+        be.softmax_cross_entropy(&logits, logits.cols(), &labels, 1.0, None)
             .unwrap()
             .loss_sum
     };
@@ -455,7 +479,7 @@ fn whole_model() {
         )
         .unwrap();
     let mut dl = Tensor::default();
-    be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut dl))
+    be.softmax_cross_entropy(&logits, logits.cols(), &labels, 1.0, Some(&mut dl))
         .unwrap();
     let mut grads = model.zero_grads(0..model.len());
     let dx = model
@@ -514,7 +538,7 @@ fn the_backward_skips_input_gradients_nobody_reads() {
         .forward_range(&be, 0..n, &params, x, model.training(0), 1, 0, None)
         .unwrap();
     let mut dl = Tensor::default();
-    be.softmax_cross_entropy(&logits, &labels, 1.0, Some(&mut dl))
+    be.softmax_cross_entropy(&logits, logits.cols(), &labels, 1.0, Some(&mut dl))
         .unwrap();
     let backward = |need_input_grad: bool| {
         let mut grads = model.zero_grads(0..n);

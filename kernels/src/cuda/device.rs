@@ -1407,13 +1407,14 @@ impl Backend for CudaBackend {
     fn softmax_cross_entropy(
         &self,
         logits: &Tensor,
+        classes: usize,
         labels: &Tensor<u32>,
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats> {
-        let (rows, n) = (logits.rows(), logits.cols());
+        let (rows, n) = (logits.rows(), classes);
         let op = "softmax_cross_entropy";
-        crate::check::label_count(logits, labels)?;
+        crate::check::label_count(logits, classes, labels)?;
         let (lp, yp) = (self.ptr(logits, op)?, self.ptr(labels, op)?);
         let mut stats = LossStats {
             rows,
@@ -1434,9 +1435,14 @@ impl Backend for CudaBackend {
                 Some(d) => self.output(d, logits.shape())?,
                 None => 0,
             };
-            let (r, c) = (as_u64(rows), as_u64(n));
+            let (r, c, stride) = (as_u64(rows), as_u64(n), as_u64(logits.cols()));
             let mut b = self.stream.launch_builder(&self.kernels.softmax_xent_f32);
-            b.arg(&lp).arg(&yp).arg(&r).arg(&c).arg(&grad_scale);
+            b.arg(&lp)
+                .arg(&yp)
+                .arg(&r)
+                .arg(&c)
+                .arg(&stride)
+                .arg(&grad_scale);
             b.arg(&dp).arg(&lossp).arg(&hitp);
             // SAFETY: shapes checked above; `dp` is null when no gradient is wanted; a row
             // whose label is out of range reads no logit by it (the kernel skips it).

@@ -286,10 +286,12 @@ extern "C" __global__ void check_ids_f32(const float* ids, u64 n, u64 vocab, uns
 }
 
 // ---- softmax cross-entropy: one warp per row; per-row loss (f64) and hit, summed on the host ---
+// A row holds `stride` logits, of which the first `cols` are classes; the rest are a padded
+// vocabulary's columns, outside the softmax, with a zero gradient.
 
 extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labels, u64 rows, u64 cols,
-                                            float grad_scale, float* dlogits, double* row_loss,
-                                            int* row_hit) {
+                                            u64 stride, float grad_scale, float* dlogits,
+                                            double* row_loss, int* row_hit) {
     u64 row = warp_row();
     if (row >= rows) return;
     u32 label = labels[row];
@@ -301,7 +303,7 @@ extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labe
         }
         return;
     }
-    const float* lr = logits + row * cols;
+    const float* lr = logits + row * stride;
     // Arg-max with the first maximum winning: each lane keeps its first maximum, then the warp
     // keeps the largest value and, among equals, the smallest index.
     float best = neg_infinity();
@@ -331,8 +333,9 @@ extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labe
         for (u64 j = lane(); j < cols; j += 32) {
             float p = (float)exp((double)(lr[j] - best) - lse);
             float y = j == (u64)label ? 1.0f : 0.0f;
-            dlogits[row * cols + j] = (p - y) * grad_scale;
+            dlogits[row * stride + j] = (p - y) * grad_scale;
         }
+        for (u64 j = cols + lane(); j < stride; j += 32) dlogits[row * stride + j] = 0.0f;
     }
 }
 

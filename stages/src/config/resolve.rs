@@ -172,9 +172,9 @@ impl TrainSettings {
             .model
             .clone()
             .unwrap_or(ModelChoice::Preset(default_model.into()));
-        let (language, vocab_override) = match &choice {
+        let (language, given) = match &choice {
             ModelChoice::Preset(name) => self.language_shape(name)?,
-            ModelChoice::Layers(_) => (None, None),
+            ModelChoice::Layers(_) => (None, Default::default()),
         };
         let dataset = self.dataset.unwrap_or(if language.is_some() {
             DatasetKind::TinyShakespeare
@@ -189,7 +189,7 @@ impl TrainSettings {
         let mut vocab = None;
         let (name, spec) = match (choice, language) {
             (ModelChoice::Preset(name), Some(shape)) => {
-                let vocab_size = match (vocab_override, &corpus, dataset) {
+                let vocab_size = match (given.vocab_size, &corpus, dataset) {
                     (Some(v), _, _) => v,
                     (None, Some(c), _) => usize::try_from(c.vocab_size).unwrap_or(usize::MAX),
                     (None, None, DatasetKind::TinyShakespeare) => {
@@ -206,7 +206,9 @@ impl TrainSettings {
                         ));
                     }
                 };
-                (name, ModelSpec::gpt(shape, vocab_size, tie))
+                let rows = padded_vocab(given.padded_vocab_size, vocab_size)?;
+                let spec = ModelSpec::gpt(shape, vocab_size, tie).with_padded_vocab(rows);
+                (name, spec)
             }
             (ModelChoice::Preset(name), None) => {
                 let spec = ModelSpec::preset(&name)?;
@@ -237,8 +239,8 @@ impl TrainSettings {
     }
 
     /// The shape of a language-model preset (`gpt-*`, `gpt2-*`, or `gpt2` shaped by
-    /// `model_config` and the `[gpt2]` settings), with the vocabulary size they set; `None`
-    /// for other presets.
+    /// `model_config` and the `[gpt2]` settings), with the GPT-2 settings given (the
+    /// vocabulary and its padding among them); `None` and no settings for other presets.
     ///
     /// # Errors
     /// [`StageError::Config`] for GPT-2 settings on another model, an incomplete `gpt2`
@@ -246,7 +248,10 @@ impl TrainSettings {
     fn language_shape(
         &self,
         name: &str,
-    ) -> Result<(Option<crate::transformer::GptShape>, Option<usize>)> {
+    ) -> Result<(
+        Option<crate::transformer::GptShape>,
+        crate::transformer::Gpt2Shape,
+    )> {
         use crate::transformer::{Gpt2Shape, gpt2_from_hf_config, is_gpt2};
         let shaped = self.gpt2.is_some() || self.model_config.is_some();
         if !is_gpt2(name) {
@@ -256,7 +261,7 @@ impl TrainSettings {
                      models, not {name}"
                 )));
             }
-            return Ok((gpt_shape(name), None));
+            return Ok((gpt_shape(name), Gpt2Shape::default()));
         }
         if name != "gpt2" && gpt_shape(name).is_none() {
             return Err(StageError::Model(format!(
@@ -276,7 +281,7 @@ impl TrainSettings {
             given = given.merged(g);
         }
         let shape = given.resolve(gpt_shape(name)).map_err(StageError::Config)?;
-        Ok((Some(shape), given.vocab_size))
+        Ok((Some(shape), given))
     }
 
     /// The corpus settings of a run on a tokenized corpus (`None` for other data): its
@@ -672,6 +677,18 @@ impl TrainSettings {
 ///
 /// # Errors
 /// [`StageError::Config`] for a list of another length than the stages.
+/// The rows of a GPT model's vocabulary tables that `padded_vocab_size` asks for over a
+/// vocabulary of `vocab`: `None` for none; the setting must hold the vocabulary.
+fn padded_vocab(padded_vocab_size: Option<usize>, vocab: usize) -> Result<Option<usize>> {
+    match padded_vocab_size {
+        Some(rows) if rows < vocab => Err(StageError::Config(format!(
+            "padded_vocab_size {rows} is smaller than the vocabulary of {vocab} tokens; it \
+             must hold it (GPT-2's 50257 pads to 50304)"
+        ))),
+        other => Ok(other),
+    }
+}
+
 fn bucket_settings(
     given: Option<&BucketSizes>,
     stages: Option<usize>,

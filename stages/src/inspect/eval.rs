@@ -101,7 +101,7 @@ pub fn evaluate_checkpoint(
         )));
     }
     let inputs: usize = model.input_shape().iter().product();
-    let outputs: usize = model.output_shape().last().copied().unwrap_or(0);
+    let outputs: usize = model.output_classes();
     if inputs != data.test.sample_size() || outputs != data.test.classes {
         return Err(StageError::Input(format!(
             "model {} takes {inputs} features and has {outputs} outputs; {} has {} and {} classes",

@@ -73,9 +73,14 @@ pub fn logits(weights: WeightsSource<'_>, ids: &[u32], threads: usize) -> Result
         0,
         None,
     )?;
-    let vocab = model.output_shape().last().copied().unwrap_or(1);
+    let columns = model.output_shape().last().copied().unwrap_or(1).max(1);
     let values = be.read(&out)?;
+    // A padded vocabulary's extra columns are not tokens: each row keeps its classes.
+    let rows: Vec<Vec<f32>> = values
+        .chunks(columns)
+        .map(|row| row[..model.output_classes().min(row.len())].to_vec())
+        .collect();
     // JSON has no NaN or infinity (serde writes `null`): refused, not a row of nulls.
-    crate::model::sample::check_finite_logits(&values, vocab)?;
-    Ok(values.chunks(vocab).map(<[f32]>::to_vec).collect())
+    crate::model::sample::check_finite_logits(&rows.concat(), vocab)?;
+    Ok(rows)
 }

@@ -80,6 +80,7 @@ pub fn gpt2_layout(spec: &ModelSpec) -> Option<Gpt2Layout> {
         vocab,
         width,
         context,
+        padded_vocab,
     } = *first
     else {
         return None;
@@ -90,6 +91,7 @@ pub fn gpt2_layout(spec: &ModelSpec) -> Option<Gpt2Layout> {
         LayerSpec::LmHead {
             width: hw,
             vocab: hv,
+            padded_vocab: head_padding,
         },
     ] = rest
     else {
@@ -121,6 +123,7 @@ pub fn gpt2_layout(spec: &ModelSpec) -> Option<Gpt2Layout> {
         || (*eps - 1e-5).abs() > 1e-9
         || *hw != width
         || *hv != vocab
+        || *head_padding != padded_vocab
         || extra_ties
     {
         return None;
@@ -131,6 +134,7 @@ pub fn gpt2_layout(spec: &ModelSpec) -> Option<Gpt2Layout> {
         heads: heads?,
         context,
         vocab,
+        rows: padded_vocab.unwrap_or(vocab),
         tied,
     })
 }
@@ -148,6 +152,10 @@ pub struct Gpt2Layout {
     pub context: usize,
     /// Vocabulary.
     pub vocab: usize,
+    /// Rows of pipe's vocabulary tables: `vocab`, or more when padded
+    /// ([`LayerSpec::LmHead`]). A directory holds `vocab` rows: export leaves the padding out
+    /// and import puts it back, as zeros.
+    pub rows: usize,
     /// Head tied to the token embedding.
     pub tied: bool,
 }
@@ -236,8 +244,15 @@ pub fn config_of_dir(dir: &Path) -> Result<Gpt2Layout> {
         heads: gpt.heads,
         context: gpt.context,
         vocab: shape.vocab_size.unwrap_or_default(),
+        rows: shape.vocab_size.unwrap_or_default(),
         tied,
     })
+}
+
+/// Whether `hf_name` is a vocabulary table's (`[vocab, width]` in a directory, padded in the
+/// model where [`Gpt2Layout::rows`] is larger).
+fn is_vocabulary_table(hf_name: &str) -> bool {
+    hf_name == "transformer.wte.weight" || hf_name == "lm_head.weight"
 }
 
 /// The model a Hugging Face GPT-2 directory's `config.json` describes.
@@ -292,10 +307,27 @@ pub fn export(
     max_shard_bytes: Option<u64>,
 ) -> Result<(Gpt2Layout, Vec<PathBuf>)> {
     let layout = layout_of(model, spec)?;
+    // A padded vocabulary's tables lose their padding: a copy of their first rows.
+    let mut unpadded: HashMap<String, Tensor> = HashMap::new();
+    for e in model.param_table() {
+        let name = layout.hf_name(&e.name).unwrap_or_default();
+        if layout.rows > layout.vocab && is_vocabulary_table(&name) {
+            let (l, s) = e.uses[0];
+            let t = &params[l][s];
+            let rows = t
+                .host()?
+                .get(..layout.vocab * layout.width)
+                .unwrap_or_default();
+            let kept = Tensor::from_vec(&[layout.vocab, layout.width], rows.to_vec())?;
+            unpadded.insert(name, kept);
+        }
+    }
     let mut named: Vec<(String, &Tensor)> = Vec::new();
     for e in model.param_table() {
         let (l, s) = e.uses[0];
-        named.push((layout.hf_name(&e.name).unwrap_or_default(), &params[l][s]));
+        let name = layout.hf_name(&e.name).unwrap_or_default();
+        let t = unpadded.get(&name).unwrap_or(&params[l][s]);
+        named.push((name, t));
     }
     let sizes: Vec<u64> = named.iter().map(|(_, t)| 4 * t.len() as u64).collect();
     let shards = shard_plan(&sizes, max_shard_bytes);
@@ -534,6 +566,11 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
                 format!("names {name} twice (for {})", e.name),
             )
         })?;
+        let t = if is_vocabulary_table(name) {
+            padded_rows(t, layout.rows)?
+        } else {
+            t
+        };
         for &(l, s) in &e.uses {
             params[l][s] = t.clone();
         }
@@ -541,7 +578,7 @@ pub fn import(model: &Model, spec: &ModelSpec, dir: &Path) -> Result<Params> {
     if layout.tied {
         if let Some((head, path)) = found.remove("lm_head.weight") {
             let wte = found_wte(model, &layout, &params)?;
-            if head.host()? != wte.as_slice() {
+            if head.host()? != wte.get(..head.len()).unwrap_or_default() {
                 return Err(hf_err(
                     path.display(),
                     "holds an lm_head.weight that differs from transformer.wte.weight: an \
@@ -565,12 +602,28 @@ fn expected_tensors(model: &Model, layout: &Gpt2Layout) -> HashMap<String, Vec<u
         .iter()
         .filter_map(|e| Some((layout.hf_name(&e.name)?, e.shape.clone())))
         .collect();
+    for (name, shape) in &mut shapes {
+        if is_vocabulary_table(name) {
+            shape[0] = layout.vocab;
+        }
+    }
     if layout.tied {
         if let Some(wte) = shapes.get("transformer.wte.weight").cloned() {
             shapes.insert("lm_head.weight".into(), wte);
         }
     }
     shapes
+}
+
+/// `table` (`[vocab, width]`) with zero rows after its own up to `rows`.
+fn padded_rows(table: Tensor, rows: usize) -> Result<Tensor> {
+    if table.rows() >= rows {
+        return Ok(table);
+    }
+    let width = table.cols();
+    let mut values = table.into_host_vec()?;
+    values.resize(rows * width, 0.0);
+    Ok(Tensor::from_vec(&[rows, width], values)?)
 }
 
 /// The bytes of the safetensors file `path`, read header first: its size is compared with

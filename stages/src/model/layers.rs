@@ -96,6 +96,9 @@ pub enum LayerSpec {
         width: usize,
         /// Longest sequence (rows of the position table).
         context: usize,
+        /// Rows of the token table when more than `vocab` (see [`LayerSpec::LmHead`]'s).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padded_vocab: Option<usize>,
     },
     /// Causal multi-head self-attention over `[tokens, width]`, with its query-key-value and
     /// output projections.
@@ -125,7 +128,30 @@ pub enum LayerSpec {
         width: usize,
         /// Vocabulary size.
         vocab: usize,
+        /// Rows of the weight and columns of the logits when more than `vocab` (GPT-2's
+        /// 50,257 padded to 50,304, a multiple of 128): a GPU's products over the vocabulary
+        /// then have aligned rows. The extra rows start at zero, no token selects them, and
+        /// the loss gives their logits no gradient, so they stay zero and the model computes
+        /// what the unpadded one does.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padded_vocab: Option<usize>,
     },
+}
+
+/// The rows of a vocabulary table: `padded` where given, which must hold the vocabulary and
+/// not be absurdly larger (at most twice it and 4,096 rows more, which any rounding to a
+/// power-of-two multiple stays within).
+fn table_rows(layer: &str, vocab: usize, padded: Option<usize>) -> Result<usize, String> {
+    let Some(rows) = padded else {
+        return Ok(vocab);
+    };
+    let most = vocab.saturating_mul(2).saturating_add(4096);
+    if rows < vocab || rows > most {
+        return Err(format!(
+            "{layer} padded_vocab {rows} must be between its vocab {vocab} and {most}"
+        ));
+    }
+    Ok(rows)
 }
 
 fn default_true() -> bool {
@@ -203,6 +229,7 @@ impl LayerSpec {
                 vocab,
                 width,
                 context,
+                padded_vocab,
             } => {
                 if vocab == 0 || width == 0 || context == 0 {
                     return Err(format!(
@@ -212,6 +239,7 @@ impl LayerSpec {
                 }
                 Box::new(crate::transformer::Embedding {
                     vocab,
+                    rows: table_rows("embedding", vocab, padded_vocab)?,
                     width,
                     context,
                 })
@@ -228,11 +256,19 @@ impl LayerSpec {
                 let inner = self.block_layers().unwrap_or_default();
                 Box::new(Residual::build(&inner, false)?)
             }
-            LayerSpec::LmHead { width, vocab } => {
+            LayerSpec::LmHead {
+                width,
+                vocab,
+                padded_vocab,
+            } => {
                 if width == 0 || vocab == 0 {
                     return Err(format!("lm_head {width}->{vocab} has a zero size"));
                 }
-                Box::new(crate::transformer::LmHead { width, vocab })
+                Box::new(crate::transformer::LmHead {
+                    width,
+                    vocab,
+                    rows: table_rows("lm_head", vocab, padded_vocab)?,
+                })
             }
         })
     }

@@ -31,7 +31,12 @@ pub trait Loss: Send + Sync + std::fmt::Debug {
 
 /// Softmax cross-entropy over the last dimension, with accuracy (arg-max against the target).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct SoftmaxCrossEntropy;
+pub struct SoftmaxCrossEntropy {
+    /// Classes: the first columns of an output row; `None` for every column. A padded
+    /// vocabulary's logits have more columns than classes
+    /// ([`crate::layers::LayerSpec::LmHead`]).
+    pub classes: Option<usize>,
+}
 
 impl Loss for SoftmaxCrossEntropy {
     fn name(&self) -> &'static str {
@@ -46,6 +51,7 @@ impl Loss for SoftmaxCrossEntropy {
         grad_scale: f32,
         grad: Option<&mut Tensor>,
     ) -> Result<LossStats> {
-        Ok(be.softmax_cross_entropy(output, targets, grad_scale, grad)?)
+        let classes = self.classes.unwrap_or(output.cols());
+        Ok(be.softmax_cross_entropy(output, classes, targets, grad_scale, grad)?)
     }
 }

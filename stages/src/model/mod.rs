@@ -155,6 +155,8 @@ pub struct Model {
     recompute: StageRecompute,
     /// The end-of-text id of packed documents ([`Model::with_documents`]).
     document_end: Option<u32>,
+    /// The loss of its output ([`Model::loss`]).
+    loss: crate::loss::SoftmaxCrossEntropy,
 }
 
 /// A model description as written in a config file. Parsing is strict: every layer is read on
@@ -315,6 +317,7 @@ impl ModelSpec {
             vocab,
             width,
             context,
+            padded_vocab: None,
         }];
         layers.extend((0..blocks).map(|_| LayerSpec::TransformerBlock {
             width,
@@ -325,7 +328,11 @@ impl ModelSpec {
             features: width,
             eps: 1e-5,
         });
-        layers.push(LayerSpec::LmHead { width, vocab });
+        layers.push(LayerSpec::LmHead {
+            width,
+            vocab,
+            padded_vocab: None,
+        });
         let tied = if tie {
             vec![Tie {
                 param: format!("layers.{}.weight", layers.len() - 1),
@@ -338,6 +345,38 @@ impl ModelSpec {
             input: vec![context],
             layers,
             tied,
+        }
+    }
+
+    /// This spec with its vocabulary tables padded to `rows` rows (the token embedding's and
+    /// the head's, [`LayerSpec::LmHead`]); `None`, or the vocabulary itself, pads nothing.
+    #[must_use]
+    pub fn with_padded_vocab(mut self, rows: Option<usize>) -> Self {
+        for layer in &mut self.layers {
+            if let LayerSpec::Embedding {
+                vocab,
+                padded_vocab,
+                ..
+            }
+            | LayerSpec::LmHead {
+                vocab,
+                padded_vocab,
+                ..
+            } = layer
+            {
+                *padded_vocab = rows.filter(|r| r != vocab);
+            }
+        }
+        self
+    }
+
+    /// The classes of the model's output: the head's vocabulary when its last layer is a
+    /// language-model head (fewer than the logits' columns when padded); `None` when every
+    /// output column is a class.
+    pub fn classes(&self) -> Option<usize> {
+        match self.layers.last() {
+            Some(LayerSpec::LmHead { vocab, .. }) => Some(*vocab),
+            _ => None,
         }
     }
 
@@ -449,6 +488,9 @@ impl Model {
             tied,
             recompute: StageRecompute::default(),
             document_end: None,
+            loss: crate::loss::SoftmaxCrossEntropy {
+                classes: spec.classes(),
+            },
             specs: spec.layers.clone(),
             layers,
             shapes,
@@ -478,6 +520,19 @@ impl Model {
     /// What the backward recomputes, per stage.
     pub fn recompute(&self) -> &StageRecompute {
         &self.recompute
+    }
+
+    /// The loss of the model's output: softmax cross-entropy over its classes (a padded
+    /// vocabulary's extra logits are not classes, [`LayerSpec::LmHead`]).
+    pub fn loss(&self) -> &dyn crate::loss::Loss {
+        &self.loss
+    }
+
+    /// The classes of an output row: the first columns of the model's output, all of them
+    /// unless a padded vocabulary adds columns that are not classes.
+    pub fn output_classes(&self) -> usize {
+        let columns = self.output_shape().last().copied().unwrap_or(0);
+        self.loss.classes.unwrap_or(columns).min(columns)
     }
 
     /// What a training forward of stage `stage` keeps ([`Keep::Train`] with its kind).

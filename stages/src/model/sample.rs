@@ -93,9 +93,11 @@ pub fn generate(
             None,
         )?;
         let logits = be.read(&logits)?;
-        let vocab = model.output_shape().last().copied().unwrap_or(0);
-        let last = &logits[logits.len().saturating_sub(vocab)..];
-        check_finite_logits(last, vocab)?;
+        let columns = model.output_shape().last().copied().unwrap_or(0);
+        let row = &logits[logits.len().saturating_sub(columns)..];
+        // A padded vocabulary's extra columns are not tokens.
+        let last = &row[..model.output_classes().min(row.len())];
+        check_finite_logits(last, last.len())?;
         let mut rng = rng_for(opts.seed, "sample", i as u64);
         let next = draw(last, opts, rng.random::<f64>());
         ids.push(next);

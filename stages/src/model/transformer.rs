@@ -40,17 +40,32 @@ fn positions(be: &dyn Backend, n: usize) -> KResult<Tensor> {
 }
 
 /// Token embedding plus learned position embedding: `[tokens]` ids to `[tokens, width]`.
-/// Parameters `token` (`[vocab, width]`) and `position` (`[context, width]`); a batch may be
+/// Parameters `token` (`[rows, width]`) and `position` (`[context, width]`); a batch may be
 /// shorter than `context` (sampling from a short prompt). With packed documents
 /// ([`ForwardCtx::documents`]) a token's position is its place in its own document.
 #[derive(Debug, Clone, Copy)]
 pub struct Embedding {
     /// Vocabulary size.
     pub vocab: usize,
+    /// Rows of the token table: the vocabulary, or more when it is padded
+    /// ([`crate::layers::LayerSpec::LmHead`]); the rows past `vocab` start at zero.
+    pub rows: usize,
     /// Model width.
     pub width: usize,
     /// Longest sequence.
     pub context: usize,
+}
+
+/// A `[rows, width]` vocabulary table: `vocab` rows drawn as an unpadded table's are (the same
+/// draws, so padding changes no other parameter), then zeros.
+fn vocabulary_table(rng: &mut Rng, vocab: usize, rows: usize, width: usize) -> Tensor {
+    let drawn = normal(rng, &[vocab, width], INIT_STD);
+    if rows == vocab {
+        return drawn;
+    }
+    let mut values = drawn.into_host_vec().unwrap_or_default();
+    values.resize(rows * width, 0.0);
+    Tensor::from_vec(&[rows, width], values).unwrap_or_default()
 }
 
 /// Where the embedding's saved tensors keep the per-token positions of packed documents
@@ -64,14 +79,14 @@ impl Layer for Embedding {
 
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
         vec![
-            ("token".into(), vec![self.vocab, self.width]),
+            ("token".into(), vec![self.rows, self.width]),
             ("position".into(), vec![self.context, self.width]),
         ]
     }
 
     fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
         vec![
-            normal(rng, &[self.vocab, self.width], INIT_STD),
+            vocabulary_table(rng, self.vocab, self.rows, self.width),
             normal(rng, &[self.context, self.width], INIT_STD),
         ]
     }
@@ -361,13 +376,16 @@ impl Layer for Attention {
 }
 
 /// The language-model head: logits `x W^T` over the vocabulary, with `W` stored
-/// `[vocab, width]` like the token embedding so the two can be tied.
+/// `[rows, width]` like the token embedding so the two can be tied. With a padded vocabulary
+/// (`rows > vocab`) the logits have `rows` columns, of which the loss reads the first `vocab`.
 #[derive(Debug, Clone, Copy)]
 pub struct LmHead {
     /// Model width.
     pub width: usize,
     /// Vocabulary size.
     pub vocab: usize,
+    /// Rows of the weight and columns of the logits (`vocab`, or more when padded).
+    pub rows: usize,
 }
 
 impl Layer for LmHead {
@@ -376,19 +394,19 @@ impl Layer for LmHead {
     }
 
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        vec![("weight".into(), vec![self.vocab, self.width])]
+        vec![("weight".into(), vec![self.rows, self.width])]
     }
 
     fn init_params(&self, rng: &mut Rng) -> Vec<Tensor> {
-        vec![normal(rng, &[self.vocab, self.width], INIT_STD)]
+        vec![vocabulary_table(rng, self.vocab, self.rows, self.width)]
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
-        map_features(input, self.width, self.vocab, ("lm_head", "features"))
+        map_features(input, self.width, self.rows, ("lm_head", "features"))
     }
 
     fn flops_per_sample(&self, input: &[usize]) -> u64 {
-        matmul_flops(input, self.width, self.vocab)
+        matmul_flops(input, self.width, self.rows)
     }
 
     fn forward(
@@ -401,7 +419,7 @@ impl Layer for LmHead {
         features_of(&x, "lm_head forward", self.width)?;
         let mut y = Tensor::default();
         be.matmul(&x, Trans::No, &params[0], Trans::Yes, &mut y, false)?;
-        let y = y.reshape(&with_last(x.shape(), self.vocab))?;
+        let y = y.reshape(&with_last(x.shape(), self.rows))?;
         Ok((y, Saved::tensors(vec![x])))
     }
 
@@ -524,6 +542,13 @@ pub struct Gpt2Shape {
     /// Vocabulary of a gpt2 model (default: the data's).
     #[arg(long, value_name = "N")]
     pub vocab_size: Option<usize>,
+    /// Rows of a gpt2 model's token table and head, at least its vocabulary (default: the
+    /// vocabulary): 50304 pads GPT-2's 50,257 to a multiple of 128, so a GPU's products over
+    /// the vocabulary have aligned rows. The extra rows stay zero and take no token and no
+    /// gradient: the model computes what the unpadded one does.
+    #[arg(long, value_name = "N")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub padded_vocab_size: Option<usize>,
 }
 
 impl Gpt2Shape {
@@ -536,6 +561,7 @@ impl Gpt2Shape {
             n_embd: other.n_embd.or(self.n_embd),
             n_positions: other.n_positions.or(self.n_positions),
             vocab_size: other.vocab_size.or(self.vocab_size),
+            padded_vocab_size: other.padded_vocab_size.or(self.padded_vocab_size),
         }
     }
 
@@ -571,6 +597,7 @@ impl Gpt2Shape {
             ("n_head", Some(shape.heads)),
             ("n_positions", Some(shape.context)),
             ("vocab_size", self.vocab_size),
+            ("padded_vocab_size", self.padded_vocab_size),
         ] {
             if let Some(v) = v.filter(|&v| v as u64 > tensor_limit) {
                 return Err(format!(
@@ -674,6 +701,7 @@ pub fn hf_gpt2_config(text: &str, name: &str) -> Result<(Gpt2Shape, bool), Strin
         n_embd: Some(c.n_embd),
         n_positions: Some(c.n_positions),
         vocab_size: Some(c.vocab_size),
+        padded_vocab_size: None,
     };
     Ok((shape, c.tie_word_embeddings.unwrap_or(true)))
 }

@@ -106,8 +106,7 @@ pub struct Setup<'a> {
 
 impl<'a> Setup<'a> {
     /// The setup of a run of `plan` over `model`, fed by `data`, at learning rates `lr`: the
-    /// classifier's loss ([`SoftmaxCrossEntropy`](crate::loss::SoftmaxCrossEntropy), also the
-    /// language model's), seed 0, microbatches numbered from 0, no loss reports, no weight
+    /// model's loss ([`Model::loss`]), seed 0, microbatches numbered from 0, no loss reports, no weight
     /// prediction. The `with_` methods change one of these.
     pub fn new(
         model: &'a Model,
@@ -119,7 +118,7 @@ impl<'a> Setup<'a> {
             model,
             plan,
             data,
-            loss: &crate::loss::SoftmaxCrossEntropy,
+            loss: model.loss(),
             seed: 0,
             microbatch_offset: 0,
             lr,

@@ -496,7 +496,8 @@ impl RandomSource {
     pub fn for_model(model: &Model, microbatch_size: usize, seed: u64) -> Result<Self> {
         let mut shape = vec![microbatch_size];
         shape.extend_from_slice(model.input_shape());
-        let (&classes, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
+        let (_, rows) = model.output_shape().split_last().unwrap_or((&1, &[]));
+        let classes = model.output_classes();
         Ok(RandomSource {
             x: random_input(model, 0, &shape, seed, "calibrate-x")?,
             classes: classes.max(1) as u32,
