@@ -227,9 +227,16 @@ pub fn momentum_note(opt: &pipe_stages::optim::OptimizerConfig) -> String {
 /// library `PIPE_CBLAS` names).
 pub fn print_header(cfg: &RunConfig, model: &Model, data: &Splits, threads: usize) {
     outln!(
-        "pipe train: model {} ({} parameters), {} ({} train / {} test{}){}, {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
+        "pipe train: model {} ({} parameters{}), {} ({} train / {} test{}){}, {} epochs, microbatch {} x {}, {:?} lr {} ({:?}){}, seed {}, {} threads{}",
         cfg.model_name,
         model.param_count(),
+        match model.vocab_padding() {
+            0 => String::new(),
+            rows => format!(
+                " with a vocabulary of {} padded by {rows} rows",
+                model.output_classes()
+            ),
+        },
         data.train.name.trim_end_matches("-train"),
         data.train.len(),
         data.test.len(),

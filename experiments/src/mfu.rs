@@ -662,7 +662,7 @@ pub fn run(cfg: &MfuConfig) -> Result<MfuReport, ExperimentError> {
     // parameters and FLOPs counted are the unpadded model's.
     let unpadded = Model::new(&measured_spec(&cfg.model, &cfg.gpt2)?.with_padded_vocab(None))?;
     let parameters = unpadded.param_count();
-    let vocab_padding = model.output_shape().last().copied().unwrap_or(0) - model.output_classes();
+    let vocab_padding = model.vocab_padding();
     let tokens_per_sample = if language {
         model.input_shape().first().copied().unwrap_or(1)
     } else {

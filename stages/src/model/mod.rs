@@ -535,6 +535,12 @@ impl Model {
         self.loss.classes.unwrap_or(columns).min(columns)
     }
 
+    /// Output columns past the classes: the rows a padded vocabulary adds (0 unpadded).
+    pub fn vocab_padding(&self) -> usize {
+        let columns = self.output_shape().last().copied().unwrap_or(0);
+        columns - self.output_classes()
+    }
+
     /// What a training forward of stage `stage` keeps ([`Keep::Train`] with its kind).
     pub fn training(&self, stage: usize) -> Keep {
         Keep::Train(self.recompute.at(stage))
