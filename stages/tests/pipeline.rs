@@ -747,6 +747,35 @@ impl<T: pipe_transport::Transport> pipe_transport::Transport for Faulty<T> {
     fn close(&mut self) -> Result<(), pipe_transport::TransportError> {
         self.inner.close()
     }
+    fn carries_device_tensors(&self) -> bool {
+        self.inner.carries_device_tensors()
+    }
+    fn copies_payloads(&self) -> bool {
+        self.inner.copies_payloads()
+    }
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        self.inner.link_buffer_bytes()
+    }
+    fn interrupter(&self) -> Option<pipe_transport::Interrupter> {
+        self.inner.interrupter()
+    }
+    fn regroup_address(&mut self) -> Option<Result<String, pipe_transport::TransportError>> {
+        self.inner.regroup_address()
+    }
+    fn regroup(
+        &mut self,
+        lost: u32,
+        host: Option<u32>,
+    ) -> Result<pipe_transport::Regrouped, pipe_transport::TransportError> {
+        self.inner.regroup(lost, host)
+    }
+    fn cut_link(
+        &mut self,
+        peer: u32,
+        pause: std::time::Duration,
+    ) -> Result<(), pipe_transport::TransportError> {
+        self.inner.cut_link(peer, pause)
+    }
 }
 
 /// Microbatches made up from their number: any count, no dataset needed.

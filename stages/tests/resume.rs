@@ -117,6 +117,28 @@ impl Transport for Recording {
     fn interrupter(&self) -> Option<Interrupter> {
         None
     }
+    fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    fn copies_payloads(&self) -> bool {
+        false
+    }
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        None
+    }
+    fn regroup(
+        &mut self,
+        lost: u32,
+        _host: Option<u32>,
+    ) -> Result<pipe_transport::Regrouped, TransportError> {
+        Err(pipe_transport::cannot_regroup(self.rank(), lost))
+    }
+    fn cut_link(&mut self, peer: u32, _pause: std::time::Duration) -> Result<(), TransportError> {
+        Err(pipe_transport::no_link_to_cut(peer))
+    }
 }
 
 /// A resumed worker's endpoint: every message its worker received in the recorded run,
@@ -156,6 +178,31 @@ impl Transport for Served {
     fn abort(&mut self) {}
     fn close(&mut self) -> Result<(), TransportError> {
         Ok(())
+    }
+    fn interrupter(&self) -> Option<Interrupter> {
+        None
+    }
+    fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    fn copies_payloads(&self) -> bool {
+        false
+    }
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        None
+    }
+    fn regroup(
+        &mut self,
+        lost: u32,
+        _host: Option<u32>,
+    ) -> Result<pipe_transport::Regrouped, TransportError> {
+        Err(pipe_transport::cannot_regroup(self.rank(), lost))
+    }
+    fn cut_link(&mut self, peer: u32, _pause: std::time::Duration) -> Result<(), TransportError> {
+        Err(pipe_transport::no_link_to_cut(peer))
     }
 }
 

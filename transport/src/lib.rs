@@ -379,9 +379,12 @@ pub trait Transport: Send {
     /// only for a transport between threads of one process that sends payloads untouched, so
     /// the receiving worker's backend copies device to device. Every other transport is given
     /// host tensors (the sender copies a device tensor out first).
-    fn carries_device_tensors(&self) -> bool {
-        false
-    }
+    ///
+    /// This and the other capabilities (`copies_payloads`, `link_buffer_bytes`,
+    /// `interrupter`, `regroup_address`, `regroup`, `cut_link`) have no default: a transport
+    /// states each, and a wrapper forwards each to what it wraps, so a wrapper cannot drop one
+    /// by leaving it out.
+    fn carries_device_tensors(&self) -> bool;
 
     /// Number of workers in the mesh.
     fn size(&self) -> u32;
@@ -390,18 +393,14 @@ pub trait Transport: Send {
     /// ring and reads it out), so that a caller gains by lending it values where they lie
     /// ([`Transport::send_values`], [`Transport::recv_with`]) rather than handing over owned
     /// buffers, which the other transports move without a copy.
-    fn copies_payloads(&self) -> bool {
-        false
-    }
+    fn copies_payloads(&self) -> bool;
 
     /// Bytes a link to one peer holds before a send has to wait for the peer to read: the
     /// ring's size over shared memory; `None` where sends never wait on the reader (channels
     /// and QUIC streams buffer what is sent). A caller that keeps what it has in flight on a
     /// link under this never blocks in a send, so the transport never has to take incoming
     /// messages aside (copying them) to keep two senders from waiting on each other.
-    fn link_buffer_bytes(&self) -> Option<u64> {
-        None
-    }
+    fn link_buffer_bytes(&self) -> Option<u64>;
 
     /// Sends the concatenation of `parts` as a message of one dimension with `key` and
     /// `version`, without the caller building a tensor. By default it builds one.
@@ -498,17 +497,13 @@ pub trait Transport: Send {
     /// A handle that stops this endpoint's calls as if a peer were lost, for a transport that
     /// notices a dead peer only by its silence (QUIC's idle timeout); `None` where a dead
     /// peer is noticed at once (shared memory, whose socket closes with the process).
-    fn interrupter(&self) -> Option<Interrupter> {
-        None
-    }
+    fn interrupter(&self) -> Option<Interrupter>;
 
     /// Where this endpoint listens, for a regroup after a peer is lost on the connections it
     /// has with the others ([`Transport::regroup`]): the address the survivors' launcher names
     /// again (on the survivor that hosts the lost rank, in that rank's place too). `None`
     /// where this transport cannot regroup: its survivors connect a new mesh.
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>>;
 
     /// This endpoint's mesh going on without rank `lost` on the connections it has with the
     /// others ([`Transport::regroup_address`]); where survivor `host` hosts the
@@ -518,29 +513,33 @@ pub trait Transport: Send {
     /// [`quic::Quic::regrouped`]). This endpoint is spent.
     ///
     /// # Errors
-    /// [`TransportError::Setup`] from a transport that cannot regroup, or a regroup that
-    /// fails.
-    fn regroup(&mut self, lost: u32, host: Option<u32>) -> Result<Regrouped, TransportError> {
-        let _ = host;
-        Err(TransportError::Setup(format!(
-            "worker {} cannot go on without worker {lost} on its own connections",
-            self.rank()
-        )))
-    }
+    /// [`TransportError::Setup`] from a transport that cannot regroup ([`cannot_regroup`]),
+    /// or a regroup that fails.
+    fn regroup(&mut self, lost: u32, host: Option<u32>) -> Result<Regrouped, TransportError>;
 
     /// Cuts the network link to `peer` for `pause`, in both directions, as a network
     /// partition would (for fault drills, [`fault::Fault::Partition`]). A transport with no
     /// network between its workers has no link to cut.
     ///
     /// # Errors
-    /// [`TransportError::Setup`] from a transport with no link to cut, or for a peer it does
-    /// not have.
-    fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
-        let _ = pause;
-        Err(TransportError::Setup(format!(
-            "no network link to worker {peer} to cut: a partition needs worker processes (--transport quic)"
-        )))
-    }
+    /// [`TransportError::Setup`] from a transport with no link to cut ([`no_link_to_cut`]),
+    /// or for a peer it does not have.
+    fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError>;
+}
+
+/// The error of [`Transport::regroup`] from worker `rank`'s transport that cannot regroup
+/// without worker `lost`.
+pub fn cannot_regroup(rank: u32, lost: u32) -> TransportError {
+    TransportError::Setup(format!(
+        "worker {rank} cannot go on without worker {lost} on its own connections"
+    ))
+}
+
+/// The error of [`Transport::cut_link`] from a transport with no network link to `peer`.
+pub fn no_link_to_cut(peer: u32) -> TransportError {
+    TransportError::Setup(format!(
+        "no network link to worker {peer} to cut: a partition needs worker processes (--transport quic)"
+    ))
 }
 
 /// A transport behind a box or a borrow is a transport: a box is what a worker holds when its

@@ -155,4 +155,22 @@ impl Transport for Mixed {
     fn cut_link(&mut self, peer: u32, pause: Duration) -> Result<(), TransportError> {
         self.to(peer).cut_link(peer, pause)
     }
+    fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    /// QUIC's: it notices a dead peer only by its silence, and a failure it hears wakes the
+    /// calls blocked on shared memory too.
+    fn interrupter(&self) -> Option<crate::Interrupter> {
+        self.quic.interrupter()
+    }
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        None
+    }
+    fn regroup(
+        &mut self,
+        lost: u32,
+        _host: Option<u32>,
+    ) -> Result<crate::Regrouped, TransportError> {
+        Err(crate::cannot_regroup(self.rank(), lost))
+    }
 }

@@ -1857,6 +1857,15 @@ impl Transport for Quic {
         self.cuts.cut(addr, std::time::Instant::now() + pause);
         Ok(())
     }
+    fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    fn copies_payloads(&self) -> bool {
+        false
+    }
+    fn link_buffer_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Quic {

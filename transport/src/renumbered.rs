@@ -220,6 +220,20 @@ impl<T: Transport> Transport for Renumbered<T> {
         let peer = self.rank_of(peer)?;
         self.inner.cut_link(peer, pause).map_err(|e| self.named(e))
     }
+    /// The inner endpoint's: told of a peer by its mesh rank, as a launcher knows it.
+    fn interrupter(&self) -> Option<crate::Interrupter> {
+        self.inner.interrupter()
+    }
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        None
+    }
+    fn regroup(
+        &mut self,
+        lost: u32,
+        _host: Option<u32>,
+    ) -> Result<crate::Regrouped, TransportError> {
+        Err(crate::cannot_regroup(self.rank(), lost))
+    }
 }
 
 #[cfg(test)]
@@ -248,6 +262,24 @@ mod tests {
         let got = eps[1].recv(&key).unwrap();
         assert_eq!((got.key.from, got.key.to), (2, 1));
         assert_eq!(got.into_bytes().unwrap(), b"from worker 2");
+    }
+
+    /// A launcher that reaps a dead worker stops its peers' calls through the endpoint's
+    /// interrupter, naming the mesh rank: a renumbered QUIC endpoint (the survivors' after a
+    /// regroup) hands it on, where it once had none and a call waited out the stall bound.
+    #[test]
+    fn the_interrupter_of_the_mesh_underneath_reaches_its_calls() {
+        let mut opts = crate::quic::QuicOptions::new(3);
+        opts.timeout = Some(Duration::from_secs(60));
+        let mut eps = crate::quic::local_mesh(3, &opts).unwrap().into_iter();
+        let mut ep = Renumbered::new(eps.next().unwrap(), vec![0, 2]).unwrap();
+        let stop = ep.interrupter().expect("the QUIC endpoint's interrupter");
+        stop.lost(2);
+        let started = std::time::Instant::now();
+        let key = crate::test_meshes::key(1, 0, 0);
+        let e = ep.recv(&key).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(30), "{e}");
+        assert!(e.to_string().contains("process ended"), "{e}");
     }
 
     #[test]

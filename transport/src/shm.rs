@@ -1805,6 +1805,15 @@ impl Transport for Shm {
         self.closed = true;
         Ok(())
     }
+    fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    fn interrupter(&self) -> Option<crate::Interrupter> {
+        None
+    }
+    fn cut_link(&mut self, peer: u32, _pause: Duration) -> Result<(), TransportError> {
+        Err(crate::no_link_to_cut(peer))
+    }
 }
 
 impl Drop for Shm {

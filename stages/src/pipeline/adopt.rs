@@ -464,6 +464,25 @@ impl<T: Transport> Transport for Logging<T> {
     fn interrupter(&self) -> Option<Interrupter> {
         self.inner.interrupter()
     }
+    /// False: the log keeps what passes, so it must be host tensors, not device buffers a
+    /// backend may reuse.
+    fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {
+        self.inner.cut_link(peer, pause)
+    }
+    /// None: a regrouped mesh would not keep this traffic log.
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        None
+    }
+    fn regroup(
+        &mut self,
+        lost: u32,
+        _host: Option<u32>,
+    ) -> Result<pipe_transport::Regrouped, TransportError> {
+        Err(pipe_transport::cannot_regroup(self.rank(), lost))
+    }
 }
 
 /// An endpoint of a resumed worker: the kept messages it reads from its boundary on are
@@ -557,6 +576,24 @@ impl<T: Transport> Transport for Serving<T> {
     }
     fn interrupter(&self) -> Option<Interrupter> {
         self.inner.interrupter()
+    }
+    /// False: what it hands out first was kept from a log, as host tensors.
+    fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {
+        self.inner.cut_link(peer, pause)
+    }
+    /// None: a regrouped mesh would not hand out the messages kept here.
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        None
+    }
+    fn regroup(
+        &mut self,
+        lost: u32,
+        _host: Option<u32>,
+    ) -> Result<pipe_transport::Regrouped, TransportError> {
+        Err(pipe_transport::cannot_regroup(self.rank(), lost))
     }
 }
 

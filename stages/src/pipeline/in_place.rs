@@ -492,6 +492,23 @@ impl<E: Transport> Transport for Recovering<'_, E> {
     fn interrupter(&self) -> Option<Interrupter> {
         self.active_ref().interrupter()
     }
+    fn carries_device_tensors(&self) -> bool {
+        self.active_ref().carries_device_tensors()
+    }
+    fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {
+        self.active().cut_link(peer, pause)
+    }
+    /// None: a loss regroups this endpoint's mesh itself, under its program ([`InPlace`]), once.
+    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
+        None
+    }
+    fn regroup(
+        &mut self,
+        lost: u32,
+        _host: Option<u32>,
+    ) -> Result<pipe_transport::Regrouped, TransportError> {
+        Err(pipe_transport::cannot_regroup(self.rank(), lost))
+    }
 }
 
 #[cfg(test)]
