@@ -126,19 +126,8 @@ impl Transport for Recording {
     fn link_buffer_bytes(&self) -> Option<u64> {
         None
     }
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
-    fn regroup(
-        &mut self,
-        lost: u32,
-        _host: Option<u32>,
-    ) -> Result<pipe_transport::Regrouped, TransportError> {
-        Err(pipe_transport::cannot_regroup(self.rank(), lost))
-    }
-    fn cut_link(&mut self, peer: u32, _pause: std::time::Duration) -> Result<(), TransportError> {
-        Err(pipe_transport::no_link_to_cut(peer))
-    }
+    pipe_transport::refuse_regroup!();
+    pipe_transport::no_network_links!();
 }
 
 /// A resumed worker's endpoint: every message its worker received in the recorded run,
@@ -191,19 +180,8 @@ impl Transport for Served {
     fn link_buffer_bytes(&self) -> Option<u64> {
         None
     }
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
-    fn regroup(
-        &mut self,
-        lost: u32,
-        _host: Option<u32>,
-    ) -> Result<pipe_transport::Regrouped, TransportError> {
-        Err(pipe_transport::cannot_regroup(self.rank(), lost))
-    }
-    fn cut_link(&mut self, peer: u32, _pause: std::time::Duration) -> Result<(), TransportError> {
-        Err(pipe_transport::no_link_to_cut(peer))
-    }
+    pipe_transport::refuse_regroup!();
+    pipe_transport::no_network_links!();
 }
 
 /// The optimizer state's values in words, without the tensors' allocation stamps.

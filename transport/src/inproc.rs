@@ -228,17 +228,6 @@ impl Transport for InProc {
     fn interrupter(&self) -> Option<crate::Interrupter> {
         None
     }
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
-    fn regroup(
-        &mut self,
-        lost: u32,
-        _host: Option<u32>,
-    ) -> Result<crate::Regrouped, TransportError> {
-        Err(crate::cannot_regroup(self.rank(), lost))
-    }
-    fn cut_link(&mut self, peer: u32, _pause: Duration) -> Result<(), TransportError> {
-        Err(crate::no_link_to_cut(peer))
-    }
+    crate::refuse_regroup!();
+    crate::no_network_links!();
 }

@@ -542,6 +542,42 @@ pub fn no_link_to_cut(peer: u32) -> TransportError {
     ))
 }
 
+/// Inside an `impl Transport`, the answers of an endpoint that cannot regroup: no
+/// [`Transport::regroup_address`], and [`Transport::regroup`] refused ([`cannot_regroup`]).
+/// Stated where it is true, so that leaving regrouping out is a choice an impl writes down.
+#[macro_export]
+macro_rules! refuse_regroup {
+    () => {
+        fn regroup_address(
+            &mut self,
+        ) -> Option<std::result::Result<String, $crate::TransportError>> {
+            None
+        }
+        fn regroup(
+            &mut self,
+            lost: u32,
+            _host: Option<u32>,
+        ) -> std::result::Result<$crate::Regrouped, $crate::TransportError> {
+            Err($crate::cannot_regroup($crate::Transport::rank(self), lost))
+        }
+    };
+}
+
+/// Inside an `impl Transport`, [`Transport::cut_link`] of an endpoint with no network link
+/// to cut ([`no_link_to_cut`]).
+#[macro_export]
+macro_rules! no_network_links {
+    () => {
+        fn cut_link(
+            &mut self,
+            peer: u32,
+            _pause: std::time::Duration,
+        ) -> std::result::Result<(), $crate::TransportError> {
+            Err($crate::no_link_to_cut(peer))
+        }
+    };
+}
+
 /// A transport behind a box or a borrow is a transport: a box is what a worker holds when its
 /// links were chosen at run time, a borrow what a wrapper around another's endpoint holds.
 macro_rules! forward_transport {

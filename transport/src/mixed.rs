@@ -163,14 +163,6 @@ impl Transport for Mixed {
     fn interrupter(&self) -> Option<crate::Interrupter> {
         self.quic.interrupter()
     }
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
-    fn regroup(
-        &mut self,
-        lost: u32,
-        _host: Option<u32>,
-    ) -> Result<crate::Regrouped, TransportError> {
-        Err(crate::cannot_regroup(self.rank(), lost))
-    }
+    // Mixed meshes do not regroup: their survivors connect a new mesh.
+    crate::refuse_regroup!();
 }

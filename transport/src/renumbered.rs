@@ -224,16 +224,7 @@ impl<T: Transport> Transport for Renumbered<T> {
     fn interrupter(&self) -> Option<crate::Interrupter> {
         self.inner.interrupter()
     }
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
-    fn regroup(
-        &mut self,
-        lost: u32,
-        _host: Option<u32>,
-    ) -> Result<crate::Regrouped, TransportError> {
-        Err(crate::cannot_regroup(self.rank(), lost))
-    }
+    crate::refuse_regroup!();
 }
 
 #[cfg(test)]

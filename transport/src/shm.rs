@@ -1811,9 +1811,7 @@ impl Transport for Shm {
     fn interrupter(&self) -> Option<crate::Interrupter> {
         None
     }
-    fn cut_link(&mut self, peer: u32, _pause: Duration) -> Result<(), TransportError> {
-        Err(crate::no_link_to_cut(peer))
-    }
+    crate::no_network_links!();
 }
 
 impl Drop for Shm {

@@ -472,17 +472,8 @@ impl<T: Transport> Transport for Logging<T> {
     fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {
         self.inner.cut_link(peer, pause)
     }
-    /// None: a regrouped mesh would not keep this traffic log.
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
-    fn regroup(
-        &mut self,
-        lost: u32,
-        _host: Option<u32>,
-    ) -> Result<pipe_transport::Regrouped, TransportError> {
-        Err(pipe_transport::cannot_regroup(self.rank(), lost))
-    }
+    // No regroup: a regrouped mesh would not keep this traffic log.
+    pipe_transport::refuse_regroup!();
 }
 
 /// An endpoint of a resumed worker: the kept messages it reads from its boundary on are
@@ -584,17 +575,8 @@ impl<T: Transport> Transport for Serving<T> {
     fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {
         self.inner.cut_link(peer, pause)
     }
-    /// None: a regrouped mesh would not hand out the messages kept here.
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
-    fn regroup(
-        &mut self,
-        lost: u32,
-        _host: Option<u32>,
-    ) -> Result<pipe_transport::Regrouped, TransportError> {
-        Err(pipe_transport::cannot_regroup(self.rank(), lost))
-    }
+    // No regroup: a regrouped mesh would not hand out the messages kept here.
+    pipe_transport::refuse_regroup!();
 }
 
 /// How every worker of a segment in which a replica was lost goes on.

@@ -498,17 +498,9 @@ impl<E: Transport> Transport for Recovering<'_, E> {
     fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {
         self.active().cut_link(peer, pause)
     }
-    /// None: a loss regroups this endpoint's mesh itself, under its program ([`InPlace`]), once.
-    fn regroup_address(&mut self) -> Option<Result<String, TransportError>> {
-        None
-    }
-    fn regroup(
-        &mut self,
-        lost: u32,
-        _host: Option<u32>,
-    ) -> Result<pipe_transport::Regrouped, TransportError> {
-        Err(pipe_transport::cannot_regroup(self.rank(), lost))
-    }
+    // No regroup through it: a loss regroups this endpoint's mesh itself, under its program
+    // (`InPlace`), once.
+    pipe_transport::refuse_regroup!();
 }
 
 #[cfg(test)]
