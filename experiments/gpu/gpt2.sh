@@ -7,7 +7,8 @@
 #   attention  the bf16 tensor-core attention against the f64 definition
 #   bench      pipe bench mfu, gpt2-small, batch 16 x 1,024, bf16, AdamW, with a breakdown;
 #              then with the vocabulary padded to 50,304 rows (--padded-vocab-size)
-#   peer       the same step in PyTorch, eager and under torch.compile (compare.sh, CASES=gpt2)
+#   peer       the same step in PyTorch, eager and under torch.compile, each unpadded and
+#              padded (compare.sh, CASES=gpt2)
 #   loss       20 updates of pipe and PyTorch from the same weights on the same windows
 #   train      200 updates of gpt2-small on the token corpus: the loss falls
 #   stages     one worker against --stages 4 on the one GPU, and --stages 2 as two worker
@@ -47,7 +48,7 @@ if wants bench; then
     --json "$out/bench-gpt2-padded.json"
 fi
 if wants peer; then
-  CASES=gpt2 step 260 bash "$here/compare.sh"
+  CASES=gpt2 step 420 bash "$here/compare.sh"
 fi
 if wants loss; then
   step 200 bash "$here/loss_check.sh" "$pipe" "$corpus" "$out/loss-check"

@@ -112,16 +112,22 @@ GPT2_DRY = dict(blocks=2, width=64, heads=2, context=16)
 GPT2_VOCAB = 50257
 
 
-def gpt2(vocab=GPT2_VOCAB, dry=False):
-    """GPT-2 124M (or its dry-run miniature), tied and initialised as pipe's gpt2-small."""
-    return Gpt(vocab=vocab, tied=True, **(GPT2_DRY if dry else GPT2_SMALL)).init_as_pipe()
+def gpt2(vocab=GPT2_VOCAB, dry=False, rows=None):
+    """GPT-2 124M (or its dry-run miniature), tied and initialised as pipe's gpt2-small; with
+    `rows`, its token table and head padded to that many rows, the extra ones zero (pipe's
+    --padded-vocab-size)."""
+    shape = GPT2_DRY if dry else GPT2_SMALL
+    model = Gpt(vocab=rows or vocab, tied=True, **shape).init_as_pipe()
+    with torch.no_grad():
+        model.token.weight[vocab:].zero_()
+    return model
 
 
 ADAMW = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def case(model_name, batch, precision, steps, warmup, device, dry, compile_=False,
-         vocab=GPT2_VOCAB):
+         vocab=GPT2_VOCAB, rows=None):
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
     torch.manual_seed(0)
@@ -129,8 +135,10 @@ def case(model_name, batch, precision, steps, warmup, device, dry, compile_=Fals
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    classes = None  # every output column is a class
     if model_name == "gpt2-small":
-        model = gpt2(vocab, dry).to(device)
+        model = gpt2(vocab, dry, rows).to(device)
+        classes = vocab
         context = model.position.num_embeddings
         x = torch.randint(0, vocab, (batch, context), device=device)
         y = torch.randint(0, vocab, (batch * context,), device=device)
@@ -149,6 +157,8 @@ def case(model_name, batch, precision, steps, warmup, device, dry, compile_=Fals
     else:
         raise SystemExit(f"unknown model {model_name!r}")
     parameters = sum(p.numel() for p in model.parameters())  # a tied tensor counts once
+    padding = (rows - vocab) if model_name == "gpt2-small" and rows else 0
+    parameters -= padding * model.token.weight.shape[1] if padding else 0
     if model_name == "gpt2-small":
         optimizer = "adamw"
         opt = torch.optim.AdamW(model.parameters(), fused=cuda or None, **ADAMW)
@@ -158,6 +168,8 @@ def case(model_name, batch, precision, steps, warmup, device, dry, compile_=Fals
 
     def loss_of(x, y):
         logits = model(x)
+        # A padded vocabulary's extra columns are not classes, as in pipe's loss.
+        logits = logits[..., :classes] if padding else logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y)
 
     # Compiled, the loss is part of the graph, as in nanoGPT (whose model returns it).
@@ -194,6 +206,7 @@ def case(model_name, batch, precision, steps, warmup, device, dry, compile_=Fals
         "compile": compile_,
         "optimizer": optimizer,
         "parameters": parameters,
+        "vocab_padding": padding,
         "steps": steps,
         "warmup": warmup,
         "step_s_median": step,
@@ -218,6 +231,9 @@ def main():
     p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--vocab", type=int, default=GPT2_VOCAB,
                    help="gpt2-small's vocabulary (default GPT-2's 50,257)")
+    p.add_argument("--padded-vocab-size", type=int, metavar="N",
+                   help="gpt2-small's token table and head padded to N rows, the loss over "
+                        "the vocabulary's columns (pipe's --padded-vocab-size)")
     a = p.parse_args()
     cases = a.case or [
         "mlp-784-1024x16-10:256:f32", "mlp-784-1024x16-10:4096:f32",
@@ -235,7 +251,7 @@ def main():
         model, batch, precision = fields[:3]
         batch = 2 if a.dry_run else int(batch)
         r = case(model, batch, precision, steps, warmup, device, a.dry_run,
-                 compile_=len(fields) == 4, vocab=a.vocab)
+                 compile_=len(fields) == 4, vocab=a.vocab, rows=a.padded_vocab_size)
         print(json.dumps(r), flush=True)
     return 0
 

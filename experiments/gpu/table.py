@@ -11,8 +11,9 @@ PyTorch under torch.compile, tokens/s, pipe's tokens/s as a fraction of llm.c's 
 tokens/s on one H100, and model FLOP utilisation against the card's dense bf16 peak. FLOPs per
 token follow PaLM's appendix B and llm.c: 6 N + 12 L C T, N = 124,439,808 parameters, L = 12
 blocks, C = 768, T = 1,024 (the attention's Q K^T and P V over the full T x T square). A pipe
-run with a padded vocabulary (`vocab_padding` rows, from `--padded-vocab-size`) has a row of its
-own; it computes the same model, and its padding counts in neither N nor the FLOPs."""
+run with a padded vocabulary (`vocab_padding` rows, from `--padded-vocab-size`; peer.py's
+`--padded-vocab-size` the same) has a row of its own, beside the peer's padded runs: it computes
+the same model, and its padding counts in neither N nor the FLOPs."""
 import argparse
 import glob
 import json
@@ -43,13 +44,14 @@ def load(directory):
             r = json.load(f)
         # A padded vocabulary (`--padded-vocab-size`) is a run of its own: its own row.
         pipe[(r["model"], r["batch"], r.get("precision", "f32"), r.get("vocab_padding", 0))] = r
-    peer = {}  # (model, batch, precision, compiled)
+    peer = {}  # (model, batch, precision, compiled, vocabulary padding)
     for path in sorted(glob.glob(os.path.join(directory, "peer*.jsonl"))):
         with open(path) as f:
             for line in f:
                 if line.startswith("{"):
                     r = json.loads(line)
-                    peer[(r["model"], r["batch"], r["precision"], bool(r.get("compile")))] = r
+                    peer[(r["model"], r["batch"], r["precision"], bool(r.get("compile")),
+                          r.get("vocab_padding", 0))] = r
     with open(os.path.join(directory, "device.txt")) as f:
         lines = [l.strip() for l in f if l.strip()]
     name, _, driver = lines[0].partition(", ") if lines else ("?", "", "?")
@@ -67,7 +69,7 @@ def rate(model, samples_per_s):
 
 def render(directory):
     pipe, every_peer, device, card = load(directory)
-    peer = {k[:3]: r for k, r in every_peer.items() if not k[3]}
+    peer = {k[:3]: r for k, r in every_peer.items() if not k[3] and not k[4]}
     gpt2 = {k: r for k, r in pipe.items() if k[0] == GPT2}
     pipe = {k[:3]: r for k, r in pipe.items() if k[0] != GPT2}
     peer_gpt2 = {k: r for k, r in every_peer.items() if k[0] == GPT2}
@@ -102,18 +104,18 @@ def render_plain(pipe, peer, device, torch):
 def render_gpt2(pipe, peer, device, torch, card):
     peak = bf16_peak(card)
     rows = [
-        "| batch | precision | pipe's vocabulary rows | pipe | PyTorch eager | PyTorch compiled | pipe / eager "
+        "| batch | precision | vocabulary rows | pipe | PyTorch eager | PyTorch compiled | pipe / eager "
         "| pipe / compiled | pipe / llm.c (H100) | pipe MFU | eager MFU | compiled MFU "
         "| pipe step (ms) | eager step (ms) | compiled step (ms) "
         "| peak memory pipe / eager / compiled (GiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    keys = sorted({k[1:4] for k in pipe} | {k[1:3] + (0,) for k in peer})
+    keys = sorted({k[1:4] for k in pipe} | {k[1:3] + k[4:5] for k in peer})
     notes = []
     for batch, precision, padding in keys:
         p = pipe.get((GPT2, batch, precision, padding))
-        e = peer.get((GPT2, batch, precision, False))
-        c = peer.get((GPT2, batch, precision, True))
+        e = peer.get((GPT2, batch, precision, False, padding))
+        c = peer.get((GPT2, batch, precision, True, padding))
         # pipe counts samples, sequences of T tokens; the peer reports tokens itself.
         tok = lambda r: (r["tokens_per_s"] if "tokens_per_s" in r
                          else r["samples_per_s"] * GPT2_T) if r else None
