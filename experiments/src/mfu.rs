@@ -101,13 +101,8 @@ pub(crate) fn measured_spec(name: &str, shape: &Gpt2Shape) -> Result<ModelSpec, 
             .resolve(gpt_shape(name))
             .map_err(ExperimentError::Config)?;
         let vocab = shape.vocab_size.unwrap_or(GPT2_VOCAB);
-        if let Some(rows) = shape.padded_vocab_size.filter(|&r| r < vocab) {
-            return Err(ExperimentError::Config(format!(
-                "--padded-vocab-size {rows} is smaller than the vocabulary of {vocab} tokens"
-            )));
-        }
-        let spec = ModelSpec::gpt(resolved, vocab, true).with_padded_vocab(shape.padded_vocab_size);
-        return Ok(spec);
+        let rows = shape.padded_rows(vocab).map_err(ExperimentError::Config)?;
+        return Ok(ModelSpec::gpt(resolved, vocab, true).with_padded_vocab(rows));
     }
     if *shape != Gpt2Shape::default() {
         return Err(ExperimentError::Config(format!(

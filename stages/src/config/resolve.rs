@@ -206,7 +206,7 @@ impl TrainSettings {
                         ));
                     }
                 };
-                let rows = padded_vocab(given.padded_vocab_size, vocab_size)?;
+                let rows = given.padded_rows(vocab_size).map_err(StageError::Config)?;
                 let spec = ModelSpec::gpt(shape, vocab_size, tie).with_padded_vocab(rows);
                 (name, spec)
             }
@@ -677,18 +677,6 @@ impl TrainSettings {
 ///
 /// # Errors
 /// [`StageError::Config`] for a list of another length than the stages.
-/// The rows of a GPT model's vocabulary tables that `padded_vocab_size` asks for over a
-/// vocabulary of `vocab`: `None` for none; the setting must hold the vocabulary.
-fn padded_vocab(padded_vocab_size: Option<usize>, vocab: usize) -> Result<Option<usize>> {
-    match padded_vocab_size {
-        Some(rows) if rows < vocab => Err(StageError::Config(format!(
-            "padded_vocab_size {rows} is smaller than the vocabulary of {vocab} tokens; it \
-             must hold it (GPT-2's 50257 pads to 50304)"
-        ))),
-        other => Ok(other),
-    }
-}
-
 fn bucket_settings(
     given: Option<&BucketSizes>,
     stages: Option<usize>,

@@ -565,6 +565,21 @@ impl Gpt2Shape {
         }
     }
 
+    /// The rows of the vocabulary tables `padded_vocab_size` asks for over a vocabulary of
+    /// `vocab`: `None` for no padding.
+    ///
+    /// # Errors
+    /// A message naming the setting when it is smaller than the vocabulary.
+    pub fn padded_rows(&self, vocab: usize) -> Result<Option<usize>, String> {
+        match self.padded_vocab_size {
+            Some(rows) if rows < vocab => Err(format!(
+                "padded_vocab_size {rows} is smaller than the vocabulary of {vocab} tokens; it \
+                 must hold it (GPT-2's 50257 pads to 50304)"
+            )),
+            other => Ok(other),
+        }
+    }
+
     /// The shape: `base`'s fields where `self` sets none.
     ///
     /// # Errors
