@@ -2269,16 +2269,6 @@ fn file_and_size_rows() -> Vec<Row> {
             vec![text()],
             "--pack-documents needs documents that end with an end-of-text id",
         ),
-        // The CUDA attention kernels take no document mask yet.
-        after(
-            &[
-                "tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json --input {d}/text \
-               --out {d}/c",
-            ],
-            "train --model gpt-mini --dataset tokens:{d}/c --steps 1 --pack-documents --backend cuda",
-            vec![text()],
-            "--pack-documents is not built on the cuda backend yet",
-        ),
         init_from(hf_config(|c| c), &tiny, same, "")
             .fifo_weights("model.safetensors: cannot read: a FIFO"),
         // Sizes of a GPT-2, checked before the layer list is built.

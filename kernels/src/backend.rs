@@ -451,8 +451,7 @@ macro_rules! backend_ops {
             /// in the rest: columns past `classes` are a padded vocabulary's (rows of the head's
             /// weight kept so a GPU's products have aligned rows), not classes. A row labelled
             /// [`IGNORED_LABEL`] is not a loss term: it adds nothing, is not counted, and its
-            /// gradient row is zero (the CPU backend; the CUDA backend refuses it as a label out
-            /// of range).
+            /// gradient row is zero.
             ///
             /// # Errors
             /// A label outside `0..classes`, `classes` over the columns, or a label count
@@ -503,8 +502,7 @@ macro_rules! backend_ops {
             ///
             /// # Errors
             /// Operand sizes that do not match `shape`; a document start that is not a whole number
-            /// in `0..=t`; [`KernelError::Unsupported`](crate::KernelError::Unsupported) for
-            /// documents on a backend that does not mask them.
+            /// in `0..=t`.
             op fn attention(
                 &self,
                 qkv: &Tensor,

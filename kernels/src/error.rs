@@ -84,14 +84,6 @@ pub enum KernelError {
         /// Where the operand is.
         found: crate::Device,
     },
-    /// The backend does not compute this form of the operation.
-    #[error("{op}: {what} is not built on this backend")]
-    Unsupported {
-        /// The operation.
-        op: &'static str,
-        /// The form it was asked for.
-        what: &'static str,
-    },
     /// The CPU backend could not start its worker threads.
     #[error("could not start {threads} compute threads: {reason}")]
     ThreadPool {

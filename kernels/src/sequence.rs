@@ -89,31 +89,60 @@ pub(crate) fn check(op: &'static str, s: AttentionShape, qkv: usize) -> Result<(
 ///
 /// [`Backend::attention`]: crate::Backend::attention
 pub(crate) fn check_documents(op: &'static str, s: AttentionShape, starts: &[f32]) -> Result<()> {
-    if starts.len() != s.batch * s.seq {
+    check_document_count(op, s, starts.len())?;
+    let seq = s.seq.max(1);
+    match starts
+        .iter()
+        .enumerate()
+        .find(|&(k, &v)| !is_document_start(v, k % seq))
+    {
+        Some((k, &v)) => Err(bad_document_start(op, s, k, v)),
+        None => Ok(()),
+    }
+}
+
+/// Checks that an attention call has one document start per token.
+pub(crate) fn check_document_count(
+    op: &'static str,
+    s: AttentionShape,
+    count: usize,
+) -> Result<()> {
+    if count != s.batch * s.seq {
         return Err(shape_err(
             op,
             format!(
-                "{} document starts for {} sequences of {} tokens",
-                starts.len(),
-                s.batch,
-                s.seq
+                "{count} document starts for {} sequences of {} tokens",
+                s.batch, s.seq
             ),
         ));
     }
-    let seq = s.seq.max(1);
-    for (k, &v) in starts.iter().enumerate() {
-        let t = k % seq;
-        if !(v >= 0.0 && v.fract() == 0.0 && v as usize <= t) {
-            return Err(shape_err(
-                op,
-                format!(
-                    "token {t} of sequence {} starts its document at {v}",
-                    k / seq
-                ),
-            ));
-        }
-    }
     Ok(())
+}
+
+/// Whether `v` can start the document of the token at index `t` of its sequence: a whole
+/// number no later than `t`.
+fn is_document_start(v: f32, t: usize) -> bool {
+    v >= 0.0 && v.fract() == 0.0 && v as usize <= t
+}
+
+/// The error for a document start `v` of token `k` (counted over the batch) that
+/// [`check_documents`] refuses; the CUDA backend finds the token on the device and says the
+/// same.
+pub(crate) fn bad_document_start(
+    op: &'static str,
+    s: AttentionShape,
+    k: usize,
+    v: f32,
+) -> KernelError {
+    let seq = s.seq.max(1);
+    shape_err(
+        op,
+        format!(
+            "token {} of sequence {} starts its document at {v}",
+            k % seq,
+            k / seq
+        ),
+    )
 }
 
 /// Where row `i`'s document starts in its sequence: 0 without documents.

@@ -342,26 +342,72 @@ fn row_of(t: &Tensor, i: usize) -> Tensor {
     Tensor::from_vec(&[1, n], t.host().unwrap()[i * n..(i + 1) * n].to_vec()).unwrap()
 }
 
+/// Per token of sequences of `seq`, where its document starts, from each sequence's
+/// documents as `[start, end)` ranges.
+fn document_starts(seq: usize, docs: &[&[(usize, usize)]]) -> Vec<f32> {
+    let mut starts = vec![0f32; docs.len() * seq];
+    for (b, ds) in docs.iter().enumerate() {
+        for &(s, e) in *ds {
+            starts[b * seq + s..b * seq + e].fill(s as f32);
+        }
+    }
+    starts
+}
+
 /// Packed documents: each row attends within its own document only, so the output, the
 /// log-sum-exp and the gradient of a packed batch are those of each document run alone as
-/// its own sequence. Documents cross the CPU kernel's 32-row blocks; a start past a token's
-/// own index is refused.
+/// its own sequence. Documents cross the CPU kernel's 32-row blocks and the CUDA kernels'
+/// 64-row tiles, and start past a tile's first keys; head widths 16 and 64 (the CUDA
+/// backend's tiled kernels) and 24 (its one-warp kernels). A start past a token's own index
+/// is refused.
 fn attention_masks_packed_documents(be: &dyn Backend) {
+    let long: [&[(usize, usize)]; 2] = [
+        &[(0, 20), (20, 130), (130, 200)],
+        &[(0, 5), (5, 70), (70, 71), (71, 200)],
+    ];
+    for (seq, width, docs) in [
+        (
+            70,
+            32,
+            [&[(0, 20), (20, 53), (53, 70)][..], &[(0, 5), (5, 70)]],
+        ),
+        (200, 48, long),
+        (200, 128, long),
+    ] {
+        let shape = AttentionShape {
+            batch: 2,
+            seq,
+            heads: 2,
+            width,
+        };
+        packed_documents_case(be, shape, &docs);
+    }
     let shape = AttentionShape {
         batch: 2,
         seq: 70,
         heads: 2,
         width: 32,
     };
+    let qkv = on(be, &rand_t(&[2 * 70, 3 * 32], 31));
+    let mut late = document_starts(70, &[&[(0, 70)], &[(0, 70)]]);
+    late[3] = 4.0;
+    let late = on(be, &Tensor::from_vec(&[2 * 70], late).unwrap());
+    let (mut o, mut l) = (Tensor::default(), Tensor::default());
+    let e = be
+        .attention(&qkv, Some(&late), shape, &mut o, &mut l)
+        .unwrap_err();
+    assert!(e.to_string().contains("starts its document at 4"), "{e}");
+    let short = on(be, &Tensor::from_vec(&[3], vec![0.0; 3]).unwrap());
+    let e = be
+        .attention(&qkv, Some(&short), shape, &mut o, &mut l)
+        .unwrap_err();
+    assert!(e.to_string().contains("3 document starts"), "{e}");
+}
+
+/// One shape of [`attention_masks_packed_documents`].
+fn packed_documents_case(be: &dyn Backend, shape: AttentionShape, docs: &[&[(usize, usize)]]) {
     let (t, c, h) = (shape.seq, shape.width, shape.heads);
-    // Documents as [start, end) in each sequence.
-    let docs: [&[(usize, usize)]; 2] = [&[(0, 20), (20, 53), (53, 70)], &[(0, 5), (5, 70)]];
-    let mut starts = vec![0f32; 2 * t];
-    for (b, ds) in docs.iter().enumerate() {
-        for &(s, e) in *ds {
-            starts[b * t + s..b * t + e].fill(s as f32);
-        }
-    }
+    let starts = document_starts(t, docs);
     let starts = Tensor::from_vec(&[2 * t], starts).unwrap();
     let qkv = rand_t(&[2 * t, 3 * c], 31);
     let dout = rand_t(&[2 * t, c], 32);
@@ -422,14 +468,6 @@ fn attention_masks_packed_documents(be: &dyn Backend) {
             }
         }
     }
-    let mut late = starts.host().unwrap().to_vec();
-    late[3] = 4.0;
-    let late = on(be, &Tensor::from_vec(&[2 * t], late).unwrap());
-    let (mut o, mut l) = (Tensor::default(), Tensor::default());
-    let e = be
-        .attention(&placed.0, Some(&late), shape, &mut o, &mut l)
-        .unwrap_err();
-    assert!(e.to_string().contains("starts its document at 4"), "{e}");
 }
 
 fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
@@ -857,6 +895,16 @@ fn embedding_gathers_and_scatters_rows(be: &dyn Backend) {
 /// Causal attention in f64, the definition: per sequence and head, scores over positions up
 /// to the row's own, softmax, weighted values. Returns (out, lse).
 fn naive_attention(qkv: &[f32], s: AttentionShape) -> (Vec<f64>, Vec<f64>) {
+    naive_attention_within(qkv, None, s)
+}
+
+/// [`naive_attention`] of packed documents: row `i` of sequence `b` attends over keys
+/// `starts[b * seq + i]..=i` (all of `0..=i` without `starts`).
+fn naive_attention_within(
+    qkv: &[f32],
+    starts: Option<&[f32]>,
+    s: AttentionShape,
+) -> (Vec<f64>, Vec<f64>) {
     let (t, c, h) = (s.seq, s.width, s.heads);
     let d = c / h;
     let at = |b: usize, i: usize, col: usize| f64::from(qkv[(b * t + i) * 3 * c + col]);
@@ -865,7 +913,8 @@ fn naive_attention(qkv: &[f32], s: AttentionShape) -> (Vec<f64>, Vec<f64>) {
     for b in 0..s.batch {
         for hd in 0..h {
             for i in 0..t {
-                let scores: Vec<f64> = (0..=i)
+                let first = starts.map_or(0, |st| st[b * t + i] as usize);
+                let scores: Vec<f64> = (first..=i)
                     .map(|j| {
                         (0..d)
                             .map(|p| at(b, i, hd * d + p) * at(b, j, c + hd * d + p))
@@ -880,7 +929,7 @@ fn naive_attention(qkv: &[f32], s: AttentionShape) -> (Vec<f64>, Vec<f64>) {
                     out[(b * t + i) * c + hd * d + p] = scores
                         .iter()
                         .enumerate()
-                        .map(|(j, v)| (v - m).exp() / z * at(b, j, 2 * c + hd * d + p))
+                        .map(|(j, v)| (v - m).exp() / z * at(b, first + j, 2 * c + hd * d + p))
                         .sum();
                 }
             }
@@ -1283,6 +1332,8 @@ backend_tests!(
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,
+        attention_masks_packed_documents,
+        ignored_labels_are_not_loss_terms,
         non_finite_values_are_found_by_tensor,
         updates_say_what_they_saw,
     ]
@@ -1682,8 +1733,14 @@ fn mantissa_rounding_is_to_nearest_even() {
 /// The gradient of causal attention in f64, from its definition: per sequence, head and query
 /// row `i`, `dP_ij = dO_i . v_j`, `dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik)`, then
 /// `dq_i = sum_j dS_ij k_j / sqrt(d)`, `dk_j += dS_ij q_i / sqrt(d)`, `dv_j += P_ij dO_i`.
+/// Row `i` of sequence `b` attends over keys `starts[b * seq + i]..=i` when `starts` is given.
 #[cfg(feature = "cuda")]
-fn naive_attention_backward(qkv: &[f32], dout: &[f32], s: AttentionShape) -> Vec<f64> {
+fn naive_attention_backward(
+    qkv: &[f32],
+    dout: &[f32],
+    starts: Option<&[f32]>,
+    s: AttentionShape,
+) -> Vec<f64> {
     let (t, c, h) = (s.seq, s.width, s.heads);
     let d = c / h;
     let scale = 1.0 / (d as f64).sqrt();
@@ -1692,26 +1749,29 @@ fn naive_attention_backward(qkv: &[f32], dout: &[f32], s: AttentionShape) -> Vec
     for b in 0..s.batch {
         for hd in 0..h {
             for i in 0..t {
+                let first = starts.map_or(0, |st| st[b * t + i] as usize);
                 let dot = |j: usize, part: usize| -> f64 {
                     (0..d)
                         .map(|p| at(b, i, hd * d + p) * at(b, j, part * c + hd * d + p))
                         .sum()
                 };
-                let scores: Vec<f64> = (0..=i).map(|j| dot(j, 1) * scale).collect();
+                let keys = first..=i;
+                let scores: Vec<f64> = keys.clone().map(|j| dot(j, 1) * scale).collect();
                 let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|v| (v - m).exp()).sum();
                 let p: Vec<f64> = scores.iter().map(|v| (v - m).exp() / z).collect();
                 let go = |q: usize| f64::from(dout[(b * t + i) * c + hd * d + q]);
-                let dp: Vec<f64> = (0..=i)
+                let dp: Vec<f64> = keys
+                    .clone()
                     .map(|j| (0..d).map(|q| go(q) * at(b, j, 2 * c + hd * d + q)).sum())
                     .collect();
                 let mean: f64 = p.iter().zip(&dp).map(|(p, g)| p * g).sum();
-                for j in 0..=i {
-                    let ds = p[j] * (dp[j] - mean) * scale;
+                for (k, j) in keys.enumerate() {
+                    let ds = p[k] * (dp[k] - mean) * scale;
                     for q in 0..d {
                         grad[(b * t + i) * 3 * c + hd * d + q] += ds * at(b, j, c + hd * d + q);
                         grad[(b * t + j) * 3 * c + c + hd * d + q] += ds * at(b, i, hd * d + q);
-                        grad[(b * t + j) * 3 * c + 2 * c + hd * d + q] += p[j] * go(q);
+                        grad[(b * t + j) * 3 * c + 2 * c + hd * d + q] += p[k] * go(q);
                     }
                 }
             }
@@ -1772,46 +1832,87 @@ fn cuda_bf16_attention_matches_the_f64_definition() {
             heads,
             width,
         };
-        let rows = batch * seq;
-        let mut qkv = rand_t(&[rows, 3 * width], 31);
-        qkv.host_mut()
+        bf16_attention_case(&be, shape, spread, None);
+    }
+}
+
+/// Packed documents on the tensor cores, against the f64 definitions masked the same way and
+/// within the same bounds: documents that start past the first key tile and past a block's
+/// first rows (so that a row's first tiles hold no key of its document, and a block's first
+/// tiles are skipped), a document of one token, and documents across block edges.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_bf16_attention_masks_packed_documents() {
+    use pipe_kernels::Precision;
+    let Some(be) = cuda_with_precision_or_skip(Precision::Bf16) else {
+        return;
+    };
+    let shape = AttentionShape {
+        batch: 2,
+        seq: 200,
+        heads: 2,
+        width: 128,
+    };
+    let starts = document_starts(
+        shape.seq,
+        &[
+            &[(0, 20), (20, 130), (130, 200)],
+            &[(0, 5), (5, 70), (70, 71), (71, 200)],
+        ],
+    );
+    bf16_attention_case(&be, shape, 2.0, Some(&starts));
+}
+
+/// One shape of [`cuda_bf16_attention_matches_the_f64_definition`], with packed documents
+/// when `starts` is given.
+#[cfg(feature = "cuda")]
+fn bf16_attention_case(
+    be: &dyn Backend,
+    shape: AttentionShape,
+    spread: f32,
+    starts: Option<&[f32]>,
+) {
+    let (rows, width) = (shape.batch * shape.seq, shape.width);
+    let mut qkv = rand_t(&[rows, 3 * width], 31);
+    qkv.host_mut()
+        .unwrap()
+        .iter_mut()
+        .for_each(|v| *v *= spread);
+    let dout = rand_t(&[rows, width], 32);
+    let bf16 = |t: &Tensor| -> Vec<f32> {
+        t.host()
             .unwrap()
-            .iter_mut()
-            .for_each(|v| *v *= spread);
-        let dout = rand_t(&[rows, width], 32);
-        let bf16 = |t: &Tensor| -> Vec<f32> {
-            t.host()
-                .unwrap()
-                .iter()
-                .map(|&x| round_mantissa(x, 7))
-                .collect()
-        };
-        let (qkv16, dout16) = (bf16(&qkv), bf16(&dout));
-        let (want, want_lse) = naive_attention(&qkv16, shape);
-        let want_grad = naive_attention_backward(&qkv16, &dout16, shape);
-        let run = || {
-            let (mut out, mut lse, mut dqkv) =
-                (Tensor::default(), Tensor::default(), Tensor::default());
-            let x = on(&be, &qkv);
-            be.attention(&x, None, shape, &mut out, &mut lse).unwrap();
-            be.attention_backward(&x, None, &out, &lse, &on(&be, &dout), shape, &mut dqkv)
-                .unwrap();
-            (read(&be, &out), read(&be, &lse), read(&be, &dqkv))
-        };
-        let (out, lse, dqkv) = run();
-        let what = format!("{shape:?}");
-        close_to_scale(&format!("out {what}"), &out, &want, 3e-2);
-        for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
-            assert!(
-                (f64::from(*g) - w).abs() <= 1e-4,
-                "lse {what} row {i}: got {g}, want {w}"
-            );
-        }
-        close_to_scale(&format!("dqkv {what}"), &dqkv, &want_grad, 8e-2);
-        let again = run();
+            .iter()
+            .map(|&x| round_mantissa(x, 7))
+            .collect()
+    };
+    let (qkv16, dout16) = (bf16(&qkv), bf16(&dout));
+    let (want, want_lse) = naive_attention_within(&qkv16, starts, shape);
+    let want_grad = naive_attention_backward(&qkv16, &dout16, starts, shape);
+    let placed_starts = starts.map(|s| on(be, &Tensor::from_vec(&[rows], s.to_vec()).unwrap()));
+    let run = || {
+        let (mut out, mut lse, mut dqkv) =
+            (Tensor::default(), Tensor::default(), Tensor::default());
+        let x = on(be, &qkv);
+        let docs = placed_starts.as_ref();
+        be.attention(&x, docs, shape, &mut out, &mut lse).unwrap();
+        be.attention_backward(&x, docs, &out, &lse, &on(be, &dout), shape, &mut dqkv)
+            .unwrap();
+        (read(be, &out), read(be, &lse), read(be, &dqkv))
+    };
+    let (out, lse, dqkv) = run();
+    let what = format!("{shape:?}, documents {}", starts.is_some());
+    close_to_scale(&format!("out {what}"), &out, &want, 3e-2);
+    for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
         assert!(
-            again.0 == out && again.1 == lse && again.2 == dqkv,
-            "{what}: a repeated call gave other bits"
+            (f64::from(*g) - w).abs() <= 1e-4,
+            "lse {what} row {i}: got {g}, want {w}"
         );
     }
+    close_to_scale(&format!("dqkv {what}"), &dqkv, &want_grad, 8e-2);
+    let again = run();
+    assert!(
+        again.0 == out && again.1 == lse && again.2 == dqkv,
+        "{what}: a repeated call gave other bits"
+    );
 }

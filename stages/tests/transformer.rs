@@ -100,9 +100,20 @@ fn check_model(
     opt: OptimizerConfig,
     what: &str,
 ) -> Vec<Params> {
+    check_model_from(model, spec, devices, opt, what, &source())
+}
+
+/// [`check_model`] reading its microbatches from `source`.
+fn check_model_from(
+    model: &Model,
+    spec: &ScheduleSpec,
+    devices: bool,
+    opt: OptimizerConfig,
+    what: &str,
+    source: &OrderedSource<'static>,
+) -> Vec<Params> {
     let run = plan(model, spec);
-    let source = source();
-    let setup = setup(&run, model, &source);
+    let setup = setup(&run, model, source);
     let init = model.init_params(SEED);
     let mut states = worker_states(&setup, &init, opt);
     let eps = mesh(run.schedule.workers(), &InProcOptions::default());
@@ -518,6 +529,23 @@ fn packed_documents_give_the_reference_weights() {
                 assert_ne!(bits(&unpacked[3]), bits(&want[3]));
             }
         }
+    }
+}
+
+/// Packed documents on devices: the document starts and positions are placed on each
+/// worker's device, and the first token of each document is an ignored label there, so the
+/// device paths (here the emulated device's) give the reference trainer's weights too.
+#[test]
+fn packed_documents_on_emulated_devices_give_the_reference_weights() {
+    let (packed, end) = packed_data(' ');
+    let packed: &'static pipe_stages::data::Dataset = Box::leak(Box::new(packed));
+    let model = self::model(true).with_documents(Some(end));
+    for case in [
+        spec(Policy::PipeDream, 1),
+        spec(Policy::OneFOneBFlush, 2).with_replicas(vec![1, 1, 2, 2]),
+    ] {
+        let source = common::shuffled(packed, SEED, 1, 2);
+        check_model_from(&model, &case, true, opt(), "packed documents", &source);
     }
 }
 

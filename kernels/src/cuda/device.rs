@@ -76,6 +76,7 @@ kernel_table!(
     layer_norm_param_partials_f32,
     check_labels_u32,
     check_ids_f32,
+    check_document_starts_f32,
     softmax_xent_f32,
     embedding_f32,
     embedding_backward_rows_f32,
@@ -285,18 +286,6 @@ const ATTENTION_TILE: u64 = 64;
 /// `FA_BACKWARD_WARPS` in `kernels.cu`).
 const FLASH_FORWARD_WARPS: u64 = 8;
 const FLASH_BACKWARD_WARPS: u64 = 4;
-
-/// The CUDA attention kernels take no document mask yet (`--pack-documents` is refused with
-/// `--backend cuda` before a run starts); a call with one is refused here too.
-fn refuse_documents(op: &'static str, documents: Option<&Tensor>) -> Result<()> {
-    match documents {
-        Some(_) => Err(crate::KernelError::Unsupported {
-            op,
-            what: "a document mask",
-        }),
-        None => Ok(()),
-    }
-}
 
 /// The tiled attention kernels' grid: blocks of `rows` rows of a sequence along x, (sequence,
 /// head) pairs along y, `threads` threads a block.
@@ -734,6 +723,32 @@ impl CudaBackend {
             });
         }
         Ok(())
+    }
+
+    /// The device address of an attention call's document starts (0, the kernels' null, for
+    /// one document per sequence), checked as the CPU backend checks them before any kernel
+    /// reads them: one wait per call with documents, as the embedding's token check.
+    fn document_starts(
+        &self,
+        documents: Option<&Tensor>,
+        shape: AttentionShape,
+        op: &'static str,
+    ) -> Result<u64> {
+        let Some(starts) = documents else {
+            return Ok(0);
+        };
+        crate::sequence::check_document_count(op, shape, starts.len())?;
+        let starts_ptr = self.ptr(starts, op)?;
+        let check = &self.kernels.check_document_starts_f32;
+        if let Some(k) = self.first_bad(check, starts_ptr, starts.len(), shape.seq)? {
+            let value = self
+                .download::<f32>(starts_ptr + as_u64(k * 4), 1)?
+                .first()
+                .copied()
+                .unwrap_or(f32::NAN);
+            return Err(crate::sequence::bad_document_start(op, shape, k, value));
+        }
+        Ok(starts_ptr)
     }
 
     fn reduce(&self, x: &Tensor, squares: bool) -> Result<f64> {
@@ -1416,38 +1431,34 @@ impl Backend for CudaBackend {
         let op = "softmax_cross_entropy";
         crate::check::label_count(logits, classes, labels)?;
         let (lp, yp) = (self.ptr(logits, op)?, self.ptr(labels, op)?);
-        let mut stats = LossStats {
-            rows,
-            ..LossStats::default()
-        };
         if rows == 0 {
-            return Ok(stats);
+            return Ok(LossStats::default());
         }
-        // One buffer comes back in one wait: per-row losses (f64), per-row hits (i32), then the
-        // label check's flag (u32::MAX when every label is below n).
+        // One buffer comes back in one wait: per-row losses (f64), per-row hits (i32: 1 a hit,
+        // 0 a miss, -1 a row labelled IGNORED_LABEL), then the label check's flag (u32::MAX
+        // when every label is below n or ignored).
         let (loss_bytes, hit_bytes) = (rows * 8, rows * 4);
         let (_results, lossp) = self.scratch((loss_bytes + hit_bytes + 4).div_ceil(4))?;
         let hitp = lossp + as_u64(loss_bytes);
         let flagp = hitp + as_u64(hit_bytes);
         self.queue_check(&self.kernels.check_labels_u32, yp, rows, n, flagp)?;
-        if n > 0 {
-            let dp = match dlogits {
-                Some(d) => self.output(d, logits.shape())?,
-                None => 0,
-            };
-            let (r, c, stride) = (as_u64(rows), as_u64(n), as_u64(logits.cols()));
-            let mut b = self.stream.launch_builder(&self.kernels.softmax_xent_f32);
-            b.arg(&lp)
-                .arg(&yp)
-                .arg(&r)
-                .arg(&c)
-                .arg(&stride)
-                .arg(&grad_scale);
-            b.arg(&dp).arg(&lossp).arg(&hitp);
-            // SAFETY: shapes checked above; `dp` is null when no gradient is wanted; a row
-            // whose label is out of range reads no logit by it (the kernel skips it).
-            unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
-        }
+        let dp = match dlogits {
+            Some(d) => self.output(d, logits.shape())?,
+            None => 0,
+        };
+        let (r, c, stride) = (as_u64(rows), as_u64(n), as_u64(logits.cols()));
+        let mut b = self.stream.launch_builder(&self.kernels.softmax_xent_f32);
+        b.arg(&lp)
+            .arg(&yp)
+            .arg(&r)
+            .arg(&c)
+            .arg(&stride)
+            .arg(&grad_scale);
+        b.arg(&dp).arg(&lossp).arg(&hitp);
+        // SAFETY: shapes checked above; `dp` is null when no gradient is wanted; a row whose
+        // label is out of range or ignored reads no logit by it (the kernel skips it), so no
+        // class is read when there are none.
+        unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
         let bytes = self.download::<u8>(lossp, loss_bytes + hit_bytes + 4)?;
         let (losses, rest) = bytes.split_at(loss_bytes);
         let (hits, flag) = rest.split_at(hit_bytes);
@@ -1465,19 +1476,20 @@ impl Backend for CudaBackend {
                 classes: n,
             });
         }
-        if n == 0 {
-            return Ok(stats);
-        }
-        // Summed in row order on the host, as the CPU backend sums them.
-        stats.loss_sum = losses
-            .chunks_exact(8)
-            .filter_map(|b| b.try_into().ok().map(f64::from_le_bytes))
-            .sum();
-        stats.correct = hits
+        let hits: Vec<i32> = hits
             .chunks_exact(4)
-            .filter(|b| <[u8; 4]>::try_from(*b).ok().map(i32::from_le_bytes) == Some(1))
-            .count();
-        Ok(stats)
+            .filter_map(|b| b.try_into().ok().map(i32::from_le_bytes))
+            .collect();
+        // Summed in row order on the host, as the CPU backend sums them (an ignored row's 0
+        // adds nothing).
+        Ok(LossStats {
+            loss_sum: losses
+                .chunks_exact(8)
+                .filter_map(|b| b.try_into().ok().map(f64::from_le_bytes))
+                .sum(),
+            correct: hits.iter().filter(|&&h| h == 1).count(),
+            rows: hits.iter().filter(|&&h| h != -1).count(),
+        })
     }
 
     fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -1552,9 +1564,9 @@ impl Backend for CudaBackend {
         lse: &mut Tensor,
     ) -> Result<()> {
         crate::sequence::check("attention", shape, qkv.len())?;
-        refuse_documents("attention", documents)?;
         let [batch, seq, heads, width] = Self::attention_dims(shape, "attention")?;
         let qp = self.ptr(qkv, "attention")?;
+        let sp = self.document_starts(documents, shape, "attention")?;
         let op = self.output(out, &[shape.batch * shape.seq, shape.width])?;
         let lp = self.output(lse, &[shape.batch, shape.heads, shape.seq])?;
         let rows = batch * heads * seq;
@@ -1570,17 +1582,17 @@ impl Backend for CudaBackend {
                 (Tensor::default(), qp)
             };
             let mut b = self.stream.launch_builder(tiled.forward);
-            b.arg(&qp).arg(&op).arg(&lp);
+            b.arg(&qp).arg(&sp).arg(&op).arg(&lp);
             b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
-            // SAFETY: sizes checked against the shape above; one thread per query row.
+            // SAFETY: sizes and document starts checked above; one thread per query row.
             unsafe { b.launch(attention_tiles(seq, batch * heads, tiled.forward_block)?) }
                 .map_err(driver_err("attention"))?;
             return Ok(());
         }
         let mut b = self.stream.launch_builder(&self.kernels.attention_f32);
-        b.arg(&qp).arg(&op).arg(&lp);
+        b.arg(&qp).arg(&sp).arg(&op).arg(&lp);
         b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
-        // SAFETY: sizes checked against the shape above; one warp per query row.
+        // SAFETY: sizes and document starts checked above; one warp per query row.
         unsafe { b.launch(warp_rows(rows)) }.map_err(driver_err("attention"))?;
         Ok(())
     }
@@ -1597,8 +1609,8 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let op = "attention backward";
         crate::check::attention_backward(qkv, (out, lse, dout), shape)?;
-        refuse_documents(op, documents)?;
         let [batch, seq, heads, width] = Self::attention_dims(shape, op)?;
+        let sp = self.document_starts(documents, shape, op)?;
         let (qp, outp, lp, dop) = (
             self.ptr(qkv, op)?,
             self.ptr(out, op)?,
@@ -1621,13 +1633,23 @@ impl Backend for CudaBackend {
                 let (_q16, q16p) = self.to_bf16(qkv, op)?;
                 let (_d16, d16p) = self.to_bf16(dout, op)?;
                 let mut b = self.stream.launch_builder(tiled.queries);
-                b.arg(&q16p).arg(&outp).arg(&lp).arg(&dop).arg(&d16p);
+                b.arg(&q16p)
+                    .arg(&sp)
+                    .arg(&outp)
+                    .arg(&lp)
+                    .arg(&dop)
+                    .arg(&d16p);
                 b.arg(&dp).arg(&deltap);
                 b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
                 // SAFETY: as the forward; writes the query third of dqkv and delta.
                 unsafe { b.launch(cfg) }.map_err(driver_err(op))?;
                 let mut b = self.stream.launch_builder(tiled.keys);
-                b.arg(&q16p).arg(&lp).arg(&d16p).arg(&deltap).arg(&dp);
+                b.arg(&q16p)
+                    .arg(&sp)
+                    .arg(&lp)
+                    .arg(&d16p)
+                    .arg(&deltap)
+                    .arg(&dp);
                 b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
                 // SAFETY: as above; writes the key and value thirds of dqkv after the
                 // queries' kernel (same stream) has written delta.
@@ -1636,6 +1658,7 @@ impl Backend for CudaBackend {
             }
             let mut b = self.stream.launch_builder(tiled.queries);
             b.arg(&qp)
+                .arg(&sp)
                 .arg(&outp)
                 .arg(&lp)
                 .arg(&dop)
@@ -1645,7 +1668,7 @@ impl Backend for CudaBackend {
             // SAFETY: as the forward; writes the query third of dqkv and delta.
             unsafe { b.launch(cfg) }.map_err(driver_err(op))?;
             let mut b = self.stream.launch_builder(tiled.keys);
-            b.arg(&qp).arg(&lp).arg(&dop).arg(&deltap).arg(&dp);
+            b.arg(&qp).arg(&sp).arg(&lp).arg(&dop).arg(&deltap).arg(&dp);
             b.arg(&seq).arg(&heads).arg(&width).arg(&scale);
             // SAFETY: as above; writes the key and value thirds of dqkv after the queries'
             // kernel (same stream) has written delta.
@@ -1656,6 +1679,7 @@ impl Backend for CudaBackend {
             .stream
             .launch_builder(&self.kernels.attention_backward_queries_f32);
         b.arg(&qp)
+            .arg(&sp)
             .arg(&outp)
             .arg(&lp)
             .arg(&dop)
@@ -1667,7 +1691,7 @@ impl Backend for CudaBackend {
         let mut b = self
             .stream
             .launch_builder(&self.kernels.attention_backward_keys_f32);
-        b.arg(&qp).arg(&lp).arg(&dop).arg(&deltap).arg(&dp);
+        b.arg(&qp).arg(&sp).arg(&lp).arg(&dop).arg(&deltap).arg(&dp);
         b.arg(&batch).arg(&seq).arg(&heads).arg(&width).arg(&scale);
         // SAFETY: as above; writes the key and value thirds of dqkv, after the queries'
         // kernel (same stream) has written delta.

@@ -271,9 +271,14 @@ extern "C" __global__ void layer_norm_backward_input_f32(const float* x, const f
 
 // ---- ids: labels and token ids are checked on the device, the first bad position reported ---
 
+// The label of a row that is not a loss term (`IGNORED_LABEL` in `backend.rs`: the first token
+// of a packed document).
+#define IGNORED_LABEL 0xffffffffu
+
 extern "C" __global__ void check_labels_u32(const u32* labels, u64 n, u64 classes, unsigned int* first_bad) {
     for (u64 i = global_index(); i < n; i += global_stride()) {
-        if ((u64)labels[i] >= classes) atomicMin(first_bad, (unsigned int)i);
+        u32 label = labels[i];
+        if (label != IGNORED_LABEL && (u64)label >= classes) atomicMin(first_bad, (unsigned int)i);
     }
 }
 
@@ -285,9 +290,20 @@ extern "C" __global__ void check_ids_f32(const float* ids, u64 n, u64 vocab, uns
     }
 }
 
+// Packed documents' starts (see "packed documents" below): each a whole number no later than
+// its own token's index in its sequence of `seq`.
+extern "C" __global__ void check_document_starts_f32(const float* starts, u64 n, u64 seq, unsigned int* first_bad) {
+    for (u64 i = global_index(); i < n; i += global_stride()) {
+        float v = starts[i];
+        bool whole = v >= 0.0f && floorf(v) == v;
+        if (!(whole && (double)v <= (double)(i % seq))) atomicMin(first_bad, (unsigned int)i);
+    }
+}
+
 // ---- softmax cross-entropy: one warp per row; per-row loss (f64) and hit, summed on the host ---
 // A row holds `stride` logits, of which the first `cols` are classes; the rest are a padded
-// vocabulary's columns, outside the softmax, with a zero gradient.
+// vocabulary's columns, outside the softmax, with a zero gradient. A row labelled
+// IGNORED_LABEL is not a loss term: loss 0, hit -1 (not counted), a zero gradient row.
 
 extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labels, u64 rows, u64 cols,
                                             u64 stride, float grad_scale, float* dlogits,
@@ -295,6 +311,15 @@ extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labe
     u64 row = warp_row();
     if (row >= rows) return;
     u32 label = labels[row];
+    if (label == IGNORED_LABEL) {
+        if (lane() == 0) {
+            row_loss[row] = 0.0;
+            row_hit[row] = -1;
+        }
+        if (dlogits)
+            for (u64 j = lane(); j < stride; j += 32) dlogits[row * stride + j] = 0.0f;
+        return;
+    }
     if ((u64)label >= cols) {
         // Refused by the label check queued before; no logit is read by this label.
         if (lane() == 0) {
@@ -460,6 +485,32 @@ extern "C" __global__ void embedding_backward_grouped_f32(const u32* offset, con
     }
 }
 
+// ---- packed documents ------------------------------------------------------------------------
+//
+// Every attention kernel takes `starts`: null for one document per sequence, or per token of
+// [batch * seq] the index in its sequence where its document starts (whole numbers in f32,
+// checked by check_document_starts_f32 before any attention kernel is launched). Token t then
+// attends over keys starts[t]..=t only: the forward and the query pass begin at a row's start,
+// the key pass skips the queries of later documents.
+
+__device__ __forceinline__ u64 document_start(const float* starts, u64 token) {
+    return starts ? (u64)starts[token] : 0;
+}
+
+// The earliest document start among rows [r0, r0 + rows) of sequence b (those below seq): no
+// row of the block attends to a key before it. Called once per kernel by every thread of the
+// block (it synchronises them).
+__device__ u64 block_first_key(const float* starts, u64 b, u64 seq, u64 r0, int rows) {
+    __shared__ unsigned int first;
+    if (!starts) return 0;
+    if (threadIdx.x == 0) first = 0xffffffffu;
+    __syncthreads();
+    for (int r = threadIdx.x; r < rows; r += blockDim.x)
+        if (r0 + r < seq) atomicMin(&first, (unsigned int)starts[b * seq + r0 + r]);
+    __syncthreads();
+    return first == 0xffffffffu ? 0 : (u64)first;
+}
+
 // ---- causal attention: one warp per query (forward) or key (backward) row ------------------
 //
 // qkv is [batch * seq, 3C]; head h of token t reads q at column h*d, k at C + h*d, v at 2C + h*d.
@@ -472,8 +523,8 @@ __device__ __forceinline__ float lane_dot(const float* a, const float* b, int d)
     return warp_sum(s);
 }
 
-extern "C" __global__ void attention_f32(const float* qkv, float* out, float* lse, u64 batch, u64 seq,
-                                         u64 heads, u64 width, float scale) {
+extern "C" __global__ void attention_f32(const float* qkv, const float* starts, float* out, float* lse,
+                                         u64 batch, u64 seq, u64 heads, u64 width, float scale) {
     u64 row = warp_row();
     u64 rows = batch * heads * seq;
     if (row >= rows) return;
@@ -484,7 +535,7 @@ extern "C" __global__ void attention_f32(const float* qkv, float* out, float* ls
     float acc[LANE_SLOTS];
     for (int k = 0; k < LANE_SLOTS; ++k) acc[k] = 0.0f;
     float m = neg_infinity(), l = 0.0f;
-    for (u64 s = 0; s <= t; ++s) {
+    for (u64 s = document_start(starts, b * seq + t); s <= t; ++s) {
         const float* kr = qkv + (b * seq + s) * stride + width + h * d;
         const float* vr = qkv + (b * seq + s) * stride + 2 * width + h * d;
         float score = lane_dot(q, kr, d) * scale;
@@ -508,10 +559,10 @@ extern "C" __global__ void attention_f32(const float* qkv, float* out, float* ls
 
 // Per query row t: delta_t = dout_t . out_t (kept for the key pass) and
 // dq_t = scale * sum_{s<=t} P_ts (dP_ts - delta_t) k_s.
-extern "C" __global__ void attention_backward_queries_f32(const float* qkv, const float* out, const float* lse,
-                                                          const float* dout, float* dqkv, float* delta,
-                                                          u64 batch, u64 seq, u64 heads, u64 width,
-                                                          float scale) {
+extern "C" __global__ void attention_backward_queries_f32(const float* qkv, const float* starts, const float* out,
+                                                          const float* lse, const float* dout, float* dqkv,
+                                                          float* delta, u64 batch, u64 seq, u64 heads,
+                                                          u64 width, float scale) {
     u64 row = warp_row();
     u64 rows = batch * heads * seq;
     if (row >= rows) return;
@@ -525,7 +576,7 @@ extern "C" __global__ void attention_backward_queries_f32(const float* qkv, cons
     float l = lse[(b * heads + h) * seq + t];
     float acc[LANE_SLOTS];
     for (int k = 0; k < LANE_SLOTS; ++k) acc[k] = 0.0f;
-    for (u64 s = 0; s <= t; ++s) {
+    for (u64 s = document_start(starts, b * seq + t); s <= t; ++s) {
         const float* kr = qkv + (b * seq + s) * stride + width + h * d;
         const float* vr = qkv + (b * seq + s) * stride + 2 * width + h * d;
         float p = expf(lane_dot(q, kr, d) * scale - l);
@@ -544,9 +595,10 @@ extern "C" __global__ void attention_backward_queries_f32(const float* qkv, cons
 }
 
 // Per key row s: dk_s = scale * sum_{t>=s} P_ts (dP_ts - delta_t) q_t and dv_s = sum_{t>=s} P_ts dout_t.
-extern "C" __global__ void attention_backward_keys_f32(const float* qkv, const float* lse, const float* dout,
-                                                       const float* delta, float* dqkv, u64 batch, u64 seq,
-                                                       u64 heads, u64 width, float scale) {
+extern "C" __global__ void attention_backward_keys_f32(const float* qkv, const float* starts, const float* lse,
+                                                       const float* dout, const float* delta, float* dqkv,
+                                                       u64 batch, u64 seq, u64 heads, u64 width,
+                                                       float scale) {
     u64 row = warp_row();
     u64 rows = batch * heads * seq;
     if (row >= rows) return;
@@ -561,6 +613,8 @@ extern "C" __global__ void attention_backward_keys_f32(const float* qkv, const f
         dv[k] = 0.0f;
     }
     for (u64 t = s; t < seq; ++t) {
+        // A query of a later document does not see this key.
+        if (document_start(starts, b * seq + t) > s) continue;
         const float* q = qkv + (b * seq + t) * stride + h * d;
         const float* go = dout + (b * seq + t) * width + h * d;
         u64 at = (b * heads + h) * seq + t;
@@ -617,8 +671,8 @@ __device__ __forceinline__ void load_tile(float (*tile)[D], const float* base, u
 }
 
 template <int D>
-__device__ void attention_tiled(const float* qkv, float* out, float* lse, u64 seq, u64 heads, u64 width,
-                                float scale) {
+__device__ void attention_tiled(const float* qkv, const float* starts, float* out, float* lse, u64 seq, u64 heads,
+                                u64 width, float scale) {
     __shared__ float ks[ATT_TILE][D];
     __shared__ float vs[ATT_TILE][D];
     u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
@@ -633,16 +687,18 @@ __device__ void attention_tiled(const float* qkv, float* out, float* lse, u64 se
         acc[f] = 0.0f;
     }
     float m = neg_infinity(), l = 0.0f;
+    u64 start = live ? document_start(starts, b * seq + t) : 0;
+    u64 first = block_first_key(starts, b, seq, (u64)blockIdx.x * ATT_TILE, ATT_TILE);
     u64 last = (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1;
     if (last >= seq) last = seq - 1;
-    for (u64 s0 = 0; s0 <= last; s0 += ATT_TILE) {
+    for (u64 s0 = first / ATT_TILE * ATT_TILE; s0 <= last; s0 += ATT_TILE) {
         __syncthreads();
         load_tile<D>(ks, base, s0, seq, stride, width + h * D);
         load_tile<D>(vs, base, s0, seq, stride, 2 * width + h * D);
         __syncthreads();
         if (!live || s0 > t) continue;
         u64 n = t - s0 + 1 < ATT_TILE ? t - s0 + 1 : ATT_TILE;
-        for (u64 j = 0; j < n; ++j) {
+        for (u64 j = start > s0 ? start - s0 : 0; j < n; ++j) {
             float score = dot_shared<D>(q, ks[j]) * scale;
             float m_new = fmaxf(m, score);
             float correction = expf(m - m_new);
@@ -662,9 +718,9 @@ __device__ void attention_tiled(const float* qkv, float* out, float* lse, u64 se
 
 // Per query row t: delta_t = dout_t . out_t and dq_t = scale * sum_{s<=t} P_ts (dP_ts - delta_t) k_s.
 template <int D>
-__device__ void attention_backward_queries_tiled(const float* qkv, const float* out, const float* lse,
-                                                 const float* dout, float* dqkv, float* delta, u64 seq,
-                                                 u64 heads, u64 width, float scale) {
+__device__ void attention_backward_queries_tiled(const float* qkv, const float* starts, const float* out,
+                                                 const float* lse, const float* dout, float* dqkv, float* delta,
+                                                 u64 seq, u64 heads, u64 width, float scale) {
     __shared__ float ks[ATT_TILE][D];
     __shared__ float vs[ATT_TILE][D];
     u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
@@ -683,16 +739,18 @@ __device__ void attention_backward_queries_tiled(const float* qkv, const float* 
         acc[f] = 0.0f;
     }
     float l = live ? lse[bh * seq + t] : 0.0f;
+    u64 start = live ? document_start(starts, b * seq + t) : 0;
+    u64 first = block_first_key(starts, b, seq, (u64)blockIdx.x * ATT_TILE, ATT_TILE);
     u64 last = (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1;
     if (last >= seq) last = seq - 1;
-    for (u64 s0 = 0; s0 <= last; s0 += ATT_TILE) {
+    for (u64 s0 = first / ATT_TILE * ATT_TILE; s0 <= last; s0 += ATT_TILE) {
         __syncthreads();
         load_tile<D>(ks, base, s0, seq, stride, width + h * D);
         load_tile<D>(vs, base, s0, seq, stride, 2 * width + h * D);
         __syncthreads();
         if (!live || s0 > t) continue;
         u64 n = t - s0 + 1 < ATT_TILE ? t - s0 + 1 : ATT_TILE;
-        for (u64 j = 0; j < n; ++j) {
+        for (u64 j = start > s0 ? start - s0 : 0; j < n; ++j) {
             float p = expf(dot_shared<D>(q, ks[j]) * scale - l);
             float ds = p * (dot_shared<D>(go, vs[j]) - dt) * scale;
 #pragma unroll
@@ -708,13 +766,14 @@ __device__ void attention_backward_queries_tiled(const float* qkv, const float* 
 
 // Per key row s: dk_s = scale * sum_{t>=s} P_ts (dP_ts - delta_t) q_t and dv_s = sum_{t>=s} P_ts dout_t.
 template <int D>
-__device__ void attention_backward_keys_tiled(const float* qkv, const float* lse, const float* dout,
-                                              const float* delta, float* dqkv, u64 seq, u64 heads, u64 width,
-                                              float scale) {
+__device__ void attention_backward_keys_tiled(const float* qkv, const float* starts, const float* lse,
+                                              const float* dout, const float* delta, float* dqkv, u64 seq,
+                                              u64 heads, u64 width, float scale) {
     __shared__ float qs[ATT_TILE][D];
     __shared__ float gos[ATT_TILE][D];
     __shared__ float lses[ATT_TILE];
     __shared__ float deltas[ATT_TILE];
+    __shared__ u32 query_starts[ATT_TILE];
     u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
     u64 s = (u64)blockIdx.x * ATT_TILE + threadIdx.x;
     u64 stride = 3 * width;
@@ -736,11 +795,14 @@ __device__ void attention_backward_keys_tiled(const float* qkv, const float* lse
         u64 tt = t0 + threadIdx.x;
         lses[threadIdx.x] = tt < seq ? lse[bh * seq + tt] : 0.0f;
         deltas[threadIdx.x] = tt < seq ? delta[bh * seq + tt] : 0.0f;
+        query_starts[threadIdx.x] = tt < seq ? (u32)document_start(starts, b * seq + tt) : 0u;
         __syncthreads();
         if (!live) continue;
         u64 first = s > t0 ? s - t0 : 0;
         u64 n = seq - t0 < ATT_TILE ? seq - t0 : ATT_TILE;
         for (u64 j = first; j < n; ++j) {
+            // A query of a later document does not see this key.
+            if (query_starts[j] > s) continue;
             float p = expf(dot_shared<D>(qs[j], k) * scale - lses[j]);
             float ds = p * (dot_shared<D>(gos[j], v) - deltas[j]) * scale;
 #pragma unroll
@@ -761,20 +823,20 @@ __device__ void attention_backward_keys_tiled(const float* qkv, const float* lse
 }
 
 #define ATTENTION_TILED(D)                                                                                  \
-    extern "C" __global__ void attention_tiled_##D(const float* qkv, float* out, float* lse, u64 seq,      \
-                                                   u64 heads, u64 width, float scale) {                    \
-        attention_tiled<D>(qkv, out, lse, seq, heads, width, scale);                                       \
+    extern "C" __global__ void attention_tiled_##D(const float* qkv, const float* starts, float* out,      \
+                                                   float* lse, u64 seq, u64 heads, u64 width, float scale) { \
+        attention_tiled<D>(qkv, starts, out, lse, seq, heads, width, scale);                               \
     }                                                                                                      \
     extern "C" __global__ void attention_backward_queries_tiled_##D(                                       \
-        const float* qkv, const float* out, const float* lse, const float* dout, float* dqkv, float* delta, \
-        u64 seq, u64 heads, u64 width, float scale) {                                                      \
-        attention_backward_queries_tiled<D>(qkv, out, lse, dout, dqkv, delta, seq, heads, width, scale);   \
+        const float* qkv, const float* starts, const float* out, const float* lse, const float* dout,      \
+        float* dqkv, float* delta, u64 seq, u64 heads, u64 width, float scale) {                           \
+        attention_backward_queries_tiled<D>(qkv, starts, out, lse, dout, dqkv, delta, seq, heads, width,   \
+                                            scale);                                                        \
     }                                                                                                      \
-    extern "C" __global__ void attention_backward_keys_tiled_##D(const float* qkv, const float* lse,       \
-                                                                 const float* dout, const float* delta,    \
-                                                                 float* dqkv, u64 seq, u64 heads,          \
-                                                                 u64 width, float scale) {                 \
-        attention_backward_keys_tiled<D>(qkv, lse, dout, delta, dqkv, seq, heads, width, scale);           \
+    extern "C" __global__ void attention_backward_keys_tiled_##D(                                          \
+        const float* qkv, const float* starts, const float* lse, const float* dout, const float* delta,    \
+        float* dqkv, u64 seq, u64 heads, u64 width, float scale) {                                         \
+        attention_backward_keys_tiled<D>(qkv, starts, lse, dout, delta, dqkv, seq, heads, width, scale);   \
     }
 
 ATTENTION_TILED(16)
@@ -935,7 +997,8 @@ __device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[
 #endif
 
 extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
-    attention_mma_64(const bf16_bits* qkv, float* out, float* lse, u64 seq, u64 heads, u64 width, float scale) {
+    attention_mma_64(const bf16_bits* qkv, const float* starts, float* out, float* lse, u64 seq, u64 heads, u64 width,
+                     float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) bf16_bits qs[FA_FORWARD_WARPS * 16][FA_PAD];
     __shared__ __align__(16) bf16_bits ks[FA_TILE][FA_PAD];
@@ -948,6 +1011,7 @@ extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
     const bf16_bits* base = qkv + b * seq * stride;
     int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
     int first = warp * 16;
+    u64 first_key = block_first_key(starts, b, seq, q0, rows);
     fa_stage(qs, rows, base, q0, seq, stride, h * FA_D);
     __syncthreads();
     u32 qf[FA_D / 16][4];
@@ -957,9 +1021,12 @@ extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
     for (int n = 0; n < FA_D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {neg_infinity(), neg_infinity()}, l[2] = {0.0f, 0.0f};
     u64 row[2] = {q0 + first + g, q0 + first + g + 8};
+    u64 start[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) start[r] = row[r] < seq ? document_start(starts, b * seq + row[r]) : 0;
     float to_log2 = scale * LOG2_E;
     u64 last = q0 + rows - 1 < seq - 1 ? q0 + rows - 1 : seq - 1;
-    for (u64 k0 = 0; k0 <= last; k0 += FA_TILE) {
+    for (u64 k0 = first_key / FA_TILE * FA_TILE; k0 <= last; k0 += FA_TILE) {
         __syncthreads();
         fa_stage(ks, FA_TILE, base, k0, seq, stride, width + h * FA_D);
         fa_stage(vs, FA_TILE, base, k0, seq, stride, 2 * width + h * FA_D);
@@ -974,23 +1041,28 @@ extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 u64 key = k0 + n * 8 + 2 * c + (i & 1);
-                float v = key > row[i >> 1] ? neg_infinity() : s[n][i] * to_log2;
+                int r = i >> 1;
+                float v = key > row[r] || key < start[r] ? neg_infinity() : s[n][i] * to_log2;
                 s[n][i] = v;
-                top[i >> 1] = fmaxf(top[i >> 1], v);
+                top[r] = fmaxf(top[r], v);
             }
-        float correction[2], partial[2] = {0.0f, 0.0f};
+        // With packed documents a row may have seen no key yet (every key so far before its
+        // document's start): its maximum is still -inf, and exponents are taken against 0
+        // instead, so that its weights are 0, not exp2(-inf + inf).
+        float correction[2], partial[2] = {0.0f, 0.0f}, pivot[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             top[r] = fmaxf(top[r], __shfl_xor_sync(FULL_MASK, top[r], 1));
             top[r] = fmaxf(top[r], __shfl_xor_sync(FULL_MASK, top[r], 2));
-            correction[r] = exp2f(m[r] - top[r]);
+            pivot[r] = top[r] == neg_infinity() ? 0.0f : top[r];
+            correction[r] = exp2f(m[r] - pivot[r]);
             m[r] = top[r];
         }
 #pragma unroll
         for (int n = 0; n < FA_TILE / 8; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                float p = exp2f(s[n][i] - m[i >> 1]);
+                float p = exp2f(s[n][i] - pivot[i >> 1]);
                 s[n][i] = p;
                 partial[i >> 1] += p;
             }
@@ -1025,9 +1097,9 @@ extern "C" __global__ void __launch_bounds__(FA_FORWARD_WARPS * 32)
 
 // Per query row t: delta_t = dout_t . out_t (f32) and dq_t = scale * sum_{s<=t} P_ts (dP_ts - delta_t) k_s.
 extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
-    attention_backward_queries_mma_64(const bf16_bits* qkv, const float* out, const float* lse, const float* dout,
-                                      const bf16_bits* dout16, float* dqkv, float* delta, u64 seq, u64 heads,
-                                      u64 width, float scale) {
+    attention_backward_queries_mma_64(const bf16_bits* qkv, const float* starts, const float* out, const float* lse,
+                                      const float* dout, const bf16_bits* dout16, float* dqkv, float* delta,
+                                      u64 seq, u64 heads, u64 width, float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) bf16_bits ks[FA_TILE][FA_PAD];
     __shared__ __align__(16) bf16_bits vs[FA_TILE][FA_PAD];
@@ -1038,6 +1110,7 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
     const bf16_bits* base = qkv + b * seq * stride;
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, c = lane & 3;
     int first = warp * 16;
+    u64 first_key = block_first_key(starts, b, seq, q0, rows);
     // Q and dO fragments, staged through the key tiles' memory.
     fa_stage(ks, rows, base, q0, seq, stride, h * FA_D);
     fa_stage(vs, rows, dout16 + b * seq * width, q0, seq, width, h * FA_D);
@@ -1061,14 +1134,18 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
         if (r == g) dt[0] = d;
         if (r == g + 8) dt[1] = d;
     }
+    u64 start[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) lse2[r] = row[r] < seq ? lse[bh * seq + row[r]] * LOG2_E : 0.0f;
+    for (int r = 0; r < 2; ++r) {
+        lse2[r] = row[r] < seq ? lse[bh * seq + row[r]] * LOG2_E : 0.0f;
+        start[r] = row[r] < seq ? document_start(starts, b * seq + row[r]) : 0;
+    }
     float dq[FA_D / 8][4];
 #pragma unroll
     for (int n = 0; n < FA_D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
     float to_log2 = scale * LOG2_E;
     u64 last = q0 + rows - 1 < seq - 1 ? q0 + rows - 1 : seq - 1;
-    for (u64 k0 = 0; k0 <= last; k0 += FA_TILE) {
+    for (u64 k0 = first_key / FA_TILE * FA_TILE; k0 <= last; k0 += FA_TILE) {
         __syncthreads();
         fa_stage(ks, FA_TILE, base, k0, seq, stride, width + h * FA_D);
         fa_stage(vs, FA_TILE, base, k0, seq, stride, 2 * width + h * FA_D);
@@ -1083,7 +1160,7 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
             for (int i = 0; i < 4; ++i) {
                 u64 key = k0 + n * 8 + 2 * c + (i & 1);
                 int r = i >> 1;
-                float p = key > row[r] ? 0.0f : exp2f(s[n][i] * to_log2 - lse2[r]);
+                float p = key > row[r] || key < start[r] ? 0.0f : exp2f(s[n][i] * to_log2 - lse2[r]);
                 s[n][i] = p * (dp[n][i] - dt[r]) * scale;
             }
         fa_accumulate<FA_TILE / 16>(dq, s, ks, 0);
@@ -1103,13 +1180,14 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32)
 // Per key row s: dk_s = scale * sum_{t>=s} P_ts (dP_ts - delta_t) q_t and dv_s = sum_{t>=s} P_ts dout_t,
 // each query tile taken in two halves of FA_TILE / 2 queries (fewer live registers).
 extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32, 3)
-    attention_backward_keys_mma_64(const bf16_bits* qkv, const float* lse, const bf16_bits* dout16,
+    attention_backward_keys_mma_64(const bf16_bits* qkv, const float* starts, const float* lse, const bf16_bits* dout16,
                                    const float* delta, float* dqkv, u64 seq, u64 heads, u64 width, float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) bf16_bits qs[FA_TILE][FA_PAD];
     __shared__ __align__(16) bf16_bits gs[FA_TILE][FA_PAD];
     __shared__ float col_lse[FA_TILE];
     __shared__ float col_delta[FA_TILE];
+    __shared__ u32 col_start[FA_TILE];
     const int rows = FA_BACKWARD_WARPS * 16;
     const int half = FA_TILE / 2;
     u64 bh = blockIdx.y, b = bh / heads, h = bh % heads;
@@ -1143,6 +1221,7 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32, 3)
             // A query past the end contributes nothing: its probability is exp2(-inf) = 0.
             col_lse[j] = t < seq ? lse[bh * seq + t] * LOG2_E : __int_as_float(0x7f800000);
             col_delta[j] = t < seq ? delta[bh * seq + t] : 0.0f;
+            col_start[j] = t < seq ? (u32)document_start(starts, b * seq + t) : 0u;
         }
         __syncthreads();
 #pragma unroll 1
@@ -1156,7 +1235,9 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32, 3)
                 for (int i = 0; i < 4; ++i) {
                     int j = part + n * 8 + 2 * c + (i & 1);
                     u64 t = t0 + j;
-                    float pv = t < key[i >> 1] ? 0.0f : exp2f(p[n][i] * to_log2 - col_lse[j]);
+                    // Before the key, or a query of a later document: no weight.
+                    u64 k = key[i >> 1];
+                    float pv = t < k || col_start[j] > k ? 0.0f : exp2f(p[n][i] * to_log2 - col_lse[j]);
                     p[n][i] = pv;
                     ds[n][i] = pv * (ds[n][i] - col_delta[j]) * scale;
                 }

@@ -1,7 +1,6 @@
 //! Resolution: the settings a user gave, with defaults applied and every value checked, as
 //! one [`RunConfig`]. Each check names the setting it refuses.
 
-use pipe_kernels::BackendKind;
 use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
 use pipe_scheduler::{Policy, Resolved, ScheduleSpec};
 
@@ -608,7 +607,6 @@ impl TrainSettings {
                 .map_err(StageError::Config)?;
         }
         let backend = self.backend_kind()?;
-        check_backend_takes(backend, corpus.as_ref())?;
         let (placement, transport) =
             Placement::resolve(self.placement.as_deref(), self.transport.as_deref())?;
         let wire = wire_dtype(self.wire_dtype.as_deref())?;
@@ -703,20 +701,6 @@ fn bucket_settings(
         StageBuckets::new(sizes.to_vec()),
         BucketOrigin::Given,
     ))
-}
-
-/// Refuses what a backend cannot run yet: packed documents on CUDA, whose attention kernels
-/// take no document mask.
-fn check_backend_takes(backend: BackendKind, corpus: Option<&CorpusSettings>) -> Result<()> {
-    if matches!(backend, BackendKind::Cuda(_)) && corpus.is_some_and(|c| c.pack_documents.is_some())
-    {
-        return Err(StageError::Config(
-            "--pack-documents is not built on the cuda backend yet (its attention kernels take \
-             no document mask); use --backend cpu"
-                .into(),
-        ));
-    }
-    Ok(())
 }
 
 /// The stage count, and whether some stage has two or more replicas.
