@@ -329,36 +329,46 @@ extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labe
         return;
     }
     const float* lr = logits + row * stride;
-    // Arg-max with the first maximum winning: each lane keeps its first maximum, then the warp
-    // keeps the largest value and, among equals, the smallest index.
+    // One read for the arg-max and the sum of exponentials: each lane keeps its first maximum
+    // and its sum of e^(v - max), each term an f32 exponential (as the CPU backend's) added in
+    // f64, the sum rescaled (in f64) when the lane's maximum grows. The warp then keeps the
+    // largest value and, among equals, the smallest index, and sums the lanes' sums against
+    // it (a lane with no column holds -inf and 0, and its factor is 1, never exp(-inf + inf)).
     float best = neg_infinity();
     u64 arg = 0;
+    double s = 0.0;
     for (u64 j = lane(); j < cols; j += 32) {
-        if (lr[j] > best) {
-            best = lr[j];
+        float v = lr[j];
+        if (v > best) {
+            s *= exp((double)best - (double)v);
+            best = v;
             arg = j;
         }
+        // A logit of -inf adds nothing (and at a maximum still -inf, no NaN either).
+        if (best != neg_infinity()) s += (double)expf(v - best);
     }
     for (int offset = 16; offset > 0; offset >>= 1) {
         float ob = __shfl_xor_sync(FULL_MASK, best, offset);
         u64 oa = __shfl_xor_sync(FULL_MASK, arg, offset);
-        if (ob > best || (ob == best && oa < arg)) {
-            best = ob;
-            arg = oa;
-        }
+        double os = __shfl_xor_sync(FULL_MASK, s, offset);
+        float top = fmaxf(best, ob);
+        double mine = best == top ? s : s * exp((double)best - (double)top);
+        double theirs = ob == top ? os : os * exp((double)ob - (double)top);
+        s = mine + theirs;
+        if (ob > best || (ob == best && oa < arg)) arg = oa;
+        best = top;
     }
-    double s = 0.0;
-    for (u64 j = lane(); j < cols; j += 32) s += exp((double)(lr[j] - best));
-    double lse = log(warp_sum_f64(s));
+    double lse = log(s);
     if (lane() == 0) {
         row_loss[row] = lse - (double)(lr[label] - best);
         row_hit[row] = arg == (u64)label ? 1 : 0;
     }
     if (dlogits) {
+        // The softmax as the CPU backend forms it: e^(v - max) in f32 times 1 / sum.
+        float inverse = (float)(1.0 / s);
         for (u64 j = lane(); j < cols; j += 32) {
-            float p = (float)exp((double)(lr[j] - best) - lse);
-            float y = j == (u64)label ? 1.0f : 0.0f;
-            dlogits[row * stride + j] = (p - y) * grad_scale;
+            float p = expf(lr[j] - best) * inverse;
+            dlogits[row * stride + j] = (j == (u64)label ? p - 1.0f : p) * grad_scale;
         }
         for (u64 j = cols + lane(); j < stride; j += 32) dlogits[row * stride + j] = 0.0f;
     }
