@@ -8,6 +8,7 @@
 //! anywhere else.
 
 use std::borrow::Cow;
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
@@ -119,7 +120,15 @@ pub struct CudaBackend {
     blas: Mutex<CudaBlas>,
     kernels: Kernels,
     pool: Arc<Pool>,
+    /// The content stamps ([`Tensor::stamp`]) of the last [`CHECKED_STARTS`] document-start
+    /// tensors whose check passed: a microbatch's starts serve every attention layer's forward
+    /// and backward, and equal stamps mean equal contents, so each is checked (one wait) once.
+    checked_starts: Mutex<VecDeque<u64>>,
 }
+
+/// How many checked document-start tensors [`CudaBackend`] remembers (a pipeline stage holds
+/// a few microbatches in flight).
+const CHECKED_STARTS: usize = 64;
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -399,6 +408,7 @@ impl CudaBackend {
             blas: Mutex::new(blas),
             kernels,
             pool,
+            checked_starts: Mutex::default(),
         })
     }
 
@@ -727,7 +737,8 @@ impl CudaBackend {
 
     /// The device address of an attention call's document starts (0, the kernels' null, for
     /// one document per sequence), checked as the CPU backend checks them before any kernel
-    /// reads them: one wait per call with documents, as the embedding's token check.
+    /// reads them: one wait, as the embedding's token check, the first time this backend sees
+    /// these contents ([`CudaBackend::checked_starts`]).
     fn document_starts(
         &self,
         documents: Option<&Tensor>,
@@ -739,6 +750,10 @@ impl CudaBackend {
         };
         crate::sequence::check_document_count(op, shape, starts.len())?;
         let starts_ptr = self.ptr(starts, op)?;
+        let stamp = starts.stamp();
+        if self.checked_starts.lock().is_ok_and(|s| s.contains(&stamp)) {
+            return Ok(starts_ptr);
+        }
         let check = &self.kernels.check_document_starts_f32;
         if let Some(k) = self.first_bad(check, starts_ptr, starts.len(), shape.seq)? {
             let value = self
@@ -747,6 +762,12 @@ impl CudaBackend {
                 .copied()
                 .unwrap_or(f32::NAN);
             return Err(crate::sequence::bad_document_start(op, shape, k, value));
+        }
+        if let Ok(mut stamps) = self.checked_starts.lock() {
+            if stamps.len() == CHECKED_STARTS {
+                stamps.pop_front();
+            }
+            stamps.push_back(stamp);
         }
         Ok(starts_ptr)
     }
