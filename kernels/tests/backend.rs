@@ -450,6 +450,21 @@ fn attention_masks_packed_documents(be: &dyn Backend) {
         .attention(&qkv, Some(&late), shape, &mut o, &mut l)
         .unwrap_err();
     assert!(e.to_string().contains("starts its document at 4"), "{e}");
+    // Starts that passed, then overwritten in place with a bad one: checked again, refused.
+    let mut starts = on(be, &Tensor::from_vec(&[2 * 70], vec![0.0; 2 * 70]).unwrap());
+    be.attention(&qkv, Some(&starts), shape, &mut o, &mut l)
+        .unwrap();
+    let mut bad = vec![0.0; 2 * 70];
+    bad[75] = 6.0;
+    be.write(&bad, &mut starts).unwrap();
+    let e = be
+        .attention(&qkv, Some(&starts), shape, &mut o, &mut l)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("token 5 of sequence 1 starts its document at 6"),
+        "{e}"
+    );
     let short = on(be, &Tensor::from_vec(&[3], vec![0.0; 3]).unwrap());
     let e = be
         .attention(&qkv, Some(&short), shape, &mut o, &mut l)
