@@ -497,12 +497,13 @@ macro_rules! backend_ops {
             ///
             /// `documents` masks packed documents: per token (`[batch * seq]`, whole numbers in
             /// `f32`, as token ids are), the index in its sequence where its document starts. Token
-            /// `t` then attends over positions `starts[t]..=t` only. `None` is one document per
+            /// `t` then attends over positions `starts[t]..=t` only. Documents are contiguous: a
+            /// token's start is its predecessor's, or its own index. `None` is one document per
             /// sequence.
             ///
             /// # Errors
             /// Operand sizes that do not match `shape`; a document start that is not a whole number
-            /// in `0..=t`.
+            /// in `0..=t`, or neither its predecessor's start nor `t`.
             op fn attention(
                 &self,
                 qkv: &Tensor,

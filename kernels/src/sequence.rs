@@ -85,18 +85,20 @@ pub(crate) fn check(op: &'static str, s: AttentionShape, qkv: usize) -> Result<(
 }
 
 /// Checks the document starts of an attention call ([`Backend::attention`]): one per token,
-/// each a whole number no later than its own token's index in its sequence.
+/// each a whole number no later than its own token's index in its sequence, and documents
+/// contiguous: a token's document starts where its predecessor's does, or at the token itself.
 ///
 /// [`Backend::attention`]: crate::Backend::attention
 pub(crate) fn check_documents(op: &'static str, s: AttentionShape, starts: &[f32]) -> Result<()> {
     check_document_count(op, s, starts.len())?;
     let seq = s.seq.max(1);
+    let previous = |k: usize| (k % seq > 0).then(|| starts[k - 1]);
     match starts
         .iter()
         .enumerate()
-        .find(|&(k, &v)| !is_document_start(v, k % seq))
+        .find_map(|(k, &v)| document_start_fault(op, s, k, v, previous(k)))
     {
-        Some((k, &v)) => Err(bad_document_start(op, s, k, v)),
+        Some(e) => Err(e),
         None => Ok(()),
     }
 }
@@ -119,30 +121,36 @@ pub(crate) fn check_document_count(
     Ok(())
 }
 
-/// Whether `v` can start the document of the token at index `t` of its sequence: a whole
-/// number no later than `t`.
-fn is_document_start(v: f32, t: usize) -> bool {
-    v >= 0.0 && v.fract() == 0.0 && v as usize <= t
-}
-
-/// The error for a document start `v` of token `k` (counted over the batch) that
-/// [`check_documents`] refuses; the CUDA backend finds the token on the device and says the
-/// same.
-pub(crate) fn bad_document_start(
+/// Why [`check_documents`] refuses the document start `v` of token `k` (counted over the
+/// batch) whose predecessor in its sequence starts its document at `previous` (`None` for a
+/// sequence's first token); `None` when it does not. The CUDA backend finds the token on the
+/// device and says the same.
+pub(crate) fn document_start_fault(
     op: &'static str,
     s: AttentionShape,
     k: usize,
     v: f32,
-) -> KernelError {
+    previous: Option<f32>,
+) -> Option<KernelError> {
     let seq = s.seq.max(1);
-    shape_err(
-        op,
-        format!(
-            "token {} of sequence {} starts its document at {v}",
-            k % seq,
-            k / seq
-        ),
-    )
+    let (t, b) = (k % seq, k / seq);
+    if !(v >= 0.0 && v.fract() == 0.0 && v as usize <= t) {
+        return Some(shape_err(
+            op,
+            format!("token {t} of sequence {b} starts its document at {v}"),
+        ));
+    }
+    match previous {
+        Some(p) if v != p && v as usize != t => Some(shape_err(
+            op,
+            format!(
+                "token {t} of sequence {b} starts its document at {v}, neither where token {} \
+                 starts its ({p}) nor at itself: documents are contiguous",
+                t - 1
+            ),
+        )),
+        _ => None,
+    }
 }
 
 /// Where row `i`'s document starts in its sequence: 0 without documents.

@@ -411,8 +411,8 @@ fn document_starts(seq: usize, docs: &[&[(usize, usize)]]) -> Vec<f32> {
 /// log-sum-exp and the gradient of a packed batch are those of each document run alone as
 /// its own sequence. Documents cross the CPU kernel's 32-row blocks and the CUDA kernels'
 /// 64-row tiles, and start past a tile's first keys; head widths 16 and 64 (the CUDA
-/// backend's tiled kernels) and 24 (its one-warp kernels). A start past a token's own index
-/// is refused.
+/// backend's tiled kernels) and 24 (its one-warp kernels). A start past a token's own index,
+/// and documents that are not contiguous, are refused.
 fn attention_masks_packed_documents(be: &dyn Backend) {
     let long: [&[(usize, usize)]; 2] = [
         &[(0, 20), (20, 130), (130, 200)],
@@ -450,6 +450,18 @@ fn attention_masks_packed_documents(be: &dyn Backend) {
         .attention(&qkv, Some(&late), shape, &mut o, &mut l)
         .unwrap_err();
     assert!(e.to_string().contains("starts its document at 4"), "{e}");
+    // Documents are contiguous: token 3 cannot start at 1 after token 2 started at itself.
+    let mut apart = document_starts(70, &[&[(0, 2), (2, 70)], &[(0, 70)]]);
+    apart[3] = 1.0;
+    let apart = on(be, &Tensor::from_vec(&[2 * 70], apart).unwrap());
+    let e = be
+        .attention(&qkv, Some(&apart), shape, &mut o, &mut l)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("token 3 of sequence 0 starts its document at 1, neither where token 2"),
+        "{e}"
+    );
     // Starts that passed, then overwritten in place with a bad one: checked again, refused.
     let mut starts = on(be, &Tensor::from_vec(&[2 * 70], vec![0.0; 2 * 70]).unwrap());
     be.attention(&qkv, Some(&starts), shape, &mut o, &mut l)

@@ -756,12 +756,18 @@ impl CudaBackend {
         }
         let check = &self.kernels.check_document_starts_f32;
         if let Some(k) = self.first_bad(check, starts_ptr, starts.len(), shape.seq)? {
-            let value = self
-                .download::<f32>(starts_ptr + as_u64(k * 4), 1)?
-                .first()
-                .copied()
-                .unwrap_or(f32::NAN);
-            return Err(crate::sequence::bad_document_start(op, shape, k, value));
+            // The refused start and its predecessor's in its sequence, as the CPU reads them.
+            let first = if k % shape.seq.max(1) > 0 { k - 1 } else { k };
+            let values = self.download::<f32>(starts_ptr + as_u64(first * 4), k + 1 - first)?;
+            let value = values.last().copied().unwrap_or(f32::NAN);
+            let previous = (first < k).then(|| values.first().copied().unwrap_or(f32::NAN));
+            let fault = crate::sequence::document_start_fault(op, shape, k, value, previous);
+            return Err(fault.unwrap_or_else(|| {
+                shape_err(
+                    op,
+                    format!("token {k}'s document start was refused on the device"),
+                )
+            }));
         }
         if let Ok(mut stamps) = self.checked_starts.lock() {
             if stamps.len() == CHECKED_STARTS {

@@ -291,12 +291,15 @@ extern "C" __global__ void check_ids_f32(const float* ids, u64 n, u64 vocab, uns
 }
 
 // Packed documents' starts (see "packed documents" below): each a whole number no later than
-// its own token's index in its sequence of `seq`.
+// its own token's index t in its sequence of `seq`, and documents contiguous (past a sequence's
+// first token, a start is its predecessor's or t itself).
 extern "C" __global__ void check_document_starts_f32(const float* starts, u64 n, u64 seq, unsigned int* first_bad) {
     for (u64 i = global_index(); i < n; i += global_stride()) {
         float v = starts[i];
+        u64 t = i % seq;
         bool whole = v >= 0.0f && floorf(v) == v;
-        if (!(whole && (double)v <= (double)(i % seq))) atomicMin(first_bad, (unsigned int)i);
+        bool ok = whole && (double)v <= (double)t && (t == 0 || v == starts[i - 1] || (double)v == (double)t);
+        if (!ok) atomicMin(first_bad, (unsigned int)i);
     }
 }
 
@@ -501,7 +504,9 @@ extern "C" __global__ void embedding_backward_grouped_f32(const u32* offset, con
 // [batch * seq] the index in its sequence where its document starts (whole numbers in f32,
 // checked by check_document_starts_f32 before any attention kernel is launched). Token t then
 // attends over keys starts[t]..=t only: the forward and the query pass begin at a row's start,
-// the key pass skips the queries of later documents.
+// the key pass skips the queries of later documents. Documents are contiguous, so starts never
+// decrease along a sequence: once a query's start is past a key, every later query's is too,
+// and the key pass ends there.
 
 __device__ __forceinline__ u64 document_start(const float* starts, u64 token) {
     return starts ? (u64)starts[token] : 0;
@@ -623,8 +628,8 @@ extern "C" __global__ void attention_backward_keys_f32(const float* qkv, const f
         dv[k] = 0.0f;
     }
     for (u64 t = s; t < seq; ++t) {
-        // A query of a later document does not see this key.
-        if (document_start(starts, b * seq + t) > s) continue;
+        // A query of a later document does not see this key, nor does any query after it.
+        if (document_start(starts, b * seq + t) > s) break;
         const float* q = qkv + (b * seq + t) * stride + h * d;
         const float* go = dout + (b * seq + t) * width + h * d;
         u64 at = (b * heads + h) * seq + t;
@@ -798,7 +803,12 @@ __device__ void attention_backward_keys_tiled(const float* qkv, const float* sta
         dk[f] = 0.0f;
         dv[f] = 0.0f;
     }
+    // The block's last key: a query tile whose first query starts its document past it (and so
+    // every later one) sees none of the block's keys.
+    u64 last_key = (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1 < seq - 1 ? (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1
+                                                                       : seq - 1;
     for (u64 t0 = (u64)blockIdx.x * ATT_TILE; t0 < seq; t0 += ATT_TILE) {
+        if (document_start(starts, b * seq + t0) > last_key) break;
         __syncthreads();
         load_tile<D>(qs, base, t0, seq, stride, h * D);
         load_tile<D>(gos, dbase, t0, seq, width, h * D);
@@ -1222,7 +1232,11 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32, 3)
         dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
     }
     float to_log2 = scale * LOG2_E;
+    // The block's last key: a query tile whose first query starts its document past it (and so
+    // every later one) sees none of the block's keys.
+    u64 last_key = k0 + rows - 1 < seq - 1 ? k0 + rows - 1 : seq - 1;
     for (u64 t0 = k0; t0 < seq; t0 += FA_TILE) {
+        if (document_start(starts, b * seq + t0) > last_key) break;
         __syncthreads();
         fa_stage(qs, FA_TILE, base, t0, seq, stride, h * FA_D);
         fa_stage(gs, FA_TILE, dbase, t0, seq, width, h * FA_D);
