@@ -442,46 +442,37 @@ fn attention_masks_packed_documents(be: &dyn Backend) {
         width: 32,
     };
     let qkv = on(be, &rand_t(&[2 * 70, 3 * 32], 31));
+    let (mut o, mut l) = (Tensor::default(), Tensor::default());
+    let mut refused = |starts: &Tensor, says: &str| {
+        let e = be
+            .attention(&qkv, Some(starts), shape, &mut o, &mut l)
+            .unwrap_err();
+        assert!(e.to_string().contains(says), "{e}");
+    };
+    let placed = |starts: Vec<f32>| on(be, &Tensor::from_vec(&[2 * 70], starts).unwrap());
     let mut late = document_starts(70, &[&[(0, 70)], &[(0, 70)]]);
     late[3] = 4.0;
-    let late = on(be, &Tensor::from_vec(&[2 * 70], late).unwrap());
-    let (mut o, mut l) = (Tensor::default(), Tensor::default());
-    let e = be
-        .attention(&qkv, Some(&late), shape, &mut o, &mut l)
-        .unwrap_err();
-    assert!(e.to_string().contains("starts its document at 4"), "{e}");
+    refused(&placed(late), "starts its document at 4");
     // Documents are contiguous: token 3 cannot start at 1 after token 2 started at itself.
     let mut apart = document_starts(70, &[&[(0, 2), (2, 70)], &[(0, 70)]]);
     apart[3] = 1.0;
-    let apart = on(be, &Tensor::from_vec(&[2 * 70], apart).unwrap());
-    let e = be
-        .attention(&qkv, Some(&apart), shape, &mut o, &mut l)
-        .unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("token 3 of sequence 0 starts its document at 1, neither where token 2"),
-        "{e}"
+    refused(
+        &placed(apart),
+        "token 3 of sequence 0 starts its document at 1, neither where token 2",
     );
     // Starts that passed, then overwritten in place with a bad one: checked again, refused.
-    let mut starts = on(be, &Tensor::from_vec(&[2 * 70], vec![0.0; 2 * 70]).unwrap());
-    be.attention(&qkv, Some(&starts), shape, &mut o, &mut l)
+    let mut starts = placed(vec![0.0; 2 * 70]);
+    let (mut o2, mut l2) = (Tensor::default(), Tensor::default());
+    be.attention(&qkv, Some(&starts), shape, &mut o2, &mut l2)
         .unwrap();
     let mut bad = vec![0.0; 2 * 70];
     bad[75] = 6.0;
     be.write(&bad, &mut starts).unwrap();
-    let e = be
-        .attention(&qkv, Some(&starts), shape, &mut o, &mut l)
-        .unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("token 5 of sequence 1 starts its document at 6"),
-        "{e}"
+    refused(&starts, "token 5 of sequence 1 starts its document at 6");
+    refused(
+        &on(be, &Tensor::from_vec(&[3], vec![0.0; 3]).unwrap()),
+        "3 document starts",
     );
-    let short = on(be, &Tensor::from_vec(&[3], vec![0.0; 3]).unwrap());
-    let e = be
-        .attention(&qkv, Some(&short), shape, &mut o, &mut l)
-        .unwrap_err();
-    assert!(e.to_string().contains("3 document starts"), "{e}");
 }
 
 /// One shape of [`attention_masks_packed_documents`].
