@@ -26,11 +26,11 @@ steps="${STEPS:-30}"
 mkdir -p "$out"
 if [[ ! -e $corpus ]]; then
   echo "== making $corpus: data/tinyshakespeare.txt in documents of 200 lines, BPE of 1,024"
-  docs="$out/documents"
-  rm -rf "$docs" && mkdir -p "$docs"
+  docs="$(mktemp -d)"
   split -l 200 -d -a 4 --additional-suffix=.txt data/tinyshakespeare.txt "$docs/doc-"
   "$pipe" tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json --input "$docs" \
     --out "$corpus"
+  rm -rf "$docs"
 fi
 packed=(--dataset "tokens:$corpus" --pack-documents --seed 0 --eval-windows 4)
 

@@ -78,6 +78,7 @@ if wants memory; then
     --stages 4 --schedule pipedream --partition 0-4,5-8,9-12,13-14
 fi
 if wants documents; then
+  # Its corpus is made on first use, from the repository's data (a fraction of a second).
   step 240 bash "$here/documents_check.sh" "$pipe" "$here/corpus-documents" "$out/documents-check"
 fi
 if wants suite; then

@@ -32,13 +32,6 @@ cp experiments/gpu/run.sh experiments/gpu/step.sh experiments/gpu/gpt2.sh experi
 # 1,024 tokens padded to GPT-2's 50,257 (wide_vocab.py), so gpt2-small is GPT-2 124M.
 python3 experiments/gpu/wide_vocab.py data/tokenizers/shakespeare-bpe-1024.json > "$out/wide.json"
 "$out/pipe" tokenize --tokenizer "$out/wide.json" --input data/tinyshakespeare.txt --out "$out/corpus"
-# The packed-documents check's corpus (documents_check.sh makes it when absent): Tiny
-# Shakespeare in documents of 200 lines, in the 1,024-token BPE.
-docs="$(mktemp -d)"
-split -l 200 -d -a 4 --additional-suffix=.txt data/tinyshakespeare.txt "$docs/doc-"
-"$out/pipe" tokenize --tokenizer data/tokenizers/shakespeare-bpe-1024.json --input "$docs" \
-  --out "$out/corpus-documents"
-rm -rf "$docs"
 du -sh "$out"/*
 for d in .gpu-pack .gpu-oracle; do
   grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude

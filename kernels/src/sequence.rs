@@ -93,14 +93,11 @@ pub(crate) fn check_documents(op: &'static str, s: AttentionShape, starts: &[f32
     check_document_count(op, s, starts.len())?;
     let seq = s.seq.max(1);
     let previous = |k: usize| (k % seq > 0).then(|| starts[k - 1]);
-    match starts
+    starts
         .iter()
         .enumerate()
         .find_map(|(k, &v)| document_start_fault(op, s, k, v, previous(k)))
-    {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+        .map_or(Ok(()), Err)
 }
 
 /// Checks that an attention call has one document start per token.

@@ -1503,20 +1503,25 @@ impl Backend for CudaBackend {
                 classes: n,
             });
         }
-        let hits: Vec<i32> = hits
-            .chunks_exact(4)
-            .filter_map(|b| b.try_into().ok().map(i32::from_le_bytes))
-            .collect();
         // Summed in row order on the host, as the CPU backend sums them (an ignored row's 0
         // adds nothing).
-        Ok(LossStats {
+        let mut stats = LossStats {
             loss_sum: losses
                 .chunks_exact(8)
                 .filter_map(|b| b.try_into().ok().map(f64::from_le_bytes))
                 .sum(),
-            correct: hits.iter().filter(|&&h| h == 1).count(),
-            rows: hits.iter().filter(|&&h| h != -1).count(),
-        })
+            ..LossStats::default()
+        };
+        for hit in hits.chunks_exact(4).filter_map(|b| b.try_into().ok()) {
+            match i32::from_le_bytes(hit) {
+                -1 => {}
+                h => {
+                    stats.rows += 1;
+                    stats.correct += usize::from(h == 1);
+                }
+            }
+        }
+        Ok(stats)
     }
 
     fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -805,8 +805,8 @@ __device__ void attention_backward_keys_tiled(const float* qkv, const float* sta
     }
     // The block's last key: a query tile whose first query starts its document past it (and so
     // every later one) sees none of the block's keys.
-    u64 last_key = (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1 < seq - 1 ? (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1
-                                                                       : seq - 1;
+    u64 last_key = (u64)blockIdx.x * ATT_TILE + ATT_TILE - 1;
+    if (last_key >= seq) last_key = seq - 1;
     for (u64 t0 = (u64)blockIdx.x * ATT_TILE; t0 < seq; t0 += ATT_TILE) {
         if (document_start(starts, b * seq + t0) > last_key) break;
         __syncthreads();
@@ -1234,7 +1234,8 @@ extern "C" __global__ void __launch_bounds__(FA_BACKWARD_WARPS * 32, 3)
     float to_log2 = scale * LOG2_E;
     // The block's last key: a query tile whose first query starts its document past it (and so
     // every later one) sees none of the block's keys.
-    u64 last_key = k0 + rows - 1 < seq - 1 ? k0 + rows - 1 : seq - 1;
+    u64 last_key = k0 + rows - 1;
+    if (last_key >= seq) last_key = seq - 1;
     for (u64 t0 = k0; t0 < seq; t0 += FA_TILE) {
         if (document_start(starts, b * seq + t0) > last_key) break;
         __syncthreads();
