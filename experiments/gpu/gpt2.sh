@@ -13,6 +13,8 @@
 #   train      200 updates of gpt2-small on the token corpus: the loss falls
 #   stages     one worker against --stages 4 on the one GPU, and --stages 2 as two worker
 #              processes against two stages in one process
+#   processes  --stages 2 in one process and as two worker processes lending their device
+#              buffers (CUDA IPC): the same weights, and the tokens/s of each
 #   memory     PipeDream at four stages on the one GPU with microbatches of 16 x 1,024: the
 #              device memory estimate printed at the start beside each stage's pool peak
 #   documents  packed documents in training (documents_check.sh): gpt-mini in f32 on the CPU
@@ -26,7 +28,7 @@ log="$out/gpt2.log"
 pipe="$here/pipe"
 corpus="$here/corpus"
 export PIPE_REQUIRE_GPU=1
-checks="${CHECKS:-attention bench peer loss train stages memory documents suite oracle}"
+checks="${CHECKS:-attention bench peer loss train stages processes memory documents suite oracle}"
 # shellcheck source=step.sh
 source "$here/step.sh"
 wants() { [[ " $checks " == *" $1 "* ]]; }
@@ -69,6 +71,25 @@ if wants stages; then
   train_run four-stages "${run[@]}" --stages 4 --partition 0-4,5-8,9-12,13-14
   train_run two-stages "${run[@]}" --stages 2 --partition 0-8,9-14
   train_run two-processes "${run[@]}" --stages 2 --partition 0-8,9-14 --transport shm
+fi
+if wants processes; then
+  # Activations and gradients between two worker processes on the one GPU are lent device to
+  # device (docs/transport.md, "Device buffers lent between processes"): the weights must be
+  # those of the same two stages in one process, at 0.9 or more of their tokens/s.
+  limit=120
+  run=(--steps 24 --epochs 100 --microbatch-size 4 --microbatches 8 --stages 2
+    --partition 0-8,9-14)
+  train_run lent-one-process "${run[@]}" > "$out/lent-one-process.out"
+  train_run lent-processes "${run[@]}" --transport shm > "$out/lent-processes.out"
+  digest() { grep -o 'weights [0-9a-f]*' "$1" | tail -1 | cut -d' ' -f2; }
+  # The second epoch's figure: the first carries the start.
+  speed() { grep -o '[0-9]* tokens/s' "$1" | sed -n 2p | cut -d' ' -f1; }
+  one=$(digest "$out/lent-one-process.out") two=$(digest "$out/lent-processes.out")
+  a=$(speed "$out/lent-one-process.out") b=$(speed "$out/lent-processes.out")
+  verdict=FAIL
+  [[ -n "$one" && "$one" == "$two" ]] && verdict=PASS
+  ratio=$(awk -v a="${a:-0}" -v b="${b:-0}" 'BEGIN { if (a > 0) printf "%.2f", b / a; else print "none" }')
+  echo "processes: weights $one in one process, $two as processes ($verdict); epoch 2 $a against $b tokens/s, processes / one process $ratio (target 0.9)" | tee -a "$log"
 fi
 if wants memory; then
   # pipe's memory model of a device (docs/gpu.md, "Device memory"): the start's `device memory

@@ -284,6 +284,35 @@ macro_rules! backend_ops {
             }
         }
         $op! {
+            /// Lends `t`'s device buffer to another process of this host: a handle by which that
+            /// process's backend copies it ([`Backend::copy_lent`]), or `None` where this backend
+            /// lends nothing (host memory). It returns once the device has finished writing the
+            /// buffer. The caller keeps `t` (so its buffer stays this tensor's, unwritten) until
+            /// the borrower says it has copied it.
+            ///
+            /// # Errors
+            /// Device failures.
+            about fn lend(&self, t: &Tensor) -> Result<Option<Vec<u8>>> {
+                let _ = t;
+                Ok(None)
+            }
+        }
+        $op! {
+            /// A tensor of this backend of `shape`, copied from the buffer another process lent
+            /// with `handle` ([`Backend::lend`]). It returns once the copy has been made, so the
+            /// lender may then reuse its buffer.
+            ///
+            /// # Errors
+            /// [`KernelError::Lent`](crate::KernelError::Lent) for a handle this backend cannot
+            /// open or a buffer smaller than `shape`; device failures.
+            about fn copy_lent(&self, handle: &[u8], shape: &[usize]) -> Result<Tensor> {
+                let _ = shape;
+                Err(crate::KernelError::Lent {
+                    detail: format!("a handle of {} bytes, but {} borrows nothing", handle.len(), self.name()),
+                })
+            }
+        }
+        $op! {
             /// Makes `t` resident where this backend computes: a host tensor is copied to the
             /// device, a tensor already there is returned as it is (the CPU backend returns every
             /// host tensor as it is).

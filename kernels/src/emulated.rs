@@ -144,6 +144,12 @@ impl EmulatedDevice {
         }
     }
 
+    /// How many buffers lent by emulated devices ([`Backend::lend`]) emulated devices of this
+    /// process have copied so far: what shows a test that a run took the lending path.
+    pub fn lent_buffers_copied() -> u64 {
+        lent::copied()
+    }
+
     /// A host copy of one of this emulator's tensors.
     fn input<E: Bits>(&self, t: &Tensor<E>, op: &'static str) -> Result<Tensor<E>> {
         match t.storage() {
@@ -398,6 +404,44 @@ impl Backend for EmulatedDevice {
         Some(self.usage.peak.load(Ordering::Relaxed))
     }
 
+    /// Registers the buffer under a number of this process ([`lent`]): the handle names the
+    /// process and the number, as a CUDA IPC handle names an allocation.
+    fn lend(&self, t: &Tensor) -> Result<Option<Vec<u8>>> {
+        match t.storage() {
+            Storage::Device(m)
+                if m.as_any()
+                    .downcast_ref::<EmulatedMemory>()
+                    .is_some_and(|e| e.owner == self.id) =>
+            {
+                Ok(Some(lent::register(m)))
+            }
+            Storage::Host(_) => Ok(None),
+            Storage::Device(_) => Err(self.wrong("lend", t.device())),
+        }
+    }
+
+    /// Copies a buffer lent in this process that its lender still holds: one released before
+    /// its borrower copied it is an error, where a GPU would have copied whatever the block
+    /// held by then.
+    fn copy_lent(&self, handle: &[u8], shape: &[usize]) -> Result<Tensor> {
+        let memory = lent::take(handle)?;
+        let Some(lent) = memory.as_any().downcast_ref::<EmulatedMemory>() else {
+            return Err(lent::refused("it is not an emulated device's buffer"));
+        };
+        let len = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let bits = match len {
+            Some(len) if len <= lent.bits.len() => &lent.bits[..len],
+            _ => {
+                return Err(lent::refused(format!(
+                    "{} values do not fill a tensor of shape {shape:?}",
+                    lent.bits.len()
+                )));
+            }
+        };
+        let values = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        self.output(Tensor::from_vec(shape, values)?)
+    }
+
     fn place(&self, t: Tensor) -> Result<Tensor> {
         self.place_any(t)
     }
@@ -425,5 +469,87 @@ impl Backend for EmulatedDevice {
     fn fill(&self, value: f32, x: &mut Tensor) -> Result<()> {
         *x = self.output(Tensor::full(x.shape(), value))?;
         Ok(())
+    }
+}
+
+/// The buffers emulated devices lend in this process, by number: what stands in for the
+/// driver's IPC handles, so that a run over shared memory takes the executor's lending path
+/// without a GPU and checks its protocol (a buffer is held until its borrower has copied it).
+pub(crate) mod lent {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+    use crate::{DeviceMemory, KernelError, Result};
+
+    /// The first bytes of an emulated device's handle.
+    const MAGIC: [u8; 4] = *b"EMU1";
+
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    static COPIED: AtomicU64 = AtomicU64::new(0);
+
+    type Registry = Mutex<HashMap<u64, Weak<dyn DeviceMemory>>>;
+
+    fn registry() -> &'static Registry {
+        static LENT: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+        LENT.get_or_init(Registry::default)
+    }
+
+    pub(crate) fn refused(detail: impl Into<String>) -> KernelError {
+        KernelError::Lent {
+            detail: detail.into(),
+        }
+    }
+
+    /// Registers `memory` and returns its handle: the magic, this process's id and the number.
+    /// Buffers released without being copied leave their entries, dropped here as they are
+    /// found.
+    pub(crate) fn register(memory: &Arc<dyn DeviceMemory>) -> Vec<u8> {
+        let number = NEXT.fetch_add(1, Ordering::Relaxed);
+        let mut lent = registry().lock().unwrap_or_else(PoisonError::into_inner);
+        lent.retain(|_, m| m.strong_count() > 0);
+        lent.insert(number, Arc::downgrade(memory));
+        let mut handle = MAGIC.to_vec();
+        handle.extend_from_slice(&std::process::id().to_le_bytes());
+        handle.extend_from_slice(&number.to_le_bytes());
+        handle
+    }
+
+    /// The buffer `handle` names, taken off the registry (each loan is copied once).
+    pub(crate) fn take(handle: &[u8]) -> Result<Arc<dyn DeviceMemory>> {
+        let (Some(magic), Some(pid), Some(number)) =
+            (handle.get(..4), handle.get(4..8), handle.get(8..16))
+        else {
+            return Err(refused(format!(
+                "a handle of {} bytes, not 16",
+                handle.len()
+            )));
+        };
+        if magic != MAGIC || handle.len() != 16 {
+            return Err(refused("not an emulated device's handle"));
+        }
+        let pid = u32::from_le_bytes(pid.try_into().unwrap_or_default());
+        if pid != std::process::id() {
+            return Err(refused(format!(
+                "lent by process {pid}: an emulated device borrows only within its own process"
+            )));
+        }
+        let number = u64::from_le_bytes(number.try_into().unwrap_or_default());
+        let entry = registry()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&number);
+        let memory = entry.and_then(|m| m.upgrade()).ok_or_else(|| {
+            refused(format!(
+                "loan {number} was released by its lender before it was copied"
+            ))
+        })?;
+        COPIED.fetch_add(1, Ordering::Relaxed);
+        Ok(memory)
+    }
+
+    /// Lent buffers copied in this process so far.
+    pub(crate) fn copied() -> u64 {
+        COPIED.load(Ordering::Relaxed)
     }
 }

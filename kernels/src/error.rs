@@ -3,6 +3,13 @@ use thiserror::Error;
 /// Errors raised by tensors and backends.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum KernelError {
+    /// A device buffer lent by another process cannot be copied
+    /// ([`Backend::copy_lent`](crate::Backend::copy_lent)).
+    #[error("lent device buffer: {detail}")]
+    Lent {
+        /// What is wrong with it.
+        detail: String,
+    },
     /// Operand shapes do not fit the operation.
     #[error("{op}: shape mismatch: {detail}")]
     Shape {

@@ -1168,6 +1168,7 @@ backend_tests!(
         wide_softmax_cross_entropy_agrees_with_the_cpu_backend,
         non_finite_values_are_found_by_tensor,
         updates_say_what_they_saw,
+        lent_buffers_are_copied_whole,
     ]
 );
 
@@ -1386,6 +1387,7 @@ backend_tests!(
         wide_softmax_cross_entropy_agrees_with_the_cpu_backend,
         non_finite_values_are_found_by_tensor,
         updates_say_what_they_saw,
+        lent_buffers_are_copied_whole,
     ]
 );
 
@@ -1410,6 +1412,7 @@ backend_tests!(
         wide_softmax_cross_entropy_agrees_with_the_cpu_backend,
         non_finite_values_are_found_by_tensor,
         updates_say_what_they_saw,
+        lent_buffers_are_copied_whole,
     ]
 );
 
@@ -1989,4 +1992,117 @@ fn bf16_attention_case(
         again.0 == out && again.1 == lse && again.2 == dqkv,
         "{what}: a repeated call gave other bits"
     );
+}
+
+/// A device buffer lent ([`Backend::lend`]) and copied back in by the same backend
+/// ([`Backend::copy_lent`]) holds the lent tensor's bits; a shape past the buffer and a damaged
+/// handle are refused. A host backend lends nothing and borrows nothing.
+fn lent_buffers_are_copied_whole(be: &dyn Backend) {
+    let host = rand_t(&[3, 5, 7], 41);
+    let t = on(be, &host);
+    let lent = be.lend(&t).unwrap();
+    let Some(handle) = lent else {
+        assert_eq!(
+            be.device(),
+            Device::Host,
+            "a device backend lends its buffers"
+        );
+        let e = be.copy_lent(b"handle", &[1]).unwrap_err().to_string();
+        assert!(e.contains("borrows nothing"), "{e}");
+        return;
+    };
+    let copy = be.copy_lent(&handle, &[3, 5, 7]).unwrap();
+    assert_eq!(copy.shape(), &[3, 5, 7]);
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+    assert_eq!(bits(read(be, &copy)), bits(host.host().unwrap().to_vec()));
+    let again = be.lend(&t).unwrap().unwrap();
+    let e = be.copy_lent(&again, &[1 << 24]).unwrap_err().to_string();
+    assert!(e.contains("lent device buffer"), "{e}");
+    let mut damaged = be.lend(&t).unwrap().unwrap();
+    damaged[0] ^= 0xff;
+    let e = be.copy_lent(&damaged, &[3, 5, 7]).unwrap_err().to_string();
+    assert!(e.contains("lent device buffer"), "{e}");
+    let e = be
+        .copy_lent(&damaged[..5], &[3, 5, 7])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("lent device buffer"), "{e}");
+}
+
+/// The lending side of [`a_buffer_lent_by_another_process`]: run only as that test's child
+/// (`PIPE_LEND_CHILD` names the backend), it lends a tensor, prints the handle and holds the
+/// tensor until its parent closes its input.
+#[test]
+fn lending_child() {
+    let Some(kind) = std::env::var_os("PIPE_LEND_CHILD") else {
+        return;
+    };
+    let be: Box<dyn Backend> = match kind.to_str() {
+        Some("emulated") => Box::new(pipe_kernels::EmulatedDevice::new(0).unwrap()),
+        #[cfg(feature = "cuda")]
+        Some("cuda") => Box::new(pipe_kernels::CudaBackend::new(0).unwrap()),
+        other => panic!("no backend {other:?}"),
+    };
+    let t = on(be.as_ref(), &rand_t(&[64, 48], 77));
+    let handle = be.lend(&t).unwrap().unwrap();
+    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+    println!("HANDLE {hex}");
+    use std::io::{Read, Write};
+    std::io::stdout().flush().unwrap();
+    let mut rest = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut rest);
+    drop(t);
+}
+
+/// Runs [`lending_child`] for `kind` and hands `copy` the handle it lent, while the child holds
+/// the buffer; returns what `copy` returned.
+fn borrow_from_child<R>(kind: &str, copy: impl FnOnce(&[u8]) -> R) -> R {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "lending_child",
+            "--exact",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("PIPE_LEND_CHILD", kind)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(stdout).lines().map(Result::unwrap);
+    // The harness prints the test's name on the same line first.
+    let hex = lines
+        .by_ref()
+        .find_map(|l| l.split_once("HANDLE ").map(|(_, hex)| hex.to_string()))
+        .expect("the child printed no handle");
+    let handle: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let out = copy(&handle);
+    drop(child.stdin.take());
+    // Read to the end, so the child's last lines do not meet a closed pipe.
+    lines.for_each(drop);
+    assert!(child.wait().unwrap().success());
+    out
+}
+
+/// A buffer lent by another process: the emulated device, whose loans stand for handles within
+/// one process, refuses it by name; the CUDA backend (on a GPU) copies it, bit for bit.
+#[test]
+fn a_buffer_lent_by_another_process() {
+    let borrower = pipe_kernels::EmulatedDevice::new(1).unwrap();
+    let e = borrow_from_child("emulated", |h| borrower.copy_lent(h, &[64, 48]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("borrows only within its own process"), "{e}");
+    #[cfg(feature = "cuda")]
+    if let Some(be) = cuda_or_skip() {
+        let copy = borrow_from_child("cuda", |h| be.copy_lent(h, &[64, 48])).unwrap();
+        let want = rand_t(&[64, 48], 77);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&read(&be, &copy)), bits(want.host().unwrap()));
+    }
 }

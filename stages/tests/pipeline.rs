@@ -520,9 +520,11 @@ fn quic_runs_equal_in_process_runs() {
 /// The code paths only a device backend takes, run without a GPU: every worker on its own
 /// emulated device (`pipe_kernels::EmulatedDevice`: device buffers, CPU arithmetic). In
 /// process the device buffers cross the channels and each receiver copies them in; over QUIC
-/// the senders copy them out; replicas sum on the devices in process and through the host
-/// over QUIC; finished
-/// workers hand back host weights. Every path must end with the CPU run's weights, bit for bit.
+/// the senders copy them out; over shared memory (the link of worker processes on one host)
+/// the senders lend their buffers and the receivers copy them device to device
+/// (`pipe_stages::pipeline::loans`); replicas sum on the devices in process and through the
+/// host over QUIC and shared memory; finished workers hand back host weights. Every path must
+/// end with the CPU run's weights, bit for bit.
 #[test]
 fn workers_on_emulated_devices_end_with_the_cpu_weights() {
     let model = model();
@@ -542,10 +544,51 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
         let inproc = mesh(workers, &InProcOptions::default());
         let in_process = on_emulated_devices(&run, &model, inproc);
         let over_quic = on_emulated_devices(&run, &model, quic(workers));
-        for (path, states) in [("in process", &in_process), ("over QUIC", &over_quic)] {
+        let lent = pipe_kernels::EmulatedDevice::lent_buffers_copied();
+        let over_shm = on_emulated_devices(&run, &model, shm(workers));
+        let copied = pipe_kernels::EmulatedDevice::lent_buffers_copied() - lent;
+        if workers > 1 {
+            assert!(copied > 0, "{policy} {replicas:?}: nothing was lent");
+        }
+        for (path, states) in [
+            ("in process", &in_process),
+            ("over QUIC", &over_quic),
+            ("over shared memory", &over_shm),
+        ] {
             assert_same_weights(&cpu, states, &format!("{policy} {replicas:?} {path}"));
         }
     }
+}
+
+/// Endpoints of `workers` workers over shared memory, as worker processes of one host link.
+fn shm(workers: u32) -> Vec<pipe_transport::shm::Shm> {
+    pipe_transport::shm::local_mesh(workers, &pipe_transport::shm::ShmOptions::new(SEED)).unwrap()
+}
+
+/// On a wire that rounds activations to bf16 nothing is lent (a loan would carry the f32
+/// bits): the messages go through the host, rounded, as over QUIC with the same wire.
+#[test]
+fn a_rounding_wire_lends_nothing() {
+    let model = model();
+    let run = prepare(&on_three(Policy::PipeDream, 4, &[1, 1, 1], 4), &model);
+    let workers = run.schedule.workers();
+    let wire = pipe_transport::frame::WireDType::Bf16;
+    let mut opts = pipe_transport::shm::ShmOptions::new(SEED);
+    opts.wire = wire;
+    let over_shm = on_emulated_devices(
+        &run,
+        &model,
+        pipe_transport::shm::local_mesh(workers, &opts).unwrap(),
+    );
+    let mut quic_opts = pipe_transport::quic::QuicOptions::new(SEED);
+    quic_opts.wire = wire;
+    let over_quic = on_emulated_devices(
+        &run,
+        &model,
+        pipe_transport::quic::local_mesh(workers, &quic_opts).unwrap(),
+    );
+    // Lent, the activations would keep their f32 bits, and the weights would differ.
+    assert_same_weights(&over_quic, &over_shm, "bf16 wire");
 }
 
 /// Three replicas on emulated devices in one process sum their gradients on the devices in
@@ -749,6 +792,9 @@ impl<T: pipe_transport::Transport> pipe_transport::Transport for Faulty<T> {
     }
     fn carries_device_tensors(&self) -> bool {
         self.inner.carries_device_tensors()
+    }
+    fn lends_device_buffers(&self, peer: u32) -> bool {
+        self.inner.lends_device_buffers(peer)
     }
     fn copies_payloads(&self) -> bool {
         self.inner.copies_payloads()

@@ -120,6 +120,9 @@ impl Transport for Recording {
     fn carries_device_tensors(&self) -> bool {
         false
     }
+    fn lends_device_buffers(&self, _: u32) -> bool {
+        false
+    }
     fn copies_payloads(&self) -> bool {
         false
     }
@@ -172,6 +175,9 @@ impl Transport for Served {
         None
     }
     fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    fn lends_device_buffers(&self, _: u32) -> bool {
         false
     }
     fn copies_payloads(&self) -> bool {

@@ -643,6 +643,12 @@ impl<T: Transport> Transport for Faulty<T> {
             .is_some_and(Transport::carries_device_tensors)
     }
 
+    fn lends_device_buffers(&self, peer: u32) -> bool {
+        self.inner
+            .as_ref()
+            .is_some_and(|t| t.lends_device_buffers(peer))
+    }
+
     fn interrupter(&self) -> Option<crate::Interrupter> {
         self.inner.as_ref().and_then(Transport::interrupter)
     }

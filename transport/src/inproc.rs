@@ -157,6 +157,12 @@ impl Transport for InProc {
         self.wire == WireDType::F32
     }
 
+    /// One process: a device tensor passes as it is where the wire allows, and is rounded on
+    /// the host where it does not; there is no other process to lend it to.
+    fn lends_device_buffers(&self, _: u32) -> bool {
+        false
+    }
+
     fn rank(&self) -> u32 {
         self.rank
     }

@@ -380,11 +380,20 @@ pub trait Transport: Send {
     /// the receiving worker's backend copies device to device. Every other transport is given
     /// host tensors (the sender copies a device tensor out first).
     ///
-    /// This and the other capabilities (`copies_payloads`, `link_buffer_bytes`,
-    /// `interrupter`, `regroup_address`, `regroup`, `cut_link`) have no default: a transport
-    /// states each, and a wrapper forwards each to what it wraps, so a wrapper cannot drop one
-    /// by leaving it out.
+    /// This and the other capabilities (`lends_device_buffers`, `copies_payloads`,
+    /// `link_buffer_bytes`, `interrupter`, `regroup_address`, `regroup`, `cut_link`) have no
+    /// default: a transport states each, and a wrapper forwards each to what it wraps, so a
+    /// wrapper cannot drop one by leaving it out.
     fn carries_device_tensors(&self) -> bool;
+
+    /// Whether a data message to `peer` may carry, in place of its payload, a handle to the
+    /// sender's device buffer that `peer`'s process opens and copies device to device (CUDA
+    /// IPC; the executor's loans, `pipe_stages::pipeline::loans`): true only for a link
+    /// between processes of one host (shared memory, which refuses a peer on another host)
+    /// whose wire carries payloads as they are (f32), so that the copy has the bits a host
+    /// copy would. A wrapper that keeps copies of the messages it passes says false: a handle
+    /// is not a payload it could replay.
+    fn lends_device_buffers(&self, peer: u32) -> bool;
 
     /// Number of workers in the mesh.
     fn size(&self) -> u32;
@@ -588,6 +597,9 @@ macro_rules! forward_transport {
             }
             fn carries_device_tensors(&self) -> bool {
                 (**self).carries_device_tensors()
+            }
+            fn lends_device_buffers(&self, peer: u32) -> bool {
+                (**self).lends_device_buffers(peer)
             }
             fn size(&self) -> u32 {
                 (**self).size()

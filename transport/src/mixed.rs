@@ -158,6 +158,14 @@ impl Transport for Mixed {
     fn carries_device_tensors(&self) -> bool {
         false
     }
+    /// As the link to `peer` does: shared memory's within the host, QUIC's (none) beyond it.
+    fn lends_device_buffers(&self, peer: u32) -> bool {
+        if self.local.get(peer as usize).copied().unwrap_or(false) {
+            self.shm.lends_device_buffers(peer)
+        } else {
+            self.quic.lends_device_buffers(peer)
+        }
+    }
     /// QUIC's: it notices a dead peer only by its silence, and a failure it hears wakes the
     /// calls blocked on shared memory too.
     fn interrupter(&self) -> Option<crate::Interrupter> {

@@ -1860,6 +1860,10 @@ impl Transport for Quic {
     fn carries_device_tensors(&self) -> bool {
         false
     }
+    /// QUIC reaches other hosts, so nothing is lent over it.
+    fn lends_device_buffers(&self, _: u32) -> bool {
+        false
+    }
     fn copies_payloads(&self) -> bool {
         false
     }

@@ -152,6 +152,10 @@ impl<T: Transport> Transport for Renumbered<T> {
     fn carries_device_tensors(&self) -> bool {
         self.inner.carries_device_tensors()
     }
+    fn lends_device_buffers(&self, peer: u32) -> bool {
+        self.rank_of(peer)
+            .is_ok_and(|rank| self.inner.lends_device_buffers(rank))
+    }
     fn size(&self) -> u32 {
         self.ranks.len() as u32
     }

@@ -1808,6 +1808,11 @@ impl Transport for Shm {
     fn carries_device_tensors(&self) -> bool {
         false
     }
+    /// Every peer of a segment is on this host (a hello from another host is refused); a
+    /// narrower wire type is rounded on the host, so a handle stands in only on an f32 wire.
+    fn lends_device_buffers(&self, peer: u32) -> bool {
+        self.opts.wire == WireDType::F32 && self.link_index(peer).is_ok()
+    }
     fn interrupter(&self) -> Option<crate::Interrupter> {
         None
     }

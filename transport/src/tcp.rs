@@ -729,6 +729,10 @@ impl Transport for Tcp {
     fn carries_device_tensors(&self) -> bool {
         false
     }
+    /// A socket may reach another host, so nothing is lent over it.
+    fn lends_device_buffers(&self, _: u32) -> bool {
+        false
+    }
     fn link_buffer_bytes(&self) -> Option<u64> {
         None
     }

@@ -28,6 +28,8 @@ use super::compile::module_for;
 use super::libraries::{Library, explain};
 use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
 
+mod lending;
+
 /// Threads per block for elementwise and per-column kernels.
 const THREADS: u32 = 256;
 /// Grid-stride kernels never need more blocks than this to fill a GPU.
@@ -124,6 +126,8 @@ pub struct CudaBackend {
     /// tensors whose check passed: a microbatch's starts serve every attention layer's forward
     /// and backward, and equal stamps mean equal contents, so each is checked (one wait) once.
     checked_starts: Mutex<VecDeque<u64>>,
+    /// Buffers other processes lent this backend, opened once each ([`lending`]).
+    borrowed: lending::Borrowed,
 }
 
 /// How many checked document-start tensors [`CudaBackend`] remembers (a pipeline stage holds
@@ -409,6 +413,7 @@ impl CudaBackend {
             kernels,
             pool,
             checked_starts: Mutex::default(),
+            borrowed: lending::Borrowed::default(),
         })
     }
 
@@ -1079,6 +1084,9 @@ impl Drop for CudaBackend {
         // Queued kernels must finish before their module and cuBLAS handle go; nothing can
         // report an error from here, and a device fault is reported by the call that queued it.
         let _ = self.stream.synchronize();
+        if self.ctx.bind_to_thread().is_ok() {
+            self.borrowed.close_all();
+        }
     }
 }
 
@@ -1101,6 +1109,14 @@ impl Backend for CudaBackend {
 
     fn peak_memory(&self) -> Option<u64> {
         Some(self.pool.stats().peak_in_use_bytes as u64)
+    }
+
+    fn lend(&self, t: &Tensor) -> Result<Option<Vec<u8>>> {
+        self.lend_buffer(t)
+    }
+
+    fn copy_lent(&self, handle: &[u8], shape: &[usize]) -> Result<Tensor> {
+        self.copy_lent_buffer(handle, shape)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

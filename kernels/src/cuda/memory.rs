@@ -40,6 +40,9 @@ pub struct PoolStats {
 struct Free {
     by_class: HashMap<usize, Vec<u64>>,
     stats: PoolStats,
+    /// The IPC handles of blocks lent to other processes, by address
+    /// ([`Pool::ipc_handle`]): such a block is never freed while the pool lives.
+    lent: HashMap<u64, [u8; 64]>,
 }
 
 /// One backend's caching allocator on one device.
@@ -150,12 +153,30 @@ impl Pool {
         Ok(ptr)
     }
 
-    /// Frees every cached block (after the stream has finished with them).
+    /// The IPC handle of the block at `ptr`, if it was lent before.
+    pub(crate) fn lent_handle(&self, ptr: u64) -> Option<[u8; 64]> {
+        let free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        free.lent.get(&ptr).copied()
+    }
+
+    /// Records that the block at `ptr` was lent with IPC handle `ipc`.
+    pub(crate) fn mark_lent(&self, ptr: u64, ipc: [u8; 64]) {
+        let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        free.lent.insert(ptr, ipc);
+    }
+
+    /// Frees every cached block (after the stream has finished with them) but those lent to
+    /// another process, which may still have them open.
     fn release_cached(&self) -> Result<()> {
         self.wait_idle()?;
         let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
         let classes: Vec<(usize, Vec<u64>)> = free.by_class.drain().collect();
         for (class, ptrs) in classes {
+            let (kept, ptrs): (Vec<u64>, Vec<u64>) =
+                ptrs.into_iter().partition(|p| free.lent.contains_key(p));
+            if !kept.is_empty() {
+                free.by_class.insert(class, kept);
+            }
             for ptr in ptrs {
                 // SAFETY: the block is cached (no tensor holds it) and its stream is idle.
                 unsafe { driver::free_sync(ptr) }.map_err(driver_err("free"))?;

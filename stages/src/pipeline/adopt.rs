@@ -469,6 +469,10 @@ impl<T: Transport> Transport for Logging<T> {
     fn carries_device_tensors(&self) -> bool {
         false
     }
+    /// Its log keeps payloads; a lent buffer is not one it could hand out again.
+    fn lends_device_buffers(&self, _: u32) -> bool {
+        false
+    }
     fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {
         self.inner.cut_link(peer, pause)
     }
@@ -570,6 +574,10 @@ impl<T: Transport> Transport for Serving<T> {
     }
     /// False: what it hands out first was kept from a log, as host tensors.
     fn carries_device_tensors(&self) -> bool {
+        false
+    }
+    /// Its log keeps payloads; a lent buffer is not one it could hand out again.
+    fn lends_device_buffers(&self, _: u32) -> bool {
         false
     }
     fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {

@@ -86,6 +86,9 @@ impl<T: Transport + ?Sized> Transport for Noticing<'_, T> {
     fn carries_device_tensors(&self) -> bool {
         self.inner.carries_device_tensors()
     }
+    fn lends_device_buffers(&self, peer: u32) -> bool {
+        self.inner.lends_device_buffers(peer)
+    }
     fn size(&self) -> u32 {
         self.inner.size()
     }

@@ -169,6 +169,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     let mut comms = Comms {
         nccl: NcclComms::default(),
         overlap: Overlap::new(program, setup.plan, be.device()),
+        loans: super::loans::Loans::default(),
     };
     for &Planned {
         pc,
@@ -223,6 +224,11 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
         });
     }
     core.replaying(None, program.len());
+    // The borrowers have copied every lent buffer before the core's tensors may go.
+    comms
+        .loans
+        .settle(t)
+        .map_err(|e| (progress.last_completed, e))?;
     // Read once the program has run: its activations and transients have come and gone.
     core.outcome.peak_resident_bytes = crate::limits::process_peak_bytes().unwrap_or(0);
     core.outcome.peak_device_bytes = be.peak_memory().unwrap_or(0);
@@ -272,6 +278,8 @@ impl WorkerMetrics {
 struct Comms {
     nccl: NcclComms,
     overlap: Overlap,
+    /// The device buffers this worker has lent to processes of its host and not had back.
+    loans: super::loans::Loans,
 }
 
 /// The all-reduces a worker starts during backward passes ([`BucketedAllReduce`]): which
@@ -372,18 +380,14 @@ fn step<B: Backend, T: Transport + ?Sized>(
     }
     match a {
         Action::SendActivation { .. } | Action::SendGradient { .. } => {
-            let mut m = core.outgoing(a)?;
-            if !t.carries_device_tensors() {
-                m.tensor = crate::model::host_tensor(be, m.tensor)?;
-            }
+            let m = core.outgoing(a)?;
             let bytes = m.tensor.bytes() as u64;
-            t.send(m)?;
+            comms.loans.send(be, t, m)?;
             return Ok((bytes, 0));
         }
         Action::RecvActivation { .. } | Action::RecvGradient { .. } => {
-            let mut m = t.recv(&core.incoming_key(a)?)?;
+            let m = super::loans::receive(be, t, &core.incoming_key(a)?)?;
             let bytes = m.tensor.bytes() as u64;
-            m.tensor = be.place(m.tensor)?;
             core.deliver(a, m)?;
             return Ok((0, bytes));
         }

@@ -495,6 +495,11 @@ impl<E: Transport> Transport for Recovering<'_, E> {
     fn carries_device_tensors(&self) -> bool {
         self.active_ref().carries_device_tensors()
     }
+    /// A loss is gone on from through the payloads its peers kept: none is lent, before a
+    /// regroup or after it.
+    fn lends_device_buffers(&self, _: u32) -> bool {
+        false
+    }
     fn cut_link(&mut self, peer: u32, pause: std::time::Duration) -> Result<(), TransportError> {
         self.active().cut_link(peer, pause)
     }

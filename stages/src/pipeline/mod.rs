@@ -1,6 +1,8 @@
 //! The runtime layer (this folder). The pipelined runtime: a checked plan ([`RunPlan`]), the
 //! worker core that runs one worker's program ([`exec`]), the worker driver that connects it
-//! to a backend and a transport ([`driver::run_worker`]), the in-process launcher that runs
+//! to a backend and a transport ([`driver::run_worker`]; between worker processes of one host
+//! it lends device buffers rather than copying them through host memory, [`loans`]), the
+//! in-process launcher that runs
 //! every worker as a thread ([`launch::run_threads`]), the launcher that runs every worker as
 //! a process ([`processes::run_processes`]), one worker of a run whose others are in other
 //! processes ([`worker::train_worker`]), the sequential reference trainer that follows a
@@ -39,6 +41,7 @@ pub mod fields;
 pub mod in_place;
 pub mod launch;
 pub mod ledger;
+pub mod loans;
 pub mod observe;
 pub mod processes;
 pub mod recover;

@@ -1,0 +1,312 @@
+//! Activations and gradients between worker processes of one host, lent device to device.
+//!
+//! Where a worker's backend holds a data message's tensor on a device and its link to the
+//! receiver is to another process of the same host with an f32 wire
+//! ([`Transport::lends_device_buffers`]), the sender does not copy the tensor out through host
+//! memory: it lends its device buffer ([`Backend::lend`], a CUDA IPC handle) and sends a loan in
+//! the message's place. The receiver copies the lent buffer into its own device memory
+//! ([`Backend::copy_lent`]) and returns the loan. Until the loan comes back, the sender holds
+//! the tensor, so its buffer is neither freed nor reused; a worker settles every loan before
+//! its program ends. Everywhere else the tensor is copied to the host as before, and a
+//! receiver places what it is sent.
+//!
+//! **A loan on the wire.** It is the data message itself, under its own key, with
+//! [`LOAN`] set in its version and a payload of words: a magic number, the loan's number, the
+//! tensor's shape and the backend's handle. The receiver recognises it by the version, so it
+//! needs no knowledge of what the sender chose; a payload that does not read as a loan is a
+//! protocol error naming it. The return is a [`Kind::Control`] message of topic
+//! [`TOPIC_RETURNED`] numbered as the loan, with no payload.
+//!
+//! A transport that keeps copies of messages to replay them after a loss (the traffic log of
+//! an in-place recovery) lends nothing, so a kept message is always a payload.
+
+use std::collections::VecDeque;
+
+use pipe_kernels::{Backend, Device, Tensor};
+use pipe_transport::{Key, Kind, Message, Transport, TransportError};
+
+use crate::{Result, StageError};
+
+/// The bit of [`Message::version`] that marks a loan; a version it would overwrite is never
+/// lent (the message goes through the host).
+pub const LOAN: u64 = 1 << 63;
+
+/// The control topic of a returned loan.
+pub const TOPIC_RETURNED: u32 = 10;
+
+/// The first word of a loan's payload.
+const MAGIC: u32 = u32::from_le_bytes(*b"PLN1");
+
+/// The most dimensions a lent tensor has.
+const MAX_DIMS: usize = 8;
+
+/// The longest handle a backend gives.
+const MAX_HANDLE_BYTES: usize = 256;
+
+/// Loans a worker may have out before it waits for the oldest to come back. A schedule keeps
+/// far fewer messages in flight on a link; this only bounds what a stalled receiver holds.
+const MAX_OUT: usize = 1024;
+
+/// One loan as it travels: its number, the tensor's shape and the backend's handle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Loan {
+    number: u32,
+    shape: Vec<usize>,
+    handle: Vec<u8>,
+}
+
+fn protocol(key: &Key, why: impl std::fmt::Display) -> StageError {
+    StageError::Transport(TransportError::Protocol(format!("{key:?}: a loan {why}")))
+}
+
+impl Loan {
+    /// The payload's words (each a `u32` as an `f32`'s bits, as a control record's bytes are).
+    fn words(&self) -> Option<Vec<f32>> {
+        let mut words = vec![MAGIC, self.number, self.shape.len() as u32];
+        for &d in &self.shape {
+            words.push(u32::try_from(d).ok()?);
+        }
+        words.push(self.handle.len() as u32);
+        words.extend(self.handle.chunks(4).map(|c| {
+            let mut w = [0u8; 4];
+            w[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(w)
+        }));
+        Some(words.into_iter().map(f32::from_bits).collect())
+    }
+
+    /// The loan `values` carry, every length checked against what is there.
+    fn read(key: &Key, values: &[f32]) -> Result<Loan> {
+        let mut words = values.iter().map(|v| v.to_bits());
+        let mut next = |what: &str| {
+            words
+                .next()
+                .ok_or_else(|| protocol(key, format!("ends before its {what}")))
+        };
+        if next("magic number")? != MAGIC {
+            return Err(protocol(key, "does not start with its magic number"));
+        }
+        let number = next("number")?;
+        let dims = next("rank")? as usize;
+        if dims > MAX_DIMS {
+            return Err(protocol(
+                key,
+                format!("has {dims} dimensions, over {MAX_DIMS}"),
+            ));
+        }
+        let shape = (0..dims)
+            .map(|_| next("shape").map(|d| d as usize))
+            .collect::<Result<Vec<usize>>>()?;
+        let len = next("handle's length")? as usize;
+        if len == 0 || len > MAX_HANDLE_BYTES {
+            return Err(protocol(key, format!("has a handle of {len} bytes")));
+        }
+        let mut handle = Vec::with_capacity(len);
+        while handle.len() < len {
+            handle.extend_from_slice(&next("handle")?.to_le_bytes());
+        }
+        handle.truncate(len);
+        if words.next().is_some() {
+            return Err(protocol(key, "has words after its handle"));
+        }
+        Ok(Loan {
+            number,
+            shape,
+            handle,
+        })
+    }
+}
+
+/// The key of the return of loan `number` from `borrower` to `lender`.
+fn returned(borrower: u32, lender: u32, number: u32) -> Key {
+    Key {
+        from: borrower,
+        to: lender,
+        kind: Kind::Control,
+        stage: TOPIC_RETURNED,
+        index: number,
+        step: 0,
+    }
+}
+
+/// A sending worker's loans not yet returned: each the borrower, the number and the tensor
+/// whose buffer is lent.
+#[derive(Debug, Default)]
+pub struct Loans {
+    out: VecDeque<(u32, u32, Tensor)>,
+    next: u32,
+}
+
+impl Loans {
+    /// Sends data message `m`: its tensor as it is where the transport carries device
+    /// tensors, lent where the link lends device buffers and the backend lends this one,
+    /// copied to the host otherwise.
+    ///
+    /// # Errors
+    /// The transport's and the backend's.
+    pub fn send<T: Transport + ?Sized>(
+        &mut self,
+        be: &dyn Backend,
+        t: &mut T,
+        mut m: Message,
+    ) -> Result<()> {
+        if t.carries_device_tensors() {
+            return Ok(t.send(m)?);
+        }
+        let lendable = m.tensor.device() != Device::Host
+            && m.version < LOAN
+            && t.lends_device_buffers(m.key.to);
+        if lendable {
+            self.collect_returns(t)?;
+            if let Some(handle) = be.lend(&m.tensor)? {
+                let loan = Loan {
+                    number: self.next,
+                    shape: m.tensor.shape().to_vec(),
+                    handle,
+                };
+                if let Some(words) = loan.words() {
+                    self.next = self.next.wrapping_add(1);
+                    let (n, key) = (words.len(), m.key);
+                    let tensor = Tensor::from_vec(&[n], words)?;
+                    let version = m.version | LOAN;
+                    t.send(Message {
+                        key,
+                        version,
+                        tensor,
+                    })?;
+                    self.out.push_back((key.to, loan.number, m.tensor));
+                    return Ok(());
+                }
+            }
+        }
+        m.tensor = crate::model::host_tensor(be, m.tensor)?;
+        Ok(t.send(m)?)
+    }
+
+    /// Drops the loans that have come back, without waiting; then, while more than
+    /// [`MAX_OUT`] are out, waits for the oldest.
+    fn collect_returns<T: Transport + ?Sized>(&mut self, t: &mut T) -> Result<()> {
+        let me = t.rank();
+        let mut kept = VecDeque::with_capacity(self.out.len());
+        for (borrower, number, tensor) in self.out.drain(..) {
+            if t.try_recv(&returned(borrower, me, number))?.is_none() {
+                kept.push_back((borrower, number, tensor));
+            }
+        }
+        self.out = kept;
+        while self.out.len() >= MAX_OUT {
+            if let Some((borrower, number, _)) = self.out.pop_front() {
+                t.recv(&returned(borrower, me, number))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every loan has come back: the end of a worker's program, after which no
+    /// peer reads its buffers.
+    ///
+    /// # Errors
+    /// The transport's (a borrower that failed).
+    pub fn settle<T: Transport + ?Sized>(&mut self, t: &mut T) -> Result<()> {
+        let me = t.rank();
+        while let Some((borrower, number, _)) = self.out.pop_front() {
+            t.recv(&returned(borrower, me, number))?;
+        }
+        Ok(())
+    }
+
+    /// Loans out now.
+    pub fn out(&self) -> usize {
+        self.out.len()
+    }
+}
+
+/// Receives the data message with `key` as a tensor of `be`: a loan copied from the lender's
+/// device and returned to it, anything else placed.
+///
+/// # Errors
+/// The transport's; a payload marked as a loan that does not read as one; the backend's
+/// refusal of the handle.
+pub fn receive<T: Transport + ?Sized>(be: &dyn Backend, t: &mut T, key: &Key) -> Result<Message> {
+    let mut m = t.recv(key)?;
+    if m.version & LOAN == 0 {
+        m.tensor = be.place(m.tensor)?;
+        return Ok(m);
+    }
+    let values = m
+        .tensor
+        .host()
+        .map_err(|e| protocol(key, format!("is not in host memory: {e}")))?;
+    let loan = Loan::read(key, values)?;
+    m.tensor = be.copy_lent(&loan.handle, &loan.shape)?;
+    m.version &= !LOAN;
+    t.send(Message::from_bytes(
+        returned(key.to, key.from, loan.number),
+        &[],
+    ))?;
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> Key {
+        Key::data(0, 1, Kind::Activation, 3)
+    }
+
+    fn loan() -> Loan {
+        Loan {
+            number: 7,
+            shape: vec![4, 1024, 768],
+            handle: (0u8..84).collect(),
+        }
+    }
+
+    #[test]
+    fn a_loan_reads_back_as_written() {
+        for handle in [vec![1u8], vec![1, 2, 3, 4], (0u8..84).collect::<Vec<u8>>()] {
+            let loan = Loan { handle, ..loan() };
+            let words = loan.words().unwrap();
+            assert_eq!(Loan::read(&key(), &words).unwrap(), loan);
+        }
+    }
+
+    /// Every truncation, and every word changed to a hostile value, is refused with a message
+    /// naming the loan, never a panic or an allocation of what the words claim.
+    #[test]
+    fn a_bad_loan_is_a_protocol_error() {
+        let words = loan().words().unwrap();
+        for cut in 0..words.len() {
+            let e = Loan::read(&key(), &words[..cut]).unwrap_err().to_string();
+            assert!(e.contains("a loan ends before"), "{cut}: {e}");
+        }
+        let mut longer = words.clone();
+        longer.push(0.0);
+        let e = Loan::read(&key(), &longer).unwrap_err().to_string();
+        assert!(e.contains("words after its handle"), "{e}");
+        for (at, bad, says) in [
+            (0, 0u32, "magic number"),
+            (2, 9, "9 dimensions"),
+            (2, u32::MAX, "dimensions"),
+            (6, 0, "handle of 0 bytes"),
+            (6, u32::MAX, "bytes"),
+            (6, 257, "handle of 257 bytes"),
+        ] {
+            let mut w = words.clone();
+            w[at] = f32::from_bits(bad);
+            let e = Loan::read(&key(), &w).unwrap_err().to_string();
+            assert!(e.contains(says), "word {at} = {bad}: {e}");
+        }
+    }
+
+    /// A dimension past `u32` is not lent (the message goes through the host).
+    #[test]
+    fn a_shape_past_u32_is_not_a_loan() {
+        let loan = Loan {
+            shape: vec![1 << 33],
+            ..loan()
+        };
+        assert!(loan.words().is_none() || usize::BITS < 64);
+    }
+}
