@@ -483,8 +483,11 @@ impl Observer for Progress {
                     let device = s.peak_device_bytes.map_or(String::new(), |b| {
                         format!(" device {:.2} GiB", b as f64 / f64::from(1u32 << 30))
                     });
+                    let lent = s
+                        .buffers_lent
+                        .map_or(String::new(), |n| format!(" lent {n}"));
                     format!(
-                        "s{} util {:3.0}% staleness {:.2}{peak}{device}",
+                        "s{} util {:3.0}% staleness {:.2}{peak}{device}{lent}",
                         s.stage,
                         100.0 * s.utilisation,
                         s.staleness

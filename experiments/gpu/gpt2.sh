@@ -89,7 +89,8 @@ if wants processes; then
   verdict=FAIL
   [[ -n "$one" && "$one" == "$two" ]] && verdict=PASS
   ratio=$(awk -v a="${a:-0}" -v b="${b:-0}" 'BEGIN { if (a > 0) printf "%.2f", b / a; else print "none" }')
-  echo "processes: weights $one in one process, $two as processes ($verdict); epoch 2 $a against $b tokens/s, processes / one process $ratio (target 0.9)" | tee -a "$log"
+  lent=$(grep -o 'lent [0-9]*' "$out/lent-processes.out" | tail -2 | tr '\n' ' ')
+  echo "processes: weights $one in one process, $two as processes ($verdict); epoch 2 $a against $b tokens/s, processes / one process $ratio (target 0.9); last epoch's stages: ${lent:-nothing lent}" | tee -a "$log"
 fi
 if wants memory; then
   # pipe's memory model of a device (docs/gpu.md, "Device memory"): the start's `device memory

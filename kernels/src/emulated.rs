@@ -144,12 +144,6 @@ impl EmulatedDevice {
         }
     }
 
-    /// How many buffers lent by emulated devices ([`Backend::lend`]) emulated devices of this
-    /// process have copied so far: what shows a test that a run took the lending path.
-    pub fn lent_buffers_copied() -> u64 {
-        lent::copied()
-    }
-
     /// A host copy of one of this emulator's tensors.
     fn input<E: Bits>(&self, t: &Tensor<E>, op: &'static str) -> Result<Tensor<E>> {
         match t.storage() {
@@ -486,7 +480,6 @@ pub(crate) mod lent {
     const MAGIC: [u8; 4] = *b"EMU1";
 
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    static COPIED: AtomicU64 = AtomicU64::new(0);
 
     type Registry = Mutex<HashMap<u64, Weak<dyn DeviceMemory>>>;
 
@@ -544,12 +537,6 @@ pub(crate) mod lent {
                 "loan {number} was released by its lender before it was copied"
             ))
         })?;
-        COPIED.fetch_add(1, Ordering::Relaxed);
         Ok(memory)
-    }
-
-    /// Lent buffers copied in this process so far.
-    pub(crate) fn copied() -> u64 {
-        COPIED.load(Ordering::Relaxed)
     }
 }

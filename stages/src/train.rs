@@ -159,6 +159,10 @@ pub struct StageEpochStats {
     /// pool's peak; GPU workers only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_device_bytes: Option<u64>,
+    /// Activations and gradients the stage's workers lent as device buffers to worker
+    /// processes of their host in the epoch (`pipe_stages::pipeline::loans`), where any were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffers_lent: Option<u64>,
 }
 
 /// The outcome of a training run.

@@ -544,11 +544,9 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
         let inproc = mesh(workers, &InProcOptions::default());
         let in_process = on_emulated_devices(&run, &model, inproc);
         let over_quic = on_emulated_devices(&run, &model, quic(workers));
-        let lent = pipe_kernels::EmulatedDevice::lent_buffers_copied();
-        let over_shm = on_emulated_devices(&run, &model, shm(workers));
-        let copied = pipe_kernels::EmulatedDevice::lent_buffers_copied() - lent;
+        let (over_shm, lent) = lent_on_emulated_devices(&run, &model, shm(workers));
         if workers > 1 {
-            assert!(copied > 0, "{policy} {replicas:?}: nothing was lent");
+            assert!(lent > 0, "{policy} {replicas:?}: nothing was lent");
         }
         for (path, states) in [
             ("in process", &in_process),
@@ -558,6 +556,17 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
             assert_same_weights(&cpu, states, &format!("{policy} {replicas:?} {path}"));
         }
     }
+}
+
+/// [`on_emulated_devices`], and how many buffers the workers lent.
+fn lent_on_emulated_devices<T: pipe_transport::Transport>(
+    run: &RunPlan,
+    model: &Model,
+    eps: Vec<T>,
+) -> (Vec<WorkerState>, u64) {
+    let on_devices = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
+    let (states, outcomes) = pipelined_on(run, model, eps, opt(), on_devices);
+    (states, outcomes.iter().map(|o| o.buffers_lent).sum())
 }
 
 /// Endpoints of `workers` workers over shared memory, as worker processes of one host link.
@@ -575,11 +584,12 @@ fn a_rounding_wire_lends_nothing() {
     let wire = pipe_transport::frame::WireDType::Bf16;
     let mut opts = pipe_transport::shm::ShmOptions::new(SEED);
     opts.wire = wire;
-    let over_shm = on_emulated_devices(
+    let (over_shm, lent) = lent_on_emulated_devices(
         &run,
         &model,
         pipe_transport::shm::local_mesh(workers, &opts).unwrap(),
     );
+    assert_eq!(lent, 0);
     let mut quic_opts = pipe_transport::quic::QuicOptions::new(SEED);
     quic_opts.wire = wire;
     let over_quic = on_emulated_devices(

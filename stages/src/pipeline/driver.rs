@@ -232,6 +232,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     // Read once the program has run: its activations and transients have come and gone.
     core.outcome.peak_resident_bytes = crate::limits::process_peak_bytes().unwrap_or(0);
     core.outcome.peak_device_bytes = be.peak_memory().unwrap_or(0);
+    core.outcome.buffers_lent = comms.loans.lent();
     Ok(core)
 }
 

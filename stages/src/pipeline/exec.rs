@@ -152,6 +152,9 @@ pub struct WorkerOutcome {
     /// The most device memory the worker's backend held for tensors at once, where it keeps a
     /// pool of its own (the CUDA backend; 0 for host backends).
     pub peak_device_bytes: u64,
+    /// Activations and gradients it lent as device buffers to worker processes of its host
+    /// rather than copying them out ([`super::loans`]).
+    pub buffers_lent: u64,
 }
 
 impl WorkerOutcome {
@@ -168,6 +171,7 @@ impl WorkerOutcome {
         self.peak_device_bytes = self.peak_device_bytes.max(o.peak_device_bytes);
         self.peak_stash_bytes = self.peak_stash_bytes.max(o.peak_stash_bytes);
         self.bytes_sent += o.bytes_sent;
+        self.buffers_lent += o.buffers_lent;
     }
 
     /// This worker's figures followed by those it measured next (`after`): its counts added

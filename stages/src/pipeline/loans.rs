@@ -135,6 +135,7 @@ fn returned(borrower: u32, lender: u32, number: u32) -> Key {
 pub struct Loans {
     out: VecDeque<(u32, u32, Tensor)>,
     next: u32,
+    lent: u64,
 }
 
 impl Loans {
@@ -175,6 +176,7 @@ impl Loans {
                         tensor,
                     })?;
                     self.out.push_back((key.to, loan.number, m.tensor));
+                    self.lent += 1;
                     return Ok(());
                 }
             }
@@ -215,9 +217,9 @@ impl Loans {
         Ok(())
     }
 
-    /// Loans out now.
-    pub fn out(&self) -> usize {
-        self.out.len()
+    /// Loans made so far.
+    pub fn lent(&self) -> u64 {
+        self.lent
     }
 }
 

@@ -1935,6 +1935,13 @@ fn stage_stats(
                     .map(|&w| outcomes[w as usize].peak_device_bytes)
                     .max()
                     .filter(|&b| b > 0),
+                buffers_lent: Some(
+                    group
+                        .iter()
+                        .map(|&w| outcomes[w as usize].buffers_lent)
+                        .sum(),
+                )
+                .filter(|&n| n > 0),
             }
         })
         .collect()

@@ -2066,6 +2066,7 @@ fn encode_summary(o: &WorkerOutcome) -> Vec<u8> {
     b.extend_from_slice(&o.bytes_sent.to_le_bytes());
     b.extend_from_slice(&o.peak_resident_bytes.to_le_bytes());
     b.extend_from_slice(&o.peak_device_bytes.to_le_bytes());
+    b.extend_from_slice(&o.buffers_lent.to_le_bytes());
     b.extend_from_slice(&(o.losses.len() as u64).to_le_bytes());
     for &(mb, loss, n) in &o.losses {
         b.extend_from_slice(&mb.to_le_bytes());
@@ -2100,6 +2101,7 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
     let bytes_sent = f.u64()?;
     let peak_resident_bytes = f.u64()?;
     let peak_device_bytes = f.u64()?;
+    let buffers_lent = f.u64()?;
     // A loss record is 20 bytes, a gradient norm 12.
     let losses = f.records((from, "losses"), (20, Fields::usize), |f| {
         Ok((f.u32()?, f.f64()?, f.usize()?))
@@ -2124,6 +2126,7 @@ fn decode_summary(bytes: &[u8], from: u32) -> Result<WorkerOutcome> {
         grad_norms,
         peak_resident_bytes,
         peak_device_bytes,
+        buffers_lent,
     })
 }
 
@@ -2283,6 +2286,7 @@ mod tests {
             grad_norms: vec![(0, 1.5), (1, f64::from_bits(0x3ff0_0000_0000_0003))],
             peak_resident_bytes: 3 << 30,
             peak_device_bytes: 21 << 30,
+            buffers_lent: 240,
         }
     }
 
@@ -2303,6 +2307,7 @@ mod tests {
         assert_eq!((back.peak_stash_bytes, back.bytes_sent), (1 << 33, 12_345));
         assert_eq!(back.peak_resident_bytes, 3 << 30);
         assert_eq!(back.peak_device_bytes, 21 << 30);
+        assert_eq!(back.buffers_lent, 240);
     }
 
     #[test]
@@ -2373,8 +2378,8 @@ mod tests {
         let mut lie = bytes.clone();
         // The loss count says far more records than the bytes hold (after the worker, six
         // 8-byte fields, the version count, the stash and sent bytes, the peak resident and
-        // the peak device memory).
-        let at = 4 + 8 * 6 + 4 + 8 * 4;
+        // the peak device memory, and the buffers lent).
+        let at = 4 + 8 * 6 + 4 + 8 * 5;
         lie[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode_summary(&lie, 3).is_err());
         // So does the gradient-norm count, after the two loss records.

@@ -13,7 +13,10 @@
 //! backend's life and closed when it is dropped), checks the allocation's extent with
 //! `cuMemGetAddressRange` before reading, copies into a block of its own pool on its stream and
 //! waits for the copy. A handle from its own process (workers as threads over shared memory)
-//! is not opened: CUDA refuses that, and the address is already valid there.
+//! is not opened: CUDA refuses that, and the address is already valid there; its extent is
+//! checked the same way. A lender is a process of the same user on this host (the
+//! shared-memory link checks its credentials), so a handle is trusted no further than the
+//! driver's own checks and the extent.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -129,6 +132,7 @@ impl CudaBackend {
         };
         // The buffer must be written before another process reads it.
         self.sync()?;
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
         let ipc = self.pool.ipc_handle(memory.ptr())?;
         Ok(Some(
             Handle {
