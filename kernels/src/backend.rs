@@ -307,8 +307,9 @@ macro_rules! backend_ops {
             /// open or a buffer smaller than `shape`; device failures.
             about fn copy_lent(&self, handle: &[u8], shape: &[usize]) -> Result<Tensor> {
                 let _ = shape;
+                let bytes = handle.len();
                 Err(crate::KernelError::Lent {
-                    detail: format!("a handle of {} bytes, but {} borrows nothing", handle.len(), self.name()),
+                    detail: format!("a handle of {bytes} bytes, but {} borrows nothing", self.name()),
                 })
             }
         }

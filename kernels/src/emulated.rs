@@ -4,8 +4,8 @@
 //!
 //! It exists so that the code above the backend that only a device exercises (placing inputs,
 //! copying weights and messages out, staging an all-reduce through the host, passing device
-//! buffers between workers) runs and is checked against the reference trainer on machines with
-//! no GPU. It is as strict as the CUDA backend: an input that was not placed, or that another
+//! buffers between workers, lending them to a borrower as between processes) runs and is
+//! checked against the reference trainer on machines with no GPU. It is as strict as the CUDA backend: an input that was not placed, or that another
 //! backend holds, is an error, never a silent host read.
 //!
 //! Its operations are generated from the one list of the trait's methods (`backend_ops!` in
@@ -419,16 +419,16 @@ impl Backend for EmulatedDevice {
     /// held by then.
     fn copy_lent(&self, handle: &[u8], shape: &[usize]) -> Result<Tensor> {
         let memory = lent::take(handle)?;
-        let Some(lent) = memory.as_any().downcast_ref::<EmulatedMemory>() else {
+        let Some(buffer) = memory.as_any().downcast_ref::<EmulatedMemory>() else {
             return Err(lent::refused("it is not an emulated device's buffer"));
         };
         let len = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
         let bits = match len {
-            Some(len) if len <= lent.bits.len() => &lent.bits[..len],
+            Some(len) if len <= buffer.bits.len() => &buffer.bits[..len],
             _ => {
                 return Err(lent::refused(format!(
                     "{} values do not fill a tensor of shape {shape:?}",
-                    lent.bits.len()
+                    buffer.bits.len()
                 )));
             }
         };
@@ -469,7 +469,7 @@ impl Backend for EmulatedDevice {
 /// The buffers emulated devices lend in this process, by number: what stands in for the
 /// driver's IPC handles, so that a run over shared memory takes the executor's lending path
 /// without a GPU and checks its protocol (a buffer is held until its borrower has copied it).
-pub(crate) mod lent {
+mod lent {
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, Mutex, PoisonError, Weak};

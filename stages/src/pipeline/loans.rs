@@ -60,8 +60,13 @@ fn protocol(key: &Key, why: impl std::fmt::Display) -> StageError {
 }
 
 impl Loan {
-    /// The payload's words (each a `u32` as an `f32`'s bits, as a control record's bytes are).
+    /// The payload's words (each a `u32` as an `f32`'s bits, as a control record's bytes are);
+    /// `None` for a loan its receiver would refuse (then the message is not lent).
     fn words(&self) -> Option<Vec<f32>> {
+        let handle_fits = (1..=MAX_HANDLE_BYTES).contains(&self.handle.len());
+        if self.shape.len() > MAX_DIMS || !handle_fits {
+            return None;
+        }
         let mut words = vec![MAGIC, self.number, self.shape.len() as u32];
         for &d in &self.shape {
             words.push(u32::try_from(d).ok()?);
@@ -302,13 +307,38 @@ mod tests {
         }
     }
 
-    /// A dimension past `u32` is not lent (the message goes through the host).
+    /// What a receiver would refuse is not lent (the message goes through the host): a
+    /// dimension past `u32`, too many dimensions, an empty or too long handle.
     #[test]
-    fn a_shape_past_u32_is_not_a_loan() {
-        let loan = Loan {
-            shape: vec![1 << 33],
+    fn what_a_receiver_refuses_is_not_lent() {
+        for loan in [
+            Loan {
+                shape: vec![usize::try_from(u64::from(u32::MAX) + 1).unwrap_or(usize::MAX)],
+                ..loan()
+            },
+            Loan {
+                shape: vec![1; MAX_DIMS + 1],
+                ..loan()
+            },
+            Loan {
+                handle: Vec::new(),
+                ..loan()
+            },
+            Loan {
+                handle: vec![7; MAX_HANDLE_BYTES + 1],
+                ..loan()
+            },
+        ] {
+            assert!(loan.words().is_none(), "{loan:?}");
+        }
+        let widest = Loan {
+            shape: vec![2; MAX_DIMS],
+            handle: vec![7; MAX_HANDLE_BYTES],
             ..loan()
         };
-        assert!(loan.words().is_none() || usize::BITS < 64);
+        assert_eq!(
+            Loan::read(&key(), &widest.words().unwrap()).unwrap(),
+            widest
+        );
     }
 }
