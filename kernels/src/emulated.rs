@@ -120,6 +120,9 @@ pub struct EmulatedDevice {
     ordinal: usize,
     cpu: CpuBackend,
     usage: Arc<Usage>,
+    /// Whether it copies buffers other devices lend ([`Backend::copy_lent`]); one that does not
+    /// stands for a GPU without peer access to the lender's.
+    borrows: bool,
 }
 
 impl EmulatedDevice {
@@ -133,6 +136,20 @@ impl EmulatedDevice {
             ordinal,
             cpu: CpuBackend::new(1)?,
             usage: Arc::default(),
+            borrows: true,
+        })
+    }
+
+    /// [`EmulatedDevice::new`], refusing every buffer another device lends it, as a GPU without
+    /// peer access to the lender's GPU would: what checks that a link whose receiver cannot
+    /// borrow carries its messages through the host.
+    ///
+    /// # Errors
+    /// As [`EmulatedDevice::new`].
+    pub fn without_peer_access(ordinal: usize) -> Result<Self> {
+        Ok(Self {
+            borrows: false,
+            ..Self::new(ordinal)?
         })
     }
 
@@ -418,6 +435,12 @@ impl Backend for EmulatedDevice {
     /// its borrower copied it is an error, where a GPU would have copied whatever the block
     /// held by then.
     fn copy_lent(&self, handle: &[u8], shape: &[usize]) -> Result<Tensor> {
+        if !self.borrows {
+            return Err(lent::refused(format!(
+                "emulated device {} has no peer access to the lender's",
+                self.ordinal
+            )));
+        }
         let memory = lent::take(handle)?;
         let Some(buffer) = memory.as_any().downcast_ref::<EmulatedMemory>() else {
             return Err(lent::refused("it is not an emulated device's buffer"));

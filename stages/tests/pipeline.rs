@@ -569,6 +569,30 @@ fn lent_on_emulated_devices<T: pipe_transport::Transport>(
     (states, outcomes.iter().map(|o| o.buffers_lent).sum())
 }
 
+/// Loans are agreed link by link: where the receiver cannot open the sender's buffers (a GPU
+/// without peer access, here an emulated device that refuses them), that link carries its
+/// messages through the host while the other direction lends, and the weights are the CPU
+/// run's either way.
+#[test]
+fn a_link_whose_receiver_cannot_borrow_goes_through_the_host() {
+    let model = model();
+    let run = prepare(&on_three(Policy::PipeDream, 4, &[1, 1, 1], 4), &model);
+    let (cpu, _) = pipelined(&run, &model);
+    let workers = run.schedule.workers();
+    let device = |w: u32| match w {
+        1 => pipe_kernels::EmulatedDevice::without_peer_access(1),
+        w => pipe_kernels::EmulatedDevice::new(w as usize),
+    };
+    let (states, outcomes) = pipelined_on(&run, &model, shm(workers), opt(), device);
+    assert_same_weights(&cpu, &states, "worker 1 without peer access");
+    let lent: Vec<u64> = outcomes.iter().map(|o| o.buffers_lent).collect();
+    // Worker 0 sends only to worker 1 (nothing lent); worker 1's gradients to worker 0 and
+    // worker 2's to worker 1 (refused) decide the rest.
+    assert_eq!(lent[0], 0, "{lent:?}");
+    assert!(lent[1] > 0, "{lent:?}");
+    assert_eq!(lent[2], 0, "{lent:?}");
+}
+
 /// Endpoints of `workers` workers over shared memory, as worker processes of one host link.
 fn shm(workers: u32) -> Vec<pipe_transport::shm::Shm> {
     pipe_transport::shm::local_mesh(workers, &pipe_transport::shm::ShmOptions::new(SEED)).unwrap()

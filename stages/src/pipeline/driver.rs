@@ -171,6 +171,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
         overlap: Overlap::new(program, setup.plan, be.device()),
         loans: super::loans::Loans::default(),
     };
+    comms.loans.agree(be, t, program).map_err(|e| (None, e))?;
     for &Planned {
         pc,
         action: a,

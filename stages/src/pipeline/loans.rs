@@ -17,12 +17,21 @@
 //! protocol error naming it. The return is a [`Kind::Control`] message of topic
 //! [`TOPIC_RETURNED`] numbered as the loan, with no payload.
 //!
+//! **Agreed per link first.** Whether a device can open another's buffer depends on the pair
+//! (two GPUs without peer access cannot), so before its program each worker lends each peer it
+//! sends data to a one-value probe, answers the probes of the peers it receives from with
+//! whether it could copy them, and lends on a link only where the answer was yes; elsewhere
+//! its tensors go through the host as before. Every worker sends all its probes before it
+//! waits for any, so the exchange cannot deadlock, and both ends derive the links from the
+//! same program of the schedule.
+//!
 //! A transport that keeps copies of messages to replay them after a loss (the traffic log of
 //! an in-place recovery) lends nothing, so a kept message is always a payload.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
 use pipe_kernels::{Backend, Device, Tensor};
+use pipe_scheduler::Action;
 use pipe_transport::{Key, Kind, Message, Transport, TransportError};
 
 use crate::{Result, StageError};
@@ -33,6 +42,9 @@ pub const LOAN: u64 = 1 << 63;
 
 /// The control topic of a returned loan.
 pub const TOPIC_RETURNED: u32 = 10;
+
+/// The control topic of the probes before a program (index 0: a probe loan, 1: its answer).
+pub const TOPIC_PROBE: u32 = 11;
 
 /// The first word of a loan's payload.
 const MAGIC: u32 = u32::from_le_bytes(*b"PLN1");
@@ -134,16 +146,110 @@ fn returned(borrower: u32, lender: u32, number: u32) -> Key {
     }
 }
 
-/// A sending worker's loans not yet returned: each the borrower, the number and the tensor
-/// whose buffer is lent.
+/// The key of a probe (`answer` false) from `from` to `to`, or of its answer.
+fn probe(from: u32, to: u32, answer: bool) -> Key {
+    Key {
+        from,
+        to,
+        kind: Kind::Control,
+        stage: TOPIC_PROBE,
+        index: u32::from(answer),
+        step: 0,
+    }
+}
+
+/// The peers `program` sends data messages to and receives them from.
+fn data_peers(program: &[Action]) -> (BTreeSet<u32>, BTreeSet<u32>) {
+    let (mut to, mut from) = (BTreeSet::new(), BTreeSet::new());
+    for a in program {
+        match *a {
+            Action::SendActivation { to: p, .. } | Action::SendGradient { to: p, .. } => {
+                to.insert(p);
+            }
+            Action::RecvActivation { from: p, .. } | Action::RecvGradient { from: p, .. } => {
+                from.insert(p);
+            }
+            _ => {}
+        }
+    }
+    (to, from)
+}
+
+/// A sending worker's loans: the peers it lends to, and those not yet returned (each the
+/// borrower, the number and the tensor whose buffer is lent).
 #[derive(Debug, Default)]
 pub struct Loans {
+    lend_to: BTreeSet<u32>,
     out: VecDeque<(u32, u32, Tensor)>,
     next: u32,
     lent: u64,
 }
 
 impl Loans {
+    /// Agrees with the peers of `program`'s data messages, over the links that lend device
+    /// buffers, where loans will be made: probes every peer it sends to, answers every peer
+    /// it receives from, then reads its answers (the module's "Agreed per link first").
+    ///
+    /// # Errors
+    /// The transport's and the backend's; a probe that does not read as a loan.
+    pub fn agree<T: Transport + ?Sized>(
+        &mut self,
+        be: &dyn Backend,
+        t: &mut T,
+        program: &[Action],
+    ) -> Result<()> {
+        self.lend_to.clear();
+        if be.device() == Device::Host || t.carries_device_tensors() {
+            return Ok(());
+        }
+        let me = t.rank();
+        let (mut to, mut from) = data_peers(program);
+        to.retain(|&p| t.lends_device_buffers(p));
+        from.retain(|&p| t.lends_device_buffers(p));
+        if to.is_empty() && from.is_empty() {
+            return Ok(());
+        }
+        let value = be.place(Tensor::from_vec(&[1], vec![0.0])?)?;
+        let lent = be.lend(&value)?;
+        for &p in &to {
+            let loan = lent.as_ref().and_then(|handle| {
+                Loan {
+                    number: 0,
+                    shape: vec![1],
+                    handle: handle.clone(),
+                }
+                .words()
+            });
+            let tensor = Tensor::from_vec(
+                &[loan.as_ref().map_or(0, Vec::len)],
+                loan.unwrap_or_default(),
+            )?;
+            t.send(Message {
+                key: probe(me, p, false),
+                version: 0,
+                tensor,
+            })?;
+        }
+        for &p in &from {
+            let m = t.recv(&probe(p, me, false))?;
+            let values = m
+                .tensor
+                .host()
+                .map_err(|e| protocol(&m.key, format!("is not in host memory: {e}")))?;
+            let copied = !values.is_empty()
+                && Loan::read(&m.key, values)
+                    .and_then(|l| Ok(be.copy_lent(&l.handle, &l.shape)?))
+                    .is_ok();
+            t.send(Message::from_bytes(probe(me, p, true), &[u8::from(copied)]))?;
+        }
+        for &p in &to {
+            if t.recv(&probe(p, me, true))?.into_bytes()? == [1] {
+                self.lend_to.insert(p);
+            }
+        }
+        Ok(())
+    }
+
     /// Sends data message `m`: its tensor as it is where the transport carries device
     /// tensors, lent where the link lends device buffers and the backend lends this one,
     /// copied to the host otherwise.
@@ -161,6 +267,7 @@ impl Loans {
         }
         let lendable = m.tensor.device() != Device::Host
             && m.version < LOAN
+            && self.lend_to.contains(&m.key.to)
             && t.lends_device_buffers(m.key.to);
         if lendable {
             self.collect_returns(t)?;
