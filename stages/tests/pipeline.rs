@@ -8,7 +8,7 @@ mod common;
 use common::{assert_reference_weights, bits, data, even, first_replicas, flat, opt};
 use pipe_kernels::CpuBackend;
 use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
-use pipe_scheduler::{Length, Policy, ScheduleSpec};
+use pipe_scheduler::{Action, Length, Policy, ScheduleSpec};
 use pipe_stages::layers::LayerSpec;
 use pipe_stages::model::{Model, ModelSpec, Params};
 use pipe_stages::optim::{Corrected, NO_ROLES, OptimizerConfig, OptimizerKind};
@@ -545,9 +545,22 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
         let in_process = on_emulated_devices(&run, &model, inproc);
         let over_quic = on_emulated_devices(&run, &model, quic(workers));
         let (over_shm, lent) = lent_on_emulated_devices(&run, &model, shm(workers));
-        if workers > 1 {
-            assert!(lent > 0, "{policy} {replicas:?}: nothing was lent");
-        }
+        // Every activation and gradient a worker sends is lent.
+        let sends: Vec<u64> = run
+            .schedule
+            .programs
+            .iter()
+            .map(|p| {
+                let send = |a: &&Action| {
+                    matches!(
+                        a,
+                        Action::SendActivation { .. } | Action::SendGradient { .. }
+                    )
+                };
+                p.iter().filter(send).count() as u64
+            })
+            .collect();
+        assert_eq!(lent, sends, "{policy} {replicas:?}: lent against sent");
         for (path, states) in [
             ("in process", &in_process),
             ("over QUIC", &over_quic),
@@ -558,15 +571,15 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
     }
 }
 
-/// [`on_emulated_devices`], and how many buffers the workers lent.
+/// [`on_emulated_devices`], and how many buffers each worker lent.
 fn lent_on_emulated_devices<T: pipe_transport::Transport>(
     run: &RunPlan,
     model: &Model,
     eps: Vec<T>,
-) -> (Vec<WorkerState>, u64) {
+) -> (Vec<WorkerState>, Vec<u64>) {
     let on_devices = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
     let (states, outcomes) = pipelined_on(run, model, eps, opt(), on_devices);
-    (states, outcomes.iter().map(|o| o.buffers_lent).sum())
+    (states, outcomes.iter().map(|o| o.buffers_lent).collect())
 }
 
 /// Loans are agreed link by link: where the receiver cannot open the sender's buffers (a GPU
@@ -613,7 +626,7 @@ fn a_rounding_wire_lends_nothing() {
         &model,
         pipe_transport::shm::local_mesh(workers, &opts).unwrap(),
     );
-    assert_eq!(lent, 0);
+    assert!(lent.iter().all(|&n| n == 0), "{lent:?}");
     let mut quic_opts = pipe_transport::quic::QuicOptions::new(SEED);
     quic_opts.wire = wire;
     let over_quic = on_emulated_devices(

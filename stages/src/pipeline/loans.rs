@@ -209,14 +209,15 @@ impl Loans {
         if to.is_empty() && from.is_empty() {
             return Ok(());
         }
+        // Held until every answer is in, so each borrower copies it while it is lent.
         let value = be.place(Tensor::from_vec(&[1], vec![0.0])?)?;
-        let lent = be.lend(&value)?;
         for &p in &to {
-            let loan = lent.as_ref().and_then(|handle| {
+            // A loan per peer, as every data message is its own loan.
+            let loan = be.lend(&value)?.and_then(|handle| {
                 Loan {
                     number: 0,
                     shape: vec![1],
-                    handle: handle.clone(),
+                    handle,
                 }
                 .words()
             });
