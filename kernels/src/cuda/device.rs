@@ -25,10 +25,9 @@ use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
 use super::compile::module_for;
+use super::lending;
 use super::libraries::{Library, explain};
 use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
-
-mod lending;
 
 /// Threads per block for elementwise and per-column kernels.
 const THREADS: u32 = 256;
@@ -1112,11 +1111,32 @@ impl Backend for CudaBackend {
     }
 
     fn lend(&self, t: &Tensor) -> Result<Option<Vec<u8>>> {
-        self.lend_buffer(t)
+        let memory = match t.storage() {
+            Storage::Host(_) => return Ok(None),
+            Storage::Device(_) => self.buffer(t, "lend")?,
+        };
+        // The buffer must be written before another process reads it.
+        self.sync()?;
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        lending::lend(&self.pool, self.ordinal, memory.ptr()).map(Some)
     }
 
     fn copy_lent(&self, handle: &[u8], shape: &[usize]) -> Result<Tensor> {
-        self.copy_lent_buffer(handle, shape)
+        let len = lending::byte_len(shape)?;
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        let src = lending::source(&self.borrowed, handle, len)?;
+        let mut out = Tensor::default();
+        let dst = self.output(&mut out, shape)?;
+        if len > 0 {
+            // SAFETY: `dst` holds `len` bytes of this pool; `src` is a live allocation of at
+            // least `len` bytes (checked by `source`) that its lender does not write until told
+            // the copy is done, which the wait below comes before.
+            unsafe { driver_sys::cuMemcpyAsync(dst, src, len, self.stream.cu_stream()) }
+                .result()
+                .map_err(driver_err("copy a lent buffer"))?;
+        }
+        self.sync()?;
+        Ok(out)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -30,6 +30,8 @@ mod compile;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod lending;
+#[cfg(feature = "cuda")]
 mod memory;
 
 #[cfg(feature = "cuda")]

@@ -23,9 +23,8 @@ use std::sync::{Mutex, PoisonError};
 
 use cudarc::driver::sys as driver_sys;
 
-use super::CudaBackend;
-use crate::cuda::memory::{Pool, driver_err};
-use crate::{KernelError, Result, Storage, Tensor};
+use super::memory::{Pool, driver_err};
+use crate::{KernelError, Result};
 
 /// The first bytes of a CUDA backend's handle.
 const MAGIC: [u8; 4] = *b"CUD1";
@@ -48,7 +47,7 @@ pub(crate) struct Borrowed {
 
 impl Borrowed {
     /// The address of the lent block `ipc` names in this process, opening it the first time.
-    fn open(&self, ipc: [u8; 64]) -> Result<u64> {
+    pub(crate) fn open(&self, ipc: [u8; 64]) -> Result<u64> {
         let mut opened = self.opened.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(&ptr) = opened.get(&ipc) {
             return Ok(ptr);
@@ -123,71 +122,55 @@ impl Handle {
     }
 }
 
-impl CudaBackend {
-    /// [`Backend::lend`](crate::Backend::lend) for this backend.
-    pub(crate) fn lend_buffer(&self, t: &Tensor) -> Result<Option<Vec<u8>>> {
-        let memory = match t.storage() {
-            Storage::Host(_) => return Ok(None),
-            Storage::Device(_) => self.buffer(t, "lend")?,
-        };
-        // The buffer must be written before another process reads it.
-        self.sync()?;
-        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
-        let ipc = self.pool.ipc_handle(memory.ptr())?;
-        Ok(Some(
-            Handle {
-                pid: std::process::id(),
-                ordinal: self.ordinal as u32,
-                ptr: memory.ptr(),
-                ipc,
-            }
-            .encode(),
-        ))
-    }
+/// The bytes of `shape`'s `f32` elements.
+pub(crate) fn byte_len(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .and_then(|n| n.checked_mul(4))
+        .ok_or_else(|| refused(format!("a shape of {shape:?} is too large")))
+}
 
-    /// [`Backend::copy_lent`](crate::Backend::copy_lent) for this backend.
-    pub(crate) fn copy_lent_buffer(&self, handle: &[u8], shape: &[usize]) -> Result<Tensor> {
-        let handle = Handle::decode(handle)?;
-        let len = shape
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .and_then(|n| n.checked_mul(4))
-            .ok_or_else(|| refused(format!("a shape of {shape:?} is too large")))?;
-        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
-        let src = if handle.pid == std::process::id() {
-            handle.ptr
-        } else {
-            self.borrowed.open(handle.ipc)?
-        };
-        // The lent allocation's extent, from the driver, not from the lender's word.
-        let (mut base, mut size): (driver_sys::CUdeviceptr, usize) = (0, 0);
-        // SAFETY: valid out-pointers; the driver checks `src` and fails for an unknown address.
-        unsafe { driver_sys::cuMemGetAddressRange_v2(&mut base, &mut size, src) }
-            .result()
-            .map_err(|e| {
-                refused(format!(
-                    "lent by process {} on cuda:{}: {e}",
-                    handle.pid, handle.ordinal
-                ))
-            })?;
-        if base != src || size < len {
-            return Err(refused(format!(
-                "an allocation of {size} bytes does not hold a tensor of shape {shape:?}"
-            )));
-        }
-        let mut out = Tensor::default();
-        let dst = self.output(&mut out, shape)?;
-        if len > 0 {
-            // SAFETY: `dst` holds `len` bytes of this pool; `src` is a live allocation of at
-            // least `len` bytes (checked above) that its lender does not write until told the
-            // copy is done, which the wait below comes before.
-            unsafe { driver_sys::cuMemcpyAsync(dst, src, len, self.stream.cu_stream()) }
-                .result()
-                .map_err(driver_err("copy a lent buffer"))?;
-        }
-        self.sync()?;
-        Ok(out)
+/// The handle of the block at `ptr` of `pool`, on device `ordinal`, for
+/// [`Backend::lend`](crate::Backend::lend) (the context bound, the block written).
+pub(crate) fn lend(pool: &Pool, ordinal: usize, ptr: u64) -> Result<Vec<u8>> {
+    let ipc = pool.ipc_handle(ptr)?;
+    Ok(Handle {
+        pid: std::process::id(),
+        ordinal: ordinal as u32,
+        ptr,
+        ipc,
     }
+    .encode())
+}
+
+/// The address in this process of the buffer `handle` names, checked to hold `len` bytes, for
+/// [`Backend::copy_lent`](crate::Backend::copy_lent) (the context bound): opened through
+/// `borrowed` where another process lent it.
+pub(crate) fn source(borrowed: &Borrowed, handle: &[u8], len: usize) -> Result<u64> {
+    let handle = Handle::decode(handle)?;
+    let src = if handle.pid == std::process::id() {
+        handle.ptr
+    } else {
+        borrowed.open(handle.ipc)?
+    };
+    // The lent allocation's extent, from the driver, not from the lender's word.
+    let (mut base, mut size): (driver_sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: valid out-pointers; the driver checks `src` and fails for an unknown address.
+    unsafe { driver_sys::cuMemGetAddressRange_v2(&mut base, &mut size, src) }
+        .result()
+        .map_err(|e| {
+            refused(format!(
+                "lent by process {} on cuda:{}: {e}",
+                handle.pid, handle.ordinal
+            ))
+        })?;
+    if base != src || size < len {
+        return Err(refused(format!(
+            "an allocation of {size} bytes does not hold the {len} bytes lent"
+        )));
+    }
+    Ok(src)
 }
 
 impl Pool {
