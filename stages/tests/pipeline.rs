@@ -97,8 +97,7 @@ fn on_emulated_devices<T: pipe_transport::Transport>(
     model: &Model,
     eps: Vec<T>,
 ) -> Vec<WorkerState> {
-    let on_devices = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
-    pipelined_on(run, model, eps, opt(), on_devices).0
+    lent_on_emulated_devices(run, model, eps).0
 }
 
 /// Endpoints of `workers` workers over QUIC on this host.

@@ -63,13 +63,18 @@ impl Mixed {
     /// The peers reached over shared memory.
     pub fn local_peers(&self) -> Vec<u32> {
         (0..self.local.len() as u32)
-            .filter(|&p| self.local[p as usize])
+            .filter(|&p| self.is_local(p))
             .collect()
+    }
+
+    /// Whether the link to `peer` is shared memory's.
+    fn is_local(&self, peer: u32) -> bool {
+        self.local.get(peer as usize).copied().unwrap_or(false)
     }
 
     /// The transport of the link to `peer`.
     fn to(&mut self, peer: u32) -> &mut dyn Transport {
-        if self.local.get(peer as usize).copied().unwrap_or(false) {
+        if self.is_local(peer) {
             &mut self.shm
         } else {
             &mut self.quic
@@ -160,7 +165,7 @@ impl Transport for Mixed {
     }
     /// As the link to `peer` does: shared memory's within the host, QUIC's (none) beyond it.
     fn lends_device_buffers(&self, peer: u32) -> bool {
-        if self.local.get(peer as usize).copied().unwrap_or(false) {
+        if self.is_local(peer) {
             self.shm.lends_device_buffers(peer)
         } else {
             self.quic.lends_device_buffers(peer)

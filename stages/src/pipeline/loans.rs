@@ -92,6 +92,23 @@ impl Loan {
         Some(words.into_iter().map(f32::from_bits).collect())
     }
 
+    /// The payload of a message carrying this loan; `None` as [`Loan::words`].
+    fn payload(&self) -> Result<Option<Tensor>> {
+        let Some(words) = self.words() else {
+            return Ok(None);
+        };
+        Ok(Some(Tensor::from_vec(&[words.len()], words)?))
+    }
+
+    /// The loan message `m` carries.
+    fn of(m: &Message) -> Result<Loan> {
+        let values = m
+            .tensor
+            .host()
+            .map_err(|e| protocol(&m.key, format!("is not in host memory: {e}")))?;
+        Loan::read(&m.key, values)
+    }
+
     /// The loan `values` carry, every length checked against what is there.
     fn read(key: &Key, values: &[f32]) -> Result<Loan> {
         let mut words = values.iter().map(|v| v.to_bits());
@@ -212,19 +229,18 @@ impl Loans {
         // Held until every answer is in, so each borrower copies it while it is lent.
         let value = be.place(Tensor::from_vec(&[1], vec![0.0])?)?;
         for &p in &to {
-            // A loan per peer, as every data message is its own loan.
-            let loan = be.lend(&value)?.and_then(|handle| {
-                Loan {
+            // A loan per peer, as every data message is its own loan; an empty probe where
+            // the backend lends nothing.
+            let loan = match be.lend(&value)? {
+                Some(handle) => Loan {
                     number: 0,
                     shape: vec![1],
                     handle,
                 }
-                .words()
-            });
-            let tensor = Tensor::from_vec(
-                &[loan.as_ref().map_or(0, Vec::len)],
-                loan.unwrap_or_default(),
-            )?;
+                .payload()?,
+                None => None,
+            };
+            let tensor = loan.map_or_else(|| Tensor::from_vec(&[0], Vec::new()), Ok)?;
             t.send(Message {
                 key: probe(me, p, false),
                 version: 0,
@@ -233,14 +249,9 @@ impl Loans {
         }
         for &p in &from {
             let m = t.recv(&probe(p, me, false))?;
-            let values = m
-                .tensor
-                .host()
-                .map_err(|e| protocol(&m.key, format!("is not in host memory: {e}")))?;
-            let copied = !values.is_empty()
-                && Loan::read(&m.key, values)
-                    .and_then(|l| Ok(be.copy_lent(&l.handle, &l.shape)?))
-                    .is_ok();
+            let copied = Loan::of(&m)
+                .and_then(|l| Ok(be.copy_lent(&l.handle, &l.shape)?))
+                .is_ok();
             t.send(Message::from_bytes(probe(me, p, true), &[u8::from(copied)]))?;
         }
         for &p in &to {
@@ -266,10 +277,10 @@ impl Loans {
         if t.carries_device_tensors() {
             return Ok(t.send(m)?);
         }
+        // `lend_to` holds only peers whose links lend ([`Loans::agree`]).
         let lendable = m.tensor.device() != Device::Host
             && m.version < LOAN
-            && self.lend_to.contains(&m.key.to)
-            && t.lends_device_buffers(m.key.to);
+            && self.lend_to.contains(&m.key.to);
         if lendable {
             self.collect_returns(t)?;
             if let Some(handle) = be.lend(&m.tensor)? {
@@ -278,11 +289,9 @@ impl Loans {
                     shape: m.tensor.shape().to_vec(),
                     handle,
                 };
-                if let Some(words) = loan.words() {
+                if let Some(tensor) = loan.payload()? {
                     self.next = self.next.wrapping_add(1);
-                    let (n, key) = (words.len(), m.key);
-                    let tensor = Tensor::from_vec(&[n], words)?;
-                    let version = m.version | LOAN;
+                    let (key, version) = (m.key, m.version | LOAN);
                     t.send(Message {
                         key,
                         version,
@@ -302,13 +311,19 @@ impl Loans {
     /// [`MAX_OUT`] are out, waits for the oldest.
     fn collect_returns<T: Transport + ?Sized>(&mut self, t: &mut T) -> Result<()> {
         let me = t.rank();
-        let mut kept = VecDeque::with_capacity(self.out.len());
-        for (borrower, number, tensor) in self.out.drain(..) {
-            if t.try_recv(&returned(borrower, me, number))?.is_none() {
-                kept.push_back((borrower, number, tensor));
+        let mut failed = None;
+        self.out.retain(|&(borrower, number, _)| {
+            match t.try_recv(&returned(borrower, me, number)) {
+                Ok(back) => back.is_none(),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    true
+                }
             }
+        });
+        if let Some(e) = failed {
+            return Err(e.into());
         }
-        self.out = kept;
         while self.out.len() >= MAX_OUT {
             if let Some((borrower, number, _)) = self.out.pop_front() {
                 t.recv(&returned(borrower, me, number))?;
@@ -348,11 +363,7 @@ pub fn receive<T: Transport + ?Sized>(be: &dyn Backend, t: &mut T, key: &Key) ->
         m.tensor = be.place(m.tensor)?;
         return Ok(m);
     }
-    let values = m
-        .tensor
-        .host()
-        .map_err(|e| protocol(key, format!("is not in host memory: {e}")))?;
-    let loan = Loan::read(key, values)?;
+    let loan = Loan::of(&m)?;
     m.tensor = be.copy_lent(&loan.handle, &loan.shape)?;
     m.version &= !LOAN;
     t.send(Message::from_bytes(
