@@ -31,7 +31,7 @@ echo
 python3 - "$work/pipe.txt" <<'PY'
 import re, sys
 classes = [
-    ("matrix products", ("matmul",)),
+    ("matrix products", ("matmul", "linear")),
     ("attention", ("attention",)),
     ("LayerNorm", ("layer_norm",)),
     ("GELU", ("activation",)),

@@ -6,7 +6,8 @@
 # $OUT/loss-check/. CHECKS picks steps by name (default: all, in this order):
 #   attention  the bf16 tensor-core attention against the f64 definition
 #   bench      pipe bench mfu, gpt2-small, batch 16 x 1,024, bf16, AdamW, with a breakdown;
-#              then with the vocabulary padded to 50,304 rows (--padded-vocab-size)
+#              then with the vocabulary padded to 50,304 rows (--padded-vocab-size), and
+#              padded with the linear layers' bias outside their products (PIPE_CUBLASLT=0)
 #   peer       the same step in PyTorch, eager and under torch.compile, each unpadded and
 #              padded (compare.sh, CASES=gpt2)
 #   loss       20 updates of pipe and PyTorch from the same weights on the same windows
@@ -51,6 +52,10 @@ if wants bench; then
   step 150 "$pipe" bench mfu --backend cuda --model gpt2-small --batch 16 --precision bf16 \
     --optimizer adamw --steps 10 --breakdown 2 --padded-vocab-size 50304 \
     --json "$out/bench-gpt2-padded.json"
+  # The linear layers' bias added by add_bias after the product, as before cuBLASLt's epilogue.
+  PIPE_CUBLASLT=0 step 90 "$pipe" bench mfu --backend cuda --model gpt2-small --batch 16 \
+    --precision bf16 --optimizer adamw --steps 10 --padded-vocab-size 50304 \
+    --json "$out/bench-gpt2-padded-unfused.json"
 fi
 if wants peer; then
   CASES=gpt2 step 420 bash "$here/compare.sh"

@@ -314,6 +314,16 @@ macro_rules! backend_ops {
             }
         }
         $op! {
+            /// Whether [`Backend::linear`] adds its bias inside the product (CUDA, through
+            /// cuBLASLt's bias epilogue) rather than by [`Backend::matmul`] then
+            /// [`Backend::add_bias`], the trait's default, which gives those two calls' bits. A
+            /// timing wrapper times a fused call as one product and the default's two parts
+            /// apart.
+            about fn fuses_linear_bias(&self) -> bool {
+                false
+            }
+        }
+        $op! {
             /// Makes `t` resident where this backend computes: a host tensor is copied to the
             /// device, a tensor already there is returned as it is (the CPU backend returns every
             /// host tensor as it is).
@@ -395,6 +405,26 @@ macro_rules! backend_ops {
             /// # Errors
             /// `bias` length differs from `y.cols()`.
             op fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()>;
+        }
+        $op! {
+            /// A linear layer's forward product: `y = x w`, plus `bias` (length `cols(w)`) on
+            /// every row where one is given. `y` is resized to `rows(x) x cols(w)`. The default
+            /// is [`Backend::matmul`] then [`Backend::add_bias`], with their bits; a backend
+            /// that adds the bias inside the product says so with
+            /// [`Backend::fuses_linear_bias`] (it saves a pass over `y`).
+            ///
+            /// # Errors
+            /// As [`Backend::matmul`] and [`Backend::add_bias`]: inner dimensions that differ, a
+            /// bias of another length than `cols(w)`.
+            op fn linear(
+                &self,
+                x: &Tensor,
+                w: &Tensor,
+                bias: Option<&Tensor>,
+                y: &mut Tensor,
+            ) -> Result<()> {
+                crate::backend::linear_by_parts(self, x, w, bias, y)
+            }
         }
         $op! {
             /// Column sums: `out[j] (+)= sum_i x[i, j]`, rows summed in order.
@@ -674,6 +704,37 @@ macro_rules! backend_ops {
     };
 }
 pub(crate) use backend_ops;
+
+/// [`Backend::linear`] as [`Backend::matmul`] then [`Backend::add_bias`] on `be` (the trait's
+/// default, and what a timing wrapper times part by part), the bias's length checked first.
+pub(crate) fn linear_by_parts<B: Backend + ?Sized>(
+    be: &B,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+) -> Result<()> {
+    if let Some(b) = bias {
+        linear_bias(w, b)?;
+    }
+    be.matmul(x, Trans::No, w, Trans::No, y, false)?;
+    match bias {
+        Some(b) => be.add_bias(y, b),
+        None => Ok(()),
+    }
+}
+
+/// A linear layer's bias: one value per column of its weight `w`.
+pub(crate) fn linear_bias(w: &Tensor, bias: &Tensor) -> Result<()> {
+    let n = w.cols();
+    if bias.len() == n {
+        return Ok(());
+    }
+    Err(crate::error::shape_err(
+        "linear",
+        format!("bias has {} elements, the weight {n} columns", bias.len()),
+    ))
+}
 
 /// Declares one method of [`Backend`] from [`backend_ops`] (`self` is taken from the list, where
 /// the default bodies that use it are written).

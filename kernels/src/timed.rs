@@ -94,7 +94,7 @@ impl<B: Backend> Timed<B> {
 /// Forwards one method of [`Backend`] from the list in `backend_ops!`: a method that asks about
 /// the backend goes to the inner backend untimed; an operation is timed under its own name.
 macro_rules! timed_method {
-    // The per-operation table names each product by its shape (`product_name`).
+    // The per-operation table names each product by its shape (`shape_name`).
     (
         $(#[$meta:meta])* op fn matmul
         (
@@ -104,11 +104,32 @@ macro_rules! timed_method {
     ) => {
         fn matmul(&self, $a: $a_ty, $ta: $ta_ty, $b: $b_ty, $tb: $tb_ty $(, $arg: $ty)*) -> $ret {
             let op = if self.by_operation.is_some() {
-                product_name($a, $ta, $b, $tb)
+                shape_name("matmul", $a, $ta, $b, $tb)
             } else {
                 "matmul"
             };
             self.time(op, || self.inner.matmul($a, $ta, $b, $tb $(, $arg)*))
+        }
+    };
+    // A fused linear product is one product, named by its shape as `linear MxKxN`; the
+    // default's two parts are timed apart under their own names, as a layer calling them would.
+    ($(#[$meta:meta])* op fn linear $($rest:tt)*) => {
+        fn linear(
+            &self,
+            x: &Tensor,
+            w: &Tensor,
+            bias: Option<&Tensor>,
+            y: &mut Tensor,
+        ) -> Result<()> {
+            if !self.inner.fuses_linear_bias() {
+                return crate::backend::linear_by_parts(self, x, w, bias, y);
+            }
+            let op = if self.by_operation.is_some() {
+                shape_name("linear", x, Trans::No, w, Trans::No)
+            } else {
+                "linear"
+            };
+            self.time(op, || self.inner.linear(x, w, bias, y))
         }
     };
     (
@@ -133,14 +154,14 @@ impl<B: Backend> Backend for Timed<B> {
     backend_ops!(timed_method);
 }
 
-/// `matmul MxKxN XY` for a product of `op(a)` (`M x K`) and `op(b)` (`K x N`), X and Y `N` or
-/// `T` for the transposes: the per-operation table tells products apart by shape. Each name is
-/// made once per process (a run has a handful of shapes).
-fn product_name(a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> &'static str {
+/// `{kind} MxKxN XY` (`matmul`, `linear`) for a product of `op(a)` (`M x K`) and `op(b)` (`K x
+/// N`), X and Y `N` or `T` for the transposes: the per-operation table tells products apart by
+/// shape. Each name is made once per process (a run has a handful of shapes).
+fn shape_name(kind: &str, a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> &'static str {
     static NAMES: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
     let ((m, k), (_, n)) = (ta.dims(a), tb.dims(b));
     let flag = |t: Trans| if t == Trans::Yes { 'T' } else { 'N' };
-    let name = format!("matmul {m}x{k}x{n} {}{}", flag(ta), flag(tb));
+    let name = format!("{kind} {m}x{k}x{n} {}{}", flag(ta), flag(tb));
     let mut names = NAMES
         .get_or_init(Mutex::default)
         .lock()

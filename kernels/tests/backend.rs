@@ -195,6 +195,60 @@ fn matmul_all_transposes_within(be: &dyn Backend, tol: f64) {
     }
 }
 
+/// A linear layer's product with its bias ([`Backend::linear`]): the product of `x` and `w`
+/// plus the bias on every row, against f64, at shapes whose rows are and are not multiples of
+/// 8 values and with a three-dimensional input; with the bits of `matmul` then `add_bias`
+/// where the backend does not fuse them; without a bias, the product alone; a bias of the
+/// wrong length or a wrong inner dimension is an error that names it.
+fn linear_adds_its_bias_to_the_product(be: &dyn Backend) {
+    for &(m, k, n) in &[
+        (1, 1, 1),
+        (3, 5, 7),
+        (64, 96, 40),
+        (300, 64, 1001),
+        (130, 768, 2304),
+    ] {
+        let (x, w) = operands(m, k, n, Trans::No, Trans::No, 11);
+        let bias = rand_t(&[n], 12);
+        let x = x.reshape(&[1, m, k]).unwrap();
+        let (xd, wd, bd) = (on(be, &x), on(be, &w), on(be, &bias));
+        let mut y = Tensor::default();
+        be.linear(&xd, &wd, Some(&bd), &mut y).unwrap();
+        assert_eq!(y.shape(), &[m, n], "{m}x{k}x{n}");
+        let product = naive(&x, Trans::No, &w, Trans::No);
+        let b = bias.host().unwrap();
+        let want: Vec<f64> = product
+            .iter()
+            .enumerate()
+            .map(|(i, p)| p + f64::from(b[i % n]))
+            .collect();
+        let got = read(be, &y);
+        close(&got, &want, 1e-4);
+        if !be.fuses_linear_bias() {
+            let mut parts = Tensor::default();
+            be.matmul(&xd, Trans::No, &wd, Trans::No, &mut parts, false)
+                .unwrap();
+            be.add_bias(&mut parts, &bd).unwrap();
+            let parts = read(be, &parts);
+            assert!(
+                got.iter()
+                    .map(|v| v.to_bits())
+                    .eq(parts.iter().map(|v| v.to_bits())),
+                "{m}x{k}x{n}: linear is not matmul then add_bias, bit for bit"
+            );
+        }
+        be.linear(&xd, &wd, None, &mut y).unwrap();
+        close(&read(be, &y), &product, 1e-4);
+    }
+    let (x, w) = (on(be, &rand_t(&[4, 6], 1)), on(be, &rand_t(&[6, 5], 2)));
+    let mut y = Tensor::default();
+    let short = be.linear(&x, &w, Some(&on(be, &rand_t(&[4], 3))), &mut y);
+    let message = short.unwrap_err().to_string();
+    assert!(message.contains("bias has 4 elements"), "{message}");
+    let narrow = be.linear(&w, &w, Some(&on(be, &rand_t(&[5], 3))), &mut y);
+    assert!(narrow.is_err(), "a 6x5 input and a 6x5 weight");
+}
+
 fn matmul_rejects_bad_shapes(be: &dyn Backend) {
     let a = on(be, &rand_t(&[3, 4], 1));
     let b = on(be, &rand_t(&[5, 6], 2));
@@ -1169,6 +1223,7 @@ backend_tests!(
         non_finite_values_are_found_by_tensor,
         updates_say_what_they_saw,
         lent_buffers_are_copied_whole,
+        linear_adds_its_bias_to_the_product,
     ]
 );
 
@@ -1388,6 +1443,7 @@ backend_tests!(
         non_finite_values_are_found_by_tensor,
         updates_say_what_they_saw,
         lent_buffers_are_copied_whole,
+        linear_adds_its_bias_to_the_product,
     ]
 );
 
@@ -1413,6 +1469,7 @@ backend_tests!(
         non_finite_values_are_found_by_tensor,
         updates_say_what_they_saw,
         lent_buffers_are_copied_whole,
+        linear_adds_its_bias_to_the_product,
     ]
 );
 
@@ -1788,6 +1845,57 @@ fn cuda_reduced_precision_products_round_their_inputs() {
                     close(&read(&be, &c), &twice, tol);
                 }
             }
+        }
+    }
+}
+
+/// The linear layers' product with its bias ([`Backend::linear`], through cuBLASLt's bias
+/// epilogue where the backend fuses it) in bf16 and TF32: the product of the rounded inputs
+/// plus the unrounded f32 bias, at GPT-2's block shapes and at rows that are not multiples of
+/// 8 values; the same call twice gives the same bits.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_reduced_precision_linear_adds_the_bias_in_f32() {
+    use pipe_kernels::Precision;
+    for (precision, mantissa, tol) in [(Precision::Bf16, 7, 1e-4), (Precision::Tf32, 10, 5e-3)] {
+        let Some(be) = cuda_with_precision_or_skip(precision) else {
+            return;
+        };
+        for (m, k, n) in [
+            (5, 33, 7),
+            (300, 64, 1001),
+            (256, 768, 2304),
+            (256, 3072, 768),
+        ] {
+            let (x, w) = operands(m, k, n, Trans::No, Trans::No, 5);
+            let bias = rand_t(&[n], 6);
+            let rounded = |t: &Tensor| {
+                let v = t
+                    .host()
+                    .unwrap()
+                    .iter()
+                    .map(|&v| round_mantissa(v, mantissa));
+                Tensor::from_vec(t.shape(), v.collect()).unwrap()
+            };
+            let b = bias.host().unwrap();
+            let want: Vec<f64> = naive(&rounded(&x), Trans::No, &rounded(&w), Trans::No)
+                .iter()
+                .enumerate()
+                .map(|(i, p)| p + f64::from(b[i % n]))
+                .collect();
+            let (xd, wd, bd) = (on(&be, &x), on(&be, &w), on(&be, &bias));
+            let mut y = Tensor::default();
+            be.linear(&xd, &wd, Some(&bd), &mut y).unwrap();
+            let first = read(&be, &y);
+            close(&first, &want, tol);
+            be.linear(&xd, &wd, Some(&bd), &mut y).unwrap();
+            assert!(
+                read(&be, &y)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .eq(first.iter().map(|v| v.to_bits())),
+                "{precision} {m}x{k}x{n}: a repeated linear product changed its bits"
+            );
         }
     }
 }

@@ -53,6 +53,11 @@ fn every_operation(be: &dyn Backend) -> Vec<Vec<f32>> {
     let mut y = on(be, &[4, 3], 5);
     be.add_bias(&mut y, &bias).unwrap();
     seen.push(host(be, &y));
+    let wide_bias = on(be, &[5], 8);
+    be.linear(&a, &b, Some(&wide_bias), &mut c).unwrap();
+    seen.push(host(be, &c));
+    be.linear(&a, &b, None, &mut c).unwrap();
+    seen.push(host(be, &c));
     be.sum_rows(&a, &mut c, false).unwrap();
     be.sum_rows(&a, &mut c, true).unwrap();
     seen.push(host(be, &c));

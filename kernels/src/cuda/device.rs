@@ -25,6 +25,7 @@ use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
 use super::compile::module_for;
+use super::epilogue::{BiasOperands, BiasProduct, Lt};
 use super::lending;
 use super::libraries::{Library, explain};
 use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
@@ -119,6 +120,9 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: Mutex<CudaBlas>,
+    /// cuBLASLt, for the linear layers' bias inside their products
+    /// ([`epilogue`](super::epilogue)); `None` where it is turned off or absent.
+    lt: Option<Lt>,
     kernels: Kernels,
     pool: Arc<Pool>,
     /// The content stamps ([`Tensor::stamp`]) of the last [`CHECKED_STARTS`] document-start
@@ -401,6 +405,7 @@ impl CudaBackend {
         }
         let blas = CudaBlas::new(Arc::clone(&stream)).map_err(cublas_err)?;
         let pool = Pool::new(Arc::clone(&stream));
+        let lt = Lt::open(&ctx, arch);
         Ok(Self {
             ordinal,
             arch,
@@ -409,6 +414,7 @@ impl CudaBackend {
             ctx,
             stream,
             blas: Mutex::new(blas),
+            lt,
             kernels,
             pool,
             checked_starts: Mutex::default(),
@@ -879,6 +885,52 @@ impl CudaBackend {
         .map_err(cublas_err)
     }
 
+    /// `y = x w + bias` through cuBLASLt's bias epilogue ([`epilogue`](super::epilogue)):
+    /// `false` where it has
+    /// no algorithm for the product, with nothing queued.
+    fn fused_linear(
+        &self,
+        lt: &Lt,
+        x: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        y: &mut Tensor,
+    ) -> Result<bool> {
+        let (m, k, n) = crate::check::matmul((x, Trans::No), (w, Trans::No), y, false)?;
+        crate::backend::linear_bias(w, bias)?;
+        let product = BiasProduct {
+            m: as_u64(m),
+            k: as_u64(k),
+            n: as_u64(n),
+            precision: self.precision,
+        };
+        if m == 0 || n == 0 || k == 0 || lt.refuses(&product) {
+            return Ok(false);
+        }
+        let (xp, wp, bp) = (
+            self.ptr(x, "linear")?,
+            self.ptr(w, "linear")?,
+            self.ptr(bias, "linear")?,
+        );
+        // The bf16 copies live until the product is queued; the stream orders their reuse.
+        let (_x16, _w16, xp, wp) = if self.precision == Precision::Bf16 {
+            let (x16, x16p) = self.to_bf16(x, "linear")?;
+            let (w16, w16p) = self.to_bf16(w, "linear")?;
+            (Some(x16), Some(w16), x16p, w16p)
+        } else {
+            (None, None, xp, wp)
+        };
+        let yp = self.output(y, &[m, n])?;
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        let operands = BiasOperands {
+            w: wp,
+            x: xp,
+            bias: bp,
+            y: yp,
+        };
+        lt.bias_product(product, &operands, self.stream.cu_stream().cast())
+    }
+
     /// `t` rounded to bf16 (nearest even) in a scratch buffer, and the buffer's pointer.
     fn to_bf16(&self, t: &Tensor, op: &'static str) -> Result<(Tensor, u64)> {
         let from = self.ptr(t, op)?;
@@ -1264,6 +1316,19 @@ impl Backend for CudaBackend {
                 self.gemm_ex(dims, (alpha, beta), (b16p, a16p, cp), bf16_type, compute)
             }
         }
+    }
+
+    fn fuses_linear_bias(&self) -> bool {
+        self.lt.is_some()
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, y: &mut Tensor) -> Result<()> {
+        if let (Some(b), Some(lt)) = (bias, &self.lt)
+            && self.fused_linear(lt, x, w, b, y)?
+        {
+            return Ok(());
+        }
+        crate::backend::linear_by_parts(self, x, w, bias, y)
     }
 
     fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -388,10 +388,7 @@ impl Layer for Linear {
     ) -> KResult<(Tensor, Saved)> {
         features_of(&x, "linear forward", self.inputs)?;
         let mut y = Tensor::default();
-        be.matmul(&x, Trans::No, &params[0], Trans::No, &mut y, false)?;
-        if self.bias {
-            be.add_bias(&mut y, &params[1])?;
-        }
+        be.linear(&x, &params[0], params.get(1).filter(|_| self.bias), &mut y)?;
         let y = y.reshape(&with_last(x.shape(), self.outputs))?;
         Ok((y, Saved::tensors(vec![x])))
     }

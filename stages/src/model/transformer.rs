@@ -318,14 +318,12 @@ impl Layer for Attention {
     ) -> KResult<(Tensor, Saved)> {
         let shape = self.shape(x.shape())?;
         let mut qkv = Tensor::default();
-        be.matmul(&x, Trans::No, &params[0], Trans::No, &mut qkv, false)?;
-        be.add_bias(&mut qkv, &params[1])?;
+        be.linear(&x, &params[0], Some(&params[1]), &mut qkv)?;
         let (mut out, mut lse) = (Tensor::default(), Tensor::default());
         let starts = ctx.documents.as_ref().map(|d| &d.starts);
         be.attention(&qkv, starts, shape, &mut out, &mut lse)?;
         let mut y = Tensor::default();
-        be.matmul(&out, Trans::No, &params[2], Trans::No, &mut y, false)?;
-        be.add_bias(&mut y, &params[3])?;
+        be.linear(&out, &params[2], Some(&params[3]), &mut y)?;
         let y = y.reshape(x.shape())?;
         let mut saved = vec![x, qkv, out, lse];
         saved.extend(starts.cloned());

@@ -28,8 +28,9 @@
 //! device's own peaks, which count the buffers the code above the backend holds exactly as the
 //! pool does (`stages/tests/device_memory.rs` holds the estimate within a tenth of them); what
 //! the CUDA backend allocates inside an operation besides the bf16 copies (a reduction's
-//! partial sums, a few flags) is a small fraction of these. Not counted: the CUDA context and cuBLAS's workspace, which the driver holds outside
-//! the pool, and the chief's evaluation at an epoch's end.
+//! partial sums, a few flags) is a small fraction of these. Not counted: the CUDA context and
+//! the workspaces of cuBLAS and cuBLASLt, which are held outside the pool, and the chief's
+//! evaluation at an epoch's end.
 
 use std::collections::HashMap;
 
