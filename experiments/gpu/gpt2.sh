@@ -12,7 +12,8 @@
 #              padded (compare.sh, CASES=gpt2)
 #   loss       20 updates of pipe and PyTorch from the same weights on the same windows
 #   train      200 updates of gpt2-small on the token corpus: the loss falls
-#   stages     one worker against --stages 4 on the one GPU, and --stages 2 as two worker
+#   stages     one worker against --stages 4 on the one GPU (timed by CUDA events, then with
+#              a wait after every action: PIPE_CUDA_MARKS=0), and --stages 2 as two worker
 #              processes against two stages in one process
 #   processes  --stages 2 in one process and as two worker processes lending their device
 #              buffers (CUDA IPC): the same weights, and the tokens/s of each
@@ -74,6 +75,9 @@ if wants stages; then
   run=(--steps 30 --epochs 100 --microbatch-size 4 --microbatches 8)
   train_run one-worker "${run[@]}"
   train_run four-stages "${run[@]}" --stages 4 --partition 0-4,5-8,9-12,13-14
+  # The same with a wait for the GPU after every action, as before marks timed the actions.
+  PIPE_CUDA_MARKS=0 train_run four-stages-waiting "${run[@]}" --stages 4 \
+    --partition 0-4,5-8,9-12,13-14
   train_run two-stages "${run[@]}" --stages 2 --partition 0-8,9-14
   train_run two-processes "${run[@]}" --stages 2 --partition 0-8,9-14 --transport shm
 fi

@@ -277,6 +277,19 @@ macro_rules! backend_ops {
             }
         }
         $op! {
+            /// A mark queued after every operation queued so far ([`DeviceMark`](crate::DeviceMark)):
+            /// when the device passes it is read later, so a caller times what it queued without
+            /// waiting for it. `None` where the backend does not mark (the CPU: it computes as
+            /// it is called, and its callers read the host's clock); the caller then waits with
+            /// [`Backend::synchronize`] and reads the host's clock.
+            ///
+            /// # Errors
+            /// Device failures.
+            about fn mark(&self) -> Result<Option<Box<dyn crate::DeviceMark>>> {
+                Ok(None)
+            }
+        }
+        $op! {
             /// The most device memory this backend has held for tensors at once, in bytes, where it
             /// keeps its own pool (CUDA); `None` for host backends.
             about fn peak_memory(&self) -> Option<u64> {

@@ -10,6 +10,13 @@ pub enum KernelError {
         /// What is wrong with it.
         detail: String,
     },
+    /// A mark read against an origin it cannot be compared with
+    /// ([`DeviceMark::seconds_since`](crate::DeviceMark::seconds_since)).
+    #[error("device mark: {detail}")]
+    Mark {
+        /// Which marks were compared.
+        detail: String,
+    },
     /// Operand shapes do not fit the operation.
     #[error("{op}: shape mismatch: {detail}")]
     Shape {

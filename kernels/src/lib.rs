@@ -11,7 +11,8 @@
 //! constructor returns [`KernelError::NotCompiledWithCuda`]; [`cuda`] also decides which CUDA
 //! libraries are opened), or on [`EmulatedDevice`], a device backend whose arithmetic is the
 //! CPU's, so the device code paths are tested without a GPU. [`BackendKind`] is the typed
-//! backend choice, with its [`Precision`]; [`Timed`] wraps any backend to time its kernels.
+//! backend choice, with its [`Precision`]; [`Timed`] wraps any backend to time its kernels, and
+//! [`DeviceMark`]s time what a device backend queued without waiting for it.
 //!
 //! The CPU backend is built around one promise: **the same inputs give the same bits whatever the
 //! thread count**. Matrix multiplies come from the `gemm` crate (with its AVX-512 kernels compiled
@@ -38,6 +39,7 @@ mod emulated;
 mod error;
 mod fastmath;
 pub mod files;
+mod marks;
 mod rowwise;
 mod scratch;
 mod sequence;
@@ -59,6 +61,7 @@ pub use cuda::PoolStats;
 pub use denormals::{flush_denormals, flushes_denormals};
 pub use emulated::EmulatedDevice;
 pub use error::KernelError;
+pub use marks::{DeviceMark, HostMark};
 pub use tensor::{DType, Device, DeviceMemory, Element, Storage, Tensor};
 pub use timed::{OperationTime, Timed};
 

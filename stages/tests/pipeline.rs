@@ -570,6 +570,52 @@ fn workers_on_emulated_devices_end_with_the_cpu_weights() {
     }
 }
 
+/// Every action of every worker's program has its span, in program order, on the host's
+/// clock (the CPU: a wait after each action) and on a device's marks (the emulated device:
+/// the spans read from marks queued around each action, without a wait), and the worker's
+/// computing time is its computing actions' spans.
+#[test]
+fn every_action_has_its_span_on_the_host_clock_and_on_device_marks() {
+    let model = model();
+    let run = prepare(&on_three(Policy::PipeDream, 4, &[2, 1, 1], 3), &model);
+    let workers = run.schedule.workers();
+    let eps = || mesh(workers, &InProcOptions::default());
+    let (_, on_cpu) = pipelined(&run, &model);
+    let on_device = |w: u32| pipe_kernels::EmulatedDevice::new(w as usize);
+    let (_, on_marks) = pipelined_on(&run, &model, eps(), opt(), on_device);
+    for (clock, outcomes) in [("host clock", &on_cpu), ("device marks", &on_marks)] {
+        for (w, (out, program)) in outcomes.iter().zip(&run.schedule.programs).enumerate() {
+            let actions: Vec<Action> = out.spans.iter().map(|sp| sp.action).collect();
+            assert_eq!(
+                &actions, program,
+                "{clock}: worker {w}'s spans against its program"
+            );
+            assert!(
+                out.spans
+                    .iter()
+                    .all(|sp| sp.worker == w as u32 && sp.end >= sp.start)
+            );
+            assert!(
+                out.spans.windows(2).all(|p| p[1].start >= p[0].end - 1e-9),
+                "{clock}: worker {w}'s spans overlap"
+            );
+            let computing: f64 = out
+                .spans
+                .iter()
+                .filter(|sp| {
+                    sp.action.kind().is_compute() || matches!(sp.action, Action::Update { .. })
+                })
+                .map(|sp| sp.end - sp.start)
+                .sum();
+            assert!(
+                (computing - out.compute_s).abs() < 1e-9 && computing > 0.0,
+                "{clock}: worker {w} computed {} s, its spans say {computing}",
+                out.compute_s
+            );
+        }
+    }
+}
+
 /// [`on_emulated_devices`], and how many buffers each worker lent.
 fn lent_on_emulated_devices<T: pipe_transport::Transport>(
     run: &RunPlan,

@@ -26,6 +26,7 @@ use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
 use super::compile::module_for;
 use super::epilogue::{BiasOperands, BiasProduct, Lt};
+use super::events::{self, CudaMark};
 use super::lending;
 use super::libraries::{Library, explain};
 use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
@@ -123,6 +124,8 @@ pub struct CudaBackend {
     /// cuBLASLt, for the linear layers' bias inside their products
     /// ([`epilogue`](super::epilogue)); `None` where it is turned off or absent.
     lt: Option<Lt>,
+    /// Whether [`Backend::mark`] records events ([`events`](super::events)).
+    marks: bool,
     kernels: Kernels,
     pool: Arc<Pool>,
     /// The content stamps ([`Tensor::stamp`]) of the last [`CHECKED_STARTS`] document-start
@@ -415,6 +418,7 @@ impl CudaBackend {
             stream,
             blas: Mutex::new(blas),
             lt,
+            marks: events::enabled(),
             kernels,
             pool,
             checked_starts: Mutex::default(),
@@ -1160,6 +1164,13 @@ impl Backend for CudaBackend {
 
     fn peak_memory(&self) -> Option<u64> {
         Some(self.pool.stats().peak_in_use_bytes as u64)
+    }
+
+    fn mark(&self) -> Result<Option<Box<dyn crate::DeviceMark>>> {
+        if !self.marks {
+            return Ok(None);
+        }
+        Ok(Some(Box::new(CudaMark::record(&self.stream)?)))
     }
 
     fn lend(&self, t: &Tensor) -> Result<Option<Vec<u8>>> {

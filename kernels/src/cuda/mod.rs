@@ -33,6 +33,8 @@ mod device;
 #[cfg(feature = "cuda")]
 mod epilogue;
 #[cfg(feature = "cuda")]
+mod events;
+#[cfg(feature = "cuda")]
 mod lending;
 #[cfg(feature = "cuda")]
 mod memory;

@@ -11,8 +11,8 @@
 use std::time::Instant;
 
 use pipe_kernels::Backend;
+use pipe_scheduler::Action;
 use pipe_scheduler::planner::buckets::{BucketSize, StageBuckets};
-use pipe_scheduler::{Action, Span};
 use pipe_transport::Transport;
 use pipe_transport::nccl::NcclComms;
 
@@ -23,6 +23,7 @@ use super::resume::{Planned, Resume, whole};
 
 use super::allreduce::{BucketedAllReduce, all_reduce_gradients, last_backwards};
 use super::between::{Between, Noticing};
+use super::clock::{ActionClock, Timed};
 use super::setup::Setup;
 use crate::error::{Result, StageError};
 
@@ -172,6 +173,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
         loans: super::loans::Loans::default(),
     };
     comms.loans.agree(be, t, program).map_err(|e| (None, e))?;
+    let mut clock = ActionClock::new(be, t0, state.worker).map_err(|e| (None, e))?;
     for &Planned {
         pc,
         action: a,
@@ -181,7 +183,7 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
     {
         core.replaying(replayed_at, pc);
         core.moved(moved_at);
-        let start = t0.elapsed().as_secs_f64();
+        let opened = clock.open(be).map_err(|e| (Some(a), e))?;
         progress.at = Some(a);
         let bytes = if between.notices_any() {
             let mut noticing = Noticing::new(t, between);
@@ -192,9 +194,11 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
             step(be, t, &mut core, &mut comms, (pc, a))
         };
         let bytes = bytes.map_err(|e| (Some(a), e))?;
-        // A device backend only queued the action's kernels: the span ends when they have run.
-        be.synchronize()
-            .map_err(|e| (Some(a), StageError::from(e)))?;
+        let compute = a.kind().is_compute() || matches!(a, Action::Update { .. });
+        // A device backend only queued the action's kernels: the clock waits for them or
+        // marks them (`clock`), and gives the spans it has read.
+        let timed = clock.close(be, opened, a, compute);
+        record_spans(&m, &mut core.outcome, timed.map_err(|e| (Some(a), e))?);
         between.run(t).map_err(|e| (Some(a), e))?;
         *progress = super::doctor::StopPoint {
             at: None,
@@ -202,10 +206,8 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
             last_completed: Some(a),
             finished: false,
         };
-        let end = t0.elapsed().as_secs_f64();
         let held = core.versions_held() as u32;
-        let compute = a.kind().is_compute() || matches!(a, Action::Update { .. });
-        m.record(compute, end - start, bytes);
+        m.moved(bytes);
         m.queue.set(t.buffered() as f64);
         m.stash_versions.set(f64::from(held));
         let stash = core.stash_bytes() as u64;
@@ -214,16 +216,13 @@ fn run_program<'s, 'a, B: Backend, T: Transport + ?Sized>(
         out.peak_versions = out.peak_versions.max(held);
         out.peak_stash_bytes = out.peak_stash_bytes.max(stash);
         out.bytes_sent += bytes.0;
-        if compute {
-            out.compute_s += end - start;
-        }
-        out.spans.push(Span {
-            worker: state.worker,
-            action: a,
-            start,
-            end,
-        });
     }
+    let last = progress.last_completed;
+    record_spans(
+        &m,
+        &mut core.outcome,
+        clock.finish().map_err(|e| (last, e))?,
+    );
     core.replaying(None, program.len());
     // The borrowers have copied every lent buffer before the core's tensors may go.
     comms
@@ -263,15 +262,32 @@ impl WorkerMetrics {
         }
     }
 
-    /// One action of `secs`, computing or not, that moved `bytes` (sent, received).
-    fn record(&self, compute: bool, secs: f64, (sent, received): (u64, u64)) {
+    /// One action of `secs`, computing or not.
+    fn timed(&self, compute: bool, secs: f64) {
         if compute {
             self.busy.increment(secs);
         } else {
             self.idle.increment(secs);
         }
+    }
+
+    /// One action that moved `bytes` (sent, received).
+    fn moved(&self, (sent, received): (u64, u64)) {
         self.sent.increment(sent);
         self.received.increment(received);
+    }
+}
+
+/// Adds the spans the clock has read to the worker's metrics and outcome: each action's time,
+/// computing or not, and its span on the timeline.
+fn record_spans(m: &WorkerMetrics, out: &mut WorkerOutcome, timed: Vec<Timed>) {
+    for Timed { span, compute } in timed {
+        let secs = span.end - span.start;
+        m.timed(compute, secs);
+        if compute {
+            out.compute_s += secs;
+        }
+        out.spans.push(span);
     }
 }
 

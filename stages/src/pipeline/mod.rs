@@ -33,6 +33,7 @@ pub mod adopt;
 pub mod allreduce;
 pub mod between;
 pub mod clip;
+mod clock;
 pub mod delayed;
 pub mod doctor;
 pub mod driver;
