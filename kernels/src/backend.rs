@@ -440,6 +440,28 @@ macro_rules! backend_ops {
             }
         }
         $op! {
+            /// A linear layer and the activation after it: `pre = x w (+ bias)` as
+            /// [`Backend::linear`] makes it (kept for the activation's gradient) and
+            /// `y = act(pre)`. The default is [`Backend::linear`] then [`Backend::activation`],
+            /// with their bits; a backend that fuses the bias
+            /// ([`Backend::fuses_linear_bias`]) may apply the activation as the product's
+            /// results are written (CUDA: GELU).
+            ///
+            /// # Errors
+            /// As [`Backend::linear`].
+            op fn linear_activation(
+                &self,
+                x: &Tensor,
+                w: &Tensor,
+                bias: Option<&Tensor>,
+                act: Activation,
+                pre: &mut Tensor,
+                y: &mut Tensor,
+            ) -> Result<()> {
+                crate::backend::linear_activation_by_parts(self, (x, w, bias), act, pre, y)
+            }
+        }
+        $op! {
             /// Column sums: `out[j] (+)= sum_i x[i, j]`, rows summed in order.
             ///
             /// # Errors
@@ -735,6 +757,19 @@ pub(crate) fn linear_by_parts<B: Backend + ?Sized>(
         Some(b) => be.add_bias(y, b),
         None => Ok(()),
     }
+}
+
+/// [`Backend::linear_activation`] as [`Backend::linear`] then [`Backend::activation`] on
+/// `be` (the trait's default, and what a timing wrapper times part by part).
+pub(crate) fn linear_activation_by_parts<B: Backend + ?Sized>(
+    be: &B,
+    (x, w, bias): (&Tensor, &Tensor, Option<&Tensor>),
+    act: Activation,
+    pre: &mut Tensor,
+    y: &mut Tensor,
+) -> Result<()> {
+    be.linear(x, w, bias, pre)?;
+    be.activation(act, pre, y)
 }
 
 /// A linear layer's bias: one value per column of its weight `w`.

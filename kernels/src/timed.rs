@@ -132,6 +132,28 @@ macro_rules! timed_method {
             self.time(op, || self.inner.linear(x, w, bias, y))
         }
     };
+    ($(#[$meta:meta])* op fn linear_activation $($rest:tt)*) => {
+        fn linear_activation(
+            &self,
+            x: &Tensor,
+            w: &Tensor,
+            bias: Option<&Tensor>,
+            act: Activation,
+            pre: &mut Tensor,
+            y: &mut Tensor,
+        ) -> Result<()> {
+            let operands = (x, w, bias);
+            if !self.inner.fuses_linear_bias() {
+                return crate::backend::linear_activation_by_parts(self, operands, act, pre, y);
+            }
+            let op = if self.by_operation.is_some() {
+                shape_name("linear_activation", x, Trans::No, w, Trans::No)
+            } else {
+                "linear_activation"
+            };
+            self.time(op, || self.inner.linear_activation(x, w, bias, act, pre, y))
+        }
+    };
     (
         $(#[$meta:meta])* about fn $name:ident $(<$lt:lifetime>)?
         (&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $(;)? $($default:block)?

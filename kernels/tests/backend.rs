@@ -249,6 +249,53 @@ fn linear_adds_its_bias_to_the_product(be: &dyn Backend) {
     assert!(narrow.is_err(), "a 6x5 input and a 6x5 weight");
 }
 
+/// A linear layer and the activation after it in one call ([`Backend::linear_activation`]):
+/// `pre` is [`Backend::linear`]'s product with its bias, `y` the activation of `pre` as the
+/// CPU backend computes it (within 1e-5 where the backend applies it in the product's
+/// epilogue, bit for bit otherwise, where it must also be `linear` then `activation`).
+fn linear_activation_keeps_the_product_and_its_activation(be: &dyn Backend) {
+    let cpu = CpuBackend::new(1).unwrap();
+    for &(m, k, n) in &[(3, 5, 7), (64, 96, 40), (130, 256, 1024)] {
+        for act in [Activation::Gelu, Activation::Relu] {
+            for with_bias in [true, false] {
+                let (x, w) = operands(m, k, n, Trans::No, Trans::No, 21);
+                let bias = rand_t(&[n], 22);
+                let (xd, wd, bd) = (on(be, &x), on(be, &w), on(be, &bias));
+                let b = with_bias.then_some(&bd);
+                let (mut pre, mut y) = (Tensor::default(), Tensor::default());
+                be.linear_activation(&xd, &wd, b, act, &mut pre, &mut y)
+                    .unwrap();
+                assert_eq!((pre.shape(), y.shape()), (&[m, n][..], &[m, n][..]));
+                let mut product = naive(&x, Trans::No, &w, Trans::No);
+                if with_bias {
+                    let b = bias.host().unwrap();
+                    product
+                        .iter_mut()
+                        .enumerate()
+                        .for_each(|(i, p)| *p += f64::from(b[i % n]));
+                }
+                let got_pre = read(be, &pre);
+                close(&got_pre, &product, 1e-4);
+                let mut want = Tensor::default();
+                let pre_host = Tensor::from_vec(&[m, n], got_pre.clone()).unwrap();
+                cpu.activation(act, &pre_host, &mut want).unwrap();
+                let what = format!("{act:?} {m}x{k}x{n} bias {with_bias}");
+                let tol = if be.fuses_linear_bias() { 1e-5 } else { 0.0 };
+                same_as_cpu(be, &what, &read(be, &y), want.host().unwrap(), tol);
+                if !be.fuses_linear_bias() {
+                    let (mut lin, mut act_y) = (Tensor::default(), Tensor::default());
+                    be.linear(&xd, &wd, b, &mut lin).unwrap();
+                    be.activation(act, &lin, &mut act_y).unwrap();
+                    let bits =
+                        |t: &Tensor| read(be, t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&act_y), bits(&y), "{what}: not linear then activation");
+                    assert_eq!(bits(&lin), bits(&pre), "{what}: not linear then activation");
+                }
+            }
+        }
+    }
+}
+
 fn matmul_rejects_bad_shapes(be: &dyn Backend) {
     let a = on(be, &rand_t(&[3, 4], 1));
     let b = on(be, &rand_t(&[5, 6], 2));
@@ -1224,6 +1271,7 @@ backend_tests!(
         updates_say_what_they_saw,
         lent_buffers_are_copied_whole,
         linear_adds_its_bias_to_the_product,
+        linear_activation_keeps_the_product_and_its_activation,
     ]
 );
 
@@ -1444,6 +1492,7 @@ backend_tests!(
         updates_say_what_they_saw,
         lent_buffers_are_copied_whole,
         linear_adds_its_bias_to_the_product,
+        linear_activation_keeps_the_product_and_its_activation,
     ]
 );
 
@@ -1470,6 +1519,7 @@ backend_tests!(
         updates_say_what_they_saw,
         lent_buffers_are_copied_whole,
         linear_adds_its_bias_to_the_product,
+        linear_activation_keeps_the_product_and_its_activation,
     ]
 );
 
@@ -1895,6 +1945,25 @@ fn cuda_reduced_precision_linear_adds_the_bias_in_f32() {
                     .map(|v| v.to_bits())
                     .eq(first.iter().map(|v| v.to_bits())),
                 "{precision} {m}x{k}x{n}: a repeated linear product changed its bits"
+            );
+            // With the GELU after it: the same product kept, its GELU as the CPU's.
+            let (mut pre, mut gelu) = (Tensor::default(), Tensor::default());
+            be.linear_activation(&xd, &wd, Some(&bd), Activation::Gelu, &mut pre, &mut gelu)
+                .unwrap();
+            let pre = read(&be, &pre);
+            close(&pre, &want, tol);
+            let cpu = CpuBackend::new(1).unwrap();
+            let mut want_gelu = Tensor::default();
+            let pre = Tensor::from_vec(&[m, n], pre).unwrap();
+            cpu.activation(Activation::Gelu, &pre, &mut want_gelu)
+                .unwrap();
+            let what = format!("{precision} {m}x{k}x{n} GELU");
+            same_as_cpu(
+                &be,
+                &what,
+                &read(&be, &gelu),
+                want_gelu.host().unwrap(),
+                1e-5,
             );
         }
     }

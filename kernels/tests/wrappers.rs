@@ -58,6 +58,11 @@ fn every_operation(be: &dyn Backend) -> Vec<Vec<f32>> {
     seen.push(host(be, &c));
     be.linear(&a, &b, None, &mut c).unwrap();
     seen.push(host(be, &c));
+    let mut pre = Tensor::default();
+    be.linear_activation(&a, &b, Some(&wide_bias), Activation::Gelu, &mut pre, &mut c)
+        .unwrap();
+    seen.push(host(be, &pre));
+    seen.push(host(be, &c));
     be.sum_rows(&a, &mut c, false).unwrap();
     be.sum_rows(&a, &mut c, true).unwrap();
     seen.push(host(be, &c));

@@ -25,7 +25,7 @@ use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
 use super::compile::module_for;
-use super::epilogue::{BiasOperands, BiasProduct, Lt};
+use super::epilogue::{After, BiasOperands, BiasProduct, Lt};
 use super::events::{self, CudaMark};
 use super::lending;
 use super::libraries::{Library, explain};
@@ -889,16 +889,15 @@ impl CudaBackend {
         .map_err(cublas_err)
     }
 
-    /// `y = x w + bias` through cuBLASLt's bias epilogue ([`epilogue`](super::epilogue)):
-    /// `false` where it has
-    /// no algorithm for the product, with nothing queued.
+    /// `y = x w + bias` through cuBLASLt's bias epilogue ([`epilogue`](super::epilogue)), or
+    /// with `gelu`, `gelu = x w + bias` and `y = GELU(gelu)`: `false` where it has no
+    /// algorithm for the product, with nothing queued.
     fn fused_linear(
         &self,
         lt: &Lt,
-        x: &Tensor,
-        w: &Tensor,
-        bias: &Tensor,
+        (x, w, bias): (&Tensor, &Tensor, &Tensor),
         y: &mut Tensor,
+        gelu: Option<&mut Tensor>,
     ) -> Result<bool> {
         let (m, k, n) = crate::check::matmul((x, Trans::No), (w, Trans::No), y, false)?;
         crate::backend::linear_bias(w, bias)?;
@@ -907,6 +906,11 @@ impl CudaBackend {
             k: as_u64(k),
             n: as_u64(n),
             precision: self.precision,
+            after: if gelu.is_some() {
+                After::Gelu
+            } else {
+                After::Nothing
+            },
         };
         if m == 0 || n == 0 || k == 0 || lt.refuses(&product) {
             return Ok(false);
@@ -925,12 +929,17 @@ impl CudaBackend {
             (None, None, xp, wp)
         };
         let yp = self.output(y, &[m, n])?;
+        let aux = match gelu {
+            Some(z) => self.output(z, &[m, n])?,
+            None => 0,
+        };
         self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
         let operands = BiasOperands {
             w: wp,
             x: xp,
             bias: bp,
             y: yp,
+            aux,
         };
         lt.bias_product(product, &operands, self.stream.cu_stream().cast())
     }
@@ -1335,11 +1344,28 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, y: &mut Tensor) -> Result<()> {
         if let (Some(b), Some(lt)) = (bias, &self.lt)
-            && self.fused_linear(lt, x, w, b, y)?
+            && self.fused_linear(lt, (x, w, b), y, None)?
         {
             return Ok(());
         }
         crate::backend::linear_by_parts(self, x, w, bias, y)
+    }
+
+    fn linear_activation(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        act: Activation,
+        pre: &mut Tensor,
+        y: &mut Tensor,
+    ) -> Result<()> {
+        if let (Some(b), Some(lt), Activation::Gelu) = (bias, &self.lt, act)
+            && self.fused_linear(lt, (x, w, b), y, Some(pre))?
+        {
+            return Ok(());
+        }
+        crate::backend::linear_activation_by_parts(self, (x, w, bias), act, pre, y)
     }
 
     fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -1,7 +1,10 @@
 //! A linear layer's bias added inside its product by cuBLASLt (`CUBLASLT_EPILOGUE_BIAS`), so
 //! that the forward pass writes `x w + b` once instead of writing `x w` and then reading and
 //! writing it again to add `b` (the `add_bias` kernel: 4 ms of GPT-2 124M's 100 ms step on an
-//! H200).
+//! H200); and with the GELU after it (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`), which writes both
+//! `z = x w + b`, kept for GELU's gradient, and `GELU(z)` as the product's results are
+//! written, instead of a pass that reads `z` again (the `activation` kernel, 1.7 ms of it).
+//! cuBLASLt's GELU is the tanh form pipe's GELU is, in its own rounding.
 //!
 //! **Layout.** Row-major `Y[m, n] = X[m, k] W[k, n]` is column-major `Y^T = W^T X^T`: cuBLASLt's
 //! A is W (`n x k`, leading dimension `n`), its B is X (`k x m`, leading dimension `k`), its
@@ -30,22 +33,34 @@ use crate::{KernelError, Result};
 /// The environment variable that turns the fused bias off (`0`).
 pub(crate) const SWITCH: &str = "PIPE_CUBLASLT";
 
-/// One linear product: `m x k` input rows, `k x n` weight, in `precision`.
+/// What the product's epilogue does after adding the bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum After {
+    /// Nothing: `y = x w + b`.
+    Nothing,
+    /// `z = x w + b` to the auxiliary output, `y = GELU(z)`.
+    Gelu,
+}
+
+/// One linear product: `m x k` input rows, `k x n` weight, in `precision`, its epilogue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct BiasProduct {
     pub(crate) m: u64,
     pub(crate) k: u64,
     pub(crate) n: u64,
     pub(crate) precision: Precision,
+    pub(crate) after: After,
 }
 
 /// Device pointers of one product: the weight and input as the precision reads them (bf16
-/// copies under bf16), the f32 bias and output.
+/// copies under bf16), the f32 bias and output, and under [`After::Gelu`] the f32 auxiliary
+/// output `z` (`m x n`, as the output).
 pub(crate) struct BiasOperands {
     pub(crate) w: u64,
     pub(crate) x: u64,
     pub(crate) bias: u64,
     pub(crate) y: u64,
+    pub(crate) aux: u64,
 }
 
 /// A cuBLASLt handle, its workspace and the algorithms its heuristic chose, by product.
@@ -141,7 +156,8 @@ impl Lt {
             .is_some_and(Option::is_none)
     }
 
-    /// Queues `y = x w + bias` on `stream` with the bias in the product's epilogue. `Ok(false)`
+    /// Queues `y = x w + bias` (and its GELU, as `p.after` says) on `stream` with the bias in
+    /// the product's epilogue. `Ok(false)`
     /// where cuBLASLt has no algorithm for it (nothing was queued: the caller computes it its
     /// own way); errors for a call cuBLASLt accepted and then failed.
     pub(crate) fn bias_product(
@@ -265,8 +281,12 @@ impl Plan {
         };
         let ld = |v: u64| i64::try_from(v).map_err(|_| lt::CublasError(not_supported()));
         let desc = Desc(lt::create_matmul_desc(compute, Type::CUDA_R_32F)?);
-        let epilogue = lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-        // SAFETY: each attribute is given a value of the type and size cuBLASLt reads for it.
+        let epilogue = match p.after {
+            After::Nothing => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            After::Gelu => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+        };
+        // SAFETY: each attribute is given a value of the type and size cuBLASLt reads for it
+        // (the auxiliary output's type is left at its default, the output's: f32).
         unsafe {
             lt::set_matmul_desc_attribute(
                 desc.0,
@@ -280,6 +300,21 @@ impl Plan {
                 (&ops.bias as *const u64).cast(),
                 size_of::<u64>(),
             )?;
+            if p.after == After::Gelu {
+                let aux_ld = ld(p.n)?;
+                lt::set_matmul_desc_attribute(
+                    desc.0,
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                    (&ops.aux as *const u64).cast(),
+                    size_of::<u64>(),
+                )?;
+                lt::set_matmul_desc_attribute(
+                    desc.0,
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                    (&aux_ld as *const i64).cast(),
+                    size_of::<i64>(),
+                )?;
+            }
         }
         Ok(Plan {
             desc,

@@ -255,6 +255,12 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
     /// Short kind name (`linear`, `relu`, ...).
     fn kind(&self) -> &'static str;
 
+    /// The elementwise activation this layer is, if it is one: a block runs a linear layer
+    /// and the activation after it as one backend call ([`Backend::linear_activation`]).
+    fn activation(&self) -> Option<pipe_kernels::Activation> {
+        None
+    }
+
     /// Names and shapes of the parameters, in the order the other methods take them. A block
     /// names its inner layers' parameters `{inner index}.{name}`.
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {

@@ -424,6 +424,27 @@ impl Layer for Linear {
     }
 }
 
+/// A linear layer (`params`: its weight, and its bias if it has one) and the activation `act`
+/// after it, run as one backend call ([`Backend::linear_activation`]: on CUDA the GELU is
+/// applied as the product's results are written). Gives the activation's output and what each
+/// layer keeps on its own ([`Linear`]: its input; [`Act`]: its input, `x w + b`), so their
+/// backward passes are unchanged; on a backend that does not fuse them, the same calls and
+/// bits as the two layers' forward passes.
+fn linear_then_activation(
+    be: &dyn Backend,
+    params: &[Tensor],
+    x: Tensor,
+    act: Activation,
+) -> KResult<(Tensor, Saved, Saved)> {
+    let w = &params[0];
+    features_of(&x, "linear forward", w.rows())?;
+    let (mut pre, mut y) = (Tensor::default(), Tensor::default());
+    be.linear_activation(&x, w, params.get(1), act, &mut pre, &mut y)?;
+    let shape = with_last(x.shape(), w.cols());
+    let (pre, y) = (pre.reshape(&shape)?, y.reshape(&shape)?);
+    Ok((y, Saved::tensors(vec![x]), Saved::tensors(vec![pre])))
+}
+
 /// Elementwise activation layer.
 #[derive(Debug, Clone, Copy)]
 pub struct Act(pub Activation);
@@ -436,6 +457,10 @@ impl Layer for Act {
             Activation::Tanh => "tanh",
             Activation::Sigmoid => "sigmoid",
         }
+    }
+
+    fn activation(&self) -> Option<Activation> {
+        Some(self.0)
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
@@ -712,6 +737,15 @@ impl Residual {
         }
     }
 
+    /// The activation of inner layer `j + 1` where inner layer `j` is a linear layer: the two
+    /// then run as one backend call ([`linear_then_activation`]).
+    fn fused_activation(&self, j: usize) -> Option<Activation> {
+        if self.inner[j].kind() != "linear" {
+            return None;
+        }
+        self.inner.get(j + 1)?.activation()
+    }
+
     fn saved_of(saved: &Saved, j: usize) -> KResult<&Saved> {
         saved
             .inner
@@ -784,7 +818,17 @@ impl Layer for Residual {
         let skip = x.clone();
         let mut h = x;
         let mut inner = Vec::with_capacity(self.inner.len());
-        for (j, (l, p)) in self.inner.iter().zip(self.split(params)).enumerate() {
+        let parts = self.split(params);
+        let mut j = 0;
+        while j < self.inner.len() {
+            let (l, p) = (&self.inner[j], parts[j]);
+            if let Some(act) = self.fused_activation(j) {
+                let (y, linear, activation) = linear_then_activation(be, p, h, act)?;
+                inner.extend([linear, activation]);
+                h = y;
+                j += 2;
+                continue;
+            }
             let ictx = Self::inner_ctx(ctx.clone(), j);
             // Selective recomputation keeps an attention layer's input only.
             let stand_in = (ctx.train && ctx.recompute_attention && l.kind() == "attention")
@@ -795,6 +839,7 @@ impl Layer for Residual {
                 None => s,
             });
             h = y;
+            j += 1;
         }
         if self.skip {
             be.axpy(1.0, &skip, &mut h)?;
