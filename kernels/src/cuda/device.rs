@@ -941,7 +941,7 @@ impl CudaBackend {
             y: yp,
             aux,
         };
-        lt.bias_product(product, &operands, self.stream.cu_stream().cast())
+        Ok(lt.bias_product(product, &operands, self.stream.cu_stream().cast()))
     }
 
     /// `t` rounded to bf16 (nearest even) in a scratch buffer, and the buffer's pointer.

@@ -28,7 +28,6 @@ use cudarc::cublaslt::{result as lt, sys as lt_sys};
 use cudarc::driver::{CudaContext, result as driver};
 
 use crate::backend::Precision;
-use crate::{KernelError, Result};
 
 /// The environment variable that turns the fused bias off (`0`).
 pub(crate) const SWITCH: &str = "PIPE_CUBLASLT";
@@ -105,13 +104,6 @@ impl std::fmt::Debug for Lt {
     }
 }
 
-fn lt_err(op: &'static str) -> impl Fn(lt::CublasError) -> KernelError {
-    move |e| KernelError::Cuda {
-        op,
-        detail: format!("cuBLASLt: {:?}", e.0),
-    }
-}
-
 /// The workspace cuBLASLt's documentation recommends: 32 MiB on Hopper and newer, 4 MiB before.
 fn workspace_bytes(arch: u32) -> usize {
     if arch >= 90 { 32 << 20 } else { 4 << 20 }
@@ -157,15 +149,14 @@ impl Lt {
     }
 
     /// Queues `y = x w + bias` (and its GELU, as `p.after` says) on `stream` with the bias in
-    /// the product's epilogue. `Ok(false)`
-    /// where cuBLASLt has no algorithm for it (nothing was queued: the caller computes it its
-    /// own way); errors for a call cuBLASLt accepted and then failed.
+    /// the product's epilogue. `false` where cuBLASLt has no algorithm for it or refuses the
+    /// call (nothing was queued: the caller computes it its own way).
     pub(crate) fn bias_product(
         &self,
         p: BiasProduct,
         ops: &BiasOperands,
         stream: lt_sys::cudaStream_t,
-    ) -> Result<bool> {
+    ) -> bool {
         let known = self
             .algorithms
             .lock()
@@ -173,11 +164,11 @@ impl Lt {
             .get(&p)
             .copied();
         if known == Some(None) {
-            return Ok(false);
+            return false;
         }
         let Ok(plan) = Plan::new(p, ops) else {
             self.remember(p, None);
-            return Ok(false);
+            return false;
         };
         let handle = self.handle.lock().unwrap_or_else(PoisonError::into_inner);
         let algorithm = match known.flatten() {
@@ -189,7 +180,7 @@ impl Lt {
                 }
                 None => {
                     self.remember(p, None);
-                    return Ok(false);
+                    return false;
                 }
             },
         };
@@ -217,14 +208,13 @@ impl Lt {
                 stream,
             )
         };
-        match queued {
-            Ok(()) => Ok(true),
-            Err(lt::CublasError(lt_sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => {
-                self.remember(p, None);
-                Ok(false)
-            }
-            Err(e) => Err(lt_err("linear")(e)),
+        // cuBLASLt checks a call before it queues anything: a refused call leaves the product
+        // to the backend's own kernels, for this shape from now on. A device fault would fail
+        // those too, and be reported there.
+        if queued.is_err() {
+            self.remember(p, None);
         }
+        queued.is_ok()
     }
 
     fn remember(&self, p: BiasProduct, algorithm: Option<lt_sys::cublasLtMatmulAlgo_t>) {
