@@ -462,6 +462,29 @@ macro_rules! backend_ops {
             }
         }
         $op! {
+            /// The backward of a linear layer of weight `w` into the activation before it:
+            /// with `dy` the gradient at the linear layer's output and `pre` the activation's
+            /// input, `dz = act'(pre) (.) (dy w^T)`, the gradient at the activation's input
+            /// (`dz` takes `pre`'s shape). The default is [`Backend::matmul`] then
+            /// [`Backend::activation_backward`], with their bits; a backend that fuses
+            /// ([`Backend::fuses_linear_bias`]) may apply the activation's gradient as the
+            /// product's results are written (CUDA: GELU's).
+            ///
+            /// # Errors
+            /// As [`Backend::matmul`] and [`Backend::activation_backward`]: `dy` and `w` of
+            /// different widths, a `pre` of another size than the product.
+            op fn linear_grad_activation(
+                &self,
+                dy: &Tensor,
+                w: &Tensor,
+                act: Activation,
+                pre: &Tensor,
+                dz: &mut Tensor,
+            ) -> Result<()> {
+                crate::backend::linear_grad_activation_by_parts(self, dy, w, act, pre, dz)
+            }
+        }
+        $op! {
             /// Column sums: `out[j] (+)= sum_i x[i, j]`, rows summed in order.
             ///
             /// # Errors
@@ -770,6 +793,22 @@ pub(crate) fn linear_activation_by_parts<B: Backend + ?Sized>(
 ) -> Result<()> {
     be.linear(x, w, bias, pre)?;
     be.activation(act, pre, y)
+}
+
+/// [`Backend::linear_grad_activation`] as [`Backend::matmul`] then
+/// [`Backend::activation_backward`] on `be` (the trait's default, and what a timing wrapper
+/// times part by part).
+pub(crate) fn linear_grad_activation_by_parts<B: Backend + ?Sized>(
+    be: &B,
+    dy: &Tensor,
+    w: &Tensor,
+    act: Activation,
+    pre: &Tensor,
+    dz: &mut Tensor,
+) -> Result<()> {
+    let mut dh = Tensor::default();
+    be.matmul(dy, Trans::No, w, Trans::Yes, &mut dh, false)?;
+    be.activation_backward(act, pre, &dh, dz)
 }
 
 /// A linear layer's bias: one value per column of its weight `w`.

@@ -5,8 +5,12 @@
 //! The forwarding methods are generated from the one list of the trait's methods
 //! (`backend_ops!` in `backend.rs`): every operation is timed under its method's name, and the
 //! methods that only ask about the backend (its name, its device, waiting for it) are passed on
-//! untimed. A new operation is timed without a line here. Only `matmul` has a rule of its own,
-//! because the per-operation table names each product by its shape.
+//! untimed. A new operation is timed without a line here. Only the products have rules of
+//! their own: `matmul` because the per-operation table names each product by its shape, and
+//! `linear`, `linear_activation` and `linear_grad_activation` because a backend that fuses
+//! them is timed per fused call (named by shape too) and one that does not per part
+//! (`matmul`, `add_bias`, `activation`, `activation_backward`),
+//! as a profile of the unfused step always was.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -154,6 +158,26 @@ macro_rules! timed_method {
             self.time(op, || self.inner.linear_activation(x, w, bias, act, pre, y))
         }
     };
+    ($(#[$meta:meta])* op fn linear_grad_activation $($rest:tt)*) => {
+        fn linear_grad_activation(
+            &self,
+            dy: &Tensor,
+            w: &Tensor,
+            act: Activation,
+            pre: &Tensor,
+            dz: &mut Tensor,
+        ) -> Result<()> {
+            if !self.inner.fuses_linear_bias() {
+                return crate::backend::linear_grad_activation_by_parts(self, dy, w, act, pre, dz);
+            }
+            let op = if self.by_operation.is_some() {
+                shape_name("linear_grad_activation", dy, Trans::No, w, Trans::Yes)
+            } else {
+                "linear_grad_activation"
+            };
+            self.time(op, || self.inner.linear_grad_activation(dy, w, act, pre, dz))
+        }
+    };
     (
         $(#[$meta:meta])* about fn $name:ident $(<$lt:lifetime>)?
         (&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $(;)? $($default:block)?
@@ -176,7 +200,7 @@ impl<B: Backend> Backend for Timed<B> {
     backend_ops!(timed_method);
 }
 
-/// `{kind} MxKxN XY` (`matmul`, `linear`) for a product of `op(a)` (`M x K`) and `op(b)` (`K x
+/// `{kind} MxKxN XY` (`matmul` and the fused products) for a product of `op(a)` (`M x K`) and `op(b)` (`K x
 /// N`), X and Y `N` or `T` for the transposes: the per-operation table tells products apart by
 /// shape. Each name is made once per process (a run has a handful of shapes).
 fn shape_name(kind: &str, a: &Tensor, ta: Trans, b: &Tensor, tb: Trans) -> &'static str {

@@ -296,6 +296,57 @@ fn linear_activation_keeps_the_product_and_its_activation(be: &dyn Backend) {
     }
 }
 
+/// The backward of a linear layer into the activation before it in one call
+/// ([`Backend::linear_grad_activation`]): `dz = act'(pre) (.) (dy w^T)` against f64, in
+/// `pre`'s shape; bit for bit `matmul` then `activation_backward` where the backend does not
+/// fuse them; a `pre` of the wrong size is an error.
+fn linear_grad_activation_is_the_product_then_the_activation_gradient(be: &dyn Backend) {
+    let cpu = CpuBackend::new(1).unwrap();
+    for &(m, k, n) in &[(3, 5, 7), (64, 96, 40), (130, 256, 1024)] {
+        for act in [Activation::Gelu, Activation::Relu] {
+            let (dy, w) = operands(m, k, n, Trans::No, Trans::Yes, 31);
+            let pre = rand_t(&[1, m, n], 32);
+            let (dyd, wd, pred) = (on(be, &dy), on(be, &w), on(be, &pre));
+            let mut dz = Tensor::default();
+            be.linear_grad_activation(&dyd, &wd, act, &pred, &mut dz)
+                .unwrap();
+            assert_eq!(dz.shape(), &[1, m, n]);
+            let want: Vec<f64> = naive(&dy, Trans::No, &w, Trans::Yes)
+                .iter()
+                .zip(slope_of(&cpu, act, &pre))
+                .map(|(d, s)| d * f64::from(s))
+                .collect();
+            let got = read(be, &dz);
+            close(&got, &want, 1e-4);
+            if !be.fuses_linear_bias() {
+                let (mut dh, mut parts) = (Tensor::default(), Tensor::default());
+                be.matmul(&dyd, Trans::No, &wd, Trans::Yes, &mut dh, false)
+                    .unwrap();
+                be.activation_backward(act, &pred, &dh, &mut parts).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&read(be, &parts)),
+                    "{act:?} {m}x{k}x{n}: not matmul then activation_backward"
+                );
+            }
+        }
+    }
+    let (dy, w) = (on(be, &rand_t(&[4, 6], 1)), on(be, &rand_t(&[5, 6], 2)));
+    let (pre, mut dz) = (on(be, &rand_t(&[4, 4], 3)), Tensor::default());
+    let short = be.linear_grad_activation(&dy, &w, Activation::Gelu, &pre, &mut dz);
+    assert!(short.is_err(), "a 4x4 activation input for a 4x5 gradient");
+}
+
+/// `act'(pre)`, element by element, as the CPU backend takes it.
+fn slope_of(cpu: &CpuBackend, act: Activation, pre: &Tensor) -> Vec<f32> {
+    let mut slope = Tensor::default();
+    let ones = Tensor::full(pre.shape(), 1.0);
+    cpu.activation_backward(act, pre, &ones, &mut slope)
+        .unwrap();
+    slope.into_host_vec().unwrap()
+}
+
 fn matmul_rejects_bad_shapes(be: &dyn Backend) {
     let a = on(be, &rand_t(&[3, 4], 1));
     let b = on(be, &rand_t(&[5, 6], 2));
@@ -1272,6 +1323,7 @@ backend_tests!(
         lent_buffers_are_copied_whole,
         linear_adds_its_bias_to_the_product,
         linear_activation_keeps_the_product_and_its_activation,
+        linear_grad_activation_is_the_product_then_the_activation_gradient,
     ]
 );
 
@@ -1493,6 +1545,7 @@ backend_tests!(
         lent_buffers_are_copied_whole,
         linear_adds_its_bias_to_the_product,
         linear_activation_keeps_the_product_and_its_activation,
+        linear_grad_activation_is_the_product_then_the_activation_gradient,
     ]
 );
 
@@ -1520,6 +1573,7 @@ backend_tests!(
         lent_buffers_are_copied_whole,
         linear_adds_its_bias_to_the_product,
         linear_activation_keeps_the_product_and_its_activation,
+        linear_grad_activation_is_the_product_then_the_activation_gradient,
     ]
 );
 
@@ -1965,6 +2019,19 @@ fn cuda_reduced_precision_linear_adds_the_bias_in_f32() {
                 want_gelu.host().unwrap(),
                 1e-5,
             );
+            // GELU's gradient in the backward's product: a gradient of the output's shape
+            // through the same weight into GELU at `x`, against the rounded inputs' product
+            // times GELU'(x).
+            let dy = rand_t(&[m, n], 7);
+            let mut dz = Tensor::default();
+            be.linear_grad_activation(&on(&be, &dy), &wd, Activation::Gelu, &xd, &mut dz)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let want_dz: Vec<f64> = naive(&rounded(&dy), Trans::No, &rounded(&w), Trans::Yes)
+                .iter()
+                .zip(slope_of(&cpu, Activation::Gelu, &x))
+                .map(|(d, s)| d * f64::from(s))
+                .collect();
+            close(&read(&be, &dz), &want_dz, tol);
         }
     }
 }

@@ -63,6 +63,11 @@ fn every_operation(be: &dyn Backend) -> Vec<Vec<f32>> {
         .unwrap();
     seen.push(host(be, &pre));
     seen.push(host(be, &c));
+    // Back through the same weight into the GELU at `a`: `c` (4 x 5) times `b^T`.
+    let mut dz = Tensor::default();
+    be.linear_grad_activation(&c, &b, Activation::Gelu, &a, &mut dz)
+        .unwrap();
+    seen.push(host(be, &dz));
     be.sum_rows(&a, &mut c, false).unwrap();
     be.sum_rows(&a, &mut c, true).unwrap();
     seen.push(host(be, &c));
@@ -253,6 +258,7 @@ fn the_timed_table_names_every_operation_and_nothing_else() {
         "layer_norm_backward_params",
         "lion_update",
         "matmul 4x3x5 NN",
+        "matmul 4x5x3 NT",
         "mul",
         "place",
         "place_ids",

@@ -25,7 +25,7 @@ use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
 use super::compile::module_for;
-use super::epilogue::{After, BiasOperands, BiasProduct, Lt};
+use super::epilogue::{Epilogue, Lt, Operands, Product};
 use super::events::{self, CudaMark};
 use super::lending;
 use super::libraries::{Library, explain};
@@ -901,15 +901,15 @@ impl CudaBackend {
     ) -> Result<bool> {
         let (m, k, n) = crate::check::matmul((x, Trans::No), (w, Trans::No), y, false)?;
         crate::backend::linear_bias(w, bias)?;
-        let product = BiasProduct {
+        let product = Product {
             m: as_u64(m),
             k: as_u64(k),
             n: as_u64(n),
             precision: self.precision,
-            after: if gelu.is_some() {
-                After::Gelu
+            epilogue: if gelu.is_some() {
+                Epilogue::BiasGelu
             } else {
-                After::Nothing
+                Epilogue::Bias
             },
         };
         if m == 0 || n == 0 || k == 0 || lt.refuses(&product) {
@@ -920,28 +920,85 @@ impl CudaBackend {
             self.ptr(w, "linear")?,
             self.ptr(bias, "linear")?,
         );
-        // The bf16 copies live until the product is queued; the stream orders their reuse.
-        let (_x16, _w16, xp, wp) = if self.precision == Precision::Bf16 {
-            let (x16, x16p) = self.to_bf16(x, "linear")?;
-            let (w16, w16p) = self.to_bf16(w, "linear")?;
-            (Some(x16), Some(w16), x16p, w16p)
-        } else {
-            (None, None, xp, wp)
-        };
         let yp = self.output(y, &[m, n])?;
         let aux = match gelu {
             Some(z) => self.output(z, &[m, n])?,
             None => 0,
         };
-        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
-        let operands = BiasOperands {
+        let operands = Operands {
             w: wp,
             x: xp,
             bias: bp,
             y: yp,
             aux,
         };
-        Ok(lt.bias_product(product, &operands, self.stream.cu_stream().cast()))
+        self.lt_product(lt, product, operands, (x, w))
+    }
+
+    /// `dz = GELU'(pre) (.) (dy w^T)` through cuBLASLt's GELU-gradient epilogue
+    /// ([`epilogue`](super::epilogue)): `false` where it has no algorithm for the product, with
+    /// nothing queued.
+    fn fused_gelu_grad(
+        &self,
+        lt: &Lt,
+        (dy, w, pre): (&Tensor, &Tensor, &Tensor),
+        dz: &mut Tensor,
+    ) -> Result<bool> {
+        let (m, k, n) = crate::check::matmul((dy, Trans::No), (w, Trans::Yes), dz, false)?;
+        if pre.len() != m * n {
+            return Err(shape_err(
+                "linear_grad_activation",
+                format!(
+                    "the activation's input {:?} for a {m}x{n} gradient",
+                    pre.shape()
+                ),
+            ));
+        }
+        let product = Product {
+            m: as_u64(m),
+            k: as_u64(k),
+            n: as_u64(n),
+            precision: self.precision,
+            epilogue: Epilogue::GeluGrad,
+        };
+        if m == 0 || n == 0 || k == 0 || lt.refuses(&product) {
+            return Ok(false);
+        }
+        let (dyp, wp, zp) = (
+            self.ptr(dy, "linear_grad_activation")?,
+            self.ptr(w, "linear_grad_activation")?,
+            self.ptr(pre, "linear_grad_activation")?,
+        );
+        let operands = Operands {
+            w: wp,
+            x: dyp,
+            bias: 0,
+            y: self.output(dz, pre.shape())?,
+            aux: zp,
+        };
+        self.lt_product(lt, product, operands, (dy, w))
+    }
+
+    /// Queues `product` through cuBLASLt with `operands`, whose weight `w` and rows `x` are
+    /// first rounded into bf16 copies under bf16 (kept until the product is queued; the
+    /// stream orders their reuse).
+    fn lt_product(
+        &self,
+        lt: &Lt,
+        product: Product,
+        mut operands: Operands,
+        (x, w): (&Tensor, &Tensor),
+    ) -> Result<bool> {
+        let _copies = if self.precision == Precision::Bf16 {
+            let (x16, x16p) = self.to_bf16(x, "linear")?;
+            let (w16, w16p) = self.to_bf16(w, "linear")?;
+            (operands.x, operands.w) = (x16p, w16p);
+            Some((x16, w16))
+        } else {
+            None
+        };
+        self.ctx.bind_to_thread().map_err(driver_err("bind"))?;
+        Ok(lt.product(product, &operands, self.stream.cu_stream().cast()))
     }
 
     /// `t` rounded to bf16 (nearest even) in a scratch buffer, and the buffer's pointer.
@@ -1366,6 +1423,22 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         crate::backend::linear_activation_by_parts(self, (x, w, bias), act, pre, y)
+    }
+
+    fn linear_grad_activation(
+        &self,
+        dy: &Tensor,
+        w: &Tensor,
+        act: Activation,
+        pre: &Tensor,
+        dz: &mut Tensor,
+    ) -> Result<()> {
+        if let (Some(lt), Activation::Gelu) = (&self.lt, act)
+            && self.fused_gelu_grad(lt, (dy, w, pre), dz)?
+        {
+            return Ok(());
+        }
+        crate::backend::linear_grad_activation_by_parts(self, dy, w, act, pre, dz)
     }
 
     fn transpose(&self, a: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -4,20 +4,25 @@
 //! H200); and with the GELU after it (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`), which writes both
 //! `z = x w + b`, kept for GELU's gradient, and `GELU(z)` as the product's results are
 //! written, instead of a pass that reads `z` again (the `activation` kernel, 1.7 ms of it).
-//! cuBLASLt's GELU is the tanh form pipe's GELU is, in its own rounding.
+//! cuBLASLt's GELU is the tanh form pipe's GELU is, in its own rounding. In the backward,
+//! GELU's gradient rides in the product that makes the gradient of GELU's output
+//! (`CUBLASLT_EPILOGUE_DGELU`: `dz = GELU'(z) (.) (dy w^T)`, `z` read as the auxiliary input),
+//! instead of a pass that reads that gradient and `z` again (`activation_backward`, 2.2 ms).
 //!
 //! **Layout.** Row-major `Y[m, n] = X[m, k] W[k, n]` is column-major `Y^T = W^T X^T`: cuBLASLt's
 //! A is W (`n x k`, leading dimension `n`), its B is X (`k x m`, leading dimension `k`), its
 //! C and D are Y (`n x m` in f32, leading dimension `n`), and the bias, one value per row of D,
-//! is one per output feature.
+//! is one per output feature. The backward's `dZ[m, n] = dY[m, k] W[n, k]^T` is `dZ^T = W
+//! dY^T`: A is W read transposed (stored `k x n`, leading dimension `k`), B is dY (`k x m`).
 //!
 //! **When it is used.** Only where cuBLASLt has an algorithm for the product with the
-//! epilogue: the heuristic's answer is kept per shape and precision, and a shape without one
-//! (or a library that refuses) goes back to the backend's own product and `add_bias`, which
-//! give the same values within the product's rounding. `PIPE_CUBLASLT=0` turns it off, so a
-//! GPU session can time both in one run. The workspace (the size cuBLASLt's documentation
-//! recommends) is allocated once per backend outside its pool, as cuBLAS's own is, so the
-//! pool's peak and pipe's memory model of it leave it out alike.
+//! epilogue: the heuristic's answer is kept per shape, precision and epilogue, and a product
+//! without one (or one the library refuses) goes back to the backend's own product and
+//! elementwise kernels, which give the same values within the product's rounding.
+//! `PIPE_CUBLASLT=0` turns it off, so a GPU session can time both in one run. The workspace
+//! (the size cuBLASLt's documentation recommends) is allocated once per backend outside its
+//! pool, as cuBLAS's own is, so the pool's peak and pipe's memory model of it leave it out
+//! alike.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -32,29 +37,33 @@ use crate::backend::Precision;
 /// The environment variable that turns the fused bias off (`0`).
 pub(crate) const SWITCH: &str = "PIPE_CUBLASLT";
 
-/// What the product's epilogue does after adding the bias.
+/// What a product's epilogue does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum After {
-    /// Nothing: `y = x w + b`.
-    Nothing,
+pub(crate) enum Epilogue {
+    /// `y = x w + b`.
+    Bias,
     /// `z = x w + b` to the auxiliary output, `y = GELU(z)`.
-    Gelu,
+    BiasGelu,
+    /// `dz = GELU'(z) (.) (dy w^T)`, `z` the auxiliary input (no bias).
+    GeluGrad,
 }
 
-/// One linear product: `m x k` input rows, `k x n` weight, in `precision`, its epilogue.
+/// One product of a linear layer: the output's `m x n`, the inner dimension `k`, in
+/// `precision`, with `epilogue`. The forward's weight is `k x n`, the backward's `n x k`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct BiasProduct {
+pub(crate) struct Product {
     pub(crate) m: u64,
     pub(crate) k: u64,
     pub(crate) n: u64,
     pub(crate) precision: Precision,
-    pub(crate) after: After,
+    pub(crate) epilogue: Epilogue,
 }
 
-/// Device pointers of one product: the weight and input as the precision reads them (bf16
-/// copies under bf16), the f32 bias and output, and under [`After::Gelu`] the f32 auxiliary
-/// output `z` (`m x n`, as the output).
-pub(crate) struct BiasOperands {
+/// Device pointers of one product: the weight `w` and the rows `x` it multiplies (`dy` in the
+/// backward), as the precision reads them (bf16 copies under bf16); the f32 bias (none for
+/// [`Epilogue::GeluGrad`]), the f32 output `y` (`m x n`), and the f32 auxiliary matrix (`m x
+/// n`): written `z` under [`Epilogue::BiasGelu`], read `z` under [`Epilogue::GeluGrad`].
+pub(crate) struct Operands {
     pub(crate) w: u64,
     pub(crate) x: u64,
     pub(crate) bias: u64,
@@ -66,7 +75,7 @@ pub(crate) struct BiasOperands {
 pub(crate) struct Lt {
     handle: Mutex<Handle>,
     workspace: Workspace,
-    algorithms: Mutex<HashMap<BiasProduct, Option<lt_sys::cublasLtMatmulAlgo_t>>>,
+    algorithms: Mutex<HashMap<Product, Option<lt_sys::cublasLtMatmulAlgo_t>>>,
 }
 
 struct Handle(lt_sys::cublasLtHandle_t);
@@ -140,7 +149,7 @@ impl Lt {
     }
 
     /// Whether cuBLASLt was asked about `p` before and had no algorithm for it.
-    pub(crate) fn refuses(&self, p: &BiasProduct) -> bool {
+    pub(crate) fn refuses(&self, p: &Product) -> bool {
         self.algorithms
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -148,15 +157,10 @@ impl Lt {
             .is_some_and(Option::is_none)
     }
 
-    /// Queues `y = x w + bias` (and its GELU, as `p.after` says) on `stream` with the bias in
-    /// the product's epilogue. `false` where cuBLASLt has no algorithm for it or refuses the
-    /// call (nothing was queued: the caller computes it its own way).
-    pub(crate) fn bias_product(
-        &self,
-        p: BiasProduct,
-        ops: &BiasOperands,
-        stream: lt_sys::cudaStream_t,
-    ) -> bool {
+    /// Queues product `p` with its epilogue on `stream`. `false` where cuBLASLt has no
+    /// algorithm for it or refuses the call (nothing was queued: the caller computes it its
+    /// own way).
+    pub(crate) fn product(&self, p: Product, ops: &Operands, stream: lt_sys::cudaStream_t) -> bool {
         let known = self
             .algorithms
             .lock()
@@ -217,7 +221,7 @@ impl Lt {
         queued.is_ok()
     }
 
-    fn remember(&self, p: BiasProduct, algorithm: Option<lt_sys::cublasLtMatmulAlgo_t>) {
+    fn remember(&self, p: Product, algorithm: Option<lt_sys::cublasLtMatmulAlgo_t>) {
         self.algorithms
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -259,7 +263,7 @@ impl Drop for Preference {
 }
 
 impl Plan {
-    fn new(p: BiasProduct, ops: &BiasOperands) -> std::result::Result<Plan, lt::CublasError> {
+    fn new(p: Product, ops: &Operands) -> std::result::Result<Plan, lt::CublasError> {
         use lt_sys::cublasComputeType_t as Compute;
         use lt_sys::cudaDataType_t as Type;
         let (input, compute) = match p.precision {
@@ -271,44 +275,66 @@ impl Plan {
         };
         let ld = |v: u64| i64::try_from(v).map_err(|_| lt::CublasError(not_supported()));
         let desc = Desc(lt::create_matmul_desc(compute, Type::CUDA_R_32F)?);
-        let epilogue = match p.after {
-            After::Nothing => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            After::Gelu => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+        use lt_sys::cublasLtEpilogue_t as E;
+        use lt_sys::cublasLtMatmulDescAttributes_t as Attribute;
+        let epilogue = match p.epilogue {
+            Epilogue::Bias => E::CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::BiasGelu => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            Epilogue::GeluGrad => E::CUBLASLT_EPILOGUE_DGELU,
         };
+        let backward = p.epilogue == Epilogue::GeluGrad;
         // SAFETY: each attribute is given a value of the type and size cuBLASLt reads for it
-        // (the auxiliary output's type is left at its default, the output's: f32).
+        // (the auxiliary matrix's type is left at its default, the output's: f32).
         unsafe {
             lt::set_matmul_desc_attribute(
                 desc.0,
-                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                (&epilogue as *const lt_sys::cublasLtEpilogue_t).cast(),
-                size_of::<lt_sys::cublasLtEpilogue_t>(),
+                Attribute::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                (&epilogue as *const E).cast(),
+                size_of::<E>(),
             )?;
-            lt::set_matmul_desc_attribute(
-                desc.0,
-                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                (&ops.bias as *const u64).cast(),
-                size_of::<u64>(),
-            )?;
-            if p.after == After::Gelu {
+            if backward {
+                // cuBLASLt's op on A, an `i32` (`cublasOperation_t`): 1 for transposed.
+                let transposed: i32 = 1;
+                lt::set_matmul_desc_attribute(
+                    desc.0,
+                    Attribute::CUBLASLT_MATMUL_DESC_TRANSA,
+                    (&transposed as *const i32).cast(),
+                    size_of::<i32>(),
+                )?;
+            } else {
+                lt::set_matmul_desc_attribute(
+                    desc.0,
+                    Attribute::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&ops.bias as *const u64).cast(),
+                    size_of::<u64>(),
+                )?;
+            }
+            if p.epilogue != Epilogue::Bias {
                 let aux_ld = ld(p.n)?;
                 lt::set_matmul_desc_attribute(
                     desc.0,
-                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                    Attribute::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                     (&ops.aux as *const u64).cast(),
                     size_of::<u64>(),
                 )?;
                 lt::set_matmul_desc_attribute(
                     desc.0,
-                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                    Attribute::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                     (&aux_ld as *const i64).cast(),
                     size_of::<i64>(),
                 )?;
             }
         }
+        // A as stored: the forward's weight `k x n` row-major is `n x k` column-major; the
+        // backward's `n x k` row-major is `k x n`, read transposed.
+        let a = if backward {
+            Layout(lt::create_matrix_layout(input, p.k, p.n, ld(p.k)?)?)
+        } else {
+            Layout(lt::create_matrix_layout(input, p.n, p.k, ld(p.n)?)?)
+        };
         Ok(Plan {
             desc,
-            a: Layout(lt::create_matrix_layout(input, p.n, p.k, ld(p.n)?)?),
+            a,
             b: Layout(lt::create_matrix_layout(input, p.k, p.m, ld(p.k)?)?),
             d: Layout(lt::create_matrix_layout(
                 Type::CUDA_R_32F,

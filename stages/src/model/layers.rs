@@ -746,6 +746,44 @@ impl Residual {
         self.inner.get(j + 1)?.activation()
     }
 
+    /// The activation of inner layer `j - 1` where inner layer `j` is a linear layer: the
+    /// gradient then crosses both in one backend call ([`Residual::grad_into_activation`]).
+    /// The activation has no parameters, so only its input gradient is skipped.
+    fn activation_before(&self, j: usize) -> Option<Activation> {
+        if j == 0 || self.inner[j].kind() != "linear" {
+            return None;
+        }
+        self.inner[j - 1].activation()
+    }
+
+    /// The gradient at the input of activation `j - 1` from `dy` at the output of linear
+    /// layer `j` (`params`: its weight first), as [`Backend::linear_grad_activation`] gives
+    /// it: the same calls and bits as the two layers' input gradients on a backend that does
+    /// not fuse them.
+    fn grad_into_activation(
+        &self,
+        be: &dyn Backend,
+        params: &[Tensor],
+        saved: &Saved,
+        j: usize,
+        (dy, act): (&Tensor, Activation),
+    ) -> KResult<Tensor> {
+        let w = &params[0];
+        features_of(dy, "linear backward_input", w.cols())?;
+        let before = &self.inner[j - 1];
+        let kept = materialize(before.as_ref(), be, &[], Self::saved_of(saved, j - 1)?)?;
+        let pre = kept
+            .tensors
+            .first()
+            .ok_or_else(|| pipe_kernels::KernelError::Shape {
+                op: "residual backward",
+                detail: format!("nothing saved for inner layer {}", j - 1),
+            })?;
+        let mut dz = Tensor::default();
+        be.linear_grad_activation(dy, w, act, pre, &mut dz)?;
+        Ok(dz)
+    }
+
     fn saved_of(saved: &Saved, j: usize) -> KResult<&Saved> {
         saved
             .inner
@@ -863,8 +901,15 @@ impl Layer for Residual {
         let parts = self.split(params);
         // The gradient reaching the current inner layer's output: `dy` itself for the last.
         let mut g: Option<Tensor> = None;
-        for j in (0..self.inner.len()).rev() {
+        let mut j = self.inner.len();
+        while j > 0 {
+            j -= 1;
             let at = g.as_ref().unwrap_or(dy);
+            if let Some(act) = self.activation_before(j) {
+                g = Some(self.grad_into_activation(be, parts[j], saved, j, (at, act))?);
+                j -= 1;
+                continue;
+            }
             let l = self.inner[j].as_ref();
             let s = materialize(l, be, parts[j], Self::saved_of(saved, j)?)?;
             g = Some(l.backward_input(be, parts[j], &s, at)?);
@@ -912,13 +957,27 @@ impl Layer for Residual {
         }
         // The gradient reaching the current inner layer's output: `dy` itself for the last.
         let mut g: Option<Tensor> = None;
-        for j in (0..self.inner.len()).rev() {
+        let mut j = self.inner.len();
+        while j > 0 {
+            j -= 1;
             let s = materialize(
                 self.inner[j].as_ref(),
                 be,
                 parts[j],
                 Self::saved_of(saved, j)?,
             )?;
+            // An activation first in the block has no input gradient to give unless asked.
+            let fused = self
+                .activation_before(j)
+                .filter(|_| j > 1 || need_input_grad);
+            if let Some(act) = fused {
+                let at = g.as_ref().unwrap_or(dy);
+                let l = self.inner[j].as_ref();
+                l.backward_params(be, parts[j], &s, at, &mut *grad_parts[j], accumulate)?;
+                g = Some(self.grad_into_activation(be, parts[j], saved, j, (at, act))?);
+                j -= 1;
+                continue;
+            }
             let need = j > 0 || need_input_grad;
             let next = self.inner[j].backward(
                 be,
