@@ -462,6 +462,27 @@ macro_rules! backend_ops {
             }
         }
         $op! {
+            /// A linear layer's weight gradients: `gw (+)= x^T dy` and, where the layer has a
+            /// bias, `gb (+)= sum of dy's rows` (added to when `accumulate`, as
+            /// [`Backend::matmul`] and [`Backend::sum_rows`] do). The default is those two
+            /// calls, with their bits; a backend that fuses
+            /// ([`Backend::fuses_linear_bias`]) may sum the bias gradient inside the product
+            /// (CUDA: cuBLASLt's `BGRADA`).
+            ///
+            /// # Errors
+            /// As [`Backend::matmul`] and [`Backend::sum_rows`].
+            op fn linear_weight_grads(
+                &self,
+                x: &Tensor,
+                dy: &Tensor,
+                gw: &mut Tensor,
+                gb: Option<&mut Tensor>,
+                accumulate: bool,
+            ) -> Result<()> {
+                crate::backend::linear_weight_grads_by_parts(self, (x, dy), gw, gb, accumulate)
+            }
+        }
+        $op! {
             /// The backward of a linear layer of weight `w` into the activation before it:
             /// with `dy` the gradient at the linear layer's output and `pre` the activation's
             /// input, `dz = act'(pre) (.) (dy w^T)`, the gradient at the activation's input
@@ -809,6 +830,22 @@ pub(crate) fn linear_grad_activation_by_parts<B: Backend + ?Sized>(
     let mut dh = Tensor::default();
     be.matmul(dy, Trans::No, w, Trans::Yes, &mut dh, false)?;
     be.activation_backward(act, pre, &dh, dz)
+}
+
+/// [`Backend::linear_weight_grads`] as [`Backend::matmul`] then [`Backend::sum_rows`] on `be`
+/// (the trait's default, and what a timing wrapper times part by part).
+pub(crate) fn linear_weight_grads_by_parts<B: Backend + ?Sized>(
+    be: &B,
+    (x, dy): (&Tensor, &Tensor),
+    gw: &mut Tensor,
+    gb: Option<&mut Tensor>,
+    accumulate: bool,
+) -> Result<()> {
+    be.matmul(x, Trans::Yes, dy, Trans::No, gw, accumulate)?;
+    match gb {
+        Some(gb) => be.sum_rows(dy, gb, accumulate),
+        None => Ok(()),
+    }
 }
 
 /// A linear layer's bias: one value per column of its weight `w`.

@@ -6,7 +6,8 @@
 //! Host code reads elements with [`Tensor::host`], which refuses a device tensor. All arithmetic
 //! goes through the [`Backend`] trait so that layers in `pipe-stages` are written once and run on
 //! the CPU backend ([`CpuBackend`], always built), on CUDA ([`CudaBackend`]: cuBLAS products
-//! (cuBLASLt's where a linear layer's bias and GELU ride in the product's epilogue),
+//! (cuBLASLt's where a linear layer's bias, GELU and their gradients ride in the product's
+//! epilogue),
 //! NVRTC-compiled kernels and a caching allocator, behind the `cuda` feature; without it the
 //! constructor returns [`KernelError::NotCompiledWithCuda`]; [`cuda`] also decides which CUDA
 //! libraries are opened), or on [`EmulatedDevice`], a device backend whose arithmetic is the

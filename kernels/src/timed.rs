@@ -7,9 +7,9 @@
 //! methods that only ask about the backend (its name, its device, waiting for it) are passed on
 //! untimed. A new operation is timed without a line here. Only the products have rules of
 //! their own: `matmul` because the per-operation table names each product by its shape, and
-//! `linear`, `linear_activation` and `linear_grad_activation` because a backend that fuses
-//! them is timed per fused call (named by shape too) and one that does not per part
-//! (`matmul`, `add_bias`, `activation`, `activation_backward`),
+//! `linear`, `linear_activation`, `linear_weight_grads` and `linear_grad_activation` because a
+//! backend that fuses them is timed per fused call (named by shape too) and one that does not
+//! per part (`matmul`, `add_bias`, `activation`, `sum_rows`, `activation_backward`),
 //! as a profile of the unfused step always was.
 
 use std::collections::{BTreeMap, HashMap};
@@ -156,6 +156,26 @@ macro_rules! timed_method {
                 "linear_activation"
             };
             self.time(op, || self.inner.linear_activation(x, w, bias, act, pre, y))
+        }
+    };
+    ($(#[$meta:meta])* op fn linear_weight_grads $($rest:tt)*) => {
+        fn linear_weight_grads(
+            &self,
+            x: &Tensor,
+            dy: &Tensor,
+            gw: &mut Tensor,
+            gb: Option<&mut Tensor>,
+            accumulate: bool,
+        ) -> Result<()> {
+            if !self.inner.fuses_linear_bias() {
+                return crate::backend::linear_weight_grads_by_parts(self, (x, dy), gw, gb, accumulate);
+            }
+            let op = if self.by_operation.is_some() {
+                shape_name("linear_weight_grads", x, Trans::Yes, dy, Trans::No)
+            } else {
+                "linear_weight_grads"
+            };
+            self.time(op, || self.inner.linear_weight_grads(x, dy, gw, gb, accumulate))
         }
     };
     ($(#[$meta:meta])* op fn linear_grad_activation $($rest:tt)*) => {

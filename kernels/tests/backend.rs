@@ -347,6 +347,55 @@ fn slope_of(cpu: &CpuBackend, act: Activation, pre: &Tensor) -> Vec<f32> {
     slope.into_host_vec().unwrap()
 }
 
+/// A linear layer's weight gradients in one call ([`Backend::linear_weight_grads`]): `x^T dy`
+/// and `dy`'s column sums against f64, written and then added to; without a bias, the
+/// product alone; bit for bit `matmul` then `sum_rows` where the backend does not fuse them.
+fn linear_weight_grads_are_the_product_and_the_column_sums(be: &dyn Backend) {
+    for &(rows, inputs, outputs) in &[(3, 5, 7), (64, 96, 40), (256, 130, 1024)] {
+        let (x, dy) = (rand_t(&[rows, inputs], 41), rand_t(&[rows, outputs], 42));
+        let (xd, dyd) = (on(be, &x), on(be, &dy));
+        let product = naive(&x, Trans::Yes, &dy, Trans::No);
+        let d = dy.host().unwrap();
+        let sums: Vec<f64> = (0..outputs)
+            .map(|j| (0..rows).map(|i| f64::from(d[i * outputs + j])).sum())
+            .collect();
+        let (mut gw, mut gb) = (Tensor::default(), Tensor::default());
+        be.linear_weight_grads(&xd, &dyd, &mut gw, Some(&mut gb), false)
+            .unwrap();
+        close(&read(be, &gw), &product, 1e-4);
+        close(&read(be, &gb), &sums, 1e-4);
+        be.linear_weight_grads(&xd, &dyd, &mut gw, Some(&mut gb), true)
+            .unwrap();
+        let twice = |v: &[f64]| v.iter().map(|x| 2.0 * x).collect::<Vec<_>>();
+        close(&read(be, &gw), &twice(&product), 1e-4);
+        close(&read(be, &gb), &twice(&sums), 1e-4);
+        let mut alone = Tensor::default();
+        be.linear_weight_grads(&xd, &dyd, &mut alone, None, false)
+            .unwrap();
+        close(&read(be, &alone), &product, 1e-4);
+        if !be.fuses_linear_bias() {
+            let (mut pw, mut pb) = (Tensor::default(), Tensor::default());
+            be.matmul(&xd, Trans::Yes, &dyd, Trans::No, &mut pw, false)
+                .unwrap();
+            be.sum_rows(&dyd, &mut pb, false).unwrap();
+            be.matmul(&xd, Trans::Yes, &dyd, Trans::No, &mut pw, true)
+                .unwrap();
+            be.sum_rows(&dyd, &mut pb, true).unwrap();
+            let bits = |t: &Tensor| read(be, t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&gw),
+                bits(&pw),
+                "{rows}x{inputs}x{outputs}: weight gradient"
+            );
+            assert_eq!(
+                bits(&gb),
+                bits(&pb),
+                "{rows}x{inputs}x{outputs}: bias gradient"
+            );
+        }
+    }
+}
+
 fn matmul_rejects_bad_shapes(be: &dyn Backend) {
     let a = on(be, &rand_t(&[3, 4], 1));
     let b = on(be, &rand_t(&[5, 6], 2));
@@ -1324,6 +1373,7 @@ backend_tests!(
         linear_adds_its_bias_to_the_product,
         linear_activation_keeps_the_product_and_its_activation,
         linear_grad_activation_is_the_product_then_the_activation_gradient,
+        linear_weight_grads_are_the_product_and_the_column_sums,
     ]
 );
 
@@ -1546,6 +1596,7 @@ backend_tests!(
         linear_adds_its_bias_to_the_product,
         linear_activation_keeps_the_product_and_its_activation,
         linear_grad_activation_is_the_product_then_the_activation_gradient,
+        linear_weight_grads_are_the_product_and_the_column_sums,
     ]
 );
 
@@ -1574,6 +1625,7 @@ backend_tests!(
         linear_adds_its_bias_to_the_product,
         linear_activation_keeps_the_product_and_its_activation,
         linear_grad_activation_is_the_product_then_the_activation_gradient,
+        linear_weight_grads_are_the_product_and_the_column_sums,
     ]
 );
 
@@ -2032,6 +2084,22 @@ fn cuda_reduced_precision_linear_adds_the_bias_in_f32() {
                 .map(|(d, s)| d * f64::from(s))
                 .collect();
             close(&read(&be, &dz), &want_dz, tol);
+            // The weight gradients: `x^T dy` and `dy`'s column sums, both from the inputs as
+            // the product reads them (rounded), written and then added to.
+            let (mut gw, mut gb) = (Tensor::default(), Tensor::default());
+            let dyd = on(&be, &dy);
+            let want_gw = naive(&rounded(&x), Trans::Yes, &rounded(&dy), Trans::No);
+            let r = rounded(&dy).into_host_vec().unwrap();
+            let want_gb: Vec<f64> = (0..n)
+                .map(|j| (0..m).map(|i| f64::from(r[i * n + j])).sum())
+                .collect();
+            for accumulate in [false, true] {
+                be.linear_weight_grads(&xd, &dyd, &mut gw, Some(&mut gb), accumulate)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            }
+            let twice = |v: &[f64]| v.iter().map(|x| 2.0 * x).collect::<Vec<_>>();
+            close(&read(&be, &gw), &twice(&want_gw), tol);
+            close(&read(&be, &gb), &twice(&want_gb), tol);
         }
     }
 }

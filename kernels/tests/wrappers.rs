@@ -68,6 +68,14 @@ fn every_operation(be: &dyn Backend) -> Vec<Vec<f32>> {
     be.linear_grad_activation(&c, &b, Activation::Gelu, &a, &mut dz)
         .unwrap();
     seen.push(host(be, &dz));
+    // The weight gradients of that linear layer: `a^T c` and `c`'s column sums.
+    let (mut gw, mut gb) = (Tensor::default(), Tensor::default());
+    be.linear_weight_grads(&a, &c, &mut gw, Some(&mut gb), false)
+        .unwrap();
+    be.linear_weight_grads(&a, &c, &mut gw, Some(&mut gb), true)
+        .unwrap();
+    seen.push(host(be, &gw));
+    seen.push(host(be, &gb));
     be.sum_rows(&a, &mut c, false).unwrap();
     be.sum_rows(&a, &mut c, true).unwrap();
     seen.push(host(be, &c));
@@ -257,6 +265,7 @@ fn the_timed_table_names_every_operation_and_nothing_else() {
         "layer_norm_backward_input",
         "layer_norm_backward_params",
         "lion_update",
+        "matmul 3x4x5 TN",
         "matmul 4x3x5 NN",
         "matmul 4x5x3 NT",
         "mul",

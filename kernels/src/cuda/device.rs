@@ -911,6 +911,7 @@ impl CudaBackend {
             } else {
                 Epilogue::Bias
             },
+            accumulate: false,
         };
         if m == 0 || n == 0 || k == 0 || lt.refuses(&product) {
             return Ok(false);
@@ -960,6 +961,7 @@ impl CudaBackend {
             n: as_u64(n),
             precision: self.precision,
             epilogue: Epilogue::GeluGrad,
+            accumulate: false,
         };
         if m == 0 || n == 0 || k == 0 || lt.refuses(&product) {
             return Ok(false);
@@ -977,6 +979,64 @@ impl CudaBackend {
             aux: zp,
         };
         self.lt_product(lt, product, operands, (dy, w))
+    }
+
+    /// `gw (+)= x^T dy` with the bias gradient, `dy`'s column sums, summed in the product
+    /// by cuBLASLt's `BGRADA` epilogue ([`epilogue`](super::epilogue)) into `gb` (into a
+    /// scratch vector added to `gb` when accumulating: the epilogue writes, it does not add):
+    /// `false` where it has no algorithm for the product, with nothing queued.
+    fn fused_weight_grads(
+        &self,
+        lt: &Lt,
+        (x, dy): (&Tensor, &Tensor),
+        gw: &mut Tensor,
+        gb: &mut Tensor,
+        accumulate: bool,
+    ) -> Result<bool> {
+        let (m, k, n) = crate::check::matmul((x, Trans::Yes), (dy, Trans::No), gw, accumulate)?;
+        if accumulate {
+            crate::check::sum_rows_into(dy, gb)?;
+        }
+        let product = Product {
+            m: as_u64(m),
+            k: as_u64(k),
+            n: as_u64(n),
+            precision: self.precision,
+            epilogue: Epilogue::BiasGrad,
+            accumulate,
+        };
+        if m == 0 || n == 0 || k == 0 || lt.refuses(&product) {
+            return Ok(false);
+        }
+        let (xp, dyp) = (
+            self.ptr(x, "linear_weight_grads")?,
+            self.ptr(dy, "linear_weight_grads")?,
+        );
+        let gwp = if accumulate {
+            self.in_place(gw, "linear_weight_grads")?
+        } else {
+            self.output(gw, &[m, n])?
+        };
+        let mut sums = Tensor::default();
+        let bias = if accumulate {
+            self.output(&mut sums, &[n])?
+        } else {
+            self.output(gb, &[n])?
+        };
+        let operands = Operands {
+            w: dyp,
+            x: xp,
+            bias,
+            y: gwp,
+            aux: 0,
+        };
+        if !self.lt_product(lt, product, operands, (x, dy))? {
+            return Ok(false);
+        }
+        if accumulate {
+            self.axpy(1.0, &sums, gb)?;
+        }
+        Ok(true)
     }
 
     /// Queues `product` through cuBLASLt with `operands`, whose weight `w` and rows `x` are
@@ -1423,6 +1483,28 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         crate::backend::linear_activation_by_parts(self, (x, w, bias), act, pre, y)
+    }
+
+    fn linear_weight_grads(
+        &self,
+        x: &Tensor,
+        dy: &Tensor,
+        gw: &mut Tensor,
+        gb: Option<&mut Tensor>,
+        accumulate: bool,
+    ) -> Result<()> {
+        match (gb, &self.lt) {
+            (Some(gb), Some(lt)) => {
+                if self.fused_weight_grads(lt, (x, dy), gw, gb, accumulate)? {
+                    return Ok(());
+                }
+                let parts = Some(gb);
+                crate::backend::linear_weight_grads_by_parts(self, (x, dy), gw, parts, accumulate)
+            }
+            (gb, _) => {
+                crate::backend::linear_weight_grads_by_parts(self, (x, dy), gw, gb, accumulate)
+            }
+        }
     }
 
     fn linear_grad_activation(

@@ -8,6 +8,10 @@
 //! GELU's gradient rides in the product that makes the gradient of GELU's output
 //! (`CUBLASLT_EPILOGUE_DGELU`: `dz = GELU'(z) (.) (dy w^T)`, `z` read as the auxiliary input),
 //! instead of a pass that reads that gradient and `z` again (`activation_backward`, 2.2 ms).
+//! And the bias gradient rides in the weight gradient's product (`CUBLASLT_EPILOGUE_BGRADA`:
+//! the column sums of `dy`, cuBLASLt's A, as the product `x^T dy` reads it) instead of two
+//! passes reading `dy` again (`sum_rows`, 2.4 ms). Written as `gW^T = dY^T X`: A is dY (`n x
+//! k`), B is X read transposed (stored `m x k`).
 //!
 //! **Layout.** Row-major `Y[m, n] = X[m, k] W[k, n]` is column-major `Y^T = W^T X^T`: cuBLASLt's
 //! A is W (`n x k`, leading dimension `n`), its B is X (`k x m`, leading dimension `k`), its
@@ -46,10 +50,15 @@ pub(crate) enum Epilogue {
     BiasGelu,
     /// `dz = GELU'(z) (.) (dy w^T)`, `z` the auxiliary input (no bias).
     GeluGrad,
+    /// `gw = x^T dy` (added to the output when accumulating), and the bias gradient, the
+    /// column sums of `dy`, written to the bias vector.
+    BiasGrad,
 }
 
 /// One product of a linear layer: the output's `m x n`, the inner dimension `k`, in
-/// `precision`, with `epilogue`. The forward's weight is `k x n`, the backward's `n x k`.
+/// `precision`, with `epilogue`, added to the output when `accumulate`. The forward's weight
+/// is `k x n`, the input gradient's `n x k`; the weight gradient's operands are `x` (`k x m`)
+/// and `dy` (`k x n`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Product {
     pub(crate) m: u64,
@@ -57,12 +66,15 @@ pub(crate) struct Product {
     pub(crate) n: u64,
     pub(crate) precision: Precision,
     pub(crate) epilogue: Epilogue,
+    pub(crate) accumulate: bool,
 }
 
-/// Device pointers of one product: the weight `w` and the rows `x` it multiplies (`dy` in the
-/// backward), as the precision reads them (bf16 copies under bf16); the f32 bias (none for
-/// [`Epilogue::GeluGrad`]), the f32 output `y` (`m x n`), and the f32 auxiliary matrix (`m x
-/// n`): written `z` under [`Epilogue::BiasGelu`], read `z` under [`Epilogue::GeluGrad`].
+/// Device pointers of one product: cuBLASLt's A, `w` (the weight; `dy` for the weight
+/// gradient), and B, `x` (the rows it multiplies: `dy` for the input gradient, `x` for the
+/// weight gradient), as the precision reads them (bf16 copies under bf16); the f32 bias (read;
+/// written under [`Epilogue::BiasGrad`]; none for [`Epilogue::GeluGrad`]), the f32 output `y`
+/// (`m x n`), and the f32 auxiliary matrix (`m x n`): written `z` under
+/// [`Epilogue::BiasGelu`], read `z` under [`Epilogue::GeluGrad`].
 pub(crate) struct Operands {
     pub(crate) w: u64,
     pub(crate) x: u64,
@@ -188,9 +200,10 @@ impl Lt {
                 }
             },
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if p.accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: the descriptors describe the buffers behind `ops` (the caller's checked
-        // shapes); C and D are the same f32 output; the workspace holds its bytes on this
+        // shapes); C and D are the same f32 output (read only when accumulating); the
+        // workspace holds its bytes on this
         // stream's device, and the stream orders every use of it.
         let queued = unsafe {
             lt::matmul(
@@ -281,8 +294,10 @@ impl Plan {
             Epilogue::Bias => E::CUBLASLT_EPILOGUE_BIAS,
             Epilogue::BiasGelu => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
             Epilogue::GeluGrad => E::CUBLASLT_EPILOGUE_DGELU,
+            Epilogue::BiasGrad => E::CUBLASLT_EPILOGUE_BGRADA,
         };
         let backward = p.epilogue == Epilogue::GeluGrad;
+        let weight_grad = p.epilogue == Epilogue::BiasGrad;
         // SAFETY: each attribute is given a value of the type and size cuBLASLt reads for it
         // (the auxiliary matrix's type is left at its default, the output's: f32).
         unsafe {
@@ -292,16 +307,22 @@ impl Plan {
                 (&epilogue as *const E).cast(),
                 size_of::<E>(),
             )?;
-            if backward {
-                // cuBLASLt's op on A, an `i32` (`cublasOperation_t`): 1 for transposed.
-                let transposed: i32 = 1;
+            // cuBLASLt's op on A or B, an `i32` (`cublasOperation_t`): 1 for transposed.
+            let transposed: i32 = 1;
+            if backward || weight_grad {
+                let attribute = if backward {
+                    Attribute::CUBLASLT_MATMUL_DESC_TRANSA
+                } else {
+                    Attribute::CUBLASLT_MATMUL_DESC_TRANSB
+                };
                 lt::set_matmul_desc_attribute(
                     desc.0,
-                    Attribute::CUBLASLT_MATMUL_DESC_TRANSA,
+                    attribute,
                     (&transposed as *const i32).cast(),
                     size_of::<i32>(),
                 )?;
-            } else {
+            }
+            if !backward {
                 lt::set_matmul_desc_attribute(
                     desc.0,
                     Attribute::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -309,7 +330,7 @@ impl Plan {
                     size_of::<u64>(),
                 )?;
             }
-            if p.epilogue != Epilogue::Bias {
+            if matches!(p.epilogue, Epilogue::BiasGelu | Epilogue::GeluGrad) {
                 let aux_ld = ld(p.n)?;
                 lt::set_matmul_desc_attribute(
                     desc.0,
@@ -332,10 +353,17 @@ impl Plan {
         } else {
             Layout(lt::create_matrix_layout(input, p.n, p.k, ld(p.n)?)?)
         };
+        // B as stored: the rows (`m x k` row-major, `k x m`); the weight gradient's `x` (`k x
+        // m` row-major, `m x k`), read transposed.
+        let b = if weight_grad {
+            Layout(lt::create_matrix_layout(input, p.m, p.k, ld(p.m)?)?)
+        } else {
+            Layout(lt::create_matrix_layout(input, p.k, p.m, ld(p.k)?)?)
+        };
         Ok(Plan {
             desc,
             a,
-            b: Layout(lt::create_matrix_layout(input, p.k, p.m, ld(p.k)?)?),
+            b,
             d: Layout(lt::create_matrix_layout(
                 Type::CUDA_R_32F,
                 p.n,

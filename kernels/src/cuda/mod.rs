@@ -1,5 +1,5 @@
 //! The CUDA backend: cuBLAS for products (cuBLASLt where a linear layer's bias, GELU and
-//! GELU's gradient ride in the product's epilogue), NVRTC-compiled kernels (`kernels.cu`) for everything
+//! their gradients ride in the product's epilogue), NVRTC-compiled kernels (`kernels.cu`) for everything
 //! else, device memory from a caching allocator, one stream per backend.
 //!
 //! It is built only with the `cuda` feature, against cudarc with dynamic loading: the build needs

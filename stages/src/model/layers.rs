@@ -416,11 +416,17 @@ impl Layer for Linear {
         features_of(dy, "linear backward_params", self.outputs)?;
         let x = &saved.tensors[0];
         let (gw, rest) = grads.split_at_mut(1);
-        be.matmul(x, Trans::Yes, dy, Trans::No, &mut gw[0], accumulate)?;
-        if self.bias {
-            be.sum_rows(dy, &mut rest[0], accumulate)?;
-        }
-        Ok(())
+        let gb = match (self.bias, rest.first_mut()) {
+            (false, _) => None,
+            (true, Some(gb)) => Some(gb),
+            (true, None) => {
+                return Err(pipe_kernels::KernelError::Shape {
+                    op: "linear backward_params",
+                    detail: "no gradient tensor for the bias".into(),
+                });
+            }
+        };
+        be.linear_weight_grads(x, dy, &mut gw[0], gb, accumulate)
     }
 }
 

@@ -248,10 +248,8 @@ impl Attention {
                 format!("{} gradient tensors for 4 parameters", grads.len()),
             ));
         };
-        be.matmul(&s[SAVED_X], Trans::Yes, dqkv, Trans::No, gw, accumulate)?;
-        be.sum_rows(dqkv, gb, accumulate)?;
-        be.matmul(&s[SAVED_OUT], Trans::Yes, dy, Trans::No, pw, accumulate)?;
-        be.sum_rows(dy, pb, accumulate)
+        be.linear_weight_grads(&s[SAVED_X], dqkv, gw, Some(gb), accumulate)?;
+        be.linear_weight_grads(&s[SAVED_OUT], dy, pw, Some(pb), accumulate)
     }
 
     fn input_grad(
