@@ -232,6 +232,15 @@ macro_rules! emulated_method {
     // The trait's default: it reads each device tensor through `sum`, which is staged (a list
     // of tensors has no host copy to lend).
     ($(#[$meta:meta])* op fn first_non_finite $($rest:tt)*) => {};
+    // The trait's defaults: a device that does not fuse a linear layer's products with their
+    // elementwise work runs them as their parts, each staged as its own kernel with its
+    // outputs in this device's buffers, as the CUDA backend does without cuBLASLt. Staged
+    // whole, their intermediates (the input gradient before the activation's) would live on
+    // the host and leave the device's peak.
+    ($(#[$meta:meta])* op fn linear $($rest:tt)*) => {};
+    ($(#[$meta:meta])* op fn linear_activation $($rest:tt)*) => {};
+    ($(#[$meta:meta])* op fn linear_grad_activation $($rest:tt)*) => {};
+    ($(#[$meta:meta])* op fn linear_weight_grads $($rest:tt)*) => {};
     (
         $(#[$meta:meta])* op fn $name:ident $(<$lt:lifetime>)?
         (&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $(;)? $($default:block)?
