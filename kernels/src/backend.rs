@@ -327,12 +327,13 @@ macro_rules! backend_ops {
             }
         }
         $op! {
-            /// Whether [`Backend::linear`] adds its bias inside the product (CUDA, through
-            /// cuBLASLt's bias epilogue) rather than by [`Backend::matmul`] then
-            /// [`Backend::add_bias`], the trait's default, which gives those two calls' bits. A
-            /// timing wrapper times a fused call as one product and the default's two parts
-            /// apart.
-            about fn fuses_linear_bias(&self) -> bool {
+            /// Whether the linear layers' operations ([`Backend::linear`],
+            /// [`Backend::linear_activation`], [`Backend::linear_grad_activation`],
+            /// [`Backend::linear_weight_grads`]) do their elementwise work inside the product
+            /// (CUDA, through cuBLASLt's epilogues) rather than as the trait's defaults, their
+            /// parts with those calls' bits. A timing wrapper times a fused call as one product
+            /// and the default's parts apart.
+            about fn fuses_linear_epilogues(&self) -> bool {
                 false
             }
         }
@@ -424,7 +425,7 @@ macro_rules! backend_ops {
             /// every row where one is given. `y` is resized to `rows(x) x cols(w)`. The default
             /// is [`Backend::matmul`] then [`Backend::add_bias`], with their bits; a backend
             /// that adds the bias inside the product says so with
-            /// [`Backend::fuses_linear_bias`] (it saves a pass over `y`).
+            /// [`Backend::fuses_linear_epilogues`] (it saves a pass over `y`).
             ///
             /// # Errors
             /// As [`Backend::matmul`] and [`Backend::add_bias`]: inner dimensions that differ, a
@@ -444,7 +445,7 @@ macro_rules! backend_ops {
             /// [`Backend::linear`] makes it (kept for the activation's gradient) and
             /// `y = act(pre)`. The default is [`Backend::linear`] then [`Backend::activation`],
             /// with their bits; a backend that fuses the bias
-            /// ([`Backend::fuses_linear_bias`]) may apply the activation as the product's
+            /// ([`Backend::fuses_linear_epilogues`]) may apply the activation as the product's
             /// results are written (CUDA: GELU).
             ///
             /// # Errors
@@ -466,7 +467,7 @@ macro_rules! backend_ops {
             /// bias, `gb (+)= sum of dy's rows` (added to when `accumulate`, as
             /// [`Backend::matmul`] and [`Backend::sum_rows`] do). The default is those two
             /// calls, with their bits; a backend that fuses
-            /// ([`Backend::fuses_linear_bias`]) may sum the bias gradient inside the product
+            /// ([`Backend::fuses_linear_epilogues`]) may sum the bias gradient inside the product
             /// (CUDA: cuBLASLt's `BGRADA`).
             ///
             /// # Errors
@@ -488,7 +489,7 @@ macro_rules! backend_ops {
             /// input, `dz = act'(pre) (.) (dy w^T)`, the gradient at the activation's input
             /// (`dz` takes `pre`'s shape). The default is [`Backend::matmul`] then
             /// [`Backend::activation_backward`], with their bits; a backend that fuses
-            /// ([`Backend::fuses_linear_bias`]) may apply the activation's gradient as the
+            /// ([`Backend::fuses_linear_epilogues`]) may apply the activation's gradient as the
             /// product's results are written (CUDA: GELU's).
             ///
             /// # Errors

@@ -77,6 +77,21 @@ impl<B: Backend> Timed<B> {
         Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
     }
 
+    /// The name a product is timed under: `kind`, and with the per-operation table its shape
+    /// ([`shape_name`]).
+    fn product_op(
+        &self,
+        kind: &'static str,
+        (a, ta): (&Tensor, Trans),
+        (b, tb): (&Tensor, Trans),
+    ) -> &'static str {
+        if self.by_operation.is_some() {
+            shape_name(kind, a, ta, b, tb)
+        } else {
+            kind
+        }
+    }
+
     fn time<T>(&self, op: &'static str, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let out = f();
@@ -107,11 +122,7 @@ macro_rules! timed_method {
         ) -> $ret:ty;
     ) => {
         fn matmul(&self, $a: $a_ty, $ta: $ta_ty, $b: $b_ty, $tb: $tb_ty $(, $arg: $ty)*) -> $ret {
-            let op = if self.by_operation.is_some() {
-                shape_name("matmul", $a, $ta, $b, $tb)
-            } else {
-                "matmul"
-            };
+            let op = self.product_op("matmul", ($a, $ta), ($b, $tb));
             self.time(op, || self.inner.matmul($a, $ta, $b, $tb $(, $arg)*))
         }
     };
@@ -125,14 +136,10 @@ macro_rules! timed_method {
             bias: Option<&Tensor>,
             y: &mut Tensor,
         ) -> Result<()> {
-            if !self.inner.fuses_linear_bias() {
+            if !self.inner.fuses_linear_epilogues() {
                 return crate::backend::linear_by_parts(self, x, w, bias, y);
             }
-            let op = if self.by_operation.is_some() {
-                shape_name("linear", x, Trans::No, w, Trans::No)
-            } else {
-                "linear"
-            };
+            let op = self.product_op("linear", (x, Trans::No), (w, Trans::No));
             self.time(op, || self.inner.linear(x, w, bias, y))
         }
     };
@@ -146,15 +153,10 @@ macro_rules! timed_method {
             pre: &mut Tensor,
             y: &mut Tensor,
         ) -> Result<()> {
-            let operands = (x, w, bias);
-            if !self.inner.fuses_linear_bias() {
-                return crate::backend::linear_activation_by_parts(self, operands, act, pre, y);
+            if !self.inner.fuses_linear_epilogues() {
+                return crate::backend::linear_activation_by_parts(self, (x, w, bias), act, pre, y);
             }
-            let op = if self.by_operation.is_some() {
-                shape_name("linear_activation", x, Trans::No, w, Trans::No)
-            } else {
-                "linear_activation"
-            };
+            let op = self.product_op("linear_activation", (x, Trans::No), (w, Trans::No));
             self.time(op, || self.inner.linear_activation(x, w, bias, act, pre, y))
         }
     };
@@ -167,14 +169,10 @@ macro_rules! timed_method {
             gb: Option<&mut Tensor>,
             accumulate: bool,
         ) -> Result<()> {
-            if !self.inner.fuses_linear_bias() {
+            if !self.inner.fuses_linear_epilogues() {
                 return crate::backend::linear_weight_grads_by_parts(self, (x, dy), gw, gb, accumulate);
             }
-            let op = if self.by_operation.is_some() {
-                shape_name("linear_weight_grads", x, Trans::Yes, dy, Trans::No)
-            } else {
-                "linear_weight_grads"
-            };
+            let op = self.product_op("linear_weight_grads", (x, Trans::Yes), (dy, Trans::No));
             self.time(op, || self.inner.linear_weight_grads(x, dy, gw, gb, accumulate))
         }
     };
@@ -187,14 +185,10 @@ macro_rules! timed_method {
             pre: &Tensor,
             dz: &mut Tensor,
         ) -> Result<()> {
-            if !self.inner.fuses_linear_bias() {
+            if !self.inner.fuses_linear_epilogues() {
                 return crate::backend::linear_grad_activation_by_parts(self, dy, w, act, pre, dz);
             }
-            let op = if self.by_operation.is_some() {
-                shape_name("linear_grad_activation", dy, Trans::No, w, Trans::Yes)
-            } else {
-                "linear_grad_activation"
-            };
+            let op = self.product_op("linear_grad_activation", (dy, Trans::No), (w, Trans::Yes));
             self.time(op, || self.inner.linear_grad_activation(dy, w, act, pre, dz))
         }
     };

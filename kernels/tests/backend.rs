@@ -224,7 +224,7 @@ fn linear_adds_its_bias_to_the_product(be: &dyn Backend) {
             .collect();
         let got = read(be, &y);
         close(&got, &want, 1e-4);
-        if !be.fuses_linear_bias() {
+        if !be.fuses_linear_epilogues() {
             let mut parts = Tensor::default();
             be.matmul(&xd, Trans::No, &wd, Trans::No, &mut parts, false)
                 .unwrap();
@@ -280,9 +280,13 @@ fn linear_activation_keeps_the_product_and_its_activation(be: &dyn Backend) {
                 let pre_host = Tensor::from_vec(&[m, n], got_pre.clone()).unwrap();
                 cpu.activation(act, &pre_host, &mut want).unwrap();
                 let what = format!("{act:?} {m}x{k}x{n} bias {with_bias}");
-                let tol = if be.fuses_linear_bias() { 1e-5 } else { 0.0 };
+                let tol = if be.fuses_linear_epilogues() {
+                    1e-5
+                } else {
+                    0.0
+                };
                 same_as_cpu(be, &what, &read(be, &y), want.host().unwrap(), tol);
-                if !be.fuses_linear_bias() {
+                if !be.fuses_linear_epilogues() {
                     let (mut lin, mut act_y) = (Tensor::default(), Tensor::default());
                     be.linear(&xd, &wd, b, &mut lin).unwrap();
                     be.activation(act, &lin, &mut act_y).unwrap();
@@ -318,7 +322,7 @@ fn linear_grad_activation_is_the_product_then_the_activation_gradient(be: &dyn B
                 .collect();
             let got = read(be, &dz);
             close(&got, &want, 1e-4);
-            if !be.fuses_linear_bias() {
+            if !be.fuses_linear_epilogues() {
                 let (mut dh, mut parts) = (Tensor::default(), Tensor::default());
                 be.matmul(&dyd, Trans::No, &wd, Trans::Yes, &mut dh, false)
                     .unwrap();
@@ -373,7 +377,7 @@ fn linear_weight_grads_are_the_product_and_the_column_sums(be: &dyn Backend) {
         be.linear_weight_grads(&xd, &dyd, &mut alone, None, false)
             .unwrap();
         close(&read(be, &alone), &product, 1e-4);
-        if !be.fuses_linear_bias() {
+        if !be.fuses_linear_epilogues() {
             let (mut pw, mut pb) = (Tensor::default(), Tensor::default());
             be.matmul(&xd, Trans::Yes, &dyd, Trans::No, &mut pw, false)
                 .unwrap();

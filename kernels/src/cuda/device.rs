@@ -1455,7 +1455,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn fuses_linear_bias(&self) -> bool {
+    fn fuses_linear_epilogues(&self) -> bool {
         self.lt.is_some()
     }
 
