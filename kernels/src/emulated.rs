@@ -241,6 +241,9 @@ macro_rules! emulated_method {
     ($(#[$meta:meta])* op fn linear_activation $($rest:tt)*) => {};
     ($(#[$meta:meta])* op fn linear_grad_activation $($rest:tt)*) => {};
     ($(#[$meta:meta])* op fn linear_weight_grads $($rest:tt)*) => {};
+    // The trait's default: each tensor's update staged as its own call (a list of borrowed
+    // tensors has no host copy to lend as one operand).
+    ($(#[$meta:meta])* op fn adam_updates $($rest:tt)*) => {};
     (
         $(#[$meta:meta])* op fn $name:ident $(<$lt:lifetime>)?
         (&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $(;)? $($default:block)?

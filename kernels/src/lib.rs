@@ -51,8 +51,9 @@ mod timed;
 mod vector;
 
 pub use backend::{
-    Activation, AdamStep, AttentionShape, Backend, BackendKind, DelayCompensation, IGNORED_LABEL,
-    LionStep, LossStats, Precision, SgdStep, Trans, UpdateSeen, counted_labels, lion_sign,
+    Activation, AdamStep, AdamTensors, AttentionShape, Backend, BackendKind, DelayCompensation,
+    IGNORED_LABEL, LionStep, LossStats, Precision, SgdStep, Trans, UpdateSeen, counted_labels,
+    lion_sign,
 };
 pub use cblas::{ENV as CBLAS_ENV, cblas_library};
 pub use cpu::CpuBackend;

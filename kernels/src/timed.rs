@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::backend::{
-    Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats, SgdStep,
-    Trans, UpdateSeen, backend_ops,
+    Activation, AdamStep, AdamTensors, AttentionShape, Backend, DelayCompensation, LionStep,
+    LossStats, SgdStep, Trans, UpdateSeen, backend_ops,
 };
 use std::borrow::Cow;
 
@@ -92,12 +92,13 @@ impl<B: Backend> Timed<B> {
         }
     }
 
-    fn time<T>(&self, op: &'static str, f: impl FnOnce() -> T) -> T {
+    fn time<T>(&self, op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let t = Instant::now();
         let out = f();
-        // A device backend only queues work: wait for it before reading the clock. A device
-        // error found here is reported again by the next call that waits, so none is lost.
-        let _ = self.inner.synchronize();
+        // A device backend only queues work: wait for it before reading the clock. What the
+        // wait finds (a device fault, a check the backend queued without waiting) is this
+        // call's error, since the wait reports it once.
+        let waited = self.inner.synchronize();
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.nanos.fetch_add(ns, Ordering::Relaxed);
         if let Some(table) = &self.by_operation {
@@ -106,7 +107,10 @@ impl<B: Backend> Timed<B> {
             entry.calls += 1;
             entry.seconds += ns as f64 * 1e-9;
         }
-        out
+        match (out, waited) {
+            (Ok(_), Err(e)) => Err(e),
+            (out, _) => out,
+        }
     }
 }
 

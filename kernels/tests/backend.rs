@@ -9,8 +9,9 @@ use std::any::Any;
 use std::sync::Arc;
 
 use pipe_kernels::{
-    Activation, AdamStep, AttentionShape, Backend, CpuBackend, DType, DelayCompensation, Device,
-    DeviceMemory, KernelError, LionStep, SgdStep, Tensor, Trans, UpdateSeen,
+    Activation, AdamStep, AdamTensors, AttentionShape, Backend, CpuBackend, DType,
+    DelayCompensation, Device, DeviceMemory, KernelError, LionStep, SgdStep, Tensor, Trans,
+    UpdateSeen,
 };
 
 fn lcg(n: usize, seed: u64) -> Vec<f32> {
@@ -972,6 +973,106 @@ fn elementwise_and_norms_agree_with_the_cpu_backend(be: &dyn Backend) {
     );
 }
 
+/// One multi-tensor Adam call gives every tensor the bits of its own `adam_update` on the same
+/// backend, over three steps: lengths around a device's block of 4,096 values, empty ones,
+/// more tensors than one launch takes (64), two weight decays and a second learning rate (a
+/// launch shares everything but the weight decay). A length mismatch anywhere updates nothing.
+fn adam_updates_give_each_tensors_own_update(be: &dyn Backend) {
+    let mut lengths = vec![0, 1, 768, 4095, 4096, 4097, 9000];
+    lengths.extend([3; 66]);
+    lengths.push(5000);
+    let hp = |i: usize, t: i32| AdamStep {
+        lr: if i + 3 >= lengths.len() { 3e-3 } else { 1e-2 },
+        weight_decay: if i % 2 == 0 { 0.1 } else { 0.0 },
+        bias_correction1: 1.0 - 0.9f32.powi(t),
+        bias_correction2: 1.0 - 0.999f32.powi(t),
+        ..ADAM
+    };
+    let state = |seed: u64| -> Vec<[Tensor; 3]> {
+        lengths
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let seed = seed + 10 * i as u64;
+                // Weights, a first moment, and a second moment (never negative).
+                [0, 1, 2].map(|k| {
+                    let values = lcg(n, seed + k).into_iter().map(|x| match k {
+                        0 => x,
+                        1 => 0.01 * x,
+                        _ => 0.01 * x.abs(),
+                    });
+                    on(be, &Tensor::from_vec(&[n], values.collect()).unwrap())
+                })
+            })
+            .collect()
+    };
+    let (mut many, mut each) = (state(700), state(700));
+    for t in 1..=3 {
+        let grads: Vec<Tensor> = lengths
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| on(be, &rand_t(&[n], 9000 + 100 * t as u64 + i as u64)))
+            .collect();
+        let mut updates: Vec<AdamTensors<'_>> = many
+            .iter_mut()
+            .zip(&grads)
+            .enumerate()
+            .map(|(i, ([w, m, v], g))| AdamTensors {
+                param: w,
+                grad: g,
+                m,
+                v,
+                hp: hp(i, t),
+            })
+            .collect();
+        assert_eq!(be.adam_updates(&mut updates).unwrap().len(), lengths.len());
+        for (i, ([w, m, v], g)) in each.iter_mut().zip(&grads).enumerate() {
+            be.adam_update(w, g, m, v, hp(i, t)).unwrap();
+        }
+    }
+    for (i, (a, b)) in many.iter().zip(&each).enumerate() {
+        for (k, what) in ["weights", "first moment", "second moment"]
+            .iter()
+            .enumerate()
+        {
+            let (got, want) = (read(be, &a[k]), read(be, &b[k]));
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same && got.len() == want.len(),
+                "tensor {i} ({} values): {what}",
+                lengths[i]
+            );
+        }
+    }
+    // A gradient one value short in the middle of the list: an error, and nothing updated.
+    let before: Vec<Vec<f32>> = many.iter().map(|[w, _, _]| read(be, w)).collect();
+    let mut grads: Vec<Tensor> = lengths
+        .iter()
+        .map(|&n| on(be, &Tensor::full(&[n], 0.5)))
+        .collect();
+    grads[5] = on(be, &Tensor::full(&[lengths[5] - 1], 0.5));
+    let mut updates: Vec<AdamTensors<'_>> = many
+        .iter_mut()
+        .zip(&grads)
+        .map(|([w, m, v], g)| AdamTensors {
+            param: w,
+            grad: g,
+            m,
+            v,
+            hp: ADAM,
+        })
+        .collect();
+    let err = be.adam_updates(&mut updates).unwrap_err();
+    assert!(err.to_string().contains("tensor 5"), "{err}");
+    drop(updates);
+    for (i, ([w, _, _], old)) in many.iter().zip(&before).enumerate() {
+        assert_eq!(&read(be, w), old, "tensor {i} changed by a refused call");
+    }
+}
+
 /// The optimizer updates and softmax cross-entropy against the CPU backend, as above.
 fn updates_and_loss_agree_with_the_cpu_backend(be: &dyn Backend) {
     let cpu = CpuBackend::new(1).unwrap();
@@ -1151,21 +1252,45 @@ fn embedding_gathers_and_scatters_rows(be: &dyn Backend) {
             "large-table embedding gradient (accumulate {accumulate})"
         );
     }
+    // A bad id is an error naming its position: from the call on the CPU, by the next wait on
+    // a device that queues the check (the CUDA backend); the kernels never read past the table
+    // meanwhile, and the backend goes on working after it.
+    let is_token_error = |e: &KernelError, index: usize, vocab: usize| matches!(e, KernelError::Token { index: i, vocab: v, .. } if *i == index && *v == vocab);
     for bad in [4.0, -1.0, 1.5, f32::NAN] {
         let ids_t = on(be, &Tensor::from_vec(&[2], vec![0.0, bad]).unwrap());
-        let e = be.embedding(&ids_t, &table, &mut out).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                KernelError::Token {
-                    index: 1,
-                    vocab: 4,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        let e = be
+            .embedding(&ids_t, &table, &mut out)
+            .and_then(|()| be.synchronize())
+            .unwrap_err();
+        assert!(is_token_error(&e, 1, 4), "{e}");
+        let dy = on(be, &rand_t(&[2, 3], 5));
+        let mut dtable = on(be, &Tensor::zeros(&[4, 3]));
+        let e = be
+            .embedding_backward(&ids_t, &dy, &mut dtable, true)
+            .and_then(|()| be.synchronize())
+            .unwrap_err();
+        assert!(is_token_error(&e, 1, 4), "{e}");
     }
+    // The same through the large-table gradient (ids grouped by table row first).
+    let (rows, n) = (5000, 1000);
+    let mut many: Vec<f32> = (0..n).map(|i| (i * 7 % rows) as f32).collect();
+    many[7] = rows as f32;
+    let ids_t = on(be, &Tensor::from_vec(&[n], many).unwrap());
+    let dy = on(be, &rand_t(&[n, 3], 6));
+    let mut dtable = on(be, &Tensor::zeros(&[rows, 3]));
+    let e = be
+        .embedding_backward(&ids_t, &dy, &mut dtable, false)
+        .and_then(|()| be.synchronize())
+        .unwrap_err();
+    assert!(is_token_error(&e, 7, rows), "{e}");
+    let good = on(be, &Tensor::from_vec(&[2], vec![3.0, 0.0]).unwrap());
+    be.embedding(&good, &table, &mut out).unwrap();
+    be.synchronize().unwrap();
+    let (rows_of, w) = (read(be, &table), table.cols());
+    assert_eq!(
+        read(be, &out),
+        [&rows_of[3 * w..4 * w], &rows_of[..w]].concat()
+    );
 }
 
 /// Causal attention in f64, the definition: per sequence and head, scores over positions up
@@ -1359,6 +1484,7 @@ backend_tests!(
     [
         elementwise_and_norms_agree_with_the_cpu_backend,
         updates_and_loss_agree_with_the_cpu_backend,
+        adam_updates_give_each_tensors_own_update,
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,
@@ -1582,6 +1708,7 @@ backend_tests!(
     [
         elementwise_and_norms_agree_with_the_cpu_backend,
         updates_and_loss_agree_with_the_cpu_backend,
+        adam_updates_give_each_tensors_own_update,
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,
@@ -1611,6 +1738,7 @@ backend_tests!(
     [
         elementwise_and_norms_agree_with_the_cpu_backend,
         updates_and_loss_agree_with_the_cpu_backend,
+        adam_updates_give_each_tensors_own_update,
         matmul_all_transposes,
         small_row_products_see_every_change_to_the_operand,
         matmul_rejects_bad_shapes,
@@ -2003,6 +2131,19 @@ fn cuda_reduced_precision_products_round_their_inputs() {
                     be.matmul(&ad, ta, &bd, tb, &mut c, true).unwrap();
                     let twice: Vec<f64> = want.iter().map(|w| 2.0 * w).collect();
                     close(&read(&be, &c), &twice, tol);
+                    // An operand changed in place is rounded again (the backend keeps bf16
+                    // copies by content stamp): doubling `a` doubles the product exactly.
+                    let mut ad = ad;
+                    be.scale(2.0, &mut ad).unwrap();
+                    be.matmul(&ad, ta, &bd, tb, &mut c, false).unwrap();
+                    let doubled: Vec<f32> = first.iter().map(|v| 2.0 * v).collect();
+                    assert!(
+                        read(&be, &c)
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .eq(doubled.iter().map(|v| v.to_bits())),
+                        "{precision} {m}x{k}x{n}: a product read a stale copy of its operand"
+                    );
                 }
             }
         }

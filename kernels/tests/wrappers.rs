@@ -5,8 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pipe_kernels::{
-    Activation, AdamStep, AttentionShape, Backend, CpuBackend, DelayCompensation, EmulatedDevice,
-    LionStep, SgdStep, Tensor, Timed, Trans,
+    Activation, AdamStep, AdamTensors, AttentionShape, Backend, CpuBackend, DelayCompensation,
+    EmulatedDevice, LionStep, SgdStep, Tensor, Timed, Trans,
 };
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -181,6 +181,23 @@ fn every_operation(be: &dyn Backend) -> Vec<Vec<f32>> {
     seen.push(host(be, &w));
     seen.push(host(be, &m));
     seen.push(host(be, &v));
+    let (mut w2, mut m2, mut v2, g2) = (
+        on(be, &[5], 16),
+        on(be, &[5], 17),
+        on(be, &[5], 18),
+        on(be, &[5], 19),
+    );
+    let mut list = [AdamTensors {
+        param: &mut w2,
+        grad: &g2,
+        m: &mut m2,
+        v: &mut v2,
+        hp: adam,
+    }];
+    be.adam_updates(&mut list).unwrap();
+    seen.push(host(be, &w2));
+    seen.push(host(be, &m2));
+    seen.push(host(be, &v2));
     let lion = LionStep {
         lr: 0.01,
         beta1: 0.9,
@@ -251,6 +268,7 @@ fn the_timed_table_names_every_operation_and_nothing_else() {
         "activation",
         "activation_backward",
         "adam_update",
+        "adam_updates",
         "add_bias",
         "attention",
         "attention_backward",

@@ -18,18 +18,20 @@ use cudarc::driver::{
 };
 
 use crate::backend::{
-    Activation, AdamStep, AttentionShape, Backend, DelayCompensation, LionStep, LossStats,
-    Precision, SgdStep, Trans, UpdateSeen,
+    Activation, AdamStep, AdamTensors, AttentionShape, Backend, DelayCompensation, LionStep,
+    LossStats, Precision, SgdStep, Trans, UpdateSeen,
 };
 use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
 
 use super::compile::module_for;
+use super::deferred::{DeferredChecks, PendingIds};
 use super::epilogue::{Epilogue, Lt, Operands, Product};
 use super::events::{self, CudaMark};
 use super::lending;
 use super::libraries::{Library, explain};
 use super::memory::{CudaMemory, Pool, PoolStats, driver_err};
+use super::multi_tensor::{AdamOperands, adam_groups};
 
 /// Threads per block for elementwise and per-column kernels.
 const THREADS: u32 = 256;
@@ -106,6 +108,7 @@ kernel_table!(
     to_bf16,
     sgd_f32,
     adam_f32,
+    adam_group_f32,
     lion_f32,
     delay_compensate_f32,
     partial_sums_f32,
@@ -132,6 +135,12 @@ pub struct CudaBackend {
     /// tensors whose check passed: a microbatch's starts serve every attention layer's forward
     /// and backward, and equal stamps mean equal contents, so each is checked (one wait) once.
     checked_starts: Mutex<VecDeque<u64>>,
+    /// The embedding's token-id checks, queued without a wait and read at the next one
+    /// ([`deferred`](super::deferred)).
+    deferred: DeferredChecks,
+    /// bf16 copies of the last [`ROUNDED_KEPT`] tensors rounded for a product under bf16, by
+    /// content stamp ([`CudaBackend::to_bf16`]).
+    rounded: Mutex<VecDeque<Rounded>>,
     /// Buffers other processes lent this backend, opened once each ([`lending`]).
     borrowed: lending::Borrowed,
 }
@@ -139,6 +148,18 @@ pub struct CudaBackend {
 /// How many checked document-start tensors [`CudaBackend`] remembers (a pipeline stage holds
 /// a few microbatches in flight).
 const CHECKED_STARTS: usize = 64;
+
+/// How many bf16 copies [`CudaBackend`] keeps for a later product to read: enough for a linear
+/// layer's output gradient to outlive the other operands of the two products that read it.
+const ROUNDED_KEPT: usize = 3;
+
+/// A tensor's bf16 copy (two values per f32 slot of `copy`) and its device address.
+#[derive(Debug)]
+struct Rounded {
+    stamp: u64,
+    copy: Tensor,
+    ptr: u64,
+}
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -422,6 +443,8 @@ impl CudaBackend {
             kernels,
             pool,
             checked_starts: Mutex::default(),
+            deferred: DeferredChecks::default(),
+            rounded: Mutex::default(),
             borrowed: lending::Borrowed::default(),
         })
     }
@@ -631,8 +654,40 @@ impl CudaBackend {
         Ok(host)
     }
 
+    /// Waits for the stream, then reads the checks queued without a wait
+    /// ([`deferred`](super::deferred)): the first bad token id since the last wait is an
+    /// error here.
     fn sync(&self) -> Result<()> {
-        self.stream.synchronize().map_err(driver_err("synchronize"))
+        self.stream
+            .synchronize()
+            .map_err(driver_err("synchronize"))?;
+        self.read_deferred_checks()
+    }
+
+    /// The queued token-id checks' flags, read in the order they were queued (the stream is
+    /// idle): the first that failed, as the CPU backend's error names it.
+    fn read_deferred_checks(&self) -> Result<()> {
+        // Taken first, so the downloads below (which wait, and so come back here) find none.
+        for check in self.deferred.take() {
+            let flag = self.download::<u32>(self.ptr(&check.flag, "embedding")?, 1)?;
+            let Some(index) = flag.first().copied().filter(|&v| v != u32::MAX) else {
+                continue;
+            };
+            let index = index as usize;
+            self.deferred.forget();
+            let ids_ptr = self.ptr(&check.ids, "embedding")?;
+            let value = self
+                .download::<f32>(ids_ptr + as_u64(index * 4), 1)?
+                .first()
+                .copied()
+                .unwrap_or(f32::NAN);
+            return Err(KernelError::Token {
+                index,
+                value,
+                vocab: check.vocab,
+            });
+        }
+        Ok(())
     }
 
     /// `t` as one of this backend's tensors: as it is when it already is, uploaded from the
@@ -730,23 +785,22 @@ impl CudaBackend {
             .map(|v| v as usize))
     }
 
+    /// Queues the check of `ids` against a table of `vocab` rows, read at the next wait
+    /// ([`deferred`](super::deferred)); nothing when these contents were checked before.
     fn check_tokens(&self, ids: &Tensor, vocab: usize, op: &'static str) -> Result<()> {
-        let ids_ptr = self.ptr(ids, op)?;
-        if let Some(index) =
-            self.first_bad(&self.kernels.check_ids_f32, ids_ptr, ids.len(), vocab)?
-        {
-            let value = self
-                .download::<f32>(ids_ptr + as_u64(index * 4), 1)?
-                .first()
-                .copied()
-                .unwrap_or(f32::NAN);
-            return Err(KernelError::Token {
-                index,
-                value,
-                vocab,
-            });
+        if self.deferred.checked(ids.stamp(), vocab) {
+            return Ok(());
         }
-        Ok(())
+        let ids_ptr = self.ptr(ids, op)?;
+        let (flag, flag_ptr) = self.scratch(1)?;
+        let check = &self.kernels.check_ids_f32;
+        self.queue_check(check, ids_ptr, ids.len(), vocab, flag_ptr)?;
+        let full = self.deferred.push(PendingIds {
+            flag,
+            ids: ids.clone(),
+            vocab,
+        });
+        if full { self.sync() } else { Ok(()) }
     }
 
     /// The device address of an attention call's document starts (0, the kernels' null, for
@@ -1062,7 +1116,20 @@ impl CudaBackend {
     }
 
     /// `t` rounded to bf16 (nearest even) in a scratch buffer, and the buffer's pointer.
+    ///
+    /// The copy is kept for the next product that reads the same contents (equal content
+    /// stamps), among the last [`ROUNDED_KEPT`] rounded, and handed over once more: a linear
+    /// layer's output gradient is read by its input gradient's product and its weight
+    /// gradient's, one after the other, and is rounded once for both. A copy handed over twice
+    /// is forgotten, so a buffer outlives its products by at most three roundings.
     fn to_bf16(&self, t: &Tensor, op: &'static str) -> Result<(Tensor, u64)> {
+        let stamp = t.stamp();
+        if let Ok(mut kept) = self.rounded.lock()
+            && let Some(i) = kept.iter().position(|r| r.stamp == stamp)
+            && let Some(hit) = kept.remove(i)
+        {
+            return Ok((hit.copy, hit.ptr));
+        }
         let from = self.ptr(t, op)?;
         let n = as_u64(t.len());
         // Two bf16 values per f32 slot of the scratch buffer.
@@ -1072,6 +1139,16 @@ impl CudaBackend {
             b.arg(&from).arg(&to).arg(&n);
             // SAFETY: `from` holds n floats, `to` room for n bf16 values; four a thread.
             unsafe { b.launch(grid(n.div_ceil(4))) }.map_err(driver_err(op))?;
+        }
+        if let Ok(mut kept) = self.rounded.lock() {
+            kept.push_back(Rounded {
+                stamp,
+                copy: scratch.clone(),
+                ptr: to,
+            });
+            while kept.len() > ROUNDED_KEPT {
+                kept.pop_front();
+            }
         }
         Ok((scratch, to))
     }
@@ -1102,8 +1179,8 @@ impl CudaBackend {
         let mut b = self
             .stream
             .launch_builder(&self.kernels.embedding_rank_ids_f32);
-        b.arg(&ip).arg(&n).arg(&rankp).arg(&countp);
-        // SAFETY: n ids (checked against the table), n ranks, rows counts.
+        b.arg(&ip).arg(&n).arg(&rankp).arg(&countp).arg(&rows);
+        // SAFETY: n ids, n ranks, rows counts (an id that is no row is not counted).
         unsafe { b.launch(ranks) }.map_err(driver_err(op))?;
         let scan = LaunchConfig {
             grid_dim: (1, 1, 1),
@@ -1121,8 +1198,9 @@ impl CudaBackend {
             .arg(&rankp)
             .arg(&offsetp)
             .arg(&n)
-            .arg(&positionsp);
-        // SAFETY: every id's offset plus rank is below n.
+            .arg(&positionsp)
+            .arg(&rows);
+        // SAFETY: every counted id's offset plus rank is below n; the others are skipped.
         unsafe { b.launch(grid(n)) }.map_err(driver_err(op))?;
         let rows_cfg = LaunchConfig {
             grid_dim: (
@@ -1827,9 +1905,11 @@ impl Backend for CudaBackend {
         if n * w == 0 {
             return Ok(());
         }
+        let rows = as_u64(vocab);
         let mut b = self.stream.launch_builder(&self.kernels.embedding_f32);
-        b.arg(&ip).arg(&tp).arg(&op).arg(&n).arg(&w);
-        // SAFETY: ids checked against the table's rows above.
+        b.arg(&ip).arg(&tp).arg(&op).arg(&n).arg(&w).arg(&rows);
+        // SAFETY: the kernel reads only ids that are rows of the table (a bad one gives a
+        // zero row; its check is queued above).
         unsafe { b.launch(grid(n * w)) }.map_err(driver_err("embedding"))?;
         Ok(())
     }
@@ -1873,7 +1953,8 @@ impl Backend for CudaBackend {
                 .stream
                 .launch_builder(&self.kernels.embedding_backward_rows_f32);
             b.arg(&ip).arg(&dyp).arg(&tp).arg(&n).arg(&w).arg(&rows);
-            // SAFETY: ids checked; the table holds rows x w floats.
+            // SAFETY: an id that is no row of the table matches no block's row; the table
+            // holds rows x w floats.
             unsafe { b.launch(cfg) }.map_err(driver_err("embedding_backward"))?;
             return Ok(());
         }
@@ -2107,6 +2188,37 @@ impl Backend for CudaBackend {
         unsafe { b.launch(grid(n)) }.map_err(driver_err("adam_update"))?;
         // The guard batches its check into one wait on this device.
         Ok(UpdateSeen::default())
+    }
+
+    fn adam_updates(&self, updates: &mut [AdamTensors<'_>]) -> Result<Vec<UpdateSeen>> {
+        // Every tensor is checked before anything is queued, so a bad one updates none.
+        crate::backend::adam_lengths(updates)?;
+        let op = "adam_updates";
+        let mut operands = Vec::with_capacity(updates.len());
+        for u in updates.iter_mut() {
+            operands.push(AdamOperands {
+                g: self.ptr(u.grad, op)?,
+                m: self.in_place(u.m, op)?,
+                v: self.in_place(u.v, op)?,
+                w: self.in_place(u.param, op)?,
+                n: as_u64(u.param.len()),
+                hp: u.hp,
+            });
+        }
+        for group in adam_groups(&operands)? {
+            let cfg = LaunchConfig {
+                grid_dim: (group.blocks(), 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream.launch_builder(&self.kernels.adam_group_f32);
+            b.arg(&group);
+            // SAFETY: the group's addresses are this backend's buffers, each holding its
+            // tensor's n floats, and its blocks cover exactly their elements.
+            unsafe { b.launch(cfg) }.map_err(driver_err(op))?;
+        }
+        // The guard batches its check into one wait on this device.
+        Ok(vec![UpdateSeen::default(); updates.len()])
     }
 
     fn lion_update(

@@ -282,11 +282,18 @@ extern "C" __global__ void check_labels_u32(const u32* labels, u64 n, u64 classe
     }
 }
 
+// A token id's table row: the id when it is a whole number below vocab, else vocab (no row).
+// The check below reports a bad id; the embedding's kernels skip it (a zero row forward, no
+// term backward), so a bad id is never read or written past the table, whenever its check is
+// read.
+__device__ __forceinline__ u64 token_row(float v, u64 vocab) {
+    bool whole = v >= 0.0f && floorf(v) == v;
+    return whole && (double)v < (double)vocab ? (u64)v : vocab;
+}
+
 extern "C" __global__ void check_ids_f32(const float* ids, u64 n, u64 vocab, unsigned int* first_bad) {
     for (u64 i = global_index(); i < n; i += global_stride()) {
-        float v = ids[i];
-        bool whole = v >= 0.0f && floorf(v) == v;
-        if (!(whole && (double)v < (double)vocab)) atomicMin(first_bad, (unsigned int)i);
+        if (token_row(ids[i], vocab) == vocab) atomicMin(first_bad, (unsigned int)i);
     }
 }
 
@@ -379,11 +386,13 @@ extern "C" __global__ void softmax_xent_f32(const float* logits, const u32* labe
 
 // ---- embedding ------------------------------------------------------------------------------
 
-extern "C" __global__ void embedding_f32(const float* ids, const float* table, float* out, u64 n, u64 width) {
+extern "C" __global__ void embedding_f32(const float* ids, const float* table, float* out, u64 n, u64 width,
+                                         u64 vocab) {
     u64 total = n * width;
     for (u64 i = global_index(); i < total; i += global_stride()) {
         u64 row = i / width, col = i % width;
-        out[i] = table[(u64)ids[row] * width + col];
+        u64 id = token_row(ids[row], vocab);
+        out[i] = id < vocab ? table[id * width + col] : 0.0f;
     }
 }
 
@@ -425,7 +434,7 @@ extern "C" __global__ void embedding_backward_rows_f32(const float* ids, const f
 // Pass 1: per position i, its rank among the earlier positions with the same id (ids read
 // through shared memory), and the count of each id (integer atomics: the final counts do not
 // depend on the order).
-extern "C" __global__ void embedding_rank_ids_f32(const float* ids, u64 n, u32* rank, u32* count) {
+extern "C" __global__ void embedding_rank_ids_f32(const float* ids, u64 n, u32* rank, u32* count, u64 rows) {
     __shared__ float tile[EMBED_ID_TILE];
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     float mine = i < n ? ids[i] : -1.0f;
@@ -445,7 +454,8 @@ extern "C" __global__ void embedding_rank_ids_f32(const float* ids, u64 n, u32* 
     }
     if (i < n) {
         rank[i] = r;
-        atomicAdd(&count[(u64)mine], 1u);
+        u64 id = token_row(mine, rows);
+        if (id < rows) atomicAdd(&count[id], 1u);
     }
 }
 
@@ -480,8 +490,11 @@ extern "C" __global__ void exclusive_scan_u32(const u32* count, u32* offset, u64
 
 // Pass 3: the positions grouped by id, each group in position order.
 extern "C" __global__ void embedding_group_ids_f32(const float* ids, const u32* rank, const u32* offset, u64 n,
-                                                   u32* positions) {
-    for (u64 i = global_index(); i < n; i += global_stride()) positions[offset[(u64)ids[i]] + rank[i]] = (u32)i;
+                                                   u32* positions, u64 rows) {
+    for (u64 i = global_index(); i < n; i += global_stride()) {
+        u64 id = token_row(ids[i], rows);
+        if (id < rows) positions[offset[id] + rank[i]] = (u32)i;
+    }
 }
 
 // Pass 4: per table row and EMBED_THREADS columns, the row's gradient rows added in position
@@ -1300,19 +1313,69 @@ extern "C" __global__ void sgd_f32(float* w, const float* g, float* buf, u64 n, 
     }
 }
 
+// One element's Adam/AdamW update: the per-tensor kernel and the multi-tensor one share it, so
+// both give the same bits.
+__device__ __forceinline__ void adam_element(float* w, const float* g, float* m, float* v, u64 i, float lr,
+                                             float beta1, float beta2, float eps, float weight_decay,
+                                             int decoupled, float bias_correction1, float bias_correction2) {
+    float wi = w[i];
+    float gi = decoupled ? g[i] : g[i] + weight_decay * wi;
+    if (decoupled) wi -= lr * weight_decay * wi;
+    float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+    float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    float mhat = mi / bias_correction1, vhat = vi / bias_correction2;
+    w[i] = wi - lr * mhat / (sqrtf(vhat) + eps);
+}
+
 extern "C" __global__ void adam_f32(float* w, const float* g, float* m, float* v, u64 n, float lr, float beta1,
                                     float beta2, float eps, float weight_decay, int decoupled,
                                     float bias_correction1, float bias_correction2) {
     for (u64 i = global_index(); i < n; i += global_stride()) {
-        float wi = w[i];
-        float gi = decoupled ? g[i] : g[i] + weight_decay * wi;
-        if (decoupled) wi -= lr * weight_decay * wi;
-        float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-        float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float mhat = mi / bias_correction1, vhat = vi / bias_correction2;
-        w[i] = wi - lr * mhat / (sqrtf(vhat) + eps);
+        adam_element(w, g, m, v, i, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
+                     bias_correction2);
+    }
+}
+
+// Multi-tensor Adam/AdamW: one launch updates up to ADAM_GROUP tensors that share every
+// hyperparameter but their weight decay. The group travels by value as the kernel's argument (under
+// the 4 KiB every driver takes), so nothing is uploaded and nothing waits. Tensor k owns blocks
+// first_block[k] .. first_block[k + 1] (ascending), each of ADAM_CHUNK elements; a block finds its
+// tensor by a scan of the group. The layout matches `AdamGroupArg` in device.rs.
+#define ADAM_GROUP 64
+#define ADAM_CHUNK 4096
+struct AdamTensor {
+    float* w;
+    const float* g;
+    float* m;
+    float* v;
+    u64 n;
+    float weight_decay;
+    u32 first_block;
+};
+struct AdamGroup {
+    AdamTensor t[ADAM_GROUP];
+    u32 count;
+    float lr, beta1, beta2, eps, bias_correction1, bias_correction2;
+    int decoupled;
+};
+static_assert(sizeof(AdamTensor) == 48, "AdamTensor's layout is device.rs's AdamTensorArg");
+static_assert(sizeof(AdamGroup) == 3104, "AdamGroup's layout is device.rs's AdamGroupArg");
+
+extern "C" __global__ void adam_group_f32(const AdamGroup group) {
+    u32 block = blockIdx.x, k = 0;
+    while (k + 1 < group.count && group.t[k + 1].first_block <= block) k++;
+    float* w = group.t[k].w;
+    const float* g = group.t[k].g;
+    float* m = group.t[k].m;
+    float* v = group.t[k].v;
+    u64 start = (u64)(block - group.t[k].first_block) * ADAM_CHUNK;
+    u64 end = start + ADAM_CHUNK < group.t[k].n ? start + ADAM_CHUNK : group.t[k].n;
+    float weight_decay = group.t[k].weight_decay;
+    for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+        adam_element(w, g, m, v, i, group.lr, group.beta1, group.beta2, group.eps, weight_decay, group.decoupled,
+                     group.bias_correction1, group.bias_correction2);
     }
 }
 

@@ -29,6 +29,8 @@ pub use source::{CHECKED_ARCHITECTURES, KERNEL_SOURCE};
 #[cfg(feature = "cuda")]
 mod compile;
 #[cfg(feature = "cuda")]
+mod deferred;
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod epilogue;
@@ -38,6 +40,8 @@ mod events;
 mod lending;
 #[cfg(feature = "cuda")]
 mod memory;
+#[cfg(feature = "cuda")]
+mod multi_tensor;
 
 #[cfg(feature = "cuda")]
 pub use device::{CudaBackend, device_count, device_memory};

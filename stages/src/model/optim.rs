@@ -20,7 +20,7 @@
 use std::borrow::Cow;
 
 use pipe_kernels::{
-    AdamStep, Backend, DelayCompensation, LionStep, SgdStep, Tensor, Trans, UpdateSeen,
+    AdamStep, AdamTensors, Backend, DelayCompensation, LionStep, SgdStep, Tensor, Trans, UpdateSeen,
 };
 use serde::{Deserialize, Serialize};
 
@@ -668,15 +668,39 @@ impl Optimizer {
     ) -> Result<StepSeen> {
         self.steps += 1;
         let t = self.steps as i32;
-        let mut seen = Vec::with_capacity(params.len());
+        let mut seen: Vec<Vec<UpdateSeen>> = params
+            .iter()
+            .map(|layer| vec![UpdateSeen::default(); layer.len()])
+            .collect();
+        // The parameters Adam's kernel updates go to the backend as one list (a device
+        // launches a few kernels for all of them); the others are stepped one by one.
+        let mut adam = Vec::new();
+        let mut adam_at = Vec::new();
         let layers = params.iter_mut().zip(grads).zip(&mut self.state);
-        for (((layer, lgrads), lstate), marks) in layers.zip(&self.roles) {
+        for (l, (((layer, lgrads), lstate), marks)) in layers.zip(&self.roles).enumerate() {
             let each = layer.iter_mut().zip(lgrads).zip(lstate.iter_mut());
-            let mut layer_seen = Vec::with_capacity(marks.len());
-            for (((p, g), st), &role) in each.zip(marks) {
-                layer_seen.push(param_step(be, &self.cfg, (role, t, lr), p, g, st)?);
+            for (i, (((p, g), st), &role)) in each.zip(marks).enumerate() {
+                let c = group_config(&self.cfg, role);
+                match adam_kernel_step(&c, role, t, lr) {
+                    Some(hp) => {
+                        adam_at.push((l, i));
+                        let (m, v) = (&mut st.first, &mut st.second);
+                        adam.push(AdamTensors {
+                            param: p,
+                            grad: g,
+                            m,
+                            v,
+                            hp,
+                        });
+                    }
+                    None => seen[l][i] = param_step(be, &c, (role, t, lr), p, g, st)?,
+                }
             }
-            seen.push(layer_seen);
+        }
+        if !adam.is_empty() {
+            for ((l, i), s) in adam_at.into_iter().zip(be.adam_updates(&mut adam)?) {
+                seen[l][i] = s;
+            }
         }
         Ok(StepSeen(seen))
     }
@@ -1111,30 +1135,29 @@ impl Corrected {
     }
 }
 
-/// One parameter's update by `cfg`'s optimizer at step `t` with learning rate `lr`, with the
-/// weight decay of the group of a parameter of `role`; what its kernel saw of the gradient's
-/// and the new weights' finiteness (nothing, for Muon's orthogonalised matrices).
-///
-/// # Errors
-/// Shape mismatches between the parameter, its gradient and its state.
-fn param_step(
-    be: &dyn Backend,
-    cfg: &OptimizerConfig,
-    (role, t, lr): (ParamRole, i32, f32),
-    p: &mut Tensor,
-    g: &Tensor,
-    st: &mut Moments,
-) -> Result<UpdateSeen> {
-    // This parameter's hyperparameters: its group's weight decay.
-    let c = OptimizerConfig {
+/// `cfg` with the weight decay of the group of a parameter of `role`: the hyperparameters of
+/// that parameter's update.
+fn group_config(cfg: &OptimizerConfig, role: ParamRole) -> OptimizerConfig {
+    OptimizerConfig {
         weight_decay: if cfg.decay_groups.decays(role) {
             cfg.weight_decay
         } else {
             0.0
         },
         ..*cfg
+    }
+}
+
+/// The hyperparameters of Adam's kernel at step `t` with learning rate `lr`, for a parameter
+/// of `role` under its group's `c` ([`group_config`]), when that kernel updates it: Adam and
+/// AdamW always, Muon for what it does not orthogonalise; `None` otherwise.
+fn adam_kernel_step(c: &OptimizerConfig, role: ParamRole, t: i32, lr: f32) -> Option<AdamStep> {
+    let adam = match c.kind {
+        OptimizerKind::Adam | OptimizerKind::Adamw => true,
+        OptimizerKind::Muon => !role.hidden_matrix,
+        OptimizerKind::Sgd | OptimizerKind::Lion => false,
     };
-    let adam = |lr: f32| AdamStep {
+    adam.then(|| AdamStep {
         lr,
         beta1: c.beta1,
         beta2: c.beta2,
@@ -1143,10 +1166,27 @@ fn param_step(
         decoupled: matches!(c.kind, OptimizerKind::Adamw | OptimizerKind::Muon),
         bias_correction1: 1.0 - c.beta1.powi(t),
         bias_correction2: 1.0 - c.beta2.powi(t),
-    };
+    })
+}
+
+/// One parameter's update at step `t` with learning rate `lr`, under `c`, the hyperparameters
+/// of its group ([`group_config`]); what its kernel saw of the gradient's and the new
+/// weights' finiteness (nothing, for Muon's orthogonalised matrices).
+///
+/// # Errors
+/// Shape mismatches between the parameter, its gradient and its state.
+fn param_step(
+    be: &dyn Backend,
+    c: &OptimizerConfig,
+    (role, t, lr): (ParamRole, i32, f32),
+    p: &mut Tensor,
+    g: &Tensor,
+    st: &mut Moments,
+) -> Result<UpdateSeen> {
     let (s1, s2) = (&mut st.first, &mut st.second);
-    match c.kind {
-        OptimizerKind::Sgd => {
+    match (c.kind, adam_kernel_step(c, role, t, lr)) {
+        (_, Some(hp)) => Ok(be.adam_update(p, g, s1, s2, hp)?),
+        (OptimizerKind::Sgd, None) => {
             let hp = SgdStep {
                 lr,
                 momentum: c.momentum,
@@ -1156,14 +1196,7 @@ fn param_step(
             let buf = if c.momentum != 0.0 { Some(s1) } else { None };
             Ok(be.sgd_update(p, g, buf, hp)?)
         }
-        OptimizerKind::Muon if role.hidden_matrix => {
-            muon_step(be, p, g, s1, &c, lr)?;
-            Ok(UpdateSeen::default())
-        }
-        OptimizerKind::Adam | OptimizerKind::Adamw | OptimizerKind::Muon => {
-            Ok(be.adam_update(p, g, s1, s2, adam(lr))?)
-        }
-        OptimizerKind::Lion => {
+        (OptimizerKind::Lion, None) => {
             let hp = LionStep {
                 lr,
                 beta1: c.beta1,
@@ -1171,6 +1204,12 @@ fn param_step(
                 weight_decay: c.weight_decay,
             };
             Ok(be.lion_update(p, g, s1, hp)?)
+        }
+        // Muon's hidden matrices: Adam's kernel takes every other parameter of Adam, AdamW
+        // and Muon.
+        (_, None) => {
+            muon_step(be, p, g, s1, c, lr)?;
+            Ok(UpdateSeen::default())
         }
     }
 }
