@@ -115,6 +115,32 @@ pub struct LossStats {
     pub rows: usize,
 }
 
+/// A loss's statistics as [`Backend::queue_softmax_cross_entropy`] leaves them: read already,
+/// or still in a device buffer that [`Backend::read_losses`] reads, with others, in one wait.
+#[derive(Debug)]
+pub enum LossReading {
+    /// Read (a backend that computes on the host has them at once).
+    Ready(LossStats),
+    /// Still on the device that computed them.
+    Queued(QueuedLoss),
+}
+
+/// The device side of a [`LossReading`]: what the backend's kernel wrote and what reading it
+/// needs. Only the backend that made it reads it (the CUDA backend, so a build without it reads
+/// no field).
+#[derive(Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct QueuedLoss {
+    /// The kernel's results (their layout is the backend's).
+    pub(crate) results: Tensor,
+    /// The labels, kept to name one that its check refused.
+    pub(crate) labels: Tensor<u32>,
+    /// Rows of logits.
+    pub(crate) rows: usize,
+    /// Classes: a label must be below it (or ignored).
+    pub(crate) classes: usize,
+}
+
 /// The label of a row that is not a loss term (the first token of a packed document, which
 /// is not predicted from the document before it).
 pub const IGNORED_LABEL: u32 = u32::MAX;
@@ -620,6 +646,47 @@ macro_rules! backend_ops {
                 grad_scale: f32,
                 dlogits: Option<&mut Tensor>,
             ) -> Result<LossStats>;
+        }
+        $op! {
+            /// [`Backend::softmax_cross_entropy`] without waiting for its statistics: the
+            /// gradient is queued as there, and the statistics come back as a [`LossReading`]
+            /// for [`Backend::read_losses`]. A device backend queues the label check too, so a
+            /// label out of range is reported by `read_losses`; the trait's default computes
+            /// at once.
+            ///
+            /// # Errors
+            /// As `softmax_cross_entropy`, where the backend checks at once.
+            op fn queue_softmax_cross_entropy(
+                &self,
+                logits: &Tensor,
+                classes: usize,
+                labels: &Tensor<u32>,
+                grad_scale: f32,
+                dlogits: Option<&mut Tensor>,
+            ) -> Result<LossReading> {
+                self.softmax_cross_entropy(logits, classes, labels, grad_scale, dlogits)
+                    .map(LossReading::Ready)
+            }
+        }
+        $op! {
+            /// The statistics of `readings`, in their order: one wait for all that are still
+            /// on this backend's device.
+            ///
+            /// # Errors
+            /// A label out of range in a queued reading; a reading another backend queued;
+            /// device failures.
+            op fn read_losses(&self, readings: Vec<LossReading>) -> Result<Vec<LossStats>> {
+                readings
+                    .into_iter()
+                    .map(|reading| match reading {
+                        LossReading::Ready(stats) => Ok(stats),
+                        LossReading::Queued(_) => Err($crate::error::shape_err(
+                            "read_losses",
+                            "a loss another backend queued",
+                        )),
+                    })
+                    .collect()
+            }
         }
         $op! {
             /// Token-embedding lookup: row `i` of `out` (`[ids, C]`) is row `ids[i]` of `table`

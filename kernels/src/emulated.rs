@@ -244,6 +244,10 @@ macro_rules! emulated_method {
     // The trait's default: each tensor's update staged as its own call (a list of borrowed
     // tensors has no host copy to lend as one operand).
     ($(#[$meta:meta])* op fn adam_updates $($rest:tt)*) => {};
+    // The trait's defaults: the loss computed at once (staged as `softmax_cross_entropy`),
+    // so its statistics are ready.
+    ($(#[$meta:meta])* op fn queue_softmax_cross_entropy $($rest:tt)*) => {};
+    ($(#[$meta:meta])* op fn read_losses $($rest:tt)*) => {};
     (
         $(#[$meta:meta])* op fn $name:ident $(<$lt:lifetime>)?
         (&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty $(;)? $($default:block)?

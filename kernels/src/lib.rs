@@ -52,8 +52,8 @@ mod vector;
 
 pub use backend::{
     Activation, AdamStep, AdamTensors, AttentionShape, Backend, BackendKind, DelayCompensation,
-    IGNORED_LABEL, LionStep, LossStats, Precision, SgdStep, Trans, UpdateSeen, counted_labels,
-    lion_sign,
+    IGNORED_LABEL, LionStep, LossReading, LossStats, Precision, QueuedLoss, SgdStep, Trans,
+    UpdateSeen, counted_labels, lion_sign,
 };
 pub use cblas::{ENV as CBLAS_ENV, cblas_library};
 pub use cpu::CpuBackend;

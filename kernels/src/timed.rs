@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{
     Activation, AdamStep, AdamTensors, AttentionShape, Backend, DelayCompensation, LionStep,
-    LossStats, SgdStep, Trans, UpdateSeen, backend_ops,
+    LossReading, LossStats, SgdStep, Trans, UpdateSeen, backend_ops,
 };
 use std::borrow::Cow;
 

@@ -747,6 +747,56 @@ fn packed_documents_case(be: &dyn Backend, shape: AttentionShape, docs: &[&[(usi
     }
 }
 
+/// Losses queued without a wait and read together give the statistics and gradients of the
+/// same losses evaluated one by one, in order (an ignored label included); a label out of
+/// range is an error from the queueing call or from the read.
+fn queued_losses_are_read_together(be: &dyn Backend) {
+    let cases: [(u64, Vec<u32>); 3] = [
+        (41, vec![0, 6, 2, 1, 6, 3]),
+        (42, vec![5, pipe_kernels::IGNORED_LABEL, 0, 4, 4, 2]),
+        (43, vec![1, 1, 1, 0, 6, 5]),
+    ];
+    let mut readings = Vec::new();
+    let mut want = Vec::new();
+    for (seed, labels) in &cases {
+        let logits = on(be, &rand_t(&[6, 7], *seed));
+        let (mut queued_grad, mut grad) = (Tensor::default(), Tensor::default());
+        let labels = ids(be, labels);
+        let reading = be
+            .queue_softmax_cross_entropy(&logits, 7, &labels, 0.5, Some(&mut queued_grad))
+            .unwrap();
+        readings.push(reading);
+        let stats = be
+            .softmax_cross_entropy(&logits, 7, &labels, 0.5, Some(&mut grad))
+            .unwrap();
+        let same = read(be, &queued_grad)
+            .iter()
+            .zip(&read(be, &grad))
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "seed {seed}: the queued loss's gradient differs");
+        want.push(stats);
+    }
+    let got = be.read_losses(readings).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(got[1].rows, 5, "the ignored row is no loss term");
+    let logits = on(be, &rand_t(&[2, 7], 44));
+    let bad = be
+        .queue_softmax_cross_entropy(&logits, 7, &ids(be, &[0, 7]), 1.0, None)
+        .and_then(|reading| be.read_losses(vec![reading]))
+        .unwrap_err();
+    assert!(
+        matches!(
+            bad,
+            KernelError::Label {
+                row: 1,
+                label: 7,
+                classes: 7
+            }
+        ),
+        "{bad}"
+    );
+}
+
 fn softmax_cross_entropy_matches_reference(be: &dyn Backend) {
     let lh = rand_t(&[5, 4], 9);
     let logits = on(be, &lh);
@@ -1491,6 +1541,7 @@ backend_tests!(
         elementwise_and_reductions,
         data_movement_and_products,
         softmax_cross_entropy_matches_reference,
+        queued_losses_are_read_together,
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,
@@ -1715,6 +1766,7 @@ backend_tests!(
         elementwise_and_reductions,
         data_movement_and_products,
         softmax_cross_entropy_matches_reference,
+        queued_losses_are_read_together,
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,
@@ -1745,6 +1797,7 @@ backend_tests!(
         elementwise_and_reductions,
         data_movement_and_products,
         softmax_cross_entropy_matches_reference,
+        queued_losses_are_read_together,
         embedding_gathers_and_scatters_rows,
         attention_matches_reference,
         attention_backward_matches_reference,

@@ -113,6 +113,12 @@ fn every_operation(be: &dyn Backend) -> Vec<Vec<f32>> {
         .softmax_cross_entropy(&a, a.cols(), &labels, 1.0, None)
         .unwrap();
     assert_eq!(stats, again);
+    let mut queued_grad = Tensor::default();
+    let reading = be
+        .queue_softmax_cross_entropy(&a, a.cols(), &labels, 0.25, Some(&mut queued_grad))
+        .unwrap();
+    assert_eq!(be.read_losses(vec![reading]).unwrap(), [stats]);
+    seen.push(host(be, &queued_grad));
     seen.push(vec![
         stats.loss_sum as f32,
         stats.correct as f32,
@@ -289,7 +295,9 @@ fn the_timed_table_names_every_operation_and_nothing_else() {
         "mul",
         "place",
         "place_ids",
+        "queue_softmax_cross_entropy",
         "read",
+        "read_losses",
         "scale",
         "sgd_update",
         "softmax_cross_entropy",

@@ -19,7 +19,7 @@ use cudarc::driver::{
 
 use crate::backend::{
     Activation, AdamStep, AdamTensors, AttentionShape, Backend, DelayCompensation, LionStep,
-    LossStats, Precision, SgdStep, Trans, UpdateSeen,
+    LossReading, LossStats, Precision, QueuedLoss, SgdStep, Trans, UpdateSeen,
 };
 use crate::error::shape_err;
 use crate::{Device, Element, KernelError, Result, Storage, Tensor};
@@ -268,6 +268,12 @@ fn cublas_err(e: blas::CublasError) -> KernelError {
 fn blocks_for(n: u64, per_block: u64) -> u32 {
     // At most MAX_BLOCKS, which fits u32.
     n.div_ceil(per_block).clamp(1, MAX_BLOCKS) as u32
+}
+
+/// Bytes of a cross-entropy's results over `rows` rows: per-row losses (f64), per-row hits
+/// (i32), and the label check's flag (u32).
+fn loss_results_bytes(rows: usize) -> usize {
+    rows * 8 + rows * 4 + 4
 }
 
 fn grid(n: u64) -> LaunchConfig {
@@ -1153,6 +1159,50 @@ impl CudaBackend {
         Ok((scratch, to))
     }
 
+    /// The statistics of one queued cross-entropy ([`Backend::queue_softmax_cross_entropy`]):
+    /// its results copied back (a wait), the label check's flag first.
+    fn read_loss(&self, queued: &QueuedLoss) -> Result<LossStats> {
+        let rows = queued.rows;
+        let lossp = self.ptr(&queued.results, "read_losses")?;
+        let bytes = self.download::<u8>(lossp, loss_results_bytes(rows))?;
+        let (losses, rest) = bytes.split_at(rows * 8);
+        let (hits, flag) = rest.split_at(rows * 4);
+        let flag = flag.try_into().map(u32::from_le_bytes).unwrap_or(u32::MAX);
+        if flag != u32::MAX {
+            let row = flag as usize;
+            let yp = self.ptr(&queued.labels, "read_losses")?;
+            let label = self
+                .download::<u32>(yp + as_u64(row * 4), 1)?
+                .first()
+                .copied()
+                .unwrap_or(u32::MAX);
+            return Err(KernelError::Label {
+                row,
+                label,
+                classes: queued.classes,
+            });
+        }
+        // Summed in row order on the host, as the CPU backend sums them (an ignored row's 0
+        // adds nothing).
+        let mut stats = LossStats {
+            loss_sum: losses
+                .chunks_exact(8)
+                .filter_map(|b| b.try_into().ok().map(f64::from_le_bytes))
+                .sum(),
+            ..LossStats::default()
+        };
+        for hit in hits.chunks_exact(4).filter_map(|b| b.try_into().ok()) {
+            match i32::from_le_bytes(hit) {
+                -1 => {}
+                h => {
+                    stats.rows += 1;
+                    stats.correct += usize::from(h == 1);
+                }
+            }
+        }
+        Ok(stats)
+    }
+
     /// Large tables' embedding gradient (`embedding_backward_grouped_f32` and its passes in
     /// `kernels.cu`): the `n` ids at `ip` grouped by id, then each table row of the `rows x w`
     /// table at `tp` adds its gradient rows of `dyp` in position order.
@@ -1825,20 +1875,33 @@ impl Backend for CudaBackend {
         grad_scale: f32,
         dlogits: Option<&mut Tensor>,
     ) -> Result<LossStats> {
+        let reading =
+            self.queue_softmax_cross_entropy(logits, classes, labels, grad_scale, dlogits)?;
+        let stats = self.read_losses(vec![reading])?;
+        Ok(stats.into_iter().next().unwrap_or_default())
+    }
+
+    fn queue_softmax_cross_entropy(
+        &self,
+        logits: &Tensor,
+        classes: usize,
+        labels: &Tensor<u32>,
+        grad_scale: f32,
+        dlogits: Option<&mut Tensor>,
+    ) -> Result<LossReading> {
         let (rows, n) = (logits.rows(), classes);
         let op = "softmax_cross_entropy";
         crate::check::label_count(logits, classes, labels)?;
         let (lp, yp) = (self.ptr(logits, op)?, self.ptr(labels, op)?);
         if rows == 0 {
-            return Ok(LossStats::default());
+            return Ok(LossReading::Ready(LossStats::default()));
         }
-        // One buffer comes back in one wait: per-row losses (f64), per-row hits (i32: 1 a hit,
-        // 0 a miss, -1 a row labelled IGNORED_LABEL), then the label check's flag (u32::MAX
-        // when every label is below n or ignored).
-        let (loss_bytes, hit_bytes) = (rows * 8, rows * 4);
-        let (_results, lossp) = self.scratch((loss_bytes + hit_bytes + 4).div_ceil(4))?;
-        let hitp = lossp + as_u64(loss_bytes);
-        let flagp = hitp + as_u64(hit_bytes);
+        // One buffer, read later in one copy (`read_losses`): per-row losses (f64), per-row
+        // hits (i32: 1 a hit, 0 a miss, -1 a row labelled IGNORED_LABEL), then the label
+        // check's flag (u32::MAX when every label is below n or ignored).
+        let (results, lossp) = self.scratch(loss_results_bytes(rows).div_ceil(4))?;
+        let hitp = lossp + as_u64(rows * 8);
+        let flagp = hitp + as_u64(rows * 4);
         self.queue_check(&self.kernels.check_labels_u32, yp, rows, n, flagp)?;
         let dp = match dlogits {
             Some(d) => self.output(d, logits.shape())?,
@@ -1857,42 +1920,23 @@ impl Backend for CudaBackend {
         // label is out of range or ignored reads no logit by it (the kernel skips it), so no
         // class is read when there are none.
         unsafe { b.launch(warp_rows(r)) }.map_err(driver_err(op))?;
-        let bytes = self.download::<u8>(lossp, loss_bytes + hit_bytes + 4)?;
-        let (losses, rest) = bytes.split_at(loss_bytes);
-        let (hits, flag) = rest.split_at(hit_bytes);
-        let flag = flag.try_into().map(u32::from_le_bytes).unwrap_or(u32::MAX);
-        if flag != u32::MAX {
-            let row = flag as usize;
-            let label = self
-                .download::<u32>(yp + as_u64(row * 4), 1)?
-                .first()
-                .copied()
-                .unwrap_or(u32::MAX);
-            return Err(KernelError::Label {
-                row,
-                label,
-                classes: n,
-            });
-        }
-        // Summed in row order on the host, as the CPU backend sums them (an ignored row's 0
-        // adds nothing).
-        let mut stats = LossStats {
-            loss_sum: losses
-                .chunks_exact(8)
-                .filter_map(|b| b.try_into().ok().map(f64::from_le_bytes))
-                .sum(),
-            ..LossStats::default()
-        };
-        for hit in hits.chunks_exact(4).filter_map(|b| b.try_into().ok()) {
-            match i32::from_le_bytes(hit) {
-                -1 => {}
-                h => {
-                    stats.rows += 1;
-                    stats.correct += usize::from(h == 1);
-                }
-            }
-        }
-        Ok(stats)
+        Ok(LossReading::Queued(QueuedLoss {
+            results,
+            labels: labels.clone(),
+            rows,
+            classes: n,
+        }))
+    }
+
+    fn read_losses(&self, readings: Vec<LossReading>) -> Result<Vec<LossStats>> {
+        // One wait for all: the first download waits, the rest find the stream idle.
+        readings
+            .into_iter()
+            .map(|reading| match reading {
+                LossReading::Ready(stats) => Ok(stats),
+                LossReading::Queued(queued) => self.read_loss(&queued),
+            })
+            .collect()
     }
 
     fn embedding(&self, ids: &Tensor, table: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -4,7 +4,7 @@
 //! prediction later (whose targets are token ids, the same `u32` per row, in an id tensor that
 //! lives where the backend computes).
 
-use pipe_kernels::{Backend, LossStats, Tensor};
+use pipe_kernels::{Backend, LossReading, LossStats, Tensor};
 
 use crate::error::Result;
 
@@ -27,6 +27,24 @@ pub trait Loss: Send + Sync + std::fmt::Debug {
         grad_scale: f32,
         grad: Option<&mut Tensor>,
     ) -> Result<LossStats>;
+
+    /// [`Loss::evaluate`] without waiting for the statistics where the backend can queue them
+    /// ([`Backend::queue_softmax_cross_entropy`]): the gradient as there, the statistics for
+    /// [`Backend::read_losses`]. The default evaluates at once.
+    ///
+    /// # Errors
+    /// As `evaluate`, where the backend checks at once.
+    fn queue(
+        &self,
+        be: &dyn Backend,
+        output: &Tensor,
+        targets: &Tensor<u32>,
+        grad_scale: f32,
+        grad: Option<&mut Tensor>,
+    ) -> Result<LossReading> {
+        let stats = self.evaluate(be, output, targets, grad_scale, grad)?;
+        Ok(LossReading::Ready(stats))
+    }
 }
 
 /// Softmax cross-entropy over the last dimension, with accuracy (arg-max against the target).
@@ -53,5 +71,17 @@ impl Loss for SoftmaxCrossEntropy {
     ) -> Result<LossStats> {
         let classes = self.classes.unwrap_or(output.cols());
         Ok(be.softmax_cross_entropy(output, classes, targets, grad_scale, grad)?)
+    }
+
+    fn queue(
+        &self,
+        be: &dyn Backend,
+        output: &Tensor,
+        targets: &Tensor<u32>,
+        grad_scale: f32,
+        grad: Option<&mut Tensor>,
+    ) -> Result<LossReading> {
+        let classes = self.classes.unwrap_or(output.cols());
+        Ok(be.queue_softmax_cross_entropy(output, classes, targets, grad_scale, grad)?)
     }
 }

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
-use pipe_kernels::{Backend, Tensor};
+use pipe_kernels::{Backend, LossReading, LossStats, Tensor};
 use pipe_scheduler::{Action, ActionKind, Layout, Span, VersionQuery, VersionRule, WorkerId};
 use pipe_transport::{Key, Kind, Message};
 
@@ -330,6 +330,16 @@ pub struct WorkerCore<'s, 'a> {
     /// ([`super::resume::Planned::moved_at`]): the stage's version at its place in the
     /// program, the one it reads. Its figures are recorded as the program's own.
     moved_current: Option<u32>,
+    /// Losses evaluated and not yet read ([`WorkerCore::settle_losses`]).
+    pending_losses: Vec<PendingLoss>,
+}
+
+/// A loss evaluated on the device and not yet read: its microbatch, its statistics as the
+/// backend left them, and whether it belongs to a replayed action.
+struct PendingLoss {
+    mb: u32,
+    reading: LossReading,
+    replayed: bool,
 }
 
 impl<'s, 'a> WorkerCore<'s, 'a> {
@@ -441,6 +451,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             keeper: state.keeper.clone(),
             replay_current: None,
             moved_current: None,
+            pending_losses: Vec::new(),
         })
     }
 
@@ -659,16 +670,48 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     }
 
     /// The loss of microbatch `mb`'s output; returns the gradient that starts its backward.
+    /// Its statistics are read with the others at the next update or at the end
+    /// ([`WorkerCore::settle_losses`]), so a device need not be waited for at every loss.
     fn loss(&mut self, be: &dyn Backend, mb: u32, y: &Tensor) -> Result<Tensor> {
         let labels = self.setup.data.labels(mb)?;
         let mean = UpdateMean::of(&self.setup.plan.schedule.resolved);
         let scale = mean.loss_scale(pipe_kernels::counted_labels(labels.host()?));
         let targets = be.place_ids(labels)?;
         let mut dy = Tensor::default();
-        let stats = self
+        let reading = self
             .setup
             .loss
-            .evaluate(be, y, &targets, scale, Some(&mut dy))?;
+            .queue(be, y, &targets, scale, Some(&mut dy))?;
+        self.pending_losses.push(PendingLoss {
+            mb,
+            reading,
+            replayed: self.replay_current.is_some(),
+        });
+        Ok(dy)
+    }
+
+    /// Reads the statistics of the losses queued since the last call (one wait on a device)
+    /// and records them in order, as each loss was recorded when it was evaluated: a loss that
+    /// is not finite stops the run, a replayed one is not recorded again. Called before an
+    /// update's step (whose kept figures include them) and at the end.
+    fn settle_losses(&mut self, be: &dyn Backend) -> Result<()> {
+        if self.pending_losses.is_empty() {
+            return Ok(());
+        }
+        let pending = std::mem::take(&mut self.pending_losses);
+        let (marks, readings): (Vec<(u32, bool)>, Vec<LossReading>) = pending
+            .into_iter()
+            .map(|p| ((p.mb, p.replayed), p.reading))
+            .unzip();
+        let stats = be.read_losses(readings)?;
+        for ((mb, replayed), stats) in marks.into_iter().zip(stats) {
+            self.record_loss(mb, replayed, stats)?;
+        }
+        Ok(())
+    }
+
+    /// Records microbatch `mb`'s loss statistics (see [`WorkerCore::settle_losses`]).
+    fn record_loss(&mut self, mb: u32, replayed: bool, stats: LossStats) -> Result<()> {
         let minibatch = u64::from(self.setup.plan.schedule.resolved.minibatch.max(1));
         let global = self.setup.microbatch_offset + u64::from(mb);
         if !stats.loss_sum.is_finite() {
@@ -678,9 +721,9 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
                 detail: String::new(),
             });
         }
-        if self.replay_current.is_some() {
+        if replayed {
             // Reported and recorded when it first ran.
-            return Ok(dy);
+            return Ok(());
         }
         if let Some(tx) = self.setup.progress {
             // The trainer's thread reports each update as its losses arrive; if it has gone,
@@ -692,7 +735,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
         out.correct += stats.correct;
         out.samples += stats.rows;
         out.losses.push((mb, stats.loss_sum, stats.rows));
-        Ok(dy)
+        Ok(())
     }
 
     fn backward(
@@ -808,6 +851,7 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     }
 
     fn update(&mut self, be: &dyn Backend, pc: usize, stage: u32, update: u32) -> Result<()> {
+        self.settle_losses(be)?;
         let setup = self.setup;
         let c = self.chunk(stage)?;
         let cur = self.stages[c].current_version;
@@ -1203,7 +1247,8 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
     ///
     /// # Errors
     /// Microbatches left unfinished, the current version lost, or a device that fails the copy.
-    pub fn finish(self, be: &dyn Backend, state: &mut WorkerState) -> Result<WorkerOutcome> {
+    pub fn finish(mut self, be: &dyn Backend, state: &mut WorkerState) -> Result<WorkerOutcome> {
+        self.settle_losses(be)?;
         let mut ended = Vec::with_capacity(self.stages.len());
         for run in self.stages {
             if !run.forward_saved.is_empty()
