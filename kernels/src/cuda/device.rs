@@ -660,6 +660,21 @@ impl CudaBackend {
         Ok(host)
     }
 
+    /// Element `index` of `t`, one of this backend's tensors, copied back (a wait); `None`
+    /// past its end.
+    fn element<E: Element>(
+        &self,
+        t: &Tensor<E>,
+        index: usize,
+        op: &'static str,
+    ) -> Result<Option<E>> {
+        if index >= t.len() {
+            return Ok(None);
+        }
+        let ptr = self.ptr(t, op)? + as_u64(index * E::DTYPE.size());
+        Ok(self.download::<E>(ptr, 1)?.first().copied())
+    }
+
     /// Waits for the stream, then reads the checks queued without a wait
     /// ([`deferred`](super::deferred)): the first bad token id since the last wait is an
     /// error here.
@@ -681,15 +696,10 @@ impl CudaBackend {
             };
             let index = index as usize;
             self.deferred.forget();
-            let ids_ptr = self.ptr(&check.ids, "embedding")?;
-            let value = self
-                .download::<f32>(ids_ptr + as_u64(index * 4), 1)?
-                .first()
-                .copied()
-                .unwrap_or(f32::NAN);
+            let value = self.element(&check.ids, index, "embedding")?;
             return Err(KernelError::Token {
                 index,
-                value,
+                value: value.unwrap_or(f32::NAN),
                 vocab: check.vocab,
             });
         }
@@ -1170,15 +1180,10 @@ impl CudaBackend {
         let flag = flag.try_into().map(u32::from_le_bytes).unwrap_or(u32::MAX);
         if flag != u32::MAX {
             let row = flag as usize;
-            let yp = self.ptr(&queued.labels, "read_losses")?;
-            let label = self
-                .download::<u32>(yp + as_u64(row * 4), 1)?
-                .first()
-                .copied()
-                .unwrap_or(u32::MAX);
+            let label = self.element(&queued.labels, row, "read_losses")?;
             return Err(KernelError::Label {
                 row,
-                label,
+                label: label.unwrap_or(u32::MAX),
                 classes: queued.classes,
             });
         }
