@@ -704,6 +704,16 @@ impl<'s, 'a> WorkerCore<'s, 'a> {
             .map(|p| ((p.mb, p.replayed), p.reading))
             .unzip();
         let stats = be.read_losses(readings)?;
+        // A backend returns one reading's statistics per reading; fewer would drop a
+        // microbatch's loss without a word.
+        if stats.len() != marks.len() {
+            return Err(crate::StageError::Executor(format!(
+                "the {} backend read {} loss statistics for {} queued losses",
+                be.name(),
+                stats.len(),
+                marks.len()
+            )));
+        }
         for ((mb, replayed), stats) in marks.into_iter().zip(stats) {
             self.record_loss(mb, replayed, stats)?;
         }
