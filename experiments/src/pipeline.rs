@@ -11,7 +11,10 @@
 //!    of the timed run (thread start, fill and drain included). The worker-process cases run
 //!    the same layout as `pipe train --placement processes --transport shm` for `updates`
 //!    minibatches and read the chief's samples/s (connection set-up excluded, fill and drain
-//!    included). The replicated case runs with each stage's bucket size chosen as a run
+//!    included), once for `warmup` and once for `warmup + updates` minibatches, the timed
+//!    rate being the difference of the two; a pair whose longer run took no longer is taken
+//!    again, up to three times, and then the bench stops with an error naming the case, where
+//!    it used to report a negative rate. The replicated case runs with each stage's bucket size chosen as a run
 //!    chooses it ([`pipe_scheduler::planner::buckets`], on the case's measured link, from the
 //!    model's layer profile) and again with one bucket per stage.
 //! 3. **Simulated**: per-stage costs come from a quick per-stage timing, the one-thread
@@ -665,8 +668,7 @@ fn run_case(
         // is the difference of the two, measured and simulated alike, so that neither the
         // processes' start nor their first minibatches' page faults count.
         let warmup = cfg.warmup.max(1);
-        let short = in_processes(pipe, ctx, &case, warmup)?;
-        let long = in_processes(pipe, ctx, &case, warmup + cfg.updates)?;
+        let measured = measured_in_processes(pipe, ctx, &case, warmup, cfg.updates)?;
         let simulate_for = |updates: u32| -> Result<(f64, f64), ExperimentError> {
             let spec = ScheduleSpec::new(case.policy, case.stages, case.m)
                 .with_replicas(vec![case.replicas; case.stages as usize])
@@ -680,8 +682,14 @@ fn run_case(
             Ok((samples, sim.makespan))
         };
         let (a, b) = (simulate_for(warmup)?, simulate_for(warmup + cfg.updates)?);
-        let rate = |(s1, t1): (f64, f64), (s2, t2): (f64, f64)| (s2 - s1) / (t2 - t1);
-        (rate(short, long), rate(a, b))
+        let simulated = difference_rate(a, b).ok_or_else(|| {
+            ExperimentError::Config(format!(
+                "{}: the simulated run of {} updates ends no later than the run of {warmup}",
+                case.name,
+                warmup + cfg.updates
+            ))
+        })?;
+        (measured, simulated)
     } else {
         let mut states = Vec::new();
         pipelined(ctx.model, &case, cfg.warmup.max(1), &mut states)?;
@@ -697,6 +705,52 @@ fn run_case(
         simulated_samples_per_s: simulated,
         measured_over_simulated: measured / simulated,
     })
+}
+
+/// How many times a worker-process case's pair of runs is taken before the bench gives up on
+/// a pair whose longer run took no longer than its shorter one.
+const PROCESS_PAIR_ATTEMPTS: u32 = 3;
+
+/// The rate of the samples the longer of two runs `(samples, seconds)` trained past the
+/// shorter: `None` where it trained no more samples or took no more time, where a quotient
+/// would be meaningless (negative, or infinite).
+fn difference_rate((s1, t1): (f64, f64), (s2, t2): (f64, f64)) -> Option<f64> {
+    let (samples, seconds) = (s2 - s1, t2 - t1);
+    (samples > 0.0 && seconds > 0.0).then(|| samples / seconds)
+}
+
+/// The samples/s of `updates` minibatches of `case` as worker processes, past `warmup` ones:
+/// the difference of a run of `warmup` and one of `warmup + updates`. Where the machine's
+/// noise exceeds the timed updates' time, so that the longer run took no longer, the pair is
+/// taken again, up to [`PROCESS_PAIR_ATTEMPTS`] times.
+///
+/// # Errors
+/// A run's failure, or [`ExperimentError::Config`] naming the case and the last pair's times
+/// when no pair gave a positive difference (too few `--updates` to time on this machine).
+fn measured_in_processes(
+    pipe: &std::path::Path,
+    ctx: &ModelContext<'_>,
+    case: &Case,
+    warmup: u32,
+    updates: u32,
+) -> Result<f64, ExperimentError> {
+    let mut last = None;
+    for _ in 0..PROCESS_PAIR_ATTEMPTS {
+        let short = in_processes(pipe, ctx, case, warmup)?;
+        let long = in_processes(pipe, ctx, case, warmup + updates)?;
+        if let Some(rate) = difference_rate(short, long) {
+            return Ok(rate);
+        }
+        last = Some((short.1, long.1));
+    }
+    let (short, long) = last.unwrap_or_default();
+    Err(ExperimentError::Config(format!(
+        "{}: the run of {} updates took no longer than the run of {warmup} in \
+         {PROCESS_PAIR_ATTEMPTS} tries (last {long:.3} s against {short:.3} s): too few \
+         timed updates to measure here; raise --updates",
+        case.name,
+        warmup + updates
+    )))
 }
 
 /// `case` run as worker processes over shared memory: `pipe train --placement processes` on
@@ -1063,6 +1117,16 @@ mod tests {
         assert!(r.transport_us_per_message > 0.0);
         assert!(r.all_reduce.executor_s > 0.0 && r.all_reduce.bare_ring_s > 0.0);
         assert!(r.overhead_us_per_action.is_finite());
+    }
+
+    #[test]
+    fn a_pair_of_runs_gives_a_rate_only_when_the_longer_took_longer() {
+        assert_eq!(difference_rate((6.0, 1.0), (30.0, 3.0)), Some(12.0));
+        // Noise larger than the timed updates: the longer run finished first.
+        assert_eq!(difference_rate((6.0, 1.2), (30.0, 1.1)), None);
+        assert_eq!(difference_rate((6.0, 1.0), (30.0, 1.0)), None);
+        assert_eq!(difference_rate((6.0, 1.0), (6.0, 2.0)), None);
+        assert_eq!(difference_rate((6.0, 1.0), (30.0, f64::NAN)), None);
     }
 
     #[test]
