@@ -263,7 +263,8 @@ fn init_from_weights_reach_every_worker_process() {
 
 /// `--trace` with worker processes: each worker writes its part, the launcher merges them into
 /// one Chrome trace with every worker's track (named) and the same actions an in-process trace
-/// records, and removes the parts.
+/// records, in a directory of its own: a folder of the user's where the parts once went
+/// (`FILE.parts`) is neither read nor removed.
 #[test]
 fn a_trace_across_worker_processes_has_every_workers_actions() {
     let _one = serial();
@@ -297,6 +298,11 @@ fn a_trace_across_worker_processes_has_every_workers_actions() {
         .args(args)
         .args(["--trace", inproc.to_str().unwrap()])));
     let quic = d.join("quic.json");
+    // A folder of the user's where the parts once went: neither read nor removed.
+    let users = d.join("quic.parts");
+    std::fs::create_dir(&users).unwrap();
+    std::fs::write(users.join("notes.txt"), "keep").unwrap();
+    std::fs::write(users.join("worker-0.json"), "not a part").unwrap();
     let out = ok(&run(common::pipe_command(&[]).args(args).args([
         "--trace",
         quic.to_str().unwrap(),
@@ -309,7 +315,14 @@ fn a_trace_across_worker_processes_has_every_workers_actions() {
     assert_eq!(got, want);
     assert!(got.iter().all(|&n| n > 0), "{got:?}");
     assert_eq!(named, 5);
-    assert!(!d.join("quic.parts").exists());
+    assert_eq!(
+        std::fs::read_to_string(users.join("notes.txt")).unwrap(),
+        "keep"
+    );
+    assert_eq!(
+        std::fs::read_to_string(users.join("worker-0.json")).unwrap(),
+        "not a part"
+    );
 }
 
 /// `--trace` with a replica lost in place over shared memory: worker 3 ends at its 70th data

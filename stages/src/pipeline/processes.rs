@@ -434,8 +434,8 @@ impl WorkerRun {
 }
 
 /// A private directory (mode 0700) of this process, removed when dropped: a start's
-/// credentials, resolved run and shared-memory sockets, or the drained states a launcher
-/// keeps across starts.
+/// credentials, resolved run and shared-memory sockets, the drained states a launcher keeps
+/// across starts, or the workers' parts of a run's trace.
 pub(crate) struct LaunchDir(pub(crate) PathBuf);
 
 impl LaunchDir {

@@ -14,9 +14,9 @@ use pipe_transport::fault::FaultSchedule;
 use super::PreparedRun;
 use crate::checkpoint::CheckpointPolicy;
 use crate::config::{LaunchSettings, PartitionChoice, Placement, RunConfig};
-use crate::error::{Result, StageError};
+use crate::error::Result;
 use crate::model::params_digest;
-use crate::pipeline::processes::LaunchOptions;
+use crate::pipeline::processes::{LaunchDir, LaunchOptions};
 use crate::pipeline::relaunch::{self, Launcher, Processes, Relaunch, RelaunchEvents, Threads};
 use crate::pipeline::restart::RestartPolicy;
 use crate::pipeline::trace_parts::{TraceWritten, merge_parts, part_path, worker_names};
@@ -73,8 +73,16 @@ pub fn launch(
         // from a surviving replica of its stage).
         options.rejoin = settings.rejoin || settings.max_restarts > 0;
         options.replacements = (!settings.rejoin).then(|| how.restarts.clone());
-        // Each worker writes its part of the trace; they are merged once all have exited.
-        let parts = settings.trace.as_ref().map(|t| t.with_extension("parts"));
+        // Each worker writes its part of the trace into a fresh private directory of this
+        // run (never a directory of the user's beside the trace, which the merge would read
+        // stale parts from and remove); the parts are merged once all workers have exited,
+        // and the directory goes with `parts_dir`.
+        let parts_dir = settings
+            .trace
+            .as_ref()
+            .map(|_| LaunchDir::create("trace-parts"))
+            .transpose()?;
+        let parts = parts_dir.as_ref().map(|d| d.0.clone());
         let mut launcher = Processes {
             launch: options,
             checkpoints,
@@ -146,10 +154,11 @@ fn drive<L: Launcher>(
 }
 
 /// Merges the trace parts the `workers` wrote into `dir` (those that exist: a worker that
-/// failed early may have written none) into `out`, and removes `dir`.
+/// failed early may have written none) into `out`. `dir` is the run's own
+/// ([`LaunchDir`]), removed with it.
 ///
 /// # Errors
-/// A part that cannot be read; `out` cannot be written; `dir` cannot be removed.
+/// A part that cannot be read; `out` cannot be written.
 fn merge_trace_parts(dir: &Path, workers: u32, out: &Path) -> Result<TraceWritten> {
     let template = dir.join("worker-{rank}.json");
     let parts: Vec<_> = (0..workers)
@@ -162,10 +171,6 @@ fn merge_trace_parts(dir: &Path, workers: u32, out: &Path) -> Result<TraceWritte
         });
     }
     let merged = merge_parts(&parts, out)?;
-    std::fs::remove_dir_all(dir).map_err(|source| StageError::Io {
-        path: dir.display().to_string(),
-        source,
-    })?;
     Ok(TraceWritten::Merged {
         path: out.to_path_buf(),
         parts: parts.len(),
