@@ -352,3 +352,80 @@ fn a_padded_vocabulary_exports_without_its_padding_and_reads_back_into_it() {
     }
     train(&["--init-from", s(&out)]);
 }
+
+/// `--tokenizer` names a corpus, a folder holding a `tokenizer.json` or the file itself, and
+/// the export carries the `tokenizer.json` that was read and checked (a corpus or a folder
+/// was accepted, then copied as a path, which failed after the weights were written); a corpus
+/// of pipe's byte tokenizer, which has no `tokenizer.json`, is refused before anything is
+/// written.
+#[test]
+fn an_export_carries_the_tokenizer_json_it_read_from_a_corpus_a_folder_or_a_file() {
+    const BPE: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/data/tokenizers/shakespeare-bpe-1024.json"
+    );
+    let shakespeare = include_str!("../data/tinyshakespeare.txt");
+    let text = common::fresh_file("hf-tokenizer-text.txt", &shakespeare[..40_000]);
+    let train_on = |tokenizer: &str, name: &str| {
+        let corpus = fresh_path(&format!("{name}-corpus"));
+        let ckpt = fresh_path(&format!("{name}-ckpt"));
+        ok(&pipe(&[
+            "tokenize",
+            "--tokenizer",
+            tokenizer,
+            "--input",
+            s(&text),
+            "--out",
+            s(&corpus),
+        ]));
+        let dataset = format!("tokens:{}", s(&corpus));
+        ok(&pipe(&[
+            "train",
+            "--model",
+            "gpt2-tiny",
+            "--dataset",
+            &dataset,
+            "--steps",
+            "1",
+            "--threads",
+            "1",
+            "--checkpoint-dir",
+            s(&ckpt),
+        ]));
+        (corpus, ckpt)
+    };
+    let export = |ckpt: &Path, tokenizer: &Path, out: &Path| {
+        pipe(&[
+            "export",
+            "--checkpoint",
+            s(ckpt),
+            "--format",
+            "hf",
+            "--out",
+            s(out),
+            "--tokenizer",
+            s(tokenizer),
+        ])
+    };
+    let (corpus, ckpt) = train_on(BPE, "hf-bpe");
+    let folder = fresh_path("hf-tokenizer-folder");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(BPE, folder.join("tokenizer.json")).unwrap();
+    let want = std::fs::read(BPE).unwrap();
+    for (i, tokenizer) in [corpus.as_path(), folder.as_path(), Path::new(BPE)]
+        .into_iter()
+        .enumerate()
+    {
+        let out = fresh_path(&format!("hf-tokenizer-out-{i}"));
+        ok(&export(&ckpt, tokenizer, &out));
+        assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), want);
+        assert!(out.join("model.safetensors").is_file());
+    }
+    let (bytes_corpus, bytes_ckpt) = train_on("bytes", "hf-bytes");
+    let out = fresh_path("hf-tokenizer-bytes-out");
+    common::refused(
+        &export(&bytes_ckpt, &bytes_corpus, &out),
+        &["byte or character tokenizer", "no tokenizer.json"],
+    );
+    assert!(!out.exists(), "nothing is written");
+}

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use pipe_stages::checkpoint::{is_store_entry, read_with_model};
+use pipe_stages::inspect::Codec;
 use pipe_stages::outputs::{Input, StagedDir, check_dir_not_in_input};
 
 use crate::output::bad_input;
@@ -51,12 +52,29 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     // Every input is checked before anything is written: the tokenizer is read through the
     // tokenizer library, so a file it cannot read is refused here, not found broken by the
     // tool that loads the export; the output appears whole once every file is in.
-    if let Some(t) = &args.tokenizer {
+    let tokenizer_json = match &args.tokenizer {
         // Of the model's vocabulary (and corpus), as `pipe sample` checks it: transformers
-        // would load the pair and fail on the first id past the smaller of the two.
-        let outputs = model.output_classes();
-        pipe_stages::inspect::codec_for(&dir, &ckpt.state, outputs, Some(t))?;
-    }
+        // would load the pair and fail on the first id past the smaller of the two. The file
+        // exported is the one read (a corpus or a folder names its `tokenizer.json`).
+        Some(t) => match pipe_stages::inspect::codec_for(
+            &dir,
+            &ckpt.state,
+            model.output_classes(),
+            Some(t),
+        )? {
+            Codec::Tokenizer(tk) => {
+                Some(tk.json_source().map(<[u8]>::to_vec).ok_or_else(|| {
+                    bad_input(format!(
+                        "--tokenizer {}: a corpus of pipe's byte or character tokenizer, which \
+                     has no tokenizer.json for transformers to read",
+                        t.display()
+                    ))
+                })?)
+            }
+            Codec::Chars(_) => None,
+        },
+        None => None,
+    };
     // Never into the checkpoint it reads, nor into its store under a checkpoint's name (a
     // later run's pruning would remove it, or its next write find it in the way).
     let store = dir.parent().unwrap_or(&dir);
@@ -73,9 +91,10 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         staged.path(),
         args.max_shard_size,
     )?;
-    if let Some(t) = &args.tokenizer {
-        std::fs::copy(t, staged.path().join("tokenizer.json"))
-            .map_err(|e| bad_input(format!("{}: cannot copy: {e}", t.display())))?;
+    if let Some(json) = &tokenizer_json {
+        let path = staged.path().join("tokenizer.json");
+        std::fs::write(&path, json)
+            .map_err(|e| anyhow::anyhow!("{}: cannot write: {e}", path.display()))?;
     }
     staged.commit()?;
     outln!(

@@ -157,11 +157,18 @@ impl TextTokenizer {
         tk.with_padding(None);
         tk.with_truncation(None)
             .map_err(|e| tokenizer_err(name, format!("cannot turn truncation off: {e}")))?;
-        let vocab_size = tk.get_vocab_size(true);
+        // The ids a model must cover run to the largest one: a vocabulary's count of tokens
+        // falls short of it where its ids leave gaps (ids 0..254 and 100000 are 256 tokens,
+        // and a model of 256 outputs would meet id 100000).
+        let vocab_size = tk
+            .get_vocab(true)
+            .into_values()
+            .max()
+            .map_or(0, |largest| largest as usize + 1);
         if vocab_size == 0 || vocab_size > u32::MAX as usize {
             return Err(tokenizer_err(
                 name,
-                format!("vocabulary of {vocab_size} tokens (needs 1 to 2^32-1)"),
+                format!("vocabulary of {vocab_size} ids, 0 to its largest (needs 1 to 2^32-1)"),
             ));
         }
         let document_end = DOCUMENT_END_TOKENS.iter().find_map(|t| tk.token_to_id(t));
@@ -203,7 +210,8 @@ impl TextTokenizer {
         &self.fingerprint
     }
 
-    /// Ids run `0..vocab_size()`.
+    /// Ids run `0..vocab_size()`: one past the largest id, which is more than the count of
+    /// tokens where a `tokenizer.json`'s ids leave gaps.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
@@ -308,6 +316,15 @@ impl TextTokenizer {
                     .and_then(|decoded| decoded.ok())
                     .unwrap_or_else(|| "\u{fffd}".into())
             }
+        }
+    }
+
+    /// The bytes of the `tokenizer.json` it was read from, for a Hugging Face tokenizer;
+    /// `None` for the byte and character tokenizers, which have none.
+    pub fn json_source(&self) -> Option<&[u8]> {
+        match &self.inner {
+            Inner::Json(_, source) => Some(source),
+            Inner::Bytes | Inner::Chars(_) => None,
         }
     }
 
@@ -458,6 +475,25 @@ mod tests {
             .encode(text, "text")
             .unwrap();
         assert_eq!(got, want);
+    }
+
+    /// A word-level vocabulary of 256 tokens whose ids leave a gap: its ids run to 100000, so
+    /// a model must cover 100001 of them (a model of 256 outputs would meet id 100000).
+    #[test]
+    fn ids_with_gaps_count_to_the_largest() {
+        let mut vocab: serde_json::Map<String, serde_json::Value> = (0..255)
+            .map(|i| (format!("t{i}"), serde_json::json!(i)))
+            .collect();
+        vocab.insert("zz".into(), serde_json::json!(100_000));
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
+        });
+        let tk = TextTokenizer::from_json(&serde_json::to_vec(&json).unwrap(), "gaps").unwrap();
+        assert_eq!(tk.vocab_size(), 100_001);
+        assert_eq!(tk.encode("t1 zz", "text").unwrap(), vec![1, 100_000]);
     }
 
     #[test]
