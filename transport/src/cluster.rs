@@ -239,7 +239,11 @@ impl ClusterFile {
                 "a cluster of {n} workers (1 to {MAX_WORKERS})"
             )));
         }
-        check_addrs(addrs.iter().map(|a| a.trim()), "the addresses")?;
+        // Typed once here: the addresses are checked, written and later connected to as
+        // trimmed (a space kept in the file never resolves, and " h" and "h" are one host).
+        let addrs: Vec<String> = addrs.iter().map(|a| a.trim().to_owned()).collect();
+        check_addrs(addrs.iter().map(String::as_str), "the addresses")?;
+        let addrs = addrs.as_slice();
         let given = dir;
         // A link to a directory stands for it: the cluster replaces the directory it names,
         // and the link stays (renaming over the link would replace it with a folder).
@@ -361,7 +365,10 @@ impl ClusterFile {
                 "{name}: {n} workers (1 to {MAX_WORKERS})"
             )));
         }
-        check_addrs(file.workers.iter().map(|w| w.addr.trim()), name)?;
+        for worker in &mut file.workers {
+            worker.addr = worker.addr.trim().to_owned();
+        }
+        check_addrs(file.workers.iter().map(|w| w.addr.as_str()), name)?;
         file.dir = dir.to_path_buf();
         Ok(file)
     }

@@ -53,6 +53,44 @@ fn an_initialised_cluster_connects_from_its_files() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Spaces around an address are the edge's to remove: the file holds the trimmed address,
+/// a file written by hand with them reads as trimmed, and both resolve (a kept space made
+/// the worker wait out its connect timeout on an address that never resolves).
+#[test]
+fn addresses_are_kept_and_read_trimmed() {
+    let dir = scratch("trimmed");
+    let addrs = vec![
+        " 127.0.0.1:29400".to_string(),
+        "127.0.0.1:29401 \t".to_string(),
+    ];
+    ClusterFile::init(&dir, &addrs, 7, Existing::Refuse).unwrap();
+    let text = std::fs::read_to_string(dir.join("cluster.toml")).unwrap();
+    assert!(text.contains("\"127.0.0.1:29400\"") && text.contains("\"127.0.0.1:29401\""));
+    let want: Vec<std::net::SocketAddr> = vec![
+        "127.0.0.1:29400".parse().unwrap(),
+        "127.0.0.1:29401".parse().unwrap(),
+    ];
+    assert_eq!(
+        ClusterFile::load(&dir.join("cluster.toml"))
+            .unwrap()
+            .addrs()
+            .unwrap(),
+        want
+    );
+    let spaced = text.replace("\"127.0.0.1:29400\"", "\"  127.0.0.1:29400 \"");
+    assert_ne!(spaced, text);
+    let file = ClusterFile::parse(&spaced, "spaced", &dir).unwrap();
+    assert_eq!(file.addrs().unwrap(), want);
+    // Two ranks at one address once trimmed.
+    let twice = vec![
+        "127.0.0.1:29400".to_string(),
+        " 127.0.0.1:29400".to_string(),
+    ];
+    let err = ClusterFile::init(&scratch("twice"), &twice, 7, Existing::Refuse).unwrap_err();
+    assert!(err.to_string().contains("both at 127.0.0.1:29400"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn malformed_cluster_files_are_refused_by_name() {
     let dir = scratch("bad");
