@@ -335,9 +335,9 @@ pub fn write(root: &Path, model: &Model, ckpt: &Checkpoint, keep: usize) -> Resu
     let written = write_into(root, &tmp, &name, model, ckpt);
     if written.is_err() {
         // A full disk or a directory made read-only: give back what the partial copy and the
-        // pointer being written took. `latest` still names the previous checkpoint, unless this
-        // write replaced a checkpoint of the same update count (a run resumed from before it),
-        // which is gone once the rename has begun.
+        // pointer being written took. `latest` still names the previous checkpoint, or, where
+        // this write replaced a checkpoint of the same update count (a run resumed from before
+        // it), the new one or the old one ([`replace_checkpoint`]).
         let _ = std::fs::remove_dir_all(&tmp);
         let _ = std::fs::remove_file(root.join(".latest.tmp"));
     }
@@ -426,15 +426,39 @@ fn write_into(
                 dest.display()
             )));
         }
-        std::fs::remove_dir_all(&dest).map_err(|e| write_err(&dest, e))?;
+        replace_checkpoint(tmp, &dest)?;
+    } else {
+        std::fs::rename(tmp, &dest).map_err(|e| write_err(&dest, e))?;
     }
-    std::fs::rename(tmp, &dest).map_err(|e| write_err(&dest, e))?;
     sync_dir(root)?;
     let pointer = root.join(".latest.tmp");
     write_synced(&pointer, format!("{name}\n").as_bytes())?;
     std::fs::rename(&pointer, root.join(LATEST)).map_err(|e| write_err(&root.join(LATEST), e))?;
     sync_dir(root)?;
     Ok(dest)
+}
+
+/// Puts the written checkpoint `tmp` in the place of the checkpoint `dest` of the same update
+/// count (a run resumed from before it writes it again). On Linux the two are swapped in one
+/// step (`renameat2` with `RENAME_EXCHANGE`), so that a crash leaves one of them under the
+/// name `latest` gives, never neither, and the old one, now under `tmp`'s name, is removed
+/// after. Where the system cannot swap them, the old one is removed first, as before.
+fn replace_checkpoint(tmp: &Path, dest: &Path) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::fs::{CWD, RenameFlags, renameat_with};
+        use rustix::io::Errno;
+        match renameat_with(CWD, tmp, CWD, dest, RenameFlags::EXCHANGE) {
+            // The old checkpoint is the temporary now: a crash before it is removed leaves a
+            // dead writer's temporary, which the next write removes.
+            Ok(()) => return std::fs::remove_dir_all(tmp).map_err(|e| write_err(tmp, e)),
+            // A kernel or file system without the swap.
+            Err(Errno::INVAL | Errno::NOSYS | Errno::NOTSUP) => {}
+            Err(e) => return Err(write_err(dest, e)),
+        }
+    }
+    std::fs::remove_dir_all(dest).map_err(|e| write_err(dest, e))?;
+    std::fs::rename(tmp, dest).map_err(|e| write_err(dest, e))
 }
 
 /// Test hook: this environment variable sleeps this many milliseconds after each file of a
@@ -1168,6 +1192,34 @@ mod tests {
 
     /// A directory or file under a checkpoint's name that is not a checkpoint is never
     /// replaced or pruned: writing over it fails as bad input, and pruning passes it by.
+    /// A checkpoint written again at its update count (a run resumed from before it) takes the
+    /// old one's place whole, and no temporary is left: the old one is swapped out, not
+    /// removed before the new one is in place.
+    #[test]
+    fn a_checkpoint_of_the_same_update_count_is_replaced_whole() {
+        let model = model();
+        let mut ckpt = checkpoint(&model);
+        let root = std::env::temp_dir().join(format!("pipe-ckpt-again-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let first = write(&root, &model, &ckpt, 2).unwrap();
+        let old_weights = std::fs::read(first.join(WEIGHTS)).unwrap();
+        ckpt.state.seed += 1;
+        ckpt.params[0][0].host_mut().unwrap().fill(0.25);
+        let again = write(&root, &model, &ckpt, 2).unwrap();
+        assert_eq!(again, first);
+        let (_, read_back) = read(&root, &model).unwrap();
+        assert_eq!(read_back.state.seed, ckpt.state.seed);
+        assert_eq!(read_back.params[0][0].host().unwrap(), &[0.25; 48][..]);
+        assert_ne!(std::fs::read(again.join(WEIGHTS)).unwrap(), old_weights);
+        let names: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".tmp-"))
+            .collect();
+        assert!(names.is_empty(), "{names:?}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
     #[test]
     fn only_checkpoints_are_replaced_or_pruned() {
         let model = model();
