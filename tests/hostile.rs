@@ -830,7 +830,16 @@ fn synthetic_rows() -> Vec<Row> {
         // it passes the same gate).
         config(
             "dataset = \"synthetic\"\n[synthetic]\ntest = 2700000\n",
-            "and a synthetic dataset of 2708192 samples of 784 inputs), over the",
+            "and a synthetic dataset of 2708192 samples of 784 inputs labelled by a teacher \
+             of 64 hidden units), over the",
+        ),
+        // Two samples, but a teacher of two 8 GiB layers (each within the shape bound):
+        // the teacher counts too, where the gate counted the samples alone and the teacher
+        // was allocated past it.
+        config(
+            "dataset = \"synthetic\"\n[synthetic]\ninputs = 2\nhidden = 1073741824\n\
+             classes = 2\ntrain = 1\ntest = 1\n",
+            "labelled by a teacher of 1073741824 hidden units), over the",
         ),
     ]
 }

@@ -138,12 +138,17 @@ fn bad_language_model_input_exits_2() {
         "1e39 is too large",
     );
     assert_bad_input(&["sample", "--checkpoint", c, "--top-k", "0"], "top-k");
-    // A vocabulary edited in the run state and resealed: cut short, then with a character
-    // twice. The model still predicts the original's tokens.
-    for edit in [
-        |chars: &mut Vec<serde_json::Value>| chars.truncate(10),
-        |chars: &mut Vec<serde_json::Value>| chars[1] = chars[0].clone(),
-    ] {
+    // A vocabulary edited in the run state and resealed: cut short (the model still predicts
+    // the original's tokens), then with a character twice (no vocabulary is read so).
+    type Edit = fn(&mut Vec<serde_json::Value>);
+    let edits: [(Edit, &str); 2] = [
+        (|chars| chars.truncate(10), "the checkpoint is damaged"),
+        (
+            |chars| chars[1] = chars[0].clone(),
+            "must be sorted with each character once",
+        ),
+    ];
+    for (edit, want) in edits {
         let forged = fresh_path("forged-vocab");
         let copied = std::process::Command::new("cp")
             .args(["-r", c, forged.to_str().unwrap()])
@@ -181,7 +186,7 @@ fn bad_language_model_input_exits_2() {
                 "--prompt",
                 "a",
             ],
-            "the checkpoint is damaged",
+            want,
         );
     }
     assert_bad_input(

@@ -163,3 +163,22 @@ fn shuffling_and_synthetic_data_are_seeded() {
     assert_eq!(y.len(), 8);
     assert!(synthetic(&SyntheticConfig { classes: 1, ..cfg }, 0).is_err());
 }
+
+/// A character vocabulary read from a file must be sorted with each character once, as the
+/// search that encodes text needs: an unsorted one gave false "not in the vocabulary" errors.
+#[test]
+fn a_character_vocabulary_read_unsorted_or_with_a_repeat_is_refused() {
+    use pipe_stages::data::Vocab;
+    let good: Vocab = serde_json::from_str(r#"{"chars": ["\n", " ", "a", "b"]}"#).unwrap();
+    assert_eq!(good.encode("ab a", "text").unwrap(), vec![2, 3, 1, 2]);
+    for (text, want) in [
+        (r#"{"chars": ["b", "a"]}"#, "'b' comes before 'a'"),
+        (r#"{"chars": ["a", "a"]}"#, "'a' comes before 'a'"),
+    ] {
+        let err = serde_json::from_str::<Vocab>(text).unwrap_err().to_string();
+        assert!(
+            err.contains("must be sorted") && err.contains(want),
+            "{err}"
+        );
+    }
+}

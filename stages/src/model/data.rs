@@ -338,10 +338,34 @@ pub const MIN_TEXT_BYTES: usize = 1024;
 const TRAIN_TENTHS: usize = 9;
 
 /// A character vocabulary: the distinct characters of a training text, sorted, id = index.
+/// One read from a file (a corpus's `vocab.json`, a checkpoint's run state) is refused unless
+/// its characters are sorted and distinct, as [`Vocab::encode`]'s search needs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "VocabFile")]
 pub struct Vocab {
     /// The characters, by id.
     pub chars: Vec<char>,
+}
+
+/// A [`Vocab`] as a file holds it, before its order is checked.
+#[derive(Deserialize)]
+struct VocabFile {
+    chars: Vec<char>,
+}
+
+impl TryFrom<VocabFile> for Vocab {
+    type Error = String;
+
+    fn try_from(file: VocabFile) -> std::result::Result<Self, String> {
+        if let Some(pair) = file.chars.windows(2).find(|pair| pair[0] >= pair[1]) {
+            return Err(format!(
+                "a character vocabulary must be sorted with each character once: {:?} comes \
+                 before {:?}",
+                pair[0], pair[1]
+            ));
+        }
+        Ok(Self { chars: file.chars })
+    }
 }
 
 impl Vocab {
@@ -680,18 +704,24 @@ impl Default for SyntheticConfig {
 }
 
 impl SyntheticConfig {
-    /// The bytes the dataset takes once drawn: its `f32` features and `u32` labels, both
-    /// splits.
+    /// The bytes the dataset takes while it is drawn: its `f32` features and `u32` labels,
+    /// both splits, and the teacher network that labels them (its `inputs x hidden` and
+    /// `hidden x classes` weights, the classes' biases, one sample's hidden units), which
+    /// [`SyntheticConfig::check`] admits at up to 8 GiB a layer.
     pub fn bytes(&self) -> f64 {
-        (self.train as f64 + self.test as f64) * (self.inputs as f64 + 1.0) * 4.0
+        let (d, h, c) = (self.inputs as f64, self.hidden as f64, self.classes as f64);
+        let samples = self.train as f64 + self.test as f64;
+        (samples * (d + 1.0) + d * h + h * c + c + h) * 4.0
     }
 
     /// What the dataset holds, for the memory gate's message.
     pub fn holding(&self) -> String {
         format!(
-            "a synthetic dataset of {} samples of {} inputs",
+            "a synthetic dataset of {} samples of {} inputs labelled by a teacher of {} \
+             hidden units",
             self.train as u64 + self.test as u64,
-            self.inputs
+            self.inputs,
+            self.hidden
         )
     }
 }
@@ -703,14 +733,17 @@ impl SyntheticConfig {
 /// dataset in the run's own first look instead, which `--force` lifts.
 ///
 /// # Errors
-/// [`StageError::Limit`] naming the dataset and the memory it is over.
+/// [`StageError::Limit`] naming a shape past [`SyntheticConfig::check`]'s bounds, or the
+/// dataset and the memory it is over.
 pub fn admit_synthetic_memory(cfg: &SyntheticConfig) -> Result<()> {
+    // The shape's own bounds first: a shape past them is named by the setting at fault.
+    cfg.check()?;
     let holding = cfg.holding();
     let need = crate::limits::MemoryNeed {
         bytes: cfg.bytes(),
         workers: 1,
         holding: &holding,
-        lower: "lower the synthetic dataset's train, test or inputs",
+        lower: "lower the synthetic dataset's train, test, inputs or hidden",
     };
     crate::limits::admit_memory(&need, &crate::limits::Machine::detect())
 }
