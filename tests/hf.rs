@@ -14,7 +14,12 @@ use common::{fresh_path, ok, pipe, s};
 
 /// `pipe export --format hf` of checkpoint `ckpt` into `out`.
 fn export_hf(ckpt: &Path, out: &Path) -> Output {
-    pipe(&[
+    export_hf_with(ckpt, out, &[])
+}
+
+/// `pipe export --format hf` of checkpoint `ckpt` into `out`, with `more` arguments.
+fn export_hf_with(ckpt: &Path, out: &Path, more: &[&str]) -> Output {
+    let args = [
         "export",
         "--checkpoint",
         s(ckpt),
@@ -22,7 +27,8 @@ fn export_hf(ckpt: &Path, out: &Path) -> Output {
         "hf",
         "--out",
         s(out),
-    ])
+    ];
+    pipe(&[&args[..], more].concat())
 }
 
 /// The tensor names in a safetensors file's header.
@@ -395,17 +401,7 @@ fn an_export_carries_the_tokenizer_json_it_read_from_a_corpus_a_folder_or_a_file
         (corpus, ckpt)
     };
     let export = |ckpt: &Path, tokenizer: &Path, out: &Path| {
-        pipe(&[
-            "export",
-            "--checkpoint",
-            s(ckpt),
-            "--format",
-            "hf",
-            "--out",
-            s(out),
-            "--tokenizer",
-            s(tokenizer),
-        ])
+        export_hf_with(ckpt, out, &["--tokenizer", s(tokenizer)])
     };
     let (corpus, ckpt) = train_on(BPE, "hf-bpe");
     let folder = fresh_path("hf-tokenizer-folder");
