@@ -82,6 +82,10 @@ pub struct TcpOptions {
     pub connect_timeout: Duration,
     /// How long [`Transport::close`] waits for peers to close their ends.
     pub linger: Duration,
+    /// The most bytes of one peer's messages held for receives that have not asked for
+    /// them yet (decoded and in the link's channel or kept early), as over QUIC
+    /// ([`crate::quic::QuicOptions::max_held_bytes`]): a peer past it ends its link.
+    pub max_held_bytes: u64,
 }
 
 impl TcpOptions {
@@ -93,6 +97,7 @@ impl TcpOptions {
             timeout: None,
             connect_timeout: Duration::from_secs(30),
             linger: Duration::from_secs(10),
+            max_held_bytes: crate::quic::DEFAULT_MAX_HELD_BYTES,
         }
     }
 }
@@ -386,6 +391,22 @@ struct LinkState {
     /// The reader stopped: the peer closed its end, or the link broke. Set before the
     /// reader's channel closes, so a send after a receive saw the end fails too.
     ended: std::sync::atomic::AtomicBool,
+    /// Bytes of the peer's messages decoded and not yet handed to the program
+    /// ([`TcpOptions::max_held_bytes`]).
+    held: std::sync::atomic::AtomicU64,
+}
+
+impl LinkState {
+    /// `m`, handed to the program: its bytes no longer wait.
+    fn handed(&self, m: Message) -> Message {
+        let bytes = m.tensor.bytes() as u64;
+        let _ = self.held.fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |h| Some(h.saturating_sub(bytes)),
+        );
+        m
+    }
 }
 
 /// One worker's endpoint of a TCP mesh.
@@ -448,6 +469,7 @@ impl Tcp {
                     rank,
                     peer: peer as u32,
                     limits: FrameLimits::new(opts.run_id),
+                    max_held: opts.max_held_bytes,
                     data: tx,
                     control: control_tx.clone(),
                     link: link.clone(),
@@ -526,6 +548,8 @@ struct Reader {
     rank: u32,
     peer: u32,
     limits: FrameLimits,
+    /// [`TcpOptions::max_held_bytes`].
+    max_held: u64,
     data: Sender<Message>,
     control: Sender<u32>,
     link: Arc<LinkState>,
@@ -562,6 +586,20 @@ impl Reader {
             match tag[0] {
                 TAG_MESSAGE => {
                     let m = self.read_frame(r)?;
+                    let bytes = m.tensor.bytes() as u64;
+                    let held = self
+                        .link
+                        .held
+                        .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed)
+                        + bytes;
+                    if held > self.max_held {
+                        return Err(format!(
+                            "worker {} has {held} bytes of messages waiting for worker {} to \
+                             receive them, past the bound of {} (more than any schedule keeps \
+                             in flight)",
+                            self.peer, self.rank, self.max_held
+                        ));
+                    }
                     if self.data.send(m).is_err() {
                         return Ok(()); // the endpoint is gone
                     }
@@ -679,9 +717,11 @@ impl Transport for Tcp {
     fn recv(&mut self, key: &Key) -> Result<Message, TransportError> {
         self.check_key(key)?;
         let (links, peer) = (&self.links, key.from);
-        self.inbox.recv(key, &self.from[peer as usize], |inbox| {
-            link_ended(links, inbox, peer)
-        })
+        self.inbox
+            .recv(key, &self.from[peer as usize], |inbox| {
+                link_ended(links, inbox, peer)
+            })
+            .map(|m| links[peer as usize].handed(m))
     }
 
     fn try_recv(&mut self, key: &Key) -> Result<Option<Message>, TransportError> {
@@ -691,6 +731,7 @@ impl Transport for Tcp {
             .try_recv(key, &self.from[peer as usize], |inbox| {
                 Err(link_ended(links, inbox, peer))
             })
+            .map(|m| m.map(|m| links[peer as usize].handed(m)))
     }
 
     fn buffered(&self) -> usize {

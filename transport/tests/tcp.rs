@@ -165,3 +165,39 @@ fn hostile_frames_from_a_joined_peer_end_its_link_with_an_error() {
         assert!(err.contains("worker 1"), "{shown}: {err}");
     }
 }
+
+/// What waits for worker 0's receives is bounded per peer, as over QUIC: a joined peer that
+/// sends messages nobody asks for ends its link past the bound, naming it, where they were
+/// held without end.
+#[test]
+fn bytes_held_for_receives_are_bounded_per_peer() {
+    let mut opts = options();
+    opts.max_held_bytes = 64; // Two of the 24-byte messages, not three.
+    let bound = TcpBound::bind(0, 2, SocketAddr::from(([127, 0, 0, 1], 0)), opts).unwrap();
+    let addr = bound.local_addr().unwrap();
+    let peer = std::thread::spawn(move || {
+        let mut s = impostor(addr);
+        for index in 0..3 {
+            let message = Message {
+                key: Key::data(1, 0, Kind::Activation, index),
+                version: 0,
+                tensor: Tensor::from_vec(&[2, 3], vec![1.0; 6]).unwrap(),
+            };
+            let frame = frame::encode(&message, RUN, WireDType::F32).unwrap();
+            s.write_all(&tagged(&frame)).unwrap();
+        }
+        s.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        drop(s);
+    });
+    let mut ep = bound.connect(&[addr, addr]).unwrap();
+    let never_sent = Key::data(1, 0, Kind::Activation, 999);
+    let err = ep.recv(&never_sent).expect_err("held without bound");
+    peer.join().unwrap();
+    let _ = ep.close();
+    let err = err.to_string();
+    assert!(
+        err.contains("past the bound of 64") && err.contains("worker 1"),
+        "{err}"
+    );
+}
