@@ -93,7 +93,9 @@ impl StopReport {
         }
     }
 
-    /// What the stalled worker waited for, and how long.
+    /// What the stalled worker waited for, and how long; `None` where it waited for nothing,
+    /// or its report (a worker's record, read by the launcher) gives a wait no `Duration`
+    /// holds.
     pub fn awaited(&self) -> Option<(Key, Duration)> {
         let (from, kind, stage, index, waited) = self.stalled?;
         let key = Key {
@@ -104,7 +106,7 @@ impl StopReport {
             index,
             step: 0,
         };
-        Some((key, Duration::from_secs_f64(waited.max(0.0))))
+        Some((key, Duration::try_from_secs_f64(waited.max(0.0)).ok()?))
     }
 }
 
@@ -362,6 +364,35 @@ fn cause(
                      {wanted}"
                 );
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A stop report arrives from a worker process: a wait past what a `Duration` holds is
+    /// no wait, where it panicked the launcher.
+    #[test]
+    fn a_reported_wait_no_duration_holds_is_left_out() {
+        let report = |waited: f64| StopReport {
+            rank: 1,
+            policy: Policy::PipeDream,
+            updates: 1,
+            completed: 0,
+            in_action: false,
+            finished: false,
+            stalled: Some((0, Kind::Activation, 0, 0, waited)),
+        };
+        assert_eq!(
+            report(2.5).awaited().map(|(_, d)| d),
+            Some(Duration::from_millis(2500))
+        );
+        assert_eq!(report(-1.0).awaited().map(|(_, d)| d), Some(Duration::ZERO));
+        for hostile in [1e20, f64::INFINITY] {
+            assert_eq!(report(hostile).awaited(), None, "{hostile}");
         }
     }
 }
