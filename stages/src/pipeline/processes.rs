@@ -810,12 +810,21 @@ struct Line {
     text: Option<String>,
 }
 
-/// Forwards `stream`'s lines to `tx` on a thread of its own, and then that it ended.
+/// The most bytes of one line of a worker's output the launcher keeps: far past any record
+/// (a `Done` record naming every checkpoint of a long run is a few MB); the rest of a longer
+/// line is read and dropped, so a worker cannot grow the launcher's memory without end.
+const MAX_WORKER_LINE: usize = 64 << 20;
+
+/// Forwards `stream`'s lines to `tx` on a thread of its own, and then that it ended. A line
+/// that is not UTF-8 (a native library's bytes on the worker's standard error) is forwarded
+/// with U+FFFD in their place, and the lines after it are read on: the stream is read to its
+/// end, so the worker never finds its output closed.
 fn relay(rank: u32, stderr: bool, stream: impl Read + Send + 'static, tx: Sender<Line>) {
     std::thread::spawn(move || {
-        for text in BufReader::new(stream).lines() {
-            let Ok(text) = text else { break };
-            let text = Some(text);
+        let mut reader = BufReader::new(stream);
+        let mut line = Vec::new();
+        while let Ok(true) = read_line_bounded(&mut reader, &mut line, MAX_WORKER_LINE) {
+            let text = Some(String::from_utf8_lossy(&line).into_owned());
             if tx.send(Line { rank, stderr, text }).is_err() {
                 return;
             }
@@ -826,6 +835,39 @@ fn relay(rank: u32, stderr: bool, stream: impl Read + Send + 'static, tx: Sender
             text: None,
         });
     });
+}
+
+/// Reads the next line of `reader` into `line`, without its `\n` or `\r\n`, keeping at most
+/// `max` bytes of it (the rest is read and dropped). `Ok(false)` at the end of the stream.
+fn read_line_bounded(
+    reader: &mut impl BufRead,
+    line: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<bool> {
+    line.clear();
+    let mut read_any = false;
+    loop {
+        let buf = match reader.fill_buf() {
+            Ok(buf) => buf,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            return Ok(read_any);
+        }
+        read_any = true;
+        let end = buf.iter().position(|&b| b == b'\n');
+        let take = end.unwrap_or(buf.len());
+        let room = max.saturating_sub(line.len());
+        line.extend_from_slice(&buf[..take.min(room)]);
+        reader.consume(end.map_or(take, |at| at + 1));
+        if end.is_some() {
+            if line.last() == Some(&b'\r') {
+                line.pop();
+            }
+            return Ok(true);
+        }
+    }
 }
 
 /// How a worker process ended, in words.
@@ -1880,6 +1922,25 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use pipe_transport::fault::Fault;
+
+    /// A worker's output is read to its end: a line that is not UTF-8 is handed on with
+    /// U+FFFD (the launcher stopped reading there, and the worker's next write failed), and a
+    /// line past the bound is cut to it.
+    #[test]
+    fn a_workers_lines_are_read_to_the_end_whatever_their_bytes() {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        relay(3, true, &b"a\n\xff\r\nb\r\nlast"[..], tx);
+        let lines: Vec<Option<String>> = rx.iter().map(|l| l.text).collect();
+        let want = [Some("a"), Some("\u{fffd}"), Some("b"), Some("last"), None];
+        assert_eq!(lines, want.map(|l| l.map(String::from)));
+        let mut reader = &b"abcdefgh\nij\n"[..];
+        let mut line = Vec::new();
+        for want in [&b"abcd"[..], b"ij"] {
+            assert!(read_line_bounded(&mut reader, &mut line, 4).unwrap());
+            assert_eq!(line, want);
+        }
+        assert!(!read_line_bounded(&mut reader, &mut line, 4).unwrap());
+    }
 
     /// Keeps the recovery records a launcher hands on.
     #[derive(Default)]
