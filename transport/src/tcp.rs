@@ -482,6 +482,10 @@ impl Tcp {
                         .spawn(move || reader.run(read_side))
                         .map_err(setup)?,
                 );
+                // A send blocked on a peer that stopped reading (its process stopped, its host
+                // gone) fails after the stall bound, as a receive does: a peer's reader drains
+                // its socket whatever its program does, so nothing else blocks a send that long.
+                s.set_write_timeout(opts.timeout).map_err(setup)?;
                 out.push(Some(BufWriter::with_capacity(1 << 16, s)));
             } else {
                 out.push(None);
@@ -567,6 +571,11 @@ impl Reader {
                 .broken
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner) = Some(why);
+            // Nothing more is read from this peer: its sends fail at once rather than fill
+            // the socket and wait out their bound.
+            if let Some(Some(s)) = self.sockets.get(self.peer as usize) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
         self.link
             .ended
@@ -707,10 +716,17 @@ impl Transport for Tcp {
                 message,
                 format!("no worker {to} of {} to send to", self.size),
             )),
-            Err(e) => Err(self.inbox.abort_or(TransportError::unsent(
-                message,
-                format!("worker {to} is gone: {e}"),
-            ))),
+            Err(e) => {
+                // A frame cut off part way leaves the stream unreadable: the link ends here, and
+                // the peer reads a truncated frame and the end, not the next frame's bytes.
+                if let Some(Some(s)) = self.sockets.get(to as usize) {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                Err(self.inbox.abort_or(TransportError::unsent(
+                    message,
+                    format!("worker {to} is gone: {e}"),
+                )))
+            }
         }
     }
 

@@ -201,3 +201,34 @@ fn bytes_held_for_receives_are_bounded_per_peer() {
         "{err}"
     );
 }
+
+/// A send to a peer that joined and then stopped reading fails after the stall bound, where
+/// it blocked on the full socket for ever.
+#[test]
+fn a_send_to_a_peer_that_stopped_reading_fails_within_the_stall_bound() {
+    let mut opts = options();
+    opts.timeout = Some(Duration::from_secs(1));
+    let bound = TcpBound::bind(0, 2, SocketAddr::from(([127, 0, 0, 1], 0)), opts).unwrap();
+    let addr = bound.local_addr().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let s = impostor(addr);
+        // Joined, and reads nothing more until the test is over.
+        let _ = done_rx.recv_timeout(Duration::from_secs(60));
+        drop(s);
+    });
+    let mut ep = bound.connect(&[addr, addr]).unwrap();
+    let start = Instant::now();
+    let big = Message {
+        key: Key::data(0, 1, Kind::Activation, 0),
+        version: 0,
+        tensor: Tensor::zeros(&[64 << 20]),
+    };
+    let err = ep.send(big).expect_err("a send into a socket nobody reads");
+    let took = start.elapsed();
+    done_tx.send(()).unwrap();
+    peer.join().unwrap();
+    let _ = ep.close();
+    assert!(took < Duration::from_secs(30), "it took {took:?}");
+    assert!(err.to_string().contains("worker 1"), "{err}");
+}
