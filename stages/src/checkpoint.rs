@@ -1190,8 +1190,6 @@ mod tests {
         std::fs::remove_dir_all(&root).unwrap();
     }
 
-    /// A directory or file under a checkpoint's name that is not a checkpoint is never
-    /// replaced or pruned: writing over it fails as bad input, and pruning passes it by.
     /// A checkpoint written again at its update count (a run resumed from before it) takes the
     /// old one's place whole, and no temporary is left: the old one is swapped out, not
     /// removed before the new one is in place.
@@ -1220,6 +1218,8 @@ mod tests {
         std::fs::remove_dir_all(&root).unwrap();
     }
 
+    /// A directory or file under a checkpoint's name that is not a checkpoint is never
+    /// replaced or pruned: writing over it fails as bad input, and pruning passes it by.
     #[test]
     fn only_checkpoints_are_replaced_or_pruned() {
         let model = model();
